@@ -1,0 +1,94 @@
+"""Reads a /predict request in any of its shapes into image bytes and a top_k.
+
+It takes the werkzeug request as an argument rather than using Flask's global, so it stays a plain function.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from dataclasses import dataclass
+
+import pydantic
+from werkzeug import Request
+
+from app.errors import (BadRequest, InvalidBase64, InvalidJSON, SchemaViolation, TooManyImages,
+                        UnsupportedMediaType)
+from app.schemas import PredictJSONRequest
+
+RAW_TYPES = ("application/octet-stream",)
+IMAGE_FIELD = "image"
+
+
+@dataclass(frozen=True)
+class PredictInput:
+    """What a /predict request asks for."""
+
+    images: list[bytes]
+    top_k: int
+
+
+def _parse_top_k(raw: str | int | None, default: int, num_classes: int, where: str) -> int:
+    if raw is None or raw == "":
+        return min(default, num_classes)
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        raise BadRequest(f"top_k ({where}) must be an integer from 1 to {num_classes}, got {raw!r}") from None
+    if not 1 <= value <= num_classes:
+        raise BadRequest(f"top_k ({where}) must be from 1 to {num_classes}, got {value}")
+    return value
+
+
+def _decode_base64(text: str, position: int) -> bytes:
+    if text.startswith("data:") and "," in text:  # accept data URLs as browsers produce them
+        text = text.split(",", 1)[1]
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidBase64(f"images[{position}] is not valid base64") from None
+
+
+def _from_json(request: Request, default_top_k: int, num_classes: int) -> PredictInput:
+    try:
+        body = json.loads(request.get_data())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidJSON(f"the body is not valid JSON: {exc}") from None
+    try:
+        parsed = PredictJSONRequest.model_validate(body)
+    except pydantic.ValidationError as exc:
+        details = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
+        raise SchemaViolation("the JSON body does not match the request schema", details=details) from None
+    query_top_k = request.args.get("top_k")
+    raw_top_k = parsed.top_k if parsed.top_k is not None else query_top_k
+    top_k = _parse_top_k(raw_top_k, default_top_k, num_classes, "body" if parsed.top_k is not None else "query")
+    return PredictInput([_decode_base64(s, i) for i, s in enumerate(parsed.images)], top_k)
+
+
+def _from_multipart(request: Request) -> list[bytes]:
+    files = request.files.getlist(IMAGE_FIELD)
+    if not files:
+        raise BadRequest(f"multipart body has no {IMAGE_FIELD!r} file field")
+    return [f.read() for f in files]
+
+
+def parse_predict(request: Request, *, default_top_k: int, num_classes: int, max_images: int) -> PredictInput:
+    """Images and top_k from a multipart, raw-bytes or JSON request; raises a ServiceError on bad input."""
+    mimetype = request.mimetype
+    if mimetype == "application/json":
+        parsed = _from_json(request, default_top_k, num_classes)
+    else:
+        if mimetype == "multipart/form-data":
+            images = _from_multipart(request)
+            raw_top_k = request.form.get("top_k", request.args.get("top_k"))
+        elif mimetype.startswith("image/") or mimetype in RAW_TYPES:
+            images = [request.get_data()]
+            raw_top_k = request.args.get("top_k")
+        else:
+            raise UnsupportedMediaType(
+                f"content type {mimetype or '(none)'!r} is not supported; send multipart/form-data with an "
+                f"{IMAGE_FIELD!r} field, a raw image body (image/* or application/octet-stream), or JSON")
+        parsed = PredictInput(images, _parse_top_k(raw_top_k, default_top_k, num_classes, "parameter"))
+    if len(parsed.images) > max_images:
+        raise TooManyImages(f"{len(parsed.images)} images in one request; the limit is {max_images}")
+    return parsed

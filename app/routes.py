@@ -1,0 +1,124 @@
+"""HTTP endpoints: parse the request shape, run the stages, shape the answer."""
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+
+import torch
+from flask import Blueprint, Response, current_app, g, jsonify, request
+
+from app.batcher import BatchResult
+from app.errors import NotReady
+from app.payload import parse_predict
+from app.schemas import ClassScore, HealthResponse, ModelRef, Prediction, PredictResponse
+from app.service import EXTENSION_KEY, Service
+
+log = logging.getLogger(__name__)
+access_log = logging.getLogger("visionserve.access")
+
+bp = Blueprint("visionserve", __name__)
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
+
+
+def _service() -> Service:
+    return current_app.extensions[EXTENSION_KEY]
+
+
+@bp.before_app_request
+def _start_request() -> None:
+    # Keep a caller's id when it is sane, so logs can be joined across services; otherwise make one.
+    incoming = request.headers.get("X-Request-ID", "")
+    g.request_id = incoming if _REQUEST_ID.match(incoming) else uuid.uuid4().hex
+    g.started = time.perf_counter()
+    g.log_fields = {}
+
+
+@bp.after_app_request
+def _finish_request(response: Response) -> Response:
+    response.headers["X-Request-ID"] = g.get("request_id", "")
+    elapsed_ms = (time.perf_counter() - g.get("started", time.perf_counter())) * 1000
+    access_log.info("request", extra={"request_id": g.get("request_id"), "method": request.method,
+                                      "path": request.path, "status": response.status_code,
+                                      "duration_ms": round(elapsed_ms, 2), **g.get("log_fields", {})})
+    return response
+
+
+def _top_k(row: torch.Tensor, k: int, labels: list[str]) -> Prediction:
+    scores, indices = torch.topk(row, k)
+    ranked = [ClassScore(label=labels[i], index=i, score=s) for s, i in zip(scores.tolist(), indices.tolist())]
+    return Prediction(**ranked[0].model_dump(), top_k=ranked)
+
+
+def _server_timing(decode_ms: float, results: list[BatchResult[torch.Tensor]]) -> str:
+    queue_ms = max(r.queued_s for r in results) * 1000
+    # Images of one request may run in several batches; count each batch's forward pass once.
+    batches = {r.batch_id: r for r in results}.values()
+    infer_ms = sum(r.run_s for r in batches) * 1000
+    sizes = "+".join(str(r.batch_size) for r in batches)
+    return (f'decode;dur={decode_ms:.2f}, queue;dur={queue_ms:.2f}, inference;dur={infer_ms:.2f}, '
+            f'batch;desc="{sizes}"')
+
+
+@bp.post("/predict")
+def predict() -> Response:
+    """Classify one or more images."""
+    service = _service()
+    if not service.ready:
+        raise NotReady("the model is not ready" if not service.draining else "the server is shutting down",
+                       headers={"Retry-After": "5"})
+    settings, predictor = service.settings, service.predictor
+    parsed = parse_predict(request, default_top_k=settings.top_k, num_classes=predictor.num_classes,
+                           max_images=settings.max_images)
+    started = time.perf_counter()
+    tensors = [service.preprocess(data) for data in parsed.images]
+    decode_ms = (time.perf_counter() - started) * 1000
+    results = service.infer(tensors)
+    body = PredictResponse(model=ModelRef(name=predictor.manifest.name, version=predictor.manifest.version),
+                           predictions=[_top_k(r.value, parsed.top_k, predictor.labels) for r in results])
+    response = Response(body.model_dump_json(), mimetype="application/json")
+    response.headers["Server-Timing"] = _server_timing(decode_ms, results)
+    response.headers["X-Batch-Size"] = ",".join(str(r.batch_size) for r in results)
+    g.log_fields = {"images": len(results), "batch_sizes": [r.batch_size for r in results],
+                    "decode_ms": round(decode_ms, 2)}
+    return response
+
+
+def _health(ok: bool, checks: dict[str, bool], good: str, bad: str) -> tuple[Response, int]:
+    body = HealthResponse(status=good if ok else bad, checks=checks)
+    return jsonify(body.model_dump()), 200 if ok else 503
+
+
+@bp.get("/healthz")
+def healthz() -> tuple[Response, int]:
+    """Liveness: the process answers and its batcher thread runs. Independent of the model's readiness."""
+    alive = _service().batcher.is_alive()
+    return _health(alive, {"batcher_thread": alive}, "alive", "dead")
+
+
+@bp.get("/readyz")
+def readyz() -> tuple[Response, int]:
+    """Readiness: model loaded, every batch size warmed up, canary passed, not draining."""
+    service = _service()
+    checks = {"model_loaded": True, "warmed_up": service._ready.is_set(),
+              "batcher_thread": service.batcher.is_alive(), "accepting": not service.draining}
+    return _health(service.ready, checks, "ready", "not_ready")
+
+
+@bp.get("/v1/models")
+def models() -> Response:
+    """Metadata of the served model, its device and dtype, and the batching settings."""
+    service = _service()
+    s = service.settings
+    info = service.predictor.info()
+    if request.args.get("labels", "").lower() in ("1", "true", "yes"):
+        info["labels"] = service.predictor.labels
+    info["batching"] = {"max_batch_size": s.max_batch_size, "max_wait_ms": s.max_wait_ms,
+                        "queue_size": s.queue_size, "queue_depth": service.batcher.depth}
+    info["limits"] = {"max_body_bytes": s.max_body_bytes, "max_pixels": s.max_pixels,
+                      "max_images": s.max_images, "max_aspect_ratio": s.max_aspect_ratio,
+                      "default_top_k": s.top_k, "request_timeout_s": s.request_timeout_s}
+    info["ready"] = service.ready
+    return jsonify(models=[info])

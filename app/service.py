@@ -1,0 +1,85 @@
+"""The per-process service: settings, predictor, batcher and readiness, kept in ``app.extensions``."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+
+import torch
+
+from app.batcher import Batcher, BatchResult
+from app.config import Settings
+from app.decode import DecodeLimits, image_to_tensor
+from app.errors import DeadlineExceeded, InferenceFailed
+from app.inference import Predictor
+
+log = logging.getLogger(__name__)
+
+EXTENSION_KEY = "visionserve"
+
+
+@dataclass
+class Service:
+    """Everything a request needs, wired once by ``create_app``."""
+
+    settings: Settings
+    predictor: Predictor
+    batcher: Batcher[torch.Tensor, torch.Tensor]
+    limits: DecodeLimits
+    _ready: threading.Event = field(default_factory=threading.Event)
+    _draining: threading.Event = field(default_factory=threading.Event)
+
+    @classmethod
+    def build(cls, settings: Settings, predictor: Predictor) -> "Service":
+        """Start the batcher, warm up, pass the canary; readiness turns on only after all of that."""
+        if settings.torch_threads:
+            torch.set_num_threads(settings.torch_threads)
+        batcher: Batcher[torch.Tensor, torch.Tensor] = Batcher(
+            predictor.predict_list, max_batch_size=settings.max_batch_size, max_wait_ms=settings.max_wait_ms,
+            queue_size=settings.queue_size).start()
+        limits = DecodeLimits(max_pixels=settings.max_pixels, max_aspect_ratio=settings.max_aspect_ratio,
+                              jpeg_draft_min_side=settings.jpeg_draft_min_side)
+        service = cls(settings, predictor, batcher, limits)
+        if settings.warmup:
+            predictor.warmup(settings.max_batch_size)
+        predictor.canary()
+        service._ready.set()
+        return service
+
+    @property
+    def ready(self) -> bool:
+        """Model loaded, warmed up, canary passed, batcher alive and not draining."""
+        return self._ready.is_set() and not self._draining.is_set() and self.batcher.is_alive()
+
+    @property
+    def draining(self) -> bool:
+        """True once shutdown has begun."""
+        return self._draining.is_set()
+
+    def begin_drain(self) -> None:
+        """Turn readiness off so load balancers stop sending; accepted work still completes."""
+        self._draining.set()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Drain: refuse new work, finish what is queued, stop the worker thread."""
+        self.begin_drain()
+        self.batcher.stop(timeout)
+
+    def preprocess(self, data: bytes) -> torch.Tensor:
+        """One image's bytes -> model input, with the service's limits."""
+        return image_to_tensor(data, self.predictor.transform, self.limits)
+
+    def infer(self, tensors: list[torch.Tensor]) -> list[BatchResult[torch.Tensor]]:
+        """Queue the images (all or none) and wait for their rows; raises on timeout or a failed batch."""
+        futures = self.batcher.submit_many(tensors)
+        deadline = time.monotonic() + self.settings.request_timeout_s
+        try:
+            return [f.result(timeout=max(0.0, deadline - time.monotonic())) for f in futures]
+        except FutureTimeout:
+            for f in futures:
+                f.cancel()  # still queued ones are dropped before they cost a forward pass
+            raise DeadlineExceeded(f"no inference result within {self.settings.request_timeout_s:g}s") from None
+        except Exception as exc:
+            raise InferenceFailed(f"inference failed for this batch: {type(exc).__name__}") from exc

@@ -1,0 +1,51 @@
+"""gunicorn settings, all taken from the same Settings object as the app (VISIONSERVE_* variables).
+
+The master never imports torch or touches CUDA: forked workers would inherit a broken CUDA context. Each worker
+loads the model itself (no preload_app), and its gthread pool lets concurrent requests share one batcher.
+"""
+import signal
+
+from app.config import Settings
+
+_settings = Settings()
+
+bind = _settings.bind
+workers = _settings.workers
+worker_class = "gthread"
+threads = _settings.threads
+timeout = _settings.timeout_s
+graceful_timeout = _settings.graceful_timeout_s
+keepalive = _settings.keepalive_s
+preload_app = False
+loglevel = _settings.log_level
+accesslog = None  # the app writes one structured line per request itself
+errorlog = "-"
+# Bound the request line and headers so a client cannot hold a thread with them.
+limit_request_line = 8190
+limit_request_fields = 100
+
+
+def _service(worker):  # noqa: ANN001, ANN202 - gunicorn passes its own worker object
+    app = getattr(worker, "wsgi", None)
+    return getattr(app, "extensions", {}).get("visionserve")
+
+
+def post_worker_init(worker) -> None:  # noqa: ANN001
+    """Turn readiness off the moment SIGTERM arrives, then let gunicorn's own handler start the drain."""
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum: int, frame) -> None:  # noqa: ANN001
+        service = _service(worker)
+        if service is not None:
+            service.begin_drain()
+        if callable(previous):
+            previous(signum, frame)
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
+def worker_exit(server, worker) -> None:  # noqa: ANN001
+    """After the worker's last request, finish queued inference and stop the batcher thread."""
+    service = _service(worker)
+    if service is not None:
+        service.shutdown(timeout=_settings.graceful_timeout_s)

@@ -1,0 +1,1 @@
+"""Model side of visionserve: architectures, preprocessing presets, training and export."""

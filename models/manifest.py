@@ -1,0 +1,82 @@
+"""``weights/manifest.json``: what a weights directory holds and how its model wants its input."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from models.presets import EvalPreset
+
+MANIFEST_NAME = "manifest.json"
+WeightsFormat = Literal["torchscript", "state_dict"]
+
+
+class WeightsFile(BaseModel):
+    """One artifact in the weights directory, by bare file name, with its checksum."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+    @field_validator("path")
+    @classmethod
+    def _bare_name(cls, value: str) -> str:
+        # The manifest names files inside its own directory only: no traversal, no absolute paths.
+        if Path(value).name != value or value in ("", ".", ".."):
+            raise ValueError(f"file path must be a bare file name, got {value!r}")
+        return value
+
+
+class Manifest(BaseModel):
+    """Everything the server needs to load and serve a model, written by ``models.export``."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    schema_version: Literal[1] = 1
+    name: str = Field(min_length=1)
+    version: str = Field(min_length=1)
+    arch: str = Field(min_length=1)
+    labels: list[str] = Field(min_length=1)
+    preprocess: EvalPreset
+    files: dict[WeightsFormat, WeightsFile] = Field(min_length=1)
+    default_format: WeightsFormat
+    metrics: dict[str, float] = Field(default_factory=dict)
+    source: str = ""
+
+    @property
+    def num_classes(self) -> int:
+        """Number of output classes (one label per class)."""
+        return len(self.labels)
+
+    @model_validator(mode="after")
+    def _default_format_present(self) -> "Manifest":
+        if self.default_format not in self.files:
+            raise ValueError(f"default_format {self.default_format!r} has no entry in files")
+        return self
+
+
+def sha256_of(path: Path) -> str:
+    """Hex sha256 of a file, streamed."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_manifest(weights_dir: Path) -> Manifest:
+    """Parse and validate ``weights_dir/manifest.json`` (raises FileNotFoundError or pydantic.ValidationError)."""
+    return Manifest.model_validate(json.loads((weights_dir / MANIFEST_NAME).read_text(encoding="utf-8")))
+
+
+def write_manifest(weights_dir: Path, manifest: Manifest) -> Path:
+    """Write the manifest atomically, so a reader never sees half a file."""
+    target = weights_dir / MANIFEST_NAME
+    tmp = target.with_suffix(".json.tmp")
+    tmp.write_text(manifest.model_dump_json(indent=2) + "\n", encoding="utf-8")
+    tmp.replace(target)
+    return target

@@ -1,0 +1,86 @@
+"""Train and eval transforms. The eval transform is the one the server runs and ``evaluate()`` runs."""
+from __future__ import annotations
+
+from typing import Callable, Literal
+
+import numpy as np
+import torch
+from PIL import Image
+from pydantic import BaseModel, ConfigDict, Field
+from torchvision.transforms import InterpolationMode
+from torchvision.transforms import v2 as T
+
+Interpolation = Literal["nearest", "bilinear", "bicubic", "lanczos"]
+ImageTransform = Callable[[Image.Image], torch.Tensor]
+
+_ALPHA_BACKGROUND = (255, 255, 255)
+
+
+class EvalPreset(BaseModel):
+    """How a picture becomes the model's input: resize the short side, centre-crop, scale, normalise."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    resize_size: int = Field(gt=0)
+    crop_size: int = Field(gt=0)
+    interpolation: Interpolation = "bilinear"
+    # On 0..1 pixels, as torchvision's Normalize expects.
+    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
+    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        """The (C, H, W) shape of one preprocessed image."""
+        return (3, self.crop_size, self.crop_size)
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Any PIL mode -> 8-bit RGB: alpha composited on white, 16-bit and float greys rescaled, CMYK converted."""
+    if image.mode == "RGB":
+        return image
+    if image.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
+        # PIL's own convert clips 16-bit values at 255, which turns most 16-bit photos white.
+        wide = np.asarray(image, dtype=np.uint32)
+        scale = 257 if image.mode.startswith("I;16") or wide.max(initial=0) > 255 else 1
+        image = Image.fromarray((wide // scale).clip(0, 255).astype(np.uint8), mode="L")
+    elif image.mode == "F":
+        image = Image.fromarray(np.asarray(image).clip(0, 255).astype(np.uint8), mode="L")
+    if image.mode == "P" and "transparency" in image.info:
+        image = image.convert("RGBA")
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, _ALPHA_BACKGROUND + (255,))
+        image = Image.alpha_composite(background, rgba)
+    return image.convert("RGB")
+
+
+def _interpolation(name: Interpolation) -> InterpolationMode:
+    return InterpolationMode(name)
+
+
+def eval_transform(preset: EvalPreset) -> ImageTransform:
+    """RGB PIL image -> normalised float tensor (C, H, W). Resize and crop run in PIL's C code, then one copy."""
+    return T.Compose([
+        T.Resize(preset.resize_size, interpolation=_interpolation(preset.interpolation), antialias=True),
+        T.CenterCrop(preset.crop_size),
+        T.PILToTensor(),
+        T.ToDtype(torch.float32, scale=True),
+        T.Normalize(mean=list(preset.mean), std=list(preset.std)),
+    ])
+
+
+def train_transform(preset: EvalPreset, hflip_prob: float = 0.5) -> ImageTransform:
+    """Augmenting transform for training: random resized crop and flip, then the eval scaling and normalisation."""
+    return T.Compose([
+        T.RandomResizedCrop(preset.crop_size, interpolation=_interpolation(preset.interpolation), antialias=True),
+        T.RandomHorizontalFlip(hflip_prob),
+        T.PILToTensor(),
+        T.ToDtype(torch.float32, scale=True),
+        T.Normalize(mean=list(preset.mean), std=list(preset.std)),
+    ])
+
+
+def lite0_preset() -> EvalPreset:
+    """The released Lite0 weights expect (x - 127) / 128 on 0..255 pixels, bicubic, 224 crop of a 256 resize."""
+    return EvalPreset(resize_size=256, crop_size=224, interpolation="bicubic",
+                      mean=(127 / 255,) * 3, std=(128 / 255,) * 3)
