@@ -18,8 +18,11 @@ log = logging.getLogger(__name__)
 ACCEPTED_FORMATS = frozenset({"JPEG", "MPO", "PNG", "WEBP", "BMP", "GIF"})
 _JPEG_FORMATS = frozenset({"JPEG", "MPO"})
 
-# Our own max_pixels check runs first; PIL's bomb guard stays as a second line for absurd headers.
-Image.MAX_IMAGE_PIXELS = 200_000_000
+# Our max_pixels check reads the size from the header and refuses before any pixel is decoded, so PIL's own
+# bomb guard (a warning, then an error at a fixed size) is left to it. Filters are set once at import because
+# warnings.catch_warnings is not thread-safe and requests decode in parallel threads.
+Image.MAX_IMAGE_PIXELS = None
+warnings.filterwarnings("ignore", message="(Corrupt|Possibly corrupt) EXIF", category=UserWarning)
 
 
 @dataclass(frozen=True)
@@ -35,11 +38,7 @@ def _open(data: bytes) -> Image.Image:
     if not data:
         raise InvalidImage("the image is empty (0 bytes)")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            return Image.open(io.BytesIO(data))
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise ImageTooLarge(f"image dimensions are too large: {exc}") from exc
+        return Image.open(io.BytesIO(data))
     except UnidentifiedImageError as exc:
         raise InvalidImage("the data is not an image in a format we can read") from exc
     except Exception as exc:  # noqa: BLE001 - PIL's header parsers raise many types on garbage

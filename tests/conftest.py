@@ -1,0 +1,82 @@
+"""Shared fixtures: settings, app and client through the factory, with a tiny fake predictor."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+from flask import Flask
+from flask.testing import FlaskClient
+
+from app import create_app
+from app.config import Settings
+from app.inference import Predictor
+from app.service import EXTENSION_KEY, Service
+from tests.fakes import ColourModel, tiny_manifest
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    """Small limits so every limit can be reached cheaply."""
+    return Settings(weights_dir=tmp_path, device="cpu", max_batch_size=4, max_wait_ms=5, queue_size=8,
+                    max_body_bytes=256 * 1024, max_pixels=200_000, max_images=4, top_k=2,
+                    request_timeout_s=10, jpeg_draft_min_side=0, log_level="warning")
+
+
+@pytest.fixture
+def model() -> ColourModel:
+    return ColourModel()
+
+
+@pytest.fixture
+def predictor(model: ColourModel) -> Predictor:
+    return Predictor(model, tiny_manifest(), device="cpu")
+
+
+@pytest.fixture
+def app(settings: Settings, predictor: Predictor) -> Iterator[Flask]:
+    app = create_app(settings, predictor)
+    yield app
+    app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+@pytest.fixture
+def service(app: Flask) -> Service:
+    return app.extensions[EXTENSION_KEY]
+
+
+@pytest.fixture
+def client(app: Flask) -> FlaskClient:
+    return app.test_client()
+
+
+@pytest.fixture(scope="session")
+def real_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model exported by the real export command into a fresh directory."""
+    from models.export import export_default
+
+    out = tmp_path_factory.mktemp("weights")
+    export_default(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def real_app(real_weights: Path) -> Iterator[Flask]:
+    """The service on the real EfficientNet-Lite0 weights (CPU)."""
+    torch.manual_seed(0)
+    settings = Settings(weights_dir=real_weights, device="cpu", max_batch_size=4, max_wait_ms=5,
+                        log_level="warning")
+    app = create_app(settings)
+    yield app
+    app.extensions[EXTENSION_KEY].shutdown(timeout=10)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """GPU tests run only where CUDA is present."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,44 @@
+"""Tiny fakes: a 4-class colour "model" and its manifest, so routes and batching run without real weights."""
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn as nn
+
+from models.manifest import Manifest, WeightsFile
+from models.presets import EvalPreset
+
+LABELS = ["red", "green", "blue", "other"]
+
+
+def tiny_manifest() -> Manifest:
+    """A manifest for an 8x8-input model with four classes (files are never read: the model is passed in)."""
+    sha = "0" * 64
+    return Manifest(name="colour", version="test", arch="fake", labels=LABELS,
+                    preprocess=EvalPreset(resize_size=8, crop_size=8, mean=(0.5,) * 3, std=(0.5,) * 3),
+                    files={"state_dict": WeightsFile(path="none.pt", sha256=sha)}, default_format="state_dict")
+
+
+class ColourModel(nn.Module):
+    """Logits = mean of each colour channel (and a fixed 'other'), so a red image is 'red' and so on.
+
+    ``gate`` (when set) blocks every forward pass until released, ``fail_when`` makes a batch raise, and
+    ``batch_sizes`` records the size of every batch it saw.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batch_sizes: list[int] = []
+        self.gate: threading.Event | None = None
+        self.fail_when: float | None = None  # raise when any image's mean red value exceeds this
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.batch_sizes.append(x.shape[0])
+        if self.gate is not None:
+            self.gate.wait(timeout=10)
+        means = x.mean(dim=(2, 3))
+        if self.fail_when is not None and bool((means[:, 0] > self.fail_when).any()):
+            raise RuntimeError("fake forward failure")
+        other = torch.full((x.shape[0], 1), -0.5)
+        return torch.cat([means, other], dim=1) * 10

@@ -1,0 +1,206 @@
+"""Every request form and every error status, through the app factory with the fake colour model."""
+from __future__ import annotations
+
+import base64
+import io
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import pytest
+from flask.testing import FlaskClient
+
+from app.service import Service
+from tests.fakes import ColourModel
+from tests.imaging import BLUE, GREEN, RED, image_bytes
+
+
+def _labels(response) -> list[str]:  # noqa: ANN001
+    assert response.status_code == 200, response.get_json()
+    return [p["label"] for p in response.get_json()["predictions"]]
+
+
+def _error(response, status: int, code: str) -> dict:  # noqa: ANN001
+    assert response.status_code == status, response.get_data(as_text=True)
+    assert response.mimetype == "application/json"
+    error = response.get_json()["error"]
+    assert error["code"] == code and error["message"]
+    assert error["request_id"] == response.headers["X-Request-ID"]
+    return error
+
+
+def test_multipart_images_come_back_in_order(client: FlaskClient) -> None:
+    files = [(io.BytesIO(image_bytes(c)), f"{i}.jpg") for i, c in enumerate((RED, GREEN, BLUE))]
+    assert _labels(client.post("/predict", data={"image": files})) == ["red", "green", "blue"]
+
+
+def test_response_shape_and_scores(client: FlaskClient) -> None:
+    body = client.post("/predict?top_k=3", data=image_bytes(GREEN), content_type="image/jpeg").get_json()
+    assert body["model"] == {"name": "colour", "version": "test"}
+    (prediction,) = body["predictions"]
+    assert prediction["label"] == "green" and prediction["index"] == 1
+    scores = [c["score"] for c in prediction["top_k"]]
+    assert len(scores) == 3 and scores == sorted(scores, reverse=True)
+    assert prediction["score"] == scores[0] and 0 < scores[0] <= 1
+
+
+@pytest.mark.parametrize("content_type", ["image/png", "application/octet-stream"])
+def test_raw_body(client: FlaskClient, content_type: str) -> None:
+    response = client.post("/predict", data=image_bytes(BLUE, fmt="PNG"), content_type=content_type)
+    assert _labels(response) == ["blue"]
+
+
+def test_json_base64_and_data_url(client: FlaskClient) -> None:
+    plain = base64.b64encode(image_bytes(RED)).decode()
+    data_url = "data:image/png;base64," + base64.b64encode(image_bytes(GREEN, fmt="PNG")).decode()
+    response = client.post("/predict", json={"images": [plain, data_url], "top_k": 4})
+    assert _labels(response) == ["red", "green"]
+    assert all(len(p["top_k"]) == 4 for p in response.get_json()["predictions"])
+
+
+def test_top_k_default_query_and_form(client: FlaskClient) -> None:
+    def top_k_len(response) -> int:  # noqa: ANN001
+        return len(response.get_json()["predictions"][0]["top_k"])
+
+    assert top_k_len(client.post("/predict", data=image_bytes(), content_type="image/jpeg")) == 2
+    assert top_k_len(client.post("/predict?top_k=1", data=image_bytes(), content_type="image/jpeg")) == 1
+    form = {"image": (io.BytesIO(image_bytes()), "a.jpg"), "top_k": "3"}
+    assert top_k_len(client.post("/predict", data=form)) == 3
+
+
+def test_server_timing_batch_size_and_request_id(client: FlaskClient) -> None:
+    response = client.post("/predict", data=image_bytes(), content_type="image/jpeg",
+                           headers={"X-Request-ID": "abc-123"})
+    timing = response.headers["Server-Timing"]
+    for metric in ("decode;dur=", "queue;dur=", "inference;dur=", 'batch;desc="1"'):
+        assert metric in timing
+    assert response.headers["X-Batch-Size"] == "1"
+    assert response.headers["X-Request-ID"] == "abc-123"
+    assert len(client.get("/healthz", headers={"X-Request-ID": "bad id <script>"}).headers["X-Request-ID"]) == 32
+
+
+def test_concurrent_requests_share_batches(client: FlaskClient, model: ColourModel) -> None:
+    model.batch_sizes.clear()
+    barrier = threading.Barrier(8)
+
+    def call(color: tuple[int, int, int]) -> str:
+        barrier.wait()
+        return _labels(client.post("/predict", data=image_bytes(color), content_type="image/jpeg"))[0]
+
+    colors = [RED, GREEN, BLUE, RED] * 2
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(call, colors)) == ["red", "green", "blue", "red"] * 2
+    assert max(model.batch_sizes) > 1
+
+
+def _wait_until(condition: Callable[[], bool], timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.001)
+
+
+# -- errors --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, status, code", [
+    ({"data": b"hello", "content_type": "text/plain"}, 415, "unsupported_media_type"),
+    ({"data": b""}, 415, "unsupported_media_type"),
+    ({"data": b"", "content_type": "image/jpeg"}, 400, "invalid_image"),
+    ({"data": b"not an image", "content_type": "image/jpeg"}, 400, "invalid_image"),
+    ({"data": image_bytes(fmt="TIFF"), "content_type": "image/tiff"}, 415, "unsupported_image_format"),
+    ({"data": {"file": (io.BytesIO(image_bytes()), "a.jpg")}}, 400, "invalid_request"),
+    ({"data": b"{not json", "content_type": "application/json"}, 400, "invalid_json"),
+    ({"json": {"images": ["%%%not base64%%%"]}}, 400, "invalid_base64"),
+    ({"json": {"images": "abc"}}, 422, "validation_error"),
+    ({"json": {"images": []}}, 422, "validation_error"),
+    ({"json": {"images": ["AAAA"], "extra": 1}}, 422, "validation_error"),
+    ({"json": {"images": ["AAAA"], "top_k": 0}}, 422, "validation_error"),
+    ({"json": {"images": ["AAAA"], "top_k": "abc"}}, 422, "validation_error"),
+    ({"json": [1, 2]}, 422, "validation_error"),
+])
+def test_bad_requests(client: FlaskClient, kwargs: dict, status: int, code: str) -> None:
+    _error(client.post("/predict", **kwargs), status, code)
+    assert _labels(client.post("/predict", data=image_bytes(RED), content_type="image/jpeg")) == ["red"]
+
+
+@pytest.mark.parametrize("top_k", ["0", "-1", "1000000000", "abc", "5"])
+def test_bad_top_k_parameter(client: FlaskClient, top_k: str) -> None:
+    response = client.post(f"/predict?top_k={top_k}", data=image_bytes(), content_type="image/jpeg")
+    assert "top_k" in _error(response, 400, "invalid_request")["message"]
+
+
+def test_schema_violation_lists_the_fields(client: FlaskClient) -> None:
+    details = _error(client.post("/predict", json={"images": 5}), 422, "validation_error")["details"]
+    assert details[0]["loc"] == ["images"]
+
+
+def test_body_over_the_limit_is_413(client: FlaskClient) -> None:
+    response = client.post("/predict", data=b"\xff" * (300 * 1024), content_type="image/jpeg")
+    _error(response, 413, "request_entity_too_large")
+
+
+def test_too_many_images_is_413(client: FlaskClient) -> None:
+    files = [(io.BytesIO(image_bytes()), f"{i}.jpg") for i in range(5)]
+    _error(client.post("/predict", data={"image": files}), 413, "too_many_images")
+
+
+def test_too_many_pixels_is_413(client: FlaskClient) -> None:
+    data = image_bytes(fmt="PNG", size=(1000, 1000), mode="L", color=0)
+    _error(client.post("/predict", data=data, content_type="image/png"), 413, "image_too_large")
+
+
+def test_unknown_route_and_method_are_json(client: FlaskClient) -> None:
+    _error(client.get("/nope"), 404, "not_found")
+    _error(client.get("/predict"), 405, "method_not_allowed")
+
+
+def test_failing_forward_is_500_json_and_the_server_goes_on(client: FlaskClient, model: ColourModel) -> None:
+    model.fail_when = 0.5  # red images make the forward pass raise
+    _error(client.post("/predict", data=image_bytes(RED), content_type="image/jpeg"), 500, "inference_failed")
+    assert client.get("/healthz").status_code == 200
+    assert _labels(client.post("/predict", data=image_bytes(BLUE), content_type="image/jpeg")) == ["blue"]
+
+
+def test_full_queue_is_503_with_retry_after(client: FlaskClient, model: ColourModel, service: Service) -> None:
+    model.batch_sizes.clear()
+    model.gate = threading.Event()  # park the worker inside a forward pass
+    blocked = ThreadPoolExecutor(1).submit(
+        client.post, "/predict", data=image_bytes(), content_type="image/jpeg")
+    _wait_until(lambda: bool(model.batch_sizes) and service.batcher.depth == 0)
+    filler = [service.preprocess(image_bytes())] * service.settings.queue_size
+    queued = service.batcher.submit_many(filler)
+    response = client.post("/predict", data=image_bytes(), content_type="image/jpeg")
+    _error(response, 503, "overloaded")
+    assert int(response.headers["Retry-After"]) >= 1
+    model.gate.set()
+    assert blocked.result(timeout=10).status_code == 200
+    assert all(f.result(timeout=10).batch_size >= 1 for f in queued)
+
+
+def test_health_endpoints_and_draining(client: FlaskClient, service: Service) -> None:
+    assert client.get("/healthz").get_json()["status"] == "alive"
+    ready = client.get("/readyz")
+    assert ready.status_code == 200 and all(ready.get_json()["checks"].values())
+    service.begin_drain()
+    assert client.get("/readyz").status_code == 503
+    assert client.get("/healthz").status_code == 200  # liveness does not follow readiness
+    response = client.post("/predict", data=image_bytes(), content_type="image/jpeg")
+    _error(response, 503, "not_ready")
+    assert response.headers["Retry-After"]
+
+
+def test_dead_batcher_fails_liveness(client: FlaskClient, service: Service) -> None:
+    service.batcher.stop(timeout=5)
+    assert client.get("/healthz").status_code == 503
+    assert client.get("/readyz").status_code == 503
+
+
+def test_models_endpoint(client: FlaskClient) -> None:
+    (info,) = client.get("/v1/models").get_json()["models"]
+    assert info["name"] == "colour" and info["num_classes"] == 4 and info["device"] == "cpu"
+    assert info["batching"]["max_batch_size"] == 4 and info["limits"]["max_images"] == 4
+    assert info["warmed_batch_sizes"] == [1, 2, 3, 4] and info["ready"] is True
+    assert "labels" not in info
+    assert client.get("/v1/models?labels=1").get_json()["models"][0]["labels"] == ["red", "green", "blue", "other"]
