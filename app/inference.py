@@ -78,7 +78,8 @@ def _load_module(path: Path, manifest: Manifest, fmt: WeightsFormat) -> nn.Modul
                 return torch.jit.load(str(path), map_location="cpu")
         model = build_model(manifest.arch, manifest.num_classes)
         model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True), strict=True)
-        return model
+        # eval() before any forward: a training-mode forward would overwrite the BatchNorm running statistics.
+        return model.eval()
     except Exception as exc:  # noqa: BLE001 - unpickling, shape and key errors all mean "cannot serve this"
         raise ModelLoadError(f"cannot load {fmt} weights from {path}: {exc}") from exc
 

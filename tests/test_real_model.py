@@ -1,0 +1,137 @@
+"""The bundled EfficientNet-Lite0: strict weight loading, real photos, and served == offline."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import skimage.data
+import torch
+from flask import Flask
+from PIL import Image
+
+from app.inference import ModelLoadError, Predictor
+from models.manifest import read_manifest
+from models.pretrained import lite0_weights_path, rename_lite0_keys
+from models.presets import eval_transform, to_rgb
+from models.registry import build_model
+from tests.imaging import encode
+
+pytestmark = pytest.mark.slow
+
+# ImageNet indices: the domestic-cat classes, and the coffee classes a cup of espresso may land in.
+CATS = {281: "tabby", 282: "tiger cat", 283: "Persian cat", 284: "Siamese cat", 285: "Egyptian cat"}
+COFFEE = {967: "espresso", 968: "cup", 504: "coffee mug"}
+
+
+def _photo(name: str) -> Image.Image:
+    return Image.fromarray(getattr(skimage.data, name)())
+
+
+def _photo_jpeg(name: str) -> bytes:
+    return encode(_photo(name), "JPEG", quality=95)
+
+
+def test_package_weights_load_with_no_missing_or_unexpected_keys() -> None:
+    state = rename_lite0_keys(torch.load(lite0_weights_path(), map_location="cpu", weights_only=True))
+    model = build_model("efficientnet_lite0", 1000)
+    result = model.load_state_dict(state, strict=False)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    assert set(state) == set(model.state_dict())
+
+
+def test_manifest_describes_the_export(real_weights: Path) -> None:
+    manifest = read_manifest(real_weights)
+    assert manifest.arch == "efficientnet_lite0" and manifest.num_classes == 1000
+    assert manifest.labels[281] == "tabby" and manifest.labels[967] == "espresso"
+    assert manifest.preprocess.crop_size == 224 and manifest.preprocess.interpolation == "bicubic"
+    assert manifest.preprocess.mean[0] == pytest.approx(127 / 255) and manifest.preprocess.std[0] == pytest.approx(128 / 255)
+    assert set(manifest.files) == {"torchscript", "state_dict"}
+
+
+def _post_photo(app: Flask, name: str, top_k: int = 5) -> dict:
+    response = app.test_client().post(f"/predict?top_k={top_k}", data=_photo_jpeg(name), content_type="image/jpeg")
+    assert response.status_code == 200, response.get_json()
+    return response.get_json()["predictions"][0]
+
+
+@pytest.mark.parametrize("name, classes", [("chelsea", CATS), ("coffee", COFFEE)])
+def test_real_photos_get_the_right_imagenet_class(real_app: Flask, name: str, classes: dict[int, str]) -> None:
+    prediction = _post_photo(real_app, name)
+    assert prediction["index"] in classes, prediction
+    assert prediction["label"] == classes[prediction["index"]]
+    assert prediction["score"] > 0.3
+
+
+def _offline_probabilities(weights_dir: Path, data: bytes) -> torch.Tensor:
+    """Inference without the server: the manifest's transform and the state dict in the registry's arch."""
+    import io
+
+    manifest = read_manifest(weights_dir)
+    model = build_model(manifest.arch, manifest.num_classes)
+    model.load_state_dict(torch.load(weights_dir / manifest.files["state_dict"].path, weights_only=True))
+    image = to_rgb(Image.open(io.BytesIO(data)))
+    with torch.inference_mode():
+        return model.eval()(eval_transform(manifest.preprocess)(image).unsqueeze(0)).softmax(1)[0]
+
+
+@pytest.mark.parametrize("name", ["chelsea", "coffee", "astronaut", "rocket"])
+def test_served_predictions_equal_offline_inference(real_app: Flask, real_weights: Path, name: str) -> None:
+    served = _post_photo(real_app, name)
+    offline = _offline_probabilities(real_weights, _photo_jpeg(name))
+    scores, indices = offline.topk(5)
+    assert [c["index"] for c in served["top_k"]] == indices.tolist()
+    assert np.allclose([c["score"] for c in served["top_k"]], scores.tolist(), atol=1e-5)
+
+
+def test_torchscript_and_state_dict_give_the_same_outputs(real_weights: Path) -> None:
+    scripted = Predictor.load(real_weights, weights_format="torchscript", device="cpu")
+    eager = Predictor.load(real_weights, weights_format="state_dict", device="cpu")
+    batch = torch.stack([scripted.transform(_photo(n).convert("RGB")) for n in ("chelsea", "coffee")])
+    assert torch.allclose(scripted.predict_batch(batch), eager.predict_batch(batch), atol=1e-6)
+
+
+@pytest.fixture
+def weights_copy(real_weights: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "w"
+    shutil.copytree(real_weights, copy)
+    return copy
+
+
+def _edit_manifest(weights_dir: Path, **changes: object) -> None:
+    path = weights_dir / "manifest.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | changes))
+
+
+@pytest.mark.parametrize("fmt", ["torchscript", "state_dict"])
+def test_corrupt_weights_stop_the_load(weights_copy: Path, fmt: str) -> None:
+    target = weights_copy / read_manifest(weights_copy).files[fmt].path
+    target.write_bytes(target.read_bytes()[:-100])
+    with pytest.raises(ModelLoadError, match="sha256"):
+        Predictor.load(weights_copy, weights_format=fmt, device="cpu")
+
+
+def test_missing_files_stop_the_load(weights_copy: Path, tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="no manifest.json"):
+        Predictor.load(tmp_path / "empty", device="cpu")
+    (weights_copy / read_manifest(weights_copy).files["torchscript"].path).unlink()
+    with pytest.raises(ModelLoadError, match="missing"):
+        Predictor.load(weights_copy, weights_format="torchscript", device="cpu")
+
+
+def test_label_count_that_does_not_match_the_model_stops_the_load(weights_copy: Path) -> None:
+    _edit_manifest(weights_copy, labels=["a", "b", "c"])
+    with pytest.raises(ModelLoadError, match="3 labels"):
+        Predictor.load(weights_copy, weights_format="torchscript", device="cpu")
+    with pytest.raises(ModelLoadError, match="size mismatch"):
+        Predictor.load(weights_copy, weights_format="state_dict", device="cpu")
+
+
+def test_manifest_cannot_point_outside_its_directory(weights_copy: Path) -> None:
+    manifest = json.loads((weights_copy / "manifest.json").read_text())
+    manifest["files"]["state_dict"]["path"] = "../../etc/passwd"
+    (weights_copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ModelLoadError, match="bare file name"):
+        Predictor.load(weights_copy, device="cpu")
