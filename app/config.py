@@ -41,7 +41,7 @@ class Settings(BaseSettings):
 
     # Decoding: JPEGs larger than this on their short side are decoded at 1/2, 1/4 or 1/8 scale (libjpeg's
     # DCT scaling), never below it. 0 turns it off. See README for the measured effect on predictions.
-    jpeg_draft_min_side: int = Field(default=512, ge=0)
+    jpeg_draft_min_side: int = Field(default=1024, ge=0)
 
     # gunicorn (read by gunicorn.conf.py in the master, which must not touch torch)
     bind: str = "0.0.0.0:8000"

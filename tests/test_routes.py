@@ -204,3 +204,20 @@ def test_models_endpoint(client: FlaskClient) -> None:
     assert info["warmed_batch_sizes"] == [1, 2, 3, 4] and info["ready"] is True
     assert "labels" not in info
     assert client.get("/v1/models?labels=1").get_json()["models"][0]["labels"] == ["red", "green", "blue", "other"]
+
+
+def test_request_larger_than_max_batch_size_is_split(settings, predictor, model: ColourModel) -> None:  # noqa: ANN001
+    from app import create_app
+
+    app = create_app(settings.model_copy(update={"max_images": 6}), predictor)
+    try:
+        model.batch_sizes.clear()
+        colors = [RED, GREEN, BLUE, RED, GREEN, BLUE]
+        files = [(io.BytesIO(image_bytes(c)), f"{i}.jpg") for i, c in enumerate(colors)]
+        response = app.test_client().post("/predict", data={"image": files})
+        assert _labels(response) == ["red", "green", "blue", "red", "green", "blue"]
+        assert model.batch_sizes == [4, 2]
+        assert response.headers["X-Batch-Size"] == "4,4,4,4,2,2"
+        assert 'batch;desc="4+2"' in response.headers["Server-Timing"]
+    finally:
+        app.extensions["visionserve"].shutdown(timeout=5)
