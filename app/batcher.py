@@ -12,7 +12,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Generic, Sequence, TypeVar
+from typing import Callable, Generic, Protocol, Sequence, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +32,39 @@ class QueueFull(BatcherError):
         self.retry_after_s = retry_after_s
 
 
+class DeadlineUnreachable(QueueFull):
+    """The backlog ahead would outlast the caller's deadline, so the items are refused before they queue."""
+
+
+class DeadlineExpired(BatcherError):
+    """The item's deadline passed while it waited; it was dropped before its forward pass."""
+
+
 class BatcherClosed(BatcherError):
     """The batcher is stopping or stopped and takes no new work."""
+
+
+class BatchObserver(Protocol):
+    """What the batcher reports as it works (metrics plug in here; the batcher imports none)."""
+
+    def batch_done(self, size: int, run_s: float, queued_s: Sequence[float]) -> None: ...
+
+    def event(self, name: str, count: int = 1) -> None: ...
+
+    def queue_depth(self, depth: int) -> None: ...
+
+
+class NullObserver:
+    """Reports nowhere."""
+
+    def batch_done(self, size: int, run_s: float, queued_s: Sequence[float]) -> None:
+        """Ignore a finished batch."""
+
+    def event(self, name: str, count: int = 1) -> None:
+        """Ignore an event."""
+
+    def queue_depth(self, depth: int) -> None:
+        """Ignore the queue depth."""
 
 
 class BatchSizeMismatch(BatcherError):
@@ -56,13 +87,20 @@ class _Pending(Generic[In]):
     item: In
     future: Future
     enqueued_at: float
+    deadline: float | None  # time.monotonic() after which nobody waits for the answer
 
 
 class Batcher(Generic[In, Out]):
-    """Collects up to ``max_batch_size`` items, waiting at most ``max_wait_ms`` after the first, then runs them."""
+    """Collects up to ``max_batch_size`` items, waiting at most ``max_wait_ms`` after the first, then runs them.
+
+    ``split_on`` names exceptions that mean "this batch is too big" (CUDA out-of-memory): such a batch is split in
+    halves and retried, and the batch size is capped at the size that worked for ``shrink_s`` seconds.
+    """
 
     def __init__(self, predict_fn: Callable[[list[In]], Sequence[Out]], *, max_batch_size: int,
-                 max_wait_ms: float, queue_size: int, name: str = "batcher") -> None:
+                 max_wait_ms: float, queue_size: int, name: str = "batcher",
+                 split_on: tuple[type[BaseException], ...] = (), shrink_s: float = 30.0,
+                 observer: BatchObserver | None = None) -> None:
         if max_batch_size <= 0:
             raise ValueError(f"max_batch_size must be positive, got {max_batch_size}")
         if max_wait_ms < 0:
@@ -79,6 +117,11 @@ class Batcher(Generic[In, Out]):
         self._batch_ids = itertools.count(1)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._batch_seconds = 0.0  # moving average of one predict_fn call, for Retry-After estimates
+        self._split_on = split_on
+        self._shrink_s = shrink_s
+        self._shrunk_size = max_batch_size
+        self._shrunk_until = 0.0
+        self._observer: BatchObserver = observer or NullObserver()
         self.batches_run = 0
 
     def start(self) -> "Batcher[In, Out]":
@@ -95,27 +138,43 @@ class Batcher(Generic[In, Out]):
         """Items waiting in the queue now."""
         return len(self._queue)
 
-    def submit(self, item: In) -> "Future[BatchResult[Out]]":
-        """Queue one item; raises QueueFull or BatcherClosed at once instead of blocking."""
-        return self.submit_many([item])[0]
+    @property
+    def current_max_batch_size(self) -> int:
+        """The batch size cap in force: lowered for a while after an out-of-memory split."""
+        return self._shrunk_size if time.monotonic() < self._shrunk_until else self.max_batch_size
 
-    def submit_many(self, items: Sequence[In]) -> "list[Future[BatchResult[Out]]]":
-        """Queue several items all together or none of them, so a rejected request leaves nothing behind."""
+    def submit(self, item: In, deadline: float | None = None) -> "Future[BatchResult[Out]]":
+        """Queue one item; raises QueueFull or BatcherClosed at once instead of blocking."""
+        return self.submit_many([item], deadline)[0]
+
+    def submit_many(self, items: Sequence[In], deadline: float | None = None) -> "list[Future[BatchResult[Out]]]":
+        """Queue several items all together or none of them, so a rejected request leaves nothing behind.
+
+        ``deadline`` (a time.monotonic() value) is when the caller stops waiting: items are refused at once when
+        the backlog cannot clear by then, and dropped unrun if it passes while they wait.
+        """
         now = time.monotonic()
-        pending = [_Pending(item, Future(), now) for item in items]
+        pending = [_Pending(item, Future(), now, deadline) for item in items]
         with self._cond:
             if self._closed:
                 raise BatcherClosed("the inference worker is shutting down")
-            if len(self._queue) + len(pending) > self.queue_size:
+            backlog = len(self._queue) + len(pending)
+            if backlog > self.queue_size:
                 raise QueueFull(f"inference queue is full ({len(self._queue)}/{self.queue_size} waiting)",
-                                retry_after_s=self.expected_wait_s(len(self._queue) + len(pending)))
+                                retry_after_s=self.expected_wait_s(backlog))
+            wait = self.expected_wait_s(backlog)
+            if deadline is not None and self.batches_run and now + wait > deadline:
+                raise DeadlineUnreachable(f"the queue ahead needs about {wait:.3f}s, more than the "
+                                          f"{max(0.0, deadline - now):.3f}s deadline",
+                                          retry_after_s=self.expected_wait_s(len(self._queue)))
             self._queue.extend(pending)
             self._cond.notify()
+            self._observer.queue_depth(len(self._queue))
         return [p.future for p in pending]
 
     def expected_wait_s(self, items: int) -> float:
         """How long ``items`` queued items take to clear at the recent batch latency."""
-        batches = -(-items // self.max_batch_size)
+        batches = -(-items // self.current_max_batch_size)
         return batches * max(self._batch_seconds, self.max_wait_s)
 
     def stop(self, timeout: float | None = None) -> None:
@@ -135,7 +194,8 @@ class Batcher(Generic[In, Out]):
                 self._cond.wait()
             batch = [self._queue.popleft()]
             deadline = time.monotonic() + self.max_wait_s
-            while len(batch) < self.max_batch_size:
+            limit = self.current_max_batch_size
+            while len(batch) < limit:
                 if self._queue:
                     batch.append(self._queue.popleft())
                     continue
@@ -143,31 +203,59 @@ class Batcher(Generic[In, Out]):
                 if remaining <= 0 or self._closed:
                     break
                 self._cond.wait(remaining)
+            self._observer.queue_depth(len(self._queue))
             return batch
 
     def _run(self) -> None:
         while (batch := self._collect()) is not None:
-            # A caller that gave up (timed out and cancelled) costs no forward pass.
-            live = [p for p in batch if p.future.set_running_or_notify_cancel()]
+            live = self._still_wanted(batch)
             if live:
                 self._run_batch(live)
         log.info("batcher stopped after %d batches", self.batches_run)
+
+    def _still_wanted(self, batch: list[_Pending[In]]) -> list[_Pending[In]]:
+        """Drop items whose caller gave up (cancelled) or whose deadline passed: they cost no forward pass."""
+        now = time.monotonic()
+        live = []
+        for p in batch:
+            if p.deadline is not None and now > p.deadline and not p.future.cancelled():
+                p.future.set_exception(DeadlineExpired(f"deadline passed after {now - p.enqueued_at:.3f}s in queue"))
+                self._observer.event("deadline_dropped")
+            elif p.future.set_running_or_notify_cancel():
+                live.append(p)
+        return live
+
+    def _predict(self, items: list[In]) -> Sequence[Out]:
+        try:
+            outputs = self._predict_fn(items)
+        except self._split_on:
+            if len(items) == 1:
+                raise
+            half = len(items) // 2
+            # Remember the size that fits, so the next batches do not hit the same wall.
+            self._shrunk_size, self._shrunk_until = half, time.monotonic() + self._shrink_s
+            self._observer.event("batch_split")
+            log.warning("batch of %d did not fit; retrying as %d + %d", len(items), half, len(items) - half)
+            return [*self._predict(items[:half]), *self._predict(items[half:])]
+        if len(outputs) != len(items):
+            raise BatchSizeMismatch(f"predict_fn returned {len(outputs)} outputs for {len(items)} inputs")
+        return outputs
 
     def _run_batch(self, batch: list[_Pending[In]]) -> None:
         batch_id = next(self._batch_ids)
         started = time.monotonic()
         try:
-            outputs = self._predict_fn([p.item for p in batch])
-            if len(outputs) != len(batch):
-                raise BatchSizeMismatch(f"predict_fn returned {len(outputs)} outputs for {len(batch)} inputs")
+            outputs = self._predict([p.item for p in batch])
         except Exception as exc:  # noqa: BLE001 - a failing batch fails its callers, never the worker
             log.exception("batch %d of %d failed", batch_id, len(batch))
+            self._observer.event("batch_failed")
             for p in batch:
                 p.future.set_exception(exc)
             return
-        finished = time.monotonic()
-        run_s = finished - started
+        run_s = time.monotonic() - started
         self.batches_run += 1
         self._batch_seconds = run_s if self.batches_run == 1 else 0.8 * self._batch_seconds + 0.2 * run_s
-        for p, value in zip(batch, outputs):
-            p.future.set_result(BatchResult(value, batch_id, len(batch), started - p.enqueued_at, run_s))
+        queued = [started - p.enqueued_at for p in batch]
+        self._observer.batch_done(len(batch), run_s, queued)
+        for p, value, waited in zip(batch, outputs, queued):
+            p.future.set_result(BatchResult(value, batch_id, len(batch), waited, run_s))

@@ -5,7 +5,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DeviceName = str
@@ -37,7 +37,15 @@ class Settings(BaseSettings):
     max_aspect_ratio: float = Field(default=20.0, ge=1)  # long side / short side; a 1x10000 strip is refused
     max_images: int = Field(default=16, gt=0)  # images in one request
     top_k: int = Field(default=5, gt=0)  # default when the request does not say
-    request_timeout_s: float = Field(default=30.0, gt=0)  # longest a request waits for its inference
+    # Longest a request waits for its inference; a client may ask for less with X-Request-Timeout (ms).
+    request_timeout_s: float = Field(default=30.0, gt=0)
+    client_body_timeout_s: float = Field(default=30.0, gt=0)  # longest silence while a client sends its body
+    oom_shrink_s: float = Field(default=60.0, ge=0)  # how long the batch cap stays lowered after an OOM split
+
+    # Security: with an API key set, requests need "Authorization: Bearer <key>" or "X-API-Key: <key>".
+    api_key: SecretStr | None = None
+    api_key_file: Path | None = None  # e.g. a Docker secret; read at boot
+    auth_health_open: bool = True  # /healthz, /readyz and /metrics stay open for probes and scrapers
 
     # Decoding: JPEGs larger than this on their short side are decoded at 1/2, 1/4 or 1/8 scale (libjpeg's
     # DCT scaling), never below it. 0 turns it off. See README for the measured effect on predictions.
@@ -64,7 +72,17 @@ class Settings(BaseSettings):
     def _dtype_fits_device(self) -> "Settings":
         if self.dtype == "float16" and self.device == "cpu":
             raise ValueError("dtype float16 needs a CUDA device; use bfloat16 or float32 on cpu")
+        if self.api_key_file is not None and not self.api_key_file.is_file():
+            raise ValueError(f"api_key_file {self.api_key_file} does not exist")
         return self
+
+    def resolved_api_key(self) -> str | None:
+        """The API key from the setting or the key file (stripped), or None when auth is off."""
+        if self.api_key is not None:
+            return self.api_key.get_secret_value()
+        if self.api_key_file is not None:
+            return self.api_key_file.read_text(encoding="utf-8").strip() or None
+        return None
 
     def resolved_weights_dir(self) -> Path:
         """The weights directory as an absolute path (relative paths are taken from the working directory)."""

@@ -8,7 +8,7 @@ from typing import Any
 from flask import Flask, Response, g, jsonify
 from werkzeug.exceptions import HTTPException
 
-from app.batcher import BatcherClosed, QueueFull
+from app.batcher import BatcherClosed, DeadlineExpired, DeadlineUnreachable, QueueFull
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +76,19 @@ class SchemaViolation(ServiceError):
     status, code = 422, "validation_error"
 
 
+class Unauthorized(ServiceError):
+    """No API key, or a wrong one (401)."""
+    status, code = 401, "unauthorized"
+
+
+class RequestTimeout(ServiceError):
+    """The client sent its body too slowly (408)."""
+    status, code = 408, "request_timeout"
+
+
 class Overloaded(ServiceError):
-    """The queue cannot take the request now (503, with Retry-After)."""
-    status, code = 503, "overloaded"
+    """The queue cannot take the request now, or not in time for its deadline (429, with Retry-After)."""
+    status, code = 429, "overloaded"
 
 
 class NotReady(ServiceError):
@@ -101,9 +111,15 @@ def retry_after_header(seconds: float) -> dict[str, str]:
     return {"Retry-After": str(max(1, math.ceil(seconds)))}
 
 
-def _from_batcher(exc: Exception) -> ServiceError:
+def from_batcher(exc: Exception) -> ServiceError:
+    """The HTTP meaning of the batcher's own errors."""
     if isinstance(exc, QueueFull):
-        return Overloaded(str(exc), headers=retry_after_header(exc.retry_after_s))
+        error = Overloaded(str(exc), headers=retry_after_header(exc.retry_after_s))
+        if isinstance(exc, DeadlineUnreachable):
+            error.code = "deadline_unreachable"
+        return error
+    if isinstance(exc, DeadlineExpired):
+        return DeadlineExceeded(str(exc))
     return NotReady(str(exc), headers=retry_after_header(5))
 
 
@@ -120,6 +136,7 @@ def render(error: ServiceError) -> Response:
                             "request_id": g.get("request_id")}
     if error.details is not None:
         body["details"] = error.details
+    g.error_code = error.code  # for the access log and the rejection counter
     response = jsonify(error=body)
     response.status_code = error.status
     response.headers.update(error.headers)
@@ -129,8 +146,8 @@ def render(error: ServiceError) -> Response:
 def register_error_handlers(app: Flask) -> None:
     """Route every exception the app can raise to ``render``."""
     app.register_error_handler(ServiceError, render)
-    app.register_error_handler(QueueFull, lambda exc: render(_from_batcher(exc)))
-    app.register_error_handler(BatcherClosed, lambda exc: render(_from_batcher(exc)))
+    for batcher_error in (QueueFull, BatcherClosed, DeadlineExpired):
+        app.register_error_handler(batcher_error, lambda exc: render(from_batcher(exc)))
     app.register_error_handler(HTTPException, lambda exc: render(_from_http(exc)))
 
     def unexpected(exc: Exception) -> Response:

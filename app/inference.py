@@ -19,6 +19,9 @@ from models.registry import build_model
 
 log = logging.getLogger(__name__)
 
+# What the batcher treats as "this batch is too big": split it and retry the halves.
+OUT_OF_MEMORY_ERRORS: tuple[type[BaseException], ...] = (torch.cuda.OutOfMemoryError,)
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -142,9 +145,21 @@ class Predictor:
         """(N, C, H, W) float32 on CPU -> (N, classes) float32 softmax probabilities on CPU."""
         if self.device.type == "cuda":
             batch = batch.pin_memory().to(self.device, non_blocking=True)
-        with torch.inference_mode():
-            logits = self.model(batch.to(dtype=self.dtype))
-            return logits.float().softmax(dim=1).cpu()
+        try:
+            with torch.inference_mode():
+                logits = self.model(batch.to(dtype=self.dtype))
+                return logits.float().softmax(dim=1).cpu()
+        except torch.cuda.OutOfMemoryError:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # give the smaller retry the cached blocks back
+            raise
+
+    def memory_stats(self) -> dict[str, int]:
+        """CUDA memory allocated and reserved by this process, or nothing on CPU."""
+        if self.device.type != "cuda":
+            return {}
+        return {"allocated": torch.cuda.memory_allocated(self.device),
+                "reserved": torch.cuda.memory_reserved(self.device)}
 
     def predict_list(self, images: Sequence[torch.Tensor]) -> torch.Tensor:
         """Stack preprocessed images and predict them as one batch (the batcher's predict function)."""

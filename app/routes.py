@@ -9,9 +9,13 @@ import uuid
 import torch
 from flask import Blueprint, Response, current_app, g, jsonify, request
 
+from app.auth import OPEN_PATHS, check_api_key
 from app.batcher import BatchResult
-from app.errors import NotReady
-from app.payload import parse_predict
+from app.config import Settings
+from app.errors import BadRequest, NotReady, RequestTimeout
+from app.metrics import REJECTED, REQUEST_SECONDS, REQUESTS, STAGE_SECONDS
+from app.metrics import render as render_metrics
+from app.payload import PredictInput, parse_predict
 from app.schemas import ClassScore, HealthResponse, ModelRef, Prediction, PredictResponse
 from app.service import EXTENSION_KEY, Service
 
@@ -34,16 +38,52 @@ def _start_request() -> None:
     g.request_id = incoming if _REQUEST_ID.match(incoming) else uuid.uuid4().hex
     g.started = time.perf_counter()
     g.log_fields = {}
+    service = _service()
+    sock = request.environ.get("gunicorn.socket")
+    if sock is not None:
+        # A client that stalls while sending its body gets 408 instead of holding a thread forever.
+        sock.settimeout(service.settings.client_body_timeout_s)
+    if service.api_key is not None and not (service.settings.auth_health_open and request.path in OPEN_PATHS):
+        check_api_key(request.headers, service.api_key)
 
 
 @bp.after_app_request
 def _finish_request(response: Response) -> Response:
     response.headers["X-Request-ID"] = g.get("request_id", "")
-    elapsed_ms = (time.perf_counter() - g.get("started", time.perf_counter())) * 1000
+    elapsed = time.perf_counter() - g.get("started", time.perf_counter())
+    endpoint = request.url_rule.rule if request.url_rule is not None else "unmatched"
+    REQUESTS.labels(endpoint, str(response.status_code)).inc()
+    REQUEST_SECONDS.labels(endpoint).observe(elapsed)
+    code = g.get("error_code")
+    if response.status_code in (429, 503) and code:
+        REJECTED.labels(code).inc()
     access_log.info("request", extra={"request_id": g.get("request_id"), "method": request.method,
-                                      "path": request.path, "status": response.status_code,
-                                      "duration_ms": round(elapsed_ms, 2), **g.get("log_fields", {})})
+                                      "route": endpoint, "status": response.status_code, "error": code,
+                                      "duration_ms": round(elapsed * 1000, 2), **g.get("log_fields", {})})
     return response
+
+
+def _timeout_s(settings: Settings) -> float:
+    """The request's deadline: X-Request-Timeout (ms) when given, never longer than the configured maximum."""
+    raw = request.headers.get("X-Request-Timeout")
+    if raw is None:
+        return settings.request_timeout_s
+    try:
+        millis = float(raw)
+    except ValueError:
+        raise BadRequest(f"X-Request-Timeout must be a number of milliseconds, got {raw!r}") from None
+    if not millis > 0 or millis != millis:
+        raise BadRequest(f"X-Request-Timeout must be positive, got {raw!r}")
+    return min(millis / 1000, settings.request_timeout_s)
+
+
+def _read_request(service: Service) -> PredictInput:
+    try:
+        return parse_predict(request, default_top_k=service.settings.top_k,
+                             num_classes=service.predictor.num_classes, max_images=service.settings.max_images)
+    except TimeoutError:
+        raise RequestTimeout(f"the body did not arrive within {service.settings.client_body_timeout_s:g}s",
+                             headers={"Connection": "close"}) from None
 
 
 def _top_k(row: torch.Tensor, k: int, labels: list[str]) -> Prediction:
@@ -69,20 +109,23 @@ def predict() -> Response:
     if not service.ready:
         raise NotReady("the model is not ready" if not service.draining else "the server is shutting down",
                        headers={"Retry-After": "5"})
-    settings, predictor = service.settings, service.predictor
-    parsed = parse_predict(request, default_top_k=settings.top_k, num_classes=predictor.num_classes,
-                           max_images=settings.max_images)
+    predictor = service.predictor
+    timeout_s = _timeout_s(service.settings)
+    parsed = _read_request(service)
     started = time.perf_counter()
     tensors = [service.preprocess(data) for data in parsed.images]
-    decode_ms = (time.perf_counter() - started) * 1000
-    results = service.infer(tensors)
+    decode_s = time.perf_counter() - started
+    STAGE_SECONDS.labels("decode").observe(decode_s)
+    decode_ms = decode_s * 1000
+    results = service.infer(tensors, timeout_s)
     body = PredictResponse(model=ModelRef(name=predictor.manifest.name, version=predictor.manifest.version),
                            predictions=[_top_k(r.value, parsed.top_k, predictor.labels) for r in results])
     response = Response(body.model_dump_json(), mimetype="application/json")
     response.headers["Server-Timing"] = _server_timing(decode_ms, results)
     response.headers["X-Batch-Size"] = ",".join(str(r.batch_size) for r in results)
     g.log_fields = {"images": len(results), "batch_sizes": [r.batch_size for r in results],
-                    "decode_ms": round(decode_ms, 2)}
+                    "decode_ms": round(decode_ms, 2), "queue_ms": round(max(r.queued_s for r in results) * 1000, 2),
+                    "inference_ms": round(max(r.run_s for r in results) * 1000, 2)}
     return response
 
 
@@ -105,6 +148,13 @@ def readyz() -> tuple[Response, int]:
     checks = {"model_loaded": True, "warmed_up": service._ready.is_set(),
               "batcher_thread": service.batcher.is_alive(), "accepting": not service.draining}
     return _health(service.ready, checks, "ready", "not_ready")
+
+
+@bp.get("/metrics")
+def metrics() -> Response:
+    """Prometheus text exposition."""
+    body, content_type = render_metrics()
+    return Response(body, content_type=content_type)
 
 
 @bp.get("/v1/models")

@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from app.batcher import Batcher, BatchResult
+from app.batcher import Batcher, BatchResult, DeadlineExpired
 from app.config import Settings
 from app.decode import DecodeLimits, image_to_tensor
 from app.errors import DeadlineExceeded, InferenceFailed
-from app.inference import Predictor
+from app.inference import OUT_OF_MEMORY_ERRORS, Predictor
+from app.metrics import MODEL_INFO, MetricsObserver
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ class Service:
     predictor: Predictor
     batcher: Batcher[torch.Tensor, torch.Tensor]
     limits: DecodeLimits
+    api_key: str | None = None
     _ready: threading.Event = field(default_factory=threading.Event)
     _draining: threading.Event = field(default_factory=threading.Event)
 
@@ -36,15 +38,19 @@ class Service:
         """Start the batcher, warm up, pass the canary; readiness turns on only after all of that."""
         if settings.torch_threads:
             torch.set_num_threads(settings.torch_threads)
+        observer = MetricsObserver(predictor.memory_stats if predictor.device.type == "cuda" else None)
         batcher: Batcher[torch.Tensor, torch.Tensor] = Batcher(
             predictor.predict_list, max_batch_size=settings.max_batch_size, max_wait_ms=settings.max_wait_ms,
-            queue_size=settings.queue_size).start()
+            queue_size=settings.queue_size, split_on=OUT_OF_MEMORY_ERRORS, shrink_s=settings.oom_shrink_s,
+            observer=observer).start()
         limits = DecodeLimits(max_pixels=settings.max_pixels, max_aspect_ratio=settings.max_aspect_ratio,
                               jpeg_draft_min_side=settings.jpeg_draft_min_side)
-        service = cls(settings, predictor, batcher, limits)
+        service = cls(settings, predictor, batcher, limits, api_key=settings.resolved_api_key())
         if settings.warmup:
             predictor.warmup(settings.max_batch_size)
         predictor.canary()
+        MODEL_INFO.labels(predictor.manifest.name, predictor.manifest.version, str(predictor.device),
+                          str(predictor.dtype).removeprefix("torch.")).set(1)
         service._ready.set()
         return service
 
@@ -71,15 +77,23 @@ class Service:
         """One image's bytes -> model input, with the service's limits."""
         return image_to_tensor(data, self.predictor.transform, self.limits)
 
-    def infer(self, tensors: list[torch.Tensor]) -> list[BatchResult[torch.Tensor]]:
-        """Queue the images (all or none) and wait for their rows; raises on timeout or a failed batch."""
-        futures = self.batcher.submit_many(tensors)
-        deadline = time.monotonic() + self.settings.request_timeout_s
+    def infer(self, tensors: list[torch.Tensor], timeout_s: float) -> list[BatchResult[torch.Tensor]]:
+        """Queue the images (all or none) and wait for their rows until the deadline.
+
+        Raises the batcher's QueueFull / DeadlineUnreachable at once, DeadlineExceeded when the deadline passes,
+        InferenceFailed when the batch's forward pass raised.
+        """
+        deadline = time.monotonic() + timeout_s
+        futures = self.batcher.submit_many(tensors, deadline=deadline)
         try:
             return [f.result(timeout=max(0.0, deadline - time.monotonic())) for f in futures]
         except FutureTimeout:
             for f in futures:
                 f.cancel()  # still queued ones are dropped before they cost a forward pass
-            raise DeadlineExceeded(f"no inference result within {self.settings.request_timeout_s:g}s") from None
+            raise DeadlineExceeded(f"no inference result within {timeout_s:g}s") from None
+        except DeadlineExpired as exc:
+            for f in futures:
+                f.cancel()
+            raise DeadlineExceeded(f"the request's {timeout_s:g}s deadline passed in the queue") from exc
         except Exception as exc:
             raise InferenceFailed(f"inference failed for this batch: {type(exc).__name__}") from exc

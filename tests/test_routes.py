@@ -163,7 +163,7 @@ def test_failing_forward_is_500_json_and_the_server_goes_on(client: FlaskClient,
     assert _labels(client.post("/predict", data=image_bytes(BLUE), content_type="image/jpeg")) == ["blue"]
 
 
-def test_full_queue_is_503_with_retry_after(client: FlaskClient, model: ColourModel, service: Service) -> None:
+def test_full_queue_is_429_with_retry_after(client: FlaskClient, model: ColourModel, service: Service) -> None:
     model.batch_sizes.clear()
     model.gate = threading.Event()  # park the worker inside a forward pass
     blocked = ThreadPoolExecutor(1).submit(
@@ -172,7 +172,7 @@ def test_full_queue_is_503_with_retry_after(client: FlaskClient, model: ColourMo
     filler = [service.preprocess(image_bytes())] * service.settings.queue_size
     queued = service.batcher.submit_many(filler)
     response = client.post("/predict", data=image_bytes(), content_type="image/jpeg")
-    _error(response, 503, "overloaded")
+    _error(response, 429, "overloaded")
     assert int(response.headers["Retry-After"]) >= 1
     model.gate.set()
     assert blocked.result(timeout=10).status_code == 200

@@ -1,0 +1,62 @@
+"""Prometheus metrics. With several gunicorn workers, PROMETHEUS_MULTIPROC_DIR (set by gunicorn.conf.py before
+the fork) switches prometheus-client to its multiprocess mode and /metrics aggregates every worker."""
+from __future__ import annotations
+
+import os
+from typing import Callable, Sequence
+
+from prometheus_client import (CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Gauge, Histogram,
+                               generate_latest, multiprocess)
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
+
+REQUESTS = Counter("visionserve_requests_total", "HTTP requests answered", ["endpoint", "status"])
+REQUEST_SECONDS = Histogram("visionserve_request_duration_seconds", "Whole request time", ["endpoint"],
+                            buckets=_LATENCY_BUCKETS)
+STAGE_SECONDS = Histogram("visionserve_stage_duration_seconds", "Time per stage: decode (per request), queue "
+                          "(per image), inference (per batch)", ["stage"], buckets=_LATENCY_BUCKETS)
+BATCH_SIZE = Histogram("visionserve_batch_size", "Images per forward pass", buckets=_BATCH_BUCKETS)
+QUEUE_DEPTH = Gauge("visionserve_queue_depth", "Images waiting for the inference worker",
+                    multiprocess_mode="livesum")
+REJECTED = Counter("visionserve_rejected_total", "Requests refused before inference", ["reason"])
+BATCHER_EVENTS = Counter("visionserve_batcher_events_total", "deadline_dropped: images dropped in the queue; "
+                         "batch_split: out-of-memory batches split and retried; batch_failed", ["event"])
+MODEL_INFO = Gauge("visionserve_model_info", "The served model (value 1)", ["name", "version", "device", "dtype"],
+                   multiprocess_mode="max")
+GPU_MEMORY = Gauge("visionserve_gpu_memory_bytes", "CUDA memory of this worker", ["kind"],
+                   multiprocess_mode="liveall")
+
+
+class MetricsObserver:
+    """Feeds the batcher's reports into the metrics; ``memory_stats`` is read after each batch (CUDA only)."""
+
+    def __init__(self, memory_stats: Callable[[], dict[str, int]] | None = None) -> None:
+        self._memory_stats = memory_stats
+
+    def batch_done(self, size: int, run_s: float, queued_s: Sequence[float]) -> None:
+        """Record one forward pass."""
+        BATCH_SIZE.observe(size)
+        STAGE_SECONDS.labels("inference").observe(run_s)
+        for waited in queued_s:
+            STAGE_SECONDS.labels("queue").observe(waited)
+        if self._memory_stats is not None:
+            for kind, value in self._memory_stats().items():
+                GPU_MEMORY.labels(kind).set(value)
+
+    def event(self, name: str, count: int = 1) -> None:
+        """Count a batcher event."""
+        BATCHER_EVENTS.labels(name).inc(count)
+
+    def queue_depth(self, depth: int) -> None:
+        """Publish the queue depth."""
+        QUEUE_DEPTH.set(depth)
+
+
+def render() -> tuple[bytes, str]:
+    """The exposition text for /metrics: every worker's values in multiprocess mode, else this process's."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry), CONTENT_TYPE_LATEST
+    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
