@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator, Sequence
 
 import pytest
 
-from app.batcher import Batcher, BatcherClosed, BatchSizeMismatch, QueueFull
+from app.batcher import (Batcher, BatcherClosed, BatchSizeMismatch, DeadlineExpired, DeadlineUnreachable,
+                         QueueFull)
 
 
 class Recorder:
@@ -112,6 +114,7 @@ def test_wrong_output_count_fails_the_batch(make_batcher) -> None:
 def _hold_worker(batcher: Batcher, recorder: Recorder) -> None:
     """Park the worker inside predict_fn so the queue fills up behind it."""
     recorder.gate.clear()
+    recorder.entered.clear()
     batcher.submit(0)
     assert recorder.entered.wait(timeout=10)
 
@@ -163,3 +166,109 @@ def test_constructor_rejects_bad_limits(bad: dict[str, float]) -> None:
     options = {"max_batch_size": 4, "max_wait_ms": 1, "queue_size": 4} | bad
     with pytest.raises(ValueError):
         Batcher(lambda items: items, **options)  # type: ignore[arg-type]
+
+
+class Events:
+    """A BatchObserver that remembers what it was told."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.batches: list[int] = []
+        self.depths: list[int] = []
+
+    def batch_done(self, size: int, run_s: float, queued_s: Sequence[float]) -> None:
+        self.batches.append(size)
+
+    def event(self, name: str, count: int = 1) -> None:
+        self.events.extend([name] * count)
+
+    def queue_depth(self, depth: int) -> None:
+        self.depths.append(depth)
+
+
+def test_expired_items_are_dropped_before_the_forward_pass(make_batcher) -> None:
+    recorder, events = Recorder(), Events()
+    batcher = make_batcher(recorder, max_wait_ms=1, observer=events)
+    _hold_worker(batcher, recorder)
+    expired = batcher.submit(7, deadline=time.monotonic() + 0.01)
+    alive = batcher.submit(8, deadline=time.monotonic() + 60)
+    time.sleep(0.05)
+    recorder.gate.set()
+    with pytest.raises(DeadlineExpired):
+        expired.result(timeout=10)
+    assert alive.result(timeout=10).value == 16
+    assert all(7 not in b for b in recorder.batches)
+    assert events.events == ["deadline_dropped"]
+
+
+def test_a_deadline_the_backlog_cannot_meet_is_refused_at_once(make_batcher) -> None:
+    recorder = Recorder()
+    batcher = make_batcher(recorder, max_batch_size=1, max_wait_ms=1)
+    batcher.submit(1).result(timeout=10)  # one measured batch gives the latency estimate
+    _hold_worker(batcher, recorder)
+    batcher.submit_many([2, 3, 4])
+    with pytest.raises(DeadlineUnreachable) as excinfo:
+        batcher.submit(5, deadline=time.monotonic())  # three batches ahead cannot finish in no time
+    assert excinfo.value.retry_after_s > 0
+    assert batcher.depth == 3
+    recorder.gate.set()
+
+
+class OutOfMemory(Exception):
+    """Stands in for torch.cuda.OutOfMemoryError."""
+
+
+def test_out_of_memory_batches_are_split_and_the_cap_lowered(make_batcher) -> None:
+    seen: list[int] = []
+
+    def fits_two(items: list[int]) -> list[int]:
+        seen.append(len(items))
+        if len(items) > 2:
+            raise OutOfMemory(f"{len(items)} do not fit")
+        return [2 * i for i in items]
+
+    events = Events()
+    batcher = make_batcher(fits_two, max_batch_size=8, max_wait_ms=1, split_on=(OutOfMemory,), shrink_s=60,
+                           observer=events)
+    futures = batcher.submit_many(list(range(8)))
+    assert [f.result(timeout=10).value for f in futures] == [2 * i for i in range(8)]
+    assert seen == [8, 4, 2, 2, 4, 2, 2]
+    assert events.events.count("batch_split") == 3
+    assert batcher.current_max_batch_size == 2
+    seen.clear()
+    assert [f.result(timeout=10).value for f in batcher.submit_many(list(range(6)))] == [2 * i for i in range(6)]
+    assert seen == [2, 2, 2]  # the lowered cap avoids hitting the wall again
+
+
+def test_out_of_memory_on_a_single_item_fails_it(make_batcher) -> None:
+    def never_fits(items: list[int]) -> list[int]:
+        raise OutOfMemory("no")
+
+    batcher = make_batcher(never_fits, max_wait_ms=1, split_on=(OutOfMemory,))
+    with pytest.raises(OutOfMemory):
+        batcher.submit(1).result(timeout=10)
+    assert batcher.is_alive()
+
+
+def test_shrunk_cap_recovers_after_its_time(make_batcher) -> None:
+    calls = {"n": 0}
+
+    def first_call_too_big(items: list[int]) -> list[int]:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OutOfMemory("once")
+        return items
+
+    batcher = make_batcher(first_call_too_big, max_batch_size=4, max_wait_ms=1, split_on=(OutOfMemory,),
+                           shrink_s=0.05)
+    [f.result(timeout=10) for f in batcher.submit_many([1, 2, 3, 4])]
+    assert batcher.current_max_batch_size == 2
+    time.sleep(0.1)
+    assert batcher.current_max_batch_size == 4
+
+
+def test_observer_hears_batches_and_queue_depth(make_batcher) -> None:
+    events = Events()
+    batcher = make_batcher(Recorder(), max_wait_ms=1, observer=events)
+    [f.result(timeout=10) for f in batcher.submit_many([1, 2, 3])]
+    assert events.batches == [3] and events.depths[0] == 3 and events.depths[-1] == 0
