@@ -8,6 +8,7 @@ import uuid
 
 import torch
 from flask import Blueprint, Response, current_app, g, jsonify, request
+from werkzeug.exceptions import ClientDisconnected
 
 from app.auth import OPEN_PATHS, check_api_key
 from app.batcher import BatchResult
@@ -81,9 +82,12 @@ def _read_request(service: Service) -> PredictInput:
     try:
         return parse_predict(request, default_top_k=service.settings.top_k,
                              num_classes=service.predictor.num_classes, max_images=service.settings.max_images)
-    except TimeoutError:
-        raise RequestTimeout(f"the body did not arrive within {service.settings.client_body_timeout_s:g}s",
-                             headers={"Connection": "close"}) from None
+    except ClientDisconnected as exc:
+        # werkzeug reports every failed body read as a disconnect; the socket timeout set above is the slow case.
+        if isinstance(exc.__context__, TimeoutError):
+            raise RequestTimeout(f"the body did not arrive within {service.settings.client_body_timeout_s:g}s",
+                                 headers={"Connection": "close"}) from None
+        raise
 
 
 def _top_k(row: torch.Tensor, k: int, labels: list[str]) -> Prediction:

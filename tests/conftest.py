@@ -80,3 +80,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def small_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small real export (untrained mobilenet_v3_small, 10 classes, 64x64 input) for load tests."""
+    from models.export import export_model
+    from models.presets import EvalPreset
+    from models.registry import build_model
+
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("small-weights")
+    export_model(build_model("mobilenet_v3_small", 10), out_dir=out, name="small", version="test",
+                 arch="mobilenet_v3_small", labels=[f"class{i}" for i in range(10)],
+                 preset=EvalPreset(resize_size=72, crop_size=64))
+    return out

@@ -1,11 +1,8 @@
 """The real server: gunicorn on a free loopback port, driven with requests."""
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
+import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,62 +14,31 @@ import skimage.data
 from PIL import Image
 
 from tests.imaging import encode
+from tests.server import Server
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
 CATS = {281, 282, 283, 284, 285}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _start(weights: Path, port: int, **env: str) -> subprocess.Popen:
-    variables = os.environ | {"VISIONSERVE_WEIGHTS_DIR": str(weights), "VISIONSERVE_BIND": f"127.0.0.1:{port}",
-                              "VISIONSERVE_DEVICE": "cpu"} | env
-    gunicorn = Path(sys.executable).with_name("gunicorn")
-    return subprocess.Popen([str(gunicorn), "-c", "gunicorn.conf.py", "app.wsgi:app"], cwd=ROOT, env=variables,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _wait_ready(url: str, process: subprocess.Popen, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"gunicorn exited with {process.returncode}:\n{process.stdout.read()}")
-        try:
-            if requests.get(f"{url}/readyz", timeout=1).status_code == 200:
-                return
-        except requests.RequestException:  # the socket accepts before the worker has booted
-            pass
-        time.sleep(0.25)
-    pytest.fail("server never became ready")
+def _cat() -> bytes:
+    return encode(Image.fromarray(skimage.data.chelsea()), "JPEG")
 
 
 @pytest.fixture(scope="module")
-def server(real_weights: Path) -> Iterator[tuple[str, subprocess.Popen]]:
-    port = _free_port()
-    process = _start(real_weights, port, VISIONSERVE_MAX_WAIT_MS="20", VISIONSERVE_MAX_BATCH_SIZE="8")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(url, process)
-        yield url, process
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            process.wait(timeout=60)
+def server(real_weights: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("gunicorn") / "server.log"
+    server = Server(real_weights, log, max_wait_ms="20", max_batch_size="8").wait_ready()
+    yield server
+    server.stop()
 
 
-def test_concurrent_requests_are_answered_right_and_batched(server: tuple[str, subprocess.Popen]) -> None:
-    url, _ = server
-    cat = encode(Image.fromarray(skimage.data.chelsea()), "JPEG")
+def test_concurrent_requests_are_answered_right_and_batched(server: Server) -> None:
+    cat = _cat()
     session = requests.Session()
 
     def call(_: int) -> requests.Response:
-        return session.post(f"{url}/predict", data=cat, headers={"Content-Type": "image/jpeg"}, timeout=60)
+        return session.post(f"{server.url}/predict", data=cat, headers={"Content-Type": "image/jpeg"}, timeout=60)
 
     with ThreadPoolExecutor(16) as pool:
         responses = list(pool.map(call, range(48)))
@@ -81,8 +47,8 @@ def test_concurrent_requests_are_answered_right_and_batched(server: tuple[str, s
     assert max(int(r.headers["X-Batch-Size"]) for r in responses) > 1
 
 
-def test_multipart_and_health_over_http(server: tuple[str, subprocess.Popen]) -> None:
-    url, _ = server
+def test_multipart_and_health_over_http(server: Server) -> None:
+    url = server.url
     coffee = encode(Image.fromarray(skimage.data.coffee()), "PNG")
     response = requests.post(f"{url}/predict", files={"image": ("coffee.png", coffee, "image/png")}, timeout=60)
     assert response.status_code == 200 and response.json()["predictions"][0]["label"] in {"espresso", "cup"}
@@ -90,16 +56,47 @@ def test_multipart_and_health_over_http(server: tuple[str, subprocess.Popen]) ->
     assert requests.get(f"{url}/v1/models", timeout=5).json()["models"][0]["name"] == "efficientnet_lite0"
     bad = requests.post(f"{url}/predict", data=b"x" * 100, headers={"Content-Type": "image/jpeg"}, timeout=10)
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_image"
+    assert "visionserve_batch_size_bucket" in requests.get(f"{url}/metrics", timeout=5).text
 
 
-def test_sigterm_stops_the_server_cleanly(server: tuple[str, subprocess.Popen]) -> None:
-    _, process = server
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=60) == 0
+def test_sigterm_mid_burst_answers_every_accepted_request(real_weights: Path, tmp_path: Path) -> None:
+    server = Server(real_weights, tmp_path / "server.log", max_batch_size="4").wait_ready()
+    cat = _cat()
+    outcomes: list[tuple[str, float, object]] = []
+    term_sent = threading.Event()
+    sent_at: list[float] = []
+
+    def call(_: int) -> None:
+        try:  # one connection per request: each is either accepted and answered, or refused
+            r = requests.post(f"{server.url}/predict", data=cat, headers={"Content-Type": "image/jpeg"}, timeout=60)
+            body = r.json()  # a cut-off body would not parse
+            outcomes.append(("response", time.monotonic(), (r.status_code, body)))
+        except requests.ConnectionError as exc:
+            outcomes.append(("refused", time.monotonic(), repr(exc)))
+
+    with ThreadPoolExecutor(24) as pool:
+        futures = [pool.submit(call, i) for i in range(48)]
+        time.sleep(0.5)
+        sent_at.append(time.monotonic())
+        server.process.send_signal(15)
+        term_sent.set()
+        for f in futures:
+            f.result(timeout=90)
+    assert server.stop() == 0
+
+    responses = [o for kind, _, o in outcomes if kind == "response"]
+    statuses = [status for status, _ in responses]
+    assert set(statuses) <= {200, 503}, statuses
+    for status, body in responses:
+        assert (status == 200 and len(body["predictions"]) == 1) or body["error"]["code"] == "not_ready"
+    answered_after_term = [t for kind, t, o in outcomes if kind == "response" and o[0] == 200 and t > sent_at[0]]
+    assert answered_after_term, "no request was in flight at SIGTERM; the test proved nothing"
+    logged = [json.loads(line) for line in server.output().splitlines() if '"visionserve.access"' in line]
+    logged_predict = [entry["status"] for entry in logged if entry["route"] == "/predict"]
+    assert sorted(logged_predict) == sorted(statuses), "the server answered a request the client never got"
 
 
 def test_bad_weights_stop_the_boot_with_a_clear_message(tmp_path: Path) -> None:
-    process = _start(tmp_path, _free_port())
-    output, _ = process.communicate(timeout=120)
-    assert process.returncode != 0
-    assert "no manifest.json" in output
+    server = Server(tmp_path / "nothing-here", tmp_path / "server.log")
+    assert server.process.wait(timeout=120) != 0
+    assert "no manifest.json" in server.output()

@@ -1,0 +1,121 @@
+"""The real server under load, overload, slow clients and crashes (bounded: every test stops by itself)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.imaging import RED, image_bytes
+from tests.server import Server, rss_bytes
+
+pytestmark = pytest.mark.slow
+
+IMAGE = image_bytes(RED, size=(160, 120))
+
+
+def _burst(url: str, count: int, concurrency: int) -> list[requests.Response]:
+    local = __import__("threading").local()
+
+    def call(_: int) -> requests.Response:
+        if not hasattr(local, "session"):
+            local.session = requests.Session()
+        return local.session.post(f"{url}/predict", data=IMAGE, headers={"Content-Type": "image/jpeg"}, timeout=60)
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(call, range(count)))
+
+
+def test_soak_no_errors_and_flat_memory(small_weights: Path, tmp_path: Path) -> None:
+    server = Server(small_weights, tmp_path / "soak.log", log_level="warning").wait_ready()
+    try:
+        (worker,) = server.worker_pids()
+        warm = _burst(server.url, 300, 32)
+        rss_before = rss_bytes(worker)
+        started = time.monotonic()
+        responses = _burst(server.url, 2000, 48)
+        elapsed = time.monotonic() - started
+        rss_after = rss_bytes(worker)
+        statuses = Counter(r.status_code for r in warm + responses)
+        print(f"\nsoak: 2000 requests at 48 concurrent in {elapsed:.1f}s ({2000 / elapsed:.0f} req/s), "
+              f"statuses {dict(statuses)}, worker RSS {rss_before / 2**20:.0f} -> {rss_after / 2**20:.0f} MiB")
+        assert statuses == {200: 2300}
+        assert rss_after - rss_before < 64 * 2**20
+    finally:
+        assert server.stop() == 0
+
+
+def test_overload_sheds_with_429_and_retry_after_then_recovers(small_weights: Path, tmp_path: Path) -> None:
+    server = Server(small_weights, tmp_path / "overload.log", queue_size="2", max_batch_size="1",
+                    max_wait_ms="0", log_level="warning").wait_ready()
+    try:
+        responses = _burst(server.url, 200, 48)
+        statuses = Counter(r.status_code for r in responses)
+        print(f"\noverload: {dict(statuses)}")
+        assert set(statuses) <= {200, 429} and statuses[200] > 0 and statuses[429] > 0
+        for r in responses:
+            if r.status_code == 429:
+                assert int(r.headers["Retry-After"]) >= 1
+                assert r.json()["error"]["code"] in {"overloaded", "deadline_unreachable"}
+        assert requests.get(f"{server.url}/healthz", timeout=5).status_code == 200
+        assert requests.get(f"{server.url}/readyz", timeout=5).status_code == 200
+        assert _burst(server.url, 1, 1)[0].status_code == 200
+        metrics = requests.get(f"{server.url}/metrics", timeout=5).text
+        assert 'visionserve_rejected_total{reason="overloaded"}' in metrics
+    finally:
+        assert server.stop() == 0
+
+
+def _raw_http(port: int, head: bytes, body: bytes = b"", wait_s: float = 15) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=wait_s) as sock:
+        sock.sendall(head + body)
+        chunks = []
+        try:
+            while chunk := sock.recv(65536):
+                chunks.append(chunk)
+        except (TimeoutError, ConnectionResetError):
+            pass
+        return b"".join(chunks)
+
+
+def test_slow_body_gets_408_and_oversized_body_413_unread(small_weights: Path, tmp_path: Path) -> None:
+    server = Server(small_weights, tmp_path / "slow.log", client_body_timeout_s="1",
+                    max_body_bytes="100000").wait_ready()
+    try:
+        head = (b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
+                b"Content-Length: 5000\r\n\r\n")
+        started = time.monotonic()
+        answer = _raw_http(server.port, head, b"\xff\xd8" * 5)  # 10 of 5000 bytes, then silence
+        assert answer.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in answer
+        assert time.monotonic() - started < 10
+        huge = (b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
+                b"Content-Length: 1000000000\r\n\r\n")
+        answer = _raw_http(server.port, huge)  # no body sent at all: the answer comes from the header alone
+        assert answer.startswith(b"HTTP/1.1 413") and b'"request_entity_too_large"' in answer
+        assert _burst(server.url, 1, 1)[0].status_code == 200
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_crashed_worker_is_replaced(small_weights: Path, tmp_path: Path) -> None:
+    server = Server(small_weights, tmp_path / "crash.log").wait_ready()
+    try:
+        (worker,) = server.worker_pids()
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            pids = server.worker_pids()
+            if pids and pids != [worker]:
+                break
+            time.sleep(0.2)
+        server.wait_ready()
+        assert server.worker_pids() != [worker]
+        assert _burst(server.url, 4, 2)[0].status_code == 200
+    finally:
+        assert server.stop() == 0
