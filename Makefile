@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 WEIGHTS_DIR ?= weights
-GUNICORN := $(BIN)/gunicorn -c gunicorn.conf.py app.wsgi:app
+SERVE := PATH="$(CURDIR)/$(BIN):$$PATH" bin/serve
 
 .PHONY: serve test install weights clean-weights
 
@@ -24,7 +24,7 @@ $(WEIGHTS_DIR)/manifest.json: $(STAMP)
 weights: $(WEIGHTS_DIR)/manifest.json
 
 serve: $(STAMP) $(WEIGHTS_DIR)/manifest.json
-	VISIONSERVE_WEIGHTS_DIR=$(WEIGHTS_DIR) exec $(GUNICORN)
+	VISIONSERVE_WEIGHTS_DIR=$(WEIGHTS_DIR) $(SERVE)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

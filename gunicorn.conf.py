@@ -3,11 +3,18 @@
 The master never imports torch or touches CUDA: forked workers would inherit a broken CUDA context. Each worker
 loads the model itself (no preload_app), and its gthread pool lets concurrent requests share one batcher.
 """
+import os
 import signal
+import tempfile
 
 from app.config import Settings
 
 _settings = Settings()
+
+# Several workers: prometheus-client's multiprocess mode, so /metrics on any worker reports all of them. The
+# variable must be set before the workers import prometheus_client, i.e. here in the master before the fork.
+if _settings.workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="visionserve-metrics-")
 
 bind = _settings.bind
 workers = _settings.workers
@@ -49,3 +56,11 @@ def worker_exit(server, worker) -> None:  # noqa: ANN001
     service = _service(worker)
     if service is not None:
         service.shutdown(timeout=_settings.graceful_timeout_s)
+
+
+def child_exit(server, worker) -> None:  # noqa: ANN001
+    """Drop a dead worker's live gauges (queue depth, GPU memory) from the multiprocess metrics."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(worker.pid)

@@ -1,0 +1,33 @@
+# visionserve: CPU or NVIDIA GPU (the PyPI torch wheel carries its CUDA libraries; the host needs the NVIDIA
+# driver and Container Toolkit). Build: docker build -t visionserve .   Run: docker compose up
+FROM python:3.11-slim AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/venv/bin:$PATH
+WORKDIR /app
+RUN python -m venv /opt/venv
+# Dependencies first, so code changes do not reinstall torch.
+COPY requirements.txt .
+RUN pip install -r requirements.txt
+COPY models/ models/
+# The default model is exported at build time from the packaged ImageNet weights: the image starts with no
+# network and no host files, and what it serves is fixed by the image tag. Mount another export to override.
+RUN python -m models.export --default --out /app/weights
+
+FROM python:3.11-slim
+# curl answers the HEALTHCHECK; the Debian version follows the base image's security updates.
+# hadolint ignore=DL3008
+RUN apt-get update && apt-get install -y --no-install-recommends curl && rm -rf /var/lib/apt/lists/* \
+    && useradd --create-home --uid 10001 visionserve
+ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 \
+    VISIONSERVE_WEIGHTS_DIR=/app/weights VISIONSERVE_BIND=0.0.0.0:8000
+WORKDIR /app
+COPY --from=build /opt/venv /opt/venv
+COPY --from=build /app/weights /app/weights
+COPY app/ app/
+COPY models/ models/
+COPY bin/ bin/
+COPY gunicorn.conf.py .
+USER 10001
+EXPOSE 8000
+HEALTHCHECK --interval=10s --timeout=3s --start-period=90s --retries=3 \
+    CMD ["curl", "-fsS", "http://127.0.0.1:8000/readyz"]
+CMD ["bin/serve"]

