@@ -170,6 +170,7 @@ def models() -> Response:
     if request.args.get("labels", "").lower() in ("1", "true", "yes"):
         info["labels"] = service.predictor.labels
     info["batching"] = {"max_batch_size": s.max_batch_size, "max_wait_ms": s.max_wait_ms,
+                        "current_max_batch_size": service.batcher.current_max_batch_size,
                         "queue_size": s.queue_size, "queue_depth": service.batcher.depth}
     info["limits"] = {"max_body_bytes": s.max_body_bytes, "max_pixels": s.max_pixels,
                       "max_images": s.max_images, "max_aspect_ratio": s.max_aspect_ratio,

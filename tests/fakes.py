@@ -32,11 +32,14 @@ class ColourModel(nn.Module):
         self.batch_sizes: list[int] = []
         self.gate: threading.Event | None = None
         self.fail_when: float | None = None  # raise when any image's mean red value exceeds this
+        self.oom_above: int | None = None  # raise CUDA out-of-memory for batches larger than this
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.batch_sizes.append(x.shape[0])
         if self.gate is not None:
             self.gate.wait(timeout=10)
+        if self.oom_above is not None and x.shape[0] > self.oom_above:
+            raise torch.cuda.OutOfMemoryError(f"fake: {x.shape[0]} images do not fit")
         means = x.mean(dim=(2, 3))
         if self.fail_when is not None and bool((means[:, 0] > self.fail_when).any()):
             raise RuntimeError("fake forward failure")

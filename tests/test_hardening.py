@@ -156,3 +156,15 @@ def test_metrics_count_requests_batches_and_rejections(client: FlaskClient) -> N
                  'stage="queue"', 'stage="inference"', "visionserve_queue_depth",
                  'visionserve_model_info{device="cpu",dtype="float32",name="colour",version="test"} 1.0'):
         assert name in text
+
+
+def test_cuda_out_of_memory_splits_the_batch_and_lowers_the_cap(client: FlaskClient, model: ColourModel) -> None:
+    model.batch_sizes.clear()
+    model.oom_above = 1
+    files = [(io.BytesIO(image_bytes(c)), f"{i}.jpg") for i, c in enumerate((RED, BLUE, RED, BLUE))]
+    response = client.post("/predict", data={"image": files})
+    assert response.status_code == 200
+    assert [p["label"] for p in response.get_json()["predictions"]] == ["red", "blue", "red", "blue"]
+    assert model.batch_sizes == [4, 2, 1, 1, 2, 1, 1]
+    assert client.get("/v1/models").get_json()["models"][0]["batching"]["current_max_batch_size"] == 1
+    assert 'visionserve_batcher_events_total{event="batch_split"}' in client.get("/metrics").get_data(as_text=True)
