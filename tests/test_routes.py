@@ -80,18 +80,23 @@ def test_server_timing_batch_size_and_request_id(client: FlaskClient) -> None:
     assert len(client.get("/healthz", headers={"X-Request-ID": "bad id <script>"}).headers["X-Request-ID"]) == 32
 
 
-def test_concurrent_requests_share_batches(client: FlaskClient, model: ColourModel) -> None:
+def test_concurrent_requests_share_batches(client: FlaskClient, model: ColourModel, service: Service) -> None:
+    # Park the worker in a forward pass so the other requests queue up behind it, then let them run together.
     model.batch_sizes.clear()
-    barrier = threading.Barrier(8)
+    model.gate = threading.Event()
 
     def call(color: tuple[int, int, int]) -> str:
-        barrier.wait()
         return _labels(client.post("/predict", data=image_bytes(color), content_type="image/jpeg"))[0]
 
     colors = [RED, GREEN, BLUE, RED] * 2
     with ThreadPoolExecutor(8) as pool:
-        assert list(pool.map(call, colors)) == ["red", "green", "blue", "red"] * 2
-    assert max(model.batch_sizes) > 1
+        first = pool.submit(call, colors[0])
+        _wait_until(lambda: len(model.batch_sizes) == 1)
+        rest = [pool.submit(call, c) for c in colors[1:]]
+        _wait_until(lambda: service.batcher.depth == 7)
+        model.gate.set()
+        assert [first.result(timeout=10)] + [f.result(timeout=10) for f in rest] == ["red", "green", "blue", "red"] * 2
+    assert model.batch_sizes == [1, 4, 3]
 
 
 def _wait_until(condition: Callable[[], bool], timeout: float = 10) -> None:
