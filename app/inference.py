@@ -132,6 +132,11 @@ class Predictor:
         return cls(model, manifest, device=target, dtype=resolve_dtype(dtype, target), weights_format=fmt)
 
     @property
+    def dtype_name(self) -> str:
+        """The compute dtype as the settings spell it (float32, float16, bfloat16)."""
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
     def labels(self) -> list[str]:
         """Class names in output order."""
         return self.manifest.labels
@@ -185,6 +190,6 @@ class Predictor:
         m = self.manifest
         return {"name": m.name, "version": m.version, "arch": m.arch, "num_classes": m.num_classes,
                 "input_shape": list(m.preprocess.input_shape), "preprocess": m.preprocess.model_dump(),
-                "format": self.weights_format, "device": str(self.device), "dtype": str(self.dtype).split(".")[-1],
+                "format": self.weights_format, "device": str(self.device), "dtype": self.dtype_name,
                 "files": {fmt: entry.sha256 for fmt, entry in m.files.items()}, "metrics": m.metrics,
                 "source": m.source, "warmed_batch_sizes": self.warmed_batch_sizes}

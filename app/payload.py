@@ -49,7 +49,13 @@ def _decode_base64(text: str, position: int) -> bytes:
         raise InvalidBase64(f"images[{position}] is not valid base64") from None
 
 
-def _from_json(request: Request, default_top_k: int, num_classes: int) -> PredictInput:
+def _check_count(count: int, max_images: int) -> None:
+    # Counted before any image is decoded or read, so an over-long request costs no base64 or file work.
+    if count > max_images:
+        raise TooManyImages(f"{count} images in one request; the limit is {max_images}")
+
+
+def _from_json(request: Request, default_top_k: int, num_classes: int, max_images: int) -> PredictInput:
     try:
         body = json.loads(request.get_data())
     except (ValueError, UnicodeDecodeError) as exc:
@@ -62,13 +68,15 @@ def _from_json(request: Request, default_top_k: int, num_classes: int) -> Predic
     query_top_k = request.args.get("top_k")
     raw_top_k = parsed.top_k if parsed.top_k is not None else query_top_k
     top_k = _parse_top_k(raw_top_k, default_top_k, num_classes, "body" if parsed.top_k is not None else "query")
+    _check_count(len(parsed.images), max_images)
     return PredictInput([_decode_base64(s, i) for i, s in enumerate(parsed.images)], top_k)
 
 
-def _from_multipart(request: Request) -> list[bytes]:
+def _from_multipart(request: Request, max_images: int) -> list[bytes]:
     files = request.files.getlist(IMAGE_FIELD)
     if not files:
         raise BadRequest(f"multipart body has no {IMAGE_FIELD!r} file field")
+    _check_count(len(files), max_images)
     return [f.read() for f in files]
 
 
@@ -76,19 +84,15 @@ def parse_predict(request: Request, *, default_top_k: int, num_classes: int, max
     """Images and top_k from a multipart, raw-bytes or JSON request; raises a ServiceError on bad input."""
     mimetype = request.mimetype
     if mimetype == "application/json":
-        parsed = _from_json(request, default_top_k, num_classes)
+        return _from_json(request, default_top_k, num_classes, max_images)
+    if mimetype == "multipart/form-data":
+        images = _from_multipart(request, max_images)
+        raw_top_k = request.form.get("top_k", request.args.get("top_k"))
+    elif mimetype.startswith("image/") or mimetype in RAW_TYPES:
+        images = [request.get_data()]
+        raw_top_k = request.args.get("top_k")
     else:
-        if mimetype == "multipart/form-data":
-            images = _from_multipart(request)
-            raw_top_k = request.form.get("top_k", request.args.get("top_k"))
-        elif mimetype.startswith("image/") or mimetype in RAW_TYPES:
-            images = [request.get_data()]
-            raw_top_k = request.args.get("top_k")
-        else:
-            raise UnsupportedMediaType(
-                f"content type {mimetype or '(none)'!r} is not supported; send multipart/form-data with an "
-                f"{IMAGE_FIELD!r} field, a raw image body (image/* or application/octet-stream), or JSON")
-        parsed = PredictInput(images, _parse_top_k(raw_top_k, default_top_k, num_classes, "parameter"))
-    if len(parsed.images) > max_images:
-        raise TooManyImages(f"{len(parsed.images)} images in one request; the limit is {max_images}")
-    return parsed
+        raise UnsupportedMediaType(
+            f"content type {mimetype or '(none)'!r} is not supported; send multipart/form-data with an "
+            f"{IMAGE_FIELD!r} field, a raw image body (image/* or application/octet-stream), or JSON")
+    return PredictInput(images, _parse_top_k(raw_top_k, default_top_k, num_classes, "parameter"))

@@ -149,7 +149,7 @@ def healthz() -> tuple[Response, int]:
 def readyz() -> tuple[Response, int]:
     """Readiness: model loaded, every batch size warmed up, canary passed, not draining."""
     service = _service()
-    checks = {"model_loaded": True, "warmed_up": service._ready.is_set(),
+    checks = {"model_loaded": True, "warmed_up": service.warmed_up,
               "batcher_thread": service.batcher.is_alive(), "accepting": not service.draining}
     return _health(service.ready, checks, "ready", "not_ready")
 

@@ -50,9 +50,14 @@ class Service:
             predictor.warmup(settings.max_batch_size)
         predictor.canary()
         MODEL_INFO.labels(predictor.manifest.name, predictor.manifest.version, str(predictor.device),
-                          str(predictor.dtype).removeprefix("torch.")).set(1)
+                          predictor.dtype_name).set(1)
         service._ready.set()
         return service
+
+    @property
+    def warmed_up(self) -> bool:
+        """Warm-up and canary have passed."""
+        return self._ready.is_set()
 
     @property
     def ready(self) -> bool:
@@ -87,13 +92,9 @@ class Service:
         futures = self.batcher.submit_many(tensors, deadline=deadline)
         try:
             return [f.result(timeout=max(0.0, deadline - time.monotonic())) for f in futures]
-        except FutureTimeout:
+        except (FutureTimeout, DeadlineExpired):
             for f in futures:
                 f.cancel()  # still queued ones are dropped before they cost a forward pass
-            raise DeadlineExceeded(f"no inference result within {timeout_s:g}s") from None
-        except DeadlineExpired as exc:
-            for f in futures:
-                f.cancel()
-            raise DeadlineExceeded(f"the request's {timeout_s:g}s deadline passed in the queue") from exc
+            raise DeadlineExceeded(f"no inference result within the request's {timeout_s:g}s deadline") from None
         except Exception as exc:
             raise InferenceFailed(f"inference failed for this batch: {type(exc).__name__}") from exc

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from app.config import Settings
+from bench.photos import photo
 from app.inference import ModelLoadError, Predictor, resolve_device, resolve_dtype
 from tests.fakes import ColourModel, tiny_manifest
 
@@ -68,15 +69,9 @@ def test_cuda_matches_cpu(real_weights: Path, dtype: torch.dtype, atol: float) -
     cpu = Predictor.load(real_weights, device="cpu")
     name = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
     gpu = Predictor.load(real_weights, device="cuda", dtype=name)
-    batch = torch.stack([cpu.transform(_photo(n)) for n in ("chelsea", "coffee")])
+    batch = torch.stack([cpu.transform(photo(n)) for n in ("chelsea", "coffee")])
     expected, got = cpu.predict_batch(batch), gpu.predict_batch(batch)
     assert got.device.type == "cpu" and got.dtype == torch.float32
     assert got.argmax(1).tolist() == expected.argmax(1).tolist()
     assert torch.allclose(got, expected, atol=atol)
 
-
-def _photo(name: str):  # noqa: ANN202
-    import skimage.data
-    from PIL import Image
-
-    return Image.fromarray(getattr(skimage.data, name)())

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import skimage.data
 import torch
 from flask import Flask
 from PIL import Image
@@ -17,6 +16,7 @@ from models.manifest import read_manifest
 from models.pretrained import lite0_weights_path, rename_lite0_keys
 from models.presets import eval_transform, to_rgb
 from models.registry import build_model
+from bench.photos import photo
 from tests.imaging import encode
 
 pytestmark = pytest.mark.slow
@@ -26,12 +26,8 @@ CATS = {281: "tabby", 282: "tiger cat", 283: "Persian cat", 284: "Siamese cat", 
 COFFEE = {967: "espresso", 968: "cup", 504: "coffee mug"}
 
 
-def _photo(name: str) -> Image.Image:
-    return Image.fromarray(getattr(skimage.data, name)())
-
-
 def _photo_jpeg(name: str) -> bytes:
-    return encode(_photo(name), "JPEG", quality=95)
+    return encode(photo(name), "JPEG", quality=95)
 
 
 def test_package_weights_load_with_no_missing_or_unexpected_keys() -> None:
@@ -89,7 +85,7 @@ def test_served_predictions_equal_offline_inference(real_app: Flask, real_weight
 def test_torchscript_and_state_dict_give_the_same_outputs(real_weights: Path) -> None:
     scripted = Predictor.load(real_weights, weights_format="torchscript", device="cpu")
     eager = Predictor.load(real_weights, weights_format="state_dict", device="cpu")
-    batch = torch.stack([scripted.transform(_photo(n).convert("RGB")) for n in ("chelsea", "coffee")])
+    batch = torch.stack([scripted.transform(photo(n)) for n in ("chelsea", "coffee")])
     assert torch.allclose(scripted.predict_batch(batch), eager.predict_batch(batch), atol=1e-6)
 
 
