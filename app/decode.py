@@ -2,20 +2,15 @@
 from __future__ import annotations
 
 import io
-import logging
 import warnings
 from dataclasses import dataclass
 
 import torch
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, UnidentifiedImageError
 
 from app.errors import ImageTooLarge, InvalidImage, UnsupportedImageFormat
-from models.presets import ImageTransform, to_rgb
+from models.presets import IMAGE_FORMATS, ImageTransform, upright_rgb
 
-log = logging.getLogger(__name__)
-
-# MPO is what many cameras write: a JPEG with extra frames. GIF and WebP may be animated: we use the first frame.
-ACCEPTED_FORMATS = frozenset({"JPEG", "MPO", "PNG", "WEBP", "BMP", "GIF"})
 _JPEG_FORMATS = frozenset({"JPEG", "MPO"})
 
 # Our max_pixels check reads the size from the header and refuses before any pixel is decoded, so PIL's own
@@ -46,9 +41,9 @@ def _open(data: bytes) -> Image.Image:
 
 
 def _check_header(image: Image.Image, limits: DecodeLimits) -> None:
-    if image.format not in ACCEPTED_FORMATS:
+    if image.format not in IMAGE_FORMATS:
         raise UnsupportedImageFormat(
-            f"image format {image.format} is not supported; send one of {', '.join(sorted(ACCEPTED_FORMATS))}")
+            f"image format {image.format} is not supported; send one of {', '.join(sorted(IMAGE_FORMATS))}")
     width, height = image.size
     if width <= 0 or height <= 0:
         raise InvalidImage(f"the image has no pixels ({width}x{height})")
@@ -57,14 +52,6 @@ def _check_header(image: Image.Image, limits: DecodeLimits) -> None:
                             f"the limit is {limits.max_pixels}")
     if max(width, height) / min(width, height) > limits.max_aspect_ratio:
         raise InvalidImage(f"the image is {width}x{height}; its aspect ratio is over {limits.max_aspect_ratio:g}")
-
-
-def _apply_exif_orientation(image: Image.Image) -> Image.Image:
-    try:
-        return ImageOps.exif_transpose(image)
-    except Exception:  # noqa: BLE001 - a broken EXIF block should not lose an otherwise good photo
-        log.debug("ignoring unreadable EXIF orientation", exc_info=True)
-        return image
 
 
 def decode_image(data: bytes, limits: DecodeLimits) -> Image.Image:
@@ -77,8 +64,7 @@ def decode_image(data: bytes, limits: DecodeLimits) -> Image.Image:
             side = limits.jpeg_draft_min_side
             image.draft(image.mode, (side, side))
         image.load()
-        image = _apply_exif_orientation(image)
-        return to_rgb(image)
+        return upright_rgb(image)
     except Exception as exc:  # noqa: BLE001 - truncated or corrupt pixel data, in whichever codec
         raise InvalidImage(f"the image data is corrupt or truncated: {exc}") from exc
 

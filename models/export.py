@@ -1,12 +1,14 @@
 """Write a model into a weights directory: TorchScript file, state dict and ``manifest.json``.
 
-    python -m models.export --default --out weights          # the bundled EfficientNet-Lite0 (ImageNet)
+    python -m models.export --default --out weights                          # the bundled Lite0 (ImageNet)
+    python -m models.export --checkpoint runs/NAME/best.pt --out weights     # a model from models.train
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import logging
+import sys
 import warnings
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -92,22 +94,52 @@ def export_default(out_dir: Path) -> Manifest:
     )
 
 
+def export_checkpoint(path: Path, out_dir: Path, *, name: str | None = None,
+                      version: str | None = None) -> Manifest:
+    """Export a ``models.train`` checkpoint with its classes, eval transform and validation metrics."""
+    from models.checkpoint import load_checkpoint
+    from models.registry import build_model
+
+    state = load_checkpoint(path)
+    model = build_model(state["arch"], len(state["classes"]))
+    model.load_state_dict(state["model"], strict=True)
+    metrics = {key: float(value) for key, value in state["metrics"].items() if key.startswith("val_")}
+    run_name = Path(str(state["args"]["output_dir"])).name
+    epoch = int(state["epoch"])
+    manifest = export_model(
+        model, out_dir=out_dir, name=name or run_name, version=version or f"epoch-{epoch}", arch=state["arch"],
+        labels=state["classes"], preset=EvalPreset.model_validate(state["preset"]), metrics=metrics,
+        source=f"models.train checkpoint {path.name} of run {run_name}, epoch {epoch}",
+    )
+    log.info("exported %s (val top-1 %.4f) to %s", path, metrics.get("val_acc1", float("nan")), out_dir)
+    return manifest
+
+
 def get_args_parser() -> argparse.ArgumentParser:
     """Command-line options of the exporter."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--default", action="store_true", help="export the bundled EfficientNet-Lite0 (ImageNet)")
+    source.add_argument("--checkpoint", type=Path, help="a checkpoint written by models.train (e.g. best.pt)")
     parser.add_argument("--out", type=Path, default=Path("weights"), help="weights directory to write")
+    parser.add_argument("--name", default=None, help="model name (default: the run's folder name)")
+    parser.add_argument("--version", default=None, help="model version (default: epoch-N)")
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point for ``python -m models.export``."""
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point for ``python -m models.export``; returns the exit code."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = get_args_parser().parse_args(argv)
-    manifest = export_default(args.out)
+    try:
+        manifest = (export_checkpoint(args.checkpoint, args.out, name=args.name, version=args.version)
+                    if args.checkpoint else export_default(args.out))
+    except FileNotFoundError as exc:
+        log.error("error: %s", exc)
+        return 2
     log.info("wrote %s %s (%d classes) to %s", manifest.name, manifest.version, manifest.num_classes, args.out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,11 +1,12 @@
 """Train and eval transforms. The eval transform is the one the server runs and ``evaluate()`` runs."""
 from __future__ import annotations
 
+import logging
 from typing import Callable, Literal
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 from pydantic import BaseModel, ConfigDict, Field
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import v2 as T
@@ -14,6 +15,12 @@ Interpolation = Literal["nearest", "bilinear", "bicubic", "lanczos"]
 ImageTransform = Callable[[Image.Image], torch.Tensor]
 
 _ALPHA_BACKGROUND = (255, 255, 255)
+
+# The image formats the server accepts and training reads. MPO is what many cameras write: a JPEG with extra
+# frames. GIF and WebP may be animated: the first frame is used.
+IMAGE_FORMATS = frozenset({"JPEG", "MPO", "PNG", "WEBP", "BMP", "GIF"})
+
+log = logging.getLogger(__name__)
 
 
 class EvalPreset(BaseModel):
@@ -54,6 +61,15 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
+def upright_rgb(image: Image.Image) -> Image.Image:
+    """A loaded image, turned upright by its EXIF orientation, as RGB: what both the server and training see."""
+    try:
+        image = ImageOps.exif_transpose(image)
+    except Exception:  # noqa: BLE001 - a broken EXIF block should not lose an otherwise good photo
+        log.debug("ignoring unreadable EXIF orientation", exc_info=True)
+    return to_rgb(image)
+
+
 def _interpolation(name: Interpolation) -> InterpolationMode:
     return InterpolationMode(name)
 
@@ -69,10 +85,17 @@ def eval_transform(preset: EvalPreset) -> ImageTransform:
     ])
 
 
-def train_transform(preset: EvalPreset, hflip_prob: float = 0.5) -> ImageTransform:
-    """Augmenting transform for training: random resized crop and flip, then the eval scaling and normalisation."""
+def train_transform(preset: EvalPreset, hflip_prob: float = 0.5, min_crop_scale: float = 0.08) -> ImageTransform:
+    """Augmenting transform for training: random resized crop and flip, then the eval scaling and normalisation.
+
+    ``min_crop_scale`` is the smallest crop area as a fraction of the image (torchvision's default 0.08 suits
+    photos; centred subjects such as digits want more, and no flip).
+    """
+    if not 0 < min_crop_scale <= 1:
+        raise ValueError(f"min_crop_scale must be in (0, 1], got {min_crop_scale}")
     return T.Compose([
-        T.RandomResizedCrop(preset.crop_size, interpolation=_interpolation(preset.interpolation), antialias=True),
+        T.RandomResizedCrop(preset.crop_size, scale=(min_crop_scale, 1.0),
+                            interpolation=_interpolation(preset.interpolation), antialias=True),
         T.RandomHorizontalFlip(hflip_prob),
         T.PILToTensor(),
         T.ToDtype(torch.float32, scale=True),

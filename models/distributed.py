@@ -1,0 +1,74 @@
+"""The torchrun environment: one process per device, rank 0 writes, metrics summed across ranks."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job. A plain ``python -m`` run is rank 0 of 1."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        """Only rank 0 writes checkpoints, logs and progress bars."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        """True under torchrun with more than one process."""
+        return self.world_size > 1
+
+
+def env_from_torchrun() -> DistEnv:
+    """Read the variables torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE); defaults describe a single process."""
+    return DistEnv(rank=int(os.environ.get("RANK", 0)), local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+                   world_size=int(os.environ.get("WORLD_SIZE", 1)))
+
+
+def pick_device(requested: str, env: DistEnv) -> torch.device:
+    """``auto`` is this rank's GPU when there is one, else the CPU; ``cuda`` without a GPU is an error."""
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but no CUDA device is available")
+    return torch.device("cuda", env.local_rank % torch.cuda.device_count())
+
+
+def init_process_group(env: DistEnv, device: torch.device) -> None:
+    """NCCL between GPUs, gloo between CPU processes; a no-op for a single process."""
+    if not env.distributed:
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+
+
+def destroy_process_group(env: DistEnv) -> None:
+    """Leave the process group so torchrun sees a clean exit."""
+    if env.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def sum_across_ranks(values: list[float], device: torch.device, env: DistEnv) -> list[float]:
+    """Sum each value over all ranks (counts and loss totals, so that means stay exact with uneven shards)."""
+    if not env.distributed:
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def barrier(env: DistEnv) -> None:
+    """Wait for every rank (e.g. until rank 0 has written a checkpoint)."""
+    if env.distributed:
+        dist.barrier()

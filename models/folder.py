@@ -1,0 +1,143 @@
+"""Image folders for training: ``DIR/train/<class>/*`` and ``DIR/val/<class>/*``, checked before training starts."""
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence, Union
+
+import torch
+from PIL import Image
+from torch.utils.data import Dataset, DistributedSampler, Sampler
+
+from models.presets import IMAGE_FORMATS, ImageTransform, upright_rgb
+
+log = logging.getLogger(__name__)
+
+Sample = tuple[Path, int]
+# A training sample is addressed as (epoch, index) so that its augmentation can be seeded from both.
+SampleKey = Union[int, tuple[int, int]]
+
+
+class DataError(ValueError):
+    """A mistake in the dataset the user gave us: reported as one clear line, never a traceback."""
+
+
+@dataclass(frozen=True)
+class Split:
+    """One split of an image folder: class names in index order, readable samples, and what was skipped."""
+
+    root: Path
+    classes: list[str]
+    samples: list[Sample]
+    skipped: list[tuple[Path, str]]
+
+
+def _unreadable_reason(path: Path) -> str | None:
+    """None when PIL decodes the file in a format the server accepts; else why not."""
+    try:
+        with Image.open(path) as image:
+            if image.format not in IMAGE_FORMATS:
+                return f"format {image.format} is not one the server accepts"
+            # A reduced-scale JPEG decode still reads the whole file, so truncation shows, at a fraction of the cost.
+            image.draft("RGB", (64, 64))
+            image.load()
+    except Exception as exc:  # noqa: BLE001 - PIL raises many types on broken files
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _class_dirs(root: Path) -> list[Path]:
+    if not root.is_dir():
+        raise DataError(f"{root} is not a directory; expected {root}/<class name>/<images>")
+    dirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not dirs:
+        raise DataError(f"{root} has no class folders; expected {root}/<class name>/<images>")
+    return dirs
+
+
+def _files(class_dir: Path) -> list[Path]:
+    return sorted(p for p in class_dir.rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
+def scan_split(root: Path, workers: int = 4) -> Split:
+    """List and decode-check every file under ``root/<class>/``; raise DataError for layouts we cannot train on."""
+    class_dirs = _class_dirs(root)
+    candidates = [(path, index) for index, class_dir in enumerate(class_dirs) for path in _files(class_dir)]
+    # PIL releases the GIL while decoding, so threads check files in parallel.
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        reasons = list(pool.map(_unreadable_reason, [path for path, _ in candidates]))
+    samples = [sample for sample, reason in zip(candidates, reasons) if reason is None]
+    skipped = [(path, reason) for (path, _), reason in zip(candidates, reasons) if reason is not None]
+    for path, reason in skipped:
+        log.warning("skipping unreadable image %s (%s)", path, reason)
+    counts = [0] * len(class_dirs)
+    for _, index in samples:
+        counts[index] += 1
+    empty = [class_dir.name for class_dir, count in zip(class_dirs, counts) if count == 0]
+    if empty:
+        raise DataError(f"class folder(s) with no readable images in {root}: {', '.join(empty)}")
+    return Split(root=root, classes=[d.name for d in class_dirs], samples=samples, skipped=skipped)
+
+
+def check_same_classes(train: Split, val: Split) -> None:
+    """Train and val must name the same classes, or the labels would mean different things."""
+    if train.classes == val.classes:
+        return
+    only_train = sorted(set(train.classes) - set(val.classes))
+    only_val = sorted(set(val.classes) - set(train.classes))
+    raise DataError(f"train and val have different classes: only in train: {only_train or '-'}; "
+                    f"only in val: {only_val or '-'}")
+
+
+def load_image(path: Path) -> Image.Image:
+    """Read one file the way the server reads an upload: fully decoded, upright by EXIF, RGB."""
+    with Image.open(path) as image:
+        image.load()
+        return upright_rgb(image)
+
+
+class FolderDataset(Dataset):
+    """Samples of one split through a transform; augmentation is seeded per (seed, epoch, index).
+
+    Seeding per sample makes a run reproducible whatever the number of DataLoader workers or DDP ranks, and a
+    resumed run sees exactly the augmentations an uninterrupted one would have.
+    """
+
+    def __init__(self, samples: Sequence[Sample], transform: ImageTransform, seed: int = 0) -> None:
+        self.samples = list(samples)
+        self.transform = transform
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, key: SampleKey) -> tuple[torch.Tensor, int]:
+        epoch, index = key if isinstance(key, tuple) else (0, key)
+        path, target = self.samples[index]
+        image = load_image(path)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed((self.seed * 1_000_003 + epoch) * 10_000_019 + index)
+            return self.transform(image), target
+
+
+class EpochSampler(DistributedSampler):
+    """torch's DistributedSampler (shard, shuffle by seed + epoch, ``set_epoch``), yielding (epoch, index) keys."""
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
+        epoch = self.epoch
+        return ((epoch, index) for index in super().__iter__())
+
+
+class ShardSampler(Sampler[int]):
+    """Every ``world_size``-th index from ``rank``, in order and without padding: exact metrics once reduced."""
+
+    def __init__(self, length: int, rank: int, world_size: int) -> None:
+        self.indices = list(range(rank, length, world_size))
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)

@@ -1,0 +1,59 @@
+"""The trainable model, its optimiser and learning-rate schedule, from the training options."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn as nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from models.registry import build_model, build_pretrained, head_of
+
+
+def build_trainable(args: argparse.Namespace, num_classes: int, device: torch.device) -> nn.Module:
+    """``args.arch`` with a ``num_classes`` head: from the packaged ImageNet weights or from scratch."""
+    model = build_pretrained(args.arch, num_classes) if args.pretrained else build_model(args.arch, num_classes)
+    if args.freeze_backbone:
+        head = set(map(id, head_of(model).parameters()))
+        for param in model.parameters():
+            param.requires_grad_(id(param) in head)
+    if args.sync_bn:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    return model.to(device, memory_format=memory_format)
+
+
+def set_train_mode(model: nn.Module, freeze_bn: bool) -> None:
+    """Training mode, except that frozen BatchNorm layers keep using (and keeping) their running statistics.
+
+    Freezing them suits a frozen backbone (its statistics came from ImageNet) and tiny per-device batches, whose
+    batch statistics are noise.
+    """
+    model.train()
+    if freeze_bn:
+        for module in model.modules():
+            if isinstance(module, _BatchNorm):
+                module.eval()
+
+
+def make_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+    """SGD (momentum) or AdamW; the backbone learns at ``lr * backbone_lr_scale``, the new head at ``lr``."""
+    head = list(head_of(model).parameters())
+    head_ids = set(map(id, head))
+    backbone = [p for p in model.parameters() if p.requires_grad and id(p) not in head_ids]
+    groups = [{"params": head, "lr": args.lr}]
+    if backbone:
+        groups.append({"params": backbone, "lr": args.lr * args.backbone_lr_scale})
+    if args.opt == "adamw":
+        return torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay)
+    return torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, args: argparse.Namespace) -> torch.optim.lr_scheduler.LRScheduler:
+    """Cosine decay over the epochs, after an optional linear warm-up; stepped once per epoch."""
+    warmup = min(args.lr_warmup_epochs, max(args.epochs - 1, 0))
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(args.epochs - warmup, 1))
+    if not warmup:
+        return cosine
+    ramp = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=warmup)
+    return torch.optim.lr_scheduler.SequentialLR(optimizer, [ramp, cosine], milestones=[warmup])

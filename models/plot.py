@@ -1,0 +1,58 @@
+"""Draw a run's loss and accuracy curves from its metrics file.
+
+    python -m models.plot runs/NAME          # writes runs/NAME/curves.png
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from models.runlog import METRICS_NAME, read_metrics
+
+PLOT_NAME = "curves.png"
+
+
+def plot_run(run_dir: Path, out: Path | None = None) -> Path:
+    """Loss (train, val) and top-1/top-5 accuracy per epoch, side by side, saved as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on servers and CI
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    epochs = [row["epoch"] for row in rows]
+    figure, (loss_axes, acc_axes) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
+    for key, label in (("train_loss", "train"), ("val_loss", "val")):
+        loss_axes.plot(epochs, [row[key] for row in rows], marker="o", label=label)
+    for key, label in (("train_acc1", "train top-1"), ("val_acc1", "val top-1"), ("val_acc5", "val top-5")):
+        acc_axes.plot(epochs, [row[key] for row in rows], marker="o", label=label)
+    loss_axes.set(title="loss", xlabel="epoch")
+    acc_axes.set(title="accuracy", xlabel="epoch", ylim=(0, 1.02))
+    for axes in (loss_axes, acc_axes):
+        axes.grid(alpha=0.3)
+        axes.legend()
+    figure.suptitle(run_dir.name)
+    target = out or run_dir / PLOT_NAME
+    figure.savefig(target, dpi=100)
+    plt.close(figure)
+    return target
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point for ``python -m models.plot RUN_DIR``."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--out", type=Path, default=None, help=f"PNG to write (default RUN_DIR/{PLOT_NAME})")
+    args = parser.parse_args(argv)
+    if not (args.run_dir / METRICS_NAME).is_file():
+        print(f"error: {args.run_dir / METRICS_NAME} does not exist; is {args.run_dir} a training run?",
+              file=sys.stderr)
+        return 2
+    print(plot_run(args.run_dir, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

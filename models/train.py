@@ -1,0 +1,248 @@
+"""Train or fine-tune a classifier on an image folder; the result is served by ``app/`` unchanged.
+
+    python -m models.train --data data/digits --arch resnet18 --epochs 8 --output-dir runs/digits
+    torchrun --nproc_per_node=2 -m models.train --data DIR ...        # DDP: NCCL on GPUs, gloo on CPUs
+
+``DIR`` holds ``train/<class>/*`` and ``val/<class>/*``. Each epoch writes ``checkpoint.pt`` (and ``best.pt`` when
+val top-1 improved) and a line of ``metrics.jsonl`` in ``--output-dir``; ``--resume`` continues a stopped run.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from models import checkpoint as ckpt
+from models.amp import autocast, backward_and_step, check_amp, make_scaler
+from models.distributed import (DistEnv, barrier, destroy_process_group, env_from_torchrun, init_process_group,
+                                pick_device, sum_across_ranks)
+from models.folder import DataError, EpochSampler, FolderDataset, ShardSampler, check_same_classes, scan_split
+from models.optim import build_trainable, make_optimizer, make_scheduler, set_train_mode
+from models.presets import EvalPreset, eval_transform, train_transform
+from models.registry import ARCHS, pretrained_preset
+from models.train_args import get_args_parser
+
+log = logging.getLogger("models.train")
+
+
+@dataclass
+class Data:
+    """The loaders of one run and the class names they index."""
+
+    train: DataLoader
+    val: DataLoader
+    train_sampler: EpochSampler
+    classes: list[str]
+    val_files: list[Path]
+
+
+@dataclass
+class EvalResult:
+    """Validation metrics over all ranks, and this rank's softmax outputs in its sample order."""
+
+    loss: float
+    acc1: float
+    acc5: float
+    count: int
+    probabilities: torch.Tensor
+    indices: list[int]
+
+
+def make_preset(args: argparse.Namespace) -> EvalPreset:
+    """The pretrained weights' normalisation, or ImageNet's; sizes and interpolation from the options."""
+    base = pretrained_preset(args.arch) if args.pretrained else EvalPreset(resize_size=256, crop_size=224)
+    sizes = {"resize_size": args.resize_size, "crop_size": args.crop_size, "interpolation": args.interpolation}
+    return base.model_copy(update={key: value for key, value in sizes.items() if value is not None})
+
+
+def load_data(args: argparse.Namespace, preset: EvalPreset, env: DistEnv, device: torch.device) -> Data:
+    """Check both splits, then build sharded loaders (every rank scans: the result is the same everywhere)."""
+    train_split = scan_split(args.data / "train", workers=max(4, args.workers))
+    val_split = scan_split(args.data / "val", workers=max(4, args.workers))
+    check_same_classes(train_split, val_split)
+    skipped = len(train_split.skipped) + len(val_split.skipped)
+    if skipped and env.is_main:
+        log.warning("skipped %d unreadable file(s); training on %d, validating on %d",
+                    skipped, len(train_split.samples), len(val_split.samples))
+    train_set = FolderDataset(train_split.samples, train_transform(preset, args.hflip_prob, args.min_crop_scale),
+                              seed=args.seed)
+    val_set = FolderDataset(val_split.samples, eval_transform(preset))
+    sampler = EpochSampler(train_set, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=args.seed)
+    workers = {"num_workers": args.workers, "pin_memory": device.type == "cuda",
+               "persistent_workers": args.workers > 0, "prefetch_factor": args.prefetch if args.workers else None}
+    # The loader's own generator keeps worker start-up from consuming the global RNG (which dropout uses).
+    train = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
+                       generator=torch.Generator().manual_seed(args.seed), **workers)
+    val = DataLoader(val_set, batch_size=args.batch_size,
+                     sampler=ShardSampler(len(val_set), env.rank, env.world_size), **workers)
+    return Data(train, val, sampler, train_split.classes, [path for path, _ in val_split.samples])
+
+
+def train_one_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer,
+                    scaler: torch.amp.GradScaler | None, device: torch.device, epoch: int,
+                    args: argparse.Namespace, env: DistEnv) -> dict[str, float]:
+    """One pass over this rank's shard; returns loss, top-1 and images/s over all ranks."""
+    set_train_mode(model, args.freeze_bn or args.freeze_backbone)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    correct = torch.zeros((), device=device, dtype=torch.int64)
+    seen, start = 0, time.perf_counter()
+    bar = tqdm(loader, desc=f"epoch {epoch}", unit="batch", disable=not env.is_main, leave=False, mininterval=1.0)
+    for step, (images, targets) in enumerate(bar):
+        images = images.to(device, non_blocking=True, memory_format=memory_format)
+        targets = targets.to(device, non_blocking=True)
+        with autocast(device, args.amp_dtype if args.amp else None):
+            logits = model(images)
+            loss = F.cross_entropy(logits, targets, label_smoothing=args.label_smoothing)
+        backward_and_step(loss, optimizer, scaler=scaler, parameters=trainable, clip_grad_norm=args.clip_grad_norm)
+        # Accumulate on the device: a .item() per step would stall the GPU queue.
+        loss_sum += loss.detach().double() * len(targets)
+        correct += (logits.detach().argmax(1) == targets).sum()
+        seen += len(targets)
+        if step % 20 == 0 and env.is_main:
+            bar.set_postfix(loss=f"{loss.item():.4f}", lr=f"{optimizer.param_groups[0]['lr']:.3g}")
+    elapsed = time.perf_counter() - start
+    total_loss, total_correct, total_seen, slowest = sum_across_ranks(
+        [loss_sum.item(), float(correct.item()), float(seen), elapsed], device, env)
+    if not math.isfinite(total_loss):
+        raise DataError(f"the training loss became {total_loss} in epoch {epoch}; lower --lr or use --clip-grad-norm")
+    # Ranks run in lock-step, so the job's wall time is about the mean of the ranks' times.
+    wall = slowest / env.world_size
+    return {"train_loss": total_loss / total_seen, "train_acc1": total_correct / total_seen,
+            "images_per_s": total_seen / wall if wall else 0.0}
+
+
+@torch.inference_mode()
+def evaluate(model: nn.Module, loader: DataLoader, device: torch.device, env: DistEnv) -> EvalResult:
+    """Validation the way the server predicts: eval mode, fp32, the shared eval transform."""
+    model.eval()
+    num_classes, loss_sum, top1, top5 = 0, 0.0, 0, 0
+    outputs: list[torch.Tensor] = []
+    for images, targets in loader:
+        images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        logits = model(images).float()
+        num_classes = logits.shape[1]
+        loss_sum += F.cross_entropy(logits, targets, reduction="sum").item()
+        ranked = logits.topk(min(5, num_classes), dim=1).indices
+        top1 += (ranked[:, 0] == targets).sum().item()
+        top5 += (ranked == targets[:, None]).any(dim=1).sum().item()
+        outputs.append(logits.softmax(dim=1).cpu())
+    loss_sum, top1, top5, count = sum_across_ranks([loss_sum, top1, top5, sum(len(o) for o in outputs)], device, env)
+    count = max(int(count), 1)
+    return EvalResult(loss=loss_sum / count, acc1=top1 / count, acc5=top5 / count, count=count,
+                      probabilities=torch.cat(outputs) if outputs else torch.empty(0),
+                      indices=list(loader.sampler))
+
+
+def _checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: object,
+                      scaler: torch.amp.GradScaler | None, epoch: int, best_acc1: float, args: argparse.Namespace,
+                      data: Data, preset: EvalPreset, metrics: dict[str, float]) -> dict[str, object]:
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "lr_scheduler": scheduler.state_dict(),  # type: ignore[attr-defined]
+            "scaler": scaler.state_dict() if scaler else None, "epoch": epoch, "best_acc1": best_acc1,
+            "args": ckpt.plain_args(args), "arch": args.arch, "classes": data.classes,
+            "preset": preset.model_dump(), "metrics": metrics, "rng": ckpt.rng_state()}
+
+
+def _resume(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: object,
+            scaler: torch.amp.GradScaler | None, args: argparse.Namespace, classes: list[str]) -> tuple[int, float]:
+    state = ckpt.load_checkpoint(path)
+    if state["arch"] != args.arch or state["classes"] != classes:
+        raise DataError(f"{path} was trained as {state['arch']} on classes {state['classes']}, "
+                        f"not {args.arch} on {classes}")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["lr_scheduler"])  # type: ignore[attr-defined]
+    if scaler is not None and state["scaler"] is not None:
+        scaler.load_state_dict(state["scaler"])
+    ckpt.set_rng_state(state["rng"])
+    return int(state["epoch"]) + 1, float(state["best_acc1"])
+
+
+def _setup(args: argparse.Namespace, env: DistEnv) -> tuple[torch.device, EvalPreset]:
+    """Refuse option combinations that cannot work, as user errors rather than tracebacks."""
+    try:
+        device = pick_device(args.device, env)
+        check_amp(device, args.amp_dtype if args.amp else None)
+        if args.sync_bn and device.type != "cuda":
+            raise ValueError("--sync-bn needs CUDA (torch's SyncBatchNorm runs on GPUs); use --freeze-bn on CPU")
+        return device, make_preset(args)
+    except ValueError as exc:
+        raise DataError(str(exc)) from None
+
+
+def run(args: argparse.Namespace, env: DistEnv, device: torch.device, preset: EvalPreset) -> None:
+    """Train ``args.epochs`` epochs (from a checkpoint when resuming), then optionally export and plot."""
+    from models.export import export_checkpoint
+    from models.runlog import RunLog
+
+    torch.manual_seed(args.seed)
+    data = load_data(args, preset, env, device)
+    model = model_without_ddp = build_trainable(args, len(data.classes), device)
+    if env.distributed:
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+    optimizer, scaler = make_optimizer(model_without_ddp, args), make_scaler(device, args.amp_dtype if args.amp else None)
+    scheduler = make_scheduler(optimizer, args)
+    start, best = 0, -1.0
+    if args.resume:
+        start, best = _resume(args.resume, model_without_ddp, optimizer, scheduler, scaler, args, data.classes)
+        log.info("resumed from %s at epoch %d", args.resume, start)
+    if env.is_main:
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+    runlog = RunLog(args.output_dir, enabled=env.is_main)
+    for epoch in range(start, args.epochs):
+        data.train_sampler.set_epoch(epoch)
+        lr = optimizer.param_groups[0]["lr"]
+        row = train_one_epoch(model, data.train, optimizer, scaler, device, epoch, args, env)
+        scheduler.step()
+        result = evaluate(model_without_ddp, data.val, device, env)
+        row = {"epoch": epoch, "lr": lr, **row, "val_loss": result.loss, "val_acc1": result.acc1,
+               "val_acc5": result.acc5}
+        is_best, best = result.acc1 > best, max(best, result.acc1)
+        if env.is_main:
+            ckpt.save_checkpoint(_checkpoint_state(model_without_ddp, optimizer, scheduler, scaler, epoch, best,
+                                                   args, data, preset, row), args.output_dir, is_best=is_best)
+            runlog.epoch(row)
+            log.info("epoch %d: loss %.4f  val top-1 %.4f  top-5 %.4f  %.0f img/s", epoch, row["train_loss"],
+                     result.acc1, result.acc5, row["images_per_s"])
+        barrier(env)
+    runlog.close()
+    if env.is_main and args.export:
+        export_checkpoint(args.output_dir / ckpt.BEST_NAME, args.export, name=args.name)
+    if env.is_main and args.plot:
+        from models.plot import plot_run
+        log.info("wrote %s", plot_run(args.output_dir))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point for ``python -m models.train`` and torchrun; returns the process exit code."""
+    args = get_args_parser(ARCHS, __doc__ or "").parse_args(argv)
+    env = env_from_torchrun()
+    logging.basicConfig(level=logging.INFO if env.is_main else logging.WARNING,
+                        format=f"%(asctime)s rank{env.rank} %(levelname)s %(message)s")
+    try:
+        device, preset = _setup(args, env)
+        init_process_group(env, device)
+        run(args, env, device, preset)
+    except (DataError, FileNotFoundError) as exc:
+        log.error("error: %s", exc)
+        return 2
+    finally:
+        destroy_process_group(env)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

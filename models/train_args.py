@@ -1,0 +1,62 @@
+"""The options of ``python -m models.train`` (kept apart so the training loop stays readable)."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Sequence
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def get_args_parser(archs: Sequence[str], description: str = "") -> argparse.ArgumentParser:
+    """Options in torchvision's reference-script spirit; sizes default to the arch's pretrained preset."""
+    parser = argparse.ArgumentParser(prog="python -m models.train", description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, required=True, help="folder with train/<class>/* and val/<class>/*")
+    parser.add_argument("--arch", choices=archs, default="resnet18")
+    parser.add_argument("--pretrained", action="store_true",
+                        help="start from the packaged ImageNet weights (new head); efficientnet_lite0 only")
+    parser.add_argument("--freeze-backbone", action="store_true", help="train the new head only")
+    parser.add_argument("--backbone-lr-scale", type=float, default=1.0,
+                        help="backbone learning rate = lr x this (e.g. 0.1 when fine-tuning)")
+    parser.add_argument("--epochs", type=_positive_int, default=10)
+    parser.add_argument("--batch-size", type=_positive_int, default=32, help="images per process and step")
+    parser.add_argument("--opt", choices=("sgd", "adamw"), default="sgd")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--weight-decay", type=float, default=1e-4)
+    parser.add_argument("--label-smoothing", type=float, default=0.0)
+    parser.add_argument("--lr-warmup-epochs", type=_non_negative_int, default=0)
+    parser.add_argument("--clip-grad-norm", type=float, default=None, help="clip the gradient norm to this")
+    parser.add_argument("--amp", action="store_true", help="mixed precision (autocast) for training")
+    parser.add_argument("--amp-dtype", choices=("bf16", "fp16"), default="bf16", help="fp16 (CUDA) uses a GradScaler")
+    parser.add_argument("--channels-last", action="store_true", help="NHWC memory format (faster convs on GPUs)")
+    parser.add_argument("--freeze-bn", action="store_true", help="keep BatchNorm running statistics fixed")
+    parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across DDP ranks (CUDA)")
+    parser.add_argument("--resize-size", type=_positive_int, default=None, help="eval resize (default 256)")
+    parser.add_argument("--crop-size", type=_positive_int, default=None, help="input size (default 224)")
+    parser.add_argument("--interpolation", choices=("nearest", "bilinear", "bicubic", "lanczos"), default=None)
+    parser.add_argument("--hflip-prob", type=float, default=0.5, help="0 for digits and text")
+    parser.add_argument("--min-crop-scale", type=float, default=0.08, help="smallest random crop, as area fraction")
+    parser.add_argument("--workers", type=_non_negative_int, default=2, help="DataLoader worker processes")
+    parser.add_argument("--prefetch", type=_positive_int, default=4, help="batches each worker loads ahead")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-dir", type=Path, default=Path("runs/default"))
+    parser.add_argument("--resume", type=Path, default=None, help="checkpoint.pt to continue from")
+    parser.add_argument("--export", type=Path, default=None, help="at the end, export best.pt to this weights dir")
+    parser.add_argument("--name", default=None, help="model name in the manifest (default: output dir name)")
+    parser.add_argument("--plot", action="store_true", help="at the end, draw the curves to curves.png")
+    return parser
