@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 WEIGHTS_DIR ?= weights
 SERVE := PATH="$(CURDIR)/$(BIN):$$PATH" bin/serve
 
-.PHONY: serve test install weights clean-weights
+.PHONY: serve test install weights clean-weights train-digits finetune-textures
 
 install: $(STAMP)
 
@@ -31,3 +31,19 @@ test: $(STAMP)
 
 clean-weights:
 	rm -f $(WEIGHTS_DIR)/*.pt $(WEIGHTS_DIR)/manifest.json
+
+# Training demos on real data that ships inside installed packages (see README, "Training").
+data/digits: $(STAMP)
+	$(BIN)/python -m models.datasets digits --out $@
+
+data/textures: $(STAMP)
+	$(BIN)/python -m models.datasets textures --out $@
+
+train-digits: data/digits
+	$(BIN)/python -m models.train --data data/digits --arch resnet18 --epochs 15 --batch-size 64 \
+		--resize-size 32 --crop-size 32 --hflip-prob 0 --min-crop-scale 0.5 \
+		--output-dir runs/digits --export runs/digits/weights --plot
+
+finetune-textures: data/textures
+	$(BIN)/python -m models.train --data data/textures --arch efficientnet_lite0 --pretrained --freeze-backbone \
+		--epochs 3 --batch-size 32 --lr 0.05 --output-dir runs/textures --export runs/textures/weights --plot

@@ -81,8 +81,12 @@ def load_data(args: argparse.Namespace, preset: EvalPreset, env: DistEnv, device
     sampler = EpochSampler(train_set, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=args.seed)
     workers = {"num_workers": args.workers, "pin_memory": device.type == "cuda",
                "persistent_workers": args.workers > 0, "prefetch_factor": args.prefetch if args.workers else None}
+    if len(sampler) < 2:
+        raise DataError(f"{args.data / 'train'} has {len(train_set)} image(s); need at least 2 per process")
     # The loader's own generator keeps worker start-up from consuming the global RNG (which dropout uses).
+    # A last batch of one image would break BatchNorm in training mode, so only then is it dropped.
     train = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
+                       drop_last=len(sampler) % args.batch_size == 1,
                        generator=torch.Generator().manual_seed(args.seed), **workers)
     val = DataLoader(val_set, batch_size=args.batch_size,
                      sampler=ShardSampler(len(val_set), env.rank, env.world_size), **workers)

@@ -33,7 +33,7 @@ def test_compose_file_matches_the_compose_specification() -> None:
     jsonschema.Draft7Validator(schema).validate(_compose())
 
 
-@pytest.mark.parametrize("profile", [[], ["--profile", "cpu"]])
+@pytest.mark.parametrize("profile", [[], ["--profile", "cpu"], ["--profile", "train"]])
 def test_docker_compose_parses_it(profile: list[str]) -> None:
     result = subprocess.run([str(COMPOSE_BINARY), "-f", "docker-compose.yaml", *profile, "config", "-q"], cwd=ROOT,
                             capture_output=True, text=True)
@@ -50,6 +50,22 @@ def test_api_reserves_an_nvidia_gpu_and_checks_readiness() -> None:
         assert "./weights:/models:ro" in services[name]["volumes"]
     assert services["api-cpu"]["environment"]["VISIONSERVE_DEVICE"] == "cpu"
     assert "deploy" not in services["api-cpu"]
+
+
+def test_train_service_runs_torchrun_on_the_gpus_with_data_and_runs_mounted() -> None:
+    train = _compose()["services"]["train"]
+    assert train["profiles"] == ["train"]
+    assert train["entrypoint"][:2] == ["torchrun", "--standalone"] and train["entrypoint"][-2:] == ["-m", "models.train"]
+    (device,) = train["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+    assert "./data:/data:ro" in train["volumes"] and "./runs:/runs" in train["volumes"]
+    assert train["shm_size"] == "2gb"
+    # The default command is a valid models.train command line.
+    from models.registry import ARCHS
+    from models.train_args import get_args_parser
+
+    args = get_args_parser(ARCHS).parse_args(train["command"])
+    assert args.output_dir == Path("/runs/digits") and args.export == Path("/runs/digits/weights")
 
 
 def test_container_and_makefile_run_the_same_command() -> None:

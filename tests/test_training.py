@@ -1,0 +1,166 @@
+"""The training script end to end on CPU: train -> checkpoint -> export -> served; resume; DDP; user mistakes."""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from app import create_app
+from app.config import Settings
+from app.service import EXTENSION_KEY
+from models import train
+from models.checkpoint import BEST_NAME, CHECKPOINT_NAME, load_checkpoint
+from models.registry import ARCHS, build_model
+from models.runlog import read_metrics
+from tests.imaging import write_image_folder
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_image_folder(tmp_path_factory.mktemp("folder"))
+
+
+def small_args(data: Path, out: Path, *extra: str, arch: str = "mobilenet_v3_small") -> list[str]:
+    """Options for a seconds-long CPU run on the tiny folder."""
+    return ["--data", str(data), "--arch", arch, "--epochs", "1", "--batch-size", "6", "--workers", "0",
+            "--resize-size", "36", "--crop-size", "32", "--device", "cpu", "--lr", "0.01",
+            "--output-dir", str(out), *extra]
+
+
+def test_one_epoch_exports_weights_the_app_serves_with_evaluates_predictions(folder: Path, tmp_path: Path) -> None:
+    run, weights = tmp_path / "run", tmp_path / "weights"
+    assert train.main(small_args(folder, run, "--export", str(weights), "--workers", "1")) == 0
+    state = load_checkpoint(run / BEST_NAME)  # weights_only=True: plain types only
+    assert (run / CHECKPOINT_NAME).is_file() and state["classes"] == ["blue", "green", "red"]
+    assert [row["epoch"] for row in read_metrics(run)] == [0]
+
+    # evaluate() on the trained model, over the val files in loader order.
+    args = train.get_args_parser(ARCHS).parse_args(small_args(folder, run))
+    preset = train.make_preset(args)
+    data = train.load_data(args, preset, train.env_from_torchrun(), torch.device("cpu"))
+    model = build_model("mobilenet_v3_small", 3)
+    model.load_state_dict(state["model"])
+    result = train.evaluate(model, data.val, torch.device("cpu"), train.env_from_torchrun())
+    assert result.count == 9 and result.indices == list(range(9))
+
+    app = create_app(Settings(weights_dir=weights, device="cpu", max_batch_size=4, log_level="warning"))
+    try:
+        client = app.test_client()
+        info = client.get("/v1/models?labels=1").get_json()["models"][0]
+        assert info["labels"] == ["blue", "green", "red"] and info["arch"] == "mobilenet_v3_small"
+        assert info["metrics"]["val_acc1"] == pytest.approx(result.acc1)
+        for index, path in enumerate(data.val_files):
+            answer = client.post("/predict?top_k=3", data=path.read_bytes(), content_type="application/octet-stream")
+            assert answer.status_code == 200, answer.get_json()
+            served = {p["label"]: p["score"] for p in answer.get_json()["predictions"][0]["top_k"]}
+            expected = dict(zip(data.classes, result.probabilities[index].tolist()))
+            assert served == pytest.approx(expected, abs=1e-5), path
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=10)
+
+
+def test_resume_after_an_interruption_matches_an_uninterrupted_run(folder: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # mobilenet_v3_small has dropout, so this also checks that the RNG state is carried over.
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert train.main(small_args(folder, straight, "--epochs", "2")) == 0
+
+    real_epoch, calls = train.train_one_epoch, []
+
+    def interrupted(*args: object, **kwargs: object) -> dict[str, float]:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the job was stopped during its second epoch
+        return real_epoch(*args, **kwargs)
+
+    monkeypatch.setattr(train, "train_one_epoch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(small_args(folder, resumed, "--epochs", "2"))
+    monkeypatch.setattr(train, "train_one_epoch", real_epoch)
+    assert load_checkpoint(resumed / CHECKPOINT_NAME)["epoch"] == 0
+    assert train.main(small_args(folder, resumed, "--epochs", "2", "--resume",
+                                 str(resumed / CHECKPOINT_NAME))) == 0
+
+    a, b = load_checkpoint(straight / CHECKPOINT_NAME), load_checkpoint(resumed / CHECKPOINT_NAME)
+    assert a["epoch"] == b["epoch"] == 1
+    for key, value in a["model"].items():
+        assert torch.equal(value, b["model"][key]), key
+    for key, value in a["optimizer"]["state"].items():  # SGD momentum buffers
+        assert torch.equal(value["momentum_buffer"], b["optimizer"]["state"][key]["momentum_buffer"])
+    timing = {"images_per_s"}
+    assert {k: v for k, v in a["metrics"].items() if k not in timing} == \
+        {k: v for k, v in b["metrics"].items() if k not in timing}
+    assert [row["epoch"] for row in read_metrics(resumed)] == [0, 1]
+
+
+def test_ddp_on_two_cpu_processes_matches_one_process_with_the_same_global_batch(folder: Path, tmp_path: Path) -> None:
+    # BatchNorm statistics are per rank on CPU (SyncBatchNorm is CUDA-only), so they are frozen here.
+    common = ["--arch", "resnet18", "--freeze-bn", "--epochs", "2", "--lr", "0.05"]
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    # 18 training images: one process at 6 per step sees the same global batches as 2 ranks at 3 each.
+    assert train.main(small_args(folder, single, *common, "--batch-size", "6")) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "models.train",
+         *small_args(folder, ddp, *common, "--batch-size", "3")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    a, b = load_checkpoint(single / CHECKPOINT_NAME), load_checkpoint(ddp / CHECKPOINT_NAME)
+    worst = max((a["model"][k].double() - b["model"][k].double()).abs().max().item() for k in a["model"])
+    print(f"DDP vs single process: largest weight difference {worst:.2e}")
+    assert worst < 1e-4
+    assert a["metrics"]["val_acc1"] == b["metrics"]["val_acc1"]
+    assert a["metrics"]["val_loss"] == pytest.approx(b["metrics"]["val_loss"], rel=1e-4)
+    assert a["metrics"]["train_loss"] == pytest.approx(b["metrics"]["train_loss"], rel=1e-4)
+
+
+def _main_error(argv: list[str], caplog: pytest.LogCaptureFixture) -> str:
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="models.train"):
+        assert train.main(argv) == 2
+    return caplog.text
+
+
+def test_user_mistakes_are_one_line_errors(folder: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    out = tmp_path / "run"
+    assert "is not a directory" in _main_error(small_args(tmp_path / "missing", out), caplog)
+
+    empty = write_image_folder(tmp_path / "empty", train_per_class=2, val_per_class=1)
+    for path in (empty / "train" / "green").iterdir():
+        path.unlink()
+    assert "no readable images" in _main_error(small_args(empty, out), caplog) and "green" in caplog.text
+
+    mismatched = write_image_folder(tmp_path / "mismatched", train_per_class=2, val_per_class=1)
+    (mismatched / "val" / "red").rename(mismatched / "val" / "purple")
+    text = _main_error(small_args(mismatched, out), caplog)
+    assert "different classes" in text and "purple" in text
+
+    assert "needs CUDA" in _main_error(small_args(folder, out, "--sync-bn"), caplog)
+    assert "fp16 needs a CUDA device" in _main_error(small_args(folder, out, "--amp", "--amp-dtype", "fp16"), caplog)
+    assert "does not exist" in _main_error(small_args(folder, out, "--resume", str(tmp_path / "nope.pt")), caplog)
+
+
+def test_unreadable_images_are_skipped_and_counted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    data = write_image_folder(tmp_path / "data", train_per_class=3, val_per_class=1)
+    (data / "train" / "red" / "garbage.jpg").write_bytes(b"not an image at all")
+    good = (data / "train" / "blue" / "0.png").read_bytes()
+    (data / "train" / "blue" / "truncated.png").write_bytes(good[: len(good) // 2])
+    with caplog.at_level(logging.WARNING):
+        assert train.main(small_args(data, tmp_path / "run", "--batch-size", "4")) == 0
+    assert "skipped 2 unreadable file(s); training on 9, validating on 3" in caplog.text
+    assert "garbage.jpg" in caplog.text and "truncated.png" in caplog.text
+
+
+def test_a_user_mistake_prints_no_traceback(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "models.train", "--data", str(tmp_path / "nowhere")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr and "is not a directory" in done.stderr
