@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from models import checkpoint as ckpt
-from models.amp import autocast, backward_and_step, check_amp, make_scaler
+from models.amp import AmpDtype, autocast, backward_and_step, check_amp, make_scaler
 from models.distributed import (DistEnv, barrier, destroy_process_group, env_from_torchrun, init_process_group,
                                 pick_device, sum_across_ranks)
 from models.folder import DataError, EpochSampler, FolderDataset, ShardSampler, check_same_classes, scan_split
@@ -57,6 +57,10 @@ class EvalResult:
     count: int
     probabilities: torch.Tensor
     indices: list[int]
+
+
+def _amp_dtype(args: argparse.Namespace) -> AmpDtype | None:
+    return args.amp_dtype if args.amp else None
 
 
 def make_preset(args: argparse.Namespace) -> EvalPreset:
@@ -107,7 +111,7 @@ def train_one_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim
     for step, (images, targets) in enumerate(bar):
         images = images.to(device, non_blocking=True, memory_format=memory_format)
         targets = targets.to(device, non_blocking=True)
-        with autocast(device, args.amp_dtype if args.amp else None):
+        with autocast(device, _amp_dtype(args)):
             logits = model(images)
             loss = F.cross_entropy(logits, targets, label_smoothing=args.label_smoothing)
         backward_and_step(loss, optimizer, scaler=scaler, parameters=trainable, clip_grad_norm=args.clip_grad_norm)
@@ -179,7 +183,7 @@ def _setup(args: argparse.Namespace, env: DistEnv) -> tuple[torch.device, EvalPr
     """Refuse option combinations that cannot work, as user errors rather than tracebacks."""
     try:
         device = pick_device(args.device, env)
-        check_amp(device, args.amp_dtype if args.amp else None)
+        check_amp(device, _amp_dtype(args))
         if args.sync_bn and device.type != "cuda":
             raise ValueError("--sync-bn needs CUDA (torch's SyncBatchNorm runs on GPUs); use --freeze-bn on CPU")
         return device, make_preset(args)
@@ -197,7 +201,7 @@ def run(args: argparse.Namespace, env: DistEnv, device: torch.device, preset: Ev
     model = model_without_ddp = build_trainable(args, len(data.classes), device)
     if env.distributed:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
-    optimizer, scaler = make_optimizer(model_without_ddp, args), make_scaler(device, args.amp_dtype if args.amp else None)
+    optimizer, scaler = make_optimizer(model_without_ddp, args), make_scaler(device, _amp_dtype(args))
     scheduler = make_scheduler(optimizer, args)
     start, best = 0, -1.0
     if args.resume:

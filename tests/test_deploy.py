@@ -55,7 +55,8 @@ def test_api_reserves_an_nvidia_gpu_and_checks_readiness() -> None:
 def test_train_service_runs_torchrun_on_the_gpus_with_data_and_runs_mounted() -> None:
     train = _compose()["services"]["train"]
     assert train["profiles"] == ["train"]
-    assert train["entrypoint"][:2] == ["torchrun", "--standalone"] and train["entrypoint"][-2:] == ["-m", "models.train"]
+    assert train["entrypoint"][:2] == ["torchrun", "--standalone"]
+    assert train["entrypoint"][-2:] == ["-m", "models.train"]
     (device,) = train["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
     assert "./data:/data:ro" in train["volumes"] and "./runs:/runs" in train["volumes"]
