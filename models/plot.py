@@ -28,7 +28,8 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
         loss_axes.plot(epochs, [row[key] for row in rows], marker="o", label=label)
     for key, label in (("train_acc1", "train top-1"), ("val_acc1", "val top-1"), ("val_acc5", "val top-5")):
         acc_axes.plot(epochs, [row[key] for row in rows], marker="o", label=label)
-    loss_axes.set(title="loss", xlabel="epoch")
+    # Log scale: an early spike (fresh BatchNorm statistics) would otherwise flatten the rest of the curve.
+    loss_axes.set(title="loss (log scale)", xlabel="epoch", yscale="log")
     acc_axes.set(title="accuracy", xlabel="epoch", ylim=(0, 1.02))
     for axes in (loss_axes, acc_axes):
         axes.grid(alpha=0.3)
