@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+__version__ = "0.1.0"
+
 if TYPE_CHECKING:
     from flask import Flask
 
@@ -23,6 +25,7 @@ def create_app(settings: "Settings | None" = None, predictor: "Predictor | None"
     from app.logs import configure_logging
     from app.routes import bp
     from app.service import EXTENSION_KEY, Service
+    from app.v2 import v2_bp
 
     settings = settings or Settings()
     configure_logging(settings.log_level)
@@ -36,4 +39,5 @@ def create_app(settings: "Settings | None" = None, predictor: "Predictor | None"
     app.extensions[EXTENSION_KEY] = Service.build(settings, predictor)
     register_error_handlers(app)
     app.register_blueprint(bp)
+    app.register_blueprint(v2_bp)
     return app

@@ -7,7 +7,7 @@ from typing import Mapping
 from app.errors import Unauthorized
 
 # Probes and scrapers must reach these without a key (unless settings say otherwise).
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/v2/health/live", "/v2/health/ready"})
 
 
 def presented_key(headers: Mapping[str, str]) -> str | None:

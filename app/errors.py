@@ -5,7 +5,7 @@ import logging
 import math
 from typing import Any
 
-from flask import Flask, Response, g, jsonify
+from flask import Flask, Response, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from app.batcher import BatcherClosed, DeadlineExpired, DeadlineUnreachable, QueueFull
@@ -71,6 +71,12 @@ class UnsupportedImageFormat(UnsupportedMediaType):
     code = "unsupported_image_format"
 
 
+class NotFound(ServiceError):
+    """No such model or version (404)."""
+
+    status, code = 404, "not_found"
+
+
 class SchemaViolation(ServiceError):
     """A JSON body does not match the request schema (422)."""
     status, code = 422, "validation_error"
@@ -130,14 +136,23 @@ def _from_http(exc: HTTPException) -> ServiceError:
     return error
 
 
+# The Open Inference Protocol fixes its own error body, {"error": "<message>"}, which Triton's clients read.
+V2_PREFIX = "/v2"
+
+
 def render(error: ServiceError) -> Response:
-    """The one JSON shape every error takes: {"error": {"code", "message", "request_id"[, "details"]}}."""
-    body: dict[str, Any] = {"code": error.code, "message": error.message,
-                            "request_id": g.get("request_id")}
-    if error.details is not None:
-        body["details"] = error.details
+    """The one JSON shape every error takes: {"error": {"code", "message", "request_id"[, "details"]}}.
+
+    Under /v2 the protocol's shape {"error": "<message>"} is used instead, with the same status and headers.
+    """
     g.error_code = error.code  # for the access log and the rejection counter
-    response = jsonify(error=body)
+    if request.path == V2_PREFIX or request.path.startswith(V2_PREFIX + "/"):
+        response = jsonify(error=error.message)
+    else:
+        body: dict[str, Any] = {"code": error.code, "message": error.message, "request_id": g.get("request_id")}
+        if error.details is not None:
+            body["details"] = error.details
+        response = jsonify(error=body)
     response.status_code = error.status
     response.headers.update(error.headers)
     return response

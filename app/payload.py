@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import pydantic
 from werkzeug import Request
+from werkzeug.datastructures import Headers
 
 from app.errors import (BadRequest, InvalidBase64, InvalidJSON, SchemaViolation, TooManyImages,
                         UnsupportedMediaType)
@@ -96,3 +97,17 @@ def parse_predict(request: Request, *, default_top_k: int, num_classes: int, max
             f"content type {mimetype or '(none)'!r} is not supported; send multipart/form-data with an "
             f"{IMAGE_FIELD!r} field, a raw image body (image/* or application/octet-stream), or JSON")
     return PredictInput(images, _parse_top_k(raw_top_k, default_top_k, num_classes, "parameter"))
+
+
+def deadline_s(headers: Headers, maximum_s: float) -> float:
+    """The request's time limit: X-Request-Timeout (ms) when given, never longer than ``maximum_s``."""
+    raw = headers.get("X-Request-Timeout")
+    if raw is None:
+        return maximum_s
+    try:
+        millis = float(raw)
+    except ValueError:
+        raise BadRequest(f"X-Request-Timeout must be a number of milliseconds, got {raw!r}") from None
+    if not millis > 0 or millis != millis:
+        raise BadRequest(f"X-Request-Timeout must be positive, got {raw!r}")
+    return min(millis / 1000, maximum_s)

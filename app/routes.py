@@ -11,14 +11,13 @@ from flask import Blueprint, Response, current_app, g, jsonify, request
 from werkzeug.exceptions import ClientDisconnected
 
 from app.auth import OPEN_PATHS, check_api_key
-from app.batcher import BatchResult
-from app.config import Settings
-from app.errors import BadRequest, NotReady, RequestTimeout
-from app.metrics import REJECTED, REQUEST_SECONDS, REQUESTS, STAGE_SECONDS
+from app.errors import RequestTimeout
+from app.metrics import REJECTED, REQUEST_SECONDS, REQUESTS
 from app.metrics import render as render_metrics
-from app.payload import PredictInput, parse_predict
+from app.payload import PredictInput, deadline_s, parse_predict
 from app.schemas import ClassScore, HealthResponse, ModelRef, Prediction, PredictResponse
 from app.service import EXTENSION_KEY, Service
+from app.timing import annotate
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("visionserve.access")
@@ -64,20 +63,6 @@ def _finish_request(response: Response) -> Response:
     return response
 
 
-def _timeout_s(settings: Settings) -> float:
-    """The request's deadline: X-Request-Timeout (ms) when given, never longer than the configured maximum."""
-    raw = request.headers.get("X-Request-Timeout")
-    if raw is None:
-        return settings.request_timeout_s
-    try:
-        millis = float(raw)
-    except ValueError:
-        raise BadRequest(f"X-Request-Timeout must be a number of milliseconds, got {raw!r}") from None
-    if not millis > 0 or millis != millis:
-        raise BadRequest(f"X-Request-Timeout must be positive, got {raw!r}")
-    return min(millis / 1000, settings.request_timeout_s)
-
-
 def _read_request(service: Service) -> PredictInput:
     try:
         return parse_predict(request, default_top_k=service.settings.top_k,
@@ -96,41 +81,19 @@ def _top_k(row: torch.Tensor, k: int, labels: list[str]) -> Prediction:
     return Prediction(**ranked[0].model_dump(), top_k=ranked)
 
 
-def _server_timing(decode_ms: float, results: list[BatchResult[torch.Tensor]]) -> str:
-    queue_ms = max(r.queued_s for r in results) * 1000
-    # Images of one request may run in several batches; count each batch's forward pass once.
-    batches = {r.batch_id: r for r in results}.values()
-    infer_ms = sum(r.run_s for r in batches) * 1000
-    sizes = "+".join(str(r.batch_size) for r in batches)
-    return (f'decode;dur={decode_ms:.2f}, queue;dur={queue_ms:.2f}, inference;dur={infer_ms:.2f}, '
-            f'batch;desc="{sizes}"')
-
-
 @bp.post("/predict")
 def predict() -> Response:
     """Classify one or more images."""
     service = _service()
-    if not service.ready:
-        raise NotReady("the model is not ready" if not service.draining else "the server is shutting down",
-                       headers={"Retry-After": "5"})
+    service.require_ready()
     predictor = service.predictor
-    timeout_s = _timeout_s(service.settings)
+    timeout_s = deadline_s(request.headers, service.settings.request_timeout_s)
     parsed = _read_request(service)
-    started = time.perf_counter()
-    tensors = [service.preprocess(data) for data in parsed.images]
-    decode_s = time.perf_counter() - started
-    STAGE_SECONDS.labels("decode").observe(decode_s)
-    decode_ms = decode_s * 1000
+    tensors, decode_s = service.preprocess_all(parsed.images)
     results = service.infer(tensors, timeout_s)
     body = PredictResponse(model=ModelRef(name=predictor.manifest.name, version=predictor.manifest.version),
                            predictions=[_top_k(r.value, parsed.top_k, predictor.labels) for r in results])
-    response = Response(body.model_dump_json(), mimetype="application/json")
-    response.headers["Server-Timing"] = _server_timing(decode_ms, results)
-    response.headers["X-Batch-Size"] = ",".join(str(r.batch_size) for r in results)
-    g.log_fields = {"images": len(results), "batch_sizes": [r.batch_size for r in results],
-                    "decode_ms": round(decode_ms, 2), "queue_ms": round(max(r.queued_s for r in results) * 1000, 2),
-                    "inference_ms": round(max(r.run_s for r in results) * 1000, 2)}
-    return response
+    return annotate(Response(body.model_dump_json(), mimetype="application/json"), decode_s, results)
 
 
 def _health(ok: bool, checks: dict[str, bool], good: str, bad: str) -> tuple[Response, int]:

@@ -12,9 +12,9 @@ import torch
 from app.batcher import Batcher, BatchResult, DeadlineExpired
 from app.config import Settings
 from app.decode import DecodeLimits, image_to_tensor
-from app.errors import DeadlineExceeded, InferenceFailed
+from app.errors import DeadlineExceeded, InferenceFailed, NotReady
 from app.inference import OUT_OF_MEMORY_ERRORS, Predictor
-from app.metrics import MODEL_INFO, MetricsObserver
+from app.metrics import MODEL_INFO, STAGE_SECONDS, MetricsObserver
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +78,23 @@ class Service:
         self.begin_drain()
         self.batcher.stop(timeout)
 
+    def require_ready(self) -> None:
+        """Raise NotReady (503 with Retry-After) unless new work can be accepted."""
+        if not self.ready:
+            raise NotReady("the model is not ready" if not self.draining else "the server is shutting down",
+                           headers={"Retry-After": "5"})
+
     def preprocess(self, data: bytes) -> torch.Tensor:
         """One image's bytes -> model input, with the service's limits."""
         return image_to_tensor(data, self.predictor.transform, self.limits)
+
+    def preprocess_all(self, images: list[bytes]) -> tuple[list[torch.Tensor], float]:
+        """Decode and transform every image (all must succeed); also returns the seconds it took."""
+        started = time.perf_counter()
+        tensors = [self.preprocess(data) for data in images]
+        decode_s = time.perf_counter() - started
+        STAGE_SECONDS.labels("decode").observe(decode_s)
+        return tensors, decode_s
 
     def infer(self, tensors: list[torch.Tensor], timeout_s: float) -> list[BatchResult[torch.Tensor]]:
         """Queue the images (all or none) and wait for their rows until the deadline.

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import threading
+import time
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -45,3 +47,11 @@ class ColourModel(nn.Module):
             raise RuntimeError("fake forward failure")
         other = torch.full((x.shape[0], 1), -0.5)
         return torch.cat([means, other], dim=1) * 10
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 10) -> None:
+    """Poll ``condition`` until it holds; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.001)

@@ -4,15 +4,13 @@ from __future__ import annotations
 import base64
 import io
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 import pytest
 from flask.testing import FlaskClient
 
 from app.service import Service
-from tests.fakes import ColourModel
+from tests.fakes import ColourModel, wait_until
 from tests.imaging import BLUE, GREEN, RED, image_bytes
 
 
@@ -91,19 +89,12 @@ def test_concurrent_requests_share_batches(client: FlaskClient, model: ColourMod
     colors = [RED, GREEN, BLUE, RED] * 2
     with ThreadPoolExecutor(8) as pool:
         first = pool.submit(call, colors[0])
-        _wait_until(lambda: len(model.batch_sizes) == 1)
+        wait_until(lambda: len(model.batch_sizes) == 1)
         rest = [pool.submit(call, c) for c in colors[1:]]
-        _wait_until(lambda: service.batcher.depth == 7)
+        wait_until(lambda: service.batcher.depth == 7)
         model.gate.set()
         assert [first.result(timeout=10)] + [f.result(timeout=10) for f in rest] == ["red", "green", "blue", "red"] * 2
     assert model.batch_sizes == [1, 4, 3]
-
-
-def _wait_until(condition: Callable[[], bool], timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.001)
 
 
 # -- errors --------------------------------------------------------------------------------------------------
@@ -173,7 +164,7 @@ def test_full_queue_is_429_with_retry_after(client: FlaskClient, model: ColourMo
     model.gate = threading.Event()  # park the worker inside a forward pass
     blocked = ThreadPoolExecutor(1).submit(
         client.post, "/predict", data=image_bytes(), content_type="image/jpeg")
-    _wait_until(lambda: bool(model.batch_sizes) and service.batcher.depth == 0)
+    wait_until(lambda: bool(model.batch_sizes) and service.batcher.depth == 0)
     filler = [service.preprocess(image_bytes())] * service.settings.queue_size
     queued = service.batcher.submit_many(filler)
     response = client.post("/predict", data=image_bytes(), content_type="image/jpeg")

@@ -1,0 +1,161 @@
+"""The Open Inference Protocol (KServe V2) REST endpoints beside /predict, on the same batcher.
+
+Inputs: ``images`` (BYTES [N]: encoded image files, decoded by our pipeline) or ``pixels`` (FP32 [N, 3, H, W],
+already preprocessed). Output: ``probabilities`` (FP32 [N, classes]); with ``parameters.classification = k`` it
+holds the top k as "score:index:label" strings (BYTES [N, k]), as Triton's classification extension does.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from flask import Blueprint, Response, current_app, jsonify, request
+
+from app import __version__
+from app.errors import V2_PREFIX, BadRequest, NotFound, TooManyImages
+from app.payload import deadline_s
+from app.service import EXTENSION_KEY, Service
+from app.timing import annotate
+from app.v2_codec import InferRequest, Tensor, encode_response, parse_request
+
+v2_bp = Blueprint("v2", __name__, url_prefix=V2_PREFIX)
+
+IMAGES_INPUT, PIXELS_INPUT, OUTPUT = "images", "pixels", "probabilities"
+EXTENSIONS = ["classification", "binary_tensor_data"]
+_MODEL = "/models/<name>"
+_VERSIONED = "/models/<name>/versions/<version>"
+
+
+def _service() -> Service:
+    return current_app.extensions[EXTENSION_KEY]
+
+
+def _model(name: str, version: str | None) -> Service:
+    service = _service()
+    manifest = service.predictor.manifest
+    if name != manifest.name or version not in (None, manifest.version):
+        wanted = name if version is None else f"{name} version {version}"
+        raise NotFound(f"no model {wanted!r}; this server serves {manifest.name!r} version {manifest.version!r}")
+    return service
+
+
+@v2_bp.get("")
+def server_metadata() -> Response:
+    """Server name, version and the protocol extensions we implement."""
+    return jsonify(name="visionserve", version=__version__, extensions=EXTENSIONS)
+
+
+@v2_bp.get("/health/live")
+def live() -> tuple[Response, int]:
+    """Live while the inference thread runs (the same check as /healthz)."""
+    alive = _service().batcher.is_alive()
+    return jsonify(live=alive), 200 if alive else 503
+
+
+@v2_bp.get("/health/ready")
+def ready() -> tuple[Response, int]:
+    """Ready as /readyz is: warmed up, canary passed, not draining."""
+    ok = _service().ready
+    return jsonify(ready=ok), 200 if ok else 503
+
+
+@v2_bp.get(_MODEL + "/ready")
+@v2_bp.get(_VERSIONED + "/ready")
+def model_ready(name: str, version: str | None = None) -> tuple[Response, int]:
+    """Readiness of the one model we serve."""
+    ok = _model(name, version).ready
+    return jsonify(name=name, ready=ok), 200 if ok else 503
+
+
+@v2_bp.get(_MODEL)
+@v2_bp.get(_VERSIONED)
+def model_metadata(name: str, version: str | None = None) -> Response:
+    """Inputs and outputs with datatypes and shapes; -1 is the batch dimension."""
+    predictor = _model(name, version).predictor
+    return jsonify(name=predictor.manifest.name, versions=[predictor.manifest.version], platform="pytorch",
+                   inputs=[{"name": IMAGES_INPUT, "datatype": "BYTES", "shape": [-1]},
+                           {"name": PIXELS_INPUT, "datatype": "FP32",
+                            "shape": [-1, *predictor.manifest.preprocess.input_shape]}],
+                   outputs=[{"name": OUTPUT, "datatype": "FP32", "shape": [-1, predictor.num_classes]}])
+
+
+def _input_tensors(service: Service, infer: InferRequest) -> tuple[list[torch.Tensor], float]:
+    if len(infer.inputs) != 1:
+        raise BadRequest(f"send exactly one input, {IMAGES_INPUT!r} (BYTES) or {PIXELS_INPUT!r} (FP32)")
+    (tensor,) = infer.inputs
+    count = tensor.shape[0] if tensor.shape else 0
+    if count > service.settings.max_images:
+        raise TooManyImages(f"{count} images in one request; the limit is {service.settings.max_images}")
+    if count == 0:
+        raise BadRequest(f"input {tensor.name!r} holds no images")
+    if tensor.name == IMAGES_INPUT and tensor.datatype == "BYTES":
+        if tensor.shape not in ([count], [count, 1]):
+            raise BadRequest(f"input {IMAGES_INPUT!r} must have shape [N] or [N, 1], got {tensor.shape}")
+        return service.preprocess_all([bytes(item) for item in tensor.data.reshape(-1)])
+    if tensor.name == PIXELS_INPUT and tensor.datatype == "FP32":
+        expected = [count, *service.predictor.manifest.preprocess.input_shape]
+        if tensor.shape != expected:
+            raise BadRequest(f"input {PIXELS_INPUT!r} must have shape {expected}, got {tensor.shape}")
+        if not np.isfinite(tensor.data).all():
+            raise BadRequest(f"input {PIXELS_INPUT!r} holds NaN or infinite values")
+        return list(torch.from_numpy(tensor.data.copy())), 0.0
+    raise BadRequest(f"unknown input {tensor.name!r} ({tensor.datatype}); send {IMAGES_INPUT!r} as BYTES or "
+                     f"{PIXELS_INPUT!r} as FP32")
+
+
+def _output_plan(infer: InferRequest) -> list[tuple[int, bool]]:
+    """(classification k, binary?) per requested output, checked before any inference is spent."""
+    binary_default = bool(infer.parameters.get("binary_data_output", False))
+    plan = []
+    for item in infer.outputs if infer.outputs is not None else [{"name": OUTPUT}]:
+        if item.get("name") != OUTPUT:
+            raise BadRequest(f"unknown output {item.get('name')!r}; this model has {OUTPUT!r}")
+        params = item.get("parameters") or {}
+        k = params.get("classification", 0)
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise BadRequest(f"parameters.classification must be a non-negative integer, got {k!r}")
+        plan.append((k, bool(params.get("binary_data", binary_default))))
+    return plan
+
+
+def _output(probabilities: torch.Tensor, labels: list[str], k: int) -> Tensor:
+    if not k:
+        return Tensor(OUTPUT, "FP32", list(probabilities.shape), probabilities.numpy())
+    k = min(k, probabilities.shape[1])
+    scores, indices = probabilities.topk(k, dim=1)
+    rows = [[f"{s:f}:{i}:{labels[i]}".encode() for s, i in zip(srow, irow)]
+            for srow, irow in zip(scores.tolist(), indices.tolist())]
+    return Tensor(OUTPUT, "BYTES", [len(rows), k], np.array(rows, dtype=object))
+
+
+def _timeout_s(service: Service, infer: InferRequest) -> float:
+    timeout_s = deadline_s(request.headers, service.settings.request_timeout_s)
+    micros = infer.parameters.get("timeout")  # tritonclient's per-request timeout, in microseconds
+    if isinstance(micros, (int, float)) and not isinstance(micros, bool) and micros > 0:
+        timeout_s = min(timeout_s, micros / 1e6)
+    return timeout_s
+
+
+@v2_bp.post(_MODEL + "/infer")
+@v2_bp.post(_VERSIONED + "/infer")
+def infer(name: str, version: str | None = None) -> Response:
+    """Inference through the same batcher as /predict."""
+    service = _model(name, version)
+    service.require_ready()
+    if request.content_encoding:
+        raise BadRequest(f"Content-Encoding {request.content_encoding!r} is not supported; send the body as is")
+    parsed = parse_request(request.get_data(cache=False), request.headers.get("Inference-Header-Content-Length"))
+    plan = _output_plan(parsed)
+    tensors, decode_s = _input_tensors(service, parsed)
+    results = service.infer(tensors, _timeout_s(service, parsed))
+    probabilities = torch.stack([r.value for r in results]).float().cpu()
+    outputs = [_output(probabilities, service.predictor.labels, k) for k, _ in plan]
+    manifest = service.predictor.manifest
+    body, header_length = encode_response(model_name=manifest.name, model_version=manifest.version,
+                                          request_id=parsed.id, outputs=outputs,
+                                          binary={OUTPUT for _, is_binary in plan if is_binary})
+    response = Response(body, mimetype="application/json" if header_length is None else "application/octet-stream")
+    if header_length is not None:
+        response.headers["Inference-Header-Content-Length"] = str(header_length)
+    return annotate(response, decode_s, results)

@@ -1,0 +1,186 @@
+"""The Open Inference Protocol (KServe V2) REST wire format: JSON tensors and Triton's binary tensor extension.
+
+A request body is a JSON header, optionally followed by raw tensor bytes; ``Inference-Header-Content-Length`` says
+where the JSON ends, and each binary input says its size in ``parameters.binary_data_size``. BYTES elements in
+binary form are each prefixed by their length as a 4-byte little-endian integer. Knows nothing of Flask or models.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from app.errors import BadRequest, InvalidBase64, InvalidJSON
+
+_NUMPY_TYPES = {"FP32": np.float32, "FP64": np.float64, "FP16": np.float16, "INT64": np.int64, "INT32": np.int32,
+                "INT16": np.int16, "INT8": np.int8, "UINT8": np.uint8, "BOOL": np.bool_}
+_LENGTH = struct.Struct("<I")
+
+
+@dataclass
+class Tensor:
+    """One named tensor of a request or a response."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+    data: np.ndarray  # numeric dtypes, or an object array of bytes for BYTES
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class InferRequest:
+    """A parsed inference request."""
+
+    id: str | None
+    inputs: list[Tensor]
+    outputs: list[dict[str, Any]] | None  # as requested: name and parameters (binary_data, classification)
+    parameters: dict[str, Any]
+
+
+def _header(body: bytes, header_length: str | None) -> tuple[dict[str, Any], bytes]:
+    if header_length is None:
+        size = len(body)
+    elif not header_length.isdigit() or int(header_length) > len(body):
+        raise BadRequest(f"Inference-Header-Content-Length {header_length!r} does not fit a {len(body)} byte body")
+    else:
+        size = int(header_length)
+    try:
+        header = json.loads(body[:size])
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidJSON(f"the inference request header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("inputs"), list) or not header["inputs"]:
+        raise BadRequest("the inference request must be a JSON object with a non-empty 'inputs' list")
+    return header, body[size:]
+
+
+def _shape(raw: Any, name: str) -> list[int]:
+    if not isinstance(raw, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in raw):
+        raise BadRequest(f"input {name!r}: 'shape' must be a list of non-negative integers")
+    return raw
+
+
+def _split_bytes(blob: bytes, name: str) -> list[bytes]:
+    items, offset = [], 0
+    while offset < len(blob):
+        if offset + 4 > len(blob):
+            raise BadRequest(f"input {name!r}: BYTES data ends inside a length prefix")
+        (length,) = _LENGTH.unpack_from(blob, offset)
+        offset += 4
+        if offset + length > len(blob):
+            raise BadRequest(f"input {name!r}: a BYTES element claims {length} bytes past the end of the data")
+        items.append(blob[offset:offset + length])
+        offset += length
+    return items
+
+
+def _json_bytes(values: list[Any], name: str) -> list[bytes]:
+    # JSON cannot carry raw image bytes, so BYTES elements in JSON are base64 strings.
+    out = []
+    for value in values:
+        if not isinstance(value, str):
+            raise BadRequest(f"input {name!r}: BYTES elements in JSON must be base64 strings")
+        try:
+            out.append(base64.b64decode(value, validate=True))
+        except (binascii.Error, ValueError):
+            raise InvalidBase64(f"input {name!r}: an element is not valid base64") from None
+    return out
+
+
+def _flatten(data: Any) -> list[Any]:
+    if isinstance(data, list):
+        return [item for part in data for item in _flatten(part)]
+    return [data]
+
+
+def _tensor(raw: dict[str, Any], binary: bytes, offset: int) -> tuple[Tensor, int]:
+    name, datatype = str(raw.get("name", "")), raw.get("datatype")
+    if datatype != "BYTES" and datatype not in _NUMPY_TYPES:
+        raise BadRequest(f"input {name!r}: datatype {datatype!r} is not supported")
+    shape, params = _shape(raw.get("shape"), name), raw.get("parameters") or {}
+    size = params.get("binary_data_size")
+    if size is not None:
+        if not isinstance(size, int) or size < 0 or offset + size > len(binary):
+            raise BadRequest(f"input {name!r}: binary_data_size {size!r} runs past the end of the body")
+        blob, offset = binary[offset:offset + size], offset + size
+        if datatype == "BYTES":
+            values: Any = np.array(_split_bytes(blob, name) or [], dtype=object)
+        else:
+            if size % np.dtype(_NUMPY_TYPES[datatype]).itemsize:
+                raise BadRequest(f"input {name!r}: {size} bytes is not a whole number of {datatype} values")
+            values = np.frombuffer(blob, dtype=np.dtype(_NUMPY_TYPES[datatype]).newbyteorder("<"))
+    elif "data" in raw:
+        flat = _flatten(raw["data"])
+        if datatype == "BYTES":
+            values = np.array(_json_bytes(flat, name), dtype=object)
+        else:
+            try:
+                values = np.asarray(flat, dtype=_NUMPY_TYPES[datatype])
+            except (TypeError, ValueError):
+                raise BadRequest(f"input {name!r}: 'data' holds values that are not {datatype}") from None
+    else:
+        raise BadRequest(f"input {name!r} has neither 'data' nor parameters.binary_data_size")
+    if values.size != math.prod(shape):
+        raise BadRequest(f"input {name!r}: shape {shape} needs {math.prod(shape)} values, got {values.size}")
+    return Tensor(name, datatype, shape, values.reshape(shape) if datatype != "BYTES" else values, params), offset
+
+
+def parse_request(body: bytes, header_length: str | None) -> InferRequest:
+    """Parse a V2 inference request body; raises BadRequest (400) for anything malformed."""
+    header, binary = _header(body, header_length)
+    inputs, offset = [], 0
+    for raw in header["inputs"]:
+        if not isinstance(raw, dict):
+            raise BadRequest("each input must be a JSON object")
+        tensor, offset = _tensor(raw, binary, offset)
+        inputs.append(tensor)
+    if offset != len(binary):
+        raise BadRequest(f"the body has {len(binary) - offset} bytes that no input claims")
+    outputs = header.get("outputs")
+    if outputs is not None and not (isinstance(outputs, list) and all(isinstance(o, dict) for o in outputs)):
+        raise BadRequest("'outputs' must be a list of objects")
+    params = header.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise BadRequest("'parameters' must be an object")
+    request_id = header.get("id")
+    return InferRequest(str(request_id) if request_id is not None else None, inputs, outputs, params)
+
+
+def _binary_payload(tensor: Tensor) -> bytes:
+    if tensor.datatype == "BYTES":
+        return b"".join(_LENGTH.pack(len(item)) + item for item in tensor.data.reshape(-1))
+    return np.ascontiguousarray(tensor.data, dtype=tensor.data.dtype.newbyteorder("<")).tobytes()
+
+
+def _json_data(tensor: Tensor) -> list[Any]:
+    if tensor.datatype == "BYTES":
+        return [item.decode("utf-8") for item in tensor.data.reshape(-1)]
+    return tensor.data.reshape(-1).tolist()
+
+
+def encode_response(*, model_name: str, model_version: str, request_id: str | None, outputs: list[Tensor],
+                    binary: set[str]) -> tuple[bytes, int | None]:
+    """The response body, and the JSON header's length when binary tensors follow it (else None)."""
+    entries, blobs = [], []
+    for tensor in outputs:
+        entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": tensor.shape}
+        if tensor.name in binary:
+            blob = _binary_payload(tensor)
+            entry["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        else:
+            entry["data"] = _json_data(tensor)
+        entries.append(entry)
+    header: dict[str, Any] = {"model_name": model_name, "model_version": model_version, "outputs": entries}
+    if request_id is not None:
+        header["id"] = request_id
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    if not blobs:
+        return encoded, None
+    return encoded + b"".join(blobs), len(encoded)
