@@ -10,7 +10,9 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from flask import Flask
+    from flask_swagger_ui import get_swaggerui_blueprint
 
+    from app.auth import DOCS_PATH, OPENAPI_PATH
     from app.config import Settings
     from app.inference import Predictor
 
@@ -18,7 +20,9 @@ if TYPE_CHECKING:
 def create_app(settings: "Settings | None" = None, predictor: "Predictor | None" = None) -> "Flask":
     """Build the Flask app: load (or take) the predictor, start the batcher, warm up, register routes."""
     from flask import Flask
+    from flask_swagger_ui import get_swaggerui_blueprint
 
+    from app.auth import DOCS_PATH, OPENAPI_PATH
     from app.config import Settings
     from app.errors import register_error_handlers
     from app.inference import Predictor
@@ -40,4 +44,6 @@ def create_app(settings: "Settings | None" = None, predictor: "Predictor | None"
     register_error_handlers(app)
     app.register_blueprint(bp)
     app.register_blueprint(v2_bp)
+    # Swagger UI's files ship inside flask-swagger-ui: /docs works offline.
+    app.register_blueprint(get_swaggerui_blueprint(DOCS_PATH, OPENAPI_PATH, config={"app_name": "visionserve"}))
     return app

@@ -8,6 +8,15 @@ from app.errors import Unauthorized
 
 # Probes and scrapers must reach these without a key (unless settings say otherwise).
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/v2/health/live", "/v2/health/ready"})
+# The API description holds no data, and clients need it before they have a key.
+DOCS_PATH, OPENAPI_PATH = "/docs", "/openapi.json"
+
+
+def needs_key(path: str, health_open: bool) -> bool:
+    """Whether a request to ``path`` must present the API key (when one is configured)."""
+    if path == OPENAPI_PATH or path == DOCS_PATH or path.startswith(DOCS_PATH + "/"):
+        return False
+    return not (health_open and path in OPEN_PATHS)
 
 
 def presented_key(headers: Mapping[str, str]) -> str | None:

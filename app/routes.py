@@ -10,12 +10,14 @@ import torch
 from flask import Blueprint, Response, current_app, g, jsonify, request
 from werkzeug.exceptions import ClientDisconnected
 
-from app.auth import OPEN_PATHS, check_api_key
+from app.auth import OPENAPI_PATH, check_api_key, needs_key
 from app.errors import RequestTimeout
 from app.metrics import REJECTED, REQUEST_SECONDS, REQUESTS
 from app.metrics import render as render_metrics
+from app.openapi import openapi_document
 from app.payload import PredictInput, deadline_s, parse_predict
-from app.schemas import ClassScore, HealthResponse, ModelRef, Prediction, PredictResponse
+from app.schemas import (Batching, ClassScore, HealthResponse, Limits, ModelInfo, ModelRef, ModelsResponse,
+                         Prediction, PredictResponse)
 from app.service import EXTENSION_KEY, Service
 from app.timing import annotate
 
@@ -43,7 +45,7 @@ def _start_request() -> None:
     if sock is not None:
         # A client that stalls while sending its body gets 408 instead of holding a thread forever.
         sock.settimeout(service.settings.client_body_timeout_s)
-    if service.api_key is not None and not (service.settings.auth_health_open and request.path in OPEN_PATHS):
+    if service.api_key is not None and needs_key(request.path, service.settings.auth_health_open):
         check_api_key(request.headers, service.api_key)
 
 
@@ -124,19 +126,25 @@ def metrics() -> Response:
     return Response(body, content_type=content_type)
 
 
+@bp.get(OPENAPI_PATH)
+def openapi() -> Response:
+    """The OpenAPI 3.1 description of every endpoint (rendered at /docs)."""
+    return jsonify(openapi_document())
+
+
 @bp.get("/v1/models")
 def models() -> Response:
     """Metadata of the served model, its device and dtype, and the batching settings."""
     service = _service()
     s = service.settings
-    info = service.predictor.info()
-    if request.args.get("labels", "").lower() in ("1", "true", "yes"):
-        info["labels"] = service.predictor.labels
-    info["batching"] = {"max_batch_size": s.max_batch_size, "max_wait_ms": s.max_wait_ms,
-                        "current_max_batch_size": service.batcher.current_max_batch_size,
-                        "queue_size": s.queue_size, "queue_depth": service.batcher.depth}
-    info["limits"] = {"max_body_bytes": s.max_body_bytes, "max_pixels": s.max_pixels,
-                      "max_images": s.max_images, "max_aspect_ratio": s.max_aspect_ratio,
-                      "default_top_k": s.top_k, "request_timeout_s": s.request_timeout_s}
-    info["ready"] = service.ready
-    return jsonify(models=[info])
+    show_labels = request.args.get("labels", "").lower() in ("1", "true", "yes")
+    info = ModelInfo(
+        **service.predictor.info(), labels=service.predictor.labels if show_labels else None, ready=service.ready,
+        batching=Batching(max_batch_size=s.max_batch_size, max_wait_ms=s.max_wait_ms,
+                          current_max_batch_size=service.batcher.current_max_batch_size,
+                          queue_size=s.queue_size, queue_depth=service.batcher.depth),
+        limits=Limits(max_body_bytes=s.max_body_bytes, max_pixels=s.max_pixels, max_images=s.max_images,
+                      max_aspect_ratio=s.max_aspect_ratio, default_top_k=s.top_k,
+                      request_timeout_s=s.request_timeout_s))
+    body = ModelsResponse(models=[info]).model_dump_json(exclude_none=True)
+    return Response(body, mimetype="application/json")

@@ -5,6 +5,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from models.presets import EvalPreset
+
 
 class PredictJSONRequest(BaseModel):
     """JSON form of POST /predict: base64-encoded image files."""
@@ -65,3 +67,54 @@ class HealthResponse(BaseModel):
 
     status: str
     checks: dict[str, bool] = Field(default_factory=dict)
+
+
+class Batching(BaseModel):
+    """The batcher's settings and its state now."""
+
+    max_batch_size: int
+    max_wait_ms: float
+    current_max_batch_size: int = Field(description="lower than max_batch_size for a while after a GPU OOM")
+    queue_size: int
+    queue_depth: int
+
+
+class Limits(BaseModel):
+    """The request limits in force."""
+
+    max_body_bytes: int
+    max_pixels: int
+    max_images: int
+    max_aspect_ratio: float
+    default_top_k: int
+    request_timeout_s: float
+
+
+class ModelInfo(BaseModel):
+    """The served model: identity, input, device, metrics from training, batching and limits."""
+
+    model_config = ConfigDict(protected_namespaces=())
+
+    name: str
+    version: str
+    arch: str
+    num_classes: int
+    input_shape: list[int] = Field(description="(C, H, W) of one preprocessed image")
+    preprocess: EvalPreset
+    format: str = Field(description="torchscript or state_dict")
+    device: str
+    dtype: str
+    files: dict[str, str] = Field(description="sha256 of each weights file")
+    metrics: dict[str, float]
+    source: str
+    warmed_batch_sizes: list[int]
+    labels: list[str] | None = Field(default=None, description="only with ?labels=1")
+    batching: Batching
+    limits: Limits
+    ready: bool
+
+
+class ModelsResponse(BaseModel):
+    """Answer of GET /v1/models."""
+
+    models: list[ModelInfo]

@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from flask import Blueprint, Response, current_app, jsonify, request
+from flask import Blueprint, Response, current_app, request
+from pydantic import BaseModel
 
 from app import __version__
 from app.errors import V2_PREFIX, BadRequest, NotFound, TooManyImages
@@ -18,6 +19,7 @@ from app.payload import deadline_s
 from app.service import EXTENSION_KEY, Service
 from app.timing import annotate
 from app.v2_codec import InferRequest, Tensor, encode_response, parse_request
+from app.v2_schemas import Live, ModelMetadata, ModelReady, Ready, ServerMetadata, TensorMetadata
 
 v2_bp = Blueprint("v2", __name__, url_prefix=V2_PREFIX)
 
@@ -25,6 +27,10 @@ IMAGES_INPUT, PIXELS_INPUT, OUTPUT = "images", "pixels", "probabilities"
 EXTENSIONS = ["classification", "binary_tensor_data"]
 _MODEL = "/models/<name>"
 _VERSIONED = "/models/<name>/versions/<version>"
+
+
+def _json(body: BaseModel) -> Response:
+    return Response(body.model_dump_json(exclude_none=True), mimetype="application/json")
 
 
 def _service() -> Service:
@@ -43,21 +49,21 @@ def _model(name: str, version: str | None) -> Service:
 @v2_bp.get("")
 def server_metadata() -> Response:
     """Server name, version and the protocol extensions we implement."""
-    return jsonify(name="visionserve", version=__version__, extensions=EXTENSIONS)
+    return _json(ServerMetadata(name="visionserve", version=__version__, extensions=EXTENSIONS))
 
 
 @v2_bp.get("/health/live")
 def live() -> tuple[Response, int]:
     """Live while the inference thread runs (the same check as /healthz)."""
     alive = _service().batcher.is_alive()
-    return jsonify(live=alive), 200 if alive else 503
+    return _json(Live(live=alive)), 200 if alive else 503
 
 
 @v2_bp.get("/health/ready")
 def ready() -> tuple[Response, int]:
     """Ready as /readyz is: warmed up, canary passed, not draining."""
     ok = _service().ready
-    return jsonify(ready=ok), 200 if ok else 503
+    return _json(Ready(ready=ok)), 200 if ok else 503
 
 
 @v2_bp.get(_MODEL + "/ready")
@@ -65,7 +71,7 @@ def ready() -> tuple[Response, int]:
 def model_ready(name: str, version: str | None = None) -> tuple[Response, int]:
     """Readiness of the one model we serve."""
     ok = _model(name, version).ready
-    return jsonify(name=name, ready=ok), 200 if ok else 503
+    return _json(ModelReady(name=name, ready=ok)), 200 if ok else 503
 
 
 @v2_bp.get(_MODEL)
@@ -73,11 +79,12 @@ def model_ready(name: str, version: str | None = None) -> tuple[Response, int]:
 def model_metadata(name: str, version: str | None = None) -> Response:
     """Inputs and outputs with datatypes and shapes; -1 is the batch dimension."""
     predictor = _model(name, version).predictor
-    return jsonify(name=predictor.manifest.name, versions=[predictor.manifest.version], platform="pytorch",
-                   inputs=[{"name": IMAGES_INPUT, "datatype": "BYTES", "shape": [-1]},
-                           {"name": PIXELS_INPUT, "datatype": "FP32",
-                            "shape": [-1, *predictor.manifest.preprocess.input_shape]}],
-                   outputs=[{"name": OUTPUT, "datatype": "FP32", "shape": [-1, predictor.num_classes]}])
+    return _json(ModelMetadata(
+        name=predictor.manifest.name, versions=[predictor.manifest.version], platform="pytorch",
+        inputs=[TensorMetadata(name=IMAGES_INPUT, datatype="BYTES", shape=[-1]),
+                TensorMetadata(name=PIXELS_INPUT, datatype="FP32",
+                               shape=[-1, *predictor.manifest.preprocess.input_shape])],
+        outputs=[TensorMetadata(name=OUTPUT, datatype="FP32", shape=[-1, predictor.num_classes])]))
 
 
 def _input_tensors(service: Service, infer: InferRequest) -> tuple[list[torch.Tensor], float]:

@@ -1,0 +1,106 @@
+"""Pydantic models of the Open Inference Protocol (V2) REST messages: what /v2 answers and what /openapi.json says."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Datatype = Literal["BOOL", "UINT8", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32", "FP64", "BYTES"]
+
+
+class ServerMetadata(BaseModel):
+    """GET /v2."""
+
+    name: str
+    version: str
+    extensions: list[str]
+
+
+class Live(BaseModel):
+    """GET /v2/health/live (200 live, 503 not)."""
+
+    live: bool
+
+
+class Ready(BaseModel):
+    """GET /v2/health/ready (200 ready, 503 not)."""
+
+    ready: bool
+
+
+class ModelReady(BaseModel):
+    """GET /v2/models/{name}[/versions/{version}]/ready."""
+
+    name: str
+    ready: bool
+
+
+class TensorMetadata(BaseModel):
+    """A model input or output: -1 marks the batch dimension."""
+
+    name: str
+    datatype: Datatype
+    shape: list[int]
+
+
+class ModelMetadata(BaseModel):
+    """GET /v2/models/{name}[/versions/{version}]."""
+
+    name: str
+    versions: list[str]
+    platform: str
+    inputs: list[TensorMetadata]
+    outputs: list[TensorMetadata]
+
+
+class InferInput(BaseModel):
+    """One input tensor: JSON ``data`` (flat or nested; BYTES as base64 strings) or binary (``binary_data_size``)."""
+
+    name: str
+    datatype: Datatype
+    shape: list[int]
+    parameters: dict[str, Any] | None = Field(default=None, description="binary_data_size: bytes after the header")
+    data: list[Any] | None = None
+
+
+class RequestedOutput(BaseModel):
+    """An output to return: ``binary_data`` (bool) and ``classification`` (top k as "score:index:label")."""
+
+    name: str
+    parameters: dict[str, Any] | None = None
+
+
+class InferRequest(BaseModel):
+    """POST /v2/models/{name}[/versions/{version}]/infer (the JSON header when binary tensors follow)."""
+
+    id: str | None = None
+    parameters: dict[str, Any] | None = Field(default=None, description="binary_data_output, timeout (µs)")
+    inputs: list[InferInput] = Field(min_length=1)
+    outputs: list[RequestedOutput] | None = None
+
+
+class InferOutput(BaseModel):
+    """One output tensor, in JSON (``data``) or binary (``parameters.binary_data_size``)."""
+
+    name: str
+    datatype: Datatype
+    shape: list[int]
+    parameters: dict[str, Any] | None = None
+    data: list[Any] | None = None
+
+
+class InferResponse(BaseModel):
+    """The inference answer (the JSON header when binary tensors follow)."""
+
+    model_config = ConfigDict(protected_namespaces=())
+
+    model_name: str
+    model_version: str
+    id: str | None = None
+    outputs: list[InferOutput]
+
+
+class Error(BaseModel):
+    """Every /v2 error, as the protocol defines it."""
+
+    error: str
