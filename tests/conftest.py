@@ -14,6 +14,7 @@ from app.config import Settings
 from app.inference import Predictor
 from app.service import EXTENSION_KEY, Service
 from tests.fakes import ColourModel, tiny_manifest
+from tests.server import Server
 
 
 @pytest.fixture
@@ -95,3 +96,11 @@ def small_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
                  arch="mobilenet_v3_small", labels=[f"class{i}" for i in range(10)],
                  preset=EvalPreset(resize_size=72, crop_size=64))
     return out
+
+
+@pytest.fixture(scope="session")
+def live_server(real_weights: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """gunicorn on the real default model, shared by the client and protocol tests."""
+    server = Server(real_weights, tmp_path_factory.mktemp("live") / "server.log", max_wait_ms="10").wait_ready()
+    yield server
+    server.stop()

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import base64
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pytest
@@ -23,10 +22,8 @@ PHOTOS = {"chelsea": "tiger cat", "coffee": "espresso"}
 
 
 @pytest.fixture(scope="module")
-def server(real_weights: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = Server(real_weights, tmp_path_factory.mktemp("v2") / "server.log", max_wait_ms="10").wait_ready()
-    yield server
-    server.stop()
+def server(live_server: Server) -> Server:
+    return live_server
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,136 @@
+"""``Client``: /predict, health, readiness and model metadata over a pooled ``requests`` session, with retries."""
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence, Union, overload
+
+import requests
+from requests.adapters import HTTPAdapter
+
+from client.errors import VisionServeError
+from client.types import ModelInfo, Prediction
+
+ImageInput = Union[str, Path, bytes]
+# Overloaded or not ready: the server says when to come back. Other errors are the caller's to handle.
+RETRY_STATUSES = frozenset({429, 503})
+
+
+def _read(image: ImageInput, position: int) -> tuple[str, bytes]:
+    if isinstance(image, bytes):
+        return f"image{position}", image
+    path = Path(image)
+    return path.name, path.read_bytes()
+
+
+def _retry_after(response: requests.Response) -> float | None:
+    try:
+        return float(response.headers["Retry-After"])
+    except (KeyError, ValueError):
+        return None
+
+
+def _error(response: requests.Response) -> VisionServeError:
+    try:
+        body = response.json()["error"]
+        code, message = body.get("code", "error"), body.get("message", "")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        code, message = "http_error", response.text[:200] or response.reason
+    return VisionServeError(message, status=response.status_code, code=code,
+                            request_id=response.headers.get("X-Request-ID"), retry_after_s=_retry_after(response))
+
+
+class Client:
+    """A visionserve client. Thread-safe for concurrent calls; reuse one instance (it pools connections).
+
+    429 and 503 answers and connection failures are retried up to ``retries`` times, waiting what the server's
+    Retry-After says (at most ``max_backoff_s``), or an exponential backoff with jitter when it says nothing.
+    """
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", *, api_key: str | None = None,
+                 timeout: float = 30.0, retries: int = 3, backoff_s: float = 0.5, max_backoff_s: float = 30.0,
+                 pool_size: int = 16, sleep: Callable[[float], None] = time.sleep) -> None:
+        if timeout <= 0 or retries < 0 or backoff_s < 0 or max_backoff_s < 0 or pool_size <= 0:
+            raise ValueError("timeout and pool_size must be positive; retries and backoffs must not be negative")
+        self.base_url = base_url.rstrip("/")
+        self.timeout, self.retries = timeout, retries
+        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+        self._sleep = sleep
+        self.session = requests.Session()
+        adapter = HTTPAdapter(pool_connections=1, pool_maxsize=pool_size)
+        self.session.mount("http://", adapter)
+        self.session.mount("https://", adapter)
+        if api_key:
+            self.session.headers["Authorization"] = f"Bearer {api_key}"
+
+    def close(self) -> None:
+        """Close pooled connections."""
+        self.session.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _wait_s(self, attempt: int, retry_after: float | None) -> float:
+        if retry_after is not None:
+            return min(retry_after, self.max_backoff_s)
+        return min(self.backoff_s * 2 ** attempt * (0.5 + random.random()), self.max_backoff_s)
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> requests.Response:
+        for attempt in range(self.retries + 1):
+            try:
+                response = self.session.request(method, self.base_url + path, timeout=self.timeout, **kwargs)
+            except requests.RequestException as exc:
+                error = VisionServeError(str(exc), code="connection_error")
+            else:
+                if response.status_code == 200:
+                    return response
+                error = _error(response)
+                if response.status_code not in RETRY_STATUSES:
+                    raise error
+            if attempt == self.retries:
+                raise error
+            self._sleep(self._wait_s(attempt, error.retry_after_s))
+        raise AssertionError("unreachable")
+
+    @overload
+    def predict(self, images: ImageInput, top_k: int = 5, *, deadline_ms: float | None = None) -> Prediction: ...
+
+    @overload
+    def predict(self, images: Sequence[ImageInput], top_k: int = 5, *,
+                deadline_ms: float | None = None) -> list[Prediction]: ...
+
+    def predict(self, images: ImageInput | Sequence[ImageInput], top_k: int = 5, *,
+                deadline_ms: float | None = None) -> Prediction | list[Prediction]:
+        """Classify one image (a path or the file's bytes) or a list of them, in one request, in order."""
+        single = isinstance(images, (str, Path, bytes))
+        batch: Sequence[ImageInput] = [images] if single else images  # type: ignore[list-item, assignment]
+        if not batch:
+            raise ValueError("predict needs at least one image")
+        files = [("image", _read(image, i)) for i, image in enumerate(batch)]
+        headers = {"X-Request-Timeout": str(deadline_ms)} if deadline_ms is not None else {}
+        response = self._request("POST", "/predict", params={"top_k": top_k}, files=files, headers=headers)
+        predictions = [Prediction.from_json(p) for p in response.json()["predictions"]]
+        return predictions[0] if single else predictions
+
+    def health(self) -> bool:
+        """Liveness: True when the process and its inference thread run (no retries)."""
+        return self._probe("/healthz")
+
+    def ready(self) -> bool:
+        """Readiness: True when the model is warm and the server accepts work (no retries)."""
+        return self._probe("/readyz")
+
+    def _probe(self, path: str) -> bool:
+        try:
+            return self.session.get(self.base_url + path, timeout=self.timeout).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def model(self, labels: bool = False) -> ModelInfo:
+        """The served model's metadata (with its class names when ``labels``)."""
+        response = self._request("GET", "/v1/models", params={"labels": "1"} if labels else None)
+        return ModelInfo.from_json(response.json()["models"][0])
