@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 WEIGHTS_DIR ?= weights
 SERVE := PATH="$(CURDIR)/$(BIN):$$PATH" bin/serve
 
-.PHONY: serve test install weights clean-weights train-digits finetune-textures
+.PHONY: serve test install weights clean-weights train-digits finetune-textures bench
 
 install: $(STAMP)
 
@@ -47,3 +47,7 @@ train-digits: data/digits
 finetune-textures: data/textures
 	$(BIN)/python -m models.train --data data/textures --arch efficientnet_lite0 --pretrained --freeze-backbone \
 		--epochs 3 --batch-size 32 --lr 0.05 --output-dir runs/textures --export runs/textures/weights --plot
+
+# The performance comparison (about 10 minutes on 2 cores): see README, "Performance".
+bench: $(STAMP)
+	$(BIN)/python -m bench $(BENCH_ARGS)

@@ -35,7 +35,8 @@ def create_app(settings: "Settings | None" = None, predictor: "Predictor | None"
     configure_logging(settings.log_level)
     if predictor is None:
         predictor = Predictor.load(settings.resolved_weights_dir(), weights_format=settings.weights_format,
-                                   device=settings.device, dtype=settings.dtype)
+                                   device=settings.device, dtype=settings.dtype,
+                                   jit_optimize=settings.jit_optimize)
     app = Flask(__name__)
     # werkzeug refuses a larger body with 413 from its Content-Length, before reading it.
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes

@@ -25,9 +25,14 @@ class Settings(BaseSettings):
     dtype: Dtype = "float32"  # float16 needs CUDA; bfloat16 works on CPU and CUDA
     torch_threads: int = Field(default=0, ge=0)  # intra-op threads for the forward pass; 0 = torch's default
     warmup: bool = True  # run every batch size once before reporting ready
+    # TorchScript on CPU: torch.jit.freeze + optimize_for_inference (folds BatchNorm into convolutions, MKLDNN
+    # kernels). Measured by `python -m bench.limit`: about 1.5x images/s for EfficientNet-Lite0 on 2 cores.
+    jit_optimize: bool = True
 
     # Batching
     max_batch_size: int = Field(default=8, gt=0)
+    # At warm-up, time the forward pass per batch size and cap batches where images/s stops rising (within 5%).
+    auto_batch_size: bool = True
     max_wait_ms: float = Field(default=2.0, ge=0)
     queue_size: int = Field(default=64, gt=0)  # images waiting for the GPU worker, per process
 

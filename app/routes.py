@@ -140,7 +140,9 @@ def models() -> Response:
     show_labels = request.args.get("labels", "").lower() in ("1", "true", "yes")
     info = ModelInfo(
         **service.predictor.info(), labels=service.predictor.labels if show_labels else None, ready=service.ready,
-        batching=Batching(max_batch_size=s.max_batch_size, max_wait_ms=s.max_wait_ms,
+        batching=Batching(max_batch_size=s.max_batch_size, batch_cap=service.batcher.max_batch_size,
+                          profile={k: round(v, 1) for k, v in service.batch_profile.items()},
+                          max_wait_ms=s.max_wait_ms,
                           current_max_batch_size=service.batcher.current_max_batch_size,
                           queue_size=s.queue_size, queue_depth=service.batcher.depth),
         limits=Limits(max_body_bytes=s.max_body_bytes, max_pixels=s.max_pixels, max_images=s.max_images,

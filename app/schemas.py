@@ -72,9 +72,11 @@ class HealthResponse(BaseModel):
 class Batching(BaseModel):
     """The batcher's settings and its state now."""
 
-    max_batch_size: int
+    max_batch_size: int = Field(description="the configured ceiling")
+    batch_cap: int = Field(description="the cap in force: measured at warm-up when auto_batch_size is on")
     max_wait_ms: float
-    current_max_batch_size: int = Field(description="lower than max_batch_size for a while after a GPU OOM")
+    current_max_batch_size: int = Field(description="lower than batch_cap for a while after a GPU OOM")
+    profile: dict[int, float] = Field(description="forward-pass images/s per batch size, measured at warm-up")
     queue_size: int
     queue_depth: int
 

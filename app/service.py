@@ -13,7 +13,7 @@ from app.batcher import Batcher, BatchResult, DeadlineExpired
 from app.config import Settings
 from app.decode import DecodeLimits, image_to_tensor
 from app.errors import DeadlineExceeded, InferenceFailed, NotReady
-from app.inference import OUT_OF_MEMORY_ERRORS, Predictor
+from app.inference import OUT_OF_MEMORY_ERRORS, Predictor, choose_batch_cap
 from app.metrics import MODEL_INFO, STAGE_SECONDS, MetricsObserver
 
 log = logging.getLogger(__name__)
@@ -30,6 +30,7 @@ class Service:
     batcher: Batcher[torch.Tensor, torch.Tensor]
     limits: DecodeLimits
     api_key: str | None = None
+    batch_profile: dict[int, float] = field(default_factory=dict)  # forward images/s per batch size, at warm-up
     _ready: threading.Event = field(default_factory=threading.Event)
     _draining: threading.Event = field(default_factory=threading.Event)
 
@@ -38,16 +39,21 @@ class Service:
         """Start the batcher, warm up, pass the canary; readiness turns on only after all of that."""
         if settings.torch_threads:
             torch.set_num_threads(settings.torch_threads)
+        # Warm up before the batcher exists, so its cap can come from the measured throughput per batch size.
+        profile = predictor.warmup(settings.max_batch_size) if settings.warmup else {}
+        cap = choose_batch_cap(profile) if profile and settings.auto_batch_size else settings.max_batch_size
+        if cap < settings.max_batch_size:
+            log.info("batch cap %d: larger batches were no faster (%s)", cap,
+                     ", ".join(f"{size}: {rate:.0f} img/s" for size, rate in profile.items()))
         observer = MetricsObserver(predictor.memory_stats if predictor.device.type == "cuda" else None)
         batcher: Batcher[torch.Tensor, torch.Tensor] = Batcher(
-            predictor.predict_list, max_batch_size=settings.max_batch_size, max_wait_ms=settings.max_wait_ms,
+            predictor.predict_list, max_batch_size=cap, max_wait_ms=settings.max_wait_ms,
             queue_size=settings.queue_size, split_on=OUT_OF_MEMORY_ERRORS, shrink_s=settings.oom_shrink_s,
             observer=observer).start()
         limits = DecodeLimits(max_pixels=settings.max_pixels, max_aspect_ratio=settings.max_aspect_ratio,
                               jpeg_draft_min_side=settings.jpeg_draft_min_side)
-        service = cls(settings, predictor, batcher, limits, api_key=settings.resolved_api_key())
-        if settings.warmup:
-            predictor.warmup(settings.max_batch_size)
+        service = cls(settings, predictor, batcher, limits, api_key=settings.resolved_api_key(),
+                      batch_profile=profile)
         predictor.canary()
         MODEL_INFO.labels(predictor.manifest.name, predictor.manifest.version, str(predictor.device),
                           predictor.dtype_name).set(1)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+from functools import lru_cache
 
 import numpy as np
 import skimage.data
@@ -23,3 +24,9 @@ def jpeg(image: Image.Image, size: tuple[int, int] | None = None, quality: int =
     buffer = io.BytesIO()
     image.save(buffer, format="JPEG", quality=quality)
     return buffer.getvalue()
+
+
+@lru_cache(maxsize=1)
+def workload() -> tuple[bytes, ...]:
+    """The benchmark's request bodies: every photo at its native size, 1920x1080 and 4000x3000, as JPEG."""
+    return tuple(jpeg(photo(name), size) for name in PHOTO_NAMES for size in SIZES.values())

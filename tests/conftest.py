@@ -22,7 +22,8 @@ def settings(tmp_path: Path) -> Settings:
     """Small limits so every limit can be reached cheaply."""
     return Settings(weights_dir=tmp_path, device="cpu", max_batch_size=4, max_wait_ms=5, queue_size=8,
                     max_body_bytes=256 * 1024, max_pixels=200_000, max_images=4, top_k=2,
-                    request_timeout_s=10, jpeg_draft_min_side=0, log_level="warning")
+                    request_timeout_s=10, jpeg_draft_min_side=0, log_level="warning",
+                    auto_batch_size=False)  # batching tests need the configured cap, not a measured one
 
 
 @pytest.fixture

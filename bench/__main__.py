@@ -1,0 +1,120 @@
+"""``python -m bench`` (or ``make bench``): visionserve against its limit and its peers, same photos, one run.
+
+For each model (the default EfficientNet-Lite0, and mobilenet_v3_small, which batching helps more): the in-process
+limit, then visionserve, a naive one-forward-per-request Flask app and LitServe, each under a closed-loop load at
+C = 1, 4, 16, 64. Prints a table, writes bench/results/<date>-<machine>.md (+ .json) and a PNG chart.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from bench import report
+from bench.limit import measure as measure_limit
+from bench.limit import single_image_ms
+from bench.load import LoadResult, measure
+from bench.photos import workload
+from bench.servers import Running, litserve, naive, visionserve
+
+WORK = Path(__file__).resolve().parent / ".work"
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def export_models(out: Path) -> dict[str, Path]:
+    """Weights for both models, exported by our own export command into ``out``."""
+    from models.export import export_default, export_model
+    from models.pretrained import imagenet_labels
+    from models.presets import EvalPreset
+    from models.registry import build_model
+
+    dirs = {"efficientnet_lite0": out / "efficientnet_lite0", "mobilenet_v3_small": out / "mobilenet_v3_small"}
+    if not (dirs["efficientnet_lite0"] / "manifest.json").exists():
+        export_default(dirs["efficientnet_lite0"])
+    if not (dirs["mobilenet_v3_small"] / "manifest.json").exists():
+        torch.manual_seed(0)  # untrained weights cost the same to run as trained ones
+        export_model(build_model("mobilenet_v3_small", 1000), out_dir=dirs["mobilenet_v3_small"],
+                     name="mobilenet_v3_small", version="bench", arch="mobilenet_v3_small",
+                     labels=imagenet_labels(), preset=EvalPreset(resize_size=256, crop_size=224))
+    return dirs
+
+
+@dataclass(frozen=True)
+class Contender:
+    """A server to compare, and the request bodies it takes (LitServe reads JSON, not raw image bodies)."""
+
+    start: Callable[[], Running]
+    bodies: list[bytes]
+    content_type: str
+
+
+def contenders(weights: Path, logs: Path, skip_litserve: bool) -> list[Contender]:
+    """visionserve, the naive Flask app, and LitServe (unless skipped), in that order."""
+    jpegs = list(workload())
+    found = [Contender(lambda: visionserve(weights, logs), jpegs, "image/jpeg"),
+             Contender(lambda: naive(weights, logs), jpegs, "image/jpeg")]
+    if not skip_litserve:
+        as_json = [json.dumps({"image": base64.b64encode(b).decode()}).encode() for b in jpegs]
+        found.append(Contender(lambda: litserve(weights, logs), as_json, "application/json"))
+    return found
+
+
+def run_model(model: str, weights: Path, args: argparse.Namespace, logs: Path) -> dict[str, object]:
+    """The limit and every server at every concurrency, for one model."""
+    from app.inference import Predictor
+
+    limit = measure_limit(weights, workload(), (1, 8), args.limit_seconds, compile_too=args.compile)
+    predictor = Predictor.load(weights, device="cpu", jit_optimize=True)  # as the service loads it
+    single_ms = single_image_ms(predictor, workload())
+    del predictor
+    print(f"[{model}] limit: " + ", ".join(f"{r.config} b{r.batch_size} {r.images_per_s:.1f}" for r in limit),
+          flush=True)
+    loads: list[LoadResult] = []
+    for contender in contenders(weights, logs, args.skip_litserve):
+        try:
+            server = contender.start().wait_ready()
+        except RuntimeError as exc:
+            print(f"[{model}] a server did not start: {exc}", file=sys.stderr)
+            continue
+        try:
+            for concurrency in args.concurrency:
+                result = measure(server.name, model, server.url, "/predict", contender.bodies, concurrency,
+                                 args.seconds, args.warmup, content_type=contender.content_type)
+                loads.append(result)
+                print(f"[{model}] {report.row(result)}", flush=True)
+        finally:
+            server.stop()
+    return {"limit": [asdict(r) for r in limit], "single_image_ms": single_ms, "loads": [asdict(r) for r in loads]}
+
+
+def main() -> None:
+    """Run the comparison and write the report."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["efficientnet_lite0", "mobilenet_v3_small"])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds per point")
+    parser.add_argument("--warmup", type=float, default=2.0, help="warm-up seconds per point")
+    parser.add_argument("--limit-seconds", type=float, default=3.0)
+    parser.add_argument("--compile", action="store_true", help="also try torch.compile for the limit")
+    parser.add_argument("--skip-litserve", action="store_true")
+    args = parser.parse_args()
+    logs = WORK / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    weights = export_models(WORK / "weights")
+    started = time.time()
+    results = {model: run_model(model, weights[model], args, logs) for model in args.models}
+    machine = {"platform": platform.platform(), "cpus": torch.get_num_threads(), "torch": torch.__version__,
+               "device": "cpu", "seconds": round(time.time() - started)}
+    print(report.write(results, machine, args, RESULTS))
+
+
+if __name__ == "__main__":
+    main()

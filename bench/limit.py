@@ -1,0 +1,123 @@
+"""The limit: decode + preprocess + batched forward pass in one process, no HTTP, fastest configuration found.
+
+    python -m bench.limit --weights weights          # prints images/s per inference configuration and batch size
+
+Decoding runs in a thread pool (PIL releases the GIL), overlapping the forward pass of the previous batch.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from app.decode import DecodeLimits, image_to_tensor
+from app.inference import Predictor, optimize_for_cpu
+
+Forward = Callable[[torch.Tensor], torch.Tensor]
+LIMITS = DecodeLimits(max_pixels=40_000_000, max_aspect_ratio=20, jpeg_draft_min_side=1024)
+
+
+@dataclass(frozen=True)
+class LimitResult:
+    """Images/s of one configuration at one batch size, and its single-image latency."""
+
+    config: str
+    batch_size: int
+    images_per_s: float
+    single_ms: float
+
+
+def configurations(weights: Path, compile_too: bool) -> tuple[Predictor, dict[str, Forward]]:
+    """Candidate inference configurations of the same weights, each a callable on an NCHW float batch."""
+    base = Predictor.load(weights, weights_format="torchscript", device="cpu")
+    optimized = optimize_for_cpu(base.model, base.manifest)
+
+    def channels_last(forward: Forward) -> Forward:
+        return lambda x: forward(x.contiguous(memory_format=torch.channels_last))
+
+    configs: dict[str, Forward] = {
+        "torchscript": base.model, "torchscript, channels_last input": channels_last(base.model),
+        "frozen+optimize_for_inference (served)": optimized,
+        "frozen+optimize_for_inference, channels_last input": channels_last(optimized)}
+    if compile_too:
+        eager = Predictor.load(weights, weights_format="state_dict", device="cpu").model
+        configs["torch.compile(freezing), channels_last"] = channels_last(torch.compile(
+            eager.to(memory_format=torch.channels_last), dynamic=False, options={"freezing": True}))
+    return base, configs
+
+
+def _forward_rate(forward: Forward, batch: torch.Tensor, seconds: float) -> float:
+    with torch.inference_mode():
+        forward(batch)
+        done, started = 0, time.perf_counter()
+        while time.perf_counter() - started < seconds:
+            forward(batch)
+            done += len(batch)
+    return done / (time.perf_counter() - started)
+
+
+def end_to_end_rate(forward: Forward, predictor: Predictor, photos: Sequence[bytes], batch_size: int,
+                    seconds: float, threads: int = 2) -> float:
+    """Decode (parallel threads) + preprocess + forward, batch after batch, for ``seconds``."""
+    def decode(i: int) -> torch.Tensor:
+        return image_to_tensor(photos[i % len(photos)], predictor.transform, LIMITS)
+
+    with ThreadPoolExecutor(threads) as pool, torch.inference_mode():
+        forward(torch.stack([decode(0)] * batch_size))  # first call per shape (compilation) is not timed
+        done, index, started = 0, 0, time.perf_counter()
+        pending = pool.map(decode, range(index, index + batch_size))
+        while time.perf_counter() - started < seconds:
+            batch = torch.stack(list(pending))
+            index += batch_size
+            pending = pool.map(decode, range(index, index + batch_size))  # decode the next batch meanwhile
+            forward(batch).softmax(dim=1)
+            done += batch_size
+    return done / (time.perf_counter() - started)
+
+
+def measure(weights: Path, photos: Sequence[bytes], batch_sizes: Sequence[int], seconds: float,
+            compile_too: bool = False) -> list[LimitResult]:
+    """Every configuration at every batch size, end to end; the best is the limit."""
+    predictor, configs = configurations(weights, compile_too)
+    shape = predictor.manifest.preprocess.input_shape
+    results = []
+    for name, forward in configs.items():
+        single = 1000 / _forward_rate(forward, torch.randn(1, *shape), seconds / 2)
+        for size in batch_sizes:
+            rate = end_to_end_rate(forward, predictor, photos, size, seconds)
+            results.append(LimitResult(name, size, rate, single))
+    return results
+
+
+def single_image_ms(predictor: Predictor, photos: Sequence[bytes], rounds: int = 2) -> float:
+    """Median in-process latency of one image over the same photos the load uses: decode + preprocess + forward."""
+    times = []
+    with torch.inference_mode():
+        for photo in list(photos) * rounds:
+            started = time.perf_counter()
+            predictor.predict_batch(image_to_tensor(photo, predictor.transform, LIMITS).unsqueeze(0))
+            times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1000
+
+
+def main() -> None:
+    """Print images/s for each configuration and batch size."""
+    from bench.photos import workload
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--weights", type=Path, default=Path("weights"))
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--compile", action="store_true", help="also try torch.compile (slow to compile)")
+    args = parser.parse_args()
+    for r in measure(args.weights, workload(), (1, 4, 8, 16), args.seconds, args.compile):
+        print(f"{r.config:36s} batch {r.batch_size:2d}: {r.images_per_s:6.1f} img/s  (1 image fwd {r.single_ms:.1f} ms)")
+
+
+if __name__ == "__main__":
+    main()

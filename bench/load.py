@@ -1,0 +1,101 @@
+"""A closed-loop load generator: C threads, each with its own keep-alive session, posting raw JPEG bodies."""
+from __future__ import annotations
+
+import re
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import requests
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """One server, one model, one concurrency: throughput, latency percentiles, errors and batching."""
+
+    server: str
+    model: str
+    concurrency: int
+    images_per_s: float
+    p50_ms: float
+    p95_ms: float
+    p99_ms: float
+    errors: int
+    requests: int
+    mean_batch: float | None
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+def batch_counters(base_url: str) -> tuple[float, float] | None:
+    """(sum, count) of visionserve_batch_size from /metrics, or None for servers without it."""
+    try:
+        text = requests.get(f"{base_url}/metrics", timeout=5).text
+    except requests.RequestException:
+        return None
+    found = {m.group(1): float(m.group(2))
+             for m in re.finditer(r"^visionserve_batch_size_(sum|count) ([0-9.e+]+)$", text, re.M)}
+    return (found["sum"], found["count"]) if len(found) == 2 else None
+
+
+def closed_loop(url: str, bodies: Sequence[bytes], concurrency: int, duration_s: float, warmup_s: float,
+                content_type: str = "image/jpeg") -> tuple[list[float], int, float]:
+    """Run C clients for warm-up + duration; returns latencies (s) and errors inside the measured window, and its
+    length. Each client sends its next request as soon as the previous answer arrives."""
+    start = time.perf_counter()
+    measure_from, stop_at = start + warmup_s, start + warmup_s + duration_s
+    latencies: list[float] = []
+    errors = [0]
+    lock = threading.Lock()
+
+    def client(index: int) -> None:
+        session = requests.Session()
+        i = index
+        while True:
+            sent = time.perf_counter()
+            if sent >= stop_at:
+                break
+            try:
+                ok = session.post(url, data=bodies[i % len(bodies)], headers={"Content-Type": content_type},
+                                  timeout=120).status_code == 200
+            except requests.RequestException:
+                ok = False
+            done = time.perf_counter()
+            i += concurrency
+            if sent >= measure_from and done <= stop_at:
+                with lock:
+                    if ok:
+                        latencies.append(done - sent)
+                    else:
+                        errors[0] += 1
+        session.close()
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return latencies, errors[0], duration_s
+
+
+def measure(server: str, model: str, base_url: str, path: str, bodies: Sequence[bytes], concurrency: int,
+            duration_s: float, warmup_s: float, content_type: str = "image/jpeg") -> LoadResult:
+    """One point of the comparison: a warm-up run, then the measured run (batch sizes counted over it only)."""
+    closed_loop(base_url + path, bodies, concurrency, warmup_s, 0.0, content_type)
+    before = batch_counters(base_url)
+    latencies, errors, window = closed_loop(base_url + path, bodies, concurrency, duration_s, 0.0, content_type)
+    after = batch_counters(base_url)
+    mean_batch = None
+    if before and after and after[1] > before[1]:
+        mean_batch = (after[0] - before[0]) / (after[1] - before[1])
+    ms = sorted(x * 1000 for x in latencies)
+    return LoadResult(server, model, concurrency, len(latencies) / window, _percentile(ms, 50),
+                      _percentile(ms, 95), _percentile(ms, 99), errors, len(latencies) + errors, mean_batch)

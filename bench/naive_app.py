@@ -1,0 +1,34 @@
+"""The baseline most tutorials show: a Flask app that runs one forward pass per request, no batching.
+
+Same weights, same decode and eval transform as visionserve, so the comparison isolates the serving design.
+Run by the benchmark as: gunicorn bench.naive_app:app (with the same worker settings as visionserve).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from flask import Flask, jsonify, request
+
+from app.decode import DecodeLimits, image_to_tensor
+from app.inference import Predictor
+
+app = Flask(__name__)
+_predictor = Predictor.load(Path(os.environ["NAIVE_WEIGHTS_DIR"]), device="cpu")
+_limits = DecodeLimits(max_pixels=40_000_000, max_aspect_ratio=20, jpeg_draft_min_side=1024)
+
+
+@app.post("/predict")
+def predict():  # noqa: ANN201 - tutorial style on purpose
+    image = image_to_tensor(request.get_data(), _predictor.transform, _limits)
+    with torch.inference_mode():
+        probabilities = _predictor.predict_batch(image.unsqueeze(0))[0]
+    scores, indices = probabilities.topk(5)
+    return jsonify(predictions=[{"label": _predictor.labels[i], "score": s}
+                                for s, i in zip(scores.tolist(), indices.tolist())])
+
+
+@app.get("/healthz")
+def healthz():  # noqa: ANN201
+    return {"status": "ok"}

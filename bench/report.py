@@ -1,0 +1,91 @@
+"""The benchmark's report: a Markdown table per model, the raw JSON, and a chart (images/s and p99 against C)."""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.load import LoadResult
+
+
+def row(r: LoadResult) -> str:
+    """One load point as a table row."""
+    batch = f"{r.mean_batch:.2f}" if r.mean_batch is not None else "-"
+    return (f"| {r.server} | {r.concurrency} | {r.images_per_s:.1f} | {r.p50_ms:.0f} | {r.p95_ms:.0f} | "
+            f"{r.p99_ms:.0f} | {r.errors} | {batch} |")
+
+
+def _limit(results: dict[str, Any]) -> dict[str, Any]:
+    return max(results["limit"], key=lambda r: r["images_per_s"])
+
+
+def _model_section(model: str, results: dict[str, Any]) -> list[str]:
+    best = _limit(results)
+    lines = [f"### {model}", "",
+             f"Limit (in-process decode + preprocess + forward, no HTTP): **{best['images_per_s']:.1f} img/s** "
+             f"with {best['config']} at batch {best['batch_size']}. In-process single image, as served: "
+             f"{results['single_image_ms']:.1f} ms.", "",
+             "| limit configuration | batch | img/s |", "| --- | --- | --- |"]
+    lines += [f"| {r['config']} | {r['batch_size']} | {r['images_per_s']:.1f} |" for r in results["limit"]]
+    lines += ["", "| server | C | img/s | p50 ms | p95 ms | p99 ms | errors | mean batch |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [row(LoadResult(**r)) for r in results["loads"]]
+    ours = {r["concurrency"]: r for r in results["loads"] if r["server"] == "visionserve"}
+    lines.append("")
+    for c, r in sorted(ours.items()):
+        peers = {p["server"]: p for p in results["loads"] if p["concurrency"] == c and p["server"] != "visionserve"}
+        ratios = ", ".join(f"{r['images_per_s'] / p['images_per_s']:.2f}x {name}" for name, p in peers.items()
+                           if p["images_per_s"])
+        lines.append(f"- C={c}: efficiency {r['images_per_s'] / best['images_per_s']:.2f} of the limit"
+                     + (f"; {ratios}" if ratios else ""))
+    if 1 in ours:
+        lines.append(f"- C=1 p50 {ours[1]['p50_ms']:.1f} ms vs in-process single image "
+                     f"{results['single_image_ms']:.1f} ms ({ours[1]['p50_ms'] / results['single_image_ms']:.2f}x)")
+    return lines + [""]
+
+
+def chart(results: dict[str, Any], target: Path) -> None:
+    """images/s and p99 latency against concurrency, one line per server, one row of plots per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(len(results), 2, figsize=(11, 4 * len(results)), squeeze=False,
+                                constrained_layout=True)
+    for (model, data), (rate_axes, p99_axes) in zip(results.items(), axes):
+        servers = sorted({r["server"] for r in data["loads"]})
+        for server in servers:
+            points = sorted((r["concurrency"], r["images_per_s"], r["p99_ms"]) for r in data["loads"]
+                            if r["server"] == server)
+            rate_axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=server)
+            p99_axes.plot([p[0] for p in points], [p[2] for p in points], marker="o", label=server)
+        rate_axes.axhline(_limit(data)["images_per_s"], linestyle="--", color="grey", label="limit")
+        rate_axes.set(title=f"{model}: images/s", xlabel="concurrent clients", xscale="log")
+        p99_axes.set(title=f"{model}: p99 latency (ms)", xlabel="concurrent clients", xscale="log", yscale="log")
+        for ax in (rate_axes, p99_axes):
+            ax.grid(alpha=0.3)
+            ax.legend()
+    figure.savefig(target, dpi=100)
+    plt.close(figure)
+
+
+def write(results: dict[str, Any], machine: dict[str, Any], args: argparse.Namespace, out_dir: Path) -> str:
+    """Write <date>-<machine>.md, .json and .png into ``out_dir``; return the Markdown."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{time.strftime('%Y-%m-%d')}-{machine['device']}-{machine['cpus']}cpu-{platform.node() or 'host'}"
+    lines = [f"# Benchmark {time.strftime('%Y-%m-%d %H:%M')}", "",
+             f"Machine: {machine['platform']}, {machine['cpus']} CPU threads, torch {machine['torch']}, "
+             f"device {machine['device']}. Whole run: {machine['seconds']} s. Closed loop, {args.seconds:g} s measured "
+             f"after {args.warmup:g} s warm-up per point; the load generator runs on the same machine.", ""]
+    for model, data in results.items():
+        lines += _model_section(model, data)
+    lines.append(f"![chart]({stem}.png)")
+    markdown = "\n".join(lines) + "\n"
+    (out_dir / f"{stem}.md").write_text(markdown)
+    (out_dir / f"{stem}.json").write_text(json.dumps({"machine": machine, "results": results}, indent=1))
+    chart(results, out_dir / f"{stem}.png")
+    return markdown

@@ -1,0 +1,114 @@
+"""Start and stop the servers under comparison as subprocesses on free loopback ports."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import requests
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Running:
+    """A server process; ``url`` is its base URL. Stopped with SIGTERM (then SIGKILL)."""
+
+    def __init__(self, name: str, command: Sequence[str], env: dict[str, str], port: int, ready_path: str,
+                 log_dir: Path) -> None:
+        self.name, self.url, self.ready_path = name, f"http://127.0.0.1:{port}", ready_path
+        self.log_path = log_dir / f"{name}.log"
+        self._log = self.log_path.open("w")
+        self.process = subprocess.Popen(list(command), cwd=ROOT, env={**os.environ, **env}, stdout=self._log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout_s: float = 300) -> "Running":
+        """Block until the ready path answers 200; raise with the log's tail if the process dies first."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: {self.log_path.read_text()[-2000:]}")
+            try:
+                if requests.get(self.url + self.ready_path, timeout=2).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"{self.name} not ready after {timeout_s}s: {self.log_path.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        """SIGTERM the process group, SIGKILL after 30 s."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self._log.close()
+
+
+def _gunicorn(app: str) -> list[str]:
+    return [str(Path(sys.executable).with_name("gunicorn")), "-c", "gunicorn.conf.py", app]
+
+
+def visionserve(weights: Path, log_dir: Path, **settings: str) -> Running:
+    """Our service through bin/serve, the command `make serve` and the container run."""
+    port = free_port()
+    env = {"VISIONSERVE_WEIGHTS_DIR": str(weights), "VISIONSERVE_BIND": f"127.0.0.1:{port}",
+           "VISIONSERVE_DEVICE": "cpu", "VISIONSERVE_LOG_LEVEL": "warning",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           **{f"VISIONSERVE_{k.upper()}": v for k, v in settings.items()}}
+    return Running("visionserve", ["bin/serve"], env, port, "/readyz", log_dir)
+
+
+def naive(weights: Path, log_dir: Path) -> Running:
+    """The one-forward-pass-per-request Flask app, under the same gunicorn config (workers, threads)."""
+    port = free_port()
+    env = {"NAIVE_WEIGHTS_DIR": str(weights), "VISIONSERVE_BIND": f"127.0.0.1:{port}",
+           "VISIONSERVE_LOG_LEVEL": "warning"}
+    return Running("naive-flask", _gunicorn("bench.naive_app:app"), env, port, "/healthz", log_dir)
+
+
+LITSERVE_VERSION = "0.2.19"
+LITSERVE_VENV = ROOT / "bench" / ".venv-litserve"
+# LitServe's documented batching: the same batch cap as ours, and its example's 10 ms timeout.
+LITSERVE_BATCH, LITSERVE_TIMEOUT_S = 8, 0.01
+
+
+def litserve_python() -> Path:
+    """LitServe in its own venv; our venv's packages (torch, the app) are reached through a .pth file."""
+    python = LITSERVE_VENV / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(LITSERVE_VENV)], check=True)
+        ours = Path(torch_site_packages())
+        site = next((LITSERVE_VENV / "lib").glob("python3*/site-packages"))
+        (site / "visionserve.pth").write_text(str(ours) + "\n")
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", f"litserve=={LITSERVE_VERSION}"], check=True)
+    return python
+
+
+def torch_site_packages() -> str:
+    """The site-packages directory that holds this interpreter's torch."""
+    import torch
+
+    return str(Path(torch.__file__).resolve().parents[1])
+
+
+def litserve(weights: Path, log_dir: Path) -> Running:
+    """LitServe with batching on, serving the same weights with the same decode and transform."""
+    port = free_port()
+    command = [str(litserve_python()), "-m", "bench.litserve_app", str(port), str(weights), str(LITSERVE_BATCH),
+               str(LITSERVE_TIMEOUT_S)]
+    return Running("litserve", command, {}, port, "/health", log_dir)

@@ -1,0 +1,34 @@
+"""The batch cap measured at warm-up: chosen where images/s stops rising, applied, and reported."""
+from __future__ import annotations
+
+import pytest
+
+from app import create_app
+from app.config import Settings
+from app.inference import Predictor, choose_batch_cap
+from app.service import EXTENSION_KEY
+
+
+def test_cap_is_the_smallest_batch_within_5_percent_of_the_best() -> None:
+    assert choose_batch_cap({1: 10.0, 2: 19.0, 3: 20.0, 4: 20.5, 5: 18.0}) == 3
+    assert choose_batch_cap({1: 10.0, 2: 20.0, 4: 40.0, 8: 80.0}) == 8  # a GPU: keeps rising
+    assert choose_batch_cap({1: 30.0, 2: 25.0}) == 1
+
+
+def test_measured_cap_is_applied_and_shown(settings: Settings, predictor: Predictor,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    measured = {1: 100.0, 2: 180.0, 3: 200.0, 4: 199.0}
+    monkeypatch.setattr(predictor, "warmup", lambda max_batch_size: {k: measured[k] for k in range(1, 5)})
+    app = create_app(settings.model_copy(update={"auto_batch_size": True}), predictor)
+    try:
+        assert app.extensions[EXTENSION_KEY].batcher.max_batch_size == 3
+        batching = app.test_client().get("/v1/models").get_json()["models"][0]["batching"]
+        assert (batching["max_batch_size"], batching["batch_cap"]) == (4, 3)
+        assert batching["profile"] == {"1": 100.0, "2": 180.0, "3": 200.0, "4": 199.0}
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def test_the_real_warmup_profiles_every_batch_size(predictor: Predictor) -> None:
+    profile = predictor.warmup(3)
+    assert sorted(profile) == [1, 2, 3] and all(rate > 0 for rate in profile.values())
