@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -21,6 +22,13 @@ log = logging.getLogger(__name__)
 EXTENSION_KEY = "visionserve"
 
 
+def forward_threads(setting: int, device: torch.device, cores: int | None = None) -> int:
+    """Intra-op threads for the forward pass (0: leave torch's default). See Settings.torch_threads."""
+    if setting or device.type != "cpu":
+        return setting
+    return max(1, (cores or os.cpu_count() or 1) // 2)
+
+
 @dataclass
 class Service:
     """Everything a request needs, wired once by ``create_app``."""
@@ -37,8 +45,9 @@ class Service:
     @classmethod
     def build(cls, settings: Settings, predictor: Predictor) -> "Service":
         """Start the batcher, warm up, pass the canary; readiness turns on only after all of that."""
-        if settings.torch_threads:
-            torch.set_num_threads(settings.torch_threads)
+        threads = forward_threads(settings.torch_threads, predictor.device)
+        if threads:
+            torch.set_num_threads(threads)
         # Warm up before the batcher exists, so its cap can come from the measured throughput per batch size.
         profile = predictor.warmup(settings.max_batch_size) if settings.warmup else {}
         cap = choose_batch_cap(profile) if profile and settings.auto_batch_size else settings.max_batch_size

@@ -27,7 +27,8 @@ class ImageAPI(ls.LitAPI):
         self.weights = weights
 
     def setup(self, device: str) -> None:
-        self.predictor = Predictor.load(self.weights, device="cpu")
+        # The model configured as visionserve runs it, so the comparison is about serving, not the model.
+        self.predictor = Predictor.load(self.weights, device="cpu", jit_optimize=True)
 
     # No annotation on purpose: LitServe then hands over the parsed JSON body (it reads annotations as FastAPI types).
     def decode_request(self, request) -> torch.Tensor:  # noqa: ANN001

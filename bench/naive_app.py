@@ -15,7 +15,8 @@ from app.decode import DecodeLimits, image_to_tensor
 from app.inference import Predictor
 
 app = Flask(__name__)
-_predictor = Predictor.load(Path(os.environ["NAIVE_WEIGHTS_DIR"]), device="cpu")
+# The model configured as visionserve runs it, so the comparison is about serving, not the model.
+_predictor = Predictor.load(Path(os.environ["NAIVE_WEIGHTS_DIR"]), device="cpu", jit_optimize=True)
 _limits = DecodeLimits(max_pixels=40_000_000, max_aspect_ratio=20, jpeg_draft_min_side=1024)
 
 

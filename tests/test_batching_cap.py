@@ -1,4 +1,4 @@
-"""The batch cap measured at warm-up: chosen where images/s stops rising, applied, and reported."""
+"""Measured tuning: the batch cap chosen at warm-up (applied and reported), and the forward-pass threads."""
 from __future__ import annotations
 
 import pytest
@@ -32,3 +32,14 @@ def test_measured_cap_is_applied_and_shown(settings: Settings, predictor: Predic
 def test_the_real_warmup_profiles_every_batch_size(predictor: Predictor) -> None:
     profile = predictor.warmup(3)
     assert sorted(profile) == [1, 2, 3] and all(rate > 0 for rate in profile.values())
+
+
+def test_forward_threads_leave_cores_for_decoding_on_cpu() -> None:
+    import torch
+
+    from app.service import forward_threads
+
+    assert forward_threads(0, torch.device("cpu"), cores=2) == 1
+    assert forward_threads(0, torch.device("cpu"), cores=16) == 8
+    assert forward_threads(0, torch.device("cuda", 0), cores=16) == 0  # torch's default
+    assert forward_threads(3, torch.device("cpu"), cores=2) == 3  # an explicit setting wins
