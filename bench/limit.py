@@ -20,7 +20,6 @@ from app.decode import DecodeLimits, image_to_tensor
 from app.inference import Predictor, optimize_for_cpu
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
-DECODE_THREADS = (torch.get_num_threads(), 2 * torch.get_num_threads())
 LIMITS = DecodeLimits(max_pixels=40_000_000, max_aspect_ratio=20, jpeg_draft_min_side=1024)
 
 
@@ -88,13 +87,21 @@ def measure(weights: Path, photos: Sequence[bytes], batch_sizes: Sequence[int], 
     predictor, configs = configurations(weights, compile_too)
     shape = predictor.manifest.preprocess.input_shape
     results = []
-    for name, forward in configs.items():
-        single = 1000 / _forward_rate(forward, torch.randn(1, *shape), seconds / 2)
-        for size in batch_sizes:
-            # Decoding dominates for large photos: try as many decode threads as cores, and twice that.
-            rate = max(end_to_end_rate(forward, predictor, photos, size, seconds, threads)
-                       for threads in DECODE_THREADS)
-            results.append(LimitResult(name, size, rate, single))
+    cores = torch.get_num_threads()
+    try:
+        for name, forward in configs.items():
+            single = 1000 / _forward_rate(forward, torch.randn(1, *shape), seconds / 2)
+            for size in batch_sizes:
+                # Decoding competes with the forward pass for the cores: try 1 or all intra-op threads, and as
+                # many decode threads as cores or twice that; the best combination is the limit.
+                rates = []
+                for torch_threads in sorted({1, cores}):
+                    torch.set_num_threads(torch_threads)
+                    rates += [end_to_end_rate(forward, predictor, photos, size, seconds, decode_threads)
+                              for decode_threads in (cores, 2 * cores)]
+                results.append(LimitResult(name, size, max(rates), single))
+    finally:
+        torch.set_num_threads(cores)
     return results
 
 

@@ -105,3 +105,11 @@ def live_server(real_weights: Path, tmp_path_factory: pytest.TempPathFactory) ->
     server = Server(real_weights, tmp_path_factory.mktemp("live") / "server.log", max_wait_ms="10").wait_ready()
     yield server
     server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads() -> Iterator[None]:
+    """Building a service sets torch's process-wide thread count; give the next test the original one back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
