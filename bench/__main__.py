@@ -20,7 +20,7 @@ import torch
 
 from bench import report
 from bench.limit import measure as measure_limit
-from bench.limit import single_image_ms
+from bench.limit import cpu_time_bound, single_image_ms
 from bench.load import LoadResult, measure
 from bench.photos import workload
 from bench.servers import Running, litserve, naive, visionserve
@@ -72,6 +72,7 @@ def run_model(model: str, weights: Path, args: argparse.Namespace, logs: Path) -
     from app.inference import Predictor
 
     limit = measure_limit(weights, workload(), (1, 8), args.limit_seconds, compile_too=args.compile)
+    limit.append(cpu_time_bound(weights, workload()))
     predictor = Predictor.load(weights, device="cpu", jit_optimize=True)  # as the service loads it
     single_ms = single_image_ms(predictor, workload())
     del predictor

@@ -105,6 +105,41 @@ def measure(weights: Path, photos: Sequence[bytes], batch_sizes: Sequence[int], 
     return results
 
 
+def _forward_s_per_image(forward: Forward, predictor: Predictor, size: int) -> tuple[float, int]:
+    batch = torch.randn(size, *predictor.manifest.preprocess.input_shape)
+    forward(batch)
+    return min(_timed(lambda: forward(batch)) for _ in range(3)) / size, size
+
+
+def cpu_time_bound(weights: Path, photos: Sequence[bytes], max_batch: int = 8) -> LimitResult:
+    """An upper bound from CPU time: cores / (decode + preprocess + forward seconds per image, each on one core).
+
+    No pipeline can beat it on this machine (it assumes perfect overlap and no HTTP, queueing or Python overhead),
+    so efficiency against it is honest even where the in-process harness above is the slower one.
+    """
+    cores = torch.get_num_threads()
+    predictor, configs = configurations(weights, compile_too=False)
+    forward = configs["frozen+optimize_for_inference (served)"]
+    try:
+        torch.set_num_threads(1)
+        with torch.inference_mode():
+            decode_s = statistics.mean(_timed(lambda p=p: image_to_tensor(p, predictor.transform, LIMITS))
+                                       for p in photos)
+            forward_s, batch_size = min(_forward_s_per_image(forward, predictor, size)
+                                        for size in range(1, max_batch + 1))
+    finally:
+        torch.set_num_threads(cores)
+    return LimitResult(f"CPU-time bound ({cores} cores, decode {decode_s * 1000:.1f} ms + forward "
+                       f"{forward_s * 1000:.1f} ms per image)", batch_size, cores / (decode_s + forward_s),
+                       forward_s * 1000)
+
+
+def _timed(work: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    work()
+    return time.perf_counter() - started
+
+
 def single_image_ms(predictor: Predictor, photos: Sequence[bytes], rounds: int = 2) -> float:
     """Median in-process latency of one image over the same photos the load uses: decode + preprocess + forward."""
     times = []

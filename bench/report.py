@@ -25,9 +25,10 @@ def _limit(results: dict[str, Any]) -> dict[str, Any]:
 def _model_section(model: str, results: dict[str, Any]) -> list[str]:
     best = _limit(results)
     lines = [f"### {model}", "",
-             f"Limit (in-process decode + preprocess + forward, no HTTP): **{best['images_per_s']:.1f} img/s** "
-             f"with {best['config']} at batch {best['batch_size']}. In-process single image, as served: "
-             f"{results['single_image_ms']:.1f} ms.", "",
+             f"Limit: **{best['images_per_s']:.1f} img/s**, the best of an in-process pipeline (decode threads + "
+             f"batched forward, no HTTP) over inference configurations, and a CPU-time bound: here "
+             f"{best['config']} at batch {best['batch_size']}. In-process single image, as served (median over "
+             f"the workload's photos): {results['single_image_ms']:.1f} ms.", "",
              "| limit configuration | batch | img/s |", "| --- | --- | --- |"]
     lines += [f"| {r['config']} | {r['batch_size']} | {r['images_per_s']:.1f} |" for r in results["limit"]]
     lines += ["", "| server | C | img/s | p50 ms | p95 ms | p99 ms | errors | mean batch |",
