@@ -93,6 +93,8 @@ class _Pending(Generic[In]):
 class Batcher(Generic[In, Out]):
     """Collects up to ``max_batch_size`` items, waiting at most ``max_wait_ms`` after the first, then runs them.
 
+    ``incoming`` (optional) says how many items are still on their way; when it is 0 a batch does not wait.
+
     ``split_on`` names exceptions that mean "this batch is too big" (CUDA out-of-memory): such a batch is split in
     halves and retried, and the batch size is capped at the size that worked for ``shrink_s`` seconds.
     """
@@ -100,7 +102,7 @@ class Batcher(Generic[In, Out]):
     def __init__(self, predict_fn: Callable[[list[In]], Sequence[Out]], *, max_batch_size: int,
                  max_wait_ms: float, queue_size: int, name: str = "batcher",
                  split_on: tuple[type[BaseException], ...] = (), shrink_s: float = 30.0,
-                 observer: BatchObserver | None = None) -> None:
+                 observer: BatchObserver | None = None, incoming: Callable[[], int] | None = None) -> None:
         if max_batch_size <= 0:
             raise ValueError(f"max_batch_size must be positive, got {max_batch_size}")
         if max_wait_ms < 0:
@@ -122,6 +124,9 @@ class Batcher(Generic[In, Out]):
         self._shrunk_size = max_batch_size
         self._shrunk_until = 0.0
         self._observer: BatchObserver = observer or NullObserver()
+        # How many items are on their way (e.g. requests still decoding). When nothing is, waiting max_wait_ms for
+        # company only adds latency, so a batch leaves at once: a lone client pays no batching delay.
+        self._incoming = incoming
         self.batches_run = 0
 
     def start(self) -> "Batcher[In, Out]":
@@ -200,7 +205,7 @@ class Batcher(Generic[In, Out]):
                     batch.append(self._queue.popleft())
                     continue
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or self._closed:
+                if remaining <= 0 or self._closed or (self._incoming is not None and self._incoming() == 0):
                     break
                 self._cond.wait(remaining)
             self._observer.queue_depth(len(self._queue))

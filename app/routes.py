@@ -90,9 +90,10 @@ def predict() -> Response:
     service.require_ready()
     predictor = service.predictor
     timeout_s = deadline_s(request.headers, service.settings.request_timeout_s)
-    parsed = _read_request(service)
-    tensors, decode_s = service.preprocess_all(parsed.images)
-    results = service.infer(tensors, timeout_s)
+    with service.arrivals.arriving() as arrived:
+        parsed = _read_request(service)
+        tensors, decode_s = service.preprocess_all(parsed.images)
+        results = service.infer(tensors, timeout_s, arrived)
     body = PredictResponse(model=ModelRef(name=predictor.manifest.name, version=predictor.manifest.version),
                            predictions=[_top_k(r.value, parsed.top_k, predictor.labels) for r in results])
     return annotate(Response(body.model_dump_json(), mimetype="application/json"), decode_s, results)

@@ -1,12 +1,14 @@
 """The per-process service: settings, predictor, batcher and readiness, kept in ``app.extensions``."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 import torch
 
@@ -20,6 +22,37 @@ from app.metrics import MODEL_INFO, STAGE_SECONDS, MetricsObserver
 log = logging.getLogger(__name__)
 
 EXTENSION_KEY = "visionserve"
+
+
+class Arrivals:
+    """Requests between their start and the moment their images are queued: what a batch could still wait for."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+
+    def count(self) -> int:
+        """Requests on their way to the queue now."""
+        return self._count
+
+    @contextlib.contextmanager
+    def arriving(self) -> Iterator[Callable[[], None]]:
+        """Count one request until it calls the yielded ``arrived`` (just before queueing) or leaves, whichever
+        comes first (a request that fails to decode leaves without queueing)."""
+        pending = [True]
+
+        def arrived() -> None:
+            with self._lock:
+                if pending[0]:
+                    pending[0] = False
+                    self._count -= 1
+
+        with self._lock:
+            self._count += 1
+        try:
+            yield arrived
+        finally:
+            arrived()
 
 
 def forward_threads(setting: int, device: torch.device, cores: int | None = None) -> int:
@@ -39,6 +72,7 @@ class Service:
     limits: DecodeLimits
     api_key: str | None = None
     batch_profile: dict[int, float] = field(default_factory=dict)  # forward images/s per batch size, at warm-up
+    arrivals: Arrivals = field(default_factory=Arrivals)
     _ready: threading.Event = field(default_factory=threading.Event)
     _draining: threading.Event = field(default_factory=threading.Event)
 
@@ -55,14 +89,15 @@ class Service:
             log.info("batch cap %d: larger batches were no faster (%s)", cap,
                      ", ".join(f"{size}: {rate:.0f} img/s" for size, rate in profile.items()))
         observer = MetricsObserver(predictor.memory_stats if predictor.device.type == "cuda" else None)
+        arrivals = Arrivals()
         batcher: Batcher[torch.Tensor, torch.Tensor] = Batcher(
             predictor.predict_list, max_batch_size=cap, max_wait_ms=settings.max_wait_ms,
             queue_size=settings.queue_size, split_on=OUT_OF_MEMORY_ERRORS, shrink_s=settings.oom_shrink_s,
-            observer=observer).start()
+            observer=observer, incoming=arrivals.count).start()
         limits = DecodeLimits(max_pixels=settings.max_pixels, max_aspect_ratio=settings.max_aspect_ratio,
                               jpeg_draft_min_side=settings.jpeg_draft_min_side)
         service = cls(settings, predictor, batcher, limits, api_key=settings.resolved_api_key(),
-                      batch_profile=profile)
+                      batch_profile=profile, arrivals=arrivals)
         predictor.canary()
         MODEL_INFO.labels(predictor.manifest.name, predictor.manifest.version, str(predictor.device),
                           predictor.dtype_name).set(1)
@@ -111,13 +146,17 @@ class Service:
         STAGE_SECONDS.labels("decode").observe(decode_s)
         return tensors, decode_s
 
-    def infer(self, tensors: list[torch.Tensor], timeout_s: float) -> list[BatchResult[torch.Tensor]]:
+    def infer(self, tensors: list[torch.Tensor], timeout_s: float,
+              arrived: Callable[[], None] | None = None) -> list[BatchResult[torch.Tensor]]:
         """Queue the images (all or none) and wait for their rows until the deadline.
 
-        Raises the batcher's QueueFull / DeadlineUnreachable at once, DeadlineExceeded when the deadline passes,
-        InferenceFailed when the batch's forward pass raised.
+        ``arrived`` (from ``arrivals.arriving()``) is called just before queueing. Raises the batcher's QueueFull /
+        DeadlineUnreachable at once, DeadlineExceeded when the deadline passes, InferenceFailed when the batch's
+        forward pass raised.
         """
         deadline = time.monotonic() + timeout_s
+        if arrived is not None:
+            arrived()
         futures = self.batcher.submit_many(tensors, deadline=deadline)
         try:
             return [f.result(timeout=max(0.0, deadline - time.monotonic())) for f in futures]

@@ -152,10 +152,11 @@ def infer(name: str, version: str | None = None) -> Response:
     service.require_ready()
     if request.content_encoding:
         raise BadRequest(f"Content-Encoding {request.content_encoding!r} is not supported; send the body as is")
-    parsed = parse_request(request.get_data(cache=False), request.headers.get("Inference-Header-Content-Length"))
-    plan = _output_plan(parsed)
-    tensors, decode_s = _input_tensors(service, parsed)
-    results = service.infer(tensors, _timeout_s(service, parsed))
+    with service.arrivals.arriving() as arrived:
+        parsed = parse_request(request.get_data(cache=False), request.headers.get("Inference-Header-Content-Length"))
+        plan = _output_plan(parsed)
+        tensors, decode_s = _input_tensors(service, parsed)
+        results = service.infer(tensors, _timeout_s(service, parsed), arrived)
     probabilities = torch.stack([r.value for r in results]).float().cpu()
     outputs = [_output(probabilities, service.predictor.labels, k) for k, _ in plan]
     manifest = service.predictor.manifest

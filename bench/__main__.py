@@ -106,6 +106,7 @@ def main() -> None:
     parser.add_argument("--limit-seconds", type=float, default=3.0)
     parser.add_argument("--compile", action="store_true", help="also try torch.compile for the limit")
     parser.add_argument("--skip-litserve", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the report goes")
     args = parser.parse_args()
     logs = WORK / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -114,7 +115,7 @@ def main() -> None:
     results = {model: run_model(model, weights[model], args, logs) for model in args.models}
     machine = {"platform": platform.platform(), "cpus": torch.get_num_threads(), "torch": torch.__version__,
                "device": "cpu", "seconds": round(time.time() - started)}
-    print(report.write(results, machine, args, RESULTS))
+    print(report.write(results, machine, args, args.out))
 
 
 if __name__ == "__main__":

@@ -87,6 +87,36 @@ def test_a_full_batch_does_not_wait_for_max_wait(make_batcher) -> None:
     assert [f.result(timeout=10).value for f in futures] == [2, 4, 6, 8]
 
 
+def test_nothing_incoming_means_no_wait_and_something_incoming_means_company(make_batcher) -> None:
+    # A one-hour max_wait again: the lone item can only finish if the batcher knows nobody else is coming.
+    recorder, incoming = Recorder(), [0]
+    batcher = make_batcher(recorder, max_batch_size=4, max_wait_ms=3_600_000, incoming=lambda: incoming[0])
+    assert batcher.submit(1).result(timeout=10).batch_size == 1
+    incoming[0] = 1  # one request still decoding: the next batch waits for it
+    first = batcher.submit(2)
+    second = batcher.submit(3)
+    incoming[0] = 0
+    batcher.submit(4)
+    assert first.result(timeout=10).batch_size == 3 and second.result(timeout=10).batch_size == 3
+    assert recorder.batches == [[1], [2, 3, 4]]
+
+
+def test_arrivals_count_a_request_until_it_queues_or_leaves() -> None:
+    from app.service import Arrivals
+
+    arrivals = Arrivals()
+    with arrivals.arriving() as arrived:
+        with arrivals.arriving():
+            assert arrivals.count() == 2
+        arrived()
+        arrived()  # only once
+        assert arrivals.count() == 0
+    with pytest.raises(ValueError), arrivals.arriving():
+        assert arrivals.count() == 1
+        raise ValueError("bad image")  # a request that fails before queueing
+    assert arrivals.count() == 0
+
+
 def test_large_request_is_split_into_max_batch_size_batches(make_batcher) -> None:
     recorder = Recorder()
     batcher = make_batcher(recorder, max_batch_size=4, max_wait_ms=1)
