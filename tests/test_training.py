@@ -15,6 +15,8 @@ from app.config import Settings
 from app.service import EXTENSION_KEY
 from models import train
 from models.checkpoint import BEST_NAME, CHECKPOINT_NAME, load_checkpoint
+from models.export import main as export_main
+from models.manifest import read_manifest
 from models.registry import ARCHS, build_model
 from models.runlog import read_metrics
 from tests.imaging import write_image_folder
@@ -64,6 +66,13 @@ def test_one_epoch_exports_weights_the_app_serves_with_evaluates_predictions(fol
             assert served == pytest.approx(expected, abs=1e-5), path
     finally:
         app.extensions[EXTENSION_KEY].shutdown(timeout=10)
+
+    # The same checkpoint through the export command line.
+    again = tmp_path / "again"
+    assert export_main(["--checkpoint", str(run / BEST_NAME), "--out", str(again), "--version", "7"]) == 0
+    manifest = read_manifest(again)
+    assert (manifest.name, manifest.version, manifest.labels) == ("run", "7", ["blue", "green", "red"])
+    assert export_main(["--checkpoint", str(tmp_path / "missing.pt"), "--out", str(again)]) == 2
 
 
 def test_resume_after_an_interruption_matches_an_uninterrupted_run(folder: Path, tmp_path: Path,
