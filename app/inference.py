@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -192,10 +191,11 @@ class Predictor:
         """Stack preprocessed images and predict them as one batch (the batcher's predict function)."""
         return self.predict_batch(torch.stack(list(images)))
 
-    def warmup(self, max_batch_size: int, repeats: int = 3) -> dict[int, float]:
+    def warmup(self, max_batch_size: int, repeats: int = 5) -> dict[int, float]:
         """Run every batch size the batcher can form (so no request pays for first-call setup) and time them.
 
-        Returns images/s of the forward pass per batch size, the median of ``repeats`` timed runs after one untimed.
+        Returns images/s of the forward pass per batch size from the fastest of ``repeats`` timed runs after one
+        untimed one (the fastest run is the one least disturbed by other work on the machine).
         """
         started = time.perf_counter()
         profile: dict[int, float] = {}
@@ -207,7 +207,7 @@ class Predictor:
                 begun = time.perf_counter()
                 self.predict_batch(batch)  # returns on the CPU, so CUDA work is finished when it does
                 times.append(time.perf_counter() - begun)
-            profile[size] = size / max(statistics.median(times), 1e-9)
+            profile[size] = size / max(min(times), 1e-9)
             self.warmed_batch_sizes.append(size)
         log.info("warmed up batch sizes 1..%d in %.2fs", max_batch_size, time.perf_counter() - started)
         return profile
