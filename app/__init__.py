@@ -10,9 +10,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from flask import Flask
-    from flask_swagger_ui import get_swaggerui_blueprint
 
-    from app.auth import DOCS_PATH, OPENAPI_PATH
     from app.config import Settings
     from app.inference import Predictor
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from PIL import Image, UnidentifiedImageError
 
+from app.config import Settings
 from app.errors import ImageTooLarge, InvalidImage, UnsupportedImageFormat
 from models.presets import IMAGE_FORMATS, ImageTransform, upright_rgb
 
@@ -27,6 +28,12 @@ class DecodeLimits:
     max_pixels: int
     max_aspect_ratio: float
     jpeg_draft_min_side: int  # 0 disables reduced-scale JPEG decoding
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "DecodeLimits":
+        """The limits a service with ``settings`` enforces."""
+        return cls(max_pixels=settings.max_pixels, max_aspect_ratio=settings.max_aspect_ratio,
+                   jpeg_draft_min_side=settings.jpeg_draft_min_side)
 
 
 def _open(data: bytes) -> Image.Image:

@@ -94,8 +94,7 @@ class Service:
             predictor.predict_list, max_batch_size=cap, max_wait_ms=settings.max_wait_ms,
             queue_size=settings.queue_size, split_on=OUT_OF_MEMORY_ERRORS, shrink_s=settings.oom_shrink_s,
             observer=observer, incoming=arrivals.count).start()
-        limits = DecodeLimits(max_pixels=settings.max_pixels, max_aspect_ratio=settings.max_aspect_ratio,
-                              jpeg_draft_min_side=settings.jpeg_draft_min_side)
+        limits = DecodeLimits.from_settings(settings)
         service = cls(settings, predictor, batcher, limits, api_key=settings.resolved_api_key(),
                       batch_profile=profile, arrivals=arrivals)
         predictor.canary()

@@ -16,11 +16,13 @@ from typing import Callable, Sequence
 
 import torch
 
+from app.config import Settings
 from app.decode import DecodeLimits, image_to_tensor
 from app.inference import Predictor, optimize_for_cpu
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
-LIMITS = DecodeLimits(max_pixels=40_000_000, max_aspect_ratio=20, jpeg_draft_min_side=1024)
+# The service's default limits (and any VISIONSERVE_* overrides), so every contender decodes the same way.
+LIMITS = DecodeLimits.from_settings(Settings())
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,9 @@ from typing import Any
 import litserve as ls
 import torch
 
-from app.decode import DecodeLimits, image_to_tensor
+from app.decode import image_to_tensor
 from app.inference import Predictor
-
-LIMITS = DecodeLimits(max_pixels=40_000_000, max_aspect_ratio=20, jpeg_draft_min_side=1024)
+from bench.limit import LIMITS
 
 
 class ImageAPI(ls.LitAPI):

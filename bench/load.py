@@ -47,9 +47,9 @@ def batch_counters(base_url: str) -> tuple[float, float] | None:
 
 
 def closed_loop(url: str, bodies: Sequence[bytes], concurrency: int, duration_s: float, warmup_s: float,
-                content_type: str = "image/jpeg") -> tuple[list[float], int, float]:
-    """Run C clients for warm-up + duration; returns latencies (s) and errors inside the measured window, and its
-    length. Each client sends its next request as soon as the previous answer arrives."""
+                content_type: str = "image/jpeg") -> tuple[list[float], int]:
+    """Run C clients for warm-up + duration; returns latencies (s) and errors inside the measured window.
+    Each client sends its next request as soon as the previous answer arrives."""
     start = time.perf_counter()
     measure_from, stop_at = start + warmup_s, start + warmup_s + duration_s
     latencies: list[float] = []
@@ -83,7 +83,7 @@ def closed_loop(url: str, bodies: Sequence[bytes], concurrency: int, duration_s:
         thread.start()
     for thread in threads:
         thread.join()
-    return latencies, errors[0], duration_s
+    return latencies, errors[0]
 
 
 def measure(server: str, model: str, base_url: str, path: str, bodies: Sequence[bytes], concurrency: int,
@@ -91,11 +91,11 @@ def measure(server: str, model: str, base_url: str, path: str, bodies: Sequence[
     """One point of the comparison: a warm-up run, then the measured run (batch sizes counted over it only)."""
     closed_loop(base_url + path, bodies, concurrency, warmup_s, 0.0, content_type)
     before = batch_counters(base_url)
-    latencies, errors, window = closed_loop(base_url + path, bodies, concurrency, duration_s, 0.0, content_type)
+    latencies, errors = closed_loop(base_url + path, bodies, concurrency, duration_s, 0.0, content_type)
     after = batch_counters(base_url)
     mean_batch = None
     if before and after and after[1] > before[1]:
         mean_batch = (after[0] - before[0]) / (after[1] - before[1])
     ms = sorted(x * 1000 for x in latencies)
-    return LoadResult(server, model, concurrency, len(latencies) / window, _percentile(ms, 50),
+    return LoadResult(server, model, concurrency, len(latencies) / duration_s, _percentile(ms, 50),
                       _percentile(ms, 95), _percentile(ms, 99), errors, len(latencies) + errors, mean_batch)

@@ -11,18 +11,18 @@ from pathlib import Path
 import torch
 from flask import Flask, jsonify, request
 
-from app.decode import DecodeLimits, image_to_tensor
+from app.decode import image_to_tensor
 from app.inference import Predictor
+from bench.limit import LIMITS
 
 app = Flask(__name__)
 # The model configured as visionserve runs it, so the comparison is about serving, not the model.
 _predictor = Predictor.load(Path(os.environ["NAIVE_WEIGHTS_DIR"]), device="cpu", jit_optimize=True)
-_limits = DecodeLimits(max_pixels=40_000_000, max_aspect_ratio=20, jpeg_draft_min_side=1024)
 
 
 @app.post("/predict")
 def predict():  # noqa: ANN201 - tutorial style on purpose
-    image = image_to_tensor(request.get_data(), _predictor.transform, _limits)
+    image = image_to_tensor(request.get_data(), _predictor.transform, LIMITS)
     with torch.inference_mode():
         probabilities = _predictor.predict_batch(image.unsqueeze(0))[0]
     scores, indices = probabilities.topk(5)

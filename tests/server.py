@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,14 +11,7 @@ from pathlib import Path
 import pytest
 import requests
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from bench.servers import ROOT, free_port
 
 
 class Server:

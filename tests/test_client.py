@@ -14,10 +14,11 @@ from PIL import Image
 from werkzeug.serving import make_server
 from werkzeug.wrappers import Request, Response
 
+from bench.servers import ROOT, free_port
 from client import Client, Prediction, VisionServeError
 from client.__main__ import main as cli
 from tests.imaging import encode
-from tests.server import ROOT, Server, free_port
+from tests.server import Server
 
 
 @pytest.fixture(scope="module")
