@@ -25,12 +25,14 @@ def create_app(settings: "Settings | None" = None, predictor: "Predictor | None"
     from app.errors import register_error_handlers
     from app.inference import Predictor
     from app.logs import configure_logging
+    from app.malloc import keep_freed_memory
     from app.routes import bp
     from app.service import EXTENSION_KEY, Service
     from app.v2 import v2_bp
 
     settings = settings or Settings()
     configure_logging(settings.log_level)
+    keep_freed_memory(settings.malloc_trim_threshold_mb)  # before any image buffer is allocated
     if predictor is None:
         predictor = Predictor.load(settings.resolved_weights_dir(), weights_format=settings.weights_format,
                                    device=settings.device, dtype=settings.dtype,

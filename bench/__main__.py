@@ -19,8 +19,8 @@ from typing import Callable
 import torch
 
 from bench import report
+from bench.limit import configurations, cpu_time_bound, single_image_ms
 from bench.limit import measure as measure_limit
-from bench.limit import cpu_time_bound, single_image_ms
 from bench.load import LoadResult, measure
 from bench.photos import workload
 from bench.servers import Running, litserve, naive, visionserve
@@ -56,30 +56,35 @@ class Contender:
     content_type: str
 
 
-def contenders(weights: Path, logs: Path, skip_litserve: bool) -> list[Contender]:
-    """visionserve, the naive Flask app, and LitServe (unless skipped), in that order."""
+def contenders(weights: Path, logs: Path, args: argparse.Namespace) -> list[Contender]:
+    """visionserve and the naive Flask app with ``args.workers`` worker processes, and LitServe (unless skipped)."""
     jpegs = list(workload())
-    found = [Contender(lambda: visionserve(weights, logs), jpegs, "image/jpeg"),
-             Contender(lambda: naive(weights, logs), jpegs, "image/jpeg")]
-    if not skip_litserve:
+    found = [Contender(lambda: visionserve(weights, logs, workers=str(args.workers)), jpegs, "image/jpeg"),
+             Contender(lambda: naive(weights, logs, args.workers), jpegs, "image/jpeg")]
+    if not args.skip_litserve:
         as_json = [json.dumps({"image": base64.b64encode(b).decode()}).encode() for b in jpegs]
-        found.append(Contender(lambda: litserve(weights, logs), as_json, "application/json"))
+        # One inference worker: LitServe's best here (2 workers gave 11 img/s at C=4 against about 30 with 1).
+        found.append(Contender(lambda: litserve(weights, logs, 1), as_json, "application/json"))
     return found
 
 
 def run_model(model: str, weights: Path, args: argparse.Namespace, logs: Path) -> dict[str, object]:
     """The limit and every server at every concurrency, for one model."""
     from app.inference import Predictor
+    from app.service import forward_threads
 
-    limit = measure_limit(weights, workload(), (1, 8), args.limit_seconds, compile_too=args.compile)
-    limit.append(cpu_time_bound(weights, workload()))
-    predictor = Predictor.load(weights, device="cpu", jit_optimize=True)  # as the service loads it
-    single_ms = single_image_ms(predictor, workload())
-    del predictor
+    predictor, configs = configurations(weights, args.compile)
+    limit = measure_limit(predictor, configs, workload(), (1, 8), args.limit_seconds)
+    limit.append(cpu_time_bound(predictor, configs, workload()))
+    served = Predictor.load(weights, device="cpu", jit_optimize=True)  # as the service loads it
+    threads = forward_threads(0, torch.device("cpu"))  # what each worker gives its forward pass
+    single_ms = single_image_ms(served, workload(), threads)
+    del served
     print(f"[{model}] limit: " + ", ".join(f"{r.config} b{r.batch_size} {r.images_per_s:.1f}" for r in limit),
           flush=True)
     loads: list[LoadResult] = []
-    for contender in contenders(weights, logs, args.skip_litserve):
+    bounds: dict[int, dict[str, object]] = {}
+    for contender in contenders(weights, logs, args):
         try:
             server = contender.start().wait_ready()
         except RuntimeError as exc:
@@ -87,13 +92,17 @@ def run_model(model: str, weights: Path, args: argparse.Namespace, logs: Path) -
             continue
         try:
             for concurrency in args.concurrency:
+                if server.name == "visionserve":  # the bound from this minute, for this point's efficiency
+                    bounds[concurrency] = asdict(cpu_time_bound(predictor, configs, workload()))
                 result = measure(server.name, model, server.url, "/predict", contender.bodies, concurrency,
-                                 args.seconds, args.warmup, content_type=contender.content_type)
+                                 args.seconds, args.warmup, content_type=contender.content_type,
+                                 server_pgid=server.process.pid)
                 loads.append(result)
                 print(f"[{model}] {report.row(result)}", flush=True)
         finally:
             server.stop()
-    return {"limit": [asdict(r) for r in limit], "single_image_ms": single_ms, "loads": [asdict(r) for r in loads]}
+    return {"limit": [asdict(r) for r in limit], "bound_at": bounds, "single_image_ms": single_ms,
+            "forward_threads": threads, "loads": [asdict(r) for r in loads]}
 
 
 def main() -> None:
@@ -106,6 +115,8 @@ def main() -> None:
     parser.add_argument("--limit-seconds", type=float, default=3.0)
     parser.add_argument("--compile", action="store_true", help="also try torch.compile for the limit")
     parser.add_argument("--skip-litserve", action="store_true")
+    parser.add_argument("--workers", type=int, default=2,
+                        help="worker processes for every server (2 x 1 thread beat 1 x 2 threads on a 2-core CPU)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the report goes")
     args = parser.parse_args()
     logs = WORK / "logs"

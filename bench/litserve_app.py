@@ -1,6 +1,6 @@
 """LitServe serving the same weights with its batching on, for the benchmark's comparison.
 
-Run by the benchmark in its own venv: python -m bench.litserve_app PORT WEIGHTS_DIR MAX_BATCH_SIZE BATCH_TIMEOUT_S
+Run by the benchmark in its own venv: python -m bench.litserve_app PORT WEIGHTS_DIR MAX_BATCH_SIZE BATCH_TIMEOUT_S WORKERS
 Requests are JSON {"image": "<base64 JPEG>"}: LitServe reads JSON or form bodies, not raw image bodies.
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ class ImageAPI(ls.LitAPI):
 
 
 if __name__ == "__main__":
-    port, weights, max_batch_size, batch_timeout = sys.argv[1:5]
+    port, weights, max_batch_size, batch_timeout, workers = sys.argv[1:6]
     api = ImageAPI(Path(weights), max_batch_size=int(max_batch_size), batch_timeout=float(batch_timeout))
-    ls.LitServer(api, accelerator="cpu", workers_per_device=1, timeout=120).run(port=int(port),
-                                                                              generate_client_file=False)
+    ls.LitServer(api, accelerator="cpu", workers_per_device=int(workers), timeout=120).run(
+        port=int(port), generate_client_file=False)

@@ -1,7 +1,9 @@
 """A closed-loop load generator: C threads, each with its own keep-alive session, posting raw JPEG bodies."""
 from __future__ import annotations
 
+import os
 import re
+import resource
 import statistics
 import threading
 import time
@@ -25,6 +27,8 @@ class LoadResult:
     errors: int
     requests: int
     mean_batch: float | None
+    server_cores: float | None = None  # CPU the server's processes used over the measured window, in cores
+    client_cores: float | None = None  # the same for this load generator
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -33,6 +37,27 @@ def _percentile(values: list[float], q: float) -> float:
     if len(values) == 1:
         return values[0]
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+def process_group_cpu_s(pgid: int) -> float:
+    """User + system CPU seconds of the live processes in process group ``pgid`` (a server and its workers)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        if int(fields[2]) == pgid:  # fields after "(comm)": state ppid pgrp ... utime(11) stime(12)
+            total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
+
+
+def _own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def batch_counters(base_url: str) -> tuple[float, float] | None:
@@ -87,15 +112,21 @@ def closed_loop(url: str, bodies: Sequence[bytes], concurrency: int, duration_s:
 
 
 def measure(server: str, model: str, base_url: str, path: str, bodies: Sequence[bytes], concurrency: int,
-            duration_s: float, warmup_s: float, content_type: str = "image/jpeg") -> LoadResult:
-    """One point of the comparison: a warm-up run, then the measured run (batch sizes counted over it only)."""
+            duration_s: float, warmup_s: float, content_type: str = "image/jpeg",
+            server_pgid: int | None = None) -> LoadResult:
+    """One point of the comparison: a warm-up run, then the measured run (batch sizes and CPU use over it only)."""
     closed_loop(base_url + path, bodies, concurrency, warmup_s, 0.0, content_type)
     before = batch_counters(base_url)
+    cpu_before = (process_group_cpu_s(server_pgid) if server_pgid else 0.0, _own_cpu_s(), time.perf_counter())
     latencies, errors = closed_loop(base_url + path, bodies, concurrency, duration_s, 0.0, content_type)
+    wall = time.perf_counter() - cpu_before[2]
+    server_cores = (process_group_cpu_s(server_pgid) - cpu_before[0]) / wall if server_pgid else None
+    client_cores = (_own_cpu_s() - cpu_before[1]) / wall
     after = batch_counters(base_url)
     mean_batch = None
     if before and after and after[1] > before[1]:
         mean_batch = (after[0] - before[0]) / (after[1] - before[1])
     ms = sorted(x * 1000 for x in latencies)
     return LoadResult(server, model, concurrency, len(latencies) / duration_s, _percentile(ms, 50),
-                      _percentile(ms, 95), _percentile(ms, 99), errors, len(latencies) + errors, mean_batch)
+                      _percentile(ms, 95), _percentile(ms, 99), errors, len(latencies) + errors, mean_batch,
+                      server_cores, client_cores)

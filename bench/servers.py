@@ -73,11 +73,11 @@ def visionserve(weights: Path, log_dir: Path, **settings: str) -> Running:
     return Running("visionserve", ["bin/serve"], env, port, "/readyz", log_dir)
 
 
-def naive(weights: Path, log_dir: Path) -> Running:
+def naive(weights: Path, log_dir: Path, workers: int = 1) -> Running:
     """The one-forward-pass-per-request Flask app, under the same gunicorn config (workers, threads)."""
     port = free_port()
     env = {"NAIVE_WEIGHTS_DIR": str(weights), "VISIONSERVE_BIND": f"127.0.0.1:{port}",
-           "VISIONSERVE_LOG_LEVEL": "warning"}
+           "VISIONSERVE_LOG_LEVEL": "warning", "VISIONSERVE_WORKERS": str(workers)}
     return Running("naive-flask", _gunicorn("bench.naive_app:app"), env, port, "/healthz", log_dir)
 
 
@@ -106,9 +106,9 @@ def torch_site_packages() -> str:
     return str(Path(torch.__file__).resolve().parents[1])
 
 
-def litserve(weights: Path, log_dir: Path) -> Running:
+def litserve(weights: Path, log_dir: Path, workers: int = 1) -> Running:
     """LitServe with batching on, serving the same weights with the same decode and transform."""
     port = free_port()
     command = [str(litserve_python()), "-m", "bench.litserve_app", str(port), str(weights), str(LITSERVE_BATCH),
-               str(LITSERVE_TIMEOUT_S)]
+               str(LITSERVE_TIMEOUT_S), str(workers)]
     return Running("litserve", command, {}, port, "/health", log_dir)
