@@ -117,11 +117,12 @@ def measure(server: str, model: str, base_url: str, path: str, bodies: Sequence[
     """One point of the comparison: a warm-up run, then the measured run (batch sizes and CPU use over it only)."""
     closed_loop(base_url + path, bodies, concurrency, warmup_s, 0.0, content_type)
     before = batch_counters(base_url)
-    cpu_before = (process_group_cpu_s(server_pgid) if server_pgid else 0.0, _own_cpu_s(), time.perf_counter())
+    server_cpu = process_group_cpu_s(server_pgid) if server_pgid else 0.0
+    client_cpu, started = _own_cpu_s(), time.perf_counter()
     latencies, errors = closed_loop(base_url + path, bodies, concurrency, duration_s, 0.0, content_type)
-    wall = time.perf_counter() - cpu_before[2]
-    server_cores = (process_group_cpu_s(server_pgid) - cpu_before[0]) / wall if server_pgid else None
-    client_cores = (_own_cpu_s() - cpu_before[1]) / wall
+    wall = time.perf_counter() - started
+    server_cores = (process_group_cpu_s(server_pgid) - server_cpu) / wall if server_pgid else None
+    client_cores = (_own_cpu_s() - client_cpu) / wall
     after = batch_counters(base_url)
     mean_batch = None
     if before and after and after[1] > before[1]:

@@ -24,7 +24,7 @@ def row(r: LoadResult) -> str:
 
 def _limit_at(results: dict[str, Any], concurrency: int) -> float:
     """The limit for one point: the best pipeline, or the CPU-time bound measured right before it if higher."""
-    bound = results.get("bound_at", {}).get(concurrency) or results.get("bound_at", {}).get(str(concurrency))
+    bound = results["bound_at"].get(concurrency)
     return max(_limit(results)["images_per_s"], bound["images_per_s"] if bound else 0.0)
 
 
@@ -39,7 +39,7 @@ def _model_section(model: str, results: dict[str, Any]) -> list[str]:
              f"batched forward, no HTTP) over inference configurations, and a CPU-time bound: here "
              f"{best['config']} at batch {best['batch_size']}. The CPU-time bound is measured again right "
              f"before each visionserve point (this VM's speed drifts), and each point's efficiency is against "
-             f"the higher of the two. In-process single image, as served ({results.get('forward_threads', '?')} "
+             f"the higher of the two. In-process single image, as served ({results['forward_threads']} "
              f"forward thread(s), median over the workload's photos): {results['single_image_ms']:.1f} ms.", "",
              "| limit configuration | batch | img/s |", "| --- | --- | --- |"]
     lines += [f"| {r['config']} | {r['batch_size']} | {r['images_per_s']:.1f} |" for r in results["limit"]]
