@@ -95,6 +95,12 @@ class Batcher(Generic[In, Out]):
 
     ``incoming`` (optional) says how many items are still on their way; when it is 0 a batch does not wait.
 
+    ``inline_when_idle``: when nothing runs, nothing waits and nothing is on its way, ``submit_many`` runs the batch
+    on the caller's own thread instead of handing it to the worker. The worker thread would run it on another core,
+    whose caches hold neither the freshly preprocessed input nor the weights, and only after a wake-up: measured on
+    a 2-core CPU, a batch of one cost 7.4 ms there against 5.4 ms on the thread that had just decoded it. Only one
+    batch runs at a time either way.
+
     ``split_on`` names exceptions that mean "this batch is too big" (CUDA out-of-memory): such a batch is split in
     halves and retried, and the batch size is capped at the size that worked for ``shrink_s`` seconds.
     """
@@ -102,7 +108,8 @@ class Batcher(Generic[In, Out]):
     def __init__(self, predict_fn: Callable[[list[In]], Sequence[Out]], *, max_batch_size: int,
                  max_wait_ms: float, queue_size: int, name: str = "batcher",
                  split_on: tuple[type[BaseException], ...] = (), shrink_s: float = 30.0,
-                 observer: BatchObserver | None = None, incoming: Callable[[], int] | None = None) -> None:
+                 observer: BatchObserver | None = None, incoming: Callable[[], int] | None = None,
+                 inline_when_idle: bool = False) -> None:
         if max_batch_size <= 0:
             raise ValueError(f"max_batch_size must be positive, got {max_batch_size}")
         if max_wait_ms < 0:
@@ -127,7 +134,10 @@ class Batcher(Generic[In, Out]):
         # How many items are on their way (e.g. requests still decoding). When nothing is, waiting max_wait_ms for
         # company only adds latency, so a batch leaves at once: a lone client pays no batching delay.
         self._incoming = incoming
+        self._inline_when_idle = inline_when_idle
+        self._busy = False  # a batch is being gathered or run, by the worker or inline by a caller
         self.batches_run = 0
+        self.batches_inline = 0
 
     def start(self) -> "Batcher[In, Out]":
         """Start the worker thread; returns self."""
@@ -172,10 +182,32 @@ class Batcher(Generic[In, Out]):
                 raise DeadlineUnreachable(f"the queue ahead needs about {wait:.3f}s, more than the "
                                           f"{max(0.0, deadline - now):.3f}s deadline",
                                           retry_after_s=self.expected_wait_s(len(self._queue)))
-            self._queue.extend(pending)
-            self._cond.notify()
-            self._observer.queue_depth(len(self._queue))
+            inline = self._may_run_inline(len(pending))
+            if inline:
+                self._busy = True
+            else:
+                self._queue.extend(pending)
+                self._cond.notify()
+                self._observer.queue_depth(len(self._queue))
+        if inline:
+            self._run_inline(pending)
         return [p.future for p in pending]
+
+    def _may_run_inline(self, count: int) -> bool:
+        """Called under the lock: no batch runs, none waits, no item is on its way, and these items fit one batch."""
+        return (self._inline_when_idle and not self._busy and not self._queue
+                and count <= self.current_max_batch_size and (self._incoming is None or self._incoming() == 0))
+
+    def _run_inline(self, pending: list[_Pending[In]]) -> None:
+        try:
+            live = self._still_wanted(pending)
+            if live:
+                self.batches_inline += 1
+                self._run_batch(live)
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify()  # items that queued meanwhile are the worker's now
 
     def expected_wait_s(self, items: int) -> float:
         """How long ``items`` queued items take to clear at the recent batch latency."""
@@ -193,10 +225,11 @@ class Batcher(Generic[In, Out]):
     def _collect(self) -> list[_Pending[In]] | None:
         """Block for the first item, then gather more until the batch is full or max_wait has passed."""
         with self._cond:
-            while not self._queue:
-                if self._closed:
+            while not self._queue or self._busy:
+                if self._closed and not self._queue:
                     return None
                 self._cond.wait()
+            self._busy = True
             batch = [self._queue.popleft()]
             deadline = time.monotonic() + self.max_wait_s
             limit = self.current_max_batch_size
@@ -213,9 +246,13 @@ class Batcher(Generic[In, Out]):
 
     def _run(self) -> None:
         while (batch := self._collect()) is not None:
-            live = self._still_wanted(batch)
-            if live:
-                self._run_batch(live)
+            try:
+                live = self._still_wanted(batch)
+                if live:
+                    self._run_batch(live)
+            finally:
+                with self._cond:
+                    self._busy = False
         log.info("batcher stopped after %d batches", self.batches_run)
 
     def _still_wanted(self, batch: list[_Pending[In]]) -> list[_Pending[In]]:

@@ -93,7 +93,7 @@ class Service:
         batcher: Batcher[torch.Tensor, torch.Tensor] = Batcher(
             predictor.predict_list, max_batch_size=cap, max_wait_ms=settings.max_wait_ms,
             queue_size=settings.queue_size, split_on=OUT_OF_MEMORY_ERRORS, shrink_s=settings.oom_shrink_s,
-            observer=observer, incoming=arrivals.count).start()
+            observer=observer, incoming=arrivals.count, inline_when_idle=settings.inline_when_idle).start()
         limits = DecodeLimits.from_settings(settings)
         service = cls(settings, predictor, batcher, limits, api_key=settings.resolved_api_key(),
                       batch_profile=profile, arrivals=arrivals)

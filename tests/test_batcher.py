@@ -101,6 +101,73 @@ def test_nothing_incoming_means_no_wait_and_something_incoming_means_company(mak
     assert recorder.batches == [[1], [2, 3, 4]]
 
 
+class ThreadRecorder:
+    """A predict_fn that records which thread ran each batch and the most batches ever running at once."""
+
+    def __init__(self) -> None:
+        self.threads: list[threading.Thread] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+        self._active = 0
+        self.most_at_once = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, items: list[int]) -> Sequence[int]:
+        with self._lock:
+            self._active += 1
+            self.most_at_once = max(self.most_at_once, self._active)
+        self.threads.append(threading.current_thread())
+        self.entered.set()
+        self.gate.wait(timeout=10)
+        with self._lock:
+            self._active -= 1
+        if -1 in items:
+            raise RuntimeError("boom")
+        return [2 * i for i in items]
+
+
+def test_a_lone_item_on_an_idle_batcher_runs_on_the_callers_thread(make_batcher) -> None:
+    fn, incoming = ThreadRecorder(), [0]
+    batcher = make_batcher(fn, max_wait_ms=3_600_000, incoming=lambda: incoming[0], inline_when_idle=True)
+    future = batcher.submit(5)
+    assert future.done() and future.result().value == 10 and future.result().batch_size == 1
+    assert fn.threads == [threading.current_thread()] and batcher.batches_inline == 1
+    incoming[0] = 1  # another request on its way: batching needs the worker
+    waiting = batcher.submit(6)
+    incoming[0] = 0
+    batcher.submit(7).result(timeout=10)
+    assert waiting.result(timeout=10).batch_size == 2
+    assert fn.threads[1] is not threading.current_thread() and batcher.batches_inline == 1
+
+
+def test_work_arriving_during_an_inline_batch_waits_for_it(make_batcher) -> None:
+    fn = ThreadRecorder()
+    batcher = make_batcher(fn, max_wait_ms=1, incoming=lambda: 0, inline_when_idle=True)
+    fn.gate.clear()
+    inline = ThreadPoolExecutor(1)
+    first = inline.submit(batcher.submit, 1)
+    assert fn.entered.wait(timeout=10)
+    queued = batcher.submit_many([2, 3])  # the batcher is busy: these queue, even with nothing incoming
+    assert not any(f.done() for f in queued) and batcher.depth == 2
+    fn.gate.set()
+    assert first.result(timeout=10).result(timeout=10).value == 2
+    assert [f.result(timeout=10).value for f in queued] == [4, 6]
+    assert fn.most_at_once == 1 and batcher.batches_inline == 1
+    inline.shutdown()
+
+
+def test_an_inline_batch_that_fails_fails_its_caller_and_frees_the_batcher(make_batcher) -> None:
+    fn = ThreadRecorder()
+    batcher = make_batcher(fn, max_batch_size=2, incoming=lambda: 0, inline_when_idle=True)
+    with pytest.raises(RuntimeError, match="boom"):
+        batcher.submit(-1).result(timeout=10)
+    assert batcher.submit(4).result(timeout=10).value == 8
+    big = batcher.submit_many([1, 2, 3])  # over the batch cap: split by the worker, not run inline
+    assert [f.result(timeout=10).batch_size for f in big] == [2, 2, 1]
+    assert batcher.batches_inline == 2
+
+
 def test_arrivals_count_a_request_until_it_queues_or_leaves() -> None:
     from app.service import Arrivals
 

@@ -217,3 +217,19 @@ def test_request_larger_than_max_batch_size_is_split(settings, predictor, model:
         assert 'batch;desc="4+2"' in response.headers["Server-Timing"]
     finally:
         app.extensions["visionserve"].shutdown(timeout=5)
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_a_lone_request_runs_its_batch_inline_unless_turned_off(settings, predictor, inline: bool) -> None:  # noqa: ANN001
+    from app import create_app
+
+    app = create_app(settings.model_copy(update={"inline_when_idle": inline}), predictor)
+    try:
+        service: Service = app.extensions["visionserve"]
+        before = service.batcher.batches_run
+        response = app.test_client().post("/predict", data=image_bytes(GREEN), content_type="image/jpeg")
+        assert _labels(response) == ["green"] and response.headers["X-Batch-Size"] == "1"
+        assert service.batcher.batches_run == before + 1
+        assert service.batcher.batches_inline == (1 if inline else 0)
+    finally:
+        app.extensions["visionserve"].shutdown(timeout=5)
