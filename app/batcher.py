@@ -47,7 +47,7 @@ class BatcherClosed(BatcherError):
 class BatchObserver(Protocol):
     """What the batcher reports as it works (metrics plug in here; the batcher imports none)."""
 
-    def batch_done(self, size: int, run_s: float, queued_s: Sequence[float]) -> None: ...
+    def batch_done(self, size: int, run_s: float, queued_s: Sequence[float], cpu_s: float) -> None: ...
 
     def event(self, name: str, count: int = 1) -> None: ...
 
@@ -57,7 +57,7 @@ class BatchObserver(Protocol):
 class NullObserver:
     """Reports nowhere."""
 
-    def batch_done(self, size: int, run_s: float, queued_s: Sequence[float]) -> None:
+    def batch_done(self, size: int, run_s: float, queued_s: Sequence[float], cpu_s: float) -> None:
         """Ignore a finished batch."""
 
     def event(self, name: str, count: int = 1) -> None:
@@ -285,7 +285,7 @@ class Batcher(Generic[In, Out]):
 
     def _run_batch(self, batch: list[_Pending[In]]) -> None:
         batch_id = next(self._batch_ids)
-        started = time.monotonic()
+        started, cpu_started = time.monotonic(), time.thread_time()
         try:
             outputs = self._predict([p.item for p in batch])
         except Exception as exc:  # noqa: BLE001 - a failing batch fails its callers, never the worker
@@ -298,6 +298,6 @@ class Batcher(Generic[In, Out]):
         self.batches_run += 1
         self._batch_seconds = run_s if self.batches_run == 1 else 0.8 * self._batch_seconds + 0.2 * run_s
         queued = [started - p.enqueued_at for p in batch]
-        self._observer.batch_done(len(batch), run_s, queued)
+        self._observer.batch_done(len(batch), run_s, queued, time.thread_time() - cpu_started)
         for p, value, waited in zip(batch, outputs, queued):
             p.future.set_result(BatchResult(value, batch_id, len(batch), waited, run_s))

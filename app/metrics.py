@@ -16,6 +16,10 @@ REQUEST_SECONDS = Histogram("visionserve_request_duration_seconds", "Whole reque
                             buckets=_LATENCY_BUCKETS)
 STAGE_SECONDS = Histogram("visionserve_stage_duration_seconds", "Time per stage: decode (per request), queue "
                           "(per image), inference (per batch)", ["stage"], buckets=_LATENCY_BUCKETS)
+# CPU time of the thread doing the stage (time.thread_time): set against the wall-time histograms above it shows
+# time spent waiting for a core, and against the process's whole CPU what HTTP and Python cost per request.
+STAGE_CPU_SECONDS = Counter("visionserve_stage_cpu_seconds", "CPU seconds of the thread running each stage: decode "
+                            "(request threads) and inference (the thread running the batch)", ["stage"])
 BATCH_SIZE = Histogram("visionserve_batch_size", "Images per forward pass", buckets=_BATCH_BUCKETS)
 QUEUE_DEPTH = Gauge("visionserve_queue_depth", "Images waiting for the inference worker",
                     multiprocess_mode="livesum")
@@ -34,10 +38,11 @@ class MetricsObserver:
     def __init__(self, memory_stats: Callable[[], dict[str, int]] | None = None) -> None:
         self._memory_stats = memory_stats
 
-    def batch_done(self, size: int, run_s: float, queued_s: Sequence[float]) -> None:
+    def batch_done(self, size: int, run_s: float, queued_s: Sequence[float], cpu_s: float) -> None:
         """Record one forward pass."""
         BATCH_SIZE.observe(size)
         STAGE_SECONDS.labels("inference").observe(run_s)
+        STAGE_CPU_SECONDS.labels("inference").inc(cpu_s)
         for waited in queued_s:
             STAGE_SECONDS.labels("queue").observe(waited)
         if self._memory_stats is not None:

@@ -17,7 +17,7 @@ from app.config import Settings
 from app.decode import DecodeLimits, image_to_tensor
 from app.errors import DeadlineExceeded, InferenceFailed, NotReady
 from app.inference import OUT_OF_MEMORY_ERRORS, Predictor, choose_batch_cap
-from app.metrics import MODEL_INFO, STAGE_SECONDS, MetricsObserver
+from app.metrics import MODEL_INFO, STAGE_CPU_SECONDS, STAGE_SECONDS, MetricsObserver
 
 log = logging.getLogger(__name__)
 
@@ -139,10 +139,11 @@ class Service:
 
     def preprocess_all(self, images: list[bytes]) -> tuple[list[torch.Tensor], float]:
         """Decode and transform every image (all must succeed); also returns the seconds it took."""
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         tensors = [self.preprocess(data) for data in images]
         decode_s = time.perf_counter() - started
         STAGE_SECONDS.labels("decode").observe(decode_s)
+        STAGE_CPU_SECONDS.labels("decode").inc(time.thread_time() - cpu_started)
         return tensors, decode_s
 
     def infer(self, tensors: list[torch.Tensor], timeout_s: float,

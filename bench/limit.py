@@ -32,7 +32,8 @@ class LimitResult:
     config: str
     batch_size: int
     images_per_s: float
-    single_ms: float
+    single_ms: float  # one image's forward pass; for the CPU-time bound, its forward ms per image
+    decode_ms: float | None = None  # the CPU-time bound's decode + preprocess ms per image
 
 
 def configurations(weights: Path, compile_too: bool) -> tuple[Predictor, dict[str, Forward]]:
@@ -132,7 +133,7 @@ def cpu_time_bound(predictor: Predictor, configs: dict[str, Forward], photos: Se
         torch.set_num_threads(cores)
     return LimitResult(f"CPU-time bound ({cores} cores, decode {decode_s * 1000:.1f} ms + forward "
                        f"{forward_s * 1000:.1f} ms per image, {name})", batch_size, cores / (decode_s + forward_s),
-                       forward_s * 1000)
+                       forward_s * 1000, decode_s * 1000)
 
 
 def _forward_s_per_image(forward: Forward, batch: torch.Tensor) -> float:

@@ -31,6 +31,9 @@ class LoadResult:
     mean_batch: float | None
     server_cores: float | None = None  # CPU the server's processes used over the measured window, in cores
     client_cores: float | None = None  # the same for this load generator
+    cpu_ms_per_image: float | None = None  # the server's CPU per answered image: what "faster per core" means
+    decode_cpu_ms: float | None = None  # of which decode + preprocess, per image (visionserve's own counters)
+    forward_cpu_ms: float | None = None  # and the forward pass, per image
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -62,15 +65,17 @@ def _own_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def batch_counters(base_url: str) -> tuple[float, float] | None:
-    """(sum, count) of visionserve_batch_size from /metrics, or None for servers without it."""
+_COUNTERS = re.compile(r'^visionserve_(batch_size_sum|batch_size_count|stage_cpu_seconds_total)'
+                       r'(?:\{stage="(\w+)"\})? ([0-9.e+-]+)$', re.M)
+
+
+def server_counters(base_url: str) -> dict[str, float]:
+    """visionserve's images run, batches run and CPU seconds per stage from /metrics; empty for other servers."""
     try:
         text = requests.get(f"{base_url}/metrics", timeout=5).text
     except requests.RequestException:
-        return None
-    found = {m.group(1): float(m.group(2))
-             for m in re.finditer(r"^visionserve_batch_size_(sum|count) ([0-9.e+]+)$", text, re.M)}
-    return (found["sum"], found["count"]) if len(found) == 2 else None
+        return {}
+    return {f"{name}:{stage}" if stage else name: float(value) for name, stage, value in _COUNTERS.findall(text)}
 
 
 class _Client:
@@ -107,13 +112,14 @@ class _Client:
 
 
 def closed_loop(url: str, bodies: Sequence[bytes], concurrency: int, duration_s: float, warmup_s: float,
-                content_type: str = "image/jpeg") -> tuple[list[float], int]:
-    """Run C clients for warm-up + duration; returns latencies (s) and errors inside the measured window.
+                content_type: str = "image/jpeg") -> tuple[list[float], int, int]:
+    """Run C clients for warm-up + duration; returns latencies (s) and errors inside the measured window, and every
+    answered request (200) until the last client stopped, for CPU per request over the whole call.
     Each client sends its next request as soon as the previous answer arrives."""
     start = time.perf_counter()
     measure_from, stop_at = start + warmup_s, start + warmup_s + duration_s
     latencies: list[float] = []
-    errors = [0]
+    errors, answered = [0], [0]
     lock = threading.Lock()
 
     def client(index: int) -> None:
@@ -126,8 +132,9 @@ def closed_loop(url: str, bodies: Sequence[bytes], concurrency: int, duration_s:
             ok = connection.post(bodies[i % len(bodies)])
             done = time.perf_counter()
             i += concurrency
-            if sent >= measure_from and done <= stop_at:
-                with lock:
+            with lock:
+                answered[0] += ok
+                if sent >= measure_from and done <= stop_at:
                     if ok:
                         latencies.append(done - sent)
                     else:
@@ -139,7 +146,7 @@ def closed_loop(url: str, bodies: Sequence[bytes], concurrency: int, duration_s:
         thread.start()
     for thread in threads:
         thread.join()
-    return latencies, errors[0]
+    return latencies, errors[0], answered[0]
 
 
 def measure(server: str, model: str, base_url: str, path: str, bodies: Sequence[bytes], concurrency: int,
@@ -147,18 +154,23 @@ def measure(server: str, model: str, base_url: str, path: str, bodies: Sequence[
             server_pgid: int | None = None) -> LoadResult:
     """One point of the comparison: a warm-up run, then the measured run (batch sizes and CPU use over it only)."""
     closed_loop(base_url + path, bodies, concurrency, warmup_s, 0.0, content_type)
-    before = batch_counters(base_url)
+    before = server_counters(base_url)
     server_cpu = process_group_cpu_s(server_pgid) if server_pgid else 0.0
     client_cpu, started = _own_cpu_s(), time.perf_counter()
-    latencies, errors = closed_loop(base_url + path, bodies, concurrency, duration_s, 0.0, content_type)
+    latencies, errors, answered = closed_loop(base_url + path, bodies, concurrency, duration_s, 0.0,
+                                              content_type)
     wall = time.perf_counter() - started
     server_cores = (process_group_cpu_s(server_pgid) - server_cpu) / wall if server_pgid else None
     client_cores = (_own_cpu_s() - client_cpu) / wall
-    after = batch_counters(base_url)
-    mean_batch = None
-    if before and after and after[1] > before[1]:
-        mean_batch = (after[0] - before[0]) / (after[1] - before[1])
+    delta = {k: v - before.get(k, 0.0) for k, v in server_counters(base_url).items()}
+    images, batches = delta.get("batch_size_sum", 0.0), delta.get("batch_size_count", 0.0)
+
+    def per_image_ms(key: str) -> float | None:
+        return 1000 * delta[key] / images if images and key in delta else None
+
     ms = sorted(x * 1000 for x in latencies)
     return LoadResult(server, model, concurrency, len(latencies) / duration_s, _percentile(ms, 50),
-                      _percentile(ms, 95), _percentile(ms, 99), errors, len(latencies) + errors, mean_batch,
-                      server_cores, client_cores)
+                      _percentile(ms, 95), _percentile(ms, 99), errors, len(latencies) + errors,
+                      images / batches if batches else None, server_cores, client_cores,
+                      1000 * server_cores * wall / answered if server_cores and answered else None,
+                      per_image_ms("stage_cpu_seconds_total:decode"), per_image_ms("stage_cpu_seconds_total:inference"))

@@ -19,7 +19,7 @@ def row(r: LoadResult) -> str:
     """One load point as a table row."""
     return (f"| {r.server} | {r.concurrency} | {r.images_per_s:.1f} | {r.p50_ms:.0f} | {r.p95_ms:.0f} | "
             f"{r.p99_ms:.0f} | {r.errors} | {_fixed(r.mean_batch, 2)} | {_fixed(r.server_cores, 2)} | "
-            f"{_fixed(r.client_cores, 2)} |")
+            f"{_fixed(r.client_cores, 2)} | {_fixed(r.cpu_ms_per_image, 1)} |")
 
 
 def _limit_at(results: dict[str, Any], concurrency: int) -> float:
@@ -30,6 +30,19 @@ def _limit_at(results: dict[str, Any], concurrency: int) -> float:
 
 def _limit(results: dict[str, Any]) -> dict[str, Any]:
     return max(results["limit"], key=lambda r: r["images_per_s"])
+
+
+def _cpu_split(r: dict[str, Any], bound: dict[str, Any] | None) -> str:
+    """Where the server's CPU per image went, next to what the CPU-time bound needs per image."""
+    total, decode, forward = r.get("cpu_ms_per_image"), r.get("decode_cpu_ms"), r.get("forward_cpu_ms")
+    if total is None or decode is None or forward is None:
+        return ""
+    text = (f"; server CPU per image {total:.1f} ms = decode {decode:.1f} + forward {forward:.1f} + HTTP, Python "
+            f"and the rest {total - decode - forward:.1f}")
+    if bound and bound.get("decode_ms") is not None:
+        text += (f" (the bound counts decode {bound['decode_ms']:.1f} + forward {bound['single_ms']:.1f} = "
+                 f"{bound['decode_ms'] + bound['single_ms']:.1f})")
+    return text
 
 
 def _model_section(model: str, results: dict[str, Any]) -> list[str]:
@@ -44,7 +57,7 @@ def _model_section(model: str, results: dict[str, Any]) -> list[str]:
              "| limit configuration | batch | img/s |", "| --- | --- | --- |"]
     lines += [f"| {r['config']} | {r['batch_size']} | {r['images_per_s']:.1f} |" for r in results["limit"]]
     lines += ["", "| server | C | img/s | p50 ms | p95 ms | p99 ms | errors | mean batch | server cores | "
-              "client cores |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "client cores | server CPU ms/img |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [row(LoadResult(**r)) for r in results["loads"]]
     ours = {r["concurrency"]: r for r in results["loads"] if r["server"] == "visionserve"}
     lines.append("")
@@ -54,7 +67,7 @@ def _model_section(model: str, results: dict[str, Any]) -> list[str]:
                            if p["images_per_s"])
         limit = _limit_at(results, c)
         lines.append(f"- C={c}: efficiency {r['images_per_s'] / limit:.2f} of the limit ({limit:.1f} img/s)"
-                     + (f"; {ratios}" if ratios else ""))
+                     + (f"; {ratios}" if ratios else "") + _cpu_split(r, results["bound_at"].get(c)))
     if 1 in ours:
         lines.append(f"- C=1 p50 {ours[1]['p50_ms']:.1f} ms vs in-process single image "
                      f"{results['single_image_ms']:.1f} ms ({ours[1]['p50_ms'] / results['single_image_ms']:.2f}x)")

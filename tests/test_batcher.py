@@ -272,9 +272,11 @@ class Events:
         self.events: list[str] = []
         self.batches: list[int] = []
         self.depths: list[int] = []
+        self.runs: list[tuple[float, float]] = []  # (wall, CPU) seconds per batch
 
-    def batch_done(self, size: int, run_s: float, queued_s: Sequence[float]) -> None:
+    def batch_done(self, size: int, run_s: float, queued_s: Sequence[float], cpu_s: float) -> None:
         self.batches.append(size)
+        self.runs.append((run_s, cpu_s))
 
     def event(self, name: str, count: int = 1) -> None:
         self.events.extend([name] * count)
@@ -369,3 +371,25 @@ def test_observer_hears_batches_and_queue_depth(make_batcher) -> None:
     batcher = make_batcher(Recorder(), max_wait_ms=1, observer=events)
     [f.result(timeout=10) for f in batcher.submit_many([1, 2, 3])]
     assert events.batches == [3] and events.depths[0] == 3 and events.depths[-1] == 0
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_observer_hears_the_cpu_time_of_the_thread_running_the_batch(make_batcher, inline: bool) -> None:
+    def busy(items: list[int]) -> list[int]:  # 50 ms of CPU on whichever thread runs the batch
+        started = time.thread_time()
+        while time.thread_time() - started < 0.05:
+            pass
+        return items
+
+    def idle(items: list[int]) -> list[int]:  # 100 ms of wall time, next to no CPU
+        time.sleep(0.1)
+        return items
+
+    events = Events()
+    options = {"incoming": lambda: 0, "inline_when_idle": True} if inline else {}
+    batcher = make_batcher(lambda items: (busy if items[0] else idle)(items), max_wait_ms=1, observer=events,
+                           **options)
+    batcher.submit(1).result(timeout=10)
+    batcher.submit(0).result(timeout=10)
+    (busy_wall, busy_cpu), (idle_wall, idle_cpu) = events.runs
+    assert busy_cpu >= 0.05 and idle_wall >= 0.1 and idle_cpu < 0.05

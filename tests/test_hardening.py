@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 import struct
 import threading
 import time
@@ -156,6 +157,9 @@ def test_metrics_count_requests_batches_and_rejections(client: FlaskClient) -> N
                  'stage="queue"', 'stage="inference"', "visionserve_queue_depth",
                  'visionserve_model_info{device="cpu",dtype="float32",name="colour",version="test"} 1.0'):
         assert name in text
+    cpu = {m.group(1): float(m.group(2)) for m in
+           re.finditer(r'^visionserve_stage_cpu_seconds_total\{stage="(\w+)"\} (\S+)$', text, re.M)}
+    assert cpu["decode"] > 0 and cpu["inference"] > 0
 
 
 def test_cuda_out_of_memory_splits_the_batch_and_lowers_the_cap(client: FlaskClient, model: ColourModel) -> None:
