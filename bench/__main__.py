@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from bench import report
-from bench.limit import configurations, cpu_time_bound, single_image_ms
+from bench.limit import LimitResult, configurations, cpu_time_bound, process_pipeline, single_image_ms
 from bench.limit import measure as measure_limit
 from bench.load import LoadResult, measure
 from bench.photos import workload
@@ -75,15 +75,22 @@ def run_model(model: str, weights: Path, args: argparse.Namespace, logs: Path) -
 
     predictor, configs = configurations(weights, args.compile)
     limit = measure_limit(predictor, configs, workload(), (1, 8), args.limit_seconds)
-    limit.append(cpu_time_bound(predictor, configs, workload()))
+    ceiling = cpu_time_bound(predictor, configs, workload())
+
+    def pipeline() -> LimitResult:  # the same work without HTTP, one single-threaded process per worker
+        return process_pipeline(weights, workload(), ceiling.forward_config or "", ceiling.batch_size,
+                                2 * args.limit_seconds, args.workers)
+
+    limit.append(pipeline())
     served = Predictor.load(weights, device="cpu", jit_optimize=True)  # as the service loads it
     threads = forward_threads(0, torch.device("cpu"))  # what each worker gives its forward pass
     single_ms = single_image_ms(served, workload(), threads)
     del served
-    print(f"[{model}] limit: " + ", ".join(f"{r.config} b{r.batch_size} {r.images_per_s:.1f}" for r in limit),
-          flush=True)
+    print(f"[{model}] limit: " + ", ".join(f"{r.config} b{r.batch_size} {r.images_per_s:.1f}" for r in limit)
+          + f"; ceiling {ceiling.images_per_s:.1f}", flush=True)
     loads: list[LoadResult] = []
     bounds: dict[int, dict[str, object]] = {}
+    pipelines: dict[int, dict[str, object]] = {}
     for contender in contenders(weights, logs, args):
         try:
             server = contender.start().wait_ready()
@@ -92,8 +99,9 @@ def run_model(model: str, weights: Path, args: argparse.Namespace, logs: Path) -
             continue
         try:
             for concurrency in args.concurrency:
-                if server.name == "visionserve":  # the bound from this minute, for this point's efficiency
+                if server.name == "visionserve":  # limit and ceiling from this minute, for this point
                     bounds[concurrency] = asdict(cpu_time_bound(predictor, configs, workload()))
+                    pipelines[concurrency] = asdict(pipeline())
                 result = measure(server.name, model, server.url, "/predict", contender.bodies, concurrency,
                                  args.seconds, args.warmup, content_type=contender.content_type,
                                  server_pgid=server.process.pid)
@@ -101,7 +109,9 @@ def run_model(model: str, weights: Path, args: argparse.Namespace, logs: Path) -
                 print(f"[{model}] {report.row(result)}", flush=True)
         finally:
             server.stop()
-    return {"limit": [asdict(r) for r in limit], "bound_at": bounds, "single_image_ms": single_ms,
+    return {"limit": [asdict(r) for r in limit], "ceiling": asdict(ceiling), "bound_at": bounds,
+            "pipeline_at": pipelines,
+            "single_image_ms": single_ms,
             "forward_threads": threads, "loads": [asdict(r) for r in loads]}
 
 

@@ -2,11 +2,14 @@
 
     python -m bench.limit --weights weights          # prints images/s per inference configuration and batch size
 
-Decoding runs in a thread pool (PIL releases the GIL), overlapping the forward pass of the previous batch.
+In one process, decoding runs in a thread pool (PIL releases the GIL), overlapping the forward pass of the previous
+batch. The same work in several single-threaded processes, one per core (as the service runs one gunicorn worker
+per core on a CPU host), is measured too: on a small CPU it is the faster pipeline.
 """
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -32,8 +35,9 @@ class LimitResult:
     config: str
     batch_size: int
     images_per_s: float
-    single_ms: float  # one image's forward pass; for the CPU-time bound, its forward ms per image
+    single_ms: float | None  # one image's forward pass; for the CPU-time bound, its forward ms per image
     decode_ms: float | None = None  # the CPU-time bound's decode + preprocess ms per image
+    forward_config: str | None = None  # the CPU-time bound's fastest forward configuration (a configurations() key)
 
 
 def configurations(weights: Path, compile_too: bool) -> tuple[Predictor, dict[str, Forward]]:
@@ -133,7 +137,53 @@ def cpu_time_bound(predictor: Predictor, configs: dict[str, Forward], photos: Se
         torch.set_num_threads(cores)
     return LimitResult(f"CPU-time bound ({cores} cores, decode {decode_s * 1000:.1f} ms + forward "
                        f"{forward_s * 1000:.1f} ms per image, {name})", batch_size, cores / (decode_s + forward_s),
-                       forward_s * 1000, decode_s * 1000)
+                       forward_s * 1000, decode_s * 1000, name)
+
+
+SERVED = "frozen+optimize_for_inference (served)"
+
+
+def _pipeline_process(weights: Path, config: str, batch_size: int, photos: Sequence[bytes], seconds: float,
+                      start: "multiprocessing.synchronize.Barrier", rates: "multiprocessing.Queue[float]") -> None:
+    """One core's pipeline: decode a batch, then run it, one thread, no HTTP; reports its images/s."""
+    torch.set_num_threads(1)
+    predictor, configs = configurations(weights, compile_too=False)
+    forward = configs[config]
+    with torch.inference_mode():
+        forward(torch.stack([image_to_tensor(photos[0], predictor.transform, LIMITS)] * batch_size))
+        start.wait()  # every process measures over the same seconds
+        done, started = 0, time.perf_counter()
+        while time.perf_counter() - started < seconds:
+            batch = [image_to_tensor(photos[(done + i) % len(photos)], predictor.transform, LIMITS)
+                     for i in range(batch_size)]
+            forward(torch.stack(batch)).softmax(dim=1)
+            done += batch_size
+    rates.put(done / (time.perf_counter() - started))
+
+
+def process_pipeline(weights: Path, photos: Sequence[bytes], config: str, batch_size: int, seconds: float,
+                     processes: int) -> LimitResult:
+    """``processes`` single-threaded decode-then-forward pipelines at once, one per core: their summed images/s.
+
+    Unlike the CPU-time bound, the cores really share the caches and memory bandwidth while it runs. A
+    torch.compile configuration is replaced by the served one (compiling in every process would take minutes).
+    """
+    if "compile" in config:
+        config = SERVED
+    context = multiprocessing.get_context("spawn")  # never fork a process that has run torch
+    start, rates = context.Barrier(processes), context.Queue()
+    workers = [context.Process(target=_pipeline_process, args=(weights, config, batch_size, list(photos), seconds,
+                                                               start, rates)) for _ in range(processes)]
+    for worker in workers:
+        worker.start()
+    try:
+        total = sum(rates.get(timeout=300) for _ in workers)
+    finally:
+        for worker in workers:
+            worker.join(timeout=30)
+            if worker.is_alive():
+                worker.kill()
+    return LimitResult(f"{processes} processes x 1 thread, decode then forward, {config}", batch_size, total, None)
 
 
 def _forward_s_per_image(forward: Forward, batch: torch.Tensor) -> float:
