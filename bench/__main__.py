@@ -77,11 +77,13 @@ def run_model(model: str, weights: Path, args: argparse.Namespace, logs: Path) -
     limit = measure_limit(predictor, configs, workload(), (1, 8), args.limit_seconds)
     ceiling = cpu_time_bound(predictor, configs, workload())
 
-    def pipeline() -> LimitResult:  # the same work without HTTP, one single-threaded process per worker
-        return process_pipeline(weights, workload(), ceiling.forward_config or "", ceiling.batch_size,
+    def pipeline(batch_size: int) -> LimitResult:  # the same work without HTTP, one process per worker
+        return process_pipeline(weights, workload(), ceiling.forward_config or "", batch_size,
                                 2 * args.limit_seconds, args.workers)
 
-    limit.append(pipeline())
+    pipelines_at_start = [pipeline(size) for size in sorted({1, ceiling.batch_size})]
+    limit += pipelines_at_start
+    best_batch = max(pipelines_at_start, key=lambda r: r.images_per_s).batch_size
     served = Predictor.load(weights, device="cpu", jit_optimize=True)  # as the service loads it
     threads = forward_threads(0, torch.device("cpu"))  # what each worker gives its forward pass
     single_ms = single_image_ms(served, workload(), threads)
@@ -101,7 +103,7 @@ def run_model(model: str, weights: Path, args: argparse.Namespace, logs: Path) -
             for concurrency in args.concurrency:
                 if server.name == "visionserve":  # limit and ceiling from this minute, for this point
                     bounds[concurrency] = asdict(cpu_time_bound(predictor, configs, workload()))
-                    pipelines[concurrency] = asdict(pipeline())
+                    pipelines[concurrency] = asdict(pipeline(best_batch))
                 result = measure(server.name, model, server.url, "/predict", contender.bodies, concurrency,
                                  args.seconds, args.warmup, content_type=contender.content_type,
                                  server_pgid=server.process.pid)

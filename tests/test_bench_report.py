@@ -47,4 +47,4 @@ def test_the_process_pipeline_runs_one_process_per_worker_and_sums_them(small_we
     photos = [image_bytes(RED, size=(160, 120)), image_bytes(BLUE, size=(90, 120))]
     result = process_pipeline(small_weights, photos, "torch.compile(freezing), channels_last", 2, 0.3, 2)
     assert result.images_per_s > 0 and result.batch_size == 2
-    assert result.config == f"2 processes x 1 thread, decode then forward, {SERVED}"  # compile is not spawned twice
+    assert result.config == f"2 processes x (1 forward thread + 1 decode), {SERVED}"  # compile is not spawned
