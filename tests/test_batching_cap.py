@@ -32,6 +32,14 @@ def test_measured_cap_is_applied_and_shown(settings: Settings, predictor: Predic
 def test_the_real_warmup_profiles_every_batch_size(predictor: Predictor) -> None:
     profile = predictor.warmup(3)
     assert sorted(profile) == [1, 2, 3] and all(rate > 0 for rate in profile.values())
+    assert predictor.warmed_batch_sizes == [1, 2, 3]
+
+
+def test_warmup_times_the_sizes_in_turn_so_a_drifting_machine_slows_them_alike(predictor: Predictor,
+                                                                              model) -> None:  # noqa: ANN001
+    model.batch_sizes.clear()
+    predictor.warmup(3, repeats=2)
+    assert model.batch_sizes == [1, 2, 3, 1, 2, 3, 1, 2, 3]  # untimed round, then the timed rounds
 
 
 def test_forward_threads_leave_cores_for_decoding_on_cpu() -> None:
