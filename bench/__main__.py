@@ -19,7 +19,8 @@ from typing import Callable
 import torch
 
 from bench import report
-from bench.limit import LimitResult, configurations, cpu_time_bound, process_pipeline, single_image_ms
+from bench.limit import (SERVED, LimitResult, configurations, cpu_time_bound, process_pipeline,
+                         single_image_ms)
 from bench.limit import measure as measure_limit
 from bench.load import LoadResult, measure
 from bench.photos import workload
@@ -78,7 +79,7 @@ def run_model(model: str, weights: Path, args: argparse.Namespace, logs: Path) -
     ceiling = cpu_time_bound(predictor, configs, workload())
 
     def pipeline(batch_size: int) -> LimitResult:  # the same work without HTTP, one process per worker
-        return process_pipeline(weights, workload(), ceiling.forward_config or "", batch_size,
+        return process_pipeline(weights, workload(), ceiling.forward_config or SERVED, batch_size,
                                 2 * args.limit_seconds, args.workers)
 
     pipelines_at_start = [pipeline(size) for size in sorted({1, ceiling.batch_size})]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import queue
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -159,6 +160,20 @@ def _pipeline_process(weights: Path, config: str, batch_size: int, decode_thread
     rates.put(end_to_end_rate(configs[config], predictor, photos, batch_size, seconds, decode_threads, start.wait))
 
 
+def _next_rate(rates: "multiprocessing.Queue[float]", workers: list[multiprocessing.process.BaseProcess],
+               timeout_s: float = 300) -> float:
+    """The next reported rate; raises as soon as a worker has died instead of waiting out the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return rates.get(timeout=1)
+        except queue.Empty:
+            dead = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"a pipeline process exited with code {dead[0]}") from None
+    raise TimeoutError(f"no pipeline process reported within {timeout_s:g}s")
+
+
 def process_pipeline(weights: Path, photos: Sequence[bytes], config: str, batch_size: int, seconds: float,
                      processes: int, decode_threads: int = 1) -> LimitResult:
     """``processes`` copies of the pipeline at once, one forward thread each: their summed images/s.
@@ -176,7 +191,7 @@ def process_pipeline(weights: Path, photos: Sequence[bytes], config: str, batch_
     for worker in workers:
         worker.start()
     try:
-        total = sum(rates.get(timeout=300) for _ in workers)
+        total = sum(_next_rate(rates, workers) for _ in workers)
     finally:
         for worker in workers:
             worker.join(timeout=30)

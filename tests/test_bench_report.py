@@ -48,3 +48,12 @@ def test_the_process_pipeline_runs_one_process_per_worker_and_sums_them(small_we
     result = process_pipeline(small_weights, photos, "torch.compile(freezing), channels_last", 2, 0.3, 2)
     assert result.images_per_s > 0 and result.batch_size == 2
     assert result.config == f"2 processes x (1 forward thread + 1 decode), {SERVED}"  # compile is not spawned
+
+
+@pytest.mark.slow
+def test_a_pipeline_process_that_dies_is_reported_at_once(small_weights: Path) -> None:
+    from bench.limit import process_pipeline
+    from tests.imaging import RED, image_bytes
+
+    with pytest.raises(RuntimeError, match="exited with code"):
+        process_pipeline(small_weights, [image_bytes(RED)], "no such configuration", 1, 0.3, 1)
