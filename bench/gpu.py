@@ -1,0 +1,153 @@
+"""GPU figures: visionserve on CUDA against an in-process GPU pipeline, and CPU vs GPU JPEG decoding.
+
+    python -m bench.gpu                      # on a CUDA machine; writes bench/results/<date>-gpu-<gpu>.md and .json
+    python -m bench.gpu --device cpu --seconds 1 --concurrency 1   # a smoke run of the same code without a GPU
+
+For each model: the in-process pipeline (decode threads on every core, batched forward in the chosen dtype on the
+device, no HTTP), then visionserve on the same device under the closed-loop load. Decoding: PIL + the eval
+transform in a thread pool (what the service does) against ``torchvision.io.decode_jpeg(device="cuda")`` on the
+whole batch followed by resize, crop and normalise on the GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from torchvision.io import decode_jpeg
+from torchvision.transforms.v2 import functional as F
+
+from app.decode import decode_image
+from app.inference import Predictor
+from bench.__main__ import RESULTS, WORK, export_models
+from bench.limit import LIMITS, end_to_end_rate
+from bench.load import measure
+from bench.photos import workload
+from bench.servers import visionserve
+from models.presets import EvalPreset
+
+
+def _rate(work: Callable[[], int], seconds: float) -> float:
+    work()  # the first call (cuDNN autotuning, nvjpeg set-up) is not timed
+    done, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        done += work()
+    return done / (time.perf_counter() - started)
+
+
+def gpu_preprocess(photos: Sequence[bytes], preset: EvalPreset, device: torch.device) -> torch.Tensor:
+    """JPEG bytes -> decoded on ``device`` -> resize, centre crop, normalise there: an (N, C, H, W) float batch."""
+    data = [torch.frombuffer(bytearray(p), dtype=torch.uint8) for p in photos]
+    images = decode_jpeg(data, device=device)
+    mode = {"bicubic": F.InterpolationMode.BICUBIC, "bilinear": F.InterpolationMode.BILINEAR,
+            "nearest": F.InterpolationMode.NEAREST}.get(preset.interpolation, F.InterpolationMode.BILINEAR)
+    # Resized as floats: antialiased bicubic on CUDA takes no uint8; clamped like PIL's 8-bit result.
+    out = [F.center_crop(F.resize(img.float(), [preset.resize_size], interpolation=mode, antialias=True),
+                         [preset.crop_size]) for img in images]
+    batch = torch.stack(out).clamp_(0, 255).div_(255)
+    return F.normalize(batch, list(preset.mean), list(preset.std))
+
+
+def decode_rates(predictor: Predictor, photos: Sequence[bytes], batch_size: int, seconds: float,
+                 device: torch.device) -> dict[str, float]:
+    """Images/s of CPU decode + preprocess (a thread per core) and of GPU decode + preprocess, per batch."""
+    cores = os.cpu_count() or 1
+    chunk = [photos[i % len(photos)] for i in range(batch_size)]
+    preset = predictor.manifest.preprocess
+    def on_cpu(photo: bytes) -> torch.Tensor:
+        return predictor.transform(decode_image(photo, LIMITS))
+
+    with ThreadPoolExecutor(cores) as pool:
+        cpu = _rate(lambda: len(list(pool.map(on_cpu, chunk))), seconds)
+    rates = {f"CPU: PIL + eval transform, {cores} threads": cpu}
+    if device.type == "cuda":
+        def on_gpu() -> int:
+            gpu_preprocess(chunk, preset, device)
+            torch.cuda.synchronize(device)
+            return len(chunk)
+
+        rates[f"GPU: decode_jpeg(device=cuda) + resize/crop/normalise on the GPU, batch {batch_size}"] = _rate(
+            on_gpu, seconds)
+    return rates
+
+
+def run_model(weights: Path, args: argparse.Namespace) -> dict[str, object]:
+    """The in-process limit, decode rates and visionserve's load points for one model."""
+    device = torch.device(args.device)
+    predictor = Predictor.load(weights, device=args.device, dtype=args.dtype)
+    cores = os.cpu_count() or 1
+    limit = {}
+    for size in args.batch_sizes:
+        predictor.predict_batch(torch.zeros(size, *predictor.manifest.preprocess.input_shape))
+        limit[size] = end_to_end_rate(predictor.predict_batch, predictor, workload(), size, args.limit_seconds,
+                                      threads=cores)
+    decode = decode_rates(predictor, workload(), max(args.batch_sizes), args.limit_seconds, device)
+    del predictor
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    server = visionserve(weights, WORK / "logs", device=args.device, dtype=args.dtype, workers="1",
+                         max_batch_size=str(max(args.batch_sizes)), threads="64").wait_ready()
+    try:
+        loads = [asdict(measure("visionserve", weights.name, server.url, "/predict", list(workload()), c,
+                                args.seconds, args.warmup, server_pgid=server.process.pid))
+                 for c in args.concurrency]
+    finally:
+        server.stop()
+    return {"limit_by_batch": limit, "decode": decode, "loads": loads}
+
+
+def report(results: dict[str, dict], machine: dict[str, object]) -> str:
+    """Markdown: per model the limit per batch size, the decode comparison and the load table with efficiency."""
+    lines = [f"# GPU benchmark {time.strftime('%Y-%m-%d %H:%M')}", "",
+             f"Machine: {machine['gpu']}, {machine['cpus']} CPU cores, torch {machine['torch']}, dtype "
+             f"{machine['dtype']}. visionserve: 1 gunicorn worker, 64 request threads, same photos as the CPU "
+             f"benchmark (6 photos at native size, 1920x1080, 4000x3000), closed loop.", ""]
+    for model, data in results.items():
+        best = max(data["limit_by_batch"].values())
+        lines += [f"## {model}", "", "| in-process pipeline batch | img/s |", "| --- | --- |"]
+        lines += [f"| {b} | {r:.1f} |" for b, r in data["limit_by_batch"].items()]
+        lines += ["", "| decode + preprocess | img/s |", "| --- | --- |"]
+        lines += [f"| {name} | {r:.1f} |" for name, r in data["decode"].items()]
+        lines += ["", "| C | img/s | p50 ms | p99 ms | errors | mean batch | server cores | efficiency |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['concurrency']} | {r['images_per_s']:.1f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
+                  f"{r['errors']} | {r['mean_batch'] or 0:.2f} | {r['server_cores'] or 0:.2f} | "
+                  f"{r['images_per_s'] / best:.2f} |" for r in data["loads"]]
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    """Run the GPU benchmark and write its report."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--models", nargs="+", default=["efficientnet_lite0", "mobilenet_v3_small"])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32, 64])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--seconds", type=float, default=6.0)
+    parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--limit-seconds", type=float, default=3.0)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    (WORK / "logs").mkdir(parents=True, exist_ok=True)
+    weights = export_models(WORK / "weights")
+    results = {model: run_model(weights[model], args) for model in args.models}
+    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    machine = {"gpu": name, "cpus": os.cpu_count(), "torch": torch.__version__, "dtype": args.dtype}
+    markdown = report(results, machine)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"{time.strftime('%Y-%m-%d')}-gpu-{name.replace(' ', '-').lower()}"
+    (args.out / f"{stem}.md").write_text(markdown)
+    (args.out / f"{stem}.json").write_text(json.dumps({"machine": machine, "results": results}, indent=1))
+    print(markdown)
+
+
+if __name__ == "__main__":
+    main()
