@@ -51,3 +51,13 @@ def test_forward_threads_leave_cores_for_decoding_on_cpu() -> None:
     assert forward_threads(0, torch.device("cpu"), cores=16) == 8
     assert forward_threads(0, torch.device("cuda", 0), cores=16) == 0  # torch's default
     assert forward_threads(3, torch.device("cpu"), cores=2) == 3  # an explicit setting wins
+
+
+def test_lone_batches_run_inline_on_the_cpu_only() -> None:
+    import torch
+
+    from app.service import inline_batches
+
+    assert inline_batches(True, torch.device("cpu"))
+    assert not inline_batches(False, torch.device("cpu"))
+    assert not inline_batches(True, torch.device("cuda", 0))  # per-thread cuDNN/cuBLAS set-up costs seconds

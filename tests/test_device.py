@@ -64,7 +64,9 @@ def test_bfloat16_on_cpu_still_classifies() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.float16, 2e-2), (torch.bfloat16, 5e-2)])
+# float32: cuDNN convolutions run in TF32 on Ampere and later (torch.backends.cudnn.allow_tf32, on by default), so
+# the probabilities match the CPU's to about 1e-3, not 1e-6 (an H100 failed the 1e-4 this test had).
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 3e-3), (torch.float16, 2e-2), (torch.bfloat16, 5e-2)])
 def test_cuda_matches_cpu(real_weights: Path, dtype: torch.dtype, atol: float) -> None:
     cpu = Predictor.load(real_weights, device="cpu")
     name = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
