@@ -8,7 +8,7 @@ from typing import Any
 from flask import Flask, Response, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
-from app.batcher import BatcherClosed, DeadlineExpired, DeadlineUnreachable, QueueFull
+from app.batch_types import BatcherClosed, DeadlineExpired, DeadlineUnreachable, QueueFull
 
 log = logging.getLogger(__name__)
 

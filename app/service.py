@@ -12,7 +12,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from app.batcher import Batcher, BatchResult, DeadlineExpired
+from app.batch_types import BatchResult, DeadlineExpired
+from app.batcher import Batcher
 from app.config import Settings
 from app.decode import DecodeLimits, image_to_tensor
 from app.errors import DeadlineExceeded, InferenceFailed, NotReady
@@ -102,7 +103,8 @@ class Service:
         batcher: Batcher[torch.Tensor, torch.Tensor] = Batcher(
             predictor.predict_list, max_batch_size=cap, max_wait_ms=settings.max_wait_ms,
             queue_size=settings.queue_size, split_on=OUT_OF_MEMORY_ERRORS, shrink_s=settings.oom_shrink_s,
-            observer=observer, incoming=arrivals.count, inline_when_idle=inline_batches(settings.inline_when_idle, predictor.device)).start()
+            observer=observer, incoming=arrivals.count,
+            inline_when_idle=inline_batches(settings.inline_when_idle, predictor.device)).start()
         limits = DecodeLimits.from_settings(settings)
         service = cls(settings, predictor, batcher, limits, api_key=settings.resolved_api_key(),
                       batch_profile=profile, arrivals=arrivals)

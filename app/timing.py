@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from flask import Response, g
 
-from app.batcher import BatchResult
+from app.batch_types import BatchResult
 
 
 def _server_timing(decode_ms: float, results: list[BatchResult[torch.Tensor]]) -> str:

@@ -85,10 +85,10 @@ def run_model(model: str, weights: Path, args: argparse.Namespace, logs: Path) -
     pipelines_at_start = [pipeline(size) for size in sorted({1, ceiling.batch_size})]
     limit += pipelines_at_start
     best_batch = max(pipelines_at_start, key=lambda r: r.images_per_s).batch_size
-    served = Predictor.load(weights, device="cpu", jit_optimize=True)  # as the service loads it
+    # The module the service serves (frozen + optimize_for_inference), already built by configurations().
+    served = Predictor(configs[SERVED], predictor.manifest, device="cpu", weights_format=predictor.weights_format)
     threads = forward_threads(0, torch.device("cpu"))  # what each worker gives its forward pass
     single_ms = single_image_ms(served, workload(), threads)
-    del served
     print(f"[{model}] limit: " + ", ".join(f"{r.config} b{r.batch_size} {r.images_per_s:.1f}" for r in limit)
           + f"; ceiling {ceiling.images_per_s:.1f}", flush=True)
     loads: list[LoadResult] = []

@@ -1,6 +1,7 @@
 """LitServe serving the same weights with its batching on, for the benchmark's comparison.
 
-Run by the benchmark in its own venv: python -m bench.litserve_app PORT WEIGHTS_DIR MAX_BATCH_SIZE BATCH_TIMEOUT_S WORKERS
+Run by the benchmark in its own venv:
+    python -m bench.litserve_app PORT WEIGHTS_DIR MAX_BATCH_SIZE BATCH_TIMEOUT_S WORKERS
 Requests are JSON {"image": "<base64 JPEG>"}: LitServe reads JSON or form bodies, not raw image bodies.
 """
 from __future__ import annotations

@@ -173,4 +173,5 @@ def measure(server: str, model: str, base_url: str, path: str, bodies: Sequence[
                       _percentile(ms, 95), _percentile(ms, 99), errors, len(latencies) + errors,
                       images / batches if batches else None, server_cores, client_cores,
                       1000 * server_cores * wall / answered if server_cores and answered else None,
-                      per_image_ms("stage_cpu_seconds_total:decode"), per_image_ms("stage_cpu_seconds_total:inference"))
+                      per_image_ms("stage_cpu_seconds_total:decode"),
+                      per_image_ms("stage_cpu_seconds_total:inference"))

@@ -62,7 +62,7 @@ def _model_section(model: str, results: dict[str, Any]) -> list[str]:
     lines += [f"| {r['config']} | {r['batch_size']} | {r['images_per_s']:.1f} |" for r in results["limit"]]
     lines.append(f"| ceiling: {ceiling['config']} | {ceiling['batch_size']} | {ceiling['images_per_s']:.1f} |")
     lines += ["", "| server | C | img/s | p50 ms | p95 ms | p99 ms | errors | mean batch | server cores | "
-              "client cores | server CPU ms/img |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "client cores | server CPU ms/img |", "|" + " --- |" * 11]
     lines += [row(LoadResult(**r)) for r in results["loads"]]
     ours = {r["concurrency"]: r for r in results["loads"] if r["server"] == "visionserve"}
     lines.append("")

@@ -21,8 +21,9 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = os.environ | {"VISIONSERVE_WEIGHTS_DIR": str(weights), "VISIONSERVE_BIND": f"127.0.0.1:{self.port}",
-                            "VISIONSERVE_DEVICE": "cpu", "VISIONSERVE_AUTO_BATCH_SIZE": "false"} | {f"VISIONSERVE_{k.upper()}": v for k, v in settings.items()}
+        env = (os.environ | {"VISIONSERVE_WEIGHTS_DIR": str(weights), "VISIONSERVE_BIND": f"127.0.0.1:{self.port}",
+                             "VISIONSERVE_DEVICE": "cpu", "VISIONSERVE_AUTO_BATCH_SIZE": "false"}
+               | {f"VISIONSERVE_{k.upper()}": v for k, v in settings.items()})
         gunicorn = Path(sys.executable).with_name("gunicorn")
         self._log = log_path.open("w")
         self.process = subprocess.Popen([str(gunicorn), "-c", "gunicorn.conf.py", "app.wsgi:app"], cwd=ROOT,

@@ -8,8 +8,8 @@ from typing import Callable, Iterator, Sequence
 
 import pytest
 
-from app.batcher import (Batcher, BatcherClosed, BatchSizeMismatch, DeadlineExpired, DeadlineUnreachable,
-                         QueueFull)
+from app.batch_types import BatcherClosed, BatchSizeMismatch, DeadlineExpired, DeadlineUnreachable, QueueFull
+from app.batcher import Batcher
 
 
 class Recorder:

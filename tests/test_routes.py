@@ -220,7 +220,8 @@ def test_request_larger_than_max_batch_size_is_split(settings, predictor, model:
 
 
 @pytest.mark.parametrize("inline", [True, False])
-def test_a_lone_request_runs_its_batch_inline_unless_turned_off(settings, predictor, inline: bool) -> None:  # noqa: ANN001
+def test_a_lone_request_runs_its_batch_inline_unless_turned_off(settings, predictor,  # noqa: ANN001
+                                                                 inline: bool) -> None:
     from app import create_app
 
     app = create_app(settings.model_copy(update={"inline_when_idle": inline}), predictor)
