@@ -26,7 +26,7 @@ from torchvision.transforms.v2 import functional as F
 from app.decode import decode_image
 from app.inference import Predictor
 from bench.__main__ import RESULTS, WORK, export_models
-from bench.limit import LIMITS, end_to_end_rate
+from bench.limit import LIMITS, best_threads
 from bench.load import measure
 from bench.photos import workload
 from bench.servers import visionserve
@@ -56,16 +56,22 @@ def gpu_preprocess(photos: Sequence[bytes], preset: EvalPreset, device: torch.de
 
 def decode_rates(predictor: Predictor, photos: Sequence[bytes], batch_size: int, seconds: float,
                  device: torch.device) -> dict[str, float]:
-    """Images/s of CPU decode + preprocess (a thread per core) and of GPU decode + preprocess, per batch."""
+    """Images/s of CPU decode + preprocess (a thread per core; 1 and all intra-op threads) and of GPU decode +
+    preprocess, per batch."""
     cores = os.cpu_count() or 1
     chunk = [photos[i % len(photos)] for i in range(batch_size)]
     preset = predictor.manifest.preprocess
     def on_cpu(photo: bytes) -> torch.Tensor:
         return predictor.transform(decode_image(photo, LIMITS))
 
+    rates = {}
+    default = torch.get_num_threads()
     with ThreadPoolExecutor(cores) as pool:
-        cpu = _rate(lambda: len(list(pool.map(on_cpu, chunk))), seconds)
-    rates = {f"CPU: PIL + eval transform, {cores} threads": cpu}
+        for torch_threads in sorted({1, default}):
+            torch.set_num_threads(torch_threads)
+            rates[f"CPU: PIL + eval transform, {cores} threads, {torch_threads} intra-op"] = _rate(
+                lambda: len(list(pool.map(on_cpu, chunk))), seconds)
+    torch.set_num_threads(default)
     if device.type == "cuda":
         def on_gpu() -> int:
             gpu_preprocess(chunk, preset, device)
@@ -77,27 +83,35 @@ def decode_rates(predictor: Predictor, photos: Sequence[bytes], batch_size: int,
     return rates
 
 
+def serve(weights: Path, args: argparse.Namespace, torch_threads: int) -> list[dict[str, object]]:
+    """visionserve on the device with ``torch_threads`` intra-op threads (0: the service's default), each C."""
+    started = time.perf_counter()
+    server = visionserve(weights, WORK / "logs", device=args.device, dtype=args.dtype, workers=str(args.workers),
+                         max_batch_size=str(max(args.batch_sizes)), threads="64",
+                         torch_threads=str(torch_threads)).wait_ready()
+    ready_s = time.perf_counter() - started
+    try:
+        return [{**asdict(measure("visionserve", weights.name, server.url, "/predict", list(workload()), c,
+                                  args.seconds, args.warmup, server_pgid=server.process.pid)),
+                 "torch_threads": torch_threads, "ready_s": ready_s} for c in args.concurrency]
+    finally:
+        server.stop()
+
+
 def run_model(weights: Path, args: argparse.Namespace) -> dict[str, object]:
     """The in-process limit, decode rates and visionserve's load points for one model."""
     device = torch.device(args.device)
     predictor = Predictor.load(weights, device=args.device, dtype=args.dtype)
-    cores = os.cpu_count() or 1
+    cores = torch.get_num_threads()
     limit = {}
     for size in args.batch_sizes:  # end_to_end_rate leaves its first forward pass per shape untimed
-        limit[size] = end_to_end_rate(predictor.predict_batch, predictor, workload(), size, args.limit_seconds,
-                                      threads=cores)
+        limit[size] = best_threads(predictor.predict_batch, predictor, workload(), size, args.limit_seconds, cores)
+    torch.set_num_threads(cores)
     decode = decode_rates(predictor, workload(), max(args.batch_sizes), args.limit_seconds, device)
     del predictor
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    server = visionserve(weights, WORK / "logs", device=args.device, dtype=args.dtype, workers="1",
-                         max_batch_size=str(max(args.batch_sizes)), threads="64").wait_ready()
-    try:
-        loads = [asdict(measure("visionserve", weights.name, server.url, "/predict", list(workload()), c,
-                                args.seconds, args.warmup, server_pgid=server.process.pid))
-                 for c in args.concurrency]
-    finally:
-        server.stop()
+    loads = [row for threads in args.torch_threads for row in serve(weights, args, threads)]
     return {"limit_by_batch": limit, "decode": decode, "loads": loads}
 
 
@@ -105,19 +119,20 @@ def report(results: dict[str, dict], machine: dict[str, object]) -> str:
     """Markdown: per model the limit per batch size, the decode comparison and the load table with efficiency."""
     lines = [f"# GPU benchmark {time.strftime('%Y-%m-%d %H:%M')}", "",
              f"Machine: {machine['gpu']}, {machine['cpus']} CPU cores, torch {machine['torch']}, dtype "
-             f"{machine['dtype']}. visionserve: 1 gunicorn worker, 64 request threads, same photos as the CPU "
-             f"benchmark (6 photos at native size, 1920x1080, 4000x3000), closed loop.", ""]
+             f"{machine['dtype']}. visionserve: {machine['workers']} gunicorn worker(s), 64 request threads, same "
+             f"photos as the CPU benchmark (6 photos at native size, 1920x1080, 4000x3000), closed loop.", ""]
     for model, data in results.items():
-        best = max(data["limit_by_batch"].values())
-        lines += [f"## {model}", "", "| in-process pipeline batch | img/s |", "| --- | --- |"]
-        lines += [f"| {b} | {r:.1f} |" for b, r in data["limit_by_batch"].items()]
+        best = max(rate for rate, _ in data["limit_by_batch"].values())
+        lines += [f"## {model}", "", "| in-process pipeline batch | img/s | threads |", "| --- | --- | --- |"]
+        lines += [f"| {b} | {r:.1f} | {threads} |" for b, (r, threads) in data["limit_by_batch"].items()]
         lines += ["", "| decode + preprocess | img/s |", "| --- | --- |"]
         lines += [f"| {name} | {r:.1f} |" for name, r in data["decode"].items()]
-        lines += ["", "| C | img/s | p50 ms | p99 ms | errors | mean batch | server cores | efficiency |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-        lines += [f"| {r['concurrency']} | {r['images_per_s']:.1f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
-                  f"{r['errors']} | {r['mean_batch'] or 0:.2f} | {r['server_cores'] or 0:.2f} | "
-                  f"{r['images_per_s'] / best:.2f} |" for r in data["loads"]]
+        lines += ["", "| intra-op threads | ready s | C | img/s | p50 ms | p99 ms | errors | mean batch | "
+                  "server cores | efficiency |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['torch_threads'] or 'default'} | {r['ready_s']:.0f} | {r['concurrency']} | "
+                  f"{r['images_per_s']:.1f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['errors']} | "
+                  f"{r['mean_batch'] or 0:.2f} | {r['server_cores'] or 0:.2f} | {r['images_per_s'] / best:.2f} |"
+                  for r in data["loads"]]
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -130,6 +145,9 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["efficientnet_lite0", "mobilenet_v3_small"])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32, 64])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--torch-threads", type=int, nargs="+", default=[0],
+                        help="serve once per value: the service's intra-op threads (0: its default)")
+    parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--limit-seconds", type=float, default=3.0)
@@ -137,15 +155,18 @@ def main() -> None:
     args = parser.parse_args()
     (WORK / "logs").mkdir(parents=True, exist_ok=True)
     weights = export_models(WORK / "weights")
-    results = {model: run_model(weights[model], args) for model in args.models}
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    machine = {"gpu": name, "cpus": os.cpu_count(), "torch": torch.__version__, "dtype": args.dtype}
-    markdown = report(results, machine)
+    machine = {"gpu": name, "cpus": os.cpu_count(), "torch": torch.__version__, "dtype": args.dtype,
+               "workers": args.workers}
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"{time.strftime('%Y-%m-%d')}-gpu-{name.replace(' ', '-').lower()}"
-    (args.out / f"{stem}.md").write_text(markdown)
-    (args.out / f"{stem}.json").write_text(json.dumps({"machine": machine, "results": results}, indent=1))
-    print(markdown)
+    stem = args.out / f"{time.strftime('%Y-%m-%d')}-gpu-{name.replace(' ', '-').lower()}"
+    results: dict[str, dict] = {}
+    for model in args.models:  # the report is rewritten after each model: device time may run out mid-way
+        results[model] = run_model(weights[model], args)
+        markdown = report(results, machine)
+        stem.with_suffix(".md").write_text(markdown)
+        stem.with_suffix(".json").write_text(json.dumps({"machine": machine, "results": results}, indent=1))
+        print(markdown, flush=True)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ class LimitResult:
     single_ms: float | None  # one image's forward pass; for the CPU-time bound, its forward ms per image
     decode_ms: float | None = None  # the CPU-time bound's decode + preprocess ms per image
     forward_config: str | None = None  # the CPU-time bound's fastest forward configuration (a configurations() key)
+    threads: str | None = None  # the intra-op and decode threads of the fastest end-to-end run
 
 
 def configurations(weights: Path, compile_too: bool) -> tuple[Predictor, dict[str, Forward]]:
@@ -105,17 +106,24 @@ def measure(predictor: Predictor, configs: dict[str, Forward], photos: Sequence[
         for name, forward in configs.items():
             single = 1000 / _forward_rate(forward, torch.randn(1, *shape), seconds / 2)
             for size in batch_sizes:
-                # Decoding competes with the forward pass for the cores: try 1 or all intra-op threads, and as
-                # many decode threads as cores or twice that; the best combination is the limit.
-                rates = []
-                for torch_threads in sorted({1, cores}):
-                    torch.set_num_threads(torch_threads)
-                    rates += [end_to_end_rate(forward, predictor, photos, size, seconds, decode_threads)
-                              for decode_threads in (cores, 2 * cores)]
-                results.append(LimitResult(name, size, max(rates), single))
+                rate, threads = best_threads(forward, predictor, photos, size, seconds, cores)
+                results.append(LimitResult(name, size, rate, single, threads=threads))
     finally:
         torch.set_num_threads(cores)
     return results
+
+
+def best_threads(forward: Forward, predictor: Predictor, photos: Sequence[bytes], batch_size: int, seconds: float,
+                 cores: int) -> tuple[float, str]:
+    """The fastest end-to-end images/s over 1 or ``cores`` intra-op threads and ``cores`` or twice as many
+    decode threads (decoding competes with the forward pass for the cores), and which combination it was."""
+    rates = []
+    for torch_threads in sorted({1, cores}):
+        torch.set_num_threads(torch_threads)
+        rates += [(end_to_end_rate(forward, predictor, photos, batch_size, seconds, decode_threads),
+                   f"{torch_threads} intra-op, {decode_threads} decode threads")
+                  for decode_threads in (cores, 2 * cores)]
+    return max(rates)
 
 
 BOUND_BATCH_SIZES = (1, 2, 4, 8)

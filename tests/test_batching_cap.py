@@ -42,6 +42,31 @@ def test_warmup_times_the_sizes_in_turn_so_a_drifting_machine_slows_them_alike(p
     assert model.batch_sizes == [1, 2, 3, 1, 2, 3, 1, 2, 3]  # untimed round, then the timed rounds
 
 
+def test_padded_batches_warm_powers_of_two_and_pad_up_to_the_next(model) -> None:  # noqa: ANN001
+    import torch
+
+    from tests.fakes import tiny_manifest
+
+    padded = Predictor(model, tiny_manifest(), device="cpu", pad_batches=True)
+    assert padded.batch_shapes(12) == [1, 2, 4, 8, 12] and padded.batch_shapes(1) == [1]
+    padded.warmup(12, repeats=1)
+    assert padded.warmed_batch_sizes == [1, 2, 4, 8, 12]
+    model.batch_sizes.clear()
+    images = torch.rand(5, 3, 8, 8)
+    probs = padded.predict_batch(images)
+    assert model.batch_sizes == [8]  # 5 rows ran as a warmed shape of 8
+    assert probs.shape == (5, 4)
+    plain = Predictor(model, tiny_manifest(), device="cpu")
+    assert torch.allclose(probs, plain.predict_batch(images))  # the zero rows change no real row's answer
+    assert plain.batch_shapes(3) == [1, 2, 3]  # on the CPU every size runs as it is
+
+
+def test_padding_defaults_to_cuda_only(model) -> None:  # noqa: ANN001
+    from tests.fakes import tiny_manifest
+
+    assert Predictor(model, tiny_manifest(), device="cpu").pad_batches is False
+
+
 def test_forward_threads_leave_cores_for_decoding_on_cpu() -> None:
     import torch
 

@@ -77,3 +77,15 @@ def test_cuda_matches_cpu(real_weights: Path, dtype: torch.dtype, atol: float) -
     assert got.argmax(1).tolist() == expected.argmax(1).tolist()
     assert torch.allclose(got, expected, atol=atol)
 
+
+
+@pytest.mark.gpu
+def test_cuda_pads_batches_to_the_warmed_shapes(real_weights: Path) -> None:
+    cpu = Predictor.load(real_weights, device="cpu")
+    gpu = Predictor.load(real_weights, device="cuda", dtype="float16")
+    gpu.warmup(8, repeats=1)
+    assert gpu.pad_batches and gpu.warmed_batch_sizes == [1, 2, 4, 8]
+    batch = torch.stack([cpu.transform(photo(n)) for n in ("chelsea", "coffee", "astronaut")])
+    expected, got = cpu.predict_batch(batch), gpu.predict_batch(batch)  # 3 rows run as a batch of 4
+    assert got.shape == expected.shape and got.argmax(1).tolist() == expected.argmax(1).tolist()
+    assert torch.allclose(got, expected, atol=2e-2)
