@@ -92,23 +92,29 @@ class Service:
         threads = forward_threads(settings.torch_threads, predictor.device)
         if threads:
             torch.set_num_threads(threads)
-        # Warm up before the batcher exists, so its cap can come from the measured throughput per batch size.
-        profile = predictor.warmup(settings.max_batch_size) if settings.warmup else {}
+        observer = MetricsObserver(predictor.memory_stats if predictor.device.type == "cuda" else None)
+        arrivals = Arrivals()
+        batcher: Batcher[torch.Tensor, torch.Tensor] = Batcher(
+            predictor.predict_list, max_batch_size=settings.max_batch_size, max_wait_ms=settings.max_wait_ms,
+            queue_size=settings.queue_size, split_on=OUT_OF_MEMORY_ERRORS, shrink_s=settings.oom_shrink_s,
+            observer=observer, incoming=arrivals.count,
+            inline_when_idle=inline_batches(settings.inline_when_idle, predictor.device))
+        profile: dict[int, float] = {}
+
+        def prepare() -> None:  # on the thread that will run the batches: cuDNN's tuned plans are per thread
+            if settings.warmup:
+                profile.update(predictor.warmup(settings.max_batch_size))
+            predictor.canary()
+
+        batcher.start(prepare)
         cap = choose_batch_cap(profile) if profile and settings.auto_batch_size else settings.max_batch_size
         if cap < settings.max_batch_size:
             log.info("batch cap %d: larger batches were no faster (%s)", cap,
                      ", ".join(f"{size}: {rate:.0f} img/s" for size, rate in profile.items()))
-        observer = MetricsObserver(predictor.memory_stats if predictor.device.type == "cuda" else None)
-        arrivals = Arrivals()
-        batcher: Batcher[torch.Tensor, torch.Tensor] = Batcher(
-            predictor.predict_list, max_batch_size=cap, max_wait_ms=settings.max_wait_ms,
-            queue_size=settings.queue_size, split_on=OUT_OF_MEMORY_ERRORS, shrink_s=settings.oom_shrink_s,
-            observer=observer, incoming=arrivals.count,
-            inline_when_idle=inline_batches(settings.inline_when_idle, predictor.device)).start()
+            batcher.set_max_batch_size(cap)
         limits = DecodeLimits.from_settings(settings)
         service = cls(settings, predictor, batcher, limits, api_key=settings.resolved_api_key(),
                       batch_profile=profile, arrivals=arrivals)
-        predictor.canary()
         MODEL_INFO.labels(predictor.manifest.name, predictor.manifest.version, str(predictor.device),
                           predictor.dtype_name).set(1)
         service._ready.set()

@@ -26,7 +26,7 @@ from torchvision.transforms.v2 import functional as F
 from app.decode import decode_image
 from app.inference import Predictor
 from bench.__main__ import RESULTS, WORK, export_models
-from bench.limit import LIMITS, best_threads
+from bench.limit import LIMITS, best_threads, single_image_ms
 from bench.load import measure
 from bench.photos import workload
 from bench.servers import visionserve
@@ -107,12 +107,13 @@ def run_model(weights: Path, args: argparse.Namespace) -> dict[str, object]:
     for size in args.batch_sizes:  # end_to_end_rate leaves its first forward pass per shape untimed
         limit[size] = best_threads(predictor.predict_batch, predictor, workload(), size, args.limit_seconds, cores)
     torch.set_num_threads(cores)
+    single_ms = single_image_ms(predictor, workload(), cores)
     decode = decode_rates(predictor, workload(), max(args.batch_sizes), args.limit_seconds, device)
     del predictor
     if device.type == "cuda":
         torch.cuda.empty_cache()
     loads = [row for threads in args.torch_threads for row in serve(weights, args, threads)]
-    return {"limit_by_batch": limit, "decode": decode, "loads": loads}
+    return {"limit_by_batch": limit, "decode": decode, "loads": loads, "single_ms": single_ms}
 
 
 def report(results: dict[str, dict], machine: dict[str, object]) -> str:
@@ -125,13 +126,16 @@ def report(results: dict[str, dict], machine: dict[str, object]) -> str:
         best = max(rate for rate, _ in data["limit_by_batch"].values())
         lines += [f"## {model}", "", "| in-process pipeline batch | img/s | threads |", "| --- | --- | --- |"]
         lines += [f"| {b} | {r:.1f} | {threads} |" for b, (r, threads) in data["limit_by_batch"].items()]
-        lines += ["", "| decode + preprocess | img/s |", "| --- | --- |"]
+        lines += ["", f"In-process latency of one image (decode + preprocess + forward), median: "
+                      f"{data['single_ms']:.1f} ms.", "", "| decode + preprocess | img/s |", "| --- | --- |"]
         lines += [f"| {name} | {r:.1f} |" for name, r in data["decode"].items()]
         lines += ["", "| intra-op threads | ready s | C | img/s | p50 ms | p99 ms | errors | mean batch | "
-                  "server cores | efficiency |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "server cores | efficiency | p50 / in-process |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         lines += [f"| {r['torch_threads'] or 'default'} | {r['ready_s']:.0f} | {r['concurrency']} | "
                   f"{r['images_per_s']:.1f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['errors']} | "
-                  f"{r['mean_batch'] or 0:.2f} | {r['server_cores'] or 0:.2f} | {r['images_per_s'] / best:.2f} |"
+                  f"{r['mean_batch'] or 0:.2f} | {r['server_cores'] or 0:.2f} | {r['images_per_s'] / best:.2f} | "
+                  f"{r['p50_ms'] / data['single_ms']:.2f} |"
                   for r in data["loads"]]
         lines.append("")
     return "\n".join(lines) + "\n"

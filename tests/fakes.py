@@ -32,12 +32,14 @@ class ColourModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.batch_sizes: list[int] = []
+        self.threads: list[int] = []  # threading.get_ident() of every forward pass
         self.gate: threading.Event | None = None
         self.fail_when: float | None = None  # raise when any image's mean red value exceeds this
         self.oom_above: int | None = None  # raise CUDA out-of-memory for batches larger than this
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.batch_sizes.append(x.shape[0])
+        self.threads.append(threading.get_ident())
         if self.gate is not None:
             self.gate.wait(timeout=10)
         if self.oom_above is not None and x.shape[0] > self.oom_above:

@@ -393,3 +393,43 @@ def test_observer_hears_the_cpu_time_of_the_thread_running_the_batch(make_batche
     batcher.submit(0).result(timeout=10)
     (busy_wall, busy_cpu), (idle_wall, idle_cpu) = events.runs
     assert busy_cpu >= 0.05 and idle_wall >= 0.1 and idle_cpu < 0.05
+
+
+def test_prepare_runs_on_the_worker_thread_before_any_batch() -> None:
+    threads: list[tuple[str, int]] = []
+
+    def predict(items: list[int]) -> list[int]:
+        threads.append(("batch", threading.get_ident()))
+        return items
+
+    batcher = Batcher(predict, max_batch_size=4, max_wait_ms=0, queue_size=8)
+    batcher.start(lambda: threads.append(("prepare", threading.get_ident())))
+    try:
+        assert threads and threads[0][0] == "prepare"  # start() returned after prepare ran
+        assert batcher.submit(1).result(timeout=10).value == 1
+        assert {ident for _, ident in threads} == {batcher._thread.ident} != {threading.get_ident()}
+    finally:
+        batcher.stop(timeout=5)
+
+
+def test_a_failing_prepare_is_raised_by_start_and_ends_the_worker() -> None:
+    def prepare() -> None:
+        raise RuntimeError("warm-up failed")
+
+    batcher = Batcher(lambda items: items, max_batch_size=4, max_wait_ms=0, queue_size=8)
+    with pytest.raises(RuntimeError, match="warm-up failed"):
+        batcher.start(prepare)
+    assert not batcher.is_alive()
+
+
+def test_the_cap_can_be_lowered_after_start(make_batcher) -> None:
+    recorder = Recorder()
+    batcher = make_batcher(recorder, max_batch_size=8, max_wait_ms=200)
+    batcher.set_max_batch_size(2)
+    recorder.gate.clear()
+    futures = [batcher.submit(i) for i in range(5)]
+    recorder.gate.set()
+    assert [f.result(timeout=10).value for f in futures] == [0, 2, 4, 6, 8]
+    assert max(len(b) for b in recorder.batches) <= 2 and batcher.current_max_batch_size == 2
+    with pytest.raises(ValueError):
+        batcher.set_max_batch_size(0)

@@ -7,6 +7,7 @@ from app import create_app
 from app.config import Settings
 from app.inference import Predictor, choose_batch_cap
 from app.service import EXTENSION_KEY
+from tests.imaging import image_bytes
 
 
 def test_cap_is_the_smallest_batch_within_5_percent_of_the_best() -> None:
@@ -27,6 +28,19 @@ def test_measured_cap_is_applied_and_shown(settings: Settings, predictor: Predic
         assert batching["profile"] == {"1": 100.0, "2": 180.0, "3": 200.0, "4": 199.0}
     finally:
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def test_warmup_canary_and_batches_run_on_the_batcher_thread(settings: Settings, predictor: Predictor,
+                                                              model) -> None:  # noqa: ANN001
+    # cuDNN keeps its tuned plans per thread: a warm-up on any other thread would leave them to the first batches.
+    app = create_app(settings.model_copy(update={"inline_when_idle": False}), predictor)
+    service = app.extensions[EXTENSION_KEY]
+    try:
+        assert model.batch_sizes[:4] == [1, 2, 3, 4] and len(model.threads) > 4  # warm-up, then the canary
+        app.test_client().post("/predict", data=image_bytes())
+        assert set(model.threads) == {service.batcher._thread.ident}
+    finally:
+        service.shutdown(timeout=5)
 
 
 def test_the_real_warmup_profiles_every_batch_size(predictor: Predictor) -> None:
