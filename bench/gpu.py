@@ -83,17 +83,18 @@ def decode_rates(predictor: Predictor, photos: Sequence[bytes], batch_size: int,
     return rates
 
 
-def serve(weights: Path, args: argparse.Namespace, torch_threads: int) -> list[dict[str, object]]:
-    """visionserve on the device with ``torch_threads`` intra-op threads (0: the service's default), each C."""
+def serve(weights: Path, args: argparse.Namespace, workers: int, torch_threads: int) -> list[dict[str, object]]:
+    """visionserve on the device with ``workers`` gunicorn workers and ``torch_threads`` intra-op threads (0: the
+    service's default), at each C."""
     started = time.perf_counter()
-    server = visionserve(weights, WORK / "logs", device=args.device, dtype=args.dtype, workers=str(args.workers),
+    server = visionserve(weights, WORK / "logs", device=args.device, dtype=args.dtype, workers=str(workers),
                          max_batch_size=str(max(args.batch_sizes)), threads="64",
                          torch_threads=str(torch_threads)).wait_ready()
     ready_s = time.perf_counter() - started
     try:
         return [{**asdict(measure("visionserve", weights.name, server.url, "/predict", list(workload()), c,
                                   args.seconds, args.warmup, server_pgid=server.process.pid)),
-                 "torch_threads": torch_threads, "ready_s": ready_s} for c in args.concurrency]
+                 "workers": workers, "torch_threads": torch_threads, "ready_s": ready_s} for c in args.concurrency]
     finally:
         server.stop()
 
@@ -112,7 +113,8 @@ def run_model(weights: Path, args: argparse.Namespace) -> dict[str, object]:
     del predictor
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    loads = [row for threads in args.torch_threads for row in serve(weights, args, threads)]
+    loads = [row for workers in args.workers for threads in args.torch_threads
+             for row in serve(weights, args, workers, threads)]
     return {"limit_by_batch": limit, "decode": decode, "loads": loads, "single_ms": single_ms}
 
 
@@ -120,7 +122,7 @@ def report(results: dict[str, dict], machine: dict[str, object]) -> str:
     """Markdown: per model the limit per batch size, the decode comparison and the load table with efficiency."""
     lines = [f"# GPU benchmark {time.strftime('%Y-%m-%d %H:%M')}", "",
              f"Machine: {machine['gpu']}, {machine['cpus']} CPU cores, torch {machine['torch']}, dtype "
-             f"{machine['dtype']}. visionserve: {machine['workers']} gunicorn worker(s), 64 request threads, same "
+             f"{machine['dtype']}. visionserve: gunicorn workers as in the tables, 64 request threads each, same "
              f"photos as the CPU benchmark (6 photos at native size, 1920x1080, 4000x3000), closed loop.", ""]
     for model, data in results.items():
         best = max(rate for rate, _ in data["limit_by_batch"].values())
@@ -129,11 +131,11 @@ def report(results: dict[str, dict], machine: dict[str, object]) -> str:
         lines += ["", f"In-process latency of one image (decode + preprocess + forward), median: "
                       f"{data['single_ms']:.1f} ms.", "", "| decode + preprocess | img/s |", "| --- | --- |"]
         lines += [f"| {name} | {r:.1f} |" for name, r in data["decode"].items()]
-        lines += ["", "| intra-op threads | ready s | C | img/s | p50 ms | p99 ms | errors | mean batch | "
+        lines += ["", "| workers | intra-op threads | ready s | C | img/s | p50 ms | p99 ms | errors | mean batch | "
                   "server cores | efficiency | p50 / in-process |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-        lines += [f"| {r['torch_threads'] or 'default'} | {r['ready_s']:.0f} | {r['concurrency']} | "
-                  f"{r['images_per_s']:.1f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['errors']} | "
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {r.get('workers', 1)} | {r['torch_threads'] or 'default'} | {r['ready_s']:.0f} | "
+                  f"{r['concurrency']} | {r['images_per_s']:.1f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['errors']} | "
                   f"{r['mean_batch'] or 0:.2f} | {r['server_cores'] or 0:.2f} | {r['images_per_s'] / best:.2f} | "
                   f"{r['p50_ms'] / data['single_ms']:.2f} |"
                   for r in data["loads"]]
@@ -151,7 +153,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--torch-threads", type=int, nargs="+", default=[0],
                         help="serve once per value: the service's intra-op threads (0: its default)")
-    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--workers", type=int, nargs="+", default=[1], help="serve once per value")
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--limit-seconds", type=float, default=3.0)
@@ -160,8 +162,7 @@ def main() -> None:
     (WORK / "logs").mkdir(parents=True, exist_ok=True)
     weights = export_models(WORK / "weights")
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    machine = {"gpu": name, "cpus": os.cpu_count(), "torch": torch.__version__, "dtype": args.dtype,
-               "workers": args.workers}
+    machine = {"gpu": name, "cpus": os.cpu_count(), "torch": torch.__version__, "dtype": args.dtype}
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"{time.strftime('%Y-%m-%d')}-gpu-{name.replace(' ', '-').lower()}"
     results: dict[str, dict] = {}
