@@ -26,7 +26,7 @@ from torchvision.transforms.v2 import functional as F
 from app.decode import decode_image
 from app.inference import Predictor
 from bench.__main__ import RESULTS, WORK, export_models
-from bench.limit import LIMITS, best_threads, single_image_ms
+from bench.limit import LIMITS, best_threads, process_pipeline, single_image_ms
 from bench.load import measure
 from bench.photos import workload
 from bench.servers import visionserve
@@ -108,6 +108,10 @@ def run_model(weights: Path, args: argparse.Namespace) -> dict[str, object]:
     for size in args.batch_sizes:  # end_to_end_rate leaves its first forward pass per shape untimed
         limit[size] = best_threads(predictor.predict_batch, predictor, workload(), size, args.limit_seconds, cores)
     torch.set_num_threads(cores)
+    for processes in args.processes:  # one pipeline per process, as many as the served workers
+        result = process_pipeline(weights, workload(), f"{args.device}/{args.dtype}", args.process_batch,
+                                  args.limit_seconds, processes, decode_threads=max(1, cores // processes))
+        limit[f"{args.process_batch} x {processes} processes"] = (result.images_per_s, result.config)
     single_ms = single_image_ms(predictor, workload(), cores)
     decode = decode_rates(predictor, workload(), max(args.batch_sizes), args.limit_seconds, device)
     del predictor
@@ -154,6 +158,9 @@ def main() -> None:
     parser.add_argument("--torch-threads", type=int, nargs="+", default=[0],
                         help="serve once per value: the service's intra-op threads (0: its default)")
     parser.add_argument("--workers", type=int, nargs="+", default=[1], help="serve once per value")
+    parser.add_argument("--processes", type=int, nargs="*", default=[4],
+                        help="also measure the pipeline in this many processes sharing the GPU (per value)")
+    parser.add_argument("--process-batch", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--limit-seconds", type=float, default=3.0)

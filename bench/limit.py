@@ -163,9 +163,15 @@ def _pipeline_process(weights: Path, config: str, batch_size: int, decode_thread
                       rates: "multiprocessing.Queue[float]") -> None:
     """One worker's pipeline without HTTP: one forward thread, decode threads overlapping it; reports images/s."""
     torch.set_num_threads(1)
-    predictor, configs = configurations(weights, compile_too=False)
+    if "/" in config:  # "cuda/float16": the served model, placed as the service places it, in that dtype
+        device, dtype = config.split("/")
+        predictor = Predictor.load(weights, device=device, dtype=dtype)
+        forward: Forward = predictor.predict_batch
+    else:
+        predictor, configs = configurations(weights, compile_too=False)
+        forward = configs[config]
     # ``start``: every process measures over the same seconds
-    rates.put(end_to_end_rate(configs[config], predictor, photos, batch_size, seconds, decode_threads, start.wait))
+    rates.put(end_to_end_rate(forward, predictor, photos, batch_size, seconds, decode_threads, start.wait))
 
 
 def _next_rate(rates: "multiprocessing.Queue[float]", workers: list[multiprocessing.process.BaseProcess],
