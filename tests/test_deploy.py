@@ -75,3 +75,16 @@ def test_container_and_makefile_run_the_same_command() -> None:
     assert re.search(r"^USER 10001$", dockerfile, re.M) and "EXPOSE 8000" in dockerfile
     assert "bin/serve" in (ROOT / "Makefile").read_text()
     assert "gunicorn -c gunicorn.conf.py app.wsgi:app" in (ROOT / "bin" / "serve").read_text()
+
+
+def test_each_api_service_environment_is_a_valid_settings_object(tmp_path: Path) -> None:
+    from app.config import Settings
+
+    result = subprocess.run([str(COMPOSE_BINARY), "-f", "docker-compose.yaml", "--profile", "cpu", "config",
+                             "--format", "json"], cwd=ROOT, capture_output=True, text=True, env={"PATH": "/usr/bin"})
+    services = json.loads(result.stdout)["services"]
+    for name in ("api", "api-cpu"):
+        env = {key.removeprefix("VISIONSERVE_").lower(): value
+               for key, value in services[name]["environment"].items() if key.startswith("VISIONSERVE_")}
+        settings = Settings(**{**env, "weights_dir": tmp_path})  # raises for e.g. float16 on the cpu
+        assert settings.dtype == ("float16" if name == "api" else "float32")
