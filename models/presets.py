@@ -62,9 +62,13 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 
 def upright_rgb(image: Image.Image) -> Image.Image:
-    """A loaded image, turned upright by its EXIF orientation, as RGB: what both the server and training see."""
+    """A loaded image, turned upright by its EXIF orientation, as RGB: what both the server and training see.
+
+    The image is the caller's own fresh decode and is turned in place: without ``in_place`` Pillow returns a copy of
+    every image, even one with no orientation to fix.
+    """
     try:
-        image = ImageOps.exif_transpose(image)
+        ImageOps.exif_transpose(image, in_place=True)
     except Exception:  # noqa: BLE001 - a broken EXIF block should not lose an otherwise good photo
         log.debug("ignoring unreadable EXIF orientation", exc_info=True)
     return to_rgb(image)

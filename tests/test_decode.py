@@ -63,6 +63,19 @@ def test_exif_orientation_is_applied() -> None:
     assert decode_image(data, LIMITS).size == (20, 40)
 
 
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_every_orientation_matches_pillows_own_transpose(orientation: int) -> None:
+    from PIL import ImageOps
+
+    pixels = np.arange(40 * 20 * 3, dtype=np.uint32).reshape(20, 40, 3) % 251
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    data = encode(Image.fromarray(pixels.astype(np.uint8)), "PNG", exif=exif.tobytes())
+    expected = ImageOps.exif_transpose(Image.open(io.BytesIO(data)))  # Pillow's copying version
+    got = decode_image(data, LIMITS)
+    assert got.size == expected.size and np.array_equal(np.asarray(got), np.asarray(expected.convert("RGB")))
+
+
 def test_broken_exif_block_does_not_lose_the_photo() -> None:
     data = encode(Image.new("RGB", (40, 20), RED), "JPEG", exif=b"Exif\x00\x00MM\x00*\x00\x00\x00\x08\xff\xff")
     assert decode_image(data, LIMITS).size == (40, 20)
