@@ -122,6 +122,15 @@ def run_model(weights: Path, args: argparse.Namespace) -> dict[str, object]:
     return {"limit_by_batch": limit, "decode": decode, "loads": loads, "single_ms": single_ms}
 
 
+def _load_row(r: dict, limit: float, single_ms: float) -> str:
+    """One served load point as a table row, with its efficiency and its p50 against the in-process latency."""
+    cells = [r.get("workers", 1), r["torch_threads"] or "default", f"{r['ready_s']:.0f}", r["concurrency"],
+             f"{r['images_per_s']:.1f}", f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}", r["errors"],
+             f"{r['mean_batch'] or 0:.2f}", f"{r['server_cores'] or 0:.2f}", f"{r['images_per_s'] / limit:.2f}",
+             f"{r['p50_ms'] / single_ms:.2f}"]
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
 def report(results: dict[str, dict], machine: dict[str, object]) -> str:
     """Markdown: per model the limit per batch size, the decode comparison and the load table with efficiency."""
     lines = [f"# GPU benchmark {time.strftime('%Y-%m-%d %H:%M')}", "",
@@ -138,11 +147,7 @@ def report(results: dict[str, dict], machine: dict[str, object]) -> str:
         lines += ["", "| workers | intra-op threads | ready s | C | img/s | p50 ms | p99 ms | errors | mean batch | "
                   "server cores | efficiency | p50 / in-process |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-        lines += [f"| {r.get('workers', 1)} | {r['torch_threads'] or 'default'} | {r['ready_s']:.0f} | "
-                  f"{r['concurrency']} | {r['images_per_s']:.1f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['errors']} | "
-                  f"{r['mean_batch'] or 0:.2f} | {r['server_cores'] or 0:.2f} | {r['images_per_s'] / best:.2f} | "
-                  f"{r['p50_ms'] / data['single_ms']:.2f} |"
-                  for r in data["loads"]]
+        lines += [_load_row(r, best, data["single_ms"]) for r in data["loads"]]
         lines.append("")
     return "\n".join(lines) + "\n"
 

@@ -57,3 +57,17 @@ def test_a_pipeline_process_that_dies_is_reported_at_once(small_weights: Path) -
 
     with pytest.raises(RuntimeError, match="exited with code"):
         process_pipeline(small_weights, [image_bytes(RED)], "no such configuration", 1, 0.3, 1)
+
+
+def test_gpu_report_compares_each_point_with_the_best_pipeline_of_its_run() -> None:
+    from bench.gpu import report as gpu_report
+
+    load = {"workers": 4, "torch_threads": 0, "ready_s": 36.4, "concurrency": 64, "images_per_s": 330.0,
+            "p50_ms": 180.0, "p99_ms": 360.0, "errors": 0, "mean_batch": 4.3, "server_cores": 11.9}
+    results = {"m": {"limit_by_batch": {"32": [250.0, "1 intra-op, 16 decode threads"],
+                                        "16 x 4 processes": [300.0, "4 processes x ..."]},
+                     "decode": {"CPU": 290.0, "GPU": 1150.0}, "single_ms": 30.0, "loads": [load]}}
+    markdown = gpu_report(results, {"gpu": "H100", "cpus": 16, "torch": "x", "dtype": "float16"})
+    assert "| 4 | default | 36 | 64 | 330.0 | 180.0 | 360.0 | 0 | 4.30 | 11.90 | 1.10 | 6.00 |" in markdown
+    assert "| 16 x 4 processes | 300.0 | 4 processes x ... |" in markdown
+    assert "median: 30.0 ms" in markdown and "| GPU | 1150.0 |" in markdown
