@@ -27,7 +27,7 @@ class Settings(BaseSettings):
     # threads decode images on the same cores (measured: 1 thread gave +7 to +20% images/s on 2 cores); on CUDA,
     # torch's default.
     torch_threads: int = Field(default=0, ge=0)
-    warmup: bool = True  # run every batch size once before reporting ready
+    warmup: bool = True  # run every batch shape once before reporting ready (CUDA pads batches to powers of two)
     # TorchScript on CPU: torch.jit.freeze + optimize_for_inference (folds BatchNorm into convolutions, MKLDNN
     # kernels). Measured by `python -m bench.limit`: about 1.5x images/s for EfficientNet-Lite0 on 2 cores.
     jit_optimize: bool = True

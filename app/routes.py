@@ -113,7 +113,7 @@ def healthz() -> tuple[Response, int]:
 
 @bp.get("/readyz")
 def readyz() -> tuple[Response, int]:
-    """Readiness: model loaded, every batch size warmed up, canary passed, not draining."""
+    """Readiness: model loaded, every batch shape warmed up, canary passed, not draining."""
     service = _service()
     checks = {"model_loaded": True, "warmed_up": service.warmed_up,
               "batcher_thread": service.batcher.is_alive(), "accepting": not service.draining}
