@@ -1,10 +1,13 @@
 """GPU figures: visionserve on CUDA against an in-process GPU pipeline, and CPU vs GPU JPEG decoding.
 
-    python -m bench.gpu                      # on a CUDA machine; writes bench/results/<date>-gpu-<gpu>.md and .json
-    python -m bench.gpu --device cpu --seconds 1 --concurrency 1   # a smoke run of the same code without a GPU
+    python -m bench.gpu                      # on a CUDA machine (about 9 minutes on an H100 with 16 cores); writes
+                                             # bench/results/<date>-gpu-<gpu>.md and .json
+    python -m bench.gpu --device cpu --dtype float32 --seconds 1 --concurrency 1 --workers 1 --processes 2
+                                             # a smoke run of the same code without a GPU
 
-For each model: the in-process pipeline (decode threads on every core, batched forward in the chosen dtype on the
-device, no HTTP), then visionserve on the same device under the closed-loop load. Decoding: PIL + the eval
+For each model: the limit, i.e. the fastest in-process pipeline (decode threads on every core, batched forward in the
+chosen dtype on the device, no HTTP; also one such pipeline per process, several processes sharing the GPU), the
+single-image latency, then visionserve on the same device under the closed-loop load, once per worker count. Decoding: PIL + the eval
 transform in a thread pool (what the service does) against ``torchvision.io.decode_jpeg(device="cuda")`` on the
 whole batch followed by resize, crop and normalise on the GPU.
 """
@@ -158,11 +161,11 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--models", nargs="+", default=["efficientnet_lite0", "mobilenet_v3_small"])
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32, 64])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[32, 64])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--torch-threads", type=int, nargs="+", default=[0],
                         help="serve once per value: the service's intra-op threads (0: its default)")
-    parser.add_argument("--workers", type=int, nargs="+", default=[1], help="serve once per value")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 4], help="serve once per value")
     parser.add_argument("--processes", type=int, nargs="*", default=[4],
                         help="also measure the pipeline in this many processes sharing the GPU (per value)")
     parser.add_argument("--process-batch", type=int, default=16)
