@@ -39,7 +39,7 @@ class Settings(BaseSettings):
     max_wait_ms: float = Field(default=2.0, ge=0)
     # A request that finds the batcher idle, and no other request on its way, runs its batch on its own thread
     # (skipping the hand-off to the worker thread on another core: about 2 ms less per lone request on a CPU).
-    # CPU only: on CUDA each request thread would set up its own cuDNN/cuBLAS handles (seconds, measured).
+    # CPU only: on CUDA each request thread would tune its own cuDNN plans again (seconds, measured).
     inline_when_idle: bool = True
     queue_size: int = Field(default=64, gt=0)  # images waiting for the GPU worker, per process
 

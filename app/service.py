@@ -66,8 +66,9 @@ def forward_threads(setting: int, device: torch.device, cores: int | None = None
 def inline_batches(setting: bool, device: torch.device) -> bool:
     """Whether a lone request may run its batch on its own thread (Settings.inline_when_idle): on the CPU only.
 
-    On CUDA every thread that runs a forward pass sets up its own cuDNN and cuBLAS handles: measured on an H100,
-    each of gunicorn's request threads took 1.2-3.6 s for its first batch, against 5 ms on the one batcher thread.
+    On CUDA every thread that runs a forward pass has its own cuDNN handles and tuned plans (see Batcher.start):
+    measured on an H100, each of gunicorn's request threads took 1.2-3.6 s for its first batch, against 5 ms on the
+    batcher thread, which warm-up has already tuned.
     """
     return setting and device.type == "cpu"
 

@@ -7,9 +7,9 @@
 
 For each model: the limit, i.e. the fastest in-process pipeline (decode threads on every core, batched forward in the
 chosen dtype on the device, no HTTP; also one such pipeline per process, several processes sharing the GPU), the
-single-image latency, then visionserve on the same device under the closed-loop load, once per worker count. Decoding: PIL + the eval
-transform in a thread pool (what the service does) against ``torchvision.io.decode_jpeg(device="cuda")`` on the
-whole batch followed by resize, crop and normalise on the GPU.
+single-image latency, then visionserve on the same device under the closed-loop load, once per worker count.
+Decoding: PIL + the eval transform in a thread pool (what the service does) against
+``torchvision.io.decode_jpeg(device="cuda")`` on the whole batch followed by resize, crop and normalise on the GPU.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 from torchvision.io import decode_jpeg
@@ -29,19 +29,11 @@ from torchvision.transforms.v2 import functional as F
 from app.decode import decode_image
 from app.inference import Predictor
 from bench.__main__ import RESULTS, WORK, export_models
-from bench.limit import LIMITS, best_threads, process_pipeline, single_image_ms
+from bench.limit import LIMITS, best_threads, intra_op_threads, process_pipeline, single_image_ms, timed_rate
 from bench.load import measure
 from bench.photos import workload
 from bench.servers import visionserve
 from models.presets import EvalPreset
-
-
-def _rate(work: Callable[[], int], seconds: float) -> float:
-    work()  # the first call (cuDNN autotuning, nvjpeg set-up) is not timed
-    done, started = 0, time.perf_counter()
-    while time.perf_counter() - started < seconds:
-        done += work()
-    return done / (time.perf_counter() - started)
 
 
 def gpu_preprocess(photos: Sequence[bytes], preset: EvalPreset, device: torch.device) -> torch.Tensor:
@@ -68,20 +60,18 @@ def decode_rates(predictor: Predictor, photos: Sequence[bytes], batch_size: int,
         return predictor.transform(decode_image(photo, LIMITS))
 
     rates = {}
-    default = torch.get_num_threads()
     with ThreadPoolExecutor(cores) as pool:
-        for torch_threads in sorted({1, default}):
-            torch.set_num_threads(torch_threads)
-            rates[f"CPU: PIL + eval transform, {cores} threads, {torch_threads} intra-op"] = _rate(
-                lambda: len(list(pool.map(on_cpu, chunk))), seconds)
-    torch.set_num_threads(default)
+        for torch_threads in sorted({1, torch.get_num_threads()}):
+            with intra_op_threads(torch_threads):
+                rates[f"CPU: PIL + eval transform, {cores} threads, {torch_threads} intra-op"] = timed_rate(
+                    lambda: len(list(pool.map(on_cpu, chunk))), seconds)
     if device.type == "cuda":
         def on_gpu() -> int:
             gpu_preprocess(chunk, preset, device)
             torch.cuda.synchronize(device)
             return len(chunk)
 
-        rates[f"GPU: decode_jpeg(device=cuda) + resize/crop/normalise on the GPU, batch {batch_size}"] = _rate(
+        rates[f"GPU: decode_jpeg(device=cuda) + resize/crop/normalise on the GPU, batch {batch_size}"] = timed_rate(
             on_gpu, seconds)
     return rates
 
@@ -110,7 +100,6 @@ def run_model(weights: Path, args: argparse.Namespace) -> dict[str, object]:
     limit = {}
     for size in args.batch_sizes:  # end_to_end_rate leaves its first forward pass per shape untimed
         limit[size] = best_threads(predictor.predict_batch, predictor, workload(), size, args.limit_seconds, cores)
-    torch.set_num_threads(cores)
     for processes in args.processes:  # one pipeline per process, as many as the served workers
         result = process_pipeline(weights, workload(), f"{args.device}/{args.dtype}", args.process_batch,
                                   args.limit_seconds, processes, decode_threads=max(1, cores // processes))

@@ -13,6 +13,7 @@ mobilenet_v3_small: one image's forward took 4.5 ms warm, 5.4 ms right after a d
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing
 import queue
 import statistics
@@ -20,7 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -65,14 +66,34 @@ def configurations(weights: Path, compile_too: bool) -> tuple[Predictor, dict[st
     return base, configs
 
 
-def _forward_rate(forward: Forward, batch: torch.Tensor, seconds: float) -> float:
-    with torch.inference_mode():
-        forward(batch)
-        done, started = 0, time.perf_counter()
-        while time.perf_counter() - started < seconds:
-            forward(batch)
-            done += len(batch)
+@contextlib.contextmanager
+def intra_op_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``threads`` inside the block, and back to what they were after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def timed_rate(work: Callable[[], int], seconds: float) -> float:
+    """Items/s of ``work`` (which returns how many items it did) run again and again for ``seconds``; its first
+    call (compilation, cuDNN autotuning, nvjpeg set-up) is not timed."""
+    work()
+    done, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        done += work()
     return done / (time.perf_counter() - started)
+
+
+def _forward_rate(forward: Forward, batch: torch.Tensor, seconds: float) -> float:
+    def run() -> int:
+        forward(batch)
+        return len(batch)
+
+    with torch.inference_mode():
+        return timed_rate(run, seconds)
 
 
 def end_to_end_rate(forward: Forward, predictor: Predictor, photos: Sequence[bytes], batch_size: int,
@@ -102,14 +123,11 @@ def measure(predictor: Predictor, configs: dict[str, Forward], photos: Sequence[
     shape = predictor.manifest.preprocess.input_shape
     results = []
     cores = torch.get_num_threads()
-    try:
-        for name, forward in configs.items():
-            single = 1000 / _forward_rate(forward, torch.randn(1, *shape), seconds / 2)
-            for size in batch_sizes:
-                rate, threads = best_threads(forward, predictor, photos, size, seconds, cores)
-                results.append(LimitResult(name, size, rate, single, threads=threads))
-    finally:
-        torch.set_num_threads(cores)
+    for name, forward in configs.items():
+        single = 1000 / _forward_rate(forward, torch.randn(1, *shape), seconds / 2)
+        for size in batch_sizes:
+            rate, threads = best_threads(forward, predictor, photos, size, seconds, cores)
+            results.append(LimitResult(name, size, rate, single, threads=threads))
     return results
 
 
@@ -119,10 +137,10 @@ def best_threads(forward: Forward, predictor: Predictor, photos: Sequence[bytes]
     decode threads (decoding competes with the forward pass for the cores), and which combination it was."""
     rates = []
     for torch_threads in sorted({1, cores}):
-        torch.set_num_threads(torch_threads)
-        rates += [(end_to_end_rate(forward, predictor, photos, batch_size, seconds, decode_threads),
-                   f"{torch_threads} intra-op, {decode_threads} decode threads")
-                  for decode_threads in (cores, 2 * cores)]
+        with intra_op_threads(torch_threads):
+            rates += [(end_to_end_rate(forward, predictor, photos, batch_size, seconds, decode_threads),
+                       f"{torch_threads} intra-op, {decode_threads} decode threads")
+                      for decode_threads in (cores, 2 * cores)]
     return max(rates)
 
 
@@ -140,16 +158,12 @@ def cpu_time_bound(predictor: Predictor, configs: dict[str, Forward], photos: Se
     """
     cores = torch.get_num_threads()
     shape = predictor.manifest.preprocess.input_shape
-    try:
-        torch.set_num_threads(1)
-        with torch.inference_mode():
-            decode_s = statistics.mean(min(_timed(lambda p=p: image_to_tensor(p, predictor.transform, LIMITS))
-                                           for _ in range(2)) for p in photos)
-            forward_s, name, batch_size = min(
-                (_forward_s_per_image(forward, torch.randn(size, *shape)), name, size)
-                for name, forward in configs.items() for size in BOUND_BATCH_SIZES)
-    finally:
-        torch.set_num_threads(cores)
+    with intra_op_threads(1), torch.inference_mode():
+        decode_s = statistics.mean(min(_timed(lambda p=p: image_to_tensor(p, predictor.transform, LIMITS))
+                                       for _ in range(2)) for p in photos)
+        forward_s, name, batch_size = min(
+            (_forward_s_per_image(forward, torch.randn(size, *shape)), name, size)
+            for name, forward in configs.items() for size in BOUND_BATCH_SIZES)
     return LimitResult(f"CPU-time bound ({cores} cores, decode {decode_s * 1000:.1f} ms + forward "
                        f"{forward_s * 1000:.1f} ms per image, {name})", batch_size, cores / (decode_s + forward_s),
                        forward_s * 1000, decode_s * 1000, name)
@@ -230,16 +244,11 @@ def single_image_ms(predictor: Predictor, photos: Sequence[bytes], threads: int,
     """Median in-process latency of one image over the same photos the load uses: decode + preprocess + forward,
     with the intra-op threads the service gives its forward pass."""
     times = []
-    cores = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with torch.inference_mode():
-            for photo in list(photos) * rounds:
-                started = time.perf_counter()
-                predictor.predict_batch(image_to_tensor(photo, predictor.transform, LIMITS).unsqueeze(0))
-                times.append(time.perf_counter() - started)
-    finally:
-        torch.set_num_threads(cores)
+    with intra_op_threads(threads), torch.inference_mode():
+        for photo in list(photos) * rounds:
+            started = time.perf_counter()
+            predictor.predict_batch(image_to_tensor(photo, predictor.transform, LIMITS).unsqueeze(0))
+            times.append(time.perf_counter() - started)
     return statistics.median(times) * 1000
 
 
