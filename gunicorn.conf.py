@@ -7,6 +7,7 @@ import os
 import signal
 import tempfile
 
+from app import EXTENSION_KEY
 from app.config import Settings
 
 _settings = Settings()
@@ -34,7 +35,7 @@ limit_request_fields = 100
 
 def _service(worker):  # noqa: ANN001, ANN202 - gunicorn passes its own worker object
     app = getattr(worker, "wsgi", None)
-    return getattr(app, "extensions", {}).get("visionserve")
+    return getattr(app, "extensions", {}).get(EXTENSION_KEY)
 
 
 def post_worker_init(worker) -> None:  # noqa: ANN001

@@ -1,34 +1,42 @@
 """visionserve: image classification over HTTP with dynamic batching. ``create_app`` is the only wiring point.
 
-Imports stay inside ``create_app`` so that importing ``app.config`` (as the gunicorn master does) never loads torch.
+Imports stay inside the functions so that importing ``app`` or ``app.config`` (as the gunicorn master does, for
+``EXTENSION_KEY`` and the settings) never loads torch or Flask.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 __version__ = "0.1.0"
+# Where create_app keeps the service in ``app.extensions``; gunicorn.conf.py finds it there for the SIGTERM drain.
+EXTENSION_KEY = "visionserve"
 
 if TYPE_CHECKING:
     from flask import Flask
 
     from app.config import Settings
-    from app.inference import Predictor
+    from app.engine.predictor import Predictor
+    from app.web.protocol import Protocol
 
 
-def create_app(settings: "Settings | None" = None, predictor: "Predictor | None" = None) -> "Flask":
-    """Build the Flask app: load (or take) the predictor, start the batcher, warm up, register routes."""
+def default_protocols() -> "list[Protocol]":
+    """The APIs the service speaks: /predict + /v1/models, and the Open Inference Protocol under /v2."""
+    from app import v1, v2
+
+    return [v1.PROTOCOL, v2.PROTOCOL]
+
+
+def create_app(settings: "Settings | None" = None, predictor: "Predictor | None" = None,
+               protocols: "Sequence[Protocol] | None" = None) -> "Flask":
+    """Build the Flask app: load (or take) the predictor, build the service (warm-up, canary), register the web."""
     from flask import Flask
-    from flask_swagger_ui import get_swaggerui_blueprint
 
-    from app.auth import DOCS_PATH, OPENAPI_PATH
     from app.config import Settings
-    from app.errors import register_error_handlers
-    from app.inference import Predictor
-    from app.logs import configure_logging
-    from app.malloc import keep_freed_memory
-    from app.routes import bp
-    from app.service import EXTENSION_KEY, Service
-    from app.v2 import v2_bp
+    from app.engine.malloc import keep_freed_memory
+    from app.engine.predictor import Predictor
+    from app.engine.service import Service
+    from app.web import init_app
+    from app.web.logs import configure_logging
 
     settings = settings or Settings()
     configure_logging(settings.log_level)
@@ -38,13 +46,6 @@ def create_app(settings: "Settings | None" = None, predictor: "Predictor | None"
                                    device=settings.device, dtype=settings.dtype,
                                    jit_optimize=settings.jit_optimize)
     app = Flask(__name__)
-    # werkzeug refuses a larger body with 413 from its Content-Length, before reading it.
-    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
-    app.json.sort_keys = False  # type: ignore[attr-defined]
-    app.extensions[EXTENSION_KEY] = Service.build(settings, predictor)
-    register_error_handlers(app)
-    app.register_blueprint(bp)
-    app.register_blueprint(v2_bp)
-    # Swagger UI's files ship inside flask-swagger-ui: /docs works offline.
-    app.register_blueprint(get_swaggerui_blueprint(DOCS_PATH, OPENAPI_PATH, config={"app_name": "visionserve"}))
+    init_app(app, settings, Service.build(settings, predictor),
+             protocols if protocols is not None else default_protocols())
     return app

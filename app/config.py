@@ -1,4 +1,9 @@
-"""The one settings object. Every limit is here, read from ``VISIONSERVE_*`` environment variables."""
+"""The one settings object. Every limit is here, read from ``VISIONSERVE_*`` environment variables.
+
+Each setting's text lives once, in its ``description``: ``docs/configuration.md`` is generated from this file
+(``python -m app.configdoc``) and a test fails when the two differ. Imports nothing of the project, so the gunicorn
+master can read it without torch.
+"""
 from __future__ import annotations
 
 import os
@@ -11,70 +16,107 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 DeviceName = str
 Dtype = Literal["float32", "float16", "bfloat16"]
 WeightsFormatSetting = Literal["auto", "torchscript", "state_dict"]
+ENV_PREFIX = "VISIONSERVE_"
+
+
+def dtype_fits_device(dtype: str, device_type: str) -> str | None:
+    """Why ``dtype`` cannot run on ``device_type`` (cpu, cuda), or None when it can: float16 is CUDA only."""
+    if dtype == "float16" and device_type == "cpu":
+        return "dtype float16 needs a CUDA device; use bfloat16 or float32 on cpu"
+    return None
 
 
 class Settings(BaseSettings):
     """Service settings; validated once at boot so a bad value stops the start, not the first request."""
 
-    model_config = SettingsConfigDict(env_prefix="VISIONSERVE_", extra="ignore", protected_namespaces=())
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", protected_namespaces=())
 
     # Model
-    weights_dir: Path = Path("weights")
-    weights_format: WeightsFormatSetting = "auto"  # auto: the manifest's default_format
-    device: DeviceName = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: Dtype = "float32"  # float16 needs CUDA; bfloat16 works on CPU and CUDA
-    # Intra-op threads for the forward pass. 0 = auto: on the CPU, half the cores (at least 1), because request
-    # threads decode images on the same cores (measured: 1 thread gave +7 to +20% images/s on 2 cores); on CUDA,
-    # torch's default.
-    torch_threads: int = Field(default=0, ge=0)
-    warmup: bool = True  # run every batch shape once before reporting ready (CUDA pads batches to powers of two)
-    # TorchScript on CPU: torch.jit.freeze + optimize_for_inference (folds BatchNorm into convolutions, MKLDNN
-    # kernels). Measured by `python -m bench.limit`: about 1.5x images/s for EfficientNet-Lite0 on 2 cores.
-    jit_optimize: bool = True
+    weights_dir: Path = Field(Path("weights"), description="The directory with `manifest.json` to serve "
+                              "(written by `python -m models.export`).")
+    weights_format: WeightsFormatSetting = Field(
+        "auto", description="`torchscript`, `state_dict`, or `auto` (the manifest's `default_format`).")
+    device: DeviceName = Field("auto", description="`auto` (CUDA when available, else CPU), `cpu`, `cuda`, "
+                               "`cuda:N`.")
+    dtype: Dtype = Field("float32", description="Compute dtype: `float32`, `float16` (CUDA only) or `bfloat16`.")
+    torch_threads: int = Field(
+        0, ge=0, description="Intra-op threads for the forward pass. 0 = auto: on the CPU half the cores (at "
+        "least 1), because request threads decode images on the others (measured: +7 to +20% images/s on 2 "
+        "cores); on CUDA torch's default.")
+    warmup: bool = Field(True, description="Run every batch shape once before reporting ready (each size on the "
+                         "CPU; powers of two and the cap on CUDA, where batches are padded to them).")
+    jit_optimize: bool = Field(
+        True, description="On the CPU, `torch.jit.freeze` + `optimize_for_inference` the TorchScript model "
+        "(BatchNorm folded into convolutions, MKLDNN kernels): about 1.5x images/s for EfficientNet-Lite0 on 2 "
+        "cores (`python -m bench.limit`).")
 
     # Batching
-    max_batch_size: int = Field(default=8, gt=0)
-    # At warm-up, time the forward pass per batch size and cap batches where images/s stops rising (within 5%).
-    auto_batch_size: bool = True
-    max_wait_ms: float = Field(default=2.0, ge=0)
-    # A request that finds the batcher idle, and no other request on its way, runs its batch on its own thread
-    # (skipping the hand-off to the worker thread on another core: about 2 ms less per lone request on a CPU).
-    # CPU only: on CUDA each request thread would tune its own cuDNN plans again (seconds, measured).
-    inline_when_idle: bool = True
-    queue_size: int = Field(default=64, gt=0)  # images waiting for the GPU worker, per process
+    max_batch_size: int = Field(8, gt=0, description="Most images in one forward pass.")
+    auto_batch_size: bool = Field(
+        True, description="At warm-up, time the forward pass per batch size and cap batches at the smallest size "
+        "within 5% of the best images/s (the curve is in `/v1/models`).")
+    max_wait_ms: float = Field(
+        2.0, ge=0, description="How long the worker waits for more images after the first one of a batch (not "
+        "at all when no other request is on its way).")
+    inline_when_idle: bool = Field(
+        True, description="A request that finds no batch running or waiting, and no other request on its way, "
+        "runs its forward pass on its own thread instead of handing it to the worker thread on another core "
+        "(about 2 ms less per lone request on a CPU; still one batch at a time). CPU only: on CUDA each request "
+        "thread would tune its own cuDNN plans again (seconds, measured on an H100).")
+    queue_size: int = Field(
+        64, gt=0, description="Images waiting for the inference worker, per process; a request that does not "
+        "fit is refused at once with 429 and `Retry-After`.")
 
     # Request limits
-    max_body_bytes: int = Field(default=20 * 1024 * 1024, gt=0)
-    max_pixels: int = Field(default=40_000_000, gt=0)  # width x height, checked before pixels are decoded
-    max_aspect_ratio: float = Field(default=20.0, ge=1)  # long side / short side; a 1x10000 strip is refused
-    max_images: int = Field(default=16, gt=0)  # images in one request
-    top_k: int = Field(default=5, gt=0)  # default when the request does not say
-    # Longest a request waits for its inference; a client may ask for less with X-Request-Timeout (ms).
-    request_timeout_s: float = Field(default=30.0, gt=0)
-    client_body_timeout_s: float = Field(default=30.0, gt=0)  # longest silence while a client sends its body
-    oom_shrink_s: float = Field(default=60.0, ge=0)  # how long the batch cap stays lowered after an OOM split
+    max_body_bytes: int = Field(20 * 1024 * 1024, gt=0, description="Largest request body, in bytes (413).")
+    max_pixels: int = Field(40_000_000, gt=0, description="Largest image, width x height, checked from its "
+                            "header before any pixel is decoded (413).")
+    max_aspect_ratio: float = Field(20.0, ge=1, description="Longest side / shortest side: a 1x10000 strip is "
+                                    "refused (400).")
+    max_images: int = Field(16, gt=0, description="Images in one request (413).")
+    top_k: int = Field(5, gt=0, description="Classes per image when the request does not say (requests may ask "
+                       "1..classes).")
+    request_timeout_s: float = Field(
+        30.0, gt=0, description="Longest a request waits for its inference (then 504); a client may ask for "
+        "less with `X-Request-Timeout: <ms>`.")
+    client_body_timeout_s: float = Field(30.0, gt=0, description="Longest silence while a client sends its "
+                                         "body (then 408).")
+    oom_shrink_s: float = Field(
+        60.0, ge=0, description="After a CUDA out-of-memory batch is split in halves and retried, how long the "
+        "lower batch cap holds.")
 
-    # Security: with an API key set, requests need "Authorization: Bearer <key>" or "X-API-Key: <key>".
-    api_key: SecretStr | None = None
-    api_key_file: Path | None = None  # e.g. a Docker secret; read at boot
-    auth_health_open: bool = True  # /healthz, /readyz and /metrics stay open for probes and scrapers
+    # Security
+    api_key: SecretStr | None = Field(
+        None, description="Require `Authorization: Bearer <key>` or `X-API-Key: <key>` (compared in constant "
+        "time). Unset: no key needed.")
+    api_key_file: Path | None = Field(None, description="The same, read from a file at boot (a Docker or "
+                                      "Kubernetes secret).")
+    auth_health_open: bool = Field(True, description="Keep `/healthz`, `/readyz`, `/metrics` and the V2 health "
+                                   "endpoints open for probes and scrapers when an API key is set.")
 
-    # Decoding: JPEGs larger than this on their short side are decoded at 1/2, 1/4 or 1/8 scale (libjpeg's
-    # DCT scaling), never below it. 0 turns it off. See README for the measured effect on predictions.
-    jpeg_draft_min_side: int = Field(default=1024, ge=0)
-    # glibc only: each malloc arena keeps up to this many MiB of freed memory, so the next large image reuses it
-    # instead of page-faulting fresh memory (decode 1.6x faster in the server, see app/malloc.py). 0 = glibc's
-    # defaults. Costs up to this much resident memory per arena (glibc makes at most 8 per core).
-    malloc_trim_threshold_mb: int = Field(default=64, ge=0)
+    # Decoding
+    jpeg_draft_min_side: int = Field(
+        1024, ge=0, description="JPEGs larger than this on their short side are decoded at 1/2, 1/4 or 1/8 "
+        "scale (libjpeg's DCT scaling), never below it; 0 = off. Measured effect in docs/performance.md.")
+    malloc_trim_threshold_mb: int = Field(
+        64, ge=0, description="glibc only: each malloc arena keeps up to this many MiB of freed memory, so the "
+        "next large image reuses it instead of page-faulting fresh memory (server decode 15 -> 9.5 ms median "
+        "here). 0 = glibc's defaults. Costs up to this much resident memory per arena.")
 
     # gunicorn (read by gunicorn.conf.py in the master, which must not touch torch)
-    bind: str = "0.0.0.0:8000"
-    workers: int = Field(default=1, gt=0)  # one per GPU; scale further with more replicas
-    threads: int = Field(default=32, gt=0)  # concurrent requests per worker that share one batcher
-    timeout_s: int = Field(default=60, gt=0)  # gunicorn worker timeout (a stuck worker is restarted)
-    graceful_timeout_s: int = Field(default=30, gt=0)  # time to finish accepted requests on SIGTERM
-    keepalive_s: int = Field(default=5, ge=0)
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    bind: str = Field("0.0.0.0:8000", description="gunicorn's listen address.")
+    workers: int = Field(
+        1, gt=0, description="gunicorn worker processes; each loads its own model and batcher. With a GPU, CPU "
+        "decoding is the bound: about one worker per 4 cores. On a CPU-only host use 2 (2 processes x 1 "
+        "forward thread beat 1 x 2 by 8-12% on 2 cores).")
+    threads: int = Field(32, gt=0, description="gthread threads per worker: concurrent requests that share one "
+                         "batcher.")
+    timeout_s: int = Field(60, gt=0, description="gunicorn worker timeout (a stuck worker is restarted).")
+    graceful_timeout_s: int = Field(30, gt=0, description="Time to finish accepted requests after SIGTERM.")
+    keepalive_s: int = Field(5, ge=0, description="HTTP keep-alive, in seconds.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Logs are JSON lines on stderr, one per request with its id, status, images, batch "
+        "sizes and durations.")
 
     @field_validator("device")
     @classmethod
@@ -85,9 +127,10 @@ class Settings(BaseSettings):
         raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {value!r}")
 
     @model_validator(mode="after")
-    def _dtype_fits_device(self) -> "Settings":
-        if self.dtype == "float16" and self.device == "cpu":
-            raise ValueError("dtype float16 needs a CUDA device; use bfloat16 or float32 on cpu")
+    def _consistent(self) -> "Settings":
+        problem = dtype_fits_device(self.dtype, self.device)  # device auto is checked once resolved, at load
+        if problem:
+            raise ValueError(problem)
         if self.api_key_file is not None and not self.api_key_file.is_file():
             raise ValueError(f"api_key_file {self.api_key_file} does not exist")
         return self

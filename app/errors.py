@@ -1,16 +1,11 @@
-"""Service errors: raised where they happen, rendered as JSON in one place."""
+"""Service errors: raised where they happen (engine, protocols, web), rendered as JSON in one place (app/web/errors.py).
+
+Plain exceptions with an HTTP status and a stable code: no Flask here, so the engine can raise them.
+"""
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any
-
-from flask import Flask, Response, g, jsonify, request
-from werkzeug.exceptions import HTTPException
-
-from app.batch_types import BatcherClosed, DeadlineExpired, DeadlineUnreachable, QueueFull
-
-log = logging.getLogger(__name__)
 
 
 class ServiceError(Exception):
@@ -117,56 +112,11 @@ def retry_after_header(seconds: float) -> dict[str, str]:
     return {"Retry-After": str(max(1, math.ceil(seconds)))}
 
 
-def from_batcher(exc: Exception) -> ServiceError:
-    """The HTTP meaning of the batcher's own errors."""
-    if isinstance(exc, QueueFull):
-        error = Overloaded(str(exc), headers=retry_after_header(exc.retry_after_s))
-        if isinstance(exc, DeadlineUnreachable):
-            error.code = "deadline_unreachable"
-        return error
-    if isinstance(exc, DeadlineExpired):
-        return DeadlineExceeded(str(exc))
-    return NotReady(str(exc), headers=retry_after_header(5))
+def check_image_count(count: int, max_images: int) -> None:
+    """Raise TooManyImages when a request holds more than ``max_images`` images.
 
-
-def _from_http(exc: HTTPException) -> ServiceError:
-    error = ServiceError(exc.description or exc.name)
-    error.status = exc.code or 500
-    error.code = exc.name.lower().replace(" ", "_")
-    return error
-
-
-# The Open Inference Protocol fixes its own error body, {"error": "<message>"}, which Triton's clients read.
-V2_PREFIX = "/v2"
-
-
-def render(error: ServiceError) -> Response:
-    """The one JSON shape every error takes: {"error": {"code", "message", "request_id"[, "details"]}}.
-
-    Under /v2 the protocol's shape {"error": "<message>"} is used instead, with the same status and headers.
+    Protocols call it as soon as they know the count, before any image is read or base64-decoded, so an over-long
+    request costs nothing; the stage runner checks again, so no protocol can skip it.
     """
-    g.error_code = error.code  # for the access log and the rejection counter
-    if request.path == V2_PREFIX or request.path.startswith(V2_PREFIX + "/"):
-        response = jsonify(error=error.message)
-    else:
-        body: dict[str, Any] = {"code": error.code, "message": error.message, "request_id": g.get("request_id")}
-        if error.details is not None:
-            body["details"] = error.details
-        response = jsonify(error=body)
-    response.status_code = error.status
-    response.headers.update(error.headers)
-    return response
-
-
-def register_error_handlers(app: Flask) -> None:
-    """Route every exception the app can raise to ``render``."""
-    app.register_error_handler(ServiceError, render)
-    for batcher_error in (QueueFull, BatcherClosed, DeadlineExpired):
-        app.register_error_handler(batcher_error, lambda exc: render(from_batcher(exc)))
-    app.register_error_handler(HTTPException, lambda exc: render(_from_http(exc)))
-
-    def unexpected(exc: Exception) -> Response:
-        log.exception("unhandled error", extra={"request_id": g.get("request_id")})
-        return render(ServiceError("internal server error"))
-
-    app.register_error_handler(Exception, unexpected)
+    if count > max_images:
+        raise TooManyImages(f"{count} images in one request; the limit is {max_images}")

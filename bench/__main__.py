@@ -71,8 +71,8 @@ def contenders(weights: Path, logs: Path, args: argparse.Namespace) -> list[Cont
 
 def run_model(model: str, weights: Path, args: argparse.Namespace, logs: Path) -> dict[str, object]:
     """The limit and every server at every concurrency, for one model."""
-    from app.inference import Predictor
-    from app.service import forward_threads
+    from app.engine.predictor import Predictor
+    from app.engine.tuning import forward_threads
 
     predictor, configs = configurations(weights, args.compile)
     limit = measure_limit(predictor, configs, workload(), (1, 8), args.limit_seconds)

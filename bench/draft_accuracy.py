@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from app.decode import DecodeLimits, image_to_tensor
-from app.inference import Predictor
+from app.engine.decode import DecodeLimits, image_to_tensor
+from app.engine.predictor import Predictor
 from bench.photos import PHOTO_NAMES, SIZES, jpeg, photo
 
 

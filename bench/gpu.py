@@ -26,8 +26,8 @@ import torch
 from torchvision.io import decode_jpeg
 from torchvision.transforms.v2 import functional as F
 
-from app.decode import decode_image
-from app.inference import Predictor
+from app.engine.decode import decode_image
+from app.engine.predictor import Predictor
 from bench.__main__ import RESULTS, WORK, export_models
 from bench.limit import LIMITS, best_threads, intra_op_threads, process_pipeline, single_image_ms, timed_rate
 from bench.load import measure

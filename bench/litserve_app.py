@@ -14,8 +14,8 @@ from typing import Any
 import litserve as ls
 import torch
 
-from app.decode import image_to_tensor
-from app.inference import Predictor
+from app.engine.decode import image_to_tensor
+from app.engine.predictor import Predictor
 from bench.limit import LIMITS
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from flask import Flask, jsonify, request
 
-from app.decode import image_to_tensor
-from app.inference import Predictor
+from app.engine.decode import image_to_tensor
+from app.engine.predictor import Predictor
 from bench.limit import LIMITS
 
 app = Flask(__name__)

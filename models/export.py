@@ -6,36 +6,22 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import sys
-import warnings
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn as nn
 
 from models.manifest import Manifest, WeightsFile, sha256_of, write_manifest
 from models.presets import EvalPreset
+from models.torchscript import quiet_jit
 
 log = logging.getLogger(__name__)
 
 TORCHSCRIPT_NAME = "model.torchscript.pt"
 STATE_DICT_NAME = "model.state_dict.pt"
-
-
-@contextlib.contextmanager
-def quiet_jit() -> Iterator[None]:
-    """Silence torch.jit's deprecation notices.
-
-    torch.jit is deprecated upstream but is still the one self-contained format a server can load without the
-    Python class that defined the model, so we keep offering it.
-    """
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", category=DeprecationWarning)
-        warnings.simplefilter("ignore", category=FutureWarning)
-        yield
 
 
 def to_torchscript(model: nn.Module, example: torch.Tensor) -> torch.jit.ScriptModule:

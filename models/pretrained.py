@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 from timm.data import ImageNetInfo
 
+from models.presets import EvalPreset, lite0_preset
 from models.registry import build_model
 
 # Lite0 stage depths; the package numbers its 16 blocks flatly, timm nests them as blocks.<stage>.<index>.
@@ -61,3 +62,23 @@ def imagenet_labels() -> list[str]:
     """The 1000 ImageNet-1k class names in index order (the first synonym of each WordNet description)."""
     info = ImageNetInfo()
     return [info.index_to_description(i).split(",")[0].strip() for i in range(info.num_classes())]
+
+
+# Architectures whose real ImageNet weights ship inside a pip package (no download at run time).
+PRETRAINED_ARCHS: tuple[str, ...] = ("efficientnet_lite0",)
+
+
+def build_pretrained(arch: str, num_classes: int) -> nn.Module:
+    """``arch`` with its packaged ImageNet weights and a new, randomly initialised ``num_classes`` head."""
+    if arch not in PRETRAINED_ARCHS:
+        raise ValueError(f"no packaged ImageNet weights for {arch!r}; pretrained archs: {', '.join(PRETRAINED_ARCHS)}")
+    model = load_lite0_imagenet()
+    model.reset_classifier(num_classes)
+    return model
+
+
+def pretrained_preset(arch: str) -> EvalPreset:
+    """The input normalisation the packaged weights of ``arch`` were trained with."""
+    if arch not in PRETRAINED_ARCHS:
+        raise ValueError(f"no packaged ImageNet weights for {arch!r}")
+    return lite0_preset()

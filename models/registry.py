@@ -7,7 +7,6 @@ import timm
 import torch.nn as nn
 import torchvision.models as tvm
 
-from models.presets import EvalPreset, lite0_preset
 
 
 def _timm(name: str) -> Callable[[int], nn.Module]:
@@ -36,28 +35,6 @@ def build_model(arch: str, num_classes: int) -> nn.Module:
     if num_classes <= 0:
         raise ValueError(f"num_classes must be positive, got {num_classes}")
     return _BUILDERS[arch](num_classes)
-
-
-# Architectures whose real ImageNet weights ship inside a pip package (no download at run time).
-PRETRAINED_ARCHS: tuple[str, ...] = ("efficientnet_lite0",)
-
-
-def build_pretrained(arch: str, num_classes: int) -> nn.Module:
-    """``arch`` with its packaged ImageNet weights and a new, randomly initialised ``num_classes`` head."""
-    if arch not in PRETRAINED_ARCHS:
-        raise ValueError(f"no packaged ImageNet weights for {arch!r}; pretrained archs: {', '.join(PRETRAINED_ARCHS)}")
-    from models.pretrained import load_lite0_imagenet  # imports this module; deferred to avoid the cycle
-
-    model = load_lite0_imagenet()
-    model.reset_classifier(num_classes)
-    return model
-
-
-def pretrained_preset(arch: str) -> EvalPreset:
-    """The input normalisation the packaged weights of ``arch`` were trained with."""
-    if arch not in PRETRAINED_ARCHS:
-        raise ValueError(f"no packaged ImageNet weights for {arch!r}")
-    return lite0_preset()
 
 
 def head_of(model: nn.Module) -> nn.Module:

@@ -30,7 +30,8 @@ from models.distributed import (DistEnv, barrier, destroy_process_group, env_fro
 from models.folder import DataError, EpochSampler, FolderDataset, ShardSampler, check_same_classes, scan_split
 from models.optim import build_trainable, make_optimizer, make_scheduler, set_train_mode
 from models.presets import EvalPreset, eval_transform, train_transform
-from models.registry import ARCHS, pretrained_preset
+from models.pretrained import pretrained_preset
+from models.registry import ARCHS
 from models.train_args import get_args_parser
 
 log = logging.getLogger("models.train")

@@ -11,8 +11,9 @@ from flask.testing import FlaskClient
 
 from app import create_app
 from app.config import Settings
-from app.inference import Predictor
-from app.service import EXTENSION_KEY, Service
+from app.engine.predictor import Predictor
+from app import EXTENSION_KEY
+from app.engine.service import Service
 from tests.fakes import ColourModel, tiny_manifest
 from tests.server import Server
 

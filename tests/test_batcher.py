@@ -8,8 +8,8 @@ from typing import Callable, Iterator, Sequence
 
 import pytest
 
-from app.batch_types import BatcherClosed, BatchSizeMismatch, DeadlineExpired, DeadlineUnreachable, QueueFull
-from app.batcher import Batcher
+from app.engine.batch_types import BatcherClosed, BatchSizeMismatch, DeadlineExpired, DeadlineUnreachable, QueueFull
+from app.engine.batcher import Batcher
 
 
 class Recorder:
@@ -169,7 +169,7 @@ def test_an_inline_batch_that_fails_fails_its_caller_and_frees_the_batcher(make_
 
 
 def test_arrivals_count_a_request_until_it_queues_or_leaves() -> None:
-    from app.service import Arrivals
+    from app.engine.arrivals import Arrivals
 
     arrivals = Arrivals()
     with arrivals.arriving() as arrived:

@@ -5,8 +5,9 @@ import pytest
 
 from app import create_app
 from app.config import Settings
-from app.inference import Predictor, choose_batch_cap
-from app.service import EXTENSION_KEY
+from app.engine.predictor import Predictor
+from app.engine.tuning import choose_batch_cap
+from app import EXTENSION_KEY
 from tests.imaging import image_bytes
 
 
@@ -84,7 +85,7 @@ def test_padding_defaults_to_cuda_only(model) -> None:  # noqa: ANN001
 def test_forward_threads_leave_cores_for_decoding_on_cpu() -> None:
     import torch
 
-    from app.service import forward_threads
+    from app.engine.tuning import forward_threads
 
     assert forward_threads(0, torch.device("cpu"), cores=2) == 1
     assert forward_threads(0, torch.device("cpu"), cores=16) == 8
@@ -95,7 +96,7 @@ def test_forward_threads_leave_cores_for_decoding_on_cpu() -> None:
 def test_lone_batches_run_inline_on_the_cpu_only() -> None:
     import torch
 
-    from app.service import inline_batches
+    from app.engine.tuning import inline_batches
 
     assert inline_batches(True, torch.device("cpu"))
     assert not inline_batches(False, torch.device("cpu"))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from app.decode import DecodeLimits, decode_image
+from app.engine.decode import DecodeLimits, decode_image
 from app.errors import ImageTooLarge, InvalidImage, UnsupportedImageFormat
 from tests.imaging import BLUE, RED, encode, image_bytes
 

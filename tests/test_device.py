@@ -9,7 +9,8 @@ import torch
 
 from app.config import Settings
 from bench.photos import photo
-from app.inference import ModelLoadError, Predictor, resolve_device, resolve_dtype
+from app.engine.predictor import Predictor
+from app.engine.weights import ModelLoadError, resolve_device, resolve_dtype
 from tests.fakes import ColourModel, tiny_manifest
 
 

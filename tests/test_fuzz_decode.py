@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from app.decode import DecodeLimits, image_to_tensor
+from app.engine.decode import DecodeLimits, image_to_tensor
 from app.errors import ServiceError
 from models.presets import EvalPreset, eval_transform
 

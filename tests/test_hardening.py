@@ -1,6 +1,8 @@
 """Deadlines, auth, metrics and the full list of bad inputs, through the app factory with the fake model."""
 from __future__ import annotations
 
+from app import EXTENSION_KEY
+
 import base64
 import io
 import re
@@ -16,7 +18,7 @@ from PIL import Image
 
 from app import create_app
 from app.config import Settings
-from app.inference import Predictor
+from app.engine.predictor import Predictor
 from tests.fakes import ColourModel
 from tests.imaging import BLUE, RED, encode, image_bytes
 
@@ -128,7 +130,7 @@ def keyed_client(settings: Settings, predictor: Predictor, tmp_path: Path) -> Fl
     key_file.write_text("s3cret-key\n")
     app = create_app(settings.model_copy(update={"api_key_file": key_file}), predictor)
     yield app.test_client()
-    app.extensions["visionserve"].shutdown(timeout=5)
+    app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 
 
 @pytest.mark.parametrize("headers, status", [

@@ -8,13 +8,13 @@ import sys
 import pytest
 
 from app.config import Settings
-from app.malloc import keep_freed_memory
+from app.engine.malloc import keep_freed_memory
 from tests.server import ROOT
 
 # Allocates a block the size of a half-scale 12 MP image, then prints the bytes glibc holds in mmapped blocks.
 _PROBE = """
 import ctypes, sys
-from app.malloc import keep_freed_memory
+from app.engine.malloc import keep_freed_memory
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]

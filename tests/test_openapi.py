@@ -13,8 +13,9 @@ from openapi_spec_validator import validate
 
 from app import create_app
 from app.config import Settings
-from app.inference import Predictor
-from app.service import EXTENSION_KEY, Service
+from app.engine.predictor import Predictor
+from app import EXTENSION_KEY
+from app.engine.service import Service
 from tests.imaging import RED, image_bytes
 
 RED_B64 = base64.b64encode(image_bytes(RED)).decode()
@@ -51,9 +52,10 @@ CALLS: list[tuple[str, str, str, dict[str, Any]]] = [
 
 @pytest.fixture(scope="module")
 def document() -> dict[str, Any]:
-    from app.openapi import openapi_document
+    from app import default_protocols
+    from app.web.openapi import openapi_document
 
-    return openapi_document()
+    return openapi_document(default_protocols())
 
 
 def _check(document: dict[str, Any], method: str, path: str, response: Any) -> None:

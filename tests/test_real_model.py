@@ -1,6 +1,8 @@
 """The bundled EfficientNet-Lite0: strict weight loading, real photos, and served == offline."""
 from __future__ import annotations
 
+from app import EXTENSION_KEY
+
 import json
 import shutil
 from pathlib import Path
@@ -11,7 +13,8 @@ import torch
 from flask import Flask
 from PIL import Image
 
-from app.inference import ModelLoadError, Predictor
+from app.engine.predictor import Predictor
+from app.engine.weights import ModelLoadError
 from models.manifest import read_manifest
 from models.pretrained import lite0_weights_path, rename_lite0_keys
 from models.presets import eval_transform, to_rgb
@@ -137,10 +140,10 @@ def test_manifest_cannot_point_outside_its_directory(weights_copy: Path) -> None
 def test_reduced_scale_jpeg_decoding_keeps_predictions(real_app: Flask, name: str) -> None:
     """The default draft setting (1024) must not change a 12 MP photo's top-1 or top-5 set, and move no probability by 0.01."""
     from app.config import Settings
-    from app.decode import DecodeLimits, image_to_tensor
+    from app.engine.decode import DecodeLimits, image_to_tensor
     from bench.photos import jpeg, photo
 
-    service = real_app.extensions["visionserve"]
+    service = real_app.extensions[EXTENSION_KEY]
     data = jpeg(photo(name), (4000, 3000))
     draft = DecodeLimits(max_pixels=20_000_000, max_aspect_ratio=20,
                          jpeg_draft_min_side=Settings().jpeg_draft_min_side)

@@ -1,6 +1,8 @@
 """Every request form and every error status, through the app factory with the fake colour model."""
 from __future__ import annotations
 
+from app import EXTENSION_KEY
+
 import base64
 import io
 import threading
@@ -9,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from flask.testing import FlaskClient
 
-from app.service import Service
+from app.engine.service import Service
 from tests.fakes import ColourModel, wait_until
 from tests.imaging import BLUE, GREEN, RED, image_bytes
 
@@ -216,7 +218,7 @@ def test_request_larger_than_max_batch_size_is_split(settings, predictor, model:
         assert response.headers["X-Batch-Size"] == "4,4,4,4,2,2"
         assert 'batch;desc="4+2"' in response.headers["Server-Timing"]
     finally:
-        app.extensions["visionserve"].shutdown(timeout=5)
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 
 
 @pytest.mark.parametrize("inline", [True, False])
@@ -226,11 +228,11 @@ def test_a_lone_request_runs_its_batch_inline_unless_turned_off(settings, predic
 
     app = create_app(settings.model_copy(update={"inline_when_idle": inline}), predictor)
     try:
-        service: Service = app.extensions["visionserve"]
+        service: Service = app.extensions[EXTENSION_KEY]
         before = service.batcher.batches_run
         response = app.test_client().post("/predict", data=image_bytes(GREEN), content_type="image/jpeg")
         assert _labels(response) == ["green"] and response.headers["X-Batch-Size"] == "1"
         assert service.batcher.batches_run == before + 1
         assert service.batcher.batches_inline == (1 if inline else 0)
     finally:
-        app.extensions["visionserve"].shutdown(timeout=5)
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)

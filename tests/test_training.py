@@ -12,7 +12,7 @@ import torch
 
 from app import create_app
 from app.config import Settings
-from app.service import EXTENSION_KEY
+from app import EXTENSION_KEY
 from models import train
 from models.checkpoint import BEST_NAME, CHECKPOINT_NAME, load_checkpoint
 from models.export import main as export_main

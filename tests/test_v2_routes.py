@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flask.testing import FlaskClient
 
-from app.service import Service
+from app.engine.service import Service
 from tests.fakes import ColourModel, wait_until
 from tests.imaging import BLUE, GREEN, RED, image_bytes
 

@@ -1,118 +1,25 @@
-"""Predictor: loads the model named by a weights manifest, places it, warms it up, and runs batches."""
+"""Predictor: a verified model placed on its device with its manifest's transform; warms up and runs batches."""
 from __future__ import annotations
 
 import logging
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
-import pydantic
 import torch
 import torch.nn as nn
 from PIL import Image
 
-from models.export import quiet_jit
-from models.manifest import Manifest, WeightsFormat, read_manifest, sha256_of
+from app.engine.weights import (ModelLoadError, check_output_shape, checked_file, load_module, optimize_for_cpu,
+                                read_checked_manifest, resolve_device, resolve_dtype)
+from models.manifest import Manifest, WeightsFormat
 from models.presets import ImageTransform, eval_transform
-from models.registry import build_model
 
 log = logging.getLogger(__name__)
 
 # What the batcher treats as "this batch is too big": split it and retry the halves.
 OUT_OF_MEMORY_ERRORS: tuple[type[BaseException], ...] = (torch.cuda.OutOfMemoryError,)
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-class ModelLoadError(RuntimeError):
-    """The weights directory cannot be served; the message says why and what to do."""
-
-
-def resolve_device(name: str) -> torch.device:
-    """auto -> cuda when available else cpu; an explicit cuda device must exist."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ModelLoadError(f"device {name!r} was asked for but CUDA is not available")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ModelLoadError(f"device {name!r} does not exist ({torch.cuda.device_count()} CUDA devices)")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The compute dtype; float16 only on CUDA, where CPU kernels for it are slow or missing."""
-    dtype = _DTYPES[name]
-    if dtype is torch.float16 and device.type != "cuda":
-        raise ModelLoadError("dtype float16 needs a CUDA device; use bfloat16 or float32 on cpu")
-    return dtype
-
-
-def _read_manifest(weights_dir: Path) -> Manifest:
-    try:
-        return read_manifest(weights_dir)
-    except FileNotFoundError as exc:
-        raise ModelLoadError(f"no manifest.json in {weights_dir}: run `make weights` "
-                             f"(python -m models.export --default --out {weights_dir})") from exc
-    except (ValueError, pydantic.ValidationError) as exc:
-        raise ModelLoadError(f"{weights_dir}/manifest.json is invalid: {exc}") from exc
-
-
-def _checked_file(weights_dir: Path, manifest: Manifest, fmt: WeightsFormat) -> Path:
-    entry = manifest.files.get(fmt)
-    if entry is None:
-        raise ModelLoadError(f"the manifest in {weights_dir} lists no {fmt} file (has: {', '.join(manifest.files)})")
-    path = weights_dir / entry.path
-    if not path.is_file():
-        raise ModelLoadError(f"weights file {path} is missing")
-    actual = sha256_of(path)
-    if actual != entry.sha256:
-        raise ModelLoadError(f"weights file {path} has sha256 {actual}, the manifest says {entry.sha256}: "
-                             "the file is corrupt or belongs to another export")
-    return path
-
-
-def _load_module(path: Path, manifest: Manifest, fmt: WeightsFormat) -> nn.Module:
-    try:
-        if fmt == "torchscript":
-            with quiet_jit():
-                return torch.jit.load(str(path), map_location="cpu")
-        model = build_model(manifest.arch, manifest.num_classes)
-        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True), strict=True)
-        # eval() before any forward: a training-mode forward would overwrite the BatchNorm running statistics.
-        return model.eval()
-    except Exception as exc:  # noqa: BLE001 - unpickling, shape and key errors all mean "cannot serve this"
-        raise ModelLoadError(f"cannot load {fmt} weights from {path}: {exc}") from exc
-
-
-def optimize_for_cpu(model: nn.Module, manifest: Manifest) -> nn.Module:
-    """Freeze a TorchScript module and apply optimize_for_inference; eager modules are returned unchanged."""
-    if not isinstance(model, torch.jit.ScriptModule):
-        return model
-    with quiet_jit(), torch.inference_mode():
-        optimized = torch.jit.optimize_for_inference(torch.jit.freeze(model.eval()))
-        optimized(torch.zeros(1, *manifest.preprocess.input_shape))  # the first call runs the graph passes
-    return optimized
-
-
-def choose_batch_cap(profile: dict[int, float], tolerance: float = 0.95) -> int:
-    """The smallest batch size whose images/s is within ``tolerance`` of the best: larger batches only add latency.
-
-    On a small CPU throughput often peaks at 4 or fewer images; on a GPU it keeps rising to the configured cap.
-    """
-    best = max(profile.values())
-    return min(size for size, rate in profile.items() if rate >= tolerance * best)
-
-
-def _check_output_shape(model: nn.Module, manifest: Manifest) -> None:
-    with torch.inference_mode():
-        out = model(torch.zeros(1, *manifest.preprocess.input_shape))
-    if out.ndim != 2 or out.shape[1] != manifest.num_classes:
-        raise ModelLoadError(f"model outputs shape {tuple(out.shape)} but the manifest has "
-                             f"{manifest.num_classes} labels")
-
 
 def canary_image(size: int = 320) -> Image.Image:
     """A deterministic synthetic photo-like image (colour gradients) for the readiness canary."""
@@ -146,11 +53,11 @@ class Predictor:
     def load(cls, weights_dir: Path, *, weights_format: str = "auto", device: str = "auto",
              dtype: str = "float32", jit_optimize: bool = False) -> "Predictor":
         """Load and verify (manifest, checksum, keys, output shape) or raise ModelLoadError."""
-        manifest = _read_manifest(weights_dir)
+        manifest = read_checked_manifest(weights_dir)
         fmt: WeightsFormat = manifest.default_format if weights_format == "auto" else weights_format  # type: ignore[assignment]
-        path = _checked_file(weights_dir, manifest, fmt)
-        model = _load_module(path, manifest, fmt)
-        _check_output_shape(model, manifest)
+        path = checked_file(weights_dir, manifest, fmt)
+        model = load_module(path, manifest, fmt)
+        check_output_shape(model, manifest)
         target = resolve_device(device)
         if jit_optimize and target.type == "cpu" and dtype == "float32":
             model = optimize_for_cpu(model, manifest)
@@ -239,12 +146,3 @@ class Predictor:
         total = float(probs.sum())
         if probs.shape != (1, self.num_classes) or not torch.isfinite(probs).all() or abs(total - 1.0) > 1e-3:
             raise ModelLoadError(f"canary inference failed: shape {tuple(probs.shape)}, sum {total}")
-
-    def info(self) -> dict[str, Any]:
-        """Model metadata for /v1/models."""
-        m = self.manifest
-        return {"name": m.name, "version": m.version, "arch": m.arch, "num_classes": m.num_classes,
-                "input_shape": list(m.preprocess.input_shape), "preprocess": m.preprocess.model_dump(),
-                "format": self.weights_format, "device": str(self.device), "dtype": self.dtype_name,
-                "files": {fmt: entry.sha256 for fmt, entry in m.files.items()}, "metrics": m.metrics,
-                "source": m.source, "warmed_batch_sizes": self.warmed_batch_sizes}

@@ -1,87 +1,76 @@
-"""The per-process service: settings, predictor, batcher and readiness, kept in ``app.extensions``."""
+"""The per-model service and its stage runner: readiness, arrivals, decoding, the deadline and the queue.
+
+Protocols call ``Service.run`` and nothing else of the engine's request path: they say how to read a request
+(a ``Job``) and shape the answer from what comes back (``Served``); the order of the stages lives here only.
+"""
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Generic, Sequence, TypeVar
 
 import torch
 
-from app.batch_types import BatchResult, DeadlineExpired
-from app.batcher import Batcher
 from app.config import Settings
-from app.decode import DecodeLimits, image_to_tensor
-from app.errors import DeadlineExceeded, InferenceFailed, NotReady
-from app.inference import OUT_OF_MEMORY_ERRORS, Predictor, choose_batch_cap
+from app.engine.arrivals import Arrivals
+from app.engine.batch_types import BatcherClosed, BatchResult, DeadlineExpired, DeadlineUnreachable, QueueFull
+from app.engine.batcher import Batcher
+from app.engine.decode import DecodeLimits, image_to_tensor
+from app.engine.predictor import OUT_OF_MEMORY_ERRORS, Predictor
+from app.engine.tuning import choose_batch_cap, forward_threads, inline_batches
+from app.errors import (BadRequest, DeadlineExceeded, InferenceFailed, NotReady, Overloaded, ServiceError,
+                        check_image_count, retry_after_header)
 from app.metrics import MODEL_INFO, STAGE_CPU_SECONDS, STAGE_SECONDS, MetricsObserver
 
 log = logging.getLogger(__name__)
 
-EXTENSION_KEY = "visionserve"
+P = TypeVar("P")
 
 
-class Arrivals:
-    """Requests between their start and the moment their images are queued: what a batch could still wait for."""
+@dataclass(frozen=True)
+class Job(Generic[P]):
+    """What a protocol read from one request: its inputs, its deadline, and what it needs to shape the answer."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._count = 0
-
-    def count(self) -> int:
-        """Requests on their way to the queue now."""
-        return self._count
-
-    @contextlib.contextmanager
-    def arriving(self) -> Iterator[Callable[[], None]]:
-        """Count one request until it calls the yielded ``arrived`` (just before queueing) or leaves, whichever
-        comes first (a request that fails to decode leaves without queueing)."""
-        pending = [True]
-
-        def arrived() -> None:
-            with self._lock:
-                if pending[0]:
-                    pending[0] = False
-                    self._count -= 1
-
-        with self._lock:
-            self._count += 1
-        try:
-            yield arrived
-        finally:
-            arrived()
+    parsed: P  # handed back untouched in Served
+    timeout_s: float  # the request's deadline, counted from the moment its images are queued
+    images: Sequence[bytes] = ()  # encoded image files: decoded and preprocessed by the runner
+    tensors: Sequence[torch.Tensor] = ()  # inputs the client already preprocessed
 
 
-def forward_threads(setting: int, device: torch.device, cores: int | None = None) -> int:
-    """Intra-op threads for the forward pass (0: leave torch's default). See Settings.torch_threads."""
-    if setting or device.type != "cpu":
-        return setting
-    return max(1, (cores or os.cpu_count() or 1) // 2)
+@dataclass(frozen=True)
+class Served(Generic[P]):
+    """A job's answer: one result per input, in order, and how long decoding took."""
+
+    parsed: P
+    results: list[BatchResult[torch.Tensor]]
+    decode_s: float
+
+    def probabilities(self) -> torch.Tensor:
+        """(N, classes) softmax probabilities, one row per input."""
+        return torch.stack([r.value for r in self.results]).float().cpu()
 
 
-def inline_batches(setting: bool, device: torch.device) -> bool:
-    """Whether a lone request may run its batch on its own thread (Settings.inline_when_idle): on the CPU only.
-
-    On CUDA every thread that runs a forward pass has its own cuDNN handles and tuned plans (see Batcher.start):
-    measured on an H100, each of gunicorn's request threads took 1.2-3.6 s for its first batch, against 5 ms on the
-    batcher thread, which warm-up has already tuned.
-    """
-    return setting and device.type == "cpu"
+def _service_error(exc: Exception) -> ServiceError:
+    """What the batcher's own refusals mean to a client."""
+    if isinstance(exc, QueueFull):
+        error = Overloaded(str(exc), headers=retry_after_header(exc.retry_after_s))
+        if isinstance(exc, DeadlineUnreachable):
+            error.code = "deadline_unreachable"
+        return error
+    return NotReady(str(exc), headers=retry_after_header(5))
 
 
 @dataclass
 class Service:
-    """Everything a request needs, wired once by ``create_app``."""
+    """One model's predictor, batcher and readiness, wired once by ``Service.build``."""
 
     settings: Settings
     predictor: Predictor
     batcher: Batcher[torch.Tensor, torch.Tensor]
     limits: DecodeLimits
-    api_key: str | None = None
     batch_profile: dict[int, float] = field(default_factory=dict)  # forward images/s per batch size, at warm-up
     arrivals: Arrivals = field(default_factory=Arrivals)
     _ready: threading.Event = field(default_factory=threading.Event)
@@ -113,9 +102,8 @@ class Service:
             log.info("batch cap %d: larger batches were no faster (%s)", cap,
                      ", ".join(f"{size}: {rate:.0f} img/s" for size, rate in profile.items()))
             batcher.set_max_batch_size(cap)
-        limits = DecodeLimits.from_settings(settings)
-        service = cls(settings, predictor, batcher, limits, api_key=settings.resolved_api_key(),
-                      batch_profile=profile, arrivals=arrivals)
+        service = cls(settings, predictor, batcher, DecodeLimits.from_settings(settings), batch_profile=profile,
+                      arrivals=arrivals)
         MODEL_INFO.labels(predictor.manifest.name, predictor.manifest.version, str(predictor.device),
                           predictor.dtype_name).set(1)
         service._ready.set()
@@ -151,31 +139,44 @@ class Service:
             raise NotReady("the model is not ready" if not self.draining else "the server is shutting down",
                            headers={"Retry-After": "5"})
 
+    def run(self, read: Callable[[], Job[P]]) -> Served[P]:
+        """The stages of one request: readiness, ``read`` (the protocol parses its body), decode, queue, wait.
+
+        While ``read`` and decoding run the request counts as on its way, so a forming batch may wait for it; it
+        stops counting just before its images are queued. Raises a ServiceError for every refusal.
+        """
+        self.require_ready()
+        with self.arrivals.arriving() as arrived:
+            job = read()
+            tensors, decode_s = self._inputs(job)
+            arrived()
+            results = self._infer(tensors, job.timeout_s)
+        return Served(job.parsed, results, decode_s)
+
     def preprocess(self, data: bytes) -> torch.Tensor:
         """One image's bytes -> model input, with the service's limits."""
         return image_to_tensor(data, self.predictor.transform, self.limits)
 
-    def preprocess_all(self, images: list[bytes]) -> tuple[list[torch.Tensor], float]:
-        """Decode and transform every image (all must succeed); also returns the seconds it took."""
+    def _inputs(self, job: Job[P]) -> tuple[list[torch.Tensor], float]:
+        if bool(job.images) == bool(job.tensors):
+            raise BadRequest("the request holds no images" if not job.images else "send images or tensors, not both")
+        check_image_count(len(job.images) or len(job.tensors), self.settings.max_images)
+        if job.tensors:
+            return list(job.tensors), 0.0
         started, cpu_started = time.perf_counter(), time.thread_time()
-        tensors = [self.preprocess(data) for data in images]
+        tensors = [self.preprocess(data) for data in job.images]
         decode_s = time.perf_counter() - started
         STAGE_SECONDS.labels("decode").observe(decode_s)
         STAGE_CPU_SECONDS.labels("decode").inc(time.thread_time() - cpu_started)
         return tensors, decode_s
 
-    def infer(self, tensors: list[torch.Tensor], timeout_s: float,
-              arrived: Callable[[], None] | None = None) -> list[BatchResult[torch.Tensor]]:
-        """Queue the images (all or none) and wait for their rows until the deadline.
-
-        ``arrived`` (from ``arrivals.arriving()``) is called just before queueing. Raises the batcher's QueueFull /
-        DeadlineUnreachable at once, DeadlineExceeded when the deadline passes, InferenceFailed when the batch's
-        forward pass raised.
-        """
+    def _infer(self, tensors: list[torch.Tensor], timeout_s: float) -> list[BatchResult[torch.Tensor]]:
+        """Queue the images (all or none) and wait for their rows until the deadline."""
         deadline = time.monotonic() + timeout_s
-        if arrived is not None:
-            arrived()
-        futures = self.batcher.submit_many(tensors, deadline=deadline)
+        try:
+            futures = self.batcher.submit_many(tensors, deadline=deadline)
+        except (QueueFull, BatcherClosed) as exc:
+            raise _service_error(exc) from None
         try:
             return [f.result(timeout=max(0.0, deadline - time.monotonic())) for f in futures]
         except (FutureTimeout, DeadlineExpired):

@@ -4,18 +4,15 @@ It takes the werkzeug request as an argument rather than using Flask's global, s
 """
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 from dataclasses import dataclass
 
 import pydantic
 from werkzeug import Request
-from werkzeug.datastructures import Headers
 
-from app.errors import (BadRequest, InvalidBase64, InvalidJSON, SchemaViolation, TooManyImages,
-                        UnsupportedMediaType)
-from app.schemas import PredictJSONRequest
+from app.errors import BadRequest, InvalidJSON, SchemaViolation, UnsupportedMediaType, check_image_count
+from app.v1.schemas import PredictJSONRequest
+from app.web.inputs import decode_base64
 
 RAW_TYPES = ("application/octet-stream",)
 IMAGE_FIELD = "image"
@@ -41,19 +38,10 @@ def _parse_top_k(raw: str | int | None, default: int, num_classes: int, where: s
     return value
 
 
-def _decode_base64(text: str, position: int) -> bytes:
+def _image_from_base64(text: str, position: int) -> bytes:
     if text.startswith("data:") and "," in text:  # accept data URLs as browsers produce them
         text = text.split(",", 1)[1]
-    try:
-        return base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        raise InvalidBase64(f"images[{position}] is not valid base64") from None
-
-
-def _check_count(count: int, max_images: int) -> None:
-    # Counted before any image is decoded or read, so an over-long request costs no base64 or file work.
-    if count > max_images:
-        raise TooManyImages(f"{count} images in one request; the limit is {max_images}")
+    return decode_base64(text, f"images[{position}]")
 
 
 def _from_json(request: Request, default_top_k: int, num_classes: int, max_images: int) -> PredictInput:
@@ -69,15 +57,15 @@ def _from_json(request: Request, default_top_k: int, num_classes: int, max_image
     query_top_k = request.args.get("top_k")
     raw_top_k = parsed.top_k if parsed.top_k is not None else query_top_k
     top_k = _parse_top_k(raw_top_k, default_top_k, num_classes, "body" if parsed.top_k is not None else "query")
-    _check_count(len(parsed.images), max_images)
-    return PredictInput([_decode_base64(s, i) for i, s in enumerate(parsed.images)], top_k)
+    check_image_count(len(parsed.images), max_images)
+    return PredictInput([_image_from_base64(s, i) for i, s in enumerate(parsed.images)], top_k)
 
 
 def _from_multipart(request: Request, max_images: int) -> list[bytes]:
     files = request.files.getlist(IMAGE_FIELD)
     if not files:
         raise BadRequest(f"multipart body has no {IMAGE_FIELD!r} file field")
-    _check_count(len(files), max_images)
+    check_image_count(len(files), max_images)
     return [f.read() for f in files]
 
 
@@ -97,17 +85,3 @@ def parse_predict(request: Request, *, default_top_k: int, num_classes: int, max
             f"content type {mimetype or '(none)'!r} is not supported; send multipart/form-data with an "
             f"{IMAGE_FIELD!r} field, a raw image body (image/* or application/octet-stream), or JSON")
     return PredictInput(images, _parse_top_k(raw_top_k, default_top_k, num_classes, "parameter"))
-
-
-def deadline_s(headers: Headers, maximum_s: float) -> float:
-    """The request's time limit: X-Request-Timeout (ms) when given, never longer than ``maximum_s``."""
-    raw = headers.get("X-Request-Timeout")
-    if raw is None:
-        return maximum_s
-    try:
-        millis = float(raw)
-    except ValueError:
-        raise BadRequest(f"X-Request-Timeout must be a number of milliseconds, got {raw!r}") from None
-    if not millis > 0 or millis != millis:
-        raise BadRequest(f"X-Request-Timeout must be positive, got {raw!r}")
-    return min(millis / 1000, maximum_s)

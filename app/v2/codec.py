@@ -6,8 +6,6 @@ binary form are each prefixed by their length as a 4-byte little-endian integer.
 """
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import math
 import struct
@@ -16,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from app.errors import BadRequest, InvalidBase64, InvalidJSON
+from app.errors import BadRequest, InvalidJSON
+from app.web.inputs import decode_base64
 
 _NUMPY_TYPES = {"FP32": np.float32, "FP64": np.float64, "FP16": np.float16, "INT64": np.int64, "INT32": np.int32,
                 "INT16": np.int16, "INT8": np.int8, "UINT8": np.uint8, "BOOL": np.bool_}
@@ -82,15 +81,9 @@ def _split_bytes(blob: bytes, name: str) -> list[bytes]:
 
 def _json_bytes(values: list[Any], name: str) -> list[bytes]:
     # JSON cannot carry raw image bytes, so BYTES elements in JSON are base64 strings.
-    out = []
-    for value in values:
-        if not isinstance(value, str):
-            raise BadRequest(f"input {name!r}: BYTES elements in JSON must be base64 strings")
-        try:
-            out.append(base64.b64decode(value, validate=True))
-        except (binascii.Error, ValueError):
-            raise InvalidBase64(f"input {name!r}: an element is not valid base64") from None
-    return out
+    if not all(isinstance(value, str) for value in values):
+        raise BadRequest(f"input {name!r}: BYTES elements in JSON must be base64 strings")
+    return [decode_base64(value, f"input {name!r} element {i}") for i, value in enumerate(values)]
 
 
 def _flatten(data: Any) -> list[Any]:

@@ -14,7 +14,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Generic, Sequence, TypeVar
 
-from app.batch_types import (BatcherClosed, BatchObserver, BatchResult, BatchSizeMismatch, DeadlineExpired,
+from app.engine.batch_types import (BatcherClosed, BatchObserver, BatchResult, BatchSizeMismatch, DeadlineExpired,
                              DeadlineUnreachable, NullObserver, QueueFull)
 
 log = logging.getLogger(__name__)

@@ -1,10 +1,13 @@
 """What a finished inference reports: Server-Timing and X-Batch-Size headers, and the access log's fields."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from flask import Response, g
 
-from app.batch_types import BatchResult
+from app.engine.batch_types import BatchResult
+from app.engine.service import Served
 
 
 def _server_timing(decode_ms: float, results: list[BatchResult[torch.Tensor]]) -> str:
@@ -17,9 +20,9 @@ def _server_timing(decode_ms: float, results: list[BatchResult[torch.Tensor]]) -
             f'batch;desc="{sizes}"')
 
 
-def annotate(response: Response, decode_s: float, results: list[BatchResult[torch.Tensor]]) -> Response:
+def annotate(response: Response, served: Served[Any]) -> Response:
     """Add the timing headers to ``response`` and hand the per-stage figures to the access log."""
-    decode_ms = decode_s * 1000
+    results, decode_ms = served.results, served.decode_s * 1000
     response.headers["Server-Timing"] = _server_timing(decode_ms, results)
     response.headers["X-Batch-Size"] = ",".join(str(r.batch_size) for r in results)
     g.log_fields = {"images": len(results), "batch_sizes": [r.batch_size for r in results],

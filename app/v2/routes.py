@@ -6,22 +6,23 @@ holds the top k as "score:index:label" strings (BYTES [N, k]), as Triton's class
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-from flask import Blueprint, Response, current_app, request
+from flask import Blueprint, Response, request
 from pydantic import BaseModel
 
 from app import __version__
-from app.errors import V2_PREFIX, BadRequest, NotFound, TooManyImages
-from app.payload import deadline_s
-from app.service import EXTENSION_KEY, Service
-from app.timing import annotate
-from app.v2_codec import InferRequest, Tensor, encode_response, parse_request
-from app.v2_schemas import Live, ModelMetadata, ModelReady, Ready, ServerMetadata, TensorMetadata
+from app.engine.service import Job, Service
+from app.errors import BadRequest, NotFound, check_image_count
+from app.v2.codec import InferRequest, Tensor, encode_response, parse_request
+from app.v2.schemas import Live, ModelMetadata, ModelReady, Ready, ServerMetadata, TensorMetadata
+from app.web.inputs import deadline_s
+from app.web.services import current_service
+from app.web.timing import annotate
 
-v2_bp = Blueprint("v2", __name__, url_prefix=V2_PREFIX)
+bp = Blueprint("v2", __name__, url_prefix="/v2")
 
 IMAGES_INPUT, PIXELS_INPUT, OUTPUT = "images", "pixels", "probabilities"
 EXTENSIONS = ["classification", "binary_tensor_data"]
@@ -29,16 +30,20 @@ _MODEL = "/models/<name>"
 _VERSIONED = "/models/<name>/versions/<version>"
 
 
+@dataclass(frozen=True)
+class Reply:
+    """What the answer needs from the request: its id, and (classification k, binary?) per requested output."""
+
+    id: str | None
+    outputs: list[tuple[int, bool]]
+
+
 def _json(body: BaseModel) -> Response:
     return Response(body.model_dump_json(exclude_none=True), mimetype="application/json")
 
 
-def _service() -> Service:
-    return current_app.extensions[EXTENSION_KEY]
-
-
 def _model(name: str, version: str | None) -> Service:
-    service = _service()
+    service = current_service()
     manifest = service.predictor.manifest
     if name != manifest.name or version not in (None, manifest.version):
         wanted = name if version is None else f"{name} version {version}"
@@ -46,36 +51,36 @@ def _model(name: str, version: str | None) -> Service:
     return service
 
 
-@v2_bp.get("")
+@bp.get("")
 def server_metadata() -> Response:
     """Server name, version and the protocol extensions we implement."""
     return _json(ServerMetadata(name="visionserve", version=__version__, extensions=EXTENSIONS))
 
 
-@v2_bp.get("/health/live")
+@bp.get("/health/live")
 def live() -> tuple[Response, int]:
     """Live while the inference thread runs (the same check as /healthz)."""
-    alive = _service().batcher.is_alive()
+    alive = current_service().batcher.is_alive()
     return _json(Live(live=alive)), 200 if alive else 503
 
 
-@v2_bp.get("/health/ready")
+@bp.get("/health/ready")
 def ready() -> tuple[Response, int]:
     """Ready as /readyz is: warmed up, canary passed, not draining."""
-    ok = _service().ready
+    ok = current_service().ready
     return _json(Ready(ready=ok)), 200 if ok else 503
 
 
-@v2_bp.get(_MODEL + "/ready")
-@v2_bp.get(_VERSIONED + "/ready")
+@bp.get(_MODEL + "/ready")
+@bp.get(_VERSIONED + "/ready")
 def model_ready(name: str, version: str | None = None) -> tuple[Response, int]:
     """Readiness of the one model we serve."""
     ok = _model(name, version).ready
     return _json(ModelReady(name=name, ready=ok)), 200 if ok else 503
 
 
-@v2_bp.get(_MODEL)
-@v2_bp.get(_VERSIONED)
+@bp.get(_MODEL)
+@bp.get(_VERSIONED)
 def model_metadata(name: str, version: str | None = None) -> Response:
     """Inputs and outputs with datatypes and shapes; -1 is the batch dimension."""
     predictor = _model(name, version).predictor
@@ -87,26 +92,27 @@ def model_metadata(name: str, version: str | None = None) -> Response:
         outputs=[TensorMetadata(name=OUTPUT, datatype="FP32", shape=[-1, predictor.num_classes])]))
 
 
-def _input_tensors(service: Service, infer: InferRequest) -> tuple[list[torch.Tensor], float]:
+def _job(service: Service, infer: InferRequest, reply: Reply) -> Job[Reply]:
+    """The one input as the runner's job: encoded images (BYTES) or preprocessed pixels (FP32)."""
     if len(infer.inputs) != 1:
         raise BadRequest(f"send exactly one input, {IMAGES_INPUT!r} (BYTES) or {PIXELS_INPUT!r} (FP32)")
     (tensor,) = infer.inputs
     count = tensor.shape[0] if tensor.shape else 0
-    if count > service.settings.max_images:
-        raise TooManyImages(f"{count} images in one request; the limit is {service.settings.max_images}")
+    check_image_count(count, service.settings.max_images)
     if count == 0:
         raise BadRequest(f"input {tensor.name!r} holds no images")
+    timeout_s = _timeout_s(service, infer)
     if tensor.name == IMAGES_INPUT and tensor.datatype == "BYTES":
         if tensor.shape not in ([count], [count, 1]):
             raise BadRequest(f"input {IMAGES_INPUT!r} must have shape [N] or [N, 1], got {tensor.shape}")
-        return service.preprocess_all([bytes(item) for item in tensor.data.reshape(-1)])
+        return Job(reply, timeout_s, images=[bytes(item) for item in tensor.data.reshape(-1)])
     if tensor.name == PIXELS_INPUT and tensor.datatype == "FP32":
         expected = [count, *service.predictor.manifest.preprocess.input_shape]
         if tensor.shape != expected:
             raise BadRequest(f"input {PIXELS_INPUT!r} must have shape {expected}, got {tensor.shape}")
         if not np.isfinite(tensor.data).all():
             raise BadRequest(f"input {PIXELS_INPUT!r} holds NaN or infinite values")
-        return list(torch.from_numpy(tensor.data.copy())), 0.0
+        return Job(reply, timeout_s, tensors=list(torch.from_numpy(tensor.data.copy())))
     raise BadRequest(f"unknown input {tensor.name!r} ({tensor.datatype}); send {IMAGES_INPUT!r} as BYTES or "
                      f"{PIXELS_INPUT!r} as FP32")
 
@@ -144,26 +150,26 @@ def _timeout_s(service: Service, infer: InferRequest) -> float:
     return timeout_s
 
 
-@v2_bp.post(_MODEL + "/infer")
-@v2_bp.post(_VERSIONED + "/infer")
+@bp.post(_MODEL + "/infer")
+@bp.post(_VERSIONED + "/infer")
 def infer(name: str, version: str | None = None) -> Response:
-    """Inference through the same batcher as /predict."""
+    """Inference through the same stage runner and batcher as /predict."""
     service = _model(name, version)
-    service.require_ready()
-    if request.content_encoding:
-        raise BadRequest(f"Content-Encoding {request.content_encoding!r} is not supported; send the body as is")
-    with service.arrivals.arriving() as arrived:
+
+    def read() -> Job[Reply]:
+        if request.content_encoding:
+            raise BadRequest(f"Content-Encoding {request.content_encoding!r} is not supported; send the body as is")
         parsed = parse_request(request.get_data(cache=False), request.headers.get("Inference-Header-Content-Length"))
-        plan = _output_plan(parsed)
-        tensors, decode_s = _input_tensors(service, parsed)
-        results = service.infer(tensors, _timeout_s(service, parsed), arrived)
-    probabilities = torch.stack([r.value for r in results]).float().cpu()
-    outputs = [_output(probabilities, service.predictor.labels, k) for k, _ in plan]
+        return _job(service, parsed, Reply(parsed.id, _output_plan(parsed)))
+
+    served = service.run(read)
+    probabilities = served.probabilities()
+    outputs = [_output(probabilities, service.predictor.labels, k) for k, _ in served.parsed.outputs]
     manifest = service.predictor.manifest
     body, header_length = encode_response(model_name=manifest.name, model_version=manifest.version,
-                                          request_id=parsed.id, outputs=outputs,
-                                          binary={OUTPUT for _, is_binary in plan if is_binary})
+                                          request_id=served.parsed.id, outputs=outputs,
+                                          binary={OUTPUT for _, is_binary in served.parsed.outputs if is_binary})
     response = Response(body, mimetype="application/json" if header_length is None else "application/octet-stream")
     if header_length is not None:
         response.headers["Inference-Header-Content-Length"] = str(header_length)
-    return annotate(response, decode_s, results)
+    return annotate(response, served)

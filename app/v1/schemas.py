@@ -1,4 +1,4 @@
-"""Request and response bodies, validated with pydantic."""
+"""/predict and /v1/models request and response bodies, validated with pydantic."""
 from __future__ import annotations
 
 from typing import Any
@@ -45,28 +45,6 @@ class PredictResponse(BaseModel):
 
     model: ModelRef
     predictions: list[Prediction]
-
-
-class ErrorDetail(BaseModel):
-    """The body of every error."""
-
-    code: str
-    message: str
-    request_id: str | None = None
-    details: Any = None
-
-
-class ErrorResponse(BaseModel):
-    """Every non-2xx answer has this shape."""
-
-    error: ErrorDetail
-
-
-class HealthResponse(BaseModel):
-    """Answer of /healthz and /readyz."""
-
-    status: str
-    checks: dict[str, bool] = Field(default_factory=dict)
 
 
 class Batching(BaseModel):

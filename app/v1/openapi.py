@@ -1,0 +1,38 @@
+"""The /predict and /v1/models part of the OpenAPI document."""
+from __future__ import annotations
+
+from typing import Any
+
+from app.v1 import schemas as s
+from app.web.openapi import BINARY, TIMEOUT_HEADER, errors, json_answer, ref
+from app.web.schemas import ErrorResponse
+
+MODELS = (s.PredictJSONRequest, s.PredictResponse, s.ModelsResponse)
+
+
+def _predict() -> dict[str, Any]:
+    top_k = {"name": "top_k", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 1}}
+    multipart = {"type": "object", "required": ["image"],
+                 "properties": {"image": {"type": "array", "items": BINARY}, "top_k": {"type": "integer"}}}
+    return {"post": {
+        "summary": "Classify one or more images",
+        "description": "Send the images as multipart (repeat the `image` field), as a raw body (image/* or "
+                       "application/octet-stream), or as JSON with base64 strings. Answers keep the order sent.",
+        "parameters": [top_k, TIMEOUT_HEADER],
+        "requestBody": {"required": True, "content": {
+            "multipart/form-data": {"schema": multipart},
+            "image/*": {"schema": BINARY}, "application/octet-stream": {"schema": BINARY},
+            "application/json": {"schema": ref(s.PredictJSONRequest)}}},
+        "responses": {"200": json_answer(s.PredictResponse, "One prediction per image", "Server-Timing",
+                                         "X-Batch-Size"),
+                      **errors(ErrorResponse, "400 401 408 413 415 422 429 500 503 504")},
+    }}
+
+
+def paths() -> dict[str, Any]:
+    """/predict and /v1/models."""
+    labels = {"name": "labels", "in": "query", "required": False,
+              "schema": {"type": "string", "enum": ["1", "true", "yes"]}}
+    return {"/predict": _predict(),
+            "/v1/models": {"get": {"summary": "The served model, its batching and its limits", "parameters": [labels],
+                                   "responses": {"200": json_answer(s.ModelsResponse, "The model")}}}}

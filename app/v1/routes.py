@@ -1,0 +1,67 @@
+"""/predict and /v1/models: read the request, hand it to the stage runner, shape the answer."""
+from __future__ import annotations
+
+import torch
+from flask import Blueprint, Response, request
+
+from app.engine.service import Job, Service
+from app.v1.payload import PredictInput, parse_predict
+from app.v1.schemas import (Batching, ClassScore, Limits, ModelInfo, ModelRef, ModelsResponse, Prediction,
+                            PredictResponse)
+from app.web.inputs import deadline_s
+from app.web.services import current_service
+from app.web.timing import annotate
+
+bp = Blueprint("v1", __name__)
+
+
+def _top_k(row: torch.Tensor, k: int, labels: list[str]) -> Prediction:
+    scores, indices = torch.topk(row, k)
+    ranked = [ClassScore(label=labels[i], index=i, score=s) for s, i in zip(scores.tolist(), indices.tolist())]
+    return Prediction(**ranked[0].model_dump(), top_k=ranked)
+
+
+@bp.post("/predict")
+def predict() -> Response:
+    """Classify one or more images."""
+    service = current_service()
+    settings, predictor = service.settings, service.predictor
+
+    def read() -> Job[PredictInput]:
+        timeout_s = deadline_s(request.headers, settings.request_timeout_s)
+        parsed = parse_predict(request, default_top_k=settings.top_k, num_classes=predictor.num_classes,
+                               max_images=settings.max_images)
+        return Job(parsed, timeout_s, images=parsed.images)
+
+    served = service.run(read)
+    body = PredictResponse(model=ModelRef(name=predictor.manifest.name, version=predictor.manifest.version),
+                           predictions=[_top_k(r.value, served.parsed.top_k, predictor.labels)
+                                        for r in served.results])
+    return annotate(Response(body.model_dump_json(), mimetype="application/json"), served)
+
+
+def _model_info(service: Service, show_labels: bool) -> ModelInfo:
+    s, predictor, m = service.settings, service.predictor, service.predictor.manifest
+    return ModelInfo(
+        name=m.name, version=m.version, arch=m.arch, num_classes=m.num_classes,
+        input_shape=list(m.preprocess.input_shape), preprocess=m.preprocess, format=predictor.weights_format,
+        device=str(predictor.device), dtype=predictor.dtype_name,
+        files={fmt: entry.sha256 for fmt, entry in m.files.items()}, metrics=m.metrics, source=m.source,
+        warmed_batch_sizes=predictor.warmed_batch_sizes, labels=predictor.labels if show_labels else None,
+        ready=service.ready,
+        batching=Batching(max_batch_size=s.max_batch_size, batch_cap=service.batcher.max_batch_size,
+                          profile={k: round(v, 1) for k, v in service.batch_profile.items()},
+                          max_wait_ms=s.max_wait_ms,
+                          current_max_batch_size=service.batcher.current_max_batch_size,
+                          queue_size=s.queue_size, queue_depth=service.batcher.depth),
+        limits=Limits(max_body_bytes=s.max_body_bytes, max_pixels=s.max_pixels, max_images=s.max_images,
+                      max_aspect_ratio=s.max_aspect_ratio, default_top_k=s.top_k,
+                      request_timeout_s=s.request_timeout_s))
+
+
+@bp.get("/v1/models")
+def models() -> Response:
+    """Metadata of the served model, its device and dtype, and the batching settings."""
+    show_labels = request.args.get("labels", "").lower() in ("1", "true", "yes")
+    body = ModelsResponse(models=[_model_info(current_service(), show_labels)]).model_dump_json(exclude_none=True)
+    return Response(body, mimetype="application/json")

@@ -1,0 +1,42 @@
+"""The Open Inference Protocol's part of the OpenAPI document."""
+from __future__ import annotations
+
+from typing import Any
+
+from app.v2 import schemas as v2
+from app.web.openapi import BINARY, TIMEOUT_HEADER, errors, headers, health, json_answer, ref
+
+MODELS = (v2.ServerMetadata, v2.Live, v2.Ready, v2.ModelReady, v2.ModelMetadata, v2.InferRequest, v2.InferResponse,
+          v2.Error)
+
+
+def _infer() -> dict[str, Any]:
+    framing = {"name": "Inference-Header-Content-Length", "in": "header", "required": False,
+               "schema": {"type": "integer"}, "description": "Set when binary tensors follow"}
+    return {"post": {
+        "summary": "Open Inference Protocol inference (images as BYTES, or preprocessed pixels as FP32)",
+        "parameters": [TIMEOUT_HEADER, framing],
+        "requestBody": {"required": True, "content": {
+            "application/json": {"schema": ref(v2.InferRequest)},
+            "application/octet-stream": {"schema": {**BINARY, "description": "JSON header, then binary tensors"}}}},
+        "responses": {"200": {"description": "Outputs; binary tensors follow the JSON header when asked for",
+                              "headers": headers("Server-Timing", "X-Batch-Size", "Inference-Header-Content-Length"),
+                              "content": {"application/json": {"schema": ref(v2.InferResponse)},
+                                          "application/octet-stream": {"schema": BINARY}}},
+                      **errors(v2.Error, "400 401 404 408 413 429 500 503 504")},
+    }}
+
+
+def paths() -> dict[str, Any]:
+    """Every /v2 path, unversioned and versioned."""
+    infer = _infer()
+    metadata = {"get": {"summary": "Model inputs and outputs",
+                        "responses": {"200": json_answer(v2.ModelMetadata, "Metadata"), **errors(v2.Error, "404")}}}
+    ready = health(v2.ModelReady, "Model readiness", v2.ModelReady)
+    out = {"/v2": {"get": {"summary": "Server metadata", "responses": {"200": json_answer(v2.ServerMetadata, "OK")}}},
+           "/v2/health/live": health(v2.Live, "Liveness", v2.Live),
+           "/v2/health/ready": health(v2.Ready, "Readiness", v2.Ready)}
+    for base in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
+        # Copies: each path gets its own path-parameter list in the document.
+        out.update({base: {**metadata}, f"{base}/ready": {**ready}, f"{base}/infer": {**infer}})
+    return out

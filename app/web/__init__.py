@@ -1,0 +1,34 @@
+"""The web layer: everything HTTP that is not one protocol's, registered once by ``init_app``.
+
+Request-wide hooks (request id, body timeout, API key, metrics, access log), error rendering, the health,
+metrics and OpenAPI routes, and the one accessor through which protocols reach the engine's service.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from flask import Flask
+
+from app import EXTENSION_KEY
+from app.config import Settings
+from app.engine.service import Service
+from app.web.errors import register_error_handlers
+from app.web.hooks import register_hooks
+from app.web.ops import register_ops
+from app.web.protocol import Protocol
+from app.web.services import current_service
+
+__all__ = ["current_service", "init_app"]
+
+
+def init_app(app: Flask, settings: Settings, service: Service, protocols: Sequence[Protocol]) -> None:
+    """Attach ``service`` to ``app`` and register the hooks, error handlers, ops routes and each protocol."""
+    # werkzeug refuses a larger body with 413 from its Content-Length, before reading it.
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    app.json.sort_keys = False  # type: ignore[attr-defined]
+    app.extensions[EXTENSION_KEY] = service
+    register_hooks(app, settings)
+    register_error_handlers(app, protocols, settings.client_body_timeout_s)
+    register_ops(app, protocols)
+    for protocol in protocols:
+        app.register_blueprint(protocol.blueprint)

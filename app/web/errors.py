@@ -1,0 +1,64 @@
+"""Error rendering, in one place: every exception a request can raise becomes one JSON answer.
+
+The default shape is {"error": {"code", "message", "request_id"[, "details"]}}; a protocol may bring its own
+(the Open Inference Protocol's {"error": "<message>"}), chosen by the blueprint that served the request, or for a
+request no route matched, by the protocol whose URL prefix it falls under.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+from flask import Flask, Response, g, jsonify, request
+from werkzeug.exceptions import ClientDisconnected, HTTPException
+
+from app.errors import RequestTimeout, ServiceError
+from app.web.protocol import Protocol
+
+log = logging.getLogger(__name__)
+
+
+def default_body(error: ServiceError, request_id: str | None) -> dict[str, Any]:
+    """{"error": {"code", "message", "request_id"[, "details"]}}."""
+    body: dict[str, Any] = {"code": error.code, "message": error.message, "request_id": request_id}
+    if error.details is not None:
+        body["details"] = error.details
+    return {"error": body}
+
+
+def _from_http(exc: HTTPException) -> ServiceError:
+    error = ServiceError(exc.description or exc.name)
+    error.status = exc.code or 500
+    error.code = exc.name.lower().replace(" ", "_")
+    return error
+
+
+def _from_disconnect(exc: ClientDisconnected, body_timeout_s: float) -> ServiceError:
+    # werkzeug reports every failed body read as a disconnect; the socket timeout the hooks set is the slow case.
+    if isinstance(exc.__context__, TimeoutError):
+        return RequestTimeout(f"the body did not arrive within {body_timeout_s:g}s", headers={"Connection": "close"})
+    return _from_http(exc)
+
+
+def register_error_handlers(app: Flask, protocols: Sequence[Protocol], body_timeout_s: float) -> None:
+    """Route every exception the app can raise to one renderer."""
+    by_blueprint = {p.blueprint.name: p for p in protocols}
+
+    def render(error: ServiceError) -> Response:
+        g.error_code = error.code  # for the access log and the rejection counter
+        protocol = by_blueprint.get(request.blueprint or "") or next(
+            (p for p in protocols if p.owns(request.path)), None)
+        shape = protocol.error_body if protocol is not None and protocol.error_body else default_body
+        response = jsonify(shape(error, g.get("request_id")))
+        response.status_code = error.status
+        response.headers.update(error.headers)
+        return response
+
+    def unexpected(exc: Exception) -> Response:
+        log.exception("unhandled error", extra={"request_id": g.get("request_id")})
+        return render(ServiceError("internal server error"))
+
+    app.register_error_handler(ServiceError, render)
+    app.register_error_handler(ClientDisconnected, lambda exc: render(_from_disconnect(exc, body_timeout_s)))
+    app.register_error_handler(HTTPException, lambda exc: render(_from_http(exc)))
+    app.register_error_handler(Exception, unexpected)

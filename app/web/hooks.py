@@ -1,0 +1,58 @@
+"""Request-wide hooks, registered on the app (not on one blueprint): every route gets them, /v2 and /docs too.
+
+Before: the request id, the socket timeout for slow bodies, the API key. After: the id header, the request
+metrics and one structured access-log line.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+
+from flask import Flask, Response, g, request
+
+from app.config import Settings
+from app.metrics import REJECTED, REQUEST_SECONDS, REQUESTS
+from app.web.auth import check_api_key, needs_key
+
+access_log = logging.getLogger("visionserve.access")
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
+
+
+def register_hooks(app: Flask, settings: Settings) -> None:
+    """Install the before/after hooks for every request of ``app``."""
+    api_key = settings.resolved_api_key()
+    body_timeout_s, health_open = settings.client_body_timeout_s, settings.auth_health_open
+
+    @app.before_request
+    def _start_request() -> None:
+        # Keep a caller's id when it is sane, so logs can be joined across services; otherwise make one.
+        incoming = request.headers.get("X-Request-ID", "")
+        g.request_id = incoming if _REQUEST_ID.match(incoming) else uuid.uuid4().hex
+        g.started = time.perf_counter()
+        g.log_fields = {}
+        sock = request.environ.get("gunicorn.socket")
+        if sock is not None:
+            # A client that stalls while sending its body gets 408 instead of holding a thread forever.
+            sock.settimeout(body_timeout_s)
+        if api_key is not None and needs_key(request.path, health_open):
+            check_api_key(request.headers, api_key)
+
+    app.after_request(_finish_request)
+
+
+def _finish_request(response: Response) -> Response:
+    response.headers["X-Request-ID"] = g.get("request_id", "")
+    elapsed = time.perf_counter() - g.get("started", time.perf_counter())
+    endpoint = request.url_rule.rule if request.url_rule is not None else "unmatched"
+    REQUESTS.labels(endpoint, str(response.status_code)).inc()
+    REQUEST_SECONDS.labels(endpoint).observe(elapsed)
+    code = g.get("error_code")
+    if response.status_code in (429, 503) and code:
+        REJECTED.labels(code).inc()
+    access_log.info("request", extra={"request_id": g.get("request_id"), "method": request.method,
+                                      "route": endpoint, "status": response.status_code, "error": code,
+                                      "duration_ms": round(elapsed * 1000, 2), **g.get("log_fields", {})})
+    return response

@@ -1,0 +1,120 @@
+"""The OpenAPI 3.1 document, generated from the pydantic models the routes answer with (one source of truth).
+
+The web layer's own routes are described here; each protocol brings its paths and models (``Protocol``), built
+with the helpers below.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from app import __version__
+from app.web.protocol import Protocol
+from app.web.schemas import ErrorResponse, HealthResponse
+
+REF = "#/components/schemas/{model}"
+
+_HEADERS: dict[str, dict[str, Any]] = {
+    "X-Request-ID": {"description": "The caller's request id when it sent a sane one, else a new one; also in "
+                                    "the access log", "schema": {"type": "string"}},
+    "Retry-After": {"description": "Seconds to wait before retrying (429 from the backlog and batch latency; 503)",
+                    "schema": {"type": "integer", "minimum": 1}},
+    "Server-Timing": {"description": "decode, queue and inference durations (ms) and the batch sizes",
+                      "schema": {"type": "string"}},
+    "X-Batch-Size": {"description": "The size of the forward pass each image ran in", "schema": {"type": "string"}},
+    "Inference-Header-Content-Length": {"description": "Length of the JSON header when binary tensors follow",
+                                        "schema": {"type": "integer"}},
+}
+
+# Status -> description of every error status a data route can answer.
+ERROR_STATUSES = {
+    "400": "Malformed request: bad image, JSON, base64, tensor shape or parameter",
+    "401": "Missing or wrong API key (when one is configured)",
+    "404": "No such model or version",
+    "408": "The body did not arrive within client_body_timeout_s",
+    "413": "Body, image pixels or image count over its limit",
+    "415": "Unsupported content type or image format",
+    "422": "JSON that does not match the request schema",
+    "429": "Overloaded (queue full) or the backlog already exceeds the request's deadline",
+    "500": "The forward pass failed",
+    "503": "Not ready yet, or shutting down",
+    "504": "No result within the request's deadline",
+}
+
+
+def ref(model: type[BaseModel]) -> dict[str, str]:
+    """A reference to ``model``'s schema in the components."""
+    return {"$ref": REF.format(model=model.__name__)}
+
+
+def headers(*names: str) -> dict[str, Any]:
+    """References to the named response headers (X-Request-ID is on every answer)."""
+    return {name: {"$ref": f"#/components/headers/{name}"} for name in ("X-Request-ID", *names)}
+
+
+def json_answer(model: type[BaseModel], description: str, *names: str) -> dict[str, Any]:
+    """A JSON response of ``model`` with the named headers."""
+    return {"description": description, "headers": headers(*names),
+            "content": {"application/json": {"schema": ref(model)}}}
+
+
+def errors(model: type[BaseModel], statuses: str) -> dict[str, Any]:
+    """The error responses for the space-separated ``statuses``, in ``model``'s shape."""
+    out = {}
+    for status in statuses.split():
+        extra = ("Retry-After",) if status in ("429", "503") else ()
+        out[status] = json_answer(model, ERROR_STATUSES[status], *extra)
+    return out
+
+
+def health(model: type[BaseModel], summary: str, error_model: type[BaseModel] = HealthResponse) -> dict[str, Any]:
+    """A GET answering 200 when the check holds and 503 when it does not."""
+    return {"get": {"summary": summary,
+                    "responses": {"200": json_answer(model, "Yes"), "503": json_answer(error_model, "No")}}}
+
+
+TIMEOUT_HEADER = {"name": "X-Request-Timeout", "in": "header", "required": False,
+                  "description": "This request's deadline in ms, capped by request_timeout_s",
+                  "schema": {"type": "number"}}
+BINARY = {"type": "string", "contentMediaType": "application/octet-stream"}
+
+_DESCRIPTION = ('Image classification with dynamic batching. Errors outside /v2 have the shape '
+                '{"error": {"code", "message", "request_id"}}; /v2 errors are {"error": "<message>"}.')
+
+
+def _ops_paths() -> dict[str, Any]:
+    return {
+        "/healthz": health(HealthResponse, "Liveness: the process and its inference thread"),
+        "/readyz": health(HealthResponse, "Readiness: warmed up, canary passed, not draining"),
+        "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {
+            "description": "Text exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+        "/openapi.json": {"get": {"summary": "This document", "responses": {"200": {
+            "description": "OpenAPI 3.1", "content": {"application/json": {"schema": {"type": "object"}}}}}}},
+    }
+
+
+def openapi_document(protocols: Sequence[Protocol]) -> dict[str, Any]:
+    """The whole document: the web layer's routes and every protocol's; path parameters declared per path."""
+    models = [ErrorResponse, HealthResponse, *(m for p in protocols for m in p.openapi_models)]
+    _, defs = models_json_schema([(m, "serialization") for m in models], ref_template=REF)
+    paths: dict[str, Any] = {}
+    for protocol in protocols:
+        paths.update(protocol.openapi_paths())
+    paths.update(_ops_paths())
+    for path, item in paths.items():
+        names = [part[1:-1] for part in path.split("/") if part.startswith("{")]
+        if names:
+            item["parameters"] = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}}
+                                  for n in names]
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "visionserve", "version": __version__, "description": _DESCRIPTION},
+        "paths": paths,
+        "components": {"schemas": defs["$defs"], "headers": _HEADERS,
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
+                                           "apiKey": {"type": "apiKey", "in": "header", "name": "X-API-Key"}}},
+        # Either key form when VISIONSERVE_API_KEY is set; nothing when it is not.
+        "security": [{}, {"bearer": []}, {"apiKey": []}],
+    }

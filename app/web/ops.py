@@ -1,0 +1,61 @@
+"""Routes for probes, scrapers and readers of the API: /healthz, /readyz, /metrics, /openapi.json, /docs."""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any, Sequence
+
+from flask import Blueprint, Flask, Response, jsonify
+from flask_swagger_ui import get_swaggerui_blueprint
+
+from app.metrics import render as render_metrics
+from app.web.services import current_service
+from app.web.auth import DOCS_PATH, OPENAPI_PATH
+from app.web.openapi import openapi_document
+from app.web.protocol import Protocol
+from app.web.schemas import HealthResponse
+
+
+def _health(ok: bool, checks: dict[str, bool], good: str, bad: str) -> tuple[Response, int]:
+    body = HealthResponse(status=good if ok else bad, checks=checks)
+    return jsonify(body.model_dump()), 200 if ok else 503
+
+
+def healthz() -> tuple[Response, int]:
+    """Liveness: the process answers and its batcher thread runs. Independent of the model's readiness."""
+    alive = current_service().batcher.is_alive()
+    return _health(alive, {"batcher_thread": alive}, "alive", "dead")
+
+
+def readyz() -> tuple[Response, int]:
+    """Readiness: model loaded, every batch shape warmed up, canary passed, not draining."""
+    service = current_service()
+    checks = {"model_loaded": True, "warmed_up": service.warmed_up,
+              "batcher_thread": service.batcher.is_alive(), "accepting": not service.draining}
+    return _health(service.ready, checks, "ready", "not_ready")
+
+
+def metrics() -> Response:
+    """Prometheus text exposition."""
+    body, content_type = render_metrics()
+    return Response(body, content_type=content_type)
+
+
+def register_ops(app: Flask, protocols: Sequence[Protocol]) -> None:
+    """Register the ops routes, the OpenAPI document of ``protocols`` and Swagger UI on ``app``."""
+    ops = Blueprint("ops", __name__)
+    ops.get("/healthz")(healthz)
+    ops.get("/readyz")(readyz)
+    ops.get("/metrics")(metrics)
+
+    @lru_cache(maxsize=1)
+    def document() -> dict[str, Any]:
+        return openapi_document(protocols)
+
+    @ops.get(OPENAPI_PATH)
+    def openapi() -> Response:
+        """The OpenAPI 3.1 description of every endpoint (rendered at /docs)."""
+        return jsonify(document())
+
+    app.register_blueprint(ops)
+    # Swagger UI's files ship inside flask-swagger-ui: /docs works offline.
+    app.register_blueprint(get_swaggerui_blueprint(DOCS_PATH, OPENAPI_PATH, config={"app_name": "visionserve"}))
