@@ -19,8 +19,7 @@ from typing import Callable
 import torch
 
 from bench import report
-from bench.limit import (SERVED, LimitResult, configurations, cpu_time_bound, process_pipeline,
-                         single_image_ms)
+from bench.limit import SERVED, LimitResult, configurations, cpu_time_bound, process_pipeline, single_image_ms
 from bench.limit import measure as measure_limit
 from bench.load import LoadResult, measure
 from bench.photos import workload
@@ -33,8 +32,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def export_models(out: Path) -> dict[str, Path]:
     """Weights for both models, exported by our own export command into ``out``."""
     from models.export import export_default, export_model
-    from models.pretrained import imagenet_labels
     from models.presets import EvalPreset
+    from models.pretrained import imagenet_labels
     from models.registry import build_model
 
     dirs = {"efficientnet_lite0": out / "efficientnet_lite0", "mobilenet_v3_small": out / "mobilenet_v3_small"}

@@ -27,36 +27,55 @@ class Running:
 
     def __init__(self, name: str, command: Sequence[str], env: dict[str, str], port: int, ready_path: str,
                  log_dir: Path) -> None:
-        self.name, self.url, self.ready_path = name, f"http://127.0.0.1:{port}", ready_path
+        self.name, self.port, self.ready_path = name, port, ready_path
+        self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_dir / f"{name}.log"
         self._log = self.log_path.open("w")
         self.process = subprocess.Popen(list(command), cwd=ROOT, env={**os.environ, **env}, stdout=self._log,
                                         stderr=subprocess.STDOUT, start_new_session=True)
+
+    def output(self) -> str:
+        """Everything the server printed so far."""
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text()
 
     def wait_ready(self, timeout_s: float = 300) -> "Running":
         """Block until the ready path answers 200; raise with the log's tail if the process dies first."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited: {self.log_path.read_text()[-2000:]}")
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}: {self.output()[-4000:]}")
             try:
                 if requests.get(self.url + self.ready_path, timeout=2).status_code == 200:
                     return self
-            except requests.RequestException:
+            except requests.RequestException:  # the socket accepts before the worker has booted
                 pass
-            time.sleep(0.3)
-        raise RuntimeError(f"{self.name} not ready after {timeout_s}s: {self.log_path.read_text()[-2000:]}")
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.name} not ready after {timeout_s}s: {self.output()[-4000:]}")
 
-    def stop(self) -> None:
-        """SIGTERM the process group, SIGKILL after 30 s."""
+    def worker_pids(self) -> list[int]:
+        """PIDs of the main process's children (gunicorn's workers)."""
+        pid = self.process.pid
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+    def stop(self, timeout_s: float = 60) -> int:
+        """SIGTERM the main process (gunicorn drains its workers), wait, then SIGKILL whatever of its process
+        group is left (LitServe's workers, or everything after ``timeout_s``); returns the main exit code."""
         if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            code = self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            code = None
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if code is None:
+            code = self.process.wait()
         self._log.close()
+        return code
 
 
 def _gunicorn(app: str) -> list[str]:

@@ -70,8 +70,8 @@ def export_model(model: nn.Module, *, out_dir: Path, name: str, version: str, ar
 
 def export_default(out_dir: Path) -> Manifest:
     """Export the packaged EfficientNet-Lite0 ImageNet model."""
-    from models.pretrained import imagenet_labels, load_lite0_imagenet
     from models.presets import lite0_preset
+    from models.pretrained import imagenet_labels, load_lite0_imagenet
 
     return export_model(
         load_lite0_imagenet(), out_dir=out_dir, name="efficientnet_lite0", version="1",

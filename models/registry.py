@@ -8,7 +8,6 @@ import torch.nn as nn
 import torchvision.models as tvm
 
 
-
 def _timm(name: str) -> Callable[[int], nn.Module]:
     return lambda num_classes: timm.create_model(name, pretrained=False, num_classes=num_classes)
 

@@ -25,8 +25,15 @@ from tqdm import tqdm
 
 from models import checkpoint as ckpt
 from models.amp import AmpDtype, autocast, backward_and_step, check_amp, make_scaler
-from models.distributed import (DistEnv, barrier, destroy_process_group, env_from_torchrun, init_process_group,
-                                pick_device, sum_across_ranks)
+from models.distributed import (
+    DistEnv,
+    barrier,
+    destroy_process_group,
+    env_from_torchrun,
+    init_process_group,
+    pick_device,
+    sum_across_ranks,
+)
 from models.folder import DataError, EpochSampler, FolderDataset, ShardSampler, check_same_classes, scan_split
 from models.optim import build_trainable, make_optimizer, make_scheduler, set_train_mode
 from models.presets import EvalPreset, eval_transform, train_transform

@@ -1,21 +1,28 @@
 """Shared fixtures: settings, app and client through the factory, with a tiny fake predictor."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 import torch
 from flask import Flask
 from flask.testing import FlaskClient
 
-from app import create_app
+from app import EXTENSION_KEY, create_app
 from app.config import Settings
 from app.engine.predictor import Predictor
-from app import EXTENSION_KEY
 from app.engine.service import Service
+from bench.servers import Running, visionserve
 from tests.fakes import ColourModel, tiny_manifest
-from tests.server import Server
+
+# A test that uses one of these starts a server, loads real weights or runs torchrun: it is marked slow, so
+# `pytest -m "not slow"` stays under a minute. A test that starts a server without them fails (see _guard).
+SLOW_FIXTURES = frozenset({"real_weights", "real_app", "small_weights", "live_server", "start_server", "torchrun"})
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -76,13 +83,61 @@ def real_app(real_weights: Path) -> Iterator[Flask]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """GPU tests run only where CUDA is present."""
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA")
+    """Mark slow every test that uses a slow fixture; GPU tests run only where CUDA is present."""
+    skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs CUDA")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+        if skip_gpu is not None and "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test not marked slow may not start a server or load the packaged ImageNet weights."""
+    if request.node.get_closest_marker("slow") is not None:
+        return
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("this test starts a server or loads real weights: use a fixture from "
+                             f"SLOW_FIXTURES ({', '.join(sorted(SLOW_FIXTURES))}) so it is marked slow")
+
+    monkeypatch.setattr(Running, "__init__", refuse)
+    monkeypatch.setattr("models.pretrained.load_lite0_imagenet", refuse)
+
+
+def serve(weights: Path, log_dir: Path, **settings: str) -> Running:
+    """gunicorn on ``weights`` through bench's runner, with the configured batch cap and info logs by default."""
+    return visionserve(weights, log_dir, **({"auto_batch_size": "false", "log_level": "info"} | settings))
+
+
+@pytest.fixture
+def start_server(tmp_path: Path) -> Iterator[Callable[..., Running]]:
+    """Start servers with ``start_server(weights, **settings)``; whatever is still running is stopped after."""
+    started: list[Running] = []
+
+    def start(weights: Path, **settings: str) -> Running:
+        log_dir = tmp_path / f"server-{len(started)}"
+        log_dir.mkdir()
+        started.append(serve(weights, log_dir, **settings))
+        return started[-1]
+
+    yield start
+    for server in started:
+        if server.process.poll() is None:
+            server.stop()
+
+
+@pytest.fixture
+def torchrun() -> Callable[..., subprocess.CompletedProcess[str]]:
+    """Run ``python -m torch.distributed.run ARGS`` from the repository root; returns the finished process."""
+
+    def run(args: list[str], timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], cwd=ROOT,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                              timeout=timeout_s)
+
+    return run
 
 
 @pytest.fixture(scope="session")
@@ -101,9 +156,9 @@ def small_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def live_server(real_weights: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def live_server(real_weights: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     """gunicorn on the real default model, shared by the client and protocol tests."""
-    server = Server(real_weights, tmp_path_factory.mktemp("live") / "server.log", max_wait_ms="10").wait_ready()
+    server = serve(real_weights, tmp_path_factory.mktemp("live"), max_wait_ms="10").wait_ready()
     yield server
     server.stop()
 

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from app import create_app
+from app import EXTENSION_KEY, create_app
 from app.config import Settings
 from app.engine.predictor import Predictor
 from app.engine.tuning import choose_batch_cap
-from app import EXTENSION_KEY
 from tests.imaging import image_bytes
 
 

@@ -14,11 +14,10 @@ from PIL import Image
 from werkzeug.serving import make_server
 from werkzeug.wrappers import Request, Response
 
-from bench.servers import ROOT, free_port
+from bench.servers import ROOT, Running, free_port
 from client import Client, Prediction, VisionServeError
 from client.__main__ import main as cli
 from tests.imaging import encode
-from tests.server import Server
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +30,7 @@ def photos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return paths
 
 
-def test_predict_paths_bytes_and_lists(live_server: Server, photos: dict[str, Path]) -> None:
+def test_predict_paths_bytes_and_lists(live_server: Running, photos: dict[str, Path]) -> None:
     with Client(live_server.url) as client:
         one = client.predict(photos["chelsea"], top_k=3)
         assert isinstance(one, Prediction) and one.label == "tiger cat" and len(one.top_k) == 3
@@ -43,7 +42,7 @@ def test_predict_paths_bytes_and_lists(live_server: Server, photos: dict[str, Pa
         assert (info.name, info.num_classes, len(info.labels or [])) == ("efficientnet_lite0", 1000, 1000)
 
 
-def test_server_errors_carry_code_status_and_request_id(live_server: Server) -> None:
+def test_server_errors_carry_code_status_and_request_id(live_server: Running) -> None:
     with Client(live_server.url) as client, pytest.raises(VisionServeError) as caught:
         client.predict(b"this is not an image")
     error = caught.value
@@ -51,7 +50,7 @@ def test_server_errors_carry_code_status_and_request_id(live_server: Server) -> 
     assert error.request_id in str(error)
 
 
-def test_cli_prints_a_table_and_json(live_server: Server, photos: dict[str, Path],
+def test_cli_prints_a_table_and_json(live_server: Running, photos: dict[str, Path],
                                      capsys: pytest.CaptureFixture[str]) -> None:
     assert cli(["--url", live_server.url, "predict", str(photos["chelsea"]), str(photos["coffee"]),
                 "--top-k", "2"]) == 0
@@ -63,7 +62,7 @@ def test_cli_prints_a_table_and_json(live_server: Server, photos: dict[str, Path
     assert cli(["--url", live_server.url, "ready"]) == 0 and capsys.readouterr().out.strip() == "yes"
 
 
-def test_cli_errors_have_exit_codes(live_server: Server, tmp_path: Path,
+def test_cli_errors_have_exit_codes(live_server: Running, tmp_path: Path,
                                     capsys: pytest.CaptureFixture[str]) -> None:
     text = tmp_path / "notes.jpg"
     text.write_text("hello")

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from app.config import Settings
-from bench.photos import photo
 from app.engine.predictor import Predictor
 from app.engine.weights import ModelLoadError, resolve_device, resolve_dtype
+from bench.photos import photo
 from tests.fakes import ColourModel, tiny_manifest
 
 

@@ -6,17 +6,16 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 import requests
 import skimage.data
 from PIL import Image
 
+from bench.servers import Running
+from tests.conftest import serve
 from tests.imaging import encode
-from tests.server import Server
-
-pytestmark = pytest.mark.slow
 
 CATS = {281, 282, 283, 284, 285}
 
@@ -26,14 +25,13 @@ def _cat() -> bytes:
 
 
 @pytest.fixture(scope="module")
-def server(real_weights: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    log = tmp_path_factory.mktemp("gunicorn") / "server.log"
-    server = Server(real_weights, log, max_wait_ms="20", max_batch_size="8").wait_ready()
+def server(real_weights: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    server = serve(real_weights, tmp_path_factory.mktemp("gunicorn"), max_wait_ms="20", max_batch_size="8").wait_ready()
     yield server
     server.stop()
 
 
-def test_concurrent_requests_are_answered_right_and_batched(server: Server) -> None:
+def test_concurrent_requests_are_answered_right_and_batched(server: Running) -> None:
     cat = _cat()
     session = requests.Session()
 
@@ -47,7 +45,7 @@ def test_concurrent_requests_are_answered_right_and_batched(server: Server) -> N
     assert max(int(r.headers["X-Batch-Size"]) for r in responses) > 1
 
 
-def test_multipart_and_health_over_http(server: Server) -> None:
+def test_multipart_and_health_over_http(server: Running) -> None:
     url = server.url
     coffee = encode(Image.fromarray(skimage.data.coffee()), "PNG")
     response = requests.post(f"{url}/predict", files={"image": ("coffee.png", coffee, "image/png")}, timeout=60)
@@ -59,8 +57,9 @@ def test_multipart_and_health_over_http(server: Server) -> None:
     assert "visionserve_batch_size_bucket" in requests.get(f"{url}/metrics", timeout=5).text
 
 
-def test_sigterm_mid_burst_answers_every_accepted_request(real_weights: Path, tmp_path: Path) -> None:
-    server = Server(real_weights, tmp_path / "server.log", max_batch_size="4").wait_ready()
+def test_sigterm_mid_burst_answers_every_accepted_request(real_weights: Path,
+                                                         start_server: Callable[..., Running]) -> None:
+    server = start_server(real_weights, max_batch_size="4").wait_ready()
     cat = _cat()
     outcomes: list[tuple[str, float, object]] = []
     term_sent = threading.Event()
@@ -96,7 +95,8 @@ def test_sigterm_mid_burst_answers_every_accepted_request(real_weights: Path, tm
     assert sorted(logged_predict) == sorted(statuses), "the server answered a request the client never got"
 
 
-def test_bad_weights_stop_the_boot_with_a_clear_message(tmp_path: Path) -> None:
-    server = Server(tmp_path / "nothing-here", tmp_path / "server.log")
+def test_bad_weights_stop_the_boot_with_a_clear_message(tmp_path: Path,
+                                                        start_server: Callable[..., Running]) -> None:
+    server = start_server(tmp_path / "nothing-here")
     assert server.process.wait(timeout=120) != 0
     assert "no manifest.json" in server.output()

@@ -1,8 +1,6 @@
 """Deadlines, auth, metrics and the full list of bad inputs, through the app factory with the fake model."""
 from __future__ import annotations
 
-from app import EXTENSION_KEY
-
 import base64
 import io
 import re
@@ -16,7 +14,7 @@ import pytest
 from flask.testing import FlaskClient
 from PIL import Image
 
-from app import create_app
+from app import EXTENSION_KEY, create_app
 from app.config import Settings
 from app.engine.predictor import Predictor
 from tests.fakes import ColourModel

@@ -8,16 +8,22 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
-import pytest
 import requests
 
+from bench.servers import Running
 from tests.imaging import RED, image_bytes
-from tests.server import Server, rss_bytes
-
-pytestmark = pytest.mark.slow
 
 IMAGE = image_bytes(RED, size=(160, 120))
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for {pid}")
 
 
 def _burst(url: str, count: int, concurrency: int) -> list[requests.Response]:
@@ -32,8 +38,8 @@ def _burst(url: str, count: int, concurrency: int) -> list[requests.Response]:
         return list(pool.map(call, range(count)))
 
 
-def test_soak_no_errors_and_flat_memory(small_weights: Path, tmp_path: Path) -> None:
-    server = Server(small_weights, tmp_path / "soak.log", log_level="warning").wait_ready()
+def test_soak_no_errors_and_flat_memory(small_weights: Path, start_server: Callable[..., Running]) -> None:
+    server = start_server(small_weights, log_level="warning").wait_ready()
     try:
         (worker,) = server.worker_pids()
         warm = _burst(server.url, 300, 32)
@@ -51,8 +57,9 @@ def test_soak_no_errors_and_flat_memory(small_weights: Path, tmp_path: Path) -> 
         assert server.stop() == 0
 
 
-def test_overload_sheds_with_429_and_retry_after_then_recovers(small_weights: Path, tmp_path: Path) -> None:
-    server = Server(small_weights, tmp_path / "overload.log", queue_size="2", max_batch_size="1",
+def test_overload_sheds_with_429_and_retry_after_then_recovers(small_weights: Path,
+                                                               start_server: Callable[..., Running]) -> None:
+    server = start_server(small_weights, queue_size="2", max_batch_size="1",
                     max_wait_ms="0", log_level="warning").wait_ready()
     try:
         responses = _burst(server.url, 200, 48)
@@ -84,8 +91,9 @@ def _raw_http(port: int, head: bytes, body: bytes = b"", wait_s: float = 15) -> 
         return b"".join(chunks)
 
 
-def test_slow_body_gets_408_and_oversized_body_413_unread(small_weights: Path, tmp_path: Path) -> None:
-    server = Server(small_weights, tmp_path / "slow.log", client_body_timeout_s="1",
+def test_slow_body_gets_408_and_oversized_body_413_unread(small_weights: Path,
+                                                          start_server: Callable[..., Running]) -> None:
+    server = start_server(small_weights, client_body_timeout_s="1",
                     max_body_bytes="100000").wait_ready()
     try:
         head = (b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
@@ -103,8 +111,8 @@ def test_slow_body_gets_408_and_oversized_body_413_unread(small_weights: Path, t
         assert server.stop() == 0
 
 
-def test_a_crashed_worker_is_replaced(small_weights: Path, tmp_path: Path) -> None:
-    server = Server(small_weights, tmp_path / "crash.log").wait_ready()
+def test_a_crashed_worker_is_replaced(small_weights: Path, start_server: Callable[..., Running]) -> None:
+    server = start_server(small_weights).wait_ready()
     try:
         (worker,) = server.worker_pids()
         os.kill(worker, signal.SIGKILL)

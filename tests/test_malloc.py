@@ -9,7 +9,7 @@ import pytest
 
 from app.config import Settings
 from app.engine.malloc import keep_freed_memory
-from tests.server import ROOT
+from bench.servers import ROOT
 
 # Allocates a block the size of a half-scale 12 MP image, then prints the bytes glibc holds in mmapped blocks.
 _PROBE = """

@@ -11,10 +11,9 @@ from flask import Flask
 from flask.testing import FlaskClient
 from openapi_spec_validator import validate
 
-from app import create_app
+from app import EXTENSION_KEY, create_app
 from app.config import Settings
 from app.engine.predictor import Predictor
-from app import EXTENSION_KEY
 from app.engine.service import Service
 from tests.imaging import RED, image_bytes
 

@@ -1,8 +1,6 @@
 """The bundled EfficientNet-Lite0: strict weight loading, real photos, and served == offline."""
 from __future__ import annotations
 
-from app import EXTENSION_KEY
-
 import json
 import shutil
 from pathlib import Path
@@ -13,13 +11,14 @@ import torch
 from flask import Flask
 from PIL import Image
 
+from app import EXTENSION_KEY
 from app.engine.predictor import Predictor
 from app.engine.weights import ModelLoadError
-from models.manifest import read_manifest
-from models.pretrained import lite0_weights_path, rename_lite0_keys
-from models.presets import eval_transform, to_rgb
-from models.registry import build_model
 from bench.photos import photo
+from models.manifest import read_manifest
+from models.presets import eval_transform, to_rgb
+from models.pretrained import lite0_weights_path, rename_lite0_keys
+from models.registry import build_model
 from tests.imaging import encode
 
 pytestmark = pytest.mark.slow

@@ -1,8 +1,6 @@
 """Every request form and every error status, through the app factory with the fake colour model."""
 from __future__ import annotations
 
-from app import EXTENSION_KEY
-
 import base64
 import io
 import threading
@@ -11,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from flask.testing import FlaskClient
 
+from app import EXTENSION_KEY
 from app.engine.service import Service
 from tests.fakes import ColourModel, wait_until
 from tests.imaging import BLUE, GREEN, RED, image_bytes

@@ -2,17 +2,16 @@
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
 
-from app import create_app
+from app import EXTENSION_KEY, create_app
 from app.config import Settings
-from app import EXTENSION_KEY
 from models import train
 from models.checkpoint import BEST_NAME, CHECKPOINT_NAME, load_checkpoint
 from models.export import main as export_main
@@ -109,17 +108,15 @@ def test_resume_after_an_interruption_matches_an_uninterrupted_run(folder: Path,
     assert [row["epoch"] for row in read_metrics(resumed)] == [0, 1]
 
 
-def test_ddp_on_two_cpu_processes_matches_one_process_with_the_same_global_batch(folder: Path, tmp_path: Path) -> None:
+def test_ddp_on_two_cpu_processes_matches_one_process_with_the_same_global_batch(
+        folder: Path, tmp_path: Path, torchrun: Callable[..., subprocess.CompletedProcess[str]]) -> None:
     # BatchNorm statistics are per rank on CPU (SyncBatchNorm is CUDA-only), so they are frozen here.
     common = ["--arch", "resnet18", "--freeze-bn", "--epochs", "2", "--lr", "0.05"]
     single, ddp = tmp_path / "single", tmp_path / "ddp"
     # 18 training images: one process at 6 per step sees the same global batches as 2 ranks at 3 each.
     assert train.main(small_args(folder, single, *common, "--batch-size", "6")) == 0
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "models.train",
-         *small_args(folder, ddp, *common, "--batch-size", "3")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    done = torchrun(["--standalone", "--nproc_per_node=2", "-m", "models.train",
+                     *small_args(folder, ddp, *common, "--batch-size", "3")])
     assert done.returncode == 0, done.stderr[-3000:]
 
     a, b = load_checkpoint(single / CHECKPOINT_NAME), load_checkpoint(ddp / CHECKPOINT_NAME)

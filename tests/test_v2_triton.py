@@ -12,22 +12,22 @@ import tritonclient.http as triton
 from PIL import Image
 from tritonclient.utils import InferenceServerException
 
+from bench.servers import Running
 from models.manifest import read_manifest
 from models.presets import eval_transform
 from tests.imaging import encode
-from tests.server import Server
 
 MODEL = "efficientnet_lite0"
 PHOTOS = {"chelsea": "tiger cat", "coffee": "espresso"}
 
 
 @pytest.fixture(scope="module")
-def server(live_server: Server) -> Server:
+def server(live_server: Running) -> Running:
     return live_server
 
 
 @pytest.fixture(scope="module")
-def client(server: Server) -> triton.InferenceServerClient:
+def client(server: Running) -> triton.InferenceServerClient:
     return triton.InferenceServerClient(server.url.removeprefix("http://"))
 
 
@@ -37,7 +37,7 @@ def photos() -> list[bytes]:
 
 
 @pytest.fixture(scope="module")
-def predict_scores(server: Server, photos: list[bytes]) -> np.ndarray:
+def predict_scores(server: Running, photos: list[bytes]) -> np.ndarray:
     """/predict's probabilities for every class of each photo."""
     rows = []
     for photo in photos:

@@ -14,8 +14,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Generic, Sequence, TypeVar
 
-from app.engine.batch_types import (BatcherClosed, BatchObserver, BatchResult, BatchSizeMismatch, DeadlineExpired,
-                             DeadlineUnreachable, NullObserver, QueueFull)
+from app.engine.batch_types import (
+    BatcherClosed,
+    BatchObserver,
+    BatchResult,
+    BatchSizeMismatch,
+    DeadlineExpired,
+    DeadlineUnreachable,
+    NullObserver,
+    QueueFull,
+)
 
 log = logging.getLogger(__name__)
 

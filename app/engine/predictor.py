@@ -11,8 +11,16 @@ import torch
 import torch.nn as nn
 from PIL import Image
 
-from app.engine.weights import (ModelLoadError, check_output_shape, checked_file, load_module, optimize_for_cpu,
-                                read_checked_manifest, resolve_device, resolve_dtype)
+from app.engine.weights import (
+    ModelLoadError,
+    check_output_shape,
+    checked_file,
+    load_module,
+    optimize_for_cpu,
+    read_checked_manifest,
+    resolve_device,
+    resolve_dtype,
+)
 from models.manifest import Manifest, WeightsFormat
 from models.presets import ImageTransform, eval_transform
 

@@ -21,8 +21,16 @@ from app.engine.batcher import Batcher
 from app.engine.decode import DecodeLimits, image_to_tensor
 from app.engine.predictor import OUT_OF_MEMORY_ERRORS, Predictor
 from app.engine.tuning import choose_batch_cap, forward_threads, inline_batches
-from app.errors import (BadRequest, DeadlineExceeded, InferenceFailed, NotReady, Overloaded, ServiceError,
-                        check_image_count, retry_after_header)
+from app.errors import (
+    BadRequest,
+    DeadlineExceeded,
+    InferenceFailed,
+    NotReady,
+    Overloaded,
+    ServiceError,
+    check_image_count,
+    retry_after_header,
+)
 from app.metrics import MODEL_INFO, STAGE_CPU_SECONDS, STAGE_SECONDS, MetricsObserver
 
 log = logging.getLogger(__name__)

@@ -6,8 +6,16 @@ from flask import Blueprint, Response, request
 
 from app.engine.service import Job, Service
 from app.v1.payload import PredictInput, parse_predict
-from app.v1.schemas import (Batching, ClassScore, Limits, ModelInfo, ModelRef, ModelsResponse, Prediction,
-                            PredictResponse)
+from app.v1.schemas import (
+    Batching,
+    ClassScore,
+    Limits,
+    ModelInfo,
+    ModelRef,
+    ModelsResponse,
+    Prediction,
+    PredictResponse,
+)
 from app.web.inputs import deadline_s
 from app.web.services import current_service
 from app.web.timing import annotate

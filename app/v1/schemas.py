@@ -1,8 +1,6 @@
 """/predict and /v1/models request and response bodies, validated with pydantic."""
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import BaseModel, ConfigDict, Field
 
 from models.presets import EvalPreset

@@ -8,11 +8,11 @@ from flask import Blueprint, Flask, Response, jsonify
 from flask_swagger_ui import get_swaggerui_blueprint
 
 from app.metrics import render as render_metrics
-from app.web.services import current_service
 from app.web.auth import DOCS_PATH, OPENAPI_PATH
 from app.web.openapi import openapi_document
 from app.web.protocol import Protocol
 from app.web.schemas import HealthResponse
+from app.web.services import current_service
 
 
 def _health(ok: bool, checks: dict[str, bool], good: str, bad: str) -> tuple[Response, int]:
