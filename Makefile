@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 WEIGHTS_DIR ?= weights
 SERVE := PATH="$(CURDIR)/$(BIN):$$PATH" bin/serve
 
-.PHONY: serve test install weights clean-weights train-digits finetune-textures bench
+.PHONY: serve test install weights clean-weights train-digits finetune-textures bench docs
 
 install: $(STAMP)
 
@@ -32,7 +32,11 @@ test: $(STAMP)
 clean-weights:
 	rm -f $(WEIGHTS_DIR)/*.pt $(WEIGHTS_DIR)/manifest.json
 
-# Training demos on real data that ships inside installed packages (see README, "Training").
+# docs/configuration.md is generated from the settings' descriptions in app/config.py (a test compares them).
+docs: $(STAMP)
+	$(BIN)/python -m app.configdoc
+
+# Training demos on real data that ships inside installed packages (docs/training.md).
 data/digits: $(STAMP)
 	$(BIN)/python -m models.datasets digits --out $@
 
@@ -48,6 +52,6 @@ finetune-textures: data/textures
 	$(BIN)/python -m models.train --data data/textures --arch efficientnet_lite0 --pretrained --freeze-backbone \
 		--epochs 3 --batch-size 32 --lr 0.05 --output-dir runs/textures --export runs/textures/weights --plot
 
-# The performance comparison (about 10 minutes on 2 cores): see README, "Performance".
+# The performance comparison (about 10 minutes on 2 cores): docs/performance.md.
 bench: $(STAMP)
 	$(BIN)/python -m bench $(BENCH_ARGS)
