@@ -4,15 +4,14 @@ It takes the werkzeug request as an argument rather than using Flask's global, s
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import pydantic
 from werkzeug import Request
 
-from app.errors import BadRequest, InvalidJSON, SchemaViolation, UnsupportedMediaType, check_image_count
+from app.errors import BadRequest, SchemaViolation, UnsupportedMediaType, check_image_count
 from app.v1.schemas import PredictJSONRequest
-from app.web.inputs import decode_base64
+from app.web.inputs import decode_base64, parse_json
 
 RAW_TYPES = ("application/octet-stream",)
 IMAGE_FIELD = "image"
@@ -45,10 +44,7 @@ def _image_from_base64(text: str, position: int) -> bytes:
 
 
 def _from_json(request: Request, default_top_k: int, num_classes: int, max_images: int) -> PredictInput:
-    try:
-        body = json.loads(request.get_data())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidJSON(f"the body is not valid JSON: {exc}") from None
+    body = parse_json(request.get_data(), "the body")
     try:
         parsed = PredictJSONRequest.model_validate(body)
     except pydantic.ValidationError as exc:

@@ -1,7 +1,9 @@
 """/predict and /v1/models request and response bodies, validated with pydantic."""
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from models.presets import EvalPreset
 
@@ -13,6 +15,14 @@ class PredictJSONRequest(BaseModel):
 
     images: list[str] = Field(min_length=1, description="base64 of each image file (JPEG, PNG, WebP, BMP, GIF)")
     top_k: int | None = Field(default=None, ge=1, description="classes to return per image")
+
+    @field_validator("top_k", mode="before")
+    @classmethod
+    def _not_a_boolean(cls, value: Any) -> Any:
+        # pydantic's lax mode reads true as 1; a boolean here is a client's mistake, not a count.
+        if isinstance(value, bool):
+            raise ValueError("top_k must be an integer, not a boolean")
+        return value
 
 
 class ClassScore(BaseModel):

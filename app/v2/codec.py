@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from app.errors import BadRequest, InvalidJSON
-from app.web.inputs import decode_base64
+from app.errors import BadRequest
+from app.web.inputs import decode_base64, parse_json
 
 _NUMPY_TYPES = {"FP32": np.float32, "FP64": np.float64, "FP16": np.float16, "INT64": np.int64, "INT32": np.int32,
                 "INT16": np.int16, "INT8": np.int8, "UINT8": np.uint8, "BOOL": np.bool_}
@@ -50,10 +50,7 @@ def _header(body: bytes, header_length: str | None) -> tuple[dict[str, Any], byt
         raise BadRequest(f"Inference-Header-Content-Length {header_length!r} does not fit a {len(body)} byte body")
     else:
         size = int(header_length)
-    try:
-        header = json.loads(body[:size])
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidJSON(f"the inference request header is not valid JSON: {exc}") from None
+    header = parse_json(body[:size], "the inference request header")
     if not isinstance(header, dict) or not isinstance(header.get("inputs"), list) or not header["inputs"]:
         raise BadRequest("the inference request must be a JSON object with a non-empty 'inputs' list")
     return header, body[size:]

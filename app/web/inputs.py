@@ -1,11 +1,12 @@
-"""Request pieces every protocol reads the same way: the deadline header and base64-encoded images."""
+"""Request pieces every protocol reads the same way: the deadline header, JSON bodies, base64-encoded images."""
 from __future__ import annotations
 
 import base64
 import binascii
-from typing import Mapping
+import json
+from typing import Any, Mapping
 
-from app.errors import BadRequest, InvalidBase64
+from app.errors import BadRequest, InvalidBase64, InvalidJSON
 
 
 def deadline_s(headers: Mapping[str, str], maximum_s: float) -> float:
@@ -28,3 +29,16 @@ def decode_base64(text: str, where: str) -> bytes:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
         raise InvalidBase64(f"{where} is not valid base64") from None
+
+
+def parse_json(data: bytes, what: str) -> Any:
+    """JSON -> Python; raises InvalidJSON naming ``what`` (e.g. "the body") for anything that does not parse.
+
+    RecursionError included: a body nested a thousand levels deep exhausts the decoder's stack, and is bad JSON
+    to the client, not a server error.
+    """
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        reason = "it is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise InvalidJSON(f"{what} is not valid JSON: {reason}") from None
