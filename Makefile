@@ -24,7 +24,7 @@ $(WEIGHTS_DIR)/manifest.json: $(STAMP)
 weights: $(WEIGHTS_DIR)/manifest.json
 
 serve: $(STAMP) $(WEIGHTS_DIR)/manifest.json
-	VISIONSERVE_WEIGHTS_DIR=$(WEIGHTS_DIR) $(SERVE)
+	exec env VISIONSERVE_WEIGHTS_DIR=$(WEIGHTS_DIR) $(SERVE)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -1,7 +1,11 @@
 """The real server: gunicorn on a free loopback port, driven with requests."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +17,7 @@ import requests
 import skimage.data
 from PIL import Image
 
-from bench.servers import Running
+from bench.servers import ROOT, Running, free_port
 from tests.conftest import serve
 from tests.imaging import encode
 
@@ -100,3 +104,36 @@ def test_bad_weights_stop_the_boot_with_a_clear_message(tmp_path: Path,
     server = start_server(tmp_path / "nothing-here")
     assert server.process.wait(timeout=120) != 0
     assert "no manifest.json" in server.output()
+
+
+def test_sigterm_to_make_serve_stops_gunicorn(small_weights: Path, tmp_path: Path) -> None:
+    # A supervisor (or `kill $!`) signals the process it started: make. Its recipe execs gunicorn, so make's
+    # forwarded SIGTERM reaches gunicorn itself instead of a shell that would leave it running on the port.
+    url = f"http://127.0.0.1:{free_port()}"
+    env = {**os.environ, "VISIONSERVE_BIND": url.removeprefix("http://"), "VISIONSERVE_DEVICE": "cpu",
+           "VISIONSERVE_LOG_LEVEL": "warning", "VISIONSERVE_WARMUP": "false"}
+    log = (tmp_path / "make.log").open("w")
+    make = subprocess.Popen(["make", "--no-print-directory", "serve", f"WEIGHTS_DIR={small_weights}"], cwd=ROOT,
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _answers(url + "/readyz"):
+            assert make.poll() is None and time.monotonic() < deadline, (tmp_path / "make.log").read_text()
+            time.sleep(0.2)
+        make.send_signal(signal.SIGTERM)
+        make.wait(timeout=60)
+        time.sleep(0.5)
+        with pytest.raises(ProcessLookupError):  # nothing of make's process group is left: gunicorn exited too
+            os.killpg(make.pid, 0)
+        assert not _answers(url + "/healthz")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(make.pid, signal.SIGKILL)
+        log.close()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return requests.get(url, timeout=2).status_code == 200
+    except requests.RequestException:  # refused, or accepted by the socket while the worker boots
+        return False
