@@ -46,6 +46,14 @@ class PayloadTooLarge(ServiceError):
     status, code = 413, "payload_too_large"
 
 
+class BodyTooLarge(PayloadTooLarge):
+    """The body is over max_body_bytes (413); the connection closes, since the rest of the body is not read."""
+    code = "request_entity_too_large"
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(f"the request body is over the {max_bytes} byte limit", headers={"Connection": "close"})
+
+
 class ImageTooLarge(PayloadTooLarge):
     """An image has more pixels than allowed (413), found from its header before decoding."""
     code = "image_too_large"

@@ -79,16 +79,57 @@ def test_overload_sheds_with_429_and_retry_after_then_recovers(small_weights: Pa
         assert server.stop() == 0
 
 
-def _raw_http(port: int, head: bytes, body: bytes = b"", wait_s: float = 15) -> bytes:
+def _exchange(port: int, head: bytes, body: bytes = b"", wait_s: float = 15) -> tuple[bytes, bool]:
+    """Send raw bytes; return what came back and whether the server closed the connection within ``wait_s``."""
     with socket.create_connection(("127.0.0.1", port), timeout=wait_s) as sock:
-        sock.sendall(head + body)
+        try:
+            sock.sendall(head + body)
+        except (BrokenPipeError, ConnectionResetError):  # the server answered and closed before reading it all
+            pass
         chunks = []
         try:
             while chunk := sock.recv(65536):
                 chunks.append(chunk)
-        except (TimeoutError, ConnectionResetError):
+        except TimeoutError:
+            return b"".join(chunks), False
+        except ConnectionResetError:
             pass
-        return b"".join(chunks)
+        return b"".join(chunks), True
+
+
+def _raw_http(port: int, head: bytes, body: bytes = b"", wait_s: float = 15) -> bytes:
+    return _exchange(port, head, body, wait_s)[0]
+
+
+def _chunked(path: str, content_type: str, body: bytes) -> tuple[bytes, bytes]:
+    head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n").encode()
+    step = 65536
+    chunks = [f"{len(body[i:i + step]):x}\r\n".encode() + body[i:i + step] + b"\r\n"
+              for i in range(0, len(body), step)]
+    return head, b"".join(chunks) + b"0\r\n\r\n"
+
+
+def test_a_chunked_body_over_the_limit_is_413_and_closes_the_connection(small_weights: Path,
+                                                                        start_server: Callable[..., Running]) -> None:
+    # Before: a chunked raw body was cut at the limit and answered 400 invalid_image, its rest left unread.
+    server = start_server(small_weights, max_body_bytes="100000", keepalive_s="60").wait_ready()
+    over = b"\xff\xd8" + b"\0" * 300_000
+    boundary = "b0undary"
+    multipart = (f"--{boundary}\r\nContent-Disposition: form-data; name=image; filename=x.jpg\r\n"
+                 f"Content-Type: image/jpeg\r\n\r\n").encode() + over + f"\r\n--{boundary}--\r\n".encode()
+    bodies = {"/predict": [("image/jpeg", over), (f"multipart/form-data; boundary={boundary}", multipart),
+                           ("application/json", b'{"images": ["' + b"A" * 300_000 + b'"]}')],
+              "/v2/models/small/infer": [("application/json", b'{"inputs": [' + b" " * 300_000 + b"]}")]}
+    for path, forms in bodies.items():
+        for content_type, body in forms:
+            answer, closed = _exchange(server.port, *_chunked(path, content_type, body), wait_s=20)
+            status_line = answer.split(b"\r\n", 1)[0]
+            assert b" 413 " in status_line, (path, content_type, answer[:300])
+            assert b"Connection: close" in answer and closed, (path, content_type)
+            assert b"over the 100000 byte limit" in answer or b"request_entity_too_large" in answer
+    answer, _ = _exchange(server.port, *_chunked("/predict", "image/jpeg", IMAGE), wait_s=20)
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
 
 
 def test_slow_body_gets_408_and_oversized_body_413_unread(small_weights: Path,
@@ -101,11 +142,13 @@ def test_slow_body_gets_408_and_oversized_body_413_unread(small_weights: Path,
         started = time.monotonic()
         answer = _raw_http(server.port, head, b"\xff\xd8" * 5)  # 10 of 5000 bytes, then silence
         assert answer.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in answer
+        assert b"Connection: close" in answer
         assert time.monotonic() - started < 10
         huge = (b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
                 b"Content-Length: 1000000000\r\n\r\n")
-        answer = _raw_http(server.port, huge)  # no body sent at all: the answer comes from the header alone
+        answer, closed = _exchange(server.port, huge)  # no body sent at all: the answer comes from the header alone
         assert answer.startswith(b"HTTP/1.1 413") and b'"request_entity_too_large"' in answer
+        assert b"Connection: close" in answer and closed  # the unread body is never parsed as a next request
         assert _burst(server.url, 1, 1)[0].status_code == 200
     finally:
         assert server.stop() == 0

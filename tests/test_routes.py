@@ -5,11 +5,13 @@ import base64
 import io
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 from flask.testing import FlaskClient
 
 from app import EXTENSION_KEY
+from app.config import Settings
 from app.engine.service import Service
 from tests.fakes import ColourModel, wait_until
 from tests.imaging import BLUE, GREEN, RED, image_bytes
@@ -235,3 +237,17 @@ def test_a_lone_request_runs_its_batch_inline_unless_turned_off(settings, predic
         assert service.batcher.batches_inline == (1 if inline else 0)
     finally:
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+@pytest.mark.parametrize("path", ["/predict", "/v2/models/colour/infer"])
+def test_a_streamed_body_over_the_limit_is_413_not_cut_short(client: FlaskClient, settings: Settings,
+                                                            path: str) -> None:
+    # A chunked body has no Content-Length; the server marks its end itself (wsgi.input_terminated).
+    def post(size: int, content_type: str) -> Any:
+        return client.post(path, input_stream=io.BytesIO(b"\0" * size), content_type=content_type,
+                           environ_overrides={"wsgi.input_terminated": True})
+
+    content_type = "image/jpeg" if path == "/predict" else "application/json"
+    over = post(settings.max_body_bytes + 1, content_type)
+    assert over.status_code == 413 and over.headers["Connection"] == "close"
+    assert post(settings.max_body_bytes, content_type).status_code == 400  # at the limit: read, and not an image

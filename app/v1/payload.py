@@ -11,7 +11,7 @@ from werkzeug import Request
 
 from app.errors import BadRequest, SchemaViolation, UnsupportedMediaType, check_image_count
 from app.v1.schemas import PredictJSONRequest
-from app.web.inputs import decode_base64, parse_json
+from app.web.inputs import decode_base64, parse_json, read_body
 
 RAW_TYPES = ("application/octet-stream",)
 IMAGE_FIELD = "image"
@@ -44,7 +44,7 @@ def _image_from_base64(text: str, position: int) -> bytes:
 
 
 def _from_json(request: Request, default_top_k: int, num_classes: int, max_images: int) -> PredictInput:
-    body = parse_json(request.get_data(), "the body")
+    body = parse_json(read_body(request), "the body")
     try:
         parsed = PredictJSONRequest.model_validate(body)
     except pydantic.ValidationError as exc:
@@ -74,7 +74,7 @@ def parse_predict(request: Request, *, default_top_k: int, num_classes: int, max
         images = _from_multipart(request, max_images)
         raw_top_k = request.form.get("top_k", request.args.get("top_k"))
     elif mimetype.startswith("image/") or mimetype in RAW_TYPES:
-        images = [request.get_data()]
+        images = [read_body(request)]
         raw_top_k = request.args.get("top_k")
     else:
         raise UnsupportedMediaType(

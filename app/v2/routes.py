@@ -18,7 +18,7 @@ from app.engine.service import Job, Service
 from app.errors import BadRequest, NotFound, check_image_count
 from app.v2.codec import InferRequest, Tensor, encode_response, parse_request
 from app.v2.schemas import Live, ModelMetadata, ModelReady, Ready, ServerMetadata, TensorMetadata
-from app.web.inputs import deadline_s
+from app.web.inputs import deadline_s, read_body
 from app.web.services import current_service
 from app.web.timing import annotate
 
@@ -159,7 +159,7 @@ def infer(name: str, version: str | None = None) -> Response:
     def read() -> Job[Reply]:
         if request.content_encoding:
             raise BadRequest(f"Content-Encoding {request.content_encoding!r} is not supported; send the body as is")
-        parsed = parse_request(request.get_data(cache=False), request.headers.get("Inference-Header-Content-Length"))
+        parsed = parse_request(read_body(request), request.headers.get("Inference-Header-Content-Length"))
         return _job(service, parsed, Reply(parsed.id, _output_plan(parsed)))
 
     served = service.run(read)

@@ -10,7 +10,7 @@ import logging
 from typing import Any, Sequence
 
 from flask import Flask, Response, g, jsonify, request
-from werkzeug.exceptions import ClientDisconnected, HTTPException
+from werkzeug.exceptions import ClientDisconnected, HTTPException, RequestEntityTooLarge
 
 from app.errors import RequestTimeout, ServiceError
 from app.web.protocol import Protocol
@@ -27,7 +27,9 @@ def default_body(error: ServiceError, request_id: str | None) -> dict[str, Any]:
 
 
 def _from_http(exc: HTTPException) -> ServiceError:
-    error = ServiceError(exc.description or exc.name)
+    # A body refused before it was read to its end must not stay on a kept-alive connection.
+    headers = {"Connection": "close"} if isinstance(exc, RequestEntityTooLarge) else None
+    error = ServiceError(exc.description or exc.name, headers=headers)
     error.status = exc.code or 500
     error.code = exc.name.lower().replace(" ", "_")
     return error

@@ -1,4 +1,4 @@
-"""Request pieces every protocol reads the same way: the deadline header, JSON bodies, base64-encoded images."""
+"""Request pieces every protocol reads the same way: the body, the deadline header, JSON, base64-encoded images."""
 from __future__ import annotations
 
 import base64
@@ -6,7 +6,9 @@ import binascii
 import json
 from typing import Any, Mapping
 
-from app.errors import BadRequest, InvalidBase64, InvalidJSON
+from werkzeug import Request
+
+from app.errors import BadRequest, BodyTooLarge, InvalidBase64, InvalidJSON
 
 
 def deadline_s(headers: Mapping[str, str], maximum_s: float) -> float:
@@ -42,3 +44,18 @@ def parse_json(data: bytes, what: str) -> Any:
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         reason = "it is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
         raise InvalidJSON(f"{what} is not valid JSON: {reason}") from None
+
+
+def read_body(request: Request) -> bytes:
+    """The whole body; one over ``max_content_length`` is BodyTooLarge (413), never silently cut short.
+
+    werkzeug refuses a Content-Length over the limit before reading, but a chunked body has none: its reader stops
+    at the limit and returns what it has, as if the body ended there. So when it stops exactly at the limit, one
+    more byte is asked of the server's own stream: if there is one, the body was longer.
+    """
+    data = request.get_data(cache=False)
+    limit = request.max_content_length
+    if limit is not None and request.content_length is None and len(data) >= limit:
+        if request.environ["wsgi.input"].read(1):
+            raise BodyTooLarge(limit)
+    return data
