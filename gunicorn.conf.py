@@ -4,10 +4,9 @@ The master never imports torch or touches CUDA: forked workers would inherit a b
 loads the model itself (no preload_app), and its gthread pool lets concurrent requests share one batcher.
 """
 import os
-import signal
 import tempfile
 
-from app import EXTENSION_KEY
+from app import EXTENSION_KEY, drain
 from app.config import Settings
 
 _settings = Settings()
@@ -39,17 +38,8 @@ def _service(worker):  # noqa: ANN001, ANN202 - gunicorn passes its own worker o
 
 
 def post_worker_init(worker) -> None:  # noqa: ANN001
-    """Turn readiness off the moment SIGTERM arrives, then let gunicorn's own handler start the drain."""
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def on_term(signum: int, frame) -> None:  # noqa: ANN001
-        service = _service(worker)
-        if service is not None:
-            service.begin_drain()
-        if callable(previous):
-            previous(signum, frame)
-
-    signal.signal(signal.SIGTERM, on_term)
+    """SIGTERM drains with the listener open, then closes it with nothing left in its backlog (app/drain.py)."""
+    drain.install(worker, _service, _settings.shutdown_drain_s, _settings.graceful_timeout_s - 1)
 
 
 def worker_exit(server, worker) -> None:  # noqa: ANN001

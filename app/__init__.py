@@ -5,7 +5,7 @@ Imports stay inside the functions so that importing ``app`` or ``app.config`` (a
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 __version__ = "0.1.0"
 # Where create_app keeps the service in ``app.extensions``; gunicorn.conf.py finds it there for the SIGTERM drain.
@@ -27,8 +27,13 @@ def default_protocols() -> "list[Protocol]":
 
 
 def create_app(settings: "Settings | None" = None, predictor: "Predictor | None" = None,
-               protocols: "Sequence[Protocol] | None" = None) -> "Flask":
-    """Build the Flask app: load (or take) the predictor, build the service (warm-up, canary), register the web."""
+               protocols: "Sequence[Protocol] | None" = None,
+               on_load_error: "Callable[[BaseException], None] | None" = None) -> "Flask":
+    """Build the Flask app: load (or take) the predictor, build the service (warm-up, canary), register the web.
+
+    With ``on_load_error`` the model loads in the background and the app answers at once (503 until ready; the
+    gunicorn worker's way, app/wsgi.py); without it, loading happens here and a failure raises.
+    """
     from flask import Flask
 
     from app.config import Settings
@@ -41,11 +46,15 @@ def create_app(settings: "Settings | None" = None, predictor: "Predictor | None"
     settings = settings or Settings()
     configure_logging(settings.log_level)
     keep_freed_memory(settings.malloc_trim_threshold_mb)  # before any image buffer is allocated
-    if predictor is None:
-        predictor = Predictor.load(settings.resolved_weights_dir(), weights_format=settings.weights_format,
-                                   device=settings.device, dtype=settings.dtype,
-                                   jit_optimize=settings.jit_optimize)
+
+    def load() -> Predictor:
+        if predictor is not None:
+            return predictor
+        return Predictor.load(settings.resolved_weights_dir(), weights_format=settings.weights_format,
+                              device=settings.device, dtype=settings.dtype, jit_optimize=settings.jit_optimize)
+
+    service = Service.build(settings, load()) if on_load_error is None else Service.start(settings, load,
+                                                                                          on_load_error)
     app = Flask(__name__)
-    init_app(app, settings, Service.build(settings, predictor),
-             protocols if protocols is not None else default_protocols())
+    init_app(app, settings, service, protocols if protocols is not None else default_protocols())
     return app

@@ -113,6 +113,11 @@ class Settings(BaseSettings):
                          "batcher.")
     timeout_s: int = Field(60, gt=0, description="gunicorn worker timeout (a stuck worker is restarted).")
     graceful_timeout_s: int = Field(30, gt=0, description="Time to finish accepted requests after SIGTERM.")
+    shutdown_drain_s: float = Field(
+        5.0, ge=0, description="After SIGTERM a worker keeps its listener open at least this long, answering new "
+        "requests `503 not_ready` with `Retry-After` and `Connection: close` (so a load balancer that has not "
+        "noticed yet gets a clean answer, not a reset), and then until the requests it accepted are answered, "
+        "within `GRACEFUL_TIMEOUT_S`; only then does it stop accepting and close the listener.")
     keepalive_s: int = Field(5, ge=0, description="HTTP keep-alive, in seconds.")
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Logs are JSON lines on stderr, one per request with its id, status, images, batch "
@@ -131,6 +136,9 @@ class Settings(BaseSettings):
         problem = dtype_fits_device(self.dtype, self.device)  # device auto is checked once resolved, at load
         if problem:
             raise ValueError(problem)
+        if self.shutdown_drain_s >= self.graceful_timeout_s:
+            raise ValueError(f"shutdown_drain_s ({self.shutdown_drain_s:g}) must be shorter than graceful_timeout_s "
+                             f"({self.graceful_timeout_s}): the drain happens inside gunicorn's graceful timeout")
         if self.api_key_file is not None and not self.api_key_file.is_file():
             raise ValueError(f"api_key_file {self.api_key_file} does not exist")
         return self

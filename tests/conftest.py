@@ -107,8 +107,10 @@ def _guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def serve(weights: Path, log_dir: Path, **settings: str) -> Running:
-    """gunicorn on ``weights`` through bench's runner, with the configured batch cap and info logs by default."""
-    return visionserve(weights, log_dir, **({"auto_batch_size": "false", "log_level": "info"} | settings))
+    """gunicorn on ``weights`` through bench's runner, with the configured batch cap, info logs and a short
+    shutdown drain by default (each stop would otherwise keep the listener open for 5 s)."""
+    defaults = {"auto_batch_size": "false", "log_level": "info", "shutdown_drain_s": "0.5"}
+    return visionserve(weights, log_dir, **(defaults | settings))
 
 
 @pytest.fixture

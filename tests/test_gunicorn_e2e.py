@@ -137,3 +137,31 @@ def _answers(url: str) -> bool:
         return requests.get(url, timeout=2).status_code == 200
     except requests.RequestException:  # refused, or accepted by the socket while the worker boots
         return False
+
+
+def test_a_loading_worker_answers_at_once(real_weights: Path, start_server: Callable[..., Running]) -> None:
+    # Before: from the worker's start until warm-up ended, connections waited in the listen backlog unanswered.
+    server = start_server(real_weights, max_batch_size="8")
+    seen: dict[str, object] = {}  # what the worker answered while loading, and whether it became ready
+    deadline = time.monotonic() + 180
+    while "ready" not in seen:
+        assert server.process.poll() is None and time.monotonic() < deadline, server.output()[-3000:]
+        try:
+            health = requests.get(f"{server.url}/healthz", timeout=10)
+        except requests.ConnectionError:  # the worker has not imported the app yet
+            time.sleep(0.1)
+            continue
+        assert health.status_code == 200
+        ready = requests.get(f"{server.url}/readyz", timeout=10)
+        if ready.status_code == 200:
+            seen["ready"] = True
+            break
+        assert ready.status_code == 503 and ready.json()["status"] == "not_ready"
+        predict = requests.post(f"{server.url}/predict", data=_cat(), headers={"Content-Type": "image/jpeg"},
+                                timeout=10)
+        v2 = requests.post(f"{server.url}/v2/models/efficientnet_lite0/infer", json={"inputs": []}, timeout=10)
+        if predict.status_code == 503 and v2.status_code == 503:  # not loaded yet (or it just became ready)
+            seen["loading"] = (predict.json()["error"]["code"], predict.headers.get("Retry-After"), v2.json())
+    assert seen.get("loading") == ("not_ready", "5", {"error": "the model is still loading"}), seen
+    assert requests.post(f"{server.url}/predict", data=_cat(), headers={"Content-Type": "image/jpeg"},
+                         timeout=60).status_code == 200

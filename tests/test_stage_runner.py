@@ -1,11 +1,18 @@
 """Service.run, the one stage runner both protocols call: readiness, arrivals, limits, decoding, the queue."""
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
+from app.config import Settings
+from app.engine.predictor import Predictor
 from app.engine.service import Job, Service
+from app.engine.weights import ModelLoadError
 from app.errors import BadRequest, InvalidImage, NotReady, TooManyImages
+from tests.fakes import ColourModel, wait_until
 from tests.imaging import BLUE, RED, image_bytes
 
 
@@ -73,3 +80,53 @@ def test_not_ready_is_refused_before_the_body_is_read(service: Service) -> None:
     with pytest.raises(NotReady):
         service.run(read)
     assert not read_called
+
+
+def test_a_service_started_in_the_background_answers_while_it_loads(settings: Settings,
+                                                                     predictor: Predictor) -> None:
+    release = threading.Event()
+    failures: list[BaseException] = []
+
+    def load() -> Predictor:
+        release.wait(10)
+        return predictor
+
+    service = Service.start(settings, load, failures.append)
+    try:
+        assert service.alive and not service.loaded and not service.ready
+        with pytest.raises(NotReady, match="still loading"):
+            service.run(lambda: Job(None, 5.0, images=[image_bytes(RED)]))
+        with pytest.raises(NotReady):
+            service.predictor  # noqa: B018 - what a protocol touching the model meets while it loads
+        release.set()
+        wait_until(lambda: service.ready)
+        assert service.run(lambda: Job(None, 5.0, images=[image_bytes(RED)])).probabilities().argmax() == 0
+        assert not failures
+    finally:
+        release.set()
+        service.shutdown(timeout=5)
+
+
+def test_a_failed_background_load_is_handed_to_on_error(settings: Settings) -> None:
+    failures: list[BaseException] = []
+
+    def load() -> Predictor:
+        raise ModelLoadError("no manifest.json in /nowhere")
+
+    service = Service.start(settings, load, failures.append)
+    wait_until(lambda: bool(failures) and not service.alive)  # the loader thread ends: liveness fails
+    assert isinstance(failures[0], ModelLoadError) and not service.ready
+
+
+def test_a_drain_waits_for_the_requests_inside_the_runner(service: Service, model: ColourModel) -> None:
+    model.gate = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(service.run, lambda: Job(None, 5.0, images=[image_bytes(RED)]))
+        wait_until(lambda: bool(model.batch_sizes))
+        service.begin_drain()
+        with pytest.raises(NotReady, match="shutting down") as refused:
+            service.run(lambda: Job(None, 5.0, images=[image_bytes(RED)]))
+        assert refused.value.headers["Connection"] == "close"
+        assert not service.wait_drained(0.0, 0.2)  # the first request is still inside
+        model.gate.set()
+        assert service.wait_drained(0.0, 5.0) and busy.result(timeout=5)

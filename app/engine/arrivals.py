@@ -1,4 +1,4 @@
-"""Requests on their way to the queue: what a forming batch could still wait for."""
+"""Counting requests: those on their way to the queue (what a forming batch may wait for), and those in flight."""
 from __future__ import annotations
 
 import contextlib
@@ -35,3 +35,26 @@ class Arrivals:
             yield arrived
         finally:
             arrived()
+
+
+class InFlight:
+    """How many requests are inside a block now (the stage runner): what a drain waits for."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+
+    def count(self) -> int:
+        """Requests inside now."""
+        return self._count
+
+    @contextlib.contextmanager
+    def inside(self) -> Iterator[None]:
+        """Count the caller until it leaves the block."""
+        with self._lock:
+            self._count += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._count -= 1

@@ -9,13 +9,13 @@ import logging
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Generic, Sequence, TypeVar
 
 import torch
 
 from app.config import Settings
-from app.engine.arrivals import Arrivals
+from app.engine.arrivals import Arrivals, InFlight
 from app.engine.batch_types import BatcherClosed, BatchResult, DeadlineExpired, DeadlineUnreachable, QueueFull
 from app.engine.batcher import Batcher
 from app.engine.decode import DecodeLimits, image_to_tensor
@@ -68,64 +68,126 @@ def _service_error(exc: Exception) -> ServiceError:
         if isinstance(exc, DeadlineUnreachable):
             error.code = "deadline_unreachable"
         return error
-    return NotReady(str(exc), headers=retry_after_header(5))
+    # The batcher is closed: this worker is going away, so the client should reconnect elsewhere.
+    return NotReady(str(exc), headers={**retry_after_header(5), "Connection": "close"})
 
 
-@dataclass
-class Service:
-    """One model's predictor, batcher and readiness, wired once by ``Service.build``."""
+@dataclass(frozen=True)
+class Model:
+    """A loaded model ready to serve: its predictor, its running batcher, its forward rate per batch size."""
 
-    settings: Settings
     predictor: Predictor
     batcher: Batcher[torch.Tensor, torch.Tensor]
-    limits: DecodeLimits
-    batch_profile: dict[int, float] = field(default_factory=dict)  # forward images/s per batch size, at warm-up
-    arrivals: Arrivals = field(default_factory=Arrivals)
-    _ready: threading.Event = field(default_factory=threading.Event)
-    _draining: threading.Event = field(default_factory=threading.Event)
+    batch_profile: dict[int, float]  # forward images/s per batch size, measured at warm-up
+
+
+def start_model(settings: Settings, predictor: Predictor, arrivals: Arrivals) -> Model:
+    """Start the batcher, warm up and pass the canary on its thread, apply the measured batch cap."""
+    threads = forward_threads(settings.torch_threads, predictor.device)
+    if threads:
+        torch.set_num_threads(threads)
+    observer = MetricsObserver(predictor.memory_stats if predictor.device.type == "cuda" else None)
+    batcher: Batcher[torch.Tensor, torch.Tensor] = Batcher(
+        predictor.predict_list, max_batch_size=settings.max_batch_size, max_wait_ms=settings.max_wait_ms,
+        queue_size=settings.queue_size, split_on=OUT_OF_MEMORY_ERRORS, shrink_s=settings.oom_shrink_s,
+        observer=observer, incoming=arrivals.count,
+        inline_when_idle=inline_batches(settings.inline_when_idle, predictor.device))
+    profile: dict[int, float] = {}
+
+    def prepare() -> None:  # on the thread that will run the batches: cuDNN's tuned plans are per thread
+        if settings.warmup:
+            profile.update(predictor.warmup(settings.max_batch_size))
+        predictor.canary()
+
+    batcher.start(prepare)
+    cap = choose_batch_cap(profile) if profile and settings.auto_batch_size else settings.max_batch_size
+    if cap < settings.max_batch_size:
+        log.info("batch cap %d: larger batches were no faster (%s)", cap,
+                 ", ".join(f"{size}: {rate:.0f} img/s" for size, rate in profile.items()))
+        batcher.set_max_batch_size(cap)
+    MODEL_INFO.labels(predictor.manifest.name, predictor.manifest.version, str(predictor.device),
+                      predictor.dtype_name).set(1)
+    return Model(predictor, batcher, profile)
+
+
+class Service:
+    """One model behind its stage runner, with liveness, readiness and draining.
+
+    ``build`` loads synchronously; ``start`` answers at once and loads in the background, so a worker that is
+    still loading its model says so (503 with Retry-After) instead of leaving connections in the listen backlog.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.limits = DecodeLimits.from_settings(settings)
+        self.arrivals = Arrivals()
+        self.in_flight = InFlight()  # requests inside run(), from readiness to answer
+        self._model: Model | None = None
+        self._loader: threading.Thread | None = None
+        self._draining = threading.Event()
 
     @classmethod
     def build(cls, settings: Settings, predictor: Predictor) -> "Service":
-        """Start the batcher, warm up, pass the canary; readiness turns on only after all of that."""
-        threads = forward_threads(settings.torch_threads, predictor.device)
-        if threads:
-            torch.set_num_threads(threads)
-        observer = MetricsObserver(predictor.memory_stats if predictor.device.type == "cuda" else None)
-        arrivals = Arrivals()
-        batcher: Batcher[torch.Tensor, torch.Tensor] = Batcher(
-            predictor.predict_list, max_batch_size=settings.max_batch_size, max_wait_ms=settings.max_wait_ms,
-            queue_size=settings.queue_size, split_on=OUT_OF_MEMORY_ERRORS, shrink_s=settings.oom_shrink_s,
-            observer=observer, incoming=arrivals.count,
-            inline_when_idle=inline_batches(settings.inline_when_idle, predictor.device))
-        profile: dict[int, float] = {}
-
-        def prepare() -> None:  # on the thread that will run the batches: cuDNN's tuned plans are per thread
-            if settings.warmup:
-                profile.update(predictor.warmup(settings.max_batch_size))
-            predictor.canary()
-
-        batcher.start(prepare)
-        cap = choose_batch_cap(profile) if profile and settings.auto_batch_size else settings.max_batch_size
-        if cap < settings.max_batch_size:
-            log.info("batch cap %d: larger batches were no faster (%s)", cap,
-                     ", ".join(f"{size}: {rate:.0f} img/s" for size, rate in profile.items()))
-            batcher.set_max_batch_size(cap)
-        service = cls(settings, predictor, batcher, DecodeLimits.from_settings(settings), batch_profile=profile,
-                      arrivals=arrivals)
-        MODEL_INFO.labels(predictor.manifest.name, predictor.manifest.version, str(predictor.device),
-                          predictor.dtype_name).set(1)
-        service._ready.set()
+        """A service whose model is ready when this returns."""
+        service = cls(settings)
+        service._model = start_model(settings, predictor, service.arrivals)
         return service
 
+    @classmethod
+    def start(cls, settings: Settings, load: Callable[[], Predictor],
+              on_error: Callable[[BaseException], None]) -> "Service":
+        """A service that answers now and loads ``load()``'s predictor on a thread; ``on_error`` gets a failure."""
+        service = cls(settings)
+
+        def run() -> None:
+            try:
+                service._model = start_model(settings, load(), service.arrivals)
+                log.info("ready to serve")
+            except BaseException as exc:  # noqa: BLE001 - handed to on_error, which decides the worker's fate
+                on_error(exc)
+
+        service._loader = threading.Thread(target=run, name="model-loader", daemon=True)
+        service._loader.start()
+        return service
+
+    def _loaded(self) -> Model:
+        if self._model is None:
+            raise NotReady("the model is still loading", headers={"Retry-After": "5"})
+        return self._model
+
     @property
-    def warmed_up(self) -> bool:
-        """Warm-up and canary have passed."""
-        return self._ready.is_set()
+    def predictor(self) -> Predictor:
+        """The model's predictor; NotReady (503) while it loads."""
+        return self._loaded().predictor
+
+    @property
+    def batcher(self) -> Batcher[torch.Tensor, torch.Tensor]:
+        """The model's batcher; NotReady (503) while it loads."""
+        return self._loaded().batcher
+
+    @property
+    def batch_profile(self) -> dict[int, float]:
+        """Forward images/s per batch size, measured at warm-up."""
+        return self._loaded().batch_profile
+
+    @property
+    def loaded(self) -> bool:
+        """The model is loaded, warmed up and passed its canary."""
+        return self._model is not None
+
+    warmed_up = loaded
+
+    @property
+    def alive(self) -> bool:
+        """Liveness: the batcher thread runs, or the model is still loading."""
+        if self._model is not None:
+            return self._model.batcher.is_alive()
+        return self._loader is not None and self._loader.is_alive()
 
     @property
     def ready(self) -> bool:
         """Model loaded, warmed up, canary passed, batcher alive and not draining."""
-        return self._ready.is_set() and not self._draining.is_set() and self.batcher.is_alive()
+        return self._model is not None and not self._draining.is_set() and self._model.batcher.is_alive()
 
     @property
     def draining(self) -> bool:
@@ -139,13 +201,28 @@ class Service:
     def shutdown(self, timeout: float | None = None) -> None:
         """Drain: refuse new work, finish what is queued, stop the worker thread."""
         self.begin_drain()
-        self.batcher.stop(timeout)
+        if self._model is not None:
+            self._model.batcher.stop(timeout)
+
+    def wait_drained(self, min_s: float, max_s: float) -> bool:
+        """After begin_drain: wait ``min_s``, then until no request is inside ``run``, ``max_s`` at most.
+
+        The server keeps its listener open meanwhile, answering new requests 503 with Connection: close, so nothing
+        waits unanswered in the listen backlog. Returns whether every request finished in time.
+        """
+        started = time.monotonic()
+        time.sleep(min(min_s, max_s))
+        while self.in_flight.count() and time.monotonic() - started < max_s:
+            time.sleep(0.05)
+        return self.in_flight.count() == 0
 
     def require_ready(self) -> None:
         """Raise NotReady (503 with Retry-After) unless new work can be accepted."""
+        if self.draining:  # the client should go elsewhere: this connection will not serve it again
+            raise NotReady("the server is shutting down", headers={"Retry-After": "5", "Connection": "close"})
+        self._loaded()
         if not self.ready:
-            raise NotReady("the model is not ready" if not self.draining else "the server is shutting down",
-                           headers={"Retry-After": "5"})
+            raise NotReady("the model is not ready", headers={"Retry-After": "5"})
 
     def run(self, read: Callable[[], Job[P]]) -> Served[P]:
         """The stages of one request: readiness, ``read`` (the protocol parses its body), decode, queue, wait.
@@ -153,12 +230,13 @@ class Service:
         While ``read`` and decoding run the request counts as on its way, so a forming batch may wait for it; it
         stops counting just before its images are queued. Raises a ServiceError for every refusal.
         """
-        self.require_ready()
-        with self.arrivals.arriving() as arrived:
-            job = read()
-            tensors, decode_s = self._inputs(job)
-            arrived()
-            results = self._infer(tensors, job.timeout_s)
+        with self.in_flight.inside():
+            self.require_ready()
+            with self.arrivals.arriving() as arrived:
+                job = read()
+                tensors, decode_s = self._inputs(job)
+                arrived()
+                results = self._infer(tensors, job.timeout_s)
         return Served(job.parsed, results, decode_s)
 
     def preprocess(self, data: bytes) -> torch.Tensor:

@@ -60,7 +60,7 @@ def server_metadata() -> Response:
 @bp.get("/health/live")
 def live() -> tuple[Response, int]:
     """Live while the inference thread runs (the same check as /healthz)."""
-    alive = current_service().batcher.is_alive()
+    alive = current_service().alive
     return _json(Live(live=alive)), 200 if alive else 503
 
 

@@ -21,16 +21,16 @@ def _health(ok: bool, checks: dict[str, bool], good: str, bad: str) -> tuple[Res
 
 
 def healthz() -> tuple[Response, int]:
-    """Liveness: the process answers and its batcher thread runs. Independent of the model's readiness."""
-    alive = current_service().batcher.is_alive()
+    """Liveness: the process answers and its batcher thread runs (or its model is still loading)."""
+    alive = current_service().alive
     return _health(alive, {"batcher_thread": alive}, "alive", "dead")
 
 
 def readyz() -> tuple[Response, int]:
     """Readiness: model loaded, every batch shape warmed up, canary passed, not draining."""
     service = current_service()
-    checks = {"model_loaded": True, "warmed_up": service.warmed_up,
-              "batcher_thread": service.batcher.is_alive(), "accepting": not service.draining}
+    checks = {"model_loaded": service.loaded, "warmed_up": service.warmed_up,
+              "batcher_thread": service.loaded and service.alive, "accepting": not service.draining}
     return _health(service.ready, checks, "ready", "not_ready")
 
 
