@@ -4,6 +4,7 @@ The master never imports torch or touches CUDA: forked workers would inherit a b
 loads the model itself (no preload_app), and its gthread pool lets concurrent requests share one batcher.
 """
 import os
+import shutil
 import tempfile
 
 from app import EXTENSION_KEY, drain
@@ -13,8 +14,9 @@ _settings = Settings()
 
 # Several workers: prometheus-client's multiprocess mode, so /metrics on any worker reports all of them. The
 # variable must be set before the workers import prometheus_client, i.e. here in the master before the fork.
+_OWN_METRICS_DIR = None
 if _settings.workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="visionserve-metrics-")
+    _OWN_METRICS_DIR = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="visionserve-metrics-")
 
 bind = _settings.bind
 workers = _settings.workers
@@ -55,3 +57,9 @@ def child_exit(server, worker) -> None:  # noqa: ANN001
         from prometheus_client import multiprocess
 
         multiprocess.mark_process_dead(worker.pid)
+
+
+def on_exit(server) -> None:  # noqa: ANN001
+    """Remove the multiprocess metrics directory this master made (one set aside by ops is theirs to keep)."""
+    if _OWN_METRICS_DIR is not None:
+        shutil.rmtree(_OWN_METRICS_DIR, ignore_errors=True)

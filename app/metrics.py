@@ -12,9 +12,15 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    disable_created_metrics,
     generate_latest,
     multiprocess,
 )
+
+from app.procstat import WorkerCollector
+
+# A `_created` series per counter and histogram is noise for our dashboards and alerts.
+disable_created_metrics()
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
@@ -31,6 +37,8 @@ STAGE_CPU_SECONDS = Counter("visionserve_stage_cpu_seconds", "CPU seconds of the
 BATCH_SIZE = Histogram("visionserve_batch_size", "Images per forward pass", buckets=_BATCH_BUCKETS)
 QUEUE_DEPTH = Gauge("visionserve_queue_depth", "Images waiting for the inference worker",
                     multiprocess_mode="livesum")
+PROBES = Counter("visionserve_probe_requests_total", "Health probes, scrapes and API-description requests, "
+                 "counted apart from traffic", ["endpoint", "status"])
 REJECTED = Counter("visionserve_rejected_total", "Requests refused before inference", ["reason"])
 BATCHER_EVENTS = Counter("visionserve_batcher_events_total", "deadline_dropped: images dropped in the queue; "
                          "batch_split: out-of-memory batches split and retried; batch_failed", ["event"])
@@ -66,10 +74,18 @@ class MetricsObserver:
         QUEUE_DEPTH.set(depth)
 
 
+# Every series an alert or a dashboard reads exists at 0 from the start, so "none yet" never reads as "no data".
+for _reason in ("overloaded", "deadline_unreachable", "not_ready"):
+    REJECTED.labels(_reason)
+for _event in ("deadline_dropped", "batch_split", "batch_failed"):
+    BATCHER_EVENTS.labels(_event)
+
+
 def render() -> tuple[bytes, str]:
     """The exposition text for /metrics: every worker's values in multiprocess mode, else this process's."""
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
+        registry.register(WorkerCollector())  # multiprocess mode has no process_* series of its own
         return generate_latest(registry), CONTENT_TYPE_LATEST
     return generate_latest(REGISTRY), CONTENT_TYPE_LATEST

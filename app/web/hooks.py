@@ -13,8 +13,8 @@ import uuid
 from flask import Flask, Response, g, request
 
 from app.config import Settings
-from app.metrics import REJECTED, REQUEST_SECONDS, REQUESTS
-from app.web.auth import check_api_key, needs_key
+from app.metrics import PROBES, REJECTED, REQUEST_SECONDS, REQUESTS
+from app.web.auth import DOCS_PATH, OPEN_PATHS, OPENAPI_PATH, check_api_key, needs_key
 
 access_log = logging.getLogger("visionserve.access")
 
@@ -43,16 +43,25 @@ def register_hooks(app: Flask, settings: Settings) -> None:
     app.after_request(_finish_request)
 
 
+def is_probe(path: str) -> bool:
+    """Health probes, scrapes and the API description: counted and logged apart from traffic."""
+    return path in OPEN_PATHS or path == OPENAPI_PATH or path == DOCS_PATH or path.startswith(DOCS_PATH + "/")
+
+
 def _finish_request(response: Response) -> Response:
     response.headers["X-Request-ID"] = g.get("request_id", "")
     elapsed = time.perf_counter() - g.get("started", time.perf_counter())
     endpoint = request.url_rule.rule if request.url_rule is not None else "unmatched"
-    REQUESTS.labels(endpoint, str(response.status_code)).inc()
-    REQUEST_SECONDS.labels(endpoint).observe(elapsed)
+    probe = is_probe(request.path)
+    if probe:
+        PROBES.labels(endpoint, str(response.status_code)).inc()
+    else:
+        REQUESTS.labels(endpoint, str(response.status_code)).inc()
+        REQUEST_SECONDS.labels(endpoint).observe(elapsed)
     code = g.get("error_code")
-    if response.status_code in (429, 503) and code:
+    if response.status_code in (429, 503) and code and not probe:
         REJECTED.labels(code).inc()
-    access_log.info("request", extra={"request_id": g.get("request_id"), "method": request.method,
+    access_log.log(logging.DEBUG if probe else logging.INFO, "request", extra={"request_id": g.get("request_id"), "method": request.method,
                                       "route": endpoint, "status": response.status_code, "error": code,
                                       "duration_ms": round(elapsed * 1000, 2), **g.get("log_fields", {})})
     return response

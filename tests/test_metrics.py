@@ -1,0 +1,67 @@
+"""/metrics as ops read it: every alerting series present from the start, probes apart from traffic, no noise."""
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import requests
+from flask.testing import FlaskClient
+
+from bench.servers import Running
+from tests.imaging import RED, image_bytes
+
+
+def _value(text: str, series: str) -> float:
+    match = re.search(rf"^{re.escape(series)} (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_known_series_exist_at_zero_and_no_created_series(client: FlaskClient) -> None:
+    text = client.get("/metrics").get_data(as_text=True)
+    for reason in ("overloaded", "deadline_unreachable", "not_ready"):
+        assert f'visionserve_rejected_total{{reason="{reason}"}}' in text
+    for event in ("deadline_dropped", "batch_split", "batch_failed"):
+        assert f'visionserve_batcher_events_total{{event="{event}"}}' in text
+    assert "_created" not in text
+
+
+def test_probes_and_docs_are_counted_apart_from_traffic(client: FlaskClient) -> None:
+    def scrape() -> str:
+        return client.get("/metrics").get_data(as_text=True)
+
+    traffic = 'visionserve_requests_total{endpoint="/healthz",status="200"}'
+    probes = 'visionserve_probe_requests_total{endpoint="/healthz",status="200"}'
+    before = scrape()
+    for path in ("/healthz", "/readyz", "/openapi.json", "/docs/"):
+        assert client.get(path).status_code == 200
+    client.post("/predict", data=image_bytes(RED), content_type="image/jpeg")
+    after = scrape()
+    assert _value(after, traffic) == _value(before, traffic) == 0.0
+    assert _value(after, probes) == _value(before, probes) + 1
+    predict = 'visionserve_requests_total{endpoint="/predict",status="200"}'
+    assert _value(after, predict) == _value(before, predict) + 1
+
+
+def test_several_workers_report_each_workers_memory_and_cpu_and_clean_up(
+        small_weights: Path, start_server: Callable[..., Running], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where gunicorn.conf.py makes the multiprocess directory
+    server = start_server(small_weights, workers="2").wait_ready()
+    try:
+        workers: set[str] = set()
+        deadline = time.monotonic() + 60
+        while len(workers) < 2:  # the second worker may still be loading its model
+            assert time.monotonic() < deadline, workers
+            text = requests.get(f"{server.url}/metrics", timeout=10).text
+            workers = set(re.findall(r'^process_resident_memory_bytes\{worker="(\d+)"\} [1-9]', text, re.MULTILINE))
+            time.sleep(0.2)
+        assert workers == {str(pid) for pid in server.worker_pids()}
+        assert re.search(r'^process_cpu_seconds_total\{worker="\d+"\} ', text, re.MULTILINE)
+        assert 'visionserve_rejected_total{reason="overloaded"} 0.0' in text and "_created" not in text
+        assert list(tmp_path.glob("visionserve-metrics-*"))
+    finally:
+        assert server.stop() == 0
+    assert not list(tmp_path.glob("visionserve-metrics-*")), "the multiprocess directory outlived the server"
