@@ -61,7 +61,8 @@ def _finish_request(response: Response) -> Response:
     code = g.get("error_code")
     if response.status_code in (429, 503) and code and not probe:
         REJECTED.labels(code).inc()
-    access_log.log(logging.DEBUG if probe else logging.INFO, "request", extra={"request_id": g.get("request_id"), "method": request.method,
-                                      "route": endpoint, "status": response.status_code, "error": code,
-                                      "duration_ms": round(elapsed * 1000, 2), **g.get("log_fields", {})})
+    fields = {"request_id": g.get("request_id"), "method": request.method, "route": endpoint,
+              "status": response.status_code, "error": code, "duration_ms": round(elapsed * 1000, 2),
+              **g.get("log_fields", {})}
+    access_log.log(logging.DEBUG if probe else logging.INFO, "request", extra=fields)
     return response
