@@ -5,12 +5,16 @@ loads the model itself (no preload_app), and its gthread pool lets concurrent re
 """
 import os
 import shutil
+import sys
 import tempfile
 
 from app import EXTENSION_KEY, drain
-from app.config import Settings
+from app.config import SettingsError, load_settings
 
-_settings = Settings()
+try:
+    _settings = load_settings()
+except SettingsError as exc:  # one line that says what to fix, not a traceback
+    sys.exit(f"visionserve: bad setting: {exc}")
 
 # Several workers: prometheus-client's multiprocess mode, so /metrics on any worker reports all of them. The
 # variable must be set before the workers import prometheus_client, i.e. here in the master before the fork.
@@ -29,6 +33,18 @@ preload_app = False
 loglevel = _settings.log_level
 accesslog = None  # the app writes one structured line per request itself
 errorlog = "-"
+# gunicorn's own lines in the app's JSON format (app/logs.py), so every line of the output parses alike.
+_level = _settings.log_level.upper()
+logconfig_dict = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"json": {"()": "app.logs.JsonFormatter"}},
+    "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "json", "stream": "ext://sys.stderr"}},
+    "root": {"level": _level, "handlers": ["stderr"]},
+    "loggers": {"gunicorn.error": {"level": _level, "handlers": ["stderr"], "propagate": False},
+                # the app logs each request itself (visionserve.access, JSON with its id and stages)
+                "gunicorn.access": {"level": "CRITICAL", "handlers": [], "propagate": False}},
+}
 # Bound the request line and headers so a client cannot hold a thread with them.
 limit_request_line = 8190
 limit_request_fields = 100

@@ -36,14 +36,14 @@ def create_app(settings: "Settings | None" = None, predictor: "Predictor | None"
     """
     from flask import Flask
 
-    from app.config import Settings
+    from app.config import load_settings
     from app.engine.malloc import keep_freed_memory
     from app.engine.predictor import Predictor
     from app.engine.service import Service
+    from app.logs import configure_logging
     from app.web import init_app
-    from app.web.logs import configure_logging
 
-    settings = settings or Settings()
+    settings = settings or load_settings()
     configure_logging(settings.log_level)
     keep_freed_memory(settings.malloc_trim_threshold_mb)  # before any image buffer is allocated
 

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DeviceName = str
@@ -119,6 +119,9 @@ class Settings(BaseSettings):
         "noticed yet gets a clean answer, not a reset), and then until the requests it accepted are answered, "
         "within `GRACEFUL_TIMEOUT_S`; only then does it stop accepting and close the listener.")
     keepalive_s: int = Field(5, ge=0, description="HTTP keep-alive, in seconds.")
+    trust_forwarded_for: bool = Field(
+        False, description="Log the `X-Forwarded-For` header beside the peer address. Turn on only behind a proxy "
+        "that sets it: clients can write anything there.")
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Logs are JSON lines on stderr, one per request with its id, status, images, batch "
         "sizes and durations.")
@@ -154,3 +157,20 @@ class Settings(BaseSettings):
     def resolved_weights_dir(self) -> Path:
         """The weights directory as an absolute path (relative paths are taken from the working directory)."""
         return Path(os.path.abspath(self.weights_dir))
+
+
+class SettingsError(ValueError):
+    """The environment holds a bad setting; the message names each variable, on one line."""
+
+
+def load_settings() -> Settings:
+    """Settings from the environment, or SettingsError naming the ``VISIONSERVE_*`` variables at fault."""
+    try:
+        return Settings()
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            name = f"{ENV_PREFIX}{str(error['loc'][0]).upper()}" if error["loc"] else "the settings"
+            given = f" (got {error['input']!r})" if error["loc"] and not isinstance(error["input"], dict) else ""
+            problems.append(f"{name}: {error['msg']}{given}")
+        raise SettingsError("; ".join(problems)) from None

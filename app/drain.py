@@ -6,7 +6,9 @@ closes (24 of 96 requests in a burst, measured). Here readiness turns off at onc
 for ``shutdown_drain_s`` and until the requests it holds are answered (new ones get 503 with Connection: close).
 Then, on the worker's own event-loop thread, it accepts whatever is still queued (each gets its 503), closes its
 listeners in the same step, so a later connect is refused (never sent, safe to retry elsewhere), and hands over to
-gunicorn's graceful stop. Imports only the standard library: gunicorn.conf.py loads it in the master.
+gunicorn's graceful stop. A second SIGTERM changes nothing (a signal to the whole process group reaches the
+worker twice: directly and from the master); SIGINT and SIGQUIT stop at once, as gunicorn's own. Imports only the
+standard library: gunicorn.conf.py loads it in the master.
 """
 from __future__ import annotations
 
@@ -52,8 +54,10 @@ def install(worker: Any, service_of: Callable[[Any], Any], drain_s: float, limit
 
     def on_term(signum: int, frame: Any) -> None:
         service = service_of(worker)
-        if service is None or service.draining:  # still loading, or a second SIGTERM: stop now
+        if service is None:  # the app is not even imported: nothing to drain
             stop()
+            return
+        if service.draining:  # a second SIGTERM (the master's, after one sent to the whole process group)
             return
         service.begin_drain()
         threading.Thread(target=drain_then_stop, args=(service,), name="drain", daemon=True).start()

@@ -103,7 +103,27 @@ def test_bad_weights_stop_the_boot_with_a_clear_message(tmp_path: Path,
                                                         start_server: Callable[..., Running]) -> None:
     server = start_server(tmp_path / "nothing-here")
     assert server.process.wait(timeout=120) != 0
-    assert "no manifest.json" in server.output()
+    output = server.output()
+    assert "Traceback" not in output  # one line that says what to fix; the traceback only at debug level
+    (error,) = [json.loads(line) for line in output.splitlines() if "no manifest.json" in line]
+    assert error["level"] == "error" and "make weights" in error["msg"]
+
+
+def test_a_bad_setting_stops_the_start_with_one_line_naming_the_variable(tmp_path: Path,
+                                                                       start_server: Callable[..., Running]) -> None:
+    server = start_server(tmp_path, workers="0", device="gpu")
+    assert server.process.wait(timeout=60) != 0
+    lines = server.output().strip().splitlines()
+    assert len(lines) == 1 and "VISIONSERVE_WORKERS" in lines[0] and "VISIONSERVE_DEVICE" in lines[0], lines
+
+
+def test_every_log_line_is_json_and_requests_name_their_peer(server: Running) -> None:
+    requests.post(f"{server.url}/predict", data=_cat(), headers={"Content-Type": "image/jpeg"}, timeout=60)
+    lines = [json.loads(line) for line in server.output().splitlines() if line.strip()]  # raises on plain text
+    assert any(entry["logger"] == "gunicorn.error" for entry in lines)  # gunicorn's own lines too
+    assert not any(entry["logger"] == "gunicorn.access" for entry in lines)  # our access line, not a second one
+    predicted = [e for e in lines if e["logger"] == "visionserve.access" and e["route"] == "/predict"]
+    assert predicted and predicted[-1]["client"] == "127.0.0.1"
 
 
 def test_sigterm_to_make_serve_stops_gunicorn(small_weights: Path, tmp_path: Path) -> None:

@@ -228,3 +228,24 @@ def test_sigterm_mid_burst_resets_no_connection(small_weights: Path, start_serve
                 assert headers["Connection"] == "close", (body, dict(headers))
     assert any(status == 503 for status, _, _ in after), "no request met the drain: the test proved nothing"
     assert kinds["refused"], "the listener never closed within the test"
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_time_to_exit_after_sigterm_idle_and_after_load(small_weights: Path, start_server: Callable[..., Running],
+                                                        workers: int) -> None:
+    # Figures for docs/architecture.md (printed, not asserted: these machines are noisy); what is asserted is that
+    # the server exits by itself, with status 0, well inside gunicorn's graceful timeout.
+    times = {}
+    for phase in ("idle", "after load"):
+        server = start_server(small_weights, workers=str(workers), shutdown_drain_s="1").wait_ready()
+        deadline = time.monotonic() + 60
+        while server.output().count('"ready to serve"') < workers:  # every worker, not only the first
+            assert time.monotonic() < deadline, server.output()[-2000:]
+            time.sleep(0.2)
+        if phase == "after load":
+            assert Counter(r.status_code for r in _burst(server.url, 200, 16)) == {200: 200}
+        started = time.monotonic()
+        assert server.stop(timeout_s=25) == 0
+        times[phase] = time.monotonic() - started
+    print(f"\nexit after SIGTERM, {workers} worker(s), 1 s drain: " +
+          ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in times.items()))

@@ -1,6 +1,7 @@
-"""/metrics as ops read it: every alerting series present from the start, probes apart from traffic, no noise."""
+"""/metrics and the access log as ops read them: every alerting series from the start, probes apart, the peer."""
 from __future__ import annotations
 
+import logging
 import re
 import time
 from pathlib import Path
@@ -10,6 +11,9 @@ import pytest
 import requests
 from flask.testing import FlaskClient
 
+from app import EXTENSION_KEY, create_app
+from app.config import Settings
+from app.engine.predictor import Predictor
 from bench.servers import Running
 from tests.imaging import RED, image_bytes
 
@@ -65,3 +69,20 @@ def test_several_workers_report_each_workers_memory_and_cpu_and_clean_up(
     finally:
         assert server.stop() == 0
     assert not list(tmp_path.glob("visionserve-metrics-*")), "the multiprocess directory outlived the server"
+
+
+def test_the_access_line_has_the_peer_and_a_trusted_forwarded_for(settings: Settings, predictor: Predictor,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    for trusted in (False, True):
+        app = create_app(settings.model_copy(update={"trust_forwarded_for": trusted}), predictor)
+        try:
+            caplog.clear()
+            with caplog.at_level(logging.DEBUG, logger="visionserve.access"):
+                app.test_client().post("/predict", data=image_bytes(RED), content_type="image/jpeg",
+                                       headers={"X-Forwarded-For": "203.0.113.7"},
+                                       environ_base={"REMOTE_ADDR": "10.0.0.2"})
+            (record,) = [r for r in caplog.records if getattr(r, "route", None) == "/predict"]
+            assert record.client == "10.0.0.2"
+            assert getattr(record, "forwarded_for", None) == ("203.0.113.7" if trusted else None)
+        finally:
+            app.extensions[EXTENSION_KEY].shutdown(timeout=5)

@@ -42,6 +42,11 @@ def register_hooks(app: Flask, settings: Settings) -> None:
 
     app.after_request(_finish_request)
 
+    if settings.trust_forwarded_for:
+        @app.before_request
+        def _forwarded_for() -> None:
+            g.log_fields["forwarded_for"] = request.headers.get("X-Forwarded-For")
+
 
 def is_probe(path: str) -> bool:
     """Health probes, scrapes and the API description: counted and logged apart from traffic."""
@@ -61,7 +66,8 @@ def _finish_request(response: Response) -> Response:
     code = g.get("error_code")
     if response.status_code in (429, 503) and code and not probe:
         REJECTED.labels(code).inc()
-    fields = {"request_id": g.get("request_id"), "method": request.method, "route": endpoint,
+    fields = {"request_id": g.get("request_id"), "client": request.remote_addr, "method": request.method,
+              "route": endpoint,
               "status": response.status_code, "error": code, "duration_ms": round(elapsed * 1000, 2),
               **g.get("log_fields", {})}
     access_log.log(logging.DEBUG if probe else logging.INFO, "request", extra=fields)

@@ -25,7 +25,8 @@ def annotate(response: Response, served: Served[Any]) -> Response:
     results, decode_ms = served.results, served.decode_s * 1000
     response.headers["Server-Timing"] = _server_timing(decode_ms, results)
     response.headers["X-Batch-Size"] = ",".join(str(r.batch_size) for r in results)
-    g.log_fields = {"images": len(results), "batch_sizes": [r.batch_size for r in results],
-                    "decode_ms": round(decode_ms, 2), "queue_ms": round(max(r.queued_s for r in results) * 1000, 2),
-                    "inference_ms": round(max(r.run_s for r in results) * 1000, 2)}
+    g.log_fields.update({"images": len(results), "batch_sizes": [r.batch_size for r in results],
+                         "decode_ms": round(decode_ms, 2),
+                         "queue_ms": round(max(r.queued_s for r in results) * 1000, 2),
+                         "inference_ms": round(max(r.run_s for r in results) * 1000, 2)})
     return response

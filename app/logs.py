@@ -1,4 +1,7 @@
-"""One JSON object per log line, so request logs can be searched by field."""
+"""One JSON object per log line, so request logs can be searched by field.
+
+Standard library only: gunicorn.conf.py gives the same formatter to gunicorn's own loggers in the master.
+"""
 from __future__ import annotations
 
 import json
