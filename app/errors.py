@@ -110,6 +110,11 @@ class InferenceFailed(ServiceError):
     status, code = 500, "inference_failed"
 
 
+class ClientGone(ServiceError):
+    """The client closed its connection while its images waited (499, as nginx logs it; nobody reads it)."""
+    status, code = 499, "client_closed_request"
+
+
 class DeadlineExceeded(ServiceError):
     """The request did not get its inference within its time limit (504)."""
     status, code = 504, "deadline_exceeded"

@@ -41,7 +41,8 @@ PROBES = Counter("visionserve_probe_requests_total", "Health probes, scrapes and
                  "counted apart from traffic", ["endpoint", "status"])
 REJECTED = Counter("visionserve_rejected_total", "Requests refused before inference", ["reason"])
 BATCHER_EVENTS = Counter("visionserve_batcher_events_total", "deadline_dropped: images dropped in the queue; "
-                         "batch_split: out-of-memory batches split and retried; batch_failed", ["event"])
+                         "client_gone: queued images dropped because their client hung up; batch_split: "
+                         "out-of-memory batches split and retried; batch_failed", ["event"])
 MODEL_INFO = Gauge("visionserve_model_info", "The served model (value 1)", ["name", "version", "device", "dtype"],
                    multiprocess_mode="max")
 GPU_MEMORY = Gauge("visionserve_gpu_memory_bytes", "CUDA memory of this worker", ["kind"],
@@ -77,7 +78,7 @@ class MetricsObserver:
 # Every series an alert or a dashboard reads exists at 0 from the start, so "none yet" never reads as "no data".
 for _reason in ("overloaded", "deadline_unreachable", "not_ready"):
     REJECTED.labels(_reason)
-for _event in ("deadline_dropped", "batch_split", "batch_failed"):
+for _event in ("deadline_dropped", "client_gone", "batch_split", "batch_failed"):
     BATCHER_EVENTS.labels(_event)
 
 

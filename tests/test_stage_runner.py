@@ -119,6 +119,7 @@ def test_a_failed_background_load_is_handed_to_on_error(settings: Settings) -> N
 
 
 def test_a_drain_waits_for_the_requests_inside_the_runner(service: Service, model: ColourModel) -> None:
+    model.batch_sizes.clear()  # warm-up's batches
     model.gate = threading.Event()
     with ThreadPoolExecutor(1) as pool:
         busy = pool.submit(service.run, lambda: Job(None, 5.0, images=[image_bytes(RED)]))
@@ -130,3 +131,27 @@ def test_a_drain_waits_for_the_requests_inside_the_runner(service: Service, mode
         assert not service.wait_drained(0.0, 0.2)  # the first request is still inside
         model.gate.set()
         assert service.wait_drained(0.0, 5.0) and busy.result(timeout=5)
+
+
+def test_images_of_a_client_that_hung_up_are_dropped_before_their_forward_pass(service: Service,
+                                                                               model: ColourModel) -> None:
+    from app.errors import ClientGone
+    from app.metrics import BATCHER_EVENTS
+
+    dropped_before = BATCHER_EVENTS.labels("client_gone")._value.get()
+    model.batch_sizes.clear()  # warm-up's batches
+    model.gate = threading.Event()
+    gone = threading.Event()
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(service.run, lambda: Job(None, 5.0, images=[image_bytes(RED)]))
+        wait_until(lambda: bool(model.batch_sizes))  # the first batch is in its forward pass, holding the model
+        second = pool.submit(service.run, lambda: Job(None, 5.0, images=[image_bytes(BLUE)] * 3), gone.is_set)
+        wait_until(lambda: service.batcher.depth == 3)
+        gone.set()
+        with pytest.raises(ClientGone):
+            second.result(timeout=5)
+        model.gate.set()
+        first.result(timeout=5)
+    wait_until(lambda: service.batcher.depth == 0)
+    assert model.batch_sizes == [1]  # the three queued images never ran
+    assert BATCHER_EVENTS.labels("client_gone")._value.get() == dropped_before + 3

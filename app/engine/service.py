@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait
 from dataclasses import dataclass
 from typing import Callable, Generic, Sequence, TypeVar
 
@@ -23,6 +24,7 @@ from app.engine.predictor import OUT_OF_MEMORY_ERRORS, Predictor
 from app.engine.tuning import choose_batch_cap, forward_threads, inline_batches
 from app.errors import (
     BadRequest,
+    ClientGone,
     DeadlineExceeded,
     InferenceFailed,
     NotReady,
@@ -31,11 +33,12 @@ from app.errors import (
     check_image_count,
     retry_after_header,
 )
-from app.metrics import MODEL_INFO, STAGE_CPU_SECONDS, STAGE_SECONDS, MetricsObserver
+from app.metrics import BATCHER_EVENTS, MODEL_INFO, STAGE_CPU_SECONDS, STAGE_SECONDS, MetricsObserver
 
 log = logging.getLogger(__name__)
 
 P = TypeVar("P")
+CLIENT_CHECK_S = 0.05  # how often a waiting request looks whether its client is still connected
 
 
 @dataclass(frozen=True)
@@ -224,11 +227,13 @@ class Service:
         if not self.ready:
             raise NotReady("the model is not ready", headers={"Retry-After": "5"})
 
-    def run(self, read: Callable[[], Job[P]]) -> Served[P]:
+    def run(self, read: Callable[[], Job[P]], client_gone: Callable[[], bool] | None = None) -> Served[P]:
         """The stages of one request: readiness, ``read`` (the protocol parses its body), decode, queue, wait.
 
         While ``read`` and decoding run the request counts as on its way, so a forming batch may wait for it; it
-        stops counting just before its images are queued. Raises a ServiceError for every refusal.
+        stops counting just before its images are queued. ``client_gone`` (from the web layer) is asked while the
+        images wait: once the client has hung up, those still queued are dropped unrun. Raises a ServiceError for
+        every refusal.
         """
         with self.in_flight.inside():
             self.require_ready()
@@ -236,7 +241,7 @@ class Service:
                 job = read()
                 tensors, decode_s = self._inputs(job)
                 arrived()
-                results = self._infer(tensors, job.timeout_s)
+                results = self._infer(tensors, job.timeout_s, client_gone)
         return Served(job.parsed, results, decode_s)
 
     def preprocess(self, data: bytes) -> torch.Tensor:
@@ -256,18 +261,31 @@ class Service:
         STAGE_CPU_SECONDS.labels("decode").inc(time.thread_time() - cpu_started)
         return tensors, decode_s
 
-    def _infer(self, tensors: list[torch.Tensor], timeout_s: float) -> list[BatchResult[torch.Tensor]]:
-        """Queue the images (all or none) and wait for their rows until the deadline."""
+    def _infer(self, tensors: list[torch.Tensor], timeout_s: float,
+               client_gone: Callable[[], bool] | None = None) -> list[BatchResult[torch.Tensor]]:
+        """Queue the images (all or none) and wait for their rows until the deadline or the client leaves."""
         deadline = time.monotonic() + timeout_s
         try:
             futures = self.batcher.submit_many(tensors, deadline=deadline)
         except (QueueFull, BatcherClosed) as exc:
             raise _service_error(exc) from None
         try:
-            return [f.result(timeout=max(0.0, deadline - time.monotonic())) for f in futures]
+            while not all(f.done() for f in futures):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise FutureTimeout()
+                # Without a client to watch, one wait to the deadline; else look every CLIENT_CHECK_S.
+                wait(futures, timeout=remaining if client_gone is None else min(remaining, CLIENT_CHECK_S))
+                if client_gone is not None and client_gone():
+                    dropped = sum(f.cancel() for f in futures)  # the queued ones cost no forward pass
+                    BATCHER_EVENTS.labels("client_gone").inc(dropped)
+                    raise ClientGone(f"the client closed the connection; {dropped} queued images dropped")
+            return [f.result() for f in futures]
         except (FutureTimeout, DeadlineExpired):
             for f in futures:
                 f.cancel()  # still queued ones are dropped before they cost a forward pass
             raise DeadlineExceeded(f"no inference result within the request's {timeout_s:g}s deadline") from None
+        except ServiceError:
+            raise
         except Exception as exc:
             raise InferenceFailed(f"inference failed for this batch: {type(exc).__name__}") from exc

@@ -17,7 +17,7 @@ from app.v1.schemas import (
     PredictResponse,
 )
 from app.web.inputs import deadline_s
-from app.web.services import current_service
+from app.web.services import current_service, serve
 from app.web.timing import annotate
 
 bp = Blueprint("v1", __name__)
@@ -41,7 +41,7 @@ def predict() -> Response:
                                max_images=settings.max_images)
         return Job(parsed, timeout_s, images=parsed.images)
 
-    served = service.run(read)
+    served = serve(service, read)
     body = PredictResponse(model=ModelRef(name=predictor.manifest.name, version=predictor.manifest.version),
                            predictions=[_top_k(r.value, served.parsed.top_k, predictor.labels)
                                         for r in served.results])

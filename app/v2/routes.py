@@ -19,7 +19,7 @@ from app.errors import BadRequest, NotFound, check_image_count
 from app.v2.codec import InferRequest, Tensor, encode_response, parse_request
 from app.v2.schemas import Live, ModelMetadata, ModelReady, Ready, ServerMetadata, TensorMetadata
 from app.web.inputs import deadline_s, read_body
-from app.web.services import current_service
+from app.web.services import current_service, serve
 from app.web.timing import annotate
 
 bp = Blueprint("v2", __name__, url_prefix="/v2")
@@ -162,7 +162,7 @@ def infer(name: str, version: str | None = None) -> Response:
         parsed = parse_request(read_body(request), request.headers.get("Inference-Header-Content-Length"))
         return _job(service, parsed, Reply(parsed.id, _output_plan(parsed)))
 
-    served = service.run(read)
+    served = serve(service, read)
     probabilities = served.probabilities()
     outputs = [_output(probabilities, service.predictor.labels, k) for k, _ in served.parsed.outputs]
     manifest = service.predictor.manifest

@@ -1,12 +1,39 @@
-"""The one accessor through which routes reach the engine's service (kept in ``app.extensions``)."""
+"""How routes reach the engine: the one accessor for the service, and ``serve`` to run a request through it."""
 from __future__ import annotations
 
-from flask import current_app
+import select
+import socket
+from typing import Callable, TypeVar
+
+from flask import current_app, request
 
 from app import EXTENSION_KEY
-from app.engine.service import Service
+from app.engine.service import Job, Served, Service
+
+P = TypeVar("P")
 
 
 def current_service() -> Service:
     """The service of the app handling this request."""
     return current_app.extensions[EXTENSION_KEY]
+
+
+def _client_gone(sock: socket.socket) -> Callable[[], bool]:
+    def gone() -> bool:
+        # select first: the socket carries the body timeout, so a bare recv would wait for data. A closed
+        # connection is readable and reads as b""; a live one has nothing to read, or already a next request.
+        try:
+            readable, _, _ = select.select([sock], [], [], 0)
+            return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+        except (ConnectionResetError, BrokenPipeError):
+            return True
+        except (OSError, ValueError):  # anything else: assume the client is still there
+            return False
+
+    return gone
+
+
+def serve(service: Service, read: Callable[[], Job[P]]) -> Served[P]:
+    """``service.run(read)`` for this request, watching its connection (under gunicorn) while its images wait."""
+    sock = request.environ.get("gunicorn.socket")
+    return service.run(read, _client_gone(sock) if isinstance(sock, socket.socket) else None)
