@@ -31,6 +31,7 @@ class Running:
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_dir / f"{name}.log"
         self._log = self.log_path.open("w")
+        self._terminated = False
         self.process = subprocess.Popen(list(command), cwd=ROOT, env={**os.environ, **env}, stdout=self._log,
                                         stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -59,11 +60,17 @@ class Running:
         pid = self.process.pid
         return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
-    def stop(self, timeout_s: float = 60) -> int:
-        """SIGTERM the main process (gunicorn drains its workers), wait, then SIGKILL whatever of its process
-        group is left (LitServe's workers, or everything after ``timeout_s``); returns the main exit code."""
-        if self.process.poll() is None:
+    def terminate(self) -> None:
+        """SIGTERM the main process, once: a second one during gunicorn's shutdown kills it outright."""
+        if not self._terminated and self.process.poll() is None:
+            self._terminated = True
             self.process.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout_s: float = 60) -> int:
+        """SIGTERM the main process (gunicorn drains its workers) unless ``terminate`` did, wait, then SIGKILL
+        whatever of its process group is left (LitServe's workers, or everything after ``timeout_s``); returns the
+        main exit code."""
+        self.terminate()
         try:
             code = self.process.wait(timeout_s)
         except subprocess.TimeoutExpired:

@@ -81,7 +81,7 @@ def test_sigterm_mid_burst_answers_every_accepted_request(real_weights: Path,
         futures = [pool.submit(call, i) for i in range(48)]
         time.sleep(0.5)
         sent_at.append(time.monotonic())
-        server.process.send_signal(15)
+        server.terminate()
         term_sent.set()
         for f in futures:
             f.result(timeout=90)

@@ -207,7 +207,7 @@ def test_sigterm_mid_burst_resets_no_connection(small_weights: Path, start_serve
         futures = [pool.submit(client) for _ in range(24)]
         time.sleep(1.0)
         term_at = time.monotonic()
-        server.process.send_signal(signal.SIGTERM)
+        server.terminate()
         stop_at[0] = term_at + 4.0  # past the drain: the last requests meet a closed listener
         for f in futures:
             f.result(timeout=60)
