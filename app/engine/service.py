@@ -38,6 +38,7 @@ from app.metrics import BATCHER_EVENTS, MODEL_INFO, STAGE_CPU_SECONDS, STAGE_SEC
 log = logging.getLogger(__name__)
 
 P = TypeVar("P")
+NOT_READY_RETRY_S = 5  # Retry-After of every 503: loading, draining, a stopped batcher
 CLIENT_CHECK_S = 0.05  # how often a waiting request looks whether its client is still connected
 
 
@@ -72,7 +73,7 @@ def _service_error(exc: Exception) -> ServiceError:
             error.code = "deadline_unreachable"
         return error
     # The batcher is closed: this worker is going away, so the client should reconnect elsewhere.
-    return NotReady(str(exc), headers={**retry_after_header(5), "Connection": "close"})
+    return NotReady(str(exc), headers={**retry_after_header(NOT_READY_RETRY_S), "Connection": "close"})
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,7 @@ class Service:
 
     def _loaded(self) -> Model:
         if self._model is None:
-            raise NotReady("the model is still loading", headers={"Retry-After": "5"})
+            raise NotReady("the model is still loading", headers=retry_after_header(NOT_READY_RETRY_S))
         return self._model
 
     @property
@@ -178,7 +179,6 @@ class Service:
         """The model is loaded, warmed up and passed its canary."""
         return self._model is not None
 
-    warmed_up = loaded
 
     @property
     def alive(self) -> bool:
@@ -222,10 +222,11 @@ class Service:
     def require_ready(self) -> None:
         """Raise NotReady (503 with Retry-After) unless new work can be accepted."""
         if self.draining:  # the client should go elsewhere: this connection will not serve it again
-            raise NotReady("the server is shutting down", headers={"Retry-After": "5", "Connection": "close"})
+            raise NotReady("the server is shutting down",
+                           headers={**retry_after_header(NOT_READY_RETRY_S), "Connection": "close"})
         self._loaded()
         if not self.ready:
-            raise NotReady("the model is not ready", headers={"Retry-After": "5"})
+            raise NotReady("the model is not ready", headers=retry_after_header(NOT_READY_RETRY_S))
 
     def run(self, read: Callable[[], Job[P]], client_gone: Callable[[], bool] | None = None) -> Served[P]:
         """The stages of one request: readiness, ``read`` (the protocol parses its body), decode, queue, wait.

