@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 WEIGHTS_DIR ?= weights
 SERVE := PATH="$(CURDIR)/$(BIN):$$PATH" bin/serve
 
-.PHONY: serve test install weights clean-weights train-digits finetune-textures bench docs
+.PHONY: serve test install weights clean-weights train-digits finetune-textures bench faults docs
 
 install: $(STAMP)
 
@@ -55,3 +55,6 @@ finetune-textures: data/textures
 # The performance comparison (about 10 minutes on 2 cores): docs/performance.md.
 bench: $(STAMP)
 	$(BIN)/python -m bench $(BENCH_ARGS)
+
+faults: $(STAMP)
+	$(BIN)/python -m bench.faults

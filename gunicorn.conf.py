@@ -10,6 +10,7 @@ import tempfile
 
 from app import EXTENSION_KEY, drain
 from app.config import SettingsError, load_settings
+from app.worker import ReadLimits
 
 try:
     _settings = load_settings()
@@ -24,8 +25,9 @@ if _settings.workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
 
 bind = _settings.bind
 workers = _settings.workers
-worker_class = "gthread"
+worker_class = "app.worker.BufferingWorker"  # gthread, with each request read in its event loop
 threads = _settings.threads
+worker_connections = _settings.max_connections
 timeout = _settings.timeout_s
 graceful_timeout = _settings.graceful_timeout_s
 keepalive = _settings.keepalive_s
@@ -45,7 +47,7 @@ logconfig_dict = {
                 # the app logs each request itself (visionserve.access, JSON with its id and stages)
                 "gunicorn.access": {"level": "CRITICAL", "handlers": [], "propagate": False}},
 }
-# Bound the request line and headers so a client cannot hold a thread with them.
+# Bound the request line and headers (a longer header block is refused by gunicorn's parser).
 limit_request_line = 8190
 limit_request_fields = 100
 
@@ -53,6 +55,12 @@ limit_request_fields = 100
 def _service(worker):  # noqa: ANN001, ANN202 - gunicorn passes its own worker object
     app = getattr(worker, "wsgi", None)
     return getattr(app, "extensions", {}).get(EXTENSION_KEY)
+
+
+def post_fork(server, worker) -> None:  # noqa: ANN001
+    """The limits the worker's event loop enforces while a request arrives (app/worker.py)."""
+    worker.limits = ReadLimits(_settings.client_header_timeout_s, _settings.client_body_timeout_s,
+                               _settings.max_body_bytes)
 
 
 def post_worker_init(worker) -> None:  # noqa: ANN001

@@ -79,6 +79,10 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(
         30.0, gt=0, description="Longest a request waits for its inference (then 504); a client may ask for "
         "less with `X-Request-Timeout: <ms>`.")
+    client_header_timeout_s: float = Field(
+        10.0, gt=0, description="Longest a client may take to send its request line and headers (then 408 and "
+        "the connection closes). A request is read by the worker's event loop, headers and a body of known length, "
+        "before it gets a thread, so slow clients hold connections, not threads.")
     client_body_timeout_s: float = Field(30.0, gt=0, description="Longest silence while a client sends its "
                                          "body (then 408).")
     oom_shrink_s: float = Field(
@@ -111,6 +115,9 @@ class Settings(BaseSettings):
         "forward thread beat 1 x 2 by 8-12% on 2 cores).")
     threads: int = Field(32, gt=0, description="gthread threads per worker: concurrent requests that share one "
                          "batcher.")
+    max_connections: int = Field(
+        1000, gt=0, description="Open connections per worker, idle keep-alive and still-arriving requests included "
+        "(gunicorn's `worker_connections`); at the limit the worker stops accepting until one closes.")
     timeout_s: int = Field(60, gt=0, description="gunicorn worker timeout (a stuck worker is restarted).")
     graceful_timeout_s: int = Field(30, gt=0, description="Time to finish accepted requests after SIGTERM.")
     shutdown_drain_s: float = Field(

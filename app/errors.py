@@ -21,6 +21,14 @@ class ServiceError(Exception):
         self.headers = headers or {}
 
 
+def default_body(error: ServiceError, request_id: str | None) -> dict[str, Any]:
+    """{"error": {"code", "message", "request_id"[, "details"]}}."""
+    body: dict[str, Any] = {"code": error.code, "message": error.message, "request_id": request_id}
+    if error.details is not None:
+        body["details"] = error.details
+    return {"error": body}
+
+
 class BadRequest(ServiceError):
     """A field or parameter has a bad value (400)."""
     status, code = 400, "invalid_request"

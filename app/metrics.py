@@ -42,7 +42,8 @@ PROBES = Counter("visionserve_probe_requests_total", "Health probes, scrapes and
 REJECTED = Counter("visionserve_rejected_total", "Requests refused before inference", ["reason"])
 BATCHER_EVENTS = Counter("visionserve_batcher_events_total", "deadline_dropped: images dropped in the queue; "
                          "client_gone: queued images dropped because their client hung up; batch_split: "
-                         "out-of-memory batches split and retried; batch_failed", ["event"])
+                         "out-of-memory batches split and retried; batch_failed: forward passes that raised (a "
+                         "failed batch runs again one image at a time)", ["event"])
 MODEL_INFO = Gauge("visionserve_model_info", "The served model (value 1)", ["name", "version", "device", "dtype"],
                    multiprocess_mode="max")
 GPU_MEMORY = Gauge("visionserve_gpu_memory_bytes", "CUDA memory of this worker", ["kind"],

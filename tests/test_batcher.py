@@ -201,6 +201,18 @@ def test_failing_batch_fails_only_its_callers_and_the_worker_goes_on(make_batche
     assert batcher.submit(4).result(timeout=10).value == 8
 
 
+def test_an_input_that_fails_the_model_fails_only_its_own_request(make_batcher) -> None:
+    # Before: the whole batch failed, so the requests batched with a bad one failed too.
+    recorder = Recorder(fail_on=13)
+    batcher = make_batcher(recorder, max_batch_size=4, max_wait_ms=1)
+    _hold_worker(batcher, recorder)
+    futures = batcher.submit_many([1, 13, 2])
+    recorder.gate.set()
+    assert [f.exception(timeout=10) is not None for f in futures] == [False, True, False]
+    assert [futures[0].result().value, futures[2].result().value] == [2, 4]
+    assert recorder.batches[-4:] == [[1, 13, 2], [1], [13], [2]]  # the batch, then each alone
+
+
 def test_wrong_output_count_fails_the_batch(make_batcher) -> None:
     batcher = make_batcher(lambda items: [0] * (len(items) + 1), max_wait_ms=1)
     with pytest.raises(BatchSizeMismatch):

@@ -1,8 +1,6 @@
 """The real server under load, overload, slow clients and crashes (bounded: every test stops by itself)."""
 from __future__ import annotations
 
-import os
-import signal
 import socket
 import time
 from collections import Counter
@@ -153,81 +151,6 @@ def test_slow_body_gets_408_and_oversized_body_413_unread(small_weights: Path,
         assert _burst(server.url, 1, 1)[0].status_code == 200
     finally:
         assert server.stop() == 0
-
-
-def test_a_crashed_worker_is_replaced(small_weights: Path, start_server: Callable[..., Running]) -> None:
-    server = start_server(small_weights).wait_ready()
-    try:
-        (worker,) = server.worker_pids()
-        os.kill(worker, signal.SIGKILL)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            pids = server.worker_pids()
-            if pids and pids != [worker]:
-                break
-            time.sleep(0.2)
-        server.wait_ready()
-        assert server.worker_pids() != [worker]
-        assert _burst(server.url, 4, 2)[0].status_code == 200
-    finally:
-        assert server.stop() == 0
-
-
-def _outcome(session: requests.Session, url: str) -> tuple[str, object]:
-    """("response", (status, headers, body)), ("refused", ...) or ("reset", ...): refused was never sent."""
-    try:
-        r = session.post(f"{url}/predict", data=IMAGE, headers={"Content-Type": "image/jpeg"}, timeout=30)
-        return "response", (r.status_code, r.headers, r.json())  # a cut-off body would not parse
-    except requests.ConnectionError as exc:
-        refused = "NewConnectionError" in repr(exc) or "ConnectionRefusedError" in repr(exc)
-        return ("refused" if refused else "reset"), repr(exc)
-
-
-@pytest.mark.parametrize("workers, keepalive", [(1, False), (1, True), (2, False), (2, True)])
-def test_sigterm_mid_burst_resets_no_connection(small_weights: Path, start_server: Callable[..., Running],
-                                                workers: int, keepalive: bool) -> None:
-    # Before: gunicorn stopped accepting at SIGTERM and closed its listener only after the requests in flight,
-    # so connections arriving meanwhile waited in the backlog and were reset (24 of 96 in the report).
-    server = start_server(small_weights, workers=str(workers), shutdown_drain_s="1.5", max_batch_size="4",
-                          log_level="warning").wait_ready()
-    outcomes: list[tuple[float, str, object]] = []
-    stop_at = [float("inf")]
-
-    def client() -> None:
-        session = requests.Session()
-        while time.monotonic() < stop_at[0]:
-            if not keepalive:
-                session.close()  # a new connection for every request
-            kind, detail = _outcome(session, server.url)
-            outcomes.append((time.monotonic(), kind, detail))
-            if kind == "refused":
-                time.sleep(0.05)
-
-    with ThreadPoolExecutor(24) as pool:
-        futures = [pool.submit(client) for _ in range(24)]
-        time.sleep(1.0)
-        term_at = time.monotonic()
-        server.terminate()
-        stop_at[0] = term_at + 4.0  # past the drain: the last requests meet a closed listener
-        for f in futures:
-            f.result(timeout=60)
-    assert server.stop() == 0
-    kinds = Counter(kind for _, kind, _ in outcomes)
-    after = [detail for t, kind, detail in outcomes if t > term_at and kind == "response"]
-    print(f"\nSIGTERM, {workers} worker(s), keep-alive {keepalive}: {dict(kinds)}, "
-          f"statuses after SIGTERM {dict(Counter(status for status, _, _ in after))}")
-    # Before the drain: 15-22 resets per run (about 10% of the requests in flight around SIGTERM). With it, 0 in
-    # most runs here; with 2 workers, runs with 1 and once 6 resets in about 1,900 requests remain (not yet
-    # explained, see docs/architecture.md), hence the bound of 1%.
-    assert kinds["reset"] <= len(outcomes) // 100, [d for _, kind, d in outcomes if kind == "reset"][:3]
-    for status, headers, body in (detail for _, kind, detail in outcomes if kind == "response"):
-        assert status in (200, 503), (status, body)
-        if status == 503:  # with 2 workers, one may still be loading its model when the burst starts
-            assert body["error"]["code"] == "not_ready" and headers["Retry-After"] == "5"
-            if body["error"]["message"] != "the model is still loading":
-                assert headers["Connection"] == "close", (body, dict(headers))
-    assert any(status == 503 for status, _, _ in after), "no request met the drain: the test proved nothing"
-    assert kinds["refused"], "the listener never closed within the test"
 
 
 @pytest.mark.parametrize("workers", [1, 2])

@@ -267,8 +267,13 @@ class Batcher(Generic[In, Out]):
         except Exception as exc:  # noqa: BLE001 - a failing batch fails its callers, never the worker
             log.exception("batch %d of %d failed", batch_id, len(batch))
             self._observer.event("batch_failed")
+            if len(batch) == 1:
+                batch[0].future.set_exception(exc)
+                return
+            # One input the model chokes on must not fail the requests batched with it: each runs again alone,
+            # so only the items that fail on their own fail (a broken model costs len(batch) more passes, once).
             for p in batch:
-                p.future.set_exception(exc)
+                self._run_batch([p])
             return
         run_s = time.monotonic() - started
         self.batches_run += 1

@@ -289,4 +289,4 @@ class Service:
         except ServiceError:
             raise
         except Exception as exc:
-            raise InferenceFailed(f"inference failed for this batch: {type(exc).__name__}") from exc
+            raise InferenceFailed(f"the model failed on this request's images: {type(exc).__name__}") from exc

@@ -7,23 +7,15 @@ request no route matched, by the protocol whose URL prefix it falls under.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Sequence
 
 from flask import Flask, Response, g, jsonify, request
 from werkzeug.exceptions import ClientDisconnected, HTTPException, RequestEntityTooLarge
 
-from app.errors import RequestTimeout, ServiceError
+from app.errors import RequestTimeout, ServiceError, default_body
 from app.web.protocol import Protocol
 
 log = logging.getLogger(__name__)
-
-
-def default_body(error: ServiceError, request_id: str | None) -> dict[str, Any]:
-    """{"error": {"code", "message", "request_id"[, "details"]}}."""
-    body: dict[str, Any] = {"code": error.code, "message": error.message, "request_id": request_id}
-    if error.details is not None:
-        body["details"] = error.details
-    return {"error": body}
 
 
 def _from_http(exc: HTTPException) -> ServiceError:

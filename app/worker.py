@@ -1,0 +1,202 @@
+"""gunicorn's gthread worker, changed so that a slow client costs a connection, never a thread.
+
+gunicorn hands a connection to a thread as soon as its first byte arrives; the thread then blocks reading the rest
+of the headers and the body. 200 clients sending one byte a second hold all 32 threads and every other request
+times out (measured: 4 of 4 normal requests got no answer in 8 s, for slow headers and for slow bodies alike).
+Here the event loop reads each request itself, as a buffering proxy would: the headers, then a body of known
+length up to ``max_body_bytes``, and only a whole request goes to a thread (the parser then reads it from memory).
+A client that takes longer than ``client_header_timeout_s`` for its headers, or stays silent longer than
+``client_body_timeout_s`` in its body, gets ``408`` and the connection closes. A chunked body, one announced with
+``Expect: 100-continue`` (the client waits for the 100 before sending it) or one over the limit (the app refuses
+it from the headers alone) goes to a thread after its headers, as before.
+
+The master loads this class: it imports gunicorn and the standard library only (and app.errors, which is plain).
+"""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import selectors
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn, ThreadWorker
+
+from app.errors import RequestTimeout, default_body
+
+HEADER_END = b"\r\n\r\n"
+READ_SIZE = 1 << 20  # what the socket holds, in as few calls as possible: the loop thread competes for the GIL
+HEADER_LIMIT = 64 * 1024  # a longer header block goes to gunicorn's parser, which refuses it (431/400)
+
+log = logging.getLogger("visionserve.access")
+
+
+@dataclass(frozen=True)
+class ReadLimits:
+    """The request limits the loop enforces (set from Settings in gunicorn.conf.py's post_fork)."""
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_body_bytes: int = 20 * 1024 * 1024
+
+
+@dataclass(eq=False)
+class Reading:
+    """A connection whose request is still arriving."""
+    conn: TConn
+    header_deadline: float
+    last_data: float
+    buffer: bytearray = field(default_factory=bytearray)
+    body_end: int | None = None  # header length + Content-Length, once the headers are in
+
+
+def body_length(head: bytes) -> int | None:
+    """The body length a header block announces, or None when the loop must not wait for it: chunked, Expect:
+    100-continue, or a Content-Length that is missing (0), repeated or malformed (the parser will judge)."""
+    lengths = []
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        name = name.strip().lower()
+        if name in (b"transfer-encoding", b"expect"):
+            return None
+        if name == b"content-length":
+            lengths.append(value.strip())
+    if not lengths:
+        return 0
+    if len(lengths) > 1 or not lengths[0].isdigit():
+        return None
+    return int(lengths[0])
+
+
+def timeout_response(message: str) -> bytes:
+    """A 408 in the service's error shape; the connection closes after it."""
+    body = json.dumps(default_body(RequestTimeout(message), None)).encode()
+    return (b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+class BufferingWorker(ThreadWorker):
+    """gthread with requests read in the event loop (see the module's docstring)."""
+
+    limits = ReadLimits()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.reading: set[Reading] = set()
+
+    def accept(self, listener: Any) -> None:
+        """A new connection waits in the loop for its request (app/drain.py counts on nr_conns growing by one)."""
+        if getattr(listener, "sock", listener) is None:
+            # Closed by app/drain.py's last step, which ran earlier in the same poller turn that found it readable
+            # (gthread's accept raised here: the worker died and its open connections were reset).
+            return
+        try:
+            sock, client = listener.accept()
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.ECONNABORTED, errno.EWOULDBLOCK):
+                raise
+            return
+        self.nr_conns += 1
+        self._start_reading(TConn(self.cfg, sock, client, listener.getsockname()))  # TConn: non-blocking
+
+    def on_client_socket_readable(self, conn: TConn, client: Any) -> None:
+        """A kept-alive connection's next request: read in the loop too."""
+        self.poller.unregister(client)
+        self.keepalived_conns.remove(conn)
+        self._start_reading(conn)
+
+    def _start_reading(self, conn: TConn) -> None:
+        now = time.monotonic()
+        reading = Reading(conn, now + self.limits.header_timeout_s, now)
+        self.reading.add(reading)
+        self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._on_data, reading))
+
+    def _on_data(self, reading: Reading, sock: Any) -> None:
+        try:
+            data = sock.recv(READ_SIZE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:  # the client went away before its request was whole
+            self._close(reading)
+            return
+        reading.buffer += data
+        reading.last_data = time.monotonic()
+        if self._whole(reading):
+            self._dispatch(reading)
+
+    def _whole(self, reading: Reading) -> bool:
+        if reading.body_end is None:
+            end = reading.buffer.find(HEADER_END)
+            if end < 0:
+                return len(reading.buffer) > HEADER_LIMIT
+            length = body_length(bytes(reading.buffer[:end]))
+            if length is None or length > self.limits.max_body_bytes:
+                return True
+            reading.body_end = end + len(HEADER_END) + length
+        return len(reading.buffer) >= reading.body_end
+
+    def _dispatch(self, reading: Reading) -> None:
+        self._forget(reading)
+        conn = reading.conn
+        conn.data_ready = True  # gthread's handle() must not wait for data again
+        conn.prefetched = reading.buffer
+        self.enqueue_req(conn)
+
+    def handle(self, conn: TConn) -> Any:
+        """In a request thread: give the parser what the loop read, then gthread's own handling."""
+        prefetched = getattr(conn, "prefetched", None)
+        if prefetched:
+            conn.prefetched = None
+            conn.sock.setblocking(True)
+            conn.init()  # plain HTTP/1.1 (no TLS or HTTP/2 configured): only makes the parser
+            conn.parser.unreader.unread(prefetched)
+        return super().handle(conn)
+
+    def murder_pending(self) -> None:
+        """Every loop turn: gthread's own sweep, then the requests that arrive too slowly."""
+        super().murder_pending()
+        now = time.monotonic()
+        for reading in [r for r in self.reading if self._expired(r, now)]:
+            self._time_out(reading, now)
+
+    def _expired(self, reading: Reading, now: float) -> bool:
+        if not self.alive and not reading.buffer:  # stopping: an idle connection is not kept, as gthread's own
+            reading.header_deadline = min(reading.header_deadline, reading.last_data + STOP_KEEPALIVE_LINGER)
+        if reading.body_end is None:
+            return now > reading.header_deadline
+        return now - reading.last_data > self.limits.body_timeout_s
+
+    def _time_out(self, reading: Reading, now: float) -> None:
+        if reading.buffer:  # a request was started: say why it ends (nothing started: close quietly)
+            if reading.body_end is None:
+                message = f"the request headers did not arrive within {self.limits.header_timeout_s:g}s"
+            else:
+                message = f"the body did not arrive within {self.limits.body_timeout_s:g}s"
+            try:
+                reading.conn.sock.send(timeout_response(message))  # small: fits the socket buffer at once
+            except OSError:
+                pass
+            log.info("request", extra={"client": _peer(reading.conn), "status": 408, "error": "request_timeout",
+                                       "detail": message})
+        self._close(reading)
+
+    def _forget(self, reading: Reading) -> None:
+        self.reading.discard(reading)
+        try:
+            self.poller.unregister(reading.conn.sock)
+        except (KeyError, ValueError, OSError):
+            pass
+
+    def _close(self, reading: Reading) -> None:
+        self._forget(reading)
+        self.nr_conns -= 1
+        reading.conn.close()
+
+
+def _peer(conn: TConn) -> str | None:
+    client = conn.client
+    return client[0] if isinstance(client, tuple) and client else None
