@@ -190,6 +190,23 @@ def sigkill_worker(start: Start, weights: Path, workers: int) -> Row:
                "resets: the killed worker's requests in flight; replacement ready")
 
 
+def reload(start: Start, weights: Path) -> Row:
+    """``kill -HUP`` (gunicorn's reload) under a 16-client load: new workers load while the old ones drain."""
+    server = start(weights, max_batch_size="4").wait_ready()
+    try:
+        with Load(server.url, 16) as load:
+            time.sleep(1.0)
+            hup_at = time.monotonic()
+            server.process.send_signal(signal.SIGHUP)
+            wait_ready_workers(server, 2)
+            recover_s = until_served(server.url, hup_at)
+            outcomes = load.stop(1.0)
+    finally:
+        assert server.stop() == 0
+    return Row("kill -HUP (gunicorn reload), 1 worker", outcomes, recover_s,
+               "503 not_ready while the new worker loads; roll replicas to reload with no 503")
+
+
 class Choosy(nn.Module):
     """A model that raises on a near-white image: the forward pass fails for some inputs, not for others."""
 
@@ -364,7 +381,7 @@ def small_weights(out: Path) -> Path:
 def matrix(start: Start, weights: Path, choosy: Path) -> list[Row]:
     """Every fault, in the order of the table."""
     rows = [sigterm(start, weights, workers, keepalive) for workers in (1, 2) for keepalive in (False, True)]
-    rows += [sigkill_worker(start, weights, workers) for workers in (1, 2)]
+    rows += [sigkill_worker(start, weights, workers) for workers in (1, 2)] + [reload(start, weights)]
     rows += [forward_raises(start, choosy), client_disconnect(start, weights), slowloris(start, weights),
              burst(start, weights)]
     return rows

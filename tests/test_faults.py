@@ -94,6 +94,16 @@ def test_the_client_library_retries_what_a_killed_worker_dropped(small_weights: 
     assert len(results) == 120 and not failures, failures[:3]
 
 
+def test_a_reload_with_hup_answers_every_request(small_weights: Path, start_server: Start) -> None:
+    # Documented, not gapless: the new worker answers 503 not_ready while it loads (rolling replicas is the
+    # reload without 503s, tests/test_k8s.py); what must hold is that no request hangs or is cut off.
+    row = faults.reload(start_server, small_weights)
+    _report(row)
+    assert row.kinds == Counter(response=len(row.outcomes))
+    for o in _responses(row):
+        assert o.status == 200 or (o.status == 503 and o.code == "not_ready" and "Retry-After" in o.headers), o
+
+
 def test_a_forward_pass_that_raises_fails_only_its_own_request(choosy: Path, start_server: Start) -> None:
     row = faults.forward_raises(start_server, choosy)
     _report(row)

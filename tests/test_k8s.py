@@ -59,6 +59,15 @@ def test_deployment_gpu_probes_and_drain_match_the_service() -> None:
     assert resources["ConfigMap"]["data"].keys() <= {f"VISIONSERVE_{name.upper()}" for name in Settings.model_fields}
 
 
+def test_a_new_model_version_rolls_out_without_a_gap() -> None:
+    # The supported reload (docs/deployment.md): a new pod must pass /readyz (model loaded, warmed, canary run)
+    # before an old one is taken out of service; `kill -HUP` inside one pod gives 503s while the model loads.
+    deployment = _resources()["Deployment"]["spec"]
+    assert deployment["strategy"]["type"] == "RollingUpdate"
+    assert deployment["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    assert deployment["strategy"]["rollingUpdate"]["maxSurge"] >= 1
+
+
 def test_service_hpa_and_pdb_point_at_the_deployment() -> None:
     resources = _resources()
     labels = resources["Deployment"]["spec"]["template"]["metadata"]["labels"]
