@@ -3,7 +3,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-WEIGHTS_DIR ?= weights
+# VISIONSERVE_WEIGHTS_DIR (or WEIGHTS_DIR=...) serves your own export; only the default directory is filled
+# automatically with the packaged model, so a typo in your path fails loudly instead of serving ImageNet.
+DEFAULT_WEIGHTS := weights
+WEIGHTS_DIR ?= $(or $(VISIONSERVE_WEIGHTS_DIR),$(DEFAULT_WEIGHTS))
 SERVE := PATH="$(CURDIR)/$(BIN):$$PATH" bin/serve
 
 .PHONY: serve test install weights clean-weights train-digits finetune-textures bench faults docs
@@ -18,19 +21,19 @@ $(STAMP): requirements.txt
 	touch $(STAMP)
 
 # The default model is produced from the packaged ImageNet weights, never downloaded and never committed.
-$(WEIGHTS_DIR)/manifest.json: $(STAMP)
-	$(BIN)/python -m models.export --default --out $(WEIGHTS_DIR)
+$(DEFAULT_WEIGHTS)/manifest.json: $(STAMP)
+	$(BIN)/python -m models.export --default --out $(DEFAULT_WEIGHTS)
 
-weights: $(WEIGHTS_DIR)/manifest.json
+weights: $(DEFAULT_WEIGHTS)/manifest.json
 
-serve: $(STAMP) $(WEIGHTS_DIR)/manifest.json
+serve: $(STAMP) $(if $(filter $(DEFAULT_WEIGHTS),$(WEIGHTS_DIR)),$(DEFAULT_WEIGHTS)/manifest.json)
 	exec env VISIONSERVE_WEIGHTS_DIR=$(WEIGHTS_DIR) $(SERVE)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean-weights:
-	rm -f $(WEIGHTS_DIR)/*.pt $(WEIGHTS_DIR)/manifest.json
+	rm -f $(DEFAULT_WEIGHTS)/*.pt $(DEFAULT_WEIGHTS)/manifest.json
 
 # docs/configuration.md is generated from the settings' descriptions in app/config.py (a test compares them).
 docs: $(STAMP)

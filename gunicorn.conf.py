@@ -9,7 +9,7 @@ import sys
 import tempfile
 
 from app import EXTENSION_KEY, drain
-from app.config import SettingsError, load_settings
+from app.config import SettingsError, load_settings, unknown_variables
 from app.worker import ReadLimits
 
 try:
@@ -55,6 +55,12 @@ limit_request_fields = 100
 def _service(worker):  # noqa: ANN001, ANN202 - gunicorn passes its own worker object
     app = getattr(worker, "wsgi", None)
     return getattr(app, "extensions", {}).get(EXTENSION_KEY)
+
+
+def on_starting(server) -> None:  # noqa: ANN001
+    """Say so when a VISIONSERVE_ variable is no setting: a misspelt one would otherwise change nothing."""
+    for warning in unknown_variables(os.environ):
+        server.log.warning(warning)
 
 
 def post_fork(server, worker) -> None:  # noqa: ANN001

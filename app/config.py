@@ -6,9 +6,10 @@ master can read it without torch.
 """
 from __future__ import annotations
 
+import difflib
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Mapping
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -17,6 +18,7 @@ DeviceName = str
 Dtype = Literal["float32", "float16", "bfloat16"]
 WeightsFormatSetting = Literal["auto", "torchscript", "state_dict"]
 ENV_PREFIX = "VISIONSERVE_"
+CLIENT_VARIABLES = frozenset({"VISIONSERVE_URL"})  # read by the client (python -m client), not by the server
 
 
 def dtype_fits_device(dtype: str, device_type: str) -> str | None:
@@ -64,8 +66,9 @@ class Settings(BaseSettings):
         "(about 2 ms less per lone request on a CPU; still one batch at a time). CPU only: on CUDA each request "
         "thread would tune its own cuDNN plans again (seconds, measured on an H100).")
     queue_size: int = Field(
-        64, gt=0, description="Images waiting for the inference worker, per process; a request that does not "
-        "fit is refused at once with 429 and `Retry-After`.")
+        0, ge=0, description="Images waiting for the inference worker, per process; a request that does not "
+        "fit is refused at once with 429 and `Retry-After`. 0 = auto: room for eight maximum-size requests and "
+        "two full batches, max(8 x `MAX_IMAGES`, 2 x `MAX_BATCH_SIZE`) (128 by default).")
 
     # Request limits
     max_body_bytes: int = Field(20 * 1024 * 1024, gt=0, description="Largest request body, in bytes (413).")
@@ -74,6 +77,7 @@ class Settings(BaseSettings):
     max_aspect_ratio: float = Field(20.0, ge=1, description="Longest side / shortest side: a 1x10000 strip is "
                                     "refused (400).")
     max_images: int = Field(16, gt=0, description="Images in one request (413).")
+    score_digits: int = Field(6, ge=1, le=17, description="Decimal places of the scores in an answer.")
     top_k: int = Field(5, gt=0, description="Classes per image when the request does not say (requests may ask "
                        "1..classes).")
     request_timeout_s: float = Field(
@@ -153,6 +157,10 @@ class Settings(BaseSettings):
             raise ValueError(f"api_key_file {self.api_key_file} does not exist")
         return self
 
+    def resolved_queue_size(self) -> int:
+        """``queue_size``, or its automatic value when 0."""
+        return self.queue_size or max(8 * self.max_images, 2 * self.max_batch_size)
+
     def resolved_api_key(self) -> str | None:
         """The API key from the setting or the key file (stripped), or None when auth is off."""
         if self.api_key is not None:
@@ -181,3 +189,16 @@ def load_settings() -> Settings:
             given = f" (got {error['input']!r})" if error["loc"] and not isinstance(error["input"], dict) else ""
             problems.append(f"{name}: {error['msg']}{given}")
         raise SettingsError("; ".join(problems)) from None
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """A warning for each ``VISIONSERVE_*`` variable that is no setting (a typo would otherwise do nothing),
+    with the closest setting's name."""
+    known = {f"{ENV_PREFIX}{name.upper()}" for name in Settings.model_fields} | CLIENT_VARIABLES
+    warnings = []
+    for name in sorted(key for key in environ if key.upper().startswith(ENV_PREFIX) and key.upper() not in known):
+        suffixes = [known_name[len(ENV_PREFIX):] for known_name in known]  # the shared prefix would match anything
+        close = difflib.get_close_matches(name.upper()[len(ENV_PREFIX):], suffixes, n=1, cutoff=0.7)
+        hint = f" (did you mean {ENV_PREFIX}{close[0]}?)" if close else " (docs/configuration.md lists the settings)"
+        warnings.append(f"{name} is not a setting and is ignored{hint}")
+    return warnings

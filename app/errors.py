@@ -103,6 +103,11 @@ class RequestTimeout(ServiceError):
     status, code = 408, "request_timeout"
 
 
+class ShortDeadline(BadRequest):
+    """The request's deadline is shorter than its own inference would take on an idle server (400, no retry)."""
+    code = "deadline_too_short"
+
+
 class Overloaded(ServiceError):
     """The queue cannot take the request now, or not in time for its deadline (429, with Retry-After)."""
     status, code = 429, "overloaded"

@@ -1,9 +1,10 @@
 """``python -m client``: predict, health, ready and model from the command line.
 
     python -m client predict cat.jpg cup.jpg --top-k 3          # a readable table
-    python -m client predict cat.jpg --json                     # the predictions as JSON
+    python -m client predict cat.jpg --json --url http://host:8000   # options before or after the command
     python -m client model --labels
-Exit codes: 0 success (and, for health/ready, a yes), 1 a server error or a no, 2 a usage error.
+Each file gets its own result or error. Exit codes: 0 success (and, for health/ready, a yes), 1 a server error
+(for any file) or a no, 2 a usage error or a file that cannot be read.
 """
 from __future__ import annotations
 
@@ -19,34 +20,61 @@ from client.errors import VisionServeError
 from client.types import Prediction
 
 
+def _connection_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
+    # On the main parser and on each command, so they work before or after it; a command's copy has no default
+    # (SUPPRESS), so it does not overwrite a value given before the command.
+    def default(value: object) -> object:
+        return value if defaults else argparse.SUPPRESS
+
+    parser.add_argument("--url", default=default(os.environ.get("VISIONSERVE_URL", "http://127.0.0.1:8000")),
+                        help="the server (or set VISIONSERVE_URL)")
+    parser.add_argument("--api-key", default=default(os.environ.get("VISIONSERVE_API_KEY")),
+                        help="or set VISIONSERVE_API_KEY")
+    parser.add_argument("--timeout", type=float, default=default(30.0), help="seconds per HTTP call")
+    parser.add_argument("--retries", type=int, default=default(3), help="retries on 429/503 and connection errors")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m client", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", default=os.environ.get("VISIONSERVE_URL", "http://127.0.0.1:8000"))
-    parser.add_argument("--api-key", default=os.environ.get("VISIONSERVE_API_KEY"),
-                        help="or set VISIONSERVE_API_KEY")
-    parser.add_argument("--timeout", type=float, default=30.0, help="seconds per HTTP call")
-    parser.add_argument("--retries", type=int, default=3, help="retries on 429/503 and connection errors")
+    _connection_options(parser, defaults=True)
     commands = parser.add_subparsers(dest="command", required=True)
     predict = commands.add_parser("predict", help="classify image files")
     predict.add_argument("images", nargs="+", help="image files (JPEG, PNG, WebP, BMP, GIF)")
-    predict.add_argument("--top-k", type=int, default=5)
+    predict.add_argument("--top-k", type=int, default=None, help="classes per image (default: the server's)")
     predict.add_argument("--json", action="store_true", help="print JSON instead of a table")
     commands.add_parser("health", help="is the server alive?")
     commands.add_parser("ready", help="is the server ready for work?")
     model = commands.add_parser("model", help="the served model")
     model.add_argument("--labels", action="store_true", help="include the class names")
+    for command in commands.choices.values():
+        _connection_options(command, defaults=False)
     return parser
 
 
-def _table(paths: Sequence[str], predictions: Sequence[Prediction]) -> str:
-    width = max(len(s.label) for p in predictions for s in p.top_k)
-    lines = []
-    for path, prediction in zip(paths, predictions):
-        lines.append(path)
-        lines += [f"  {rank}. {s.label:<{width}}  {s.score:7.2%}  (class {s.index})"
-                  for rank, s in enumerate(prediction.top_k, start=1)]
-    return "\n".join(lines)
+def _table(path: str, prediction: Prediction) -> list[str]:
+    width = max(len(s.label) for s in prediction.top_k)
+    return [path] + [f"  {rank}. {s.label:<{width}}  {s.score:7.2%}  (class {s.index})"
+                     for rank, s in enumerate(prediction.top_k, start=1)]
+
+
+def _predict(client: Client, args: argparse.Namespace) -> int:
+    """Each file's result or its own error; exit 2 when a file cannot be read, else 1 when the server refused one."""
+    results = client.predict_each(list(args.images), top_k=args.top_k)
+    failed = [(path, r) for path, r in zip(args.images, results) if not isinstance(r, Prediction)]
+    if args.json:
+        print(json.dumps([{"image": path, **dataclasses.asdict(r)} if isinstance(r, Prediction)
+                          else {"image": path, "error": str(r)} for path, r in zip(args.images, results)], indent=2))
+    else:
+        lines = [line for path, r in zip(args.images, results) if isinstance(r, Prediction)
+                 for line in _table(path, r)]
+        if lines:
+            print("\n".join(lines))
+    for path, error in failed:
+        print(f"error: {path}: {error}", file=sys.stderr)
+    if any(isinstance(error, OSError) for _, error in failed):
+        return 2
+    return 1 if failed else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -55,23 +83,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     with Client(args.url, api_key=args.api_key, timeout=args.timeout, retries=args.retries) as client:
         try:
             if args.command == "predict":
-                predictions = client.predict(list(args.images), top_k=args.top_k)
-                print(json.dumps([{"image": path, **dataclasses.asdict(p)} for path, p in
-                                  zip(args.images, predictions)], indent=2) if args.json
-                      else _table(args.images, predictions))
-            elif args.command == "model":
+                return _predict(client, args)
+            if args.command == "model":
                 print(json.dumps(client.model(labels=args.labels).raw, indent=2))
-            else:
-                ok = client.health() if args.command == "health" else client.ready()
-                print("yes" if ok else "no")
-                return 0 if ok else 1
-        except OSError as exc:  # an image file that cannot be read
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+                return 0
+            ok = client.health() if args.command == "health" else client.ready()
+            print("yes" if ok else "no")
+            return 0 if ok else 1
         except VisionServeError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
-    return 0
 
 
 if __name__ == "__main__":

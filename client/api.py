@@ -34,10 +34,10 @@ def _retry_after(response: requests.Response) -> float | None:
 def _error(response: requests.Response) -> VisionServeError:
     try:
         body = response.json()["error"]
-        code, message = body.get("code", "error"), body.get("message", "")
+        code, message, details = body.get("code", "error"), body.get("message", ""), body.get("details")
     except (ValueError, KeyError, TypeError, AttributeError):
-        code, message = "http_error", response.text[:200] or response.reason
-    return VisionServeError(message, status=response.status_code, code=code,
+        code, message, details = "http_error", response.text[:200] or response.reason, None
+    return VisionServeError(message, status=response.status_code, code=code, details=details,
                             request_id=response.headers.get("X-Request-ID"), retry_after_s=_retry_after(response))
 
 
@@ -97,24 +97,61 @@ class Client:
         raise AssertionError("unreachable")
 
     @overload
-    def predict(self, images: ImageInput, top_k: int = 5, *, deadline_ms: float | None = None) -> Prediction: ...
+    def predict(self, images: ImageInput, top_k: int | None = None, *,
+                deadline_ms: float | None = None) -> Prediction: ...
 
     @overload
-    def predict(self, images: Sequence[ImageInput], top_k: int = 5, *,
+    def predict(self, images: Sequence[ImageInput], top_k: int | None = None, *,
                 deadline_ms: float | None = None) -> list[Prediction]: ...
 
-    def predict(self, images: ImageInput | Sequence[ImageInput], top_k: int = 5, *,
+    def predict(self, images: ImageInput | Sequence[ImageInput], top_k: int | None = None, *,
                 deadline_ms: float | None = None) -> Prediction | list[Prediction]:
-        """Classify one image (a path or the file's bytes) or a list of them, in one request, in order."""
+        """Classify one image (a path or the file's bytes) or a list of them, in one request, in order.
+
+        ``top_k``: classes per image; left out, the server's default (``TOP_K``, at most the model's classes).
+        """
         single = isinstance(images, (str, Path, bytes))
         batch: Sequence[ImageInput] = [images] if single else images  # type: ignore[list-item, assignment]
         if not batch:
             raise ValueError("predict needs at least one image")
-        files = [("image", _read(image, i)) for i, image in enumerate(batch)]
-        headers = {"X-Request-Timeout": str(deadline_ms)} if deadline_ms is not None else {}
-        response = self._request("POST", "/predict", params={"top_k": top_k}, files=files, headers=headers)
-        predictions = [Prediction.from_json(p) for p in response.json()["predictions"]]
+        predictions = self._predict_files([_read(image, i) for i, image in enumerate(batch)], top_k, deadline_ms)
         return predictions[0] if single else predictions
+
+    def predict_each(self, images: Sequence[ImageInput], top_k: int | None = None, *,
+                     deadline_ms: float | None = None) -> list[Prediction | VisionServeError | OSError]:
+        """Like ``predict`` for a list, but one bad image does not sink the others: each entry is its image's
+        prediction, or the error for that image (the server's, or an OSError for a file that cannot be read).
+        One request in the common case; when the server refuses one image, the rest are sent again without it."""
+        results: list[Prediction | VisionServeError | OSError | None] = [None] * len(images)
+        files: dict[int, tuple[str, bytes]] = {}
+        for i, image in enumerate(images):
+            try:
+                files[i] = _read(image, i)
+            except OSError as exc:
+                results[i] = exc
+        while files:
+            positions = list(files)
+            try:
+                answers = self._predict_files([files[i] for i in positions], top_k, deadline_ms)
+            except VisionServeError as exc:
+                if exc.image_index is None or not 0 <= exc.image_index < len(positions):
+                    raise  # about the request as a whole (overload, auth...): the caller's to handle
+                bad = positions[exc.image_index]
+                results[bad] = exc
+                del files[bad]
+                continue
+            for i, answer in zip(positions, answers):
+                results[i] = answer
+            break
+        return results  # type: ignore[return-value]
+
+    def _predict_files(self, files: list[tuple[str, bytes]], top_k: int | None,
+                       deadline_ms: float | None) -> list[Prediction]:
+        headers = {"X-Request-Timeout": str(deadline_ms)} if deadline_ms is not None else {}
+        params = {"top_k": top_k} if top_k is not None else None
+        response = self._request("POST", "/predict", params=params, files=[("image", f) for f in files],
+                                 headers=headers)
+        return [Prediction.from_json(p) for p in response.json()["predictions"]]
 
     def health(self) -> bool:
         """Liveness: True when the process and its inference thread run (no retries)."""

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 class VisionServeError(Exception):
     """A request that failed: the HTTP status (None when no answer came), the server's error code and message,
-    its request id (quote it when reporting a problem), and Retry-After when the server sent one."""
+    its request id (quote it when reporting a problem), Retry-After when the server sent one, and the error's
+    details (for a bad image among several: {"image": its index, "filename": ...})."""
 
     def __init__(self, message: str, *, status: int | None = None, code: str = "error",
-                 request_id: str | None = None, retry_after_s: float | None = None) -> None:
+                 request_id: str | None = None, retry_after_s: float | None = None,
+                 details: object = None) -> None:
         super().__init__(message)
+        self.details = details
         self.message = message
         self.status = status
         self.code = code
@@ -19,3 +22,9 @@ class VisionServeError(Exception):
         status = f"HTTP {self.status} " if self.status is not None else ""
         request = f" (request id {self.request_id})" if self.request_id else ""
         return f"{status}{self.code}: {self.message}{request}"
+
+    @property
+    def image_index(self) -> int | None:
+        """Which image of a multi-image request the server refused, when it said so."""
+        index = self.details.get("image") if isinstance(self.details, dict) else None
+        return index if isinstance(index, int) else None

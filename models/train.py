@@ -236,7 +236,11 @@ def run(args: argparse.Namespace, env: DistEnv, device: torch.device, preset: Ev
         barrier(env)
     runlog.close()
     if env.is_main and args.export:
-        export_checkpoint(args.output_dir / ckpt.BEST_NAME, args.export, name=args.name)
+        try:
+            export_checkpoint(args.output_dir / ckpt.BEST_NAME, args.export, name=args.name)
+        except FileExistsError as exc:  # the run is kept: say how to export it, do not fail after training
+            log.error("not exported: %s (python -m models.export --checkpoint %s --out DIR)", exc,
+                      args.output_dir / ckpt.BEST_NAME)
     if env.is_main and args.plot:
         from models.plot import plot_run
         log.info("wrote %s", plot_run(args.output_dir))

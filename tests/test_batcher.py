@@ -8,7 +8,14 @@ from typing import Callable, Iterator, Sequence
 
 import pytest
 
-from app.engine.batch_types import BatcherClosed, BatchSizeMismatch, DeadlineExpired, DeadlineUnreachable, QueueFull
+from app.engine.batch_types import (
+    BatcherClosed,
+    BatchSizeMismatch,
+    DeadlineExpired,
+    DeadlineTooShort,
+    DeadlineUnreachable,
+    QueueFull,
+)
 from app.engine.batcher import Batcher
 
 
@@ -314,15 +321,24 @@ def test_expired_items_are_dropped_before_the_forward_pass(make_batcher) -> None
 
 def test_a_deadline_the_backlog_cannot_meet_is_refused_at_once(make_batcher) -> None:
     recorder = Recorder()
-    batcher = make_batcher(recorder, max_batch_size=1, max_wait_ms=1)
+    batcher = make_batcher(recorder, max_batch_size=1, max_wait_ms=50)  # estimate: at least 50 ms a batch
     batcher.submit(1).result(timeout=10)  # one measured batch gives the latency estimate
     _hold_worker(batcher, recorder)
     batcher.submit_many([2, 3, 4])
     with pytest.raises(DeadlineUnreachable) as excinfo:
-        batcher.submit(5, deadline=time.monotonic())  # three batches ahead cannot finish in no time
+        batcher.submit(5, deadline=time.monotonic() + 0.1)  # enough alone, not behind three batches
     assert excinfo.value.retry_after_s > 0
     assert batcher.depth == 3
     recorder.gate.set()
+
+
+def test_a_deadline_shorter_than_the_request_alone_is_the_callers_mistake(make_batcher) -> None:
+    # Before: refused as "unreachable" (429 with Retry-After), inviting a retry that could never succeed.
+    batcher = make_batcher(Recorder(), max_batch_size=1, max_wait_ms=50)
+    batcher.submit(1).result(timeout=10)
+    with pytest.raises(DeadlineTooShort, match="shorter than these 2 images' own inference"):
+        batcher.submit_many([2, 3], deadline=time.monotonic() + 0.06)  # two batches of at least 50 ms
+    assert batcher.depth == 0
 
 
 class OutOfMemory(Exception):

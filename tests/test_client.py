@@ -10,6 +10,7 @@ from typing import Iterator
 
 import pytest
 import skimage.data
+from flask import Flask
 from PIL import Image
 from werkzeug.serving import make_server
 from werkzeug.wrappers import Request, Response
@@ -17,7 +18,7 @@ from werkzeug.wrappers import Request, Response
 from bench.servers import ROOT, Running, free_port
 from client import Client, Prediction, VisionServeError
 from client.__main__ import main as cli
-from tests.imaging import encode
+from tests.imaging import BLUE, RED, encode, image_bytes
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +137,53 @@ def test_connection_errors_back_off_exponentially() -> None:
         client.predict(b"x")
     assert caught.value.code == "connection_error" and caught.value.status is None
     assert len(sleeps) == 3 and all(0.25 * 2 ** i <= s <= 0.75 * 2 ** i for i, s in enumerate(sleeps))
+
+
+@pytest.fixture
+def fake_server(app: Flask) -> Iterator[str]:
+    """The app factory's app with the fake colour model (4 classes), served over real HTTP in this process."""
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+def test_top_k_is_sent_only_when_asked(fake_server: str) -> None:
+    # Before: the client always sent top_k=5, so a model with fewer classes answered 400 to every call.
+    red = image_bytes(RED)
+    with Client(fake_server) as client:
+        assert len(client.predict(red).top_k) == 2  # the server's TOP_K (the test settings' 2)
+        assert len(client.predict(red, top_k=4).top_k) == 4
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_cli_options_work_before_or_after_the_command(fake_server: str, tmp_path: Path, order: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: `predict cat.jpg --url ...` gave "unrecognized arguments: --url".
+    photo = tmp_path / "red.jpg"
+    photo.write_bytes(image_bytes(RED))
+    options = ["--url", fake_server, "--retries", "0"]
+    argv = [*options, "predict", str(photo)] if order == "before" else ["predict", str(photo), *options]
+    assert cli(argv) == 0
+    assert "1. red" in capsys.readouterr().out
+
+
+def test_one_bad_file_among_several_is_reported_and_the_others_answered(
+        fake_server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: one 400 for the whole request, and the CLI printed nothing for the good files.
+    files = []
+    for name, data in (("red.jpg", image_bytes(RED)), ("notes.txt", b"hello"), ("blue.jpg", image_bytes(BLUE))):
+        files.append(tmp_path / name)
+        files[-1].write_bytes(data)
+    with Client(fake_server) as client:
+        red, bad, blue = client.predict_each(files)
+    assert red.label == "red" and blue.label == "blue"
+    assert isinstance(bad, VisionServeError) and bad.code == "invalid_image" and bad.image_index == 1
+    assert cli(["predict", *map(str, files), "--url", fake_server]) == 1
+    captured = capsys.readouterr()
+    assert "red.jpg" in captured.out and "blue.jpg" in captured.out and "1. blue" in captured.out
+    assert "notes.txt" in captured.err and "invalid_image" in captured.err and "image 1 (notes.txt)" in captured.err
+    assert cli(["predict", str(files[0]), str(tmp_path / "missing.jpg"), "--url", fake_server]) == 2
+    captured = capsys.readouterr()
+    assert "1. red" in captured.out and "missing.jpg" in captured.err

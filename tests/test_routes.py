@@ -251,3 +251,77 @@ def test_a_streamed_body_over_the_limit_is_413_not_cut_short(client: FlaskClient
     over = post(settings.max_body_bytes + 1, content_type)
     assert over.status_code == 413 and over.headers["Connection"] == "close"
     assert post(settings.max_body_bytes, content_type).status_code == 400  # at the limit: read, and not an image
+
+
+def test_a_bad_image_among_several_is_named_by_index_and_file_name(client: FlaskClient) -> None:
+    # Before: one 400 that did not say which of the images was bad.
+    files = [(io.BytesIO(image_bytes(RED)), "cat.jpg"), (io.BytesIO(b"not an image"), "notes.txt")]
+    error = _error(client.post("/predict", data={"image": files}), 400, "invalid_image")
+    assert error["message"].startswith("image 1 (notes.txt): ")
+    assert error["details"]["image"] == 1 and error["details"]["filename"] == "notes.txt"
+    body = {"images": [base64.b64encode(image_bytes(RED)).decode(), base64.b64encode(b"nope").decode()]}
+    error = _error(client.post("/predict", json=body), 400, "invalid_image")
+    assert error["message"].startswith("image 1: ") and error["details"]["image"] == 1
+
+
+def test_a_wrong_multipart_field_says_which_fields_were_sent(client: FlaskClient) -> None:
+    response = client.post("/predict", data={"file": (io.BytesIO(image_bytes()), "x.jpg")})
+    assert "fields sent: 'file'" in _error(response, 400, "invalid_request")["message"]
+    both = {"image": (io.BytesIO(image_bytes()), "x.jpg"), "file": (io.BytesIO(image_bytes()), "y.jpg")}
+    assert "'file'" in _error(client.post("/predict", data=both), 400, "invalid_request")["message"]
+
+
+@pytest.mark.parametrize("url, form", [("/predict?topk=1", None), ("/predict?top_k=1&format=json", None),
+                                       ("/predict", {"topk": "1"})])
+def test_unknown_parameters_are_refused_naming_the_known_ones(client: FlaskClient, url: str,
+                                                              form: dict[str, str] | None) -> None:
+    # Before: ignored silently, so a misspelt top_k quietly gave the default.
+    if form is None:
+        response = client.post(url, data=image_bytes(), content_type="image/jpeg")
+    else:
+        response = client.post(url, data={**form, "image": (io.BytesIO(image_bytes()), "x.jpg")})
+    message = _error(response, 400, "invalid_request")["message"]
+    assert "unknown" in message and "known: top_k" in message
+
+
+def test_a_deadline_shorter_than_one_forward_pass_is_400_without_retry_after(client: FlaskClient) -> None:
+    # Before: 429 deadline_unreachable on an idle server, inviting a retry that could never succeed.
+    assert _labels(client.post("/predict", data=image_bytes(RED), content_type="image/jpeg")) == ["red"]
+    response = client.post("/predict", data=image_bytes(RED), content_type="image/jpeg",
+                           headers={"X-Request-Timeout": "1"})
+    _error(response, 400, "deadline_too_short")
+    assert "Retry-After" not in response.headers
+
+
+def test_scores_are_rounded_to_the_configured_digits(settings: Settings, predictor) -> None:  # noqa: ANN001
+    from app import create_app
+
+    app = create_app(settings.model_copy(update={"score_digits": 3}), predictor)
+    try:
+        body = app.test_client().post("/predict", data=image_bytes(GREEN), content_type="image/jpeg").get_json()
+        scores = [s["score"] for p in body["predictions"] for s in p["top_k"]]
+        assert all(round(s, 3) == s for s in scores) and any(s != 0 for s in scores)
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def test_the_default_queue_holds_several_maximum_size_requests(predictor) -> None:  # noqa: ANN001
+    # Before: a 64-image queue, so six concurrent 16-image requests on an idle server got two 429s.
+    from app import create_app
+
+    defaults = Settings(device="cpu", max_batch_size=4, auto_batch_size=False, max_wait_ms=5)
+    assert defaults.resolved_queue_size() == 8 * defaults.max_images == 128
+    app = create_app(defaults, predictor)
+    model = predictor.model
+    try:
+        model.gate = threading.Event()
+        client = app.test_client()
+        files = lambda: {"image": [(io.BytesIO(image_bytes(RED)), f"{i}.jpg") for i in range(16)]}  # noqa: E731
+        with ThreadPoolExecutor(6) as pool:
+            calls = [pool.submit(client.post, "/predict", data=files()) for _ in range(6)]
+            wait_until(lambda: app.extensions[EXTENSION_KEY].batcher.depth >= 80)
+            model.gate.set()
+            assert [c.result(timeout=30).status_code for c in calls] == [200] * 6
+    finally:
+        model.gate = None
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)

@@ -27,6 +27,10 @@ class DeadlineUnreachable(QueueFull):
     """The backlog ahead would outlast the caller's deadline, so the items are refused before they queue."""
 
 
+class DeadlineTooShort(BatcherError):
+    """The caller's deadline is shorter than its own items' forward passes would take with nothing queued."""
+
+
 class DeadlineExpired(BatcherError):
     """The item's deadline passed while it waited; it was dropped before its forward pass."""
 

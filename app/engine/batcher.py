@@ -20,6 +20,7 @@ from app.engine.batch_types import (
     BatchResult,
     BatchSizeMismatch,
     DeadlineExpired,
+    DeadlineTooShort,
     DeadlineUnreachable,
     NullObserver,
     QueueFull,
@@ -142,6 +143,11 @@ class Batcher(Generic[In, Out]):
         with self._cond:
             if self._closed:
                 raise BatcherClosed("the inference worker is shutting down")
+            own = self.expected_wait_s(len(pending))
+            if deadline is not None and self.batches_run and now + own > deadline:
+                # No backlog could clear in time for this: retrying the same deadline would fail again.
+                raise DeadlineTooShort(f"the {max(0.0, deadline - now) * 1000:.0f} ms deadline is shorter than "
+                                       f"these {len(pending)} images' own inference (about {own * 1000:.0f} ms)")
             backlog = len(self._queue) + len(pending)
             if backlog > self.queue_size:
                 raise QueueFull(f"inference queue is full ({len(self._queue)}/{self.queue_size} waiting)",

@@ -17,7 +17,14 @@ import torch
 
 from app.config import Settings
 from app.engine.arrivals import Arrivals, InFlight
-from app.engine.batch_types import BatcherClosed, BatchResult, DeadlineExpired, DeadlineUnreachable, QueueFull
+from app.engine.batch_types import (
+    BatcherClosed,
+    BatchResult,
+    DeadlineExpired,
+    DeadlineTooShort,
+    DeadlineUnreachable,
+    QueueFull,
+)
 from app.engine.batcher import Batcher
 from app.engine.decode import DecodeLimits, image_to_tensor
 from app.engine.predictor import OUT_OF_MEMORY_ERRORS, Predictor
@@ -30,6 +37,7 @@ from app.errors import (
     NotReady,
     Overloaded,
     ServiceError,
+    ShortDeadline,
     check_image_count,
     retry_after_header,
 )
@@ -50,6 +58,7 @@ class Job(Generic[P]):
     timeout_s: float  # the request's deadline, counted from the moment its images are queued
     images: Sequence[bytes] = ()  # encoded image files: decoded and preprocessed by the runner
     tensors: Sequence[torch.Tensor] = ()  # inputs the client already preprocessed
+    names: Sequence[str | None] = ()  # the images' file names where the request gave them (multipart)
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,8 @@ class Served(Generic[P]):
 
 def _service_error(exc: Exception) -> ServiceError:
     """What the batcher's own refusals mean to a client."""
+    if isinstance(exc, DeadlineTooShort):
+        return ShortDeadline(str(exc))
     if isinstance(exc, QueueFull):
         error = Overloaded(str(exc), headers=retry_after_header(exc.retry_after_s))
         if isinstance(exc, DeadlineUnreachable):
@@ -93,7 +104,7 @@ def start_model(settings: Settings, predictor: Predictor, arrivals: Arrivals) ->
     observer = MetricsObserver(predictor.memory_stats if predictor.device.type == "cuda" else None)
     batcher: Batcher[torch.Tensor, torch.Tensor] = Batcher(
         predictor.predict_list, max_batch_size=settings.max_batch_size, max_wait_ms=settings.max_wait_ms,
-        queue_size=settings.queue_size, split_on=OUT_OF_MEMORY_ERRORS, shrink_s=settings.oom_shrink_s,
+        queue_size=settings.resolved_queue_size(), split_on=OUT_OF_MEMORY_ERRORS, shrink_s=settings.oom_shrink_s,
         observer=observer, incoming=arrivals.count,
         inline_when_idle=inline_batches(settings.inline_when_idle, predictor.device))
     profile: dict[int, float] = {}
@@ -249,6 +260,18 @@ class Service:
         """One image's bytes -> model input, with the service's limits."""
         return image_to_tensor(data, self.predictor.transform, self.limits)
 
+    def _preprocess_one(self, job: Job[P], index: int) -> torch.Tensor:
+        """Preprocess image ``index``; an error names it, so a client knows which of its images to fix."""
+        try:
+            return self.preprocess(job.images[index])
+        except ServiceError as exc:
+            name = job.names[index] if index < len(job.names) else None
+            which = f"image {index}" + (f" ({name})" if name else "")
+            exc.message = f"{which}: {exc.message}"
+            exc.args = (exc.message,)
+            exc.details = {"image": index, "filename": name, **(exc.details if isinstance(exc.details, dict) else {})}
+            raise
+
     def _inputs(self, job: Job[P]) -> tuple[list[torch.Tensor], float]:
         if bool(job.images) == bool(job.tensors):
             raise BadRequest("the request holds no images" if not job.images else "send images or tensors, not both")
@@ -256,7 +279,7 @@ class Service:
         if job.tensors:
             return list(job.tensors), 0.0
         started, cpu_started = time.perf_counter(), time.thread_time()
-        tensors = [self.preprocess(data) for data in job.images]
+        tensors = [self._preprocess_one(job, i) for i in range(len(job.images))]
         decode_s = time.perf_counter() - started
         STAGE_SECONDS.labels("decode").observe(decode_s)
         STAGE_CPU_SECONDS.labels("decode").inc(time.thread_time() - cpu_started)
@@ -268,7 +291,7 @@ class Service:
         deadline = time.monotonic() + timeout_s
         try:
             futures = self.batcher.submit_many(tensors, deadline=deadline)
-        except (QueueFull, BatcherClosed) as exc:
+        except (QueueFull, BatcherClosed, DeadlineTooShort) as exc:
             raise _service_error(exc) from None
         try:
             while not all(f.done() for f in futures):

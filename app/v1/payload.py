@@ -5,6 +5,7 @@ It takes the werkzeug request as an argument rather than using Flask's global, s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 import pydantic
 from werkzeug import Request
@@ -15,6 +16,7 @@ from app.web.inputs import decode_base64, parse_json, read_body
 
 RAW_TYPES = ("application/octet-stream",)
 IMAGE_FIELD = "image"
+TOP_K = "top_k"
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,7 @@ class PredictInput:
 
     images: list[bytes]
     top_k: int
+    names: list[str | None] | None = None  # multipart file names, to say which image an error is about
 
 
 def _parse_top_k(raw: str | int | None, default: int, num_classes: int, where: str) -> int:
@@ -57,21 +60,34 @@ def _from_json(request: Request, default_top_k: int, num_classes: int, max_image
     return PredictInput([_image_from_base64(s, i) for i, s in enumerate(parsed.images)], top_k)
 
 
-def _from_multipart(request: Request, max_images: int) -> list[bytes]:
+def _from_multipart(request: Request, max_images: int) -> tuple[list[bytes], list[str | None]]:
+    check_known(request.form.keys(), {TOP_K}, "form field")
+    unknown_files = sorted(set(request.files.keys()) - {IMAGE_FIELD})
     files = request.files.getlist(IMAGE_FIELD)
-    if not files:
-        raise BadRequest(f"multipart body has no {IMAGE_FIELD!r} file field")
+    if not files or unknown_files:
+        sent = ", ".join(repr(name) for name in [*request.files.keys(), *request.form.keys()]) or "none"
+        raise BadRequest(f"send each image as a file in the {IMAGE_FIELD!r} field (e.g. curl -F "
+                         f"{IMAGE_FIELD}=@cat.jpg); fields sent: {sent}")
     check_image_count(len(files), max_images)
-    return [f.read() for f in files]
+    return [f.read() for f in files], [f.filename or None for f in files]
+
+
+def check_known(names: Iterable[str], known: set[str], what: str) -> None:
+    """Refuse a parameter the endpoint does not know (a misspelt ``topk`` would otherwise be ignored)."""
+    unknown = sorted(set(names) - known)
+    if unknown:
+        raise BadRequest(f"unknown {what} {', '.join(map(repr, unknown))}; known: {', '.join(sorted(known))}")
 
 
 def parse_predict(request: Request, *, default_top_k: int, num_classes: int, max_images: int) -> PredictInput:
     """Images and top_k from a multipart, raw-bytes or JSON request; raises a ServiceError on bad input."""
+    check_known(request.args.keys(), {TOP_K}, "query parameter")
     mimetype = request.mimetype
+    names: list[str | None] | None = None
     if mimetype == "application/json":
         return _from_json(request, default_top_k, num_classes, max_images)
     if mimetype == "multipart/form-data":
-        images = _from_multipart(request, max_images)
+        images, names = _from_multipart(request, max_images)
         raw_top_k = request.form.get("top_k", request.args.get("top_k"))
     elif mimetype.startswith("image/") or mimetype in RAW_TYPES:
         images = [read_body(request)]
@@ -80,4 +96,4 @@ def parse_predict(request: Request, *, default_top_k: int, num_classes: int, max
         raise UnsupportedMediaType(
             f"content type {mimetype or '(none)'!r} is not supported; send multipart/form-data with an "
             f"{IMAGE_FIELD!r} field, a raw image body (image/* or application/octet-stream), or JSON")
-    return PredictInput(images, _parse_top_k(raw_top_k, default_top_k, num_classes, "parameter"))
+    return PredictInput(images, _parse_top_k(raw_top_k, default_top_k, num_classes, "parameter"), names)

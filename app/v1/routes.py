@@ -23,9 +23,10 @@ from app.web.timing import annotate
 bp = Blueprint("v1", __name__)
 
 
-def _top_k(row: torch.Tensor, k: int, labels: list[str]) -> Prediction:
+def _top_k(row: torch.Tensor, k: int, labels: list[str], digits: int) -> Prediction:
     scores, indices = torch.topk(row, k)
-    ranked = [ClassScore(label=labels[i], index=i, score=s) for s, i in zip(scores.tolist(), indices.tolist())]
+    ranked = [ClassScore(label=labels[i], index=i, score=round(s, digits))
+              for s, i in zip(scores.tolist(), indices.tolist())]
     return Prediction(**ranked[0].model_dump(), top_k=ranked)
 
 
@@ -39,11 +40,11 @@ def predict() -> Response:
         timeout_s = deadline_s(request.headers, settings.request_timeout_s)
         parsed = parse_predict(request, default_top_k=settings.top_k, num_classes=predictor.num_classes,
                                max_images=settings.max_images)
-        return Job(parsed, timeout_s, images=parsed.images)
+        return Job(parsed, timeout_s, images=parsed.images, names=parsed.names or ())
 
     served = serve(service, read)
     body = PredictResponse(model=ModelRef(name=predictor.manifest.name, version=predictor.manifest.version),
-                           predictions=[_top_k(r.value, served.parsed.top_k, predictor.labels)
+                           predictions=[_top_k(r.value, served.parsed.top_k, predictor.labels, settings.score_digits)
                                         for r in served.results])
     return annotate(Response(body.model_dump_json(), mimetype="application/json"), served)
 
@@ -61,7 +62,7 @@ def _model_info(service: Service, show_labels: bool) -> ModelInfo:
                           profile={k: round(v, 1) for k, v in service.batch_profile.items()},
                           max_wait_ms=s.max_wait_ms,
                           current_max_batch_size=service.batcher.current_max_batch_size,
-                          queue_size=s.queue_size, queue_depth=service.batcher.depth),
+                          queue_size=s.resolved_queue_size(), queue_depth=service.batcher.depth),
         limits=Limits(max_body_bytes=s.max_body_bytes, max_pixels=s.max_pixels, max_images=s.max_images,
                       max_aspect_ratio=s.max_aspect_ratio, default_top_k=s.top_k,
                       request_timeout_s=s.request_timeout_s))

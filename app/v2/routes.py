@@ -132,12 +132,12 @@ def _output_plan(infer: InferRequest) -> list[tuple[int, bool]]:
     return plan
 
 
-def _output(probabilities: torch.Tensor, labels: list[str], k: int) -> Tensor:
+def _output(probabilities: torch.Tensor, labels: list[str], k: int, digits: int) -> Tensor:
     if not k:
         return Tensor(OUTPUT, "FP32", list(probabilities.shape), probabilities.numpy())
     k = min(k, probabilities.shape[1])
     scores, indices = probabilities.topk(k, dim=1)
-    rows = [[f"{s:f}:{i}:{labels[i]}".encode() for s, i in zip(srow, irow)]
+    rows = [[f"{s:.{digits}f}:{i}:{labels[i]}".encode() for s, i in zip(srow, irow)]
             for srow, irow in zip(scores.tolist(), indices.tolist())]
     return Tensor(OUTPUT, "BYTES", [len(rows), k], np.array(rows, dtype=object))
 
@@ -164,7 +164,8 @@ def infer(name: str, version: str | None = None) -> Response:
 
     served = serve(service, read)
     probabilities = served.probabilities()
-    outputs = [_output(probabilities, service.predictor.labels, k) for k, _ in served.parsed.outputs]
+    digits = service.settings.score_digits
+    outputs = [_output(probabilities, service.predictor.labels, k, digits) for k, _ in served.parsed.outputs]
     manifest = service.predictor.manifest
     body, header_length = encode_response(model_name=manifest.name, model_version=manifest.version,
                                           request_id=served.parsed.id, outputs=outputs,
