@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import base64
+import io
 import re
 from typing import Any
 
@@ -111,3 +112,22 @@ def test_docs_page_works_offline_and_without_a_key(settings: Settings, predictor
         assert client.get("/v1/models").status_code == 401
     finally:
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def test_docs_try_it_out_offers_file_pickers_and_working_examples(client: FlaskClient,
+                                                                  document: dict[str, Any]) -> None:
+    # Before: the multipart form had text boxes instead of a file picker (no format: binary, which Swagger UI
+    # needs for array items), and a top_k form box pre-filled with 0, so "Try it out" answered 400.
+    body = document["paths"]["/predict"]["post"]["requestBody"]["content"]
+    multipart = body["multipart/form-data"]["schema"]
+    assert multipart["properties"]["image"]["items"]["format"] == "binary"
+    assert set(multipart["properties"]) == {"image"}
+    for raw in ("image/*", "application/octet-stream"):
+        assert body[raw]["schema"]["format"] == "binary"
+    (top_k,) = [p for p in document["paths"]["/predict"]["post"]["parameters"] if p["name"] == "top_k"]
+    assert "default" not in top_k["schema"] and "example" not in top_k
+    # What the pickers send, and the JSON example as Swagger UI would send it, are answered 200.
+    picked = client.post("/predict", data={"image": [(io.BytesIO(image_bytes()), "photo.jpg")]})
+    assert picked.status_code == 200, picked.get_json()
+    example = client.post("/predict", json=body["application/json"]["example"])
+    assert example.status_code == 200, example.get_json()

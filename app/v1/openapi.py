@@ -8,21 +8,30 @@ from app.web.openapi import BINARY, TIMEOUT_HEADER, errors, json_answer, ref
 from app.web.schemas import ErrorResponse
 
 MODELS = (s.PredictJSONRequest, s.PredictResponse, s.ModelsResponse)
+# A 4x4 red PNG, so "Try it out" on the JSON form sends an image any model accepts.
+EXAMPLE_IMAGE_BASE64 = ("iVBORw0KGgoAAAANSUhEUgAAAAQAAAAECAIAAAAmkwkpAAAAFElEQVR4nGO8IyfHAANMDEgANwcAOHIBIO1BLLkAAAAA"
+                        "SUVORK5CYII=")
 
 
 def _predict() -> dict[str, Any]:
-    top_k = {"name": "top_k", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 1}}
+    top_k = {"name": "top_k", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 1},
+             "description": "Classes per image (1 to the model's classes); left out, the server's TOP_K"}
+    # top_k is accepted as a form field too, but described only as the query parameter: /docs would otherwise
+    # pre-fill a form box with 0 and every "Try it out" would answer 400.
     multipart = {"type": "object", "required": ["image"],
-                 "properties": {"image": {"type": "array", "items": BINARY}, "top_k": {"type": "integer"}}}
+                 "properties": {"image": {"type": "array", "items": BINARY, "minItems": 1,
+                                          "description": "One or more image files (pick them in /docs)"}}}
     return {"post": {
         "summary": "Classify one or more images",
-        "description": "Send the images as multipart (repeat the `image` field), as a raw body (image/* or "
-                       "application/octet-stream), or as JSON with base64 strings. Answers keep the order sent.",
+        "description": "Send the images as multipart (repeat the `image` field; `top_k` may also be a form "
+                       "field), as a raw body (image/* or application/octet-stream), or as JSON with base64 "
+                       "strings. Answers keep the order sent.",
         "parameters": [top_k, TIMEOUT_HEADER],
         "requestBody": {"required": True, "content": {
             "multipart/form-data": {"schema": multipart},
             "image/*": {"schema": BINARY}, "application/octet-stream": {"schema": BINARY},
-            "application/json": {"schema": ref(s.PredictJSONRequest)}}},
+            "application/json": {"schema": ref(s.PredictJSONRequest),
+                                 "example": {"images": [EXAMPLE_IMAGE_BASE64], "top_k": 1}}}},
         "responses": {"200": json_answer(s.PredictResponse, "One prediction per image", "Server-Timing",
                                          "X-Batch-Size"),
                       **errors(ErrorResponse, "400 401 408 413 415 422 429 500 503 504")},

@@ -78,7 +78,9 @@ def health(model: type[BaseModel], summary: str, error_model: type[BaseModel] = 
 TIMEOUT_HEADER = {"name": "X-Request-Timeout", "in": "header", "required": False,
                   "description": "This request's deadline in ms, capped by request_timeout_s",
                   "schema": {"type": "number"}}
-BINARY = {"type": "string", "contentMediaType": "application/octet-stream"}
+# contentMediaType is OAS 3.1's way to say "a file"; Swagger UI shows a file picker for array items only with
+# format: binary (swagger-ui issue 10825), so both are given.
+BINARY = {"type": "string", "format": "binary", "contentMediaType": "application/octet-stream"}
 
 _DESCRIPTION = ('Image classification with dynamic batching. Errors outside /v2 have the shape '
                 '{"error": {"code", "message", "request_id"}}; /v2 errors are {"error": "<message>"}.')
