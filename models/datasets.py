@@ -46,14 +46,15 @@ def write_digits(out: Path, *, size: int = 32, val_fraction: float = 0.2, seed: 
 _TEXTURES = ("brick", "grass", "gravel")
 
 
-def write_textures(out: Path, *, per_class: int = 60, seed: int = 0) -> dict[str, int]:
-    """Random patches of scikit-image's brick, grass and gravel photos; train from the top half, val from the
-    bottom half, so no val pixel was ever seen in training."""
+def write_textures(out: Path, *, per_class: int = 60, seed: int = 0,
+                   classes: Sequence[str] = _TEXTURES) -> dict[str, int]:
+    """Random patches of scikit-image's brick, grass and gravel photos (or other ``skimage.data`` photos named in
+    ``classes``); train from the top half, val from the bottom half, so no val pixel was ever seen in training."""
     import skimage.data
 
     rng = np.random.default_rng(seed)
     counts = {"train": 0, "val": 0}
-    for label in _TEXTURES:
+    for label in classes:
         photo = np.asarray(getattr(skimage.data, label)())
         half = photo.shape[0] // 2
         for split, rows in (("train", photo[:half]), ("val", photo[half:])):

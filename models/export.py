@@ -6,8 +6,10 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Sequence
 
@@ -113,13 +115,30 @@ def export_checkpoint(path: Path, out_dir: Path, *, name: str | None = None,
     metrics = {key: float(value) for key, value in state["metrics"].items() if key.startswith("val_")}
     run_name = Path(str(state["args"]["output_dir"])).name
     epoch = int(state["epoch"])
+    version = version or default_version(path, state["model"])
     manifest = export_model(
-        model, out_dir=out_dir, name=name or run_name, version=version or f"epoch-{epoch}", arch=state["arch"],
+        model, out_dir=out_dir, name=name or run_name, version=version, arch=state["arch"],
         labels=state["classes"], preset=EvalPreset.model_validate(state["preset"]), metrics=metrics,
         source=f"models.train checkpoint {path.name} of run {run_name}, epoch {epoch}", force=force,
     )
     log.info("exported %s (val top-1 %.4f) to %s", path, metrics.get("val_acc1", float("nan")), out_dir)
     return manifest
+
+
+def weights_digest(state_dict: dict[str, torch.Tensor]) -> str:
+    """A short sha256 of the weights themselves (names and bytes): the same weights give the same digest."""
+    digest = hashlib.sha256()
+    for key in sorted(state_dict):
+        digest.update(key.encode())
+        digest.update(state_dict[key].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:8]
+
+
+def default_version(checkpoint: Path, state_dict: dict[str, torch.Tensor]) -> str:
+    """``<checkpoint's date>-<weights digest>``, e.g. ``20261123-3f9c2a1b``: unique across runs and epochs, sortable
+    by date, and the same when the same checkpoint is exported again."""
+    day = datetime.fromtimestamp(checkpoint.stat().st_mtime, tz=timezone.utc).strftime("%Y%m%d")
+    return f"{day}-{weights_digest(state_dict)}"
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -130,7 +149,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     source.add_argument("--checkpoint", type=Path, help="a checkpoint written by models.train (e.g. best.pt)")
     parser.add_argument("--out", type=Path, default=Path("weights"), help="weights directory to write")
     parser.add_argument("--name", default=None, help="model name (default: the run's folder name)")
-    parser.add_argument("--version", default=None, help="model version (default: epoch-N)")
+    parser.add_argument("--version", default=None,
+                        help="model version (default: the checkpoint's date and a digest of its weights)")
     parser.add_argument("--force", action="store_true", help="replace a different model already in --out")
     return parser
 

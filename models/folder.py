@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import random
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +90,25 @@ def check_same_classes(train: Split, val: Split) -> None:
     only_val = sorted(set(val.classes) - set(train.classes))
     raise DataError(f"train and val have different classes: only in train: {only_train or '-'}; "
                     f"only in val: {only_val or '-'}")
+
+
+def split_holdout(split: Split, fraction: float, seed: int) -> tuple[Split, Split]:
+    """Split one folder into train and val: the same files every time (seeded), ``fraction`` of each class held
+    out (at least one image, and at least one left to train on), so every class is in both."""
+    if not 0 < fraction < 1:
+        raise DataError(f"--val-split must be between 0 and 1, got {fraction}")
+    train: list[Sample] = []
+    val: list[Sample] = []
+    for index, name in enumerate(split.classes):
+        files = sorted(path for path, target in split.samples if target == index)
+        if len(files) < 2:
+            raise DataError(f"class {name!r} has {len(files)} readable image(s); a split needs at least 2")
+        random.Random(f"{seed}:{name}").shuffle(files)
+        held = min(max(1, round(len(files) * fraction)), len(files) - 1)
+        val += [(path, index) for path in sorted(files[:held])]
+        train += [(path, index) for path in sorted(files[held:])]
+    return (Split(root=split.root, classes=split.classes, samples=train, skipped=split.skipped),
+            Split(root=split.root, classes=split.classes, samples=val, skipped=[]))
 
 
 def load_image(path: Path) -> Image.Image:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import warnings
 
 import torch
 import torch.nn as nn
@@ -50,7 +51,10 @@ def make_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Op
     return torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, args: argparse.Namespace) -> torch.optim.lr_scheduler.LRScheduler:
+Scheduler = torch.optim.lr_scheduler.LRScheduler
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, args: argparse.Namespace) -> Scheduler:
     """Cosine decay over the epochs, after an optional linear warm-up; stepped once per epoch."""
     warmup = min(args.lr_warmup_epochs, max(args.epochs - 1, 0))
     cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(args.epochs - warmup, 1))
@@ -58,3 +62,17 @@ def make_scheduler(optimizer: torch.optim.Optimizer, args: argparse.Namespace) -
         return cosine
     ramp = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=warmup)
     return torch.optim.lr_scheduler.SequentialLR(optimizer, [ramp, cosine], milestones=[warmup])
+
+
+def continue_schedule(optimizer: torch.optim.Optimizer, args: argparse.Namespace, epoch: int) -> Scheduler:
+    """The schedule of a run planned for ``args.epochs``, advanced to ``epoch`` (for a resumed run whose length
+    changed): each group's learning rate restarts from its initial value and steps as that run's would have."""
+    for group in optimizer.param_groups:
+        group["lr"] = group["initial_lr"]
+        del group["initial_lr"]  # the new scheduler records it again
+    scheduler = make_scheduler(optimizer, args)
+    with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": this is a fast-forward
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(epoch):
+            scheduler.step()
+    return scheduler

@@ -1,17 +1,20 @@
-"""Draw a run's loss and accuracy curves from its metrics file.
+"""Draw a run's loss and accuracy curves from its metrics file, and its confusion matrix.
 
-    python -m models.plot runs/NAME          # writes runs/NAME/curves.png
+    python -m models.plot runs/NAME          # writes runs/NAME/curves.png (and confusion.png)
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Sequence
 
+from models.progress import CONFUSION_NAME
 from models.runlog import METRICS_NAME, read_metrics
 
 PLOT_NAME = "curves.png"
+CONFUSION_PLOT_NAME = "confusion.png"
 
 
 def plot_run(run_dir: Path, out: Path | None = None) -> Path:
@@ -36,6 +39,30 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
         axes.legend()
     figure.suptitle(run_dir.name)
     target = out or run_dir / PLOT_NAME
+    figure.savefig(target, dpi=100)
+    plt.close(figure)
+    if (run_dir / CONFUSION_NAME).is_file():
+        plot_confusion(run_dir / CONFUSION_NAME, target.with_name(CONFUSION_PLOT_NAME))
+    return target
+
+
+def plot_confusion(report_path: Path, target: Path) -> Path:
+    """The best epoch's confusion matrix (counts; rows true, columns predicted) with per-class recall."""
+    import matplotlib.pyplot as plt
+
+    report = json.loads(report_path.read_text(encoding="utf-8"))
+    classes, matrix = report["classes"], report["matrix"]
+    size = max(4.0, 0.5 * len(classes) + 2)
+    figure, axes = plt.subplots(figsize=(size, size), constrained_layout=True)
+    axes.imshow(matrix, cmap="Blues")
+    for row, counts in enumerate(matrix):
+        for column, count in enumerate(counts):
+            axes.text(column, row, str(count), ha="center", va="center", fontsize=8)
+    recall = [f"{name} ({report['per_class'][name]['recall']:.2f})" for name in classes]
+    axes.set(xticks=range(len(classes)), yticks=range(len(classes)), xlabel="predicted",
+             ylabel="true class (recall)", title="validation, best epoch")
+    axes.set_xticklabels(classes, rotation=45, ha="right")
+    axes.set_yticklabels(recall)
     figure.savefig(target, dpi=100)
     plt.close(figure)
     return target

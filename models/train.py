@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -34,14 +35,28 @@ from models.distributed import (
     pick_device,
     sum_across_ranks,
 )
-from models.folder import DataError, EpochSampler, FolderDataset, ShardSampler, check_same_classes, scan_split
-from models.optim import build_trainable, make_optimizer, make_scheduler, set_train_mode
+from models.folder import (
+    DataError,
+    EpochSampler,
+    FolderDataset,
+    ShardSampler,
+    Split,
+    check_same_classes,
+    scan_split,
+    split_holdout,
+)
+from models.optim import Scheduler, build_trainable, continue_schedule, make_optimizer, make_scheduler, set_train_mode
 from models.presets import EvalPreset, eval_transform, train_transform
 from models.pretrained import pretrained_preset
+from models.progress import Progress, Timer, confusion, confusion_counts, write_confusion
 from models.registry import ARCHS
 from models.train_args import get_args_parser
 
 log = logging.getLogger("models.train")
+
+
+class RunFinished(Exception):
+    """``--resume`` of a run that already trained all its epochs: nothing to do (said, exit 0)."""
 
 
 @dataclass
@@ -78,11 +93,24 @@ def make_preset(args: argparse.Namespace) -> EvalPreset:
     return base.model_copy(update={key: value for key, value in sizes.items() if value is not None})
 
 
+def _splits(args: argparse.Namespace) -> tuple[Split, Split]:
+    """DIR/train and DIR/val, or with --val-split one DIR/<class> folder split in two."""
+    workers = max(4, args.workers)
+    if args.val_split is not None:
+        return split_holdout(scan_split(args.data, workers=workers), args.val_split, args.seed)
+    if not (args.data / "train").is_dir() and args.data.is_dir() and any(
+            p.is_dir() and p.name not in ("train", "val") for p in args.data.iterdir()):
+        raise DataError(f"{args.data} has no train/ and val/ folders; to hold out part of each class folder "
+                        f"for validation, add --val-split 0.2")
+    train_split = scan_split(args.data / "train", workers=workers)
+    val_split = scan_split(args.data / "val", workers=workers)
+    check_same_classes(train_split, val_split)
+    return train_split, val_split
+
+
 def load_data(args: argparse.Namespace, preset: EvalPreset, env: DistEnv, device: torch.device) -> Data:
     """Check both splits, then build sharded loaders (every rank scans: the result is the same everywhere)."""
-    train_split = scan_split(args.data / "train", workers=max(4, args.workers))
-    val_split = scan_split(args.data / "val", workers=max(4, args.workers))
-    check_same_classes(train_split, val_split)
+    train_split, val_split = _splits(args)
     skipped = len(train_split.skipped) + len(val_split.skipped)
     if skipped and env.is_main:
         log.warning("skipped %d unreadable file(s); training on %d, validating on %d",
@@ -173,7 +201,9 @@ def _checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer, schedu
 
 
 def _resume(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: object,
-            scaler: torch.amp.GradScaler | None, args: argparse.Namespace, classes: list[str]) -> tuple[int, float]:
+            scaler: torch.amp.GradScaler | None, args: argparse.Namespace,
+            classes: list[str]) -> tuple[int, float, int]:
+    """Restore a checkpoint; returns the next epoch, the best top-1 and the epochs its schedule was planned for."""
     state = ckpt.load_checkpoint(path)
     if state["arch"] != args.arch or state["classes"] != classes:
         raise DataError(f"{path} was trained as {state['arch']} on classes {state['classes']}, "
@@ -184,11 +214,16 @@ def _resume(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, sche
     if scaler is not None and state["scaler"] is not None:
         scaler.load_state_dict(state["scaler"])
     ckpt.set_rng_state(state["rng"])
-    return int(state["epoch"]) + 1, float(state["best_acc1"])
+    return int(state["epoch"]) + 1, float(state["best_acc1"]), int(state["args"]["epochs"])
 
 
 def _setup(args: argparse.Namespace, env: DistEnv) -> tuple[torch.device, EvalPreset]:
-    """Refuse option combinations that cannot work, as user errors rather than tracebacks."""
+    """Resolve the defaults that depend on other options; refuse combinations that cannot work, as user errors
+    rather than tracebacks."""
+    if args.lr is None:  # sane from a small folder to ImageNet: a batch of 32 on one process trains at 0.0125
+        args.lr = 0.1 * args.batch_size * env.world_size / 256 if args.opt == "sgd" else 1e-3
+    if args.lr_warmup_epochs is None:  # fresh BatchNorm statistics and a full learning rate diverged on day one
+        args.lr_warmup_epochs = 0 if args.pretrained else 1
     try:
         device = pick_device(args.device, env)
         check_amp(device, _amp_dtype(args))
@@ -199,9 +234,24 @@ def _setup(args: argparse.Namespace, env: DistEnv) -> tuple[torch.device, EvalPr
         raise DataError(str(exc)) from None
 
 
+def _start(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Scheduler,
+           scaler: torch.amp.GradScaler | None, classes: list[str]) -> tuple[int, float, Scheduler]:
+    """The first epoch to run, the best top-1 so far and the schedule: fresh, or continued from ``--resume``."""
+    if not args.resume:
+        return 0, -1.0, scheduler
+    start, best, planned = _resume(args.resume, model, optimizer, scheduler, scaler, args, classes)
+    log.info("resumed from %s at epoch %d", args.resume, start)
+    if planned != args.epochs and start < args.epochs:
+        # Extending (or shortening) a run: the cosine is laid over the new length and continued from this epoch,
+        # so the learning rate is what a run planned for --epochs would have now (not 0, not a restart).
+        scheduler = continue_schedule(optimizer, args, start)
+        log.info("the schedule was planned for %d epochs: stretched to %d, learning rate now %.3g",
+                 planned, args.epochs, optimizer.param_groups[0]["lr"])
+    return start, best, scheduler
+
+
 def run(args: argparse.Namespace, env: DistEnv, device: torch.device, preset: EvalPreset) -> None:
-    """Train ``args.epochs`` epochs (from a checkpoint when resuming), then optionally export and plot."""
-    from models.export import export_checkpoint
+    """Train ``args.epochs`` epochs (from a checkpoint when resuming), then report, export and plot."""
     from models.runlog import RunLog
 
     torch.manual_seed(args.seed)
@@ -210,14 +260,16 @@ def run(args: argparse.Namespace, env: DistEnv, device: torch.device, preset: Ev
     if env.distributed:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     optimizer, scaler = make_optimizer(model_without_ddp, args), make_scaler(device, _amp_dtype(args))
-    scheduler = make_scheduler(optimizer, args)
-    start, best = 0, -1.0
-    if args.resume:
-        start, best = _resume(args.resume, model_without_ddp, optimizer, scheduler, scaler, args, data.classes)
-        log.info("resumed from %s at epoch %d", args.resume, start)
+    start, best, scheduler = _start(args, model_without_ddp, optimizer, make_scheduler(optimizer, args), scaler,
+                                    data.classes)
+    if start >= args.epochs:
+        raise RunFinished(f"{args.resume} is a finished run of {start} epochs (best val top-1 {best:.4f}); "
+                          f"nothing to train. To train longer: --resume {args.resume} --epochs {start + 5}")
     if env.is_main:
         args.output_dir.mkdir(parents=True, exist_ok=True)
-    runlog = RunLog(args.output_dir, enabled=env.is_main)
+    runlog, timer = RunLog(args.output_dir, enabled=env.is_main), Timer()
+    progress = Progress(args.epochs, len(data.classes))
+    best_counts: torch.Tensor | None = None
     for epoch in range(start, args.epochs):
         data.train_sampler.set_epoch(epoch)
         lr = optimizer.param_groups[0]["lr"]
@@ -227,21 +279,44 @@ def run(args: argparse.Namespace, env: DistEnv, device: torch.device, preset: Ev
         row = {"epoch": epoch, "lr": lr, **row, "val_loss": result.loss, "val_acc1": result.acc1,
                "val_acc5": result.acc5}
         is_best, best = result.acc1 > best, max(best, result.acc1)
+        if is_best:
+            best_counts = _confusion_counts(result, data, device, env)
         if env.is_main:
             ckpt.save_checkpoint(_checkpoint_state(model_without_ddp, optimizer, scheduler, scaler, epoch, best,
                                                    args, data, preset, row), args.output_dir, is_best=is_best)
             runlog.epoch(row)
-            log.info("epoch %d: loss %.4f  val top-1 %.4f  top-5 %.4f  %.0f img/s", epoch, row["train_loss"],
-                     result.acc1, result.acc5, row["images_per_s"])
+            log.info("%s", progress.line(row, is_best, timer.lap()))
         barrier(env)
     runlog.close()
-    if env.is_main and args.export:
+    if env.is_main:
+        _finish(args, progress, best_counts, data.classes)
+
+
+def _confusion_counts(result: EvalResult, data: Data, device: torch.device, env: DistEnv) -> torch.Tensor:
+    """The confusion matrix of this validation pass over all ranks."""
+    samples = data.val.dataset.samples  # type: ignore[attr-defined]
+    local = confusion_counts(result.probabilities, [samples[i][1] for i in result.indices], len(data.classes))
+    summed = sum_across_ranks([float(v) for v in local.flatten().tolist()], device, env)
+    return torch.tensor(summed, dtype=torch.int64).reshape(local.shape)
+
+
+def _finish(args: argparse.Namespace, progress: Progress, best_counts: torch.Tensor | None,
+            classes: list[str]) -> None:
+    """The summary, the best epoch's per-class report, then the export and plot asked for."""
+    from models.export import export_checkpoint
+
+    if best_counts is not None:
+        path, table = write_confusion(confusion(best_counts, classes), args.output_dir)
+        log.info("per class, best epoch (%s):\n%s", path, "\n".join(table))
+    for line in progress.summary(args.output_dir, args.output_dir / ckpt.BEST_NAME):
+        log.info("%s", line)
+    if args.export:
         try:
             export_checkpoint(args.output_dir / ckpt.BEST_NAME, args.export, name=args.name)
         except FileExistsError as exc:  # the run is kept: say how to export it, do not fail after training
             log.error("not exported: %s (python -m models.export --checkpoint %s --out DIR)", exc,
                       args.output_dir / ckpt.BEST_NAME)
-    if env.is_main and args.plot:
+    if args.plot:
         from models.plot import plot_run
         log.info("wrote %s", plot_run(args.output_dir))
 
@@ -256,12 +331,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         device, preset = _setup(args, env)
         init_process_group(env, device)
         run(args, env, device, preset)
+    except RunFinished as exc:
+        log.info("%s", exc)
     except (DataError, FileNotFoundError) as exc:
         log.error("error: %s", exc)
         return 2
+    except KeyboardInterrupt:  # one line with what to run next, not a traceback
+        if env.is_main:
+            log.warning("%s", interrupted(args, list(sys.argv[1:] if argv is None else argv)))
+        return 130
     finally:
         destroy_process_group(env)
     return 0
+
+
+def interrupted(args: argparse.Namespace, argv: list[str]) -> str:
+    """What Ctrl-C leaves: the last checkpoint and the exact command that goes on from it."""
+    saved = args.output_dir / ckpt.CHECKPOINT_NAME
+    if not saved.exists():
+        return "interrupted before the first epoch ended: no checkpoint to resume from"
+    kept, words = [], iter(argv)
+    for word in words:  # the same options, without an earlier --resume
+        if word == "--resume":
+            next(words, None)  # and its value
+        elif not word.startswith("--resume="):
+            kept.append(word)
+    command = shlex.join(["python", "-m", "models.train", *kept, "--resume", str(saved)])
+    return f"interrupted: the last finished epoch is in {saved}; to go on: {command}"
 
 
 if __name__ == "__main__":

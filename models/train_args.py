@@ -24,7 +24,11 @@ def get_args_parser(archs: Sequence[str], description: str = "") -> argparse.Arg
     """Options in torchvision's reference-script spirit; sizes default to the arch's pretrained preset."""
     parser = argparse.ArgumentParser(prog="python -m models.train", description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", type=Path, required=True, help="folder with train/<class>/* and val/<class>/*")
+    parser.add_argument("--data", type=Path, required=True,
+                        help="folder with train/<class>/* and val/<class>/* (or <class>/* with --val-split)")
+    parser.add_argument("--val-split", type=float, default=None,
+                        help="hold out this fraction of each class of a DIR/<class>/* folder for validation "
+                             "(the same files every run with the same --seed)")
     parser.add_argument("--arch", choices=archs, default="resnet18")
     parser.add_argument("--pretrained", action="store_true",
                         help="start from the packaged ImageNet weights (new head); efficientnet_lite0 only")
@@ -34,11 +38,14 @@ def get_args_parser(archs: Sequence[str], description: str = "") -> argparse.Arg
     parser.add_argument("--epochs", type=_positive_int, default=10)
     parser.add_argument("--batch-size", type=_positive_int, default=32, help="images per process and step")
     parser.add_argument("--opt", choices=("sgd", "adamw"), default="sgd")
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--lr", type=float, default=None,
+                        help="peak learning rate (default: SGD 0.1 x global batch / 256, the linear scaling rule; "
+                             "AdamW 0.001)")
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--weight-decay", type=float, default=1e-4)
     parser.add_argument("--label-smoothing", type=float, default=0.0)
-    parser.add_argument("--lr-warmup-epochs", type=_non_negative_int, default=0)
+    parser.add_argument("--lr-warmup-epochs", type=_non_negative_int, default=None,
+                        help="linear warm-up (default: 1 epoch from scratch, 0 with --pretrained)")
     parser.add_argument("--clip-grad-norm", type=float, default=None, help="clip the gradient norm to this")
     parser.add_argument("--amp", action="store_true", help="mixed precision (autocast) for training")
     parser.add_argument("--amp-dtype", choices=("bf16", "fp16"), default="bf16", help="fp16 (CUDA) uses a GradScaler")

@@ -19,9 +19,11 @@ from app.engine.service import Service
 from bench.servers import Running, visionserve
 from tests.fakes import ColourModel, tiny_manifest
 
-# A test that uses one of these starts a server, loads real weights or runs torchrun: it is marked slow, so
-# `pytest -m "not slow"` stays under a minute. A test that starts a server without them fails (see _guard).
-SLOW_FIXTURES = frozenset({"real_weights", "real_app", "small_weights", "live_server", "start_server", "torchrun"})
+# A test that uses one of these starts a server, loads real weights, runs torchrun or trains on photos: it is
+# marked slow, so `pytest -m "not slow"` stays under a minute. A test that starts a server without them fails
+# (see _guard).
+SLOW_FIXTURES = frozenset({"real_weights", "real_app", "small_weights", "live_server", "start_server", "torchrun",
+                           "photo_folder"})
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -55,3 +55,50 @@ def test_a_misspelt_setting_is_named_with_the_closest_one() -> None:
                                   "VISIONSERVE_ZZZ": "1", "PATH": "/bin"})
     assert warnings == ["VISIONSERVE_WORKER is not a setting and is ignored (did you mean VISIONSERVE_WORKERS?)",
                         "VISIONSERVE_ZZZ is not a setting and is ignored (docs/configuration.md lists the settings)"]
+
+
+@pytest.fixture(scope="module")
+def photo_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A new user's folder: 4 classes, 30 training images each (patches of real photos), 15 val each."""
+    from models.datasets import write_textures
+
+    out = tmp_path_factory.mktemp("photos")
+    write_textures(out, per_class=30, classes=("brick", "grass", "gravel", "moon"))
+    return out
+
+
+def test_a_new_user_trains_exports_serves_and_calls_their_model(photo_folder: Path, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    # The README's recipe, end to end: the pretrained fine-tune on 4 x 30 images, the export into the run, the
+    # server on that export, then the client and the CLI, without a single error.
+    import threading
+
+    from werkzeug.serving import make_server
+
+    from app import EXTENSION_KEY, create_app
+    from app.config import Settings
+    from client import Client
+    from client.__main__ import main as cli
+    from models import train
+
+    run = tmp_path / "run"
+    assert train.main(["--data", str(photo_folder), "--arch", "efficientnet_lite0", "--pretrained",
+                       "--freeze-backbone", "--epochs", "2", "--workers", "0", "--device", "cpu",
+                       "--output-dir", str(run)]) == 0
+    assert export_main(["--checkpoint", str(run / "best.pt"), "--out", str(run / "export")]) == 0
+    app = create_app(Settings(weights_dir=run / "export", device="cpu", log_level="warning"))
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        grass = sorted((photo_folder / "val" / "grass").iterdir())[:3]
+        with Client(url) as client:
+            assert client.model().name == "run"
+            predictions = client.predict(grass)  # top_k left to the server: 4 classes, not 5
+        assert [len(p.top_k) for p in predictions] == [4, 4, 4]
+        assert [p.label for p in predictions].count("grass") >= 2
+        assert cli(["predict", *map(str, grass), "--url", url]) == 0
+        assert "grass" in capsys.readouterr().out
+    finally:
+        server.shutdown()
+        app.extensions[EXTENSION_KEY].shutdown(timeout=10)

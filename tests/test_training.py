@@ -1,9 +1,13 @@
 """The training script end to end on CPU: train -> checkpoint -> export -> served; resume; DDP; user mistakes."""
 from __future__ import annotations
 
+import json
 import logging
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -89,8 +93,7 @@ def test_resume_after_an_interruption_matches_an_uninterrupted_run(folder: Path,
         return real_epoch(*args, **kwargs)
 
     monkeypatch.setattr(train, "train_one_epoch", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        train.main(small_args(folder, resumed, "--epochs", "2"))
+    assert train.main(small_args(folder, resumed, "--epochs", "2")) == 130  # Ctrl-C: one line, exit 130
     monkeypatch.setattr(train, "train_one_epoch", real_epoch)
     assert load_checkpoint(resumed / CHECKPOINT_NAME)["epoch"] == 0
     assert train.main(small_args(folder, resumed, "--epochs", "2", "--resume",
@@ -170,3 +173,91 @@ def test_a_user_mistake_prints_no_traceback(tmp_path: Path) -> None:
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "Traceback" not in done.stderr and "is not a directory" in done.stderr
+
+
+def _lrs(run: Path) -> list[float]:
+    return [row["lr"] for row in read_metrics(run)]
+
+
+def test_extending_a_finished_run_continues_the_schedule_and_a_finished_run_says_so(
+        folder: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: --resume --epochs 4 on a 2-epoch run restarted the cosine (lr 0.0, then 0.0019); resuming a finished
+    # run exited 0 without a word.
+    planned, extended = tmp_path / "planned", tmp_path / "extended"
+    assert train.main(small_args(folder, planned, "--epochs", "4")) == 0
+    assert train.main(small_args(folder, extended, "--epochs", "2")) == 0
+    with caplog.at_level(logging.INFO, logger="models.train"):
+        assert train.main(small_args(folder, extended, "--epochs", "4", "--resume",
+                                     str(extended / CHECKPOINT_NAME))) == 0
+    assert "stretched to 4" in caplog.text
+    # Epochs 2 and 3 run at the learning rates of a run planned for 4 epochs.
+    assert _lrs(extended)[2:] == pytest.approx(_lrs(planned)[2:])
+    assert min(_lrs(extended)[2:]) > 0
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="models.train"):
+        assert train.main(small_args(folder, extended, "--epochs", "4", "--resume",
+                                     str(extended / CHECKPOINT_NAME))) == 0
+    assert "is a finished run of 4 epochs" in caplog.text and "--epochs 9" in caplog.text
+    assert len(read_metrics(extended)) == 4  # nothing more was trained
+
+
+def test_the_run_reports_each_epoch_and_ends_with_a_summary(folder: Path, tmp_path: Path,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    run = tmp_path / "run"
+    with caplog.at_level(logging.INFO, logger="models.train"):
+        assert train.main(small_args(folder, run, "--epochs", "2")) == 0
+    lines = [r.getMessage() for r in caplog.records]
+    epoch_lines = [line for line in lines if line.startswith("epoch ")]
+    assert len(epoch_lines) == 2 and "* best" in epoch_lines[0]
+    assert all("val loss" in line and "img/s" in line for line in epoch_lines)
+    assert "ETA" in epoch_lines[0] and "ETA" not in epoch_lines[1]
+    assert not any("top-5" in line for line in lines)  # 3 classes: top-5 is always 1.0
+    text = "\n".join(lines)
+    assert "done: best epoch" in text and f"--checkpoint {run / BEST_NAME}" in text
+    assert f"VISIONSERVE_WEIGHTS_DIR={run / 'export'} make serve" in text
+    report = json.loads((run / "confusion.json").read_text())
+    assert report["classes"] == ["blue", "green", "red"] and sum(map(sum, report["matrix"])) == 9
+    assert set(report["per_class"]["red"]) == {"precision", "recall", "support"}
+    assert "precision  recall  support" in text
+
+
+def test_a_flat_folder_is_split_with_val_split(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    nested = write_image_folder(tmp_path / "nested", train_per_class=5, val_per_class=0)
+    flat = nested / "train"  # DIR/<class>/*, no train/val
+    assert "add --val-split 0.2" in _main_error(small_args(flat, tmp_path / "refused"), caplog)
+    args = train.get_args_parser(ARCHS).parse_args(small_args(flat, tmp_path / "run", "--val-split", "0.4"))
+    first, again = train._splits(args), train._splits(args)
+    assert first == again  # the same files every time
+    train_split, val_split = first
+    assert [sum(t == i for _, t in val_split.samples) for i in range(3)] == [2, 2, 2]  # 40% of 5, per class
+    assert not {p for p, _ in train_split.samples} & {p for p, _ in val_split.samples}
+    assert train.main(small_args(flat, tmp_path / "run", "--val-split", "0.4")) == 0
+
+
+def test_the_default_version_is_unique_per_weights_and_stable_per_checkpoint(folder: Path, tmp_path: Path) -> None:
+    # Before: every export was version "epoch-0".
+    runs = [tmp_path / "a", tmp_path / "b"]
+    assert train.main(small_args(folder, runs[0])) == 0
+    assert train.main(small_args(folder, runs[1], "--seed", "1")) == 0
+    versions = []
+    for run in runs:
+        assert export_main(["--checkpoint", str(run / BEST_NAME), "--out", str(run / "export")]) == 0
+        versions.append(read_manifest(run / "export").version)
+    assert all(re.fullmatch(r"\d{8}-[0-9a-f]{8}", v) for v in versions) and versions[0] != versions[1]
+    assert export_main(["--checkpoint", str(runs[0] / BEST_NAME), "--out", str(runs[0] / "export")]) == 0
+
+
+def test_ctrl_c_prints_one_line_with_the_command_to_resume(folder: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "models.train",
+                                *small_args(folder, run, "--epochs", "500")],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (run / CHECKPOINT_NAME).exists() and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130, err[-2000:]
+    assert "Traceback" not in err
+    (line,) = [line for line in err.splitlines() if "interrupted" in line]
+    assert f"to go on: python -m models.train --data {folder}" in line and f"--resume {run / CHECKPOINT_NAME}" in line

@@ -159,3 +159,20 @@ def test_metrics_file_keeps_the_last_row_per_epoch_and_plots(tmp_path: Path) -> 
     assert plot_main([str(tmp_path)]) == 0
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot_main([str(tmp_path / "missing")]) == 2
+
+
+def test_the_confusion_report_counts_per_class_and_is_drawn(tmp_path: Path) -> None:
+    from models.progress import confusion, confusion_counts, write_confusion
+
+    probabilities = torch.tensor([[0.9, 0.1], [0.2, 0.8], [0.6, 0.4], [0.3, 0.7]])
+    counts = confusion_counts(probabilities, [0, 1, 1, 1], 2)  # one "b" taken for an "a"
+    assert counts.tolist() == [[1, 0], [1, 2]]
+    report = confusion(counts, ["a", "b"])
+    assert report["per_class"] == {"a": {"precision": 0.5, "recall": 1.0, "support": 1},
+                                   "b": {"precision": 1.0, "recall": 2 / 3, "support": 3}}
+    _, table = write_confusion(report, tmp_path)
+    assert table[0].split() == ["class", "precision", "recall", "support"] and len(table) == 3
+    RunLog(tmp_path, enabled=True).epoch({"epoch": 0, "train_loss": 1.0, "val_loss": 1.0, "train_acc1": 0.5,
+                                          "val_acc1": 0.5, "val_acc5": 1.0})
+    assert plot_main([str(tmp_path)]) == 0
+    assert (tmp_path / "confusion.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,95 @@
+"""What a training run tells the person watching it: one line per epoch, and a summary with what to run next."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+TOP5_MIN_CLASSES = 6  # with 5 classes or fewer, top-5 accuracy is 1.0 by construction
+CONFUSION_NAME = "confusion.json"
+
+
+def duration(seconds: float) -> str:
+    """``1h02m``, ``3m05s`` or ``42s``."""
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+@dataclass
+class Progress:
+    """Epoch lines with time, a best mark and the run's ETA; the best epoch for the summary."""
+
+    epochs: int
+    num_classes: int
+    epoch_seconds: list[float] = field(default_factory=list)
+    best: dict[str, float] = field(default_factory=dict)
+
+    def line(self, row: dict[str, float], is_best: bool, seconds: float) -> str:
+        self.epoch_seconds.append(seconds)
+        if is_best:
+            self.best = dict(row)
+        remaining = self.epochs - 1 - int(row["epoch"])
+        eta = sum(self.epoch_seconds) / len(self.epoch_seconds) * remaining
+        top5 = f" top-5 {row['val_acc5']:.4f}" if self.num_classes >= TOP5_MIN_CLASSES else ""
+        return (f"epoch {int(row['epoch'])}/{self.epochs - 1}: train loss {row['train_loss']:.4f} "
+                f"top-1 {row['train_acc1']:.4f} | val loss {row['val_loss']:.4f} top-1 {row['val_acc1']:.4f}{top5}"
+                f" | {duration(seconds)}, {row['images_per_s']:.0f} img/s{'  * best' if is_best else ''}"
+                + (f" | ETA {duration(eta)}" if remaining else ""))
+
+    def summary(self, output_dir: Path, best_checkpoint: Path) -> list[str]:
+        if not self.best:
+            return []
+        export_dir = output_dir / "export"
+        return [f"done: best epoch {int(self.best['epoch'])}, val top-1 {self.best['val_acc1']:.4f} "
+                f"(loss {self.best['val_loss']:.4f}), {duration(sum(self.epoch_seconds))} in all",
+                f"export: python -m models.export --checkpoint {best_checkpoint} --out {export_dir}",
+                f"serve:  VISIONSERVE_WEIGHTS_DIR={export_dir} make serve"]
+
+
+def confusion_counts(probabilities: torch.Tensor, targets: Sequence[int], num_classes: int) -> torch.Tensor:
+    """Counts of (true class, predicted class) for one rank's outputs; ranks' matrices add up."""
+    matrix = torch.zeros(num_classes, num_classes, dtype=torch.int64)
+    predicted = probabilities.argmax(dim=1).tolist() if len(probabilities) else []
+    for truth, guess in zip(targets, predicted):
+        matrix[truth, guess] += 1
+    return matrix
+
+
+def confusion(matrix: torch.Tensor, classes: Sequence[str]) -> dict[str, object]:
+    """The confusion matrix (rows: true class, columns: predicted) and per-class precision, recall, support."""
+    per_class = {}
+    for i, name in enumerate(classes):
+        hits, said, actual = int(matrix[i, i]), int(matrix[:, i].sum()), int(matrix[i].sum())
+        per_class[name] = {"precision": hits / said if said else 0.0, "recall": hits / actual if actual else 0.0,
+                           "support": actual}
+    return {"classes": list(classes), "matrix": matrix.tolist(), "per_class": per_class}
+
+
+def write_confusion(report: dict[str, object], output_dir: Path) -> tuple[Path, list[str]]:
+    """Save ``confusion.json``; return its path and a printable table."""
+    path = output_dir / CONFUSION_NAME
+    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    per_class: dict[str, dict[str, float]] = report["per_class"]  # type: ignore[assignment]
+    width = max(len(name) for name in per_class)
+    lines = [f"{'class':<{width}}  precision  recall  support"]
+    lines += [f"{name:<{width}}  {m['precision']:9.3f}  {m['recall']:6.3f}  {int(m['support']):7d}"
+              for name, m in per_class.items()]
+    return path, lines
+
+
+class Timer:
+    """Seconds since the last ``lap``."""
+
+    def __init__(self) -> None:
+        self._last = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        seconds, self._last = now - self._last, now
+        return seconds
