@@ -8,13 +8,20 @@ from app.errors import Unauthorized
 
 # Probes and scrapers must reach these without a key (unless settings say otherwise).
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/v2/health/live", "/v2/health/ready"})
-# The API description holds no data, and clients need it before they have a key.
+# The API description and the demo page hold no data, and people need them before they have a key.
 DOCS_PATH, OPENAPI_PATH = "/docs", "/openapi.json"
+PAGE_PATH, PAGE_ASSETS = "/", "/demo/"
+
+
+def is_page(path: str) -> bool:
+    """The API description, /docs and the demo page with their files: open, and counted apart from traffic."""
+    return (path in (OPENAPI_PATH, DOCS_PATH, PAGE_PATH) or path.startswith(DOCS_PATH + "/")
+            or path.startswith(PAGE_ASSETS))
 
 
 def needs_key(path: str, health_open: bool) -> bool:
     """Whether a request to ``path`` must present the API key (when one is configured)."""
-    if path == OPENAPI_PATH or path == DOCS_PATH or path.startswith(DOCS_PATH + "/"):
+    if is_page(path):
         return False
     return not (health_open and path in OPEN_PATHS)
 

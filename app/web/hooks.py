@@ -14,7 +14,7 @@ from flask import Flask, Response, g, request
 
 from app.config import Settings
 from app.metrics import PROBES, REJECTED, REQUEST_SECONDS, REQUESTS
-from app.web.auth import DOCS_PATH, OPEN_PATHS, OPENAPI_PATH, check_api_key, needs_key
+from app.web.auth import OPEN_PATHS, check_api_key, is_page, needs_key
 
 access_log = logging.getLogger("visionserve.access")
 
@@ -49,8 +49,8 @@ def register_hooks(app: Flask, settings: Settings) -> None:
 
 
 def is_probe(path: str) -> bool:
-    """Health probes, scrapes and the API description: counted and logged apart from traffic."""
-    return path in OPEN_PATHS or path == OPENAPI_PATH or path == DOCS_PATH or path.startswith(DOCS_PATH + "/")
+    """Health probes, scrapes, the API description and the demo page: counted and logged apart from traffic."""
+    return path in OPEN_PATHS or is_page(path)
 
 
 def _finish_request(response: Response) -> Response:

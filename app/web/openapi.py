@@ -94,6 +94,9 @@ def _ops_paths() -> dict[str, Any]:
             "description": "Text exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
         "/openapi.json": {"get": {"summary": "This document", "responses": {"200": {
             "description": "OpenAPI 3.1", "content": {"application/json": {"schema": {"type": "object"}}}}}}},
+        "/": {"get": {"summary": "The demo page: pick or drop photos and see their classes", "responses": {"200": {
+            "description": "HTML (its script and style under /demo/)",
+            "content": {"text/html": {"schema": {"type": "string"}}}}}}},
     }
 
 

@@ -1,4 +1,5 @@
-"""Routes for probes, scrapers and readers of the API: /healthz, /readyz, /metrics, /openapi.json, /docs."""
+"""Routes for probes, scrapers, readers of the API and people: /healthz, /readyz, /metrics, /openapi.json, /docs,
+and the demo page at /."""
 from __future__ import annotations
 
 from functools import lru_cache
@@ -9,6 +10,7 @@ from flask_swagger_ui import get_swaggerui_blueprint
 
 from app.metrics import render as render_metrics
 from app.web.auth import DOCS_PATH, OPENAPI_PATH
+from app.web.demo import demo_blueprint
 from app.web.openapi import openapi_document
 from app.web.protocol import Protocol
 from app.web.schemas import HealthResponse
@@ -57,5 +59,6 @@ def register_ops(app: Flask, protocols: Sequence[Protocol]) -> None:
         return jsonify(document())
 
     app.register_blueprint(ops)
+    app.register_blueprint(demo_blueprint())
     # Swagger UI's files ship inside flask-swagger-ui: /docs works offline.
     app.register_blueprint(get_swaggerui_blueprint(DOCS_PATH, OPENAPI_PATH, config={"app_name": "visionserve"}))
