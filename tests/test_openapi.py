@@ -16,6 +16,7 @@ from app import EXTENSION_KEY, create_app
 from app.config import Settings
 from app.engine.predictor import Predictor
 from app.engine.service import Service
+from app.metrics import PROBES
 from tests.imaging import RED, image_bytes
 
 RED_B64 = base64.b64encode(image_bytes(RED)).decode()
@@ -110,6 +111,17 @@ def test_docs_page_works_offline_and_without_a_key(settings: Settings, predictor
         assert client.get("/docs/swagger-ui-bundle.js").status_code == 200
         assert client.get("/openapi.json").status_code == 200
         assert client.get("/v1/models").status_code == 401
+        # The demo page too: open, offline, and counted as a page rather than as traffic.
+        page = client.get("/")
+        assert page.status_code == 200 and page.mimetype == "text/html"
+        html = page.get_data(as_text=True)
+        assert 'src="/demo/demo.js"' in html and not re.search(r"""(src|href)=["']https?://""", html)
+        for asset, mimetype in (("/demo/demo.js", "text/javascript"), ("/demo/demo.css", "text/css")):
+            answer = client.get(asset)
+            assert answer.status_code == 200 and answer.mimetype == mimetype
+        before = PROBES.labels("/", "200")._value.get()
+        client.get("/")
+        assert PROBES.labels("/", "200")._value.get() == before + 1
     finally:
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 

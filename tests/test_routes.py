@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import base64
 import io
-import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -327,25 +326,3 @@ def test_the_default_queue_holds_several_maximum_size_requests(predictor) -> Non
         model.gate = None
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 
-
-def test_the_demo_page_and_its_files_are_served_open_and_apart_from_traffic(settings: Settings,
-                                                                            predictor) -> None:  # noqa: ANN001
-    from app import create_app
-    from app.metrics import PROBES
-
-    app = create_app(Settings.model_validate({**settings.model_dump(), "api_key": "s3cret"}), predictor)
-    try:
-        client = app.test_client()
-        page = client.get("/")
-        assert page.status_code == 200 and page.mimetype == "text/html"
-        html = page.get_data(as_text=True)
-        assert 'src="/demo/demo.js"' in html and not re.search(r"""(src|href)=["']https?://""", html)  # offline
-        for asset, mimetype in (("/demo/demo.js", "text/javascript"), ("/demo/demo.css", "text/css")):
-            answer = client.get(asset)
-            assert answer.status_code == 200 and answer.mimetype == mimetype
-        before = PROBES.labels("/", "200")._value.get()
-        client.get("/")
-        assert PROBES.labels("/", "200")._value.get() == before + 1  # counted as a page, not as traffic
-        assert client.post("/predict", data=image_bytes(), content_type="image/jpeg").status_code == 401
-    finally:
-        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
