@@ -99,6 +99,10 @@ class Settings(BaseSettings):
         "time). Unset: no key needed.")
     api_key_file: Path | None = Field(None, description="The same, read from a file at boot (a Docker or "
                                       "Kubernetes secret).")
+    cors_origins: str = Field(
+        "", description="Origins a browser front-end may call the API from, comma-separated "
+        "(`https://app.example.com`), or `*`; empty = CORS off (no CORS headers at all). Preflights are answered "
+        "before the API key check.")
     auth_health_open: bool = Field(True, description="Keep `/healthz`, `/readyz`, `/metrics` and the V2 health "
                                    "endpoints open for probes and scrapers when an API key is set.")
 

@@ -175,3 +175,38 @@ def test_cuda_out_of_memory_splits_the_batch_and_lowers_the_cap(client: FlaskCli
     assert model.batch_sizes == [4, 2, 1, 1, 2, 1, 1]
     assert client.get("/v1/models").get_json()["models"][0]["batching"]["current_max_batch_size"] == 1
     assert 'visionserve_batcher_events_total{event="batch_split"}' in client.get("/metrics").get_data(as_text=True)
+
+
+def test_cors_is_off_by_default_and_answers_preflights_for_allowed_origins(settings: Settings,
+                                                                           predictor) -> None:  # noqa: ANN001
+    from app import EXTENSION_KEY, create_app
+
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, x-request-timeout"}
+    off = create_app(settings, predictor)
+    on = create_app(Settings.model_validate({**settings.model_dump(), "api_key": "k",
+                                             "cors_origins": "https://app.example, https://other.example/"}),
+                    predictor)
+    try:
+        answer = off.test_client().post("/predict", data=image_bytes(), content_type="image/jpeg",
+                                        headers={"Origin": "https://app.example"})
+        assert answer.status_code == 200 and "Access-Control-Allow-Origin" not in answer.headers
+        client = on.test_client()
+        answer = client.options("/predict", headers=preflight)  # no key: browsers send preflights without one
+        assert answer.status_code == 204
+        assert answer.headers["Access-Control-Allow-Origin"] == "https://app.example"
+        assert "POST" in answer.headers["Access-Control-Allow-Methods"]
+        assert "X-Request-Timeout" in answer.headers["Access-Control-Allow-Headers"]
+        stranger = client.options("/predict", headers={**preflight, "Origin": "https://evil.example"})
+        assert "Access-Control-Allow-Origin" not in stranger.headers
+        answer = client.post("/predict", data=image_bytes(), content_type="image/jpeg",
+                             headers={"Origin": "https://other.example", "Authorization": "Bearer k"})
+        assert answer.status_code == 200 and answer.headers["Access-Control-Allow-Origin"] == "https://other.example"
+        assert "Server-Timing" in answer.headers["Access-Control-Expose-Headers"]
+        assert "Origin" in answer.headers["Vary"]
+        refused = client.post("/predict", data=image_bytes(), content_type="image/jpeg",
+                              headers={"Origin": "https://app.example"})  # CORS is no way around the key
+        assert refused.status_code == 401 and refused.headers["Access-Control-Allow-Origin"] == "https://app.example"
+    finally:
+        for app in (off, on):
+            app.extensions[EXTENSION_KEY].shutdown(timeout=5)

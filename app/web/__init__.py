@@ -13,6 +13,7 @@ from app import EXTENSION_KEY
 from app.config import Settings
 from app.engine.service import Service
 from app.web.connection import CloseWhenAsked
+from app.web.cors import register_cors
 from app.web.errors import register_error_handlers
 from app.web.hooks import register_hooks
 from app.web.ops import register_ops
@@ -29,6 +30,7 @@ def init_app(app: Flask, settings: Settings, service: Service, protocols: Sequen
     app.json.sort_keys = False  # type: ignore[attr-defined]
     app.extensions[EXTENSION_KEY] = service
     app.wsgi_app = CloseWhenAsked(app.wsgi_app)  # type: ignore[method-assign]
+    register_cors(app, settings.cors_origins)  # first: a preflight is answered before the API key check
     register_hooks(app, settings)
     register_error_handlers(app, protocols, settings.client_body_timeout_s)
     register_ops(app, protocols)
