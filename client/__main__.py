@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from client.api import Client
@@ -35,7 +36,9 @@ def _connection_options(parser: argparse.ArgumentParser, defaults: bool) -> None
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m client", description=__doc__,
+    # `visionserve` when installed with pip (pyproject.toml), `python -m client` from the repository.
+    prog = "visionserve" if Path(sys.argv[0]).name == "visionserve" else "python -m client"
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     _connection_options(parser, defaults=True)
     commands = parser.add_subparsers(dest="command", required=True)

@@ -187,3 +187,30 @@ def test_one_bad_file_among_several_is_reported_and_the_others_answered(
     assert cli(["predict", str(files[0]), str(tmp_path / "missing.jpg"), "--url", fake_server]) == 2
     captured = capsys.readouterr()
     assert "1. red" in captured.out and "missing.jpg" in captured.err
+
+
+@pytest.mark.slow
+def test_the_client_installs_with_pip_into_a_fresh_virtualenv(fake_server: str, tmp_path: Path) -> None:
+    # From a copy of what pyproject.toml packages, so the build leaves nothing in the repository.
+    import shutil
+
+    source = tmp_path / "source"
+    shutil.copytree(ROOT / "client", source / "client", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "docs/api.md"):
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / name, source / name)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    installed = subprocess.run([str(venv / "bin" / "pip"), "install", "--quiet", str(source)], capture_output=True,
+                               text=True, timeout=300)
+    assert installed.returncode == 0, installed.stderr[-2000:]
+    photo = tmp_path / "red.jpg"
+    photo.write_bytes(image_bytes(RED))
+    done = subprocess.run([str(venv / "bin" / "visionserve"), "predict", str(photo), "--url", fake_server],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0 and "1. red" in done.stdout, done.stderr
+    assert subprocess.run([str(venv / "bin" / "visionserve"), "--help"], capture_output=True,
+                          text=True).stdout.startswith("usage: visionserve")
+    modules = subprocess.run([str(venv / "bin" / "python"), "-c", "import sys, client; print(sorted(sys.modules))"],
+                             capture_output=True, text=True, cwd=tmp_path).stdout
+    assert "'requests'" in modules and "'torch'" not in modules and "'flask'" not in modules
