@@ -46,6 +46,12 @@ BATCHER_EVENTS = Counter("visionserve_batcher_events_total", "deadline_dropped: 
                          "failed batch runs again one image at a time)", ["event"])
 MODEL_INFO = Gauge("visionserve_model_info", "The served model (value 1)", ["name", "version", "device", "dtype"],
                    multiprocess_mode="max")
+READY = Gauge("visionserve_ready", "1 while the worker is ready: model loaded, warmed up, canary passed, batcher "
+              "running, not draining (with several workers: the lowest)", multiprocess_mode="livemin")
+BATCHER_ALIVE = Gauge("visionserve_batcher_alive", "1 while the inference thread runs (with several workers: the "
+                      "lowest)", multiprocess_mode="livemin")
+QUEUE_CAPACITY = Gauge("visionserve_queue_capacity", "Images the inference queue holds (QUEUE_SIZE resolved)",
+                       multiprocess_mode="livesum")
 GPU_MEMORY = Gauge("visionserve_gpu_memory_bytes", "CUDA memory of this worker", ["kind"],
                    multiprocess_mode="liveall")
 
@@ -74,6 +80,12 @@ class MetricsObserver:
     def queue_depth(self, depth: int) -> None:
         """Publish the queue depth."""
         QUEUE_DEPTH.set(depth)
+
+    def running(self, alive: bool) -> None:
+        """The inference thread started or ended (a worker without it cannot be ready)."""
+        BATCHER_ALIVE.set(int(alive))
+        if not alive:
+            READY.set(0)
 
 
 # Every series an alert or a dashboard reads exists at 0 from the start, so "none yet" never reads as "no data".

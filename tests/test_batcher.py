@@ -303,6 +303,17 @@ class Events:
     def queue_depth(self, depth: int) -> None:
         self.depths.append(depth)
 
+    def running(self, alive: bool) -> None:
+        self.events.append("started" if alive else "stopped")
+
+
+def test_the_observer_hears_the_thread_start_and_stop(make_batcher) -> None:
+    events = Events()
+    batcher = make_batcher(Recorder(), observer=events)
+    assert batcher.submit(1).result(timeout=10).value == 2
+    batcher.stop(timeout=5)
+    assert events.events[0] == "started" and events.events[-1] == "stopped"
+
 
 def test_expired_items_are_dropped_before_the_forward_pass(make_batcher) -> None:
     recorder, events = Recorder(), Events()
@@ -316,7 +327,7 @@ def test_expired_items_are_dropped_before_the_forward_pass(make_batcher) -> None
         expired.result(timeout=10)
     assert alive.result(timeout=10).value == 16
     assert all(7 not in b for b in recorder.batches)
-    assert events.events == ["deadline_dropped"]
+    assert [e for e in events.events if e != "started"] == ["deadline_dropped"]
 
 
 def test_a_deadline_the_backlog_cannot_meet_is_refused_at_once(make_batcher) -> None:

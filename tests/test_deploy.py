@@ -33,7 +33,8 @@ def test_compose_file_matches_the_compose_specification() -> None:
     jsonschema.Draft7Validator(schema).validate(_compose())
 
 
-@pytest.mark.parametrize("profile", [[], ["--profile", "cpu"], ["--profile", "train"]])
+@pytest.mark.parametrize("profile", [[], ["--profile", "cpu"], ["--profile", "train"],
+                                     ["--profile", "cpu", "--profile", "monitoring"]])
 def test_docker_compose_parses_it(profile: list[str]) -> None:
     result = subprocess.run([str(COMPOSE_BINARY), "-f", "docker-compose.yaml", *profile, "config", "-q"], cwd=ROOT,
                             capture_output=True, text=True)

@@ -86,3 +86,20 @@ def test_the_access_line_has_the_peer_and_a_trusted_forwarded_for(settings: Sett
             assert getattr(record, "forwarded_for", None) == ("203.0.113.7" if trusted else None)
         finally:
             app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def test_readiness_the_inference_thread_and_the_queue_capacity_are_metrics(client: FlaskClient,
+                                                                            service) -> None:  # noqa: ANN001
+    # What the alert rules read (deploy/prometheus/alerts.yml): readiness and the thread as gauges, and the queue's
+    # capacity beside its depth.
+    def value(name: str) -> float:
+        line = next(line for line in client.get("/metrics").get_data(as_text=True).splitlines()
+                    if line.startswith(name + " "))
+        return float(line.split()[1])
+
+    assert value("visionserve_ready") == 1 and value("visionserve_batcher_alive") == 1
+    assert value("visionserve_queue_capacity") == service.settings.resolved_queue_size()
+    service.begin_drain()
+    assert value("visionserve_ready") == 0
+    service.batcher.stop(timeout=5)
+    assert value("visionserve_batcher_alive") == 0

@@ -48,6 +48,8 @@ class BatchObserver(Protocol):
 
     def queue_depth(self, depth: int) -> None: ...
 
+    def running(self, alive: bool) -> None: ...
+
 
 class NullObserver:
     """Reports nowhere."""
@@ -60,6 +62,9 @@ class NullObserver:
 
     def queue_depth(self, depth: int) -> None:
         """Ignore the queue depth."""
+
+    def running(self, alive: bool) -> None:
+        """Ignore the thread's start and end."""
 
 
 class BatchSizeMismatch(BatcherError):

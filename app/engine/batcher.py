@@ -227,14 +227,18 @@ class Batcher(Generic[In, Out]):
             self._prepared.set_result(exc)
             return
         self._prepared.set_result(None)
-        while (batch := self._collect()) is not None:
-            try:
-                live = self._still_wanted(batch)
-                if live:
-                    self._run_batch(live)
-            finally:
-                with self._cond:
-                    self._busy = False
+        self._observer.running(True)
+        try:
+            while (batch := self._collect()) is not None:
+                try:
+                    live = self._still_wanted(batch)
+                    if live:
+                        self._run_batch(live)
+                finally:
+                    with self._cond:
+                        self._busy = False
+        finally:
+            self._observer.running(False)
         log.info("batcher stopped after %d batches", self.batches_run)
 
     def _still_wanted(self, batch: list[_Pending[In]]) -> list[_Pending[In]]:

@@ -41,7 +41,15 @@ from app.errors import (
     check_image_count,
     retry_after_header,
 )
-from app.metrics import BATCHER_EVENTS, MODEL_INFO, STAGE_CPU_SECONDS, STAGE_SECONDS, MetricsObserver
+from app.metrics import (
+    BATCHER_EVENTS,
+    MODEL_INFO,
+    QUEUE_CAPACITY,
+    READY,
+    STAGE_CPU_SECONDS,
+    STAGE_SECONDS,
+    MetricsObserver,
+)
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +130,8 @@ def start_model(settings: Settings, predictor: Predictor, arrivals: Arrivals) ->
         batcher.set_max_batch_size(cap)
     MODEL_INFO.labels(predictor.manifest.name, predictor.manifest.version, str(predictor.device),
                       predictor.dtype_name).set(1)
+    QUEUE_CAPACITY.set(batcher.queue_size)
+    READY.set(1)
     return Model(predictor, batcher, profile)
 
 
@@ -211,6 +221,7 @@ class Service:
     def begin_drain(self) -> None:
         """Turn readiness off so load balancers stop sending; accepted work still completes."""
         self._draining.set()
+        READY.set(0)
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Drain: refuse new work, finish what is queued, stop the worker thread."""
