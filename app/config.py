@@ -99,6 +99,11 @@ class Settings(BaseSettings):
         "time). Unset: no key needed.")
     api_key_file: Path | None = Field(None, description="The same, read from a file at boot (a Docker or "
                                       "Kubernetes secret).")
+    tracing: bool = Field(
+        False, description="Export OpenTelemetry traces: a span per request (continuing an incoming `traceparent`) "
+        "with decode, queue and inference children. Where to is set by the standard variables "
+        "(`OTEL_EXPORTER_OTLP_ENDPOINT`, `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, `OTEL_SERVICE_NAME`...); OTLP over "
+        "HTTP. Off: no tracing code runs at all.")
     cors_origins: str = Field(
         "", description="Origins a browser front-end may call the API from, comma-separated "
         "(`https://app.example.com`), or `*`; empty = CORS off (no CORS headers at all). Preflights are answered "

@@ -76,6 +76,7 @@ class Served(Generic[P]):
     parsed: P
     results: list[BatchResult[torch.Tensor]]
     decode_s: float
+    started_ns: int = 0  # wall clock (time.time_ns) when decoding began: traces place the stages from it
 
     def probabilities(self) -> torch.Tensor:
         """(N, classes) softmax probabilities, one row per input."""
@@ -262,10 +263,11 @@ class Service:
             self.require_ready()
             with self.arrivals.arriving() as arrived:
                 job = read()
+                started_ns = time.time_ns()
                 tensors, decode_s = self._inputs(job)
                 arrived()
                 results = self._infer(tensors, job.timeout_s, client_gone)
-        return Served(job.parsed, results, decode_s)
+        return Served(job.parsed, results, decode_s, started_ns)
 
     def preprocess(self, data: bytes) -> torch.Tensor:
         """One image's bytes -> model input, with the service's limits."""

@@ -19,6 +19,7 @@ from app.web.hooks import register_hooks
 from app.web.ops import register_ops
 from app.web.protocol import Protocol
 from app.web.services import current_service
+from app.web.tracing import register_tracing
 
 __all__ = ["current_service", "init_app"]
 
@@ -32,6 +33,7 @@ def init_app(app: Flask, settings: Settings, service: Service, protocols: Sequen
     app.wsgi_app = CloseWhenAsked(app.wsgi_app)  # type: ignore[method-assign]
     register_cors(app, settings.cors_origins)  # first: a preflight is answered before the API key check
     register_hooks(app, settings)
+    register_tracing(app, settings)  # after the hooks, so a span can carry the request id they set
     register_error_handlers(app, protocols, settings.client_body_timeout_s)
     register_ops(app, protocols)
     for protocol in protocols:

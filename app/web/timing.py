@@ -22,6 +22,7 @@ def _server_timing(decode_ms: float, results: list[BatchResult[torch.Tensor]]) -
 
 def annotate(response: Response, served: Served[Any]) -> Response:
     """Add the timing headers to ``response`` and hand the per-stage figures to the access log."""
+    g.served = served  # for the trace's stage spans (app/web/tracing.py)
     results, decode_ms = served.results, served.decode_s * 1000
     response.headers["Server-Timing"] = _server_timing(decode_ms, results)
     response.headers["X-Batch-Size"] = ",".join(str(r.batch_size) for r in results)
