@@ -14,7 +14,7 @@ from pathlib import Path
 from bench.faults import small_weights
 from bench.load import measure
 from bench.photos import workload
-from bench.servers import Running, free_port, _gunicorn  # noqa: PLC2701 - the same command line as the bench's
+from bench.servers import Running, _gunicorn, free_port  # noqa: PLC2701 - the same command line as the bench's
 
 WORK = Path(__file__).resolve().parent / ".work" / "faults"
 
