@@ -40,6 +40,7 @@ def create_app(settings: "Settings | None" = None, predictor: "Predictor | None"
     from app.engine.malloc import keep_freed_memory
     from app.engine.predictor import Predictor
     from app.engine.service import Service
+    from app.engine.weights import served_dir
     from app.logs import configure_logging
     from app.web import init_app
 
@@ -50,7 +51,8 @@ def create_app(settings: "Settings | None" = None, predictor: "Predictor | None"
     def load() -> Predictor:
         if predictor is not None:
             return predictor
-        return Predictor.load(settings.resolved_weights_dir(), weights_format=settings.weights_format,
+        weights = served_dir(settings.resolved_weights_dir(), settings.model_name, settings.model_version)
+        return Predictor.load(weights, weights_format=settings.weights_format,
                               device=settings.device, dtype=settings.dtype, jit_optimize=settings.jit_optimize)
 
     service = Service.build(settings, load()) if on_load_error is None else Service.start(settings, load,

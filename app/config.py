@@ -34,6 +34,11 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", protected_namespaces=())
 
     # Model
+    model_name: str | None = Field(None, description="With `WEIGHTS_DIR` a model repository "
+                                   "(`<dir>/<model>/<version>/`, written by `models.export --repository`): the model "
+                                   "to serve (unset: the repository's only model).")
+    model_version: str | None = Field(None, description="The version of that model to serve (unset: the newest, "
+                                      "the highest number).")
     weights_dir: Path = Field(Path("weights"), description="The directory with `manifest.json` to serve "
                               "(written by `python -m models.export`).")
     weights_format: WeightsFormatSetting = Field(

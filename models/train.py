@@ -310,9 +310,10 @@ def _finish(args: argparse.Namespace, progress: Progress, best_counts: torch.Ten
         log.info("per class, best epoch (%s):\n%s", path, "\n".join(table))
     for line in progress.summary(args.output_dir, args.output_dir / ckpt.BEST_NAME):
         log.info("%s", line)
-    if args.export:
+    if args.export or args.export_repository:
         try:
-            export_checkpoint(args.output_dir / ckpt.BEST_NAME, args.export, name=args.name)
+            export_checkpoint(args.output_dir / ckpt.BEST_NAME, args.export, name=args.name,
+                              repository=args.export_repository)
         except FileExistsError as exc:  # the run is kept: say how to export it, do not fail after training
             log.error("not exported: %s (python -m models.export --checkpoint %s --out DIR)", exc,
                       args.output_dir / ckpt.BEST_NAME)

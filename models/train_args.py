@@ -64,6 +64,8 @@ def get_args_parser(archs: Sequence[str], description: str = "") -> argparse.Arg
     parser.add_argument("--output-dir", type=Path, default=Path("runs/default"))
     parser.add_argument("--resume", type=Path, default=None, help="checkpoint.pt to continue from")
     parser.add_argument("--export", type=Path, default=None, help="at the end, export best.pt to this weights dir")
+    parser.add_argument("--export-repository", type=Path, default=None,
+                        help="at the end, export best.pt as the next version in this model repository")
     parser.add_argument("--name", default=None, help="model name in the manifest (default: output dir name)")
     parser.add_argument("--plot", action="store_true", help="at the end, draw the curves to curves.png")
     return parser

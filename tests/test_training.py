@@ -261,3 +261,22 @@ def test_ctrl_c_prints_one_line_with_the_command_to_resume(folder: Path, tmp_pat
     assert "Traceback" not in err
     (line,) = [line for line in err.splitlines() if "interrupted" in line]
     assert f"to go on: python -m models.train --data {folder}" in line and f"--resume {run / CHECKPOINT_NAME}" in line
+
+
+def test_versions_go_into_a_repository_and_the_newest_is_served(folder: Path, tmp_path: Path) -> None:
+    run, repository = tmp_path / "mine", tmp_path / "models"
+    assert train.main(small_args(folder, run, "--export-repository", str(repository))) == 0
+    assert export_main(["--checkpoint", str(run / BEST_NAME), "--repository", str(repository)]) == 0
+    assert sorted(p.name for p in (repository / "mine").iterdir()) == ["1", "2"]
+    assert read_manifest(repository / "mine" / "2").version == "2"
+    # A written version is never replaced silently.
+    assert export_main(["--checkpoint", str(run / BEST_NAME), "--repository", str(repository),
+                        "--version", "1"]) == 2
+    for version, expected in ((None, "2"), ("1", "1")):
+        settings = Settings(weights_dir=repository, model_version=version, device="cpu", log_level="warning")
+        app = create_app(settings)
+        try:
+            (info,) = app.test_client().get("/v1/models").get_json()["models"]
+            assert (info["name"], info["version"]) == ("mine", expected)
+        finally:
+            app.extensions[EXTENSION_KEY].shutdown(timeout=10)
