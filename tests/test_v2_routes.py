@@ -45,7 +45,8 @@ def test_metadata_health_and_versions(client: FlaskClient) -> None:
     meta = client.get("/v2/models/colour/versions/test").get_json()
     assert meta["inputs"][1] == {"name": "pixels", "datatype": "FP32", "shape": [-1, 3, 8, 8]}
     assert meta["outputs"] == [{"name": "probabilities", "datatype": "FP32", "shape": [-1, 4]}]
-    assert "version '2'" not in _v2_error(client.get("/v2/models/colour/versions/2"), 404)
+    assert "no model 'colour' version '2'; this server serves 'colour' version 'test'" in _v2_error(
+        client.get("/v2/models/colour/versions/2"), 404)
     _v2_error(client.get("/v2/models/other"), 404)
 
 

@@ -34,6 +34,7 @@ from app.errors import (
     ClientGone,
     DeadlineExceeded,
     InferenceFailed,
+    NotFound,
     NotReady,
     Overloaded,
     ServiceError,
@@ -195,6 +196,15 @@ class Service:
     def batch_profile(self) -> dict[int, float]:
         """Forward images/s per batch size, measured at warm-up."""
         return self._loaded().batch_profile
+
+    def check_model(self, name: str | None, version: str | None) -> None:
+        """NotFound (404, naming what is served) unless ``name`` (None: any) and ``version`` (None: the served one)
+        are what this service serves."""
+        manifest = self.predictor.manifest
+        if name not in (None, manifest.name) or version not in (None, manifest.version):
+            wanted = f"{name or manifest.name!r}" + ("" if version is None else f" version {version!r}")
+            raise NotFound(f"no model {wanted}; this server serves {manifest.name!r} version {manifest.version!r}",
+                           details={"models": [{"name": manifest.name, "versions": [manifest.version]}]})
 
     @property
     def loaded(self) -> bool:

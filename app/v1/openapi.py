@@ -13,6 +13,12 @@ EXAMPLE_IMAGE_BASE64 = ("iVBORw0KGgoAAAANSUhEUgAAAAQAAAAECAIAAAAmkwkpAAAAFElEQVR
                         "SUVORK5CYII=")
 
 
+def _model_params() -> list[dict[str, Any]]:
+    return [{"name": name, "in": "query", "required": False, "schema": {"type": "string"},
+             "description": f"The {name} this request is for; 404 (naming the served one) when it is not served"}
+            for name in ("model", "version")]
+
+
 def _predict() -> dict[str, Any]:
     top_k = {"name": "top_k", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 1},
              "description": "Classes per image (1 to the model's classes); left out, the server's TOP_K"}
@@ -26,7 +32,7 @@ def _predict() -> dict[str, Any]:
         "description": "Send the images as multipart (repeat the `image` field; `top_k` may also be a form "
                        "field), as a raw body (image/* or application/octet-stream), or as JSON with base64 "
                        "strings. Answers keep the order sent.",
-        "parameters": [top_k, TIMEOUT_HEADER],
+        "parameters": [top_k, *_model_params(), TIMEOUT_HEADER],
         "requestBody": {"required": True, "content": {
             "multipart/form-data": {"schema": multipart},
             "image/*": {"schema": BINARY}, "application/octet-stream": {"schema": BINARY},
@@ -34,7 +40,7 @@ def _predict() -> dict[str, Any]:
                                  "example": {"images": [EXAMPLE_IMAGE_BASE64], "top_k": 1}}}},
         "responses": {"200": json_answer(s.PredictResponse, "One prediction per image", "Server-Timing",
                                          "X-Batch-Size"),
-                      **errors(ErrorResponse, "400 401 408 413 415 422 429 500 503 504")},
+                      **errors(ErrorResponse, "400 401 404 408 413 415 422 429 500 503 504")},
     }}
 
 

@@ -17,6 +17,8 @@ from app.web.inputs import decode_base64, parse_json, read_body
 RAW_TYPES = ("application/octet-stream",)
 IMAGE_FIELD = "image"
 TOP_K = "top_k"
+# The model and version a request asks for (optional; 404 naming the served one when they are not it).
+MODEL, VERSION = "model", "version"
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ def check_known(names: Iterable[str], known: set[str], what: str) -> None:
 
 def parse_predict(request: Request, *, default_top_k: int, num_classes: int, max_images: int) -> PredictInput:
     """Images and top_k from a multipart, raw-bytes or JSON request; raises a ServiceError on bad input."""
-    check_known(request.args.keys(), {TOP_K}, "query parameter")
+    check_known(request.args.keys(), {TOP_K, MODEL, VERSION}, "query parameter")
     mimetype = request.mimetype
     names: list[str | None] | None = None
     if mimetype == "application/json":

@@ -34,6 +34,7 @@ def _top_k(row: torch.Tensor, k: int, labels: list[str], digits: int) -> Predict
 def predict() -> Response:
     """Classify one or more images."""
     service = current_service()
+    service.check_model(request.args.get("model"), request.args.get("version"))
     settings, predictor = service.settings, service.predictor
 
     def read() -> Job[PredictInput]:

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from app import __version__
 from app.engine.service import Job, Service
-from app.errors import BadRequest, NotFound, check_image_count
+from app.errors import BadRequest, check_image_count
 from app.v2.codec import InferRequest, Tensor, encode_response, parse_request
 from app.v2.schemas import Live, ModelMetadata, ModelReady, Ready, ServerMetadata, TensorMetadata
 from app.web.inputs import deadline_s, read_body
@@ -44,10 +44,7 @@ def _json(body: BaseModel) -> Response:
 
 def _model(name: str, version: str | None) -> Service:
     service = current_service()
-    manifest = service.predictor.manifest
-    if name != manifest.name or version not in (None, manifest.version):
-        wanted = name if version is None else f"{name} version {version}"
-        raise NotFound(f"no model {wanted!r}; this server serves {manifest.name!r} version {manifest.version!r}")
+    service.check_model(name, version)
     return service
 
 
