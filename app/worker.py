@@ -164,11 +164,12 @@ class BufferingWorker(ThreadWorker):
             self._time_out(reading, now)
 
     def _expired(self, reading: Reading, now: float) -> bool:
+        if reading.body_end is not None:
+            return now - reading.last_data > self.limits.body_timeout_s
+        deadline = reading.header_deadline
         if not self.alive and not reading.buffer:  # stopping: an idle connection is not kept, as gthread's own
-            reading.header_deadline = min(reading.header_deadline, reading.last_data + STOP_KEEPALIVE_LINGER)
-        if reading.body_end is None:
-            return now > reading.header_deadline
-        return now - reading.last_data > self.limits.body_timeout_s
+            deadline = min(deadline, reading.last_data + STOP_KEEPALIVE_LINGER)
+        return now > deadline
 
     def _time_out(self, reading: Reading, now: float) -> None:
         if reading.buffer:  # a request was started: say why it ends (nothing started: close quietly)

@@ -85,7 +85,8 @@ class Running:
         return code
 
 
-def _gunicorn(app: str) -> list[str]:
+def gunicorn_command(app: str) -> list[str]:
+    """gunicorn with the project's config, serving the WSGI app ``app`` (module:attribute)."""
     return [str(Path(sys.executable).with_name("gunicorn")), "-c", "gunicorn.conf.py", app]
 
 
@@ -104,7 +105,7 @@ def naive(weights: Path, log_dir: Path, workers: int = 1) -> Running:
     port = free_port()
     env = {"NAIVE_WEIGHTS_DIR": str(weights), "VISIONSERVE_BIND": f"127.0.0.1:{port}",
            "VISIONSERVE_LOG_LEVEL": "warning", "VISIONSERVE_WORKERS": str(workers)}
-    return Running("naive-flask", _gunicorn("bench.naive_app:app"), env, port, "/healthz", log_dir)
+    return Running("naive-flask", gunicorn_command("bench.naive_app:app"), env, port, "/healthz", log_dir)
 
 
 LITSERVE_VERSION = "0.2.19"

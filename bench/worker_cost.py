@@ -14,7 +14,7 @@ from pathlib import Path
 from bench.faults import small_weights
 from bench.load import measure
 from bench.photos import workload
-from bench.servers import Running, _gunicorn, free_port  # noqa: PLC2701 - the same command line as the bench's
+from bench.servers import Running, free_port, gunicorn_command
 
 WORK = Path(__file__).resolve().parent / ".work" / "faults"
 
@@ -23,7 +23,7 @@ def _start(weights: Path, worker_class: str | None) -> Running:
     port = free_port()
     env = {"VISIONSERVE_WEIGHTS_DIR": str(weights), "VISIONSERVE_BIND": f"127.0.0.1:{port}",
            "VISIONSERVE_DEVICE": "cpu", "VISIONSERVE_LOG_LEVEL": "warning", "VISIONSERVE_AUTO_BATCH_SIZE": "false"}
-    command = _gunicorn("app.wsgi:app") + (["-k", worker_class] if worker_class else [])
+    command = gunicorn_command("app.wsgi:app") + (["-k", worker_class] if worker_class else [])
     return Running(worker_class or "buffering", command, env, port, "/readyz", WORK).wait_ready()
 
 

@@ -1,13 +1,17 @@
 """What a training run tells the person watching it: one line per epoch, and a summary with what to run next."""
 from __future__ import annotations
 
+import argparse
 import json
+import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 import torch
+
+from models.checkpoint import CHECKPOINT_NAME
 
 TOP5_MIN_CLASSES = 6  # with 5 classes or fewer, top-5 accuracy is 1.0 by construction
 CONFUSION_NAME = "confusion.json"
@@ -93,3 +97,18 @@ class Timer:
         now = time.perf_counter()
         seconds, self._last = now - self._last, now
         return seconds
+
+
+def interrupted(args: argparse.Namespace, argv: list[str]) -> str:
+    """What Ctrl-C leaves: the last checkpoint and the exact command that goes on from it."""
+    saved = args.output_dir / CHECKPOINT_NAME
+    if not saved.exists():
+        return "interrupted before the first epoch ended: no checkpoint to resume from"
+    kept, words = [], iter(argv)
+    for word in words:  # the same options, without an earlier --resume
+        if word == "--resume":
+            next(words, None)  # and its value
+        elif not word.startswith("--resume="):
+            kept.append(word)
+    command = shlex.join(["python", "-m", "models.train", *kept, "--resume", str(saved)])
+    return f"interrupted: the last finished epoch is in {saved}; to go on: {command}"

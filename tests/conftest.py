@@ -146,17 +146,11 @@ def torchrun() -> Callable[..., subprocess.CompletedProcess[str]]:
 
 @pytest.fixture(scope="session")
 def small_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small real export (untrained mobilenet_v3_small, 10 classes, 64x64 input) for load tests."""
-    from models.export import export_model
-    from models.presets import EvalPreset
-    from models.registry import build_model
+    """A small real export (untrained mobilenet_v3_small, 10 classes, 64x64 input) for load tests: the fault
+    matrix's model."""
+    from bench.faults import small_weights as export_small
 
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("small-weights")
-    export_model(build_model("mobilenet_v3_small", 10), out_dir=out, name="small", version="test",
-                 arch="mobilenet_v3_small", labels=[f"class{i}" for i in range(10)],
-                 preset=EvalPreset(resize_size=72, crop_size=64))
-    return out
+    return export_small(tmp_path_factory.mktemp("small-weights"))
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,11 @@
 """Tiny fakes: a 4-class colour "model" and its manifest, so routes and batching run without real weights."""
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -57,3 +59,28 @@ def wait_until(condition: Callable[[], bool], timeout: float = 10) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.001)
+
+
+@contextlib.contextmanager
+def served_over_http(wsgi_app: Callable) -> Iterator[str]:
+    """``wsgi_app`` on a free loopback port in this process (werkzeug, threaded); yields its base URL."""
+    from werkzeug.serving import make_server
+
+    server = make_server("127.0.0.1", 0, wsgi_app, threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+
+
+def export_tiny(out: Path, name: str = "mine", version: str = "1", force: bool = False) -> Path:
+    """A real export of an untrained 3-class mobilenet_v3_small at 32 px into ``out`` (seconds on a CPU)."""
+    from models.export import export_model
+    from models.registry import build_model
+
+    torch.manual_seed(0)
+    export_model(build_model("mobilenet_v3_small", 3), out_dir=out, name=name, version=version,
+                 arch="mobilenet_v3_small", labels=["a", "b", "c"], preset=EvalPreset(resize_size=40, crop_size=32),
+                 force=force)
+    return out

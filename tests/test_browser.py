@@ -5,15 +5,14 @@ Needs chromium and chromium-driver (Debian packages; .ci/run installs them) and 
 from __future__ import annotations
 
 import shutil
-import threading
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 from flask import Flask
-from werkzeug.serving import make_server
 
 from bench.servers import Running
+from tests.fakes import served_over_http
 from tests.imaging import RED, encode, image_bytes
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
@@ -21,17 +20,11 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (CHROMIUM and DRIVER), reason="needs chromium and chromium-driver")]
 
 
-def _serve(app: Flask) -> Iterator[str]:
-    server = make_server("127.0.0.1", 0, app, threaded=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_port}"
-    server.shutdown()
-
-
 @pytest.fixture
 def fake_url(app: Flask) -> Iterator[str]:
     """The app factory's app with the fake colour model, over real HTTP."""
-    yield from _serve(app)
+    with served_over_http(app) as url:
+        yield url
 
 
 @pytest.fixture
@@ -145,17 +138,15 @@ def test_the_demo_page_asks_for_the_api_key(browser, settings, predictor, tmp_pa
     from app.config import Settings
 
     app = create_app(Settings.model_validate({**settings.model_dump(), "api_key": "s3cret"}), predictor)
-    served = _serve(app)
-    url = next(served)
     try:
-        photo = tmp_path / "red.jpg"
-        photo.write_bytes(image_bytes(RED, size=(64, 48)))
-        browser.get(url + "/")
-        key = browser.find_element(By.ID, "key")
-        assert key.is_displayed()  # /v1/models said 401, so the page asks
-        key.send_keys("s3cret")
-        (card,) = _pick(browser, None, photo)
-        assert "red" in card.splitlines()[1]
+        with served_over_http(app) as url:
+            photo = tmp_path / "red.jpg"
+            photo.write_bytes(image_bytes(RED, size=(64, 48)))
+            browser.get(url + "/")
+            key = browser.find_element(By.ID, "key")
+            assert key.is_displayed()  # /v1/models said 401, so the page asks
+            key.send_keys("s3cret")
+            (card,) = _pick(browser, None, photo)
+            assert "red" in card.splitlines()[1]
     finally:
-        next(served, None)
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)

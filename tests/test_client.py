@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -12,12 +11,12 @@ import pytest
 import skimage.data
 from flask import Flask
 from PIL import Image
-from werkzeug.serving import make_server
 from werkzeug.wrappers import Request, Response
 
 from bench.servers import ROOT, Running, free_port
 from client import Client, Prediction, VisionServeError
 from client.__main__ import main as cli
+from tests.fakes import served_over_http
 from tests.imaging import BLUE, RED, encode, image_bytes
 
 
@@ -103,11 +102,8 @@ class _Scripted:
 @pytest.fixture
 def stub() -> Iterator[tuple[str, _Scripted]]:
     app = _Scripted([])
-    server = make_server("127.0.0.1", 0, app, threaded=True)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_port}", app
-    server.shutdown()
+    with served_over_http(app) as url:
+        yield url, app
 
 
 def test_retries_honour_retry_after_then_give_up(stub: tuple[str, _Scripted]) -> None:
@@ -142,11 +138,8 @@ def test_connection_errors_back_off_exponentially() -> None:
 @pytest.fixture
 def fake_server(app: Flask) -> Iterator[str]:
     """The app factory's app with the fake colour model (4 classes), served over real HTTP in this process."""
-    server = make_server("127.0.0.1", 0, app, threaded=True)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_port}"
-    server.shutdown()
+    with served_over_http(app) as url:
+        yield url
 
 
 def test_top_k_is_sent_only_when_asked(fake_server: str) -> None:

@@ -6,14 +6,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 
 from app.config import unknown_variables
 from bench.servers import ROOT
-from models.export import export_model
 from models.export import main as export_main
-from models.presets import EvalPreset
-from models.registry import build_model
+from tests.fakes import export_tiny, served_over_http
 
 
 def _make_serve(**env: str) -> str:
@@ -31,21 +28,14 @@ def test_the_weights_dir_variable_wins_over_the_makefile_default() -> None:
     assert "VISIONSERVE_WEIGHTS_DIR=elsewhere " in _make_serve(WEIGHTS_DIR="elsewhere")
 
 
-def _export(out: Path, version: str, force: bool = False) -> None:
-    torch.manual_seed(0)
-    export_model(build_model("mobilenet_v3_small", 3), out_dir=out, name="mine", version=version,
-                 arch="mobilenet_v3_small", labels=["a", "b", "c"], preset=EvalPreset(resize_size=40, crop_size=32),
-                 force=force)
-
-
 def test_export_refuses_to_replace_a_different_model_without_force(tmp_path: Path) -> None:
     # Before: `models.export ... --out weights/` silently overwrote the default model.
-    _export(tmp_path, "1")
-    _export(tmp_path, "1")  # the same model again: fine
+    export_tiny(tmp_path, version="1")
+    export_tiny(tmp_path, version="1")  # the same model again: fine
     with pytest.raises(FileExistsError, match="already holds mine 1.*--force"):
-        _export(tmp_path, "2")
+        export_tiny(tmp_path, version="2")
     assert '"version": "1"' in (tmp_path / "manifest.json").read_text()
-    _export(tmp_path, "2", force=True)
+    export_tiny(tmp_path, version="2", force=True)
     assert '"version": "2"' in (tmp_path / "manifest.json").read_text()
     assert export_main(["--default", "--out", str(tmp_path)]) == 2  # the CLI says so and exits 2
 
@@ -71,10 +61,6 @@ def test_a_new_user_trains_exports_serves_and_calls_their_model(photo_folder: Pa
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     # The README's recipe, end to end: the pretrained fine-tune on 4 x 30 images, the export into the run, the
     # server on that export, then the client and the CLI, without a single error.
-    import threading
-
-    from werkzeug.serving import make_server
-
     from app import EXTENSION_KEY, create_app
     from app.config import Settings
     from client import Client
@@ -87,18 +73,15 @@ def test_a_new_user_trains_exports_serves_and_calls_their_model(photo_folder: Pa
                        "--output-dir", str(run)]) == 0
     assert export_main(["--checkpoint", str(run / "best.pt"), "--out", str(run / "export")]) == 0
     app = create_app(Settings(weights_dir=run / "export", device="cpu", log_level="warning"))
-    server = make_server("127.0.0.1", 0, app, threaded=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_port}"
     try:
-        grass = sorted((photo_folder / "val" / "grass").iterdir())[:3]
-        with Client(url) as client:
-            assert client.model().name == "run"
-            predictions = client.predict(grass)  # top_k left to the server: 4 classes, not 5
-        assert [len(p.top_k) for p in predictions] == [4, 4, 4]
-        assert [p.label for p in predictions].count("grass") >= 2
-        assert cli(["predict", *map(str, grass), "--url", url]) == 0
-        assert "grass" in capsys.readouterr().out
+        with served_over_http(app) as url:
+            grass = sorted((photo_folder / "val" / "grass").iterdir())[:3]
+            with Client(url) as client:
+                assert client.model().name == "run"
+                predictions = client.predict(grass)  # top_k left to the server: 4 classes, not 5
+            assert [len(p.top_k) for p in predictions] == [4, 4, 4]
+            assert [p.label for p in predictions].count("grass") >= 2
+            assert cli(["predict", *map(str, grass), "--url", url]) == 0
+            assert "grass" in capsys.readouterr().out
     finally:
-        server.shutdown()
         app.extensions[EXTENSION_KEY].shutdown(timeout=10)

@@ -5,25 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from app.engine.weights import ModelLoadError, served_dir
-from models.export import export_model
-from models.presets import EvalPreset
-from models.registry import build_model
 from models.repository import RepositoryError, models, newest, next_version, resolve, versions
-
-
-def _export(out: Path, name: str = "mine", version: str = "1") -> Path:
-    torch.manual_seed(0)
-    export_model(build_model("mobilenet_v3_small", 3), out_dir=out, name=name, version=version,
-                 arch="mobilenet_v3_small", labels=["a", "b", "c"], preset=EvalPreset(resize_size=40, crop_size=32))
-    return out
+from tests.fakes import export_tiny
 
 
 def test_versions_are_ordered_by_number_and_the_next_one_counts_on(tmp_path: Path) -> None:
     for version in ("1", "2", "10", "canary"):
-        _export(tmp_path / "mine" / version, version=version)
+        export_tiny(tmp_path / "mine" / version, version=version)
     (tmp_path / "mine" / "11").mkdir()  # no manifest: not a version
     assert versions(tmp_path, "mine") == ["1", "2", "10", "canary"]
     assert newest(tmp_path, "mine") == "10" and next_version(tmp_path, "mine") == "11"
@@ -31,16 +21,16 @@ def test_versions_are_ordered_by_number_and_the_next_one_counts_on(tmp_path: Pat
 
 
 def test_resolve_serves_a_single_export_or_the_chosen_version(tmp_path: Path) -> None:
-    single = _export(tmp_path / "weights")
+    single = export_tiny(tmp_path / "weights")
     assert resolve(single) == single  # today's weights/ works unchanged
     repository = tmp_path / "repo"
-    _export(repository / "mine" / "1")
-    _export(repository / "mine" / "2", version="2")
+    export_tiny(repository / "mine" / "1")
+    export_tiny(repository / "mine" / "2", version="2")
     assert resolve(repository) == repository / "mine" / "2"
     assert resolve(repository, version="1") == repository / "mine" / "1"
     with pytest.raises(RepositoryError, match="no version '7' of 'mine'; it has: 1, 2"):
         resolve(repository, version="7")
-    _export(repository / "other" / "1", name="other")
+    export_tiny(repository / "other" / "1", name="other")
     with pytest.raises(RepositoryError, match="holds 2 models \\(mine, other\\): set VISIONSERVE_MODEL_NAME"):
         resolve(repository)
     with pytest.raises(RepositoryError, match="no model 'nope'; it has: mine, other"):

@@ -19,6 +19,7 @@ from app.config import Settings
 from models import train
 from models.checkpoint import BEST_NAME, CHECKPOINT_NAME, load_checkpoint
 from models.export import main as export_main
+from models.loaders import splits
 from models.manifest import read_manifest
 from models.registry import ARCHS, build_model
 from models.runlog import read_metrics
@@ -226,7 +227,7 @@ def test_a_flat_folder_is_split_with_val_split(tmp_path: Path, caplog: pytest.Lo
     flat = nested / "train"  # DIR/<class>/*, no train/val
     assert "add --val-split 0.2" in _main_error(small_args(flat, tmp_path / "refused"), caplog)
     args = train.get_args_parser(ARCHS).parse_args(small_args(flat, tmp_path / "run", "--val-split", "0.4"))
-    first, again = train._splits(args), train._splits(args)
+    first, again = splits(args), splits(args)
     assert first == again  # the same files every time
     train_split, val_split = first
     assert [sum(t == i for _, t in val_split.samples) for i in range(3)] == [2, 2, 2]  # 40% of 5, per class

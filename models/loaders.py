@@ -1,0 +1,76 @@
+"""The data of a training run: the train and val splits of the folder, checked, and their sharded loaders."""
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+from models.distributed import DistEnv
+from models.folder import (
+    DataError,
+    EpochSampler,
+    FolderDataset,
+    ShardSampler,
+    Split,
+    check_same_classes,
+    scan_split,
+    split_holdout,
+)
+from models.presets import EvalPreset, eval_transform, train_transform
+
+log = logging.getLogger("models.train")
+
+
+@dataclass
+class Data:
+    """The loaders of one run and the class names they index."""
+
+    train: DataLoader
+    val: DataLoader
+    train_sampler: EpochSampler
+    classes: list[str]
+    val_files: list[Path]
+
+
+def splits(args: argparse.Namespace) -> tuple[Split, Split]:
+    """DIR/train and DIR/val, or with --val-split one DIR/<class> folder split in two."""
+    workers = max(4, args.workers)
+    if args.val_split is not None:
+        return split_holdout(scan_split(args.data, workers=workers), args.val_split, args.seed)
+    if not (args.data / "train").is_dir() and args.data.is_dir() and any(
+            p.is_dir() and p.name not in ("train", "val") for p in args.data.iterdir()):
+        raise DataError(f"{args.data} has no train/ and val/ folders; to hold out part of each class folder "
+                        f"for validation, add --val-split 0.2")
+    train_split = scan_split(args.data / "train", workers=workers)
+    val_split = scan_split(args.data / "val", workers=workers)
+    check_same_classes(train_split, val_split)
+    return train_split, val_split
+
+
+def load_data(args: argparse.Namespace, preset: EvalPreset, env: DistEnv, device: torch.device) -> Data:
+    """Check both splits, then build sharded loaders (every rank scans: the result is the same everywhere)."""
+    train_split, val_split = splits(args)
+    skipped = len(train_split.skipped) + len(val_split.skipped)
+    if skipped and env.is_main:
+        log.warning("skipped %d unreadable file(s); training on %d, validating on %d",
+                    skipped, len(train_split.samples), len(val_split.samples))
+    train_set = FolderDataset(train_split.samples, train_transform(preset, args.hflip_prob, args.min_crop_scale),
+                              seed=args.seed)
+    val_set = FolderDataset(val_split.samples, eval_transform(preset))
+    sampler = EpochSampler(train_set, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=args.seed)
+    workers = {"num_workers": args.workers, "pin_memory": device.type == "cuda",
+               "persistent_workers": args.workers > 0, "prefetch_factor": args.prefetch if args.workers else None}
+    if len(sampler) < 2:
+        raise DataError(f"{args.data / 'train'} has {len(train_set)} image(s); need at least 2 per process")
+    # The loader's own generator keeps worker start-up from consuming the global RNG (which dropout uses).
+    # A last batch of one image would break BatchNorm in training mode, so only then is it dropped.
+    train = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
+                       drop_last=len(sampler) % args.batch_size == 1,
+                       generator=torch.Generator().manual_seed(args.seed), **workers)
+    val = DataLoader(val_set, batch_size=args.batch_size,
+                     sampler=ShardSampler(len(val_set), env.rank, env.world_size), **workers)
+    return Data(train, val, sampler, train_split.classes, [path for path, _ in val_split.samples])
