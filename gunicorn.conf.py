@@ -3,6 +3,7 @@
 The master never imports torch or touches CUDA: forked workers would inherit a broken CUDA context. Each worker
 loads the model itself (no preload_app), and its gthread pool lets concurrent requests share one batcher.
 """
+import contextlib
 import os
 import shutil
 import sys
@@ -22,6 +23,13 @@ except SettingsError as exc:  # one line that says what to fix, not a traceback
 _OWN_METRICS_DIR = None
 if _settings.workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
     _OWN_METRICS_DIR = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="visionserve-metrics-")
+
+# The workers share repository loads and unloads through a directory (app/engine/control.py), made here before the
+# fork so every worker of this master, and every worker it starts later, finds the same one.
+_OWN_CONTROL_DIR = None
+if _settings.control_dir is None:
+    _OWN_CONTROL_DIR = tempfile.mkdtemp(prefix="visionserve-control-")
+    os.environ["VISIONSERVE_CONTROL_DIR"] = _OWN_CONTROL_DIR
 
 bind = _settings.bind
 workers = _settings.workers
@@ -82,7 +90,12 @@ def worker_exit(server, worker) -> None:  # noqa: ANN001
 
 
 def child_exit(server, worker) -> None:  # noqa: ANN001
-    """Drop a dead worker's live gauges (queue depth, GPU memory) from the multiprocess metrics."""
+    """Drop a dead worker's live gauges (queue depth, GPU memory) from the multiprocess metrics, and its report of
+    what it served."""
+    control_dir = os.environ.get("VISIONSERVE_CONTROL_DIR")
+    if control_dir:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(control_dir, f"worker-{worker.pid}.json"))
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         from prometheus_client import multiprocess
 
@@ -90,6 +103,7 @@ def child_exit(server, worker) -> None:  # noqa: ANN001
 
 
 def on_exit(server) -> None:  # noqa: ANN001
-    """Remove the multiprocess metrics directory this master made (one set aside by ops is theirs to keep)."""
-    if _OWN_METRICS_DIR is not None:
-        shutil.rmtree(_OWN_METRICS_DIR, ignore_errors=True)
+    """Remove the metrics and control directories this master made (ones set aside by ops are theirs to keep)."""
+    for own in (_OWN_METRICS_DIR, _OWN_CONTROL_DIR):
+        if own is not None:
+            shutil.rmtree(own, ignore_errors=True)

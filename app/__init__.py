@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
     from app.config import Settings
     from app.engine.predictor import Predictor
+    from app.engine.sources import Source
     from app.web.protocol import Protocol
 
 
@@ -28,8 +29,10 @@ def default_protocols() -> "list[Protocol]":
 
 def create_app(settings: "Settings | None" = None, predictor: "Predictor | None" = None,
                protocols: "Sequence[Protocol] | None" = None,
-               on_load_error: "Callable[[BaseException], None] | None" = None) -> "Flask":
-    """Build the Flask app: load (or take) the predictor, build the service (warm-up, canary), register the web.
+               on_load_error: "Callable[[BaseException], None] | None" = None,
+               source: "Source | None" = None) -> "Flask":
+    """Build the Flask app: load the models of ``settings.weights_dir`` (or take ``predictor``), build the service
+    (warm-up, canaries), register the web. ``source`` replaces the directory (tests: models held in memory).
 
     With ``on_load_error`` the model loads in the background and the app answers at once (503 until ready; the
     gunicorn worker's way, app/wsgi.py); without it, loading happens here and a failure raises.
@@ -38,9 +41,8 @@ def create_app(settings: "Settings | None" = None, predictor: "Predictor | None"
 
     from app.config import load_settings
     from app.engine.malloc import keep_freed_memory
-    from app.engine.predictor import Predictor
     from app.engine.service import Service
-    from app.engine.weights import served_dir
+    from app.engine.sources import DirectorySource, GivenSource
     from app.logs import configure_logging
     from app.web import init_app
 
@@ -48,15 +50,10 @@ def create_app(settings: "Settings | None" = None, predictor: "Predictor | None"
     configure_logging(settings.log_level)
     keep_freed_memory(settings.malloc_trim_threshold_mb)  # before any image buffer is allocated
 
-    def load() -> Predictor:
-        if predictor is not None:
-            return predictor
-        weights = served_dir(settings.resolved_weights_dir(), settings.model_name, settings.model_version)
-        return Predictor.load(weights, weights_format=settings.weights_format,
-                              device=settings.device, dtype=settings.dtype, jit_optimize=settings.jit_optimize)
-
-    service = Service.build(settings, load()) if on_load_error is None else Service.start(settings, load,
-                                                                                          on_load_error)
+    if source is None:
+        source = GivenSource(predictor) if predictor is not None else DirectorySource(settings)
+    service = (Service.build(settings, source) if on_load_error is None
+               else Service.start(settings, source, on_load_error))
     app = Flask(__name__)
     init_app(app, settings, service, protocols if protocols is not None else default_protocols())
     return app

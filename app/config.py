@@ -34,13 +34,34 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", protected_namespaces=())
 
     # Model
-    model_name: str | None = Field(None, description="With `WEIGHTS_DIR` a model repository "
-                                   "(`<dir>/<model>/<version>/`, written by `models.export --repository`): the model "
-                                   "to serve (unset: the repository's only model).")
-    model_version: str | None = Field(None, description="The version of that model to serve (unset: the newest, "
-                                      "the highest number).")
-    weights_dir: Path = Field(Path("weights"), description="The directory with `manifest.json` to serve "
-                              "(written by `python -m models.export`).")
+    weights_dir: Path = Field(Path("weights"), description="What to serve: a directory with `manifest.json` "
+                              "(one export, as `python -m models.export` writes it), or a model repository "
+                              "`<dir>/<model>/<version>/` (as `models.export --repository` writes it).")
+    models: str = Field("", description="The repository's models to load at start, comma-separated; empty: every "
+                        "model in it.")
+    version_policy: str = Field(
+        "latest:1", pattern=r"^(latest(:[0-9]+)?|all|specific:[^,]+(,[^,]+)*)$",
+        description="Which versions of each model stay loaded: `latest:N` (the N highest numbers), `all`, or "
+        "`specific:V[,V...]`. Requests that name no version get the newest loaded one. A model's own "
+        "`<repository>/<model>/policy.json` (`{\"version_policy\": {\"latest\": {\"num_versions\": 2}}, "
+        "\"default_version\": \"3\"}`, Triton's spelling) overrides it.")
+    repository_poll_s: float = Field(
+        0.0, ge=0, description="Look for new or removed versions in the repository every this many seconds and "
+        "swap them in with no failed request (each worker polls on its own); 0 = off: versions change only "
+        "through `POST /v2/repository/models/{name}/load`.")
+    repository_sync_timeout_s: float = Field(
+        120.0, gt=0, description="How long a repository load or unload call waits for the server's other workers "
+        "to apply it before answering 504 (they still apply it).")
+    model_memory_limit_mb: int = Field(
+        0, ge=0, description="Most memory the loaded models' weights may take together, per worker; a load past "
+        "it is refused (507). 0 = no limit but the device's free memory.")
+    memory_reserve_mb: int = Field(
+        512, ge=0, description="Memory a load must leave free on the model's device (the GPU's, or the host's "
+        "and its container's) for traffic; a version that would not is refused (507) and the old one keeps "
+        "serving.")
+    control_dir: Path | None = Field(
+        None, description="Set by gunicorn.conf.py, not by hand: the directory where one server's workers share "
+        "repository loads and unloads and report what each serves.")
     weights_format: WeightsFormatSetting = Field(
         "auto", description="`torchscript`, `state_dict`, or `auto` (the manifest's `default_format`).")
     device: DeviceName = Field("auto", description="`auto` (CUDA when available, else CPU), `cpu`, `cuda`, "
@@ -182,6 +203,10 @@ class Settings(BaseSettings):
         if self.api_key_file is not None:
             return self.api_key_file.read_text(encoding="utf-8").strip() or None
         return None
+
+    def model_names(self) -> list[str]:
+        """``models`` as a list (empty: every model of the repository)."""
+        return [name.strip() for name in self.models.split(",") if name.strip()]
 
     def resolved_weights_dir(self) -> Path:
         """The weights directory as an absolute path (relative paths are taken from the working directory)."""

@@ -88,6 +88,25 @@ class NotFound(ServiceError):
     status, code = 404, "not_found"
 
 
+class LoadFailed(ServiceError):
+    """A model version cannot be served: missing files, a bad checksum, a wrong output shape, a failed canary (422).
+    What was serving keeps serving."""
+
+    status, code = 422, "load_failed"
+
+
+class InsufficientMemory(ServiceError):
+    """A version would not fit beside the loaded ones (507); nothing was loaded."""
+
+    status, code = 507, "insufficient_memory"
+
+
+class LoadTimeout(ServiceError):
+    """Another worker has not applied a load within the time allowed (504); it keeps trying."""
+
+    status, code = 504, "load_timeout"
+
+
 class SchemaViolation(ServiceError):
     """A JSON body does not match the request schema (422)."""
     status, code = 422, "validation_error"

@@ -35,7 +35,7 @@ STAGE_SECONDS = Histogram("visionserve_stage_duration_seconds", "Time per stage:
 STAGE_CPU_SECONDS = Counter("visionserve_stage_cpu_seconds", "CPU seconds of the thread running each stage: decode "
                             "(request threads) and inference (the thread running the batch)", ["stage"])
 BATCH_SIZE = Histogram("visionserve_batch_size", "Images per forward pass", buckets=_BATCH_BUCKETS)
-QUEUE_DEPTH = Gauge("visionserve_queue_depth", "Images waiting for the inference worker",
+QUEUE_DEPTH = Gauge("visionserve_queue_depth", "Images waiting for the inference worker", ["model", "version"],
                     multiprocess_mode="livesum")
 PROBES = Counter("visionserve_probe_requests_total", "Health probes, scrapes and API-description requests, "
                  "counted apart from traffic", ["endpoint", "status"])
@@ -44,23 +44,33 @@ BATCHER_EVENTS = Counter("visionserve_batcher_events_total", "deadline_dropped: 
                          "client_gone: queued images dropped because their client hung up; batch_split: "
                          "out-of-memory batches split and retried; batch_failed: forward passes that raised (a "
                          "failed batch runs again one image at a time)", ["event"])
-MODEL_INFO = Gauge("visionserve_model_info", "The served model (value 1)", ["name", "version", "device", "dtype"],
+MODEL_INFO = Gauge("visionserve_model_info", "Each loaded model version (1; 0 once unloaded)", ["name", "version", "device", "dtype"],
                    multiprocess_mode="max")
 READY = Gauge("visionserve_ready", "1 while the worker is ready: model loaded, warmed up, canary passed, batcher "
               "running, not draining (with several workers: the lowest)", multiprocess_mode="livemin")
 BATCHER_ALIVE = Gauge("visionserve_batcher_alive", "1 while the inference thread runs (with several workers: the "
                       "lowest)", multiprocess_mode="livemin")
 QUEUE_CAPACITY = Gauge("visionserve_queue_capacity", "Images the inference queue holds (QUEUE_SIZE resolved)",
-                       multiprocess_mode="livesum")
+                       ["model", "version"], multiprocess_mode="livesum")
 GPU_MEMORY = Gauge("visionserve_gpu_memory_bytes", "CUDA memory of this worker", ["kind"],
                    multiprocess_mode="liveall")
 
 
 class MetricsObserver:
-    """Feeds the batcher's reports into the metrics; ``memory_stats`` is read after each batch (CUDA only)."""
+    """Feeds one model version's batcher reports into the metrics; ``memory_stats`` is read after each batch (CUDA
+    only). Once ``retire``d (its version unloaded), its stopping batcher no longer counts as a dead one."""
 
-    def __init__(self, memory_stats: Callable[[], dict[str, int]] | None = None) -> None:
+    def __init__(self, memory_stats: Callable[[], dict[str, int]] | None = None, model: str = "",
+                 version: str = "") -> None:
         self._memory_stats = memory_stats
+        self._labels = (model, version)
+        self.retired = False
+
+    def retire(self) -> None:
+        """The version is being unloaded: its queue series read 0 and its batcher's end is no failure."""
+        self.retired = True
+        QUEUE_DEPTH.labels(*self._labels).set(0)
+        QUEUE_CAPACITY.labels(*self._labels).set(0)
 
     def batch_done(self, size: int, run_s: float, queued_s: Sequence[float], cpu_s: float) -> None:
         """Record one forward pass."""
@@ -79,10 +89,12 @@ class MetricsObserver:
 
     def queue_depth(self, depth: int) -> None:
         """Publish the queue depth."""
-        QUEUE_DEPTH.set(depth)
+        QUEUE_DEPTH.labels(*self._labels).set(0 if self.retired else depth)
 
     def running(self, alive: bool) -> None:
         """The inference thread started or ended (a worker without it cannot be ready)."""
+        if self.retired:
+            return
         BATCHER_ALIVE.set(int(alive))
         if not alive:
             READY.set(0)

@@ -1,9 +1,9 @@
 """A model repository: ``<repository>/<model>/<version>/`` each holding one export (manifest.json and its files).
 
-``python -m models.export --repository DIR`` writes the next version of a model into it; the server serves one
-model's version from it (``VISIONSERVE_WEIGHTS_DIR`` pointing at the repository, ``MODEL_NAME``/``MODEL_VERSION``
-to choose; the newest version by default). A directory with a manifest.json of its own (today's ``weights/``) is a
-single export and is served as it is. Standard library only: the server's loader imports it.
+``python -m models.export --repository DIR`` writes the next version of a model into it; the server serves its
+models from it (``VISIONSERVE_WEIGHTS_DIR`` pointing at the repository; ``MODELS`` and ``VERSION_POLICY`` choose;
+app/engine/manager.py swaps versions while serving). A directory with a manifest.json of its own (today's
+``weights/``) is a single export and is served as it is. Standard library only: the server's loader imports it.
 """
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ def models(repository: Path) -> list[str]:
     return sorted(p.name for p in repository.iterdir() if p.is_dir() and versions(repository, p.name))
 
 
-def _order(version: str) -> tuple[int, int, str]:
-    # Numbered versions in numeric order (2 < 10), after them any named ones by name.
+def version_order(version: str) -> tuple[int, int, str]:
+    """Sort key: numbered versions in numeric order (2 < 10), after them any named ones by name."""
     return (0, int(version), "") if _NUMBER.match(version) else (1, 0, version)
 
 
@@ -42,7 +42,7 @@ def versions(repository: Path, model: str) -> list[str]:
     folder = repository / model
     if not folder.is_dir():
         return []
-    return sorted((p.name for p in folder.iterdir() if p.is_dir() and is_export(p)), key=_order)
+    return sorted((p.name for p in folder.iterdir() if p.is_dir() and is_export(p)), key=version_order)
 
 
 def next_version(repository: Path, model: str) -> str:
@@ -58,22 +58,3 @@ def newest(repository: Path, model: str) -> str:
         raise RepositoryError(f"{repository} has no model {model!r}; it has: {', '.join(models(repository)) or 'none'}")
     numbered = [v for v in found if _NUMBER.match(v)]
     return numbered[-1] if numbered else found[-1]
-
-
-def resolve(path: Path, model: str | None = None, version: str | None = None) -> Path:
-    """The export to serve: ``path`` itself when it is one, else ``model``'s ``version`` (default: the only model,
-    its newest version) in the repository ``path``."""
-    if is_export(path) and model is None and version is None:
-        return path
-    available = models(path)
-    if model is None:
-        if len(available) != 1:
-            raise RepositoryError(f"{path} holds {len(available)} models ({', '.join(available) or 'none'}): "
-                                  f"set VISIONSERVE_MODEL_NAME to the one to serve")
-        model = available[0]
-    chosen = version or newest(path, model)
-    if chosen not in versions(path, model):
-        held = ", ".join(versions(path, model)) or "none"
-        raise RepositoryError(f"{path} has no version {chosen!r} of {model!r}; it has: {held} "
-                              f"(models: {', '.join(available) or 'none'})")
-    return path / model / chosen

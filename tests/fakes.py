@@ -16,10 +16,10 @@ from models.presets import EvalPreset
 LABELS = ["red", "green", "blue", "other"]
 
 
-def tiny_manifest() -> Manifest:
+def tiny_manifest(name: str = "colour", version: str = "test") -> Manifest:
     """A manifest for an 8x8-input model with four classes (files are never read: the model is passed in)."""
     sha = "0" * 64
-    return Manifest(name="colour", version="test", arch="fake", labels=LABELS,
+    return Manifest(name=name, version=version, arch="fake", labels=LABELS,
                     preprocess=EvalPreset(resize_size=8, crop_size=8, mean=(0.5,) * 3, std=(0.5,) * 3),
                     files={"state_dict": WeightsFile(path="none.pt", sha256=sha)}, default_format="state_dict")
 
@@ -74,13 +74,68 @@ def served_over_http(wsgi_app: Callable) -> Iterator[str]:
         server.shutdown()
 
 
-def export_tiny(out: Path, name: str = "mine", version: str = "1", force: bool = False) -> Path:
-    """A real export of an untrained 3-class mobilenet_v3_small at 32 px into ``out`` (seconds on a CPU)."""
+def export_tiny(out: Path, name: str = "mine", version: str = "1", force: bool = False, seed: int = 0) -> Path:
+    """A real export of an untrained 3-class mobilenet_v3_small at 32 px into ``out`` (seconds on a CPU); another
+    ``seed``, other weights."""
     from models.export import export_model
     from models.registry import build_model
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     export_model(build_model("mobilenet_v3_small", 3), out_dir=out, name=name, version=version,
                  arch="mobilenet_v3_small", labels=["a", "b", "c"], preset=EvalPreset(resize_size=40, crop_size=32),
                  force=force)
     return out
+
+
+class FakeRepository:
+    """A model source of ColourModel versions, held in memory: ``add`` a version, ``fail`` one, count loads."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, dict[str, ColourModel]] = {}
+        self.broken: dict[tuple[str, str], str] = {}
+        self.loads: list[tuple[str, str]] = []
+        self.gate: threading.Event | None = None  # when set, loads wait for it
+        self.stamps: dict[tuple[str, str], int] = {}
+
+    def add(self, name: str, version: str) -> ColourModel:
+        """A new version of ``name``; returns its model (to gate or inspect)."""
+        model = self.held.setdefault(name, {})[version] = ColourModel()
+        self.stamps[(name, version)] = self.stamps.get((name, version), 0) + 1
+        return model
+
+    def fail(self, name: str, version: str, reason: str) -> None:
+        """Make loading ``version`` raise ModelLoadError(reason)."""
+        self.add(name, version)
+        self.broken[(name, version)] = reason
+
+    def models(self) -> list[str]:
+        return sorted(self.held)
+
+    def versions(self, name: str) -> list[str]:
+        from models.repository import version_order
+
+        return sorted(self.held.get(name, {}), key=version_order)
+
+    def policy(self, name: str) -> None:
+        return None
+
+    def stamp(self, name: str, version: str) -> tuple[int, int]:
+        return (self.stamps[(name, version)], 0)
+
+    def size_bytes(self, name: str, version: str) -> int:
+        return 1024 * 1024
+
+    def load(self, name: str, version: str):  # noqa: ANN201 - a Predictor
+        from app.engine.predictor import Predictor
+        from app.engine.weights import ModelLoadError
+
+        self.loads.append((name, version))
+        if self.gate is not None:
+            self.gate.wait(10)
+        if (name, version) in self.broken:
+            raise ModelLoadError(self.broken[(name, version)])
+        return Predictor(self.held[name][version], tiny_manifest(name, version), device="cpu",
+                         weights_bytes=1024 * 1024)
+
+    def missing(self) -> Exception:
+        return RuntimeError("nothing to serve")

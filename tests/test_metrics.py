@@ -94,11 +94,12 @@ def test_readiness_the_inference_thread_and_the_queue_capacity_are_metrics(clien
     # capacity beside its depth.
     def value(name: str) -> float:
         line = next(line for line in client.get("/metrics").get_data(as_text=True).splitlines()
-                    if line.startswith(name + " "))
-        return float(line.split()[1])
+                    if line.startswith(name + " ") or line.startswith(name + "{"))
+        return float(line.split()[-1])
 
     assert value("visionserve_ready") == 1 and value("visionserve_batcher_alive") == 1
-    assert value("visionserve_queue_capacity") == service.settings.resolved_queue_size()
+    # per model version, so a swap shows the old queue draining beside the new one
+    assert value('visionserve_queue_capacity{model="colour",version="test"}') == service.settings.resolved_queue_size()
     service.begin_drain()
     assert value("visionserve_ready") == 0
     service.batcher.stop(timeout=5)

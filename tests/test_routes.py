@@ -338,4 +338,5 @@ def test_a_request_for_another_model_or_version_is_404_naming_the_served_one(cli
         error = _error(client.post(f"/predict?{query}", data=image_bytes(), content_type="image/jpeg"),
                        404, "not_found")
         assert f"serves {manifest.name!r} version {manifest.version!r}" in error["message"]
-        assert error["details"]["models"] == [{"name": manifest.name, "versions": [manifest.version]}]
+        assert error["details"]["models"] == [{"name": manifest.name, "versions": [manifest.version],
+                                               "default": manifest.version}]

@@ -273,8 +273,8 @@ def test_versions_go_into_a_repository_and_the_newest_is_served(folder: Path, tm
     # A written version is never replaced silently.
     assert export_main(["--checkpoint", str(run / BEST_NAME), "--repository", str(repository),
                         "--version", "1"]) == 2
-    for version, expected in ((None, "2"), ("1", "1")):
-        settings = Settings(weights_dir=repository, model_version=version, device="cpu", log_level="warning")
+    for policy, expected in (("latest:1", "2"), ("specific:1", "1")):
+        settings = Settings(weights_dir=repository, version_policy=policy, device="cpu", log_level="warning")
         app = create_app(settings)
         try:
             (info,) = app.test_client().get("/v1/models").get_json()["models"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from typing import Callable, Iterator
 
 
@@ -21,6 +22,21 @@ class InFlight:
     def _add(self, delta: int) -> None:
         with self._lock:
             self._count += delta
+
+    def enter(self) -> None:
+        """Count one more (``leave`` when done): for a use that outlives a ``with`` block."""
+        self._add(1)
+
+    def leave(self) -> None:
+        """Count one less."""
+        self._add(-1)
+
+    def wait_empty(self, timeout_s: float, poll_s: float = 0.02) -> bool:
+        """Wait until nobody is inside (``timeout_s`` at most); returns whether nobody is."""
+        until = time.monotonic() + timeout_s
+        while self._count and time.monotonic() < until:
+            time.sleep(poll_s)
+        return self._count == 0
 
     @contextlib.contextmanager
     def inside(self) -> Iterator[None]:

@@ -1,40 +1,72 @@
-"""A loaded model: its predictor and running batcher, started, warmed up and canaried on the batcher's thread."""
+"""A loaded model version: its predictor and running batcher, started, warmed up and canaried on the batcher's
+thread; counted while requests use it, so an unloaded version stops only after its last request is answered."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import torch
 
 from app.config import Settings
-from app.engine.arrivals import Arrivals
+from app.engine.arrivals import Arrivals, InFlight
 from app.engine.batcher import Batcher
 from app.engine.predictor import OUT_OF_MEMORY_ERRORS, Predictor
 from app.engine.tuning import choose_batch_cap, forward_threads, inline_batches
-from app.metrics import MODEL_INFO, QUEUE_CAPACITY, READY, MetricsObserver
+from app.metrics import MODEL_INFO, QUEUE_CAPACITY, MetricsObserver
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Model:
-    """A loaded model ready to serve: its predictor, its running batcher, its forward rate per batch size."""
+    """A model version ready to serve: its predictor, its running batcher, its forward rate per batch size."""
 
     predictor: Predictor
     batcher: Batcher[torch.Tensor, torch.Tensor]
     batch_profile: dict[int, float]  # forward images/s per batch size, measured at warm-up
+    observer: MetricsObserver = field(default_factory=MetricsObserver)
+    arrivals: Arrivals = field(default_factory=Arrivals)  # requests decoding for this version's next batch
+    in_use: InFlight = field(default_factory=InFlight)  # requests holding this version, from routing to answer
+    device_memory_bytes: int | None = None  # CUDA memory the load and warm-up took (None on the CPU)
+    retiring: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def name(self) -> str:
+        """The model's name (its manifest's)."""
+        return self.predictor.manifest.name
+
+    @property
+    def version(self) -> str:
+        """The version (its manifest's)."""
+        return self.predictor.manifest.version
+
+    def _info_labels(self) -> tuple[str, str, str, str]:
+        return self.name, self.version, str(self.predictor.device), self.predictor.dtype_name
+
+    def retire(self, timeout_s: float) -> bool:
+        """Stop once unrouted: wait (``timeout_s`` at most) for the requests holding it, finish what is queued, end
+        the batcher. Returns whether every request had left in time."""
+        self.retiring.set()
+        self.observer.retire()
+        drained = self.in_use.wait_empty(timeout_s)
+        self.batcher.stop(timeout_s)
+        MODEL_INFO.labels(*self._info_labels()).set(0)
+        return drained
 
 
-def start_model(settings: Settings, predictor: Predictor, arrivals: Arrivals) -> Model:
+def start_model(settings: Settings, predictor: Predictor) -> Model:
     """Start the batcher, warm up and pass the canary on its thread, apply the measured batch cap."""
     threads = forward_threads(settings.torch_threads, predictor.device)
     if threads:
         torch.set_num_threads(threads)
-    observer = MetricsObserver(predictor.memory_stats if predictor.device.type == "cuda" else None)
+    name, version = predictor.manifest.name, predictor.manifest.version
+    observer = MetricsObserver(predictor.memory_stats if predictor.device.type == "cuda" else None, name, version)
+    arrivals = Arrivals()
     batcher: Batcher[torch.Tensor, torch.Tensor] = Batcher(
         predictor.predict_list, max_batch_size=settings.max_batch_size, max_wait_ms=settings.max_wait_ms,
         queue_size=settings.resolved_queue_size(), split_on=OUT_OF_MEMORY_ERRORS, shrink_s=settings.oom_shrink_s,
-        observer=observer, incoming=arrivals.count,
+        observer=observer, incoming=arrivals.count, name=f"batcher-{name}-{version}",
         inline_when_idle=inline_batches(settings.inline_when_idle, predictor.device))
     profile: dict[int, float] = {}
 
@@ -46,11 +78,10 @@ def start_model(settings: Settings, predictor: Predictor, arrivals: Arrivals) ->
     batcher.start(prepare)
     cap = choose_batch_cap(profile) if profile and settings.auto_batch_size else settings.max_batch_size
     if cap < settings.max_batch_size:
-        log.info("batch cap %d: larger batches were no faster (%s)", cap,
+        log.info("%s %s: batch cap %d: larger batches were no faster (%s)", name, version, cap,
                  ", ".join(f"{size}: {rate:.0f} img/s" for size, rate in profile.items()))
         batcher.set_max_batch_size(cap)
-    MODEL_INFO.labels(predictor.manifest.name, predictor.manifest.version, str(predictor.device),
-                      predictor.dtype_name).set(1)
-    QUEUE_CAPACITY.set(batcher.queue_size)
-    READY.set(1)
-    return Model(predictor, batcher, profile)
+    model = Model(predictor, batcher, profile, observer, arrivals)
+    MODEL_INFO.labels(*model._info_labels()).set(1)
+    QUEUE_CAPACITY.labels(name, version).set(batcher.queue_size)
+    return model

@@ -37,18 +37,30 @@ def canary_image(size: int = 320) -> Image.Image:
     return Image.fromarray(np.stack([red, green, blue], axis=-1).astype(np.uint8), mode="RGB")
 
 
+def module_bytes(model: nn.Module, dtype: torch.dtype | None = None) -> int:
+    """Bytes of a module's parameters and buffers (floating ones counted in ``dtype`` when given)."""
+    total = 0
+    for tensor in model.state_dict().values():
+        size = torch.empty((), dtype=dtype).element_size() if dtype and tensor.is_floating_point() else None
+        total += tensor.numel() * (size or tensor.element_size())
+    return total
+
+
 class Predictor:
     """A model placed on its device with its manifest's transform; ``predict_batch`` returns probabilities."""
 
     def __init__(self, model: nn.Module, manifest: Manifest, *, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, weights_format: str = "eager",
-                 pad_batches: bool | None = None) -> None:
+                 pad_batches: bool | None = None, weights_bytes: int | None = None) -> None:
         self.manifest = manifest
         self.device = torch.device(device)
         self.dtype = dtype
         self.weights_format = weights_format
         self.transform: ImageTransform = eval_transform(manifest.preprocess)
         self.model = model.eval().to(device=self.device, dtype=dtype)
+        # What the weights take in memory; a frozen TorchScript module holds them as graph constants, so the caller
+        # measures them before freezing.
+        self.weights_bytes = module_bytes(self.model) if weights_bytes is None else weights_bytes
         self.warmed_batch_sizes: list[int] = []
         # On CUDA a batch is padded with zeros up to the next power of two (or the cap): every new input shape costs
         # cuDNN autotuning (seconds per shape for these models), and a few spare rows cost the GPU almost nothing.
@@ -67,10 +79,13 @@ class Predictor:
         model = load_module(path, manifest, fmt)
         check_output_shape(model, manifest)
         target = resolve_device(device)
+        compute_dtype = resolve_dtype(dtype, target)
+        weights_bytes = module_bytes(model, compute_dtype)
         if jit_optimize and target.type == "cpu" and dtype == "float32":
             model = optimize_for_cpu(model, manifest)
         log.info("loaded %s %s (%s) from %s onto %s", manifest.name, manifest.version, fmt, path, target)
-        return cls(model, manifest, device=target, dtype=resolve_dtype(dtype, target), weights_format=fmt)
+        return cls(model, manifest, device=target, dtype=compute_dtype, weights_format=fmt,
+                   weights_bytes=weights_bytes)
 
     @property
     def dtype_name(self) -> str:

@@ -1,4 +1,5 @@
-"""The per-model service and its stage runner: readiness, arrivals, decoding, the deadline and the queue.
+"""The service and its stage runner: readiness, routing to a model version, arrivals, decoding, the deadline and
+the queue.
 
 Protocols call ``Service.run`` and nothing else of the engine's request path: they say how to read a request
 (a ``Job``) and shape the answer from what comes back (``Served``); the order of the stages lives here only.
@@ -16,7 +17,7 @@ from typing import Callable, Generic, Sequence, TypeVar
 import torch
 
 from app.config import Settings
-from app.engine.arrivals import Arrivals, InFlight
+from app.engine.arrivals import InFlight
 from app.engine.batch_types import (
     BatcherClosed,
     BatchResult,
@@ -27,14 +28,15 @@ from app.engine.batch_types import (
 )
 from app.engine.batcher import Batcher
 from app.engine.decode import DecodeLimits, image_to_tensor
-from app.engine.model import Model, start_model
+from app.engine.lifecycle import Lifecycle
+from app.engine.model import Model
 from app.engine.predictor import Predictor
+from app.engine.sources import GivenSource, Source
 from app.errors import (
     BadRequest,
     ClientGone,
     DeadlineExceeded,
     InferenceFailed,
-    NotFound,
     NotReady,
     Overloaded,
     ServiceError,
@@ -70,6 +72,7 @@ class Served(Generic[P]):
     results: list[BatchResult[torch.Tensor]]
     decode_s: float
     started_ns: int = 0  # wall clock (time.time_ns) when decoding began: traces place the stages from it
+    model: Model | None = None  # the version that answered
 
     def probabilities(self) -> torch.Tensor:
         """(N, classes) softmax probabilities, one row per input."""
@@ -90,37 +93,40 @@ def _service_error(exc: Exception) -> ServiceError:
 
 
 class Service:
-    """One model behind its stage runner, with liveness, readiness and draining.
+    """The served models behind one stage runner, with liveness, readiness and draining.
 
     ``build`` loads synchronously; ``start`` answers at once and loads in the background, so a worker that is
-    still loading its model says so (503 with Retry-After) instead of leaving connections in the listen backlog.
+    still loading its models says so (503 with Retry-After) instead of leaving connections in the listen backlog.
     """
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, source: Source) -> None:
         self.settings = settings
         self.limits = DecodeLimits.from_settings(settings)
-        self.arrivals = Arrivals()
         self.in_flight = InFlight()  # requests inside run(), from readiness to answer
-        self._model: Model | None = None
+        self.models = Lifecycle(settings, source, on_change=self._publish_readiness)
+        self._started = threading.Event()
         self._loader: threading.Thread | None = None
         self._draining = threading.Event()
 
     @classmethod
-    def build(cls, settings: Settings, predictor: Predictor) -> "Service":
-        """A service whose model is ready when this returns."""
-        service = cls(settings)
-        service._model = start_model(settings, predictor, service.arrivals)
+    def build(cls, settings: Settings, source: Source | Predictor) -> "Service":
+        """A service whose models are ready when this returns."""
+        service = cls(settings, GivenSource(source) if isinstance(source, Predictor) else source)
+        service.models.boot()
+        service._started.set()
+        service._publish_readiness()
         return service
 
     @classmethod
-    def start(cls, settings: Settings, load: Callable[[], Predictor],
-              on_error: Callable[[BaseException], None]) -> "Service":
-        """A service that answers now and loads ``load()``'s predictor on a thread; ``on_error`` gets a failure."""
-        service = cls(settings)
+    def start(cls, settings: Settings, source: Source, on_error: Callable[[BaseException], None]) -> "Service":
+        """A service that answers now and loads its models on a thread; ``on_error`` gets a failure."""
+        service = cls(settings, source)
 
         def run() -> None:
             try:
-                service._model = start_model(settings, load(), service.arrivals)
+                service.models.boot()
+                service._started.set()
+                service._publish_readiness()
                 log.info("ready to serve")
             except BaseException as exc:  # noqa: BLE001 - handed to on_error, which decides the worker's fate
                 on_error(exc)
@@ -129,52 +135,40 @@ class Service:
         service._loader.start()
         return service
 
-    def _loaded(self) -> Model:
-        if self._model is None:
-            raise NotReady("the model is still loading", headers=retry_after_header(NOT_READY_RETRY_S))
-        return self._model
+    def _publish_readiness(self) -> None:
+        READY.set(int(self.ready))
+
+    def model(self, name: str | None = None, version: str | None = None) -> Model:
+        """The version a request for ``name`` and ``version`` would get now (NotReady while loading, NotFound)."""
+        self.require_loaded()
+        return self.models.registry.find(name, version)
 
     @property
     def predictor(self) -> Predictor:
-        """The model's predictor; NotReady (503) while it loads."""
-        return self._loaded().predictor
+        """The only (or named-less default) model's predictor; NotReady (503) while it loads."""
+        return self.model().predictor
 
     @property
     def batcher(self) -> Batcher[torch.Tensor, torch.Tensor]:
-        """The model's batcher; NotReady (503) while it loads."""
-        return self._loaded().batcher
-
-    @property
-    def batch_profile(self) -> dict[int, float]:
-        """Forward images/s per batch size, measured at warm-up."""
-        return self._loaded().batch_profile
-
-    def check_model(self, name: str | None, version: str | None) -> None:
-        """NotFound (404, naming what is served) unless ``name`` (None: any) and ``version`` (None: the served one)
-        are what this service serves."""
-        manifest = self.predictor.manifest
-        if name not in (None, manifest.name) or version not in (None, manifest.version):
-            wanted = f"{name or manifest.name!r}" + ("" if version is None else f" version {version!r}")
-            raise NotFound(f"no model {wanted}; this server serves {manifest.name!r} version {manifest.version!r}",
-                           details={"models": [{"name": manifest.name, "versions": [manifest.version]}]})
+        """That model's batcher."""
+        return self.model().batcher
 
     @property
     def loaded(self) -> bool:
-        """The model is loaded, warmed up and passed its canary."""
-        return self._model is not None
-
+        """The first models are loaded, warmed up and passed their canaries, and one serves at least."""
+        return self._started.is_set() and bool(self.models.routed())
 
     @property
     def alive(self) -> bool:
-        """Liveness: the batcher thread runs, or the model is still loading."""
-        if self._model is not None:
-            return self._model.batcher.is_alive()
+        """Liveness: every serving version's batcher thread runs, or the models are still loading."""
+        if self._started.is_set():
+            return all(m.batcher.is_alive() for m in self.models.routed())
         return self._loader is not None and self._loader.is_alive()
 
     @property
     def ready(self) -> bool:
-        """Model loaded, warmed up, canary passed, batcher alive and not draining."""
-        return self._model is not None and not self._draining.is_set() and self._model.batcher.is_alive()
+        """Models loaded, warmed up, canaries passed, batchers alive and not draining."""
+        return self.loaded and not self._draining.is_set() and self.alive
 
     @property
     def draining(self) -> bool:
@@ -187,10 +181,11 @@ class Service:
         READY.set(0)
 
     def shutdown(self, timeout: float | None = None) -> None:
-        """Drain: refuse new work, finish what is queued, stop the worker thread."""
+        """Drain: refuse new work, finish what is queued, stop the worker threads."""
         self.begin_drain()
-        if self._model is not None:
-            self._model.batcher.stop(timeout)
+        self.models.close()
+        for model in self.models.routed():
+            model.batcher.stop(timeout)
 
     def wait_drained(self, min_s: float, max_s: float) -> bool:
         """After begin_drain: wait ``min_s``, then until no request is inside ``run``, ``max_s`` at most.
@@ -204,18 +199,26 @@ class Service:
             time.sleep(0.05)
         return self.in_flight.count() == 0
 
+    def require_loaded(self) -> None:
+        """NotReady (503 with Retry-After) while the first models load."""
+        if not self._started.is_set():
+            raise NotReady("the model is still loading", headers=retry_after_header(NOT_READY_RETRY_S))
+
     def require_ready(self) -> None:
         """Raise NotReady (503 with Retry-After) unless new work can be accepted."""
         if self.draining:  # the client should go elsewhere: this connection will not serve it again
             raise NotReady("the server is shutting down",
                            headers={**retry_after_header(NOT_READY_RETRY_S), "Connection": "close"})
-        self._loaded()
-        if not self.ready:
+        self.require_loaded()
+        if not self.alive:  # no model at all is the router's to say: 503 without a name, 404 with one
             raise NotReady("the model is not ready", headers=retry_after_header(NOT_READY_RETRY_S))
 
-    def run(self, read: Callable[[], Job[P]], client_gone: Callable[[], bool] | None = None) -> Served[P]:
-        """The stages of one request: readiness, ``read`` (the protocol parses its body), decode, queue, wait.
+    def run(self, read: Callable[[Model], Job[P]], client_gone: Callable[[], bool] | None = None,
+            name: str | None = None, version: str | None = None) -> Served[P]:
+        """The stages of one request: readiness, routing to a model version, ``read`` (the protocol parses its
+        body for that model), decode, queue, wait.
 
+        The request keeps the version it was routed to until its answer, even if a newer one takes over meanwhile.
         While ``read`` and decoding run the request counts as on its way, so a forming batch may wait for it; it
         stops counting just before its images are queued. ``client_gone`` (from the web layer) is asked while the
         images wait: once the client has hung up, those still queued are dropped unrun. Raises a ServiceError for
@@ -223,22 +226,22 @@ class Service:
         """
         with self.in_flight.inside():
             self.require_ready()
-            with self.arrivals.arriving() as arrived:
-                job = read()
+            with self.models.registry.acquire(name, version) as model, model.arrivals.arriving() as arrived:
+                job = read(model)
                 started_ns = time.time_ns()
-                tensors, decode_s = self._inputs(job)
+                tensors, decode_s = self._inputs(job, model)
                 arrived()
-                results = self._infer(tensors, job.timeout_s, client_gone)
-        return Served(job.parsed, results, decode_s, started_ns)
+                results = self._infer(model, tensors, job.timeout_s, client_gone)
+        return Served(job.parsed, results, decode_s, started_ns, model)
 
-    def preprocess(self, data: bytes) -> torch.Tensor:
-        """One image's bytes -> model input, with the service's limits."""
-        return image_to_tensor(data, self.predictor.transform, self.limits)
+    def preprocess(self, data: bytes, model: Model | None = None) -> torch.Tensor:
+        """One image's bytes -> ``model``'s input (default: the only model's), with the service's limits."""
+        return image_to_tensor(data, (model or self.model()).predictor.transform, self.limits)
 
-    def _preprocess_one(self, job: Job[P], index: int) -> torch.Tensor:
+    def _preprocess_one(self, job: Job[P], index: int, model: Model) -> torch.Tensor:
         """Preprocess image ``index``; an error names it, so a client knows which of its images to fix."""
         try:
-            return self.preprocess(job.images[index])
+            return self.preprocess(job.images[index], model)
         except ServiceError as exc:
             name = job.names[index] if index < len(job.names) else None
             which = f"image {index}" + (f" ({name})" if name else "")
@@ -247,25 +250,25 @@ class Service:
             exc.details = {"image": index, "filename": name, **(exc.details if isinstance(exc.details, dict) else {})}
             raise
 
-    def _inputs(self, job: Job[P]) -> tuple[list[torch.Tensor], float]:
+    def _inputs(self, job: Job[P], model: Model) -> tuple[list[torch.Tensor], float]:
         if bool(job.images) == bool(job.tensors):
             raise BadRequest("the request holds no images" if not job.images else "send images or tensors, not both")
         check_image_count(len(job.images) or len(job.tensors), self.settings.max_images)
         if job.tensors:
             return list(job.tensors), 0.0
         started, cpu_started = time.perf_counter(), time.thread_time()
-        tensors = [self._preprocess_one(job, i) for i in range(len(job.images))]
+        tensors = [self._preprocess_one(job, i, model) for i in range(len(job.images))]
         decode_s = time.perf_counter() - started
         STAGE_SECONDS.labels("decode").observe(decode_s)
         STAGE_CPU_SECONDS.labels("decode").inc(time.thread_time() - cpu_started)
         return tensors, decode_s
 
-    def _infer(self, tensors: list[torch.Tensor], timeout_s: float,
+    def _infer(self, model: Model, tensors: list[torch.Tensor], timeout_s: float,
                client_gone: Callable[[], bool] | None = None) -> list[BatchResult[torch.Tensor]]:
         """Queue the images (all or none) and wait for their rows until the deadline or the client leaves."""
         deadline = time.monotonic() + timeout_s
         try:
-            futures = self.batcher.submit_many(tensors, deadline=deadline)
+            futures = model.batcher.submit_many(tensors, deadline=deadline)
         except (QueueFull, BatcherClosed, DeadlineTooShort) as exc:
             raise _service_error(exc) from None
         try:

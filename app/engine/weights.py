@@ -11,7 +11,6 @@ import torch.nn as nn
 from app.config import dtype_fits_device
 from models.manifest import Manifest, WeightsFormat, read_manifest, sha256_of
 from models.registry import build_model
-from models.repository import RepositoryError, is_export, models, resolve
 from models.torchscript import quiet_jit
 
 log = logging.getLogger(__name__)
@@ -42,16 +41,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if problem:
         raise ModelLoadError(problem)
     return _DTYPES[name]
-
-
-def served_dir(weights_dir: Path, model: str | None, version: str | None) -> Path:
-    """The export to load: ``weights_dir`` itself, or the chosen model and version when it is a repository."""
-    if not is_export(weights_dir) and not models(weights_dir) and model is None and version is None:
-        return weights_dir  # neither: read_checked_manifest says what to run
-    try:
-        return resolve(weights_dir, model, version)
-    except RepositoryError as exc:
-        raise ModelLoadError(str(exc)) from None
 
 
 def read_checked_manifest(weights_dir: Path) -> Manifest:

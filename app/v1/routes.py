@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from flask import Blueprint, Response, request
 
+from app.engine.model import Model
 from app.engine.service import Job, Service
 from app.v1.payload import PredictInput, parse_predict
 from app.v1.schemas import (
@@ -15,6 +16,7 @@ from app.v1.schemas import (
     ModelsResponse,
     Prediction,
     PredictResponse,
+    WorkerModels,
 )
 from app.web.inputs import deadline_s
 from app.web.services import current_service, serve
@@ -34,36 +36,38 @@ def _top_k(row: torch.Tensor, k: int, labels: list[str], digits: int) -> Predict
 def predict() -> Response:
     """Classify one or more images."""
     service = current_service()
-    service.check_model(request.args.get("model"), request.args.get("version"))
-    settings, predictor = service.settings, service.predictor
+    settings = service.settings
 
-    def read() -> Job[PredictInput]:
+    def read(model: Model) -> Job[PredictInput]:
         timeout_s = deadline_s(request.headers, settings.request_timeout_s)
-        parsed = parse_predict(request, default_top_k=settings.top_k, num_classes=predictor.num_classes,
+        parsed = parse_predict(request, default_top_k=settings.top_k, num_classes=model.predictor.num_classes,
                                max_images=settings.max_images)
         return Job(parsed, timeout_s, images=parsed.images, names=parsed.names or ())
 
-    served = serve(service, read)
+    served = serve(service, read, request.args.get("model"), request.args.get("version"))
+    assert served.model is not None
+    predictor = served.model.predictor
     body = PredictResponse(model=ModelRef(name=predictor.manifest.name, version=predictor.manifest.version),
                            predictions=[_top_k(r.value, served.parsed.top_k, predictor.labels, settings.score_digits)
                                         for r in served.results])
     return annotate(Response(body.model_dump_json(), mimetype="application/json"), served)
 
 
-def _model_info(service: Service, show_labels: bool) -> ModelInfo:
-    s, predictor, m = service.settings, service.predictor, service.predictor.manifest
+def _model_info(service: Service, model: Model, default: bool, show_labels: bool) -> ModelInfo:
+    s, predictor, m = service.settings, model.predictor, model.predictor.manifest
     return ModelInfo(
         name=m.name, version=m.version, arch=m.arch, num_classes=m.num_classes,
         input_shape=list(m.preprocess.input_shape), preprocess=m.preprocess, format=predictor.weights_format,
         device=str(predictor.device), dtype=predictor.dtype_name,
         files={fmt: entry.sha256 for fmt, entry in m.files.items()}, metrics=m.metrics, source=m.source,
         warmed_batch_sizes=predictor.warmed_batch_sizes, labels=predictor.labels if show_labels else None,
-        ready=service.ready,
-        batching=Batching(max_batch_size=s.max_batch_size, batch_cap=service.batcher.max_batch_size,
-                          profile={k: round(v, 1) for k, v in service.batch_profile.items()},
+        ready=service.ready and model.batcher.is_alive(), default=default, state="READY",
+        memory_bytes=predictor.weights_bytes, device_memory_bytes=model.device_memory_bytes,
+        batching=Batching(max_batch_size=s.max_batch_size, batch_cap=model.batcher.max_batch_size,
+                          profile={k: round(v, 1) for k, v in model.batch_profile.items()},
                           max_wait_ms=s.max_wait_ms,
-                          current_max_batch_size=service.batcher.current_max_batch_size,
-                          queue_size=s.resolved_queue_size(), queue_depth=service.batcher.depth),
+                          current_max_batch_size=model.batcher.current_max_batch_size,
+                          queue_size=s.resolved_queue_size(), queue_depth=model.batcher.depth),
         limits=Limits(max_body_bytes=s.max_body_bytes, max_pixels=s.max_pixels, max_images=s.max_images,
                       max_aspect_ratio=s.max_aspect_ratio, default_top_k=s.top_k,
                       request_timeout_s=s.request_timeout_s))
@@ -71,7 +75,12 @@ def _model_info(service: Service, show_labels: bool) -> ModelInfo:
 
 @bp.get("/v1/models")
 def models() -> Response:
-    """Metadata of the served model, its device and dtype, and the batching settings."""
+    """Every loaded model version: metadata, device and dtype, memory, batching; and what each worker serves."""
     show_labels = request.args.get("labels", "").lower() in ("1", "true", "yes")
-    body = ModelsResponse(models=[_model_info(current_service(), show_labels)]).model_dump_json(exclude_none=True)
+    service = current_service()
+    service.require_loaded()
+    infos = [_model_info(service, model, model.version == default, show_labels)
+             for models, default in service.models.registry.snapshot().values() for model in models]
+    workers = [WorkerModels(**worker) for worker in service.models.workers()]
+    body = ModelsResponse(models=infos, workers=workers).model_dump_json(exclude_none=True)
     return Response(body, mimetype="application/json")

@@ -100,9 +100,23 @@ class ModelInfo(BaseModel):
     batching: Batching
     limits: Limits
     ready: bool
+    default: bool = Field(description="requests naming no version get this one")
+    state: str = Field(description="READY while it takes traffic")
+    memory_bytes: int = Field(description="its weights in the served dtype")
+    device_memory_bytes: int | None = Field(default=None, description="CUDA memory its load and warm-up took")
+
+
+class WorkerModels(BaseModel):
+    """What one worker of the server serves: while a load spreads over the workers, they may differ."""
+
+    pid: int
+    generation: int = Field(description="the last repository load or unload this worker applied")
+    models: dict[str, dict[str, Any]] = Field(description="name -> versions and default")
+    error: str | None = Field(default=None, description="why it could not apply the last one")
 
 
 class ModelsResponse(BaseModel):
     """Answer of GET /v1/models."""
 
     models: list[ModelInfo]
+    workers: list[WorkerModels]

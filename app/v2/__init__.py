@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from app.errors import ServiceError
-from app.v2 import openapi
+from app.v2 import openapi, repository  # noqa: F401 - repository adds its routes to bp
 from app.v2.routes import bp
 from app.web.protocol import Protocol
 

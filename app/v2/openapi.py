@@ -7,7 +7,8 @@ from app.v2 import schemas as v2
 from app.web.openapi import BINARY, TIMEOUT_HEADER, errors, headers, health, json_answer, ref
 
 MODELS = (v2.ServerMetadata, v2.Live, v2.Ready, v2.ModelReady, v2.ModelMetadata, v2.InferRequest, v2.InferResponse,
-          v2.Error)
+          v2.Error, v2.RepositoryIndexRequest, v2.RepositoryModel, v2.RepositoryIndex, v2.LoadRequest,
+          v2.UnloadRequest, v2.Loaded)
 
 
 def _infer() -> dict[str, Any]:
@@ -27,6 +28,24 @@ def _infer() -> dict[str, Any]:
     }}
 
 
+def _repository() -> dict[str, Any]:
+    def call(summary: str, body: type, answer: type, codes: str) -> dict[str, Any]:
+        return {"post": {"summary": summary,
+                         "requestBody": {"required": False, "content": {"application/json": {"schema": ref(body)}}},
+                         "responses": {"200": json_answer(answer, "OK"), **errors(v2.Error, codes)}}}
+
+    return {
+        "/v2/repository/index": call("Every model version in the repository, with its state",
+                                     v2.RepositoryIndexRequest, v2.RepositoryIndex, "400 401 422"),
+        "/v2/repository/models/{name}/load": call(
+            "Load or reload a model: its new versions are verified, warmed up and canaried before they take traffic",
+            v2.LoadRequest, v2.Loaded, "400 401 404 422 503 504 507"),
+        "/v2/repository/models/{name}/unload": call(
+            "Unload a model once the requests its versions hold are answered", v2.UnloadRequest, v2.Loaded,
+            "400 401 404 422 503 504"),
+    }
+
+
 def paths() -> dict[str, Any]:
     """Every /v2 path, unversioned and versioned."""
     infer = _infer()
@@ -36,6 +55,7 @@ def paths() -> dict[str, Any]:
     out = {"/v2": {"get": {"summary": "Server metadata", "responses": {"200": json_answer(v2.ServerMetadata, "OK")}}},
            "/v2/health/live": health(v2.Live, "Liveness", v2.Live),
            "/v2/health/ready": health(v2.Ready, "Readiness", v2.Ready)}
+    out.update(_repository())
     for base in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
         # Copies: each path gets its own path-parameter list in the document.
         out.update({base: {**metadata}, f"{base}/ready": {**ready}, f"{base}/infer": {**infer}})

@@ -14,8 +14,9 @@ from flask import Blueprint, Response, request
 from pydantic import BaseModel
 
 from app import __version__
+from app.engine.model import Model
 from app.engine.service import Job, Service
-from app.errors import BadRequest, check_image_count
+from app.errors import BadRequest, NotFound, NotReady, check_image_count
 from app.v2.codec import InferRequest, Tensor, encode_response, parse_request
 from app.v2.schemas import Live, ModelMetadata, ModelReady, Ready, ServerMetadata, TensorMetadata
 from app.web.inputs import deadline_s, read_body
@@ -25,7 +26,7 @@ from app.web.timing import annotate
 bp = Blueprint("v2", __name__, url_prefix="/v2")
 
 IMAGES_INPUT, PIXELS_INPUT, OUTPUT = "images", "pixels", "probabilities"
-EXTENSIONS = ["classification", "binary_tensor_data"]
+EXTENSIONS = ["classification", "binary_tensor_data", "model_repository"]
 _MODEL = "/models/<name>"
 _VERSIONED = "/models/<name>/versions/<version>"
 
@@ -42,10 +43,10 @@ def _json(body: BaseModel) -> Response:
     return Response(body.model_dump_json(exclude_none=True), mimetype="application/json")
 
 
-def _model(name: str, version: str | None) -> Service:
-    service = current_service()
-    service.check_model(name, version)
-    return service
+def _is_known(service: Service, name: str, version: str | None) -> bool:
+    # In the repository though not loaded: its readiness is false, not unknown.
+    source = service.models.source
+    return name in source.models() and (version is None or version in source.versions(name))
 
 
 @bp.get("")
@@ -71,8 +72,17 @@ def ready() -> tuple[Response, int]:
 @bp.get(_MODEL + "/ready")
 @bp.get(_VERSIONED + "/ready")
 def model_ready(name: str, version: str | None = None) -> tuple[Response, int]:
-    """Readiness of the one model we serve."""
-    ok = _model(name, version).ready
+    """Readiness of a model (its default version) or of one version: true exactly when it takes requests."""
+    service = current_service()
+    try:
+        model = service.model(name, version)
+        ok = service.ready and model.batcher.is_alive()
+    except NotReady:
+        ok = False
+    except NotFound:
+        if not _is_known(service, name, version):
+            raise
+        ok = False
     return _json(ModelReady(name=name, ready=ok)), 200 if ok else 503
 
 
@@ -80,16 +90,18 @@ def model_ready(name: str, version: str | None = None) -> tuple[Response, int]:
 @bp.get(_VERSIONED)
 def model_metadata(name: str, version: str | None = None) -> Response:
     """Inputs and outputs with datatypes and shapes; -1 is the batch dimension."""
-    predictor = _model(name, version).predictor
+    service = current_service()
+    predictor = service.model(name, version).predictor
+    versions = [v for v in service.models.snapshot()[name]["versions"]] if version is None else [version]
     return _json(ModelMetadata(
-        name=predictor.manifest.name, versions=[predictor.manifest.version], platform="pytorch",
+        name=predictor.manifest.name, versions=versions, platform="pytorch",
         inputs=[TensorMetadata(name=IMAGES_INPUT, datatype="BYTES", shape=[-1]),
                 TensorMetadata(name=PIXELS_INPUT, datatype="FP32",
                                shape=[-1, *predictor.manifest.preprocess.input_shape])],
         outputs=[TensorMetadata(name=OUTPUT, datatype="FP32", shape=[-1, predictor.num_classes])]))
 
 
-def _job(service: Service, infer: InferRequest, reply: Reply) -> Job[Reply]:
+def _job(service: Service, model: Model, infer: InferRequest, reply: Reply) -> Job[Reply]:
     """The one input as the runner's job: encoded images (BYTES) or preprocessed pixels (FP32)."""
     if len(infer.inputs) != 1:
         raise BadRequest(f"send exactly one input, {IMAGES_INPUT!r} (BYTES) or {PIXELS_INPUT!r} (FP32)")
@@ -104,7 +116,7 @@ def _job(service: Service, infer: InferRequest, reply: Reply) -> Job[Reply]:
             raise BadRequest(f"input {IMAGES_INPUT!r} must have shape [N] or [N, 1], got {tensor.shape}")
         return Job(reply, timeout_s, images=[bytes(item) for item in tensor.data.reshape(-1)])
     if tensor.name == PIXELS_INPUT and tensor.datatype == "FP32":
-        expected = [count, *service.predictor.manifest.preprocess.input_shape]
+        expected = [count, *model.predictor.manifest.preprocess.input_shape]
         if tensor.shape != expected:
             raise BadRequest(f"input {PIXELS_INPUT!r} must have shape {expected}, got {tensor.shape}")
         if not np.isfinite(tensor.data).all():
@@ -151,19 +163,20 @@ def _timeout_s(service: Service, infer: InferRequest) -> float:
 @bp.post(_VERSIONED + "/infer")
 def infer(name: str, version: str | None = None) -> Response:
     """Inference through the same stage runner and batcher as /predict."""
-    service = _model(name, version)
+    service = current_service()
 
-    def read() -> Job[Reply]:
+    def read(model: Model) -> Job[Reply]:
         if request.content_encoding:
             raise BadRequest(f"Content-Encoding {request.content_encoding!r} is not supported; send the body as is")
         parsed = parse_request(read_body(request), request.headers.get("Inference-Header-Content-Length"))
-        return _job(service, parsed, Reply(parsed.id, _output_plan(parsed)))
+        return _job(service, model, parsed, Reply(parsed.id, _output_plan(parsed)))
 
-    served = serve(service, read)
+    served = serve(service, read, name, version)
+    assert served.model is not None
     probabilities = served.probabilities()
     digits = service.settings.score_digits
-    outputs = [_output(probabilities, service.predictor.labels, k, digits) for k, _ in served.parsed.outputs]
-    manifest = service.predictor.manifest
+    outputs = [_output(probabilities, served.model.predictor.labels, k, digits) for k, _ in served.parsed.outputs]
+    manifest = served.model.predictor.manifest
     body, header_length = encode_response(model_name=manifest.name, model_version=manifest.version,
                                           request_id=served.parsed.id, outputs=outputs,
                                           binary={OUTPUT for _, is_binary in served.parsed.outputs if is_binary})

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 Datatype = Literal["BOOL", "UINT8", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32", "FP64", "BYTES"]
 
@@ -104,3 +104,48 @@ class Error(BaseModel):
     """Every /v2 error, as the protocol defines it."""
 
     error: str
+
+
+class RepositoryIndexRequest(BaseModel):
+    """POST /v2/repository/index (the body may be empty)."""
+
+    ready: bool = Field(False, description="only the versions ready to serve")
+
+
+class RepositoryModel(BaseModel):
+    """One version in the repository index, with this worker's state of it."""
+
+    name: str
+    version: str
+    state: Literal["READY", "LOADING", "UNLOADING", "UNAVAILABLE"]
+    reason: str = ""
+
+
+class RepositoryIndex(RootModel[list[RepositoryModel]]):
+    """The index: a JSON array, one item per version."""
+
+
+class LoadRequest(BaseModel):
+    """POST /v2/repository/models/{name}/load (the body may be empty)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    parameters: dict[str, Any] = Field(default_factory=dict, description='"config": a JSON object (or its text) '
+                                       'with "version_policy" (Triton\'s spelling) and "default_version"')
+
+
+class UnloadRequest(BaseModel):
+    """POST /v2/repository/models/{name}/unload (the body may be empty)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    parameters: dict[str, Any] = Field(default_factory=dict, description='"unload_dependents" is accepted and '
+                                       "has nothing to do: no model here depends on another")
+
+
+class Loaded(BaseModel):
+    """What a load or unload call leaves this server serving of the model."""
+
+    name: str
+    versions: list[str]
+    default: str | None

@@ -36,11 +36,13 @@ ERROR_STATUSES = {
     "408": "The body did not arrive within client_body_timeout_s",
     "413": "Body, image pixels or image count over its limit",
     "415": "Unsupported content type or image format",
-    "422": "JSON that does not match the request schema",
+    "422": "JSON that does not match the request schema, or a model version that cannot be served (load_failed)",
     "429": "Overloaded (queue full) or the backlog already exceeds the request's deadline",
     "500": "The forward pass failed",
     "503": "Not ready yet, or shutting down",
-    "504": "No result within the request's deadline",
+    "504": "No result within the request's deadline (or, for a repository call, another worker has not applied "
+           "it yet)",
+    "507": "A model version would not fit in memory beside the loaded ones",
 }
 
 

@@ -8,6 +8,7 @@ from typing import Callable, TypeVar
 from flask import current_app, request
 
 from app import EXTENSION_KEY
+from app.engine.model import Model
 from app.engine.service import Job, Served, Service
 
 P = TypeVar("P")
@@ -33,7 +34,9 @@ def _client_gone(sock: socket.socket) -> Callable[[], bool]:
     return gone
 
 
-def serve(service: Service, read: Callable[[], Job[P]]) -> Served[P]:
-    """``service.run(read)`` for this request, watching its connection (under gunicorn) while its images wait."""
+def serve(service: Service, read: Callable[[Model], Job[P]], name: str | None = None,
+          version: str | None = None) -> Served[P]:
+    """``service.run`` for this request on model ``name`` (None: the only one) at ``version`` (None: its default),
+    watching the request's connection (under gunicorn) while its images wait."""
     sock = request.environ.get("gunicorn.socket")
-    return service.run(read, _client_gone(sock) if isinstance(sock, socket.socket) else None)
+    return service.run(read, _client_gone(sock) if isinstance(sock, socket.socket) else None, name, version)

@@ -1,0 +1,55 @@
+"""The memory check before a load: refuse a version that cannot fit, instead of failing live traffic with it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from app.errors import InsufficientMemory
+
+MIB = 1024 * 1024
+_CGROUP = Path("/sys/fs/cgroup")
+
+
+def _meminfo_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _cgroup_room() -> int | None:
+    # A container's limit (cgroup v2): the host's MemAvailable says nothing of it.
+    try:
+        limit = (_CGROUP / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return int(limit) - int((_CGROUP / "memory.current").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory where the model will live: the GPU's free memory, or the host's (container-limited)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    found = [v for v in (_meminfo_available(), _cgroup_room()) if v is not None]
+    return min(found) if found else None
+
+
+def check_fits(what: str, need_bytes: int, device: torch.device, loaded_bytes: int, limit_mb: int,
+               reserve_mb: int) -> None:
+    """InsufficientMemory (507) when ``need_bytes`` more would pass ``limit_mb`` (0: none) over what the loaded
+    models take, or leave less than ``reserve_mb`` free on ``device``."""
+    if limit_mb and loaded_bytes + need_bytes > limit_mb * MIB:
+        raise InsufficientMemory(
+            f"{what} needs about {need_bytes / MIB:.0f} MiB; the loaded models take {loaded_bytes / MIB:.0f} MiB of "
+            f"MODEL_MEMORY_LIMIT_MB={limit_mb}: unload a version first or raise the limit")
+    free = available_bytes(device)
+    if free is not None and free - need_bytes < reserve_mb * MIB:
+        raise InsufficientMemory(
+            f"{what} needs about {need_bytes / MIB:.0f} MiB on {device}, which has {free / MIB:.0f} MiB free and "
+            f"keeps MEMORY_RESERVE_MB={reserve_mb} for traffic: unload a version first")

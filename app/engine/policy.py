@@ -1,0 +1,117 @@
+"""Version policies: which versions of a model stay loaded, and which one answers requests that name none.
+
+Spelt as a setting (``VERSION_POLICY``: ``latest:N``, ``all``, ``specific:V[,V...]``) or, per model, as Triton
+spells it in a model config: ``{"version_policy": {"latest": {"num_versions": 2}}, "default_version": "3"}``
+(``<repository>/<model>/policy.json``, or the ``config`` parameter of a repository load call). """
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from models.repository import version_order as order_key
+
+POLICY_FILE = "policy.json"  # beside a model's version folders
+_NUMBER = re.compile(r"^[0-9]+$")
+_KINDS = ("latest", "all", "specific")
+
+
+class PolicyError(ValueError):
+    """A policy that cannot be read; the message says what is accepted."""
+
+
+@dataclass(frozen=True)
+class VersionPolicy:
+    """What to keep loaded out of a model's versions, and the version requests without one get."""
+
+    kind: Literal["latest", "all", "specific"] = "latest"
+    count: int = 1  # latest: how many of the newest
+    versions: tuple[str, ...] = ()  # specific: these
+    default: str | None = None  # None: the newest loaded version
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise PolicyError(f"version policy kind must be one of {', '.join(_KINDS)}, got {self.kind!r}")
+        if self.kind == "latest" and self.count < 1:
+            raise PolicyError(f"latest needs at least 1 version, got {self.count}")
+        if self.kind == "specific" and not self.versions:
+            raise PolicyError("specific needs at least one version")
+        if self.default is not None and self.kind == "specific" and self.default not in self.versions:
+            raise PolicyError(f"default version {self.default!r} is not among the specific ones "
+                              f"({', '.join(self.versions)})")
+
+    @classmethod
+    def parse(cls, text: str) -> "VersionPolicy":
+        """``latest:N`` (``latest`` = ``latest:1``), ``all``, or ``specific:V[,V...]``."""
+        kind, _, arg = text.strip().partition(":")
+        if kind == "latest" and (not arg or arg.isdigit()):
+            return cls("latest", count=int(arg or 1))
+        if kind == "all" and not arg:
+            return cls("all")
+        if kind == "specific" and arg:
+            return cls("specific", versions=tuple(v.strip() for v in arg.split(",") if v.strip()))
+        raise PolicyError(f"version policy must be latest:N, all or specific:V[,V...], got {text!r}")
+
+    @classmethod
+    def from_config(cls, config: Any, fallback: "VersionPolicy") -> "VersionPolicy":
+        """A Triton-style model config (a dict, or its JSON text) over ``fallback``; unknown keys are refused."""
+        if isinstance(config, (str, bytes)):
+            try:
+                config = json.loads(config)
+            except ValueError as exc:
+                raise PolicyError(f"the config is not JSON: {exc}") from None
+        if not isinstance(config, dict):
+            raise PolicyError("the config must be a JSON object")
+        unknown = set(config) - {"version_policy", "default_version", "name"}
+        if unknown:
+            raise PolicyError(f"unsupported config keys {sorted(unknown)}: this server reads version_policy and "
+                              "default_version")
+        policy = _from_triton(config["version_policy"]) if "version_policy" in config else fallback
+        default = config.get("default_version", policy.default)
+        return replace(policy, default=None if default is None else str(default))
+
+    def choose(self, available: list[str]) -> list[str]:
+        """The versions to keep loaded out of ``available``, oldest first; PolicyError when one named is absent."""
+        ordered = sorted(available, key=order_key)
+        if self.kind == "all":
+            chosen = ordered
+        elif self.kind == "latest":
+            numbered = [v for v in ordered if _NUMBER.match(v)] or ordered
+            chosen = numbered[-self.count:]
+        else:
+            missing = [v for v in self.versions if v not in available]
+            if missing:
+                raise PolicyError(f"no version {', '.join(missing)}; the repository has {', '.join(ordered) or 'none'}")
+            chosen = sorted(self.versions, key=order_key)
+        if self.default is not None and self.default not in chosen:
+            if self.default not in available:
+                raise PolicyError(f"default version {self.default!r} is not in the repository")
+            chosen = sorted([*chosen, self.default], key=order_key)
+        return chosen
+
+    def default_of(self, loaded: list[str]) -> str | None:
+        """The version unversioned requests get: the named default when loaded, else the newest loaded."""
+        if self.default is not None and self.default in loaded:
+            return self.default
+        ordered = sorted(loaded, key=order_key)
+        numbered = [v for v in ordered if _NUMBER.match(v)]
+        return (numbered or ordered or [None])[-1]
+
+    def describe(self) -> str:
+        """The policy as the setting spells it."""
+        text = {"latest": f"latest:{self.count}", "all": "all"}.get(self.kind, f"specific:{','.join(self.versions)}")
+        return text + (f" (default {self.default})" if self.default else "")
+
+
+def _from_triton(spec: Any) -> VersionPolicy:
+    if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in _KINDS:
+        raise PolicyError('version_policy must be {"latest": {"num_versions": N}}, {"all": {}} or '
+                          '{"specific": {"versions": [...]}}')
+    kind, args = next(iter(spec.items()))
+    args = args or {}
+    if kind == "latest":
+        return VersionPolicy("latest", count=int(args.get("num_versions", 1)))
+    if kind == "specific":
+        return VersionPolicy("specific", versions=tuple(str(v) for v in args.get("versions", [])))
+    return VersionPolicy("all")

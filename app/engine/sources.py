@@ -1,0 +1,136 @@
+"""Where models come from: a directory (one export, or a repository ``<dir>/<model>/<version>/``), or a predictor
+handed over already loaded (tests, benchmarks). The manager asks a source what exists and loads from it."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Protocol
+
+from app.config import Settings
+from app.engine.policy import POLICY_FILE, PolicyError
+from app.engine.predictor import Predictor
+from app.engine.weights import ModelLoadError, read_checked_manifest
+from models.manifest import MANIFEST_NAME
+from models.repository import is_export, models, versions
+
+
+class Source(Protocol):
+    """What the model manager needs of a place holding models."""
+
+    def models(self) -> list[str]: ...
+    def versions(self, name: str) -> list[str]: ...
+    def policy(self, name: str) -> dict[str, Any] | None: ...
+    def stamp(self, name: str, version: str) -> tuple[int, int]: ...
+    def size_bytes(self, name: str, version: str) -> int: ...
+    def load(self, name: str, version: str) -> Predictor: ...
+
+
+class DirectorySource:
+    """``settings.weights_dir``: a single export (today's ``weights/``: a repository of one model) or a repository."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.root = settings.resolved_weights_dir()
+
+    def _single(self) -> tuple[str, str] | None:
+        if not is_export(self.root):
+            return None
+        manifest = read_checked_manifest(self.root)
+        return manifest.name, manifest.version
+
+    def models(self) -> list[str]:
+        """The models with at least one version."""
+        single = self._single()
+        return [single[0]] if single else models(self.root)
+
+    def versions(self, name: str) -> list[str]:
+        """``name``'s versions, oldest first."""
+        single = self._single()
+        if single:
+            return [single[1]] if single[0] == name else []
+        return versions(self.root, name)
+
+    def path(self, name: str, version: str) -> Path:
+        """The export folder of one version."""
+        return self.root if self._single() else self.root / name / version
+
+    def policy(self, name: str) -> dict[str, Any] | None:
+        """``<repository>/<name>/policy.json``, when there is one."""
+        path = self.root / name / POLICY_FILE
+        if self._single() or not path.is_file():
+            return None
+        try:
+            policy = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as exc:
+            raise PolicyError(f"{path} is not JSON: {exc}") from None
+        if not isinstance(policy, dict):
+            raise PolicyError(f"{path} must hold a JSON object")
+        return policy
+
+    def stamp(self, name: str, version: str) -> tuple[int, int]:
+        """Changes when the version's manifest is rewritten: a version that failed to load is tried again then."""
+        stat = (self.path(name, version) / MANIFEST_NAME).stat()
+        return stat.st_mtime_ns, stat.st_size
+
+    def size_bytes(self, name: str, version: str) -> int:
+        """The size of the weights file the server would load (for the memory check)."""
+        folder = self.path(name, version)
+        manifest = read_checked_manifest(folder)
+        fmt = manifest.default_format if self.settings.weights_format == "auto" else self.settings.weights_format
+        entry = manifest.files.get(fmt)  # type: ignore[call-overload]
+        return (folder / entry.path).stat().st_size if entry and (folder / entry.path).is_file() else 0
+
+    def load(self, name: str, version: str) -> Predictor:
+        """Load and verify one version (manifest, checksum, keys, output shape) or raise ModelLoadError."""
+        folder = self.path(name, version)
+        predictor = Predictor.load(folder, weights_format=self.settings.weights_format, device=self.settings.device,
+                                   dtype=self.settings.dtype, jit_optimize=self.settings.jit_optimize)
+        found = (predictor.manifest.name, predictor.manifest.version)
+        if found != (name, version):
+            raise ModelLoadError(f"{folder}/manifest.json says {found[0]} version {found[1]}, but the repository "
+                                 f"holds it as {name} version {version}: export it again with --repository")
+        return predictor
+
+    def missing(self) -> ModelLoadError:
+        """Why there is nothing to serve, saying how to make something."""
+        try:
+            read_checked_manifest(self.root)
+        except ModelLoadError as exc:
+            return exc
+        return ModelLoadError(f"{self.root} holds no model")
+
+
+class GivenSource:
+    """One predictor, already loaded: the only model and version there is."""
+
+    def __init__(self, predictor: Predictor) -> None:
+        self.predictor = predictor
+        self._key = (predictor.manifest.name, predictor.manifest.version)
+
+    def models(self) -> list[str]:
+        """The predictor's model."""
+        return [self._key[0]]
+
+    def versions(self, name: str) -> list[str]:
+        """Its version."""
+        return [self._key[1]] if name == self._key[0] else []
+
+    def policy(self, name: str) -> dict[str, Any] | None:
+        """None: the settings' policy applies."""
+        return None
+
+    def stamp(self, name: str, version: str) -> tuple[int, int]:
+        """Never changes."""
+        return (0, 0)
+
+    def size_bytes(self, name: str, version: str) -> int:
+        """The predictor's weights."""
+        return self.predictor.weights_bytes
+
+    def load(self, name: str, version: str) -> Predictor:
+        """The predictor itself."""
+        return self.predictor
+
+    def missing(self) -> ModelLoadError:
+        """Never: it always holds its predictor."""
+        return ModelLoadError("no model")
