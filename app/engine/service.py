@@ -199,6 +199,12 @@ class Service:
             time.sleep(0.05)
         return self.in_flight.count() == 0
 
+    def wait_loaded(self, timeout_s: float) -> None:
+        """Wait for the first models to load (``timeout_s`` at most), then as ``require_loaded``: a repository call
+        reaching a worker that is still starting waits for it instead of failing."""
+        self._started.wait(timeout_s)
+        self.require_loaded()
+
     def require_loaded(self) -> None:
         """NotReady (503 with Retry-After) while the first models load."""
         if not self._started.is_set():

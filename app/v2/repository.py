@@ -52,7 +52,7 @@ def load(name: str) -> Response:
         raise BadRequest(f"unsupported load parameters {unknown}: this server takes \"config\" (version_policy, "
                          "default_version); models load from the repository, not from uploaded files")
     service = current_service()
-    service.require_loaded()
+    service.wait_loaded(service.settings.repository_sync_timeout_s)
     service.models.load(name, parameters.get("config"))
     return _loaded(name)
 
@@ -62,6 +62,6 @@ def unload(name: str) -> Response:
     """Stop serving every version of a model once the requests they hold are answered."""
     _body(UnloadRequest)
     service = current_service()
-    service.require_loaded()
+    service.wait_loaded(service.settings.repository_sync_timeout_s)
     service.models.unload(name)
     return _loaded(name)
