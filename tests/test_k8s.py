@@ -80,3 +80,39 @@ def test_service_hpa_and_pdb_point_at_the_deployment() -> None:
     from app import metrics
 
     assert metric_names == [metrics.QUEUE_DEPTH.describe()[0].name]
+
+
+def _apply_json_patch(document: dict[str, Any], operations: list[dict[str, Any]]) -> dict[str, Any]:
+    """RFC 6902 "add" operations, as kustomize applies them (the only kind the overlay uses)."""
+    for operation in operations:
+        assert operation["op"] == "add", operation
+        *parents, last = operation["path"].strip("/").split("/")
+        target: Any = document
+        for key in parents:
+            target = target[int(key)] if isinstance(target, list) else target[key]
+        if last == "-":
+            target.append(operation["value"])
+        else:
+            target[int(last) if isinstance(target, list) else last] = operation["value"]
+    return document
+
+
+def test_the_repository_overlay_serves_a_shared_volume() -> None:
+    overlay = K8S / "repository"
+    kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())
+    assert kustomization["resources"] == ["../", "pvc.yaml"]
+    (patch,) = kustomization["patches"]
+    deployment = _apply_json_patch(_resources()["Deployment"], yaml.safe_load((overlay / patch["path"]).read_text()))
+    assert patch["target"] == {"kind": "Deployment", "name": deployment["metadata"]["name"]}
+    kubernetes_validate.validate(deployment, KUBERNETES_VERSION, strict=True)
+    claim = yaml.safe_load((overlay / "pvc.yaml").read_text())
+    kubernetes_validate.validate(claim, KUBERNETES_VERSION, strict=True)
+    pod = deployment["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "models"]
+    assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    (container,) = pod["containers"]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "models"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    settings = Settings(weights_dir=env["VISIONSERVE_WEIGHTS_DIR"],
+                        repository_poll_s=env["VISIONSERVE_REPOSITORY_POLL_S"])
+    assert str(settings.weights_dir) == mount["mountPath"] and mount["readOnly"] and settings.repository_poll_s > 0
