@@ -44,8 +44,8 @@ BATCHER_EVENTS = Counter("visionserve_batcher_events_total", "deadline_dropped: 
                          "client_gone: queued images dropped because their client hung up; batch_split: "
                          "out-of-memory batches split and retried; batch_failed: forward passes that raised (a "
                          "failed batch runs again one image at a time)", ["event"])
-MODEL_INFO = Gauge("visionserve_model_info", "Each loaded model version (1; 0 once unloaded)", ["name", "version", "device", "dtype"],
-                   multiprocess_mode="max")
+MODEL_INFO = Gauge("visionserve_model_info", "Each loaded model version (1; 0 once unloaded)",
+                   ["name", "version", "device", "dtype"], multiprocess_mode="max")
 READY = Gauge("visionserve_ready", "1 while the worker is ready: model loaded, warmed up, canary passed, batcher "
               "running, not draining (with several workers: the lowest)", multiprocess_mode="livemin")
 BATCHER_ALIVE = Gauge("visionserve_batcher_alive", "1 while the inference thread runs (with several workers: the "

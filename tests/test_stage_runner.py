@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from app.config import Settings
-from app.engine.predictor import Predictor
 from app.engine.model import Model
+from app.engine.predictor import Predictor
 from app.engine.service import Job, Service
 from app.engine.sources import DirectorySource, GivenSource
 from app.engine.weights import ModelLoadError

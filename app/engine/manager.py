@@ -179,7 +179,8 @@ class ModelManager:
         # Twice the weights file: the loaded weights, and as much again for the load's copy and warm-up activations.
         need = 2 * self.source.size_bytes(name, version)
         with self._lock:
-            held = [m for models, _ in self.registry.snapshot().values() for m in models] + list(self._retiring.values())
+            retiring = list(self._retiring.values())
+        held = [m for models, _ in self.registry.snapshot().values() for m in models] + retiring
         loaded = sum(m.device_memory_bytes or m.predictor.weights_bytes for m in held)
         check_fits(f"{name} version {version}", need, resolve_device(self.settings.device), loaded,
                    self.settings.model_memory_limit_mb, self.settings.memory_reserve_mb)

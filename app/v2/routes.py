@@ -92,7 +92,8 @@ def model_metadata(name: str, version: str | None = None) -> Response:
     """Inputs and outputs with datatypes and shapes; -1 is the batch dimension."""
     service = current_service()
     predictor = service.model(name, version).predictor
-    versions = [v for v in service.models.snapshot()[name]["versions"]] if version is None else [version]
+    loaded = service.models.snapshot().get(name, {"versions": [predictor.manifest.version]})["versions"]
+    versions = loaded if version is None else [version]
     return _json(ModelMetadata(
         name=predictor.manifest.name, versions=versions, platform="pytorch",
         inputs=[TensorMetadata(name=IMAGES_INPUT, datatype="BYTES", shape=[-1]),
