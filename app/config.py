@@ -16,7 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DeviceName = str
 Dtype = Literal["float32", "float16", "bfloat16"]
-WeightsFormatSetting = Literal["auto", "torchscript", "state_dict"]
+WeightsFormatSetting = Literal["auto", "aoti", "torchscript", "state_dict"]
 ENV_PREFIX = "VISIONSERVE_"
 CLIENT_VARIABLES = frozenset({"VISIONSERVE_URL"})  # read by the client (python -m client), not by the server
 
@@ -63,7 +63,10 @@ class Settings(BaseSettings):
         None, description="Set by gunicorn.conf.py, not by hand: the directory where one server's workers share "
         "repository loads and unloads and report what each serves.")
     weights_format: WeightsFormatSetting = Field(
-        "auto", description="`torchscript`, `state_dict`, or `auto` (the manifest's `default_format`).")
+        "auto", description="`auto`: an AOTInductor package compiled for this device type, dtype and torch version "
+        "(`models.export` compiles one) where packages were measured faster (the CPU), else the manifest's "
+        "`default_format` (TorchScript), saying why in the log; `aoti`: the package or no start; `torchscript`; "
+        "`state_dict`.")
     device: DeviceName = Field("auto", description="`auto` (CUDA when available, else CPU), `cpu`, `cuda`, "
                                "`cuda:N`.")
     dtype: Dtype = Field("float32", description="Compute dtype: `float32`, `float16` (CUDA only) or `bfloat16`.")

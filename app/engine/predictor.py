@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 from PIL import Image
 
+from app.engine.packages import choose_package, load_package
 from app.engine.weights import (
     ModelLoadError,
     check_output_shape,
@@ -71,15 +72,25 @@ class Predictor:
 
     @classmethod
     def load(cls, weights_dir: Path, *, weights_format: str = "auto", device: str = "auto",
-             dtype: str = "float32", jit_optimize: bool = False) -> "Predictor":
-        """Load and verify (manifest, checksum, keys, output shape) or raise ModelLoadError."""
+             dtype: str = "float32", jit_optimize: bool = False, max_batch_size: int = 1) -> "Predictor":
+        """Load and verify (manifest, checksum, keys, output shape) or raise ModelLoadError. ``auto`` serves a
+        fitting AOTInductor package where packages are faster (app/engine/packages.py), else the manifest's
+        default format."""
         manifest = read_checked_manifest(weights_dir)
-        fmt: WeightsFormat = manifest.default_format if weights_format == "auto" else weights_format  # type: ignore[assignment]
+        target = resolve_device(device)
+        compute_dtype = resolve_dtype(dtype, target)
+        package = choose_package(manifest, weights_format, target, dtype, max_batch_size)
+        if package is not None:
+            model: nn.Module = load_package(weights_dir, package)
+            check_output_shape(model, manifest, target, compute_dtype)
+            log.info("loaded %s %s (AOTInductor %s) onto %s", manifest.name, manifest.version, package.path, target)
+            return cls(model, manifest, device=target, dtype=compute_dtype, weights_format="aoti",
+                       weights_bytes=(weights_dir / package.path).stat().st_size)
+        fmt: WeightsFormat = (manifest.default_format if weights_format == "auto"  # type: ignore[assignment]
+                              else weights_format)
         path = checked_file(weights_dir, manifest, fmt)
         model = load_module(path, manifest, fmt)
         check_output_shape(model, manifest)
-        target = resolve_device(device)
-        compute_dtype = resolve_dtype(dtype, target)
         weights_bytes = module_bytes(model, compute_dtype)
         if jit_optimize and target.type == "cpu" and dtype == "float32":
             model = optimize_for_cpu(model, manifest)

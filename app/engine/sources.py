@@ -84,7 +84,8 @@ class DirectorySource:
         """Load and verify one version (manifest, checksum, keys, output shape) or raise ModelLoadError."""
         folder = self.path(name, version)
         predictor = Predictor.load(folder, weights_format=self.settings.weights_format, device=self.settings.device,
-                                   dtype=self.settings.dtype, jit_optimize=self.settings.jit_optimize)
+                                   dtype=self.settings.dtype, jit_optimize=self.settings.jit_optimize,
+                                   max_batch_size=self.settings.max_batch_size)
         found = (predictor.manifest.name, predictor.manifest.version)
         if found != (name, version):
             raise ModelLoadError(f"{folder}/manifest.json says {found[0]} version {found[1]}, but the repository "

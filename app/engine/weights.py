@@ -83,10 +83,11 @@ def load_module(path: Path, manifest: Manifest, fmt: WeightsFormat) -> nn.Module
         raise ModelLoadError(f"cannot load {fmt} weights from {path}: {exc}") from exc
 
 
-def check_output_shape(model: nn.Module, manifest: Manifest) -> None:
+def check_output_shape(model: nn.Module, manifest: Manifest, device: torch.device | str = "cpu",
+                       dtype: torch.dtype = torch.float32) -> None:
     """Raise ModelLoadError unless the model gives one column per label."""
     with torch.inference_mode():
-        out = model(torch.zeros(1, *manifest.preprocess.input_shape))
+        out = model(torch.zeros(1, *manifest.preprocess.input_shape, device=device, dtype=dtype))
     if out.ndim != 2 or out.shape[1] != manifest.num_classes:
         raise ModelLoadError(f"model outputs shape {tuple(out.shape)} but the manifest has "
                              f"{manifest.num_classes} labels")
