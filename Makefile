@@ -33,7 +33,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean-weights:
-	rm -f $(DEFAULT_WEIGHTS)/*.pt $(DEFAULT_WEIGHTS)/manifest.json
+	rm -f $(DEFAULT_WEIGHTS)/*.pt $(DEFAULT_WEIGHTS)/*.pt2 $(DEFAULT_WEIGHTS)/manifest.json
 
 # docs/configuration.md is generated from the settings' descriptions in app/config.py (a test compares them).
 docs: $(STAMP)

@@ -63,10 +63,10 @@ class Settings(BaseSettings):
         None, description="Set by gunicorn.conf.py, not by hand: the directory where one server's workers share "
         "repository loads and unloads and report what each serves.")
     weights_format: WeightsFormatSetting = Field(
-        "auto", description="`auto`: an AOTInductor package compiled for this device type, dtype and torch version "
-        "(`models.export` compiles one) where packages were measured faster (the CPU), else the manifest's "
-        "`default_format` (TorchScript), saying why in the log; `aoti`: the package or no start; `torchscript`; "
-        "`state_dict`.")
+        "auto", description="`auto`: the manifest's `default_format` (TorchScript), saying in the log why no "
+        "AOTInductor package is served (none was measured faster end to end yet: docs/performance.md); `aoti`: the "
+        "package `models.export` compiled for this device type, dtype and torch version, or no start; "
+        "`torchscript`; `state_dict`.")
     device: DeviceName = Field("auto", description="`auto` (CUDA when available, else CPU), `cpu`, `cuda`, "
                                "`cuda:N`.")
     dtype: Dtype = Field("float32", description="Compute dtype: `float32`, `float16` (CUDA only) or `bfloat16`.")

@@ -250,3 +250,14 @@ def test_workers_sharing_a_control_directory_apply_each_others_loads(settings: S
             lifecycle.close()
             for model in lifecycle.routed():
                 model.batcher.stop(5)
+
+
+def test_calls_for_different_models_on_different_workers_both_take_effect(tmp_path: Path) -> None:
+    first, second = Control(tmp_path, pid=1), Control(tmp_path, pid=2)
+    served = {"x": {"versions": ["1"], "default": "1"}, "y": {"versions": ["1"], "default": "1"}}
+    assert first.publish({**served, "x": {"versions": ["2"], "default": "2"}}, "x") == 1
+    # The second worker loaded y 5 before it applied generation 1: publishing y keeps the first call's x 2.
+    assert second.publish({**served, "y": {"versions": ["5"], "default": "5"}}, "y") == 2
+    assert first.desired() == (2, {"x": {"versions": ["2"], "default": "2"}, "y": {"versions": ["5"], "default": "5"}})
+    assert second.publish({"x": {"versions": ["2"], "default": "2"}}, "y") == 3  # y unloaded there
+    assert list(first.desired()[1]) == ["x"]

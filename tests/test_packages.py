@@ -40,15 +40,27 @@ def test_a_package_serves_only_where_it_fits(caplog: pytest.LogCaptureFixture) -
     assert why_not(_package(max_batch_size=4), cpu, "float32", 8) == ("compiled for batches up to 4, "
                                                                      "MAX_BATCH_SIZE is 8")
     manifest = tiny_manifest().model_copy(update={"packages": [_package(torch_version="2.0.0")]})
-    with caplog.at_level(logging.INFO, logger="app.engine.packages"):
-        assert choose_package(manifest, "auto", cpu, "float32", 8) is None
-    assert "serving TorchScript: no AOTInductor package fits (model.cpu-float32.pt2: compiled by torch 2.0.0" in (
-        caplog.text)
-    with pytest.raises(ModelLoadError, match="WEIGHTS_FORMAT=aoti but no AOTInductor package fits"):
+    with pytest.raises(ModelLoadError, match="WEIGHTS_FORMAT=aoti but no AOTInductor package fits: "
+                                             "model.cpu-float32.pt2: compiled by torch 2.0.0"):
         choose_package(manifest, "aoti", cpu, "float32", 8)
-    assert choose_package(manifest, "torchscript", cpu, "float32", 8) is None
     fitting = tiny_manifest().model_copy(update={"packages": [_package(device="cuda"), _package()]})
-    assert choose_package(fitting, "auto", cpu, "float32", 8).device == "cpu"
+    assert choose_package(fitting, "aoti", cpu, "float32", 8).device == "cpu"
+    assert choose_package(fitting, "torchscript", cpu, "float32", 8) is None
+    with caplog.at_level(logging.INFO, logger="app.engine.packages"):
+        assert choose_package(fitting, "auto", cpu, "float32", 8) is None  # not measured faster on the CPU
+    assert "serving TorchScript: AOTInductor packages were not faster on cpu" in caplog.text
+
+
+def test_auto_serves_a_fitting_package_where_packages_are_faster(monkeypatch: pytest.MonkeyPatch,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr("app.engine.packages.FASTER_ON", frozenset({"cpu"}))  # as a measurement would set it
+    cpu = torch.device("cpu")
+    fitting = tiny_manifest().model_copy(update={"packages": [_package()]})
+    assert choose_package(fitting, "auto", cpu, "float32", 8) is not None
+    stale = tiny_manifest().model_copy(update={"packages": [_package(torch_version="2.0.0")]})
+    with caplog.at_level(logging.INFO, logger="app.engine.packages"):
+        assert choose_package(stale, "auto", cpu, "float32", 8) is None
+    assert "no AOTInductor package fits (model.cpu-float32.pt2: compiled by torch 2.0.0" in caplog.text
 
 
 def test_the_export_command_reads_its_package_targets() -> None:
@@ -98,21 +110,19 @@ def test_the_package_answers_as_the_eager_model_at_every_batch_size(packaged_exp
         assert float(difference) < 1e-4, (size, float(difference))
 
 
-def test_auto_serves_the_package_on_the_cpu_and_falls_back_saying_why(packaged_export: Path, tmp_path: Path,
-                                                                      caplog: pytest.LogCaptureFixture) -> None:
-    settings = Settings(weights_dir=packaged_export, device="cpu", max_batch_size=MAX_BATCH, log_level="warning")
-    app = create_app(settings)
-    try:
-        (info,) = app.test_client().get("/v1/models").get_json()["models"]
-        assert info["format"] == "aoti"
-    finally:
-        app.extensions[EXTENSION_KEY].shutdown(timeout=10)
-    with caplog.at_level(logging.INFO, logger="app.engine.packages"):
-        wide = Predictor.load(packaged_export, device="cpu", max_batch_size=MAX_BATCH * 2)
-    assert wide.weights_format == "torchscript" and "MAX_BATCH_SIZE is 16" in caplog.text
+def test_the_server_serves_the_package_when_asked_and_refuses_one_that_does_not_fit(packaged_export: Path,
+                                                                                     tmp_path: Path) -> None:
+    for fmt, served in (("aoti", "aoti"), ("auto", "torchscript")):
+        settings = Settings(weights_dir=packaged_export, device="cpu", max_batch_size=MAX_BATCH, log_level="warning",
+                            weights_format=fmt)
+        app = create_app(settings)
+        try:
+            (info,) = app.test_client().get("/v1/models").get_json()["models"]
+            assert info["format"] == served
+        finally:
+            app.extensions[EXTENSION_KEY].shutdown(timeout=10)
     with pytest.raises(ModelLoadError, match="compiled for batches up to 8, MAX_BATCH_SIZE is 16"):
         Predictor.load(packaged_export, weights_format="aoti", device="cpu", max_batch_size=MAX_BATCH * 2)
-
     corrupt = shutil.copytree(packaged_export, tmp_path / "corrupt")
     (corrupt / "model.cpu-float32.pt2").write_bytes(b"not a package")
     with pytest.raises(ModelLoadError, match="package .* has sha256"):
@@ -120,4 +130,5 @@ def test_auto_serves_the_package_on_the_cpu_and_falls_back_saying_why(packaged_e
     manifest = read_manifest(corrupt)
     write_manifest(corrupt, manifest.model_copy(update={"packages": [
         manifest.packages[0].model_copy(update={"torch_version": "2.0.0"})]}))
-    assert Predictor.load(corrupt, device="cpu", max_batch_size=MAX_BATCH).weights_format == "torchscript"
+    with pytest.raises(ModelLoadError, match="compiled by torch 2.0.0"):
+        Predictor.load(corrupt, weights_format="aoti", device="cpu", max_batch_size=MAX_BATCH)

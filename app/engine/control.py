@@ -2,7 +2,7 @@
 directory (``CONTROL_DIR``, made by gunicorn.conf.py in the master before the fork).
 
 The worker that takes a load or unload call applies it first (so a refusal changes nothing anywhere), then
-publishes the whole set it now serves as a new generation of ``desired.json``; every other worker applies each new
+publishes the model as it now serves it in a new generation of ``desired.json`` (the whole set the server serves); every other worker applies each new
 generation within ``WATCH_S`` and writes what it serves to ``worker-<pid>.json``, and the call answers once every
 live worker has applied it. A worker started later (a restart, ``kill -HUP``) applies the newest generation before
 it reports ready. Standard library only.
@@ -66,12 +66,20 @@ class Control:
         data = _read(self.root / DESIRED) or {}
         return int(data.get("generation", 0)), dict(data.get("models", {}))
 
-    def publish(self, models: dict[str, Any]) -> int:
-        """Make ``models`` the next generation; returns its number."""
+    def publish(self, served: dict[str, Any], name: str) -> int:
+        """The next generation: the last one with model ``name`` as this worker now serves it (``served``, this
+        worker's whole set, seeds the first generation); returns its number. Changing one model only, two calls
+        for different models on different workers at once both take effect."""
         with self._locked():
-            generation = self.desired()[0] + 1
-            _write_atomic(self.root / DESIRED, {"generation": generation, "models": models})
-        return generation
+            generation, models = self.desired()
+            if generation == 0:
+                models = dict(served)
+            if name in served:
+                models[name] = served[name]
+            else:
+                models.pop(name, None)
+            _write_atomic(self.root / DESIRED, {"generation": generation + 1, "models": models})
+        return generation + 1
 
     def report(self, generation: int, models: dict[str, Any], error: str | None = None) -> None:
         """What this worker serves after applying ``generation`` (and why it could not, if it could not)."""

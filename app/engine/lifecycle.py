@@ -62,14 +62,14 @@ class Lifecycle:
         """Load ``name`` here, then in every worker of the server; raises the first refusal."""
         with self._lock:
             self.manager.load(name, config)
-            generation = self._publish()
+            generation = self._publish(name)
         self._sync(generation)
 
     def unload(self, name: str) -> None:
         """Unload ``name`` here, then in every worker of the server."""
         with self._lock:
             self.manager.unload(name)
-            generation = self._publish()
+            generation = self._publish(name)
         self._sync(generation)
 
     def index(self) -> list[VersionState]:
@@ -86,12 +86,15 @@ class Lifecycle:
         """Stop following and polling."""
         self._stop.set()
 
-    def _publish(self) -> int:
+    def _publish(self, name: str) -> int:
         if self.control is None:
             return 0
-        self._applied = self.control.publish(self.snapshot())
-        self._report()
-        return self._applied
+        generation = self.control.publish(self.snapshot(), name)
+        if generation == self._applied + 1:  # nothing published meanwhile: this worker serves that generation
+            self._applied = generation
+            self._report()
+        # else another worker's change came first: the follower applies the whole generation, this one included
+        return generation
 
     def _report(self, error: str | None = None) -> None:
         self.on_change()

@@ -1,8 +1,9 @@
 """Serving an AOTInductor package (models/compile.py): which one fits this server, and loading it.
 
-``WEIGHTS_FORMAT=auto`` serves a package compiled for this device type, dtype and torch version, whose batch range
-covers ``MAX_BATCH_SIZE``, where packages were measured faster than TorchScript (``FASTER_ON``), and otherwise
-TorchScript, saying why in one log line; ``WEIGHTS_FORMAT=aoti`` refuses to start without a fitting package.
+``WEIGHTS_FORMAT=aoti`` serves a package compiled for this device type, dtype and torch version, whose batch range
+covers ``MAX_BATCH_SIZE``, or refuses to start saying why none fits. ``auto`` does the same only on the device
+types where packages were measured faster than TorchScript (``FASTER_ON``), and otherwise serves TorchScript,
+saying why in one log line.
 """
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ from models.manifest import CompiledPackage, Manifest, sha256_of
 
 log = logging.getLogger(__name__)
 
-# Where `python -m bench.formats` measured the package faster than frozen TorchScript: the CPU (docs/performance.md).
-# On CUDA it has not been measured yet, so auto keeps TorchScript there.
-FASTER_ON = frozenset({"cpu"})
+# Where `python -m bench.formats` measured packages faster than frozen TorchScript, end to end: nowhere yet. On
+# the 2-core CPU the package ran 1.2-1.45x TorchScript's forward pass at batches of 4-8 but 0.87-0.97x at 1-2, and
+# the server 1.02x at C=1 and 0.94-0.95x at C=16 (bench/results/2026-11-23-formats-cpu-2cpu-vm.md); on CUDA it is
+# not measured. ``auto`` serves a package only where a device type is listed here.
+FASTER_ON: frozenset[str] = frozenset()
 
 
 def why_not(package: CompiledPackage, device: torch.device, dtype: str, max_batch_size: int) -> str | None:
@@ -40,21 +43,20 @@ def choose_package(manifest: Manifest, setting: str, device: torch.device, dtype
     """The package to serve under ``setting`` (auto, aoti; others: None), or ModelLoadError for ``aoti``."""
     if setting not in ("auto", "aoti"):
         return None
+    if setting == "auto" and device.type not in FASTER_ON:
+        log.info("serving TorchScript: AOTInductor packages were not faster on %s (docs/performance.md); "
+                 "WEIGHTS_FORMAT=aoti serves a fitting one", device.type)
+        return None
     reasons = []
     for package in manifest.packages:
         reason = why_not(package, device, dtype, max_batch_size)
         if reason is None:
-            if setting == "auto" and device.type not in FASTER_ON:
-                log.info("serving TorchScript: a package fits, but packages were not measured faster on %s",
-                         device.type)
-                return None
             return package
         reasons.append(f"{package.path}: {reason}")
     why = "; ".join(reasons) or "the manifest lists none (python -m models.export compiles them)"
     if setting == "aoti":
         raise ModelLoadError(f"WEIGHTS_FORMAT=aoti but no AOTInductor package fits: {why}")
-    if device.type in FASTER_ON:
-        log.info("serving TorchScript: no AOTInductor package fits (%s)", why)
+    log.info("serving TorchScript: no AOTInductor package fits (%s)", why)
     return None
 
 

@@ -76,7 +76,8 @@ class DirectorySource:
         """The size of the weights file the server would load (for the memory check)."""
         folder = self.path(name, version)
         manifest = read_checked_manifest(folder)
-        fmt = manifest.default_format if self.settings.weights_format == "auto" else self.settings.weights_format
+        setting = self.settings.weights_format  # a package holds the same weights: the default file measures it
+        fmt = manifest.default_format if setting in ("auto", "aoti") else setting
         entry = manifest.files.get(fmt)  # type: ignore[call-overload]
         return (folder / entry.path).stat().st_size if entry and (folder / entry.path).is_file() else 0
 
