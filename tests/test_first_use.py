@@ -12,6 +12,8 @@ from bench.servers import ROOT
 from models.export import main as export_main
 from tests.fakes import export_tiny, served_over_http
 
+NO_PACKAGES = ["--packages", "none"]  # compiling an AOTInductor package takes a minute: tests/test_packages.py
+
 
 def _make_serve(**env: str) -> str:
     """The commands `make serve` would run (make -n), with the installation taken as done."""
@@ -37,7 +39,7 @@ def test_export_refuses_to_replace_a_different_model_without_force(tmp_path: Pat
     assert '"version": "1"' in (tmp_path / "manifest.json").read_text()
     export_tiny(tmp_path, version="2", force=True)
     assert '"version": "2"' in (tmp_path / "manifest.json").read_text()
-    assert export_main(["--default", "--out", str(tmp_path)]) == 2  # the CLI says so and exits 2
+    assert export_main(["--default", "--out", str(tmp_path), *NO_PACKAGES]) == 2  # the CLI says so and exits 2
 
 
 def test_a_misspelt_setting_is_named_with_the_closest_one() -> None:
@@ -71,7 +73,7 @@ def test_a_new_user_trains_exports_serves_and_calls_their_model(photo_folder: Pa
     assert train.main(["--data", str(photo_folder), "--arch", "efficientnet_lite0", "--pretrained",
                        "--freeze-backbone", "--epochs", "2", "--workers", "0", "--device", "cpu",
                        "--output-dir", str(run)]) == 0
-    assert export_main(["--checkpoint", str(run / "best.pt"), "--out", str(run / "export")]) == 0
+    assert export_main(["--checkpoint", str(run / "best.pt"), "--out", str(run / "export"), *NO_PACKAGES]) == 0
     app = create_app(Settings(weights_dir=run / "export", device="cpu", log_level="warning"))
     try:
         with served_over_http(app) as url:

@@ -25,6 +25,8 @@ from models.registry import ARCHS, build_model
 from models.runlog import read_metrics
 from tests.imaging import write_image_folder
 
+NO_PACKAGES = ["--packages", "none"]  # compiling an AOTInductor package takes a minute: tests/test_packages.py
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -73,10 +75,10 @@ def test_one_epoch_exports_weights_the_app_serves_with_evaluates_predictions(fol
 
     # The same checkpoint through the export command line.
     again = tmp_path / "again"
-    assert export_main(["--checkpoint", str(run / BEST_NAME), "--out", str(again), "--version", "7"]) == 0
+    assert export_main(["--checkpoint", str(run / BEST_NAME), "--out", str(again), "--version", "7", *NO_PACKAGES]) == 0
     manifest = read_manifest(again)
     assert (manifest.name, manifest.version, manifest.labels) == ("run", "7", ["blue", "green", "red"])
-    assert export_main(["--checkpoint", str(tmp_path / "missing.pt"), "--out", str(again)]) == 2
+    assert export_main(["--checkpoint", str(tmp_path / "missing.pt"), "--out", str(again), *NO_PACKAGES]) == 2
 
 
 def test_resume_after_an_interruption_matches_an_uninterrupted_run(folder: Path, tmp_path: Path,
@@ -242,10 +244,10 @@ def test_the_default_version_is_unique_per_weights_and_stable_per_checkpoint(fol
     assert train.main(small_args(folder, runs[1], "--seed", "1")) == 0
     versions = []
     for run in runs:
-        assert export_main(["--checkpoint", str(run / BEST_NAME), "--out", str(run / "export")]) == 0
+        assert export_main(["--checkpoint", str(run / BEST_NAME), "--out", str(run / "export"), *NO_PACKAGES]) == 0
         versions.append(read_manifest(run / "export").version)
     assert all(re.fullmatch(r"\d{8}-[0-9a-f]{8}", v) for v in versions) and versions[0] != versions[1]
-    assert export_main(["--checkpoint", str(runs[0] / BEST_NAME), "--out", str(runs[0] / "export")]) == 0
+    assert export_main(["--checkpoint", str(runs[0] / BEST_NAME), "--out", str(runs[0] / "export"), *NO_PACKAGES]) == 0
 
 
 def test_ctrl_c_prints_one_line_with_the_command_to_resume(folder: Path, tmp_path: Path) -> None:
@@ -267,12 +269,12 @@ def test_ctrl_c_prints_one_line_with_the_command_to_resume(folder: Path, tmp_pat
 def test_versions_go_into_a_repository_and_the_newest_is_served(folder: Path, tmp_path: Path) -> None:
     run, repository = tmp_path / "mine", tmp_path / "models"
     assert train.main(small_args(folder, run, "--export-repository", str(repository))) == 0
-    assert export_main(["--checkpoint", str(run / BEST_NAME), "--repository", str(repository)]) == 0
+    assert export_main(["--checkpoint", str(run / BEST_NAME), "--repository", str(repository), *NO_PACKAGES]) == 0
     assert sorted(p.name for p in (repository / "mine").iterdir()) == ["1", "2"]
     assert read_manifest(repository / "mine" / "2").version == "2"
     # A written version is never replaced silently.
     assert export_main(["--checkpoint", str(run / BEST_NAME), "--repository", str(repository),
-                        "--version", "1"]) == 2
+                        "--version", "1", *NO_PACKAGES]) == 2
     for policy, expected in (("latest:1", "2"), ("specific:1", "1")):
         settings = Settings(weights_dir=repository, version_policy=policy, device="cpu", log_level="warning")
         app = create_app(settings)

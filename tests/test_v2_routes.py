@@ -115,7 +115,7 @@ def test_bad_binary_framing_and_limits(client: FlaskClient, settings: Any) -> No
     headers["Inference-Header-Content-Length"] = "100000"
     assert "does not fit" in _v2_error(client.post(INFER, data=body, headers=headers), 400)
     assert "not valid JSON" in _v2_error(client.post(INFER, data=b"{", content_type="application/json"), 400)
-    deep = b'{"inputs": ' + b"[" * 1000 + b"]" * 1000 + b"}"
+    deep = b'{"inputs": ' + b"[" * 50000 + b"]" * 50000 + b"}"
     assert "nested too deeply" in _v2_error(client.post(INFER, data=deep, content_type="application/json"), 400)
     many = {"inputs": [_bytes_input(*[image_bytes(RED)] * (settings.max_images + 1))]}
     assert "limit" in _v2_error(client.post(INFER, json=many), 413)
