@@ -124,6 +124,27 @@ def eval_transform(preset: EvalPreset) -> ImageTransform:
     ])
 
 
+class TensorEvalTransform:
+    """The eval transform on a decoded uint8 (C, H, W) tensor, on whichever device it lives: resize the short side
+    (antialiased, the preset's filter), centre-crop, scale to 0..1, normalise. The same sizes and sampling as
+    ``eval_transform``; the pixels differ from PIL's by its 8-bit rounding and its filter's edge handling (measured:
+    ``python -m bench.decode_paths``)."""
+
+    def __init__(self, preset: EvalPreset) -> None:
+        self.preset = preset
+        self.interpolation = _interpolation(preset.interpolation)
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        p = self.preset
+        pixels = image.float()  # resize in float: no 8-bit rounding between the steps
+        pixels = T.functional.resize(pixels, [p.resize_size], interpolation=self.interpolation, antialias=True)
+        pixels = T.functional.center_crop(pixels, [p.crop_size])
+        pixels = pixels.clamp_(0, 255).div_(255)  # bicubic overshoots past 0..255; PIL clips at 8 bits
+        mean = torch.tensor(p.mean, device=pixels.device).view(3, 1, 1)
+        std = torch.tensor(p.std, device=pixels.device).view(3, 1, 1)
+        return pixels.sub_(mean).div_(std)
+
+
 def train_transform(preset: EvalPreset, hflip_prob: float = 0.5, min_crop_scale: float = 0.08) -> ImageTransform:
     """Augmenting transform for training: random resized crop and flip, then the eval scaling and normalisation.
 

@@ -23,7 +23,7 @@ from app.engine.weights import (
     resolve_dtype,
 )
 from models.manifest import Manifest, WeightsFormat
-from models.presets import ImageTransform, eval_transform
+from models.presets import ImageTransform, TensorEvalTransform, eval_transform
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ class Predictor:
         self.dtype = dtype
         self.weights_format = weights_format
         self.transform: ImageTransform = eval_transform(manifest.preprocess)
+        self.tensor_transform = TensorEvalTransform(manifest.preprocess)  # the same, on decoded tensors
         self.model = model.eval().to(device=self.device, dtype=dtype)
         # What the weights take in memory; a frozen TorchScript module holds them as graph constants, so the caller
         # measures them before freezing.

@@ -28,6 +28,7 @@ from app.engine.batch_types import (
 )
 from app.engine.batcher import Batcher
 from app.engine.decode import DecodeLimits, image_to_tensor
+from app.engine.tensor_decode import image_to_tensor_path
 from app.engine.lifecycle import Lifecycle
 from app.engine.model import Model
 from app.engine.predictor import Predictor
@@ -241,8 +242,12 @@ class Service:
         return Served(job.parsed, results, decode_s, started_ns, model)
 
     def preprocess(self, data: bytes, model: Model | None = None) -> torch.Tensor:
-        """One image's bytes -> ``model``'s input (default: the only model's), with the service's limits."""
-        return image_to_tensor(data, (model or self.model()).predictor.transform, self.limits)
+        """One image's bytes -> ``model``'s input (default: the only model's), with the service's limits, on the
+        decode path the settings choose."""
+        predictor = (model or self.model()).predictor
+        if self.settings.decode_path == "tensor":
+            return image_to_tensor_path(data, predictor.tensor_transform, self.limits)
+        return image_to_tensor(data, predictor.transform, self.limits)
 
     def _preprocess_one(self, job: Job[P], index: int, model: Model) -> torch.Tensor:
         """Preprocess image ``index``; an error names it, so a client knows which of its images to fix."""
