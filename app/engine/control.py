@@ -4,8 +4,8 @@ directory (``CONTROL_DIR``, made by gunicorn.conf.py in the master before the fo
 The worker that takes a load or unload call applies it first (so a refusal changes nothing anywhere), then
 publishes the model as it now serves it in a new generation of ``desired.json`` (the whole set the server
 serves); every other worker applies each new generation within ``WATCH_S`` and writes what it serves to
-``worker-<pid>.json``, and the call answers once every live worker has applied it. A worker started later (a restart, ``kill -HUP``) applies the newest generation before
-it reports ready. Standard library only.
+``worker-<pid>.json``, and the call answers once every live worker has applied it. A worker started later (a
+restart, ``kill -HUP``) applies the newest generation before it reports ready. Standard library only.
 """
 from __future__ import annotations
 

@@ -28,11 +28,11 @@ from app.engine.batch_types import (
 )
 from app.engine.batcher import Batcher
 from app.engine.decode import DecodeLimits, image_to_tensor
-from app.engine.tensor_decode import image_to_tensor_path
 from app.engine.lifecycle import Lifecycle
 from app.engine.model import Model
 from app.engine.predictor import Predictor
 from app.engine.sources import GivenSource, Source
+from app.engine.tensor_decode import image_to_tensor_path
 from app.errors import (
     BadRequest,
     ClientGone,
