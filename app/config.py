@@ -144,12 +144,13 @@ class Settings(BaseSettings):
     jpeg_draft_min_side: int = Field(
         1024, ge=0, description="JPEGs larger than this on their short side are decoded at 1/2, 1/4 or 1/8 "
         "scale (libjpeg's DCT scaling), never below it; 0 = off. Measured effect in docs/performance.md.")
-    decode_path: Literal["pil", "tensor"] = Field(
-        "pil", description="How request threads decode and preprocess: `pil` (PIL's decoders with reduced-scale "
-        "JPEG decoding, PIL's resize) or `tensor` (torchvision's libjpeg-turbo decoder, EXIF orientation applied, "
-        "PIL for other formats; resize, crop and normalisation on tensors: the code the GPU path of issue #18 "
-        "runs batched on the device). `pil` stays the default: measured faster on the CPU at equal accuracy "
-        "(docs/performance.md).")
+    decode_path: Literal["auto", "pil", "tensor", "device"] = Field(
+        "auto", description="Where images are decoded and preprocessed. `pil`: in the request threads with PIL "
+        "(reduced-scale JPEG decoding, PIL's resize). `tensor`: in the request threads with torchvision's "
+        "libjpeg-turbo decoder (EXIF orientation applied; PIL for other formats) and the resize, crop and "
+        "normalisation on tensors. `device`: the request threads check headers and limits only, and the batch worker "
+        "decodes the whole batch on the model's device (nvJPEG on CUDA, PIL for what it refuses) and preprocesses "
+        "it there. `auto`: `device` on CUDA, `pil` on the CPU (measured faster there: docs/performance.md).")
     malloc_trim_threshold_mb: int = Field(
         64, ge=0, description="glibc only: each malloc arena keeps up to this many MiB of freed memory, so the "
         "next large image reuses it instead of page-faulting fresh memory (server decode 15 -> 9.5 ms median "

@@ -104,3 +104,43 @@ def test_the_service_decodes_on_the_path_its_settings_choose(settings, predictor
             app.extensions[EXTENSION_KEY].shutdown(timeout=5)
     assert answers == {"pil": "blue", "tensor": "blue"}
     assert calls == ["image_to_tensor"] * 2 + ["image_to_tensor_path"] * 2
+
+
+def test_the_device_path_decodes_in_the_batch_and_fails_only_the_bad_image(settings, predictor,  # noqa: ANN001
+                                                                            model) -> None:  # noqa: ANN001
+    from concurrent.futures import ThreadPoolExecutor
+
+    from app import EXTENSION_KEY, create_app
+    from app.engine.device_decode import Encoded
+
+    seen: list[type] = []
+    original = predictor.predict_list
+    predictor.predict_list = lambda items: seen.extend(map(type, items)) or original(items)  # type: ignore[method-assign]
+    app = create_app(settings.model_copy(update={"decode_path": "device", "max_wait_ms": 200}), predictor)
+    try:
+        client = app.test_client()
+        seen.clear()
+        good = client.post("/predict", data=image_bytes(BLUE), content_type="image/jpeg")
+        assert good.get_json()["predictions"][0]["label"] == "blue" and seen == [Encoded]
+        assert client.post("/predict", data=image_bytes(RED, fmt="PNG"), content_type="image/png").get_json()[
+            "predictions"][0]["label"] == "red"  # not a JPEG: the CPU decoder, in the same batch stage
+        truncated = image_bytes(RED, size=(200, 150))
+        truncated = truncated[: len(truncated) // 2]  # the header is whole: it passes the request thread
+        bodies = [truncated, image_bytes(BLUE), image_bytes(RED)]
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda body: app.test_client().post(
+                "/predict", data={"image": [(io.BytesIO(body), "x.jpg")]}, content_type="multipart/form-data"),
+                bodies))
+        assert [a.status_code for a in answers] == [400, 200, 200]
+        error = answers[0].get_json()["error"]
+        assert error["code"] == "invalid_image" and error["message"].startswith("image 0 (x.jpg): ")
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def test_a_batch_may_mix_encoded_images_and_preprocessed_pixels(predictor) -> None:  # noqa: ANN001
+    from app.engine.device_decode import check_header
+
+    red_pixels = predictor.tensor_transform(decode_tensor(image_bytes(RED), LIMITS))
+    probabilities = predictor.predict_list([check_header(image_bytes(BLUE), LIMITS), red_pixels])
+    assert probabilities.argmax(dim=1).tolist() == [2, 0]  # blue, red: in their order

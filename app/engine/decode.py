@@ -5,6 +5,7 @@ import io
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
@@ -34,6 +35,14 @@ class DecodeLimits:
         """The limits a service with ``settings`` enforces."""
         return cls(max_pixels=settings.max_pixels, max_aspect_ratio=settings.max_aspect_ratio,
                    jpeg_draft_min_side=settings.jpeg_draft_min_side)
+
+
+def canary_image(size: int = 320) -> Image.Image:
+    """A deterministic synthetic photo-like image (colour gradients) for the readiness canary."""
+    ramp = np.linspace(0, 255, size, dtype=np.float32)
+    red, green = np.meshgrid(ramp, ramp[::-1])
+    blue = np.full_like(red, 96.0)
+    return Image.fromarray(np.stack([red, green, blue], axis=-1).astype(np.uint8), mode="RGB")
 
 
 def _open(data: bytes) -> Image.Image:

@@ -11,8 +11,10 @@ import torch
 from app.config import Settings
 from app.engine.arrivals import Arrivals, InFlight
 from app.engine.batcher import Batcher
+from app.engine.decode import DecodeLimits
+from app.engine.device_decode import canary_jpeg, check_header
 from app.engine.predictor import OUT_OF_MEMORY_ERRORS, Predictor
-from app.engine.tuning import choose_batch_cap, forward_threads, inline_batches
+from app.engine.tuning import choose_batch_cap, decode_path, forward_threads, inline_batches
 from app.metrics import MODEL_INFO, QUEUE_CAPACITY, MetricsObserver
 
 log = logging.getLogger(__name__)
@@ -70,10 +72,14 @@ def start_model(settings: Settings, predictor: Predictor) -> Model:
         inline_when_idle=inline_batches(settings.inline_when_idle, predictor.device))
     profile: dict[int, float] = {}
 
+    on_device = decode_path(settings.decode_path, predictor.device) == "device"
+
     def prepare() -> None:  # on the thread that will run the batches: cuDNN's tuned plans are per thread
         if settings.warmup:
             profile.update(predictor.warmup(settings.max_batch_size))
         predictor.canary()
+        if on_device:  # the decoder the batches will use, started and checked on this thread too
+            predictor.canary(check_header(canary_jpeg(), DecodeLimits.from_settings(settings)))
 
     batcher.start(prepare)
     cap = choose_batch_cap(profile) if profile and settings.auto_batch_size else settings.max_batch_size

@@ -6,11 +6,11 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
 import torch
 import torch.nn as nn
-from PIL import Image
 
+from app.engine.decode import canary_image
+from app.engine.device_decode import Encoded, decode_batch
 from app.engine.packages import choose_package, load_package
 from app.engine.weights import (
     ModelLoadError,
@@ -29,14 +29,6 @@ log = logging.getLogger(__name__)
 
 # What the batcher treats as "this batch is too big": split it and retry the halves.
 OUT_OF_MEMORY_ERRORS: tuple[type[BaseException], ...] = (torch.cuda.OutOfMemoryError,)
-
-def canary_image(size: int = 320) -> Image.Image:
-    """A deterministic synthetic photo-like image (colour gradients) for the readiness canary."""
-    ramp = np.linspace(0, 255, size, dtype=np.float32)
-    red, green = np.meshgrid(ramp, ramp[::-1])
-    blue = np.full_like(red, 96.0)
-    return Image.fromarray(np.stack([red, green, blue], axis=-1).astype(np.uint8), mode="RGB")
-
 
 def module_bytes(model: nn.Module, dtype: torch.dtype | None = None) -> int:
     """Bytes of a module's parameters and buffers (floating ones counted in ``dtype`` when given)."""
@@ -126,7 +118,7 @@ class Predictor:
     def predict_batch(self, batch: torch.Tensor) -> torch.Tensor:
         """(N, C, H, W) float32 on CPU -> (N, classes) float32 softmax probabilities on CPU."""
         rows = batch.shape[0]
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and batch.device.type == "cpu":
             batch = batch.pin_memory().to(self.device, non_blocking=True)
         if self.pad_batches and (padded := self._padded_size(rows)) > rows:
             batch = torch.cat([batch, batch.new_zeros(padded - rows, *batch.shape[1:])])  # on the device
@@ -146,9 +138,21 @@ class Predictor:
         return {"allocated": torch.cuda.memory_allocated(self.device),
                 "reserved": torch.cuda.memory_reserved(self.device)}
 
-    def predict_list(self, images: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Stack preprocessed images and predict them as one batch (the batcher's predict function)."""
-        return self.predict_batch(torch.stack(list(images)))
+    def predict_list(self, images: Sequence[torch.Tensor | Encoded]) -> torch.Tensor:
+        """Predict preprocessed images, or encoded ones (the device decode path: decoded and preprocessed here, on
+        the device), as one batch: the batcher's predict function."""
+        encoded = [i for i, image in enumerate(images) if isinstance(image, Encoded)]
+        if not encoded:
+            return self.predict_batch(torch.stack(list(images)))  # type: ignore[arg-type]
+        decoded = decode_batch([images[i] for i in encoded], self.device, self.tensor_transform,  # type: ignore[misc]
+                               self.dtype)
+        if len(encoded) == len(images):
+            return self.predict_batch(decoded)
+        # A batch mixing both (V2 clients may send preprocessed pixels): the rows in their order, on the device.
+        rows = dict(zip(encoded, decoded))
+        stacked = [rows[i] if i in rows else images[i].to(self.device, self.dtype)  # type: ignore[union-attr]
+                   for i in range(len(images))]
+        return self.predict_batch(torch.stack(stacked))
 
     def warmup(self, max_batch_size: int, repeats: int = 5) -> dict[int, float]:
         """Run every batch shape the batcher's batches run with (``batch_shapes``: so no request pays for
@@ -175,9 +179,13 @@ class Predictor:
         log.info("warmed up batch sizes %s in %.2fs", self.warmed_batch_sizes, time.perf_counter() - started)
         return {size: size / max(seconds, 1e-9) for size, seconds in fastest.items()}
 
-    def canary(self) -> None:
-        """Run a synthetic image through the whole transform and model; raise if the answer is not sane."""
-        probs = self.predict_batch(self.transform(canary_image()).unsqueeze(0))
+    def canary(self, encoded: Encoded | None = None) -> None:
+        """Run a synthetic image through the whole transform and model (``encoded``: its JPEG through the device
+        decode path, which also starts the device's decoder); raise if the answer is not sane."""
+        if encoded is not None:
+            probs = self.predict_list([encoded])
+        else:
+            probs = self.predict_batch(self.transform(canary_image()).unsqueeze(0))
         total = float(probs.sum())
         if probs.shape != (1, self.num_classes) or not torch.isfinite(probs).all() or abs(total - 1.0) > 1e-3:
             raise ModelLoadError(f"canary inference failed: shape {tuple(probs.shape)}, sum {total}")

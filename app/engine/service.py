@@ -9,8 +9,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
-from concurrent.futures import wait
 from dataclasses import dataclass
 from typing import Callable, Generic, Sequence, TypeVar
 
@@ -28,11 +28,13 @@ from app.engine.batch_types import (
 )
 from app.engine.batcher import Batcher
 from app.engine.decode import DecodeLimits, image_to_tensor
+from app.engine.device_decode import Encoded, check_header
 from app.engine.lifecycle import Lifecycle
 from app.engine.model import Model
 from app.engine.predictor import Predictor
 from app.engine.sources import GivenSource, Source
 from app.engine.tensor_decode import image_to_tensor_path
+from app.engine.tuning import decode_path
 from app.errors import (
     BadRequest,
     ClientGone,
@@ -238,30 +240,36 @@ class Service:
                 started_ns = time.time_ns()
                 tensors, decode_s = self._inputs(job, model)
                 arrived()
-                results = self._infer(model, tensors, job.timeout_s, client_gone)
+                results = self._infer(model, tensors, job.timeout_s, client_gone, job.names)
         return Served(job.parsed, results, decode_s, started_ns, model)
 
-    def preprocess(self, data: bytes, model: Model | None = None) -> torch.Tensor:
+    def preprocess(self, data: bytes, model: Model | None = None) -> torch.Tensor | Encoded:
         """One image's bytes -> ``model``'s input (default: the only model's), with the service's limits, on the
-        decode path the settings choose."""
+        decode path the settings choose; on the device path only its header is checked here (``Encoded``)."""
         predictor = (model or self.model()).predictor
-        if self.settings.decode_path == "tensor":
+        path = decode_path(self.settings.decode_path, predictor.device)
+        if path == "device":
+            return check_header(data, self.limits)
+        if path == "tensor":
             return image_to_tensor_path(data, predictor.tensor_transform, self.limits)
         return image_to_tensor(data, predictor.transform, self.limits)
 
-    def _preprocess_one(self, job: Job[P], index: int, model: Model) -> torch.Tensor:
-        """Preprocess image ``index``; an error names it, so a client knows which of its images to fix."""
+    @staticmethod
+    def _named(exc: ServiceError, index: int, names: Sequence[str | None]) -> ServiceError:
+        """``exc`` saying which image it is about, so a client knows which of its images to fix."""
+        name = names[index] if index < len(names) else None
+        exc.message = f"image {index}" + (f" ({name})" if name else "") + f": {exc.message}"
+        exc.args = (exc.message,)
+        exc.details = {"image": index, "filename": name, **(exc.details if isinstance(exc.details, dict) else {})}
+        return exc
+
+    def _preprocess_one(self, job: Job[P], index: int, model: Model) -> torch.Tensor | Encoded:
         try:
             return self.preprocess(job.images[index], model)
         except ServiceError as exc:
-            name = job.names[index] if index < len(job.names) else None
-            which = f"image {index}" + (f" ({name})" if name else "")
-            exc.message = f"{which}: {exc.message}"
-            exc.args = (exc.message,)
-            exc.details = {"image": index, "filename": name, **(exc.details if isinstance(exc.details, dict) else {})}
-            raise
+            raise self._named(exc, index, job.names) from None
 
-    def _inputs(self, job: Job[P], model: Model) -> tuple[list[torch.Tensor], float]:
+    def _inputs(self, job: Job[P], model: Model) -> tuple[list[torch.Tensor | Encoded], float]:
         if bool(job.images) == bool(job.tensors):
             raise BadRequest("the request holds no images" if not job.images else "send images or tensors, not both")
         check_image_count(len(job.images) or len(job.tensors), self.settings.max_images)
@@ -274,8 +282,16 @@ class Service:
         STAGE_CPU_SECONDS.labels("decode").inc(time.thread_time() - cpu_started)
         return tensors, decode_s
 
-    def _infer(self, model: Model, tensors: list[torch.Tensor], timeout_s: float,
-               client_gone: Callable[[], bool] | None = None) -> list[BatchResult[torch.Tensor]]:
+    def _result(self, future: "Future[BatchResult[torch.Tensor]]", index: int,
+                names: Sequence[str | None]) -> BatchResult[torch.Tensor]:
+        try:
+            return future.result()
+        except ServiceError as exc:  # an image the device path could not decode in its batch
+            raise self._named(exc, index, names) from None
+
+    def _infer(self, model: Model, tensors: list[torch.Tensor | Encoded], timeout_s: float,
+               client_gone: Callable[[], bool] | None = None,
+               names: Sequence[str | None] = ()) -> list[BatchResult[torch.Tensor]]:
         """Queue the images (all or none) and wait for their rows until the deadline or the client leaves."""
         deadline = time.monotonic() + timeout_s
         try:
@@ -293,7 +309,7 @@ class Service:
                     dropped = sum(f.cancel() for f in futures)  # the queued ones cost no forward pass
                     BATCHER_EVENTS.labels("client_gone").inc(dropped)
                     raise ClientGone(f"the client closed the connection; {dropped} queued images dropped")
-            return [f.result() for f in futures]
+            return [self._result(f, i, names) for i, f in enumerate(futures)]
         except (FutureTimeout, DeadlineExpired):
             for f in futures:
                 f.cancel()  # still queued ones are dropped before they cost a forward pass

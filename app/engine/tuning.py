@@ -30,3 +30,11 @@ def choose_batch_cap(profile: dict[int, float], tolerance: float = 0.95) -> int:
     """
     best = max(profile.values())
     return min(size for size, rate in profile.items() if rate >= tolerance * best)
+
+
+def decode_path(setting: str, device: torch.device) -> str:
+    """Where a model's images are decoded (Settings.decode_path): ``auto`` is the device path on CUDA and PIL on
+    the CPU, where the tensor path was measured slower (bench/decode_paths.py, docs/performance.md)."""
+    if setting != "auto":
+        return setting
+    return "device" if device.type == "cuda" else "pil"

@@ -1,0 +1,84 @@
+"""The device decode path: the request thread checks the header and every limit (no pixel decoded) and queues
+the encoded bytes; the batch worker decodes the whole batch on the model's device and preprocesses it there, in
+the model's dtype, right before the forward pass.
+
+On CUDA the batch's JPEGs go to nvJPEG in one batched ``decode_jpeg(list, device="cuda")`` call, EXIF orientation
+applied; a JPEG nvJPEG refuses (and every PNG, WebP, GIF, BMP) is decoded on the CPU for that image alone, and its
+pixels join the batch through pinned memory with a non-blocking copy. On the CPU the same code runs with
+libjpeg-turbo, which is how CI tests it. The resize, crop and normalisation are ``TensorEvalTransform`` (one image
+at a time: sizes differ) and the images of a batch are stacked once on the device.
+"""
+from __future__ import annotations
+
+import io
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torchvision.io import ImageReadMode, decode_jpeg
+
+from app.engine.decode import _JPEG_FORMATS, DecodeLimits, _check_header, _open, canary_image
+from app.engine.tensor_decode import decode_tensor
+from models.presets import TensorEvalTransform
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """An image whose header passed every limit, waiting to be decoded in its batch."""
+
+    data: bytes
+    jpeg: bool
+    limits: DecodeLimits
+
+
+def check_header(data: bytes, limits: DecodeLimits) -> Encoded:
+    """Read the header only and check every limit (InvalidImage, ImageTooLarge, UnsupportedImageFormat)."""
+    image = _open(data)
+    _check_header(image, limits)
+    return Encoded(data, image.format in _JPEG_FORMATS, limits)
+
+
+def canary_jpeg() -> bytes:
+    """The readiness canary's image as a JPEG, for the device path's canary."""
+    buffer = io.BytesIO()
+    canary_image().save(buffer, format="JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def _jpegs_on(device: torch.device, items: Sequence[Encoded]) -> dict[int, torch.Tensor]:
+    """The batch's JPEGs decoded on ``device`` in one call, by position; those it refuses are left out."""
+    positions = [i for i, item in enumerate(items) if item.jpeg]
+    if not positions:
+        return {}
+    encoded = [torch.frombuffer(bytearray(items[i].data), dtype=torch.uint8) for i in positions]
+    try:
+        decoded = decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device, apply_exif_orientation=True)
+        return dict(zip(positions, decoded))
+    except RuntimeError as exc:  # one bad image fails the batched call: decode them one by one instead
+        log.debug("batched JPEG decoding failed, decoding one at a time: %s", exc)
+    out = {}
+    for i, data in zip(positions, encoded):
+        try:
+            out[i] = decode_jpeg(data, mode=ImageReadMode.RGB, device=device, apply_exif_orientation=True)
+        except RuntimeError:
+            pass  # the CPU decoder takes it (and says why, if it cannot either)
+    return out
+
+
+def decode_batch(items: Sequence[Encoded], device: torch.device, transform: TensorEvalTransform,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """The batch as the model's input, (N, C, H, W) on ``device`` in ``dtype``. An image no decoder can read
+    raises InvalidImage (the batcher then runs each image alone, so only its request fails)."""
+    on_device = _jpegs_on(device, items)
+    rows = []
+    for i, item in enumerate(items):
+        pixels = on_device.get(i)
+        if pixels is None:  # other formats, and JPEGs the device decoder refused: the CPU path, then upload
+            pixels = decode_tensor(item.data, item.limits)
+            if device.type == "cuda":
+                pixels = pixels.pin_memory().to(device, non_blocking=True)
+        rows.append(transform(pixels))
+    return torch.stack(rows).to(dtype)
