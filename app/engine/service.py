@@ -11,8 +11,7 @@ import threading
 import time
 from concurrent.futures import Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
-from typing import Callable, Generic, Sequence, TypeVar
+from typing import Callable, Sequence
 
 import torch
 
@@ -23,12 +22,12 @@ from app.engine.batch_types import (
     BatchResult,
     DeadlineExpired,
     DeadlineTooShort,
-    DeadlineUnreachable,
     QueueFull,
 )
 from app.engine.batcher import Batcher
 from app.engine.decode import DecodeLimits, image_to_tensor
 from app.engine.device_decode import Encoded, check_header
+from app.engine.jobs import NOT_READY_RETRY_S, Job, P, Served, service_error
 from app.engine.lifecycle import Lifecycle
 from app.engine.model import Model
 from app.engine.predictor import Predictor
@@ -41,9 +40,7 @@ from app.errors import (
     DeadlineExceeded,
     InferenceFailed,
     NotReady,
-    Overloaded,
     ServiceError,
-    ShortDeadline,
     check_image_count,
     retry_after_header,
 )
@@ -51,48 +48,7 @@ from app.metrics import BATCHER_EVENTS, READY, STAGE_CPU_SECONDS, STAGE_SECONDS
 
 log = logging.getLogger(__name__)
 
-P = TypeVar("P")
-NOT_READY_RETRY_S = 5  # Retry-After of every 503: loading, draining, a stopped batcher
 CLIENT_CHECK_S = 0.05  # how often a waiting request looks whether its client is still connected
-
-
-@dataclass(frozen=True)
-class Job(Generic[P]):
-    """What a protocol read from one request: its inputs, its deadline, and what it needs to shape the answer."""
-
-    parsed: P  # handed back untouched in Served
-    timeout_s: float  # the request's deadline, counted from the moment its images are queued
-    images: Sequence[bytes] = ()  # encoded image files: decoded and preprocessed by the runner
-    tensors: Sequence[torch.Tensor] = ()  # inputs the client already preprocessed
-    names: Sequence[str | None] = ()  # the images' file names where the request gave them (multipart)
-
-
-@dataclass(frozen=True)
-class Served(Generic[P]):
-    """A job's answer: one result per input, in order, and how long decoding took."""
-
-    parsed: P
-    results: list[BatchResult[torch.Tensor]]
-    decode_s: float
-    started_ns: int = 0  # wall clock (time.time_ns) when decoding began: traces place the stages from it
-    model: Model | None = None  # the version that answered
-
-    def probabilities(self) -> torch.Tensor:
-        """(N, classes) softmax probabilities, one row per input."""
-        return torch.stack([r.value for r in self.results]).float().cpu()
-
-
-def _service_error(exc: Exception) -> ServiceError:
-    """What the batcher's own refusals mean to a client."""
-    if isinstance(exc, DeadlineTooShort):
-        return ShortDeadline(str(exc))
-    if isinstance(exc, QueueFull):
-        error = Overloaded(str(exc), headers=retry_after_header(exc.retry_after_s))
-        if isinstance(exc, DeadlineUnreachable):
-            error.code = "deadline_unreachable"
-        return error
-    # The batcher is closed: this worker is going away, so the client should reconnect elsewhere.
-    return NotReady(str(exc), headers={**retry_after_header(NOT_READY_RETRY_S), "Connection": "close"})
 
 
 class Service:
@@ -297,7 +253,7 @@ class Service:
         try:
             futures = model.batcher.submit_many(tensors, deadline=deadline)
         except (QueueFull, BatcherClosed, DeadlineTooShort) as exc:
-            raise _service_error(exc) from None
+            raise service_error(exc) from None
         try:
             while not all(f.done() for f in futures):
                 remaining = deadline - time.monotonic()
