@@ -71,8 +71,16 @@ def on_starting(server) -> None:  # noqa: ANN001
         server.log.warning(warning)
 
 
+def pre_fork(server, worker) -> None:  # noqa: ANN001
+    """In the master: give the new worker the lowest number no live worker holds (its GPU follows from it)."""
+    held = {getattr(other, "slot", None) for other in server.WORKERS.values()}
+    worker.slot = next(slot for slot in range(len(held) + 1) if slot not in held)
+
+
 def post_fork(server, worker) -> None:  # noqa: ANN001
-    """The limits the worker's event loop enforces while a request arrives (app/worker.py)."""
+    """The worker's number for the app (it picks its GPU with it), and the limits its event loop enforces while a
+    request arrives (app/worker.py)."""
+    os.environ["VISIONSERVE_WORKER_SLOT"] = str(getattr(worker, "slot", 0))
     worker.limits = ReadLimits(_settings.client_header_timeout_s, _settings.client_body_timeout_s,
                                _settings.max_body_bytes)
 

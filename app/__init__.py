@@ -27,6 +27,19 @@ def default_protocols() -> "list[Protocol]":
     return [v1.PROTOCOL, v2.PROTOCOL]
 
 
+def _placed(settings: "Settings") -> "Settings":
+    """Under gunicorn with several GPUs, this worker's GPU (in the worker, after the fork: CUDA may be touched)."""
+    if settings.worker_slot is None or settings.device not in ("auto", "cuda"):
+        return settings
+    import torch
+
+    from app.engine.tuning import placed_device
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = placed_device(settings.device, settings.worker_slot, gpus, settings.workers_per_gpu)
+    return settings if device == settings.device else settings.model_copy(update={"device": device})
+
+
 def create_app(settings: "Settings | None" = None, predictor: "Predictor | None" = None,
                protocols: "Sequence[Protocol] | None" = None,
                on_load_error: "Callable[[BaseException], None] | None" = None,
@@ -48,6 +61,7 @@ def create_app(settings: "Settings | None" = None, predictor: "Predictor | None"
 
     settings = settings or load_settings()
     configure_logging(settings.log_level)
+    settings = _placed(settings)
     keep_freed_memory(settings.malloc_trim_threshold_mb)  # before any image buffer is allocated
 
     if source is None:

@@ -68,7 +68,15 @@ class Settings(BaseSettings):
         "package `models.export` compiled for this device type, dtype and torch version, or no start; "
         "`torchscript`; `state_dict`.")
     device: DeviceName = Field("auto", description="`auto` (CUDA when available, else CPU), `cpu`, `cuda`, "
-                               "`cuda:N`.")
+                               "`cuda:N`. With `auto` or `cuda` on a host with several GPUs, gunicorn's workers "
+                               "spread over them (`WORKERS_PER_GPU`); `cuda:N` puts every worker on GPU N.")
+    workers_per_gpu: int = Field(
+        0, ge=0, description="How workers are placed on several GPUs: 0 = round robin (worker i on GPU i mod N, as "
+        "Triton's instance groups and LitServe's devices do); k = k workers on each GPU in turn (0..k-1 on GPU 0, "
+        "k..2k-1 on GPU 1, wrapping). `/v1/models` and `/metrics` (`visionserve_model_info`) name each worker's GPU.")
+    worker_slot: int | None = Field(
+        None, ge=0, description="Set by gunicorn.conf.py, not by hand: this worker's number among the live workers "
+        "(0..WORKERS-1; a restarted worker takes the free one), which places it on a GPU.")
     dtype: Dtype = Field("float32", description="Compute dtype: `float32`, `float16` (CUDA only) or `bfloat16`.")
     torch_threads: int = Field(
         0, ge=0, description="Intra-op threads for the forward pass. 0 = auto: on the CPU half the cores (at "

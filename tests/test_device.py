@@ -90,3 +90,35 @@ def test_cuda_pads_batches_to_the_warmed_shapes(real_weights: Path) -> None:
     expected, got = cpu.predict_batch(batch), gpu.predict_batch(batch)  # 3 rows run as a batch of 4
     assert got.shape == expected.shape and got.argmax(1).tolist() == expected.argmax(1).tolist()
     assert torch.allclose(got, expected, atol=2e-2)
+
+
+def test_workers_spread_over_the_gpus_and_a_restarted_worker_takes_the_free_slot() -> None:
+    import os
+    import runpy
+    import shutil
+    from types import SimpleNamespace
+
+    from app.engine.tuning import gpu_for, placed_device
+
+    assert [gpu_for(slot, 4, 0) for slot in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]  # round robin
+    assert [gpu_for(slot, 2, 2) for slot in range(6)] == [0, 0, 1, 1, 0, 0]  # two per GPU in turn
+    assert placed_device("auto", 3, 2, 0) == "cuda:1" and placed_device("cuda", 2, 4, 0) == "cuda:2"
+    assert placed_device("cuda:0", 3, 2, 0) == "cuda:0"  # an explicit GPU wins
+    assert placed_device("auto", 3, 1, 0) == "auto" and placed_device("auto", None, 8, 0) == "auto"
+    before = dict(os.environ)
+    try:
+        config = runpy.run_path("gunicorn.conf.py")  # as the master loads it: it hands out the slots
+        server = SimpleNamespace(WORKERS={})
+        workers = [SimpleNamespace() for _ in range(3)]
+        for pid, worker in enumerate(workers):
+            config["pre_fork"](server, worker)
+            server.WORKERS[pid] = worker
+        assert [w.slot for w in workers] == [0, 1, 2]
+        del server.WORKERS[1]  # worker 1 died: its replacement takes slot 1, and so GPU 1 again
+        replacement = SimpleNamespace()
+        config["pre_fork"](server, replacement)
+        assert replacement.slot == 1
+    finally:
+        shutil.rmtree(os.environ.get("VISIONSERVE_CONTROL_DIR", "/nonexistent"), ignore_errors=True)
+        os.environ.clear()
+        os.environ.update(before)

@@ -81,10 +81,12 @@ class Control:
             _write_atomic(self.root / DESIRED, {"generation": generation + 1, "models": models})
         return generation + 1
 
-    def report(self, generation: int, models: dict[str, Any], error: str | None = None) -> None:
-        """What this worker serves after applying ``generation`` (and why it could not, if it could not)."""
+    def report(self, generation: int, models: dict[str, Any], error: str | None = None,
+               device: str | None = None) -> None:
+        """What this worker serves after applying ``generation``, on which device (and why it could not apply it,
+        if it could not)."""
         _write_atomic(self.root / f"worker-{self.pid}.json", {"pid": self.pid, "generation": generation,
-                                                              "models": models, "error": error,
+                                                              "models": models, "error": error, "device": device,
                                                               "time": time.time()})
 
     def forget(self, pid: int) -> None:

@@ -14,6 +14,7 @@ from app.engine.model import Model
 from app.engine.policy import VersionPolicy
 from app.engine.registry import Registry
 from app.engine.sources import Source
+from app.engine.weights import resolve_device
 from app.errors import LoadFailed, LoadTimeout, ServiceError
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,8 @@ class Lifecycle:
     def workers(self) -> list[dict[str, Any]]:
         """What each worker of the server serves (this one alone without a control directory)."""
         if self.control is None:
-            return [{"pid": os.getpid(), "generation": 0, "models": self.snapshot(), "error": None}]
+            return [{"pid": os.getpid(), "generation": 0, "models": self.snapshot(), "error": None,
+                     "device": self._device()}]
         return self.control.workers()
 
     def close(self) -> None:
@@ -96,10 +98,13 @@ class Lifecycle:
         # else another worker's change came first: the follower applies the whole generation, this one included
         return generation
 
+    def _device(self) -> str:
+        return str(resolve_device(self.settings.device))
+
     def _report(self, error: str | None = None) -> None:
         self.on_change()
         if self.control is not None:
-            self.control.report(self._applied, self.snapshot(), error)
+            self.control.report(self._applied, self.snapshot(), error, self._device())
 
     def _sync(self, generation: int) -> None:
         if self.control is None:

@@ -113,6 +113,7 @@ class WorkerModels(BaseModel):
     generation: int = Field(description="the last repository load or unload this worker applied")
     models: dict[str, dict[str, Any]] = Field(description="name -> versions and default")
     error: str | None = Field(default=None, description="why it could not apply the last one")
+    device: str | None = Field(default=None, description="where it serves: cpu, or its GPU (cuda:N)")
 
 
 class ModelsResponse(BaseModel):
