@@ -4,7 +4,8 @@ the GPU path of issue #18) against today's PIL path, on this machine's CPU, in o
 Accuracy: EfficientNet-Lite0's answers for the same bytes through both paths, on scikit-image's photos in every
 accepted format (JPEG, PNG, WebP, GIF, BMP), at native, ImageNet (500x375) and phone (4000x3000) sizes, and as
 EXIF-rotated JPEGs: top-1 agreement and the largest probability difference. Speed: milliseconds per image for
-decode + transform on one thread (the benchmark's photo mix), median of 5 rounds, and per size. Writes
+decode + transform on one thread, median of 3 rounds, per group; then the server with each path (images/s and p50
+at C=1 and C=16, the benchmark's photo mix). Writes
 bench/results/<date>-decode-paths-cpu-<cores>cpu-vm.md and prints it.
 """
 from __future__ import annotations
@@ -25,7 +26,9 @@ from app.config import Settings
 from app.engine.decode import DecodeLimits, image_to_tensor
 from app.engine.predictor import Predictor
 from app.engine.tensor_decode import image_to_tensor_path
-from bench.photos import PHOTO_NAMES, photo
+from bench.load import measure
+from bench.photos import PHOTO_NAMES, photo, workload
+from bench.servers import visionserve
 from models.export import export_default
 from models.presets import TensorEvalTransform, eval_transform
 
@@ -83,6 +86,29 @@ def ms_per_image(path: Callable, bodies: list[bytes], rounds: int = 5) -> float:
     return statistics.median(per_round)
 
 
+def served_table(weights: Path, rounds: int = 2, duration_s: float = 15.0) -> list[str]:
+    """The server (gunicorn, 2 workers, the benchmark's photo mix) with each path, alternating rounds: medians."""
+    points: dict[str, list[tuple[float, float, float, float]]] = {"pil": [], "tensor": []}
+    for _ in range(rounds):
+        for path in points:
+            server = visionserve(weights, WORK, decode_path=path, workers="2").wait_ready()
+            try:
+                one, many = (measure(path, "lite0", server.url, "/predict", list(workload()), c, duration_s, 3.0)
+                             for c in (1, 16))
+                points[path].append((one.images_per_s, one.p50_ms, many.images_per_s, many.p50_ms))
+            finally:
+                server.stop()
+    lines = [f"The server with each path (gunicorn, 2 workers, the benchmark's photo mix: 6 photos at native, "
+             f"1920x1080 and 4000x3000; median of {rounds} rounds of {duration_s:g} s):", "",
+             "| DECODE_PATH | C=1 images/s | C=1 p50 (ms) | C=16 images/s | C=16 p50 (ms) |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    medians = {path: [statistics.median(p[i] for p in runs) for i in range(4)] for path, runs in points.items()}
+    lines += [f"| {path} | {m[0]:.1f} | {m[1]:.1f} | {m[2]:.1f} | {m[3]:.1f} |" for path, m in medians.items()]
+    lines += ["", f"tensor / pil images/s: C=1 {medians['tensor'][0] / medians['pil'][0]:.2f}x, "
+              f"C=16 {medians['tensor'][2] / medians['pil'][2]:.2f}x"]
+    return lines
+
+
 def main() -> int:
     torch.set_num_threads(1)
     weights = WORK / "lite0"
@@ -111,7 +137,8 @@ def main() -> int:
         pil_ms, tensor_ms = ms_per_image(pil, bodies, 3), ms_per_image(tensor, bodies, 3)
         lines.append(f"| {label} | {agree}/{len(bodies)} | {diff:.4f} | {pil_ms:.1f} | {tensor_ms:.1f} | "
                      f"{tensor_ms / pil_ms:.2f} |")
-    lines += ["", f"Top-1 agreement over all {total} images: {agree_all / total:.1%}."]
+    lines += ["", f"Top-1 agreement over all {total} images: {agree_all / total:.1%}.", ""]
+    lines += served_table(weights)
     text = "\n".join(lines) + "\n"
     out = RESULTS / f"{datetime.date.today()}-decode-paths-cpu-{os.cpu_count()}cpu-vm.md"
     out.write_text(text, encoding="utf-8")

@@ -1,19 +1,30 @@
-"""Property tests: whatever bytes arrive, decoding raises nothing but our own 4xx errors."""
+"""Property tests: whatever bytes arrive, decoding raises nothing but our own 4xx errors, on every decode path (PIL,
+tensor, and the device path's header check and batch decode, run here on the CPU)."""
 from __future__ import annotations
 
 import io
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
 from app.engine.decode import DecodeLimits, image_to_tensor
+from app.engine.device_decode import check_header, decode_batch
+from app.engine.tensor_decode import image_to_tensor_path
 from app.errors import ServiceError
-from models.presets import EvalPreset, eval_transform
+from models.presets import EvalPreset, TensorEvalTransform, eval_transform
 
 LIMITS = DecodeLimits(max_pixels=4_000_000, max_aspect_ratio=20, jpeg_draft_min_side=64)
 TRANSFORM = eval_transform(EvalPreset(resize_size=16, crop_size=16))
+TENSOR_TRANSFORM = TensorEvalTransform(EvalPreset(resize_size=16, crop_size=16))
+PATHS = {
+    "pil": lambda data: image_to_tensor(data, TRANSFORM, LIMITS),
+    "tensor": lambda data: image_to_tensor_path(data, TENSOR_TRANSFORM, LIMITS),
+    "device": lambda data: decode_batch([check_header(data, LIMITS)], torch.device("cpu"), TENSOR_TRANSFORM,
+                                        torch.float32)[0],
+}
 
 
 def _seed(fmt: str) -> bytes:
@@ -27,12 +38,13 @@ SEEDS = [_seed(fmt) for fmt in ("JPEG", "PNG", "GIF", "BMP", "WEBP")]
 
 
 def _decode_or_4xx(data: bytes) -> None:
-    try:
-        tensor = image_to_tensor(data, TRANSFORM, LIMITS)
-    except ServiceError as exc:
-        assert 400 <= exc.status < 500, exc
-    else:
-        assert tuple(tensor.shape) == (3, 16, 16)
+    for path, decode in PATHS.items():
+        try:
+            tensor = decode(data)
+        except ServiceError as exc:
+            assert 400 <= exc.status < 500, (path, exc)
+        else:
+            assert tuple(tensor.shape) == (3, 16, 16), path
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -54,4 +66,5 @@ def test_mutated_real_images(seed: bytes, edits: list[tuple[int, int]], cut: int
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_the_seeds_themselves_decode(seed: bytes) -> None:
-    assert tuple(image_to_tensor(seed, TRANSFORM, LIMITS).shape) == (3, 16, 16)
+    for decode in PATHS.values():
+        assert tuple(decode(seed).shape) == (3, 16, 16)

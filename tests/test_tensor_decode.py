@@ -79,7 +79,7 @@ def test_the_tensor_transform_matches_the_pil_transform_on_a_photo(interpolation
     tensor = image_to_tensor_path(data, TensorEvalTransform(preset), limits)
     assert pil.shape == tensor.shape == (3, 224, 224)
     levels = (pil - tensor).abs() * torch.tensor(preset.std).view(3, 1, 1) * 255  # back to 0..255 pixel levels
-    assert float(levels.mean()) < 0.5 and float(levels.max()) < 8  # PIL rounds to 8 bits between its passes
+    assert float(levels.mean()) < 0.05 and float(levels.max()) < 1.01  # PIL's pixels, within one level
 
 
 def test_the_service_decodes_on_the_path_its_settings_choose(settings, predictor,  # noqa: ANN001
