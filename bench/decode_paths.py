@@ -28,12 +28,12 @@ from app.engine.predictor import Predictor
 from app.engine.tensor_decode import image_to_tensor_path
 from bench.load import measure
 from bench.photos import PHOTO_NAMES, photo, workload
+from bench.report import save_result
 from bench.servers import visionserve
 from models.export import export_default
 from models.presets import TensorEvalTransform, eval_transform
 
 WORK = Path(__file__).resolve().parent / ".work" / "decode-paths"
-RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = {"native": None, "ImageNet 500x375": (500, 375), "phone 4000x3000": (4000, 3000)}
 FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP")
 
@@ -127,7 +127,7 @@ def main() -> int:
 
     lines = [f"# Decode paths on the CPU ({os.cpu_count()} cores), {datetime.date.today()}", "",
              f"`python -m bench.decode_paths`; torch {torch.__version__}; EfficientNet-Lite0; PIL path with "
-             f"JPEG_DRAFT_MIN_SIZE={limits.jpeg_draft_min_side} (the default); one thread.", "",
+             f"JPEG_DRAFT_MIN_SIDE={limits.jpeg_draft_min_side} (the default); one thread.", "",
              "| images | top-1 agreement | largest probability difference | PIL ms/image | tensor ms/image | "
              "tensor / PIL time |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
     agree_all = total = 0
@@ -140,9 +140,7 @@ def main() -> int:
     lines += ["", f"Top-1 agreement over all {total} images: {agree_all / total:.1%}.", ""]
     lines += served_table(weights)
     text = "\n".join(lines) + "\n"
-    out = RESULTS / f"{datetime.date.today()}-decode-paths-cpu-{os.cpu_count()}cpu-vm.md"
-    out.write_text(text, encoding="utf-8")
-    print(text)
+    save_result("decode-paths", text)
     return 0
 
 

@@ -26,12 +26,12 @@ from app.engine.predictor import Predictor
 from app.engine.tuning import forward_threads
 from bench.load import measure
 from bench.photos import workload
+from bench.report import save_result
 from bench.servers import Running, visionserve
 from models.export import export_default
 from models.manifest import read_manifest
 
 WORK = Path(__file__).resolve().parent / ".work" / "formats"
-RESULTS = Path(__file__).resolve().parent / "results"
 BATCH_SIZES = (1, 2, 4, 8)
 FORMATS = {"eager": "state_dict", "TorchScript (frozen)": "torchscript", "AOTInductor package": "aoti"}
 
@@ -125,9 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     medians = {fmt: {key: statistics.median(p[key] for p in points) for key in points[0]}
                for fmt, points in rounds.items()}
     text = report(forward, medians, read_manifest(weights).packages[0].compile_s, args.rounds)
-    out = RESULTS / f"{datetime.date.today()}-formats-cpu-{os.cpu_count()}cpu-vm.md"
-    out.write_text(text, encoding="utf-8")
-    print(text)
+    save_result("formats", text)
     return 0
 
 

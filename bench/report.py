@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -123,3 +125,11 @@ def write(results: dict[str, Any], machine: dict[str, Any], args: argparse.Names
     (out_dir / f"{stem}.json").write_text(json.dumps({"machine": machine, "results": results}, indent=1))
     chart(results, out_dir / f"{stem}.png")
     return markdown
+
+
+def save_result(kind: str, text: str) -> Path:
+    """Write ``text`` to bench/results/<date>-<kind>-cpu-<cores>cpu-vm.md, print it, and return the path."""
+    out = Path(__file__).resolve().parent / "results" / f"{datetime.date.today()}-{kind}-cpu-{os.cpu_count()}cpu-vm.md"
+    out.write_text(text, encoding="utf-8")
+    print(text)
+    return out
