@@ -3,13 +3,17 @@
     python -m bench.gpu                      # on a CUDA machine (about 9 minutes on an H100 with 16 cores); writes
                                              # bench/results/<date>-gpu-<gpu>.md and .json
     python -m bench.gpu --device cpu --dtype float32 --seconds 1 --concurrency 1 --workers 1 --processes 2
-                                             # a smoke run of the same code without a GPU
+                                             # a smoke run of the same code without a GPU (tests/test_bench_gpu.py)
+
+Served points: per decode path (``--decode-paths``: pil, device) x images per request (1, 16) x C, with the GPU's
+utilisation (nvidia-smi) and the load generator's own CPU beside the server's.
 
 For each model: the limit, i.e. the fastest in-process pipeline (decode threads on every core, batched forward in the
 chosen dtype on the device, no HTTP; also one such pipeline per process, several processes sharing the GPU), the
 single-image latency, then visionserve on the same device under the closed-loop load, once per worker count.
-Decoding: PIL + the eval transform in a thread pool (what the service does) against
-``torchvision.io.decode_jpeg(device="cuda")`` on the whole batch followed by resize, crop and normalise on the GPU.
+Decoding: PIL + the eval transform in a thread pool (the CPU path) against the service's device path
+(``app/engine/device_decode.decode_batch``: nvJPEG on the batch, resize, crop and normalise on the GPU), alone and
+with the forward pass (the device path's in-process limit).
 """
 from __future__ import annotations
 
@@ -23,30 +27,16 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-from torchvision.io import decode_jpeg
-from torchvision.transforms.v2 import functional as F
 
 from app.engine.decode import decode_image
+from app.engine.device_decode import check_header, decode_batch
 from app.engine.predictor import Predictor
 from bench.__main__ import RESULTS, WORK, export_models
+from bench.gpu_util import GpuUtilisation
 from bench.limit import LIMITS, best_threads, intra_op_threads, process_pipeline, single_image_ms, timed_rate
 from bench.load import measure
-from bench.photos import workload
+from bench.photos import imagenet_workload, request_bodies, workload
 from bench.servers import visionserve
-from models.presets import EvalPreset
-
-
-def gpu_preprocess(photos: Sequence[bytes], preset: EvalPreset, device: torch.device) -> torch.Tensor:
-    """JPEG bytes -> decoded on ``device`` -> resize, centre crop, normalise there: an (N, C, H, W) float batch."""
-    data = [torch.frombuffer(bytearray(p), dtype=torch.uint8) for p in photos]
-    images = decode_jpeg(data, device=device)
-    mode = {"bicubic": F.InterpolationMode.BICUBIC, "bilinear": F.InterpolationMode.BILINEAR,
-            "nearest": F.InterpolationMode.NEAREST}.get(preset.interpolation, F.InterpolationMode.BILINEAR)
-    # Resized as floats: antialiased bicubic on CUDA takes no uint8; clamped like PIL's 8-bit result.
-    out = [F.center_crop(F.resize(img.float(), [preset.resize_size], interpolation=mode, antialias=True),
-                         [preset.crop_size]) for img in images]
-    batch = torch.stack(out).clamp_(0, 255).div_(255)
-    return F.normalize(batch, list(preset.mean), list(preset.std))
 
 
 def decode_rates(predictor: Predictor, photos: Sequence[bytes], batch_size: int, seconds: float,
@@ -55,7 +45,6 @@ def decode_rates(predictor: Predictor, photos: Sequence[bytes], batch_size: int,
     preprocess, per batch."""
     cores = os.cpu_count() or 1
     chunk = [photos[i % len(photos)] for i in range(batch_size)]
-    preset = predictor.manifest.preprocess
     def on_cpu(photo: bytes) -> torch.Tensor:
         return predictor.transform(decode_image(photo, LIMITS))
 
@@ -65,31 +54,49 @@ def decode_rates(predictor: Predictor, photos: Sequence[bytes], batch_size: int,
             with intra_op_threads(torch_threads):
                 rates[f"CPU: PIL + eval transform, {cores} threads, {torch_threads} intra-op"] = timed_rate(
                     lambda: len(list(pool.map(on_cpu, chunk))), seconds)
-    if device.type == "cuda":
-        def on_gpu() -> int:
-            gpu_preprocess(chunk, preset, device)
-            torch.cuda.synchronize(device)
-            return len(chunk)
+    encoded = [check_header(photo, LIMITS) for photo in chunk]  # headers once: the request threads' share
 
-        rates[f"GPU: decode_jpeg(device=cuda) + resize/crop/normalise on the GPU, batch {batch_size}"] = timed_rate(
-            on_gpu, seconds)
+    def on_device() -> int:  # the service's device path: decode + preprocess in the batch, on the device
+        decode_batch(encoded, device, predictor.tensor_transform, predictor.dtype)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return len(chunk)
+
+    def with_forward() -> int:  # and the forward pass: the in-process limit of the device path
+        predictor.predict_list(encoded)  # returns on the CPU: the device's work is done
+        return len(chunk)
+
+    rates[f"device path: decode + preprocess on {device.type}, batch {batch_size}"] = timed_rate(on_device, seconds)
+    rates[f"device path + forward ({predictor.dtype_name}), batch {batch_size}: the limit"] = timed_rate(
+        with_forward, seconds)
     return rates
 
 
-def serve(weights: Path, args: argparse.Namespace, workers: int, torch_threads: int) -> list[dict[str, object]]:
-    """visionserve on the device with ``workers`` gunicorn workers and ``torch_threads`` intra-op threads (0: the
-    service's default), at each C."""
+def serve(weights: Path, args: argparse.Namespace, workers: int, torch_threads: int,
+          decode_path: str) -> list[dict[str, object]]:
+    """visionserve on the device with ``workers`` gunicorn workers, ``torch_threads`` intra-op threads (0: the
+    service's default) and ``decode_path``, at each images-per-request and C; images/s count images."""
     started = time.perf_counter()
     server = visionserve(weights, WORK / "logs", device=args.device, dtype=args.dtype, workers=str(workers),
-                         max_batch_size=str(max(args.batch_sizes)), threads="64",
-                         torch_threads=str(torch_threads)).wait_ready()
+                         max_batch_size=str(max(args.batch_sizes)), threads="64", torch_threads=str(torch_threads),
+                         decode_path=decode_path, max_images=str(max(args.images_per_request)),
+                         max_body_bytes=str(256 * 1024 * 1024)).wait_ready()
     ready_s = time.perf_counter() - started
+    photos = imagenet_workload() if args.workload == "imagenet" else workload()
+    rows: list[dict[str, object]] = []
     try:
-        return [{**asdict(measure("visionserve", weights.name, server.url, "/predict", list(workload()), c,
-                                  args.seconds, args.warmup, server_pgid=server.process.pid)),
-                 "workers": workers, "torch_threads": torch_threads, "ready_s": ready_s} for c in args.concurrency]
+        for per_request in args.images_per_request:
+            bodies, content_type = request_bodies(photos, per_request)
+            for c in args.concurrency:
+                with GpuUtilisation() as gpu:
+                    r = asdict(measure("visionserve", weights.name, server.url, "/predict", bodies, c, args.seconds,
+                                       args.warmup, content_type, server_pgid=server.process.pid))
+                r["images_per_s"] *= per_request
+                rows.append({**r, "workers": workers, "torch_threads": torch_threads, "ready_s": ready_s,
+                             "decode_path": decode_path, "per_request": per_request, "gpu_util": gpu.mean})
     finally:
         server.stop()
+    return rows
 
 
 def run_model(weights: Path, args: argparse.Namespace) -> dict[str, object]:
@@ -109,17 +116,19 @@ def run_model(weights: Path, args: argparse.Namespace) -> dict[str, object]:
     del predictor
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    loads = [row for workers in args.workers for threads in args.torch_threads
-             for row in serve(weights, args, workers, threads)]
+    loads = [row for path in args.decode_paths for workers in args.workers for threads in args.torch_threads
+             for row in serve(weights, args, workers, threads, path)]
     return {"limit_by_batch": limit, "decode": decode, "loads": loads, "single_ms": single_ms}
 
 
 def _load_row(r: dict, limit: float, single_ms: float) -> str:
     """One served load point as a table row, with its efficiency and its p50 against the in-process latency."""
-    cells = [r.get("workers", 1), r["torch_threads"] or "default", f"{r['ready_s']:.0f}", r["concurrency"],
-             f"{r['images_per_s']:.1f}", f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}", r["errors"],
-             f"{r['mean_batch'] or 0:.2f}", f"{r['server_cores'] or 0:.2f}", f"{r['images_per_s'] / limit:.2f}",
-             f"{r['p50_ms'] / single_ms:.2f}"]
+    util = r.get("gpu_util")
+    cells = [r.get("decode_path", "pil"), r.get("per_request", 1), r.get("workers", 1), r["torch_threads"] or "default",
+             f"{r['ready_s']:.0f}", r["concurrency"], f"{r['images_per_s']:.1f}", f"{r['p50_ms']:.1f}",
+             f"{r['p99_ms']:.1f}", r["errors"], f"{r['mean_batch'] or 0:.2f}", f"{r['server_cores'] or 0:.2f}",
+             f"{r['client_cores'] or 0:.2f}", "-" if util is None else f"{util:.0f}",
+             f"{r['images_per_s'] / limit:.2f}", f"{r['p50_ms'] / single_ms:.2f}"]
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
@@ -136,15 +145,15 @@ def report(results: dict[str, dict], machine: dict[str, object]) -> str:
         lines += ["", f"In-process latency of one image (decode + preprocess + forward), median: "
                       f"{data['single_ms']:.1f} ms.", "", "| decode + preprocess | img/s |", "| --- | --- |"]
         lines += [f"| {name} | {r:.1f} |" for name, r in data["decode"].items()]
-        lines += ["", "| workers | intra-op threads | ready s | C | img/s | p50 ms | p99 ms | errors | mean batch | "
-                  "server cores | efficiency | p50 / in-process |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += ["", "| decode path | images / request | workers | intra-op threads | ready s | C | img/s | p50 ms | "
+                  "p99 ms | errors | mean batch | server cores | client cores | GPU util % | efficiency | "
+                  "p50 / in-process |", "|" + " --- |" * 16]
         lines += [_load_row(r, best, data["single_ms"]) for r in data["loads"]]
         lines.append("")
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     """Run the GPU benchmark and write its report."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
@@ -161,8 +170,13 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--limit-seconds", type=float, default=3.0)
+    parser.add_argument("--decode-paths", nargs="+", default=["pil", "device"], help="serve once per DECODE_PATH")
+    parser.add_argument("--images-per-request", type=int, nargs="+", default=[1, 16],
+                        help="1: the raw JPEG as the body; more: one multipart request")
+    parser.add_argument("--workload", choices=["mix", "imagenet"], default="mix",
+                        help="mix: 6 photos at native, 1920x1080, 4000x3000; imagenet: the photos at 500x375")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     (WORK / "logs").mkdir(parents=True, exist_ok=True)
     weights = export_models(WORK / "weights")
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
