@@ -123,11 +123,11 @@ def run_model(weights: Path, args: argparse.Namespace) -> dict[str, object]:
 
 def _load_row(r: dict, limit: float, single_ms: float) -> str:
     """One served load point as a table row, with its efficiency and its p50 against the in-process latency."""
-    util = r.get("gpu_util")
+    util, client = r.get("gpu_util"), r.get("client_cores")
     cells = [r.get("decode_path", "pil"), r.get("per_request", 1), r.get("workers", 1), r["torch_threads"] or "default",
              f"{r['ready_s']:.0f}", r["concurrency"], f"{r['images_per_s']:.1f}", f"{r['p50_ms']:.1f}",
              f"{r['p99_ms']:.1f}", r["errors"], f"{r['mean_batch'] or 0:.2f}", f"{r['server_cores'] or 0:.2f}",
-             f"{r['client_cores'] or 0:.2f}", "-" if util is None else f"{util:.0f}",
+             "-" if client is None else f"{client:.2f}", "-" if util is None else f"{util:.0f}",
              f"{r['images_per_s'] / limit:.2f}", f"{r['p50_ms'] / single_ms:.2f}"]
     return "| " + " | ".join(str(c) for c in cells) + " |"
 

@@ -68,6 +68,12 @@ def test_gpu_report_compares_each_point_with_the_best_pipeline_of_its_run() -> N
                                         "16 x 4 processes": [300.0, "4 processes x ..."]},
                      "decode": {"CPU": 290.0, "GPU": 1150.0}, "single_ms": 30.0, "loads": [load]}}
     markdown = gpu_report(results, {"gpu": "H100", "cpus": 16, "torch": "x", "dtype": "float16"})
-    assert "| 4 | default | 36 | 64 | 330.0 | 180.0 | 360.0 | 0 | 4.30 | 11.90 | 1.10 | 6.00 |" in markdown
+    # A row from before the decode paths (the committed H100 runs) reads as the PIL path, one image per request.
+    assert "| pil | 1 | 4 | default | 36 | 64 | 330.0 | 180.0 | 360.0 | 0 | 4.30 | 11.90 | - | - | 1.10 | 6.00 |" in (
+        markdown)
+    device = {**load, "decode_path": "device", "per_request": 16, "client_cores": 0.8, "gpu_util": 71.4}
+    results["m"]["loads"] = [device]
+    assert "| device | 16 | 4 | default | 36 | 64 | 330.0 | 180.0 | 360.0 | 0 | 4.30 | 11.90 | 0.80 | 71 | 1.10 |" in (
+        gpu_report(results, {"gpu": "H100", "cpus": 16, "torch": "x", "dtype": "float16"}))
     assert "| 16 x 4 processes | 300.0 | 4 processes x ... |" in markdown
     assert "median: 30.0 ms" in markdown and "| GPU | 1150.0 |" in markdown
