@@ -171,6 +171,7 @@ def test_unreadable_images_are_skipped_and_counted(tmp_path: Path, caplog: pytes
     assert "garbage.jpg" in caplog.text and "truncated.png" in caplog.text
 
 
+@pytest.mark.slow  # runs the training command in a subprocess: seconds of interpreter start-up
 def test_a_user_mistake_prints_no_traceback(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "models.train", "--data", str(tmp_path / "nowhere")],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -250,6 +251,7 @@ def test_the_default_version_is_unique_per_weights_and_stable_per_checkpoint(fol
     assert export_main(["--checkpoint", str(runs[0] / BEST_NAME), "--out", str(runs[0] / "export"), *NO_PACKAGES]) == 0
 
 
+@pytest.mark.slow  # runs the training command in a subprocess: seconds of interpreter start-up
 def test_ctrl_c_prints_one_line_with_the_command_to_resume(folder: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     process = subprocess.Popen([sys.executable, "-m", "models.train",
