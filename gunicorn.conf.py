@@ -3,14 +3,15 @@
 The master never imports torch or touches CUDA: forked workers would inherit a broken CUDA context. Each worker
 loads the model itself (no preload_app), and its gthread pool lets concurrent requests share one batcher.
 """
-import contextlib
 import os
 import shutil
 import sys
 import tempfile
+from pathlib import Path
 
 from app import EXTENSION_KEY, drain
 from app.config import SettingsError, load_settings, unknown_variables
+from app.engine.control import Control  # standard library only, like app.drain
 from app.worker import ReadLimits
 
 try:
@@ -102,8 +103,7 @@ def child_exit(server, worker) -> None:  # noqa: ANN001
     what it served."""
     control_dir = os.environ.get("VISIONSERVE_CONTROL_DIR")
     if control_dir:
-        with contextlib.suppress(OSError):
-            os.unlink(os.path.join(control_dir, f"worker-{worker.pid}.json"))
+        Control(Path(control_dir)).forget(worker.pid)
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         from prometheus_client import multiprocess
 

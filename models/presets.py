@@ -141,9 +141,7 @@ class TensorEvalTransform:
         p = self.preset
         pixels = T.functional.resize(image, [p.resize_size], interpolation=self.interpolation, antialias=True)
         pixels = T.functional.center_crop(pixels, [p.crop_size]).float().div_(255)
-        mean = torch.tensor(p.mean, device=pixels.device).view(3, 1, 1)
-        std = torch.tensor(p.std, device=pixels.device).view(3, 1, 1)
-        return pixels.sub_(mean).div_(std)
+        return T.functional.normalize(pixels, list(p.mean), list(p.std), inplace=True)
 
 
 def train_transform(preset: EvalPreset, hflip_prob: float = 0.5, min_crop_scale: float = 0.08) -> ImageTransform:

@@ -70,12 +70,22 @@ def _check_header(image: Image.Image, limits: DecodeLimits) -> None:
         raise InvalidImage(f"the image is {width}x{height}; its aspect ratio is over {limits.max_aspect_ratio:g}")
 
 
-def decode_image(data: bytes, limits: DecodeLimits) -> Image.Image:
-    """Decode bytes to an upright RGB image; raises InvalidImage, ImageTooLarge or UnsupportedImageFormat."""
+def open_checked(data: bytes, limits: DecodeLimits) -> Image.Image:
+    """The image's header read and every limit checked; no pixel decoded yet (``load_upright`` does that)."""
     image = _open(data)
     _check_header(image, limits)
+    return image
+
+
+def is_jpeg(image: Image.Image) -> bool:
+    """A JPEG (or a camera's MPO, a JPEG with extra frames)."""
+    return image.format in _JPEG_FORMATS
+
+
+def load_upright(image: Image.Image, limits: DecodeLimits) -> Image.Image:
+    """Decode an ``open_checked`` image's pixels to an upright RGB image; corrupt data is InvalidImage."""
     try:
-        if image.format in _JPEG_FORMATS and limits.jpeg_draft_min_side:
+        if is_jpeg(image) and limits.jpeg_draft_min_side:
             # libjpeg scales by 1/2, 1/4 or 1/8 during the DCT: much faster, and the later resize shrinks further.
             side = limits.jpeg_draft_min_side
             image.draft(image.mode, (side, side))
@@ -83,6 +93,11 @@ def decode_image(data: bytes, limits: DecodeLimits) -> Image.Image:
         return upright_rgb(image)
     except Exception as exc:  # noqa: BLE001 - truncated or corrupt pixel data, in whichever codec
         raise InvalidImage(f"the image data is corrupt or truncated: {exc}") from exc
+
+
+def decode_image(data: bytes, limits: DecodeLimits) -> Image.Image:
+    """Decode bytes to an upright RGB image; raises InvalidImage, ImageTooLarge or UnsupportedImageFormat."""
+    return load_upright(open_checked(data, limits), limits)
 
 
 def image_to_tensor(data: bytes, transform: ImageTransform, limits: DecodeLimits) -> torch.Tensor:

@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from app.engine.decode import _JPEG_FORMATS, DecodeLimits, _check_header, _open, canary_image
+from app.engine.decode import DecodeLimits, canary_image, is_jpeg, open_checked
 from app.engine.tensor_decode import decode_tensor
 from models.presets import TensorEvalTransform
 
@@ -36,9 +36,7 @@ class Encoded:
 
 def check_header(data: bytes, limits: DecodeLimits) -> Encoded:
     """Read the header only and check every limit (InvalidImage, ImageTooLarge, UnsupportedImageFormat)."""
-    image = _open(data)
-    _check_header(image, limits)
-    return Encoded(data, image.format in _JPEG_FORMATS, limits)
+    return Encoded(data, is_jpeg(open_checked(data, limits)), limits)
 
 
 def canary_jpeg() -> bytes:

@@ -3,7 +3,6 @@ thread; counted while requests use it, so an unloaded version stops only after i
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -31,7 +30,6 @@ class Model:
     arrivals: Arrivals = field(default_factory=Arrivals)  # requests decoding for this version's next batch
     in_use: InFlight = field(default_factory=InFlight)  # requests holding this version, from routing to answer
     device_memory_bytes: int | None = None  # CUDA memory the load and warm-up took (None on the CPU)
-    retiring: threading.Event = field(default_factory=threading.Event)
 
     @property
     def name(self) -> str:
@@ -49,7 +47,6 @@ class Model:
     def retire(self, timeout_s: float) -> bool:
         """Stop once unrouted: wait (``timeout_s`` at most) for the requests holding it, finish what is queued, end
         the batcher. Returns whether every request had left in time."""
-        self.retiring.set()
         self.observer.retire()
         drained = self.in_use.wait_empty(timeout_s)
         self.batcher.stop(timeout_s)

@@ -30,11 +30,6 @@ class Registry:
             return {name: (sorted(versions.values(), key=lambda m: order_key(m.version)), self._defaults[name])
                     for name, versions in sorted(self._routes.items())}
 
-    def available(self) -> list[dict[str, object]]:
-        """What a 404 lists: each model with its versions and default."""
-        return [{"name": name, "versions": [m.version for m in models], "default": default}
-                for name, (models, default) in self.snapshot().items()]
-
     def find(self, name: str | None, version: str | None) -> Model:
         """The version a request for ``name`` (None: the only model) and ``version`` (None: the default) gets."""
         with self._lock:

@@ -11,7 +11,7 @@ from app.engine.policy import POLICY_FILE, PolicyError
 from app.engine.predictor import Predictor
 from app.engine.weights import ModelLoadError, read_checked_manifest
 from models.manifest import MANIFEST_NAME
-from models.repository import is_export, models, versions
+from models.repository import models, versions
 
 
 class Source(Protocol):
@@ -31,12 +31,19 @@ class DirectorySource:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.root = settings.resolved_weights_dir()
+        self._seen: tuple[tuple[int, int], tuple[str, str]] | None = None  # the single export's (stamp, identity)
 
     def _single(self) -> tuple[str, str] | None:
-        if not is_export(self.root):
+        # Asked on every poll, index and readiness call: the manifest is parsed again only when it changed.
+        try:
+            stat = (self.root / MANIFEST_NAME).stat()
+        except OSError:
             return None
-        manifest = read_checked_manifest(self.root)
-        return manifest.name, manifest.version
+        stamp = (stat.st_mtime_ns, stat.st_size)
+        if self._seen is None or self._seen[0] != stamp:
+            manifest = read_checked_manifest(self.root)
+            self._seen = (stamp, (manifest.name, manifest.version))
+        return self._seen[1]
 
     def models(self) -> list[str]:
         """The models with at least one version."""

@@ -9,13 +9,13 @@ import torch
 import torch.nn as nn
 
 from app.config import dtype_fits_device
+from models.compile import DTYPES
 from models.manifest import Manifest, WeightsFormat, read_manifest, sha256_of
 from models.registry import build_model
 from models.torchscript import quiet_jit
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class ModelLoadError(RuntimeError):
@@ -40,7 +40,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     problem = dtype_fits_device(name, device.type)
     if problem:
         raise ModelLoadError(problem)
-    return _DTYPES[name]
+    return DTYPES[name]
 
 
 def read_checked_manifest(weights_dir: Path) -> Manifest:
