@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import random
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,52 @@ def save_checkpoint(state: dict[str, Any], output_dir: Path, *, is_best: bool) -
     if is_best:
         shutil.copyfile(target, output_dir / BEST_NAME)
     return target
+
+
+def _snapshot(value: Any) -> Any:
+    """A copy of a state on the CPU that training can no longer change (tensors copied, containers rebuilt)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _snapshot(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_snapshot(item) for item in value)
+    return value
+
+
+class CheckpointWriter:
+    """Writes checkpoints on a thread, so the disk write does not stall the next epoch's steps; one at a time.
+
+    ``save`` snapshots the state first (a copy to host memory: milliseconds), waits for the previous write, then
+    hands the snapshot to a thread; ``wait`` returns when it is on disk and re-raises a failed write.
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def save(self, state: dict[str, Any], output_dir: Path, *, is_best: bool) -> None:
+        """Snapshot ``state`` and write it as :func:`save_checkpoint` does, in the background."""
+        snapshot = _snapshot(state)
+        self.wait()
+        self._thread = threading.Thread(target=self._write, args=(snapshot, output_dir, is_best),
+                                        name="checkpoint-writer", daemon=False)
+        self._thread.start()
+
+    def _write(self, state: dict[str, Any], output_dir: Path, is_best: bool) -> None:
+        try:
+            save_checkpoint(state, output_dir, is_best=is_best)
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread by wait()
+            self._error = exc
+
+    def wait(self) -> None:
+        """Block until the last write finished; raise its error, if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:

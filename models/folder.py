@@ -118,6 +118,11 @@ def load_image(path: Path) -> Image.Image:
         return upright_rgb(image)
 
 
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of one sample's augmentation in one epoch (both data paths draw from it)."""
+    return (seed * 1_000_003 + epoch) * 10_000_019 + index
+
+
 class FolderDataset(Dataset):
     """Samples of one split through a transform; augmentation is seeded per (seed, epoch, index).
 
@@ -138,7 +143,7 @@ class FolderDataset(Dataset):
         path, target = self.samples[index]
         image = load_image(path)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed((self.seed * 1_000_003 + epoch) * 10_000_019 + index)
+            torch.manual_seed(sample_seed(self.seed, epoch, index))
             return self.transform(image), target
 
 

@@ -5,10 +5,12 @@ import argparse
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
+from models.augment import train_transform
 from models.distributed import DistEnv
 from models.folder import (
     DataError,
@@ -20,7 +22,8 @@ from models.folder import (
     scan_split,
     split_holdout,
 )
-from models.presets import EvalPreset, eval_transform, train_transform
+from models.gpu_data import DeviceAugment, EncodedFolder, Prepare, ToDevice, collate
+from models.presets import EvalPreset, eval_transform
 
 log = logging.getLogger("models.train")
 
@@ -34,6 +37,7 @@ class Data:
     train_sampler: EpochSampler
     classes: list[str]
     val_files: list[Path]
+    prepare: Prepare  # a train batch -> (images, targets) on the device, in the training memory format
 
 
 def splits(args: argparse.Namespace) -> tuple[Split, Split]:
@@ -58,8 +62,7 @@ def load_data(args: argparse.Namespace, preset: EvalPreset, env: DistEnv, device
     if skipped and env.is_main:
         log.warning("skipped %d unreadable file(s); training on %d, validating on %d",
                     skipped, len(train_split.samples), len(val_split.samples))
-    train_set = FolderDataset(train_split.samples, train_transform(preset, args.hflip_prob, args.min_crop_scale),
-                              seed=args.seed)
+    train_set, collate_fn, prepare = _train_set(args, train_split, preset, device)
     val_set = FolderDataset(val_split.samples, eval_transform(preset))
     sampler = EpochSampler(train_set, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=args.seed)
     workers = {"num_workers": args.workers, "pin_memory": device.type == "cuda",
@@ -70,7 +73,22 @@ def load_data(args: argparse.Namespace, preset: EvalPreset, env: DistEnv, device
     # A last batch of one image would break BatchNorm in training mode, so only then is it dropped.
     train = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
                        drop_last=len(sampler) % args.batch_size == 1,
-                       generator=torch.Generator().manual_seed(args.seed), **workers)
+                       generator=torch.Generator().manual_seed(args.seed), collate_fn=collate_fn, **workers)
     val = DataLoader(val_set, batch_size=args.batch_size,
                      sampler=ShardSampler(len(val_set), env.rank, env.world_size), **workers)
-    return Data(train, val, sampler, train_split.classes, [path for path, _ in val_split.samples])
+    return Data(train, val, sampler, train_split.classes, [path for path, _ in val_split.samples], prepare)
+
+
+def _train_set(args: argparse.Namespace, split: Split, preset: EvalPreset,
+               device: torch.device) -> tuple[Dataset, Callable[[list[Any]], Any] | None, Prepare]:
+    """The train set, its collate function and the batch preparation of the chosen data path: ``cpu`` decodes
+    and augments in the workers; ``gpu`` sends encoded JPEGs and does the rest on the device (models/gpu_data.py).
+    Validation always runs the server's eval transform on the CPU."""
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    if args.data_backend == "gpu":
+        dataset = EncodedFolder(split.samples, min_crop_scale=args.min_crop_scale, hflip_prob=args.hflip_prob,
+                                seed=args.seed)
+        return dataset, collate, DeviceAugment(preset, device, memory_format)
+    dataset = FolderDataset(split.samples, train_transform(preset, args.hflip_prob, args.min_crop_scale),
+                            seed=args.seed)
+    return dataset, None, ToDevice(device, memory_format)

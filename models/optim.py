@@ -38,8 +38,11 @@ def set_train_mode(model: nn.Module, freeze_bn: bool) -> None:
                 module.eval()
 
 
-def make_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
-    """SGD (momentum) or AdamW; the backbone learns at ``lr * backbone_lr_scale``, the new head at ``lr``."""
+def make_optimizer(model: nn.Module, args: argparse.Namespace, *, fused: bool = False) -> torch.optim.Optimizer:
+    """SGD (momentum) or AdamW; the backbone learns at ``lr * backbone_lr_scale``, the new head at ``lr``.
+
+    ``fused``: torch's fused kernels (one launch updates every parameter; the training script asks for them on
+    CUDA, where ``python -m bench.train`` measures them)."""
     head = list(head_of(model).parameters())
     head_ids = set(map(id, head))
     backbone = [p for p in model.parameters() if p.requires_grad and id(p) not in head_ids]
@@ -47,8 +50,9 @@ def make_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Op
     if backbone:
         groups.append({"params": backbone, "lr": args.lr * args.backbone_lr_scale})
     if args.opt == "adamw":
-        return torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay)
-    return torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+        return torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay, fused=fused or None)
+    return torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
+                           fused=fused or None)
 
 
 Scheduler = torch.optim.lr_scheduler.LRScheduler

@@ -74,7 +74,8 @@ def upright_rgb(image: Image.Image) -> Image.Image:
     return to_rgb(image)
 
 
-def _interpolation(name: Interpolation) -> InterpolationMode:
+def interpolation_mode(name: Interpolation) -> InterpolationMode:
+    """torchvision's enum for a preset's filter name."""
     return InterpolationMode(name)
 
 
@@ -92,7 +93,7 @@ class ResizeCenterCrop:
         self.resize_size, self.crop_size = resize_size, crop_size
         self.resample = Image.Resampling[interpolation.upper()]
         self.two_steps = T.Compose([
-            T.Resize(resize_size, interpolation=_interpolation(interpolation), antialias=True),
+            T.Resize(resize_size, interpolation=interpolation_mode(interpolation), antialias=True),
             T.CenterCrop(crop_size)])
 
     def _resized_size(self, width: int, height: int) -> tuple[int, int]:
@@ -135,31 +136,13 @@ class TensorEvalTransform:
 
     def __init__(self, preset: EvalPreset) -> None:
         self.preset = preset
-        self.interpolation = _interpolation(preset.interpolation)
+        self.interpolation = interpolation_mode(preset.interpolation)
 
     def __call__(self, image: torch.Tensor) -> torch.Tensor:
         p = self.preset
         pixels = T.functional.resize(image, [p.resize_size], interpolation=self.interpolation, antialias=True)
         pixels = T.functional.center_crop(pixels, [p.crop_size]).float().div_(255)
         return T.functional.normalize(pixels, list(p.mean), list(p.std), inplace=True)
-
-
-def train_transform(preset: EvalPreset, hflip_prob: float = 0.5, min_crop_scale: float = 0.08) -> ImageTransform:
-    """Augmenting transform for training: random resized crop and flip, then the eval scaling and normalisation.
-
-    ``min_crop_scale`` is the smallest crop area as a fraction of the image (torchvision's default 0.08 suits
-    photos; centred subjects such as digits want more, and no flip).
-    """
-    if not 0 < min_crop_scale <= 1:
-        raise ValueError(f"min_crop_scale must be in (0, 1], got {min_crop_scale}")
-    return T.Compose([
-        T.RandomResizedCrop(preset.crop_size, scale=(min_crop_scale, 1.0),
-                            interpolation=_interpolation(preset.interpolation), antialias=True),
-        T.RandomHorizontalFlip(hflip_prob),
-        T.PILToTensor(),
-        T.ToDtype(torch.float32, scale=True),
-        T.Normalize(mean=list(preset.mean), std=list(preset.std)),
-    ])
 
 
 def lite0_preset() -> EvalPreset:

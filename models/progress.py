@@ -43,7 +43,7 @@ class Progress:
         top5 = f" top-5 {row['val_acc5']:.4f}" if self.num_classes >= TOP5_MIN_CLASSES else ""
         return (f"epoch {int(row['epoch'])}/{self.epochs - 1}: train loss {row['train_loss']:.4f} "
                 f"top-1 {row['train_acc1']:.4f} | val loss {row['val_loss']:.4f} top-1 {row['val_acc1']:.4f}{top5}"
-                f" | {duration(seconds)}, {row['images_per_s']:.0f} img/s{'  * best' if is_best else ''}"
+                f" | {duration(seconds)}, {row['images_per_s']:.0f} img/s{_peak(row)}{'  * best' if is_best else ''}"
                 + (f" | ETA {duration(eta)}" if remaining else ""))
 
     def summary(self, output_dir: Path, best_checkpoint: Path) -> list[str]:
@@ -54,6 +54,11 @@ class Progress:
                 f"(loss {self.best['val_loss']:.4f}), {duration(sum(self.epoch_seconds))} in all",
                 f"export: python -m models.export --checkpoint {best_checkpoint} --out {export_dir}",
                 f"serve:  VISIONSERVE_WEIGHTS_DIR={export_dir} make serve"]
+
+
+def _peak(row: dict[str, float]) -> str:
+    peak = row.get("peak_gpu_memory_mb")
+    return f", peak GPU memory {peak / 1024:.2f} GiB" if peak is not None else ""
 
 
 def confusion_counts(probabilities: torch.Tensor, targets: Sequence[int], num_classes: int) -> torch.Tensor:
@@ -112,3 +117,44 @@ def interrupted(args: argparse.Namespace, argv: list[str]) -> str:
             kept.append(word)
     command = shlex.join(["python", "-m", "models.train", *kept, "--resume", str(saved)])
     return f"interrupted: the last finished epoch is in {saved}; to go on: {command}"
+
+
+class AsyncScalar:
+    """A device scalar shown without stalling the GPU: copied to pinned host memory behind the queued work, read
+    once that copy has landed (a ``.item()`` would wait for every queued kernel). On the CPU it is read at once."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.host = torch.zeros((), dtype=torch.float32, pin_memory=self.cuda)
+        self.event = torch.cuda.Event() if self.cuda else None
+        self.pending, self.value = False, float("nan")
+
+    def push(self, value: torch.Tensor) -> None:
+        """Start copying ``value``; while the previous copy is still in flight, skip this one."""
+        if self.event is None:
+            self.value = float(value)
+            return
+        if self.pending:
+            if not self.event.query():
+                return
+            self.value = float(self.host)
+        self.host.copy_(value.detach(), non_blocking=True)
+        self.event.record()
+        self.pending = True
+
+    def text(self) -> str:
+        """The newest landed value, for a progress bar."""
+        return f"{self.value:.4f}"
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start measuring the peak GPU memory anew (each epoch)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """``{"peak_gpu_memory_mb": ...}`` since the last reset on CUDA; nothing on the CPU."""
+    if device.type != "cuda":
+        return {}
+    return {"peak_gpu_memory_mb": torch.cuda.max_memory_allocated(device) / 2**20}

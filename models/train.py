@@ -35,11 +35,22 @@ from models.distributed import (
     sum_across_ranks,
 )
 from models.folder import DataError
+from models.gpu_data import DevicePrefetcher
 from models.loaders import Data, load_data
 from models.optim import Scheduler, build_trainable, continue_schedule, make_optimizer, make_scheduler, set_train_mode
 from models.presets import EvalPreset
 from models.pretrained import pretrained_preset
-from models.progress import Progress, Timer, confusion, confusion_counts, interrupted, write_confusion
+from models.progress import (
+    AsyncScalar,
+    Progress,
+    Timer,
+    confusion,
+    confusion_counts,
+    interrupted,
+    peak_memory,
+    reset_peak_memory,
+    write_confusion,
+)
 from models.registry import ARCHS
 from models.train_args import get_args_parser
 
@@ -73,30 +84,42 @@ def make_preset(args: argparse.Namespace) -> EvalPreset:
     return base.model_copy(update={key: value for key, value in sizes.items() if value is not None})
 
 
-def train_one_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer,
+def train_step(model: nn.Module, images: torch.Tensor, targets: torch.Tensor, optimizer: torch.optim.Optimizer,
+               scaler: torch.amp.GradScaler | None, args: argparse.Namespace,
+               trainable: list[nn.Parameter]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimisation step on a batch already on the device; returns the (still queued) loss and logits.
+
+    Nothing here waits for the GPU: no ``.item()``, no host copy, so the host runs ahead and queues the next step.
+    """
+    device = images.device
+    with autocast(device, _amp_dtype(args)):
+        logits = model(images)
+        loss = F.cross_entropy(logits, targets, label_smoothing=args.label_smoothing)
+    backward_and_step(loss, optimizer, scaler=scaler, parameters=trainable, clip_grad_norm=args.clip_grad_norm)
+    return loss.detach(), logits.detach()
+
+
+def train_one_epoch(model: nn.Module, data: Data, optimizer: torch.optim.Optimizer,
                     scaler: torch.amp.GradScaler | None, device: torch.device, epoch: int,
                     args: argparse.Namespace, env: DistEnv) -> dict[str, float]:
-    """One pass over this rank's shard; returns loss, top-1 and images/s over all ranks."""
+    """One pass over this rank's shard; returns loss, top-1 and images/s over all ranks (and peak GPU memory)."""
     set_train_mode(model, args.freeze_bn or args.freeze_backbone)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     correct = torch.zeros((), device=device, dtype=torch.int64)
+    shown = AsyncScalar(device)
     seen, start = 0, time.perf_counter()
-    bar = tqdm(loader, desc=f"epoch {epoch}", unit="batch", disable=not env.is_main, leave=False, mininterval=1.0)
+    batches = DevicePrefetcher(data.train, data.prepare, device)
+    bar = tqdm(batches, desc=f"epoch {epoch}", unit="batch", disable=not env.is_main, leave=False, mininterval=1.0)
     for step, (images, targets) in enumerate(bar):
-        images = images.to(device, non_blocking=True, memory_format=memory_format)
-        targets = targets.to(device, non_blocking=True)
-        with autocast(device, _amp_dtype(args)):
-            logits = model(images)
-            loss = F.cross_entropy(logits, targets, label_smoothing=args.label_smoothing)
-        backward_and_step(loss, optimizer, scaler=scaler, parameters=trainable, clip_grad_norm=args.clip_grad_norm)
-        # Accumulate on the device: a .item() per step would stall the GPU queue.
-        loss_sum += loss.detach().double() * len(targets)
-        correct += (logits.detach().argmax(1) == targets).sum()
+        loss, logits = train_step(model, images, targets, optimizer, scaler, args, trainable)
+        # Accumulated on the device and read once per epoch: a .item() per step would stall the GPU queue.
+        loss_sum += loss.double() * len(targets)
+        correct += (logits.argmax(1) == targets).sum()
         seen += len(targets)
         if step % 20 == 0 and env.is_main:
-            bar.set_postfix(loss=f"{loss.item():.4f}", lr=f"{optimizer.param_groups[0]['lr']:.3g}")
+            shown.push(loss)  # the bar shows the newest loss whose copy has landed, never waiting for one
+            bar.set_postfix(loss=shown.text(), lr=f"{optimizer.param_groups[0]['lr']:.3g}")
     elapsed = time.perf_counter() - start
     total_loss, total_correct, total_seen, slowest = sum_across_ranks(
         [loss_sum.item(), float(correct.item()), float(seen), elapsed], device, env)
@@ -105,7 +128,7 @@ def train_one_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim
     # Ranks run in lock-step, so the job's wall time is about the mean of the ranks' times.
     wall = slowest / env.world_size
     return {"train_loss": total_loss / total_seen, "train_acc1": total_correct / total_seen,
-            "images_per_s": total_seen / wall if wall else 0.0}
+            "images_per_s": total_seen / wall if wall else 0.0, **peak_memory(device)}
 
 
 @torch.inference_mode()
@@ -167,6 +190,8 @@ def _setup(args: argparse.Namespace, env: DistEnv) -> tuple[torch.device, EvalPr
     try:
         device = pick_device(args.device, env)
         check_amp(device, _amp_dtype(args))
+        if device.type == "cuda" and args.tf32:  # fp32 matmuls and convolutions on tensor cores (Ampere and later)
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         if args.sync_bn and device.type != "cuda":
             raise ValueError("--sync-bn needs CUDA (torch's SyncBatchNorm runs on GPUs); use --freeze-bn on CPU")
         return device, make_preset(args)
@@ -199,7 +224,8 @@ def run(args: argparse.Namespace, env: DistEnv, device: torch.device, preset: Ev
     model = model_without_ddp = build_trainable(args, len(data.classes), device)
     if env.distributed:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
-    optimizer, scaler = make_optimizer(model_without_ddp, args), make_scaler(device, _amp_dtype(args))
+    optimizer = make_optimizer(model_without_ddp, args, fused=device.type == "cuda")
+    scaler = make_scaler(device, _amp_dtype(args))
     start, best, scheduler = _start(args, model_without_ddp, optimizer, make_scheduler(optimizer, args), scaler,
                                     data.classes)
     if start >= args.epochs:
@@ -210,23 +236,28 @@ def run(args: argparse.Namespace, env: DistEnv, device: torch.device, preset: Ev
     runlog, timer = RunLog(args.output_dir, enabled=env.is_main), Timer()
     progress = Progress(args.epochs, len(data.classes))
     best_counts: torch.Tensor | None = None
-    for epoch in range(start, args.epochs):
-        data.train_sampler.set_epoch(epoch)
-        lr = optimizer.param_groups[0]["lr"]
-        row = train_one_epoch(model, data.train, optimizer, scaler, device, epoch, args, env)
-        scheduler.step()
-        result = evaluate(model_without_ddp, data.val, device, env)
-        row = {"epoch": epoch, "lr": lr, **row, "val_loss": result.loss, "val_acc1": result.acc1,
-               "val_acc5": result.acc5}
-        is_best, best = result.acc1 > best, max(best, result.acc1)
-        if is_best:
-            best_counts = _confusion_counts(result, data, device, env)
-        if env.is_main:
-            ckpt.save_checkpoint(_checkpoint_state(model_without_ddp, optimizer, scheduler, scaler, epoch, best,
-                                                   args, data, preset, row), args.output_dir, is_best=is_best)
-            runlog.epoch(row)
-            log.info("%s", progress.line(row, is_best, timer.lap()))
-        barrier(env)
+    writer = ckpt.CheckpointWriter()
+    try:
+        for epoch in range(start, args.epochs):
+            data.train_sampler.set_epoch(epoch)
+            lr = optimizer.param_groups[0]["lr"]
+            reset_peak_memory(device)
+            row = train_one_epoch(model, data, optimizer, scaler, device, epoch, args, env)
+            scheduler.step()
+            result = evaluate(model_without_ddp, data.val, device, env)
+            row = {"epoch": epoch, "lr": lr, **row, "val_loss": result.loss, "val_acc1": result.acc1,
+                   "val_acc5": result.acc5}
+            is_best, best = result.acc1 > best, max(best, result.acc1)
+            if is_best:
+                best_counts = _confusion_counts(result, data, device, env)
+            if env.is_main:  # written by a thread while the next epoch trains
+                writer.save(_checkpoint_state(model_without_ddp, optimizer, scheduler, scaler, epoch, best,
+                                              args, data, preset, row), args.output_dir, is_best=is_best)
+                runlog.epoch(row)
+                log.info("%s", progress.line(row, is_best, timer.lap()))
+            barrier(env)
+    finally:
+        writer.wait()  # the last checkpoint is on disk before the export, a resume hint or the exit
     runlog.close()
     if env.is_main:
         _finish(args, progress, best_counts, data.classes)

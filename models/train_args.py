@@ -49,6 +49,8 @@ def get_args_parser(archs: Sequence[str], description: str = "") -> argparse.Arg
     parser.add_argument("--clip-grad-norm", type=float, default=None, help="clip the gradient norm to this")
     parser.add_argument("--amp", action="store_true", help="mixed precision (autocast) for training")
     parser.add_argument("--amp-dtype", choices=("bf16", "fp16"), default="bf16", help="fp16 (CUDA) uses a GradScaler")
+    parser.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
+                        help="TF32 tensor cores for the fp32 matmuls and convolutions on CUDA (Ampere and later)")
     parser.add_argument("--channels-last", action="store_true", help="NHWC memory format (faster convs on GPUs)")
     parser.add_argument("--freeze-bn", action="store_true", help="keep BatchNorm running statistics fixed")
     parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across DDP ranks (CUDA)")
@@ -57,6 +59,10 @@ def get_args_parser(archs: Sequence[str], description: str = "") -> argparse.Arg
     parser.add_argument("--interpolation", choices=("nearest", "bilinear", "bicubic", "lanczos"), default=None)
     parser.add_argument("--hflip-prob", type=float, default=0.5, help="0 for digits and text")
     parser.add_argument("--min-crop-scale", type=float, default=0.08, help="smallest random crop, as area fraction")
+    parser.add_argument("--data-backend", choices=("cpu", "gpu"), default="cpu",
+                        help="where training images are decoded and augmented: cpu (PIL in the DataLoader workers) "
+                             "or gpu (workers read JPEG bytes; nvJPEG decoding, crop, flip and normalisation on the "
+                             "device, batch by batch; other formats are decoded in the workers)")
     parser.add_argument("--workers", type=_non_negative_int, default=2, help="DataLoader worker processes")
     parser.add_argument("--prefetch", type=_positive_int, default=4, help="batches each worker loads ahead")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")

@@ -9,12 +9,13 @@ import torch
 import torch.nn as nn
 
 from models.amp import autocast, backward_and_step, check_amp, make_scaler
+from models.augment import train_transform
 from models.datasets import write_digits, write_textures
 from models.distributed import DistEnv, pick_device
 from models.folder import EpochSampler, FolderDataset, ShardSampler, scan_split
 from models.optim import build_trainable, make_optimizer, set_train_mode
 from models.plot import main as plot_main
-from models.presets import EvalPreset, train_transform
+from models.presets import EvalPreset
 from models.registry import head_of
 from models.runlog import RunLog, read_metrics
 from tests.imaging import write_image_folder

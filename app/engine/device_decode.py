@@ -11,18 +11,16 @@ at a time: sizes differ) and the images of a batch are stacked once on the devic
 from __future__ import annotations
 
 import io
-import logging
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from torchvision.io import ImageReadMode, decode_jpeg
 
 from app.engine.decode import DecodeLimits, canary_image, is_jpeg, open_checked
 from app.engine.tensor_decode import decode_tensor
+from models.jpeg import decode_jpegs
 from models.presets import TensorEvalTransform
 
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -49,21 +47,8 @@ def canary_jpeg() -> bytes:
 def _jpegs_on(device: torch.device, items: Sequence[Encoded]) -> dict[int, torch.Tensor]:
     """The batch's JPEGs decoded on ``device`` in one call, by position; those it refuses are left out."""
     positions = [i for i, item in enumerate(items) if item.jpeg]
-    if not positions:
-        return {}
     encoded = [torch.frombuffer(bytearray(items[i].data), dtype=torch.uint8) for i in positions]
-    try:
-        decoded = decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device, apply_exif_orientation=True)
-        return dict(zip(positions, decoded))
-    except RuntimeError as exc:  # one bad image fails the batched call: decode them one by one instead
-        log.debug("batched JPEG decoding failed, decoding one at a time: %s", exc)
-    out = {}
-    for i, data in zip(positions, encoded):
-        try:
-            out[i] = decode_jpeg(data, mode=ImageReadMode.RGB, device=device, apply_exif_orientation=True)
-        except RuntimeError:
-            pass  # the CPU decoder takes it (and says why, if it cannot either)
-    return out
+    return {i: pixels for i, pixels in zip(positions, decode_jpegs(encoded, device)) if pixels is not None}
 
 
 def decode_batch(items: Sequence[Encoded], device: torch.device, transform: TensorEvalTransform,
