@@ -36,7 +36,7 @@ Prepare = Callable[[Any], Batch]  # a loader's batch -> a batch on the device
 def _pixels(image: Image.Image) -> torch.Tensor:
     """A PIL image as an upright RGB uint8 (C, H, W) tensor, the CPU path's decode."""
     image.load()
-    return torch.from_numpy(np.asarray(upright_rgb(image))).permute(2, 0, 1).contiguous()
+    return torch.from_numpy(np.array(upright_rgb(image))).permute(2, 0, 1).contiguous()
 
 
 def _upright_size(image: Image.Image) -> tuple[int, int]:

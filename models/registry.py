@@ -21,6 +21,7 @@ def _torchvision(name: str) -> Callable[[int], nn.Module]:
 _BUILDERS: dict[str, Callable[[int], nn.Module]] = {
     "efficientnet_lite0": _timm("tf_efficientnet_lite0"),
     "resnet18": _torchvision("resnet18"),
+    "resnet50": _torchvision("resnet50"),
     "mobilenet_v3_small": _torchvision("mobilenet_v3_small"),
 }
 

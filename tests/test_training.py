@@ -285,3 +285,15 @@ def test_versions_go_into_a_repository_and_the_newest_is_served(folder: Path, tm
             assert (info["name"], info["version"]) == ("mine", expected)
         finally:
             app.extensions[EXTENSION_KEY].shutdown(timeout=10)
+
+
+def test_the_gpu_data_path_trains_end_to_end_on_the_cpu(tmp_path: Path) -> None:
+    from models.photo_dataset import write_photos
+
+    data, run = tmp_path / "photos", tmp_path / "run"
+    write_photos(data, classes=3, train_per_class=6, val_per_class=2, long_side=64, workers=1)
+    assert train.main(small_args(data, run, "--data-backend", "gpu", "--workers", "1", "--epochs", "2")) == 0
+    rows = read_metrics(run)
+    assert [row["epoch"] for row in rows] == [0, 1] and all(row["images_per_s"] > 0 for row in rows)
+    assert "peak_gpu_memory_mb" not in rows[0]  # measured on CUDA only
+    assert load_checkpoint(run / CHECKPOINT_NAME)["epoch"] == 1  # the writer thread finished before the exit

@@ -10,12 +10,14 @@ import torch.nn as nn
 
 from models.amp import autocast, backward_and_step, check_amp, make_scaler
 from models.augment import train_transform
+from models.checkpoint import BEST_NAME, CHECKPOINT_NAME, CheckpointWriter, load_checkpoint
 from models.datasets import write_digits, write_textures
 from models.distributed import DistEnv, pick_device
 from models.folder import EpochSampler, FolderDataset, ShardSampler, scan_split
 from models.optim import build_trainable, make_optimizer, set_train_mode
 from models.plot import main as plot_main
 from models.presets import EvalPreset
+from models.progress import AsyncScalar, Progress, peak_memory
 from models.registry import head_of
 from models.runlog import RunLog, read_metrics
 from tests.imaging import write_image_folder
@@ -177,3 +179,38 @@ def test_the_confusion_report_counts_per_class_and_is_drawn(tmp_path: Path) -> N
                                           "val_acc1": 0.5, "val_acc5": 1.0})
     assert plot_main([str(tmp_path)]) == 0
     assert (tmp_path / "confusion.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_checkpoint_is_written_as_it_was_when_saved(tmp_path: Path) -> None:
+    weights = torch.zeros(3)
+    writer = CheckpointWriter()
+    writer.save({"model": {"w": weights}, "epoch": 0}, tmp_path, is_best=True)
+    weights += 1  # training goes on while the thread writes
+    writer.wait()
+    assert torch.equal(load_checkpoint(tmp_path / CHECKPOINT_NAME)["model"]["w"], torch.zeros(3))
+    assert (tmp_path / BEST_NAME).is_file()
+    writer.save({"epoch": 1}, tmp_path / "missing", is_best=False)
+    with pytest.raises((RuntimeError, OSError)):  # a failed write is raised where training waits for it
+        writer.wait()
+    writer.wait()  # and only once
+
+
+def test_the_progress_shows_values_without_waiting_and_peak_memory_on_cuda_only() -> None:
+    shown = AsyncScalar(CPU)
+    assert shown.text() == "nan"
+    shown.push(torch.tensor(0.25))
+    assert shown.text() == "0.2500"
+    assert peak_memory(CPU) == {}
+    progress = Progress(epochs=2, num_classes=3)
+    row = {"epoch": 0, "train_loss": 1.0, "train_acc1": 0.5, "val_loss": 1.0, "val_acc1": 0.5, "val_acc5": 1.0,
+           "images_per_s": 10.0}
+    assert "GiB" not in progress.line(row, False, 1.0)
+    assert "peak GPU memory 1.50 GiB" in progress.line({**row, "peak_gpu_memory_mb": 1536.0}, False, 1.0)
+
+
+def test_fused_optimizers_are_asked_for_by_name() -> None:
+    model = nn.Linear(4, 2)
+    for opt in ("sgd", "adamw"):
+        args = argparse.Namespace(opt=opt, lr=0.1, momentum=0.9, weight_decay=0.0, backbone_lr_scale=1.0)
+        assert make_optimizer(model, args, fused=True).defaults["fused"] is True
+        assert not make_optimizer(model, args).defaults["fused"]
