@@ -46,14 +46,14 @@ def save_checkpoint(state: dict[str, Any], output_dir: Path, *, is_best: bool) -
     return target
 
 
-def _snapshot(value: Any) -> Any:
+def snapshot(value: Any) -> Any:
     """A copy of a state on the CPU that training can no longer change (tensors copied, containers rebuilt)."""
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
-        return {key: _snapshot(item) for key, item in value.items()}
+        return {key: snapshot(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_snapshot(item) for item in value)
+        return type(value)(snapshot(item) for item in value)
     return value
 
 
@@ -70,9 +70,9 @@ class CheckpointWriter:
 
     def save(self, state: dict[str, Any], output_dir: Path, *, is_best: bool) -> None:
         """Snapshot ``state`` and write it as :func:`save_checkpoint` does, in the background."""
-        snapshot = _snapshot(state)
+        copy = snapshot(state)
         self.wait()
-        self._thread = threading.Thread(target=self._write, args=(snapshot, output_dir, is_best),
+        self._thread = threading.Thread(target=self._write, args=(copy, output_dir, is_best),
                                         name="checkpoint-writer", daemon=False)
         self._thread.start()
 

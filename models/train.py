@@ -222,6 +222,8 @@ def run(args: argparse.Namespace, env: DistEnv, device: torch.device, preset: Ev
     torch.manual_seed(args.seed)
     data = load_data(args, preset, env, device)
     model = model_without_ddp = build_trainable(args, len(data.classes), device)
+    if args.compile:  # the step runs the compiled graph; checkpoints and evaluation use the plain module
+        model = torch.compile(model_without_ddp)
     if env.distributed:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     optimizer = make_optimizer(model_without_ddp, args, fused=device.type == "cuda")

@@ -52,6 +52,8 @@ def get_args_parser(archs: Sequence[str], description: str = "") -> argparse.Arg
     parser.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
                         help="TF32 tensor cores for the fp32 matmuls and convolutions on CUDA (Ampere and later)")
     parser.add_argument("--channels-last", action="store_true", help="NHWC memory format (faster convs on GPUs)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the model for training (a minute or more of compiling first)")
     parser.add_argument("--freeze-bn", action="store_true", help="keep BatchNorm running statistics fixed")
     parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across DDP ranks (CUDA)")
     parser.add_argument("--resize-size", type=_positive_int, default=None, help="eval resize (default 256)")

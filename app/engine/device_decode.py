@@ -22,7 +22,6 @@ from models.jpeg import decode_jpegs
 from models.presets import TensorEvalTransform
 
 
-
 @dataclass(frozen=True)
 class Encoded:
     """An image whose header passed every limit, waiting to be decoded in its batch."""
