@@ -9,7 +9,7 @@ DEFAULT_WEIGHTS := weights
 WEIGHTS_DIR ?= $(or $(VISIONSERVE_WEIGHTS_DIR),$(DEFAULT_WEIGHTS))
 SERVE := PATH="$(CURDIR)/$(BIN):$$PATH" bin/serve
 
-.PHONY: serve test install weights clean-weights train-digits finetune-textures bench faults docs
+.PHONY: serve test install weights clean-weights train-digits finetune-textures bench bench-train faults docs
 
 install: $(STAMP)
 
@@ -60,6 +60,10 @@ finetune-textures: data/textures
 # The performance comparison (about 10 minutes on 2 cores): docs/performance.md.
 bench: $(STAMP)
 	$(BIN)/python -m bench $(BENCH_ARGS)
+
+# Training speed (docs/training.md): synthetic limit vs the CPU and GPU data paths; writes data/photos when missing.
+bench-train: $(STAMP)
+	$(BIN)/python -m bench.train $(BENCH_ARGS)
 
 faults: $(STAMP)
 	$(BIN)/python -m bench.faults

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -142,18 +143,40 @@ def measure(trainer: Trainer, batches: Iterator[Batch], warmup: int, steps: int,
                  gpu_util=gpu.mean, host_cores=cores, peak_gpu_memory_mb=peak)
 
 
-def measure_path(opts: argparse.Namespace, arch: str, path: str, device: torch.device) -> Point:
-    """One arch on one data path."""
+def setup_path(opts: argparse.Namespace, arch: str, path: str, device: torch.device) -> tuple[Trainer, Iterator[Batch]]:
+    """One arch's trainer and batches on one data path."""
     args = training_args(opts, arch, "cpu" if path == "synthetic" else path)
     if path == "synthetic":
         num_classes = opts.classes
         batches = synthetic_batches(args, num_classes, device)
     else:
         batches, num_classes = folder_batches(args, device)
-    trainer = Trainer(args, num_classes, device, fused=device.type == "cuda")
-    point = measure(trainer, batches, opts.warmup, opts.steps)
-    point.path = path
-    return point
+    return Trainer(args, num_classes, device, fused=device.type == "cuda"), batches
+
+
+def _median(points: Sequence[Point]) -> Point:
+    """Each figure's median over the rounds of one point."""
+    def mid(name: str) -> float | None:
+        values = [getattr(p, name) for p in points if getattr(p, name) is not None]
+        return statistics.median(values) if values else None
+    return Point(points[0].arch, points[0].path, points[0].batch_size, mid("images_per_s") or 0.0,
+                 data_wait=mid("data_wait"), gpu_util=mid("gpu_util"), host_cores=mid("host_cores"),
+                 peak_gpu_memory_mb=mid("peak_gpu_memory_mb"), note=f"median of {len(points)} rounds")
+
+
+def measure_arch(opts: argparse.Namespace, arch: str, device: torch.device) -> list[Point]:
+    """Every data path of one arch, in ``opts.rounds`` interleaved rounds (a noisy machine drifts: each path gets
+    its share of the drift), as the median of the rounds."""
+    setups = {path: setup_path(opts, arch, path, device) for path in opts.paths}
+    rounds: dict[str, list[Point]] = {path: [] for path in opts.paths}
+    for number in range(opts.rounds):
+        for path, (trainer, batches) in setups.items():
+            point = measure(trainer, batches, opts.warmup if number == 0 else 1, opts.steps)
+            point.path = path
+            rounds[path].append(point)
+            print(f"{arch:20s} {path:9s} round {number}: {point.images_per_s:9.1f} img/s, "
+                  f"waiting {point.data_wait:.0%}", flush=True)
+    return [_median(rounds[path]) for path in opts.paths]
 
 
 def largest_batch(opts: argparse.Namespace, arch: str, device: torch.device, limit: int = 4096) -> int | None:
@@ -228,6 +251,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--crop-size", type=int, default=224)
     parser.add_argument("--steps", type=int, default=40, help="measured steps per point")
     parser.add_argument("--warmup", type=int, default=8, help="steps before measuring (cudnn, allocator, workers)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per point; the median is reported")
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     parser.add_argument("--prefetch", type=int, default=4)
     parser.add_argument("--amp", choices=("bf16", "fp16", "none"), default="bf16")
@@ -265,7 +289,8 @@ def _meta(opts: argparse.Namespace, device: torch.device, argv: Sequence[str] | 
     return {"device_name": name, "command": " ".join(["python -m bench.train", *given]),
             "torch": torch.__version__, "host cores": os.cpu_count(), "DataLoader workers": opts.workers,
             "batch": opts.batch_size, "crop": opts.crop_size, "amp": opts.amp, "channels_last": opts.channels_last,
-            "compile": opts.compile, "steps": f"{opts.warmup} warm-up + {opts.steps} measured", "data": str(opts.data)}
+            "compile": opts.compile, "data": str(opts.data),
+            "steps": f"{opts.warmup} warm-up, then {opts.rounds} interleaved rounds of {opts.steps} measured (median)"}
 
 
 def _ddp(opts: argparse.Namespace, device: torch.device, limits: dict[str, float]) -> dict[str, dict[str, float]]:
@@ -287,12 +312,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     opts = parse(argv)
     device = _device(opts)
     _ensure_data(opts)
-    points = []
-    for arch in opts.archs:
-        for path in opts.paths:
-            point = measure_path(opts, arch, path, device)
-            print(f"{arch:20s} {path:9s} {point.images_per_s:9.1f} img/s  waiting {point.data_wait:.0%}", flush=True)
-            points.append(point)
+    points = [point for arch in opts.archs for point in measure_arch(opts, arch, device)]
     limits = {p.arch: p.images_per_s for p in points if p.path == "synthetic"}
     for point in points:
         point.of_limit = point.images_per_s / limits[point.arch] if point.arch in limits else None

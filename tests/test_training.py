@@ -297,3 +297,12 @@ def test_the_gpu_data_path_trains_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     assert [row["epoch"] for row in rows] == [0, 1] and all(row["images_per_s"] > 0 for row in rows)
     assert "peak_gpu_memory_mb" not in rows[0]  # measured on CUDA only
     assert load_checkpoint(run / CHECKPOINT_NAME)["epoch"] == 1  # the writer thread finished before the exit
+
+
+@pytest.mark.slow  # torch.compile's first compile: about a minute on 2 cores
+def test_a_compiled_run_saves_plain_weights_that_export(folder: Path, tmp_path: Path) -> None:
+    run, weights = tmp_path / "run", tmp_path / "weights"
+    assert train.main(small_args(folder, run, "--compile", "--export", str(weights))) == 0
+    state = load_checkpoint(run / BEST_NAME)
+    assert not any(key.startswith("_orig_mod.") for key in state["model"])  # the module, not the compiled wrapper
+    assert read_manifest(weights).arch == "mobilenet_v3_small"
