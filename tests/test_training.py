@@ -300,6 +300,7 @@ def test_the_gpu_data_path_trains_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     assert load_checkpoint(run / CHECKPOINT_NAME)["epoch"] == 1  # the writer thread finished before the exit
 
 
+@pytest.mark.slow  # Dynamo traces forward and backward: 5 s
 def test_a_compiled_run_saves_plain_weights_that_export(folder: Path, tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     # Dynamo's eager backend: the same compiled wrapper (and its "_orig_mod." keys) without two minutes of
