@@ -19,14 +19,13 @@ from typing import Callable
 import torch
 
 from bench import report
+from bench.paths import RESULTS, WORK
 from bench.limit import SERVED, LimitResult, configurations, cpu_time_bound, process_pipeline, single_image_ms
 from bench.limit import measure as measure_limit
 from bench.load import LoadResult, measure
 from bench.photos import workload
 from bench.servers import Running, litserve, naive, visionserve
 
-WORK = Path(__file__).resolve().parent / ".work"
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def export_models(out: Path) -> dict[str, Path]:

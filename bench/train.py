@@ -28,7 +28,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from bench.__main__ import RESULTS
+from bench.paths import RESULTS
 from bench.gpu_util import GpuUtilisation
 from bench.load import process_group_cpu_s
 from models.amp import make_scaler

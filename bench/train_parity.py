@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from bench.__main__ import RESULTS, WORK
+from bench.paths import RESULTS, WORK
 from models import train
 from models.datasets import write_digits, write_textures
 from models.photo_dataset import write_photos

@@ -161,3 +161,20 @@ def test_a_fine_tune_learns_the_same_on_both_paths(tmp_path: Path) -> None:
     assert cpu["val_acc1"] > 0.8  # it learned (5 classes: chance is 0.2)
     assert abs(cpu["val_acc1"] - gpu["val_acc1"]) <= 1 / 40 + 1e-9  # at most one of the 40 val images apart
     assert gpu["train_loss"] == pytest.approx(cpu["train_loss"], rel=0.02)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_gpu_path_gives_the_cpu_decoders_batches(folder: Path) -> None:
+    """nvJPEG and the CUDA resize against libjpeg-turbo and the CPU resize, through the side-stream prefetcher."""
+    cuda = torch.device("cuda")
+    split = scan_split(folder / "train")
+    dataset = EncodedFolder(split.samples, min_crop_scale=0.08, hflip_prob=0.5, seed=5)
+    loader = DataLoader(dataset, batch_size=7, collate_fn=collate, pin_memory=True)
+    on_cpu = list(DevicePrefetcher(loader, DeviceAugment(PRESET, CPU, torch.contiguous_format), CPU))
+    on_gpu = list(DevicePrefetcher(loader, DeviceAugment(PRESET, cuda, torch.channels_last), cuda))
+    assert len(on_cpu) == len(on_gpu) == 4
+    for (a, ta), (b, tb) in zip(on_cpu, on_gpu):
+        assert b.device.type == "cuda" and b.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(ta, tb.cpu())
+        levels = ((b.cpu() - a) * torch.tensor(PRESET.std).view(1, 3, 1, 1) * 255).abs()
+        assert levels.flatten(1).mean(1).max() < 2.0  # decoders and resize kernels differ by a level or so

@@ -255,9 +255,12 @@ def test_the_default_version_is_unique_per_weights_and_stable_per_checkpoint(fol
 @pytest.mark.slow  # runs the training command in a subprocess: seconds of interpreter start-up
 def test_ctrl_c_prints_one_line_with_the_command_to_resume(folder: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
+    # As in a terminal, Ctrl-C must reach Python: a suite started in the background (nohup ... &) runs with SIGINT
+    # ignored, which the child would inherit, and Python then installs no KeyboardInterrupt at all.
     process = subprocess.Popen([sys.executable, "-m", "models.train",
                                 *small_args(folder, run, "--epochs", "500")],
-                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while not (run / CHECKPOINT_NAME).exists() and time.monotonic() < deadline and process.poll() is None:
         time.sleep(0.2)
