@@ -19,13 +19,12 @@ from typing import Callable
 import torch
 
 from bench import report
-from bench.paths import RESULTS, WORK
 from bench.limit import SERVED, LimitResult, configurations, cpu_time_bound, process_pipeline, single_image_ms
 from bench.limit import measure as measure_limit
 from bench.load import LoadResult, measure
+from bench.paths import RESULTS, WORK
 from bench.photos import workload
 from bench.servers import Running, litserve, naive, visionserve
-
 
 
 def export_models(out: Path) -> dict[str, Path]:

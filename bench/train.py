@@ -28,9 +28,9 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from bench.paths import RESULTS
 from bench.gpu_util import GpuUtilisation
 from bench.load import process_group_cpu_s
+from bench.paths import RESULTS
 from models.amp import make_scaler
 from models.distributed import DistEnv
 from models.gpu_data import Batch, DevicePrefetcher
