@@ -179,66 +179,6 @@ def measure_arch(opts: argparse.Namespace, arch: str, device: torch.device) -> l
     return [_median(rounds[path]) for path in opts.paths]
 
 
-def largest_batch(opts: argparse.Namespace, arch: str, device: torch.device, limit: int = 4096) -> int | None:
-    """The largest power-of-two batch whose training step fits in GPU memory (None on the CPU)."""
-    if device.type != "cuda":
-        return None
-    fits, size = None, opts.batch_size
-    while size <= limit:
-        try:
-            args = training_args(opts, arch, "cpu", batch_size=size)
-            trainer = Trainer(args, opts.classes, device, fused=True)
-            measure(trainer, synthetic_batches(args, opts.classes, device), 1, 1)
-            fits, size = size, size * 2
-        except torch.OutOfMemoryError:
-            break
-        finally:
-            trainer = None  # noqa: F841 - free the model before the next, larger try
-            torch.cuda.empty_cache()
-    return fits
-
-
-def _variants(device: torch.device) -> dict[str, tuple[list[str], bool, bool]]:
-    """name: (training options added, fused optimiser, a loss.item() per step), the first as the script trains."""
-    fused = device.type == "cuda"  # what models.train asks for
-    variants = {"as shipped": ([], fused, False), "a loss.item() per step": ([], fused, True),
-                f"optimiser {'not ' if fused else ''}fused": ([], not fused, False)}
-    if device.type == "cuda":
-        variants["TF32 off"] = (["--no-tf32"], fused, False)
-    return variants
-
-
-def measure_variants(opts: argparse.Namespace, arch: str, device: torch.device) -> list[Point]:
-    """The training step's choices, one at a time, on synthetic data (so only the step's own cost shows)."""
-    points = []
-    for name, (extra, fused, sync) in _variants(device).items():
-        args = training_args(opts, arch, "cpu", extra=extra)
-        trainer = Trainer(args, opts.classes, device, fused=fused)
-        point = measure(trainer, synthetic_batches(args, opts.classes, device), opts.warmup, opts.steps, sync=sync)
-        point.path, point.note = "synthetic", name
-        points.append(point)
-    return points
-
-
-def checkpoint_stall(opts: argparse.Namespace, arch: str, device: torch.device, out: Path) -> dict[str, float]:
-    """Seconds a checkpoint write holds the training loop: written inline, and by the training script's writer."""
-    from models import checkpoint as ckpt
-
-    args = training_args(opts, arch, "cpu")
-    trainer = Trainer(args, opts.classes, device, fused=device.type == "cuda")
-    state = {"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict()}
-    out.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    ckpt.save_checkpoint(ckpt.snapshot(state), out, is_best=False)
-    inline = time.perf_counter() - start
-    writer = ckpt.CheckpointWriter()
-    start = time.perf_counter()
-    writer.save(state, out, is_best=False)
-    held = time.perf_counter() - start
-    writer.wait()
-    return {"inline_s": inline, "writer_s": held, "bytes": (out / ckpt.CHECKPOINT_NAME).stat().st_size}
-
-
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -316,6 +256,8 @@ def main(argv: Sequence[str] | None = None) -> Path:
     limits = {p.arch: p.images_per_s for p in points if p.path == "synthetic"}
     for point in points:
         point.of_limit = point.images_per_s / limits[point.arch] if point.arch in limits else None
+    from bench.train_checks import checkpoint_stall, largest_batch, measure_variants
+
     variants = measure_variants(opts, opts.archs[0], device) if opts.variants else []
     largest = {arch: largest_batch(opts, arch, device) for arch in opts.archs}
     stem = f"{time.strftime('%Y-%m-%d')}-train-{device.type}{'-' + opts.tag if opts.tag else ''}"

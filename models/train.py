@@ -14,7 +14,6 @@ import math
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -37,7 +36,7 @@ from models.distributed import (
 from models.folder import DataError
 from models.gpu_data import DevicePrefetcher
 from models.loaders import Data, load_data
-from models.optim import Scheduler, build_trainable, continue_schedule, make_optimizer, make_scheduler, set_train_mode
+from models.optim import build_trainable, make_optimizer, make_scheduler, set_train_mode
 from models.presets import EvalPreset
 from models.pretrained import pretrained_preset
 from models.progress import (
@@ -52,6 +51,7 @@ from models.progress import (
     write_confusion,
 )
 from models.registry import ARCHS
+from models.resume import checkpoint_state, start_or_resume
 from models.train_args import get_args_parser
 
 log = logging.getLogger("models.train")
@@ -153,33 +153,6 @@ def evaluate(model: nn.Module, loader: DataLoader, device: torch.device, env: Di
                       indices=list(loader.sampler))
 
 
-def _checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: object,
-                      scaler: torch.amp.GradScaler | None, epoch: int, best_acc1: float, args: argparse.Namespace,
-                      data: Data, preset: EvalPreset, metrics: dict[str, float]) -> dict[str, object]:
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "lr_scheduler": scheduler.state_dict(),  # type: ignore[attr-defined]
-            "scaler": scaler.state_dict() if scaler else None, "epoch": epoch, "best_acc1": best_acc1,
-            "args": ckpt.plain_args(args), "arch": args.arch, "classes": data.classes,
-            "preset": preset.model_dump(), "metrics": metrics, "rng": ckpt.rng_state()}
-
-
-def _resume(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: object,
-            scaler: torch.amp.GradScaler | None, args: argparse.Namespace,
-            classes: list[str]) -> tuple[int, float, int]:
-    """Restore a checkpoint; returns the next epoch, the best top-1 and the epochs its schedule was planned for."""
-    state = ckpt.load_checkpoint(path)
-    if state["arch"] != args.arch or state["classes"] != classes:
-        raise DataError(f"{path} was trained as {state['arch']} on classes {state['classes']}, "
-                        f"not {args.arch} on {classes}")
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["lr_scheduler"])  # type: ignore[attr-defined]
-    if scaler is not None and state["scaler"] is not None:
-        scaler.load_state_dict(state["scaler"])
-    ckpt.set_rng_state(state["rng"])
-    return int(state["epoch"]) + 1, float(state["best_acc1"]), int(state["args"]["epochs"])
-
-
 def _setup(args: argparse.Namespace, env: DistEnv) -> tuple[torch.device, EvalPreset]:
     """Resolve the defaults that depend on other options; refuse combinations that cannot work, as user errors
     rather than tracebacks."""
@@ -199,22 +172,6 @@ def _setup(args: argparse.Namespace, env: DistEnv) -> tuple[torch.device, EvalPr
         raise DataError(str(exc)) from None
 
 
-def _start(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Scheduler,
-           scaler: torch.amp.GradScaler | None, classes: list[str]) -> tuple[int, float, Scheduler]:
-    """The first epoch to run, the best top-1 so far and the schedule: fresh, or continued from ``--resume``."""
-    if not args.resume:
-        return 0, -1.0, scheduler
-    start, best, planned = _resume(args.resume, model, optimizer, scheduler, scaler, args, classes)
-    log.info("resumed from %s at epoch %d", args.resume, start)
-    if planned != args.epochs and start < args.epochs:
-        # Extending (or shortening) a run: the cosine is laid over the new length and continued from this epoch,
-        # so the learning rate is what a run planned for --epochs would have now (not 0, not a restart).
-        scheduler = continue_schedule(optimizer, args, start)
-        log.info("the schedule was planned for %d epochs: stretched to %d, learning rate now %.3g",
-                 planned, args.epochs, optimizer.param_groups[0]["lr"])
-    return start, best, scheduler
-
-
 def run(args: argparse.Namespace, env: DistEnv, device: torch.device, preset: EvalPreset) -> None:
     """Train ``args.epochs`` epochs (from a checkpoint when resuming), then report, export and plot."""
     from models.runlog import RunLog
@@ -228,8 +185,8 @@ def run(args: argparse.Namespace, env: DistEnv, device: torch.device, preset: Ev
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     optimizer = make_optimizer(model_without_ddp, args, fused=device.type == "cuda")
     scaler = make_scaler(device, _amp_dtype(args))
-    start, best, scheduler = _start(args, model_without_ddp, optimizer, make_scheduler(optimizer, args), scaler,
-                                    data.classes)
+    start, best, scheduler = start_or_resume(args, model_without_ddp, optimizer, make_scheduler(optimizer, args),
+                                             scaler, data.classes)
     if start >= args.epochs:
         raise RunFinished(f"{args.resume} is a finished run of {start} epochs (best val top-1 {best:.4f}); "
                           f"nothing to train. To train longer: --resume {args.resume} --epochs {start + 5}")
@@ -253,7 +210,7 @@ def run(args: argparse.Namespace, env: DistEnv, device: torch.device, preset: Ev
             if is_best:
                 best_counts = _confusion_counts(result, data, device, env)
             if env.is_main:  # written by a thread while the next epoch trains
-                writer.save(_checkpoint_state(model_without_ddp, optimizer, scheduler, scaler, epoch, best,
+                writer.save(checkpoint_state(model_without_ddp, optimizer, scheduler, scaler, epoch, best,
                                               args, data, preset, row), args.output_dir, is_best=is_best)
                 runlog.epoch(row)
                 log.info("%s", progress.line(row, is_best, timer.lap()))
