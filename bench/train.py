@@ -31,13 +31,12 @@ import torch
 from bench.gpu_util import GpuUtilisation
 from bench.load import process_group_cpu_s
 from bench.paths import RESULTS
-from models.amp import make_scaler
 from models.distributed import DistEnv
 from models.gpu_data import Batch, DevicePrefetcher
 from models.loaders import load_data
-from models.optim import build_trainable, make_optimizer
+from models.progress import peak_memory, reset_peak_memory
 from models.registry import ARCHS
-from models.train import make_preset, train_step
+from models.train import build_parts, make_preset, train_step
 from models.train_args import get_args_parser
 
 PATHS = ("synthetic", "cpu", "gpu")
@@ -75,21 +74,18 @@ def training_args(opts: argparse.Namespace, arch: str, backend: str, batch_size:
 
 
 class Trainer:
-    """The model, optimiser and scaler of a run, as ``models.train.run`` builds them."""
+    """A run's model, optimiser and scaler, built by the training script's own ``build_parts``."""
 
-    def __init__(self, args: argparse.Namespace, num_classes: int, device: torch.device, fused: bool) -> None:
+    def __init__(self, args: argparse.Namespace, num_classes: int, device: torch.device, fused: bool | None = None,
+                 env: DistEnv = DistEnv()) -> None:
         self.args, self.device = args, device
-        if device.type == "cuda":  # as models.train sets it up
-            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
-        self.model = build_trainable(args, num_classes, device)
-        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = make_optimizer(self.model, args, fused=fused)
-        self.scaler = make_scaler(device, args.amp_dtype if args.amp else None)
-        self.step_model = torch.compile(self.model) if args.compile else self.model
-        self.model.train()
+        self.parts = build_parts(args, num_classes, device, env, fused=fused)
+        self.trainable = [p for p in self.parts.model.parameters() if p.requires_grad]
+        self.parts.model.train()
 
     def step(self, batch: Batch, sync: bool = False) -> None:
-        loss, _ = train_step(self.step_model, *batch, self.optimizer, self.scaler, self.args, self.trainable)
+        p = self.parts
+        loss, _ = train_step(p.step_model, *batch, p.optimizer, p.scaler, self.args, self.trainable)
         if sync:  # what a loss.item() per step costs (bench only: the training script never does it)
             loss.item()
 
@@ -124,8 +120,7 @@ def measure(trainer: Trainer, batches: Iterator[Batch], warmup: int, steps: int,
     for _ in range(warmup):
         trainer.step(next(batches), sync)
     synchronize(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    reset_peak_memory(device)
     waited, seen, cpu_before = 0.0, 0, process_group_cpu_s(os.getpgid(0))
     with GpuUtilisation() as gpu:
         start = time.perf_counter()
@@ -138,9 +133,8 @@ def measure(trainer: Trainer, batches: Iterator[Batch], warmup: int, steps: int,
         synchronize(device)
         wall = time.perf_counter() - start
     cores = (process_group_cpu_s(os.getpgid(0)) - cpu_before) / wall
-    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     return Point(trainer.args.arch, "", trainer.args.batch_size, seen / wall, data_wait=waited / wall,
-                 gpu_util=gpu.mean, host_cores=cores, peak_gpu_memory_mb=peak)
+                 gpu_util=gpu.mean, host_cores=cores, peak_gpu_memory_mb=peak_memory(device).get("peak_gpu_memory_mb"))
 
 
 def setup_path(opts: argparse.Namespace, arch: str, path: str, device: torch.device) -> tuple[Trainer, Iterator[Batch]]:
@@ -151,7 +145,7 @@ def setup_path(opts: argparse.Namespace, arch: str, path: str, device: torch.dev
         batches = synthetic_batches(args, num_classes, device)
     else:
         batches, num_classes = folder_batches(args, device)
-    return Trainer(args, num_classes, device, fused=device.type == "cuda"), batches
+    return Trainer(args, num_classes, device), batches
 
 
 def _median(points: Sequence[Point]) -> Point:

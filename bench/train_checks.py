@@ -19,7 +19,7 @@ def largest_batch(opts: argparse.Namespace, arch: str, device: torch.device, lim
     while size <= limit:
         try:
             args = training_args(opts, arch, "cpu", batch_size=size)
-            trainer = Trainer(args, opts.classes, device, fused=True)
+            trainer = Trainer(args, opts.classes, device)
             measure(trainer, synthetic_batches(args, opts.classes, device), 1, 1)
             fits, size = size, size * 2
         except torch.OutOfMemoryError:
@@ -57,8 +57,8 @@ def checkpoint_stall(opts: argparse.Namespace, arch: str, device: torch.device, 
     from models import checkpoint as ckpt
 
     args = training_args(opts, arch, "cpu")
-    trainer = Trainer(args, opts.classes, device, fused=device.type == "cuda")
-    state = {"model": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict()}
+    trainer = Trainer(args, opts.classes, device)
+    state = {"model": trainer.parts.model.state_dict(), "optimizer": trainer.parts.optimizer.state_dict()}
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     ckpt.save_checkpoint(ckpt.snapshot(state), out, is_best=False)

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn as nn
+
+from models.distributed import DistEnv
 
 
 def _free_port() -> int:
@@ -31,9 +32,7 @@ def _worker(rank: int, world: int, port: int, opts: argparse.Namespace, arch: st
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     try:
         args = training_args(opts, arch, "cpu")
-        trainer = Trainer(args, opts.classes, device, fused=cuda)
-        trainer.step_model = nn.parallel.DistributedDataParallel(trainer.step_model,
-                                                                 device_ids=[device] if cuda else None)
+        trainer = Trainer(args, opts.classes, device, env=DistEnv(rank=rank, local_rank=rank, world_size=world))
         point = measure(trainer, synthetic_batches(args, opts.classes, device), opts.warmup, opts.steps)
         Path(out, f"rank{rank}").write_text(str(point.images_per_s))
     finally:

@@ -28,6 +28,13 @@ def autocast(device: torch.device, amp_dtype: AmpDtype | None) -> ContextManager
     return torch.autocast(device_type=device.type, dtype=_DTYPES[amp_dtype])
 
 
+def use_tf32(device: torch.device, enabled: bool) -> None:
+    """TF32 tensor cores for the fp32 matmuls and convolutions on CUDA (Ampere and later). Both switches: cuDNN's
+    is on by default, so turning only the matmul one off would leave the convolutions on TF32."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+
+
 def make_scaler(device: torch.device, amp_dtype: AmpDtype | None) -> torch.amp.GradScaler | None:
     """A GradScaler for fp16 only."""
     return torch.amp.GradScaler(device.type) if amp_dtype == "fp16" else None

@@ -63,6 +63,13 @@ def _crop_box(height: int, width: int, scale: tuple[float, float]) -> tuple[int,
     return (height - h) // 2, (width - w) // 2, h, w
 
 
+def check_min_crop_scale(value: float) -> float:
+    """The smallest crop's area fraction, refused outside (0, 1] when a data path is built."""
+    if not 0 < value <= 1:
+        raise ValueError(f"min_crop_scale must be in (0, 1], got {value}")
+    return value
+
+
 def draw(height: int, width: int, min_crop_scale: float, hflip_prob: float) -> CropFlip:
     """The random crop and flip of an upright ``height`` x ``width`` image, from torch's current RNG."""
     top, left, h, w = _crop_box(height, width, (min_crop_scale, 1.0))
@@ -88,9 +95,7 @@ class RandomCropFlip:
     """The CPU path's augmentation of a PIL image (used inside ``train_transform``)."""
 
     def __init__(self, preset: EvalPreset, hflip_prob: float, min_crop_scale: float) -> None:
-        if not 0 < min_crop_scale <= 1:
-            raise ValueError(f"min_crop_scale must be in (0, 1], got {min_crop_scale}")
-        self.preset, self.hflip_prob, self.min_crop_scale = preset, hflip_prob, min_crop_scale
+        self.preset, self.hflip_prob, self.min_crop_scale = preset, hflip_prob, check_min_crop_scale(min_crop_scale)
 
     def __call__(self, image: Image.Image) -> Image.Image:
         box = draw(image.height, image.width, self.min_crop_scale, self.hflip_prob)

@@ -15,18 +15,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from models.augment import CropFlip, crop_tensor, draw
+from models.augment import CropFlip, check_min_crop_scale, crop_tensor, draw
 from models.folder import Sample, SampleKey, sample_seed
 from models.jpeg import decode_jpegs
-from models.presets import EvalPreset, upright_rgb
+from models.presets import JPEG_FORMATS, EvalPreset, pil_to_tensor, upright_rgb
 
-_JPEG_FORMATS = ("JPEG", "MPO")
 _SWAPS_SIDES = (5, 6, 7, 8)  # EXIF orientations that turn the image by 90 degrees
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # images, targets
@@ -36,7 +34,7 @@ Prepare = Callable[[Any], Batch]  # a loader's batch -> a batch on the device
 def _pixels(image: Image.Image) -> torch.Tensor:
     """A PIL image as an upright RGB uint8 (C, H, W) tensor, the CPU path's decode."""
     image.load()
-    return torch.from_numpy(np.array(upright_rgb(image))).permute(2, 0, 1).contiguous()
+    return pil_to_tensor(upright_rgb(image))
 
 
 def _upright_size(image: Image.Image) -> tuple[int, int]:
@@ -53,10 +51,8 @@ class EncodedFolder(Dataset):
     """The train split for the GPU path: (JPEG bytes or decoded pixels, crop-and-flip row, target) per sample."""
 
     def __init__(self, samples: Sequence[Sample], *, min_crop_scale: float, hflip_prob: float, seed: int) -> None:
-        if not 0 < min_crop_scale <= 1:
-            raise ValueError(f"min_crop_scale must be in (0, 1], got {min_crop_scale}")
         self.samples = list(samples)
-        self.min_crop_scale, self.hflip_prob, self.seed = min_crop_scale, hflip_prob, seed
+        self.min_crop_scale, self.hflip_prob, self.seed = check_min_crop_scale(min_crop_scale), hflip_prob, seed
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -66,7 +62,7 @@ class EncodedFolder(Dataset):
         path, target = self.samples[index]
         data = Path(path).read_bytes()
         with Image.open(io.BytesIO(data)) as image:
-            if image.format in _JPEG_FORMATS:
+            if image.format in JPEG_FORMATS:
                 payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
                 height, width = _upright_size(image)
             else:

@@ -2,6 +2,7 @@
 decode path and training's GPU data path."""
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Sequence
 
@@ -22,17 +23,16 @@ def _decode(encoded: torch.Tensor | list[torch.Tensor], device: torch.device) ->
     output that the caller's stream is recorded on, keeps the allocator from handing out such a block; the caller's
     stream then waits for the decode. No host synchronisation.
     """
-    if device.type != "cuda":
-        out = decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device, apply_exif_orientation=True)
-        return out if isinstance(out, list) else [out]
-    caller = torch.cuda.current_stream(device)
-    stream = _DECODE_STREAMS.setdefault(device, torch.cuda.Stream(device))
-    with torch.cuda.stream(stream):
+    cuda = device.type == "cuda"
+    caller = torch.cuda.current_stream(device) if cuda else None
+    stream = _DECODE_STREAMS.setdefault(device, torch.cuda.Stream(device)) if cuda else None
+    with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
         out = decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device, apply_exif_orientation=True)
     images = out if isinstance(out, list) else [out]
-    caller.wait_stream(stream)
-    for image in images:
-        image.record_stream(caller)
+    if caller is not None and stream is not None:
+        caller.wait_stream(stream)
+        for image in images:
+            image.record_stream(caller)
     return images
 
 

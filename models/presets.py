@@ -19,6 +19,7 @@ _ALPHA_BACKGROUND = (255, 255, 255)
 # The image formats the server accepts and training reads. MPO is what many cameras write: a JPEG with extra
 # frames. GIF and WebP may be animated: the first frame is used.
 IMAGE_FORMATS = frozenset({"JPEG", "MPO", "PNG", "WEBP", "BMP", "GIF"})
+JPEG_FORMATS = frozenset({"JPEG", "MPO"})  # what JPEG decoders (libjpeg-turbo, nvJPEG) take
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,11 @@ def to_rgb(image: Image.Image) -> Image.Image:
         background = Image.new("RGBA", rgba.size, _ALPHA_BACKGROUND + (255,))
         image = Image.alpha_composite(background, rgba)
     return image.convert("RGB")
+
+
+def pil_to_tensor(image: Image.Image) -> torch.Tensor:
+    """An RGB PIL image as a uint8 (3, H, W) tensor: one copy, writable."""
+    return torch.from_numpy(np.array(image)).permute(2, 0, 1)
 
 
 def upright_rgb(image: Image.Image) -> Image.Image:

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from models import checkpoint as ckpt
-from models.amp import AmpDtype, autocast, backward_and_step, check_amp, make_scaler
+from models.amp import AmpDtype, autocast, backward_and_step, check_amp, make_scaler, use_tf32
 from models.distributed import (
     DistEnv,
     barrier,
@@ -82,6 +82,32 @@ def make_preset(args: argparse.Namespace) -> EvalPreset:
     base = pretrained_preset(args.arch) if args.pretrained else EvalPreset(resize_size=256, crop_size=224)
     sizes = {"resize_size": args.resize_size, "crop_size": args.crop_size, "interpolation": args.interpolation}
     return base.model_copy(update={key: value for key, value in sizes.items() if value is not None})
+
+
+@dataclass
+class Parts:
+    """What a run trains with: the plain module (checkpoints, evaluation), the module the step runs (compiled
+    and/or wrapped in DDP), the optimiser and the fp16 scaler."""
+
+    model: nn.Module
+    step_model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+
+
+def build_parts(args: argparse.Namespace, num_classes: int, device: torch.device, env: DistEnv = DistEnv(), *,
+                fused: bool | None = None) -> Parts:
+    """The model, optimiser and scaler of a run (also what ``python -m bench.train`` measures). ``fused``: torch's
+    fused optimiser kernels, by default on CUDA only."""
+    use_tf32(device, args.tf32)
+    model = step_model = build_trainable(args, num_classes, device)
+    if args.compile:  # the step runs the compiled graph; checkpoints and evaluation use the plain module
+        step_model = torch.compile(model)
+    if env.distributed:
+        step_model = nn.parallel.DistributedDataParallel(step_model,
+                                                         device_ids=[device] if device.type == "cuda" else None)
+    optimizer = make_optimizer(model, args, fused=device.type == "cuda" if fused is None else fused)
+    return Parts(model, step_model, optimizer, make_scaler(device, _amp_dtype(args)))
 
 
 def train_step(model: nn.Module, images: torch.Tensor, targets: torch.Tensor, optimizer: torch.optim.Optimizer,
@@ -163,8 +189,6 @@ def _setup(args: argparse.Namespace, env: DistEnv) -> tuple[torch.device, EvalPr
     try:
         device = pick_device(args.device, env)
         check_amp(device, _amp_dtype(args))
-        if device.type == "cuda" and args.tf32:  # fp32 matmuls and convolutions on tensor cores (Ampere and later)
-            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         if args.sync_bn and device.type != "cuda":
             raise ValueError("--sync-bn needs CUDA (torch's SyncBatchNorm runs on GPUs); use --freeze-bn on CPU")
         return device, make_preset(args)
@@ -178,13 +202,8 @@ def run(args: argparse.Namespace, env: DistEnv, device: torch.device, preset: Ev
 
     torch.manual_seed(args.seed)
     data = load_data(args, preset, env, device)
-    model = model_without_ddp = build_trainable(args, len(data.classes), device)
-    if args.compile:  # the step runs the compiled graph; checkpoints and evaluation use the plain module
-        model = torch.compile(model_without_ddp)
-    if env.distributed:
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
-    optimizer = make_optimizer(model_without_ddp, args, fused=device.type == "cuda")
-    scaler = make_scaler(device, _amp_dtype(args))
+    parts = build_parts(args, len(data.classes), device, env)
+    model, model_without_ddp, optimizer, scaler = parts.step_model, parts.model, parts.optimizer, parts.scaler
     start, best, scheduler = start_or_resume(args, model_without_ddp, optimizer, make_scheduler(optimizer, args),
                                              scaler, data.classes)
     if start >= args.epochs:

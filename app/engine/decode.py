@@ -11,9 +11,7 @@ from PIL import Image, UnidentifiedImageError
 
 from app.config import Settings
 from app.errors import ImageTooLarge, InvalidImage, UnsupportedImageFormat
-from models.presets import IMAGE_FORMATS, ImageTransform, upright_rgb
-
-_JPEG_FORMATS = frozenset({"JPEG", "MPO"})
+from models.presets import IMAGE_FORMATS, JPEG_FORMATS, ImageTransform, upright_rgb
 
 # Our max_pixels check reads the size from the header and refuses before any pixel is decoded, so PIL's own
 # bomb guard (a warning, then an error at a fixed size) is left to it. Filters are set once at import because
@@ -79,7 +77,7 @@ def open_checked(data: bytes, limits: DecodeLimits) -> Image.Image:
 
 def is_jpeg(image: Image.Image) -> bool:
     """A JPEG (or a camera's MPO, a JPEG with extra frames)."""
-    return image.format in _JPEG_FORMATS
+    return image.format in JPEG_FORMATS
 
 
 def load_upright(image: Image.Image, limits: DecodeLimits) -> Image.Image:

@@ -10,19 +10,13 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import torch
-from PIL import Image
 from torchvision.io import ImageReadMode, decode_jpeg
 
 from app.engine.decode import DecodeLimits, is_jpeg, load_upright, open_checked
-from models.presets import TensorEvalTransform
+from models.presets import TensorEvalTransform, pil_to_tensor
 
 log = logging.getLogger(__name__)
-
-
-def _as_tensor(image: Image.Image) -> torch.Tensor:
-    return torch.from_numpy(np.array(image)).permute(2, 0, 1)  # one copy, writable
 
 
 def decode_tensor(data: bytes, limits: DecodeLimits) -> torch.Tensor:
@@ -32,13 +26,13 @@ def decode_tensor(data: bytes, limits: DecodeLimits) -> torch.Tensor:
     if not is_jpeg(image) or (draft and min(image.size) >= 2 * draft):
         # Other formats; and JPEGs large enough for PIL's reduced-scale decoding (1/2 to 1/8 in the DCT), which
         # libjpeg-turbo's full decode cannot match on the CPU (a 12 MP photo: 51 against 30 ms, measured).
-        return _as_tensor(load_upright(image, limits))
+        return pil_to_tensor(load_upright(image, limits))
     try:
         encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         return decode_jpeg(encoded, mode=ImageReadMode.RGB, apply_exif_orientation=True)
     except RuntimeError as exc:  # a JPEG libjpeg-turbo refuses here (a broken one fails in PIL too, as 400)
         log.debug("decode_jpeg refused an image, PIL decodes it: %s", exc)
-        return _as_tensor(load_upright(image, limits))  # the header read above, its pixels not yet touched
+        return pil_to_tensor(load_upright(image, limits))  # the header read above, its pixels not yet touched
 
 
 def image_to_tensor_path(data: bytes, transform: TensorEvalTransform, limits: DecodeLimits) -> torch.Tensor:
