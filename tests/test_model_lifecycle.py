@@ -14,9 +14,9 @@ from flask.testing import FlaskClient
 
 from app import EXTENSION_KEY, create_app
 from app.config import Settings
-from app.engine.control import Control
-from app.engine.lifecycle import Lifecycle
+from app.engine.desired import UNLOADED, SharedDesiredState
 from app.engine.policy import PolicyError, VersionPolicy
+from app.engine.reconciler import Reconciler
 from app.engine.service import Job, Service
 from app.errors import BadRequest, InsufficientMemory, LoadFailed, NotFound, NotReady
 from tests.fakes import FakeRepository, wait_until
@@ -78,16 +78,16 @@ def test_a_new_version_takes_new_requests_while_the_old_one_finishes_its_own(ser
         held = pool.submit(_ask, service)  # routed to version 1, stuck in its forward pass
         wait_until(lambda: bool(old.batch_sizes))
         repository.add("colour", "2")
-        service.models.load("colour")
+        service.reconciler.load("colour")
         assert _ask(service) == "2" and _ask(service, "colour", "2") == "2"
         with pytest.raises(NotFound, match="no model 'colour' version '1' is loaded; this server serves 'colour' "
                                            "version '2'"):
             _ask(service, "colour", "1")  # no new request reaches the version being retired
-        retiring = [row for row in service.models.index() if row.version == "1"]
+        retiring = [row for row in service.reconciler.index() if row.version == "1"]
         assert retiring[0].state == "UNLOADING"
         old.gate.set()
         assert held.result(timeout=5) == "1"  # the request it held was answered by it
-    wait_until(lambda: [r.state for r in service.models.index()] == ["UNAVAILABLE", "READY"])
+    wait_until(lambda: [r.state for r in service.reconciler.index()] == ["UNAVAILABLE", "READY"])
     assert service.ready
 
 
@@ -95,23 +95,23 @@ def test_a_version_that_fails_to_load_is_refused_and_the_old_one_serves(service:
                                                                         repository: FakeRepository) -> None:
     repository.fail("colour", "2", "weights file x.pt has sha256 abc, the manifest says def")
     with pytest.raises(LoadFailed, match="colour version 2 cannot be served: weights file x.pt has sha256"):
-        service.models.load("colour")
+        service.reconciler.load("colour")
     assert _ask(service) == "1"
-    (row,) = [r for r in service.models.index() if r.version == "2"]
+    (row,) = [r for r in service.reconciler.index() if r.version == "2"]
     assert row.state == "UNAVAILABLE" and "sha256" in row.reason
     loads = len(repository.loads)
-    service.models.manager.poll(["colour"])  # the poll does not retry an unchanged failed version...
+    service.reconciler.poll()  # the poll does not retry an unchanged failed version...
     assert len(repository.loads) == loads and _ask(service) == "1"
     del repository.broken[("colour", "2")]
     repository.add("colour", "2")  # ...until it is written again
-    service.models.manager.poll(["colour"])
+    service.reconciler.poll()
     assert _ask(service) == "2"
 
 
 def test_a_canary_that_fails_refuses_the_version(service: Service, repository: FakeRepository) -> None:
     repository.add("colour", "2").fail_when = -1.0  # every forward pass raises, the canary's too
     with pytest.raises(LoadFailed, match="colour version 2 cannot be served: .*fake forward failure"):
-        service.models.load("colour")
+        service.reconciler.load("colour")
     assert _ask(service) == "1" and service.ready
 
 
@@ -119,7 +119,7 @@ def test_two_load_calls_for_one_model_run_one_load(service: Service, repository:
     repository.add("colour", "2")
     repository.gate = threading.Event()
     with ThreadPoolExecutor(2) as pool:
-        calls = [pool.submit(service.models.load, "colour") for _ in range(2)]
+        calls = [pool.submit(service.reconciler.load, "colour") for _ in range(2)]
         wait_until(lambda: ("colour", "2") in repository.loads)
         repository.gate.set()
         for call in calls:
@@ -135,7 +135,7 @@ def test_a_version_that_would_not_fit_is_refused_before_loading(settings: Settin
         repository.add("colour", "2")
         with pytest.raises(InsufficientMemory, match="colour version 2 needs about 2 MiB; the loaded models take 1 MiB "
                                                       "of MODEL_MEMORY_LIMIT_MB=2"):
-            service.models.load("colour")
+            service.reconciler.load("colour")
         assert ("colour", "2") not in repository.loads and _ask(service) == "1"
     finally:
         service.shutdown(timeout=5)
@@ -143,14 +143,14 @@ def test_a_version_that_would_not_fit_is_refused_before_loading(settings: Settin
 
 def test_unload_stops_a_model_and_unknown_names_are_404(service: Service, repository: FakeRepository) -> None:
     with pytest.raises(NotFound, match="the repository has no model 'nope'; it has: colour"):
-        service.models.load("nope")
-    service.models.unload("colour")
-    assert not service.ready and [r.state for r in service.models.index()] == ["UNAVAILABLE"]
+        service.reconciler.load("nope")
+    service.reconciler.unload("colour")
+    assert not service.ready and [r.state for r in service.reconciler.index()] == ["UNAVAILABLE"]
     with pytest.raises(NotReady, match="no model is loaded"):
         _ask(service)
-    service.models.manager.poll(["colour"])  # an unloaded model stays unloaded until a load call
+    service.reconciler.poll()  # an unloaded model stays unloaded until a load call
     assert not service.ready
-    service.models.load("colour")
+    service.reconciler.load("colour")
     assert _ask(service) == "1" and service.ready
 
 
@@ -159,7 +159,7 @@ def test_two_models_side_by_side(settings: Settings, repository: FakeRepository)
     service = _service(settings, repository)
     try:
         assert _ask(service, "colour") == "1" and _ask(service, "other") == "7"
-        assert service.model("colour").batcher is not service.model("other").batcher  # one batcher each
+        assert service.route("colour").batcher is not service.route("other").batcher  # one batcher each
         with pytest.raises(BadRequest, match="serves 2 models \\(colour, other\\): name one"):
             _ask(service)
     finally:
@@ -171,10 +171,10 @@ def test_the_policy_keeps_versions_and_names_the_default(settings: Settings, rep
     service = _service(settings, repository, version_policy="latest:2")
     try:
         assert _ask(service) == "2" and _ask(service, "colour", "1") == "1"
-        service.models.load("colour", '{"default_version": "1"}')  # a rollback without unloading 2
+        service.reconciler.load("colour", '{"default_version": "1"}')  # a rollback without unloading 2
         assert _ask(service) == "1" and _ask(service, "colour", "2") == "2"
         with pytest.raises(BadRequest, match="specific needs at least one version"):
-            service.models.load("colour", {"version_policy": {"specific": {}}})
+            service.reconciler.load("colour", {"version_policy": {"specific": {}}})
     finally:
         service.shutdown(timeout=5)
 
@@ -231,33 +231,35 @@ def test_workers_sharing_a_control_directory_apply_each_others_loads(settings: S
     import os
 
     shared = settings.model_copy(update={"control_dir": tmp_path / "control"})
-    here, there = Lifecycle(shared, repository), Lifecycle(shared, repository)  # type: ignore[arg-type]
-    there.control = Control(shared.control_dir, pid=os.getppid())  # another live process's report
+    here, there = Reconciler(shared, repository), Reconciler(shared, repository)  # type: ignore[arg-type]
+    there.desired = SharedDesiredState(shared.control_dir, pid=os.getppid())  # another live process's report
     try:
         here.boot()
         there.boot()
         repository.add("colour", "2")
         here.load("colour")  # answers once the other worker serves version 2 too
-        assert there.snapshot() == {"colour": {"versions": ["2"], "default": "2"}}
+        assert there.serving() == {"colour": {"versions": ["2"], "default": "2"}}
         assert {w["pid"]: w["models"]["colour"]["versions"] for w in here.workers()} == {
             os.getpid(): ["2"], os.getppid(): ["2"]}
         repository.add("other", "1")
-        there.manager.load("other")  # only there, as if the other worker's load had not been published yet
+        there._reconcile_model("other", {"versions": ["1"], "default": "1"})  # only there, as if its load call had not written yet
         here.unload("colour")
-        assert there.snapshot() == {}  # a generation is the whole set: "other" was not in it
+        assert there.serving() == {}  # a generation is the whole set: "other" was not in it
     finally:
-        for lifecycle in (here, there):
-            lifecycle.close()
-            for model in lifecycle.routed():
-                model.batcher.stop(5)
+        for reconciler in (here, there):
+            reconciler.close()
+            for loaded in reconciler.routes.all_versions():
+                loaded.batcher.stop(5)
 
 
 def test_calls_for_different_models_on_different_workers_both_take_effect(tmp_path: Path) -> None:
-    first, second = Control(tmp_path, pid=1), Control(tmp_path, pid=2)
-    served = {"x": {"versions": ["1"], "default": "1"}, "y": {"versions": ["1"], "default": "1"}}
-    assert first.publish({**served, "x": {"versions": ["2"], "default": "2"}}, "x") == 1
-    # The second worker loaded y 5 before it applied generation 1: publishing y keeps the first call's x 2.
-    assert second.publish({**served, "y": {"versions": ["5"], "default": "5"}}, "y") == 2
-    assert first.desired() == (2, {"x": {"versions": ["2"], "default": "2"}, "y": {"versions": ["5"], "default": "5"}})
-    assert second.publish({"x": {"versions": ["2"], "default": "2"}}, "y") == 3  # y unloaded there
-    assert list(first.desired()[1]) == ["x"]
+    first, second = SharedDesiredState(tmp_path, pid=1), SharedDesiredState(tmp_path, pid=2)
+    one, two, five = ({"versions": [v], "default": v} for v in ("1", "2", "5"))
+    assert first.seed({"x": one, "y": one}) == 1 and second.seed({"x": two}) == 1  # the first seed stands
+    assert first.write({"x": two}) == 2
+    # The second worker's call for y, written before it applied generation 2, keeps the first call's x 2.
+    assert second.write({"y": five}) == 3
+    assert first.read() == (3, {"x": two, "y": five})
+    assert second.write({"y": five}) == 3  # nothing changed: no new generation for the workers to apply
+    assert second.write({"y": UNLOADED}) == 4 and first.read()[1]["y"] == UNLOADED  # the poll leaves it alone
+    assert second.write({"y": None}) == 5 and list(first.read()[1]) == ["x"]  # left the repository

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from app.config import Settings
-from app.engine.model import Model
+from app.engine.loaded_version import LoadedVersion
 from app.engine.predictor import Predictor
 from app.engine.service import Job, Service
 from app.engine.sources import DirectorySource, GivenSource
@@ -34,12 +34,12 @@ def test_preprocessed_tensors_skip_decoding(service: Service) -> None:
 def test_the_request_counts_as_arriving_while_it_reads_and_decodes(service: Service) -> None:
     seen: list[int] = []
 
-    def read(_: Model) -> Job[None]:
-        seen.append(service.model().arrivals.count())
+    def read(_: LoadedVersion) -> Job[None]:
+        seen.append(service.route().arrivals.count())
         return Job(None, 5.0, images=[image_bytes(RED)])
 
     service.run(read)
-    assert seen == [1] and service.model().arrivals.count() == 0
+    assert seen == [1] and service.route().arrivals.count() == 0
 
 
 def test_a_lone_request_takes_the_inline_path(service: Service) -> None:
@@ -50,14 +50,14 @@ def test_a_lone_request_takes_the_inline_path(service: Service) -> None:
 
 
 def test_a_failing_read_leaves_no_arrival_behind(service: Service) -> None:
-    def read(_: Model) -> Job[None]:
+    def read(_: LoadedVersion) -> Job[None]:
         raise BadRequest("bad field")
 
     with pytest.raises(BadRequest):
         service.run(read)
     with pytest.raises(InvalidImage):
         service.run(lambda _: Job(None, 5.0, images=[b"not an image"]))
-    assert service.model().arrivals.count() == 0
+    assert service.route().arrivals.count() == 0
 
 
 @pytest.mark.parametrize("images, tensors, error", [
@@ -75,7 +75,7 @@ def test_not_ready_is_refused_before_the_body_is_read(service: Service) -> None:
     service.begin_drain()
     read_called: list[bool] = []
 
-    def read(_: Model) -> Job[None]:
+    def read(_: LoadedVersion) -> Job[None]:
         read_called.append(True)
         return Job(None, 5.0, images=[image_bytes(RED)])
 

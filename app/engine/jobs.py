@@ -11,7 +11,7 @@ from app.engine.batch_types import BatchResult, DeadlineTooShort, DeadlineUnreac
 from app.errors import NotReady, Overloaded, ServiceError, ShortDeadline, retry_after_header
 
 if TYPE_CHECKING:
-    from app.engine.model import Model
+    from app.engine.loaded_version import LoadedVersion
 
 P = TypeVar("P")
 NOT_READY_RETRY_S = 5  # Retry-After of every 503: loading, draining, a stopped batcher
@@ -36,7 +36,7 @@ class Served(Generic[P]):
     results: list[BatchResult[torch.Tensor]]
     decode_s: float
     started_ns: int = 0  # wall clock (time.time_ns) when decoding began: traces place the stages from it
-    model: Model | None = None  # the version that answered
+    model: LoadedVersion | None = None  # the version that answered
 
     def probabilities(self) -> torch.Tensor:
         """(N, classes) softmax probabilities, one row per input."""

@@ -28,9 +28,9 @@ from app.engine.batcher import Batcher
 from app.engine.decode import DecodeLimits, image_to_tensor
 from app.engine.device_decode import Encoded, check_header
 from app.engine.jobs import NOT_READY_RETRY_S, Job, P, Served, service_error
-from app.engine.lifecycle import Lifecycle
-from app.engine.model import Model
+from app.engine.loaded_version import LoadedVersion
 from app.engine.predictor import Predictor
+from app.engine.reconciler import Reconciler
 from app.engine.sources import GivenSource, Source
 from app.engine.tensor_decode import image_to_tensor_path
 from app.engine.tuning import decode_path
@@ -62,7 +62,7 @@ class Service:
         self.settings = settings
         self.limits = DecodeLimits.from_settings(settings)
         self.in_flight = InFlight()  # requests inside run(), from readiness to answer
-        self.models = Lifecycle(settings, source, on_change=self._publish_readiness)
+        self.reconciler = Reconciler(settings, source, on_change=self._update_ready_gauge)
         self._started = threading.Event()
         self._loader: threading.Thread | None = None
         self._draining = threading.Event()
@@ -71,9 +71,9 @@ class Service:
     def build(cls, settings: Settings, source: Source | Predictor) -> "Service":
         """A service whose models are ready when this returns."""
         service = cls(settings, GivenSource(source) if isinstance(source, Predictor) else source)
-        service.models.boot()
+        service.reconciler.boot()
         service._started.set()
-        service._publish_readiness()
+        service._update_ready_gauge()
         return service
 
     @classmethod
@@ -83,9 +83,9 @@ class Service:
 
         def run() -> None:
             try:
-                service.models.boot()
+                service.reconciler.boot()
                 service._started.set()
-                service._publish_readiness()
+                service._update_ready_gauge()
                 log.info("ready to serve")
             except BaseException as exc:  # noqa: BLE001 - handed to on_error, which decides the worker's fate
                 on_error(exc)
@@ -94,34 +94,35 @@ class Service:
         service._loader.start()
         return service
 
-    def _publish_readiness(self) -> None:
+    def _update_ready_gauge(self) -> None:
         READY.set(int(self.ready))
 
-    def model(self, name: str | None = None, version: str | None = None) -> Model:
-        """The version a request for ``name`` and ``version`` would get now (NotReady while loading, NotFound)."""
+    def route(self, name: str | None = None, version: str | None = None) -> LoadedVersion:
+        """The loaded version a request for ``name`` and ``version`` would get now (NotReady while loading,
+        NotFound)."""
         self.require_loaded()
-        return self.models.registry.find(name, version)
+        return self.reconciler.routes.find(name, version)
 
     @property
     def predictor(self) -> Predictor:
         """The only (or named-less default) model's predictor; NotReady (503) while it loads."""
-        return self.model().predictor
+        return self.route().predictor
 
     @property
     def batcher(self) -> Batcher[torch.Tensor, torch.Tensor]:
         """That model's batcher."""
-        return self.model().batcher
+        return self.route().batcher
 
     @property
     def loaded(self) -> bool:
         """The first models are loaded, warmed up and passed their canaries, and one serves at least."""
-        return self._started.is_set() and bool(self.models.routed())
+        return self._started.is_set() and bool(self.reconciler.routes.all_versions())
 
     @property
     def alive(self) -> bool:
         """Liveness: every serving version's batcher thread runs, or the models are still loading."""
         if self._started.is_set():
-            return all(m.batcher.is_alive() for m in self.models.routed())
+            return all(m.batcher.is_alive() for m in self.reconciler.routes.all_versions())
         return self._loader is not None and self._loader.is_alive()
 
     @property
@@ -142,8 +143,8 @@ class Service:
     def shutdown(self, timeout: float | None = None) -> None:
         """Drain: refuse new work, finish what is queued, stop the worker threads."""
         self.begin_drain()
-        self.models.close()
-        for model in self.models.routed():
+        self.reconciler.close()
+        for model in self.reconciler.routes.all_versions():
             model.batcher.stop(timeout)
 
     def wait_drained(self, min_s: float, max_s: float) -> bool:
@@ -178,7 +179,7 @@ class Service:
         if not self.alive:  # no model at all is the router's to say: 503 without a name, 404 with one
             raise NotReady("the model is not ready", headers=retry_after_header(NOT_READY_RETRY_S))
 
-    def run(self, read: Callable[[Model], Job[P]], client_gone: Callable[[], bool] | None = None,
+    def run(self, read: Callable[[LoadedVersion], Job[P]], client_gone: Callable[[], bool] | None = None,
             name: str | None = None, version: str | None = None) -> Served[P]:
         """The stages of one request: readiness, routing to a model version, ``read`` (the protocol parses its
         body for that model), decode, queue, wait.
@@ -191,7 +192,7 @@ class Service:
         """
         with self.in_flight.inside():
             self.require_ready()
-            with self.models.registry.acquire(name, version) as model, model.arrivals.arriving() as arrived:
+            with self.reconciler.routes.acquire(name, version) as model, model.arrivals.arriving() as arrived:
                 job = read(model)
                 started_ns = time.time_ns()
                 tensors, decode_s = self._inputs(job, model)
@@ -199,10 +200,10 @@ class Service:
                 results = self._infer(model, tensors, job.timeout_s, client_gone, job.names)
         return Served(job.parsed, results, decode_s, started_ns, model)
 
-    def preprocess(self, data: bytes, model: Model | None = None) -> torch.Tensor | Encoded:
+    def preprocess(self, data: bytes, model: LoadedVersion | None = None) -> torch.Tensor | Encoded:
         """One image's bytes -> ``model``'s input (default: the only model's), with the service's limits, on the
         decode path the settings choose; on the device path only its header is checked here (``Encoded``)."""
-        predictor = (model or self.model()).predictor
+        predictor = (model or self.route()).predictor
         path = decode_path(self.settings.decode_path, predictor.device)
         if path == "device":
             return check_header(data, self.limits)
@@ -219,13 +220,13 @@ class Service:
         exc.details = {"image": index, "filename": name, **(exc.details if isinstance(exc.details, dict) else {})}
         return exc
 
-    def _preprocess_one(self, job: Job[P], index: int, model: Model) -> torch.Tensor | Encoded:
+    def _preprocess_one(self, job: Job[P], index: int, model: LoadedVersion) -> torch.Tensor | Encoded:
         try:
             return self.preprocess(job.images[index], model)
         except ServiceError as exc:
             raise self._named(exc, index, job.names) from None
 
-    def _inputs(self, job: Job[P], model: Model) -> tuple[list[torch.Tensor | Encoded], float]:
+    def _inputs(self, job: Job[P], model: LoadedVersion) -> tuple[list[torch.Tensor | Encoded], float]:
         if bool(job.images) == bool(job.tensors):
             raise BadRequest("the request holds no images" if not job.images else "send images or tensors, not both")
         check_image_count(len(job.images) or len(job.tensors), self.settings.max_images)
@@ -245,7 +246,7 @@ class Service:
         except ServiceError as exc:  # an image the device path could not decode in its batch
             raise self._named(exc, index, names) from None
 
-    def _infer(self, model: Model, tensors: list[torch.Tensor | Encoded], timeout_s: float,
+    def _infer(self, model: LoadedVersion, tensors: list[torch.Tensor | Encoded], timeout_s: float,
                client_gone: Callable[[], bool] | None = None,
                names: Sequence[str | None] = ()) -> list[BatchResult[torch.Tensor]]:
         """Queue the images (all or none) and wait for their rows until the deadline or the client leaves."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from flask import Blueprint, Response, request
 
-from app.engine.model import Model
+from app.engine.loaded_version import LoadedVersion
 from app.engine.service import Job, Service
 from app.v1.payload import PredictInput, parse_predict
 from app.v1.schemas import (
@@ -38,7 +38,7 @@ def predict() -> Response:
     service = current_service()
     settings = service.settings
 
-    def read(model: Model) -> Job[PredictInput]:
+    def read(model: LoadedVersion) -> Job[PredictInput]:
         timeout_s = deadline_s(request.headers, settings.request_timeout_s)
         parsed = parse_predict(request, default_top_k=settings.top_k, num_classes=model.predictor.num_classes,
                                max_images=settings.max_images)
@@ -53,7 +53,7 @@ def predict() -> Response:
     return annotate(Response(body.model_dump_json(), mimetype="application/json"), served)
 
 
-def _model_info(service: Service, model: Model, default: bool, show_labels: bool) -> ModelInfo:
+def _model_info(service: Service, model: LoadedVersion, default: bool, show_labels: bool) -> ModelInfo:
     s, predictor, m = service.settings, model.predictor, model.predictor.manifest
     return ModelInfo(
         name=m.name, version=m.version, arch=m.arch, num_classes=m.num_classes,
@@ -80,7 +80,7 @@ def models() -> Response:
     service = current_service()
     service.require_loaded()
     infos = [_model_info(service, model, model.version == default, show_labels)
-             for models, default in service.models.registry.snapshot().values() for model in models]
-    workers = [WorkerModels(**worker) for worker in service.models.workers()]
+             for versions, default in service.reconciler.routes.routes().values() for model in versions]
+    workers = [WorkerModels(**worker) for worker in service.reconciler.workers()]
     body = ModelsResponse(models=infos, workers=workers).model_dump_json(exclude_none=True)
     return Response(body, mimetype="application/json")

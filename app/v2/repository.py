@@ -1,7 +1,7 @@
 """The Open Inference Protocol's model repository extension: what tritonclient's ``get_model_repository_index``,
 ``load_model`` and ``unload_model`` call. A load verifies, warms up and canaries the new versions before they take
 traffic; the versions they replace finish their requests first. Under gunicorn the call reaches every worker and
-answers once all of them serve the result (app/engine/control.py)."""
+answers once all of them serve the result (app/engine/desired.py)."""
 from __future__ import annotations
 
 from typing import TypeVar
@@ -29,7 +29,7 @@ def _body(schema: type[B]) -> B:
 
 
 def _loaded(name: str) -> Response:
-    spec = current_service().models.snapshot().get(name, {"versions": [], "default": None})
+    spec = current_service().reconciler.serving().get(name, {"versions": [], "default": None})
     body = Loaded(name=name, versions=spec["versions"], default=spec["default"])
     return Response(body.model_dump_json(), mimetype="application/json")
 
@@ -39,7 +39,7 @@ def repository_index() -> Response:
     """Every model version in the repository or loaded, with its state (READY, LOADING, UNLOADING, UNAVAILABLE)."""
     only_ready = _body(RepositoryIndexRequest).ready
     rows = [RepositoryModel(name=r.name, version=r.version, state=r.state, reason=r.reason)  # type: ignore[arg-type]
-            for r in current_service().models.index() if r.state == "READY" or not only_ready]
+            for r in current_service().reconciler.index() if r.state == "READY" or not only_ready]
     return Response(RepositoryIndex(rows).model_dump_json(), mimetype="application/json")
 
 
@@ -53,7 +53,7 @@ def load(name: str) -> Response:
                          "default_version); models load from the repository, not from uploaded files")
     service = current_service()
     service.wait_loaded(service.settings.repository_sync_timeout_s)
-    service.models.load(name, parameters.get("config"))
+    service.reconciler.load(name, parameters.get("config"))
     return _loaded(name)
 
 
@@ -63,5 +63,5 @@ def unload(name: str) -> Response:
     _body(UnloadRequest)
     service = current_service()
     service.wait_loaded(service.settings.repository_sync_timeout_s)
-    service.models.unload(name)
+    service.reconciler.unload(name)
     return _loaded(name)

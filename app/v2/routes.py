@@ -14,7 +14,7 @@ from flask import Blueprint, Response, request
 from pydantic import BaseModel
 
 from app import __version__
-from app.engine.model import Model
+from app.engine.loaded_version import LoadedVersion
 from app.engine.service import Job, Service
 from app.errors import BadRequest, NotFound, NotReady, check_image_count
 from app.v2.codec import InferRequest, Tensor, encode_response, parse_request
@@ -45,7 +45,7 @@ def _json(body: BaseModel) -> Response:
 
 def _is_known(service: Service, name: str, version: str | None) -> bool:
     # In the repository though not loaded: its readiness is false, not unknown.
-    source = service.models.source
+    source = service.reconciler.source
     return name in source.models() and (version is None or version in source.versions(name))
 
 
@@ -75,7 +75,7 @@ def model_ready(name: str, version: str | None = None) -> tuple[Response, int]:
     """Readiness of a model (its default version) or of one version: true exactly when it takes requests."""
     service = current_service()
     try:
-        model = service.model(name, version)
+        model = service.route(name, version)
         ok = service.ready and model.batcher.is_alive()
     except NotReady:
         ok = False
@@ -91,8 +91,8 @@ def model_ready(name: str, version: str | None = None) -> tuple[Response, int]:
 def model_metadata(name: str, version: str | None = None) -> Response:
     """Inputs and outputs with datatypes and shapes; -1 is the batch dimension."""
     service = current_service()
-    predictor = service.model(name, version).predictor
-    loaded = service.models.snapshot().get(name, {"versions": [predictor.manifest.version]})["versions"]
+    predictor = service.route(name, version).predictor
+    loaded = service.reconciler.serving().get(name, {"versions": [predictor.manifest.version]})["versions"]
     versions = loaded if version is None else [version]
     return _json(ModelMetadata(
         name=predictor.manifest.name, versions=versions, platform="pytorch",
@@ -102,7 +102,7 @@ def model_metadata(name: str, version: str | None = None) -> Response:
         outputs=[TensorMetadata(name=OUTPUT, datatype="FP32", shape=[-1, predictor.num_classes])]))
 
 
-def _job(service: Service, model: Model, infer: InferRequest, reply: Reply) -> Job[Reply]:
+def _job(service: Service, model: LoadedVersion, infer: InferRequest, reply: Reply) -> Job[Reply]:
     """The one input as the runner's job: encoded images (BYTES) or preprocessed pixels (FP32)."""
     if len(infer.inputs) != 1:
         raise BadRequest(f"send exactly one input, {IMAGES_INPUT!r} (BYTES) or {PIXELS_INPUT!r} (FP32)")
@@ -166,7 +166,7 @@ def infer(name: str, version: str | None = None) -> Response:
     """Inference through the same stage runner and batcher as /predict."""
     service = current_service()
 
-    def read(model: Model) -> Job[Reply]:
+    def read(model: LoadedVersion) -> Job[Reply]:
         if request.content_encoding:
             raise BadRequest(f"Content-Encoding {request.content_encoding!r} is not supported; send the body as is")
         parsed = parse_request(read_body(request), request.headers.get("Inference-Header-Content-Length"))

@@ -8,7 +8,7 @@ from typing import Callable, TypeVar
 from flask import current_app, request
 
 from app import EXTENSION_KEY
-from app.engine.model import Model
+from app.engine.loaded_version import LoadedVersion
 from app.engine.service import Job, Served, Service
 
 P = TypeVar("P")
@@ -34,7 +34,7 @@ def _client_gone(sock: socket.socket) -> Callable[[], bool]:
     return gone
 
 
-def serve(service: Service, read: Callable[[Model], Job[P]], name: str | None = None,
+def serve(service: Service, read: Callable[[LoadedVersion], Job[P]], name: str | None = None,
           version: str | None = None) -> Served[P]:
     """``service.run`` for this request on model ``name`` (None: the only one) at ``version`` (None: its default),
     watching the request's connection (under gunicorn) while its images wait."""

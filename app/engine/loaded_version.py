@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
-class Model:
+class LoadedVersion:
     """A model version ready to serve: its predictor, its running batcher, its forward rate per batch size."""
 
     predictor: Predictor
@@ -54,7 +54,7 @@ class Model:
         return drained
 
 
-def start_model(settings: Settings, predictor: Predictor) -> Model:
+def start_version(settings: Settings, predictor: Predictor) -> LoadedVersion:
     """Start the batcher, warm up and pass the canary on its thread, apply the measured batch cap."""
     threads = forward_threads(settings.torch_threads, predictor.device)
     if threads:
@@ -84,7 +84,7 @@ def start_model(settings: Settings, predictor: Predictor) -> Model:
         log.info("%s %s: batch cap %d: larger batches were no faster (%s)", name, version, cap,
                  ", ".join(f"{size}: {rate:.0f} img/s" for size, rate in profile.items()))
         batcher.set_max_batch_size(cap)
-    model = Model(predictor, batcher, profile, observer, arrivals)
-    MODEL_INFO.labels(*model._info_labels()).set(1)
+    loaded = LoadedVersion(predictor, batcher, profile, observer, arrivals)
+    MODEL_INFO.labels(*loaded._info_labels()).set(1)
     QUEUE_CAPACITY.labels(name, version).set(batcher.queue_size)
-    return model
+    return loaded

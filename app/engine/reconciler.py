@@ -1,0 +1,354 @@
+"""A worker's model versions, made to match the desired state (app/engine/desired.py) with no failed request.
+
+Everything that wants a change writes the desired state: start-up (what the settings and the repository name), the
+repository poll (what each model's policy picks now), a V2 load or unload call, another worker. ``reconcile`` alone
+changes what this worker serves, one model at a time, in five steps:
+
+1. the versions wanted and not yet loaded are loaded beside the ones serving: the memory check, then verified
+   (checksums, strict keys, output shape), warmed up and canaried on their own batcher thread;
+2. if any fails, the fresh ones are stopped and what served keeps serving alone (all or nothing);
+3. the routing table sends the model's new requests to the wanted versions and its default, in one step;
+4. the versions no longer wanted leave the table at that moment, finish the requests that hold them and what is
+   queued, and are freed;
+5. this worker reports what it serves (``/v1/models`` shows each worker's report).
+
+A call reconciles its model here first, so a refusal raises and changes nothing anywhere; only then does it write
+the desired state and wait for the other workers. A refused version is remembered and the poll leaves it out until
+its manifest changes. One change runs at a time: a second load call for the same model waits, then finds the
+model already as wanted.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from app.config import Settings
+from app.engine.desired import UNLOADED, WATCH_S, Entry, desired_state
+from app.engine.loaded_version import LoadedVersion, start_version
+from app.engine.memory import check_fits
+from app.engine.policy import PolicyError, VersionPolicy, order_key
+from app.engine.routing import RoutingTable
+from app.engine.sources import Source
+from app.engine.weights import ModelLoadError, resolve_device
+from app.errors import BadRequest, LoadFailed, LoadTimeout, NotFound, ServiceError
+
+log = logging.getLogger(__name__)
+RETIRE_GRACE_S = 5.0  # beyond the request timeout, how long a retiring version waits for the requests holding it
+Key = tuple[str, str]  # (model, version)
+
+
+@dataclass(frozen=True)
+class VersionState:
+    """One row of the repository index: a version and what this worker does with it."""
+
+    name: str
+    version: str
+    state: str  # READY, LOADING, UNLOADING, UNAVAILABLE (Triton's words)
+    reason: str = ""
+
+
+class Reconciler:
+    """What this worker serves (``routes``), and the one path that changes it to match the desired state."""
+
+    def __init__(self, settings: Settings, source: Source, on_change: Callable[[], None] = lambda: None) -> None:
+        self.settings, self.source, self.on_change = settings, source, on_change
+        self.routes = RoutingTable()
+        self.desired = desired_state(settings.control_dir)
+        self._lock = threading.Lock()  # one change at a time: a call, the poll, or another worker's
+        self._applied = 0  # the desired generation this worker serves
+        self._status_lock = threading.Lock()  # the three below, also read by index() and the retiring threads
+        self._loading: set[Key] = set()
+        self._retiring: dict[Key, LoadedVersion] = {}
+        self._refused: dict[Key, tuple[tuple[int, int], str]] = {}  # the version's stamp then, and why
+        self._stop = threading.Event()
+
+    @property
+    def device(self) -> torch.device:
+        """Where this worker's models live (a missing CUDA device raises ModelLoadError at the first load)."""
+        return resolve_device(self.settings.device)
+
+    # -- what writes the desired state ---------------------------------------------------------------------------
+
+    def boot(self) -> None:
+        """Serve the desired state a running server already has, else write it from the settings and the
+        repository; then follow it (and poll) on a thread. Raises what stops the first load."""
+        with self._lock:
+            if not self.desired.read()[0]:
+                names = self.settings.model_names() or self.source.models()
+                if not names:
+                    raise self.source.missing()
+                wanted = {name: self._wanted(name, retry_refused=True) for name in names}
+                self._raise_first(self._reconcile(wanted))
+                self.desired.seed(wanted)  # a worker that started at the same time may have seeded it first
+            self._apply_newest(raise_errors=True)
+        threading.Thread(target=self._follow, name="models-follow", daemon=True).start()
+
+    def load(self, name: str, config: Any = None) -> None:
+        """A load call: ``name`` as its policy (and ``config``) picks from the repository now, here, then in every
+        worker. Raises NotFound, BadRequest, LoadFailed, InsufficientMemory or LoadTimeout."""
+        with self._lock:
+            entry = self._wanted(name, config, retry_refused=True)
+            self._reconcile_model(name, entry)
+            generation = self._write({name: entry})
+        self._wait_for_workers(generation)
+
+    def unload(self, name: str) -> None:
+        """An unload call: ``name`` served nowhere, until a load call; returns once its versions are freed here."""
+        with self._lock:
+            if name not in self.routes.routes() and name not in self.source.models():
+                raise NotFound(f"no model {name!r} is loaded or in the repository")
+            self._reconcile_model(name, UNLOADED)
+            generation = self._write({name: UNLOADED})
+        self._wait_for_workers(generation)
+
+    def poll(self) -> None:
+        """Each followed model as its policy picks from the repository now (versions refused before and unchanged
+        since left out; a model that left the repository is no longer wanted), then reconcile. Never raises."""
+        with self._lock:
+            _, desired = self.desired.read()
+            changes: dict[str, Entry | None] = {}
+            for name in sorted(set(self.settings.model_names() or self.source.models()) | set(desired)):
+                if desired.get(name) == UNLOADED:
+                    continue  # unloaded by a call: stays so until a load call
+                try:
+                    entry = self._wanted(name, retry_refused=False) if self.source.versions(name) else None
+                except ServiceError as exc:
+                    log.warning("poll: %s: %s", name, exc.message)
+                    continue
+                if entry is None or entry["versions"]:  # none left worth trying: keep what serves
+                    changes[name] = entry
+            self.desired.write(changes)
+        self.reconcile()
+
+    # -- the one path that changes what this worker serves -------------------------------------------------------
+
+    def reconcile(self) -> None:
+        """Serve the desired state's newest generation if this worker does not yet, and report."""
+        with self._lock:
+            if self.desired.read()[0] > self._applied:
+                self._apply_newest(raise_errors=False)
+
+    def _apply_newest(self, raise_errors: bool) -> None:
+        generation, desired = self.desired.read()
+        errors = self._reconcile(desired)
+        if raise_errors:
+            self._raise_first(errors)
+        self._applied = max(self._applied, generation)
+        self._report("; ".join(e.message for e in errors) or None)
+
+    def _reconcile(self, desired: dict[str, Entry]) -> list[ServiceError]:
+        """Every model as ``desired`` says, and none it does not name; returns the refusals."""
+        errors = []
+        for name in sorted(set(desired) | set(self.routes.routes())):
+            try:
+                self._reconcile_model(name, desired.get(name, UNLOADED))
+            except ServiceError as exc:
+                errors.append(exc)
+        return errors
+
+    def _reconcile_model(self, name: str, entry: Entry) -> None:
+        """Serve exactly ``entry``'s versions of ``name`` with its default (load, route, retire); all or nothing."""
+        serving, default = self.routes.routes().get(name, ([], None))
+        current = {loaded.version: loaded for loaded in serving}
+        wanted = [str(v) for v in entry["versions"]]
+        if set(wanted) == set(current) and entry["default"] == default:
+            return
+        fresh: list[LoadedVersion] = []
+        try:
+            for version in sorted(set(wanted) - set(current), key=order_key):
+                fresh.append(self._load_version(name, version))
+        except BaseException:
+            for loaded in fresh:
+                self._retire(loaded, wait=True)
+            raise
+        if wanted:
+            chosen = {**{v: current[v] for v in wanted if v in current}, **{f.version: f for f in fresh}}
+            replaced = self.routes.route(name, chosen, entry["default"])
+            log.info("%s serves versions %s (default %s)", name, ", ".join(sorted(wanted, key=order_key)),
+                     entry["default"])
+        else:
+            replaced = self.routes.remove(name)
+        for loaded in replaced:
+            self._retire(loaded, wait=not wanted)  # an unload returns once they are freed
+        if not wanted and replaced:
+            log.info("unloaded %s", name)
+
+    # -- the steps ------------------------------------------------------------------------------------------------
+
+    def _wanted(self, name: str, config: Any = None, retry_refused: bool = False) -> Entry:
+        """What ``name``'s policy picks from the repository now: its versions and default (the pure step)."""
+        available = self.source.versions(name)
+        if not available:
+            raise NotFound(f"the repository has no model {name!r}; it has: {', '.join(self.source.models()) or 'none'}",
+                           details={"models": self.source.models()})
+        if not retry_refused:
+            available = [v for v in available if not self._known_refused(name, v)]
+        try:
+            policy = self._policy(name, config)
+            versions = policy.choose(available)
+        except PolicyError as exc:
+            raise BadRequest(f"model {name!r}: {exc}") from None
+        return {"versions": versions, "default": policy.default_of(versions)}
+
+    def _policy(self, name: str, config: Any) -> VersionPolicy:
+        """The setting's policy, under the model's policy.json, under a load call's config."""
+        policy = VersionPolicy.parse(self.settings.version_policy)
+        for layer in (self.source.policy(name), config):
+            if layer is not None:
+                policy = VersionPolicy.from_config(layer, policy)
+        return policy
+
+    def _load_version(self, name: str, version: str) -> LoadedVersion:
+        key = (name, version)
+        with self._status_lock:
+            self._loading.add(key)
+        try:
+            self._check_memory(name, version)
+            device = self.device
+            before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            loaded = start_version(self.settings, self.source.load(name, version))
+            if device.type == "cuda":
+                loaded.device_memory_bytes = torch.cuda.memory_allocated(device) - before
+            with self._status_lock:
+                self._refused.pop(key, None)
+            return loaded
+        except Exception as exc:
+            error = exc if isinstance(exc, ServiceError) else LoadFailed(
+                f"{name} version {version} cannot be served: {exc if isinstance(exc, ModelLoadError) else repr(exc)}")
+            self._remember_refusal(name, version, error.message)
+            raise error from exc
+        finally:
+            with self._status_lock:
+                self._loading.discard(key)
+
+    def _remember_refusal(self, name: str, version: str, reason: str) -> None:
+        log.warning("refused %s version %s: %s", name, version, reason)
+        try:
+            stamp = self.source.stamp(name, version)
+        except OSError:
+            return
+        with self._status_lock:
+            self._refused[(name, version)] = (stamp, reason)
+
+    def _known_refused(self, name: str, version: str) -> bool:
+        with self._status_lock:
+            refused = self._refused.get((name, version))
+        try:
+            return refused is not None and refused[0] == self.source.stamp(name, version)
+        except OSError:
+            return True
+
+    def _check_memory(self, name: str, version: str) -> None:
+        # Twice the weights file: the loaded weights, and as much again for the load's copy and warm-up activations.
+        need = 2 * self.source.size_bytes(name, version)
+        with self._status_lock:
+            held = self.routes.all_versions() + list(self._retiring.values())
+        loaded = sum(v.device_memory_bytes or v.predictor.weights_bytes for v in held)
+        check_fits(f"{name} version {version}", need, self.device, loaded, self.settings.model_memory_limit_mb,
+                   self.settings.memory_reserve_mb)
+
+    def _retire(self, loaded: LoadedVersion, wait: bool) -> None:
+        key = (loaded.name, loaded.version)
+        with self._status_lock:
+            self._retiring[key] = loaded
+
+        def run() -> None:
+            drained = loaded.retire(self.settings.request_timeout_s + RETIRE_GRACE_S)
+            with self._status_lock:
+                self._retiring.pop(key, None)
+            if loaded.predictor.device.type == "cuda":
+                gc.collect()
+                torch.cuda.empty_cache()  # hand the freed blocks back, so the next load sees them as free
+            log.info("%s version %s stopped%s", *key, "" if drained else " (some requests were still holding it)")
+
+        if wait:
+            run()
+        else:
+            threading.Thread(target=run, name=f"retire-{key[0]}-{key[1]}", daemon=True).start()
+
+    def _write(self, changes: dict[str, Entry | None]) -> int:
+        """A call's change, already applied here, into the desired state; returns its generation."""
+        generation = self.desired.write(changes)
+        if generation == self._applied + 1:  # nothing written meanwhile: this worker serves that generation
+            self._applied = generation
+        # else another worker's change came first: reconcile() applies the whole generation, this one included
+        self._report()
+        return generation
+
+    def _report(self, error: str | None = None) -> None:
+        self.on_change()
+        self.desired.report(self._applied, self.serving(), error, str(self.device))
+
+    def _wait_for_workers(self, generation: int) -> None:
+        timeout_s = self.settings.repository_sync_timeout_s
+        reports, behind = self.desired.wait_applied(generation, timeout_s)
+        failed = [f"worker {r['pid']}: {r['error']}" for r in reports
+                  if r.get("error") and r.get("generation", 0) >= generation]
+        if failed:
+            raise LoadFailed("applied here, refused by other workers (they serve what they did): " + "; ".join(failed),
+                             details={"workers": reports})
+        if behind:
+            raise LoadTimeout(f"workers {', '.join(map(str, behind))} have not applied it within {timeout_s:g}s; "
+                              "they go on trying", details={"workers": reports})
+
+    @staticmethod
+    def _raise_first(errors: list[ServiceError]) -> None:
+        if errors:
+            raise errors[0]
+
+    def _follow(self) -> None:
+        """Reconcile whenever another worker writes a generation, and poll the repository when asked to."""
+        poll_s = self.settings.repository_poll_s
+        next_poll = time.monotonic() + poll_s
+        while not self._stop.wait(WATCH_S):
+            try:
+                if poll_s > 0 and time.monotonic() >= next_poll:
+                    next_poll = time.monotonic() + poll_s
+                    self.poll()
+                else:
+                    self.reconcile()
+            except Exception:  # noqa: BLE001 - a failed round must not end following
+                log.exception("reconciling the models failed")
+
+    # -- what this worker serves ------------------------------------------------------------------------------------
+
+    def serving(self) -> dict[str, Entry]:
+        """What this worker serves: {name: {"versions": [...], "default": v}}."""
+        return {name: {"versions": [v.version for v in versions], "default": default}
+                for name, (versions, default) in self.routes.routes().items()}
+
+    def index(self) -> list[VersionState]:
+        """Every version in the repository or in memory, with this worker's state of it."""
+        routed = self.routes.routes()
+        with self._status_lock:
+            loading, retiring, refused = set(self._loading), set(self._retiring), dict(self._refused)
+        rows = []
+        for name in sorted(set(self.source.models()) | set(routed)):
+            serving = {v.version for v in routed.get(name, ([], None))[0]}
+            held = set(self.source.versions(name)) | serving | {v for n, v in loading | retiring if n == name}
+            for version in sorted(held, key=order_key):
+                key = (name, version)
+                if version in serving:
+                    rows.append(VersionState(name, version, "READY"))
+                elif key in loading:
+                    rows.append(VersionState(name, version, "LOADING"))
+                elif key in retiring:
+                    rows.append(VersionState(name, version, "UNLOADING"))
+                else:
+                    rows.append(VersionState(name, version, "UNAVAILABLE",
+                                             refused[key][1] if key in refused else "unloaded"))
+        return rows
+
+    def workers(self) -> list[dict[str, Any]]:
+        """What each worker of the server serves (its last report)."""
+        return self.desired.workers()
+
+    def close(self) -> None:
+        """Stop following and polling."""
+        self._stop.set()
