@@ -66,7 +66,7 @@ def forward_rates(weights: Path, rounds: int = 3) -> dict[str, dict[int, float]]
             for size in BATCH_SIZES:
                 batch = torch.randn(size, *shape)
                 for name, predictor in predictors.items():
-                    rates[name][size].append(_fastest_rate(predictor.model, batch))
+                    rates[name][size].append(_fastest_rate(predictor.module, batch))
     return {name: {b: statistics.median(v) for b, v in sizes.items()} for name, sizes in rates.items()}
 
 

@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 
 from app.engine.decode import decode_image
-from app.engine.device_decode import check_header, decode_batch
+from app.engine.decoders import decoder_for
 from app.engine.predictor import Predictor
 from bench.__main__ import RESULTS, WORK, export_models
 from bench.gpu_util import GpuUtilisation
@@ -54,16 +54,17 @@ def decode_rates(predictor: Predictor, photos: Sequence[bytes], batch_size: int,
             with intra_op_threads(torch_threads):
                 rates[f"CPU: PIL + eval transform, {cores} threads, {torch_threads} intra-op"] = timed_rate(
                     lambda: len(list(pool.map(on_cpu, chunk))), seconds)
-    encoded = [check_header(photo, LIMITS) for photo in chunk]  # headers once: the request threads' share
+    decoder = decoder_for("device", predictor, LIMITS)  # the service's device path
+    encoded = [decoder.prepare(photo) for photo in chunk]  # headers once: the request threads' share
 
     def on_device() -> int:  # the service's device path: decode + preprocess in the batch, on the device
-        decode_batch(encoded, device, predictor.tensor_transform, predictor.dtype)
+        decoder.collate(encoded)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return len(chunk)
 
     def with_forward() -> int:  # and the forward pass: the in-process limit of the device path
-        predictor.predict_list(encoded)  # returns on the CPU: the device's work is done
+        predictor.predict_batch(decoder.collate(encoded))  # returns on the CPU: the device's work is done
         return len(chunk)
 
     rates[f"device path: decode + preprocess on {device.type}, batch {batch_size}"] = timed_rate(on_device, seconds)

@@ -5,13 +5,17 @@ import contextlib
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
 
 from models.manifest import Manifest, WeightsFile
 from models.presets import EvalPreset
+
+if TYPE_CHECKING:
+    from app.engine.call import Served
+    from app.engine.service import Service
 
 LABELS = ["red", "green", "blue", "other"]
 
@@ -51,6 +55,14 @@ class ColourModel(nn.Module):
             raise RuntimeError("fake forward failure")
         other = torch.full((x.shape[0], 1), -0.5)
         return torch.cat([means, other], dim=1) * 10
+
+
+def infer(service: Service, images: Sequence[bytes] = (), tensors: Sequence[torch.Tensor] = (), *,
+          name: str | None = None, version: str | None = None, client_gone: Callable[[], bool] | None = None,
+          timeout_s: float = 5.0) -> Served:
+    """One request through the engine as a protocol sends it: admitted to ``name``/``version``, then inferred."""
+    with service.admit(name, version) as call:
+        return call.infer(images, tensors, timeout_s=timeout_s, client_gone=client_gone)
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 10) -> None:

@@ -22,7 +22,7 @@ def test_measured_cap_is_applied_and_shown(settings: Settings, predictor: Predic
     monkeypatch.setattr(predictor, "warmup", lambda max_batch_size: {k: measured[k] for k in range(1, 5)})
     app = create_app(settings.model_copy(update={"auto_batch_size": True}), predictor)
     try:
-        assert app.extensions[EXTENSION_KEY].batcher.max_batch_size == 3
+        assert app.extensions[EXTENSION_KEY].route().batcher.max_batch_size == 3
         batching = app.test_client().get("/v1/models").get_json()["models"][0]["batching"]
         assert (batching["max_batch_size"], batching["batch_cap"]) == (4, 3)
         assert batching["profile"] == {"1": 100.0, "2": 180.0, "3": 200.0, "4": 199.0}
@@ -38,7 +38,7 @@ def test_warmup_canary_and_batches_run_on_the_batcher_thread(settings: Settings,
     try:
         assert model.batch_sizes[:4] == [1, 2, 3, 4] and len(model.threads) > 4  # warm-up, then the canary
         app.test_client().post("/predict", data=image_bytes())
-        assert set(model.threads) == {service.batcher._thread.ident}
+        assert set(model.threads) == {service.route().batcher._thread.ident}
     finally:
         service.shutdown(timeout=5)
 

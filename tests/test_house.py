@@ -60,10 +60,11 @@ def test_import_direction(package: str, forbidden: tuple[str, ...]) -> None:
     assert not {m: n for m, n in broken.items() if n}, f"{package} may not import {forbidden}"
 
 
-def test_protocols_reach_the_engine_only_through_the_stage_runner() -> None:
-    # Arrivals, the batcher and decoding are the runner's business: a protocol that chains them itself can lose
-    # the inline path or the arrival count silently.
-    internals = ("app.engine.arrivals", "app.engine.batcher", "app.engine.decode", "app.engine.batch_types")
+def test_protocols_reach_the_request_path_only_through_admit() -> None:
+    # Arrivals, the batcher and decoding are Service.admit's and Call.infer's business: a protocol that chains them
+    # itself can lose the inline path or the arrival count silently.
+    internals = ("app.engine.arrivals", "app.engine.batcher", "app.engine.decode", "app.engine.batch_types",
+                 "app.engine.decoders", "app.engine.device_decode", "app.engine.tensor_decode")
     for package in PROTOCOLS:
         for module, names in _modules(package).items():
             assert not [n for n in names if _under(n, internals)], module

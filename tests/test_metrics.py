@@ -102,5 +102,5 @@ def test_readiness_the_inference_thread_and_the_queue_capacity_are_metrics(clien
     assert value('visionserve_queue_capacity{model="colour",version="test"}') == service.settings.resolved_queue_size()
     service.begin_drain()
     assert value("visionserve_ready") == 0
-    service.batcher.stop(timeout=5)
+    service.route().batcher.stop(timeout=5)
     assert value("visionserve_batcher_alive") == 0

@@ -17,9 +17,9 @@ from app.config import Settings
 from app.engine.desired import UNLOADED, SharedDesiredState
 from app.engine.policy import PolicyError, VersionPolicy
 from app.engine.reconciler import Reconciler
-from app.engine.service import Job, Service
+from app.engine.service import Service
 from app.errors import BadRequest, InsufficientMemory, LoadFailed, NotFound, NotReady
-from tests.fakes import FakeRepository, wait_until
+from tests.fakes import FakeRepository, infer, wait_until
 from tests.imaging import RED, image_bytes
 
 
@@ -43,9 +43,9 @@ def service(settings: Settings, repository: FakeRepository) -> Iterator[Service]
 
 def _ask(service: Service, name: str | None = None, version: str | None = None) -> str:
     """The version that answers one red image."""
-    served = service.run(lambda _: Job(None, 5.0, images=[image_bytes(RED)]), None, name, version)
+    served = infer(service, [image_bytes(RED)], name=name, version=version)
     assert served.probabilities().argmax() == 0
-    return served.model.version  # type: ignore[union-attr]
+    return served.version
 
 
 def test_policies_choose_versions_and_the_default() -> None:

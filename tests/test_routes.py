@@ -94,7 +94,7 @@ def test_concurrent_requests_share_batches(client: FlaskClient, model: ColourMod
         first = pool.submit(call, colors[0])
         wait_until(lambda: len(model.batch_sizes) == 1)
         rest = [pool.submit(call, c) for c in colors[1:]]
-        wait_until(lambda: service.batcher.depth == 7)
+        wait_until(lambda: service.route().batcher.depth == 7)
         model.gate.set()
         assert [first.result(timeout=10)] + [f.result(timeout=10) for f in rest] == ["red", "green", "blue", "red"] * 2
     assert model.batch_sizes == [1, 4, 3]
@@ -167,9 +167,9 @@ def test_full_queue_is_429_with_retry_after(client: FlaskClient, model: ColourMo
     model.gate = threading.Event()  # park the worker inside a forward pass
     blocked = ThreadPoolExecutor(1).submit(
         client.post, "/predict", data=image_bytes(), content_type="image/jpeg")
-    wait_until(lambda: bool(model.batch_sizes) and service.batcher.depth == 0)
-    filler = [service.preprocess(image_bytes())] * service.settings.queue_size
-    queued = service.batcher.submit_many(filler)
+    wait_until(lambda: bool(model.batch_sizes) and service.route().batcher.depth == 0)
+    filler = [service.route().decoder.prepare(image_bytes())] * service.settings.queue_size
+    queued = service.route().batcher.submit_many(filler)
     response = client.post("/predict", data=image_bytes(), content_type="image/jpeg")
     _error(response, 429, "overloaded")
     assert int(response.headers["Retry-After"]) >= 1
@@ -191,7 +191,7 @@ def test_health_endpoints_and_draining(client: FlaskClient, service: Service) ->
 
 
 def test_dead_batcher_fails_liveness(client: FlaskClient, service: Service) -> None:
-    service.batcher.stop(timeout=5)
+    service.route().batcher.stop(timeout=5)
     assert client.get("/healthz").status_code == 503
     assert client.get("/readyz").status_code == 503
 
@@ -230,11 +230,11 @@ def test_a_lone_request_runs_its_batch_inline_unless_turned_off(settings, predic
     app = create_app(settings.model_copy(update={"inline_when_idle": inline}), predictor)
     try:
         service: Service = app.extensions[EXTENSION_KEY]
-        before = service.batcher.batches_run
+        before = service.route().batcher.batches_run
         response = app.test_client().post("/predict", data=image_bytes(GREEN), content_type="image/jpeg")
         assert _labels(response) == ["green"] and response.headers["X-Batch-Size"] == "1"
-        assert service.batcher.batches_run == before + 1
-        assert service.batcher.batches_inline == (1 if inline else 0)
+        assert service.route().batcher.batches_run == before + 1
+        assert service.route().batcher.batches_inline == (1 if inline else 0)
     finally:
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 
@@ -312,14 +312,14 @@ def test_the_default_queue_holds_several_maximum_size_requests(predictor) -> Non
     defaults = Settings(device="cpu", max_batch_size=4, auto_batch_size=False, max_wait_ms=5)
     assert defaults.resolved_queue_size() == 8 * defaults.max_images == 128
     app = create_app(defaults, predictor)
-    model = predictor.model
+    model = predictor.module
     try:
         model.gate = threading.Event()
         client = app.test_client()
         files = lambda: {"image": [(io.BytesIO(image_bytes(RED)), f"{i}.jpg") for i in range(16)]}  # noqa: E731
         with ThreadPoolExecutor(6) as pool:
             calls = [pool.submit(client.post, "/predict", data=files()) for _ in range(6)]
-            wait_until(lambda: app.extensions[EXTENSION_KEY].batcher.depth >= 80)
+            wait_until(lambda: app.extensions[EXTENSION_KEY].route().batcher.depth >= 80)
             model.gate.set()
             assert [c.result(timeout=30).status_code for c in calls] == [200] * 6
     finally:
@@ -330,7 +330,7 @@ def test_the_default_queue_holds_several_maximum_size_requests(predictor) -> Non
 
 def test_a_request_for_another_model_or_version_is_404_naming_the_served_one(client: FlaskClient,
                                                                              service: Service) -> None:
-    manifest = service.predictor.manifest
+    manifest = service.route().predictor.manifest
     ok = client.post(f"/predict?model={manifest.name}&version={manifest.version}", data=image_bytes(),
                      content_type="image/jpeg")
     assert ok.status_code == 200

@@ -84,13 +84,13 @@ def test_the_tensor_transform_matches_the_pil_transform_on_a_photo(interpolation
 
 def test_the_service_decodes_on_the_path_its_settings_choose(settings, predictor,  # noqa: ANN001
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    import app.engine.service as service_module
+    import app.engine.decoders as decoders
     from app import EXTENSION_KEY, create_app
 
     calls: list[str] = []
     for name in ("image_to_tensor", "image_to_tensor_path"):
-        original = getattr(service_module, name)
-        monkeypatch.setattr(service_module, name,
+        original = getattr(decoders, name)
+        monkeypatch.setattr(decoders, name,
                             lambda *args, _f=original, _n=name: calls.append(_n) or _f(*args))  # type: ignore[misc]
     answers = {}
     for path in ("pil", "tensor"):
@@ -103,19 +103,21 @@ def test_the_service_decodes_on_the_path_its_settings_choose(settings, predictor
         finally:
             app.extensions[EXTENSION_KEY].shutdown(timeout=5)
     assert answers == {"pil": "blue", "tensor": "blue"}
-    assert calls == ["image_to_tensor"] * 2 + ["image_to_tensor_path"] * 2
+    assert calls == ["image_to_tensor"] * 3 + ["image_to_tensor_path"] * 3  # the canary, then the two requests
 
 
 def test_the_device_path_decodes_in_the_batch_and_fails_only_the_bad_image(settings, predictor,  # noqa: ANN001
-                                                                            model) -> None:  # noqa: ANN001
+                                                                            monkeypatch) -> None:  # noqa: ANN001
     from concurrent.futures import ThreadPoolExecutor
 
+    import app.engine.decoders as decoders
     from app import EXTENSION_KEY, create_app
     from app.engine.device_decode import Encoded
 
     seen: list[type] = []
-    original = predictor.predict_list
-    predictor.predict_list = lambda items: seen.extend(map(type, items)) or original(items)  # type: ignore[method-assign]
+    original = decoders.collate_on_device
+    monkeypatch.setattr(decoders, "collate_on_device",
+                        lambda items, *rest: seen.extend(map(type, items)) or original(items, *rest))
     app = create_app(settings.model_copy(update={"decode_path": "device", "max_wait_ms": 200}), predictor)
     try:
         client = app.test_client()
@@ -139,8 +141,9 @@ def test_the_device_path_decodes_in_the_batch_and_fails_only_the_bad_image(setti
 
 
 def test_a_batch_may_mix_encoded_images_and_preprocessed_pixels(predictor) -> None:  # noqa: ANN001
-    from app.engine.device_decode import check_header
+    from app.engine.decoders import decoder_for
 
+    decoder = decoder_for("device", predictor, LIMITS)
     red_pixels = predictor.tensor_transform(decode_tensor(image_bytes(RED), LIMITS))
-    probabilities = predictor.predict_list([check_header(image_bytes(BLUE), LIMITS), red_pixels])
+    probabilities = predictor.predict_batch(decoder.collate([decoder.prepare(image_bytes(BLUE)), red_pixels]))
     assert probabilities.argmax(dim=1).tolist() == [2, 0]  # blue, red: in their order

@@ -35,12 +35,15 @@ class DecodeLimits:
                    jpeg_draft_min_side=settings.jpeg_draft_min_side)
 
 
-def canary_image(size: int = 320) -> Image.Image:
-    """A deterministic synthetic photo-like image (colour gradients) for the readiness canary."""
+def canary_jpeg(size: int = 320) -> bytes:
+    """A deterministic synthetic photo-like image (colour gradients) as a JPEG, for the readiness canary."""
     ramp = np.linspace(0, 255, size, dtype=np.float32)
     red, green = np.meshgrid(ramp, ramp[::-1])
     blue = np.full_like(red, 96.0)
-    return Image.fromarray(np.stack([red, green, blue], axis=-1).astype(np.uint8), mode="RGB")
+    buffer = io.BytesIO()
+    Image.fromarray(np.stack([red, green, blue], axis=-1).astype(np.uint8), mode="RGB").save(
+        buffer, format="JPEG", quality=90)
+    return buffer.getvalue()
 
 
 def _open(data: bytes) -> Image.Image:

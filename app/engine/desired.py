@@ -5,7 +5,7 @@ the repository poll and the V2 load/unload calls write it; ``Reconciler.reconcil
 and each worker reports what it serves after doing so. A model unloaded by a call stays in it as ``UNLOADED`` (no
 versions), so a poll does not bring it back.
 
-With one worker the state lives in memory (``LocalDesiredState``). With several gunicorn workers it is a directory
+With one worker the state lives in memory (``DesiredState``). With several gunicorn workers it is a directory
 the master made before the fork (``CONTROL_DIR``, ``SharedDesiredState``): ``desired.json`` under a file lock, and
 a ``worker-<pid>.json`` report per worker, so a change made in one worker reaches the others, and a worker started
 later (a restart, ``kill -HUP``) serves the same set. Standard library only: the gunicorn master imports it.
@@ -19,23 +19,12 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator
 
 WATCH_S = 0.2  # how often a worker looks for a newer generation
 DESIRED, LOCK = "desired.json", "lock"
 Entry = dict[str, Any]  # {"versions": [...], "default": v}
 UNLOADED: Entry = {"versions": [], "default": None}  # unloaded by a call: served nowhere, and the poll leaves it
-
-
-class DesiredState(Protocol):
-    """Where the desired state and the workers' reports live."""
-
-    def read(self) -> tuple[int, dict[str, Entry]]: ...
-    def write(self, changes: dict[str, Entry | None]) -> int: ...
-    def seed(self, models: dict[str, Entry]) -> int: ...
-    def report(self, generation: int, serving: dict[str, Entry], error: str | None, device: str) -> None: ...
-    def workers(self) -> list[dict[str, Any]]: ...
-    def wait_applied(self, generation: int, timeout_s: float) -> tuple[list[dict[str, Any]], list[int]]: ...
 
 
 def _changed(models: dict[str, Entry], changes: dict[str, Entry | None]) -> dict[str, Entry]:
@@ -49,50 +38,63 @@ def _changed(models: dict[str, Entry], changes: dict[str, Entry | None]) -> dict
     return updated
 
 
-def _worker_report(generation: int, serving: dict[str, Entry], error: str | None, device: str) -> dict[str, Any]:
-    return {"pid": os.getpid(), "generation": generation, "models": serving, "error": error, "device": device,
-            "time": time.time()}
-
-
-class LocalDesiredState:
-    """One worker: the state in memory, and this worker's report as the only one."""
+class DesiredState:
+    """One worker: the state and this worker's report in memory. ``SharedDesiredState`` keeps them in files."""
 
     def __init__(self) -> None:
+        self.pid = os.getpid()
         self._lock = threading.Lock()
-        self._generation, self._models = 0, {}  # type: tuple[int, dict[str, Entry]]
-        self._report: dict[str, Any] | None = None
+        self._state: tuple[int, dict[str, Entry]] = (0, {})
+        self._reports: dict[int, dict[str, Any]] = {}
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._lock:
+            yield
 
     def read(self) -> tuple[int, dict[str, Entry]]:
         """The newest generation and its models."""
-        with self._lock:
-            return self._generation, dict(self._models)
+        return self._state[0], dict(self._state[1])
+
+    def _store(self, generation: int, models: dict[str, Entry]) -> None:
+        self._state = (generation, models)
+
+    def _commit(self, decide: Callable[[int, dict[str, Entry]], dict[str, Entry] | None]) -> int:
+        with self._locked():
+            generation, models = self.read()
+            updated = decide(generation, models)
+            if updated is None or updated == models:
+                return generation
+            self._store(generation + 1, updated)
+            return generation + 1
 
     def write(self, changes: dict[str, Entry | None]) -> int:
-        """Apply ``changes``; a new generation only when something changed. Returns the generation."""
-        with self._lock:
-            updated = _changed(self._models, changes)
-            if updated != self._models:
-                self._generation, self._models = self._generation + 1, updated
-            return self._generation
+        """Apply ``changes`` to the newest generation under the lock (so calls for different models on different
+        workers at once both take effect); a new generation only when something changed. Returns the generation."""
+        return self._commit(lambda _, models: _changed(models, changes))
 
     def seed(self, models: dict[str, Entry]) -> int:
-        """The first generation, unless there is one already."""
-        with self._lock:
-            if not self._generation:
-                self._generation, self._models = 1, dict(models)
-            return self._generation
+        """The first generation, unless a worker wrote one already."""
+        return self._commit(lambda generation, _: None if generation else dict(models))
 
     def report(self, generation: int, serving: dict[str, Entry], error: str | None, device: str) -> None:
-        """What this worker serves after applying ``generation``."""
-        self._report = _worker_report(generation, serving, error, device)
+        """What this worker serves after applying ``generation``, on which device, and why it could not apply it."""
+        self._reports[self.pid] = {"pid": self.pid, "generation": generation, "models": serving, "error": error,
+                                   "device": device, "time": time.time()}
 
     def workers(self) -> list[dict[str, Any]]:
-        """This worker's report."""
-        return [self._report] if self._report else []
+        """The reports of the live workers, by pid."""
+        return [self._reports[pid] for pid in sorted(self._reports)]
 
     def wait_applied(self, generation: int, timeout_s: float) -> tuple[list[dict[str, Any]], list[int]]:
-        """Nothing to wait for: the only worker applied it before writing it."""
-        return self.workers(), []
+        """Wait until every live worker applied ``generation``; returns the reports and the pids still behind."""
+        until = time.monotonic() + timeout_s
+        while True:
+            reports = self.workers()
+            behind = [r["pid"] for r in reports if r.get("generation", 0) < generation]
+            if not behind or time.monotonic() >= until:
+                return reports, behind
+            time.sleep(WATCH_S / 2)
 
 
 def _write_atomic(path: Path, data: Any) -> None:
@@ -118,12 +120,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
-class SharedDesiredState:
-    """Several workers: the state in ``root/desired.json``, each worker's report in ``root/worker-<pid>.json``."""
+class SharedDesiredState(DesiredState):
+    """Several workers: the state in ``root/desired.json`` under a file lock, each worker's report in
+    ``root/worker-<pid>.json``."""
 
     def __init__(self, root: Path, pid: int | None = None) -> None:
-        self.root = root
-        self.pid = pid or os.getpid()
+        super().__init__()
+        self.root, self.pid = root, pid or self.pid
         root.mkdir(parents=True, exist_ok=True)
 
     @contextlib.contextmanager
@@ -140,28 +143,13 @@ class SharedDesiredState:
         data = _read(self.root / DESIRED) or {}
         return int(data.get("generation", 0)), dict(data.get("models", {}))
 
-    def _commit(self, decide: Any) -> int:
-        with self._locked():
-            generation, models = self.read()
-            updated = decide(generation, models)
-            if updated is None or updated == models:
-                return generation
-            _write_atomic(self.root / DESIRED, {"generation": generation + 1, "models": updated})
-            return generation + 1
-
-    def write(self, changes: dict[str, Entry | None]) -> int:
-        """Apply ``changes`` to the newest generation under the lock (so calls for different models on different
-        workers at once both take effect); a new generation only when something changed. Returns the generation."""
-        return self._commit(lambda _, models: _changed(models, changes))
-
-    def seed(self, models: dict[str, Entry]) -> int:
-        """The first generation, unless a worker wrote one already."""
-        return self._commit(lambda generation, _: None if generation else dict(models))
+    def _store(self, generation: int, models: dict[str, Entry]) -> None:
+        _write_atomic(self.root / DESIRED, {"generation": generation, "models": models})
 
     def report(self, generation: int, serving: dict[str, Entry], error: str | None, device: str) -> None:
         """What this worker serves after applying ``generation``, on which device, and why it could not apply it."""
-        _write_atomic(self.root / f"worker-{self.pid}.json", {**_worker_report(generation, serving, error, device),
-                                                              "pid": self.pid})
+        super().report(generation, serving, error, device)
+        _write_atomic(self.root / f"worker-{self.pid}.json", self._reports[self.pid])
 
     def forget(self, pid: int) -> None:
         """A worker ended: drop its report (the master calls this)."""
@@ -174,17 +162,7 @@ class SharedDesiredState:
         return sorted((r for r in reports if isinstance(r, dict) and _alive(int(r.get("pid", 0)))),
                       key=lambda r: r["pid"])
 
-    def wait_applied(self, generation: int, timeout_s: float) -> tuple[list[dict[str, Any]], list[int]]:
-        """Wait until every live worker applied ``generation``; returns the reports and the pids still behind."""
-        until = time.monotonic() + timeout_s
-        while True:
-            reports = self.workers()
-            behind = [r["pid"] for r in reports if r.get("generation", 0) < generation]
-            if not behind or time.monotonic() >= until:
-                return reports, behind
-            time.sleep(WATCH_S / 2)
-
 
 def desired_state(control_dir: Path | None) -> DesiredState:
     """The shared state when the server has a control directory (several workers), else one in memory."""
-    return SharedDesiredState(control_dir) if control_dir is not None else LocalDesiredState()
+    return SharedDesiredState(control_dir) if control_dir is not None else DesiredState()

@@ -10,13 +10,12 @@ at a time: sizes differ) and the images of a batch are stacked once on the devic
 """
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from app.engine.decode import DecodeLimits, canary_image, is_jpeg, open_checked
+from app.engine.decode import DecodeLimits, is_jpeg, open_checked
 from app.engine.tensor_decode import decode_tensor
 from models.jpeg import decode_jpegs
 from models.presets import TensorEvalTransform
@@ -34,13 +33,6 @@ class Encoded:
 def check_header(data: bytes, limits: DecodeLimits) -> Encoded:
     """Read the header only and check every limit (InvalidImage, ImageTooLarge, UnsupportedImageFormat)."""
     return Encoded(data, is_jpeg(open_checked(data, limits)), limits)
-
-
-def canary_jpeg() -> bytes:
-    """The readiness canary's image as a JPEG, for the device path's canary."""
-    buffer = io.BytesIO()
-    canary_image().save(buffer, format="JPEG", quality=90)
-    return buffer.getvalue()
 
 
 def _jpegs_on(device: torch.device, items: Sequence[Encoded]) -> dict[int, torch.Tensor]:
@@ -64,3 +56,16 @@ def decode_batch(items: Sequence[Encoded], device: torch.device, transform: Tens
                 pixels = pixels.pin_memory().to(device, non_blocking=True)
         rows.append(transform(pixels))
     return torch.stack(rows).to(dtype)
+
+
+def collate_on_device(items: Sequence[Encoded | torch.Tensor], device: torch.device, transform: TensorEvalTransform,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """A batch of encoded images, possibly mixed with preprocessed pixels (V2 clients may send those), as the
+    model's input on ``device``: the rows in their order."""
+    encoded = [i for i, item in enumerate(items) if isinstance(item, Encoded)]
+    decoded = decode_batch([items[i] for i in encoded], device, transform, dtype)  # type: ignore[misc]
+    if len(encoded) == len(items):
+        return decoded
+    rows = dict(zip(encoded, decoded))
+    return torch.stack([rows[i] if i in rows else items[i].to(device, dtype)  # type: ignore[union-attr]
+                        for i in range(len(items))])

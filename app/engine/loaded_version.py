@@ -1,19 +1,22 @@
-"""A loaded model version: its predictor and running batcher, started, warmed up and canaried on the batcher's
-thread; counted while requests use it, so an unloaded version stops only after its last request is answered."""
+"""A loaded model version: its predictor, its decoder and its running batcher, started, warmed up and canaried on
+the batcher's thread; counted while requests use it, so an unloaded version stops only after its last request is
+answered."""
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
 from app.config import Settings
 from app.engine.arrivals import Arrivals, InFlight
 from app.engine.batcher import Batcher
-from app.engine.decode import DecodeLimits
-from app.engine.device_decode import canary_jpeg, check_header
+from app.engine.decode import DecodeLimits, canary_jpeg
+from app.engine.decoders import Decoder, Prepared, decoder_for
 from app.engine.predictor import OUT_OF_MEMORY_ERRORS, Predictor
 from app.engine.tuning import choose_batch_cap, decode_path, forward_threads, inline_batches
+from app.engine.weights import ModelLoadError
 from app.metrics import MODEL_INFO, QUEUE_CAPACITY, MetricsObserver
 
 log = logging.getLogger(__name__)
@@ -21,10 +24,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class LoadedVersion:
-    """A model version ready to serve: its predictor, its running batcher, its forward rate per batch size."""
+    """A model version ready to serve: its predictor, decoder and running batcher, its forward rate per batch
+    size."""
 
     predictor: Predictor
-    batcher: Batcher[torch.Tensor, torch.Tensor]
+    decoder: Decoder
+    batcher: Batcher[Prepared, torch.Tensor]
     batch_profile: dict[int, float]  # forward images/s per batch size, measured at warm-up
     observer: MetricsObserver = field(default_factory=MetricsObserver)
     arrivals: Arrivals = field(default_factory=Arrivals)  # requests decoding for this version's next batch
@@ -54,29 +59,42 @@ class LoadedVersion:
         return drained
 
 
+def check_canary(probabilities: torch.Tensor, num_classes: int) -> None:
+    """ModelLoadError unless the canary's answer is one row of ``num_classes`` finite probabilities summing to 1."""
+    total = float(probabilities.sum())
+    if (probabilities.shape != (1, num_classes) or not torch.isfinite(probabilities).all()
+            or abs(total - 1.0) > 1e-3):
+        raise ModelLoadError(f"canary inference failed: shape {tuple(probabilities.shape)}, sum {total}")
+
+
 def start_version(settings: Settings, predictor: Predictor) -> LoadedVersion:
-    """Start the batcher, warm up and pass the canary on its thread, apply the measured batch cap."""
+    """Choose the decoder, start the batcher, warm up and pass the canary on its thread, apply the measured batch
+    cap."""
     threads = forward_threads(settings.torch_threads, predictor.device)
     if threads:
         torch.set_num_threads(threads)
     name, version = predictor.manifest.name, predictor.manifest.version
+    decoder = decoder_for(decode_path(settings.decode_path, predictor.device), predictor,
+                          DecodeLimits.from_settings(settings))
+
+    def run_batch(prepared: Sequence[Prepared]) -> torch.Tensor:
+        return predictor.predict_batch(decoder.collate(prepared))
+
     observer = MetricsObserver(predictor.memory_stats if predictor.device.type == "cuda" else None, name, version)
     arrivals = Arrivals()
-    batcher: Batcher[torch.Tensor, torch.Tensor] = Batcher(
-        predictor.predict_list, max_batch_size=settings.max_batch_size, max_wait_ms=settings.max_wait_ms,
+    batcher: Batcher[Prepared, torch.Tensor] = Batcher(
+        run_batch, max_batch_size=settings.max_batch_size, max_wait_ms=settings.max_wait_ms,
         queue_size=settings.resolved_queue_size(), split_on=OUT_OF_MEMORY_ERRORS, shrink_s=settings.oom_shrink_s,
         observer=observer, incoming=arrivals.count, name=f"batcher-{name}-{version}",
         inline_when_idle=inline_batches(settings.inline_when_idle, predictor.device))
     profile: dict[int, float] = {}
 
-    on_device = decode_path(settings.decode_path, predictor.device) == "device"
-
     def prepare() -> None:  # on the thread that will run the batches: cuDNN's tuned plans are per thread
         if settings.warmup:
             profile.update(predictor.warmup(settings.max_batch_size))
-        predictor.canary()
-        if on_device:  # the decoder the batches will use, started and checked on this thread too
-            predictor.canary(check_header(canary_jpeg(), DecodeLimits.from_settings(settings)))
+        # A synthetic photo through the decoder the batches will use (starting the device's decoder there) and
+        # the model.
+        check_canary(run_batch([decoder.prepare(canary_jpeg())]), predictor.num_classes)
 
     batcher.start(prepare)
     cap = choose_batch_cap(profile) if profile and settings.auto_batch_size else settings.max_batch_size
@@ -84,7 +102,7 @@ def start_version(settings: Settings, predictor: Predictor) -> LoadedVersion:
         log.info("%s %s: batch cap %d: larger batches were no faster (%s)", name, version, cap,
                  ", ".join(f"{size}: {rate:.0f} img/s" for size, rate in profile.items()))
         batcher.set_max_batch_size(cap)
-    loaded = LoadedVersion(predictor, batcher, profile, observer, arrivals)
+    loaded = LoadedVersion(predictor, decoder, batcher, profile, observer, arrivals)
     MODEL_INFO.labels(*loaded._info_labels()).set(1)
     QUEUE_CAPACITY.labels(name, version).set(batcher.queue_size)
     return loaded

@@ -71,6 +71,20 @@ class VersionPolicy:
         default = config.get("default_version", policy.default)
         return replace(policy, default=None if default is None else str(default))
 
+    @classmethod
+    def layered(cls, setting: str, *configs: Any) -> "VersionPolicy":
+        """The ``VERSION_POLICY`` setting under each config given (a model's policy.json, a load call's config)."""
+        policy = cls.parse(setting)
+        for config in configs:
+            if config is not None:
+                policy = cls.from_config(config, policy)
+        return policy
+
+    def wanted(self, available: list[str]) -> dict[str, Any]:
+        """What to serve out of ``available``: {"versions": [...], "default": v} (the desired state's entry)."""
+        versions = self.choose(available)
+        return {"versions": versions, "default": self.default_of(versions)}
+
     def choose(self, available: list[str]) -> list[str]:
         """The versions to keep loaded out of ``available``, oldest first; PolicyError when one named is absent."""
         ordered = sorted(available, key=order_key)
@@ -97,11 +111,6 @@ class VersionPolicy:
         ordered = sorted(loaded, key=order_key)
         numbered = [v for v in ordered if _NUMBER.match(v)]
         return (numbered or ordered or [None])[-1]
-
-    def describe(self) -> str:
-        """The policy as the setting spells it."""
-        text = {"latest": f"latest:{self.count}", "all": "all"}.get(self.kind, f"specific:{','.join(self.versions)}")
-        return text + (f" (default {self.default})" if self.default else "")
 
 
 def _from_triton(spec: Any) -> VersionPolicy:

@@ -1,16 +1,14 @@
-"""Predictor: a verified model placed on its device with its manifest's transform; warms up and runs batches."""
+"""Predictor: a verified model placed on its device with its manifest's transforms; warms up and runs the forward
+pass of a batch."""
 from __future__ import annotations
 
 import logging
 import time
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.nn as nn
 
-from app.engine.decode import canary_image
-from app.engine.device_decode import Encoded, decode_batch
 from app.engine.packages import choose_package, load_package
 from app.engine.weights import (
     ModelLoadError,
@@ -51,10 +49,10 @@ class Predictor:
         self.weights_format = weights_format
         self.transform: ImageTransform = eval_transform(manifest.preprocess)
         self.tensor_transform = TensorEvalTransform(manifest.preprocess)  # the same, on decoded tensors
-        self.model = model.eval().to(device=self.device, dtype=dtype)
+        self.module = model.eval().to(device=self.device, dtype=dtype)
         # What the weights take in memory; a frozen TorchScript module holds them as graph constants, so the caller
         # measures them before freezing.
-        self.weights_bytes = module_bytes(self.model) if weights_bytes is None else weights_bytes
+        self.weights_bytes = module_bytes(self.module) if weights_bytes is None else weights_bytes
         self.warmed_batch_sizes: list[int] = []
         # On CUDA a batch is padded with zeros up to the next power of two (or the cap): every new input shape costs
         # cuDNN autotuning (seconds per shape for these models), and a few spare rows cost the GPU almost nothing.
@@ -116,7 +114,7 @@ class Predictor:
         return next((size for size in self.warmed_batch_sizes if size >= rows), rows)
 
     def predict_batch(self, batch: torch.Tensor) -> torch.Tensor:
-        """(N, C, H, W) float32 on CPU -> (N, classes) float32 softmax probabilities on CPU."""
+        """(N, C, H, W) on the CPU or the device -> (N, classes) float32 softmax probabilities on the CPU."""
         rows = batch.shape[0]
         if self.device.type == "cuda" and batch.device.type == "cpu":
             batch = batch.pin_memory().to(self.device, non_blocking=True)
@@ -124,7 +122,7 @@ class Predictor:
             batch = torch.cat([batch, batch.new_zeros(padded - rows, *batch.shape[1:])])  # on the device
         try:
             with torch.inference_mode():
-                logits = self.model(batch.to(dtype=self.dtype))[:rows]
+                logits = self.module(batch.to(dtype=self.dtype))[:rows]
                 return logits.float().softmax(dim=1).cpu()
         except torch.cuda.OutOfMemoryError:
             if self.device.type == "cuda":
@@ -137,22 +135,6 @@ class Predictor:
             return {}
         return {"allocated": torch.cuda.memory_allocated(self.device),
                 "reserved": torch.cuda.memory_reserved(self.device)}
-
-    def predict_list(self, images: Sequence[torch.Tensor | Encoded]) -> torch.Tensor:
-        """Predict preprocessed images, or encoded ones (the device decode path: decoded and preprocessed here, on
-        the device), as one batch: the batcher's predict function."""
-        encoded = [i for i, image in enumerate(images) if isinstance(image, Encoded)]
-        if not encoded:
-            return self.predict_batch(torch.stack(list(images)))  # type: ignore[arg-type]
-        decoded = decode_batch([images[i] for i in encoded], self.device, self.tensor_transform,  # type: ignore[misc]
-                               self.dtype)
-        if len(encoded) == len(images):
-            return self.predict_batch(decoded)
-        # A batch mixing both (V2 clients may send preprocessed pixels): the rows in their order, on the device.
-        rows = dict(zip(encoded, decoded))
-        stacked = [rows[i] if i in rows else images[i].to(self.device, self.dtype)  # type: ignore[union-attr]
-                   for i in range(len(images))]
-        return self.predict_batch(torch.stack(stacked))
 
     def warmup(self, max_batch_size: int, repeats: int = 5) -> dict[int, float]:
         """Run every batch shape the batcher's batches run with (``batch_shapes``: so no request pays for
@@ -178,14 +160,3 @@ class Predictor:
                 fastest[size] = min(fastest[size], time.perf_counter() - begun)
         log.info("warmed up batch sizes %s in %.2fs", self.warmed_batch_sizes, time.perf_counter() - started)
         return {size: size / max(seconds, 1e-9) for size, seconds in fastest.items()}
-
-    def canary(self, encoded: Encoded | None = None) -> None:
-        """Run a synthetic image through the whole transform and model (``encoded``: its JPEG through the device
-        decode path, which also starts the device's decoder); raise if the answer is not sane."""
-        if encoded is not None:
-            probs = self.predict_list([encoded])
-        else:
-            probs = self.predict_batch(self.transform(canary_image()).unsqueeze(0))
-        total = float(probs.sum())
-        if probs.shape != (1, self.num_classes) or not torch.isfinite(probs).all() or abs(total - 1.0) > 1e-3:
-            raise ModelLoadError(f"canary inference failed: shape {tuple(probs.shape)}, sum {total}")

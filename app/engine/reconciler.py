@@ -19,6 +19,7 @@ model already as wanted.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import threading
@@ -84,7 +85,8 @@ class Reconciler:
                 if not names:
                     raise self.source.missing()
                 wanted = {name: self._wanted(name, retry_refused=True) for name in names}
-                self._raise_first(self._reconcile(wanted))
+                for error in self._reconcile(wanted):
+                    raise error
                 self.desired.seed(wanted)  # a worker that started at the same time may have seeded it first
             self._apply_newest(raise_errors=True)
         threading.Thread(target=self._follow, name="models-follow", daemon=True).start()
@@ -137,8 +139,8 @@ class Reconciler:
     def _apply_newest(self, raise_errors: bool) -> None:
         generation, desired = self.desired.read()
         errors = self._reconcile(desired)
-        if raise_errors:
-            self._raise_first(errors)
+        if raise_errors and errors:
+            raise errors[0]
         self._applied = max(self._applied, generation)
         self._report("; ".join(e.message for e in errors) or None)
 
@@ -190,19 +192,10 @@ class Reconciler:
         if not retry_refused:
             available = [v for v in available if not self._known_refused(name, v)]
         try:
-            policy = self._policy(name, config)
-            versions = policy.choose(available)
+            return VersionPolicy.layered(self.settings.version_policy, self.source.policy(name), config).wanted(
+                available)
         except PolicyError as exc:
             raise BadRequest(f"model {name!r}: {exc}") from None
-        return {"versions": versions, "default": policy.default_of(versions)}
-
-    def _policy(self, name: str, config: Any) -> VersionPolicy:
-        """The setting's policy, under the model's policy.json, under a load call's config."""
-        policy = VersionPolicy.parse(self.settings.version_policy)
-        for layer in (self.source.policy(name), config):
-            if layer is not None:
-                policy = VersionPolicy.from_config(layer, policy)
-        return policy
 
     def _load_version(self, name: str, version: str) -> LoadedVersion:
         key = (name, version)
@@ -221,20 +214,13 @@ class Reconciler:
         except Exception as exc:
             error = exc if isinstance(exc, ServiceError) else LoadFailed(
                 f"{name} version {version} cannot be served: {exc if isinstance(exc, ModelLoadError) else repr(exc)}")
-            self._remember_refusal(name, version, error.message)
+            log.warning("refused %s version %s: %s", name, version, error.message)
+            with contextlib.suppress(OSError), self._status_lock:
+                self._refused[key] = (self.source.stamp(name, version), error.message)
             raise error from exc
         finally:
             with self._status_lock:
                 self._loading.discard(key)
-
-    def _remember_refusal(self, name: str, version: str, reason: str) -> None:
-        log.warning("refused %s version %s: %s", name, version, reason)
-        try:
-            stamp = self.source.stamp(name, version)
-        except OSError:
-            return
-        with self._status_lock:
-            self._refused[(name, version)] = (stamp, reason)
 
     def _known_refused(self, name: str, version: str) -> bool:
         with self._status_lock:
@@ -296,11 +282,6 @@ class Reconciler:
         if behind:
             raise LoadTimeout(f"workers {', '.join(map(str, behind))} have not applied it within {timeout_s:g}s; "
                               "they go on trying", details={"workers": reports})
-
-    @staticmethod
-    def _raise_first(errors: list[ServiceError]) -> None:
-        if errors:
-            raise errors[0]
 
     def _follow(self) -> None:
         """Reconcile whenever another worker writes a generation, and poll the repository when asked to."""

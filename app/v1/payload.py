@@ -10,7 +10,7 @@ from typing import Iterable
 import pydantic
 from werkzeug import Request
 
-from app.errors import BadRequest, SchemaViolation, UnsupportedMediaType, check_image_count
+from app.errors import BadRequest, SchemaViolation, UnsupportedMediaType
 from app.v1.schemas import PredictJSONRequest
 from app.web.inputs import decode_base64, parse_json, read_body
 
@@ -48,7 +48,7 @@ def _image_from_base64(text: str, position: int) -> bytes:
     return decode_base64(text, f"images[{position}]")
 
 
-def _from_json(request: Request, default_top_k: int, num_classes: int, max_images: int) -> PredictInput:
+def _from_json(request: Request, default_top_k: int, num_classes: int) -> PredictInput:
     body = parse_json(read_body(request), "the body")
     try:
         parsed = PredictJSONRequest.model_validate(body)
@@ -58,11 +58,10 @@ def _from_json(request: Request, default_top_k: int, num_classes: int, max_image
     query_top_k = request.args.get("top_k")
     raw_top_k = parsed.top_k if parsed.top_k is not None else query_top_k
     top_k = _parse_top_k(raw_top_k, default_top_k, num_classes, "body" if parsed.top_k is not None else "query")
-    check_image_count(len(parsed.images), max_images)
     return PredictInput([_image_from_base64(s, i) for i, s in enumerate(parsed.images)], top_k)
 
 
-def _from_multipart(request: Request, max_images: int) -> tuple[list[bytes], list[str | None]]:
+def _from_multipart(request: Request) -> tuple[list[bytes], list[str | None]]:
     check_known(request.form.keys(), {TOP_K}, "form field")
     unknown_files = sorted(set(request.files.keys()) - {IMAGE_FIELD})
     files = request.files.getlist(IMAGE_FIELD)
@@ -70,7 +69,6 @@ def _from_multipart(request: Request, max_images: int) -> tuple[list[bytes], lis
         sent = ", ".join(repr(name) for name in [*request.files.keys(), *request.form.keys()]) or "none"
         raise BadRequest(f"send each image as a file in the {IMAGE_FIELD!r} field (e.g. curl -F "
                          f"{IMAGE_FIELD}=@cat.jpg); fields sent: {sent}")
-    check_image_count(len(files), max_images)
     return [f.read() for f in files], [f.filename or None for f in files]
 
 
@@ -81,15 +79,15 @@ def check_known(names: Iterable[str], known: set[str], what: str) -> None:
         raise BadRequest(f"unknown {what} {', '.join(map(repr, unknown))}; known: {', '.join(sorted(known))}")
 
 
-def parse_predict(request: Request, *, default_top_k: int, num_classes: int, max_images: int) -> PredictInput:
+def parse_predict(request: Request, *, default_top_k: int, num_classes: int) -> PredictInput:
     """Images and top_k from a multipart, raw-bytes or JSON request; raises a ServiceError on bad input."""
     check_known(request.args.keys(), {TOP_K, MODEL, VERSION}, "query parameter")
     mimetype = request.mimetype
     names: list[str | None] | None = None
     if mimetype == "application/json":
-        return _from_json(request, default_top_k, num_classes, max_images)
+        return _from_json(request, default_top_k, num_classes)
     if mimetype == "multipart/form-data":
-        images, names = _from_multipart(request, max_images)
+        images, names = _from_multipart(request)
         raw_top_k = request.form.get("top_k", request.args.get("top_k"))
     elif mimetype.startswith("image/") or mimetype in RAW_TYPES:
         images = [read_body(request)]

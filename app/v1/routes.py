@@ -5,7 +5,7 @@ import torch
 from flask import Blueprint, Response, request
 
 from app.engine.loaded_version import LoadedVersion
-from app.engine.service import Job, Service
+from app.engine.service import Service
 from app.v1.payload import PredictInput, parse_predict
 from app.v1.schemas import (
     Batching,
@@ -19,7 +19,7 @@ from app.v1.schemas import (
     WorkerModels,
 )
 from app.web.inputs import deadline_s
-from app.web.services import current_service, serve
+from app.web.services import client_gone, current_service
 from app.web.timing import annotate
 
 bp = Blueprint("v1", __name__)
@@ -37,18 +37,12 @@ def predict() -> Response:
     """Classify one or more images."""
     service = current_service()
     settings = service.settings
-
-    def read(model: LoadedVersion) -> Job[PredictInput]:
-        timeout_s = deadline_s(request.headers, settings.request_timeout_s)
-        parsed = parse_predict(request, default_top_k=settings.top_k, num_classes=model.predictor.num_classes,
-                               max_images=settings.max_images)
-        return Job(parsed, timeout_s, images=parsed.images, names=parsed.names or ())
-
-    served = serve(service, read, request.args.get("model"), request.args.get("version"))
-    assert served.model is not None
-    predictor = served.model.predictor
-    body = PredictResponse(model=ModelRef(name=predictor.manifest.name, version=predictor.manifest.version),
-                           predictions=[_top_k(r.value, served.parsed.top_k, predictor.labels, settings.score_digits)
+    with service.admit(request.args.get("model"), request.args.get("version")) as call:
+        parsed = parse_predict(request, default_top_k=settings.top_k, num_classes=call.version.predictor.num_classes)
+        served = call.infer(parsed.images, names=parsed.names or (), client_gone=client_gone(),
+                            timeout_s=deadline_s(request.headers, settings.request_timeout_s))
+    body = PredictResponse(model=ModelRef(name=served.model, version=served.version),
+                           predictions=[_top_k(r.value, parsed.top_k, served.labels, settings.score_digits)
                                         for r in served.results])
     return annotate(Response(body.model_dump_json(), mimetype="application/json"), served)
 

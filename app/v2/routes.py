@@ -6,8 +6,6 @@ holds the top k as "score:index:label" strings (BYTES [N, k]), as Triton's class
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 from flask import Blueprint, Response, request
@@ -15,12 +13,12 @@ from pydantic import BaseModel
 
 from app import __version__
 from app.engine.loaded_version import LoadedVersion
-from app.engine.service import Job, Service
-from app.errors import BadRequest, NotFound, NotReady, check_image_count
+from app.engine.service import Service
+from app.errors import BadRequest, NotFound, NotReady
 from app.v2.codec import InferRequest, Tensor, encode_response, parse_request
 from app.v2.schemas import Live, ModelMetadata, ModelReady, Ready, ServerMetadata, TensorMetadata
 from app.web.inputs import deadline_s, read_body
-from app.web.services import current_service, serve
+from app.web.services import client_gone, current_service
 from app.web.timing import annotate
 
 bp = Blueprint("v2", __name__, url_prefix="/v2")
@@ -29,14 +27,6 @@ IMAGES_INPUT, PIXELS_INPUT, OUTPUT = "images", "pixels", "probabilities"
 EXTENSIONS = ["classification", "binary_tensor_data", "model_repository"]
 _MODEL = "/models/<name>"
 _VERSIONED = "/models/<name>/versions/<version>"
-
-
-@dataclass(frozen=True)
-class Reply:
-    """What the answer needs from the request: its id, and (classification k, binary?) per requested output."""
-
-    id: str | None
-    outputs: list[tuple[int, bool]]
 
 
 def _json(body: BaseModel) -> Response:
@@ -102,27 +92,25 @@ def model_metadata(name: str, version: str | None = None) -> Response:
         outputs=[TensorMetadata(name=OUTPUT, datatype="FP32", shape=[-1, predictor.num_classes])]))
 
 
-def _job(service: Service, model: LoadedVersion, infer: InferRequest, reply: Reply) -> Job[Reply]:
-    """The one input as the runner's job: encoded images (BYTES) or preprocessed pixels (FP32)."""
+def _inputs(loaded: LoadedVersion, infer: InferRequest) -> tuple[list[bytes], list[torch.Tensor]]:
+    """The one input: encoded images (BYTES) or preprocessed pixels (FP32), checked against ``loaded``."""
     if len(infer.inputs) != 1:
         raise BadRequest(f"send exactly one input, {IMAGES_INPUT!r} (BYTES) or {PIXELS_INPUT!r} (FP32)")
     (tensor,) = infer.inputs
     count = tensor.shape[0] if tensor.shape else 0
-    check_image_count(count, service.settings.max_images)
     if count == 0:
         raise BadRequest(f"input {tensor.name!r} holds no images")
-    timeout_s = _timeout_s(service, infer)
     if tensor.name == IMAGES_INPUT and tensor.datatype == "BYTES":
         if tensor.shape not in ([count], [count, 1]):
             raise BadRequest(f"input {IMAGES_INPUT!r} must have shape [N] or [N, 1], got {tensor.shape}")
-        return Job(reply, timeout_s, images=[bytes(item) for item in tensor.data.reshape(-1)])
+        return [bytes(item) for item in tensor.data.reshape(-1)], []
     if tensor.name == PIXELS_INPUT and tensor.datatype == "FP32":
-        expected = [count, *model.predictor.manifest.preprocess.input_shape]
+        expected = [count, *loaded.predictor.manifest.preprocess.input_shape]
         if tensor.shape != expected:
             raise BadRequest(f"input {PIXELS_INPUT!r} must have shape {expected}, got {tensor.shape}")
         if not np.isfinite(tensor.data).all():
             raise BadRequest(f"input {PIXELS_INPUT!r} holds NaN or infinite values")
-        return Job(reply, timeout_s, tensors=list(torch.from_numpy(tensor.data.copy())))
+        return [], list(torch.from_numpy(tensor.data.copy()))
     raise BadRequest(f"unknown input {tensor.name!r} ({tensor.datatype}); send {IMAGES_INPUT!r} as BYTES or "
                      f"{PIXELS_INPUT!r} as FP32")
 
@@ -165,22 +153,19 @@ def _timeout_s(service: Service, infer: InferRequest) -> float:
 def infer(name: str, version: str | None = None) -> Response:
     """Inference through the same stage runner and batcher as /predict."""
     service = current_service()
-
-    def read(model: LoadedVersion) -> Job[Reply]:
+    with service.admit(name, version) as call:
         if request.content_encoding:
             raise BadRequest(f"Content-Encoding {request.content_encoding!r} is not supported; send the body as is")
         parsed = parse_request(read_body(request), request.headers.get("Inference-Header-Content-Length"))
-        return _job(service, model, parsed, Reply(parsed.id, _output_plan(parsed)))
-
-    served = serve(service, read, name, version)
-    assert served.model is not None
+        plan = _output_plan(parsed)
+        images, tensors = _inputs(call.version, parsed)
+        served = call.infer(images, tensors, timeout_s=_timeout_s(service, parsed), client_gone=client_gone())
     probabilities = served.probabilities()
     digits = service.settings.score_digits
-    outputs = [_output(probabilities, served.model.predictor.labels, k, digits) for k, _ in served.parsed.outputs]
-    manifest = served.model.predictor.manifest
-    body, header_length = encode_response(model_name=manifest.name, model_version=manifest.version,
-                                          request_id=served.parsed.id, outputs=outputs,
-                                          binary={OUTPUT for _, is_binary in served.parsed.outputs if is_binary})
+    outputs = [_output(probabilities, served.labels, k, digits) for k, _ in plan]
+    body, header_length = encode_response(model_name=served.model, model_version=served.version,
+                                          request_id=parsed.id, outputs=outputs,
+                                          binary={OUTPUT for _, is_binary in plan if is_binary})
     response = Response(body, mimetype="application/json" if header_length is None else "application/octet-stream")
     if header_length is not None:
         response.headers["Inference-Header-Content-Length"] = str(header_length)

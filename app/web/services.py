@@ -1,17 +1,14 @@
-"""How routes reach the engine: the one accessor for the service, and ``serve`` to run a request through it."""
+"""How routes reach the engine: the one accessor for the service, and a watch on the request's connection."""
 from __future__ import annotations
 
 import select
 import socket
-from typing import Callable, TypeVar
+from typing import Callable
 
 from flask import current_app, request
 
 from app import EXTENSION_KEY
-from app.engine.loaded_version import LoadedVersion
-from app.engine.service import Job, Served, Service
-
-P = TypeVar("P")
+from app.engine.service import Service
 
 
 def current_service() -> Service:
@@ -34,9 +31,8 @@ def _client_gone(sock: socket.socket) -> Callable[[], bool]:
     return gone
 
 
-def serve(service: Service, read: Callable[[LoadedVersion], Job[P]], name: str | None = None,
-          version: str | None = None) -> Served[P]:
-    """``service.run`` for this request on model ``name`` (None: the only one) at ``version`` (None: its default),
-    watching the request's connection (under gunicorn) while its images wait."""
+def client_gone() -> Callable[[], bool] | None:
+    """For ``Call.infer``: whether this request's client has hung up (under gunicorn, which hands over the socket;
+    None elsewhere)."""
     sock = request.environ.get("gunicorn.socket")
-    return service.run(read, _client_gone(sock) if isinstance(sock, socket.socket) else None, name, version)
+    return _client_gone(sock) if isinstance(sock, socket.socket) else None

@@ -1,13 +1,11 @@
 """What a finished inference reports: Server-Timing and X-Batch-Size headers, and the access log's fields."""
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from flask import Response, g
 
 from app.engine.batch_types import BatchResult
-from app.engine.service import Served
+from app.engine.call import Served
 
 
 def _server_timing(decode_ms: float, results: list[BatchResult[torch.Tensor]]) -> str:
@@ -20,7 +18,7 @@ def _server_timing(decode_ms: float, results: list[BatchResult[torch.Tensor]]) -
             f'batch;desc="{sizes}"')
 
 
-def annotate(response: Response, served: Served[Any]) -> Response:
+def annotate(response: Response, served: Served) -> Response:
     """Add the timing headers to ``response`` and hand the per-stage figures to the access log."""
     g.served = served  # for the trace's stage spans (app/web/tracing.py)
     results, decode_ms = served.results, served.decode_s * 1000
