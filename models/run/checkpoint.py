@@ -1,14 +1,25 @@
-"""Checkpoints: plain dicts of tensors and built-in types, so ``torch.load(weights_only=True)`` reads them."""
+"""Checkpoints and resuming: what a checkpoint holds of a run (plain dicts of tensors and built-in types, so
+``torch.load(weights_only=True)`` reads them), writing it without stalling training, and starting a run fresh or
+from ``--resume`` (and the command that resumes an interrupted one)."""
 from __future__ import annotations
 
 import argparse
+import logging
 import random
+import shlex
 import shutil
 import threading
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn as nn
+
+from models.presets import EvalPreset
+from models.run.args import DataError
+from models.run.optim import Scheduler, continue_schedule
+
+log = logging.getLogger("models.train")
 
 CHECKPOINT_NAME = "checkpoint.pt"
 BEST_NAME = "best.pt"
@@ -97,3 +108,62 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: object,
+                      scaler: torch.amp.GradScaler | None, epoch: int, best_acc1: float, args: argparse.Namespace,
+                      classes: list[str], preset: EvalPreset, metrics: dict[str, float]) -> dict[str, object]:
+    """Everything a run needs to go on, as plain types (``torch.load(weights_only=True)`` reads it)."""
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "lr_scheduler": scheduler.state_dict(),  # type: ignore[attr-defined]
+            "scaler": scaler.state_dict() if scaler else None, "epoch": epoch, "best_acc1": best_acc1,
+            "args": plain_args(args), "arch": args.arch, "classes": classes,
+            "preset": preset.model_dump(), "metrics": metrics, "rng": rng_state()}
+
+
+def _resume(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: object,
+            scaler: torch.amp.GradScaler | None, args: argparse.Namespace,
+            classes: list[str]) -> tuple[int, float, int]:
+    """Restore a checkpoint; returns the next epoch, the best top-1 and the epochs its schedule was planned for."""
+    state = load_checkpoint(path)
+    if state["arch"] != args.arch or state["classes"] != classes:
+        raise DataError(f"{path} was trained as {state['arch']} on classes {state['classes']}, "
+                        f"not {args.arch} on {classes}")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["lr_scheduler"])  # type: ignore[attr-defined]
+    if scaler is not None and state["scaler"] is not None:
+        scaler.load_state_dict(state["scaler"])
+    set_rng_state(state["rng"])
+    return int(state["epoch"]) + 1, float(state["best_acc1"]), int(state["args"]["epochs"])
+
+
+def start_or_resume(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Scheduler,
+           scaler: torch.amp.GradScaler | None, classes: list[str]) -> tuple[int, float, Scheduler]:
+    """The first epoch to run, the best top-1 so far and the schedule: fresh, or continued from ``--resume``."""
+    if not args.resume:
+        return 0, -1.0, scheduler
+    start, best, planned = _resume(args.resume, model, optimizer, scheduler, scaler, args, classes)
+    log.info("resumed from %s at epoch %d", args.resume, start)
+    if planned != args.epochs and start < args.epochs:
+        # Extending (or shortening) a run: the cosine is laid over the new length and continued from this epoch,
+        # so the learning rate is what a run planned for --epochs would have now (not 0, not a restart).
+        scheduler = continue_schedule(optimizer, args, start)
+        log.info("the schedule was planned for %d epochs: stretched to %d, learning rate now %.3g",
+                 planned, args.epochs, optimizer.param_groups[0]["lr"])
+    return start, best, scheduler
+
+
+def interrupted(args: argparse.Namespace, argv: list[str]) -> str:
+    """What Ctrl-C leaves: the last checkpoint and the exact command that goes on from it."""
+    saved = args.output_dir / CHECKPOINT_NAME
+    if not saved.exists():
+        return "interrupted before the first epoch ended: no checkpoint to resume from"
+    kept, words = [], iter(argv)
+    for word in words:  # the same options, without an earlier --resume
+        if word == "--resume":
+            next(words, None)  # and its value
+        elif not word.startswith("--resume="):
+            kept.append(word)
+    command = shlex.join(["python", "-m", "models.train", *kept, "--resume", str(saved)])
+    return f"interrupted: the last finished epoch is in {saved}; to go on: {command}"

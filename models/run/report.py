@@ -1,20 +1,18 @@
-"""What a training run tells the person watching it: one line per epoch, and a summary with what to run next."""
+"""What a run reports each epoch: a line for the person watching (time, a best mark, the ETA) and a summary with
+what to run next; one JSON line per epoch in ``metrics.jsonl``, and TensorBoard scalars when it is installed."""
 from __future__ import annotations
 
-import argparse
 import json
-import shlex
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any
 
-import torch
+log = logging.getLogger(__name__)
 
-from models.checkpoint import CHECKPOINT_NAME
-
+METRICS_NAME = "metrics.jsonl"
 TOP5_MIN_CLASSES = 6  # with 5 classes or fewer, top-5 accuracy is 1.0 by construction
-CONFUSION_NAME = "confusion.json"
 
 
 def duration(seconds: float) -> str:
@@ -61,37 +59,6 @@ def _peak(row: dict[str, float]) -> str:
     return f", peak GPU memory {peak / 1024:.2f} GiB" if peak is not None else ""
 
 
-def confusion_counts(probabilities: torch.Tensor, targets: Sequence[int], num_classes: int) -> torch.Tensor:
-    """Counts of (true class, predicted class) for one rank's outputs; ranks' matrices add up."""
-    matrix = torch.zeros(num_classes, num_classes, dtype=torch.int64)
-    predicted = probabilities.argmax(dim=1).tolist() if len(probabilities) else []
-    for truth, guess in zip(targets, predicted):
-        matrix[truth, guess] += 1
-    return matrix
-
-
-def confusion(matrix: torch.Tensor, classes: Sequence[str]) -> dict[str, object]:
-    """The confusion matrix (rows: true class, columns: predicted) and per-class precision, recall, support."""
-    per_class = {}
-    for i, name in enumerate(classes):
-        hits, said, actual = int(matrix[i, i]), int(matrix[:, i].sum()), int(matrix[i].sum())
-        per_class[name] = {"precision": hits / said if said else 0.0, "recall": hits / actual if actual else 0.0,
-                           "support": actual}
-    return {"classes": list(classes), "matrix": matrix.tolist(), "per_class": per_class}
-
-
-def write_confusion(report: dict[str, object], output_dir: Path) -> tuple[Path, list[str]]:
-    """Save ``confusion.json``; return its path and a printable table."""
-    path = output_dir / CONFUSION_NAME
-    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    per_class: dict[str, dict[str, float]] = report["per_class"]  # type: ignore[assignment]
-    width = max(len(name) for name in per_class)
-    lines = [f"{'class':<{width}}  precision  recall  support"]
-    lines += [f"{name:<{width}}  {m['precision']:9.3f}  {m['recall']:6.3f}  {int(m['support']):7d}"
-              for name, m in per_class.items()]
-    return path, lines
-
-
 class Timer:
     """Seconds since the last ``lap``."""
 
@@ -104,57 +71,49 @@ class Timer:
         return seconds
 
 
-def interrupted(args: argparse.Namespace, argv: list[str]) -> str:
-    """What Ctrl-C leaves: the last checkpoint and the exact command that goes on from it."""
-    saved = args.output_dir / CHECKPOINT_NAME
-    if not saved.exists():
-        return "interrupted before the first epoch ended: no checkpoint to resume from"
-    kept, words = [], iter(argv)
-    for word in words:  # the same options, without an earlier --resume
-        if word == "--resume":
-            next(words, None)  # and its value
-        elif not word.startswith("--resume="):
-            kept.append(word)
-    command = shlex.join(["python", "-m", "models.train", *kept, "--resume", str(saved)])
-    return f"interrupted: the last finished epoch is in {saved}; to go on: {command}"
+class RunLog:
+    """Appends epoch metrics to ``metrics.jsonl`` (and TensorBoard). Disabled on every rank but 0."""
 
+    def __init__(self, output_dir: Path, *, enabled: bool) -> None:
+        self.path = output_dir / METRICS_NAME
+        self.enabled = enabled
+        self._writer: Any = None
+        if enabled:
+            self._writer = _tensorboard_writer(output_dir / "tensorboard")
 
-class AsyncScalar:
-    """A device scalar shown without stalling the GPU: copied to pinned host memory behind the queued work, read
-    once that copy has landed (a ``.item()`` would wait for every queued kernel). On the CPU it is read at once."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.host = torch.zeros((), dtype=torch.float32, pin_memory=self.cuda)
-        self.event = torch.cuda.Event() if self.cuda else None
-        self.pending, self.value = False, float("nan")
-
-    def push(self, value: torch.Tensor) -> None:
-        """Start copying ``value``; while the previous copy is still in flight, skip this one."""
-        if self.event is None:
-            self.value = float(value)
+    def epoch(self, row: dict[str, float | int]) -> None:
+        """Record one epoch; a resumed run appends to the same file."""
+        if not self.enabled:
             return
-        if self.pending:
-            if not self.event.query():
-                return
-            self.value = float(self.host)
-        self.host.copy_(value.detach(), non_blocking=True)
-        self.event.record()
-        self.pending = True
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(row) + "\n")
+        if self._writer is not None:
+            step = int(row["epoch"])
+            for key, value in row.items():
+                if key != "epoch":
+                    self._writer.add_scalar(key, value, step)
+            self._writer.flush()
 
-    def text(self) -> str:
-        """The newest landed value, for a progress bar."""
-        return f"{self.value:.4f}"
-
-
-def reset_peak_memory(device: torch.device) -> None:
-    """Start measuring the peak GPU memory anew (each epoch)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    def close(self) -> None:
+        """Flush and close TensorBoard's writer."""
+        if self._writer is not None:
+            self._writer.close()
 
 
-def peak_memory(device: torch.device) -> dict[str, float]:
-    """``{"peak_gpu_memory_mb": ...}`` since the last reset on CUDA; nothing on the CPU."""
-    if device.type != "cuda":
-        return {}
-    return {"peak_gpu_memory_mb": torch.cuda.max_memory_allocated(device) / 2**20}
+def read_metrics(run_dir: Path) -> list[dict[str, float]]:
+    """The rows of a run's metrics file, the last row winning for an epoch that was run twice (a resume)."""
+    by_epoch: dict[int, dict[str, float]] = {}
+    for line in (run_dir / METRICS_NAME).read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            by_epoch[int(row["epoch"])] = row
+    return [by_epoch[epoch] for epoch in sorted(by_epoch)]
+
+
+def _tensorboard_writer(log_dir: Path) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        log.info("tensorboard is not installed; metrics go to %s only", METRICS_NAME)
+        return None
+    return SummaryWriter(log_dir=str(log_dir))
