@@ -43,10 +43,10 @@ docs: $(STAMP)
 
 # Training demos on real data that ships inside installed packages (docs/training.md).
 data/digits: $(STAMP)
-	$(BIN)/python -m models.datasets digits --out $@
+	$(BIN)/python -m demo_data digits --out $@
 
 data/textures: $(STAMP)
-	$(BIN)/python -m models.datasets textures --out $@
+	$(BIN)/python -m demo_data textures --out $@
 
 train-digits: data/digits
 	$(BIN)/python -m models.train --data data/digits --arch resnet18 --epochs 15 --batch-size 64 \

@@ -29,10 +29,10 @@ from bench.servers import Running, litserve, naive, visionserve
 
 def export_models(out: Path) -> dict[str, Path]:
     """Weights for both models, exported by our own export command into ``out``."""
-    from models.export import export_default, export_model
+    from models.export.write import export_default, export_model
     from models.presets import EvalPreset
     from models.pretrained import imagenet_labels
-    from models.registry import build_model
+    from models.architectures import build_model
 
     dirs = {"efficientnet_lite0": out / "efficientnet_lite0", "mobilenet_v3_small": out / "mobilenet_v3_small"}
     if not (dirs["efficientnet_lite0"] / "manifest.json").exists():

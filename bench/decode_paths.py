@@ -30,7 +30,7 @@ from bench.load import measure
 from bench.photos import PHOTO_NAMES, photo, workload
 from bench.report import save_result
 from bench.servers import visionserve
-from models.export import export_default
+from models.export.write import export_default
 from models.presets import TensorEvalTransform, eval_transform
 
 WORK = Path(__file__).resolve().parent / ".work" / "decode-paths"

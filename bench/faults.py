@@ -222,9 +222,9 @@ class Choosy(nn.Module):
 
 def choosy_weights(out: Path) -> Path:
     """Export a Choosy mobilenet_v3_small (10 classes, 64x64) with the project's own export."""
-    from models.export import export_model
+    from models.export.write import export_model
     from models.presets import EvalPreset
-    from models.registry import build_model
+    from models.architectures import build_model
 
     if not (out / "manifest.json").exists():
         torch.manual_seed(0)
@@ -366,9 +366,9 @@ def burst(start: Start, weights: Path, queue: int = 8) -> Row:
 
 def small_weights(out: Path) -> Path:
     """An untrained mobilenet_v3_small (10 classes, 64x64): cheap to run, so the faults, not the model, show."""
-    from models.export import export_model
+    from models.export.write import export_model
     from models.presets import EvalPreset
-    from models.registry import build_model
+    from models.architectures import build_model
 
     if not (out / "manifest.json").exists():
         torch.manual_seed(0)

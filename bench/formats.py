@@ -28,8 +28,8 @@ from bench.load import measure
 from bench.photos import workload
 from bench.report import save_result
 from bench.servers import Running, visionserve
-from models.export import export_default
-from models.manifest import read_manifest
+from models.export.write import export_default
+from models.export.manifest import read_manifest
 
 WORK = Path(__file__).resolve().parent / ".work" / "formats"
 BATCH_SIZES = (1, 2, 4, 8)

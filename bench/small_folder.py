@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from models import train
-from models.datasets import write_textures
+from demo_data.small_sets import write_textures
 
 RECIPES = {
     "pretrained fine-tune (head only)": ["--arch", "efficientnet_lite0", "--pretrained", "--freeze-backbone"],

@@ -31,13 +31,13 @@ import torch
 from bench.gpu_util import GpuUtilisation
 from bench.load import process_group_cpu_s
 from bench.paths import RESULTS
-from models.distributed import DistEnv
-from models.gpu_data import Batch, DevicePrefetcher
-from models.loaders import load_data
-from models.progress import peak_memory, reset_peak_memory
-from models.registry import ARCHS
+from models.run.distributed import DistEnv
+from models.data.gpu import Batch, DevicePrefetcher
+from models.data.loaders import load_data
+from models.run.device_stats import peak_memory, reset_peak_memory
+from models.architectures import ARCHS
 from models.train import build_parts, make_preset, train_step
-from models.train_args import get_args_parser
+from models.run.args import get_args_parser
 
 PATHS = ("synthetic", "cpu", "gpu")
 DEFAULT_DATA = Path("data/photos")
@@ -180,7 +180,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--archs", nargs="+", choices=ARCHS, default=["resnet50", "resnet18", "efficientnet_lite0"])
     parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA,
-                        help="a train/val JPEG folder (default: data/photos, written by models.datasets when missing)")
+                        help="a train/val JPEG folder (default: data/photos, written by demo_data when missing)")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--crop-size", type=int, default=224)
     parser.add_argument("--steps", type=int, default=40, help="measured steps per point")
@@ -212,8 +212,8 @@ def _ensure_data(opts: argparse.Namespace) -> None:
         return
     if opts.data != DEFAULT_DATA:
         raise SystemExit(f"error: {opts.data} has no train/ folder")
-    from models.photo_dataset import write_photos
-    print(f"writing the ImageNet-like folder {opts.data} (once; python -m models.datasets photos)", flush=True)
+    from demo_data.photos import write_photos
+    print(f"writing the ImageNet-like folder {opts.data} (once; python -m demo_data photos)", flush=True)
     write_photos(opts.data)
 
 

@@ -54,7 +54,7 @@ def measure_variants(opts: argparse.Namespace, arch: str, device: torch.device) 
 
 def checkpoint_stall(opts: argparse.Namespace, arch: str, device: torch.device, out: Path) -> dict[str, float]:
     """Seconds a checkpoint write holds the training loop: written inline, and by the training script's writer."""
-    from models import checkpoint as ckpt
+    from models.run import checkpoint as ckpt
 
     args = training_args(opts, arch, "cpu")
     trainer = Trainer(args, opts.classes, device)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from models.distributed import DistEnv
+from models.run.distributed import DistEnv
 
 
 def _free_port() -> int:

@@ -19,9 +19,9 @@ import torch
 
 from bench.paths import RESULTS, WORK
 from models import train
-from models.datasets import write_digits, write_textures
-from models.photo_dataset import write_photos
-from models.runlog import read_metrics
+from demo_data.small_sets import write_digits, write_textures
+from demo_data.photos import write_photos
+from models.run.report import read_metrics
 
 Writer = Callable[[Path], object]
 

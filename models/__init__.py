@@ -1,1 +1,21 @@
-"""Model side of visionserve: architectures, preprocessing presets, training and export."""
+"""Model side of visionserve: architectures, preprocessing presets, training and export.
+
+    architectures.py, pretrained.py, presets.py   what a model is, its packaged weights, its input transform
+    data/     a training run's images: folders, loaders, augmentation, the GPU data path, batched JPEG decoding
+    run/      the training run's parts: options, step (amp, optim), torchrun, checkpoints and resume, reports
+    export/   what training hands the server: the weights directory, its formats, the model repository
+    train.py  python -m models.train (the script, top to bottom); plot.py: python -m models.plot
+
+The server (``app/``) imports only the modules of ``SERVING_CONTRACT``, which import only each other
+(tests/test_house.py checks both): changing one of them changes what the server runs.
+"""
+
+SERVING_CONTRACT: tuple[str, ...] = (
+    "models.architectures",  # build_model: a state-dict export's architecture
+    "models.presets",  # the eval transform (PIL and tensor), the accepted image formats
+    "models.data.jpeg",  # batched device JPEG decoding (the server's device decode path)
+    "models.export.manifest",  # what a weights directory holds
+    "models.export.repository",  # <repository>/<model>/<version>/
+    "models.export.torchscript",  # quiet_jit around loading TorchScript
+    "models.export.compile",  # the dtypes of AOTInductor packages
+)

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from models.progress import CONFUSION_NAME
-from models.runlog import METRICS_NAME, read_metrics
+from models.run.confusion import CONFUSION_NAME
+from models.run.report import METRICS_NAME, read_metrics
 
 PLOT_NAME = "curves.png"
 CONFUSION_PLOT_NAME = "confusion.png"

@@ -8,8 +8,8 @@ import torch
 import torch.nn as nn
 from timm.data import ImageNetInfo
 
+from models.architectures import build_model
 from models.presets import EvalPreset, lite0_preset
-from models.registry import build_model
 
 # Lite0 stage depths; the package numbers its 16 blocks flatly, timm nests them as blocks.<stage>.<index>.
 _LITE0_STAGE_DEPTHS = (1, 2, 2, 3, 3, 4, 1)

@@ -22,9 +22,17 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from models import checkpoint as ckpt
-from models.amp import AmpDtype, autocast, backward_and_step, check_amp, make_scaler, use_tf32
-from models.distributed import (
+from models.architectures import ARCHS
+from models.data.gpu import DevicePrefetcher
+from models.data.loaders import Data, load_data
+from models.presets import EvalPreset
+from models.pretrained import pretrained_preset
+from models.run import checkpoint as ckpt
+from models.run.amp import AmpDtype, autocast, backward_and_step, check_amp, make_scaler, use_tf32
+from models.run.args import DataError, get_args_parser
+from models.run.confusion import confusion, confusion_counts, write_confusion
+from models.run.device_stats import AsyncScalar, peak_memory, reset_peak_memory
+from models.run.distributed import (
     DistEnv,
     barrier,
     destroy_process_group,
@@ -33,26 +41,8 @@ from models.distributed import (
     pick_device,
     sum_across_ranks,
 )
-from models.folder import DataError
-from models.gpu_data import DevicePrefetcher
-from models.loaders import Data, load_data
-from models.optim import build_trainable, make_optimizer, make_scheduler, set_train_mode
-from models.presets import EvalPreset
-from models.pretrained import pretrained_preset
-from models.progress import (
-    AsyncScalar,
-    Progress,
-    Timer,
-    confusion,
-    confusion_counts,
-    interrupted,
-    peak_memory,
-    reset_peak_memory,
-    write_confusion,
-)
-from models.registry import ARCHS
-from models.resume import checkpoint_state, start_or_resume
-from models.train_args import get_args_parser
+from models.run.optim import build_trainable, make_optimizer, make_scheduler, set_train_mode
+from models.run.report import Progress, RunLog, Timer
 
 log = logging.getLogger("models.train")
 
@@ -198,14 +188,12 @@ def _setup(args: argparse.Namespace, env: DistEnv) -> tuple[torch.device, EvalPr
 
 def run(args: argparse.Namespace, env: DistEnv, device: torch.device, preset: EvalPreset) -> None:
     """Train ``args.epochs`` epochs (from a checkpoint when resuming), then report, export and plot."""
-    from models.runlog import RunLog
-
     torch.manual_seed(args.seed)
     data = load_data(args, preset, env, device)
     parts = build_parts(args, len(data.classes), device, env)
     model, model_without_ddp, optimizer, scaler = parts.step_model, parts.model, parts.optimizer, parts.scaler
-    start, best, scheduler = start_or_resume(args, model_without_ddp, optimizer, make_scheduler(optimizer, args),
-                                             scaler, data.classes)
+    start, best, scheduler = ckpt.start_or_resume(args, model_without_ddp, optimizer,
+                                                  make_scheduler(optimizer, args), scaler, data.classes)
     if start >= args.epochs:
         raise RunFinished(f"{args.resume} is a finished run of {start} epochs (best val top-1 {best:.4f}); "
                           f"nothing to train. To train longer: --resume {args.resume} --epochs {start + 5}")
@@ -229,8 +217,8 @@ def run(args: argparse.Namespace, env: DistEnv, device: torch.device, preset: Ev
             if is_best:
                 best_counts = _confusion_counts(result, data, device, env)
             if env.is_main:  # written by a thread while the next epoch trains
-                writer.save(checkpoint_state(model_without_ddp, optimizer, scheduler, scaler, epoch, best,
-                                              args, data, preset, row), args.output_dir, is_best=is_best)
+                writer.save(ckpt.checkpoint_state(model_without_ddp, optimizer, scheduler, scaler, epoch, best,
+                                                   args, data.classes, preset, row), args.output_dir, is_best=is_best)
                 runlog.epoch(row)
                 log.info("%s", progress.line(row, is_best, timer.lap()))
             barrier(env)
@@ -252,7 +240,7 @@ def _confusion_counts(result: EvalResult, data: Data, device: torch.device, env:
 def _finish(args: argparse.Namespace, progress: Progress, best_counts: torch.Tensor | None,
             classes: list[str]) -> None:
     """The summary, the best epoch's per-class report, then the export and plot asked for."""
-    from models.export import export_checkpoint
+    from models.export.write import export_checkpoint
 
     if best_counts is not None:
         path, table = write_confusion(confusion(best_counts, classes), args.output_dir)
@@ -288,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:  # one line with what to run next, not a traceback
         if env.is_main:
-            log.warning("%s", interrupted(args, list(sys.argv[1:] if argv is None else argv)))
+            log.warning("%s", ckpt.interrupted(args, list(sys.argv[1:] if argv is None else argv)))
         return 130
     finally:
         destroy_process_group(env)

@@ -66,7 +66,7 @@ def client(app: Flask) -> FlaskClient:
 @pytest.fixture(scope="session")
 def real_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default model exported by the real export command into a fresh directory."""
-    from models.export import export_default
+    from models.export.write import export_default
 
     out = tmp_path_factory.mktemp("weights")
     export_default(out)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 import torch
 import torch.nn as nn
 
-from models.manifest import Manifest, WeightsFile
+from models.export.manifest import Manifest, WeightsFile
 from models.presets import EvalPreset
 
 if TYPE_CHECKING:
@@ -89,8 +89,8 @@ def served_over_http(wsgi_app: Callable) -> Iterator[str]:
 def export_tiny(out: Path, name: str = "mine", version: str = "1", force: bool = False, seed: int = 0) -> Path:
     """A real export of an untrained 3-class mobilenet_v3_small at 32 px into ``out`` (seconds on a CPU); another
     ``seed``, other weights."""
-    from models.export import export_model
-    from models.registry import build_model
+    from models.export.write import export_model
+    from models.architectures import build_model
 
     torch.manual_seed(seed)
     export_model(build_model("mobilenet_v3_small", 3), out_dir=out, name=name, version=version,
@@ -124,7 +124,7 @@ class FakeRepository:
         return sorted(self.held)
 
     def versions(self, name: str) -> list[str]:
-        from models.repository import version_order
+        from models.export.repository import version_order
 
         return sorted(self.held.get(name, {}), key=version_order)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench import train as bench_train
-from models.photo_dataset import write_photos
+from demo_data.photos import write_photos
 
 
 @pytest.mark.slow  # two DDP processes and three small training runs: about 20 s

@@ -63,8 +63,8 @@ def test_train_service_runs_torchrun_on_the_gpus_with_data_and_runs_mounted() ->
     assert "./data:/data:ro" in train["volumes"] and "./runs:/runs" in train["volumes"]
     assert train["shm_size"] == "2gb"
     # The default command is a valid models.train command line.
-    from models.registry import ARCHS
-    from models.train_args import get_args_parser
+    from models.architectures import ARCHS
+    from models.run.args import get_args_parser
 
     args = get_args_parser(ARCHS).parse_args(train["command"])
     assert args.output_dir == Path("/runs/digits") and args.export == Path("/runs/digits/weights")
@@ -103,7 +103,7 @@ def test_the_image_installs_the_runtime_set_only() -> None:
     assert "-r requirements.txt" in (ROOT / "requirements-dev.txt").read_text()
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "pip install -r requirements.txt" in dockerfile and "requirements-dev" not in dockerfile
-    # What the image runs imports none of them (models.datasets' scikit-image import is lazy, for the demos).
+    # What the image runs imports none of them (demo_data's scikit-image import is lazy, for the demos).
     imported = {match for path in (ROOT / "app").rglob("*.py") for match in
                 re.findall(r"^\s*(?:import|from) (\w+)", path.read_text(), flags=re.M)}
     assert not imported & {"pytest", "hypothesis", "selenium", "skimage", "tritonclient", "yaml", "jsonschema"}

@@ -9,7 +9,7 @@ import pytest
 
 from app.config import unknown_variables
 from bench.servers import ROOT
-from models.export import main as export_main
+from models.export.__main__ import main as export_main
 from tests.fakes import export_tiny, served_over_http
 
 NO_PACKAGES = ["--packages", "none"]  # compiling an AOTInductor package takes a minute: tests/test_packages.py
@@ -52,7 +52,7 @@ def test_a_misspelt_setting_is_named_with_the_closest_one() -> None:
 @pytest.fixture(scope="module")
 def photo_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A new user's folder: 4 classes, 30 training images each (patches of real photos), 15 val each."""
-    from models.datasets import write_textures
+    from demo_data.small_sets import write_textures
 
     out = tmp_path_factory.mktemp("photos")
     write_textures(out, per_class=30, classes=("brick", "grass", "gravel", "moon"))

@@ -11,15 +11,15 @@ from PIL import Image
 from torch.utils.data import DataLoader
 from torchvision.transforms import v2 as T
 
-from models.augment import RandomCropFlip, draw, train_transform
-from models.distributed import DistEnv
-from models.folder import EpochSampler, FolderDataset, scan_split
-from models.gpu_data import DeviceAugment, DevicePrefetcher, EncodedFolder, ToDevice, collate
-from models.loaders import load_data
-from models.photo_dataset import write_photos
+from models.data.augment import RandomCropFlip, draw, train_transform
+from models.run.distributed import DistEnv
+from models.data.folder import EpochSampler, FolderDataset, scan_split
+from models.data.gpu import DeviceAugment, DevicePrefetcher, EncodedFolder, ToDevice, collate
+from models.data.loaders import load_data
+from demo_data.photos import write_photos
 from models.presets import EvalPreset
-from models.registry import ARCHS
-from models.train_args import get_args_parser
+from models.architectures import ARCHS
+from models.run.args import get_args_parser
 
 CPU = torch.device("cpu")
 PRESET = EvalPreset(resize_size=72, crop_size=64, interpolation="bilinear")
@@ -146,7 +146,7 @@ def test_draw_is_seeded_by_the_global_generator_only() -> None:
 @pytest.mark.slow  # loads the packaged ImageNet weights; about 30 s on 2 cores
 def test_a_fine_tune_learns_the_same_on_both_paths(tmp_path: Path) -> None:
     from models import train
-    from models.runlog import read_metrics
+    from models.run.report import read_metrics
 
     data = tmp_path / "photos"
     write_photos(data, classes=5, train_per_class=24, val_per_class=8, long_side=160)

@@ -60,6 +60,21 @@ def test_import_direction(package: str, forbidden: tuple[str, ...]) -> None:
     assert not {m: n for m, n in broken.items() if n}, f"{package} may not import {forbidden}"
 
 
+def test_the_server_imports_only_the_serving_contract_of_models() -> None:
+    # app/ reaches models/ through the modules models.SERVING_CONTRACT names, and those import only each other:
+    # the server never loads the training loop, and a change elsewhere in models/ cannot change what it runs.
+    from models import SERVING_CONTRACT
+
+    outside = {module: sorted(n for n in names if _under(n, ("models",)) and not _under(n, SERVING_CONTRACT))
+               for module, names in _modules("app").items()}
+    assert not {m: n for m, n in outside.items() if n}, f"app/ may import only {SERVING_CONTRACT} of models/"
+    for name in SERVING_CONTRACT:
+        path = ROOT.joinpath(*name.split(".")).with_suffix(".py")
+        assert path.is_file(), f"{name} is named in SERVING_CONTRACT but is not a module"
+        leaks = sorted(n for n in _imports(path) if _under(n, ("models",)) and not _under(n, SERVING_CONTRACT))
+        assert not leaks, f"{name} is in the serving contract and imports {leaks}"
+
+
 def test_protocols_reach_the_request_path_only_through_admit() -> None:
     # Arrivals, the batcher and decoding are Service.admit's and Call.infer's business: a protocol that chains them
     # itself can lose the inline path or the arrival count silently.

@@ -16,7 +16,7 @@ from tritonclient.utils import InferenceServerException
 from app import EXTENSION_KEY, create_app
 from app.config import Settings
 from bench.servers import Running
-from models.manifest import read_manifest
+from models.export.manifest import read_manifest
 from tests.fakes import export_tiny, wait_until
 from tests.imaging import BLUE, GREEN, RED, image_bytes
 

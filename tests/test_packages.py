@@ -17,8 +17,8 @@ from app.config import Settings
 from app.engine.packages import choose_package, why_not
 from app.engine.predictor import Predictor
 from app.engine.weights import ModelLoadError
-from models.export import package_targets
-from models.manifest import CompiledPackage, read_manifest, sha256_of, write_manifest
+from models.export.__main__ import package_targets
+from models.export.manifest import CompiledPackage, read_manifest, sha256_of, write_manifest
 from tests.fakes import tiny_manifest
 
 MAX_BATCH = 8
@@ -74,9 +74,9 @@ def test_the_export_command_reads_its_package_targets() -> None:
 @pytest.fixture(scope="module")
 def packaged_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny model exported with a CPU package for batches of 1 to MAX_BATCH (really compiled)."""
-    from models.export import export_model
+    from models.export.write import export_model
     from models.presets import EvalPreset
-    from models.registry import build_model
+    from models.architectures import build_model
 
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("packaged")

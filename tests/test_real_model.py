@@ -15,10 +15,10 @@ from app import EXTENSION_KEY
 from app.engine.predictor import Predictor
 from app.engine.weights import ModelLoadError
 from bench.photos import photo
-from models.manifest import read_manifest
+from models.export.manifest import read_manifest
 from models.presets import eval_transform, to_rgb
 from models.pretrained import lite0_weights_path, rename_lite0_keys
-from models.registry import build_model
+from models.architectures import build_model
 from tests.imaging import encode
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ from app.config import Settings
 from app.engine.sources import DirectorySource
 from app.engine.weights import ModelLoadError
 from app.errors import NotFound
-from models.repository import models, newest, next_version, versions
+from models.export.repository import models, newest, next_version, versions
 from tests.fakes import export_tiny
 
 pytestmark = pytest.mark.slow  # real exports: seconds each

@@ -18,12 +18,12 @@ import torch
 from app import EXTENSION_KEY, create_app
 from app.config import Settings
 from models import train
-from models.checkpoint import BEST_NAME, CHECKPOINT_NAME, load_checkpoint
-from models.export import main as export_main
-from models.loaders import splits
-from models.manifest import read_manifest
-from models.registry import ARCHS, build_model
-from models.runlog import read_metrics
+from models.run.checkpoint import BEST_NAME, CHECKPOINT_NAME, load_checkpoint
+from models.export.__main__ import main as export_main
+from models.data.loaders import splits
+from models.export.manifest import read_manifest
+from models.architectures import ARCHS, build_model
+from models.run.report import read_metrics
 from tests.imaging import write_image_folder
 
 NO_PACKAGES = ["--packages", "none"]  # compiling an AOTInductor package takes a minute: tests/test_packages.py
@@ -292,7 +292,7 @@ def test_versions_go_into_a_repository_and_the_newest_is_served(folder: Path, tm
 
 
 def test_the_gpu_data_path_trains_end_to_end_on_the_cpu(tmp_path: Path) -> None:
-    from models.photo_dataset import write_photos
+    from demo_data.photos import write_photos
 
     data, run = tmp_path / "photos", tmp_path / "run"
     write_photos(data, classes=3, train_per_class=6, val_per_class=2, long_side=64, workers=1)

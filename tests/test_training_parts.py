@@ -8,18 +8,18 @@ import pytest
 import torch
 import torch.nn as nn
 
-from models.amp import autocast, backward_and_step, check_amp, make_scaler
-from models.augment import train_transform
-from models.checkpoint import BEST_NAME, CHECKPOINT_NAME, CheckpointWriter, load_checkpoint
-from models.datasets import write_digits, write_textures
-from models.distributed import DistEnv, pick_device
-from models.folder import EpochSampler, FolderDataset, ShardSampler, scan_split
-from models.optim import build_trainable, make_optimizer, set_train_mode
+from models.run.amp import autocast, backward_and_step, check_amp, make_scaler
+from models.data.augment import train_transform
+from models.run.checkpoint import BEST_NAME, CHECKPOINT_NAME, CheckpointWriter, load_checkpoint
+from demo_data.small_sets import write_digits, write_textures
+from models.run.distributed import DistEnv, pick_device
+from models.data.folder import EpochSampler, FolderDataset, ShardSampler, scan_split
+from models.run.optim import build_trainable, make_optimizer, set_train_mode
 from models.plot import main as plot_main
 from models.presets import EvalPreset
-from models.progress import AsyncScalar, Progress, peak_memory
-from models.registry import head_of
-from models.runlog import RunLog, read_metrics
+from models.run.device_stats import AsyncScalar, peak_memory
+from models.architectures import head_of
+from models.run.report import Progress, RunLog, read_metrics
 from tests.imaging import write_image_folder
 
 CPU = torch.device("cpu")
@@ -165,7 +165,7 @@ def test_metrics_file_keeps_the_last_row_per_epoch_and_plots(tmp_path: Path) -> 
 
 
 def test_the_confusion_report_counts_per_class_and_is_drawn(tmp_path: Path) -> None:
-    from models.progress import confusion, confusion_counts, write_confusion
+    from models.run.confusion import confusion, confusion_counts, write_confusion
 
     probabilities = torch.tensor([[0.9, 0.1], [0.2, 0.8], [0.6, 0.4], [0.3, 0.7]])
     counts = confusion_counts(probabilities, [0, 1, 1, 1], 2)  # one "b" taken for an "a"

@@ -13,7 +13,7 @@ from PIL import Image
 from tritonclient.utils import InferenceServerException
 
 from bench.servers import Running
-from models.manifest import read_manifest
+from models.export.manifest import read_manifest
 from models.presets import eval_transform
 from tests.imaging import encode
 

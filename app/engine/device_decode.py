@@ -17,7 +17,7 @@ import torch
 
 from app.engine.decode import DecodeLimits, is_jpeg, open_checked
 from app.engine.tensor_decode import decode_tensor
-from models.jpeg import decode_jpegs
+from models.data.jpeg import decode_jpegs
 from models.presets import TensorEvalTransform
 
 

@@ -1,4 +1,4 @@
-"""Serving an AOTInductor package (models/compile.py): which one fits this server, and loading it.
+"""Serving an AOTInductor package (models/export/compile.py): which one fits this server, and loading it.
 
 ``WEIGHTS_FORMAT=aoti`` serves a package compiled for this device type, dtype and torch version, whose batch range
 covers ``MAX_BATCH_SIZE``, or refuses to start saying why none fits. ``auto`` does the same only on the device
@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from app.engine.weights import ModelLoadError
-from models.manifest import CompiledPackage, Manifest, sha256_of
+from models.export.manifest import CompiledPackage, Manifest, sha256_of
 
 log = logging.getLogger(__name__)
 

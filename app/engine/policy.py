@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from models.repository import version_order as order_key
+from models.export.repository import version_order as order_key
 
 POLICY_FILE = "policy.json"  # beside a model's version folders
 _NUMBER = re.compile(r"^[0-9]+$")

@@ -20,7 +20,7 @@ from app.engine.weights import (
     resolve_device,
     resolve_dtype,
 )
-from models.manifest import Manifest, WeightsFormat
+from models.export.manifest import Manifest, WeightsFormat
 from models.presets import ImageTransform, TensorEvalTransform, eval_transform
 
 log = logging.getLogger(__name__)

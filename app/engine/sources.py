@@ -10,8 +10,8 @@ from app.config import Settings
 from app.engine.policy import POLICY_FILE, PolicyError
 from app.engine.predictor import Predictor
 from app.engine.weights import ModelLoadError, read_checked_manifest
-from models.manifest import MANIFEST_NAME
-from models.repository import models, versions
+from models.export.manifest import MANIFEST_NAME
+from models.export.repository import models, versions
 
 
 class Source(Protocol):

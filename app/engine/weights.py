@@ -9,10 +9,10 @@ import torch
 import torch.nn as nn
 
 from app.config import dtype_fits_device
-from models.compile import DTYPES
-from models.manifest import Manifest, WeightsFormat, read_manifest, sha256_of
-from models.registry import build_model
-from models.torchscript import quiet_jit
+from models.export.compile import DTYPES
+from models.export.manifest import Manifest, WeightsFormat, read_manifest, sha256_of
+from models.architectures import build_model
+from models.export.torchscript import quiet_jit
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,14 @@
-"""The options of ``python -m models.train`` (kept apart so the training loop stays readable)."""
+"""What the user gives ``python -m models.train``: its options (kept apart so the training loop stays readable), and
+``DataError`` for what of it cannot work (options, data, a checkpoint to resume)."""
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 from typing import Sequence
+
+
+class DataError(ValueError):
+    """A mistake in the dataset (or options) the user gave us: reported as one clear line, never a traceback."""
 
 
 def _positive_int(text: str) -> int:

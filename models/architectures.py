@@ -38,7 +38,7 @@ def build_model(arch: str, num_classes: int) -> nn.Module:
 
 
 def head_of(model: nn.Module) -> nn.Module:
-    """The classification head: the last Linear layer in module order, in every arch of this registry."""
+    """The classification head: the last Linear layer in module order, in every arch listed here."""
     linears = [module for module in model.modules() if isinstance(module, nn.Linear)]
     if not linears:
         raise ValueError(f"{type(model).__name__} has no Linear head")

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from models.manifest import CompiledPackage, sha256_of
+from models.export.manifest import CompiledPackage, sha256_of
 from models.presets import EvalPreset
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 batch is decoded on the GPU (batched nvJPEG), cropped, flipped and normalised there.
 
 A worker reads the file, takes the upright size from the header (EXIF orientation), and draws the sample's crop
-and flip with the same seed and the same calls as the CPU path (``models.augment``), so a sample's augmentation
+and flip with the same seed and the same calls as the CPU path (``models.data.augment``), so a sample's augmentation
 does not depend on the path, the number of workers or of GPUs. Non-JPEG files (PNG, WebP, GIF, BMP) are decoded
 in the worker as the CPU path does and travel as pixels; a JPEG the device decoder refuses is decoded on the host
 in the training process (rare; PIL is the last resort, and it read every file when the folder was scanned).
@@ -20,9 +20,9 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from models.augment import CropFlip, check_min_crop_scale, crop_tensor, draw
-from models.folder import Sample, SampleKey, sample_seed
-from models.jpeg import decode_jpegs
+from models.data.augment import CropFlip, check_min_crop_scale, crop_tensor, draw
+from models.data.folder import Sample, SampleKey, sample_seed
+from models.data.jpeg import decode_jpegs
 from models.presets import JPEG_FORMATS, EvalPreset, pil_to_tensor, upright_rgb
 
 _SWAPS_SIDES = (5, 6, 7, 8)  # EXIF orientations that turn the image by 90 degrees

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from models.manifest import MANIFEST_NAME
+from models.export.manifest import MANIFEST_NAME
 
 _NUMBER = re.compile(r"^[0-9]+$")
 

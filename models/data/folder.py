@@ -13,16 +13,13 @@ from PIL import Image
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 from models.presets import IMAGE_FORMATS, ImageTransform, upright_rgb
+from models.run.args import DataError
 
 log = logging.getLogger(__name__)
 
 Sample = tuple[Path, int]
 # A training sample is addressed as (epoch, index) so that its augmentation can be seeded from both.
 SampleKey = Union[int, tuple[int, int]]
-
-
-class DataError(ValueError):
-    """A mistake in the dataset the user gave us: reported as one clear line, never a traceback."""
 
 
 @dataclass(frozen=True)

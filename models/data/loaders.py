@@ -10,10 +10,8 @@ from typing import Any, Callable
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from models.augment import train_transform
-from models.distributed import DistEnv
-from models.folder import (
-    DataError,
+from models.data.augment import train_transform
+from models.data.folder import (
     EpochSampler,
     FolderDataset,
     ShardSampler,
@@ -22,8 +20,10 @@ from models.folder import (
     scan_split,
     split_holdout,
 )
-from models.gpu_data import DeviceAugment, EncodedFolder, Prepare, ToDevice, collate
+from models.data.gpu import DeviceAugment, EncodedFolder, Prepare, ToDevice, collate
 from models.presets import EvalPreset, eval_transform
+from models.run.args import DataError
+from models.run.distributed import DistEnv
 
 log = logging.getLogger("models.train")
 
@@ -82,7 +82,7 @@ def load_data(args: argparse.Namespace, preset: EvalPreset, env: DistEnv, device
 def _train_set(args: argparse.Namespace, split: Split, preset: EvalPreset,
                device: torch.device) -> tuple[Dataset, Callable[[list[Any]], Any] | None, Prepare]:
     """The train set, its collate function and the batch preparation of the chosen data path: ``cpu`` decodes
-    and augments in the workers; ``gpu`` sends encoded JPEGs and does the rest on the device (models/gpu_data.py).
+    and augments in the workers; ``gpu`` sends encoded JPEGs and does the rest on the device (models/data/gpu.py).
     Validation always runs the server's eval transform on the CPU."""
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     if args.data_backend == "gpu":

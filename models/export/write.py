@@ -1,16 +1,9 @@
-"""Write a model into a weights directory: TorchScript file, state dict and ``manifest.json``.
-
-    python -m models.export --default --out weights                          # the bundled Lite0 (ImageNet)
-    python -m models.export --checkpoint runs/NAME/best.pt --out weights     # a model from models.train
-    python -m models.export --checkpoint runs/NAME/best.pt --repository models   # models/NAME/<next number>/
-"""
+"""Write a model into a weights directory: TorchScript file, state dict, AOTInductor packages and ``manifest.json``
+(``python -m models.export`` is its command line)."""
 from __future__ import annotations
 
-import argparse
 import hashlib
 import logging
-import shutil
-import sys
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Sequence
@@ -18,34 +11,17 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-from models.compile import DTYPES, compile_package
-from models.manifest import MANIFEST_NAME, Manifest, WeightsFile, read_manifest, sha256_of, write_manifest
+from models.export.compile import compile_package
+from models.export.manifest import MANIFEST_NAME, Manifest, WeightsFile, read_manifest, sha256_of, write_manifest
+from models.export.repository import is_export, newest, next_version, versions
+from models.export.torchscript import check_same_outputs, quiet_jit, to_torchscript
 from models.presets import EvalPreset
-from models.repository import is_export, newest, next_version, versions
-from models.torchscript import quiet_jit
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("models.export")
 
 TORCHSCRIPT_NAME = "model.torchscript.pt"
 STATE_DICT_NAME = "model.state_dict.pt"
 PACKAGE_MAX_BATCH = 64  # the largest batch a compiled package takes (the server's MAX_BATCH_SIZE must not exceed it)
-
-
-def to_torchscript(model: nn.Module, example: torch.Tensor) -> torch.jit.ScriptModule:
-    """Script the model (keeps control flow); trace it when scripting is not supported."""
-    with quiet_jit():
-        try:
-            return torch.jit.script(model)
-        except Exception as exc:  # noqa: BLE001 - any scripting failure means "try tracing"
-            log.warning("torch.jit.script failed (%s); tracing instead", exc)
-            return torch.jit.trace(model, example)
-
-
-def _check_same_outputs(model: nn.Module, scripted: torch.jit.ScriptModule, example: torch.Tensor) -> None:
-    with torch.inference_mode():
-        expected, got = model(example), scripted(example)
-    if not torch.allclose(expected, got, atol=1e-5, rtol=1e-4):
-        raise RuntimeError(f"TorchScript output differs from eager by {(expected - got).abs().max():.3g}")
 
 
 def check_replace(out_dir: Path, name: str, version: str) -> None:
@@ -81,7 +57,7 @@ def export_model(model: nn.Module, *, out_dir: Path, name: str, version: str, ar
         raise ValueError(f"model has {num_outputs} outputs but {len(labels)} labels were given")
 
     scripted = to_torchscript(model, example)
-    _check_same_outputs(model, scripted, example)
+    check_same_outputs(model, scripted, example)
     with quiet_jit():
         torch.jit.save(scripted, out_dir / TORCHSCRIPT_NAME)
     torch.save(model.state_dict(), out_dir / STATE_DICT_NAME)
@@ -123,8 +99,8 @@ def export_checkpoint(path: Path, out_dir: Path | None, *, name: str | None = No
                       packages: Sequence[tuple[str, str]] = ()) -> Manifest:
     """Export a ``models.train`` checkpoint with its classes, eval transform and validation metrics, into
     ``out_dir``, or with ``repository`` into ``<repository>/<name>/<version>`` (default: the next number)."""
-    from models.checkpoint import load_checkpoint
-    from models.registry import build_model
+    from models.architectures import build_model
+    from models.run.checkpoint import load_checkpoint
 
     state = load_checkpoint(path)
     model = build_model(state["arch"], len(state["classes"]))
@@ -165,63 +141,3 @@ def default_version(checkpoint: Path, state_dict: dict[str, torch.Tensor]) -> st
     by date, and the same when the same checkpoint is exported again."""
     day = datetime.fromtimestamp(checkpoint.stat().st_mtime, tz=timezone.utc).strftime("%Y%m%d")
     return f"{day}-{weights_digest(state_dict)}"
-
-
-def get_args_parser() -> argparse.ArgumentParser:
-    """Command-line options of the exporter."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--default", action="store_true", help="export the bundled EfficientNet-Lite0 (ImageNet)")
-    source.add_argument("--checkpoint", type=Path, help="a checkpoint written by models.train (e.g. best.pt)")
-    target = parser.add_mutually_exclusive_group()
-    target.add_argument("--out", type=Path, default=None, help="weights directory to write (default: weights)")
-    target.add_argument("--repository", type=Path, default=None,
-                        help="a model repository: writes <repository>/<name>/<version>, the next version number "
-                             "unless --version says")
-    parser.add_argument("--name", default=None, help="model name (default: the run's folder name)")
-    parser.add_argument("--version", default=None,
-                        help="model version (default: the checkpoint's date and a digest of its weights)")
-    parser.add_argument("--force", action="store_true", help="replace a different model already in --out")
-    parser.add_argument("--packages", default="auto",
-                        help="AOTInductor packages to compile (needs g++): cpu, cuda, both (cpu,cuda), none; auto: "
-                             "cpu, and cuda when a GPU is present")
-    parser.add_argument("--package-dtype", default="float32", choices=sorted(DTYPES),
-                        help="the dtype of the CUDA package: the server's VISIONSERVE_DTYPE (CPU packages: float32)")
-    return parser
-
-
-def package_targets(packages: str, cuda_dtype: str) -> list[tuple[str, str]]:
-    """``--packages`` as (device, dtype) pairs."""
-    if packages == "none":
-        return []
-    if packages == "auto" and not (shutil.which("g++") or shutil.which("c++")):
-        log.warning("no C++ compiler (g++): no AOTInductor package; the server will serve TorchScript")
-        return []
-    devices = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])] if packages == "auto" else packages.split(",")
-    unknown = set(devices) - {"cpu", "cuda"}
-    if unknown:
-        raise ValueError(f"--packages takes cpu, cuda, cpu,cuda, none or auto, got {packages!r}")
-    return [(device, "float32" if device == "cpu" else cuda_dtype) for device in devices]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point for ``python -m models.export``; returns the exit code."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    args = get_args_parser().parse_args(argv)
-    out = None if args.repository else (args.out or Path("weights"))
-    try:
-        targets = package_targets(args.packages, args.package_dtype)
-        manifest = (export_checkpoint(args.checkpoint, out, name=args.name, version=args.version,
-                                      force=args.force, repository=args.repository, packages=targets)
-                    if args.checkpoint else export_default(out, force=args.force, repository=args.repository,
-                                                           packages=targets))
-    except (FileNotFoundError, FileExistsError, ValueError) as exc:
-        log.error("error: %s", exc)
-        return 2
-    where = args.repository / manifest.name / manifest.version if args.repository else out
-    log.info("wrote %s %s (%d classes) to %s", manifest.name, manifest.version, manifest.num_classes, where)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

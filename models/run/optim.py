@@ -8,8 +8,8 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from models.architectures import build_model, head_of
 from models.pretrained import build_pretrained
-from models.registry import build_model, head_of
 
 
 def build_trainable(args: argparse.Namespace, num_classes: int, device: torch.device) -> nn.Module:

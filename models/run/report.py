@@ -1,0 +1,119 @@
+"""What a run reports each epoch: a line for the person watching (time, a best mark, the ETA) and a summary with
+what to run next; one JSON line per epoch in ``metrics.jsonl``, and TensorBoard scalars when it is installed."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+METRICS_NAME = "metrics.jsonl"
+TOP5_MIN_CLASSES = 6  # with 5 classes or fewer, top-5 accuracy is 1.0 by construction
+
+
+def duration(seconds: float) -> str:
+    """``1h02m``, ``3m05s`` or ``42s``."""
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+@dataclass
+class Progress:
+    """Epoch lines with time, a best mark and the run's ETA; the best epoch for the summary."""
+
+    epochs: int
+    num_classes: int
+    epoch_seconds: list[float] = field(default_factory=list)
+    best: dict[str, float] = field(default_factory=dict)
+
+    def line(self, row: dict[str, float], is_best: bool, seconds: float) -> str:
+        self.epoch_seconds.append(seconds)
+        if is_best:
+            self.best = dict(row)
+        remaining = self.epochs - 1 - int(row["epoch"])
+        eta = sum(self.epoch_seconds) / len(self.epoch_seconds) * remaining
+        top5 = f" top-5 {row['val_acc5']:.4f}" if self.num_classes >= TOP5_MIN_CLASSES else ""
+        return (f"epoch {int(row['epoch'])}/{self.epochs - 1}: train loss {row['train_loss']:.4f} "
+                f"top-1 {row['train_acc1']:.4f} | val loss {row['val_loss']:.4f} top-1 {row['val_acc1']:.4f}{top5}"
+                f" | {duration(seconds)}, {row['images_per_s']:.0f} img/s{_peak(row)}{'  * best' if is_best else ''}"
+                + (f" | ETA {duration(eta)}" if remaining else ""))
+
+    def summary(self, output_dir: Path, best_checkpoint: Path) -> list[str]:
+        if not self.best:
+            return []
+        export_dir = output_dir / "export"
+        return [f"done: best epoch {int(self.best['epoch'])}, val top-1 {self.best['val_acc1']:.4f} "
+                f"(loss {self.best['val_loss']:.4f}), {duration(sum(self.epoch_seconds))} in all",
+                f"export: python -m models.export --checkpoint {best_checkpoint} --out {export_dir}",
+                f"serve:  VISIONSERVE_WEIGHTS_DIR={export_dir} make serve"]
+
+
+def _peak(row: dict[str, float]) -> str:
+    peak = row.get("peak_gpu_memory_mb")
+    return f", peak GPU memory {peak / 1024:.2f} GiB" if peak is not None else ""
+
+
+class Timer:
+    """Seconds since the last ``lap``."""
+
+    def __init__(self) -> None:
+        self._last = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        seconds, self._last = now - self._last, now
+        return seconds
+
+
+class RunLog:
+    """Appends epoch metrics to ``metrics.jsonl`` (and TensorBoard). Disabled on every rank but 0."""
+
+    def __init__(self, output_dir: Path, *, enabled: bool) -> None:
+        self.path = output_dir / METRICS_NAME
+        self.enabled = enabled
+        self._writer: Any = None
+        if enabled:
+            self._writer = _tensorboard_writer(output_dir / "tensorboard")
+
+    def epoch(self, row: dict[str, float | int]) -> None:
+        """Record one epoch; a resumed run appends to the same file."""
+        if not self.enabled:
+            return
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(row) + "\n")
+        if self._writer is not None:
+            step = int(row["epoch"])
+            for key, value in row.items():
+                if key != "epoch":
+                    self._writer.add_scalar(key, value, step)
+            self._writer.flush()
+
+    def close(self) -> None:
+        """Flush and close TensorBoard's writer."""
+        if self._writer is not None:
+            self._writer.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, float]]:
+    """The rows of a run's metrics file, the last row winning for an epoch that was run twice (a resume)."""
+    by_epoch: dict[int, dict[str, float]] = {}
+    for line in (run_dir / METRICS_NAME).read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            by_epoch[int(row["epoch"])] = row
+    return [by_epoch[epoch] for epoch in sorted(by_epoch)]
+
+
+def _tensorboard_writer(log_dir: Path) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        log.info("tensorboard is not installed; metrics go to %s only", METRICS_NAME)
+        return None
+    return SummaryWriter(log_dir=str(log_dir))
