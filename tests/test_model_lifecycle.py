@@ -242,7 +242,7 @@ def test_workers_sharing_a_control_directory_apply_each_others_loads(settings: S
         assert {w["pid"]: w["models"]["colour"]["versions"] for w in here.workers()} == {
             os.getpid(): ["2"], os.getppid(): ["2"]}
         repository.add("other", "1")
-        there._reconcile_model("other", {"versions": ["1"], "default": "1"})  # only there, as if its load call had not written yet
+        there.reconcile_model("other", {"versions": ["1"], "default": "1"})  # only there, as if its load call had not written yet
         here.unload("colour")
         assert there.serving() == {}  # a generation is the whole set: "other" was not in it
     finally:

@@ -1,8 +1,9 @@
 """A worker's model versions, made to match the desired state (app/engine/desired.py) with no failed request.
 
 Everything that wants a change writes the desired state: start-up (what the settings and the repository name), the
-repository poll (what each model's policy picks now), a V2 load or unload call, another worker. ``reconcile`` alone
-changes what this worker serves, one model at a time, in five steps:
+repository poll (what each model's policy picks now), a V2 load or unload call, another worker. One step alone
+changes what this worker serves, ``reconcile_model`` (run for every model by ``reconcile`` when another worker wrote
+a newer generation), in five steps:
 
 1. the versions wanted and not yet loaded are loaded beside the ones serving: the memory check, then verified
    (checksums, strict keys, output shape), warmed up and canaried on their own batcher thread;
@@ -12,10 +13,10 @@ changes what this worker serves, one model at a time, in five steps:
    queued, and are freed;
 5. this worker reports what it serves (``/v1/models`` shows each worker's report).
 
-A call reconciles its model here first, so a refusal raises and changes nothing anywhere; only then does it write
-the desired state and wait for the other workers. A refused version is remembered and the poll leaves it out until
-its manifest changes. One change runs at a time: a second load call for the same model waits, then finds the
-model already as wanted.
+Every writer in a worker (start-up, a call, the poll) reconciles its change there first, so a refusal changes
+nothing anywhere; only then does it write the desired state (a call then waits for the other workers). A refused
+version is remembered and the poll leaves it out until its manifest changes. One change runs at a time: a second
+load call for the same model waits, then finds the model already as wanted.
 """
 from __future__ import annotations
 
@@ -96,7 +97,7 @@ class Reconciler:
         worker. Raises NotFound, BadRequest, LoadFailed, InsufficientMemory or LoadTimeout."""
         with self._lock:
             entry = self._wanted(name, config, retry_refused=True)
-            self._reconcile_model(name, entry)
+            self.reconcile_model(name, entry)
             generation = self._write({name: entry})
         self._wait_for_workers(generation)
 
@@ -105,13 +106,14 @@ class Reconciler:
         with self._lock:
             if name not in self.routes.routes() and name not in self.source.models():
                 raise NotFound(f"no model {name!r} is loaded or in the repository")
-            self._reconcile_model(name, UNLOADED)
+            self.reconcile_model(name, UNLOADED)
             generation = self._write({name: UNLOADED})
         self._wait_for_workers(generation)
 
     def poll(self) -> None:
-        """Each followed model as its policy picks from the repository now (versions refused before and unchanged
-        since left out; a model that left the repository is no longer wanted), then reconcile. Never raises."""
+        """The repository poll: each followed model as its policy picks from the repository now (versions refused
+        before and unchanged since left out; a model that left the repository no longer wanted), applied here,
+        then written for the other workers. A refusal is logged and remembered, never raised or written."""
         with self._lock:
             _, desired = self.desired.read()
             changes: dict[str, Entry | None] = {}
@@ -120,13 +122,12 @@ class Reconciler:
                     continue  # unloaded by a call: stays so until a load call
                 try:
                     entry = self._wanted(name, retry_refused=False) if self.source.versions(name) else None
+                    if entry is None or entry["versions"]:  # none left worth trying: keep what serves
+                        self.reconcile_model(name, entry or UNLOADED)
+                        changes[name] = entry
                 except ServiceError as exc:
                     log.warning("poll: %s: %s", name, exc.message)
-                    continue
-                if entry is None or entry["versions"]:  # none left worth trying: keep what serves
-                    changes[name] = entry
-            self.desired.write(changes)
-        self.reconcile()
+            self._write(changes)
 
     # -- the one path that changes what this worker serves -------------------------------------------------------
 
@@ -149,13 +150,14 @@ class Reconciler:
         errors = []
         for name in sorted(set(desired) | set(self.routes.routes())):
             try:
-                self._reconcile_model(name, desired.get(name, UNLOADED))
+                self.reconcile_model(name, desired.get(name, UNLOADED))
             except ServiceError as exc:
                 errors.append(exc)
         return errors
 
-    def _reconcile_model(self, name: str, entry: Entry) -> None:
-        """Serve exactly ``entry``'s versions of ``name`` with its default (load, route, retire); all or nothing."""
+    def reconcile_model(self, name: str, entry: Entry) -> None:
+        """Serve exactly ``entry``'s versions of ``name`` with its default (load, route, retire); all or nothing.
+        The caller holds the change lock."""
         serving, default = self.routes.routes().get(name, ([], None))
         current = {loaded.version: loaded for loaded in serving}
         wanted = [str(v) for v in entry["versions"]]
@@ -259,7 +261,7 @@ class Reconciler:
             threading.Thread(target=run, name=f"retire-{key[0]}-{key[1]}", daemon=True).start()
 
     def _write(self, changes: dict[str, Entry | None]) -> int:
-        """A call's change, already applied here, into the desired state; returns its generation."""
+        """A change already applied here, into the desired state; returns its generation."""
         generation = self.desired.write(changes)
         if generation == self._applied + 1:  # nothing written meanwhile: this worker serves that generation
             self._applied = generation
