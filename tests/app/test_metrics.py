@@ -104,3 +104,18 @@ def test_readiness_the_inference_thread_and_the_queue_capacity_are_metrics(clien
     assert value("visionserve_ready") == 0
     service.batcher.stop(timeout=5)
     assert value("visionserve_batcher_alive") == 0
+
+
+def test_metrics_count_requests_batches_and_rejections(client: FlaskClient) -> None:
+    client.post("/predict", data=image_bytes(), content_type="image/jpeg")
+    client.post("/predict", data=b"junk", content_type="image/jpeg")
+    text = client.get("/metrics").get_data(as_text=True)
+    assert 'visionserve_requests_total{endpoint="/predict",status="200"}' in text
+    assert 'visionserve_requests_total{endpoint="/predict",status="400"}' in text
+    for name in ("visionserve_batch_size_bucket", 'visionserve_stage_duration_seconds_count{stage="decode"}',
+                 'stage="queue"', 'stage="inference"', "visionserve_queue_depth",
+                 'visionserve_model_info{device="cpu",dtype="float32",name="colour",version="test"} 1.0'):
+        assert name in text
+    cpu = {m.group(1): float(m.group(2)) for m in
+           re.finditer(r'^visionserve_stage_cpu_seconds_total\{stage="(\w+)"\} (\S+)$', text, re.M)}
+    assert cpu["decode"] > 0 and cpu["inference"] > 0

@@ -1,11 +1,11 @@
-"""Every request form and every error status, through the app factory with the fake colour model."""
+"""Every request form and what a good request gets (answers, headers, batches, health, CORS), through the app factory
+with the fake colour model; the error statuses are tests/app/test_errors.py's."""
 from __future__ import annotations
 
 import base64
 import io
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import pytest
 from flask.testing import FlaskClient
@@ -13,27 +13,14 @@ from flask.testing import FlaskClient
 from app import EXTENSION_KEY
 from app.config import Settings
 from app.engine.service import Service
+from tests.support.answers import error_of, labels_of
 from tests.support.fakes import ColourModel, wait_until
 from tests.support.imaging import BLUE, GREEN, RED, image_bytes
 
 
-def _labels(response) -> list[str]:  # noqa: ANN001
-    assert response.status_code == 200, response.get_json()
-    return [p["label"] for p in response.get_json()["predictions"]]
-
-
-def _error(response, status: int, code: str) -> dict:  # noqa: ANN001
-    assert response.status_code == status, response.get_data(as_text=True)
-    assert response.mimetype == "application/json"
-    error = response.get_json()["error"]
-    assert error["code"] == code and error["message"]
-    assert error["request_id"] == response.headers["X-Request-ID"]
-    return error
-
-
 def test_multipart_images_come_back_in_order(client: FlaskClient) -> None:
     files = [(io.BytesIO(image_bytes(c)), f"{i}.jpg") for i, c in enumerate((RED, GREEN, BLUE))]
-    assert _labels(client.post("/predict", data={"image": files})) == ["red", "green", "blue"]
+    assert labels_of(client.post("/predict", data={"image": files})) == ["red", "green", "blue"]
 
 
 def test_response_shape_and_scores(client: FlaskClient) -> None:
@@ -49,14 +36,14 @@ def test_response_shape_and_scores(client: FlaskClient) -> None:
 @pytest.mark.parametrize("content_type", ["image/png", "application/octet-stream"])
 def test_raw_body(client: FlaskClient, content_type: str) -> None:
     response = client.post("/predict", data=image_bytes(BLUE, fmt="PNG"), content_type=content_type)
-    assert _labels(response) == ["blue"]
+    assert labels_of(response) == ["blue"]
 
 
 def test_json_base64_and_data_url(client: FlaskClient) -> None:
     plain = base64.b64encode(image_bytes(RED)).decode()
     data_url = "data:image/png;base64," + base64.b64encode(image_bytes(GREEN, fmt="PNG")).decode()
     response = client.post("/predict", json={"images": [plain, data_url], "top_k": 4})
-    assert _labels(response) == ["red", "green"]
+    assert labels_of(response) == ["red", "green"]
     assert all(len(p["top_k"]) == 4 for p in response.get_json()["predictions"])
 
 
@@ -87,7 +74,7 @@ def test_concurrent_requests_share_batches(client: FlaskClient, model: ColourMod
     model.gate = threading.Event()
 
     def call(color: tuple[int, int, int]) -> str:
-        return _labels(client.post("/predict", data=image_bytes(color), content_type="image/jpeg"))[0]
+        return labels_of(client.post("/predict", data=image_bytes(color), content_type="image/jpeg"))[0]
 
     colors = [RED, GREEN, BLUE, RED] * 2
     with ThreadPoolExecutor(8) as pool:
@@ -100,84 +87,6 @@ def test_concurrent_requests_share_batches(client: FlaskClient, model: ColourMod
     assert model.batch_sizes == [1, 4, 3]
 
 
-# -- errors --------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("kwargs, status, code", [
-    ({"data": b"hello", "content_type": "text/plain"}, 415, "unsupported_media_type"),
-    ({"data": b""}, 415, "unsupported_media_type"),
-    ({"data": b"", "content_type": "image/jpeg"}, 400, "invalid_image"),
-    ({"data": b"not an image", "content_type": "image/jpeg"}, 400, "invalid_image"),
-    ({"data": image_bytes(fmt="TIFF"), "content_type": "image/tiff"}, 415, "unsupported_image_format"),
-    ({"data": {"file": (io.BytesIO(image_bytes()), "a.jpg")}}, 400, "invalid_request"),
-    ({"data": b"{not json", "content_type": "application/json"}, 400, "invalid_json"),
-    ({"json": {"images": ["%%%not base64%%%"]}}, 400, "invalid_base64"),
-    ({"json": {"images": "abc"}}, 422, "validation_error"),
-    ({"json": {"images": []}}, 422, "validation_error"),
-    ({"json": {"images": ["AAAA"], "extra": 1}}, 422, "validation_error"),
-    ({"json": {"images": ["AAAA"], "top_k": 0}}, 422, "validation_error"),
-    ({"json": {"images": ["AAAA"], "top_k": "abc"}}, 422, "validation_error"),
-    ({"json": [1, 2]}, 422, "validation_error"),
-])
-def test_bad_requests(client: FlaskClient, kwargs: dict, status: int, code: str) -> None:
-    _error(client.post("/predict", **kwargs), status, code)
-    assert _labels(client.post("/predict", data=image_bytes(RED), content_type="image/jpeg")) == ["red"]
-
-
-@pytest.mark.parametrize("top_k", ["0", "-1", "1000000000", "abc", "5"])
-def test_bad_top_k_parameter(client: FlaskClient, top_k: str) -> None:
-    response = client.post(f"/predict?top_k={top_k}", data=image_bytes(), content_type="image/jpeg")
-    assert "top_k" in _error(response, 400, "invalid_request")["message"]
-
-
-def test_schema_violation_lists_the_fields(client: FlaskClient) -> None:
-    details = _error(client.post("/predict", json={"images": 5}), 422, "validation_error")["details"]
-    assert details[0]["loc"] == ["images"]
-
-
-def test_body_over_the_limit_is_413(client: FlaskClient) -> None:
-    response = client.post("/predict", data=b"\xff" * (300 * 1024), content_type="image/jpeg")
-    _error(response, 413, "request_entity_too_large")
-
-
-def test_too_many_images_is_413(client: FlaskClient) -> None:
-    files = [(io.BytesIO(image_bytes()), f"{i}.jpg") for i in range(5)]
-    _error(client.post("/predict", data={"image": files}), 413, "too_many_images")
-
-
-def test_too_many_pixels_is_413(client: FlaskClient) -> None:
-    data = image_bytes(fmt="PNG", size=(1000, 1000), mode="L", color=0)
-    _error(client.post("/predict", data=data, content_type="image/png"), 413, "image_too_large")
-
-
-def test_unknown_route_and_method_are_json(client: FlaskClient) -> None:
-    _error(client.get("/nope"), 404, "not_found")
-    _error(client.get("/predict"), 405, "method_not_allowed")
-
-
-def test_failing_forward_is_500_json_and_the_server_goes_on(client: FlaskClient, model: ColourModel) -> None:
-    model.fail_when = 0.5  # red images make the forward pass raise
-    _error(client.post("/predict", data=image_bytes(RED), content_type="image/jpeg"), 500, "inference_failed")
-    assert client.get("/healthz").status_code == 200
-    assert _labels(client.post("/predict", data=image_bytes(BLUE), content_type="image/jpeg")) == ["blue"]
-
-
-def test_full_queue_is_429_with_retry_after(client: FlaskClient, model: ColourModel, service: Service) -> None:
-    model.batch_sizes.clear()
-    model.gate = threading.Event()  # park the worker inside a forward pass
-    blocked = ThreadPoolExecutor(1).submit(
-        client.post, "/predict", data=image_bytes(), content_type="image/jpeg")
-    wait_until(lambda: bool(model.batch_sizes) and service.batcher.depth == 0)
-    filler = [service.preprocess(image_bytes())] * service.settings.queue_size
-    queued = service.batcher.submit_many(filler)
-    response = client.post("/predict", data=image_bytes(), content_type="image/jpeg")
-    _error(response, 429, "overloaded")
-    assert int(response.headers["Retry-After"]) >= 1
-    model.gate.set()
-    assert blocked.result(timeout=10).status_code == 200
-    assert all(f.result(timeout=10).batch_size >= 1 for f in queued)
-
-
 def test_health_endpoints_and_draining(client: FlaskClient, service: Service) -> None:
     assert client.get("/healthz").get_json()["status"] == "alive"
     ready = client.get("/readyz")
@@ -186,7 +95,7 @@ def test_health_endpoints_and_draining(client: FlaskClient, service: Service) ->
     assert client.get("/readyz").status_code == 503
     assert client.get("/healthz").status_code == 200  # liveness does not follow readiness
     response = client.post("/predict", data=image_bytes(), content_type="image/jpeg")
-    _error(response, 503, "not_ready")
+    error_of(response, 503, "not_ready")
     assert response.headers["Retry-After"]
 
 
@@ -214,7 +123,7 @@ def test_request_larger_than_max_batch_size_is_split(settings, predictor, model:
         colors = [RED, GREEN, BLUE, RED, GREEN, BLUE]
         files = [(io.BytesIO(image_bytes(c)), f"{i}.jpg") for i, c in enumerate(colors)]
         response = app.test_client().post("/predict", data={"image": files})
-        assert _labels(response) == ["red", "green", "blue", "red", "green", "blue"]
+        assert labels_of(response) == ["red", "green", "blue", "red", "green", "blue"]
         assert model.batch_sizes == [4, 2]
         assert response.headers["X-Batch-Size"] == "4,4,4,4,2,2"
         assert 'batch;desc="4+2"' in response.headers["Server-Timing"]
@@ -232,65 +141,11 @@ def test_a_lone_request_runs_its_batch_inline_unless_turned_off(settings, predic
         service: Service = app.extensions[EXTENSION_KEY]
         before = service.batcher.batches_run
         response = app.test_client().post("/predict", data=image_bytes(GREEN), content_type="image/jpeg")
-        assert _labels(response) == ["green"] and response.headers["X-Batch-Size"] == "1"
+        assert labels_of(response) == ["green"] and response.headers["X-Batch-Size"] == "1"
         assert service.batcher.batches_run == before + 1
         assert service.batcher.batches_inline == (1 if inline else 0)
     finally:
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
-
-
-@pytest.mark.parametrize("path", ["/predict", "/v2/models/colour/infer"])
-def test_a_streamed_body_over_the_limit_is_413_not_cut_short(client: FlaskClient, settings: Settings,
-                                                            path: str) -> None:
-    # A chunked body has no Content-Length; the server marks its end itself (wsgi.input_terminated).
-    def post(size: int, content_type: str) -> Any:
-        return client.post(path, input_stream=io.BytesIO(b"\0" * size), content_type=content_type,
-                           environ_overrides={"wsgi.input_terminated": True})
-
-    content_type = "image/jpeg" if path == "/predict" else "application/json"
-    over = post(settings.max_body_bytes + 1, content_type)
-    assert over.status_code == 413 and over.headers["Connection"] == "close"
-    assert post(settings.max_body_bytes, content_type).status_code == 400  # at the limit: read, and not an image
-
-
-def test_a_bad_image_among_several_is_named_by_index_and_file_name(client: FlaskClient) -> None:
-    # Before: one 400 that did not say which of the images was bad.
-    files = [(io.BytesIO(image_bytes(RED)), "cat.jpg"), (io.BytesIO(b"not an image"), "notes.txt")]
-    error = _error(client.post("/predict", data={"image": files}), 400, "invalid_image")
-    assert error["message"].startswith("image 1 (notes.txt): ")
-    assert error["details"]["image"] == 1 and error["details"]["filename"] == "notes.txt"
-    body = {"images": [base64.b64encode(image_bytes(RED)).decode(), base64.b64encode(b"nope").decode()]}
-    error = _error(client.post("/predict", json=body), 400, "invalid_image")
-    assert error["message"].startswith("image 1: ") and error["details"]["image"] == 1
-
-
-def test_a_wrong_multipart_field_says_which_fields_were_sent(client: FlaskClient) -> None:
-    response = client.post("/predict", data={"file": (io.BytesIO(image_bytes()), "x.jpg")})
-    assert "fields sent: 'file'" in _error(response, 400, "invalid_request")["message"]
-    both = {"image": (io.BytesIO(image_bytes()), "x.jpg"), "file": (io.BytesIO(image_bytes()), "y.jpg")}
-    assert "'file'" in _error(client.post("/predict", data=both), 400, "invalid_request")["message"]
-
-
-@pytest.mark.parametrize("url, form", [("/predict?topk=1", None), ("/predict?top_k=1&format=json", None),
-                                       ("/predict", {"topk": "1"})])
-def test_unknown_parameters_are_refused_naming_the_known_ones(client: FlaskClient, url: str,
-                                                              form: dict[str, str] | None) -> None:
-    # Before: ignored silently, so a misspelt top_k quietly gave the default.
-    if form is None:
-        response = client.post(url, data=image_bytes(), content_type="image/jpeg")
-    else:
-        response = client.post(url, data={**form, "image": (io.BytesIO(image_bytes()), "x.jpg")})
-    message = _error(response, 400, "invalid_request")["message"]
-    assert "unknown" in message and "known: " in message and "top_k" in message.split("known: ")[1]
-
-
-def test_a_deadline_shorter_than_one_forward_pass_is_400_without_retry_after(client: FlaskClient) -> None:
-    # Before: 429 deadline_unreachable on an idle server, inviting a retry that could never succeed.
-    assert _labels(client.post("/predict", data=image_bytes(RED), content_type="image/jpeg")) == ["red"]
-    response = client.post("/predict", data=image_bytes(RED), content_type="image/jpeg",
-                           headers={"X-Request-Timeout": "1"})
-    _error(response, 400, "deadline_too_short")
-    assert "Retry-After" not in response.headers
 
 
 def test_scores_are_rounded_to_the_configured_digits(settings: Settings, predictor) -> None:  # noqa: ANN001
@@ -327,16 +182,48 @@ def test_the_default_queue_holds_several_maximum_size_requests(predictor) -> Non
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 
 
+def test_cors_is_off_by_default_and_answers_preflights_for_allowed_origins(settings: Settings,
+                                                                           predictor) -> None:  # noqa: ANN001
+    from app import EXTENSION_KEY, create_app
 
-def test_a_request_for_another_model_or_version_is_404_naming_the_served_one(client: FlaskClient,
-                                                                             service: Service) -> None:
-    manifest = service.predictor.manifest
-    ok = client.post(f"/predict?model={manifest.name}&version={manifest.version}", data=image_bytes(),
-                     content_type="image/jpeg")
-    assert ok.status_code == 200
-    for query in ("model=nope", f"model={manifest.name}&version=999"):
-        error = _error(client.post(f"/predict?{query}", data=image_bytes(), content_type="image/jpeg"),
-                       404, "not_found")
-        assert f"serves {manifest.name!r} version {manifest.version!r}" in error["message"]
-        assert error["details"]["models"] == [{"name": manifest.name, "versions": [manifest.version],
-                                               "default": manifest.version}]
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, x-request-timeout"}
+    off = create_app(settings, predictor)
+    on = create_app(Settings.model_validate({**settings.model_dump(), "api_key": "k",
+                                             "cors_origins": "https://app.example, https://other.example/"}),
+                    predictor)
+    try:
+        answer = off.test_client().post("/predict", data=image_bytes(), content_type="image/jpeg",
+                                        headers={"Origin": "https://app.example"})
+        assert answer.status_code == 200 and "Access-Control-Allow-Origin" not in answer.headers
+        client = on.test_client()
+        answer = client.options("/predict", headers=preflight)  # no key: browsers send preflights without one
+        assert answer.status_code == 204
+        assert answer.headers["Access-Control-Allow-Origin"] == "https://app.example"
+        assert "POST" in answer.headers["Access-Control-Allow-Methods"]
+        assert "X-Request-Timeout" in answer.headers["Access-Control-Allow-Headers"]
+        stranger = client.options("/predict", headers={**preflight, "Origin": "https://evil.example"})
+        assert "Access-Control-Allow-Origin" not in stranger.headers
+        answer = client.post("/predict", data=image_bytes(), content_type="image/jpeg",
+                             headers={"Origin": "https://other.example", "Authorization": "Bearer k"})
+        assert answer.status_code == 200 and answer.headers["Access-Control-Allow-Origin"] == "https://other.example"
+        assert "Server-Timing" in answer.headers["Access-Control-Expose-Headers"]
+        assert "Origin" in answer.headers["Vary"]
+        refused = client.post("/predict", data=image_bytes(), content_type="image/jpeg",
+                              headers={"Origin": "https://app.example"})  # CORS is no way around the key
+        assert refused.status_code == 401 and refused.headers["Access-Control-Allow-Origin"] == "https://app.example"
+    finally:
+        for app in (off, on):
+            app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def test_cuda_out_of_memory_splits_the_batch_and_lowers_the_cap(client: FlaskClient, model: ColourModel) -> None:
+    model.batch_sizes.clear()
+    model.oom_above = 1
+    files = [(io.BytesIO(image_bytes(c)), f"{i}.jpg") for i, c in enumerate((RED, BLUE, RED, BLUE))]
+    response = client.post("/predict", data={"image": files})
+    assert response.status_code == 200
+    assert [p["label"] for p in response.get_json()["predictions"]] == ["red", "blue", "red", "blue"]
+    assert model.batch_sizes == [4, 2, 1, 1, 2, 1, 1]
+    assert client.get("/v1/models").get_json()["models"][0]["batching"]["current_max_batch_size"] == 1
+    assert 'visionserve_batcher_events_total{event="batch_split"}' in client.get("/metrics").get_data(as_text=True)

@@ -1,4 +1,5 @@
-"""The real server: gunicorn on a free loopback port, driven with requests."""
+"""The real server: gunicorn on a free loopback port, driven with requests: answers and batches, boot errors, logs,
+a soak with flat memory, and how long it takes to exit (faults and hostile clients: test_faults.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -8,6 +9,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterator
@@ -18,10 +20,11 @@ import skimage.data
 from PIL import Image
 
 from harness.servers import ROOT, Running, free_port
-from tests.support.imaging import encode
+from tests.support.imaging import RED, encode, image_bytes
 from tests.support.servers import serve
 
 CATS = {281, 282, 283, 284, 285}
+IMAGE = image_bytes(RED, size=(160, 120))  # for the small model
 
 
 def _cat() -> bytes:
@@ -59,44 +62,6 @@ def test_multipart_and_health_over_http(server: Running) -> None:
     bad = requests.post(f"{url}/predict", data=b"x" * 100, headers={"Content-Type": "image/jpeg"}, timeout=10)
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_image"
     assert "visionserve_batch_size_bucket" in requests.get(f"{url}/metrics", timeout=5).text
-
-
-def test_sigterm_mid_burst_answers_every_accepted_request(real_weights: Path,
-                                                         start_server: Callable[..., Running]) -> None:
-    server = start_server(real_weights, max_batch_size="4").wait_ready()
-    cat = _cat()
-    outcomes: list[tuple[str, float, object]] = []
-    term_sent = threading.Event()
-    sent_at: list[float] = []
-
-    def call(_: int) -> None:
-        try:  # one connection per request: each is either accepted and answered, or refused
-            r = requests.post(f"{server.url}/predict", data=cat, headers={"Content-Type": "image/jpeg"}, timeout=60)
-            body = r.json()  # a cut-off body would not parse
-            outcomes.append(("response", time.monotonic(), (r.status_code, body)))
-        except requests.ConnectionError as exc:
-            outcomes.append(("refused", time.monotonic(), repr(exc)))
-
-    with ThreadPoolExecutor(24) as pool:
-        futures = [pool.submit(call, i) for i in range(48)]
-        time.sleep(0.5)
-        sent_at.append(time.monotonic())
-        server.terminate()
-        term_sent.set()
-        for f in futures:
-            f.result(timeout=90)
-    assert server.stop() == 0
-
-    responses = [o for kind, _, o in outcomes if kind == "response"]
-    statuses = [status for status, _ in responses]
-    assert set(statuses) <= {200, 503}, statuses
-    for status, body in responses:
-        assert (status == 200 and len(body["predictions"]) == 1) or body["error"]["code"] == "not_ready"
-    answered_after_term = [t for kind, t, o in outcomes if kind == "response" and o[0] == 200 and t > sent_at[0]]
-    assert answered_after_term, "no request was in flight at SIGTERM; the test proved nothing"
-    logged = [json.loads(line) for line in server.output().splitlines() if '"visionserve.access"' in line]
-    logged_predict = [entry["status"] for entry in logged if entry["route"] == "/predict"]
-    assert sorted(logged_predict) == sorted(statuses), "the server answered a request the client never got"
 
 
 def test_bad_weights_stop_the_boot_with_a_clear_message(tmp_path: Path,
@@ -185,3 +150,63 @@ def test_a_loading_worker_answers_at_once(real_weights: Path, start_server: Call
     assert seen.get("loading") == ("not_ready", "5", {"error": "the model is still loading"}), seen
     assert requests.post(f"{server.url}/predict", data=_cat(), headers={"Content-Type": "image/jpeg"},
                          timeout=60).status_code == 200
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+def _burst(url: str, count: int, concurrency: int) -> list[requests.Response]:
+    local = threading.local()
+
+    def call(_: int) -> requests.Response:
+        if not hasattr(local, "session"):
+            local.session = requests.Session()
+        return local.session.post(f"{url}/predict", data=IMAGE, headers={"Content-Type": "image/jpeg"}, timeout=60)
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(call, range(count)))
+
+
+def test_soak_no_errors_and_flat_memory(small_weights: Path, start_server: Callable[..., Running]) -> None:
+    server = start_server(small_weights, log_level="warning").wait_ready()
+    try:
+        (worker,) = server.worker_pids()
+        warm = _burst(server.url, 300, 32)
+        rss_before = rss_bytes(worker)
+        started = time.monotonic()
+        responses = _burst(server.url, 2000, 48)
+        elapsed = time.monotonic() - started
+        rss_after = rss_bytes(worker)
+        statuses = Counter(r.status_code for r in warm + responses)
+        print(f"\nsoak: 2000 requests at 48 concurrent in {elapsed:.1f}s ({2000 / elapsed:.0f} req/s), "
+              f"statuses {dict(statuses)}, worker RSS {rss_before / 2**20:.0f} -> {rss_after / 2**20:.0f} MiB")
+        assert statuses == {200: 2300}
+        assert rss_after - rss_before < 64 * 2**20
+    finally:
+        assert server.stop() == 0
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_time_to_exit_after_sigterm_idle_and_after_load(small_weights: Path, start_server: Callable[..., Running],
+                                                        workers: int) -> None:
+    # Figures for docs/architecture.md (printed, not asserted: these machines are noisy); what is asserted is that
+    # the server exits by itself, with status 0, well inside gunicorn's graceful timeout.
+    times = {}
+    for phase in ("idle", "after load"):
+        server = start_server(small_weights, workers=str(workers), shutdown_drain_s="1").wait_ready()
+        deadline = time.monotonic() + 60
+        while server.output().count('"ready to serve"') < workers:  # every worker, not only the first
+            assert time.monotonic() < deadline, server.output()[-2000:]
+            time.sleep(0.2)
+        if phase == "after load":
+            assert Counter(r.status_code for r in _burst(server.url, 200, 16)) == {200: 200}
+        started = time.monotonic()
+        assert server.stop(timeout_s=25) == 0
+        times[phase] = time.monotonic() - started
+    print(f"\nexit after SIGTERM, {workers} worker(s), 1 s drain: " +
+          ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in times.items()))
