@@ -1,4 +1,5 @@
-"""The house rules, checked: import direction between the layers, short functions, generated docs up to date."""
+"""The house rules, checked: import direction between the layers, no import cycle, short functions, generated docs
+up to date."""
 from __future__ import annotations
 
 import ast
@@ -14,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 APP = ROOT / "app"
 PROTOCOLS = ("app.v1", "app.v2")
 MAX_FUNCTION_LINES = 50
+PACKAGES = ("app", "bench", "client", "harness", "models", "tests")  # every project .py file lives in one
 
 
 def _module_name(path: Path) -> str:
@@ -53,11 +55,98 @@ def _modules(package: str) -> dict[str, set[str]]:
     ("app.v1", ("app.v2",)),
     ("app.v2", ("app.v1",)),
     ("models", ("app",)),
+    ("harness", ("tests", "bench")),
+    ("bench", ("tests",)),
 ])
 def test_import_direction(package: str, forbidden: tuple[str, ...]) -> None:
     broken = {module: sorted(n for n in names if _under(n, forbidden) and not _under(n, (module,)))
               for module, names in _modules(package).items()}
     assert not {m: n for m, n in broken.items() if n}, f"{package} may not import {forbidden}"
+
+
+def _project_files() -> dict[str, Path]:
+    return {_module_name(f): f for package in PACKAGES for f in sorted((ROOT / package).rglob("*.py"))}
+
+
+def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """The project modules one import statement loads: ``from pkg import name`` is pkg.name where that is a module,
+    else pkg; relative imports are resolved against ``module``."""
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names} & known
+    base = node.module or ""
+    if node.level:
+        parts = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
+        base = ".".join([*parts, *([base] if base else [])])
+    found = {f"{base}.{alias.name}" for alias in node.names} & known
+    return found | ({base} & known if len(found) < len(node.names) else set())
+
+
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """ids of the imports under ``if TYPE_CHECKING:``: they never run."""
+    guarded = [node for node in ast.walk(tree)
+               if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)]
+    return {id(inner) for node in guarded for child in node.body for inner in ast.walk(child)}
+
+
+def import_graph(files: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the project modules it imports, at module level and inside functions (those run too). Its own
+    packages are left out: Python runs a package's __init__ before any module in it, whoever imports what."""
+    known = set(files)
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        skipped, edges = _type_checking_only(tree), set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in skipped:
+                edges |= _targets(node, module, path.name == "__init__.py", known)
+        graph[module] = {t for t in edges if t != module and not module.startswith(t + ".")}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as [a, b, ..., a], or None (depth-first search, in sorted order so the answer is stable)."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        if module in path:
+            return path[path.index(module):] + [module]
+        if module in done:
+            return None
+        path.append(module)
+        for target in sorted(graph.get(module, ())):
+            if cycle := visit(target):
+                return cycle
+        path.pop()
+        done.add(module)
+        return None
+
+    return next((cycle for module in sorted(graph) if (cycle := visit(module))), None)
+
+
+def test_no_import_cycle_anywhere() -> None:
+    # A cycle hidden by imports inside functions still ties the modules together: bench's training benchmarks had
+    # one (train -> checks -> train) until their shared step moved to bench/training/trainer.py.
+    cycle = find_cycle(import_graph(_project_files()))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_cycle_check_sees_cycles_through_function_level_and_relative_imports(tmp_path: Path) -> None:
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "a.py").write_text("from pkg.b import run\n")
+    (tmp_path / "pkg" / "b.py").write_text("def run():\n    from . import a\n")
+    (tmp_path / "pkg" / "c.py").write_text("from pkg import a, b\n")
+    files = {f"pkg.{name}": tmp_path / "pkg" / f"{name}.py" for name in ("a", "b", "c")}
+    graph = import_graph(files)
+    assert graph == {"pkg.a": {"pkg.b"}, "pkg.b": {"pkg.a"}, "pkg.c": {"pkg.a", "pkg.b"}}
+    assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.a"]
+    assert find_cycle({"x": {"y"}, "y": set()}) is None
+    guarded = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import c\n"
+    (tmp_path / "pkg" / "__init__.py").write_text(guarded)
+    (tmp_path / "pkg" / "c.py").write_text("from pkg import a\nimport pkg\n")
+    files["pkg"] = tmp_path / "pkg" / "__init__.py"
+    assert import_graph(files)["pkg"] == set() and import_graph(files)["pkg.c"] == {"pkg.a"}
 
 
 def test_protocols_reach_the_engine_only_through_the_stage_runner() -> None:
