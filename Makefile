@@ -63,7 +63,7 @@ bench: $(STAMP)
 
 # Training speed (docs/training.md): synthetic limit vs the CPU and GPU data paths; writes data/photos when missing.
 bench-train: $(STAMP)
-	$(BIN)/python -m bench.train $(BENCH_ARGS)
+	$(BIN)/python -m bench.training.train $(BENCH_ARGS)
 
 faults: $(STAMP)
-	$(BIN)/python -m bench.faults
+	$(BIN)/python -m bench.serving.faults

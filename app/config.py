@@ -87,7 +87,7 @@ class Settings(BaseSettings):
     jit_optimize: bool = Field(
         True, description="On the CPU, `torch.jit.freeze` + `optimize_for_inference` the TorchScript model "
         "(BatchNorm folded into convolutions, MKLDNN kernels): about 1.5x images/s for EfficientNet-Lite0 on 2 "
-        "cores (`python -m bench.limit`).")
+        "cores (`python -m bench.serving.limit`).")
 
     # Batching
     max_batch_size: int = Field(8, gt=0, description="Most images in one forward pass.")

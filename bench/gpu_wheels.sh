@@ -2,7 +2,7 @@
 # Wheels the lent GPU machines lack for the GPU tests and the training benchmarks (their image has torch,
 # torchvision, timm, werkzeug, scikit-image, scikit-learn, matplotlib, tqdm, requests, pytest and hypothesis,
 # Python 3.12, and no network): fetched here into .whl/ (ignored by git), carried with the call, installed there
-# into /tmp/site. The list is what importing tests/conftest.py and bench.train needs beyond that image.
+# into /tmp/site. The list is what importing tests/conftest.py and bench.training.train needs beyond that image.
 # docs/testing.md has the calls.
 set -euo pipefail
 cd "$(dirname "$0")/.."

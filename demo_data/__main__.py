@@ -39,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("name", choices=sorted(WRITERS))
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
-    photos = parser.add_argument_group("photos (ImageNet-like JPEGs, for python -m bench.train)")
+    photos = parser.add_argument_group("photos (ImageNet-like JPEGs, for python -m bench.training.train)")
     photos.add_argument("--classes", type=int, default=100, help="1 to 138")
     photos.add_argument("--train-per-class", type=int, default=100)
     photos.add_argument("--val-per-class", type=int, default=20)

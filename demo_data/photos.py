@@ -1,5 +1,5 @@
 """An ImageNet-like JPEG folder from the photos that scikit-image and scikit-learn ship, for measuring training
-speed where decoding costs what it costs on ImageNet (``python -m bench.train``); nothing is downloaded.
+speed where decoding costs what it costs on ImageNet (``python -m bench.training.train``); nothing is downloaded.
 
 Each class is one region of one photo (a 2 x 3 grid over 23 photos, taken round-robin so 100 classes span them
 all); each image is a random crop around its region, resized to about 500 x 375 (landscape or, one in four,

@@ -7,7 +7,7 @@
     train.py  python -m models.train (the script, top to bottom); plot.py: python -m models.plot
 
 The server (``app/``) imports only the modules of ``SERVING_CONTRACT``, which import only each other
-(tests/test_house.py checks both): changing one of them changes what the server runs.
+(tests/unit/test_house.py checks both): changing one of them changes what the server runs.
 """
 
 SERVING_CONTRACT: tuple[str, ...] = (

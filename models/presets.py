@@ -137,7 +137,7 @@ class TensorEvalTransform:
 
     The resize runs on the uint8 pixels, as PIL's does: torchvision's uint8 kernel then gives PIL's pixels (within
     1 level at a few pixels, measured on the benchmark's photos), where resizing in float gave up to 5 levels and
-    flipped the top-1 of 3 of 90 photos (bench/decode_paths.py).
+    flipped the top-1 of 3 of 90 photos (bench/serving/decode_paths.py).
     """
 
     def __init__(self, preset: EvalPreset) -> None:

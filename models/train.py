@@ -87,7 +87,7 @@ class Parts:
 
 def build_parts(args: argparse.Namespace, num_classes: int, device: torch.device, env: DistEnv = DistEnv(), *,
                 fused: bool | None = None) -> Parts:
-    """The model, optimiser and scaler of a run (also what ``python -m bench.train`` measures). ``fused``: torch's
+    """The model, optimiser and scaler of a run (also what ``python -m bench.training.train`` measures). ``fused``: torch's
     fused optimiser kernels, by default on CUDA only."""
     use_tf32(device, args.tf32)
     model = step_model = build_trainable(args, num_classes, device)

@@ -16,8 +16,9 @@ from app import EXTENSION_KEY, create_app
 from app.config import Settings
 from app.engine.predictor import Predictor
 from app.engine.service import Service
-from bench.servers import Running, visionserve
-from tests.fakes import ColourModel, tiny_manifest
+from harness.servers import Running
+from tests.support.fakes import ColourModel, tiny_manifest
+from tests.support.servers import serve
 
 # A test that uses one of these starts a server, loads real weights, runs torchrun or trains on photos: it is
 # marked slow, so `pytest -m "not slow"` stays under a minute. A test that starts a server without them fails
@@ -108,13 +109,6 @@ def _guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr("models.pretrained.load_lite0_imagenet", refuse)
 
 
-def serve(weights: Path, log_dir: Path, **settings: str) -> Running:
-    """gunicorn on ``weights`` through bench's runner, with the configured batch cap, info logs and a short
-    shutdown drain by default (each stop would otherwise keep the listener open for 5 s)."""
-    defaults = {"auto_batch_size": "false", "log_level": "info", "shutdown_drain_s": "0.5"}
-    return visionserve(weights, log_dir, **(defaults | settings))
-
-
 @pytest.fixture
 def start_server(tmp_path: Path) -> Iterator[Callable[..., Running]]:
     """Start servers with ``start_server(weights, **settings)``; whatever is still running is stopped after."""
@@ -148,7 +142,7 @@ def torchrun() -> Callable[..., subprocess.CompletedProcess[str]]:
 def small_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small real export (untrained mobilenet_v3_small, 10 classes, 64x64 input) for load tests: the fault
     matrix's model."""
-    from bench.faults import small_weights as export_small
+    from harness.faults import small_weights as export_small
 
     return export_small(tmp_path_factory.mktemp("small-weights"))
 

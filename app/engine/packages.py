@@ -18,7 +18,7 @@ from models.export.manifest import CompiledPackage, Manifest, sha256_of
 
 log = logging.getLogger(__name__)
 
-# Where `python -m bench.formats` measured packages faster than frozen TorchScript, end to end: nowhere yet. On
+# Where `python -m bench.serving.formats` measured packages faster than frozen TorchScript, end to end: nowhere yet. On
 # the 2-core CPU the package ran 1.2-1.45x TorchScript's forward pass at batches of 4-8 but 0.87-0.97x at 1-2, and
 # the server 1.02x at C=1 and 0.94-0.95x at C=16 (bench/results/2026-11-23-formats-cpu-2cpu-vm.md); on CUDA it is
 # not measured. ``auto`` serves a package only where a device type is listed here.

@@ -34,7 +34,7 @@ def choose_batch_cap(profile: dict[int, float], tolerance: float = 0.95) -> int:
 
 def decode_path(setting: str, device: torch.device) -> str:
     """Where a model's images are decoded (Settings.decode_path): ``auto`` is the device path on CUDA and the tensor
-    path on the CPU, where it served 1.20-1.25x PIL's images/s at 100% top-1 agreement (bench/decode_paths.py)."""
+    path on the CPU, where it served 1.20-1.25x PIL's images/s at 100% top-1 agreement (bench/serving/decode_paths.py)."""
     if setting != "auto":
         return setting
     return "device" if device.type == "cuda" else "tensor"

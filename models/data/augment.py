@@ -4,7 +4,7 @@ The draw needs only the image's size, so the GPU data path draws in the DataLoad
 (no pixels decoded there) and applies the same crop and flip on the GPU; the CPU path draws and applies in the
 worker. Both draw exactly as torchvision's ``RandomResizedCrop`` then ``RandomHorizontalFlip`` do (same calls on
 the same RNG, in the same order), so with the per-(seed, epoch, index) seed of ``FolderDataset`` a sample gets the
-same crop and flip whichever path, worker or GPU trains on it (tests/test_gpu_data.py checks both).
+same crop and flip whichever path, worker or GPU trains on it (tests/training/test_gpu_data.py checks both).
 """
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ def make_optimizer(model: nn.Module, args: argparse.Namespace, *, fused: bool = 
     """SGD (momentum) or AdamW; the backbone learns at ``lr * backbone_lr_scale``, the new head at ``lr``.
 
     ``fused``: torch's fused kernels (one launch updates every parameter; the training script asks for them on
-    CUDA, where ``python -m bench.train`` measures them)."""
+    CUDA, where ``python -m bench.training.train`` measures them)."""
     head = list(head_of(model).parameters())
     head_ids = set(map(id, head))
     backbone = [p for p in model.parameters() if p.requires_grad and id(p) not in head_ids]

@@ -1,0 +1,162 @@
+"""A closed-loop load generator: C threads, each with its own keep-alive connection, posting raw JPEG bodies."""
+from __future__ import annotations
+
+import http.client
+import re
+import resource
+import statistics
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass
+from typing import Sequence
+
+import requests
+
+from bench.usage import process_group_cpu_s
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """One server, one model, one concurrency: throughput, latency percentiles, errors and batching."""
+
+    server: str
+    model: str
+    concurrency: int
+    images_per_s: float
+    p50_ms: float
+    p95_ms: float
+    p99_ms: float
+    errors: int
+    requests: int
+    mean_batch: float | None
+    server_cores: float | None = None  # CPU the server's processes used over the measured window, in cores
+    client_cores: float | None = None  # the same for this load generator
+    cpu_ms_per_image: float | None = None  # the server's CPU per answered image: what "faster per core" means
+    decode_cpu_ms: float | None = None  # of which decode + preprocess, per image (visionserve's own counters)
+    forward_cpu_ms: float | None = None  # and the forward pass, per image
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+def _own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+_COUNTERS = re.compile(r'^visionserve_(batch_size_sum|batch_size_count|stage_cpu_seconds_total)'
+                       r'(?:\{stage="(\w+)"\})? ([0-9.e+-]+)$', re.M)
+
+
+def server_counters(base_url: str) -> dict[str, float]:
+    """visionserve's images run, batches run and CPU seconds per stage from /metrics; empty for other servers."""
+    try:
+        text = requests.get(f"{base_url}/metrics", timeout=5).text
+    except requests.RequestException:
+        return {}
+    return {f"{name}:{stage}" if stage else name: float(value) for name, stage, value in _COUNTERS.findall(text)}
+
+
+class _Client:
+    """One keep-alive HTTP/1.1 connection. http.client, not requests: requests spends about 1 ms of Python per call,
+    which would be counted as server latency at C=1 and takes CPU from the server under test at high C."""
+
+    def __init__(self, url: str, content_type: str) -> None:
+        parts = urllib.parse.urlsplit(url)
+        self._host, self._port, self._path = parts.hostname or "127.0.0.1", parts.port or 80, parts.path or "/"
+        self._headers = {"Content-Type": content_type}
+        self._conn: http.client.HTTPConnection | None = None
+
+    def post(self, body: bytes) -> bool:
+        """Send one request and read the whole answer; True for a 200. A failed connection is dropped and opened
+        again on the next call."""
+        try:
+            if self._conn is None:
+                self._conn = http.client.HTTPConnection(self._host, self._port, timeout=120)
+            self._conn.request("POST", self._path, body=body, headers=self._headers)
+            response = self._conn.getresponse()
+            response.read()
+            if response.will_close:
+                self.close()
+            return response.status == 200
+        except (OSError, http.client.HTTPException):
+            self.close()
+            return False
+
+    def close(self) -> None:
+        """Close the connection, if open."""
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+def closed_loop(url: str, bodies: Sequence[bytes], concurrency: int, duration_s: float, warmup_s: float,
+                content_type: str = "image/jpeg") -> tuple[list[float], int, int]:
+    """Run C clients for warm-up + duration; returns latencies (s) and errors inside the measured window, and every
+    answered request (200) until the last client stopped, for CPU per request over the whole call.
+    Each client sends its next request as soon as the previous answer arrives."""
+    start = time.perf_counter()
+    measure_from, stop_at = start + warmup_s, start + warmup_s + duration_s
+    latencies: list[float] = []
+    errors, answered = [0], [0]
+    lock = threading.Lock()
+
+    def client(index: int) -> None:
+        connection = _Client(url, content_type)
+        i = index
+        while True:
+            sent = time.perf_counter()
+            if sent >= stop_at:
+                break
+            ok = connection.post(bodies[i % len(bodies)])
+            done = time.perf_counter()
+            i += concurrency
+            with lock:
+                answered[0] += ok
+                if sent >= measure_from and done <= stop_at:
+                    if ok:
+                        latencies.append(done - sent)
+                    else:
+                        errors[0] += 1
+        connection.close()
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return latencies, errors[0], answered[0]
+
+
+def measure(server: str, model: str, base_url: str, path: str, bodies: Sequence[bytes], concurrency: int,
+            duration_s: float, warmup_s: float, content_type: str = "image/jpeg",
+            server_pgid: int | None = None) -> LoadResult:
+    """One point of the comparison: a warm-up run, then the measured run (batch sizes and CPU use over it only)."""
+    closed_loop(base_url + path, bodies, concurrency, warmup_s, 0.0, content_type)
+    before = server_counters(base_url)
+    server_cpu = process_group_cpu_s(server_pgid) if server_pgid else 0.0
+    client_cpu, started = _own_cpu_s(), time.perf_counter()
+    latencies, errors, answered = closed_loop(base_url + path, bodies, concurrency, duration_s, 0.0,
+                                              content_type)
+    wall = time.perf_counter() - started
+    server_cores = (process_group_cpu_s(server_pgid) - server_cpu) / wall if server_pgid else None
+    client_cores = (_own_cpu_s() - client_cpu) / wall
+    delta = {k: v - before.get(k, 0.0) for k, v in server_counters(base_url).items()}
+    images, batches = delta.get("batch_size_sum", 0.0), delta.get("batch_size_count", 0.0)
+
+    def per_image_ms(key: str) -> float | None:
+        return 1000 * delta[key] / images if images and key in delta else None
+
+    ms = sorted(x * 1000 for x in latencies)
+    return LoadResult(server, model, concurrency, len(latencies) / duration_s, _percentile(ms, 50),
+                      _percentile(ms, 95), _percentile(ms, 99), errors, len(latencies) + errors,
+                      images / batches if batches else None, server_cores, client_cores,
+                      1000 * server_cores * wall / answered if server_cores and answered else None,
+                      per_image_ms("stage_cpu_seconds_total:decode"),
+                      per_image_ms("stage_cpu_seconds_total:inference"))

@@ -1,0 +1,35 @@
+"""The baseline most tutorials show: a Flask app that runs one forward pass per request, no batching.
+
+Same weights, same decode and eval transform as visionserve, so the comparison isolates the serving design.
+Run by the benchmark as: gunicorn bench.serving.naive_app:app (with the same worker settings as visionserve).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from flask import Flask, jsonify, request
+
+from app.engine.decode import image_to_tensor
+from app.engine.predictor import Predictor
+from bench.serving.limit import LIMITS
+
+app = Flask(__name__)
+# The model configured as visionserve runs it, so the comparison is about serving, not the model.
+_predictor = Predictor.load(Path(os.environ["NAIVE_WEIGHTS_DIR"]), device="cpu", jit_optimize=True)
+
+
+@app.post("/predict")
+def predict():  # noqa: ANN201 - tutorial style on purpose
+    image = image_to_tensor(request.get_data(), _predictor.transform, LIMITS)
+    with torch.inference_mode():
+        probabilities = _predictor.predict_batch(image.unsqueeze(0))[0]
+    scores, indices = probabilities.topk(5)
+    return jsonify(predictions=[{"label": _predictor.labels[i], "score": s}
+                                for s, i in zip(scores.tolist(), indices.tolist())])
+
+
+@app.get("/healthz")
+def healthz():  # noqa: ANN201
+    return {"status": "ok"}

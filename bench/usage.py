@@ -1,0 +1,61 @@
+"""What a measured run used, for the serving and the training benchmarks: CPU seconds of a process group (from
+/proc), and GPU utilisation sampled by ``nvidia-smi`` every 200 ms (no NVML binding needed; None where there is no
+NVIDIA driver, as on the CPU machines)."""
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import subprocess
+import threading
+
+
+def process_group_cpu_s(pgid: int) -> float:
+    """User + system CPU seconds of the live processes in process group ``pgid`` (a server and its workers)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        if int(fields[2]) == pgid:  # fields after "(comm)": state ppid pgrp ... utime(11) stime(12)
+            total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
+
+
+class GpuUtilisation:
+    """``with GpuUtilisation() as gpu: ...``, then ``gpu.mean`` (percent, or None without nvidia-smi)."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self._process: subprocess.Popen[str] | None = None
+        self._reader: threading.Thread | None = None
+
+    def __enter__(self) -> "GpuUtilisation":
+        smi = shutil.which("nvidia-smi")
+        if smi:
+            self._process = subprocess.Popen([smi, "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                                              "-lms", "200"], stdout=subprocess.PIPE, text=True)
+            self._reader = threading.Thread(target=self._read, daemon=True)
+            self._reader.start()
+        return self
+
+    def _read(self) -> None:
+        assert self._process is not None and self._process.stdout is not None
+        for line in self._process.stdout:
+            first = line.split(",")[0].strip()  # the first GPU: each worker's is in /v1/models
+            if first.replace(".", "", 1).isdigit():
+                self.samples.append(float(first))
+
+    def __exit__(self, *exc: object) -> None:
+        if self._process is not None:
+            self._process.terminate()
+            self._process.wait(5)
+
+    @property
+    def mean(self) -> float | None:
+        """The mean utilisation over the samples, in percent."""
+        return statistics.fmean(self.samples) if self.samples else None

@@ -1,0 +1,102 @@
+"""Measured tuning: the batch cap chosen at warm-up (applied and reported), and the forward-pass threads."""
+from __future__ import annotations
+
+import pytest
+
+from app import EXTENSION_KEY, create_app
+from app.config import Settings
+from app.engine.predictor import Predictor
+from app.engine.tuning import choose_batch_cap
+from tests.support.imaging import image_bytes
+
+
+def test_cap_is_the_smallest_batch_within_5_percent_of_the_best() -> None:
+    assert choose_batch_cap({1: 10.0, 2: 19.0, 3: 20.0, 4: 20.5, 5: 18.0}) == 3
+    assert choose_batch_cap({1: 10.0, 2: 20.0, 4: 40.0, 8: 80.0}) == 8  # a GPU: keeps rising
+    assert choose_batch_cap({1: 30.0, 2: 25.0}) == 1
+
+
+def test_measured_cap_is_applied_and_shown(settings: Settings, predictor: Predictor,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    measured = {1: 100.0, 2: 180.0, 3: 200.0, 4: 199.0}
+    monkeypatch.setattr(predictor, "warmup", lambda max_batch_size: {k: measured[k] for k in range(1, 5)})
+    app = create_app(settings.model_copy(update={"auto_batch_size": True}), predictor)
+    try:
+        assert app.extensions[EXTENSION_KEY].route().batcher.max_batch_size == 3
+        batching = app.test_client().get("/v1/models").get_json()["models"][0]["batching"]
+        assert (batching["max_batch_size"], batching["batch_cap"]) == (4, 3)
+        assert batching["profile"] == {"1": 100.0, "2": 180.0, "3": 200.0, "4": 199.0}
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def test_warmup_canary_and_batches_run_on_the_batcher_thread(settings: Settings, predictor: Predictor,
+                                                              model) -> None:  # noqa: ANN001
+    # cuDNN keeps its tuned plans per thread: a warm-up on any other thread would leave them to the first batches.
+    app = create_app(settings.model_copy(update={"inline_when_idle": False}), predictor)
+    service = app.extensions[EXTENSION_KEY]
+    try:
+        assert model.batch_sizes[:4] == [1, 2, 3, 4] and len(model.threads) > 4  # warm-up, then the canary
+        app.test_client().post("/predict", data=image_bytes())
+        assert set(model.threads) == {service.route().batcher._thread.ident}
+    finally:
+        service.shutdown(timeout=5)
+
+
+def test_the_real_warmup_profiles_every_batch_size(predictor: Predictor) -> None:
+    profile = predictor.warmup(3)
+    assert sorted(profile) == [1, 2, 3] and all(rate > 0 for rate in profile.values())
+    assert predictor.warmed_batch_sizes == [1, 2, 3]
+
+
+def test_warmup_times_the_sizes_in_turn_so_a_drifting_machine_slows_them_alike(predictor: Predictor,
+                                                                              model) -> None:  # noqa: ANN001
+    model.batch_sizes.clear()
+    predictor.warmup(3, repeats=2)
+    assert model.batch_sizes == [1, 2, 3, 1, 2, 3, 1, 2, 3]  # untimed round, then the timed rounds
+
+
+def test_padded_batches_warm_powers_of_two_and_pad_up_to_the_next(model) -> None:  # noqa: ANN001
+    import torch
+
+    from tests.support.fakes import tiny_manifest
+
+    padded = Predictor(model, tiny_manifest(), device="cpu", pad_batches=True)
+    assert padded.batch_shapes(12) == [1, 2, 4, 8, 12] and padded.batch_shapes(1) == [1]
+    padded.warmup(12, repeats=1)
+    assert padded.warmed_batch_sizes == [1, 2, 4, 8, 12]
+    model.batch_sizes.clear()
+    images = torch.rand(5, 3, 8, 8)
+    probs = padded.predict_batch(images)
+    assert model.batch_sizes == [8]  # 5 rows ran as a warmed shape of 8
+    assert probs.shape == (5, 4)
+    plain = Predictor(model, tiny_manifest(), device="cpu")
+    assert torch.allclose(probs, plain.predict_batch(images))  # the zero rows change no real row's answer
+    assert plain.batch_shapes(3) == [1, 2, 3]  # on the CPU every size runs as it is
+
+
+def test_padding_defaults_to_cuda_only(model) -> None:  # noqa: ANN001
+    from tests.support.fakes import tiny_manifest
+
+    assert Predictor(model, tiny_manifest(), device="cpu").pad_batches is False
+
+
+def test_forward_threads_leave_cores_for_decoding_on_cpu() -> None:
+    import torch
+
+    from app.engine.tuning import forward_threads
+
+    assert forward_threads(0, torch.device("cpu"), cores=2) == 1
+    assert forward_threads(0, torch.device("cpu"), cores=16) == 8
+    assert forward_threads(0, torch.device("cuda", 0), cores=16) == 0  # torch's default
+    assert forward_threads(3, torch.device("cpu"), cores=2) == 3  # an explicit setting wins
+
+
+def test_lone_batches_run_inline_on_the_cpu_only() -> None:
+    import torch
+
+    from app.engine.tuning import inline_batches
+
+    assert inline_batches(True, torch.device("cpu"))
+    assert not inline_batches(False, torch.device("cpu"))
+    assert not inline_batches(True, torch.device("cuda", 0))  # per-thread cuDNN/cuBLAS set-up costs seconds

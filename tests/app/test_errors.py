@@ -1,0 +1,267 @@
+"""Every error status: the full list of bad inputs, limits, deadlines, auth, overload and failures, each answered with
+its code and the next good request still served; through the app factory with the fake colour model."""
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from flask.testing import FlaskClient
+from PIL import Image
+
+from app import EXTENSION_KEY, create_app
+from app.config import Settings
+from app.engine.predictor import Predictor
+from app.engine.service import Service
+from tests.support.answers import error_of, labels_of
+from tests.support.fakes import ColourModel, wait_until
+from tests.support.imaging import BLUE, RED, encode, image_bytes
+
+
+def _ok(client: FlaskClient) -> None:
+    """The server still answers a good request correctly."""
+    response = client.post("/predict", data=image_bytes(BLUE), content_type="image/jpeg")
+    assert response.status_code == 200 and response.get_json()["predictions"][0]["label"] == "blue"
+
+
+def _png_header_only(width: int, height: int) -> bytes:
+    """A tiny PNG that claims ``width`` x ``height``: a decompression bomb's header, with no real pixel data."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+
+
+def _animated_gif() -> bytes:
+    frames = [Image.new("RGB", (16, 16), c) for c in (BLUE, RED)]
+    buffer = io.BytesIO()
+    frames[0].save(buffer, format="GIF", save_all=True, append_images=frames[1:], duration=50, loop=0)
+    return buffer.getvalue()
+
+
+def _broken_exif_jpeg() -> bytes:
+    return encode(Image.new("RGB", (16, 16), BLUE), "JPEG", exif=b"Exif\x00\x00II*\x00\xff\xff\xff\x7f")
+
+
+def _raw(data: bytes, content_type: str = "image/jpeg") -> dict:
+    return {"data": data, "content_type": content_type}
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+# Every bad input we know of: (request, status, error code). Good-but-unusual images answer 200.
+BAD_INPUTS = {
+    "empty body": (_raw(b""), 400, "invalid_image"),
+    "empty body, no content type": ({"data": b""}, 415, "unsupported_media_type"),
+    "wrong content type": (_raw(b"hello", "text/plain"), 415, "unsupported_media_type"),
+    "not an image": (_raw(b"not an image"), 400, "invalid_image"),
+    "tiff (not served)": (_raw(image_bytes(fmt="TIFF"), "image/tiff"), 415, "unsupported_image_format"),
+    "truncated jpeg": (_raw(image_bytes(size=(64, 64))[:300]), 400, "invalid_image"),
+    "text file named .jpg": ({"data": {"image": (io.BytesIO(b"just some text"), "cat.jpg")}}, 400, "invalid_image"),
+    "zip bomb header (50000x50000)": (_raw(_png_header_only(50000, 50000), "image/png"), 413, "image_too_large"),
+    "over the pixel limit": (_raw(image_bytes(fmt="PNG", size=(600, 400)), "image/png"), 413, "image_too_large"),
+    "0x0 image": (_raw(_png_header_only(0, 0), "image/png"), 400, "invalid_image"),
+    "1xN image": (_raw(image_bytes(fmt="PNG", size=(1, 300)), "image/png"), 400, "invalid_image"),
+    "not base64": ({"json": {"images": ["***"]}}, 400, "invalid_base64"),
+    "not json": (_raw(b"{'images': [", "application/json"), 400, "invalid_json"),
+    "json nested 50000 deep": (_raw(b'{"images": ' + b"[" * 50000 + b"]" * 50000 + b"}", "application/json"), 400,
+                              "invalid_json"),
+    "images a string": ({"json": {"images": "abc"}}, 422, "validation_error"),  # images 5: the schema test below
+    "no images": ({"json": {"images": []}}, 422, "validation_error"),
+    "an unknown field": ({"json": {"images": ["AAAA"], "extra": 1}}, 422, "validation_error"),
+    "json not an object": ({"json": [1, 2]}, 422, "validation_error"),
+    "image not a string": ({"json": {"images": [3]}}, 422, "validation_error"),
+    "top_k 0": ({"json": {"images": [_b64(image_bytes())], "top_k": 0}}, 422, "validation_error"),
+    "top_k -1": ({"json": {"images": [_b64(image_bytes())], "top_k": -1}}, 422, "validation_error"),
+    "top_k 10^9": ({"json": {"images": [_b64(image_bytes())], "top_k": 10**9}}, 400, "invalid_request"),
+    "top_k true": ({"json": {"images": [_b64(image_bytes())], "top_k": True}}, 422, "validation_error"),
+    "top_k abc": ({"json": {"images": [_b64(image_bytes())], "top_k": "abc"}}, 422, "validation_error"),
+    "too many images": ({"json": {"images": [_b64(image_bytes())] * 5}}, 413, "too_many_images"),
+    "too many images, multipart": ({"data": {"image": [(io.BytesIO(image_bytes()), f"{i}.jpg") for i in range(5)]}},
+                                   413, "too_many_images"),
+    "body over the limit": (_raw(b"\0" * (300 * 1024)), 413, "request_entity_too_large"),
+    "bad X-Request-Timeout": ({**_raw(image_bytes()), "headers": {"X-Request-Timeout": "soon"}}, 400,
+                              "invalid_request"),
+}
+GOOD_ODD_INPUTS = {
+    "animated gif": (_raw(_animated_gif(), "image/gif"), "blue"),
+    "16-bit png": (_raw(encode(Image.new("I;16", (16, 16), 40000), "PNG"), "image/png"), None),
+    "cmyk jpeg": (_raw(image_bytes((255, 255, 0, 0), mode="CMYK")), "blue"),
+    "broken exif": (_raw(_broken_exif_jpeg()), "blue"),
+    "1x1 image": (_raw(image_bytes(BLUE, fmt="PNG", size=(1, 1)), "image/png"), "blue"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_bad_input_gets_its_4xx_and_the_server_goes_on(client: FlaskClient, name: str) -> None:
+    kwargs, status, code = BAD_INPUTS[name]
+    error_of(client.post("/predict", **kwargs), status, code)
+    _ok(client)
+
+
+@pytest.mark.parametrize("name", list(GOOD_ODD_INPUTS))
+def test_unusual_but_valid_images_are_served(client: FlaskClient, name: str) -> None:
+    kwargs, label = GOOD_ODD_INPUTS[name]
+    response = client.post("/predict", **kwargs)
+    assert response.status_code == 200, response.get_data(as_text=True)
+    if label is not None:
+        assert response.get_json()["predictions"][0]["label"] == label
+
+
+def test_a_deadline_passed_in_the_queue_is_504_and_costs_no_forward_pass(client: FlaskClient,
+                                                                         model: ColourModel) -> None:
+    before = len(model.batch_sizes)  # warm-up and canary passes
+    model.gate = threading.Event()
+    blocked = threading.Thread(target=client.post, args=("/predict",), kwargs=_raw(image_bytes()))
+    blocked.start()
+    deadline = time.monotonic() + 10
+    while len(model.batch_sizes) < before + 1:  # wait until the worker is parked in that forward pass
+        assert time.monotonic() < deadline, f"never parked: {model.batch_sizes}"
+        time.sleep(0.001)
+    response = client.post("/predict", headers={"X-Request-Timeout": "50"}, **_raw(image_bytes(RED)))
+    assert response.status_code == 504 and response.get_json()["error"]["code"] == "deadline_exceeded"
+    model.gate.set()
+    blocked.join(timeout=10)
+    assert len(model.batch_sizes) == before + 1  # the timed-out image never ran
+    _ok(client)
+
+
+@pytest.fixture
+def keyed_client(settings: Settings, predictor: Predictor, tmp_path: Path) -> FlaskClient:
+    key_file = tmp_path / "api_key"
+    key_file.write_text("s3cret-key\n")
+    app = create_app(settings.model_copy(update={"api_key_file": key_file}), predictor)
+    yield app.test_client()
+    app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+@pytest.mark.parametrize("headers, status", [
+    ({}, 401), ({"Authorization": "Bearer wrong"}, 401), ({"X-API-Key": "s3cret-ke"}, 401),
+    ({"Authorization": "Basic s3cret-key"}, 401),
+    ({"Authorization": "Bearer s3cret-key"}, 200), ({"X-API-Key": "s3cret-key"}, 200),
+])
+def test_api_key(keyed_client: FlaskClient, headers: dict[str, str], status: int) -> None:
+    response = keyed_client.post("/predict", headers=headers, **_raw(image_bytes()))
+    assert response.status_code == status
+    if status == 401:
+        assert response.get_json()["error"]["code"] == "unauthorized"
+        assert response.headers["WWW-Authenticate"].startswith("Bearer")
+    assert keyed_client.get("/v1/models").status_code == 401
+    for open_path in ("/healthz", "/readyz", "/metrics"):
+        assert keyed_client.get(open_path).status_code == 200
+
+
+@pytest.mark.parametrize("top_k", ["0", "-1", "1000000000", "abc", "5"])
+def test_bad_top_k_parameter(client: FlaskClient, top_k: str) -> None:
+    response = client.post(f"/predict?top_k={top_k}", data=image_bytes(), content_type="image/jpeg")
+    assert "top_k" in error_of(response, 400, "invalid_request")["message"]
+
+
+def test_schema_violation_lists_the_fields(client: FlaskClient) -> None:
+    details = error_of(client.post("/predict", json={"images": 5}), 422, "validation_error")["details"]
+    assert details[0]["loc"] == ["images"]
+
+
+def test_unknown_route_and_method_are_json(client: FlaskClient) -> None:
+    error_of(client.get("/nope"), 404, "not_found")
+    error_of(client.get("/predict"), 405, "method_not_allowed")
+
+
+def test_failing_forward_is_500_json_and_the_server_goes_on(client: FlaskClient, model: ColourModel) -> None:
+    model.fail_when = 0.5  # red images make the forward pass raise
+    error_of(client.post("/predict", data=image_bytes(RED), content_type="image/jpeg"), 500, "inference_failed")
+    assert client.get("/healthz").status_code == 200
+    assert labels_of(client.post("/predict", data=image_bytes(BLUE), content_type="image/jpeg")) == ["blue"]
+
+
+def test_full_queue_is_429_with_retry_after(client: FlaskClient, model: ColourModel, service: Service) -> None:
+    model.batch_sizes.clear()
+    model.gate = threading.Event()  # park the worker inside a forward pass
+    blocked = ThreadPoolExecutor(1).submit(
+        client.post, "/predict", data=image_bytes(), content_type="image/jpeg")
+    wait_until(lambda: bool(model.batch_sizes) and service.route().batcher.depth == 0)
+    filler = [service.route().decoder.prepare(image_bytes())] * service.settings.queue_size
+    queued = service.route().batcher.submit_many(filler)
+    response = client.post("/predict", data=image_bytes(), content_type="image/jpeg")
+    error_of(response, 429, "overloaded")
+    assert int(response.headers["Retry-After"]) >= 1
+    model.gate.set()
+    assert blocked.result(timeout=10).status_code == 200
+    assert all(f.result(timeout=10).batch_size >= 1 for f in queued)
+
+
+@pytest.mark.parametrize("path", ["/predict", "/v2/models/colour/infer"])
+def test_a_streamed_body_over_the_limit_is_413_not_cut_short(client: FlaskClient, settings: Settings,
+                                                            path: str) -> None:
+    # A chunked body has no Content-Length; the server marks its end itself (wsgi.input_terminated).
+    def post(size: int, content_type: str) -> Any:
+        return client.post(path, input_stream=io.BytesIO(b"\0" * size), content_type=content_type,
+                           environ_overrides={"wsgi.input_terminated": True})
+
+    content_type = "image/jpeg" if path == "/predict" else "application/json"
+    over = post(settings.max_body_bytes + 1, content_type)
+    assert over.status_code == 413 and over.headers["Connection"] == "close"
+    assert post(settings.max_body_bytes, content_type).status_code == 400  # at the limit: read, and not an image
+
+
+def test_a_bad_image_among_several_is_named_by_index_and_file_name(client: FlaskClient) -> None:
+    # Before: one 400 that did not say which of the images was bad.
+    files = [(io.BytesIO(image_bytes(RED)), "cat.jpg"), (io.BytesIO(b"not an image"), "notes.txt")]
+    error = error_of(client.post("/predict", data={"image": files}), 400, "invalid_image")
+    assert error["message"].startswith("image 1 (notes.txt): ")
+    assert error["details"]["image"] == 1 and error["details"]["filename"] == "notes.txt"
+    body = {"images": [base64.b64encode(image_bytes(RED)).decode(), base64.b64encode(b"nope").decode()]}
+    error = error_of(client.post("/predict", json=body), 400, "invalid_image")
+    assert error["message"].startswith("image 1: ") and error["details"]["image"] == 1
+
+
+def test_a_wrong_multipart_field_says_which_fields_were_sent(client: FlaskClient) -> None:
+    response = client.post("/predict", data={"file": (io.BytesIO(image_bytes()), "x.jpg")})
+    assert "fields sent: 'file'" in error_of(response, 400, "invalid_request")["message"]
+    both = {"image": (io.BytesIO(image_bytes()), "x.jpg"), "file": (io.BytesIO(image_bytes()), "y.jpg")}
+    assert "'file'" in error_of(client.post("/predict", data=both), 400, "invalid_request")["message"]
+
+
+@pytest.mark.parametrize("url, form", [("/predict?topk=1", None), ("/predict?top_k=1&format=json", None),
+                                       ("/predict", {"topk": "1"})])
+def test_unknown_parameters_are_refused_naming_the_known_ones(client: FlaskClient, url: str,
+                                                              form: dict[str, str] | None) -> None:
+    # Before: ignored silently, so a misspelt top_k quietly gave the default.
+    if form is None:
+        response = client.post(url, data=image_bytes(), content_type="image/jpeg")
+    else:
+        response = client.post(url, data={**form, "image": (io.BytesIO(image_bytes()), "x.jpg")})
+    message = error_of(response, 400, "invalid_request")["message"]
+    assert "unknown" in message and "known: " in message and "top_k" in message.split("known: ")[1]
+
+
+def test_a_deadline_shorter_than_one_forward_pass_is_400_without_retry_after(client: FlaskClient) -> None:
+    # Before: 429 deadline_unreachable on an idle server, inviting a retry that could never succeed.
+    assert labels_of(client.post("/predict", data=image_bytes(RED), content_type="image/jpeg")) == ["red"]
+    response = client.post("/predict", data=image_bytes(RED), content_type="image/jpeg",
+                           headers={"X-Request-Timeout": "1"})
+    error_of(response, 400, "deadline_too_short")
+    assert "Retry-After" not in response.headers
+
+
+def test_a_request_for_another_model_or_version_is_404_naming_the_served_one(client: FlaskClient,
+                                                                             service: Service) -> None:
+    manifest = service.route().predictor.manifest
+    ok = client.post(f"/predict?model={manifest.name}&version={manifest.version}", data=image_bytes(),
+                     content_type="image/jpeg")
+    assert ok.status_code == 200
+    for query in ("model=nope", f"model={manifest.name}&version=999"):
+        error = error_of(client.post(f"/predict?{query}", data=image_bytes(), content_type="image/jpeg"),
+                       404, "not_found")
+        assert f"serves {manifest.name!r} version {manifest.version!r}" in error["message"]
+        assert error["details"]["models"] == [{"name": manifest.name, "versions": [manifest.version],
+                                               "default": manifest.version}]

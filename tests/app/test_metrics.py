@@ -1,0 +1,121 @@
+"""/metrics and the access log as ops read them: every alerting series from the start, probes apart, the peer."""
+from __future__ import annotations
+
+import logging
+import re
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import requests
+from flask.testing import FlaskClient
+
+from app import EXTENSION_KEY, create_app
+from app.config import Settings
+from app.engine.predictor import Predictor
+from harness.servers import Running
+from tests.support.imaging import RED, image_bytes
+
+
+def _value(text: str, series: str) -> float:
+    match = re.search(rf"^{re.escape(series)} (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_known_series_exist_at_zero_and_no_created_series(client: FlaskClient) -> None:
+    text = client.get("/metrics").get_data(as_text=True)
+    for reason in ("overloaded", "deadline_unreachable", "not_ready"):
+        assert f'visionserve_rejected_total{{reason="{reason}"}}' in text
+    for event in ("deadline_dropped", "batch_split", "batch_failed"):
+        assert f'visionserve_batcher_events_total{{event="{event}"}}' in text
+    assert "_created" not in text
+
+
+def test_probes_and_docs_are_counted_apart_from_traffic(client: FlaskClient) -> None:
+    def scrape() -> str:
+        return client.get("/metrics").get_data(as_text=True)
+
+    traffic = 'visionserve_requests_total{endpoint="/healthz",status="200"}'
+    probes = 'visionserve_probe_requests_total{endpoint="/healthz",status="200"}'
+    before = scrape()
+    for path in ("/healthz", "/readyz", "/openapi.json", "/docs/"):
+        assert client.get(path).status_code == 200
+    client.post("/predict", data=image_bytes(RED), content_type="image/jpeg")
+    after = scrape()
+    assert _value(after, traffic) == _value(before, traffic) == 0.0
+    assert _value(after, probes) == _value(before, probes) + 1
+    predict = 'visionserve_requests_total{endpoint="/predict",status="200"}'
+    assert _value(after, predict) == _value(before, predict) + 1
+
+
+def test_several_workers_report_each_workers_memory_and_cpu_and_clean_up(
+        small_weights: Path, start_server: Callable[..., Running], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where gunicorn.conf.py makes the multiprocess directory
+    server = start_server(small_weights, workers="2").wait_ready()
+    try:
+        workers: set[str] = set()
+        deadline = time.monotonic() + 60
+        while len(workers) < 2:  # the second worker may still be loading its model
+            assert time.monotonic() < deadline, workers
+            text = requests.get(f"{server.url}/metrics", timeout=10).text
+            workers = set(re.findall(r'^process_resident_memory_bytes\{worker="(\d+)"\} [1-9]', text, re.MULTILINE))
+            time.sleep(0.2)
+        assert workers == {str(pid) for pid in server.worker_pids()}
+        assert re.search(r'^process_cpu_seconds_total\{worker="\d+"\} ', text, re.MULTILINE)
+        assert 'visionserve_rejected_total{reason="overloaded"} 0.0' in text and "_created" not in text
+        assert list(tmp_path.glob("visionserve-metrics-*"))
+    finally:
+        assert server.stop() == 0
+    assert not list(tmp_path.glob("visionserve-metrics-*")), "the multiprocess directory outlived the server"
+
+
+def test_the_access_line_has_the_peer_and_a_trusted_forwarded_for(settings: Settings, predictor: Predictor,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    for trusted in (False, True):
+        app = create_app(settings.model_copy(update={"trust_forwarded_for": trusted}), predictor)
+        try:
+            caplog.clear()
+            with caplog.at_level(logging.DEBUG, logger="visionserve.access"):
+                app.test_client().post("/predict", data=image_bytes(RED), content_type="image/jpeg",
+                                       headers={"X-Forwarded-For": "203.0.113.7"},
+                                       environ_base={"REMOTE_ADDR": "10.0.0.2"})
+            (record,) = [r for r in caplog.records if getattr(r, "route", None) == "/predict"]
+            assert record.client == "10.0.0.2"
+            assert getattr(record, "forwarded_for", None) == ("203.0.113.7" if trusted else None)
+        finally:
+            app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def test_readiness_the_inference_thread_and_the_queue_capacity_are_metrics(client: FlaskClient,
+                                                                            service) -> None:  # noqa: ANN001
+    # What the alert rules read (deploy/prometheus/alerts.yml): readiness and the thread as gauges, and the queue's
+    # capacity beside its depth.
+    def value(name: str) -> float:
+        line = next(line for line in client.get("/metrics").get_data(as_text=True).splitlines()
+                    if line.startswith(name + " ") or line.startswith(name + "{"))
+        return float(line.split()[-1])
+
+    assert value("visionserve_ready") == 1 and value("visionserve_batcher_alive") == 1
+    # per model version, so a swap shows the old queue draining beside the new one
+    assert value('visionserve_queue_capacity{model="colour",version="test"}') == service.settings.resolved_queue_size()
+    service.begin_drain()
+    assert value("visionserve_ready") == 0
+    service.route().batcher.stop(timeout=5)
+    assert value("visionserve_batcher_alive") == 0
+
+
+def test_metrics_count_requests_batches_and_rejections(client: FlaskClient) -> None:
+    client.post("/predict", data=image_bytes(), content_type="image/jpeg")
+    client.post("/predict", data=b"junk", content_type="image/jpeg")
+    text = client.get("/metrics").get_data(as_text=True)
+    assert 'visionserve_requests_total{endpoint="/predict",status="200"}' in text
+    assert 'visionserve_requests_total{endpoint="/predict",status="400"}' in text
+    for name in ("visionserve_batch_size_bucket", 'visionserve_stage_duration_seconds_count{stage="decode"}',
+                 'stage="queue"', 'stage="inference"', "visionserve_queue_depth",
+                 'visionserve_model_info{device="cpu",dtype="float32",name="colour",version="test"} 1.0'):
+        assert name in text
+    cpu = {m.group(1): float(m.group(2)) for m in
+           re.finditer(r'^visionserve_stage_cpu_seconds_total\{stage="(\w+)"\} (\S+)$', text, re.M)}
+    assert cpu["decode"] > 0 and cpu["inference"] > 0

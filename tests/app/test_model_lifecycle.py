@@ -1,0 +1,265 @@
+"""Several models and versions in one worker (#20): policies, swaps with no failed request, refusals, unloads, the
+repository API, and workers sharing loads. In-memory ColourModel versions (tests/fakes.FakeRepository): no disk,
+no server; tests/server/test_model_swaps.py does the same under gunicorn with real exports."""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from flask import Flask
+from flask.testing import FlaskClient
+
+from app import EXTENSION_KEY, create_app
+from app.config import Settings
+from app.engine.desired import UNLOADED, SharedDesiredState
+from app.engine.policy import PolicyError, VersionPolicy
+from app.engine.reconciler import Reconciler
+from app.engine.service import Service
+from app.errors import BadRequest, InsufficientMemory, LoadFailed, NotFound, NotReady
+from tests.support.fakes import FakeRepository, infer, wait_until
+from tests.support.imaging import RED, image_bytes
+
+
+@pytest.fixture
+def repository() -> FakeRepository:
+    repository = FakeRepository()
+    repository.add("colour", "1")
+    return repository
+
+
+def _service(settings: Settings, repository: FakeRepository, **changes: object) -> Service:
+    return Service.build(settings.model_copy(update=changes), repository)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def service(settings: Settings, repository: FakeRepository) -> Iterator[Service]:
+    service = _service(settings, repository)
+    yield service
+    service.shutdown(timeout=5)
+
+
+def _ask(service: Service, name: str | None = None, version: str | None = None) -> str:
+    """The version that answers one red image."""
+    served = infer(service, [image_bytes(RED)], name=name, version=version)
+    assert served.probabilities().argmax() == 0
+    return served.version
+
+
+def test_policies_choose_versions_and_the_default() -> None:
+    held = ["1", "2", "10", "canary"]
+    assert VersionPolicy.parse("latest").choose(held) == ["10"]
+    assert VersionPolicy.parse("latest:2").choose(held) == ["2", "10"]
+    assert VersionPolicy.parse("all").choose(held) == held
+    assert VersionPolicy.parse("specific:2,canary").choose(held) == ["2", "canary"]
+    assert VersionPolicy.parse("all").default_of(held) == "10"  # the newest number, not the last name
+    config = {"version_policy": {"latest": {"num_versions": 2}}, "default_version": "2"}
+    pinned = VersionPolicy.from_config(config, VersionPolicy())
+    assert pinned.choose(held) == ["2", "10"] and pinned.default_of(["2", "10"]) == "2"
+    rollback = VersionPolicy.from_config('{"default_version": "1"}', VersionPolicy())  # keeps 1 loaded beside 10
+    assert rollback.choose(held) == ["1", "10"] and rollback.default_of(["1", "10"]) == "1"
+    for bad in ("newest", "latest:x", "specific:", "all:3"):
+        with pytest.raises(PolicyError, match="latest:N, all or specific"):
+            VersionPolicy.parse(bad)
+    with pytest.raises(PolicyError, match="no version 7; the repository has 1, 2, 10, canary"):
+        VersionPolicy.parse("specific:7").choose(held)
+    with pytest.raises(PolicyError, match="unsupported config keys \\['max_batch_size'\\]"):
+        VersionPolicy.from_config({"max_batch_size": 8}, VersionPolicy())
+
+
+def test_a_new_version_takes_new_requests_while_the_old_one_finishes_its_own(service: Service,
+                                                                             repository: FakeRepository) -> None:
+    old = repository.held["colour"]["1"]
+    old.batch_sizes.clear()  # warm-up's
+    old.gate = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(_ask, service)  # routed to version 1, stuck in its forward pass
+        wait_until(lambda: bool(old.batch_sizes))
+        repository.add("colour", "2")
+        service.reconciler.load("colour")
+        assert _ask(service) == "2" and _ask(service, "colour", "2") == "2"
+        with pytest.raises(NotFound, match="no model 'colour' version '1' is loaded; this server serves 'colour' "
+                                           "version '2'"):
+            _ask(service, "colour", "1")  # no new request reaches the version being retired
+        retiring = [row for row in service.reconciler.index() if row.version == "1"]
+        assert retiring[0].state == "UNLOADING"
+        old.gate.set()
+        assert held.result(timeout=5) == "1"  # the request it held was answered by it
+    wait_until(lambda: [r.state for r in service.reconciler.index()] == ["UNAVAILABLE", "READY"])
+    assert service.ready
+
+
+def test_a_version_that_fails_to_load_is_refused_and_the_old_one_serves(service: Service,
+                                                                        repository: FakeRepository) -> None:
+    repository.fail("colour", "2", "weights file x.pt has sha256 abc, the manifest says def")
+    with pytest.raises(LoadFailed, match="colour version 2 cannot be served: weights file x.pt has sha256"):
+        service.reconciler.load("colour")
+    assert _ask(service) == "1"
+    (row,) = [r for r in service.reconciler.index() if r.version == "2"]
+    assert row.state == "UNAVAILABLE" and "sha256" in row.reason
+    loads = len(repository.loads)
+    service.reconciler.poll()  # the poll does not retry an unchanged failed version...
+    assert len(repository.loads) == loads and _ask(service) == "1"
+    del repository.broken[("colour", "2")]
+    repository.add("colour", "2")  # ...until it is written again
+    service.reconciler.poll()
+    assert _ask(service) == "2"
+
+
+def test_a_canary_that_fails_refuses_the_version(service: Service, repository: FakeRepository) -> None:
+    repository.add("colour", "2").fail_when = -1.0  # every forward pass raises, the canary's too
+    with pytest.raises(LoadFailed, match="colour version 2 cannot be served: .*fake forward failure"):
+        service.reconciler.load("colour")
+    assert _ask(service) == "1" and service.ready
+
+
+def test_two_load_calls_for_one_model_run_one_load(service: Service, repository: FakeRepository) -> None:
+    repository.add("colour", "2")
+    repository.gate = threading.Event()
+    with ThreadPoolExecutor(2) as pool:
+        calls = [pool.submit(service.reconciler.load, "colour") for _ in range(2)]
+        wait_until(lambda: ("colour", "2") in repository.loads)
+        repository.gate.set()
+        for call in calls:
+            call.result(timeout=10)
+    assert repository.loads.count(("colour", "2")) == 1 and _ask(service) == "2"
+
+
+def test_a_version_that_would_not_fit_is_refused_before_loading(settings: Settings,
+                                                                repository: FakeRepository) -> None:
+    # Each fake version takes 1 MiB and needs 2 MiB to load: the first fits in 2 MiB, a second beside it not.
+    service = _service(settings, repository, model_memory_limit_mb=2)
+    try:
+        repository.add("colour", "2")
+        with pytest.raises(InsufficientMemory, match="colour version 2 needs about 2 MiB; the loaded models take 1 MiB "
+                                                      "of MODEL_MEMORY_LIMIT_MB=2"):
+            service.reconciler.load("colour")
+        assert ("colour", "2") not in repository.loads and _ask(service) == "1"
+    finally:
+        service.shutdown(timeout=5)
+
+
+def test_unload_stops_a_model_and_unknown_names_are_404(service: Service, repository: FakeRepository) -> None:
+    with pytest.raises(NotFound, match="the repository has no model 'nope'; it has: colour"):
+        service.reconciler.load("nope")
+    service.reconciler.unload("colour")
+    assert not service.ready and [r.state for r in service.reconciler.index()] == ["UNAVAILABLE"]
+    with pytest.raises(NotReady, match="no model is loaded"):
+        _ask(service)
+    service.reconciler.poll()  # an unloaded model stays unloaded until a load call
+    assert not service.ready
+    service.reconciler.load("colour")
+    assert _ask(service) == "1" and service.ready
+
+
+def test_two_models_side_by_side(settings: Settings, repository: FakeRepository) -> None:
+    repository.add("other", "7")
+    service = _service(settings, repository)
+    try:
+        assert _ask(service, "colour") == "1" and _ask(service, "other") == "7"
+        assert service.route("colour").batcher is not service.route("other").batcher  # one batcher each
+        with pytest.raises(BadRequest, match="serves 2 models \\(colour, other\\): name one"):
+            _ask(service)
+    finally:
+        service.shutdown(timeout=5)
+
+
+def test_the_policy_keeps_versions_and_names_the_default(settings: Settings, repository: FakeRepository) -> None:
+    repository.add("colour", "2")
+    service = _service(settings, repository, version_policy="latest:2")
+    try:
+        assert _ask(service) == "2" and _ask(service, "colour", "1") == "1"
+        service.reconciler.load("colour", '{"default_version": "1"}')  # a rollback without unloading 2
+        assert _ask(service) == "1" and _ask(service, "colour", "2") == "2"
+        with pytest.raises(BadRequest, match="specific needs at least one version"):
+            service.reconciler.load("colour", {"version_policy": {"specific": {}}})
+    finally:
+        service.shutdown(timeout=5)
+
+
+@pytest.fixture
+def app(settings: Settings, repository: FakeRepository) -> Iterator[Flask]:
+    app = create_app(settings, source=repository)  # type: ignore[arg-type]
+    yield app
+    app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def test_the_repository_api(client: FlaskClient, repository: FakeRepository) -> None:
+    assert client.post("/v2/repository/index").get_json() == [
+        {"name": "colour", "version": "1", "state": "READY", "reason": ""}]
+    repository.add("colour", "2")
+    assert client.post("/v2/repository/index", json={"ready": True}).get_json()[0]["version"] == "1"
+    loaded = client.post("/v2/repository/models/colour/load")
+    assert loaded.status_code == 200 and loaded.get_json() == {"name": "colour", "versions": ["2"], "default": "2"}
+    assert client.post("/predict", data=image_bytes(RED), content_type="image/jpeg").get_json()["model"] == {
+        "name": "colour", "version": "2"}
+    repository.fail("colour", "3", "cannot load state_dict weights from x.pt: missing keys")
+    refused = client.post("/v2/repository/models/colour/load")
+    assert refused.status_code == 422 and "missing keys" in refused.get_json()["error"]
+    cases = [("/v2/repository/models/nope/load", {}, 404, "no model 'nope'"),
+             ("/v2/repository/models/colour/load", {"parameters": {"file:1/model.pt": "eA=="}}, 400, "unsupported"),
+             ("/v2/repository/models/colour/load", {"parameters": {"config": "{"}}, 400, "not JSON"),
+             ("/v2/repository/models/colour/load", {"other": 1}, 422, "does not match"),
+             ("/v2/repository/index", [1], 422, "does not match")]
+    for url, body, status, message in cases:
+        answer = client.post(url, json=body)
+        assert answer.status_code == status and message in answer.get_json()["error"], (url, answer.get_json())
+    assert client.post("/v2/repository/models/colour/unload", json={"parameters": {"unload_dependents": False}}
+                       ).get_json() == {"name": "colour", "versions": [], "default": None}
+    assert client.get("/v2/models/colour/ready").status_code == 503  # in the repository, not loaded
+    assert client.get("/v2/models/nope/ready").status_code == 404
+    assert client.post("/predict?model=colour", data=image_bytes(RED), content_type="image/jpeg").status_code == 404
+
+
+def test_v1_models_lists_every_version_with_its_state_memory_and_worker(client: FlaskClient,
+                                                                         repository: FakeRepository) -> None:
+    repository.add("colour", "2")
+    client.post("/v2/repository/models/colour/load", json={"parameters": {"config": {
+        "version_policy": {"latest": {"num_versions": 2}}}}})
+    body = client.get("/v1/models").get_json()
+    assert [(m["version"], m["default"], m["state"]) for m in body["models"]] == [("1", False, "READY"),
+                                                                                 ("2", True, "READY")]
+    assert all("memory_bytes" in m for m in body["models"])
+    (worker,) = body["workers"]
+    assert worker["models"] == {"colour": {"versions": ["1", "2"], "default": "2"}}
+
+
+def test_workers_sharing_a_control_directory_apply_each_others_loads(settings: Settings, tmp_path: Path,
+                                                                     repository: FakeRepository) -> None:
+    import os
+
+    shared = settings.model_copy(update={"control_dir": tmp_path / "control"})
+    here, there = Reconciler(shared, repository), Reconciler(shared, repository)  # type: ignore[arg-type]
+    there.desired = SharedDesiredState(shared.control_dir, pid=os.getppid())  # another live process's report
+    try:
+        here.boot()
+        there.boot()
+        repository.add("colour", "2")
+        here.load("colour")  # answers once the other worker serves version 2 too
+        assert there.serving() == {"colour": {"versions": ["2"], "default": "2"}}
+        assert {w["pid"]: w["models"]["colour"]["versions"] for w in here.workers()} == {
+            os.getpid(): ["2"], os.getppid(): ["2"]}
+        repository.add("other", "1")
+        there.reconcile_model("other", {"versions": ["1"], "default": "1"})  # only there, as if its load call had not written yet
+        here.unload("colour")
+        assert there.serving() == {}  # a generation is the whole set: "other" was not in it
+    finally:
+        for reconciler in (here, there):
+            reconciler.close()
+            for loaded in reconciler.routes.all_versions():
+                loaded.batcher.stop(5)
+
+
+def test_calls_for_different_models_on_different_workers_both_take_effect(tmp_path: Path) -> None:
+    first, second = SharedDesiredState(tmp_path, pid=1), SharedDesiredState(tmp_path, pid=2)
+    one, two, five = ({"versions": [v], "default": v} for v in ("1", "2", "5"))
+    assert first.seed({"x": one, "y": one}) == 1 and second.seed({"x": two}) == 1  # the first seed stands
+    assert first.write({"x": two}) == 2
+    # The second worker's call for y, written before it applied generation 2, keeps the first call's x 2.
+    assert second.write({"y": five}) == 3
+    assert first.read() == (3, {"x": two, "y": five})
+    assert second.write({"y": five}) == 3  # nothing changed: no new generation for the workers to apply
+    assert second.write({"y": UNLOADED}) == 4 and first.read()[1]["y"] == UNLOADED  # the poll leaves it alone
+    assert second.write({"y": None}) == 5 and list(first.read()[1]) == ["x"]  # left the repository

@@ -1,0 +1,145 @@
+"""/openapi.json is a valid OpenAPI 3.1 document, covers every route, and every answer matches it; /docs is offline."""
+from __future__ import annotations
+
+import base64
+import io
+import re
+from typing import Any
+
+import jsonschema
+import pytest
+from flask import Flask
+from flask.testing import FlaskClient
+from openapi_spec_validator import validate
+
+from app import EXTENSION_KEY, create_app
+from app.config import Settings
+from app.engine.predictor import Predictor
+from app.engine.service import Service
+from app.metrics import PROBES
+from tests.support.imaging import RED, image_bytes
+
+RED_B64 = base64.b64encode(image_bytes(RED)).decode()
+V2_IMAGES = {"inputs": [{"name": "images", "datatype": "BYTES", "shape": [1], "data": [RED_B64]}]}
+
+# (method, documented path, concrete URL, request keyword arguments)
+CALLS: list[tuple[str, str, str, dict[str, Any]]] = [
+    ("post", "/predict", "/predict?top_k=2", {"data": image_bytes(RED), "content_type": "image/jpeg"}),
+    ("post", "/predict", "/predict", {"json": {"images": [RED_B64], "top_k": 1}}),
+    ("post", "/predict", "/predict", {"data": b"not an image", "content_type": "image/jpeg"}),
+    ("post", "/predict", "/predict", {"json": {"images": [RED_B64] * 99}}),
+    ("post", "/predict", "/predict", {"data": "x", "content_type": "text/plain"}),
+    ("post", "/predict", "/predict", {"json": {"images": "nope"}}),
+    ("get", "/healthz", "/healthz", {}),
+    ("get", "/readyz", "/readyz", {}),
+    ("get", "/v1/models", "/v1/models", {}),
+    ("get", "/v1/models", "/v1/models?labels=1", {}),
+    ("get", "/openapi.json", "/openapi.json", {}),
+    ("get", "/metrics", "/metrics", {}),
+    ("get", "/v2", "/v2", {}),
+    ("get", "/v2/health/live", "/v2/health/live", {}),
+    ("get", "/v2/health/ready", "/v2/health/ready", {}),
+    ("get", "/v2/models/{name}", "/v2/models/colour", {}),
+    ("get", "/v2/models/{name}", "/v2/models/other", {}),
+    ("get", "/v2/models/{name}/versions/{version}", "/v2/models/colour/versions/test", {}),
+    ("get", "/v2/models/{name}/ready", "/v2/models/colour/ready", {}),
+    ("get", "/v2/models/{name}/versions/{version}/ready", "/v2/models/colour/versions/test/ready", {}),
+    ("post", "/v2/models/{name}/infer", "/v2/models/colour/infer", {"json": V2_IMAGES}),
+    ("post", "/v2/models/{name}/versions/{version}/infer", "/v2/models/colour/versions/test/infer",
+     {"json": {**V2_IMAGES, "outputs": [{"name": "probabilities", "parameters": {"classification": 2}}]}}),
+    ("post", "/v2/models/{name}/infer", "/v2/models/colour/infer", {"json": {"inputs": []}}),
+]
+
+
+@pytest.fixture(scope="module")
+def document() -> dict[str, Any]:
+    from app import default_protocols
+    from app.web.openapi import openapi_document
+
+    return openapi_document(default_protocols())
+
+
+def _check(document: dict[str, Any], method: str, path: str, response: Any) -> None:
+    spec = document["paths"][path][method]["responses"].get(str(response.status_code))
+    assert spec is not None, f"{method.upper()} {path} answered {response.status_code}, which is not documented"
+    # Every documented header is sent, except the binary framing one, which only binary answers carry.
+    for header in set(spec.get("headers", {})) - {"Inference-Header-Content-Length"}:
+        assert header in response.headers, f"{path} {response.status_code} lacks {header}"
+    media = spec["content"].get(response.mimetype)
+    assert media is not None, f"{path} answered {response.mimetype}, documented {list(spec['content'])}"
+    if response.mimetype == "application/json":
+        schema = {**media["schema"], "components": document["components"]}
+        jsonschema.Draft202012Validator(schema).validate(response.get_json())
+
+
+def test_document_is_valid_openapi_3_1(document: dict[str, Any]) -> None:
+    assert document["openapi"].startswith("3.1")
+    validate(document)
+
+
+def test_every_route_is_documented(app: Flask, document: dict[str, Any]) -> None:
+    routes = {re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", rule.rule) for rule in app.url_map.iter_rules()
+              if not rule.endpoint.endswith("static") and not rule.endpoint.startswith("swagger_ui")}
+    assert routes == set(document["paths"])
+
+
+def test_every_answer_matches_its_documented_schema(client: FlaskClient, service: Service,
+                                                    document: dict[str, Any]) -> None:
+    for method, path, url, kwargs in CALLS:
+        _check(document, method, path, getattr(client, method)(url, **kwargs))
+    service.begin_drain()  # the 503 forms
+    for method, path, url, kwargs in CALLS[:1] + CALLS[6:8] + CALLS[-3:-2]:
+        _check(document, method, path, getattr(client, method)(url, **kwargs))
+
+
+def test_a_response_that_strays_from_its_schema_fails_the_check(client: FlaskClient,
+                                                                 document: dict[str, Any]) -> None:
+    response = client.get("/v1/models")
+    response.set_data(response.get_data().replace(b'"num_classes":4', b'"num_classes":"four"'))
+    with pytest.raises(jsonschema.ValidationError):
+        _check(document, "get", "/v1/models", response)
+
+
+def test_docs_page_works_offline_and_without_a_key(settings: Settings, predictor: Predictor) -> None:
+    app = create_app(Settings.model_validate({**settings.model_dump(), "api_key": "s3cret"}), predictor)
+    try:
+        client = app.test_client()
+        page = client.get("/docs/")
+        assert page.status_code == 200 and page.mimetype == "text/html"
+        html = page.get_data(as_text=True)
+        assert "/openapi.json" in html and not re.search(r"""(src|href)=["']https?://""", html)
+        assert client.get("/docs/swagger-ui-bundle.js").status_code == 200
+        assert client.get("/openapi.json").status_code == 200
+        assert client.get("/v1/models").status_code == 401
+        # The demo page too: open, offline, and counted as a page rather than as traffic.
+        page = client.get("/")
+        assert page.status_code == 200 and page.mimetype == "text/html"
+        html = page.get_data(as_text=True)
+        assert 'src="/demo/demo.js"' in html and not re.search(r"""(src|href)=["']https?://""", html)
+        for asset, mimetype in (("/demo/demo.js", "text/javascript"), ("/demo/demo.css", "text/css")):
+            answer = client.get(asset)
+            assert answer.status_code == 200 and answer.mimetype == mimetype
+        before = PROBES.labels("/", "200")._value.get()
+        client.get("/")
+        assert PROBES.labels("/", "200")._value.get() == before + 1
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def test_docs_try_it_out_offers_file_pickers_and_working_examples(client: FlaskClient,
+                                                                  document: dict[str, Any]) -> None:
+    # Before: the multipart form had text boxes instead of a file picker (no format: binary, which Swagger UI
+    # needs for array items), and a top_k form box pre-filled with 0, so "Try it out" answered 400.
+    body = document["paths"]["/predict"]["post"]["requestBody"]["content"]
+    multipart = body["multipart/form-data"]["schema"]
+    assert multipart["properties"]["image"]["items"]["format"] == "binary"
+    assert set(multipart["properties"]) == {"image"}
+    for raw in ("image/*", "application/octet-stream"):
+        assert body[raw]["schema"]["format"] == "binary"
+    (top_k,) = [p for p in document["paths"]["/predict"]["post"]["parameters"] if p["name"] == "top_k"]
+    assert "default" not in top_k["schema"] and "example" not in top_k
+    # What the pickers send, and the JSON example as Swagger UI would send it, are answered 200.
+    picked = client.post("/predict", data={"image": [(io.BytesIO(image_bytes()), "photo.jpg")]})
+    assert picked.status_code == 200, picked.get_json()
+    example = client.post("/predict", json=body["application/json"]["example"])
+    assert example.status_code == 200, example.get_json()

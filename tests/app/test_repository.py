@@ -1,0 +1,66 @@
+"""The model repository on disk: <repository>/<model>/<version>/, written by models.export --repository, served
+by pointing VISIONSERVE_WEIGHTS_DIR at it (MODELS chooses; swaps: tests/app/test_model_lifecycle.py and
+tests/server/test_model_swaps.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from app import EXTENSION_KEY, create_app
+from app.config import Settings
+from app.engine.sources import DirectorySource
+from app.engine.weights import ModelLoadError
+from app.errors import NotFound
+from models.export.repository import models, newest, next_version, versions
+from tests.support.fakes import export_tiny
+
+pytestmark = pytest.mark.slow  # real exports: seconds each
+
+
+def test_versions_are_ordered_by_number_and_the_next_one_counts_on(tmp_path: Path) -> None:
+    for version in ("1", "2", "10", "canary"):
+        export_tiny(tmp_path / "mine" / version, version=version)
+    (tmp_path / "mine" / "11").mkdir()  # no manifest: not a version
+    assert versions(tmp_path, "mine") == ["1", "2", "10", "canary"]
+    assert newest(tmp_path, "mine") == "10" and next_version(tmp_path, "mine") == "11"
+    assert next_version(tmp_path, "other") == "1" and models(tmp_path) == ["mine"]
+
+
+def test_a_directory_is_one_export_or_a_repository(tmp_path: Path) -> None:
+    single = export_tiny(tmp_path / "weights")
+    source = DirectorySource(Settings(weights_dir=single, device="cpu"))
+    assert source.models() == ["mine"] and source.versions("mine") == ["1"]  # today's weights/ works unchanged
+    assert source.load("mine", "1").manifest.name == "mine"
+    repository = tmp_path / "repo"
+    export_tiny(repository / "mine" / "1")
+    export_tiny(repository / "mine" / "2", version="2")
+    export_tiny(repository / "other" / "1", name="other")
+    source = DirectorySource(Settings(weights_dir=repository, device="cpu"))
+    assert source.models() == ["mine", "other"] and source.versions("mine") == ["1", "2"]
+    assert source.size_bytes("mine", "2") == (repository / "mine" / "2" / "model.torchscript.pt").stat().st_size
+    empty = DirectorySource(Settings(weights_dir=tmp_path / "empty", device="cpu"))
+    assert empty.models() == [] and "run `make weights`" in str(empty.missing())
+
+
+def test_a_version_filed_under_another_name_or_number_is_refused(tmp_path: Path) -> None:
+    import shutil
+
+    export_tiny(tmp_path / "mine" / "1")
+    shutil.copytree(tmp_path / "mine" / "1", tmp_path / "mine" / "2")  # copied by hand: its manifest says 1
+    source = DirectorySource(Settings(weights_dir=tmp_path, device="cpu"))
+    with pytest.raises(ModelLoadError, match="says mine version 1, but the repository holds it as mine version 2"):
+        source.load("mine", "2")
+
+
+def test_the_server_loads_every_model_or_the_named_ones_and_says_what_is_missing(tmp_path: Path) -> None:
+    export_tiny(tmp_path / "mine" / "1")
+    export_tiny(tmp_path / "other" / "1", name="other")
+    for models_setting, served in (("", ["mine", "other"]), ("other", ["other"])):
+        app = create_app(Settings(weights_dir=tmp_path, models=models_setting, device="cpu", log_level="warning"))
+        try:
+            assert [m["name"] for m in app.test_client().get("/v1/models").get_json()["models"]] == served
+        finally:
+            app.extensions[EXTENSION_KEY].shutdown(timeout=10)
+    with pytest.raises(NotFound, match="the repository has no model 'nope'; it has: mine, other"):
+        create_app(Settings(weights_dir=tmp_path, models="nope", device="cpu", log_level="warning"))

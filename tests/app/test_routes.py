@@ -1,0 +1,229 @@
+"""Every request form and what a good request gets (answers, headers, batches, health, CORS), through the app factory
+with the fake colour model; the error statuses are tests/app/test_errors.py's."""
+from __future__ import annotations
+
+import base64
+import io
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from flask.testing import FlaskClient
+
+from app import EXTENSION_KEY
+from app.config import Settings
+from app.engine.service import Service
+from tests.support.answers import error_of, labels_of
+from tests.support.fakes import ColourModel, wait_until
+from tests.support.imaging import BLUE, GREEN, RED, image_bytes
+
+
+def test_multipart_images_come_back_in_order(client: FlaskClient) -> None:
+    files = [(io.BytesIO(image_bytes(c)), f"{i}.jpg") for i, c in enumerate((RED, GREEN, BLUE))]
+    assert labels_of(client.post("/predict", data={"image": files})) == ["red", "green", "blue"]
+
+
+def test_response_shape_and_scores(client: FlaskClient) -> None:
+    body = client.post("/predict?top_k=3", data=image_bytes(GREEN), content_type="image/jpeg").get_json()
+    assert body["model"] == {"name": "colour", "version": "test"}
+    (prediction,) = body["predictions"]
+    assert prediction["label"] == "green" and prediction["index"] == 1
+    scores = [c["score"] for c in prediction["top_k"]]
+    assert len(scores) == 3 and scores == sorted(scores, reverse=True)
+    assert prediction["score"] == scores[0] and 0 < scores[0] <= 1
+
+
+@pytest.mark.parametrize("content_type", ["image/png", "application/octet-stream"])
+def test_raw_body(client: FlaskClient, content_type: str) -> None:
+    response = client.post("/predict", data=image_bytes(BLUE, fmt="PNG"), content_type=content_type)
+    assert labels_of(response) == ["blue"]
+
+
+def test_json_base64_and_data_url(client: FlaskClient) -> None:
+    plain = base64.b64encode(image_bytes(RED)).decode()
+    data_url = "data:image/png;base64," + base64.b64encode(image_bytes(GREEN, fmt="PNG")).decode()
+    response = client.post("/predict", json={"images": [plain, data_url], "top_k": 4})
+    assert labels_of(response) == ["red", "green"]
+    assert all(len(p["top_k"]) == 4 for p in response.get_json()["predictions"])
+
+
+def test_top_k_default_query_and_form(client: FlaskClient) -> None:
+    def top_k_len(response) -> int:  # noqa: ANN001
+        return len(response.get_json()["predictions"][0]["top_k"])
+
+    assert top_k_len(client.post("/predict", data=image_bytes(), content_type="image/jpeg")) == 2
+    assert top_k_len(client.post("/predict?top_k=1", data=image_bytes(), content_type="image/jpeg")) == 1
+    form = {"image": (io.BytesIO(image_bytes()), "a.jpg"), "top_k": "3"}
+    assert top_k_len(client.post("/predict", data=form)) == 3
+
+
+def test_server_timing_batch_size_and_request_id(client: FlaskClient) -> None:
+    response = client.post("/predict", data=image_bytes(), content_type="image/jpeg",
+                           headers={"X-Request-ID": "abc-123"})
+    timing = response.headers["Server-Timing"]
+    for metric in ("decode;dur=", "queue;dur=", "inference;dur=", 'batch;desc="1"'):
+        assert metric in timing
+    assert response.headers["X-Batch-Size"] == "1"
+    assert response.headers["X-Request-ID"] == "abc-123"
+    assert len(client.get("/healthz", headers={"X-Request-ID": "bad id <script>"}).headers["X-Request-ID"]) == 32
+
+
+def test_concurrent_requests_share_batches(client: FlaskClient, model: ColourModel, service: Service) -> None:
+    # Park the worker in a forward pass so the other requests queue up behind it, then let them run together.
+    model.batch_sizes.clear()
+    model.gate = threading.Event()
+
+    def call(color: tuple[int, int, int]) -> str:
+        return labels_of(client.post("/predict", data=image_bytes(color), content_type="image/jpeg"))[0]
+
+    colors = [RED, GREEN, BLUE, RED] * 2
+    with ThreadPoolExecutor(8) as pool:
+        first = pool.submit(call, colors[0])
+        wait_until(lambda: len(model.batch_sizes) == 1)
+        rest = [pool.submit(call, c) for c in colors[1:]]
+        wait_until(lambda: service.route().batcher.depth == 7)
+        model.gate.set()
+        assert [first.result(timeout=10)] + [f.result(timeout=10) for f in rest] == ["red", "green", "blue", "red"] * 2
+    assert model.batch_sizes == [1, 4, 3]
+
+
+def test_health_endpoints_and_draining(client: FlaskClient, service: Service) -> None:
+    assert client.get("/healthz").get_json()["status"] == "alive"
+    ready = client.get("/readyz")
+    assert ready.status_code == 200 and all(ready.get_json()["checks"].values())
+    service.begin_drain()
+    assert client.get("/readyz").status_code == 503
+    assert client.get("/healthz").status_code == 200  # liveness does not follow readiness
+    response = client.post("/predict", data=image_bytes(), content_type="image/jpeg")
+    error_of(response, 503, "not_ready")
+    assert response.headers["Retry-After"]
+
+
+def test_dead_batcher_fails_liveness(client: FlaskClient, service: Service) -> None:
+    service.route().batcher.stop(timeout=5)
+    assert client.get("/healthz").status_code == 503
+    assert client.get("/readyz").status_code == 503
+
+
+def test_models_endpoint(client: FlaskClient) -> None:
+    (info,) = client.get("/v1/models").get_json()["models"]
+    assert info["name"] == "colour" and info["num_classes"] == 4 and info["device"] == "cpu"
+    assert info["batching"]["max_batch_size"] == 4 and info["limits"]["max_images"] == 4
+    assert info["warmed_batch_sizes"] == [1, 2, 3, 4] and info["ready"] is True
+    assert "labels" not in info
+    assert client.get("/v1/models?labels=1").get_json()["models"][0]["labels"] == ["red", "green", "blue", "other"]
+
+
+def test_request_larger_than_max_batch_size_is_split(settings, predictor, model: ColourModel) -> None:  # noqa: ANN001
+    from app import create_app
+
+    app = create_app(settings.model_copy(update={"max_images": 6}), predictor)
+    try:
+        model.batch_sizes.clear()
+        colors = [RED, GREEN, BLUE, RED, GREEN, BLUE]
+        files = [(io.BytesIO(image_bytes(c)), f"{i}.jpg") for i, c in enumerate(colors)]
+        response = app.test_client().post("/predict", data={"image": files})
+        assert labels_of(response) == ["red", "green", "blue", "red", "green", "blue"]
+        assert model.batch_sizes == [4, 2]
+        assert response.headers["X-Batch-Size"] == "4,4,4,4,2,2"
+        assert 'batch;desc="4+2"' in response.headers["Server-Timing"]
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_a_lone_request_runs_its_batch_inline_unless_turned_off(settings, predictor,  # noqa: ANN001
+                                                                 inline: bool) -> None:
+    from app import create_app
+
+    app = create_app(settings.model_copy(update={"inline_when_idle": inline}), predictor)
+    try:
+        service: Service = app.extensions[EXTENSION_KEY]
+        before = service.route().batcher.batches_run
+        response = app.test_client().post("/predict", data=image_bytes(GREEN), content_type="image/jpeg")
+        assert labels_of(response) == ["green"] and response.headers["X-Batch-Size"] == "1"
+        assert service.route().batcher.batches_run == before + 1
+        assert service.route().batcher.batches_inline == (1 if inline else 0)
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def test_scores_are_rounded_to_the_configured_digits(settings: Settings, predictor) -> None:  # noqa: ANN001
+    from app import create_app
+
+    app = create_app(settings.model_copy(update={"score_digits": 3}), predictor)
+    try:
+        body = app.test_client().post("/predict", data=image_bytes(GREEN), content_type="image/jpeg").get_json()
+        scores = [s["score"] for p in body["predictions"] for s in p["top_k"]]
+        assert all(round(s, 3) == s for s in scores) and any(s != 0 for s in scores)
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def test_the_default_queue_holds_several_maximum_size_requests(predictor) -> None:  # noqa: ANN001
+    # Before: a 64-image queue, so six concurrent 16-image requests on an idle server got two 429s.
+    from app import create_app
+
+    defaults = Settings(device="cpu", max_batch_size=4, auto_batch_size=False, max_wait_ms=5)
+    assert defaults.resolved_queue_size() == 8 * defaults.max_images == 128
+    app = create_app(defaults, predictor)
+    model = predictor.module
+    try:
+        model.gate = threading.Event()
+        client = app.test_client()
+        files = lambda: {"image": [(io.BytesIO(image_bytes(RED)), f"{i}.jpg") for i in range(16)]}  # noqa: E731
+        with ThreadPoolExecutor(6) as pool:
+            calls = [pool.submit(client.post, "/predict", data=files()) for _ in range(6)]
+            wait_until(lambda: app.extensions[EXTENSION_KEY].route().batcher.depth >= 80)
+            model.gate.set()
+            assert [c.result(timeout=30).status_code for c in calls] == [200] * 6
+    finally:
+        model.gate = None
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def test_cors_is_off_by_default_and_answers_preflights_for_allowed_origins(settings: Settings,
+                                                                           predictor) -> None:  # noqa: ANN001
+    from app import EXTENSION_KEY, create_app
+
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, x-request-timeout"}
+    off = create_app(settings, predictor)
+    on = create_app(Settings.model_validate({**settings.model_dump(), "api_key": "k",
+                                             "cors_origins": "https://app.example, https://other.example/"}),
+                    predictor)
+    try:
+        answer = off.test_client().post("/predict", data=image_bytes(), content_type="image/jpeg",
+                                        headers={"Origin": "https://app.example"})
+        assert answer.status_code == 200 and "Access-Control-Allow-Origin" not in answer.headers
+        client = on.test_client()
+        answer = client.options("/predict", headers=preflight)  # no key: browsers send preflights without one
+        assert answer.status_code == 204
+        assert answer.headers["Access-Control-Allow-Origin"] == "https://app.example"
+        assert "POST" in answer.headers["Access-Control-Allow-Methods"]
+        assert "X-Request-Timeout" in answer.headers["Access-Control-Allow-Headers"]
+        stranger = client.options("/predict", headers={**preflight, "Origin": "https://evil.example"})
+        assert "Access-Control-Allow-Origin" not in stranger.headers
+        answer = client.post("/predict", data=image_bytes(), content_type="image/jpeg",
+                             headers={"Origin": "https://other.example", "Authorization": "Bearer k"})
+        assert answer.status_code == 200 and answer.headers["Access-Control-Allow-Origin"] == "https://other.example"
+        assert "Server-Timing" in answer.headers["Access-Control-Expose-Headers"]
+        assert "Origin" in answer.headers["Vary"]
+        refused = client.post("/predict", data=image_bytes(), content_type="image/jpeg",
+                              headers={"Origin": "https://app.example"})  # CORS is no way around the key
+        assert refused.status_code == 401 and refused.headers["Access-Control-Allow-Origin"] == "https://app.example"
+    finally:
+        for app in (off, on):
+            app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def test_cuda_out_of_memory_splits_the_batch_and_lowers_the_cap(client: FlaskClient, model: ColourModel) -> None:
+    model.batch_sizes.clear()
+    model.oom_above = 1
+    files = [(io.BytesIO(image_bytes(c)), f"{i}.jpg") for i, c in enumerate((RED, BLUE, RED, BLUE))]
+    response = client.post("/predict", data={"image": files})
+    assert response.status_code == 200
+    assert [p["label"] for p in response.get_json()["predictions"]] == ["red", "blue", "red", "blue"]
+    assert model.batch_sizes == [4, 2, 1, 1, 2, 1, 1]
+    assert client.get("/v1/models").get_json()["models"][0]["batching"]["current_max_batch_size"] == 1
+    assert 'visionserve_batcher_events_total{event="batch_split"}' in client.get("/metrics").get_data(as_text=True)

@@ -1,0 +1,147 @@
+"""Service.admit and Call.infer, the one request path both protocols take: readiness, routing, arrivals, limits,
+decoding, the queue."""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from app.config import Settings
+from app.engine.predictor import Predictor
+from app.engine.service import Service
+from app.engine.sources import DirectorySource, GivenSource
+from app.engine.weights import ModelLoadError
+from app.errors import BadRequest, InvalidImage, NotReady, TooManyImages
+from tests.support.fakes import ColourModel, infer, wait_until
+from tests.support.imaging import BLUE, RED, image_bytes
+
+
+def test_images_are_decoded_queued_and_answered_in_order(service: Service) -> None:
+    served = infer(service, [image_bytes(RED), image_bytes(BLUE)])
+    assert (served.model, served.version, served.labels) == ("colour", "test", ["red", "green", "blue", "other"])
+    assert served.probabilities().argmax(dim=1).tolist() == [0, 2]  # red, blue
+    assert served.decode_s > 0 and all(r.batch_size >= 1 for r in served.results)
+
+
+def test_preprocessed_tensors_skip_decoding(service: Service) -> None:
+    red = service.route().decoder.prepare(image_bytes(RED))
+    served = infer(service, tensors=[red, red])
+    assert served.decode_s == 0.0 and served.probabilities().argmax(dim=1).tolist() == [0, 0]
+
+
+def test_the_request_counts_as_arriving_while_it_reads_and_decodes(service: Service) -> None:
+    seen: list[int] = []
+
+    with service.admit() as call:
+        seen.append(call.version.arrivals.count())  # while the protocol reads its body
+        call.infer([image_bytes(RED)], timeout_s=5.0)
+    assert seen == [1] and service.route().arrivals.count() == 0
+
+
+def test_a_lone_request_takes_the_inline_path(service: Service) -> None:
+    # What a route that forgot to report its arrival lost: every batch waited max_wait_ms on the worker thread.
+    before = service.route().batcher.batches_inline
+    infer(service, [image_bytes(RED)])
+    assert service.route().batcher.batches_inline == before + 1
+
+
+def test_a_failing_read_leaves_no_arrival_behind(service: Service) -> None:
+    with pytest.raises(BadRequest), service.admit():
+        raise BadRequest("bad field")  # the protocol refused its body
+    with pytest.raises(InvalidImage):
+        infer(service, [b"not an image"])
+    assert service.route().arrivals.count() == 0
+
+
+@pytest.mark.parametrize("images, tensors, error", [
+    ([], [], BadRequest),
+    ([b"x"], [torch.zeros(3, 8, 8)], BadRequest),
+    ([image_bytes(RED)] * 5, [], TooManyImages),  # max_images is 4: the one check, for every protocol
+])
+def test_the_runner_enforces_the_input_rules(service: Service, images: list[bytes], tensors: list[torch.Tensor],
+                                             error: type[Exception]) -> None:
+    with pytest.raises(error):
+        infer(service, images, tensors)
+
+
+def test_not_ready_is_refused_before_the_body_is_read(service: Service) -> None:
+    service.begin_drain()
+    read_called: list[bool] = []
+    with pytest.raises(NotReady), service.admit():
+        read_called.append(True)
+    assert not read_called
+
+
+def test_a_service_started_in_the_background_answers_while_it_loads(settings: Settings,
+                                                                     predictor: Predictor) -> None:
+    release = threading.Event()
+    failures: list[BaseException] = []
+
+    class Slow(GivenSource):
+        def load(self, name: str, version: str) -> Predictor:
+            release.wait(10)
+            return predictor
+
+    service = Service.start(settings, Slow(predictor), failures.append)
+    try:
+        assert service.alive and not service.loaded and not service.ready
+        with pytest.raises(NotReady, match="still loading"):
+            infer(service, [image_bytes(RED)])
+        with pytest.raises(NotReady):
+            service.route().predictor  # noqa: B018 - what a protocol touching the model meets while it loads
+        release.set()
+        wait_until(lambda: service.ready)
+        assert infer(service, [image_bytes(RED)]).probabilities().argmax() == 0
+        assert not failures
+    finally:
+        release.set()
+        service.shutdown(timeout=5)
+
+
+def test_a_failed_background_load_is_handed_to_on_error(settings: Settings) -> None:
+    failures: list[BaseException] = []
+    service = Service.start(settings, DirectorySource(settings), failures.append)  # an empty directory
+    wait_until(lambda: bool(failures) and not service.alive)  # the loader thread ends: liveness fails
+    assert isinstance(failures[0], ModelLoadError) and "no manifest.json" in str(failures[0])
+    assert not service.ready
+
+
+def test_a_drain_waits_for_the_requests_inside_the_runner(service: Service, model: ColourModel) -> None:
+    model.batch_sizes.clear()  # warm-up's batches
+    model.gate = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(infer, service, [image_bytes(RED)])
+        wait_until(lambda: bool(model.batch_sizes))
+        service.begin_drain()
+        with pytest.raises(NotReady, match="shutting down") as refused:
+            infer(service, [image_bytes(RED)])
+        assert refused.value.headers["Connection"] == "close"
+        assert not service.wait_drained(0.0, 0.2)  # the first request is still inside
+        model.gate.set()
+        assert service.wait_drained(0.0, 5.0) and busy.result(timeout=5)
+
+
+def test_images_of_a_client_that_hung_up_are_dropped_before_their_forward_pass(service: Service,
+                                                                               model: ColourModel) -> None:
+    from app.errors import ClientGone
+    from app.metrics import BATCHER_EVENTS
+
+    dropped_before = BATCHER_EVENTS.labels("client_gone")._value.get()
+    model.batch_sizes.clear()  # warm-up's batches
+    model.gate = threading.Event()
+    gone = threading.Event()
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(infer, service, [image_bytes(RED)])
+        wait_until(lambda: bool(model.batch_sizes))  # the first batch is in its forward pass, holding the model
+        second = pool.submit(infer, service, [image_bytes(BLUE)] * 3, client_gone=gone.is_set)
+        wait_until(lambda: service.route().batcher.depth == 3)
+        gone.set()
+        with pytest.raises(ClientGone):
+            second.result(timeout=5)
+        model.gate.set()
+        first.result(timeout=5)
+    wait_until(lambda: service.route().batcher.depth == 0)
+    assert model.batch_sizes == [1]  # the three queued images never ran
+    assert BATCHER_EVENTS.labels("client_gone")._value.get() == dropped_before + 3

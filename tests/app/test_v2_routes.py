@@ -1,0 +1,144 @@
+"""The Open Inference Protocol (V2) routes through the app factory with the fake colour model: shapes and errors."""
+from __future__ import annotations
+
+import base64
+import json
+import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pytest
+from flask.testing import FlaskClient
+
+from app.engine.service import Service
+from tests.support.fakes import ColourModel, wait_until
+from tests.support.imaging import BLUE, GREEN, RED, image_bytes
+
+INFER = "/v2/models/colour/infer"
+
+
+def _bytes_input(*images: bytes) -> dict[str, Any]:
+    return {"name": "images", "datatype": "BYTES", "shape": [len(images)],
+            "data": [base64.b64encode(i).decode() for i in images]}
+
+
+def _binary_body(header: dict[str, Any], blob: bytes) -> tuple[bytes, dict[str, str]]:
+    encoded = json.dumps(header).encode()
+    return encoded + blob, {"Inference-Header-Content-Length": str(len(encoded)),
+                            "Content-Type": "application/octet-stream"}
+
+
+def _v2_error(response, status: int) -> str:  # noqa: ANN001
+    assert response.status_code == status, response.get_data(as_text=True)
+    body = response.get_json()
+    assert set(body) == {"error"} and isinstance(body["error"], str) and body["error"]
+    return body["error"]
+
+
+def test_metadata_health_and_versions(client: FlaskClient) -> None:
+    assert client.get("/v2").get_json()["extensions"] == ["classification", "binary_tensor_data", "model_repository"]
+    assert client.get("/v2/health/live").status_code == 200
+    assert client.get("/v2/health/ready").status_code == 200
+    assert client.get("/v2/models/colour/ready").status_code == 200
+    meta = client.get("/v2/models/colour/versions/test").get_json()
+    assert meta["inputs"][1] == {"name": "pixels", "datatype": "FP32", "shape": [-1, 3, 8, 8]}
+    assert meta["outputs"] == [{"name": "probabilities", "datatype": "FP32", "shape": [-1, 4]}]
+    assert "no model 'colour' version '2' is loaded; this server serves 'colour' version 'test'" in _v2_error(
+        client.get("/v2/models/colour/versions/2"), 404)
+    _v2_error(client.get("/v2/models/other"), 404)
+
+
+def test_json_bytes_input_gives_probabilities_and_classification(client: FlaskClient) -> None:
+    body = {"id": "r1", "inputs": [_bytes_input(image_bytes(RED), image_bytes(BLUE))],
+            "outputs": [{"name": "probabilities"}, {"name": "probabilities", "parameters": {"classification": 2}}]}
+    answer = client.post(INFER, json=body)
+    assert answer.status_code == 200, answer.get_data(as_text=True)
+    out = answer.get_json()
+    assert out["id"] == "r1" and out["model_name"] == "colour" and out["model_version"] == "test"
+    probabilities, top = out["outputs"]
+    assert probabilities["shape"] == [2, 4]
+    assert np.argmax(np.reshape(probabilities["data"], (2, 4)), 1).tolist() == [0, 2]
+    assert top["datatype"] == "BYTES" and top["shape"] == [2, 2]
+    assert top["data"][0].split(":")[1:] == ["0", "red"] and top["data"][2].split(":")[1:] == ["2", "blue"]
+    assert "Server-Timing" in answer.headers
+
+
+def test_binary_pixels_in_and_binary_classification_out(client: FlaskClient) -> None:
+    pixels = np.zeros((1, 3, 8, 8), dtype=np.float32)
+    pixels[0, 1] = 1.0  # green after normalisation
+    header = {"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 3, 8, 8],
+                          "parameters": {"binary_data_size": pixels.nbytes}}],
+              "outputs": [{"name": "probabilities", "parameters": {"classification": 1, "binary_data": True}}]}
+    body, headers = _binary_body(header, pixels.tobytes())
+    answer = client.post(INFER, data=body, headers=headers)
+    assert answer.status_code == 200, answer.get_data(as_text=True)
+    size = int(answer.headers["Inference-Header-Content-Length"])
+    meta, blob = json.loads(answer.data[:size]), answer.data[size:]
+    assert meta["outputs"][0]["parameters"]["binary_data_size"] == len(blob)
+    (length,) = struct.unpack_from("<I", blob)
+    assert blob[4:4 + length].decode().endswith(":1:green")
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"inputs": []}, "non-empty 'inputs'"),
+    ({"inputs": [{"name": "images", "datatype": "BYTES", "shape": [2], "data": ["aGk="]}]}, "needs 2 values"),
+    ({"inputs": [{"name": "images", "datatype": "BYTES", "shape": [1], "data": ["%%%"]}]}, "not valid base64"),
+    ({"inputs": [{"name": "images", "datatype": "BYTES", "shape": [1], "data": ["aGk="]}]}, "not an image"),
+    ({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 3, 4, 4], "data": [0.0] * 48}]}, "shape"),
+    ({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 3, 8, 8], "data": ["NaN"] * 192}]}, "NaN"),
+    ({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1], "data": ["x"]}]}, "not FP32"),
+    ({"inputs": [{"name": "tensor", "datatype": "INT8", "shape": [1], "data": [1]}]}, "unknown input"),
+    ({"inputs": [{"name": "images", "datatype": "STRING", "shape": [1], "data": [1]}]}, "not supported"),
+    ({"inputs": [{"name": "images", "datatype": "BYTES", "shape": [-1], "data": []}]}, "non-negative"),
+    ({"inputs": [{"name": "images", "datatype": "BYTES", "shape": [1]}]}, "neither 'data'"),
+    ({"inputs": [_bytes_input(image_bytes(RED))], "outputs": [{"name": "logits"}]}, "unknown output"),
+    ({"inputs": [_bytes_input(image_bytes(RED))],
+      "outputs": [{"name": "probabilities", "parameters": {"classification": "3"}}]}, "classification"),
+])
+def test_bad_requests_get_400_in_the_protocol_error_shape(client: FlaskClient, body: dict, message: str) -> None:
+    assert message in _v2_error(client.post(INFER, json=body), 400)
+
+
+def test_bad_binary_framing_and_limits(client: FlaskClient, settings: Any) -> None:
+    def framed(size: int, blob: bytes) -> tuple[bytes, dict[str, str]]:
+        return _binary_body({"inputs": [{"name": "images", "datatype": "BYTES", "shape": [1],
+                                         "parameters": {"binary_data_size": size}}]}, blob)
+
+    body, headers = framed(99, b"\x05\x00\x00\x00abcde")
+    assert "runs past the end of the body" in _v2_error(client.post(INFER, data=body, headers=headers), 400)
+    body, headers = framed(7, b"\x05\x00\x00\x00abc")
+    assert "past the end of the data" in _v2_error(client.post(INFER, data=body, headers=headers), 400)
+    body, headers = framed(9, b"\x05\x00\x00\x00abcdef")
+    assert "no input claims" in _v2_error(client.post(INFER, data=body, headers=headers), 400)
+    headers["Inference-Header-Content-Length"] = "100000"
+    assert "does not fit" in _v2_error(client.post(INFER, data=body, headers=headers), 400)
+    assert "not valid JSON" in _v2_error(client.post(INFER, data=b"{", content_type="application/json"), 400)
+    deep = b'{"inputs": ' + b"[" * 50000 + b"]" * 50000 + b"}"
+    assert "nested too deeply" in _v2_error(client.post(INFER, data=deep, content_type="application/json"), 400)
+    many = {"inputs": [_bytes_input(*[image_bytes(RED)] * (settings.max_images + 1))]}
+    assert "limit" in _v2_error(client.post(INFER, json=many), 413)
+
+
+def test_not_ready_is_503_in_the_protocol_shape(client: FlaskClient, service: Service) -> None:
+    service.begin_drain()
+    assert client.get("/v2/health/ready").status_code == 503
+    assert "shutting down" in _v2_error(client.post(INFER, json={"inputs": [_bytes_input(image_bytes(RED))]}), 503)
+
+
+def test_v2_and_predict_requests_join_the_same_batches(client: FlaskClient, model: ColourModel,
+                                                       service: Service) -> None:
+    model.batch_sizes.clear()
+    model.gate = threading.Event()  # park the worker inside a forward pass, then queue one of each kind
+    with ThreadPoolExecutor(3) as pool:
+        first = pool.submit(client.post, "/predict", data=image_bytes(GREEN), content_type="image/jpeg")
+        wait_until(lambda: len(model.batch_sizes) == 1)
+        v2 = pool.submit(client.post, INFER, json={"inputs": [_bytes_input(image_bytes(RED))]})
+        rest = pool.submit(client.post, "/predict", data=image_bytes(BLUE), content_type="image/jpeg")
+        wait_until(lambda: service.route().batcher.depth == 2)
+        model.gate.set()
+        answers = [f.result(timeout=10) for f in (first, v2, rest)]
+    assert [a.status_code for a in answers] == [200, 200, 200]
+    assert model.batch_sizes == [1, 2]
+    assert answers[1].headers["X-Batch-Size"] == answers[2].headers["X-Batch-Size"] == "2"

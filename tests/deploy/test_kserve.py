@@ -1,0 +1,67 @@
+"""deploy/kserve: KServe's ServingRuntime and InferenceService, checked offline against KServe's CRD schemas
+(copied into deploy/kserve/schemas from KServe's config/crd/full, Apache-2.0) and against the app."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from app.config import Settings
+from app.web.auth import OPEN_PATHS
+
+KSERVE = Path(__file__).resolve().parents[2] / "deploy" / "kserve"
+SCHEMAS = {"ServingRuntime": "kserve-servingruntime-v1alpha1.json",
+           "InferenceService": "kserve-inferenceservice-v1beta1.json"}
+FILES = {"ServingRuntime": "servingruntime.yaml", "InferenceService": "inferenceservice.yaml"}
+
+
+def _manifest(kind: str) -> dict[str, Any]:
+    return yaml.safe_load((KSERVE / FILES[kind]).read_text())
+
+
+def _validate(kind: str, manifest: dict[str, Any]) -> None:
+    schema = json.loads((KSERVE / "schemas" / SCHEMAS[kind]).read_text())
+    jsonschema.Draft7Validator(schema).validate(manifest)
+
+
+@pytest.mark.parametrize("kind", sorted(FILES))
+def test_manifest_validates_against_kserves_crd_schema(kind: str) -> None:
+    manifest = _manifest(kind)
+    assert manifest["kind"] == kind
+    _validate(kind, manifest)
+
+
+def test_the_schema_check_catches_mistakes() -> None:
+    runtime = _manifest("ServingRuntime")
+    runtime["spec"]["multiModel"] = "no"  # a boolean in KServe's schema
+    with pytest.raises(jsonschema.ValidationError):
+        _validate("ServingRuntime", runtime)
+    service = _manifest("InferenceService")
+    del service["spec"]["predictor"]["model"]["modelFormat"]["name"]  # required
+    with pytest.raises(jsonschema.ValidationError):
+        _validate("InferenceService", service)
+
+
+def test_the_runtime_speaks_v2_on_the_port_and_probes_the_app_answers() -> None:
+    spec = _manifest("ServingRuntime")["spec"]
+    assert spec["protocolVersions"] == ["v2"]
+    (container,) = spec["containers"]
+    env = {item["name"]: item["value"] for item in container["env"]}
+    assert env.keys() <= {f"VISIONSERVE_{name.upper()}" for name in Settings.model_fields}
+    port = int(Settings(bind=env["VISIONSERVE_BIND"]).bind.rsplit(":", 1)[1])
+    assert container["ports"] == [{"containerPort": port, "protocol": "TCP"}]
+    for probe, path in (("readinessProbe", "/v2/health/ready"), ("livenessProbe", "/v2/health/live")):
+        assert container[probe]["httpGet"] == {"path": path, "port": port} and path in OPEN_PATHS
+
+
+def test_the_inference_service_uses_the_runtime_with_a_gpu_and_the_mounted_export() -> None:
+    runtime = _manifest("ServingRuntime")
+    model = _manifest("InferenceService")["spec"]["predictor"]["model"]
+    assert model["runtime"] == runtime["metadata"]["name"]
+    assert model["modelFormat"]["name"] in {f["name"] for f in runtime["spec"]["supportedModelFormats"]}
+    assert model["protocolVersion"] == "v2" and model["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert {"name": "VISIONSERVE_WEIGHTS_DIR", "value": "/mnt/models"} in model["env"]  # where KServe puts it

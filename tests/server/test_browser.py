@@ -1,0 +1,152 @@
+"""The pages people use, in a real browser (headless Chromium): the demo page at / and /docs.
+
+Needs chromium and chromium-driver (Debian packages; .ci/run installs them) and selenium (requirements.txt).
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from flask import Flask
+
+from harness.servers import Running
+from tests.support.fakes import served_over_http
+from tests.support.imaging import RED, encode, image_bytes
+
+CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not (CHROMIUM and DRIVER), reason="needs chromium and chromium-driver")]
+
+
+@pytest.fixture
+def fake_url(app: Flask) -> Iterator[str]:
+    """The app factory's app with the fake colour model, over real HTTP."""
+    with served_over_http(app) as url:
+        yield url
+
+
+@pytest.fixture
+def docs_url(fake_url: str) -> str:
+    return fake_url + "/docs/"
+
+
+@pytest.fixture
+def browser() -> Iterator[object]:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM  # type: ignore[assignment]
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(options=options, service=Service(executable_path=DRIVER))
+    driver.implicitly_wait(10)
+    yield driver
+    driver.quit()
+
+
+def _try_predict(browser, url: str, content_type: str):  # noqa: ANN001, ANN202 - selenium objects
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    browser.get(url)
+    operation = browser.find_element(By.ID, "operations-default-post_predict")
+    operation.find_element(By.CSS_SELECTOR, ".opblock-summary").click()
+    operation.find_element(By.CSS_SELECTOR, ".try-out__btn").click()
+    body = operation.find_element(By.CSS_SELECTOR, ".opblock-section-request-body")
+    Select(body.find_element(By.TAG_NAME, "select")).select_by_visible_text(content_type)
+    return operation, body
+
+
+def _execute(operation) -> tuple[str, str]:  # noqa: ANN001
+    from selenium.webdriver.common.by import By
+
+    operation.find_element(By.CSS_SELECTOR, ".execute").click()
+    answer = operation.find_element(By.CSS_SELECTOR, ".live-responses-table .response")
+    return (answer.find_element(By.CSS_SELECTOR, ".response-col_status").text,
+            answer.find_element(By.CSS_SELECTOR, ".response-col_description").text)
+
+
+@pytest.mark.parametrize("content_type", ["multipart/form-data", "image/*"])
+def test_a_photo_picked_in_docs_is_classified(browser, docs_url: str, tmp_path: Path,  # noqa: ANN001
+                                               content_type: str) -> None:
+    # Before: the multipart form showed text boxes of random characters and no file picker, and a top_k box
+    # pre-filled with 0 (400).
+    from selenium.webdriver.common.by import By
+
+    photo = tmp_path / "red.jpg"
+    photo.write_bytes(image_bytes(RED, size=(64, 48)))
+    operation, body = _try_predict(browser, docs_url, content_type)
+    (picker,) = body.find_elements(By.CSS_SELECTOR, "input[type=file]")
+    picker.send_keys(str(photo))
+    status, answer = _execute(operation)
+    assert status == "200", answer[:500]
+    assert '"label": "red"' in answer
+
+
+def test_the_json_example_in_docs_is_answered(browser, docs_url: str) -> None:  # noqa: ANN001
+    operation, _ = _try_predict(browser, docs_url, "application/json")
+    status, answer = _execute(operation)
+    assert status == "200", answer[:500]
+    assert '"predictions"' in answer
+
+
+def _pick(browser, url: str | None, *photos: Path) -> list[str]:  # noqa: ANN001
+    """Open the demo page (unless ``url`` is None: it is open), pick ``photos``, and return each card's text once
+    every one is answered."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    if url is not None:
+        browser.get(url + "/")
+    browser.find_element(By.ID, "files").send_keys("\n".join(map(str, photos)))
+    WebDriverWait(browser, 60).until(lambda b: len(b.find_elements(By.CSS_SELECTOR, ".card")) == len(photos) and
+                                     "Classifying" not in b.find_element(By.ID, "results").text)
+    return [card.text for card in browser.find_elements(By.CSS_SELECTOR, ".card")]
+
+
+def test_the_demo_page_classifies_a_real_photo(browser, live_server: Running, tmp_path: Path) -> None:  # noqa: ANN001
+    import skimage.data
+    from PIL import Image
+    from selenium.webdriver.common.by import By
+
+    photo = tmp_path / "chelsea.jpg"
+    photo.write_bytes(encode(Image.fromarray(skimage.data.chelsea()), "JPEG"))
+    (card,) = _pick(browser, live_server.url, photo)
+    lines = card.splitlines()
+    assert lines[0] == "chelsea.jpg" and lines[1] == "tiger cat", card  # the top label, then its score
+    assert "efficientnet_lite0 1" in card and "inference" in card and " ms" in card  # model and Server-Timing
+    assert len(browser.find_elements(By.CSS_SELECTOR, ".card .bar")) == 5
+    assert "efficientnet_lite0" in browser.find_element(By.ID, "model").text
+
+
+def test_the_demo_page_shows_each_photos_error(browser, fake_url: str, tmp_path: Path) -> None:  # noqa: ANN001
+    good, bad = tmp_path / "red.jpg", tmp_path / "notes.jpg"
+    good.write_bytes(image_bytes(RED, size=(64, 48)))
+    bad.write_text("not a photo")
+    cards = {card.splitlines()[0]: card for card in _pick(browser, fake_url, good, bad)}
+    assert "red" in cards["red.jpg"].splitlines()[1]
+    assert "400 invalid_image" in cards["notes.jpg"]
+
+
+def test_the_demo_page_asks_for_the_api_key(browser, settings, predictor, tmp_path: Path) -> None:  # noqa: ANN001
+    from selenium.webdriver.common.by import By
+
+    from app import EXTENSION_KEY, create_app
+    from app.config import Settings
+
+    app = create_app(Settings.model_validate({**settings.model_dump(), "api_key": "s3cret"}), predictor)
+    try:
+        with served_over_http(app) as url:
+            photo = tmp_path / "red.jpg"
+            photo.write_bytes(image_bytes(RED, size=(64, 48)))
+            browser.get(url + "/")
+            key = browser.find_element(By.ID, "key")
+            assert key.is_displayed()  # /v1/models said 401, so the page asks
+            key.send_keys("s3cret")
+            (card,) = _pick(browser, None, photo)
+            assert "red" in card.splitlines()[1]
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)

@@ -1,0 +1,209 @@
+"""The Python client and its CLI against the real gunicorn server; retries against a scripted stub server."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import skimage.data
+from flask import Flask
+from PIL import Image
+from werkzeug.wrappers import Request, Response
+
+from client import Client, Prediction, VisionServeError
+from client.__main__ import main as cli
+from harness.servers import ROOT, Running, free_port
+from tests.support.fakes import served_over_http
+from tests.support.imaging import BLUE, RED, encode, image_bytes
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("photos")
+    paths = {}
+    for name in ("chelsea", "coffee"):
+        paths[name] = folder / f"{name}.jpg"
+        paths[name].write_bytes(encode(Image.fromarray(getattr(skimage.data, name)()), "JPEG"))
+    return paths
+
+
+def test_predict_paths_bytes_and_lists(live_server: Running, photos: dict[str, Path]) -> None:
+    with Client(live_server.url) as client:
+        one = client.predict(photos["chelsea"], top_k=3)
+        assert isinstance(one, Prediction) and one.label == "tiger cat" and len(one.top_k) == 3
+        assert one.top_k[0].score == one.score and one.top_k[0].score >= one.top_k[1].score
+        many = client.predict([photos["coffee"].read_bytes(), str(photos["chelsea"])], top_k=1)
+        assert [p.label for p in many] == ["espresso", "tiger cat"]
+        assert client.health() and client.ready()
+        info = client.model(labels=True)
+        assert (info.name, info.num_classes, len(info.labels or [])) == ("efficientnet_lite0", 1000, 1000)
+
+
+def test_server_errors_carry_code_status_and_request_id(live_server: Running) -> None:
+    with Client(live_server.url) as client, pytest.raises(VisionServeError) as caught:
+        client.predict(b"this is not an image")
+    error = caught.value
+    assert (error.status, error.code) == (400, "invalid_image") and error.request_id
+    assert error.request_id in str(error)
+
+
+def test_cli_prints_a_table_and_json(live_server: Running, photos: dict[str, Path],
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli(["--url", live_server.url, "predict", str(photos["chelsea"]), str(photos["coffee"]),
+                "--top-k", "2"]) == 0
+    table = capsys.readouterr().out
+    assert "chelsea.jpg" in table and "1. tiger cat" in table and "1. espresso" in table
+    assert cli(["--url", live_server.url, "predict", str(photos["coffee"]), "--json"]) == 0
+    (entry,) = json.loads(capsys.readouterr().out)
+    assert entry["image"].endswith("coffee.jpg") and entry["label"] == "espresso" and len(entry["top_k"]) == 5
+    assert cli(["--url", live_server.url, "ready"]) == 0 and capsys.readouterr().out.strip() == "yes"
+
+
+def test_cli_errors_have_exit_codes(live_server: Running, tmp_path: Path,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    text = tmp_path / "notes.jpg"
+    text.write_text("hello")
+    assert cli(["--url", live_server.url, "predict", str(text)]) == 1
+    assert "invalid_image" in capsys.readouterr().err
+    assert cli(["--url", live_server.url, "predict", str(tmp_path / "missing.jpg")]) == 2
+    assert cli(["--url", f"http://127.0.0.1:{free_port()}", "--retries", "0", "health"]) == 1
+
+
+def test_client_imports_without_torch_or_flask() -> None:
+    code = "import sys, client; sys.exit(bool({'torch', 'flask'} & set(sys.modules)))"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+class _Scripted:
+    """A stub server answering a scripted list of (status, Retry-After) and recording each call."""
+
+    def __init__(self, script: list[tuple[int, str | None]]) -> None:
+        self.script, self.calls = list(script), 0
+
+    def __call__(self, environ, start_response):  # noqa: ANN001, ANN204 - WSGI
+        Request(environ).get_data()
+        self.calls += 1
+        status, retry_after = self.script.pop(0) if self.script else (200, None)
+        if status == 200:
+            body = {"model": {"name": "m", "version": "1"},
+                    "predictions": [{"label": "a", "index": 0, "score": 1.0,
+                                     "top_k": [{"label": "a", "index": 0, "score": 1.0}]}]}
+        else:
+            body = {"error": {"code": "overloaded" if status == 429 else "not_ready", "message": "busy",
+                              "request_id": f"r{self.calls}"}}
+        headers = {"X-Request-ID": f"r{self.calls}", **({"Retry-After": retry_after} if retry_after else {})}
+        return Response(json.dumps(body), status=status, headers=headers, mimetype="application/json")(
+            environ, start_response)
+
+
+@pytest.fixture
+def stub() -> Iterator[tuple[str, _Scripted]]:
+    app = _Scripted([])
+    with served_over_http(app) as url:
+        yield url, app
+
+
+def test_retries_honour_retry_after_then_give_up(stub: tuple[str, _Scripted]) -> None:
+    url, app = stub
+    sleeps: list[float] = []
+    app.script = [(429, "2"), (503, "1")]
+    client = Client(url, retries=3, sleep=sleeps.append)
+    assert client.predict(b"x").label == "a"
+    assert sleeps == [2.0, 1.0] and app.calls == 3
+
+    app.script, app.calls, sleeps[:] = [(429, "120")] * 5, 0, []
+    with pytest.raises(VisionServeError) as caught:
+        Client(url, retries=2, max_backoff_s=10, sleep=sleeps.append).predict(b"x")
+    assert caught.value.code == "overloaded" and caught.value.request_id == "r3"
+    assert sleeps == [10.0, 10.0] and app.calls == 3  # Retry-After capped by max_backoff_s
+
+    app.script, app.calls = [(400, None)], 0
+    with pytest.raises(VisionServeError):
+        Client(url, retries=3, sleep=sleeps.append).predict(b"x")
+    assert app.calls == 1  # a client error is not retried
+
+
+def test_connection_errors_back_off_exponentially() -> None:
+    sleeps: list[float] = []
+    client = Client(f"http://127.0.0.1:{free_port()}", retries=3, backoff_s=0.5, sleep=sleeps.append)
+    with pytest.raises(VisionServeError) as caught:
+        client.predict(b"x")
+    assert caught.value.code == "connection_error" and caught.value.status is None
+    assert len(sleeps) == 3 and all(0.25 * 2 ** i <= s <= 0.75 * 2 ** i for i, s in enumerate(sleeps))
+
+
+@pytest.fixture
+def fake_server(app: Flask) -> Iterator[str]:
+    """The app factory's app with the fake colour model (4 classes), served over real HTTP in this process."""
+    with served_over_http(app) as url:
+        yield url
+
+
+def test_top_k_is_sent_only_when_asked(fake_server: str) -> None:
+    # Before: the client always sent top_k=5, so a model with fewer classes answered 400 to every call.
+    red = image_bytes(RED)
+    with Client(fake_server) as client:
+        assert len(client.predict(red).top_k) == 2  # the server's TOP_K (the test settings' 2)
+        assert len(client.predict(red, top_k=4).top_k) == 4
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_cli_options_work_before_or_after_the_command(fake_server: str, tmp_path: Path, order: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: `predict cat.jpg --url ...` gave "unrecognized arguments: --url".
+    photo = tmp_path / "red.jpg"
+    photo.write_bytes(image_bytes(RED))
+    options = ["--url", fake_server, "--retries", "0"]
+    argv = [*options, "predict", str(photo)] if order == "before" else ["predict", str(photo), *options]
+    assert cli(argv) == 0
+    assert "1. red" in capsys.readouterr().out
+
+
+def test_one_bad_file_among_several_is_reported_and_the_others_answered(
+        fake_server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: one 400 for the whole request, and the CLI printed nothing for the good files.
+    files = []
+    for name, data in (("red.jpg", image_bytes(RED)), ("notes.txt", b"hello"), ("blue.jpg", image_bytes(BLUE))):
+        files.append(tmp_path / name)
+        files[-1].write_bytes(data)
+    with Client(fake_server) as client:
+        red, bad, blue = client.predict_each(files)
+    assert red.label == "red" and blue.label == "blue"
+    assert isinstance(bad, VisionServeError) and bad.code == "invalid_image" and bad.image_index == 1
+    assert cli(["predict", *map(str, files), "--url", fake_server]) == 1
+    captured = capsys.readouterr()
+    assert "red.jpg" in captured.out and "blue.jpg" in captured.out and "1. blue" in captured.out
+    assert "notes.txt" in captured.err and "invalid_image" in captured.err and "image 1 (notes.txt)" in captured.err
+    assert cli(["predict", str(files[0]), str(tmp_path / "missing.jpg"), "--url", fake_server]) == 2
+    captured = capsys.readouterr()
+    assert "1. red" in captured.out and "missing.jpg" in captured.err
+
+
+@pytest.mark.slow
+def test_the_client_installs_with_pip_into_a_fresh_virtualenv(fake_server: str, tmp_path: Path) -> None:
+    # From a copy of what pyproject.toml packages, so the build leaves nothing in the repository.
+    import shutil
+
+    source = tmp_path / "source"
+    shutil.copytree(ROOT / "client", source / "client", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "docs/api.md"):
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / name, source / name)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    installed = subprocess.run([str(venv / "bin" / "pip"), "install", "--quiet", str(source)], capture_output=True,
+                               text=True, timeout=300)
+    assert installed.returncode == 0, installed.stderr[-2000:]
+    photo = tmp_path / "red.jpg"
+    photo.write_bytes(image_bytes(RED))
+    done = subprocess.run([str(venv / "bin" / "visionserve"), "predict", str(photo), "--url", fake_server],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0 and "1. red" in done.stdout, done.stderr
+    assert subprocess.run([str(venv / "bin" / "visionserve"), "--help"], capture_output=True,
+                          text=True).stdout.startswith("usage: visionserve")
+    modules = subprocess.run([str(venv / "bin" / "python"), "-c", "import sys, client; print(sorted(sys.modules))"],
+                             capture_output=True, text=True, cwd=tmp_path).stdout
+    assert "'requests'" in modules and "'torch'" not in modules and "'flask'" not in modules

@@ -1,0 +1,212 @@
+"""The real server: gunicorn on a free loopback port, driven with requests: answers and batches, boot errors, logs,
+a soak with flat memory, and how long it takes to exit (faults and hostile clients: test_faults.py)."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+import requests
+import skimage.data
+from PIL import Image
+
+from harness.servers import ROOT, Running, free_port
+from tests.support.imaging import RED, encode, image_bytes
+from tests.support.servers import serve
+
+CATS = {281, 282, 283, 284, 285}
+IMAGE = image_bytes(RED, size=(160, 120))  # for the small model
+
+
+def _cat() -> bytes:
+    return encode(Image.fromarray(skimage.data.chelsea()), "JPEG")
+
+
+@pytest.fixture(scope="module")
+def server(real_weights: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    server = serve(real_weights, tmp_path_factory.mktemp("gunicorn"), max_wait_ms="20", max_batch_size="8").wait_ready()
+    yield server
+    server.stop()
+
+
+def test_concurrent_requests_are_answered_right_and_batched(server: Running) -> None:
+    cat = _cat()
+    session = requests.Session()
+
+    def call(_: int) -> requests.Response:
+        return session.post(f"{server.url}/predict", data=cat, headers={"Content-Type": "image/jpeg"}, timeout=60)
+
+    with ThreadPoolExecutor(16) as pool:
+        responses = list(pool.map(call, range(48)))
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
+    assert {r.json()["predictions"][0]["index"] for r in responses} <= CATS
+    assert max(int(r.headers["X-Batch-Size"]) for r in responses) > 1
+
+
+def test_multipart_and_health_over_http(server: Running) -> None:
+    url = server.url
+    coffee = encode(Image.fromarray(skimage.data.coffee()), "PNG")
+    response = requests.post(f"{url}/predict", files={"image": ("coffee.png", coffee, "image/png")}, timeout=60)
+    assert response.status_code == 200 and response.json()["predictions"][0]["label"] in {"espresso", "cup"}
+    assert requests.get(f"{url}/healthz", timeout=5).json()["status"] == "alive"
+    assert requests.get(f"{url}/v1/models", timeout=5).json()["models"][0]["name"] == "efficientnet_lite0"
+    bad = requests.post(f"{url}/predict", data=b"x" * 100, headers={"Content-Type": "image/jpeg"}, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_image"
+    assert "visionserve_batch_size_bucket" in requests.get(f"{url}/metrics", timeout=5).text
+
+
+def test_bad_weights_stop_the_boot_with_a_clear_message(tmp_path: Path,
+                                                        start_server: Callable[..., Running]) -> None:
+    server = start_server(tmp_path / "nothing-here")
+    assert server.process.wait(timeout=120) != 0
+    output = server.output()
+    assert "Traceback" not in output  # one line that says what to fix; the traceback only at debug level
+    (error,) = [json.loads(line) for line in output.splitlines() if "no manifest.json" in line]
+    assert error["level"] == "error" and "make weights" in error["msg"]
+
+
+def test_a_bad_setting_stops_the_start_with_one_line_naming_the_variable(tmp_path: Path,
+                                                                       start_server: Callable[..., Running]) -> None:
+    server = start_server(tmp_path, workers="0", device="gpu")
+    assert server.process.wait(timeout=60) != 0
+    lines = server.output().strip().splitlines()
+    assert len(lines) == 1 and "VISIONSERVE_WORKERS" in lines[0] and "VISIONSERVE_DEVICE" in lines[0], lines
+
+
+def test_every_log_line_is_json_and_requests_name_their_peer(server: Running) -> None:
+    requests.post(f"{server.url}/predict", data=_cat(), headers={"Content-Type": "image/jpeg"}, timeout=60)
+    lines = [json.loads(line) for line in server.output().splitlines() if line.strip()]  # raises on plain text
+    assert any(entry["logger"] == "gunicorn.error" for entry in lines)  # gunicorn's own lines too
+    assert not any(entry["logger"] == "gunicorn.access" for entry in lines)  # our access line, not a second one
+    predicted = [e for e in lines if e["logger"] == "visionserve.access" and e["route"] == "/predict"]
+    assert predicted and predicted[-1]["client"] == "127.0.0.1"
+
+
+def test_sigterm_to_make_serve_stops_gunicorn(small_weights: Path, tmp_path: Path) -> None:
+    # A supervisor (or `kill $!`) signals the process it started: make. Its recipe execs gunicorn, so make's
+    # forwarded SIGTERM reaches gunicorn itself instead of a shell that would leave it running on the port.
+    url = f"http://127.0.0.1:{free_port()}"
+    env = {**os.environ, "VISIONSERVE_BIND": url.removeprefix("http://"), "VISIONSERVE_DEVICE": "cpu",
+           "VISIONSERVE_LOG_LEVEL": "warning", "VISIONSERVE_WARMUP": "false"}
+    log = (tmp_path / "make.log").open("w")
+    make = subprocess.Popen(["make", "--no-print-directory", "serve", f"WEIGHTS_DIR={small_weights}"], cwd=ROOT,
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _answers(url + "/readyz"):
+            assert make.poll() is None and time.monotonic() < deadline, (tmp_path / "make.log").read_text()
+            time.sleep(0.2)
+        make.send_signal(signal.SIGTERM)
+        make.wait(timeout=60)
+        time.sleep(0.5)
+        with pytest.raises(ProcessLookupError):  # nothing of make's process group is left: gunicorn exited too
+            os.killpg(make.pid, 0)
+        assert not _answers(url + "/healthz")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(make.pid, signal.SIGKILL)
+        log.close()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return requests.get(url, timeout=2).status_code == 200
+    except requests.RequestException:  # refused, or accepted by the socket while the worker boots
+        return False
+
+
+def test_a_loading_worker_answers_at_once(real_weights: Path, start_server: Callable[..., Running]) -> None:
+    # Before: from the worker's start until warm-up ended, connections waited in the listen backlog unanswered.
+    server = start_server(real_weights, max_batch_size="8")
+    seen: dict[str, object] = {}  # what the worker answered while loading, and whether it became ready
+    deadline = time.monotonic() + 180
+    while "ready" not in seen:
+        assert server.process.poll() is None and time.monotonic() < deadline, server.output()[-3000:]
+        try:
+            health = requests.get(f"{server.url}/healthz", timeout=10)
+        except requests.ConnectionError:  # the worker has not imported the app yet
+            time.sleep(0.1)
+            continue
+        assert health.status_code == 200
+        ready = requests.get(f"{server.url}/readyz", timeout=10)
+        if ready.status_code == 200:
+            seen["ready"] = True
+            break
+        assert ready.status_code == 503 and ready.json()["status"] == "not_ready"
+        predict = requests.post(f"{server.url}/predict", data=_cat(), headers={"Content-Type": "image/jpeg"},
+                                timeout=10)
+        v2 = requests.post(f"{server.url}/v2/models/efficientnet_lite0/infer", json={"inputs": []}, timeout=10)
+        if predict.status_code == 503 and v2.status_code == 503:  # not loaded yet (or it just became ready)
+            seen["loading"] = (predict.json()["error"]["code"], predict.headers.get("Retry-After"), v2.json())
+    assert seen.get("loading") == ("not_ready", "5", {"error": "the model is still loading"}), seen
+    assert requests.post(f"{server.url}/predict", data=_cat(), headers={"Content-Type": "image/jpeg"},
+                         timeout=60).status_code == 200
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+def _burst(url: str, count: int, concurrency: int) -> list[requests.Response]:
+    local = threading.local()
+
+    def call(_: int) -> requests.Response:
+        if not hasattr(local, "session"):
+            local.session = requests.Session()
+        return local.session.post(f"{url}/predict", data=IMAGE, headers={"Content-Type": "image/jpeg"}, timeout=60)
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(call, range(count)))
+
+
+def test_soak_no_errors_and_flat_memory(small_weights: Path, start_server: Callable[..., Running]) -> None:
+    server = start_server(small_weights, log_level="warning").wait_ready()
+    try:
+        (worker,) = server.worker_pids()
+        warm = _burst(server.url, 300, 32)
+        rss_before = rss_bytes(worker)
+        started = time.monotonic()
+        responses = _burst(server.url, 2000, 48)
+        elapsed = time.monotonic() - started
+        rss_after = rss_bytes(worker)
+        statuses = Counter(r.status_code for r in warm + responses)
+        print(f"\nsoak: 2000 requests at 48 concurrent in {elapsed:.1f}s ({2000 / elapsed:.0f} req/s), "
+              f"statuses {dict(statuses)}, worker RSS {rss_before / 2**20:.0f} -> {rss_after / 2**20:.0f} MiB")
+        assert statuses == {200: 2300}
+        assert rss_after - rss_before < 64 * 2**20
+    finally:
+        assert server.stop() == 0
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_time_to_exit_after_sigterm_idle_and_after_load(small_weights: Path, start_server: Callable[..., Running],
+                                                        workers: int) -> None:
+    # Figures for docs/architecture.md (printed, not asserted: these machines are noisy); what is asserted is that
+    # the server exits by itself, with status 0, well inside gunicorn's graceful timeout.
+    times = {}
+    for phase in ("idle", "after load"):
+        server = start_server(small_weights, workers=str(workers), shutdown_drain_s="1").wait_ready()
+        deadline = time.monotonic() + 60
+        while server.output().count('"ready to serve"') < workers:  # every worker, not only the first
+            assert time.monotonic() < deadline, server.output()[-2000:]
+            time.sleep(0.2)
+        if phase == "after load":
+            assert Counter(r.status_code for r in _burst(server.url, 200, 16)) == {200: 200}
+        started = time.monotonic()
+        assert server.stop(timeout_s=25) == 0
+        times[phase] = time.monotonic() - started
+    print(f"\nexit after SIGTERM, {workers} worker(s), 1 s drain: " +
+          ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in times.items()))

@@ -1,0 +1,13 @@
+"""The server the fixtures start (tests/conftest.py's ``start_server`` and ``live_server``)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from harness.servers import Running, visionserve
+
+
+def serve(weights: Path, log_dir: Path, **settings: str) -> Running:
+    """gunicorn on ``weights`` through bench's runner, with the configured batch cap, info logs and a short
+    shutdown drain by default (each stop would otherwise keep the listener open for 5 s)."""
+    defaults = {"auto_batch_size": "false", "log_level": "info", "shutdown_drain_s": "0.5"}
+    return visionserve(weights, log_dir, **(defaults | settings))

@@ -1,0 +1,1 @@
+"""The training script, its parts, the GPU data path and the training benchmark."""

@@ -1,0 +1,317 @@
+"""The training script end to end on CPU: train -> checkpoint -> export -> served; resume; DDP; user mistakes."""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+from app import EXTENSION_KEY, create_app
+from app.config import Settings
+from models import train
+from models.run.checkpoint import BEST_NAME, CHECKPOINT_NAME, load_checkpoint
+from models.export.__main__ import main as export_main
+from models.data.loaders import splits
+from models.export.manifest import read_manifest
+from models.architectures import ARCHS, build_model
+from models.run.report import read_metrics
+from tests.support.imaging import write_image_folder
+
+NO_PACKAGES = ["--packages", "none"]  # compiling an AOTInductor package takes a minute: tests/app/test_packages.py
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_image_folder(tmp_path_factory.mktemp("folder"))
+
+
+def small_args(data: Path, out: Path, *extra: str, arch: str = "mobilenet_v3_small") -> list[str]:
+    """Options for a seconds-long CPU run on the tiny folder."""
+    return ["--data", str(data), "--arch", arch, "--epochs", "1", "--batch-size", "6", "--workers", "0",
+            "--resize-size", "36", "--crop-size", "32", "--device", "cpu", "--lr", "0.01",
+            "--output-dir", str(out), *extra]
+
+
+def test_one_epoch_exports_weights_the_app_serves_with_evaluates_predictions(folder: Path, tmp_path: Path) -> None:
+    run, weights = tmp_path / "run", tmp_path / "weights"
+    assert train.main(small_args(folder, run, "--export", str(weights), "--workers", "1")) == 0
+    state = load_checkpoint(run / BEST_NAME)  # weights_only=True: plain types only
+    assert (run / CHECKPOINT_NAME).is_file() and state["classes"] == ["blue", "green", "red"]
+    assert [row["epoch"] for row in read_metrics(run)] == [0]
+
+    # evaluate() on the trained model, over the val files in loader order.
+    args = train.get_args_parser(ARCHS).parse_args(small_args(folder, run))
+    preset = train.make_preset(args)
+    data = train.load_data(args, preset, train.env_from_torchrun(), torch.device("cpu"))
+    model = build_model("mobilenet_v3_small", 3)
+    model.load_state_dict(state["model"])
+    result = train.evaluate(model, data.val, torch.device("cpu"), train.env_from_torchrun())
+    assert result.count == 9 and result.indices == list(range(9))
+
+    app = create_app(Settings(weights_dir=weights, device="cpu", max_batch_size=4, log_level="warning"))
+    try:
+        client = app.test_client()
+        info = client.get("/v1/models?labels=1").get_json()["models"][0]
+        assert info["labels"] == ["blue", "green", "red"] and info["arch"] == "mobilenet_v3_small"
+        assert info["metrics"]["val_acc1"] == pytest.approx(result.acc1)
+        for index, path in enumerate(data.val_files):
+            answer = client.post("/predict?top_k=3", data=path.read_bytes(), content_type="application/octet-stream")
+            assert answer.status_code == 200, answer.get_json()
+            served = {p["label"]: p["score"] for p in answer.get_json()["predictions"][0]["top_k"]}
+            expected = dict(zip(data.classes, result.probabilities[index].tolist()))
+            assert served == pytest.approx(expected, abs=1e-5), path
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=10)
+
+    # The same checkpoint through the export command line.
+    again = tmp_path / "again"
+    assert export_main(["--checkpoint", str(run / BEST_NAME), "--out", str(again), "--version", "7", *NO_PACKAGES]) == 0
+    manifest = read_manifest(again)
+    assert (manifest.name, manifest.version, manifest.labels) == ("run", "7", ["blue", "green", "red"])
+    assert export_main(["--checkpoint", str(tmp_path / "missing.pt"), "--out", str(again), *NO_PACKAGES]) == 2
+
+
+def test_resume_after_an_interruption_matches_an_uninterrupted_run(folder: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # mobilenet_v3_small has dropout, so this also checks that the RNG state is carried over.
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert train.main(small_args(folder, straight, "--epochs", "2")) == 0
+
+    real_epoch, calls = train.train_one_epoch, []
+
+    def interrupted(*args: object, **kwargs: object) -> dict[str, float]:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the job was stopped during its second epoch
+        return real_epoch(*args, **kwargs)
+
+    monkeypatch.setattr(train, "train_one_epoch", interrupted)
+    assert train.main(small_args(folder, resumed, "--epochs", "2")) == 130  # Ctrl-C: one line, exit 130
+    monkeypatch.setattr(train, "train_one_epoch", real_epoch)
+    assert load_checkpoint(resumed / CHECKPOINT_NAME)["epoch"] == 0
+    assert train.main(small_args(folder, resumed, "--epochs", "2", "--resume",
+                                 str(resumed / CHECKPOINT_NAME))) == 0
+
+    a, b = load_checkpoint(straight / CHECKPOINT_NAME), load_checkpoint(resumed / CHECKPOINT_NAME)
+    assert a["epoch"] == b["epoch"] == 1
+    for key, value in a["model"].items():
+        assert torch.equal(value, b["model"][key]), key
+    for key, value in a["optimizer"]["state"].items():  # SGD momentum buffers
+        assert torch.equal(value["momentum_buffer"], b["optimizer"]["state"][key]["momentum_buffer"])
+    timing = {"images_per_s"}
+    assert {k: v for k, v in a["metrics"].items() if k not in timing} == \
+        {k: v for k, v in b["metrics"].items() if k not in timing}
+    assert [row["epoch"] for row in read_metrics(resumed)] == [0, 1]
+
+
+def test_ddp_on_two_cpu_processes_matches_one_process_with_the_same_global_batch(
+        folder: Path, tmp_path: Path, torchrun: Callable[..., subprocess.CompletedProcess[str]]) -> None:
+    # BatchNorm statistics are per rank on CPU (SyncBatchNorm is CUDA-only), so they are frozen here.
+    common = ["--arch", "resnet18", "--freeze-bn", "--epochs", "2", "--lr", "0.05"]
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    # 18 training images: one process at 6 per step sees the same global batches as 2 ranks at 3 each.
+    assert train.main(small_args(folder, single, *common, "--batch-size", "6")) == 0
+    done = torchrun(["--standalone", "--nproc_per_node=2", "-m", "models.train",
+                     *small_args(folder, ddp, *common, "--batch-size", "3")])
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    a, b = load_checkpoint(single / CHECKPOINT_NAME), load_checkpoint(ddp / CHECKPOINT_NAME)
+    worst = max((a["model"][k].double() - b["model"][k].double()).abs().max().item() for k in a["model"])
+    print(f"DDP vs single process: largest weight difference {worst:.2e}")
+    assert worst < 1e-4
+    assert a["metrics"]["val_acc1"] == b["metrics"]["val_acc1"]
+    assert a["metrics"]["val_loss"] == pytest.approx(b["metrics"]["val_loss"], rel=1e-4)
+    assert a["metrics"]["train_loss"] == pytest.approx(b["metrics"]["train_loss"], rel=1e-4)
+
+
+def _main_error(argv: list[str], caplog: pytest.LogCaptureFixture) -> str:
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="models.train"):
+        assert train.main(argv) == 2
+    return caplog.text
+
+
+def test_user_mistakes_are_one_line_errors(folder: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    out = tmp_path / "run"
+    assert "is not a directory" in _main_error(small_args(tmp_path / "missing", out), caplog)
+
+    empty = write_image_folder(tmp_path / "empty", train_per_class=2, val_per_class=1)
+    for path in (empty / "train" / "green").iterdir():
+        path.unlink()
+    assert "no readable images" in _main_error(small_args(empty, out), caplog) and "green" in caplog.text
+
+    mismatched = write_image_folder(tmp_path / "mismatched", train_per_class=2, val_per_class=1)
+    (mismatched / "val" / "red").rename(mismatched / "val" / "purple")
+    text = _main_error(small_args(mismatched, out), caplog)
+    assert "different classes" in text and "purple" in text
+
+    assert "needs CUDA" in _main_error(small_args(folder, out, "--sync-bn"), caplog)
+    assert "fp16 needs a CUDA device" in _main_error(small_args(folder, out, "--amp", "--amp-dtype", "fp16"), caplog)
+    assert "does not exist" in _main_error(small_args(folder, out, "--resume", str(tmp_path / "nope.pt")), caplog)
+
+
+def test_unreadable_images_are_skipped_and_counted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    data = write_image_folder(tmp_path / "data", train_per_class=3, val_per_class=1)
+    (data / "train" / "red" / "garbage.jpg").write_bytes(b"not an image at all")
+    good = (data / "train" / "blue" / "0.png").read_bytes()
+    (data / "train" / "blue" / "truncated.png").write_bytes(good[: len(good) // 2])
+    with caplog.at_level(logging.WARNING):
+        assert train.main(small_args(data, tmp_path / "run", "--batch-size", "4")) == 0
+    assert "skipped 2 unreadable file(s); training on 9, validating on 3" in caplog.text
+    assert "garbage.jpg" in caplog.text and "truncated.png" in caplog.text
+
+
+@pytest.mark.slow  # runs the training command in a subprocess: seconds of interpreter start-up
+def test_a_user_mistake_prints_no_traceback(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "models.train", "--data", str(tmp_path / "nowhere")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr and "is not a directory" in done.stderr
+
+
+def _lrs(run: Path) -> list[float]:
+    return [row["lr"] for row in read_metrics(run)]
+
+
+def test_extending_a_finished_run_continues_the_schedule_and_a_finished_run_says_so(
+        folder: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: --resume --epochs 4 on a 2-epoch run restarted the cosine (lr 0.0, then 0.0019); resuming a finished
+    # run exited 0 without a word.
+    planned, extended = tmp_path / "planned", tmp_path / "extended"
+    assert train.main(small_args(folder, planned, "--epochs", "4")) == 0
+    assert train.main(small_args(folder, extended, "--epochs", "2")) == 0
+    with caplog.at_level(logging.INFO, logger="models.train"):
+        assert train.main(small_args(folder, extended, "--epochs", "4", "--resume",
+                                     str(extended / CHECKPOINT_NAME))) == 0
+    assert "stretched to 4" in caplog.text
+    # Epochs 2 and 3 run at the learning rates of a run planned for 4 epochs.
+    assert _lrs(extended)[2:] == pytest.approx(_lrs(planned)[2:])
+    assert min(_lrs(extended)[2:]) > 0
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="models.train"):
+        assert train.main(small_args(folder, extended, "--epochs", "4", "--resume",
+                                     str(extended / CHECKPOINT_NAME))) == 0
+    assert "is a finished run of 4 epochs" in caplog.text and "--epochs 9" in caplog.text
+    assert len(read_metrics(extended)) == 4  # nothing more was trained
+
+
+def test_the_run_reports_each_epoch_and_ends_with_a_summary(folder: Path, tmp_path: Path,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    run = tmp_path / "run"
+    with caplog.at_level(logging.INFO, logger="models.train"):
+        assert train.main(small_args(folder, run, "--epochs", "2")) == 0
+    lines = [r.getMessage() for r in caplog.records]
+    epoch_lines = [line for line in lines if line.startswith("epoch ")]
+    assert len(epoch_lines) == 2 and "* best" in epoch_lines[0]
+    assert all("val loss" in line and "img/s" in line for line in epoch_lines)
+    assert "ETA" in epoch_lines[0] and "ETA" not in epoch_lines[1]
+    assert not any("top-5" in line for line in lines)  # 3 classes: top-5 is always 1.0
+    text = "\n".join(lines)
+    assert "done: best epoch" in text and f"--checkpoint {run / BEST_NAME}" in text
+    assert f"VISIONSERVE_WEIGHTS_DIR={run / 'export'} make serve" in text
+    report = json.loads((run / "confusion.json").read_text())
+    assert report["classes"] == ["blue", "green", "red"] and sum(map(sum, report["matrix"])) == 9
+    assert set(report["per_class"]["red"]) == {"precision", "recall", "support"}
+    assert "precision  recall  support" in text
+
+
+def test_a_flat_folder_is_split_with_val_split(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    nested = write_image_folder(tmp_path / "nested", train_per_class=5, val_per_class=0)
+    flat = nested / "train"  # DIR/<class>/*, no train/val
+    assert "add --val-split 0.2" in _main_error(small_args(flat, tmp_path / "refused"), caplog)
+    args = train.get_args_parser(ARCHS).parse_args(small_args(flat, tmp_path / "run", "--val-split", "0.4"))
+    first, again = splits(args), splits(args)
+    assert first == again  # the same files every time
+    train_split, val_split = first
+    assert [sum(t == i for _, t in val_split.samples) for i in range(3)] == [2, 2, 2]  # 40% of 5, per class
+    assert not {p for p, _ in train_split.samples} & {p for p, _ in val_split.samples}
+    assert train.main(small_args(flat, tmp_path / "run", "--val-split", "0.4")) == 0
+
+
+def test_the_default_version_is_unique_per_weights_and_stable_per_checkpoint(folder: Path, tmp_path: Path) -> None:
+    # Before: every export was version "epoch-0".
+    runs = [tmp_path / "a", tmp_path / "b"]
+    assert train.main(small_args(folder, runs[0])) == 0
+    assert train.main(small_args(folder, runs[1], "--seed", "1")) == 0
+    versions = []
+    for run in runs:
+        assert export_main(["--checkpoint", str(run / BEST_NAME), "--out", str(run / "export"), *NO_PACKAGES]) == 0
+        versions.append(read_manifest(run / "export").version)
+    assert all(re.fullmatch(r"\d{8}-[0-9a-f]{8}", v) for v in versions) and versions[0] != versions[1]
+    assert export_main(["--checkpoint", str(runs[0] / BEST_NAME), "--out", str(runs[0] / "export"), *NO_PACKAGES]) == 0
+
+
+@pytest.mark.slow  # runs the training command in a subprocess: seconds of interpreter start-up
+def test_ctrl_c_prints_one_line_with_the_command_to_resume(folder: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    # As in a terminal, Ctrl-C must reach Python: a suite started in the background (nohup ... &) runs with SIGINT
+    # ignored, which the child would inherit, and Python then installs no KeyboardInterrupt at all.
+    process = subprocess.Popen([sys.executable, "-m", "models.train",
+                                *small_args(folder, run, "--epochs", "500")],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 120
+    while not (run / CHECKPOINT_NAME).exists() and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130, err[-2000:]
+    assert "Traceback" not in err
+    (line,) = [line for line in err.splitlines() if "interrupted" in line]
+    assert f"to go on: python -m models.train --data {folder}" in line and f"--resume {run / CHECKPOINT_NAME}" in line
+
+
+def test_versions_go_into_a_repository_and_the_newest_is_served(folder: Path, tmp_path: Path) -> None:
+    run, repository = tmp_path / "mine", tmp_path / "models"
+    assert train.main(small_args(folder, run, "--export-repository", str(repository))) == 0
+    assert export_main(["--checkpoint", str(run / BEST_NAME), "--repository", str(repository), *NO_PACKAGES]) == 0
+    assert sorted(p.name for p in (repository / "mine").iterdir()) == ["1", "2"]
+    assert read_manifest(repository / "mine" / "2").version == "2"
+    # A written version is never replaced silently.
+    assert export_main(["--checkpoint", str(run / BEST_NAME), "--repository", str(repository),
+                        "--version", "1", *NO_PACKAGES]) == 2
+    for policy, expected in (("latest:1", "2"), ("specific:1", "1")):
+        settings = Settings(weights_dir=repository, version_policy=policy, device="cpu", log_level="warning")
+        app = create_app(settings)
+        try:
+            (info,) = app.test_client().get("/v1/models").get_json()["models"]
+            assert (info["name"], info["version"]) == ("mine", expected)
+        finally:
+            app.extensions[EXTENSION_KEY].shutdown(timeout=10)
+
+
+def test_the_gpu_data_path_trains_end_to_end_on_the_cpu(tmp_path: Path) -> None:
+    from demo_data.photos import write_photos
+
+    data, run = tmp_path / "photos", tmp_path / "run"
+    write_photos(data, classes=3, train_per_class=6, val_per_class=2, long_side=64, workers=1)
+    assert train.main(small_args(data, run, "--data-backend", "gpu", "--workers", "1", "--epochs", "2")) == 0
+    rows = read_metrics(run)
+    assert [row["epoch"] for row in rows] == [0, 1] and all(row["images_per_s"] > 0 for row in rows)
+    assert "peak_gpu_memory_mb" not in rows[0]  # measured on CUDA only
+    assert load_checkpoint(run / CHECKPOINT_NAME)["epoch"] == 1  # the writer thread finished before the exit
+
+
+@pytest.mark.slow  # Dynamo traces forward and backward: 5 s
+def test_a_compiled_run_saves_plain_weights_that_export(folder: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Dynamo's eager backend: the same compiled wrapper (and its "_orig_mod." keys) without two minutes of
+    # Inductor code generation on 2 cores.
+    compile_eagerly = functools.partial(torch.compile, backend="eager")
+    monkeypatch.setattr(torch, "compile", compile_eagerly)
+    run, weights = tmp_path / "run", tmp_path / "weights"
+    assert train.main(small_args(folder, run, "--compile", "--export", str(weights))) == 0
+    state = load_checkpoint(run / BEST_NAME)
+    assert not any(key.startswith("_orig_mod.") for key in state["model"])  # the module, not the compiled wrapper
+    assert read_manifest(weights).arch == "mobilenet_v3_small"

@@ -1,0 +1,217 @@
+"""The training script's parts: AMP step order, seeded data, samplers, optimiser groups, datasets, plots."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from models.run.amp import autocast, backward_and_step, check_amp, make_scaler
+from models.data.augment import train_transform
+from models.run.checkpoint import BEST_NAME, CHECKPOINT_NAME, CheckpointWriter, load_checkpoint
+from demo_data.small_sets import write_digits, write_textures
+from models.run.distributed import DistEnv, pick_device
+from models.data.folder import EpochSampler, FolderDataset, ShardSampler, scan_split
+from models.run.optim import build_trainable, make_optimizer, set_train_mode
+from models.plot import main as plot_main
+from models.presets import EvalPreset
+from models.run.device_stats import AsyncScalar, peak_memory
+from models.run.report import Progress
+from models.architectures import head_of
+from models.run.report import RunLog, read_metrics
+from tests.support.imaging import write_image_folder
+
+CPU = torch.device("cpu")
+
+
+def _one_step(scaler: torch.amp.GradScaler | None, clip: float) -> torch.Tensor:
+    """The weight change of one SGD step (lr 1) on a fixed problem whose gradient norm is far above ``clip``."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1, bias=False)
+    before = model.weight.detach().clone()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    loss = (model(torch.full((8, 4), 10.0)) - 100.0).pow(2).mean()
+    backward_and_step(loss, optimizer, scaler=scaler, parameters=model.parameters(), clip_grad_norm=clip)
+    return model.weight.detach() - before
+
+
+def test_scaled_step_clips_true_gradients_and_steps_once() -> None:
+    reference = _one_step(None, clip=0.5)
+    assert reference.norm().item() == pytest.approx(0.5, rel=1e-4)  # clipped to the norm asked for
+    # A scale of 2**16: clipping before unscale_ would give a step 65536 times too small; two steps twice as big.
+    scaled = _one_step(torch.amp.GradScaler("cpu", init_scale=2.0 ** 16), clip=0.5)
+    assert torch.allclose(scaled, reference, rtol=1e-4)
+
+
+class _Recorder(torch.amp.GradScaler):
+    """A real GradScaler that records which of its methods ran, in order."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu", init_scale=4.0)
+        self.calls: list[str] = []
+
+    def scale(self, outputs):  # type: ignore[no-untyped-def, override]
+        self.calls.append("scale")
+        return super().scale(outputs)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        self.calls.append("unscale_")
+        super().unscale_(optimizer)
+
+    def step(self, optimizer, *args, **kwargs):  # type: ignore[no-untyped-def, override]
+        self.calls.append("step")
+        return super().step(optimizer, *args, **kwargs)
+
+    def update(self, new_scale=None) -> None:  # type: ignore[no-untyped-def]
+        self.calls.append("update")
+        super().update(new_scale)
+
+
+def test_amp_step_order_and_scaler_only_for_fp16() -> None:
+    recorder = _Recorder()
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    backward_and_step(model(torch.ones(3, 2)).sum(), optimizer, scaler=recorder, parameters=model.parameters(),
+                      clip_grad_norm=1.0)
+    assert recorder.calls == ["scale", "unscale_", "step", "update"]
+    assert make_scaler(CPU, "bf16") is None and make_scaler(CPU, None) is None
+    with pytest.raises(ValueError, match="fp16 needs a CUDA device"):
+        check_amp(CPU, "fp16")
+    with autocast(CPU, "bf16"):
+        assert model(torch.ones(3, 2)).dtype == torch.bfloat16
+    with autocast(CPU, None):
+        assert model(torch.ones(3, 2)).dtype == torch.float32
+
+
+def test_augmentation_is_seeded_per_sample_and_epoch(tmp_path: Path) -> None:
+    folder = write_image_folder(tmp_path, train_per_class=2, val_per_class=1)
+    split = scan_split(folder / "train")
+    dataset = FolderDataset(split.samples, train_transform(EvalPreset(resize_size=32, crop_size=24)), seed=3)
+    state = torch.get_rng_state()
+    first = dataset[(0, 1)][0]
+    assert torch.equal(torch.get_rng_state(), state)  # the global RNG (dropout's) is untouched
+    assert torch.equal(first, dataset[(0, 1)][0])
+    assert not torch.equal(first, dataset[(1, 1)][0])
+    assert dataset[(0, 1)][1] == split.samples[1][1]
+
+
+def test_samplers_shard_every_index_exactly_once() -> None:
+    shards = [list(EpochSampler(range(10), num_replicas=2, rank=r, shuffle=True, seed=0)) for r in range(2)]
+    assert {epoch for shard in shards for epoch, _ in shard} == {0}
+    assert sorted(index for shard in shards for _, index in shard) == list(range(10))
+    val = [list(ShardSampler(7, rank, 3)) for rank in range(3)]
+    assert sorted(sum(val, [])) == list(range(7)) and [len(v) for v in val] == [3, 2, 2]
+
+
+def _args(**overrides: object) -> argparse.Namespace:
+    values = {"arch": "mobilenet_v3_small", "pretrained": False, "freeze_backbone": False, "sync_bn": False,
+              "channels_last": False, "lr": 0.1, "backbone_lr_scale": 0.1, "opt": "sgd", "momentum": 0.9,
+              "weight_decay": 0.0}
+    return argparse.Namespace(**{**values, **overrides})
+
+
+def test_head_learns_at_lr_and_backbone_at_the_scaled_lr() -> None:
+    model = build_trainable(_args(), 4, CPU)
+    head, backbone = make_optimizer(model, _args()).param_groups
+    assert head["lr"] == 0.1 and backbone["lr"] == pytest.approx(0.01)
+    assert {id(p) for p in head["params"]} == {id(p) for p in head_of(model).parameters()}
+
+
+def test_frozen_backbone_changes_only_the_head_and_keeps_bn_statistics() -> None:
+    torch.manual_seed(0)
+    model = build_trainable(_args(freeze_backbone=True), 3, CPU)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = make_optimizer(model, _args(freeze_backbone=True))
+    assert len(optimizer.param_groups) == 1
+    set_train_mode(model, freeze_bn=True)
+    loss = nn.functional.cross_entropy(model(torch.randn(4, 3, 32, 32)), torch.tensor([0, 1, 2, 0]))
+    backward_and_step(loss, optimizer, scaler=None, parameters=model.parameters())
+    changed = {k for k, v in model.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed == {"classifier.3.weight", "classifier.3.bias"}
+
+
+def test_device_choice_on_a_machine_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert pick_device("auto", DistEnv()) == CPU
+    with pytest.raises(ValueError, match="no CUDA device"):
+        pick_device("cuda", DistEnv())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert pick_device("auto", DistEnv(rank=3, local_rank=3, world_size=4)) == torch.device("cuda", 1)
+
+
+def test_datasets_are_real_image_folders(tmp_path: Path) -> None:
+    counts = write_digits(tmp_path / "digits")
+    assert counts == {"train": 1438, "val": 359}
+    split = scan_split(tmp_path / "digits" / "val")
+    assert split.classes == [str(d) for d in range(10)] and not split.skipped
+    textures = write_textures(tmp_path / "textures", per_class=4)
+    assert textures == {"train": 12, "val": 6}
+    assert scan_split(tmp_path / "textures" / "train").classes == ["brick", "grass", "gravel"]
+
+
+def test_metrics_file_keeps_the_last_row_per_epoch_and_plots(tmp_path: Path) -> None:
+    log = RunLog(tmp_path, enabled=True)
+    row = {"train_loss": 1.0, "val_loss": 1.1, "train_acc1": 0.5, "val_acc1": 0.4, "val_acc5": 0.9}
+    for epoch, loss in ((0, 1.0), (1, 0.8), (1, 0.7)):  # epoch 1 ran twice: an interrupted run resumed
+        log.epoch({"epoch": epoch, **row, "train_loss": loss})
+    log.close()
+    assert [r["train_loss"] for r in read_metrics(tmp_path)] == [1.0, 0.7]
+    assert RunLog(tmp_path / "other", enabled=False).path.parent.exists() is False
+    assert plot_main([str(tmp_path)]) == 0
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot_main([str(tmp_path / "missing")]) == 2
+
+
+def test_the_confusion_report_counts_per_class_and_is_drawn(tmp_path: Path) -> None:
+    from models.run.confusion import confusion, confusion_counts, write_confusion
+
+    probabilities = torch.tensor([[0.9, 0.1], [0.2, 0.8], [0.6, 0.4], [0.3, 0.7]])
+    counts = confusion_counts(probabilities, [0, 1, 1, 1], 2)  # one "b" taken for an "a"
+    assert counts.tolist() == [[1, 0], [1, 2]]
+    report = confusion(counts, ["a", "b"])
+    assert report["per_class"] == {"a": {"precision": 0.5, "recall": 1.0, "support": 1},
+                                   "b": {"precision": 1.0, "recall": 2 / 3, "support": 3}}
+    _, table = write_confusion(report, tmp_path)
+    assert table[0].split() == ["class", "precision", "recall", "support"] and len(table) == 3
+    RunLog(tmp_path, enabled=True).epoch({"epoch": 0, "train_loss": 1.0, "val_loss": 1.0, "train_acc1": 0.5,
+                                          "val_acc1": 0.5, "val_acc5": 1.0})
+    assert plot_main([str(tmp_path)]) == 0
+    assert (tmp_path / "confusion.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_checkpoint_is_written_as_it_was_when_saved(tmp_path: Path) -> None:
+    weights = torch.zeros(3)
+    writer = CheckpointWriter()
+    writer.save({"model": {"w": weights}, "epoch": 0}, tmp_path, is_best=True)
+    weights += 1  # training goes on while the thread writes
+    writer.wait()
+    assert torch.equal(load_checkpoint(tmp_path / CHECKPOINT_NAME)["model"]["w"], torch.zeros(3))
+    assert (tmp_path / BEST_NAME).is_file()
+    writer.save({"epoch": 1}, tmp_path / "missing", is_best=False)
+    with pytest.raises((RuntimeError, OSError)):  # a failed write is raised where training waits for it
+        writer.wait()
+    writer.wait()  # and only once
+
+
+def test_the_progress_shows_values_without_waiting_and_peak_memory_on_cuda_only() -> None:
+    shown = AsyncScalar(CPU)
+    assert shown.text() == "nan"
+    shown.push(torch.tensor(0.25))
+    assert shown.text() == "0.2500"
+    assert peak_memory(CPU) == {}
+    progress = Progress(epochs=2, num_classes=3)
+    row = {"epoch": 0, "train_loss": 1.0, "train_acc1": 0.5, "val_loss": 1.0, "val_acc1": 0.5, "val_acc5": 1.0,
+           "images_per_s": 10.0}
+    assert "GiB" not in progress.line(row, False, 1.0)
+    assert "peak GPU memory 1.50 GiB" in progress.line({**row, "peak_gpu_memory_mb": 1536.0}, False, 1.0)
+
+
+def test_fused_optimizers_are_asked_for_by_name() -> None:
+    model = nn.Linear(4, 2)
+    for opt in ("sgd", "adamw"):
+        args = argparse.Namespace(opt=opt, lr=0.1, momentum=0.9, weight_decay=0.0, backbone_lr_scale=1.0)
+        assert make_optimizer(model, args, fused=True).defaults["fused"] is True
+        assert not make_optimizer(model, args).defaults["fused"]

@@ -1,0 +1,79 @@
+"""The benchmark's report from made-up figures: efficiency against the right limit, the CPU split, the files."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from bench.serving import report
+from bench.serving.limit import LimitResult
+from bench.serving.load import LoadResult
+
+
+def _results() -> dict[str, object]:
+    limit = [LimitResult("in-process", 8, 100.0, 2.0),
+             LimitResult("2 processes x 1 thread", 8, 120.0, None)]
+    ceiling = LimitResult("CPU-time bound (2 cores, ...)", 8, 150.0, 1.5, decode_ms=11.0, forward_config="served")
+    loads = [LoadResult("visionserve", "m", 16, 108.0, 130, 250, 300, 0, 200, 2.5, 1.9, 0.05, 17.6, 12.0, 3.0),
+             LoadResult("naive-flask", "m", 16, 72.0, 200, 380, 450, 0, 150, None, 1.9, 0.03, 26.0),
+             LoadResult("visionserve", "m", 1, 50.0, 17.0, 30, 35, 0, 100, 1.0, 1.0, 0.03, 20.0, 12.5, 5.5)]
+    return {"limit": [asdict(r) for r in limit], "ceiling": asdict(ceiling),
+            "bound_at": {16: asdict(ceiling)}, "pipeline_at": {16: asdict(LimitResult("again", 8, 135.0, None))},
+            "single_image_ms": 15.0, "forward_threads": 1, "loads": [asdict(r) for r in loads]}
+
+
+def test_points_are_compared_with_the_higher_limit_and_their_own_ceiling(tmp_path: Path) -> None:
+    args = argparse.Namespace(seconds=8.0, warmup=2.0)
+    machine = {"platform": "test", "cpus": 2, "torch": "x", "device": "cpu", "seconds": 1}
+    markdown = report.write({"m": _results()}, machine, args, tmp_path)
+    # C=16: the pipeline measured right before it (135) beats the start's best (120); its ceiling is 150.
+    assert "- C=16: efficiency 0.80 of the limit, 0.72 of the ceiling; 1.50x naive-flask" in markdown
+    assert "server CPU per image 17.6 ms = decode 12.0 + forward 3.0 + HTTP, Python and the rest 2.6" in markdown
+    assert "(the bound counts decode 11.0 + forward 1.5 = 12.5)" in markdown
+    # C=1 has no re-measured limit or ceiling: the start's best pipeline only.
+    assert "- C=1: efficiency 0.42 of the limit; server CPU per image 20.0 ms" in markdown
+    assert "- C=1 p50 17.0 ms vs in-process single image 15.0 ms (1.13x)" in markdown
+    assert "| naive-flask | 16 | 72.0 | 200 | 380 | 450 | 0 | - | 1.90 | 0.03 | 26.0 |" in markdown
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".json", ".md", ".png"]
+
+
+@pytest.mark.slow
+def test_the_process_pipeline_runs_one_process_per_worker_and_sums_them(small_weights: Path) -> None:
+    from bench.serving.limit import SERVED, process_pipeline
+    from tests.support.imaging import BLUE, RED, image_bytes
+
+    photos = [image_bytes(RED, size=(160, 120)), image_bytes(BLUE, size=(90, 120))]
+    result = process_pipeline(small_weights, photos, "torch.compile(freezing), channels_last", 2, 0.3, 2)
+    assert result.images_per_s > 0 and result.batch_size == 2
+    assert result.config == f"2 processes x (1 forward thread + 1 decode), {SERVED}"  # compile is not spawned
+
+
+@pytest.mark.slow
+def test_a_pipeline_process_that_dies_is_reported_at_once(small_weights: Path) -> None:
+    from bench.serving.limit import process_pipeline
+    from tests.support.imaging import RED, image_bytes
+
+    with pytest.raises(RuntimeError, match="exited with code"):
+        process_pipeline(small_weights, [image_bytes(RED)], "no such configuration", 1, 0.3, 1)
+
+
+def test_gpu_report_compares_each_point_with_the_best_pipeline_of_its_run() -> None:
+    from bench.serving.gpu import report as gpu_report
+
+    load = {"workers": 4, "torch_threads": 0, "ready_s": 36.4, "concurrency": 64, "images_per_s": 330.0,
+            "p50_ms": 180.0, "p99_ms": 360.0, "errors": 0, "mean_batch": 4.3, "server_cores": 11.9}
+    results = {"m": {"limit_by_batch": {"32": [250.0, "1 intra-op, 16 decode threads"],
+                                        "16 x 4 processes": [300.0, "4 processes x ..."]},
+                     "decode": {"CPU": 290.0, "GPU": 1150.0}, "single_ms": 30.0, "loads": [load]}}
+    markdown = gpu_report(results, {"gpu": "H100", "cpus": 16, "torch": "x", "dtype": "float16"})
+    # A row from before the decode paths (the committed H100 runs) reads as the PIL path, one image per request.
+    assert "| pil | 1 | 4 | default | 36 | 64 | 330.0 | 180.0 | 360.0 | 0 | 4.30 | 11.90 | - | - | 1.10 | 6.00 |" in (
+        markdown)
+    device = {**load, "decode_path": "device", "per_request": 16, "client_cores": 0.8, "gpu_util": 71.4}
+    results["m"]["loads"] = [device]
+    assert "| device | 16 | 4 | default | 36 | 64 | 330.0 | 180.0 | 360.0 | 0 | 4.30 | 11.90 | 0.80 | 71 | 1.10 |" in (
+        gpu_report(results, {"gpu": "H100", "cpus": 16, "torch": "x", "dtype": "float16"}))
+    assert "| 16 x 4 processes | 300.0 | 4 processes x ... |" in markdown
+    assert "median: 30.0 ms" in markdown and "| GPU | 1150.0 |" in markdown

@@ -1,0 +1,223 @@
+"""The house rules, checked: import direction between the layers, no import cycle, short functions, generated docs
+up to date."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app import configdoc
+
+ROOT = Path(__file__).resolve().parents[2]
+APP = ROOT / "app"
+PROTOCOLS = ("app.v1", "app.v2")
+MAX_FUNCTION_LINES = 50
+PACKAGES = ("app", "bench", "client", "demo_data", "harness", "models", "tests")  # every project .py file lives in one
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, anywhere in the file (inside functions too: those run as well)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _under(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def _modules(package: str) -> dict[str, set[str]]:
+    base = ROOT.joinpath(*package.split("."))
+    files = [base.with_suffix(".py")] if base.with_suffix(".py").is_file() else sorted(base.rglob("*.py"))
+    return {_module_name(f): _imports(f) for f in files}
+
+
+@pytest.mark.parametrize("package, forbidden", [
+    ("app.engine", ("flask", "werkzeug", "flask_swagger_ui", "app.web", *PROTOCOLS)),
+    ("app.config", ("app", "models", "torch", "flask")),
+    ("app.errors", ("app", "models", "flask", "werkzeug")),
+    ("app.metrics", ("app.engine", "app.web", *PROTOCOLS, "flask")),
+    ("app.procstat", ("app", "flask", "torch")),
+    ("app.web", PROTOCOLS),
+    ("app.v1", ("app.v2",)),
+    ("app.v2", ("app.v1",)),
+    ("models", ("app",)),
+    ("harness", ("tests", "bench")),
+    ("bench", ("tests",)),
+])
+def test_import_direction(package: str, forbidden: tuple[str, ...]) -> None:
+    broken = {module: sorted(n for n in names if _under(n, forbidden) and not _under(n, (module,)))
+              for module, names in _modules(package).items()}
+    assert not {m: n for m, n in broken.items() if n}, f"{package} may not import {forbidden}"
+
+
+def _project_files() -> dict[str, Path]:
+    return {_module_name(f): f for package in PACKAGES for f in sorted((ROOT / package).rglob("*.py"))}
+
+
+def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """The project modules one import statement loads: ``from pkg import name`` is pkg.name where that is a module,
+    else pkg; relative imports are resolved against ``module``."""
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names} & known
+    base = node.module or ""
+    if node.level:
+        parts = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
+        base = ".".join([*parts, *([base] if base else [])])
+    found = {f"{base}.{alias.name}" for alias in node.names} & known
+    return found | ({base} & known if len(found) < len(node.names) else set())
+
+
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """ids of the imports under ``if TYPE_CHECKING:``: they never run."""
+    guarded = [node for node in ast.walk(tree)
+               if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)]
+    return {id(inner) for node in guarded for child in node.body for inner in ast.walk(child)}
+
+
+def import_graph(files: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the project modules it imports, at module level and inside functions (those run too). Its own
+    packages are left out: Python runs a package's __init__ before any module in it, whoever imports what."""
+    known = set(files)
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        skipped, edges = _type_checking_only(tree), set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in skipped:
+                edges |= _targets(node, module, path.name == "__init__.py", known)
+        graph[module] = {t for t in edges if t != module and not module.startswith(t + ".")}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as [a, b, ..., a], or None (depth-first search, in sorted order so the answer is stable)."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        if module in path:
+            return path[path.index(module):] + [module]
+        if module in done:
+            return None
+        path.append(module)
+        for target in sorted(graph.get(module, ())):
+            if cycle := visit(target):
+                return cycle
+        path.pop()
+        done.add(module)
+        return None
+
+    return next((cycle for module in sorted(graph) if (cycle := visit(module))), None)
+
+
+def test_no_import_cycle_anywhere() -> None:
+    # A cycle hidden by imports inside functions still ties the modules together: bench's training benchmarks had
+    # one (train -> checks -> train) until their shared step moved to bench/training/trainer.py.
+    cycle = find_cycle(import_graph(_project_files()))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_cycle_check_sees_cycles_through_function_level_and_relative_imports(tmp_path: Path) -> None:
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "a.py").write_text("from pkg.b import run\n")
+    (tmp_path / "pkg" / "b.py").write_text("def run():\n    from . import a\n")
+    (tmp_path / "pkg" / "c.py").write_text("from pkg import a, b\n")
+    files = {f"pkg.{name}": tmp_path / "pkg" / f"{name}.py" for name in ("a", "b", "c")}
+    graph = import_graph(files)
+    assert graph == {"pkg.a": {"pkg.b"}, "pkg.b": {"pkg.a"}, "pkg.c": {"pkg.a", "pkg.b"}}
+    assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.a"]
+    assert find_cycle({"x": {"y"}, "y": set()}) is None
+    guarded = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import c\n"
+    (tmp_path / "pkg" / "__init__.py").write_text(guarded)
+    (tmp_path / "pkg" / "c.py").write_text("from pkg import a\nimport pkg\n")
+    files["pkg"] = tmp_path / "pkg" / "__init__.py"
+    assert import_graph(files)["pkg"] == set() and import_graph(files)["pkg.c"] == {"pkg.a"}
+
+
+def test_the_server_imports_only_the_serving_contract_of_models() -> None:
+    # app/ reaches models/ through the modules models.SERVING_CONTRACT names, and those import only each other:
+    # the server never loads the training loop, and a change elsewhere in models/ cannot change what it runs.
+    from models import SERVING_CONTRACT
+
+    outside = {module: sorted(n for n in names if _under(n, ("models",)) and not _under(n, SERVING_CONTRACT))
+               for module, names in _modules("app").items()}
+    assert not {m: n for m, n in outside.items() if n}, f"app/ may import only {SERVING_CONTRACT} of models/"
+    for name in SERVING_CONTRACT:
+        path = ROOT.joinpath(*name.split(".")).with_suffix(".py")
+        assert path.is_file(), f"{name} is named in SERVING_CONTRACT but is not a module"
+        leaks = sorted(n for n in _imports(path) if _under(n, ("models",)) and not _under(n, SERVING_CONTRACT))
+        assert not leaks, f"{name} is in the serving contract and imports {leaks}"
+
+
+def test_protocols_reach_the_request_path_only_through_admit() -> None:
+    # Arrivals, the batcher and decoding are Service.admit's and Call.infer's business: a protocol that chains them
+    # itself can lose the inline path or the arrival count silently.
+    internals = ("app.engine.arrivals", "app.engine.batcher", "app.engine.decode", "app.engine.batch_types",
+                 "app.engine.decoders", "app.engine.device_decode", "app.engine.tensor_decode")
+    for package in PROTOCOLS:
+        for module, names in _modules(package).items():
+            assert not [n for n in names if _under(n, internals)], module
+
+
+def test_importing_the_engine_loads_no_flask() -> None:
+    code = ("import sys, app.engine.service, app.engine.weights, app.engine.malloc; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('flask', 'werkzeug') "
+            "or m.startswith(('app.web', 'app.v1', 'app.v2'))]; print(bad); sys.exit(1 if bad else 0)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_gunicorn_master_imports_neither_torch_nor_flask() -> None:
+    code = ("import runpy, sys; runpy.run_path('gunicorn.conf.py'); "
+            "bad = [m for m in ('torch', 'flask') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("folder", ["app", "client"])
+def test_no_function_is_longer_than_50_lines(folder: str) -> None:
+    long = []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long
+
+
+def test_configuration_doc_is_generated_from_the_settings() -> None:
+    assert configdoc.DOC.read_text(encoding="utf-8") == configdoc.render(), \
+        "docs/configuration.md is out of date: run `python -m app.configdoc`"
+    assert configdoc.main(["--check"]) == 0
+
+
+def test_every_setting_has_a_description() -> None:
+    from app.config import Settings
+
+    assert not [name for name, field in Settings.model_fields.items() if not field.description]
+
+
+def test_readme_is_a_map_of_at_most_150_lines_linking_every_docs_page() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 150
+    assert "make serve" in readme.split("\n## ")[0] and "make test" in readme.split("\n## ")[0]
+    pages = sorted(p.name for p in (ROOT / "docs").glob("*.md"))
+    assert {"api.md", "configuration.md", "architecture.md", "deployment.md", "training.md", "performance.md",
+            "testing.md"} <= set(pages)
+    assert not [p for p in pages if f"docs/{p}" not in readme]

@@ -1,0 +1,48 @@
+"""Decode buffers come from malloc's arenas (reused) rather than fresh mmaps, where the C library is glibc."""
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from app.config import Settings
+from app.engine.malloc import keep_freed_memory
+from harness.servers import ROOT
+
+# Allocates a block the size of a half-scale 12 MP image, then prints the bytes glibc holds in mmapped blocks.
+_PROBE = """
+import ctypes, sys
+from app.engine.malloc import keep_freed_memory
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+libc.malloc.restype = ctypes.c_void_p
+print(keep_freed_memory(int(sys.argv[1])))
+before = libc.mallinfo2().hblkhd
+block = libc.malloc(9 * 1024 * 1024)
+print(libc.mallinfo2().hblkhd - before)
+"""
+
+glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+
+
+def _mmapped_bytes_for_a_9mb_block(trim_threshold_mb: int) -> tuple[str, int]:
+    out = subprocess.run([sys.executable, "-c", _PROBE, str(trim_threshold_mb)], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout.split()
+    return out[0], int(out[1])
+
+
+@glibc_only
+def test_large_blocks_come_from_the_arena_when_tuned() -> None:
+    assert _mmapped_bytes_for_a_9mb_block(64) == ("True", 0)
+    applied, mmapped = _mmapped_bytes_for_a_9mb_block(0)  # glibc's defaults: a fresh mmap per large block
+    assert applied == "False" and mmapped >= 9 * 1024 * 1024
+
+
+def test_zero_turns_it_off_and_the_default_is_on() -> None:
+    assert keep_freed_memory(0) is False
+    assert Settings().malloc_trim_threshold_mb > 0

@@ -1,0 +1,149 @@
+"""The tensor decode path (the CPU twin of issue #18's GPU path): torchvision's JPEG decoder with EXIF orientation,
+PIL for every other format and for JPEGs libjpeg-turbo refuses, the limits before any pixel, and the tensor eval
+transform against PIL's."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import skimage.data
+import torch
+from PIL import Image
+
+from app.engine.decode import DecodeLimits, image_to_tensor
+from app.engine.tensor_decode import decode_tensor, image_to_tensor_path
+from app.errors import ImageTooLarge, InvalidImage, UnsupportedImageFormat
+from models.presets import EvalPreset, TensorEvalTransform, eval_transform
+from tests.support.imaging import BLUE, RED, encode, image_bytes
+
+LIMITS = DecodeLimits(max_pixels=1_000_000, max_aspect_ratio=20, jpeg_draft_min_side=0)
+
+
+def _mean_rgb(pixels: torch.Tensor) -> tuple[float, ...]:
+    return tuple(pixels.float().mean(dim=(1, 2)).round().tolist())
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP", "BMP", "GIF"])
+def test_each_format_decodes_to_an_rgb_uint8_tensor(fmt: str) -> None:
+    pixels = decode_tensor(image_bytes(RED, fmt=fmt, size=(40, 30)), LIMITS)
+    assert pixels.dtype == torch.uint8 and pixels.shape == (3, 30, 40)
+    red, green, blue = _mean_rgb(pixels)
+    assert red > 200 and green < 60 and blue < 60
+
+
+@pytest.mark.parametrize("mode, color", [("L", 128), ("CMYK", (0, 255, 255, 0))])
+def test_grey_and_cmyk_jpegs_become_rgb(mode: str, color: object) -> None:
+    pixels = decode_tensor(image_bytes(color, mode=mode), LIMITS)  # type: ignore[arg-type]
+    assert pixels.shape[0] == 3
+    if mode == "CMYK":  # red in CMYK stays red, as on the PIL path
+        red, green, blue = _mean_rgb(pixels)
+        assert red > 200 and green < 60 and blue < 60
+
+
+def test_exif_orientation_is_applied_as_on_the_pil_path() -> None:
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to display
+    data = encode(Image.new("RGB", (40, 20), RED), "JPEG", exif=exif.tobytes())
+    assert decode_tensor(data, LIMITS).shape == (3, 40, 20)
+
+
+def test_progressive_jpeg_decodes() -> None:
+    data = encode(Image.new("RGB", (64, 48), BLUE), "JPEG", progressive=True)
+    red, _, blue = _mean_rgb(decode_tensor(data, LIMITS))
+    assert blue > 200 and red < 60
+
+
+def test_limits_hold_before_any_pixel_and_bad_bytes_are_400() -> None:
+    with pytest.raises(ImageTooLarge):
+        decode_tensor(image_bytes(RED, size=(2000, 1000)), LIMITS)
+    with pytest.raises(InvalidImage, match="aspect ratio"):
+        decode_tensor(image_bytes(RED, size=(420, 20)), LIMITS)
+    with pytest.raises(UnsupportedImageFormat):
+        decode_tensor(encode(Image.new("RGB", (20, 20), RED), "TIFF"), LIMITS)
+    with pytest.raises(InvalidImage):
+        decode_tensor(b"not an image", LIMITS)
+    truncated = image_bytes(RED, size=(200, 150))
+    with pytest.raises(InvalidImage):
+        decode_tensor(truncated[: len(truncated) // 2], LIMITS)
+
+
+@pytest.mark.parametrize("interpolation", ["bilinear", "bicubic"])
+def test_the_tensor_transform_matches_the_pil_transform_on_a_photo(interpolation: str) -> None:
+    preset = EvalPreset(resize_size=256, crop_size=224, interpolation=interpolation)  # type: ignore[arg-type]
+    buffer = io.BytesIO()
+    Image.fromarray(np.asarray(skimage.data.astronaut())).save(buffer, "PNG")  # lossless: only the transforms differ
+    data = buffer.getvalue()
+    limits = DecodeLimits(max_pixels=40_000_000, max_aspect_ratio=20, jpeg_draft_min_side=0)
+    pil = image_to_tensor(data, eval_transform(preset), limits)
+    tensor = image_to_tensor_path(data, TensorEvalTransform(preset), limits)
+    assert pil.shape == tensor.shape == (3, 224, 224)
+    levels = (pil - tensor).abs() * torch.tensor(preset.std).view(3, 1, 1) * 255  # back to 0..255 pixel levels
+    assert float(levels.mean()) < 0.05 and float(levels.max()) < 1.01  # PIL's pixels, within one level
+
+
+def test_the_service_decodes_on_the_path_its_settings_choose(settings, predictor,  # noqa: ANN001
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import app.engine.decoders as decoders
+    from app import EXTENSION_KEY, create_app
+
+    calls: list[str] = []
+    for name in ("image_to_tensor", "image_to_tensor_path"):
+        original = getattr(decoders, name)
+        monkeypatch.setattr(decoders, name,
+                            lambda *args, _f=original, _n=name: calls.append(_n) or _f(*args))  # type: ignore[misc]
+    answers = {}
+    for path in ("pil", "tensor"):
+        app = create_app(settings.model_copy(update={"decode_path": path}), predictor)
+        try:
+            answer = app.test_client().post("/predict", data=image_bytes(BLUE), content_type="image/jpeg")
+            answers[path] = answer.get_json()["predictions"][0]["label"]
+            bad = app.test_client().post("/predict", data=b"not an image", content_type="image/jpeg")
+            assert bad.status_code == 400 and bad.get_json()["error"]["code"] == "invalid_image"
+        finally:
+            app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+    assert answers == {"pil": "blue", "tensor": "blue"}
+    assert calls == ["image_to_tensor"] * 3 + ["image_to_tensor_path"] * 3  # the canary, then the two requests
+
+
+def test_the_device_path_decodes_in_the_batch_and_fails_only_the_bad_image(settings, predictor,  # noqa: ANN001
+                                                                            monkeypatch) -> None:  # noqa: ANN001
+    from concurrent.futures import ThreadPoolExecutor
+
+    import app.engine.decoders as decoders
+    from app import EXTENSION_KEY, create_app
+    from app.engine.device_decode import Encoded
+
+    seen: list[type] = []
+    original = decoders.collate_on_device
+    monkeypatch.setattr(decoders, "collate_on_device",
+                        lambda items, *rest: seen.extend(map(type, items)) or original(items, *rest))
+    app = create_app(settings.model_copy(update={"decode_path": "device", "max_wait_ms": 200}), predictor)
+    try:
+        client = app.test_client()
+        seen.clear()
+        good = client.post("/predict", data=image_bytes(BLUE), content_type="image/jpeg")
+        assert good.get_json()["predictions"][0]["label"] == "blue" and seen == [Encoded]
+        assert client.post("/predict", data=image_bytes(RED, fmt="PNG"), content_type="image/png").get_json()[
+            "predictions"][0]["label"] == "red"  # not a JPEG: the CPU decoder, in the same batch stage
+        truncated = image_bytes(RED, size=(200, 150))
+        truncated = truncated[: len(truncated) // 2]  # the header is whole: it passes the request thread
+        bodies = [truncated, image_bytes(BLUE), image_bytes(RED)]
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda body: app.test_client().post(
+                "/predict", data={"image": [(io.BytesIO(body), "x.jpg")]}, content_type="multipart/form-data"),
+                bodies))
+        assert [a.status_code for a in answers] == [400, 200, 200]
+        error = answers[0].get_json()["error"]
+        assert error["code"] == "invalid_image" and error["message"].startswith("image 0 (x.jpg): ")
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def test_a_batch_may_mix_encoded_images_and_preprocessed_pixels(predictor) -> None:  # noqa: ANN001
+    from app.engine.decoders import decoder_for
+
+    decoder = decoder_for("device", predictor, LIMITS)
+    red_pixels = predictor.tensor_transform(decode_tensor(image_bytes(RED), LIMITS))
+    probabilities = predictor.predict_batch(decoder.collate([decoder.prepare(image_bytes(BLUE)), red_pixels]))
+    assert probabilities.argmax(dim=1).tolist() == [2, 0]  # blue, red: in their order
