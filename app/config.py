@@ -39,6 +39,10 @@ class Settings(BaseSettings):
                               "`<dir>/<model>/<version>/` (as `models.export --repository` writes it).")
     models: str = Field("", description="The repository's models to load at start, comma-separated; empty: every "
                         "model in it.")
+    default_model: str = Field(
+        "", description="The model that requests naming none get when the server serves several; empty: the one the "
+        "repository names (`<repository>/repository.json`: `{\"default_model\": \"NAME\"}`), else the only model "
+        "served (with several and none named, such requests get 400 listing the models).")
     version_policy: str = Field(
         "latest:1", pattern=r"^(latest(:[0-9]+)?|all|specific:[^,]+(,[^,]+)*)$",
         description="Which versions of each model stay loaded: `latest:N` (the N highest numbers), `all`, or "
@@ -60,8 +64,10 @@ class Settings(BaseSettings):
         "and its container's) for traffic; a version that would not is refused (507) and the old one keeps "
         "serving.")
     control_dir: Path | None = Field(
-        None, description="Set by gunicorn.conf.py, not by hand: the directory where one server's workers share "
-        "repository loads and unloads and report what each serves.")
+        None, description="Where one server's workers keep the desired state (which versions of which models to "
+        "serve, and what load and unload calls chose) and report what each serves. Unset: gunicorn.conf.py makes a "
+        "fresh temporary directory at each start, so a restarted server begins from the repository and its "
+        "policies; set it to a directory you keep for calls (a rollback, an unload) to survive a server restart.")
     weights_format: WeightsFormatSetting = Field(
         "auto", description="`auto`: the manifest's `default_format` (TorchScript), saying in the log why no "
         "AOTInductor package is served (none was measured faster end to end yet: docs/performance.md); `aoti`: the "

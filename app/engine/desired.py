@@ -23,7 +23,9 @@ from typing import Any, Callable, Iterator
 
 WATCH_S = 0.2  # how often a worker looks for a newer generation
 DESIRED, LOCK = "desired.json", "lock"
-Entry = dict[str, Any]  # {"versions": [...], "default": v}
+# {"versions": [...], "default": v}; after a load call with a config, also "config" and "policy_file" (the model's
+# policy.json the call was given over): the poll keeps applying that config until policy.json changes.
+Entry = dict[str, Any]
 UNLOADED: Entry = {"versions": [], "default": None}  # unloaded by a call: served nowhere, and the poll leaves it
 
 
@@ -34,7 +36,7 @@ def _changed(models: dict[str, Entry], changes: dict[str, Entry | None]) -> dict
         if entry is None:
             updated.pop(name, None)
         else:
-            updated[name] = {"versions": list(entry["versions"]), "default": entry["default"]}
+            updated[name] = dict(entry)
     return updated
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import logging
 import threading
 import time
@@ -79,23 +80,50 @@ class Reconciler:
 
     def boot(self) -> None:
         """Serve the desired state a running server already has, else write it from the settings and the
-        repository; then follow it (and poll) on a thread. Raises what stops the first load."""
+        repository: each model as its policy picks among the versions that load (a refused one is skipped, its
+        reason in the log and the index). Then follow it (and poll) on a thread. Raises only when nothing at all
+        can be served."""
         with self._lock:
-            if not self.desired.read()[0]:
+            self._name_default_model()
+            generation, desired = self.desired.read()
+            if generation:
+                errors = self._reconcile(desired)
+            else:
                 names = self.settings.model_names() or self.source.models()
                 if not names:
                     raise self.source.missing()
-                wanted = {name: self._wanted(name, retry_refused=True) for name in names}
-                for error in self._reconcile(wanted):
-                    raise error
+                wanted, errors = self._first_load(names)
                 self.desired.seed(wanted)  # a worker that started at the same time may have seeded it first
-            self._apply_newest(raise_errors=True)
+                generation, desired = self.desired.read()
+                errors += self._reconcile(desired)
+            if not self.routes.routes():
+                raise errors[0] if errors else LoadFailed(
+                    "nothing can be served: every version was refused (the reasons are logged above and listed "
+                    "by the repository index)")
+            self._applied = generation
+            self._report("; ".join(e.message for e in errors) or None)
         threading.Thread(target=self._follow, name="models-follow", daemon=True).start()
+
+    def _first_load(self, names: list[str]) -> tuple[dict[str, Entry], list[ServiceError]]:
+        wanted, errors = {}, []
+        for name in names:
+            try:
+                entry = self._serve_loadable(name)
+            except ServiceError as exc:  # not a version's fault (no such model, a bad policy): said once here
+                log.warning("%s is not served: %s", name, exc.message)
+                errors.append(exc)
+                continue
+            if entry is not None:
+                wanted[name] = entry
+        return wanted, errors
 
     def load(self, name: str, config: Any = None) -> None:
         """A load call: ``name`` as its policy (and ``config``) picks from the repository now, here, then in every
-        worker. Raises NotFound, BadRequest, LoadFailed, InsufficientMemory or LoadTimeout."""
+        worker. A ``config`` (a rollback: ``default_version``) holds until another call or a change of the model's
+        policy.json: the poll keeps applying it. Raises NotFound, BadRequest, LoadFailed, InsufficientMemory or
+        LoadTimeout."""
         with self._lock:
+            self._name_default_model()
             entry = self._wanted(name, config, retry_refused=True)
             self.reconcile_model(name, entry)
             generation = self._write({name: entry})
@@ -111,23 +139,54 @@ class Reconciler:
         self._wait_for_workers(generation)
 
     def poll(self) -> None:
-        """The repository poll: each followed model as its policy picks from the repository now (versions refused
-        before and unchanged since left out; a model that left the repository no longer wanted), applied here,
-        then written for the other workers. A refusal is logged and remembered, never raised or written."""
+        """The repository poll: each followed model as its policy (and a load call's config, while its policy.json
+        is as the call found it) picks among the versions that load now (a refused one is skipped until its
+        manifest changes; a model that left the repository is no longer wanted), applied here, then written for
+        the other workers. Refusals are logged once and remembered, never raised or written."""
         with self._lock:
+            self._name_default_model()
             _, desired = self.desired.read()
             changes: dict[str, Entry | None] = {}
             for name in sorted(set(self.settings.model_names() or self.source.models()) | set(desired)):
                 if desired.get(name) == UNLOADED:
                     continue  # unloaded by a call: stays so until a load call
                 try:
-                    entry = self._wanted(name, retry_refused=False) if self.source.versions(name) else None
-                    if entry is None or entry["versions"]:  # none left worth trying: keep what serves
-                        self.reconcile_model(name, entry or UNLOADED)
+                    if not self.source.versions(name):
+                        self.reconcile_model(name, UNLOADED)
+                        changes[name] = None
+                    elif (entry := self._serve_loadable(name, self._calls_config(name, desired.get(name)))):
                         changes[name] = entry
                 except ServiceError as exc:
                     log.warning("poll: %s: %s", name, exc.message)
             self._write(changes)
+
+    def _calls_config(self, name: str, entry: Entry | None) -> Any:
+        """The config a load call gave ``name``, while the model's policy.json is still what the call found."""
+        if entry is None or entry.get("config") is None:
+            return None
+        return entry["config"] if entry.get("policy_file") == self.source.policy(name) else None
+
+    def _serve_loadable(self, name: str, config: Any = None) -> Entry | None:
+        """``name`` as its policy picks among the versions not refused, applied here; a version refused on the way
+        is left out and the policy picks again. None when no version is left (what serves keeps serving)."""
+        while True:
+            entry = self._wanted(name, config, retry_refused=False)
+            if not entry["versions"]:
+                return None
+            try:
+                self.reconcile_model(name, entry)
+                return entry
+            except ServiceError:
+                if not any(self._known_refused(name, v) for v in entry["versions"]):
+                    raise  # no version was refused: trying again would fail the same way
+
+    def _name_default_model(self) -> None:
+        """The model requests naming none get: DEFAULT_MODEL, else the one the repository names."""
+        try:
+            self.routes.named_default = self.settings.default_model or self.source.default_model()
+        except PolicyError as exc:
+            log.warning("no default model: %s", exc)
+            self.routes.named_default = None
 
     # -- the one path that changes what this worker serves -------------------------------------------------------
 
@@ -135,13 +194,11 @@ class Reconciler:
         """Serve the desired state's newest generation if this worker does not yet, and report."""
         with self._lock:
             if self.desired.read()[0] > self._applied:
-                self._apply_newest(raise_errors=False)
+                self._apply_newest()
 
-    def _apply_newest(self, raise_errors: bool) -> None:
+    def _apply_newest(self) -> None:
         generation, desired = self.desired.read()
         errors = self._reconcile(desired)
-        if raise_errors and errors:
-            raise errors[0]
         self._applied = max(self._applied, generation)
         self._report("; ".join(e.message for e in errors) or None)
 
@@ -186,7 +243,8 @@ class Reconciler:
     # -- the steps ------------------------------------------------------------------------------------------------
 
     def _wanted(self, name: str, config: Any = None, retry_refused: bool = False) -> Entry:
-        """What ``name``'s policy picks from the repository now: its versions and default (the pure step)."""
+        """What ``name``'s policy (under a load call's ``config``) picks from the repository now: its versions and
+        default, and the call's config with the policy.json it was given over (the pure step)."""
         available = self.source.versions(name)
         if not available:
             raise NotFound(f"the repository has no model {name!r}; it has: {', '.join(self.source.models()) or 'none'}",
@@ -194,10 +252,14 @@ class Reconciler:
         if not retry_refused:
             available = [v for v in available if not self._known_refused(name, v)]
         try:
-            return VersionPolicy.layered(self.settings.version_policy, self.source.policy(name), config).wanted(
-                available)
+            own = self.source.policy(name)
+            entry = VersionPolicy.layered(self.settings.version_policy, own, config).wanted(available)
         except PolicyError as exc:
             raise BadRequest(f"model {name!r}: {exc}") from None
+        if config is None:
+            return entry
+        return {**entry, "config": json.loads(config) if isinstance(config, (str, bytes)) else config,
+                "policy_file": own}
 
     def _load_version(self, name: str, version: str) -> LoadedVersion:
         key = (name, version)

@@ -17,12 +17,24 @@ from app.errors import BadRequest, NotFound, NotReady
 
 
 class RoutingTable:
-    """Model name -> {version -> LoadedVersion} taking traffic, and the default version of each model."""
+    """Model name -> {version -> LoadedVersion} taking traffic, the default version of each model, and the model
+    that requests naming none get (``default_model``: the named one, else the only one)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._routes: dict[str, dict[str, LoadedVersion]] = {}
         self._defaults: dict[str, str] = {}
+        self.named_default: str | None = None  # DEFAULT_MODEL, or the repository's repository.json
+
+    def default_model(self) -> str | None:
+        """The model requests naming none get now, if one does."""
+        with self._lock:
+            return self._default_model()
+
+    def _default_model(self) -> str | None:
+        if self.named_default is not None:
+            return self.named_default
+        return next(iter(self._routes)) if len(self._routes) == 1 else None
 
     def routes(self) -> dict[str, tuple[list[LoadedVersion], str]]:
         """Every model's routed versions (oldest first) and its default version."""
@@ -36,7 +48,7 @@ class RoutingTable:
             return [loaded for versions in self._routes.values() for loaded in versions.values()]
 
     def find(self, name: str | None, version: str | None) -> LoadedVersion:
-        """The version a request for ``name`` (None: the only model) and ``version`` (None: the default) gets."""
+        """The version a request for ``name`` (None: the default model) and ``version`` (None: its default) gets."""
         with self._lock:
             return self._find(name, version)
 
@@ -44,15 +56,16 @@ class RoutingTable:
         if name is None:
             if not self._routes:
                 raise NotReady("no model is loaded", headers={"Retry-After": "5"})
-            if len(self._routes) > 1:
-                raise BadRequest(f"this server serves {len(self._routes)} models ({', '.join(sorted(self._routes))}):"
-                                 " name one (?model=NAME, or /v2/models/NAME/...)",
-                                 details={"models": sorted(self._routes)})
-            name = next(iter(self._routes))
+            name = self._default_model()
+            if name is None:
+                raise BadRequest(f"this server serves {len(self._routes)} models ({', '.join(sorted(self._routes))})"
+                                 " and none is the default (DEFAULT_MODEL, or repository.json): name one "
+                                 "(?model=NAME, or /v2/models/NAME/...)", details={"models": sorted(self._routes)})
         versions = self._routes.get(name)
         loaded = None if versions is None else versions.get(version or self._defaults[name])
         if loaded is None:
             wanted = f"{name!r}" + ("" if version is None else f" version {version!r}")
+            wanted += " (the default model)" if name == self.named_default and versions is None else ""
             raise NotFound(f"no model {wanted} is loaded; this server serves {self._describe()}",
                            details={"models": self._available()})
         return loaded

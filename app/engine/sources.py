@@ -14,10 +14,14 @@ from models.export.manifest import MANIFEST_NAME
 from models.export.repository import models, versions
 
 
+REPOSITORY_FILE = "repository.json"  # {"default_model": NAME}, at the repository's root
+
+
 class Source(Protocol):
-    """What the model manager needs of a place holding models."""
+    """What the reconciler needs of a place holding models."""
 
     def models(self) -> list[str]: ...
+    def default_model(self) -> str | None: ...
     def versions(self, name: str) -> list[str]: ...
     def policy(self, name: str) -> dict[str, Any] | None: ...
     def stamp(self, name: str, version: str) -> tuple[int, int]: ...
@@ -50,6 +54,15 @@ class DirectorySource:
         single = self._single()
         return [single[0]] if single else models(self.root)
 
+    def default_model(self) -> str | None:
+        """The model ``repository.json`` names as the default, if any (PolicyError when it cannot be read)."""
+        config = None if self._single() else _json_object(self.root / REPOSITORY_FILE)
+        if config is None:
+            return None
+        if set(config) - {"default_model"} or not isinstance(config.get("default_model"), str):
+            raise PolicyError(f"{self.root / REPOSITORY_FILE} must be {{\"default_model\": \"NAME\"}}")
+        return config["default_model"]
+
     def versions(self, name: str) -> list[str]:
         """``name``'s versions, oldest first."""
         single = self._single()
@@ -63,16 +76,7 @@ class DirectorySource:
 
     def policy(self, name: str) -> dict[str, Any] | None:
         """``<repository>/<name>/policy.json``, when there is one."""
-        path = self.root / name / POLICY_FILE
-        if self._single() or not path.is_file():
-            return None
-        try:
-            policy = json.loads(path.read_text(encoding="utf-8"))
-        except ValueError as exc:
-            raise PolicyError(f"{path} is not JSON: {exc}") from None
-        if not isinstance(policy, dict):
-            raise PolicyError(f"{path} must hold a JSON object")
-        return policy
+        return None if self._single() else _json_object(self.root / name / POLICY_FILE)
 
     def stamp(self, name: str, version: str) -> tuple[int, int]:
         """Changes when the version's manifest is rewritten: a version that failed to load is tried again then."""
@@ -109,6 +113,19 @@ class DirectorySource:
         return ModelLoadError(f"{self.root} holds no model")
 
 
+def _json_object(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``, None when there is no such file; PolicyError when it is not one."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise PolicyError(f"{path} is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise PolicyError(f"{path} must hold a JSON object")
+    return data
+
+
 class GivenSource:
     """One predictor, already loaded: the only model and version there is."""
 
@@ -119,6 +136,10 @@ class GivenSource:
     def models(self) -> list[str]:
         """The predictor's model."""
         return [self._key[0]]
+
+    def default_model(self) -> str | None:
+        """None: the only model is the default."""
+        return None
 
     def versions(self, name: str) -> list[str]:
         """Its version."""

@@ -1,6 +1,8 @@
 """/predict and /v1/models: read the request, hand it to the stage runner, shape the answer."""
 from __future__ import annotations
 
+import json
+
 import torch
 from flask import Blueprint, Response, request
 
@@ -76,5 +78,8 @@ def models() -> Response:
     infos = [_model_info(service, model, model.version == default, show_labels)
              for versions, default in service.reconciler.routes.routes().values() for model in versions]
     workers = [WorkerModels(**worker) for worker in service.reconciler.workers()]
-    body = ModelsResponse(models=infos, workers=workers).model_dump_json(exclude_none=True)
-    return Response(body, mimetype="application/json")
+    default_model = service.reconciler.routes.default_model()
+    body = ModelsResponse(default_model=default_model, models=infos, workers=workers).model_dump(
+        mode="json", exclude_none=True)
+    text = json.dumps({**body, "default_model": default_model}, separators=(",", ":"))  # null said: none is it
+    return Response(text, mimetype="application/json")

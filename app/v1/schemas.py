@@ -119,5 +119,7 @@ class WorkerModels(BaseModel):
 class ModelsResponse(BaseModel):
     """Answer of GET /v1/models."""
 
+    default_model: str | None = Field(None, description="The model requests naming none get (DEFAULT_MODEL, the "
+                                      "repository's repository.json, or the only one); null: name one")
     models: list[ModelInfo]
     workers: list[WorkerModels]

@@ -38,8 +38,12 @@ def _loaded(name: str) -> Response:
 def repository_index() -> Response:
     """Every model version in the repository or loaded, with its state (READY, LOADING, UNLOADING, UNAVAILABLE)."""
     only_ready = _body(RepositoryIndexRequest).ready
-    rows = [RepositoryModel(name=r.name, version=r.version, state=r.state, reason=r.reason)  # type: ignore[arg-type]
-            for r in current_service().reconciler.index() if r.state == "READY" or not only_ready]
+    reconciler = current_service().reconciler
+    default_model = reconciler.routes.default_model()
+    default = (default_model, reconciler.serving().get(default_model or "", {}).get("default"))
+    rows = [RepositoryModel(name=r.name, version=r.version, state=r.state, reason=r.reason,  # type: ignore[arg-type]
+                            default=r.state == "READY" and (r.name, r.version) == default)
+            for r in reconciler.index() if r.state == "READY" or not only_ready]
     return Response(RepositoryIndex(rows).model_dump_json(), mimetype="application/json")
 
 

@@ -119,6 +119,7 @@ class RepositoryModel(BaseModel):
     version: str
     state: Literal["READY", "LOADING", "UNLOADING", "UNAVAILABLE"]
     reason: str = ""
+    default: bool = False  # what a request naming neither model nor version gets (the default model's default)
 
 
 class RepositoryIndex(RootModel[list[RepositoryModel]]):

@@ -3,6 +3,7 @@ repository API, and workers sharing loads. In-memory ColourModel versions (tests
 no server; tests/server/test_model_swaps.py does the same under gunicorn with real exports."""
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -154,16 +155,25 @@ def test_unload_stops_a_model_and_unknown_names_are_404(service: Service, reposi
     assert _ask(service) == "1" and service.ready
 
 
-def test_two_models_side_by_side(settings: Settings, repository: FakeRepository) -> None:
+def test_two_models_side_by_side_and_the_default_model(settings: Settings, repository: FakeRepository) -> None:
     repository.add("other", "7")
     service = _service(settings, repository)
     try:
         assert _ask(service, "colour") == "1" and _ask(service, "other") == "7"
         assert service.route("colour").batcher is not service.route("other").batcher  # one batcher each
-        with pytest.raises(BadRequest, match="serves 2 models \\(colour, other\\): name one"):
+        with pytest.raises(BadRequest, match="serves 2 models \\(colour, other\\) and none is the default "
+                                             "\\(DEFAULT_MODEL, or repository.json\\): name one"):
             _ask(service)
+        repository.default = "other"  # the repository names its default: the next poll reads it
+        service.reconciler.poll()
+        assert _ask(service) == "7" and service.reconciler.routes.default_model() == "other"
     finally:
         service.shutdown(timeout=5)
+    named = _service(settings, repository, default_model="colour")  # the setting wins over the repository
+    try:
+        assert _ask(named) == "1"
+    finally:
+        named.shutdown(timeout=5)
 
 
 def test_the_policy_keeps_versions_and_names_the_default(settings: Settings, repository: FakeRepository) -> None:
@@ -179,6 +189,73 @@ def test_the_policy_keeps_versions_and_names_the_default(settings: Settings, rep
         service.shutdown(timeout=5)
 
 
+def test_a_rollback_by_a_call_holds_across_polls_until_policy_json_changes(settings: Settings,
+                                                                          repository: FakeRepository) -> None:
+    repository.add("colour", "2")
+    service = _service(settings, repository)
+    try:
+        service.reconciler.load("colour", '{"default_version": "1"}')
+        service.reconciler.poll()
+        assert _ask(service) == "1"  # the poll applied the policy again and undid the rollback, before
+        repository.add("colour", "3")
+        service.reconciler.poll()
+        assert _ask(service) == "1" and _ask(service, "colour", "3") == "3"  # new versions followed, default kept
+        repository.policies["colour"] = {"version_policy": {"latest": {"num_versions": 1}}}
+        service.reconciler.poll()
+        assert _ask(service) == "3" and service.reconciler.serving()["colour"]["versions"] == ["3"]
+        service.reconciler.load("colour", {"default_version": "2"})
+        service.reconciler.load("colour")  # another call, without a config: the policy again
+        assert _ask(service) == "3"
+    finally:
+        service.shutdown(timeout=5)
+
+
+def _stop(reconciler: Reconciler) -> None:
+    reconciler.close()
+    for loaded in reconciler.routes.all_versions():
+        loaded.batcher.stop(5)
+
+
+def test_calls_survive_a_restart_only_with_a_kept_control_dir(settings: Settings, tmp_path: Path,
+                                                             repository: FakeRepository) -> None:
+    kept = settings.model_copy(update={"control_dir": tmp_path / "kept"})
+    repository.add("colour", "2")
+    repository.add("other", "1")
+    first = Reconciler(kept, repository)  # type: ignore[arg-type]
+    first.boot()
+    first.load("colour", {"default_version": "1"})
+    first.unload("other")
+    _stop(first)
+    restarted = Reconciler(kept, repository)  # type: ignore[arg-type]
+    restarted.boot()
+    assert restarted.serving() == {"colour": {"versions": ["1", "2"], "default": "1"}}  # the unload holds too
+    _stop(restarted)
+    fresh = Reconciler(settings.model_copy(update={"control_dir": tmp_path / "new"}), repository)  # type: ignore
+    fresh.boot()  # gunicorn's default: a new temporary directory, so the repository and its policies again
+    assert fresh.serving() == {"colour": {"versions": ["2"], "default": "2"},
+                               "other": {"versions": ["1"], "default": "1"}}
+    _stop(fresh)
+
+
+def test_a_version_that_cannot_load_is_skipped_at_start(settings: Settings, repository: FakeRepository,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    repository.fail("colour", "2", "weights file x.pt has sha256 abc, the manifest says def")
+    with caplog.at_level(logging.WARNING):
+        service = _service(settings, repository)  # stopped the start, before: every model went down
+    try:
+        assert _ask(service) == "1"
+        (row,) = [r for r in service.reconciler.index() if r.version == "2"]
+        assert row.state == "UNAVAILABLE" and "sha256" in row.reason
+        assert sum("sha256" in record.getMessage() for record in caplog.records) == 1  # said once
+        service.reconciler.poll()
+        assert _ask(service) == "1" and sum("sha256" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        service.shutdown(timeout=5)
+    repository.fail("colour", "1", "cannot load state_dict weights from x.pt: missing keys")
+    with pytest.raises(LoadFailed, match="nothing can be served"):
+        _service(settings, repository)  # only when nothing at all can be served does the start fail
+
+
 @pytest.fixture
 def app(settings: Settings, repository: FakeRepository) -> Iterator[Flask]:
     app = create_app(settings, source=repository)  # type: ignore[arg-type]
@@ -188,7 +265,7 @@ def app(settings: Settings, repository: FakeRepository) -> Iterator[Flask]:
 
 def test_the_repository_api(client: FlaskClient, repository: FakeRepository) -> None:
     assert client.post("/v2/repository/index").get_json() == [
-        {"name": "colour", "version": "1", "state": "READY", "reason": ""}]
+        {"name": "colour", "version": "1", "state": "READY", "reason": "", "default": True}]
     repository.add("colour", "2")
     assert client.post("/v2/repository/index", json={"ready": True}).get_json()[0]["version"] == "1"
     loaded = client.post("/v2/repository/models/colour/load")
@@ -224,6 +301,11 @@ def test_v1_models_lists_every_version_with_its_state_memory_and_worker(client: 
     assert all("memory_bytes" in m for m in body["models"])
     (worker,) = body["workers"]
     assert worker["models"] == {"colour": {"versions": ["1", "2"], "default": "2"}}
+    assert body["default_model"] == "colour"  # the only model
+    repository.add("other", "1")
+    client.post("/v2/repository/models/other/load")
+    assert client.get("/v1/models").get_json()["default_model"] is None  # two, and none named: requests name one
+    assert [r["default"] for r in client.post("/v2/repository/index").get_json()] == [False, False, False]
 
 
 def test_workers_sharing_a_control_directory_apply_each_others_loads(settings: Settings, tmp_path: Path,

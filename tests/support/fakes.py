@@ -108,6 +108,8 @@ class FakeRepository:
         self.loads: list[tuple[str, str]] = []
         self.gate: threading.Event | None = None  # when set, loads wait for it
         self.stamps: dict[tuple[str, str], int] = {}
+        self.default: str | None = None  # the default model the repository names
+        self.policies: dict[str, dict[str, object]] = {}  # a model's policy.json
 
     def add(self, name: str, version: str) -> ColourModel:
         """A new version of ``name``; returns its model (to gate or inspect)."""
@@ -123,13 +125,16 @@ class FakeRepository:
     def models(self) -> list[str]:
         return sorted(self.held)
 
+    def default_model(self) -> str | None:
+        return self.default
+
     def versions(self, name: str) -> list[str]:
         from models.export.repository import version_order
 
         return sorted(self.held.get(name, {}), key=version_order)
 
-    def policy(self, name: str) -> None:
-        return None
+    def policy(self, name: str) -> dict[str, object] | None:
+        return self.policies.get(name)
 
     def stamp(self, name: str, version: str) -> tuple[int, int]:
         return (self.stamps[(name, version)], 0)
