@@ -26,7 +26,6 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -38,22 +37,12 @@ from app.engine.memory import check_fits
 from app.engine.policy import PolicyError, VersionPolicy, order_key
 from app.engine.routing import RoutingTable
 from app.engine.sources import Source
+from app.engine.version_states import VersionState, VersionStates
 from app.engine.weights import ModelLoadError, resolve_device
 from app.errors import BadRequest, LoadFailed, LoadTimeout, NotFound, ServiceError
 
 log = logging.getLogger(__name__)
 RETIRE_GRACE_S = 5.0  # beyond the request timeout, how long a retiring version waits for the requests holding it
-Key = tuple[str, str]  # (model, version)
-
-
-@dataclass(frozen=True)
-class VersionState:
-    """One row of the repository index: a version and what this worker does with it."""
-
-    name: str
-    version: str
-    state: str  # READY, LOADING, UNLOADING, UNAVAILABLE (Triton's words)
-    reason: str = ""
 
 
 class Reconciler:
@@ -65,10 +54,7 @@ class Reconciler:
         self.desired = desired_state(settings.control_dir)
         self._lock = threading.Lock()  # one change at a time: a call, the poll, or another worker's
         self._applied = 0  # the desired generation this worker serves
-        self._status_lock = threading.Lock()  # the three below, also read by index() and the retiring threads
-        self._loading: set[Key] = set()
-        self._retiring: dict[Key, LoadedVersion] = {}
-        self._refused: dict[Key, tuple[tuple[int, int], str]] = {}  # the version's stamp then, and why
+        self.states = VersionStates()  # versions loading, retiring, refused
         self._stop = threading.Event()
 
     @property
@@ -262,56 +248,45 @@ class Reconciler:
                 "policy_file": own}
 
     def _load_version(self, name: str, version: str) -> LoadedVersion:
-        key = (name, version)
-        with self._status_lock:
-            self._loading.add(key)
         try:
-            self._check_memory(name, version)
-            device = self.device
-            before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-            loaded = start_version(self.settings, self.source.load(name, version))
-            if device.type == "cuda":
-                loaded.device_memory_bytes = torch.cuda.memory_allocated(device) - before
-            with self._status_lock:
-                self._refused.pop(key, None)
-            return loaded
+            with self.states.loading((name, version)):
+                self._check_memory(name, version)
+                device = self.device
+                before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+                loaded = start_version(self.settings, self.source.load(name, version))
+                if device.type == "cuda":
+                    loaded.device_memory_bytes = torch.cuda.memory_allocated(device) - before
+                return loaded
         except Exception as exc:
             error = exc if isinstance(exc, ServiceError) else LoadFailed(
                 f"{name} version {version} cannot be served: {exc if isinstance(exc, ModelLoadError) else repr(exc)}")
             log.warning("refused %s version %s: %s", name, version, error.message)
-            with contextlib.suppress(OSError), self._status_lock:
-                self._refused[key] = (self.source.stamp(name, version), error.message)
+            with contextlib.suppress(OSError):
+                self.states.refuse((name, version), self.source.stamp(name, version), error.message)
             raise error from exc
-        finally:
-            with self._status_lock:
-                self._loading.discard(key)
 
     def _known_refused(self, name: str, version: str) -> bool:
-        with self._status_lock:
-            refused = self._refused.get((name, version))
+        stamp = self.states.refused_at((name, version))
         try:
-            return refused is not None and refused[0] == self.source.stamp(name, version)
+            return stamp is not None and stamp == self.source.stamp(name, version)
         except OSError:
             return True
 
     def _check_memory(self, name: str, version: str) -> None:
         # Twice the weights file: the loaded weights, and as much again for the load's copy and warm-up activations.
         need = 2 * self.source.size_bytes(name, version)
-        with self._status_lock:
-            held = self.routes.all_versions() + list(self._retiring.values())
+        held = self.routes.all_versions() + self.states.retiring_versions()
         loaded = sum(v.device_memory_bytes or v.predictor.weights_bytes for v in held)
         check_fits(f"{name} version {version}", need, self.device, loaded, self.settings.model_memory_limit_mb,
                    self.settings.memory_reserve_mb)
 
     def _retire(self, loaded: LoadedVersion, wait: bool) -> None:
         key = (loaded.name, loaded.version)
-        with self._status_lock:
-            self._retiring[key] = loaded
+        self.states.retiring(loaded)
 
         def run() -> None:
             drained = loaded.retire(self.settings.request_timeout_s + RETIRE_GRACE_S)
-            with self._status_lock:
-                self._retiring.pop(key, None)
+            self.states.retired(loaded)
             if loaded.predictor.device.type == "cuda":
                 gc.collect()
                 torch.cuda.empty_cache()  # hand the freed blocks back, so the next load sees them as free
@@ -371,24 +346,9 @@ class Reconciler:
     def index(self) -> list[VersionState]:
         """Every version in the repository or in memory, with this worker's state of it."""
         routed = self.routes.routes()
-        with self._status_lock:
-            loading, retiring, refused = set(self._loading), set(self._retiring), dict(self._refused)
-        rows = []
-        for name in sorted(set(self.source.models()) | set(routed)):
-            serving = {v.version for v in routed.get(name, ([], None))[0]}
-            held = set(self.source.versions(name)) | serving | {v for n, v in loading | retiring if n == name}
-            for version in sorted(held, key=order_key):
-                key = (name, version)
-                if version in serving:
-                    rows.append(VersionState(name, version, "READY"))
-                elif key in loading:
-                    rows.append(VersionState(name, version, "LOADING"))
-                elif key in retiring:
-                    rows.append(VersionState(name, version, "UNLOADING"))
-                else:
-                    rows.append(VersionState(name, version, "UNAVAILABLE",
-                                             refused[key][1] if key in refused else "unloaded"))
-        return rows
+        return [row for name in sorted(set(self.source.models()) | set(routed))
+                for row in self.states.rows(name, self.source.versions(name),
+                                            {v.version for v in routed.get(name, ([], None))[0]})]
 
     def workers(self) -> list[dict[str, Any]]:
         """What each worker of the server serves (its last report)."""
