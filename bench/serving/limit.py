@@ -51,17 +51,17 @@ class LimitResult:
 def configurations(weights: Path, compile_too: bool) -> tuple[Predictor, dict[str, Forward]]:
     """Candidate inference configurations of the same weights, each a callable on an NCHW float batch."""
     base = Predictor.load(weights, weights_format="torchscript", device="cpu")
-    optimized = optimize_for_cpu(base.model, base.manifest)
+    optimized = optimize_for_cpu(base.module, base.manifest)
 
     def channels_last(forward: Forward) -> Forward:
         return lambda x: forward(x.contiguous(memory_format=torch.channels_last))
 
     configs: dict[str, Forward] = {
-        "torchscript": base.model, "torchscript, channels_last input": channels_last(base.model),
+        "torchscript": base.module, "torchscript, channels_last input": channels_last(base.module),
         "frozen+optimize_for_inference (served)": optimized,
         "frozen+optimize_for_inference, channels_last input": channels_last(optimized)}
     if compile_too:
-        eager = Predictor.load(weights, weights_format="state_dict", device="cpu").model
+        eager = Predictor.load(weights, weights_format="state_dict", device="cpu").module
         configs["torch.compile(freezing), channels_last"] = channels_last(torch.compile(
             eager.to(memory_format=torch.channels_last), dynamic=False, options={"freezing": True}))
     return base, configs

@@ -172,8 +172,8 @@ def test_reduced_scale_jpeg_decoding_keeps_predictions(real_app: Flask, name: st
 def test_jit_optimize_keeps_the_answers(real_weights: Path) -> None:
     plain = Predictor.load(real_weights, weights_format="torchscript", device="cpu")
     optimized = Predictor.load(real_weights, weights_format="torchscript", device="cpu", jit_optimize=True)
-    assert "aten::batch_norm" in str(plain.model.inlined_graph)
-    assert "aten::batch_norm" not in str(optimized.model.graph)  # folded into the convolutions
+    assert "aten::batch_norm" in str(plain.module.inlined_graph)
+    assert "aten::batch_norm" not in str(optimized.module.graph)  # folded into the convolutions
     batch = torch.stack([plain.transform(photo(n)) for n in ("chelsea", "coffee")])
     # Folding BatchNorm into the convolutions reorders float operations: equal to rounding, same classes.
     expected, got = plain.predict_batch(batch), optimized.predict_batch(batch)
