@@ -22,7 +22,7 @@ $(STAMP): requirements.txt requirements-dev.txt
 
 # The default model is produced from the packaged ImageNet weights, never downloaded and never committed. Without
 # its AOTInductor package: the server serves TorchScript by default (docs/performance.md), so a first `make serve`
-# does not wait a minute for a compile (python -m models.export --default adds the package; the image has it).
+# does not wait a minute for a compile (python -m models.export --default --packages cpu adds it; the image has it).
 $(DEFAULT_WEIGHTS)/manifest.json: $(STAMP)
 	$(BIN)/python -m models.export --default --out $(DEFAULT_WEIGHTS) --packages none
 

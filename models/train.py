@@ -28,6 +28,7 @@ from models.data.loaders import Data, load_data
 from models.presets import EvalPreset
 from models.pretrained import pretrained_preset
 from models.run import checkpoint as ckpt
+from models.run.batchnorm import recompute_bn_stats
 from models.run.amp import AmpDtype, autocast, backward_and_step, check_amp, make_scaler, use_tf32
 from models.run.args import DataError, get_args_parser
 from models.run.confusion import confusion, confusion_counts, write_confusion
@@ -126,16 +127,17 @@ def train_one_epoch(model: nn.Module, data: Data, optimizer: torch.optim.Optimiz
     shown = AsyncScalar(device)
     seen, start = 0, time.perf_counter()
     batches = DevicePrefetcher(data.train, data.prepare, device)
-    bar = tqdm(batches, desc=f"epoch {epoch}", unit="batch", disable=not env.is_main, leave=False, mininterval=1.0)
-    for step, (images, targets) in enumerate(bar):
+    bar = tqdm(batches, desc=f"epoch {epoch + 1}", unit="batch", disable=not env.is_main, leave=False,
+               mininterval=1.0)
+    for images, targets in bar:
         loss, logits = train_step(model, images, targets, optimizer, scaler, args, trainable)
         # Accumulated on the device and read once per epoch: a .item() per step would stall the GPU queue.
         loss_sum += loss.double() * len(targets)
         correct += (logits.argmax(1) == targets).sum()
         seen += len(targets)
-        if step % 20 == 0 and env.is_main:
-            shown.push(loss)  # the bar shows the newest loss whose copy has landed, never waiting for one
-            bar.set_postfix(loss=shown.text(), lr=f"{optimizer.param_groups[0]['lr']:.3g}")
+        if env.is_main:  # the newest loss whose copy has landed, never waiting for one; drawn at tqdm's pace
+            shown.push(loss)
+            bar.set_postfix(loss=shown.text(), lr=f"{optimizer.param_groups[0]['lr']:.3g}", refresh=False)
     elapsed = time.perf_counter() - start
     total_loss, total_correct, total_seen, slowest = sum_across_ranks(
         [loss_sum.item(), float(correct.item()), float(seen), elapsed], device, env)
@@ -195,7 +197,7 @@ def run(args: argparse.Namespace, env: DistEnv, device: torch.device, preset: Ev
     start, best, scheduler = ckpt.start_or_resume(args, model_without_ddp, optimizer,
                                                   make_scheduler(optimizer, args), scaler, data.classes)
     if start >= args.epochs:
-        raise RunFinished(f"{args.resume} is a finished run of {start} epochs (best val top-1 {best:.4f}); "
+        raise RunFinished(f"{args.resume} is a finished run of {start} epochs (best val top-1 {best[0]:.4f}); "
                           f"nothing to train. To train longer: --resume {args.resume} --epochs {start + 5}")
     if env.is_main:
         args.output_dir.mkdir(parents=True, exist_ok=True)
@@ -210,11 +212,15 @@ def run(args: argparse.Namespace, env: DistEnv, device: torch.device, preset: Ev
             reset_peak_memory(device)
             row = train_one_epoch(model, data, optimizer, scaler, device, epoch, args, env)
             scheduler.step()
+            if not (args.freeze_bn or args.freeze_backbone):  # statistics of this epoch's weights, not the past's
+                recompute_bn_stats(model_without_ddp, DevicePrefetcher(data.train, data.prepare, device),
+                                   args.bn_recompute_batches, env)
             result = evaluate(model_without_ddp, data.val, device, env)
             row = {"epoch": epoch, "lr": lr, **row, "val_loss": result.loss, "val_acc1": result.acc1,
                    "val_acc5": result.acc5}
-            is_best, best = result.acc1 > best, max(best, result.acc1)
+            is_best = ckpt.better(result.acc1, result.loss, best)
             if is_best:
+                best = (result.acc1, result.loss)
                 best_counts = _confusion_counts(result, data, device, env)
             if env.is_main:  # written by a thread while the next epoch trains
                 writer.save(ckpt.checkpoint_state(model_without_ddp, optimizer, scheduler, scaler, epoch, best,
@@ -239,24 +245,32 @@ def _confusion_counts(result: EvalResult, data: Data, device: torch.device, env:
 
 def _finish(args: argparse.Namespace, progress: Progress, best_counts: torch.Tensor | None,
             classes: list[str]) -> None:
-    """The summary, the best epoch's per-class report, then the export and plot asked for."""
-    from models.export.write import export_checkpoint
-
+    """The best epoch's per-class report, the export asked for, the summary (with the command that serves what
+    was exported, or the export to run first), then the plot."""
     if best_counts is not None:
         path, table = write_confusion(confusion(best_counts, classes), args.output_dir)
         log.info("per class, best epoch (%s):\n%s", path, "\n".join(table))
-    for line in progress.summary(args.output_dir, args.output_dir / ckpt.BEST_NAME):
+    best = args.output_dir / ckpt.BEST_NAME
+    exported = _export(args, best) if args.export or args.export_repository else None
+    for line in progress.summary(best, exported, args.export_repository or args.export):
         log.info("%s", line)
-    if args.export or args.export_repository:
-        try:
-            export_checkpoint(args.output_dir / ckpt.BEST_NAME, args.export, name=args.name,
-                              repository=args.export_repository)
-        except FileExistsError as exc:  # the run is kept: say how to export it, do not fail after training
-            log.error("not exported: %s (python -m models.export --checkpoint %s --out DIR)", exc,
-                      args.output_dir / ckpt.BEST_NAME)
     if args.plot:
         from models.plot import plot_run
         log.info("wrote %s", plot_run(args.output_dir))
+
+
+def _export(args: argparse.Namespace, best: Path) -> Path | None:
+    """``--export`` or ``--export-repository``: the folder written, or None when the export was refused."""
+    from models.export.write import export_checkpoint
+
+    try:
+        manifest = export_checkpoint(best, args.export, name=args.name, repository=args.export_repository)
+    except (FileExistsError, ValueError) as exc:  # the run is kept: say how to export it, do not fail after training
+        log.error("not exported: %s", exc)
+        return None
+    if args.export_repository:
+        return args.export_repository / manifest.name / manifest.version
+    return args.export
 
 
 def main(argv: Sequence[str] | None = None) -> int:

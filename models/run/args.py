@@ -11,6 +11,29 @@ class DataError(ValueError):
     """A mistake in the dataset (or options) the user gave us: reported as one clear line, never a traceback."""
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """``--help`` with each option's default (ArgumentDefaultsHelpFormatter's, without the empty ones: None and
+    a flag's False, nor twice where the help already says it), and the description as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (action.default is None or action.default is False or action.default is argparse.SUPPRESS
+                or not action.option_strings or "default" in text):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
+class _Parser(argparse.ArgumentParser):
+    """Resolves the defaults that follow other options, for every caller of the parser."""
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        parsed, rest = super().parse_known_args(args, namespace)
+        if parsed.arch is None:  # --pretrained exists for efficientnet_lite0 only
+            parsed.arch = "efficientnet_lite0" if parsed.pretrained else "resnet18"
+        return parsed, rest
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -27,28 +50,29 @@ def _non_negative_int(text: str) -> int:
 
 def get_args_parser(archs: Sequence[str], description: str = "") -> argparse.ArgumentParser:
     """Options in torchvision's reference-script spirit; sizes default to the arch's pretrained preset."""
-    parser = argparse.ArgumentParser(prog="python -m models.train", description=description,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="python -m models.train", description=description,
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--data", type=Path, required=True,
                         help="folder with train/<class>/* and val/<class>/* (or <class>/* with --val-split)")
     parser.add_argument("--val-split", type=float, default=None,
                         help="hold out this fraction of each class of a DIR/<class>/* folder for validation "
-                             "(the same files every run with the same --seed)")
-    parser.add_argument("--arch", choices=archs, default="resnet18")
+                             "(the same files every run with the same --seed; default for such a folder: 0.2)")
+    parser.add_argument("--arch", choices=archs, default=None,
+                        help="the network (default: efficientnet_lite0 with --pretrained, resnet18 without)")
     parser.add_argument("--pretrained", action="store_true",
                         help="start from the packaged ImageNet weights (new head); efficientnet_lite0 only")
     parser.add_argument("--freeze-backbone", action="store_true", help="train the new head only")
     parser.add_argument("--backbone-lr-scale", type=float, default=1.0,
                         help="backbone learning rate = lr x this (e.g. 0.1 when fine-tuning)")
-    parser.add_argument("--epochs", type=_positive_int, default=10)
+    parser.add_argument("--epochs", type=_positive_int, default=10, help="passes over the training set")
     parser.add_argument("--batch-size", type=_positive_int, default=32, help="images per process and step")
-    parser.add_argument("--opt", choices=("sgd", "adamw"), default="sgd")
+    parser.add_argument("--opt", choices=("sgd", "adamw"), default="sgd", help="optimiser")
     parser.add_argument("--lr", type=float, default=None,
                         help="peak learning rate (default: SGD 0.1 x global batch / 256, the linear scaling rule; "
                              "AdamW 0.001)")
-    parser.add_argument("--momentum", type=float, default=0.9)
-    parser.add_argument("--weight-decay", type=float, default=1e-4)
-    parser.add_argument("--label-smoothing", type=float, default=0.0)
+    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    parser.add_argument("--weight-decay", type=float, default=1e-4, help="L2 penalty (AdamW: decoupled)")
+    parser.add_argument("--label-smoothing", type=float, default=0.0, help="cross-entropy label smoothing")
     parser.add_argument("--lr-warmup-epochs", type=_non_negative_int, default=None,
                         help="linear warm-up (default: 1 epoch from scratch, 0 with --pretrained)")
     parser.add_argument("--clip-grad-norm", type=float, default=None, help="clip the gradient norm to this")
@@ -60,10 +84,14 @@ def get_args_parser(archs: Sequence[str], description: str = "") -> argparse.Arg
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the model for training (a minute or more of compiling first)")
     parser.add_argument("--freeze-bn", action="store_true", help="keep BatchNorm running statistics fixed")
+    parser.add_argument("--bn-recompute-batches", type=_non_negative_int, default=100,
+                        help="after each epoch, recompute BatchNorm's statistics for the epoch's final weights from "
+                             "this many training batches (0: keep the running averages)")
     parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across DDP ranks (CUDA)")
     parser.add_argument("--resize-size", type=_positive_int, default=None, help="eval resize (default 256)")
     parser.add_argument("--crop-size", type=_positive_int, default=None, help="input size (default 224)")
-    parser.add_argument("--interpolation", choices=("nearest", "bilinear", "bicubic", "lanczos"), default=None)
+    parser.add_argument("--interpolation", choices=("nearest", "bilinear", "bicubic", "lanczos"), default=None,
+                        help="resize interpolation (default: the preset's, bilinear from scratch)")
     parser.add_argument("--hflip-prob", type=float, default=0.5, help="0 for digits and text")
     parser.add_argument("--min-crop-scale", type=float, default=0.08, help="smallest random crop, as area fraction")
     parser.add_argument("--data-backend", choices=("cpu", "gpu"), default="cpu",
@@ -72,13 +100,17 @@ def get_args_parser(archs: Sequence[str], description: str = "") -> argparse.Arg
                              "device, batch by batch; other formats are decoded in the workers)")
     parser.add_argument("--workers", type=_non_negative_int, default=2, help="DataLoader worker processes")
     parser.add_argument("--prefetch", type=_positive_int, default=4, help="batches each worker loads ahead")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output-dir", type=Path, default=Path("runs/default"))
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="auto: CUDA when there is a GPU (the local rank's under torchrun)")
+    parser.add_argument("--seed", type=int, default=0, help="weights, shuffling, augmentation and --val-split")
+    parser.add_argument("--output-dir", type=Path, default=Path("runs/default"),
+                        help="checkpoints, metrics.jsonl, confusion.json")
     parser.add_argument("--resume", type=Path, default=None, help="checkpoint.pt to continue from")
     parser.add_argument("--export", type=Path, default=None, help="at the end, export best.pt to this weights dir")
     parser.add_argument("--export-repository", type=Path, default=None,
                         help="at the end, export best.pt as the next version in this model repository")
-    parser.add_argument("--name", default=None, help="model name in the manifest (default: output dir name)")
+    parser.add_argument("--name", default=None,
+                        help="model name in the manifest (default: the output dir's name); a new version of an "
+                             "existing model in --export-repository needs that model's name")
     parser.add_argument("--plot", action="store_true", help="at the end, draw the curves to curves.png")
     return parser

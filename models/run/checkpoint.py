@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import random
 import shlex
 import shutil
@@ -23,6 +24,15 @@ log = logging.getLogger("models.train")
 
 CHECKPOINT_NAME = "checkpoint.pt"
 BEST_NAME = "best.pt"
+
+Best = tuple[float, float]  # the best epoch's validation (top-1, loss)
+NO_BEST: Best = (-1.0, math.inf)
+
+
+def better(acc1: float, loss: float, best: Best) -> bool:
+    """Whether an epoch's validation beats ``best``: higher top-1, and on a tie (usual on small sets, where top-1
+    moves in steps of 1/len(val)) lower loss."""
+    return (acc1, -loss) > (best[0], -best[1])
 
 
 def plain_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -111,20 +121,22 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 
 
 def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: object,
-                      scaler: torch.amp.GradScaler | None, epoch: int, best_acc1: float, args: argparse.Namespace,
+                      scaler: torch.amp.GradScaler | None, epoch: int, best: Best, args: argparse.Namespace,
                       classes: list[str], preset: EvalPreset, metrics: dict[str, float]) -> dict[str, object]:
     """Everything a run needs to go on, as plain types (``torch.load(weights_only=True)`` reads it)."""
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
             "lr_scheduler": scheduler.state_dict(),  # type: ignore[attr-defined]
-            "scaler": scaler.state_dict() if scaler else None, "epoch": epoch, "best_acc1": best_acc1,
+            "scaler": scaler.state_dict() if scaler else None, "epoch": epoch, "best_acc1": best[0],
+            "best_val_loss": best[1],
             "args": plain_args(args), "arch": args.arch, "classes": classes,
             "preset": preset.model_dump(), "metrics": metrics, "rng": rng_state()}
 
 
 def _resume(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: object,
             scaler: torch.amp.GradScaler | None, args: argparse.Namespace,
-            classes: list[str]) -> tuple[int, float, int]:
-    """Restore a checkpoint; returns the next epoch, the best top-1 and the epochs its schedule was planned for."""
+            classes: list[str]) -> tuple[int, Best, int]:
+    """Restore a checkpoint; returns the next epoch, the best epoch's (top-1, loss) and the epochs its schedule was
+    planned for."""
     state = load_checkpoint(path)
     if state["arch"] != args.arch or state["classes"] != classes:
         raise DataError(f"{path} was trained as {state['arch']} on classes {state['classes']}, "
@@ -135,16 +147,18 @@ def _resume(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, sche
     if scaler is not None and state["scaler"] is not None:
         scaler.load_state_dict(state["scaler"])
     set_rng_state(state["rng"])
-    return int(state["epoch"]) + 1, float(state["best_acc1"]), int(state["args"]["epochs"])
+    best = (float(state["best_acc1"]), float(state.get("best_val_loss", math.inf)))  # older checkpoints: no loss
+    return int(state["epoch"]) + 1, best, int(state["args"]["epochs"])
 
 
 def start_or_resume(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Scheduler,
-           scaler: torch.amp.GradScaler | None, classes: list[str]) -> tuple[int, float, Scheduler]:
-    """The first epoch to run, the best top-1 so far and the schedule: fresh, or continued from ``--resume``."""
+           scaler: torch.amp.GradScaler | None, classes: list[str]) -> tuple[int, Best, Scheduler]:
+    """The first epoch to run, the best (top-1, loss) so far and the schedule: fresh, or continued from
+    ``--resume``."""
     if not args.resume:
-        return 0, -1.0, scheduler
+        return 0, NO_BEST, scheduler
     start, best, planned = _resume(args.resume, model, optimizer, scheduler, scaler, args, classes)
-    log.info("resumed from %s at epoch %d", args.resume, start)
+    log.info("resumed from %s at epoch %d", args.resume, start + 1)
     if planned != args.epochs and start < args.epochs:
         # Extending (or shortening) a run: the cosine is laid over the new length and continued from this epoch,
         # so the learning rate is what a run planned for --epochs would have now (not 0, not a restart).

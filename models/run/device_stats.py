@@ -19,16 +19,21 @@ class AsyncScalar:
         if self.event is None:
             self.value = float(value)
             return
-        if self.pending:
-            if not self.event.query():
-                return
-            self.value = float(self.host)
+        if not self._landed():
+            return
         self.host.copy_(value.detach(), non_blocking=True)
         self.event.record()
         self.pending = True
 
+    def _landed(self) -> bool:
+        """Take the value of a copy that has landed; whether no copy is in flight."""
+        if self.pending and self.event is not None and self.event.query():
+            self.value, self.pending = float(self.host), False
+        return not self.pending
+
     def text(self) -> str:
-        """The newest landed value, for a progress bar."""
+        """The newest landed value, for a progress bar (a copy that landed since the last push counts)."""
+        self._landed()
         return f"{self.value:.4f}"
 
 

@@ -72,3 +72,12 @@ def barrier(env: DistEnv) -> None:
     """Wait for every rank (e.g. until rank 0 has written a checkpoint)."""
     if env.distributed:
         dist.barrier()
+
+
+def average_across_ranks(tensors: list[torch.Tensor], env: DistEnv) -> None:
+    """Replace each tensor by its mean over all ranks, in place (BatchNorm statistics measured on each shard)."""
+    if not env.distributed:
+        return
+    for tensor in tensors:
+        dist.all_reduce(tensor)
+        tensor.div_(env.world_size)

@@ -39,19 +39,24 @@ class Progress:
         remaining = self.epochs - 1 - int(row["epoch"])
         eta = sum(self.epoch_seconds) / len(self.epoch_seconds) * remaining
         top5 = f" top-5 {row['val_acc5']:.4f}" if self.num_classes >= TOP5_MIN_CLASSES else ""
-        return (f"epoch {int(row['epoch'])}/{self.epochs - 1}: train loss {row['train_loss']:.4f} "
+        return (f"epoch {int(row['epoch']) + 1}/{self.epochs}: train loss {row['train_loss']:.4f} "
                 f"top-1 {row['train_acc1']:.4f} | val loss {row['val_loss']:.4f} top-1 {row['val_acc1']:.4f}{top5}"
                 f" | {duration(seconds)}, {row['images_per_s']:.0f} img/s{_peak(row)}{'  * best' if is_best else ''}"
                 + (f" | ETA {duration(eta)}" if remaining else ""))
 
-    def summary(self, output_dir: Path, best_checkpoint: Path) -> list[str]:
+    def summary(self, best_checkpoint: Path, exported: Path | None, served: Path | None) -> list[str]:
+        """The best epoch, then what serves this run: ``served`` (the export's folder or its repository) when it
+        was exported into ``exported``, else the export command into the run's own folder and what serves that."""
         if not self.best:
             return []
-        export_dir = output_dir / "export"
-        return [f"done: best epoch {int(self.best['epoch'])}, val top-1 {self.best['val_acc1']:.4f} "
-                f"(loss {self.best['val_loss']:.4f}), {duration(sum(self.epoch_seconds))} in all",
-                f"export: python -m models.export --checkpoint {best_checkpoint} --out {export_dir}",
-                f"serve:  VISIONSERVE_WEIGHTS_DIR={export_dir} make serve"]
+        lines = [f"done: best epoch {int(self.best['epoch']) + 1}, val top-1 {self.best['val_acc1']:.4f} "
+                 f"(loss {self.best['val_loss']:.4f}), {duration(sum(self.epoch_seconds))} in all"]
+        if exported is None or served is None:
+            served = best_checkpoint.parent / "export"
+            lines.append(f"export: python -m models.export --checkpoint {best_checkpoint} --out {served}")
+        else:
+            lines.append(f"exported: {exported}")
+        return [*lines, f"serve:  VISIONSERVE_WEIGHTS_DIR={served} make serve"]
 
 
 def _peak(row: dict[str, float]) -> str:

@@ -215,3 +215,45 @@ def test_fused_optimizers_are_asked_for_by_name() -> None:
         args = argparse.Namespace(opt=opt, lr=0.1, momentum=0.9, weight_decay=0.0, backbone_lr_scale=1.0)
         assert make_optimizer(model, args, fused=True).defaults["fused"] is True
         assert not make_optimizer(model, args).defaults["fused"]
+
+
+class _Copy:
+    """A CUDA event stand-in: a copy lands when the test says so."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def record(self) -> None:
+        self.done = False
+
+
+def test_the_bar_shows_a_copied_loss_as_soon_as_it_lands() -> None:
+    # Before: a landed copy was read only at the next push (every 20th step), so a short epoch showed nan or the
+    # first batch's loss throughout.
+    shown = AsyncScalar(CPU)
+    shown.event = event = _Copy()  # the CUDA path, on the CPU
+    shown.push(torch.tensor(2.0))
+    assert shown.text() == "nan"  # still in flight
+    shown.push(torch.tensor(1.5))  # skipped: the previous copy has not landed
+    event.done = True
+    assert shown.text() == "2.0000"  # landed: shown without another push
+    shown.push(torch.tensor(1.0))
+    event.done = True
+    shown.push(torch.tensor(0.5))
+    assert shown.text() == "1.0000"
+
+
+def test_batchnorm_statistics_are_measured_for_the_final_weights() -> None:
+    from models.run.batchnorm import recompute_bn_stats
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Dropout(0.5))
+    batches = [(torch.randn(8, 3, 6, 6) * 3 + 1, torch.zeros(8)) for _ in range(5)]
+    assert recompute_bn_stats(model, iter(batches), 3, DistEnv()) == 3
+    features = torch.cat([model[0](images) for images, _ in batches[:3]]).detach()
+    bn = model[1]
+    assert torch.allclose(bn.running_mean, features.mean(dim=(0, 2, 3)), atol=1e-5)
+    assert bn.momentum == 0.1 and not model[2].training  # momentum restored; dropout stayed off

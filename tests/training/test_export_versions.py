@@ -1,0 +1,146 @@
+"""What a user meets exporting several models and versions (#31): versions never overwritten, what was written
+said in one line, packages compiled only where they are served, the commands' help with their defaults, and the
+docs' training and export commands valid as written."""
+from __future__ import annotations
+
+import logging
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+
+from models import train
+from models.architectures import ARCHS, build_model
+from models.export import __main__ as export_cli
+from models.export.manifest import read_manifest, sha256_of
+from models.presets import EvalPreset
+from models.run.args import get_args_parser
+from models.run.checkpoint import BEST_NAME
+from tests.support.fakes import export_tiny
+from tests.support.imaging import write_image_folder
+
+NO_PACKAGES = ["--packages", "none"]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-epoch run named ``mine`` on the tiny folder."""
+    base = tmp_path_factory.mktemp("export")
+    data, out = write_image_folder(base / "data"), base / "mine"
+    assert train.main(["--data", str(data), "--arch", "mobilenet_v3_small", "--epochs", "1", "--batch-size", "6",
+                       "--workers", "0", "--resize-size", "36", "--crop-size", "32", "--device", "cpu",
+                       "--output-dir", str(out)]) == 0
+    return out
+
+
+def _export(argv: list[str], caplog: pytest.LogCaptureFixture) -> tuple[int, str]:
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="models.export"):
+        code = export_cli.main([*argv, *NO_PACKAGES])
+    return code, caplog.text
+
+
+def test_the_default_export_writes_the_version_asked_for_and_never_rewrites_one(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: --default ignored --version and rewrote the newest version (here 1) in place. A 1000-class
+    # mobilenet_v3_small stands in for the packaged weights (what is tested is where they go).
+    monkeypatch.setattr("models.pretrained.load_lite0_imagenet", lambda: build_model("mobilenet_v3_small", 1000))
+    monkeypatch.setattr("models.presets.lite0_preset", lambda: EvalPreset(resize_size=40, crop_size=32))
+    repository = tmp_path / "repository"
+    first = export_tiny(repository / "efficientnet_lite0" / "1", name="efficientnet_lite0")
+    held = sha256_of(first / "manifest.json")
+    code, text = _export(["--default", "--repository", str(repository), "--version", "2"], caplog)
+    assert code == 0, text
+    assert read_manifest(repository / "efficientnet_lite0" / "2").version == "2"
+    assert sha256_of(first / "manifest.json") == held  # version 1 untouched
+    assert (f"wrote model efficientnet_lite0 version 2 (1000 classes) in {repository / 'efficientnet_lite0' / '2'}: "
+            f"torchscript, state_dict") in text
+    code, text = _export(["--default", "--repository", str(repository), "--version", "1"], caplog)
+    assert code == 2
+    (line,) = [line for line in text.splitlines() if "ERROR" in line]
+    assert "already holds efficientnet_lite0 1: leave --version out for the next number (3), or pass --force" in line
+
+
+def test_a_checkpoint_export_never_replaces_an_export_unless_forced(run: Path, tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    best, repository, out = str(run / BEST_NAME), tmp_path / "repository", tmp_path / "out"
+    for expected in ("1", "2"):
+        code, text = _export(["--checkpoint", best, "--repository", str(repository)], caplog)
+        assert code == 0 and f"wrote model mine version {expected} (3 classes, val top-1 " in text
+    code, text = _export(["--checkpoint", best, "--repository", str(repository), "--version", "2"], caplog)
+    assert code == 2 and "already holds mine 2: leave --version out for the next number (3)" in text
+    assert _export(["--checkpoint", best, "--repository", str(repository), "--version", "2", "--force"],
+                   caplog)[0] == 0
+    # --out: the same checkpoint again is refused too (before: silently rewritten), --force replaces.
+    assert _export(["--checkpoint", best, "--out", str(out), "--version", "1"], caplog)[0] == 0
+    code, text = _export(["--checkpoint", best, "--out", str(out), "--version", "1"], caplog)
+    assert code == 2 and f"{out} already holds mine 1: export into a new directory" in text
+    code, text = _export(["--checkpoint", best, "--out", str(out), "--version", "2", "--force"], caplog)
+    assert code == 0 and f"wrote model mine version 2 (3 classes" in text and f"in {out}: torchscript" in text
+    # The project's own models/ package is no repository (python -m models.* would import from it).
+    package = tmp_path / "models"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    code, text = _export(["--checkpoint", best, "--repository", str(package)], caplog)
+    assert code == 2 and "is a Python package" in text and not (package / "mine").exists()
+
+
+def test_packages_are_compiled_by_default_only_where_they_are_served(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: auto compiled a CPU package (about 30 s), which the server's auto never serves on a CPU.
+    monkeypatch.setattr(export_cli.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert export_cli.package_targets("auto", "float16") == []
+    assert export_cli.package_targets("cpu", "float16") == [("cpu", "float32")]  # asked for: compiled
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert export_cli.package_targets("auto", "float16") == [("cuda", "float16")]
+    monkeypatch.setattr(export_cli.shutil, "which", lambda name: None)
+    assert export_cli.package_targets("auto", "float16") == []  # no compiler: TorchScript, said in a warning
+
+
+def test_help_names_the_commands_and_shows_the_defaults() -> None:
+    export_help = " ".join(export_cli.get_args_parser().format_help().split())
+    assert export_help.startswith("usage: python -m models.export")
+    assert "(default: auto)" in export_help and "(default: float32)" in export_help
+    train_help = " ".join(get_args_parser(ARCHS).format_help().split())
+    assert train_help.startswith("usage: python -m models.train")
+    for default in ("(default: 10)", "(default: 32)", "(default: runs/default)", "(default: 0.9)"):
+        assert default in train_help
+    assert "(default: None)" not in train_help + export_help and "(default: False)" not in train_help
+
+
+def test_pretrained_alone_picks_the_arch_it_exists_for() -> None:
+    # Before: --pretrained without --arch meant resnet18, for which no packaged weights exist.
+    assert get_args_parser(ARCHS).parse_args(["--data", "d", "--pretrained"]).arch == "efficientnet_lite0"
+    assert get_args_parser(ARCHS).parse_args(["--data", "d"]).arch == "resnet18"
+
+
+def _documented(module: str) -> list[tuple[str, list[str]]]:
+    """Every ``python -m <module>`` command of the bash blocks in docs/training.md and docs/models.md."""
+    found = []
+    for doc in ("training.md", "models.md"):
+        text = (ROOT / "docs" / doc).read_text(encoding="utf-8")
+        for block in re.findall(r"^```bash\n(.*?)^```", text, flags=re.S | re.M):
+            for command in block.replace("\\\n", " ").splitlines():
+                if f"-m {module} " in command:
+                    words = shlex.split(command, comments=True)
+                    found.append((doc, words[words.index(module) + 1:]))
+    return found
+
+
+def test_the_documented_training_and_export_commands_are_valid_as_written() -> None:
+    # Before: models.md trained with --pretrained but no --arch (refused), wrote version 2 of `mine` as a new model
+    # `mine-2` (no --name), and used a repository folder named models, the project's own package.
+    trains, exports = _documented("models.train"), _documented("models.export")
+    assert len(trains) >= 4 and len(exports) >= 2
+    for doc, argv in trains:
+        args = get_args_parser(ARCHS).parse_args(argv)
+        assert not args.pretrained or args.arch == "efficientnet_lite0", (doc, argv)
+        assert args.export_repository != Path("models"), (doc, argv)
+        if args.export_repository and args.output_dir.name != "mine":
+            assert args.name, f"{doc}: {argv} writes a new model {args.output_dir.name}, not a version of mine"
+    for doc, argv in exports:
+        args = export_cli.get_args_parser().parse_args(argv)
+        assert args.repository != Path("models"), (doc, argv)
