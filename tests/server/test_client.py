@@ -13,10 +13,9 @@ from flask import Flask
 from PIL import Image
 from werkzeug.wrappers import Request, Response
 
-from app import EXTENSION_KEY, create_app
 from app.config import Settings
 from harness.servers import ROOT, Running, free_port
-from tests.support.fakes import FakeRepository, served_over_http
+from tests.support.fakes import served_over_http, several_models_app
 from tests.support.imaging import BLUE, RED, encode, image_bytes
 from visionserve_client import Client, Prediction, VisionServeError
 from visionserve_client.__main__ import main as cli
@@ -220,15 +219,8 @@ def test_the_client_installs_with_pip_into_a_fresh_virtualenv(fake_server: str, 
 @pytest.fixture
 def two_models(settings: Settings) -> Iterator[str]:
     """colour versions 1 and 2 (2 the default) and shade 1, through the app factory, over real HTTP."""
-    repository = FakeRepository()
-    for name, version in (("colour", "1"), ("colour", "2"), ("shade", "1")):
-        repository.add(name, version)
-    app = create_app(settings.model_copy(update={"version_policy": "all"}), source=repository)  # type: ignore
-    try:
-        with served_over_http(app) as url:
-            yield url
-    finally:
-        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+    with several_models_app(settings) as app, served_over_http(app) as url:
+        yield url
 
 
 def test_predict_asks_the_model_and_version_given(two_models: str) -> None:
