@@ -18,7 +18,7 @@ DeviceName = str
 Dtype = Literal["float32", "float16", "bfloat16"]
 WeightsFormatSetting = Literal["auto", "aoti", "torchscript", "state_dict"]
 ENV_PREFIX = "VISIONSERVE_"
-CLIENT_VARIABLES = frozenset({"VISIONSERVE_URL"})  # read by the client (python -m client), not by the server
+CLIENT_VARIABLES = frozenset({"VISIONSERVE_URL"})  # read by the client (python -m visionserve_client), not by the server
 
 
 def dtype_fits_device(dtype: str, device_type: str) -> str | None:

@@ -10,12 +10,13 @@ from app.errors import Unauthorized
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/v2/health/live", "/v2/health/ready"})
 # The API description and the demo page hold no data, and people need them before they have a key.
 DOCS_PATH, OPENAPI_PATH = "/docs", "/openapi.json"
-PAGE_PATH, PAGE_ASSETS = "/", "/demo/"
+PAGE_PATH, PAGE_ASSETS, FAVICON_PATH = "/", "/demo/", "/favicon.ico"
 
 
 def is_page(path: str) -> bool:
-    """The API description, /docs and the demo page with their files: open, and counted apart from traffic."""
-    return (path in (OPENAPI_PATH, DOCS_PATH, PAGE_PATH) or path.startswith(DOCS_PATH + "/")
+    """The API description, /docs and the demo page with their files and the site's icon: open, and counted apart
+    from traffic."""
+    return (path in (OPENAPI_PATH, DOCS_PATH, PAGE_PATH, FAVICON_PATH) or path.startswith(DOCS_PATH + "/")
             or path.startswith(PAGE_ASSETS))
 
 

@@ -10,11 +10,12 @@ from pathlib import Path
 from flask import Blueprint, Response, send_from_directory
 
 PAGE_DIR = Path(__file__).resolve().parent / "demo"
-PAGE_PATH, ASSETS_PATH = "/", "/demo"
+PAGE_PATH, ASSETS_PATH, FAVICON_PATH = "/", "/demo", "/favicon.ico"
 
 
 def demo_blueprint() -> Blueprint:
-    """``/`` (the page) and ``/demo/<file>`` (its script and style)."""
+    """``/`` (the page), ``/demo/<file>`` (its script and style) and ``/favicon.ico`` (the site's icon, an SVG:
+    every browser asks for it, on /docs too, and a 404 there is an error in each one's console)."""
     blueprint = Blueprint("demo", __name__, static_folder=str(PAGE_DIR), static_url_path=ASSETS_PATH)
 
     @blueprint.get(PAGE_PATH)
@@ -23,5 +24,10 @@ def demo_blueprint() -> Blueprint:
         response = send_from_directory(PAGE_DIR, "index.html", mimetype="text/html")
         response.headers["Cache-Control"] = "no-cache"
         return response
+
+    @blueprint.get(FAVICON_PATH)
+    def favicon() -> Response:
+        """The site's icon."""
+        return send_from_directory(PAGE_DIR, "favicon.svg", mimetype="image/svg+xml", max_age=86400)
 
     return blueprint

@@ -1,7 +1,7 @@
 """Request-wide hooks, registered on the app (not on one blueprint): every route gets them, /v2 and /docs too.
 
-Before: the request id, the socket timeout for slow bodies, the API key. After: the id header, the request
-metrics and one structured access-log line.
+Before: the request id, a body announced over the limit (413), the socket timeout for slow bodies, the API key.
+After: the id header, the request metrics and one structured access-log line.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import uuid
 from flask import Flask, Response, g, request
 
 from app.config import Settings
+from app.errors import BodyTooLarge
 from app.metrics import PROBES, REJECTED, REQUEST_SECONDS, REQUESTS
 from app.web.auth import OPEN_PATHS, check_api_key, is_page, needs_key
 
@@ -25,6 +26,7 @@ def register_hooks(app: Flask, settings: Settings) -> None:
     """Install the before/after hooks for every request of ``app``."""
     api_key = settings.resolved_api_key()
     body_timeout_s, health_open = settings.client_body_timeout_s, settings.auth_health_open
+    max_body_bytes = settings.max_body_bytes
 
     @app.before_request
     def _start_request() -> None:
@@ -33,6 +35,10 @@ def register_hooks(app: Flask, settings: Settings) -> None:
         g.request_id = incoming if _REQUEST_ID.match(incoming) else uuid.uuid4().hex
         g.started = time.perf_counter()
         g.log_fields = {}
+        if (request.content_length or 0) > max_body_bytes:
+            # Announced over the limit: refused here, on every route, before any of it is read (werkzeug's own
+            # 413 said "The data value transmitted exceeds the capacity limit.", and only on routes that read).
+            raise BodyTooLarge(max_body_bytes)
         sock = request.environ.get("gunicorn.socket")
         if sock is not None:
             # A client that stalls while sending its body gets 408 instead of holding a thread forever.

@@ -99,6 +99,8 @@ def _ops_paths() -> dict[str, Any]:
         "/": {"get": {"summary": "The demo page: pick or drop photos and see their classes", "responses": {"200": {
             "description": "HTML (its script and style under /demo/)",
             "content": {"text/html": {"schema": {"type": "string"}}}}}}},
+        "/favicon.ico": {"get": {"summary": "The site's icon, for every browser's tab", "responses": {"200": {
+            "description": "An SVG image", "content": {"image/svg+xml": {"schema": {"type": "string"}}}}}}},
     }
 
 

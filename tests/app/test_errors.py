@@ -213,6 +213,25 @@ def test_a_streamed_body_over_the_limit_is_413_not_cut_short(client: FlaskClient
     assert post(settings.max_body_bytes, content_type).status_code == 400  # at the limit: read, and not an image
 
 
+@pytest.mark.parametrize("path", ["/predict", "/v2/models/colour/infer", "/v1/models", "/nowhere"])
+def test_a_body_announced_over_the_limit_is_our_413_on_every_route(client: FlaskClient, settings: Settings,
+                                                                   path: str) -> None:
+    # Before: werkzeug's own 413 ("The data value transmitted exceeds the capacity limit.", nothing of the limit)
+    # where the route read the body, and 405 or 404 with the connection kept open on the unread body elsewhere.
+    response = client.post(path, data=b"\0" * (settings.max_body_bytes + 1), content_type="application/json",
+                           headers={"X-Request-ID": "big-1"})
+    assert response.status_code == 413 and response.headers["Connection"] == "close"
+    assert response.content_type == "application/json" and response.headers["X-Request-ID"] == "big-1"
+    limit = f"the request body is over the {settings.max_body_bytes} byte limit"
+    if path.startswith("/v2/"):
+        assert response.get_json() == {"error": limit}  # the Open Inference Protocol's shape
+    else:
+        assert error_of(response, 413, "request_entity_too_large") == {
+            "code": "request_entity_too_large", "message": limit, "request_id": "big-1"}
+    at_limit = client.post("/predict", data=b"\0" * settings.max_body_bytes, content_type="image/jpeg")
+    assert at_limit.status_code == 400  # read, and not an image
+
+
 def test_a_bad_image_among_several_is_named_by_index_and_file_name(client: FlaskClient) -> None:
     # Before: one 400 that did not say which of the images was bad.
     files = [(io.BytesIO(image_bytes(RED)), "cat.jpg"), (io.BytesIO(b"not an image"), "notes.txt")]

@@ -4,16 +4,20 @@ Needs chromium and chromium-driver (Debian packages; .ci/run installs them) and 
 """
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
+import requests
 from flask import Flask
+from werkzeug.wrappers import Request, Response
 
+from app.config import Settings
 from harness.servers import Running
-from tests.support.fakes import served_over_http
-from tests.support.imaging import RED, encode, image_bytes
+from tests.support.fakes import served_over_http, several_models_app
+from tests.support.imaging import BLUE, RED, encode, image_bytes
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 pytestmark = [pytest.mark.slow,
@@ -39,8 +43,9 @@ def browser() -> Iterator[object]:
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM  # type: ignore[assignment]
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage"):
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=820,1000"):
         options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the console, for the favicon's 404
     driver = webdriver.Chrome(options=options, service=Service(executable_path=DRIVER))
     driver.implicitly_wait(10)
     yield driver
@@ -94,15 +99,16 @@ def test_the_json_example_in_docs_is_answered(browser, docs_url: str) -> None:  
 
 
 def _pick(browser, url: str | None, *photos: Path) -> list[str]:  # noqa: ANN001
-    """Open the demo page (unless ``url`` is None: it is open), pick ``photos``, and return each card's text once
-    every one is answered."""
+    """Open the demo page (unless ``url`` is None: it is open), pick ``photos``, and return each card's text (the
+    earlier ones' too) once every one is answered."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
     if url is not None:
         browser.get(url + "/")
+    expected = len(browser.find_elements(By.CSS_SELECTOR, ".card")) + len(photos)
     browser.find_element(By.ID, "files").send_keys("\n".join(map(str, photos)))
-    WebDriverWait(browser, 60).until(lambda b: len(b.find_elements(By.CSS_SELECTOR, ".card")) == len(photos) and
+    WebDriverWait(browser, 60).until(lambda b: len(b.find_elements(By.CSS_SELECTOR, ".card")) == expected and
                                      "Classifying" not in b.find_element(By.ID, "results").text)
     return [card.text for card in browser.find_elements(By.CSS_SELECTOR, ".card")]
 
@@ -117,7 +123,7 @@ def test_the_demo_page_classifies_a_real_photo(browser, live_server: Running, tm
     (card,) = _pick(browser, live_server.url, photo)
     lines = card.splitlines()
     assert lines[0] == "chelsea.jpg" and lines[1] == "tiger cat", card  # the top label, then its score
-    assert "efficientnet_lite0 1" in card and "inference" in card and " ms" in card  # model and Server-Timing
+    assert "efficientnet_lite0 version 1" in card and "inference" in card and " ms" in card  # model and Server-Timing
     assert len(browser.find_elements(By.CSS_SELECTOR, ".card .bar")) == 5
     assert "efficientnet_lite0" in browser.find_element(By.ID, "model").text
 
@@ -150,3 +156,82 @@ def test_the_demo_page_asks_for_the_api_key(browser, settings, predictor, tmp_pa
             assert "red" in card.splitlines()[1]
     finally:
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def _naming_default(app: Flask, name: str) -> Callable:
+    """``app`` with /v1/models's ``default_model`` set to ``name``: a server that names its default model (#31's
+    server half), whatever this checkout's /v1/models says."""
+    def wsgi(environ, start_response):  # noqa: ANN001, ANN202 - WSGI
+        response = Response.from_app(app, environ)
+        if Request(environ).path == "/v1/models" and response.status_code == 200:
+            response.set_data(json.dumps({**json.loads(response.get_data()), "default_model": name}))
+        return response(environ, start_response)
+    return wsgi
+
+
+@pytest.fixture
+def two_models_url(settings: Settings) -> Iterator[str]:
+    """colour 1 and 2 (2 its default version) and shade 1, the server's default model shade, over real HTTP."""
+    with several_models_app(settings) as app, served_over_http(_naming_default(app, "shade")) as url:
+        yield url
+
+
+def _picked(browser) -> tuple[str, list[str], str]:  # noqa: ANN001
+    """The model picked, the versions offered and the one picked, once /v1/models has filled the picker."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    WebDriverWait(browser, 30).until(lambda b: b.find_element(By.ID, "version-pick").is_enabled())
+    models, versions = Select(browser.find_element(By.ID, "model-pick")), Select(browser.find_element(By.ID,
+                                                                                                   "version-pick"))
+    return (models.first_selected_option.get_attribute("value"),
+            [o.get_attribute("value") for o in versions.options], versions.first_selected_option.get_attribute("value"))
+
+
+def test_the_demo_page_picks_a_model_and_version(browser, two_models_url: str,  # noqa: ANN001
+                                                 tmp_path: Path) -> None:
+    # Before: no picker; the page named /v1/models's first entry and sent no model, so with several models served
+    # every photo got 400 (which model?).
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    photo = tmp_path / "red.jpg"
+    photo.write_bytes(image_bytes(RED, size=(64, 48)))
+    browser.get(two_models_url + "/")
+    assert _picked(browser) == ("shade", ["1"], "1")  # the server's default model, at its default version
+    assert browser.find_element(By.ID, "model").text.startswith("shade version 1 · 4 classes")
+    (card,) = _pick(browser, None, photo)
+    assert "shade version 1 · " in card
+    Select(browser.find_element(By.ID, "model-pick")).select_by_value("colour")
+    assert _picked(browser) == ("colour", ["1", "2"], "2")  # that model's default version
+    Select(browser.find_element(By.ID, "version-pick")).select_by_value("1")
+    assert browser.find_element(By.ID, "model").text.startswith("colour version 1 ·")
+    cards = _pick(browser, None, photo)  # the first card, and now the second
+    assert len(cards) == 2 and "red" in cards[1].splitlines()[1] and "colour version 1 · " in cards[1]
+
+
+def test_the_demo_page_shows_photos_in_the_order_chosen_numbered_for_people(browser, fake_url: str,  # noqa: ANN001
+                                                                            tmp_path: Path) -> None:
+    # Before: the cards came newest first (the last photo on top), the last card alone on its row took the whole
+    # width, errors said "image 0", the version was a bare "test", the file input said "No file chosen" after a
+    # pick, and /favicon.ico was a 404 in the console.
+    from selenium.webdriver.common.by import By
+
+    photos = [tmp_path / "red.jpg", tmp_path / "notes.jpg", tmp_path / "blue.jpg"]
+    photos[0].write_bytes(image_bytes(RED, size=(64, 48)))
+    photos[1].write_text("not a photo")
+    photos[2].write_bytes(image_bytes(BLUE, size=(64, 48)))
+    browser.get(fake_url + "/")
+    assert _picked(browser) == ("colour", ["test"], "test")  # the only model
+    cards = _pick(browser, None, *photos)
+    assert [card.splitlines()[0] for card in cards] == ["red.jpg", "notes.jpg", "blue.jpg"]
+    assert "400 invalid_image: image 1 (notes.jpg): " in cards[1] and "image 0" not in cards[1]
+    assert "colour version test · " in cards[0] and "blue" in cards[2].splitlines()[1]
+    assert browser.find_element(By.ID, "chosen").text == "3 photos chosen: red.jpg, notes.jpg, blue.jpg"
+    boxes = [card.rect for card in browser.find_elements(By.CSS_SELECTOR, ".card")]
+    assert boxes[2]["y"] > boxes[0]["y"]  # two per row at this width: the last card on a row of its own
+    assert abs(boxes[2]["width"] - boxes[0]["width"]) < 1, boxes
+    icon = requests.get(fake_url + "/favicon.ico", timeout=10)
+    assert icon.status_code == 200 and icon.headers["Content-Type"].startswith("image/svg+xml")
+    assert not [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"
+                and "favicon" in entry["message"]]

@@ -13,11 +13,14 @@ from flask import Flask
 from PIL import Image
 from werkzeug.wrappers import Request, Response
 
-from client import Client, Prediction, VisionServeError
-from client.__main__ import main as cli
+from app.config import Settings
 from harness.servers import ROOT, Running, free_port
-from tests.support.fakes import served_over_http
+from tests.support.fakes import served_over_http, several_models_app
 from tests.support.imaging import BLUE, RED, encode, image_bytes
+from visionserve_client import Client, Prediction, VisionServeError
+from visionserve_client.__main__ import main as cli
+
+PACKAGE = "visionserve_client"  # the import package pyproject.toml ships (not `client`: too common a name)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +76,7 @@ def test_cli_errors_have_exit_codes(live_server: Running, tmp_path: Path,
 
 
 def test_client_imports_without_torch_or_flask() -> None:
-    code = "import sys, client; sys.exit(bool({'torch', 'flask'} & set(sys.modules)))"
+    code = "import sys, visionserve_client; sys.exit(bool({'torch', 'flask'} & set(sys.modules)))"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 
 
@@ -188,7 +191,7 @@ def test_the_client_installs_with_pip_into_a_fresh_virtualenv(fake_server: str, 
     import shutil
 
     source = tmp_path / "source"
-    shutil.copytree(ROOT / "client", source / "client", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / PACKAGE, source / PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "docs/api.md"):
         (source / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, source / name)
@@ -204,6 +207,62 @@ def test_the_client_installs_with_pip_into_a_fresh_virtualenv(fake_server: str, 
     assert done.returncode == 0 and "1. red" in done.stdout, done.stderr
     assert subprocess.run([str(venv / "bin" / "visionserve"), "--help"], capture_output=True,
                           text=True).stdout.startswith("usage: visionserve")
-    modules = subprocess.run([str(venv / "bin" / "python"), "-c", "import sys, client; print(sorted(sys.modules))"],
-                             capture_output=True, text=True, cwd=tmp_path).stdout
-    assert "'requests'" in modules and "'torch'" not in modules and "'flask'" not in modules
+    # Before: the import package was `client`, a name a user's own module or another distribution takes too.
+    (tmp_path / "client.py").write_text("MINE = True\n")
+    code = f"import sys, client, {PACKAGE}; assert client.MINE; print(sorted(sys.modules))"
+    modules = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True,
+                             cwd=tmp_path)
+    assert modules.returncode == 0, modules.stderr
+    assert "'requests'" in modules.stdout and "'torch'" not in modules.stdout and "'flask'" not in modules.stdout
+
+
+@pytest.fixture
+def two_models(settings: Settings) -> Iterator[str]:
+    """colour versions 1 and 2 (2 the default) and shade 1, through the app factory, over real HTTP."""
+    with several_models_app(settings) as app, served_over_http(app) as url:
+        yield url
+
+
+def test_predict_asks_the_model_and_version_given(two_models: str) -> None:
+    # Before: predict had no model or version, so with several models served a request could not choose.
+    red = image_bytes(RED)
+    with Client(two_models) as client:
+        one = client.predict(red, model="colour", version="1")
+        assert (one.label, one.model, one.version) == ("red", "colour", "1")
+        assert [(p.model, p.version) for p in client.predict([red, red], model="colour")] == [("colour", "2")] * 2
+        assert client.predict(red, model="shade").model == "shade"
+        (each,) = client.predict_each([red], model="colour", version="1")
+        assert isinstance(each, Prediction) and each.version == "1"
+        with pytest.raises(VisionServeError) as caught:
+            client.predict(red, model="colour", version="7")
+        assert caught.value.status == 404
+
+
+def test_cli_predict_takes_model_and_version(two_models: str, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    photo = tmp_path / "red.jpg"
+    photo.write_bytes(image_bytes(RED))
+    assert cli(["predict", str(photo), "--url", two_models, "--model", "colour", "--version", "1", "--json"]) == 0
+    (entry,) = json.loads(capsys.readouterr().out)
+    assert (entry["label"], entry["model"], entry["version"]) == ("red", "colour", "1")
+    assert cli(["predict", str(photo), "--url", two_models, "--model", "nope", "--retries", "0"]) == 1
+    assert "not_found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [[], ["predict"], ["model"]])
+def test_cli_help_shows_the_defaults(command: list[str], capsys: pytest.CaptureFixture[str],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: --timeout, --retries and --url said nothing of the value used when they are left out.
+    monkeypatch.delenv("VISIONSERVE_URL", raising=False)
+    monkeypatch.setenv("VISIONSERVE_API_KEY", "s3cret-key")
+    with pytest.raises(SystemExit) as done:
+        cli([*command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert done.value.code == 0
+    for shown in ("(default: http://127.0.0.1:8000, or set VISIONSERVE_URL)", "(default: 30)", "(default: 3)",
+                  "(default: $VISIONSERVE_API_KEY, set; else none)"):
+        assert shown in text
+    assert "s3cret-key" not in text  # the key's value never
+    if command == ["predict"]:
+        assert "--model NAME the served model to ask (default: the server's default model" in text
+        assert "--version V the model's version to ask (default: that model's default version)" in text

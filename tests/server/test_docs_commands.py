@@ -21,7 +21,7 @@ from PIL import Image
 from harness.servers import ROOT, Running
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-CALLS_SERVICE = re.compile(r"localhost:8000|-m client\b")
+CALLS_SERVICE = re.compile(r"localhost:8000|-m visionserve_client\b")
 
 
 def _complete(text: str) -> bool:

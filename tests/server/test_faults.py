@@ -19,7 +19,7 @@ from typing import Callable
 import pytest
 import requests
 
-from client import Client
+from visionserve_client import Client
 from harness import faults
 from harness.servers import Running
 

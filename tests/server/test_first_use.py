@@ -65,8 +65,8 @@ def test_a_new_user_trains_exports_serves_and_calls_their_model(photo_folder: Pa
     # server on that export, then the client and the CLI, without a single error.
     from app import EXTENSION_KEY, create_app
     from app.config import Settings
-    from client import Client
-    from client.__main__ import main as cli
+    from visionserve_client import Client
+    from visionserve_client.__main__ import main as cli
     from models import train
 
     run = tmp_path / "run"

@@ -14,6 +14,9 @@ from models.export.manifest import Manifest, WeightsFile
 from models.presets import EvalPreset
 
 if TYPE_CHECKING:
+    from flask import Flask
+
+    from app.config import Settings
     from app.engine.call import Served
     from app.engine.service import Service
 
@@ -156,3 +159,19 @@ class FakeRepository:
 
     def missing(self) -> Exception:
         return RuntimeError("nothing to serve")
+
+
+@contextlib.contextmanager
+def several_models_app(settings: Settings) -> Iterator[Flask]:
+    """The app factory's app serving colour 1 and 2 (2 its default version) and shade 1 (FakeRepository), shut
+    down after."""
+    from app import EXTENSION_KEY, create_app
+
+    repository = FakeRepository()
+    for name, version in (("colour", "1"), ("colour", "2"), ("shade", "1")):
+        repository.add(name, version)
+    app = create_app(settings.model_copy(update={"version_policy": "all"}), source=repository)  # type: ignore
+    try:
+        yield app
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)

@@ -1,8 +1,11 @@
-// The demo page: one POST /predict per photo (so each photo gets its own answer, error and timings).
+// The demo page: one POST /predict per photo (so each photo gets its own answer, error and timings), to the
+// model and version picked (filled from /v1/models: the server's default model at its default version first).
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const keySection = $("key-section"), keyInput = $("key"), notice = $("notice"), results = $("results");
+const modelPick = $("model-pick"), versionPick = $("version-pick");
+let served = [];  // /v1/models's entries: one per loaded version
 
 function headers() {
   const key = keyInput.value.trim();
@@ -11,7 +14,13 @@ function headers() {
 
 function errorText(status, body) {
   const error = body && body.error;
-  if (error && typeof error === "object") return `${status} ${error.code}: ${error.message}`;
+  if (error && typeof error === "object") {
+    // The server numbers a request's images from 0 ("image 0 (cat.jpg): ..."); people count from 1.
+    const index = error.details && error.details.image;
+    const message = Number.isInteger(index) ? error.message.replace(/^image \d+/, `image ${index + 1}`)
+                                            : error.message;
+    return `${status} ${error.code}: ${message}`;
+  }
   return `${status}: ${typeof error === "string" ? error : "the server answered without a JSON error"}`;
 }
 
@@ -21,16 +30,52 @@ function needKey(message) {
   keyInput.focus();
 }
 
-async function describeModel() {
+function defaultModel(body, names) {
+  // The server's default model when it names one, else the only model, else the first listed.
+  return names.includes(body.default_model) ? body.default_model : names[0];
+}
+
+function describeChoice() {
+  const model = served.find((m) => m.name === modelPick.value && m.version === versionPick.value);
+  $("model").textContent = model ? `${model.name} version ${model.version} · ${model.num_classes} classes · ` +
+                                   `${model.device}` : "This server serves no model.";
+}
+
+function fillVersions() {
+  const versions = served.filter((m) => m.name === modelPick.value);
+  const option = (m) => new Option(`version ${m.version}` + (m.default ? " (default)" : ""), m.version,
+                                   m.default, m.default);
+  versionPick.replaceChildren(...versions.map(option));
+  versionPick.disabled = versions.length === 0;
+  describeChoice();
+}
+
+async function describeModels() {
   try {
     const response = await fetch("/v1/models", { headers: headers() });
     if (response.status === 401) return needKey("This server needs an API key: enter it above.");
     const body = await response.json();
-    const model = body.models[0];
-    $("model").textContent = `${model.name} ${model.version} · ${model.num_classes} classes · ${model.device}`;
+    served = body.models;
+    const names = [...new Set(served.map((m) => m.name))];
+    const chosen = defaultModel(body, names);
+    const option = (name) => new Option(name + (name === body.default_model ? " (default)" : ""), name,
+                                        name === chosen, name === chosen);
+    modelPick.replaceChildren(...names.map(option));
+    modelPick.disabled = names.length === 0;
+    fillVersions();
   } catch (err) {
     $("model").textContent = "The server did not answer: " + err;
   }
+}
+
+function predictUrl() {
+  const query = new URLSearchParams();
+  if (!modelPick.disabled) query.set("model", modelPick.value);
+  if (!versionPick.disabled) query.set("version", versionPick.value);
+  const topK = $("top-k").value.trim();
+  if (topK) query.set("top_k", topK);
+  const text = query.toString();
+  return "/predict" + (text ? "?" + text : "");
 }
 
 function timings(header) {
@@ -58,7 +103,7 @@ function card(file) {
   body.className = "body";
   body.textContent = "Classifying…";
   element.append(image, name, body);
-  results.prepend(element);
+  results.append(element);  // in the order the photos were chosen
   return body;
 }
 
@@ -82,7 +127,8 @@ function showPrediction(body, answer, response) {
   }
   const meta = document.createElement("div");
   meta.className = "meta";
-  meta.textContent = `${answer.model.name} ${answer.model.version} · ${timings(response.headers.get("Server-Timing"))}`;
+  const answered = `${answer.model.name} version ${answer.model.version}`;
+  meta.textContent = `${answered} · ${timings(response.headers.get("Server-Timing"))}`;
   body.append(meta);
 }
 
@@ -90,10 +136,8 @@ async function classify(file) {
   const body = card(file);
   const form = new FormData();
   form.append("image", file, file.name);
-  const topK = $("top-k").value.trim();
   try {
-    const response = await fetch("/predict" + (topK ? `?top_k=${encodeURIComponent(topK)}` : ""),
-                                 { method: "POST", body: form, headers: headers() });
+    const response = await fetch(predictUrl(), { method: "POST", body: form, headers: headers() });
     let answer = null;
     try { answer = await response.json(); } catch (_) { /* not JSON: reported below */ }
     if (response.ok && answer) return showPrediction(body, answer, response);
@@ -108,6 +152,11 @@ async function classify(file) {
 
 function classifyAll(files) {
   notice.textContent = "";
+  const names = Array.from(files, (file) => file.name);
+  // The native input's own text would say "No file chosen" again (it is reset so the same photo can be picked
+  // twice): this line says what was picked last.
+  $("chosen").textContent = names.length === 0 ? "No photo chosen yet" :
+    `${names.length} photo${names.length === 1 ? "" : "s"} chosen: ${names.join(", ")}`;
   for (const file of files) classify(file);
 }
 
@@ -123,5 +172,7 @@ drop.addEventListener("drop", (event) => {
   drop.classList.remove("over");
   classifyAll(event.dataTransfer.files);
 });
-keyInput.addEventListener("change", describeModel);
-describeModel();
+modelPick.addEventListener("change", fillVersions);
+versionPick.addEventListener("change", describeChoice);
+keyInput.addEventListener("change", describeModels);
+describeModels();

@@ -16,18 +16,22 @@ class ClassScore:
 
 @dataclass(frozen=True)
 class Prediction:
-    """The top class of one image, and the top-k list it heads (best first)."""
+    """The top class of one image, and the top-k list it heads (best first); the model and version that
+    answered (None when the server did not say)."""
 
     label: str
     index: int
     score: float
     top_k: list[ClassScore]
+    model: str | None = None
+    version: str | None = None
 
     @classmethod
-    def from_json(cls, body: dict[str, Any]) -> "Prediction":
-        """Build from one entry of /predict's ``predictions``."""
+    def from_json(cls, body: dict[str, Any], model: str | None = None,
+                  version: str | None = None) -> "Prediction":
+        """Build from one entry of /predict's ``predictions`` and the answer's ``model`` name and version."""
         return cls(label=body["label"], index=body["index"], score=body["score"],
-                   top_k=[ClassScore(**entry) for entry in body["top_k"]])
+                   top_k=[ClassScore(**entry) for entry in body["top_k"]], model=model, version=version)
 
 
 @dataclass(frozen=True)

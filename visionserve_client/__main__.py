@@ -1,8 +1,9 @@
-"""``python -m client``: predict, health, ready and model from the command line.
+"""``visionserve`` (pip) or ``python -m visionserve_client`` (the repository): predict, health, ready and model.
 
-    python -m client predict cat.jpg cup.jpg --top-k 3          # a readable table
-    python -m client predict cat.jpg --json --url http://host:8000   # options before or after the command
-    python -m client model --labels
+    visionserve predict cat.jpg cup.jpg --top-k 3                # a readable table
+    visionserve predict cat.jpg --json --url http://host:8000    # options before or after the command
+    visionserve predict cat.jpg --model colour --version 2       # ask one model's version
+    visionserve model --labels
 Each file gets its own result or error. Exit codes: 0 success (and, for health/ready, a yes), 1 a server error
 (for any file) or a no, 2 a usage error or a file that cannot be read.
 """
@@ -16,40 +17,57 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from client.api import Client
-from client.errors import VisionServeError
-from client.types import Prediction
+from visionserve_client.api import Client
+from visionserve_client.errors import VisionServeError
+from visionserve_client.types import Prediction
+
+
+DEFAULT_URL, DEFAULT_TIMEOUT_S, DEFAULT_RETRIES = "http://127.0.0.1:8000", 30.0, 3
 
 
 def _connection_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
     # On the main parser and on each command, so they work before or after it; a command's copy has no default
-    # (SUPPRESS), so it does not overwrite a value given before the command.
+    # (SUPPRESS), so it does not overwrite a value given before the command. Help texts name the defaults
+    # themselves (argparse's %(default)s would read SUPPRESS on a command's copy); never the key's value.
     def default(value: object) -> object:
         return value if defaults else argparse.SUPPRESS
 
-    parser.add_argument("--url", default=default(os.environ.get("VISIONSERVE_URL", "http://127.0.0.1:8000")),
-                        help="the server (or set VISIONSERVE_URL)")
+    url = os.environ.get("VISIONSERVE_URL")
+    where = "from $VISIONSERVE_URL" if url else "or set VISIONSERVE_URL"
+    parser.add_argument("--url", default=default(url or DEFAULT_URL),
+                        help=f"the server (default: {url or DEFAULT_URL}, {where})")
+    key_set = "set" if os.environ.get("VISIONSERVE_API_KEY") else "not set"
     parser.add_argument("--api-key", default=default(os.environ.get("VISIONSERVE_API_KEY")),
-                        help="or set VISIONSERVE_API_KEY")
-    parser.add_argument("--timeout", type=float, default=default(30.0), help="seconds per HTTP call")
-    parser.add_argument("--retries", type=int, default=default(3), help="retries on 429/503 and connection errors")
+                        help=f"sent as a Bearer token (default: $VISIONSERVE_API_KEY, {key_set}; else none)")
+    parser.add_argument("--timeout", type=float, default=default(DEFAULT_TIMEOUT_S),
+                        help=f"seconds per HTTP call (default: {DEFAULT_TIMEOUT_S:g})")
+    parser.add_argument("--retries", type=int, default=default(DEFAULT_RETRIES),
+                        help=f"retries on 429/503 and connection errors (default: {DEFAULT_RETRIES})")
+
+
+def _predict_options(predict: argparse.ArgumentParser) -> None:
+    predict.add_argument("images", nargs="+", help="image files (JPEG, PNG, WebP, BMP, GIF)")
+    predict.add_argument("--top-k", type=int, default=None,
+                         help="classes per image (default: the server's TOP_K, at most the model's classes)")
+    predict.add_argument("--model", default=None, metavar="NAME",
+                         help="the served model to ask (default: the server's default model; see `model`)")
+    predict.add_argument("--version", default=None, metavar="V",
+                         help="the model's version to ask (default: that model's default version)")
+    predict.add_argument("--json", action="store_true", help="print JSON instead of a table (default: a table)")
 
 
 def _parser() -> argparse.ArgumentParser:
-    # `visionserve` when installed with pip (pyproject.toml), `python -m client` from the repository.
-    prog = "visionserve" if Path(sys.argv[0]).name == "visionserve" else "python -m client"
+    # `visionserve` when installed with pip (pyproject.toml), `python -m visionserve_client` from the repository.
+    prog = "visionserve" if Path(sys.argv[0]).name == "visionserve" else "python -m visionserve_client"
     parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     _connection_options(parser, defaults=True)
     commands = parser.add_subparsers(dest="command", required=True)
-    predict = commands.add_parser("predict", help="classify image files")
-    predict.add_argument("images", nargs="+", help="image files (JPEG, PNG, WebP, BMP, GIF)")
-    predict.add_argument("--top-k", type=int, default=None, help="classes per image (default: the server's)")
-    predict.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _predict_options(commands.add_parser("predict", help="classify image files"))
     commands.add_parser("health", help="is the server alive?")
     commands.add_parser("ready", help="is the server ready for work?")
     model = commands.add_parser("model", help="the served model")
-    model.add_argument("--labels", action="store_true", help="include the class names")
+    model.add_argument("--labels", action="store_true", help="include the class names (default: without)")
     for command in commands.choices.values():
         _connection_options(command, defaults=False)
     return parser
@@ -63,7 +81,7 @@ def _table(path: str, prediction: Prediction) -> list[str]:
 
 def _predict(client: Client, args: argparse.Namespace) -> int:
     """Each file's result or its own error; exit 2 when a file cannot be read, else 1 when the server refused one."""
-    results = client.predict_each(list(args.images), top_k=args.top_k)
+    results = client.predict_each(list(args.images), top_k=args.top_k, model=args.model, version=args.version)
     failed = [(path, r) for path, r in zip(args.images, results) if not isinstance(r, Prediction)]
     if args.json:
         print(json.dumps([{"image": path, **dataclasses.asdict(r)} if isinstance(r, Prediction)

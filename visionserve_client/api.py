@@ -9,8 +9,8 @@ from typing import Any, Callable, Sequence, Union, overload
 import requests
 from requests.adapters import HTTPAdapter
 
-from client.errors import VisionServeError
-from client.types import ModelInfo, Prediction
+from visionserve_client.errors import VisionServeError
+from visionserve_client.types import ModelInfo, Prediction
 
 ImageInput = Union[str, Path, bytes]
 # Overloaded or not ready: the server says when to come back. Other errors are the caller's to handle.
@@ -22,6 +22,11 @@ def _read(image: ImageInput, position: int) -> tuple[str, bytes]:
         return f"image{position}", image
     path = Path(image)
     return path.name, path.read_bytes()
+
+
+def _route(model: str | None, version: str | None) -> dict[str, str]:
+    """The ``model`` and ``version`` query parameters, those given (the server picks the rest)."""
+    return {key: value for key, value in (("model", model), ("version", version)) if value is not None}
 
 
 def _retry_after(response: requests.Response) -> float | None:
@@ -97,31 +102,37 @@ class Client:
         raise AssertionError("unreachable")
 
     @overload
-    def predict(self, images: ImageInput, top_k: int | None = None, *,
-                deadline_ms: float | None = None) -> Prediction: ...
+    def predict(self, images: ImageInput, top_k: int | None = None, *, deadline_ms: float | None = None,
+                model: str | None = None, version: str | None = None) -> Prediction: ...
 
     @overload
-    def predict(self, images: Sequence[ImageInput], top_k: int | None = None, *,
-                deadline_ms: float | None = None) -> list[Prediction]: ...
+    def predict(self, images: Sequence[ImageInput], top_k: int | None = None, *, deadline_ms: float | None = None,
+                model: str | None = None, version: str | None = None) -> list[Prediction]: ...
 
     def predict(self, images: ImageInput | Sequence[ImageInput], top_k: int | None = None, *,
-                deadline_ms: float | None = None) -> Prediction | list[Prediction]:
+                deadline_ms: float | None = None, model: str | None = None,
+                version: str | None = None) -> Prediction | list[Prediction]:
         """Classify one image (a path or the file's bytes) or a list of them, in one request, in order.
 
         ``top_k``: classes per image; left out, the server's default (``TOP_K``, at most the model's classes).
+        ``model`` and ``version``: which served model and version answer; left out, the server's default model
+        and that model's default version. Each prediction says which answered (``Prediction.model``, ``.version``).
         """
         single = isinstance(images, (str, Path, bytes))
         batch: Sequence[ImageInput] = [images] if single else images  # type: ignore[list-item, assignment]
         if not batch:
             raise ValueError("predict needs at least one image")
-        predictions = self._predict_files([_read(image, i) for i, image in enumerate(batch)], top_k, deadline_ms)
+        files = [_read(image, i) for i, image in enumerate(batch)]
+        predictions = self._predict_files(files, top_k, deadline_ms, _route(model, version))
         return predictions[0] if single else predictions
 
     def predict_each(self, images: Sequence[ImageInput], top_k: int | None = None, *,
-                     deadline_ms: float | None = None) -> list[Prediction | VisionServeError | OSError]:
+                     deadline_ms: float | None = None, model: str | None = None,
+                     version: str | None = None) -> list[Prediction | VisionServeError | OSError]:
         """Like ``predict`` for a list, but one bad image does not sink the others: each entry is its image's
         prediction, or the error for that image (the server's, or an OSError for a file that cannot be read).
         One request in the common case; when the server refuses one image, the rest are sent again without it."""
+        route = _route(model, version)
         results: list[Prediction | VisionServeError | OSError | None] = [None] * len(images)
         files: dict[int, tuple[str, bytes]] = {}
         for i, image in enumerate(images):
@@ -132,7 +143,7 @@ class Client:
         while files:
             positions = list(files)
             try:
-                answers = self._predict_files([files[i] for i in positions], top_k, deadline_ms)
+                answers = self._predict_files([files[i] for i in positions], top_k, deadline_ms, route)
             except VisionServeError as exc:
                 if exc.image_index is None or not 0 <= exc.image_index < len(positions):
                     raise  # about the request as a whole (overload, auth...): the caller's to handle
@@ -145,13 +156,16 @@ class Client:
             break
         return results  # type: ignore[return-value]
 
-    def _predict_files(self, files: list[tuple[str, bytes]], top_k: int | None,
-                       deadline_ms: float | None) -> list[Prediction]:
+    def _predict_files(self, files: list[tuple[str, bytes]], top_k: int | None, deadline_ms: float | None,
+                       route: dict[str, str]) -> list[Prediction]:
         headers = {"X-Request-Timeout": str(deadline_ms)} if deadline_ms is not None else {}
-        params = {"top_k": top_k} if top_k is not None else None
-        response = self._request("POST", "/predict", params=params, files=[("image", f) for f in files],
+        params = {**route, **({"top_k": str(top_k)} if top_k is not None else {})}
+        response = self._request("POST", "/predict", params=params or None, files=[("image", f) for f in files],
                                  headers=headers)
-        return [Prediction.from_json(p) for p in response.json()["predictions"]]
+        body = response.json()
+        served = body.get("model") or {}
+        return [Prediction.from_json(p, model=served.get("name"), version=served.get("version"))
+                for p in body["predictions"]]
 
     def health(self) -> bool:
         """Liveness: True when the process and its inference thread run (no retries)."""
