@@ -66,8 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     _predict_options(commands.add_parser("predict", help="classify image files"))
     commands.add_parser("health", help="is the server alive?")
     commands.add_parser("ready", help="is the server ready for work?")
-    model = commands.add_parser("model", help="the served model")
+    model = commands.add_parser("model", help="a served model's metadata")
     model.add_argument("--labels", action="store_true", help="include the class names (default: without)")
+    model.add_argument("--model", default=None, metavar="NAME", help="which (default: the server's default model)")
     for command in commands.choices.values():
         _connection_options(command, defaults=False)
     return parser
@@ -106,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.command == "predict":
                 return _predict(client, args)
             if args.command == "model":
-                print(json.dumps(client.model(labels=args.labels).raw, indent=2))
+                print(json.dumps(client.model(labels=args.labels, model=args.model).raw, indent=2))
                 return 0
             ok = client.health() if args.command == "health" else client.ready()
             print("yes" if ok else "no")

@@ -181,7 +181,12 @@ class Client:
         except requests.RequestException:
             return False
 
-    def model(self, labels: bool = False) -> ModelInfo:
-        """The served model's metadata (with its class names when ``labels``)."""
-        response = self._request("GET", "/v1/models", params={"labels": "1"} if labels else None)
-        return ModelInfo.from_json(response.json()["models"][0])
+    def model(self, labels: bool = False, model: str | None = None) -> ModelInfo:
+        """A served model's metadata at its default version (with its class names when ``labels``): ``model``, else
+        the server's default model (the first one listed when it has none)."""
+        body = self._request("GET", "/v1/models", params={"labels": "1"} if labels else None).json()
+        name = model or body.get("default_model")
+        entries = [m for m in body["models"] if name is None or m["name"] == name]
+        if not entries:
+            raise VisionServeError(f"the server serves no model {name!r}", status=404, code="not_found")
+        return ModelInfo.from_json(next((m for m in entries if m.get("default")), entries[0]))

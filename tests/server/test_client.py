@@ -223,6 +223,18 @@ def two_models(settings: Settings) -> Iterator[str]:
         yield url
 
 
+def test_without_a_model_the_client_meets_the_default_model(settings: Settings) -> None:
+    # Before: a second model turned every request naming none into a 400, and model() read the first entry.
+    red = image_bytes(RED)
+    with several_models_app(settings.model_copy(update={"default_model": "shade"})) as app, \
+            served_over_http(app) as url, Client(url) as client:
+        assert client.predict(red).model == "shade" and client.model().name == "shade"
+        assert client.model(model="colour").version == "2"  # its default version
+        with pytest.raises(VisionServeError) as caught:
+            client.model(model="nope")
+        assert caught.value.status == 404
+
+
 def test_predict_asks_the_model_and_version_given(two_models: str) -> None:
     # Before: predict had no model or version, so with several models served a request could not choose.
     red = image_bytes(RED)
