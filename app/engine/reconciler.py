@@ -15,7 +15,7 @@ a newer generation), in five steps:
 
 Every writer in a worker (start-up, a call, the poll) reconciles its change there first, so a refusal changes
 nothing anywhere; only then does it write the desired state (a call then waits for the other workers). A refused
-version is remembered and the poll leaves it out until its manifest changes. One change runs at a time: a second
+version is remembered and left out (by the poll and by calls) until its files change. One change runs at a time: a second
 load call for the same model waits, then finds the model already as wanted.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ from app.engine.routing import RoutingTable
 from app.engine.sources import Source
 from app.engine.version_states import VersionState, VersionStates
 from app.engine.weights import ModelLoadError, resolve_device
-from app.errors import BadRequest, LoadFailed, LoadTimeout, NotFound, ServiceError
+from app.errors import BadRequest, InsufficientMemory, LoadFailed, LoadTimeout, NotFound, ServiceError
 
 log = logging.getLogger(__name__)
 RETIRE_GRACE_S = 5.0  # beyond the request timeout, how long a retiring version waits for the requests holding it
@@ -110,7 +110,7 @@ class Reconciler:
         LoadTimeout."""
         with self._lock:
             self._name_default_model()
-            entry = self._wanted(name, config, retry_refused=True)
+            entry = self._wanted(name, config)  # a version refused before is tried again once its files change
             self.reconcile_model(name, entry)
             generation = self._write({name: entry})
         self._wait_for_workers(generation)
@@ -156,7 +156,7 @@ class Reconciler:
         """``name`` as its policy picks among the versions not refused, applied here; a version refused on the way
         is left out and the policy picks again. None when no version is left (what serves keeps serving)."""
         while True:
-            entry = self._wanted(name, config, retry_refused=False)
+            entry = self._wanted(name, config)
             if not entry["versions"]:
                 return None
             try:
@@ -228,15 +228,14 @@ class Reconciler:
 
     # -- the steps ------------------------------------------------------------------------------------------------
 
-    def _wanted(self, name: str, config: Any = None, retry_refused: bool = False) -> Entry:
+    def _wanted(self, name: str, config: Any = None) -> Entry:
         """What ``name``'s policy (under a load call's ``config``) picks from the repository now: its versions and
         default, and the call's config with the policy.json it was given over (the pure step)."""
         available = self.source.versions(name)
         if not available:
             raise NotFound(f"the repository has no model {name!r}; it has: {', '.join(self.source.models()) or 'none'}",
                            details={"models": self.source.models()})
-        if not retry_refused:
-            available = [v for v in available if not self._known_refused(name, v)]
+        available = [v for v in available if not self._known_refused(name, v)]  # until their files change
         try:
             own = self.source.policy(name)
             entry = VersionPolicy.layered(self.settings.version_policy, own, config).wanted(available)
@@ -261,8 +260,9 @@ class Reconciler:
             error = exc if isinstance(exc, ServiceError) else LoadFailed(
                 f"{name} version {version} cannot be served: {exc if isinstance(exc, ModelLoadError) else repr(exc)}")
             log.warning("refused %s version %s: %s", name, version, error.message)
-            with contextlib.suppress(OSError):
-                self.states.refuse((name, version), self.source.stamp(name, version), error.message)
+            if not isinstance(error, InsufficientMemory):  # memory may be freed: a later call tries it again
+                with contextlib.suppress(OSError):
+                    self.states.refuse((name, version), self.source.stamp(name, version), error.message)
             raise error from exc
 
     def _known_refused(self, name: str, version: str) -> bool:

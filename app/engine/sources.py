@@ -79,9 +79,11 @@ class DirectorySource:
         return None if self._single() else _json_object(self.root / name / POLICY_FILE)
 
     def stamp(self, name: str, version: str) -> tuple[int, int]:
-        """Changes when the version's manifest is rewritten: a version that failed to load is tried again then."""
-        stat = (self.path(name, version) / MANIFEST_NAME).stat()
-        return stat.st_mtime_ns, stat.st_size
+        """Changes when any file of the version is rewritten: a version refused before is tried again then."""
+        stats = [path.stat() for path in self.path(name, version).iterdir() if path.is_file()]
+        if not stats:
+            raise FileNotFoundError(f"{self.path(name, version)} holds no files")
+        return max(s.st_mtime_ns for s in stats), sum(s.st_size for s in stats)
 
     def size_bytes(self, name: str, version: str) -> int:
         """The size of the weights file the server would load (for the memory check)."""

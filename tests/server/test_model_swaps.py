@@ -4,7 +4,10 @@ refused while the old one serves, unload, the 404s, two models side by side, all
 repository calls."""
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -179,3 +182,45 @@ def test_a_corrupt_version_is_refused_while_the_old_one_serves_then_unload(two_m
         client.load_model("nope")
     client.load_model("other")
     assert client.is_model_ready("other")
+
+
+def _unnamed_version(url: str) -> tuple[str, str]:
+    answer = requests.post(f"{url}/predict", data=PHOTOS[0], headers={"Content-Type": "image/jpeg"}, timeout=30)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["model"]["name"], answer.json()["model"]["version"]
+
+
+def _workers(url: str) -> list[dict]:
+    """What each worker serves; none while the worker that answers is still loading (503)."""
+    return requests.get(url + "/v1/models", timeout=10).json().get("workers", [])
+
+
+def _defaults(url: str) -> list[str]:
+    return [w["models"]["mine"]["default"] for w in _workers(url)]
+
+
+def test_two_models_three_versions_one_corrupt_a_default_model_and_a_rollback_that_holds(
+        start_server: Callable[..., Running], repository: Path, exports: Path) -> None:
+    # Before: the corrupt newest version stopped the start, requests naming no model were a 400, and the next
+    # poll undid a rollback.
+    for name, version in (("mine", "2"), ("mine", "3"), ("other", "1")):
+        _add(exports, repository, name, version)
+    (repository / "repository.json").write_text('{"default_model": "mine"}')
+    server = _all_ready(start_server(repository, workers="2", repository_poll_s="0.3", max_wait_ms="5"), 2)
+    client = triton.InferenceServerClient(server.url.removeprefix("http://"))
+    index = {(m["name"], m["version"]): m for m in client.get_model_repository_index()}
+    assert index[("mine", "3")]["state"] == "UNAVAILABLE" and "sha256" in index[("mine", "3")]["reason"]
+    assert index[("mine", "2")]["default"] and requests.get(server.url + "/v1/models").json()["default_model"] == \
+        "mine"
+    assert _unnamed_version(server.url) == ("mine", "2")
+
+    client.load_model("mine", config='{"default_version": "1"}')  # the rollback, in every worker
+    time.sleep(1.5)  # five polls
+    assert _defaults(server.url) == ["1", "1"] and _unnamed_version(server.url) == ("mine", "1")
+    killed = _workers(server.url)[0]["pid"]
+    os.kill(killed, signal.SIGKILL)  # gunicorn starts a new worker: it serves the desired state, rollback included
+    wait_until(lambda: len(pids := [w["pid"] for w in _workers(server.url)]) == 2 and killed not in pids,
+               timeout=120)
+    assert _defaults(server.url) == ["1", "1"]
+    assert requests.post(f"{server.url}/predict?model=other", data=PHOTOS[1], headers={
+        "Content-Type": "image/jpeg"}, timeout=30).json()["model"] == {"name": "other", "version": "1"}
