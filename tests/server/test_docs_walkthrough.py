@@ -1,0 +1,143 @@
+"""docs/training.md and docs/models.md run whole: every ```bash block, in order, as printed, on tiny data (train,
+export, serve, train again into the repository as version 2 while the server polls, the default model, a rollback
+that holds through polls), so the docs and the code cannot part.
+
+How a command runs: from a scratch folder holding `data/mine` (three classes of small photos) and `cat.jpg`;
+`.venv/bin/python` and `python` are this interpreter, `.venv/bin/torchrun` is `python -m torch.distributed.run`;
+`[VAR=value ...] make serve` starts the server (bin/serve, as `make serve` does) with those settings on a free port,
+stopping the one before; `localhost:8000` is that server. While a polling server runs, each command is followed by
+a wait until the repository's newest versions are served or refused.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+import requests
+import skimage.data
+from PIL import Image
+
+from harness.servers import ROOT, Running, visionserve
+from tests.server.test_docs_commands import shell_commands
+from tests.support.fakes import wait_until
+
+WALKTHROUGHS = ("docs/training.md", "docs/models.md")
+MAKE_SERVE = re.compile(r"^((?:[A-Z_]+=\S+\s+)*)make serve$")
+CLASSES = {"red": (200, 40, 40), "green": (40, 180, 60), "blue": (40, 60, 200)}
+
+
+def walkthrough_commands() -> list[tuple[str, str]]:
+    """(doc, command) for every command of the walkthrough docs, in order."""
+    return [(doc, command) for doc in WALKTHROUGHS
+            for command in shell_commands((ROOT / doc).read_text(encoding="utf-8"))]
+
+
+def _tiny_data(work: Path) -> None:
+    """data/mine: three colour classes of five noisy 64x64 photos each (a flat folder: split 80/20), and cat.jpg."""
+    rng = np.random.default_rng(0)
+    for name, colour in CLASSES.items():
+        folder = work / "data" / "mine" / name
+        folder.mkdir(parents=True)
+        for i in range(5):
+            pixels = np.clip(np.array(colour) + rng.normal(0, 30, (64, 64, 3)), 0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(folder / f"{i}.jpg", quality=90)
+    Image.fromarray(skimage.data.chelsea()).save(work / "cat.jpg", quality=90)
+
+
+class Walk:
+    """The scratch folder, the server the docs started last, and how a command is run there."""
+
+    def __init__(self, work: Path) -> None:
+        self.work, self.server, self.poll_s = work, None, 0.0  # type: Path, Running | None, float
+        self.started = 0
+
+    def serve(self, assignments: str) -> None:
+        if self.server is not None:
+            self.server.stop()
+        settings = dict(a.split("=", 1) for a in assignments.split())
+        weights = self.work / settings.pop("VISIONSERVE_WEIGHTS_DIR", "weights")
+        self.poll_s = float(settings.get("VISIONSERVE_REPOSITORY_POLL_S", 0))
+        log_dir = self.work / f"server-{self.started}"
+        log_dir.mkdir()
+        self.started += 1
+        self.server = visionserve(weights, log_dir, log_level="info", shutdown_drain_s="0.5",
+                                  **{k.removeprefix("VISIONSERVE_").lower(): v for k, v in settings.items()})
+        self.server.wait_ready()
+
+    def run(self, doc: str, command: str) -> str:
+        serve = MAKE_SERVE.match(command.strip())
+        if serve:
+            self.serve(serve.group(1))
+            return ""
+        aimed = (command.replace(".venv/bin/python", sys.executable)
+                 .replace(".venv/bin/torchrun", f"{sys.executable} -m torch.distributed.run"))
+        aimed = re.sub(r"(^|[|;&(]\s*)python3? ", lambda m: m.group(1) + sys.executable + " ", aimed, flags=re.M)
+        if self.server is not None:
+            aimed = aimed.replace("localhost:8000", f"127.0.0.1:{self.server.port}")
+        result = subprocess.run(["bash", "-o", "pipefail", "-c", aimed], cwd=self.work, capture_output=True,
+                                text=True, timeout=600,
+                                env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+        log = self.server.output()[-3000:] if self.server is not None else ""
+        assert result.returncode == 0, f"{doc}: {command}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}\n{log}"
+        if self.poll_s:
+            wait_until(self._repository_settled, timeout=120)
+        return result.stdout
+
+    def _repository_settled(self) -> bool:
+        """Every model's newest version in the repository is served or refused (none still loading)."""
+        assert self.server is not None
+        rows = requests.post(self.server.url + "/v2/repository/index", timeout=10).json()
+        newest: dict[str, dict] = {}
+        for row in rows:
+            if row["version"].isdigit() and int(row["version"]) >= int(newest.get(row["name"], {"version": 0})[
+                    "version"]):
+                newest[row["name"]] = row
+        return all(row["state"] in ("READY", "UNAVAILABLE") for row in newest.values()) and not any(
+            row["state"] == "LOADING" for row in rows)
+
+    def unnamed(self) -> dict:
+        assert self.server is not None
+        answer = requests.post(self.server.url + "/predict", data=(self.work / "cat.jpg").read_bytes(),
+                               headers={"Content-Type": "image/jpeg"}, timeout=60)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["model"]
+
+
+@pytest.fixture
+def walk(tmp_path: Path) -> Iterator[Walk]:
+    _tiny_data(tmp_path)
+    walk = Walk(tmp_path)
+    yield walk
+    if walk.server is not None:
+        walk.server.stop()
+
+
+def test_every_walkthrough_command_is_found() -> None:
+    commands = [command for _, command in walkthrough_commands()]
+    assert sum("models.train" in c for c in commands) >= 4 and sum(bool(MAKE_SERVE.match(c)) for c in commands) == 2
+    assert any("--name mine" in c and "--export-repository repository" in c for c in commands)  # version 2
+
+
+@pytest.mark.slow
+def test_the_training_and_models_docs_run_end_to_end(walk: Walk) -> None:
+    outputs = {}
+    for doc, command in walkthrough_commands():
+        outputs[command] = walk.run(doc, command)
+    repository = walk.work / "repository"
+    assert sorted(p.parent.name for p in (repository / "mine").glob("*/manifest.json")) == ["1", "2"]
+    assert (walk.work / "runs" / "mine" / "export" / "manifest.json").is_file()
+    assert (walk.work / "runs" / "ddp" / "best.pt").is_file()
+    assert walk.unnamed() == {"name": "mine", "version": "1"}  # the default model, rolled back by a call
+    time.sleep(2 * walk.poll_s)  # two polls: the rollback holds
+    assert walk.unnamed() == {"name": "mine", "version": "1"}
+    models = requests.get(walk.server.url + "/v1/models", timeout=10).json()  # type: ignore[union-attr]
+    assert models["default_model"] == "mine"
+    assert {(m["name"], m["version"]) for m in models["models"]} >= {("mine", "1"), ("mine", "2"),
+                                                                     ("efficientnet_lite0", "1")}
