@@ -12,6 +12,7 @@ from pathlib import Path
 from app import EXTENSION_KEY, drain
 from app.config import SettingsError, load_settings, unknown_variables
 from app.engine.desired import SharedDesiredState  # standard library only, like app.drain
+from app.host import workers_for
 from app.worker import ReadLimits
 
 try:
@@ -19,10 +20,15 @@ try:
 except SettingsError as exc:  # one line that says what to fix, not a traceback
     sys.exit(f"visionserve: bad setting: {exc}")
 
+# WORKERS=0 (the default): as many as the host uses well (app/host.py). The workers read the number chosen (each
+# forward pass takes half of its worker's share of the cores).
+_workers, _workers_why = workers_for(_settings.workers, _settings.device)
+os.environ["VISIONSERVE_WORKERS"] = str(_workers)
+
 # Several workers: prometheus-client's multiprocess mode, so /metrics on any worker reports all of them. The
 # variable must be set before the workers import prometheus_client, i.e. here in the master before the fork.
 _OWN_METRICS_DIR = None
-if _settings.workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+if _workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
     _OWN_METRICS_DIR = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="visionserve-metrics-")
 
 # The workers share repository loads and unloads through a directory (app/engine/desired.py), made here before the
@@ -33,7 +39,7 @@ if _settings.control_dir is None:
     os.environ["VISIONSERVE_CONTROL_DIR"] = _OWN_CONTROL_DIR
 
 bind = _settings.bind
-workers = _settings.workers
+workers = _workers
 worker_class = "app.worker.BufferingWorker"  # gthread, with each request read in its event loop
 threads = _settings.threads
 worker_connections = _settings.max_connections
@@ -70,6 +76,7 @@ def on_starting(server) -> None:  # noqa: ANN001
     """Say so when a VISIONSERVE_ variable is no setting: a misspelt one would otherwise change nothing."""
     for warning in unknown_variables(os.environ):
         server.log.warning(warning)
+    server.log.info("visionserve: %d worker%s (%s)", _workers, "" if _workers == 1 else "s", _workers_why)
 
 
 def pre_fork(server, worker) -> None:  # noqa: ANN001

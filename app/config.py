@@ -85,9 +85,9 @@ class Settings(BaseSettings):
         "(0..WORKERS-1; a restarted worker takes the free one), which places it on a GPU.")
     dtype: Dtype = Field("float32", description="Compute dtype: `float32`, `float16` (CUDA only) or `bfloat16`.")
     torch_threads: int = Field(
-        0, ge=0, description="Intra-op threads for the forward pass. 0 = auto: on the CPU half the cores (at "
-        "least 1), because request threads decode images on the others (measured: +7 to +20% images/s on 2 "
-        "cores); on CUDA torch's default.")
+        0, ge=0, description="Intra-op threads for the forward pass. 0 = auto: on the CPU half of each worker's "
+        "share of the usable cores (at least 1), because request threads decode images on the others (measured: +7 "
+        "to +20% images/s on 2 cores); on CUDA torch's default.")
     warmup: bool = Field(True, description="Run every batch shape once before reporting ready (each size on the "
                          "CPU; powers of two and the cap on CUDA, where batches are padded to them).")
     jit_optimize: bool = Field(
@@ -174,9 +174,11 @@ class Settings(BaseSettings):
     # gunicorn (read by gunicorn.conf.py in the master, which must not touch torch)
     bind: str = Field("0.0.0.0:8000", description="gunicorn's listen address.")
     workers: int = Field(
-        1, gt=0, description="gunicorn worker processes; each loads its own model and batcher. With a GPU, CPU "
-        "decoding is the bound: about one worker per 4 cores. On a CPU-only host use 2 (2 processes x 1 "
-        "forward thread beat 1 x 2 by 8-12% on 2 cores).")
+        0, ge=0, description="gunicorn worker processes; each loads its own model and batcher. 0 = auto, said in "
+        "the start-up log: on a CPU host one per usable core (affinity and container quota), at most 8 (2 "
+        "processes x 1 forward thread beat 1 x 2 by 8-12% on 2 cores); with a GPU, where CPU decoding is the bound, "
+        "one per 4 cores, at least one per GPU and at most 4 per GPU (4 workers on a 16-core H100 host served 1.5x "
+        "one).")
     threads: int = Field(32, gt=0, description="gthread threads per worker: concurrent requests that share one "
                          "batcher.")
     max_connections: int = Field(

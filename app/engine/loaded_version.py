@@ -70,7 +70,7 @@ def check_canary(probabilities: torch.Tensor, num_classes: int) -> None:
 def start_version(settings: Settings, predictor: Predictor) -> LoadedVersion:
     """Choose the decoder, start the batcher, warm up and pass the canary on its thread, apply the measured batch
     cap."""
-    threads = forward_threads(settings.torch_threads, predictor.device)
+    threads = forward_threads(settings.torch_threads, predictor.device, workers=settings.workers or 1)
     if threads:
         torch.set_num_threads(threads)
     name, version = predictor.manifest.name, predictor.manifest.version

@@ -1,16 +1,17 @@
 """How the service sizes its work to the machine: forward threads, the batch cap, where lone batches run."""
 from __future__ import annotations
 
-import os
-
 import torch
 
+from app.host import usable_cores
 
-def forward_threads(setting: int, device: torch.device, cores: int | None = None) -> int:
-    """Intra-op threads for the forward pass (0: leave torch's default). See Settings.torch_threads."""
+
+def forward_threads(setting: int, device: torch.device, cores: int | None = None, workers: int = 1) -> int:
+    """Intra-op threads for the forward pass (0: leave torch's default): half of this worker's share of the
+    cores. See Settings.torch_threads."""
     if setting or device.type != "cpu":
         return setting
-    return max(1, (cores or os.cpu_count() or 1) // 2)
+    return max(1, (cores or usable_cores()) // (2 * max(1, workers)))
 
 
 def inline_batches(setting: bool, device: torch.device) -> bool:

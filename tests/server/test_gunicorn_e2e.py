@@ -210,3 +210,22 @@ def test_time_to_exit_after_sigterm_idle_and_after_load(small_weights: Path, sta
         times[phase] = time.monotonic() - started
     print(f"\nexit after SIGTERM, {workers} worker(s), 1 s drain: " +
           ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in times.items()))
+
+
+def test_the_default_worker_count_uses_the_host_and_says_so(small_weights: Path, tmp_path: Path) -> None:
+    # Before: one worker by default, so `make serve` left a core idle on a 2-core host.
+    from app.host import auto_workers, usable_cores
+    from harness.servers import visionserve
+
+    expected = auto_workers(usable_cores(), gpus=0)
+    server = visionserve(small_weights, tmp_path, log_level="info", warmup="false").wait_ready()
+    try:
+        plural = "" if expected == 1 else "s"
+        assert f"visionserve: {expected} worker{plural} (auto: {usable_cores()} usable cores, no GPU)" in \
+            server.output()
+        deadline = time.monotonic() + 120
+        while len(requests.get(server.url + "/v1/models", timeout=10).json().get("workers", [])) < expected:
+            assert time.monotonic() < deadline, server.output()[-3000:]
+            time.sleep(0.2)
+    finally:
+        server.stop()

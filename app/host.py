@@ -1,0 +1,54 @@
+"""What the host offers, read with the standard library only (the gunicorn master must not import torch): the
+CPU cores this process may use, the NVIDIA GPUs it can see, and the number of workers chosen from them when
+``WORKERS`` is 0 (auto)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CPU_WORKERS_MAX = 8  # auto on a CPU host: one worker per core, at most this many (each holds its own model copy)
+CORES_PER_GPU_WORKER = 4  # auto on a GPU host: CPU decoding is the bound, about one worker per 4 cores (H100 run)
+GPU_WORKERS_PER_GPU_MAX = 4  # ... and at most this many per GPU (each holds its own copy in GPU memory)
+_CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+_NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
+
+
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity, within its container's CPU quota (cgroup v2)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = _CGROUP_CPU_MAX.read_text().split()
+        if quota != "max":
+            cores = min(cores, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores)
+
+
+def visible_gpus() -> int:
+    """NVIDIA GPUs the driver lists, as many as CUDA_VISIBLE_DEVICES leaves visible (no CUDA call)."""
+    try:
+        found = sum(1 for _ in _NVIDIA_GPUS.iterdir())
+    except OSError:
+        return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        found = min(found, len([d for d in visible.split(",") if d.strip() and not d.strip().startswith("-")]))
+    return found
+
+
+def auto_workers(cores: int, gpus: int) -> int:
+    """Workers for ``cores`` usable cores and ``gpus`` GPUs the model will use (0: a CPU host)."""
+    if gpus <= 0:
+        return max(1, min(cores, CPU_WORKERS_MAX))
+    return max(gpus, min(cores // CORES_PER_GPU_WORKER, GPU_WORKERS_PER_GPU_MAX * gpus))
+
+
+def workers_for(setting: int, device: str) -> tuple[int, str]:
+    """The number of workers (``setting``, or auto when 0) and why, for the start-up log line."""
+    if setting:
+        return setting, "WORKERS"
+    cores = usable_cores()
+    gpus = 0 if device == "cpu" else visible_gpus()
+    where = f"{gpus} GPU{'s' if gpus != 1 else ''}" if gpus else "no GPU"
+    return auto_workers(cores, gpus), f"auto: {cores} usable cores, {where}"

@@ -1,0 +1,59 @@
+"""How many workers the server starts when WORKERS is 0 (auto), from the host read without torch (app/host.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from app import host
+from app.engine.tuning import forward_threads
+
+
+def test_a_cpu_host_gets_one_worker_per_core_up_to_the_bound() -> None:
+    assert [host.auto_workers(cores, gpus=0) for cores in (1, 2, 4, 16, 64)] == [1, 2, 4, 8, 8]
+
+
+def test_a_gpu_host_gets_one_worker_per_four_cores_at_least_one_and_at_most_four_per_gpu() -> None:
+    assert host.auto_workers(16, gpus=1) == 4  # the H100 run: 4 workers on 16 cores served 1.5x one
+    assert host.auto_workers(2, gpus=1) == 1 and host.auto_workers(4, gpus=2) == 2
+    assert host.auto_workers(128, gpus=1) == 4 and host.auto_workers(128, gpus=8) == 32
+
+
+def test_the_setting_wins_and_the_reason_is_said(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host, "usable_cores", lambda: 2)
+    monkeypatch.setattr(host, "visible_gpus", lambda: 0)
+    assert host.workers_for(3, "auto") == (3, "WORKERS")
+    assert host.workers_for(0, "auto") == (2, "auto: 2 usable cores, no GPU")
+    monkeypatch.setattr(host, "visible_gpus", lambda: 1)
+    assert host.workers_for(0, "cpu") == (2, "auto: 2 usable cores, no GPU")  # DEVICE=cpu: the GPU is not used
+
+
+def test_a_container_quota_bounds_the_cores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu_max = tmp_path / "cpu.max"
+    monkeypatch.setattr(host, "_CGROUP_CPU_MAX", cpu_max)
+    monkeypatch.setattr(host.os, "sched_getaffinity", lambda _: set(range(16)))
+    cpu_max.write_text("250000 100000\n")  # a Kubernetes limit of 2.5 CPUs
+    assert host.usable_cores() == 2
+    cpu_max.write_text("max 100000\n")
+    assert host.usable_cores() == 16
+
+
+def test_visible_gpus_follow_the_driver_and_cuda_visible_devices(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host, "_NVIDIA_GPUS", tmp_path / "missing")
+    assert host.visible_gpus() == 0
+    for bus in ("0000:01:00.0", "0000:02:00.0"):
+        (tmp_path / bus).mkdir()
+    monkeypatch.setattr(host, "_NVIDIA_GPUS", tmp_path)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert host.visible_gpus() == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert host.visible_gpus() == 1
+
+
+def test_each_workers_forward_pass_takes_half_its_share_of_the_cores() -> None:
+    import torch
+
+    cpu = torch.device("cpu")
+    assert forward_threads(0, cpu, cores=16, workers=1) == 8 and forward_threads(0, cpu, cores=16, workers=8) == 1
+    assert forward_threads(0, cpu, cores=2, workers=2) == 1  # never 0
