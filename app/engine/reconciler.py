@@ -15,7 +15,9 @@ a newer generation), in five steps:
 
 Every writer in a worker (start-up, a call, the poll) reconciles its change there first, so a refusal changes
 nothing anywhere; only then does it write the desired state (a call then waits for the other workers). A refused
-version is remembered and left out (by the poll and by calls) until its files change. One change runs at a time: a second
+version is remembered and left out (by the poll and by calls) until its files change; at start and by the poll
+the policy then picks among the rest. A load call's config (a rollback) stays in the desired state and the poll
+keeps applying it until another call or a change of the model's policy.json. One change runs at a time: a second
 load call for the same model waits, then finds the model already as wanted.
 """
 from __future__ import annotations
