@@ -1,13 +1,21 @@
-"""gunicorn target: ``gunicorn -c gunicorn.conf.py app.wsgi:app``. Each worker loads its model in the background.
+"""gunicorn target: ``gunicorn -c gunicorn.conf.py app.wsgi:app``. Each worker answers from its first second.
 
-The worker answers from its first second (/healthz 200, /readyz and inference 503 with Retry-After) while the model
-loads and warms up. A model that cannot be served ends the worker with gunicorn's boot-error status, so the master
-stops with the message instead of restarting it forever.
+``app`` is a ``StartingApp`` (app/starting.py): while a thread imports torch, Flask and the app and builds it, the
+worker already answers (/healthz 200, /readyz and everything else 503 not_ready with Retry-After); then the real
+app takes every request, and it too answers 503 while the model loads and warms up in the background. A model
+that cannot be served, or an app that cannot be imported, ends the worker with gunicorn's boot-error status, so
+the master stops with the message instead of restarting it forever.
+
+Importing this module loads nothing heavy (app.config and pydantic the master has loaded already): the worker
+reaches its event loop at once.
 """
 import logging
 import os
+from functools import partial
+from typing import Callable
 
-from app import create_app
+from app.config import load_settings
+from app.starting import StartingApp, WSGIApp
 
 log = logging.getLogger(__name__)
 
@@ -18,7 +26,17 @@ def _stop_worker(exc: BaseException) -> None:
     log.error("cannot serve the model: %s", exc)
     log.debug("the load failed here", exc_info=exc)
     logging.shutdown()
-    os._exit(WORKER_BOOT_ERROR)  # from the loader thread: sys.exit would end only the thread
+    os._exit(WORKER_BOOT_ERROR)  # from a loader thread: sys.exit would end only the thread
 
 
-app = create_app(on_load_error=_stop_worker)
+def _load() -> Callable[[], WSGIApp]:
+    """Import what the app needs (the slow part: torch, Flask, the engine, the protocols); return its builder."""
+    import app.engine.service  # noqa: F401 - torch
+    import app.v1  # noqa: F401 - Flask and the web layer
+    import app.v2  # noqa: F401
+    from app import create_app
+
+    return partial(create_app, on_load_error=_stop_worker)
+
+
+app = StartingApp(_load, _stop_worker, load_settings().max_body_bytes).start()

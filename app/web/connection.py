@@ -8,10 +8,9 @@ Other servers (werkzeug's, the test client) pass the header on as it is.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
-StartResponse = Callable[..., Any]
-WSGIApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
+from app.starting import StartResponse, WSGIApp, force_close
 
 
 def _asks_to_close(headers: list[tuple[str, str]]) -> bool:
@@ -28,9 +27,7 @@ class CloseWhenAsked:
         """Run the app; force the server to close when its answer asks for it."""
         def start(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
             if _asks_to_close(headers):
-                force_close = getattr(getattr(start_response, "__self__", None), "force_close", None)
-                if callable(force_close):
-                    force_close()
+                force_close(start_response)
             return start_response(status, headers, exc_info)
 
         return self.app(environ, start)

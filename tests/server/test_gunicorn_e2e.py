@@ -2,6 +2,7 @@
 a soak with flat memory, and how long it takes to exit (faults and hostile clients: test_faults.py)."""
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -124,32 +125,80 @@ def _answers(url: str) -> bool:
         return False
 
 
-def test_a_loading_worker_answers_at_once(real_weights: Path, start_server: Callable[..., Running]) -> None:
-    # Before: from the worker's start until warm-up ended, connections waited in the listen backlog unanswered.
-    server = start_server(real_weights, max_batch_size="8")
-    seen: dict[str, object] = {}  # what the worker answered while loading, and whether it became ready
-    deadline = time.monotonic() + 180
-    while "ready" not in seen:
-        assert server.process.poll() is None and time.monotonic() < deadline, server.output()[-3000:]
+POLLED = [("GET", "/healthz"), ("GET", "/readyz"), ("POST", "/predict"), ("POST", "/v2/models/small/infer")]
+V2_BODY = {"inputs": [{"name": "images", "shape": [1], "datatype": "BYTES", "data": [base64.b64encode(IMAGE).decode()]}]}
+
+
+def _poll(session: requests.Session, url: str) -> list[tuple[requests.Response, float]] | None:
+    """One round of POLLED, each answer with how long it took; None while the port refuses connections."""
+    answers = []
+    for method, path in POLLED:
+        started = time.monotonic()
         try:
-            health = requests.get(f"{server.url}/healthz", timeout=10)
-        except requests.ConnectionError:  # the worker has not imported the app yet
-            time.sleep(0.1)
+            if path.startswith("/v2/"):
+                answer = session.post(url + path, json=V2_BODY, timeout=10)
+            else:
+                answer = session.request(method, url + path, data=IMAGE, headers={"Content-Type": "image/jpeg"},
+                                         timeout=10)
+        except requests.ConnectionError:
+            if answers:
+                raise
+            return None
+        answers.append((answer, time.monotonic() - started))
+    return answers
+
+
+def test_a_starting_worker_answers_every_request_from_the_moment_the_port_opens(
+        small_weights: Path, start_server: Callable[..., Running]) -> None:
+    # Before (#32): the worker imported torch and the app before it answered anything, so a probe made as the port
+    # opened waited about 3 s in the listen backlog. Now every request is answered at once: 200, 503, 503 with
+    # Retry-After (first by app/starting.py while the imports run, then by the app while the model loads), then
+    # 200s, on one kept-alive connection and in one worker.
+    server = start_server(small_weights)
+    session, rounds, answered_200 = requests.Session(), [], set()
+    deadline = time.monotonic() + 180
+    while not rounds or answered_200 != {path for _, path in POLLED}:
+        assert server.process.poll() is None and time.monotonic() < deadline, server.output()[-3000:]
+        answers = _poll(session, server.url)
+        if answers is None:  # not listening yet: connect again
+            time.sleep(0.02)
             continue
-        assert health.status_code == 200
-        ready = requests.get(f"{server.url}/readyz", timeout=10)
-        if ready.status_code == 200:
-            seen["ready"] = True
-            break
-        assert ready.status_code == 503 and ready.json()["status"] == "not_ready"
-        predict = requests.post(f"{server.url}/predict", data=_cat(), headers={"Content-Type": "image/jpeg"},
-                                timeout=10)
-        v2 = requests.post(f"{server.url}/v2/models/efficientnet_lite0/infer", json={"inputs": []}, timeout=10)
-        if predict.status_code == 503 and v2.status_code == 503:  # not loaded yet (or it just became ready)
-            seen["loading"] = (predict.json()["error"]["code"], predict.headers.get("Retry-After"), v2.json())
-    assert seen.get("loading") == ("not_ready", "5", {"error": "the model is still loading"}), seen
-    assert requests.post(f"{server.url}/predict", data=_cat(), headers={"Content-Type": "image/jpeg"},
-                         timeout=60).status_code == 200
+        if not rounds:
+            workers = server.worker_pids()
+        rounds.append(answers)
+        for (answer, waited), (_, path) in zip(answers, POLLED):
+            assert waited < 1, (path, waited)
+            if answer.status_code == 200:
+                answered_200.add(path)
+                continue
+            assert answer.status_code == 503 and path != "/healthz" and path not in answered_200, (path, answer.text)
+            if path == "/readyz":
+                assert answer.json()["status"] == "not_ready"
+            else:
+                assert answer.headers["Retry-After"] == "5"
+                assert answer.json() == ({"error": "the model is still loading"} if path.startswith("/v2/") else
+                                         {"error": {"code": "not_ready", "message": "the model is still loading",
+                                                    "request_id": answer.headers["X-Request-ID"]}})
+        time.sleep(0.2)
+    assert [a.status_code for a, _ in rounds[0]] == [200, 503, 503, 503]
+    assert server.worker_pids() == workers  # the same worker: no restart
+    starting = [json.loads(line) for line in server.output().splitlines() if '"route": "starting"' in line]
+    assert {(e["path"], e["status"]) for e in starting} >= {("/predict", 503)}, "no answer before the app existed"
+    assert server.output().count('"the app took over"') == 1
+
+
+def test_sigterm_while_the_worker_imports_the_app_ends_it_cleanly(small_weights: Path,
+                                                                 start_server: Callable[..., Running]) -> None:
+    # The worker waits for the imports to end (a thread cannot be stopped mid-import), builds nothing and exits 0.
+    server = start_server(small_weights)
+    deadline = time.monotonic() + 60
+    while _poll(requests.Session(), server.url) is None:
+        assert server.process.poll() is None and time.monotonic() < deadline, server.output()[-3000:]
+        time.sleep(0.02)
+    assert '"the app took over"' not in server.output(), "the imports ended before the test's SIGTERM"
+    assert server.stop(timeout_s=60) == 0
+    output = server.output()
+    assert '"the app took over"' not in output and "Traceback" not in output and '"level": "error"' not in output
 
 
 def rss_bytes(pid: int) -> int:

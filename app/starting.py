@@ -1,0 +1,151 @@
+"""The worker's WSGI app from its first second: it answers while torch, Flask and the app are imported, then hands over.
+
+A gunicorn worker imported torch and the app before it could answer anything (about 3.5 s here), so connections
+made meanwhile waited in the listen backlog. ``StartingApp`` is what gunicorn loads instead (app/wsgi.py): it
+starts a thread that imports and builds the real app, answers every request at once until that app exists, then
+passes every request to it, in the same worker, with no restart and no connection dropped.
+
+Meanwhile it answers as the real app does while its model loads: ``/healthz`` and ``/v2/health/live`` 200,
+``/readyz`` and ``/v2/health/ready`` 503, everything else ``503 not_ready`` with ``Retry-After``, in the error
+shape of the path (``{"error": "<message>"}`` under /v2), with an ``X-Request-ID`` and one access-log line. It
+checks no API key (its answers hold nothing but "starting"), counts no metrics, and closes the connection after a
+body it cannot have read (chunked, or over ``max_body_bytes``). Standard library only: no request waits for the
+imports it is answering around.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+import uuid
+from typing import Any, Callable, Iterable
+
+StartResponse = Callable[..., Any]
+WSGIApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
+
+RETRY_AFTER_S = 5  # app.engine.call.NOT_READY_RETRY_S (a test keeps them equal): every 503's Retry-After
+MESSAGE = "the model is still loading"  # what app.engine.service says while loading (a test compares)
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")  # app/web/hooks.py keeps a caller's id when it is sane
+
+# Probes answered as the loading app answers them: path -> (status, body).
+PROBES: dict[str, tuple[int, dict[str, Any]]] = {
+    "/healthz": (200, {"status": "alive", "checks": {"batcher_thread": True}}),
+    "/readyz": (503, {"status": "not_ready", "checks": {"model_loaded": False, "warmed_up": False,
+                                                        "batcher_thread": False, "accepting": True}}),
+    "/v2/health/live": (200, {"live": True}),
+    "/v2/health/ready": (503, {"ready": False}),
+}
+_REASONS = {200: "OK", 503: "Service Unavailable"}
+
+access_log = logging.getLogger("visionserve.access")
+log = logging.getLogger(__name__)
+
+
+def force_close(start_response: StartResponse) -> None:
+    """Make gunicorn close the connection after this answer (it drops an app's own ``Connection`` header); its
+    ``start_response`` is a bound method of the response, which has ``force_close``. Other servers: nothing."""
+    close = getattr(getattr(start_response, "__self__", None), "force_close", None)
+    if callable(close):
+        close()
+
+
+def _unread_body(environ: dict[str, Any], max_body_bytes: int) -> bool:
+    """A body the worker's event loop did not read whole: chunked, or announced over the limit."""
+    if "chunked" in environ.get("HTTP_TRANSFER_ENCODING", "").lower():
+        return True
+    length = environ.get("CONTENT_LENGTH") or "0"
+    return not length.isdigit() or int(length) > max_body_bytes
+
+
+def starting_answer(environ: dict[str, Any], request_id: str) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """Status, JSON body and extra headers for a request that arrives before the app exists."""
+    path = environ.get("PATH_INFO", "")
+    if path in PROBES:
+        status, body = PROBES[path]
+        return status, body, {}
+    if path == "/v2" or path.startswith("/v2/"):
+        body = {"error": MESSAGE}
+    else:
+        body = {"error": {"code": "not_ready", "message": MESSAGE, "request_id": request_id}}
+    return 503, body, {"Retry-After": str(RETRY_AFTER_S)}
+
+
+class StartingApp:
+    """A WSGI app that builds the real one on a thread and answers for it until then (see the module docstring).
+
+    ``load`` imports what the app needs (the slow part) and returns a function that builds it; the worker's stop
+    is checked between the two, so a worker told to stop while importing builds nothing. ``on_error`` gets an
+    import or build failure (app/wsgi.py ends the worker with gunicorn's boot-error status).
+    """
+
+    def __init__(self, load: Callable[[], Callable[[], WSGIApp]], on_error: Callable[[BaseException], None],
+                 max_body_bytes: int) -> None:
+        self.max_body_bytes = max_body_bytes
+        self.app: WSGIApp | None = None
+        self._load, self._on_error = load, on_error
+        # Not a daemon: a worker that stops mid-import waits for the import to end instead of finalising the
+        # interpreter under it; then it builds nothing (_stopping).
+        self._thread = threading.Thread(target=self._run, name="app-import")
+
+    def start(self) -> "StartingApp":
+        """Begin importing and building the real app."""
+        self._thread.start()
+        return self
+
+    @property
+    def extensions(self) -> dict[str, Any]:
+        """The real app's extensions once it exists (gunicorn.conf.py finds the service there), else none."""
+        return getattr(self.app, "extensions", {})
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait for the real app (tests); returns whether it exists."""
+        self._thread.join(timeout_s)
+        return self.app is not None
+
+    def _run(self) -> None:
+        started = time.perf_counter()
+        try:
+            build = self._load()
+            if _stopping():
+                return
+            self.app = build()
+        except BaseException as exc:  # noqa: BLE001 - handed to on_error, which decides the worker's fate
+            if _stopping():  # imports fail at interpreter shutdown (atexit registrations): not the app's fault
+                log.debug("the app was not built: the worker is stopping", exc_info=exc)
+                return
+            self._on_error(exc)
+            return
+        log.info("the app took over", extra={"import_s": round(time.perf_counter() - started, 2)})
+
+    def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        app = self.app
+        if app is not None:
+            return app(environ, start_response)
+        return self._answer(environ, start_response)
+
+    def _answer(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        started = time.perf_counter()
+        incoming = environ.get("HTTP_X_REQUEST_ID", "")
+        request_id = incoming if _REQUEST_ID.match(incoming) else uuid.uuid4().hex
+        status, body, headers = starting_answer(environ, request_id)
+        data = json.dumps(body).encode()
+        if _unread_body(environ, self.max_body_bytes):
+            force_close(start_response)
+            headers["Connection"] = "close"
+        start_response(f"{status} {_REASONS[status]}", [
+            ("Content-Type", "application/json"), ("Content-Length", str(len(data))), ("X-Request-ID", request_id),
+            *headers.items()])
+        path = environ.get("PATH_INFO", "")
+        probe = path in PROBES
+        access_log.log(logging.DEBUG if probe else logging.INFO, "request", extra={
+            "request_id": request_id, "client": environ.get("REMOTE_ADDR"), "method": environ.get("REQUEST_METHOD"),
+            "route": "starting", "path": path, "status": status, "error": None if probe else "not_ready",
+            "duration_ms": round((time.perf_counter() - started) * 1000, 2)})
+        return [data]
+
+
+def _stopping() -> bool:
+    """The worker's main thread has ended (it is exiting, and waits for this thread)."""
+    return not threading.main_thread().is_alive()
