@@ -77,7 +77,7 @@ def test_bad_weights_stop_the_boot_with_a_clear_message(tmp_path: Path,
 
 def test_a_bad_setting_stops_the_start_with_one_line_naming_the_variable(tmp_path: Path,
                                                                        start_server: Callable[..., Running]) -> None:
-    server = start_server(tmp_path, workers="0", device="gpu")
+    server = start_server(tmp_path, workers="-1", device="gpu")  # 0 is auto
     assert server.process.wait(timeout=60) != 0
     lines = server.output().strip().splitlines()
     assert len(lines) == 1 and "VISIONSERVE_WORKERS" in lines[0] and "VISIONSERVE_DEVICE" in lines[0], lines
