@@ -329,9 +329,7 @@ def test_workers_sharing_a_control_directory_apply_each_others_loads(settings: S
         assert there.serving() == {}  # a generation is the whole set: "other" was not in it
     finally:
         for reconciler in (here, there):
-            reconciler.close()
-            for loaded in reconciler.routes.all_versions():
-                loaded.batcher.stop(5)
+            _stop(reconciler)
 
 
 def test_calls_for_different_models_on_different_workers_both_take_effect(tmp_path: Path) -> None:
