@@ -1,11 +1,11 @@
 """Request pieces every protocol reads the same way: the body, the deadline header, JSON, base64-encoded images."""
 from __future__ import annotations
 
-import base64
 import binascii
-import json
 from typing import Any, Mapping
 
+import pybase64
+import pydantic_core
 from werkzeug import Request
 
 from app.errors import BadRequest, BodyTooLarge, InvalidBase64, InvalidJSON
@@ -26,23 +26,28 @@ def deadline_s(headers: Mapping[str, str], maximum_s: float) -> float:
 
 
 def decode_base64(text: str, where: str) -> bytes:
-    """Strict base64 -> bytes; raises InvalidBase64 naming ``where`` (e.g. "images[2]")."""
+    """Strict base64 -> bytes (the standard library's ``validate=True`` rules); raises InvalidBase64 naming
+    ``where`` (e.g. "images[2]").
+
+    pybase64's SIMD decoder: a 4000x3000 photo's 1.5 MB of base64 takes 0.06 ms against 3 ms for the standard
+    library's (bench/serving/request_forms.py).
+    """
     try:
-        return base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
+        return pybase64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError, TypeError):
         raise InvalidBase64(f"{where} is not valid base64") from None
 
 
 def parse_json(data: bytes, what: str) -> Any:
     """JSON -> Python; raises InvalidJSON naming ``what`` (e.g. "the body") for anything that does not parse.
 
-    RecursionError included: a body nested a thousand levels deep exhausts the decoder's stack, and is bad JSON
-    to the client, not a server error.
+    pydantic's Rust parser: a body carrying a photo in base64 parses about 9x faster than with the json module.
+    Nesting deeper than its limit (a few hundred levels) is bad JSON to the client, not a server error.
     """
     try:
-        return json.loads(data)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        reason = "it is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        return pydantic_core.from_json(data)
+    except ValueError as exc:
+        reason = "it is nested too deeply" if "recursion limit" in str(exc) else str(exc)
         raise InvalidJSON(f"{what} is not valid JSON: {reason}") from None
 
 
