@@ -2,8 +2,11 @@
 same photos, one run.
 
 For each model (the default EfficientNet-Lite0, and mobilenet_v3_small, which batching helps more): the in-process
-limit, then visionserve, a naive one-forward-per-request Flask app and LitServe, each under a closed-loop load at
-C = 1, 4, 16, 64. Prints a table, writes bench/results/<date>-<machine>.md (+ .json) and a PNG chart.
+limit and the CPU-time ceiling; a probe of the candidate settings against the defaults at C=16; then visionserve with
+its defaults (what `make serve` starts) and with the best settings found, a naive one-forward-per-request Flask app
+(as many workers as visionserve's default) and LitServe, each under a closed-loop load at C = 1, 4, 16, 64, every
+server sent the same photos in the same form (base64 in JSON by default: the one form all three read). Prints a
+table, writes bench/results/<date>-<machine>.md (+ .json) and a PNG chart.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from app.host import workers_for
 from bench.paths import RESULTS, WORK
 from bench.serving import report
 from bench.serving.limit import SERVED, LimitResult, configurations, cpu_time_bound, process_pipeline, single_image_ms
@@ -27,6 +31,8 @@ from bench.serving.load import LoadResult, measure
 from bench.serving.peers import litserve, naive
 from harness.photos import workload
 from harness.servers import Running, visionserve
+
+DEFAULTS = "visionserve"  # the row for visionserve as `make serve` starts it
 
 
 def export_models(out: Path) -> dict[str, Path]:
@@ -47,64 +53,130 @@ def export_models(out: Path) -> dict[str, Path]:
     return dirs
 
 
+# The settings tried against the defaults at C=16 before the run: the fastest is measured at every concurrency as
+# "visionserve (best: ...)". Each is one or more VISIONSERVE_ settings without the prefix, space-separated.
+CANDIDATES = ("WORKERS=1", "WORKERS=3", "MAX_BATCH_SIZE=4", "WORKERS=3 MAX_BATCH_SIZE=4")
+
+
+def parse_settings(candidate: str) -> dict[str, str]:
+    """"WORKERS=3 MAX_BATCH_SIZE=4" -> {"workers": "3", "max_batch_size": "4"}."""
+    pairs = [item.split("=", 1) for item in candidate.split()]
+    if not pairs or any(len(pair) != 2 or not pair[0] for pair in pairs):
+        raise ValueError(f"a candidate is SETTING=value pairs, got {candidate!r}")
+    return {name.lower(): value for name, value in pairs}
+
+
+def request_bodies(form: str) -> dict[str, tuple[list[bytes], str]]:
+    """The workload's photos as each server takes them in ``form``: "json" (base64 in JSON, the form every peer
+    reads, LitServe only that one) or "raw" (an image body; LitServe still gets JSON)."""
+    jpegs = list(workload())
+    as_text = [base64.b64encode(b).decode() for b in jpegs]
+    single = ([json.dumps({"image": t}).encode() for t in as_text], "application/json")
+    if form == "raw":
+        return {"visionserve": (jpegs, "image/jpeg"), "naive": (jpegs, "image/jpeg"), "litserve": single}
+    return {"visionserve": ([json.dumps({"images": [t]}).encode() for t in as_text], "application/json"),
+            "naive": single, "litserve": single}
+
+
 @dataclass(frozen=True)
 class Contender:
-    """A server to compare, and the request bodies it takes (LitServe reads JSON, not raw image bodies)."""
+    """A server to compare, and the request bodies it takes."""
 
+    name: str
     start: Callable[[], Running]
     bodies: list[bytes]
     content_type: str
 
 
-def contenders(weights: Path, logs: Path, args: argparse.Namespace) -> list[Contender]:
-    """visionserve and the naive Flask app with ``args.workers`` worker processes, and LitServe (unless skipped)."""
-    jpegs = list(workload())
-    found = [Contender(lambda: visionserve(weights, logs, workers=str(args.workers)), jpegs, "image/jpeg"),
-             Contender(lambda: naive(weights, logs, args.workers), jpegs, "image/jpeg")]
+def ours(weights: Path, logs: Path, settings: dict[str, str], bodies: tuple[list[bytes], str]) -> Contender:
+    """visionserve with ``settings`` over its defaults (none: what `make serve` starts)."""
+    name = DEFAULTS if not settings else "visionserve (best: " + " ".join(
+        f"{k.upper()}={v}" for k, v in settings.items()) + ")"
+
+    def start() -> Running:
+        server = visionserve(weights, logs, **settings)
+        server.name = name
+        return server
+
+    return Contender(name, start, *bodies)
+
+
+def contenders(weights: Path, logs: Path, best: dict[str, str], args: argparse.Namespace) -> list[Contender]:
+    """visionserve with its defaults and with ``best`` (when not the defaults), the naive Flask app with as many
+    workers as visionserve chooses by default, and LitServe (unless skipped)."""
+    bodies = request_bodies(args.form)
+    workers = workers_for(0, "cpu")[0]
+    found = [ours(weights, logs, {}, bodies["visionserve"])]
+    if best:
+        found.append(ours(weights, logs, best, bodies["visionserve"]))
+    found.append(Contender("naive-flask", lambda: naive(weights, logs, workers), *bodies["naive"]))
     if not args.skip_litserve:
-        as_json = [json.dumps({"image": base64.b64encode(b).decode()}).encode() for b in jpegs]
         # One inference worker: LitServe's best here (2 workers gave 11 img/s at C=4 against about 30 with 1).
-        found.append(Contender(lambda: litserve(weights, logs, 1), as_json, "application/json"))
+        found.append(Contender("litserve", lambda: litserve(weights, logs, 1), *bodies["litserve"]))
     return found
 
 
+def probe_best(model: str, weights: Path, logs: Path, args: argparse.Namespace) -> tuple[dict[str, str], list]:
+    """The defaults and each candidate at C=16 for ``args.probe_seconds``: the fastest settings ({} when the
+    defaults are) and every probe's (settings, img/s, p99 ms)."""
+    bodies = request_bodies(args.form)["visionserve"]
+    probes = []
+    for settings in [{}, *(parse_settings(c) for c in args.candidates)]:
+        contender = ours(weights, logs, settings, bodies)
+        try:
+            server = contender.start().wait_ready()
+        except RuntimeError as exc:
+            print(f"[{model}] {contender.name} did not start: {exc}", file=sys.stderr)
+            continue
+        try:
+            r = measure(contender.name, model, server.url, "/predict", contender.bodies, 16, args.probe_seconds,
+                        args.warmup, content_type=contender.content_type)
+        finally:
+            server.stop()
+        probes.append((settings, r.images_per_s, r.p99_ms))
+        print(f"[{model}] probe {contender.name}: {r.images_per_s:.1f} img/s, p99 {r.p99_ms:.0f} ms", flush=True)
+    return max(probes, key=lambda p: p[1])[0], probes
+
+
 def run_model(model: str, weights: Path, args: argparse.Namespace, logs: Path) -> dict[str, object]:
-    """The limit and every server at every concurrency, for one model."""
+    """The limit, the best settings, and every server at every concurrency, for one model."""
     from app.engine.predictor import Predictor
     from app.engine.tuning import forward_threads
 
     predictor, configs = configurations(weights, args.compile)
     limit = measure_limit(predictor, configs, workload(), (1, 8), args.limit_seconds)
     ceiling = cpu_time_bound(predictor, configs, workload())
+    workers = workers_for(0, "cpu")[0]  # the service's default: the process pipeline has as many processes
 
     def pipeline(batch_size: int) -> LimitResult:  # the same work without HTTP, one process per worker
         return process_pipeline(weights, workload(), ceiling.forward_config or SERVED, batch_size,
-                                2 * args.limit_seconds, args.workers)
+                                2 * args.limit_seconds, workers)
 
     pipelines_at_start = [pipeline(size) for size in sorted({1, ceiling.batch_size})]
     limit += pipelines_at_start
     best_batch = max(pipelines_at_start, key=lambda r: r.images_per_s).batch_size
     # The module the service serves (frozen + optimize_for_inference), already built by configurations().
     served = Predictor(configs[SERVED], predictor.manifest, device="cpu", weights_format=predictor.weights_format)
-    threads = forward_threads(0, torch.device("cpu"))  # what each worker gives its forward pass
+    threads = forward_threads(0, torch.device("cpu"), workers=workers)  # what each worker gives its forward pass
     single_ms = single_image_ms(served, workload(), threads)
     print(f"[{model}] limit: " + ", ".join(f"{r.config} b{r.batch_size} {r.images_per_s:.1f}" for r in limit)
           + f"; ceiling {ceiling.images_per_s:.1f}", flush=True)
+    best, probes = probe_best(model, weights, logs, args) if args.candidates else ({}, [])
     loads: list[LoadResult] = []
     bounds: dict[int, dict[str, object]] = {}
     pipelines: dict[int, dict[str, object]] = {}
-    for contender in contenders(weights, logs, args):
+    for contender in contenders(weights, logs, best, args):
         try:
             server = contender.start().wait_ready()
         except RuntimeError as exc:
-            print(f"[{model}] a server did not start: {exc}", file=sys.stderr)
+            print(f"[{model}] {contender.name} did not start: {exc}", file=sys.stderr)
             continue
         try:
             for concurrency in args.concurrency:
-                if server.name == "visionserve":  # limit and ceiling from this minute, for this point
+                if contender.name == DEFAULTS:  # limit and ceiling from this minute, for this point
                     bounds[concurrency] = asdict(cpu_time_bound(predictor, configs, workload()))
                     pipelines[concurrency] = asdict(pipeline(best_batch))
-                result = measure(server.name, model, server.url, "/predict", contender.bodies, concurrency,
+                result = measure(contender.name, model, server.url, "/predict", contender.bodies, concurrency,
                                  args.seconds, args.warmup, content_type=contender.content_type,
                                  server_pgid=server.process.pid)
                 loads.append(result)
@@ -112,9 +184,9 @@ def run_model(model: str, weights: Path, args: argparse.Namespace, logs: Path) -
         finally:
             server.stop()
     return {"limit": [asdict(r) for r in limit], "ceiling": asdict(ceiling), "bound_at": bounds,
-            "pipeline_at": pipelines,
-            "single_image_ms": single_ms,
-            "forward_threads": threads, "loads": [asdict(r) for r in loads]}
+            "pipeline_at": pipelines, "single_image_ms": single_ms, "forward_threads": threads, "workers": workers,
+            "probes": [{"settings": s, "images_per_s": rate, "p99_ms": p99} for s, rate, p99 in probes],
+            "loads": [asdict(r) for r in loads]}
 
 
 def main() -> None:
@@ -127,8 +199,11 @@ def main() -> None:
     parser.add_argument("--limit-seconds", type=float, default=3.0)
     parser.add_argument("--compile", action="store_true", help="also try torch.compile for the limit")
     parser.add_argument("--skip-litserve", action="store_true")
-    parser.add_argument("--workers", type=int, default=2,
-                        help="worker processes for every server (2 x 1 thread beat 1 x 2 threads on a 2-core CPU)")
+    parser.add_argument("--form", choices=("json", "raw"), default="json",
+                        help="how images are posted: base64 in JSON (every server reads it) or raw bodies")
+    parser.add_argument("--candidates", nargs="*", default=list(CANDIDATES),
+                        help="settings tried against the defaults at C=16 (none: only the defaults are measured)")
+    parser.add_argument("--probe-seconds", type=float, default=6.0, help="measured seconds per candidate probe")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the report goes")
     args = parser.parse_args()
     logs = WORK / "logs"

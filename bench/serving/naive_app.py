@@ -1,10 +1,12 @@
 """The baseline most tutorials show: a Flask app that runs one forward pass per request, no batching.
 
 Same weights, same decode and eval transform as visionserve, so the comparison isolates the serving design.
-Run by the benchmark as: gunicorn bench.serving.naive_app:app (with the same worker settings as visionserve).
+It reads a raw image body, or JSON ``{"image": "<base64>"}`` the way such tutorials do (``request.get_json()``,
+``base64.b64decode``). Run by the benchmark as: gunicorn bench.serving.naive_app:app (with the same worker settings as visionserve).
 """
 from __future__ import annotations
 
+import base64
 import os
 from pathlib import Path
 
@@ -22,7 +24,8 @@ _predictor = Predictor.load(Path(os.environ["NAIVE_WEIGHTS_DIR"]), device="cpu",
 
 @app.post("/predict")
 def predict():  # noqa: ANN201 - tutorial style on purpose
-    image = image_to_tensor(request.get_data(), _predictor.transform, LIMITS)
+    data = base64.b64decode(request.get_json()["image"]) if request.is_json else request.get_data()
+    image = image_to_tensor(data, _predictor.transform, LIMITS)
     with torch.inference_mode():
         probabilities = _predictor.predict_batch(image.unsqueeze(0))[0]
     scores, indices = probabilities.topk(5)

@@ -67,20 +67,48 @@ def _model_section(model: str, results: dict[str, Any]) -> list[str]:
     lines += ["", "| server | C | img/s | p50 ms | p95 ms | p99 ms | errors | mean batch | server cores | "
               "client cores | server CPU ms/img |", "|" + " --- |" * 11]
     lines += [row(LoadResult(**r)) for r in results["loads"]]
-    ours = {r["concurrency"]: r for r in results["loads"] if r["server"] == "visionserve"}
+    lines += _probes(results.get("probes", []))
     lines.append("")
-    for c, r in sorted(ours.items()):
-        peers = {p["server"]: p for p in results["loads"] if p["concurrency"] == c and p["server"] != "visionserve"}
-        ratios = ", ".join(f"{r['images_per_s'] / p['images_per_s']:.2f}x {name}" for name, p in peers.items()
-                           if p["images_per_s"])
-        bound = results["bound_at"].get(c)
-        against_ceiling = f", {r['images_per_s'] / bound['images_per_s']:.2f} of the ceiling" if bound else ""
-        lines.append(f"- C={c}: efficiency {r['images_per_s'] / _limit_at(results, c):.2f} of the limit"
-                     + against_ceiling + (f"; {ratios}" if ratios else "") + _cpu_split(r, bound))
+    for name in dict.fromkeys(r["server"] for r in results["loads"] if _is_ours(r["server"])):
+        lines += _against_peers(name, results)
+    ours = {r["concurrency"]: r for r in results["loads"] if r["server"] == "visionserve"}
     if 1 in ours:
         lines.append(f"- C=1 p50 {ours[1]['p50_ms']:.1f} ms vs in-process single image "
                      f"{results['single_image_ms']:.1f} ms ({ours[1]['p50_ms'] / results['single_image_ms']:.2f}x)")
     return lines + [""]
+
+
+def _is_ours(server: str) -> bool:
+    return server.startswith("visionserve")
+
+
+def _probes(probes: list[dict[str, Any]]) -> list[str]:
+    """The candidate settings tried at C=16 before the run, the fastest first."""
+    if not probes:
+        return []
+    lines = ["", "Settings tried at C=16 before the run (the fastest is measured above as the best):", "",
+             "| settings | img/s | p99 ms |", "| --- | --- | --- |"]
+    for probe in sorted(probes, key=lambda p: -p["images_per_s"]):
+        settings = " ".join(f"{k.upper()}={v}" for k, v in probe["settings"].items()) or "defaults"
+        lines.append(f"| {settings} | {probe['images_per_s']:.1f} | {probe['p99_ms']:.0f} |")
+    return lines
+
+
+def _against_peers(name: str, results: dict[str, Any]) -> list[str]:
+    """One line per concurrency for one visionserve row: efficiency, ratios and p99 against the peers, CPU split."""
+    lines = [f"{name}:"]
+    for r in sorted((r for r in results["loads"] if r["server"] == name), key=lambda r: r["concurrency"]):
+        c = r["concurrency"]
+        peers = {p["server"]: p for p in results["loads"] if p["concurrency"] == c and not _is_ours(p["server"])}
+        ratios = ", ".join(f"{r['images_per_s'] / p['images_per_s']:.2f}x {peer}" for peer, p in peers.items()
+                           if p["images_per_s"])
+        p99s = ", ".join(f"{p['p99_ms']:.0f} {peer}" for peer, p in peers.items())
+        bound = results["bound_at"].get(c) or results["bound_at"].get(str(c))
+        against_ceiling = f", {r['images_per_s'] / bound['images_per_s']:.2f} of the ceiling" if bound else ""
+        lines.append(f"- C={c}: efficiency {r['images_per_s'] / _limit_at(results, c):.2f} of the limit"
+                     + against_ceiling + (f"; {ratios}" if ratios else "")
+                     + (f"; p99 {r['p99_ms']:.0f} ms against {p99s}" if p99s else "") + _cpu_split(r, bound))
+    return lines
 
 
 def chart(results: dict[str, Any], target: Path) -> None:

@@ -18,10 +18,13 @@ def _results() -> dict[str, object]:
     ceiling = LimitResult("CPU-time bound (2 cores, ...)", 8, 150.0, 1.5, decode_ms=11.0, forward_config="served")
     loads = [LoadResult("visionserve", "m", 16, 108.0, 130, 250, 300, 0, 200, 2.5, 1.9, 0.05, 17.6, 12.0, 3.0),
              LoadResult("naive-flask", "m", 16, 72.0, 200, 380, 450, 0, 150, None, 1.9, 0.03, 26.0),
-             LoadResult("visionserve", "m", 1, 50.0, 17.0, 30, 35, 0, 100, 1.0, 1.0, 0.03, 20.0, 12.5, 5.5)]
+             LoadResult("visionserve", "m", 1, 50.0, 17.0, 30, 35, 0, 100, 1.0, 1.0, 0.03, 20.0, 12.5, 5.5),
+             LoadResult("visionserve (best: WORKERS=3)", "m", 16, 117.0, 120, 240, 280, 0, 210, 2.4, 1.95, 0.05)]
     return {"limit": [asdict(r) for r in limit], "ceiling": asdict(ceiling),
             "bound_at": {16: asdict(ceiling)}, "pipeline_at": {16: asdict(LimitResult("again", 8, 135.0, None))},
-            "single_image_ms": 15.0, "forward_threads": 1, "loads": [asdict(r) for r in loads]}
+            "single_image_ms": 15.0, "forward_threads": 1, "loads": [asdict(r) for r in loads],
+            "probes": [{"settings": {}, "images_per_s": 100.0, "p99_ms": 310.0},
+                       {"settings": {"workers": "3"}, "images_per_s": 110.0, "p99_ms": 290.0}]}
 
 
 def test_points_are_compared_with_the_higher_limit_and_their_own_ceiling(tmp_path: Path) -> None:
@@ -32,6 +35,11 @@ def test_points_are_compared_with_the_higher_limit_and_their_own_ceiling(tmp_pat
     assert "- C=16: efficiency 0.80 of the limit, 0.72 of the ceiling; 1.50x naive-flask" in markdown
     assert "server CPU per image 17.6 ms = decode 12.0 + forward 3.0 + HTTP, Python and the rest 2.6" in markdown
     assert "(the bound counts decode 11.0 + forward 1.5 = 12.5)" in markdown
+    assert "; p99 300 ms against 450 naive-flask" in markdown
+    # The best settings found: their own lines against the same peers and ceiling, and the probes fastest first.
+    best = markdown.split("visionserve (best: WORKERS=3):\n")[1]
+    assert best.startswith("- C=16: efficiency 0.87 of the limit, 0.78 of the ceiling; 1.62x naive-flask; p99 280")
+    assert "| WORKERS=3 | 110.0 | 290 |\n| defaults | 100.0 | 310 |" in markdown
     # C=1 has no re-measured limit or ceiling: the start's best pipeline only.
     assert "- C=1: efficiency 0.42 of the limit; server CPU per image 20.0 ms" in markdown
     assert "- C=1 p50 17.0 ms vs in-process single image 15.0 ms (1.13x)" in markdown
