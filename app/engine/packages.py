@@ -1,9 +1,11 @@
-"""Serving an AOTInductor package (models/export/compile.py): which one fits this server, and loading it.
+"""Serving an AOTInductor package (models/export/compile.py, quantize.py): which one fits this server, and loading it.
 
-``WEIGHTS_FORMAT=aoti`` serves a package compiled for this device type, dtype and torch version, whose batch range
-covers ``MAX_BATCH_SIZE``, or refuses to start saying why none fits. ``auto`` does the same only on the device
-types where packages were measured faster than TorchScript (``FASTER_ON``), and otherwise serves TorchScript,
-saying why in one log line.
+A package is of one of two kinds: ``aoti`` (float, compiled from the model as it is) or ``int8`` (PT2E-quantized for
+the CPU, with its top-1 agreement with float32 on real photos measured at export). ``WEIGHTS_FORMAT=aoti`` or
+``int8`` serves a package of that kind compiled for this device type, dtype and torch version, whose batch range
+covers ``MAX_BATCH_SIZE``, or refuses to start saying why none fits. ``auto`` serves the kind measured fastest end to
+end on this device type (``FASTEST_ON``) when one fits (an int8 one also needs ``MIN_TOP1_AGREEMENT``), and
+otherwise TorchScript, saying why in one log line.
 """
 from __future__ import annotations
 
@@ -14,15 +16,23 @@ import torch
 import torch.nn as nn
 
 from app.engine.weights import ModelLoadError
-from models.export.manifest import CompiledPackage, Manifest, sha256_of
+from models.export.manifest import MIN_TOP1_AGREEMENT, CompiledPackage, Manifest, sha256_of
 
 log = logging.getLogger(__name__)
 
-# Where `python -m bench.serving.formats` measured packages faster than frozen TorchScript, end to end: nowhere yet. On
-# the 2-core CPU the package ran 1.2-1.45x TorchScript's forward pass at batches of 4-8 but 0.87-0.97x at 1-2, and
-# the server 1.02x at C=1 and 0.94-0.95x at C=16 (bench/results/2026-11-23-formats-cpu-2cpu-vm.md); on CUDA it is
-# not measured. ``auto`` serves a package only where a device type is listed here.
-FASTER_ON: frozenset[str] = frozenset()
+KINDS = {"aoti": "AOTInductor", "int8": "int8 AOTInductor"}
+
+# Device type -> the package kind `python -m bench.serving.formats` measured faster than frozen TorchScript end to
+# end there (the fastest, when several were): none yet. On the 2-core CPU the float package ran 1.2-1.45x
+# TorchScript's forward pass at batches of 4-8 but 0.87-0.97x at 1-2, and the server 1.02x at C=1 and 0.94-0.95x at
+# C=16 (bench/results/2026-11-23-formats-cpu-2cpu-vm.md); the int8 package waits for the full run of the bench (its
+# report's verdict names what goes here); on CUDA nothing is measured.
+FASTEST_ON: dict[str, str] = {}
+
+
+def kind_of(package: CompiledPackage) -> str:
+    """``int8`` for a quantized package, ``aoti`` for a float one (the WEIGHTS_FORMAT that asks for it)."""
+    return "int8" if package.quantization == "int8" else "aoti"
 
 
 def why_not(package: CompiledPackage, device: torch.device, dtype: str, max_batch_size: int) -> str | None:
@@ -38,26 +48,52 @@ def why_not(package: CompiledPackage, device: torch.device, dtype: str, max_batc
     return None
 
 
-def choose_package(manifest: Manifest, setting: str, device: torch.device, dtype: str,
-                   max_batch_size: int) -> CompiledPackage | None:
-    """The package to serve under ``setting`` (auto, aoti; others: None), or ModelLoadError for ``aoti``."""
-    if setting not in ("auto", "aoti"):
+def disagrees(package: CompiledPackage) -> str | None:
+    """Why ``auto`` may not serve a quantized ``package`` for its answers, or None when they agree enough."""
+    if package.quantization is None:
         return None
-    if setting == "auto" and device.type not in FASTER_ON:
-        log.info("serving TorchScript: AOTInductor packages were not faster on %s (docs/performance.md); "
-                 "WEIGHTS_FORMAT=aoti serves a fitting one", device.type)
-        return None
+    if package.agreement is None:
+        return "its agreement with float32 was not measured at export"
+    if package.agreement.top1 < MIN_TOP1_AGREEMENT:
+        return (f"its top-1 agrees with float32 on {100 * package.agreement.top1:.1f}% of "
+                f"{package.agreement.photos} photos, below {100 * MIN_TOP1_AGREEMENT:.0f}%")
+    return None
+
+
+def fitting(manifest: Manifest, kind: str, device: torch.device, dtype: str,
+            max_batch_size: int) -> tuple[CompiledPackage | None, str]:
+    """The first package of ``kind`` that fits, or None and why none does."""
     reasons = []
-    for package in manifest.packages:
+    for package in (p for p in manifest.packages if kind_of(p) == kind):
         reason = why_not(package, device, dtype, max_batch_size)
         if reason is None:
-            return package
+            return package, ""
         reasons.append(f"{package.path}: {reason}")
-    why = "; ".join(reasons) or "the manifest lists none (python -m models.export compiles them)"
-    if setting == "aoti":
-        raise ModelLoadError(f"WEIGHTS_FORMAT=aoti but no AOTInductor package fits: {why}")
-    log.info("serving TorchScript: no AOTInductor package fits (%s)", why)
-    return None
+    return None, "; ".join(reasons) or "the manifest lists none (python -m models.export compiles them)"
+
+
+def choose_package(manifest: Manifest, setting: str, device: torch.device, dtype: str,
+                   max_batch_size: int) -> CompiledPackage | None:
+    """The package to serve under ``setting`` (auto, aoti, int8; others: None); ModelLoadError for aoti or int8
+    when none fits."""
+    if setting in KINDS:
+        package, why = fitting(manifest, setting, device, dtype, max_batch_size)
+        if package is None:
+            raise ModelLoadError(f"WEIGHTS_FORMAT={setting} but no {KINDS[setting]} package fits: {why}")
+        return package
+    if setting != "auto":
+        return None
+    kind = FASTEST_ON.get(device.type)
+    if kind is None:
+        log.info("serving TorchScript: no AOTInductor package (float or int8) was measured faster on %s "
+                 "(docs/performance.md); WEIGHTS_FORMAT=aoti or int8 serves a fitting one", device.type)
+        return None
+    package, why = fitting(manifest, kind, device, dtype, max_batch_size)
+    why = why if package is None else (disagrees(package) or "")
+    if why:
+        log.info("serving TorchScript: no %s package fits (%s)", KINDS[kind], why)
+        return None
+    return package
 
 
 class PackagedModel(nn.Module):

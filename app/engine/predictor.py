@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from app.engine.packages import choose_package, load_package
+from app.engine.packages import choose_package, kind_of, load_package
 from app.engine.weights import (
     ModelLoadError,
     check_output_shape,
@@ -65,8 +65,8 @@ class Predictor:
     def load(cls, weights_dir: Path, *, weights_format: str = "auto", device: str = "auto",
              dtype: str = "float32", jit_optimize: bool = False, max_batch_size: int = 1) -> "Predictor":
         """Load and verify (manifest, checksum, keys, output shape) or raise ModelLoadError. ``auto`` serves a
-        fitting AOTInductor package where packages are faster (app/engine/packages.py), else the manifest's
-        default format."""
+        fitting AOTInductor package (float or int8) where that kind was measured faster (app/engine/packages.py),
+        else the manifest's default format."""
         manifest = read_checked_manifest(weights_dir)
         target = resolve_device(device)
         compute_dtype = resolve_dtype(dtype, target)
@@ -75,7 +75,7 @@ class Predictor:
             model: nn.Module = load_package(weights_dir, package)
             check_output_shape(model, manifest, target, compute_dtype)
             log.info("loaded %s %s (AOTInductor %s) onto %s", manifest.name, manifest.version, package.path, target)
-            return cls(model, manifest, device=target, dtype=compute_dtype, weights_format="aoti",
+            return cls(model, manifest, device=target, dtype=compute_dtype, weights_format=kind_of(package),
                        weights_bytes=(weights_dir / package.path).stat().st_size)
         fmt: WeightsFormat = (manifest.default_format if weights_format == "auto"  # type: ignore[assignment]
                               else weights_format)

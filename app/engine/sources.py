@@ -90,7 +90,7 @@ class DirectorySource:
         folder = self.path(name, version)
         manifest = read_checked_manifest(folder)
         setting = self.settings.weights_format  # a package holds the same weights: the default file measures it
-        fmt = manifest.default_format if setting in ("auto", "aoti") else setting
+        fmt = manifest.default_format if setting in ("auto", "aoti", "int8") else setting
         entry = manifest.files.get(fmt)  # type: ignore[call-overload]
         return (folder / entry.path).stat().st_size if entry and (folder / entry.path).is_file() else 0
 

@@ -9,6 +9,7 @@ An export never replaces one already written: into a folder that holds an export
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import shutil
 import sys
@@ -18,6 +19,7 @@ from typing import Sequence
 import torch
 
 from models.export.compile import DTYPES
+from models.export.quantize import TORCHAO_HINT
 from models.run.args import HelpFormatter
 from models.export.write import export_checkpoint, export_default
 
@@ -42,9 +44,11 @@ def get_args_parser() -> argparse.ArgumentParser:
                              "checkpoint its date and a digest of its weights)")
     parser.add_argument("--force", action="store_true", help="replace an export already in the target folder")
     parser.add_argument("--packages", default="auto",
-                        help="AOTInductor packages to compile (needs g++; about 30 s each): cpu, cuda, both "
-                             "(cpu,cuda), none; auto: cuda when a GPU is present, none on a CPU-only machine (the "
-                             "server serves TorchScript there unless VISIONSERVE_WEIGHTS_FORMAT=aoti)")
+                        help="AOTInductor packages to compile (needs g++; about 30 s each), comma-separated: cpu, "
+                             "cuda, cpu-int8 (int8 for the CPU: PT2E quantization calibrated on real photos, needs "
+                             "torchao; its agreement with float32 goes into the manifest), none; auto: cuda when a "
+                             "GPU is present, none on a CPU-only machine (the server serves TorchScript there unless "
+                             "VISIONSERVE_WEIGHTS_FORMAT=aoti or int8)")
     parser.add_argument("--package-dtype", default="float32", choices=sorted(DTYPES),
                         help="the dtype of the CUDA package: the server's VISIONSERVE_DTYPE (CPU packages: float32)")
     return parser
@@ -61,10 +65,13 @@ def package_targets(packages: str, cuda_dtype: str) -> list[tuple[str, str]]:
     if packages == "none":
         return []
     devices = ["cuda"] if packages == "auto" else packages.split(",")
-    unknown = set(devices) - {"cpu", "cuda"}
+    dtypes = {"cpu": "float32", "cuda": cuda_dtype, "cpu-int8": "int8"}
+    unknown = set(devices) - set(dtypes)
     if unknown:
-        raise ValueError(f"--packages takes cpu, cuda, cpu,cuda, none or auto, got {packages!r}")
-    return [(device, "float32" if device == "cpu" else cuda_dtype) for device in devices]
+        raise ValueError(f"--packages takes cpu, cuda, cpu-int8 (comma-separated), none or auto, got {packages!r}")
+    if "cpu-int8" in devices and importlib.util.find_spec("torchao") is None:
+        raise ValueError(TORCHAO_HINT)
+    return [(device.removesuffix("-int8"), dtypes[device]) for device in devices]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
