@@ -18,4 +18,5 @@ SERVING_CONTRACT: tuple[str, ...] = (
     "models.export.repository",  # <repository>/<model>/<version>/
     "models.export.torchscript",  # quiet_jit around loading TorchScript
     "models.export.compile",  # the dtypes of AOTInductor packages
+    "models.export.onnx_runtime",  # an ONNX file's ONNX Runtime session
 )

@@ -22,12 +22,12 @@ log = logging.getLogger(__name__)
 
 KINDS = {"aoti": "AOTInductor", "int8": "int8 AOTInductor"}
 
-# Device type -> the package kind `python -m bench.serving.formats` measured faster than frozen TorchScript end to
-# end there (the fastest, when several were): none yet. On the 2-core CPU the float package ran 1.2-1.45x
-# TorchScript's forward pass at batches of 4-8 but 0.87-0.97x at 1-2, and the server 1.02x at C=1 and 0.94-0.95x at
-# C=16 (bench/results/2026-11-23-formats-cpu-2cpu-vm.md); the int8 package waits for the full run of the bench (its
-# report's verdict names what goes here); on CUDA nothing is measured.
-FASTEST_ON: dict[str, str] = {}
+# Device type -> what `python -m bench.serving.formats` measured fastest end to end there, among a package kind
+# (aoti, int8) and ``onnx`` (the export's ONNX file under ONNX Runtime: app/engine/onnx_model.py). On the 2-core CPU:
+# ONNX Runtime, about 2x frozen TorchScript's forward pass and agreeing with float32 on every photo; the int8 package
+# agreed on 75% only and the float package was no faster than TorchScript at the server's small batches
+# (bench/results/2026-11-24-formats-cpu-2cpu-vm.md). On CUDA nothing is measured yet.
+FASTEST_ON: dict[str, str] = {"cpu": "onnx"}
 
 
 def kind_of(package: CompiledPackage) -> str:
@@ -84,6 +84,8 @@ def choose_package(manifest: Manifest, setting: str, device: torch.device, dtype
     if setting != "auto":
         return None
     kind = FASTEST_ON.get(device.type)
+    if kind == "onnx":  # not a package: app/engine/onnx_model.py chose before, or said why it did not
+        return None
     if kind is None:
         log.info("serving TorchScript: no AOTInductor package (float or int8) was measured faster on %s "
                  "(docs/performance.md); WEIGHTS_FORMAT=aoti or int8 serves a fitting one", device.type)

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from app.engine.onnx_model import choose_onnx, load_onnx
 from app.engine.packages import choose_package, kind_of, load_package
 from app.engine.weights import (
     ModelLoadError,
@@ -63,13 +64,22 @@ class Predictor:
 
     @classmethod
     def load(cls, weights_dir: Path, *, weights_format: str = "auto", device: str = "auto",
-             dtype: str = "float32", jit_optimize: bool = False, max_batch_size: int = 1) -> "Predictor":
-        """Load and verify (manifest, checksum, keys, output shape) or raise ModelLoadError. ``auto`` serves a
-        fitting AOTInductor package (float or int8) where that kind was measured faster (app/engine/packages.py),
-        else the manifest's default format."""
+             dtype: str = "float32", jit_optimize: bool = False, max_batch_size: int = 1,
+             threads: int = 1) -> "Predictor":
+        """Load and verify (manifest, checksum, keys, output shape) or raise ModelLoadError. ``auto`` serves what
+        was measured fastest on the device type (app/engine/packages.py FASTEST_ON): the ONNX file under ONNX
+        Runtime with ``threads`` intra-op threads, or a fitting AOTInductor package (float or int8); else the
+        manifest's default format."""
         manifest = read_checked_manifest(weights_dir)
         target = resolve_device(device)
         compute_dtype = resolve_dtype(dtype, target)
+        onnx = choose_onnx(manifest, weights_format, target, dtype)
+        if onnx is not None:
+            runtime = load_onnx(weights_dir, onnx, threads)
+            check_output_shape(runtime, manifest)
+            log.info("loaded %s %s (ONNX Runtime, %s) onto cpu", manifest.name, manifest.version, onnx.path)
+            return cls(runtime, manifest, device=target, dtype=compute_dtype, weights_format="onnx",
+                       weights_bytes=(weights_dir / onnx.path).stat().st_size)
         package = choose_package(manifest, weights_format, target, dtype, max_batch_size)
         if package is not None:
             model: nn.Module = load_package(weights_dir, package)

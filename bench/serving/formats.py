@@ -11,8 +11,7 @@ OpenVINO: bench/serving/formats_runtimes.py), then:
    venv's process), at the forward threads the server uses (half the cores);
 2. each format's answers against float32 eager on those photos (198 views of 9 scikit-image photos that int8
    calibration never saw): top-1 agreement and the largest probability difference;
-3. the server started with each package-capable format (torchscript, aoti, int8; gunicorn, WORKERS=2, the CPU
-   recommendation): time from start to ready, then images/s and p50 at C=1 and C=16 (the benchmark's photo mix,
+3. the server started with each format it serves (torchscript, aoti, int8, onnx; gunicorn, its default workers): time from start to ready, then images/s and p50 at C=1 and C=16 (the benchmark's photo mix,
    kept-alive connections), median of alternating rounds.
 The report ends with the verdict the figures give: what WEIGHTS_FORMAT=auto should serve on the CPU (a format at
 least MARGIN times TorchScript's images/s at both concurrencies, with top-1 agreement of at least 99%), and whether a
@@ -49,17 +48,19 @@ WORK = paths.WORK / "formats"
 ROOT = Path(__file__).resolve().parents[2]
 BATCH_SIZES = (1, 2, 4, 8)
 FORMATS = {"eager": "state_dict", "TorchScript (frozen)": "torchscript", "AOTInductor package": "aoti",
-           "int8 package": "int8"}
-SERVED = {"torchscript": "TorchScript (frozen)", "aoti": "AOTInductor package", "int8": "int8 package"}
+           "int8 package": "int8", "ONNX Runtime, as served": "onnx"}
+SERVED = {"torchscript": "TorchScript (frozen)", "aoti": "AOTInductor package", "int8": "int8 package",
+          "onnx": "ONNX Runtime, as served"}
 MARGIN = 1.05  # faster end to end: this much more images/s than TorchScript at C=1 and at C=16 (runs vary ~3-5%)
 CLEAR_WIN = 1.2  # a runtime worth a serving backend: this much faster than the best torch format at every batch
 
 
 def exported() -> Path:
-    """Lite0 with its CPU packages (float32 and int8), exported once into bench/.work."""
+    """Lite0 with its CPU packages (float32 and int8) and its ONNX file, exported once into bench/.work."""
     out = WORK / "lite0"
-    if not (out / "manifest.json").is_file() or len(read_manifest(out).packages) < 2:
-        export_default(out, force=True, packages=[("cpu", "float32"), ("cpu", "int8")])
+    if (not (out / "manifest.json").is_file() or len(read_manifest(out).packages) < 2
+            or read_manifest(out).onnx is None):
+        export_default(out, force=True, packages=[("cpu", "float32"), ("cpu", "int8"), ("onnx", "float32")])
     return out
 
 
@@ -87,7 +88,8 @@ def forward_rates(weights: Path, photos: torch.Tensor, rounds: int, batches: tup
     """Median forward images/s per format and batch size, and each format's agreement with float32 eager."""
     torch.set_num_threads(forward_threads(0, torch.device("cpu")))
     predictors = {name: Predictor.load(weights, weights_format=fmt, device="cpu", jit_optimize=True,
-                                       max_batch_size=max(batches)) for name, fmt in FORMATS.items()}
+                                       max_batch_size=max(batches), threads=torch.get_num_threads())
+                  for name, fmt in FORMATS.items()}
     np.save(WORK / "photos.npy", photos.numpy())
     rates: dict[str, dict[int, list[float]]] = {name: {b: [] for b in batches} for name in (*FORMATS, *RUNTIMES)}
     for _ in range(rounds):
@@ -108,7 +110,7 @@ def served(weights: Path, fmt: str, duration_s: float) -> dict[str, float]:
     """One round for one format: start-to-ready seconds, then images/s and p50 at C=1 and C=16."""
     bodies = list(workload())
     started = time.perf_counter()
-    server: Running = visionserve(weights, WORK, weights_format=fmt, workers="2").wait_ready()
+    server: Running = visionserve(weights, WORK, weights_format=fmt).wait_ready()  # its default workers
     point = {"ready_s": time.perf_counter() - started}
     try:
         for concurrency in (1, 16):
@@ -148,13 +150,16 @@ def verdict(forward: dict[str, dict[int, float]], server: dict[str, dict[str, fl
 
 def _runtime_lines(forward: dict[str, dict[int, float]], agreements: dict[str, Agreement]) -> list[str]:
     """Each runtime against the fastest servable torch format (agreeing with float32) at each batch size."""
-    servable = [SERVED[f] for f in SERVED if agreements[SERVED[f]].top1 >= MIN_TOP1_AGREEMENT]
+    servable = [SERVED[f] for f in SERVED if f != "onnx" and agreements[SERVED[f]].top1 >= MIN_TOP1_AGREEMENT]
     lines = []
     for name in RUNTIMES:
         ratios = [forward[name][b] / max(forward[f][b] for f in servable) for b in forward[name]]
         spread = f"{min(ratios):.2f}-{max(ratios):.2f}x the fastest torch format per batch size"
         agreed = agreements[name].top1
-        if min(ratios) >= CLEAR_WIN and agreed >= MIN_TOP1_AGREEMENT:
+        if min(ratios) >= CLEAR_WIN and agreed >= MIN_TOP1_AGREEMENT and name == "ONNX Runtime":
+            lines.append(f"- {name}: wins clearly in process ({spread}); the server serves it as "
+                         "`WEIGHTS_FORMAT=onnx` (measured above).")
+        elif min(ratios) >= CLEAR_WIN and agreed >= MIN_TOP1_AGREEMENT:
             lines.append(f"- {name}: wins clearly in process ({spread}); serving it would need a serving backend "
                          "of its own (not built, so not measured through the server).")
         elif min(ratios) >= CLEAR_WIN:
@@ -188,7 +193,7 @@ def report(forward: dict[str, dict[int, float]], agreements: dict[str, Agreement
     lines += [""] + [f"{name} / TorchScript: " + ", ".join(f"batch {b} {forward[name][b] / base[b]:.2f}x"
                                                           for b in batches)
                      for name in forward if name not in ("eager", "TorchScript (frozen)")]
-    lines += ["", f"The server (gunicorn, 2 workers, the benchmark's photo mix, {args.duration:g} s per point, median "
+    lines += ["", f"The server (gunicorn, its default workers, the benchmark's photo mix, {args.duration:g} s per point, median "
               f"of {args.rounds} alternating rounds):", "",
               "| WEIGHTS_FORMAT | start to ready (s) | C=1 images/s | C=1 p50 (ms) | C=16 images/s | C=16 p50 (ms) |",
               "| --- | ---: | ---: | ---: | ---: | ---: |"]
@@ -209,6 +214,10 @@ def setup_line(weights: Path) -> str:
         parts.append(f"{package.path} compiled in {package.compile_s:.0f} s" + (
             f" (top-1 as float32 on {100 * agreed.top1:.1f}% of {agreed.photos} photos at export, probabilities "
             f"within {agreed.max_probability_difference:.4f})" if agreed else ""))
+    onnx = read_manifest(weights).onnx
+    if onnx is not None:
+        parts.append(f"{onnx.path} exported in {onnx.export_s:.0f} s (top-1 as float32 on {100 * onnx.agreement.top1:.1f}% "
+                     f"of {onnx.agreement.photos} photos at export)")
     return "; ".join(parts)
 
 

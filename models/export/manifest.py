@@ -60,6 +60,17 @@ class CompiledPackage(WeightsFile):
     agreement: Agreement | None = None
 
 
+class OnnxFile(WeightsFile):
+    """The model as ONNX (models/export/onnx.py), for ONNX Runtime on the CPU, with its answers' agreement with the
+    float32 model measured at export. Manifests written before it load without it."""
+
+    opset: int = Field(gt=0)
+    max_batch_size: int = Field(gt=0, description="the batch dimension's upper bound at export")
+    torch_version: str
+    export_s: float = Field(ge=0, description="how long exporting took")
+    agreement: Agreement
+
+
 class Manifest(BaseModel):
     """Everything the server needs to load and serve a model, written by ``models.export``."""
 
@@ -74,6 +85,7 @@ class Manifest(BaseModel):
     files: dict[WeightsFormat, WeightsFile] = Field(min_length=1)
     default_format: WeightsFormat
     packages: list[CompiledPackage] = Field(default_factory=list)
+    onnx: OnnxFile | None = None
     metrics: dict[str, float] = Field(default_factory=dict)
     source: str = ""
 

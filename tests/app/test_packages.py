@@ -46,9 +46,11 @@ def test_a_package_serves_only_where_it_fits(caplog: pytest.LogCaptureFixture) -
     fitting = tiny_manifest().model_copy(update={"packages": [_package(device="cuda"), _package()]})
     assert choose_package(fitting, "aoti", cpu, "float32", 8).device == "cpu"
     assert choose_package(fitting, "torchscript", cpu, "float32", 8) is None
+    assert choose_package(fitting, "auto", cpu, "float32", 8) is None  # the CPU's fastest is ONNX, not a package
+    on_gpu = tiny_manifest().model_copy(update={"packages": [_package(device="cuda", dtype="float16")]})
     with caplog.at_level(logging.INFO, logger="app.engine.packages"):
-        assert choose_package(fitting, "auto", cpu, "float32", 8) is None  # not measured faster on the CPU
-    assert "serving TorchScript: no AOTInductor package (float or int8) was measured faster on cpu" in caplog.text
+        assert choose_package(on_gpu, "auto", torch.device("cuda"), "float16", 8) is None  # not measured there
+    assert "serving TorchScript: no AOTInductor package (float or int8) was measured faster on cuda" in caplog.text
 
 
 def test_auto_serves_a_fitting_package_where_packages_are_faster(monkeypatch: pytest.MonkeyPatch,
@@ -65,10 +67,11 @@ def test_auto_serves_a_fitting_package_where_packages_are_faster(monkeypatch: py
 
 def test_the_export_command_reads_its_package_targets() -> None:
     assert package_targets("none", "float16") == []
+    assert package_targets("onnx,cpu", "float16") == [("onnx", "float32"), ("cpu", "float32")]
     assert package_targets("cpu", "float16") == [("cpu", "float32")]
     assert package_targets("cpu,cuda", "bfloat16") == [("cpu", "float32"), ("cuda", "bfloat16")]
     assert package_targets("cpu,cpu-int8", "float32") == [("cpu", "float32"), ("cpu", "int8")]
-    with pytest.raises(ValueError, match="--packages takes cpu, cuda"):
+    with pytest.raises(ValueError, match="--packages takes onnx, cpu, cuda"):
         package_targets("tpu", "float32")
 
 
