@@ -60,17 +60,15 @@ def configurations(weights: Path, compile_too: bool) -> tuple[Predictor, dict[st
         "torchscript": base.module, "torchscript, channels_last input": channels_last(base.module),
         "frozen+optimize_for_inference (served)": optimized,
         "frozen+optimize_for_inference, channels_last input": channels_last(optimized)}
-    if base.manifest.onnx is not None:  # what the server runs on the CPU, with its thread count, and with all cores
+    if base.manifest.onnx is not None:  # what the server runs on the CPU, with the thread count a worker gives it
         from app.engine.onnx_model import OnnxModel
         from app.engine.tuning import forward_threads
         from app.host import workers_for
         from models.export.onnx_runtime import session
 
         served_threads = forward_threads(0, torch.device("cpu"), workers=workers_for(0, "cpu")[0])
-        for threads in sorted({served_threads, torch.get_num_threads()}):
-            runner = session(weights / base.manifest.onnx.path, threads)
-            name = ONNX_SERVED if threads == served_threads else f"ONNX Runtime, {threads} intra-op threads"
-            configs[name] = OnnxModel(runner, base.manifest.onnx)
+        runner = session(weights / base.manifest.onnx.path, served_threads)
+        configs[ONNX_SERVED] = OnnxModel(runner, base.manifest.onnx)
     if compile_too:
         eager = Predictor.load(weights, weights_format="state_dict", device="cpu").module
         configs["torch.compile(freezing), channels_last"] = channels_last(torch.compile(

@@ -89,3 +89,16 @@ def test_a_changed_onnx_file_stops_the_load(onnx_export: Path, tmp_path: Path) -
 def test_the_server_serves_onnx_by_default_on_the_cpu(onnx_export: Path) -> None:
     assert served_format(onnx_export, "auto", 4) == "onnx"
     assert served_format(onnx_export, "torchscript", 4) == "torchscript"
+
+
+def test_a_model_the_exporter_cannot_take_is_exported_without_onnx(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    def unsupported(*_: object) -> None:
+        raise RuntimeError("no ONNX op for aten::something_new")
+
+    monkeypatch.setattr("models.export.onnx._write", unsupported)
+    with caplog.at_level(logging.WARNING, logger="models.export.onnx"):
+        export_tiny(tmp_path, packages=(("onnx", "float32"),))
+    assert read_manifest(tmp_path).onnx is None and not (tmp_path / "model.onnx").exists()
+    assert "no ONNX file (the server will serve TorchScript): the export failed: no ONNX op" in caplog.text
+    assert Predictor.load(tmp_path, device="cpu").weights_format == "torchscript"
