@@ -89,15 +89,17 @@ def test_a_checkpoint_export_never_replaces_an_export_unless_forced(run: Path, t
 
 
 def test_packages_are_compiled_by_default_only_where_they_are_served(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Before: auto compiled a CPU package (about 30 s), which the server's auto never serves on a CPU.
+    # Before: auto compiled a CPU package (about 30 s), which the server's auto never serves on a CPU; it serves
+    # the ONNX file there (#32), which auto writes everywhere (seconds).
+    onnx = ("onnx", "float32")
     monkeypatch.setattr(export_cli.shutil, "which", lambda name: f"/usr/bin/{name}")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert export_cli.package_targets("auto", "float16") == []
+    assert export_cli.package_targets("auto", "float16") == [onnx]
     assert export_cli.package_targets("cpu", "float16") == [("cpu", "float32")]  # asked for: compiled
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert export_cli.package_targets("auto", "float16") == [("cuda", "float16")]
+    assert export_cli.package_targets("auto", "float16") == [onnx, ("cuda", "float16")]
     monkeypatch.setattr(export_cli.shutil, "which", lambda name: None)
-    assert export_cli.package_targets("auto", "float16") == []  # no compiler: TorchScript, said in a warning
+    assert export_cli.package_targets("auto", "float16") == [onnx]  # no compiler: no package, said in a warning
 
 
 def test_help_names_the_commands_and_shows_the_defaults() -> None:
