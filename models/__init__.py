@@ -15,6 +15,7 @@ SERVING_CONTRACT: tuple[str, ...] = (
     "models.presets",  # the eval transform (PIL and tensor), the accepted image formats
     "models.data.jpeg",  # batched device JPEG decoding (the server's device decode path)
     "models.export.manifest",  # what a weights directory holds
+    "models.export.load",  # the verified load: formats, checks, packages, device and dtype (also models.predict)
     "models.export.repository",  # <repository>/<model>/<version>/
     "models.export.torchscript",  # quiet_jit around loading TorchScript
     "models.export.compile",  # the dtypes of AOTInductor packages

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 from app.config import Settings
 from app.engine.policy import POLICY_FILE, PolicyError
 from app.engine.predictor import Predictor
-from app.engine.weights import ModelLoadError, read_checked_manifest
+from models.export.load import ModelLoadError, read_checked_manifest
 from models.export.manifest import MANIFEST_NAME
 from models.export.repository import models, versions
 

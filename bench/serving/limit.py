@@ -28,7 +28,7 @@ import torch
 from app.config import Settings
 from app.engine.decode import DecodeLimits, image_to_tensor
 from app.engine.predictor import Predictor
-from app.engine.weights import optimize_for_cpu
+from models.export.load import optimize_for_cpu
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
 # The service's default limits (and any VISIONSERVE_* overrides), so every contender decodes the same way.

@@ -14,10 +14,9 @@ from PIL import Image
 
 from app import EXTENSION_KEY, create_app
 from app.config import Settings
-from app.engine.packages import choose_package, why_not
 from app.engine.predictor import Predictor
-from app.engine.weights import ModelLoadError
 from models.export.__main__ import package_targets
+from models.export.load import ModelLoadError, choose_package, why_not
 from models.export.manifest import CompiledPackage, read_manifest, sha256_of, write_manifest
 from tests.support.fakes import tiny_manifest
 
@@ -46,19 +45,19 @@ def test_a_package_serves_only_where_it_fits(caplog: pytest.LogCaptureFixture) -
     fitting = tiny_manifest().model_copy(update={"packages": [_package(device="cuda"), _package()]})
     assert choose_package(fitting, "aoti", cpu, "float32", 8).device == "cpu"
     assert choose_package(fitting, "torchscript", cpu, "float32", 8) is None
-    with caplog.at_level(logging.INFO, logger="app.engine.packages"):
+    with caplog.at_level(logging.INFO, logger="models.export.load"):
         assert choose_package(fitting, "auto", cpu, "float32", 8) is None  # not measured faster on the CPU
     assert "serving TorchScript: AOTInductor packages were not faster on cpu" in caplog.text
 
 
 def test_auto_serves_a_fitting_package_where_packages_are_faster(monkeypatch: pytest.MonkeyPatch,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr("app.engine.packages.FASTER_ON", frozenset({"cpu"}))  # as a measurement would set it
+    monkeypatch.setattr("models.export.load.FASTER_ON", frozenset({"cpu"}))  # as a measurement would set it
     cpu = torch.device("cpu")
     fitting = tiny_manifest().model_copy(update={"packages": [_package()]})
     assert choose_package(fitting, "auto", cpu, "float32", 8) is not None
     stale = tiny_manifest().model_copy(update={"packages": [_package(torch_version="2.0.0")]})
-    with caplog.at_level(logging.INFO, logger="app.engine.packages"):
+    with caplog.at_level(logging.INFO, logger="models.export.load"):
         assert choose_package(stale, "auto", cpu, "float32", 8) is None
     assert "no AOTInductor package fits (model.cpu-float32.pt2: compiled by torch 2.0.0" in caplog.text
 
