@@ -43,7 +43,7 @@ from models.run.args import DataError
 from models.run.distributed import DistEnv, barrier, destroy_process_group, env_from_torchrun, init_process_group
 
 log = logging.getLogger("models.predict")
-CPU_BATCH = 16  # the CPU gains nothing from larger batches (bench/training/predict.py); on CUDA: as large as fits
+CPU_BATCH = 16  # the CPU's default (the limit's best batch here was 8); on CUDA: as large as fits (largest_batch)
 CUDA_BATCH_CAP = 512
 
 
@@ -62,6 +62,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=0,
                         help=f"images per forward pass; 0: {CPU_BATCH} on the CPU, the largest that fits on CUDA")
     parser.add_argument("--workers", type=int, default=None, help="DataLoader workers (default: the cores)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="intra-op threads of the forward pass (default: on the CPU the cores the workers leave, "
+                        "at least 1; on CUDA torch's)")
     parser.add_argument("--device", default="auto", help="auto (this rank's GPU, else cpu), cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     parser.add_argument("--weights-format", default="auto", choices=("auto", "torchscript", "state_dict", "aoti"))
@@ -143,7 +146,7 @@ def score(plan: Plan, loaded: LoadedModel, args: argparse.Namespace, env: DistEn
     """This rank's batches through the DataLoader's workers and the model; each batch's records appended."""
     mine = [item for batch in plan.batches for item in batch]
     dataset = ScoreSet(mine, loaded.manifest.preprocess, decode)
-    workers = (os.cpu_count() or 1) if args.workers is None else args.workers
+    workers = args.workers
     loader = DataLoader(dataset, batch_sampler=_batch_positions(plan.batches), collate_fn=collate,
                         num_workers=workers, pin_memory=loaded.device.type == "cuda",
                         prefetch_factor=4 if workers else None)
@@ -200,9 +203,13 @@ def report(args: argparse.Namespace, records: list[Record], items: list[Item], l
 def run(args: argparse.Namespace, env: DistEnv) -> None:
     """Load, plan, score this rank's share, then (rank 0) merge and evaluate."""
     weights = weights_folder(args.weights, args.model, args.version)
+    workers = (os.cpu_count() or 1) if args.workers is None else args.workers
+    args.workers = workers
     loaded = load_model(weights, weights_format=args.weights_format, device=rank_device(args.device, env),
                         dtype=args.dtype, jit_optimize=True, max_batch_size=max(args.batch_size, 1))
     init_process_group(env, loaded.device)
+    if args.threads or loaded.device.type == "cpu":  # decoding workers and a 2-thread forward fought for 2 cores:
+        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) - workers))  # 1 thread gave 2x images/s
     if args.labels is not None:  # a wrong class name stops the run before any image is scored
         labels = Labels(args.labels)
         check_labels({i.path: lab for i in list_inputs(args.data) if (lab := labels.of(i))}, loaded.manifest.labels)
