@@ -16,7 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DeviceName = str
 Dtype = Literal["float32", "float16", "bfloat16"]
-WeightsFormatSetting = Literal["auto", "aoti", "torchscript", "state_dict"]
+WeightsFormatSetting = Literal["auto", "onnx", "aoti", "int8", "torchscript", "state_dict"]
 ENV_PREFIX = "VISIONSERVE_"
 CLIENT_VARIABLES = frozenset({"VISIONSERVE_URL"})  # read by the client (python -m visionserve_client), not by the server
 
@@ -69,10 +69,12 @@ class Settings(BaseSettings):
         "fresh temporary directory at each start, so a restarted server begins from the repository and its "
         "policies; set it to a directory you keep for calls (a rollback, an unload) to survive a server restart.")
     weights_format: WeightsFormatSetting = Field(
-        "auto", description="`auto`: the manifest's `default_format` (TorchScript), saying in the log why no "
-        "AOTInductor package is served (none was measured faster end to end yet: docs/performance.md); `aoti`: the "
-        "package `models.export` compiled for this device type, dtype and torch version, or no start; "
-        "`torchscript`; `state_dict`.")
+        "auto", description="`auto`: what `bench.serving.formats` measured fastest end to end on this device type "
+        "among what the export holds: on the CPU the ONNX file under ONNX Runtime (about 2x TorchScript's forward "
+        "pass) when its answers agreed with float32 at export; else the manifest's `default_format` (TorchScript), "
+        "saying in the log why. `onnx`: the ONNX file (CPU, float32), or no start; `aoti`: the float AOTInductor "
+        "package compiled for this device type, dtype and torch version, or no start; `int8`: the same for the "
+        "int8 CPU package (`--packages cpu-int8`); `torchscript`; `state_dict`.")
     device: DeviceName = Field("auto", description="`auto` (CUDA when available, else CPU), `cpu`, `cuda`, "
                                "`cuda:N`. With `auto` or `cuda` on a host with several GPUs, gunicorn's workers "
                                "spread over them (`WORKERS_PER_GPU`); `cuda:N` puts every worker on GPU N.")

@@ -264,7 +264,10 @@ def _export(args: argparse.Namespace, best: Path) -> Path | None:
     from models.export.write import export_checkpoint
 
     try:
-        manifest = export_checkpoint(best, args.export, name=args.name, repository=args.export_repository)
+        # With its ONNX file: what the server runs on a CPU (docs/performance.md); a GPU package is compiled
+        # separately (python -m models.export --checkpoint ... --packages onnx,cuda).
+        manifest = export_checkpoint(best, args.export, name=args.name, repository=args.export_repository,
+                                     packages=[("onnx", "float32")])
     except (FileExistsError, ValueError) as exc:  # the run is kept: say how to export it, do not fail after training
         log.error("not exported: %s", exc)
         return None

@@ -24,7 +24,7 @@ from tests.support.servers import serve
 # marked slow, so `pytest -m "not slow"` stays under a minute. A test that starts a server without them fails
 # (see _guard).
 SLOW_FIXTURES = frozenset({"real_weights", "real_app", "small_weights", "live_server", "start_server", "torchrun",
-                           "photo_folder", "packaged_export"})
+                           "photo_folder", "packaged_export", "int8_export"})
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -45,12 +45,14 @@ class Predictor:
 
     @classmethod
     def load(cls, weights_dir: Path, *, weights_format: str = "auto", device: str = "auto",
-             dtype: str = "float32", jit_optimize: bool = False, max_batch_size: int = 1) -> "Predictor":
-        """Load and verify (manifest, checksum, keys, output shape) or raise ModelLoadError. ``auto`` serves a
-        fitting AOTInductor package where packages are faster, else the manifest's default format
-        (models/export/load.py, shared with python -m models.predict)."""
+             dtype: str = "float32", jit_optimize: bool = False, max_batch_size: int = 1,
+             threads: int = 1) -> "Predictor":
+        """Load and verify (manifest, checksum, keys, output shape) or raise ModelLoadError. ``auto`` serves what
+        was measured fastest on the device type (models/export/choose.py FASTEST_ON): the ONNX file under ONNX
+        Runtime with ``threads`` intra-op threads, or a fitting AOTInductor package (float or int8); else the
+        manifest's default format (models/export/load.py, shared with python -m models.predict)."""
         loaded = load_model(weights_dir, weights_format=weights_format, device=device, dtype=dtype,
-                            jit_optimize=jit_optimize, max_batch_size=max_batch_size)
+                            jit_optimize=jit_optimize, max_batch_size=max_batch_size, threads=threads)
         return cls(loaded.module, loaded.manifest, device=loaded.device, dtype=loaded.dtype,
                    weights_format=loaded.weights_format, weights_bytes=loaded.weights_bytes)
 

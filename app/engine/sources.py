@@ -9,7 +9,8 @@ from typing import Any, Protocol
 from app.config import Settings
 from app.engine.policy import POLICY_FILE, PolicyError
 from app.engine.predictor import Predictor
-from models.export.load import ModelLoadError, read_checked_manifest
+from app.engine.tuning import forward_threads
+from models.export.checks import ModelLoadError, read_checked_manifest, resolve_device
 from models.export.manifest import MANIFEST_NAME
 from models.export.repository import models, versions
 
@@ -90,7 +91,7 @@ class DirectorySource:
         folder = self.path(name, version)
         manifest = read_checked_manifest(folder)
         setting = self.settings.weights_format  # a package holds the same weights: the default file measures it
-        fmt = manifest.default_format if setting in ("auto", "aoti") else setting
+        fmt = manifest.default_format if setting in ("auto", "aoti", "int8", "onnx") else setting
         entry = manifest.files.get(fmt)  # type: ignore[call-overload]
         return (folder / entry.path).stat().st_size if entry and (folder / entry.path).is_file() else 0
 
@@ -99,7 +100,9 @@ class DirectorySource:
         folder = self.path(name, version)
         predictor = Predictor.load(folder, weights_format=self.settings.weights_format, device=self.settings.device,
                                    dtype=self.settings.dtype, jit_optimize=self.settings.jit_optimize,
-                                   max_batch_size=self.settings.max_batch_size)
+                                   max_batch_size=self.settings.max_batch_size,
+                                   threads=forward_threads(self.settings.torch_threads, resolve_device(
+                                       self.settings.device), workers=self.settings.workers or 1) or 1)
         found = (predictor.manifest.name, predictor.manifest.version)
         if found != (name, version):
             raise ModelLoadError(f"{folder}/manifest.json says {found[0]} version {found[1]}, but the repository "

@@ -89,7 +89,7 @@ class ModelInfo(BaseModel):
     num_classes: int
     input_shape: list[int] = Field(description="(C, H, W) of one preprocessed image")
     preprocess: EvalPreset
-    format: str = Field(description="torchscript or state_dict")
+    format: str = Field(description="torchscript, state_dict, aoti (an AOTInductor package) or int8 (an int8 one)")
     device: str
     dtype: str
     files: dict[str, str] = Field(description="sha256 of each weights file")

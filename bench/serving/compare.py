@@ -25,7 +25,8 @@ import torch
 from app.host import workers_for
 from bench.paths import RESULTS, WORK
 from bench.serving import report
-from bench.serving.limit import SERVED, LimitResult, configurations, cpu_time_bound, process_pipeline, single_image_ms
+from bench.serving.limit import (LimitResult, configurations, cpu_time_bound, process_pipeline, served_config,
+                                 single_image_ms)
 from bench.serving.limit import measure as measure_limit
 from bench.serving.load import LoadResult, measure
 from bench.serving.peers import litserve, naive
@@ -33,6 +34,13 @@ from harness.photos import workload
 from harness.servers import Running, visionserve
 
 DEFAULTS = "visionserve"  # the row for visionserve as `make serve` starts it
+
+
+def has_onnx(weights: Path) -> bool:
+    """An export there, with its ONNX file (exports from before ONNX are made again)."""
+    from models.export.manifest import read_manifest
+
+    return (weights / "manifest.json").exists() and read_manifest(weights).onnx is not None
 
 
 def export_models(out: Path) -> dict[str, Path]:
@@ -43,19 +51,22 @@ def export_models(out: Path) -> dict[str, Path]:
     from models.architectures import build_model
 
     dirs = {"efficientnet_lite0": out / "efficientnet_lite0", "mobilenet_v3_small": out / "mobilenet_v3_small"}
-    if not (dirs["efficientnet_lite0"] / "manifest.json").exists():
-        export_default(dirs["efficientnet_lite0"])
-    if not (dirs["mobilenet_v3_small"] / "manifest.json").exists():
+    onnx = [("onnx", "float32")]  # what `make serve` exports: the server serves it on the CPU
+    if not has_onnx(dirs["efficientnet_lite0"]):
+        export_default(dirs["efficientnet_lite0"], force=True, packages=onnx)
+    if not has_onnx(dirs["mobilenet_v3_small"]):
         torch.manual_seed(0)  # untrained weights cost the same to run as trained ones
         export_model(build_model("mobilenet_v3_small", 1000), out_dir=dirs["mobilenet_v3_small"],
                      name="mobilenet_v3_small", version="bench", arch="mobilenet_v3_small",
-                     labels=imagenet_labels(), preset=EvalPreset(resize_size=256, crop_size=224))
+                     labels=imagenet_labels(), preset=EvalPreset(resize_size=256, crop_size=224), force=True,
+                     packages=onnx)
     return dirs
 
 
 # The settings tried against the defaults at C=16 before the run: the fastest is measured at every concurrency as
 # "visionserve (best: ...)". Each is one or more VISIONSERVE_ settings without the prefix, space-separated.
-CANDIDATES = ("WORKERS=1", "WORKERS=3", "MAX_BATCH_SIZE=4", "WORKERS=3 MAX_BATCH_SIZE=4")
+# WEIGHTS_FORMAT=torchscript: the same serving design on PyTorch's fastest form of the model, the peers' model.
+CANDIDATES = ("WORKERS=1", "WORKERS=3", "MAX_BATCH_SIZE=4", "WORKERS=3 MAX_BATCH_SIZE=4", "WEIGHTS_FORMAT=torchscript")
 
 
 def parse_settings(candidate: str) -> dict[str, str]:
@@ -144,19 +155,21 @@ def run_model(model: str, weights: Path, args: argparse.Namespace, logs: Path) -
     from app.engine.tuning import forward_threads
 
     predictor, configs = configurations(weights, args.compile)
+    served_name = served_config(configs)
     limit = measure_limit(predictor, configs, workload(), (1, 8), args.limit_seconds)
     ceiling = cpu_time_bound(predictor, configs, workload())
     workers = workers_for(0, "cpu")[0]  # the service's default: the process pipeline has as many processes
 
     def pipeline(batch_size: int) -> LimitResult:  # the same work without HTTP, one process per worker
-        return process_pipeline(weights, workload(), ceiling.forward_config or SERVED, batch_size,
+        return process_pipeline(weights, workload(), ceiling.forward_config or served_name, batch_size,
                                 2 * args.limit_seconds, workers)
 
     pipelines_at_start = [pipeline(size) for size in sorted({1, ceiling.batch_size})]
     limit += pipelines_at_start
     best_batch = max(pipelines_at_start, key=lambda r: r.images_per_s).batch_size
-    # The module the service serves (frozen + optimize_for_inference), already built by configurations().
-    served = Predictor(configs[SERVED], predictor.manifest, device="cpu", weights_format=predictor.weights_format)
+    # The module the service serves by default, already built by configurations().
+    served = Predictor(configs[served_name], predictor.manifest, device="cpu",
+                       weights_format=predictor.weights_format)
     threads = forward_threads(0, torch.device("cpu"), workers=workers)  # what each worker gives its forward pass
     single_ms = single_image_ms(served, workload(), threads)
     print(f"[{model}] limit: " + ", ".join(f"{r.config} b{r.batch_size} {r.images_per_s:.1f}" for r in limit)

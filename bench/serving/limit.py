@@ -60,6 +60,15 @@ def configurations(weights: Path, compile_too: bool) -> tuple[Predictor, dict[st
         "torchscript": base.module, "torchscript, channels_last input": channels_last(base.module),
         "frozen+optimize_for_inference (served)": optimized,
         "frozen+optimize_for_inference, channels_last input": channels_last(optimized)}
+    if base.manifest.onnx is not None:  # what the server runs on the CPU, with the thread count a worker gives it
+        from app.engine.tuning import forward_threads
+        from app.host import workers_for
+        from models.export.load import OnnxModel
+        from models.export.onnx_runtime import session
+
+        served_threads = forward_threads(0, torch.device("cpu"), workers=workers_for(0, "cpu")[0])
+        runner = session(weights / base.manifest.onnx.path, served_threads)
+        configs[ONNX_SERVED] = OnnxModel(runner, base.manifest.onnx)
     if compile_too:
         eager = Predictor.load(weights, weights_format="state_dict", device="cpu").module
         configs["torch.compile(freezing), channels_last"] = channels_last(torch.compile(
@@ -170,7 +179,13 @@ def cpu_time_bound(predictor: Predictor, configs: dict[str, Forward], photos: Se
                        forward_s * 1000, decode_s * 1000, name)
 
 
-SERVED = "frozen+optimize_for_inference (served)"
+SERVED = "frozen+optimize_for_inference (served)"  # WEIGHTS_FORMAT=torchscript, and auto without an ONNX file
+ONNX_SERVED = "ONNX Runtime (served)"  # auto on the CPU: the export's ONNX file, the server's thread count
+
+
+def served_config(configs: dict[str, Forward]) -> str:
+    """The configuration the server runs by default on the CPU for these weights."""
+    return ONNX_SERVED if ONNX_SERVED in configs else SERVED
 
 
 def _pipeline_process(weights: Path, config: str, batch_size: int, decode_threads: int, photos: Sequence[bytes],

@@ -18,8 +18,10 @@ from app.engine.predictor import Predictor
 from bench.serving.limit import LIMITS
 
 app = Flask(__name__)
-# The model configured as visionserve runs it, so the comparison is about serving, not the model.
-_predictor = Predictor.load(Path(os.environ["NAIVE_WEIGHTS_DIR"]), device="cpu", jit_optimize=True)
+# PyTorch's fastest form of the model (frozen TorchScript, as visionserve ran it before ONNX Runtime):
+# what a PyTorch user of this framework gets at best. `python -m bench` also probes visionserve serving it.
+_predictor = Predictor.load(Path(os.environ["NAIVE_WEIGHTS_DIR"]), weights_format="torchscript", device="cpu",
+                            jit_optimize=True)
 
 
 @app.post("/predict")

@@ -27,13 +27,19 @@ LITSERVE_BATCH, LITSERVE_TIMEOUT_S = 8, 0.01
 
 def litserve_python() -> Path:
     """LitServe in its own venv; our venv's packages (torch, the app) are reached through a .pth file."""
-    python = LITSERVE_VENV / "bin" / "python"
+    return side_venv(LITSERVE_VENV, [f"litserve=={LITSERVE_VERSION}"])
+
+
+def side_venv(venv: Path, requirements: list[str]) -> Path:
+    """The python of ``venv``, made once with ``requirements`` installed and our venv's packages (torch, the app)
+    reached through a .pth file: what a benchmark compares with stays out of the project's dependencies."""
+    python = venv / "bin" / "python"
     if not python.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(LITSERVE_VENV)], check=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         ours = Path(torch_site_packages())
-        site = next((LITSERVE_VENV / "lib").glob("python3*/site-packages"))
+        site = next((venv / "lib").glob("python3*/site-packages"))
         (site / "visionserve.pth").write_text(str(ours) + "\n")
-        subprocess.run([str(python), "-m", "pip", "install", "--quiet", f"litserve=={LITSERVE_VERSION}"], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", *requirements], check=True)
     return python
 
 

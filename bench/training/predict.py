@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from bench.paths import WORK
-from bench.serving.limit import SERVED, configurations, measure, process_pipeline
+from bench.serving.limit import configurations, measure, process_pipeline, served_config
 from bench.serving.report import save_result
 from harness.photos import workload
 
@@ -62,10 +62,12 @@ def predict_rate(weights: Path, images: int, extra: list[str]) -> tuple[float, f
 
 
 def cpu_limit(weights: Path, batch_size: int, seconds: float) -> tuple[float, str]:
-    """The in-process limit with the served module: the best of the threaded pipeline and one per core."""
+    """The in-process limit with the served module (ONNX Runtime when the export has its ONNX file, as
+    models.predict and the server load it): the best of the threaded pipeline and one per core."""
     predictor, configs = configurations(weights, compile_too=False)
-    threaded = measure(predictor, {SERVED: configs[SERVED]}, workload(), (batch_size,), seconds)[0]
-    processes = process_pipeline(weights, workload(), SERVED, batch_size, 2 * seconds, os.cpu_count() or 1)
+    served = served_config(configs)
+    threaded = measure(predictor, {served: configs[served]}, workload(), (batch_size,), seconds)[0]
+    processes = process_pipeline(weights, workload(), served, batch_size, 2 * seconds, os.cpu_count() or 1)
     best = max((threaded.images_per_s, f"1 process, {threaded.threads}, batch {batch_size}"),
                (processes.images_per_s, processes.config + f", batch {batch_size}"))
     return best

@@ -9,6 +9,7 @@ An export never replaces one already written: into a folder that holds an export
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import shutil
 import sys
@@ -18,6 +19,7 @@ from typing import Sequence
 import torch
 
 from models.export.compile import DTYPES
+from models.export.quantize import TORCHAO_HINT
 from models.run.args import HelpFormatter
 from models.export.write import export_checkpoint, export_default
 
@@ -42,29 +44,36 @@ def get_args_parser() -> argparse.ArgumentParser:
                              "checkpoint its date and a digest of its weights)")
     parser.add_argument("--force", action="store_true", help="replace an export already in the target folder")
     parser.add_argument("--packages", default="auto",
-                        help="AOTInductor packages to compile (needs g++; about 30 s each): cpu, cuda, both "
-                             "(cpu,cuda), none; auto: cuda when a GPU is present, none on a CPU-only machine (the "
-                             "server serves TorchScript there unless VISIONSERVE_WEIGHTS_FORMAT=aoti)")
+                        help="what to build beside TorchScript, comma-separated: onnx (ONNX for ONNX Runtime, what "
+                             "the server serves on a CPU; about 10 s), cpu, cuda (AOTInductor packages, need g++; "
+                             "about 30 s each), cpu-int8 (int8 for the CPU: PT2E quantization calibrated on real "
+                             "photos, needs torchao), none; auto: onnx, and cuda when a GPU is present. Agreement "
+                             "with float32 on real photos goes into the manifest")
     parser.add_argument("--package-dtype", default="float32", choices=sorted(DTYPES),
                         help="the dtype of the CUDA package: the server's VISIONSERVE_DTYPE (CPU packages: float32)")
     return parser
 
 
 def package_targets(packages: str, cuda_dtype: str) -> list[tuple[str, str]]:
-    """``--packages`` as (device, dtype) pairs."""
-    if packages == "auto":  # compiled where it may be served: a GPU (the server's CPU default is TorchScript)
-        if not torch.cuda.is_available():
-            return []
-        if not (shutil.which("g++") or shutil.which("c++")):
-            log.warning("no C++ compiler (g++): no AOTInductor package; the server will serve TorchScript")
-            return []
+    """``--packages`` as (device, dtype) pairs; ``("onnx", "float32")`` is the ONNX file."""
     if packages == "none":
         return []
-    devices = ["cuda"] if packages == "auto" else packages.split(",")
-    unknown = set(devices) - {"cpu", "cuda"}
+    if packages == "auto":  # what the server serves by default: ONNX on a CPU, a CUDA package on a GPU
+        devices = ["onnx"]
+        if torch.cuda.is_available() and (shutil.which("g++") or shutil.which("c++")):
+            devices.append("cuda")
+        elif torch.cuda.is_available():
+            log.warning("no C++ compiler (g++): no CUDA AOTInductor package; the server will serve TorchScript")
+    else:
+        devices = packages.split(",")
+    dtypes = {"cpu": "float32", "cuda": cuda_dtype, "cpu-int8": "int8", "onnx": "float32"}
+    unknown = set(devices) - set(dtypes)
     if unknown:
-        raise ValueError(f"--packages takes cpu, cuda, cpu,cuda, none or auto, got {packages!r}")
-    return [(device, "float32" if device == "cpu" else cuda_dtype) for device in devices]
+        raise ValueError(f"--packages takes onnx, cpu, cuda, cpu-int8 (comma-separated), none or auto, "
+                         f"got {packages!r}")
+    if "cpu-int8" in devices and importlib.util.find_spec("torchao") is None:
+        raise ValueError(TORCHAO_HINT)
+    return [(device.removesuffix("-int8"), dtypes[device]) for device in devices]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -31,15 +31,44 @@ class WeightsFile(BaseModel):
         return value
 
 
+MIN_TOP1_AGREEMENT = 0.99  # what a quantized package must reach against float32 before `auto` may serve it
+
+
+class Agreement(BaseModel):
+    """A package's answers against the float32 model's on real photos (models/export/agreement.py), at export."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    photos: int = Field(gt=0, description="images compared (views of photos int8 calibration never saw)")
+    top1: float = Field(ge=0, le=1, description="share of images with the same top-1 class")
+    max_probability_difference: float = Field(ge=0, description="largest difference of any class's probability")
+
+
 class CompiledPackage(WeightsFile):
     """An AOTInductor package (``torch.export`` + ``aoti_compile_and_package``): native code for one device type
-    and dtype, built by one torch version, for batches of 1 to ``max_batch_size``."""
+    and dtype, built by one torch version, for batches of 1 to ``max_batch_size``. A quantized one
+    (``quantization="int8"``: PT2E, models/export/quantize.py) takes and returns ``dtype`` tensors and computes in
+    int8 inside; its ``agreement`` with the float32 model was measured at export. Manifests written before these
+    two fields load with neither (a float package)."""
 
     device: Literal["cpu", "cuda"]
     dtype: Literal["float32", "float16", "bfloat16"]
     torch_version: str
     max_batch_size: int = Field(gt=0)
     compile_s: float = Field(ge=0, description="how long compiling took")
+    quantization: Literal["int8"] | None = None
+    agreement: Agreement | None = None
+
+
+class OnnxFile(WeightsFile):
+    """The model as ONNX (models/export/onnx.py), for ONNX Runtime on the CPU, with its answers' agreement with the
+    float32 model measured at export. Manifests written before it load without it."""
+
+    opset: int = Field(gt=0)
+    max_batch_size: int = Field(gt=0, description="the batch dimension's upper bound at export")
+    torch_version: str
+    export_s: float = Field(ge=0, description="how long exporting took")
+    agreement: Agreement
 
 
 class Manifest(BaseModel):
@@ -56,6 +85,7 @@ class Manifest(BaseModel):
     files: dict[WeightsFormat, WeightsFile] = Field(min_length=1)
     default_format: WeightsFormat
     packages: list[CompiledPackage] = Field(default_factory=list)
+    onnx: OnnxFile | None = None
     metrics: dict[str, float] = Field(default_factory=dict)
     source: str = ""
 

@@ -12,6 +12,8 @@ import torch
 import torch.nn as nn
 
 from models.export.compile import compile_package
+from models.export.onnx import export_onnx
+from models.export.quantize import compile_int8_package
 from models.export.manifest import MANIFEST_NAME, Manifest, WeightsFile, read_manifest, sha256_of, write_manifest
 from models.export.repository import next_version
 from models.export.torchscript import check_same_outputs, quiet_jit, to_torchscript
@@ -49,8 +51,8 @@ def export_model(model: nn.Module, *, out_dir: Path, name: str, version: str, ar
                  force: bool = False, packages: Sequence[tuple[str, str]] = (),
                  package_max_batch: int = PACKAGE_MAX_BATCH) -> Manifest:
     """Save ``model`` as TorchScript and state dict in ``out_dir``, compile an AOTInductor package per (device,
-    dtype) of ``packages``, and write the manifest last. A different model already there is replaced only with
-    ``force``."""
+    dtype) of ``packages`` (dtype ``int8``: the PT2E-quantized CPU package; device ``onnx``: ONNX for ONNX
+    Runtime), and write the manifest last. A different model already there is replaced only with ``force``."""
     if not force:
         check_replace(out_dir, name, version)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -66,13 +68,17 @@ def export_model(model: nn.Module, *, out_dir: Path, name: str, version: str, ar
     with quiet_jit():
         torch.jit.save(scripted, out_dir / TORCHSCRIPT_NAME)
     torch.save(model.state_dict(), out_dir / STATE_DICT_NAME)
-    compiled = [compile_package(model, preset, out_dir, device, dtype, package_max_batch) for device, dtype in packages]
+    compiled = [compile_int8_package(model, preset, out_dir, package_max_batch) if dtype == "int8"
+                else compile_package(model, preset, out_dir, device, dtype, package_max_batch)
+                for device, dtype in packages if device != "onnx"]
+    onnx = (export_onnx(model, preset, out_dir, package_max_batch) if any(d == "onnx" for d, _ in packages)
+            else None)
 
     manifest = Manifest(
         name=name, version=version, arch=arch, labels=list(labels), preprocess=preset,
         files={fmt: WeightsFile(path=file, sha256=sha256_of(out_dir / file))
                for fmt, file in (("torchscript", TORCHSCRIPT_NAME), ("state_dict", STATE_DICT_NAME))},
-        default_format="torchscript", packages=compiled, metrics=metrics or {}, source=source,
+        default_format="torchscript", packages=compiled, onnx=onnx, metrics=metrics or {}, source=source,
     )
     write_manifest(out_dir, manifest)
     log.info("wrote %s", describe(manifest, out_dir))
@@ -81,7 +87,10 @@ def export_model(model: nn.Module, *, out_dir: Path, name: str, version: str, ar
 
 def describe(manifest: Manifest, out_dir: Path) -> str:
     """One line: model, version, where, and the formats written (what ``python -m models.export`` prints)."""
-    formats = [*manifest.files, *(f"aoti {p.device}-{p.dtype}" for p in manifest.packages)]
+    formats = [*manifest.files, *(f"aoti {p.device}-{p.dtype}" if p.agreement is None else
+                                  f"int8 {p.device} (top-1 as float32 on {100 * p.agreement.top1:.1f}% of "
+                                  f"{p.agreement.photos} photos)" for p in manifest.packages),
+               *(["onnx"] if manifest.onnx else [])]
     accuracy = f", val top-1 {manifest.metrics['val_acc1']:.4f}" if "val_acc1" in manifest.metrics else ""
     return (f"model {manifest.name} version {manifest.version} ({len(manifest.labels)} classes{accuracy}) "
             f"in {out_dir}: {', '.join(formats)}")

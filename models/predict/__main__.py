@@ -5,9 +5,10 @@
     python -m models.predict --weights runs/mine/export --data data/mine --labels data/mine --out eval.jsonl
     torchrun --nproc_per_node=N -m models.predict ...          # one process per GPU (or CPU processes, gloo)
 
-The model is loaded as the server loads it (models/export/load.py: the manifest's format, checks, device, dtype,
-TorchScript frozen on the CPU) and each image preprocessed as the server's decode path does (``--decode``). One
-line per input, in input order; a file that cannot be scored gets its reason. A rerun skips what is written.
+The model is loaded as the server loads it (models/export/load.py: the format the server would choose, on the CPU
+the ONNX file under ONNX Runtime when the export has one, else TorchScript frozen; its checks, device, dtype) and
+each image preprocessed as the server's decode path does (``--decode``). One line per input, in input order; a file
+that cannot be scored gets its reason. A rerun skips what is written.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from models.export.load import LoadedModel, ModelLoadError, load_model
+from models.export.checks import ModelLoadError
+from models.export.load import LoadedModel, load_model
 from models.export.repository import RepositoryError, is_export, models, newest
 from models.predict.decode import PATHS, ScoreSet, collate, on_device
 from models.predict.evaluate import check_labels, evaluation, mistakes, write_report
@@ -63,11 +65,14 @@ def get_args_parser() -> argparse.ArgumentParser:
                         help=f"images per forward pass; 0: {CPU_BATCH} on the CPU, the largest that fits on CUDA")
     parser.add_argument("--workers", type=int, default=None, help="DataLoader workers (default: the cores)")
     parser.add_argument("--threads", type=int, default=0,
-                        help="intra-op threads of the forward pass (default: on the CPU the cores the workers leave, "
-                        "at least 1; on CUDA torch's)")
+                        help="intra-op threads of the forward pass, torch's or ONNX Runtime's (default: on the CPU "
+                        "the cores the workers leave, at least 1; on CUDA torch's)")
     parser.add_argument("--device", default="auto", help="auto (this rank's GPU, else cpu), cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
-    parser.add_argument("--weights-format", default="auto", choices=("auto", "torchscript", "state_dict", "aoti"))
+    parser.add_argument("--weights-format", default="auto",
+                        choices=("auto", "onnx", "aoti", "int8", "torchscript", "state_dict"),
+                        help="as the server's WEIGHTS_FORMAT: auto on the CPU is the ONNX file under ONNX Runtime "
+                        "when the export has one (models/export/choose.py)")
     parser.add_argument("--decode", default="auto", choices=("auto", *PATHS),
                         help="the server's decode path: auto is device on CUDA, tensor on the CPU")
     parser.add_argument("--retry-errors", action="store_true", help="a rerun scores again the files that failed")
@@ -99,6 +104,15 @@ def rank_device(requested: str, env: DistEnv) -> str:
     if requested == "auto" and torch.cuda.is_available():
         return f"cuda:{env.local_rank % torch.cuda.device_count()}"
     return "cpu" if requested == "auto" else requested
+
+
+def forward_threads(requested: int, device: str, workers: int) -> int:
+    """Intra-op threads of the forward pass (0: torch's default): ``--threads``, else on the CPU the cores the
+    decoding workers leave, at least 1 (workers and a 2-thread forward fought for 2 cores: 1 thread gave 2x
+    images/s). Given to torch and, like the server's, to the ONNX Runtime session at load."""
+    if requested or torch.device(device).type != "cpu":
+        return requested
+    return max(1, (os.cpu_count() or 1) - workers)
 
 
 def largest_batch(loaded: LoadedModel, cap: int = CUDA_BATCH_CAP) -> int:
@@ -205,11 +219,13 @@ def run(args: argparse.Namespace, env: DistEnv) -> None:
     weights = weights_folder(args.weights, args.model, args.version)
     workers = (os.cpu_count() or 1) if args.workers is None else args.workers
     args.workers = workers
-    loaded = load_model(weights, weights_format=args.weights_format, device=rank_device(args.device, env),
-                        dtype=args.dtype, jit_optimize=True, max_batch_size=max(args.batch_size, 1))
+    device = rank_device(args.device, env)
+    threads = forward_threads(args.threads, device, workers)
+    loaded = load_model(weights, weights_format=args.weights_format, device=device, dtype=args.dtype,
+                        jit_optimize=True, max_batch_size=max(args.batch_size, 1), threads=threads or 1)
     init_process_group(env, loaded.device)
-    if args.threads or loaded.device.type == "cpu":  # decoding workers and a 2-thread forward fought for 2 cores:
-        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) - workers))  # 1 thread gave 2x images/s
+    if threads:
+        torch.set_num_threads(threads)
     if args.labels is not None:  # a wrong class name stops the run before any image is scored
         labels = Labels(args.labels)
         check_labels({i.path: lab for i in list_inputs(args.data) if (lab := labels.of(i))}, loaded.manifest.labels)

@@ -16,7 +16,8 @@ from app import EXTENSION_KEY, create_app
 from app.config import Settings
 from app.engine.predictor import Predictor
 from models.export.__main__ import package_targets
-from models.export.load import ModelLoadError, choose_package, why_not
+from models.export.checks import ModelLoadError
+from models.export.choose import choose_package, why_not
 from models.export.manifest import CompiledPackage, read_manifest, sha256_of, write_manifest
 from tests.support.fakes import tiny_manifest
 
@@ -45,28 +46,32 @@ def test_a_package_serves_only_where_it_fits(caplog: pytest.LogCaptureFixture) -
     fitting = tiny_manifest().model_copy(update={"packages": [_package(device="cuda"), _package()]})
     assert choose_package(fitting, "aoti", cpu, "float32", 8).device == "cpu"
     assert choose_package(fitting, "torchscript", cpu, "float32", 8) is None
-    with caplog.at_level(logging.INFO, logger="models.export.load"):
-        assert choose_package(fitting, "auto", cpu, "float32", 8) is None  # not measured faster on the CPU
-    assert "serving TorchScript: AOTInductor packages were not faster on cpu" in caplog.text
+    assert choose_package(fitting, "auto", cpu, "float32", 8) is None  # the CPU's fastest is ONNX, not a package
+    on_gpu = tiny_manifest().model_copy(update={"packages": [_package(device="cuda", dtype="float16")]})
+    with caplog.at_level(logging.INFO, logger="models.export.choose"):
+        assert choose_package(on_gpu, "auto", torch.device("cuda"), "float16", 8) is None  # not measured there
+    assert "serving TorchScript: no AOTInductor package (float or int8) was measured faster on cuda" in caplog.text
 
 
 def test_auto_serves_a_fitting_package_where_packages_are_faster(monkeypatch: pytest.MonkeyPatch,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr("models.export.load.FASTER_ON", frozenset({"cpu"}))  # as a measurement would set it
+    monkeypatch.setattr("models.export.choose.FASTEST_ON", {"cpu": "aoti"})  # as a measurement would set it
     cpu = torch.device("cpu")
     fitting = tiny_manifest().model_copy(update={"packages": [_package()]})
     assert choose_package(fitting, "auto", cpu, "float32", 8) is not None
     stale = tiny_manifest().model_copy(update={"packages": [_package(torch_version="2.0.0")]})
-    with caplog.at_level(logging.INFO, logger="models.export.load"):
+    with caplog.at_level(logging.INFO, logger="models.export.choose"):
         assert choose_package(stale, "auto", cpu, "float32", 8) is None
     assert "no AOTInductor package fits (model.cpu-float32.pt2: compiled by torch 2.0.0" in caplog.text
 
 
 def test_the_export_command_reads_its_package_targets() -> None:
     assert package_targets("none", "float16") == []
+    assert package_targets("onnx,cpu", "float16") == [("onnx", "float32"), ("cpu", "float32")]
     assert package_targets("cpu", "float16") == [("cpu", "float32")]
     assert package_targets("cpu,cuda", "bfloat16") == [("cpu", "float32"), ("cuda", "bfloat16")]
-    with pytest.raises(ValueError, match="--packages takes cpu, cuda"):
+    assert package_targets("cpu,cpu-int8", "float32") == [("cpu", "float32"), ("cpu", "int8")]
+    with pytest.raises(ValueError, match="--packages takes onnx, cpu, cuda"):
         package_targets("tpu", "float32")
 
 
@@ -109,17 +114,21 @@ def test_the_package_answers_as_the_eager_model_at_every_batch_size(packaged_exp
         assert float(difference) < 1e-4, (size, float(difference))
 
 
+def served_format(weights: Path, fmt: str, max_batch: int) -> str:
+    """The format the app built with WEIGHTS_FORMAT=fmt serves, as /v1/models says."""
+    app = create_app(Settings(weights_dir=weights, device="cpu", max_batch_size=max_batch, log_level="warning",
+                              weights_format=fmt))
+    try:
+        (info,) = app.test_client().get("/v1/models").get_json()["models"]
+        return info["format"]
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=10)
+
+
 def test_the_server_serves_the_package_when_asked_and_refuses_one_that_does_not_fit(packaged_export: Path,
                                                                                      tmp_path: Path) -> None:
-    for fmt, served in (("aoti", "aoti"), ("auto", "torchscript")):
-        settings = Settings(weights_dir=packaged_export, device="cpu", max_batch_size=MAX_BATCH, log_level="warning",
-                            weights_format=fmt)
-        app = create_app(settings)
-        try:
-            (info,) = app.test_client().get("/v1/models").get_json()["models"]
-            assert info["format"] == served
-        finally:
-            app.extensions[EXTENSION_KEY].shutdown(timeout=10)
+    assert served_format(packaged_export, "aoti", MAX_BATCH) == "aoti"
+    assert served_format(packaged_export, "auto", MAX_BATCH) == "torchscript"
     with pytest.raises(ModelLoadError, match="compiled for batches up to 8, MAX_BATCH_SIZE is 16"):
         Predictor.load(packaged_export, weights_format="aoti", device="cpu", max_batch_size=MAX_BATCH * 2)
     corrupt = shutil.copytree(packaged_export, tmp_path / "corrupt")

@@ -15,7 +15,7 @@ from app import EXTENSION_KEY
 from app.engine.predictor import Predictor
 from harness.photos import photo
 from models.architectures import build_model
-from models.export.load import ModelLoadError
+from models.export.checks import ModelLoadError
 from models.export.manifest import read_manifest
 from models.presets import eval_transform, to_rgb
 from models.pretrained import lite0_weights_path, rename_lite0_keys

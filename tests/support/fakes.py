@@ -89,16 +89,17 @@ def served_over_http(wsgi_app: Callable) -> Iterator[str]:
         server.shutdown()
 
 
-def export_tiny(out: Path, name: str = "mine", version: str = "1", force: bool = False, seed: int = 0) -> Path:
+def export_tiny(out: Path, name: str = "mine", version: str = "1", force: bool = False, seed: int = 0,
+                packages: tuple[tuple[str, str], ...] = ()) -> Path:
     """A real export of an untrained 3-class mobilenet_v3_small at 32 px into ``out`` (seconds on a CPU); another
-    ``seed``, other weights."""
+    ``seed``, other weights; ``packages`` as models.export takes them (("onnx", "float32"): the ONNX file)."""
     from models.export.write import export_model
     from models.architectures import build_model
 
     torch.manual_seed(seed)
     export_model(build_model("mobilenet_v3_small", 3), out_dir=out, name=name, version=version,
                  arch="mobilenet_v3_small", labels=["a", "b", "c"], preset=EvalPreset(resize_size=40, crop_size=32),
-                 force=force)
+                 force=force, packages=packages)
     return out
 
 
@@ -147,7 +148,7 @@ class FakeRepository:
 
     def load(self, name: str, version: str):  # noqa: ANN201 - a Predictor
         from app.engine.predictor import Predictor
-        from models.export.load import ModelLoadError
+        from models.export.checks import ModelLoadError
 
         self.loads.append((name, version))
         if self.gate is not None:

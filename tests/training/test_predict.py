@@ -27,6 +27,7 @@ from models.predict.decode import Limits
 from models.predict.inputs import Item, Labels, chunks_for_rank, list_inputs
 from models.presets import EvalPreset, eval_transform
 from models.run.distributed import DistEnv
+from tests.support.fakes import export_tiny
 
 DIGITS = [str(d) for d in range(10)]
 
@@ -140,6 +141,24 @@ def test_the_answers_equal_the_servers_for_the_same_files(weights: Path, photos:
             scores, classes = served.topk(10)
             assert line["labels"][0] == DIGITS[int(classes[0])], (path, line["path"])
             assert torch.allclose(torch.tensor(line["scores"]), scores, atol=1e-5)
+
+
+def test_on_the_cpu_it_scores_with_onnx_runtime_when_the_server_would(photos: Path, tmp_path: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    # An export with its ONNX file: auto on the CPU serves it (models/export/choose.py), here as in the server.
+    weights = export_tiny(tmp_path / "onnx", packages=(("onnx", "float32"),))
+    server = Predictor.load(weights, device="cpu", jit_optimize=True, threads=1)
+    assert server.weights_format == "onnx"
+    limits = DecodeLimits.from_settings(Settings())
+    out = tmp_path / "onnx.jsonl"
+    with caplog.at_level(logging.INFO):
+        assert main(["--weights", str(weights), "--data", str(photos), "--out", str(out), "--decode", "tensor",
+                     "--batch-size", "4", "--workers", "0", "--top-k", "3"]) == 0
+    assert "(onnx, cpu, float32)" in caplog.text
+    for line in (line for line in _lines(out) if "error" not in line):
+        image = image_to_tensor_path(Path(line["path"]).read_bytes(), server.tensor_transform, limits)
+        scores, _ = server.predict_batch(image.unsqueeze(0))[0].topk(3)
+        assert torch.allclose(torch.tensor(line["scores"]), scores, atol=1e-5)
 
 
 def test_an_evaluation_equals_the_training_scripts_evaluate(weights: Path, digits: Path, tmp_path: Path) -> None:

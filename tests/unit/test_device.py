@@ -10,7 +10,7 @@ import torch
 from app.config import Settings
 from app.engine.predictor import Predictor
 from harness.photos import photo
-from models.export.load import ModelLoadError, resolve_device, resolve_dtype
+from models.export.checks import ModelLoadError, resolve_device, resolve_dtype
 from tests.support.fakes import ColourModel, tiny_manifest
 
 

@@ -66,7 +66,9 @@ def test_import_direction(package: str, forbidden: tuple[str, ...]) -> None:
 
 
 def _project_files() -> dict[str, Path]:
-    return {_module_name(f): f for package in PACKAGES for f in sorted((ROOT / package).rglob("*.py"))}
+    # Hidden folders are not the project's code: bench/.venv-litserve and bench/.venv-formats hold whole venvs.
+    return {_module_name(f): f for package in PACKAGES for f in sorted((ROOT / package).rglob("*.py"))
+            if not any(part.startswith(".") for part in f.relative_to(ROOT).parts)}
 
 
 def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, known: set[str]) -> set[str]:

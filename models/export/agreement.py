@@ -1,0 +1,84 @@
+"""Real photos through a model's own eval transform, and how closely a format's answers agree with float32 on them.
+
+The photos are scikit-image's (``skimage.data``, shipped inside the package: nothing is downloaded), split in two
+sets that share no photo: int8 calibration sees one, the agreement check at export and in
+``bench.serving.formats`` the other.
+
+- calibration: 4 colour photos (astronaut, coffee, rocket, retina) and 4 grey ones as RGB (camera, coins, moon,
+  brick), each whole, mirrored and as its 4 corner crops of 70%: 48 images;
+- agreement: 3 colour photos (chelsea, hubble_deep_field, immunohistochemistry) and 6 grey ones (clock, cell, grass,
+  gravel, page, text), each whole and as its 5 crops (4 corners and the centre) of 80% and of 60%, and all of those
+  mirrored: 22 views of each of 9 photos, 198 images.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+
+from models.export.manifest import Agreement
+from models.presets import EvalPreset, eval_transform
+
+CALIBRATION_PHOTOS = ("astronaut", "coffee", "rocket", "retina", "camera", "coins", "moon", "brick")
+AGREEMENT_PHOTOS = ("chelsea", "hubble_deep_field", "immunohistochemistry", "clock", "cell", "grass", "gravel",
+                    "page", "text")
+def _photo(name: str) -> Image.Image:
+    import skimage.data
+
+    return Image.fromarray(np.asarray(getattr(skimage.data, name)())).convert("RGB")
+
+
+def _crop(image: Image.Image, share: float, where: str) -> Image.Image:
+    width, height = image.size
+    w, h = int(width * share), int(height * share)
+    left = {"l": 0, "r": width - w, "c": (width - w) // 2}[where[1]]
+    top = {"t": 0, "b": height - h, "c": (height - h) // 2}[where[0]]
+    return image.crop((left, top, left + w, top + h))
+
+
+CORNERS = ("tl", "tr", "bl", "br")
+
+
+def _calibration_views(image: Image.Image) -> Iterator[Image.Image]:
+    yield image
+    yield ImageOps.mirror(image)
+    yield from (_crop(image, 0.7, corner) for corner in CORNERS)
+
+
+def _agreement_views(image: Image.Image) -> Iterator[Image.Image]:
+    crops = [image] + [_crop(image, share, where) for share in (0.8, 0.6) for where in (*CORNERS, "cc")]
+    for crop in crops:
+        yield crop
+        yield ImageOps.mirror(crop)
+
+
+def _batch(names: tuple[str, ...], views: Callable[[Image.Image], Iterator[Image.Image]],
+           preset: EvalPreset) -> torch.Tensor:
+    transform = eval_transform(preset)
+    return torch.stack([transform(view) for name in names for view in views(_photo(name))])
+
+
+def calibration_batch(preset: EvalPreset) -> torch.Tensor:
+    """The calibration images, preprocessed as the model's eval transform does (48 x C x H x W)."""
+    return _batch(CALIBRATION_PHOTOS, _calibration_views, preset)
+
+
+def agreement_batch(preset: EvalPreset) -> torch.Tensor:
+    """The agreement images, preprocessed as the model's eval transform does (198 x C x H x W)."""
+    return _batch(AGREEMENT_PHOTOS, _agreement_views, preset)
+
+
+def probabilities(forward: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor,
+                  batch_size: int = 8) -> torch.Tensor:
+    """Softmax of ``forward`` over ``images``, ``batch_size`` at a time, as float32."""
+    with torch.inference_mode():
+        return torch.cat([forward(chunk).float().softmax(dim=1) for chunk in images.split(batch_size)])
+
+
+def agreement(reference: torch.Tensor, candidate: torch.Tensor) -> Agreement:
+    """How ``candidate``'s probabilities agree with ``reference``'s (both images x classes)."""
+    same = (reference.argmax(dim=1) == candidate.argmax(dim=1)).float().mean()
+    return Agreement(photos=reference.shape[0], top1=round(float(same), 4),
+                     max_probability_difference=round(float((reference - candidate).abs().max()), 4))

@@ -1,0 +1,104 @@
+"""The ONNX file (#32): written and checked against the model at export, served by ONNX Runtime on the CPU under
+WEIGHTS_FORMAT=onnx, and by auto there when its answers agreed; refused with a reason where it cannot serve."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.engine.predictor import Predictor
+from models.export.checks import ModelLoadError
+from models.export.choose import choose_onnx
+from models.export.manifest import Agreement, Manifest, OnnxFile, read_manifest, sha256_of
+from tests.app.test_packages import served_format
+from tests.support.fakes import export_tiny, tiny_manifest
+
+CPU = torch.device("cpu")
+
+
+def _with_onnx(top1: float = 1.0) -> Manifest:
+    onnx = OnnxFile(path="model.onnx", sha256="0" * 64, opset=18, max_batch_size=64, torch_version="x",
+                    export_s=7.0, agreement=Agreement(photos=198, top1=top1, max_probability_difference=0.0))
+    return tiny_manifest().model_copy(update={"onnx": onnx})
+
+
+@pytest.fixture(scope="module")
+def onnx_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny mobilenet exported with its ONNX file (really exported and checked: seconds)."""
+    return export_tiny(tmp_path_factory.mktemp("onnx"), packages=(("onnx", "float32"),))
+
+
+def test_auto_serves_onnx_on_the_cpu_only_when_it_agreed(caplog: pytest.LogCaptureFixture) -> None:
+    assert choose_onnx(_with_onnx(), "auto", CPU, "float32").path == "model.onnx"
+    assert choose_onnx(_with_onnx(), "torchscript", CPU, "float32") is None  # asked for another format
+    assert choose_onnx(_with_onnx(), "auto", torch.device("cuda"), "float16") is None  # not measured on a GPU
+    with caplog.at_level(logging.INFO, logger="models.export.choose"):
+        assert choose_onnx(tiny_manifest(), "auto", CPU, "float32") is None  # an export from before ONNX
+        assert choose_onnx(_with_onnx(top1=0.97), "auto", CPU, "float32") is None
+    assert "not serving ONNX: the manifest lists no ONNX file" in caplog.text
+    assert "its top-1 agreed with float32 on 97.0% of 198 photos" in caplog.text
+
+
+@pytest.mark.parametrize(("manifest", "device", "dtype", "reason"), [
+    (tiny_manifest(), "cpu", "float32", "the manifest lists no ONNX file"),
+    (_with_onnx(), "cuda", "float16", "ONNX Runtime serves on the CPU here, this server runs on cuda"),
+    (_with_onnx(), "cpu", "bfloat16", "the ONNX file computes in float32, this server computes in bfloat16"),
+])
+def test_weights_format_onnx_refuses_to_start_saying_why(manifest: Manifest, device: str, dtype: str,
+                                                         reason: str) -> None:
+    with pytest.raises(ModelLoadError, match=f"WEIGHTS_FORMAT=onnx but {reason}"):
+        choose_onnx(manifest, "onnx", torch.device(device), dtype)
+
+
+def test_the_export_writes_the_onnx_file_with_its_agreement(onnx_export: Path) -> None:
+    manifest = read_manifest(onnx_export)
+    assert manifest.onnx is not None and manifest.onnx.sha256 == sha256_of(onnx_export / "model.onnx")
+    assert manifest.onnx.agreement.photos == 198 and manifest.onnx.agreement.top1 == 1.0
+    assert manifest.onnx.agreement.max_probability_difference < 1e-4
+    assert manifest.default_format == "torchscript"  # what a server without ONNX Runtime's choice falls back to
+
+
+def test_onnx_answers_as_the_eager_model_at_every_batch_size(onnx_export: Path) -> None:
+    onnx = Predictor.load(onnx_export, device="cpu")  # auto on the CPU
+    eager = Predictor.load(onnx_export, weights_format="state_dict", device="cpu")
+    assert onnx.weights_format == "onnx" and onnx.weights_bytes == (onnx_export / "model.onnx").stat().st_size
+    torch.manual_seed(1)
+    photos = torch.rand(8, 3, 32, 32)
+    for size in (1, 3, 8):
+        assert float((onnx.predict_batch(photos[:size]) - eager.predict_batch(photos[:size])).abs().max()) < 1e-5
+
+
+def test_a_changed_onnx_file_stops_the_load(onnx_export: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for path in onnx_export.iterdir():
+        copy.joinpath(path.name).write_bytes(path.read_bytes())
+    (copy / "model.onnx").write_bytes((copy / "model.onnx").read_bytes()[:-10])
+    with pytest.raises(ModelLoadError, match="model.onnx has sha256"):
+        Predictor.load(copy, weights_format="onnx", device="cpu")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["onnx"]["sha256"] = sha256_of(copy / "model.onnx")
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ModelLoadError, match="cannot load ONNX file"):
+        Predictor.load(copy, weights_format="onnx", device="cpu")
+
+
+def test_the_server_serves_onnx_by_default_on_the_cpu(onnx_export: Path) -> None:
+    assert served_format(onnx_export, "auto", 4) == "onnx"
+    assert served_format(onnx_export, "torchscript", 4) == "torchscript"
+
+
+def test_a_model_the_exporter_cannot_take_is_exported_without_onnx(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    def unsupported(*_: object) -> None:
+        raise RuntimeError("no ONNX op for aten::something_new")
+
+    monkeypatch.setattr("models.export.onnx._write", unsupported)
+    with caplog.at_level(logging.WARNING, logger="models.export.onnx"):
+        export_tiny(tmp_path, packages=(("onnx", "float32"),))
+    assert read_manifest(tmp_path).onnx is None and not (tmp_path / "model.onnx").exists()
+    assert "no ONNX file (the server will serve TorchScript): the export failed: no ONNX op" in caplog.text
+    assert Predictor.load(tmp_path, device="cpu").weights_format == "torchscript"
