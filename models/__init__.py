@@ -15,6 +15,9 @@ SERVING_CONTRACT: tuple[str, ...] = (
     "models.presets",  # the eval transform (PIL and tensor), the accepted image formats
     "models.data.jpeg",  # batched device JPEG decoding (the server's device decode path)
     "models.export.manifest",  # what a weights directory holds
+    "models.export.checks",  # ModelLoadError; manifest, checksum, output shape, device and dtype checks
+    "models.export.choose",  # which artefact serves: ONNX, an AOTInductor package, a weights file (FASTEST_ON)
+    "models.export.load",  # the verified load of the chosen artefact (the server and models.predict)
     "models.export.repository",  # <repository>/<model>/<version>/
     "models.export.torchscript",  # quiet_jit around loading TorchScript
     "models.export.compile",  # the dtypes of AOTInductor packages

@@ -46,8 +46,9 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     return target
 
 
-def plot_confusion(report_path: Path, target: Path) -> Path:
-    """The best epoch's confusion matrix (counts; rows true, columns predicted) with per-class recall."""
+def plot_confusion(report_path: Path, target: Path, title: str = "validation, best epoch") -> Path:
+    """A confusion matrix (counts; rows true, columns predicted) with per-class recall: by default a run's best
+    epoch, or an evaluation by ``python -m models.predict``."""
     import matplotlib.pyplot as plt
 
     report = json.loads(report_path.read_text(encoding="utf-8"))
@@ -60,7 +61,7 @@ def plot_confusion(report_path: Path, target: Path) -> Path:
             axes.text(column, row, str(count), ha="center", va="center", fontsize=8)
     recall = [f"{name} ({report['per_class'][name]['recall']:.2f})" for name in classes]
     axes.set(xticks=range(len(classes)), yticks=range(len(classes)), xlabel="predicted",
-             ylabel="true class (recall)", title="validation, best epoch")
+             ylabel="true class (recall)", title=title)
     axes.set_xticklabels(classes, rotation=45, ha="right")
     axes.set_yticklabels(recall)
     figure.savefig(target, dpi=100)

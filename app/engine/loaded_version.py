@@ -16,8 +16,8 @@ from app.engine.decode import DecodeLimits, canary_jpeg
 from app.engine.decoders import Decoder, Prepared, decoder_for
 from app.engine.predictor import OUT_OF_MEMORY_ERRORS, Predictor
 from app.engine.tuning import choose_batch_cap, decode_path, forward_threads, inline_batches
-from app.engine.weights import ModelLoadError
 from app.metrics import MODEL_INFO, QUEUE_CAPACITY, MetricsObserver
+from models.export.checks import ModelLoadError
 
 log = logging.getLogger(__name__)
 

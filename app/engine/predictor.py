@@ -9,33 +9,14 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from app.engine.onnx_model import choose_onnx, load_onnx
-from app.engine.packages import choose_package, kind_of, load_package
-from app.engine.weights import (
-    ModelLoadError,
-    check_output_shape,
-    checked_file,
-    load_module,
-    optimize_for_cpu,
-    read_checked_manifest,
-    resolve_device,
-    resolve_dtype,
-)
-from models.export.manifest import Manifest, WeightsFormat
+from models.export.load import load_model, module_bytes
+from models.export.manifest import Manifest
 from models.presets import ImageTransform, TensorEvalTransform, eval_transform
 
 log = logging.getLogger(__name__)
 
 # What the batcher treats as "this batch is too big": split it and retry the halves.
 OUT_OF_MEMORY_ERRORS: tuple[type[BaseException], ...] = (torch.cuda.OutOfMemoryError,)
-
-def module_bytes(model: nn.Module, dtype: torch.dtype | None = None) -> int:
-    """Bytes of a module's parameters and buffers (floating ones counted in ``dtype`` when given)."""
-    total = 0
-    for tensor in model.state_dict().values():
-        size = torch.empty((), dtype=dtype).element_size() if dtype and tensor.is_floating_point() else None
-        total += tensor.numel() * (size or tensor.element_size())
-    return total
 
 
 class Predictor:
@@ -67,37 +48,13 @@ class Predictor:
              dtype: str = "float32", jit_optimize: bool = False, max_batch_size: int = 1,
              threads: int = 1) -> "Predictor":
         """Load and verify (manifest, checksum, keys, output shape) or raise ModelLoadError. ``auto`` serves what
-        was measured fastest on the device type (app/engine/packages.py FASTEST_ON): the ONNX file under ONNX
+        was measured fastest on the device type (models/export/choose.py FASTEST_ON): the ONNX file under ONNX
         Runtime with ``threads`` intra-op threads, or a fitting AOTInductor package (float or int8); else the
-        manifest's default format."""
-        manifest = read_checked_manifest(weights_dir)
-        target = resolve_device(device)
-        compute_dtype = resolve_dtype(dtype, target)
-        onnx = choose_onnx(manifest, weights_format, target, dtype)
-        if onnx is not None:
-            runtime = load_onnx(weights_dir, onnx, threads)
-            check_output_shape(runtime, manifest)
-            log.info("loaded %s %s (ONNX Runtime, %s) onto cpu", manifest.name, manifest.version, onnx.path)
-            return cls(runtime, manifest, device=target, dtype=compute_dtype, weights_format="onnx",
-                       weights_bytes=(weights_dir / onnx.path).stat().st_size)
-        package = choose_package(manifest, weights_format, target, dtype, max_batch_size)
-        if package is not None:
-            model: nn.Module = load_package(weights_dir, package)
-            check_output_shape(model, manifest, target, compute_dtype)
-            log.info("loaded %s %s (AOTInductor %s) onto %s", manifest.name, manifest.version, package.path, target)
-            return cls(model, manifest, device=target, dtype=compute_dtype, weights_format=kind_of(package),
-                       weights_bytes=(weights_dir / package.path).stat().st_size)
-        fmt: WeightsFormat = (manifest.default_format if weights_format == "auto"  # type: ignore[assignment]
-                              else weights_format)
-        path = checked_file(weights_dir, manifest, fmt)
-        model = load_module(path, manifest, fmt)
-        check_output_shape(model, manifest)
-        weights_bytes = module_bytes(model, compute_dtype)
-        if jit_optimize and target.type == "cpu" and dtype == "float32":
-            model = optimize_for_cpu(model, manifest)
-        log.info("loaded %s %s (%s) from %s onto %s", manifest.name, manifest.version, fmt, path, target)
-        return cls(model, manifest, device=target, dtype=compute_dtype, weights_format=fmt,
-                   weights_bytes=weights_bytes)
+        manifest's default format (models/export/load.py, shared with python -m models.predict)."""
+        loaded = load_model(weights_dir, weights_format=weights_format, device=device, dtype=dtype,
+                            jit_optimize=jit_optimize, max_batch_size=max_batch_size, threads=threads)
+        return cls(loaded.module, loaded.manifest, device=loaded.device, dtype=loaded.dtype,
+                   weights_format=loaded.weights_format, weights_bytes=loaded.weights_bytes)
 
     @property
     def dtype_name(self) -> str:

@@ -40,8 +40,8 @@ from app.engine.policy import PolicyError, VersionPolicy, order_key
 from app.engine.routing import RoutingTable
 from app.engine.sources import Source
 from app.engine.version_states import VersionState, VersionStates
-from app.engine.weights import ModelLoadError, resolve_device
 from app.errors import BadRequest, InsufficientMemory, LoadFailed, LoadTimeout, NotFound, ServiceError
+from models.export.checks import ModelLoadError, resolve_device
 
 log = logging.getLogger(__name__)
 RETIRE_GRACE_S = 5.0  # beyond the request timeout, how long a retiring version waits for the requests holding it

@@ -10,7 +10,7 @@ from app.config import Settings
 from app.engine.policy import POLICY_FILE, PolicyError
 from app.engine.predictor import Predictor
 from app.engine.tuning import forward_threads
-from app.engine.weights import ModelLoadError, read_checked_manifest, resolve_device
+from models.export.checks import ModelLoadError, read_checked_manifest, resolve_device
 from models.export.manifest import MANIFEST_NAME
 from models.export.repository import models, versions
 

@@ -143,7 +143,7 @@ def verdict(forward: dict[str, dict[int, float]], server: dict[str, dict[str, fl
     if eligible:
         choice = max(eligible)[1]
         return lines + ["", f"Verdict: `WEIGHTS_FORMAT=auto` on the CPU should serve `{choice}` "
-                            f"(`FASTEST_ON = {{\"cpu\": \"{choice}\"}}` in app/engine/packages.py)."]
+                            f"(`FASTEST_ON = {{\"cpu\": \"{choice}\"}}` in models/export/choose.py)."]
     return lines + ["", "Verdict: `WEIGHTS_FORMAT=auto` on the CPU keeps TorchScript (no package is faster end to "
                         "end by the margin with the agreement; `FASTEST_ON` stays without `cpu`)."]
 

@@ -28,7 +28,7 @@ import torch
 from app.config import Settings
 from app.engine.decode import DecodeLimits, image_to_tensor
 from app.engine.predictor import Predictor
-from app.engine.weights import optimize_for_cpu
+from models.export.load import optimize_for_cpu
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
 # The service's default limits (and any VISIONSERVE_* overrides), so every contender decodes the same way.
@@ -61,9 +61,9 @@ def configurations(weights: Path, compile_too: bool) -> tuple[Predictor, dict[st
         "frozen+optimize_for_inference (served)": optimized,
         "frozen+optimize_for_inference, channels_last input": channels_last(optimized)}
     if base.manifest.onnx is not None:  # what the server runs on the CPU, with the thread count a worker gives it
-        from app.engine.onnx_model import OnnxModel
         from app.engine.tuning import forward_threads
         from app.host import workers_for
+        from models.export.load import OnnxModel
         from models.export.onnx_runtime import session
 
         served_threads = forward_threads(0, torch.device("cpu"), workers=workers_for(0, "cpu")[0])

@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from app.engine.packages import choose_package
 from app.engine.predictor import Predictor
-from app.engine.weights import ModelLoadError
+from models.export.checks import ModelLoadError
+from models.export.choose import choose_package
 from models.export.manifest import Agreement, CompiledPackage, Manifest, read_manifest, sha256_of
 from tests.app.test_packages import served_format
 from tests.support.fakes import tiny_manifest
@@ -41,9 +41,9 @@ def test_auto_serves_int8_only_where_it_was_faster_and_agrees(monkeypatch: pytes
                                                               caplog: pytest.LogCaptureFixture) -> None:
     agreeing = _with(_int8())
     assert choose_package(agreeing, "auto", CPU, "float32", 8) is None  # int8 not measured faster on the CPU
-    monkeypatch.setattr("app.engine.packages.FASTEST_ON", {"cpu": "int8"})  # as a measurement would set it
+    monkeypatch.setattr("models.export.choose.FASTEST_ON", {"cpu": "int8"})  # as a measurement would set it
     assert choose_package(agreeing, "auto", CPU, "float32", 8).quantization == "int8"
-    with caplog.at_level(logging.INFO, logger="app.engine.packages"):
+    with caplog.at_level(logging.INFO, logger="models.export.choose"):
         assert choose_package(_with(_int8(top1=0.98)), "auto", CPU, "float32", 8) is None
         assert choose_package(_with(_int8(agreement=None)), "auto", CPU, "float32", 8) is None
     assert "its top-1 agrees with float32 on 98.0% of 198 photos, below 99%" in caplog.text

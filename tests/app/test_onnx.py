@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.engine.onnx_model import choose_onnx
 from app.engine.predictor import Predictor
-from app.engine.weights import ModelLoadError
+from models.export.checks import ModelLoadError
+from models.export.choose import choose_onnx
 from models.export.manifest import Agreement, Manifest, OnnxFile, read_manifest, sha256_of
 from tests.app.test_packages import served_format
 from tests.support.fakes import export_tiny, tiny_manifest
@@ -35,7 +35,7 @@ def test_auto_serves_onnx_on_the_cpu_only_when_it_agreed(caplog: pytest.LogCaptu
     assert choose_onnx(_with_onnx(), "auto", CPU, "float32").path == "model.onnx"
     assert choose_onnx(_with_onnx(), "torchscript", CPU, "float32") is None  # asked for another format
     assert choose_onnx(_with_onnx(), "auto", torch.device("cuda"), "float16") is None  # not measured on a GPU
-    with caplog.at_level(logging.INFO, logger="app.engine.onnx_model"):
+    with caplog.at_level(logging.INFO, logger="models.export.choose"):
         assert choose_onnx(tiny_manifest(), "auto", CPU, "float32") is None  # an export from before ONNX
         assert choose_onnx(_with_onnx(top1=0.97), "auto", CPU, "float32") is None
     assert "not serving ONNX: the manifest lists no ONNX file" in caplog.text

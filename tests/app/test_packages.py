@@ -14,10 +14,10 @@ from PIL import Image
 
 from app import EXTENSION_KEY, create_app
 from app.config import Settings
-from app.engine.packages import choose_package, why_not
 from app.engine.predictor import Predictor
-from app.engine.weights import ModelLoadError
 from models.export.__main__ import package_targets
+from models.export.checks import ModelLoadError
+from models.export.choose import choose_package, why_not
 from models.export.manifest import CompiledPackage, read_manifest, sha256_of, write_manifest
 from tests.support.fakes import tiny_manifest
 
@@ -48,19 +48,19 @@ def test_a_package_serves_only_where_it_fits(caplog: pytest.LogCaptureFixture) -
     assert choose_package(fitting, "torchscript", cpu, "float32", 8) is None
     assert choose_package(fitting, "auto", cpu, "float32", 8) is None  # the CPU's fastest is ONNX, not a package
     on_gpu = tiny_manifest().model_copy(update={"packages": [_package(device="cuda", dtype="float16")]})
-    with caplog.at_level(logging.INFO, logger="app.engine.packages"):
+    with caplog.at_level(logging.INFO, logger="models.export.choose"):
         assert choose_package(on_gpu, "auto", torch.device("cuda"), "float16", 8) is None  # not measured there
     assert "serving TorchScript: no AOTInductor package (float or int8) was measured faster on cuda" in caplog.text
 
 
 def test_auto_serves_a_fitting_package_where_packages_are_faster(monkeypatch: pytest.MonkeyPatch,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr("app.engine.packages.FASTEST_ON", {"cpu": "aoti"})  # as a measurement would set it
+    monkeypatch.setattr("models.export.choose.FASTEST_ON", {"cpu": "aoti"})  # as a measurement would set it
     cpu = torch.device("cpu")
     fitting = tiny_manifest().model_copy(update={"packages": [_package()]})
     assert choose_package(fitting, "auto", cpu, "float32", 8) is not None
     stale = tiny_manifest().model_copy(update={"packages": [_package(torch_version="2.0.0")]})
-    with caplog.at_level(logging.INFO, logger="app.engine.packages"):
+    with caplog.at_level(logging.INFO, logger="models.export.choose"):
         assert choose_package(stale, "auto", cpu, "float32", 8) is None
     assert "no AOTInductor package fits (model.cpu-float32.pt2: compiled by torch 2.0.0" in caplog.text
 

@@ -13,12 +13,12 @@ from PIL import Image
 
 from app import EXTENSION_KEY
 from app.engine.predictor import Predictor
-from app.engine.weights import ModelLoadError
 from harness.photos import photo
+from models.architectures import build_model
+from models.export.checks import ModelLoadError
 from models.export.manifest import read_manifest
 from models.presets import eval_transform, to_rgb
 from models.pretrained import lite0_weights_path, rename_lite0_keys
-from models.architectures import build_model
 from tests.support.imaging import encode
 
 pytestmark = pytest.mark.slow

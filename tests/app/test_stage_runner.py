@@ -12,8 +12,8 @@ from app.config import Settings
 from app.engine.predictor import Predictor
 from app.engine.service import Service
 from app.engine.sources import DirectorySource, GivenSource
-from app.engine.weights import ModelLoadError
 from app.errors import BadRequest, InvalidImage, NotReady, TooManyImages
+from models.export.checks import ModelLoadError
 from tests.support.fakes import ColourModel, infer, wait_until
 from tests.support.imaging import BLUE, RED, image_bytes
 

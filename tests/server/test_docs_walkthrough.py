@@ -1,6 +1,7 @@
 """docs/training.md and docs/models.md run whole: every ```bash block, in order, as printed, on tiny data (train,
-export, serve, train again into the repository as version 2 while the server polls, the default model, a rollback
-that holds through polls), so the docs and the code cannot part.
+export, evaluate and score with models.predict on one process and two, serve, train again into the repository as
+version 2 while the server polls, the default model, a rollback that holds through polls), so the docs and the code
+cannot part.
 
 How a command runs: from a scratch folder holding `data/mine` (three classes of small photos) and `cat.jpg`;
 `.venv/bin/python` and `python` are this interpreter, `.venv/bin/torchrun` is `python -m torch.distributed.run`;
@@ -10,6 +11,7 @@ a wait until the repository's newest versions are served or refused.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -123,6 +125,8 @@ def test_every_walkthrough_command_is_found() -> None:
     commands = [command for _, command in walkthrough_commands()]
     assert sum("models.train" in c for c in commands) >= 4 and sum(bool(MAKE_SERVE.match(c)) for c in commands) == 2
     assert any("--name mine" in c and "--export-repository repository" in c for c in commands)  # version 2
+    predict = [c for c in commands if "-m models.predict" in c]
+    assert any("--labels" in c for c in predict) and any("torchrun" in c for c in predict)  # evaluating and scoring
 
 
 @pytest.mark.slow
@@ -134,6 +138,8 @@ def test_the_training_and_models_docs_run_end_to_end(walk: Walk) -> None:
     assert sorted(p.parent.name for p in (repository / "mine").glob("*/manifest.json")) == ["1", "2"]
     assert (walk.work / "runs" / "mine" / "export" / "manifest.json").is_file()
     assert (walk.work / "runs" / "ddp" / "best.pt").is_file()
+    evaluated = json.loads((walk.work / "runs" / "mine" / "eval-report" / "metrics.json").read_text())
+    assert evaluated["count"] == 15 and (walk.work / "runs" / "mine" / "eval-report" / "mistakes.html").is_file()
     assert walk.unnamed() == {"name": "mine", "version": "1"}  # the default model, rolled back by a call
     time.sleep(2 * walk.poll_s)  # two polls: the rollback holds
     assert walk.unnamed() == {"name": "mine", "version": "1"}

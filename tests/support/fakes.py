@@ -148,7 +148,7 @@ class FakeRepository:
 
     def load(self, name: str, version: str):  # noqa: ANN201 - a Predictor
         from app.engine.predictor import Predictor
-        from app.engine.weights import ModelLoadError
+        from models.export.checks import ModelLoadError
 
         self.loads.append((name, version))
         if self.gate is not None:

@@ -9,8 +9,8 @@ import torch
 
 from app.config import Settings
 from app.engine.predictor import Predictor
-from app.engine.weights import ModelLoadError, resolve_device, resolve_dtype
 from harness.photos import photo
+from models.export.checks import ModelLoadError, resolve_device, resolve_dtype
 from tests.support.fakes import ColourModel, tiny_manifest
 
 

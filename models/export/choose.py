@@ -1,33 +1,61 @@
-"""Serving an AOTInductor package (models/export/compile.py, quantize.py): which one fits this server, and loading it.
+"""Which of an export's artefacts serves here: the ONNX file, an AOTInductor package, or a weights file.
 
-A package is of one of two kinds: ``aoti`` (float, compiled from the model as it is) or ``int8`` (PT2E-quantized for
-the CPU, with its top-1 agreement with float32 on real photos measured at export). ``WEIGHTS_FORMAT=aoti`` or
-``int8`` serves a package of that kind compiled for this device type, dtype and torch version, whose batch range
-covers ``MAX_BATCH_SIZE``, or refuses to start saying why none fits. ``auto`` serves the kind measured fastest end to
-end on this device type (``FASTEST_ON``) when one fits (an int8 one also needs ``MIN_TOP1_AGREEMENT``), and
-otherwise TorchScript, saying why in one log line.
+``WEIGHTS_FORMAT=onnx`` serves the export's ONNX file (models/export/onnx.py) under ONNX Runtime, or refuses to start
+saying why (no file in the manifest, a GPU server, a dtype other than float32). A package is of one of two kinds:
+``aoti`` (float, compiled from the model as it is) or ``int8`` (PT2E-quantized for the CPU, with its top-1 agreement
+with float32 on real photos measured at export); ``WEIGHTS_FORMAT=aoti`` or ``int8`` serves a package of that kind
+compiled for this device type, dtype and torch version, whose batch range covers ``MAX_BATCH_SIZE``, or refuses to
+start saying why none fits. ``auto`` serves what was measured fastest end to end on this device type (``FASTEST_ON``)
+when it may (ONNX and int8 also need ``MIN_TOP1_AGREEMENT``), and otherwise the manifest's default format
+(TorchScript), saying why in one log line.
 """
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
-import torch.nn as nn
 
-from app.engine.weights import ModelLoadError
-from models.export.manifest import MIN_TOP1_AGREEMENT, CompiledPackage, Manifest, sha256_of
+from models.export.checks import ModelLoadError
+from models.export.manifest import MIN_TOP1_AGREEMENT, CompiledPackage, Manifest, OnnxFile
 
 log = logging.getLogger(__name__)
 
 KINDS = {"aoti": "AOTInductor", "int8": "int8 AOTInductor"}
 
 # Device type -> what `python -m bench.serving.formats` measured fastest end to end there, among a package kind
-# (aoti, int8) and ``onnx`` (the export's ONNX file under ONNX Runtime: app/engine/onnx_model.py). On the 2-core CPU:
-# ONNX Runtime, about 2x frozen TorchScript's forward pass and agreeing with float32 on every photo; the int8 package
-# agreed on 75% only and the float package was no faster than TorchScript at the server's small batches
+# (aoti, int8) and ``onnx`` (the export's ONNX file under ONNX Runtime). On the 2-core CPU: ONNX Runtime, about 2x
+# frozen TorchScript's forward pass and agreeing with float32 on every photo; the int8 package agreed on 75% only and
+# the float package was no faster than TorchScript at the server's small batches
 # (bench/results/2026-11-24-formats-cpu-2cpu-vm.md). On CUDA nothing is measured yet.
 FASTEST_ON: dict[str, str] = {"cpu": "onnx"}
+
+
+def why_not_onnx(manifest: Manifest, device: torch.device, dtype: str) -> str | None:
+    """Why the export's ONNX file cannot serve here, or None when it can."""
+    if manifest.onnx is None:
+        return "the manifest lists no ONNX file (python -m models.export --packages onnx writes one)"
+    if device.type != "cpu":
+        return f"ONNX Runtime serves on the CPU here, this server runs on {device.type}"
+    if dtype != "float32":
+        return f"the ONNX file computes in float32, this server computes in {dtype}"
+    return None
+
+
+def choose_onnx(manifest: Manifest, setting: str, device: torch.device, dtype: str) -> OnnxFile | None:
+    """The ONNX file to serve under ``setting`` (onnx, auto; others: None); ModelLoadError for ``onnx`` when it
+    cannot."""
+    if setting not in ("onnx", "auto") or (setting == "auto" and FASTEST_ON.get(device.type) != "onnx"):
+        return None
+    why = why_not_onnx(manifest, device, dtype)
+    if setting == "onnx" and why:
+        raise ModelLoadError(f"WEIGHTS_FORMAT=onnx but {why}")
+    agreement = manifest.onnx.agreement if manifest.onnx else None
+    if not why and agreement is not None and agreement.top1 < MIN_TOP1_AGREEMENT:
+        why = f"its top-1 agreed with float32 on {100 * agreement.top1:.1f}% of {agreement.photos} photos"
+    if why:
+        log.info("not serving ONNX: %s", why)
+        return None
+    return manifest.onnx
 
 
 def kind_of(package: CompiledPackage) -> str:
@@ -84,7 +112,7 @@ def choose_package(manifest: Manifest, setting: str, device: torch.device, dtype
     if setting != "auto":
         return None
     kind = FASTEST_ON.get(device.type)
-    if kind == "onnx":  # not a package: app/engine/onnx_model.py chose before, or said why it did not
+    if kind == "onnx":  # not a package: choose_onnx chose before, or said why it did not
         return None
     if kind is None:
         log.info("serving TorchScript: no AOTInductor package (float or int8) was measured faster on %s "
@@ -96,29 +124,3 @@ def choose_package(manifest: Manifest, setting: str, device: torch.device, dtype
         log.info("serving TorchScript: no %s package fits (%s)", KINDS[kind], why)
         return None
     return package
-
-
-class PackagedModel(nn.Module):
-    """A loaded package as a module: the predictor calls it like any other (it holds no parameters of its own)."""
-
-    def __init__(self, runner: object, package: CompiledPackage) -> None:
-        super().__init__()
-        self.runner = runner
-        self.package = package
-
-    def forward(self, batch: torch.Tensor) -> torch.Tensor:
-        return self.runner(batch)  # type: ignore[operator]
-
-
-def load_package(weights_dir: Path, package: CompiledPackage) -> PackagedModel:
-    """The package, its sha256 checked, loaded for its device; ModelLoadError if it cannot be."""
-    path = weights_dir / package.path
-    if not path.is_file():
-        raise ModelLoadError(f"package {path} is missing")
-    actual = sha256_of(path)
-    if actual != package.sha256:
-        raise ModelLoadError(f"package {path} has sha256 {actual}, the manifest says {package.sha256}")
-    try:
-        return PackagedModel(torch._inductor.aoti_load_package(str(path)), package)
-    except Exception as exc:  # noqa: BLE001 - a package that does not load means "cannot serve this"
-        raise ModelLoadError(f"cannot load package {path}: {exc}") from exc

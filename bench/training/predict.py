@@ -1,0 +1,117 @@
+"""models.predict against the in-process limit: images/s of ``python -m models.predict`` over a folder of the
+benchmark's photos, beside the limit ``python -m bench`` measures for the same model and photos.
+
+    python -m bench.training.predict --weights weights            # CPU: the target is 0.9 of the limit
+    python -m bench.training.predict --weights weights --device cuda --dtype float16   # beside bench.gpu's limit
+    python -m bench.training.predict --weights weights --save     # also writes bench/results/<date>-predict-*.md
+
+The limit is the best of bench/serving/limit.py's in-process pipelines with the served module (one process
+decoding in threads while it runs the forward pass, each thread count tried; and one pipeline per core, as the
+service's workers), at ``--batch-size``. models.predict runs as a user runs it, in a subprocess, on two folders of
+the photos (``--images`` and three times as many); its rate is the difference of images over the difference of
+seconds, so loading the model and starting the workers (paid once per run) is left out, as the limit leaves it out.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.paths import WORK
+from bench.serving.limit import configurations, measure, process_pipeline, served_config
+from bench.serving.report import save_result
+from harness.photos import workload
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def photo_folder(out: Path, count: int) -> Path:
+    """``count`` files cycling through the benchmark's photos (every size: native, 1920x1080, 4000x3000)."""
+    out.mkdir(parents=True, exist_ok=True)
+    photos = workload()
+    for i in range(count):
+        (out / f"{i:06d}.jpg").write_bytes(photos[i % len(photos)])
+    return out
+
+
+def predict_seconds(weights: Path, folder: Path, extra: list[str]) -> float:
+    """Wall seconds of one ``python -m models.predict`` run over ``folder``."""
+    out = folder.with_suffix(".jsonl")
+    out.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "models.predict", "--weights", str(weights), "--data", str(folder),
+               "--out", str(out), *extra]
+    started = time.perf_counter()
+    subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True)
+    return time.perf_counter() - started
+
+
+def predict_rate(weights: Path, images: int, extra: list[str]) -> tuple[float, float, float]:
+    """models.predict's images/s with its start-up left out, and the two runs' seconds."""
+    with tempfile.TemporaryDirectory(dir=WORK) as scratch:
+        small = photo_folder(Path(scratch) / "small", images)
+        large = photo_folder(Path(scratch) / "large", 3 * images)
+        predict_seconds(weights, small, extra)  # warm the page cache and the imports
+        short, long = predict_seconds(weights, small, extra), predict_seconds(weights, large, extra)
+    return 2 * images / max(long - short, 1e-9), short, long
+
+
+def cpu_limit(weights: Path, batch_size: int, seconds: float) -> tuple[float, str]:
+    """The in-process limit with the served module (ONNX Runtime when the export has its ONNX file, as
+    models.predict and the server load it): the best of the threaded pipeline and one per core."""
+    predictor, configs = configurations(weights, compile_too=False)
+    served = served_config(configs)
+    threaded = measure(predictor, {served: configs[served]}, workload(), (batch_size,), seconds)[0]
+    processes = process_pipeline(weights, workload(), served, batch_size, 2 * seconds, os.cpu_count() or 1)
+    best = max((threaded.images_per_s, f"1 process, {threaded.threads}, batch {batch_size}"),
+               (processes.images_per_s, processes.config + f", batch {batch_size}"))
+    return best
+
+
+def gpu_limit(weights: Path, device: str, dtype: str, batch_size: int, seconds: float) -> tuple[float, str]:
+    """bench.gpu's in-process limit: the served predictor, decode threads beside it, one process."""
+    result = process_pipeline(weights, workload(), f"{device}/{dtype}", batch_size, seconds, 1,
+                              decode_threads=os.cpu_count() or 1)
+    return result.images_per_s, result.config + f", batch {batch_size}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--weights", type=Path, default=Path("weights"))
+    parser.add_argument("--images", type=int, default=96, help="the smaller folder (the larger: three times)")
+    parser.add_argument("--batch-size", type=int, default=8, help="the limit's batch size")
+    parser.add_argument("--seconds", type=float, default=3.0, help="per limit measurement")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--predict-args", default="", help="more options for models.predict, e.g. '--workers 1'")
+    parser.add_argument("--save", action="store_true", help="write the table to bench/results/")
+    args = parser.parse_args()
+    WORK.mkdir(parents=True, exist_ok=True)
+    extra = ["--device", args.device, "--dtype", args.dtype, *args.predict_args.split()]
+    rate, short, long = predict_rate(args.weights, args.images, extra)
+    if torch.device(args.device).type == "cuda":
+        limit, config = gpu_limit(args.weights, args.device, args.dtype, 4 * args.batch_size, args.seconds)
+    else:
+        limit, config = cpu_limit(args.weights, args.batch_size, args.seconds)
+    text = (f"# models.predict against the in-process limit ({args.device}, {args.dtype}, {os.cpu_count()} cores)\n\n"
+            f"`python -m bench.training.predict --weights {args.weights} --device {args.device} --dtype {args.dtype}"
+            f"{' --predict-args ' + repr(args.predict_args) if args.predict_args else ''}`, torch {torch.__version__}; "
+            f"the benchmark's {len(workload())} photos (native, 1920x1080, 4000x3000) cycled.\n\n"
+            "| what | img/s | detail |\n|---|---:|---|\n"
+            f"| in-process limit | {limit:.1f} | {config} |\n"
+            f"| models.predict | {rate:.1f} | {args.images} images in {short:.1f} s, {3 * args.images} in "
+            f"{long:.1f} s (start-up left out) |\n"
+            f"| ratio | {rate / limit:.2f} | target 0.9 |\n")
+    if args.save:
+        save_result("predict", text)
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()

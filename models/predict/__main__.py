@@ -1,0 +1,267 @@
+"""Score a folder or a file list with the served artefact, or evaluate it on a labelled folder, in process.
+
+    python -m models.predict --weights weights --data photos/ --out scores.jsonl        # or .csv, .parquet
+    python -m models.predict --weights repository --model mine --version 2 --data list.txt --out scores.csv
+    python -m models.predict --weights runs/mine/export --data data/mine --labels data/mine --out eval.jsonl
+    torchrun --nproc_per_node=N -m models.predict ...          # one process per GPU (or CPU processes, gloo)
+
+The model is loaded as the server loads it (models/export/load.py: the format the server would choose, on the CPU
+the ONNX file under ONNX Runtime when the export has one, else TorchScript frozen; its checks, device, dtype) and
+each image preprocessed as the server's decode path does (``--decode``). One line per input, in input order; a file
+that cannot be scored gets its reason. A rerun skips what is written.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from models.export.checks import ModelLoadError
+from models.export.load import LoadedModel, load_model
+from models.export.repository import RepositoryError, is_export, models, newest
+from models.predict.decode import PATHS, ScoreSet, collate, on_device
+from models.predict.evaluate import check_labels, evaluation, mistakes, write_report
+from models.predict.inputs import Item, Labels, chunks_for_rank, list_inputs
+from models.predict.outputs import (
+    PartWriter,
+    Record,
+    done_paths,
+    merge,
+    output_format,
+    part_file,
+    read_records,
+    repair_tail,
+)
+from models.presets import TensorEvalTransform
+from models.run.args import DataError
+from models.run.distributed import DistEnv, barrier, destroy_process_group, env_from_torchrun, init_process_group
+
+log = logging.getLogger("models.predict")
+CPU_BATCH = 16  # the CPU's default (the limit's best batch here was 8); on CUDA: as large as fits (largest_batch)
+CUDA_BATCH_CAP = 512
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m models.predict", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--weights", type=Path, required=True, help="an export (with manifest.json) or a repository")
+    parser.add_argument("--model", help="the repository's model (default: its only one)")
+    parser.add_argument("--version", help="the model's version (default: the newest)")
+    parser.add_argument("--data", type=Path, required=True, help="a folder (every file under it) or a file list")
+    parser.add_argument("--out", type=Path, required=True, help="FILE.jsonl, .csv or .parquet")
+    parser.add_argument("--labels", type=Path, help="evaluate: a DIR/<class>/ folder or a CSV of path,label")
+    parser.add_argument("--report", type=Path, help="the evaluation's folder (default: OUT's name + -report)")
+    parser.add_argument("--top-k", type=int, default=5, help="answers per image (default 5)")
+    parser.add_argument("--mistakes", type=int, default=60, help="mistakes shown in mistakes.html (default 60)")
+    parser.add_argument("--batch-size", type=int, default=0,
+                        help=f"images per forward pass; 0: {CPU_BATCH} on the CPU, the largest that fits on CUDA")
+    parser.add_argument("--workers", type=int, default=None, help="DataLoader workers (default: the cores)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="intra-op threads of the forward pass, torch's or ONNX Runtime's (default: on the CPU "
+                        "the cores the workers leave, at least 1; on CUDA torch's)")
+    parser.add_argument("--device", default="auto", help="auto (this rank's GPU, else cpu), cpu, cuda, cuda:N")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    parser.add_argument("--weights-format", default="auto",
+                        choices=("auto", "onnx", "aoti", "int8", "torchscript", "state_dict"),
+                        help="as the server's WEIGHTS_FORMAT: auto on the CPU is the ONNX file under ONNX Runtime "
+                        "when the export has one (models/export/choose.py)")
+    parser.add_argument("--decode", default="auto", choices=("auto", *PATHS),
+                        help="the server's decode path: auto is device on CUDA, tensor on the CPU")
+    parser.add_argument("--retry-errors", action="store_true", help="a rerun scores again the files that failed")
+    return parser
+
+
+def weights_folder(weights: Path, model: str | None, version: str | None) -> Path:
+    """``--weights`` an export, or a repository's ``<model>/<version>`` (its only model, its newest version)."""
+    if is_export(weights):
+        if model or version:
+            raise DataError(f"{weights} is one export; --model and --version choose within a repository")
+        return weights
+    names = models(weights)
+    if model is None:
+        if len(names) != 1:
+            raise DataError(f"{weights} holds {len(names)} models ({', '.join(names) or 'none'}): name one, --model")
+        model = names[0]
+    try:
+        folder = weights / model / (version or newest(weights, model))
+    except RepositoryError as exc:
+        raise DataError(str(exc)) from None
+    if not is_export(folder):
+        raise DataError(f"{folder} holds no export (manifest.json)")
+    return folder
+
+
+def rank_device(requested: str, env: DistEnv) -> str:
+    """``auto``: this rank's GPU under torchrun (local rank), the GPU, or the CPU."""
+    if requested == "auto" and torch.cuda.is_available():
+        return f"cuda:{env.local_rank % torch.cuda.device_count()}"
+    return "cpu" if requested == "auto" else requested
+
+
+def forward_threads(requested: int, device: str, workers: int) -> int:
+    """Intra-op threads of the forward pass (0: torch's default): ``--threads``, else on the CPU the cores the
+    decoding workers leave, at least 1 (workers and a 2-thread forward fought for 2 cores: 1 thread gave 2x
+    images/s). Given to torch and, like the server's, to the ONNX Runtime session at load."""
+    if requested or torch.device(device).type != "cpu":
+        return requested
+    return max(1, (os.cpu_count() or 1) - workers)
+
+
+def largest_batch(loaded: LoadedModel, cap: int = CUDA_BATCH_CAP) -> int:
+    """The largest power of two up to ``cap`` whose forward pass fits in the GPU's memory (CUDA), with room left
+    for the batch being prepared beside it."""
+    size, fits = 8, 0
+    while size <= cap:
+        try:
+            batch = torch.zeros(size, *loaded.manifest.preprocess.input_shape, device=loaded.device,
+                                dtype=loaded.dtype)
+            with torch.inference_mode():
+                loaded.module(torch.cat([batch, batch]))  # twice the rows: the next batch waits beside it
+            fits, size = size, size * 2
+        except torch.cuda.OutOfMemoryError:
+            break
+        finally:
+            torch.cuda.empty_cache()
+    return max(fits, 1)
+
+
+@dataclass
+class Plan:
+    """What this run does: the inputs, this rank's batches, the output and what it already holds."""
+
+    items: list[Item]
+    batches: list[list[Item]]
+    pending: int
+    fmt: str
+
+
+def plan(args: argparse.Namespace, env: DistEnv, batch_size: int) -> Plan:
+    """The inputs, less what earlier runs wrote; this rank's share of the rest. Every rank reads the same files
+    between two barriers, so all see the same work and deal it alike."""
+    fmt = output_format(args.out)
+    items = list_inputs(args.data)
+    repair_tail(part_file(args.out, env.rank))
+    barrier(env)
+    done = done_paths(read_records(args.out, fmt), args.retry_errors)
+    barrier(env)
+    pending = [item for item in items if item.path not in done]
+    return Plan(items, chunks_for_rank(pending, batch_size, env.rank, env.world_size), len(pending), fmt)
+
+
+def score(plan: Plan, loaded: LoadedModel, args: argparse.Namespace, env: DistEnv, decode: str) -> None:
+    """This rank's batches through the DataLoader's workers and the model; each batch's records appended."""
+    mine = [item for batch in plan.batches for item in batch]
+    dataset = ScoreSet(mine, loaded.manifest.preprocess, decode)
+    workers = args.workers
+    loader = DataLoader(dataset, batch_sampler=_batch_positions(plan.batches), collate_fn=collate,
+                        num_workers=workers, pin_memory=loaded.device.type == "cuda",
+                        prefetch_factor=4 if workers else None)
+    identity = {"model": loaded.manifest.name, "version": loaded.manifest.version}
+    transform = TensorEvalTransform(loaded.manifest.preprocess)
+    top_k = min(args.top_k, loaded.manifest.num_classes)
+    writer = PartWriter(part_file(args.out, env.rank))
+    bar = tqdm(total=plan.pending, unit="img", disable=not env.is_main or not plan.pending, mininterval=1.0,
+               desc="scoring" + (f" (rank 0's pace x {env.world_size})" if env.distributed else ""))
+    try:
+        for batch in loader:
+            index, images = on_device(batch, loaded.device, loaded.dtype, transform)
+            records = _answers(loaded, images, index, mine, top_k, identity) if images is not None else {}
+            records |= {i: {"path": mine[i].path, "error": reason, **identity} for i, reason in batch["failed"]}
+            writer.write(records[i] for i in sorted(records))
+            bar.update(min(len(records) * env.world_size, bar.total - bar.n))
+    finally:
+        writer.close()
+        bar.close()
+
+
+def _batch_positions(batches: list[list[Item]]) -> list[list[int]]:
+    positions, start = [], 0
+    for batch in batches:
+        positions.append(list(range(start, start + len(batch))))
+        start += len(batch)
+    return positions
+
+
+def _answers(loaded: LoadedModel, images: torch.Tensor, index: list[int], items: list[Item], top_k: int,
+             identity: dict[str, str]) -> dict[int, Record]:
+    """The forward pass as the server runs it (its dtype, float32 softmax), and the top-k of each row."""
+    with torch.inference_mode():
+        probabilities = loaded.module(images).float().softmax(dim=1)
+        scores, classes = (t.cpu().tolist() for t in probabilities.topk(top_k, dim=1))
+    labels = loaded.manifest.labels
+    return {i: {"path": items[i].path, "labels": [labels[c] for c in row_classes], "scores": row_scores, **identity}
+            for i, row_classes, row_scores in zip(index, classes, scores)}
+
+
+def report(args: argparse.Namespace, records: list[Record], items: list[Item], loaded: LoadedModel) -> None:
+    """With ``--labels``: the evaluation of the merged records, written and printed."""
+    labels = Labels(args.labels)
+    truths = {item.path: label for item in items if (label := labels.of(item)) is not None}
+    check_labels(truths, loaded.manifest.labels)
+    result = evaluation(records, truths, loaded.manifest.labels)
+    folder = args.report or args.out.with_name(args.out.stem + "-report")
+    title = f"{loaded.manifest.name} {loaded.manifest.version} on {args.data}"
+    files = {item.path: item.file for item in items}
+    for line in write_report(result, mistakes(records, truths, args.mistakes), truths, files, folder, title):
+        log.info("%s", line)
+
+
+def run(args: argparse.Namespace, env: DistEnv) -> None:
+    """Load, plan, score this rank's share, then (rank 0) merge and evaluate."""
+    weights = weights_folder(args.weights, args.model, args.version)
+    workers = (os.cpu_count() or 1) if args.workers is None else args.workers
+    args.workers = workers
+    device = rank_device(args.device, env)
+    threads = forward_threads(args.threads, device, workers)
+    loaded = load_model(weights, weights_format=args.weights_format, device=device, dtype=args.dtype,
+                        jit_optimize=True, max_batch_size=max(args.batch_size, 1), threads=threads or 1)
+    init_process_group(env, loaded.device)
+    if threads:
+        torch.set_num_threads(threads)
+    if args.labels is not None:  # a wrong class name stops the run before any image is scored
+        labels = Labels(args.labels)
+        check_labels({i.path: lab for i in list_inputs(args.data) if (lab := labels.of(i))}, loaded.manifest.labels)
+    batch_size = args.batch_size or (largest_batch(loaded) if loaded.device.type == "cuda" else CPU_BATCH)
+    work = plan(args, env, batch_size)
+    decode = args.decode if args.decode != "auto" else "device" if loaded.device.type == "cuda" else "tensor"
+    if env.is_main:
+        log.info("%s %s (%s, %s, %s) on %d of %d inputs (%d written before), batch %d, %s decode path, %d rank(s)",
+                 loaded.manifest.name, loaded.manifest.version, loaded.weights_format, loaded.device,
+                 str(loaded.dtype).removeprefix("torch."), work.pending, len(work.items),
+                 len(work.items) - work.pending, batch_size, decode, env.world_size)
+    score(work, loaded, args, env, decode)
+    barrier(env)
+    if env.is_main:
+        records = merge(args.out, work.fmt, {item.path: i for i, item in enumerate(work.items)})
+        failed = sum(1 for r in records if r.get("error"))
+        log.info("wrote %s: %d lines, %d of them unreadable files", args.out, len(records), failed)
+        if args.labels is not None:
+            report(args, records, work.items, loaded)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point for ``python -m models.predict`` and torchrun; returns the exit code."""
+    args = get_args_parser().parse_args(argv)
+    env = env_from_torchrun()
+    logging.basicConfig(level=logging.INFO if env.is_main else logging.WARNING,
+                        format=f"%(asctime)s rank{env.rank} %(levelname)s %(message)s")
+    try:
+        run(args, env)
+    except (DataError, ModelLoadError) as exc:
+        log.error("error: %s", exc)
+        return 2
+    finally:
+        destroy_process_group(env)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""An evaluation of the merged records against the true classes: top-1/top-5, per-class precision and recall and
+the confusion matrix (``models/run/confusion.py``, the training run's own), as JSON and a picture, and the most
+confident mistakes as an HTML page of thumbnails.
+
+Written into ``--report`` (by default ``OUT``'s name with ``-report``): ``metrics.json``, ``confusion.json``,
+``confusion.png``, ``mistakes.html``.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from PIL import Image
+
+from models.predict.outputs import Record
+from models.run.args import DataError
+from models.run.confusion import confusion, write_confusion
+
+METRICS_NAME = "metrics.json"
+MISTAKES_NAME = "mistakes.html"
+THUMBNAIL_SIDE = 160
+
+
+def check_labels(truths: dict[str, str], classes: Sequence[str]) -> None:
+    """Every true class must be one the model knows, or its accuracy would be meaningless."""
+    unknown = sorted(set(truths.values()) - set(classes))
+    if unknown:
+        shown = ", ".join(unknown[:10]) + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else "")
+        raise DataError(f"--labels names classes the model does not have: {shown}")
+
+
+def evaluation(records: Sequence[Record], truths: dict[str, str], classes: Sequence[str]) -> dict[str, Any]:
+    """Top-1, top-5 and the confusion matrix over the labelled records that were scored; the matrix's classes are
+    the model's that occur as a true or a predicted class, in the model's order."""
+    scored = [r for r in records if r["path"] in truths and not r.get("error")]
+    count = len(scored)
+    top1 = sum(r["labels"][0] == truths[r["path"]] for r in scored)
+    top5 = sum(truths[r["path"]] in r["labels"][:5] for r in scored)
+    seen = {truths[r["path"]] for r in scored} | {r["labels"][0] for r in scored}
+    shown = [name for name in classes if name in seen]
+    position = {name: i for i, name in enumerate(shown)}
+    matrix = torch.zeros(len(shown), len(shown), dtype=torch.int64)
+    for r in scored:
+        matrix[position[truths[r["path"]]], position[r["labels"][0]]] += 1
+    unreadable = sum(1 for r in records if r["path"] in truths and r.get("error"))
+    return {"count": count, "acc1": top1 / count if count else 0.0, "acc5": top5 / count if count else 0.0,
+            "top_k_written": max((len(r["labels"]) for r in scored), default=0), "unreadable": unreadable,
+            "unlabelled": sum(1 for r in records if r["path"] not in truths), **confusion(matrix, shown)}
+
+
+def mistakes(records: Sequence[Record], truths: dict[str, str], limit: int) -> list[Record]:
+    """The wrong top-1 answers, most confident first."""
+    wrong = [r for r in records if r["path"] in truths and not r.get("error") and r["labels"][0] != truths[r["path"]]]
+    return sorted(wrong, key=lambda r: -r["scores"][0])[:limit]
+
+
+def _thumbnail(file: str) -> str:
+    """A small JPEG of the file as a data: URL (the page stands alone), or "" when it cannot be read."""
+    try:
+        with Image.open(file) as image:
+            image.draft("RGB", (THUMBNAIL_SIDE, THUMBNAIL_SIDE))
+            image = image.convert("RGB")
+            image.thumbnail((THUMBNAIL_SIDE, THUMBNAIL_SIDE))
+            buffer = io.BytesIO()
+            image.save(buffer, format="JPEG", quality=80)
+    except Exception:  # noqa: BLE001 - a thumbnail is a courtesy: the row stays without it
+        return ""
+    return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def mistakes_page(wrong: Sequence[Record], truths: dict[str, str], files: dict[str, str], title: str) -> str:
+    """An HTML page: one card per mistake with its thumbnail, true class, answer and score, and the runner-up."""
+    cards = []
+    for r in wrong:
+        source = _thumbnail(files.get(r["path"], r["path"]))
+        picture = f'<img src="{source}" alt="">' if source else "<div class=none>no preview</div>"
+        others = ", ".join(f"{html.escape(label)} {score:.3f}" for label, score in zip(r["labels"][1:3], r["scores"][1:3]))
+        cards.append(f'<figure>{picture}<figcaption><b>{html.escape(r["labels"][0])}</b> {r["scores"][0]:.3f}'
+                     f'<br>true: {html.escape(truths[r["path"]])}<br><small>{others}</small>'
+                     f'<br><small title="{html.escape(r["path"])}">{html.escape(Path(r["path"]).name)}</small>'
+                     "</figcaption></figure>")
+    style = ("body{font-family:sans-serif;margin:1em}figure{display:inline-block;width:170px;margin:6px;"
+             "vertical-align:top}img{max-width:160px;max-height:160px}figcaption{font-size:13px}"
+             "small{color:#555;word-break:break-all}")
+    return (f"<!doctype html><meta charset=utf-8><title>{html.escape(title)}</title><style>{style}</style>"
+            f"<h1>{html.escape(title)}</h1><p>{len(wrong)} most confident mistakes: the model's answer and score in "
+            "bold, the true class under it, then the next two answers.</p>" + "\n".join(cards) + "\n")
+
+
+def write_report(report: dict[str, Any], wrong: Sequence[Record], truths: dict[str, str], files: dict[str, str],
+                 folder: Path, title: str) -> list[str]:
+    """metrics.json, confusion.json, confusion.png and mistakes.html in ``folder``; returns the lines to print."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only
+    from models.plot import plot_confusion
+
+    folder.mkdir(parents=True, exist_ok=True)
+    metrics = {key: report[key] for key in ("count", "acc1", "acc5", "unreadable", "unlabelled")}
+    (folder / METRICS_NAME).write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
+    confusion_path, table = write_confusion({k: report[k] for k in ("classes", "matrix", "per_class")}, folder)
+    plot_confusion(confusion_path, folder / "confusion.png", title=title)
+    (folder / MISTAKES_NAME).write_text(mistakes_page(wrong, truths, files, title), encoding="utf-8")
+    summary = (f"evaluated {report['count']} images: top-1 {report['acc1']:.4f}, top-5 {report['acc5']:.4f}"
+               f" ({report['unreadable']} unreadable, {report['unlabelled']} without a label); report in {folder}")
+    return [summary, *table]

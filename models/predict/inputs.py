@@ -1,0 +1,96 @@
+"""What to score: every file under a folder (sorted, hidden ones left out) or the files a list names, each rank's
+share of them, and, to evaluate, each file's true class (its folder under DIR/<class>/, or a CSV of path,label)."""
+from __future__ import annotations
+
+import csv
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from models.run.args import DataError
+
+
+@dataclass(frozen=True)
+class Item:
+    """One input: ``path`` as the output names it (the folder joined with the file's path in it, or the list's line
+    as written), ``file`` where it is read from."""
+
+    path: str
+    file: str
+
+
+def scan_folder(root: Path) -> list[Item]:
+    """Every file under ``root`` in sorted order (hidden files and folders left out): the same order every run."""
+    items = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(files):
+            if not name.startswith("."):
+                path = os.path.join(folder, name)
+                items.append(Item(path, path))
+    return items
+
+
+def read_list(list_file: Path) -> list[Item]:
+    """The files a list names, one per line (blank lines and ``#`` comments skipped); a relative path is relative
+    to the list's folder."""
+    items = []
+    for line in list_file.read_text(encoding="utf-8").splitlines():
+        name = line.strip()
+        if name and not name.startswith("#"):
+            items.append(Item(name, name if os.path.isabs(name) else os.path.join(list_file.parent, name)))
+    return items
+
+
+def list_inputs(data: Path) -> list[Item]:
+    """``--data``: a folder or a file list; DataError when it is neither, or names no file."""
+    if data.is_dir():
+        items = scan_folder(data)
+    elif data.is_file():
+        items = read_list(data)
+    else:
+        raise DataError(f"--data {data} is neither a folder nor a file list")
+    if not items:
+        raise DataError(f"--data {data} holds no files")
+    paths = [item.path for item in items]
+    if len(set(paths)) != len(paths):
+        raise DataError(f"--data {data} names some files twice; each path is one output line")
+    return items
+
+
+def chunks_for_rank(items: list[Item], chunk: int, rank: int, world_size: int) -> list[list[Item]]:
+    """This rank's batches: the items cut into consecutive chunks of ``chunk``, dealt round robin. Each chunk is one
+    batch whatever the number of ranks, so an image meets the same neighbours (and the same kernels) on 1 or N."""
+    cut = [items[start:start + chunk] for start in range(0, len(items), chunk)]
+    return cut[rank::world_size]
+
+
+class Labels:
+    """Each input's true class: from a ``DIR/<class>/...`` folder (the first folder under DIR) or a CSV of
+    ``path,label`` rows (paths relative to the CSV's folder; a ``path,label`` header is skipped)."""
+
+    def __init__(self, source: Path) -> None:
+        self.source = source
+        self.root = os.path.abspath(source) if source.is_dir() else None
+        self.table = {} if source.is_dir() else self._read_csv(source)
+
+    @staticmethod
+    def _read_csv(source: Path) -> dict[str, str]:
+        if not source.is_file():
+            raise DataError(f"--labels {source} is neither a DIR/<class>/ folder nor a CSV of path,label")
+        table = {}
+        with source.open(newline="", encoding="utf-8") as handle:
+            for row in csv.reader(handle):
+                if len(row) < 2 or row[:2] == ["path", "label"]:
+                    continue
+                name = row[0].strip()
+                table[os.path.abspath(name if os.path.isabs(name) else os.path.join(source.parent, name))] = row[1]
+        return table
+
+    def of(self, item: Item) -> str | None:
+        """The item's true class, or None when the labels do not name it."""
+        file = os.path.abspath(item.file)
+        if self.root is None:
+            return self.table.get(file)
+        inside = os.path.relpath(file, self.root).split(os.sep)
+        return inside[0] if len(inside) >= 2 and inside[0] != ".." else None
