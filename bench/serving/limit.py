@@ -2,8 +2,9 @@
 
     python -m bench.serving.limit --weights weights  # prints images/s per inference configuration and batch size
 
-In one process, decoding runs in a thread pool (PIL releases the GIL), overlapping the forward pass of the previous
-batch. The same pipeline in one process per core with one forward thread each (as the service runs one gunicorn
+Images are decoded the way the server decodes them on the CPU (its default DECODE_PATH: the tensor path, libjpeg-turbo
+through torchvision); in one process, decoding runs in a thread pool (the decoders release the GIL), overlapping the
+forward pass of the previous batch. The same pipeline in one process per core with one forward thread each (as the service runs one gunicorn
 worker per core on a CPU host) is measured too: on a small CPU it is the faster one.
 
 The CPU-time bound (the ceiling) adds up decode and forward times measured alone on one core, with warm caches:
@@ -28,11 +29,21 @@ import torch
 from app.config import Settings
 from app.engine.decode import DecodeLimits, image_to_tensor
 from app.engine.predictor import Predictor
+from app.engine.tensor_decode import image_to_tensor_path
+from app.engine.tuning import decode_path
 from models.export.load import optimize_for_cpu
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
 # The service's default limits (and any VISIONSERVE_* overrides), so every contender decodes the same way.
 LIMITS = DecodeLimits.from_settings(Settings())
+DECODE_PATH = decode_path(Settings().decode_path, torch.device("cpu"))  # what the server decodes with on the CPU
+
+
+def decode_served(data: bytes, predictor: Predictor) -> torch.Tensor:
+    """One image decoded and preprocessed the way the server does on the CPU (its default decode path)."""
+    if DECODE_PATH == "tensor":
+        return image_to_tensor_path(data, predictor.tensor_transform, LIMITS)
+    return image_to_tensor(data, predictor.transform, LIMITS)
 
 
 @dataclass(frozen=True)
@@ -111,7 +122,7 @@ def end_to_end_rate(forward: Forward, predictor: Predictor, photos: Sequence[byt
     """Decode (parallel threads) + preprocess + forward, batch after batch, for ``seconds``; ``ready`` is called
     after the untimed first forward pass."""
     def decode(i: int) -> torch.Tensor:
-        return image_to_tensor(photos[i % len(photos)], predictor.transform, LIMITS)
+        return decode_served(photos[i % len(photos)], predictor)
 
     with ThreadPoolExecutor(threads) as pool, torch.inference_mode():
         forward(torch.stack([decode(0)] * batch_size))  # first call per shape (compilation) is not timed
@@ -169,7 +180,7 @@ def cpu_time_bound(predictor: Predictor, configs: dict[str, Forward], photos: Se
     cores = torch.get_num_threads()
     shape = predictor.manifest.preprocess.input_shape
     with intra_op_threads(1), torch.inference_mode():
-        decode_s = statistics.mean(min(_timed(lambda p=p: image_to_tensor(p, predictor.transform, LIMITS))
+        decode_s = statistics.mean(min(_timed(lambda p=p: decode_served(p, predictor))
                                        for _ in range(2)) for p in photos)
         forward_s, name, batch_size = min(
             (_forward_s_per_image(forward, torch.randn(size, *shape)), name, size)
@@ -263,7 +274,7 @@ def single_image_ms(predictor: Predictor, photos: Sequence[bytes], threads: int,
     with intra_op_threads(threads), torch.inference_mode():
         for photo in list(photos) * rounds:
             started = time.perf_counter()
-            predictor.predict_batch(image_to_tensor(photo, predictor.transform, LIMITS).unsqueeze(0))
+            predictor.predict_batch(decode_served(photo, predictor).unsqueeze(0))
             times.append(time.perf_counter() - started)
     return statistics.median(times) * 1000
 
