@@ -75,6 +75,20 @@ class DesiredState:
         workers at once both take effect); a new generation only when something changed. Returns the generation."""
         return self._commit(lambda _, models: _changed(models, changes))
 
+    def write_unless_changed(self, changes: dict[str, Entry | None],
+                             read: dict[str, Entry]) -> tuple[int, bool]:
+        """``write`` for a change decided on the models as ``read``: a model whose entry another writer changed
+        since (a load call during a poll) keeps that newer entry. Returns the generation and whether every change
+        was written."""
+        kept: dict[str, Entry | None] = {}
+
+        def decide(_: int, models: dict[str, Entry]) -> dict[str, Entry]:
+            kept.clear()
+            kept.update({name: entry for name, entry in changes.items() if models.get(name) == read.get(name)})
+            return _changed(models, kept)
+
+        return self._commit(decide), len(kept) == len(changes)
+
     def seed(self, models: dict[str, Entry]) -> int:
         """The first generation, unless a worker wrote one already."""
         return self._commit(lambda generation, _: None if generation else dict(models))

@@ -146,7 +146,7 @@ class Reconciler:
                         changes[name] = entry
                 except ServiceError as exc:
                     log.warning("poll: %s: %s", name, exc.message)
-            self._write(changes)
+            self._write(changes, read=desired)
 
     def _calls_config(self, name: str, entry: Entry | None) -> Any:
         """The config a load call gave ``name``, while the model's policy.json is still what the call found."""
@@ -299,10 +299,16 @@ class Reconciler:
         else:
             threading.Thread(target=run, name=f"retire-{key[0]}-{key[1]}", daemon=True).start()
 
-    def _write(self, changes: dict[str, Entry | None]) -> int:
-        """A change already applied here, into the desired state; returns its generation."""
-        generation = self.desired.write(changes)
-        if generation == self._applied + 1:  # nothing written meanwhile: this worker serves that generation
+    def _write(self, changes: dict[str, Entry | None], read: dict[str, Entry] | None = None) -> int:
+        """A change already applied here, into the desired state; returns its generation. With ``read`` (the poll's
+        view), a model another worker's call changed since keeps the call's entry: this worker applies it with
+        the rest of that newer generation in reconcile()."""
+        complete = True
+        if read is None:
+            generation = self.desired.write(changes)
+        else:
+            generation, complete = self.desired.write_unless_changed(changes, read)
+        if complete and generation == self._applied + 1:  # nothing written meanwhile: this worker serves it
             self._applied = generation
         # else another worker's change came first: reconcile() applies the whole generation, this one included
         self._report()

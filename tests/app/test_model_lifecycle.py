@@ -343,3 +343,18 @@ def test_calls_for_different_models_on_different_workers_both_take_effect(tmp_pa
     assert second.write({"y": five}) == 3  # nothing changed: no new generation for the workers to apply
     assert second.write({"y": UNLOADED}) == 4 and first.read()[1]["y"] == UNLOADED  # the poll leaves it alone
     assert second.write({"y": None}) == 5 and list(first.read()[1]) == ["x"]  # left the repository
+
+
+def test_a_poll_decided_before_a_call_does_not_undo_the_call(tmp_path: Path) -> None:
+    # Before: a poll in one worker read the state, a rollback call in another wrote its entry, and the poll then
+    # wrote its choice over it (the docs walkthrough saw version 2 answer after rolling back to 1).
+    poller, caller = SharedDesiredState(tmp_path, pid=1), SharedDesiredState(tmp_path, pid=2)
+    newest = {"versions": ["1", "2"], "default": "2"}
+    rollback = {"versions": ["1", "2"], "default": "1", "config": {"default_version": "1"}, "policy_file": None}
+    poller.seed({"mine": {"versions": ["1"], "default": "1"}, "other": newest})
+    _, read = poller.read()
+    assert caller.write({"mine": rollback}) == 2
+    generation, complete = poller.write_unless_changed({"mine": newest, "other": UNLOADED}, read)
+    assert (generation, complete) == (3, False)  # other written, mine left as the call put it
+    assert caller.read()[1] == {"mine": rollback, "other": UNLOADED}
+    assert poller.write_unless_changed({"mine": newest}, read) == (3, False)  # nothing to write: no generation

@@ -7,7 +7,8 @@ How a command runs: from a scratch folder holding `data/mine` (three classes of 
 `.venv/bin/python` and `python` are this interpreter, `.venv/bin/torchrun` is `python -m torch.distributed.run`;
 `[VAR=value ...] make serve` starts the server (bin/serve, as `make serve` does) with those settings on a free port,
 stopping the one before; `localhost:8000` is that server. While a polling server runs, each command is followed by
-a wait until the repository's newest versions are served or refused.
+one poll interval (every worker reads what the command wrote, e.g. repository.json) and a wait until the
+repository's newest versions are served or refused.
 """
 from __future__ import annotations
 
@@ -88,7 +89,8 @@ class Walk:
                                 env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
         log = self.server.output()[-3000:] if self.server is not None else ""
         assert result.returncode == 0, f"{doc}: {command}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}\n{log}"
-        if self.poll_s:
+        if self.poll_s:  # as a person at a terminal: every worker has polled once before the next command
+            time.sleep(self.poll_s)
             wait_until(self._repository_settled, timeout=120)
         return result.stdout
 
