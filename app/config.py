@@ -56,6 +56,43 @@ class Settings(BaseSettings):
     repository_sync_timeout_s: float = Field(
         120.0, gt=0, description="How long a repository load or unload call waits for the server's other workers "
         "to apply it before answering 504 (they still apply it).")
+    canary_percent: float = Field(
+        0.0, ge=0, le=100, description="Rollouts (docs/models.md): the share of a model's requests that name no "
+        "version which its candidate answers instead of the default (sticky per client: the `CLIENT_KEY_HEADER` "
+        "header, else the API key; random without either). A model's policy.json or a load call's config "
+        "(`{\"rollout\": {\"canary_percent\": 10}}`) overrides it. While any rollout setting is on, a new version "
+        "arrives as the candidate and the default stays until a promotion.")
+    shadow_percent: float = Field(
+        0.0, ge=0, le=100, description="The share of the requests the default answers that the candidate also "
+        "runs, off the response path, to compare its answers (`/v1/models` `rollouts`); shadow work waits behind "
+        "live work and is dropped (counted) when the queue is busy.")
+    promote_after: int = Field(
+        0, ge=0, description="Promote a candidate by itself once this many shadow comparisons (or canary requests, "
+        "without a shadow) across the workers agree within `PROMOTE_MIN_AGREEMENT`, its p99 within "
+        "`PROMOTE_MAX_LATENCY_RATIO` of the default's, with no error; 0 = only by a call.")
+    promote_min_agreement: float = Field(
+        0.99, ge=0, le=1, description="The top-1 agreement with the default a candidate needs to be promoted by "
+        "itself.")
+    promote_max_latency_ratio: float = Field(
+        1.5, gt=0, description="The candidate's p99 over the default's, at most, to be promoted by itself.")
+    rollback_within: int = Field(
+        0, ge=0, description="Watch a newly promoted default for this many requests and roll it back by itself if "
+        "its error ratio passes `ROLLBACK_MAX_ERROR_RATIO` or its p99 `ROLLBACK_MAX_P99_RATIO` times the previous "
+        "default's; 0 = only by a call.")
+    rollback_max_error_ratio: float = Field(
+        0.01, ge=0, le=1, description="The share of a new default's requests that may fail (500 or 504) before it "
+        "is rolled back by itself.")
+    rollback_max_p99_ratio: float = Field(
+        2.0, gt=0, description="A new default's p99 over the previous default's, at most, before it is rolled back "
+        "by itself.")
+    client_key_header: str = Field(
+        "X-Client-ID", min_length=1, description="The request header whose value keeps a client on one side of a "
+        "canary (hashed, never stored); without it the API key does, else each request is drawn at random.")
+    shadow_queue_size: int = Field(
+        64, ge=1, description="Images waiting for their shadow comparison, per live version; past it new shadow "
+        "work is dropped (counted in `visionserve_shadow_dropped_total`).")
+    shadow_max_age_s: float = Field(
+        5.0, gt=0, description="Shadow work not run within this many seconds of its live answer is dropped.")
     model_memory_limit_mb: int = Field(
         0, ge=0, description="Most memory the loaded models' weights may take together, per worker; a load past "
         "it is refused (507). 0 = no limit but the device's free memory.")

@@ -88,6 +88,12 @@ class NotFound(ServiceError):
     status, code = 404, "not_found"
 
 
+class Conflict(ServiceError):
+    """The call cannot apply to the model as it is now: no candidate to promote, no previous default (409)."""
+
+    status, code = 409, "conflict"
+
+
 class LoadFailed(ServiceError):
     """A model version cannot be served: missing files, a bad checksum, a wrong output shape, a failed canary (422).
     What was serving keeps serving."""

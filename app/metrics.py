@@ -99,6 +99,30 @@ class MetricsObserver:
         if not alive:
             READY.set(0)
 
+# Rollouts (app/engine/evidence.py, app/engine/service.py): a candidate against the live version of its model.
+SHADOW_COMPARED = Counter("visionserve_shadow_compared_total", "Images a shadow candidate answered beside the live "
+                          "version", ["model", "version", "live_version"])
+SHADOW_AGREED = Counter("visionserve_shadow_agreed_total", "Shadow comparisons whose top-1 class agreed with the "
+                        "live version's", ["model", "version", "live_version"])
+SHADOW_DROPPED = Counter("visionserve_shadow_dropped_total", "Shadow work not run: busy (live work queued), full, "
+                         "stale, retired, incompatible", ["model", "version", "reason"])
+SHADOW_ERRORS = Counter("visionserve_shadow_errors_total", "Images the shadow candidate failed on",
+                        ["model", "version"])
+SHADOW_PROBABILITY_DIFFERENCE = Histogram(
+    "visionserve_shadow_probability_difference", "Per image, the largest difference between the live and the "
+    "candidate's probability of one class", ["model", "version"],
+    buckets=(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0))
+VERSION_REQUESTS = Counter("visionserve_version_requests_total", "Requests per model version and the role that "
+                           "sent them there (live, canary, version: named by the client), by outcome (ok, failed: "
+                           "500 or 504, refused: any other error)", ["model", "version", "role", "outcome"])
+VERSION_REQUEST_SECONDS = Histogram("visionserve_version_request_duration_seconds", "Time a request spent in the "
+                                    "engine (decode, queue, forward), per model version", ["model", "version"],
+                                    buckets=_LATENCY_BUCKETS)
+ROLLOUT_ROLE = Gauge("visionserve_rollout_role", "1 for each loaded version's role in its model's rollout: live, "
+                     "canary, shadow, previous", ["model", "version", "role"], multiprocess_mode="livemax")
+ROLLOUT_CHANGES = Counter("visionserve_rollout_changes_total", "Promotions and rollbacks, by call or by the rules",
+                          ["model", "action"])
+
 
 # Every series an alert or a dashboard reads exists at 0 from the start, so "none yet" never reads as "no data".
 for _reason in ("overloaded", "deadline_unreachable", "not_ready"):

@@ -67,6 +67,20 @@ class NullObserver:
         """Ignore the thread's start and end."""
 
 
+class BackgroundJob(Protocol):
+    """Work that runs on the batcher's thread only when no item waits and none is on its way (a shadow
+    comparison): it never delays a queued item by more than the one job already running."""
+
+    size: int  # images: jobs with the same group_key run together up to the batch cap
+    deadline: float  # time.monotonic() after which it is dropped unrun
+
+    def group_key(self) -> object: ...
+
+    def run_group(self, jobs: list["BackgroundJob"]) -> None: ...
+
+    def drop(self, reason: str) -> None: ...
+
+
 class BatchSizeMismatch(BatcherError):
     """``predict_fn`` returned a different number of outputs than it was given inputs."""
 

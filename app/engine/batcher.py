@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, Generic, Sequence, TypeVar
 
 from app.engine.batch_types import (
+    BackgroundJob,
     BatcherClosed,
     BatchObserver,
     BatchResult,
@@ -27,6 +28,7 @@ from app.engine.batch_types import (
 )
 
 log = logging.getLogger(__name__)
+BACKGROUND_LOOK_S = 0.01  # with background work waiting, how often an idle worker looks whether requests still arrive
 
 In = TypeVar("In")
 Out = TypeVar("Out")
@@ -53,6 +55,9 @@ class Batcher(Generic[In, Out]):
 
     ``split_on`` names exceptions that mean "this batch is too big" (CUDA out-of-memory): such a batch is split in
     halves and retried, and the batch size is capped at the size that worked for ``shrink_s`` seconds.
+
+    Background work (``submit_background``: a shadow comparison) runs on the worker thread only when no item is
+    queued, no batch runs and nothing is on its way; an item queued meanwhile waits for that one job at most.
     """
 
     def __init__(self, predict_fn: Callable[[list[In]], Sequence[Out]], *, max_batch_size: int,
@@ -71,6 +76,7 @@ class Batcher(Generic[In, Out]):
         self.max_wait_s = max_wait_ms / 1000.0
         self.queue_size = queue_size
         self._queue: collections.deque[_Pending[In]] = collections.deque()
+        self._background: collections.deque[BackgroundJob] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
         self._batch_ids = itertools.count(1)
@@ -189,6 +195,20 @@ class Batcher(Generic[In, Out]):
         batches = -(-items // self.current_max_batch_size)
         return batches * max(self._batch_seconds, self.max_wait_s)
 
+    def submit_background(self, job: BackgroundJob, limit: int) -> str | None:
+        """Queue ``job`` behind every request; returns why it was refused (``busy``: items are queued, ``full``:
+        ``limit`` images of background work wait already, ``retired``: stopping), else None."""
+        with self._cond:
+            if self._closed:
+                return "retired"
+            if self._queue:
+                return "busy"
+            if sum(j.size for j in self._background) + job.size > limit:
+                return "full"
+            self._background.append(job)
+            self._cond.notify()
+        return None
+
     def stop(self, timeout: float | None = None) -> None:
         """Refuse new work, finish everything already queued, then end the worker thread."""
         with self._cond:
@@ -197,13 +217,18 @@ class Batcher(Generic[In, Out]):
         if self._thread.is_alive():
             self._thread.join(timeout)
 
-    def _collect(self) -> list[_Pending[In]] | None:
-        """Block for the first item, then gather more until the batch is full or max_wait has passed."""
+    def _collect(self) -> list[_Pending[In]] | list[BackgroundJob] | None:
+        """Block for the first item, then gather more until the batch is full or max_wait has passed; or, when
+        the worker is idle and nothing is on its way, a group of background jobs."""
         with self._cond:
             while not self._queue or self._busy:
                 if self._closed and not self._queue:
+                    self._drop_background("retired")
                     return None
-                self._cond.wait()
+                if self._background and not self._busy and (self._incoming is None or self._incoming() == 0):
+                    self._busy = True
+                    return self._take_background()
+                self._cond.wait(BACKGROUND_LOOK_S if self._background else None)
             self._busy = True
             batch = [self._queue.popleft()]
             deadline = time.monotonic() + self.max_wait_s
@@ -213,11 +238,32 @@ class Batcher(Generic[In, Out]):
                     batch.append(self._queue.popleft())
                     continue
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or self._closed or (self._incoming is not None and self._incoming() == 0):
+                if remaining <= 0 or self._closed or self._nothing_incoming():
                     break
                 self._cond.wait(remaining)
             self._observer.queue_depth(len(self._queue))
             return batch
+
+    def _nothing_incoming(self) -> bool:
+        return self._incoming is not None and self._incoming() == 0
+
+    def _take_background(self) -> list[BackgroundJob]:
+        """Under the lock: the first live background job and those after it of its group, up to the batch cap."""
+        now, jobs, size = time.monotonic(), [], 0
+        while self._background:
+            job = self._background[0]
+            if job.deadline < now:
+                self._background.popleft().drop("stale")
+                continue
+            if jobs and (job.group_key() != jobs[0].group_key() or size + job.size > self.current_max_batch_size):
+                break
+            jobs.append(self._background.popleft())
+            size += job.size
+        return jobs
+
+    def _drop_background(self, reason: str) -> None:
+        while self._background:
+            self._background.popleft().drop(reason)
 
     def _run(self) -> None:
         try:
@@ -231,7 +277,10 @@ class Batcher(Generic[In, Out]):
         try:
             while (batch := self._collect()) is not None:
                 try:
-                    live = self._still_wanted(batch)
+                    if batch and not isinstance(batch[0], _Pending):
+                        self._run_background(batch)  # type: ignore[arg-type]
+                        continue
+                    live = self._still_wanted(batch)  # type: ignore[arg-type]
                     if live:
                         self._run_batch(live)
                 finally:
@@ -240,6 +289,12 @@ class Batcher(Generic[In, Out]):
         finally:
             self._observer.running(False)
         log.info("batcher stopped after %d batches", self.batches_run)
+
+    def _run_background(self, jobs: list[BackgroundJob]) -> None:
+        try:
+            jobs[0].run_group(jobs)
+        except Exception:  # noqa: BLE001 - background work must never end the worker
+            log.exception("background work of %d jobs failed", len(jobs))
 
     def _still_wanted(self, batch: list[_Pending[In]]) -> list[_Pending[In]]:
         """Drop items whose caller gave up (cancelled) or whose deadline passed: they cost no forward pass."""

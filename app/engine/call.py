@@ -59,12 +59,18 @@ class Served:
         return torch.stack([r.value for r in self.results]).float().cpu()
 
 
+ShadowOffer = Callable[[Sequence[bytes], Sequence[torch.Tensor], Sequence[Prepared],
+                        Sequence[BatchResult[torch.Tensor]]], None]
+
+
 class Call:
     """A request admitted and routed to ``version``; ``infer`` runs its images. While the call is open the request
-    counts as on its way to the version's next batch (``arrived`` ends that just before its images are queued)."""
+    counts as on its way to the version's next batch (``arrived`` ends that just before its images are queued).
+    ``shadow`` (a rollout's shadow share) gets the images and the answer once it is ready, off the response path."""
 
-    def __init__(self, version: LoadedVersion, arrived: Callable[[], None], max_images: int) -> None:
-        self.version, self._arrived, self._max_images = version, arrived, max_images
+    def __init__(self, version: LoadedVersion, arrived: Callable[[], None], max_images: int,
+                 shadow: ShadowOffer | None = None) -> None:
+        self.version, self._arrived, self._max_images, self._shadow = version, arrived, max_images, shadow
 
     def infer(self, images: Sequence[bytes] = (), tensors: Sequence[torch.Tensor] = (), *, timeout_s: float,
               names: Sequence[str | None] = (), client_gone: Callable[[], bool] | None = None) -> Served:
@@ -79,6 +85,8 @@ class Call:
         prepared, decode_s = self._prepare(images, names) if images else (list(tensors), 0.0)
         self._arrived()
         results = self._run(prepared, timeout_s, client_gone, names)
+        if self._shadow is not None:
+            self._shadow(images, tensors, prepared, results)
         predictor = self.version.predictor
         return Served(results, self.version.name, self.version.version, predictor.labels, decode_s, started_ns)
 

@@ -93,10 +93,12 @@ class DesiredState:
         """The first generation, unless a worker wrote one already."""
         return self._commit(lambda generation, _: None if generation else dict(models))
 
-    def report(self, generation: int, serving: dict[str, Entry], error: str | None, device: str) -> None:
-        """What this worker serves after applying ``generation``, on which device, and why it could not apply it."""
+    def report(self, generation: int, serving: dict[str, Entry], error: str | None, device: str,
+               evidence: dict[str, Any] | None = None) -> None:
+        """What this worker serves after applying ``generation``, on which device, why it could not apply it, and
+        its rollout evidence (app/engine/evidence.py)."""
         self._reports[self.pid] = {"pid": self.pid, "generation": generation, "models": serving, "error": error,
-                                   "device": device, "time": time.time()}
+                                   "device": device, "time": time.time(), "evidence": evidence or {}}
 
     def workers(self) -> list[dict[str, Any]]:
         """The reports of the live workers, by pid."""
@@ -162,9 +164,11 @@ class SharedDesiredState(DesiredState):
     def _store(self, generation: int, models: dict[str, Entry]) -> None:
         _write_atomic(self.root / DESIRED, {"generation": generation, "models": models})
 
-    def report(self, generation: int, serving: dict[str, Entry], error: str | None, device: str) -> None:
-        """What this worker serves after applying ``generation``, on which device, and why it could not apply it."""
-        super().report(generation, serving, error, device)
+    def report(self, generation: int, serving: dict[str, Entry], error: str | None, device: str,
+               evidence: dict[str, Any] | None = None) -> None:
+        """What this worker serves after applying ``generation``, on which device, why it could not apply it, and
+        its rollout evidence."""
+        super().report(generation, serving, error, device, evidence)
         _write_atomic(self.root / f"worker-{self.pid}.json", self._reports[self.pid])
 
     def forget(self, pid: int) -> None:

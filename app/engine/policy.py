@@ -63,10 +63,10 @@ class VersionPolicy:
                 raise PolicyError(f"the config is not JSON: {exc}") from None
         if not isinstance(config, dict):
             raise PolicyError("the config must be a JSON object")
-        unknown = set(config) - {"version_policy", "default_version", "name"}
+        unknown = set(config) - {"version_policy", "default_version", "name", "rollout"}
         if unknown:
-            raise PolicyError(f"unsupported config keys {sorted(unknown)}: this server reads version_policy and "
-                              "default_version")
+            raise PolicyError(f"unsupported config keys {sorted(unknown)}: this server reads version_policy, "
+                              "default_version and rollout")
         policy = _from_triton(config["version_policy"]) if "version_policy" in config else fallback
         default = config.get("default_version", policy.default)
         return replace(policy, default=None if default is None else str(default))

@@ -34,17 +34,38 @@ import torch
 
 from app.config import Settings
 from app.engine.desired import UNLOADED, WATCH_S, Entry, desired_state
+from app.engine.evidence import Evidence, merged
 from app.engine.loaded_version import LoadedVersion, start_version
 from app.engine.memory import check_fits
 from app.engine.policy import PolicyError, VersionPolicy, order_key
-from app.engine.routing import RoutingTable
+from app.engine.rollout import (
+    PromoteRule,
+    RolloutPolicy,
+    judge,
+    plan,
+    promoted,
+    promotion_status,
+    rolled_back,
+    rule_from_entry,
+)
+from app.engine.routing import Candidate, RoutingTable
 from app.engine.sources import Source
 from app.engine.version_states import VersionState, VersionStates
-from app.errors import BadRequest, InsufficientMemory, LoadFailed, LoadTimeout, NotFound, ServiceError
+from app.errors import (
+    BadRequest,
+    Conflict,
+    InsufficientMemory,
+    LoadFailed,
+    LoadTimeout,
+    NotFound,
+    ServiceError,
+)
+from app.metrics import ROLLOUT_CHANGES, ROLLOUT_ROLE
 from models.export.checks import ModelLoadError, resolve_device
 
 log = logging.getLogger(__name__)
 RETIRE_GRACE_S = 5.0  # beyond the request timeout, how long a retiring version waits for the requests holding it
+EVIDENCE_S = 1.0  # how often a worker shares its rollout evidence and the rules are judged on everyone's
 
 
 class Reconciler:
@@ -57,6 +78,8 @@ class Reconciler:
         self._lock = threading.Lock()  # one change at a time: a call, the poll, or another worker's
         self._applied = 0  # the desired generation this worker serves
         self.states = VersionStates()  # versions loading, retiring, refused
+        self.evidence = Evidence()  # this worker's rollout comparisons and traffic per version
+        self._last_error: str | None = None  # why this worker could not apply the desired state, as reported
         self._stop = threading.Event()
 
     @property
@@ -112,9 +135,11 @@ class Reconciler:
         LoadTimeout."""
         with self._lock:
             self._name_default_model()
-            entry = self._wanted(name, config)  # a version refused before is tried again once its files change
+            now = self.desired.read()[1].get(name)
+            # A version refused before is tried again once its files change; a rollout keeps the default it has.
+            entry = self._wanted(name, config, {"default": now["default"]} if now else None)
             self.reconcile_model(name, entry)
-            generation = self._write({name: entry})
+            generation, _ = self._write({name: entry})
         self._wait_for_workers(generation)
 
     def unload(self, name: str) -> None:
@@ -123,8 +148,66 @@ class Reconciler:
             if name not in self.routes.routes() and name not in self.source.models():
                 raise NotFound(f"no model {name!r} is loaded or in the repository")
             self.reconcile_model(name, UNLOADED)
-            generation = self._write({name: UNLOADED})
+            generation, _ = self._write({name: UNLOADED})
         self._wait_for_workers(generation)
+
+    def promote(self, name: str, version: str | None = None) -> Entry:
+        """A promote call: ``version`` (None: the rollout's candidate) becomes the default here, then in every
+        worker; the old default stays loaded as the previous one and the new one is watched by the rollback rule.
+        Raises NotFound, Conflict (nothing to promote), or what a load raises."""
+        with self._lock:
+            entry = self._entry_of(name)
+            target = version or (entry.get("rollout") or {}).get("candidate")
+            if target is None:
+                raise Conflict(f"model {name!r} has no rollout candidate to promote; name a version "
+                               '({"version": "3"})')
+            if target not in self.source.versions(name):
+                raise NotFound(f"model {name!r} has no version {target!r} in the repository")
+            changed = self._change(name, entry, "promote", target, "by a call")
+        self._wait_for_workers(changed[0])
+        return changed[1]
+
+    def rollback(self, name: str, version: str | None = None) -> Entry:
+        """A rollback call: ``version`` (None: the previous default) serves again here, then in every worker; the
+        default it replaces is rolled back (left out until a promotion names it). Raises NotFound, Conflict."""
+        with self._lock:
+            entry = self._entry_of(name)
+            target = version or entry.get("previous_default")
+            if target is None:
+                raise Conflict(f"model {name!r} has no previous default to roll back to; name a version "
+                               '({"version": "1"})')
+            if target not in self.source.versions(name):
+                raise NotFound(f"model {name!r} has no version {target!r} in the repository")
+            changed = self._change(name, entry, "rollback", target, "by a call")
+        self._wait_for_workers(changed[0])
+        return changed[1]
+
+    def _entry_of(self, name: str) -> Entry:
+        entry = self.desired.read()[1].get(name)
+        if not entry or not entry.get("versions"):
+            raise NotFound(f"no model {name!r} is loaded", details={"models": sorted(self.serving())})
+        return entry
+
+    def _change(self, name: str, entry: Entry, action: str, version: str, why: str,
+                read: dict[str, Entry] | None = None) -> tuple[int, Entry]:
+        """A promotion, rollback or settled watch of ``name``: applied here, written, logged as one JSON line.
+        The caller holds the change lock."""
+        if action == "promote":
+            new = promoted(entry, version, self._p99_ms(name, entry["default"]))
+        elif action == "rollback":
+            new = rolled_back(entry, version)
+        else:
+            new = {k: v for k, v in entry.items() if k != "watch"}
+        self.reconcile_model(name, new)
+        generation, complete = self._write({name: new}, read=read)
+        if complete:
+            ROLLOUT_CHANGES.labels(name, action).inc()
+            log.info("%s", json.dumps({"event": "rollout", "model": name, "action": action, "from": entry["default"],
+                                       "to": new["default"], "reason": why, "generation": generation}))
+        return generation, new
+
+    def _p99_ms(self, name: str, version: str) -> float | None:
+        return merged(self.desired.workers())["traffic"].get((name, version), {}).get("p99")
 
     def poll(self) -> None:
         """The repository poll: each followed model as its policy (and a load call's config, while its policy.json
@@ -142,7 +225,8 @@ class Reconciler:
                     if not self.source.versions(name):
                         self.reconcile_model(name, UNLOADED)
                         changes[name] = None
-                    elif (entry := self._serve_loadable(name, self._calls_config(name, desired.get(name)))):
+                    elif (entry := self._serve_loadable(name, self._calls_config(name, desired.get(name)),
+                                                        desired.get(name))):
                         changes[name] = entry
                 except ServiceError as exc:
                     log.warning("poll: %s: %s", name, exc.message)
@@ -154,11 +238,11 @@ class Reconciler:
             return None
         return entry["config"] if entry.get("policy_file") == self.source.policy(name) else None
 
-    def _serve_loadable(self, name: str, config: Any = None) -> Entry | None:
+    def _serve_loadable(self, name: str, config: Any = None, current: Entry | None = None) -> Entry | None:
         """``name`` as its policy picks among the versions not refused, applied here; a version refused on the way
         is left out and the policy picks again. None when no version is left (what serves keeps serving)."""
         while True:
-            entry = self._wanted(name, config)
+            entry = self._wanted(name, config, current)
             if not entry["versions"]:
                 return None
             try:
@@ -207,6 +291,8 @@ class Reconciler:
         current = {loaded.version: loaded for loaded in serving}
         wanted = [str(v) for v in entry["versions"]]
         if set(wanted) == set(current) and entry["default"] == default:
+            if wanted:
+                self._set_roles(name, entry, current)
             return
         fresh: list[LoadedVersion] = []
         try:
@@ -218,7 +304,7 @@ class Reconciler:
             raise
         if wanted:
             chosen = {**{v: current[v] for v in wanted if v in current}, **{f.version: f for f in fresh}}
-            replaced = self.routes.route(name, chosen, entry["default"])
+            replaced = self._set_roles(name, entry, chosen)
             log.info("%s serves versions %s (default %s)", name, ", ".join(sorted(wanted, key=order_key)),
                      entry["default"])
         else:
@@ -228,11 +314,28 @@ class Reconciler:
         if not wanted and replaced:
             log.info("unloaded %s", name)
 
+    def _set_roles(self, name: str, entry: Entry, chosen: dict[str, LoadedVersion]) -> list[LoadedVersion]:
+        """Route ``name`` to ``chosen`` with ``entry``'s default and candidate; when the default or the candidate
+        changes, the evidence about the old pair ends and the new default's traffic is counted afresh."""
+        before = self.routes.candidate(name), self.routes.routes().get(name, ([], None))[1]
+        candidate = Candidate.from_entry(entry)
+        replaced = self.routes.route(name, chosen, entry["default"], candidate)
+        after = self.routes.candidate(name), entry["default"]
+        if after != before:
+            pair = {(after[0].version, after[1])} if after[0] is not None else set()
+            self.evidence.restart(name, pair, {after[1]} if after[1] != before[1] else set())
+        roles = _roles(entry, after[0])
+        for version in {*chosen, *(v.version for v in replaced)}:
+            for role in ("live", "canary", "shadow", "previous"):
+                ROLLOUT_ROLE.labels(name, version, role).set(int(roles.get(version) == role))
+        return replaced
+
     # -- the steps ------------------------------------------------------------------------------------------------
 
-    def _wanted(self, name: str, config: Any = None) -> Entry:
-        """What ``name``'s policy (under a load call's ``config``) picks from the repository now: its versions and
-        default, and the call's config with the policy.json it was given over (the pure step)."""
+    def _wanted(self, name: str, config: Any = None, current: Entry | None = None) -> Entry:
+        """What ``name``'s policy and rollout (under a load call's ``config``) pick from the repository now, given
+        its entry now (``current``): its versions, default and candidate, and the call's config with the
+        policy.json it was given over (the pure step: app/engine/rollout.plan)."""
         available = self.source.versions(name)
         if not available:
             raise NotFound(f"the repository has no model {name!r}; it has: {', '.join(self.source.models()) or 'none'}",
@@ -240,13 +343,21 @@ class Reconciler:
         available = [v for v in available if not self._known_refused(name, v)]  # until their files change
         try:
             own = self.source.policy(name)
-            entry = VersionPolicy.layered(self.settings.version_policy, own, config).wanted(available)
+            if isinstance(config, (str, bytes)):
+                try:
+                    config = json.loads(config)
+                except ValueError as exc:
+                    raise PolicyError(f"the config is not JSON: {exc}") from None
+            policy = VersionPolicy.layered(self.settings.version_policy, own, config)
+            entry = plan(policy, RolloutPolicy.layered(self.settings, own, config), available, current)
         except PolicyError as exc:
             raise BadRequest(f"model {name!r}: {exc}") from None
+        watch = entry.get("watch")
+        if watch and watch.get("baseline_p99_ms") is None:
+            entry["watch"] = {**watch, "baseline_p99_ms": self._p99_ms(name, watch["previous"])}
         if config is None:
             return entry
-        return {**entry, "config": json.loads(config) if isinstance(config, (str, bytes)) else config,
-                "policy_file": own}
+        return {**entry, "config": config, "policy_file": own}
 
     def _load_version(self, name: str, version: str) -> LoadedVersion:
         try:
@@ -299,10 +410,10 @@ class Reconciler:
         else:
             threading.Thread(target=run, name=f"retire-{key[0]}-{key[1]}", daemon=True).start()
 
-    def _write(self, changes: dict[str, Entry | None], read: dict[str, Entry] | None = None) -> int:
-        """A change already applied here, into the desired state; returns its generation. With ``read`` (the poll's
-        view), a model another worker's call changed since keeps the call's entry: this worker applies it with
-        the rest of that newer generation in reconcile()."""
+    def _write(self, changes: dict[str, Entry | None], read: dict[str, Entry] | None = None) -> tuple[int, bool]:
+        """A change already applied here, into the desired state; returns its generation and whether every change
+        was written. With ``read`` (the poll's view), a model another worker's call changed since keeps the call's
+        entry: this worker applies it with the rest of that newer generation in reconcile()."""
         complete = True
         if read is None:
             generation = self.desired.write(changes)
@@ -312,11 +423,12 @@ class Reconciler:
             self._applied = generation
         # else another worker's change came first: reconcile() applies the whole generation, this one included
         self._report()
-        return generation
+        return generation, complete
 
     def _report(self, error: str | None = None) -> None:
+        self._last_error = error
         self.on_change()
-        self.desired.report(self._applied, self.serving(), error, str(self.device))
+        self.desired.report(self._applied, self.serving(), error, str(self.device), self.evidence.dump())
 
     def _wait_for_workers(self, generation: int) -> None:
         timeout_s = self.settings.repository_sync_timeout_s
@@ -333,7 +445,7 @@ class Reconciler:
     def _follow(self) -> None:
         """Reconcile whenever another worker writes a generation, and poll the repository when asked to."""
         poll_s = self.settings.repository_poll_s
-        next_poll = time.monotonic() + poll_s
+        next_poll = next_evidence = time.monotonic() + poll_s
         while not self._stop.wait(WATCH_S):
             try:
                 if poll_s > 0 and time.monotonic() >= next_poll:
@@ -341,8 +453,60 @@ class Reconciler:
                     self.poll()
                 else:
                     self.reconcile()
+                if time.monotonic() >= next_evidence:
+                    next_evidence = time.monotonic() + EVIDENCE_S
+                    self.share_evidence()
             except Exception:  # noqa: BLE001 - a failed round must not end following
                 log.exception("reconciling the models failed")
+
+    def share_evidence(self) -> None:
+        """Write this worker's rollout evidence into its report, then apply what the rules decide on every
+        worker's (a promotion, a rollback, a watch settled), as a call would."""
+        with self._lock:
+            self._report(self._last_error)
+            _, desired = self.desired.read()
+            evidence = merged(self.desired.workers())
+            for name, entry in sorted(desired.items()):
+                verdict = judge(name, entry, evidence) if entry.get("versions") else None
+                if verdict is None:
+                    continue
+                action, version, why = verdict
+                try:
+                    self._change(name, entry, action, version, f"by the rules: {why}", read=desired)
+                except ServiceError as exc:
+                    log.warning("%s: the rules' %s of version %s failed: %s", name, action, version, exc.message)
+
+    def roles(self) -> dict[tuple[str, str], str]:
+        """(model, version) -> its role now: live, canary, shadow or previous."""
+        _, desired = self.desired.read()
+        roles = {}
+        for name, (_, default) in self.routes.routes().items():
+            entry = {**(desired.get(name) or {}), "default": default}
+            roles.update({(name, v): role for v, role in _roles(entry, self.routes.candidate(name)).items()})
+        return roles
+
+    def rollouts(self) -> dict[str, dict[str, Any]]:
+        """Every model with a rollout or a watch: its entry's rollout, the evidence over every worker, and what
+        the automatic promotion waits for."""
+        _, desired = self.desired.read()
+        evidence = merged(self.desired.workers())
+        shown: dict[str, dict[str, Any]] = {}
+        for name, entry in sorted(desired.items()):
+            rollout = entry.get("rollout") or {}
+            if not entry.get("versions") or not (rollout or entry.get("watch") or entry.get("previous_default")):
+                continue
+            candidate, live = rollout.get("candidate"), entry["default"]
+            promote = rule_from_entry(PromoteRule, rollout.get("promote"))
+            shown[name] = {
+                "live": live, "candidate": candidate, "canary_percent": rollout.get("canary_percent", 0.0),
+                "shadow_percent": rollout.get("shadow_percent", 0.0), "previous": entry.get("previous_default"),
+                "rolled_back": entry.get("rolled_back", []), "watch": entry.get("watch"),
+                "promote": rollout.get("promote"), "rollback": rollout.get("rollback"),
+                "promotion": None if candidate is None or promote is None else
+                promotion_status(promote, rollout, name, candidate, live, evidence)[1],
+                "comparison": evidence["comparisons"].get((name, candidate, live)) if candidate else None,
+                "traffic": {v: t for (m, v), t in evidence["traffic"].items() if m == name}}
+        return shown
 
     # -- what this worker serves ------------------------------------------------------------------------------------
 
@@ -365,3 +529,14 @@ class Reconciler:
     def close(self) -> None:
         """Stop following and polling."""
         self._stop.set()
+
+
+def _roles(entry: Entry, candidate: Candidate | None) -> dict[str, str]:
+    """Each version's role in its model's rollout: live (the default), canary or shadow (the candidate),
+    previous (kept loaded for a rollback)."""
+    roles = {entry["default"]: "live"}
+    if entry.get("previous_default"):
+        roles.setdefault(entry["previous_default"], "previous")
+    if candidate is not None:
+        roles[candidate.version] = "canary" if candidate.canary_percent > 0 else "shadow"
+    return roles

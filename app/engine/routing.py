@@ -8,12 +8,42 @@ so no request can pick a version after the table has let it go.
 from __future__ import annotations
 
 import contextlib
+import random
 import threading
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 from app.engine.loaded_version import LoadedVersion
 from app.engine.policy import order_key
+from app.engine.rollout import takes_canary
 from app.errors import BadRequest, NotFound, NotReady
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one request goes: the version that answers it, its role there, and the candidate that also runs it
+    off the response path (a shadow), if any."""
+
+    version: LoadedVersion
+    role: str  # live (the default), canary, or version (named by the request)
+    shadow: LoadedVersion | None = None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A model's rollout as routing needs it: the candidate's shares of the requests that name no version."""
+
+    version: str
+    canary_percent: float
+    shadow_percent: float
+
+    @classmethod
+    def from_entry(cls, entry: dict[str, Any]) -> "Candidate | None":
+        rollout = entry.get("rollout") or {}
+        if not rollout.get("candidate"):
+            return None
+        return cls(str(rollout["candidate"]), float(rollout.get("canary_percent", 0)),
+                   float(rollout.get("shadow_percent", 0)))
 
 
 class RoutingTable:
@@ -24,6 +54,8 @@ class RoutingTable:
         self._lock = threading.Lock()
         self._routes: dict[str, dict[str, LoadedVersion]] = {}
         self._defaults: dict[str, str] = {}
+        self._candidates: dict[str, Candidate] = {}
+        self._draw = random.Random()
         self.named_default: str | None = None  # DEFAULT_MODEL, or the repository's repository.json
 
     def default_model(self) -> str | None:
@@ -47,10 +79,28 @@ class RoutingTable:
         with self._lock:
             return [loaded for versions in self._routes.values() for loaded in versions.values()]
 
+    def candidate(self, name: str) -> Candidate | None:
+        """``name``'s rollout candidate, if it has one."""
+        with self._lock:
+            return self._candidates.get(name)
+
     def find(self, name: str | None, version: str | None) -> LoadedVersion:
         """The version a request for ``name`` (None: the default model) and ``version`` (None: its default) gets."""
         with self._lock:
             return self._find(name, version)
+
+    def _pick(self, name: str | None, version: str | None, client_key: str | None) -> Route:
+        """The version a request gets, with a rollout: a canary share of the unversioned requests goes to the
+        candidate, and a shadow share of those the default answers also runs on it."""
+        loaded = self._find(name, version)
+        candidate = self._candidates.get(loaded.name)
+        if version is not None or candidate is None or candidate.version not in self._routes[loaded.name]:
+            return Route(loaded, "live" if version is None else "version")
+        other = self._routes[loaded.name][candidate.version]
+        if takes_canary(candidate.canary_percent, loaded.name, client_key, self._draw.random()):
+            return Route(other, "canary")
+        shadow = candidate.shadow_percent > 0 and self._draw.random() * 100 < candidate.shadow_percent
+        return Route(loaded, "live", other if shadow else None)
 
     def _find(self, name: str | None, version: str | None) -> LoadedVersion:
         if name is None:
@@ -83,27 +133,37 @@ class RoutingTable:
         return ", ".join(one(n, sorted(v, key=order_key)) for n, v in sorted(self._routes.items())) or "nothing"
 
     @contextlib.contextmanager
-    def acquire(self, name: str | None, version: str | None) -> Iterator[LoadedVersion]:
-        """The version for this request, counted as in use until the block ends."""
+    def acquire(self, name: str | None, version: str | None, client_key: str | None = None) -> Iterator[Route]:
+        """The route of this request; its version (and shadow) counted as in use until the block ends."""
         with self._lock:
-            loaded = self._find(name, version)
-            loaded.in_use.enter()
+            route = self._pick(name, version, client_key)
+            held = [route.version] if route.shadow is None else [route.version, route.shadow]
+            for loaded in held:
+                loaded.in_use.enter()
         try:
-            yield loaded
+            yield route
         finally:
-            loaded.in_use.leave()
+            for loaded in held:
+                loaded.in_use.leave()
 
-    def route(self, name: str, versions: dict[str, LoadedVersion], default: str) -> list[LoadedVersion]:
-        """Route ``name``'s requests to ``versions`` from now on; returns the versions no longer routed."""
+    def route(self, name: str, versions: dict[str, LoadedVersion], default: str,
+              candidate: Candidate | None = None) -> list[LoadedVersion]:
+        """Route ``name``'s requests to ``versions`` from now on, ``candidate`` taking its shares; returns the
+        versions no longer routed."""
         if default not in versions:
             raise ValueError(f"default version {default!r} is not among {sorted(versions)}")
         with self._lock:
             before = self._routes.get(name, {})
             self._routes[name], self._defaults[name] = dict(versions), default
+            if candidate is not None and candidate.version in versions and candidate.version != default:
+                self._candidates[name] = candidate
+            else:
+                self._candidates.pop(name, None)
         return [loaded for v, loaded in before.items() if versions.get(v) is not loaded]
 
     def remove(self, name: str) -> list[LoadedVersion]:
         """Stop routing to ``name``; returns its versions."""
         with self._lock:
             self._defaults.pop(name, None)
+            self._candidates.pop(name, None)
             return list(self._routes.pop(name, {}).values())

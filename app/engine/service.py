@@ -6,6 +6,7 @@ Protocols reach the engine's request path through ``Service.admit`` only: it yie
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -17,9 +18,11 @@ from app.engine.call import NOT_READY_RETRY_S, Call
 from app.engine.loaded_version import LoadedVersion
 from app.engine.predictor import Predictor
 from app.engine.reconciler import Reconciler
+from app.engine.routing import Route
+from app.engine.shadow import offer
 from app.engine.sources import GivenSource, Source
-from app.errors import NotReady, retry_after_header
-from app.metrics import READY
+from app.errors import NotReady, ServiceError, retry_after_header
+from app.metrics import READY, VERSION_REQUEST_SECONDS, VERSION_REQUESTS
 
 log = logging.getLogger(__name__)
 
@@ -142,13 +145,44 @@ class Service:
             raise NotReady("the model is not ready", headers=retry_after_header(NOT_READY_RETRY_S))
 
     @contextlib.contextmanager
-    def admit(self, name: str | None = None, version: str | None = None) -> Iterator[Call]:
+    def admit(self, name: str | None = None, version: str | None = None,
+              client_key: str | None = None) -> Iterator[Call]:
         """One request's stay in the engine: readiness, then routing to the version of model ``name`` (None: the
-        only one) at ``version`` (None: its default) that the request keeps to its answer, even if a newer one
-        takes over meanwhile. The protocol parses its body with ``call.version``, then ``call.infer``; until then
-        the request counts as on its way, so a forming batch may wait for it. Raises a ServiceError (NotReady,
+        only one) at ``version`` (None: its default, or its rollout's canary, by ``client_key`` when given) that
+        the request keeps to its answer, even if a newer one takes over meanwhile. The protocol parses its body
+        with ``call.version``, then ``call.infer``; until then the request counts as on its way, so a forming batch
+        may wait for it. Its outcome and time count in the version's traffic. Raises a ServiceError (NotReady,
         NotFound, BadRequest) when the request cannot be admitted."""
         with self.in_flight.inside():
             self.require_ready()
-            with self.reconciler.routes.acquire(name, version) as loaded, loaded.arrivals.arriving() as arrived:
-                yield Call(loaded, arrived, self.settings.max_images)
+            with self.reconciler.routes.acquire(name, version, client_key) as route:
+                loaded, started, outcome = route.version, time.perf_counter(), "refused"
+                try:
+                    with loaded.arrivals.arriving() as arrived:
+                        yield Call(loaded, arrived, self.settings.max_images, self._shadow_offer(route))
+                    outcome = "ok"
+                except ServiceError as exc:
+                    outcome = "failed" if exc.status in (500, 504) else "refused"
+                    raise
+                except Exception:
+                    outcome = "failed"
+                    raise
+                finally:
+                    self._count(route, time.perf_counter() - started, outcome)
+
+    def _shadow_offer(self, route: Route) -> Callable[..., None] | None:
+        if route.shadow is None:
+            return None
+        comparison = self.reconciler.evidence.comparison(route.version.name, route.shadow.version,
+                                                         route.version.version)
+        return functools.partial(offer, route.version, route.shadow, comparison,
+                                 max_age_s=self.settings.shadow_max_age_s,
+                                 queue_limit=self.settings.shadow_queue_size)
+
+    def _count(self, route: Route, seconds: float, outcome: str) -> None:
+        loaded = route.version
+        VERSION_REQUESTS.labels(loaded.name, loaded.version, route.role, outcome).inc()
+        if outcome == "refused":
+            return  # the client's error, or the server's capacity: not the version's
+        VERSION_REQUEST_SECONDS.labels(loaded.name, loaded.version).observe(seconds)
+        self.reconciler.evidence.traffic(loaded.name, loaded.version).record(seconds, outcome == "failed")

@@ -7,7 +7,7 @@ from app.v1 import schemas as s
 from app.web.openapi import BINARY, TIMEOUT_HEADER, errors, json_answer, ref
 from app.web.schemas import ErrorResponse
 
-MODELS = (s.PredictJSONRequest, s.PredictResponse, s.ModelsResponse)
+MODELS = (s.PredictJSONRequest, s.PredictResponse, s.ModelsResponse, s.VersionChoice, s.RolloutChanged)
 # A 4x4 red PNG, so "Try it out" on the JSON form sends an image any model accepts.
 EXAMPLE_IMAGE_BASE64 = ("iVBORw0KGgoAAAANSUhEUgAAAAQAAAAECAIAAAAmkwkpAAAAFElEQVR4nGO8IyfHAANMDEgANwcAOHIBIO1BLLkAAAAA"
                         "SUVORK5CYII=")
@@ -50,4 +50,17 @@ def paths() -> dict[str, Any]:
               "schema": {"type": "string", "enum": ["1", "true", "yes"]}}
     return {"/predict": _predict(),
             "/v1/models": {"get": {"summary": "The served model, its batching and its limits", "parameters": [labels],
-                                   "responses": {"200": json_answer(s.ModelsResponse, "The model")}}}}
+                                   "responses": {"200": json_answer(s.ModelsResponse, "The model")}}},
+            "/v1/models/{name}/promote": _rollout_call(
+                "Make a version (default: the rollout's candidate) the model's default in every worker"),
+            "/v1/models/{name}/rollback": _rollout_call(
+                "Serve a version (default: the previous default) again; the one it replaces is rolled back")}
+
+
+def _rollout_call(summary: str) -> dict[str, Any]:
+    name = {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
+    return {"post": {"summary": summary, "parameters": [name],
+                     "requestBody": {"required": False,
+                                     "content": {"application/json": {"schema": ref(s.VersionChoice)}}},
+                     "responses": {"200": json_answer(s.RolloutChanged, "The model's default and versions now"),
+                                   **errors(ErrorResponse, "400 401 404 409 422 503 504 507")}}}

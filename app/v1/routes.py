@@ -3,14 +3,19 @@ from __future__ import annotations
 
 import json
 
+import pydantic
 import torch
 from flask import Blueprint, Response, request
 
 from app.engine.loaded_version import LoadedVersion
 from app.engine.service import Service
+from app.errors import BadRequest
 from app.v1.payload import PredictInput, parse_predict
 from app.v1.schemas import (
     Batching,
+    Rollout,
+    RolloutChanged,
+    VersionChoice,
     ClassScore,
     Limits,
     ModelInfo,
@@ -20,7 +25,7 @@ from app.v1.schemas import (
     PredictResponse,
     WorkerModels,
 )
-from app.web.inputs import deadline_s
+from app.web.inputs import client_key, deadline_s, parse_json, read_body
 from app.web.services import client_gone, current_service
 from app.web.timing import annotate
 
@@ -39,7 +44,8 @@ def predict() -> Response:
     """Classify one or more images."""
     service = current_service()
     settings = service.settings
-    with service.admit(request.args.get("model"), request.args.get("version")) as call:
+    with service.admit(request.args.get("model"), request.args.get("version"),
+                       client_key(request.headers, settings.client_key_header)) as call:
         parsed = parse_predict(request, default_top_k=settings.top_k, num_classes=call.version.predictor.num_classes)
         served = call.infer(parsed.images, names=parsed.names or (), client_gone=client_gone(),
                             timeout_s=deadline_s(request.headers, settings.request_timeout_s))
@@ -49,7 +55,8 @@ def predict() -> Response:
     return annotate(Response(body.model_dump_json(), mimetype="application/json"), served)
 
 
-def _model_info(service: Service, model: LoadedVersion, default: bool, show_labels: bool) -> ModelInfo:
+def _model_info(service: Service, model: LoadedVersion, default: bool, show_labels: bool,
+                role: str | None) -> ModelInfo:
     s, predictor, m = service.settings, model.predictor, model.predictor.manifest
     return ModelInfo(
         name=m.name, version=m.version, arch=m.arch, num_classes=m.num_classes,
@@ -57,7 +64,7 @@ def _model_info(service: Service, model: LoadedVersion, default: bool, show_labe
         device=str(predictor.device), dtype=predictor.dtype_name,
         files={fmt: entry.sha256 for fmt, entry in m.files.items()}, metrics=m.metrics, source=m.source,
         warmed_batch_sizes=predictor.warmed_batch_sizes, labels=predictor.labels if show_labels else None,
-        ready=service.ready and model.batcher.is_alive(), default=default, state="READY",
+        ready=service.ready and model.batcher.is_alive(), default=default, state="READY", role=role,
         memory_bytes=predictor.weights_bytes, device_memory_bytes=model.device_memory_bytes,
         batching=Batching(max_batch_size=s.max_batch_size, batch_cap=model.batcher.max_batch_size,
                           profile={k: round(v, 1) for k, v in model.batch_profile.items()},
@@ -75,11 +82,47 @@ def models() -> Response:
     show_labels = request.args.get("labels", "").lower() in ("1", "true", "yes")
     service = current_service()
     service.require_loaded()
-    infos = [_model_info(service, model, model.version == default, show_labels)
+    roles = service.reconciler.roles()
+    infos = [_model_info(service, model, model.version == default, show_labels, roles.get((model.name, model.version)))
              for versions, default in service.reconciler.routes.routes().values() for model in versions]
     workers = [WorkerModels(**worker) for worker in service.reconciler.workers()]
     default_model = service.reconciler.routes.default_model()
-    body = ModelsResponse(default_model=default_model, models=infos, workers=workers).model_dump(
+    rollouts = [Rollout(model=name, **rollout) for name, rollout in service.reconciler.rollouts().items()]
+    body = ModelsResponse(default_model=default_model, models=infos, workers=workers, rollouts=rollouts).model_dump(
         mode="json", exclude_none=True)
     text = json.dumps({**body, "default_model": default_model}, separators=(",", ":"))  # null said: none is it
     return Response(text, mimetype="application/json")
+
+
+def _version_named() -> str | None:
+    """The optional ``{"version": "3"}`` body of a promote or rollback call."""
+    data = read_body(request)
+    try:
+        return VersionChoice.model_validate(parse_json(data, "the body") if data.strip() else {}).version
+    except pydantic.ValidationError as exc:
+        raise BadRequest(f'the body must be empty or {{"version": "<version>"}}: {exc.errors()[0]["msg"]}') from None
+
+
+def _changed(name: str, entry: dict[str, object]) -> Response:
+    body = RolloutChanged(model=name, default=str(entry["default"]), versions=list(entry["versions"]),  # type: ignore
+                          previous=entry.get("previous_default"),  # type: ignore[arg-type]
+                          rolled_back=list(entry.get("rolled_back", [])))  # type: ignore[arg-type]
+    return Response(body.model_dump_json(), mimetype="application/json")
+
+
+@bp.post("/v1/models/<name>/promote")
+def promote(name: str) -> Response:
+    """Make a version (default: the rollout's candidate) the model's default in every worker."""
+    version = _version_named()
+    service = current_service()
+    service.wait_loaded(service.settings.repository_sync_timeout_s)
+    return _changed(name, service.reconciler.promote(name, version))
+
+
+@bp.post("/v1/models/<name>/rollback")
+def rollback(name: str) -> Response:
+    """Serve a version (default: the previous default) again in every worker; the one it replaces is rolled back."""
+    version = _version_named()
+    service = current_service()
+    service.wait_loaded(service.settings.repository_sync_timeout_s)
+    return _changed(name, service.reconciler.rollback(name, version))

@@ -102,6 +102,8 @@ class ModelInfo(BaseModel):
     ready: bool
     default: bool = Field(description="requests naming no version get this one")
     state: str = Field(description="READY while it takes traffic")
+    role: str | None = Field(default=None, description="its part in its model's rollout: live (the default), canary "
+                             "or shadow (the candidate), previous (kept loaded for a rollback); null: none")
     memory_bytes: int = Field(description="its weights in the served dtype")
     device_memory_bytes: int | None = Field(default=None, description="CUDA memory its load and warm-up took")
 
@@ -116,6 +118,54 @@ class WorkerModels(BaseModel):
     device: str | None = Field(default=None, description="where it serves: cpu, or its GPU (cuda:N)")
 
 
+class Rollout(BaseModel):
+    """A model's rollout and its evidence over every worker (docs/models.md, "Rolling out a version")."""
+
+    model: str
+    live: str = Field(description="the default version")
+    candidate: str | None = Field(description="the version being rolled out; null: none now")
+    canary_percent: float = Field(description="share of the unversioned requests the candidate answers")
+    shadow_percent: float = Field(description="share of the live answers the candidate also runs, off the response "
+                                  "path")
+    previous: str | None = Field(description="the default before the last promotion, kept loaded for a rollback")
+    rolled_back: list[str] = Field(description="versions rolled back: no candidate until a promotion names them")
+    watch: dict[str, Any] | None = Field(description="a new default watched by the rollback rule: version, "
+                                         "previous, the previous default's p99 (baseline_p99_ms)")
+    promote: dict[str, Any] | None = Field(description="the automatic promotion rule; null: by call only")
+    rollback: dict[str, Any] | None = Field(description="the automatic rollback rule; null: by call only")
+    promotion: str | None = Field(description="what the automatic promotion waits for, or why it holds")
+    comparison: dict[str, Any] | None = Field(description="the shadow's figures: compared, top1_agreement, "
+                                              "top5_overlap, mean/max_probability_difference, disagreements "
+                                              "(live -> candidate, counts), live/candidate_forward_ms (p50, p99 per "
+                                              "image), errors, dropped (by reason)")
+    traffic: dict[str, Any] = Field(description="per version since its role last changed: requests, failures "
+                                    "(500, 504), error_ratio, p50, p99 (ms in the engine)")
+
+
+class VersionChoice(BaseModel):
+    """Body of a promote or rollback call (optional): the version to serve."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: str | None = Field(None, description="promote: default the rollout's candidate; rollback: default the "
+                                "previous default")
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _numbers_are_names(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+class RolloutChanged(BaseModel):
+    """Answer of a promote or rollback call: the model's versions and default in every worker now."""
+
+    model: str
+    default: str
+    versions: list[str]
+    previous: str | None = None
+    rolled_back: list[str] = Field(default_factory=list)
+
+
 class ModelsResponse(BaseModel):
     """Answer of GET /v1/models."""
 
@@ -123,3 +173,5 @@ class ModelsResponse(BaseModel):
                                       "repository's repository.json, or the only one); null: name one")
     models: list[ModelInfo]
     workers: list[WorkerModels]
+    rollouts: list[Rollout] = Field(default_factory=list, description="models with a rollout, a candidate or a "
+                                    "watched new default")

@@ -41,10 +41,12 @@ def repository_index() -> Response:
     reconciler = current_service().reconciler
     default_model = reconciler.routes.default_model()
     default = (default_model, reconciler.serving().get(default_model or "", {}).get("default"))
+    roles = reconciler.roles()
     rows = [RepositoryModel(name=r.name, version=r.version, state=r.state, reason=r.reason,  # type: ignore[arg-type]
-                            default=r.state == "READY" and (r.name, r.version) == default)
+                            default=r.state == "READY" and (r.name, r.version) == default,
+                            role=roles.get((r.name, r.version)) if r.state == "READY" else None)
             for r in reconciler.index() if r.state == "READY" or not only_ready]
-    return Response(RepositoryIndex(rows).model_dump_json(), mimetype="application/json")
+    return Response(RepositoryIndex(rows).model_dump_json(exclude_none=True), mimetype="application/json")
 
 
 @bp.post("/repository/models/<name>/load")

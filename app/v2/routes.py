@@ -17,7 +17,7 @@ from app.engine.service import Service
 from app.errors import BadRequest, NotFound, NotReady
 from app.v2.codec import InferRequest, Tensor, encode_response, parse_request
 from app.v2.schemas import Live, ModelMetadata, ModelReady, Ready, ServerMetadata, TensorMetadata
-from app.web.inputs import deadline_s, read_body
+from app.web.inputs import client_key, deadline_s, read_body
 from app.web.services import client_gone, current_service
 from app.web.timing import annotate
 
@@ -153,7 +153,7 @@ def _timeout_s(service: Service, infer: InferRequest) -> float:
 def infer(name: str, version: str | None = None) -> Response:
     """Inference through the same stage runner and batcher as /predict."""
     service = current_service()
-    with service.admit(name, version) as call:
+    with service.admit(name, version, client_key(request.headers, service.settings.client_key_header)) as call:
         if request.content_encoding:
             raise BadRequest(f"Content-Encoding {request.content_encoding!r} is not supported; send the body as is")
         parsed = parse_request(read_body(request), request.headers.get("Inference-Header-Content-Length"))

@@ -120,6 +120,7 @@ class RepositoryModel(BaseModel):
     state: Literal["READY", "LOADING", "UNLOADING", "UNAVAILABLE"]
     reason: str = ""
     default: bool = False  # what a request naming neither model nor version gets (the default model's default)
+    role: str | None = None  # its part in its model's rollout: live, canary, shadow, previous (GET /v1/models)
 
 
 class RepositoryIndex(RootModel[list[RepositoryModel]]):

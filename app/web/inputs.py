@@ -9,6 +9,7 @@ import pydantic_core
 from werkzeug import Request
 
 from app.errors import BadRequest, BodyTooLarge, InvalidBase64, InvalidJSON
+from app.web.auth import presented_key
 
 
 def deadline_s(headers: Mapping[str, str], maximum_s: float) -> float:
@@ -23,6 +24,11 @@ def deadline_s(headers: Mapping[str, str], maximum_s: float) -> float:
     if not millis > 0 or millis != millis:
         raise BadRequest(f"X-Request-Timeout must be positive, got {raw!r}")
     return min(millis / 1000, maximum_s)
+
+
+def client_key(headers: Mapping[str, str], header: str) -> str | None:
+    """What keeps a client on one side of a canary: the ``header`` it sends (CLIENT_KEY_HEADER), else its API key."""
+    return headers.get(header) or presented_key(headers)
 
 
 def decode_base64(text: str, where: str) -> bytes:

@@ -34,6 +34,7 @@ ERROR_STATUSES = {
     "401": "Missing or wrong API key (when one is configured)",
     "404": "No such model or version",
     "408": "The body did not arrive within client_body_timeout_s",
+    "409": "The call does not apply to the model now: no rollout candidate to promote, no previous default",
     "413": "Body, image pixels or image count over its limit",
     "415": "Unsupported content type or image format",
     "422": "JSON that does not match the request schema, or a model version that cannot be served (load_failed)",

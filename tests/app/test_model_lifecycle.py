@@ -265,7 +265,7 @@ def app(settings: Settings, repository: FakeRepository) -> Iterator[Flask]:
 
 def test_the_repository_api(client: FlaskClient, repository: FakeRepository) -> None:
     assert client.post("/v2/repository/index").get_json() == [
-        {"name": "colour", "version": "1", "state": "READY", "reason": "", "default": True}]
+        {"name": "colour", "version": "1", "state": "READY", "reason": "", "default": True, "role": "live"}]
     repository.add("colour", "2")
     assert client.post("/v2/repository/index", json={"ready": True}).get_json()[0]["version"] == "1"
     loaded = client.post("/v2/repository/models/colour/load")

@@ -1,0 +1,303 @@
+"""Rollouts: a candidate version beside a model's live default, taking a share of its traffic (canary) or running
+off the response path on a share of it (shadow), until it is promoted or rolled back.
+
+What a rollout is (``RolloutPolicy``) is spelt like the version policy: settings (``CANARY_PERCENT``,
+``SHADOW_PERCENT``, ``PROMOTE_AFTER``, ``ROLLBACK_WITHIN`` ...) under a model's ``policy.json`` under a V2 load
+call's config, each as ``{"rollout": {"candidate": "3", "canary_percent": 10, "shadow_percent": 100,
+"promote": {"after": 500, "min_agreement": 0.99, "max_latency_ratio": 1.5},
+"rollback": {"within": 200, "max_error_ratio": 0.01, "max_p99_ratio": 2.0}}}``.
+
+``plan`` is the pure step from what the repository holds, the version policy, the rollout and the model's entry in
+the desired state now to its next entry. While a rollout is set a model keeps its current default: a new version
+arrives as the candidate (the newest version newer than the default that was not rolled back, unless one is named)
+and takes all the traffic only when promoted. Promotion and rollback (``promoted``, ``rolled_back``) are entries
+too, written to the desired state like any change, so every worker follows them and the poll keeps them.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+from app.engine.policy import PolicyError, VersionPolicy, order_key
+
+Entry = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class PromoteRule:
+    """Promote the candidate by itself once ``after`` comparisons (shadow) or canary requests agree and are fast
+    enough, with no error."""
+
+    after: int
+    min_agreement: float = 0.99  # top-1 agreement with the live version, over the shadow's comparisons
+    max_latency_ratio: float = 1.5  # the candidate's p99 over the live version's, at most
+
+
+@dataclass(frozen=True)
+class RollbackRule:
+    """Roll a newly promoted default back by itself when, within its first ``within`` requests, its error ratio or
+    its p99 (against the previous default's) crosses a bound."""
+
+    within: int
+    max_error_ratio: float = 0.01
+    max_p99_ratio: float = 2.0
+    min_requests: int = 20  # no p99 judged on fewer
+
+
+@dataclass(frozen=True)
+class RolloutPolicy:
+    """A model's rollout: the candidate (None: the newest newer than the default), its shares of the unversioned
+    requests, and the automatic promotion and rollback rules (None: by call only)."""
+
+    candidate: str | None = None
+    canary_percent: float = 0.0
+    shadow_percent: float = 0.0
+    promote: PromoteRule | None = None
+    rollback: RollbackRule | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("canary_percent", "shadow_percent"):
+            value = getattr(self, name)
+            if not 0 <= value <= 100:
+                raise PolicyError(f"rollout {name} must be between 0 and 100, got {value}")
+        if self.promote is not None and (self.promote.after < 1 or not 0 <= self.promote.min_agreement <= 1
+                                         or self.promote.max_latency_ratio <= 0):
+            raise PolicyError("rollout promote needs after >= 1, min_agreement in [0, 1], max_latency_ratio > 0")
+        if self.rollback is not None and (self.rollback.within < 1 or not 0 <= self.rollback.max_error_ratio <= 1
+                                          or self.rollback.max_p99_ratio <= 0):
+            raise PolicyError("rollout rollback needs within >= 1, max_error_ratio in [0, 1], max_p99_ratio > 0")
+
+    @property
+    def active(self) -> bool:
+        """Whether new versions arrive as candidates (the model keeps its default until a promotion)."""
+        return bool(self.candidate or self.canary_percent or self.shadow_percent or self.promote)
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> "RolloutPolicy":
+        """The settings' rollout, for every model (percentages 0 and rules off by default)."""
+        promote = PromoteRule(settings.promote_after, settings.promote_min_agreement,
+                              settings.promote_max_latency_ratio) if settings.promote_after else None
+        rollback = RollbackRule(settings.rollback_within, settings.rollback_max_error_ratio,
+                                settings.rollback_max_p99_ratio) if settings.rollback_within else None
+        return cls(None, settings.canary_percent, settings.shadow_percent, promote, rollback)
+
+    def over(self, config: Any) -> "RolloutPolicy":
+        """This rollout under a model config's ``rollout`` object (policy.json or a load call's config)."""
+        spec = config.get("rollout") if isinstance(config, dict) else None
+        if spec is None:
+            return self
+        if not isinstance(spec, dict):
+            raise PolicyError("rollout must be a JSON object")
+        known = {"candidate", "canary_percent", "shadow_percent", "promote", "rollback"}
+        if unknown := set(spec) - known:
+            raise PolicyError(f"unsupported rollout keys {sorted(unknown)}; it takes {', '.join(sorted(known))}")
+        try:
+            changes: dict[str, Any] = {k: float(spec[k]) for k in ("canary_percent", "shadow_percent") if k in spec}
+            if "candidate" in spec:
+                changes["candidate"] = None if spec["candidate"] is None else str(spec["candidate"])
+            for key, rule in (("promote", PromoteRule), ("rollback", RollbackRule)):
+                if key in spec:
+                    changes[key] = _rule(rule, spec[key], getattr(self, key))
+            return replace(self, **changes)
+        except (TypeError, ValueError) as exc:
+            raise PolicyError(f"rollout: {exc}") from None
+
+    @classmethod
+    def layered(cls, settings: Any, *configs: Any) -> "RolloutPolicy":
+        """The settings' rollout under each config given (a model's policy.json, a load call's config)."""
+        policy = cls.from_settings(settings)
+        for config in configs:
+            policy = policy.over(config)
+        return policy
+
+    def as_entry(self, candidate: str | None) -> Entry:
+        """What the desired state records of it, with the candidate it resolved to."""
+        return {**asdict(self), "candidate": candidate}
+
+
+def _rule(kind: type, spec: Any, fallback: Any) -> Any:
+    """A rule from its JSON (None or after/within 0: off); unset fields from ``fallback`` or the defaults."""
+    if spec is None:
+        return None
+    if not isinstance(spec, dict):
+        raise ValueError(f"{kind.__name__} must be a JSON object")
+    names = {f.name for f in fields(kind)}
+    if unknown := set(spec) - names:
+        raise ValueError(f"unsupported keys {sorted(unknown)}; it takes {', '.join(sorted(names))}")
+    types = {f.name: int if f.type == "int" else float for f in fields(kind)}
+    base = asdict(fallback) if fallback is not None else {}
+    values = {**base, **{key: types[key](value) for key, value in spec.items()}}
+    first = fields(kind)[0].name  # after / within: 0 turns the rule off
+    return None if not values.get(first) else kind(**values)
+
+
+def rule_from_entry(kind: type, data: Any) -> Any:
+    """A rule as the desired state recorded it."""
+    return None if not data else kind(**data)
+
+
+def plan(policy: VersionPolicy, rollout: RolloutPolicy, available: list[str], current: Entry | None) -> Entry:
+    """The model's next entry: its versions, default, candidate and rollout, from what the repository holds
+    (``available``, refused versions already left out) and its entry now (None: a first load, or a load call).
+    Rolled-back versions are left out unless nothing else is left; the previous default stays loaded (a rollback
+    needs no load)."""
+    current = current or {}
+    rolled_back = [v for v in current.get("rolled_back", []) if v in available]
+    usable = [v for v in available if v not in rolled_back] or available
+    held = current.get("default") if (rollout.active or current.get("held")) else None
+    if held not in usable:
+        held = None
+    versions = policy.choose(usable)
+    default = policy.default or held
+    if not rollout.active:
+        default = default or policy.default_of(versions)
+        entry: Entry = {"versions": _with(versions, default), "default": default}
+        if rollout.rollback is None:
+            return _carry(entry, current, rolled_back, usable)
+        entry["rollout"] = rollout.as_entry(None)
+        entry = _carry(entry, current, rolled_back, usable)
+        old = current.get("default")
+        if old in usable and old != default and "watch" not in entry:  # a new default by the poll: watched too
+            entry.update(previous_default=old, versions=_with(entry["versions"], old),
+                         watch={"version": default, "previous": old, "baseline_p99_ms": None})
+        return entry
+    candidate = rollout.candidate
+    if candidate is not None and candidate not in usable:
+        raise PolicyError(f"rollout candidate {candidate!r} is not in the repository (or was rolled back)")
+    if default is None:  # a first load: the newest is the candidate, the version before it the default
+        top = candidate or policy.default_of(versions)
+        below = [v for v in sorted(usable, key=order_key) if order_key(v) < order_key(top)]
+        default = below[-1] if below else top
+    if candidate is None:
+        newer = [v for v in versions if order_key(v) > order_key(default)]
+        candidate = max(newer, key=order_key) if newer else None
+    candidate = None if candidate == default else candidate
+    entry = {"versions": _with(_with(versions, default), candidate), "default": default,
+             "rollout": rollout.as_entry(candidate)}
+    return _carry(entry, current, rolled_back, usable)
+
+
+def _with(versions: list[str], version: str | None) -> list[str]:
+    return versions if version is None or version in versions else sorted([*versions, version], key=order_key)
+
+
+def _carry(entry: Entry, current: Entry, rolled_back: list[str], usable: list[str]) -> Entry:
+    """What the calls recorded and the poll keeps: the held default, the previous default (kept loaded), the
+    rolled-back versions, the watch on a new default."""
+    previous = current.get("previous_default")
+    if previous in usable and previous != entry["default"]:
+        entry["previous_default"] = previous
+        entry["versions"] = _with(entry["versions"], previous)
+    if rolled_back:
+        entry["rolled_back"] = rolled_back
+    if current.get("held") and entry["default"] == current.get("default"):
+        entry["held"] = True
+    watch = current.get("watch")
+    if watch and watch.get("version") == entry["default"]:
+        entry["watch"] = watch
+    return entry
+
+
+def promoted(entry: Entry, version: str, baseline_p99_ms: float | None) -> Entry:
+    """``entry`` with ``version`` as its default: the old default kept loaded as the previous one, the new default
+    watched for the rollback rule, the version no longer rolled back."""
+    if version == entry["default"]:
+        return entry
+    changed = {k: v for k, v in entry.items() if k not in ("watch", "previous_default")}
+    changed.update(default=version, previous_default=entry["default"], held=True,
+                   versions=_with(list(entry["versions"]), version),
+                   watch={"version": version, "previous": entry["default"], "baseline_p99_ms": baseline_p99_ms})
+    if version in changed.get("rolled_back", []):
+        changed["rolled_back"] = [v for v in changed["rolled_back"] if v != version]
+    if not changed.get("rolled_back"):
+        changed.pop("rolled_back", None)
+    if "rollout" in changed:
+        changed["rollout"] = {**changed["rollout"], "candidate": None}
+    return changed
+
+
+def rolled_back(entry: Entry, to: str) -> Entry:
+    """``entry`` served by ``to`` again: the default it replaces is rolled back (no candidate again until a newer
+    version arrives or a promotion names it)."""
+    bad = entry["default"]
+    changed = {k: v for k, v in entry.items() if k not in ("watch", "previous_default")}
+    changed.update(default=to, held=True, versions=[v for v in _with(list(entry["versions"]), to) if v != bad],
+                   rolled_back=sorted({*entry.get("rolled_back", []), bad} - {to}, key=order_key))
+    if "rollout" in changed:
+        changed["rollout"] = {**changed["rollout"], "candidate": None}
+    return changed
+
+
+def takes_canary(percent: float, model: str, client_key: str | None, draw: float) -> bool:
+    """Whether a request goes to the canary: by the client key's hash when it carries one (the same client always
+    meets the same version), else by ``draw`` (uniform in [0, 1))."""
+    if percent <= 0:
+        return False
+    if client_key:
+        return zlib.crc32(f"{model}\0{client_key}".encode()) % 10_000 < percent * 100
+    return draw * 100 < percent
+
+
+def judge(model: str, entry: Entry, evidence: dict[str, Any]) -> tuple[str, str, str] | None:
+    """What the rules decide for ``model`` on the evidence of every worker (app/engine/evidence.merged):
+    ("promote", candidate, why), ("rollback", previous default, why), ("settle", default, why) when a watched
+    default served its first requests within bounds, or None."""
+    rollout = entry.get("rollout") or {}
+    watch, rule = entry.get("watch"), rule_from_entry(RollbackRule, rollout.get("rollback"))
+    if watch and rule is not None and watch.get("version") == entry["default"]:
+        verdict = rollback_verdict(rule, watch, evidence["traffic"].get((model, entry["default"])))
+        if verdict is not None:
+            return verdict
+    candidate, promote = rollout.get("candidate"), rule_from_entry(PromoteRule, rollout.get("promote"))
+    if candidate and promote is not None:
+        ready, why = promotion_status(promote, rollout, model, candidate, entry["default"], evidence)
+        if ready:
+            return "promote", candidate, why
+    return None
+
+
+def rollback_verdict(rule: RollbackRule, watch: dict[str, Any],
+                     traffic: dict[str, Any] | None) -> tuple[str, str, str] | None:
+    """A watched new default: rolled back once a bound is crossed within its first ``within`` requests, settled
+    after them."""
+    if not traffic or not traffic["requests"]:
+        return None
+    requests, failures = traffic["requests"], traffic["failures"]
+    if failures / requests > rule.max_error_ratio and failures >= max(1, rule.max_error_ratio * rule.min_requests):
+        return "rollback", watch["previous"], (f"{failures} of its first {requests} requests failed "
+                                               f"(more than {rule.max_error_ratio:.1%})")
+    baseline, p99 = watch.get("baseline_p99_ms"), traffic.get("p99")
+    if baseline and p99 is not None and requests >= rule.min_requests and p99 > rule.max_p99_ratio * baseline:
+        return "rollback", watch["previous"], (f"p99 {p99:.1f} ms over its first {requests} requests, more than "
+                                               f"{rule.max_p99_ratio:g}x the previous default's {baseline:.1f} ms")
+    if requests >= rule.within:
+        return "settle", watch["version"], f"{requests} requests within bounds"
+    return None
+
+
+def promotion_status(rule: PromoteRule, rollout: dict[str, Any], model: str, candidate: str, live: str,
+                     evidence: dict[str, Any]) -> tuple[bool, str]:
+    """Whether the candidate meets the promotion rule, and what it waits for or fell short of."""
+    traffic = evidence["traffic"].get((model, candidate)) or {"requests": 0, "failures": 0, "p99": None}
+    baseline = evidence["traffic"].get((model, live)) or {"p99": None}
+    if rollout.get("shadow_percent"):
+        comparison = evidence["comparisons"].get((model, candidate, live)) or {}
+        count, agreement = comparison.get("compared", 0), comparison.get("top1_agreement")
+        errors = comparison.get("errors", 0) + traffic["failures"]
+        ours = (comparison.get("candidate_forward_ms") or {}).get("p99")
+        theirs = (comparison.get("live_forward_ms") or {}).get("p99")
+        unit = "comparisons"
+    else:
+        count, agreement, errors, unit = traffic["requests"], None, traffic["failures"], "canary requests"
+        ours, theirs = traffic.get("p99"), baseline.get("p99")
+    if count < rule.after:
+        return False, f"waiting: {count} of {rule.after} {unit}"
+    if errors:
+        return False, f"held: {errors} errors"
+    if agreement is not None and agreement < rule.min_agreement:
+        return False, f"held: top-1 agreement {agreement:.4f} below {rule.min_agreement:g}"
+    if ours is not None and theirs and ours > rule.max_latency_ratio * theirs:
+        return False, f"held: p99 {ours:.1f} ms over {rule.max_latency_ratio:g}x the live {theirs:.1f} ms"
+    agreed = "" if agreement is None else f", top-1 agreement {agreement:.4f}"
+    return True, f"{count} {unit}{agreed}, no errors, p99 within {rule.max_latency_ratio:g}x"
