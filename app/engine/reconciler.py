@@ -202,8 +202,9 @@ class Reconciler:
         generation, complete = self._write({name: new}, read=read)
         if complete:
             ROLLOUT_CHANGES.labels(name, action).inc()
-            log.info("%s", json.dumps({"event": "rollout", "model": name, "action": action, "from": entry["default"],
-                                       "to": new["default"], "reason": why, "generation": generation}))
+            log.info("%s %s: version %s -> %s, %s", name, action, entry["default"], new["default"], why,
+                     extra={"event": "rollout", "model": name, "action": action, "from_version": entry["default"],
+                            "to_version": new["default"], "reason": why, "generation": generation})
         return generation, new
 
     def _p99_ms(self, name: str, version: str) -> float | None:

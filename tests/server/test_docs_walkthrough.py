@@ -1,7 +1,7 @@
 """docs/training.md and docs/models.md run whole: every ```bash block, in order, as printed, on tiny data (train,
 export, evaluate and score with models.predict on one process and two, serve, train again into the repository as
-version 2 while the server polls, the default model, a rollback that holds through polls), so the docs and the code
-cannot part.
+version 2 while the server polls, the default model, a rollback that holds through polls, rolling out a version:
+canary, shadow, promotion, rollback), so the docs and the code cannot part.
 
 How a command runs: from a scratch folder holding `data/mine` (three classes of small photos) and `cat.jpg`;
 `.venv/bin/python` and `python` are this interpreter, `.venv/bin/torchrun` is `python -m torch.distributed.run`;
@@ -147,5 +147,11 @@ def test_the_training_and_models_docs_run_end_to_end(walk: Walk) -> None:
     assert walk.unnamed() == {"name": "mine", "version": "1"}
     models = requests.get(walk.server.url + "/v1/models", timeout=10).json()  # type: ignore[union-attr]
     assert models["default_model"] == "mine"
-    assert {(m["name"], m["version"]) for m in models["models"]} >= {("mine", "1"), ("mine", "2"),
-                                                                     ("efficientnet_lite0", "1")}
+    assert {(m["name"], m["version"]) for m in models["models"]} >= {("mine", "1"), ("efficientnet_lite0", "1")}
+    # rolling out a version: 2 was the candidate (canary and shadow), promoted, then rolled back
+    rollout = next(r for r in models["rollouts"] if r["model"] == "mine")
+    assert (rollout["live"], rollout["candidate"], rollout["rolled_back"]) == ("1", None, ["2"])
+    promoted = next(json.loads(out) for command, out in outputs.items() if command.endswith("/mine/promote"))
+    assert (promoted["default"], promoted["previous"]) == ("2", "1")
+    evidence = next(out for command, out in outputs.items() if 'body["rollouts"]' in command)
+    assert "{'1': 'live', '2': 'canary'}" in evidence and '"top1_agreement"' in evidence

@@ -1,0 +1,109 @@
+"""Rollouts under real gunicorn with two real versions (#33): the packaged EfficientNet-Lite0 (1) and a copy with a
+perturbed head (2), on real photos. With 1 and 2 workers: a 100% shadow's agreement, summed over the workers,
+equals the agreement `python -m models.predict` computes offline for the same photos, while every live answer
+comes from version 1; then a promotion and a rollback under 8 clients, with no failed request."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import requests
+
+from harness.photos import imagenet_workload, workload
+from harness.rollouts import MODEL, two_lite0_versions
+from harness.servers import ROOT, Running
+from tests.support.fakes import wait_until
+
+PHOTOS = list(workload()) + list(imagenet_workload())
+CLIENTS = 8
+
+
+@pytest.fixture(scope="module")
+def repository(real_weights: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """<repo>/efficientnet_lite0/1 (the packaged model) and /2 (its head perturbed: it disagrees on some photos),
+    with a 100% shadow in policy.json."""
+    return two_lite0_versions(tmp_path_factory.mktemp("rollout-repository"), first=real_weights,
+                              rollout={"shadow_percent": 100})
+
+
+def _offline_top1(repository: Path, version: str, photos: Path, out: Path) -> dict[str, str]:
+    """Each photo's top-1 label from `python -m models.predict` on ``version`` (the served artefact, in process)."""
+    subprocess.run([sys.executable, "-m", "models.predict", "--weights", str(repository), "--model", MODEL,
+                    "--version", version, "--data", str(photos), "--out", str(out), "--top-k", "1"],
+                   cwd=ROOT, check=True, capture_output=True, timeout=300)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    return {Path(r["path"]).name: r["labels"][0] for r in records}
+
+
+def _rollout(server: Running) -> dict:
+    body = requests.get(server.url + "/v1/models", timeout=10).json()
+    return next(r for r in body["rollouts"] if r["model"] == MODEL)
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_the_shadow_agreement_equals_the_offline_one_and_promotion_under_load_fails_nothing(
+        repository: Path, start_server: Callable[..., Running], tmp_path: Path, workers: str) -> None:
+    server = start_server(repository, workers=workers, max_wait_ms="10").wait_ready()
+    with requests.Session() as session:
+        for photo in PHOTOS:
+            answer = session.post(server.url + "/predict", data=photo, headers={"Content-Type": "image/jpeg"},
+                                  timeout=60)
+            assert answer.status_code == 200 and answer.json()["model"]["version"] == "1", answer.text
+    wait_until(lambda: ((_rollout(server).get("comparison") or {}).get("compared", 0)
+                        + sum((_rollout(server).get("comparison") or {}).get("dropped", {}).values())) == len(PHOTOS),
+               timeout=120)
+    comparison = _rollout(server)["comparison"]
+    assert comparison["dropped"] == {} and comparison["errors"] == 0  # one client at a time: nothing is busy
+
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    for i, photo in enumerate(PHOTOS):
+        (folder / f"{i:02d}.jpg").write_bytes(photo)
+    ones, twos = (_offline_top1(repository, v, folder, tmp_path / f"v{v}.jsonl") for v in ("1", "2"))
+    offline = sum(ones[name] == twos[name] for name in ones) / len(ones)
+    assert 0 < offline < 1  # the versions disagree on some photos: the comparison can be told apart
+    assert comparison["top1_agreement"] == pytest.approx(offline)
+
+    answers: list[tuple[int, str]] = []
+    stop = threading.Event()
+
+    def client(index: int) -> None:
+        with requests.Session() as session:
+            while not stop.is_set():
+                try:
+                    answer = session.post(server.url + "/predict", data=PHOTOS[index % len(PHOTOS)],
+                                          headers={"Content-Type": "image/jpeg"}, timeout=60)
+                    answers.append((answer.status_code, answer.json()["model"]["version"] if answer.ok else
+                                    answer.text))
+                except requests.RequestException as exc:
+                    answers.append((0, repr(exc)))
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(CLIENTS)]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(2)
+        promoted = requests.post(f"{server.url}/v1/models/{MODEL}/promote", timeout=120)
+        assert promoted.status_code == 200 and promoted.json()["default"] == "2", promoted.text
+        time.sleep(2)
+        rolled = requests.post(f"{server.url}/v1/models/{MODEL}/rollback", timeout=120)
+        assert rolled.status_code == 200 and rolled.json()["default"] == "1", rolled.text
+        time.sleep(2)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+    failed = [a for a in answers if a[0] != 200]
+    assert not failed, failed[:5]
+    assert {version for _, version in answers} == {"1", "2"}
+    assert answers[-1][1] == "1"
+    rollout = _rollout(server)
+    assert (rollout["live"], rollout["rolled_back"]) == ("1", ["2"])
+    log = server.output()
+    assert '"action": "promote"' in log and '"action": "rollback"' in log
