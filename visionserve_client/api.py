@@ -51,11 +51,12 @@ class Client:
 
     429 and 503 answers and connection failures are retried up to ``retries`` times, waiting what the server's
     Retry-After says (at most ``max_backoff_s``), or an exponential backoff with jitter when it says nothing.
+    ``client_id`` (sent as X-Client-ID) keeps this client on the same side of a canary rollout.
     """
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", *, api_key: str | None = None,
-                 timeout: float = 30.0, retries: int = 3, backoff_s: float = 0.5, max_backoff_s: float = 30.0,
-                 pool_size: int = 16, sleep: Callable[[float], None] = time.sleep) -> None:
+                 client_id: str | None = None, timeout: float = 30.0, retries: int = 3, backoff_s: float = 0.5,
+                 max_backoff_s: float = 30.0, pool_size: int = 16, sleep: Callable[[float], None] = time.sleep) -> None:
         if timeout <= 0 or retries < 0 or backoff_s < 0 or max_backoff_s < 0 or pool_size <= 0:
             raise ValueError("timeout and pool_size must be positive; retries and backoffs must not be negative")
         self.base_url = base_url.rstrip("/")
@@ -68,6 +69,8 @@ class Client:
         self.session.mount("https://", adapter)
         if api_key:
             self.session.headers["Authorization"] = f"Bearer {api_key}"
+        if client_id:  # keeps this client on one side of a canary rollout (the server's CLIENT_KEY_HEADER)
+            self.session.headers["X-Client-ID"] = client_id
 
     def close(self) -> None:
         """Close pooled connections."""

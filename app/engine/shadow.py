@@ -32,7 +32,8 @@ def reuses_prepared(live: LoadedVersion, candidate: LoadedVersion) -> bool:
     the request thread preprocesses, the same preprocessing."""
     if live.decoder.path != candidate.decoder.path:
         return False
-    return live.decoder.path == "device" or live.predictor.manifest.preprocess == candidate.predictor.manifest.preprocess
+    same_preprocessing = live.predictor.manifest.preprocess == candidate.predictor.manifest.preprocess
+    return live.decoder.path == "device" or same_preprocessing
 
 
 @dataclass(eq=False)

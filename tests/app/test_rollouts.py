@@ -5,6 +5,7 @@ index. tests/server/test_rollouts.py does it with real exports under gunicorn.""
 from __future__ import annotations
 
 import collections
+import json
 import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -16,14 +17,24 @@ import torch
 from app import EXTENSION_KEY, create_app
 from app.config import Settings
 from app.engine.policy import PolicyError, VersionPolicy
-from app.engine.rollout import PromoteRule, RollbackRule, RolloutPolicy, judge, plan, promoted, rolled_back, takes_canary
+from app.engine.rollout import (
+    PromoteRule,
+    RollbackRule,
+    RolloutPolicy,
+    judge,
+    plan,
+    promoted,
+    rolled_back,
+    takes_canary,
+)
 from app.engine.service import Service
 from app.errors import Conflict
-from tests.support.fakes import LABELS, ColourModel, FakeRepository, infer, wait_until
+from tests.support.fakes import LABELS, ColourModel, FakeRepository, infer, served_over_http, wait_until
 from tests.support.imaging import BLUE, GREEN, RED, image_bytes
 
 SHADES = [(230, 20, 20), (20, 230, 20), (20, 20, 230), (200, 180, 20), (20, 190, 180), (150, 30, 160),
           (200, 60, 60), (60, 60, 200), (90, 200, 90)]  # no grey: a near tie could flip with the batch
+ALL_VERSIONS = Settings(device="cpu", log_level="warning", version_policy="all")
 PHOTOS = [image_bytes(colour, size=(40, 30)) for colour in SHADES]
 
 
@@ -56,7 +67,7 @@ def _offline_answers(photos: list[bytes]) -> dict[str, list[str]]:
     """Versions 1 and 2's top-1 labels on ``photos``, computed with no shadow."""
     answers = {}
     for version in ("1", "2"):
-        alone = Service.build(Settings(device="cpu", log_level="warning", version_policy="all"), _repository())  # type: ignore[arg-type]
+        alone = Service.build(ALL_VERSIONS, _repository())  # type: ignore[arg-type]
         try:
             answers[version] = [LABELS[int(infer(alone, [p], version=version).probabilities().argmax())]
                                 for p in photos]
@@ -165,7 +176,7 @@ def test_the_shadow_agreement_equals_the_offline_one_and_live_answers_do_not_cha
     assert comparison["errors"] == 0 and comparison["dropped"] == {}
     pairs = collections.Counter((a, b) for a, b in zip(answers["1"], answers["2"]) if a != b)
     assert {(d["live"], d["candidate"]): d["count"] for d in comparison["disagreements"]} == dict(pairs)
-    alone = Service.build(Settings(device="cpu", log_level="warning", version_policy="all"), _repository())  # type: ignore[arg-type]
+    alone = Service.build(ALL_VERSIONS, _repository())  # type: ignore[arg-type]
     try:  # the same answers, to the last digit, as version 1 with no shadow
         for photo, served in zip(PHOTOS, live):
             assert torch.equal(infer(alone, [photo], version="1").probabilities(), served.probabilities())
@@ -253,7 +264,8 @@ def test_a_canary_answers_its_share_and_each_client_stays_on_its_side(settings: 
             assert again.get_json()["model"]["version"] == versions[-1]
         share, sigma = versions.count("2") / 200, math.sqrt(0.3 * 0.7 / 200)
         assert abs(share - 0.3) < 4 * sigma
-        named = client.post("/predict?version=1", data=PHOTOS[0], content_type="image/jpeg", headers={"X-Client-ID": "x"})
+        named = client.post("/predict?version=1", data=PHOTOS[0], content_type="image/jpeg",
+                            headers={"X-Client-ID": "x"})
         assert named.get_json()["model"]["version"] == "1"  # a named version is never rerouted
         roles = {m["version"]: m["role"] for m in client.get("/v1/models").get_json()["models"]}
         assert roles == {"1": "live", "2": "canary"}
@@ -296,5 +308,82 @@ def test_calls_without_anything_to_change_are_conflicts(settings: Settings) -> N
         assert service.reconciler.promote("colour", "1")["default"] == "1"
         assert infer(service, [PHOTOS[0]]).version == "1"
         assert service.reconciler.rollback("colour")["default"] == "2"
+    finally:
+        service.shutdown(timeout=5)
+
+
+def test_a_rollout_set_by_a_load_call_or_a_setting(settings: Settings) -> None:
+    app = create_app(settings, source=_repository())  # type: ignore[arg-type]
+    client = app.test_client()
+    try:  # no rollout: the newest serves
+        assert client.post("/predict", data=PHOTOS[0], content_type="image/jpeg").get_json()["model"]["version"] == "2"
+        config = {"rollout": {"candidate": "2", "canary_percent": 100}, "default_version": "1"}
+        answer = client.post("/v2/repository/models/colour/load", json={"parameters": {"config": json.dumps(config)}})
+        assert answer.status_code == 200, answer.get_json()
+        roles = {m["version"]: m["role"] for m in client.get("/v1/models").get_json()["models"]}
+        assert roles == {"1": "live", "2": "canary"}
+        assert client.post("/predict", data=PHOTOS[0], content_type="image/jpeg").get_json()["model"]["version"] == "2"
+        bad = client.post("/v2/repository/models/colour/load",
+                          json={"parameters": {"config": {"rollout": {"shadow_percent": -1}}}})
+        assert bad.status_code == 400 and "shadow_percent" in bad.get_json()["error"]
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+    service = Service.build(settings.model_copy(update={"shadow_percent": 100.0}), _repository())  # type: ignore
+    try:
+        assert service.reconciler.roles() == {("colour", "1"): "live", ("colour", "2"): "shadow"}
+    finally:
+        service.shutdown(timeout=5)
+
+
+def test_the_python_client_keeps_its_side_of_a_canary(settings: Settings) -> None:
+    from visionserve_client import Client
+
+    app = create_app(settings, source=_repository({"canary_percent": 50}))  # type: ignore[arg-type]
+    try:
+        with served_over_http(app) as url:
+            seen = {}
+            for name in ("alice", "bob", "carol", "dave", "erin", "frank"):
+                with Client(url, client_id=name) as client:
+                    seen[name] = {client.predict(PHOTOS[0]).version for _ in range(4)}
+        assert all(len(versions) == 1 for versions in seen.values()), seen
+        assert set.union(*seen.values()) == {"1", "2"}  # with 6 clients at 50%, both sides (fixed by the hash)
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+class OtherPreprocessing(FakeRepository):
+    """Version 2 takes 16x16 inputs (another eval transform): the shadow decodes the images for it itself."""
+
+    def load(self, name: str, version: str):  # noqa: ANN201 - a Predictor
+        from app.engine.predictor import Predictor
+        from tests.support.fakes import tiny_manifest
+
+        predictor = super().load(name, version)
+        if version != "2":
+            return predictor
+        manifest = tiny_manifest(name, version)
+        manifest = manifest.model_copy(update={"preprocess": manifest.preprocess.model_copy(
+            update={"resize_size": 16, "crop_size": 16})})
+        return Predictor(predictor.module, manifest, device="cpu", weights_bytes=1024 * 1024)
+
+
+def test_a_candidate_with_other_preprocessing_decodes_the_shadow_images_itself(settings: Settings) -> None:
+    repository = OtherPreprocessing()
+    repository.add("colour", "1")
+    repository.add("colour", "2")
+    repository.policies["colour"] = {"rollout": {"shadow_percent": 100}}
+    service = Service.build(settings, repository)  # type: ignore[arg-type]
+    try:
+        live, candidate = (service.reconciler.routes.find("colour", v) for v in ("1", "2"))
+        assert candidate.predictor.manifest.preprocess.input_shape != live.predictor.manifest.preprocess.input_shape
+        sizes: list[tuple[int, ...]] = []
+        candidate.predictor.module.register_forward_hook(lambda _, inputs, __: sizes.append(inputs[0].shape[2:]))
+        for photo in PHOTOS:
+            infer(service, [photo])
+        wait_until(lambda: (service.reconciler.share_evidence() or True) and (
+            service.reconciler.rollouts()["colour"]["comparison"] or {}).get("compared") == len(PHOTOS))
+        comparison = service.reconciler.rollouts()["colour"]["comparison"]
+        assert comparison["top1_agreement"] == 1.0 and comparison["errors"] == 0  # the same model, other size
+        assert sizes and set(sizes) == {(16, 16)}  # the shadow images were decoded at the candidate's own size
     finally:
         service.shutdown(timeout=5)
