@@ -175,6 +175,26 @@ class Settings(BaseSettings):
         60.0, ge=0, description="After a CUDA out-of-memory batch is split in halves and retried, how long the "
         "lower batch cap holds.")
 
+    # Prediction monitoring (docs/deployment.md, "Monitoring predictions")
+    monitor_window: int = Field(
+        1000, ge=10, description="Each worker watches the last this many predictions of each model version (its "
+        "window): their top-1 class mix against the version's reference gives `visionserve_prediction_drift_psi`, "
+        "and their share below `MONITOR_LOW_CONFIDENCE` `visionserve_low_confidence_ratio`. A version whose manifest "
+        "holds no reference (the packaged Lite0, exports before the field) takes its first this many predictions "
+        "after the load as the reference, and the window starts again after them.")
+    monitor_min_predictions: int = Field(
+        200, ge=1, description="The window must hold at least this many predictions (and the reference be "
+        "complete) before the drift and low-confidence gauges report; fewer give figures that are mostly noise. "
+        "At most `MONITOR_WINDOW`.")
+    monitor_low_confidence: float = Field(
+        0.5, gt=0, le=1, description="A prediction whose top-1 probability is below this is low-confidence "
+        "(`visionserve_low_confidence_ratio`).")
+    monitor_psi_bins: int = Field(
+        20, ge=2, description="Bins of the drift figure's class mix: a model with at most this many classes gets one "
+        "bin per class; with more, the reference's classes holding at least 1/(2 x bins) of it get a bin each and the "
+        "others are dealt over the remaining bins by class index (one bin per class of 1,000 ImageNet classes in "
+        "1,000 predictions would make the figure sampling noise). More bins: finer, and noisier.")
+
     # Security
     api_key: SecretStr | None = Field(
         None, description="Require `Authorization: Bearer <key>` or `X-API-Key: <key>` (compared in constant "
@@ -254,6 +274,9 @@ class Settings(BaseSettings):
         if self.shutdown_drain_s >= self.graceful_timeout_s:
             raise ValueError(f"shutdown_drain_s ({self.shutdown_drain_s:g}) must be shorter than graceful_timeout_s "
                              f"({self.graceful_timeout_s}): the drain happens inside gunicorn's graceful timeout")
+        if self.monitor_min_predictions > self.monitor_window:
+            raise ValueError(f"monitor_min_predictions ({self.monitor_min_predictions}) must be at most "
+                             f"monitor_window ({self.monitor_window}): the window never holds more")
         if self.api_key_file is not None and not self.api_key_file.is_file():
             raise ValueError(f"api_key_file {self.api_key_file} does not exist")
         return self

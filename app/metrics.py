@@ -3,6 +3,8 @@ the fork) switches prometheus-client to its multiprocess mode and /metrics aggre
 from __future__ import annotations
 
 import os
+import threading
+from collections import Counter as Tally
 from typing import Callable, Sequence
 
 from prometheus_client import (
@@ -18,6 +20,7 @@ from prometheus_client import (
 )
 
 from app.procstat import WorkerCollector
+from models.export.manifest import CONFIDENCE_BUCKETS  # the manifest's reference histogram has the same edges
 
 # A `_created` series per counter and histogram is noise for our dashboards and alerts.
 disable_created_metrics()
@@ -54,23 +57,59 @@ QUEUE_CAPACITY = Gauge("visionserve_queue_capacity", "Images the inference queue
                        ["model", "version"], multiprocess_mode="livesum")
 GPU_MEMORY = Gauge("visionserve_gpu_memory_bytes", "CUDA memory of this worker", ["kind"],
                    multiprocess_mode="liveall")
+# Prediction monitoring (app/engine/monitor.py): only predictions made for requests, not warm-up or the canary.
+PREDICTED_CLASS = Counter("visionserve_predicted_class_total", "Predictions made for requests, by top-1 class",
+                          ["model", "version", "label"])
+TOP1_CONFIDENCE = Histogram("visionserve_top1_confidence", "Top-1 probability of each prediction made for "
+                            "requests", ["model", "version"], buckets=CONFIDENCE_BUCKETS)
+# Each worker has its own window, so with several workers these read the highest live worker's figure.
+LOW_CONFIDENCE_RATIO = Gauge("visionserve_low_confidence_ratio", "Share of the last MONITOR_WINDOW predictions "
+                             "whose top-1 probability is below MONITOR_LOW_CONFIDENCE (none before "
+                             "MONITOR_MIN_PREDICTIONS; 0 once unloaded)", ["model", "version"],
+                             multiprocess_mode="livemax")
+PREDICTION_DRIFT_PSI = Gauge("visionserve_prediction_drift_psi", "Population stability index of the top-1 class mix "
+                             "of the last MONITOR_WINDOW predictions against the version's reference: < 0.1 stable, "
+                             "0.1-0.2 watch, > 0.2 drifted (none before the reference and MONITOR_MIN_PREDICTIONS; "
+                             "0 once unloaded)", ["model", "version"], multiprocess_mode="livemax")
 
 
 class MetricsObserver:
-    """Feeds one model version's batcher reports into the metrics; ``memory_stats`` is read after each batch (CUDA
-    only). Once ``retire``d (its version unloaded), its stopping batcher no longer counts as a dead one."""
+    """Feeds one model version's batcher reports and its monitored predictions into the metrics; ``memory_stats``
+    is read after each batch (CUDA only). Once ``retire``d (its version unloaded), its stopping batcher no longer
+    counts as a dead one and its drift and low-confidence gauges read 0."""
 
     def __init__(self, memory_stats: Callable[[], dict[str, int]] | None = None, model: str = "",
                  version: str = "") -> None:
         self._memory_stats = memory_stats
         self._labels = (model, version)
         self.retired = False
+        self._figures_lock = threading.Lock()  # a batch's figures never land after the version's retire()
+        self._figures_set: set[Gauge] = set()
 
     def retire(self) -> None:
-        """The version is being unloaded: its queue series read 0 and its batcher's end is no failure."""
-        self.retired = True
+        """The version is being unloaded: its queue series and the figures it reported read 0, and its batcher's
+        end is no failure."""
+        with self._figures_lock:
+            self.retired = True
+            for gauge in self._figures_set:
+                gauge.labels(*self._labels).set(0)
         QUEUE_DEPTH.labels(*self._labels).set(0)
         QUEUE_CAPACITY.labels(*self._labels).set(0)
+
+    def predictions(self, labels: Sequence[str], confidences: Sequence[float], low_confidence_ratio: float | None,
+                    psi: float | None) -> None:
+        """Record a batch's predictions made for requests (top-1 label and probability of each) and the
+        monitor's figures after it (None: not reported yet)."""
+        for label, count in Tally(labels).items():
+            PREDICTED_CLASS.labels(*self._labels, label).inc(count)
+        histogram = TOP1_CONFIDENCE.labels(*self._labels)
+        for confidence in confidences:
+            histogram.observe(confidence)
+        with self._figures_lock:
+            for gauge, value in ((LOW_CONFIDENCE_RATIO, low_confidence_ratio), (PREDICTION_DRIFT_PSI, psi)):
+                if value is not None and not self.retired:
+                    gauge.labels(*self._labels).set(value)
+                    self._figures_set.add(gauge)
 
     def batch_done(self, size: int, run_s: float, queued_s: Sequence[float], cpu_s: float) -> None:
         """Record one forward pass."""
@@ -99,7 +138,8 @@ class MetricsObserver:
         if not alive:
             READY.set(0)
 
-# Rollouts (app/engine/evidence.py, app/engine/service.py): a candidate against the live version of its model.
+# Rollouts (app/engine/evidence.py, app/engine/service.py): a candidate against the live version of its model (the
+# dashboard's shadow panels read these).
 SHADOW_COMPARED = Counter("visionserve_shadow_compared_total", "Images a shadow candidate answered beside the live "
                           "version", ["model", "version", "live_version"])
 SHADOW_AGREED = Counter("visionserve_shadow_agreed_total", "Shadow comparisons whose top-1 class agreed with the "

@@ -43,6 +43,7 @@ from models.run.distributed import (
     sum_across_ranks,
 )
 from models.run.optim import build_trainable, make_optimizer, make_scheduler, set_train_mode
+from models.run.reference import reference_counts, reference_from_counts
 from models.run.report import Progress, RunLog, Timer
 
 log = logging.getLogger("models.train")
@@ -218,13 +219,15 @@ def run(args: argparse.Namespace, env: DistEnv, device: torch.device, preset: Ev
             result = evaluate(model_without_ddp, data.val, device, env)
             row = {"epoch": epoch, "lr": lr, **row, "val_loss": result.loss, "val_acc1": result.acc1,
                    "val_acc5": result.acc5}
+            reference = _prediction_reference(result, len(data.classes), device, env)
             is_best = ckpt.better(result.acc1, result.loss, best)
             if is_best:
                 best = (result.acc1, result.loss)
                 best_counts = _confusion_counts(result, data, device, env)
             if env.is_main:  # written by a thread while the next epoch trains
                 writer.save(ckpt.checkpoint_state(model_without_ddp, optimizer, scheduler, scaler, epoch, best,
-                                                   args, data.classes, preset, row), args.output_dir, is_best=is_best)
+                                                   args, data.classes, preset, row, reference),
+                            args.output_dir, is_best=is_best)
                 runlog.epoch(row)
                 log.info("%s", progress.line(row, is_best, timer.lap()))
             barrier(env)
@@ -241,6 +244,13 @@ def _confusion_counts(result: EvalResult, data: Data, device: torch.device, env:
     local = confusion_counts(result.probabilities, [samples[i][1] for i in result.indices], len(data.classes))
     summed = sum_across_ranks([float(v) for v in local.flatten().tolist()], device, env)
     return torch.tensor(summed, dtype=torch.int64).reshape(local.shape)
+
+
+def _prediction_reference(result: EvalResult, num_classes: int, device: torch.device,
+                          env: DistEnv) -> dict[str, object] | None:
+    """This validation pass's top-1 class counts and confidence histogram over all ranks, for the manifest."""
+    summed = sum_across_ranks(reference_counts(result.probabilities, num_classes), device, env)
+    return reference_from_counts(summed, num_classes)
 
 
 def _finish(args: argparse.Namespace, progress: Progress, best_counts: torch.Tensor | None,

@@ -4,6 +4,7 @@ answered."""
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -14,6 +15,7 @@ from app.engine.arrivals import Arrivals, InFlight
 from app.engine.batcher import Batcher
 from app.engine.decode import DecodeLimits, canary_jpeg
 from app.engine.decoders import Decoder, Prepared, decoder_for
+from app.engine.monitor import PredictionMonitor
 from app.engine.predictor import OUT_OF_MEMORY_ERRORS, Predictor
 from app.engine.tuning import choose_batch_cap, decode_path, forward_threads, inline_batches
 from app.metrics import MODEL_INFO, QUEUE_CAPACITY, MetricsObserver
@@ -31,6 +33,7 @@ class LoadedVersion:
     decoder: Decoder
     batcher: Batcher[Prepared, torch.Tensor]
     batch_profile: dict[int, float]  # forward images/s per batch size, measured at warm-up
+    monitor: PredictionMonitor  # its predictions for requests: class mix against its reference, confidence
     observer: MetricsObserver = field(default_factory=MetricsObserver)
     arrivals: Arrivals = field(default_factory=Arrivals)  # requests decoding for this version's next batch
     in_use: InFlight = field(default_factory=InFlight)  # requests holding this version, from routing to answer
@@ -67,20 +70,36 @@ def check_canary(probabilities: torch.Tensor, num_classes: int) -> None:
         raise ModelLoadError(f"canary inference failed: shape {tuple(probabilities.shape)}, sum {total}")
 
 
+def _apply_batch_cap(settings: Settings, batcher: Batcher[Prepared, torch.Tensor], profile: dict[int, float],
+                     described: str) -> None:
+    """Cap batches at the size measured fastest at warm-up (when ``auto_batch_size``), saying why in the log."""
+    cap = choose_batch_cap(profile) if profile and settings.auto_batch_size else settings.max_batch_size
+    if cap < settings.max_batch_size:
+        log.info("%s: batch cap %d: larger batches were no faster (%s)", described, cap,
+                 ", ".join(f"{size}: {rate:.0f} img/s" for size, rate in profile.items()))
+        batcher.set_max_batch_size(cap)
+
+
 def start_version(settings: Settings, predictor: Predictor) -> LoadedVersion:
     """Choose the decoder, start the batcher, warm up and pass the canary on its thread, apply the measured batch
-    cap."""
+    cap; from then on every batch's predictions go to the version's monitor and metrics."""
     threads = forward_threads(settings.torch_threads, predictor.device, workers=settings.workers or 1)
     if threads:
         torch.set_num_threads(threads)
     name, version = predictor.manifest.name, predictor.manifest.version
     decoder = decoder_for(decode_path(settings.decode_path, predictor.device), predictor,
                           DecodeLimits.from_settings(settings))
+    observer = MetricsObserver(predictor.memory_stats if predictor.device.type == "cuda" else None, name, version)
+    monitor = PredictionMonitor.for_version(settings, predictor.manifest)
+    serving = threading.Event()  # set once warmed up and canaried: only requests' batches are monitored
 
     def run_batch(prepared: Sequence[Prepared]) -> torch.Tensor:
-        return predictor.predict_batch(decoder.collate(prepared))
+        probabilities = predictor.predict_batch(decoder.collate(prepared))
+        if serving.is_set():
+            seen = monitor.observe(probabilities)
+            observer.predictions(seen.labels, seen.confidences, seen.low_confidence_ratio, seen.psi)
+        return probabilities
 
-    observer = MetricsObserver(predictor.memory_stats if predictor.device.type == "cuda" else None, name, version)
     arrivals = Arrivals()
     batcher: Batcher[Prepared, torch.Tensor] = Batcher(
         run_batch, max_batch_size=settings.max_batch_size, max_wait_ms=settings.max_wait_ms,
@@ -97,12 +116,9 @@ def start_version(settings: Settings, predictor: Predictor) -> LoadedVersion:
         check_canary(run_batch([decoder.prepare(canary_jpeg())]), predictor.num_classes)
 
     batcher.start(prepare)
-    cap = choose_batch_cap(profile) if profile and settings.auto_batch_size else settings.max_batch_size
-    if cap < settings.max_batch_size:
-        log.info("%s %s: batch cap %d: larger batches were no faster (%s)", name, version, cap,
-                 ", ".join(f"{size}: {rate:.0f} img/s" for size, rate in profile.items()))
-        batcher.set_max_batch_size(cap)
-    loaded = LoadedVersion(predictor, decoder, batcher, profile, observer, arrivals)
+    serving.set()
+    _apply_batch_cap(settings, batcher, profile, f"{name} {version}")
+    loaded = LoadedVersion(predictor, decoder, batcher, profile, monitor, observer, arrivals)
     MODEL_INFO.labels(*loaded._info_labels()).set(1)
     QUEUE_CAPACITY.labels(name, version).set(batcher.queue_size)
     return loaded

@@ -66,6 +66,7 @@ def _model_info(service: Service, model: LoadedVersion, default: bool, show_labe
         warmed_batch_sizes=predictor.warmed_batch_sizes, labels=predictor.labels if show_labels else None,
         ready=service.ready and model.batcher.is_alive(), default=default, state="READY", role=role,
         memory_bytes=predictor.weights_bytes, device_memory_bytes=model.device_memory_bytes,
+        monitoring=model.monitor.snapshot(),
         batching=Batching(max_batch_size=s.max_batch_size, batch_cap=model.batcher.max_batch_size,
                           profile={k: round(v, 1) for k, v in model.batch_profile.items()},
                           max_wait_ms=s.max_wait_ms,

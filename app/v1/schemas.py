@@ -78,6 +78,51 @@ class Limits(BaseModel):
     request_timeout_s: float
 
 
+class ClassCount(BaseModel):
+    """A class the monitoring window's predictions name, how often, and its share of the window."""
+
+    model_config = ConfigDict(from_attributes=True)  # built from the engine's snapshot (dataclasses)
+
+    label: str
+    index: int
+    count: int
+    share: float
+
+
+class MonitoringReference(BaseModel):
+    """What the drift figure compares the window with."""
+
+    model_config = ConfigDict(from_attributes=True)  # built from the engine's snapshot (dataclasses)
+
+    source: str = Field(description="validation: the validation split's predictions, measured at export (the "
+                        "manifest's reference); first_predictions: this worker's first MONITOR_WINDOW predictions "
+                        "after the load (the manifest has none: the packaged Lite0, older exports)")
+    predictions: int = Field(description="predictions it holds (first_predictions, while collecting: so far)")
+    complete: bool
+    low_confidence_threshold: float
+    low_confidence_share: float | None = Field(default=None, description="its share below the threshold")
+
+
+class Monitoring(BaseModel):
+    """This worker's monitor of the version's predictions for requests (warm-up and the canary excluded)."""
+
+    model_config = ConfigDict(from_attributes=True)  # built from the engine's snapshot (dataclasses)
+
+    window_size: int = Field(description="the most predictions the window holds (MONITOR_WINDOW)")
+    predictions: int = Field(description="predictions in the window now")
+    predictions_total: int = Field(description="predictions for requests since the load")
+    psi: float | None = Field(default=None, description="population stability index of the window's top-1 class "
+                              "mix against the reference: < 0.1 stable, 0.1-0.2 watch, > 0.2 drifted; absent until "
+                              "the reference is complete and the window holds MONITOR_MIN_PREDICTIONS")
+    psi_bins: int = Field(description="bins of the class mix (one per class, or the reference's most frequent "
+                          "classes and one for the rest)")
+    low_confidence_threshold: float
+    low_confidence_ratio: float | None = Field(default=None, description="the window's share of predictions below "
+                                               "the threshold; absent below MONITOR_MIN_PREDICTIONS")
+    top_classes: list[ClassCount] = Field(description="the window's most predicted classes")
+    reference: MonitoringReference
+
+
 class ModelInfo(BaseModel):
     """The served model: identity, input, device, metrics from training, batching and limits."""
 
@@ -106,6 +151,7 @@ class ModelInfo(BaseModel):
                              "or shadow (the candidate), previous (kept loaded for a rollback); null: none")
     memory_bytes: int = Field(description="its weights in the served dtype")
     device_memory_bytes: int | None = Field(default=None, description="CUDA memory its load and warm-up took")
+    monitoring: Monitoring = Field(description="its predictions' class mix, drift and confidence (this worker's)")
 
 
 class WorkerModels(BaseModel):

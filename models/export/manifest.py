@@ -71,6 +71,42 @@ class OnnxFile(WeightsFile):
     agreement: Agreement
 
 
+CONFIDENCE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)  # upper edges, as Prometheus's `le`
+LOW_CONFIDENCE_THRESHOLD = 0.5  # a prediction whose top-1 probability is below it counts as low-confidence
+
+
+class PredictionReference(BaseModel):
+    """What a version's predictions looked like on known images at export: the server's drift figure (PSI) compares
+    the class mix of its recent predictions with ``class_counts`` (app/engine/monitor.py). Manifests written before
+    it, and exports with no validation split (the packaged Lite0), have none: the server then takes its first
+    predictions after the load as the reference."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: Literal["validation"] = Field(description="validation: the validation split of the training run, through "
+                                          "the exported weights' evaluation (evaluate() in models/train.py)")
+    predictions: int = Field(gt=0, description="images the reference was measured on")
+    class_counts: list[int] = Field(description="images whose top-1 class was each class, in label order")
+    confidence_buckets: list[float] = Field(description="upper edges of the top-1 probability histogram")
+    confidence_counts: list[int] = Field(description="images per bucket: above the previous edge, at most this "
+                                         "one (the first from 0)")
+    low_confidence_threshold: float = Field(gt=0, le=1)
+    low_confidence_share: float = Field(ge=0, le=1, description="share of images whose top-1 probability is "
+                                        "below low_confidence_threshold")
+
+    @model_validator(mode="after")
+    def _counts_add_up(self) -> "PredictionReference":
+        if min(self.class_counts, default=-1) < 0 or min(self.confidence_counts, default=-1) < 0:
+            raise ValueError("counts must be non-negative")
+        if sum(self.class_counts) != self.predictions or sum(self.confidence_counts) != self.predictions:
+            raise ValueError(f"class_counts and confidence_counts must each add up to predictions "
+                             f"({self.predictions})")
+        if (len(self.confidence_counts) != len(self.confidence_buckets)
+                or list(self.confidence_buckets) != sorted(set(self.confidence_buckets))):
+            raise ValueError("confidence_buckets must be increasing, one per confidence_counts entry")
+        return self
+
+
 class Manifest(BaseModel):
     """Everything the server needs to load and serve a model, written by ``models.export``."""
 
@@ -88,6 +124,7 @@ class Manifest(BaseModel):
     onnx: OnnxFile | None = None
     metrics: dict[str, float] = Field(default_factory=dict)
     source: str = ""
+    reference: PredictionReference | None = None  # optional: manifests written before it load without it
 
     @property
     def num_classes(self) -> int:
@@ -98,6 +135,9 @@ class Manifest(BaseModel):
     def _default_format_present(self) -> "Manifest":
         if self.default_format not in self.files:
             raise ValueError(f"default_format {self.default_format!r} has no entry in files")
+        if self.reference is not None and len(self.reference.class_counts) != self.num_classes:
+            raise ValueError(f"reference.class_counts has {len(self.reference.class_counts)} entries for "
+                             f"{self.num_classes} labels")
         return self
 
 

@@ -14,7 +14,15 @@ import torch.nn as nn
 from models.export.compile import compile_package
 from models.export.onnx import export_onnx
 from models.export.quantize import compile_int8_package
-from models.export.manifest import MANIFEST_NAME, Manifest, WeightsFile, read_manifest, sha256_of, write_manifest
+from models.export.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    PredictionReference,
+    WeightsFile,
+    read_manifest,
+    sha256_of,
+    write_manifest,
+)
 from models.export.repository import next_version
 from models.export.torchscript import check_same_outputs, quiet_jit, to_torchscript
 from models.presets import EvalPreset
@@ -49,10 +57,12 @@ def check_replace(out_dir: Path, name: str, version: str) -> None:
 def export_model(model: nn.Module, *, out_dir: Path, name: str, version: str, arch: str, labels: Sequence[str],
                  preset: EvalPreset, metrics: dict[str, float] | None = None, source: str = "",
                  force: bool = False, packages: Sequence[tuple[str, str]] = (),
-                 package_max_batch: int = PACKAGE_MAX_BATCH) -> Manifest:
+                 package_max_batch: int = PACKAGE_MAX_BATCH,
+                 reference: PredictionReference | None = None) -> Manifest:
     """Save ``model`` as TorchScript and state dict in ``out_dir``, compile an AOTInductor package per (device,
     dtype) of ``packages`` (dtype ``int8``: the PT2E-quantized CPU package; device ``onnx``: ONNX for ONNX
-    Runtime), and write the manifest last. A different model already there is replaced only with ``force``."""
+    Runtime), and write the manifest last, with ``reference`` (the validation split's predictions, for the server's
+    drift figure) when there is one. A different model already there is replaced only with ``force``."""
     if not force:
         check_replace(out_dir, name, version)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -79,6 +89,7 @@ def export_model(model: nn.Module, *, out_dir: Path, name: str, version: str, ar
         files={fmt: WeightsFile(path=file, sha256=sha256_of(out_dir / file))
                for fmt, file in (("torchscript", TORCHSCRIPT_NAME), ("state_dict", STATE_DICT_NAME))},
         default_format="torchscript", packages=compiled, onnx=onnx, metrics=metrics or {}, source=source,
+        reference=reference,
     )
     write_manifest(out_dir, manifest)
     log.info("wrote %s", describe(manifest, out_dir))
@@ -123,7 +134,12 @@ def refuse_existing(out_dir: Path, repository: Path | None, name: str) -> None:
 def export_default(out_dir: Path | None, force: bool = False, repository: Path | None = None,
                    packages: Sequence[tuple[str, str]] = (), version: str | None = None) -> Manifest:
     """Export the packaged EfficientNet-Lite0 ImageNet model into ``out_dir`` (version 1 unless ``version``), or
-    with ``repository`` as ``<repository>/efficientnet_lite0/<version>`` (default: the next number)."""
+    with ``repository`` as ``<repository>/efficientnet_lite0/<version>`` (default: the next number).
+
+    Its manifest has no prediction reference: there is no validation split, and the only real photos here (the
+    scikit-image ones of agreement.py: 9 photos, a cat, a galaxy, micrographs, text, in 198 crops) are no mix of
+    the images anyone serves, so a reference from them would report drift for any real traffic. The server takes
+    each worker's first predictions after the load as the reference instead (app/engine/monitor.py)."""
     from models.presets import lite0_preset
     from models.pretrained import imagenet_labels, load_lite0_imagenet
 
@@ -141,8 +157,9 @@ def export_default(out_dir: Path | None, force: bool = False, repository: Path |
 def export_checkpoint(path: Path, out_dir: Path | None, *, name: str | None = None, version: str | None = None,
                       force: bool = False, repository: Path | None = None,
                       packages: Sequence[tuple[str, str]] = ()) -> Manifest:
-    """Export a ``models.train`` checkpoint with its classes, eval transform and validation metrics, into
-    ``out_dir``, or with ``repository`` into ``<repository>/<name>/<version>`` (default: the next number)."""
+    """Export a ``models.train`` checkpoint with its classes, eval transform, validation metrics and the validation
+    split's prediction reference (checkpoints written before it have none), into ``out_dir``, or with
+    ``repository`` into ``<repository>/<name>/<version>`` (default: the next number)."""
     from models.architectures import build_model
     from models.run.checkpoint import load_checkpoint
 
@@ -155,11 +172,13 @@ def export_checkpoint(path: Path, out_dir: Path | None, *, name: str | None = No
     model = build_model(state["arch"], len(state["classes"]))
     model.load_state_dict(state["model"], strict=True)
     metrics = {key: float(value) for key, value in state["metrics"].items() if key.startswith("val_")}
+    reference = state.get("prediction_reference")
     return export_model(
         model, out_dir=out_dir, name=name, version=version or default_version(path, state["model"]),
         arch=state["arch"], labels=state["classes"], preset=EvalPreset.model_validate(state["preset"]),
         metrics=metrics, source=f"models.train checkpoint {path.name} of run {run_name}, epoch {int(state['epoch'])}",
         force=True, packages=packages,
+        reference=PredictionReference.model_validate(reference) if reference is not None else None,
     )
 
 

@@ -122,14 +122,17 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 
 def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: object,
                       scaler: torch.amp.GradScaler | None, epoch: int, best: Best, args: argparse.Namespace,
-                      classes: list[str], preset: EvalPreset, metrics: dict[str, float]) -> dict[str, object]:
-    """Everything a run needs to go on, as plain types (``torch.load(weights_only=True)`` reads it)."""
+                      classes: list[str], preset: EvalPreset, metrics: dict[str, float],
+                      prediction_reference: dict[str, object] | None = None) -> dict[str, object]:
+    """Everything a run needs to go on, as plain types (``torch.load(weights_only=True)`` reads it); with this
+    epoch's validation reference (models/run/reference.py) for the export's manifest."""
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
             "lr_scheduler": scheduler.state_dict(),  # type: ignore[attr-defined]
             "scaler": scaler.state_dict() if scaler else None, "epoch": epoch, "best_acc1": best[0],
             "best_val_loss": best[1],
             "args": plain_args(args), "arch": args.arch, "classes": classes,
-            "preset": preset.model_dump(), "metrics": metrics, "rng": rng_state()}
+            "preset": preset.model_dump(), "metrics": metrics, "prediction_reference": prediction_reference,
+            "rng": rng_state()}
 
 
 def _resume(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: object,

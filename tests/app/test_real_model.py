@@ -179,3 +179,51 @@ def test_jit_optimize_keeps_the_answers(real_weights: Path) -> None:
     expected, got = plain.predict_batch(batch), optimized.predict_batch(batch)
     assert torch.allclose(expected, got, atol=1e-4)
     assert torch.equal(expected.argmax(1), got.argmax(1))
+
+
+def _views(name: str) -> list[bytes]:
+    """16 views of a photo: whole, four corner crops and the centre crop at 80%, the centre at 60% and 90%, each
+    also mirrored; ImageNet-sized JPEGs."""
+    from PIL import ImageOps
+
+    from harness.photos import jpeg
+
+    image = photo(name)
+    width, height = image.size
+    boxes = [(0.0, 0.0, 1.0)] + [(x, y, 0.8) for x in (0.0, 0.2) for y in (0.0, 0.2)] + [
+        (0.1, 0.1, 0.8), (0.2, 0.2, 0.6), (0.05, 0.05, 0.9)]
+    crops = [image.crop((int(x * width), int(y * height), int((x + s) * width), int((y + s) * height)))
+             for x, y, s in boxes]
+    return [jpeg(view, (500, 375)) for crop in crops for view in (crop, ImageOps.mirror(crop))]
+
+
+def test_drift_rises_when_the_photos_change_from_a_cat_to_coffee(real_weights: Path) -> None:
+    # The real Lite0 (no reference in its manifest): its first 16 predictions, views of the cat photo, are the
+    # reference. The same views again read 0; half the window turning to coffee reads drifted.
+    import base64
+
+    from app import create_app
+    from app.config import Settings
+
+    app = create_app(Settings(weights_dir=real_weights, device="cpu", max_batch_size=4, max_wait_ms=5,
+                              log_level="warning", warmup=False, monitor_window=16, monitor_min_predictions=16))
+    try:
+        client = app.test_client()
+
+        def send(images: list[bytes]) -> dict:
+            for start in range(0, len(images), 4):
+                body = {"images": [base64.b64encode(image).decode() for image in images[start:start + 4]]}
+                assert client.post("/predict", json=body).status_code == 200
+            return client.get("/v1/models").get_json()["models"][0]["monitoring"]
+
+        cats = _views("chelsea")
+        reference = send(cats)["reference"]
+        assert (reference["source"], reference["predictions"], reference["complete"]) == ("first_predictions", 16, True)
+        same = send(cats)
+        assert same["psi"] == pytest.approx(0, abs=1e-9)
+        assert {c["index"] for c in same["top_classes"][:1]} <= set(CATS)  # a cat class leads
+        changed = send(_views("coffee")[:8])
+        assert changed["psi"] > 0.2, changed
+        assert any(c["index"] in COFFEE for c in changed["top_classes"]), changed["top_classes"]
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=10)

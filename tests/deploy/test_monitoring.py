@@ -1,5 +1,6 @@
-"""deploy/prometheus and deploy/grafana: the alert rules pass promtool, and every metric the rules and the dashboard
-read is one a live server exposes (a renamed metric would otherwise leave a panel empty and an alert silent)."""
+"""deploy/prometheus and deploy/grafana: the alert rules pass promtool and fire when they should (promtool test
+rules), the dashboard's queries parse, and every metric the rules and the dashboard read is one the server declares
+and a live server exposes (a renamed metric would otherwise leave a panel empty and an alert silent)."""
 from __future__ import annotations
 
 import json
@@ -17,7 +18,7 @@ from tests.support.imaging import RED, image_bytes
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 PROMTOOL = shutil.which("promtool")
-METRIC = re.compile(r"\b((?:visionserve|process)_[a-z_]+)\b")
+METRIC = re.compile(r"\b((?:visionserve|process)_[a-z0-9_]+)\b")  # digits too: visionserve_top1_...
 SUFFIXES = ("_bucket", "_sum", "_count", "_total")
 
 
@@ -36,16 +37,110 @@ def test_alert_rules_pass_promtool() -> None:
     result = subprocess.run([PROMTOOL, "check", "rules", str(DEPLOY / "prometheus" / "alerts.yml")],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 6 rules found" in result.stdout
+    assert "SUCCESS: 8 rules found" in result.stdout
 
 
 def test_the_alerts_cover_what_ops_page_for() -> None:
     alerts = {rule["alert"] for group in yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())["groups"]
               for rule in group["rules"]}
     assert alerts == {"VisionserveNotReady", "VisionserveBatcherDead", "VisionserveHigh5xxRatio",
-                      "VisionserveHigh429Ratio", "VisionserveLatencyP99OverObjective", "VisionserveQueueSaturated"}
+                      "VisionserveHigh429Ratio", "VisionserveLatencyP99OverObjective", "VisionserveQueueSaturated",
+                      "VisionservePredictionDrift", "VisionserveLowConfidence"}
     config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     assert config["rule_files"] == ["/etc/prometheus/alerts.yml"]
+
+
+def _alert(name: str) -> dict:
+    groups = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())["groups"]
+    return next(rule for group in groups for rule in group["rules"] if rule.get("alert") == name)
+
+
+def _promtool_test(tmp_path: Path, series: dict[str, str], alert_tests: list[dict]) -> None:
+    spec = {"rule_files": [str(DEPLOY / "prometheus" / "alerts.yml")], "evaluation_interval": "1m",
+            "tests": [{"interval": "1m", "input_series": [{"series": k, "values": v} for k, v in series.items()],
+                       "alert_rule_test": alert_tests}]}
+    (tmp_path / "alerts_test.yml").write_text(yaml.safe_dump(spec))
+    assert PROMTOOL is not None
+    result = subprocess.run([PROMTOOL, "test", "rules", str(tmp_path / "alerts_test.yml")], capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="needs promtool (Debian package prometheus)")
+def test_the_drift_alert_fires_for_a_version_over_0_2_for_30_minutes_only(tmp_path: Path) -> None:
+    description = _alert("VisionservePredictionDrift")["annotations"]["description"]
+    drifted = {"severity": "ticket", "model": "cats", "version": "2"}
+    _promtool_test(tmp_path, {
+        # version 2 drifted on one of two replicas: the highest counts
+        'visionserve_prediction_drift_psi{model="cats",version="2",instance="a"}': "0.31x50",
+        'visionserve_prediction_drift_psi{model="cats",version="2",instance="b"}': "0.05x50",
+        'visionserve_prediction_drift_psi{model="cats",version="1",instance="a"}': "0.19x50",  # "watch", no alert
+        'visionserve_prediction_drift_psi{model="cats",version="3",instance="a"}': "0.05x30 0.5x20",  # 20 min only
+    }, [
+        {"eval_time": "25m", "alertname": "VisionservePredictionDrift", "exp_alerts": []},  # pending, not firing
+        {"eval_time": "45m", "alertname": "VisionservePredictionDrift", "exp_alerts": [
+            {"exp_labels": drifted, "exp_annotations": {
+                "summary": "cats 2: the predicted-class mix has drifted (PSI 0.31 > 0.2 for 30 min)",
+                "description": description}}]},
+    ])
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="needs promtool (Debian package prometheus)")
+def test_the_low_confidence_alert_fires_over_half_for_30_minutes(tmp_path: Path) -> None:
+    description = _alert("VisionserveLowConfidence")["annotations"]["description"]
+    _promtool_test(tmp_path, {
+        'visionserve_low_confidence_ratio{model="cats",version="2",instance="a"}': "0.6x50",
+        'visionserve_low_confidence_ratio{model="cats",version="1",instance="a"}': "0.4x50",
+        'visionserve_low_confidence_ratio{model="dogs",version="1",instance="a"}': "0.9x20 0.1x30",  # it recovered
+    }, [
+        {"eval_time": "25m", "alertname": "VisionserveLowConfidence", "exp_alerts": []},  # pending, not firing
+        {"eval_time": "45m", "alertname": "VisionserveLowConfidence", "exp_alerts": [
+            {"exp_labels": {"severity": "ticket", "model": "cats", "version": "2"}, "exp_annotations": {
+                "summary": "cats 2: 60% of recent predictions are low-confidence", "description": description}}]},
+    ])
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="needs promtool (Debian package prometheus)")
+def test_every_dashboard_query_parses(tmp_path: Path) -> None:
+    # promtool parses PromQL in rule files only: each panel's query as a recording rule.
+    rules = {"groups": [{"name": "dashboard", "rules": [{"record": f"dashboard:query_{i}", "expr": expr}
+                                                         for i, expr in enumerate(_dashboard_exprs())]}]}
+    (tmp_path / "dashboard.yml").write_text(yaml.safe_dump(rules))
+    result = subprocess.run([PROMTOOL, "check", "rules", str(tmp_path / "dashboard.yml")], capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_dashboard_shows_drift_confidence_the_class_mix_and_shadow_comparisons() -> None:
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "visionserve.json").read_text())
+    panels = {name: [target["expr"] for target in panel["targets"]] for panel in dashboard["panels"]
+              for name in METRIC.findall(" ".join(target["expr"] for target in panel["targets"]))}
+    for metric in ("visionserve_prediction_drift_psi", "visionserve_low_confidence_ratio",
+                   "visionserve_predicted_class_total", "visionserve_top1_confidence_bucket",
+                   "visionserve_shadow_agreed_total", "visionserve_shadow_dropped_total"):
+        assert metric in panels, metric
+    assert any(expr.startswith("topk") for expr in panels["visionserve_predicted_class_total"])
+    assert ("sum by (model, version) (rate(visionserve_shadow_agreed_total[5m])) / sum by (model, version) "
+            "(rate(visionserve_shadow_compared_total[5m]))") in panels["visionserve_shadow_agreed_total"]
+    assert ("sum by (model, version, reason) (rate(visionserve_shadow_dropped_total[5m]))"
+            in panels["visionserve_shadow_dropped_total"])
+    ids = [panel["id"] for panel in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+
+
+def test_every_metric_in_the_rules_and_the_dashboard_is_declared() -> None:
+    # Without a server: metrics that have no series until something happens (the drift gauge before enough
+    # predictions, the shadow counters without a rollout) are checked here against what app/metrics.py declares.
+    from prometheus_client import REGISTRY
+
+    import app.metrics  # noqa: F401 - declares them in the default registry
+
+    declared = set()
+    for family in REGISTRY.collect():
+        declared.add(family.name)
+        declared.update(family.name + suffix for suffix in SUFFIXES)
+    used = {name for expr in _rule_exprs() + _dashboard_exprs() for name in METRIC.findall(expr)}
+    assert not used - declared, sorted(used - declared)
 
 
 def test_every_metric_in_the_rules_and_the_dashboard_is_exposed(live_server: Running) -> None:

@@ -88,6 +88,20 @@ def test_a_checkpoint_export_never_replaces_an_export_unless_forced(run: Path, t
     assert code == 2 and "is a Python package" in text and not (package / "mine").exists()
 
 
+def test_a_checkpoint_from_before_the_reference_exports_without_one(run: Path, tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    state = torch.load(run / BEST_NAME, map_location="cpu", weights_only=True)
+    assert state["prediction_reference"]["predictions"] == 9  # the tiny folder's validation split
+    code, text = _export(["--checkpoint", str(run / BEST_NAME), "--out", str(tmp_path / "new")], caplog)
+    assert code == 0, text
+    assert read_manifest(tmp_path / "new").reference.class_counts == state["prediction_reference"]["class_counts"]
+    del state["prediction_reference"]
+    torch.save(state, tmp_path / "old.pt")
+    code, text = _export(["--checkpoint", str(tmp_path / "old.pt"), "--out", str(tmp_path / "old")], caplog)
+    assert code == 0, text
+    assert read_manifest(tmp_path / "old").reference is None
+
+
 def test_packages_are_compiled_by_default_only_where_they_are_served(monkeypatch: pytest.MonkeyPatch) -> None:
     # Before: auto compiled a CPU package (about 30 s), which the server's auto never serves on a CPU; it serves
     # the ONNX file there (#32), which auto writes everywhere (seconds).

@@ -63,12 +63,24 @@ def test_one_epoch_exports_weights_the_app_serves_with_evaluates_predictions(fol
     result = train.evaluate(model, data.val, torch.device("cpu"), train.env_from_torchrun())
     assert result.count == 9 and result.indices == list(range(9))
 
+    # The manifest's prediction reference is this validation pass: top-1 classes, confidences, the low share.
+    reference = read_manifest(weights).reference
+    assert reference is not None and reference.source == "validation" and reference.predictions == 9
+    confidences, predicted = result.probabilities.max(dim=1)
+    assert reference.class_counts == torch.bincount(predicted, minlength=3).tolist()
+    assert reference.confidence_counts == [sum(low < c <= high for c in confidences.tolist()) for low, high in
+                                           zip([-1.0, *reference.confidence_buckets], reference.confidence_buckets)]
+    assert reference.low_confidence_share == pytest.approx(float((confidences < 0.5).float().mean()), abs=1e-6)
+
     app = create_app(Settings(weights_dir=weights, device="cpu", max_batch_size=4, log_level="warning"))
     try:
         client = app.test_client()
         info = client.get("/v1/models?labels=1").get_json()["models"][0]
         assert info["labels"] == ["blue", "green", "red"] and info["arch"] == "mobilenet_v3_small"
         assert info["metrics"]["val_acc1"] == pytest.approx(result.acc1)
+        assert info["monitoring"]["reference"] == {
+            "source": "validation", "predictions": 9, "complete": True, "low_confidence_threshold": 0.5,
+            "low_confidence_share": reference.low_confidence_share}
         for index, path in enumerate(data.val_files):
             answer = client.post("/predict?top_k=3", data=path.read_bytes(), content_type="application/octet-stream")
             assert answer.status_code == 200, answer.get_json()

@@ -1,0 +1,215 @@
+"""A model version's prediction monitor: the top-1 class and probability of its last ``window`` predictions made for
+requests, their class mix against a reference as a population stability index (PSI), their share below a
+confidence threshold, and the classes they name most. One per loaded version and worker; thread-safe (one lock);
+each batch costs tensor operations on its rows (and one over the classes for the PSI), no Python loop over the
+classes. No Flask, no Prometheus: the caller publishes what ``observe`` returns.
+
+PSI = sum over the bins of (w - r) * ln(w / r), where w and r are the window's and the reference's shares of a bin:
+- bins: one per class when the model has at most ``psi_bins`` (B) classes. With more, the reference's most frequent
+  classes holding at least 1/(2B) of it get a bin each (at most B - 1 of them; ties: the lower class index), and
+  the other classes are dealt over the remaining bins by class index (index mod their number). One bin per class
+  of 1,000 ImageNet classes over 1,000 predictions reads about 1.3 for two samples of the same mix (sampling noise),
+  and giving the reference's top B - 1 classes a bin each whatever their count about 0.1 (the top of a noisy count
+  is over-counted); these bins read about 0.04 (tests/unit/test_monitor.py). The price: a shift among rare classes
+  shows only as far as it moves mass between their shared bins;
+- empty bins: a share below PSI_EPSILON counts as PSI_EPSILON, on either side, so a class the reference never
+  predicted adds a large but finite term (a 10% share of it: about 0.7);
+- reported (not None) only once the reference is complete and the window holds ``min_predictions``;
+- the reference: the manifest's (the validation split's predictions at export), else this monitor's first full
+  window after the load ("first_predictions"), after which the window starts empty so the two share no prediction.
+Reading it: below 0.1 the mix is stable, 0.1 to 0.2 worth watching, above 0.2 it has drifted.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from app.config import Settings
+from models.export.manifest import Manifest, PredictionReference
+
+PSI_EPSILON = 1e-4
+TOP_CLASSES = 5  # classes a snapshot lists
+
+
+def class_bins(reference_counts: torch.Tensor, max_bins: int) -> torch.Tensor:
+    """The PSI bin of each class (see the module's text): one per class, or a bin each for the reference's frequent
+    classes (at least 1/(2 max_bins) of it, at most max_bins - 1) and the others dealt over the remaining bins."""
+    num_classes = len(reference_counts)
+    if num_classes <= max_bins:
+        return torch.arange(num_classes)
+    top = torch.argsort(reference_counts, descending=True, stable=True)[:max_bins - 1]
+    frequent = top[reference_counts[top] * 2 * max_bins >= reference_counts.sum()]
+    bins = torch.arange(num_classes) % (max_bins - len(frequent)) + len(frequent)
+    bins[frequent] = torch.arange(len(frequent))
+    return bins
+
+
+def population_stability_index(actual_counts: torch.Tensor, expected_counts: torch.Tensor,
+                               epsilon: float = PSI_EPSILON) -> float:
+    """PSI of two count vectors over the same bins, shares below ``epsilon`` taken as ``epsilon``."""
+    actual = (actual_counts.double() / max(float(actual_counts.sum()), 1.0)).clamp_min(epsilon)
+    expected = (expected_counts.double() / max(float(expected_counts.sum()), 1.0)).clamp_min(epsilon)
+    return float(((actual - expected) * (actual / expected).log()).sum())
+
+
+class _Window:
+    """The last ``size`` predictions' top-1 classes and low-confidence flags in a ring, with running counts per
+    class and of low-confidence predictions."""
+
+    def __init__(self, size: int, num_classes: int) -> None:
+        self.size = size
+        self.classes = torch.zeros(size, dtype=torch.int64)
+        self.low = torch.zeros(size, dtype=torch.bool)
+        self.class_counts = torch.zeros(num_classes, dtype=torch.int64)
+        self.low_count = 0
+        self.filled = 0
+        self._next = 0
+
+    def add(self, classes: torch.Tensor, low: torch.Tensor) -> None:
+        classes, low = classes[-self.size:], low[-self.size:]  # a batch longer than the window: its last rows
+        slots = (self._next + torch.arange(len(classes))) % self.size
+        evicted = slots[slots < self.filled]  # the ring fills in order, so these slots hold older predictions
+        self.class_counts.index_add_(0, self.classes[evicted], torch.full_like(evicted, -1))
+        self.low_count -= int(self.low[evicted].sum())
+        self.classes[slots], self.low[slots] = classes, low
+        self.class_counts.index_add_(0, classes, torch.ones_like(classes))
+        self.low_count += int(low.sum())
+        self.filled = min(self.size, self.filled + len(classes))
+        self._next = (self._next + len(classes)) % self.size
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What one batch added: each row's top-1 label and probability, and the window's figures after it (None: not
+    reported yet)."""
+
+    labels: list[str]
+    confidences: list[float]
+    low_confidence_ratio: float | None
+    psi: float | None
+
+
+@dataclass(frozen=True)
+class ClassCount:
+    """A class the window's predictions name, how often, and its share of the window."""
+
+    label: str
+    index: int
+    count: int
+    share: float
+
+
+@dataclass(frozen=True)
+class ReferenceSummary:
+    """Where the reference comes from and what it holds."""
+
+    source: str  # validation (the manifest's), or first_predictions (this worker's first window after the load)
+    predictions: int  # while first_predictions collects: collected so far
+    complete: bool
+    low_confidence_threshold: float
+    low_confidence_share: float | None
+
+
+@dataclass(frozen=True)
+class MonitorSnapshot:
+    """The monitor's state for /v1/models."""
+
+    window_size: int
+    predictions: int
+    predictions_total: int
+    psi: float | None
+    psi_bins: int
+    low_confidence_threshold: float
+    low_confidence_ratio: float | None
+    top_classes: list[ClassCount]
+    reference: ReferenceSummary
+
+
+class PredictionMonitor:
+    """One version's prediction monitor (the module's text says what it measures and how)."""
+
+    def __init__(self, labels: Sequence[str], *, window: int, min_predictions: int, low_confidence_threshold: float,
+                 psi_bins: int, reference: PredictionReference | None = None) -> None:
+        self.labels = list(labels)
+        self.min_predictions = min_predictions
+        self.low_confidence_threshold = low_confidence_threshold
+        self.psi_bins = min(psi_bins, len(self.labels))
+        self._window = _Window(window, len(self.labels))
+        self._lock = threading.Lock()
+        self._total = 0
+        self._manifest_reference = reference
+        self._reference_low_share = reference.low_confidence_share if reference else None
+        self._bins: torch.Tensor | None = None
+        self._reference_bins: torch.Tensor | None = None
+        self._reference_predictions = 0
+        if reference is not None:
+            self._set_reference(torch.tensor(reference.class_counts, dtype=torch.int64))
+
+    @classmethod
+    def for_version(cls, settings: Settings, manifest: Manifest) -> "PredictionMonitor":
+        """The monitor of a version with this manifest, as the settings ask."""
+        return cls(manifest.labels, window=settings.monitor_window, min_predictions=settings.monitor_min_predictions,
+                   low_confidence_threshold=settings.monitor_low_confidence, psi_bins=settings.monitor_psi_bins,
+                   reference=manifest.reference)
+
+    def _set_reference(self, class_counts: torch.Tensor) -> None:
+        self._bins = class_bins(class_counts, self.psi_bins)
+        self._reference_bins = torch.zeros(self.psi_bins, dtype=torch.int64).index_add_(0, self._bins, class_counts)
+        self._reference_predictions = int(class_counts.sum())
+
+    def observe(self, probabilities: torch.Tensor) -> Observed:
+        """Add a batch's softmax rows (rows x classes) made for requests; returns what it added and the figures."""
+        top = probabilities.topk(1, dim=1)  # topk as the answers rank (max breaks exact ties another way)
+        classes, confidences = top.indices[:, 0], torch.nan_to_num(top.values[:, 0].float(), nan=0.0)  # NaN: none
+        low = confidences < self.low_confidence_threshold
+        with self._lock:
+            self._total += len(classes)
+            self._window.add(classes, low)
+            if self._bins is None and self._window.filled == self._window.size:  # the first full window
+                self._reference_low_share = self._window.low_count / self._window.size
+                self._set_reference(self._window.class_counts.clone())
+                self._window = _Window(self._window.size, len(self.labels))
+            psi, ratio = self._psi(), self._low_confidence_ratio()
+        return Observed([self.labels[i] for i in classes.tolist()], confidences.tolist(), ratio, psi)
+
+    def _psi(self) -> float | None:
+        if self._bins is None or self._reference_bins is None or self._window.filled < self.min_predictions:
+            return None
+        window_bins = torch.zeros(self.psi_bins, dtype=torch.int64).index_add_(0, self._bins,
+                                                                                 self._window.class_counts)
+        return population_stability_index(window_bins, self._reference_bins)
+
+    def _low_confidence_ratio(self) -> float | None:
+        if self._window.filled < self.min_predictions:
+            return None
+        return self._window.low_count / self._window.filled
+
+    def _top_classes(self) -> list[ClassCount]:
+        counts = self._window.class_counts
+        top = torch.topk(counts, min(TOP_CLASSES, len(counts)))
+        filled = max(self._window.filled, 1)
+        return [ClassCount(self.labels[i], i, n, round(n / filled, 6))
+                for n, i in zip(top.values.tolist(), top.indices.tolist()) if n > 0]
+
+    def _reference_summary(self) -> ReferenceSummary:
+        manifest = self._manifest_reference
+        complete = self._bins is not None
+        return ReferenceSummary(
+            source=manifest.source if manifest else "first_predictions",
+            predictions=self._reference_predictions if complete else self._window.filled, complete=complete,
+            low_confidence_threshold=manifest.low_confidence_threshold if manifest else self.low_confidence_threshold,
+            low_confidence_share=self._reference_low_share)
+
+    def snapshot(self) -> MonitorSnapshot:
+        """The window, the figures (None until reported), the most predicted classes and the reference."""
+        with self._lock:
+            psi, ratio = self._psi(), self._low_confidence_ratio()
+            return MonitorSnapshot(
+                window_size=self._window.size, predictions=self._window.filled, predictions_total=self._total,
+                psi=None if psi is None else round(psi, 6), psi_bins=self.psi_bins,
+                low_confidence_threshold=self.low_confidence_threshold,
+                low_confidence_ratio=None if ratio is None else round(ratio, 6), top_classes=self._top_classes(),
+                reference=self._reference_summary())

@@ -1,0 +1,174 @@
+"""The prediction monitor (app/engine/monitor.py): its window against a plain list of the last predictions, the PSI
+against the formula, its bins, the reference (the manifest's or the first window), thread safety; and the metrics
+observer's drift gauges once a version is unloaded."""
+from __future__ import annotations
+
+import math
+import random
+import threading
+
+import pytest
+import torch
+from prometheus_client import REGISTRY
+
+from app.engine.monitor import PSI_EPSILON, PredictionMonitor, class_bins, population_stability_index
+from app.metrics import MetricsObserver
+from models.export.manifest import PredictionReference
+
+LABELS = [f"class{i}" for i in range(6)]
+
+
+def _rows(classes: list[int], confidences: list[float], num_classes: int = len(LABELS)) -> torch.Tensor:
+    """Probability rows whose top-1 is each class with that probability (the rest spread evenly)."""
+    rows = []
+    for index, top in zip(classes, confidences):
+        rest = (1 - top) / (num_classes - 1)
+        row = torch.full((num_classes,), rest)
+        row[index] = top
+        rows.append(row)
+    return torch.stack(rows)
+
+
+def _monitor(window: int = 10, min_predictions: int = 5, psi_bins: int = 20,
+             reference: PredictionReference | None = None, labels: list[str] = LABELS) -> PredictionMonitor:
+    return PredictionMonitor(labels, window=window, min_predictions=min_predictions, low_confidence_threshold=0.5,
+                             psi_bins=psi_bins, reference=reference)
+
+
+def _reference(class_counts: list[int]) -> PredictionReference:
+    total = sum(class_counts)
+    return PredictionReference(source="validation", predictions=total, class_counts=class_counts,
+                               confidence_buckets=[0.5, 1.0], confidence_counts=[0, total],
+                               low_confidence_threshold=0.5, low_confidence_share=0.0)
+
+
+def test_psi_is_the_formula_and_zero_for_the_same_mix() -> None:
+    assert population_stability_index(torch.tensor([5, 3, 2]), torch.tensor([50, 30, 20])) == pytest.approx(0)
+    actual, expected = [0.5, 0.3, 0.2], [0.25, 0.25, 0.5]
+    by_hand = sum((a - e) * math.log(a / e) for a, e in zip(actual, expected))
+    assert population_stability_index(torch.tensor([50, 30, 20]), torch.tensor([1, 1, 2])) == pytest.approx(by_hand)
+    # an empty bin counts as PSI_EPSILON: large but finite, on either side
+    one_sided = (0.1 - PSI_EPSILON) * math.log(0.1 / PSI_EPSILON) + (0.9 - 1.0) * math.log(0.9 / 1.0)
+    assert population_stability_index(torch.tensor([1, 9]), torch.tensor([0, 10])) == pytest.approx(one_sided)
+    assert math.isfinite(population_stability_index(torch.tensor([0, 10]), torch.tensor([10, 0])))
+
+
+def test_bins_are_classes_or_the_reference_s_frequent_classes_and_the_rest_dealt_by_index() -> None:
+    assert class_bins(torch.tensor([3, 0, 1]), 5).tolist() == [0, 1, 2]
+    # 8 classes in 4 bins: a class needs 1/8 of the reference (3 of 24) for a bin of its own; at most 3 get one
+    # (ties: the lower index); the others are dealt over what is left by index
+    assert class_bins(torch.tensor([1, 9, 0, 4, 4, 0, 3, 3]), 4).tolist() == [3, 0, 3, 1, 2, 3, 3, 3]
+    assert class_bins(torch.tensor([1, 9, 0, 2, 2, 0, 2, 8]), 4).tolist() == [2, 0, 2, 3, 2, 3, 2, 1]
+
+
+def test_the_window_holds_exactly_the_last_predictions() -> None:
+    rng = random.Random(0)
+    monitor = _monitor(window=7, min_predictions=1, reference=_reference([1] * 6))
+    history: list[tuple[int, float]] = []
+    for _ in range(40):
+        size = rng.randint(1, 9)  # batches longer than the window too
+        batch = [(rng.randrange(6), rng.choice([0.3, 0.45, 0.55, 0.9])) for _ in range(size)]
+        seen = monitor.observe(_rows([c for c, _ in batch], [p for _, p in batch]))
+        history += batch
+        assert seen.labels == [LABELS[c] for c, _ in batch]
+        assert seen.confidences == pytest.approx([p for _, p in batch])
+        last = history[-7:]
+        assert seen.low_confidence_ratio == pytest.approx(sum(p < 0.5 for _, p in last) / len(last))
+        counts = torch.bincount(torch.tensor([c for c, _ in last]), minlength=6)
+        assert seen.psi == pytest.approx(population_stability_index(counts, torch.ones(6)))
+    snapshot = monitor.snapshot()
+    assert (snapshot.predictions, snapshot.predictions_total, snapshot.window_size) == (7, len(history), 7)
+    tally = {LABELS[c]: n for c, n in enumerate(torch.bincount(torch.tensor([c for c, _ in history[-7:]]),
+                                                                 minlength=6).tolist()) if n}
+    assert {c.label: c.count for c in snapshot.top_classes} == dict(sorted(tally.items(), key=lambda kv: -kv[1])[:5])
+
+
+def test_the_manifest_reference_reports_after_min_predictions_and_rises_when_the_mix_changes() -> None:
+    monitor = _monitor(window=40, min_predictions=20, reference=_reference([20, 20, 0, 0, 0, 0]))
+    same = [0, 1] * 10
+    assert monitor.observe(_rows(same[:19], [0.9] * 19)).psi is None  # 19 < min_predictions
+    steady = monitor.observe(_rows(same[19:], [0.9])).psi
+    assert steady == pytest.approx(0)
+    changed = monitor.observe(_rows([2] * 20, [0.9] * 20)).psi  # half the window now a class never predicted
+    assert changed is not None and changed > 0.2
+    reference = monitor.snapshot().reference
+    assert (reference.source, reference.predictions, reference.complete) == ("validation", 40, True)
+
+
+def test_without_a_reference_the_first_window_becomes_it_and_the_window_starts_again() -> None:
+    monitor = _monitor(window=10, min_predictions=5)
+    first = monitor.observe(_rows([0, 1] * 4, [0.9, 0.3] * 4))
+    assert first.psi is None and first.low_confidence_ratio == pytest.approx(0.5)  # 8 >= 5: the share reports
+    assert monitor.snapshot().reference.complete is False
+    completed = monitor.observe(_rows([0, 1], [0.9, 0.3]))  # the 10th prediction: the reference is complete
+    assert completed.psi is None and completed.low_confidence_ratio is None  # the window is empty again
+    snapshot = monitor.snapshot()
+    assert (snapshot.predictions, snapshot.predictions_total) == (0, 10)
+    assert (snapshot.reference.source, snapshot.reference.predictions, snapshot.reference.complete,
+            snapshot.reference.low_confidence_share) == ("first_predictions", 10, True, 0.5)
+    assert monitor.observe(_rows([1, 0] * 3, [0.9] * 6)).psi == pytest.approx(0)  # the same mix
+    assert monitor.observe(_rows([3] * 6, [0.9] * 6)).psi > 0.2  # 6 of the last 10 a class never seen
+
+
+@pytest.mark.parametrize("power", [1, 4])  # 1: about even over 1,000 classes; 4: uneven, as real traffic often is
+def test_many_classes_share_bins_so_the_same_mix_reads_stable(power: int) -> None:
+    # Two samples of 1,000 of the same mix over 1,000 classes: one bin per class reads about 1.3; the top 19 classes
+    # of the reference a bin each about 0.1 (0.13 on average for the even mix); these bins about 0.04.
+    labels = [str(i) for i in range(1000)]
+    readings = []
+    for seed in range(5):
+        generator = torch.Generator().manual_seed(seed)
+        weights = torch.rand(1000, generator=generator) ** power
+        monitor = _monitor(window=1000, min_predictions=200, psi_bins=20, labels=labels)
+        for _ in range(2):  # the first 1,000: the reference; the next: the window
+            drawn = torch.multinomial(weights, 1000, replacement=True, generator=generator)
+            psi = monitor.observe(torch.nn.functional.one_hot(drawn, 1000).float()).psi
+        readings.append(psi)
+    assert max(readings) < 0.1, readings  # "stable"
+    # the reference's five most frequent classes become a third of what it is sent: drift
+    frequent = torch.tensor([c.index for c in monitor.snapshot().top_classes])
+    shifted = weights / weights.sum() * 2 / 3
+    shifted[frequent] += 1 / 15
+    drawn = torch.multinomial(shifted, 1000, replacement=True, generator=generator)
+    assert monitor.observe(torch.nn.functional.one_hot(drawn, 1000).float()).psi > 0.2
+
+
+def test_nan_rows_count_as_no_confidence() -> None:
+    monitor = _monitor(window=10, min_predictions=1)
+    seen = monitor.observe(torch.full((2, len(LABELS)), float("nan")))
+    assert seen.confidences == [0.0, 0.0] and seen.low_confidence_ratio == 1.0
+
+
+def test_observing_from_several_threads_loses_no_prediction() -> None:
+    monitor = _monitor(window=1000, min_predictions=1)
+    rows = _rows([0, 1, 2, 3], [0.9, 0.9, 0.2, 0.9])
+
+    def send() -> None:
+        for _ in range(50):
+            monitor.observe(rows)
+            monitor.snapshot()
+
+    threads = [threading.Thread(target=send) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    snapshot = monitor.snapshot()
+    assert snapshot.predictions_total == 800 and snapshot.low_confidence_ratio == pytest.approx(0.25)
+    assert sorted(c.count for c in snapshot.top_classes) == [200, 200, 200, 200]
+
+
+def test_an_unloaded_version_s_figures_read_zero_and_stay_there() -> None:
+    def value(name: str) -> float | None:
+        return REGISTRY.get_sample_value(name, {"model": "retiring", "version": "1"})
+
+    observer = MetricsObserver(model="retiring", version="1")
+    observer.predictions(["a", "b", "a"], [0.9, 0.4, 0.8], low_confidence_ratio=1 / 3, psi=0.25)
+    assert value("visionserve_prediction_drift_psi") == 0.25
+    assert value("visionserve_low_confidence_ratio") == pytest.approx(1 / 3)
+    assert REGISTRY.get_sample_value("visionserve_predicted_class_total",
+                                     {"model": "retiring", "version": "1", "label": "a"}) == 2
+    observer.retire()
+    observer.predictions(["a"], [0.9], low_confidence_ratio=0.5, psi=0.9)  # a batch still queued at the unload
+    assert value("visionserve_prediction_drift_psi") == 0 and value("visionserve_low_confidence_ratio") == 0
+    assert value("visionserve_top1_confidence_count") == 4  # its predictions still count
