@@ -138,11 +138,13 @@ class Batcher(Generic[In, Out]):
         """Queue one item; raises QueueFull or BatcherClosed at once instead of blocking."""
         return self.submit_many([item], deadline)[0]
 
-    def submit_many(self, items: Sequence[In], deadline: float | None = None) -> "list[Future[BatchResult[Out]]]":
+    def submit_many(self, items: Sequence[In], deadline: float | None = None,
+                    inline: bool = True) -> "list[Future[BatchResult[Out]]]":
         """Queue several items all together or none of them, so a rejected request leaves nothing behind.
 
         ``deadline`` (a time.monotonic() value) is when the caller stops waiting: items are refused at once when
-        the backlog cannot clear by then, and dropped unrun if it passes while they wait.
+        the backlog cannot clear by then, and dropped unrun if it passes while they wait. ``inline=False``: never
+        on the caller's thread (another batcher's thread handing over its background work).
         """
         now = time.monotonic()
         pending = [_Pending(item, Future(), now, deadline) for item in items]
@@ -163,7 +165,7 @@ class Batcher(Generic[In, Out]):
                 raise DeadlineUnreachable(f"the queue ahead needs about {wait:.3f}s, more than the "
                                           f"{max(0.0, deadline - now):.3f}s deadline",
                                           retry_after_s=self.expected_wait_s(len(self._queue)))
-            inline = self._may_run_inline(len(pending))
+            inline = inline and self._may_run_inline(len(pending))
             if inline:
                 self._busy = True
             else:

@@ -2,23 +2,25 @@
 and the two answers are compared (app/engine/evidence.Comparison).
 
 ``offer`` hands the work to the live version's batcher as background work (app/engine/batcher.submit_background),
-after the live answer is ready: it runs on that batcher's thread only when no request waits and none is on its way,
-so shadow work never runs beside the live version's batches, and is dropped (counted) when live work is queued, the
-shadow queue is full, or it waited ``SHADOW_MAX_AGE_S``. The candidate runs it through its own batcher (its own
-thread, where its warm-up tuned the kernels) and, when its preprocessing differs from the live version's, its own
-decoder; the live thread waits for it, so the next live batch waits for one shadow batch at most.
+after the live answer is ready: it is taken only when no request waits and none is on its way, and is dropped
+(counted) when live work is queued, the shadow queue is full, the candidate's own queue is busy, or it waited
+``SHADOW_MAX_AGE_S``. The live thread then hands the images to the candidate's batcher (its own thread, where its
+warm-up tuned the kernels; with its own decoder when its preprocessing differs) and goes on: a live request arriving
+meanwhile never waits for the shadow's forward pass, which runs beside it on another core (measured with
+``python -m bench.serving.shadow_cost``; waiting for it, as a first version did, cost a lone client 19% of its p50).
 """
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from app.engine.batch_types import BackgroundJob, BatcherClosed, BatchResult, BatcherError
+from app.engine.batch_types import BackgroundJob, BatcherClosed, BatcherError, BatchResult, DeadlineExpired
 from app.engine.decoders import Prepared
 from app.engine.evidence import Comparison
 from app.engine.loaded_version import LoadedVersion
@@ -69,35 +71,56 @@ class ShadowJob:
             return None
 
     def run_group(self, jobs: list[BackgroundJob]) -> None:
-        """Run the group's images on the candidate in one submission and record each job's comparison."""
+        """Hand the group's images to the candidate's batcher in one submission (never run on this thread) and
+        record each job's comparison when the candidate answers; the live batcher goes on meanwhile."""
         ready = [(job, inputs) for job in jobs if isinstance(job, ShadowJob) and (inputs := job._inputs())]
         if not ready:
             return
         items = [item for _, inputs in ready for item in inputs]
-        deadline = min(job.deadline for job, _ in ready)
+        batcher = self.candidate.batcher
+        if batcher.depth + len(items) > 2 * batcher.current_max_batch_size:  # more than two batches would wait
+            return _drop_all(ready, "busy")
         try:
-            futures = self.candidate.batcher.submit_many(items, deadline=deadline)
+            futures = batcher.submit_many(items, deadline=min(job.deadline for job, _ in ready), inline=False)
         except BatcherClosed:
             return _drop_all(ready, "retired")
-        except BatcherError:  # the candidate's own queue is busy (it may take canary traffic)
+        except BatcherError:
             return _drop_all(ready, "busy")
-        wait(futures, timeout=max(0.0, deadline - time.monotonic()))
         position = 0
         for job, inputs in ready:
-            job._compare(futures[position:position + len(inputs)])
+            mine = futures[position:position + len(inputs)]
             position += len(inputs)
+            _when_all_done(mine, job._compare)
 
     def _compare(self, futures: "list[Future[BatchResult[torch.Tensor]]]") -> None:
-        if not all(f.done() for f in futures) or any(f.cancelled() for f in futures):
-            for future in futures:
-                future.cancel()  # still queued past the deadline: nobody waits for it
-            return self.drop("stale")
+        if any(f.cancelled() or isinstance(f.exception(), DeadlineExpired) for f in futures):
+            return self.drop("stale")  # not run within SHADOW_MAX_AGE_S
         if any(f.exception() is not None for f in futures):
             return self.comparison.error(self.size)
         results = [f.result() for f in futures]
         rows = torch.stack([r.value for r in results]).float().cpu()
         self.comparison.record(self.live_rows, self.live_labels, rows, self.candidate.predictor.labels,
                                self.live_ms, [r.run_s * 1000 / r.batch_size for r in results])
+
+
+def _when_all_done(futures: "list[Future[BatchResult[torch.Tensor]]]",
+                   then: Callable[["list[Future[BatchResult[torch.Tensor]]]"], None]) -> None:
+    """Call ``then(futures)`` once every future is done (on the thread that finished the last one)."""
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_: Future) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            try:
+                then(futures)
+            except Exception:  # noqa: BLE001 - the candidate's thread must not fail on a comparison
+                log.exception("a shadow comparison failed")
+
+    for future in futures:
+        future.add_done_callback(one_done)
 
 
 def _drop_all(ready: list[tuple[ShadowJob, list[Prepared]]], reason: str) -> None:
