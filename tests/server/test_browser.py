@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -16,8 +17,8 @@ from werkzeug.wrappers import Request, Response
 
 from app.config import Settings
 from harness.servers import Running
-from tests.support.fakes import served_over_http, several_models_app
-from tests.support.imaging import BLUE, RED, encode, image_bytes
+from tests.support.fakes import export_tiny, served_over_http, several_models_app, wait_until
+from tests.support.imaging import BLUE, GREEN, RED, encode, image_bytes
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 pytestmark = [pytest.mark.slow,
@@ -235,3 +236,94 @@ def test_the_demo_page_shows_photos_in_the_order_chosen_numbered_for_people(brow
     assert icon.status_code == 200 and icon.headers["Content-Type"].startswith("image/svg+xml")
     assert not [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"
                 and "favicon" in entry["message"]]
+
+
+@pytest.fixture
+def shadowed_server(start_server: Callable[..., Running], tmp_path: Path) -> Running:
+    """gunicorn on a repository with two versions of a small real model (other weights, scores that differ per
+    photo), version 2 a shadow of version 1."""
+    repository = tmp_path / "repository"
+    export_tiny(repository / "mine" / "1", head_scale=1e10)
+    export_tiny(repository / "mine" / "2", version="2", seed=1, head_scale=1e10)
+    (repository / "mine" / "policy.json").write_text(json.dumps({"rollout": {"shadow_percent": 100}}))
+    return start_server(repository, max_wait_ms="5").wait_ready()
+
+
+def _comparison(url: str) -> dict:
+    """The server's running comparison for mine (empty until the shadow has run)."""
+    (rollout,) = requests.get(url + "/v1/models", timeout=10).json()["rollouts"]
+    return rollout["comparison"] or {}
+
+
+def _prediction(url: str, photo: Path, version: str) -> dict:
+    """mine ``version``'s prediction for ``photo``, asked directly."""
+    answer = requests.post(f"{url}/predict?model=mine&version={version}", files={"image": photo.read_bytes()},
+                           timeout=30)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["predictions"][0]
+
+
+def _verdict(live: str, candidate: str) -> str:
+    """The line a compared card ends with for these top-1 labels."""
+    if live == candidate:
+        return f"Top-1 agrees: both versions say {live}."
+    return f"Top-1 differs: live version 1 says {live}, candidate version 2 says {candidate}."
+
+
+def test_the_demo_page_shows_the_live_and_the_shadow_answers_side_by_side(
+        browser, shadowed_server: Running, tmp_path: Path) -> None:  # noqa: ANN001
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    url = shadowed_server.url
+    photos = []
+    for name, colour in (("red", RED), ("green", GREEN), ("blue", BLUE)):
+        photos.append(tmp_path / f"{name}.jpg")
+        photos[-1].write_bytes(image_bytes(colour, size=(64, 48)))
+    for photo in photos:  # naming no version: version 1 answers, and the shadow runs each photo on version 2
+        answer = requests.post(url + "/predict", files={"image": photo.read_bytes()}, timeout=30)
+        assert answer.json()["model"]["version"] == "1", answer.text
+    wait_until(lambda: time.sleep(0.2) or _comparison(url).get("compared") == len(photos), timeout=60)
+    comparison = _comparison(url)
+    direct = [{version: _prediction(url, photo, version) for version in ("1", "2")} for photo in photos]
+    top1 = [(answers["1"]["label"], answers["2"]["label"]) for answers in direct]
+    agreed = sum(live == candidate for live, candidate in top1)
+    assert 0 < agreed < len(photos), top1  # these weights agree on some photos only: both verdicts are shown
+    assert comparison["top1_agreement"] == pytest.approx(agreed / len(photos))
+
+    browser.get(url + "/")
+    assert _picked(browser) == ("mine", ["", "1", "2"], "")  # both side by side, unless a version is pinned
+    assert browser.find_element(By.ID, "model").text.startswith(
+        "mine versions 1 (live) and 2 (shadow candidate) · 3 classes")
+    line = browser.find_element(By.ID, "rollout").text
+    assert line.startswith("Rollout: version 2 (shadow) beside live version 1."), line
+    assert f"compared 3 images: top-1 agreement {100 * agreed / len(photos):.1f}%" in line, line
+    (most, *_) = comparison["disagreements"]
+    assert f"most frequent disagreement: live {most['live']}, candidate {most['candidate']}" in line, line
+    assert (most["live"], most["candidate"]) in top1
+
+    cards = _pick(browser, None, *photos)
+    for element, answers, (live_label, candidate_label) in zip(browser.find_elements(By.CSS_SELECTOR, ".card"),
+                                                               direct, top1):
+        assert [h.text for h in element.find_elements(By.CSS_SELECTOR, ".side h2")] == [
+            "Live · version 1", "Candidate (shadow) · version 2"]
+        live, candidate = (side.text for side in element.find_elements(By.CSS_SELECTOR, ".side .body"))
+        assert live.splitlines()[0] == live_label and "mine version 1 · " in live and "inference" in live, live
+        assert candidate.splitlines()[0] == candidate_label and "mine version 2 · " in candidate, candidate
+        bars = [len(side.find_elements(By.CSS_SELECTOR, ".bar")) for side in element.find_elements(By.CSS_SELECTOR,
+                                                                                                   ".side")]
+        assert bars == [len(answers["1"]["top_k"]), len(answers["2"]["top_k"])]
+        assert element.find_element(By.CSS_SELECTOR, ".verdict").text == _verdict(live_label, candidate_label), cards
+
+    bad = tmp_path / "notes.jpg"
+    bad.write_text("not a photo")
+    _pick(browser, None, bad)  # both requests fail: each side says why
+    errors = browser.find_elements(By.CSS_SELECTOR, ".card")[3]
+    assert [side.text.count("400 invalid_image") for side in errors.find_elements(By.CSS_SELECTOR, ".side")] == [1, 1]
+    assert errors.find_element(By.CSS_SELECTOR, ".verdict").text == "Top-1 not compared: neither version answered."
+
+    Select(browser.find_element(By.ID, "version-pick")).select_by_value("2")  # pinned: that version alone
+    assert browser.find_element(By.ID, "model").text.startswith("mine version 2 · 3 classes")
+    cards = _pick(browser, None, photos[0])
+    assert cards[4].splitlines()[1] == top1[0][1] and "mine version 2 · " in cards[4] and "Live" not in cards[4]
+    assert browser.find_element(By.ID, "rollout").is_displayed()  # the comparison stays in view

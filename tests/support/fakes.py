@@ -90,14 +90,19 @@ def served_over_http(wsgi_app: Callable) -> Iterator[str]:
 
 
 def export_tiny(out: Path, name: str = "mine", version: str = "1", force: bool = False, seed: int = 0,
-                packages: tuple[tuple[str, str], ...] = ()) -> Path:
+                packages: tuple[tuple[str, str], ...] = (), head_scale: float = 1.0) -> Path:
     """A real export of an untrained 3-class mobilenet_v3_small at 32 px into ``out`` (seconds on a CPU); another
-    ``seed``, other weights; ``packages`` as models.export takes them (("onnx", "float32"): the ONNX file)."""
+    ``seed``, other weights; ``packages`` as models.export takes them (("onnx", "float32"): the ONNX file).
+    ``head_scale`` multiplies the head's weights: the untrained logits are about 1e-10 apart, so every class scores
+    the same (top-1 is the first class whatever the photo); 1e10 gives each photo its own scores and top-1."""
     from models.export.write import export_model
-    from models.architectures import build_model
+    from models.architectures import build_model, head_of
 
     torch.manual_seed(seed)
-    export_model(build_model("mobilenet_v3_small", 3), out_dir=out, name=name, version=version,
+    model = build_model("mobilenet_v3_small", 3)
+    with torch.no_grad():
+        head_of(model).weight.mul_(head_scale)
+    export_model(model, out_dir=out, name=name, version=version,
                  arch="mobilenet_v3_small", labels=["a", "b", "c"], preset=EvalPreset(resize_size=40, crop_size=32),
                  force=force, packages=packages)
     return out

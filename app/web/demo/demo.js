@@ -1,11 +1,15 @@
 // The demo page: one POST /predict per photo (so each photo gets its own answer, error and timings), to the
 // model and version picked (filled from /v1/models: the server's default model at its default version first).
+// While the model picked has a rollout candidate (canary or shadow) and no version is pinned, each photo goes to
+// the live version and to the candidate, the two answers side by side, with the server's running comparison.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const keySection = $("key-section"), keyInput = $("key"), notice = $("notice"), results = $("results");
-const modelPick = $("model-pick"), versionPick = $("version-pick");
-let served = [];  // /v1/models's entries: one per loaded version
+const modelPick = $("model-pick"), versionPick = $("version-pick"), rolloutLine = $("rollout");
+const BOTH_VERSIONS = "";  // the version picker's value for "the live version and the candidate side by side"
+let served = [];    // /v1/models's entries: one per loaded version
+let rollouts = [];  // /v1/models's rollouts: one per model with a rollout (none from a server without them)
 
 function headers() {
   const key = keyInput.value.trim();
@@ -35,19 +39,88 @@ function defaultModel(body, names) {
   return names.includes(body.default_model) ? body.default_model : names[0];
 }
 
+function rolloutPair(name) {
+  // The live version and the candidate of model ``name`` (their /v1/models entries), when it has a rollout whose
+  // candidate is loaded; else null.
+  const rollout = rollouts.find((r) => r.model === name);
+  if (!rollout || !rollout.candidate) return null;
+  const entry = (version) => served.find((m) => m.name === name && m.version === version);
+  const live = entry(rollout.live), candidate = entry(rollout.candidate);
+  return live && candidate ? { rollout, live, candidate, role: candidate.role || "candidate" } : null;
+}
+
+function chosenPair() {
+  // The pair to send each photo to: the model picked has a candidate and no version is pinned.
+  return !versionPick.disabled && versionPick.value === BOTH_VERSIONS ? rolloutPair(modelPick.value) : null;
+}
+
+function comparisonText(pair) {
+  const { rollout, role } = pair, comparison = rollout.comparison;
+  const head = `Rollout: version ${rollout.candidate} (${role}) beside live version ${rollout.live}`;
+  if (!comparison || !comparison.compared) {
+    return `${head}; the server has compared no images` + (rollout.shadow_percent > 0 ? " yet." :
+                                                           " (it compares only with a shadow share).");
+  }
+  const count = comparison.compared, agreement = (100 * comparison.top1_agreement).toFixed(1);
+  const top = comparison.disagreements[0];
+  const most = top ? `most frequent disagreement: live ${top.live}, candidate ${top.candidate} ` +
+                     `(${top.count} image${top.count === 1 ? "" : "s"})` : "no disagreement";
+  const images = `${count} image${count === 1 ? "" : "s"}`;
+  return `${head}. The server compared ${images}: top-1 agreement ${agreement}%, ${most}.`;
+}
+
+function describeRollout() {
+  // The server's running comparison for the model picked, while it has a candidate (pinned or not).
+  const pair = rolloutPair(modelPick.value);
+  rolloutLine.hidden = !pair;
+  rolloutLine.textContent = pair ? comparisonText(pair) : "";
+}
+
 function describeChoice() {
-  const model = served.find((m) => m.name === modelPick.value && m.version === versionPick.value);
-  $("model").textContent = model ? `${model.name} version ${model.version} · ${model.num_classes} classes · ` +
+  const pair = chosenPair();
+  const model = pair ? pair.live : served.find((m) => m.name === modelPick.value && m.version === versionPick.value);
+  const versions = pair ? `versions ${pair.live.version} (live) and ${pair.candidate.version} (${pair.role} candidate)`
+                        : `version ${model && model.version}`;
+  $("model").textContent = model ? `${model.name} ${versions} · ${model.num_classes} classes · ` +
                                    `${model.device}` : "This server serves no model.";
+  describeRollout();
+}
+
+function versionOptions(name) {
+  // What the version picker offers for model ``name``: with a candidate, both side by side first (picked), then
+  // each version to pin; without, each version, its default picked.
+  const pair = rolloutPair(name);
+  const note = (m) => (m.default ? " (default)" : m.role === "canary" || m.role === "shadow" ?
+                                                  ` (${m.role} candidate)` : "");
+  const option = (m) => new Option(`version ${m.version}${note(m)}`, m.version, m.default && !pair, m.default && !pair);
+  const both = pair ? [new Option(`${pair.live.version} (live) + ${pair.candidate.version} (${pair.role})`,
+                                  BOTH_VERSIONS, true, true)] : [];
+  return [...both, ...served.filter((m) => m.name === name).map(option)];
 }
 
 function fillVersions() {
-  const versions = served.filter((m) => m.name === modelPick.value);
-  const option = (m) => new Option(`version ${m.version}` + (m.default ? " (default)" : ""), m.version,
-                                   m.default, m.default);
-  versionPick.replaceChildren(...versions.map(option));
-  versionPick.disabled = versions.length === 0;
+  const options = versionOptions(modelPick.value);
+  versionPick.replaceChildren(...options);
+  versionPick.disabled = options.length === 0;
   describeChoice();
+}
+
+function offered(name) {
+  // The version picker's choices for ``name`` as text: the picker is filled again only when they change.
+  return versionOptions(name).map((o) => `${o.value}=${o.text}`).join("\n");
+}
+
+async function refreshRollouts() {
+  // The server's comparison moves with its traffic (this page's requests name their version, so the shadow does
+  // not run on them): read /v1/models again after each pair of answers.
+  try {
+    const response = await fetch("/v1/models", { headers: headers() });
+    if (!response.ok) return;
+    const body = await response.json(), before = offered(modelPick.value);
+    [served, rollouts] = [body.models, body.rollouts || []];
+    if (offered(modelPick.value) !== before) return fillVersions();  // promoted or rolled back meanwhile
+    describeRollout();
+  } catch (_) { /* the line keeps its last figures */ }
 }
 
 async function describeModels() {
@@ -55,7 +128,7 @@ async function describeModels() {
     const response = await fetch("/v1/models", { headers: headers() });
     if (response.status === 401) return needKey("This server needs an API key: enter it above.");
     const body = await response.json();
-    served = body.models;
+    [served, rollouts] = [body.models, body.rollouts || []];
     const names = [...new Set(served.map((m) => m.name))];
     const chosen = defaultModel(body, names);
     const option = (name) => new Option(name + (name === body.default_model ? " (default)" : ""), name,
@@ -68,10 +141,11 @@ async function describeModels() {
   }
 }
 
-function predictUrl() {
+function predictUrl(version) {
+  // /predict for the model picked at ``version`` (null: none named).
   const query = new URLSearchParams();
   if (!modelPick.disabled) query.set("model", modelPick.value);
-  if (!versionPick.disabled) query.set("version", versionPick.value);
+  if (version !== null) query.set("version", version);
   const topK = $("top-k").value.trim();
   if (topK) query.set("top_k", topK);
   const text = query.toString();
@@ -132,15 +206,19 @@ function showPrediction(body, answer, response) {
   body.append(meta);
 }
 
-async function classify(file) {
-  const body = card(file);
+async function answerInto(body, file, version) {
+  // POST ``file`` to ``version`` (null: none named) and show the answer, or the error, in ``body``; returns the
+  // answer shown, or null for an error.
   const form = new FormData();
   form.append("image", file, file.name);
   try {
-    const response = await fetch(predictUrl(), { method: "POST", body: form, headers: headers() });
+    const response = await fetch(predictUrl(version), { method: "POST", body: form, headers: headers() });
     let answer = null;
     try { answer = await response.json(); } catch (_) { /* not JSON: reported below */ }
-    if (response.ok && answer) return showPrediction(body, answer, response);
+    if (response.ok && answer) {
+      showPrediction(body, answer, response);
+      return answer;
+    }
     body.className = "body error";
     body.textContent = errorText(response.status, answer);
     if (response.status === 401) needKey("This server needs an API key: enter it above, then pick the photo again.");
@@ -148,6 +226,61 @@ async function classify(file) {
     body.className = "body error";
     body.textContent = "The request failed: " + err;
   }
+  return null;
+}
+
+function side(title) {
+  // One version's half of a compared card: its heading, and where its answer goes.
+  const section = document.createElement("section");
+  section.className = "side";
+  const heading = document.createElement("h2");
+  heading.textContent = title;
+  const body = document.createElement("div");
+  body.className = "body";
+  body.textContent = "Classifying…";
+  section.append(heading, body);
+  return { section, body };
+}
+
+function verdict(pair, live, candidate) {
+  // Whether the two answers' top-1 agrees: {text, kind} (kind: agree, differ, or error when one has no answer).
+  if (!live || !candidate) {
+    const missing = !live && !candidate ? "neither version answered" : !live ? "the live version did not answer"
+                                                                             : "the candidate did not answer";
+    return { text: `Top-1 not compared: ${missing}.`, kind: "error" };
+  }
+  const [ours, theirs] = [live.predictions[0], candidate.predictions[0]];
+  if (ours.index === theirs.index) return { text: `Top-1 agrees: both versions say ${ours.label}.`, kind: "agree" };
+  return { text: `Top-1 differs: live version ${pair.live.version} says ${ours.label}, ` +
+                 `candidate version ${pair.candidate.version} says ${theirs.label}.`, kind: "differ" };
+}
+
+async function classifyBoth(file, pair) {
+  // The photo to the live version and to the candidate at once, their answers side by side and whether their
+  // top-1 agrees.
+  const body = card(file);
+  body.closest(".card").classList.add("compared");
+  const live = side(`Live · version ${pair.live.version}`);
+  const candidate = side(`Candidate (${pair.role}) · version ${pair.candidate.version}`);
+  const sides = document.createElement("div");
+  sides.className = "sides";
+  sides.append(live.section, candidate.section);
+  const line = document.createElement("p");
+  line.className = "verdict";
+  line.setAttribute("aria-live", "polite");  // in the page before its text, so the text is announced
+  body.replaceChildren(sides, line);
+  const answers = await Promise.all([answerInto(live.body, file, pair.live.version),
+                                     answerInto(candidate.body, file, pair.candidate.version)]);
+  const { text, kind } = verdict(pair, ...answers);
+  line.textContent = text;
+  line.classList.add(kind);
+  refreshRollouts();
+}
+
+function classify(file) {
+  const pair = chosenPair();
+  if (pair) return classifyBoth(file, pair);
+  return answerInto(card(file), file, versionPick.disabled ? null : versionPick.value);
 }
 
 function classifyAll(files) {
