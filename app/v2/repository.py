@@ -42,9 +42,11 @@ def repository_index() -> Response:
     default_model = reconciler.routes.default_model()
     default = (default_model, reconciler.serving().get(default_model or "", {}).get("default"))
     roles = reconciler.roles()
+    compared = {(name, r["candidate"]): r.get("comparison") for name, r in reconciler.rollouts().items()}
     rows = [RepositoryModel(name=r.name, version=r.version, state=r.state, reason=r.reason,  # type: ignore[arg-type]
                             default=r.state == "READY" and (r.name, r.version) == default,
-                            role=roles.get((r.name, r.version)) if r.state == "READY" else None)
+                            role=roles.get((r.name, r.version)) if r.state == "READY" else None,
+                            comparison=compared.get((r.name, r.version)) if r.state == "READY" else None)
             for r in reconciler.index() if r.state == "READY" or not only_ready]
     return Response(RepositoryIndex(rows).model_dump_json(exclude_none=True), mimetype="application/json")
 

@@ -121,6 +121,7 @@ class RepositoryModel(BaseModel):
     reason: str = ""
     default: bool = False  # what a request naming neither model nor version gets (the default model's default)
     role: str | None = None  # its part in its model's rollout: live, canary, shadow, previous (GET /v1/models)
+    comparison: dict[str, Any] | None = None  # a candidate's: its shadow figures against the live version
 
 
 class RepositoryIndex(RootModel[list[RepositoryModel]]):

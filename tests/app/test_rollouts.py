@@ -233,6 +233,7 @@ def test_promote_and_rollback_by_call_with_evidence_in_the_api(settings: Setting
         assert (rollout["live"], rollout["candidate"], rollout["shadow_percent"]) == ("1", "2", 100)
         index = client.post("/v2/repository/index", json={}).get_json()
         assert {r["version"]: r.get("role") for r in index} == {"1": "live", "2": "shadow"}
+        assert next(r for r in index if r["version"] == "2")["comparison"] == rollout["comparison"]
         assert client.post("/v1/models/colour/rollback").status_code == 409  # nothing before 1
         answer = client.post("/v1/models/colour/promote")
         assert answer.status_code == 200, answer.get_json()
