@@ -9,7 +9,7 @@ import json
 import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -27,6 +27,7 @@ from app.engine.rollout import (
     rolled_back,
     takes_canary,
 )
+from app.engine.call import Served
 from app.engine.service import Service
 from app.errors import Conflict
 from tests.support.fakes import LABELS, ColourModel, FakeRepository, infer, served_over_http, wait_until
@@ -74,6 +75,20 @@ def _offline_answers(photos: list[bytes]) -> dict[str, list[str]]:
         finally:
             alone.shutdown(timeout=5)
     return answers
+
+
+def _compared(service: Service) -> int:
+    """Images the shadow compared so far (over the workers' reports, shared now)."""
+    service.reconciler.share_evidence()
+    return ((service.reconciler.rollouts().get("colour") or {}).get("comparison") or {}).get("compared", 0)
+
+
+def _one_by_one(service: Service, photos: list[bytes], send: Callable[[bytes], object] | None = None) -> None:
+    """Each photo sent once its predecessor's shadow was compared: a loaded machine drops none as busy."""
+    for photo in photos:
+        before = _compared(service)
+        (send or (lambda p: infer(service, [p])))(photo)
+        wait_until(lambda: _compared(service) > before)
 
 
 # -- the plan ---------------------------------------------------------------------------------------------------
@@ -163,11 +178,10 @@ def test_the_rules_promote_on_agreement_and_roll_back_on_errors() -> None:
 
 
 def test_the_shadow_agreement_equals_the_offline_one_and_live_answers_do_not_change(shadowed: Service) -> None:
-    live = [infer(shadowed, [photo]) for photo in PHOTOS]
-    assert {served.version for served in live} == {"1"}
     rollouts = shadowed.reconciler.rollouts
-    wait_until(lambda: ((shadowed.reconciler.share_evidence() or True)
-                        and (rollouts()["colour"]["comparison"] or {}).get("compared") == len(PHOTOS)))
+    live: list[Served] = []
+    _one_by_one(shadowed, PHOTOS, lambda photo: live.append(infer(shadowed, [photo])))
+    assert {served.version for served in live} == {"1"}
     comparison = rollouts()["colour"]["comparison"]
     answers = _offline_answers(PHOTOS)
     offline = sum(a == b for a, b in zip(answers["1"], answers["2"])) / len(PHOTOS)
@@ -222,11 +236,11 @@ def test_promote_and_rollback_by_call_with_evidence_in_the_api(settings: Setting
     app = create_app(settings, source=_repository({"shadow_percent": 100}))  # type: ignore[arg-type]
     client = app.test_client()
     try:
-        for photo in PHOTOS:
-            assert client.post("/predict", data=photo, content_type="image/jpeg").get_json()["model"]["version"] == "1"
         service = app.extensions[EXTENSION_KEY]
-        wait_until(lambda: (service.reconciler.share_evidence() or True) and
-                   (client.get("/v1/models").get_json()["rollouts"][0].get("comparison") or {}).get("compared") == 9)
+        _one_by_one(service, PHOTOS, lambda photo: client.post("/predict", data=photo, content_type="image/jpeg"))
+        assert client.get("/v1/models").get_json()["rollouts"][0]["comparison"]["compared"] == len(PHOTOS)
+        assert {client.post("/predict?version=1", data=p, content_type="image/jpeg").get_json()["model"]["version"]
+                for p in PHOTOS[:2]} == {"1"}
         body = client.get("/v1/models").get_json()
         assert {m["version"]: m["role"] for m in body["models"]} == {"1": "live", "2": "shadow"}
         rollout = body["rollouts"][0]
@@ -280,8 +294,8 @@ def test_the_rules_promote_a_candidate_that_agrees_and_roll_back_one_that_fails(
                               "rollback": {"within": 50, "max_error_ratio": 0.1, "min_requests": 5}})
     service = Service.build(settings, repository)  # type: ignore[arg-type]
     try:
-        for photo in PHOTOS[:5]:
-            infer(service, [photo])
+        _one_by_one(service, PHOTOS[:4])  # compared one by one, then the fifth comparison promotes
+        infer(service, [PHOTOS[4]])
         wait_until(lambda: (service.reconciler.share_evidence() or True)
                    and service.reconciler.routes.routes()["colour"][1] == "2")
         assert service.reconciler.rollouts()["colour"]["watch"]["version"] == "2"
@@ -379,10 +393,7 @@ def test_a_candidate_with_other_preprocessing_decodes_the_shadow_images_itself(s
         assert candidate.predictor.manifest.preprocess.input_shape != live.predictor.manifest.preprocess.input_shape
         sizes: list[tuple[int, ...]] = []
         candidate.predictor.module.register_forward_hook(lambda _, inputs, __: sizes.append(inputs[0].shape[2:]))
-        for photo in PHOTOS:
-            infer(service, [photo])
-        wait_until(lambda: (service.reconciler.share_evidence() or True) and (
-            service.reconciler.rollouts()["colour"]["comparison"] or {}).get("compared") == len(PHOTOS))
+        _one_by_one(service, PHOTOS)
         comparison = service.reconciler.rollouts()["colour"]["comparison"]
         assert comparison["top1_agreement"] == 1.0 and comparison["errors"] == 0  # the same model, other size
         assert sizes and set(sizes) == {(16, 16)}  # the shadow images were decoded at the candidate's own size
