@@ -41,6 +41,11 @@ def _offline_top1(repository: Path, version: str, photos: Path, out: Path) -> di
     return {Path(r["path"]).name: r["labels"][0] for r in records}
 
 
+def _workers_serving(server: Running) -> int:
+    answer = requests.get(server.url + "/v1/models", timeout=10)
+    return len(answer.json()["workers"]) if answer.ok else 0
+
+
 def _rollout(server: Running) -> dict:
     body = requests.get(server.url + "/v1/models", timeout=10).json()
     return next(r for r in body["rollouts"] if r["model"] == MODEL)
@@ -50,6 +55,7 @@ def _rollout(server: Running) -> dict:
 def test_the_shadow_agreement_equals_the_offline_one_and_promotion_under_load_fails_nothing(
         repository: Path, start_server: Callable[..., Running], tmp_path: Path, workers: str) -> None:
     server = start_server(repository, workers=workers, max_wait_ms="10").wait_ready()
+    wait_until(lambda: _workers_serving(server) == int(workers), timeout=120)  # ready answers from one worker only
     with requests.Session() as session:
         for photo in PHOTOS:
             answer = session.post(server.url + "/predict", data=photo, headers={"Content-Type": "image/jpeg"},
