@@ -39,14 +39,14 @@ from app.engine.loaded_version import LoadedVersion, start_version
 from app.engine.memory import check_fits
 from app.engine.policy import PolicyError, VersionPolicy, order_key
 from app.engine.rollout import (
-    PromoteRule,
     RolloutPolicy,
+    has_rules,
     judge,
     plan,
     promoted,
-    promotion_status,
+    roles_of,
     rolled_back,
-    rule_from_entry,
+    summary,
 )
 from app.engine.routing import Candidate, RoutingTable
 from app.engine.sources import Source
@@ -155,32 +155,27 @@ class Reconciler:
         """A promote call: ``version`` (None: the rollout's candidate) becomes the default here, then in every
         worker; the old default stays loaded as the previous one and the new one is watched by the rollback rule.
         Raises NotFound, Conflict (nothing to promote), or what a load raises."""
-        with self._lock:
-            entry = self._entry_of(name)
-            target = version or (entry.get("rollout") or {}).get("candidate")
-            if target is None:
-                raise Conflict(f"model {name!r} has no rollout candidate to promote; name a version "
-                               '({"version": "3"})')
-            if target not in self.source.versions(name):
-                raise NotFound(f"model {name!r} has no version {target!r} in the repository")
-            changed = self._change(name, entry, "promote", target, "by a call")
-        self._wait_for_workers(changed[0])
-        return changed[1]
+        return self._by_call(name, "promote", version)
 
     def rollback(self, name: str, version: str | None = None) -> Entry:
         """A rollback call: ``version`` (None: the previous default) serves again here, then in every worker; the
         default it replaces is rolled back (left out until a promotion names it). Raises NotFound, Conflict."""
+        return self._by_call(name, "rollback", version)
+
+    def _by_call(self, name: str, action: str, version: str | None) -> Entry:
         with self._lock:
             entry = self._entry_of(name)
-            target = version or entry.get("previous_default")
+            target = version or ((entry.get("rollout") or {}).get("candidate") if action == "promote"
+                                 else entry.get("previous_default"))
             if target is None:
-                raise Conflict(f"model {name!r} has no previous default to roll back to; name a version "
-                               '({"version": "1"})')
+                missing, example = (("rollout candidate to promote", "3") if action == "promote"
+                                    else ("previous default to roll back to", "1"))
+                raise Conflict(f"model {name!r} has no {missing}; name a version ({{\"version\": \"{example}\"}})")
             if target not in self.source.versions(name):
                 raise NotFound(f"model {name!r} has no version {target!r} in the repository")
-            changed = self._change(name, entry, "rollback", target, "by a call")
-        self._wait_for_workers(changed[0])
-        return changed[1]
+            generation, changed = self._change(name, entry, action, target, "by a call")
+        self._wait_for_workers(generation)
+        return changed
 
     def _entry_of(self, name: str) -> Entry:
         entry = self.desired.read()[1].get(name)
@@ -325,7 +320,7 @@ class Reconciler:
         if after != before:
             pair = {(after[0].version, after[1])} if after[0] is not None else set()
             self.evidence.restart(name, pair, {after[1]} if after[1] != before[1] else set())
-        roles = _roles(entry, after[0])
+        roles = roles_of(entry, after[0] and after[0].version, bool(after[0] and after[0].canary_percent))
         for version in {*chosen, *(v.version for v in replaced)}:
             for role in ("live", "canary", "shadow", "previous"):
                 ROLLOUT_ROLE.labels(name, version, role).set(int(roles.get(version) == role))
@@ -466,9 +461,10 @@ class Reconciler:
         with self._lock:
             self._report(self._last_error)
             _, desired = self.desired.read()
-            evidence = merged(self.desired.workers())
-            for name, entry in sorted(desired.items()):
-                verdict = judge(name, entry, evidence) if entry.get("versions") else None
+            judged = {name: entry for name, entry in desired.items() if entry.get("versions") and has_rules(entry)}
+            evidence = merged(self.desired.workers()) if judged else {}
+            for name, entry in sorted(judged.items()):
+                verdict = judge(name, entry, evidence)
                 if verdict is None:
                     continue
                 action, version, why = verdict
@@ -482,32 +478,20 @@ class Reconciler:
         _, desired = self.desired.read()
         roles = {}
         for name, (_, default) in self.routes.routes().items():
+            candidate = self.routes.candidate(name)
             entry = {**(desired.get(name) or {}), "default": default}
-            roles.update({(name, v): role for v, role in _roles(entry, self.routes.candidate(name)).items()})
+            roles.update({(name, v): role for v, role in roles_of(
+                entry, candidate and candidate.version, bool(candidate and candidate.canary_percent)).items()})
         return roles
 
     def rollouts(self) -> dict[str, dict[str, Any]]:
-        """Every model with a rollout or a watch: its entry's rollout, the evidence over every worker, and what
-        the automatic promotion waits for."""
+        """Every model with a rollout, a previous default or a watch: its entry's rollout, the evidence over every
+        worker, and what the automatic promotion waits for (app/engine/rollout.summary)."""
         _, desired = self.desired.read()
-        evidence = merged(self.desired.workers())
-        shown: dict[str, dict[str, Any]] = {}
-        for name, entry in sorted(desired.items()):
-            rollout = entry.get("rollout") or {}
-            if not entry.get("versions") or not (rollout or entry.get("watch") or entry.get("previous_default")):
-                continue
-            candidate, live = rollout.get("candidate"), entry["default"]
-            promote = rule_from_entry(PromoteRule, rollout.get("promote"))
-            shown[name] = {
-                "live": live, "candidate": candidate, "canary_percent": rollout.get("canary_percent", 0.0),
-                "shadow_percent": rollout.get("shadow_percent", 0.0), "previous": entry.get("previous_default"),
-                "rolled_back": entry.get("rolled_back", []), "watch": entry.get("watch"),
-                "promote": rollout.get("promote"), "rollback": rollout.get("rollback"),
-                "promotion": None if candidate is None or promote is None else
-                promotion_status(promote, rollout, name, candidate, live, evidence)[1],
-                "comparison": evidence["comparisons"].get((name, candidate, live)) if candidate else None,
-                "traffic": {v: t for (m, v), t in evidence["traffic"].items() if m == name}}
-        return shown
+        shown = {name: entry for name, entry in sorted(desired.items()) if entry.get("versions") and (
+            entry.get("rollout") or entry.get("watch") or entry.get("previous_default"))}
+        evidence = merged(self.desired.workers()) if shown else {}
+        return {name: summary(name, entry, evidence) for name, entry in shown.items()}
 
     # -- what this worker serves ------------------------------------------------------------------------------------
 
@@ -531,13 +515,3 @@ class Reconciler:
         """Stop following and polling."""
         self._stop.set()
 
-
-def _roles(entry: Entry, candidate: Candidate | None) -> dict[str, str]:
-    """Each version's role in its model's rollout: live (the default), canary or shadow (the candidate),
-    previous (kept loaded for a rollback)."""
-    roles = {entry["default"]: "live"}
-    if entry.get("previous_default"):
-        roles.setdefault(entry["previous_default"], "previous")
-    if candidate is not None:
-        roles[candidate.version] = "canary" if candidate.canary_percent > 0 else "shadow"
-    return roles

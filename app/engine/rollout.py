@@ -301,3 +301,37 @@ def promotion_status(rule: PromoteRule, rollout: dict[str, Any], model: str, can
         return False, f"held: p99 {ours:.1f} ms over {rule.max_latency_ratio:g}x the live {theirs:.1f} ms"
     agreed = "" if agreement is None else f", top-1 agreement {agreement:.4f}"
     return True, f"{count} {unit}{agreed}, no errors, p99 within {rule.max_latency_ratio:g}x"
+
+
+def has_rules(entry: Entry) -> bool:
+    """Whether ``judge`` has anything to decide for this entry: a promotion rule with a candidate, or a watch."""
+    rollout = entry.get("rollout") or {}
+    return bool((rollout.get("promote") and rollout.get("candidate")) or entry.get("watch"))
+
+
+def roles_of(entry: Entry, candidate: str | None, canary: bool) -> dict[str, str]:
+    """Each version's role in its model's rollout: live (the default), canary or shadow (the candidate),
+    previous (kept loaded for a rollback)."""
+    roles = {entry["default"]: "live"}
+    if entry.get("previous_default"):
+        roles.setdefault(entry["previous_default"], "previous")
+    if candidate is not None:
+        roles[candidate] = "canary" if canary else "shadow"
+    return roles
+
+
+def summary(model: str, entry: Entry, evidence: dict[str, Any]) -> dict[str, Any]:
+    """A model's rollout as /v1/models shows it: the entry's rollout and rules, the evidence of every worker
+    (app/engine/evidence.merged), and what the automatic promotion waits for."""
+    rollout = entry.get("rollout") or {}
+    candidate, live = rollout.get("candidate"), entry["default"]
+    promote = rule_from_entry(PromoteRule, rollout.get("promote"))
+    return {
+        "live": live, "candidate": candidate, "canary_percent": rollout.get("canary_percent", 0.0),
+        "shadow_percent": rollout.get("shadow_percent", 0.0), "previous": entry.get("previous_default"),
+        "rolled_back": entry.get("rolled_back", []), "watch": entry.get("watch"),
+        "promote": rollout.get("promote"), "rollback": rollout.get("rollback"),
+        "promotion": None if candidate is None or promote is None else
+        promotion_status(promote, rollout, model, candidate, live, evidence)[1],
+        "comparison": evidence["comparisons"].get((model, candidate, live)) if candidate else None,
+        "traffic": {v: t for (m, v), t in evidence["traffic"].items() if m == model}}

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import json
+from typing import Any, Callable
 
 import pydantic
 import torch
 from flask import Blueprint, Response, request
 
 from app.engine.loaded_version import LoadedVersion
+from app.engine.reconciler import Reconciler
 from app.engine.service import Service
 from app.errors import BadRequest
 from app.v1.payload import PredictInput, parse_predict
@@ -104,26 +106,24 @@ def _version_named() -> str | None:
         raise BadRequest(f'the body must be empty or {{"version": "<version>"}}: {exc.errors()[0]["msg"]}') from None
 
 
-def _changed(name: str, entry: dict[str, object]) -> Response:
-    body = RolloutChanged(model=name, default=str(entry["default"]), versions=list(entry["versions"]),  # type: ignore
-                          previous=entry.get("previous_default"),  # type: ignore[arg-type]
-                          rolled_back=list(entry.get("rolled_back", [])))  # type: ignore[arg-type]
+def _rollout_call(name: str, call: Callable[[Reconciler, str, str | None], dict[str, Any]]) -> Response:
+    """``Reconciler.promote`` or ``.rollback`` with the body's optional version; answers the model as it is now."""
+    version = _version_named()
+    service = current_service()
+    service.wait_loaded(service.settings.repository_sync_timeout_s)
+    entry = call(service.reconciler, name, version)
+    body = RolloutChanged(model=name, default=str(entry["default"]), versions=list(entry["versions"]),
+                          previous=entry.get("previous_default"), rolled_back=list(entry.get("rolled_back", [])))
     return Response(body.model_dump_json(), mimetype="application/json")
 
 
 @bp.post("/v1/models/<name>/promote")
 def promote(name: str) -> Response:
     """Make a version (default: the rollout's candidate) the model's default in every worker."""
-    version = _version_named()
-    service = current_service()
-    service.wait_loaded(service.settings.repository_sync_timeout_s)
-    return _changed(name, service.reconciler.promote(name, version))
+    return _rollout_call(name, Reconciler.promote)
 
 
 @bp.post("/v1/models/<name>/rollback")
 def rollback(name: str) -> Response:
     """Serve a version (default: the previous default) again in every worker; the one it replaces is rolled back."""
-    version = _version_named()
-    service = current_service()
-    service.wait_loaded(service.settings.repository_sync_timeout_s)
-    return _changed(name, service.reconciler.rollback(name, version))
+    return _rollout_call(name, Reconciler.rollback)
