@@ -53,7 +53,7 @@ def create_app(settings: "Settings | None" = None, predictor: "Predictor | None"
     from flask import Flask
 
     from app.config import load_settings
-    from app.engine.malloc import keep_freed_memory
+    from models.data.malloc import keep_freed_memory
     from app.engine.service import Service
     from app.engine.sources import DirectorySource, GivenSource
     from app.logs import configure_logging

@@ -14,6 +14,7 @@ SERVING_CONTRACT: tuple[str, ...] = (
     "models.architectures",  # build_model: a state-dict export's architecture
     "models.presets",  # the eval transform (PIL and tensor), the accepted image formats
     "models.data.jpeg",  # batched device JPEG decoding (the server's device decode path)
+    "models.data.malloc",  # glibc tuning for decode buffers (the server's workers, models.predict)
     "models.export.manifest",  # what a weights directory holds
     "models.export.checks",  # ModelLoadError; manifest, checksum, output shape, device and dtype checks
     "models.export.choose",  # which artefact serves: ONNX, an AOTInductor package, a weights file (FASTEST_ON)

@@ -31,12 +31,16 @@ from app.engine.decode import DecodeLimits, image_to_tensor
 from app.engine.predictor import Predictor
 from app.engine.tensor_decode import image_to_tensor_path
 from app.engine.tuning import decode_path
+from models.data.malloc import keep_freed_memory
 from models.export.load import optimize_for_cpu
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
 # The service's default limits (and any VISIONSERVE_* overrides), so every contender decodes the same way.
 LIMITS = DecodeLimits.from_settings(Settings())
 DECODE_PATH = decode_path(Settings().decode_path, torch.device("cpu"))  # what the server decodes with on the CPU
+# The server's glibc tuning for decode buffers (its workers apply it at start; without it large decodes page-fault
+# fresh memory each time): in this process and in each spawned pipeline process, which imports this module.
+keep_freed_memory(Settings().malloc_trim_threshold_mb)
 
 
 def decode_served(data: bytes, predictor: Predictor) -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from models.data.malloc import DEFAULT_TRIM_THRESHOLD_MB, keep_freed_memory
 from models.export.checks import ModelLoadError
 from models.export.load import LoadedModel, load_model
 from models.export.repository import RepositoryError, is_export, models, newest
@@ -219,6 +220,7 @@ def run(args: argparse.Namespace, env: DistEnv) -> None:
     weights = weights_folder(args.weights, args.model, args.version)
     workers = (os.cpu_count() or 1) if args.workers is None else args.workers
     args.workers = workers
+    keep_freed_memory(DEFAULT_TRIM_THRESHOLD_MB)  # before any image is decoded; the DataLoader's workers inherit it
     device = rank_device(args.device, env)
     threads = forward_threads(args.threads, device, workers)
     loaded = load_model(weights, weights_format=args.weights_format, device=device, dtype=args.dtype,

@@ -85,3 +85,14 @@ def test_gpu_report_compares_each_point_with_the_best_pipeline_of_its_run() -> N
         gpu_report(results, {"gpu": "H100", "cpus": 16, "torch": "x", "dtype": "float16"}))
     assert "| 16 x 4 processes | 300.0 | 4 processes x ... |" in markdown
     assert "median: 30.0 ms" in markdown and "| GPU | 1150.0 |" in markdown
+
+
+def test_the_batch_inference_report_gives_each_round_and_the_median_ratio() -> None:
+    from bench.training.predict import report as predict_report
+
+    args = argparse.Namespace(weights=Path("w"), device="cpu", dtype="float32", images=10, rounds=3, predict_args="")
+    rounds = [(90.0, 5.0, 6.0, 100.0, "a"), (60.0, 5.0, 7.0, 100.0, "b"), (99.0, 5.0, 6.0, 90.0, "c")]
+    text = predict_report(args, rounds)
+    assert "| 2 | 100.0 | b | 60.0 | 5.0, 7.0 | 0.60 |" in text
+    assert "**0.90** (target 0.9)" in text  # the median of 0.90, 0.60 and 1.10, not a ratio of medians
+    assert "--rounds 3" in text and "--predict-args" not in text
