@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import json
+import socket
+from typing import Iterator
 
 import pytest
+from gunicorn.config import Config
+from gunicorn.http.parser import RequestParser
 
-from app.worker import body_length, timeout_response
+from app.worker import HeldUnreader, body_length, timeout_response
 
 
 @pytest.mark.parametrize("head, expected", [
@@ -28,3 +32,74 @@ def test_a_timeout_answer_is_408_json_in_the_service_error_shape() -> None:
     assert f"Content-Length: {len(body)}".encode() in head
     assert json.loads(body) == {"error": {"code": "request_timeout", "request_id": None,
                                           "message": "the request headers did not arrive within 10s"}}
+
+
+def _request(body: bytes, path: str = "/predict") -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+@pytest.fixture
+def sockets() -> Iterator[tuple[socket.socket, socket.socket]]:
+    ours, client = socket.socketpair()
+    yield ours, client
+    ours.close()
+    client.close()
+
+
+def _parser(sock: socket.socket, held: bool) -> RequestParser:
+    parser = RequestParser(Config(), sock, ("127.0.0.1", 1))
+    if held:
+        parser.unreader = HeldUnreader(sock)
+    return parser
+
+
+def _bodies(parser: RequestParser, count: int, piece: int) -> list[tuple[str, bytes]]:
+    """``count`` requests out of the parser, each body read in ``piece``-byte reads (the app's way)."""
+    found = []
+    for _ in range(count):
+        message = next(parser)
+        pieces = []
+        while data := message.body.read(piece):
+            pieces.append(data)
+        found.append((message.path, b"".join(pieces)))
+    return found
+
+
+@pytest.mark.parametrize("piece", [1, 1000, 65536, 1 << 22])
+def test_the_held_unreader_gives_the_parser_what_gunicorns_gives_it(sockets, piece: int) -> None:
+    # Two pipelined requests held, the second one's body partly still in the socket, then a third from the socket.
+    ours, client = sockets
+    bodies = [bytes(range(256)) * 600, b"", b"z" * 70_000]
+    stream = _request(bodies[0], "/a") + _request(bodies[1], "/b") + _request(bodies[2], "/c")
+    held, sent = stream[:len(stream) - 50_000], stream[len(stream) - 50_000:]
+    answers = {}
+    for kind in (False, True):
+        client.sendall(sent)
+        parser = _parser(ours, held=kind)
+        parser.unreader.unread(bytearray(held))
+        answers[kind] = _bodies(parser, 3, piece)
+    assert answers[True] == answers[False] == [("/a", bodies[0]), ("/b", b""), ("/c", bodies[2])]
+
+
+def test_the_held_unreader_keeps_the_order_of_what_is_unread(sockets) -> None:
+    ours, client = sockets
+    unreader = HeldUnreader(ours)
+    unreader.unread(b"0123456789")
+    assert unreader.read(4) == b"0123"
+    unreader.unread(b"23")  # the tail of the last slice: a step back
+    assert unreader.read(3) == b"234"
+    unreader.unread(b"ab")  # anything else goes before what is held
+    client.sendall(b"socket")
+    assert unreader.read(9) == b"ab56789so"
+    assert unreader.read() == b"cket"
+    unreader.unread(b"left")
+    assert unreader.take_buffered() == b"left" and unreader.take_buffered() == b""
+
+
+def test_a_kept_alive_connection_holds_nothing_once_its_request_was_read(sockets) -> None:
+    ours, _ = sockets
+    parser = _parser(ours, held=True)
+    parser.unreader.unread(bytearray(_request(b"x" * 200_000)))
+    assert _bodies(parser, 1, 65536)[0][1] == b"x" * 200_000
+    assert parser.unreader._held == b""
