@@ -66,7 +66,8 @@ def export_models(out: Path) -> dict[str, Path]:
 # The settings tried against the defaults at C=16 before the run: the fastest is measured at every concurrency as
 # "visionserve (best: ...)". Each is one or more VISIONSERVE_ settings without the prefix, space-separated.
 # WEIGHTS_FORMAT=torchscript: the same serving design on PyTorch's fastest form of the model, the peers' model.
-CANDIDATES = ("WORKERS=1", "WORKERS=3", "MAX_BATCH_SIZE=4", "WORKERS=3 MAX_BATCH_SIZE=4", "WEIGHTS_FORMAT=torchscript")
+CANDIDATES = ("WORKERS=1", "WORKERS=3", "MAX_BATCH_SIZE=4", "WORKERS=3 MAX_BATCH_SIZE=4", "AUTO_BATCH_SIZE=false",
+              "WEIGHTS_FORMAT=torchscript")
 
 
 def parse_settings(candidate: str) -> dict[str, str]:
