@@ -6,9 +6,11 @@ canary, shadow, promotion, rollback), so the docs and the code cannot part.
 How a command runs: from a scratch folder holding `data/mine` (three classes of small photos) and `cat.jpg`;
 `.venv/bin/python` and `python` are this interpreter, `.venv/bin/torchrun` is `python -m torch.distributed.run`;
 `[VAR=value ...] make serve` starts the server (bin/serve, as `make serve` does) with those settings on a free port,
-stopping the one before; `localhost:8000` is that server. While a polling server runs, each command is followed by
-one poll interval (every worker reads what the command wrote, e.g. repository.json) and a wait until the
-repository's newest versions are served or refused.
+stopping the one before; `localhost:8000` is that server. While a polling server runs, each command that changes what
+is served (one that writes into the repository, or a load, unload, promote or rollback call) is followed by one poll
+interval (every worker reads what the command wrote, e.g. repository.json) and a wait until the repository's newest
+versions are served or refused; one that only reads (a prediction, a listing) by READ_PAUSE_S, the moment a person
+takes to read its answer (what the workers share every second, such as shadow comparisons, is then shared).
 """
 from __future__ import annotations
 
@@ -34,6 +36,9 @@ from tests.support.fakes import wait_until
 WALKTHROUGHS = ("docs/training.md", "docs/models.md")
 MAKE_SERVE = re.compile(r"^((?:[A-Z_]+=\S+\s+)*)make serve$")
 CLASSES = {"red": (200, 40, 40), "green": (40, 180, 60), "blue": (40, 60, 200)}
+READ_PAUSE_S = 2.0
+# A command that writes into the repository folder (a path, --repository, --export-repository) or asks for a change.
+CHANGES_SERVING = re.compile(r"(?:^|[\s>])repository/|--(?:export-)?repository\s|/(?:load|unload|promote|rollback)\b")
 
 
 def walkthrough_commands() -> list[tuple[str, str]]:
@@ -60,6 +65,7 @@ class Walk:
     def __init__(self, work: Path) -> None:
         self.work, self.server, self.poll_s = work, None, 0.0  # type: Path, Running | None, float
         self.started = 0
+        self.seconds: list[tuple[float, str]] = []  # each command's wall time, printed by the test (-s shows it)
 
     def serve(self, assignments: str) -> None:
         if self.server is not None:
@@ -75,6 +81,13 @@ class Walk:
         self.server.wait_ready()
 
     def run(self, doc: str, command: str) -> str:
+        started = time.perf_counter()
+        try:
+            return self._run(doc, command)
+        finally:
+            self.seconds.append((time.perf_counter() - started, command.strip().splitlines()[0][:100]))
+
+    def _run(self, doc: str, command: str) -> str:
         serve = MAKE_SERVE.match(command.strip())
         if serve:
             self.serve(serve.group(1))
@@ -89,8 +102,8 @@ class Walk:
                                 env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
         log = self.server.output()[-3000:] if self.server is not None else ""
         assert result.returncode == 0, f"{doc}: {command}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}\n{log}"
-        if self.poll_s:  # as a person at a terminal: every worker has polled once before the next command
-            time.sleep(self.poll_s)
+        if self.poll_s:  # as a person at a terminal: a change waits until every worker has polled once
+            time.sleep(self.poll_s if CHANGES_SERVING.search(command) else READ_PAUSE_S)
             wait_until(self._repository_settled, timeout=120)
         return result.stdout
 
@@ -129,6 +142,11 @@ def test_every_walkthrough_command_is_found() -> None:
     assert any("--name mine" in c and "--export-repository repository" in c for c in commands)  # version 2
     predict = [c for c in commands if "-m models.predict" in c]
     assert any("--labels" in c for c in predict) and any("torchrun" in c for c in predict)  # evaluating and scoring
+    # the poll's wait follows what changes the repository or the served versions, and nothing that only reads
+    changing = [c.split()[-1] for c in commands if CHANGES_SERVING.search(c) and c.startswith("curl")]
+    assert {"localhost:8000/v1/models/mine/promote", "localhost:8000/v1/models/mine/rollback"} <= set(changing)
+    assert any(CHANGES_SERVING.search(c) for c in commands if c.startswith("echo") and "repository.json" in c)
+    assert not [c for c in commands if CHANGES_SERVING.search(c) and ("/predict" in c or "/index" in c)]
 
 
 @pytest.mark.slow
@@ -136,6 +154,7 @@ def test_the_training_and_models_docs_run_end_to_end(walk: Walk) -> None:
     outputs = {}
     for doc, command in walkthrough_commands():
         outputs[command] = walk.run(doc, command)
+    print("\n".join(f"{seconds:6.1f} s  {command}" for seconds, command in sorted(walk.seconds, reverse=True)))
     repository = walk.work / "repository"
     assert sorted(p.parent.name for p in (repository / "mine").glob("*/manifest.json")) == ["1", "2"]
     assert (walk.work / "runs" / "mine" / "export" / "manifest.json").is_file()
