@@ -156,9 +156,10 @@ def write(results: dict[str, Any], machine: dict[str, Any], args: argparse.Names
     return markdown
 
 
-def save_result(kind: str, text: str) -> Path:
-    """Write ``text`` to bench/results/<date>-<kind>-cpu-<cores>cpu-vm.md, print it, and return the path."""
-    out = RESULTS / f"{datetime.date.today()}-{kind}-cpu-{os.cpu_count()}cpu-vm.md"
+def save_result(kind: str, text: str, machine: str | None = None) -> Path:
+    """Write ``text`` to bench/results/<date>-<kind>-<machine>.md (default machine: cpu-<cores>cpu-vm), print it,
+    and return the path."""
+    out = RESULTS / f"{datetime.date.today()}-{kind}-{machine or f'cpu-{os.cpu_count()}cpu-vm'}.md"
     out.write_text(text, encoding="utf-8")
     print(text)
     return out

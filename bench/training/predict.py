@@ -16,7 +16,6 @@ the medians, and the ratio is the median of the rounds' ratios.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import subprocess
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from bench.paths import RESULTS, WORK
+from bench.paths import WORK
 from bench.serving.limit import configurations, measure, process_pipeline, served_config
 from bench.serving.report import save_result
 from harness.photos import workload
@@ -97,9 +96,10 @@ def report(args: argparse.Namespace, rounds: list[tuple[float, float, float, flo
              "|---:|---:|---|---:|---|---:|"]
     for i, (rate, short, long, limit, config) in enumerate(rounds, 1):
         lines.append(f"| {i} | {limit:.1f} | {config} | {rate:.1f} | {short:.1f}, {long:.1f} | {rate / limit:.2f} |")
-    ratio = statistics.median(rate / limit for rate, _, _, limit, _ in rounds)
-    lines.append(f"| median | {statistics.median(r[3] for r in rounds):.1f} | | "
-                 f"{statistics.median(r[0] for r in rounds):.1f} | | **{ratio:.2f}** (target 0.9) |")
+    rates, limits = [rate for rate, *_ in rounds], [limit for *_, limit, _ in rounds]
+    ratio = statistics.median(rate / limit for rate, limit in zip(rates, limits))
+    lines.append(f"| median | {statistics.median(limits):.1f} | | {statistics.median(rates):.1f} | | "
+                 f"**{ratio:.2f}** (target 0.9) |")
     return "\n".join(lines) + "\n"
 
 
@@ -127,14 +127,10 @@ def main() -> None:
             limit, config = cpu_limit(args.weights, args.batch_size, args.seconds)
         rounds.append((rate, short, long, limit, config))
     text = report(args, rounds)
-    if not args.save:
-        print(text)
-    elif on_cuda:
-        out = RESULTS / f"{datetime.date.today()}-predict-gpu-{torch.cuda.get_device_name().split()[1].lower()}.md"
-        out.write_text(text, encoding="utf-8")
-        print(text)
+    if args.save:
+        save_result("predict", text, f"gpu-{torch.cuda.get_device_name().split()[1].lower()}" if on_cuda else None)
     else:
-        save_result("predict", text)
+        print(text)
 
 
 if __name__ == "__main__":
