@@ -219,9 +219,9 @@ class Settings(BaseSettings):
         "scale (libjpeg's DCT scaling), never below it; 0 = off. Measured effect in docs/performance.md.")
     decode_path: Literal["auto", "pil", "tensor", "device"] = Field(
         "auto", description="Where images are decoded and preprocessed. `pil`: in the request threads with PIL "
-        "(reduced-scale JPEG decoding, PIL's resize). `tensor`: in the request threads with torchvision's "
-        "libjpeg-turbo decoder (EXIF orientation applied; PIL for other formats) and the resize, crop and "
-        "normalisation on tensors. `device`: the request threads check headers and limits only, and the batch worker "
+        "(reduced-scale JPEG decoding, PIL's resize). `tensor`: in the request threads, JPEGs with "
+        "libjpeg-turbo straight into a tensor (PIL's pixels: its reduced scale and EXIF orientation; PIL for other "
+        "formats) and the resize, crop and normalisation on tensors. `device`: the request threads check headers and limits only, and the batch worker "
         "decodes the whole batch on the model's device (nvJPEG on CUDA, PIL for what it refuses) and preprocesses "
         "it there. `auto`: `device` on CUDA, `tensor` on the CPU (1.2x PIL's images/s there at the same answers: "
         "docs/performance.md).")

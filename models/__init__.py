@@ -13,7 +13,7 @@ The server (``app/``) imports only the modules of ``SERVING_CONTRACT``, which im
 SERVING_CONTRACT: tuple[str, ...] = (
     "models.architectures",  # build_model: a state-dict export's architecture
     "models.presets",  # the eval transform (PIL and tensor), the accepted image formats
-    "models.data.jpeg",  # batched device JPEG decoding (the server's device decode path)
+    "models.data.jpeg",  # JPEG decoding on the CPU (the tensor path) and batched on a device (the device path)
     "models.data.malloc",  # glibc tuning for decode buffers (the server's workers, models.predict)
     "models.export.manifest",  # what a weights directory holds
     "models.export.checks",  # ModelLoadError; manifest, checksum, output shape, device and dtype checks

@@ -2,8 +2,8 @@
 request thread does with an image's bytes (``prepare``) and how the batch worker turns the prepared images into
 the model's input batch (``collate``).
 
-- ``pil`` and ``tensor``: the request thread decodes and preprocesses (PIL, or torchvision's decoders and the
-  transform on tensors), in parallel with the forward pass of the batch before; ``collate`` stacks the rows.
+- ``pil`` and ``tensor``: the request thread decodes and preprocesses (PIL, or libjpeg-turbo into a tensor and
+  the transform on tensors), in parallel with the forward pass of the batch before; ``collate`` stacks the rows.
 - ``device``: the request thread reads the header and checks every limit only (``Encoded``); ``collate`` decodes
   the whole batch on the model's device and preprocesses it there (app/engine/device_decode.py).
 

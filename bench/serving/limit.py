@@ -3,7 +3,7 @@
     python -m bench.serving.limit --weights weights  # prints images/s per inference configuration and batch size
 
 Images are decoded the way the server decodes them on the CPU (its default DECODE_PATH: the tensor path, libjpeg-turbo
-through torchvision); in one process, decoding runs in a thread pool (the decoders release the GIL), overlapping the
+into a tensor); in one process, decoding runs in a thread pool (the decoders release the GIL), overlapping the
 forward pass of the previous batch. The same pipeline in one process per core with one forward thread each (as the service runs one gunicorn
 worker per core on a CPU host) is measured too: on a small CPU it is the faster one.
 

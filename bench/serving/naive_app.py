@@ -1,6 +1,7 @@
 """The baseline most tutorials show: a Flask app that runs one forward pass per request, no batching.
 
-Same weights, same decode and eval transform as visionserve, so the comparison isolates the serving design.
+Same weights, decode limits and eval transform as visionserve (its PIL decode path, `DECODE_PATH=pil`), so the
+comparison isolates the serving design.
 It reads a raw image body, or JSON ``{"image": "<base64>"}`` the way such tutorials do (``request.get_json()``,
 ``base64.b64decode``). Run by the benchmark as: gunicorn bench.serving.naive_app:app (with the same worker settings as visionserve).
 """

@@ -1,15 +1,64 @@
-"""Batched JPEG decoding on a device (nvJPEG on CUDA, libjpeg-turbo on the CPU), shared by the server's device
-decode path and training's GPU data path."""
+"""JPEG decoding: one JPEG on the CPU as PIL would decode it, only faster (the server's tensor path and
+models.predict), and batched on a device (nvJPEG on CUDA, libjpeg-turbo on the CPU: the server's device decode
+path and training's GPU data path)."""
 from __future__ import annotations
 
 import contextlib
 import logging
 from typing import Sequence
 
+import numpy as np
+import simplejpeg
 import torch
+from PIL import Image
 from torchvision.io import ImageReadMode, decode_jpeg
 
 log = logging.getLogger(__name__)
+
+_ORIENTATION = 0x0112  # the EXIF tag
+
+
+def draft_scale(size: tuple[int, int], min_side: int) -> int:
+    """The reduced scale (1, 2, 4 or 8: decoded at 1/scale) PIL's JPEG draft mode picks for an image of ``size``
+    asked to keep both sides at least ``min_side`` pixels (0: full size)."""
+    fits = min(size) // min_side if min_side else 0
+    return next((scale for scale in (8, 4, 2) if fits >= scale), 1)
+
+
+def decode_jpeg_cpu(data: bytes, header: Image.Image, min_side: int) -> torch.Tensor:
+    """A JPEG whose ``header`` PIL has read, as an upright RGB uint8 (3, H, W) tensor: PIL's pixels bit for bit
+    (its draft scale for ``min_side``, its EXIF turn), decoded by libjpeg-turbo straight into the array the tensor
+    wraps. ValueError when libjpeg-turbo refuses the data (CMYK, truncated): PIL decodes it, or says why not."""
+    width, height = header.size
+    scale = draft_scale(header.size, min_side)
+    # The smallest of libjpeg-turbo's scales that keeps these sizes is exactly 1/scale (PIL rounds up too).
+    size = (-(-height // scale), -(-width // scale))
+    pixels = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=size[0], min_width=size[1])
+    if pixels.shape[:2] != size:
+        raise ValueError(f"decoded at {pixels.shape[1]}x{pixels.shape[0]}, not {size[1]}x{size[0]}")
+    return torch.from_numpy(_upright(pixels, _orientation(header))).permute(2, 0, 1)
+
+
+def _orientation(header: Image.Image) -> int:
+    try:
+        return int(header.getexif().get(_ORIENTATION, 1))
+    except Exception:  # noqa: BLE001 - a broken EXIF block should not lose an otherwise good photo (as with PIL)
+        log.debug("ignoring unreadable EXIF orientation", exc_info=True)
+        return 1
+
+
+def _upright(pixels: np.ndarray, orientation: int) -> np.ndarray:
+    """(H, W, 3) pixels turned as PIL's ``exif_transpose`` turns them for EXIF ``orientation`` (1-8; others: as
+    stored). Mirrors and turns are views; a copy is made only for a mirror (torch takes no negative steps)."""
+    if orientation in (5, 6, 7, 8):  # the ones that swap width and height: transpose first
+        pixels = pixels.transpose(1, 0, 2)
+    flip_rows, flip_columns = {2: (False, True), 3: (True, True), 4: (True, False), 6: (False, True),
+                               7: (True, True), 8: (True, False)}.get(orientation, (False, False))
+    if flip_rows:
+        pixels = pixels[::-1]
+    if flip_columns:
+        pixels = pixels[:, ::-1]
+    return np.ascontiguousarray(pixels) if flip_rows or flip_columns else pixels
 
 _DECODE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 

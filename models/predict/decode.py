@@ -17,9 +17,8 @@ from typing import Any, Sequence
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
-from torchvision.io import ImageReadMode, decode_jpeg
 
-from models.data.jpeg import decode_jpegs
+from models.data.jpeg import decode_jpeg_cpu, decode_jpegs
 from models.predict.inputs import Item
 from models.presets import (
     IMAGE_FORMATS,
@@ -79,14 +78,12 @@ def load_upright(image: Image.Image, limits: Limits) -> Image.Image:
 
 
 def decode_pixels(data: bytes, limits: Limits) -> torch.Tensor:
-    """The tensor path's decode: uint8 (3, H, W), libjpeg-turbo for JPEGs below the reduced-scale size, else PIL."""
+    """The tensor path's decode: uint8 (3, H, W), libjpeg-turbo for JPEGs (PIL's pixels), else PIL."""
     image = open_checked(data, limits)
-    draft = limits.jpeg_draft_min_side
-    if image.format in JPEG_FORMATS and not (draft and min(image.size) >= 2 * draft):
+    if image.format in JPEG_FORMATS:
         try:
-            return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB,
-                               apply_exif_orientation=True)
-        except RuntimeError:  # libjpeg-turbo refused it: PIL decides, as on the server
+            return decode_jpeg_cpu(data, image, limits.jpeg_draft_min_side)
+        except ValueError:  # libjpeg-turbo refused it: PIL decides, as on the server
             pass
     return pil_to_tensor(load_upright(image, limits))
 

@@ -1,6 +1,6 @@
-"""The tensor decode path (the CPU twin of issue #18's GPU path): torchvision's JPEG decoder with EXIF orientation,
-PIL for every other format and for JPEGs libjpeg-turbo refuses, the limits before any pixel, and the tensor eval
-transform against PIL's."""
+"""The tensor decode path (the CPU twin of issue #18's GPU path): JPEGs by libjpeg-turbo with PIL's pixels (its
+reduced scale, its EXIF turn), PIL for every other format and for JPEGs libjpeg-turbo refuses, the limits before any
+pixel, and the tensor eval transform against PIL's."""
 from __future__ import annotations
 
 import io
@@ -9,12 +9,16 @@ import numpy as np
 import pytest
 import skimage.data
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 
-from app.engine.decode import DecodeLimits, image_to_tensor
+from app.config import Settings
+from app.engine.decode import DecodeLimits, image_to_tensor, load_upright, open_checked
 from app.engine.tensor_decode import decode_tensor, image_to_tensor_path
 from app.errors import ImageTooLarge, InvalidImage, UnsupportedImageFormat
-from models.presets import EvalPreset, TensorEvalTransform, eval_transform
+from harness.photos import jpeg as photo_jpeg
+from harness.photos import photo
+from models.data.jpeg import draft_scale
+from models.presets import EvalPreset, TensorEvalTransform, eval_transform, pil_to_tensor
 from tests.support.imaging import BLUE, RED, encode, image_bytes
 
 LIMITS = DecodeLimits(max_pixels=1_000_000, max_aspect_ratio=20, jpeg_draft_min_side=0)
@@ -46,6 +50,39 @@ def test_exif_orientation_is_applied_as_on_the_pil_path() -> None:
     exif[0x0112] = 6  # rotate 90 degrees clockwise to display
     data = encode(Image.new("RGB", (40, 20), RED), "JPEG", exif=exif.tobytes())
     assert decode_tensor(data, LIMITS).shape == (3, 40, 20)
+
+
+@pytest.mark.parametrize("orientation", range(10))  # 0: no EXIF; 9: not an orientation (left as stored)
+def test_every_exif_orientation_gives_pils_pixels(orientation: int) -> None:
+    exif = Image.Exif()
+    if orientation:
+        exif[0x0112] = orientation
+    photo = Image.fromarray(np.asarray(skimage.data.astronaut())[:300, :200])  # not square: turns show
+    data = encode(photo, "JPEG", quality=95, exif=exif.tobytes())
+    expected = pil_to_tensor(ImageOps.exif_transpose(Image.open(io.BytesIO(data)).convert("RGB")))
+    assert torch.equal(decode_tensor(data, LIMITS), expected)
+
+
+@pytest.mark.parametrize("size", [(4000, 3000), (1920, 1080), (2048, 2047), (512, 512), (9000, 300)])
+@pytest.mark.parametrize("min_side", [1024, 512, 0])
+def test_the_reduced_scale_is_pils_draft_scale(size: tuple[int, int], min_side: int) -> None:
+    header = Image.open(io.BytesIO(encode(Image.new("RGB", size, RED), "JPEG")))
+    scale = draft_scale(size, min_side)
+    if min_side:
+        header.draft("RGB", (min_side, min_side))
+    assert header.size == (-(-size[0] // scale), -(-size[1] // scale))
+
+
+@pytest.mark.parametrize("size", [(4000, 3000), (1920, 1080), None])
+def test_photos_decode_to_pils_pixels_at_the_default_reduced_scale(size: tuple[int, int] | None) -> None:
+    limits = DecodeLimits(max_pixels=40_000_000, max_aspect_ratio=20,
+                          jpeg_draft_min_side=Settings().jpeg_draft_min_side)
+    data = photo_jpeg(photo("coffee"), size)
+    expected = pil_to_tensor(load_upright(open_checked(data, limits), limits))
+    pixels = decode_tensor(data, limits)
+    assert torch.equal(pixels, expected)
+    if size == (4000, 3000):
+        assert pixels.shape == (3, 1500, 2000)  # decoded at half scale
 
 
 def test_progressive_jpeg_decodes() -> None:
