@@ -1,7 +1,7 @@
 """Model side of visionserve: architectures, preprocessing presets, training and export.
 
     architectures.py, pretrained.py, presets.py   what a model is, its packaged weights, its input transform
-    data/     a training run's images: folders, loaders, augmentation, the GPU data path, batched JPEG decoding
+    data/     a training run's images: folders, loaders, augmentation, the GPU data path, JPEG decoding (CPU, device)
     run/      the training run's parts: options, step (amp, optim), torchrun, checkpoints and resume, reports
     export/   what training hands the server: the weights directory, its formats, the model repository
     train.py  python -m models.train (the script, top to bottom); plot.py: python -m models.plot

@@ -3,9 +3,9 @@
 
 The header is read and every limit checked by PIL first (app/engine/decode.py), before any pixel is decoded.
 JPEGs go to libjpeg-turbo (models/data/jpeg.py ``decode_jpeg_cpu``: PIL's pixels, reduced-scale decoding by
-``JPEG_DRAFT_MIN_SIDE`` and the EXIF orientation included, without PIL's copies); every other format, and any JPEG
-libjpeg-turbo refuses (CMYK, truncated data: PIL then decodes it or says why not), go to PIL's decoder and join the
-same tensor transform.
+``JPEG_DRAFT_MIN_SIDE`` and the EXIF orientation included, without PIL's copies); every other format, CMYK and
+YCCK JPEGs (PIL converts them its own way), and any JPEG libjpeg-turbo refuses (truncated data: PIL then says why
+not) go to PIL's decoder and join the same tensor transform.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def decode_tensor(data: bytes, limits: DecodeLimits) -> torch.Tensor:
         try:
             return decode_jpeg_cpu(data, image, limits.jpeg_draft_min_side)
         except ValueError as exc:
-            log.debug("libjpeg-turbo refused an image, PIL decodes it: %s", exc)
+            log.debug("PIL decodes this JPEG: %s", exc)
     return pil_to_tensor(load_upright(image, limits))  # the header read above, its pixels not yet touched
 
 

@@ -16,6 +16,11 @@ from torchvision.io import ImageReadMode, decode_jpeg
 log = logging.getLogger(__name__)
 
 _ORIENTATION = 0x0112  # the EXIF tag
+# PIL's exif_transpose per EXIF orientation: (transpose first, then mirror the rows, mirror the columns); a value
+# that is none of these keys (absent, 1, a string, a fraction) leaves the pixels as stored, as in PIL.
+_TURNS = {2: (False, False, True), 3: (False, True, True), 4: (False, True, False), 5: (True, False, False),
+          6: (True, False, True), 7: (True, True, True), 8: (True, True, False)}
+_MODES = ("RGB", "L")  # what PIL reads a JPEG as when libjpeg gives PIL's pixels; CMYK and YCCK are left to PIL
 
 
 def draft_scale(size: tuple[int, int], min_side: int) -> int:
@@ -28,37 +33,43 @@ def draft_scale(size: tuple[int, int], min_side: int) -> int:
 def decode_jpeg_cpu(data: bytes, header: Image.Image, min_side: int) -> torch.Tensor:
     """A JPEG whose ``header`` PIL has read, as an upright RGB uint8 (3, H, W) tensor: PIL's pixels bit for bit
     (its draft scale for ``min_side``, its EXIF turn), decoded by libjpeg-turbo straight into the array the tensor
-    wraps. ValueError when libjpeg-turbo refuses the data (CMYK, truncated): PIL decodes it, or says why not."""
+    wraps. ValueError for what PIL must decode itself: CMYK and YCCK (PIL converts them its own way), and data
+    libjpeg-turbo refuses (truncated: PIL then says why)."""
+    if header.mode not in _MODES:
+        raise ValueError(f"a {header.mode} JPEG")
     width, height = header.size
     scale = draft_scale(header.size, min_side)
     # The smallest of libjpeg-turbo's scales that keeps these sizes is exactly 1/scale (PIL rounds up too).
     size = (-(-height // scale), -(-width // scale))
+    found = simplejpeg.decode_jpeg_header(data, min_height=size[0], min_width=size[1])[:2]
+    if found != size:  # checked before the pixels' memory is taken
+        raise ValueError(f"libjpeg-turbo would decode {found[1]}x{found[0]}, not {size[1]}x{size[0]}")
     pixels = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=size[0], min_width=size[1])
-    if pixels.shape[:2] != size:
-        raise ValueError(f"decoded at {pixels.shape[1]}x{pixels.shape[0]}, not {size[1]}x{size[0]}")
-    return torch.from_numpy(_upright(pixels, _orientation(header))).permute(2, 0, 1)
+    return torch.from_numpy(_upright(pixels, _turn(header))).permute(2, 0, 1)
 
 
-def _orientation(header: Image.Image) -> int:
+def _turn(header: Image.Image) -> tuple[bool, bool, bool] | None:
     try:
-        return int(header.getexif().get(_ORIENTATION, 1))
+        return _TURNS.get(header.getexif().get(_ORIENTATION, 1))
     except Exception:  # noqa: BLE001 - a broken EXIF block should not lose an otherwise good photo (as with PIL)
         log.debug("ignoring unreadable EXIF orientation", exc_info=True)
-        return 1
+        return None
 
 
-def _upright(pixels: np.ndarray, orientation: int) -> np.ndarray:
-    """(H, W, 3) pixels turned as PIL's ``exif_transpose`` turns them for EXIF ``orientation`` (1-8; others: as
-    stored). Mirrors and turns are views; a copy is made only for a mirror (torch takes no negative steps)."""
-    if orientation in (5, 6, 7, 8):  # the ones that swap width and height: transpose first
+def _upright(pixels: np.ndarray, turn: tuple[bool, bool, bool] | None) -> np.ndarray:
+    """(H, W, 3) pixels turned by ``turn`` (``_TURNS``). A transpose is a view; a mirror costs a copy (torch takes
+    no negative steps)."""
+    if turn is None:
+        return pixels
+    transpose, flip_rows, flip_columns = turn
+    if transpose:
         pixels = pixels.transpose(1, 0, 2)
-    flip_rows, flip_columns = {2: (False, True), 3: (True, True), 4: (True, False), 6: (False, True),
-                               7: (True, True), 8: (True, False)}.get(orientation, (False, False))
     if flip_rows:
         pixels = pixels[::-1]
     if flip_columns:
         pixels = pixels[:, ::-1]
     return np.ascontiguousarray(pixels) if flip_rows or flip_columns else pixels
+
 
 _DECODE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 

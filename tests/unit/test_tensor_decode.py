@@ -17,7 +17,7 @@ from app.engine.tensor_decode import decode_tensor, image_to_tensor_path
 from app.errors import ImageTooLarge, InvalidImage, UnsupportedImageFormat
 from harness.photos import jpeg as photo_jpeg
 from harness.photos import photo
-from models.data.jpeg import draft_scale
+from models.data.jpeg import decode_jpeg_cpu, draft_scale
 from models.presets import EvalPreset, TensorEvalTransform, eval_transform, pil_to_tensor
 from tests.support.imaging import BLUE, RED, encode, image_bytes
 
@@ -37,12 +37,25 @@ def test_each_format_decodes_to_an_rgb_uint8_tensor(fmt: str) -> None:
 
 
 @pytest.mark.parametrize("mode, color", [("L", 128), ("CMYK", (0, 255, 255, 0))])
-def test_grey_and_cmyk_jpegs_become_rgb(mode: str, color: object) -> None:
-    pixels = decode_tensor(image_bytes(color, mode=mode), LIMITS)  # type: ignore[arg-type]
-    assert pixels.shape[0] == 3
-    if mode == "CMYK":  # red in CMYK stays red, as on the PIL path
-        red, green, blue = _mean_rgb(pixels)
-        assert red > 200 and green < 60 and blue < 60
+def test_grey_and_cmyk_jpegs_become_pils_rgb(mode: str, color: object) -> None:
+    data = image_bytes(color, mode=mode)  # type: ignore[arg-type]
+    assert torch.equal(decode_tensor(data, LIMITS), pil_to_tensor(_pil_upright(data)))
+    if mode == "CMYK":  # libjpeg's CMYK -> RGB is not PIL's: PIL decodes it
+        with pytest.raises(ValueError):
+            decode_jpeg_cpu(data, Image.open(io.BytesIO(data)), 0)
+
+
+def _pil_upright(data: bytes, min_side: int = 0) -> Image.Image:
+    """What PIL's own route gives: the draft for ``min_side``, then exif_transpose and RGB."""
+    image = Image.open(io.BytesIO(data))
+    if min_side:
+        image.draft("RGB", (min_side, min_side))
+    return ImageOps.exif_transpose(image).convert("RGB")
+
+
+def _decoded_fast(data: bytes, min_side: int = 0) -> torch.Tensor:
+    """libjpeg-turbo's decode itself (a ValueError here would otherwise fall back to PIL and hide a difference)."""
+    return decode_jpeg_cpu(data, Image.open(io.BytesIO(data)), min_side)
 
 
 def test_exif_orientation_is_applied_as_on_the_pil_path() -> None:
@@ -52,15 +65,24 @@ def test_exif_orientation_is_applied_as_on_the_pil_path() -> None:
     assert decode_tensor(data, LIMITS).shape == (3, 40, 20)
 
 
-@pytest.mark.parametrize("orientation", range(10))  # 0: no EXIF; 9: not an orientation (left as stored)
+@pytest.mark.parametrize("orientation", range(10))  # 0: no EXIF; 9: not an orientation, left as stored
 def test_every_exif_orientation_gives_pils_pixels(orientation: int) -> None:
     exif = Image.Exif()
     if orientation:
         exif[0x0112] = orientation
-    photo = Image.fromarray(np.asarray(skimage.data.astronaut())[:300, :200])  # not square: turns show
-    data = encode(photo, "JPEG", quality=95, exif=exif.tobytes())
-    expected = pil_to_tensor(ImageOps.exif_transpose(Image.open(io.BytesIO(data)).convert("RGB")))
-    assert torch.equal(decode_tensor(data, LIMITS), expected)
+    astronaut = Image.fromarray(np.asarray(skimage.data.astronaut())[:300, :200])  # not square: turns show
+    data = encode(astronaut, "JPEG", quality=95, exif=exif.tobytes())
+    assert torch.equal(_decoded_fast(data), pil_to_tensor(_pil_upright(data)))
+
+
+@pytest.mark.parametrize("value", ["6", b"6", 6.5])
+def test_an_orientation_that_is_not_an_exif_number_is_left_as_pil_leaves_it(value: object) -> None:
+    data = encode(Image.new("RGB", (40, 20), RED), "JPEG")
+    headers = [Image.open(io.BytesIO(data)) for _ in range(2)]
+    for header in headers:
+        header.getexif()[0x0112] = value  # as a broken or crafted EXIF block reads
+    assert decode_jpeg_cpu(data, headers[0], 0).shape == (3, 20, 40)
+    assert ImageOps.exif_transpose(headers[1]).size == (40, 20)
 
 
 @pytest.mark.parametrize("size", [(4000, 3000), (1920, 1080), (2048, 2047), (512, 512), (9000, 300)])
@@ -73,16 +95,34 @@ def test_the_reduced_scale_is_pils_draft_scale(size: tuple[int, int], min_side: 
     assert header.size == (-(-size[0] // scale), -(-size[1] // scale))
 
 
-@pytest.mark.parametrize("size", [(4000, 3000), (1920, 1080), None])
-def test_photos_decode_to_pils_pixels_at_the_default_reduced_scale(size: tuple[int, int] | None) -> None:
+@pytest.mark.parametrize("size, min_side, scale", [
+    ((4000, 3000), 1024, 2), ((4000, 3000), 512, 4), ((4000, 3000), 256, 8), ((1920, 1080), 1024, 1),
+    (None, 1024, 1)])
+def test_photos_decode_to_pils_pixels_at_each_reduced_scale(size: tuple[int, int] | None, min_side: int,
+                                                             scale: int) -> None:
+    data = photo_jpeg(photo("coffee"), size)
+    pixels = _decoded_fast(data, min_side)
+    assert torch.equal(pixels, pil_to_tensor(_pil_upright(data, min_side)))
+    width, height = Image.open(io.BytesIO(data)).size
+    assert pixels.shape == (3, -(-height // scale), -(-width // scale))
+
+
+def test_a_turned_photo_at_a_reduced_scale_gives_pils_pixels() -> None:
+    exif = Image.Exif()
+    exif[0x0112] = 8
+    data = encode(photo("rocket").resize((2400, 1600)), "JPEG", quality=90, exif=exif.tobytes())
+    pixels = _decoded_fast(data, 512)
+    assert pixels.shape == (3, 1200, 800)  # half scale, turned
+    assert torch.equal(pixels, pil_to_tensor(_pil_upright(data, 512)))
+
+
+def test_the_default_setting_decodes_a_12_mp_photo_at_half_scale_on_the_served_path() -> None:
     limits = DecodeLimits(max_pixels=40_000_000, max_aspect_ratio=20,
                           jpeg_draft_min_side=Settings().jpeg_draft_min_side)
-    data = photo_jpeg(photo("coffee"), size)
-    expected = pil_to_tensor(load_upright(open_checked(data, limits), limits))
+    data = photo_jpeg(photo("coffee"), (4000, 3000))
     pixels = decode_tensor(data, limits)
-    assert torch.equal(pixels, expected)
-    if size == (4000, 3000):
-        assert pixels.shape == (3, 1500, 2000)  # decoded at half scale
+    assert pixels.shape == (3, 1500, 2000)
+    assert torch.equal(pixels, pil_to_tensor(load_upright(open_checked(data, limits), limits)))
 
 
 def test_progressive_jpeg_decodes() -> None:
