@@ -208,3 +208,8 @@ def merged(reports: list[dict[str, Any]]) -> dict[str, Any]:
             traffic[(dump["model"], dump["version"])].append(dump)
     return {"comparisons": {k: merge_comparisons(v) for k, v in comparisons.items()},
             "traffic": {k: merge_traffic(v) for k, v in traffic.items()}}
+
+
+def traffic_p99_ms(reports: list[dict[str, Any]], name: str, version: str) -> float | None:
+    """``version`` of ``name``'s p99 over every worker's traffic since its role changed (None: no requests yet)."""
+    return merged(reports)["traffic"].get((name, version), {}).get("p99")

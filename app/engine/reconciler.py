@@ -1,7 +1,9 @@
 """A worker's model versions, made to match the desired state (app/engine/desired.py) with no failed request.
 
 Everything that wants a change writes the desired state: start-up (what the settings and the repository name), the
-repository poll (what each model's policy picks now), a V2 load or unload call, another worker. One step alone
+repository poll (what each model's policy picks now), a V2 load or unload call, a promotion or rollback (by a call
+or by the rules: app/engine/rollout_changes.py, through ``changing``, ``write`` and ``wait_for_workers``), another
+worker. One step alone
 changes what this worker serves, ``reconcile_model`` (run for every model by ``reconcile`` when another worker wrote
 a newer generation), in five steps:
 
@@ -28,39 +30,30 @@ import json
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from app.config import Settings
 from app.engine.desired import UNLOADED, WATCH_S, Entry, desired_state
-from app.engine.evidence import Evidence, merged
+from app.engine.evidence import Evidence, traffic_p99_ms
 from app.engine.loaded_version import LoadedVersion, start_version
 from app.engine.memory import check_fits
 from app.engine.policy import PolicyError, VersionPolicy, order_key
-from app.engine.rollout import (
-    RolloutPolicy,
-    has_rules,
-    judge,
-    plan,
-    promoted,
-    roles_of,
-    rolled_back,
-    summary,
-)
+from app.engine.rollout import RolloutPolicy, plan, roles_of
+from app.engine.rollout_changes import RolloutChanges
 from app.engine.routing import Candidate, RoutingTable
 from app.engine.sources import Source
 from app.engine.version_states import VersionState, VersionStates
 from app.errors import (
     BadRequest,
-    Conflict,
     InsufficientMemory,
     LoadFailed,
     LoadTimeout,
     NotFound,
     ServiceError,
 )
-from app.metrics import ROLLOUT_CHANGES, ROLLOUT_ROLE
+from app.metrics import ROLLOUT_ROLE
 from models.export.checks import ModelLoadError, resolve_device
 
 log = logging.getLogger(__name__)
@@ -81,11 +74,19 @@ class Reconciler:
         self.evidence = Evidence()  # this worker's rollout comparisons and traffic per version
         self._last_error: str | None = None  # why this worker could not apply the desired state, as reported
         self._stop = threading.Event()
+        self.rollouts = RolloutChanges(self)  # promotions and rollbacks, by a call or by the rules
 
     @property
     def device(self) -> torch.device:
         """Where this worker's models live (a missing CUDA device raises ModelLoadError at the first load)."""
         return resolve_device(self.settings.device)
+
+    @contextlib.contextmanager
+    def changing(self) -> Iterator[None]:
+        """Hold the change lock: one change at a time in this worker (a call, the poll, the rules, another
+        worker's generation)."""
+        with self._lock:
+            yield
 
     # -- what writes the desired state ---------------------------------------------------------------------------
 
@@ -139,8 +140,8 @@ class Reconciler:
             # A version refused before is tried again once its files change; a rollout keeps the default it has.
             entry = self._wanted(name, config, {"default": now["default"]} if now else None)
             self.reconcile_model(name, entry)
-            generation, _ = self._write({name: entry})
-        self._wait_for_workers(generation)
+            generation, _ = self.write({name: entry})
+        self.wait_for_workers(generation)
 
     def unload(self, name: str) -> None:
         """An unload call: ``name`` served nowhere, until a load call; returns once its versions are freed here."""
@@ -148,62 +149,8 @@ class Reconciler:
             if name not in self.routes.routes() and name not in self.source.models():
                 raise NotFound(f"no model {name!r} is loaded or in the repository")
             self.reconcile_model(name, UNLOADED)
-            generation, _ = self._write({name: UNLOADED})
-        self._wait_for_workers(generation)
-
-    def promote(self, name: str, version: str | None = None) -> Entry:
-        """A promote call: ``version`` (None: the rollout's candidate) becomes the default here, then in every
-        worker; the old default stays loaded as the previous one and the new one is watched by the rollback rule.
-        Raises NotFound, Conflict (nothing to promote), or what a load raises."""
-        return self._by_call(name, "promote", version)
-
-    def rollback(self, name: str, version: str | None = None) -> Entry:
-        """A rollback call: ``version`` (None: the previous default) serves again here, then in every worker; the
-        default it replaces is rolled back (left out until a promotion names it). Raises NotFound, Conflict."""
-        return self._by_call(name, "rollback", version)
-
-    def _by_call(self, name: str, action: str, version: str | None) -> Entry:
-        with self._lock:
-            entry = self._entry_of(name)
-            target = version or ((entry.get("rollout") or {}).get("candidate") if action == "promote"
-                                 else entry.get("previous_default"))
-            if target is None:
-                missing, example = (("rollout candidate to promote", "3") if action == "promote"
-                                    else ("previous default to roll back to", "1"))
-                raise Conflict(f"model {name!r} has no {missing}; name a version ({{\"version\": \"{example}\"}})")
-            if target not in self.source.versions(name):
-                raise NotFound(f"model {name!r} has no version {target!r} in the repository")
-            generation, changed = self._change(name, entry, action, target, "by a call")
-        self._wait_for_workers(generation)
-        return changed
-
-    def _entry_of(self, name: str) -> Entry:
-        entry = self.desired.read()[1].get(name)
-        if not entry or not entry.get("versions"):
-            raise NotFound(f"no model {name!r} is loaded", details={"models": sorted(self.serving())})
-        return entry
-
-    def _change(self, name: str, entry: Entry, action: str, version: str, why: str,
-                read: dict[str, Entry] | None = None) -> tuple[int, Entry]:
-        """A promotion, rollback or settled watch of ``name``: applied here, written, logged as one JSON line.
-        The caller holds the change lock."""
-        if action == "promote":
-            new = promoted(entry, version, self._p99_ms(name, entry["default"]))
-        elif action == "rollback":
-            new = rolled_back(entry, version)
-        else:
-            new = {k: v for k, v in entry.items() if k != "watch"}
-        self.reconcile_model(name, new)
-        generation, complete = self._write({name: new}, read=read)
-        if complete:
-            ROLLOUT_CHANGES.labels(name, action).inc()
-            log.info("%s %s: version %s -> %s, %s", name, action, entry["default"], new["default"], why,
-                     extra={"event": "rollout", "model": name, "action": action, "from_version": entry["default"],
-                            "to_version": new["default"], "reason": why, "generation": generation})
-        return generation, new
-
-    def _p99_ms(self, name: str, version: str) -> float | None:
-        return merged(self.desired.workers())["traffic"].get((name, version), {}).get("p99")
+            generation, _ = self.write({name: UNLOADED})
+        self.wait_for_workers(generation)
 
     def poll(self) -> None:
         """The repository poll: each followed model as its policy (and a load call's config, while its policy.json
@@ -226,7 +173,7 @@ class Reconciler:
                         changes[name] = entry
                 except ServiceError as exc:
                     log.warning("poll: %s: %s", name, exc.message)
-            self._write(changes, read=desired)
+            self.write(changes, read=desired)
 
     def _calls_config(self, name: str, entry: Entry | None) -> Any:
         """The config a load call gave ``name``, while the model's policy.json is still what the call found."""
@@ -350,7 +297,7 @@ class Reconciler:
             raise BadRequest(f"model {name!r}: {exc}") from None
         watch = entry.get("watch")
         if watch and watch.get("baseline_p99_ms") is None:
-            entry["watch"] = {**watch, "baseline_p99_ms": self._p99_ms(name, watch["previous"])}
+            entry["watch"] = {**watch, "baseline_p99_ms": traffic_p99_ms(self.workers(), name, watch["previous"])}
         if config is None:
             return entry
         return {**entry, "config": config, "policy_file": own}
@@ -406,7 +353,7 @@ class Reconciler:
         else:
             threading.Thread(target=run, name=f"retire-{key[0]}-{key[1]}", daemon=True).start()
 
-    def _write(self, changes: dict[str, Entry | None], read: dict[str, Entry] | None = None) -> tuple[int, bool]:
+    def write(self, changes: dict[str, Entry | None], read: dict[str, Entry] | None = None) -> tuple[int, bool]:
         """A change already applied here, into the desired state; returns its generation and whether every change
         was written. With ``read`` (the poll's view), a model another worker's call changed since keeps the call's
         entry: this worker applies it with the rest of that newer generation in reconcile()."""
@@ -426,7 +373,7 @@ class Reconciler:
         self.on_change()
         self.desired.report(self._applied, self.serving(), error, str(self.device), self.evidence.dump())
 
-    def _wait_for_workers(self, generation: int) -> None:
+    def wait_for_workers(self, generation: int) -> None:
         timeout_s = self.settings.repository_sync_timeout_s
         reports, behind = self.desired.wait_applied(generation, timeout_s)
         failed = [f"worker {r['pid']}: {r['error']}" for r in reports
@@ -457,41 +404,10 @@ class Reconciler:
 
     def share_evidence(self) -> None:
         """Write this worker's rollout evidence into its report, then apply what the rules decide on every
-        worker's (a promotion, a rollback, a watch settled), as a call would."""
+        worker's (app/engine/rollout_changes.py)."""
         with self._lock:
             self._report(self._last_error)
-            _, desired = self.desired.read()
-            judged = {name: entry for name, entry in desired.items() if entry.get("versions") and has_rules(entry)}
-            evidence = merged(self.desired.workers()) if judged else {}
-            for name, entry in sorted(judged.items()):
-                verdict = judge(name, entry, evidence)
-                if verdict is None:
-                    continue
-                action, version, why = verdict
-                try:
-                    self._change(name, entry, action, version, f"by the rules: {why}", read=desired)
-                except ServiceError as exc:
-                    log.warning("%s: the rules' %s of version %s failed: %s", name, action, version, exc.message)
-
-    def roles(self) -> dict[tuple[str, str], str]:
-        """(model, version) -> its role now: live, canary, shadow or previous."""
-        _, desired = self.desired.read()
-        roles = {}
-        for name, (_, default) in self.routes.routes().items():
-            candidate = self.routes.candidate(name)
-            entry = {**(desired.get(name) or {}), "default": default}
-            roles.update({(name, v): role for v, role in roles_of(
-                entry, candidate and candidate.version, bool(candidate and candidate.canary_percent)).items()})
-        return roles
-
-    def rollouts(self) -> dict[str, dict[str, Any]]:
-        """Every model with a rollout, a previous default or a watch: its entry's rollout, the evidence over every
-        worker, and what the automatic promotion waits for (app/engine/rollout.summary)."""
-        _, desired = self.desired.read()
-        shown = {name: entry for name, entry in sorted(desired.items()) if entry.get("versions") and (
-            entry.get("rollout") or entry.get("watch") or entry.get("previous_default"))}
-        evidence = merged(self.desired.workers()) if shown else {}
-        return {name: summary(name, entry, evidence) for name, entry in shown.items()}
+            self.rollouts.judge_evidence()
 
     # -- what this worker serves ------------------------------------------------------------------------------------
 

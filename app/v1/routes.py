@@ -9,7 +9,7 @@ import torch
 from flask import Blueprint, Response, request
 
 from app.engine.loaded_version import LoadedVersion
-from app.engine.reconciler import Reconciler
+from app.engine.rollout_changes import RolloutChanges
 from app.engine.service import Service
 from app.errors import BadRequest
 from app.v1.payload import PredictInput, parse_predict
@@ -85,12 +85,12 @@ def models() -> Response:
     show_labels = request.args.get("labels", "").lower() in ("1", "true", "yes")
     service = current_service()
     service.require_loaded()
-    roles = service.reconciler.roles()
+    roles = service.reconciler.rollouts.roles()
     infos = [_model_info(service, model, model.version == default, show_labels, roles.get((model.name, model.version)))
              for versions, default in service.reconciler.routes.routes().values() for model in versions]
     workers = [WorkerModels(**worker) for worker in service.reconciler.workers()]
     default_model = service.reconciler.routes.default_model()
-    rollouts = [Rollout(model=name, **rollout) for name, rollout in service.reconciler.rollouts().items()]
+    rollouts = [Rollout(model=name, **rollout) for name, rollout in service.reconciler.rollouts.summaries().items()]
     body = ModelsResponse(default_model=default_model, models=infos, workers=workers, rollouts=rollouts).model_dump(
         mode="json", exclude_none=True)
     text = json.dumps({**body, "default_model": default_model}, separators=(",", ":"))  # null said: none is it
@@ -106,12 +106,12 @@ def _version_named() -> str | None:
         raise BadRequest(f'the body must be empty or {{"version": "<version>"}}: {exc.errors()[0]["msg"]}') from None
 
 
-def _rollout_call(name: str, call: Callable[[Reconciler, str, str | None], dict[str, Any]]) -> Response:
-    """``Reconciler.promote`` or ``.rollback`` with the body's optional version; answers the model as it is now."""
+def _rollout_call(name: str, call: Callable[[RolloutChanges, str, str | None], dict[str, Any]]) -> Response:
+    """``RolloutChanges.promote`` or ``.rollback`` with the body's optional version; answers the model as it is now."""
     version = _version_named()
     service = current_service()
     service.wait_loaded(service.settings.repository_sync_timeout_s)
-    entry = call(service.reconciler, name, version)
+    entry = call(service.reconciler.rollouts, name, version)
     body = RolloutChanged(model=name, default=str(entry["default"]), versions=list(entry["versions"]),
                           previous=entry.get("previous_default"), rolled_back=list(entry.get("rolled_back", [])))
     return Response(body.model_dump_json(), mimetype="application/json")
@@ -120,10 +120,10 @@ def _rollout_call(name: str, call: Callable[[Reconciler, str, str | None], dict[
 @bp.post("/v1/models/<name>/promote")
 def promote(name: str) -> Response:
     """Make a version (default: the rollout's candidate) the model's default in every worker."""
-    return _rollout_call(name, Reconciler.promote)
+    return _rollout_call(name, RolloutChanges.promote)
 
 
 @bp.post("/v1/models/<name>/rollback")
 def rollback(name: str) -> Response:
     """Serve a version (default: the previous default) again in every worker; the one it replaces is rolled back."""
-    return _rollout_call(name, Reconciler.rollback)
+    return _rollout_call(name, RolloutChanges.rollback)

@@ -41,8 +41,8 @@ def repository_index() -> Response:
     reconciler = current_service().reconciler
     default_model = reconciler.routes.default_model()
     default = (default_model, reconciler.serving().get(default_model or "", {}).get("default"))
-    roles = reconciler.roles()
-    compared = {(name, r["candidate"]): r.get("comparison") for name, r in reconciler.rollouts().items()}
+    roles = reconciler.rollouts.roles()
+    compared = {(name, r["candidate"]): r.get("comparison") for name, r in reconciler.rollouts.summaries().items()}
     rows = [RepositoryModel(name=r.name, version=r.version, state=r.state, reason=r.reason,  # type: ignore[arg-type]
                             default=r.state == "READY" and (r.name, r.version) == default,
                             role=roles.get((r.name, r.version)) if r.state == "READY" else None,

@@ -80,7 +80,7 @@ def _offline_answers(photos: list[bytes]) -> dict[str, list[str]]:
 def _compared(service: Service) -> int:
     """Images the shadow compared so far (over the workers' reports, shared now)."""
     service.reconciler.share_evidence()
-    return ((service.reconciler.rollouts().get("colour") or {}).get("comparison") or {}).get("compared", 0)
+    return ((service.reconciler.rollouts.summaries().get("colour") or {}).get("comparison") or {}).get("compared", 0)
 
 
 def _one_by_one(service: Service, photos: list[bytes], send: Callable[[bytes], object] | None = None) -> None:
@@ -178,7 +178,7 @@ def test_the_rules_promote_on_agreement_and_roll_back_on_errors() -> None:
 
 
 def test_the_shadow_agreement_equals_the_offline_one_and_live_answers_do_not_change(shadowed: Service) -> None:
-    rollouts = shadowed.reconciler.rollouts
+    rollouts = shadowed.reconciler.rollouts.summaries
     live: list[Served] = []
     _one_by_one(shadowed, PHOTOS, lambda photo: live.append(infer(shadowed, [photo])))
     assert {served.version for served in live} == {"1"}
@@ -217,7 +217,7 @@ def test_shadow_work_is_dropped_under_a_burst_and_no_live_request_fails(shadowed
 
     def comparison() -> dict[str, object]:
         shadowed.reconciler.share_evidence()
-        return shadowed.reconciler.rollouts()["colour"]["comparison"] or {"dropped": {}, "compared": 0, "errors": 0}
+        return shadowed.reconciler.rollouts.summaries()["colour"]["comparison"] or {"dropped": {}, "compared": 0, "errors": 0}
 
     with ThreadPoolExecutor(9) as pool:  # a batch of up to 4 runs (held), at least 5 queue
         answers = [pool.submit(infer, shadowed, [PHOTOS[i % len(PHOTOS)]], timeout_s=10) for i in range(9)]
@@ -298,7 +298,7 @@ def test_the_rules_promote_a_candidate_that_agrees_and_roll_back_one_that_fails(
         infer(service, [PHOTOS[4]])
         wait_until(lambda: (service.reconciler.share_evidence() or True)
                    and service.reconciler.routes.routes()["colour"][1] == "2")
-        assert service.reconciler.rollouts()["colour"]["watch"]["version"] == "2"
+        assert service.reconciler.rollouts.summaries()["colour"]["watch"]["version"] == "2"
         service.reconciler.routes.find("colour", "2").predictor.module.fail_when = -10.0  # every batch now fails
         failures = 0
         for photo in PHOTOS[:5]:
@@ -310,7 +310,7 @@ def test_the_rules_promote_a_candidate_that_agrees_and_roll_back_one_that_fails(
         service.reconciler.share_evidence()
         assert service.reconciler.routes.routes()["colour"][1] == "1"  # rolled back by the rules
         assert infer(service, [PHOTOS[0]]).version == "1"
-        assert service.reconciler.rollouts()["colour"]["rolled_back"] == ["2"]
+        assert service.reconciler.rollouts.summaries()["colour"]["rolled_back"] == ["2"]
     finally:
         service.shutdown(timeout=5)
 
@@ -319,10 +319,10 @@ def test_calls_without_anything_to_change_are_conflicts(settings: Settings) -> N
     service = Service.build(settings, _repository())  # type: ignore[arg-type]
     try:
         with pytest.raises(Conflict):
-            service.reconciler.promote("colour")  # no rollout: no candidate
-        assert service.reconciler.promote("colour", "1")["default"] == "1"
+            service.reconciler.rollouts.promote("colour")  # no rollout: no candidate
+        assert service.reconciler.rollouts.promote("colour", "1")["default"] == "1"
         assert infer(service, [PHOTOS[0]]).version == "1"
-        assert service.reconciler.rollback("colour")["default"] == "2"
+        assert service.reconciler.rollouts.rollback("colour")["default"] == "2"
     finally:
         service.shutdown(timeout=5)
 
@@ -345,7 +345,7 @@ def test_a_rollout_set_by_a_load_call_or_a_setting(settings: Settings) -> None:
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
     service = Service.build(settings.model_copy(update={"shadow_percent": 100.0}), _repository())  # type: ignore
     try:
-        assert service.reconciler.roles() == {("colour", "1"): "live", ("colour", "2"): "shadow"}
+        assert service.reconciler.rollouts.roles() == {("colour", "1"): "live", ("colour", "2"): "shadow"}
     finally:
         service.shutdown(timeout=5)
 
@@ -394,7 +394,7 @@ def test_a_candidate_with_other_preprocessing_decodes_the_shadow_images_itself(s
         sizes: list[tuple[int, ...]] = []
         candidate.predictor.module.register_forward_hook(lambda _, inputs, __: sizes.append(inputs[0].shape[2:]))
         _one_by_one(service, PHOTOS)
-        comparison = service.reconciler.rollouts()["colour"]["comparison"]
+        comparison = service.reconciler.rollouts.summaries()["colour"]["comparison"]
         assert comparison["top1_agreement"] == 1.0 and comparison["errors"] == 0  # the same model, other size
         assert sizes and set(sizes) == {(16, 16)}  # the shadow images were decoded at the candidate's own size
     finally:

@@ -99,6 +99,11 @@ def test_the_json_example_in_docs_is_answered(browser, docs_url: str) -> None:  
     assert '"predictions"' in answer
 
 
+def _cards(browser) -> int:  # noqa: ANN001
+    """How many cards the page shows now (find_elements would wait the implicit 10 s for a first one)."""
+    return browser.execute_script("return document.querySelectorAll('.card').length")
+
+
 def _pick(browser, url: str | None, *photos: Path) -> list[str]:  # noqa: ANN001
     """Open the demo page (unless ``url`` is None: it is open), pick ``photos``, and return each card's text (the
     earlier ones' too) once every one is answered."""
@@ -107,9 +112,9 @@ def _pick(browser, url: str | None, *photos: Path) -> list[str]:  # noqa: ANN001
 
     if url is not None:
         browser.get(url + "/")
-    expected = len(browser.find_elements(By.CSS_SELECTOR, ".card")) + len(photos)
+    expected = _cards(browser) + len(photos)
     browser.find_element(By.ID, "files").send_keys("\n".join(map(str, photos)))
-    WebDriverWait(browser, 60).until(lambda b: len(b.find_elements(By.CSS_SELECTOR, ".card")) == expected and
+    WebDriverWait(browser, 60).until(lambda b: _cards(b) == expected and
                                      "Classifying" not in b.find_element(By.ID, "results").text)
     return [card.text for card in browser.find_elements(By.CSS_SELECTOR, ".card")]
 
