@@ -1,15 +1,25 @@
-"""Train and eval transforms. The eval transform is the one the server runs and ``evaluate()`` runs."""
+"""Train and eval transforms. The eval transform is the one the server runs and ``evaluate()`` runs.
+
+The eval transforms are written on PIL and torch alone, as torchvision's Resize, CenterCrop, PILToTensor, ToDtype
+and Normalize compute them (tests/unit/test_presets.py holds them to torchvision's, value for value): importing
+torchvision imports ``torch._dynamo`` (about a second of every server worker's start), so the server imports it
+only for what has no such path here (the device path's nvJPEG, a filter or crop the fast paths leave to it).
+"""
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Callable, Literal
+import platform
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image, ImageOps
 from pydantic import BaseModel, ConfigDict, Field
-from torchvision.transforms import InterpolationMode
-from torchvision.transforms import v2 as T
+
+if TYPE_CHECKING:
+    from torchvision.transforms import InterpolationMode
 
 Interpolation = Literal["nearest", "bilinear", "bicubic", "lanczos"]
 ImageTransform = Callable[[Image.Image], torch.Tensor]
@@ -82,7 +92,23 @@ def upright_rgb(image: Image.Image) -> Image.Image:
 
 def interpolation_mode(name: Interpolation) -> InterpolationMode:
     """torchvision's enum for a preset's filter name."""
+    from torchvision.transforms import InterpolationMode
+
     return InterpolationMode(name)
+
+
+def _torchvision_v2() -> Any:
+    from torchvision.transforms import v2
+
+    return v2
+
+
+def resized_size(width: int, height: int, resize_size: int) -> tuple[int, int]:
+    """(width, height) after torchvision's ``Resize(resize_size)``: the short side becomes ``resize_size``, the long
+    side is truncated, not rounded."""
+    if width <= height:
+        return resize_size, int(resize_size * height / width)
+    return int(resize_size * width / height), resize_size
 
 
 class ResizeCenterCrop:
@@ -96,24 +122,21 @@ class ResizeCenterCrop:
     """
 
     def __init__(self, resize_size: int, crop_size: int, interpolation: Interpolation) -> None:
-        self.resize_size, self.crop_size = resize_size, crop_size
+        self.resize_size, self.crop_size, self.interpolation = resize_size, crop_size, interpolation
         self.resample = Image.Resampling[interpolation.upper()]
-        self.two_steps = T.Compose([
-            T.Resize(resize_size, interpolation=interpolation_mode(interpolation), antialias=True),
-            T.CenterCrop(crop_size)])
 
-    def _resized_size(self, width: int, height: int) -> tuple[int, int]:
-        # torchvision's rule: the short side becomes resize_size, the long side is truncated, not rounded.
-        if width <= height:
-            return self.resize_size, int(self.resize_size * height / width)
-        return int(self.resize_size * width / height), self.resize_size
+    @functools.cached_property
+    def two_steps(self) -> Callable[[Image.Image], Image.Image]:
+        T = _torchvision_v2()
+        return T.Compose([T.Resize(self.resize_size, interpolation=interpolation_mode(self.interpolation),
+                                   antialias=True), T.CenterCrop(self.crop_size)])
 
     def __call__(self, image: Image.Image) -> Image.Image:
         width, height = image.size
         if (self.crop_size > self.resize_size or min(width, height) <= self.resize_size
                 or self.resample == Image.Resampling.NEAREST):
             return self.two_steps(image)
-        new_width, new_height = self._resized_size(width, height)
+        new_width, new_height = resized_size(width, height, self.resize_size)
         # CenterCrop's offsets in the resized image, mapped back to source coordinates for PIL's box.
         left, top = int(round((new_width - self.crop_size) / 2.0)), int(round((new_height - self.crop_size) / 2.0))
         scale_x, scale_y = width / new_width, height / new_height
@@ -121,14 +144,29 @@ class ResizeCenterCrop:
         return image.resize((self.crop_size, self.crop_size), self.resample, box=box)
 
 
+def _normalized(pixels: torch.Tensor, preset: EvalPreset) -> torch.Tensor:
+    """Float 0..1 pixels (C, H, W) normalised in place, as torchvision's ``Normalize`` computes it."""
+    mean = torch.as_tensor(preset.mean, dtype=pixels.dtype, device=pixels.device).view(-1, 1, 1)
+    std = torch.as_tensor(preset.std, dtype=pixels.dtype, device=pixels.device).view(-1, 1, 1)
+    return pixels.sub_(mean).div_(std)
+
+
+class PilEvalTransform:
+    """RGB PIL image -> normalised float tensor (C, H, W): resize and crop in PIL's C code (``ResizeCenterCrop``),
+    one copy, then torchvision's ``ToDtype(float32, scale=True)`` and ``Normalize``."""
+
+    def __init__(self, preset: EvalPreset) -> None:
+        self.preset = preset
+        self.resize_crop = ResizeCenterCrop(preset.resize_size, preset.crop_size, preset.interpolation)
+
+    def __call__(self, image: Image.Image) -> torch.Tensor:
+        pixels = pil_to_tensor(self.resize_crop(image))
+        return _normalized(pixels.to(torch.float32).mul_(1.0 / 255), self.preset)
+
+
 def eval_transform(preset: EvalPreset) -> ImageTransform:
     """RGB PIL image -> normalised float tensor (C, H, W). Resize and crop run in PIL's C code, then one copy."""
-    return T.Compose([
-        ResizeCenterCrop(preset.resize_size, preset.crop_size, preset.interpolation),
-        T.PILToTensor(),
-        T.ToDtype(torch.float32, scale=True),
-        T.Normalize(mean=list(preset.mean), std=list(preset.std)),
-    ])
+    return PilEvalTransform(preset)
 
 
 class TensorEvalTransform:
@@ -137,18 +175,54 @@ class TensorEvalTransform:
 
     The resize runs on the uint8 pixels, as PIL's does: torchvision's uint8 kernel then gives PIL's pixels (within
     1 level at a few pixels, measured on the benchmark's photos), where resizing in float gave up to 5 levels and
-    flipped the top-1 of 3 of 90 photos (bench/serving/decode_paths.py).
+    flipped the top-1 of 3 of 90 photos (bench/serving/decode_paths.py). Where torchvision itself resizes uint8
+    natively (bicubic on the CPU; bilinear on AVX2, AVX-512 or ARM CPUs) the same ``interpolate`` call runs here;
+    elsewhere (CUDA's float round trip, other filters, a crop larger than the resized image) torchvision's does.
     """
 
     def __init__(self, preset: EvalPreset) -> None:
         self.preset = preset
-        self.interpolation = interpolation_mode(preset.interpolation)
 
     def __call__(self, image: torch.Tensor) -> torch.Tensor:
         p = self.preset
-        pixels = T.functional.resize(image, [p.resize_size], interpolation=self.interpolation, antialias=True)
-        pixels = T.functional.center_crop(pixels, [p.crop_size]).float().div_(255)
-        return T.functional.normalize(pixels, list(p.mean), list(p.std), inplace=True)
+        channels, height, width = image.shape
+        new_width, new_height = resized_size(width, height, p.resize_size)
+        if (image.dtype != torch.uint8 or not _native_uint8_resize(image.device, p.interpolation)
+                or p.crop_size > min(new_width, new_height)):
+            T = _torchvision_v2()
+            pixels = T.functional.resize(image, [p.resize_size], interpolation=interpolation_mode(p.interpolation),
+                                         antialias=True)
+            pixels = T.functional.center_crop(pixels, [p.crop_size])
+        else:
+            pixels = _resize_uint8(image, new_height, new_width, p.interpolation)
+            top, left = int(round((new_height - p.crop_size) / 2.0)), int(round((new_width - p.crop_size) / 2.0))
+            pixels = pixels[:, top:top + p.crop_size, left:left + p.crop_size]
+        return _normalized(pixels.float().div_(255), p)
+
+
+def _native_uint8_resize(device: torch.device, interpolation: Interpolation) -> bool:
+    """Whether torchvision resizes uint8 pixels without a float round trip (its ``_do_native_uint8_resize_on_cpu``)."""
+    if device.type != "cpu":
+        return False
+    if interpolation == "bilinear":
+        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") or platform.machine() in (
+            "aarch64", "arm64")
+    return interpolation == "bicubic"
+
+
+def _resize_uint8(image: torch.Tensor, height: int, width: int, interpolation: Interpolation) -> torch.Tensor:
+    """torchvision's antialiased uint8 resize of one (C, H, W) image on the CPU, step for step."""
+    channels, old_height, old_width = image.shape
+    if (height, width) == (old_height, old_width):
+        return image
+    batch = image.reshape(1, channels, old_height, old_width)
+    strides = list(batch.stride())
+    if batch.is_contiguous(memory_format=torch.channels_last) and batch.numel() != strides[0]:
+        # As torchvision does (pytorch#68430): restride so interpolate keeps the input's channels_last layout.
+        strides[0] = batch.numel()
+        batch = batch.as_strided(batch.shape, strides)
+    resized = F.interpolate(batch, size=[height, width], mode=interpolation, align_corners=False, antialias=True)
+    return resized.reshape(channels, height, width)
 
 
 def lite0_preset() -> EvalPreset:

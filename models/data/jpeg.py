@@ -11,7 +11,6 @@ import numpy as np
 import simplejpeg
 import torch
 from PIL import Image
-from torchvision.io import ImageReadMode, decode_jpeg
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +82,8 @@ def _decode(encoded: torch.Tensor | list[torch.Tensor], device: torch.device) ->
     output that the caller's stream is recorded on, keeps the allocator from handing out such a block; the caller's
     stream then waits for the decode. No host synchronisation.
     """
+    from torchvision.io import ImageReadMode, decode_jpeg  # the device path only: the CPU one needs no torchvision
+
     cuda = device.type == "cuda"
     caller = torch.cuda.current_stream(device) if cuda else None
     stream = _DECODE_STREAMS.setdefault(device, torch.cuda.Stream(device)) if cuda else None

@@ -15,7 +15,6 @@ from typing import Any, Callable, TypeVar
 import torch
 import torch.nn as nn
 
-from models.architectures import build_model
 from models.export.checks import (
     ModelLoadError,
     check_output_shape,
@@ -40,6 +39,8 @@ def load_module(path: Path, manifest: Manifest, fmt: WeightsFormat) -> nn.Module
         if fmt == "torchscript":
             with quiet_jit():
                 return torch.jit.load(str(path), map_location="cpu")
+        from models.architectures import build_model  # timm and torchvision: only state dicts need them
+
         model = build_model(manifest.arch, manifest.num_classes)
         model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True), strict=True)
         # eval() before any forward: a training-mode forward would overwrite the BatchNorm running statistics.

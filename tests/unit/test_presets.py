@@ -1,6 +1,12 @@
-"""The one-step resize + centre crop against torchvision's two steps it replaces."""
+"""The one-step resize + centre crop against torchvision's two steps it replaces, and the eval transforms written
+without torchvision against torchvision's own."""
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -8,7 +14,8 @@ from torchvision.transforms import InterpolationMode
 from torchvision.transforms import v2 as T
 
 from harness.photos import photo
-from models.presets import ResizeCenterCrop
+from harness.servers import ROOT
+from models.presets import EvalPreset, ResizeCenterCrop, TensorEvalTransform, eval_transform, lite0_preset
 
 SIZES = [(4000, 3000), (1920, 1080), (1080, 1920), (451, 300), (640, 427), (257, 256), (1000, 1001), (700, 3),
          (3, 700), (225, 300), (224, 224), (100, 60), (1, 1)]
@@ -47,3 +54,56 @@ def test_large_photos_take_the_one_step_path() -> None:
     assert not calls
     one_step(image.resize((200, 150)))  # smaller than the resize: enlarging goes through torchvision
     assert len(calls) == 1
+
+
+# -- the eval transforms without torchvision, against torchvision's own -------------------------------------------
+
+def _torchvision_pil_eval(preset: EvalPreset):  # noqa: ANN202
+    return T.Compose([ResizeCenterCrop(preset.resize_size, preset.crop_size, preset.interpolation), T.PILToTensor(),
+                      T.ToDtype(torch.float32, scale=True), T.Normalize(mean=list(preset.mean), std=list(preset.std))])
+
+
+def _torchvision_tensor_eval(preset: EvalPreset, image: torch.Tensor) -> torch.Tensor:
+    pixels = T.functional.resize(image, [preset.resize_size], interpolation=InterpolationMode(preset.interpolation),
+                                 antialias=True)
+    pixels = T.functional.center_crop(pixels, [preset.crop_size]).float().div_(255)
+    return T.functional.normalize(pixels, list(preset.mean), list(preset.std), inplace=True)
+
+
+PRESETS = [lite0_preset(), EvalPreset(resize_size=232, crop_size=224, interpolation="bilinear"),
+           EvalPreset(resize_size=64, crop_size=56, interpolation="nearest"),
+           EvalPreset(resize_size=200, crop_size=224, interpolation="bicubic")]  # a crop larger than the resize
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: f"{p.interpolation}-{p.resize_size}-{p.crop_size}")
+def test_the_eval_transforms_give_torchvisions_values(preset: EvalPreset) -> None:
+    source = photo("chelsea")
+    pil_eval, tensor_eval = eval_transform(preset), TensorEvalTransform(preset)
+    for size in [(1920, 1080), (1080, 1920), (451, 300), (256, 300), (232, 232), (120, 90)]:
+        image = source.resize(size, Image.BICUBIC)
+        assert torch.equal(pil_eval(image), _torchvision_pil_eval(preset)(image)), size
+        hwc = torch.from_numpy(np.array(image))
+        # as libjpeg-turbo's pixels arrive (a channels-last view) and as a contiguous copy
+        for pixels in (hwc.permute(2, 0, 1), hwc.permute(2, 0, 1).contiguous()):
+            expected = _torchvision_tensor_eval(preset, pixels.clone())
+            got = tensor_eval(pixels.clone())
+            assert got.shape == expected.shape == preset.input_shape and torch.equal(got, expected), size
+
+
+def test_serving_a_model_on_the_tensor_path_imports_no_torchvision(tmp_path: Path) -> None:
+    # torchvision imports torch._dynamo: about a second of every worker's start, for nothing the CPU path uses.
+    script = """
+import sys, numpy as np, torch
+from PIL import Image
+import app.engine.service, app.v1, app.v2
+from models.export.load import load_module
+from models.presets import TensorEvalTransform, eval_transform, lite0_preset, EvalPreset
+for preset in (lite0_preset(), EvalPreset(resize_size=232, crop_size=224, interpolation="bilinear")):
+    image = Image.fromarray(np.full((300, 451, 3), 120, np.uint8))
+    eval_transform(preset)(image)
+    TensorEvalTransform(preset)(torch.from_numpy(np.array(image)).permute(2, 0, 1))
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("torchvision", "timm") or m == "torch._dynamo"))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]", result.stdout
