@@ -20,11 +20,12 @@ from harness.servers import Running
 from tests.support.fakes import ColourModel, tiny_manifest
 from tests.support.servers import serve
 
-# A test that uses one of these starts a server, loads real weights, runs torchrun or trains on photos: it is
-# marked slow, so `pytest -m "not slow"` stays under a minute. A test that starts a server without them fails
-# (see _guard).
+# A test that uses one of these starts a server, loads real weights, runs torchrun, trains on photos or exports
+# ONNX (the exporter takes seconds per model): it is marked slow, so `pytest -m "not slow"` stays under a minute
+# (a test whose training run exports ONNX says so with the mark itself). A test that starts a server without them
+# fails (see _guard).
 SLOW_FIXTURES = frozenset({"real_weights", "real_app", "small_weights", "live_server", "start_server", "torchrun",
-                           "photo_folder", "packaged_export", "int8_export"})
+                           "photo_folder", "packaged_export", "int8_export", "onnx_export"})
 ROOT = Path(__file__).resolve().parents[1]
 
 

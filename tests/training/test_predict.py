@@ -143,6 +143,7 @@ def test_the_answers_equal_the_servers_for_the_same_files(weights: Path, photos:
             assert torch.allclose(torch.tensor(line["scores"]), scores, atol=1e-5)
 
 
+@pytest.mark.slow  # its run exports ONNX
 def test_on_the_cpu_it_scores_with_onnx_runtime_when_the_server_would(photos: Path, tmp_path: Path,
                                                                       caplog: pytest.LogCaptureFixture) -> None:
     # An export with its ONNX file: auto on the CPU serves it (models/export/choose.py), here as in the server.

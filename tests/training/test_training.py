@@ -43,6 +43,7 @@ def small_args(data: Path, out: Path, *extra: str, arch: str = "mobilenet_v3_sma
             "--output-dir", str(out), *extra]
 
 
+@pytest.mark.slow  # its run exports ONNX
 def test_one_epoch_exports_weights_the_app_serves_with_evaluates_predictions(folder: Path, tmp_path: Path) -> None:
     run, weights = tmp_path / "run", tmp_path / "weights"
     # Without the BatchNorm statistics recompute: after one epoch of 3 batches of 6 at 32 px it leaves channels of
@@ -293,6 +294,7 @@ def test_ctrl_c_prints_one_line_with_the_command_to_resume(folder: Path, tmp_pat
     assert f"to go on: python -m models.train --data {folder}" in line and f"--resume {run / CHECKPOINT_NAME}" in line
 
 
+@pytest.mark.slow  # its run exports ONNX
 def test_versions_go_into_a_repository_and_the_newest_is_served(folder: Path, tmp_path: Path) -> None:
     run, repository = tmp_path / "mine", tmp_path / "models"
     assert train.main(small_args(folder, run, "--export-repository", str(repository))) == 0
@@ -338,6 +340,7 @@ def test_a_compiled_run_saves_plain_weights_that_export(folder: Path, tmp_path: 
     assert read_manifest(weights).arch == "mobilenet_v3_small"
 
 
+@pytest.mark.slow  # its run exports ONNX
 def test_the_summary_serves_what_the_run_exported(folder: Path, tmp_path: Path,
                                                   caplog: pytest.LogCaptureFixture) -> None:
     # Before: the summary always said to serve runs/X/export, wherever --export or --export-repository wrote.
