@@ -111,6 +111,11 @@ def resized_size(width: int, height: int, resize_size: int) -> tuple[int, int]:
     return int(resize_size * width / height), resize_size
 
 
+def crop_origin(width: int, height: int, crop_size: int) -> tuple[int, int]:
+    """(left, top) of torchvision's ``CenterCrop(crop_size)`` in an image of ``width`` x ``height``."""
+    return int(round((width - crop_size) / 2.0)), int(round((height - crop_size) / 2.0))
+
+
 class ResizeCenterCrop:
     """torchvision's ``Resize(short side)`` then ``CenterCrop``, as one PIL resample of only the kept pixels.
 
@@ -138,7 +143,7 @@ class ResizeCenterCrop:
             return self.two_steps(image)
         new_width, new_height = resized_size(width, height, self.resize_size)
         # CenterCrop's offsets in the resized image, mapped back to source coordinates for PIL's box.
-        left, top = int(round((new_width - self.crop_size) / 2.0)), int(round((new_height - self.crop_size) / 2.0))
+        left, top = crop_origin(new_width, new_height, self.crop_size)
         scale_x, scale_y = width / new_width, height / new_height
         box = (left * scale_x, top * scale_y, (left + self.crop_size) * scale_x, (top + self.crop_size) * scale_y)
         return image.resize((self.crop_size, self.crop_size), self.resample, box=box)
@@ -177,7 +182,8 @@ class TensorEvalTransform:
     1 level at a few pixels, measured on the benchmark's photos), where resizing in float gave up to 5 levels and
     flipped the top-1 of 3 of 90 photos (bench/serving/decode_paths.py). Where torchvision itself resizes uint8
     natively (bicubic on the CPU; bilinear on AVX2, AVX-512 or ARM CPUs) the same ``interpolate`` call runs here;
-    elsewhere (CUDA's float round trip, other filters, a crop larger than the resized image) torchvision's does.
+    elsewhere (CUDA's float round trip, other filters, a crop larger than the resized image, a batch)
+    torchvision's does.
     """
 
     def __init__(self, preset: EvalPreset) -> None:
@@ -185,9 +191,9 @@ class TensorEvalTransform:
 
     def __call__(self, image: torch.Tensor) -> torch.Tensor:
         p = self.preset
-        channels, height, width = image.shape
+        height, width = image.shape[-2:]
         new_width, new_height = resized_size(width, height, p.resize_size)
-        if (image.dtype != torch.uint8 or not _native_uint8_resize(image.device, p.interpolation)
+        if (image.ndim != 3 or image.dtype != torch.uint8 or not _native_uint8_resize(image.device, p.interpolation)
                 or p.crop_size > min(new_width, new_height)):
             T = _torchvision_v2()
             pixels = T.functional.resize(image, [p.resize_size], interpolation=interpolation_mode(p.interpolation),
@@ -195,7 +201,7 @@ class TensorEvalTransform:
             pixels = T.functional.center_crop(pixels, [p.crop_size])
         else:
             pixels = _resize_uint8(image, new_height, new_width, p.interpolation)
-            top, left = int(round((new_height - p.crop_size) / 2.0)), int(round((new_width - p.crop_size) / 2.0))
+            left, top = crop_origin(new_width, new_height, p.crop_size)
             pixels = pixels[:, top:top + p.crop_size, left:left + p.crop_size]
         return _normalized(pixels.float().div_(255), p)
 
@@ -205,9 +211,14 @@ def _native_uint8_resize(device: torch.device, interpolation: Interpolation) -> 
     if device.type != "cpu":
         return False
     if interpolation == "bilinear":
-        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") or platform.machine() in (
-            "aarch64", "arm64")
+        return _native_bilinear_cpu()
     return interpolation == "bicubic"
+
+
+@functools.cache
+def _native_bilinear_cpu() -> bool:
+    """Whether this CPU gets torchvision's native uint8 bilinear resize (the host's, fixed: asked once)."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") or platform.machine() in ("aarch64", "arm64")
 
 
 def _resize_uint8(image: torch.Tensor, height: int, width: int, interpolation: Interpolation) -> torch.Tensor:

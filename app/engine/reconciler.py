@@ -3,9 +3,8 @@
 Everything that wants a change writes the desired state: start-up (what the settings and the repository name), the
 repository poll (what each model's policy picks now), a V2 load or unload call, a promotion or rollback (by a call
 or by the rules: app/engine/rollout_changes.py, through ``changing``, ``write`` and ``wait_for_workers``), another
-worker. One step alone
-changes what this worker serves, ``reconcile_model`` (run for every model by ``reconcile`` when another worker wrote
-a newer generation), in five steps:
+worker. One step alone changes what this worker serves, ``reconcile_model`` (run for every model by ``reconcile``
+when another worker wrote a newer generation), in five steps:
 
 1. the versions wanted and not yet loaded are loaded beside the ones serving: the memory check, then verified
    (checksums, strict keys, output shape), warmed up and canaried on their own batcher thread;
