@@ -137,8 +137,8 @@ class Settings(BaseSettings):
     # Batching
     max_batch_size: int = Field(8, gt=0, description="Most images in one forward pass.")
     auto_batch_size: bool = Field(
-        True, description="At warm-up, time the forward pass per batch size and cap batches at the smallest size "
-        "within 5% of the best images/s (the curve is in `/v1/models`).")
+        True, description="At warm-up, time the forward pass per batch size and cap batches at the largest size "
+        "within 5% of the best images/s, below any size where it slows (the curve is in `/v1/models`).")
     max_wait_ms: float = Field(
         2.0, ge=0, description="How long the worker waits for more images after the first one of a batch (not "
         "at all when no other request is on its way).")

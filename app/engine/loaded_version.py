@@ -72,10 +72,10 @@ def check_canary(probabilities: torch.Tensor, num_classes: int) -> None:
 
 def _apply_batch_cap(settings: Settings, batcher: Batcher[Prepared, torch.Tensor], profile: dict[int, float],
                      described: str) -> None:
-    """Cap batches at the size measured fastest at warm-up (when ``auto_batch_size``), saying why in the log."""
+    """Cap batches where the forward pass measured at warm-up starts to slow (when ``auto_batch_size``), saying why in the log."""
     cap = choose_batch_cap(profile) if profile and settings.auto_batch_size else settings.max_batch_size
     if cap < settings.max_batch_size:
-        log.info("%s: batch cap %d: larger batches were no faster (%s)", described, cap,
+        log.info("%s: batch cap %d: larger batches were slower (%s)", described, cap,
                  ", ".join(f"{size}: {rate:.0f} img/s" for size, rate in profile.items()))
         batcher.set_max_batch_size(cap)
 
