@@ -1,7 +1,9 @@
 """Real photos for benchmarks and tests: scikit-image's colour photos, re-encoded at several sizes."""
 from __future__ import annotations
 
+import base64
 import io
+import json
 from functools import lru_cache
 
 import numpy as np
@@ -46,6 +48,11 @@ def multipart(images: tuple[bytes, ...] | list[bytes]) -> bytes:
     parts = [f'--{MULTIPART_BOUNDARY}\r\nContent-Disposition: form-data; name="image"; filename="{i}.jpg"\r\n'
              f"Content-Type: image/jpeg\r\n\r\n".encode() + data + b"\r\n" for i, data in enumerate(images)]
     return b"".join(parts) + f"--{MULTIPART_BOUNDARY}--\r\n".encode()
+
+
+def json_bodies(photos: tuple[bytes, ...] | list[bytes]) -> list[bytes]:
+    """One base64 JSON body per photo, as visionserve's /predict reads it: {"images": ["<base64>"]}."""
+    return [json.dumps({"images": [base64.b64encode(data).decode()]}).encode() for data in photos]
 
 
 def request_bodies(photos: tuple[bytes, ...], per_request: int) -> tuple[list[bytes], str]:

@@ -30,7 +30,8 @@ from bench.serving.limit import (LimitResult, configurations, cpu_time_bound, pr
 from bench.serving.limit import measure as measure_limit
 from bench.serving.load import LoadResult, measure
 from bench.serving.peers import litserve, naive
-from harness.photos import workload
+from bench.serving.request_path import request_path
+from harness.photos import json_bodies, workload
 from harness.servers import Running, visionserve
 
 DEFAULTS = "visionserve"  # the row for visionserve as `make serve` starts it
@@ -86,7 +87,7 @@ def request_bodies(form: str) -> dict[str, tuple[list[bytes], str]]:
     single = ([json.dumps({"image": t}).encode() for t in as_text], "application/json")
     if form == "raw":
         return {"visionserve": (jpegs, "image/jpeg"), "naive": (jpegs, "image/jpeg"), "litserve": single}
-    return {"visionserve": ([json.dumps({"images": [t]}).encode() for t in as_text], "application/json"),
+    return {"visionserve": (json_bodies(jpegs), "application/json"),
             "naive": single, "litserve": single}
 
 
@@ -160,6 +161,8 @@ def run_model(model: str, weights: Path, args: argparse.Namespace, logs: Path) -
     limit = measure_limit(predictor, configs, workload(), (1, 8), args.limit_seconds)
     ceiling = cpu_time_bound(predictor, configs, workload())
     workers = workers_for(0, "cpu")[0]  # the service's default: the process pipeline has as many processes
+    # The service's own request path without HTTP or concurrency: the most any server running it could serve.
+    path = request_path(weights, workers, *request_bodies(args.form)["visionserve"])
 
     def pipeline(batch_size: int) -> LimitResult:  # the same work without HTTP, one process per worker
         return process_pipeline(weights, workload(), ceiling.forward_config or served_name, batch_size,
@@ -174,7 +177,7 @@ def run_model(model: str, weights: Path, args: argparse.Namespace, logs: Path) -
     threads = forward_threads(0, torch.device("cpu"), workers=workers)  # what each worker gives its forward pass
     single_ms = single_image_ms(served, workload(), threads)
     print(f"[{model}] limit: " + ", ".join(f"{r.config} b{r.batch_size} {r.images_per_s:.1f}" for r in limit)
-          + f"; ceiling {ceiling.images_per_s:.1f}", flush=True)
+          + f"; ceiling {ceiling.images_per_s:.1f}; request path {path.cpu_ms_per_image:.1f} ms per image", flush=True)
     best, probes = probe_best(model, weights, logs, args) if args.candidates else ({}, [])
     loads: list[LoadResult] = []
     bounds: dict[int, dict[str, object]] = {}
@@ -198,6 +201,7 @@ def run_model(model: str, weights: Path, args: argparse.Namespace, logs: Path) -
         finally:
             server.stop()
     return {"limit": [asdict(r) for r in limit], "ceiling": asdict(ceiling), "bound_at": bounds,
+            "request_path": {**asdict(path), "images_per_s": path.images_per_s(torch.get_num_threads())},
             "pipeline_at": pipelines, "single_image_ms": single_ms, "forward_threads": threads, "workers": workers,
             "probes": [{"settings": s, "images_per_s": rate, "p99_ms": p99} for s, rate, p99 in probes],
             "loads": [asdict(r) for r in loads]}

@@ -64,6 +64,7 @@ def _model_section(model: str, results: dict[str, Any]) -> list[str]:
              "| limit configuration | batch | img/s |", "| --- | --- | --- |"]
     lines += [f"| {r['config']} | {r['batch_size']} | {r['images_per_s']:.1f} |" for r in results["limit"]]
     lines.append(f"| ceiling: {ceiling['config']} | {ceiling['batch_size']} | {ceiling['images_per_s']:.1f} |")
+    lines += _request_path(results.get("request_path"), ceiling)
     lines += ["", "| server | C | img/s | p50 ms | p95 ms | p99 ms | errors | mean batch | server cores | "
               "client cores | server CPU ms/img |", "|" + " --- |" * 11]
     lines += [row(LoadResult(**r)) for r in results["loads"]]
@@ -76,6 +77,19 @@ def _model_section(model: str, results: dict[str, Any]) -> list[str]:
         lines.append(f"- C=1 p50 {ours[1]['p50_ms']:.1f} ms vs in-process single image "
                      f"{results['single_image_ms']:.1f} ms ({ours[1]['p50_ms'] / results['single_image_ms']:.2f}x)")
     return lines + [""]
+
+
+def _request_path(path: dict[str, Any] | None, ceiling: dict[str, Any]) -> list[str]:
+    """The service's request path in process, as a bound on any server running it, against the ceiling."""
+    if not path:
+        return []
+    rest = path["cpu_ms_per_image"] - path["decode_ms"] - path["forward_ms"]
+    return ["", f"Request path in process (bench/serving/request_path.py: the app called directly, one request at a "
+            f"time, no HTTP, no other request): {path['cpu_ms_per_image']:.1f} ms CPU per image = decode "
+            f"{path['decode_ms']:.1f} + forward {path['forward_ms']:.1f} + the rest {rest:.1f}, so with every core "
+            f"busy at most **{path['images_per_s']:.1f} img/s**, "
+            f"{path['images_per_s'] / ceiling['images_per_s']:.2f} of the ceiling measured with it: no server "
+            f"running this path gets closer to the ceiling than that."]
 
 
 def _is_ours(server: str) -> bool:
@@ -105,6 +119,8 @@ def _against_peers(name: str, results: dict[str, Any]) -> list[str]:
         p99s = ", ".join(f"{p['p99_ms']:.0f} {peer}" for peer, p in peers.items())
         bound = results["bound_at"].get(c) or results["bound_at"].get(str(c))
         against_ceiling = f", {r['images_per_s'] / bound['images_per_s']:.2f} of the ceiling" if bound else ""
+        if path := results.get("request_path"):
+            against_ceiling += f", {r['images_per_s'] / path['images_per_s']:.2f} of the request path's bound"
         lines.append(f"- C={c}: efficiency {r['images_per_s'] / _limit_at(results, c):.2f} of the limit"
                      + against_ceiling + (f"; {ratios}" if ratios else "")
                      + (f"; p99 {r['p99_ms']:.0f} ms against {p99s}" if p99s else "") + _cpu_split(r, bound))

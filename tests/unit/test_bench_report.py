@@ -23,6 +23,8 @@ def _results() -> dict[str, object]:
     return {"limit": [asdict(r) for r in limit], "ceiling": asdict(ceiling),
             "bound_at": {16: asdict(ceiling)}, "pipeline_at": {16: asdict(LimitResult("again", 8, 135.0, None))},
             "single_image_ms": 15.0, "forward_threads": 1, "loads": [asdict(r) for r in loads],
+            "request_path": {"cpu_ms_per_image": 16.0, "decode_ms": 11.5, "forward_ms": 2.5, "images": 36,
+                             "images_per_s": 125.0},
             "probes": [{"settings": {}, "images_per_s": 100.0, "p99_ms": 310.0},
                        {"settings": {"workers": "3"}, "images_per_s": 110.0, "p99_ms": 290.0}]}
 
@@ -32,16 +34,21 @@ def test_points_are_compared_with_the_higher_limit_and_their_own_ceiling(tmp_pat
     machine = {"platform": "test", "cpus": 2, "torch": "x", "device": "cpu", "seconds": 1}
     markdown = report.write({"m": _results()}, machine, args, tmp_path)
     # C=16: the pipeline measured right before it (135) beats the start's best (120); its ceiling is 150.
-    assert "- C=16: efficiency 0.80 of the limit, 0.72 of the ceiling; 1.50x naive-flask" in markdown
+    assert ("- C=16: efficiency 0.80 of the limit, 0.72 of the ceiling, 0.86 of the request path's bound; "
+            "1.50x naive-flask") in markdown
+    # The request path in process: its split, and how close to the start's ceiling any server running it can get.
+    assert ("16.0 ms CPU per image = decode 11.5 + forward 2.5 + the rest 2.0, so with every core busy at most "
+            "**125.0 img/s**, 0.83 of the ceiling measured with it") in markdown
     assert "server CPU per image 17.6 ms = decode 12.0 + forward 3.0 + HTTP, Python and the rest 2.6" in markdown
     assert "(the bound counts decode 11.0 + forward 1.5 = 12.5)" in markdown
     assert "; p99 300 ms against 450 naive-flask" in markdown
     # The best settings found: their own lines against the same peers and ceiling, and the probes fastest first.
     best = markdown.split("visionserve (best: WORKERS=3):\n")[1]
-    assert best.startswith("- C=16: efficiency 0.87 of the limit, 0.78 of the ceiling; 1.62x naive-flask; p99 280")
+    assert best.startswith("- C=16: efficiency 0.87 of the limit, 0.78 of the ceiling, 0.94 of the request path's "
+                           "bound; 1.62x naive-flask; p99 280")
     assert "| WORKERS=3 | 110.0 | 290 |\n| defaults | 100.0 | 310 |" in markdown
     # C=1 has no re-measured limit or ceiling: the start's best pipeline only.
-    assert "- C=1: efficiency 0.42 of the limit; server CPU per image 20.0 ms" in markdown
+    assert "- C=1: efficiency 0.42 of the limit, 0.40 of the request path's bound; server CPU per image 20.0" in markdown
     assert "- C=1 p50 17.0 ms vs in-process single image 15.0 ms (1.13x)" in markdown
     assert "| naive-flask | 16 | 72.0 | 200 | 380 | 450 | 0 | - | 1.90 | 0.03 | 26.0 |" in markdown
     assert sorted(p.suffix for p in tmp_path.iterdir()) == [".json", ".md", ".png"]
@@ -65,6 +72,25 @@ def test_a_pipeline_process_that_dies_is_reported_at_once(small_weights: Path) -
 
     with pytest.raises(RuntimeError, match="exited with code"):
         process_pipeline(small_weights, [image_bytes(RED)], "no such configuration", 1, 0.3, 1)
+
+
+@pytest.mark.slow
+def test_the_request_path_is_the_apps_cpu_per_image_split_by_its_stage_counters(small_weights: Path) -> None:
+    import base64
+    import json
+
+    from bench.serving.request_path import request_path
+    from tests.support.imaging import BLUE, RED, image_bytes
+
+    bodies = [json.dumps({"images": [base64.b64encode(image_bytes(c, size=(160, 120))).decode()]}).encode()
+              for c in (RED, BLUE)]
+    result = request_path(small_weights, 2, bodies, rounds=2)
+    assert result.images == 4
+    assert result.decode_ms > 0 and result.forward_ms > 0 and result.rest_ms > 0
+    assert result.images_per_s(2) == pytest.approx(2000 / result.cpu_ms_per_image)
+    # A request the app refuses is no measurement: the parent says why instead of timing errors.
+    with pytest.raises(RuntimeError, match="400 BAD REQUEST"):
+        request_path(small_weights, 2, [b'{"images": ["not base64!"]}'], rounds=1)
 
 
 def test_gpu_report_compares_each_point_with_the_best_pipeline_of_its_run() -> None:
