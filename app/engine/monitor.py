@@ -2,7 +2,8 @@
 requests, their class mix against a reference as a population stability index (PSI), their share below a
 confidence threshold, and the classes they name most. One per loaded version and worker; thread-safe (one lock);
 each batch costs one top-1 over its rows, a step per row, and a sum over the PSI's bins (the window keeps its counts
-per bin as it goes), never a pass over the classes. No Flask, no Prometheus: the caller publishes what ``observe`` returns.
+per bin as it goes), never a pass over the classes. No Flask, no Prometheus: the caller publishes what ``observe``
+returns.
 
 PSI = sum over the bins of (w - r) * ln(w / r), where w and r are the window's and the reference's shares of a bin:
 - bins: one per class when the model has at most ``psi_bins`` (B) classes. With more, the reference's most frequent
@@ -161,6 +162,9 @@ class PredictionMonitor:
         self.labels = list(labels)
         self.min_predictions = min_predictions
         self.low_confidence_threshold = low_confidence_threshold
+        # The confidences are float32: compared with the threshold as float32 holds it, so a confidence equal to
+        # it is not low whatever the threshold's decimal (0.7 is not a float32).
+        self._low_below = float(torch.tensor(low_confidence_threshold, dtype=torch.float32))
         self.psi_bins = min(psi_bins, len(self.labels))
         self._lock = threading.Lock()
         self._total = 0
@@ -194,7 +198,7 @@ class PredictionMonitor:
         top = probabilities.topk(1, dim=1)  # topk as the answers rank (max breaks exact ties another way)
         classes = top.indices[:, 0].tolist()
         confidences = [c if c == c else 0.0 for c in top.values[:, 0].float().tolist()]  # NaN: no confidence
-        low = [c < self.low_confidence_threshold for c in confidences]
+        low = [c < self._low_below for c in confidences]
         with self._lock:
             self._total += len(classes)
             self._window.add(classes, low)

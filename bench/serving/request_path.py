@@ -1,13 +1,18 @@
-"""The service's own request path in process: the bound on what any HTTP front and any concurrency could reach.
+"""The service's own request path in process: what it costs per image with no HTTP and no other request.
 
     python -m bench.serving.request_path --weights weights  # CPU ms per image, split into decode, forward, rest
 
-The WSGI app ``create_app`` builds (the served weights, a gunicorn worker's settings: its share of the cores for
-the forward pass, its glibc tuning) is called directly, one base64 JSON request at a time, with the benchmark's
-photos: no socket, no HTTP parsing, no other request. The process's CPU time per answered image, and the server's
-own stage counters (decode + preprocess, forward pass), say what the request path itself costs against the
-CPU-time bound of bench/serving/limit.py, which times decode and forward alone with warm caches. With every core
-busy, a server running this path cannot serve more than ``cores / cpu_ms_per_image`` images per second.
+The WSGI app ``create_app`` builds, with a gunicorn worker's settings (its share of the cores for the forward pass,
+its glibc tuning, the multiprocess metrics of a server with several workers, every batch through the queue and
+the batch worker's thread as under load rather than run on the request's thread as a lone request is), is called
+directly, one request at a time, with the benchmark's photos: no socket, no HTTP parsing, no other request. The
+process's CPU time per answered image, split by the server's own stage counters (decode + preprocess; the forward
+pass with its batch's collation, softmax and monitor; the rest), estimates the least a server running this path
+pays per image: under load it adds HTTP, the kernel's socket copies and two busy cores sharing their caches, and
+saves a little in the forward pass when requests batch. ``cores / cpu_ms_per_image`` is then about the most such a
+server could serve, to set beside the CPU-time bound of bench/serving/limit.py, which times decode and forward
+alone with warm caches and no Python around them. The forward share is the batch thread's CPU time, as in the
+server: with more than one forward thread (hosts of 32 cores and more) the other threads' time counts as the rest.
 
 It runs in a spawned process: the app sets the process's torch threads (the worker's share), which the ceiling
 measured afterwards in the benchmark's own process must not inherit.
@@ -18,6 +23,8 @@ import argparse
 import io
 import multiprocessing
 import os
+import queue
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,10 +38,10 @@ ROUNDS = 6  # timed passes over the photos: about 2 s of CPU for Lite0's 18 phot
 class RequestPathResult:
     """CPU per image of the request path in process, and the server's stage counters' share of it."""
 
-    cpu_ms_per_image: float  # the whole process (request, batch worker and every other thread) per answered image
+    cpu_ms_per_image: float  # the whole process (request, batch worker and every other thread) per image answered
     decode_ms: float  # decode + preprocess (the request thread's stage counter)
     forward_ms: float  # the forward pass with its batch's collation, softmax and monitor (the batch's counter)
-    images: int
+    images: int  # images the timed passes answered (the batch-size counter's sum)
 
     @property
     def rest_ms(self) -> float:
@@ -42,7 +49,7 @@ class RequestPathResult:
         return self.cpu_ms_per_image - self.decode_ms - self.forward_ms
 
     def images_per_s(self, cores: int) -> float:
-        """The most a server running this path could serve with ``cores`` fully busy."""
+        """About the most a server running this path could serve with ``cores`` fully busy."""
         return cores * 1000 / self.cpu_ms_per_image
 
 
@@ -54,19 +61,30 @@ def _environ(body: bytes, content_type: str) -> dict[str, object]:
             "wsgi.multithread": True, "wsgi.multiprocess": True, "wsgi.run_once": False}
 
 
-def _stage_cpu_s() -> dict[str, float]:
-    from app.metrics import STAGE_CPU_SECONDS
+def _counters() -> dict[str, float]:
+    """This process's images run and CPU seconds per stage, from the server's own metrics."""
+    from app.metrics import BATCH_SIZE, STAGE_CPU_SECONDS
 
-    return {stage: STAGE_CPU_SECONDS.labels(stage)._value.get() for stage in ("decode", "inference")}
+    return {"images": BATCH_SIZE._sum.get(),
+            **{stage: STAGE_CPU_SECONDS.labels(stage)._value.get() for stage in ("decode", "inference")}}
 
 
 def _measure(weights: Path, workers: int, bodies: Sequence[bytes], content_type: str, rounds: int,
              results: "multiprocessing.Queue[dict[str, float] | str]") -> None:
     """In the spawned process: build the app as a gunicorn worker would, then time ``rounds`` passes over
     ``bodies`` after one untimed pass."""
-    os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)  # one process: the plain in-memory counters
-    os.environ.update({"VISIONSERVE_WEIGHTS_DIR": str(weights), "VISIONSERVE_DEVICE": "cpu",
-                       "VISIONSERVE_WORKERS": str(workers), "VISIONSERVE_LOG_LEVEL": "warning"})
+    with tempfile.TemporaryDirectory(prefix="visionserve-request-path-") as metrics_dir:
+        # Set before anything imports prometheus_client: a server with several workers writes its metrics here.
+        os.environ.update({"PROMETHEUS_MULTIPROC_DIR": metrics_dir, "VISIONSERVE_WEIGHTS_DIR": str(weights),
+                           "VISIONSERVE_DEVICE": "cpu", "VISIONSERVE_WORKERS": str(workers),
+                           "VISIONSERVE_INLINE_WHEN_IDLE": "false", "VISIONSERVE_LOG_LEVEL": "warning"})
+        try:
+            results.put(_timed_passes(bodies, content_type, rounds))
+        except Exception as exc:  # noqa: BLE001 - said to the parent instead of a traceback it never reads
+            results.put(f"{type(exc).__name__}: {exc}")
+
+
+def _timed_passes(bodies: Sequence[bytes], content_type: str, rounds: int) -> dict[str, float]:
     from app import EXTENSION_KEY, create_app
 
     app = create_app()
@@ -74,26 +92,27 @@ def _measure(weights: Path, workers: int, bodies: Sequence[bytes], content_type:
     def post(body: bytes) -> None:
         statuses: list[str] = []
         answer = app(_environ(body, content_type), lambda status, headers, *_: statuses.append(status))
-        b"".join(answer)
+        try:
+            b"".join(answer)
+        finally:
+            getattr(answer, "close", lambda: None)()
         if statuses[0] != "200 OK":
             raise RuntimeError(f"the app answered {statuses[0]}")
 
     try:
         for body in bodies:
             post(body)
-        stages, cpu_started = _stage_cpu_s(), time.process_time()
+        before, cpu_started = _counters(), time.process_time()
         for _ in range(rounds):
             for body in bodies:
                 post(body)
-        cpu_s, after = time.process_time() - cpu_started, _stage_cpu_s()
-        images = rounds * len(bodies)
-        results.put({"cpu_ms_per_image": 1000 * cpu_s / images, "images": images,
-                     "decode_ms": 1000 * (after["decode"] - stages["decode"]) / images,
-                     "forward_ms": 1000 * (after["inference"] - stages["inference"]) / images})
-    except Exception as exc:  # noqa: BLE001 - said to the parent instead of a silent exit
-        results.put(f"{type(exc).__name__}: {exc}")
+        cpu_s, after = time.process_time() - cpu_started, _counters()
     finally:
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+    images = after["images"] - before["images"]
+    return {"cpu_ms_per_image": 1000 * cpu_s / images, "images": int(images),
+            "decode_ms": 1000 * (after["decode"] - before["decode"]) / images,
+            "forward_ms": 1000 * (after["inference"] - before["inference"]) / images}
 
 
 def request_path(weights: Path, workers: int, bodies: Sequence[bytes], content_type: str = "application/json",
@@ -104,8 +123,17 @@ def request_path(weights: Path, workers: int, bodies: Sequence[bytes], content_t
     results = context.Queue()
     process = context.Process(target=_measure, args=(weights, workers, list(bodies), content_type, rounds, results))
     process.start()
+    deadline = time.monotonic() + timeout_s
     try:
-        found = results.get(timeout=timeout_s)
+        while True:  # a process that died (a crash, the kernel's OOM killer) is said at once, not after the timeout
+            try:
+                found = results.get(timeout=1)
+                break
+            except queue.Empty:
+                if process.exitcode is not None:
+                    raise RuntimeError(f"the request path's process exited with code {process.exitcode}") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no request path figure within {timeout_s:g}s") from None
     finally:
         process.join(timeout=30)
         if process.is_alive():
@@ -139,10 +167,10 @@ def main() -> None:
 
 
 def describe(result: RequestPathResult, cores: int) -> str:
-    """The figures in words, for the command and the benchmark's report."""
+    """The figures in words, for the command."""
     return (f"{result.cpu_ms_per_image:.1f} ms CPU per image = decode {result.decode_ms:.1f} + forward "
-            f"{result.forward_ms:.1f} + the rest {result.rest_ms:.1f}, so at most {result.images_per_s(cores):.1f} "
-            f"img/s on {cores} cores")
+            f"{result.forward_ms:.1f} + the rest {result.rest_ms:.1f}, so about {result.images_per_s(cores):.1f} "
+            f"img/s at most on {cores} cores")
 
 
 if __name__ == "__main__":

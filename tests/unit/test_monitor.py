@@ -172,3 +172,13 @@ def test_an_unloaded_version_s_figures_read_zero_and_stay_there() -> None:
     observer.predictions(["a"], [0.9], low_confidence_ratio=0.5, psi=0.9)  # a batch still queued at the unload
     assert value("visionserve_prediction_drift_psi") == 0 and value("visionserve_low_confidence_ratio") == 0
     assert value("visionserve_top1_confidence_count") == 4  # its predictions still count
+
+
+def test_a_confidence_equal_to_the_threshold_is_not_low_whatever_its_decimal() -> None:
+    # 0.7 is no float32: a float32 confidence of 0.7 equals the threshold as float32 holds it (as torch compared it).
+    monitor = PredictionMonitor(LABELS, window=10, min_predictions=1, low_confidence_threshold=0.7, psi_bins=20)
+    row = torch.full((1, len(LABELS)), 0.3 / (len(LABELS) - 1), dtype=torch.float32)
+    row[0, 2] = 0.7
+    assert monitor.observe(row).low_confidence_ratio == 0.0
+    row[0, 2] = torch.nextafter(torch.tensor(0.7), torch.tensor(0.0))
+    assert monitor.observe(row).low_confidence_ratio == 0.5
