@@ -161,7 +161,7 @@ def run_model(model: str, weights: Path, args: argparse.Namespace, logs: Path) -
     limit = measure_limit(predictor, configs, workload(), (1, 8), args.limit_seconds)
     ceiling = cpu_time_bound(predictor, configs, workload())
     workers = workers_for(0, "cpu")[0]  # the service's default: the process pipeline has as many processes
-    # The service's own request path without HTTP or concurrency: the most any server running it could serve.
+    # The service's own request path without HTTP or concurrency: about what any server running it pays per image.
     path = request_path(weights, workers, *request_bodies(args.form)["visionserve"])
 
     def pipeline(batch_size: int) -> LimitResult:  # the same work without HTTP, one process per worker

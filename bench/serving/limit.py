@@ -22,7 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import torch
 
@@ -35,6 +35,7 @@ from models.data.malloc import keep_freed_memory
 from models.export.load import optimize_for_cpu
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
+T = TypeVar("T")
 # The service's default limits (and any VISIONSERVE_* overrides), so every contender decodes the same way.
 LIMITS = DecodeLimits.from_settings(Settings())
 DECODE_PATH = decode_path(Settings().decode_path, torch.device("cpu"))  # what the server decodes with on the CPU
@@ -219,18 +220,19 @@ def _pipeline_process(weights: Path, config: str, batch_size: int, decode_thread
     rates.put(end_to_end_rate(forward, predictor, photos, batch_size, seconds, decode_threads, start.wait))
 
 
-def _next_rate(rates: "multiprocessing.Queue[float]", workers: list[multiprocessing.process.BaseProcess],
-               timeout_s: float = 300) -> float:
-    """The next reported rate; raises as soon as a worker has died instead of waiting out the timeout."""
+def next_report(reports: "multiprocessing.Queue[T]", workers: Sequence[multiprocessing.process.BaseProcess],
+                timeout_s: float = 300) -> T:
+    """The next thing a spawned process reported; raises as soon as one of ``workers`` has died (a crash, the
+    kernel's OOM killer) instead of waiting out the timeout."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            return rates.get(timeout=1)
+            return reports.get(timeout=1)
         except queue.Empty:
             dead = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
             if dead:
-                raise RuntimeError(f"a pipeline process exited with code {dead[0]}") from None
-    raise TimeoutError(f"no pipeline process reported within {timeout_s:g}s")
+                raise RuntimeError(f"a spawned process exited with code {dead[0]}") from None
+    raise TimeoutError(f"no spawned process reported within {timeout_s:g}s")
 
 
 def process_pipeline(weights: Path, photos: Sequence[bytes], config: str, batch_size: int, seconds: float,
@@ -250,7 +252,7 @@ def process_pipeline(weights: Path, photos: Sequence[bytes], config: str, batch_
     for worker in workers:
         worker.start()
     try:
-        total = sum(_next_rate(rates, workers) for _ in workers)
+        total = sum(next_report(rates, workers) for _ in workers)
     finally:
         for worker in workers:
             worker.join(timeout=30)

@@ -23,13 +23,11 @@ import argparse
 import io
 import multiprocessing
 import os
-import queue
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
-
 
 ROUNDS = 6  # timed passes over the photos: about 2 s of CPU for Lite0's 18 photos here
 
@@ -119,21 +117,16 @@ def request_path(weights: Path, workers: int, bodies: Sequence[bytes], content_t
                  rounds: int = ROUNDS, timeout_s: float = 600) -> RequestPathResult:
     """The request path's CPU per image over ``rounds`` passes of ``bodies``, in a process of its own with the
     settings of one of ``workers`` gunicorn workers."""
+    # Imported here, not at the top: the spawned process imports this module, and must not import the app's
+    # modules (prometheus_client among them) before it has set their environment.
+    from bench.serving.limit import next_report
+
     context = multiprocessing.get_context("spawn")  # never fork a process that has run torch
     results = context.Queue()
     process = context.Process(target=_measure, args=(weights, workers, list(bodies), content_type, rounds, results))
     process.start()
-    deadline = time.monotonic() + timeout_s
     try:
-        while True:  # a process that died (a crash, the kernel's OOM killer) is said at once, not after the timeout
-            try:
-                found = results.get(timeout=1)
-                break
-            except queue.Empty:
-                if process.exitcode is not None:
-                    raise RuntimeError(f"the request path's process exited with code {process.exitcode}") from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no request path figure within {timeout_s:g}s") from None
+        found = next_report(results, [process], timeout_s)
     finally:
         process.join(timeout=30)
         if process.is_alive():
