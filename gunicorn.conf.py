@@ -11,7 +11,7 @@ from pathlib import Path
 
 from app import EXTENSION_KEY, drain
 from app.config import SettingsError, load_settings, unknown_variables
-from app.engine.desired import SharedDesiredState  # standard library only, like app.drain
+from app.engine.versions.desired import SharedDesiredState  # standard library only, like app.drain
 from app.host import workers_for
 from app.worker import ReadLimits
 
@@ -31,7 +31,7 @@ _OWN_METRICS_DIR = None
 if _workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
     _OWN_METRICS_DIR = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="visionserve-metrics-")
 
-# The workers share repository loads and unloads through a directory (app/engine/desired.py), made here before the
+# The workers share repository loads and unloads through a directory (app/engine/versions/desired.py), made here before the
 # fork so every worker of this master, and every worker it starts later, finds the same one.
 _OWN_CONTROL_DIR = None
 if _settings.control_dir is None:

@@ -15,8 +15,8 @@ if TYPE_CHECKING:
     from flask import Flask
 
     from app.config import Settings
-    from app.engine.predictor import Predictor
-    from app.engine.sources import Source
+    from app.engine.loaded.predictor import Predictor
+    from app.engine.versions.sources import Source
     from app.web.protocol import Protocol
 
 
@@ -33,7 +33,7 @@ def _placed(settings: "Settings") -> "Settings":
         return settings
     import torch
 
-    from app.engine.tuning import placed_device
+    from app.host import placed_device
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     device = placed_device(settings.device, settings.worker_slot, gpus, settings.workers_per_gpu)
@@ -55,7 +55,7 @@ def create_app(settings: "Settings | None" = None, predictor: "Predictor | None"
     from app.config import load_settings
     from models.data.malloc import keep_freed_memory
     from app.engine.service import Service
-    from app.engine.sources import DirectorySource, GivenSource
+    from app.engine.versions.sources import DirectorySource, GivenSource
     from app.logs import configure_logging
     from app.web import init_app
 

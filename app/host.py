@@ -52,3 +52,17 @@ def workers_for(setting: int, device: str) -> tuple[int, str]:
     gpus = 0 if device == "cpu" else visible_gpus()
     where = f"{gpus} GPU{'s' if gpus != 1 else ''}" if gpus else "no GPU"
     return auto_workers(cores, gpus), f"auto: {cores} usable cores, {where}"
+
+
+def gpu_for(slot: int, gpus: int, workers_per_gpu: int) -> int:
+    """The GPU of worker ``slot`` out of ``gpus`` (Settings.workers_per_gpu: 0 round robin, k per GPU in turn)."""
+    if gpus <= 0:
+        raise ValueError(f"no GPU to place worker {slot} on")
+    return (slot if workers_per_gpu <= 0 else slot // workers_per_gpu) % gpus
+
+
+def placed_device(setting: str, slot: int | None, gpus: int, workers_per_gpu: int) -> str:
+    """The device a worker serves on: ``auto``/``cuda`` spread over ``gpus`` by ``slot``; anything else as set."""
+    if setting not in ("auto", "cuda") or slot is None or gpus < 2:
+        return setting
+    return f"cuda:{gpu_for(slot, gpus, workers_per_gpu)}"

@@ -57,7 +57,7 @@ QUEUE_CAPACITY = Gauge("visionserve_queue_capacity", "Images the inference queue
                        ["model", "version"], multiprocess_mode="livesum")
 GPU_MEMORY = Gauge("visionserve_gpu_memory_bytes", "CUDA memory of this worker", ["kind"],
                    multiprocess_mode="liveall")
-# Prediction monitoring (app/engine/monitor.py): only predictions made for requests, not warm-up or the canary.
+# Prediction monitoring (app/engine/loaded/monitor.py): only predictions made for requests, not warm-up or the canary.
 PREDICTED_CLASS = Counter("visionserve_predicted_class_total", "Predictions made for requests, by top-1 class",
                           ["model", "version", "label"])
 TOP1_CONFIDENCE = Histogram("visionserve_top1_confidence", "Top-1 probability of each prediction made for "
@@ -138,7 +138,7 @@ class MetricsObserver:
         if not alive:
             READY.set(0)
 
-# Rollouts (app/engine/evidence.py, app/engine/service.py): a candidate against the live version of its model (the
+# Rollouts (app/engine/rollouts/evidence.py, app/engine/service.py): a candidate against the live version of its model (the
 # dashboard's shadow panels read these).
 SHADOW_COMPARED = Counter("visionserve_shadow_compared_total", "Images a shadow candidate answered beside the live "
                           "version", ["model", "version", "live_version"])

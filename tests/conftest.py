@@ -14,7 +14,7 @@ from flask.testing import FlaskClient
 
 from app import EXTENSION_KEY, create_app
 from app.config import Settings
-from app.engine.predictor import Predictor
+from app.engine.loaded.predictor import Predictor
 from app.engine.service import Service
 from harness.servers import Running
 from tests.support.fakes import ColourModel, tiny_manifest

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from app.engine.batch_types import (
+from app.engine.batching.types import (
     BatcherClosed,
     BatchResult,
     DeadlineExpired,
@@ -23,8 +23,8 @@ from app.engine.batch_types import (
     DeadlineUnreachable,
     QueueFull,
 )
-from app.engine.decoders import Prepared
-from app.engine.loaded_version import LoadedVersion
+from app.engine.decoding.decoders import Prepared
+from app.engine.loaded.version import LoadedVersion
 from app.errors import (
     BadRequest,
     ClientGone,

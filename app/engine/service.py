@@ -13,14 +13,14 @@ import time
 from typing import Callable, Iterator
 
 from app.config import Settings
-from app.engine.arrivals import InFlight
+from app.engine.batching.arrivals import InFlight
 from app.engine.call import NOT_READY_RETRY_S, Call
-from app.engine.loaded_version import LoadedVersion
-from app.engine.predictor import Predictor
-from app.engine.reconciler import Reconciler
-from app.engine.routing import Route
-from app.engine.shadow import offer
-from app.engine.sources import GivenSource, Source
+from app.engine.loaded.version import LoadedVersion
+from app.engine.loaded.predictor import Predictor
+from app.engine.versions.reconciler import Reconciler
+from app.engine.versions.routing import Route
+from app.engine.rollouts.shadow import offer
+from app.engine.versions.sources import GivenSource, Source
 from app.errors import NotReady, ServiceError, retry_after_header
 from app.metrics import READY, VERSION_REQUEST_SECONDS, VERSION_REQUESTS
 

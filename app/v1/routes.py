@@ -8,8 +8,8 @@ import pydantic
 import torch
 from flask import Blueprint, Response, request
 
-from app.engine.loaded_version import LoadedVersion
-from app.engine.rollout_changes import RolloutChanges
+from app.engine.loaded.version import LoadedVersion
+from app.engine.versions.rollout_changes import RolloutChanges
 from app.engine.service import Service
 from app.errors import BadRequest
 from app.v1.payload import PredictInput, parse_predict

@@ -1,7 +1,7 @@
 """The Open Inference Protocol's model repository extension: what tritonclient's ``get_model_repository_index``,
 ``load_model`` and ``unload_model`` call. A load verifies, warms up and canaries the new versions before they take
 traffic; the versions they replace finish their requests first. Under gunicorn the call reaches every worker and
-answers once all of them serve the result (app/engine/desired.py)."""
+answers once all of them serve the result (app/engine/versions/desired.py)."""
 from __future__ import annotations
 
 from typing import TypeVar

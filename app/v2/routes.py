@@ -12,7 +12,7 @@ from flask import Blueprint, Response, request
 from pydantic import BaseModel
 
 from app import __version__
-from app.engine.loaded_version import LoadedVersion
+from app.engine.loaded.version import LoadedVersion
 from app.engine.service import Service
 from app.errors import BadRequest, NotFound, NotReady
 from app.v2.codec import InferRequest, Tensor, encode_response, parse_request

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from flask import Response, g
 
-from app.engine.batch_types import BatchResult
+from app.engine.batching.types import BatchResult
 from app.engine.call import Served
 
 

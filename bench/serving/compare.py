@@ -153,8 +153,8 @@ def probe_best(model: str, weights: Path, logs: Path, args: argparse.Namespace) 
 
 def run_model(model: str, weights: Path, args: argparse.Namespace, logs: Path) -> dict[str, object]:
     """The limit, the best settings, and every server at every concurrency, for one model."""
-    from app.engine.predictor import Predictor
-    from app.engine.tuning import forward_threads
+    from app.engine.loaded.predictor import Predictor
+    from app.engine.batching.tuning import forward_threads
 
     predictor, configs = configurations(weights, args.compile)
     served_name = served_config(configs)

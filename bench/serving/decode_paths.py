@@ -24,9 +24,9 @@ import torch
 from PIL import Image
 
 from app.config import Settings
-from app.engine.decode import DecodeLimits, image_to_tensor
-from app.engine.predictor import Predictor
-from app.engine.tensor_decode import image_to_tensor_path
+from app.engine.decoding.image import DecodeLimits, image_to_tensor
+from app.engine.loaded.predictor import Predictor
+from app.engine.decoding.tensor import image_to_tensor_path
 from bench import paths
 from bench.serving.load import measure
 from bench.serving.report import save_result

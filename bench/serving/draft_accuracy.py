@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from app.engine.decode import DecodeLimits, image_to_tensor
-from app.engine.predictor import Predictor
+from app.engine.decoding.image import DecodeLimits, image_to_tensor
+from app.engine.loaded.predictor import Predictor
 from harness.photos import PHOTO_NAMES, SIZES, jpeg, photo
 
 

@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from app.engine.predictor import Predictor
-from app.engine.tuning import forward_threads
+from app.engine.loaded.predictor import Predictor
+from app.engine.batching.tuning import forward_threads
 from bench import paths
 from bench.serving.formats_runtimes import RUNTIMES, fastest_rate, runtimes_python
 from bench.serving.load import measure

@@ -29,9 +29,9 @@ from typing import Sequence
 
 import torch
 
-from app.engine.decode import decode_image
-from app.engine.decoders import decoder_for
-from app.engine.predictor import Predictor
+from app.engine.decoding.image import decode_image
+from app.engine.loaded.version import decoder_of
+from app.engine.loaded.predictor import Predictor
 from bench.paths import RESULTS, WORK
 from bench.serving.compare import export_models
 from bench.serving.limit import LIMITS, best_threads, intra_op_threads, process_pipeline, single_image_ms, timed_rate
@@ -56,7 +56,7 @@ def decode_rates(predictor: Predictor, photos: Sequence[bytes], batch_size: int,
             with intra_op_threads(torch_threads):
                 rates[f"CPU: PIL + eval transform, {cores} threads, {torch_threads} intra-op"] = timed_rate(
                     lambda: len(list(pool.map(on_cpu, chunk))), seconds)
-    decoder = decoder_for("device", predictor, LIMITS)  # the service's device path
+    decoder = decoder_of("device", predictor, LIMITS)  # the service's device path
     encoded = [decoder.prepare(photo) for photo in chunk]  # headers once: the request threads' share
 
     def on_device() -> int:  # the service's device path: decode + preprocess in the batch, on the device

@@ -27,10 +27,10 @@ from typing import Callable, Iterator, Sequence, TypeVar
 import torch
 
 from app.config import Settings
-from app.engine.decode import DecodeLimits, image_to_tensor
-from app.engine.predictor import Predictor
-from app.engine.tensor_decode import image_to_tensor_path
-from app.engine.tuning import decode_path
+from app.engine.decoding.image import DecodeLimits, image_to_tensor
+from app.engine.loaded.predictor import Predictor
+from app.engine.decoding.tensor import image_to_tensor_path
+from app.engine.decoding.decoders import decode_path
 from models.data.malloc import keep_freed_memory
 from models.export.load import optimize_for_cpu
 
@@ -77,7 +77,7 @@ def configurations(weights: Path, compile_too: bool) -> tuple[Predictor, dict[st
         "frozen+optimize_for_inference (served)": optimized,
         "frozen+optimize_for_inference, channels_last input": channels_last(optimized)}
     if base.manifest.onnx is not None:  # what the server runs on the CPU, with the thread count a worker gives it
-        from app.engine.tuning import forward_threads
+        from app.engine.batching.tuning import forward_threads
         from app.host import workers_for
         from models.export.load import OnnxModel
         from models.export.onnx_runtime import session

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from flask import Flask, jsonify, request
 
-from app.engine.decode import image_to_tensor
-from app.engine.predictor import Predictor
+from app.engine.decoding.image import image_to_tensor
+from app.engine.loaded.predictor import Predictor
 from bench.serving.limit import LIMITS
 
 app = Flask(__name__)

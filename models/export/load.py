@@ -2,7 +2,7 @@
 ONNX file under ONNX Runtime, an AOTInductor package, or a weights file: TorchScript frozen for the CPU, a state dict
 loaded strictly), with the checks of checks.py.
 
-Shared by the server (app/engine/predictor.py) and ``python -m models.predict``, so the batch scorer runs exactly
+Shared by the server (app/engine/loaded/predictor.py) and ``python -m models.predict``, so the batch scorer runs exactly
 the artefact the server would: the same format choice, checks, placement, dtype and ONNX Runtime threads.
 """
 from __future__ import annotations

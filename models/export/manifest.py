@@ -77,7 +77,7 @@ LOW_CONFIDENCE_THRESHOLD = 0.5  # a prediction whose top-1 probability is below 
 
 class PredictionReference(BaseModel):
     """What a version's predictions looked like on known images at export: the server's drift figure (PSI) compares
-    the class mix of its recent predictions with ``class_counts`` (app/engine/monitor.py). Manifests written before
+    the class mix of its recent predictions with ``class_counts`` (app/engine/loaded/monitor.py). Manifests written before
     it, and exports with no validation split (the packaged Lite0), have none: the server then takes its first
     predictions after the load as the reference."""
 

@@ -139,7 +139,7 @@ def export_default(out_dir: Path | None, force: bool = False, repository: Path |
     Its manifest has no prediction reference: there is no validation split, and the only real photos here (the
     scikit-image ones of agreement.py: 9 photos, a cat, a galaxy, micrographs, text, in 198 crops) are no mix of
     the images anyone serves, so a reference from them would report drift for any real traffic. The server takes
-    each worker's first predictions after the load as the reference instead (app/engine/monitor.py)."""
+    each worker's first predictions after the load as the reference instead (app/engine/loaded/monitor.py)."""
     from models.presets import lite0_preset
     from models.pretrained import imagenet_labels, load_lite0_imagenet
 

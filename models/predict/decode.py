@@ -1,6 +1,6 @@
 """Reading one file as the server reads an upload, in a DataLoader worker; the batch on the model's device.
 
-Three paths, as the server's ``DECODE_PATH`` (app/engine/decode.py, tensor_decode.py, device_decode.py):
+Three paths, as the server's ``DECODE_PATH`` (app/engine/decoding/image.py, tensor_decode.py, device_decode.py):
 ``pil`` decodes with PIL (reduced-scale for large JPEGs) and runs ``eval_transform``; ``tensor`` (the server's
 default on the CPU) decodes JPEGs with libjpeg-turbo and runs ``TensorEvalTransform``; ``device`` (its default on
 CUDA) sends the JPEG's bytes and decodes the batch on the device (nvJPEG), preprocessing there. Every path first

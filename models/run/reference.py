@@ -1,7 +1,7 @@
 """The validation pass's prediction reference, written into the manifest at export: how many images each class was
 the top-1 answer for, the histogram of the top-1 probabilities and the share below LOW_CONFIDENCE_THRESHOLD. Each
 rank counts its own outputs; the counts add up across ranks. The server compares the class mix of its recent
-predictions with it (app/engine/monitor.py)."""
+predictions with it (app/engine/loaded/monitor.py)."""
 from __future__ import annotations
 
 from typing import Sequence

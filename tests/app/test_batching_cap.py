@@ -5,8 +5,8 @@ import pytest
 
 from app import EXTENSION_KEY, create_app
 from app.config import Settings
-from app.engine.predictor import Predictor
-from app.engine.tuning import choose_batch_cap
+from app.engine.loaded.predictor import Predictor
+from app.engine.batching.tuning import choose_batch_cap
 from tests.support.imaging import image_bytes
 
 
@@ -88,7 +88,7 @@ def test_padding_defaults_to_cuda_only(model) -> None:  # noqa: ANN001
 def test_forward_threads_leave_cores_for_decoding_on_cpu() -> None:
     import torch
 
-    from app.engine.tuning import forward_threads
+    from app.engine.batching.tuning import forward_threads
 
     assert forward_threads(0, torch.device("cpu"), cores=2) == 1
     assert forward_threads(0, torch.device("cpu"), cores=16) == 8
@@ -99,7 +99,7 @@ def test_forward_threads_leave_cores_for_decoding_on_cpu() -> None:
 def test_lone_batches_run_inline_on_the_cpu_only() -> None:
     import torch
 
-    from app.engine.tuning import inline_batches
+    from app.engine.batching.tuning import inline_batches
 
     assert inline_batches(True, torch.device("cpu"))
     assert not inline_batches(False, torch.device("cpu"))

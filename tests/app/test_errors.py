@@ -18,7 +18,7 @@ from PIL import Image
 
 from app import EXTENSION_KEY, create_app
 from app.config import Settings
-from app.engine.predictor import Predictor
+from app.engine.loaded.predictor import Predictor
 from app.engine.service import Service
 from tests.support.answers import error_of, labels_of
 from tests.support.fakes import ColourModel, wait_until

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from app.engine.predictor import Predictor
+from app.engine.loaded.predictor import Predictor
 from models.export.checks import ModelLoadError
 from models.export.choose import choose_package
 from models.export.manifest import Agreement, CompiledPackage, Manifest, read_manifest, sha256_of
@@ -112,7 +112,7 @@ def test_the_manifest_records_the_int8_package_and_its_agreement(int8_export: Pa
 @pytest.mark.slow
 def test_the_int8_package_runs_without_torchao(int8_export: Path) -> None:
     code = ("import sys; sys.modules['torchao'] = None; import torch; from pathlib import Path; "
-            "from app.engine.predictor import Predictor; "
+            "from app.engine.loaded.predictor import Predictor; "
             f"p = Predictor.load(Path({str(int8_export)!r}), weights_format='int8', device='cpu', max_batch_size=8); "
             "print(p.weights_format, tuple(p.predict_batch(torch.rand(3, 3, 64, 64)).shape))")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,

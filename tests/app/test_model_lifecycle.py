@@ -15,9 +15,9 @@ from flask.testing import FlaskClient
 
 from app import EXTENSION_KEY, create_app
 from app.config import Settings
-from app.engine.desired import UNLOADED, SharedDesiredState
-from app.engine.policy import PolicyError, VersionPolicy
-from app.engine.reconciler import Reconciler
+from app.engine.versions.desired import UNLOADED, SharedDesiredState
+from app.engine.rollouts.policy import PolicyError, VersionPolicy
+from app.engine.versions.reconciler import Reconciler
 from app.engine.service import Service
 from app.errors import BadRequest, InsufficientMemory, LoadFailed, NotFound, NotReady
 from tests.support.fakes import FakeRepository, infer, wait_until

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.engine.predictor import Predictor
+from app.engine.loaded.predictor import Predictor
 from models.export.checks import ModelLoadError
 from models.export.choose import choose_onnx
 from models.export.manifest import Agreement, Manifest, OnnxFile, read_manifest, sha256_of

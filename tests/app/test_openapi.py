@@ -14,7 +14,7 @@ from openapi_spec_validator import validate
 
 from app import EXTENSION_KEY, create_app
 from app.config import Settings
-from app.engine.predictor import Predictor
+from app.engine.loaded.predictor import Predictor
 from app.engine.service import Service
 from app.metrics import PROBES
 from tests.support.imaging import RED, image_bytes

@@ -14,7 +14,7 @@ from PIL import Image
 
 from app import EXTENSION_KEY, create_app
 from app.config import Settings
-from app.engine.predictor import Predictor
+from app.engine.loaded.predictor import Predictor
 from models.export.__main__ import package_targets
 from models.export.checks import ModelLoadError
 from models.export.choose import choose_package, why_not

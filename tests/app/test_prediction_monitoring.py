@@ -17,7 +17,7 @@ from flask.testing import FlaskClient
 
 from app import EXTENSION_KEY, create_app
 from app.config import Settings
-from app.engine.predictor import Predictor
+from app.engine.loaded.predictor import Predictor
 from models.export.manifest import MANIFEST_NAME, Manifest, PredictionReference, read_manifest
 from tests.support.fakes import ColourModel, export_tiny, tiny_manifest
 from tests.support.imaging import BLUE, GREEN, RED, image_bytes

@@ -12,7 +12,7 @@ from flask import Flask
 from PIL import Image
 
 from app import EXTENSION_KEY
-from app.engine.predictor import Predictor
+from app.engine.loaded.predictor import Predictor
 from harness.photos import photo
 from models.architectures import build_model
 from models.export.checks import ModelLoadError
@@ -154,7 +154,7 @@ def test_manifest_cannot_point_outside_its_directory(weights_copy: Path) -> None
 def test_reduced_scale_jpeg_decoding_keeps_predictions(real_app: Flask, name: str) -> None:
     """The default draft setting (1024) must not change a 12 MP photo's top-1 or top-5 set, and move no probability by 0.01."""
     from app.config import Settings
-    from app.engine.decode import DecodeLimits, image_to_tensor
+    from app.engine.decoding.image import DecodeLimits, image_to_tensor
     from harness.photos import jpeg, photo
 
     service = real_app.extensions[EXTENSION_KEY]

@@ -9,7 +9,7 @@ import pytest
 
 from app import EXTENSION_KEY, create_app
 from app.config import Settings
-from app.engine.sources import DirectorySource
+from app.engine.versions.sources import DirectorySource
 from app.errors import NotFound
 from models.export.checks import ModelLoadError
 from models.export.repository import models, newest, next_version, versions

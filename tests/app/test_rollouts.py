@@ -16,8 +16,8 @@ import torch
 
 from app import EXTENSION_KEY, create_app
 from app.config import Settings
-from app.engine.policy import PolicyError, VersionPolicy
-from app.engine.rollout import (
+from app.engine.rollouts.policy import PolicyError, VersionPolicy
+from app.engine.rollouts.plan import (
     PromoteRule,
     RollbackRule,
     RolloutPolicy,
@@ -370,7 +370,7 @@ class OtherPreprocessing(FakeRepository):
     """Version 2 takes 16x16 inputs (another eval transform): the shadow decodes the images for it itself."""
 
     def load(self, name: str, version: str):  # noqa: ANN201 - a Predictor
-        from app.engine.predictor import Predictor
+        from app.engine.loaded.predictor import Predictor
         from tests.support.fakes import tiny_manifest
 
         predictor = super().load(name, version)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from app.config import Settings
-from app.engine.predictor import Predictor
+from app.engine.loaded.predictor import Predictor
 from app.engine.service import Service
-from app.engine.sources import DirectorySource, GivenSource
+from app.engine.versions.sources import DirectorySource, GivenSource
 from app.errors import BadRequest, InvalidImage, NotReady, TooManyImages
 from models.export.checks import ModelLoadError
 from tests.support.fakes import ColourModel, infer, wait_until

@@ -11,7 +11,7 @@ from werkzeug.test import Client
 from app import EXTENSION_KEY, create_app
 from app.config import Settings
 from app.engine.call import NOT_READY_RETRY_S
-from app.engine.sources import DirectorySource
+from app.engine.versions.sources import DirectorySource
 from app.starting import RETRY_AFTER_S, StartingApp
 
 PATHS = [("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/v2/health/live"), ("GET", "/v2/health/ready"),

@@ -152,7 +152,7 @@ class FakeRepository:
         return 1024 * 1024
 
     def load(self, name: str, version: str):  # noqa: ANN201 - a Predictor
-        from app.engine.predictor import Predictor
+        from app.engine.loaded.predictor import Predictor
         from models.export.checks import ModelLoadError
 
         self.loads.append((name, version))

@@ -13,9 +13,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from app.config import Settings
-from app.engine.decode import DecodeLimits, image_to_tensor
-from app.engine.predictor import Predictor
-from app.engine.tensor_decode import image_to_tensor_path
+from app.engine.decoding.image import DecodeLimits, image_to_tensor
+from app.engine.loaded.predictor import Predictor
+from app.engine.decoding.tensor import image_to_tensor_path
 from demo_data.small_sets import write_digits
 from harness.photos import jpeg, photo
 from models import train

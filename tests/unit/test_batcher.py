@@ -8,7 +8,7 @@ from typing import Callable, Iterator, Sequence
 
 import pytest
 
-from app.engine.batch_types import (
+from app.engine.batching.types import (
     BatcherClosed,
     BatchSizeMismatch,
     DeadlineExpired,
@@ -16,7 +16,7 @@ from app.engine.batch_types import (
     DeadlineUnreachable,
     QueueFull,
 )
-from app.engine.batcher import Batcher
+from app.engine.batching.batcher import Batcher
 
 
 class Recorder:
@@ -176,7 +176,7 @@ def test_an_inline_batch_that_fails_fails_its_caller_and_frees_the_batcher(make_
 
 
 def test_arrivals_count_a_request_until_it_queues_or_leaves() -> None:
-    from app.engine.arrivals import Arrivals
+    from app.engine.batching.arrivals import Arrivals
 
     arrivals = Arrivals()
     with arrivals.arriving() as arrived:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from app.engine.decode import DecodeLimits, decode_image
+from app.engine.decoding.image import DecodeLimits, decode_image
 from app.errors import ImageTooLarge, InvalidImage, UnsupportedImageFormat
 from tests.support.imaging import BLUE, RED, encode, image_bytes
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from app.config import Settings
-from app.engine.predictor import Predictor
+from app.engine.loaded.predictor import Predictor
 from harness.photos import photo
 from models.export.checks import ModelLoadError, resolve_device, resolve_dtype
 from tests.support.fakes import ColourModel, tiny_manifest
@@ -98,7 +98,7 @@ def test_workers_spread_over_the_gpus_and_a_restarted_worker_takes_the_free_slot
     import shutil
     from types import SimpleNamespace
 
-    from app.engine.tuning import gpu_for, placed_device
+    from app.host import gpu_for, placed_device
 
     assert [gpu_for(slot, 4, 0) for slot in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]  # round robin
     assert [gpu_for(slot, 2, 2) for slot in range(6)] == [0, 0, 1, 1, 0, 0]  # two per GPU in turn

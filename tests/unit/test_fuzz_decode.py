@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from app.engine.decode import DecodeLimits, image_to_tensor
-from app.engine.device_decode import check_header, decode_batch
-from app.engine.tensor_decode import image_to_tensor_path
+from app.engine.decoding.image import DecodeLimits, image_to_tensor
+from app.engine.decoding.device import check_header, decode_batch
+from app.engine.decoding.tensor import image_to_tensor_path
 from app.errors import ServiceError
 from models.presets import EvalPreset, TensorEvalTransform, eval_transform
 

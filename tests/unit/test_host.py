@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from app import host
-from app.engine.tuning import forward_threads
+from app.engine.batching.tuning import forward_threads
 
 
 def test_a_cpu_host_gets_one_worker_per_core_up_to_the_bound() -> None:

@@ -172,15 +172,15 @@ def test_the_server_imports_only_the_serving_contract_of_models() -> None:
 def test_protocols_reach_the_request_path_only_through_admit() -> None:
     # Arrivals, the batcher and decoding are Service.admit's and Call.infer's business: a protocol that chains them
     # itself can lose the inline path or the arrival count silently.
-    internals = ("app.engine.arrivals", "app.engine.batcher", "app.engine.decode", "app.engine.batch_types",
-                 "app.engine.decoders", "app.engine.device_decode", "app.engine.tensor_decode")
+    internals = ("app.engine.batching.arrivals", "app.engine.batching.batcher", "app.engine.decoding.image", "app.engine.batching.types",
+                 "app.engine.decoding.decoders", "app.engine.decoding.device", "app.engine.decoding.tensor")
     for package in PROTOCOLS:
         for module, names in _modules(package).items():
             assert not [n for n in names if _under(n, internals)], module
 
 
 def test_importing_the_engine_loads_no_flask() -> None:
-    code = ("import sys, app.engine.service, app.engine.predictor; "
+    code = ("import sys, app.engine.service, app.engine.loaded.predictor; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('flask', 'werkzeug') "
             "or m.startswith(('app.web', 'app.v1', 'app.v2'))]; print(bad); sys.exit(1 if bad else 0)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -1,4 +1,4 @@
-"""The prediction monitor (app/engine/monitor.py): its window against a plain list of the last predictions, the PSI
+"""The prediction monitor (app/engine/loaded/monitor.py): its window against a plain list of the last predictions, the PSI
 against the formula, its bins, the reference (the manifest's or the first window), thread safety; and the metrics
 observer's drift gauges once a version is unloaded."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from app.engine.monitor import PSI_EPSILON, PredictionMonitor, class_bins, population_stability_index
+from app.engine.loaded.monitor import PSI_EPSILON, PredictionMonitor, class_bins, population_stability_index
 from app.metrics import MetricsObserver
 from models.export.manifest import PredictionReference
 

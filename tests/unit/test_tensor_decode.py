@@ -12,8 +12,8 @@ import torch
 from PIL import Image, ImageOps
 
 from app.config import Settings
-from app.engine.decode import DecodeLimits, image_to_tensor, load_upright, open_checked
-from app.engine.tensor_decode import decode_tensor, image_to_tensor_path
+from app.engine.decoding.image import DecodeLimits, image_to_tensor, load_upright, open_checked
+from app.engine.decoding.tensor import decode_tensor, image_to_tensor_path
 from app.errors import ImageTooLarge, InvalidImage, UnsupportedImageFormat
 from harness.photos import jpeg as photo_jpeg
 from harness.photos import photo
@@ -161,7 +161,7 @@ def test_the_tensor_transform_matches_the_pil_transform_on_a_photo(interpolation
 
 def test_the_service_decodes_on_the_path_its_settings_choose(settings, predictor,  # noqa: ANN001
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    import app.engine.decoders as decoders
+    import app.engine.decoding.decoders as decoders
     from app import EXTENSION_KEY, create_app
 
     calls: list[str] = []
@@ -187,9 +187,9 @@ def test_the_device_path_decodes_in_the_batch_and_fails_only_the_bad_image(setti
                                                                             monkeypatch) -> None:  # noqa: ANN001
     from concurrent.futures import ThreadPoolExecutor
 
-    import app.engine.decoders as decoders
+    import app.engine.decoding.decoders as decoders
     from app import EXTENSION_KEY, create_app
-    from app.engine.device_decode import Encoded
+    from app.engine.decoding.device import Encoded
 
     seen: list[type] = []
     original = decoders.collate_on_device
@@ -218,9 +218,9 @@ def test_the_device_path_decodes_in_the_batch_and_fails_only_the_bad_image(setti
 
 
 def test_a_batch_may_mix_encoded_images_and_preprocessed_pixels(predictor) -> None:  # noqa: ANN001
-    from app.engine.decoders import decoder_for
+    from app.engine.loaded.version import decoder_of
 
-    decoder = decoder_for("device", predictor, LIMITS)
+    decoder = decoder_of("device", predictor, LIMITS)
     red_pixels = predictor.tensor_transform(decode_tensor(image_bytes(RED), LIMITS))
     probabilities = predictor.predict_batch(decoder.collate([decoder.prepare(image_bytes(BLUE)), red_pixels]))
     assert probabilities.argmax(dim=1).tolist() == [2, 0]  # blue, red: in their order

@@ -1,6 +1,6 @@
 """A loaded model version: its predictor, its decoder and its running batcher, started, warmed up and canaried on
 the batcher's thread; counted while requests use it, so an unloaded version stops only after its last request is
-answered."""
+answered. ``run_batch`` is a batch's steps, in order, in one place."""
 from __future__ import annotations
 
 import logging
@@ -11,13 +11,13 @@ from typing import Sequence
 import torch
 
 from app.config import Settings
-from app.engine.arrivals import Arrivals, InFlight
-from app.engine.batcher import Batcher
-from app.engine.decode import DecodeLimits, canary_jpeg
-from app.engine.decoders import Decoder, Prepared, decoder_for
-from app.engine.monitor import PredictionMonitor
-from app.engine.predictor import OUT_OF_MEMORY_ERRORS, Predictor
-from app.engine.tuning import choose_batch_cap, decode_path, forward_threads, inline_batches
+from app.engine.batching.arrivals import Arrivals, InFlight
+from app.engine.batching.batcher import Batcher
+from app.engine.batching.tuning import choose_batch_cap, forward_threads, inline_batches
+from app.engine.decoding.decoders import Decoder, Prepared, decoder_for
+from app.engine.decoding.image import DecodeLimits, canary_jpeg
+from app.engine.loaded.monitor import PredictionMonitor
+from app.engine.loaded.predictor import OUT_OF_MEMORY_ERRORS, Predictor
 from app.metrics import MODEL_INFO, QUEUE_CAPACITY, MetricsObserver
 from models.export.checks import ModelLoadError
 
@@ -31,13 +31,14 @@ class LoadedVersion:
 
     predictor: Predictor
     decoder: Decoder
-    batcher: Batcher[Prepared, torch.Tensor]
-    batch_profile: dict[int, float]  # forward images/s per batch size, measured at warm-up
     monitor: PredictionMonitor  # its predictions for requests: class mix against its reference, confidence
     observer: MetricsObserver = field(default_factory=MetricsObserver)
     arrivals: Arrivals = field(default_factory=Arrivals)  # requests decoding for this version's next batch
     in_use: InFlight = field(default_factory=InFlight)  # requests holding this version, from routing to answer
+    batch_profile: dict[int, float] = field(default_factory=dict)  # forward images/s per batch size, at warm-up
     device_memory_bytes: int | None = None  # CUDA memory the load and warm-up took (None on the CPU)
+    batcher: Batcher[Prepared, torch.Tensor] = field(init=False)
+    serving: threading.Event = field(default_factory=threading.Event)  # warmed up and canaried: batches monitored
 
     @property
     def name(self) -> str:
@@ -48,6 +49,15 @@ class LoadedVersion:
     def version(self) -> str:
         """The version (its manifest's)."""
         return self.predictor.manifest.version
+
+    def run_batch(self, prepared: Sequence[Prepared]) -> torch.Tensor:
+        """One batch, on the batcher's thread: collate (the device path decodes here), the forward pass (softmax
+        probabilities, one row per image), then, for requests' batches, the monitor and its metrics."""
+        probabilities = self.predictor.predict_batch(self.decoder.collate(prepared))
+        if self.serving.is_set():
+            seen = self.monitor.observe(probabilities)
+            self.observer.predictions(seen.labels, seen.confidences, seen.low_confidence_ratio, seen.psi)
+        return probabilities
 
     def _info_labels(self) -> tuple[str, str, str, str]:
         return self.name, self.version, str(self.predictor.device), self.predictor.dtype_name
@@ -70,14 +80,20 @@ def check_canary(probabilities: torch.Tensor, num_classes: int) -> None:
         raise ModelLoadError(f"canary inference failed: shape {tuple(probabilities.shape)}, sum {total}")
 
 
-def _apply_batch_cap(settings: Settings, batcher: Batcher[Prepared, torch.Tensor], profile: dict[int, float],
-                     described: str) -> None:
+def _apply_batch_cap(settings: Settings, loaded: LoadedVersion) -> None:
     """Cap batches where the forward pass measured at warm-up starts to slow (when ``auto_batch_size``), saying why in the log."""
+    profile = loaded.batch_profile
     cap = choose_batch_cap(profile) if profile and settings.auto_batch_size else settings.max_batch_size
     if cap < settings.max_batch_size:
-        log.info("%s: batch cap %d: larger batches were slower (%s)", described, cap,
+        log.info("%s %s: batch cap %d: larger batches were slower (%s)", loaded.name, loaded.version, cap,
                  ", ".join(f"{size}: {rate:.0f} img/s" for size, rate in profile.items()))
-        batcher.set_max_batch_size(cap)
+        loaded.batcher.set_max_batch_size(cap)
+
+
+def decoder_of(setting: str, predictor: Predictor, limits: DecodeLimits) -> Decoder:
+    """The decoder ``setting`` (auto, pil, tensor or device) picks for ``predictor``'s device, dtype and transforms."""
+    return decoder_for(setting, limits, device=predictor.device, dtype=predictor.dtype,
+                       transform=predictor.transform, tensor_transform=predictor.tensor_transform)
 
 
 def start_version(settings: Settings, predictor: Predictor) -> LoadedVersion:
@@ -87,38 +103,25 @@ def start_version(settings: Settings, predictor: Predictor) -> LoadedVersion:
     if threads:
         torch.set_num_threads(threads)
     name, version = predictor.manifest.name, predictor.manifest.version
-    decoder = decoder_for(decode_path(settings.decode_path, predictor.device), predictor,
-                          DecodeLimits.from_settings(settings))
+    decoder = decoder_of(settings.decode_path, predictor, DecodeLimits.from_settings(settings))
     observer = MetricsObserver(predictor.memory_stats if predictor.device.type == "cuda" else None, name, version)
-    monitor = PredictionMonitor.for_version(settings, predictor.manifest)
-    serving = threading.Event()  # set once warmed up and canaried: only requests' batches are monitored
-
-    def run_batch(prepared: Sequence[Prepared]) -> torch.Tensor:
-        probabilities = predictor.predict_batch(decoder.collate(prepared))
-        if serving.is_set():
-            seen = monitor.observe(probabilities)
-            observer.predictions(seen.labels, seen.confidences, seen.low_confidence_ratio, seen.psi)
-        return probabilities
-
-    arrivals = Arrivals()
-    batcher: Batcher[Prepared, torch.Tensor] = Batcher(
-        run_batch, max_batch_size=settings.max_batch_size, max_wait_ms=settings.max_wait_ms,
+    loaded = LoadedVersion(predictor, decoder, PredictionMonitor.for_version(settings, predictor.manifest), observer)
+    loaded.batcher = Batcher(
+        loaded.run_batch, max_batch_size=settings.max_batch_size, max_wait_ms=settings.max_wait_ms,
         queue_size=settings.resolved_queue_size(), split_on=OUT_OF_MEMORY_ERRORS, shrink_s=settings.oom_shrink_s,
-        observer=observer, incoming=arrivals.count, name=f"batcher-{name}-{version}",
+        observer=observer, incoming=loaded.arrivals.count, name=f"batcher-{name}-{version}",
         inline_when_idle=inline_batches(settings.inline_when_idle, predictor.device))
-    profile: dict[int, float] = {}
 
     def prepare() -> None:  # on the thread that will run the batches: cuDNN's tuned plans are per thread
         if settings.warmup:
-            profile.update(predictor.warmup(settings.max_batch_size))
+            loaded.batch_profile.update(predictor.warmup(settings.max_batch_size))
         # A synthetic photo through the decoder the batches will use (starting the device's decoder there) and
         # the model.
-        check_canary(run_batch([decoder.prepare(canary_jpeg())]), predictor.num_classes)
+        check_canary(loaded.run_batch([decoder.prepare(canary_jpeg())]), predictor.num_classes)
 
-    batcher.start(prepare)
-    serving.set()
-    _apply_batch_cap(settings, batcher, profile, f"{name} {version}")
-    loaded = LoadedVersion(predictor, decoder, batcher, profile, monitor, observer, arrivals)
+    loaded.batcher.start(prepare)
+    loaded.serving.set()
+    _apply_batch_cap(settings, loaded)
     MODEL_INFO.labels(*loaded._info_labels()).set(1)
-    QUEUE_CAPACITY.labels(name, version).set(batcher.queue_size)
+    QUEUE_CAPACITY.labels(name, version).set(loaded.batcher.queue_size)
     return loaded

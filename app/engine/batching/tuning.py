@@ -1,4 +1,4 @@
-"""How the service sizes its work to the machine: forward threads, the batch cap, where lone batches run."""
+"""How a version's batches are sized to the machine: forward threads, the batch cap, where lone batches run."""
 from __future__ import annotations
 
 import torch
@@ -37,25 +37,3 @@ def choose_batch_cap(profile: dict[int, float], tolerance: float = 0.95) -> int:
     """
     best = max(profile.values())
     return max(size for size, rate in profile.items() if rate >= tolerance * best)
-
-
-def decode_path(setting: str, device: torch.device) -> str:
-    """Where a model's images are decoded (Settings.decode_path): ``auto`` is the device path on CUDA and the tensor
-    path on the CPU, where it served 1.20-1.25x PIL's images/s at 100% top-1 agreement (bench/serving/decode_paths.py)."""
-    if setting != "auto":
-        return setting
-    return "device" if device.type == "cuda" else "tensor"
-
-
-def gpu_for(slot: int, gpus: int, workers_per_gpu: int) -> int:
-    """The GPU of worker ``slot`` out of ``gpus`` (Settings.workers_per_gpu: 0 round robin, k per GPU in turn)."""
-    if gpus <= 0:
-        raise ValueError(f"no GPU to place worker {slot} on")
-    return (slot if workers_per_gpu <= 0 else slot // workers_per_gpu) % gpus
-
-
-def placed_device(setting: str, slot: int | None, gpus: int, workers_per_gpu: int) -> str:
-    """The device a worker serves on: ``auto``/``cuda`` spread over ``gpus`` by ``slot``; anything else as set."""
-    if setting not in ("auto", "cuda") or slot is None or gpus < 2:
-        return setting
-    return f"cuda:{gpu_for(slot, gpus, workers_per_gpu)}"

@@ -1,9 +1,9 @@
 """A model's default version changed on purpose: a promote or rollback call, or the rollout rules judged on every
-worker's evidence (app/engine/rollout.py decides; this applies), and what the rollouts look like now.
+worker's evidence (app/engine/rollouts/plan.py decides; this applies), and what the rollouts look like now.
 
 Each change takes the reconciler's change lock, is served here first (``Reconciler.reconcile_model``: a refusal
 changes nothing anywhere), then written into the desired state for the other workers, as every other writer does
-(app/engine/reconciler.py). A call then waits for the other workers; the rules' changes, made on the follow thread
+(app/engine/versions/reconciler.py). A call then waits for the other workers; the rules' changes, made on the follow thread
 of whichever worker judges first, do not.
 """
 from __future__ import annotations
@@ -11,14 +11,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
-from app.engine.desired import Entry
-from app.engine.evidence import merged, traffic_p99_ms
-from app.engine.rollout import has_rules, judge, promoted, roles_of, rolled_back, summary
+from app.engine.versions.desired import Entry
+from app.engine.rollouts.evidence import merged, traffic_p99_ms
+from app.engine.rollouts.plan import has_rules, judge, promoted, roles_of, rolled_back, summary
 from app.errors import Conflict, NotFound, ServiceError
 from app.metrics import ROLLOUT_CHANGES
 
 if TYPE_CHECKING:
-    from app.engine.reconciler import Reconciler
+    from app.engine.versions.reconciler import Reconciler
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Generic, Sequence, TypeVar
 
-from app.engine.batch_types import (
+from app.engine.batching.types import (
     BackgroundJob,
     BatcherClosed,
     BatchObserver,

@@ -1,8 +1,8 @@
-"""A worker's model versions, made to match the desired state (app/engine/desired.py) with no failed request.
+"""A worker's model versions, made to match the desired state (app/engine/versions/desired.py) with no failed request.
 
 Everything that wants a change writes the desired state: start-up (what the settings and the repository name), the
 repository poll (what each model's policy picks now), a V2 load or unload call, a promotion or rollback (by a call
-or by the rules: app/engine/rollout_changes.py, through ``changing``, ``write`` and ``wait_for_workers``), another
+or by the rules: app/engine/versions/rollout_changes.py, through ``changing``, ``write`` and ``wait_for_workers``), another
 worker. One step alone changes what this worker serves, ``reconcile_model`` (run for every model by ``reconcile``
 when another worker wrote a newer generation), in five steps:
 
@@ -34,16 +34,16 @@ from typing import Any, Callable, Iterator
 import torch
 
 from app.config import Settings
-from app.engine.desired import UNLOADED, WATCH_S, Entry, desired_state
-from app.engine.evidence import Evidence, traffic_p99_ms
-from app.engine.loaded_version import LoadedVersion, start_version
-from app.engine.memory import check_fits
-from app.engine.policy import PolicyError, VersionPolicy, order_key
-from app.engine.rollout import RolloutPolicy, plan, roles_of
-from app.engine.rollout_changes import RolloutChanges
-from app.engine.routing import Candidate, RoutingTable
-from app.engine.sources import Source
-from app.engine.version_states import VersionState, VersionStates
+from app.engine.versions.desired import UNLOADED, WATCH_S, Entry, desired_state
+from app.engine.rollouts.evidence import Evidence, traffic_p99_ms
+from app.engine.loaded.version import LoadedVersion, start_version
+from app.engine.versions.memory import check_fits
+from app.engine.rollouts.policy import PolicyError, VersionPolicy, order_key
+from app.engine.rollouts.plan import RolloutPolicy, plan, roles_of
+from app.engine.versions.rollout_changes import RolloutChanges
+from app.engine.versions.routing import Candidate, RoutingTable
+from app.engine.versions.sources import Source
+from app.engine.versions.states import VersionState, VersionStates
 from app.errors import (
     BadRequest,
     InsufficientMemory,
@@ -403,7 +403,7 @@ class Reconciler:
 
     def share_evidence(self) -> None:
         """Write this worker's rollout evidence into its report, then apply what the rules decide on every
-        worker's (app/engine/rollout_changes.py)."""
+        worker's (app/engine/versions/rollout_changes.py)."""
         with self._lock:
             self._report(self._last_error)
             self.rollouts.judge_evidence()

@@ -19,7 +19,7 @@ import zlib
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from app.engine.policy import PolicyError, VersionPolicy, order_key
+from app.engine.rollouts.policy import PolicyError, VersionPolicy, order_key
 
 Entry = dict[str, Any]
 

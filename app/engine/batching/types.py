@@ -1,6 +1,6 @@
 """What the batcher raises, reports and returns: its errors, the observer it reports to, and each item's result.
 
-Kept apart from the queue and worker thread (app/engine/batcher.py) so the service's error mapping and the timing
+Kept apart from the queue and worker thread (app/engine/batching/batcher.py) so the service's error mapping and the timing
 headers can name these without the batching machinery.
 """
 from __future__ import annotations

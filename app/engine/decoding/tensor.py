@@ -1,7 +1,7 @@
 """The tensor decode path: bytes -> uint8 (C, H, W) tensor, then the eval transform on tensors (models/presets.py
 ``TensorEvalTransform``), so the same code runs on the CPU and, batched, on a GPU.
 
-The header is read and every limit checked by PIL first (app/engine/decode.py), before any pixel is decoded.
+The header is read and every limit checked by PIL first (app/engine/decoding/image.py), before any pixel is decoded.
 JPEGs go to libjpeg-turbo (models/data/jpeg.py ``decode_jpeg_cpu``: PIL's pixels, reduced-scale decoding by
 ``JPEG_DRAFT_MIN_SIDE`` and the EXIF orientation included, without PIL's copies); every other format, CMYK and
 YCCK JPEGs (PIL converts them its own way), and any JPEG libjpeg-turbo refuses (truncated data: PIL then says why
@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from app.engine.decode import DecodeLimits, is_jpeg, load_upright, open_checked
+from app.engine.decoding.image import DecodeLimits, is_jpeg, load_upright, open_checked
 from models.data.jpeg import decode_jpeg_cpu
 from models.presets import TensorEvalTransform, pil_to_tensor
 

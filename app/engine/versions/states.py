@@ -7,8 +7,8 @@ import threading
 from dataclasses import dataclass
 from typing import Iterator
 
-from app.engine.loaded_version import LoadedVersion
-from app.engine.policy import order_key
+from app.engine.loaded.version import LoadedVersion
+from app.engine.rollouts.policy import order_key
 
 Key = tuple[str, str]  # (model, version)
 Stamp = tuple[int, int]  # changes when the version's manifest is rewritten

@@ -96,7 +96,7 @@ class DesiredState:
     def report(self, generation: int, serving: dict[str, Entry], error: str | None, device: str,
                evidence: dict[str, Any] | None = None) -> None:
         """What this worker serves after applying ``generation``, on which device, why it could not apply it, and
-        its rollout evidence (app/engine/evidence.py)."""
+        its rollout evidence (app/engine/rollouts/evidence.py)."""
         self._reports[self.pid] = {"pid": self.pid, "generation": generation, "models": serving, "error": error,
                                    "device": device, "time": time.time(), "evidence": evidence or {}}
 

@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from app.config import Settings
-from app.engine.policy import POLICY_FILE, PolicyError
-from app.engine.predictor import Predictor
-from app.engine.tuning import forward_threads
+from app.engine.rollouts.policy import POLICY_FILE, PolicyError
+from app.engine.loaded.predictor import Predictor
+from app.engine.batching.tuning import forward_threads
 from models.export.checks import ModelLoadError, read_checked_manifest, resolve_device
 from models.export.manifest import MANIFEST_NAME
 from models.export.repository import models, versions

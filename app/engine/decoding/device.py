@@ -15,8 +15,8 @@ from typing import Sequence
 
 import torch
 
-from app.engine.decode import DecodeLimits, is_jpeg, open_checked
-from app.engine.tensor_decode import decode_tensor
+from app.engine.decoding.image import DecodeLimits, is_jpeg, open_checked
+from app.engine.decoding.tensor import decode_tensor
 from models.data.jpeg import decode_jpegs
 from models.presets import TensorEvalTransform
 

@@ -13,9 +13,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from app.engine.loaded_version import LoadedVersion
-from app.engine.policy import order_key
-from app.engine.rollout import takes_canary
+from app.engine.loaded.version import LoadedVersion
+from app.engine.rollouts.policy import order_key
+from app.engine.rollouts.plan import takes_canary
 from app.errors import BadRequest, NotFound, NotReady
 
 

@@ -6,7 +6,7 @@
 - ``Traffic``: one version's requests since it took its role (the canary's, a new default's): count, failures
   (500 and 504: the model's, not the client's), latencies.
 
-Each worker keeps its own (``Evidence``) and writes ``dump()`` into its report (app/engine/desired.py); ``merged``
+Each worker keeps its own (``Evidence``) and writes ``dump()`` into its report (app/engine/versions/desired.py); ``merged``
 sums the dumps of every live worker, so ``/v1/models`` and the automatic promotion and rollback see the server's
 traffic, not one worker's. Latencies are the last ``SAMPLES`` per worker, so percentiles are over recent requests.
 """

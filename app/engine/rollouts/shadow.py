@@ -20,10 +20,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from app.engine.batch_types import BackgroundJob, BatcherClosed, BatcherError, BatchResult, DeadlineExpired
-from app.engine.decoders import Prepared
-from app.engine.evidence import Comparison
-from app.engine.loaded_version import LoadedVersion
+from app.engine.batching.types import BackgroundJob, BatcherClosed, BatcherError, BatchResult, DeadlineExpired
+from app.engine.decoding.decoders import Prepared
+from app.engine.rollouts.evidence import Comparison
+from app.engine.loaded.version import LoadedVersion
 from app.errors import ServiceError
 
 log = logging.getLogger(__name__)

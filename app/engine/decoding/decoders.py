@@ -1,0 +1,109 @@
+"""A loaded version's decoder, chosen once when it starts (``DECODE_PATH``: ``decoder_for``): what a request thread
+does with an image's bytes (``prepare``) and how the batch worker turns the prepared images into the model's input
+batch (``collate``).
+
+- ``PilDecoder`` and ``TensorDecoder``: the request thread decodes and preprocesses (PIL, or libjpeg-turbo into a
+  tensor and the transform on tensors), in parallel with the forward pass of the batch before; ``collate`` stacks
+  the rows.
+- ``DeviceDecoder``: the request thread reads the header and checks every limit only (``Encoded``); ``collate``
+  decodes the whole batch on the model's device and preprocesses it there (app/engine/decoding/device.py).
+
+Preprocessed pixels a client sent (V2 FP32) skip ``prepare`` and join the same batches.
+"""
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+import torch
+
+from app.engine.decoding.device import Encoded, check_header, collate_on_device
+from app.engine.decoding.image import DecodeLimits, image_to_tensor
+from app.engine.decoding.tensor import image_to_tensor_path
+from models.presets import ImageTransform, TensorEvalTransform
+
+Prepared = Union[torch.Tensor, Encoded]  # one image as it waits in the queue
+
+
+class Decoder:
+    """One version's decode path: ``prepare`` in the request thread, ``collate`` in the batch worker."""
+
+    path = ""  # pil, tensor or device
+
+    def __init__(self, limits: DecodeLimits) -> None:
+        self.limits = limits
+
+    def prepare(self, data: bytes) -> Prepared:
+        """One image's bytes as it waits in the queue; raises InvalidImage, ImageTooLarge, UnsupportedImageFormat."""
+        raise NotImplementedError
+
+    def collate(self, items: Sequence[Prepared]) -> torch.Tensor:
+        """The prepared images of one batch as the model's (N, C, H, W) input."""
+        return torch.stack(list(items))  # type: ignore[arg-type]
+
+
+class PilDecoder(Decoder):
+    """PIL decodes and the manifest's PIL eval transform preprocesses, in the request thread."""
+
+    path = "pil"
+
+    def __init__(self, limits: DecodeLimits, transform: ImageTransform) -> None:
+        super().__init__(limits)
+        self.transform = transform
+
+    def prepare(self, data: bytes) -> Prepared:
+        """Decoded and preprocessed: a (C, H, W) float tensor."""
+        return image_to_tensor(data, self.transform, self.limits)
+
+
+class TensorDecoder(Decoder):
+    """libjpeg-turbo (PIL for other formats) into a tensor, then the eval transform on tensors, in the request
+    thread."""
+
+    path = "tensor"
+
+    def __init__(self, limits: DecodeLimits, transform: TensorEvalTransform) -> None:
+        super().__init__(limits)
+        self.transform = transform
+
+    def prepare(self, data: bytes) -> Prepared:
+        """Decoded and preprocessed: a (C, H, W) float tensor."""
+        return image_to_tensor_path(data, self.transform, self.limits)
+
+
+class DeviceDecoder(Decoder):
+    """The header only in the request thread; the whole batch decoded and preprocessed on the model's device."""
+
+    path = "device"
+
+    def __init__(self, limits: DecodeLimits, transform: TensorEvalTransform, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        super().__init__(limits)
+        self.transform, self.device, self.dtype = transform, device, dtype
+
+    def prepare(self, data: bytes) -> Prepared:
+        """The header checked against every limit; the bytes kept for the batch (``Encoded``)."""
+        return check_header(data, self.limits)
+
+    def collate(self, items: Sequence[Prepared]) -> torch.Tensor:
+        """The batch decoded on the device, in the model's dtype (preprocessed pixels join in their place)."""
+        return collate_on_device(items, self.device, self.transform, self.dtype)
+
+
+def decode_path(setting: str, device: torch.device) -> str:
+    """Where a model's images are decoded (Settings.decode_path): ``auto`` is the device path on CUDA and the tensor
+    path on the CPU (docs/performance.md: 1.20-1.25x PIL's images/s there at 100% top-1 agreement)."""
+    if setting != "auto":
+        return setting
+    return "device" if device.type == "cuda" else "tensor"
+
+
+def decoder_for(setting: str, limits: DecodeLimits, *, device: torch.device, dtype: torch.dtype,
+                transform: ImageTransform, tensor_transform: TensorEvalTransform) -> Decoder:
+    """The decoder ``setting`` (auto, pil, tensor or device) picks for a model on ``device`` in ``dtype`` with these
+    eval transforms."""
+    path = decode_path(setting, device)
+    if path == "device":
+        return DeviceDecoder(limits, tensor_transform, device, dtype)
+    if path == "tensor":
+        return TensorDecoder(limits, tensor_transform)
+    return PilDecoder(limits, transform)
