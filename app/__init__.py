@@ -1,73 +1,11 @@
-"""visionserve: image classification over HTTP with dynamic batching. ``create_app`` is the only wiring point.
+"""visionserve: image classification over HTTP with dynamic batching. The app is built by ``create_app``
+(app/factory.py), the only wiring point.
 
-Imports stay inside the functions so that importing ``app`` or ``app.config`` (as the gunicorn master does, for
-``EXTENSION_KEY`` and the settings) never loads torch or Flask.
+This package's own module holds constants only, so importing ``app`` or ``app.config`` (as the gunicorn master
+does, for ``EXTENSION_KEY`` and the settings) never loads torch or Flask.
 """
 from __future__ import annotations
-
-from typing import TYPE_CHECKING, Callable, Sequence
 
 __version__ = "0.1.0"
 # Where create_app keeps the service in ``app.extensions``; gunicorn.conf.py finds it there for the SIGTERM drain.
 EXTENSION_KEY = "visionserve"
-
-if TYPE_CHECKING:
-    from flask import Flask
-
-    from app.config import Settings
-    from app.engine.loaded.predictor import Predictor
-    from app.engine.versions.sources import Source
-    from app.web.protocol import Protocol
-
-
-def default_protocols() -> "list[Protocol]":
-    """The APIs the service speaks: /predict + /v1/models, and the Open Inference Protocol under /v2."""
-    from app import v1, v2
-
-    return [v1.PROTOCOL, v2.PROTOCOL]
-
-
-def _placed(settings: "Settings") -> "Settings":
-    """Under gunicorn with several GPUs, this worker's GPU (in the worker, after the fork: CUDA may be touched)."""
-    if settings.worker_slot is None or settings.device not in ("auto", "cuda"):
-        return settings
-    import torch
-
-    from app.host import placed_device
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    device = placed_device(settings.device, settings.worker_slot, gpus, settings.workers_per_gpu)
-    return settings if device == settings.device else settings.model_copy(update={"device": device})
-
-
-def create_app(settings: "Settings | None" = None, predictor: "Predictor | None" = None,
-               protocols: "Sequence[Protocol] | None" = None,
-               on_load_error: "Callable[[BaseException], None] | None" = None,
-               source: "Source | None" = None) -> "Flask":
-    """Build the Flask app: load the models of ``settings.weights_dir`` (or take ``predictor``), build the service
-    (warm-up, canaries), register the web. ``source`` replaces the directory (tests: models held in memory).
-
-    With ``on_load_error`` the model loads in the background and the app answers at once (503 until ready; the
-    gunicorn worker's way, app/wsgi.py); without it, loading happens here and a failure raises.
-    """
-    from flask import Flask
-
-    from app.config import load_settings
-    from models.data.malloc import keep_freed_memory
-    from app.engine.service import Service
-    from app.engine.versions.sources import DirectorySource, GivenSource
-    from app.logs import configure_logging
-    from app.web import init_app
-
-    settings = settings or load_settings()
-    configure_logging(settings.log_level)
-    settings = _placed(settings)
-    keep_freed_memory(settings.malloc_trim_threshold_mb)  # before any image buffer is allocated
-
-    if source is None:
-        source = GivenSource(predictor) if predictor is not None else DirectorySource(settings)
-    service = (Service.build(settings, source) if on_load_error is None
-               else Service.start(settings, source, on_load_error))
-    app = Flask(__name__)
-    init_app(app, settings, service, protocols if protocols is not None else default_protocols())
-    return app

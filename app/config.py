@@ -3,15 +3,20 @@
 Each setting's text lives once, in its ``description``: ``docs/configuration.md`` is generated from this file
 (``python -m app.configdoc``) and a test fails when the two differ. Imports nothing of the project, so the gunicorn
 master can read it without torch.
+
+The settings are declared in groups by what they govern (``GROUPS``, in the order of the page): model and repository,
+rollouts, device and precision, batching, requests, decoding, the HTTP server, prediction monitoring, security.
+``Settings`` combines them into one flat object: a setting is still ``settings.<name>``, read from
+``VISIONSERVE_<NAME>``, whichever group declares it.
 """
 from __future__ import annotations
 
 import difflib
 import os
 from pathlib import Path
-from typing import Literal, Mapping
+from typing import ClassVar, Literal, Mapping
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DeviceName = str
@@ -28,12 +33,20 @@ def dtype_fits_device(dtype: str, device_type: str) -> str | None:
     return None
 
 
-class Settings(BaseSettings):
-    """Service settings; validated once at boot so a bad value stops the start, not the first request."""
+class SettingsGroup(BaseModel):
+    """One group of settings: a mixin of ``Settings``, which reads its fields from the environment. ``heading``
+    titles the group's table in docs/configuration.md."""
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", protected_namespaces=())
+    model_config = ConfigDict(protected_namespaces=())
+    heading: ClassVar[str]
 
-    # Model
+
+class ModelSettings(SettingsGroup):
+    """What to serve: the export or model repository, which models and versions, memory for loading them, the
+    weights format."""
+
+    heading = "Model and repository"
+
     weights_dir: Path = Field(Path("weights"), description="What to serve: a directory with `manifest.json` "
                               "(one export, as `python -m models.export` writes it), or a model repository "
                               "`<dir>/<model>/<version>/` (as `models.export --repository` writes it).")
@@ -56,6 +69,41 @@ class Settings(BaseSettings):
     repository_sync_timeout_s: float = Field(
         120.0, gt=0, description="How long a repository load or unload call waits for the server's other workers "
         "to apply it before answering 504 (they still apply it).")
+    model_memory_limit_mb: int = Field(
+        0, ge=0, description="Most memory the loaded models' weights may take together, per worker; a load past "
+        "it is refused (507). 0 = no limit but the device's free memory.")
+    memory_reserve_mb: int = Field(
+        512, ge=0, description="Memory a load must leave free on the model's device (the GPU's, or the host's "
+        "and its container's) for traffic; a version that would not is refused (507) and the old one keeps "
+        "serving.")
+    control_dir: Path | None = Field(
+        None, description="Where one server's workers keep the desired state (which versions of which models to "
+        "serve, and what load and unload calls chose) and report what each serves. Unset: gunicorn.conf.py makes a "
+        "fresh temporary directory at each start, so a restarted server begins from the repository and its "
+        "policies; set it to a directory you keep for calls (a rollback, an unload) to survive a server restart.")
+    weights_format: WeightsFormatSetting = Field(
+        "auto", description="`auto`: what `bench.serving.formats` measured fastest end to end on this device type "
+        "among what the export holds: on the CPU the ONNX file under ONNX Runtime (about 2x TorchScript's forward "
+        "pass) when its answers agreed with float32 at export; else the manifest's `default_format` (TorchScript), "
+        "saying in the log why. `onnx`: the ONNX file (CPU, float32), or no start; `aoti`: the float AOTInductor "
+        "package compiled for this device type, dtype and torch version, or no start; `int8`: the same for the "
+        "int8 CPU package (`--packages cpu-int8`); `torchscript`; `state_dict`.")
+
+    def model_names(self) -> list[str]:
+        """``models`` as a list (empty: every model of the repository)."""
+        return [name.strip() for name in self.models.split(",") if name.strip()]
+
+    def resolved_weights_dir(self) -> Path:
+        """The weights directory as an absolute path (relative paths are taken from the working directory)."""
+        return Path(os.path.abspath(self.weights_dir))
+
+
+class RolloutSettings(SettingsGroup):
+    """Rolling a new version out (docs/models.md): canary share, shadow comparisons, automatic promotion and
+    rollback."""
+
+    heading = "Rollouts"
+
     canary_percent: float = Field(
         0.0, ge=0, le=100, description="Rollouts (docs/models.md): the share of a model's requests that name no "
         "version which its candidate answers instead of the default (sticky per client: the `CLIENT_KEY_HEADER` "
@@ -93,25 +141,14 @@ class Settings(BaseSettings):
         "work is dropped (counted in `visionserve_shadow_dropped_total`).")
     shadow_max_age_s: float = Field(
         5.0, gt=0, description="Shadow work not run within this many seconds of its live answer is dropped.")
-    model_memory_limit_mb: int = Field(
-        0, ge=0, description="Most memory the loaded models' weights may take together, per worker; a load past "
-        "it is refused (507). 0 = no limit but the device's free memory.")
-    memory_reserve_mb: int = Field(
-        512, ge=0, description="Memory a load must leave free on the model's device (the GPU's, or the host's "
-        "and its container's) for traffic; a version that would not is refused (507) and the old one keeps "
-        "serving.")
-    control_dir: Path | None = Field(
-        None, description="Where one server's workers keep the desired state (which versions of which models to "
-        "serve, and what load and unload calls chose) and report what each serves. Unset: gunicorn.conf.py makes a "
-        "fresh temporary directory at each start, so a restarted server begins from the repository and its "
-        "policies; set it to a directory you keep for calls (a rollback, an unload) to survive a server restart.")
-    weights_format: WeightsFormatSetting = Field(
-        "auto", description="`auto`: what `bench.serving.formats` measured fastest end to end on this device type "
-        "among what the export holds: on the CPU the ONNX file under ONNX Runtime (about 2x TorchScript's forward "
-        "pass) when its answers agreed with float32 at export; else the manifest's `default_format` (TorchScript), "
-        "saying in the log why. `onnx`: the ONNX file (CPU, float32), or no start; `aoti`: the float AOTInductor "
-        "package compiled for this device type, dtype and torch version, or no start; `int8`: the same for the "
-        "int8 CPU package (`--packages cpu-int8`); `torchscript`; `state_dict`.")
+
+
+class DeviceSettings(SettingsGroup):
+    """Where and how the forward pass runs: device, GPU placement of workers, dtype, threads, warm-up, TorchScript
+    optimisation."""
+
+    heading = "Device and precision"
+
     device: DeviceName = Field("auto", description="`auto` (CUDA when available, else CPU), `cpu`, `cuda`, "
                                "`cuda:N`. With `auto` or `cuda` on a host with several GPUs, gunicorn's workers "
                                "spread over them (`WORKERS_PER_GPU`); `cuda:N` puts every worker on GPU N.")
@@ -134,7 +171,27 @@ class Settings(BaseSettings):
         "(BatchNorm folded into convolutions, MKLDNN kernels): about 1.5x images/s for EfficientNet-Lite0 on 2 "
         "cores (`python -m bench.serving.limit`).")
 
-    # Batching
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, value: str) -> str:
+        value = value.strip().lower()
+        if value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit()):
+            return value
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {value!r}")
+
+    @model_validator(mode="after")
+    def _dtype_fits_device(self) -> "DeviceSettings":
+        problem = dtype_fits_device(self.dtype, self.device)  # device auto is checked once resolved, at load
+        if problem:
+            raise ValueError(problem)
+        return self
+
+
+class BatchingSettings(SettingsGroup):
+    """How images are gathered into forward passes, and the queue in front of them."""
+
+    heading = "Batching and queue"
+
     max_batch_size: int = Field(8, gt=0, description="Most images in one forward pass.")
     auto_batch_size: bool = Field(
         True, description="At warm-up, time the forward pass per batch size and cap batches at the largest size "
@@ -151,8 +208,16 @@ class Settings(BaseSettings):
         0, ge=0, description="Images waiting for the inference worker, per process; a request that does not "
         "fit is refused at once with 429 and `Retry-After`. 0 = auto: room for eight maximum-size requests and "
         "two full batches, max(8 x `MAX_IMAGES`, 2 x `MAX_BATCH_SIZE`) (128 by default).")
+    oom_shrink_s: float = Field(
+        60.0, ge=0, description="After a CUDA out-of-memory batch is split in halves and retried, how long the "
+        "lower batch cap holds.")
 
-    # Request limits
+
+class RequestSettings(SettingsGroup):
+    """What one request may hold, how long it may wait for its inference, and the shape of its answer."""
+
+    heading = "Request limits and answers"
+
     max_body_bytes: int = Field(20 * 1024 * 1024, gt=0, description="Largest request body, in bytes (413).")
     max_pixels: int = Field(40_000_000, gt=0, description="Largest image, width x height, checked from its "
                             "header before any pixel is decoded (413).")
@@ -165,17 +230,82 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(
         30.0, gt=0, description="Longest a request waits for its inference (then 504); a client may ask for "
         "less with `X-Request-Timeout: <ms>`.")
+
+
+class DecodingSettings(SettingsGroup):
+    """How and where images are decoded and preprocessed."""
+
+    heading = "Decoding"
+
+    jpeg_draft_min_side: int = Field(
+        1024, ge=0, description="JPEGs larger than this on their short side are decoded at 1/2, 1/4 or 1/8 "
+        "scale (libjpeg's DCT scaling), never below it; 0 = off. Measured effect in docs/performance.md.")
+    decode_path: Literal["auto", "pil", "tensor", "device"] = Field(
+        "auto", description="Where images are decoded and preprocessed. `pil`: in the request threads with PIL "
+        "(reduced-scale JPEG decoding, PIL's resize). `tensor`: in the request threads, JPEGs with "
+        "libjpeg-turbo straight into a tensor (PIL's pixels: its reduced scale and EXIF orientation; PIL for other "
+        "formats) and the resize, crop and normalisation on tensors. `device`: the request threads check headers and limits only, and the batch worker "
+        "decodes the whole batch on the model's device (nvJPEG on CUDA, PIL for what it refuses) and preprocesses "
+        "it there. `auto`: `device` on CUDA, `tensor` on the CPU (1.2x PIL's images/s there at the same answers: "
+        "docs/performance.md).")
+    malloc_trim_threshold_mb: int = Field(
+        64, ge=0, description="glibc only: each malloc arena keeps up to this many MiB of freed memory, so the "
+        "next large image reuses it instead of page-faulting fresh memory (server decode 15 -> 9.5 ms median "
+        "here). 0 = glibc's defaults. Costs up to this much resident memory per arena.")
+
+
+class ServerSettings(SettingsGroup):
+    """The HTTP server: gunicorn's settings (read by gunicorn.conf.py in the master, which must not touch torch),
+    its workers' connection limits and timeouts, shutdown, logs."""
+
+    heading = "HTTP server (gunicorn)"
+
+    bind: str = Field("0.0.0.0:8000", description="gunicorn's listen address.")
+    workers: int = Field(
+        0, ge=0, description="gunicorn worker processes; each loads its own model and batcher. 0 = auto, said in "
+        "the start-up log: on a CPU host one per usable core (affinity and container quota), at most 8 (2 "
+        "processes x 1 forward thread beat 1 x 2 by 8-12% on 2 cores); with a GPU, where CPU decoding is the bound, "
+        "one per 4 cores, at least one per GPU and at most 4 per GPU (4 workers on a 16-core H100 host served 1.5x "
+        "one).")
+    threads: int = Field(32, gt=0, description="gthread threads per worker: concurrent requests that share one "
+                         "batcher.")
+    max_connections: int = Field(
+        1000, gt=0, description="Open connections per worker, idle keep-alive and still-arriving requests included "
+        "(gunicorn's `worker_connections`); at the limit the worker stops accepting until one closes.")
     client_header_timeout_s: float = Field(
         10.0, gt=0, description="Longest a client may take to send its request line and headers (then 408 and "
         "the connection closes). A request is read by the worker's event loop, headers and a body of known length, "
         "before it gets a thread, so slow clients hold connections, not threads.")
     client_body_timeout_s: float = Field(30.0, gt=0, description="Longest silence while a client sends its "
                                          "body (then 408).")
-    oom_shrink_s: float = Field(
-        60.0, ge=0, description="After a CUDA out-of-memory batch is split in halves and retried, how long the "
-        "lower batch cap holds.")
+    timeout_s: int = Field(60, gt=0, description="gunicorn worker timeout (a stuck worker is restarted).")
+    graceful_timeout_s: int = Field(30, gt=0, description="Time to finish accepted requests after SIGTERM.")
+    shutdown_drain_s: float = Field(
+        5.0, ge=0, description="After SIGTERM a worker keeps its listener open at least this long, answering new "
+        "requests `503 not_ready` with `Retry-After` and `Connection: close` (so a load balancer that has not "
+        "noticed yet gets a clean answer, not a reset), and then until the requests it accepted are answered, "
+        "within `GRACEFUL_TIMEOUT_S`; only then does it stop accepting and close the listener.")
+    keepalive_s: int = Field(5, ge=0, description="HTTP keep-alive, in seconds.")
+    trust_forwarded_for: bool = Field(
+        False, description="Log the `X-Forwarded-For` header beside the peer address. Turn on only behind a proxy "
+        "that sets it: clients can write anything there.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Logs are JSON lines on stderr, one per request with its id, status, images, batch "
+        "sizes and durations.")
 
-    # Prediction monitoring (docs/deployment.md, "Monitoring predictions")
+    @model_validator(mode="after")
+    def _drain_within_graceful_timeout(self) -> "ServerSettings":
+        if self.shutdown_drain_s >= self.graceful_timeout_s:
+            raise ValueError(f"shutdown_drain_s ({self.shutdown_drain_s:g}) must be shorter than graceful_timeout_s "
+                             f"({self.graceful_timeout_s}): the drain happens inside gunicorn's graceful timeout")
+        return self
+
+
+class MonitoringSettings(SettingsGroup):
+    """Prediction monitoring (docs/deployment.md, "Monitoring predictions"): drift and low-confidence gauges."""
+
+    heading = "Prediction monitoring"
+
     monitor_window: int = Field(
         1000, ge=10, description="Each worker watches the last this many predictions of each model version (its "
         "window): their top-1 class mix against the version's reference gives `visionserve_prediction_drift_psi`, "
@@ -195,7 +325,19 @@ class Settings(BaseSettings):
         "others are dealt over the remaining bins by class index (one bin per class of 1,000 ImageNet classes in "
         "1,000 predictions would make the figure sampling noise). More bins: finer, and noisier.")
 
-    # Security
+    @model_validator(mode="after")
+    def _minimum_within_window(self) -> "MonitoringSettings":
+        if self.monitor_min_predictions > self.monitor_window:
+            raise ValueError(f"monitor_min_predictions ({self.monitor_min_predictions}) must be at most "
+                             f"monitor_window ({self.monitor_window}): the window never holds more")
+        return self
+
+
+class SecuritySettings(SettingsGroup):
+    """Who may call the API (API key, CORS), and tracing."""
+
+    heading = "Security, CORS and tracing"
+
     api_key: SecretStr | None = Field(
         None, description="Require `Authorization: Bearer <key>` or `X-API-Key: <key>` (compared in constant "
         "time). Unset: no key needed.")
@@ -213,77 +355,11 @@ class Settings(BaseSettings):
     auth_health_open: bool = Field(True, description="Keep `/healthz`, `/readyz`, `/metrics` and the V2 health "
                                    "endpoints open for probes and scrapers when an API key is set.")
 
-    # Decoding
-    jpeg_draft_min_side: int = Field(
-        1024, ge=0, description="JPEGs larger than this on their short side are decoded at 1/2, 1/4 or 1/8 "
-        "scale (libjpeg's DCT scaling), never below it; 0 = off. Measured effect in docs/performance.md.")
-    decode_path: Literal["auto", "pil", "tensor", "device"] = Field(
-        "auto", description="Where images are decoded and preprocessed. `pil`: in the request threads with PIL "
-        "(reduced-scale JPEG decoding, PIL's resize). `tensor`: in the request threads, JPEGs with "
-        "libjpeg-turbo straight into a tensor (PIL's pixels: its reduced scale and EXIF orientation; PIL for other "
-        "formats) and the resize, crop and normalisation on tensors. `device`: the request threads check headers and limits only, and the batch worker "
-        "decodes the whole batch on the model's device (nvJPEG on CUDA, PIL for what it refuses) and preprocesses "
-        "it there. `auto`: `device` on CUDA, `tensor` on the CPU (1.2x PIL's images/s there at the same answers: "
-        "docs/performance.md).")
-    malloc_trim_threshold_mb: int = Field(
-        64, ge=0, description="glibc only: each malloc arena keeps up to this many MiB of freed memory, so the "
-        "next large image reuses it instead of page-faulting fresh memory (server decode 15 -> 9.5 ms median "
-        "here). 0 = glibc's defaults. Costs up to this much resident memory per arena.")
-
-    # gunicorn (read by gunicorn.conf.py in the master, which must not touch torch)
-    bind: str = Field("0.0.0.0:8000", description="gunicorn's listen address.")
-    workers: int = Field(
-        0, ge=0, description="gunicorn worker processes; each loads its own model and batcher. 0 = auto, said in "
-        "the start-up log: on a CPU host one per usable core (affinity and container quota), at most 8 (2 "
-        "processes x 1 forward thread beat 1 x 2 by 8-12% on 2 cores); with a GPU, where CPU decoding is the bound, "
-        "one per 4 cores, at least one per GPU and at most 4 per GPU (4 workers on a 16-core H100 host served 1.5x "
-        "one).")
-    threads: int = Field(32, gt=0, description="gthread threads per worker: concurrent requests that share one "
-                         "batcher.")
-    max_connections: int = Field(
-        1000, gt=0, description="Open connections per worker, idle keep-alive and still-arriving requests included "
-        "(gunicorn's `worker_connections`); at the limit the worker stops accepting until one closes.")
-    timeout_s: int = Field(60, gt=0, description="gunicorn worker timeout (a stuck worker is restarted).")
-    graceful_timeout_s: int = Field(30, gt=0, description="Time to finish accepted requests after SIGTERM.")
-    shutdown_drain_s: float = Field(
-        5.0, ge=0, description="After SIGTERM a worker keeps its listener open at least this long, answering new "
-        "requests `503 not_ready` with `Retry-After` and `Connection: close` (so a load balancer that has not "
-        "noticed yet gets a clean answer, not a reset), and then until the requests it accepted are answered, "
-        "within `GRACEFUL_TIMEOUT_S`; only then does it stop accepting and close the listener.")
-    keepalive_s: int = Field(5, ge=0, description="HTTP keep-alive, in seconds.")
-    trust_forwarded_for: bool = Field(
-        False, description="Log the `X-Forwarded-For` header beside the peer address. Turn on only behind a proxy "
-        "that sets it: clients can write anything there.")
-    log_level: Literal["debug", "info", "warning", "error"] = Field(
-        "info", description="Logs are JSON lines on stderr, one per request with its id, status, images, batch "
-        "sizes and durations.")
-
-    @field_validator("device")
-    @classmethod
-    def _device_name(cls, value: str) -> str:
-        value = value.strip().lower()
-        if value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit()):
-            return value
-        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {value!r}")
-
     @model_validator(mode="after")
-    def _consistent(self) -> "Settings":
-        problem = dtype_fits_device(self.dtype, self.device)  # device auto is checked once resolved, at load
-        if problem:
-            raise ValueError(problem)
-        if self.shutdown_drain_s >= self.graceful_timeout_s:
-            raise ValueError(f"shutdown_drain_s ({self.shutdown_drain_s:g}) must be shorter than graceful_timeout_s "
-                             f"({self.graceful_timeout_s}): the drain happens inside gunicorn's graceful timeout")
-        if self.monitor_min_predictions > self.monitor_window:
-            raise ValueError(f"monitor_min_predictions ({self.monitor_min_predictions}) must be at most "
-                             f"monitor_window ({self.monitor_window}): the window never holds more")
+    def _key_file_exists(self) -> "SecuritySettings":
         if self.api_key_file is not None and not self.api_key_file.is_file():
             raise ValueError(f"api_key_file {self.api_key_file} does not exist")
         return self
-
-    def resolved_queue_size(self) -> int:
-        """``queue_size``, or its automatic value when 0."""
-        return self.queue_size or max(8 * self.max_images, 2 * self.max_batch_size)
 
     def resolved_api_key(self) -> str | None:
         """The API key from the setting or the key file (stripped), or None when auth is off."""
@@ -293,13 +369,22 @@ class Settings(BaseSettings):
             return self.api_key_file.read_text(encoding="utf-8").strip() or None
         return None
 
-    def model_names(self) -> list[str]:
-        """``models`` as a list (empty: every model of the repository)."""
-        return [name.strip() for name in self.models.split(",") if name.strip()]
 
-    def resolved_weights_dir(self) -> Path:
-        """The weights directory as an absolute path (relative paths are taken from the working directory)."""
-        return Path(os.path.abspath(self.weights_dir))
+# The groups are listed last first: pydantic collects a model's fields from its last base up, so this order gives
+# Settings.model_fields (and the validators' order) in the order of GROUPS and of docs/configuration.md.
+class Settings(SecuritySettings, MonitoringSettings, ServerSettings, DecodingSettings, RequestSettings,
+               BatchingSettings, DeviceSettings, RolloutSettings, ModelSettings, BaseSettings):
+    """Service settings; validated once at boot so a bad value stops the start, not the first request."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", protected_namespaces=())
+
+    def resolved_queue_size(self) -> int:
+        """``queue_size``, or its automatic value when 0."""
+        return self.queue_size or max(8 * self.max_images, 2 * self.max_batch_size)
+
+
+GROUPS: tuple[type[SettingsGroup], ...] = tuple(  # ModelSettings first
+    base for base in reversed(Settings.__bases__) if issubclass(base, SettingsGroup))
 
 
 class SettingsError(ValueError):

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic.fields import FieldInfo
 
-from app.config import ENV_PREFIX, Settings
+from app.config import ENV_PREFIX, GROUPS, Settings, SettingsGroup
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
@@ -22,6 +22,11 @@ _HEAD = """# Configuration
 One settings object (`app/config.py`), read from environment variables with the prefix `{prefix}` and validated at
 boot: a bad value, or a missing or corrupt weights file, stops the start with a clear message, never the first
 request. gunicorn's own settings (`bind`, `workers`, ...) are read from the same object by `gunicorn.conf.py`.
+The settings are grouped below by what they govern, as they are declared (one class per group).
+"""
+
+_TABLE_HEAD = """
+### {heading}
 
 | variable | default | meaning |
 | --- | --- | --- |
@@ -39,11 +44,19 @@ def _default(field: FieldInfo) -> str:
     return f"`{value}`"
 
 
+def _table(group: type[SettingsGroup]) -> str:
+    """One group's heading and table; each row from ``Settings.model_fields``, the fields the page describes."""
+    rows = [f"| `{ENV_PREFIX}{name.upper()}` | {_default(Settings.model_fields[name])} | "
+            f"{Settings.model_fields[name].description} |" for name in group.model_fields]
+    return _TABLE_HEAD.format(heading=group.heading) + "\n".join(rows) + "\n"
+
+
 def render() -> str:
-    """The whole page."""
-    rows = [f"| `{ENV_PREFIX}{name.upper()}` | {_default(field)} | {field.description} |"
-            for name, field in Settings.model_fields.items()]
-    return _HEAD.format(prefix=ENV_PREFIX) + "\n".join(rows) + "\n"
+    """The whole page: the introduction, then a table per group of settings, in the order of ``GROUPS``."""
+    grouped = [name for group in GROUPS for name in group.model_fields]
+    if sorted(grouped) != sorted(Settings.model_fields):  # a setting declared outside a group would be left out
+        raise ValueError("every setting must be declared in exactly one group of app/config.py's GROUPS")
+    return _HEAD.format(prefix=ENV_PREFIX) + "".join(_table(group) for group in GROUPS)
 
 
 def main(argv: list[str] | None = None) -> int:

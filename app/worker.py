@@ -1,8 +1,8 @@
 """gunicorn's gthread worker, changed so that a slow client costs a connection, never a thread.
 
 gunicorn hands a connection to a thread as soon as its first byte arrives; the thread then blocks reading the rest
-of the headers and the body. 200 clients sending one byte a second hold all 32 threads and every other request
-times out (measured: 4 of 4 normal requests got no answer in 8 s, for slow headers and for slow bodies alike).
+of the headers and the body. Enough clients sending one byte a second hold every thread, and every other request
+times out, for slow headers and slow bodies alike (docs/performance.md: Figures behind the code's choices).
 Here the event loop reads each request itself, as a buffering proxy would: the headers, then a body of known
 length up to ``max_body_bytes``, and only a whole request goes to a thread (the parser then reads it from memory).
 A client that takes longer than ``client_header_timeout_s`` for its headers, or stays silent longer than
@@ -10,7 +10,7 @@ A client that takes longer than ``client_header_timeout_s`` for its headers, or 
 ``Expect: 100-continue`` (the client waits for the 100 before sending it) or one over the limit (the app refuses
 it from the headers alone) goes to a thread after its headers, as before. The thread's parser reads the request
 out of a ``HeldUnreader``, which copies each byte once (gunicorn's own unreader copied everything it held on every
-read: 6.2 ms for a 1.5 MB body read in 64 KiB pieces).
+read: quadratic in the body's size).
 
 The master loads this class: it imports gunicorn and the standard library only (and app.errors, which is plain).
 """
@@ -86,9 +86,10 @@ class HeldUnreader(SocketUnreader):
     came and each read hands out a slice of them, then reads the socket as gunicorn's does.
 
     gunicorn's Unreader keeps what it holds in a BytesIO and, on every read, copies all of it out and the rest back
-    in: a body the app reads in 64 KiB pieces is copied over and over, quadratic in its size (6.2 ms for 1.5 MB;
-    a base64 JSON request for a 12 MP photo is that large). Here each byte is copied once, into the slice that
-    returns it. An unread of bytes just handed out (the header parser's surplus) steps back instead of copying.
+    in: a body the app reads in pieces is copied over and over, quadratic in its size, which a base64 JSON request
+    for a large photo makes costly (docs/performance.md: Figures behind the code's choices). Here each byte is
+    copied once, into the slice that returns it. An unread of bytes just handed out (the header parser's surplus)
+    steps back instead of copying.
     """
 
     def __init__(self, sock: Any) -> None:

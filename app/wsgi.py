@@ -34,7 +34,7 @@ def _load() -> Callable[[], WSGIApp]:
     import app.engine.service  # noqa: F401 - torch
     import app.v1  # noqa: F401 - Flask and the web layer
     import app.v2  # noqa: F401
-    from app import create_app
+    from app.factory import create_app
 
     return partial(create_app, on_load_error=_stop_worker)
 

@@ -12,7 +12,9 @@ import torch
 from flask import Flask
 from flask.testing import FlaskClient
 
-from app import EXTENSION_KEY, create_app
+from app import EXTENSION_KEY
+
+from app.factory import create_app
 from app.config import Settings
 from app.engine.loaded.predictor import Predictor
 from app.engine.service import Service

@@ -11,7 +11,7 @@ import time
 from concurrent.futures import Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -44,6 +44,30 @@ CLIENT_CHECK_S = 0.05  # how often a waiting request looks whether its client is
 
 
 @dataclass(frozen=True)
+class Signature:
+    """What a protocol parses a request and shapes its answer with: the version that answers, its classes in output
+    order, and the input a client may send preprocessed."""
+
+    name: str
+    version: str
+    labels: list[str]
+    input_shape: tuple[int, ...]  # (C, H, W) of one preprocessed image
+
+    @property
+    def num_classes(self) -> int:
+        """How many classes the model tells apart (the width of its output)."""
+        return len(self.labels)
+
+
+class Ranked(NamedTuple):
+    """One class of an image's top k: its index in the output, its label, its probability."""
+
+    index: int
+    label: str
+    score: float
+
+
+@dataclass(frozen=True)
 class Served:
     """A request's answer: one result per input, in order, which version gave it, and how long decoding took."""
 
@@ -58,19 +82,28 @@ class Served:
         """(N, classes) softmax probabilities, one row per input."""
         return torch.stack([r.value for r in self.results]).float().cpu()
 
+    def top_k(self, k: int) -> list[list[Ranked]]:
+        """Each image's ``k`` most probable classes (at most every class), most probable first."""
+        scores, indices = self.probabilities().topk(min(k, len(self.labels)), dim=1)
+        return [[Ranked(i, self.labels[i], s) for s, i in zip(row_scores, row_indices)]
+                for row_scores, row_indices in zip(scores.tolist(), indices.tolist())]
+
 
 ShadowOffer = Callable[[Sequence[bytes], Sequence[torch.Tensor], Sequence[Prepared],
                         Sequence[BatchResult[torch.Tensor]]], None]
 
 
 class Call:
-    """A request admitted and routed to ``version``; ``infer`` runs its images. While the call is open the request
-    counts as on its way to the version's next batch (``arrived`` ends that just before its images are queued).
-    ``shadow`` (a rollout's shadow share) gets the images and the answer once it is ready, off the response path."""
+    """A request admitted and routed to a loaded version; ``model`` is what the protocol parses and shapes with
+    (its name, version, classes, input shape), ``infer`` runs its images. While the call is open the request counts
+    as on its way to the version's next batch (``arrived`` ends that just before its images are queued). ``shadow``
+    (a rollout's shadow share) gets the images and the answer once it is ready, off the response path."""
 
     def __init__(self, version: LoadedVersion, arrived: Callable[[], None], max_images: int,
                  shadow: ShadowOffer | None = None) -> None:
-        self.version, self._arrived, self._max_images, self._shadow = version, arrived, max_images, shadow
+        self._version, self._arrived, self._max_images, self._shadow = version, arrived, max_images, shadow
+        manifest = version.predictor.manifest
+        self.model = Signature(manifest.name, manifest.version, manifest.labels, tuple(manifest.preprocess.input_shape))
 
     def infer(self, images: Sequence[bytes] = (), tensors: Sequence[torch.Tensor] = (), *, timeout_s: float,
               names: Sequence[str | None] = (), client_gone: Callable[[], bool] | None = None) -> Served:
@@ -87,15 +120,15 @@ class Call:
         results = self._run(prepared, timeout_s, client_gone, names)
         if self._shadow is not None:
             self._shadow(images, tensors, prepared, results)
-        predictor = self.version.predictor
-        return Served(results, self.version.name, self.version.version, predictor.labels, decode_s, started_ns)
+        predictor = self._version.predictor
+        return Served(results, self._version.name, self._version.version, predictor.labels, decode_s, started_ns)
 
     def _prepare(self, images: Sequence[bytes], names: Sequence[str | None]) -> tuple[list[Prepared], float]:
         started, cpu_started = time.perf_counter(), time.thread_time()
         prepared = []
         for index, data in enumerate(images):
             try:
-                prepared.append(self.version.decoder.prepare(data))
+                prepared.append(self._version.decoder.prepare(data))
             except ServiceError as exc:
                 raise _named(exc, index, names) from None
         decode_s = time.perf_counter() - started
@@ -108,7 +141,7 @@ class Call:
         """Queue the images (all or none) and wait for their rows until the deadline or the client leaves."""
         deadline = time.monotonic() + timeout_s
         try:
-            futures = self.version.batcher.submit_many(prepared, deadline=deadline)
+            futures = self._version.batcher.submit_many(prepared, deadline=deadline)
         except (QueueFull, BatcherClosed, DeadlineTooShort) as exc:
             raise service_error(exc) from None
         try:
@@ -131,6 +164,28 @@ class Call:
             raise
         except Exception as exc:
             raise InferenceFailed(f"the model failed on this request's images: {type(exc).__name__}") from exc
+
+
+def distinct_batches(results: Sequence[BatchResult[torch.Tensor]]) -> list[BatchResult[torch.Tensor]]:
+    """One result per distinct batch the request's images ran in, in the order they first appear."""
+    return list({r.batch_id: r for r in results}.values())
+
+
+def stage_ms(results: Sequence[BatchResult[torch.Tensor]]) -> tuple[float, float]:
+    """(queue, inference) milliseconds of one request's images: the one definition the Server-Timing header and
+    the access log both report.
+
+    inference: the wall time the request's images spent in forward passes, the sum of its distinct batches'
+    ``run_s`` (by ``batch_id``: images of one batch share its forward pass). A request's images are queued together
+    and a batcher runs one batch at a time, so its batches never overlap and their durations add up; the largest
+    alone would leave out every batch but one, and a sum over images would count a batch once per image.
+    queue: from the images' queueing to the end of the request's last batch, less that inference: the time they
+    waited behind other work (and for company) while none of the request's batches ran: decode + queue + inference
+    then add up to the request's time from its first decode to the end of its last forward pass.
+    """
+    inference_s = sum(r.run_s for r in distinct_batches(results))
+    done_s = max(r.queued_s + r.run_s for r in results)
+    return max(0.0, done_s - inference_s) * 1000, inference_s * 1000
 
 
 def _named(exc: ServiceError, index: int, names: Sequence[str | None]) -> ServiceError:

@@ -1,7 +1,8 @@
-"""The service: the served models (their reconciler), readiness, draining, and admitting a request.
+"""The service: readiness, draining, admitting a request, and the served models (``catalog``).
 
-Protocols reach the engine's request path through ``Service.admit`` only: it yields the request's ``Call``
-(app/engine/call.py), whose ``infer`` runs the stages in order; the order lives there only.
+Protocols reach the engine in two ways only: a request through ``Service.admit``, which yields the request's
+``Call`` (app/engine/call.py, whose ``infer`` runs the stages in order; the order lives there only), and everything
+about models through ``Service.catalog`` (app/engine/catalog.py: plain data and the calls that change them).
 """
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ from typing import Callable, Iterator
 from app.config import Settings
 from app.engine.batching.arrivals import InFlight
 from app.engine.call import NOT_READY_RETRY_S, Call
-from app.engine.loaded.version import LoadedVersion
+from app.engine.catalog import Catalog
 from app.engine.loaded.predictor import Predictor
-from app.engine.versions.reconciler import Reconciler
-from app.engine.versions.routing import Route
+from app.engine.loaded.version import LoadedVersion
 from app.engine.rollouts.shadow import offer
+from app.engine.versions.routing import Route
 from app.engine.versions.sources import GivenSource, Source
 from app.errors import NotReady, ServiceError, retry_after_header
 from app.metrics import READY, VERSION_REQUEST_SECONDS, VERSION_REQUESTS
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 class Service:
-    """The served models (their reconciler), admitting requests to them, with liveness, readiness and draining.
+    """Admitting requests to the served models (``catalog``), with liveness, readiness and draining.
 
     ``build`` loads synchronously; ``start`` answers at once and loads in the background, so a worker that is
     still loading its models says so (503 with Retry-After) instead of leaving connections in the listen backlog.
@@ -37,7 +38,8 @@ class Service:
     def __init__(self, settings: Settings, source: Source) -> None:
         self.settings = settings
         self.in_flight = InFlight()  # requests admitted and not yet answered
-        self.reconciler = Reconciler(settings, source, on_change=self._update_ready_gauge)
+        self.catalog = Catalog(settings, source, self.wait_loaded, on_report=self._update_ready_gauge)
+        self._routes = self.catalog.applier.routes  # what serves now: the routing table
         self._started = threading.Event()
         self._loader: threading.Thread | None = None
         self._draining = threading.Event()
@@ -46,7 +48,7 @@ class Service:
     def build(cls, settings: Settings, source: Source | Predictor) -> "Service":
         """A service whose models are ready when this returns."""
         service = cls(settings, GivenSource(source) if isinstance(source, Predictor) else source)
-        service.reconciler.boot()
+        service.catalog.writers.boot()
         service._started.set()
         service._update_ready_gauge()
         return service
@@ -58,7 +60,7 @@ class Service:
 
         def run() -> None:
             try:
-                service.reconciler.boot()
+                service.catalog.writers.boot()
                 service._started.set()
                 service._update_ready_gauge()
                 log.info("ready to serve")
@@ -72,22 +74,22 @@ class Service:
     def _update_ready_gauge(self) -> None:
         READY.set(int(self.ready))
 
-    def route(self, name: str | None = None, version: str | None = None) -> LoadedVersion:
+    def loaded_version(self, name: str | None = None, version: str | None = None) -> LoadedVersion:
         """The loaded version a request for ``name`` and ``version`` would get now (NotReady while loading,
-        NotFound)."""
+        NotFound): the engine's own object, for the engine and its tests; protocols read ``catalog``."""
         self.require_loaded()
-        return self.reconciler.routes.find(name, version)
+        return self._routes.find(name, version)
 
     @property
     def loaded(self) -> bool:
         """The first models are loaded, warmed up and passed their canaries, and one serves at least."""
-        return self._started.is_set() and bool(self.reconciler.routes.all_versions())
+        return self._started.is_set() and bool(self._routes.all_versions())
 
     @property
     def alive(self) -> bool:
         """Liveness: every serving version's batcher thread runs, or the models are still loading."""
         if self._started.is_set():
-            return all(m.batcher.is_alive() for m in self.reconciler.routes.all_versions())
+            return all(m.batcher.is_alive() for m in self._routes.all_versions())
         return self._loader is not None and self._loader.is_alive()
 
     @property
@@ -108,8 +110,8 @@ class Service:
     def shutdown(self, timeout: float | None = None) -> None:
         """Drain: refuse new work, finish what is queued, stop the worker threads."""
         self.begin_drain()
-        self.reconciler.close()
-        for model in self.reconciler.routes.all_versions():
+        self.catalog.writers.close()
+        for model in self._routes.all_versions():
             model.batcher.stop(timeout)
 
     def wait_drained(self, min_s: float, max_s: float) -> bool:
@@ -150,12 +152,12 @@ class Service:
         """One request's stay in the engine: readiness, then routing to the version of model ``name`` (None: the
         only one) at ``version`` (None: its default, or its rollout's canary, by ``client_key`` when given) that
         the request keeps to its answer, even if a newer one takes over meanwhile. The protocol parses its body
-        with ``call.version``, then ``call.infer``; until then the request counts as on its way, so a forming batch
+        with ``call.model``, then ``call.infer``; until then the request counts as on its way, so a forming batch
         may wait for it. Its outcome and time count in the version's traffic. Raises a ServiceError (NotReady,
         NotFound, BadRequest) when the request cannot be admitted."""
         with self.in_flight.inside():
             self.require_ready()
-            with self.reconciler.routes.acquire(name, version, client_key) as route:
+            with self._routes.acquire(name, version, client_key) as route:
                 loaded, started, outcome = route.version, time.perf_counter(), "refused"
                 try:
                     with loaded.arrivals.arriving() as arrived:
@@ -173,7 +175,7 @@ class Service:
     def _shadow_offer(self, route: Route) -> Callable[..., None] | None:
         if route.shadow is None:
             return None
-        comparison = self.reconciler.evidence.comparison(route.version.name, route.shadow.version,
+        comparison = self.catalog.applier.evidence.comparison(route.version.name, route.shadow.version,
                                                          route.version.version)
         return functools.partial(offer, route.version, route.shadow, comparison,
                                  max_age_s=self.settings.shadow_max_age_s,
@@ -185,4 +187,4 @@ class Service:
         if outcome == "refused":
             return  # the client's error, or the server's capacity: not the version's
         VERSION_REQUEST_SECONDS.labels(loaded.name, loaded.version).observe(seconds)
-        self.reconciler.evidence.traffic(loaded.name, loaded.version).record(seconds, outcome == "failed")
+        self.catalog.applier.evidence.traffic(loaded.name, loaded.version).record(seconds, outcome == "failed")

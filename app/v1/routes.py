@@ -1,16 +1,16 @@
-"""/predict and /v1/models: read the request, hand it to the stage runner, shape the answer."""
+"""/predict and /v1/models: read the request, hand it to the engine (``Service.admit``; models through
+``Service.catalog``), shape the answer."""
 from __future__ import annotations
 
 import json
 from typing import Any, Callable
 
 import pydantic
-import torch
 from flask import Blueprint, Response, request
 
-from app.engine.loaded.version import LoadedVersion
-from app.engine.versions.rollout_changes import RolloutChanges
-from app.engine.service import Service
+from app.config import Settings
+from app.engine.call import Ranked
+from app.engine.catalog import Catalog, VersionInfo
 from app.errors import BadRequest
 from app.v1.payload import PredictInput, parse_predict
 from app.v1.schemas import (
@@ -34,10 +34,8 @@ from app.web.timing import annotate
 bp = Blueprint("v1", __name__)
 
 
-def _top_k(row: torch.Tensor, k: int, labels: list[str], digits: int) -> Prediction:
-    scores, indices = torch.topk(row, k)
-    ranked = [ClassScore(label=labels[i], index=i, score=round(s, digits))
-              for s, i in zip(scores.tolist(), indices.tolist())]
+def _prediction(top: list[Ranked], digits: int) -> Prediction:
+    ranked = [ClassScore(label=c.label, index=c.index, score=round(c.score, digits)) for c in top]
     return Prediction(**ranked[0].model_dump(), top_k=ranked)
 
 
@@ -48,32 +46,28 @@ def predict() -> Response:
     settings = service.settings
     with service.admit(request.args.get("model"), request.args.get("version"),
                        client_key(request.headers, settings.client_key_header)) as call:
-        parsed = parse_predict(request, default_top_k=settings.top_k, num_classes=call.version.predictor.num_classes)
+        parsed = parse_predict(request, default_top_k=settings.top_k, num_classes=call.model.num_classes)
         served = call.infer(parsed.images, names=parsed.names or (), client_gone=client_gone(),
                             timeout_s=deadline_s(request.headers, settings.request_timeout_s))
     body = PredictResponse(model=ModelRef(name=served.model, version=served.version),
-                           predictions=[_top_k(r.value, parsed.top_k, served.labels, settings.score_digits)
-                                        for r in served.results])
+                           predictions=[_prediction(top, settings.score_digits) for top in served.top_k(parsed.top_k)])
     return annotate(Response(body.model_dump_json(), mimetype="application/json"), served)
 
 
-def _model_info(service: Service, model: LoadedVersion, default: bool, show_labels: bool,
-                role: str | None) -> ModelInfo:
-    s, predictor, m = service.settings, model.predictor, model.predictor.manifest
+def _model_info(settings: Settings, info: VersionInfo, ready: bool, show_labels: bool) -> ModelInfo:
+    s, m = settings, info.manifest
     return ModelInfo(
         name=m.name, version=m.version, arch=m.arch, num_classes=m.num_classes,
-        input_shape=list(m.preprocess.input_shape), preprocess=m.preprocess, format=predictor.weights_format,
-        device=str(predictor.device), dtype=predictor.dtype_name,
+        input_shape=list(m.preprocess.input_shape), preprocess=m.preprocess, format=info.weights_format,
+        device=info.device, dtype=info.dtype,
         files={fmt: entry.sha256 for fmt, entry in m.files.items()}, metrics=m.metrics, source=m.source,
-        warmed_batch_sizes=predictor.warmed_batch_sizes, labels=predictor.labels if show_labels else None,
-        ready=service.ready and model.batcher.is_alive(), default=default, state="READY", role=role,
-        memory_bytes=predictor.weights_bytes, device_memory_bytes=model.device_memory_bytes,
-        monitoring=model.monitor.snapshot(),
-        batching=Batching(max_batch_size=s.max_batch_size, batch_cap=model.batcher.max_batch_size,
-                          profile={k: round(v, 1) for k, v in model.batch_profile.items()},
-                          max_wait_ms=s.max_wait_ms,
-                          current_max_batch_size=model.batcher.current_max_batch_size,
-                          queue_size=s.resolved_queue_size(), queue_depth=model.batcher.depth),
+        warmed_batch_sizes=info.warmed_batch_sizes, labels=m.labels if show_labels else None,
+        ready=ready and info.alive, default=info.default, state="READY", role=info.role,
+        memory_bytes=info.memory_bytes, device_memory_bytes=info.device_memory_bytes, monitoring=info.monitoring,
+        batching=Batching(max_batch_size=s.max_batch_size, batch_cap=info.batch_cap,
+                          profile={k: round(v, 1) for k, v in info.profile.items()}, max_wait_ms=s.max_wait_ms,
+                          current_max_batch_size=info.current_max_batch_size,
+                          queue_size=s.resolved_queue_size(), queue_depth=info.queue_depth),
         limits=Limits(max_body_bytes=s.max_body_bytes, max_pixels=s.max_pixels, max_images=s.max_images,
                       max_aspect_ratio=s.max_aspect_ratio, default_top_k=s.top_k,
                       request_timeout_s=s.request_timeout_s))
@@ -85,12 +79,11 @@ def models() -> Response:
     show_labels = request.args.get("labels", "").lower() in ("1", "true", "yes")
     service = current_service()
     service.require_loaded()
-    roles = service.reconciler.rollouts.roles()
-    infos = [_model_info(service, model, model.version == default, show_labels, roles.get((model.name, model.version)))
-             for versions, default in service.reconciler.routes.routes().values() for model in versions]
-    workers = [WorkerModels(**worker) for worker in service.reconciler.workers()]
-    default_model = service.reconciler.routes.default_model()
-    rollouts = [Rollout(model=name, **rollout) for name, rollout in service.reconciler.rollouts.summaries().items()]
+    catalog = service.catalog
+    infos = [_model_info(service.settings, info, service.ready, show_labels) for info in catalog.versions()]
+    workers = [WorkerModels(**worker) for worker in catalog.workers()]
+    default_model = catalog.default_model()
+    rollouts = [Rollout(model=name, **rollout) for name, rollout in catalog.rollouts().items()]
     body = ModelsResponse(default_model=default_model, models=infos, workers=workers, rollouts=rollouts).model_dump(
         mode="json", exclude_none=True)
     text = json.dumps({**body, "default_model": default_model}, separators=(",", ":"))  # null said: none is it
@@ -106,12 +99,10 @@ def _version_named() -> str | None:
         raise BadRequest(f'the body must be empty or {{"version": "<version>"}}: {exc.errors()[0]["msg"]}') from None
 
 
-def _rollout_call(name: str, call: Callable[[RolloutChanges, str, str | None], dict[str, Any]]) -> Response:
-    """``RolloutChanges.promote`` or ``.rollback`` with the body's optional version; answers the model as it is now."""
+def _rollout_call(name: str, call: Callable[[Catalog, str, str | None], Any]) -> Response:
+    """``Catalog.promote`` or ``.rollback`` with the body's optional version; answers the model as it is now."""
     version = _version_named()
-    service = current_service()
-    service.wait_loaded(service.settings.repository_sync_timeout_s)
-    entry = call(service.reconciler.rollouts, name, version)
+    entry = call(current_service().catalog, name, version)
     body = RolloutChanged(model=name, default=str(entry["default"]), versions=list(entry["versions"]),
                           previous=entry.get("previous_default"), rolled_back=list(entry.get("rolled_back", [])))
     return Response(body.model_dump_json(), mimetype="application/json")
@@ -120,10 +111,10 @@ def _rollout_call(name: str, call: Callable[[RolloutChanges, str, str | None], d
 @bp.post("/v1/models/<name>/promote")
 def promote(name: str) -> Response:
     """Make a version (default: the rollout's candidate) the model's default in every worker."""
-    return _rollout_call(name, RolloutChanges.promote)
+    return _rollout_call(name, Catalog.promote)
 
 
 @bp.post("/v1/models/<name>/rollback")
 def rollback(name: str) -> Response:
     """Serve a version (default: the previous default) again in every worker; the one it replaces is rolled back."""
-    return _rollout_call(name, RolloutChanges.rollback)
+    return _rollout_call(name, Catalog.rollback)

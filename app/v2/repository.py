@@ -4,7 +4,7 @@ traffic; the versions they replace finish their requests first. Under gunicorn t
 answers once all of them serve the result (app/engine/versions/desired.py)."""
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, Mapping, TypeVar
 
 import pydantic
 from flask import Response, request
@@ -28,8 +28,7 @@ def _body(schema: type[B]) -> B:
                               details=details) from None
 
 
-def _loaded(name: str) -> Response:
-    spec = current_service().reconciler.serving().get(name, {"versions": [], "default": None})
+def _loaded(name: str, spec: Mapping[str, Any]) -> Response:
     body = Loaded(name=name, versions=spec["versions"], default=spec["default"])
     return Response(body.model_dump_json(), mimetype="application/json")
 
@@ -38,16 +37,16 @@ def _loaded(name: str) -> Response:
 def repository_index() -> Response:
     """Every model version in the repository or loaded, with its state (READY, LOADING, UNLOADING, UNAVAILABLE)."""
     only_ready = _body(RepositoryIndexRequest).ready
-    reconciler = current_service().reconciler
-    default_model = reconciler.routes.default_model()
-    default = (default_model, reconciler.serving().get(default_model or "", {}).get("default"))
-    roles = reconciler.rollouts.roles()
-    compared = {(name, r["candidate"]): r.get("comparison") for name, r in reconciler.rollouts.summaries().items()}
+    catalog = current_service().catalog
+    default_model = catalog.default_model()
+    default = (default_model, catalog.serving().get(default_model or "", {}).get("default"))
+    roles = catalog.roles()
+    compared = {(name, r["candidate"]): r.get("comparison") for name, r in catalog.rollouts().items()}
     rows = [RepositoryModel(name=r.name, version=r.version, state=r.state, reason=r.reason,  # type: ignore[arg-type]
                             default=r.state == "READY" and (r.name, r.version) == default,
                             role=roles.get((r.name, r.version)) if r.state == "READY" else None,
                             comparison=compared.get((r.name, r.version)) if r.state == "READY" else None)
-            for r in reconciler.index() if r.state == "READY" or not only_ready]
+            for r in catalog.index() if r.state == "READY" or not only_ready]
     return Response(RepositoryIndex(rows).model_dump_json(exclude_none=True), mimetype="application/json")
 
 
@@ -59,17 +58,11 @@ def load(name: str) -> Response:
     if unknown:
         raise BadRequest(f"unsupported load parameters {unknown}: this server takes \"config\" (version_policy, "
                          "default_version); models load from the repository, not from uploaded files")
-    service = current_service()
-    service.wait_loaded(service.settings.repository_sync_timeout_s)
-    service.reconciler.load(name, parameters.get("config"))
-    return _loaded(name)
+    return _loaded(name, current_service().catalog.load(name, parameters.get("config")))
 
 
 @bp.post("/repository/models/<name>/unload")
 def unload(name: str) -> Response:
     """Stop serving every version of a model once the requests they hold are answered."""
     _body(UnloadRequest)
-    service = current_service()
-    service.wait_loaded(service.settings.repository_sync_timeout_s)
-    service.reconciler.unload(name)
-    return _loaded(name)
+    return _loaded(name, current_service().catalog.unload(name))

@@ -12,7 +12,7 @@ from flask import Blueprint, Response, request
 from pydantic import BaseModel
 
 from app import __version__
-from app.engine.loaded.version import LoadedVersion
+from app.engine.call import Served, Signature
 from app.engine.service import Service
 from app.errors import BadRequest, NotFound, NotReady
 from app.v2.codec import InferRequest, Tensor, encode_response, parse_request
@@ -31,12 +31,6 @@ _VERSIONED = "/models/<name>/versions/<version>"
 
 def _json(body: BaseModel) -> Response:
     return Response(body.model_dump_json(exclude_none=True), mimetype="application/json")
-
-
-def _is_known(service: Service, name: str, version: str | None) -> bool:
-    # In the repository though not loaded: its readiness is false, not unknown.
-    source = service.reconciler.source
-    return name in source.models() and (version is None or version in source.versions(name))
 
 
 @bp.get("")
@@ -65,12 +59,13 @@ def model_ready(name: str, version: str | None = None) -> tuple[Response, int]:
     """Readiness of a model (its default version) or of one version: true exactly when it takes requests."""
     service = current_service()
     try:
-        model = service.route(name, version)
-        ok = service.ready and model.batcher.is_alive()
+        service.require_loaded()
+        alive = service.catalog.version(name, version).alive  # NotFound first: unknown is 404, not 503
+        ok = service.ready and alive
     except NotReady:
         ok = False
     except NotFound:
-        if not _is_known(service, name, version):
+        if not service.catalog.in_repository(name, version):  # there though not loaded: not ready, not unknown
             raise
         ok = False
     return _json(ModelReady(name=name, ready=ok)), 200 if ok else 503
@@ -81,19 +76,19 @@ def model_ready(name: str, version: str | None = None) -> tuple[Response, int]:
 def model_metadata(name: str, version: str | None = None) -> Response:
     """Inputs and outputs with datatypes and shapes; -1 is the batch dimension."""
     service = current_service()
-    predictor = service.route(name, version).predictor
-    loaded = service.reconciler.serving().get(name, {"versions": [predictor.manifest.version]})["versions"]
+    service.require_loaded()
+    manifest = service.catalog.version(name, version).manifest
+    loaded = service.catalog.serving().get(name, {"versions": [manifest.version], "default": None})["versions"]
     versions = loaded if version is None else [version]
     return _json(ModelMetadata(
-        name=predictor.manifest.name, versions=versions, platform="pytorch",
+        name=manifest.name, versions=versions, platform="pytorch",
         inputs=[TensorMetadata(name=IMAGES_INPUT, datatype="BYTES", shape=[-1]),
-                TensorMetadata(name=PIXELS_INPUT, datatype="FP32",
-                               shape=[-1, *predictor.manifest.preprocess.input_shape])],
-        outputs=[TensorMetadata(name=OUTPUT, datatype="FP32", shape=[-1, predictor.num_classes])]))
+                TensorMetadata(name=PIXELS_INPUT, datatype="FP32", shape=[-1, *manifest.preprocess.input_shape])],
+        outputs=[TensorMetadata(name=OUTPUT, datatype="FP32", shape=[-1, manifest.num_classes])]))
 
 
-def _inputs(loaded: LoadedVersion, infer: InferRequest) -> tuple[list[bytes], list[torch.Tensor]]:
-    """The one input: encoded images (BYTES) or preprocessed pixels (FP32), checked against ``loaded``."""
+def _inputs(model: Signature, infer: InferRequest) -> tuple[list[bytes], list[torch.Tensor]]:
+    """The one input: encoded images (BYTES) or preprocessed pixels (FP32), checked against ``model``."""
     if len(infer.inputs) != 1:
         raise BadRequest(f"send exactly one input, {IMAGES_INPUT!r} (BYTES) or {PIXELS_INPUT!r} (FP32)")
     (tensor,) = infer.inputs
@@ -105,7 +100,7 @@ def _inputs(loaded: LoadedVersion, infer: InferRequest) -> tuple[list[bytes], li
             raise BadRequest(f"input {IMAGES_INPUT!r} must have shape [N] or [N, 1], got {tensor.shape}")
         return [bytes(item) for item in tensor.data.reshape(-1)], []
     if tensor.name == PIXELS_INPUT and tensor.datatype == "FP32":
-        expected = [count, *loaded.predictor.manifest.preprocess.input_shape]
+        expected = [count, *model.input_shape]
         if tensor.shape != expected:
             raise BadRequest(f"input {PIXELS_INPUT!r} must have shape {expected}, got {tensor.shape}")
         if not np.isfinite(tensor.data).all():
@@ -130,14 +125,12 @@ def _output_plan(infer: InferRequest) -> list[tuple[int, bool]]:
     return plan
 
 
-def _output(probabilities: torch.Tensor, labels: list[str], k: int, digits: int) -> Tensor:
+def _output(served: Served, k: int, digits: int) -> Tensor:
     if not k:
-        return Tensor(OUTPUT, "FP32", list(probabilities.shape), probabilities.numpy())
-    k = min(k, probabilities.shape[1])
-    scores, indices = probabilities.topk(k, dim=1)
-    rows = [[f"{s:.{digits}f}:{i}:{labels[i]}".encode() for s, i in zip(srow, irow)]
-            for srow, irow in zip(scores.tolist(), indices.tolist())]
-    return Tensor(OUTPUT, "BYTES", [len(rows), k], np.array(rows, dtype=object))
+        probabilities = served.probabilities().numpy()
+        return Tensor(OUTPUT, "FP32", list(probabilities.shape), probabilities)
+    rows = [[f"{c.score:.{digits}f}:{c.index}:{c.label}".encode() for c in top] for top in served.top_k(k)]
+    return Tensor(OUTPUT, "BYTES", [len(rows), len(rows[0])], np.array(rows, dtype=object))
 
 
 def _timeout_s(service: Service, infer: InferRequest) -> float:
@@ -158,11 +151,10 @@ def infer(name: str, version: str | None = None) -> Response:
             raise BadRequest(f"Content-Encoding {request.content_encoding!r} is not supported; send the body as is")
         parsed = parse_request(read_body(request), request.headers.get("Inference-Header-Content-Length"))
         plan = _output_plan(parsed)
-        images, tensors = _inputs(call.version, parsed)
+        images, tensors = _inputs(call.model, parsed)
         served = call.infer(images, tensors, timeout_s=_timeout_s(service, parsed), client_gone=client_gone())
-    probabilities = served.probabilities()
     digits = service.settings.score_digits
-    outputs = [_output(probabilities, served.labels, k, digits) for k, _ in plan]
+    outputs = [_output(served, k, digits) for k, _ in plan]
     body, header_length = encode_response(model_name=served.model, model_version=served.version,
                                           request_id=parsed.id, outputs=outputs,
                                           binary={OUTPUT for _, is_binary in plan if is_binary})

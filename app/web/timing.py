@@ -1,31 +1,21 @@
 """What a finished inference reports: Server-Timing and X-Batch-Size headers, and the access log's fields."""
 from __future__ import annotations
 
-import torch
 from flask import Response, g
 
-from app.engine.batching.types import BatchResult
-from app.engine.call import Served
-
-
-def _server_timing(decode_ms: float, results: list[BatchResult[torch.Tensor]]) -> str:
-    queue_ms = max(r.queued_s for r in results) * 1000
-    # Images of one request may run in several batches; count each batch's forward pass once.
-    batches = {r.batch_id: r for r in results}.values()
-    infer_ms = sum(r.run_s for r in batches) * 1000
-    sizes = "+".join(str(r.batch_size) for r in batches)
-    return (f'decode;dur={decode_ms:.2f}, queue;dur={queue_ms:.2f}, inference;dur={infer_ms:.2f}, '
-            f'batch;desc="{sizes}"')
+from app.engine.call import Served, distinct_batches, stage_ms
 
 
 def annotate(response: Response, served: Served) -> Response:
     """Add the timing headers to ``response`` and hand the per-stage figures to the access log."""
     g.served = served  # for the trace's stage spans (app/web/tracing.py)
     results, decode_ms = served.results, served.decode_s * 1000
-    response.headers["Server-Timing"] = _server_timing(decode_ms, results)
+    queue_ms, inference_ms = stage_ms(results)
+    sizes = "+".join(str(r.batch_size) for r in distinct_batches(results))
+    response.headers["Server-Timing"] = (f'decode;dur={decode_ms:.2f}, queue;dur={queue_ms:.2f}, '
+                                         f'inference;dur={inference_ms:.2f}, batch;desc="{sizes}"')
     response.headers["X-Batch-Size"] = ",".join(str(r.batch_size) for r in results)
     g.log_fields.update({"images": len(results), "batch_sizes": [r.batch_size for r in results],
-                         "decode_ms": round(decode_ms, 2),
-                         "queue_ms": round(max(r.queued_s for r in results) * 1000, 2),
-                         "inference_ms": round(max(r.run_s for r in results) * 1000, 2)})
+                         "decode_ms": round(decode_ms, 2), "queue_ms": round(queue_ms, 2),
+                         "inference_ms": round(inference_ms, 2)})
     return response

@@ -13,7 +13,7 @@ For each model: the limit, i.e. the fastest in-process pipeline (decode threads 
 chosen dtype on the device, no HTTP; also one such pipeline per process, several processes sharing the GPU), the
 single-image latency, then visionserve on the same device under the closed-loop load, once per worker count.
 Decoding: PIL + the eval transform in a thread pool (the CPU path) against the service's device path
-(``app/engine/device_decode.decode_batch``: nvJPEG on the batch, resize, crop and normalise on the GPU), alone and
+(``app/engine/decoding/device.decode_batch``: nvJPEG on the batch, resize, crop and normalise on the GPU), alone and
 with the forward pass (the device path's in-process limit).
 """
 from __future__ import annotations

@@ -83,7 +83,8 @@ def _measure(weights: Path, workers: int, bodies: Sequence[bytes], content_type:
 
 
 def _timed_passes(bodies: Sequence[bytes], content_type: str, rounds: int) -> dict[str, float]:
-    from app import EXTENSION_KEY, create_app
+    from app import EXTENSION_KEY
+    from app.factory import create_app
 
     app = create_app()
 

@@ -13,7 +13,9 @@ import time
 
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from app import EXTENSION_KEY, create_app
+from app import EXTENSION_KEY
+
+from app.factory import create_app
 from app.config import Settings
 from app.web.tracing import register_tracing
 from bench.paths import WORK

@@ -2,7 +2,7 @@
 benchmark's photos, beside the limit ``python -m bench`` measures for the same model and photos.
 
     python -m bench.training.predict --weights weights            # CPU: the target is 0.9 of the limit
-    python -m bench.training.predict --weights weights --device cuda --dtype float16   # beside bench.gpu's limit
+    python -m bench.training.predict --weights weights --device cuda --dtype float16  # beside bench.serving.gpu's limit
     python -m bench.training.predict --weights weights --save     # also writes bench/results/<date>-predict-*.md
 
 The limit is the best of bench/serving/limit.py's in-process pipelines with the served module (one process
@@ -77,7 +77,7 @@ def cpu_limit(weights: Path, batch_size: int, seconds: float) -> tuple[float, st
 
 
 def gpu_limit(weights: Path, device: str, dtype: str, batch_size: int, seconds: float) -> tuple[float, str]:
-    """bench.gpu's in-process limit: the served predictor, decode threads beside it, one process."""
+    """bench.serving.gpu's in-process limit: the served predictor, decode threads beside it, one process."""
     result = process_pipeline(weights, workload(), f"{device}/{dtype}", batch_size, seconds, 1,
                               decode_threads=os.cpu_count() or 1)
     return result.images_per_s, result.config + f", batch {batch_size}"

@@ -2,8 +2,9 @@
 
 ``python -m models.export --repository DIR`` writes the next version of a model into it; the server serves its
 models from it (``VISIONSERVE_WEIGHTS_DIR`` pointing at the repository; ``MODELS`` and ``VERSION_POLICY`` choose;
-app/engine/manager.py swaps versions while serving). A directory with a manifest.json of its own (today's
-``weights/``) is a single export and is served as it is. Standard library only: the server's loader imports it.
+the server's reconcile, app/engine/versions/, swaps versions while serving). A directory with a manifest.json of
+its own (today's ``weights/``) is a single export and is served as it is. Standard library only: the server's
+loader imports it.
 """
 from __future__ import annotations
 

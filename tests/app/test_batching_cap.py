@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from app import EXTENSION_KEY, create_app
+from app import EXTENSION_KEY
+
+from app.factory import create_app
 from app.config import Settings
 from app.engine.loaded.predictor import Predictor
 from app.engine.batching.tuning import choose_batch_cap
@@ -26,7 +28,7 @@ def test_measured_cap_is_applied_and_shown(settings: Settings, predictor: Predic
     monkeypatch.setattr(predictor, "warmup", lambda max_batch_size: {k: measured[k] for k in range(1, 5)})
     app = create_app(settings.model_copy(update={"auto_batch_size": True}), predictor)
     try:
-        assert app.extensions[EXTENSION_KEY].route().batcher.max_batch_size == 3
+        assert app.extensions[EXTENSION_KEY].loaded_version().batcher.max_batch_size == 3
         batching = app.test_client().get("/v1/models").get_json()["models"][0]["batching"]
         assert (batching["max_batch_size"], batching["batch_cap"]) == (4, 3)
         assert batching["profile"] == {"1": 100.0, "2": 180.0, "3": 200.0, "4": 150.0}
@@ -42,7 +44,7 @@ def test_warmup_canary_and_batches_run_on_the_batcher_thread(settings: Settings,
     try:
         assert model.batch_sizes[:4] == [1, 2, 3, 4] and len(model.threads) > 4  # warm-up, then the canary
         app.test_client().post("/predict", data=image_bytes())
-        assert set(model.threads) == {service.route().batcher._thread.ident}
+        assert set(model.threads) == {service.loaded_version().batcher._thread.ident}
     finally:
         service.shutdown(timeout=5)
 

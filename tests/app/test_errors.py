@@ -16,7 +16,9 @@ import pytest
 from flask.testing import FlaskClient
 from PIL import Image
 
-from app import EXTENSION_KEY, create_app
+from app import EXTENSION_KEY
+
+from app.factory import create_app
 from app.config import Settings
 from app.engine.loaded.predictor import Predictor
 from app.engine.service import Service
@@ -188,9 +190,9 @@ def test_full_queue_is_429_with_retry_after(client: FlaskClient, model: ColourMo
     model.gate = threading.Event()  # park the worker inside a forward pass
     blocked = ThreadPoolExecutor(1).submit(
         client.post, "/predict", data=image_bytes(), content_type="image/jpeg")
-    wait_until(lambda: bool(model.batch_sizes) and service.route().batcher.depth == 0)
-    filler = [service.route().decoder.prepare(image_bytes())] * service.settings.queue_size
-    queued = service.route().batcher.submit_many(filler)
+    wait_until(lambda: bool(model.batch_sizes) and service.loaded_version().batcher.depth == 0)
+    filler = [service.loaded_version().decoder.prepare(image_bytes())] * service.settings.queue_size
+    queued = service.loaded_version().batcher.submit_many(filler)
     response = client.post("/predict", data=image_bytes(), content_type="image/jpeg")
     error_of(response, 429, "overloaded")
     assert int(response.headers["Retry-After"]) >= 1
@@ -274,7 +276,7 @@ def test_a_deadline_shorter_than_one_forward_pass_is_400_without_retry_after(cli
 
 def test_a_request_for_another_model_or_version_is_404_naming_the_served_one(client: FlaskClient,
                                                                              service: Service) -> None:
-    manifest = service.route().predictor.manifest
+    manifest = service.loaded_version().predictor.manifest
     ok = client.post(f"/predict?model={manifest.name}&version={manifest.version}", data=image_bytes(),
                      content_type="image/jpeg")
     assert ok.status_code == 200

@@ -11,7 +11,9 @@ import pytest
 import requests
 from flask.testing import FlaskClient
 
-from app import EXTENSION_KEY, create_app
+from app import EXTENSION_KEY
+
+from app.factory import create_app
 from app.config import Settings
 from app.engine.loaded.predictor import Predictor
 from harness.servers import Running
@@ -102,7 +104,7 @@ def test_readiness_the_inference_thread_and_the_queue_capacity_are_metrics(clien
     assert value('visionserve_queue_capacity{model="colour",version="test"}') == service.settings.resolved_queue_size()
     service.begin_drain()
     assert value("visionserve_ready") == 0
-    service.route().batcher.stop(timeout=5)
+    service.loaded_version().batcher.stop(timeout=5)
     assert value("visionserve_batcher_alive") == 0
 
 

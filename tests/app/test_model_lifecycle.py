@@ -1,5 +1,5 @@
 """Several models and versions in one worker (#20): policies, swaps with no failed request, refusals, unloads, the
-repository API, and workers sharing loads. In-memory ColourModel versions (tests/fakes.FakeRepository): no disk,
+repository API, and workers sharing loads. In-memory ColourModel versions (tests/support/fakes.FakeRepository): no disk,
 no server; tests/server/test_model_swaps.py does the same under gunicorn with real exports."""
 from __future__ import annotations
 
@@ -13,11 +13,14 @@ import pytest
 from flask import Flask
 from flask.testing import FlaskClient
 
-from app import EXTENSION_KEY, create_app
+from app import EXTENSION_KEY
+
+from app.factory import create_app
 from app.config import Settings
-from app.engine.versions.desired import UNLOADED, SharedDesiredState
+from app.engine.rollouts.entry import UNLOADED
+from app.engine.versions.desired import SharedDesiredState
 from app.engine.rollouts.policy import PolicyError, VersionPolicy
-from app.engine.versions.reconciler import Reconciler
+from app.engine.catalog import Catalog
 from app.engine.service import Service
 from app.errors import BadRequest, InsufficientMemory, LoadFailed, NotFound, NotReady
 from tests.support.fakes import FakeRepository, infer, wait_until
@@ -79,16 +82,16 @@ def test_a_new_version_takes_new_requests_while_the_old_one_finishes_its_own(ser
         held = pool.submit(_ask, service)  # routed to version 1, stuck in its forward pass
         wait_until(lambda: bool(old.batch_sizes))
         repository.add("colour", "2")
-        service.reconciler.load("colour")
+        service.catalog.load("colour")
         assert _ask(service) == "2" and _ask(service, "colour", "2") == "2"
         with pytest.raises(NotFound, match="no model 'colour' version '1' is loaded; this server serves 'colour' "
                                            "version '2'"):
             _ask(service, "colour", "1")  # no new request reaches the version being retired
-        retiring = [row for row in service.reconciler.index() if row.version == "1"]
+        retiring = [row for row in service.catalog.index() if row.version == "1"]
         assert retiring[0].state == "UNLOADING"
         old.gate.set()
         assert held.result(timeout=5) == "1"  # the request it held was answered by it
-    wait_until(lambda: [r.state for r in service.reconciler.index()] == ["UNAVAILABLE", "READY"])
+    wait_until(lambda: [r.state for r in service.catalog.index()] == ["UNAVAILABLE", "READY"])
     assert service.ready
 
 
@@ -96,23 +99,23 @@ def test_a_version_that_fails_to_load_is_refused_and_the_old_one_serves(service:
                                                                         repository: FakeRepository) -> None:
     repository.fail("colour", "2", "weights file x.pt has sha256 abc, the manifest says def")
     with pytest.raises(LoadFailed, match="colour version 2 cannot be served: weights file x.pt has sha256"):
-        service.reconciler.load("colour")
+        service.catalog.load("colour")
     assert _ask(service) == "1"
-    (row,) = [r for r in service.reconciler.index() if r.version == "2"]
+    (row,) = [r for r in service.catalog.index() if r.version == "2"]
     assert row.state == "UNAVAILABLE" and "sha256" in row.reason
     loads = len(repository.loads)
-    service.reconciler.poll()  # the poll does not retry an unchanged failed version...
+    service.catalog.writers.poll()  # the poll does not retry an unchanged failed version...
     assert len(repository.loads) == loads and _ask(service) == "1"
     del repository.broken[("colour", "2")]
     repository.add("colour", "2")  # ...until it is written again
-    service.reconciler.poll()
+    service.catalog.writers.poll()
     assert _ask(service) == "2"
 
 
 def test_a_canary_that_fails_refuses_the_version(service: Service, repository: FakeRepository) -> None:
     repository.add("colour", "2").fail_when = -1.0  # every forward pass raises, the canary's too
     with pytest.raises(LoadFailed, match="colour version 2 cannot be served: .*fake forward failure"):
-        service.reconciler.load("colour")
+        service.catalog.load("colour")
     assert _ask(service) == "1" and service.ready
 
 
@@ -120,7 +123,7 @@ def test_two_load_calls_for_one_model_run_one_load(service: Service, repository:
     repository.add("colour", "2")
     repository.gate = threading.Event()
     with ThreadPoolExecutor(2) as pool:
-        calls = [pool.submit(service.reconciler.load, "colour") for _ in range(2)]
+        calls = [pool.submit(service.catalog.load, "colour") for _ in range(2)]
         wait_until(lambda: ("colour", "2") in repository.loads)
         repository.gate.set()
         for call in calls:
@@ -136,7 +139,7 @@ def test_a_version_that_would_not_fit_is_refused_before_loading(settings: Settin
         repository.add("colour", "2")
         with pytest.raises(InsufficientMemory, match="colour version 2 needs about 2 MiB; the loaded models take 1 MiB "
                                                       "of MODEL_MEMORY_LIMIT_MB=2"):
-            service.reconciler.load("colour")
+            service.catalog.load("colour")
         assert ("colour", "2") not in repository.loads and _ask(service) == "1"
     finally:
         service.shutdown(timeout=5)
@@ -144,14 +147,14 @@ def test_a_version_that_would_not_fit_is_refused_before_loading(settings: Settin
 
 def test_unload_stops_a_model_and_unknown_names_are_404(service: Service, repository: FakeRepository) -> None:
     with pytest.raises(NotFound, match="the repository has no model 'nope'; it has: colour"):
-        service.reconciler.load("nope")
-    service.reconciler.unload("colour")
-    assert not service.ready and [r.state for r in service.reconciler.index()] == ["UNAVAILABLE"]
+        service.catalog.load("nope")
+    service.catalog.unload("colour")
+    assert not service.ready and [r.state for r in service.catalog.index()] == ["UNAVAILABLE"]
     with pytest.raises(NotReady, match="no model is loaded"):
         _ask(service)
-    service.reconciler.poll()  # an unloaded model stays unloaded until a load call
+    service.catalog.writers.poll()  # an unloaded model stays unloaded until a load call
     assert not service.ready
-    service.reconciler.load("colour")
+    service.catalog.load("colour")
     assert _ask(service) == "1" and service.ready
 
 
@@ -160,13 +163,13 @@ def test_two_models_side_by_side_and_the_default_model(settings: Settings, repos
     service = _service(settings, repository)
     try:
         assert _ask(service, "colour") == "1" and _ask(service, "other") == "7"
-        assert service.route("colour").batcher is not service.route("other").batcher  # one batcher each
+        assert service.loaded_version("colour").batcher is not service.loaded_version("other").batcher  # one batcher each
         with pytest.raises(BadRequest, match="serves 2 models \\(colour, other\\) and none is the default "
                                              "\\(DEFAULT_MODEL, or repository.json\\): name one"):
             _ask(service)
         repository.default = "other"  # the repository names its default: the next poll reads it
-        service.reconciler.poll()
-        assert _ask(service) == "7" and service.reconciler.routes.default_model() == "other"
+        service.catalog.writers.poll()
+        assert _ask(service) == "7" and service.catalog.default_model() == "other"
     finally:
         service.shutdown(timeout=5)
     named = _service(settings, repository, default_model="colour")  # the setting wins over the repository
@@ -181,10 +184,10 @@ def test_the_policy_keeps_versions_and_names_the_default(settings: Settings, rep
     service = _service(settings, repository, version_policy="latest:2")
     try:
         assert _ask(service) == "2" and _ask(service, "colour", "1") == "1"
-        service.reconciler.load("colour", '{"default_version": "1"}')  # a rollback without unloading 2
+        service.catalog.load("colour", '{"default_version": "1"}')  # a rollback without unloading 2
         assert _ask(service) == "1" and _ask(service, "colour", "2") == "2"
         with pytest.raises(BadRequest, match="specific needs at least one version"):
-            service.reconciler.load("colour", {"version_policy": {"specific": {}}})
+            service.catalog.load("colour", {"version_policy": {"specific": {}}})
     finally:
         service.shutdown(timeout=5)
 
@@ -194,25 +197,33 @@ def test_a_rollback_by_a_call_holds_across_polls_until_policy_json_changes(setti
     repository.add("colour", "2")
     service = _service(settings, repository)
     try:
-        service.reconciler.load("colour", '{"default_version": "1"}')
-        service.reconciler.poll()
+        service.catalog.load("colour", '{"default_version": "1"}')
+        service.catalog.writers.poll()
         assert _ask(service) == "1"  # the poll applied the policy again and undid the rollback, before
         repository.add("colour", "3")
-        service.reconciler.poll()
+        service.catalog.writers.poll()
         assert _ask(service) == "1" and _ask(service, "colour", "3") == "3"  # new versions followed, default kept
         repository.policies["colour"] = {"version_policy": {"latest": {"num_versions": 1}}}
-        service.reconciler.poll()
-        assert _ask(service) == "3" and service.reconciler.serving()["colour"]["versions"] == ["3"]
-        service.reconciler.load("colour", {"default_version": "2"})
-        service.reconciler.load("colour")  # another call, without a config: the policy again
+        service.catalog.writers.poll()
+        assert _ask(service) == "3" and service.catalog.serving()["colour"]["versions"] == ["3"]
+        service.catalog.load("colour", {"default_version": "2"})
+        service.catalog.load("colour")  # another call, without a config: the policy again
         assert _ask(service) == "3"
     finally:
         service.shutdown(timeout=5)
 
 
-def _stop(reconciler: Reconciler) -> None:
-    reconciler.close()
-    for loaded in reconciler.routes.all_versions():
+def _catalog(settings: Settings, repository: FakeRepository) -> Catalog:
+    """A worker's models without its service: booted, followed and changed by calls."""
+    catalog = Catalog(settings, repository, wait_loaded=lambda timeout_s: None,  # type: ignore[arg-type]
+                      on_report=lambda: None)
+    catalog.writers.boot()
+    return catalog
+
+
+def _stop(catalog: Catalog) -> None:
+    catalog.writers.close()
+    for loaded in catalog.applier.routes.all_versions():
         loaded.batcher.stop(5)
 
 
@@ -221,17 +232,15 @@ def test_calls_survive_a_restart_only_with_a_kept_control_dir(settings: Settings
     kept = settings.model_copy(update={"control_dir": tmp_path / "kept"})
     repository.add("colour", "2")
     repository.add("other", "1")
-    first = Reconciler(kept, repository)  # type: ignore[arg-type]
-    first.boot()
+    first = _catalog(kept, repository)
     first.load("colour", {"default_version": "1"})
     first.unload("other")
     _stop(first)
-    restarted = Reconciler(kept, repository)  # type: ignore[arg-type]
-    restarted.boot()
+    restarted = _catalog(kept, repository)
     assert restarted.serving() == {"colour": {"versions": ["1", "2"], "default": "1"}}  # the unload holds too
     _stop(restarted)
-    fresh = Reconciler(settings.model_copy(update={"control_dir": tmp_path / "new"}), repository)  # type: ignore
-    fresh.boot()  # gunicorn's default: a new temporary directory, so the repository and its policies again
+    # gunicorn's default: a new temporary directory, so the repository and its policies again
+    fresh = _catalog(settings.model_copy(update={"control_dir": tmp_path / "new"}), repository)
     assert fresh.serving() == {"colour": {"versions": ["2"], "default": "2"},
                                "other": {"versions": ["1"], "default": "1"}}
     _stop(fresh)
@@ -244,10 +253,10 @@ def test_a_version_that_cannot_load_is_skipped_at_start(settings: Settings, repo
         service = _service(settings, repository)  # stopped the start, before: every model went down
     try:
         assert _ask(service) == "1"
-        (row,) = [r for r in service.reconciler.index() if r.version == "2"]
+        (row,) = [r for r in service.catalog.index() if r.version == "2"]
         assert row.state == "UNAVAILABLE" and "sha256" in row.reason
         assert sum("sha256" in record.getMessage() for record in caplog.records) == 1  # said once
-        service.reconciler.poll()
+        service.catalog.writers.poll()
         assert _ask(service) == "1" and sum("sha256" in r.getMessage() for r in caplog.records) == 1
     finally:
         service.shutdown(timeout=5)
@@ -313,23 +322,24 @@ def test_workers_sharing_a_control_directory_apply_each_others_loads(settings: S
     import os
 
     shared = settings.model_copy(update={"control_dir": tmp_path / "control"})
-    here, there = Reconciler(shared, repository), Reconciler(shared, repository)  # type: ignore[arg-type]
-    there.desired = SharedDesiredState(shared.control_dir, pid=os.getppid())  # another live process's report
+    here = _catalog(shared, repository)
+    there = Catalog(shared, repository, wait_loaded=lambda timeout_s: None,  # type: ignore[arg-type]
+                    on_report=lambda: None)
+    there.sync.desired = SharedDesiredState(shared.control_dir, pid=os.getppid())  # another live process's report
     try:
-        here.boot()
-        there.boot()
+        there.writers.boot()
         repository.add("colour", "2")
         here.load("colour")  # answers once the other worker serves version 2 too
         assert there.serving() == {"colour": {"versions": ["2"], "default": "2"}}
         assert {w["pid"]: w["models"]["colour"]["versions"] for w in here.workers()} == {
             os.getpid(): ["2"], os.getppid(): ["2"]}
         repository.add("other", "1")
-        there.reconcile_model("other", {"versions": ["1"], "default": "1"})  # only there, as if its load call had not written yet
+        there.applier.apply("other", {"versions": ["1"], "default": "1"})  # only there, as if its load call had not written yet
         here.unload("colour")
         assert there.serving() == {}  # a generation is the whole set: "other" was not in it
     finally:
-        for reconciler in (here, there):
-            _stop(reconciler)
+        for catalog in (here, there):
+            _stop(catalog)
 
 
 def test_calls_for_different_models_on_different_workers_both_take_effect(tmp_path: Path) -> None:

@@ -12,7 +12,9 @@ from flask import Flask
 from flask.testing import FlaskClient
 from openapi_spec_validator import validate
 
-from app import EXTENSION_KEY, create_app
+from app import EXTENSION_KEY
+
+from app.factory import create_app
 from app.config import Settings
 from app.engine.loaded.predictor import Predictor
 from app.engine.service import Service
@@ -53,7 +55,7 @@ CALLS: list[tuple[str, str, str, dict[str, Any]]] = [
 
 @pytest.fixture(scope="module")
 def document() -> dict[str, Any]:
-    from app import default_protocols
+    from app.factory import default_protocols
     from app.web.openapi import openapi_document
 
     return openapi_document(default_protocols())

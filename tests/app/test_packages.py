@@ -12,7 +12,9 @@ import skimage.data
 import torch
 from PIL import Image
 
-from app import EXTENSION_KEY, create_app
+from app import EXTENSION_KEY
+
+from app.factory import create_app
 from app.config import Settings
 from app.engine.loaded.predictor import Predictor
 from models.export.__main__ import package_targets

@@ -15,7 +15,9 @@ import pytest
 from flask import Flask
 from flask.testing import FlaskClient
 
-from app import EXTENSION_KEY, create_app
+from app import EXTENSION_KEY
+
+from app.factory import create_app
 from app.config import Settings
 from app.engine.loaded.predictor import Predictor
 from models.export.manifest import MANIFEST_NAME, Manifest, PredictionReference, read_manifest

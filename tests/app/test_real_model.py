@@ -162,8 +162,8 @@ def test_reduced_scale_jpeg_decoding_keeps_predictions(real_app: Flask, name: st
     draft = DecodeLimits(max_pixels=20_000_000, max_aspect_ratio=20,
                          jpeg_draft_min_side=Settings().jpeg_draft_min_side)
     full = DecodeLimits(max_pixels=20_000_000, max_aspect_ratio=20, jpeg_draft_min_side=0)
-    batch = torch.stack([image_to_tensor(data, service.route().predictor.transform, limits) for limits in (draft, full)])
-    p_draft, p_full = service.route().predictor.predict_batch(batch)
+    batch = torch.stack([image_to_tensor(data, service.loaded_version().predictor.transform, limits) for limits in (draft, full)])
+    p_draft, p_full = service.loaded_version().predictor.predict_batch(batch)
     assert int(p_draft.argmax()) == int(p_full.argmax())
     assert set(p_draft.topk(5).indices.tolist()) == set(p_full.topk(5).indices.tolist())
     assert float((p_draft - p_full).abs().max()) < 0.01
@@ -202,7 +202,7 @@ def test_drift_rises_when_the_photos_change_from_a_cat_to_coffee(real_weights: P
     # reference. The same views again read 0; half the window turning to coffee reads drifted.
     import base64
 
-    from app import create_app
+    from app.factory import create_app
     from app.config import Settings
 
     app = create_app(Settings(weights_dir=real_weights, device="cpu", max_batch_size=4, max_wait_ms=5,

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from app import EXTENSION_KEY, create_app
+from app import EXTENSION_KEY
+
+from app.factory import create_app
 from app.config import Settings
 from app.engine.versions.sources import DirectorySource
 from app.errors import NotFound

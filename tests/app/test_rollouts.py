@@ -14,19 +14,21 @@ from typing import Callable, Iterator
 import pytest
 import torch
 
-from app import EXTENSION_KEY, create_app
+from app import EXTENSION_KEY
+
+from app.factory import create_app
 from app.config import Settings
 from app.engine.rollouts.policy import PolicyError, VersionPolicy
 from app.engine.rollouts.plan import (
     PromoteRule,
     RollbackRule,
     RolloutPolicy,
-    judge,
     plan,
     promoted,
     rolled_back,
     takes_canary,
 )
+from app.engine.rollouts.rules import judge
 from app.engine.call import Served
 from app.engine.service import Service
 from app.errors import Conflict
@@ -79,8 +81,8 @@ def _offline_answers(photos: list[bytes]) -> dict[str, list[str]]:
 
 def _compared(service: Service) -> int:
     """Images the shadow compared so far (over the workers' reports, shared now)."""
-    service.reconciler.share_evidence()
-    return ((service.reconciler.rollouts.summaries().get("colour") or {}).get("comparison") or {}).get("compared", 0)
+    service.catalog.writers.share_evidence()
+    return ((service.catalog.rollouts().get("colour") or {}).get("comparison") or {}).get("compared", 0)
 
 
 def _one_by_one(service: Service, photos: list[bytes], send: Callable[[bytes], object] | None = None) -> None:
@@ -178,7 +180,7 @@ def test_the_rules_promote_on_agreement_and_roll_back_on_errors() -> None:
 
 
 def test_the_shadow_agreement_equals_the_offline_one_and_live_answers_do_not_change(shadowed: Service) -> None:
-    rollouts = shadowed.reconciler.rollouts.summaries
+    rollouts = shadowed.catalog.rollouts
     live: list[Served] = []
     _one_by_one(shadowed, PHOTOS, lambda photo: live.append(infer(shadowed, [photo])))
     assert {served.version for served in live} == {"1"}
@@ -212,12 +214,12 @@ class Turnstile:
 
 
 def test_shadow_work_is_dropped_under_a_burst_and_no_live_request_fails(shadowed: Service) -> None:
-    live = shadowed.reconciler.routes.find("colour", "1")
+    live = shadowed.catalog.applier.routes.find("colour", "1")
     live.predictor.module.gate = gate = Turnstile()
 
     def comparison() -> dict[str, object]:
-        shadowed.reconciler.share_evidence()
-        return shadowed.reconciler.rollouts.summaries()["colour"]["comparison"] or {"dropped": {}, "compared": 0, "errors": 0}
+        shadowed.catalog.writers.share_evidence()
+        return shadowed.catalog.rollouts()["colour"]["comparison"] or {"dropped": {}, "compared": 0, "errors": 0}
 
     with ThreadPoolExecutor(9) as pool:  # a batch of up to 4 runs (held), at least 5 queue
         answers = [pool.submit(infer, shadowed, [PHOTOS[i % len(PHOTOS)]], timeout_s=10) for i in range(9)]
@@ -296,10 +298,10 @@ def test_the_rules_promote_a_candidate_that_agrees_and_roll_back_one_that_fails(
     try:
         _one_by_one(service, PHOTOS[:4])  # compared one by one, then the fifth comparison promotes
         infer(service, [PHOTOS[4]])
-        wait_until(lambda: (service.reconciler.share_evidence() or True)
-                   and service.reconciler.routes.routes()["colour"][1] == "2")
-        assert service.reconciler.rollouts.summaries()["colour"]["watch"]["version"] == "2"
-        service.reconciler.routes.find("colour", "2").predictor.module.fail_when = -10.0  # every batch now fails
+        wait_until(lambda: (service.catalog.writers.share_evidence() or True)
+                   and service.catalog.applier.routes.routes()["colour"][1] == "2")
+        assert service.catalog.rollouts()["colour"]["watch"]["version"] == "2"
+        service.catalog.applier.routes.find("colour", "2").predictor.module.fail_when = -10.0  # every batch now fails
         failures = 0
         for photo in PHOTOS[:5]:
             try:
@@ -307,10 +309,10 @@ def test_the_rules_promote_a_candidate_that_agrees_and_roll_back_one_that_fails(
             except Exception:  # noqa: BLE001 - the failing version's answers
                 failures += 1
         assert failures == 5
-        service.reconciler.share_evidence()
-        assert service.reconciler.routes.routes()["colour"][1] == "1"  # rolled back by the rules
+        service.catalog.writers.share_evidence()
+        assert service.catalog.applier.routes.routes()["colour"][1] == "1"  # rolled back by the rules
         assert infer(service, [PHOTOS[0]]).version == "1"
-        assert service.reconciler.rollouts.summaries()["colour"]["rolled_back"] == ["2"]
+        assert service.catalog.rollouts()["colour"]["rolled_back"] == ["2"]
     finally:
         service.shutdown(timeout=5)
 
@@ -319,10 +321,10 @@ def test_calls_without_anything_to_change_are_conflicts(settings: Settings) -> N
     service = Service.build(settings, _repository())  # type: ignore[arg-type]
     try:
         with pytest.raises(Conflict):
-            service.reconciler.rollouts.promote("colour")  # no rollout: no candidate
-        assert service.reconciler.rollouts.promote("colour", "1")["default"] == "1"
+            service.catalog.promote("colour")  # no rollout: no candidate
+        assert service.catalog.promote("colour", "1")["default"] == "1"
         assert infer(service, [PHOTOS[0]]).version == "1"
-        assert service.reconciler.rollouts.rollback("colour")["default"] == "2"
+        assert service.catalog.rollback("colour")["default"] == "2"
     finally:
         service.shutdown(timeout=5)
 
@@ -345,7 +347,7 @@ def test_a_rollout_set_by_a_load_call_or_a_setting(settings: Settings) -> None:
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
     service = Service.build(settings.model_copy(update={"shadow_percent": 100.0}), _repository())  # type: ignore
     try:
-        assert service.reconciler.rollouts.roles() == {("colour", "1"): "live", ("colour", "2"): "shadow"}
+        assert service.catalog.roles() == {("colour", "1"): "live", ("colour", "2"): "shadow"}
     finally:
         service.shutdown(timeout=5)
 
@@ -389,12 +391,12 @@ def test_a_candidate_with_other_preprocessing_decodes_the_shadow_images_itself(s
     repository.policies["colour"] = {"rollout": {"shadow_percent": 100}}
     service = Service.build(settings, repository)  # type: ignore[arg-type]
     try:
-        live, candidate = (service.reconciler.routes.find("colour", v) for v in ("1", "2"))
+        live, candidate = (service.catalog.applier.routes.find("colour", v) for v in ("1", "2"))
         assert candidate.predictor.manifest.preprocess.input_shape != live.predictor.manifest.preprocess.input_shape
         sizes: list[tuple[int, ...]] = []
         candidate.predictor.module.register_forward_hook(lambda _, inputs, __: sizes.append(inputs[0].shape[2:]))
         _one_by_one(service, PHOTOS)
-        comparison = service.reconciler.rollouts.summaries()["colour"]["comparison"]
+        comparison = service.catalog.rollouts()["colour"]["comparison"]
         assert comparison["top1_agreement"] == 1.0 and comparison["errors"] == 0  # the same model, other size
         assert sizes and set(sizes) == {(16, 16)}  # the shadow images were decoded at the candidate's own size
     finally:

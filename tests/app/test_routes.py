@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import io
+import logging
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,7 +14,9 @@ from flask.testing import FlaskClient
 
 from app import EXTENSION_KEY
 from app.config import Settings
+from app.engine.batching.types import BatchResult
 from app.engine.service import Service
+from app.engine.call import stage_ms
 from tests.support.answers import error_of, labels_of
 from tests.support.fakes import ColourModel, wait_until
 from tests.support.imaging import BLUE, GREEN, RED, image_bytes
@@ -81,7 +85,7 @@ def test_concurrent_requests_share_batches(client: FlaskClient, model: ColourMod
         first = pool.submit(call, colors[0])
         wait_until(lambda: len(model.batch_sizes) == 1)
         rest = [pool.submit(call, c) for c in colors[1:]]
-        wait_until(lambda: service.route().batcher.depth == 7)
+        wait_until(lambda: service.loaded_version().batcher.depth == 7)
         model.gate.set()
         assert [first.result(timeout=10)] + [f.result(timeout=10) for f in rest] == ["red", "green", "blue", "red"] * 2
     assert model.batch_sizes == [1, 4, 3]
@@ -100,7 +104,7 @@ def test_health_endpoints_and_draining(client: FlaskClient, service: Service) ->
 
 
 def test_dead_batcher_fails_liveness(client: FlaskClient, service: Service) -> None:
-    service.route().batcher.stop(timeout=5)
+    service.loaded_version().batcher.stop(timeout=5)
     assert client.get("/healthz").status_code == 503
     assert client.get("/readyz").status_code == 503
 
@@ -114,42 +118,63 @@ def test_models_endpoint(client: FlaskClient) -> None:
     assert client.get("/v1/models?labels=1").get_json()["models"][0]["labels"] == ["red", "green", "blue", "other"]
 
 
-def test_request_larger_than_max_batch_size_is_split(settings, predictor, model: ColourModel) -> None:  # noqa: ANN001
-    from app import create_app
+def test_request_larger_than_max_batch_size_is_split(settings, predictor, model: ColourModel,  # noqa: ANN001
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    from app.factory import create_app
 
     app = create_app(settings.model_copy(update={"max_images": 6}), predictor)
     try:
         model.batch_sizes.clear()
         colors = [RED, GREEN, BLUE, RED, GREEN, BLUE]
         files = [(io.BytesIO(image_bytes(c)), f"{i}.jpg") for i, c in enumerate(colors)]
-        response = app.test_client().post("/predict", data={"image": files})
+        with caplog.at_level(logging.INFO, logger="visionserve.access"):
+            response = app.test_client().post("/predict", data={"image": files})
         assert labels_of(response) == ["red", "green", "blue", "red", "green", "blue"]
         assert model.batch_sizes == [4, 2]
         assert response.headers["X-Batch-Size"] == "4,4,4,4,2,2"
         assert 'batch;desc="4+2"' in response.headers["Server-Timing"]
+        # The header and the access line report the same queue and inference (app/engine/call.stage_ms).
+        header = dict(re.findall(r"(\w+);dur=([\d.]+)", response.headers["Server-Timing"]))
+        (line,) = [r for r in caplog.records if getattr(r, "route", None) == "/predict"]
+        assert float(header["queue"]) == pytest.approx(line.queue_ms, abs=0.006)
+        assert float(header["inference"]) == pytest.approx(line.inference_ms, abs=0.006)
     finally:
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def _result(batch_id: int, size: int, queued_s: float, run_s: float) -> BatchResult:
+    return BatchResult(None, batch_id, size, queued_s, run_s)
+
+
+def test_inference_is_the_wall_time_of_the_requests_distinct_batches() -> None:
+    # One batch shared by three images: its forward pass counts once, not once per image.
+    assert stage_ms([_result(5, 3, 0.002, 0.010)] * 3) == pytest.approx((2.0, 10.0))
+    # Four images in batch 7, then two in batch 8, which waited behind batch 7 and 5 ms more: the batcher runs one
+    # batch at a time, so inference is 20 + 15 ms (not the larger alone), and the queue is the rest of the 50 ms
+    # from queueing to the end of batch 8 (10 ms before batch 7, 5 ms between them).
+    results = [_result(7, 4, 0.010, 0.020)] * 4 + [_result(8, 2, 0.035, 0.015)] * 2
+    assert stage_ms(results) == pytest.approx((15.0, 35.0))
 
 
 @pytest.mark.parametrize("inline", [True, False])
 def test_a_lone_request_runs_its_batch_inline_unless_turned_off(settings, predictor,  # noqa: ANN001
                                                                  inline: bool) -> None:
-    from app import create_app
+    from app.factory import create_app
 
     app = create_app(settings.model_copy(update={"inline_when_idle": inline}), predictor)
     try:
         service: Service = app.extensions[EXTENSION_KEY]
-        before = service.route().batcher.batches_run
+        before = service.loaded_version().batcher.batches_run
         response = app.test_client().post("/predict", data=image_bytes(GREEN), content_type="image/jpeg")
         assert labels_of(response) == ["green"] and response.headers["X-Batch-Size"] == "1"
-        assert service.route().batcher.batches_run == before + 1
-        assert service.route().batcher.batches_inline == (1 if inline else 0)
+        assert service.loaded_version().batcher.batches_run == before + 1
+        assert service.loaded_version().batcher.batches_inline == (1 if inline else 0)
     finally:
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 
 
 def test_scores_are_rounded_to_the_configured_digits(settings: Settings, predictor) -> None:  # noqa: ANN001
-    from app import create_app
+    from app.factory import create_app
 
     app = create_app(settings.model_copy(update={"score_digits": 3}), predictor)
     try:
@@ -162,7 +187,7 @@ def test_scores_are_rounded_to_the_configured_digits(settings: Settings, predict
 
 def test_the_default_queue_holds_several_maximum_size_requests(predictor) -> None:  # noqa: ANN001
     # Before: a 64-image queue, so six concurrent 16-image requests on an idle server got two 429s.
-    from app import create_app
+    from app.factory import create_app
 
     defaults = Settings(device="cpu", max_batch_size=4, auto_batch_size=False, max_wait_ms=5)
     assert defaults.resolved_queue_size() == 8 * defaults.max_images == 128
@@ -174,7 +199,7 @@ def test_the_default_queue_holds_several_maximum_size_requests(predictor) -> Non
         files = lambda: {"image": [(io.BytesIO(image_bytes(RED)), f"{i}.jpg") for i in range(16)]}  # noqa: E731
         with ThreadPoolExecutor(6) as pool:
             calls = [pool.submit(client.post, "/predict", data=files()) for _ in range(6)]
-            wait_until(lambda: app.extensions[EXTENSION_KEY].route().batcher.depth >= 80)
+            wait_until(lambda: app.extensions[EXTENSION_KEY].loaded_version().batcher.depth >= 80)
             model.gate.set()
             assert [c.result(timeout=30).status_code for c in calls] == [200] * 6
     finally:
@@ -184,7 +209,8 @@ def test_the_default_queue_holds_several_maximum_size_requests(predictor) -> Non
 
 def test_cors_is_off_by_default_and_answers_preflights_for_allowed_origins(settings: Settings,
                                                                            predictor) -> None:  # noqa: ANN001
-    from app import EXTENSION_KEY, create_app
+    from app import EXTENSION_KEY
+    from app.factory import create_app
 
     preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
                  "Access-Control-Request-Headers": "authorization, x-request-timeout"}

@@ -26,7 +26,7 @@ def test_images_are_decoded_queued_and_answered_in_order(service: Service) -> No
 
 
 def test_preprocessed_tensors_skip_decoding(service: Service) -> None:
-    red = service.route().decoder.prepare(image_bytes(RED))
+    red = service.loaded_version().decoder.prepare(image_bytes(RED))
     served = infer(service, tensors=[red, red])
     assert served.decode_s == 0.0 and served.probabilities().argmax(dim=1).tolist() == [0, 0]
 
@@ -35,16 +35,16 @@ def test_the_request_counts_as_arriving_while_it_reads_and_decodes(service: Serv
     seen: list[int] = []
 
     with service.admit() as call:
-        seen.append(call.version.arrivals.count())  # while the protocol reads its body
+        seen.append(service.loaded_version().arrivals.count())  # while the protocol reads its body
         call.infer([image_bytes(RED)], timeout_s=5.0)
-    assert seen == [1] and service.route().arrivals.count() == 0
+    assert seen == [1] and service.loaded_version().arrivals.count() == 0
 
 
 def test_a_lone_request_takes_the_inline_path(service: Service) -> None:
     # What a route that forgot to report its arrival lost: every batch waited max_wait_ms on the worker thread.
-    before = service.route().batcher.batches_inline
+    before = service.loaded_version().batcher.batches_inline
     infer(service, [image_bytes(RED)])
-    assert service.route().batcher.batches_inline == before + 1
+    assert service.loaded_version().batcher.batches_inline == before + 1
 
 
 def test_a_failing_read_leaves_no_arrival_behind(service: Service) -> None:
@@ -52,7 +52,7 @@ def test_a_failing_read_leaves_no_arrival_behind(service: Service) -> None:
         raise BadRequest("bad field")  # the protocol refused its body
     with pytest.raises(InvalidImage):
         infer(service, [b"not an image"])
-    assert service.route().arrivals.count() == 0
+    assert service.loaded_version().arrivals.count() == 0
 
 
 @pytest.mark.parametrize("images, tensors, error", [
@@ -90,7 +90,7 @@ def test_a_service_started_in_the_background_answers_while_it_loads(settings: Se
         with pytest.raises(NotReady, match="still loading"):
             infer(service, [image_bytes(RED)])
         with pytest.raises(NotReady):
-            service.route().predictor  # noqa: B018 - what a protocol touching the model meets while it loads
+            service.loaded_version().predictor  # noqa: B018 - what a protocol touching the model meets while it loads
         release.set()
         wait_until(lambda: service.ready)
         assert infer(service, [image_bytes(RED)]).probabilities().argmax() == 0
@@ -136,12 +136,12 @@ def test_images_of_a_client_that_hung_up_are_dropped_before_their_forward_pass(s
         first = pool.submit(infer, service, [image_bytes(RED)])
         wait_until(lambda: bool(model.batch_sizes))  # the first batch is in its forward pass, holding the model
         second = pool.submit(infer, service, [image_bytes(BLUE)] * 3, client_gone=gone.is_set)
-        wait_until(lambda: service.route().batcher.depth == 3)
+        wait_until(lambda: service.loaded_version().batcher.depth == 3)
         gone.set()
         with pytest.raises(ClientGone):
             second.result(timeout=5)
         model.gate.set()
         first.result(timeout=5)
-    wait_until(lambda: service.route().batcher.depth == 0)
+    wait_until(lambda: service.loaded_version().batcher.depth == 0)
     assert model.batch_sizes == [1]  # the three queued images never ran
     assert BATCHER_EVENTS.labels("client_gone")._value.get() == dropped_before + 3

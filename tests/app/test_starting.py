@@ -8,7 +8,9 @@ from typing import Any, Callable, Iterator
 import pytest
 from werkzeug.test import Client
 
-from app import EXTENSION_KEY, create_app
+from app import EXTENSION_KEY
+
+from app.factory import create_app
 from app.config import Settings
 from app.engine.call import NOT_READY_RETRY_S
 from app.engine.versions.sources import DirectorySource

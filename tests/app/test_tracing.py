@@ -57,7 +57,7 @@ def test_requests_batched_together_link_to_one_batch_span(traced, model: ColourM
         wait_until(lambda: len(model.batch_sizes) == 1)
         rest = [pool.submit(client.post, "/predict", data=image_bytes(GREEN), content_type="image/jpeg")
                 for _ in range(2)]
-        wait_until(lambda: service.route().batcher.depth == 2)
+        wait_until(lambda: service.loaded_version().batcher.depth == 2)
         model.gate.set()
         assert [f.result(timeout=10).status_code for f in [first, *rest]] == [200] * 3
     spans = exporter.get_finished_spans()

@@ -136,7 +136,7 @@ def test_v2_and_predict_requests_join_the_same_batches(client: FlaskClient, mode
         wait_until(lambda: len(model.batch_sizes) == 1)
         v2 = pool.submit(client.post, INFER, json={"inputs": [_bytes_input(image_bytes(RED))]})
         rest = pool.submit(client.post, "/predict", data=image_bytes(BLUE), content_type="image/jpeg")
-        wait_until(lambda: service.route().batcher.depth == 2)
+        wait_until(lambda: service.loaded_version().batcher.depth == 2)
         model.gate.set()
         answers = [f.result(timeout=10) for f in (first, v2, rest)]
     assert [a.status_code for a in answers] == [200, 200, 200]

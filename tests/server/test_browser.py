@@ -146,7 +146,9 @@ def test_the_demo_page_shows_each_photos_error(browser, fake_url: str, tmp_path:
 def test_the_demo_page_asks_for_the_api_key(browser, settings, predictor, tmp_path: Path) -> None:  # noqa: ANN001
     from selenium.webdriver.common.by import By
 
-    from app import EXTENSION_KEY, create_app
+    from app import EXTENSION_KEY
+
+    from app.factory import create_app
     from app.config import Settings
 
     app = create_app(Settings.model_validate({**settings.model_dump(), "api_key": "s3cret"}), predictor)

@@ -63,7 +63,8 @@ def test_a_new_user_trains_exports_serves_and_calls_their_model(photo_folder: Pa
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     # The README's recipe, end to end: the pretrained fine-tune on 4 x 30 images, the export into the run, the
     # server on that export, then the client and the CLI, without a single error.
-    from app import EXTENSION_KEY, create_app
+    from app import EXTENSION_KEY
+    from app.factory import create_app
     from app.config import Settings
     from visionserve_client import Client
     from visionserve_client.__main__ import main as cli

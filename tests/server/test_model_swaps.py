@@ -16,7 +16,9 @@ import requests
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
-from app import EXTENSION_KEY, create_app
+from app import EXTENSION_KEY
+
+from app.factory import create_app
 from app.config import Settings
 from harness.servers import Running
 from models.export.manifest import read_manifest

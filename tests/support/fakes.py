@@ -171,7 +171,8 @@ class FakeRepository:
 def several_models_app(settings: Settings) -> Iterator[Flask]:
     """The app factory's app serving colour 1 and 2 (2 its default version) and shade 1 (FakeRepository), shut
     down after."""
-    from app import EXTENSION_KEY, create_app
+    from app import EXTENSION_KEY
+    from app.factory import create_app
 
     repository = FakeRepository()
     for name, version in (("colour", "1"), ("colour", "2"), ("shade", "1")):

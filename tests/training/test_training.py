@@ -15,7 +15,9 @@ from typing import Callable
 import pytest
 import torch
 
-from app import EXTENSION_KEY, create_app
+from app import EXTENSION_KEY
+
+from app.factory import create_app
 from app.config import Settings
 from models import train
 from models.run.checkpoint import BEST_NAME, CHECKPOINT_NAME, load_checkpoint

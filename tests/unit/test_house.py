@@ -86,23 +86,17 @@ def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, k
     return found | ({base} & known if len(found) < len(node.names) else set())
 
 
-def _type_checking_only(tree: ast.Module) -> set[int]:
-    """ids of the imports under ``if TYPE_CHECKING:``: they never run."""
-    guarded = [node for node in ast.walk(tree)
-               if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)]
-    return {id(inner) for node in guarded for child in node.body for inner in ast.walk(child)}
-
-
 def import_graph(files: dict[str, Path]) -> dict[str, set[str]]:
-    """module -> the project modules it imports, at module level and inside functions (those run too). Its own
-    packages are left out: Python runs a package's __init__ before any module in it, whoever imports what."""
+    """module -> the project modules it imports, at module level, inside functions (those run too) and under
+    ``if TYPE_CHECKING:`` (they never run, but the modules still depend on each other: a circle hidden there is a
+    circle). Its own packages are left out: Python runs a package's __init__ before any module in it, whoever
+    imports what."""
     known = set(files)
     graph: dict[str, set[str]] = {}
     for module, path in files.items():
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        skipped, edges = _type_checking_only(tree), set()
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in skipped:
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
                 edges |= _targets(node, module, path.name == "__init__.py", known)
         graph[module] = {t for t in edges if t != module and not module.startswith(t + ".")}
     return graph
@@ -151,7 +145,13 @@ def test_the_cycle_check_sees_cycles_through_function_level_and_relative_imports
     (tmp_path / "pkg" / "__init__.py").write_text(guarded)
     (tmp_path / "pkg" / "c.py").write_text("from pkg import a\nimport pkg\n")
     files["pkg"] = tmp_path / "pkg" / "__init__.py"
-    assert import_graph(files)["pkg"] == set() and import_graph(files)["pkg.c"] == {"pkg.a"}
+    assert import_graph(files)["pkg"] == {"pkg.c"} and import_graph(files)["pkg.c"] == {"pkg.a"}
+    # A circle closed only under TYPE_CHECKING is still a circle: the two modules cannot be understood apart.
+    (tmp_path / "pkg" / "d.py").write_text(guarded.replace("from pkg import c", "from pkg.e import E"))
+    (tmp_path / "pkg" / "e.py").write_text("from pkg.d import run\n")
+    files.update({f"pkg.{name}": tmp_path / "pkg" / f"{name}.py" for name in ("d", "e")})
+    assert find_cycle({m: g for m, g in import_graph(files).items() if m in ("pkg.d", "pkg.e")}) == [
+        "pkg.d", "pkg.e", "pkg.d"]
 
 
 def test_the_server_imports_only_the_serving_contract_of_models() -> None:
@@ -169,14 +169,33 @@ def test_the_server_imports_only_the_serving_contract_of_models() -> None:
         assert not leaks, f"{name} is in the serving contract and imports {leaks}"
 
 
-def test_protocols_reach_the_request_path_only_through_admit() -> None:
-    # Arrivals, the batcher and decoding are Service.admit's and Call.infer's business: a protocol that chains them
-    # itself can lose the inline path or the arrival count silently.
-    internals = ("app.engine.batching.arrivals", "app.engine.batching.batcher", "app.engine.decoding.image", "app.engine.batching.types",
-                 "app.engine.decoding.decoders", "app.engine.decoding.device", "app.engine.decoding.tensor")
-    for package in PROTOCOLS:
+# The engine's wings, lowest first: each imports only the wings before it (and the engine's top-level modules,
+# service.py, call.py and catalog.py, import any wing). docs/architecture.md draws the same order.
+WINGS = ("decoding", "batching", "loaded", "rollouts", "versions")
+ENGINE_FACADE = ("app.engine.service", "app.engine.call", "app.engine.catalog")
+
+
+def test_engine_is_in_wings_and_they_import_downwards_only() -> None:
+    loose = sorted(p.name for p in (APP / "engine").glob("*.py") if p.name != "__init__.py")
+    assert loose == ["call.py", "catalog.py", "service.py"], "an engine module belongs in a wing"
+    assert sorted(p.name for p in (APP / "engine").iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(WINGS)
+    graph = import_graph(_project_files())
+    for position, wing in enumerate(WINGS):
+        allowed = tuple(f"app.engine.{w}" for w in WINGS[: position + 1])
+        for module in (m for m in graph if _under(m, (f"app.engine.{wing}",))):
+            upward = sorted(t for t in graph[module] if _under(t, ("app.engine",)) and not _under(t, allowed)
+                            and t != "app.engine")
+            assert not upward, f"{module} (wing {wing}) imports {upward}: a wing imports only the wings below it"
+
+
+def test_protocols_reach_the_engine_only_through_the_service_the_call_and_the_catalog() -> None:
+    # Requests go through Service.admit and its Call, everything about models through Service.catalog (plain data):
+    # a protocol that chains the batcher, decoding or a loaded version itself can lose the inline path or the
+    # arrival count silently, and could not sit in a process apart from the engine.
+    for package in (*PROTOCOLS, "app.web"):
         for module, names in _modules(package).items():
-            assert not [n for n in names if _under(n, internals)], module
+            inside = [n for n in names if _under(n, ("app.engine",)) and not _under(n, ENGINE_FACADE)]
+            assert not inside, f"{module} reaches into the engine: {inside}"
 
 
 def test_importing_the_engine_loads_no_flask() -> None:

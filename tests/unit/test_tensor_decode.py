@@ -162,7 +162,8 @@ def test_the_tensor_transform_matches_the_pil_transform_on_a_photo(interpolation
 def test_the_service_decodes_on_the_path_its_settings_choose(settings, predictor,  # noqa: ANN001
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     import app.engine.decoding.decoders as decoders
-    from app import EXTENSION_KEY, create_app
+    from app import EXTENSION_KEY
+    from app.factory import create_app
 
     calls: list[str] = []
     for name in ("image_to_tensor", "image_to_tensor_path"):
@@ -188,7 +189,8 @@ def test_the_device_path_decodes_in_the_batch_and_fails_only_the_bad_image(setti
     from concurrent.futures import ThreadPoolExecutor
 
     import app.engine.decoding.decoders as decoders
-    from app import EXTENSION_KEY, create_app
+    from app import EXTENSION_KEY
+    from app.factory import create_app
     from app.engine.decoding.device import Encoded
 
     seen: list[type] = []

@@ -49,9 +49,9 @@ class Batcher(Generic[In, Out]):
 
     ``inline_when_idle``: when nothing runs, nothing waits and nothing is on its way, ``submit_many`` runs the batch
     on the caller's own thread instead of handing it to the worker. The worker thread would run it on another core,
-    whose caches hold neither the freshly preprocessed input nor the weights, and only after a wake-up: measured on
-    a 2-core CPU, a batch of one cost 7.4 ms there against 5.4 ms on the thread that had just decoded it. Only one
-    batch runs at a time either way.
+    whose caches hold neither the freshly preprocessed input nor the weights, and only after a wake-up, so a lone
+    batch costs more there (docs/performance.md: Figures behind the code's choices). Only one batch runs at a time
+    either way.
 
     ``split_on`` names exceptions that mean "this batch is too big" (CUDA out-of-memory): such a batch is split in
     halves and retried, and the batch size is capped at the size that worked for ``shrink_s`` seconds.
@@ -103,7 +103,7 @@ class Batcher(Generic[In, Out]):
         ``prepare`` runs on the worker thread before it takes any batch, and ``start`` waits for it and re-raises its
         error (the worker then ends). It is for set-up whose effect belongs to the thread that runs it: cuDNN keeps
         its autotuned convolution plans per thread, so a warm-up on another thread leaves every batch shape to be
-        tuned again by the first real batch (about 3 s each, measured on an H100).
+        tuned again, slowly, by the first real batch (docs/performance.md: Figures behind the code's choices).
         """
         self._prepare = prepare
         self._thread.start()

@@ -18,8 +18,8 @@ def inline_batches(setting: bool, device: torch.device) -> bool:
     """Whether a lone request may run its batch on its own thread (Settings.inline_when_idle): on the CPU only.
 
     On CUDA every thread that runs a forward pass has its own cuDNN handles and tuned plans (see Batcher.start):
-    measured on an H100, each of gunicorn's request threads took 1.2-3.6 s for its first batch, against 5 ms on the
-    batcher thread, which warm-up has already tuned.
+    each of gunicorn's request threads would pay for them on its first batch, where the batcher thread has had
+    them from warm-up (docs/performance.md: Figures behind the code's choices).
     """
     return setting and device.type == "cpu"
 
@@ -29,11 +29,10 @@ def choose_batch_cap(profile: dict[int, float], tolerance: float = 0.95) -> int:
 
     Up to that size a batch costs about the same per image measured alone, and in the server the larger ones save
     what the warm-up cannot see (the batch's hand-offs, the weights read again per pass while request threads
-    decode): Lite0 on ONNX Runtime, 2 cores, C=16, measured alone 106 img/s unbatched and 112 at 2-4, served 85 img/s
-    with a cap of 1 and 90 with 4 or 8, p99 no higher (and lower at C=4). A batch only forms from requests already
-    waiting, so a lone request never waits for a larger cap. Where batches do slow (TorchScript Lite0 on 2 cores
-    halves its images/s at 7 and 8: the activations leave the cache) the cap stops below them; a GPU's curve keeps
-    rising to the configured maximum.
+    decode), at no higher p99 (docs/performance.md: Figures behind the code's choices). A batch only forms from
+    requests already waiting, so a lone request never waits for a larger cap. Where batches do slow (on a small
+    CPU, once the activations leave the cache) the cap stops below them; a GPU's curve keeps rising to the
+    configured maximum.
     """
     best = max(profile.values())
     return max(size for size, rate in profile.items() if rate >= tolerance * best)

@@ -91,7 +91,8 @@ class DeviceDecoder(Decoder):
 
 def decode_path(setting: str, device: torch.device) -> str:
     """Where a model's images are decoded (Settings.decode_path): ``auto`` is the device path on CUDA and the tensor
-    path on the CPU (docs/performance.md: 1.20-1.25x PIL's images/s there at 100% top-1 agreement)."""
+    path on the CPU, faster than PIL there with the same answers (docs/performance.md: Figures behind the code's
+    choices)."""
     if setting != "auto":
         return setting
     return "device" if device.type == "cuda" else "tensor"

@@ -37,7 +37,8 @@ class Predictor:
         self.weights_bytes = module_bytes(self.module) if weights_bytes is None else weights_bytes
         self.warmed_batch_sizes: list[int] = []
         # On CUDA a batch is padded with zeros up to the next power of two (or the cap): every new input shape costs
-        # cuDNN autotuning (seconds per shape for these models), and a few spare rows cost the GPU almost nothing.
+        # cuDNN autotuning, which is slow (docs/performance.md: Figures behind the code's choices), and a few spare
+        # rows cost the GPU almost nothing.
         # On the CPU every row costs its full share, so each size runs as it is.
         self.pad_batches = self.device.type == "cuda" if pad_batches is None else pad_batches
         if self.device.type == "cuda":
@@ -110,8 +111,8 @@ class Predictor:
         Returns images/s of the forward pass per batch size from the fastest of ``repeats`` timed runs after one
         untimed one (the fastest run is the one least disturbed by other work on the machine). The timed runs go
         round the sizes rather than size after size: a machine whose speed drifts during warm-up then slows every
-        size alike, instead of making one size look best (seen on a shared VM: a batch cap of 4 for a model whose
-        images/s fall by a third above 2).
+        size alike, instead of making one size look best, as it did on a shared VM (docs/performance.md: Figures
+        behind the code's choices).
         """
         started = time.perf_counter()
         batches = {size: torch.zeros(size, *self.manifest.preprocess.input_shape)

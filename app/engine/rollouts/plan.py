@@ -19,9 +19,8 @@ import zlib
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from app.engine.rollouts.entry import ModelEntry, RolloutEntry
 from app.engine.rollouts.policy import PolicyError, VersionPolicy, order_key
-
-Entry = dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -33,7 +32,6 @@ class PromoteRule:
     min_agreement: float = 0.99  # top-1 agreement with the live version, over the shadow's comparisons
     max_latency_ratio: float = 1.5  # the candidate's p99 over the live version's, at most
 
-
 @dataclass(frozen=True)
 class RollbackRule:
     """Roll a newly promoted default back by itself when, within its first ``within`` requests, its error ratio or
@@ -43,7 +41,6 @@ class RollbackRule:
     max_error_ratio: float = 0.01
     max_p99_ratio: float = 2.0
     min_requests: int = 20  # no p99 judged on fewer
-
 
 @dataclass(frozen=True)
 class RolloutPolicy:
@@ -111,10 +108,9 @@ class RolloutPolicy:
             policy = policy.over(config)
         return policy
 
-    def as_entry(self, candidate: str | None) -> Entry:
+    def as_entry(self, candidate: str | None) -> RolloutEntry:
         """What the desired state records of it, with the candidate it resolved to."""
         return {**asdict(self), "candidate": candidate}
-
 
 def _rule(kind: type, spec: Any, fallback: Any) -> Any:
     """A rule from its JSON (None or after/within 0: off); unset fields from ``fallback`` or the defaults."""
@@ -131,13 +127,11 @@ def _rule(kind: type, spec: Any, fallback: Any) -> Any:
     first = fields(kind)[0].name  # after / within: 0 turns the rule off
     return None if not values.get(first) else kind(**values)
 
-
 def rule_from_entry(kind: type, data: Any) -> Any:
     """A rule as the desired state recorded it."""
     return None if not data else kind(**data)
 
-
-def plan(policy: VersionPolicy, rollout: RolloutPolicy, available: list[str], current: Entry | None) -> Entry:
+def plan(policy: VersionPolicy, rollout: RolloutPolicy, available: list[str], current: ModelEntry | None) -> ModelEntry:
     """The model's next entry: its versions, default, candidate and rollout, from what the repository holds
     (``available``, refused versions already left out) and its entry now (None: a first load, or a load call).
     Rolled-back versions are left out unless nothing else is left; the previous default stays loaded (a rollback
@@ -152,7 +146,7 @@ def plan(policy: VersionPolicy, rollout: RolloutPolicy, available: list[str], cu
     default = policy.default or held
     if not rollout.active:
         default = default or policy.default_of(versions)
-        entry: Entry = {"versions": _with(versions, default), "default": default}
+        entry: ModelEntry = {"versions": _with(versions, default), "default": default}
         if rollout.rollback is None:
             return _carry(entry, current, rolled_back, usable)
         entry["rollout"] = rollout.as_entry(None)
@@ -177,12 +171,10 @@ def plan(policy: VersionPolicy, rollout: RolloutPolicy, available: list[str], cu
              "rollout": rollout.as_entry(candidate)}
     return _carry(entry, current, rolled_back, usable)
 
-
 def _with(versions: list[str], version: str | None) -> list[str]:
     return versions if version is None or version in versions else sorted([*versions, version], key=order_key)
 
-
-def _carry(entry: Entry, current: Entry, rolled_back: list[str], usable: list[str]) -> Entry:
+def _carry(entry: ModelEntry, current: ModelEntry, rolled_back: list[str], usable: list[str]) -> ModelEntry:
     """What the calls recorded and the poll keeps: the held default, the previous default (kept loaded), the
     rolled-back versions, the watch on a new default."""
     previous = current.get("previous_default")
@@ -198,8 +190,7 @@ def _carry(entry: Entry, current: Entry, rolled_back: list[str], usable: list[st
         entry["watch"] = watch
     return entry
 
-
-def promoted(entry: Entry, version: str, baseline_p99_ms: float | None) -> Entry:
+def promoted(entry: ModelEntry, version: str, baseline_p99_ms: float | None) -> ModelEntry:
     """``entry`` with ``version`` as its default: the old default kept loaded as the previous one, the new default
     watched for the rollback rule, the version no longer rolled back."""
     if version == entry["default"]:
@@ -216,8 +207,7 @@ def promoted(entry: Entry, version: str, baseline_p99_ms: float | None) -> Entry
         changed["rollout"] = {**changed["rollout"], "candidate": None}
     return changed
 
-
-def rolled_back(entry: Entry, to: str) -> Entry:
+def rolled_back(entry: ModelEntry, to: str) -> ModelEntry:
     """``entry`` served by ``to`` again: the default it replaces is rolled back (no candidate again until a newer
     version arrives or a promotion names it)."""
     bad = entry["default"]
@@ -228,7 +218,6 @@ def rolled_back(entry: Entry, to: str) -> Entry:
         changed["rollout"] = {**changed["rollout"], "candidate": None}
     return changed
 
-
 def takes_canary(percent: float, model: str, client_key: str | None, draw: float) -> bool:
     """Whether a request goes to the canary: by the client key's hash when it carries one (the same client always
     meets the same version), else by ``draw`` (uniform in [0, 1))."""
@@ -237,101 +226,3 @@ def takes_canary(percent: float, model: str, client_key: str | None, draw: float
     if client_key:
         return zlib.crc32(f"{model}\0{client_key}".encode()) % 10_000 < percent * 100
     return draw * 100 < percent
-
-
-def judge(model: str, entry: Entry, evidence: dict[str, Any]) -> tuple[str, str, str] | None:
-    """What the rules decide for ``model`` on the evidence of every worker (app/engine/evidence.merged):
-    ("promote", candidate, why), ("rollback", previous default, why), ("settle", default, why) when a watched
-    default served its first requests within bounds, or None."""
-    rollout = entry.get("rollout") or {}
-    watch, rule = entry.get("watch"), rule_from_entry(RollbackRule, rollout.get("rollback"))
-    if watch and rule is not None and watch.get("version") == entry["default"]:
-        verdict = rollback_verdict(rule, watch, evidence["traffic"].get((model, entry["default"])))
-        if verdict is not None:
-            return verdict
-    candidate, promote = rollout.get("candidate"), rule_from_entry(PromoteRule, rollout.get("promote"))
-    if candidate and promote is not None:
-        ready, why = promotion_status(promote, rollout, model, candidate, entry["default"], evidence)
-        if ready:
-            return "promote", candidate, why
-    return None
-
-
-def rollback_verdict(rule: RollbackRule, watch: dict[str, Any],
-                     traffic: dict[str, Any] | None) -> tuple[str, str, str] | None:
-    """A watched new default: rolled back once a bound is crossed within its first ``within`` requests, settled
-    after them."""
-    if not traffic or not traffic["requests"]:
-        return None
-    requests, failures = traffic["requests"], traffic["failures"]
-    if failures / requests > rule.max_error_ratio and failures >= max(1, rule.max_error_ratio * rule.min_requests):
-        return "rollback", watch["previous"], (f"{failures} of its first {requests} requests failed "
-                                               f"(more than {rule.max_error_ratio:.1%})")
-    baseline, p99 = watch.get("baseline_p99_ms"), traffic.get("p99")
-    if baseline and p99 is not None and requests >= rule.min_requests and p99 > rule.max_p99_ratio * baseline:
-        return "rollback", watch["previous"], (f"p99 {p99:.1f} ms over its first {requests} requests, more than "
-                                               f"{rule.max_p99_ratio:g}x the previous default's {baseline:.1f} ms")
-    if requests >= rule.within:
-        return "settle", watch["version"], f"{requests} requests within bounds"
-    return None
-
-
-def promotion_status(rule: PromoteRule, rollout: dict[str, Any], model: str, candidate: str, live: str,
-                     evidence: dict[str, Any]) -> tuple[bool, str]:
-    """Whether the candidate meets the promotion rule, and what it waits for or fell short of."""
-    traffic = evidence["traffic"].get((model, candidate)) or {"requests": 0, "failures": 0, "p99": None}
-    baseline = evidence["traffic"].get((model, live)) or {"p99": None}
-    if rollout.get("shadow_percent"):
-        comparison = evidence["comparisons"].get((model, candidate, live)) or {}
-        count, agreement = comparison.get("compared", 0), comparison.get("top1_agreement")
-        errors = comparison.get("errors", 0) + traffic["failures"]
-        ours = (comparison.get("candidate_forward_ms") or {}).get("p99")
-        theirs = (comparison.get("live_forward_ms") or {}).get("p99")
-        unit = "comparisons"
-    else:
-        count, agreement, errors, unit = traffic["requests"], None, traffic["failures"], "canary requests"
-        ours, theirs = traffic.get("p99"), baseline.get("p99")
-    if count < rule.after:
-        return False, f"waiting: {count} of {rule.after} {unit}"
-    if errors:
-        return False, f"held: {errors} errors"
-    if agreement is not None and agreement < rule.min_agreement:
-        return False, f"held: top-1 agreement {agreement:.4f} below {rule.min_agreement:g}"
-    if ours is not None and theirs and ours > rule.max_latency_ratio * theirs:
-        return False, f"held: p99 {ours:.1f} ms over {rule.max_latency_ratio:g}x the live {theirs:.1f} ms"
-    agreed = "" if agreement is None else f", top-1 agreement {agreement:.4f}"
-    return True, f"{count} {unit}{agreed}, no errors, p99 within {rule.max_latency_ratio:g}x"
-
-
-def has_rules(entry: Entry) -> bool:
-    """Whether ``judge`` has anything to decide for this entry: a promotion rule with a candidate, or a watch."""
-    rollout = entry.get("rollout") or {}
-    return bool((rollout.get("promote") and rollout.get("candidate")) or entry.get("watch"))
-
-
-def roles_of(entry: Entry, candidate: str | None, canary: bool) -> dict[str, str]:
-    """Each version's role in its model's rollout: live (the default), canary or shadow (the candidate),
-    previous (kept loaded for a rollback)."""
-    roles = {entry["default"]: "live"}
-    if entry.get("previous_default"):
-        roles.setdefault(entry["previous_default"], "previous")
-    if candidate is not None:
-        roles[candidate] = "canary" if canary else "shadow"
-    return roles
-
-
-def summary(model: str, entry: Entry, evidence: dict[str, Any]) -> dict[str, Any]:
-    """A model's rollout as /v1/models shows it: the entry's rollout and rules, the evidence of every worker
-    (app/engine/evidence.merged), and what the automatic promotion waits for."""
-    rollout = entry.get("rollout") or {}
-    candidate, live = rollout.get("candidate"), entry["default"]
-    promote = rule_from_entry(PromoteRule, rollout.get("promote"))
-    return {
-        "live": live, "candidate": candidate, "canary_percent": rollout.get("canary_percent", 0.0),
-        "shadow_percent": rollout.get("shadow_percent", 0.0), "previous": entry.get("previous_default"),
-        "rolled_back": entry.get("rolled_back", []), "watch": entry.get("watch"),
-        "promote": rollout.get("promote"), "rollback": rollout.get("rollback"),
-        "promotion": None if candidate is None or promote is None else
-        promotion_status(promote, rollout, model, candidate, live, evidence)[1],
-        "comparison": evidence["comparisons"].get((model, candidate, live)) if candidate else None,
-        "traffic": {v: t for (m, v), t in evidence["traffic"].items() if m == model}}

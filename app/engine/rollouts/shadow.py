@@ -1,13 +1,14 @@
 """Shadow traffic: a candidate version runs the images a live request was answered with, off the response path,
-and the two answers are compared (app/engine/evidence.Comparison).
+and the two answers are compared (app/engine/rollouts/evidence.Comparison).
 
-``offer`` hands the work to the live version's batcher as background work (app/engine/batcher.submit_background),
-after the live answer is ready: it is taken only when no request waits and none is on its way, and is dropped
-(counted) when live work is queued, the shadow queue is full, the candidate's own queue is busy, or it waited
-``SHADOW_MAX_AGE_S``. The live thread then hands the images to the candidate's batcher (its own thread, where its
-warm-up tuned the kernels; with its own decoder when its preprocessing differs) and goes on: a live request arriving
-meanwhile never waits for the shadow's forward pass, which runs beside it on another core (measured with
-``python -m bench.serving.shadow_cost``; waiting for it, as a first version did, cost a lone client 19% of its p50).
+``offer`` hands the work to the live version's batcher as background work
+(app/engine/batching/batcher.submit_background), after the live answer is ready: it is taken only when no request
+waits and none is on its way, and is dropped (counted) when live work is queued, the shadow queue is full, the
+candidate's own queue is busy, or it waited ``SHADOW_MAX_AGE_S``. The live thread then hands the images to the
+candidate's batcher (its own thread, where its warm-up tuned the kernels; with its own decoder when its
+preprocessing differs) and goes on: a live request arriving meanwhile never waits for the shadow's forward pass,
+which runs beside it on another core (waiting for it, as a first version did, slowed a lone client's every
+request; docs/performance.md: Figures behind the code's choices).
 """
 from __future__ import annotations
 

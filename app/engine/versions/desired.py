@@ -1,7 +1,7 @@
 """The desired state: which versions of which models the server should serve, and each model's default.
 
 ``{model: {"versions": [...], "default": v}}`` under a generation number that grows with every change. Start-up,
-the repository poll and the V2 load/unload calls write it; ``Reconciler.reconcile`` alone makes a worker match it,
+the repository poll and the V2 load/unload calls write it; ``Applier.apply`` alone makes a worker match it,
 and each worker reports what it serves after doing so. A model unloaded by a call stays in it as ``UNLOADED`` (no
 versions), so a poll does not bring it back.
 
@@ -21,15 +21,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from app.engine.rollouts.entry import ModelEntry
+
 WATCH_S = 0.2  # how often a worker looks for a newer generation
 DESIRED, LOCK = "desired.json", "lock"
-# {"versions": [...], "default": v}; after a load call with a config, also "config" and "policy_file" (the model's
-# policy.json the call was given over): the poll keeps applying that config until policy.json changes.
-Entry = dict[str, Any]
-UNLOADED: Entry = {"versions": [], "default": None}  # unloaded by a call: served nowhere, and the poll leaves it
 
 
-def _changed(models: dict[str, Entry], changes: dict[str, Entry | None]) -> dict[str, Entry]:
+def _changed(models: dict[str, ModelEntry], changes: dict[str, ModelEntry | None]) -> dict[str, ModelEntry]:
     """``models`` with ``changes`` applied (None: the model is no longer wanted)."""
     updated = dict(models)
     for name, entry in changes.items():
@@ -46,7 +44,7 @@ class DesiredState:
     def __init__(self) -> None:
         self.pid = os.getpid()
         self._lock = threading.Lock()
-        self._state: tuple[int, dict[str, Entry]] = (0, {})
+        self._state: tuple[int, dict[str, ModelEntry]] = (0, {})
         self._reports: dict[int, dict[str, Any]] = {}
 
     @contextlib.contextmanager
@@ -54,14 +52,14 @@ class DesiredState:
         with self._lock:
             yield
 
-    def read(self) -> tuple[int, dict[str, Entry]]:
+    def read(self) -> tuple[int, dict[str, ModelEntry]]:
         """The newest generation and its models."""
         return self._state[0], dict(self._state[1])
 
-    def _store(self, generation: int, models: dict[str, Entry]) -> None:
+    def _store(self, generation: int, models: dict[str, ModelEntry]) -> None:
         self._state = (generation, models)
 
-    def _commit(self, decide: Callable[[int, dict[str, Entry]], dict[str, Entry] | None]) -> int:
+    def _commit(self, decide: Callable[[int, dict[str, ModelEntry]], dict[str, ModelEntry] | None]) -> int:
         with self._locked():
             generation, models = self.read()
             updated = decide(generation, models)
@@ -70,30 +68,30 @@ class DesiredState:
             self._store(generation + 1, updated)
             return generation + 1
 
-    def write(self, changes: dict[str, Entry | None]) -> int:
+    def write(self, changes: dict[str, ModelEntry | None]) -> int:
         """Apply ``changes`` to the newest generation under the lock (so calls for different models on different
         workers at once both take effect); a new generation only when something changed. Returns the generation."""
         return self._commit(lambda _, models: _changed(models, changes))
 
-    def write_unless_changed(self, changes: dict[str, Entry | None],
-                             read: dict[str, Entry]) -> tuple[int, bool]:
+    def write_unless_changed(self, changes: dict[str, ModelEntry | None],
+                             read: dict[str, ModelEntry]) -> tuple[int, bool]:
         """``write`` for a change decided on the models as ``read``: a model whose entry another writer changed
         since (a load call during a poll) keeps that newer entry. Returns the generation and whether every change
         was written."""
-        kept: dict[str, Entry | None] = {}
+        kept: dict[str, ModelEntry | None] = {}
 
-        def decide(_: int, models: dict[str, Entry]) -> dict[str, Entry]:
+        def decide(_: int, models: dict[str, ModelEntry]) -> dict[str, ModelEntry]:
             kept.clear()
             kept.update({name: entry for name, entry in changes.items() if models.get(name) == read.get(name)})
             return _changed(models, kept)
 
         return self._commit(decide), len(kept) == len(changes)
 
-    def seed(self, models: dict[str, Entry]) -> int:
+    def seed(self, models: dict[str, ModelEntry]) -> int:
         """The first generation, unless a worker wrote one already."""
         return self._commit(lambda generation, _: None if generation else dict(models))
 
-    def report(self, generation: int, serving: dict[str, Entry], error: str | None, device: str,
+    def report(self, generation: int, serving: dict[str, ModelEntry], error: str | None, device: str,
                evidence: dict[str, Any] | None = None) -> None:
         """What this worker serves after applying ``generation``, on which device, why it could not apply it, and
         its rollout evidence (app/engine/rollouts/evidence.py)."""
@@ -156,15 +154,15 @@ class SharedDesiredState(DesiredState):
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
 
-    def read(self) -> tuple[int, dict[str, Entry]]:
+    def read(self) -> tuple[int, dict[str, ModelEntry]]:
         """The newest generation and its models."""
         data = _read(self.root / DESIRED) or {}
         return int(data.get("generation", 0)), dict(data.get("models", {}))
 
-    def _store(self, generation: int, models: dict[str, Entry]) -> None:
+    def _store(self, generation: int, models: dict[str, ModelEntry]) -> None:
         _write_atomic(self.root / DESIRED, {"generation": generation, "models": models})
 
-    def report(self, generation: int, serving: dict[str, Entry], error: str | None, device: str,
+    def report(self, generation: int, serving: dict[str, ModelEntry], error: str | None, device: str,
                evidence: dict[str, Any] | None = None) -> None:
         """What this worker serves after applying ``generation``, on which device, why it could not apply it, and
         its rollout evidence."""

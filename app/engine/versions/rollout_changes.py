@@ -1,30 +1,30 @@
 """A model's default version changed on purpose: a promote or rollback call, or the rollout rules judged on every
-worker's evidence (app/engine/rollouts/plan.py decides; this applies), and what the rollouts look like now.
+worker's evidence (app/engine/rollouts/rules.py decides; this applies), and what the rollouts look like now.
 
-Each change takes the reconciler's change lock, is served here first (``Reconciler.reconcile_model``: a refusal
-changes nothing anywhere), then written into the desired state for the other workers, as every other writer does
-(app/engine/versions/reconciler.py). A call then waits for the other workers; the rules' changes, made on the follow thread
-of whichever worker judges first, do not.
+Each change takes the change lock, is served here first (``Applier.apply``: a refusal changes nothing anywhere),
+then written into the desired state for the other workers (``WorkerSync.write``), as every other writer does
+(app/engine/versions/writers.py). A call then waits for the other workers; the rules' changes, made on the follow
+thread of whichever worker judges first, do not.
 """
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
-from app.engine.versions.desired import Entry
+from app.engine.rollouts.entry import ModelEntry
 from app.engine.rollouts.evidence import merged, traffic_p99_ms
-from app.engine.rollouts.plan import has_rules, judge, promoted, roles_of, rolled_back, summary
+from app.engine.rollouts.plan import promoted, rolled_back
+from app.engine.rollouts.rules import has_rules, judge, roles_of, summary
+from app.engine.versions.apply import Applier
+from app.engine.versions.sync import WorkerSync
 from app.errors import Conflict, NotFound, ServiceError
 from app.metrics import ROLLOUT_CHANGES
-
-if TYPE_CHECKING:
-    from app.engine.versions.reconciler import Reconciler
 
 log = logging.getLogger(__name__)
 
 
 # A call naming no version: the version it means, and what the error says when there is none (with an example).
-_UNNAMED: dict[str, tuple[Callable[[Entry], str | None], str, str]] = {
+_UNNAMED: dict[str, tuple[Callable[[ModelEntry], str | None], str, str]] = {
     "promote": (lambda entry: (entry.get("rollout") or {}).get("candidate"), "rollout candidate to promote", "3"),
     "rollback": (lambda entry: entry.get("previous_default"), "previous default to roll back to", "1"),
 }
@@ -33,47 +33,46 @@ _UNNAMED: dict[str, tuple[Callable[[Entry], str | None], str, str]] = {
 class RolloutChanges:
     """Promotions and rollbacks of one worker's models, by a call or by the rules, and the rollouts' reports."""
 
-    def __init__(self, reconciler: Reconciler) -> None:
-        self.reconciler = reconciler
+    def __init__(self, applier: Applier, sync: WorkerSync) -> None:
+        self.applier, self.sync = applier, sync
 
-    def promote(self, name: str, version: str | None = None) -> Entry:
+    def promote(self, name: str, version: str | None = None) -> ModelEntry:
         """A promote call: ``version`` (None: the rollout's candidate) becomes the default here, then in every
         worker; the old default stays loaded as the previous one and the new one is watched by the rollback rule.
         Raises NotFound, Conflict (nothing to promote), or what a load raises."""
         return self._by_call(name, "promote", version)
 
-    def rollback(self, name: str, version: str | None = None) -> Entry:
+    def rollback(self, name: str, version: str | None = None) -> ModelEntry:
         """A rollback call: ``version`` (None: the previous default) serves again here, then in every worker; the
         default it replaces is rolled back (left out until a promotion names it). Raises NotFound, Conflict."""
         return self._by_call(name, "rollback", version)
 
-    def _by_call(self, name: str, action: str, version: str | None) -> Entry:
-        reconciler = self.reconciler
-        with reconciler.changing():
+    def _by_call(self, name: str, action: str, version: str | None) -> ModelEntry:
+        with self.applier.changing():
             entry = self._entry_of(name)
             meant, missing, example = _UNNAMED[action]
             target = version or meant(entry)
             if target is None:
                 raise Conflict(f"model {name!r} has no {missing}; name a version ({{\"version\": \"{example}\"}})")
-            if target not in reconciler.source.versions(name):
+            if target not in self.applier.source.versions(name):
                 raise NotFound(f"model {name!r} has no version {target!r} in the repository")
             generation, changed = self._change(name, entry, action, target, "by a call")
-        reconciler.wait_for_workers(generation)
+        self.sync.wait_for_workers(generation)
         return changed
 
-    def _entry_of(self, name: str) -> Entry:
-        entry = self.reconciler.desired.read()[1].get(name)
+    def _entry_of(self, name: str) -> ModelEntry:
+        entry = self.sync.read()[1].get(name)
         if not entry or not entry.get("versions"):
-            raise NotFound(f"no model {name!r} is loaded", details={"models": sorted(self.reconciler.serving())})
+            raise NotFound(f"no model {name!r} is loaded", details={"models": sorted(self.applier.serving())})
         return entry
 
-    def _change(self, name: str, entry: Entry, action: str, version: str, why: str,
-                read: dict[str, Entry] | None = None) -> tuple[int, Entry]:
+    def _change(self, name: str, entry: ModelEntry, action: str, version: str, why: str,
+                read: dict[str, ModelEntry] | None = None) -> tuple[int, ModelEntry]:
         """A promotion, rollback or settled watch of ``name``: applied here, written, logged as one JSON line.
         The caller holds the change lock."""
         new = self._changed_entry(name, entry, action, version)
-        self.reconciler.reconcile_model(name, new)
-        generation, complete = self.reconciler.write({name: new}, read=read)
+        self.applier.apply(name, new)
+        generation, complete = self.sync.write({name: new}, read=read)
         if complete:
             ROLLOUT_CHANGES.labels(name, action).inc()
             log.info("%s %s: version %s -> %s, %s", name, action, entry["default"], new["default"], why,
@@ -81,9 +80,9 @@ class RolloutChanges:
                             "to_version": new["default"], "reason": why, "generation": generation})
         return generation, new
 
-    def _changed_entry(self, name: str, entry: Entry, action: str, version: str) -> Entry:
+    def _changed_entry(self, name: str, entry: ModelEntry, action: str, version: str) -> ModelEntry:
         if action == "promote":  # the old default's p99 becomes the watch's baseline
-            return promoted(entry, version, traffic_p99_ms(self.reconciler.workers(), name, entry["default"]))
+            return promoted(entry, version, traffic_p99_ms(self.sync.workers(), name, entry["default"]))
         if action == "rollback":
             return rolled_back(entry, version)
         return {k: v for k, v in entry.items() if k != "watch"}  # "settle": the rules found the new default good
@@ -91,9 +90,9 @@ class RolloutChanges:
     def judge_evidence(self) -> None:
         """Apply what the rules decide on every worker's evidence (a promotion, a rollback, a watch settled), as a
         call would. The caller holds the change lock, having shared this worker's evidence."""
-        _, desired = self.reconciler.desired.read()
+        _, desired = self.sync.read()
         judged = {name: entry for name, entry in desired.items() if entry.get("versions") and has_rules(entry)}
-        evidence = merged(self.reconciler.workers()) if judged else {}
+        evidence = merged(self.sync.workers()) if judged else {}
         for name, entry in sorted(judged.items()):
             verdict = judge(name, entry, evidence)
             if verdict is None:
@@ -106,8 +105,8 @@ class RolloutChanges:
 
     def roles(self) -> dict[tuple[str, str], str]:
         """(model, version) -> its role now: live, canary, shadow or previous."""
-        routes = self.reconciler.routes
-        _, desired = self.reconciler.desired.read()
+        routes = self.applier.routes
+        _, desired = self.sync.read()
         roles = {}
         for name, (_, default) in routes.routes().items():
             candidate = routes.candidate(name)
@@ -118,9 +117,9 @@ class RolloutChanges:
 
     def summaries(self) -> dict[str, dict[str, Any]]:
         """Every model with a rollout, a previous default or a watch: its entry's rollout, the evidence over every
-        worker, and what the automatic promotion waits for (app/engine/rollout.summary)."""
-        _, desired = self.reconciler.desired.read()
+        worker, and what the automatic promotion waits for (app/engine/rollouts/rules.summary)."""
+        _, desired = self.sync.read()
         shown = {name: entry for name, entry in sorted(desired.items()) if entry.get("versions") and (
             entry.get("rollout") or entry.get("watch") or entry.get("previous_default"))}
-        evidence = merged(self.reconciler.workers()) if shown else {}
+        evidence = merged(self.sync.workers()) if shown else {}
         return {name: summary(name, entry, evidence) for name, entry in shown.items()}

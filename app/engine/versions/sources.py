@@ -1,5 +1,6 @@
 """Where models come from: a directory (one export, or a repository ``<dir>/<model>/<version>/``), or a predictor
-handed over already loaded (tests, benchmarks). The manager asks a source what exists and loads from it."""
+handed over already loaded (tests, benchmarks). The server's reconcile (app/engine/versions/) reads a source: its
+writers (start-up, the poll, calls) ask what exists, and its apply step loads versions from it."""
 from __future__ import annotations
 
 import json
@@ -19,7 +20,7 @@ REPOSITORY_FILE = "repository.json"  # {"default_model": NAME}, at the repositor
 
 
 class Source(Protocol):
-    """What the reconciler needs of a place holding models."""
+    """What the reconcile (its writers and apply step) needs of a place holding models."""
 
     def models(self) -> list[str]: ...
     def default_model(self) -> str | None: ...

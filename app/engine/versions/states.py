@@ -1,5 +1,5 @@
 """What a worker is doing with the versions that take no traffic: loading, retiring (finishing their requests) or
-refused (and why), kept under one lock for the reconciler, its retiring threads and the repository index."""
+refused (and why), kept under one lock for the apply step, its retiring threads and the repository index."""
 from __future__ import annotations
 
 import contextlib

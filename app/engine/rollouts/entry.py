@@ -1,0 +1,45 @@
+"""A model's entry in the desired state: the one definition of what the writers write, ``plan`` produces, the rules
+judge and every worker applies. Plain JSON (``desired.json`` holds it), so it is typed as a ``TypedDict``. Standard
+library only: the gunicorn master reads the desired state.
+"""
+from __future__ import annotations
+
+from typing import Any, TypedDict
+
+
+class _Required(TypedDict):
+    versions: list[str]  # the versions to keep loaded
+    default: str | None  # what requests naming no version get (None: unloaded)
+
+
+class RolloutEntry(TypedDict, total=False):
+    """A rollout as the desired state records it (``RolloutPolicy.as_entry``): the candidate it resolved to."""
+
+    candidate: str | None
+    canary_percent: float
+    shadow_percent: float
+    promote: dict[str, Any] | None  # a PromoteRule's fields, or None: by call only
+    rollback: dict[str, Any] | None  # a RollbackRule's fields, or None: by call only
+
+
+class Watch(TypedDict):
+    """A newly promoted default watched by the rollback rule over its first requests."""
+
+    version: str
+    previous: str  # the default it replaced: what a rollback restores
+    baseline_p99_ms: float | None  # the previous default's p99 over every worker, when it replaced it
+
+
+class ModelEntry(_Required, total=False):
+    """One model's entry: its versions and default, and what the calls and the rollout recorded."""
+
+    rollout: RolloutEntry  # set while a rollout is (a candidate, its shares and rules)
+    previous_default: str  # kept loaded, so a rollback needs no load
+    rolled_back: list[str]  # left out until a promotion names them
+    held: bool  # the default was chosen by a call: a newer version arrives as the candidate, not the default
+    watch: Watch
+    config: Any  # a load call's config: the poll keeps applying it ...
+    policy_file: Any  # ... while the model's policy.json is still this one
+
+
+UNLOADED: ModelEntry = {"versions": [], "default": None}  # unloaded by a call: served nowhere, and the poll leaves it

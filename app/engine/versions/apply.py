@@ -1,0 +1,184 @@
+"""The apply step: the one place that changes what a worker serves, ``Applier.apply`` (one model to exactly its
+entry's versions and default), under the change lock (one change at a time per worker):
+
+1. the versions wanted and not yet loaded are loaded beside the ones serving: the memory check, then verified
+   (checksums, strict keys, output shape), warmed up and canaried on their own batcher thread;
+2. if any fails, the fresh ones are stopped and what served keeps serving alone (all or nothing), and the refused
+   version is remembered (``VersionStates``) until its files change;
+3. the routing table sends the model's new requests to the wanted versions, its default and its rollout candidate,
+   in one step (a changed default or candidate restarts the rollout evidence about them);
+4. the versions no longer wanted leave the table at that moment, finish the requests holding them and what is
+   queued, and are freed.
+
+Who asks for a change (start-up, the poll, calls, the rules) is app/engine/versions/writers.py and
+rollout_changes.py; how the other workers hear of it is app/engine/versions/sync.py.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import threading
+from typing import Iterator
+
+import torch
+
+from app.config import Settings
+from app.engine.loaded.version import LoadedVersion, start_version
+from app.engine.rollouts.entry import UNLOADED, ModelEntry
+from app.engine.rollouts.evidence import Evidence
+from app.engine.rollouts.policy import order_key
+from app.engine.rollouts.rules import roles_of
+from app.engine.versions.memory import check_fits
+from app.engine.versions.routing import Candidate, RoutingTable
+from app.engine.versions.sources import Source
+from app.engine.versions.states import VersionState, VersionStates
+from app.errors import InsufficientMemory, LoadFailed, ServiceError
+from app.metrics import ROLLOUT_ROLE
+from models.export.checks import ModelLoadError, resolve_device
+
+log = logging.getLogger(__name__)
+RETIRE_GRACE_S = 5.0  # beyond the request timeout, how long a retiring version waits for the requests holding it
+ROLES = ("live", "canary", "shadow", "previous")
+
+
+class Applier:
+    """What this worker serves (``routes``) and the one step that changes it: load, route, retire."""
+
+    def __init__(self, settings: Settings, source: Source) -> None:
+        self.settings, self.source = settings, source
+        self.routes = RoutingTable()
+        self.states = VersionStates()  # versions loading, retiring, refused
+        self.evidence = Evidence()  # this worker's rollout comparisons and traffic per version
+        self._lock = threading.Lock()  # one change at a time: a call, the poll, the rules or another worker's
+
+    @property
+    def device(self) -> torch.device:
+        """Where this worker's models live (a missing CUDA device raises ModelLoadError at the first load)."""
+        return resolve_device(self.settings.device)
+
+    @contextlib.contextmanager
+    def changing(self) -> Iterator[None]:
+        """Hold the change lock: every writer applies its change under it."""
+        with self._lock:
+            yield
+
+    def apply_all(self, desired: dict[str, ModelEntry]) -> list[ServiceError]:
+        """Every model as ``desired`` says, and none it does not name; returns the refusals."""
+        errors = []
+        for name in sorted(set(desired) | set(self.routes.routes())):
+            try:
+                self.apply(name, desired.get(name, UNLOADED))
+            except ServiceError as exc:
+                errors.append(exc)
+        return errors
+
+    def apply(self, name: str, entry: ModelEntry) -> None:
+        """Serve exactly ``entry``'s versions of ``name`` with its default (load, route, retire); all or nothing.
+        The caller holds the change lock."""
+        serving, default = self.routes.routes().get(name, ([], None))
+        current = {loaded.version: loaded for loaded in serving}
+        wanted = [str(v) for v in entry["versions"]]
+        if set(wanted) == set(current) and entry["default"] == default:
+            if wanted:
+                self._route(name, entry, current)
+            return
+        fresh: list[LoadedVersion] = []
+        try:
+            for version in sorted(set(wanted) - set(current), key=order_key):
+                fresh.append(self._load(name, version))
+        except BaseException:
+            for loaded in fresh:
+                self._retire(loaded, wait=True)
+            raise
+        if wanted:
+            chosen = {**{v: current[v] for v in wanted if v in current}, **{f.version: f for f in fresh}}
+            replaced = self._route(name, entry, chosen)
+            log.info("%s serves versions %s (default %s)", name, ", ".join(sorted(wanted, key=order_key)),
+                     entry["default"])
+        else:
+            replaced = self.routes.remove(name)
+        for loaded in replaced:
+            self._retire(loaded, wait=not wanted)  # an unload returns once they are freed
+        if not wanted and replaced:
+            log.info("unloaded %s", name)
+
+    def _route(self, name: str, entry: ModelEntry, chosen: dict[str, LoadedVersion]) -> list[LoadedVersion]:
+        """Route ``name`` to ``chosen`` with ``entry``'s default and candidate; when the default or the candidate
+        changes, the evidence about the old pair ends and the new default's traffic is counted afresh."""
+        before = self.routes.candidate(name), self.routes.routes().get(name, ([], None))[1]
+        candidate = Candidate.from_entry(entry)
+        replaced = self.routes.route(name, chosen, entry["default"], candidate)
+        after = self.routes.candidate(name), entry["default"]
+        if after != before:
+            pair = {(after[0].version, after[1])} if after[0] is not None else set()
+            self.evidence.restart(name, pair, {after[1]} if after[1] != before[1] else set())
+        roles = roles_of(entry, after[0] and after[0].version, bool(after[0] and after[0].canary_percent))
+        for version in {*chosen, *(v.version for v in replaced)}:
+            for role in ROLES:
+                ROLLOUT_ROLE.labels(name, version, role).set(int(roles.get(version) == role))
+        return replaced
+
+    def _load(self, name: str, version: str) -> LoadedVersion:
+        try:
+            with self.states.loading((name, version)):
+                self._check_memory(name, version)
+                device = self.device
+                before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+                loaded = start_version(self.settings, self.source.load(name, version))
+                if device.type == "cuda":
+                    loaded.device_memory_bytes = torch.cuda.memory_allocated(device) - before
+                return loaded
+        except Exception as exc:
+            error = exc if isinstance(exc, ServiceError) else LoadFailed(
+                f"{name} version {version} cannot be served: {exc if isinstance(exc, ModelLoadError) else repr(exc)}")
+            log.warning("refused %s version %s: %s", name, version, error.message)
+            if not isinstance(error, InsufficientMemory):  # memory may be freed: a later call tries it again
+                with contextlib.suppress(OSError):
+                    self.states.refuse((name, version), self.source.stamp(name, version), error.message)
+            raise error from exc
+
+    def known_refused(self, name: str, version: str) -> bool:
+        """Whether ``version`` was refused and its files have not changed since (so it is left out)."""
+        stamp = self.states.refused_at((name, version))
+        try:
+            return stamp is not None and stamp == self.source.stamp(name, version)
+        except OSError:
+            return True
+
+    def _check_memory(self, name: str, version: str) -> None:
+        # Twice the weights file: the loaded weights, and as much again for the load's copy and warm-up activations.
+        need = 2 * self.source.size_bytes(name, version)
+        held = self.routes.all_versions() + self.states.retiring_versions()
+        loaded = sum(v.device_memory_bytes or v.predictor.weights_bytes for v in held)
+        check_fits(f"{name} version {version}", need, self.device, loaded, self.settings.model_memory_limit_mb,
+                   self.settings.memory_reserve_mb)
+
+    def _retire(self, loaded: LoadedVersion, wait: bool) -> None:
+        key = (loaded.name, loaded.version)
+        self.states.retiring(loaded)
+
+        def run() -> None:
+            drained = loaded.retire(self.settings.request_timeout_s + RETIRE_GRACE_S)
+            self.states.retired(loaded)
+            if loaded.predictor.device.type == "cuda":
+                gc.collect()
+                torch.cuda.empty_cache()  # hand the freed blocks back, so the next load sees them as free
+            log.info("%s version %s stopped%s", *key, "" if drained else " (some requests were still holding it)")
+
+        if wait:
+            run()
+        else:
+            threading.Thread(target=run, name=f"retire-{key[0]}-{key[1]}", daemon=True).start()
+
+    def serving(self) -> dict[str, ModelEntry]:
+        """What this worker serves: {name: {"versions": [...], "default": v}}."""
+        return {name: {"versions": [v.version for v in versions], "default": default}
+                for name, (versions, default) in self.routes.routes().items()}
+
+    def index(self) -> list[VersionState]:
+        """Every version in the repository or in memory, with this worker's state of it."""
+        routed = self.routes.routes()
+        return [row for name in sorted(set(self.source.models()) | set(routed))
+                for row in self.states.rows(name, self.source.versions(name),
+                                            {v.version for v in routed.get(name, ([], None))[0]})]

@@ -1,0 +1,221 @@
+"""What writes the desired state, besides promotions and rollbacks (app/engine/versions/rollout_changes.py):
+start-up (what the settings and the repository name), the repository poll (what each model's policy picks now), a
+V2 load or unload call; and the follow thread, which applies what another worker wrote, polls, and shares this
+worker's rollout evidence every second so the rules are judged on everyone's.
+
+Every writer applies its change here first (``Applier.apply``), so a refusal changes nothing anywhere; only then
+does it write it (``WorkerSync.write``); a call then waits for the other workers. A refused version is remembered
+and left out (by the poll and by calls) until its files change; at start and by the poll the policy then picks
+among the rest. A load call's config (a rollback) stays in the desired state and the poll keeps applying it until
+another call or a change of the model's policy.json. One change runs at a time (``Applier.changing``): a second
+load call for the same model waits, then finds the model already as wanted.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Any
+
+from app.config import Settings
+from app.engine.rollouts.entry import UNLOADED, ModelEntry
+from app.engine.rollouts.evidence import traffic_p99_ms
+from app.engine.rollouts.plan import RolloutPolicy, plan
+from app.engine.rollouts.policy import PolicyError, VersionPolicy
+from app.engine.versions.apply import Applier
+from app.engine.versions.desired import WATCH_S
+from app.engine.versions.rollout_changes import RolloutChanges
+from app.engine.versions.sources import Source
+from app.engine.versions.sync import WorkerSync
+from app.errors import BadRequest, LoadFailed, NotFound, ServiceError
+
+log = logging.getLogger(__name__)
+EVIDENCE_S = 1.0  # how often a worker shares its rollout evidence and the rules are judged on everyone's
+
+
+class Writers:
+    """Start-up, the poll, the load and unload calls, and following the other workers' changes."""
+
+    def __init__(self, settings: Settings, source: Source, applier: Applier, sync: WorkerSync,
+                 rollouts: RolloutChanges) -> None:
+        self.settings, self.source = settings, source
+        self.applier, self.sync, self.rollouts = applier, sync, rollouts
+        self._stop = threading.Event()
+
+    def boot(self) -> None:
+        """Serve the desired state a running server already has, else write it from the settings and the
+        repository: each model as its policy picks among the versions that load (a refused one is skipped, its
+        reason in the log and the index). Then follow it (and poll) on a thread. Raises only when nothing at all
+        can be served."""
+        with self.applier.changing():
+            self._name_default_model()
+            generation, desired = self.sync.read()
+            if generation:
+                errors = self.applier.apply_all(desired)
+            else:
+                names = self.settings.model_names() or self.source.models()
+                if not names:
+                    raise self.source.missing()
+                wanted, errors = self._first_load(names)
+                self.sync.seed(wanted)
+                generation, desired = self.sync.read()
+                errors += self.applier.apply_all(desired)
+            if not self.applier.routes.routes():
+                raise errors[0] if errors else LoadFailed(
+                    "nothing can be served: every version was refused (the reasons are logged above and listed "
+                    "by the repository index)")
+            self.sync.served(generation, "; ".join(e.message for e in errors) or None)
+        threading.Thread(target=self._follow, name="models-follow", daemon=True).start()
+
+    def _first_load(self, names: list[str]) -> tuple[dict[str, ModelEntry], list[ServiceError]]:
+        wanted, errors = {}, []
+        for name in names:
+            try:
+                entry = self._serve_loadable(name)
+            except ServiceError as exc:  # not a version's fault (no such model, a bad policy): said once here
+                log.warning("%s is not served: %s", name, exc.message)
+                errors.append(exc)
+                continue
+            if entry is not None:
+                wanted[name] = entry
+        return wanted, errors
+
+    def load(self, name: str, config: Any = None) -> None:
+        """A load call: ``name`` as its policy (and ``config``) picks from the repository now, here, then in every
+        worker. A ``config`` (a rollback: ``default_version``) holds until another call or a change of the model's
+        policy.json: the poll keeps applying it. Raises NotFound, BadRequest, LoadFailed, InsufficientMemory or
+        LoadTimeout."""
+        with self.applier.changing():
+            self._name_default_model()
+            now = self.sync.read()[1].get(name)
+            # A version refused before is tried again once its files change; a rollout keeps the default it has.
+            entry = self._wanted(name, config, {"versions": [], "default": now["default"]} if now else None)
+            self.applier.apply(name, entry)
+            generation, _ = self.sync.write({name: entry})
+        self.sync.wait_for_workers(generation)
+
+    def unload(self, name: str) -> None:
+        """An unload call: ``name`` served nowhere, until a load call; returns once its versions are freed here."""
+        with self.applier.changing():
+            if name not in self.applier.routes.routes() and name not in self.source.models():
+                raise NotFound(f"no model {name!r} is loaded or in the repository")
+            self.applier.apply(name, UNLOADED)
+            generation, _ = self.sync.write({name: UNLOADED})
+        self.sync.wait_for_workers(generation)
+
+    def poll(self) -> None:
+        """The repository poll: each followed model as its policy (and a load call's config, while its policy.json
+        is as the call found it) picks among the versions that load now (a refused one is skipped until its
+        manifest changes; a model that left the repository is no longer wanted), applied here, then written for
+        the other workers. Refusals are logged once and remembered, never raised or written."""
+        with self.applier.changing():
+            self._name_default_model()
+            _, desired = self.sync.read()
+            changes: dict[str, ModelEntry | None] = {}
+            for name in sorted(set(self.settings.model_names() or self.source.models()) | set(desired)):
+                if desired.get(name) == UNLOADED:
+                    continue  # unloaded by a call: stays so until a load call
+                try:
+                    if not self.source.versions(name):
+                        self.applier.apply(name, UNLOADED)
+                        changes[name] = None
+                    elif (entry := self._serve_loadable(name, self._calls_config(name, desired.get(name)),
+                                                        desired.get(name))):
+                        changes[name] = entry
+                except ServiceError as exc:
+                    log.warning("poll: %s: %s", name, exc.message)
+            self.sync.write(changes, read=desired)
+
+    def follow_newest(self) -> None:
+        """Serve the desired state's newest generation if this worker does not yet (another worker wrote it), and
+        report."""
+        with self.applier.changing():
+            if self.sync.is_behind():
+                generation, desired = self.sync.read()
+                errors = self.applier.apply_all(desired)
+                self.sync.served(generation, "; ".join(e.message for e in errors) or None)
+
+    def share_evidence(self) -> None:
+        """Write this worker's rollout evidence into its report, then apply what the rules decide on every
+        worker's (app/engine/versions/rollout_changes.py)."""
+        with self.applier.changing():
+            self.sync.report(self.sync.last_error)
+            self.rollouts.judge_evidence()
+
+    def close(self) -> None:
+        """Stop following and polling."""
+        self._stop.set()
+
+    def _follow(self) -> None:
+        """Reconcile whenever another worker writes a generation, poll the repository when asked to, and share
+        the evidence."""
+        poll_s = self.settings.repository_poll_s
+        next_poll = next_evidence = time.monotonic() + poll_s
+        while not self._stop.wait(WATCH_S):
+            try:
+                if poll_s > 0 and time.monotonic() >= next_poll:
+                    next_poll = time.monotonic() + poll_s
+                    self.poll()
+                else:
+                    self.follow_newest()
+                if time.monotonic() >= next_evidence:
+                    next_evidence = time.monotonic() + EVIDENCE_S
+                    self.share_evidence()
+            except Exception:  # noqa: BLE001 - a failed round must not end following
+                log.exception("reconciling the models failed")
+
+    def _calls_config(self, name: str, entry: ModelEntry | None) -> Any:
+        """The config a load call gave ``name``, while the model's policy.json is still what the call found."""
+        if entry is None or entry.get("config") is None:
+            return None
+        return entry["config"] if entry.get("policy_file") == self.source.policy(name) else None
+
+    def _serve_loadable(self, name: str, config: Any = None, current: ModelEntry | None = None) -> ModelEntry | None:
+        """``name`` as its policy picks among the versions not refused, applied here; a version refused on the way
+        is left out and the policy picks again. None when no version is left (what serves keeps serving)."""
+        while True:
+            entry = self._wanted(name, config, current)
+            if not entry["versions"]:
+                return None
+            try:
+                self.applier.apply(name, entry)
+                return entry
+            except ServiceError:
+                if not any(self.applier.known_refused(name, v) for v in entry["versions"]):
+                    raise  # no version was refused: trying again would fail the same way
+
+    def _name_default_model(self) -> None:
+        """The model requests naming none get: DEFAULT_MODEL, else the one the repository names."""
+        try:
+            self.applier.routes.named_default = self.settings.default_model or self.source.default_model()
+        except PolicyError as exc:
+            log.warning("no default model: %s", exc)
+            self.applier.routes.named_default = None
+
+    def _wanted(self, name: str, config: Any = None, current: ModelEntry | None = None) -> ModelEntry:
+        """What ``name``'s policy and rollout (under a load call's ``config``) pick from the repository now, given
+        its entry now (``current``): its versions, default and candidate, and the call's config with the
+        policy.json it was given over (the pure step: app/engine/rollouts/plan.plan)."""
+        available = self.source.versions(name)
+        if not available:
+            raise NotFound(f"the repository has no model {name!r}; it has: {', '.join(self.source.models()) or 'none'}",
+                           details={"models": self.source.models()})
+        available = [v for v in available if not self.applier.known_refused(name, v)]  # until their files change
+        try:
+            own = self.source.policy(name)
+            if isinstance(config, (str, bytes)):
+                try:
+                    config = json.loads(config)
+                except ValueError as exc:
+                    raise PolicyError(f"the config is not JSON: {exc}") from None
+            policy = VersionPolicy.layered(self.settings.version_policy, own, config)
+            entry = plan(policy, RolloutPolicy.layered(self.settings, own, config), available, current)
+        except PolicyError as exc:
+            raise BadRequest(f"model {name!r}: {exc}") from None
+        watch = entry.get("watch")
+        if watch and watch.get("baseline_p99_ms") is None:
+            entry["watch"] = {**watch, "baseline_p99_ms": traffic_p99_ms(self.sync.workers(), name, watch["previous"])}
+        if config is None:
+            return entry
+        return {**entry, "config": config, "policy_file": own}

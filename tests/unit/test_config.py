@@ -1,0 +1,87 @@
+"""The settings, declared in groups (app/config.py): still one flat object read from ``VISIONSERVE_<FIELD>``, with
+the variables, defaults and checks the committed docs/configuration.md lists."""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+from pydantic_settings import BaseSettings
+
+from app import configdoc
+from app.config import ENV_PREFIX, GROUPS, Settings, SettingsError, load_settings
+
+ROW = re.compile(r"^\| `(?P<variable>VISIONSERVE_\w+)` \| (?P<default>.*?) \| ", re.MULTILINE)
+
+
+def _documented() -> dict[str, str]:
+    """variable -> default cell, from every table of the committed page."""
+    rows = ROW.findall(configdoc.DOC.read_text(encoding="utf-8"))
+    assert len(rows) == len(dict(rows)), "a variable is listed twice"
+    return dict(rows)
+
+
+def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [key for key in os.environ if key.upper().startswith(ENV_PREFIX)]:
+        monkeypatch.delenv(name)
+
+
+def test_the_variables_and_defaults_are_those_of_the_committed_page() -> None:
+    settings = {f"{ENV_PREFIX}{name.upper()}": configdoc._default(field)
+                for name, field in Settings.model_fields.items()}
+    assert settings == _documented()
+
+
+def test_every_setting_is_declared_in_exactly_one_group_in_the_order_of_the_page() -> None:
+    declared = [name for group in GROUPS for name in group.model_fields]
+    assert len(declared) == len(set(declared))
+    assert declared == list(Settings.model_fields)
+    assert list(_documented()) == [f"{ENV_PREFIX}{name.upper()}" for name in declared]
+    assert Settings.__bases__ == (*reversed(GROUPS), BaseSettings)
+    assert all(group.heading for group in GROUPS) and len({group.heading for group in GROUPS}) == len(GROUPS)
+    assert not [name for name, field in Settings.model_fields.items() if field.alias or field.validation_alias]
+
+
+@pytest.mark.parametrize("name", list(Settings.model_fields))
+def test_each_setting_is_read_from_its_variable(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``VISIONSERVE_<NAME>=3`` either becomes the setting or is refused naming it: either way it was read."""
+    _clean_environment(monkeypatch)
+    monkeypatch.setenv(f"{ENV_PREFIX}{name.upper()}", "3")
+    try:
+        value = getattr(load_settings(), name)
+    except SettingsError as exc:
+        assert f"{ENV_PREFIX}{name.upper()}:" in str(exc) or name in str(exc)
+    else:
+        assert value != Settings.model_fields[name].default
+        assert str(getattr(value, "get_secret_value", lambda: value)()) in ("3", "3.0")
+
+
+@pytest.mark.parametrize("environment, message", [
+    ({"DTYPE": "float16", "DEVICE": "cpu"}, "the settings: Value error, dtype float16 needs a CUDA device"),
+    ({"DEVICE": "gpu"}, "VISIONSERVE_DEVICE: Value error, device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
+    ({"SHUTDOWN_DRAIN_S": "30"}, "the settings: Value error, shutdown_drain_s (30) must be shorter than "
+                                 "graceful_timeout_s (30)"),
+    ({"MONITOR_MIN_PREDICTIONS": "2000"}, "the settings: Value error, monitor_min_predictions (2000) must be at "
+                                          "most monitor_window (1000)"),
+    ({"API_KEY_FILE": "/nonexistent/key"}, "the settings: Value error, api_key_file /nonexistent/key does not exist"),
+])
+def test_the_groups_checks_still_stop_the_start(environment: dict[str, str], message: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    _clean_environment(monkeypatch)
+    for name, value in environment.items():
+        monkeypatch.setenv(f"{ENV_PREFIX}{name}", value)
+    with pytest.raises(SettingsError) as raised:
+        load_settings()
+    assert str(raised.value).startswith(message)
+
+
+def test_the_methods_of_the_groups_and_of_the_whole(tmp_path: Path) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text(" s3cret\n", encoding="utf-8")
+    settings = Settings(models=" a, ,b", api_key_file=key_file, device=" CUDA:1 ", max_images=4, max_batch_size=64)
+    assert settings.model_names() == ["a", "b"]
+    assert settings.resolved_api_key() == "s3cret"
+    assert settings.device == "cuda:1"
+    assert settings.resolved_queue_size() == 128
+    assert settings.resolved_weights_dir().is_absolute()
