@@ -12,7 +12,8 @@ from pathlib import Path
 from app import EXTENSION_KEY, drain
 from app.config import SettingsError, load_settings, unknown_variables
 from app.engine.versions.desired import SharedDesiredState  # standard library only, like app.drain
-from app.host import workers_for
+from app.host import engine_count, engine_mode, workers_for
+from app.supervisor import start_engines
 from app.worker import ReadLimits
 
 try:
@@ -25,10 +26,15 @@ except SettingsError as exc:  # one line that says what to fix, not a traceback
 _workers, _workers_why = workers_for(_settings.workers, _settings.device)
 os.environ["VISIONSERVE_WORKERS"] = str(_workers)
 
-# Several workers: prometheus-client's multiprocess mode, so /metrics on any worker reports all of them. The
-# variable must be set before the workers import prometheus_client, i.e. here in the master before the fork.
+# ENGINE=process: the models run in engine processes the master starts (app/supervisor.py), the workers only HTTP.
+_engine = engine_mode(_settings.engine, _settings.device)
+_ENGINES = []
+
+# Several processes: prometheus-client's multiprocess mode, so /metrics on any worker reports all of them (the
+# engines' batches included). The variable must be set before the workers import prometheus_client, i.e. here in
+# the master before the fork.
 _OWN_METRICS_DIR = None
-if _workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+if (_workers > 1 or _engine == "process") and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
     _OWN_METRICS_DIR = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="visionserve-metrics-")
 
 # The workers share repository loads and unloads through a directory (app/engine/versions/desired.py), made here before the
@@ -77,6 +83,19 @@ def on_starting(server) -> None:  # noqa: ANN001
     for warning in unknown_variables(os.environ):
         server.log.warning(warning)
     server.log.info("visionserve: %d worker%s (%s)", _workers, "" if _workers == 1 else "s", _workers_why)
+    if _engine == "process":
+        _ENGINES.extend(start_engines(engine_count(_settings.device), _forget))
+
+
+def _forget(pid: int) -> None:
+    """A process that served models ended: its report of what it served and its live gauges go."""
+    control_dir = os.environ.get("VISIONSERVE_CONTROL_DIR")
+    if control_dir:
+        SharedDesiredState(Path(control_dir)).forget(pid)
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid)
 
 
 def pre_fork(server, worker) -> None:  # noqa: ANN001
@@ -106,19 +125,19 @@ def worker_exit(server, worker) -> None:  # noqa: ANN001
 
 
 def child_exit(server, worker) -> None:  # noqa: ANN001
-    """Drop a dead worker's live gauges (queue depth, GPU memory) from the multiprocess metrics, and its report of
-    what it served."""
+    """Drop a dead worker's live gauges (queue depth, GPU memory) from the multiprocess metrics, its report of
+    what it served, and its mark of having reached the engine (readiness counts the live workers' marks)."""
+    _forget(worker.pid)
     control_dir = os.environ.get("VISIONSERVE_CONTROL_DIR")
     if control_dir:
-        SharedDesiredState(Path(control_dir)).forget(worker.pid)
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        from prometheus_client import multiprocess
-
-        multiprocess.mark_process_dead(worker.pid)
+        Path(control_dir, f"http-{worker.pid}.ready").unlink(missing_ok=True)
 
 
 def on_exit(server) -> None:  # noqa: ANN001
-    """Remove the metrics and control directories this master made (ones set aside by ops are theirs to keep)."""
+    """Stop the engines once the workers are gone (they finish what is queued), then remove the metrics and control
+    directories this master made (ones set aside by ops are theirs to keep)."""
+    for engine in _ENGINES:
+        engine.stop(_settings.graceful_timeout_s)
     for own in (_OWN_METRICS_DIR, _OWN_CONTROL_DIR):
         if own is not None:
             shutil.rmtree(own, ignore_errors=True)

@@ -6,7 +6,7 @@ Imports stay inside the functions so that importing this module never loads torc
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
     from flask import Flask
@@ -40,31 +40,54 @@ def _placed(settings: "Settings") -> "Settings":
 def create_app(settings: "Settings | None" = None, predictor: "Predictor | None" = None,
                protocols: "Sequence[Protocol] | None" = None,
                on_load_error: "Callable[[BaseException], None] | None" = None,
-               source: "Source | None" = None) -> "Flask":
+               source: "Source | None" = None, engine: str = "inline") -> "Flask":
     """Build the Flask app: load the models of ``settings.weights_dir`` (or take ``predictor``), build the service
     (warm-up, canaries), register the web. ``source`` replaces the directory (tests: models held in memory).
 
     With ``on_load_error`` the model loads in the background and the app answers at once (503 until ready; the
-    gunicorn worker's way, app/wsgi.py); without it, loading happens here and a failure raises.
+    gunicorn worker's way, app/wsgi.py); without it, loading happens here and a failure raises. With
+    ``engine="process"`` (a gunicorn worker under ENGINE=process) the app loads no model and imports no torch: it
+    waits for its engine process (app/remote_engine.py), and ``on_load_error`` gets the engine's boot failure.
     """
     from flask import Flask
 
     from app.config import load_settings
-    from models.data.malloc import keep_freed_memory
-    from app.engine.service import Service
-    from app.engine.versions.sources import DirectorySource, GivenSource
     from app.logs import configure_logging
     from app.web import init_app
 
     settings = settings or load_settings()
     configure_logging(settings.log_level)
-    settings = _placed(settings)
-    keep_freed_memory(settings.malloc_trim_threshold_mb)  # before any image buffer is allocated
-
-    if source is None:
-        source = GivenSource(predictor) if predictor is not None else DirectorySource(settings)
-    service = (Service.build(settings, source) if on_load_error is None
-               else Service.start(settings, source, on_load_error))
+    if engine == "process":
+        service = _remote_service(settings, on_load_error or _raise)
+    else:
+        service = _inline_service(settings, predictor, on_load_error, source)
     app = Flask(__name__)
     init_app(app, settings, service, protocols if protocols is not None else default_protocols())
     return app
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
+
+
+def _remote_service(settings: "Settings", on_error: "Callable[[BaseException], None]") -> "Any":
+    from app.host import engine_count
+    from app.remote_engine import RemoteService
+
+    slot = (settings.worker_slot or 0) % engine_count(settings.device)
+    return RemoteService.start(settings, slot, on_error)
+
+
+def _inline_service(settings: "Settings", predictor: "Predictor | None",
+                    on_load_error: "Callable[[BaseException], None] | None", source: "Source | None") -> "Any":
+    """The engine in this process: the models loaded here (now, or on a thread with ``on_load_error``)."""
+    from app.engine.service import Service
+    from app.engine.versions.sources import DirectorySource, GivenSource
+    from models.data.malloc import keep_freed_memory
+
+    settings = _placed(settings)
+    keep_freed_memory(settings.malloc_trim_threshold_mb)  # before any image buffer is allocated
+    if source is None:
+        source = GivenSource(predictor) if predictor is not None else DirectorySource(settings)
+    return (Service.build(settings, source) if on_load_error is None
+            else Service.start(settings, source, on_load_error))

@@ -66,3 +66,15 @@ def placed_device(setting: str, slot: int | None, gpus: int, workers_per_gpu: in
     if setting not in ("auto", "cuda") or slot is None or gpus < 2:
         return setting
     return f"cuda:{gpu_for(slot, gpus, workers_per_gpu)}"
+
+
+def engine_mode(setting: str, device: str) -> str:
+    """``process`` or ``inline`` (Settings.engine): ``auto`` is ``process`` where a GPU serves, else ``inline``."""
+    if setting != "auto":
+        return setting
+    return "process" if device != "cpu" and visible_gpus() > 0 else "inline"
+
+
+def engine_count(device: str) -> int:
+    """How many engine processes serve (``ENGINE=process``): one per visible GPU, one on a CPU host."""
+    return max(1, visible_gpus()) if device != "cpu" else 1

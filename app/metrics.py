@@ -152,9 +152,11 @@ SHADOW_PROBABILITY_DIFFERENCE = Histogram(
     "visionserve_shadow_probability_difference", "Per image, the largest difference between the live and the "
     "candidate's probability of one class", ["model", "version"],
     buckets=(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0))
-VERSION_REQUESTS = Counter("visionserve_version_requests_total", "Requests per model version and the role that "
-                           "sent them there (live, canary, version: named by the client), by outcome (ok, failed: "
-                           "500 or 504, refused: any other error)", ["model", "version", "role", "outcome"])
+VERSION_REQUESTS = Counter("visionserve_version_requests_total", "Requests per model version, by how they reached "
+                           "it (role: live, the default answered a request naming no version; canary, the rollout's "
+                           "candidate answered its share of those; named, the request named the version) and by "
+                           "outcome (ok; failed: 500 or 504; refused: any other error)",
+                           ["model", "version", "role", "outcome"])
 VERSION_REQUEST_SECONDS = Histogram("visionserve_version_request_duration_seconds", "Time a request spent in the "
                                     "engine (decode, queue, forward), per model version", ["model", "version"],
                                     buckets=_LATENCY_BUCKETS)
@@ -162,6 +164,10 @@ ROLLOUT_ROLE = Gauge("visionserve_rollout_role", "1 for each loaded version's ro
                      "canary, shadow, previous", ["model", "version", "role"], multiprocess_mode="livemax")
 ROLLOUT_CHANGES = Counter("visionserve_rollout_changes_total", "Promotions and rollbacks, by call or by the rules",
                           ["model", "action"])
+ROLLOUT_CANDIDATE_REFUSED = Gauge("visionserve_rollout_candidate_refused", "1 while a model's rollout goes on "
+                                  "without this candidate because it cannot load (the live version serves alone; "
+                                  "/v1/models rollouts[].candidate_refused says why); 0 once it loads or is no "
+                                  "longer the candidate", ["model", "version"], multiprocess_mode="livemax")
 
 
 # Every series an alert or a dashboard reads exists at 0 from the start, so "none yet" never reads as "no data".

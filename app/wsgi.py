@@ -15,6 +15,7 @@ from functools import partial
 from typing import Callable
 
 from app.config import load_settings
+from app.host import engine_mode
 from app.starting import StartingApp, WSGIApp
 
 log = logging.getLogger(__name__)
@@ -30,13 +31,17 @@ def _stop_worker(exc: BaseException) -> None:
 
 
 def _load() -> Callable[[], WSGIApp]:
-    """Import what the app needs (the slow part: torch, Flask, the engine, the protocols); return its builder."""
-    import app.engine.service  # noqa: F401 - torch
+    """Import what the app needs (the slow part: torch and the engine unless it runs in its own process, Flask, the
+    protocols); return its builder."""
+    settings = load_settings()
+    engine = engine_mode(settings.engine, settings.device)
+    if engine == "inline":
+        import app.engine.service  # noqa: F401 - torch
     import app.v1  # noqa: F401 - Flask and the web layer
     import app.v2  # noqa: F401
     from app.factory import create_app
 
-    return partial(create_app, on_load_error=_stop_worker)
+    return partial(create_app, settings, on_load_error=_stop_worker, engine=engine)
 
 
 app = StartingApp(_load, _stop_worker, load_settings().max_body_bytes).start()

@@ -10,18 +10,18 @@ from __future__ import annotations
 import functools
 import logging
 import platform
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image, ImageOps
-from pydantic import BaseModel, ConfigDict, Field
+
+from models.export.manifest import EvalPreset, Interpolation  # the preset's definition: torch-free, with the manifest
 
 if TYPE_CHECKING:
     from torchvision.transforms import InterpolationMode
 
-Interpolation = Literal["nearest", "bilinear", "bicubic", "lanczos"]
 ImageTransform = Callable[[Image.Image], torch.Tensor]
 
 _ALPHA_BACKGROUND = (255, 255, 255)
@@ -32,24 +32,6 @@ IMAGE_FORMATS = frozenset({"JPEG", "MPO", "PNG", "WEBP", "BMP", "GIF"})
 JPEG_FORMATS = frozenset({"JPEG", "MPO"})  # what JPEG decoders (libjpeg-turbo, nvJPEG) take
 
 log = logging.getLogger(__name__)
-
-
-class EvalPreset(BaseModel):
-    """How a picture becomes the model's input: resize the short side, centre-crop, scale, normalise."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    resize_size: int = Field(gt=0)
-    crop_size: int = Field(gt=0)
-    interpolation: Interpolation = "bilinear"
-    # On 0..1 pixels, as torchvision's Normalize expects.
-    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
-    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
-
-    @property
-    def input_shape(self) -> tuple[int, int, int]:
-        """The (C, H, W) shape of one preprocessed image."""
-        return (3, self.crop_size, self.crop_size)
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

@@ -10,9 +10,10 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
-from typing import Callable, NamedTuple, Sequence
+from dataclasses import replace
+from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from app.engine.batching.types import (
@@ -23,6 +24,7 @@ from app.engine.batching.types import (
     DeadlineUnreachable,
     QueueFull,
 )
+from app.engine.contract import NOT_READY_RETRY_S, Served, Signature
 from app.engine.decoding.decoders import Prepared
 from app.engine.loaded.version import LoadedVersion
 from app.errors import (
@@ -39,54 +41,7 @@ from app.errors import (
 )
 from app.metrics import BATCHER_EVENTS, STAGE_CPU_SECONDS, STAGE_SECONDS
 
-NOT_READY_RETRY_S = 5  # Retry-After of every 503: loading, draining, a stopped batcher
 CLIENT_CHECK_S = 0.05  # how often a waiting request looks whether its client is still connected
-
-
-@dataclass(frozen=True)
-class Signature:
-    """What a protocol parses a request and shapes its answer with: the version that answers, its classes in output
-    order, and the input a client may send preprocessed."""
-
-    name: str
-    version: str
-    labels: list[str]
-    input_shape: tuple[int, ...]  # (C, H, W) of one preprocessed image
-
-    @property
-    def num_classes(self) -> int:
-        """How many classes the model tells apart (the width of its output)."""
-        return len(self.labels)
-
-
-class Ranked(NamedTuple):
-    """One class of an image's top k: its index in the output, its label, its probability."""
-
-    index: int
-    label: str
-    score: float
-
-
-@dataclass(frozen=True)
-class Served:
-    """A request's answer: one result per input, in order, which version gave it, and how long decoding took."""
-
-    results: list[BatchResult[torch.Tensor]]
-    model: str
-    version: str
-    labels: list[str]  # class names in output order
-    decode_s: float
-    started_ns: int = 0  # wall clock (time.time_ns) when decoding began: traces place the stages from it
-
-    def probabilities(self) -> torch.Tensor:
-        """(N, classes) softmax probabilities, one row per input."""
-        return torch.stack([r.value for r in self.results]).float().cpu()
-
-    def top_k(self, k: int) -> list[list[Ranked]]:
-        """Each image's ``k`` most probable classes (at most every class), most probable first."""
-        scores, indices = self.probabilities().topk(min(k, len(self.labels)), dim=1)
-        return [[Ranked(i, self.labels[i], s) for s, i in zip(row_scores, row_indices)]
-                for row_scores, row_indices in zip(scores.tolist(), indices.tolist())]
 
 
 ShadowOffer = Callable[[Sequence[bytes], Sequence[torch.Tensor], Sequence[Prepared],
@@ -105,9 +60,11 @@ class Call:
         manifest = version.predictor.manifest
         self.model = Signature(manifest.name, manifest.version, manifest.labels, tuple(manifest.preprocess.input_shape))
 
-    def infer(self, images: Sequence[bytes] = (), tensors: Sequence[torch.Tensor] = (), *, timeout_s: float,
-              names: Sequence[str | None] = (), client_gone: Callable[[], bool] | None = None) -> Served:
-        """Encoded ``images`` (decoded here) or preprocessed ``tensors``, with the request's deadline (counted from
+    def infer(self, images: Sequence[bytes] = (), tensors: Sequence[np.ndarray | torch.Tensor] = (), *,
+              timeout_s: float, names: Sequence[str | None] = (),
+              client_gone: Callable[[], bool] | None = None) -> Served:
+        """Encoded ``images`` (decoded here) or preprocessed ``tensors`` (float32 (C, H, W) arrays or tensors), with
+        the request's deadline (counted from
         queueing) and, where the request gave them, the images' file names (errors say which image). Once
         ``client_gone`` says the client hung up, the images still queued are dropped unrun. Raises a ServiceError
         for every refusal."""
@@ -115,13 +72,14 @@ class Call:
             raise BadRequest("the request holds no images" if not images else "send images or tensors, not both")
         check_image_count(len(images) or len(tensors), self._max_images)
         started_ns = time.time_ns()
-        prepared, decode_s = self._prepare(images, names) if images else (list(tensors), 0.0)
+        pixels = [torch.as_tensor(t) for t in tensors]
+        prepared, decode_s = self._prepare(images, names) if images else (list(pixels), 0.0)
         self._arrived()
         results = self._run(prepared, timeout_s, client_gone, names)
         if self._shadow is not None:
-            self._shadow(images, tensors, prepared, results)
-        predictor = self._version.predictor
-        return Served(results, self._version.name, self._version.version, predictor.labels, decode_s, started_ns)
+            self._shadow(images, pixels, prepared, results)
+        rows = [replace(r, value=r.value.float().cpu().numpy()) for r in results]
+        return Served(rows, self.model.name, self.model.version, self.model.labels, decode_s, started_ns)
 
     def _prepare(self, images: Sequence[bytes], names: Sequence[str | None]) -> tuple[list[Prepared], float]:
         started, cpu_started = time.perf_counter(), time.thread_time()
@@ -164,28 +122,6 @@ class Call:
             raise
         except Exception as exc:
             raise InferenceFailed(f"the model failed on this request's images: {type(exc).__name__}") from exc
-
-
-def distinct_batches(results: Sequence[BatchResult[torch.Tensor]]) -> list[BatchResult[torch.Tensor]]:
-    """One result per distinct batch the request's images ran in, in the order they first appear."""
-    return list({r.batch_id: r for r in results}.values())
-
-
-def stage_ms(results: Sequence[BatchResult[torch.Tensor]]) -> tuple[float, float]:
-    """(queue, inference) milliseconds of one request's images: the one definition the Server-Timing header and
-    the access log both report.
-
-    inference: the wall time the request's images spent in forward passes, the sum of its distinct batches'
-    ``run_s`` (by ``batch_id``: images of one batch share its forward pass). A request's images are queued together
-    and a batcher runs one batch at a time, so its batches never overlap and their durations add up; the largest
-    alone would leave out every batch but one, and a sum over images would count a batch once per image.
-    queue: from the images' queueing to the end of the request's last batch, less that inference: the time they
-    waited behind other work (and for company) while none of the request's batches ran: decode + queue + inference
-    then add up to the request's time from its first decode to the end of its last forward pass.
-    """
-    inference_s = sum(r.run_s for r in distinct_batches(results))
-    done_s = max(r.queued_s + r.run_s for r in results)
-    return max(0.0, done_s - inference_s) * 1000, inference_s * 1000
 
 
 def _named(exc: ServiceError, index: int, names: Sequence[str | None]) -> ServiceError:

@@ -8,10 +8,10 @@ changes and the writers (app/engine/versions/).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from app.config import Settings
+from app.engine.contract import VersionInfo
 from app.engine.loaded.version import LoadedVersion
 from app.engine.rollouts.entry import ModelEntry
 from app.engine.versions.apply import Applier
@@ -21,38 +21,6 @@ from app.engine.versions.sources import Source
 from app.engine.versions.states import VersionState
 from app.engine.versions.sync import WorkerSync
 from app.engine.versions.writers import Writers
-from models.export.manifest import Manifest
-
-
-@dataclass(frozen=True)
-class VersionInfo:
-    """One loaded version's facts, as /v1/models and the V2 metadata show them."""
-
-    manifest: Manifest
-    weights_format: str
-    device: str
-    dtype: str
-    warmed_batch_sizes: list[int]
-    alive: bool  # its batcher's thread runs
-    default: bool  # requests naming no version get it
-    role: str | None  # live, canary, shadow or previous while a rollout is set
-    memory_bytes: int
-    device_memory_bytes: int | None
-    monitoring: dict[str, Any]
-    batch_cap: int  # the batch size cap measured at warm-up
-    current_max_batch_size: int  # lower for a while after a CUDA out-of-memory split
-    queue_depth: int
-    profile: dict[int, float]  # forward images/s per batch size, at warm-up
-
-    @property
-    def name(self) -> str:
-        """The model's name."""
-        return self.manifest.name
-
-    @property
-    def version(self) -> str:
-        """The version."""
-        return self.manifest.version
 
 
 class Catalog:

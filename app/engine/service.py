@@ -15,7 +15,8 @@ from typing import Callable, Iterator
 
 from app.config import Settings
 from app.engine.batching.arrivals import InFlight
-from app.engine.call import NOT_READY_RETRY_S, Call
+from app.engine.call import Call
+from app.engine.contract import NOT_READY_RETRY_S
 from app.engine.catalog import Catalog
 from app.engine.loaded.predictor import Predictor
 from app.engine.loaded.version import LoadedVersion
@@ -94,8 +95,15 @@ class Service:
 
     @property
     def ready(self) -> bool:
-        """Models loaded, warmed up, canaries passed, batchers alive and not draining."""
-        return self.loaded and not self._draining.is_set() and self.alive
+        """Models loaded, warmed up, canaries passed, batchers alive, not draining; and with several workers behind
+        one port, every one of them serving, so that after a 200 no request meets a worker still loading."""
+        return self.loaded and not self._draining.is_set() and self.alive and self._every_worker_serves()
+
+    def _every_worker_serves(self) -> bool:
+        expected = self.settings.workers or 1
+        if expected <= 1 or self.settings.control_dir is None:
+            return True
+        return sum(1 for report in self.catalog.workers() if report.get("models")) >= expected
 
     @property
     def draining(self) -> bool:

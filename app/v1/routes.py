@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
 
 import pydantic
 from flask import Blueprint, Response, request
 
 from app.config import Settings
-from app.engine.call import Ranked
-from app.engine.catalog import Catalog, VersionInfo
+from app.engine.contract import Ranked, VersionInfo
 from app.errors import BadRequest
 from app.v1.payload import PredictInput, parse_predict
 from app.v1.schemas import (
@@ -99,11 +97,11 @@ def _version_named() -> str | None:
         raise BadRequest(f'the body must be empty or {{"version": "<version>"}}: {exc.errors()[0]["msg"]}') from None
 
 
-def _rollout_call(name: str, call: Callable[[Catalog, str, str | None], Any]) -> Response:
-    """``Catalog.promote`` or ``.rollback`` with the body's optional version; answers the model as it is now."""
+def _rollout_call(name: str, action: str) -> Response:
+    """The catalog's ``promote`` or ``rollback`` with the body's optional version; answers the model as it is now."""
     version = _version_named()
-    entry = call(current_service().catalog, name, version)
-    body = RolloutChanged(model=name, default=str(entry["default"]), versions=list(entry["versions"]),
+    entry = getattr(current_service().catalog, action)(name, version)
+    body = RolloutChanged(name=name, default=str(entry["default"]), versions=list(entry["versions"]),
                           previous=entry.get("previous_default"), rolled_back=list(entry.get("rolled_back", [])))
     return Response(body.model_dump_json(), mimetype="application/json")
 
@@ -111,10 +109,10 @@ def _rollout_call(name: str, call: Callable[[Catalog, str, str | None], Any]) ->
 @bp.post("/v1/models/<name>/promote")
 def promote(name: str) -> Response:
     """Make a version (default: the rollout's candidate) the model's default in every worker."""
-    return _rollout_call(name, Catalog.promote)
+    return _rollout_call(name, "promote")
 
 
 @bp.post("/v1/models/<name>/rollback")
 def rollback(name: str) -> Response:
     """Serve a version (default: the previous default) again in every worker; the one it replaces is rolled back."""
-    return _rollout_call(name, Catalog.rollback)
+    return _rollout_call(name, "rollback")

@@ -5,7 +5,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from models.presets import EvalPreset
+from models.export.manifest import EvalPreset
 
 
 class PredictJSONRequest(BaseModel):
@@ -175,6 +175,9 @@ class Rollout(BaseModel):
                                   "path")
     previous: str | None = Field(description="the default before the last promotion, kept loaded for a rollback")
     rolled_back: list[str] = Field(description="versions rolled back: no candidate until a promotion names them")
+    candidate_refused: dict[str, str] | None = Field(None, description="the candidate the rollout goes on without "
+                                                     "because it cannot load (version, reason): the live version "
+                                                     "serves without a candidate until it loads")
     watch: dict[str, Any] | None = Field(description="a new default watched by the rollback rule: version, "
                                          "previous, the previous default's p99 (baseline_p99_ms)")
     promote: dict[str, Any] | None = Field(description="the automatic promotion rule; null: by call only")
@@ -203,9 +206,10 @@ class VersionChoice(BaseModel):
 
 
 class RolloutChanged(BaseModel):
-    """Answer of a promote or rollback call: the model's versions and default in every worker now."""
+    """Answer of a promote or rollback call: the model's versions and default in every worker now (``name``, as the
+    V2 load call's answer names it)."""
 
-    model: str
+    name: str
     default: str
     versions: list[str]
     previous: str | None = None

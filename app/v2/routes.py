@@ -6,20 +6,23 @@ holds the top k as "score:index:label" strings (BYTES [N, k]), as Triton's class
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 from flask import Blueprint, Response, request
 from pydantic import BaseModel
 
 from app import __version__
-from app.engine.call import Served, Signature
-from app.engine.service import Service
+from app.engine.contract import Served, Signature
 from app.errors import BadRequest, NotFound, NotReady
 from app.v2.codec import InferRequest, Tensor, encode_response, parse_request
 from app.v2.schemas import Live, ModelMetadata, ModelReady, Ready, ServerMetadata, TensorMetadata
 from app.web.inputs import client_key, deadline_s, read_body
 from app.web.services import client_gone, current_service
 from app.web.timing import annotate
+
+if TYPE_CHECKING:  # the engine's Service, or app/remote_engine.py's RemoteService: the same face
+    from app.engine.service import Service
 
 bp = Blueprint("v2", __name__, url_prefix="/v2")
 
@@ -87,7 +90,7 @@ def model_metadata(name: str, version: str | None = None) -> Response:
         outputs=[TensorMetadata(name=OUTPUT, datatype="FP32", shape=[-1, manifest.num_classes])]))
 
 
-def _inputs(model: Signature, infer: InferRequest) -> tuple[list[bytes], list[torch.Tensor]]:
+def _inputs(model: Signature, infer: InferRequest) -> tuple[list[bytes], list[np.ndarray]]:
     """The one input: encoded images (BYTES) or preprocessed pixels (FP32), checked against ``model``."""
     if len(infer.inputs) != 1:
         raise BadRequest(f"send exactly one input, {IMAGES_INPUT!r} (BYTES) or {PIXELS_INPUT!r} (FP32)")
@@ -105,7 +108,7 @@ def _inputs(model: Signature, infer: InferRequest) -> tuple[list[bytes], list[to
             raise BadRequest(f"input {PIXELS_INPUT!r} must have shape {expected}, got {tensor.shape}")
         if not np.isfinite(tensor.data).all():
             raise BadRequest(f"input {PIXELS_INPUT!r} holds NaN or infinite values")
-        return [], list(torch.from_numpy(tensor.data.copy()))
+        return [], list(np.array(tensor.data, dtype=np.float32))  # a copy: the body's buffer is read-only
     raise BadRequest(f"unknown input {tensor.name!r} ({tensor.datatype}); send {IMAGES_INPUT!r} as BYTES or "
                      f"{PIXELS_INPUT!r} as FP32")
 
@@ -127,7 +130,7 @@ def _output_plan(infer: InferRequest) -> list[tuple[int, bool]]:
 
 def _output(served: Served, k: int, digits: int) -> Tensor:
     if not k:
-        probabilities = served.probabilities().numpy()
+        probabilities = served.probabilities()
         return Tensor(OUTPUT, "FP32", list(probabilities.shape), probabilities)
     rows = [[f"{c.score:.{digits}f}:{c.index}:{c.label}".encode() for c in top] for top in served.top_k(k)]
     return Tensor(OUTPUT, "BYTES", [len(rows), len(rows[0])], np.array(rows, dtype=object))

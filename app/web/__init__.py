@@ -5,13 +5,12 @@ metrics and OpenAPI routes, and the one accessor through which protocols reach t
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from flask import Flask
 
 from app import EXTENSION_KEY
 from app.config import Settings
-from app.engine.service import Service
 from app.web.connection import CloseWhenAsked
 from app.web.cors import register_cors
 from app.web.errors import register_error_handlers
@@ -20,6 +19,9 @@ from app.web.ops import register_ops
 from app.web.protocol import Protocol
 from app.web.services import current_service
 from app.web.tracing import register_tracing
+
+if TYPE_CHECKING:  # the engine's Service, or app/remote_engine.py's RemoteService: the same face
+    from app.engine.service import Service
 
 __all__ = ["current_service", "init_app"]
 

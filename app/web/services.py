@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import select
 import socket
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from flask import current_app, request
 
 from app import EXTENSION_KEY
-from app.engine.service import Service
+
+if TYPE_CHECKING:  # the engine's Service, or app/remote_engine.py's RemoteService: the same face
+    from app.engine.service import Service
 
 
 def current_service() -> Service:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from flask import Response, g
 
-from app.engine.call import Served, distinct_batches, stage_ms
+from app.engine.contract import Served, distinct_batches, stage_ms
 
 
 def annotate(response: Response, served: Served) -> Response:

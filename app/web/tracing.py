@@ -15,7 +15,7 @@ from typing import Any
 from flask import Flask, Response, g, request
 
 from app.config import Settings
-from app.engine.call import distinct_batches
+from app.engine.contract import distinct_batches
 from app.web.hooks import is_probe
 
 BATCH_SPANS_KEPT = 1024  # batch span contexts kept for the requests still reporting them

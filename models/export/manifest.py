@@ -8,7 +8,26 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from models.presets import EvalPreset
+Interpolation = Literal["nearest", "bilinear", "bicubic", "lanczos"]
+
+
+class EvalPreset(BaseModel):
+    """How a picture becomes the model's input: resize the short side, centre-crop, scale, normalise."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    resize_size: int = Field(gt=0)
+    crop_size: int = Field(gt=0)
+    interpolation: Interpolation = "bilinear"
+    # On 0..1 pixels, as torchvision's Normalize expects.
+    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
+    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        """The (C, H, W) shape of one preprocessed image."""
+        return (3, self.crop_size, self.crop_size)
+
 
 MANIFEST_NAME = "manifest.json"
 WeightsFormat = Literal["torchscript", "state_dict"]

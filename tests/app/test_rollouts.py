@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
 import pytest
+import numpy as np
 import torch
 
 from app import EXTENSION_KEY
@@ -29,9 +31,9 @@ from app.engine.rollouts.plan import (
     takes_canary,
 )
 from app.engine.rollouts.rules import judge
-from app.engine.call import Served
+from app.engine.contract import Served
 from app.engine.service import Service
-from app.errors import Conflict
+from app.errors import Conflict, LoadFailed
 from tests.support.fakes import LABELS, ColourModel, FakeRepository, infer, served_over_http, wait_until
 from tests.support.imaging import BLUE, GREEN, RED, image_bytes
 
@@ -127,6 +129,32 @@ def test_promotion_and_rollback_are_entries_the_poll_keeps() -> None:
     assert plan(latest, RolloutPolicy(), ["1", "2"], held)["default"] == "1"
 
 
+def test_a_refused_candidate_is_left_out_and_the_default_kept() -> None:
+    latest, shadow = VersionPolicy.parse("latest"), RolloutPolicy(shadow_percent=100)
+    why = {"2": "colour version 2 cannot be served: sha256 differs"}
+    named = plan(VersionPolicy.from_config({"default_version": "1"}, latest),
+                 RolloutPolicy(shadow_percent=100, candidate="2"), ["1"], None, refused=why)
+    assert (named["default"], named["versions"], named["rollout"]["candidate"]) == ("1", ["1"], None)
+    assert named["rollout"]["candidate_refused"] == {"version": "2", "reason": why["2"]}
+    # named and refused: no other version is made the candidate in its place
+    held = plan(latest, RolloutPolicy(candidate="3", shadow_percent=100), ["1", "2"], {"default": "1"},
+                refused={"3": "no"})
+    assert (held["default"], held["rollout"]["candidate"], held["rollout"]["candidate_refused"]["version"]) == (
+        "1", None, "3")
+    first = plan(latest, RolloutPolicy(candidate="3", shadow_percent=100), ["1", "2"], None, refused={"3": "no"})
+    assert (first["default"], first["versions"], first["rollout"]["candidate"]) == ("2", ["2"], None)  # below 3
+    nothing = plan(latest, RolloutPolicy(candidate="1", shadow_percent=100), [], None, refused={"1": "no"})
+    assert nothing["versions"] == [] and nothing["default"] is None  # nothing else: nothing is served
+    # unnamed: the newest newer than the default was refused; the next newest is the candidate, and it is said
+    newest = plan(latest, shadow, ["1", "2"], {"default": "1"}, refused={"3": "no"})
+    assert (newest["rollout"]["candidate"], newest["rollout"]["candidate_refused"]["version"]) == ("2", "3")
+    assert "candidate_refused" not in plan(latest, shadow, ["1", "2"], {"default": "1"})["rollout"]
+    assert "candidate_refused" not in plan(VersionPolicy.parse("specific:1,2"), shadow, ["1", "2"], {"default": "1"},
+                                           refused={"3": "no"})["rollout"]  # 3 would not be chosen anyway
+    with pytest.raises(PolicyError, match="rollout candidate '4' is not in the repository"):
+        plan(latest, RolloutPolicy(candidate="4", shadow_percent=100), ["1", "2"], None, refused={"3": "no"})
+
+
 def test_rollout_configs_are_read_and_bad_ones_refused() -> None:
     settings = Settings(canary_percent=5, promote_after=100)
     policy = RolloutPolicy.layered(settings, {"rollout": {"shadow_percent": 50, "promote": {"min_agreement": 0.9}}})
@@ -195,7 +223,7 @@ def test_the_shadow_agreement_equals_the_offline_one_and_live_answers_do_not_cha
     alone = Service.build(ALL_VERSIONS, _repository())  # type: ignore[arg-type]
     try:  # the same answers, to the last digit, as version 1 with no shadow
         for photo, served in zip(PHOTOS, live):
-            assert torch.equal(infer(alone, [photo], version="1").probabilities(), served.probabilities())
+            assert np.array_equal(infer(alone, [photo], version="1").probabilities(), served.probabilities())
     finally:
         alone.shutdown(timeout=5)
 
@@ -329,6 +357,73 @@ def test_calls_without_anything_to_change_are_conflicts(settings: Settings) -> N
         service.shutdown(timeout=5)
 
 
+def test_a_call_naming_no_version_suggests_only_versions_it_could_name(settings: Settings) -> None:
+    app = create_app(settings, source=_repository({"shadow_percent": 100}))  # type: ignore[arg-type]
+    client = app.test_client()
+    try:
+        promoted = client.post("/v1/models/colour/promote").get_json()
+        assert promoted["name"] == "colour" and "model" not in promoted  # the key the V2 load answer uses
+        assert client.post("/v1/models/colour/rollback").get_json()["rolled_back"] == ["2"]
+        again = client.post("/v1/models/colour/rollback")  # 1 is live, nothing older, 2 was rolled back
+        assert again.status_code == 409, again.get_json()
+        error = again.get_json()["error"]
+        assert error["message"] == ("model 'colour' has no previous default to roll back to, and no version older "
+                                    "than the live 1 that could serve") and error["details"] == {"versions": []}
+        nothing = client.post("/v1/models/colour/promote")  # no candidate: 2 was rolled back, but can be named
+        assert nothing.status_code == 409
+        error = nothing.get_json()["error"]
+        assert error["message"] == ("model 'colour' has no rollout candidate to promote; name one of its versions "
+                                    '2 (rolled back) ({"version": "2"})') and error["details"] == {"versions": ["2"]}
+        example = client.post("/v1/models/colour/promote", json={"version": "2"})  # the example is a real one
+        assert example.status_code == 200 and example.get_json()["default"] == "2"
+        loaded = client.post("/v2/repository/models/colour/load").get_json()
+        assert loaded["name"] == "colour" and set(loaded) <= set(example.get_json())
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+    repository = _repository()
+    repository.fail("colour", "3", "weights file x.pt has sha256 abc, the manifest says def")
+    service = Service.build(settings, repository)  # type: ignore[arg-type]
+    try:  # 3 cannot load: 2 serves, and only 1 is suggested
+        assert service.catalog.serving()["colour"]["default"] == "2"
+        for call, message in ((service.catalog.promote, "no rollout candidate to promote; name one of its "
+                               'versions 1 ({"version": "1"})'),
+                              (service.catalog.rollback, "no previous default to roll back to; name one of its "
+                               'versions 1 ({"version": "1"})')):
+            with pytest.raises(Conflict) as refused:
+                call("colour")
+            assert refused.value.message == f"model 'colour' has {message}" and refused.value.details == {
+                "versions": ["1"]}
+    finally:
+        service.shutdown(timeout=5)
+    alone = FakeRepository()
+    alone.add("colour", "1")
+    service = Service.build(settings, alone)  # type: ignore[arg-type]
+    try:
+        with pytest.raises(Conflict, match="no rollout candidate to promote, and no version but the live 1 that "
+                                           "could serve$"):
+            service.catalog.promote("colour")
+    finally:
+        service.shutdown(timeout=5)
+
+
+def test_requests_naming_their_version_are_counted_as_named(settings: Settings) -> None:
+    from prometheus_client import REGISTRY
+
+    def count(version: str, role: str) -> float:
+        return REGISTRY.get_sample_value("visionserve_version_requests_total", {
+            "model": "colour", "version": version, "role": role, "outcome": "ok"}) or 0.0
+
+    service = Service.build(settings.model_copy(update={"version_policy": "all"}), _repository())  # type: ignore
+    try:  # 1 and 2 loaded, 2 the default
+        before = count("1", "named"), count("2", "live")
+        assert infer(service, [PHOTOS[0]], version="1").version == "1"
+        assert infer(service, [PHOTOS[0]]).version == "2"
+        assert (count("1", "named"), count("2", "live")) == (before[0] + 1, before[1] + 1)
+        assert count("1", "version") == 0  # a role the documentation does not name
+    finally:
+        service.shutdown(timeout=5)
+
+
 def test_a_rollout_set_by_a_load_call_or_a_setting(settings: Settings) -> None:
     app = create_app(settings, source=_repository())  # type: ignore[arg-type]
     client = app.test_client()
@@ -399,5 +494,94 @@ def test_a_candidate_with_other_preprocessing_decodes_the_shadow_images_itself(s
         comparison = service.catalog.rollouts()["colour"]["comparison"]
         assert comparison["top1_agreement"] == 1.0 and comparison["errors"] == 0  # the same model, other size
         assert sizes and set(sizes) == {(16, 16)}  # the shadow images were decoded at the candidate's own size
+    finally:
+        service.shutdown(timeout=5)
+
+
+# -- a candidate that cannot load (#46) ------------------------------------------------------------------------------
+
+
+SHA = "weights file x.pt has sha256 abc, the manifest says def"
+
+
+def _refused_gauge(version: str) -> float | None:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("visionserve_rollout_candidate_refused", {"model": "colour", "version": version})
+
+
+def test_a_candidate_that_cannot_load_at_start_leaves_the_live_version_serving(
+        settings: Settings, caplog: pytest.LogCaptureFixture) -> None:
+    repository = FakeRepository()
+    repository.add("colour", "1")
+    repository.fail("colour", "2", SHA)
+    repository.policies["colour"] = {"rollout": {"shadow_percent": 100, "candidate": "2"}, "default_version": "1"}
+    with caplog.at_level(logging.WARNING, logger="app.engine.versions"):
+        app = create_app(settings, source=repository)  # type: ignore[arg-type]
+    client = app.test_client()
+    try:
+        assert "colour: rollout candidate 2 refused (colour version 2 cannot be served: weights file" in caplog.text
+        assert "version 1 serves without a candidate" in caplog.text
+        answer = client.post("/predict", data=PHOTOS[0], content_type="image/jpeg")
+        assert answer.status_code == 200 and answer.get_json()["model"]["version"] == "1"
+        body = client.get("/v1/models").get_json()
+        assert {m["version"]: m["role"] for m in body["models"]} == {"1": "live"}
+        (rollout,) = body["rollouts"]
+        assert (rollout["live"], rollout.get("candidate"), rollout["shadow_percent"]) == ("1", None, 100)
+        assert rollout["candidate_refused"] == {"version": "2", "reason": f"colour version 2 cannot be served: {SHA}"}
+        index = {r["version"]: r for r in client.post("/v2/repository/index", json={}).get_json()}
+        assert index["2"]["state"] == "UNAVAILABLE" and SHA in index["2"]["reason"]
+        metrics = client.get("/metrics").get_data(as_text=True)
+        assert 'visionserve_rollout_candidate_refused{model="colour",version="2"} 1.0' in metrics
+        assert client.post("/v1/models/colour/promote").status_code == 409  # nothing to promote
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def test_a_candidate_that_breaks_at_run_time_is_refused_by_the_poll_and_a_load_call(settings: Settings) -> None:
+    repository = _repository({"shadow_percent": 100})
+    del repository.held["colour"]["2"]
+    service = Service.build(settings, repository)  # type: ignore[arg-type]
+    rollouts = service.catalog.rollouts
+    try:
+        assert service.catalog.serving()["colour"] == {"versions": ["1"], "default": "1"}
+        repository.fail("colour", "2", SHA)  # version 2 arrives, named as the candidate, and cannot load
+        repository.policies["colour"] = {"rollout": {"shadow_percent": 100, "candidate": "2"}, "default_version": "1"}
+        service.catalog.writers.poll()
+        assert service.catalog.serving()["colour"] == {"versions": ["1"], "default": "1"}
+        assert infer(service, [PHOTOS[0]]).version == "1"
+        assert rollouts()["colour"]["candidate"] is None and rollouts()["colour"]["candidate_refused"]["version"] == "2"
+        assert _refused_gauge("2") == 1
+        loads = len(repository.loads)
+        service.catalog.writers.poll()  # not tried again while its files are the same ...
+        assert len(repository.loads) == loads
+        repository.fail("colour", "2", "still broken")  # ... rewritten, still broken: a load call says so
+        with pytest.raises(LoadFailed, match="colour version 2 cannot be served: still broken"):
+            service.catalog.load("colour")
+        assert infer(service, [PHOTOS[0]]).version == "1"  # the live version served throughout
+        service.catalog.load("colour")  # refused now, so left out: the live version alone, and why
+        assert rollouts()["colour"]["candidate_refused"] == {
+            "version": "2", "reason": "colour version 2 cannot be served: still broken"}
+        del repository.broken[("colour", "2")]
+        repository.add("colour", "2")  # mended: the next poll makes it the candidate
+        service.catalog.writers.poll()
+        assert service.catalog.roles() == {("colour", "1"): "live", ("colour", "2"): "shadow"}
+        assert "candidate_refused" not in rollouts()["colour"] or rollouts()["colour"]["candidate_refused"] is None
+        assert _refused_gauge("2") == 0
+    finally:
+        service.shutdown(timeout=5)
+
+
+def test_a_candidate_that_does_not_fit_beside_the_live_version_at_start_is_left_out(settings: Settings) -> None:
+    # Each fake version takes 1 MiB and needs 2 MiB to load: the live one fits in 2 MiB, the candidate beside it not.
+    repository = _repository({"shadow_percent": 100, "candidate": "2"})
+    service = Service.build(settings.model_copy(update={"model_memory_limit_mb": 2}), repository)  # type: ignore
+    try:
+        assert service.catalog.serving()["colour"] == {"versions": ["1"], "default": "1"}
+        assert infer(service, [PHOTOS[0]]).version == "1"
+        refused = service.catalog.rollouts()["colour"]["candidate_refused"]
+        assert refused["version"] == "2" and "colour version 2 needs about 2 MiB; the loaded models take 1 MiB" in \
+            refused["reason"]
+        assert not service.catalog.applier.known_refused("colour", "2")  # memory may be freed: tried again later
     finally:
         service.shutdown(timeout=5)

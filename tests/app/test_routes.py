@@ -16,7 +16,7 @@ from app import EXTENSION_KEY
 from app.config import Settings
 from app.engine.batching.types import BatchResult
 from app.engine.service import Service
-from app.engine.call import stage_ms
+from app.engine.contract import stage_ms
 from tests.support.answers import error_of, labels_of
 from tests.support.fakes import ColourModel, wait_until
 from tests.support.imaging import BLUE, GREEN, RED, image_bytes

@@ -21,14 +21,14 @@ from tests.support.imaging import BLUE, RED, image_bytes
 def test_images_are_decoded_queued_and_answered_in_order(service: Service) -> None:
     served = infer(service, [image_bytes(RED), image_bytes(BLUE)])
     assert (served.model, served.version, served.labels) == ("colour", "test", ["red", "green", "blue", "other"])
-    assert served.probabilities().argmax(dim=1).tolist() == [0, 2]  # red, blue
+    assert served.probabilities().argmax(axis=1).tolist() == [0, 2]  # red, blue
     assert served.decode_s > 0 and all(r.batch_size >= 1 for r in served.results)
 
 
 def test_preprocessed_tensors_skip_decoding(service: Service) -> None:
     red = service.loaded_version().decoder.prepare(image_bytes(RED))
     served = infer(service, tensors=[red, red])
-    assert served.decode_s == 0.0 and served.probabilities().argmax(dim=1).tolist() == [0, 0]
+    assert served.decode_s == 0.0 and served.probabilities().argmax(axis=1).tolist() == [0, 0]
 
 
 def test_the_request_counts_as_arriving_while_it_reads_and_decodes(service: Service) -> None:

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from flask import Flask
 
     from app.config import Settings
-    from app.engine.call import Served
+    from app.engine.contract import Served
     from app.engine.service import Service
 
 LABELS = ["red", "green", "blue", "other"]

@@ -172,12 +172,14 @@ def test_the_server_imports_only_the_serving_contract_of_models() -> None:
 # The engine's wings, lowest first: each imports only the wings before it (and the engine's top-level modules,
 # service.py, call.py and catalog.py, import any wing). docs/architecture.md draws the same order.
 WINGS = ("decoding", "batching", "loaded", "rollouts", "versions")
-ENGINE_FACADE = ("app.engine.service", "app.engine.call", "app.engine.catalog")
+ENGINE_FACADE = ("app.engine.service", "app.engine.call", "app.engine.catalog", "app.engine.contract")
+HTTP_SIDE = ("app.remote_engine", "app.web", *PROTOCOLS)  # what runs in an HTTP worker under ENGINE=process
 
 
 def test_engine_is_in_wings_and_they_import_downwards_only() -> None:
     loose = sorted(p.name for p in (APP / "engine").glob("*.py") if p.name != "__init__.py")
-    assert loose == ["call.py", "catalog.py", "service.py"], "an engine module belongs in a wing"
+    assert loose == ["call.py", "catalog.py", "contract.py", "process.py", "service.py", "wire.py"], \
+        "an engine module belongs in a wing"
     assert sorted(p.name for p in (APP / "engine").iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(WINGS)
     graph = import_graph(_project_files())
     for position, wing in enumerate(WINGS):
@@ -196,6 +198,16 @@ def test_protocols_reach_the_engine_only_through_the_service_the_call_and_the_ca
         for module, names in _modules(package).items():
             inside = [n for n in names if _under(n, ("app.engine",)) and not _under(n, ENGINE_FACADE)]
             assert not inside, f"{module} reaches into the engine: {inside}"
+
+
+def test_the_http_side_imports_no_torch() -> None:
+    # Under ENGINE=process a gunicorn worker runs the web layer, the protocols and the engine's remote face only:
+    # none of it may load torch (the engine's answers, signatures and version facts are plain data).
+    code = ("import sys, app.engine.contract, app.engine.wire, app.remote_engine, app.factory, app.web, app.v1, "
+            "app.v2; bad = [m for m in ('torch', 'torchvision') if m in sys.modules]; print(bad); "
+            "sys.exit(1 if bad else 0)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_importing_the_engine_loads_no_flask() -> None:

@@ -20,6 +20,7 @@ class RolloutEntry(TypedDict, total=False):
     shadow_percent: float
     promote: dict[str, Any] | None  # a PromoteRule's fields, or None: by call only
     rollback: dict[str, Any] | None  # a RollbackRule's fields, or None: by call only
+    candidate_refused: dict[str, str]  # the named candidate that cannot load (version, reason): live serves alone
 
 
 class Watch(TypedDict):

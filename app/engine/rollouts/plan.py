@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from typing import Any, Mapping
 
 from app.engine.rollouts.entry import ModelEntry, RolloutEntry
 from app.engine.rollouts.policy import PolicyError, VersionPolicy, order_key
@@ -131,12 +131,15 @@ def rule_from_entry(kind: type, data: Any) -> Any:
     """A rule as the desired state recorded it."""
     return None if not data else kind(**data)
 
-def plan(policy: VersionPolicy, rollout: RolloutPolicy, available: list[str], current: ModelEntry | None) -> ModelEntry:
+def plan(policy: VersionPolicy, rollout: RolloutPolicy, available: list[str], current: ModelEntry | None,
+         refused: Mapping[str, str] | None = None) -> ModelEntry:
     """The model's next entry: its versions, default, candidate and rollout, from what the repository holds
-    (``available``, refused versions already left out) and its entry now (None: a first load, or a load call).
-    Rolled-back versions are left out unless nothing else is left; the previous default stays loaded (a rollback
-    needs no load)."""
+    (``available``, refused versions already left out: ``refused`` says which and why) and its entry now (None: a
+    first load, or a load call). Rolled-back versions are left out unless nothing else is left; the previous default
+    stays loaded (a rollback needs no load). A candidate that cannot load (refused) is left out and the rollout goes
+    on without it, recorded as ``candidate_refused``: the rollout protects the live version, never takes it down."""
     current = current or {}
+    refused = {v: why for v, why in (refused or {}).items() if v not in current.get("rolled_back", [])}
     rolled_back = [v for v in current.get("rolled_back", []) if v in available]
     usable = [v for v in available if v not in rolled_back] or available
     held = current.get("default") if (rollout.active or current.get("held")) else None
@@ -156,20 +159,48 @@ def plan(policy: VersionPolicy, rollout: RolloutPolicy, available: list[str], cu
             entry.update(previous_default=old, versions=_with(entry["versions"], old),
                          watch={"version": default, "previous": old, "baseline_p99_ms": None})
         return entry
-    candidate = rollout.candidate
-    if candidate is not None and candidate not in usable:
-        raise PolicyError(f"rollout candidate {candidate!r} is not in the repository (or was rolled back)")
+    entry = _rolled_out(policy, rollout, versions, usable, default, refused)
+    return _carry(entry, current, rolled_back, usable)
+
+def _rolled_out(policy: VersionPolicy, rollout: RolloutPolicy, versions: list[str], usable: list[str],
+                default: str | None, refused: Mapping[str, str]) -> ModelEntry:
+    """The entry of a model with a rollout: the default it holds (a first load: the version below the newest), the
+    candidate (named, or the newest newer than the default) unless it was refused, and the rollout."""
+    candidate = named = rollout.candidate
+    if named is not None and named not in usable:
+        if named not in refused:
+            raise PolicyError(f"rollout candidate {named!r} is not in the repository (or was rolled back)")
+        candidate = None  # it cannot load: the rollout goes on without it, and picks no other in its place
     if default is None:  # a first load: the newest is the candidate, the version before it the default
-        top = candidate or policy.default_of(versions)
+        top = named if named in refused else candidate or policy.default_of(versions)
         below = [v for v in sorted(usable, key=order_key) if order_key(v) < order_key(top)]
-        default = below[-1] if below else top
-    if candidate is None:
+        default = below[-1] if below else top if top not in refused else policy.default_of(versions)
+    if candidate is None and named is None:
         newer = [v for v in versions if order_key(v) > order_key(default)]
         candidate = max(newer, key=order_key) if newer else None
     candidate = None if candidate == default else candidate
-    entry = {"versions": _with(_with(versions, default), candidate), "default": default,
-             "rollout": rollout.as_entry(candidate)}
-    return _carry(entry, current, rolled_back, usable)
+    entry: ModelEntry = {"versions": _with(_with(versions, default), candidate), "default": default,
+                         "rollout": rollout.as_entry(candidate)}
+    left_out = named if named is not None and named in refused else _refused_newer(policy, usable, refused,
+                                                                                   [default, candidate])
+    if left_out is not None:
+        entry["rollout"]["candidate_refused"] = {"version": left_out, "reason": refused[left_out]}
+    return entry
+
+def _refused_newer(policy: VersionPolicy, usable: list[str], refused: Mapping[str, str],
+                   chosen: list[str | None]) -> str | None:
+    """The refused version that would be the candidate were it not refused: the newest the policy would choose,
+    newer than the default and the candidate picked."""
+    served = [v for v in chosen if v is not None]
+    if not refused or not served:
+        return None
+    try:
+        wanted = policy.choose(sorted({*usable, *refused}, key=order_key))
+    except PolicyError:
+        return None
+    floor = max(served, key=order_key)
+    newer = [v for v in wanted if v in refused and order_key(v) > order_key(floor)]
+    return max(newer, key=order_key) if newer else None
 
 def _with(versions: list[str], version: str | None) -> list[str]:
     return versions if version is None or version in versions else sorted([*versions, version], key=order_key)

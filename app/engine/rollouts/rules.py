@@ -86,15 +86,17 @@ def roles_of(entry: ModelEntry, candidate: str | None, canary: bool) -> dict[str
     return roles
 
 def summary(model: str, entry: ModelEntry, evidence: dict[str, Any]) -> dict[str, Any]:
-    """A model's rollout as /v1/models shows it: the entry's rollout and rules, the evidence of every worker
-    (app/engine/rollouts/evidence.merged), and what the automatic promotion waits for."""
+    """A model's rollout as /v1/models shows it: the entry's rollout and rules, the candidate it goes on without
+    (refused: it cannot load), the evidence of every worker (app/engine/rollouts/evidence.merged), and what the
+    automatic promotion waits for."""
     rollout = entry.get("rollout") or {}
     candidate, live = rollout.get("candidate"), entry["default"]
     promote = rule_from_entry(PromoteRule, rollout.get("promote"))
     return {
         "live": live, "candidate": candidate, "canary_percent": rollout.get("canary_percent", 0.0),
         "shadow_percent": rollout.get("shadow_percent", 0.0), "previous": entry.get("previous_default"),
-        "rolled_back": entry.get("rolled_back", []), "watch": entry.get("watch"),
+        "rolled_back": entry.get("rolled_back", []), "candidate_refused": rollout.get("candidate_refused"),
+        "watch": entry.get("watch"),
         "promote": rollout.get("promote"), "rollback": rollout.get("rollback"),
         "promotion": None if candidate is None or promote is None else
         promotion_status(promote, rollout, model, candidate, live, evidence)[1],

@@ -34,7 +34,7 @@ from app.engine.versions.routing import Candidate, RoutingTable
 from app.engine.versions.sources import Source
 from app.engine.versions.states import VersionState, VersionStates
 from app.errors import InsufficientMemory, LoadFailed, ServiceError
-from app.metrics import ROLLOUT_ROLE
+from app.metrics import ROLLOUT_CANDIDATE_REFUSED, ROLLOUT_ROLE
 from models.export.checks import ModelLoadError, resolve_device
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ class Applier:
         self.routes = RoutingTable()
         self.states = VersionStates()  # versions loading, retiring, refused
         self.evidence = Evidence()  # this worker's rollout comparisons and traffic per version
+        self._refused_candidates: dict[str, str] = {}  # model -> the refused candidate its rollout goes on without
         self._lock = threading.Lock()  # one change at a time: a call, the poll, the rules or another worker's
 
     @property
@@ -86,7 +87,7 @@ class Applier:
         fresh: list[LoadedVersion] = []
         try:
             for version in sorted(set(wanted) - set(current), key=order_key):
-                fresh.append(self._load(name, version))
+                fresh.append(self._load(name, version, fresh))
         except BaseException:
             for loaded in fresh:
                 self._retire(loaded, wait=True)
@@ -98,6 +99,7 @@ class Applier:
                      entry["default"])
         else:
             replaced = self.routes.remove(name)
+            self._show_refused_candidate(name, entry)
         for loaded in replaced:
             self._retire(loaded, wait=not wanted)  # an unload returns once they are freed
         if not wanted and replaced:
@@ -117,12 +119,24 @@ class Applier:
         for version in {*chosen, *(v.version for v in replaced)}:
             for role in ROLES:
                 ROLLOUT_ROLE.labels(name, version, role).set(int(roles.get(version) == role))
+        self._show_refused_candidate(name, entry)
         return replaced
 
-    def _load(self, name: str, version: str) -> LoadedVersion:
+    def _show_refused_candidate(self, name: str, entry: ModelEntry) -> None:
+        """visionserve_rollout_candidate_refused: 1 for the candidate ``name``'s rollout goes on without (it cannot
+        load: ``plan`` left it out), 0 for the one before."""
+        refused = ((entry.get("rollout") or {}).get("candidate_refused") or {}).get("version")
+        before = self._refused_candidates.pop(name, None)
+        if before is not None and before != refused:
+            ROLLOUT_CANDIDATE_REFUSED.labels(name, before).set(0)
+        if refused is not None:
+            self._refused_candidates[name] = refused
+            ROLLOUT_CANDIDATE_REFUSED.labels(name, refused).set(1)
+
+    def _load(self, name: str, version: str, fresh: list[LoadedVersion]) -> LoadedVersion:
         try:
             with self.states.loading((name, version)):
-                self._check_memory(name, version)
+                self._check_memory(name, version, fresh)
                 device = self.device
                 before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
                 loaded = start_version(self.settings, self.source.load(name, version))
@@ -140,16 +154,23 @@ class Applier:
 
     def known_refused(self, name: str, version: str) -> bool:
         """Whether ``version`` was refused and its files have not changed since (so it is left out)."""
-        stamp = self.states.refused_at((name, version))
-        try:
-            return stamp is not None and stamp == self.source.stamp(name, version)
-        except OSError:
-            return True
+        return self.refusal(name, version) is not None
 
-    def _check_memory(self, name: str, version: str) -> None:
+    def refusal(self, name: str, version: str) -> str | None:
+        """Why ``version`` was refused, while its files have not changed since (None: not refused, or changed)."""
+        refusal = self.states.refusal((name, version))
+        if refusal is None:
+            return None
+        try:
+            return refusal[1] if refusal[0] == self.source.stamp(name, version) else None
+        except OSError:  # its files are gone or unreadable: still left out
+            return refusal[1]
+
+    def _check_memory(self, name: str, version: str, fresh: list[LoadedVersion]) -> None:
         # Twice the weights file: the loaded weights, and as much again for the load's copy and warm-up activations.
+        # What is held: the routed versions, the retiring ones, and those this apply loaded before (not routed yet).
         need = 2 * self.source.size_bytes(name, version)
-        held = self.routes.all_versions() + self.states.retiring_versions()
+        held = self.routes.all_versions() + self.states.retiring_versions() + fresh
         loaded = sum(v.device_memory_bytes or v.predictor.weights_bytes for v in held)
         check_fits(f"{name} version {version}", need, self.device, loaded, self.settings.model_memory_limit_mb,
                    self.settings.memory_reserve_mb)

@@ -14,6 +14,7 @@ from typing import Any, Callable
 from app.engine.rollouts.entry import ModelEntry
 from app.engine.rollouts.evidence import merged, traffic_p99_ms
 from app.engine.rollouts.plan import promoted, rolled_back
+from app.engine.rollouts.policy import order_key
 from app.engine.rollouts.rules import has_rules, judge, roles_of, summary
 from app.engine.versions.apply import Applier
 from app.engine.versions.sync import WorkerSync
@@ -23,10 +24,10 @@ from app.metrics import ROLLOUT_CHANGES
 log = logging.getLogger(__name__)
 
 
-# A call naming no version: the version it means, and what the error says when there is none (with an example).
-_UNNAMED: dict[str, tuple[Callable[[ModelEntry], str | None], str, str]] = {
-    "promote": (lambda entry: (entry.get("rollout") or {}).get("candidate"), "rollout candidate to promote", "3"),
-    "rollback": (lambda entry: entry.get("previous_default"), "previous default to roll back to", "1"),
+# A call naming no version: the version it means, and what the error calls it when there is none.
+_UNNAMED: dict[str, tuple[Callable[[ModelEntry], str | None], str]] = {
+    "promote": (lambda entry: (entry.get("rollout") or {}).get("candidate"), "rollout candidate to promote"),
+    "rollback": (lambda entry: entry.get("previous_default"), "previous default to roll back to"),
 }
 
 
@@ -50,15 +51,33 @@ class RolloutChanges:
     def _by_call(self, name: str, action: str, version: str | None) -> ModelEntry:
         with self.applier.changing():
             entry = self._entry_of(name)
-            meant, missing, example = _UNNAMED[action]
+            meant, missing = _UNNAMED[action]
             target = version or meant(entry)
             if target is None:
-                raise Conflict(f"model {name!r} has no {missing}; name a version ({{\"version\": \"{example}\"}})")
+                raise self._nothing_meant(name, entry, action, missing)
             if target not in self.applier.source.versions(name):
                 raise NotFound(f"model {name!r} has no version {target!r} in the repository")
             generation, changed = self._change(name, entry, action, target, "by a call")
         self.sync.wait_for_workers(generation)
         return changed
+
+    def _nothing_meant(self, name: str, entry: ModelEntry, action: str, missing: str) -> Conflict:
+        """The 409 of a call naming no version when the model has none it means: the versions the call could name
+        instead (promote: any other that can load, rolled-back ones too; rollback: older ones that can load and
+        were not rolled back), newest first, with the first as the example; or that there is none."""
+        live, rolled = entry["default"], entry.get("rolled_back", [])
+        others = [v for v in sorted(self.applier.source.versions(name), key=order_key, reverse=True)
+                  if v != live and not self.applier.known_refused(name, v)]
+        if action == "rollback":
+            others = [v for v in others if order_key(v) < order_key(live) and v not in rolled]
+        if not others:
+            which = "but" if action == "promote" else "older than"
+            return Conflict(f"model {name!r} has no {missing}, and no version {which} the live {live} that could "
+                            "serve", details={"versions": []})
+        listed = ", ".join(f"{v} (rolled back)" if v in rolled else v for v in others)
+        example = next((v for v in others if v not in rolled), others[0])
+        return Conflict(f"model {name!r} has no {missing}; name one of its versions {listed} "
+                        f"({{\"version\": \"{example}\"}})", details={"versions": others})
 
     def _entry_of(self, name: str) -> ModelEntry:
         entry = self.sync.read()[1].get(name)

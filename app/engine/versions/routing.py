@@ -25,7 +25,7 @@ class Route:
     off the response path (a shadow), if any."""
 
     version: LoadedVersion
-    role: str  # live (the default), canary, or version (named by the request)
+    role: str  # live (the default), canary (the rollout's candidate, its share), or named (the request named it)
     shadow: LoadedVersion | None = None
 
 
@@ -95,7 +95,7 @@ class RoutingTable:
         loaded = self._find(name, version)
         candidate = self._candidates.get(loaded.name)
         if version is not None or candidate is None or candidate.version not in self._routes[loaded.name]:
-            return Route(loaded, "live" if version is None else "version")
+            return Route(loaded, "live" if version is None else "named")
         other = self._routes[loaded.name][candidate.version]
         if takes_canary(candidate.canary_percent, loaded.name, client_key, self._draw.random()):
             return Route(other, "canary")

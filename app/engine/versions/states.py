@@ -51,11 +51,10 @@ class VersionStates:
         with self._lock:
             self._refused[key] = (stamp, reason)
 
-    def refused_at(self, key: Key) -> Stamp | None:
-        """The stamp ``key`` was refused at, if it was."""
+    def refusal(self, key: Key) -> tuple[Stamp, str] | None:
+        """The stamp ``key`` was refused at and why, if it was."""
         with self._lock:
-            refused = self._refused.get(key)
-        return refused[0] if refused else None
+            return self._refused.get(key)
 
     def retiring(self, loaded: LoadedVersion) -> None:
         """``loaded`` left the routing table and finishes its requests."""

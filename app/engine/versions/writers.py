@@ -173,17 +173,28 @@ class Writers:
 
     def _serve_loadable(self, name: str, config: Any = None, current: ModelEntry | None = None) -> ModelEntry | None:
         """``name`` as its policy picks among the versions not refused, applied here; a version refused on the way
-        is left out and the policy picks again. None when no version is left (what serves keeps serving)."""
+        is left out and the policy picks again (a rollout candidate refused: the live version serves without one).
+        None when no version is left (what serves keeps serving)."""
+        left_out: dict[str, str] = {}  # a candidate that failed for a reason not remembered (memory): this time
         while True:
-            entry = self._wanted(name, config, current)
+            entry = self._wanted(name, config, current, left_out)
             if not entry["versions"]:
                 return None
             try:
                 self.applier.apply(name, entry)
-                return entry
-            except ServiceError:
-                if not any(self.applier.known_refused(name, v) for v in entry["versions"]):
-                    raise  # no version was refused: trying again would fail the same way
+            except ServiceError as exc:
+                if any(self.applier.known_refused(name, v) for v in entry["versions"]):
+                    continue  # the policy picks again without it
+                candidate = (entry.get("rollout") or {}).get("candidate")
+                if candidate is None or candidate in left_out:
+                    raise  # no version was refused and no candidate is left to blame: it would fail the same way
+                left_out[candidate] = exc.message  # the live version serves without it
+                continue
+            refused = (entry.get("rollout") or {}).get("candidate_refused")
+            if refused and refused != ((current or {}).get("rollout") or {}).get("candidate_refused"):
+                log.warning("%s: rollout candidate %s refused (%s); version %s serves without a candidate", name,
+                            refused["version"], refused["reason"], entry["default"])
+            return entry
 
     def _name_default_model(self) -> None:
         """The model requests naming none get: DEFAULT_MODEL, else the one the repository names."""
@@ -193,15 +204,18 @@ class Writers:
             log.warning("no default model: %s", exc)
             self.applier.routes.named_default = None
 
-    def _wanted(self, name: str, config: Any = None, current: ModelEntry | None = None) -> ModelEntry:
+    def _wanted(self, name: str, config: Any = None, current: ModelEntry | None = None,
+                left_out: dict[str, str] | None = None) -> ModelEntry:
         """What ``name``'s policy and rollout (under a load call's ``config``) pick from the repository now, given
         its entry now (``current``): its versions, default and candidate, and the call's config with the
-        policy.json it was given over (the pure step: app/engine/rollouts/plan.plan)."""
+        policy.json it was given over (the pure step: app/engine/rollouts/plan.plan). The versions refused before
+        (and unchanged since) and those ``left_out`` (version -> why) are not picked."""
         available = self.source.versions(name)
         if not available:
             raise NotFound(f"the repository has no model {name!r}; it has: {', '.join(self.source.models()) or 'none'}",
                            details={"models": self.source.models()})
-        available = [v for v in available if not self.applier.known_refused(name, v)]  # until their files change
+        refused = {v: why for v in available if (why := self.applier.refusal(name, v) or (left_out or {}).get(v))}
+        available = [v for v in available if v not in refused]  # until their files change
         try:
             own = self.source.policy(name)
             if isinstance(config, (str, bytes)):
@@ -210,7 +224,7 @@ class Writers:
                 except ValueError as exc:
                     raise PolicyError(f"the config is not JSON: {exc}") from None
             policy = VersionPolicy.layered(self.settings.version_policy, own, config)
-            entry = plan(policy, RolloutPolicy.layered(self.settings, own, config), available, current)
+            entry = plan(policy, RolloutPolicy.layered(self.settings, own, config), available, current, refused)
         except PolicyError as exc:
             raise BadRequest(f"model {name!r}: {exc}") from None
         watch = entry.get("watch")

@@ -1,0 +1,261 @@
+"""The engine as an HTTP worker sees it when the engine runs in a process of its own (``ENGINE=process``, the default
+under gunicorn): the same face as ``app.engine.service.Service`` (``admit`` -> a call whose ``infer`` answers a
+``Served``, ``catalog``, readiness, draining), reached over the engine's Unix socket (app/engine/wire.py,
+app/engine/process.py). Never imports torch: the worker keeps everything HTTP (routes, parsing, auth, admission,
+drain, the access log) and nothing of the model.
+
+Each request thread keeps one connection; a connection that fails is dropped and the next request makes a new one.
+An engine that dies fails the requests in flight with 503 and Retry-After (the master restarts it); until it is
+back, requests get 503 ``not_ready``.
+
+Readiness is the server's, not this worker's alone: ready once the engine is ready, this worker is not draining,
+and every worker of the server reached the engine (each marks ``http-<pid>.ready`` in CONTROL_DIR; the master
+removes a dead worker's mark), so after the first 200 of ``/readyz`` no worker answers ``not_ready``.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+from app.config import Settings
+from app.engine.batching.arrivals import InFlight
+from app.engine.contract import NOT_READY_RETRY_S, Served, Signature
+from app.engine.wire import CATALOG_CALLS, EngineGone, connect, engine_failure, receive, send, socket_path
+from app.errors import ClientGone, DeadlineExceeded, LoadFailed, NotReady, ServiceError, retry_after_header
+
+log = logging.getLogger(__name__)
+CONNECT_TIMEOUT_S = 2.0
+CLIENT_CHECK_S = 0.05  # how often a waiting request looks whether its client is still connected
+ANSWER_GRACE_S = 5.0  # beyond a request's own deadline (which the engine enforces), how long to wait for its answer
+STATE_TTL_S = 0.2  # readiness asked of the engine at most this often
+WAIT_S = 0.1  # while starting, how often to look for the engine
+
+
+def ready_mark(control_dir: Path, pid: int) -> Path:
+    """The file a worker writes once it reaches a ready engine."""
+    return control_dir / f"http-{pid}.ready"
+
+
+def _unavailable(why: str) -> NotReady:
+    return NotReady(why, headers=retry_after_header(NOT_READY_RETRY_S))
+
+
+class RemoteCall:
+    """A request admitted by the engine: ``model`` to parse with, ``infer`` to run its images there."""
+
+    def __init__(self, conn: socket.socket, model: Signature, drop: Callable[[], None]) -> None:
+        self.model, self._conn, self._drop = model, conn, drop
+        self.sent = False  # the images went to the engine (the admission then ends with its answer)
+
+    def infer(self, images: Sequence[bytes] = (), tensors: Sequence[Any] = (), *, timeout_s: float,
+              names: Sequence[str | None] = (), client_gone: Callable[[], bool] | None = None) -> Served:
+        """As ``Call.infer``: the images go to the engine as they are, the answer comes back; a client that hangs
+        up drops its queued images there (the connection closes, which the engine watches)."""
+        options = {"timeout_s": timeout_s, "names": list(names), "tensors": list(tensors)}
+        try:
+            send(self._conn, ("infer", options), images)
+            self.sent = True
+            self._wait(timeout_s + ANSWER_GRACE_S, client_gone)
+            status, value = receive(self._conn)[0]
+        except (EngineGone, OSError):
+            self._drop()
+            raise _unavailable("the engine stopped while answering this request; it is restarting") from None
+        if status == "error":
+            raise value
+        return value
+
+    def _wait(self, limit_s: float, client_gone: Callable[[], bool] | None) -> None:
+        until = time.monotonic() + limit_s
+        while not select.select([self._conn], [], [], CLIENT_CHECK_S if client_gone else limit_s)[0]:
+            if client_gone is not None and client_gone():
+                self._drop()  # the engine sees the connection close and drops the queued images
+                raise ClientGone("the client closed the connection; its queued images are dropped")
+            if time.monotonic() >= until:
+                self._drop()
+                raise DeadlineExceeded(f"no answer from the engine within {limit_s:g}s")
+
+
+class RemoteCatalog:
+    """``Catalog``'s calls (app/engine/catalog.py), answered by the engine."""
+
+    def __init__(self, ask: Callable[[tuple[Any, ...]], Any]) -> None:
+        self._ask = ask
+
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        if method not in CATALOG_CALLS:
+            raise AttributeError(method)
+        return lambda *args, **kwargs: self._ask(("catalog", method, args, kwargs))
+
+
+class RemoteService:
+    """``Service``'s face in an HTTP worker, over the engine process at ``slot``."""
+
+    def __init__(self, settings: Settings, slot: int) -> None:
+        assert settings.control_dir is not None, "ENGINE=process needs CONTROL_DIR (gunicorn.conf.py sets it)"
+        self.settings, self.slot = settings, slot
+        self.control_dir: Path = settings.control_dir
+        self.path = socket_path(self.control_dir, slot)
+        self.in_flight = InFlight()  # requests admitted here and not yet answered
+        self.catalog = RemoteCatalog(self._ask)
+        self._local = threading.local()  # each request thread's connection
+        self._started = threading.Event()  # the engine answered ready once
+        self._draining = threading.Event()
+        self._state: tuple[float, dict[str, bool]] = (0.0, {})
+
+    @classmethod
+    def start(cls, settings: Settings, slot: int, on_error: Callable[[BaseException], None]) -> "RemoteService":
+        """A service that answers now and waits on a thread for the engine to be ready; ``on_error`` gets the
+        engine's boot failure (a model that cannot be served)."""
+        service = cls(settings, slot)
+        threading.Thread(target=service._wait_for_engine, args=(on_error,), name="engine-wait", daemon=True).start()
+        return service
+
+    def _wait_for_engine(self, on_error: Callable[[BaseException], None]) -> None:
+        failure = engine_failure(self.control_dir, self.slot)
+        while not self._started.is_set():
+            if failure.is_file():
+                on_error(LoadFailed(failure.read_text(encoding="utf-8")))
+                return
+            if self._engine_state(fresh=True).get("ready"):
+                ready_mark(self.control_dir, os.getpid()).touch()
+                self._started.set()
+                log.info("ready to serve (engine %d)", self.slot)
+                return
+            time.sleep(WAIT_S)
+
+    # -- talking to the engine -------------------------------------------------------------------------------------
+
+    def _connection(self) -> socket.socket:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = connect(self.path, CONNECT_TIMEOUT_S)
+        return conn
+
+    def _drop(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.close()
+
+    def _exchange(self, header: tuple[Any, ...]) -> Any:
+        """One question and its answer on this thread's connection; NotReady when the engine is away."""
+        try:
+            conn = self._connection()
+            send(conn, header)
+            status, value = receive(conn)[0]
+        except (EngineGone, OSError):
+            self._drop()
+            raise _unavailable("the engine is not reachable; it is starting or restarting") from None
+        if status == "error":
+            raise value
+        return value
+
+    def _ask(self, header: tuple[Any, ...]) -> Any:
+        self.require_loaded()
+        return self._exchange(header)
+
+    def _engine_state(self, fresh: bool = False) -> dict[str, bool]:
+        at, state = self._state
+        if fresh or time.monotonic() - at > STATE_TTL_S:
+            try:
+                state = self._exchange(("state",))
+            except NotReady:
+                state = {}
+            self._state = (time.monotonic(), state)
+        return state
+
+    # -- Service's face --------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def admit(self, name: str | None = None, version: str | None = None,
+              client_key: str | None = None) -> Iterator[RemoteCall]:
+        """As ``Service.admit``: readiness here (draining, starting), then the engine's (routing, its readiness);
+        the request stays admitted there until its images are sent or the protocol refuses its body."""
+        with self.in_flight.inside():
+            self.require_ready()
+            model = self._exchange(("admit", name, version, client_key))
+            call = RemoteCall(self._local.conn, model, self._drop)
+            try:
+                yield call
+            except BaseException as exc:
+                if not call.sent:
+                    self._abort(exc if isinstance(exc, ServiceError) else ServiceError(type(exc).__name__))
+                raise
+            else:
+                if not call.sent:
+                    self._abort(None)
+
+    def _abort(self, error: ServiceError | None) -> None:
+        """End an admission whose images were never sent (the protocol refused the body, or asked nothing)."""
+        try:
+            send(self._connection(), ("abort", error))
+        except (EngineGone, OSError):
+            self._drop()
+
+    @property
+    def loaded(self) -> bool:
+        """The engine loaded its first models and serves at least one."""
+        return self._started.is_set() and bool(self._engine_state().get("loaded"))
+
+    @property
+    def alive(self) -> bool:
+        """The engine's batchers run (an engine being restarted by the master does not make this worker dead)."""
+        state = self._engine_state()
+        return state.get("alive", True) if state else True
+
+    @property
+    def ready(self) -> bool:
+        """The engine is ready, this worker is not draining, and every worker of the server reached the engine."""
+        return (self._started.is_set() and not self._draining.is_set() and bool(self._engine_state().get("ready"))
+                and self._all_workers_ready())
+
+    def _all_workers_ready(self) -> bool:
+        workers = self.settings.workers or 1
+        return len(list(self.control_dir.glob("http-*.ready"))) >= workers
+
+    @property
+    def draining(self) -> bool:
+        """True once this worker's shutdown has begun."""
+        return self._draining.is_set()
+
+    def begin_drain(self) -> None:
+        """Turn this worker's readiness off; its accepted requests still complete."""
+        self._draining.set()
+        ready_mark(self.control_dir, os.getpid()).unlink(missing_ok=True)
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """This worker is going away: nothing of the engine is its to stop."""
+        self.begin_drain()
+
+    def wait_drained(self, min_s: float, max_s: float) -> bool:
+        """As ``Service.wait_drained``, for this worker's requests."""
+        started = time.monotonic()
+        time.sleep(min(min_s, max_s))
+        while self.in_flight.count() and time.monotonic() - started < max_s:
+            time.sleep(0.05)
+        return self.in_flight.count() == 0
+
+    def wait_loaded(self, timeout_s: float) -> None:
+        """Wait for the engine (``timeout_s`` at most), then as ``require_loaded``."""
+        self._started.wait(timeout_s)
+        self.require_loaded()
+
+    def require_loaded(self) -> None:
+        """NotReady (503 with Retry-After) until the engine has answered ready once."""
+        if not self._started.is_set():
+            raise _unavailable("the model is still loading")
+
+    def require_ready(self) -> None:
+        """NotReady unless new work can be accepted here (the engine checks its own readiness at admission)."""
+        if self.draining:  # the client should go elsewhere: this connection will not serve it again
+            raise NotReady("the server is shutting down",
+                           headers={**retry_after_header(NOT_READY_RETRY_S), "Connection": "close"})
+        self.require_loaded()

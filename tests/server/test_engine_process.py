@@ -1,0 +1,132 @@
+"""ENGINE=process on the CPU: the HTTP workers never load torch, one engine process serves them all, an engine
+killed under load fails its requests in flight with 503 and Retry-After and is restarted, and readiness holds for
+every worker; an engine that cannot load its model stops the server with the message."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+import requests
+
+from harness.servers import Running
+from tests.support.imaging import RED, image_bytes
+from tests.support.servers import serve
+
+IMAGE = image_bytes(RED, size=(160, 120))
+
+
+@pytest.fixture(scope="module")
+def server(small_weights: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    server = serve(small_weights, tmp_path_factory.mktemp("engine"), engine="process", workers="2",
+                   max_wait_ms="5").wait_ready()
+    yield server
+    server.stop()
+
+
+def _children(server: Running) -> dict[int, str]:
+    """The master's children: pid -> command line."""
+    return {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            for pid in server.worker_pids()}
+
+
+def _engine_pid(server: Running) -> int:
+    (pid,) = [pid for pid, command in _children(server).items() if "app.engine.process" in command]
+    return pid
+
+
+def _predict(server: Running, timeout_s: float = 30) -> requests.Response:
+    return requests.post(f"{server.url}/predict", data=IMAGE, headers={"Content-Type": "image/jpeg"},
+                         timeout=timeout_s)
+
+
+def test_http_workers_never_load_torch_and_one_engine_serves_them(server: Running) -> None:
+    children = _children(server)
+    workers = [pid for pid, command in children.items() if "app.engine.process" not in command]
+    assert len(workers) == 2 and len(children) == 3
+    for pid in workers:
+        assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text(), f"worker {pid} loaded torch"
+    assert "libtorch" in Path(f"/proc/{_engine_pid(server)}/maps").read_text()
+    answers = [_predict(server) for _ in range(6)]
+    assert all(a.status_code == 200 for a in answers) and {a.json()["model"]["name"] for a in answers} == {"small"}
+    models = requests.get(f"{server.url}/v1/models", timeout=30).json()
+    assert [m["name"] for m in models["models"]] == ["small"] and len(models["workers"]) == 1  # the engine
+    v2 = requests.post(f"{server.url}/v2/models/small/infer", timeout=30, json={"inputs": [
+        {"name": "images", "datatype": "BYTES", "shape": [1], "data": [__import__("base64").b64encode(IMAGE).decode()]}],
+        "parameters": {"binary_data_output": False}})
+    assert v2.status_code == 200 and v2.json()["outputs"][0]["shape"] == [1, 10]
+    assert requests.post(f"{server.url}/predict?model=nope", data=IMAGE, timeout=30,
+                         headers={"Content-Type": "image/jpeg"}).status_code == 404  # refused by the engine
+    assert requests.post(f"{server.url}/predict", data=b"not an image", timeout=30,
+                         headers={"Content-Type": "image/jpeg"}).status_code == 400
+
+
+def test_an_engine_killed_under_load_fails_its_requests_with_503_and_comes_back(server: Running) -> None:
+    statuses: Counter[int] = Counter()
+    retry_after: set[str | None] = set()
+    stop = threading.Event()
+
+    def load(_: int) -> None:
+        while not stop.is_set():
+            try:
+                answer = _predict(server, timeout_s=60)
+            except requests.RequestException as exc:  # nothing may hang or drop the connection
+                statuses[type(exc).__name__] += 1  # type: ignore[index]
+                continue
+            statuses[answer.status_code] += 1
+            if answer.status_code != 200:
+                retry_after.add(answer.headers.get("Retry-After"))
+
+    with ThreadPoolExecutor(8) as pool:
+        running = [pool.submit(load, i) for i in range(8)]
+        time.sleep(1.0)
+        os.kill(_engine_pid(server), signal.SIGKILL)
+        time.sleep(2.0)
+        stop.set()
+        for future in running:
+            future.result(timeout=120)
+    assert set(statuses) <= {200, 503}, statuses  # only answers: no 500, no hang, no reset
+    assert statuses[200] > 0 and statuses[503] > 0 and retry_after == {"5"}
+    deadline = time.monotonic() + 120
+    while _predict(server).status_code != 200:  # the master restarts the engine
+        assert time.monotonic() < deadline, server.output()[-3000:]
+        time.sleep(0.5)
+    assert requests.get(f"{server.url}/readyz", timeout=10).status_code == 200
+    assert "engine 0 (pid" in server.output() and "restarting it" in server.output()
+
+
+def test_after_the_first_ready_no_request_is_refused_as_not_ready(small_weights: Path,
+                                                                  start_server: Callable[..., Running]) -> None:
+    for engine in ("process", "inline"):
+        server = start_server(small_weights, engine=engine, workers="3")
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if requests.get(f"{server.url}/readyz", timeout=5).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            assert time.monotonic() < deadline and server.process.poll() is None, server.output()[-3000:]
+            time.sleep(0.05)
+        with ThreadPoolExecutor(8) as pool:  # new connections, so every worker takes some
+            codes = Counter(pool.map(lambda _: requests.post(
+                f"{server.url}/predict", data=IMAGE, headers={"Content-Type": "image/jpeg", "Connection": "close"},
+                timeout=60).status_code, range(60)))
+        assert codes == Counter({200: 60}), (engine, codes)
+        server.stop()
+
+
+def test_an_engine_that_cannot_load_its_model_stops_the_server_with_the_reason(
+        tmp_path: Path, start_server: Callable[..., Running]) -> None:
+    broken = tmp_path / "weights"
+    broken.mkdir()
+    (broken / "manifest.json").write_text("{not json", encoding="utf-8")
+    server = start_server(broken, engine="process", workers="2")
+    assert server.process.wait(timeout=120) != 0
+    assert "manifest" in server.output() and "cannot serve" in server.output()
