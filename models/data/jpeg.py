@@ -4,6 +4,7 @@ path and training's GPU data path)."""
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 from typing import Sequence
 
@@ -47,12 +48,42 @@ def decode_jpeg_cpu(data: bytes, header: Image.Image, min_side: int) -> torch.Te
     return torch.from_numpy(_upright(pixels, _turn(header))).permute(2, 0, 1)
 
 
-def _turn(header: Image.Image) -> tuple[bool, bool, bool] | None:
+def orientation(header: Image.Image) -> int:
+    """The EXIF orientation PIL would apply to an image whose header it read (1: none, or one it cannot read)."""
     try:
-        return _TURNS.get(header.getexif().get(_ORIENTATION, 1))
+        value = header.getexif().get(_ORIENTATION, 1)
     except Exception:  # noqa: BLE001 - a broken EXIF block should not lose an otherwise good photo (as with PIL)
         log.debug("ignoring unreadable EXIF orientation", exc_info=True)
-        return None
+        return 1
+    return value if value in _TURNS else 1
+
+
+def _turn(header: Image.Image) -> tuple[bool, bool, bool] | None:
+    return _TURNS.get(orientation(header))
+
+
+def turned(pixels: torch.Tensor, exif_orientation: int) -> torch.Tensor:
+    """(C, H, W) pixels on any device turned upright for ``exif_orientation``, as PIL's exif_transpose does (a view
+    where it can be)."""
+    turn = _TURNS.get(exif_orientation)
+    if turn is None:
+        return pixels
+    transpose, flip_rows, flip_columns = turn
+    if transpose:
+        pixels = pixels.transpose(1, 2)
+    if flip_rows:
+        pixels = pixels.flip(1)
+    if flip_columns:
+        pixels = pixels.flip(2)
+    return pixels
+
+
+def _orientation_of(encoded: torch.Tensor) -> int:
+    try:
+        with Image.open(io.BytesIO(encoded.numpy().tobytes())) as header:
+            return orientation(header)
+    except Exception:  # noqa: BLE001 - not even a header: the decoder says why
+        return 1
 
 
 def _upright(pixels: np.ndarray, turn: tuple[bool, bool, bool] | None) -> np.ndarray:
@@ -88,7 +119,9 @@ def _decode(encoded: torch.Tensor | list[torch.Tensor], device: torch.device) ->
     caller = torch.cuda.current_stream(device) if cuda else None
     stream = _DECODE_STREAMS.setdefault(device, torch.cuda.Stream(device)) if cuda else None
     with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
-        out = decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device, apply_exif_orientation=True)
+        # EXIF is applied by ``turned`` after: torchvision's CUDA decode ignores apply_exif_orientation (a 500x300
+        # photo with orientation 6 came back 500 wide on CUDA, 300 on the CPU), so no device is trusted with it.
+        out = decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device, apply_exif_orientation=False)
     images = out if isinstance(out, list) else [out]
     if caller is not None and stream is not None:
         caller.wait_stream(stream)
@@ -97,19 +130,23 @@ def _decode(encoded: torch.Tensor | list[torch.Tensor], device: torch.device) ->
     return images
 
 
-def decode_jpegs(encoded: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
-    """Each encoded JPEG (a 1-D uint8 CPU tensor) as upright RGB uint8 (C, H, W) on ``device``, in one batched call;
-    None for those the decoder refuses (the caller decodes them on the CPU and says why if it cannot either)."""
+def decode_jpegs(encoded: Sequence[torch.Tensor], device: torch.device,
+                 orientations: Sequence[int] | None = None) -> list[torch.Tensor | None]:
+    """Each encoded JPEG (a 1-D uint8 CPU tensor) as upright RGB uint8 (C, H, W) on ``device``, in one batched call,
+    turned by its EXIF orientation (``orientations``, as ``orientation`` read them from the headers; None: read
+    here); None for those the decoder refuses (the caller decodes them on the CPU and says why if it cannot
+    either)."""
     if not encoded:
         return []
+    turns = list(orientations) if orientations is not None else [_orientation_of(e) for e in encoded]
     try:
-        return list(_decode(list(encoded), device))
+        return [turned(pixels, turn) for pixels, turn in zip(_decode(list(encoded), device), turns)]
     except RuntimeError as exc:  # one bad image fails the batched call: decode them one by one instead
         log.debug("batched JPEG decoding failed, decoding one at a time: %s", exc)
     out: list[torch.Tensor | None] = []
-    for data in encoded:
+    for data, turn in zip(encoded, turns):
         try:
-            out.append(_decode(data, device)[0])
+            out.append(turned(_decode(data, device)[0], turn))
         except RuntimeError:
             out.append(None)
     return out

@@ -226,3 +226,40 @@ def test_a_batch_may_mix_encoded_images_and_preprocessed_pixels(predictor) -> No
     red_pixels = predictor.tensor_transform(decode_tensor(image_bytes(RED), LIMITS))
     probabilities = predictor.predict_batch(decoder.collate([decoder.prepare(image_bytes(BLUE)), red_pixels]))
     assert probabilities.argmax(dim=1).tolist() == [2, 0]  # blue, red: in their order
+
+
+def _turned_photos() -> list[bytes]:
+    """A non-square photo with each EXIF orientation (0: none; 9: not an orientation, left as stored)."""
+    astronaut = Image.fromarray(np.asarray(skimage.data.astronaut())[:300, :200])
+    photos = []
+    for orientation in range(10):
+        exif = Image.Exif()
+        if orientation:
+            exif[0x0112] = orientation
+        photos.append(encode(astronaut, "JPEG", quality=95, exif=exif.tobytes()))
+    return photos
+
+
+def _device_batch(photos: list[bytes], device: torch.device) -> list[torch.Tensor]:
+    """The device path's decode of a batch: the orientation read with each header, the pixels turned after."""
+    from app.engine.decoding.device import _jpegs_on, check_header
+
+    decoded = _jpegs_on(device, [check_header(data, LIMITS) for data in photos])
+    return [decoded[i].cpu() for i in range(len(photos))]
+
+
+def test_the_device_path_turns_every_exif_orientation_as_pil_does() -> None:
+    # The turn is applied after the decode on every device (torchvision's CUDA decode ignores EXIF), so this CPU
+    # run checks the same code that turns the pixels on a GPU.
+    photos = _turned_photos()
+    for orientation, (data, pixels) in enumerate(zip(photos, _device_batch(photos, torch.device("cpu")))):
+        assert torch.equal(pixels, decode_tensor(data, LIMITS)), orientation
+
+
+@pytest.mark.gpu
+def test_on_cuda_exif_rotated_photos_get_the_cpu_paths_pixels() -> None:
+    photos = _turned_photos()
+    for orientation, (data, pixels) in enumerate(zip(photos, _device_batch(photos, torch.device("cuda")))):
+        expected = decode_tensor(data, LIMITS)
+        assert pixels.shape == expected.shape, orientation  # before: (3, 300, 200) turned 90 degrees came back as is
+        assert (pixels.float() - expected.float()).abs().mean() < 2.0, orientation  # nvJPEG's IDCT differs a little

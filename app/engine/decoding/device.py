@@ -2,8 +2,9 @@
 the encoded bytes; the batch worker decodes the whole batch on the model's device and preprocesses it there, in
 the model's dtype, right before the forward pass.
 
-On CUDA the batch's JPEGs go to nvJPEG in one batched ``decode_jpeg(list, device="cuda")`` call, EXIF orientation
-applied; a JPEG nvJPEG refuses (and every PNG, WebP, GIF, BMP) is decoded on the CPU for that image alone, and its
+On CUDA the batch's JPEGs go to nvJPEG in one batched ``decode_jpeg(list, device="cuda")`` call, then each is
+turned by the EXIF orientation read with its header (nvJPEG ignores it; the same turn runs on the CPU, so CI tests
+it); a JPEG nvJPEG refuses (and every PNG, WebP, GIF, BMP) is decoded on the CPU for that image alone, and its
 pixels join the batch through pinned memory with a non-blocking copy. On the CPU the same code runs with
 libjpeg-turbo, which is how CI tests it. The resize, crop and normalisation are ``TensorEvalTransform`` (one image
 at a time: sizes differ) and the images of a batch are stacked once on the device.
@@ -17,7 +18,7 @@ import torch
 
 from app.engine.decoding.image import DecodeLimits, is_jpeg, open_checked
 from app.engine.decoding.tensor import decode_tensor
-from models.data.jpeg import decode_jpegs
+from models.data.jpeg import decode_jpegs, orientation
 from models.presets import TensorEvalTransform
 
 
@@ -28,18 +29,22 @@ class Encoded:
     data: bytes
     jpeg: bool
     limits: DecodeLimits
+    orientation: int = 1  # EXIF, read with the header: the device decode turns the pixels by it
 
 
 def check_header(data: bytes, limits: DecodeLimits) -> Encoded:
     """Read the header only and check every limit (InvalidImage, ImageTooLarge, UnsupportedImageFormat)."""
-    return Encoded(data, is_jpeg(open_checked(data, limits)), limits)
+    header = open_checked(data, limits)
+    jpeg = is_jpeg(header)
+    return Encoded(data, jpeg, limits, orientation(header) if jpeg else 1)
 
 
 def _jpegs_on(device: torch.device, items: Sequence[Encoded]) -> dict[int, torch.Tensor]:
     """The batch's JPEGs decoded on ``device`` in one call, by position; those it refuses are left out."""
     positions = [i for i, item in enumerate(items) if item.jpeg]
     encoded = [torch.frombuffer(bytearray(items[i].data), dtype=torch.uint8) for i in positions]
-    return {i: pixels for i, pixels in zip(positions, decode_jpegs(encoded, device)) if pixels is not None}
+    turns = [items[i].orientation for i in positions]
+    return {i: pixels for i, pixels in zip(positions, decode_jpegs(encoded, device, turns)) if pixels is not None}
 
 
 def decode_batch(items: Sequence[Encoded], device: torch.device, transform: TensorEvalTransform,
