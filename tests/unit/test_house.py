@@ -173,7 +173,6 @@ def test_the_server_imports_only_the_serving_contract_of_models() -> None:
 # service.py, call.py and catalog.py, import any wing). docs/architecture.md draws the same order.
 WINGS = ("decoding", "batching", "loaded", "rollouts", "versions")
 ENGINE_FACADE = ("app.engine.service", "app.engine.call", "app.engine.catalog", "app.engine.contract")
-HTTP_SIDE = ("app.remote_engine", "app.web", *PROTOCOLS)  # what runs in an HTTP worker under ENGINE=process
 
 
 def test_engine_is_in_wings_and_they_import_downwards_only() -> None:
