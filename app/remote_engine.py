@@ -175,13 +175,13 @@ class RemoteService:
     # -- Service's face --------------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def admit(self, name: str | None = None, version: str | None = None,
-              client_key: str | None = None) -> Iterator[RemoteCall]:
+    def admit(self, name: str | None = None, version: str | None = None, client_key: str | None = None,
+              images: int = 0, timeout_s: float | None = None) -> Iterator[RemoteCall]:
         """As ``Service.admit``: readiness here (draining, starting), then the engine's (routing, its readiness);
         the request stays admitted there until its images are sent or the protocol refuses its body."""
         with self.in_flight.inside():
             self.require_ready()
-            model = self._exchange(("admit", name, version, client_key))
+            model = self._exchange(("admit", name, version, client_key, images, timeout_s))
             call = RemoteCall(self._local.conn, model, self._drop)
             try:
                 yield call

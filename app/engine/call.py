@@ -70,7 +70,9 @@ class Call:
         for every refusal."""
         if bool(images) == bool(tensors):
             raise BadRequest("the request holds no images" if not images else "send images or tensors, not both")
-        check_image_count(len(images) or len(tensors), self._max_images)
+        count = len(images) or len(tensors)
+        check_image_count(count, self._max_images)
+        check_room(self._version, count, timeout_s)  # before any decode: what the queue would refuse costs nothing
         started_ns = time.time_ns()
         pixels = [torch.as_tensor(t) for t in tensors]
         prepared, decode_s = self._prepare(images, names) if images else (list(pixels), 0.0)
@@ -139,6 +141,15 @@ def _result(future: "Future[BatchResult[torch.Tensor]]", index: int,
         return future.result()
     except ServiceError as exc:  # an image the device path could not decode in its batch
         raise _named(exc, index, names) from None
+
+
+def check_room(version: LoadedVersion, count: int, timeout_s: float) -> None:
+    """Overloaded (429 with Retry-After), ShortDeadline or NotReady unless ``version``'s queue can take ``count``
+    images to be answered within ``timeout_s`` from now."""
+    try:
+        version.batcher.check_room(count, time.monotonic() + timeout_s)
+    except (QueueFull, BatcherClosed, DeadlineTooShort) as exc:
+        raise service_error(exc) from None
 
 
 def service_error(exc: Exception) -> ServiceError:

@@ -102,11 +102,12 @@ class EngineServer:
             return getattr(self.service.catalog, method)(*args, **kwargs)
         raise ValueError(f"unknown engine call {header[0]!r}")
 
-    def _admitted(self, conn: socket.socket, model: str | None, version: str | None, client_key: str | None) -> None:
+    def _admitted(self, conn: socket.socket, model: str | None, version: str | None, client_key: str | None,
+                  images: int, timeout_s: float | None) -> None:
         """One request from admission to its answer, holding the admission while the HTTP side reads the body."""
         aborted = False
         try:
-            with self.service.admit(model, version, client_key) as call:
+            with self.service.admit(model, version, client_key, images, timeout_s) as call:
                 send(conn, ("ok", call.model))
                 header, images = receive(conn)
                 if header[0] == "abort":

@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 
 from app.config import Settings
 from app.engine.batching.arrivals import InFlight
-from app.engine.call import Call
+from app.engine.call import Call, check_room
 from app.engine.contract import NOT_READY_RETRY_S
 from app.engine.catalog import Catalog
 from app.engine.loaded.predictor import Predictor
@@ -155,19 +155,23 @@ class Service:
             raise NotReady("the model is not ready", headers=retry_after_header(NOT_READY_RETRY_S))
 
     @contextlib.contextmanager
-    def admit(self, name: str | None = None, version: str | None = None,
-              client_key: str | None = None) -> Iterator[Call]:
+    def admit(self, name: str | None = None, version: str | None = None, client_key: str | None = None,
+              images: int = 0, timeout_s: float | None = None) -> Iterator[Call]:
         """One request's stay in the engine: readiness, then routing to the version of model ``name`` (None: the
         only one) at ``version`` (None: its default, or its rollout's canary, by ``client_key`` when given) that
         the request keeps to its answer, even if a newer one takes over meanwhile. The protocol parses its body
         with ``call.model``, then ``call.infer``; until then the request counts as on its way, so a forming batch
         may wait for it. Its outcome and time count in the version's traffic. Raises a ServiceError (NotReady,
-        NotFound, BadRequest) when the request cannot be admitted."""
+        NotFound, BadRequest) when the request cannot be admitted. ``images`` (what the request announces, before its
+        body is parsed) with ``timeout_s``: refused at once (429 with Retry-After) when the queue cannot take them
+        in time, so a request the server would refuse anyway costs no parsing and no decode."""
         with self.in_flight.inside():
             self.require_ready()
             with self._routes.acquire(name, version, client_key) as route:
                 loaded, started, outcome = route.version, time.perf_counter(), "refused"
                 try:
+                    if images:
+                        check_room(loaded, images, timeout_s or self.settings.request_timeout_s)
                     with loaded.arrivals.arriving() as arrived:
                         yield Call(loaded, arrived, self.settings.max_images, self._shadow_offer(route))
                     outcome = "ok"

@@ -42,11 +42,12 @@ def predict() -> Response:
     """Classify one or more images."""
     service = current_service()
     settings = service.settings
+    timeout_s = deadline_s(request.headers, settings.request_timeout_s)
+    # Admitted only if the queue could take one image in time: refused before the body is parsed otherwise.
     with service.admit(request.args.get("model"), request.args.get("version"),
-                       client_key(request.headers, settings.client_key_header)) as call:
+                       client_key(request.headers, settings.client_key_header), images=1, timeout_s=timeout_s) as call:
         parsed = parse_predict(request, default_top_k=settings.top_k, num_classes=call.model.num_classes)
-        served = call.infer(parsed.images, names=parsed.names or (), client_gone=client_gone(),
-                            timeout_s=deadline_s(request.headers, settings.request_timeout_s))
+        served = call.infer(parsed.images, names=parsed.names or (), client_gone=client_gone(), timeout_s=timeout_s)
     body = PredictResponse(model=ModelRef(name=served.model, version=served.version),
                            predictions=[_prediction(top, settings.score_digits) for top in served.top_k(parsed.top_k)])
     return annotate(Response(body.model_dump_json(), mimetype="application/json"), served)

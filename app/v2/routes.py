@@ -149,7 +149,10 @@ def _timeout_s(service: Service, infer: InferRequest) -> float:
 def infer(name: str, version: str | None = None) -> Response:
     """Inference through the same stage runner and batcher as /predict."""
     service = current_service()
-    with service.admit(name, version, client_key(request.headers, service.settings.client_key_header)) as call:
+    announced_timeout_s = deadline_s(request.headers, service.settings.request_timeout_s)  # the body may lower it
+    # Admitted only if the queue could take one image in time: refused before the body is parsed otherwise.
+    with service.admit(name, version, client_key(request.headers, service.settings.client_key_header), images=1,
+                       timeout_s=announced_timeout_s) as call:
         if request.content_encoding:
             raise BadRequest(f"Content-Encoding {request.content_encoding!r} is not supported; send the body as is")
         parsed = parse_request(read_body(request), request.headers.get("Inference-Header-Content-Length"))

@@ -8,6 +8,7 @@ import struct
 import threading
 import time
 import zlib
+from unittest import mock
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -196,6 +197,13 @@ def test_full_queue_is_429_with_retry_after(client: FlaskClient, model: ColourMo
     response = client.post("/predict", data=image_bytes(), content_type="image/jpeg")
     error_of(response, 429, "overloaded")
     assert int(response.headers["Retry-After"]) >= 1
+    # Refused before its body is parsed or decoded: a body that is no image at all, or no JSON, is still the
+    # queue's 429, not a 400 after work the server would throw away; and no image reached the decoder.
+    decoder = service.loaded_version().decoder
+    with mock.patch.object(decoder, "prepare", side_effect=AssertionError("decoded under overload")):
+        error_of(client.post("/predict", data=b"not an image", content_type="image/jpeg"), 429, "overloaded")
+        v2 = client.post("/v2/models/colour/infer", data=b"{not json", content_type="application/json")
+        assert v2.status_code == 429 and "queue is full" in v2.get_json()["error"] and v2.headers["Retry-After"]
     model.gate.set()
     assert blocked.result(timeout=10).status_code == 200
     assert all(f.result(timeout=10).batch_size >= 1 for f in queued)

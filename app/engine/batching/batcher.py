@@ -149,22 +149,7 @@ class Batcher(Generic[In, Out]):
         now = time.monotonic()
         pending = [_Pending(item, Future(), now, deadline) for item in items]
         with self._cond:
-            if self._closed:
-                raise BatcherClosed("the inference worker is shutting down")
-            own = self.expected_wait_s(len(pending))
-            if deadline is not None and self.batches_run and now + own > deadline:
-                # No backlog could clear in time for this: retrying the same deadline would fail again.
-                raise DeadlineTooShort(f"the {max(0.0, deadline - now) * 1000:.0f} ms deadline is shorter than "
-                                       f"these {len(pending)} images' own inference (about {own * 1000:.0f} ms)")
-            backlog = len(self._queue) + len(pending)
-            if backlog > self.queue_size:
-                raise QueueFull(f"inference queue is full ({len(self._queue)}/{self.queue_size} waiting)",
-                                retry_after_s=self.expected_wait_s(backlog))
-            wait = self.expected_wait_s(backlog)
-            if deadline is not None and self.batches_run and now + wait > deadline:
-                raise DeadlineUnreachable(f"the queue ahead needs about {wait:.3f}s, more than the "
-                                          f"{max(0.0, deadline - now):.3f}s deadline",
-                                          retry_after_s=self.expected_wait_s(len(self._queue)))
+            self._check_room(len(pending), deadline, now)
             inline = inline and self._may_run_inline(len(pending))
             if inline:
                 self._busy = True
@@ -175,6 +160,32 @@ class Batcher(Generic[In, Out]):
         if inline:
             self._run_inline(pending)
         return [p.future for p in pending]
+
+    def check_room(self, count: int, deadline: float | None = None) -> None:
+        """Raise what ``submit_many`` would raise for ``count`` items with ``deadline`` now, without queueing them:
+        admission asks before a request's body is parsed or its images decoded, so work that will be refused costs
+        nothing (the queue may still fill meanwhile: ``submit_many`` checks again)."""
+        with self._cond:
+            self._check_room(count, deadline, time.monotonic())
+
+    def _check_room(self, count: int, deadline: float | None, now: float) -> None:
+        """Under the lock: BatcherClosed, DeadlineTooShort, QueueFull or DeadlineUnreachable, else nothing."""
+        if self._closed:
+            raise BatcherClosed("the inference worker is shutting down")
+        own = self.expected_wait_s(count)
+        if deadline is not None and self.batches_run and now + own > deadline:
+            # No backlog could clear in time for this: retrying the same deadline would fail again.
+            raise DeadlineTooShort(f"the {max(0.0, deadline - now) * 1000:.0f} ms deadline is shorter than "
+                                   f"these {count} images' own inference (about {own * 1000:.0f} ms)")
+        backlog = len(self._queue) + count
+        if backlog > self.queue_size:
+            raise QueueFull(f"inference queue is full ({len(self._queue)}/{self.queue_size} waiting)",
+                            retry_after_s=self.expected_wait_s(backlog))
+        wait = self.expected_wait_s(backlog)
+        if deadline is not None and self.batches_run and now + wait > deadline:
+            raise DeadlineUnreachable(f"the queue ahead needs about {wait:.3f}s, more than the "
+                                      f"{max(0.0, deadline - now):.3f}s deadline",
+                                      retry_after_s=self.expected_wait_s(len(self._queue)))
 
     def _may_run_inline(self, count: int) -> bool:
         """Called under the lock: no batch runs, none waits, no item is on its way, and these items fit one batch."""
