@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import platform
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -177,8 +177,33 @@ class TensorEvalTransform:
 
     def __init__(self, preset: EvalPreset) -> None:
         self.preset = preset
+        # mean and std per (device, dtype), made once: building them per image on a GPU is a host-to-device copy
+        # (and a wait for the stream) per image
+        self._constants: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        """One decoded image as the model's (C, H, W) float input."""
+        return self.normalize(self.resize_crop(image))
+
+    def batch(self, images: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Decoded images of any sizes as one (N, C, H, W) float batch: each resized and cropped, then scaled and
+        normalised together (one step for the batch, the constants resident on its device)."""
+        return self.normalize(torch.stack([self.resize_crop(image) for image in images]))
+
+    def normalize(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Resized and cropped pixels ((C, H, W) or (N, C, H, W), uint8 or float 0..255) scaled to 0..1 and
+        normalised, as torchvision's ``ToDtype(scale=True)`` and ``Normalize`` compute it."""
+        pixels = _as_float(pixels).div_(255)
+        key = (pixels.device, pixels.dtype)
+        if key not in self._constants:
+            mean = torch.as_tensor(self.preset.mean, dtype=pixels.dtype, device=pixels.device).view(-1, 1, 1)
+            std = torch.as_tensor(self.preset.std, dtype=pixels.dtype, device=pixels.device).view(-1, 1, 1)
+            self._constants[key] = (mean, std)
+        mean, std = self._constants[key]
+        return pixels.sub_(mean).div_(std)
+
+    def resize_crop(self, image: torch.Tensor) -> torch.Tensor:
+        """Resize the short side (antialiased) and centre-crop; the pixels keep their dtype."""
         p = self.preset
         height, width = image.shape[-2:]
         new_width, new_height = resized_size(width, height, p.resize_size)
@@ -192,7 +217,7 @@ class TensorEvalTransform:
             pixels = _resize_uint8(image, new_height, new_width, p.interpolation)
             left, top = crop_origin(new_width, new_height, p.crop_size)
             pixels = pixels[:, top:top + p.crop_size, left:left + p.crop_size]
-        return _normalized(_as_float(pixels).div_(255), p)
+        return pixels
 
 
 def _native_uint8_resize(device: torch.device, interpolation: Interpolation) -> bool:

@@ -6,8 +6,8 @@ On CUDA the batch's JPEGs go to nvJPEG in one batched ``decode_jpeg(list, device
 turned by the EXIF orientation read with its header (nvJPEG ignores it; the same turn runs on the CPU, so CI tests
 it); a JPEG nvJPEG refuses (and every PNG, WebP, GIF, BMP) is decoded on the CPU for that image alone, and its
 pixels join the batch through pinned memory with a non-blocking copy. On the CPU the same code runs with
-libjpeg-turbo, which is how CI tests it. The resize, crop and normalisation are ``TensorEvalTransform`` (one image
-at a time: sizes differ) and the images of a batch are stacked once on the device.
+libjpeg-turbo, which is how CI tests it. The resize and crop are ``TensorEvalTransform``'s, one image at a time (sizes
+differ); the crops are stacked once and scaled and normalised as one batch, mean and std resident on the device.
 """
 from __future__ import annotations
 
@@ -52,15 +52,15 @@ def decode_batch(items: Sequence[Encoded], device: torch.device, transform: Tens
     """The batch as the model's input, (N, C, H, W) on ``device`` in ``dtype``. An image no decoder can read
     raises InvalidImage (the batcher then runs each image alone, so only its request fails)."""
     on_device = _jpegs_on(device, items)
-    rows = []
+    decoded = []
     for i, item in enumerate(items):
         pixels = on_device.get(i)
         if pixels is None:  # other formats, and JPEGs the device decoder refused: the CPU path, then upload
             pixels = decode_tensor(item.data, item.limits)
             if device.type == "cuda":
                 pixels = pixels.pin_memory().to(device, non_blocking=True)
-        rows.append(transform(pixels))
-    return torch.stack(rows).to(dtype)
+        decoded.append(pixels)
+    return transform.batch(decoded).to(dtype)  # resized one by one (sizes differ), normalised as one batch
 
 
 def collate_on_device(items: Sequence[Encoded | torch.Tensor], device: torch.device, transform: TensorEvalTransform,
