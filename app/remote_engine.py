@@ -43,6 +43,30 @@ def ready_mark(control_dir: Path, pid: int) -> Path:
     return control_dir / f"http-{pid}.ready"
 
 
+def _alive(pid: str) -> bool:
+    """Whether the worker of a ready mark still runs (a mark left by a killed worker of an earlier start of a kept
+    CONTROL_DIR must not count)."""
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _as_service_error(exc: BaseException) -> ServiceError:
+    """What ended an admission on this side, for the engine to count as the request's outcome: a ServiceError as it
+    is, an HTTP error (werkzeug's) with its status, anything else as a server error."""
+    if isinstance(exc, ServiceError):
+        return exc
+    error = ServiceError(f"{type(exc).__name__}: {exc}")
+    status = getattr(exc, "code", None)
+    if isinstance(status, int) and 400 <= status < 600:
+        error.status = status
+    return error
+
+
 def _unavailable(why: str) -> NotReady:
     return NotReady(why, headers=retry_after_header(NOT_READY_RETRY_S))
 
@@ -187,7 +211,7 @@ class RemoteService:
                 yield call
             except BaseException as exc:
                 if not call.sent:
-                    self._abort(exc if isinstance(exc, ServiceError) else ServiceError(type(exc).__name__))
+                    self._abort(_as_service_error(exc))
                 raise
             else:
                 if not call.sent:
@@ -219,7 +243,8 @@ class RemoteService:
 
     def _all_workers_ready(self) -> bool:
         workers = self.settings.workers or 1
-        return len(list(self.control_dir.glob("http-*.ready"))) >= workers
+        marks = [path for path in self.control_dir.glob("http-*.ready") if _alive(path.name[5:-6])]
+        return len(marks) >= workers
 
     @property
     def draining(self) -> bool:

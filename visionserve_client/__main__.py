@@ -1,6 +1,6 @@
 """``visionserve`` (pip) or ``python -m visionserve_client`` (the repository): predict, health, ready and model.
 
-    visionserve predict cat.jpg cup.jpg --top-k 3                # a readable table
+    visionserve predict cat.jpg cup.jpg --top-k 3                # a table, under the model and version that answered
     visionserve predict cat.jpg --json --url http://host:8000    # options before or after the command
     visionserve predict cat.jpg --model colour --version 2       # ask one model's version
     visionserve model --labels
@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -23,6 +24,10 @@ from visionserve_client.types import Prediction
 
 
 DEFAULT_URL, DEFAULT_TIMEOUT_S, DEFAULT_RETRIES = "http://127.0.0.1:8000", 30.0, 3
+# The server's hints name its query parameters ("name one (?model=NAME, or /v2/models/NAME/...)"); on the command
+# line they are options. The server's message is left as it is; only what the CLI prints is translated.
+_URL_HINT = re.compile(r"\?model=NAME, or /v2/models/NAME/\.\.\.")
+_QUERY_PARAMETER = re.compile(r"([?&])(model|version|top_k)=([A-Z]+)\b")
 
 
 def _connection_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
@@ -74,10 +79,30 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _table(path: str, prediction: Prediction) -> list[str]:
+def _for_cli(error: object) -> str:
+    """An error's text with the server's query-parameter hints said as this command's options."""
+    text = _URL_HINT.sub("--model NAME", str(error))
+    return _QUERY_PARAMETER.sub(lambda m: f"{' ' if m[1] == '&' else ''}--{m[2].replace('_', '-')} {m[3]}", text)
+
+
+def _answered_by(prediction: Prediction) -> str:
+    return f"model {prediction.model} version {prediction.version}"
+
+
+def _table(path: str, prediction: Prediction, by: bool = False) -> list[str]:
+    """One image's rows; ``by``: its path line names the model and version that answered it too."""
     width = max(len(s.label) for s in prediction.top_k)
-    return [path] + [f"  {rank}. {s.label:<{width}}  {s.score:7.2%}  (class {s.index})"
+    head = f"{path}  ({_answered_by(prediction)})" if by else path
+    return [head] + [f"  {rank}. {s.label:<{width}}  {s.score:7.2%}  (class {s.index})"
                      for rank, s in enumerate(prediction.top_k, start=1)]
+
+
+def _tables(answered: list[tuple[str, Prediction]]) -> list[str]:
+    """The answered images' rows, under one line naming the model and version that answered them all ("model NAME
+    version V"), or, when they differ (a canary met by one request and not another), naming them per image."""
+    by = {(p.model, p.version) for _, p in answered if p.model is not None}
+    header = [_answered_by(answered[0][1])] if len(by) == 1 else []
+    return header + [line for path, p in answered for line in _table(path, p, by=len(by) > 1)]
 
 
 def _predict(client: Client, args: argparse.Namespace) -> int:
@@ -88,12 +113,12 @@ def _predict(client: Client, args: argparse.Namespace) -> int:
         print(json.dumps([{"image": path, **dataclasses.asdict(r)} if isinstance(r, Prediction)
                           else {"image": path, "error": str(r)} for path, r in zip(args.images, results)], indent=2))
     else:
-        lines = [line for path, r in zip(args.images, results) if isinstance(r, Prediction)
-                 for line in _table(path, r)]
-        if lines:
-            print("\n".join(lines))
+        answered = [(path, r) for path, r in zip(args.images, results) if isinstance(r, Prediction)]
+        if answered:
+            print("\n".join(_tables(answered)))
     for path, error in failed:
-        print(f"error: {path}: {error}", file=sys.stderr)
+        said = f"cannot read it: {error.strerror}" if isinstance(error, OSError) and error.strerror else error
+        print(f"error: {path}: {_for_cli(said)}", file=sys.stderr)
     if any(isinstance(error, OSError) for _, error in failed):
         return 2
     return 1 if failed else 0
@@ -113,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("yes" if ok else "no")
             return 0 if ok else 1
         except VisionServeError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            print(f"error: {_for_cli(exc)}", file=sys.stderr)
             return 1
 
 

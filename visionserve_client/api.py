@@ -21,7 +21,23 @@ def _read(image: ImageInput, position: int) -> tuple[str, bytes]:
     if isinstance(image, bytes):
         return f"image{position}", image
     path = Path(image)
-    return path.name, path.read_bytes()
+    try:
+        return path.name, path.read_bytes()
+    except OSError as exc:
+        _name_the_file(exc, str(image))
+        raise
+
+
+def _name_the_file(error: OSError, path: str) -> None:
+    """``error`` naming the file in its repr too: an OSError's repr (what a REPL or a printed list of
+    ``predict_each``'s results shows) leaves its filename out, ``FileNotFoundError(2, 'No such file or directory')``.
+    Its type, errno and ``filename`` stay as they are, and so does str()."""
+    if error.errno is None:  # an OSError without errno: its message is all it says
+        error.args = (f"{path}: {error}",)
+        return
+    if error.filename is None:
+        error.filename = path
+    error.args = (error.errno, error.strerror, error.filename)  # repr: FileNotFoundError(2, '...', 'notes.txt')
 
 
 def _route(model: str | None, version: str | None) -> dict[str, str]:
@@ -133,7 +149,8 @@ class Client:
                      deadline_ms: float | None = None, model: str | None = None,
                      version: str | None = None) -> list[Prediction | VisionServeError | OSError]:
         """Like ``predict`` for a list, but one bad image does not sink the others: each entry is its image's
-        prediction, or the error for that image (the server's, or an OSError for a file that cannot be read).
+        prediction, or the error for that image (the server's, or an OSError for a file that cannot be read, naming
+        the file in its str() and repr() and as ``filename``).
         One request in the common case; when the server refuses one image, the rest are sent again without it."""
         route = _route(model, version)
         results: list[Prediction | VisionServeError | OSError | None] = [None] * len(images)
@@ -186,10 +203,23 @@ class Client:
 
     def model(self, labels: bool = False, model: str | None = None) -> ModelInfo:
         """A served model's metadata at its default version (with its class names when ``labels``): ``model``, else
-        the server's default model (the first one listed when it has none)."""
-        body = self._request("GET", "/v1/models", params={"labels": "1"} if labels else None).json()
+        the server's default model (``default_model`` of /v1/models), the one ``predict`` without ``model`` meets.
+        With several models and none the default, it raises what ``predict`` gets then: a 400 ``invalid_request``
+        naming them (``details["models"]``); the client never picks one the server would not."""
+        response = self._request("GET", "/v1/models", params={"labels": "1"} if labels else None)
+        body = response.json()
         name = model or body.get("default_model")
-        entries = [m for m in body["models"] if name is None or m["name"] == name]
+        if name is None:
+            names = sorted({m["name"] for m in body["models"]})
+            if len(names) > 1:  # the server's own words for a request naming no model (its RoutingTable)
+                raise VisionServeError(
+                    f"this server serves {len(names)} models ({', '.join(names)}) and none is the default "
+                    "(DEFAULT_MODEL, or repository.json): name one (?model=NAME, or /v2/models/NAME/...)",
+                    status=400, code="invalid_request", details={"models": names},
+                    request_id=response.headers.get("X-Request-ID"))
+            name = names[0] if names else None  # the only model is the default (a server that did not say so)
+        entries = [m for m in body["models"] if m["name"] == name]
         if not entries:
-            raise VisionServeError(f"the server serves no model {name!r}", status=404, code="not_found")
+            raise VisionServeError("the server serves no model" + (f" {name!r}" if name else ""), status=404,
+                                   code="not_found")
         return ModelInfo.from_json(next((m for m in entries if m.get("default")), entries[0]))

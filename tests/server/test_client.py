@@ -59,6 +59,7 @@ def test_cli_prints_a_table_and_json(live_server: Running, photos: dict[str, Pat
                 "--top-k", "2"]) == 0
     table = capsys.readouterr().out
     assert "chelsea.jpg" in table and "1. tiger cat" in table and "1. espresso" in table
+    assert table.splitlines()[0] == "model efficientnet_lite0 version 1"  # which model and version answered
     assert cli(["--url", live_server.url, "predict", str(photos["coffee"]), "--json"]) == 0
     (entry,) = json.loads(capsys.readouterr().out)
     assert entry["image"].endswith("coffee.jpg") and entry["label"] == "espresso" and len(entry["top_k"]) == 5
@@ -278,3 +279,76 @@ def test_cli_help_shows_the_defaults(command: list[str], capsys: pytest.CaptureF
     if command == ["predict"]:
         assert "--model NAME the served model to ask (default: the server's default model" in text
         assert "--version V the model's version to ask (default: that model's default version)" in text
+
+
+def test_cli_table_names_the_model_and_version_that_answered(two_models: str, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    # Before (#46): the table never said which model and version answered, so during a canary nobody could tell.
+    photo = tmp_path / "red.jpg"
+    photo.write_bytes(image_bytes(RED))
+    assert cli(["predict", str(photo), str(photo), "--url", two_models, "--model", "colour", "--version", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "model colour version 1" and lines[1] == str(photo) and lines.count(str(photo)) == 2
+    assert cli(["predict", str(photo), "--url", two_models, "--model", "colour"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "model colour version 2"  # its default version
+
+
+def test_cli_table_names_each_images_version_when_they_differ() -> None:
+    from visionserve_client.__main__ import _tables
+
+    def answer(version: str | None) -> Prediction:
+        return Prediction.from_json({"label": "red", "index": 0, "score": 0.9,
+                                     "top_k": [{"label": "red", "index": 0, "score": 0.9}]},
+                                    model=None if version is None else "colour", version=version)
+
+    lines = _tables([("a.jpg", answer("1")), ("b.jpg", answer("2"))])  # a canary met by one request, not the next
+    assert [line for line in lines if not line.startswith(" ")] == ["a.jpg  (model colour version 1)",
+                                                                    "b.jpg  (model colour version 2)"]
+    assert _tables([("a.jpg", answer(None))])[0] == "a.jpg"  # a server that does not say: no header
+
+
+def test_with_no_default_model_the_client_never_guesses(two_models: str, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    # Before (#46): with several models and no default, model() described the first one listed while predict()
+    # got a 400. Both are that 400 now, in the server's words; the CLI says --model NAME where they say ?model=NAME.
+    red = image_bytes(RED)
+    with Client(two_models, retries=0) as client:
+        with pytest.raises(VisionServeError) as predicted:
+            client.predict(red)
+        with pytest.raises(VisionServeError) as described:
+            client.model()
+        assert client.model(model="shade").name == "shade"
+    server, own = predicted.value, described.value
+    assert (own.status, own.code, own.message, own.details) == (server.status, server.code, server.message,
+                                                                server.details)
+    assert server.status == 400 and "?model=NAME" in server.message
+    assert server.details == {"models": ["colour", "shade"]}
+    photo = tmp_path / "red.jpg"
+    photo.write_bytes(red)
+    for argv in (["predict", str(photo)], ["model"]):
+        assert cli([*argv, "--url", two_models, "--retries", "0"]) == 1
+        error = capsys.readouterr().err
+        assert "serves 2 models (colour, shade)" in error and "name one (--model NAME)" in error, error
+        assert "?model=" not in error and "/v2/models" not in error
+
+
+def test_a_file_that_cannot_be_read_is_named(fake_server: str, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    # Before (#46): predict_each([..., "notes.txt"]) gave FileNotFoundError(2, 'No such file or directory'), no name.
+    red = tmp_path / "red.jpg"
+    red.write_bytes(image_bytes(RED))
+    missing = tmp_path / "notes.txt"
+    with Client(fake_server) as client:
+        good, absent, folder = client.predict_each([red, str(missing), tmp_path])
+        assert isinstance(good, Prediction) and good.label == "red"
+        assert isinstance(absent, FileNotFoundError) and absent.filename == str(missing)
+        assert str(missing) in repr(absent) and str(missing) in str(absent) and absent.errno == 2
+        assert isinstance(folder, IsADirectoryError) and str(tmp_path) in repr(folder)
+        assert str(missing) in repr(client.predict_each([missing]))  # no request needed: nothing to send
+        with pytest.raises(FileNotFoundError) as caught:
+            client.predict([red, missing])
+        assert str(missing) in repr(caught.value) and str(missing) in str(caught.value)
+    assert cli(["predict", str(red), str(missing), "--url", fake_server]) == 2
+    captured = capsys.readouterr()
+    assert "1. red" in captured.out
+    assert f"error: {missing}: cannot read it: No such file or directory" in captured.err
