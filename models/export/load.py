@@ -171,6 +171,9 @@ def _file_model(weights_dir: Path, manifest: Manifest, fmt: WeightsFormat, targe
     model = load_module(path, manifest, fmt)
     check_output_shape(model, manifest)
     weights_bytes = module_bytes(model, compute_dtype)
+    # Placed here, for every caller (the server's Predictor, models.predict): the weights on the device and in the
+    # dtype their inputs will have (models.predict --device cuda once fed CUDA inputs to weights left on the CPU).
+    model = model.eval().to(device=target, dtype=compute_dtype)
     if jit_optimize and target.type == "cpu" and compute_dtype == torch.float32:
         model = optimize_for_cpu(model, manifest)
     log.info("loaded %s %s (%s) from %s onto %s", manifest.name, manifest.version, fmt, path, target)
