@@ -44,7 +44,7 @@ from models.run.distributed import (
 )
 from models.run.optim import build_trainable, make_optimizer, make_scheduler, set_train_mode
 from models.run.reference import reference_counts, reference_from_counts
-from models.run.report import Progress, RunLog, Timer
+from models.run.report import Progress, RunLog, Timer, process_started
 
 log = logging.getLogger("models.train")
 
@@ -189,8 +189,11 @@ def _setup(args: argparse.Namespace, env: DistEnv) -> tuple[torch.device, EvalPr
         raise DataError(str(exc)) from None
 
 
-def run(args: argparse.Namespace, env: DistEnv, device: torch.device, preset: EvalPreset) -> None:
-    """Train ``args.epochs`` epochs (from a checkpoint when resuming), then report, export and plot."""
+def run(args: argparse.Namespace, env: DistEnv, device: torch.device, preset: EvalPreset,
+        started: float | None = None) -> None:
+    """Train ``args.epochs`` epochs (from a checkpoint when resuming), then report, export and plot; the summary's
+    whole time counts from ``started`` (``time.perf_counter()``; default: now)."""
+    started = time.perf_counter() if started is None else started
     torch.manual_seed(args.seed)
     data = load_data(args, preset, env, device)
     parts = build_parts(args, len(data.classes), device, env)
@@ -235,7 +238,7 @@ def run(args: argparse.Namespace, env: DistEnv, device: torch.device, preset: Ev
         writer.wait()  # the last checkpoint is on disk before the export, a resume hint or the exit
     runlog.close()
     if env.is_main:
-        _finish(args, progress, best_counts, data.classes)
+        _finish(args, progress, best_counts, data.classes, started)
 
 
 def _confusion_counts(result: EvalResult, data: Data, device: torch.device, env: DistEnv) -> torch.Tensor:
@@ -254,19 +257,20 @@ def _prediction_reference(result: EvalResult, num_classes: int, device: torch.de
 
 
 def _finish(args: argparse.Namespace, progress: Progress, best_counts: torch.Tensor | None,
-            classes: list[str]) -> None:
-    """The best epoch's per-class report, the export asked for, the summary (with the command that serves what
-    was exported, or the export to run first), then the plot."""
+            classes: list[str], started: float) -> None:
+    """The best epoch's per-class report, the export asked for, the plot, then the summary: the whole command's
+    time (the export included) and the command that serves what was exported, or the export to run first."""
     if best_counts is not None:
         path, table = write_confusion(confusion(best_counts, classes), args.output_dir)
         log.info("per class, best epoch (%s):\n%s", path, "\n".join(table))
     best = args.output_dir / ckpt.BEST_NAME
     exported = _export(args, best) if args.export or args.export_repository else None
-    for line in progress.summary(best, exported, args.export_repository or args.export):
-        log.info("%s", line)
     if args.plot:
         from models.plot import plot_run
         log.info("wrote %s", plot_run(args.output_dir))
+    for line in progress.summary(best, exported, args.export_repository or args.export,
+                                 total_seconds=time.perf_counter() - started):
+        log.info("%s", line)
 
 
 def _export(args: argparse.Namespace, best: Path) -> Path | None:
@@ -288,6 +292,8 @@ def _export(args: argparse.Namespace, best: Path) -> Path | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point for ``python -m models.train`` and torchrun; returns the process exit code."""
+    # The command's whole time from the process's start (interpreter and imports); called in process: from now.
+    started = process_started() if argv is None else time.perf_counter()
     args = get_args_parser(ARCHS, __doc__ or "").parse_args(argv)
     env = env_from_torchrun()
     logging.basicConfig(level=logging.INFO if env.is_main else logging.WARNING,
@@ -295,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         device, preset = _setup(args, env)
         init_process_group(env, device)
-        run(args, env, device, preset)
+        run(args, env, device, preset, started)
     except RunFinished as exc:
         log.info("%s", exc)
     except (DataError, FileNotFoundError) as exc:

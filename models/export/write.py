@@ -176,7 +176,8 @@ def export_checkpoint(path: Path, out_dir: Path | None, *, name: str | None = No
     return export_model(
         model, out_dir=out_dir, name=name, version=version or default_version(path, state["model"]),
         arch=state["arch"], labels=state["classes"], preset=EvalPreset.model_validate(state["preset"]),
-        metrics=metrics, source=f"models.train checkpoint {path.name} of run {run_name}, epoch {int(state['epoch'])}",
+        metrics=metrics,  # the epoch below counted from 1, as the training log and its summary count it
+        source=f"models.train checkpoint {path.name} of run {run_name}, epoch {int(state['epoch']) + 1}",
         force=True, packages=packages,
         reference=PredictionReference.model_validate(reference) if reference is not None else None,
     )

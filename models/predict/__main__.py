@@ -8,13 +8,15 @@
 The model is loaded as the server loads it (models/export/load.py: the format the server would choose, on the CPU
 the ONNX file under ONNX Runtime when the export has one, else TorchScript frozen; its checks, device, dtype) and
 each image preprocessed as the server's decode path does (``--decode``). One line per input, in input order; a file
-that cannot be scored gets its reason. A rerun skips what is written.
+that cannot be scored gets its reason. A rerun skips what is written: Ctrl-C prints how much is written and the
+command that goes on.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +31,7 @@ from models.export.checks import ModelLoadError
 from models.export.load import LoadedModel, load_model
 from models.export.repository import RepositoryError, is_export, models, newest
 from models.predict.decode import PATHS, ScoreSet, collate, on_device
-from models.predict.evaluate import check_labels, evaluation, mistakes, write_report
+from models.predict.evaluate import check_labels, evaluation, mistakes, report_folder, write_report
 from models.predict.inputs import Item, Labels, chunks_for_rank, list_inputs
 from models.predict.outputs import (
     PartWriter,
@@ -38,12 +40,14 @@ from models.predict.outputs import (
     merge,
     output_format,
     part_file,
+    parts_dir,
     read_records,
     repair_tail,
 )
 from models.presets import TensorEvalTransform
 from models.run.args import DataError
 from models.run.distributed import DistEnv, barrier, destroy_process_group, env_from_torchrun, init_process_group
+from models.run.report import command_path, module_command, python_command
 
 log = logging.getLogger("models.predict")
 CPU_BATCH = 16  # the CPU's default (the limit's best batch here was 8); on CUDA: as large as fits (largest_batch)
@@ -59,7 +63,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data", type=Path, required=True, help="a folder (every file under it) or a file list")
     parser.add_argument("--out", type=Path, required=True, help="FILE.jsonl, .csv or .parquet")
     parser.add_argument("--labels", type=Path, help="evaluate: a DIR/<class>/ folder or a CSV of path,label")
-    parser.add_argument("--report", type=Path, help="the evaluation's folder (default: OUT's name + -report)")
+    parser.add_argument("--report", type=Path,
+                        help="the evaluation's folder (default: beside OUT, its name without the extension + "
+                             "-report: eval.jsonl's is eval-report/)")
     parser.add_argument("--top-k", type=int, default=5, help="answers per image (default 5)")
     parser.add_argument("--mistakes", type=int, default=60, help="mistakes shown in mistakes.html (default 60)")
     parser.add_argument("--batch-size", type=int, default=0,
@@ -81,15 +87,23 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 def weights_folder(weights: Path, model: str | None, version: str | None) -> Path:
-    """``--weights`` an export, or a repository's ``<model>/<version>`` (its only model, its newest version)."""
+    """``--weights`` an export, or a repository's ``<model>/<version>`` (its only model, its newest version); a
+    path that is neither says which it is not."""
+    if not weights.exists():
+        raise DataError(f"--weights {weights} does not exist: give an export's folder (with manifest.json) or a "
+                        "model repository")
     if is_export(weights):
         if model or version:
             raise DataError(f"{weights} is one export; --model and --version choose within a repository")
         return weights
     names = models(weights)
+    if not names:
+        raise DataError(f"--weights {weights} is not an export (no manifest.json in it) nor a model repository "
+                        "(no <model>/<version>/manifest.json under it)")
     if model is None:
         if len(names) != 1:
-            raise DataError(f"{weights} holds {len(names)} models ({', '.join(names) or 'none'}): name one, --model")
+            raise DataError(f"{weights} is a repository of {len(names)} models ({', '.join(names)}): name one, "
+                            "--model")
         model = names[0]
     try:
         folder = weights / model / (version or newest(weights, model))
@@ -98,6 +112,20 @@ def weights_folder(weights: Path, model: str | None, version: str | None) -> Pat
     if not is_export(folder):
         raise DataError(f"{folder} holds no export (manifest.json)")
     return folder
+
+
+def check_out(out: Path) -> None:
+    """``--out`` can be written: not a folder, its folder made (or there) and writable; DataError if not."""
+    if out.is_dir():
+        raise DataError(f"--out {out} is a folder: name the file to write in it, e.g. {out / 'scores.jsonl'}")
+    folder = out.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        reason = "a file is in the way" if isinstance(exc, (FileExistsError, NotADirectoryError)) else exc.strerror
+        raise DataError(f"--out {out}: its folder {folder} cannot be made ({reason or exc})") from None
+    if not os.access(folder, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise DataError(f"--out {out} cannot be written here (permissions): choose another folder")
 
 
 def rank_device(requested: str, env: DistEnv) -> str:
@@ -144,11 +172,11 @@ class Plan:
     fmt: str
 
 
-def plan(args: argparse.Namespace, env: DistEnv, batch_size: int) -> Plan:
-    """The inputs, less what earlier runs wrote; this rank's share of the rest. Every rank reads the same files
-    between two barriers, so all see the same work and deal it alike."""
+def plan(args: argparse.Namespace, env: DistEnv, batch_size: int, items: list[Item] | None = None) -> Plan:
+    """The inputs (``items``, or ``--data`` listed), less what earlier runs wrote; this rank's share of the rest.
+    Every rank reads the same files between two barriers, so all see the same work and deal it alike."""
     fmt = output_format(args.out)
-    items = list_inputs(args.data)
+    items = list_inputs(args.data) if items is None else items
     repair_tail(part_file(args.out, env.rank))
     barrier(env)
     done = done_paths(read_records(args.out, fmt), args.retry_errors)
@@ -208,16 +236,29 @@ def report(args: argparse.Namespace, records: list[Record], items: list[Item], l
     truths = {item.path: label for item in items if (label := labels.of(item)) is not None}
     check_labels(truths, loaded.manifest.labels)
     result = evaluation(records, truths, loaded.manifest.labels)
-    folder = args.report or args.out.with_name(args.out.stem + "-report")
+    folder = report_folder(args.out, args.report)
     title = f"{loaded.manifest.name} {loaded.manifest.version} on {args.data}"
     files = {item.path: item.file for item in items}
     for line in write_report(result, mistakes(records, truths, args.mistakes), truths, files, folder, title):
         log.info("%s", line)
 
 
-def run(args: argparse.Namespace, env: DistEnv) -> None:
-    """Load, plan, score this rank's share, then (rank 0) merge and evaluate."""
+@dataclass
+class Seen:
+    """What a run knew when it stopped: the number of inputs (None before they were listed)."""
+
+    inputs: int | None = None
+
+
+def run(args: argparse.Namespace, env: DistEnv, seen: Seen | None = None) -> None:
+    """Check what was given, load, plan, score this rank's share, then (rank 0) merge and evaluate."""
+    seen = Seen() if seen is None else seen
     weights = weights_folder(args.weights, args.model, args.version)
+    items = list_inputs(args.data)  # --data, --out and --labels before the model loads: a mistake costs no load
+    seen.inputs = len(items)
+    check_out(args.out)
+    output_format(args.out)
+    labels = Labels(args.labels) if args.labels is not None else None
     workers = (os.cpu_count() or 1) if args.workers is None else args.workers
     args.workers = workers
     keep_freed_memory(DEFAULT_TRIM_THRESHOLD_MB)  # before any image is decoded; the DataLoader's workers inherit it
@@ -228,11 +269,11 @@ def run(args: argparse.Namespace, env: DistEnv) -> None:
     init_process_group(env, loaded.device)
     if threads:
         torch.set_num_threads(threads)
-    if args.labels is not None:  # a wrong class name stops the run before any image is scored
-        labels = Labels(args.labels)
-        check_labels({i.path: lab for i in list_inputs(args.data) if (lab := labels.of(i))}, loaded.manifest.labels)
+    if labels is not None:  # a wrong class name stops the run before any image is scored
+        check_labels({i.path: lab for i in items if (lab := labels.of(i))}, loaded.manifest.labels,
+                     split=labels.split_folder())
     batch_size = args.batch_size or (largest_batch(loaded) if loaded.device.type == "cuda" else CPU_BATCH)
-    work = plan(args, env, batch_size)
+    work = plan(args, env, batch_size, items)
     decode = args.decode if args.decode != "auto" else "device" if loaded.device.type == "cuda" else "tensor"
     if env.is_main:
         log.info("%s %s (%s, %s, %s) on %d of %d inputs (%d written before), batch %d, %s decode path, %d rank(s)",
@@ -249,17 +290,55 @@ def run(args: argparse.Namespace, env: DistEnv) -> None:
             report(args, records, work.items, loaded)
 
 
+def written(out: Path) -> int:
+    """How many inputs ``out`` and its part files hold (each counted once), as a rerun would skip them."""
+    try:
+        return len(done_paths(read_records(out, output_format(out))))
+    except Exception:  # noqa: BLE001 - a count for the stop line; never a second error after Ctrl-C
+        return 0
+
+
+def rerun_command(argv: list[str], env: DistEnv) -> str:
+    """The command that goes on: this one again (a rerun scores only what is not written), under torchrun with
+    the same number of processes on this machine."""
+    if not env.distributed:
+        return module_command("models.predict", argv)
+    beside = Path(sys.executable).with_name("torchrun")
+    torchrun = command_path(beside) if beside.exists() else f"{python_command()} -m torch.distributed.run"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
+    if local != env.world_size:  # several machines: their rendezvous options are not this process's to know
+        return f"the same torchrun command on every machine (-m models.predict {shlex.join(argv)})"
+    return f"{torchrun} --standalone --nproc_per_node={env.world_size} -m models.predict {shlex.join(argv)}"
+
+
+def stopped(args: argparse.Namespace, argv: list[str], env: DistEnv, seen: Seen) -> str:
+    """What Ctrl-C leaves, in one line: how many inputs are written, where, and the exact command that goes on."""
+    done = written(args.out)
+    command = rerun_command(argv, env)
+    if not done:
+        return f"stopped before any image was scored; to start again: {command}"
+    total = f" of {seen.inputs}" if seen.inputs is not None else ""
+    where = parts_dir(args.out) if parts_dir(args.out).is_dir() else args.out
+    return (f"stopped: {done}{total} inputs are written ({where}); to go on with the rest (a rerun skips what "
+            f"is written): {command}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point for ``python -m models.predict`` and torchrun; returns the exit code."""
     args = get_args_parser().parse_args(argv)
     env = env_from_torchrun()
     logging.basicConfig(level=logging.INFO if env.is_main else logging.WARNING,
                         format=f"%(asctime)s rank{env.rank} %(levelname)s %(message)s")
+    seen = Seen()
     try:
-        run(args, env)
+        run(args, env, seen)
     except (DataError, ModelLoadError) as exc:
         log.error("error: %s", exc)
         return 2
+    except KeyboardInterrupt:  # one line with what is written and the command that goes on, not a traceback
+        if env.is_main:
+            log.warning("%s", stopped(args, list(sys.argv[1:] if argv is None else argv), env, seen))
+        return 130
     finally:
         destroy_process_group(env)
     return 0

@@ -2,8 +2,9 @@
 the confusion matrix (``models/run/confusion.py``, the training run's own), as JSON and a picture, and the most
 confident mistakes as an HTML page of thumbnails.
 
-Written into ``--report`` (by default ``OUT``'s name with ``-report``): ``metrics.json``, ``confusion.json``,
-``confusion.png``, ``mistakes.html``.
+Written into ``--report`` (by default beside ``OUT``, its name without the extension and ``-report``: for
+``runs/mine/eval.jsonl``, ``runs/mine/eval-report/``): ``metrics.json``, ``confusion.json``, ``confusion.png``,
+``mistakes.html``.
 """
 from __future__ import annotations
 
@@ -26,9 +27,19 @@ MISTAKES_NAME = "mistakes.html"
 THUMBNAIL_SIDE = 160
 
 
-def check_labels(truths: dict[str, str], classes: Sequence[str]) -> None:
-    """Every true class must be one the model knows, or its accuracy would be meaningless."""
+def report_folder(out: Path, report: Path | None = None) -> Path:
+    """``--report``, or beside ``out`` its name without the extension and ``-report`` (eval.jsonl: eval-report)."""
+    return report or out.with_name(out.stem + "-report")
+
+
+def check_labels(truths: dict[str, str], classes: Sequence[str], split: Path | None = None) -> None:
+    """Every true class must be one the model knows, or its accuracy would be meaningless. ``split``: the held-out
+    folder of a training layout given as ``--labels`` (DIR/train/, DIR/val/), named when its folders are what
+    looked like classes."""
     unknown = sorted(set(truths.values()) - set(classes))
+    if split is not None and {"train", split.name} & set(unknown):
+        raise DataError(f"--labels {split.parent} holds the training splits train/ and val/, not <class>/ folders: "
+                        f"evaluate on the split training held out, --data {split} --labels {split}")
     if unknown:
         shown = ", ".join(unknown[:10]) + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else "")
         raise DataError(f"--labels names classes the model does not have: {shown}")
@@ -48,7 +59,8 @@ def evaluation(records: Sequence[Record], truths: dict[str, str], classes: Seque
     for r in scored:
         matrix[position[truths[r["path"]]], position[r["labels"][0]]] += 1
     unreadable = sum(1 for r in records if r["path"] in truths and r.get("error"))
-    return {"count": count, "acc1": top1 / count if count else 0.0, "acc5": top5 / count if count else 0.0,
+    return {"count": count, "wrong": count - top1, "acc1": top1 / count if count else 0.0,
+            "acc5": top5 / count if count else 0.0,
             "top_k_written": max((len(r["labels"]) for r in scored), default=0), "unreadable": unreadable,
             "unlabelled": sum(1 for r in records if r["path"] not in truths), **confusion(matrix, shown)}
 
@@ -73,8 +85,22 @@ def _thumbnail(file: str) -> str:
     return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def mistakes_page(wrong: Sequence[Record], truths: dict[str, str], files: dict[str, str], title: str) -> str:
-    """An HTML page: one card per mistake with its thumbnail, true class, answer and score, and the runner-up."""
+def _mistakes_intro(shown: int, total: int | None, scored: int | None) -> str:
+    """The page's first line: how many mistakes it shows of how many, or that there were none."""
+    total = shown if total is None else total
+    if not total:
+        of = f" on all {scored} labelled images scored" if scored is not None else ""
+        return f"No mistakes: the model's top-1 answer was right{of}."
+    which = (f"The {shown} most confident of {total} mistakes" if shown < total else
+             f"All {total} mistake{'s' if total != 1 else ''}, most confident first")
+    return f"{which}: the model's answer and score in bold, the true class under it, then the next two answers."
+
+
+def mistakes_page(wrong: Sequence[Record], truths: dict[str, str], files: dict[str, str], title: str,
+                  total: int | None = None, scored: int | None = None) -> str:
+    """An HTML page: one card per mistake with its thumbnail, true class, answer and score, and the runner-up;
+    ``total`` mistakes of ``scored`` images (when known: the page says how many it leaves out, or that there were
+    none)."""
     cards = []
     for r in wrong:
         source = _thumbnail(files.get(r["path"], r["path"]))
@@ -87,9 +113,9 @@ def mistakes_page(wrong: Sequence[Record], truths: dict[str, str], files: dict[s
     style = ("body{font-family:sans-serif;margin:1em}figure{display:inline-block;width:170px;margin:6px;"
              "vertical-align:top}img{max-width:160px;max-height:160px}figcaption{font-size:13px}"
              "small{color:#555;word-break:break-all}")
+    intro = html.escape(_mistakes_intro(len(wrong), total, scored), quote=False)
     return (f"<!doctype html><meta charset=utf-8><title>{html.escape(title)}</title><style>{style}</style>"
-            f"<h1>{html.escape(title)}</h1><p>{len(wrong)} most confident mistakes: the model's answer and score in "
-            "bold, the true class under it, then the next two answers.</p>" + "\n".join(cards) + "\n")
+            f"<h1>{html.escape(title)}</h1><p>{intro}</p>" + "\n".join(cards) + "\n")
 
 
 def write_report(report: dict[str, Any], wrong: Sequence[Record], truths: dict[str, str], files: dict[str, str],
@@ -105,7 +131,8 @@ def write_report(report: dict[str, Any], wrong: Sequence[Record], truths: dict[s
     (folder / METRICS_NAME).write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
     confusion_path, table = write_confusion({k: report[k] for k in ("classes", "matrix", "per_class")}, folder)
     plot_confusion(confusion_path, folder / "confusion.png", title=title)
-    (folder / MISTAKES_NAME).write_text(mistakes_page(wrong, truths, files, title), encoding="utf-8")
+    page = mistakes_page(wrong, truths, files, title, total=report["wrong"], scored=report["count"])
+    (folder / MISTAKES_NAME).write_text(page, encoding="utf-8")
     summary = (f"evaluated {report['count']} images: top-1 {report['acc1']:.4f}, top-5 {report['acc5']:.4f}"
                f" ({report['unreadable']} unreadable, {report['unlabelled']} without a label); report in {folder}")
     return [summary, *table]

@@ -87,6 +87,16 @@ class Labels:
                 table[os.path.abspath(name if os.path.isabs(name) else os.path.join(source.parent, name))] = row[1]
         return table
 
+    def split_folder(self) -> Path | None:
+        """``DIR/val`` when ``DIR`` is laid out for training (``train/`` and ``val/``, each of ``<class>/``
+        folders) rather than as ``DIR/<class>/``: the held-out split an evaluation is meant for."""
+        if self.root is None:
+            return None
+        train, val = self.source / "train", self.source / "val"
+        if train.is_dir() and val.is_dir() and any(p.is_dir() for p in val.iterdir()):
+            return val
+        return None
+
     def of(self, item: Item) -> str | None:
         """The item's true class, or None when the labels do not name it."""
         file = os.path.abspath(item.file)

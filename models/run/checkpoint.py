@@ -7,7 +7,6 @@ import argparse
 import logging
 import math
 import random
-import shlex
 import shutil
 import threading
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch.nn as nn
 from models.presets import EvalPreset
 from models.run.args import DataError
 from models.run.optim import Scheduler, continue_schedule
+from models.run.report import module_command
 
 log = logging.getLogger("models.train")
 
@@ -182,5 +182,5 @@ def interrupted(args: argparse.Namespace, argv: list[str]) -> str:
             next(words, None)  # and its value
         elif not word.startswith("--resume="):
             kept.append(word)
-    command = shlex.join(["python", "-m", "models.train", *kept, "--resume", str(saved)])
+    command = module_command("models.train", [*kept, "--resume", str(saved)])
     return f"interrupted: the last finished epoch is in {saved}; to go on: {command}"

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shlex
+import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +25,47 @@ def duration(seconds: float) -> str:
     hours, rest = divmod(seconds, 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def command_path(executable: str | os.PathLike[str]) -> str:
+    """How a printed command names ``executable`` so that it runs in a fresh shell in this folder: relative when it
+    lies under the current folder (``.venv/bin/python``), its bare name when that is what PATH finds (in the
+    container: ``python``), else its absolute path. Symlinks are not followed: a venv's ``bin/python`` links to a
+    system python that lacks the venv's packages (torch)."""
+    path = os.path.abspath(executable)
+    try:
+        here = os.getcwd()
+    except OSError:  # the current folder was removed
+        here = ""
+    if here and os.path.commonpath([path, here]) == here:
+        return shlex.quote(os.path.relpath(path, here))
+    name = os.path.basename(path)
+    found = shutil.which(name)
+    return name if found and os.path.abspath(found) == path else shlex.quote(path)
+
+
+def python_command() -> str:
+    """This interpreter as a printed command names it (``.venv/bin/python`` after ``make install``): the one
+    that has torch, which the system's ``python`` of a fresh shell lacks."""
+    return command_path(sys.executable)
+
+
+def module_command(module: str, argv: list[str]) -> str:
+    """``<this python> -m module argv...``, quoted for a shell."""
+    return f"{python_command()} -m {module} {shlex.join(argv)}".rstrip()
+
+
+def process_started() -> float:
+    """``time.perf_counter()`` at this process's start, so a command's whole time counts the interpreter's start and
+    its imports (seconds on a busy machine): Linux's /proc; elsewhere, now."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as handle:
+            start_ticks = int(handle.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime, in clock ticks
+        with open("/proc/uptime", encoding="ascii") as handle:
+            age = float(handle.read().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.perf_counter()
+    return time.perf_counter() - max(age, 0.0)
 
 
 @dataclass
@@ -44,16 +89,23 @@ class Progress:
                 f" | {duration(seconds)}, {row['images_per_s']:.0f} img/s{_peak(row)}{'  * best' if is_best else ''}"
                 + (f" | ETA {duration(eta)}" if remaining else ""))
 
-    def summary(self, best_checkpoint: Path, exported: Path | None, served: Path | None) -> list[str]:
-        """The best epoch, then what serves this run: ``served`` (the export's folder or its repository) when it
+    def summary(self, best_checkpoint: Path, exported: Path | None, served: Path | None,
+                total_seconds: float | None = None) -> list[str]:
+        """The best epoch and the time (the epochs', and ``total_seconds``: the whole command's, loading and the
+        export included), then what serves this run: ``served`` (the export's folder or its repository) when it
         was exported into ``exported``, else the export command into the run's own folder and what serves that."""
         if not self.best:
             return []
+        epochs = len(self.epoch_seconds)
+        took = f"{epochs} epoch{'s' if epochs != 1 else ''} in {duration(sum(self.epoch_seconds))}"
+        if total_seconds is not None:
+            took += f", {duration(total_seconds)} in all" + (" with the export" if exported is not None else "")
         lines = [f"done: best epoch {int(self.best['epoch']) + 1}, val top-1 {self.best['val_acc1']:.4f} "
-                 f"(loss {self.best['val_loss']:.4f}), {duration(sum(self.epoch_seconds))} in all"]
+                 f"(loss {self.best['val_loss']:.4f}); {took}"]
         if exported is None or served is None:
             served = best_checkpoint.parent / "export"
-            lines.append(f"export: python -m models.export --checkpoint {best_checkpoint} --out {served}")
+            lines.append("export: " + module_command("models.export", ["--checkpoint", str(best_checkpoint),
+                                                                      "--out", str(served)]))
         else:
             lines.append(f"exported: {exported}")
         return [*lines, f"serve:  VISIONSERVE_WEIGHTS_DIR={served} make serve"]

@@ -1,10 +1,13 @@
 """docs/training.md and docs/models.md run whole: every ```bash block, in order, as printed, on tiny data (train,
 export, evaluate and score with models.predict on one process and two, serve, train again into the repository as
 version 2 while the server polls, the default model, a rollback that holds through polls, rolling out a version:
-canary, shadow, promotion, rollback), so the docs and the code cannot part.
+canary, shadow, promotion, rollback), so the docs and the code cannot part; what the commands print is checked too,
+and the commands training prints to run next are the docs' own (so they run as printed).
 
-How a command runs: from a scratch folder holding `data/mine` (three classes of small photos) and `cat.jpg`;
-`.venv/bin/python` and `python` are this interpreter, `.venv/bin/torchrun` is `python -m torch.distributed.run`;
+How a command runs: from a scratch folder holding `data/mine` (the demo set's layout and format: train/ and val/ of
+three classes of small PNG photos), `cat.jpg` and `.venv` (this interpreter's environment, linked), so
+`.venv/bin/python` and `.venv/bin/torchrun` run as printed, and what the scripts print names `.venv/bin/python`
+as it would in the project's folder; a bare `python` is this interpreter;
 `[VAR=value ...] make serve` starts the server (bin/serve, as `make serve` does) with those settings on a free port,
 stopping the one before; `localhost:8000` is that server. While a polling server runs, each command that changes what
 is served (one that writes into the repository, or a load, unload, promote or rollback call) is followed by one poll
@@ -47,16 +50,34 @@ def walkthrough_commands() -> list[tuple[str, str]]:
             for command in shell_commands((ROOT / doc).read_text(encoding="utf-8"))]
 
 
+SPLITS = {"train": 4, "val": 2}  # images per class
+
+
 def _tiny_data(work: Path) -> None:
-    """data/mine: three colour classes of five noisy 64x64 photos each (a flat folder: split 80/20), and cat.jpg."""
+    """data/mine as `python -m demo_data textures` lays it out (train/ and val/, PNGs): three colour classes of noisy
+    64x64 photos; cat.jpg; and .venv, so the commands' `.venv/bin/python` is this interpreter."""
     rng = np.random.default_rng(0)
-    for name, colour in CLASSES.items():
-        folder = work / "data" / "mine" / name
-        folder.mkdir(parents=True)
-        for i in range(5):
-            pixels = np.clip(np.array(colour) + rng.normal(0, 30, (64, 64, 3)), 0, 255).astype(np.uint8)
-            Image.fromarray(pixels).save(folder / f"{i}.jpg", quality=90)
+    for split, count in SPLITS.items():
+        for name, colour in CLASSES.items():
+            folder = work / "data" / "mine" / split / name
+            folder.mkdir(parents=True)
+            for i in range(count):
+                pixels = np.clip(np.array(colour) + rng.normal(0, 30, (64, 64, 3)), 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(folder / f"{name}_{i:05d}.png")
     Image.fromarray(skimage.data.chelsea()).save(work / "cat.jpg", quality=90)
+    if sys.prefix != sys.base_prefix:  # a venv: the whole environment (its pyvenv.cfg finds its packages)
+        (work / ".venv").symlink_to(sys.prefix, target_is_directory=True)
+    else:  # an interpreter of its own: .venv/bin/python is it, torchrun its module
+        bin_dir = work / ".venv" / "bin"
+        bin_dir.mkdir(parents=True)
+        (bin_dir / "python").symlink_to(sys.executable)
+        (bin_dir / "torchrun").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m torch.distributed.run "$@"\n')
+        (bin_dir / "torchrun").chmod(0o755)
+
+
+def _uncommented(command: str) -> str:
+    """A docs command without its trailing comment."""
+    return re.sub(r"\s+#[^'\"]*$", "", command.strip())
 
 
 class Walk:
@@ -66,6 +87,7 @@ class Walk:
         self.work, self.server, self.poll_s = work, None, 0.0  # type: Path, Running | None, float
         self.started = 0
         self.seconds: list[tuple[float, str]] = []  # each command's wall time, printed by the test (-s shows it)
+        self.printed: dict[str, str] = {}  # each command's stdout and stderr: what a person sees at the terminal
 
     def serve(self, assignments: str) -> None:
         if self.server is not None:
@@ -92,15 +114,14 @@ class Walk:
         if serve:
             self.serve(serve.group(1))
             return ""
-        aimed = (command.replace(".venv/bin/python", sys.executable)
-                 .replace(".venv/bin/torchrun", f"{sys.executable} -m torch.distributed.run"))
-        aimed = re.sub(r"(^|[|;&(]\s*)python3? ", lambda m: m.group(1) + sys.executable + " ", aimed, flags=re.M)
+        aimed = re.sub(r"(^|[|;&(]\s*)python3? ", lambda m: m.group(1) + sys.executable + " ", command, flags=re.M)
         if self.server is not None:
             aimed = aimed.replace("localhost:8000", f"127.0.0.1:{self.server.port}")
         result = subprocess.run(["bash", "-o", "pipefail", "-c", aimed], cwd=self.work, capture_output=True,
                                 text=True, timeout=600,
                                 env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
         log = self.server.output()[-3000:] if self.server is not None else ""
+        self.printed[command] = result.stdout + result.stderr
         assert result.returncode == 0, f"{doc}: {command}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}\n{log}"
         if self.poll_s:  # as a person at a terminal: a change waits until every worker has polled once
             time.sleep(self.poll_s if CHANGES_SERVING.search(command) else READ_PAUSE_S)
@@ -138,6 +159,13 @@ def walk(tmp_path: Path) -> Iterator[Walk]:
 
 def test_every_walkthrough_command_is_found() -> None:
     commands = [command for _, command in walkthrough_commands()]
+    # A fresh shell's python lacks torch: every command of docs/training.md, in its blocks or its prose (headings
+    # and the other machines' ```text blocks aside), runs the project's .venv.
+    training = re.sub(r"^```text\n.*?^```", "", (ROOT / "docs" / "training.md").read_text(encoding="utf-8"),
+                      flags=re.S | re.M)
+    bare = [line for line in training.splitlines() if not line.startswith("#")
+            and re.search(r"(?<![\w/])(python3? -m |torchrun --)", line)]
+    assert not bare, bare
     assert sum("models.train" in c for c in commands) >= 4 and sum(bool(MAKE_SERVE.match(c)) for c in commands) == 2
     assert any("--name mine" in c and "--export-repository repository" in c for c in commands)  # version 2
     predict = [c for c in commands if "-m models.predict" in c]
@@ -149,18 +177,60 @@ def test_every_walkthrough_command_is_found() -> None:
     assert not [c for c in commands if CHANGES_SERVING.search(c) and ("/predict" in c or "/index" in c)]
 
 
+def _printed(walk: Walk, *fragments: str) -> str:
+    """What the one docs command holding every fragment printed."""
+    (text,) = [text for command, text in walk.printed.items() if all(f in command for f in fragments)]
+    return text
+
+
+def _check_training_and_scoring_output(walk: Walk, commands: list[str]) -> None:
+    """docs/training.md's commands print what a person needs: training's summary names the docs' own next commands
+    (run as printed: the same words), the export its time and agreement, models.predict what it wrote and the
+    evaluation's report folder."""
+    docs = {_uncommented(command) for command in commands}
+    trained = _printed(walk, "-m models.train --data data/mine --pretrained --freeze-backbone")
+    done = re.search(r"done: best epoch (\d), val top-1 [\d.]+ \(loss [\d.]+\); 5 epochs in \w+, \w+ in all$",
+                     trained, flags=re.M)
+    assert done, trained[-2000:]
+    export = re.search(r"export: (.*)$", trained, flags=re.M)
+    serve = re.search(r"serve:  (.*)$", trained, flags=re.M)
+    assert export and serve, trained[-2000:]
+    assert export.group(1) == ".venv/bin/python -m models.export --checkpoint runs/mine/best.pt --out runs/mine/export"
+    assert {export.group(1), serve.group(1)} <= docs  # the docs' next commands, word for word: they ran as printed
+    manifest = json.loads((walk.work / "runs" / "mine" / "export" / "manifest.json").read_text())
+    assert manifest["source"] == f"models.train checkpoint best.pt of run mine, epoch {done.group(1)}"  # from 1
+    exported = _printed(walk, "-m models.export --checkpoint runs/mine/best.pt --out runs/mine/export")
+    assert re.search(r"wrote model\.onnx in \d+s: top-1 agrees with the model on [\d.]+% of 198 photos, "
+                     r"probabilities within \d\.\de[-+]\d\d$", exported, flags=re.M), exported[-2000:]
+    val, every = 3 * SPLITS["val"], 3 * sum(SPLITS.values())
+    evaluated = _printed(walk, "--labels data/mine/val --out runs/mine/eval.jsonl")
+    assert f"wrote runs/mine/eval.jsonl: {val} lines, 0 of them unreadable files" in evaluated
+    assert re.search(rf"evaluated {val} images: top-1 [\d.]+, top-5 1\.0000 \(0 unreadable, 0 without a label\); "
+                     r"report in runs/mine/eval-report$", evaluated, flags=re.M), evaluated[-2000:]
+    report = walk.work / "runs" / "mine" / "eval-report"
+    assert json.loads((report / "metrics.json").read_text())["count"] == val
+    assert (report / "mistakes.html").is_file() and (report / "confusion.png").is_file()
+    assert f"wrote runs/mine/scores.csv: {every} lines, 0 of them unreadable files" in _printed(walk, "scores.csv --")
+    assert f"wrote runs/mine/scores-2.csv: {every} lines" in _printed(walk, "torchrun", "scores-2.csv")
+    assert (walk.work / "list.txt").read_text().count(".png\n") == val
+    assert f"wrote runs/mine/list.jsonl: {val} lines, 0 of them unreadable files" in _printed(walk, "list.jsonl")
+    ddp = _printed(walk, "torchrun", "-m models.train")
+    assert re.search(r"export: \S+ -m models\.export --checkpoint runs/ddp/best\.pt --out runs/ddp/export$", ddp,
+                     flags=re.M), ddp[-2000:]
+
+
 @pytest.mark.slow
 def test_the_training_and_models_docs_run_end_to_end(walk: Walk) -> None:
     outputs = {}
-    for doc, command in walkthrough_commands():
+    commands = walkthrough_commands()
+    for doc, command in commands:
         outputs[command] = walk.run(doc, command)
     print("\n".join(f"{seconds:6.1f} s  {command}" for seconds, command in sorted(walk.seconds, reverse=True)))
+    _check_training_and_scoring_output(walk, [command for doc, command in commands if doc == "docs/training.md"])
     repository = walk.work / "repository"
     assert sorted(p.parent.name for p in (repository / "mine").glob("*/manifest.json")) == ["1", "2"]
     assert (walk.work / "runs" / "mine" / "export" / "manifest.json").is_file()
     assert (walk.work / "runs" / "ddp" / "best.pt").is_file()
-    evaluated = json.loads((walk.work / "runs" / "mine" / "eval-report" / "metrics.json").read_text())
-    assert evaluated["count"] == 15 and (walk.work / "runs" / "mine" / "eval-report" / "mistakes.html").is_file()
     assert walk.unnamed() == {"name": "mine", "version": "1"}  # the default model, rolled back by a call
     time.sleep(2 * walk.poll_s)  # two polls: the rollback holds
     assert walk.unnamed() == {"name": "mine", "version": "1"}

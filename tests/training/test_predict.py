@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import shlex
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -147,7 +150,11 @@ def test_the_answers_equal_the_servers_for_the_same_files(weights: Path, photos:
 def test_on_the_cpu_it_scores_with_onnx_runtime_when_the_server_would(photos: Path, tmp_path: Path,
                                                                       caplog: pytest.LogCaptureFixture) -> None:
     # An export with its ONNX file: auto on the CPU serves it (models/export/choose.py), here as in the server.
-    weights = export_tiny(tmp_path / "onnx", packages=(("onnx", "float32"),))
+    with caplog.at_level(logging.INFO, logger="models.export"):
+        weights = export_tiny(tmp_path / "onnx", packages=(("onnx", "float32"),))
+    # The largest difference unrounded: the manifest's 4 decimals had it print "probabilities within 0".
+    assert re.search(r"wrote model\.onnx in \d+s: .* probabilities within \d\.\de[-+]\d\d$", caplog.text, flags=re.M)
+    caplog.clear()
     server = Predictor.load(weights, device="cpu", jit_optimize=True, threads=1)
     assert server.weights_format == "onnx"
     limits = DecodeLimits.from_settings(Settings())
@@ -217,3 +224,186 @@ def test_two_torchrun_processes_write_the_same_file_as_one(weights: Path, photos
                      "--out", str(tmp_path / "two.jsonl")])
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "two.jsonl").read_text() == (tmp_path / "one.jsonl").read_text()
+
+
+def _stop_line(caplog: pytest.LogCaptureFixture) -> str:
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("stopped")]
+    return line
+
+
+def test_ctrl_c_says_what_is_written_and_the_command_that_goes_on(weights: Path, photos: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    # Before: a 30-line KeyboardInterrupt traceback from inside the forward pass, and nothing about resuming.
+    from models.predict import __main__ as predict
+    from models.run.report import python_command
+
+    real, calls = predict._answers, []
+
+    def interrupted(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # Ctrl-C during the second batch's forward pass
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(predict, "_answers", interrupted)
+    out = tmp_path / "out" / "scores.jsonl"
+    argv = ["--weights", str(weights), "--data", str(photos), "--out", str(out), "--batch-size", "4",
+            "--workers", "0"]
+    with caplog.at_level(logging.INFO, logger="models.predict"):
+        assert main(argv) == 130
+    line = _stop_line(caplog)
+    assert line.startswith(f"stopped: 4 of 12 inputs are written ({out}.parts)"), line
+    command = line.split("is written): ", 1)[1]
+    assert command == f"{python_command()} -m models.predict {' '.join(argv)}"
+    monkeypatch.setattr(predict, "_answers", real)
+    words = shlex.split(command)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="models.predict"):
+        assert main(words[3:]) == 0  # the printed command goes on: the 8 inputs left
+    assert "on 8 of 12 inputs (4 written before)" in caplog.text
+    whole = tmp_path / "whole.jsonl"
+    assert main([*argv[:4], "--out", str(whole), *argv[6:]]) == 0
+    for resumed, straight in zip(_lines(out), _lines(whole), strict=True):
+        assert resumed | {"scores": None} == straight | {"scores": None}
+        assert resumed.get("scores", []) == pytest.approx(straight.get("scores", []), abs=1e-6)
+
+
+def test_ctrl_c_before_anything_is_written_says_so(weights: Path, photos: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    from models.predict import __main__ as predict
+
+    def interrupted(*args: object, **kwargs: object) -> object:
+        raise KeyboardInterrupt  # during the load
+
+    monkeypatch.setattr(predict, "load_model", interrupted)
+    with caplog.at_level(logging.INFO, logger="models.predict"):
+        assert main(["--weights", str(weights), "--data", str(photos), "--out", str(tmp_path / "s.csv")]) == 130
+    assert _stop_line(caplog).startswith("stopped before any image was scored; to start again: ")
+
+
+@pytest.mark.slow  # a real Ctrl-C: the command in a subprocess, its DataLoader worker signalled too
+def test_a_real_ctrl_c_prints_one_line_and_no_traceback(weights: Path, tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    data = tmp_path / "many"
+    data.mkdir()
+    for i in range(1500):
+        Image.new("RGB", (36, 36), (i % 256, (7 * i) % 256, 90)).save(data / f"{i:05d}.png")
+    out = tmp_path / "scores.jsonl"
+    argv = ["--weights", str(weights), "--data", str(data), "--out", str(out), "--batch-size", "1",
+            "--workers", "1"]
+
+    def as_a_terminal() -> None:  # its own process group, signalled as a whole; SIGINT as in a terminal
+        os.setsid()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    root = Path(__file__).resolve().parents[2]
+    process = subprocess.Popen([sys.executable, "-m", "models.predict", *argv], cwd=root, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, preexec_fn=as_a_terminal)
+    part = Path(f"{out}.parts") / "rank-00000.jsonl"
+    deadline = time.monotonic() + 120
+    while process.poll() is None and time.monotonic() < deadline and (
+            not part.exists() or part.read_text().count("\n") < 20):
+        time.sleep(0.1)
+    os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C does: every process of the terminal's group
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    (line,) = [line for line in err.splitlines() if "stopped" in line]
+    written = len(part.read_text().splitlines())
+    assert f"stopped: {written} of 1500 inputs are written" in line
+    command = line.split("is written): ", 1)[1]
+    assert shlex.split(command)[0] == ".venv/bin/python" or Path(shlex.split(command)[0]).is_absolute()
+    done = subprocess.run(command, shell=True, cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"on {1500 - written} of 1500 inputs ({written} written before)" in done.stderr
+    assert len(_lines(out)) == 1500
+
+
+def _error(argv: list[str], caplog: pytest.LogCaptureFixture) -> str:
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="models.predict"):
+        assert main(argv) == 2
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    return line
+
+
+def test_wrong_paths_are_named_before_the_model_loads(weights: Path, photos: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    # Before: a missing --weights and a folder of photos both said "holds 0 models (none): name one, --model", and
+    # --data and --out were read only after the model had loaded.
+    def no_load(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was loaded before the paths were checked")
+
+    monkeypatch.setattr("models.predict.__main__.load_model", no_load)
+    out = str(tmp_path / "s.jsonl")
+    missing = tmp_path / "runs" / "nothing" / "export"
+    assert _error(["--weights", str(missing), "--data", str(photos), "--out", out], caplog) == (
+        f"error: --weights {missing} does not exist: give an export's folder (with manifest.json) or a model "
+        "repository")
+    assert _error(["--weights", str(photos), "--data", str(photos), "--out", out], caplog) == (
+        f"error: --weights {photos} is not an export (no manifest.json in it) nor a model repository "
+        "(no <model>/<version>/manifest.json under it)")
+    given = ["--weights", str(weights)]
+    assert "--data " + str(tmp_path / "gone") + " is neither a folder nor a file list" in _error(
+        [*given, "--data", str(tmp_path / "gone"), "--out", out], caplog)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert f"--out {blocker / 'x.jsonl'}: its folder {blocker} cannot be made (a file is in the way)" in _error(
+        [*given, "--data", str(photos), "--out", str(blocker / "x.jsonl")], caplog)
+    assert f"--out {tmp_path} is a folder" in _error([*given, "--data", str(photos), "--out", str(tmp_path)], caplog)
+    assert "write .jsonl, .csv or .parquet" in _error([*given, "--data", str(photos), "--out", out + ".txt"], caplog)
+    assert "is neither a DIR/<class>/ folder nor a CSV" in _error(
+        [*given, "--data", str(photos), "--out", out, "--labels", str(tmp_path / "no-labels")], caplog)
+
+
+def test_a_training_folder_as_labels_names_the_split_to_evaluate(weights: Path, digits: Path, tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    # Before: --labels data/mine on the docs' own train/ + val/ folder said "--labels names classes the model does
+    # not have: train, val".
+    mine = tmp_path / "mine"
+    for split, count in (("train", 3), ("val", 2)):
+        for digit in ("3", "8"):
+            (mine / split / digit).mkdir(parents=True)
+            for file in sorted((digits / digit).iterdir())[:count]:
+                shutil.copy(file, mine / split / digit / file.name)
+    out = tmp_path / "eval.jsonl"
+    line = _error(["--weights", str(weights), "--data", str(mine), "--labels", str(mine), "--out", str(out)], caplog)
+    assert line == (f"error: --labels {mine} holds the training splits train/ and val/, not <class>/ folders: "
+                    f"evaluate on the split training held out, --data {mine / 'val'} --labels {mine / 'val'}")
+    assert not out.exists() and not Path(f"{out}.parts").exists()  # nothing scored
+    suggested = shlex.split(line.rsplit("held out, ", 1)[1])
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="models.predict"):
+        assert main(["--weights", str(weights), *suggested, "--out", str(out), "--workers", "0"]) == 0
+    assert "evaluated 4 images: top-1" in caplog.text and f"report in {tmp_path / 'eval-report'}" in caplog.text
+    assert json.loads((tmp_path / "eval-report" / "metrics.json").read_text())["count"] == 4
+
+
+def test_the_report_goes_beside_out_and_a_page_without_mistakes_says_so(weights: Path, photos: Path,
+                                                                        tmp_path: Path) -> None:
+    # Before: with no mistakes mistakes.html said "0 most confident mistakes: ...".
+    scored = tmp_path / "scored.jsonl"
+    args = ["--weights", str(weights), "--data", str(photos), "--workers", "0", "--batch-size", "4"]
+    assert main([*args, "--out", str(scored)]) == 0
+    table = tmp_path / "truth.csv"  # the model's own answers as the truth: no mistakes
+    table.write_text("".join(f"{line['path']},{line['labels'][0]}\n" for line in _lines(scored) if "error" not in line))
+    assert main([*args, "--labels", str(table), "--out", str(tmp_path / "run" / "eval.jsonl")]) == 0
+    page = (tmp_path / "run" / "eval-report" / "mistakes.html").read_text()
+    assert "No mistakes: the model's top-1 answer was right on all 10 labelled images scored." in page
+    assert "0 most confident" not in page and "<figure>" not in page
+    wrong = tmp_path / "wrong.csv"  # three of them now wrong: all three shown, and said to be all
+    rows = table.read_text().splitlines()
+    wrong.write_text("\n".join(f"{row.rsplit(',', 1)[0]},{'0' if row.endswith(',1') else '1'}" if i < 3 else row
+                               for i, row in enumerate(rows)) + "\n")
+    assert main([*args, "--labels", str(wrong), "--out", str(tmp_path / "wrong.jsonl"), "--mistakes", "2"]) == 0
+    page = (tmp_path / "wrong-report" / "mistakes.html").read_text()
+    assert "The 2 most confident of 3 mistakes: " in page and page.count("<figure>") == 2

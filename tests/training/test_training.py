@@ -4,7 +4,9 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -25,7 +27,7 @@ from models.export.__main__ import main as export_main
 from models.data.loaders import splits
 from models.export.manifest import read_manifest
 from models.architectures import ARCHS, build_model
-from models.run.report import read_metrics
+from models.run.report import command_path, python_command, read_metrics
 from tests.support.imaging import write_image_folder
 
 NO_PACKAGES = ["--packages", "none"]  # compiling an AOTInductor package takes a minute: tests/app/test_packages.py
@@ -277,7 +279,8 @@ def test_the_default_version_is_unique_per_weights_and_stable_per_checkpoint(fol
 
 
 @pytest.mark.slow  # runs the training command in a subprocess: seconds of interpreter start-up
-def test_ctrl_c_prints_one_line_with_the_command_to_resume(folder: Path, tmp_path: Path) -> None:
+def test_ctrl_c_prints_one_line_with_the_command_to_resume(folder: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     run = tmp_path / "run"
     # As in a terminal, Ctrl-C must reach Python: a suite started in the background (nohup ... &) runs with SIGINT
     # ignored, which the child would inherit, and Python then installs no KeyboardInterrupt at all.
@@ -293,7 +296,89 @@ def test_ctrl_c_prints_one_line_with_the_command_to_resume(folder: Path, tmp_pat
     assert process.returncode == 130, err[-2000:]
     assert "Traceback" not in err
     (line,) = [line for line in err.splitlines() if "interrupted" in line]
-    assert f"to go on: python -m models.train --data {folder}" in line and f"--resume {run / CHECKPOINT_NAME}" in line
+    monkeypatch.chdir(ROOT)  # the command ran there: its interpreter as a shell there finds it (.venv/bin/python)
+    python = command_path(sys.executable)
+    assert python != "python" or shutil_which_is(sys.executable)  # never a bare python that lacks torch
+    assert f"to go on: {python} -m models.train --data {folder}" in line
+    assert f"--resume {run / CHECKPOINT_NAME}" in line
+
+
+def shutil_which_is(executable: str) -> bool:
+    """Whether a shell's bare ``python`` is ``executable`` itself (not a symlink's target: a venv's python links to
+    a system python without the venv's packages)."""
+    import shutil
+
+    found = shutil.which("python")
+    return found is not None and os.path.abspath(found) == os.path.abspath(executable)
+
+
+def test_printed_commands_name_the_interpreter_a_fresh_shell_runs(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: "python -m models.export ...", which a fresh shell after `make serve` ran with the system python:
+    # "No module named 'torch'".
+    venv = tmp_path / "project" / ".venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").symlink_to(sys.executable)
+    monkeypatch.chdir(tmp_path / "project")
+    assert command_path(venv / "python") == ".venv/bin/python"  # the README's set-up, from the project's folder
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    assert command_path(venv / "python") == str(venv / "python")  # elsewhere: where it is
+    monkeypatch.setenv("PATH", str(venv))
+    assert command_path(venv / "python") == "python"  # what PATH finds first (the container's /opt/venv/bin)
+    other = tmp_path / "system"  # the same file through another link: another interpreter, without the packages
+    other.mkdir()
+    (other / "python").symlink_to(venv / "python")
+    monkeypatch.setenv("PATH", str(other))
+    assert command_path(venv / "python") == str(venv / "python")
+
+
+def _seconds(text: str) -> int:
+    """``1h02m``, ``3m05s`` or ``42s`` (report.duration) as seconds."""
+    found = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", text)
+    assert found and text, text
+    hours, minutes, seconds = (int(part or 0) for part in found.groups())
+    return 3600 * hours + 60 * minutes + seconds
+
+
+def test_the_whole_time_of_a_run_counts_its_export(folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    # Before: "done: ... 57s in all" was the epochs' time; the export after it (the command took 1m39s) was left out.
+    def export(args: object, best: Path) -> Path:
+        time.sleep(3)  # an export of 3 s (ONNX is seconds to minutes, docs/training.md)
+        return tmp_path / "weights"
+
+    monkeypatch.setattr(train, "_export", export)
+    with caplog.at_level(logging.INFO, logger="models.train"):
+        assert train.main(small_args(folder, tmp_path / "run", "--export", str(tmp_path / "weights"))) == 0
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("done: ")]
+    found = re.search(r"; 1 epoch in (\w+), (\w+) in all with the export$", line)
+    assert found, line
+    assert _seconds(found.group(2)) >= _seconds(found.group(1)) + 2, line  # rounded to seconds: 3 s, less 1
+
+
+def test_the_summary_names_the_best_epoch_as_the_manifest_does_and_its_export_runs_as_printed(
+        folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: the manifest's source said "epoch 1" of the log's "best epoch 2" (the loop's 0-based epoch).
+    real, losses = train.evaluate, iter([1.0, 0.5, 0.7])
+
+    def tied(*args: object, **kwargs: object) -> train.EvalResult:
+        result = real(*args, **kwargs)  # type: ignore[arg-type]
+        result.acc1, result.loss = 0.5, next(losses)  # the second epoch is the best
+        return result
+
+    monkeypatch.setattr(train, "evaluate", tied)
+    run = tmp_path / "run"
+    with caplog.at_level(logging.INFO, logger="models.train"):
+        assert train.main(small_args(folder, run, "--epochs", "3")) == 0
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("done: best epoch 2, val top-1 0.5000 (loss 0.5000); 3 epochs in ") for line in lines)
+    (export,) = [line.removeprefix("export: ") for line in lines if line.startswith("export: ")]
+    assert export == f"{python_command()} -m models.export --checkpoint {run / BEST_NAME} --out {run / 'export'}"
+    words = shlex.split(export)
+    assert export_main([*words[3:], *NO_PACKAGES]) == 0  # as printed (without ONNX's minute)
+    assert read_manifest(run / "export").source == "models.train checkpoint best.pt of run run, epoch 2"
 
 
 @pytest.mark.slow  # its run exports ONNX
