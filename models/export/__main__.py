@@ -45,8 +45,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--force", action="store_true", help="replace an export already in the target folder")
     parser.add_argument("--packages", default="auto",
                         help="what to build beside TorchScript, comma-separated: onnx (ONNX for ONNX Runtime, what "
-                             "the server serves on a CPU; about 10 s), cpu, cuda (AOTInductor packages, need g++; "
-                             "about 30 s each), cpu-int8 (int8 for the CPU: PT2E quantization calibrated on real "
+                             "the server serves on a CPU; seconds to minutes, by model size, cores and load), cpu, "
+                             "cuda (AOTInductor packages, need g++; about 30 s each), cpu-int8 (int8 for the CPU: PT2E quantization calibrated on real "
                              "photos, needs torchao), none; auto: onnx, and cuda when a GPU is present. Agreement "
                              "with float32 on real photos goes into the manifest")
     parser.add_argument("--package-dtype", default="float32", choices=sorted(DTYPES),

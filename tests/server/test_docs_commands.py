@@ -36,7 +36,7 @@ BARE = re.compile(r"(?<![\w/.=-])(?:python3? -m (?:models|app|demo_data|visionse
 # Inline `code` is checked too on these pages. Not on docs/architecture.md (a module map: "train.py  python -m
 # models.train, top to bottom"), docs/configuration.md (generated from app/config.py), docs/testing.md and
 # docs/performance.md (the developer's and benchmark pages), nor yet docs/training.md.
-INLINE_CHECKED = ("README.md", "docs/api.md", "docs/models.md", "docs/deployment.md")
+INLINE_CHECKED = ("README.md", "docs/api.md", "docs/models.md", "docs/deployment.md", "docs/training.md")
 VENV_COMMAND = re.compile(r"(?<![\w/.-])\.venv/bin/([\w.-]+)")
 
 
