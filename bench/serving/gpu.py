@@ -76,13 +76,14 @@ def decode_rates(predictor: Predictor, photos: Sequence[bytes], batch_size: int,
 
 
 def serve(weights: Path, args: argparse.Namespace, workers: int, torch_threads: int,
-          decode_path: str) -> list[dict[str, object]]:
+          decode_path: str, engine: str) -> list[dict[str, object]]:
     """visionserve on the device with ``workers`` gunicorn workers, ``torch_threads`` intra-op threads (0: the
-    service's default) and ``decode_path``, at each images-per-request and C; images/s count images."""
+    service's default), ``decode_path`` and ``engine`` (ENGINE: the model in one engine process, or in every
+    worker), at each images-per-request and C; images/s count images."""
     started = time.perf_counter()
     server = visionserve(weights, WORK / "logs", device=args.device, dtype=args.dtype, workers=str(workers),
-                         max_batch_size=str(max(args.batch_sizes)), threads="64", torch_threads=str(torch_threads),
-                         decode_path=decode_path, max_images=str(max(args.images_per_request)),
+                         engine=engine, max_batch_size=str(max(args.batch_sizes)), threads="64",
+                         torch_threads=str(torch_threads), decode_path=decode_path, max_images=str(max(args.images_per_request)),
                          max_body_bytes=str(256 * 1024 * 1024)).wait_ready()
     ready_s = time.perf_counter() - started
     photos = imagenet_workload() if args.workload == "imagenet" else workload()
@@ -96,7 +97,8 @@ def serve(weights: Path, args: argparse.Namespace, workers: int, torch_threads: 
                                        args.warmup, content_type, server_pgid=server.process.pid))
                 r["images_per_s"] *= per_request
                 rows.append({**r, "workers": workers, "torch_threads": torch_threads, "ready_s": ready_s,
-                             "decode_path": decode_path, "per_request": per_request, "gpu_util": gpu.mean})
+                             "decode_path": decode_path, "per_request": per_request, "gpu_util": gpu.mean,
+                             "engine": engine})
     finally:
         server.stop()
     return rows
@@ -119,15 +121,15 @@ def run_model(weights: Path, args: argparse.Namespace) -> dict[str, object]:
     del predictor
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    loads = [row for path in args.decode_paths for workers in args.workers for threads in args.torch_threads
-             for row in serve(weights, args, workers, threads, path)]
+    loads = [row for engine in args.engines for path in args.decode_paths for workers in args.workers
+             for threads in args.torch_threads for row in serve(weights, args, workers, threads, path, engine)]
     return {"limit_by_batch": limit, "decode": decode, "loads": loads, "single_ms": single_ms}
 
 
 def _load_row(r: dict, limit: float, single_ms: float) -> str:
     """One served load point as a table row, with its efficiency and its p50 against the in-process latency."""
     util, client = r.get("gpu_util"), r.get("client_cores")
-    cells = [r.get("decode_path", "pil"), r.get("per_request", 1), r.get("workers", 1), r["torch_threads"] or "default",
+    cells = [r.get("engine", "inline"), r.get("decode_path", "pil"), r.get("per_request", 1), r.get("workers", 1), r["torch_threads"] or "default",
              f"{r['ready_s']:.0f}", r["concurrency"], f"{r['images_per_s']:.1f}", f"{r['p50_ms']:.1f}",
              f"{r['p99_ms']:.1f}", r["errors"], f"{r['mean_batch'] or 0:.2f}", f"{r['server_cores'] or 0:.2f}",
              "-" if client is None else f"{client:.2f}", "-" if util is None else f"{util:.0f}",
@@ -148,9 +150,9 @@ def report(results: dict[str, dict], machine: dict[str, object]) -> str:
         lines += ["", f"In-process latency of one image (decode + preprocess + forward), median: "
                       f"{data['single_ms']:.1f} ms.", "", "| decode + preprocess | img/s |", "| --- | --- |"]
         lines += [f"| {name} | {r:.1f} |" for name, r in data["decode"].items()]
-        lines += ["", "| decode path | images / request | workers | intra-op threads | ready s | C | img/s | p50 ms | "
-                  "p99 ms | errors | mean batch | server cores | client cores | GPU util % | efficiency | "
-                  "p50 / in-process |", "|" + " --- |" * 16]
+        lines += ["", "| engine | decode path | images / request | workers | intra-op threads | ready s | C | img/s | "
+                  "p50 ms | p99 ms | errors | mean batch | server cores | client cores | GPU util % | efficiency | "
+                  "p50 / in-process |", "|" + " --- |" * 17]
         lines += [_load_row(r, best, data["single_ms"]) for r in data["loads"]]
         lines.append("")
     return "\n".join(lines) + "\n"
@@ -174,6 +176,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--limit-seconds", type=float, default=3.0)
     parser.add_argument("--decode-paths", nargs="+", default=["pil", "device"], help="serve once per DECODE_PATH")
+    parser.add_argument("--engines", nargs="+", default=["process", "inline"], choices=["process", "inline"],
+                        help="serve once per ENGINE: one engine process per GPU, or the model in every worker")
     parser.add_argument("--images-per-request", type=int, nargs="+", default=[1, 16],
                         help="1: the raw JPEG as the body; more: one multipart request")
     parser.add_argument("--workload", choices=["mix", "imagenet"], default="mix",

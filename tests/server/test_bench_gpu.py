@@ -15,11 +15,12 @@ def test_the_gpu_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
     gpu.main(["--device", "cpu", "--dtype", "float32", "--models", "mobilenet_v3_small", "--batch-sizes", "2",
               "--concurrency", "1", "--workers", "1", "--processes", "--seconds", "0.5", "--warmup", "0.2",
               "--limit-seconds", "0.3", "--images-per-request", "1", "2", "--decode-paths", "pil", "device",
-              "--workload", "imagenet", "--out", str(tmp_path)])
+              "--workload", "imagenet", "--engines", "process", "inline", "--out", str(tmp_path)])
     (report,) = tmp_path.glob("*-gpu-cpu.md")
     text = report.read_text()
     assert "device path + forward (float32), batch 2: the limit" in text
-    rows = [line for line in text.splitlines() if line.startswith("| pil |") or line.startswith("| device |")]
-    assert [(row.split("|")[1].strip(), row.split("|")[2].strip()) for row in rows] == [
-        ("pil", "1"), ("pil", "2"), ("device", "1"), ("device", "2")]
-    assert all(row.split("|")[10].strip() == "0" for row in rows)  # no request failed on either path
+    rows = [line for line in text.splitlines() if line.startswith(("| process |", "| inline |"))]
+    assert [tuple(cell.strip() for cell in row.split("|")[1:4]) for row in rows] == [
+        (engine, path, per_request) for engine in ("process", "inline") for path in ("pil", "device")
+        for per_request in ("1", "2")]
+    assert all(row.split("|")[11].strip() == "0" for row in rows)  # no request failed on either path or engine
