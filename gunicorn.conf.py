@@ -13,7 +13,7 @@ from app import EXTENSION_KEY, drain
 from app.config import SettingsError, load_settings, unknown_variables
 from app.engine.versions.desired import SharedDesiredState  # standard library only, like app.drain
 from app.host import engine_count, engine_mode, workers_for
-from app.supervisor import start_engines
+from app import supervisor
 from app.worker import ReadLimits
 
 try:
@@ -28,21 +28,20 @@ os.environ["VISIONSERVE_WORKERS"] = str(_workers)
 
 # ENGINE=process: the models run in engine processes the master starts (app/supervisor.py), the workers only HTTP.
 _engine = engine_mode(_settings.engine, _settings.device)
-_ENGINES = []
 
 # Several processes: prometheus-client's multiprocess mode, so /metrics on any worker reports all of them (the
 # engines' batches included). The variable must be set before the workers import prometheus_client, i.e. here in
 # the master before the fork.
-_OWN_METRICS_DIR = None
+# The directories this master makes are kept in app.supervisor: a HUP executes this file again.
 if (_workers > 1 or _engine == "process") and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-    _OWN_METRICS_DIR = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="visionserve-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="visionserve-metrics-")
+    supervisor.OWNED_DIRS.append(os.environ["PROMETHEUS_MULTIPROC_DIR"])
 
-# The workers share repository loads and unloads through a directory (app/engine/versions/desired.py), made here before the
-# fork so every worker of this master, and every worker it starts later, finds the same one.
-_OWN_CONTROL_DIR = None
-if _settings.control_dir is None:
-    _OWN_CONTROL_DIR = tempfile.mkdtemp(prefix="visionserve-control-")
-    os.environ["VISIONSERVE_CONTROL_DIR"] = _OWN_CONTROL_DIR
+# The workers share repository loads and unloads through a directory (app/engine/versions/desired.py), made here
+# before the fork so every worker of this master, and every worker it starts later, finds the same one.
+if _settings.control_dir is None and not os.environ.get("VISIONSERVE_CONTROL_DIR"):
+    os.environ["VISIONSERVE_CONTROL_DIR"] = tempfile.mkdtemp(prefix="visionserve-control-")
+    supervisor.OWNED_DIRS.append(os.environ["VISIONSERVE_CONTROL_DIR"])
 
 bind = _settings.bind
 workers = _workers
@@ -84,7 +83,8 @@ def on_starting(server) -> None:  # noqa: ANN001
         server.log.warning(warning)
     server.log.info("visionserve: %d worker%s (%s)", _workers, "" if _workers == 1 else "s", _workers_why)
     if _engine == "process":
-        _ENGINES.extend(start_engines(engine_count(_settings.device), _forget))
+        supervisor.start_engines(engine_count(_settings.device), Path(os.environ["VISIONSERVE_CONTROL_DIR"]),
+                                 _forget)
 
 
 def _forget(pid: int) -> None:
@@ -136,8 +136,6 @@ def child_exit(server, worker) -> None:  # noqa: ANN001
 def on_exit(server) -> None:  # noqa: ANN001
     """Stop the engines once the workers are gone (they finish what is queued), then remove the metrics and control
     directories this master made (ones set aside by ops are theirs to keep)."""
-    for engine in _ENGINES:
-        engine.stop(_settings.graceful_timeout_s)
-    for own in (_OWN_METRICS_DIR, _OWN_CONTROL_DIR):
-        if own is not None:
-            shutil.rmtree(own, ignore_errors=True)
+    supervisor.stop_engines(_settings.graceful_timeout_s)
+    for own in supervisor.OWNED_DIRS:
+        shutil.rmtree(own, ignore_errors=True)

@@ -33,7 +33,10 @@ from app.errors import ClientGone, DeadlineExceeded, LoadFailed, NotReady, Servi
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 2.0
 CLIENT_CHECK_S = 0.05  # how often a waiting request looks whether its client is still connected
-ANSWER_GRACE_S = 5.0  # beyond a request's own deadline (which the engine enforces), how long to wait for its answer
+ANSWER_GRACE_S = 5.0  # beyond twice a request's deadline (the engine's counts from queueing, after the decode)
+STATE_TIMEOUT_S = 1.0  # an engine that does not say its state within this is not ready (probes never hang)
+ADMIT_TIMEOUT_S = 5.0  # admission is routing and a queue check: an engine silent this long is stuck
+CATALOG_GRACE_S = 10.0  # beyond REPOSITORY_SYNC_TIMEOUT_S, for a catalog call (a load waits for every engine)
 STATE_TTL_S = 0.2  # readiness asked of the engine at most this often
 WAIT_S = 0.1  # while starting, how often to look for the engine
 
@@ -75,35 +78,46 @@ class RemoteCall:
     """A request admitted by the engine: ``model`` to parse with, ``infer`` to run its images there."""
 
     def __init__(self, conn: socket.socket, model: Signature, drop: Callable[[], None]) -> None:
-        self.model, self._conn, self._drop = model, conn, drop
+        self.model, self.conn, self._drop = model, conn, drop
         self.sent = False  # the images went to the engine (the admission then ends with its answer)
 
     def infer(self, images: Sequence[bytes] = (), tensors: Sequence[Any] = (), *, timeout_s: float,
               names: Sequence[str | None] = (), client_gone: Callable[[], bool] | None = None) -> Served:
         """As ``Call.infer``: the images go to the engine as they are, the answer comes back; a client that hangs
-        up drops its queued images there (the connection closes, which the engine watches)."""
+        up drops its queued images there (the connection closes, which the engine watches). Anything that leaves
+        the exchange unfinished drops the connection, so no later request reads this one's answer."""
         options = {"timeout_s": timeout_s, "names": list(names), "tensors": list(tensors)}
         try:
-            send(self._conn, ("infer", options), images)
-            self.sent = True
-            self._wait(timeout_s + ANSWER_GRACE_S, client_gone)
-            status, value = receive(self._conn)[0]
+            self.sent = True  # from here the engine ends the admission itself (answer, or a closed connection)
+            send(self.conn, ("infer", options), images)
+            self._wait(2 * timeout_s + ANSWER_GRACE_S, client_gone)
+            self.conn.settimeout(ANSWER_GRACE_S)  # the answer is arriving: never a wait without end
+            status, value = receive(self.conn)[0]
+            self.conn.settimeout(None)
         except (EngineGone, OSError):
             self._drop()
             raise _unavailable("the engine stopped while answering this request; it is restarting") from None
+        except BaseException:
+            self._drop()
+            raise
         if status == "error":
             raise value
         return value
 
     def _wait(self, limit_s: float, client_gone: Callable[[], bool] | None) -> None:
         until = time.monotonic() + limit_s
-        while not select.select([self._conn], [], [], CLIENT_CHECK_S if client_gone else limit_s)[0]:
+        while not _readable(self.conn, CLIENT_CHECK_S if client_gone else limit_s):
             if client_gone is not None and client_gone():
-                self._drop()  # the engine sees the connection close and drops the queued images
                 raise ClientGone("the client closed the connection; its queued images are dropped")
             if time.monotonic() >= until:
-                self._drop()
                 raise DeadlineExceeded(f"no answer from the engine within {limit_s:g}s")
+
+
+def _readable(conn: socket.socket, timeout_s: float) -> bool:
+    """Whether ``conn`` has data or its end within ``timeout_s`` (poll: no limit on the descriptor's number)."""
+    poller = select.poll()
+    poller.register(conn, select.POLLIN | select.POLLHUP | select.POLLERR)
+    return bool(poller.poll(max(0, int(timeout_s * 1000))))
 
 
 class RemoteCatalog:
@@ -148,7 +162,8 @@ class RemoteService:
                 on_error(LoadFailed(failure.read_text(encoding="utf-8")))
                 return
             if self._engine_state(fresh=True).get("ready"):
-                ready_mark(self.control_dir, os.getpid()).touch()
+                if not self._draining.is_set():
+                    ready_mark(self.control_dir, os.getpid()).touch()
                 self._started.set()
                 log.info("ready to serve (engine %d)", self.slot)
                 return
@@ -158,6 +173,9 @@ class RemoteService:
 
     def _connection(self) -> socket.socket:
         conn = getattr(self._local, "conn", None)
+        if conn is not None and _readable(conn, 0):  # between exchanges only its end can be there: a restart
+            self._drop()
+            conn = None
         if conn is None:
             conn = self._local.conn = connect(self.path, CONNECT_TIMEOUT_S)
         return conn
@@ -169,28 +187,34 @@ class RemoteService:
             with contextlib.suppress(OSError):
                 conn.close()
 
-    def _exchange(self, header: tuple[Any, ...]) -> Any:
-        """One question and its answer on this thread's connection; NotReady when the engine is away."""
+    def _exchange(self, header: tuple[Any, ...], timeout_s: float) -> Any:
+        """One question and its answer on this thread's connection, ``timeout_s`` at most; NotReady when the engine
+        is away or silent. Anything that leaves the exchange unfinished drops the connection."""
         try:
             conn = self._connection()
+            conn.settimeout(timeout_s)
             send(conn, header)
             status, value = receive(conn)[0]
+            conn.settimeout(None)
         except (EngineGone, OSError):
             self._drop()
-            raise _unavailable("the engine is not reachable; it is starting or restarting") from None
+            raise _unavailable("the engine is not reachable or not answering; it is starting or restarting") from None
+        except BaseException:
+            self._drop()
+            raise
         if status == "error":
             raise value
         return value
 
     def _ask(self, header: tuple[Any, ...]) -> Any:
         self.require_loaded()
-        return self._exchange(header)
+        return self._exchange(header, self.settings.repository_sync_timeout_s + CATALOG_GRACE_S)
 
     def _engine_state(self, fresh: bool = False) -> dict[str, bool]:
         at, state = self._state
         if fresh or time.monotonic() - at > STATE_TTL_S:
             try:
-                state = self._exchange(("state",))
+                state = self._exchange(("state",), STATE_TIMEOUT_S)
             except NotReady:
                 state = {}
             self._state = (time.monotonic(), state)
@@ -205,23 +229,26 @@ class RemoteService:
         the request stays admitted there until its images are sent or the protocol refuses its body."""
         with self.in_flight.inside():
             self.require_ready()
-            model = self._exchange(("admit", name, version, client_key, images, timeout_s))
+            model = self._exchange(("admit", name, version, client_key, images, timeout_s), ADMIT_TIMEOUT_S)
             call = RemoteCall(self._local.conn, model, self._drop)
             try:
                 yield call
             except BaseException as exc:
                 if not call.sent:
-                    self._abort(_as_service_error(exc))
+                    self._abort(call, _as_service_error(exc))
                 raise
             else:
                 if not call.sent:
-                    self._abort(None)
+                    self._abort(call, None)
 
-    def _abort(self, error: ServiceError | None) -> None:
-        """End an admission whose images were never sent (the protocol refused the body, or asked nothing)."""
+    def _abort(self, call: RemoteCall, error: ServiceError | None) -> None:
+        """End an admission whose images were never sent (the protocol refused the body, or asked nothing), on the
+        call's own connection; if that is gone, the engine ended the admission when it closed."""
+        if getattr(self._local, "conn", None) is not call.conn:
+            return
         try:
-            send(self._connection(), ("abort", error))
-        except (EngineGone, OSError):
+            send(call.conn, ("abort", error))
+        except Exception:  # noqa: BLE001 - unsent: the connection goes, and with it the admission there
             self._drop()
 
     @property

@@ -3,9 +3,16 @@
 process that used CUDA is ever forked), watched by a thread, restarted when it dies, stopped after the HTTP
 workers at shutdown. Standard library only: it runs in the master.
 
-An engine that exits with the boot-error status (3: a model that cannot be served) is not restarted: it wrote why
-to ``engine-<slot>.failed``, and the HTTP workers stop the server with that message, as a worker that cannot load
-its model does with ``ENGINE=inline``.
+- The engines live in this module, not in gunicorn.conf.py: a ``kill -HUP`` executes the config file again, and
+  its new globals would forget the engines (and never stop them). A HUP restarts the HTTP workers only; the
+  engines keep their models (a new model version arrives through the repository, docs/models.md).
+- Each engine runs in a session of its own (a Ctrl-C or a signal to the master's process group reaches the master,
+  which stops the engines after the workers) and holds a pipe from the master: if the master dies without
+  stopping it, the pipe closes and the engine exits instead of holding the GPU.
+- An engine that cannot serve (its model, its settings, its socket) writes why to ``engine-<slot>.failed`` and
+  exits; at the first start the HTTP workers read it and stop the server with that message, as a worker that cannot
+  load its model does with ``ENGINE=inline``. At a later start (a restart after a crash) the master stops itself
+  with the same message. An engine that dies three times in a row before it listens is taken as failing too.
 """
 from __future__ import annotations
 
@@ -20,52 +27,89 @@ from pathlib import Path
 from typing import Callable
 
 log = logging.getLogger("gunicorn.error")
-BOOT_ERROR = 3  # app/engine/process.py's exit status when nothing can be served
 RESTART_DELAY_S = 1.0  # after a crash, before starting it again (a crash loop costs one start a second)
+EARLY_CRASHES = 3  # deaths in a row before the engine ever listened that count as a failure to start
+ROOT = Path(__file__).resolve().parents[1]
+_ENGINES: list["Engine"] = []  # this master's engines (survives gunicorn.conf.py being executed again)
+OWNED_DIRS: list[str] = []  # temporary directories this master made (removed at exit, also after a HUP)
 
 
 class Engine:
     """One engine process and the thread that restarts it."""
 
-    def __init__(self, slot: int, on_death: Callable[[int], None]) -> None:
-        self.slot, self._on_death = slot, on_death
+    def __init__(self, slot: int, control_dir: Path, on_death: Callable[[int], None]) -> None:
+        self.slot, self.control_dir, self._on_death = slot, control_dir, on_death
         self.process: subprocess.Popen[bytes] | None = None
         self.restarts = 0
-        self._stopping = threading.Event()
+        self._lock = threading.Lock()  # a spawn and a stop never overlap
+        self._stopping = False
+
+    @property
+    def failure(self) -> Path:
+        """Where it says why it cannot serve (app/engine/wire.engine_failure)."""
+        return self.control_dir / f"engine-{self.slot}.failed"
+
+    @property
+    def socket(self) -> Path:
+        """Where it listens once its models are loaded (app/engine/wire.socket_path)."""
+        return self.control_dir / f"engine-{self.slot}.sock"
 
     def start(self) -> "Engine":
         """Start the process and its watcher."""
-        self._spawn()
+        with self._lock:
+            self._spawn()
         threading.Thread(target=self._watch, name=f"engine-{self.slot}-watch", daemon=True).start()
         return self
 
     def _spawn(self) -> None:
-        self.process = subprocess.Popen([sys.executable, "-m", "app.engine.process", str(self.slot)],
-                                        cwd=Path(__file__).resolve().parents[1])
+        self.socket.unlink(missing_ok=True)  # it appears again when this engine listens
+        self.process = subprocess.Popen([sys.executable, "-m", "app.engine.process", str(self.slot)], cwd=ROOT,
+                                        stdin=subprocess.PIPE, start_new_session=True)
         log.info("engine %d started (pid %d)", self.slot, self.process.pid)
 
     def _watch(self) -> None:
-        while not self._stopping.is_set():
-            assert self.process is not None
-            status = self.process.wait()
-            self._on_death(self.process.pid)
-            if self._stopping.is_set():
+        early = 0
+        while True:
+            process = self.process
+            assert process is not None
+            status = process.wait()  # gunicorn may reap it first: then 0, so the failure file is what counts
+            self._on_death(process.pid)
+            with self._lock:
+                if self._stopping:
+                    return
+            early = 0 if self.socket.exists() else early + 1
+            if early >= EARLY_CRASHES and not self.failure.exists():
+                self.failure.write_text(f"engine {self.slot} exited {early} times before it could serve "
+                                        f"(status {status}; the log above says why)", encoding="utf-8")
+            if self.failure.exists():
+                self._failed()
                 return
-            if status == BOOT_ERROR:
-                log.error("engine %d cannot serve its models (exit %d); not restarted", self.slot, status)
-                return
-            log.warning("engine %d (pid %d) died with status %d; restarting it", self.slot, self.process.pid, status)
+            log.warning("engine %d (pid %d) died with status %s; restarting it", self.slot, process.pid, status)
             time.sleep(RESTART_DELAY_S)
-            self.restarts += 1
-            self._spawn()
+            with self._lock:
+                if self._stopping:
+                    return
+                self.restarts += 1
+                self._spawn()
 
-    def stop(self, timeout_s: float) -> None:
-        """SIGTERM (it finishes what is queued), then SIGKILL after ``timeout_s``."""
-        self._stopping.set()
+    def _failed(self) -> None:
+        reason = self.failure.read_text(encoding="utf-8")
+        log.error("engine %d cannot serve: %s", self.slot, reason)
+        if self.restarts:  # the workers read it at the first start only: here the master stops itself
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def signal_stop(self) -> None:
+        """SIGTERM (it finishes what is queued); no restart after it."""
+        with self._lock:
+            self._stopping = True
+            if self.process is not None and self.process.poll() is None:
+                self.process.send_signal(signal.SIGTERM)
+
+    def wait_stopped(self, timeout_s: float) -> None:
+        """Wait for it to exit, SIGKILL after ``timeout_s``."""
         process = self.process
-        if process is None or process.poll() is not None:
+        if process is None:
             return
-        process.send_signal(signal.SIGTERM)
         try:
             process.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -74,7 +118,23 @@ class Engine:
             process.wait()
 
 
-def start_engines(count: int, on_death: Callable[[int], None]) -> list[Engine]:
-    """``count`` engines, slots 0..count-1."""
+def start_engines(count: int, control_dir: Path, on_death: Callable[[int], None]) -> list[Engine]:
+    """``count`` engines, slots 0..count-1, unless this master runs them already (a HUP executes the config
+    again); stale files of an earlier start of a kept CONTROL_DIR go first."""
+    if _ENGINES:
+        return _ENGINES
+    for pattern in ("engine-*.failed", "engine-*.sock", "http-*.ready"):
+        for stale in control_dir.glob(pattern):
+            stale.unlink(missing_ok=True)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    return [Engine(slot, on_death).start() for slot in range(count)]
+    _ENGINES.extend(Engine(slot, control_dir, on_death).start() for slot in range(count))
+    return _ENGINES
+
+
+def stop_engines(timeout_s: float) -> None:
+    """Stop every engine: all signalled first, then each waited for."""
+    for engine in _ENGINES:
+        engine.signal_stop()
+    for engine in _ENGINES:
+        engine.wait_stopped(timeout_s)
+    _ENGINES.clear()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import select
 import signal
 import socket
@@ -39,13 +40,18 @@ BOOT_ERROR = 3  # as a gunicorn worker's boot error: the master stops instead of
 
 def _gone_watch(conn: socket.socket) -> Callable[[], bool]:
     """While an inference runs, anything readable on the connection (a byte, or its close) means the HTTP side's
-    client hung up."""
-    def gone() -> bool:
-        try:
-            return bool(select.select([conn], [], [], 0)[0])
-        except (OSError, ValueError):
-            return True
-    return gone
+    client hung up (poll: no limit on the descriptor's number)."""
+    poller = select.poll()
+    poller.register(conn, select.POLLIN | select.POLLHUP | select.POLLERR)
+    return lambda: bool(poller.poll(0))
+
+
+def _answer(conn: socket.socket, answer: tuple[str, Any]) -> None:
+    """Send ``answer``; one that does not pickle is answered as the server's error instead (nothing was sent yet)."""
+    try:
+        send(conn, answer)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        send(conn, ("error", InferenceFailed(f"the engine's answer could not be sent: {exc}")))
 
 
 def _as_error(exc: BaseException) -> ServiceError:
@@ -61,11 +67,14 @@ class EngineServer:
         self.service, self.path = service, path
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 
-    def listen(self) -> None:
-        """Bind (replacing a dead engine's socket file) and accept connections until the process ends."""
+    def bind(self) -> None:
+        """Bind (replacing a dead engine's socket file)."""
         self.path.unlink(missing_ok=True)
         self._listener.bind(str(self.path))
         self._listener.listen(1024)
+
+    def listen(self) -> None:
+        """Accept connections until the process ends."""
         log.info("engine listening on %s", self.path)
         while True:
             conn, _ = self._listener.accept()
@@ -77,20 +86,24 @@ class EngineServer:
                 while True:
                     header, _ = receive(conn)
                     self._one(conn, header)
-            except (EngineGone, ConnectionError):
-                return  # the HTTP worker closed it (its thread ended, or the worker exited)
+            except (EngineGone, OSError):
+                return  # the HTTP worker closed it (its thread ended, or the worker exited), or it went out of step
 
     def _one(self, conn: socket.socket, header: tuple[Any, ...]) -> None:
         kind = header[0]
+        if kind in ("infer", "abort"):  # only ever after an admission: the stream is out of step, so it ends
+            raise EngineGone(f"a {kind!r} frame outside an admission")
         try:
             if kind == "admit":
                 self._admitted(conn, *header[1:])
                 return
             value = self._call(header)
+        except (EngineGone, ConnectionError):
+            raise
         except Exception as exc:  # noqa: BLE001 - every failure is answered, never a dropped connection
-            send(conn, ("error", _as_error(exc)))
+            _answer(conn, ("error", _as_error(exc)))
             return
-        send(conn, ("ok", value))
+        _answer(conn, ("ok", value))
 
     def _call(self, header: tuple[Any, ...]) -> Any:
         if header[0] == "state":
@@ -109,7 +122,7 @@ class EngineServer:
         try:
             with self.service.admit(model, version, client_key, images, timeout_s) as call:
                 send(conn, ("ok", call.model))
-                header, images = receive(conn)
+                header, images = self._next_frame(conn)
                 if header[0] == "abort":
                     aborted = True
                     if header[1] is not None:
@@ -122,9 +135,23 @@ class EngineServer:
             raise
         except Exception as exc:  # noqa: BLE001 - answered, but for an abort: the HTTP side has its error already
             if not aborted:
-                send(conn, ("error", _as_error(exc)))
+                _answer(conn, ("error", _as_error(exc)))
             return
-        send(conn, ("ok", served))
+        _answer(conn, ("ok", served))
+
+    def _next_frame(self, conn: socket.socket) -> tuple[Any, list[bytes]]:
+        """The admitted request's next frame (infer or abort), within the time a body may take to arrive and be
+        parsed; a silent HTTP side ends the admission and the connection."""
+        settings = self.service.settings
+        conn.settimeout(settings.client_body_timeout_s + settings.request_timeout_s)
+        try:
+            frame = receive(conn)
+        except TimeoutError:
+            raise EngineGone("no infer or abort frame after the admission") from None
+        conn.settimeout(None)
+        if frame[0][0] not in ("infer", "abort"):
+            raise EngineGone(f"a {frame[0][0]!r} frame inside an admission")
+        return frame
 
 
 def _serve_forever(settings: Settings, slot: int) -> None:
@@ -132,15 +159,35 @@ def _serve_forever(settings: Settings, slot: int) -> None:
     assert control_dir is not None, "the engine process needs CONTROL_DIR (gunicorn.conf.py sets it)"
     try:
         service = Service.build(settings, DirectorySource(settings))
+        server = EngineServer(service, socket_path(control_dir, slot))
+        server.bind()
     except Exception as exc:  # noqa: BLE001 - said once, in the log and for the HTTP workers
-        message = getattr(exc, "message", None) or str(exc)
-        log.error("cannot serve the model: %s", message)
-        engine_failure(control_dir, slot).write_text(message, encoding="utf-8")
-        logging.shutdown()
-        os._exit(BOOT_ERROR)
+        _fail(control_dir, slot, getattr(exc, "message", None) or str(exc))
     engine_failure(control_dir, slot).unlink(missing_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: _stop(service, settings))
-    EngineServer(service, socket_path(control_dir, slot)).listen()
+    server.listen()
+
+
+def _fail(control_dir: Path, slot: int, message: str) -> None:
+    """Say why this engine cannot serve (for the HTTP workers and the master) and exit with the boot error."""
+    log.error("cannot serve the model: %s", message)
+    failure = engine_failure(control_dir, slot)
+    partial = failure.with_name(f".{failure.name}.{os.getpid()}")
+    partial.write_text(message, encoding="utf-8")
+    partial.replace(failure)  # whole or not there: a worker may read it at any moment
+    logging.shutdown()
+    os._exit(BOOT_ERROR)
+
+
+def _exit_with_the_master() -> None:
+    """The master holds this process's stdin: at its end (the master died without stopping it) exit, instead of
+    holding the GPU for no one."""
+    def watch() -> None:
+        sys.stdin.buffer.read()
+        log.warning("the master is gone: the engine exits")
+        logging.shutdown()
+        os._exit(0)
+    threading.Thread(target=watch, name="master-watch", daemon=True).start()
 
 
 def _stop(service: Service, settings: Settings) -> None:
@@ -158,6 +205,8 @@ def main(argv: list[str] | None = None) -> None:
 
     args = sys.argv[1:] if argv is None else argv
     slot = int(args[0]) if args else 0
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the master's to handle: it stops the engines after
+    _exit_with_the_master()
     settings = load_settings()
     configure_logging(settings.log_level)
     keep_freed_memory(settings.malloc_trim_threshold_mb)

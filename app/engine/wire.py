@@ -6,6 +6,7 @@ Standard library only: the HTTP side never imports torch.
 """
 from __future__ import annotations
 
+import os
 import pickle
 import socket
 import struct
@@ -15,6 +16,8 @@ from typing import Any, Sequence
 _HEAD = struct.Struct("!II")  # the header's length, the number of segments
 _LENGTH = struct.Struct("!Q")
 MAX_SEGMENTS = 10_000  # a bound on one frame's segments (MAX_IMAGES is far lower): a corrupt frame fails at once
+MAX_FRAME_BYTES = 1 << 32  # a bound on one frame's size (MAX_BODY_BYTES is far lower): a corrupt one fails at once
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 # The Catalog (app/engine/catalog.py) calls an HTTP worker may make of the engine.
 CATALOG_CALLS = frozenset({"versions", "version", "default_model", "serving", "workers", "index", "in_repository",
                            "roles", "rollouts", "load", "unload", "promote", "rollback"})
@@ -40,7 +43,7 @@ def send(sock: socket.socket, header: Any, segments: Sequence[bytes | memoryview
     lengths = b"".join(_LENGTH.pack(len(s)) for s in segments)
     parts = [memoryview(p).cast("B") for p in (_HEAD.pack(len(head), len(segments)), lengths, head, *segments)]
     while parts:
-        sent = sock.sendmsg(parts)
+        sent = sock.sendmsg(parts[:_IOV_MAX])  # the kernel takes at most IOV_MAX buffers a call
         while parts and sent >= len(parts[0]):  # a partial send (a signal, a full buffer): go on from there
             sent -= len(parts.pop(0))
         if parts:
@@ -66,7 +69,10 @@ def receive(sock: socket.socket) -> tuple[Any, list[bytes]]:
         raise EngineGone(f"a frame of {count} segments: the stream is corrupt")
     table = _read_exactly(sock, _LENGTH.size * count) if count else memoryview(b"")
     lengths = [_LENGTH.unpack_from(table, i * _LENGTH.size)[0] for i in range(count)]
-    body = _read_exactly(sock, head_size + sum(lengths))
+    size = head_size + sum(lengths)
+    if size > MAX_FRAME_BYTES:
+        raise EngineGone(f"a frame of {size} bytes: the stream is corrupt")
+    body = _read_exactly(sock, size)
     header = pickle.loads(body[:head_size])
     segments, at = [], head_size
     for length in lengths:

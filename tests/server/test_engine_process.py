@@ -130,3 +130,45 @@ def test_an_engine_that_cannot_load_its_model_stops_the_server_with_the_reason(
     server = start_server(broken, engine="process", workers="2")
     assert server.process.wait(timeout=120) != 0
     assert "manifest" in server.output() and "cannot serve" in server.output()
+
+
+def test_one_thread_serves_refusals_hang_ups_and_answers_in_step(small_weights: Path,
+                                                                 start_server: Callable[..., Running]) -> None:
+    # One worker thread, so every request below travels on the same pooled engine connection: a refusal after the
+    # admission (a bad body), a client that hangs up mid-inference, then answers that must be this request's own.
+    server = start_server(small_weights, engine="process", workers="1", threads="1", max_wait_ms="5").wait_ready()
+    bad = requests.post(f"{server.url}/predict", data=b"not an image", headers={"Content-Type": "image/jpeg"},
+                        timeout=30)
+    assert bad.status_code == 400
+    with pytest.raises(requests.RequestException):  # a client that gives up at once, its request in flight
+        requests.post(f"{server.url}/predict", data=IMAGE * 1, headers={"Content-Type": "image/jpeg"}, timeout=0.001)
+    for _ in range(5):
+        answer = _predict(server)
+        assert answer.status_code == 200 and answer.json()["predictions"][0]["label"].startswith("class")
+    v2 = requests.get(f"{server.url}/v2/models/small", timeout=30)
+    assert v2.status_code == 200 and v2.json()["name"] == "small"
+
+
+def test_the_engine_ends_with_the_master_after_a_reload_and_after_a_kill(small_weights: Path,
+                                                                         start_server: Callable[..., Running]) -> None:
+    server = start_server(small_weights, engine="process", workers="1").wait_ready()
+    engine = _engine_pid(server)
+    os.kill(server.process.pid, signal.SIGHUP)  # new workers; the engine keeps serving
+    deadline = time.monotonic() + 60
+    while _predict(server).status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert _engine_pid(server) == engine
+    assert server.stop() == 0
+    _gone(engine)
+    killed = start_server(small_weights, engine="process", workers="1").wait_ready()
+    engine = _engine_pid(killed)
+    os.kill(killed.process.pid, signal.SIGKILL)  # no on_exit: the engine sees its pipe from the master close
+    _gone(engine)
+
+
+def _gone(pid: int, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]:
+        assert time.monotonic() < deadline, f"engine {pid} outlived its master"
+        time.sleep(0.1)
