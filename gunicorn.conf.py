@@ -12,6 +12,7 @@ from pathlib import Path
 from app import EXTENSION_KEY, drain
 from app.config import SettingsError, load_settings, unknown_variables
 from app.engine.versions.desired import SharedDesiredState  # standard library only, like app.drain
+from app.engine.wire import ready_mark
 from app.host import engine_count, engine_mode, workers_for
 from app import supervisor
 from app.worker import ReadLimits
@@ -130,7 +131,7 @@ def child_exit(server, worker) -> None:  # noqa: ANN001
     _forget(worker.pid)
     control_dir = os.environ.get("VISIONSERVE_CONTROL_DIR")
     if control_dir:
-        Path(control_dir, f"http-{worker.pid}.ready").unlink(missing_ok=True)
+        ready_mark(Path(control_dir), worker.pid).unlink(missing_ok=True)
 
 
 def on_exit(server) -> None:  # noqa: ANN001

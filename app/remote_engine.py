@@ -27,8 +27,19 @@ from typing import Any, Callable, Iterator, Sequence
 from app.config import Settings
 from app.engine.batching.arrivals import InFlight
 from app.engine.contract import NOT_READY_RETRY_S, Served, Signature
-from app.engine.wire import CATALOG_CALLS, EngineGone, connect, engine_failure, receive, send, socket_path
+from app.engine.wire import (
+    CATALOG_CALLS,
+    READY_MARKS,
+    EngineGone,
+    connect,
+    engine_failure,
+    ready_mark,
+    receive,
+    send,
+    socket_path,
+)
 from app.errors import ClientGone, DeadlineExceeded, LoadFailed, NotReady, ServiceError, retry_after_header
+from app.host import process_alive
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 2.0
@@ -39,23 +50,6 @@ ADMIT_TIMEOUT_S = 5.0  # admission is routing and a queue check: an engine silen
 CATALOG_GRACE_S = 10.0  # beyond REPOSITORY_SYNC_TIMEOUT_S, for a catalog call (a load waits for every engine)
 STATE_TTL_S = 0.2  # readiness asked of the engine at most this often
 WAIT_S = 0.1  # while starting, how often to look for the engine
-
-
-def ready_mark(control_dir: Path, pid: int) -> Path:
-    """The file a worker writes once it reaches a ready engine."""
-    return control_dir / f"http-{pid}.ready"
-
-
-def _alive(pid: str) -> bool:
-    """Whether the worker of a ready mark still runs (a mark left by a killed worker of an earlier start of a kept
-    CONTROL_DIR must not count)."""
-    try:
-        os.kill(int(pid), 0)
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _as_service_error(exc: BaseException) -> ServiceError:
@@ -74,6 +68,20 @@ def _unavailable(why: str) -> NotReady:
     return NotReady(why, headers=retry_after_header(NOT_READY_RETRY_S))
 
 
+@contextlib.contextmanager
+def _whole_exchange(drop: Callable[[], None], away: str) -> Iterator[None]:
+    """An exchange that does not finish drops the connection (no later request may read its answer); the engine
+    away, silent or closing it is NotReady (503 with Retry-After) saying ``away``."""
+    try:
+        yield
+    except (EngineGone, OSError):
+        drop()
+        raise _unavailable(away) from None
+    except BaseException:
+        drop()
+        raise
+
+
 class RemoteCall:
     """A request admitted by the engine: ``model`` to parse with, ``infer`` to run its images there."""
 
@@ -87,19 +95,13 @@ class RemoteCall:
         up drops its queued images there (the connection closes, which the engine watches). Anything that leaves
         the exchange unfinished drops the connection, so no later request reads this one's answer."""
         options = {"timeout_s": timeout_s, "names": list(names), "tensors": list(tensors)}
-        try:
-            self.sent = True  # from here the engine ends the admission itself (answer, or a closed connection)
+        self.sent = True  # from here the engine ends the admission itself (answer, or a closed connection)
+        with _whole_exchange(self._drop, "the engine stopped while answering this request; it is restarting"):
             send(self.conn, ("infer", options), images)
             self._wait(2 * timeout_s + ANSWER_GRACE_S, client_gone)
             self.conn.settimeout(ANSWER_GRACE_S)  # the answer is arriving: never a wait without end
             status, value = receive(self.conn)[0]
             self.conn.settimeout(None)
-        except (EngineGone, OSError):
-            self._drop()
-            raise _unavailable("the engine stopped while answering this request; it is restarting") from None
-        except BaseException:
-            self._drop()
-            raise
         if status == "error":
             raise value
         return value
@@ -190,18 +192,12 @@ class RemoteService:
     def _exchange(self, header: tuple[Any, ...], timeout_s: float) -> Any:
         """One question and its answer on this thread's connection, ``timeout_s`` at most; NotReady when the engine
         is away or silent. Anything that leaves the exchange unfinished drops the connection."""
-        try:
+        with _whole_exchange(self._drop, "the engine is not reachable or not answering; it is starting or restarting"):
             conn = self._connection()
             conn.settimeout(timeout_s)
             send(conn, header)
             status, value = receive(conn)[0]
             conn.settimeout(None)
-        except (EngineGone, OSError):
-            self._drop()
-            raise _unavailable("the engine is not reachable or not answering; it is starting or restarting") from None
-        except BaseException:
-            self._drop()
-            raise
         if status == "error":
             raise value
         return value
@@ -270,7 +266,9 @@ class RemoteService:
 
     def _all_workers_ready(self) -> bool:
         workers = self.settings.workers or 1
-        marks = [path for path in self.control_dir.glob("http-*.ready") if _alive(path.name[5:-6])]
+        # A mark left by a killed worker (of an earlier start of a kept CONTROL_DIR) must not count.
+        pids = [path.name[len("http-"):-len(".ready")] for path in self.control_dir.glob(READY_MARKS)]
+        marks = [pid for pid in pids if pid.isdigit() and process_alive(int(pid))]
         return len(marks) >= workers
 
     @property
@@ -289,11 +287,8 @@ class RemoteService:
 
     def wait_drained(self, min_s: float, max_s: float) -> bool:
         """As ``Service.wait_drained``, for this worker's requests."""
-        started = time.monotonic()
         time.sleep(min(min_s, max_s))
-        while self.in_flight.count() and time.monotonic() - started < max_s:
-            time.sleep(0.05)
-        return self.in_flight.count() == 0
+        return self.in_flight.wait_empty(max(0.0, max_s - min_s), poll_s=0.05)
 
     def wait_loaded(self, timeout_s: float) -> None:
         """Wait for the engine (``timeout_s`` at most), then as ``require_loaded``."""

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from app.engine.wire import CONTROL_FILES, engine_failure, socket_path  # standard library only
+
 log = logging.getLogger("gunicorn.error")
 RESTART_DELAY_S = 1.0  # after a crash, before starting it again (a crash loop costs one start a second)
 EARLY_CRASHES = 3  # deaths in a row before the engine ever listened that count as a failure to start
@@ -46,13 +48,13 @@ class Engine:
 
     @property
     def failure(self) -> Path:
-        """Where it says why it cannot serve (app/engine/wire.engine_failure)."""
-        return self.control_dir / f"engine-{self.slot}.failed"
+        """Where it says why it cannot serve."""
+        return engine_failure(self.control_dir, self.slot)
 
     @property
     def socket(self) -> Path:
-        """Where it listens once its models are loaded (app/engine/wire.socket_path)."""
-        return self.control_dir / f"engine-{self.slot}.sock"
+        """Where it listens once its models are loaded."""
+        return socket_path(self.control_dir, self.slot)
 
     def start(self) -> "Engine":
         """Start the process and its watcher."""
@@ -123,7 +125,7 @@ def start_engines(count: int, control_dir: Path, on_death: Callable[[int], None]
     again); stale files of an earlier start of a kept CONTROL_DIR go first."""
     if _ENGINES:
         return _ENGINES
-    for pattern in ("engine-*.failed", "engine-*.sock", "http-*.ready"):
+    for pattern in CONTROL_FILES:
         for stale in control_dir.glob(pattern):
             stale.unlink(missing_ok=True)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")

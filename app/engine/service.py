@@ -128,11 +128,8 @@ class Service:
         The server keeps its listener open meanwhile, answering new requests 503 with Connection: close, so nothing
         waits unanswered in the listen backlog. Returns whether every request finished in time.
         """
-        started = time.monotonic()
         time.sleep(min(min_s, max_s))
-        while self.in_flight.count() and time.monotonic() - started < max_s:
-            time.sleep(0.05)
-        return self.in_flight.count() == 0
+        return self.in_flight.wait_empty(max(0.0, max_s - min_s), poll_s=0.05)
 
     def wait_loaded(self, timeout_s: float) -> None:
         """Wait for the first models to load (``timeout_s`` at most), then as ``require_loaded``: a repository call

@@ -32,6 +32,16 @@ def socket_path(control_dir: Path, slot: int) -> Path:
     return control_dir / f"engine-{slot}.sock"
 
 
+READY_MARKS = "http-*.ready"  # the workers' ready marks (ready_mark), for a glob
+# Everything the engines and the workers leave in CONTROL_DIR (a master starting on a kept one clears them)
+CONTROL_FILES = ("engine-*.failed", "engine-*.sock", READY_MARKS)
+
+
+def ready_mark(control_dir: Path, pid: int) -> Path:
+    """The file an HTTP worker writes once it reaches a ready engine (readiness counts the live workers' marks)."""
+    return control_dir / f"http-{pid}.ready"
+
+
 def engine_failure(control_dir: Path, slot: int) -> Path:
     """Where engine ``slot`` writes why it cannot serve (it then exits with status 3)."""
     return control_dir / f"engine-{slot}.failed"

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from app.engine.rollouts.entry import ModelEntry
+from app.host import process_alive
 
 WATCH_S = 0.2  # how often a worker looks for a newer generation
 DESIRED, LOCK = "desired.json", "lock"
@@ -126,16 +127,6 @@ def _read(path: Path) -> Any:
         return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class SharedDesiredState(DesiredState):
     """Several workers: the state in ``root/desired.json`` under a file lock, each worker's report in
     ``root/worker-<pid>.json``."""
@@ -177,7 +168,7 @@ class SharedDesiredState(DesiredState):
     def workers(self) -> list[dict[str, Any]]:
         """The reports of the live workers, by pid."""
         reports = [_read(path) for path in sorted(self.root.glob("worker-*.json"))]
-        return sorted((r for r in reports if isinstance(r, dict) and _alive(int(r.get("pid", 0)))),
+        return sorted((r for r in reports if isinstance(r, dict) and process_alive(int(r.get("pid", 0)))),
                       key=lambda r: r["pid"])
 
 
