@@ -9,31 +9,34 @@ import sys
 import tempfile
 from pathlib import Path
 
-from app import EXTENSION_KEY, drain
+from app import EXTENSION_KEY
+from app.hosting import drain
 from app.config import SettingsError, load_settings, unknown_variables
-from app.engine.versions.desired import SharedDesiredState  # standard library only, like app.drain
-from app.engine.wire import ready_mark
-from app.host import engine_count, engine_mode, workers_for
-from app import supervisor
-from app.worker import ReadLimits
+from app.hosting import control
+from app.hosting.host import engine_count, engine_mode, workers_for
+from app.link import supervisor
+from app.hosting.worker import ReadLimits
 
 try:
     _settings = load_settings()
 except SettingsError as exc:  # one line that says what to fix, not a traceback
     sys.exit(f"visionserve: bad setting: {exc}")
 
-# WORKERS=0 (the default): as many as the host uses well (app/host.py). The workers read the number chosen (each
+# WORKERS=0 (the default): as many as the host uses well (app/hosting/host.py). The workers read the number chosen (each
 # forward pass takes half of its worker's share of the cores).
 _workers, _workers_why = workers_for(_settings.workers, _settings.device)
 os.environ["VISIONSERVE_WORKERS"] = str(_workers)
 
-# ENGINE=process: the models run in engine processes the master starts (app/supervisor.py), the workers only HTTP.
+# ENGINE=process: the models run in engine processes the master starts (app/link/supervisor.py), the workers only HTTP.
 _engine = engine_mode(_settings.engine, _settings.device)
+# The engines read how many of them share the host (each forward pass takes its share of the cores).
+_engines = engine_count(_settings.device) if _engine == "process" else 0
+os.environ["VISIONSERVE_ENGINES"] = str(_engines)
 
 # Several processes: prometheus-client's multiprocess mode, so /metrics on any worker reports all of them (the
 # engines' batches included). The variable must be set before the workers import prometheus_client, i.e. here in
 # the master before the fork.
-# The directories this master makes are kept in app.supervisor: a HUP executes this file again.
+# The directories this master makes are kept in app.link.supervisor: a HUP executes this file again.
 if (_workers > 1 or _engine == "process") and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="visionserve-metrics-")
     supervisor.OWNED_DIRS.append(os.environ["PROMETHEUS_MULTIPROC_DIR"])
@@ -46,7 +49,7 @@ if _settings.control_dir is None and not os.environ.get("VISIONSERVE_CONTROL_DIR
 
 bind = _settings.bind
 workers = _workers
-worker_class = "app.worker.BufferingWorker"  # gthread, with each request read in its event loop
+worker_class = "app.hosting.worker.BufferingWorker"  # gthread, with each request read in its event loop
 threads = _settings.threads
 worker_connections = _settings.max_connections
 timeout = _settings.timeout_s
@@ -84,7 +87,7 @@ def on_starting(server) -> None:  # noqa: ANN001
         server.log.warning(warning)
     server.log.info("visionserve: %d worker%s (%s)", _workers, "" if _workers == 1 else "s", _workers_why)
     if _engine == "process":
-        supervisor.start_engines(engine_count(_settings.device), Path(os.environ["VISIONSERVE_CONTROL_DIR"]),
+        supervisor.start_engines(_engines, Path(os.environ["VISIONSERVE_CONTROL_DIR"]),
                                  _forget)
 
 
@@ -92,7 +95,7 @@ def _forget(pid: int) -> None:
     """A process that served models ended: its report of what it served and its live gauges go."""
     control_dir = os.environ.get("VISIONSERVE_CONTROL_DIR")
     if control_dir:
-        SharedDesiredState(Path(control_dir)).forget(pid)
+        control.report(Path(control_dir), pid).unlink(missing_ok=True)
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         from prometheus_client import multiprocess
 
@@ -107,14 +110,14 @@ def pre_fork(server, worker) -> None:  # noqa: ANN001
 
 def post_fork(server, worker) -> None:  # noqa: ANN001
     """The worker's number for the app (it picks its GPU with it), and the limits its event loop enforces while a
-    request arrives (app/worker.py)."""
+    request arrives (app/hosting/worker.py)."""
     os.environ["VISIONSERVE_WORKER_SLOT"] = str(getattr(worker, "slot", 0))
     worker.limits = ReadLimits(_settings.client_header_timeout_s, _settings.client_body_timeout_s,
                                _settings.max_body_bytes)
 
 
 def post_worker_init(worker) -> None:  # noqa: ANN001
-    """SIGTERM drains with the listener open, then closes it with nothing left in its backlog (app/drain.py)."""
+    """SIGTERM drains with the listener open, then closes it with nothing left in its backlog (app/hosting/drain.py)."""
     drain.install(worker, _service, _settings.shutdown_drain_s, _settings.graceful_timeout_s - 1)
 
 
@@ -131,7 +134,7 @@ def child_exit(server, worker) -> None:  # noqa: ANN001
     _forget(worker.pid)
     control_dir = os.environ.get("VISIONSERVE_CONTROL_DIR")
     if control_dir:
-        ready_mark(Path(control_dir), worker.pid).unlink(missing_ok=True)
+        control.ready_mark(Path(control_dir), worker.pid).unlink(missing_ok=True)
 
 
 def on_exit(server) -> None:  # noqa: ANN001

@@ -156,6 +156,9 @@ class DeviceSettings(SettingsGroup):
         0, ge=0, description="How workers are placed on several GPUs: 0 = round robin (worker i on GPU i mod N, as "
         "Triton's instance groups and LitServe's devices do); k = k workers on each GPU in turn (0..k-1 on GPU 0, "
         "k..2k-1 on GPU 1, wrapping). `/v1/models` and `/metrics` (`visionserve_model_info`) name each worker's GPU.")
+    engines: int = Field(
+        0, ge=0, description="Set by gunicorn.conf.py, not by hand: under ENGINE=process, how many engine processes "
+        "serve (one per GPU, one on a CPU host); 0 under ENGINE=inline.")
     worker_slot: int | None = Field(
         None, ge=0, description="Set by gunicorn.conf.py, not by hand: this worker's number among the live workers "
         "(0..WORKERS-1; a restarted worker takes the free one), which places it on a GPU.")
@@ -387,6 +390,11 @@ class Settings(SecuritySettings, MonitoringSettings, ServerSettings, DecodingSet
     def resolved_queue_size(self) -> int:
         """``queue_size``, or its automatic value when 0."""
         return self.queue_size or max(8 * self.max_images, 2 * self.max_batch_size)
+
+    def model_processes(self) -> int:
+        """How many processes load models side by side, share the host's cores and report what they serve: the
+        engines under ENGINE=process, else the workers."""
+        return self.engines or self.workers or 1
 
 
 GROUPS: tuple[type[SettingsGroup], ...] = tuple(  # ModelSettings first

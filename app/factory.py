@@ -6,12 +6,13 @@ Imports stay inside the functions so that importing this module never loads torc
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 if TYPE_CHECKING:
     from flask import Flask
 
     from app.config import Settings
+    from app.engine.contract import ServiceFace
     from app.engine.loaded.predictor import Predictor
     from app.engine.versions.sources import Source
     from app.web.protocol import Protocol
@@ -30,7 +31,7 @@ def _placed(settings: "Settings") -> "Settings":
         return settings
     import torch
 
-    from app.host import placed_device
+    from app.hosting.host import placed_device
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     device = placed_device(settings.device, settings.worker_slot, gpus, settings.workers_per_gpu)
@@ -47,7 +48,7 @@ def create_app(settings: "Settings | None" = None, predictor: "Predictor | None"
     With ``on_load_error`` the model loads in the background and the app answers at once (503 until ready; the
     gunicorn worker's way, app/wsgi.py); without it, loading happens here and a failure raises. With
     ``engine="process"`` (a gunicorn worker under ENGINE=process) the app loads no model and imports no torch: it
-    waits for its engine process (app/remote_engine.py), and ``on_load_error`` gets the engine's boot failure.
+    waits for its engine process (app/link/client.py), and ``on_load_error`` gets the engine's boot failure.
     """
     from flask import Flask
 
@@ -70,16 +71,16 @@ def _raise(exc: BaseException) -> None:
     raise exc
 
 
-def _remote_service(settings: "Settings", on_error: "Callable[[BaseException], None]") -> "Any":
-    from app.host import engine_count
-    from app.remote_engine import RemoteService
+def _remote_service(settings: "Settings", on_error: "Callable[[BaseException], None]") -> "ServiceFace":
+    from app.hosting.host import engine_count
+    from app.link.client import RemoteService
 
-    slot = (settings.worker_slot or 0) % engine_count(settings.device)
+    slot = (settings.worker_slot or 0) % (settings.engines or engine_count(settings.device))
     return RemoteService.start(settings, slot, on_error)
 
 
 def _inline_service(settings: "Settings", predictor: "Predictor | None",
-                    on_load_error: "Callable[[BaseException], None] | None", source: "Source | None") -> "Any":
+                    on_load_error: "Callable[[BaseException], None] | None", source: "Source | None") -> "ServiceFace":
     """The engine in this process: the models loaded here (now, or on a thread with ``on_load_error``)."""
     from app.engine.service import Service
     from app.engine.versions.sources import DirectorySource, GivenSource

@@ -19,7 +19,7 @@ from prometheus_client import (
     multiprocess,
 )
 
-from app.procstat import WorkerCollector
+from app.hosting.procstat import WorkerCollector
 from models.export.manifest import CONFIDENCE_BUCKETS  # the manifest's reference histogram has the same edges
 
 # A `_created` series per counter and histogram is noise for our dashboards and alerts.

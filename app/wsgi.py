@@ -1,6 +1,6 @@
 """gunicorn target: ``gunicorn -c gunicorn.conf.py app.wsgi:app``. Each worker answers from its first second.
 
-``app`` is a ``StartingApp`` (app/starting.py): while a thread imports torch, Flask and the app and builds it, the
+``app`` is a ``StartingApp`` (app/hosting/starting.py): while a thread imports torch, Flask and the app and builds it, the
 worker already answers (/healthz 200, /readyz and everything else 503 not_ready with Retry-After); then the real
 app takes every request, and it too answers 503 while the model loads and warms up in the background. A model
 that cannot be served, or an app that cannot be imported, ends the worker with gunicorn's boot-error status, so
@@ -15,8 +15,8 @@ from functools import partial
 from typing import Callable
 
 from app.config import load_settings
-from app.host import engine_mode
-from app.starting import StartingApp, WSGIApp
+from app.hosting.host import engine_mode
+from app.hosting.starting import StartingApp, WSGIApp
 
 log = logging.getLogger(__name__)
 

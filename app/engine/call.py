@@ -3,7 +3,7 @@ decoder says, queued, and waited for until the deadline or the client hangs up; 
 what the batcher's refusals mean to a client.
 
 A protocol gets a ``Call`` from ``Service.admit`` (readiness, then the version the request keeps to its answer),
-parses its body with ``call.version`` and calls ``call.infer``; the stages run in this order and nowhere else.
+parses its body with ``call.model`` and calls ``call.infer``; the stages run in this order and nowhere else.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from app.engine.batching.types import (
     DeadlineUnreachable,
     QueueFull,
 )
-from app.engine.contract import NOT_READY_RETRY_S, Served, Signature
+from app.engine.contract import CLIENT_CHECK_S, NOT_READY_RETRY_S, Served
 from app.engine.decoding.decoders import Prepared
 from app.engine.loaded.version import LoadedVersion
 from app.errors import (
@@ -41,8 +41,6 @@ from app.errors import (
 )
 from app.metrics import BATCHER_EVENTS, STAGE_CPU_SECONDS, STAGE_SECONDS
 
-CLIENT_CHECK_S = 0.05  # how often a waiting request looks whether its client is still connected
-
 
 ShadowOffer = Callable[[Sequence[bytes], Sequence[torch.Tensor], Sequence[Prepared],
                         Sequence[BatchResult[torch.Tensor]]], None]
@@ -57,8 +55,7 @@ class Call:
     def __init__(self, version: LoadedVersion, arrived: Callable[[], None], max_images: int,
                  shadow: ShadowOffer | None = None) -> None:
         self._version, self._arrived, self._max_images, self._shadow = version, arrived, max_images, shadow
-        manifest = version.predictor.manifest
-        self.model = Signature(manifest.name, manifest.version, manifest.labels, tuple(manifest.preprocess.input_shape))
+        self.model = version.signature
 
     def infer(self, images: Sequence[bytes] = (), tensors: Sequence[np.ndarray | torch.Tensor] = (), *,
               timeout_s: float, names: Sequence[str | None] = (),

@@ -1,58 +1,46 @@
 """The served models as protocols see them: what they read (each loaded version's facts, the default model, what
 every worker serves, the repository index, the rollouts) and the calls that change them (load, unload, promote,
 rollback). Plain data out, never a loaded version: protocols reach the engine through ``Service.admit`` for
-requests and through this for everything about models, and nothing else.
+requests and through this for everything about models, and nothing else. It implements ``contract.CatalogFace``,
+the one list of catalog calls (an HTTP worker's ``RemoteCatalog`` makes the same calls over the engine's socket).
 
-It also builds and holds the versions wing's objects: the apply step, the sync between workers, the rollout
-changes and the writers (app/engine/versions/).
+It reads the versions machinery and hands it calls; ``VersionsController`` (app/engine/versions/controller.py)
+builds and owns it.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
 from app.config import Settings
-from app.engine.contract import VersionInfo
+from app.engine.contract import Signature, VersionInfo, VersionState
 from app.engine.loaded.version import LoadedVersion
 from app.engine.rollouts.entry import ModelEntry
-from app.engine.versions.apply import Applier
-from app.engine.versions.desired import desired_state
-from app.engine.versions.rollout_changes import RolloutChanges
-from app.engine.versions.sources import Source
-from app.engine.versions.states import VersionState
-from app.engine.versions.sync import WorkerSync
-from app.engine.versions.writers import Writers
+from app.engine.versions.controller import VersionsController
 
 
 class Catalog:
     """What protocols read about the served models and the calls that change them; ``wait_loaded`` makes a call
     that reaches a worker still starting wait for its first models."""
 
-    def __init__(self, settings: Settings, source: Source, wait_loaded: Callable[[float], None],
-                 on_report: Callable[[], None]) -> None:
-        self.settings, self.source, self._wait_loaded = settings, source, wait_loaded
-        self.applier = Applier(settings, source)
-        self.sync = WorkerSync(desired_state(settings.control_dir), self._report_body,
-                               settings.repository_sync_timeout_s, on_report)
-        self.rollout_changes = RolloutChanges(self.applier, self.sync)
-        self.writers = Writers(settings, source, self.applier, self.sync, self.rollout_changes)
-
-    def _report_body(self) -> dict[str, Any]:
-        return {"models": self.applier.serving(), "device": str(self.applier.device),
-                "evidence": self.applier.evidence.dump()}
+    def __init__(self, settings: Settings, controller: VersionsController,
+                 wait_loaded: Callable[[float], None]) -> None:
+        self.settings, self._wait_loaded = settings, wait_loaded
+        self._source, self._applier, self._sync = controller.source, controller.applier, controller.sync
+        self._writers, self._rollout_changes = controller.writers, controller.rollout_changes
 
     # -- what protocols read ---------------------------------------------------------------------------------------
 
     def versions(self) -> list[VersionInfo]:
         """Every loaded version this worker serves, by model."""
-        roles = self.rollout_changes.roles()
+        roles = self._rollout_changes.roles()
         return [self._info(loaded, loaded.version == default, roles.get((loaded.name, loaded.version)))
-                for versions, default in self.applier.routes.routes().values() for loaded in versions]
+                for versions, default in self._applier.routes.routes().values() for loaded in versions]
 
     def version(self, name: str | None, version: str | None = None) -> VersionInfo:
         """The version a request for ``name`` at ``version`` would get now (NotFound)."""
-        loaded = self.applier.routes.find(name, version)
-        default = self.applier.routes.routes().get(loaded.name, ([], None))[1]
-        return self._info(loaded, loaded.version == default, self.rollout_changes.roles().get((loaded.name,
+        loaded = self._applier.routes.find(name, version)
+        default = self._applier.routes.routes().get(loaded.name, ([], None))[1]
+        return self._info(loaded, loaded.version == default, self._rollout_changes.roles().get((loaded.name,
                                                                                                 loaded.version)))
 
     def _info(self, loaded: LoadedVersion, default: bool, role: str | None) -> VersionInfo:
@@ -65,58 +53,67 @@ class Catalog:
             batch_cap=batcher.max_batch_size, current_max_batch_size=batcher.current_max_batch_size,
             queue_depth=batcher.depth, profile=dict(loaded.batch_profile))
 
+    def signature(self, name: str | None, version: str | None = None) -> Signature:
+        """What a request for ``name`` at ``version`` is parsed with now (NotFound): the version's name, classes and
+        input shape, as ``Call.model`` (an HTTP worker of the engine process keeps these, ``routes_generation``)."""
+        return self._applier.routes.find(name, version).signature
+
+    def routes_generation(self) -> int:
+        """Grows whenever what serves changes (a version routed or removed, the default model named)."""
+        return self._applier.routes.generation
+
     def default_model(self) -> str | None:
         """The model requests naming none get (None: they must name one)."""
-        return self.applier.routes.default_model()
+        return self._applier.routes.default_model()
 
     def serving(self) -> dict[str, ModelEntry]:
         """What this worker serves: {name: {"versions": [...], "default": v}}."""
-        return self.applier.serving()
+        return self._applier.serving()
 
     def workers(self) -> list[dict[str, Any]]:
         """What each worker of the server serves (its last report)."""
-        return self.sync.workers()
+        return self._sync.workers()
 
     def index(self) -> list[VersionState]:
         """Every version in the repository or in memory, with this worker's state of it."""
-        return self.applier.index()
+        return self._applier.index()
 
     def in_repository(self, name: str, version: str | None = None) -> bool:
         """Whether the repository holds model ``name`` (at ``version``), loaded or not."""
-        return name in self.source.models() and (version is None or version in self.source.versions(name))
+        return name in self._source.models() and (version is None or version in self._source.versions(name))
 
     def roles(self) -> dict[tuple[str, str], str]:
         """(model, version) -> its role now: live, canary, shadow or previous."""
-        return self.rollout_changes.roles()
+        return self._rollout_changes.roles()
 
     def rollouts(self) -> dict[str, dict[str, Any]]:
         """Every model with a rollout, a previous default or a watch: its rollout and the evidence over every
         worker (app/engine/rollouts/rules.summary)."""
-        return self.rollout_changes.summaries()
+        return self._rollout_changes.summaries()
 
     # -- the calls that change them --------------------------------------------------------------------------------
 
     def load(self, name: str, config: Any = None) -> ModelEntry:
         """A V2 load call (app/engine/versions/writers.py ``Writers.load``); returns what this worker serves of it."""
         self._wait_loaded(self.settings.repository_sync_timeout_s)
-        self.writers.load(name, config)
+        self._writers.load(name, config)
         return self._served(name)
 
     def unload(self, name: str) -> ModelEntry:
         """A V2 unload call; returns what this worker serves of it (nothing)."""
         self._wait_loaded(self.settings.repository_sync_timeout_s)
-        self.writers.unload(name)
+        self._writers.unload(name)
         return self._served(name)
 
     def promote(self, name: str, version: str | None = None) -> ModelEntry:
         """A promote call (``RolloutChanges.promote``); returns the model's entry now."""
         self._wait_loaded(self.settings.repository_sync_timeout_s)
-        return self.rollout_changes.promote(name, version)
+        return self._rollout_changes.promote(name, version)
 
     def rollback(self, name: str, version: str | None = None) -> ModelEntry:
         """A rollback call (``RolloutChanges.rollback``); returns the model's entry now."""
         self._wait_loaded(self.settings.repository_sync_timeout_s)
-        return self.rollout_changes.rollback(name, version)
+        return self._rollout_changes.rollback(name, version)
 
     def _served(self, name: str) -> ModelEntry:
-        return self.applier.serving().get(name, {"versions": [], "default": None})
+        return self._applier.serving().get(name, {"versions": [], "default": None})

@@ -1,22 +1,33 @@
-"""What crosses between the engine and the HTTP side: plain data only (numpy, no torch), so the protocols and the
-web layer can run in processes that never import torch (an engine process of its own, app/engine/remote.py) and the
-same types serve when the engine runs inside the worker.
+"""The engine as the HTTP side knows it, torch-free, so the protocols and the web layer can run in processes that
+never import torch (under ENGINE=process, reaching an engine process through app/link/client.py) and the same types
+serve when the engine runs inside the worker:
 
-- ``Signature``: what a protocol parses a request with (the answering version, its classes, its input shape).
-- ``Served`` and ``Ranked``: a request's answer (probabilities, top-k) and its stage times (``stage_ms``).
-- ``VersionInfo``: one loaded version's facts, as /v1/models and the V2 metadata show them.
+- the data that crosses: ``Signature`` (what a protocol parses a request with), ``Served`` and ``Ranked`` (a
+  request's answer, its stage times: ``stage_ms``), ``VersionInfo`` (one loaded version's facts), ``VersionState``
+  (a row of the repository index);
+- the faces: ``ServiceFace`` (what protocols and the web layer use of a service: ``admit`` -> a ``CallFace``, the
+  ``catalog``, readiness, draining), ``CatalogFace`` (every catalog call, the one list the remote catalog is made
+  from: ``CATALOG_CALLS``), implemented by the engine's ``Service`` and the link's ``RemoteService``;
+- ``Lifecycle``: what both services do alike (started, draining, requests in flight, the waits and checks).
 """
 from __future__ import annotations
 
+import inspect
+import threading
+import time
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, ContextManager, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
+from app.config import Settings
+from app.engine.batching.arrivals import InFlight
 from app.engine.batching.types import BatchResult
+from app.errors import NotReady, retry_after_header
 from models.export.manifest import Manifest
 
 NOT_READY_RETRY_S = 5  # Retry-After of every 503: loading, draining, a stopped batcher, an engine away
+CLIENT_CHECK_S = 0.05  # how often a waiting request looks whether its client is still connected
 
 
 @dataclass(frozen=True)
@@ -120,3 +131,133 @@ class VersionInfo:
     def version(self) -> str:
         """The version."""
         return self.manifest.version
+
+
+@dataclass(frozen=True)
+class VersionState:
+    """One row of the repository index: a version and what this process does with it."""
+
+    name: str
+    version: str
+    state: str  # READY, LOADING, UNLOADING, UNAVAILABLE (Triton's words)
+    reason: str = ""
+
+
+class CatalogFace(Protocol):
+    """What protocols read about the served models and the calls that change them (app/engine/catalog.py):
+    plain data out. Every public method here is a catalog call; an engine process answers the same ones."""
+
+    def versions(self) -> list[VersionInfo]: ...
+    def version(self, name: str | None, version: str | None = None) -> VersionInfo: ...
+    def signature(self, name: str | None, version: str | None = None) -> Signature: ...
+    def routes_generation(self) -> int: ...
+    def default_model(self) -> str | None: ...
+    def serving(self) -> dict[str, Any]: ...
+    def workers(self) -> list[dict[str, Any]]: ...
+    def index(self) -> list[VersionState]: ...
+    def in_repository(self, name: str, version: str | None = None) -> bool: ...
+    def roles(self) -> dict[tuple[str, str], str]: ...
+    def rollouts(self) -> dict[str, dict[str, Any]]: ...
+    def load(self, name: str, config: Any = None) -> dict[str, Any]: ...
+    def unload(self, name: str) -> dict[str, Any]: ...
+    def promote(self, name: str, version: str | None = None) -> dict[str, Any]: ...
+    def rollback(self, name: str, version: str | None = None) -> dict[str, Any]: ...
+
+
+# The catalog's calls, from the face itself: a new call is one method on CatalogFace and its implementation.
+CATALOG_CALLS = tuple(name for name, _ in inspect.getmembers(CatalogFace, inspect.isfunction)
+                      if not name.startswith("_"))
+
+
+class CallFace(Protocol):
+    """One admitted request: ``model`` to parse its body with, ``infer`` to run its images."""
+
+    model: Signature
+
+    def infer(self, images: Sequence[bytes] = (), tensors: Sequence[Any] = (), *, timeout_s: float,
+              names: Sequence[str | None] = (), client_gone: Callable[[], bool] | None = None) -> Served: ...
+
+
+class ServiceFace(Protocol):
+    """What protocols and the web layer use of a service, in the worker (``Service``) or across the link
+    (``RemoteService``)."""
+
+    settings: Settings
+    catalog: CatalogFace
+    in_flight: InFlight
+
+    def admit(self, name: str | None = None, version: str | None = None, client_key: str | None = None,
+              images: int = 0, timeout_s: float | None = None) -> ContextManager[CallFace]: ...
+    @property
+    def loaded(self) -> bool: ...
+    @property
+    def alive(self) -> bool: ...
+    @property
+    def ready(self) -> bool: ...
+    @property
+    def draining(self) -> bool: ...
+    def begin_drain(self) -> None: ...
+    def shutdown(self, timeout: float | None = None) -> None: ...
+    def wait_drained(self, min_s: float, max_s: float) -> bool: ...
+    def wait_loaded(self, timeout_s: float) -> None: ...
+    def require_loaded(self) -> None: ...
+    def require_ready(self) -> None: ...
+
+
+def not_ready(why: str, close: bool = False) -> NotReady:
+    """503 with Retry-After saying ``why``; ``close``: the client should reconnect elsewhere (Connection: close)."""
+    headers = retry_after_header(NOT_READY_RETRY_S)
+    return NotReady(why, headers={**headers, "Connection": "close"} if close else headers)
+
+
+class Lifecycle:
+    """A service's life, alike in the worker and across the link: started once its first models serve, draining
+    from ``begin_drain``, its admitted requests counted in ``in_flight`` (what a drain waits for)."""
+
+    def __init__(self) -> None:
+        self.in_flight = InFlight()  # requests admitted and not yet answered
+        self._started = threading.Event()
+        self._draining = threading.Event()
+
+    @property
+    def draining(self) -> bool:
+        """True once this process's shutdown has begun."""
+        return self._draining.is_set()
+
+    def begin_drain(self) -> None:
+        """Turn readiness off so load balancers stop sending; accepted work still completes."""
+        self._draining.set()
+        self._drain_begun()
+
+    def _drain_begun(self) -> None:
+        """What else a drain turns off (a gauge, a ready mark)."""
+
+    def wait_drained(self, min_s: float, max_s: float) -> bool:
+        """After begin_drain: wait ``min_s``, then until no admitted request is left unanswered, ``max_s`` at most.
+
+        The server keeps its listener open meanwhile, answering new requests 503 with Connection: close, so nothing
+        waits unanswered in the listen backlog. Returns whether every request finished in time.
+        """
+        time.sleep(min(min_s, max_s))
+        return self.in_flight.wait_empty(max(0.0, max_s - min_s), poll_s=0.05)
+
+    def wait_loaded(self, timeout_s: float) -> None:
+        """Wait for the first models (``timeout_s`` at most), then as ``require_loaded``: a repository call reaching
+        a process that is still starting waits for it instead of failing."""
+        self._started.wait(timeout_s)
+        self.require_loaded()
+
+    def require_loaded(self) -> None:
+        """NotReady (503 with Retry-After) while the first models load."""
+        if not self._started.is_set():
+            raise not_ready("the model is still loading")
+
+    def require_ready(self) -> None:
+        """NotReady (503 with Retry-After) unless new work can be accepted."""
+        if self.draining:  # the client should go elsewhere: this connection will not serve it again
+            raise not_ready("the server is shutting down", close=True)
+        self.require_loaded()
+        self._require_serving()
+
+    def _require_serving(self) -> None:
+        """What else must hold before a request is admitted (the engine: its batchers run)."""

@@ -14,42 +14,42 @@ import time
 from typing import Callable, Iterator
 
 from app.config import Settings
-from app.engine.batching.arrivals import InFlight
 from app.engine.call import Call, check_room
-from app.engine.contract import NOT_READY_RETRY_S
 from app.engine.catalog import Catalog
+from app.engine.contract import Lifecycle, not_ready
 from app.engine.loaded.predictor import Predictor
 from app.engine.loaded.version import LoadedVersion
 from app.engine.rollouts.shadow import offer
+from app.engine.versions.controller import VersionsController
 from app.engine.versions.routing import Route
 from app.engine.versions.sources import GivenSource, Source
-from app.errors import NotReady, ServiceError, retry_after_header
+from app.errors import ServiceError
 from app.metrics import READY, VERSION_REQUEST_SECONDS, VERSION_REQUESTS
 
 log = logging.getLogger(__name__)
 
 
-class Service:
-    """Admitting requests to the served models (``catalog``), with liveness, readiness and draining.
+class Service(Lifecycle):
+    """Admitting requests to the served models (``catalog``), with liveness, readiness and draining
+    (``contract.ServiceFace``; the lifecycle shared with the link's ``RemoteService``).
 
     ``build`` loads synchronously; ``start`` answers at once and loads in the background, so a worker that is
     still loading its models says so (503 with Retry-After) instead of leaving connections in the listen backlog.
     """
 
     def __init__(self, settings: Settings, source: Source) -> None:
+        super().__init__()
         self.settings = settings
-        self.in_flight = InFlight()  # requests admitted and not yet answered
-        self.catalog = Catalog(settings, source, self.wait_loaded, on_report=self._update_ready_gauge)
-        self._routes = self.catalog.applier.routes  # what serves now: the routing table
-        self._started = threading.Event()
+        self.controller = VersionsController(settings, source, on_report=self._update_ready_gauge)
+        self.catalog = Catalog(settings, self.controller, self.wait_loaded)
+        self._routes = self.controller.routes  # what serves now: the routing table
         self._loader: threading.Thread | None = None
-        self._draining = threading.Event()
 
     @classmethod
     def build(cls, settings: Settings, source: Source | Predictor) -> "Service":
         """A service whose models are ready when this returns."""
         service = cls(settings, GivenSource(source) if isinstance(source, Predictor) else source)
-        service.catalog.writers.boot()
+        service.controller.boot()
         service._started.set()
         service._update_ready_gauge()
         return service
@@ -61,7 +61,7 @@ class Service:
 
         def run() -> None:
             try:
-                service.catalog.writers.boot()
+                service.controller.boot()
                 service._started.set()
                 service._update_ready_gauge()
                 log.info("ready to serve")
@@ -100,56 +100,24 @@ class Service:
         return self.loaded and not self._draining.is_set() and self.alive and self._every_worker_serves()
 
     def _every_worker_serves(self) -> bool:
-        expected = self.settings.workers or 1
-        if expected <= 1 or self.settings.control_dir is None:
+        processes = self.settings.model_processes()
+        if processes <= 1 or self.settings.control_dir is None:
             return True
-        return sum(1 for report in self.catalog.workers() if report.get("models")) >= expected
+        return sum(1 for report in self.catalog.workers() if report.get("models")) >= processes
 
-    @property
-    def draining(self) -> bool:
-        """True once shutdown has begun."""
-        return self._draining.is_set()
-
-    def begin_drain(self) -> None:
-        """Turn readiness off so load balancers stop sending; accepted work still completes."""
-        self._draining.set()
+    def _drain_begun(self) -> None:
         READY.set(0)
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Drain: refuse new work, finish what is queued, stop the worker threads."""
         self.begin_drain()
-        self.catalog.writers.close()
+        self.controller.close()
         for model in self._routes.all_versions():
             model.batcher.stop(timeout)
 
-    def wait_drained(self, min_s: float, max_s: float) -> bool:
-        """After begin_drain: wait ``min_s``, then until no admitted request is left unanswered, ``max_s`` at most.
-
-        The server keeps its listener open meanwhile, answering new requests 503 with Connection: close, so nothing
-        waits unanswered in the listen backlog. Returns whether every request finished in time.
-        """
-        time.sleep(min(min_s, max_s))
-        return self.in_flight.wait_empty(max(0.0, max_s - min_s), poll_s=0.05)
-
-    def wait_loaded(self, timeout_s: float) -> None:
-        """Wait for the first models to load (``timeout_s`` at most), then as ``require_loaded``: a repository call
-        reaching a worker that is still starting waits for it instead of failing."""
-        self._started.wait(timeout_s)
-        self.require_loaded()
-
-    def require_loaded(self) -> None:
-        """NotReady (503 with Retry-After) while the first models load."""
-        if not self._started.is_set():
-            raise NotReady("the model is still loading", headers=retry_after_header(NOT_READY_RETRY_S))
-
-    def require_ready(self) -> None:
-        """Raise NotReady (503 with Retry-After) unless new work can be accepted."""
-        if self.draining:  # the client should go elsewhere: this connection will not serve it again
-            raise NotReady("the server is shutting down",
-                           headers={**retry_after_header(NOT_READY_RETRY_S), "Connection": "close"})
-        self.require_loaded()
+    def _require_serving(self) -> None:
         if not self.alive:  # no model at all is the router's to say: 503 without a name, 404 with one
-            raise NotReady("the model is not ready", headers=retry_after_header(NOT_READY_RETRY_S))
+            raise not_ready("the model is not ready")
 
     @contextlib.contextmanager
     def admit(self, name: str | None = None, version: str | None = None, client_key: str | None = None,
@@ -184,7 +152,7 @@ class Service:
     def _shadow_offer(self, route: Route) -> Callable[..., None] | None:
         if route.shadow is None:
             return None
-        comparison = self.catalog.applier.evidence.comparison(route.version.name, route.shadow.version,
+        comparison = self.controller.evidence.comparison(route.version.name, route.shadow.version,
                                                          route.version.version)
         return functools.partial(offer, route.version, route.shadow, comparison,
                                  max_age_s=self.settings.shadow_max_age_s,
@@ -196,4 +164,4 @@ class Service:
         if outcome == "refused":
             return  # the client's error, or the server's capacity: not the version's
         VERSION_REQUEST_SECONDS.labels(loaded.name, loaded.version).observe(seconds)
-        self.catalog.applier.evidence.traffic(loaded.name, loaded.version).record(seconds, outcome == "failed")
+        self.controller.evidence.traffic(loaded.name, loaded.version).record(seconds, outcome == "failed")

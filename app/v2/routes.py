@@ -21,8 +21,8 @@ from app.web.inputs import client_key, deadline_s, read_body
 from app.web.services import client_gone, current_service
 from app.web.timing import annotate
 
-if TYPE_CHECKING:  # the engine's Service, or app/remote_engine.py's RemoteService: the same face
-    from app.engine.service import Service
+if TYPE_CHECKING:  # the engine's Service, or app/link/client.py's RemoteService
+    from app.engine.contract import ServiceFace
 
 bp = Blueprint("v2", __name__, url_prefix="/v2")
 
@@ -136,7 +136,7 @@ def _output(served: Served, k: int, digits: int) -> Tensor:
     return Tensor(OUTPUT, "BYTES", [len(rows), len(rows[0])], np.array(rows, dtype=object))
 
 
-def _timeout_s(service: Service, infer: InferRequest) -> float:
+def _timeout_s(service: ServiceFace, infer: InferRequest) -> float:
     timeout_s = deadline_s(request.headers, service.settings.request_timeout_s)
     micros = infer.parameters.get("timeout")  # tritonclient's per-request timeout, in microseconds
     if isinstance(micros, (int, float)) and not isinstance(micros, bool) and micros > 0:

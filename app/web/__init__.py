@@ -20,13 +20,13 @@ from app.web.protocol import Protocol
 from app.web.services import current_service
 from app.web.tracing import register_tracing
 
-if TYPE_CHECKING:  # the engine's Service, or app/remote_engine.py's RemoteService: the same face
-    from app.engine.service import Service
+if TYPE_CHECKING:  # the engine's Service, or app/link/client.py's RemoteService
+    from app.engine.contract import ServiceFace
 
 __all__ = ["current_service", "init_app"]
 
 
-def init_app(app: Flask, settings: Settings, service: Service, protocols: Sequence[Protocol]) -> None:
+def init_app(app: Flask, settings: Settings, service: ServiceFace, protocols: Sequence[Protocol]) -> None:
     """Attach ``service`` to ``app`` and register the hooks, error handlers, ops routes and each protocol."""
     # werkzeug refuses a larger body with 413 from its Content-Length, before reading it.
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from app.starting import StartResponse, WSGIApp, force_close
+from app.hosting.starting import StartResponse, WSGIApp, force_close
 
 
 def _asks_to_close(headers: list[tuple[str, str]]) -> bool:

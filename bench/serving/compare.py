@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from app.host import workers_for
+from app.hosting.host import workers_for
 from bench.paths import RESULTS, WORK
 from bench.serving import report
 from bench.serving.limit import (LimitResult, configurations, cpu_time_bound, process_pipeline, served_config,

@@ -78,7 +78,7 @@ def configurations(weights: Path, compile_too: bool) -> tuple[Predictor, dict[st
         "frozen+optimize_for_inference, channels_last input": channels_last(optimized)}
     if base.manifest.onnx is not None:  # what the server runs on the CPU, with the thread count a worker gives it
         from app.engine.batching.tuning import forward_threads
-        from app.host import workers_for
+        from app.hosting.host import workers_for
         from models.export.load import OnnxModel
         from models.export.onnx_runtime import session
 

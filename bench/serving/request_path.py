@@ -142,7 +142,7 @@ def main() -> None:
     CPU-time bound measured right after it."""
     import torch
 
-    from app.host import workers_for
+    from app.hosting.host import workers_for
     from bench.serving.limit import configurations, cpu_time_bound
     from harness.photos import json_bodies, workload
 

@@ -1,4 +1,4 @@
-"""``python -m bench.serving.worker_cost``: the request-reading worker (app/worker.py) against gunicorn's own gthread.
+"""``python -m bench.serving.worker_cost``: the request-reading worker (app/hosting/worker.py) against gunicorn's own gthread.
 
 The same server (the small mobilenet of the fault matrix, 1 worker; the benchmark's photos as bodies) started with
 each worker class in turn, three alternating rounds of a 15 s closed-loop load at 16 clients with keep-alive;

@@ -21,6 +21,7 @@ from app.engine.rollouts.entry import UNLOADED
 from app.engine.versions.desired import SharedDesiredState
 from app.engine.rollouts.policy import PolicyError, VersionPolicy
 from app.engine.catalog import Catalog
+from app.engine.versions.controller import VersionsController
 from app.engine.service import Service
 from app.errors import BadRequest, InsufficientMemory, LoadFailed, NotFound, NotReady
 from tests.support.fakes import FakeRepository, infer, wait_until
@@ -104,11 +105,11 @@ def test_a_version_that_fails_to_load_is_refused_and_the_old_one_serves(service:
     (row,) = [r for r in service.catalog.index() if r.version == "2"]
     assert row.state == "UNAVAILABLE" and "sha256" in row.reason
     loads = len(repository.loads)
-    service.catalog.writers.poll()  # the poll does not retry an unchanged failed version...
+    service.controller.writers.poll()  # the poll does not retry an unchanged failed version...
     assert len(repository.loads) == loads and _ask(service) == "1"
     del repository.broken[("colour", "2")]
     repository.add("colour", "2")  # ...until it is written again
-    service.catalog.writers.poll()
+    service.controller.writers.poll()
     assert _ask(service) == "2"
 
 
@@ -152,7 +153,7 @@ def test_unload_stops_a_model_and_unknown_names_are_404(service: Service, reposi
     assert not service.ready and [r.state for r in service.catalog.index()] == ["UNAVAILABLE"]
     with pytest.raises(NotReady, match="no model is loaded"):
         _ask(service)
-    service.catalog.writers.poll()  # an unloaded model stays unloaded until a load call
+    service.controller.writers.poll()  # an unloaded model stays unloaded until a load call
     assert not service.ready
     service.catalog.load("colour")
     assert _ask(service) == "1" and service.ready
@@ -168,7 +169,7 @@ def test_two_models_side_by_side_and_the_default_model(settings: Settings, repos
                                              "\\(DEFAULT_MODEL, or repository.json\\): name one"):
             _ask(service)
         repository.default = "other"  # the repository names its default: the next poll reads it
-        service.catalog.writers.poll()
+        service.controller.writers.poll()
         assert _ask(service) == "7" and service.catalog.default_model() == "other"
     finally:
         service.shutdown(timeout=5)
@@ -198,13 +199,13 @@ def test_a_rollback_by_a_call_holds_across_polls_until_policy_json_changes(setti
     service = _service(settings, repository)
     try:
         service.catalog.load("colour", '{"default_version": "1"}')
-        service.catalog.writers.poll()
+        service.controller.writers.poll()
         assert _ask(service) == "1"  # the poll applied the policy again and undid the rollback, before
         repository.add("colour", "3")
-        service.catalog.writers.poll()
+        service.controller.writers.poll()
         assert _ask(service) == "1" and _ask(service, "colour", "3") == "3"  # new versions followed, default kept
         repository.policies["colour"] = {"version_policy": {"latest": {"num_versions": 1}}}
-        service.catalog.writers.poll()
+        service.controller.writers.poll()
         assert _ask(service) == "3" and service.catalog.serving()["colour"]["versions"] == ["3"]
         service.catalog.load("colour", {"default_version": "2"})
         service.catalog.load("colour")  # another call, without a config: the policy again
@@ -213,17 +214,17 @@ def test_a_rollback_by_a_call_holds_across_polls_until_policy_json_changes(setti
         service.shutdown(timeout=5)
 
 
-def _catalog(settings: Settings, repository: FakeRepository) -> Catalog:
-    """A worker's models without its service: booted, followed and changed by calls."""
-    catalog = Catalog(settings, repository, wait_loaded=lambda timeout_s: None,  # type: ignore[arg-type]
-                      on_report=lambda: None)
-    catalog.writers.boot()
-    return catalog
+def _worker(settings: Settings, repository: FakeRepository, boot: bool = True) -> tuple[VersionsController, Catalog]:
+    """A worker's models without its service: its versions machinery (booted) and the catalog calls change it by."""
+    controller = VersionsController(settings, repository, on_report=lambda: None)  # type: ignore[arg-type]
+    if boot:
+        controller.boot()
+    return controller, Catalog(settings, controller, wait_loaded=lambda timeout_s: None)
 
 
-def _stop(catalog: Catalog) -> None:
-    catalog.writers.close()
-    for loaded in catalog.applier.routes.all_versions():
+def _stop(controller: VersionsController) -> None:
+    controller.close()
+    for loaded in controller.routes.all_versions():
         loaded.batcher.stop(5)
 
 
@@ -232,17 +233,17 @@ def test_calls_survive_a_restart_only_with_a_kept_control_dir(settings: Settings
     kept = settings.model_copy(update={"control_dir": tmp_path / "kept"})
     repository.add("colour", "2")
     repository.add("other", "1")
-    first = _catalog(kept, repository)
-    first.load("colour", {"default_version": "1"})
-    first.unload("other")
+    first, catalog = _worker(kept, repository)
+    catalog.load("colour", {"default_version": "1"})
+    catalog.unload("other")
     _stop(first)
-    restarted = _catalog(kept, repository)
-    assert restarted.serving() == {"colour": {"versions": ["1", "2"], "default": "1"}}  # the unload holds too
+    restarted, catalog = _worker(kept, repository)
+    assert catalog.serving() == {"colour": {"versions": ["1", "2"], "default": "1"}}  # the unload holds too
     _stop(restarted)
     # gunicorn's default: a new temporary directory, so the repository and its policies again
-    fresh = _catalog(settings.model_copy(update={"control_dir": tmp_path / "new"}), repository)
-    assert fresh.serving() == {"colour": {"versions": ["2"], "default": "2"},
-                               "other": {"versions": ["1"], "default": "1"}}
+    fresh, catalog = _worker(settings.model_copy(update={"control_dir": tmp_path / "new"}), repository)
+    assert catalog.serving() == {"colour": {"versions": ["2"], "default": "2"},
+                                 "other": {"versions": ["1"], "default": "1"}}
     _stop(fresh)
 
 
@@ -256,7 +257,7 @@ def test_a_version_that_cannot_load_is_skipped_at_start(settings: Settings, repo
         (row,) = [r for r in service.catalog.index() if r.version == "2"]
         assert row.state == "UNAVAILABLE" and "sha256" in row.reason
         assert sum("sha256" in record.getMessage() for record in caplog.records) == 1  # said once
-        service.catalog.writers.poll()
+        service.controller.writers.poll()
         assert _ask(service) == "1" and sum("sha256" in r.getMessage() for r in caplog.records) == 1
     finally:
         service.shutdown(timeout=5)
@@ -322,24 +323,23 @@ def test_workers_sharing_a_control_directory_apply_each_others_loads(settings: S
     import os
 
     shared = settings.model_copy(update={"control_dir": tmp_path / "control"})
-    here = _catalog(shared, repository)
-    there = Catalog(shared, repository, wait_loaded=lambda timeout_s: None,  # type: ignore[arg-type]
-                    on_report=lambda: None)
+    here, here_catalog = _worker(shared, repository)
+    there, there_catalog = _worker(shared, repository, boot=False)
     there.sync.desired = SharedDesiredState(shared.control_dir, pid=os.getppid())  # another live process's report
     try:
-        there.writers.boot()
+        there.boot()
         repository.add("colour", "2")
-        here.load("colour")  # answers once the other worker serves version 2 too
-        assert there.serving() == {"colour": {"versions": ["2"], "default": "2"}}
-        assert {w["pid"]: w["models"]["colour"]["versions"] for w in here.workers()} == {
+        here_catalog.load("colour")  # answers once the other worker serves version 2 too
+        assert there_catalog.serving() == {"colour": {"versions": ["2"], "default": "2"}}
+        assert {w["pid"]: w["models"]["colour"]["versions"] for w in here_catalog.workers()} == {
             os.getpid(): ["2"], os.getppid(): ["2"]}
         repository.add("other", "1")
         there.applier.apply("other", {"versions": ["1"], "default": "1"})  # only there, as if its load call had not written yet
-        here.unload("colour")
-        assert there.serving() == {}  # a generation is the whole set: "other" was not in it
+        here_catalog.unload("colour")
+        assert there_catalog.serving() == {}  # a generation is the whole set: "other" was not in it
     finally:
-        for catalog in (here, there):
-            _stop(catalog)
+        for controller in (here, there):
+            _stop(controller)
 
 
 def test_calls_for_different_models_on_different_workers_both_take_effect(tmp_path: Path) -> None:

@@ -83,7 +83,7 @@ def _offline_answers(photos: list[bytes]) -> dict[str, list[str]]:
 
 def _compared(service: Service) -> int:
     """Images the shadow compared so far (over the workers' reports, shared now)."""
-    service.catalog.writers.share_evidence()
+    service.controller.writers.share_evidence()
     return ((service.catalog.rollouts().get("colour") or {}).get("comparison") or {}).get("compared", 0)
 
 
@@ -242,11 +242,11 @@ class Turnstile:
 
 
 def test_shadow_work_is_dropped_under_a_burst_and_no_live_request_fails(shadowed: Service) -> None:
-    live = shadowed.catalog.applier.routes.find("colour", "1")
+    live = shadowed.controller.applier.routes.find("colour", "1")
     live.predictor.module.gate = gate = Turnstile()
 
     def comparison() -> dict[str, object]:
-        shadowed.catalog.writers.share_evidence()
+        shadowed.controller.writers.share_evidence()
         return shadowed.catalog.rollouts()["colour"]["comparison"] or {"dropped": {}, "compared": 0, "errors": 0}
 
     with ThreadPoolExecutor(9) as pool:  # a batch of up to 4 runs (held), at least 5 queue
@@ -326,10 +326,10 @@ def test_the_rules_promote_a_candidate_that_agrees_and_roll_back_one_that_fails(
     try:
         _one_by_one(service, PHOTOS[:4])  # compared one by one, then the fifth comparison promotes
         infer(service, [PHOTOS[4]])
-        wait_until(lambda: (service.catalog.writers.share_evidence() or True)
-                   and service.catalog.applier.routes.routes()["colour"][1] == "2")
+        wait_until(lambda: (service.controller.writers.share_evidence() or True)
+                   and service.controller.applier.routes.routes()["colour"][1] == "2")
         assert service.catalog.rollouts()["colour"]["watch"]["version"] == "2"
-        service.catalog.applier.routes.find("colour", "2").predictor.module.fail_when = -10.0  # every batch now fails
+        service.controller.applier.routes.find("colour", "2").predictor.module.fail_when = -10.0  # every batch now fails
         failures = 0
         for photo in PHOTOS[:5]:
             try:
@@ -337,8 +337,8 @@ def test_the_rules_promote_a_candidate_that_agrees_and_roll_back_one_that_fails(
             except Exception:  # noqa: BLE001 - the failing version's answers
                 failures += 1
         assert failures == 5
-        service.catalog.writers.share_evidence()
-        assert service.catalog.applier.routes.routes()["colour"][1] == "1"  # rolled back by the rules
+        service.controller.writers.share_evidence()
+        assert service.controller.applier.routes.routes()["colour"][1] == "1"  # rolled back by the rules
         assert infer(service, [PHOTOS[0]]).version == "1"
         assert service.catalog.rollouts()["colour"]["rolled_back"] == ["2"]
     finally:
@@ -486,7 +486,7 @@ def test_a_candidate_with_other_preprocessing_decodes_the_shadow_images_itself(s
     repository.policies["colour"] = {"rollout": {"shadow_percent": 100}}
     service = Service.build(settings, repository)  # type: ignore[arg-type]
     try:
-        live, candidate = (service.catalog.applier.routes.find("colour", v) for v in ("1", "2"))
+        live, candidate = (service.controller.applier.routes.find("colour", v) for v in ("1", "2"))
         assert candidate.predictor.manifest.preprocess.input_shape != live.predictor.manifest.preprocess.input_shape
         sizes: list[tuple[int, ...]] = []
         candidate.predictor.module.register_forward_hook(lambda _, inputs, __: sizes.append(inputs[0].shape[2:]))
@@ -547,13 +547,13 @@ def test_a_candidate_that_breaks_at_run_time_is_refused_by_the_poll_and_a_load_c
         assert service.catalog.serving()["colour"] == {"versions": ["1"], "default": "1"}
         repository.fail("colour", "2", SHA)  # version 2 arrives, named as the candidate, and cannot load
         repository.policies["colour"] = {"rollout": {"shadow_percent": 100, "candidate": "2"}, "default_version": "1"}
-        service.catalog.writers.poll()
+        service.controller.writers.poll()
         assert service.catalog.serving()["colour"] == {"versions": ["1"], "default": "1"}
         assert infer(service, [PHOTOS[0]]).version == "1"
         assert rollouts()["colour"]["candidate"] is None and rollouts()["colour"]["candidate_refused"]["version"] == "2"
         assert _refused_gauge("2") == 1
         loads = len(repository.loads)
-        service.catalog.writers.poll()  # not tried again while its files are the same ...
+        service.controller.writers.poll()  # not tried again while its files are the same ...
         assert len(repository.loads) == loads
         repository.fail("colour", "2", "still broken")  # ... rewritten, still broken: a load call says so
         with pytest.raises(LoadFailed, match="colour version 2 cannot be served: still broken"):
@@ -564,7 +564,7 @@ def test_a_candidate_that_breaks_at_run_time_is_refused_by_the_poll_and_a_load_c
             "version": "2", "reason": "colour version 2 cannot be served: still broken"}
         del repository.broken[("colour", "2")]
         repository.add("colour", "2")  # mended: the next poll makes it the candidate
-        service.catalog.writers.poll()
+        service.controller.writers.poll()
         assert service.catalog.roles() == {("colour", "1"): "live", ("colour", "2"): "shadow"}
         assert "candidate_refused" not in rollouts()["colour"] or rollouts()["colour"]["candidate_refused"] is None
         assert _refused_gauge("2") == 0
@@ -582,6 +582,6 @@ def test_a_candidate_that_does_not_fit_beside_the_live_version_at_start_is_left_
         refused = service.catalog.rollouts()["colour"]["candidate_refused"]
         assert refused["version"] == "2" and "colour version 2 needs about 2 MiB; the loaded models take 1 MiB" in \
             refused["reason"]
-        assert not service.catalog.applier.known_refused("colour", "2")  # memory may be freed: tried again later
+        assert not service.controller.applier.known_refused("colour", "2")  # memory may be freed: tried again later
     finally:
         service.shutdown(timeout=5)

@@ -1,4 +1,4 @@
-"""The worker's first app (app/starting.py): what it answers while the real app is imported, that it answers as the
+"""The worker's first app (app/hosting/starting.py): what it answers while the real app is imported, that it answers as the
 loading app does, and the handover. No server: werkzeug's test client calls it."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from app.factory import create_app
 from app.config import Settings
 from app.engine.contract import NOT_READY_RETRY_S
 from app.engine.versions.sources import DirectorySource
-from app.starting import RETRY_AFTER_S, StartingApp
+from app.hosting.starting import RETRY_AFTER_S, StartingApp
 
 PATHS = [("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/v2/health/live"), ("GET", "/v2/health/ready"),
          ("POST", "/predict"), ("GET", "/v1/models"), ("POST", "/v2/models/mine/infer"), ("GET", "/v2/models/mine")]
@@ -113,7 +113,7 @@ def test_an_import_that_fails_goes_to_on_error() -> None:
 
 def test_a_worker_stopping_mid_import_builds_nothing(gate: Gate, monkeypatch: pytest.MonkeyPatch) -> None:
     starting = StartingApp(gate, on_error=pytest.fail, max_body_bytes=1000).start()
-    monkeypatch.setattr("app.starting._stopping", lambda: True)  # as when the worker's main thread has ended
+    monkeypatch.setattr("app.hosting.starting._stopping", lambda: True)  # as when the worker's main thread has ended
     gate.opened.set()
     assert not starting.wait(10) and gate.builds == 0
 

@@ -37,7 +37,7 @@ def _children(server: Running) -> dict[int, str]:
 
 
 def _engine_pid(server: Running) -> int:
-    (pid,) = [pid for pid, command in _children(server).items() if "app.engine.process" in command]
+    (pid,) = [pid for pid, command in _children(server).items() if "app.link.server" in command]
     return pid
 
 
@@ -48,7 +48,7 @@ def _predict(server: Running, timeout_s: float = 30) -> requests.Response:
 
 def test_http_workers_never_load_torch_and_one_engine_serves_them(server: Running) -> None:
     children = _children(server)
-    workers = [pid for pid, command in children.items() if "app.engine.process" not in command]
+    workers = [pid for pid, command in children.items() if "app.link.server" not in command]
     assert len(workers) == 2 and len(children) == 3
     for pid in workers:
         assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text(), f"worker {pid} loaded torch"

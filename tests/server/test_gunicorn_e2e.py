@@ -152,7 +152,7 @@ def test_a_starting_worker_answers_every_request_from_the_moment_the_port_opens(
         small_weights: Path, start_server: Callable[..., Running]) -> None:
     # Before (#32): the worker imported torch and the app before it answered anything, so a probe made as the port
     # opened waited about 3 s in the listen backlog. Now every request is answered at once: 200, 503, 503 with
-    # Retry-After (first by app/starting.py while the imports run, then by the app while the model loads), then
+    # Retry-After (first by app/hosting/starting.py while the imports run, then by the app while the model loads), then
     # 200s, on one kept-alive connection and in one worker.
     server = start_server(small_weights)
     session, rounds, answered_200 = requests.Session(), [], set()
@@ -263,7 +263,7 @@ def test_time_to_exit_after_sigterm_idle_and_after_load(small_weights: Path, sta
 
 def test_the_default_worker_count_uses_the_host_and_says_so(small_weights: Path, tmp_path: Path) -> None:
     # Before: one worker by default, so `make serve` left a core idle on a 2-core host.
-    from app.host import auto_workers, usable_cores
+    from app.hosting.host import auto_workers, usable_cores
     from harness.servers import visionserve
 
     expected = auto_workers(usable_cores(), gpus=0)

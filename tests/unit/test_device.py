@@ -98,7 +98,7 @@ def test_workers_spread_over_the_gpus_and_a_restarted_worker_takes_the_free_slot
     import shutil
     from types import SimpleNamespace
 
-    from app.host import gpu_for, placed_device
+    from app.hosting.host import gpu_for, placed_device
 
     assert [gpu_for(slot, 4, 0) for slot in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]  # round robin
     assert [gpu_for(slot, 2, 2) for slot in range(6)] == [0, 0, 1, 1, 0, 0]  # two per GPU in turn

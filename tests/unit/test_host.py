@@ -1,11 +1,11 @@
-"""How many workers the server starts when WORKERS is 0 (auto), from the host read without torch (app/host.py)."""
+"""How many workers the server starts when WORKERS is 0 (auto), from the host read without torch (app/hosting/host.py)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-from app import host
+from app.hosting import host
 from app.engine.batching.tuning import forward_threads
 
 

@@ -53,7 +53,7 @@ def _modules(package: str) -> dict[str, set[str]]:
     ("app.config", ("app", "models", "torch", "flask")),
     ("app.errors", ("app", "models", "flask", "werkzeug")),
     ("app.metrics", ("app.engine", "app.web", *PROTOCOLS, "flask")),
-    ("app.procstat", ("app", "flask", "torch")),
+    ("app.hosting.procstat", ("app", "flask", "torch")),
     ("app.web", PROTOCOLS),
     ("app.v1", ("app.v2",)),
     ("app.v2", ("app.v1",)),
@@ -202,7 +202,7 @@ def test_protocols_reach_the_engine_only_through_the_service_the_call_and_the_ca
 def test_the_http_side_imports_no_torch() -> None:
     # Under ENGINE=process a gunicorn worker runs the web layer, the protocols and the engine's remote face only:
     # none of it may load torch (the engine's answers, signatures and version facts are plain data).
-    code = ("import sys, app.engine.contract, app.engine.wire, app.remote_engine, app.factory, app.web, app.v1, "
+    code = ("import sys, app.engine.contract, app.link.wire, app.link.client, app.factory, app.web, app.v1, "
             "app.v2; bad = [m for m in ('torch', 'torchvision') if m in sys.modules]; print(bad); "
             "sys.exit(1 if bad else 0)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -1,4 +1,4 @@
-"""The event loop's request reading (app/worker.py), without a server: when a request is whole."""
+"""The event loop's request reading (app/hosting/worker.py), without a server: when a request is whole."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ import pytest
 from gunicorn.config import Config
 from gunicorn.http.parser import RequestParser
 
-from app.worker import HeldUnreader, body_length, timeout_response
+from app.hosting.worker import HeldUnreader, body_length, timeout_response
 
 
 @pytest.mark.parametrize("head, expected", [

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from app.host import usable_cores
+from app.hosting.host import usable_cores
 
 
 def forward_threads(setting: int, device: torch.device, cores: int | None = None, workers: int = 1) -> int:

@@ -13,6 +13,7 @@ import torch
 from app.config import Settings
 from app.engine.batching.arrivals import Arrivals, InFlight
 from app.engine.batching.batcher import Batcher
+from app.engine.contract import Signature
 from app.engine.batching.tuning import choose_batch_cap, forward_threads, inline_batches
 from app.engine.decoding.decoders import Decoder, Prepared, decoder_for
 from app.engine.decoding.image import DecodeLimits, canary_jpeg
@@ -49,6 +50,12 @@ class LoadedVersion:
     def version(self) -> str:
         """The version (its manifest's)."""
         return self.predictor.manifest.version
+
+    @property
+    def signature(self) -> Signature:
+        """What a request this version answers is parsed with: name, version, classes, input shape."""
+        manifest = self.predictor.manifest
+        return Signature(manifest.name, manifest.version, manifest.labels, tuple(manifest.preprocess.input_shape))
 
     def run_batch(self, prepared: Sequence[Prepared]) -> torch.Tensor:
         """One batch, on the batcher's thread: collate (the device path decodes here), the forward pass (softmax

@@ -32,7 +32,8 @@ from app.engine.rollouts.rules import roles_of
 from app.engine.versions.memory import check_fits
 from app.engine.versions.routing import Candidate, RoutingTable
 from app.engine.versions.sources import Source
-from app.engine.versions.states import VersionState, VersionStates
+from app.engine.contract import VersionState
+from app.engine.versions.states import VersionStates
 from app.errors import InsufficientMemory, LoadFailed, ServiceError
 from app.metrics import ROLLOUT_CANDIDATE_REFUSED, ROLLOUT_ROLE
 from models.export.checks import ModelLoadError, resolve_device

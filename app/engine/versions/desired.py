@@ -22,10 +22,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from app.engine.rollouts.entry import ModelEntry
-from app.host import process_alive
+from app.hosting import control
 
 WATCH_S = 0.2  # how often a worker looks for a newer generation
-DESIRED, LOCK = "desired.json", "lock"
 
 
 def _changed(models: dict[str, ModelEntry], changes: dict[str, ModelEntry | None]) -> dict[str, ModelEntry]:
@@ -138,7 +137,7 @@ class SharedDesiredState(DesiredState):
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        with open(self.root / LOCK, "a+") as handle:
+        with open(self.root / control.LOCK, "a+") as handle:
             fcntl.flock(handle, fcntl.LOCK_EX)
             try:
                 yield
@@ -147,28 +146,23 @@ class SharedDesiredState(DesiredState):
 
     def read(self) -> tuple[int, dict[str, ModelEntry]]:
         """The newest generation and its models."""
-        data = _read(self.root / DESIRED) or {}
+        data = _read(self.root / control.DESIRED) or {}
         return int(data.get("generation", 0)), dict(data.get("models", {}))
 
     def _store(self, generation: int, models: dict[str, ModelEntry]) -> None:
-        _write_atomic(self.root / DESIRED, {"generation": generation, "models": models})
+        _write_atomic(self.root / control.DESIRED, {"generation": generation, "models": models})
 
     def report(self, generation: int, serving: dict[str, ModelEntry], error: str | None, device: str,
                evidence: dict[str, Any] | None = None) -> None:
         """What this worker serves after applying ``generation``, on which device, why it could not apply it, and
         its rollout evidence."""
         super().report(generation, serving, error, device, evidence)
-        _write_atomic(self.root / f"worker-{self.pid}.json", self._reports[self.pid])
-
-    def forget(self, pid: int) -> None:
-        """A worker ended: drop its report (the master calls this)."""
-        with contextlib.suppress(OSError):
-            (self.root / f"worker-{pid}.json").unlink()
+        _write_atomic(control.report(self.root, self.pid), self._reports[self.pid])
 
     def workers(self) -> list[dict[str, Any]]:
         """The reports of the live workers, by pid."""
-        reports = [_read(path) for path in sorted(self.root.glob("worker-*.json"))]
-        return sorted((r for r in reports if isinstance(r, dict) and process_alive(int(r.get("pid", 0)))),
+        reports = [_read(path) for path in sorted(self.root.glob(control.REPORTS))]
+        return sorted((r for r in reports if isinstance(r, dict) and control.process_alive(int(r.get("pid", 0)))),
                       key=lambda r: r["pid"])
 
 

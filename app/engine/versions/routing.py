@@ -56,7 +56,19 @@ class RoutingTable:
         self._defaults: dict[str, str] = {}
         self._candidates: dict[str, Candidate] = {}
         self._draw = random.Random()
-        self.named_default: str | None = None  # DEFAULT_MODEL, or the repository's repository.json
+        self._named_default: str | None = None
+        self.generation = 0  # grows with every change of what serves (a cache of it knows when it is stale)
+
+    @property
+    def named_default(self) -> str | None:
+        """DEFAULT_MODEL, or the repository's repository.json."""
+        return self._named_default
+
+    @named_default.setter
+    def named_default(self, name: str | None) -> None:
+        with self._lock:
+            self._named_default = name
+            self.generation += 1
 
     def default_model(self) -> str | None:
         """The model requests naming none get now, if one does."""
@@ -64,8 +76,8 @@ class RoutingTable:
             return self._default_model()
 
     def _default_model(self) -> str | None:
-        if self.named_default is not None:
-            return self.named_default
+        if self._named_default is not None:
+            return self._named_default
         return next(iter(self._routes)) if len(self._routes) == 1 else None
 
     def routes(self) -> dict[str, tuple[list[LoadedVersion], str]]:
@@ -115,7 +127,7 @@ class RoutingTable:
         loaded = None if versions is None else versions.get(version or self._defaults[name])
         if loaded is None:
             wanted = f"{name!r}" + ("" if version is None else f" version {version!r}")
-            wanted += " (the default model)" if name == self.named_default and versions is None else ""
+            wanted += " (the default model)" if name == self._named_default and versions is None else ""
             raise NotFound(f"no model {wanted} is loaded; this server serves {self._describe()}",
                            details={"models": self._available()})
         return loaded
@@ -159,6 +171,7 @@ class RoutingTable:
                 self._candidates[name] = candidate
             else:
                 self._candidates.pop(name, None)
+            self.generation += 1
         return [loaded for v, loaded in before.items() if versions.get(v) is not loaded]
 
     def remove(self, name: str) -> list[LoadedVersion]:
@@ -166,4 +179,5 @@ class RoutingTable:
         with self._lock:
             self._defaults.pop(name, None)
             self._candidates.pop(name, None)
+            self.generation += 1
             return list(self._routes.pop(name, {}).values())

@@ -4,24 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
 from typing import Iterator
 
+from app.engine.contract import VersionState
 from app.engine.loaded.version import LoadedVersion
 from app.engine.rollouts.policy import order_key
 
 Key = tuple[str, str]  # (model, version)
 Stamp = tuple[int, int]  # changes when the version's manifest is rewritten
-
-
-@dataclass(frozen=True)
-class VersionState:
-    """One row of the repository index: a version and what this worker does with it."""
-
-    name: str
-    version: str
-    state: str  # READY, LOADING, UNLOADING, UNAVAILABLE (Triton's words)
-    reason: str = ""
 
 
 class VersionStates:

@@ -1,5 +1,5 @@
 """The gunicorn master's engine processes (``ENGINE=process``): one per GPU (one on a CPU host), each started as
-``python -m app.engine.process SLOT`` (a fresh interpreter: the master never imports torch or touches CUDA, and no
+``python -m app.link.server SLOT`` (a fresh interpreter: the master never imports torch or touches CUDA, and no
 process that used CUDA is ever forked), watched by a thread, restarted when it dies, stopped after the HTTP
 workers at shutdown. Standard library only: it runs in the master.
 
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from app.engine.wire import CONTROL_FILES, engine_failure, socket_path  # standard library only
+from app.hosting.control import STALE_AT_START, engine_failure, socket_path  # standard library only
 
 log = logging.getLogger("gunicorn.error")
 RESTART_DELAY_S = 1.0  # after a crash, before starting it again (a crash loop costs one start a second)
@@ -65,7 +65,7 @@ class Engine:
 
     def _spawn(self) -> None:
         self.socket.unlink(missing_ok=True)  # it appears again when this engine listens
-        self.process = subprocess.Popen([sys.executable, "-m", "app.engine.process", str(self.slot)], cwd=ROOT,
+        self.process = subprocess.Popen([sys.executable, "-m", "app.link.server", str(self.slot)], cwd=ROOT,
                                         stdin=subprocess.PIPE, start_new_session=True)
         log.info("engine %d started (pid %d)", self.slot, self.process.pid)
 
@@ -125,7 +125,7 @@ def start_engines(count: int, control_dir: Path, on_death: Callable[[int], None]
     again); stale files of an earlier start of a kept CONTROL_DIR go first."""
     if _ENGINES:
         return _ENGINES
-    for pattern in CONTROL_FILES:
+    for pattern in STALE_AT_START:
         for stale in control_dir.glob(pattern):
             stale.unlink(missing_ok=True)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")

@@ -78,14 +78,3 @@ def engine_mode(setting: str, device: str) -> str:
 def engine_count(device: str) -> int:
     """How many engine processes serve (``ENGINE=process``): one per visible GPU, one on a CPU host."""
     return max(1, visible_gpus()) if device != "cpu" else 1
-
-
-def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (one of another user counts as running)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -138,9 +138,9 @@ class BufferingWorker(ThreadWorker):
         self.reading: set[Reading] = set()
 
     def accept(self, listener: Any) -> None:
-        """A new connection waits in the loop for its request (app/drain.py counts on nr_conns growing by one)."""
+        """A new connection waits in the loop for its request (app/hosting/drain.py counts on nr_conns growing by one)."""
         if getattr(listener, "sock", listener) is None:
-            # Closed by app/drain.py's last step, which ran earlier in the same poller turn that found it readable
+            # Closed by app/hosting/drain.py's last step, which ran earlier in the same poller turn that found it readable
             # (gthread's accept raised here: the worker died and its open connections were reset).
             return
         try:

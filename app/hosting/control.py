@@ -1,0 +1,68 @@
+"""CONTROL_DIR: the directory the gunicorn master makes before the fork, shared by the master, the HTTP workers and
+the engine processes. Every name in it is made here and nowhere else:
+
+- ``desired.json`` and ``lock``: the desired state and its file lock (app/engine/versions/desired.py);
+- ``worker-<pid>.json``: what each process that serves models reports (an inline worker, or an engine);
+- ``engine-<slot>.sock``: where engine ``slot`` listens; ``engine-<slot>.failed``: why it cannot serve;
+- ``http-<pid>.ready``: an HTTP worker that reached a ready engine (readiness counts the live workers' marks).
+
+Standard library only: the master imports it, and so does the engine (the desired state's names).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DESIRED = "desired.json"
+LOCK = "lock"
+REPORTS = "worker-*.json"
+READY_MARKS = "http-*.ready"
+# What the engines and the HTTP workers leave behind (a master starting on a kept directory clears them).
+STALE_AT_START = ("engine-*.failed", "engine-*.sock", READY_MARKS)
+
+
+def report(control_dir: Path, pid: int) -> Path:
+    """What process ``pid`` serves (its versions, device and rollout evidence)."""
+    return control_dir / f"worker-{pid}.json"
+
+
+def socket_path(control_dir: Path, slot: int) -> Path:
+    """Where engine ``slot`` listens."""
+    return control_dir / f"engine-{slot}.sock"
+
+
+def engine_failure(control_dir: Path, slot: int) -> Path:
+    """Where engine ``slot`` writes why it cannot serve (it then exits with status 3)."""
+    return control_dir / f"engine-{slot}.failed"
+
+
+def ready_mark(control_dir: Path, pid: int) -> Path:
+    """The file an HTTP worker writes once it reaches a ready engine."""
+    return control_dir / f"http-{pid}.ready"
+
+
+def _pid_of(path: Path, prefix: str, suffix: str) -> int | None:
+    middle = path.name[len(prefix):-len(suffix)]
+    return int(middle) if path.name.startswith(prefix) and path.name.endswith(suffix) and middle.isdigit() else None
+
+
+def report_pid(path: Path) -> int | None:
+    """The pid a report file (``report``) belongs to; None for any other name."""
+    return _pid_of(path, "worker-", ".json")
+
+
+def ready_workers(control_dir: Path) -> list[int]:
+    """The HTTP workers whose ready mark is there and that still live (a killed worker's mark does not count)."""
+    pids = (_pid_of(path, "http-", ".ready") for path in control_dir.glob(READY_MARKS))
+    return sorted(pid for pid in pids if pid is not None and process_alive(pid))
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a zombie counts until its parent reaps it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    return True

@@ -1,0 +1,313 @@
+"""The engine as an HTTP worker sees it when the engine runs in a process of its own (``ENGINE=process``): a
+``contract.ServiceFace`` (``admit`` -> a call whose ``infer`` answers a ``Served``, ``catalog``, readiness,
+draining) over the engine's Unix socket (app/link/wire.py, served by app/link/server.py). Never imports torch: the
+worker keeps everything HTTP (routes, parsing, auth, drain, the access log) and nothing of the model.
+
+A request is one exchange: the worker parses its body with the signature it keeps of the version the request asks
+for (fetched once, dropped when the engine's answers say its routing changed or another engine answers), then sends
+the request with its images and reads the answer. Each request thread keeps one connection; a connection that fails
+is dropped and the next request makes a new one. An engine that dies fails the requests in flight with 503 and
+Retry-After (the master restarts it); until it is back, requests get 503 ``not_ready``.
+
+Readiness is the server's, not this worker's alone: ready once the engine is ready, this worker is not draining,
+and every worker of the server reached the engine (each marks ``http-<pid>.ready`` in CONTROL_DIR; the master
+removes a dead worker's mark), so after the first 200 of ``/readyz`` no worker answers ``not_ready``.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any, Callable, Iterator, Sequence
+
+from app.config import Settings
+from app.engine.contract import (
+    CATALOG_CALLS,
+    CLIENT_CHECK_S,
+    CatalogFace,
+    Lifecycle,
+    Served,
+    Signature,
+    not_ready,
+)
+from app.errors import ClientGone, DeadlineExceeded, LoadFailed, NotReady, ServiceError
+from app.hosting import control
+from app.link import wire
+
+log = logging.getLogger(__name__)
+CONNECT_TIMEOUT_S = 2.0
+ANSWER_GRACE_S = 5.0  # beyond twice a request's deadline (the engine's counts from queueing, after the decode)
+STATE_TIMEOUT_S = 1.0  # an engine that does not say its state within this is not ready (probes never hang)
+SIGNATURE_TIMEOUT_S = 5.0  # a signature is a routing-table read: an engine silent this long is stuck
+CATALOG_GRACE_S = 10.0  # beyond REPOSITORY_SYNC_TIMEOUT_S, for a catalog call (a load waits for every engine)
+STATE_TTL_S = 0.2  # readiness asked of the engine at most this often
+WAIT_S = 0.1  # while starting, how often to look for the engine
+
+
+def _as_service_error(exc: BaseException) -> ServiceError:
+    """What ended a request on this side, for the engine to count as its outcome: a ServiceError as it is, an HTTP
+    error (werkzeug's) with its status, anything else as a server error."""
+    if isinstance(exc, ServiceError):
+        return exc
+    error = ServiceError(f"{type(exc).__name__}: {exc}")
+    status = getattr(exc, "code", None)
+    if isinstance(status, int) and 400 <= status < 600:
+        error.status = status
+    return error
+
+
+class RemoteCall:
+    """A request admitted here: ``model`` to parse with, ``infer`` to send it with its images and wait."""
+
+    def __init__(self, service: "RemoteService", model: Signature, request: tuple[str | None, str | None,
+                                                                                   str | None]) -> None:
+        self.model, self._service, self.request = model, service, request
+        self.sent = False  # the request went to the engine (it counts its outcome there)
+
+    def infer(self, images: Sequence[bytes] = (), tensors: Sequence[Any] = (), *, timeout_s: float,
+              names: Sequence[str | None] = (), client_gone: Callable[[], bool] | None = None) -> Served:
+        """As ``Call.infer``: the request and its images go to the engine as they are, the answer comes back; a
+        client that hangs up drops its queued images there (the connection closes, which the engine watches)."""
+        self.sent = True
+        message = wire.Infer(*self.request, timeout_s=timeout_s, parsed_with=self.model, names=tuple(names),
+                             tensors=tuple(tensors))
+        return self._service.infer(message, images, 2 * timeout_s + ANSWER_GRACE_S, client_gone)
+
+
+def _remote_call(method: str) -> Callable[..., Any]:
+    def call(self: "RemoteCatalog", *args: Any, **kwargs: Any) -> Any:
+        return self._ask(wire.CatalogCall(method, args, kwargs))
+
+    call.__name__ = call.__qualname__ = method
+    call.__doc__ = getattr(CatalogFace, method).__doc__
+    return call
+
+
+class RemoteCatalog:
+    """``contract.CatalogFace``, each call answered by the engine: its methods are made from CATALOG_CALLS."""
+
+    def __init__(self, ask: Callable[[wire.CatalogCall], Any]) -> None:
+        self._ask = ask
+
+
+for _method in CATALOG_CALLS:
+    setattr(RemoteCatalog, _method, _remote_call(_method))
+
+
+class EngineConnections:
+    """One connection to the engine per thread, greeted on connect; every exchange whole or its connection dropped,
+    so no later request reads an earlier one's answer."""
+
+    def __init__(self, connect: Callable[[], socket.socket]) -> None:
+        self._connect = connect
+        self._local = threading.local()
+        self._mismatch_logged = False
+
+    def get(self) -> socket.socket:
+        """This thread's connection (a new one when it has none, or the engine closed it since: a restart)."""
+        conn = getattr(self._local, "conn", None)
+        if conn is not None and wire.readable(conn):  # between exchanges only its end can be there
+            self.drop()
+            conn = None
+        if conn is None:
+            conn = self._connect()
+            self._local.conn = conn  # before the hello: a failed one is dropped like any exchange
+            self._greet(conn)
+        return conn
+
+    def _greet(self, conn: socket.socket) -> None:
+        conn.settimeout(CONNECT_TIMEOUT_S)
+        try:
+            wire.say_hello(conn)
+        except wire.WireMismatch as exc:
+            if not self._mismatch_logged:
+                self._mismatch_logged = True
+                log.error("the engine refused this worker: %s", exc)
+            raise
+        conn.settimeout(None)
+
+    def drop(self) -> None:
+        """Close this thread's connection (the engine ends whatever it held for it)."""
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.close()
+
+    @contextlib.contextmanager
+    def exchange(self, away: str) -> Iterator[socket.socket]:
+        """This thread's connection for one exchange; the engine away, silent or closing it is NotReady (503 with
+        Retry-After) saying ``away`` (or the mismatch); anything that leaves the exchange unfinished drops it."""
+        try:
+            yield self.get()
+        except wire.WireMismatch as exc:
+            self.drop()
+            raise not_ready(f"the engine runs other code than this worker: {exc}") from None
+        except (wire.EngineGone, OSError):
+            self.drop()
+            raise not_ready(away) from None
+        except BaseException:
+            self.drop()
+            raise
+
+
+class RemoteService(Lifecycle):
+    """``contract.ServiceFace`` in an HTTP worker, over the engine process at ``slot``."""
+
+    def __init__(self, settings: Settings, slot: int, connect: Callable[[], socket.socket] | None = None) -> None:
+        super().__init__()
+        assert settings.control_dir is not None, "ENGINE=process needs CONTROL_DIR (gunicorn.conf.py sets it)"
+        self.settings, self.slot, self.control_dir = settings, slot, settings.control_dir
+        path = control.socket_path(self.control_dir, slot)
+        self.connections = EngineConnections(connect or functools.partial(wire.connect, path, CONNECT_TIMEOUT_S))
+        self.catalog = RemoteCatalog(self._ask)
+        self._state: tuple[float, wire.EngineState | None] = (0.0, None)
+        self._signatures: dict[tuple[str | None, str | None], Signature] = {}
+        self._signatures_of: tuple[int, int] = (0, 0)  # (engine pid, routing generation) they were read at
+
+    @classmethod
+    def start(cls, settings: Settings, slot: int, on_error: Callable[[BaseException], None]) -> "RemoteService":
+        """A service that answers now and waits on a thread for the engine to be ready; ``on_error`` gets the
+        engine's boot failure (a model that cannot be served)."""
+        service = cls(settings, slot)
+        threading.Thread(target=service._wait_for_engine, args=(on_error,), name="engine-wait", daemon=True).start()
+        return service
+
+    def _wait_for_engine(self, on_error: Callable[[BaseException], None]) -> None:
+        failure = control.engine_failure(self.control_dir, self.slot)
+        while not self._started.is_set():
+            if failure.is_file():
+                on_error(LoadFailed(failure.read_text(encoding="utf-8")))
+                return
+            state = self._engine_state(fresh=True)
+            if state is not None and state.ready:
+                if not self.draining:
+                    control.ready_mark(self.control_dir, os.getpid()).touch()
+                self._started.set()
+                log.info("ready to serve (engine %d)", self.slot)
+                return
+            time.sleep(WAIT_S)
+
+    # -- exchanges with the engine ---------------------------------------------------------------------------------
+
+    def _exchange(self, message: Any, timeout_s: float, away: str) -> Any:
+        """One question and its answer within ``timeout_s``; the answer's value, or its error raised."""
+        with self.connections.exchange(away) as conn:
+            conn.settimeout(timeout_s)
+            wire.send(conn, message)
+            answer = wire.receive_answer(conn)
+            conn.settimeout(None)
+        return self._value(answer)
+
+    def _value(self, answer: wire.Answer) -> Any:
+        if (answer.engine, answer.routes) != self._signatures_of:  # another engine, or its routing changed
+            self._signatures.clear()
+            self._signatures_of = (answer.engine, answer.routes)
+        if answer.error is not None:
+            raise answer.error
+        return answer.value
+
+    def infer(self, message: wire.Infer, images: Sequence[bytes], limit_s: float,
+              client_gone: Callable[[], bool] | None) -> Served:
+        """Send one request with its images; wait for the answer (``limit_s`` at most) or the client to leave."""
+        with self.connections.exchange("the engine stopped while answering this request; it is restarting") as conn:
+            wire.send(conn, message, images)
+            _wait_for_answer(conn, limit_s, client_gone)
+            conn.settimeout(ANSWER_GRACE_S)  # the answer is arriving: never a wait without end
+            answer = wire.receive_answer(conn)
+            conn.settimeout(None)
+        return self._value(answer)
+
+    def _ask(self, call: wire.CatalogCall) -> Any:
+        self.require_loaded()
+        return self._exchange(call, self.settings.repository_sync_timeout_s + CATALOG_GRACE_S,
+                              "the engine is not reachable or not answering; it is starting or restarting")
+
+    def _engine_state(self, fresh: bool = False) -> wire.EngineState | None:
+        at, state = self._state
+        if fresh or time.monotonic() - at > STATE_TTL_S:
+            try:
+                state = self._exchange(wire.StateQuery(), STATE_TIMEOUT_S, "the engine is away")
+            except NotReady:
+                state = None
+            self._state = (time.monotonic(), state)
+        return state
+
+    def signature(self, name: str | None, version: str | None) -> Signature:
+        """What a request for ``name`` at ``version`` is parsed with: kept from the engine's answer until its
+        routing changes (NotFound, NotReady as the engine says)."""
+        key = (name, version)
+        signature = self._signatures.get(key)
+        if signature is None:
+            signature = self._exchange(wire.CatalogCall("signature", key), SIGNATURE_TIMEOUT_S,
+                                       "the engine is not reachable or not answering; it is starting or restarting")
+            self._signatures[key] = signature
+        return signature
+
+    # -- the service's face ----------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def admit(self, name: str | None = None, version: str | None = None, client_key: str | None = None,
+              images: int = 0, timeout_s: float | None = None) -> Iterator[RemoteCall]:
+        """As ``Service.admit``: readiness here (draining, starting) and the signature to parse with; the engine
+        admits the request when it arrives (routing, its readiness, its queue's room). A request refused here
+        before it was sent is counted there all the same (``Unanswered``)."""
+        with self.in_flight.inside():
+            self.require_ready()
+            call = RemoteCall(self, self.signature(name, version), (name, version, client_key))
+            try:
+                yield call
+            except BaseException as exc:
+                if not call.sent:
+                    self._unanswered(call, _as_service_error(exc))
+                raise
+            else:
+                if not call.sent:
+                    self._unanswered(call, None)
+
+    def _unanswered(self, call: RemoteCall, error: ServiceError | None) -> None:
+        """Tell the engine of a request that never reached it (it has no answer); unsent, it is only uncounted."""
+        with contextlib.suppress(NotReady):
+            with self.connections.exchange("the engine is away") as conn:
+                wire.send(conn, wire.Unanswered(*call.request, error=error))
+
+    @property
+    def loaded(self) -> bool:
+        """The engine loaded its first models and serves at least one."""
+        state = self._engine_state() if self._started.is_set() else None
+        return state is not None and state.loaded
+
+    @property
+    def alive(self) -> bool:
+        """The engine's batchers run (an engine being restarted by the master does not make this worker dead)."""
+        state = self._engine_state()
+        return state.alive if state is not None else True
+
+    @property
+    def ready(self) -> bool:
+        """The engine is ready, this worker is not draining, and every worker of the server reached the engine."""
+        if not self._started.is_set() or self.draining:
+            return False
+        state = self._engine_state()
+        return state is not None and state.ready and len(control.ready_workers(self.control_dir)) >= (
+            self.settings.workers or 1)
+
+    def _drain_begun(self) -> None:
+        control.ready_mark(self.control_dir, os.getpid()).unlink(missing_ok=True)
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """This worker is going away: nothing of the engine is its to stop."""
+        self.begin_drain()
+
+
+def _wait_for_answer(conn: socket.socket, limit_s: float, client_gone: Callable[[], bool] | None) -> None:
+    until = time.monotonic() + limit_s
+    while not wire.readable(conn, CLIENT_CHECK_S if client_gone else limit_s):
+        if client_gone is not None and client_gone():
+            raise ClientGone("the client closed the connection; its queued images are dropped")
+        if time.monotonic() >= until:
+            raise DeadlineExceeded(f"no answer from the engine within {limit_s:g}s")

@@ -1,0 +1,257 @@
+"""How the HTTP workers and the engine process talk over the engine's Unix socket: typed messages in frames.
+
+A connection opens with a hello (raw ASCII, never pickled: ``visionserve-wire/<PROTOCOL> <FINGERPRINT>``), which the
+engine answers with ``ok`` or why not; it closes a connection whose code differs from its own (after a ``kill -HUP``
+the HTTP workers run new code, the engines the old), and both sides log it. Then each exchange is one frame each way: a request (``Infer`` with the
+images as raw segments, ``CatalogCall``, ``StateQuery``) and its ``Answer``; ``Unanswered`` (a request the HTTP side
+refused before its images were sent, counted by the engine as the version's traffic) has no answer.
+
+A frame is a header (a pickled message, one of ``MESSAGES``) and raw byte segments, sent with one scatter-gather
+call and read into one buffer, so an image's bytes are copied once on each side and never pickled.
+
+Standard library only (and the engine's torch-free contract): the HTTP side never imports torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import os
+import pickle
+import select
+import socket
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from app import errors
+from app.engine import contract
+from app.engine.batching.types import BatchResult
+
+PROTOCOL = 2  # the frame layout and the hello; each message's own fields are in FINGERPRINT
+_HEAD = struct.Struct("!II")  # the header's length, the number of segments
+_LENGTH = struct.Struct("!Q")
+MAX_SEGMENTS = 10_000  # a bound on one frame's segments (MAX_IMAGES is far lower): a corrupt frame fails at once
+MAX_FRAME_BYTES = 1 << 32  # a bound on one frame's size (MAX_BODY_BYTES is far lower): a corrupt one fails at once
+MAX_HELLO_BYTES = 256
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+
+
+class EngineGone(ConnectionError):
+    """The other side closed the connection, cannot be reached, or sent what this side cannot read."""
+
+
+class WireMismatch(EngineGone):
+    """The two sides run different code (a hello that differs)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Infer:
+    """Admit and run one request (its images are the frame's segments, or ``tensors``), parsed with ``parsed_with``."""
+
+    model: str | None
+    version: str | None
+    client_key: str | None
+    timeout_s: float
+    parsed_with: contract.Signature
+    names: tuple[str | None, ...] = ()
+    tensors: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Unanswered:
+    """A request admitted on the HTTP side that never reached ``Infer`` (its body refused: ``error``; or nothing
+    asked of the model: None): the engine counts it as the routed version's request would be. No answer."""
+
+    model: str | None
+    version: str | None
+    client_key: str | None
+    error: errors.ServiceError | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CatalogCall:
+    """One of ``contract.CATALOG_CALLS`` with its arguments."""
+
+    method: str
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class StateQuery:
+    """The engine's readiness, liveness and draining."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineState:
+    """What ``StateQuery`` answers."""
+
+    ready: bool
+    alive: bool
+    loaded: bool
+    draining: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """The engine's answer: ``value`` or ``error``; ``engine`` (its pid) and ``routes`` (its routing generation) say
+    when what the HTTP side keeps of it (the signatures requests are parsed with) is stale."""
+
+    value: Any = None
+    error: errors.ServiceError | None = None
+    engine: int = 0
+    routes: int = 0
+
+
+MESSAGES = (Infer, Unanswered, CatalogCall, StateQuery, EngineState, Answer)
+_REQUESTS = (Infer, Unanswered, CatalogCall, StateQuery)
+
+
+def _shape(cls: type) -> str:
+    """A class as the other side must know it to unpickle it: its place, name and fields."""
+    if dataclasses.is_dataclass(cls):
+        names = [f.name for f in dataclasses.fields(cls)]
+    else:  # a pydantic model (the manifest), a NamedTuple, or an error class
+        names = list(getattr(cls, "model_fields", None) or getattr(cls, "_fields", ()))
+    return f"{cls.__module__}.{cls.__qualname__}({','.join(names)})"
+
+
+def _fingerprint() -> str:
+    """What both sides must agree on: the messages, the contract's data and every error an answer may carry."""
+    carried = [*MESSAGES, contract.Signature, contract.Served, contract.Ranked, contract.VersionInfo,
+               contract.VersionState, contract.Manifest, BatchResult,
+               *(c for _, c in inspect.getmembers(errors, inspect.isclass) if issubclass(c, errors.ServiceError)),
+               *(getattr(contract.CatalogFace, name) for name in contract.CATALOG_CALLS)]
+    shapes = sorted(_shape(c) if isinstance(c, type) else f"{c.__qualname__}{inspect.signature(c)}" for c in carried)
+    return hashlib.sha256("\n".join(shapes).encode()).hexdigest()[:16]
+
+
+FINGERPRINT = _fingerprint()
+HELLO = f"visionserve-wire/{PROTOCOL} {FINGERPRINT}".encode("ascii")
+
+
+def _send_frame(sock: socket.socket, head: bytes, segments: Sequence[bytes | memoryview]) -> None:
+    lengths = b"".join(_LENGTH.pack(len(s)) for s in segments)
+    parts = [memoryview(p).cast("B") for p in (_HEAD.pack(len(head), len(segments)), lengths, head, *segments)]
+    while parts:
+        sent = sock.sendmsg(parts[:_IOV_MAX])  # the kernel takes at most IOV_MAX buffers a call
+        while parts and sent >= len(parts[0]):  # a partial send (a signal, a full buffer): go on from there
+            sent -= len(parts.pop(0))
+        if parts:
+            parts[0] = parts[0][sent:]
+
+
+def send(sock: socket.socket, message: Any, segments: Sequence[bytes | memoryview] = ()) -> None:
+    """One frame: ``message`` (one of MESSAGES, pickled) and ``segments`` (sent as they are)."""
+    if not isinstance(message, MESSAGES):
+        raise TypeError(f"{type(message).__name__} is no message of the wire")
+    _send_frame(sock, pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), segments)
+
+
+def _read_exactly(sock: socket.socket, size: int) -> memoryview:
+    buffer = bytearray(size)
+    view = memoryview(buffer)
+    got = 0
+    while got < size:
+        n = sock.recv_into(view[got:], size - got)
+        if n == 0:
+            raise EngineGone("the connection closed mid-frame" if got else "the connection closed")
+        got += n
+    return view
+
+
+def _receive_frame(sock: socket.socket, max_head: int = MAX_FRAME_BYTES) -> tuple[memoryview, list[bytes]]:
+    head_size, count = _HEAD.unpack(_read_exactly(sock, _HEAD.size))
+    if count > MAX_SEGMENTS or head_size > max_head:
+        raise EngineGone(f"a frame of {count} segments and a {head_size}-byte header: the stream is corrupt")
+    table = _read_exactly(sock, _LENGTH.size * count) if count else memoryview(b"")
+    lengths = [_LENGTH.unpack_from(table, i * _LENGTH.size)[0] for i in range(count)]
+    size = head_size + sum(lengths)
+    if size > MAX_FRAME_BYTES:
+        raise EngineGone(f"a frame of {size} bytes: the stream is corrupt")
+    body = _read_exactly(sock, size)
+    segments, at = [], head_size
+    for length in lengths:
+        segments.append(bytes(body[at:at + length]))
+        at += length
+    return body[:head_size], segments
+
+
+def receive(sock: socket.socket, expected: tuple[type, ...] = MESSAGES) -> tuple[Any, list[bytes]]:
+    """The next frame: its message (one of ``expected``) and its segments (as bytes). EngineGone when the other
+    side closed or sent anything else (the stream is then out of step)."""
+    head, segments = _receive_frame(sock)
+    try:
+        message = pickle.loads(head)
+    except Exception as exc:  # noqa: BLE001 - whatever unpickling raises, the stream cannot go on
+        raise EngineGone(f"a frame that does not unpickle: {type(exc).__name__}: {exc}") from None
+    if not isinstance(message, expected):
+        raise EngineGone(f"a {type(message).__name__} frame where {'/'.join(t.__name__ for t in expected)} belongs")
+    return message, segments
+
+
+def receive_request(sock: socket.socket) -> tuple[Any, list[bytes]]:
+    """The next request the engine is to serve (Infer, Unanswered, CatalogCall or StateQuery)."""
+    return receive(sock, _REQUESTS)
+
+
+def receive_answer(sock: socket.socket) -> Answer:
+    """The engine's answer to the exchange in progress."""
+    return receive(sock, (Answer,))[0]
+
+
+_WELCOME = b"ok"
+
+
+def say_hello(sock: socket.socket) -> None:
+    """The HTTP side's greeting: which code it runs; WireMismatch with the engine's reason when it differs."""
+    _send_frame(sock, HELLO, ())
+    head, _ = _receive_frame(sock, max_head=MAX_HELLO_BYTES * 4)
+    if bytes(head) != _WELCOME:
+        raise WireMismatch(bytes(head).decode("utf-8", "replace"))
+
+
+def answer_hello(sock: socket.socket) -> None:
+    """The engine's side of the greeting: ``ok``, or WireMismatch (saying both sides' code, also told to the
+    other side) when the first frame is not this code's hello."""
+    head, _ = _receive_frame(sock, max_head=MAX_HELLO_BYTES)
+    if bytes(head) == HELLO:
+        _send_frame(sock, _WELCOME, ())
+        return
+    theirs = bytes(head[:MAX_HELLO_BYTES]).decode("ascii", "replace")
+    why = (f"an HTTP worker speaks {theirs!r} and the engine {HELLO.decode()!r}: they run different code (a HUP "
+           "restarts the HTTP workers, not the engines): restart the server")
+    _send_frame(sock, why.encode("utf-8"), ())
+    raise WireMismatch(why)
+
+
+def readable(sock: socket.socket, timeout_s: float = 0.0) -> bool:
+    """Whether ``sock`` has data or its end within ``timeout_s`` (poll: no limit on the descriptor's number)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+    return bool(poller.poll(max(0, int(timeout_s * 1000))))
+
+
+def peer_closed(sock: socket.socket) -> bool:
+    """Whether the other end has closed ``sock`` (a readable socket with data, such as a next request, has not)."""
+    try:
+        return readable(sock) and sock.recv(1, socket.MSG_PEEK) == b""
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except (OSError, ValueError):  # anything else: assume the peer is still there
+        return False
+
+
+def connect(path: Path, timeout_s: float) -> socket.socket:
+    """A connection to the engine listening at ``path``, greeted; EngineGone when none listens."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect(str(path))
+    except OSError as exc:
+        sock.close()
+        raise EngineGone(f"no engine at {path}: {exc.strerror or exc}") from None
+    sock.settimeout(None)
+    return sock
