@@ -167,7 +167,7 @@ def check_image_count(count: int, max_images: int) -> None:
     """Raise TooManyImages when a request holds more than ``max_images`` images.
 
     Protocols call it as soon as they know the count, before any image is read or base64-decoded, so an over-long
-    request costs nothing; the stage runner checks again, so no protocol can skip it.
+    request costs nothing; ``Call.infer`` checks again, so no protocol can skip it.
     """
     if count > max_images:
         raise TooManyImages(f"{count} images in one request; the limit is {max_images}")

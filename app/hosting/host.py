@@ -1,28 +1,17 @@
 """What the host offers, read with the standard library only (the gunicorn master must not import torch): the
-CPU cores this process may use, the NVIDIA GPUs it can see, and the number of workers chosen from them when
-``WORKERS`` is 0 (auto)."""
+CPU cores this process may use (models/serving.py's rule, models.predict's too), the NVIDIA GPUs it can see, and
+the number of workers chosen from them when ``WORKERS`` is 0 (auto)."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+from models.serving import usable_cores  # standard library only, as this module
+
 CPU_WORKERS_MAX = 8  # auto on a CPU host: one worker per core, at most this many (each holds its own model copy)
 CORES_PER_GPU_WORKER = 4  # auto on a GPU host: CPU decoding is the bound, about one worker per 4 cores (H100 run)
 GPU_WORKERS_PER_GPU_MAX = 4  # ... and at most this many per GPU (each holds its own copy in GPU memory)
-_CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
 _NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
-
-
-def usable_cores() -> int:
-    """Cores this process may run on: its CPU affinity, within its container's CPU quota (cgroup v2)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        quota, period = _CGROUP_CPU_MAX.read_text().split()
-        if quota != "max":
-            cores = min(cores, max(1, int(quota) // int(period)))
-    except (OSError, ValueError):
-        pass
-    return max(1, cores)
 
 
 def visible_gpus() -> int:

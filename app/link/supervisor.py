@@ -31,7 +31,7 @@ from app.hosting.control import STALE_AT_START, engine_failure, socket_path  # s
 log = logging.getLogger("gunicorn.error")
 RESTART_DELAY_S = 1.0  # after a crash, before starting it again (a crash loop costs one start a second)
 EARLY_CRASHES = 3  # deaths in a row before the engine ever listened that count as a failure to start
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: where `python -m app.link.server` finds app
 _ENGINES: list["Engine"] = []  # this master's engines (survives gunicorn.conf.py being executed again)
 OWNED_DIRS: list[str] = []  # temporary directories this master made (removed at exit, also after a HUP)
 

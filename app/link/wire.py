@@ -27,7 +27,6 @@ from typing import Any, Sequence
 
 from app import errors
 from app.engine import contract
-from app.engine.batching.types import BatchResult
 
 PROTOCOL = 2  # the frame layout and the hello; each message's own fields are in FINGERPRINT
 _HEAD = struct.Struct("!II")  # the header's length, the number of segments
@@ -121,7 +120,7 @@ def _shape(cls: type) -> str:
 def _fingerprint() -> str:
     """What both sides must agree on: the messages, the contract's data and every error an answer may carry."""
     carried = [*MESSAGES, contract.Signature, contract.Served, contract.Ranked, contract.VersionInfo,
-               contract.VersionState, contract.Manifest, BatchResult,
+               contract.VersionState, contract.Manifest, contract.BatchResult,
                *(c for _, c in inspect.getmembers(errors, inspect.isclass) if issubclass(c, errors.ServiceError)),
                *(getattr(contract.CatalogFace, name) for name in contract.CATALOG_CALLS)]
     shapes = sorted(_shape(c) if isinstance(c, type) else f"{c.__qualname__}{inspect.signature(c)}" for c in carried)

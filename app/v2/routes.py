@@ -147,7 +147,7 @@ def _timeout_s(service: ServiceFace, infer: InferRequest) -> float:
 @bp.post(_MODEL + "/infer")
 @bp.post(_VERSIONED + "/infer")
 def infer(name: str, version: str | None = None) -> Response:
-    """Inference through the same stage runner and batcher as /predict."""
+    """Inference through the same admission, ``Call.infer`` and batcher as /predict."""
     service = current_service()
     announced_timeout_s = deadline_s(request.headers, service.settings.request_timeout_s)  # the body may lower it
     # Admitted only if the queue could take one image in time: refused before the body is parsed otherwise.

@@ -1,12 +1,14 @@
-"""How many workers the server starts when WORKERS is 0 (auto), from the host read without torch (app/hosting/host.py)."""
+"""How many workers the server starts when WORKERS is 0 (auto), from the host read without torch (app/hosting/host.py),
+and the cores and forward threads the server and models.predict take by one rule (models/serving.py)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
+from app.engine.batching import tuning
 from app.hosting import host
-from app.engine.batching.tuning import forward_threads
+from models import serving
 
 
 def test_a_cpu_host_gets_one_worker_per_core_up_to_the_bound() -> None:
@@ -30,8 +32,8 @@ def test_the_setting_wins_and_the_reason_is_said(monkeypatch: pytest.MonkeyPatch
 
 def test_a_container_quota_bounds_the_cores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cpu_max = tmp_path / "cpu.max"
-    monkeypatch.setattr(host, "_CGROUP_CPU_MAX", cpu_max)
-    monkeypatch.setattr(host.os, "sched_getaffinity", lambda _: set(range(16)))
+    monkeypatch.setattr(serving, "_CGROUP_CPU_MAX", cpu_max)
+    monkeypatch.setattr(serving.os, "sched_getaffinity", lambda _: set(range(16)))
     cpu_max.write_text("250000 100000\n")  # a Kubernetes limit of 2.5 CPUs
     assert host.usable_cores() == 2
     cpu_max.write_text("max 100000\n")
@@ -55,5 +57,25 @@ def test_each_workers_forward_pass_takes_half_its_share_of_the_cores() -> None:
     import torch
 
     cpu = torch.device("cpu")
+    forward_threads = tuning.forward_threads  # the server's: its request threads decode in the same process
+    assert forward_threads is serving.forward_threads
     assert forward_threads(0, cpu, cores=16, workers=1) == 8 and forward_threads(0, cpu, cores=16, workers=8) == 1
     assert forward_threads(0, cpu, cores=2, workers=2) == 1  # never 0
+    assert forward_threads(0, torch.device("cuda", 1), cores=16) == 0 and forward_threads(3, cpu, cores=16) == 3
+
+
+def test_beside_decoding_processes_the_forward_pass_takes_the_cores_they_leave() -> None:
+    # models.predict: DataLoader worker processes decode, its one forward pass gets the rest.
+    def apart(setting: int, device: str, cores: int, workers: int) -> int:
+        return serving.forward_threads(setting, device, cores, workers, decoders_apart=True)
+
+    assert apart(0, "cpu", 16, 4) == 12 and apart(0, "cpu", 16, 0) == 16
+    assert apart(0, "cpu", 2, 2) == 1 and apart(0, "cpu", 2, 8) == 1  # never 0
+    assert apart(0, "cuda:0", 16, 4) == 0 and apart(2, "cpu", 16, 4) == 2  # torch's default on CUDA; --threads wins
+
+
+def test_the_host_and_models_predict_count_the_same_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert host.usable_cores is serving.usable_cores
+    monkeypatch.setattr(serving, "usable_cores", lambda: 6)
+    assert serving.forward_threads(0, "cpu", workers=2) == 1 and serving.forward_threads(0, "cpu") == 3
+    assert serving.forward_threads(0, "cpu", workers=2, decoders_apart=True) == 4

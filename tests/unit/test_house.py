@@ -48,8 +48,20 @@ def _modules(package: str) -> dict[str, set[str]]:
             if not any(part.startswith(".") for part in f.relative_to(ROOT).parts)}
 
 
+# What runs in an HTTP worker under ENGINE=process (and in the gunicorn master): it reaches the engine through
+# app.engine.contract only (torch-free data, the faces and their lifecycle), never a wing, the service or torch.
+HTTP_SIDE = ("app.web", *PROTOCOLS, "app.link.client", "app.link.wire", "app.link.supervisor", "app.hosting")
+ENGINE_FOR_THE_HTTP_SIDE = ("app.engine.contract",)
+
+
 @pytest.mark.parametrize("package, forbidden", [
-    ("app.engine", ("flask", "werkzeug", "flask_swagger_ui", "app.web", *PROTOCOLS)),
+    ("app.engine", ("flask", "werkzeug", "flask_swagger_ui", "app.web", *PROTOCOLS, "app.link", "app.factory",
+                    "app.wsgi", "app.hosting.starting", "app.hosting.worker", "app.hosting.drain",
+                    "app.hosting.procstat")),
+    ("app.hosting", ("torch", "flask", "werkzeug", "app.engine", "app.link", "app.web", *PROTOCOLS, "app.factory")),
+    ("app.link.supervisor", ("torch", "flask", "app.engine", "app.link.client", "app.link.server")),
+    ("app.link.client", ("flask", "werkzeug", "app.link.server", "app.web", *PROTOCOLS)),
+    ("app.link.wire", ("flask", "werkzeug", "app.link.client", "app.link.server", "app.hosting")),
     ("app.config", ("app", "models", "torch", "flask")),
     ("app.errors", ("app", "models", "flask", "werkzeug")),
     ("app.metrics", ("app.engine", "app.web", *PROTOCOLS, "flask")),
@@ -173,16 +185,39 @@ def test_the_server_imports_only_the_serving_contract_of_models() -> None:
 # service.py, call.py and catalog.py, import any wing). docs/architecture.md draws the same order.
 WINGS = ("decoding", "batching", "loaded", "rollouts", "versions")
 ENGINE_FACADE = ("app.engine.service", "app.engine.call", "app.engine.catalog", "app.engine.contract")
+# contract.py sits between batching and the wings above it: it imports only these of the engine, and any wing from
+# loaded up may import it (the data a loaded version and the repository index hand out).
+CONTRACT_IMPORTS = ("app.engine.batching.types", "app.engine.batching.arrivals")
+# app/'s root: what is truly shared, and the two files a newcomer looks for first (wsgi.py, factory.py).
+ROOT_MODULES = ["__init__.py", "config.py", "configdoc.py", "errors.py", "factory.py", "logs.py", "metrics.py",
+                "wsgi.py"]
+ROOMS = ["engine", "hosting", "link", "v1", "v2", "web"]
+
+
+def test_app_s_root_holds_the_shared_modules_and_the_rooms() -> None:
+    assert sorted(p.name for p in APP.glob("*.py")) == ROOT_MODULES
+    assert sorted(p.name for p in APP.iterdir() if p.is_dir() and p.name != "__pycache__") == ROOMS
+
+
+def test_the_http_side_reaches_the_engine_only_through_its_contract() -> None:
+    for package in HTTP_SIDE:
+        for module, names in _modules(package).items():
+            inside = [n for n in names if _under(n, ("app.engine",)) and not _under(n, ENGINE_FOR_THE_HTTP_SIDE)
+                      and n != "app.engine"]
+            assert not inside, f"{module} is on the HTTP side and reaches into the engine: {inside}"
+    graph = import_graph(_project_files())
+    contract = sorted(t for t in graph["app.engine.contract"] if _under(t, ("app.engine",)))
+    assert set(contract) <= set(CONTRACT_IMPORTS), f"app.engine.contract imports {contract}"
 
 
 def test_engine_is_in_wings_and_they_import_downwards_only() -> None:
     loose = sorted(p.name for p in (APP / "engine").glob("*.py") if p.name != "__init__.py")
-    assert loose == ["call.py", "catalog.py", "contract.py", "process.py", "service.py", "wire.py"], \
-        "an engine module belongs in a wing"
+    assert loose == ["call.py", "catalog.py", "contract.py", "service.py"], "an engine module belongs in a wing"
     assert sorted(p.name for p in (APP / "engine").iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(WINGS)
     graph = import_graph(_project_files())
     for position, wing in enumerate(WINGS):
-        allowed = tuple(f"app.engine.{w}" for w in WINGS[: position + 1])
+        allowed = tuple(f"app.engine.{w}" for w in WINGS[: position + 1]) + (
+            ("app.engine.contract",) if position >= WINGS.index("loaded") else ())
         for module in (m for m in graph if _under(m, (f"app.engine.{wing}",))):
             upward = sorted(t for t in graph[module] if _under(t, ("app.engine",)) and not _under(t, allowed)
                             and t != "app.engine")
@@ -202,8 +237,8 @@ def test_protocols_reach_the_engine_only_through_the_service_the_call_and_the_ca
 def test_the_http_side_imports_no_torch() -> None:
     # Under ENGINE=process a gunicorn worker runs the web layer, the protocols and the engine's remote face only:
     # none of it may load torch (the engine's answers, signatures and version facts are plain data).
-    code = ("import sys, app.engine.contract, app.link.wire, app.link.client, app.factory, app.web, app.v1, "
-            "app.v2; bad = [m for m in ('torch', 'torchvision') if m in sys.modules]; print(bad); "
+    code = ("import sys, app.engine.contract, app.link.wire, app.link.client, app.link.supervisor, app.factory, "
+            "app.web, app.v1, app.v2, app.hosting.worker, app.hosting.drain, app.hosting.starting; bad = [m for m in ('torch', 'torchvision') if m in sys.modules]; print(bad); "
             "sys.exit(1 if bad else 0)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -256,3 +291,93 @@ def test_readme_is_a_map_of_at_most_150_lines_linking_every_docs_page() -> None:
     assert {"api.md", "configuration.md", "architecture.md", "deployment.md", "training.md", "performance.md",
             "testing.md"} <= set(pages)
     assert not [p for p in pages if f"docs/{p}" not in readme]
+
+
+# -- docs/architecture.md names what is there ------------------------------------------------------------------------
+
+_CODE_SPAN = r"`([^`\n]+)`"
+_DOTTED = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+"
+
+
+def _members(tree: ast.Module) -> dict[str, set[str] | None]:
+    """A module's top-level names; a class's are the set of its methods, class attributes and ``self.x``s."""
+    names: dict[str, set[str] | None] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            members = set()
+            for inner in ast.walk(node):
+                if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    members.add(inner.name)
+                elif isinstance(inner, ast.AnnAssign) and isinstance(inner.target, ast.Name):
+                    members.add(inner.target.id)
+                elif isinstance(inner, ast.Assign):
+                    members.update(t.id for t in inner.targets if isinstance(t, ast.Name))
+                if isinstance(inner, ast.Attribute) and isinstance(inner.value, ast.Name) and inner.value.id == "self":
+                    members.add(inner.attr)
+            names[node.name] = members
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names[node.name] = None
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                for name in ast.walk(target):
+                    if isinstance(name, ast.Name):
+                        names[name.id] = None
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update({(a.asname or a.name).split(".")[0]: None for a in node.names})
+    return names
+
+
+def _resolves(dotted: str, modules: dict[str, dict[str, set[str] | None]]) -> bool | None:
+    """Whether ``dotted`` names something of the project (None: it does not start with anything of it)."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):  # the longest module prefix: app.engine.contract.ServiceFace
+        if ".".join(parts[:cut]) in modules:
+            return _inside(modules[".".join(parts[:cut])], parts[cut:], modules, ".".join(parts[:cut]))
+    owners = [m for m in modules if m.rsplit(".", 1)[-1] == parts[0]]  # a module by its last name: wire.Infer
+    owners += [m for m, names in modules.items() if isinstance(names.get(parts[0]), set)]  # a class: Service.admit
+    if not owners:
+        return None
+    return any(_inside(modules[m], parts[1:] if m.rsplit(".", 1)[-1] == parts[0] else parts, modules, m)
+               for m in owners)
+
+
+def _inside(names: dict[str, set[str] | None], rest: list[str], modules: dict[str, dict[str, set[str] | None]],
+            module: str) -> bool:
+    if not rest:
+        return True
+    if f"{module}.{rest[0]}" in modules:  # a submodule: models.export.load
+        return _inside(modules[f"{module}.{rest[0]}"], rest[1:], modules, f"{module}.{rest[0]}")
+    if rest[0] not in names:
+        return False
+    members = names[rest[0]]
+    return len(rest) == 1 or (members is not None and rest[1] in members and len(rest) == 2)
+
+
+def test_every_module_path_and_dotted_name_in_the_architecture_page_resolves() -> None:
+    import re
+
+    page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    files = {module: path for module, path in _project_files().items()}
+    modules = {module: _members(ast.parse(path.read_text(encoding="utf-8"))) for module, path in files.items()}
+    all_paths = [str(p.relative_to(ROOT)) for p in files.values()]
+    missing_paths, unresolved = [], []
+    for span in re.findall(_CODE_SPAN, page):
+        for path in re.findall(r"[\w./-]+\.py\b", span):
+            if not (ROOT / path).is_file() and not [p for p in all_paths if p.endswith("/" + path)]:
+                missing_paths.append(path)
+        if "/" in span or " " in span.strip():
+            continue
+        for dotted in re.findall(_DOTTED, span.rstrip("()")):
+            if not dotted.endswith(".py") and _resolves(dotted, modules) is False:
+                unresolved.append(dotted)
+    assert not missing_paths, f"docs/architecture.md names files that are not there: {sorted(set(missing_paths))}"
+    assert not unresolved, f"docs/architecture.md names what the code lacks: {sorted(set(unresolved))}"
+
+
+def test_the_name_check_catches_a_stale_name() -> None:
+    modules = {"app.engine.call": _members(ast.parse("class Call:\n    def __init__(self):\n        self.model = 1\n"
+                                                     "    def infer(self): ...\n"))}
+    assert _resolves("Call.infer", modules) and _resolves("Call.model", modules)
+    assert _resolves("Call.version", modules) is False and _resolves("call.Call.run", modules) is False
+    assert _resolves("torch.topk", modules) is None

@@ -9,7 +9,7 @@ from typing import Callable, Iterator
 
 
 class InFlight:
-    """How many requests are inside a block now (the stage runner): what a drain waits for."""
+    """How many requests are inside a block now (a service's admitted requests): what a drain waits for."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -1,0 +1,291 @@
+"""The engine link without gunicorn: the wire's frames, and an HTTP worker's RemoteService talking to an
+EngineServer over socket.socketpair(), the engine a real Service on the tiny colour model."""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import pickle
+import socket
+import threading
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from app.config import Settings
+from app.engine import contract
+from app.engine.catalog import Catalog
+from app.engine.loaded.predictor import Predictor
+from app.engine.service import Service
+from app.errors import BadRequest, ClientGone, InvalidImage, NotFound, NotReady, ServiceError
+from app.link import wire
+from app.link.client import RemoteCatalog, RemoteService
+from app.link.server import EngineServer
+from app.metrics import VERSION_REQUESTS
+from tests.support.fakes import ColourModel, infer, tiny_manifest, wait_until
+from tests.support.imaging import BLUE, RED, image_bytes
+
+
+def _pair() -> tuple[socket.socket, socket.socket]:
+    return socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+
+
+# -- the wire ----------------------------------------------------------------------------------------------------
+
+def test_every_message_crosses_with_its_segments() -> None:
+    left, right = _pair()
+    signature = contract.Signature("colour", "1", ["red", "blue"], (3, 8, 8))
+    messages = [wire.Infer("colour", None, "k", 2.5, signature, names=("a.jpg",), tensors=(np.zeros((3, 8, 8)),)),
+                wire.Unanswered("colour", "1", None, BadRequest("no image")), wire.CatalogCall("version", ("x",)),
+                wire.StateQuery(), wire.EngineState(True, True, True, False), wire.Answer([1, 2], None, 7, 3)]
+    with left, right:
+        for message in messages:
+            wire.send(left, message, [b"\xff\xd8" * 3, b"", memoryview(b"abc")])
+            got, segments = wire.receive(right)
+            assert type(got) is type(message) and segments == [b"\xff\xd8" * 3, b"", b"abc"]
+        assert str(got) == str(messages[-1])
+
+
+def test_only_messages_are_sent_and_a_frame_out_of_step_ends_the_stream() -> None:
+    left, right = _pair()
+    with left, right:
+        with pytest.raises(TypeError, match="no message"):
+            wire.send(left, ("infer", {}))  # the untyped tuples of before
+        wire.send(left, wire.Answer(1))
+        with pytest.raises(wire.EngineGone, match="Answer frame where"):
+            wire.receive_request(right)  # the engine never takes an answer as a request
+        wire._send_frame(left, pickle.dumps(("state",)), ())
+        with pytest.raises(wire.EngineGone, match="tuple frame"):
+            wire.receive(right)
+        wire._send_frame(left, b"not a pickle", ())
+        with pytest.raises(wire.EngineGone, match="does not unpickle"):
+            wire.receive(right)
+        left.sendall(wire._HEAD.pack(10, wire.MAX_SEGMENTS + 1))
+        with pytest.raises(wire.EngineGone, match="corrupt"):
+            wire.receive(right)
+
+
+def test_a_worker_running_other_code_is_refused_on_both_sides_by_its_hello(caplog: pytest.LogCaptureFixture) -> None:
+    left, right = _pair()
+    with left, right:
+        engine = threading.Thread(target=wire.answer_hello, args=(right,))
+        engine.start()
+        wire.say_hello(left)  # the same code: welcomed
+        engine.join()
+        failures: list[BaseException] = []
+
+        def refuse() -> None:
+            try:
+                wire.answer_hello(right)
+            except wire.WireMismatch as exc:
+                failures.append(exc)
+
+        engine = threading.Thread(target=refuse)
+        engine.start()
+        wire._send_frame(left, b"visionserve-wire/1 0123456789abcdef", ())
+        reply, _ = wire._receive_frame(left)
+        engine.join()
+    assert "visionserve-wire/1 0123456789abcdef" in bytes(reply).decode() and "restart the server" in str(failures[0])
+
+
+def test_the_fingerprint_follows_the_messages_and_the_data_they_carry() -> None:
+    assert len(wire.FINGERPRINT) == 16 and wire.HELLO.decode().endswith(wire.FINGERPRINT)
+
+    @dataclasses.dataclass(frozen=True)
+    class Signature:  # the contract's, with a field renamed: an engine on the old code could not read it
+        name: str
+        version: str
+        labels: list[str]
+        shape: tuple[int, ...]
+
+    Signature.__module__, Signature.__qualname__ = contract.Signature.__module__, "Signature"
+    assert wire._shape(Signature) != wire._shape(contract.Signature)
+
+
+def test_the_catalog_calls_come_from_one_face_that_both_catalogs_implement() -> None:
+    assert set(contract.CATALOG_CALLS) >= {"versions", "signature", "load", "promote", "rollback", "index"}
+    for name in contract.CATALOG_CALLS:
+        face = inspect.signature(getattr(contract.CatalogFace, name))
+        assert list(inspect.signature(getattr(Catalog, name)).parameters) == list(face.parameters), name
+        assert callable(getattr(RemoteCatalog, name)) and getattr(RemoteCatalog, name).__name__ == name
+    with pytest.raises(AttributeError):
+        RemoteCatalog(lambda call: None).applier  # type: ignore[attr-defined]
+
+
+# -- a worker and an engine over socketpair ------------------------------------------------------------------------
+
+class Link:
+    """An engine (Service + EngineServer) and an HTTP worker's RemoteService joined by socket pairs: each new
+    connection of the worker is one pair, its engine end served on a thread as the engine's listener would."""
+
+    def __init__(self, settings: Settings, service: Service) -> None:
+        self.engine, self.server = service, EngineServer(service)
+        self.connections: list[socket.socket] = []
+        self.frames: list[str] = []
+        self.worker = RemoteService(settings, 0, connect=self._connect)
+
+    def _connect(self) -> socket.socket:
+        worker_end, engine_end = _pair()
+        self.connections.append(engine_end)
+        threading.Thread(target=self.server.serve, args=(engine_end,), daemon=True).start()
+        return worker_end
+
+    def start(self) -> "Link":
+        self.worker._started.set()  # as RemoteService.start does once the engine says it is ready
+        return self
+
+
+@pytest.fixture
+def link(settings: Settings, predictor: Predictor, tmp_path: Path,
+         monkeypatch: pytest.MonkeyPatch) -> Iterator[Link]:
+    settings = settings.model_copy(update={"control_dir": tmp_path / "control"})
+    service = Service.build(settings.model_copy(update={"control_dir": None}), predictor)
+    joined = Link(settings, service).start()
+    real = wire.send
+
+    def counted(sock: socket.socket, message: object, segments: object = ()) -> None:
+        joined.frames.append(type(message).__name__)
+        real(sock, message, segments)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(wire, "send", counted)
+    yield joined
+    service.shutdown(timeout=5)
+
+
+def test_a_request_is_one_exchange_of_two_frames(link: Link) -> None:
+    served = infer(link.worker, [image_bytes(RED)])
+    assert served.model == "colour" and served.top_k(1)[0][0].label == "red"
+    assert link.frames == ["CatalogCall", "Answer", "Infer", "Answer"]  # the signature once, then the request
+    link.frames.clear()
+    served = infer(link.worker, [image_bytes(BLUE), image_bytes(RED)])
+    assert [ranked[0].label for ranked in served.top_k(1)] == ["blue", "red"]
+    assert link.frames == ["Infer", "Answer"] and len(link.connections) == 1
+
+
+def test_the_engine_s_errors_cross_as_they_are(link: Link) -> None:
+    with pytest.raises(NotFound, match="no model 'other'"):
+        infer(link.worker, [image_bytes(RED)], name="other")
+    with pytest.raises(InvalidImage, match=r"image 1 \(b.jpg\)"):
+        with link.worker.admit() as call:
+            call.infer([image_bytes(RED), b"not an image"], names=["a.jpg", "b.jpg"], timeout_s=5)
+    with pytest.raises(ServiceError) as refused:  # more images than MAX_IMAGES (4 here)
+        infer(link.worker, [image_bytes(RED)] * 5)
+    assert refused.value.status == 413 and "5 images" in refused.value.message
+    assert infer(link.worker, [image_bytes(RED)]).model == "colour"  # the same connection goes on
+    assert len(link.connections) == 1
+
+
+def test_the_signatures_kept_are_dropped_when_the_engine_s_routing_changes(link: Link) -> None:
+    assert link.worker.signature(None, None).version == "test"
+    link.frames.clear()
+    link.worker.signature(None, None)
+    assert link.frames == []  # kept
+    loaded = link.engine.controller.routes.find(None, None)
+    link.engine.controller.routes.route("colour", {"test": loaded}, "test")  # a new generation, the same version
+    infer(link.worker, [image_bytes(RED)])
+    link.frames.clear()
+    link.worker.signature(None, None)
+    assert link.frames == ["CatalogCall", "Answer"]  # asked again after the answer said the routing changed
+
+
+def test_tensors_shaped_for_a_version_that_no_longer_answers_are_sent_again(link: Link) -> None:
+    with link.worker.admit() as call:
+        stale = dataclasses.replace(call.model, input_shape=(3, 16, 16))
+        call.model = stale
+        with pytest.raises(NotReady, match="send it again"):
+            call.infer(tensors=[np.zeros((3, 16, 16), np.float32)], timeout_s=5)
+
+
+def test_a_request_refused_before_it_is_sent_counts_in_its_version_s_traffic(link: Link) -> None:
+    refused = VERSION_REQUESTS.labels("colour", "test", "live", "refused")
+    before = refused._value.get()
+    with pytest.raises(BadRequest):
+        with link.worker.admit():
+            raise BadRequest("the body is no image")
+    wait_until(lambda: refused._value.get() == before + 1)
+    assert link.frames[-1] == "Unanswered" and "Answer" not in link.frames[link.frames.index("Unanswered"):]
+    assert infer(link.worker, [image_bytes(RED)]).model == "colour"  # no answer was left to read out of step
+
+
+def test_a_client_that_hangs_up_drops_its_images_in_the_engine(link: Link, model: ColourModel) -> None:
+    model.gate = threading.Event()
+    gone = threading.Event()
+    failures: list[BaseException] = []
+
+    def request() -> None:
+        try:
+            infer(link.worker, [image_bytes(RED)], client_gone=gone.is_set)
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            failures.append(exc)
+
+    thread = threading.Thread(target=request)
+    batches = len(model.batch_sizes)
+    thread.start()
+    wait_until(lambda: len(model.batch_sizes) > batches)  # its forward pass runs (held by the gate)
+    gone.set()
+    thread.join(5)
+    model.gate.set()
+    assert isinstance(failures[0], ClientGone)
+    wait_until(lambda: link.engine.in_flight.count() == 0)  # the engine saw the connection close and let go
+
+
+def test_an_engine_gone_mid_request_is_a_503_with_retry_after_and_a_failed_connection_is_made_again(
+        link: Link, model: ColourModel) -> None:
+    infer(link.worker, [image_bytes(RED)])
+    model.gate, batches = threading.Event(), len(model.batch_sizes)
+    failures: list[BaseException | None] = []
+    thread = threading.Thread(target=lambda: failures.append(_failure(lambda: infer(link.worker, [image_bytes(RED)]))))
+    thread.start()
+    wait_until(lambda: len(model.batch_sizes) > batches)  # its forward pass runs (held by the gate)
+    link.connections[-1].shutdown(socket.SHUT_RDWR)  # that request's connection ends, as when the engine dies
+    thread.join(5)
+    model.gate.set()
+    failure = failures[0]
+    assert isinstance(failure, NotReady) and failure.headers["Retry-After"] == "5" and "restarting" in failure.message
+    link.connections[0].shutdown(socket.SHUT_RDWR)  # this thread's connection too, between two requests
+    assert infer(link.worker, [image_bytes(RED)]).model == "colour" and len(link.connections) == 3
+
+
+def _failure(run: Callable[[], object]) -> BaseException | None:
+    try:
+        run()
+    except BaseException as exc:  # noqa: BLE001 - returned for the test
+        return exc
+    return None
+
+
+def test_the_catalog_and_the_state_answer_across_the_link(link: Link, tmp_path: Path) -> None:
+    assert link.worker.catalog.default_model() == "colour"
+    (info,) = link.worker.catalog.versions()
+    assert info.name == "colour" and info.default and isinstance(info, contract.VersionInfo)
+    assert [row.state for row in link.worker.catalog.index()] == ["READY"]
+    with pytest.raises(NotFound):
+        link.worker.catalog.version("other")
+    assert link.worker.loaded and link.worker.alive
+    assert not link.worker.ready  # this worker has not marked itself ready in CONTROL_DIR (RemoteService.start)
+    (tmp_path / "control").mkdir(exist_ok=True)
+    (tmp_path / "control" / f"http-{__import__('os').getpid()}.ready").touch()
+    assert link.worker.ready
+    link.worker.begin_drain()
+    assert not link.worker.ready and not (tmp_path / "control" / f"http-{__import__('os').getpid()}.ready").exists()
+    with pytest.raises(NotReady, match="shutting down"):
+        infer(link.worker, [image_bytes(RED)])
+
+
+def test_both_services_have_one_face_and_one_lifecycle() -> None:
+    for service in (Service, RemoteService):
+        assert issubclass(service, contract.Lifecycle)
+        for name in ("admit", "begin_drain", "shutdown", "wait_drained", "wait_loaded", "require_loaded",
+                     "require_ready", "loaded", "alive", "ready", "draining"):
+            assert hasattr(service, name), (service, name)
+    shared = ("wait_drained", "wait_loaded", "require_loaded", "require_ready", "begin_drain", "draining")
+    assert not [n for n in shared if n in vars(Service) or n in vars(RemoteService)], "written twice"
+
+
+def test_a_tensor_request_crosses_as_numpy(link: Link) -> None:
+    red = torch.zeros(3, 8, 8)
+    red[0] = 1.0
+    served = infer(link.worker, tensors=[red.numpy()])
+    assert served.top_k(1)[0][0].label == "red" and isinstance(served.results[0].value, np.ndarray)
