@@ -24,7 +24,7 @@ from app.link import wire
 from app.link.client import RemoteCatalog, RemoteService
 from app.link.server import EngineServer
 from app.metrics import VERSION_REQUESTS
-from tests.support.fakes import ColourModel, infer, tiny_manifest, wait_until
+from tests.support.fakes import ColourModel, infer, wait_until
 from tests.support.imaging import BLUE, RED, image_bytes
 
 

@@ -1,0 +1,148 @@
+"""What the engine link costs: ENGINE=process on a small model with small JPEGs, so the figures are the serving path's
+own (HTTP worker and engine CPU per request, read from /proc), not the decode's or the model's.
+
+    .venv/bin/python -m bench.serving.link                        # this checkout
+    .venv/bin/python -m bench.serving.link --checkout OTHER_DIR   # and another one (a worktree of an older
+                                                                  # commit), alternating in the same run
+
+Each round starts the server (2 HTTP workers, one engine), warms it up, then runs C client threads for a few
+seconds posting one raw JPEG per request; it prints req/s, p50 and the CPU per request of the HTTP workers and of
+the engine. Medians over the rounds; with two checkouts, their ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import requests
+from PIL import Image
+
+from harness.faults import small_weights
+from harness.servers import ROOT, free_port
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def _children(pid: int) -> dict[int, str]:
+    pids = [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return {p: Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode() for p in pids}
+
+
+def _jpeg() -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 48), (200, 30, 30)).save(buffer, "JPEG")
+    return buffer.getvalue()
+
+
+def _start(checkout: Path, weights: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    env = {**os.environ, "VISIONSERVE_WEIGHTS_DIR": str(weights), "VISIONSERVE_BIND": f"127.0.0.1:{port}",
+           "VISIONSERVE_DEVICE": "cpu", "VISIONSERVE_ENGINE": "process", "VISIONSERVE_WORKERS": "2",
+           "VISIONSERVE_LOG_LEVEL": "warning", "VISIONSERVE_AUTO_BATCH_SIZE": "false",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    process = subprocess.Popen(["bin/serve"], cwd=checkout, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return process, url
+        except requests.ConnectionError:
+            pass
+        assert process.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.2)
+    raise RuntimeError("not ready: " + log.read_text()[-3000:])
+
+
+def _load(url: str, body: bytes, clients: int, seconds: float) -> tuple[int, list[float], int]:
+    latencies: list[float] = []
+    errors = [0]
+    stop = time.monotonic() + seconds
+
+    def client() -> None:
+        session = requests.Session()
+        while time.monotonic() < stop:
+            started = time.perf_counter()
+            answer = session.post(f"{url}/predict", data=body, headers={"Content-Type": "image/jpeg"}, timeout=30)
+            if answer.status_code == 200:
+                latencies.append(time.perf_counter() - started)
+            else:
+                errors[0] += 1
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return len(latencies), latencies, errors[0]
+
+
+def one_round(checkout: Path, weights: Path, clients: int, seconds: float) -> dict[str, float]:
+    """One server start: req/s, p50 ms, HTTP worker and engine CPU microseconds per request."""
+    with tempfile.TemporaryDirectory() as logs:
+        process, url = _start(checkout, weights, Path(logs) / "server.log")
+        try:
+            body = _jpeg()
+            _load(url, body, clients, 1.0)  # warm-up: every worker thread's connection to the engine
+            children = _children(process.pid)
+            engines = [p for p, command in children.items() if ".server" in command or ".process" in command]
+            workers = [p for p in children if p not in engines]
+            before = {p: _cpu_s(p) for p in children}
+            started = time.perf_counter()
+            count, latencies, errors = _load(url, body, clients, seconds)
+            elapsed = time.perf_counter() - started
+            spent = {p: _cpu_s(p) - before[p] for p in children}
+        finally:
+            process.terminate()
+            process.wait(30)
+    return {"req_s": count / elapsed, "p50_ms": statistics.median(latencies) * 1000, "errors": errors,
+            "worker_us": sum(spent[p] for p in workers) / count * 1e6,
+            "engine_us": sum(spent[p] for p in engines) / count * 1e6}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkout", type=Path, action="append", default=[],
+                        help="another checkout to measure beside this one (repeatable)")
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--seconds", type=float, default=6.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    checkouts = [ROOT, *args.checkout]
+    with tempfile.TemporaryDirectory() as folder:
+        weights = small_weights(Path(folder) / "weights")
+        figures: dict[Path, list[dict[str, float]]] = {c: [] for c in checkouts}
+        for _ in range(args.rounds):
+            for checkout in checkouts:  # alternating: the machine's drift falls on both alike
+                figures[checkout].append(one_round(checkout, weights, args.clients, args.seconds))
+    print(f"ENGINE=process, 2 HTTP workers, {args.clients} clients, {args.seconds:g} s x {args.rounds} rounds "
+          "(medians); CPU per request from /proc")
+    print(f"{'checkout':<40} {'req/s':>8} {'p50 ms':>8} {'worker us':>10} {'engine us':>10} {'errors':>7}")
+    medians = {}
+    for checkout, rounds in figures.items():
+        medians[checkout] = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+        m = medians[checkout]
+        print(f"{str(checkout)[-40:]:<40} {m['req_s']:>8.1f} {m['p50_ms']:>8.1f} {m['worker_us']:>10.0f} "
+              f"{m['engine_us']:>10.0f} {m['errors']:>7.0f}")
+    for checkout in checkouts[1:]:
+        ratio = {k: medians[ROOT][k] / medians[checkout][k] for k in ("req_s", "worker_us", "engine_us")}
+        print(f"this / {checkout.name}: req/s x{ratio['req_s']:.2f}, worker CPU x{ratio['worker_us']:.2f}, "
+              f"engine CPU x{ratio['engine_us']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
