@@ -1,6 +1,8 @@
 """Model side of visionserve: architectures, preprocessing presets, training and export.
 
     architectures.py, pretrained.py, presets.py   what a model is, its packaged weights, its input transform
+    serving.py, image_decode.py   the rules the server and models.predict share: the usable cores and the forward
+              pass's threads (standard library only), an image's limits, header checks and upright decode
     data/     a training run's images: folders, loaders, augmentation, the GPU data path, JPEG decoding (CPU, device)
     run/      the training run's parts: options, step (amp, optim), torchrun, checkpoints and resume, reports
     export/   what training hands the server: the weights directory, its formats, the model repository
@@ -13,6 +15,8 @@ The server (``app/``) imports only the modules of ``SERVING_CONTRACT``, which im
 SERVING_CONTRACT: tuple[str, ...] = (
     "models.architectures",  # build_model: a state-dict export's architecture
     "models.presets",  # the eval transform (PIL and tensor), the accepted image formats
+    "models.serving",  # usable_cores, forward_threads: standard library only (the gunicorn master imports it)
+    "models.image_decode",  # the decode rules: DecodeLimits, header checks, the upright decode, ImageRefused
     "models.data.jpeg",  # JPEG decoding on the CPU (the tensor path) and batched on a device (the device path)
     "models.data.malloc",  # glibc tuning for decode buffers (the server's workers, models.predict)
     "models.export.manifest",  # what a weights directory holds

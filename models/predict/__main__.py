@@ -48,6 +48,7 @@ from models.presets import TensorEvalTransform
 from models.run.args import DataError
 from models.run.distributed import DistEnv, barrier, destroy_process_group, env_from_torchrun, init_process_group
 from models.run.report import command_path, module_command, python_command
+from models.serving import forward_threads, usable_cores
 
 log = logging.getLogger("models.predict")
 CPU_BATCH = 16  # the CPU's default (the limit's best batch here was 8); on CUDA: as large as fits (largest_batch)
@@ -133,15 +134,6 @@ def rank_device(requested: str, env: DistEnv) -> str:
     if requested == "auto" and torch.cuda.is_available():
         return f"cuda:{env.local_rank % torch.cuda.device_count()}"
     return "cpu" if requested == "auto" else requested
-
-
-def forward_threads(requested: int, device: str, workers: int) -> int:
-    """Intra-op threads of the forward pass (0: torch's default): ``--threads``, else on the CPU the cores the
-    decoding workers leave, at least 1 (workers and a 2-thread forward fought for 2 cores: 1 thread gave 2x
-    images/s). Given to torch and, like the server's, to the ONNX Runtime session at load."""
-    if requested or torch.device(device).type != "cpu":
-        return requested
-    return max(1, (os.cpu_count() or 1) - workers)
 
 
 def largest_batch(loaded: LoadedModel, cap: int = CUDA_BATCH_CAP) -> int:
@@ -259,11 +251,12 @@ def run(args: argparse.Namespace, env: DistEnv, seen: Seen | None = None) -> Non
     check_out(args.out)
     output_format(args.out)
     labels = Labels(args.labels) if args.labels is not None else None
-    workers = (os.cpu_count() or 1) if args.workers is None else args.workers
+    workers = usable_cores() if args.workers is None else args.workers
     args.workers = workers
     keep_freed_memory(DEFAULT_TRIM_THRESHOLD_MB)  # before any image is decoded; the DataLoader's workers inherit it
     device = rank_device(args.device, env)
-    threads = forward_threads(args.threads, device, workers)
+    # Given to torch and, like the server's, to the ONNX Runtime session at load.
+    threads = forward_threads(args.threads, device, workers=workers, decoders_apart=True)
     loaded = load_model(weights, weights_format=args.weights_format, device=device, dtype=args.dtype,
                         jit_optimize=True, max_batch_size=max(args.batch_size, 1), threads=threads or 1)
     init_process_group(env, loaded.device)

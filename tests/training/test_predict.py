@@ -16,8 +16,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from app.config import Settings
-from app.engine.decoding.image import DecodeLimits, image_to_tensor
+from app.engine.decoding.image import DecodeLimits, decode_image, image_to_tensor
 from app.engine.loaded.predictor import Predictor
+from app.errors import InvalidImage
 from app.engine.decoding.tensor import image_to_tensor_path
 from demo_data.small_sets import write_digits
 from harness.photos import jpeg, photo
@@ -26,10 +27,10 @@ from models.architectures import build_model
 from models.data.folder import FolderDataset
 from models.export.write import export_model
 from models.predict.__main__ import main
-from models.predict.decode import Limits
 from models.predict.inputs import Item, Labels, chunks_for_rank, list_inputs
 from models.presets import EvalPreset, eval_transform
 from models.run.distributed import DistEnv
+from models.serving import usable_cores
 from tests.support.fakes import export_tiny
 
 DIGITS = [str(d) for d in range(10)]
@@ -78,9 +79,14 @@ def test_a_folder_is_scored_in_order_with_the_unreadable_files_named(weights: Pa
     assert main(["--weights", str(weights), "--data", str(photos), "--out", str(out), "--top-k", "3",
                  "--batch-size", "4", "--workers", "1"]) == 0
     lines = _lines(out)
+    assert torch.get_num_threads() == max(1, usable_cores() - 1)  # the forward pass: the cores 1 worker leaves
     assert [line["path"] for line in lines] == [item.path for item in list_inputs(photos)]
     by_name = {Path(line["path"]).name: line for line in lines}
     assert "not an image" in by_name["notes.txt"]["error"] and "corrupt or truncated" in by_name["truncated.jpg"]["error"]
+    for name in ("notes.txt", "truncated.jpg"):  # the server's decode rules, refusing with the server's words
+        with pytest.raises(InvalidImage) as served:
+            decode_image((photos / name).read_bytes(), DecodeLimits())
+        assert by_name[name]["error"] == served.value.message
     good = [line for line in lines if "error" not in line]
     assert len(good) == 10 and all(len(line["labels"]) == 3 and line["labels"][0] in DIGITS for line in good)
     assert all(line["scores"] == sorted(line["scores"], reverse=True) for line in good)
@@ -131,7 +137,7 @@ def test_the_answers_equal_the_servers_for_the_same_files(weights: Path, photos:
     # The server as it loads by default on the CPU (frozen TorchScript), each image alone through its decode paths.
     server = Predictor.load(weights, device="cpu", jit_optimize=True)
     limits = DecodeLimits.from_settings(Settings())
-    assert Limits() == Limits(limits.max_pixels, limits.max_aspect_ratio, limits.jpeg_draft_min_side)
+    assert DecodeLimits() == limits  # models.predict's limits (it has no settings) are the server's defaults
     for path, decode in (("tensor", lambda data: image_to_tensor_path(data, server.tensor_transform, limits)),
                          ("pil", lambda data: image_to_tensor(data, server.transform, limits))):
         out = tmp_path / f"{path}.jsonl"

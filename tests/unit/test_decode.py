@@ -1,14 +1,18 @@
-"""Decoding: formats, modes, orientation and limits, before any server is involved."""
+"""Decoding: formats, modes, orientation and limits, before any server is involved. The rules are
+models/image_decode.py's (models.predict follows them too); the server raises its errors for their refusals."""
 from __future__ import annotations
 
 import io
+import re
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from app.engine.decoding.image import DecodeLimits, decode_image
+from app.engine.decoding.tensor import decode_tensor
 from app.errors import ImageTooLarge, InvalidImage, UnsupportedImageFormat
+from models import image_decode
 from tests.support.imaging import BLUE, RED, encode, image_bytes
 
 LIMITS = DecodeLimits(max_pixels=1_000_000, max_aspect_ratio=20, jpeg_draft_min_side=0)
@@ -117,3 +121,36 @@ def test_jpeg_draft_keeps_at_least_the_asked_short_side() -> None:
     assert image.size == (600, 400)  # 1/4 scale: the smallest DCT scale that keeps both sides >= 300
     no_draft = DecodeLimits(max_pixels=10_000_000, max_aspect_ratio=20, jpeg_draft_min_side=0)
     assert decode_image(data, no_draft).size == (2400, 1600)
+
+
+@pytest.mark.parametrize("data, refusal, error", [
+    (b"", image_decode.BrokenImage, InvalidImage),
+    (b"hello, I am a text file", image_decode.BrokenImage, InvalidImage),
+    (image_bytes(fmt="JPEG", size=(64, 64))[:200], image_decode.BrokenImage, InvalidImage),
+    (image_bytes(fmt="PNG", size=(1, 500)), image_decode.BrokenImage, InvalidImage),
+    (image_bytes(fmt="PNG", size=(2000, 2000), mode="L", color=0), image_decode.TooManyPixels, ImageTooLarge),
+    (image_bytes(fmt="TIFF"), image_decode.FormatNotServed, UnsupportedImageFormat),
+])
+def test_the_servers_error_is_the_rules_refusal_with_its_message(data: bytes, refusal: type, error: type) -> None:
+    # One rule, two callers: models.predict writes the refusal's message, the server answers it under its code.
+    with pytest.raises(refusal) as refused:
+        image_decode.decode_image(data, LIMITS)
+    for decode in (decode_image, decode_tensor):
+        with pytest.raises(error) as served:
+            decode(data, LIMITS)
+        assert served.value.message == str(refused.value) and isinstance(served.value.__cause__, refusal)
+
+
+def test_the_refusals_messages_are_the_servers() -> None:
+    # What clients read (and tests/app assert): the wording stays as the server has always said it.
+    refusals = {
+        b"": "the image is empty (0 bytes)",
+        b"hello, I am a text file": "the data is not an image in a format we can read",
+        image_bytes(fmt="PNG", size=(1, 500)): "the image is 1x500; its aspect ratio is over 20",
+        image_bytes(fmt="PNG", size=(2000, 2000), mode="L", color=0):
+            "the image is 2000x2000 = 4000000 pixels; the limit is 1000000",
+        image_bytes(fmt="TIFF"): "image format TIFF is not supported; send one of BMP, GIF, JPEG, MPO, PNG, WEBP",
+    }
+    for data, message in refusals.items():
+        with pytest.raises(image_decode.ImageRefused, match="^" + re.escape(message) + "$"):
+            image_decode.open_checked(data, LIMITS)

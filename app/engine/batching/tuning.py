@@ -1,17 +1,16 @@
-"""How a version's batches are sized to the machine: forward threads, the batch cap, where lone batches run."""
+"""How a version's batches are sized to the machine: forward threads, the batch cap, where lone batches run.
+
+``forward_threads`` is models/serving.py's rule, which models.predict follows too; the server is its default case:
+each gunicorn worker's request threads decode beside its forward pass, which takes half of the worker's share of
+the cores (Settings.torch_threads).
+"""
 from __future__ import annotations
 
 import torch
 
-from app.hosting.host import usable_cores
+from models.serving import forward_threads
 
-
-def forward_threads(setting: int, device: torch.device, cores: int | None = None, workers: int = 1) -> int:
-    """Intra-op threads for the forward pass (0: leave torch's default): half of this worker's share of the
-    cores. See Settings.torch_threads."""
-    if setting or device.type != "cpu":
-        return setting
-    return max(1, (cores or usable_cores()) // (2 * max(1, workers)))
+__all__ = ["choose_batch_cap", "forward_threads", "inline_batches"]
 
 
 def inline_batches(setting: bool, device: torch.device) -> bool:

@@ -16,9 +16,10 @@ from typing import Sequence
 
 import torch
 
-from app.engine.decoding.image import DecodeLimits, is_jpeg, open_checked
+from app.engine.decoding.image import DecodeLimits, open_checked
 from app.engine.decoding.tensor import decode_tensor
 from models.data.jpeg import decode_jpegs, orientation
+from models.image_decode import is_jpeg
 from models.presets import TensorEvalTransform
 
 

@@ -1,34 +1,25 @@
 """The tensor decode path: bytes -> uint8 (C, H, W) tensor, then the eval transform on tensors (models/presets.py
 ``TensorEvalTransform``), so the same code runs on the CPU and, batched, on a GPU.
 
-The header is read and every limit checked by PIL first (app/engine/decoding/image.py), before any pixel is decoded.
-JPEGs go to libjpeg-turbo (models/data/jpeg.py ``decode_jpeg_cpu``: PIL's pixels, reduced-scale decoding by
-``JPEG_DRAFT_MIN_SIDE`` and the EXIF orientation included, without PIL's copies); every other format, CMYK and
-YCCK JPEGs (PIL converts them its own way), and any JPEG libjpeg-turbo refuses (truncated data: PIL then says why
-not) go to PIL's decoder and join the same tensor transform.
+The decode is models/image_decode.py's ``decode_tensor`` (models.predict's too): the header read and every limit
+checked by PIL first, before any pixel is decoded; JPEGs to libjpeg-turbo (models/data/jpeg.py ``decode_jpeg_cpu``:
+PIL's pixels, reduced-scale decoding by ``JPEG_DRAFT_MIN_SIDE`` and the EXIF orientation included, without PIL's
+copies); every other format, CMYK and YCCK JPEGs (PIL converts them its own way), and any JPEG libjpeg-turbo refuses
+(truncated data: PIL then says why not) to PIL's decoder, joining the same tensor transform.
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 
-from app.engine.decoding.image import DecodeLimits, is_jpeg, load_upright, open_checked
-from models.data.jpeg import decode_jpeg_cpu
-from models.presets import TensorEvalTransform, pil_to_tensor
-
-log = logging.getLogger(__name__)
+from app.engine.decoding.image import DecodeLimits, service_errors
+import models.image_decode as image_decode
+from models.presets import TensorEvalTransform
 
 
 def decode_tensor(data: bytes, limits: DecodeLimits) -> torch.Tensor:
     """An upright RGB uint8 (3, H, W) tensor; raises InvalidImage, ImageTooLarge or UnsupportedImageFormat."""
-    image = open_checked(data, limits)
-    if is_jpeg(image):
-        try:
-            return decode_jpeg_cpu(data, image, limits.jpeg_draft_min_side)
-        except ValueError as exc:
-            log.debug("PIL decodes this JPEG: %s", exc)
-    return pil_to_tensor(load_upright(image, limits))  # the header read above, its pixels not yet touched
+    with service_errors():
+        return image_decode.decode_tensor(data, limits)
 
 
 def image_to_tensor_path(data: bytes, transform: TensorEvalTransform, limits: DecodeLimits) -> torch.Tensor:

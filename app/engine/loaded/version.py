@@ -106,7 +106,7 @@ def decoder_of(setting: str, predictor: Predictor, limits: DecodeLimits) -> Deco
 def start_version(settings: Settings, predictor: Predictor) -> LoadedVersion:
     """Choose the decoder, start the batcher, warm up and pass the canary on its thread, apply the measured batch
     cap; from then on every batch's predictions go to the version's monitor and metrics."""
-    threads = forward_threads(settings.torch_threads, predictor.device, workers=settings.workers or 1)
+    threads = forward_threads(settings.torch_threads, predictor.device, workers=settings.model_processes())
     if threads:
         torch.set_num_threads(threads)
     name, version = predictor.manifest.name, predictor.manifest.version

@@ -103,7 +103,7 @@ class DirectorySource:
                                    dtype=self.settings.dtype, jit_optimize=self.settings.jit_optimize,
                                    max_batch_size=self.settings.max_batch_size,
                                    threads=forward_threads(self.settings.torch_threads, resolve_device(
-                                       self.settings.device), workers=self.settings.workers or 1) or 1)
+                                       self.settings.device), workers=self.settings.model_processes()) or 1)
         found = (predictor.manifest.name, predictor.manifest.version)
         if found != (name, version):
             raise ModelLoadError(f"{folder}/manifest.json says {found[0]} version {found[1]}, but the repository "
