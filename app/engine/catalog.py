@@ -16,6 +16,7 @@ from app.engine.contract import Signature, VersionInfo, VersionState
 from app.engine.loaded.version import LoadedVersion
 from app.engine.rollouts.entry import ModelEntry
 from app.engine.versions.controller import VersionsController
+from app.engine.versions.routing import check_names
 
 
 class Catalog:
@@ -80,6 +81,7 @@ class Catalog:
 
     def in_repository(self, name: str, version: str | None = None) -> bool:
         """Whether the repository holds model ``name`` (at ``version``), loaded or not."""
+        check_names(name, version)
         return name in self._source.models() and (version is None or version in self._source.versions(name))
 
     def roles(self) -> dict[tuple[str, str], str]:
@@ -95,23 +97,27 @@ class Catalog:
 
     def load(self, name: str, config: Any = None) -> ModelEntry:
         """A V2 load call (app/engine/versions/writers.py ``Writers.load``); returns what this worker serves of it."""
+        check_names(name)
         self._wait_loaded(self.settings.repository_sync_timeout_s)
         self._writers.load(name, config)
         return self._served(name)
 
     def unload(self, name: str) -> ModelEntry:
         """A V2 unload call; returns what this worker serves of it (nothing)."""
+        check_names(name)
         self._wait_loaded(self.settings.repository_sync_timeout_s)
         self._writers.unload(name)
         return self._served(name)
 
     def promote(self, name: str, version: str | None = None) -> ModelEntry:
         """A promote call (``RolloutChanges.promote``); returns the model's entry now."""
+        check_names(name, version)
         self._wait_loaded(self.settings.repository_sync_timeout_s)
         return self._rollout_changes.promote(name, version)
 
     def rollback(self, name: str, version: str | None = None) -> ModelEntry:
         """A rollback call (``RolloutChanges.rollback``); returns the model's entry now."""
+        check_names(name, version)
         self._wait_loaded(self.settings.repository_sync_timeout_s)
         return self._rollout_changes.rollback(name, version)
 

@@ -2,8 +2,6 @@
 ``Service.catalog``), shape the answer."""
 from __future__ import annotations
 
-import json
-
 import pydantic
 from flask import Blueprint, Response, request
 
@@ -83,10 +81,11 @@ def models() -> Response:
     workers = [WorkerModels(**worker) for worker in catalog.workers()]
     default_model = catalog.default_model()
     rollouts = [Rollout(model=name, **rollout) for name, rollout in catalog.rollouts().items()]
-    body = ModelsResponse(default_model=default_model, models=infos, workers=workers, rollouts=rollouts).model_dump(
-        mode="json", exclude_none=True)
-    text = json.dumps({**body, "default_model": default_model}, separators=(",", ":"))  # null said: none is it
-    return Response(text, mimetype="application/json")
+    # Every documented field is there, null where it says "null: none" (a client reads rollout["comparison"] before
+    # the shadow compared anything); only the labels are left out unless asked for.
+    hidden = None if show_labels else {"models": {"__all__": {"labels"}}}
+    body = ModelsResponse(default_model=default_model, models=infos, workers=workers, rollouts=rollouts)
+    return Response(body.model_dump_json(exclude=hidden), mimetype="application/json")
 
 
 def _version_named() -> str | None:

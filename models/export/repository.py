@@ -14,6 +14,22 @@ from pathlib import Path
 from models.export.manifest import MANIFEST_NAME
 
 _NUMBER = re.compile(r"^[0-9]+$")
+# What a model or version may be called: a folder name of the repository and nothing else (no separator, no "..",
+# no hidden file), whether it comes from a URL, a request body, a policy file or a folder.
+NAME_PATTERN = "[A-Za-z0-9][A-Za-z0-9_.-]{0,127}"
+_NAME = re.compile(f"^{NAME_PATTERN}$")
+
+
+class InvalidName(ValueError):
+    """A model or version name outside NAME_PATTERN; the message names the pattern."""
+
+
+def check_name(kind: str, value: str) -> str:
+    """``value`` when it is a valid ``kind`` name ("model", "version"), else InvalidName."""
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise InvalidName(f"{kind} name {value!r} is not one this server serves: names match {NAME_PATTERN} "
+                          "(letters, digits, '_', '.' and '-', starting with a letter or digit, at most 128)")
+    return value
 
 
 class RepositoryError(LookupError):
@@ -30,7 +46,8 @@ def models(repository: Path) -> list[str]:
     """The models with at least one version, by name."""
     if not repository.is_dir():
         return []
-    return sorted(p.name for p in repository.iterdir() if p.is_dir() and versions(repository, p.name))
+    return sorted(p.name for p in repository.iterdir()
+                  if p.is_dir() and _NAME.match(p.name) and versions(repository, p.name))
 
 
 def version_order(version: str) -> tuple[int, int, str]:
@@ -39,11 +56,13 @@ def version_order(version: str) -> tuple[int, int, str]:
 
 
 def versions(repository: Path, model: str) -> list[str]:
-    """The versions of ``model``, oldest first (numbered ones numerically, then named ones)."""
+    """The versions of ``model``, oldest first (numbered ones numerically, then named ones); none for a name outside
+    NAME_PATTERN (nothing outside the repository is read)."""
     folder = repository / model
-    if not folder.is_dir():
+    if not _NAME.match(model) or not folder.is_dir():
         return []
-    return sorted((p.name for p in folder.iterdir() if p.is_dir() and is_export(p)), key=version_order)
+    return sorted((p.name for p in folder.iterdir() if p.is_dir() and _NAME.match(p.name) and is_export(p)),
+                  key=version_order)
 
 
 def next_version(repository: Path, model: str) -> str:

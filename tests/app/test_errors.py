@@ -294,3 +294,31 @@ def test_a_request_for_another_model_or_version_is_404_naming_the_served_one(cli
         assert f"serves {manifest.name!r} version {manifest.version!r}" in error["message"]
         assert error["details"]["models"] == [{"name": manifest.name, "versions": [manifest.version],
                                                "default": manifest.version}]
+
+
+def _documented_errors() -> set[tuple[int, str]]:
+    """(status, code) of every row of docs/api.md's error table."""
+    import re
+
+    from tests.conftest import ROOT
+
+    rows = set()
+    for line in (ROOT / "docs" / "api.md").read_text(encoding="utf-8").splitlines():
+        if match := re.match(r"^\| (\d{3}) \| (.+?) \|", line):
+            rows.update((int(match.group(1)), code) for code in re.findall(r"`(\w+)`", match.group(2)))
+    return rows
+
+
+def test_every_error_the_server_can_answer_is_in_the_api_page_s_table(client: FlaskClient) -> None:
+    import inspect
+
+    from app import errors
+
+    raised = {(c.status, c.code) for _, c in inspect.getmembers(errors, inspect.isclass)
+              if issubclass(c, errors.ServiceError)}
+    answered = {(r.status_code, r.get_json()["error"]["code"]) for r in (
+        client.get("/predict"), client.get("/nowhere"),
+        client.post("/predict", data=b"--x\r\nbroken", content_type="multipart/form-data; boundary=x"))}
+    assert (405, "method_not_allowed") in answered and (404, "not_found") in answered
+    missing = (raised | answered) - _documented_errors()
+    assert not missing, f"docs/api.md's error table lacks {sorted(missing)}"

@@ -145,3 +145,37 @@ def test_docs_try_it_out_offers_file_pickers_and_working_examples(client: FlaskC
     assert picked.status_code == 200, picked.get_json()
     example = client.post("/predict", json=body["application/json"]["example"])
     assert example.status_code == 200, example.get_json()
+
+
+def test_every_answer_about_a_rollout_matches_its_documented_schema(settings: Settings,
+                                                                      document: dict[str, Any]) -> None:
+    # /v1/models documents every rollout field as required and nullable ("null: none now"): before the shadow has
+    # compared anything, after a promotion (no candidate), after a rollback, each answer must carry them all.
+    from tests.support.fakes import ColourModel, FakeRepository
+
+    repository = FakeRepository()
+    repository.add("colour", "1")
+    repository.held["colour"]["2"] = ColourModel()
+    repository.stamps[("colour", "2")] = 1
+    repository.policies["colour"] = {"rollout": {"shadow_percent": 100}}
+    app = create_app(settings, source=repository)  # type: ignore[arg-type]
+    client = app.test_client()
+    calls = [("get", "/v1/models", "/v1/models", {}),
+             ("post", "/v2/repository/index", "/v2/repository/index", {"json": {}}),
+             ("post", "/v1/models/{name}/promote", "/v1/models/colour/promote", {}),
+             ("get", "/v1/models", "/v1/models", {}),
+             ("post", "/v1/models/{name}/promote", "/v1/models/colour/promote", {}),  # 409: no candidate left
+             ("post", "/v1/models/{name}/rollback", "/v1/models/colour/rollback", {}),
+             ("get", "/v1/models", "/v1/models?labels=1", {}),
+             ("post", "/v1/models/{name}/rollback", "/v1/models/nope/rollback", {}),
+             ("post", "/v2/repository/models/{name}/load", "/v2/repository/models/colour/load", {"json": {}}),
+             ("post", "/v2/repository/models/{name}/unload", "/v2/repository/models/colour/unload", {}),
+             ("post", "/v2/repository/index", "/v2/repository/index", {"json": {"ready": True}})]
+    try:
+        first = client.get("/v1/models").get_json()["rollouts"][0]
+        assert first["comparison"] is None and first["candidate"] == "2" and "watch" in first
+        for method, path, url, kwargs in calls:
+            _check(document, method, path, getattr(client, method)(url, **kwargs))
+        assert client.post("/v1/models/colour/promote").status_code == 404  # unloaded now
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)

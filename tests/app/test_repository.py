@@ -66,3 +66,33 @@ def test_the_server_loads_every_model_or_the_named_ones_and_says_what_is_missing
             app.extensions[EXTENSION_KEY].shutdown(timeout=10)
     with pytest.raises(NotFound, match="the repository has no model 'nope'; it has: mine, other"):
         create_app(Settings(weights_dir=tmp_path, models="nope", device="cpu", log_level="warning"))
+
+
+def test_names_from_urls_bodies_and_folders_follow_one_pattern_and_nothing_outside_is_read(tmp_path: Path) -> None:
+    from models.export.repository import NAME_PATTERN
+
+    repository = tmp_path / "repo"
+    export_tiny(repository / "mine" / "1")
+    export_tiny(tmp_path / "1", name="outside")  # a version-like folder beside the repository
+    export_tiny(repository / ".hidden" / "1", name=".hidden")  # a folder no name may reach
+    app = create_app(Settings(weights_dir=repository, device="cpu", log_level="warning"))
+    client = app.test_client()
+    try:
+        for method, url, body in (("post", "/v2/repository/models/../load", None),
+                                  ("post", "/v2/repository/models/.hidden/load", None),
+                                  ("get", "/v2/models/../ready", None),
+                                  ("post", "/predict?model=..", b"x"),
+                                  ("post", "/predict?model=mine&version=..", b"x"),
+                                  ("post", "/v1/models/mine/promote", {"version": "../1"}),
+                                  ("post", "/v2/repository/models/mine/load",
+                                   {"parameters": {"config": {"rollout": {"candidate": "../1"}}}}),
+                                  ("post", "/v2/repository/models/mine/load",
+                                   {"parameters": {"config": {"default_version": "../../1"}}})):
+            answer = getattr(client, method)(url, **({"json": body} if isinstance(body, dict) else {"data": body}))
+            assert answer.status_code == 400, (url, answer.get_json())
+            text = answer.get_data(as_text=True)
+            assert NAME_PATTERN in text and str(tmp_path) not in text, (url, text)
+        assert models(repository) == ["mine"] and versions(repository, "..") == []
+        assert client.get("/v1/models").get_json()["models"][0]["name"] == "mine"
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)

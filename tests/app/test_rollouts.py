@@ -572,6 +572,30 @@ def test_a_candidate_that_breaks_at_run_time_is_refused_by_the_poll_and_a_load_c
         service.shutdown(timeout=5)
 
 
+def test_a_load_call_naming_a_refused_version_says_so_and_changes_nothing(settings: Settings) -> None:
+    repository = _repository()
+    service = Service.build(settings.model_copy(update={"version_policy": "all"}), repository)  # type: ignore
+    try:
+        assert service.catalog.serving()["colour"]["default"] == "2"
+        service.catalog.rollback("colour", "1")  # 1 serves, 2 is rolled back
+        repository.add("colour", "3")
+        repository.fail("colour", "3", "truncated")
+        before = (service.catalog.serving(), service.catalog.rollouts())
+        config = {"rollout": {"shadow_percent": 100, "candidate": "3"}}
+        with pytest.raises(LoadFailed, match="cannot be served: truncated"):  # the first try: its load fails
+            service.catalog.load("colour", config)
+        for asked in (config, json.dumps(config), {"default_version": 3}):  # known refused now: said, not tried
+            loads = len(repository.loads)
+            with pytest.raises(LoadFailed, match="colour version 3 .* was refused .*: colour version 3 cannot be "
+                               "served: truncated; nothing was changed") as refused:
+                service.catalog.load("colour", asked)
+            assert refused.value.details["version"] == "3" and len(repository.loads) == loads
+            assert (service.catalog.serving(), service.catalog.rollouts()) == before
+        assert before[0]["colour"]["default"] == "1"
+    finally:
+        service.shutdown(timeout=5)
+
+
 def test_a_candidate_that_does_not_fit_beside_the_live_version_at_start_is_left_out(settings: Settings) -> None:
     # Each fake version takes 1 MiB and needs 2 MiB to load: the live one fits in 2 MiB, the candidate beside it not.
     repository = _repository({"shadow_percent": 100, "candidate": "2"})

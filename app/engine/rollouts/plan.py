@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
 from app.engine.rollouts.entry import ModelEntry, RolloutEntry
-from app.engine.rollouts.policy import PolicyError, VersionPolicy, order_key
+from app.engine.rollouts.policy import PolicyError, VersionPolicy, order_key, version_name
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ class RolloutPolicy:
         try:
             changes: dict[str, Any] = {k: float(spec[k]) for k in ("canary_percent", "shadow_percent") if k in spec}
             if "candidate" in spec:
-                changes["candidate"] = None if spec["candidate"] is None else str(spec["candidate"])
+                changes["candidate"] = None if spec["candidate"] is None else version_name(spec["candidate"])
             for key, rule in (("promote", PromoteRule), ("rollback", RollbackRule)):
                 if key in spec:
                     changes[key] = _rule(rule, spec[key], getattr(self, key))

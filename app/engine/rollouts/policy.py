@@ -10,11 +10,20 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from models.export.repository import InvalidName, check_name
 from models.export.repository import version_order as order_key
 
 POLICY_FILE = "policy.json"  # beside a model's version folders
 _NUMBER = re.compile(r"^[0-9]+$")
 _KINDS = ("latest", "all", "specific")
+
+
+def version_name(value: Any) -> str:
+    """A version a config names (a number is its name), or PolicyError naming the pattern names follow."""
+    try:
+        return check_name("version", str(value) if isinstance(value, int) and not isinstance(value, bool) else value)
+    except InvalidName as exc:
+        raise PolicyError(str(exc)) from None
 
 
 class PolicyError(ValueError):
@@ -69,7 +78,7 @@ class VersionPolicy:
                               "default_version and rollout")
         policy = _from_triton(config["version_policy"]) if "version_policy" in config else fallback
         default = config.get("default_version", policy.default)
-        return replace(policy, default=None if default is None else str(default))
+        return replace(policy, default=None if default is None else version_name(default))
 
     @classmethod
     def layered(cls, setting: str, *configs: Any) -> "VersionPolicy":
@@ -122,5 +131,5 @@ def _from_triton(spec: Any) -> VersionPolicy:
     if kind == "latest":
         return VersionPolicy("latest", count=int(args.get("num_versions", 1)))
     if kind == "specific":
-        return VersionPolicy("specific", versions=tuple(str(v) for v in args.get("versions", [])))
+        return VersionPolicy("specific", versions=tuple(version_name(v) for v in args.get("versions", [])))
     return VersionPolicy("all")

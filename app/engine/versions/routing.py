@@ -17,6 +17,19 @@ from app.engine.loaded.version import LoadedVersion
 from app.engine.rollouts.policy import order_key
 from app.engine.rollouts.plan import takes_canary
 from app.errors import BadRequest, NotFound, NotReady
+from models.export.repository import NAME_PATTERN, InvalidName, check_name
+
+
+def check_names(name: str | None, version: str | None = None) -> None:
+    """BadRequest (400, naming the pattern) for a model or version name outside NAME_PATTERN, wherever it came
+    from (a URL, a request body): such a name is never looked up, and nothing outside the repository is read."""
+    try:
+        if name is not None:
+            check_name("model", name)
+        if version is not None:
+            check_name("version", version)
+    except InvalidName as exc:
+        raise BadRequest(str(exc), details={"pattern": NAME_PATTERN}) from None
 
 
 @dataclass(frozen=True)
@@ -115,6 +128,7 @@ class RoutingTable:
         return Route(loaded, "live", other if shadow else None)
 
     def _find(self, name: str | None, version: str | None) -> LoadedVersion:
+        check_names(name, version)
         if name is None:
             if not self._routes:
                 raise NotReady("no model is loaded", headers={"Retry-After": "5"})

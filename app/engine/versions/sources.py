@@ -13,7 +13,7 @@ from app.engine.loaded.predictor import Predictor
 from app.engine.batching.tuning import forward_threads
 from models.export.checks import ModelLoadError, read_checked_manifest, resolve_device
 from models.export.manifest import MANIFEST_NAME
-from models.export.repository import models, versions
+from models.export.repository import check_name, models, versions
 
 
 REPOSITORY_FILE = "repository.json"  # {"default_model": NAME}, at the repository's root
@@ -73,12 +73,14 @@ class DirectorySource:
         return versions(self.root, name)
 
     def path(self, name: str, version: str) -> Path:
-        """The export folder of one version."""
-        return self.root if self._single() else self.root / name / version
+        """The export folder of one version (InvalidName: a name that could lead outside the repository)."""
+        if self._single():
+            return self.root
+        return self.root / check_name("model", name) / check_name("version", version)
 
     def policy(self, name: str) -> dict[str, Any] | None:
         """``<repository>/<name>/policy.json``, when there is one."""
-        return None if self._single() else _json_object(self.root / name / POLICY_FILE)
+        return None if self._single() else _json_object(self.root / check_name("model", name) / POLICY_FILE)
 
     def stamp(self, name: str, version: str) -> tuple[int, int]:
         """Changes when any file of the version is rewritten: a version refused before is tried again then."""

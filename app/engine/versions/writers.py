@@ -87,6 +87,7 @@ class Writers:
         policy.json: the poll keeps applying it. Raises NotFound, BadRequest, LoadFailed, InsufficientMemory or
         LoadTimeout."""
         with self.applier.changing():
+            self._refuse_naming_a_refused_version(name, config)
             self._name_default_model()
             now = self.sync.read()[1].get(name)
             # A version refused before is tried again once its files change; a rollout keeps the default it has.
@@ -94,6 +95,25 @@ class Writers:
             self.applier.apply(name, entry)
             generation, _ = self.sync.write({name: entry})
         self.sync.wait_for_workers(generation)
+
+    def _refuse_naming_a_refused_version(self, name: str, config: Any) -> None:
+        """A load call whose config names a version refused before (its rollout's candidate, or its default) and
+        unchanged since is answered with why (LoadFailed, 422), changing nothing: left out silently, the policy
+        would pick something the caller did not ask for."""
+        try:
+            parsed = json.loads(config) if isinstance(config, (str, bytes)) else config
+        except ValueError:
+            return  # not JSON: the policy says so with its own error
+        if not isinstance(parsed, dict):
+            return
+        rollout = parsed.get("rollout") if isinstance(parsed.get("rollout"), dict) else {}
+        for role, version in (("rollout candidate", rollout.get("candidate")),
+                              ("default version", parsed.get("default_version"))):
+            why = None if version is None else self.applier.refusal(name, str(version))
+            if why is not None:
+                raise LoadFailed(f"{name} version {version} (the config's {role}) was refused and its files have not "
+                                 f"changed since: {why}; nothing was changed (fix its files, or name another version)",
+                                 details={"model": name, "version": str(version), "reason": why})
 
     def unload(self, name: str) -> None:
         """An unload call: ``name`` served nowhere, until a load call; returns once its versions are freed here."""
