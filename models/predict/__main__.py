@@ -251,6 +251,8 @@ def run(args: argparse.Namespace, env: DistEnv, seen: Seen | None = None) -> Non
     check_out(args.out)
     output_format(args.out)
     labels = Labels(args.labels) if args.labels is not None else None
+    if labels is not None:
+        labels.require_some(items)  # before the model loads
     workers = usable_cores() if args.workers is None else args.workers
     args.workers = workers
     keep_freed_memory(DEFAULT_TRIM_THRESHOLD_MB)  # before any image is decoded; the DataLoader's workers inherit it

@@ -6,6 +6,7 @@ import csv
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from models.run.args import DataError
 
@@ -96,6 +97,20 @@ class Labels:
         if train.is_dir() and val.is_dir() and any(p.is_dir() for p in val.iterdir()):
             return val
         return None
+
+    def require_some(self, items: Sequence[Item]) -> None:
+        """DataError, in one line saying how paths are matched, when not one of ``items`` has a label (a metrics
+        file of nothing but unlabelled inputs would say nothing)."""
+        if not items or any(self.of(item) is not None for item in items):
+            return
+        if self.root is not None:
+            how = f"each input's label is its first folder under {self.source}, and no input lies under it"
+        else:
+            first = next(iter(self.table), None)
+            how = (f"its paths are read relative to the CSV's own folder {self.source.parent.resolve()} (or as "
+                   f"absolute paths): its first row names {first}, the first input is {os.path.abspath(items[0].file)}"
+                   if first else "it holds no path,label row")
+        raise DataError(f"--labels {self.source}: none of the {len(items)} inputs has a label: {how}")
 
     def of(self, item: Item) -> str | None:
         """The item's true class, or None when the labels do not name it."""

@@ -34,7 +34,7 @@ def write_confusion(report: dict[str, object], output_dir: Path) -> tuple[Path, 
     path = output_dir / CONFUSION_NAME
     path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     per_class: dict[str, dict[str, float]] = report["per_class"]  # type: ignore[assignment]
-    width = max(len(name) for name in per_class)
+    width = max((len(name) for name in per_class), default=len("class"))  # no class: every labelled input unreadable
     lines = [f"{'class':<{width}}  precision  recall  support"]
     lines += [f"{name:<{width}}  {m['precision']:9.3f}  {m['recall']:6.3f}  {int(m['support']):7d}"
               for name, m in per_class.items()]
