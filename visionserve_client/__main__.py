@@ -28,6 +28,8 @@ DEFAULT_URL, DEFAULT_TIMEOUT_S, DEFAULT_RETRIES = "http://127.0.0.1:8000", 30.0,
 # line they are options. The server's message is left as it is; only what the CLI prints is translated.
 _URL_HINT = re.compile(r"\?model=NAME, or /v2/models/NAME/\.\.\.")
 _QUERY_PARAMETER = re.compile(r"([?&])(model|version|top_k)=([A-Z]+)\b")
+# "top_k (parameter) must be from 1 to 4": the server names where the value came from; here it came from --top-k.
+_NAMED_PARAMETER = re.compile(r"\btop_k \((?:parameter|query|body|form)\)")
 
 
 def _connection_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
@@ -81,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _for_cli(error: object) -> str:
     """An error's text with the server's query-parameter hints said as this command's options."""
-    text = _URL_HINT.sub("--model NAME", str(error))
+    text = _NAMED_PARAMETER.sub("--top-k", _URL_HINT.sub("--model NAME", str(error)))
     return _QUERY_PARAMETER.sub(lambda m: f"{' ' if m[1] == '&' else ''}--{m[2].replace('_', '-')} {m[3]}", text)
 
 
