@@ -87,6 +87,7 @@ def on_starting(server) -> None:  # noqa: ANN001
         server.log.warning(warning)
     server.log.info("visionserve: %d worker%s (%s)", _workers, "" if _workers == 1 else "s", _workers_why)
     if _engine == "process":
+        supervisor.reap_engines_first(server)  # an engine's exit status is its watcher's to log, not lost to gunicorn
         supervisor.start_engines(_engines, Path(os.environ["VISIONSERVE_CONTROL_DIR"]),
                                  _forget)
 

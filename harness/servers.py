@@ -56,9 +56,11 @@ class Running:
         raise RuntimeError(f"{self.name} not ready after {timeout_s}s: {self.output()[-4000:]}")
 
     def worker_pids(self) -> list[int]:
-        """PIDs of the main process's children (gunicorn's workers)."""
+        """PIDs of the main process's children (gunicorn's workers, and engines a watcher thread restarted: a
+        child is listed under the thread that started it)."""
         pid = self.process.pid
-        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        return sorted(int(child) for task in Path(f"/proc/{pid}/task").glob("*/children")
+                      for child in task.read_text().split())
 
     def terminate(self) -> None:
         """SIGTERM the main process, once: a second one during gunicorn's shutdown kills it outright."""

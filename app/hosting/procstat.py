@@ -18,12 +18,15 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def worker_pids(parent: int | None = None) -> list[int]:
-    """The parent's children (gunicorn's workers), or just this process when /proc does not say."""
+    """The parent's children (gunicorn's workers, and the engines, which a watcher thread of the master restarts:
+    a child is listed under the thread that started it), or just this process when /proc does not say."""
     parent = os.getppid() if parent is None else parent
     try:
-        return sorted(int(pid) for pid in Path(f"/proc/{parent}/task/{parent}/children").read_text().split())
+        pids = sorted(int(pid) for task in Path(f"/proc/{parent}/task").glob("*/children")
+                      for pid in task.read_text().split())
     except (OSError, ValueError):
-        return [os.getpid()]
+        pids = []
+    return pids or [os.getpid()]
 
 
 def _stat(pid: int) -> tuple[float, int] | None:

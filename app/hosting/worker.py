@@ -10,7 +10,10 @@ A client that takes longer than ``client_header_timeout_s`` for its headers, or 
 ``Expect: 100-continue`` (the client waits for the 100 before sending it) or one over the limit (the app refuses
 it from the headers alone) goes to a thread after its headers, as before. The thread's parser reads the request
 out of a ``HeldUnreader``, which copies each byte once (gunicorn's own unreader copied everything it held on every
-read: quadratic in the body's size).
+read: quadratic in the body's size). What the app leaves unread of a body held whole is skipped in memory before the
+next request on the connection, whatever its size (gunicorn's own skip reads the socket, gives up after 64 KiB and
+closes a connection its answer called kept alive: a 503 refusing a photo while the engine restarts was then followed
+by a reset of the client's next request).
 
 The master loads this class: it imports gunicorn and the standard library only (and app.errors, which is plain).
 """
@@ -195,6 +198,7 @@ class BufferingWorker(ThreadWorker):
         conn = reading.conn
         conn.data_ready = True  # gthread's handle() must not wait for data again
         conn.prefetched = reading.buffer
+        conn.body_held = reading.body_end is not None  # set only once the whole body is in the buffer
         self.enqueue_req(conn)
 
     def handle(self, conn: TConn) -> Any:
@@ -207,7 +211,16 @@ class BufferingWorker(ThreadWorker):
             if not isinstance(conn.parser.unreader, HeldUnreader):  # the connection's first request
                 conn.parser.unreader = HeldUnreader(conn.sock)
             conn.parser.unreader.unread(prefetched)
+        else:  # a request gthread hands over itself (bytes its parser read ahead): its body may be on the socket
+            conn.body_held = False
         return super().handle(conn)
+
+    def _keepalive_after(self, conn: TConn, keepalive: bool) -> bool:
+        """Whether the connection serves another request: a body the loop held whole is skipped in memory,
+        whatever the app left of it; others as gthread does (a bounded read of the socket, else closed)."""
+        if keepalive and getattr(conn, "body_held", False):
+            return skip_held_body(conn.parser)
+        return super()._keepalive_after(conn, keepalive)
 
     def murder_pending(self) -> None:
         """Every loop turn: gthread's own sweep, then the requests that arrive too slowly."""
@@ -249,6 +262,19 @@ class BufferingWorker(ThreadWorker):
         self._forget(reading)
         self.nr_conns -= 1
         reading.conn.close()
+
+
+def skip_held_body(parser: Any) -> bool:
+    """Read past what the app left of the current request's body, all of it held in memory (no socket read:
+    the body's reader asks for its remaining length, which is held); False when reading it had failed."""
+    body = getattr(parser.mesg, "body", None)
+    if body is None:
+        return True
+    if getattr(body, "failed", False) is True:  # where the next request starts is unknown
+        return False
+    while body.read(HELD_PIECE):
+        pass
+    return True
 
 
 def _peer(conn: TConn) -> str | None:

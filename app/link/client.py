@@ -12,6 +12,10 @@ Retry-After (the master restarts it); until it is back, requests get 503 ``not_r
 Readiness is the server's, not this worker's alone: ready once the engine is ready, this worker is not draining,
 and every worker of the server reached the engine (each marks ``http-<pid>.ready`` in CONTROL_DIR; the master
 removes a dead worker's mark), so after the first 200 of ``/readyz`` no worker answers ``not_ready``.
+
+The gauges ``visionserve_ready`` and ``visionserve_batcher_alive`` read 0 in every process from its import, and
+/metrics reads their lowest over the live processes, the engines' included: a worker sets its own part, 1 once it
+reached a ready engine (it has no inference thread of its own), ready 0 again from its drain.
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ from app.engine.contract import (
 from app.errors import ClientGone, DeadlineExceeded, LoadFailed, NotReady, ServiceError
 from app.hosting import control
 from app.link import wire
+from app.metrics import BATCHER_ALIVE, READY
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 2.0
@@ -188,6 +193,10 @@ class RemoteService(Lifecycle):
                 if not self.draining:
                     control.ready_mark(self.control_dir, os.getpid()).touch()
                 self._started.set()
+                BATCHER_ALIVE.set(1)  # no inference thread here: whether the engine's runs is its own gauge
+                READY.set(1)
+                if self.draining:  # a drain that began meanwhile set 0 before this
+                    READY.set(0)
                 log.info("ready to serve (engine %d)", self.slot)
                 return
             time.sleep(WAIT_S)
@@ -298,6 +307,7 @@ class RemoteService(Lifecycle):
 
     def _drain_begun(self) -> None:
         control.ready_mark(self.control_dir, os.getpid()).unlink(missing_ok=True)
+        READY.set(0)
 
     def shutdown(self, timeout: float | None = None) -> None:
         """This worker is going away: nothing of the engine is its to stop."""

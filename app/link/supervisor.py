@@ -13,6 +13,10 @@ workers at shutdown. Standard library only: it runs in the master.
   exits; at the first start the HTTP workers read it and stop the server with that message, as a worker that cannot
   load its model does with ``ENGINE=inline``. At a later start (a restart after a crash) the master stops itself
   with the same message. An engine that dies three times in a row before it listens is taken as failing too.
+- An engine's exit status is its watcher's to read, never gunicorn's: the master's reaping takes every child it
+  finds ended (``waitpid(-1)``) and keeps no status of one it does not know, so an engine it reaped first was
+  logged as exited 0 whatever ended it. The watcher sees the end without reaping (``WNOWAIT``), and the master's
+  reaping collects the engines' ends first (``reap_engines_first``); both keep the status on the process.
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from app.hosting.control import STALE_AT_START, engine_failure, socket_path  # standard library only
 
@@ -44,6 +48,7 @@ class Engine:
         self.process: subprocess.Popen[bytes] | None = None
         self.restarts = 0
         self._lock = threading.Lock()  # a spawn and a stop never overlap
+        self._reaping = threading.Lock()  # the watcher and the master's reaping: one reaps, both read its status
         self._stopping = False
 
     @property
@@ -74,7 +79,7 @@ class Engine:
         while True:
             process = self.process
             assert process is not None
-            status = process.wait()  # gunicorn may reap it first: then 0, so the failure file is what counts
+            status = self._ended(process)
             self._on_death(process.pid)
             with self._lock:
                 if self._stopping:
@@ -82,17 +87,41 @@ class Engine:
             early = 0 if self.socket.exists() else early + 1
             if early >= EARLY_CRASHES and not self.failure.exists():
                 self.failure.write_text(f"engine {self.slot} exited {early} times before it could serve "
-                                        f"(status {status}; the log above says why)", encoding="utf-8")
+                                        f"(status {_said(status)}; the log above says why)", encoding="utf-8")
             if self.failure.exists():
                 self._failed()
                 return
-            log.warning("engine %d (pid %d) died with status %s; restarting it", self.slot, process.pid, status)
+            log.warning("engine %d (pid %d) died with status %s; restarting it", self.slot, process.pid,
+                        _said(status))
             time.sleep(RESTART_DELAY_S)
             with self._lock:
                 if self._stopping:
                     return
                 self.restarts += 1
                 self._spawn()
+
+    def _ended(self, process: subprocess.Popen[bytes]) -> int | None:
+        """Wait for ``process`` to end, reap it; its status as Popen says it (-9: killed by SIGKILL), None when
+        something else reaped it unseen."""
+        try:
+            os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT)  # its end, seen without reaping it
+        except ChildProcessError:  # reaped already, by the master's reaping (collect) or a stop's wait
+            pass
+        self.collect(process)
+        return process.returncode
+
+    def collect(self, process: subprocess.Popen[bytes] | None = None) -> None:
+        """Reap the engine's process if it ended, keeping its status on it (``returncode``); never waits."""
+        process = process or self.process
+        with self._reaping:
+            if process is None or process.returncode is not None:
+                return
+            try:
+                pid, status = os.waitpid(process.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere: the status is lost, and not taken for a clean exit
+                return
+            if pid:
+                process.returncode = os.waitstatus_to_exitcode(status)
 
     def _failed(self) -> None:
         reason = self.failure.read_text(encoding="utf-8")
@@ -118,6 +147,26 @@ class Engine:
             log.warning("engine %d did not stop within %gs; killing it", self.slot, timeout_s)
             process.kill()
             process.wait()
+
+
+def _said(status: int | None) -> str:
+    """A status for the log: Popen's (-9: killed by SIGKILL), or unknown when it was lost."""
+    return "unknown" if status is None else str(status)
+
+
+def reap_engines_first(server: Any) -> None:
+    """Make the master's reaping (gunicorn's arbiter, ``server``) collect the engines' ends before it takes every
+    ended child with ``waitpid(-1)``, which would lose their status (see the module docstring)."""
+    reap_workers = getattr(server, "reap_workers", None)
+    if not callable(reap_workers):
+        return
+
+    def reap_engines_then_workers() -> None:
+        for engine in _ENGINES:
+            engine.collect()
+        reap_workers()
+
+    server.reap_workers = reap_engines_then_workers
 
 
 def start_engines(count: int, control_dir: Path, on_death: Callable[[int], None]) -> list[Engine]:

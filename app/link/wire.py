@@ -244,7 +244,8 @@ def peer_closed(sock: socket.socket) -> bool:
 
 
 def connect(path: Path, timeout_s: float) -> socket.socket:
-    """A connection to the engine listening at ``path``, greeted; EngineGone when none listens."""
+    """A connection to the engine listening at ``path`` (the caller greets it: say_hello); EngineGone when none
+    listens."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout_s)
     try:

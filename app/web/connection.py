@@ -1,10 +1,17 @@
-"""An answer that says ``Connection: close`` really closes its connection, under gunicorn too.
+"""An answer that says ``Connection: close`` really closes its connection, under gunicorn too; and an answer that
+leaves a streamed body unread says it.
 
 gunicorn drops the hop-by-hop headers an application sets and decides keep-alive itself, so an app's
 ``Connection: close`` (after a body it did not read: too large, or too slow) would be silently ignored, and the
 unread rest of the body would stay on a kept-alive connection. Its ``start_response`` is a bound method of its
 response object, whose ``force_close()`` makes it send ``Connection: close`` and close the socket afterwards.
 Other servers (werkzeug's, the test client) pass the header on as it is.
+
+A body the worker's event loop held whole is skipped in memory whatever the app left of it (app/hosting/worker.py).
+One that arrives streamed (chunked, or sent after gunicorn's ``100 Continue``) is still on the socket: gunicorn
+skips at most 64 KiB of it before the next request and otherwise closes the connection after an answer that said
+keep-alive, so the client's next request on it was reset. An answer that starts before such a body was read to its
+end (a refusal: 503 while the engine restarts, 404, 401) says ``Connection: close`` instead.
 """
 from __future__ import annotations
 
@@ -17,6 +24,25 @@ def _asks_to_close(headers: list[tuple[str, str]]) -> bool:
     return any(name.lower() == "connection" and value.strip().lower() == "close" for name, value in headers)
 
 
+def _streamed(environ: dict[str, Any]) -> bool:
+    """The body arrives after the headers were handed over: chunked, or once gunicorn said ``100 Continue``."""
+    return ("chunked" in environ.get("HTTP_TRANSFER_ENCODING", "").lower()
+            or environ.get("HTTP_EXPECT", "").strip().lower() == "100-continue")
+
+
+def left_unread(environ: dict[str, Any]) -> bool:
+    """A streamed body that gunicorn's reader has not handed out to its end (other servers' bodies: False)."""
+    body = environ.get("wsgi.input")
+    reader = getattr(body, "reader", None)
+    if reader is None or not _streamed(environ):
+        return False
+    if hasattr(reader, "length"):  # a Content-Length body: what it has not read yet
+        finished = reader.length == 0
+    else:  # chunked: its parser ends with the last chunk
+        finished = getattr(reader, "parser", True) is None
+    return not finished or body.buf.tell() > 0
+
+
 class CloseWhenAsked:
     """WSGI middleware around the Flask app (see the module docstring)."""
 
@@ -24,8 +50,10 @@ class CloseWhenAsked:
         self.app = app
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
-        """Run the app; force the server to close when its answer asks for it."""
+        """Run the app; force the server to close when its answer asks for it or leaves a streamed body unread."""
         def start(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+            if not _asks_to_close(headers) and left_unread(environ):
+                headers = [*headers, ("Connection", "close")]
             if _asks_to_close(headers):
                 force_close(start_response)
             return start_response(status, headers, exc_info)
