@@ -30,8 +30,8 @@ $(CLIENT): pyproject.toml | $(STAMP)
 	touch $@
 
 # The default model is produced from the packaged ImageNet weights, never downloaded and never committed, with its
-# ONNX file (seconds to minutes, by cores and load: docs/training.md): the server serves it with ONNX Runtime on a
-# CPU (docs/performance.md). It is make's own product, remade (--force) when the requirements change.
+# ONNX file (25-65 s on 2 cores, by what else runs on them: docs/training.md): the server serves it with ONNX
+# Runtime on a CPU (docs/performance.md). It is make's own product, remade (--force) when the requirements change.
 $(DEFAULT_WEIGHTS)/manifest.json: $(STAMP)
 	$(BIN)/python -m models.export --default --out $(DEFAULT_WEIGHTS) --packages onnx --force
 

