@@ -40,8 +40,11 @@ weights: $(DEFAULT_WEIGHTS)/manifest.json
 serve: $(STAMP) $(CLIENT) $(if $(filter $(DEFAULT_WEIGHTS),$(WEIGHTS_DIR)),$(DEFAULT_WEIGHTS)/manifest.json)
 	exec env VISIONSERVE_WEIGHTS_DIR=$(WEIGHTS_DIR) $(SERVE)
 
+# In one process by default; `make test PYTEST_XDIST="-n 2 --dist loadgroup"` runs the tests in two (pytest-xdist;
+# docs/testing.md says how they are shared out and why it is not yet the default).
+PYTEST_XDIST ?=
 test: $(STAMP) $(CLIENT)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 clean-weights:
 	rm -f $(DEFAULT_WEIGHTS)/*.pt $(DEFAULT_WEIGHTS)/*.pt2 $(DEFAULT_WEIGHTS)/manifest.json

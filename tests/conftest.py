@@ -20,7 +20,9 @@ from app.engine.loaded.predictor import Predictor
 from app.engine.service import Service
 from harness.servers import Running
 from tests.support.fakes import ColourModel, tiny_manifest
+from tests.support import scheduling
 from tests.support.servers import serve
+from tests.support.shared import shared_folder
 
 # A test that uses one of these starts a server, loads real weights, runs torchrun, trains on photos or exports
 # ONNX (the exporter takes seconds per model): it is marked slow, so `pytest -m "not slow"` stays under a minute
@@ -69,12 +71,11 @@ def client(app: Flask) -> FlaskClient:
 
 @pytest.fixture(scope="session")
 def real_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default model exported by the real export command into a fresh directory."""
+    """The default model exported by the real export command into a fresh directory (once per run, shared by
+    pytest-xdist's workers: tests/support/shared.py)."""
     from models.export.write import export_default
 
-    out = tmp_path_factory.mktemp("weights")
-    export_default(out)
-    return out
+    return shared_folder(tmp_path_factory, "weights", export_default)
 
 
 @pytest.fixture(scope="session")
@@ -89,13 +90,30 @@ def real_app(real_weights: Path) -> Iterator[Flask]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark slow every test that uses a slow fixture; GPU tests run only where CUDA is present."""
+    """Mark slow every test that uses a slow fixture; GPU tests run only where CUDA is present; in a pytest-xdist
+    worker, the longest tests first (tests/support/scheduling.py)."""
     skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
         if skip_gpu is not None and "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+    if hasattr(config, "workerinput"):  # every worker collects the same items, and sorts them the same way
+        items.sort(key=lambda item: scheduling.rank(item.nodeid))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A pytest-xdist worker computes on its share of the cores: with torch's default (a thread per core) in
+    every worker, their threads would wait on each other's."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        torch.set_num_threads(max(1, torch.get_num_threads() // int(workerinput["workercount"])))
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which a run without it lacks
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """`--dist loadgroup`: the groups and the order of tests/support/scheduling.py."""
+    return scheduling.make_scheduler(config, log) if config.getvalue("dist") == "loadgroup" else None
 
 
 @pytest.fixture(autouse=True)
@@ -147,7 +165,7 @@ def small_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
     matrix's model."""
     from harness.faults import small_weights as export_small
 
-    return export_small(tmp_path_factory.mktemp("small-weights"))
+    return shared_folder(tmp_path_factory, "small-weights", export_small)
 
 
 @pytest.fixture(scope="session")

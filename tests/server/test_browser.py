@@ -17,7 +17,7 @@ from werkzeug.wrappers import Request, Response
 
 from app.config import Settings
 from harness.servers import Running
-from tests.support.fakes import export_tiny, served_over_http, several_models_app, wait_until
+from tests.support.fakes import export_tiny, served_over_http, several_models_app
 from tests.support.imaging import BLUE, GREEN, RED, encode, image_bytes
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
@@ -257,9 +257,20 @@ def shadowed_server(start_server: Callable[..., Running], tmp_path: Path) -> Run
 
 
 def _comparison(url: str) -> dict:
-    """The server's running comparison for mine (empty until the shadow has run)."""
+    """The server's running comparison for mine (empty until the shadow has compared a photo: /v1/models leaves
+    out a null comparison, so the key may be missing)."""
     (rollout,) = requests.get(url + "/v1/models", timeout=10).json()["rollouts"]
-    return rollout["comparison"] or {}
+    return rollout.get("comparison") or {}
+
+
+def _compared(url: str, count: int, timeout_s: float = 60) -> dict:
+    """The comparison once the shadow has compared ``count`` photos (each worker shares its own every second):
+    polled, failing the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while (comparison := _comparison(url)).get("compared", 0) < count:
+        assert time.monotonic() < deadline, f"the shadow compared {comparison} after {timeout_s} s, not {count}"
+        time.sleep(0.2)
+    return comparison
 
 
 def _prediction(url: str, photo: Path, version: str) -> dict:
@@ -290,8 +301,8 @@ def test_the_demo_page_shows_the_live_and_the_shadow_answers_side_by_side(
     for photo in photos:  # naming no version: version 1 answers, and the shadow runs each photo on version 2
         answer = requests.post(url + "/predict", files={"image": photo.read_bytes()}, timeout=30)
         assert answer.json()["model"]["version"] == "1", answer.text
-    wait_until(lambda: time.sleep(0.2) or _comparison(url).get("compared") == len(photos), timeout=60)
-    comparison = _comparison(url)
+    comparison = _compared(url, len(photos))
+    assert comparison["compared"] == len(photos), comparison
     direct = [{version: _prediction(url, photo, version) for version in ("1", "2")} for photo in photos]
     top1 = [(answers["1"]["label"], answers["2"]["label"]) for answers in direct]
     agreed = sum(live == candidate for live, candidate in top1)
