@@ -29,7 +29,7 @@ from tests.support.shared import shared_folder, the_machine
 # (a test whose training run exports ONNX says so with the mark itself). A test that starts a server without them
 # fails (see _guard).
 SLOW_FIXTURES = frozenset({"real_weights", "real_app", "small_weights", "live_server", "start_server", "torchrun",
-                           "photo_folder", "packaged_export", "int8_export", "onnx_export"})
+                           "photo_folder", "packaged_export", "int8_export", "onnx_export", "engine_server"})
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -192,3 +192,13 @@ def _keep_torch_threads() -> Iterator[None]:
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def engine_server(small_weights: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    """ENGINE=process with two HTTP workers and one engine on the small model, started once for the tests that
+    read it or leave it serving again (an engine they kill is back before they end)."""
+    server = serve(small_weights, tmp_path_factory.mktemp("engine"), engine="process", workers="2",
+                   max_wait_ms="5").wait_ready()
+    yield server
+    server.stop()

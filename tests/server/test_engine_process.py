@@ -10,7 +10,7 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import pytest
 import requests
@@ -22,12 +22,10 @@ from tests.support.servers import serve
 IMAGE = image_bytes(RED, size=(160, 120))
 
 
-@pytest.fixture(scope="module")
-def server(small_weights: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
-    server = serve(small_weights, tmp_path_factory.mktemp("engine"), engine="process", workers="2",
-                   max_wait_ms="5").wait_ready()
-    yield server
-    server.stop()
+@pytest.fixture
+def server(engine_server: Running) -> Running:
+    """The session's ENGINE=process server (tests/conftest.py), shared with the other engine-process tests."""
+    return engine_server
 
 
 def _children(server: Running) -> dict[int, str]:

@@ -13,7 +13,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -22,7 +22,6 @@ from PIL import Image
 
 from harness.servers import Running
 from tests.support.imaging import encode
-from tests.support.servers import serve
 
 # A photo-like JPEG past the 64 KiB that gunicorn's own skip of an unread body gives up at.
 PHOTO = encode(Image.fromarray(np.random.default_rng(0).integers(0, 256, (300, 400, 3), dtype=np.uint8)),
@@ -30,12 +29,10 @@ PHOTO = encode(Image.fromarray(np.random.default_rng(0).integers(0, 256, (300, 4
 JPEG = {"Content-Type": "image/jpeg"}
 
 
-@pytest.fixture(scope="module")
-def server(small_weights: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
-    server = serve(small_weights, tmp_path_factory.mktemp("engine-ops"), engine="process", workers="2",
-                   max_wait_ms="5").wait_ready()
-    yield server
-    server.stop()
+@pytest.fixture
+def server(engine_server: Running) -> Running:
+    """The session's ENGINE=process server (tests/conftest.py), shared with the other engine-process tests."""
+    return engine_server
 
 
 def _engine_pid(server: Running) -> int:

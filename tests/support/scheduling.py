@@ -28,6 +28,8 @@ SAME_WORKER: tuple[tuple[str, str], ...] = (  # (node id prefix, group)
     ("tests/server/test_gunicorn_e2e.py::test_multipart_and_health_over_http", "e2e server"),
     ("tests/server/test_gunicorn_e2e.py::test_every_log_line_is_json_and_requests_name_their_peer", "e2e server"),
     ("tests/server/test_engine_process.py::", "engine server"),
+    ("tests/server/test_engine_process_ops.py::test_ready", "engine server"),
+    ("tests/server/test_engine_process_ops.py::test_a_refusal", "engine server"),
     ("tests/server/test_rollouts.py::", "two lite0 versions"),
     ("tests/server/test_model_swaps.py::", "four exports"),
     ("tests/training/test_export_versions.py::", "a trained run"),
