@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -44,8 +44,9 @@ def has_onnx(weights: Path) -> bool:
     return (weights / "manifest.json").exists() and read_manifest(weights).onnx is not None
 
 
-def export_models(out: Path) -> dict[str, Path]:
-    """Weights for both models, exported by our own export command into ``out``."""
+def export_models(out: Path, models: Sequence[str] = ("efficientnet_lite0", "mobilenet_v3_small")) -> dict[str, Path]:
+    """Weights for ``models`` (Lite0 and an untrained MobileNetV3-Small), exported by our own export command into
+    ``out``; each only once."""
     from models.export.write import export_default, export_model
     from models.presets import EvalPreset
     from models.pretrained import imagenet_labels
@@ -53,15 +54,15 @@ def export_models(out: Path) -> dict[str, Path]:
 
     dirs = {"efficientnet_lite0": out / "efficientnet_lite0", "mobilenet_v3_small": out / "mobilenet_v3_small"}
     onnx = [("onnx", "float32")]  # what `make serve` exports: the server serves it on the CPU
-    if not has_onnx(dirs["efficientnet_lite0"]):
+    if "efficientnet_lite0" in models and not has_onnx(dirs["efficientnet_lite0"]):
         export_default(dirs["efficientnet_lite0"], force=True, packages=onnx)
-    if not has_onnx(dirs["mobilenet_v3_small"]):
+    if "mobilenet_v3_small" in models and not has_onnx(dirs["mobilenet_v3_small"]):
         torch.manual_seed(0)  # untrained weights cost the same to run as trained ones
         export_model(build_model("mobilenet_v3_small", 1000), out_dir=dirs["mobilenet_v3_small"],
                      name="mobilenet_v3_small", version="bench", arch="mobilenet_v3_small",
                      labels=imagenet_labels(), preset=EvalPreset(resize_size=256, crop_size=224), force=True,
                      packages=onnx)
-    return dirs
+    return {name: folder for name, folder in dirs.items() if name in models}
 
 
 # The settings tried against the defaults at C=16 before the run: the fastest is measured at every concurrency as
@@ -226,7 +227,7 @@ def main() -> None:
     args = parser.parse_args()
     logs = WORK / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    weights = export_models(WORK / "weights")
+    weights = export_models(WORK / "weights", args.models)
     started = time.time()
     results = {model: run_model(model, weights[model], args, logs) for model in args.models}
     machine = {"platform": platform.platform(), "cpus": torch.get_num_threads(), "torch": torch.__version__,

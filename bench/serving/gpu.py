@@ -185,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     (WORK / "logs").mkdir(parents=True, exist_ok=True)
-    weights = export_models(WORK / "weights")
+    weights = export_models(WORK / "weights", args.models)
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     machine = {"gpu": name, "cpus": os.cpu_count(), "torch": torch.__version__, "dtype": args.dtype}
     args.out.mkdir(parents=True, exist_ok=True)

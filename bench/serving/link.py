@@ -47,13 +47,22 @@ def _jpeg() -> bytes:
     return buffer.getvalue()
 
 
-def _start(checkout: Path, weights: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+def _start(checkout: Path, weights: Path | None, log: Path, device: str, workers: int
+           ) -> tuple[subprocess.Popen[bytes], str]:
+    """visionserve in process mode on ``weights``, or with no weights the bare Flask app (the budget's unit) under
+    gunicorn with the same worker class and count."""
     port = free_port()
-    env = {**os.environ, "VISIONSERVE_WEIGHTS_DIR": str(weights), "VISIONSERVE_BIND": f"127.0.0.1:{port}",
-           "VISIONSERVE_DEVICE": "cpu", "VISIONSERVE_ENGINE": "process", "VISIONSERVE_WORKERS": "2",
+    env = {**os.environ, "VISIONSERVE_BIND": f"127.0.0.1:{port}",
+           "VISIONSERVE_DEVICE": device, "VISIONSERVE_ENGINE": "process", "VISIONSERVE_WORKERS": str(workers),
            "VISIONSERVE_LOG_LEVEL": "warning", "VISIONSERVE_AUTO_BATCH_SIZE": "false",
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    process = subprocess.Popen(["bin/serve"], cwd=checkout, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+    command = ["bin/serve"]
+    if weights is None:
+        command = [sys.executable, "-m", "gunicorn", "-c", "/dev/null", "-k", "app.hosting.worker.BufferingWorker", "--threads", "16",
+                   "-w", str(workers), "-b", f"127.0.0.1:{port}", "--log-level", "warning", "bench.serving.bare_app:app"]
+    else:
+        env["VISIONSERVE_WEIGHTS_DIR"] = str(weights)
+    process = subprocess.Popen(command, cwd=checkout, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
                                start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -91,27 +100,33 @@ def _load(url: str, body: bytes, clients: int, seconds: float) -> tuple[int, lis
     return len(latencies), latencies, errors[0]
 
 
-def one_round(checkout: Path, weights: Path, clients: int, seconds: float) -> dict[str, float]:
+def one_round(checkout: Path, weights: Path | None, args: argparse.Namespace) -> dict[str, float]:
     """One server start: req/s, p50 ms, HTTP worker and engine CPU microseconds per request."""
+    clients, seconds = args.clients, args.seconds
     with tempfile.TemporaryDirectory() as logs:
-        process, url = _start(checkout, weights, Path(logs) / "server.log")
+        process, url = _start(checkout, weights, Path(logs) / "server.log", args.device, args.workers)
         try:
             body = _jpeg()
             _load(url, body, clients, 1.0)  # warm-up: every worker thread's connection to the engine
             children = _children(process.pid)
-            engines = [p for p, command in children.items() if ".server" in command or ".process" in command]
+            engines = [p for p, command in children.items()
+                       if weights and (".link.server" in command or ".engine.process" in command)]
             workers = [p for p in children if p not in engines]
             before = {p: _cpu_s(p) for p in children}
             started = time.perf_counter()
             count, latencies, errors = _load(url, body, clients, seconds)
             elapsed = time.perf_counter() - started
-            spent = {p: _cpu_s(p) - before[p] for p in children}
+            gone = [p for p in children if not Path(f"/proc/{p}/stat").exists()]
+            if gone:  # a worker or engine that exited under load: said, with the server's log, not counted
+                print(f"exited during the round: {[children[p] for p in gone]}\n"
+                      f"{(Path(logs) / 'server.log').read_text()[-4000:]}", flush=True)
+            spent = {p: _cpu_s(p) - before[p] for p in children if p not in gone}
         finally:
             process.terminate()
             process.wait(30)
     return {"req_s": count / elapsed, "p50_ms": statistics.median(latencies) * 1000, "errors": errors,
-            "worker_us": sum(spent[p] for p in workers) / count * 1e6,
-            "engine_us": sum(spent[p] for p in engines) / count * 1e6}
+            "worker_us": sum(spent.get(p, 0.0) for p in workers) / count * 1e6,
+            "engine_us": sum(spent.get(p, 0.0) for p in engines) / count * 1e6}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -121,28 +136,39 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="the engine's device (DEVICE): cpu, cuda")
+    parser.add_argument("--workers", type=int, default=2, help="HTTP workers (WORKERS)")
+    parser.add_argument("--bare", action="store_true",
+                        help="also measure the bare Flask app (bench/serving/bare_app.py) each round: the budget's unit")
     args = parser.parse_args(argv)
     checkouts = [ROOT, *args.checkout]
+    runs: list[tuple[str, Path, bool]] = [(str(c), c, True) for c in checkouts]
+    if args.bare:
+        runs.append(("bare Flask app (the unit)", ROOT, False))
     with tempfile.TemporaryDirectory() as folder:
         weights = small_weights(Path(folder) / "weights")
-        figures: dict[Path, list[dict[str, float]]] = {c: [] for c in checkouts}
+        figures: dict[str, list[dict[str, float]]] = {label: [] for label, _, _ in runs}
         for _ in range(args.rounds):
-            for checkout in checkouts:  # alternating: the machine's drift falls on both alike
-                figures[checkout].append(one_round(checkout, weights, args.clients, args.seconds))
-    print(f"ENGINE=process, 2 HTTP workers, {args.clients} clients, {args.seconds:g} s x {args.rounds} rounds "
-          "(medians); CPU per request from /proc")
-    print(f"{'checkout':<40} {'req/s':>8} {'p50 ms':>8} {'worker us':>10} {'engine us':>10} {'errors':>7}")
+            for label, checkout, served in runs:  # alternating: the machine's drift falls on all alike
+                figures[label].append(one_round(checkout, weights if served else None, args))
+    print(f"ENGINE=process on {args.device}, {args.workers} HTTP workers, {args.clients} clients, "
+          f"{args.seconds:g} s x {args.rounds} rounds (medians); CPU per request from /proc")
+    print(f"{'server':<40} {'req/s':>8} {'p50 ms':>8} {'worker us':>10} {'engine us':>10} {'errors':>7}")
     medians = {}
-    for checkout, rounds in figures.items():
-        medians[checkout] = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
-        m = medians[checkout]
-        print(f"{str(checkout)[-40:]:<40} {m['req_s']:>8.1f} {m['p50_ms']:>8.1f} {m['worker_us']:>10.0f} "
+    for label, rounds in figures.items():
+        medians[label] = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+        m = medians[label]
+        print(f"{label[-40:]:<40} {m['req_s']:>8.1f} {m['p50_ms']:>8.1f} {m['worker_us']:>10.0f} "
               f"{m['engine_us']:>10.0f} {m['errors']:>7.0f}")
+    this = medians[str(ROOT)]
     for checkout in checkouts[1:]:
-        ratio = {k: medians[ROOT][k] / medians[checkout][k] for k in ("req_s", "worker_us", "engine_us")}
+        ratio = {k: this[k] / medians[str(checkout)][k] for k in ("req_s", "worker_us", "engine_us")}
         print(f"this / {checkout.name}: req/s x{ratio['req_s']:.2f}, worker CPU x{ratio['worker_us']:.2f}, "
               f"engine CPU x{ratio['engine_us']:.2f}")
-
+    if args.bare:
+        unit = medians["bare Flask app (the unit)"]["worker_us"]
+        print(f"in bare-Flask requests ({unit:.0f} us of worker CPU each): HTTP worker {this['worker_us'] / unit:.2f} "
+              f"per request (budget 1.5), engine {this['engine_us'] / unit:.3f} per image (budget 0.1)")
 
 if __name__ == "__main__":
     main()

@@ -83,7 +83,7 @@ def parse_ms(rounds: int) -> dict[str, float]:
 
 def served(duration_s: float, rounds: int) -> dict[str, list[LoadResult]]:
     """The server with its defaults: raw and JSON bodies at C=16, alternating."""
-    weights = export_models(WORK / "weights")["efficientnet_lite0"]
+    weights = export_models(WORK / "weights", ["efficientnet_lite0"])["efficientnet_lite0"]
     logs = WORK / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     bodies = {"raw body": (list(workload()), "image/jpeg"),

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3, help="starts to probe")
     args = parser.parse_args(argv)
-    weights = export_models(WORK / "weights")["efficientnet_lite0"]
+    weights = export_models(WORK / "weights", ["efficientnet_lite0"])["efficientnet_lite0"]
     logs = WORK / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     save_result("startup", report([one_start(weights, logs) for _ in range(args.runs)]))

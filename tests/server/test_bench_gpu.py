@@ -1,26 +1,48 @@
-"""A smoke run of ``python -m bench.serving.gpu`` on the CPU: the GPU session's benchmark (decode paths x images per
-request x C, the device path's in-process limit, GPU utilisation) runs end to end here first, so device time is spent on
-figures, not on fixing the script."""
+"""The GPU drill (``python -m bench.drill``) end to end on the CPU: every step of the one call a lent GPU gets runs
+here first (the served benchmark's decode paths x engines x images per request, the link's CPU beside the bare
+Flask app, the ``-m gpu`` tests, the photo folder, ``models.predict``, the training feed), so device time is spent
+on figures, not on fixing the script."""
 from __future__ import annotations
 
+import json
+import tarfile
 from pathlib import Path
 
 import pytest
 
-from bench.serving import gpu
+from bench import drill
 
 
 @pytest.mark.slow
-def test_the_gpu_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
-    gpu.main(["--device", "cpu", "--dtype", "float32", "--models", "mobilenet_v3_small", "--batch-sizes", "2",
-              "--concurrency", "1", "--workers", "1", "--processes", "--seconds", "0.5", "--warmup", "0.2",
-              "--limit-seconds", "0.3", "--images-per-request", "1", "2", "--decode-paths", "pil", "device",
-              "--workload", "imagenet", "--engines", "process", "inline", "--out", str(tmp_path)])
-    (report,) = tmp_path.glob("*-gpu-cpu.md")
-    text = report.read_text()
-    assert "device path + forward (float32), batch 2: the limit" in text
-    rows = [line for line in text.splitlines() if line.startswith(("| process |", "| inline |"))]
-    assert [tuple(cell.strip() for cell in row.split("|")[1:4]) for row in rows] == [
-        (engine, path, per_request) for engine in ("process", "inline") for path in ("pil", "device")
-        for per_request in ("1", "2")]
-    assert all(row.split("|")[11].strip() == "0" for row in rows)  # no request failed on either path or engine
+def test_the_gpu_drill_runs_every_step_on_the_cpu_and_returns_what_it_wrote(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert drill.main(["--smoke", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in (out / "drill.jsonl").read_text().splitlines()]
+    assert [(row["step"], row["rc"], row["stopped"]) for row in rows] == [
+        (step.name, 0, False) for step in drill.steps(tmp_path, tmp_path, smoke=True)]
+    with tarfile.open(out / "figures.tar.gz") as tar:
+        names = {Path(name).name for name in tar.getnames()}
+        report = tar.extractfile(next(m for m in tar.getmembers() if m.name.endswith("-gpu-cpu.md"))).read().decode()
+    assert "predict.jsonl" in names and any(name.endswith("-train-cpu.md") for name in names)
+    served = [line for line in report.splitlines() if line.startswith(("| process |", "| inline |"))]
+    assert [tuple(cell.strip() for cell in row.split("|")[1:4]) + (row.split("|")[7].strip(),) for row in served] == [
+        (engine, "auto", per_request, c) for engine in ("process", "inline") for per_request in ("1", "2")
+        for c in ("1", "2")]
+    assert all(row.split("|")[11].strip() == "0" for row in served)  # no request failed in either engine
+    log = (out / "drill.log").read_text()
+    assert "in bare-Flask requests" in log and "exited during the round" not in log
+
+
+def test_a_step_past_its_limit_is_stopped_and_the_drill_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                 ) -> None:
+    slow = drill.Step("sleeps", 1.0, ("sleep", "30"), least_s=0)
+    quick = drill.Step("answers", 5.0, ("true",), least_s=0)
+    late = drill.Step("late", 5.0, ("true",), least_s=1_000)
+    monkeypatch.setattr(drill, "steps", lambda figures, work, smoke: [slow, quick, late])
+    assert drill.main(["--out", str(tmp_path / "out"), "--deadline-s", "60"]) == 1
+    rows = [json.loads(line) for line in (tmp_path / "out" / "drill.jsonl").read_text().splitlines()]
+    assert [(r["step"], r.get("rc"), r.get("stopped")) for r in rows[:2]] == [("sleeps", None, True),
+                                                                              ("answers", 0, False)]
+    assert rows[0]["seconds"] < 25  # stopped at its limit, not waited for
+    assert rows[2]["step"] == "late" and rows[2]["skipped"].endswith("needs 1000")
+    assert tarfile.is_tarfile(tmp_path / "out" / "figures.tar.gz")

@@ -1,0 +1,151 @@
+"""The GPU drill: every figure and check a lent GPU machine is for, in one call that fits 8 minutes of wall time.
+
+    python3 -m bench.drill --out $OUT                  # on the lent machine (docs/testing.md has the whole call)
+    python -m bench.drill --smoke --out /tmp/drill     # the same steps, tiny, on this machine's CPU (the suite runs it)
+
+Each step runs as its own process under its own time limit, inside the drill's deadline (a step that would start
+with too little time left is skipped, and said so). After each step the drill appends one line to
+``OUT/drill.jsonl`` (step, exit status, seconds, whether it was stopped) and rewrites ``OUT/figures.tar.gz`` from the
+folder the steps write their reports into, so a call stopped at any point returns what was done. Every step's
+output goes to ``OUT/drill.log`` as it comes.
+
+Steps, most wanted first: the machine's facts; the served figures (``bench.serving.gpu``: the defaults in process
+mode and inline on Lite0, 1 and 16 images per request, C=64 and 256, and 4x overload at C=1024); the link's CPU
+(``bench.serving.link`` on the device: the HTTP workers' and the engine's CPU per request beside the bare Flask
+app, the budget's unit, measured on this host); the ``-m gpu`` tests (the device decode path's pixels, EXIF turns
+included, placement, tensors); ``models.predict`` on CUDA over a photo folder; the training feed (JPEG folder on
+the CPU and on the GPU against synthetic batches).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    limit_s: float  # the most this step may take
+    command: tuple[str, ...]
+    least_s: float = 20.0  # not started with less time than this left
+
+
+def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
+    """The drill's steps, writing reports into ``figures`` and scratch into ``work``; ``smoke``: the same commands,
+    tiny, on the CPU."""
+    py = sys.executable
+    photos = work / "photos"
+    lite0 = ROOT / "bench" / ".work" / "weights" / "efficientnet_lite0"
+    device, dtype = ("cpu", "float32") if smoke else ("cuda", "float32")
+    facts = ("import os, torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), "
+             "torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU', 'cores', os.cpu_count())")
+    if smoke:
+        served = ["--models", "mobilenet_v3_small", "--batch-sizes", "2", "--concurrency", "1", "2",
+                  "--images-per-request", "1", "2", "--seconds", "0.5", "--warmup", "0.2", "--limit-seconds", "0.3",
+                  "--workers", "1"]
+        link = ["--seconds", "1", "--clients", "2"]
+        tests = ["-m", "gpu", "tests/unit/test_device.py"]
+        train = ["--archs", "resnet18", "--batch-size", "4", "--crop-size", "32", "--steps", "1", "--warmup", "1",
+                 "--workers", "1", "--paths", "synthetic", "cpu"]
+        photo_counts = ["--classes", "2", "--train-per-class", "4", "--val-per-class", "2"]
+        lite0 = ROOT / "bench" / ".work" / "weights" / "mobilenet_v3_small"
+    else:
+        served = ["--models", "efficientnet_lite0", "--batch-sizes", "64", "--concurrency", "64", "256", "1024",
+                  "--images-per-request", "1", "16", "--seconds", "4", "--warmup", "1", "--limit-seconds", "2",
+                  "--workers", "0"]
+        link = ["--seconds", "4", "--clients", "16", "--workers", "4"]
+        tests = ["-m", "gpu", "tests/unit/test_device.py", "tests/unit/test_tensor_decode.py",
+                 "tests/unit/test_load_placement.py", "tests/training/test_gpu_data.py"]
+        train = ["--archs", "efficientnet_lite0", "--batch-size", "128", "--steps", "12", "--warmup", "4"]
+        photo_counts = ["--classes", "20", "--train-per-class", "60", "--val-per-class", "20"]
+    return [
+        Step("facts", 30, (py, "-c", facts), least_s=5),
+        Step("served", 230, (py, "-m", "bench.serving.gpu", "--device", device, "--dtype", dtype, "--engines",
+                             "process", "inline", "--decode-paths", "auto", "--processes", "--workload", "imagenet",
+                             *served, "--out", str(figures)), least_s=60),
+        Step("link", 60, (py, "-m", "bench.serving.link", "--device", device, "--rounds", "1", "--bare", *link)),
+        Step("gpu-tests", 100, (py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests)),
+        Step("photos", 40, (py, "-m", "demo_data", "photos", "--out", str(photos), *photo_counts), least_s=10),
+        Step("predict", 50, (py, "-m", "models.predict", "--weights", str(lite0), "--data", str(photos / "val"),
+                             "--out", str(figures / "predict.jsonl"), "--device", device)),
+        Step("train-feed", 100, (py, "-m", "bench.training.train", "--device", device, "--data", str(photos),
+                                 "--rounds", "1", "--no-variants", "--ddp", "0", *train, "--out", str(figures))),
+    ]
+
+
+def _run(step: Step, limit_s: float, log: Path) -> tuple[int | None, float, bool]:
+    """Run one step in its own process group; stop the group at ``limit_s``. (exit status, seconds, stopped)."""
+    started = time.monotonic()
+    with log.open("a") as out:
+        out.write(f"\n===== {step.name} (limit {limit_s:.0f} s): {' '.join(step.command)}\n")
+        out.flush()
+        process = subprocess.Popen(step.command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        try:
+            return process.wait(limit_s), time.monotonic() - started, False
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+            return None, time.monotonic() - started, True
+        finally:
+            try:  # a server a step started and left behind
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _pack(figures: Path, out: Path) -> None:
+    """OUT/figures.tar.gz from the reports so far (written beside, then renamed: never half a file)."""
+    partial = out / "figures.tar.gz.partial"
+    with tarfile.open(partial, "w:gz") as tar:
+        tar.add(figures, arcname="figures")
+    partial.rename(out / "figures.tar.gz")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/.work/drill")))
+    parser.add_argument("--deadline-s", type=float, default=450.0, help="the whole drill's wall time")
+    parser.add_argument("--smoke", action="store_true", help="the same steps, tiny, on the CPU")
+    parser.add_argument("--only", nargs="*", help="these steps only (names as in drill.jsonl)")
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    args.out.mkdir(parents=True, exist_ok=True)
+    figures, work = (args.out.parent / f"{args.out.name}-{part}" for part in ("figures", "work"))
+    figures.mkdir(parents=True, exist_ok=True)
+    log, record = args.out / "drill.log", args.out / "drill.jsonl"
+    failed = 0
+    for step in steps(figures, work, args.smoke):
+        if args.only and step.name not in args.only:
+            continue
+        left = args.deadline_s - (time.monotonic() - started)
+        if left < step.least_s:
+            row = {"step": step.name, "skipped": f"{left:.0f} s left, needs {step.least_s:.0f}"}
+        else:
+            code, seconds, stopped = _run(step, min(step.limit_s, left), log)
+            row = {"step": step.name, "rc": code, "seconds": round(seconds, 1), "stopped": stopped}
+            failed += code != 0
+            _pack(figures, args.out)
+        with record.open("a") as out:
+            out.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
