@@ -40,9 +40,9 @@ weights: $(DEFAULT_WEIGHTS)/manifest.json
 serve: $(STAMP) $(CLIENT) $(if $(filter $(DEFAULT_WEIGHTS),$(WEIGHTS_DIR)),$(DEFAULT_WEIGHTS)/manifest.json)
 	exec env VISIONSERVE_WEIGHTS_DIR=$(WEIGHTS_DIR) $(SERVE)
 
-# In one process by default; `make test PYTEST_XDIST="-n 2 --dist loadgroup"` runs the tests in two (pytest-xdist;
-# docs/testing.md says how they are shared out and why it is not yet the default).
-PYTEST_XDIST ?=
+# In two processes (pytest-xdist, a process per core of CI's 2-core machine; docs/testing.md says how the tests are
+# shared out); `make test PYTEST_XDIST=` runs them in one.
+PYTEST_XDIST ?= -n 2 --dist loadgroup
 test: $(STAMP) $(CLIENT)
 	$(BIN)/python -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
 

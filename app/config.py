@@ -209,8 +209,12 @@ class BatchingSettings(SettingsGroup):
         "thread would tune its own cuDNN plans again (seconds, measured on an H100).")
     queue_size: int = Field(
         0, ge=0, description="Images waiting for the inference worker, per process; a request that does not "
-        "fit is refused at once with 429 and `Retry-After`. 0 = auto: room for eight maximum-size requests and "
-        "two full batches, max(8 x `MAX_IMAGES`, 2 x `MAX_BATCH_SIZE`) (128 by default).")
+        "fit is refused at once with 429 and `Retry-After`. 0 = auto: room for every image the requests feeding "
+        "this queue can hold (`THREADS` x `MAX_IMAGES` for each HTTP worker it serves: its own worker inline, "
+        "every worker under `ENGINE=process`), so what refuses an overload is time: a request whose images the "
+        "queue ahead cannot answer within its deadline (`REQUEST_TIMEOUT_S`, or less by `X-Request-Timeout`) is "
+        "refused at once with 429 and `Retry-After` (measured: a count of 128 refused 16-image requests "
+        "that would have been answered in time, and its refusals starved the engine, docs/performance.md).")
     oom_shrink_s: float = Field(
         60.0, ge=0, description="After a CUDA out-of-memory batch is split in halves and retried, how long the "
         "lower batch cap holds.")
@@ -388,8 +392,10 @@ class Settings(SecuritySettings, MonitoringSettings, ServerSettings, DecodingSet
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", protected_namespaces=())
 
     def resolved_queue_size(self) -> int:
-        """``queue_size``, or its automatic value when 0."""
-        return self.queue_size or max(8 * self.max_images, 2 * self.max_batch_size)
+        """``queue_size``, or its automatic value when 0: what the request threads feeding one queue can hold (an
+        engine serves every HTTP worker; inline, a worker its own threads)."""
+        feeding_workers = -(-(self.workers or 1) // self.engines) if self.engines else 1
+        return self.queue_size or max(feeding_workers * self.threads * self.max_images, 2 * self.max_batch_size)
 
     def model_processes(self) -> int:
         """How many processes load models side by side, share the host's cores and report what they serve: the

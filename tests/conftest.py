@@ -22,7 +22,7 @@ from harness.servers import Running
 from tests.support.fakes import ColourModel, tiny_manifest
 from tests.support import scheduling
 from tests.support.servers import serve
-from tests.support.shared import shared_folder, the_machine
+from tests.support.shared import shared_folder
 
 # A test that uses one of these starts a server, loads real weights, runs torchrun, trains on photos or exports
 # ONNX (the exporter takes seconds per model): it is marked slow, so `pytest -m "not slow"` stays under a minute
@@ -114,16 +114,6 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
     """`--dist loadgroup`: the groups and the order of tests/support/scheduling.py."""
     return scheduling.make_scheduler(config, log) if config.getvalue("dist") == "loadgroup" else None
-
-
-@pytest.fixture(autouse=True)
-def _the_machine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Under pytest-xdist, an ALONE test runs while the other workers wait (tests/support/scheduling.py)."""
-    if not hasattr(request.config, "workerinput"):
-        yield
-        return
-    with the_machine(tmp_path_factory, alone=scheduling.alone(request.node.nodeid)):
-        yield
 
 
 @pytest.fixture(autouse=True)

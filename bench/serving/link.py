@@ -25,6 +25,7 @@ from pathlib import Path
 import requests
 from PIL import Image
 
+from bench.serving.load import server_counters
 from harness.faults import small_weights
 from harness.servers import ROOT, free_port
 
@@ -113,9 +114,11 @@ def one_round(checkout: Path, weights: Path | None, args: argparse.Namespace) ->
                        if weights and (".link.server" in command or ".engine.process" in command)]
             workers = [p for p in children if p not in engines]
             before = {p: _cpu_s(p) for p in children}
+            stages_before = server_counters(url) if weights else {}
             started = time.perf_counter()
             count, latencies, errors = _load(url, body, clients, seconds)
             elapsed = time.perf_counter() - started
+            stages = {k: v - stages_before.get(k, 0.0) for k, v in server_counters(url).items()} if weights else {}
             gone = [p for p in children if not Path(f"/proc/{p}/stat").exists()]
             if gone:  # a worker or engine that exited under load: said, with the server's log, not counted
                 print(f"exited during the round: {[children[p] for p in gone]}\n"
@@ -126,7 +129,10 @@ def one_round(checkout: Path, weights: Path | None, args: argparse.Namespace) ->
             process.wait(30)
     return {"req_s": count / elapsed, "p50_ms": statistics.median(latencies) * 1000, "errors": errors,
             "worker_us": sum(spent.get(p, 0.0) for p in workers) / count * 1e6,
-            "engine_us": sum(spent.get(p, 0.0) for p in engines) / count * 1e6}
+            "engine_us": sum(spent.get(p, 0.0) for p in engines) / count * 1e6,
+            # the engine's CPU less its decode and forward threads' (the stage counters): the serving overhead
+            "engine_other_us": (sum(spent.get(p, 0.0) for p in engines) - stages.get("stage_cpu_seconds_total:decode", 0)
+                                - stages.get("stage_cpu_seconds_total:inference", 0)) / count * 1e6}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -153,13 +159,14 @@ def main(argv: list[str] | None = None) -> None:
                 figures[label].append(one_round(checkout, weights if served else None, args))
     print(f"ENGINE=process on {args.device}, {args.workers} HTTP workers, {args.clients} clients, "
           f"{args.seconds:g} s x {args.rounds} rounds (medians); CPU per request from /proc")
-    print(f"{'server':<40} {'req/s':>8} {'p50 ms':>8} {'worker us':>10} {'engine us':>10} {'errors':>7}")
+    print(f"{'server':<40} {'req/s':>8} {'p50 ms':>8} {'worker us':>10} {'engine us':>10} {'other us':>9} "
+          f"{'errors':>7}")
     medians = {}
     for label, rounds in figures.items():
         medians[label] = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
         m = medians[label]
         print(f"{label[-40:]:<40} {m['req_s']:>8.1f} {m['p50_ms']:>8.1f} {m['worker_us']:>10.0f} "
-              f"{m['engine_us']:>10.0f} {m['errors']:>7.0f}")
+              f"{m['engine_us']:>10.0f} {m['engine_other_us']:>9.0f} {m['errors']:>7.0f}")
     this = medians[str(ROOT)]
     for checkout in checkouts[1:]:
         ratio = {k: this[k] / medians[str(checkout)][k] for k in ("req_s", "worker_us", "engine_us")}
@@ -168,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.bare:
         unit = medians["bare Flask app (the unit)"]["worker_us"]
         print(f"in bare-Flask requests ({unit:.0f} us of worker CPU each): HTTP worker {this['worker_us'] / unit:.2f} "
-              f"per request (budget 1.5), engine {this['engine_us'] / unit:.3f} per image (budget 0.1)")
+              f"per request (budget 1.5), engine {this['engine_us'] / unit:.3f} per image, of which not decode or "
+              f"forward {this['engine_other_us'] / unit:.3f} (budget 0.1)")
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,7 @@
 """A closed-loop load generator: C threads, each with its own keep-alive connection, posting raw JPEG bodies."""
 from __future__ import annotations
 
+import collections
 import http.client
 import re
 import resource
@@ -73,9 +74,9 @@ class _Client:
         self._headers = {"Content-Type": content_type}
         self._conn: http.client.HTTPConnection | None = None
 
-    def post(self, body: bytes) -> bool:
-        """Send one request and read the whole answer; True for a 200. A failed connection is dropped and opened
-        again on the next call."""
+    def post(self, body: bytes) -> int:
+        """Send one request and read the whole answer; its status (0: no answer). A failed connection is dropped
+        and opened again on the next call."""
         try:
             if self._conn is None:
                 self._conn = http.client.HTTPConnection(self._host, self._port, timeout=120)
@@ -84,10 +85,10 @@ class _Client:
             response.read()
             if response.will_close:
                 self.close()
-            return response.status == 200
+            return response.status
         except (OSError, http.client.HTTPException):
             self.close()
-            return False
+            return 0
 
     def close(self) -> None:
         """Close the connection, if open."""
@@ -97,10 +98,12 @@ class _Client:
 
 
 def closed_loop(url: str, bodies: Sequence[bytes], concurrency: int, duration_s: float, warmup_s: float,
-                content_type: str = "image/jpeg") -> tuple[list[float], int, int]:
+                content_type: str = "image/jpeg", statuses: collections.Counter[int] | None = None
+                ) -> tuple[list[float], int, int]:
     """Run C clients for warm-up + duration; returns latencies (s) and errors inside the measured window, and every
-    answered request (200) until the last client stopped, for CPU per request over the whole call.
-    Each client sends its next request as soon as the previous answer arrives."""
+    answered request (200) until the last client stopped, for CPU per request over the whole call; ``statuses``
+    counts the measured window's answers by status (0: none). Each client sends its next request as soon as the
+    previous answer arrives (a 429's Retry-After is not waited for: the overload a client that retries makes)."""
     start = time.perf_counter()
     measure_from, stop_at = start + warmup_s, start + warmup_s + duration_s
     latencies: list[float] = []
@@ -114,12 +117,14 @@ def closed_loop(url: str, bodies: Sequence[bytes], concurrency: int, duration_s:
             sent = time.perf_counter()
             if sent >= stop_at:
                 break
-            ok = connection.post(bodies[i % len(bodies)])
-            done = time.perf_counter()
+            status = connection.post(bodies[i % len(bodies)])
+            ok, done = status == 200, time.perf_counter()
             i += concurrency
             with lock:
                 answered[0] += ok
                 if sent >= measure_from and done <= stop_at:
+                    if statuses is not None:
+                        statuses[status] += 1
                     if ok:
                         latencies.append(done - sent)
                     else:

@@ -185,12 +185,15 @@ def test_scores_are_rounded_to_the_configured_digits(settings: Settings, predict
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 
 
-def test_the_default_queue_holds_several_maximum_size_requests(predictor) -> None:  # noqa: ANN001
-    # Before: a 64-image queue, so six concurrent 16-image requests on an idle server got two 429s.
+def test_the_default_queue_holds_every_image_its_request_threads_hold(predictor) -> None:  # noqa: ANN001
+    # Before: a 64-image queue, so six concurrent 16-image requests on an idle server got two 429s; then a 128-image
+    # one, which refused at C=16 x 16 images what would have been answered in time (what refuses is time).
     from app.factory import create_app
 
     defaults = Settings(device="cpu", max_batch_size=4, auto_batch_size=False, max_wait_ms=5)
-    assert defaults.resolved_queue_size() == 8 * defaults.max_images == 128
+    assert defaults.resolved_queue_size() == defaults.threads * defaults.max_images == 512
+    engine = defaults.model_copy(update={"workers": 5, "engines": 2})  # an engine serves every HTTP worker's threads
+    assert engine.resolved_queue_size() == 3 * 512
     app = create_app(defaults, predictor)
     model = predictor.module
     try:

@@ -30,6 +30,7 @@ def test_the_weights_dir_variable_wins_over_the_makefile_default() -> None:
     assert "VISIONSERVE_WEIGHTS_DIR=elsewhere " in _make_serve(WEIGHTS_DIR="elsewhere")
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_export_refuses_to_replace_a_different_model_without_force(tmp_path: Path) -> None:
     # Before: `models.export ... --out weights/` silently overwrote the default model.
     export_tiny(tmp_path, version="1")

@@ -7,7 +7,6 @@ order it runs):
   server (gunicorn on the real model), and a module fixture that takes seconds to a minute (an export, a server).
   The session's exports (``real_weights``, ``small_weights``) need no rule: every worker reuses the first one's
   (tests/support/shared.py).
-* ``ALONE``: tests that time something run while no other test runs, at the end of the run.
 * ``LONG``: the longest tests start first, longest first, then the folders whose tests are long (servers,
   training), and the many short tests last, so the workers end together. A worker still busy with one of the
   ``LONG`` tests is handed its next tests from the short end of the queue, instead of holding a long one back.
@@ -38,9 +37,6 @@ SAME_WORKER: tuple[tuple[str, str], ...] = (  # (node id prefix, group)
     ("tests/app/test_int8_packages.py::", "an int8 package"),
     ("tests/app/test_onnx.py::", "an ONNX export"),
 )
-ALONE = (  # they assert on how long something takes on an idle machine: no other worker runs a test meanwhile
-    "tests/server/test_gunicorn_e2e.py::test_a_starting_worker_answers_every_request_from_the_moment_the_port_opens",
-)
 LONG = (  # about a minute or more on 2 cores, longest first
     "tests/server/test_docs_walkthrough.py::test_the_training_and_models_docs_run_end_to_end",
     "tests/server/test_rollouts.py::",
@@ -58,17 +54,9 @@ LONG = (  # about a minute or more on 2 cores, longest first
 FOLDERS = ("tests/server/", "tests/training/", "tests/deploy/")  # then the rest: tests/app/, tests/unit/
 
 
-def alone(nodeid: str) -> bool:
-    """Whether the test runs while the other workers wait (tests/support/shared.py's ``the_machine``)."""
-    return nodeid.startswith(ALONE)
-
-
 def rank(nodeid: str) -> int:
-    """Where a test goes in the order the workers are handed tests (lower: earlier). The ALONE tests last: then
-    the others' tests they wait for are short, and a worker with nothing left to do loses nothing."""
+    """Where a test goes in the order the workers are handed tests (lower: earlier)."""
     order = LONG + FOLDERS
-    if alone(nodeid):
-        return len(order) + 1
     return next((i for i, prefix in enumerate(order) if nodeid.startswith(prefix)), len(order))
 
 
@@ -94,7 +82,7 @@ def make_scheduler(config: Any, log: Any) -> Any:
         def _assign_work_unit(self, node: Any) -> None:
             pending = [nodeid for unit in self.assigned_work.get(node, {}).values()
                        for nodeid, done in unit.items() if not done]
-            short = next((unit for unit in reversed(self.workqueue) if not alone(unit)), None)
+            short = next(reversed(self.workqueue), None)
             if short is not None and any(rank(nodeid) < len(LONG) for nodeid in pending):
                 self.workqueue.move_to_end(short, last=False)  # the shortest next
             super()._assign_work_unit(node)

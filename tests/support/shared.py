@@ -7,9 +7,8 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import pytest
 
@@ -32,19 +31,3 @@ def shared_folder(tmp_path_factory: pytest.TempPathFactory, name: str, build: Ca
             build(out)
             done.touch()
     return out
-
-
-@contextmanager
-def the_machine(tmp_path_factory: pytest.TempPathFactory, alone: bool) -> Iterator[None]:
-    """Around each test under pytest-xdist: an ``alone`` test (it asserts on how long something takes on an
-    idle machine) runs while no other worker runs a test, the others side by side. A lock file that the tests
-    share and an ``alone`` one holds exclusively, behind a turnstile that an ``alone`` test holds while it waits,
-    so no worker starts another test meanwhile and the wait ends when the tests running now end."""
-    root = run_temp(tmp_path_factory)
-    with (root / "machine.turnstile").open("a") as turnstile, (root / "machine.lock").open("a") as lock:
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        finally:
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
-        yield  # the lock goes with the file

@@ -64,6 +64,7 @@ def test_the_default_export_writes_the_version_asked_for_and_never_rewrites_one(
     assert "already holds efficientnet_lite0 1: leave --version out for the next number (3), or pass --force" in line
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_a_checkpoint_export_never_replaces_an_export_unless_forced(run: Path, tmp_path: Path,
                                                                     caplog: pytest.LogCaptureFixture) -> None:
     best, repository, out = str(run / BEST_NAME), tmp_path / "repository", tmp_path / "out"

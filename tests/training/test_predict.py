@@ -94,6 +94,7 @@ def test_a_folder_is_scored_in_order_with_the_unreadable_files_named(weights: Pa
     assert not (tmp_path / "scores.jsonl.parts").exists()
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_a_rerun_skips_what_is_written_and_a_stopped_run_resumes(weights: Path, photos: Path, tmp_path: Path,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     args = ["--weights", str(weights), "--data", str(photos), "--batch-size", "4", "--workers", "0"]
@@ -133,6 +134,7 @@ def test_csv_output_and_parquet_without_pyarrow(weights: Path, photos: Path, tmp
         assert "pip install pyarrow" in caplog.text
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_the_answers_equal_the_servers_for_the_same_files(weights: Path, photos: Path, tmp_path: Path) -> None:
     # The server as it loads by default on the CPU (frozen TorchScript), each image alone through its decode paths.
     server = Predictor.load(weights, device="cpu", jit_optimize=True)
@@ -175,6 +177,7 @@ def test_on_the_cpu_it_scores_with_onnx_runtime_when_the_server_would(photos: Pa
         assert torch.allclose(torch.tensor(line["scores"]), scores, atol=1e-5)
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_an_evaluation_equals_the_training_scripts_evaluate(weights: Path, digits: Path, tmp_path: Path) -> None:
     out = tmp_path / "eval.jsonl"
     # evaluate() runs PIL's eval transform (what training validates with): the pil decode path is the same pixels.

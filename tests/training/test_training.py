@@ -103,6 +103,7 @@ def test_one_epoch_exports_weights_the_app_serves_with_evaluates_predictions(fol
     assert export_main(["--checkpoint", str(tmp_path / "missing.pt"), "--out", str(again), *NO_PACKAGES]) == 2
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_resume_after_an_interruption_matches_an_uninterrupted_run(folder: Path, tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     # mobilenet_v3_small has dropout, so this also checks that the RNG state is carried over.
@@ -205,6 +206,7 @@ def _lrs(run: Path) -> list[float]:
     return [row["lr"] for row in read_metrics(run)]
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_extending_a_finished_run_continues_the_schedule_and_a_finished_run_says_so(
         folder: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # Before: --resume --epochs 4 on a 2-epoch run restarted the cosine (lr 0.0, then 0.0019); resuming a finished
@@ -264,6 +266,7 @@ def test_a_flat_folder_is_split_with_val_split(tmp_path: Path, caplog: pytest.Lo
     assert train.main(small_args(flat, tmp_path / "run", "--val-split", "0.4")) == 0
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_the_default_version_is_unique_per_weights_and_stable_per_checkpoint(folder: Path, tmp_path: Path) -> None:
     # Before: every export was version "epoch-0".
     runs = [tmp_path / "a", tmp_path / "b"]
@@ -342,6 +345,7 @@ def _seconds(text: str) -> int:
     return 3600 * hours + 60 * minutes + seconds
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_the_whole_time_of_a_run_counts_its_export(folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     # Before: "done: ... 57s in all" was the epochs' time; the export after it (the command took 1m39s) was left out.

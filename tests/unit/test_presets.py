@@ -90,6 +90,7 @@ def test_the_eval_transforms_give_torchvisions_values(preset: EvalPreset) -> Non
             assert got.shape == expected.shape == preset.input_shape and torch.equal(got, expected), size
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_serving_a_model_on_the_tensor_path_imports_no_torchvision(tmp_path: Path) -> None:
     # torchvision imports torch._dynamo: about a second of every worker's start, for nothing the CPU path uses.
     script = """

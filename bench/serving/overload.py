@@ -1,0 +1,99 @@
+"""Overload, bar style: clients that retry at once, at 8x the concurrency that saturates the server, against the
+server at that saturating concurrency, in each engine layout (issue #50, item 3).
+
+    .venv/bin/python -m bench.serving.overload                      # Lite0, inline and process, 16 and 1 image(s)
+    .venv/bin/python -m bench.serving.overload --model small --seconds 6 --points 16x2 1x4
+    python3 -m bench.serving.overload --device cuda --points 1x64 16x16   # on a GPU host
+
+Each point (IMAGESxC: images per request, the saturating concurrency) runs C clients, then 8 x C clients, each for
+``--seconds`` after a warm-up, on one server start per engine. Printed per run: goodput (images/s of 200 answers),
+the answers by status, p50/p99 of the 200s and the longest, and the ratio of the overloaded goodput to the
+saturated one (the bar: >= 0.9, answers only 200/429/503).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import tempfile
+from pathlib import Path
+
+from bench.serving.load import closed_loop
+from harness.photos import imagenet_workload, request_bodies
+from harness.servers import visionserve
+
+OVERLOAD = 8
+
+
+def point(url: str, per_request: int, concurrency: int, seconds: float, warmup: float) -> dict[str, object]:
+    """One closed-loop run: goodput, answers by status and latencies of the 200s."""
+    bodies, content_type = request_bodies(imagenet_workload(), per_request)
+    statuses: collections.Counter[int] = collections.Counter()
+    closed_loop(url + "/predict", bodies, concurrency, warmup, 0.0, content_type)
+    latencies, _, _ = closed_loop(url + "/predict", bodies, concurrency, seconds, 0.0, content_type, statuses)
+    ms = sorted(x * 1000 for x in latencies)
+
+    def pct(q: float) -> float:
+        return ms[min(len(ms) - 1, int(q * len(ms)))] if ms else float("nan")
+
+    return {"per_request": per_request, "concurrency": concurrency, "img_s": statuses[200] * per_request / seconds,
+            "statuses": dict(sorted(statuses.items())), "p50_ms": pct(0.5), "p99_ms": pct(0.99),
+            "max_ms": ms[-1] if ms else float("nan")}
+
+
+def weights_for(model: str, work: Path) -> Path:
+    if model == "small":
+        from harness.faults import small_weights
+
+        return small_weights(work / "small")
+    from bench.paths import WORK
+    from bench.serving.compare import export_models
+
+    return export_models(WORK / "weights", [model])[model]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="efficientnet_lite0", choices=("efficientnet_lite0", "small"))
+    parser.add_argument("--engines", nargs="+", default=["inline", "process"], choices=("inline", "process"))
+    parser.add_argument("--points", nargs="+", default=["16x2", "1x4"],
+                        help="IMAGESxC: images per request and the concurrency that saturates the server")
+    parser.add_argument("--seconds", type=float, default=12.0)
+    parser.add_argument("--warmup", type=float, default=3.0)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--workers", default="0", help="WORKERS (0: the server's automatic count)")
+    parser.add_argument("--queue-sizes", nargs="+", default=["0"],
+                        help="QUEUE_SIZE, a server start per value (0: the automatic size; 128: the count before)")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args(argv)
+    points = [tuple(int(x) for x in p.split("x")) for p in args.points]
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        weights = weights_for(args.model, Path(folder))
+        for engine, queue_size in ((e, q) for e in args.engines for q in args.queue_sizes):
+            server = visionserve(weights, Path(folder), engine=engine, device=args.device, workers=args.workers,
+                                 queue_size=queue_size, max_images=str(max(n for n, _ in points))).wait_ready()
+            try:
+                for per_request, saturating in points:
+                    for concurrency in (saturating, OVERLOAD * saturating):
+                        row = {"engine": engine, "queue_size": queue_size,
+                               **point(server.url, per_request, concurrency, args.seconds, args.warmup)}
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+            finally:
+                server.stop()
+    print(f"\n{args.model} on {args.device}, {args.seconds:g} s per point; goodput = images/s of 200 answers")
+    print(f"{'engine':<8} {'queue':>5} {'img/req':>7} {'C':>5} {'goodput':>9} {'of peak':>8} {'p50 ms':>8} {'p99 ms':>8} "
+          f"{'max ms':>8}  answers")
+    for row in rows:
+        peak = next(r["img_s"] for r in rows if r["engine"] == row["engine"]
+                    and r["queue_size"] == row["queue_size"] and r["per_request"] == row["per_request"])
+        ratio = row["img_s"] / peak if peak else float("nan")
+        print(f"{row['engine']:<8} {row['queue_size']:>5} {row['per_request']:>7} {row['concurrency']:>5} {row['img_s']:>9.1f} "
+              f"{ratio:>8.2f} {row['p50_ms']:>8.0f} {row['p99_ms']:>8.0f} {row['max_ms']:>8.0f}  {row['statuses']}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
