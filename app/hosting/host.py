@@ -57,11 +57,12 @@ def placed_device(setting: str, slot: int | None, gpus: int, workers_per_gpu: in
     return f"cuda:{gpu_for(slot, gpus, workers_per_gpu)}"
 
 
-def engine_mode(setting: str, device: str) -> str:
-    """``process`` or ``inline`` (Settings.engine): ``auto`` is ``process`` where a GPU serves, else ``inline``."""
-    if setting != "auto":
-        return setting
-    return "process" if device != "cpu" and visible_gpus() > 0 else "inline"
+def engine_mode(setting: str) -> str:
+    """``process`` or ``inline`` (Settings.engine): ``auto`` is ``inline`` on every host for now. On an H100 one engine
+    process served a third of what inline workers did (its interpreter, not the GPU, was the bound:
+    bench/results/2026-11-27-gpu-drill-h100.md); ``auto`` becomes ``process`` with a GPU once the engine's CPU per
+    image is within its budget (issue #50)."""
+    return "inline" if setting == "auto" else setting
 
 
 def engine_count(device: str) -> int:
