@@ -141,6 +141,7 @@ def test_the_manifest_reference_is_the_one_compared_with(settings: Settings) -> 
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_a_manifest_without_a_reference_loads_and_serves(tmp_path: Path) -> None:
     weights = export_tiny(tmp_path / "weights")
     written = json.loads((weights / MANIFEST_NAME).read_text())

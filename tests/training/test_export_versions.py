@@ -43,6 +43,7 @@ def _export(argv: list[str], caplog: pytest.LogCaptureFixture) -> tuple[int, str
     return code, caplog.text
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_the_default_export_writes_the_version_asked_for_and_never_rewrites_one(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     # Before: --default ignored --version and rewrote the newest version (here 1) in place. A 1000-class
@@ -89,6 +90,7 @@ def test_a_checkpoint_export_never_replaces_an_export_unless_forced(run: Path, t
     assert code == 2 and "is a Python package" in text and not (package / "mine").exists()
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_a_checkpoint_from_before_the_reference_exports_without_one(run: Path, tmp_path: Path,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     state = torch.load(run / BEST_NAME, map_location="cpu", weights_only=True)

@@ -240,6 +240,7 @@ def _stop_line(caplog: pytest.LogCaptureFixture) -> str:
     return line
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_ctrl_c_says_what_is_written_and_the_command_that_goes_on(weights: Path, photos: Path, tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch,
                                                                   caplog: pytest.LogCaptureFixture) -> None:
@@ -374,6 +375,7 @@ def test_wrong_paths_are_named_before_the_model_loads(weights: Path, photos: Pat
         [*given, "--data", str(photos), "--out", out, "--labels", str(tmp_path / "no-labels")], caplog)
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_a_training_folder_as_labels_names_the_split_to_evaluate(weights: Path, digits: Path, tmp_path: Path,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     # Before: --labels data/mine on the docs' own train/ + val/ folder said "--labels names classes the model does
@@ -397,6 +399,7 @@ def test_a_training_folder_as_labels_names_the_split_to_evaluate(weights: Path, 
     assert json.loads((tmp_path / "eval-report" / "metrics.json").read_text())["count"] == 4
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_the_report_goes_beside_out_and_a_page_without_mistakes_says_so(weights: Path, photos: Path,
                                                                         tmp_path: Path) -> None:
     # Before: with no mistakes mistakes.html said "0 most confident mistakes: ...".

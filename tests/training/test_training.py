@@ -362,6 +362,7 @@ def test_the_whole_time_of_a_run_counts_its_export(folder: Path, tmp_path: Path,
     assert _seconds(found.group(2)) >= _seconds(found.group(1)) + 2, line  # rounded to seconds: 3 s, less 1
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_the_summary_names_the_best_epoch_as_the_manifest_does_and_its_export_runs_as_printed(
         folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     # Before: the manifest's source said "epoch 1" of the log's "best epoch 2" (the loop's 0-based epoch).
@@ -405,6 +406,7 @@ def test_versions_go_into_a_repository_and_the_newest_is_served(folder: Path, tm
             app.extensions[EXTENSION_KEY].shutdown(timeout=10)
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_the_gpu_data_path_trains_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     from demo_data.photos import write_photos
 
@@ -447,6 +449,7 @@ def test_the_summary_serves_what_the_run_exported(folder: Path, tmp_path: Path,
     assert "wrote model mine version 1 (3 classes" in caplog.text
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_progress_counts_epochs_from_one_and_the_bar_shows_each_new_loss(folder: Path, tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch,
                                                                          caplog: pytest.LogCaptureFixture) -> None:
@@ -468,6 +471,7 @@ def test_progress_counts_epochs_from_one_and_the_bar_shows_each_new_loss(folder:
     assert any(line.startswith("done: best epoch 1,") or line.startswith("done: best epoch 2,") for line in lines)
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_a_val_top1_tie_goes_to_the_lower_val_loss(folder: Path, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     # Before: best.pt kept the first epoch of a tie (on small sets top-1 moves in steps of 1/len(val)).

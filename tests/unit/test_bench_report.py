@@ -29,6 +29,7 @@ def _results() -> dict[str, object]:
                        {"settings": {"workers": "3"}, "images_per_s": 110.0, "p99_ms": 290.0}]}
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_points_are_compared_with_the_higher_limit_and_their_own_ceiling(tmp_path: Path) -> None:
     args = argparse.Namespace(seconds=8.0, warmup=2.0)
     machine = {"platform": "test", "cpus": 2, "torch": "x", "device": "cpu", "seconds": 1}

@@ -244,6 +244,7 @@ def test_the_http_side_imports_no_torch() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_importing_the_engine_loads_no_flask() -> None:
     code = ("import sys, app.engine.service, app.engine.loaded.predictor; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('flask', 'werkzeug') "
