@@ -51,10 +51,10 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
     facts = ("import os, torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), "
              "torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU', 'cores', os.cpu_count())")
     if smoke:
-        served = ["--models", "mobilenet_v3_small", "--batch-sizes", "2", "--concurrency", "1", "2",
+        served = ["--models", "mobilenet_v3_small", "--batch-sizes", "2", "--concurrency", "2",
                   "--images-per-request", "1", "2", "--seconds", "0.5", "--warmup", "0.2", "--limit-seconds", "0.3",
                   "--workers", "1"]
-        link = ["--seconds", "1", "--clients", "2"]
+        link = ["--seconds", "0.5", "--clients", "2"]
         tests = ["-m", "gpu", "tests/unit/test_device.py"]
         train = ["--archs", "resnet18", "--batch-size", "4", "--crop-size", "32", "--steps", "1", "--warmup", "1",
                  "--workers", "1", "--paths", "synthetic", "cpu"]
