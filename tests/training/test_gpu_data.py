@@ -177,4 +177,7 @@ def test_on_cuda_the_gpu_path_gives_the_cpu_decoders_batches(folder: Path) -> No
         assert b.device.type == "cuda" and b.is_contiguous(memory_format=torch.channels_last)
         assert torch.equal(ta, tb.cpu())
         levels = ((b.cpu() - a) * torch.tensor(PRESET.std).view(1, 3, 1, 1) * 255).abs()
-        assert levels.flatten(1).mean(1).max() < 2.0  # decoders and resize kernels differ by a level or so
+        # Decoders and resize kernels differ by a level or two: on an H100 (2026-11-27) a mean of 0.16 to 2.18
+        # levels per sample, the most on a small crop enlarged, which magnifies nvJPEG's and libjpeg-turbo's
+        # different chroma upsampling. A wrong channel order or normalisation is tens of levels.
+        assert levels.flatten(1).mean(1).max() < 3.0
