@@ -46,12 +46,12 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
     tiny, on the CPU."""
     py = sys.executable
     photos = work / "photos"
-    lite0 = ROOT / "bench" / ".work" / "weights" / "efficientnet_lite0"
-    device, dtype = ("cpu", "float32") if smoke else ("cuda", "float32")
+    device, model = ("cpu", "mobilenet_v3_small") if smoke else ("cuda", "efficientnet_lite0")
+    weights = ROOT / "bench" / ".work" / "weights" / model  # what the served step exports (bench.serving.compare)
     facts = ("import os, torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), "
              "torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU', 'cores', os.cpu_count())")
     if smoke:
-        served = ["--models", "mobilenet_v3_small", "--batch-sizes", "2", "--concurrency", "2",
+        served = ["--batch-sizes", "2", "--concurrency", "2",
                   "--images-per-request", "1", "2", "--seconds", "0.5", "--warmup", "0.2", "--limit-seconds", "0.3",
                   "--workers", "1"]
         link = ["--seconds", "0.5", "--clients", "2"]
@@ -59,9 +59,8 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         train = ["--archs", "resnet18", "--batch-size", "4", "--crop-size", "32", "--steps", "1", "--warmup", "1",
                  "--workers", "1", "--paths", "synthetic", "cpu"]
         photo_counts = ["--classes", "2", "--train-per-class", "4", "--val-per-class", "2"]
-        lite0 = ROOT / "bench" / ".work" / "weights" / "mobilenet_v3_small"
     else:
-        served = ["--models", "efficientnet_lite0", "--batch-sizes", "64", "--concurrency", "64", "256", "1024",
+        served = ["--batch-sizes", "64", "--concurrency", "64", "256", "1024",
                   "--images-per-request", "1", "16", "--seconds", "4", "--warmup", "1", "--limit-seconds", "2",
                   "--workers", "0"]
         link = ["--seconds", "4", "--clients", "16", "--workers", "4"]
@@ -71,13 +70,13 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         photo_counts = ["--classes", "20", "--train-per-class", "60", "--val-per-class", "20"]
     return [
         Step("facts", 30, (py, "-c", facts), least_s=5),
-        Step("served", 230, (py, "-m", "bench.serving.gpu", "--device", device, "--dtype", dtype, "--engines",
-                             "process", "inline", "--decode-paths", "auto", "--processes", "--workload", "imagenet",
-                             *served, "--out", str(figures)), least_s=60),
+        Step("served", 230, (py, "-m", "bench.serving.gpu", "--device", device, "--dtype", "float32", "--models",
+                             model, "--engines", "process", "inline", "--decode-paths", "auto", "--processes",
+                             "--workload", "imagenet", *served, "--out", str(figures)), least_s=60),
         Step("link", 60, (py, "-m", "bench.serving.link", "--device", device, "--rounds", "1", "--bare", *link)),
         Step("gpu-tests", 100, (py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests)),
         Step("photos", 40, (py, "-m", "demo_data", "photos", "--out", str(photos), *photo_counts), least_s=10),
-        Step("predict", 50, (py, "-m", "models.predict", "--weights", str(lite0), "--data", str(photos / "val"),
+        Step("predict", 50, (py, "-m", "models.predict", "--weights", str(weights), "--data", str(photos / "val"),
                              "--out", str(figures / "predict.jsonl"), "--device", device)),
         Step("train-feed", 100, (py, "-m", "bench.training.train", "--device", device, "--data", str(photos),
                                  "--rounds", "1", "--no-variants", "--ddp", "0", *train, "--out", str(figures))),

@@ -59,8 +59,10 @@ def _start(checkout: Path, weights: Path | None, log: Path, device: str, workers
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     command = ["bin/serve"]
     if weights is None:
-        command = [sys.executable, "-m", "gunicorn", "-c", "/dev/null", "-k", "app.hosting.worker.BufferingWorker", "--threads", "16",
-                   "-w", str(workers), "-b", f"127.0.0.1:{port}", "--log-level", "warning", "bench.serving.bare_app:app"]
+        # -c /dev/null: not the project's gunicorn.conf.py, which would start an engine beside the bare app
+        command = [sys.executable, "-m", "gunicorn", "-c", "/dev/null", "-k", "app.hosting.worker.BufferingWorker",
+                   "--threads", "16", "-w", str(workers), "-b", f"127.0.0.1:{port}", "--log-level", "warning",
+                   "bench.serving.bare_app:app"]
     else:
         env["VISIONSERVE_WEIGHTS_DIR"] = str(weights)
     process = subprocess.Popen(command, cwd=checkout, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
@@ -131,8 +133,9 @@ def one_round(checkout: Path, weights: Path | None, args: argparse.Namespace) ->
             "worker_us": sum(spent.get(p, 0.0) for p in workers) / count * 1e6,
             "engine_us": sum(spent.get(p, 0.0) for p in engines) / count * 1e6,
             # the engine's CPU less its decode and forward threads' (the stage counters): the serving overhead
-            "engine_other_us": (sum(spent.get(p, 0.0) for p in engines) - stages.get("stage_cpu_seconds_total:decode", 0)
-                                - stages.get("stage_cpu_seconds_total:inference", 0)) / count * 1e6}
+            "engine_other_us": (sum(spent.get(p, 0.0) for p in engines)
+                                - stages.get("stage_cpu_seconds_total:decode", 0.0)
+                                - stages.get("stage_cpu_seconds_total:inference", 0.0)) / count * 1e6}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -145,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu", help="the engine's device (DEVICE): cpu, cuda")
     parser.add_argument("--workers", type=int, default=2, help="HTTP workers (WORKERS)")
     parser.add_argument("--bare", action="store_true",
-                        help="also measure the bare Flask app (bench/serving/bare_app.py) each round: the budget's unit")
+                        help="also measure the bare Flask app (bench/serving/bare_app.py) each round: the budget's "
+                        "unit")
     args = parser.parse_args(argv)
     checkouts = [ROOT, *args.checkout]
     runs: list[tuple[str, Path, bool]] = [(str(c), c, True) for c in checkouts]
@@ -174,9 +178,10 @@ def main(argv: list[str] | None = None) -> None:
               f"engine CPU x{ratio['engine_us']:.2f}")
     if args.bare:
         unit = medians["bare Flask app (the unit)"]["worker_us"]
-        print(f"in bare-Flask requests ({unit:.0f} us of worker CPU each): HTTP worker {this['worker_us'] / unit:.2f} "
-              f"per request (budget 1.5), engine {this['engine_us'] / unit:.3f} per image, of which not decode or "
-              f"forward {this['engine_other_us'] / unit:.3f} (budget 0.1)")
+        print(f"in bare-Flask requests ({unit:.0f} us of worker CPU each): HTTP worker "
+              f"{this['worker_us'] / unit:.2f} per request (budget 1.5), engine {this['engine_us'] / unit:.3f} per "
+              f"image, of which not decode or forward {this['engine_other_us'] / unit:.3f} (budget 0.1)")
+
 
 if __name__ == "__main__":
     main()

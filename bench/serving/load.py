@@ -38,7 +38,7 @@ class LoadResult:
     forward_cpu_ms: float | None = None  # and the forward pass, per image
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     if len(values) == 1:
@@ -159,8 +159,8 @@ def measure(server: str, model: str, base_url: str, path: str, bodies: Sequence[
         return 1000 * delta[key] / images if images and key in delta else None
 
     ms = sorted(x * 1000 for x in latencies)
-    return LoadResult(server, model, concurrency, len(latencies) / duration_s, _percentile(ms, 50),
-                      _percentile(ms, 95), _percentile(ms, 99), errors, len(latencies) + errors,
+    return LoadResult(server, model, concurrency, len(latencies) / duration_s, percentile(ms, 50),
+                      percentile(ms, 95), percentile(ms, 99), errors, len(latencies) + errors,
                       images / batches if batches else None, server_cores, client_cores,
                       1000 * server_cores * wall / answered if server_cores and answered else None,
                       per_image_ms("stage_cpu_seconds_total:decode"),
