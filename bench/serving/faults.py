@@ -14,7 +14,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
 
     def start(weights: Path, **settings: str) -> Running:
-        defaults = {"auto_batch_size": "false", "log_level": "info", "shutdown_drain_s": "0.5"}
+        defaults = {"auto_batch_size": "false", "log_level": "info"}
         return visionserve(weights, work, **(defaults | settings))
 
     rows = matrix(start, small_weights(work / "small"), choosy_weights(work / "choosy"))

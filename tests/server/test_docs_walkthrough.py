@@ -98,7 +98,7 @@ class Walk:
         log_dir = self.work / f"server-{self.started}"
         log_dir.mkdir()
         self.started += 1
-        self.server = visionserve(weights, log_dir, log_level="info", shutdown_drain_s="0.5",
+        self.server = visionserve(weights, log_dir, log_level="info",
                                   **{k.removeprefix("VISIONSERVE_").lower(): v for k, v in settings.items()})
         self.server.wait_ready()
 

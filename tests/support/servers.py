@@ -8,7 +8,7 @@ from harness.servers import Running, visionserve
 
 def serve(weights: Path, log_dir: Path, **settings: str) -> Running:
     """The service on ``weights`` through bin/serve (harness/servers.py's ``visionserve``, which the benchmarks
-    start it with too), with the configured batch cap, info logs, one worker (tests that want more say so) and a
-    short shutdown drain by default (each stop would otherwise keep the listener open for 5 s)."""
-    defaults = {"auto_batch_size": "false", "log_level": "info", "shutdown_drain_s": "0.5", "workers": "1"}
+    start it with too), with the configured batch cap, info logs and one worker by default (tests that want more
+    say so)."""
+    defaults = {"auto_batch_size": "false", "log_level": "info", "workers": "1"}
     return visionserve(weights, log_dir, **(defaults | settings))

@@ -154,7 +154,8 @@ def test_a_fine_tune_learns_the_same_on_both_paths(tmp_path: Path) -> None:
     for backend in ("cpu", "gpu"):
         run = tmp_path / backend
         assert train.main(["--data", str(data), "--arch", "efficientnet_lite0", "--pretrained", "--freeze-backbone",
-                           "--epochs", "2", "--batch-size", "20", "--workers", "1", "--device", "cpu", "--lr", "0.05",
+                           "--epochs", "2", "--batch-size", "20", "--crop-size", "128", "--resize-size", "146",
+                           "--workers", "1", "--device", "cpu", "--lr", "0.05",
                            "--data-backend", backend, "--output-dir", str(run)]) == 0
         results[backend] = read_metrics(run)[-1]
     cpu, gpu = results["cpu"], results["gpu"]
