@@ -10,9 +10,10 @@ folder the steps write their reports into, so a call stopped at any point return
 output goes to ``OUT/drill.log`` as it comes.
 
 Steps, most wanted first: the machine's facts; the served figures (``bench.serving.gpu``: the defaults in process
-mode and inline on Lite0, 1 and 16 images per request, C=64 and 256, and 4x overload at C=1024); the link's CPU
-(``bench.serving.link`` on the device: the HTTP workers' and the engine's CPU per request beside the bare Flask
-app, the budget's unit, measured on this host); the ``-m gpu`` tests (the device decode path's pixels, EXIF turns
+mode and inline on Lite0, 1 and 16 images per request, C=64 and 256, and 4x overload at C=1024); the serving
+overhead (``bench.serving.overhead`` on the device: a one-layer model and bodies that decode in microseconds, the
+HTTP workers' and the engine's CPU per request beside the bare Flask app, the budget's unit, measured on this
+host); the ``-m gpu`` tests (the device decode path's pixels, EXIF turns
 included, placement, tensors); ``models.predict`` on CUDA over a photo folder; the training feed (JPEG folder on
 the CPU and on the GPU against synthetic batches).
 """
@@ -54,7 +55,7 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         served = ["--batch-sizes", "2", "--concurrency", "2",
                   "--images-per-request", "1", "2", "--seconds", "0.5", "--warmup", "0.2", "--limit-seconds", "0.3",
                   "--workers", "1"]
-        link = ["--seconds", "0.5", "--clients", "2"]
+        overhead = ["--smoke", "--forms", "jpeg", "v2 x16"]
         tests = ["-m", "gpu", "tests/unit/test_device.py"]
         train = ["--archs", "resnet18", "--batch-size", "4", "--crop-size", "32", "--steps", "1", "--warmup", "1",
                  "--workers", "1", "--paths", "synthetic", "cpu"]
@@ -63,7 +64,8 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         served = ["--batch-sizes", "64", "--concurrency", "64", "256", "1024",
                   "--images-per-request", "1", "16", "--seconds", "4", "--warmup", "1", "--limit-seconds", "2",
                   "--workers", "0"]
-        link = ["--seconds", "4", "--clients", "16", "--workers", "4"]
+        overhead = ["--seconds", "2", "--concurrency", "16", "64", "--workers", "4",
+                    "--forms", "jpeg", "multipart x16", "v2 x1", "/v1/models"]
         tests = ["-m", "gpu", "tests/unit/test_device.py", "tests/unit/test_tensor_decode.py",
                  "tests/unit/test_load_placement.py", "tests/training/test_gpu_data.py"]
         train = ["--archs", "efficientnet_lite0", "--batch-size", "128", "--steps", "12", "--warmup", "4"]
@@ -73,7 +75,8 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         Step("served", 230, (py, "-m", "bench.serving.gpu", "--device", device, "--dtype", "float32", "--models",
                              model, "--engines", "process", "inline", "--decode-paths", "auto", "--processes",
                              "--workload", "imagenet", *served, "--out", str(figures)), least_s=60),
-        Step("link", 60, (py, "-m", "bench.serving.link", "--device", device, "--rounds", "1", "--bare", *link)),
+        Step("overhead", 100, (py, "-m", "bench.serving.overhead", "--device", device, "--servers", "process",
+                               "inline", *overhead, "--out", str(figures))),
         Step("gpu-tests", 100, (py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests)),
         Step("photos", 40, (py, "-m", "demo_data", "photos", "--out", str(photos), *photo_counts), least_s=10),
         Step("predict", 50, (py, "-m", "models.predict", "--weights", str(weights), "--data", str(photos / "val"),

@@ -26,13 +26,13 @@ class Running:
     """A server process; ``url`` is its base URL. Stopped with SIGTERM (then SIGKILL)."""
 
     def __init__(self, name: str, command: Sequence[str], env: dict[str, str], port: int, ready_path: str,
-                 log_dir: Path) -> None:
+                 log_dir: Path, cwd: Path = ROOT) -> None:
         self.name, self.port, self.ready_path = name, port, ready_path
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_dir / f"{name}.log"
         self._log = self.log_path.open("w")
         self._terminated = False
-        self.process = subprocess.Popen(list(command), cwd=ROOT, env={**os.environ, **env}, stdout=self._log,
+        self.process = subprocess.Popen(list(command), cwd=cwd, env={**os.environ, **env}, stdout=self._log,
                                         stderr=subprocess.STDOUT, start_new_session=True)
 
     def output(self) -> str:

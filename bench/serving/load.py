@@ -68,10 +68,10 @@ class _Client:
     """One keep-alive HTTP/1.1 connection. http.client, not requests: requests spends about 1 ms of Python per call,
     which would be counted as server latency at C=1 and takes CPU from the server under test at high C."""
 
-    def __init__(self, url: str, content_type: str) -> None:
+    def __init__(self, url: str, headers: dict[str, str], method: str = "POST") -> None:
         parts = urllib.parse.urlsplit(url)
         self._host, self._port, self._path = parts.hostname or "127.0.0.1", parts.port or 80, parts.path or "/"
-        self._headers = {"Content-Type": content_type}
+        self._headers, self._method = headers, method
         self._conn: http.client.HTTPConnection | None = None
 
     def post(self, body: bytes) -> int:
@@ -80,7 +80,7 @@ class _Client:
         try:
             if self._conn is None:
                 self._conn = http.client.HTTPConnection(self._host, self._port, timeout=120)
-            self._conn.request("POST", self._path, body=body, headers=self._headers)
+            self._conn.request(self._method, self._path, body=body or None, headers=self._headers)
             response = self._conn.getresponse()
             response.read()
             if response.will_close:
@@ -98,12 +98,13 @@ class _Client:
 
 
 def closed_loop(url: str, bodies: Sequence[bytes], concurrency: int, duration_s: float, warmup_s: float,
-                content_type: str = "image/jpeg", statuses: collections.Counter[int] | None = None
-                ) -> tuple[list[float], int, int]:
+                content_type: str = "image/jpeg", statuses: collections.Counter[int] | None = None,
+                headers: dict[str, str] | None = None, method: str = "POST") -> tuple[list[float], int, int]:
     """Run C clients for warm-up + duration; returns latencies (s) and errors inside the measured window, and every
     answered request (200) until the last client stopped, for CPU per request over the whole call; ``statuses``
     counts the measured window's answers by status (0: none). Each client sends its next request as soon as the
-    previous answer arrives (a 429's Retry-After is not waited for: the overload a client that retries makes)."""
+    previous answer arrives (a 429's Retry-After is not waited for: the overload a client that retries makes).
+    ``headers`` (all of them, Content-Type included) replace ``content_type``; ``method`` GET sends no body."""
     start = time.perf_counter()
     measure_from, stop_at = start + warmup_s, start + warmup_s + duration_s
     latencies: list[float] = []
@@ -111,7 +112,7 @@ def closed_loop(url: str, bodies: Sequence[bytes], concurrency: int, duration_s:
     lock = threading.Lock()
 
     def client(index: int) -> None:
-        connection = _Client(url, content_type)
+        connection = _Client(url, headers or {"Content-Type": content_type}, method)
         i = index
         while True:
             sent = time.perf_counter()

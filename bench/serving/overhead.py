@@ -1,0 +1,356 @@
+"""What serving costs beyond decode and forward (issue #50): the product's own paths on a model and bodies that cost
+next to nothing, so every figure is the serving path's own, in the budget's unit measured in the same run.
+
+    .venv/bin/python -m bench.serving.overhead                     # inline, process, the unit and the peers
+    .venv/bin/python -m bench.serving.overhead --smoke             # the same, tiny (the suite runs it)
+    .venv/bin/python -m bench.serving.overhead --servers process --checkout ../before   # A/B: another checkout
+    python3 -m bench.serving.overhead --device cuda --servers process inline bare       # on a GPU host (the drill)
+
+What runs: a one-layer model on 8x8 inputs, exported with ``models.export`` (TorchScript, its default format), so a
+forward pass takes microseconds; ~100 KB JPEG bodies of an 8x8 photo padded with comment segments, so the decode
+takes microseconds and the body's size is a real photo's; and V2 binary tensors (FP32 pixels: no decode at all).
+Each server (visionserve inline, visionserve with the engine process, the bare Flask app that is the unit, and the
+peers: the naive Flask app and LitServe, on the same model and bodies) is started once; each point runs C
+keep-alive clients after a warm-up. CPU is read from /proc for every process of the server: the engine's (process
+mode) apart from the rest (the HTTP workers and the master).
+
+The unit, **one bare-Flask request**, is the bare app's CPU per request with the same one-image body and the same
+client, at the same C. The budget (issue #50): HTTP worker <= 1.5 units per one-image request; engine <= 0.1 unit
+per image at one image per request, <= 0.04 at 16.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import collections
+import io
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+from PIL import Image
+
+from bench.serving.load import closed_loop, percentile
+from harness.photos import multipart
+from harness.servers import ROOT, Running, free_port, visionserve
+
+MODEL = "tiny"
+INPUT = (3, 8, 8)
+BODY_BYTES = 100_000  # about an ImageNet photo's JPEG
+BUDGET = {"http": 1.5, "engine_1": 0.1, "engine_16": 0.04}
+_TICKS = os.sysconf("SC_CLK_TCK")
+ENGINE_COMMAND = "app.link.server"  # an engine process's command line holds its module
+
+
+def tiny_weights(out: Path) -> Path:
+    """A one-layer classifier on 8x8 inputs (10 classes), exported the normal way."""
+    import torch
+    from torch import nn
+
+    from models.export.write import export_model
+    from models.presets import EvalPreset
+
+    if not (out / "manifest.json").exists():
+        torch.manual_seed(0)
+        export_model(nn.Sequential(nn.Flatten(), nn.Linear(int(np.prod(INPUT)), 10)), out_dir=out, name=MODEL,
+                     version="1", arch="linear", labels=[f"class{i}" for i in range(10)],
+                     preset=EvalPreset(resize_size=8, crop_size=8))
+    return out
+
+
+def padded_jpeg(seed: int, size: int = BODY_BYTES) -> bytes:
+    """An 8x8 JPEG photo of ``size`` bytes: comment (COM) segments after its start marker carry the padding, which
+    every decoder skips."""
+    pixels = np.random.default_rng(seed).integers(0, 255, (8, 8, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, "JPEG", quality=90)
+    photo = buffer.getvalue()
+    padding, left = [], size - len(photo)
+    while left > 4:
+        length = min(left - 2, 65_535)  # a segment's length counts its own two bytes, not the marker's
+        padding.append(b"\xff\xfe" + length.to_bytes(2, "big") + b"\0" * (length - 2))
+        left -= length + 2
+    return photo[:2] + b"".join(padding) + photo[2:]
+
+
+@dataclass(frozen=True)
+class Form:
+    """A request form: its name, images per request, path, bodies and headers."""
+
+    name: str
+    images: int
+    path: str
+    bodies: tuple[bytes, ...]
+    headers: tuple[tuple[str, str], ...]
+    method: str = "POST"
+
+
+def forms(photos: Sequence[bytes]) -> dict[str, Form]:
+    """Every form the benchmark sends, by name: raw JPEG, multipart (1 and 16 images), V2 binary tensors (1 and
+    16), the model listing (a GET), and the peers' tutorial JSON (``{"image": "<base64>"}``, what LitServe's app
+    reads)."""
+    boundary = "visionservebench"
+    multipart_type = (("Content-Type", f"multipart/form-data; boundary={boundary}"),)
+
+    def grouped(count: int) -> tuple[bytes, ...]:
+        return tuple(multipart([photos[(start + i) % len(photos)] for i in range(count)])
+                     for start in range(len(photos)))
+
+    def v2(count: int) -> Form:
+        bodies, header_sizes = [], set()
+        for start in range(len(photos)):
+            pixels = np.random.default_rng(start).standard_normal((count, *INPUT)).astype(np.float32).tobytes()
+            header = json.dumps({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [count, *INPUT],
+                                             "parameters": {"binary_data_size": len(pixels)}}],
+                                 "outputs": [{"name": "probabilities", "parameters": {"classification": 1}}]}
+                                ).encode()
+            bodies.append(header + pixels)
+            header_sizes.add(len(header))
+        (header_size,) = header_sizes  # one header length for every body: the header says where the JSON ends
+        return Form(f"v2 x{count}", count, f"/v2/models/{MODEL}/infer", tuple(bodies),
+                    (("Content-Type", "application/octet-stream"),
+                     ("Inference-Header-Content-Length", str(header_size))))
+
+    every = [Form("jpeg", 1, "/predict", tuple(photos), (("Content-Type", "image/jpeg"),)),
+             Form("multipart x1", 1, "/predict", grouped(1), multipart_type),
+             Form("multipart x16", 16, "/predict", grouped(16), multipart_type),
+             v2(1), v2(16), Form("/v1/models", 0, "/v1/models", (b"",), (), method="GET"),
+             Form("json", 1, "/predict", tuple(json.dumps({"image": base64.b64encode(p).decode()}).encode()
+                                               for p in photos), (("Content-Type", "application/json"),))]
+    return {form.name: form for form in every}
+
+
+def bare_app(log_dir: Path, workers: int, threads: int, cwd: Path = ROOT) -> Running:
+    """The unit: bench/serving/bare_app.py under gunicorn with visionserve's worker class, workers and threads
+    (``-c /dev/null``: not the project's gunicorn.conf.py, which would start an engine beside it)."""
+    port = free_port()
+    command = [sys.executable, "-m", "gunicorn", "-c", "/dev/null", "-k", "app.hosting.worker.BufferingWorker",
+               "--threads", str(threads), "-w", str(workers), "-b", f"127.0.0.1:{port}", "--log-level", "warning",
+               "bench.serving.bare_app:app"]
+    return Running("bare-flask", command, {"PYTHONPATH": str(cwd)}, port, "/readyz", log_dir)
+
+
+def process_cpu(root: int) -> dict[int, tuple[str, float]]:
+    """``root`` and every process below it (an engine runs in a session of its own, so not by process group): pid ->
+    (command line, CPU seconds)."""
+    found, pending = {}, [root]
+    while pending:
+        pid = pending.pop()
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            pending += [int(child) for task in Path(f"/proc/{pid}/task").glob("*/children")
+                        for child in task.read_text().split()]
+        except OSError:  # ended meanwhile
+            continue
+        found[pid] = (command, (int(fields[11]) + int(fields[12])) / _TICKS)  # after "(comm)": utime, stime
+    return found
+
+
+@dataclass
+class Point:
+    """One server, one form, one concurrency."""
+
+    server: str
+    form: str
+    images: int
+    concurrency: int
+    req_s: float
+    img_s: float
+    p50_ms: float
+    p99_ms: float
+    errors: int
+    http_us: float  # CPU per request of the HTTP side (workers and master)
+    engine_us: float | None  # CPU per image (per request for a listing) of the engine process(es); None without one
+    http_units: float | None = None
+    engine_units: float | None = None
+
+
+def measure(server: str, running: Running, form: Form, concurrency: int, seconds: float, warmup: float) -> Point:
+    """A warm-up, then the measured run with the server's CPU read before and after."""
+    url, headers = running.url + form.path, dict(form.headers)
+    # warm-up: enough clients that every worker has answered (a worker's first answer of a kind is slow)
+    closed_loop(url, form.bodies, max(concurrency, 8), warmup, 0.0, headers=headers, method=form.method)
+    before = process_cpu(running.process.pid)
+    statuses: collections.Counter[int] = collections.Counter()
+    started = time.perf_counter()
+    latencies, errors, answered = closed_loop(url, form.bodies, concurrency, seconds, 0.0, headers=headers,
+                                              method=form.method, statuses=statuses)
+    elapsed = time.perf_counter() - started
+    after = process_cpu(running.process.pid)
+    spent = {pid: cpu - before[pid][1] for pid, (_, cpu) in after.items() if pid in before}
+    engines = [pid for pid, (command, _) in after.items() if ENGINE_COMMAND in command]
+    engine_s = sum(spent.get(pid, 0.0) for pid in engines)
+    http_s = sum(spent.values()) - engine_s
+    answered = max(answered, 1)
+    ms = sorted(x * 1000 for x in latencies)
+    return Point(server, form.name, form.images, concurrency, len(latencies) / seconds,
+                 len(latencies) * form.images / seconds, percentile(ms, 50), percentile(ms, 99), errors,
+                 http_s / answered * 1e6, engine_s / (answered * max(form.images, 1)) * 1e6 if engines else None)
+
+
+def in_units(points: list[Point]) -> dict[int, float]:
+    """Each point's CPU in bare-Flask requests (the bare app's HTTP CPU per jpeg request at the same C); the unit
+    by C."""
+    unit = {p.concurrency: p.http_us for p in points if p.server == "bare" and p.form == "jpeg"}
+    for p in points:
+        if p.concurrency in unit:
+            p.http_units = p.http_us / unit[p.concurrency]
+            p.engine_units = None if p.engine_us is None else p.engine_us / unit[p.concurrency]
+    return unit
+
+
+def table(points: list[Point]) -> str:
+    lines = ["| server | form | C | req/s | img/s | p50 ms | p99 ms | errors | HTTP us / request | "
+             "engine us / image | HTTP in units | engine in units |", "|" + " --- |" * 12]
+    for p in points:
+        lines.append(f"| {p.server} | {p.form} | {p.concurrency} | {p.req_s:.0f} | {p.img_s:.0f} | {p.p50_ms:.1f} | "
+                     f"{p.p99_ms:.1f} | {p.errors} | {p.http_us:.0f} | "
+                     f"{'-' if p.engine_us is None else f'{p.engine_us:.0f}'} | "
+                     f"{'-' if p.http_units is None else f'{p.http_units:.2f}'} | "
+                     f"{'-' if p.engine_units is None else f'{p.engine_units:.3f}'} |")
+    return "\n".join(lines)
+
+
+def verdict(points: list[Point], headline_c: int) -> list[str]:
+    """The budget's checks at ``headline_c``, and what the figures imply for a host (docs/performance.md)."""
+    lines = []
+    at = {(p.server, p.form): p for p in points if p.concurrency == headline_c}
+    for server in ("process", "inline"):
+        for form, budget_key, what in (("jpeg", "http", "HTTP side per one-image request (raw)"),
+                                       ("multipart x1", "http", "HTTP side per one-image request (multipart)"),
+                                       ("jpeg", "engine_1", "engine per image, 1 per request"),
+                                       ("multipart x16", "engine_16", "engine per image, 16 per request"),
+                                       ("v2 x1", "engine_1", "engine per image, V2 tensors, 1 per request")):
+            p = at.get((server, form))
+            figure = None if p is None else (p.http_units if budget_key == "http" else p.engine_units)
+            if figure is None:
+                continue
+            held = "within" if figure <= BUDGET[budget_key] else "OVER"
+            lines.append(f"{server}: {what}: {figure:.3f} units, budget {BUDGET[budget_key]} ({held})")
+    listing = {server: at.get((server, "/v1/models")) for server in ("process", "inline")}
+    if all(listing.values()):
+        lines.append(f"/v1/models: process {listing['process'].req_s:.0f} req/s, inline {listing['inline'].req_s:.0f} "
+                     f"req/s: inline / process = {listing['inline'].req_s / listing['process'].req_s:.2f} (bar <= 1.5)")
+    for server in ("process", "inline"):
+        p = at.get((server, "jpeg"))
+        if p is not None and p.http_units is not None:
+            engine = (f"; one engine: {1e6 / p.engine_us:.0f} img/s on this host"
+                      if p.engine_us else "")
+            lines.append(f"{server}, one image per request: one core of HTTP workers carries "
+                         f"{1e6 / p.http_us:.0f} req/s on this host{engine}")
+    return lines
+
+
+Start = Callable[[], Running]
+
+
+def starters(args: argparse.Namespace, weights: Path, logs: Path) -> dict[str, Start]:
+    """How each server named in ``--servers`` (and each ``--checkout``'s process mode) starts."""
+    ours = {"device": args.device, "workers": str(args.workers), "auto_batch_size": "false",
+            "max_images": "16", "log_level": "warning", "warmup": "false"}
+    from app.config import Settings
+    from bench.serving import peers
+
+    threads = Settings.model_fields["threads"].default
+    every: dict[str, Start] = {
+        "inline": lambda: visionserve(weights, logs, engine="inline", **ours),
+        "process": lambda: visionserve(weights, logs, engine="process", **ours),
+        "bare": lambda: bare_app(logs, args.workers, threads),
+        "naive": lambda: peers.naive(weights, logs, workers=args.workers),
+        "litserve": lambda: peers.litserve(weights, logs, workers=args.workers),
+    }
+    chosen = {name: every[name] for name in args.servers}
+    for checkout in args.checkout:
+        def other(checkout: Path = checkout.resolve()) -> Running:
+            port = free_port()
+            env = {"VISIONSERVE_WEIGHTS_DIR": str(weights), "VISIONSERVE_BIND": f"127.0.0.1:{port}",
+                   "VISIONSERVE_ENGINE": "process", "VISIONSERVE_SHUTDOWN_DRAIN_S": "0.5",
+                   "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+                   **{f"VISIONSERVE_{k.upper()}": v for k, v in ours.items()}}
+            return Running(f"process@{checkout.name}", ["bin/serve"], env, port, "/readyz", logs, cwd=checkout)
+        chosen[f"process@{checkout.name}"] = other
+    return chosen
+
+
+def forms_for(server: str, every: dict[str, Form], chosen: Sequence[str]) -> list[Form]:
+    """visionserve gets every chosen form; the bare app and the naive app the one-image JPEG, LitServe the same
+    image in its JSON (what each serves)."""
+    if server in ("inline", "process") or server.startswith("process@"):
+        return [every[name] for name in chosen]
+    return [every["json" if server == "litserve" else "jpeg"]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--servers", nargs="+", default=["bare", "process", "inline", "naive", "litserve"],
+                        choices=("bare", "process", "inline", "naive", "litserve"))
+    parser.add_argument("--checkout", type=Path, action="append", default=[],
+                        help="another checkout whose process mode runs beside (repeatable)")
+    parser.add_argument("--forms", nargs="+", default=["jpeg", "multipart x1", "multipart x16", "v2 x1", "v2 x16",
+                                                       "/v1/models"])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--warmup", type=float, default=1.0)
+    parser.add_argument("--rounds", type=int, default=1, help="server starts per server (medians over them)")
+    parser.add_argument("--workers", type=int, default=2, help="HTTP workers of every server")
+    parser.add_argument("--device", default="cpu", help="visionserve's DEVICE (the engine's, in process mode)")
+    parser.add_argument("--out", type=Path, help="also write the report (Markdown) and the points (JSON) here")
+    parser.add_argument("--smoke", action="store_true", help="half a second per point, C=1 and 4, one start each")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.seconds, args.warmup, args.concurrency, args.rounds = 0.5, 1.0, [1, 4], 1
+    if "bare" not in args.servers:
+        args.servers = ["bare", *args.servers]  # the unit is measured in every run
+    every = forms([padded_jpeg(seed) for seed in range(8)])
+    rounds: dict[tuple[str, str, int], list[Point]] = collections.defaultdict(list)
+    with tempfile.TemporaryDirectory() as folder:
+        weights = tiny_weights(Path(folder) / "weights")
+        for _ in range(args.rounds):
+            for server, start in starters(args, weights, Path(folder)).items():
+                running = start().wait_ready()
+                try:
+                    for form in forms_for(server, every, args.forms):
+                        for concurrency in args.concurrency:
+                            point = measure(server, running, form, concurrency, args.seconds, args.warmup)
+                            rounds[(server, form.name, concurrency)].append(point)
+                            print(json.dumps(asdict(point)), flush=True)
+                finally:
+                    running.stop()
+    points = [_median(found) for found in rounds.values()]
+    unit = in_units(points)
+    headline = 16 if 16 in args.concurrency else max(args.concurrency)
+    report = "\n".join([
+        f"# Serving overhead, {time.strftime('%Y-%m-%d %H:%M')}", "",
+        f"{os.cpu_count()} cores, device {args.device}, {args.workers} HTTP workers per server, {args.seconds:g} s per "
+        f"point after {args.warmup:g} s of warm-up, median of {args.rounds} server start(s). Model: one linear layer "
+        f"on {'x'.join(map(str, INPUT))} inputs; JPEG bodies of {BODY_BYTES // 1000} KB (8x8 photos, padded).", "",
+        "The unit, one bare-Flask request: " + ", ".join(f"C={c}: {u:.0f} us" for c, u in sorted(unit.items())),
+        "", table(points), "", f"At C={headline}:", *(f"- {line}" for line in verdict(points, headline)), ""])
+    print(report)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem = args.out / f"{time.strftime('%Y-%m-%d')}-overhead-{args.device}"
+        stem.with_suffix(".md").write_text(report)
+        stem.with_suffix(".json").write_text(json.dumps([asdict(p) for p in points], indent=1))
+    return 0 if all(p.errors == 0 for p in points) else 1
+
+
+def _median(found: list[Point]) -> Point:
+    first = found[0]
+    numbers = {key: statistics.median(getattr(p, key) for p in found)
+               for key in ("req_s", "img_s", "p50_ms", "p99_ms", "http_us")}
+    engine = [p.engine_us for p in found if p.engine_us is not None]
+    return Point(first.server, first.form, first.images, first.concurrency, errors=sum(p.errors for p in found),
+                 engine_us=statistics.median(engine) if engine else None, **numbers)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

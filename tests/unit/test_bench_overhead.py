@@ -1,0 +1,45 @@
+"""The overhead benchmark's inputs (bench/serving/overhead.py) are what it says: JPEG bodies of a photo's size that
+the product decodes as 8x8 images, and V2 bodies whose header the server reads as the tensors they carry."""
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+from PIL import Image
+
+from bench.serving.overhead import BODY_BYTES, INPUT, forms, in_units, padded_jpeg, Point
+from models.image_decode import DecodeLimits, decode_tensor
+
+
+def test_a_padded_jpeg_is_a_photos_size_and_decodes_as_its_8x8_pixels() -> None:
+    body = padded_jpeg(3)
+    assert BODY_BYTES - 4 <= len(body) <= BODY_BYTES
+    plain = io.BytesIO()
+    Image.fromarray(np.random.default_rng(3).integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(plain, "JPEG",
+                                                                                                quality=90)
+    expected = np.asarray(Image.open(plain).convert("RGB"))
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(body)).convert("RGB")), expected)
+    assert tuple(decode_tensor(body, DecodeLimits()).shape) == (3, 8, 8)
+
+
+def test_v2_bodies_say_where_their_json_ends_and_carry_float32_pixels() -> None:
+    for name, count in (("v2 x1", 1), ("v2 x16", 16)):
+        form = forms([padded_jpeg(seed) for seed in range(3)])[name]
+        size = int(dict(form.headers)["Inference-Header-Content-Length"])
+        for body in form.bodies:
+            header = json.loads(body[:size])
+            (tensor,) = header["inputs"]
+            assert tensor["shape"] == [count, *INPUT]
+            assert len(body) - size == tensor["parameters"]["binary_data_size"] == count * int(np.prod(INPUT)) * 4
+
+
+def test_each_figure_is_in_the_unit_the_bare_app_measured_at_the_same_concurrency() -> None:
+    def point(server: str, c: int, http: float, engine: float | None = None) -> Point:
+        return Point(server, "jpeg", 1, c, 1.0, 1.0, 1.0, 1.0, 0, http, engine)
+
+    points = [point("bare", 1, 1000.0), point("bare", 16, 800.0), point("process", 16, 2000.0, 400.0),
+              point("inline", 64, 3000.0)]
+    assert in_units(points) == {1: 1000.0, 16: 800.0}
+    assert (points[2].http_units, points[2].engine_units) == (2.5, 0.5)
+    assert points[3].http_units is None  # no unit measured at C=64: no figure in units
