@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, wait
-from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -46,25 +45,73 @@ ShadowOffer = Callable[[Sequence[bytes], Sequence[torch.Tensor], Sequence[Prepar
                         Sequence[BatchResult[torch.Tensor]]], None]
 
 
+@dataclass
+class Queued:
+    """A request's images in its version's queue (``Call.queue``): what its answer is made of once every future is
+    done (``Call.answer``), or what is dropped when it ends first."""
+
+    images: Sequence[bytes]
+    pixels: list[torch.Tensor]
+    prepared: list[Prepared]
+    futures: "list[Future[BatchResult[torch.Tensor]]]"
+    deadline: float  # time.monotonic() after which the request is answered 504
+    timeout_s: float
+    names: Sequence[str | None]
+    decode_s: float
+    started_ns: int
+
+    def done(self) -> bool:
+        """Every image has its row (or its error)."""
+        return all(f.done() for f in self.futures)
+
+    def drop(self) -> int:
+        """Cancel the images still queued (they cost no forward pass); how many were."""
+        return sum(f.cancel() for f in self.futures)
+
+
 class Call:
     """A request admitted and routed to a loaded version; ``model`` is what the protocol parses and shapes with
-    (its name, version, classes, input shape), ``infer`` runs its images. While the call is open the request counts
-    as on its way to the version's next batch (``arrived`` ends that just before its images are queued). ``shadow``
-    (a rollout's shadow share) gets the images and the answer once it is ready, off the response path."""
+    (its name, version, classes, input shape), ``infer`` runs its images and waits for them. An engine serving many
+    connections from one thread runs the same steps without waiting: ``queue``, then ``answer`` once every future
+    is done, or ``expired`` / ``hung_up`` when the deadline or the client's hang-up comes first. While the call is
+    open the request counts as on its way to the version's next batch (``arrived`` ends that just before its images
+    are queued). ``shadow`` (a rollout's shadow share) gets the images and the answer once it is ready, off the
+    response path."""
 
     def __init__(self, version: LoadedVersion, arrived: Callable[[], None], max_images: int,
                  shadow: ShadowOffer | None = None) -> None:
         self._version, self._arrived, self._max_images, self._shadow = version, arrived, max_images, shadow
         self.model = version.signature
 
+    @property
+    def decodes_on_host(self) -> bool:
+        """Whether queueing an image decodes it here on the CPU (the PIL and tensor paths), not only reads its
+        header (the device path decodes in the batch)."""
+        return self._version.decoder.path != "device"
+
     def infer(self, images: Sequence[bytes] = (), tensors: Sequence[np.ndarray | torch.Tensor] = (), *,
               timeout_s: float, names: Sequence[str | None] = (),
               client_gone: Callable[[], bool] | None = None) -> Served:
         """Encoded ``images`` (decoded here) or preprocessed ``tensors`` (float32 (C, H, W) arrays or tensors), with
-        the request's deadline (counted from
-        queueing) and, where the request gave them, the images' file names (errors say which image). Once
-        ``client_gone`` says the client hung up, the images still queued are dropped unrun. Raises a ServiceError
-        for every refusal."""
+        the request's deadline (counted from queueing) and, where the request gave them, the images' file names
+        (errors say which image). Once ``client_gone`` says the client hung up, the images still queued are dropped
+        unrun. Raises a ServiceError for every refusal."""
+        queued = self.queue(images, tensors, timeout_s=timeout_s, names=names)
+        while not queued.done():
+            remaining = queued.deadline - time.monotonic()
+            if remaining <= 0:
+                raise self.expired(queued)
+            # Without a client to watch, one wait to the deadline; else look every CLIENT_CHECK_S.
+            wait(queued.futures, timeout=remaining if client_gone is None else min(remaining, CLIENT_CHECK_S))
+            if client_gone is not None and client_gone():
+                raise self.hung_up(queued)
+        return self.answer(queued)
+
+    def queue(self, images: Sequence[bytes] = (), tensors: Sequence[np.ndarray | torch.Tensor] = (), *,
+              timeout_s: float, names: Sequence[str | None] = (), inline: bool = True) -> Queued:
+        """The request's images checked, counted, decoded (or their headers read) and queued, all or none; its
+        deadline counts from now. ``inline=False``: never run on this thread, even when the batcher is idle (a
+        thread that serves many requests would run each alone). Raises a ServiceError for every refusal."""
         if bool(images) == bool(tensors):
             raise BadRequest("the request holds no images" if not images else "send images or tensors, not both")
         count = len(images) or len(tensors)
@@ -74,11 +121,39 @@ class Call:
         pixels = [torch.as_tensor(t) for t in tensors]
         prepared, decode_s = self._prepare(images, names) if images else (list(pixels), 0.0)
         self._arrived()
-        results = self._run(prepared, timeout_s, client_gone, names)
+        deadline = time.monotonic() + timeout_s
+        try:
+            futures = self._version.batcher.submit_many(prepared, deadline=deadline, inline=inline)
+        except (QueueFull, BatcherClosed, DeadlineTooShort) as exc:
+            raise service_error(exc) from None
+        return Queued(images, pixels, prepared, futures, deadline, timeout_s, names, decode_s, started_ns)
+
+    def expired(self, queued: Queued) -> DeadlineExceeded:
+        """The deadline passed first: the images still queued dropped; the error to answer."""
+        queued.drop()
+        return DeadlineExceeded(f"no inference result within the request's {queued.timeout_s:g}s deadline")
+
+    def hung_up(self, queued: Queued) -> ClientGone:
+        """The client hung up first: the images still queued dropped (and counted); the error to answer."""
+        dropped = queued.drop()
+        BATCHER_EVENTS.labels("client_gone").inc(dropped)
+        return ClientGone(f"the client closed the connection; {dropped} queued images dropped")
+
+    def answer(self, queued: Queued) -> Served:
+        """The answer of a request whose futures are all done (offered to the shadow first); raises what failed."""
+        try:
+            results = [_result(f, i, queued.names) for i, f in enumerate(queued.futures)]
+        except DeadlineExpired:
+            raise self.expired(queued) from None
+        except ServiceError:
+            raise
+        except Exception as exc:
+            raise InferenceFailed(f"the model failed on this request's images: {type(exc).__name__}") from exc
         if self._shadow is not None:
-            self._shadow(images, pixels, prepared, results)
+            self._shadow(queued.images, queued.pixels, queued.prepared, results)
         rows = [replace(r, value=r.value.float().cpu().numpy()) for r in results]
-        return Served(rows, self.model.name, self.model.version, self.model.labels, decode_s, started_ns)
+        return Served(rows, self.model.name, self.model.version, self.model.labels, queued.decode_s,
+                      queued.started_ns)
 
     def _prepare(self, images: Sequence[bytes], names: Sequence[str | None]) -> tuple[list[Prepared], float]:
         started, cpu_started = time.perf_counter(), time.thread_time()
@@ -92,35 +167,6 @@ class Call:
         STAGE_SECONDS.labels("decode").observe(decode_s)
         STAGE_CPU_SECONDS.labels("decode").inc(time.thread_time() - cpu_started)
         return prepared, decode_s
-
-    def _run(self, prepared: list[Prepared], timeout_s: float, client_gone: Callable[[], bool] | None,
-             names: Sequence[str | None]) -> list[BatchResult[torch.Tensor]]:
-        """Queue the images (all or none) and wait for their rows until the deadline or the client leaves."""
-        deadline = time.monotonic() + timeout_s
-        try:
-            futures = self._version.batcher.submit_many(prepared, deadline=deadline)
-        except (QueueFull, BatcherClosed, DeadlineTooShort) as exc:
-            raise service_error(exc) from None
-        try:
-            while not all(f.done() for f in futures):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise FutureTimeout()
-                # Without a client to watch, one wait to the deadline; else look every CLIENT_CHECK_S.
-                wait(futures, timeout=remaining if client_gone is None else min(remaining, CLIENT_CHECK_S))
-                if client_gone is not None and client_gone():
-                    dropped = sum(f.cancel() for f in futures)  # the queued ones cost no forward pass
-                    BATCHER_EVENTS.labels("client_gone").inc(dropped)
-                    raise ClientGone(f"the client closed the connection; {dropped} queued images dropped")
-            return [_result(f, i, names) for i, f in enumerate(futures)]
-        except (FutureTimeout, DeadlineExpired):
-            for f in futures:
-                f.cancel()  # still queued ones are dropped before they cost a forward pass
-            raise DeadlineExceeded(f"no inference result within the request's {timeout_s:g}s deadline") from None
-        except ServiceError:
-            raise
-        except Exception as exc:
-            raise InferenceFailed(f"the model failed on this request's images: {type(exc).__name__}") from exc
 
 
 def _named(exc: ServiceError, index: int, names: Sequence[str | None]) -> ServiceError:

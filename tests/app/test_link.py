@@ -7,6 +7,7 @@ import inspect
 import pickle
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -19,7 +20,7 @@ from app.engine import contract
 from app.engine.catalog import Catalog
 from app.engine.loaded.predictor import Predictor
 from app.engine.service import Service
-from app.errors import BadRequest, ClientGone, InvalidImage, NotFound, NotReady, ServiceError
+from app.errors import BadRequest, ClientGone, DeadlineExceeded, InvalidImage, NotFound, NotReady, ServiceError
 from app.link import wire
 from app.link.client import RemoteCatalog, RemoteService
 from app.link.server import EngineServer
@@ -289,3 +290,43 @@ def test_a_tensor_request_crosses_as_numpy(link: Link) -> None:
     red[0] = 1.0
     served = infer(link.worker, tensors=[red.numpy()])
     assert served.top_k(1)[0][0].label == "red" and isinstance(served.results[0].value, np.ndarray)
+
+
+def test_the_engine_answers_504_at_the_deadline_while_the_batch_still_runs(link: Link, model: ColourModel) -> None:
+    model.gate = threading.Event()
+    started = time.monotonic()
+    try:
+        with pytest.raises(DeadlineExceeded, match="0.3s deadline"):
+            infer(link.worker, [image_bytes(RED)], timeout_s=0.3)
+        assert time.monotonic() - started < 3  # answered by the loop's deadline, not after the held batch
+    finally:
+        model.gate.set()
+    assert infer(link.worker, [image_bytes(RED)]).model == "colour"  # the connection goes on
+    wait_until(lambda: link.engine.in_flight.count() == 0)
+
+
+def test_requests_that_arrive_together_share_a_batch_and_no_thread_waits_on_them(link: Link,
+                                                                                 model: ColourModel) -> None:
+    model.gate = threading.Event()
+    answers: list[str] = []
+
+    def request(colour: tuple[int, int, int]) -> None:
+        answers.append(infer(link.worker, [image_bytes(colour)]).top_k(1)[0][0].label)
+
+    batches = len(model.batch_sizes)  # the warm-up's
+    blocker = threading.Thread(target=request, args=(RED,))
+    blocker.start()
+    wait_until(lambda: len(model.batch_sizes) == batches + 1)  # the first batch runs, held by the gate
+    threads_before = set(threading.enumerate())
+    waiting = [threading.Thread(target=request, args=(BLUE,)) for _ in range(3)]
+    for thread in waiting:
+        thread.start()
+    wait_until(lambda: link.engine.in_flight.count() == 4)
+    # the three requests wait in the queue with no engine thread of their own: only this test's three clients
+    # and the pool's decode threads (the CPU decodes these images) are new
+    new = set(threading.enumerate()) - threads_before
+    assert all(thread in waiting or thread.name.startswith("engine-decode") for thread in new), new
+    model.gate.set()
+    for thread in (blocker, *waiting):
+        thread.join(10)
+    assert sorted(answers) == ["blue", "blue", "blue", "red"] and model.batch_sizes[batches:] == [1, 3]
