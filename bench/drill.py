@@ -55,7 +55,7 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         served = ["--batch-sizes", "2", "--concurrency", "2",
                   "--images-per-request", "1", "2", "--seconds", "0.5", "--warmup", "0.2", "--limit-seconds", "0.3",
                   "--workers", "1"]
-        overhead = ["--smoke", "--forms", "jpeg", "v2 x16"]
+        overhead = ["--smoke", "--servers", "process", "--forms", "jpeg", "v2 x16"]  # inline: the served step
         tests = ["-m", "gpu", "tests/unit/test_device.py"]
         train = ["--archs", "resnet18", "--batch-size", "4", "--crop-size", "32", "--steps", "1", "--warmup", "1",
                  "--workers", "1", "--paths", "synthetic", "cpu"]
@@ -64,8 +64,8 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         served = ["--batch-sizes", "64", "--concurrency", "64", "256", "1024",
                   "--images-per-request", "1", "16", "--seconds", "4", "--warmup", "1", "--limit-seconds", "2",
                   "--workers", "0"]
-        overhead = ["--seconds", "2", "--concurrency", "16", "64", "--workers", "4",
-                    "--forms", "jpeg", "multipart x16", "v2 x1", "/v1/models"]
+        overhead = ["--servers", "process", "inline", "--seconds", "2", "--concurrency", "16", "64", "--workers", "4",
+                    "--forms", "jpeg", "v2 x1", "/v1/models"]  # 16 per request: the served step
         tests = ["-m", "gpu", "tests/unit/test_device.py", "tests/unit/test_tensor_decode.py",
                  "tests/unit/test_load_placement.py", "tests/training/test_gpu_data.py"]
         train = ["--archs", "efficientnet_lite0", "--batch-size", "128", "--steps", "12", "--warmup", "4"]
@@ -75,8 +75,8 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         Step("served", 230, (py, "-m", "bench.serving.gpu", "--device", device, "--dtype", "float32", "--models",
                              model, "--engines", "process", "inline", "--decode-paths", "auto", "--processes",
                              "--workload", "imagenet", *served, "--out", str(figures)), least_s=60),
-        Step("overhead", 100, (py, "-m", "bench.serving.overhead", "--device", device, "--servers", "process",
-                               "inline", *overhead, "--out", str(figures))),
+        Step("overhead", 100, (py, "-m", "bench.serving.overhead", "--device", device, *overhead, "--out",
+                               str(figures))),
         Step("gpu-tests", 100, (py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests)),
         Step("photos", 40, (py, "-m", "demo_data", "photos", "--out", str(photos), *photo_counts), least_s=10),
         Step("predict", 50, (py, "-m", "models.predict", "--weights", str(weights), "--data", str(photos / "val"),
