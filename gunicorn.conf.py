@@ -59,6 +59,7 @@ keepalive = _settings.keepalive_s
 preload_app = False
 loglevel = _settings.log_level
 accesslog = None  # the app writes one structured line per request itself
+logger_class = "app.hosting.worker.NoAccessLog"  # and gunicorn builds no access line for no one
 errorlog = "-"
 # gunicorn's own lines in the app's JSON format (app/logs.py), so every line of the output parses alike.
 _level = _settings.log_level.upper()

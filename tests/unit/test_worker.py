@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import socket
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -103,3 +104,22 @@ def test_a_kept_alive_connection_holds_nothing_once_its_request_was_read(sockets
     parser.unreader.unread(bytearray(_request(b"x" * 200_000)))
     assert _bodies(parser, 1, 65536)[0][1] == b"x" * 200_000
     assert parser.unreader._held == b""
+
+
+def test_gunicorn_builds_no_access_line_where_the_app_writes_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    import runpy
+
+    from app.hosting.worker import NoAccessLog
+
+    conf = runpy.run_path(str(Path(__file__).resolve().parents[2] / "gunicorn.conf.py"))
+    assert conf["logger_class"] == "app.hosting.worker.NoAccessLog" and conf["accesslog"] is None
+    cfg = Config()
+    cfg.set("logconfig_dict", conf["logconfig_dict"])  # what made gunicorn count access logging as on
+    logger = NoAccessLog(cfg)
+    assert logger.access_log_enabled  # gunicorn's own view ...
+
+    def atoms(*_: object) -> dict:
+        raise AssertionError("an access line was built")
+
+    monkeypatch.setattr(logger, "atoms", atoms)
+    logger.access(None, None, {}, 0.1)  # ... and still nothing is built
