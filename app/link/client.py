@@ -20,6 +20,7 @@ reached a ready engine (it has no inference thread of its own), ready 0 again fr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -78,9 +79,10 @@ class RemoteCall:
         """As ``Call.infer``: the request and its images go to the engine as they are, the answer comes back; a
         client that hangs up drops its queued images there (the connection closes, which the engine watches)."""
         self.sent = True
-        message = wire.Infer(*self.request, timeout_s=timeout_s, parsed_with=self.model, names=tuple(names),
-                             tensors=tuple(tensors))
-        return self._service.infer(message, images, 2 * timeout_s + ANSWER_GRACE_S, client_gone)
+        message = wire.Infer(*self.request, timeout_s=timeout_s, parsed_version=self.model.version,
+                             parsed_shape=tuple(self.model.input_shape), names=tuple(names), tensors=tuple(tensors))
+        served = self._service.infer(message, images, 2 * timeout_s + ANSWER_GRACE_S, client_gone)
+        return dataclasses.replace(served, labels=self._service.labels(served, self.model))
 
 
 def _remote_call(method: str) -> Callable[..., Any]:
@@ -245,6 +247,13 @@ class RemoteService(Lifecycle):
                 state = None
             self._state = (time.monotonic(), state)
         return state
+
+    def labels(self, served: Served, parsed_with: Signature) -> list[str]:
+        """The labels of the version that answered (the engine's answer leaves them out): those of the signature the
+        request was parsed with when that version answered, else that version's own (asked once, then kept)."""
+        if (served.model, served.version) == (parsed_with.name, parsed_with.version):
+            return parsed_with.labels
+        return self.signature(served.model, served.version).labels
 
     def signature(self, name: str | None, version: str | None) -> Signature:
         """What a request for ``name`` at ``version`` is parsed with: kept from the engine's answer until its

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import heapq
 import itertools
@@ -56,14 +57,14 @@ def _as_error(exc: BaseException) -> ServiceError:
     return InferenceFailed(f"the engine failed on this request: {type(exc).__name__}: {exc}")
 
 
-def _parsed_alike(parsed: Signature, answering: Signature, tensors: bool) -> None:
+def _parsed_alike(message: wire.Infer, answering: Signature) -> None:
     """NotReady (503: send it again) when the request's tensors were shaped for a version whose input differs from
     the one routing chose (the model changed while the request was on its way; the HTTP side's signatures are then
     stale, and are dropped on this answer). Images are decoded for the answering version whatever it is."""
-    if tensors and parsed.input_shape != answering.input_shape:
-        raise not_ready(f"{parsed.name} changed while this request was on its way: its tensors are shaped "
-                        f"{list(parsed.input_shape)} for version {parsed.version}, and version {answering.version} "
-                        f"takes {list(answering.input_shape)}; send it again")
+    if message.tensors and tuple(message.parsed_shape) != tuple(answering.input_shape):
+        raise not_ready(f"{answering.name} changed while this request was on its way: its tensors are shaped "
+                        f"{list(message.parsed_shape)} for version {message.parsed_version}, and version "
+                        f"{answering.version} takes {list(answering.input_shape)}; send it again")
 
 
 FRAME_TIMEOUT_S = 10.0  # a frame whose first bytes came is read whole within this (the HTTP side sends it at once)
@@ -252,7 +253,7 @@ class EngineServer:
         stack = contextlib.ExitStack()
         try:
             call = stack.enter_context(self.service.admit(message.model, message.version, message.client_key))
-            _parsed_alike(message.parsed_with, call.model, bool(message.tensors))
+            _parsed_alike(message, call.model)
         except Exception as exc:  # noqa: BLE001 - every failure is answered, never a dropped connection
             stack.__exit__(type(exc), exc, exc.__traceback__)
             self._send(conn, self._answer(error=_as_error(exc)))
@@ -326,7 +327,7 @@ class EngineServer:
             answer = self._answer(error=_as_error(error))
         else:
             exchange.stack.close()
-            answer = self._answer(served)
+            answer = self._answer(dataclasses.replace(served, labels=wire.NO_LABELS))  # type: ignore[arg-type]
         exchange.queued = None  # its deadline may stay queued a while: not the images with it
         self._send(conn, answer)
 

@@ -6,9 +6,10 @@ next to nothing, so every figure is the serving path's own, in the budget's unit
     .venv/bin/python -m bench.serving.overhead --servers process --checkout ../before   # A/B: another checkout
     python3 -m bench.serving.overhead --device cuda --servers process inline bare       # on a GPU host (the drill)
 
-What runs: a one-layer model on 8x8 inputs, exported with ``models.export`` (TorchScript, its default format), so a
-forward pass takes microseconds; ~100 KB JPEG bodies of an 8x8 photo padded with comment segments, so the decode
-takes microseconds and the body's size is a real photo's; and V2 binary tensors (FP32 pixels: no decode at all).
+What runs: a one-layer model on 8x8 inputs with 1,000 classes (an ImageNet model's answer and labels), exported with
+``models.export`` (TorchScript, its default format), so a forward pass takes microseconds; ~100 KB JPEG bodies of
+an 8x8 photo padded with comment segments, so the decode takes microseconds and the body's size is a real photo's;
+and V2 binary tensors (FP32 pixels: no decode at all).
 Each server (visionserve inline, visionserve with the engine process, the bare Flask app that is the unit, and the
 peers: the naive Flask app and LitServe, on the same model and bodies) is started once; each point runs C
 keep-alive clients after a warm-up. CPU is read from /proc for every process of the server: the engine's (process
@@ -44,13 +45,14 @@ from harness.servers import ROOT, Running, free_port, visionserve
 MODEL = "tiny"
 INPUT = (3, 8, 8)
 BODY_BYTES = 100_000  # about an ImageNet photo's JPEG
+CLASSES = 1000  # as an ImageNet model: its labels and its rows cross the link
 BUDGET = {"http": 1.5, "engine_1": 0.1, "engine_16": 0.04}
 _TICKS = os.sysconf("SC_CLK_TCK")
 ENGINE_COMMAND = "app.link.server"  # an engine process's command line holds its module
 
 
 def tiny_weights(out: Path) -> Path:
-    """A one-layer classifier on 8x8 inputs (10 classes), exported the normal way."""
+    """A one-layer classifier on 8x8 inputs (CLASSES classes), exported the normal way."""
     import torch
     from torch import nn
 
@@ -59,8 +61,8 @@ def tiny_weights(out: Path) -> Path:
 
     if not (out / "manifest.json").exists():
         torch.manual_seed(0)
-        export_model(nn.Sequential(nn.Flatten(), nn.Linear(int(np.prod(INPUT)), 10)), out_dir=out, name=MODEL,
-                     version="1", arch="linear", labels=[f"class{i}" for i in range(10)],
+        export_model(nn.Sequential(nn.Flatten(), nn.Linear(int(np.prod(INPUT)), CLASSES)), out_dir=out, name=MODEL,
+                     version="1", arch="linear", labels=[f"n{i:08d} class {i}" for i in range(CLASSES)],
                      preset=EvalPreset(resize_size=8, crop_size=8))
     return out
 
@@ -331,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         f"# Serving overhead, {time.strftime('%Y-%m-%d %H:%M')}", "",
         f"{os.cpu_count()} cores, device {args.device}, {args.workers} HTTP workers per server, {args.seconds:g} s per "
         f"point after {args.warmup:g} s of warm-up, median of {args.rounds} server start(s). Model: one linear layer "
-        f"on {'x'.join(map(str, INPUT))} inputs; JPEG bodies of {BODY_BYTES // 1000} KB (8x8 photos, padded).", "",
+        f"on {'x'.join(map(str, INPUT))} inputs, {CLASSES} classes; JPEG bodies of {BODY_BYTES // 1000} KB (8x8 "
+        "photos, padded).", "",
         "The unit, one bare-Flask request: " + ", ".join(f"C={c}: {u:.0f} us" for c, u in sorted(unit.items())),
         "", table(points), "", f"At C={headline}:", *(f"- {line}" for line in verdict(points, headline)), ""])
     print(report)

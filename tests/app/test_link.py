@@ -37,8 +37,8 @@ def _pair() -> tuple[socket.socket, socket.socket]:
 
 def test_every_message_crosses_with_its_segments() -> None:
     left, right = _pair()
-    signature = contract.Signature("colour", "1", ["red", "blue"], (3, 8, 8))
-    messages = [wire.Infer("colour", None, "k", 2.5, signature, names=("a.jpg",), tensors=(np.zeros((3, 8, 8)),)),
+    messages = [wire.Infer("colour", None, "k", 2.5, "1", (3, 8, 8), names=("a.jpg",),
+                           tensors=(np.zeros((3, 8, 8)),)),
                 wire.Unanswered("colour", "1", None, BadRequest("no image")), wire.CatalogCall("version", ("x",)),
                 wire.StateQuery(), wire.EngineState(True, True, True, False), wire.Answer([1, 2], None, 7, 3)]
     with left, right:
@@ -125,6 +125,7 @@ class Link:
         self.engine, self.server = service, EngineServer(service)
         self.connections: list[socket.socket] = []
         self.frames: list[str] = []
+        self.sent: list[object] = []  # every message, as sent
         self.worker = RemoteService(settings, 0, connect=self._connect)
 
     def _connect(self) -> socket.socket:
@@ -148,6 +149,7 @@ def link(settings: Settings, predictor: Predictor, tmp_path: Path,
 
     def counted(sock: socket.socket, message: object, segments: object = ()) -> None:
         joined.frames.append(type(message).__name__)
+        joined.sent.append(message)
         real(sock, message, segments)  # type: ignore[arg-type]
 
     monkeypatch.setattr(wire, "send", counted)
@@ -163,6 +165,16 @@ def test_a_request_is_one_exchange_of_two_frames(link: Link) -> None:
     served = infer(link.worker, [image_bytes(BLUE), image_bytes(RED)])
     assert [ranked[0].label for ranked in served.top_k(1)] == ["blue", "red"]
     assert link.frames == ["Infer", "Answer"] and len(link.connections) == 1
+
+
+def test_the_labels_stay_on_the_http_side_and_a_request_carries_no_signature(link: Link) -> None:
+    served = infer(link.worker, [image_bytes(RED)])
+    infer_message, answer = link.sent[-2:]
+    assert isinstance(infer_message, wire.Infer) and (infer_message.parsed_version, infer_message.parsed_shape) == (
+        "test", (3, 8, 8))
+    assert isinstance(answer, wire.Answer) and answer.value.labels == []  # not pickled on each answer
+    assert served.labels == link.worker.signature(None, None).labels == ["red", "green", "blue", "other"]
+    assert served.top_k(1)[0][0].label == "red"
 
 
 def test_the_engine_s_errors_cross_as_they_are(link: Link) -> None:
