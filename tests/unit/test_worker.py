@@ -106,11 +106,14 @@ def test_a_kept_alive_connection_holds_nothing_once_its_request_was_read(sockets
     assert parser.unreader._held == b""
 
 
-def test_gunicorn_builds_no_access_line_where_the_app_writes_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gunicorn_builds_no_access_line_where_the_app_writes_its_own(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
     import runpy
 
     from app.hosting.worker import NoAccessLog
 
+    # The config makes a CONTROL_DIR into the environment unless one is there: this process's servers would share it
+    monkeypatch.setenv("VISIONSERVE_CONTROL_DIR", str(tmp_path))
     conf = runpy.run_path(str(Path(__file__).resolve().parents[2] / "gunicorn.conf.py"))
     assert conf["logger_class"] == "app.hosting.worker.NoAccessLog" and conf["accesslog"] is None
     cfg = Config()
