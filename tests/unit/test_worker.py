@@ -108,13 +108,21 @@ def test_a_kept_alive_connection_holds_nothing_once_its_request_was_read(sockets
 
 def test_gunicorn_builds_no_access_line_where_the_app_writes_its_own(monkeypatch: pytest.MonkeyPatch,
                                                                      tmp_path: Path) -> None:
-    import runpy
+    import os
+    import subprocess
+    import sys
 
     from app.hosting.worker import NoAccessLog
 
-    # The config makes a CONTROL_DIR into the environment unless one is there: this process's servers would share it
-    monkeypatch.setenv("VISIONSERVE_CONTROL_DIR", str(tmp_path))
-    conf = runpy.run_path(str(Path(__file__).resolve().parents[2] / "gunicorn.conf.py"))
+    # The config is read in a process of its own: it sets up the environment it runs in (CONTROL_DIR, the metrics'
+    # folder), which every server this test process starts later would inherit and share.
+    read = ("import json, runpy; c = runpy.run_path('gunicorn.conf.py'); "
+            "print(json.dumps({k: c[k] for k in ('logger_class', 'accesslog', 'logconfig_dict')}))")
+    root = Path(__file__).resolve().parents[2]
+    conf = json.loads(subprocess.run([sys.executable, "-c", read], cwd=root, check=True, capture_output=True,
+                                     text=True, env={**os.environ, "VISIONSERVE_CONTROL_DIR": str(tmp_path),
+                                                     "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+                                     ).stdout.splitlines()[-1])
     assert conf["logger_class"] == "app.hosting.worker.NoAccessLog" and conf["accesslog"] is None
     cfg = Config()
     cfg.set("logconfig_dict", conf["logconfig_dict"])  # what made gunicorn count access logging as on
