@@ -72,12 +72,12 @@ CATALOG_THREADS = 4  # catalog calls at once (a load waits for every engine): ne
 
 
 class _Connection:
-    """One HTTP worker thread's connection: greeted or not, and the request it waits on (at most one)."""
+    """One HTTP worker thread's connection: greeted or not, and the request it waits on (at most one). While a
+    catalog call runs for it on a thread, the loop does not watch it (unregistered)."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock, self.greeted, self.closed = sock, False, False
         self.exchange: _Exchange | None = None
-        self.busy = False  # a catalog call runs for it on a thread: the loop does not watch it meanwhile
 
 
 class _Exchange:
@@ -343,7 +343,6 @@ class EngineServer:
 
     def _catalog(self, conn: _Connection, message: wire.CatalogCall, _: list[bytes]) -> None:
         """On a catalog thread (it may wait for every engine): the connection is not watched until it answers."""
-        conn.busy = True
         self._selector.unregister(conn.sock)
 
         def run() -> None:
@@ -362,7 +361,6 @@ class EngineServer:
         return self._answer(value)
 
     def _catalog_done(self, conn: _Connection, answer: wire.Answer) -> None:
-        conn.busy = False
         self._send(conn, answer)
         if not conn.closed:
             self._selector.register(conn.sock, selectors.EVENT_READ, functools.partial(self._readable, conn))

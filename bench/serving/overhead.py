@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import base64
 import collections
+import functools
 import io
 import json
 import os
@@ -271,14 +272,8 @@ def starters(args: argparse.Namespace, weights: Path, logs: Path) -> dict[str, S
     }
     chosen = {name: every[name] for name in args.servers}
     for checkout in args.checkout:
-        def other(checkout: Path = checkout.resolve()) -> Running:
-            port = free_port()
-            env = {"VISIONSERVE_WEIGHTS_DIR": str(weights), "VISIONSERVE_BIND": f"127.0.0.1:{port}",
-                   "VISIONSERVE_ENGINE": "process", "VISIONSERVE_SHUTDOWN_DRAIN_S": "0.5",
-                   "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-                   **{f"VISIONSERVE_{k.upper()}": v for k, v in ours.items()}}
-            return Running(f"process@{checkout.name}", ["bin/serve"], env, port, "/readyz", logs, cwd=checkout)
-        chosen[f"process@{checkout.name}"] = other
+        chosen[f"process@{checkout.name}"] = functools.partial(visionserve, weights, logs, checkout.resolve(),
+                                                               engine="process", **ours)
     return chosen
 
 
