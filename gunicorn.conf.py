@@ -13,7 +13,7 @@ from app import EXTENSION_KEY
 from app.hosting import drain
 from app.config import SettingsError, load_settings, unknown_variables
 from app.hosting import control
-from app.hosting.host import engine_count, engine_mode, workers_for
+from app.hosting.host import engine_count, engine_mode, unserved_engines, workers_for
 from app.link import supervisor
 from app.hosting.worker import ReadLimits
 
@@ -31,7 +31,7 @@ os.environ["VISIONSERVE_WORKERS"] = str(_workers)
 # HTTP; ENGINE=auto is inline for now (app/hosting/host.py says why).
 _engine = engine_mode(_settings.engine)
 # The engines read how many of them share the host (each forward pass takes its share of the cores).
-_engines = engine_count(_settings.device) if _engine == "process" else 0
+_engines = engine_count(_settings.device, _settings.engines_per_device) if _engine == "process" else 0
 os.environ["VISIONSERVE_ENGINES"] = str(_engines)
 
 # Several processes: prometheus-client's multiprocess mode, so /metrics on any worker reports all of them (the
@@ -89,6 +89,12 @@ def on_starting(server) -> None:  # noqa: ANN001
         server.log.warning(warning)
     server.log.info("visionserve: %d worker%s (%s)", _workers, "" if _workers == 1 else "s", _workers_why)
     if _engine == "process":
+        server.log.info("visionserve: %d engine process%s (ENGINES_PER_DEVICE=%d)", _engines,
+                        "" if _engines == 1 else "es", _settings.engines_per_device)
+        if unserved_engines(_workers, _engines):
+            server.log.warning("visionserve: %d of %d engines get no HTTP worker (worker n talks to engine n mod %d): "
+                               "set VISIONSERVE_WORKERS to at least %d", unserved_engines(_workers, _engines),
+                               _engines, _engines, _engines)
         supervisor.reap_engines_first(server)  # an engine's exit status is its watcher's to log, not lost to gunicorn
         supervisor.start_engines(_engines, Path(os.environ["VISIONSERVE_CONTROL_DIR"]),
                                  _forget)

@@ -158,7 +158,7 @@ class DeviceSettings(SettingsGroup):
         "k..2k-1 on GPU 1, wrapping). `/v1/models` and `/metrics` (`visionserve_model_info`) name each worker's GPU.")
     engines: int = Field(
         0, ge=0, description="Set by gunicorn.conf.py, not by hand: under ENGINE=process, how many engine processes "
-        "serve (one per GPU, one on a CPU host); 0 under ENGINE=inline.")
+        "serve (ENGINES_PER_DEVICE per GPU, or on the CPU host); 0 under ENGINE=inline.")
     worker_slot: int | None = Field(
         None, ge=0, description="Set by gunicorn.conf.py, not by hand: this worker's number among the live workers "
         "(0..WORKERS-1; a restarted worker takes the free one), which places it on a GPU.")
@@ -269,13 +269,20 @@ class ServerSettings(SettingsGroup):
 
     bind: str = Field("0.0.0.0:8000", description="gunicorn's listen address.")
     engine: Literal["auto", "process", "inline"] = Field(
-        "auto", description="Where the model runs under gunicorn. `process`: one engine process per GPU (one on a "
-        "CPU host), started and restarted by the master, owns the models, batching, decoding and the forward pass; "
+        "auto", description="Where the model runs under gunicorn. `process`: engine processes (ENGINES_PER_DEVICE "
+        "per GPU, or on a CPU host), started and restarted by the master, owns the models, batching, decoding and the forward pass; "
         "the HTTP workers never import torch and send it the images over a Unix socket (docs/architecture.md). "
         "`inline`: each worker loads its own copy and batches its own requests. `auto`: `inline`, with a GPU too, "
         "until one engine process keeps up with a GPU (on an H100, Lite0, one image per request: inline 1,315-1,367 "
         "img/s against 473 with one engine, whose interpreter is the bound; docs/performance.md); on a CPU host two "
         "workers each running forward passes keep both cores busy.")
+    engines_per_device: int = Field(
+        1, ge=1, le=8, description="Under ENGINE=process: engine processes per device (Triton's instance count), each "
+        "with its own copy of the models and its own interpreter: a GPU whose preprocessing and launches saturate one "
+        "engine's interpreter lock takes two. Engines 0..k-1 run on the first GPU, k..2k-1 on the next (on a CPU "
+        "host, k engines share the cores); HTTP worker n talks to engine n mod the engine count, so WORKERS should "
+        "be at least the engine count (the start-up log warns when an engine gets no worker). Versions, rollouts and "
+        "readiness span every engine, as they span inline workers.")
     workers: int = Field(
         0, ge=0, description="gunicorn worker processes; each loads its own model and batcher. 0 = auto, said in "
         "the start-up log: on a CPU host one per usable core (affinity and container quota), at most 8 (2 "

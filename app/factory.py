@@ -75,7 +75,8 @@ def _remote_service(settings: "Settings", on_error: "Callable[[BaseException], N
     from app.hosting.host import engine_count
     from app.link.client import RemoteService
 
-    slot = (settings.worker_slot or 0) % (settings.engines or engine_count(settings.device))
+    slot = (settings.worker_slot or 0) % (settings.engines or engine_count(settings.device,
+                                                                        settings.engines_per_device))
     return RemoteService.start(settings, slot, on_error)
 
 

@@ -145,8 +145,10 @@ def until_served(url: str, since: float, limit_s: float = 120) -> float:
 
 
 def ready_workers(server: Running) -> int:
-    """How many workers have said "ready to serve" so far (replacements included)."""
-    return server.output().count('"ready to serve"')
+    """How many HTTP workers have said "ready to serve" so far (replacements included); under ENGINE=process, "ready
+    to serve (engine N)" once they reach their engine."""
+    output = server.output()
+    return output.count('"ready to serve"') + output.count('"ready to serve (engine ')
 
 
 def wait_ready_workers(server: Running, count: int, limit_s: float = 120) -> None:
@@ -157,9 +159,11 @@ def wait_ready_workers(server: Running, count: int, limit_s: float = 120) -> Non
         time.sleep(0.1)
 
 
-def sigterm(start: Start, weights: Path, workers: int, keepalive: bool) -> Row:
-    """SIGTERM after 1 s of a 24-client burst; clients go on 4 s more, past the drain, into a closed listener."""
-    server = start(weights, workers=str(workers), shutdown_drain_s="1.5", max_batch_size="4").wait_ready()
+def sigterm(start: Start, weights: Path, workers: int, keepalive: bool, **settings: str) -> Row:
+    """SIGTERM after 1 s of a 24-client burst; clients go on 4 s more, past the drain, into a closed listener.
+    ``settings`` (e.g. ENGINE=process with two engines) are said in the row's name."""
+    server = start(weights, workers=str(workers), shutdown_drain_s="1.5", max_batch_size="4",
+                   **settings).wait_ready()
     wait_ready_workers(server, workers)
     with Load(server.url, 24, keepalive=keepalive) as load:
         time.sleep(1.0)
@@ -169,7 +173,8 @@ def sigterm(start: Start, weights: Path, workers: int, keepalive: bool) -> Row:
     exit_code = server.stop()
     exited_s = time.monotonic() - term_at
     connection = "keep-alive" if keepalive else "new connections"
-    return Row(f"SIGTERM mid-burst, {workers} worker(s), {connection}", outcomes, None,
+    said = "".join(f", {name.upper()}={value}" for name, value in settings.items())
+    return Row(f"SIGTERM mid-burst, {workers} worker(s){said}, {connection}", outcomes, None,
                f"exit {exit_code} after {exited_s:.1f} s; 503s are the drain's", fault_at=term_at)
 
 

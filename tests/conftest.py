@@ -186,9 +186,10 @@ def _keep_torch_threads() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def engine_server(small_weights: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
-    """ENGINE=process with two HTTP workers and one engine on the small model, started once for the tests that
-    read it or leave it serving again (an engine they kill is back before they end)."""
+    """ENGINE=process with two HTTP workers and two engines (ENGINES_PER_DEVICE=2: each worker talks to its own) on
+    the small model, started once for the tests that read it or leave it serving again (an engine they kill is back
+    before they end). The tests that start their own process-mode servers run the default, one engine."""
     server = serve(small_weights, tmp_path_factory.mktemp("engine"), engine="process", workers="2",
-                   max_wait_ms="5").wait_ready()
+                   engines_per_device="2", max_wait_ms="5").wait_ready()
     yield server
     server.stop()

@@ -65,6 +65,13 @@ def engine_mode(setting: str) -> str:
     return "inline" if setting == "auto" else setting
 
 
-def engine_count(device: str) -> int:
-    """How many engine processes serve (``ENGINE=process``): one per visible GPU, one on a CPU host."""
-    return max(1, visible_gpus()) if device != "cpu" else 1
+def engine_count(device: str, per_device: int = 1) -> int:
+    """How many engine processes serve (``ENGINE=process``): ``per_device`` (ENGINES_PER_DEVICE) on each visible GPU
+    that ``auto``/``cuda`` spreads over, or on the one device named (``cpu``, ``cuda:1``)."""
+    devices = max(1, visible_gpus()) if device in ("auto", "cuda") else 1
+    return per_device * devices
+
+
+def unserved_engines(workers: int, engines: int) -> int:
+    """Engines no HTTP worker talks to (worker n talks to engine n mod ``engines``)."""
+    return max(0, engines - workers)

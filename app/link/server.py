@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging(settings.log_level)
     keep_freed_memory(settings.malloc_trim_threshold_mb)
     gpus = visible_gpus() if settings.device != "cpu" else 0
-    device = placed_device(settings.device, slot, gpus, 1)  # engine N on GPU N
+    device = placed_device(settings.device, slot, gpus, settings.engines_per_device)  # k engines per GPU in turn
     settings = settings.model_copy(update={"device": device, "worker_slot": slot})
     _serve_forever(settings, slot)
 

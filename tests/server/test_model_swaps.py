@@ -106,12 +106,15 @@ def repository(tmp_path: Path, exports: Path) -> Path:
     return repository
 
 
-@pytest.mark.parametrize("workers, how", [("1", "poll"), ("2", "load call")])
+@pytest.mark.parametrize("workers, how, engines", [("1", "poll", 0), ("2", "load call", 0), ("2", "load call", 2)])
 def test_a_version_swap_under_load_fails_no_request(start_server: Callable[..., Running], repository: Path,
-                                                    exports: Path, workers: str, how: str) -> None:
+                                                    exports: Path, workers: str, how: str, engines: int) -> None:
+    # engines=2: ENGINE=process with two engines, each behind one HTTP worker; the load call reaches one of them
+    # and answers once both serve version 2 ("workers" below are then the engines).
     poll = "0.5" if how == "poll" else "0"
-    server = _all_ready(start_server(repository, workers=workers, repository_poll_s=poll, max_wait_ms="5"),
-                        int(workers))
+    two_engines = {"engine": "process", "engines_per_device": str(engines)} if engines else {}
+    server = _all_ready(start_server(repository, workers=workers, repository_poll_s=poll, max_wait_ms="5",
+                                     **two_engines), int(workers))
     client = triton.InferenceServerClient(server.url.removeprefix("http://"))
     with Load(server.url) as load:
         wait_until(lambda: min(map(len, load.answers)) >= 5, timeout=60)
@@ -126,7 +129,8 @@ def test_a_version_swap_under_load_fails_no_request(start_server: Callable[..., 
                                                     for w in workers_now)
     assert [(m["name"], m["version"], m["state"]) for m in client.get_model_repository_index()] == [
         ("mine", "1", "UNAVAILABLE"), ("mine", "2", "READY")]
-    print(f"{workers} worker(s), {how}: {total} answers, all 200, each connection 1 -> 2 once")
+    print(f"{workers} worker(s), {engines or 'no'} engine process(es), {how}: {total} answers, all 200, each "
+          "connection 1 -> 2 once")
 
 
 @pytest.fixture
