@@ -131,10 +131,12 @@ def post_worker_init(worker) -> None:  # noqa: ANN001
 
 
 def worker_exit(server, worker) -> None:  # noqa: ANN001
-    """After the worker's last request, finish queued inference and stop the batcher thread."""
+    """After the worker's last request, finish queued inference and stop the batcher thread; then exit at once
+    (app/hosting/drain.py: no interpreter teardown)."""
     service = _service(worker)
     if service is not None:
         service.shutdown(timeout=_settings.graceful_timeout_s)
+    drain.exit_now(sys.exc_info()[1])  # gunicorn calls this hook on the worker's way out, its SystemExit in flight
 
 
 def child_exit(server, worker) -> None:  # noqa: ANN001

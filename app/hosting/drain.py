@@ -7,13 +7,18 @@ for ``shutdown_drain_s`` and until the requests it holds are answered (new ones 
 Then, on the worker's own event-loop thread, it accepts whatever is still queued (each gets its 503), closes its
 listeners in the same step, so a later connect is refused (never sent, safe to retry elsewhere), and hands over to
 gunicorn's graceful stop. A second SIGTERM changes nothing (a signal to the whole process group reaches the
-worker twice: directly and from the master); SIGINT and SIGQUIT stop at once, as gunicorn's own. Imports only the
+worker twice: directly and from the master); SIGINT and SIGQUIT stop at once, as gunicorn's own. Once the worker
+has stopped (its service shut down), it exits without the interpreter's teardown (``exit_now``). Imports only the
 standard library: gunicorn.conf.py loads it in the master.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
+import logging
+import os
 import signal
+import sys
 import threading
 from typing import Any, Callable
 
@@ -63,3 +68,21 @@ def install(worker: Any, service_of: Callable[[Any], Any], drain_s: float, limit
         threading.Thread(target=drain_then_stop, args=(service,), name="drain", daemon=True).start()
 
     signal.signal(signal.SIGTERM, on_term)
+
+
+def exit_now(exiting: BaseException | None) -> None:
+    """End a worker whose service has shut down with the status gunicorn was exiting with (``exiting``: the
+    SystemExit on its way out), after the exit functions (a tracer's last spans) and the logs, but without the
+    interpreter's teardown: with torch loaded, collecting and freeing every module took 0.6 s of CPU per worker on
+    the 2-core VM, a third of a server's stop (the engine process ends the same way). Anything but a SystemExit
+    (an exception on its way to gunicorn's handler) is left to take its course."""
+    if not isinstance(exiting, SystemExit):
+        return
+    code = exiting.code
+    status = code if isinstance(code, int) else (0 if code is None else 1)
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status & 0xFF)

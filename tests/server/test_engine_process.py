@@ -114,6 +114,11 @@ def test_an_engine_killed_under_load_fails_its_requests_with_503_the_other_answe
     while requests.get(f"{server.url}/readyz", timeout=10).status_code != 200:  # the master restarts engine 1
         assert time.monotonic() < deadline, server.output()[-3000:]
         time.sleep(0.5)
+    # /metrics' readiness follows within a second (each engine's gauge is refreshed with its report, and engine 0
+    # said not ready while engine 1 was gone): the later tests of this server read it
+    while "visionserve_ready 1.0" not in requests.get(f"{server.url}/metrics", timeout=10).text.splitlines():
+        assert time.monotonic() < deadline, server.output()[-3000:]
+        time.sleep(0.2)
     now = _engines(server)
     assert now[0] == engines[0] and now[1] != engines[1]
     assert all(_predict(server).status_code == 200 for _ in range(4))

@@ -122,18 +122,3 @@ def test_workers_spread_over_the_gpus_and_a_restarted_worker_takes_the_free_slot
         shutil.rmtree(os.environ.get("VISIONSERVE_CONTROL_DIR", "/nonexistent"), ignore_errors=True)
         os.environ.clear()
         os.environ.update(before)
-
-
-def test_engines_per_device_places_k_engines_on_each_gpu_and_each_worker_on_one_engine(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    from app.hosting import host
-    from app.hosting.host import engine_count, placed_device, unserved_engines
-
-    monkeypatch.setattr(host, "visible_gpus", lambda: 2)
-    assert engine_count("auto") == 2 and engine_count("cuda", 2) == 4  # k per GPU that auto/cuda spread over
-    assert engine_count("cuda:1", 2) == 2 and engine_count("cpu", 3) == 3  # one device named: k on it
-    assert [placed_device("auto", slot, 2, 2) for slot in range(4)] == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"]
-    assert placed_device("cpu", 1, 0, 2) == "cpu" and placed_device("cuda:1", 3, 2, 2) == "cuda:1"
-    assert unserved_engines(workers=4, engines=4) == 0 and unserved_engines(workers=1, engines=2) == 1
-    with pytest.raises(ValueError):
-        Settings(engines_per_device=0)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from app.config import Settings
 from app.engine.batching import tuning
 from app.hosting import host
 from models import serving
@@ -79,3 +80,15 @@ def test_the_host_and_models_predict_count_the_same_cores(monkeypatch: pytest.Mo
     monkeypatch.setattr(serving, "usable_cores", lambda: 6)
     assert serving.forward_threads(0, "cpu", workers=2) == 1 and serving.forward_threads(0, "cpu") == 3
     assert serving.forward_threads(0, "cpu", workers=2, decoders_apart=True) == 4
+
+
+def test_engines_per_device_places_k_engines_on_each_gpu_and_says_which_get_no_worker(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host, "visible_gpus", lambda: 2)
+    assert host.engine_count("auto") == 2 and host.engine_count("cuda", 2) == 4  # k per GPU auto/cuda spread over
+    assert host.engine_count("cuda:1", 2) == 2 and host.engine_count("cpu", 3) == 3  # one device named: k on it
+    assert [host.placed_device("auto", slot, 2, 2) for slot in range(4)] == ["cuda:0", "cuda:0", "cuda:1", "cuda:1"]
+    assert host.placed_device("cpu", 1, 0, 2) == "cpu" and host.placed_device("cuda:1", 3, 2, 2) == "cuda:1"
+    assert host.unserved_engines(workers=4, engines=4) == 0 and host.unserved_engines(workers=1, engines=2) == 1
+    with pytest.raises(ValueError):
+        Settings(engines_per_device=0)

@@ -134,3 +134,33 @@ def test_gunicorn_builds_no_access_line_where_the_app_writes_its_own(monkeypatch
 
     monkeypatch.setattr(logger, "atoms", atoms)
     logger.access(None, None, {}, 0.1)  # ... and still nothing is built
+
+
+@pytest.mark.parametrize("exiting, status", [("SystemExit(0)", 0), ("SystemExit(3)", 3), ("SystemExit(-1)", 255),
+                                             ("SystemExit(None)", 0)])
+def test_a_stopped_worker_exits_with_gunicorns_status_after_its_exit_functions_and_logs(
+        tmp_path: Path, exiting: str, status: int) -> None:
+    import subprocess
+    import sys
+    import textwrap
+
+    ran = tmp_path / "ran"
+    script = textwrap.dedent(f"""
+        import atexit, logging, sys
+        from app.hosting import drain
+        logging.basicConfig(filename={str(tmp_path / 'log')!r}, level=logging.INFO)
+        atexit.register(lambda: open({str(ran)!r}, "w").write("flushed"))  # a tracer's last spans, say
+        exiting = {exiting}
+        drain.exit_now(ValueError("not on its way out"))  # anything else: left alone
+        try:
+            raise exiting
+        finally:  # as gunicorn's worker_exit hook runs
+            logging.getLogger("worker").info("worker exiting")
+            drain.exit_now(sys.exc_info()[1])
+            print("not reached")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == status, done.stderr
+    assert ran.read_text() == "flushed" and "worker exiting" in (tmp_path / "log").read_text()
+    assert "not reached" not in done.stdout and "Traceback" not in done.stderr
