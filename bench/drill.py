@@ -10,7 +10,7 @@ folder the steps write their reports into, so a call stopped at any point return
 output goes to ``OUT/drill.log`` as it comes.
 
 Steps, most wanted first: the machine's facts; the served figures (``bench.serving.gpu``: the defaults in process
-mode and inline on Lite0, 1 and 16 images per request, C=64 and 256, and 4x overload at C=1024); the serving
+mode with one engine and with two (ENGINES_PER_DEVICE=2), and inline, on Lite0, 1 and 16 images per request, C=64 and 256, and 4x overload at C=1024); the serving
 overhead (``bench.serving.overhead`` on the device: a one-layer model and bodies that decode in microseconds, the
 HTTP workers' and the engine's CPU per request beside the bare Flask app, the budget's unit, measured on this
 host); the ``-m gpu`` tests (the device decode path's pixels, EXIF turns
@@ -52,6 +52,7 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
     facts = ("import os, torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), "
              "torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU', 'cores', os.cpu_count())")
     if smoke:
+        engines = ["process-2", "inline"]  # process-2 runs the process mode's code as process does
         served = ["--batch-sizes", "2", "--concurrency", "2",
                   "--images-per-request", "1", "2", "--seconds", "0.5", "--warmup", "0.2", "--limit-seconds", "0.3",
                   "--workers", "1"]
@@ -61,8 +62,9 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
                  "--workers", "1", "--paths", "synthetic", "cpu"]
         photo_counts = ["--classes", "2", "--train-per-class", "4", "--val-per-class", "2"]
     else:
+        engines = ["process", "process-2", "inline"]
         served = ["--batch-sizes", "64", "--concurrency", "64", "256", "1024",
-                  "--images-per-request", "1", "16", "--seconds", "4", "--warmup", "1", "--limit-seconds", "2",
+                  "--images-per-request", "1", "16", "--seconds", "3", "--warmup", "1", "--limit-seconds", "2",
                   "--workers", "0"]
         overhead = ["--servers", "process", "inline", "--seconds", "2", "--concurrency", "16", "64", "--workers", "4",
                     "--forms", "jpeg", "v2 x1", "/v1/models"]  # 16 per request: the served step
@@ -72,8 +74,8 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         photo_counts = ["--classes", "20", "--train-per-class", "60", "--val-per-class", "20"]
     return [
         Step("facts", 30, (py, "-c", facts), least_s=5),
-        Step("served", 230, (py, "-m", "bench.serving.gpu", "--device", device, "--dtype", "float32", "--models",
-                             model, "--engines", "process", "inline", "--decode-paths", "auto", "--processes",
+        Step("served", 260, (py, "-m", "bench.serving.gpu", "--device", device, "--dtype", "float32", "--models",
+                             model, "--engines", *engines, "--decode-paths", "auto", "--processes",
                              "--workload", "imagenet", *served, "--out", str(figures)), least_s=60),
         Step("overhead", 100, (py, "-m", "bench.serving.overhead", "--device", device, *overhead, "--out",
                                str(figures))),

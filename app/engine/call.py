@@ -151,7 +151,8 @@ class Call:
             raise InferenceFailed(f"the model failed on this request's images: {type(exc).__name__}") from exc
         if self._shadow is not None:
             self._shadow(queued.images, queued.pixels, queued.prepared, results)
-        rows = [replace(r, value=r.value.float().cpu().numpy()) for r in results]
+        values = torch.stack([r.value for r in results]).float().cpu().numpy()  # one conversion, rows its views
+        rows = [replace(r, value=value) for r, value in zip(results, values)]
         return Served(rows, self.model.name, self.model.version, self.model.labels, queued.decode_s,
                       queued.started_ns)
 

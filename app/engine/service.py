@@ -72,8 +72,11 @@ class Service(Lifecycle):
         service._loader.start()
         return service
 
-    def _update_ready_gauge(self) -> None:
-        READY.set(int(self.ready))
+    def _update_ready_gauge(self) -> bool:
+        """Readiness now (``ready``), set in the ready gauge too."""
+        ready = self.loaded and not self._draining.is_set() and self.alive and self._every_worker_serves()
+        READY.set(int(ready))
+        return ready
 
     def loaded_version(self, name: str | None = None, version: str | None = None) -> LoadedVersion:
         """The loaded version a request for ``name`` and ``version`` would get now (NotReady while loading,
@@ -96,8 +99,10 @@ class Service(Lifecycle):
     @property
     def ready(self) -> bool:
         """Models loaded, warmed up, canaries passed, batchers alive, not draining; and with several workers behind
-        one port, every one of them serving, so that after a 200 no request meets a worker still loading."""
-        return self.loaded and not self._draining.is_set() and self.alive and self._every_worker_serves()
+        one port, every one of them serving, so that after a 200 no request meets a worker still loading. Each
+        reading sets the ready gauge too (besides each report of this process): a process whose readiness waited
+        for another's report says so in /metrics by the time /readyz, which reads this, says 200."""
+        return self._update_ready_gauge()
 
     def _every_worker_serves(self) -> bool:
         processes = self.settings.model_processes()

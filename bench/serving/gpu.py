@@ -78,11 +78,12 @@ def decode_rates(predictor: Predictor, photos: Sequence[bytes], batch_size: int,
 def serve(weights: Path, args: argparse.Namespace, workers: int, torch_threads: int,
           decode_path: str, engine: str) -> list[dict[str, object]]:
     """visionserve on the device with ``workers`` gunicorn workers, ``torch_threads`` intra-op threads (0: the
-    service's default), ``decode_path`` and ``engine`` (ENGINE: the model in one engine process, or in every
-    worker), at each images-per-request and C; images/s count images."""
+    service's default), ``decode_path`` and ``engine`` (ENGINE: the model in engine processes, ``process-k`` for
+    ENGINES_PER_DEVICE=k, or in every worker), at each images-per-request and C; images/s count images."""
     started = time.perf_counter()
+    mode, _, per_device = engine.partition("-")
     server = visionserve(weights, WORK / "logs", device=args.device, dtype=args.dtype, workers=str(workers),
-                         engine=engine, max_batch_size=str(max(args.batch_sizes)), threads="64",
+                         engine=mode, engines_per_device=per_device or "1", max_batch_size=str(max(args.batch_sizes)), threads="64",
                          torch_threads=str(torch_threads), decode_path=decode_path, max_images=str(max(args.images_per_request)),
                          max_body_bytes=str(256 * 1024 * 1024)).wait_ready()
     ready_s = time.perf_counter() - started
@@ -176,8 +177,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--limit-seconds", type=float, default=3.0)
     parser.add_argument("--decode-paths", nargs="+", default=["pil", "device"], help="serve once per DECODE_PATH")
-    parser.add_argument("--engines", nargs="+", default=["process", "inline"], choices=["process", "inline"],
-                        help="serve once per ENGINE: one engine process per GPU, or the model in every worker")
+    parser.add_argument("--engines", nargs="+", default=["process", "inline"],
+                        choices=["process", "process-2", "inline"],
+                        help="serve once per ENGINE: one engine process per GPU (process-2: two, "
+                             "ENGINES_PER_DEVICE=2), or the model in every worker")
     parser.add_argument("--images-per-request", type=int, nargs="+", default=[1, 16],
                         help="1: the raw JPEG as the body; more: one multipart request")
     parser.add_argument("--workload", choices=["mix", "imagenet"], default="mix",

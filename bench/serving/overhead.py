@@ -266,6 +266,7 @@ def starters(args: argparse.Namespace, weights: Path, logs: Path) -> dict[str, S
     every: dict[str, Start] = {
         "inline": lambda: visionserve(weights, logs, engine="inline", **ours),
         "process": lambda: visionserve(weights, logs, engine="process", **ours),
+        "process-2": lambda: visionserve(weights, logs, engine="process", engines_per_device="2", **ours),
         "bare": lambda: bare_app(logs, args.workers, threads),
         "naive": lambda: peers.naive(weights, logs, workers=args.workers),
         "litserve": lambda: peers.litserve(weights, logs, workers=args.workers),
@@ -280,7 +281,7 @@ def starters(args: argparse.Namespace, weights: Path, logs: Path) -> dict[str, S
 def forms_for(server: str, every: dict[str, Form], chosen: Sequence[str]) -> list[Form]:
     """visionserve gets every chosen form; the bare app and the naive app the one-image JPEG, LitServe the same
     image in its JSON (what each serves)."""
-    if server in ("inline", "process") or server.startswith("process@"):
+    if server in ("inline", "process", "process-2") or server.startswith("process@"):
         return [every[name] for name in chosen]
     return [every["json" if server == "litserve" else "jpeg"]]
 
@@ -288,7 +289,8 @@ def forms_for(server: str, every: dict[str, Form], chosen: Sequence[str]) -> lis
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--servers", nargs="+", default=["bare", "process", "inline", "naive", "litserve"],
-                        choices=("bare", "process", "inline", "naive", "litserve"))
+                        choices=("bare", "process", "process-2", "inline", "naive", "litserve"),
+                        help="process-2: the engine process mode with two engines (ENGINES_PER_DEVICE=2)")
     parser.add_argument("--checkout", type=Path, action="append", default=[],
                         help="another checkout whose process mode runs beside (repeatable)")
     parser.add_argument("--forms", nargs="+", default=["jpeg", "multipart x1", "multipart x16", "v2 x1", "v2 x16",

@@ -23,7 +23,7 @@ from app.engine.service import Service
 from app.errors import BadRequest, ClientGone, DeadlineExceeded, InvalidImage, NotFound, NotReady, ServiceError
 from app.link import wire
 from app.link.client import RemoteCatalog, RemoteService
-from app.link.server import EngineServer
+from app.link.loop import EngineServer
 from app.metrics import VERSION_REQUESTS
 from tests.support.fakes import ColourModel, infer, wait_until
 from tests.support.imaging import BLUE, RED, image_bytes

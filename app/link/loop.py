@@ -1,0 +1,365 @@
+"""The engine's event loop: ``EngineServer`` serves one engine's ``Service`` to the HTTP workers' connections
+from one thread (one selector, no thread per connection or per request). A connection opens with the hello (a
+worker running other code is refused and logged), then carries one exchange at a time:
+- ``Infer``: the request admitted (``Service.admit``: readiness, routing, its outcome counted), its images queued
+  (``Call.queue``; decoded on a few threads when the CPU decodes them) and, once the batcher's thread has counted
+  them done, the ``Served`` answered from the loop (``Call.answer``); its deadline passing first answers 504, and
+  anything readable from the HTTP side meanwhile means its client hung up (the images still queued are dropped).
+- ``Unanswered``: a request the HTTP side refused before sending it, admitted and ended with its error (no answer).
+- ``CatalogCall``: one of ``contract.CATALOG_CALLS``, on a thread of its own; ``StateQuery``: readiness, liveness,
+  draining.
+Every answer is an ``Answer`` with the value or the ServiceError, and this engine's pid and routing generation.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+import heapq
+import itertools
+import logging
+import os
+import pickle
+import selectors
+import socket
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+from app.engine.call import Call, Queued
+from app.engine.contract import CATALOG_CALLS, Signature, not_ready
+from app.engine.service import Service
+from app.errors import ClientGone, InferenceFailed, ServiceError
+from app.link import wire
+
+log = logging.getLogger(__name__)
+
+
+def _as_error(exc: BaseException) -> ServiceError:
+    if isinstance(exc, ServiceError):
+        return exc
+    return InferenceFailed(f"the engine failed on this request: {type(exc).__name__}: {exc}")
+
+
+def _parsed_alike(message: wire.Infer, answering: Signature) -> None:
+    """NotReady (503: send it again) when the request's tensors were shaped for a version whose input differs from
+    the one routing chose (the model changed while the request was on its way; the HTTP side's signatures are then
+    stale, and are dropped on this answer). Images are decoded for the answering version whatever it is."""
+    if message.tensors and tuple(message.parsed_shape) != tuple(answering.input_shape):
+        raise not_ready(f"{answering.name} changed while this request was on its way: its tensors are shaped "
+                        f"{list(message.parsed_shape)} for version {message.parsed_version}, and version "
+                        f"{answering.version} takes {list(answering.input_shape)}; send it again")
+
+
+FRAME_TIMEOUT_S = 10.0  # a frame whose first bytes came is read whole within this (the HTTP side sends it at once)
+CATALOG_THREADS = 4  # catalog calls at once (a load waits for every engine): never on the loop
+
+
+class _Connection:
+    """One HTTP worker thread's connection: greeted or not, and the request it waits on (at most one). While a
+    catalog call runs for it on a thread, the loop does not watch it (unregistered)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.greeted, self.closed = sock, False, False
+        self.exchange: _Exchange | None = None
+
+
+class _Exchange:
+    """One ``Infer`` in flight: its admission held open (``stack``) from its arrival to its answer."""
+
+    def __init__(self, conn: _Connection, stack: contextlib.ExitStack, call: Call, message: wire.Infer,
+                 images: list[bytes]) -> None:
+        self.conn, self.stack, self.call, self.message, self.images = conn, stack, call, message, images
+        self.queued: Queued | None = None
+        self.ended = False
+        self.left = 0  # futures not done yet (the batcher's thread counts them down)
+        self.lock = threading.Lock()
+
+
+class EngineServer:
+    """Serves one engine's ``Service`` to the HTTP workers' connections from one event loop: every connection is
+    watched by one selector, a request's images are queued without a thread waiting on them, and the answers of a
+    batch go out on the loop's next turn (the batcher's thread only counts them done). Images decoded on the CPU
+    (the PIL and tensor paths) are decoded on ``decode_threads`` threads, in parallel; the device path reads only
+    headers, on the loop. Catalog calls (a load waits for every engine) run on threads of their own."""
+
+    def __init__(self, service: Service, path: Path | None = None, decode_threads: int | None = None) -> None:
+        self.service, self.path = service, path
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._selector = selectors.DefaultSelector()
+        self._wake_read, self._wake_write = socket.socketpair()
+        self._wake_read.setblocking(False)
+        self._wake_write.setblocking(False)
+        self._posted: collections.deque[Callable[[], None]] = collections.deque()
+        self._wake_sent = False  # a wake-up byte is on its way and the loop has not yet taken what was posted
+        self._deadlines: list[tuple[float, int, _Exchange]] = []
+        self._order = itertools.count()
+        self._decoders = ThreadPoolExecutor(decode_threads or len(os.sched_getaffinity(0)),
+                                            thread_name_prefix="engine-decode")
+        self._catalog_threads = ThreadPoolExecutor(CATALOG_THREADS, thread_name_prefix="engine-catalog")
+        self._loop_thread: int | None = None
+        self._started = threading.Lock()
+        self._handlers: dict[type, Callable[[_Connection, Any, list[bytes]], None]] = {
+            wire.Unanswered: self._unanswered, wire.CatalogCall: self._catalog, wire.StateQuery: self._state}
+        self._turn: list[tuple[_Connection, wire.Infer, list[bytes]]] = []  # requests read in this loop turn
+
+    def bind(self) -> None:
+        """Bind (replacing a dead engine's socket file)."""
+        assert self.path is not None
+        self.path.unlink(missing_ok=True)
+        self._listener.bind(str(self.path))
+        self._listener.listen(1024)
+
+    def listen(self) -> None:
+        """Accept connections and serve them on this thread until the process ends."""
+        log.info("engine listening on %s", self.path)
+        self._listener.setblocking(False)
+        self._selector.register(self._listener, selectors.EVENT_READ, self._accept)
+        self._loop()
+
+    def serve(self, sock: socket.socket) -> None:
+        """Serve a connection made elsewhere (a socket pair): it joins the loop, started on a thread if none runs."""
+        with self._started:
+            if self._loop_thread is None:
+                self._loop_thread = -1  # starting
+                threading.Thread(target=self._loop, name="engine-loop", daemon=True).start()
+        self._post(functools.partial(self._adopt, sock))
+
+    # -- the loop --------------------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        self._loop_thread = threading.get_ident()
+        self._selector.register(self._wake_read, selectors.EVENT_READ, self._woken)
+        self._woken()  # what was posted before the loop ran
+        while True:
+            while self._deadlines and self._deadlines[0][2].ended:  # answered before its deadline
+                heapq.heappop(self._deadlines)
+            timeout = None
+            if self._deadlines:
+                timeout = max(0.0, self._deadlines[0][0] - time.monotonic())
+            for key, _ in self._selector.select(timeout):
+                key.data()
+            self._run_turn()
+            self._expire()
+
+    def _post(self, work: Callable[[], None]) -> None:
+        """Run ``work`` on the loop: at once when called there, else on its next turn."""
+        if threading.get_ident() == self._loop_thread:
+            work()
+            return
+        self._posted.append(work)
+        if self._wake_sent:  # the loop will take this with what is already posted: one wake-up for all of them
+            return
+        self._wake_sent = True
+        with contextlib.suppress(BlockingIOError):  # a full wake-up socket already wakes the loop
+            self._wake_write.send(b"\0")
+
+    def _woken(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while self._wake_read.recv(4096):
+                pass
+        # After the bytes are read (one sent meanwhile is read too) and before taking what was posted: whatever is
+        # posted from here on sends a byte, so a set flag always means a byte unread or a taking still to come
+        self._wake_sent = False
+        while self._posted:
+            self._posted.popleft()()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(BlockingIOError, InterruptedError):
+            while True:
+                sock, _ = self._listener.accept()
+                self._adopt(sock)
+
+    def _adopt(self, sock: socket.socket) -> None:
+        sock.setblocking(True)
+        sock.settimeout(FRAME_TIMEOUT_S)
+        conn = _Connection(sock)
+        self._selector.register(sock, selectors.EVENT_READ, functools.partial(self._readable, conn))
+
+    def _close(self, conn: _Connection) -> None:
+        if conn.closed:
+            return
+        conn.closed = True
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(conn.sock)
+        conn.sock.close()
+
+    def _readable(self, conn: _Connection) -> None:
+        """A frame to read, or, while a request of this connection is in flight, the HTTP side hanging up (it sends
+        nothing else before the answer)."""
+        if conn.exchange is not None:
+            self._hang_up(conn.exchange)
+            return
+        try:
+            if not conn.greeted:
+                wire.answer_hello(conn.sock)
+                conn.greeted = True
+                return
+            message, segments = wire.receive_request(conn.sock)
+        except wire.WireMismatch as exc:
+            log.error("refused a connection: %s", exc)
+            self._close(conn)
+            return
+        except (wire.EngineGone, OSError):  # the HTTP worker closed it, or it went out of step: closed here
+            self._close(conn)
+            return
+        if isinstance(message, wire.Infer):
+            self._turn.append((conn, message, segments))
+        else:
+            self._handlers[type(message)](conn, message, segments)
+
+    def _answer(self, value: Any = None, error: ServiceError | None = None) -> wire.Answer:
+        return wire.Answer(value, error, engine=os.getpid(), routes=self.service.controller.routes.generation)
+
+    def _send(self, conn: _Connection, answer: wire.Answer) -> None:
+        """Send ``answer``; one that does not pickle is answered as the server's error instead (nothing was sent);
+        a connection that fails is closed."""
+        if conn.closed:
+            return
+        try:
+            try:
+                wire.send_answer(conn.sock, answer)
+            except (pickle.PicklingError, TypeError, AttributeError) as exc:
+                wire.send(conn.sock, self._answer(error=InferenceFailed(f"the engine's answer could not be sent: "
+                                                                        f"{exc}")))
+        except OSError:
+            self._close(conn)
+
+    # -- a request, from its arrival to its answer -----------------------------------------------------------------
+
+    def _run_turn(self) -> None:
+        """The requests this turn read: every one admitted first (each then counts as on its way to its version's
+        next batch, so the batcher waits for them), then their images queued (decoded on a thread when the CPU
+        decodes them). Each answer goes out once its futures are done, its deadline passes or its client hangs up,
+        whichever comes first."""
+        turn, self._turn = self._turn, []
+        admitted = [exchange for exchange in (self._admit(*read) for read in turn) if exchange is not None]
+        for exchange in admitted:
+            if exchange.images and exchange.call.decodes_on_host:
+                self._decoders.submit(self._queue, exchange)
+            else:
+                self._queue(exchange)
+
+    def _admit(self, conn: _Connection, message: wire.Infer, images: list[bytes]) -> _Exchange | None:
+        stack = contextlib.ExitStack()
+        try:
+            call = stack.enter_context(self.service.admit(message.model, message.version, message.client_key))
+            _parsed_alike(message, call.model)
+        except Exception as exc:  # noqa: BLE001 - every failure is answered, never a dropped connection
+            stack.__exit__(type(exc), exc, exc.__traceback__)
+            self._send(conn, self._answer(error=_as_error(exc)))
+            return None
+        exchange = conn.exchange = _Exchange(conn, stack, call, message, images)
+        return exchange
+
+    def _queue(self, exchange: _Exchange) -> None:
+        """On the loop, or a decode thread: the images queued, then watched until they are done."""
+        message = exchange.message
+        try:
+            queued = exchange.call.queue(exchange.images, message.tensors, timeout_s=message.timeout_s,
+                                         names=message.names, inline=False)  # batches form on the batcher's thread
+        except Exception as exc:  # noqa: BLE001 - answered
+            self._post(functools.partial(self._end, exchange, exc))
+            return
+        exchange.images = []  # the queue holds what it needs
+        exchange.left = len(queued.futures)
+        self._post(functools.partial(self._queued, exchange, queued))
+
+    def _queued(self, exchange: _Exchange, queued: Queued) -> None:
+        """On the loop: the request's images are queued; its deadline is watched and its futures counted down."""
+        exchange.queued = queued
+        if exchange.ended:  # its client hung up while its images were decoded
+            queued.drop()
+            return
+        heapq.heappush(self._deadlines, (queued.deadline, next(self._order), exchange))
+        for future in queued.futures:
+            future.add_done_callback(functools.partial(self._one_done, exchange))
+
+    def _one_done(self, exchange: _Exchange, _: Future) -> None:
+        """On the batcher's thread (or the loop): one more image done; the last one hands the answer to the loop."""
+        with exchange.lock:
+            exchange.left -= 1
+            last = exchange.left == 0
+        if last:
+            self._post(functools.partial(self._end, exchange, None))
+
+    def _expire(self) -> None:
+        """Answer 504 for every request whose deadline passed before its images were done."""
+        now = time.monotonic()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, exchange = heapq.heappop(self._deadlines)
+            if not exchange.ended and exchange.queued is not None and not exchange.queued.done():
+                self._end(exchange, exchange.call.expired(exchange.queued))
+
+    def _hang_up(self, exchange: _Exchange) -> None:
+        """The HTTP side closed the connection of a request in flight (its client left): the images still queued
+        are dropped, the request ends as ClientGone, the connection is closed."""
+        queued = exchange.queued
+        error = exchange.call.hung_up(queued) if queued is not None else ClientGone(
+            "the client closed the connection while its images were decoded")
+        self._close(exchange.conn)
+        self._end(exchange, error)
+
+    def _end(self, exchange: _Exchange, error: BaseException | None) -> None:
+        """On the loop, once: the request's admission closed with its outcome, and its answer sent."""
+        if exchange.ended:
+            return
+        exchange.ended = True
+        conn = exchange.conn
+        conn.exchange = None
+        served = None
+        if error is None:
+            try:
+                served = exchange.call.answer(exchange.queued)  # type: ignore[arg-type]
+            except Exception as exc:  # noqa: BLE001 - answered
+                error = exc
+        if error is not None:
+            exchange.stack.__exit__(type(error), error, error.__traceback__)
+            answer = self._answer(error=_as_error(error))
+        else:
+            exchange.stack.close()
+            answer = self._answer(dataclasses.replace(served, labels=wire.NO_LABELS))  # type: ignore[arg-type]
+        exchange.queued = None  # its deadline may stay queued a while: not the images with it
+        self._send(conn, answer)
+
+    # -- the other exchanges ---------------------------------------------------------------------------------------
+
+    def _unanswered(self, conn: _Connection, message: wire.Unanswered, _: list[bytes]) -> None:
+        """A request the HTTP side ended before sending it: admitted and ended here as it ended there, so it counts
+        in its version's traffic as it would inline."""
+        with contextlib.suppress(Exception):
+            with self.service.admit(message.model, message.version, message.client_key):
+                if message.error is not None:
+                    raise message.error
+
+    def _catalog(self, conn: _Connection, message: wire.CatalogCall, _: list[bytes]) -> None:
+        """On a catalog thread (it may wait for every engine): the connection is not watched until it answers."""
+        self._selector.unregister(conn.sock)
+
+        def run() -> None:
+            answer = self._catalog_answer(message)
+            self._post(functools.partial(self._catalog_done, conn, answer))
+
+        self._catalog_threads.submit(run)
+
+    def _catalog_answer(self, message: wire.CatalogCall) -> wire.Answer:
+        if message.method not in CATALOG_CALLS:
+            return self._answer(error=InferenceFailed(f"no catalog call {message.method!r}"))
+        try:
+            value = getattr(self.service.catalog, message.method)(*message.args, **message.kwargs)
+        except Exception as exc:  # noqa: BLE001 - answered
+            return self._answer(error=_as_error(exc))
+        return self._answer(value)
+
+    def _catalog_done(self, conn: _Connection, answer: wire.Answer) -> None:
+        self._send(conn, answer)
+        if not conn.closed:
+            self._selector.register(conn.sock, selectors.EVENT_READ, functools.partial(self._readable, conn))
+
+    def _state(self, conn: _Connection, message: wire.StateQuery, _: list[bytes]) -> None:
+        service = self.service
+        self._send(conn, self._answer(wire.EngineState(ready=service.ready, alive=service.alive,
+                                                       loaded=service.loaded, draining=service.draining)))
