@@ -221,7 +221,7 @@ class EngineServer:
             return
         try:
             try:
-                wire.send_answer(conn.sock, answer)
+                wire.send(conn.sock, answer)
             except (pickle.PicklingError, TypeError, AttributeError) as exc:
                 wire.send(conn.sock, self._answer(error=InferenceFailed(f"the engine's answer could not be sent: "
                                                                         f"{exc}")))

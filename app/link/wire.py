@@ -9,8 +9,7 @@ refused before its images were sent, counted by the engine as the version's traf
 A frame is a header (a pickled message, one of ``MESSAGES``) and raw byte segments, sent with one scatter-gather
 call and read into one buffer, so an image's bytes are copied once on each side and never pickled.
 
-Standard library and numpy only (and the engine's torch-free contract): the HTTP side never imports torch. An
-answer's rows (a ``Served``'s float32 probabilities) travel as raw segments too (``send_answer``).
+Standard library only (and the engine's torch-free contract): the HTTP side never imports torch.
 """
 from __future__ import annotations
 
@@ -26,12 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
-
 from app import errors
 from app.engine import contract
 
-PROTOCOL = 3  # the frame layout (3: an answer's rows as segments) and the hello; each message's fields are in FINGERPRINT
+PROTOCOL = 2  # the frame layout and the hello; each message's own fields are in FINGERPRINT
 _HEAD = struct.Struct("!II")  # the header's length, the number of segments
 _LENGTH = struct.Struct("!Q")
 MAX_SEGMENTS = 10_000  # a bound on one frame's segments (MAX_IMAGES is far lower): a corrupt frame fails at once
@@ -205,29 +202,8 @@ def receive_request(sock: socket.socket) -> tuple[Any, list[bytes]]:
 
 
 def receive_answer(sock: socket.socket) -> Answer:
-    """The engine's answer to the exchange in progress (a ``Served`` with its rows put back: ``send_answer``)."""
-    answer, segments = receive(sock, (Answer,))
-    if isinstance(answer.value, contract.Served):
-        results = answer.value.results
-        if len(segments) != len(results):
-            raise EngineGone(f"an answer of {len(results)} rows with {len(segments)} row segments: the stream is "
-                             "corrupt")
-        answer.value.results[:] = [dataclasses.replace(r, value=np.frombuffer(row, np.float32).reshape(r.value))
-                                   for r, row in zip(results, segments)]
-    return answer
-
-
-def send_answer(sock: socket.socket, answer: Answer) -> None:
-    """``answer``, with a ``Served``'s rows (float32 probabilities) as raw segments, one a row, never pickled (a
-    pickled array costs its reduction and a copy on each side; the row's place carries its shape)."""
-    served = answer.value
-    if not isinstance(served, contract.Served):
-        send(sock, answer)
-        return
-    rows = [np.ascontiguousarray(r.value, np.float32) for r in served.results]
-    shaped = dataclasses.replace(served, results=[dataclasses.replace(r, value=row.shape)
-                                                  for r, row in zip(served.results, rows)])
-    send(sock, dataclasses.replace(answer, value=shaped), [memoryview(row).cast("B") for row in rows])
+    """The engine's answer to the exchange in progress."""
+    return receive(sock, (Answer,))[0]
 
 
 _WELCOME = b"ok"
