@@ -29,7 +29,7 @@ def worker_pids(parent: int | None = None) -> list[int]:
     return pids or [os.getpid()]
 
 
-def _stat(pid: int) -> tuple[float, int] | None:
+def cpu_and_memory(pid: int) -> tuple[float, int] | None:
     """(CPU seconds, resident bytes) of ``pid``, or None when it is gone."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -49,7 +49,7 @@ class WorkerCollector:
         cpu = CounterMetricFamily("process_cpu_seconds", "CPU seconds (user + system) of each gunicorn worker",
                                   labels=["worker"])
         for pid in worker_pids():
-            stat = _stat(pid)
+            stat = cpu_and_memory(pid)
             if stat is not None:
                 cpu.add_metric([str(pid)], stat[0])
                 memory.add_metric([str(pid)], stat[1])

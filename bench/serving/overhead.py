@@ -39,6 +39,7 @@ from typing import Callable, Sequence
 import numpy as np
 from PIL import Image
 
+from app.hosting.procstat import cpu_and_memory
 from bench.serving.load import closed_loop, percentile
 from harness.photos import multipart
 from harness.servers import ROOT, Running, free_port, visionserve
@@ -48,7 +49,6 @@ INPUT = (3, 8, 8)
 BODY_BYTES = 100_000  # about an ImageNet photo's JPEG
 CLASSES = 1000  # as an ImageNet model: its labels and its rows cross the link
 BUDGET = {"http": 1.5, "engine_1": 0.1, "engine_16": 0.04}
-_TICKS = os.sysconf("SC_CLK_TCK")
 ENGINE_COMMAND = "app.link.server"  # an engine process's command line holds its module
 
 
@@ -146,14 +146,15 @@ def process_cpu(root: int) -> dict[int, tuple[str, float]]:
     found, pending = {}, [root]
     while pending:
         pid = pending.pop()
+        stat = cpu_and_memory(pid)
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             pending += [int(child) for task in Path(f"/proc/{pid}/task").glob("*/children")
                         for child in task.read_text().split()]
         except OSError:  # ended meanwhile
             continue
-        found[pid] = (command, (int(fields[11]) + int(fields[12])) / _TICKS)  # after "(comm)": utime, stime
+        if stat is not None:
+            found[pid] = (command, stat[0])
     return found
 
 
