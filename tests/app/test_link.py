@@ -3,6 +3,7 @@ EngineServer over socket.socketpair(), the engine a real Service on the tiny col
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import pickle
 import socket
@@ -342,3 +343,27 @@ def test_requests_that_arrive_together_share_a_batch_and_no_thread_waits_on_them
     for thread in (blocker, *waiting):
         thread.join(10)
     assert sorted(answers) == ["blue", "blue", "blue", "red"] and model.batch_sizes[batches:] == [1, 3]
+
+
+def test_work_posted_to_the_loop_from_other_threads_all_runs_however_the_wake_ups_fall(link: Link) -> None:
+    # Posts share one wake-up byte while the loop has not yet taken what was posted: a flag left set with no byte
+    # on its way would park the loop with work waiting (an engine benchmark hung on such a race before it was
+    # fixed: the flag is cleared after the bytes are read, before the posted work is taken).
+    server = link.server
+    server.serve(_pair()[1])  # the loop runs on its own thread
+    ran: list[int] = []
+    per_thread, threads = 20_000, 4
+
+    def post(offset: int) -> None:
+        for i in range(per_thread):
+            server._post(functools.partial(ran.append, offset + i))
+            if i % 97 == 0:
+                time.sleep(0)  # let the loop take some midway
+
+    posters = [threading.Thread(target=post, args=(t * per_thread,)) for t in range(threads)]
+    for poster in posters:
+        poster.start()
+    for poster in posters:
+        poster.join()
+    wait_until(lambda: len(ran) == per_thread * threads, timeout=10)
+    assert sorted(ran) == list(range(per_thread * threads))
