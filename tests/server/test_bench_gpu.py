@@ -24,9 +24,9 @@ def test_the_gpu_drill_runs_every_step_on_the_cpu_and_returns_what_it_wrote(tmp_
         names = {Path(name).name for name in tar.getnames()}
         report = tar.extractfile(next(m for m in tar.getmembers() if m.name.endswith("-gpu-cpu.md"))).read().decode()
     assert "predict.jsonl" in names and any(name.endswith("-train-cpu.md") for name in names)
-    served = [line for line in report.splitlines() if line.startswith(("| process |", "| inline |"))]
+    served = [line for line in report.splitlines() if line.startswith(("| process-2 |", "| inline |"))]
     assert [tuple(cell.strip() for cell in row.split("|")[1:4]) + (row.split("|")[7].strip(),) for row in served] == [
-        (engine, "auto", per_request, "2") for engine in ("process", "inline") for per_request in ("1", "2")]
+        (engine, "auto", per_request, "2") for engine in ("process-2", "inline") for per_request in ("1", "2")]
     assert all(row.split("|")[11].strip() == "0" for row in served)  # no request failed in either engine
     log = (out / "drill.log").read_text()
     assert "The unit, one bare-Flask request: C=1:" in log and "engine per image, 1 per request" in log

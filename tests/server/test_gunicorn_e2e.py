@@ -240,7 +240,7 @@ def test_soak_no_errors_and_flat_memory(small_weights: Path, start_server: Calla
         assert server.stop() == 0
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("workers", [2])  # two workers: the slower stop (one ran in about 0.7 of its time)
 def test_time_to_exit_after_sigterm_idle_and_after_load(small_weights: Path, start_server: Callable[..., Running],
                                                         workers: int) -> None:
     # Figures for docs/architecture.md (printed, not asserted: these machines are noisy); what is asserted is that

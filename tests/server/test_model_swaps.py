@@ -235,5 +235,18 @@ def test_two_models_three_versions_one_corrupt_a_default_model_and_a_rollback_th
 
     wait_until(restarted, timeout=120)
     assert [w["models"]["mine"]["default"] for w in seen] == ["1", "1"]
-    assert requests.post(f"{server.url}/predict?model=other", data=PHOTOS[1], headers={
-        "Content-Type": "image/jpeg"}, timeout=30).json()["model"] == {"name": "other", "version": "1"}
+    # The new worker's report lists it as soon as its models are applied, a moment before it takes requests: until
+    # then it answers 503 with Retry-After, as a worker still loading does (the load balancer's readiness waits)
+    answers: list[requests.Response] = []
+
+    def other_answered() -> bool:
+        answers.append(requests.post(f"{server.url}/predict?model=other", data=PHOTOS[1],
+                                     headers={"Content-Type": "image/jpeg"}, timeout=30))
+        assert answers[-1].status_code in (200, 503), answers[-1].text
+        if answers[-1].status_code == 503:
+            time.sleep(0.1)
+        return answers[-1].status_code == 200
+
+    wait_until(other_answered, timeout=60)
+    assert answers[-1].json()["model"] == {"name": "other", "version": "1"}
+    assert all(a.headers.get("Retry-After") for a in answers[:-1])
