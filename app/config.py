@@ -270,7 +270,8 @@ class ServerSettings(SettingsGroup):
     bind: str = Field("0.0.0.0:8000", description="gunicorn's listen address.")
     engine: Literal["auto", "process", "inline"] = Field(
         "auto", description="Where the model runs under gunicorn. `process`: engine processes (ENGINES_PER_DEVICE "
-        "per GPU, or on a CPU host), started and restarted by the master, owns the models, batching, decoding and the forward pass; "
+        "per GPU, or on a CPU host), started and restarted by the master, owns the models, batching, decoding and "
+        "the forward pass; "
         "the HTTP workers never import torch and send it the images over a Unix socket (docs/architecture.md). "
         "`inline`: each worker loads its own copy and batches its own requests. `auto`: `inline`, with a GPU too, "
         "until one engine process keeps up with a GPU (on an H100, Lite0, one image per request: inline 1,315-1,367 "

@@ -1,7 +1,7 @@
-"""The gunicorn master's engine processes (``ENGINE=process``): one per GPU (one on a CPU host), each started as
-``python -m app.link.server SLOT`` (a fresh interpreter: the master never imports torch or touches CUDA, and no
-process that used CUDA is ever forked), watched by a thread, restarted when it dies, stopped after the HTTP
-workers at shutdown. Standard library only: it runs in the master.
+"""The gunicorn master's engine processes (``ENGINE=process``): ENGINES_PER_DEVICE per GPU (that many on a CPU
+host), each started as ``python -m app.link.server SLOT`` (a fresh interpreter: the master never imports torch or
+touches CUDA, and no process that used CUDA is ever forked), watched by a thread, restarted when it dies, stopped
+after the HTTP workers at shutdown. Standard library only: it runs in the master.
 
 - The engines live in this module, not in gunicorn.conf.py: a ``kill -HUP`` executes the config file again, and
   its new globals would forget the engines (and never stop them). A HUP restarts the HTTP workers only; the
