@@ -91,10 +91,10 @@ def on_starting(server) -> None:  # noqa: ANN001
     if _engine == "process":
         server.log.info("visionserve: %d engine process%s (ENGINES_PER_DEVICE=%d)", _engines,
                         "" if _engines == 1 else "es", _settings.engines_per_device)
-        if unserved_engines(_workers, _engines):
+        unserved = unserved_engines(_workers, _engines)
+        if unserved:
             server.log.warning("visionserve: %d of %d engines get no HTTP worker (worker n talks to engine n mod %d): "
-                               "set VISIONSERVE_WORKERS to at least %d", unserved_engines(_workers, _engines),
-                               _engines, _engines, _engines)
+                               "set VISIONSERVE_WORKERS to at least %d", unserved, _engines, _engines, _engines)
         supervisor.reap_engines_first(server)  # an engine's exit status is its watcher's to log, not lost to gunicorn
         supervisor.start_engines(_engines, Path(os.environ["VISIONSERVE_CONTROL_DIR"]),
                                  _forget)

@@ -11,11 +11,11 @@ output goes to ``OUT/drill.log`` as it comes.
 
 Steps, most wanted first: the machine's facts; the served figures (``bench.serving.gpu``: the defaults in process
 mode with one engine and with two (ENGINES_PER_DEVICE=2), and inline, on Lite0, 1 and 16 images per request, C=64
-and 256, and 4x overload at C=1024); the serving overhead (``bench.serving.overhead`` on the device: a one-layer model and bodies that decode in microseconds, the
-HTTP workers' and the engine's CPU per request beside the bare Flask app, the budget's unit, measured on this
-host); the ``-m gpu`` tests (the device decode path's pixels, EXIF turns
-included, placement, tensors); ``models.predict`` on CUDA over a photo folder; the training feed (JPEG folder on
-the CPU and on the GPU against synthetic batches).
+and 256, and 4x overload at C=1024); the serving overhead (``bench.serving.overhead`` on the device: a one-layer
+model and bodies that decode in microseconds, the HTTP workers' and the engine's CPU per request beside the bare
+Flask app, the budget's unit, measured on this host); the ``-m gpu`` tests (the device decode path's pixels, EXIF
+turns included, placement, tensors); ``models.predict`` on CUDA over a photo folder; the training feed (JPEG folder
+on the CPU and on the GPU against synthetic batches).
 """
 from __future__ import annotations
 

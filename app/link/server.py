@@ -21,6 +21,7 @@ from app.config import Settings, load_settings
 from app.engine.service import Service
 from app.engine.versions.sources import DirectorySource
 from app.hosting import control
+from app.hosting.drain import exit_now
 from app.link.loop import EngineServer
 
 log = logging.getLogger(__name__)
@@ -50,8 +51,7 @@ def _fail(control_dir: Path, slot: int, message: str) -> None:
     partial = failure.with_name(f".{failure.name}.{os.getpid()}")
     partial.write_text(message, encoding="utf-8")
     partial.replace(failure)  # whole or not there: a worker may read it at any moment
-    logging.shutdown()
-    os._exit(BOOT_ERROR)
+    exit_now(SystemExit(BOOT_ERROR))
 
 
 def _exit_with_the_master() -> None:
@@ -60,16 +60,14 @@ def _exit_with_the_master() -> None:
     def watch() -> None:
         sys.stdin.buffer.read()
         log.warning("the master is gone: the engine exits")
-        logging.shutdown()
-        os._exit(0)
+        exit_now(SystemExit(0))
     threading.Thread(target=watch, name="master-watch", daemon=True).start()
 
 
 def _stop(service: Service, settings: Settings) -> None:
     """SIGTERM from the master (after the HTTP workers drained): finish what is queued, then exit."""
     service.shutdown(timeout=settings.graceful_timeout_s)
-    logging.shutdown()
-    os._exit(0)
+    exit_now(SystemExit(0))
 
 
 def main(argv: list[str] | None = None) -> None:

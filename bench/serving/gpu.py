@@ -83,7 +83,8 @@ def serve(weights: Path, args: argparse.Namespace, workers: int, torch_threads: 
     started = time.perf_counter()
     mode, _, per_device = engine.partition("-")
     server = visionserve(weights, WORK / "logs", device=args.device, dtype=args.dtype, workers=str(workers),
-                         engine=mode, engines_per_device=per_device or "1", max_batch_size=str(max(args.batch_sizes)), threads="64",
+                         engine=mode, engines_per_device=per_device or "1",
+                         max_batch_size=str(max(args.batch_sizes)), threads="64",
                          torch_threads=str(torch_threads), decode_path=decode_path, max_images=str(max(args.images_per_request)),
                          max_body_bytes=str(256 * 1024 * 1024)).wait_ready()
     ready_s = time.perf_counter() - started
