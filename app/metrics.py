@@ -2,6 +2,8 @@
 the fork) switches prometheus-client to its multiprocess mode and /metrics aggregates every worker."""
 from __future__ import annotations
 
+import bisect
+import math
 import os
 import threading
 from collections import Counter as Tally
@@ -73,6 +75,22 @@ PREDICTION_DRIFT_PSI = Gauge("visionserve_prediction_drift_psi", "Population sta
                              "0 once unloaded)", ["model", "version"], multiprocess_mode="livemax")
 
 
+def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
+    """``histogram.observe`` of each of ``values`` (a labelled child), written as one increment per bucket they
+    fall in and one of the sum: in multiprocess mode each increment is a locked write to a shared file, and a batch's
+    or a loop turn's values land in few buckets. Reads prometheus-client's own fields (pinned; tests compare it with
+    ``observe`` one by one)."""
+    if not values:
+        return
+    histogram._raise_if_not_observable()
+    bounds = histogram._upper_bounds
+    # NaN is below no bound: observe() adds it to the sum and to no bucket
+    counts = Tally(bisect.bisect_left(bounds, value) for value in values if value == value)
+    histogram._sum.inc(math.fsum(values))
+    for index, count in counts.items():
+        histogram._buckets[index].inc(count)
+
+
 class MetricsObserver:
     """Feeds one model version's batcher reports and its monitored predictions into the metrics; ``memory_stats``
     is read after each batch (CUDA only). Once ``retire``d (its version unloaded), its stopping batcher no longer
@@ -83,6 +101,10 @@ class MetricsObserver:
         self._memory_stats = memory_stats
         self._labels = (model, version)
         self.retired = False
+        # this version's series, looked up once (labels() takes a lock and checks its values on every call)
+        self._queue_depth, self._depth_written = QUEUE_DEPTH.labels(model, version), -1
+        self._confidence: Histogram | None = None  # from the first prediction made for a request
+        self._predicted: dict[str, Counter] = {}
         self._figures_lock = threading.Lock()  # a batch's figures never land after the version's retire()
         self._figures_set: set[Gauge] = set()
 
@@ -93,7 +115,8 @@ class MetricsObserver:
             self.retired = True
             for gauge in self._figures_set:
                 gauge.labels(*self._labels).set(0)
-        QUEUE_DEPTH.labels(*self._labels).set(0)
+        self._queue_depth.set(0)
+        self._depth_written = 0
         QUEUE_CAPACITY.labels(*self._labels).set(0)
 
     def predictions(self, labels: Sequence[str], confidences: Sequence[float], low_confidence_ratio: float | None,
@@ -101,10 +124,13 @@ class MetricsObserver:
         """Record a batch's predictions made for requests (top-1 label and probability of each) and the
         monitor's figures after it (None: not reported yet)."""
         for label, count in Tally(labels).items():
-            PREDICTED_CLASS.labels(*self._labels, label).inc(count)
-        histogram = TOP1_CONFIDENCE.labels(*self._labels)
-        for confidence in confidences:
-            histogram.observe(confidence)
+            predicted = self._predicted.get(label)
+            if predicted is None:
+                predicted = self._predicted[label] = PREDICTED_CLASS.labels(*self._labels, label)
+            predicted.inc(count)
+        if self._confidence is None:
+            self._confidence = TOP1_CONFIDENCE.labels(*self._labels)
+        observe_many(self._confidence, confidences)
         with self._figures_lock:
             for gauge, value in ((LOW_CONFIDENCE_RATIO, low_confidence_ratio), (PREDICTION_DRIFT_PSI, psi)):
                 if value is not None and not self.retired:
@@ -116,8 +142,7 @@ class MetricsObserver:
         BATCH_SIZE.observe(size)
         STAGE_SECONDS.labels("inference").observe(run_s)
         STAGE_CPU_SECONDS.labels("inference").inc(cpu_s)
-        for waited in queued_s:
-            STAGE_SECONDS.labels("queue").observe(waited)
+        observe_many(STAGE_SECONDS.labels("queue"), queued_s)
         if self._memory_stats is not None:
             for kind, value in self._memory_stats().items():
                 GPU_MEMORY.labels(kind).set(value)
@@ -127,8 +152,11 @@ class MetricsObserver:
         BATCHER_EVENTS.labels(name).inc(count)
 
     def queue_depth(self, depth: int) -> None:
-        """Publish the queue depth."""
-        QUEUE_DEPTH.labels(*self._labels).set(0 if self.retired else depth)
+        """Publish the queue depth (written when it changed: the batcher reports it on every submit)."""
+        depth = 0 if self.retired else depth
+        if depth != self._depth_written:
+            self._depth_written = depth
+            self._queue_depth.set(depth)
 
     def running(self, alive: bool) -> None:
         """The inference thread started or ended (a worker without it cannot be ready)."""
@@ -168,6 +196,31 @@ ROLLOUT_CANDIDATE_REFUSED = Gauge("visionserve_rollout_candidate_refused", "1 wh
                                   "without this candidate because it cannot load (the live version serves alone; "
                                   "/v1/models rollouts[].candidate_refused says why); 0 once it loads or is no "
                                   "longer the candidate", ["model", "version"], multiprocess_mode="livemax")
+
+
+class RequestTally:
+    """Requests' outcomes and times per version (``visionserve_version_requests_total`` and
+    ``visionserve_version_request_duration_seconds``), held until ``flush`` writes them together: one increment
+    per series a loop turn touched, not several per request. Not thread-safe: one thread counts and flushes."""
+
+    def __init__(self) -> None:
+        self._outcomes: Tally[tuple[str, str, str, str]] = Tally()
+        self._seconds: dict[tuple[str, str], list[float]] = {}
+
+    def count(self, model: str, version: str, role: str, outcome: str, seconds: float | None) -> None:
+        """One request's outcome, and its time where it counts (None: a refusal's does not)."""
+        self._outcomes[model, version, role, outcome] += 1
+        if seconds is not None:
+            self._seconds.setdefault((model, version), []).append(seconds)
+
+    def flush(self) -> None:
+        """Write what was counted since the last flush."""
+        outcomes, self._outcomes = self._outcomes, Tally()
+        seconds, self._seconds = self._seconds, {}
+        for labels, count in outcomes.items():
+            VERSION_REQUESTS.labels(*labels).inc(count)
+        for labels, values in seconds.items():
+            observe_many(VERSION_REQUEST_SECONDS.labels(*labels), values)
 
 
 # Every series an alert or a dashboard reads exists at 0 from the start, so "none yet" never reads as "no data".

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, wait
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -139,8 +139,9 @@ class Call:
         BATCHER_EVENTS.labels("client_gone").inc(dropped)
         return ClientGone(f"the client closed the connection; {dropped} queued images dropped")
 
-    def answer(self, queued: Queued) -> Served:
-        """The answer of a request whose futures are all done (offered to the shadow first); raises what failed."""
+    def answer(self, queued: Queued, labels: list[str] | None = None) -> Served:
+        """The answer of a request whose futures are all done (offered to the shadow first), with ``labels`` (None:
+        the version's); raises what failed."""
         try:
             results = [_result(f, i, queued.names) for i, f in enumerate(queued.futures)]
         except DeadlineExpired:
@@ -152,9 +153,10 @@ class Call:
         if self._shadow is not None:
             self._shadow(queued.images, queued.pixels, queued.prepared, results)
         values = torch.stack([r.value for r in results]).float().cpu().numpy()  # one conversion, rows its views
-        rows = [replace(r, value=value) for r, value in zip(results, values)]
-        return Served(rows, self.model.name, self.model.version, self.model.labels, queued.decode_s,
-                      queued.started_ns)
+        rows = [BatchResult(value, r.batch_id, r.batch_size, r.queued_s, r.run_s)
+                for r, value in zip(results, values)]
+        return Served(rows, self.model.name, self.model.version, self.model.labels if labels is None else labels,
+                      queued.decode_s, queued.started_ns)
 
     def _prepare(self, images: Sequence[bytes], names: Sequence[str | None]) -> tuple[list[Prepared], float]:
         started, cpu_started = time.perf_counter(), time.thread_time()

@@ -24,7 +24,7 @@ from app.engine.versions.controller import VersionsController
 from app.engine.versions.routing import Route
 from app.engine.versions.sources import GivenSource, Source
 from app.errors import ServiceError
-from app.metrics import READY, VERSION_REQUEST_SECONDS, VERSION_REQUESTS
+from app.metrics import READY, VERSION_REQUEST_SECONDS, VERSION_REQUESTS, RequestTally
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,9 @@ class Service(Lifecycle):
         self.catalog = Catalog(settings, self.controller, self.wait_loaded)
         self._routes = self.controller.routes  # what serves now: the routing table
         self._loader: threading.Thread | None = None
+        # Requests' outcomes held for the one thread that admits every request to write together (an event loop,
+        # once a turn: app/link/loop.py); None: each written as its request ends (any thread)
+        self.counts: RequestTally | None = None
 
     @classmethod
     def build(cls, settings: Settings, source: Source | Predictor) -> "Service":
@@ -165,8 +168,12 @@ class Service(Lifecycle):
 
     def _count(self, route: Route, seconds: float, outcome: str) -> None:
         loaded = route.version
-        VERSION_REQUESTS.labels(loaded.name, loaded.version, route.role, outcome).inc()
-        if outcome == "refused":
-            return  # the client's error, or the server's capacity: not the version's
-        VERSION_REQUEST_SECONDS.labels(loaded.name, loaded.version).observe(seconds)
-        self.controller.evidence.traffic(loaded.name, loaded.version).record(seconds, outcome == "failed")
+        refused = outcome == "refused"  # the client's error, or the server's capacity: not the version's time
+        if self.counts is not None:
+            self.counts.count(loaded.name, loaded.version, route.role, outcome, None if refused else seconds)
+        else:
+            VERSION_REQUESTS.labels(loaded.name, loaded.version, route.role, outcome).inc()
+            if not refused:
+                VERSION_REQUEST_SECONDS.labels(loaded.name, loaded.version).observe(seconds)
+        if not refused:
+            self.controller.evidence.traffic(loaded.name, loaded.version).record(seconds, outcome == "failed")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import functools
 import heapq
 import itertools
@@ -34,6 +33,7 @@ from app.engine.contract import CATALOG_CALLS, Signature, not_ready
 from app.engine.service import Service
 from app.errors import ClientGone, InferenceFailed, ServiceError
 from app.link import wire
+from app.metrics import RequestTally
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,8 @@ def _parsed_alike(message: wire.Infer, answering: Signature) -> None:
 
 FRAME_TIMEOUT_S = 10.0  # a frame whose first bytes came is read whole within this (the HTTP side sends it at once)
 CATALOG_THREADS = 4  # catalog calls at once (a load waits for every engine): never on the loop
+HAND_OFF_S = 0.005  # what handing a turn's decoding to a thread and back costs, about: less decoding stays here
+DECODE_S_WEIGHT = 0.2  # how fast the expected decode time per image follows the measured one
 
 
 class _Connection:
@@ -88,6 +90,7 @@ class EngineServer:
 
     def __init__(self, service: Service, path: Path | None = None, decode_threads: int | None = None) -> None:
         self.service, self.path = service, path
+        self._counts = service.counts = RequestTally()  # every request is admitted and ended on the loop
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._selector = selectors.DefaultSelector()
         self._wake_read, self._wake_write = socket.socketpair()
@@ -97,8 +100,9 @@ class EngineServer:
         self._wake_sent = False  # a wake-up byte is on its way and the loop has not yet taken what was posted
         self._deadlines: list[tuple[float, int, _Exchange]] = []
         self._order = itertools.count()
-        self._decoders = ThreadPoolExecutor(decode_threads or len(os.sched_getaffinity(0)),
-                                            thread_name_prefix="engine-decode")
+        self._decode_threads = decode_threads or len(os.sched_getaffinity(0))
+        self._decoders = ThreadPoolExecutor(self._decode_threads, thread_name_prefix="engine-decode")
+        self._decode_s_per_image = HAND_OFF_S  # until measured: a lone image is worth a hand-off
         self._catalog_threads = ThreadPoolExecutor(CATALOG_THREADS, thread_name_prefix="engine-catalog")
         self._loop_thread: int | None = None
         self._started = threading.Lock()
@@ -144,6 +148,7 @@ class EngineServer:
                 key.data()
             self._run_turn()
             self._expire()
+            self._counts.flush()
 
     def _post(self, work: Callable[[], None]) -> None:
         """Run ``work`` on the loop: at once when called there, else on its next turn."""
@@ -232,16 +237,45 @@ class EngineServer:
 
     def _run_turn(self) -> None:
         """The requests this turn read: every one admitted first (each then counts as on its way to its version's
-        next batch, so the batcher waits for them), then their images queued (decoded on a thread when the CPU
-        decodes them). Each answer goes out once its futures are done, its deadline passes or its client hangs up,
-        whichever comes first."""
+        next batch, so the batcher waits for them), then their images queued: those the CPU decodes in a few
+        hand-offs to the decode threads (``_decode_shares``), the rest here. Each answer goes out once its futures
+        are done, its deadline passes or its client hangs up, whichever comes first."""
         turn, self._turn = self._turn, []
         admitted = [exchange for exchange in (self._admit(*read) for read in turn) if exchange is not None]
+        decoded = [exchange for exchange in admitted if exchange.images and exchange.call.decodes_on_host]
         for exchange in admitted:
-            if exchange.images and exchange.call.decodes_on_host:
-                self._decoders.submit(self._queue, exchange)
-            else:
+            if not (exchange.images and exchange.call.decodes_on_host):
                 self._queue(exchange)
+        shares = self._decode_shares(decoded)
+        if len(shares) == 1 and self._decode_here(decoded):
+            self._queue_all(decoded)
+            return
+        for share in shares:
+            self._decoders.submit(self._queue_all, share)
+
+    def _decode_here(self, exchanges: list[_Exchange]) -> bool:
+        """Whether these requests' images decode in less time than a hand-off to a decode thread costs (their
+        expected time from the images decoded so far): then the loop decodes them itself."""
+        images = sum(len(exchange.images) for exchange in exchanges)
+        return images * self._decode_s_per_image < HAND_OFF_S
+
+    def _decode_shares(self, exchanges: list[_Exchange]) -> list[list[_Exchange]]:
+        """The turn's requests to decode, split into at most one share per decode thread, each worth a hand-off
+        (at least HAND_OFF_S of expected decoding), by their images: one hand-off per share, not per request."""
+        if not exchanges:
+            return []
+        images = sum(len(exchange.images) for exchange in exchanges)
+        worth = int(images * self._decode_s_per_image / HAND_OFF_S)
+        count = max(1, min(self._decode_threads, len(exchanges), worth))
+        if count == 1:
+            return [exchanges]
+        shares: list[list[_Exchange]] = [[] for _ in range(count)]
+        loads = [0] * count
+        for exchange in sorted(exchanges, key=lambda e: -len(e.images)):
+            lightest = loads.index(min(loads))
+            shares[lightest].append(exchange)
+            loads[lightest] += len(exchange.images)
+        return shares
 
     def _admit(self, conn: _Connection, message: wire.Infer, images: list[bytes]) -> _Exchange | None:
         stack = contextlib.ExitStack()
@@ -256,17 +290,34 @@ class EngineServer:
         return exchange
 
     def _queue(self, exchange: _Exchange) -> None:
-        """On the loop, or a decode thread: the images queued, then watched until they are done."""
+        """On the loop: the images queued (their headers read, or none to decode), then watched until done."""
+        self._queued_or_ended(exchange)()
+
+    def _queue_all(self, exchanges: list[_Exchange]) -> None:
+        """On a decode thread or the loop: the images of these requests decoded and queued, handed to the loop
+        together; the time they took per image is what the next turns expect (``_decode_shares``)."""
+        images, started = sum(len(exchange.images) for exchange in exchanges), time.thread_time()
+        steps = [self._queued_or_ended(exchange) for exchange in exchanges]
+        self._decode_s_per_image += DECODE_S_WEIGHT * ((time.thread_time() - started) / images
+                                                       - self._decode_s_per_image)
+
+        def hand_over() -> None:
+            for step in steps:
+                step()
+
+        self._post(hand_over)
+
+    def _queued_or_ended(self, exchange: _Exchange) -> Callable[[], None]:
+        """The request's images decoded (or their headers read) and queued; what the loop then does with it."""
         message = exchange.message
         try:
             queued = exchange.call.queue(exchange.images, message.tensors, timeout_s=message.timeout_s,
                                          names=message.names, inline=False)  # batches form on the batcher's thread
         except Exception as exc:  # noqa: BLE001 - answered
-            self._post(functools.partial(self._end, exchange, exc))
-            return
+            return functools.partial(self._end, exchange, exc)
         exchange.images = []  # the queue holds what it needs
         exchange.left = len(queued.futures)
-        self._post(functools.partial(self._queued, exchange, queued))
+        return functools.partial(self._queued, exchange, queued)
 
     def _queued(self, exchange: _Exchange, queued: Queued) -> None:
         """On the loop: the request's images are queued; its deadline is watched and its futures counted down."""
@@ -313,7 +364,7 @@ class EngineServer:
         served = None
         if error is None:
             try:
-                served = exchange.call.answer(exchange.queued)  # type: ignore[arg-type]
+                served = exchange.call.answer(exchange.queued, wire.NO_LABELS)  # type: ignore[arg-type]
             except Exception as exc:  # noqa: BLE001 - answered
                 error = exc
         if error is not None:
@@ -321,7 +372,7 @@ class EngineServer:
             answer = self._answer(error=_as_error(error))
         else:
             exchange.stack.close()
-            answer = self._answer(dataclasses.replace(served, labels=wire.NO_LABELS))  # type: ignore[arg-type]
+            answer = self._answer(served)
         exchange.queued = None  # its deadline may stay queued a while: not the images with it
         self._send(conn, answer)
 

@@ -24,6 +24,7 @@ from app.engine.service import Service
 from app.errors import BadRequest, ClientGone, DeadlineExceeded, InvalidImage, NotFound, NotReady, ServiceError
 from app.link import wire
 from app.link.client import RemoteCatalog, RemoteService
+from app.link import loop
 from app.link.loop import EngineServer
 from app.metrics import VERSION_REQUESTS
 from tests.support.fakes import ColourModel, infer, wait_until
@@ -367,3 +368,37 @@ def test_work_posted_to_the_loop_from_other_threads_all_runs_however_the_wake_up
         poster.join()
     wait_until(lambda: len(ran) == per_thread * threads, timeout=10)
     assert sorted(ran) == list(range(per_thread * threads))
+
+
+def test_a_turn_s_images_are_decoded_in_a_few_shares_and_on_the_loop_when_that_is_cheaper(link: Link) -> None:
+    # Handing a request's decode to a thread and back costs more than decoding a small image: a turn's images go
+    # to the decode threads in at most one share per thread, each worth a hand-off, and stay on the loop when
+    # all of them decode in less than one (their expected time is the decode CPU measured so far)
+    server = link.server
+    turn = [type("Read", (), {"images": [b"x"] * count})() for count in (1, 5, 2, 1, 3)]
+    server._decode_s_per_image = loop.HAND_OFF_S / 100
+    assert server._decode_here(turn) and server._decode_shares(turn) == [turn]
+    server._decode_s_per_image = loop.HAND_OFF_S  # each image worth a hand-off of its own
+    shares = server._decode_shares(turn)
+    assert not server._decode_here(turn) and len(shares) == server._decode_threads
+    assert sorted(map(id, sum(shares, []))) == sorted(map(id, turn))  # every request once
+    loads = sorted(sum(len(read.images) for read in share) for share in shares)
+    assert loads[-1] - loads[0] <= 1 or len(shares) == 1  # balanced by images (5 1 | 3 2 1 with two threads)
+    server._decode_s_per_image = loop.HAND_OFF_S / 4  # twelve images worth three hand-offs at most
+    assert len(server._decode_shares(turn)) == min(3, server._decode_threads)
+
+
+def test_small_images_are_decoded_on_the_loop_once_their_cost_is_measured(link: Link) -> None:
+    decoded_on: list[str] = []
+    version = link.engine.loaded_version()
+    prepare = version.decoder.prepare
+
+    def recorded(data: bytes) -> object:
+        decoded_on.append(threading.current_thread().name)
+        return prepare(data)
+
+    version.decoder.prepare = recorded  # type: ignore[method-assign]
+    for _ in range(5):
+        infer(link.worker, [image_bytes(RED)])
+    assert decoded_on[0].startswith("engine-decode")  # before any is measured, an image is worth a hand-off
+    assert decoded_on[-1] == "engine-loop" and link.server._decode_s_per_image < loop.HAND_OFF_S

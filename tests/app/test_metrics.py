@@ -121,3 +121,41 @@ def test_metrics_count_requests_batches_and_rejections(client: FlaskClient) -> N
     cpu = {m.group(1): float(m.group(2)) for m in
            re.finditer(r'^visionserve_stage_cpu_seconds_total\{stage="(\w+)"\} (\S+)$', text, re.M)}
     assert cpu["decode"] > 0 and cpu["inference"] > 0
+
+
+def test_many_values_observed_at_once_land_as_one_by_one(tmp_path: Path) -> None:
+    # observe_many writes a batch's or a loop turn's values as one increment per bucket: the same series as
+    # observe() of each (it reads prometheus-client's own fields, so a client upgrade that moves them fails here)
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from app.metrics import observe_many
+
+    registry = CollectorRegistry()
+    one_by_one = Histogram("one", "", ["k"], buckets=(0.1, 0.5, 1.0), registry=registry)
+    at_once = Histogram("many", "", ["k"], buckets=(0.1, 0.5, 1.0), registry=registry)
+    values = [0.0, 0.1, 0.100001, 0.5, 0.7, 1.0, 3.0, float("inf"), -1.0, 0.05]
+    for value in values:
+        one_by_one.labels("a").observe(value)
+    observe_many(at_once.labels("a"), values)
+    observe_many(at_once.labels("a"), [])
+    series = {name: {(s.name.split("_", 1)[1], s.labels.get("le")): s.value
+                     for s in metric.samples if not s.name.endswith("_created")}
+              for metric in registry.collect() for name in [metric.name]}
+    assert series["one"] == series["many"] and series["many"][("count", None)] == len(values)
+
+
+def test_a_loop_s_request_tally_writes_the_series_each_request_would() -> None:
+    from app.metrics import VERSION_REQUEST_SECONDS, VERSION_REQUESTS, RequestTally
+
+    ok, refused = (VERSION_REQUESTS.labels("tally", "1", "live", outcome) for outcome in ("ok", "refused"))
+    seconds = VERSION_REQUEST_SECONDS.labels("tally", "1")
+    before = (ok._value.get(), refused._value.get(), seconds._sum.get())
+    tally = RequestTally()
+    for _ in range(3):
+        tally.count("tally", "1", "live", "ok", 0.25)
+    tally.count("tally", "1", "live", "refused", None)
+    assert (ok._value.get(), refused._value.get()) == before[:2]  # nothing written before the flush
+    tally.flush()
+    tally.flush()  # a second flush has nothing left to write
+    assert (ok._value.get() - before[0], refused._value.get() - before[1]) == (3, 1)
+    assert seconds._sum.get() - before[2] == pytest.approx(0.75)
