@@ -29,6 +29,8 @@ import threading
 import time
 from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
+
 from app.config import Settings
 from app.engine.contract import (
     CATALOG_CALLS,
@@ -79,9 +81,10 @@ class RemoteCall:
         """As ``Call.infer``: the request and its images go to the engine as they are, the answer comes back; a
         client that hangs up drops its queued images there (the connection closes, which the engine watches)."""
         self.sent = True
+        specs, segments = wire.tensor_segments([np.ascontiguousarray(t) for t in tensors]) if tensors else ((), images)
         message = wire.Infer(*self.request, timeout_s=timeout_s, parsed_version=self.model.version,
-                             parsed_shape=tuple(self.model.input_shape), names=tuple(names), tensors=tuple(tensors))
-        served = self._service.infer(message, images, 2 * timeout_s + ANSWER_GRACE_S, client_gone)
+                             parsed_shape=tuple(self.model.input_shape), names=tuple(names), tensors=specs)
+        served = self._service.infer(message, segments, 2 * timeout_s + ANSWER_GRACE_S, client_gone)
         return dataclasses.replace(served, labels=self._service.labels(served, self.model))
 
 
@@ -222,11 +225,12 @@ class RemoteService(Lifecycle):
             raise answer.error
         return answer.value
 
-    def infer(self, message: wire.Infer, images: Sequence[bytes], limit_s: float,
+    def infer(self, message: wire.Infer, segments: Sequence[bytes | memoryview], limit_s: float,
               client_gone: Callable[[], bool] | None) -> Served:
-        """Send one request with its images; wait for the answer (``limit_s`` at most) or the client to leave."""
+        """Send one request with its images or tensors; wait for the answer (``limit_s`` at most) or the client to
+        leave."""
         with self.connections.exchange("the engine stopped while answering this request; it is restarting") as conn:
-            wire.send(conn, message, images)
+            wire.send(conn, message, segments)
             _wait_for_answer(conn, limit_s, client_gone)
             conn.settimeout(ANSWER_GRACE_S)  # the answer is arriving: never a wait without end
             answer = wire.receive_answer(conn)

@@ -28,6 +28,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
 from app.engine.call import Call, Queued
 from app.engine.contract import CATALOG_CALLS, Signature, not_ready
 from app.engine.service import Service
@@ -69,15 +71,26 @@ class _Connection:
         self.exchange: _Exchange | None = None
 
 
+def _inputs(message: wire.Infer, segments: list[memoryview]) -> tuple[list[bytes], list[np.ndarray]]:
+    """The request's encoded images, or its tensors (arrays on the frame's buffer, not copied)."""
+    if not message.tensors:
+        return [bytes(segment) for segment in segments], []
+    if len(segments) != len(message.tensors):
+        raise InferenceFailed(f"a request of {len(message.tensors)} tensors came with {len(segments)} segments")
+    return [], [np.frombuffer(segment, np.dtype(dtype)).reshape(shape)
+                for (dtype, shape), segment in zip(message.tensors, segments)]
+
+
 class _Exchange:
     """One ``Infer`` in flight: its admission held open (``stack``) from its arrival to its answer."""
 
     def __init__(self, conn: _Connection, stack: contextlib.ExitStack, call: Call, message: wire.Infer,
-                 images: list[bytes]) -> None:
+                 images: list[bytes], tensors: list[np.ndarray]) -> None:
         self.conn, self.stack, self.call, self.message, self.images = conn, stack, call, message, images
+        self.tensors = tensors
         self.queued: Queued | None = None
         self.ended = False
-        self.left = 0  # futures not done yet (the batcher's thread counts them down)
+        self.left = 0  # futures not done when the last one was (``_last_done``), counted down
         self.lock = threading.Lock()
 
 
@@ -106,9 +119,9 @@ class EngineServer:
         self._catalog_threads = ThreadPoolExecutor(CATALOG_THREADS, thread_name_prefix="engine-catalog")
         self._loop_thread: int | None = None
         self._started = threading.Lock()
-        self._handlers: dict[type, Callable[[_Connection, Any, list[bytes]], None]] = {
+        self._handlers: dict[type, Callable[[_Connection, Any, list[memoryview]], None]] = {
             wire.Unanswered: self._unanswered, wire.CatalogCall: self._catalog, wire.StateQuery: self._state}
-        self._turn: list[tuple[_Connection, wire.Infer, list[bytes]]] = []  # requests read in this loop turn
+        self._turn: list[tuple[_Connection, wire.Infer, list[memoryview]]] = []  # requests read in this loop turn
 
     def bind(self) -> None:
         """Bind (replacing a dead engine's socket file)."""
@@ -277,16 +290,17 @@ class EngineServer:
             loads[lightest] += len(exchange.images)
         return shares
 
-    def _admit(self, conn: _Connection, message: wire.Infer, images: list[bytes]) -> _Exchange | None:
+    def _admit(self, conn: _Connection, message: wire.Infer, segments: list[memoryview]) -> _Exchange | None:
         stack = contextlib.ExitStack()
         try:
             call = stack.enter_context(self.service.admit(message.model, message.version, message.client_key))
             _parsed_alike(message, call.model)
+            images, tensors = _inputs(message, segments)
         except Exception as exc:  # noqa: BLE001 - every failure is answered, never a dropped connection
             stack.__exit__(type(exc), exc, exc.__traceback__)
             self._send(conn, self._answer(error=_as_error(exc)))
             return None
-        exchange = conn.exchange = _Exchange(conn, stack, call, message, images)
+        exchange = conn.exchange = _Exchange(conn, stack, call, message, images, tensors)
         return exchange
 
     def _queue(self, exchange: _Exchange) -> None:
@@ -311,12 +325,11 @@ class EngineServer:
         """The request's images decoded (or their headers read) and queued; what the loop then does with it."""
         message = exchange.message
         try:
-            queued = exchange.call.queue(exchange.images, message.tensors, timeout_s=message.timeout_s,
+            queued = exchange.call.queue(exchange.images, exchange.tensors, timeout_s=message.timeout_s,
                                          names=message.names, inline=False)  # batches form on the batcher's thread
         except Exception as exc:  # noqa: BLE001 - answered
             return functools.partial(self._end, exchange, exc)
-        exchange.images = []  # the queue holds what it needs
-        exchange.left = len(queued.futures)
+        exchange.images, exchange.tensors = [], []  # the queue holds what it needs
         return functools.partial(self._queued, exchange, queued)
 
     def _queued(self, exchange: _Exchange, queued: Queued) -> None:
@@ -326,11 +339,22 @@ class EngineServer:
             queued.drop()
             return
         heapq.heappush(self._deadlines, (queued.deadline, next(self._order), exchange))
-        for future in queued.futures:
+        queued.futures[-1].add_done_callback(functools.partial(self._last_done, exchange, queued))
+
+    def _last_done(self, exchange: _Exchange, queued: Queued, _: Future) -> None:
+        """On the batcher's thread (or the loop): the request's last image is done. Its version's one batcher
+        thread takes the queue in order, so the images before it are done too (one callback a request, not one an
+        image); any that is not yet is waited for one by one."""
+        pending = [future for future in queued.futures if not future.done()]
+        if not pending:
+            self._post(functools.partial(self._end, exchange, None))
+            return
+        exchange.left = len(pending)
+        for future in pending:
             future.add_done_callback(functools.partial(self._one_done, exchange))
 
     def _one_done(self, exchange: _Exchange, _: Future) -> None:
-        """On the batcher's thread (or the loop): one more image done; the last one hands the answer to the loop."""
+        """One more of the images left when the last one was done; the last of them hands the answer to the loop."""
         with exchange.lock:
             exchange.left -= 1
             last = exchange.left == 0
@@ -378,7 +402,7 @@ class EngineServer:
 
     # -- the other exchanges ---------------------------------------------------------------------------------------
 
-    def _unanswered(self, conn: _Connection, message: wire.Unanswered, _: list[bytes]) -> None:
+    def _unanswered(self, conn: _Connection, message: wire.Unanswered, _: list[memoryview]) -> None:
         """A request the HTTP side ended before sending it: admitted and ended here as it ended there, so it counts
         in its version's traffic as it would inline."""
         with contextlib.suppress(Exception):
@@ -386,7 +410,7 @@ class EngineServer:
                 if message.error is not None:
                     raise message.error
 
-    def _catalog(self, conn: _Connection, message: wire.CatalogCall, _: list[bytes]) -> None:
+    def _catalog(self, conn: _Connection, message: wire.CatalogCall, _: list[memoryview]) -> None:
         """On a catalog thread (it may wait for every engine): the connection is not watched until it answers."""
         self._selector.unregister(conn.sock)
 
@@ -410,7 +434,7 @@ class EngineServer:
         if not conn.closed:
             self._selector.register(conn.sock, selectors.EVENT_READ, functools.partial(self._readable, conn))
 
-    def _state(self, conn: _Connection, message: wire.StateQuery, _: list[bytes]) -> None:
+    def _state(self, conn: _Connection, message: wire.StateQuery, _: list[memoryview]) -> None:
         service = self.service
         self._send(conn, self._answer(wire.EngineState(ready=service.ready, alive=service.alive,
                                                        loaded=service.loaded, draining=service.draining)))

@@ -3,7 +3,7 @@
 A connection opens with a hello (raw ASCII, never pickled: ``visionserve-wire/<PROTOCOL> <FINGERPRINT>``), which the
 engine answers with ``ok`` or why not; it closes a connection whose code differs from its own (after a ``kill -HUP``
 the HTTP workers run new code, the engines the old), and both sides log it. Then each exchange is one frame each way: a request (``Infer`` with the
-images as raw segments, ``CatalogCall``, ``StateQuery``) and its ``Answer``; ``Unanswered`` (a request the HTTP side
+images or tensors as raw segments, ``CatalogCall``, ``StateQuery``) and its ``Answer``; ``Unanswered`` (a request the HTTP side
 refused before its images were sent, counted by the engine as the version's traffic) has no answer.
 
 A frame is a header (a pickled message, one of ``MESSAGES``) and raw byte segments, sent with one scatter-gather
@@ -28,7 +28,7 @@ from typing import Any, Sequence
 from app import errors
 from app.engine import contract
 
-PROTOCOL = 2  # the frame layout and the hello; each message's own fields are in FINGERPRINT
+PROTOCOL = 3  # the frame layout, what segments carry, and the hello; each message's own fields are in FINGERPRINT
 _HEAD = struct.Struct("!II")  # the header's length, the number of segments
 _LENGTH = struct.Struct("!Q")
 MAX_SEGMENTS = 10_000  # a bound on one frame's segments (MAX_IMAGES is far lower): a corrupt frame fails at once
@@ -57,9 +57,11 @@ class _Message:
 
 @dataclass(frozen=True, slots=True)
 class Infer(_Message):
-    """Admit and run one request (its images are the frame's segments, or ``tensors``), parsed with the signature
-    of version ``parsed_version``, whose input is ``parsed_shape`` (not the signature itself: its labels, 1,000 for
-    an ImageNet model, cost about 160 us a request to pickle and unpickle)."""
+    """Admit and run one request, parsed with the signature of version ``parsed_version``, whose input is
+    ``parsed_shape`` (not the signature itself: its labels, 1,000 for an ImageNet model, cost about 160 us a request
+    to pickle and unpickle). The frame's segments are its encoded images, or, when ``tensors`` is not empty, its
+    tensors' bytes: ``tensors`` holds each one's (dtype, shape) (``tensor_segments``; pickling arrays copied them
+    twice more and cost about 15 us each on both sides)."""
 
     model: str | None
     version: str | None
@@ -68,7 +70,7 @@ class Infer(_Message):
     parsed_version: str
     parsed_shape: tuple[int, ...]
     names: tuple[str | None, ...] = ()
-    tensors: tuple[Any, ...] = ()
+    tensors: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +166,16 @@ def send(sock: socket.socket, message: Any, segments: Sequence[bytes | memoryvie
     _send_frame(sock, pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), segments)
 
 
+def tensor_segments(tensors: Sequence[Any]) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], list[memoryview]]:
+    """What ``Infer`` carries of C-contiguous arrays (numpy's or any with the buffer protocol, a dtype and a shape):
+    each one's (dtype, shape), and its bytes as a segment, not copied."""
+    views = [memoryview(tensor) for tensor in tensors]
+    if not all(view.c_contiguous for view in views):
+        raise ValueError("tensors cross the link C-contiguous")
+    return (tuple((tensor.dtype.str, tuple(tensor.shape)) for tensor in tensors),
+            [view.cast("B") for view in views])
+
+
 def _read_exactly(sock: socket.socket, size: int) -> memoryview:
     buffer = bytearray(size)
     view = memoryview(buffer)
@@ -176,7 +188,7 @@ def _read_exactly(sock: socket.socket, size: int) -> memoryview:
     return view
 
 
-def _receive_frame(sock: socket.socket, max_head: int = MAX_FRAME_BYTES) -> tuple[memoryview, list[bytes]]:
+def _receive_frame(sock: socket.socket, max_head: int = MAX_FRAME_BYTES) -> tuple[memoryview, list[memoryview]]:
     head_size, count = _HEAD.unpack(_read_exactly(sock, _HEAD.size))
     if count > MAX_SEGMENTS or head_size > max_head:
         raise EngineGone(f"a frame of {count} segments and a {head_size}-byte header: the stream is corrupt")
@@ -188,14 +200,15 @@ def _receive_frame(sock: socket.socket, max_head: int = MAX_FRAME_BYTES) -> tupl
     body = _read_exactly(sock, size)
     segments, at = [], head_size
     for length in lengths:
-        segments.append(bytes(body[at:at + length]))
+        segments.append(body[at:at + length])
         at += length
     return body[:head_size], segments
 
 
-def receive(sock: socket.socket, expected: tuple[type, ...] = MESSAGES) -> tuple[Any, list[bytes]]:
-    """The next frame: its message (one of ``expected``) and its segments (as bytes). EngineGone when the other
-    side closed or sent anything else (the stream is then out of step)."""
+def receive(sock: socket.socket, expected: tuple[type, ...] = MESSAGES) -> tuple[Any, list[memoryview]]:
+    """The next frame: its message (one of ``expected``) and its segments (writable views of the one buffer the
+    frame was read into). EngineGone when the other side closed or sent anything else (the stream is then out of
+    step)."""
     head, segments = _receive_frame(sock)
     try:
         message = pickle.loads(head)
@@ -206,7 +219,7 @@ def receive(sock: socket.socket, expected: tuple[type, ...] = MESSAGES) -> tuple
     return message, segments
 
 
-def receive_request(sock: socket.socket) -> tuple[Any, list[bytes]]:
+def receive_request(sock: socket.socket) -> tuple[Any, list[memoryview]]:
     """The next request the engine is to serve (Infer, Unanswered, CatalogCall or StateQuery)."""
     return receive(sock, _REQUESTS)
 
