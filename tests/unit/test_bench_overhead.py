@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from bench.serving.overhead import BODY_BYTES, INPUT, forms, in_units, padded_jpeg, Point
@@ -43,3 +45,18 @@ def test_each_figure_is_in_the_unit_the_bare_app_measured_at_the_same_concurrenc
     assert in_units(points) == {1: 1000.0, 16: 800.0}
     assert (points[2].http_units, points[2].engine_units) == (2.5, 0.5)
     assert points[3].http_units is None  # no unit measured at C=64: no figure in units
+
+
+@pytest.mark.slow
+def test_the_engine_alone_answers_every_form_and_its_cpu_is_counted_per_image(tmp_path: Path) -> None:
+    # bench.serving.engine_only: an engine process of this checkout driven over its socket with no HTTP worker
+    from bench.serving import engine_only
+    from bench.serving.overhead import tiny_weights
+
+    weights = tiny_weights(tmp_path / "weights")
+    for form in ("jpeg", "v2 x16"):
+        point = engine_only.measure(engine_only.ROOT, weights, form, concurrency=2, seconds=0.5)
+        assert point["errors"] == 0 and point["requests_per_s"] > 0
+        images = engine_only.FORMS[form][1]
+        assert point["engine_us_per_image"] * images == pytest.approx(point["engine_us_per_request"])
+        assert point["engine_us_per_request"] > 0

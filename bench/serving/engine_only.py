@@ -1,0 +1,180 @@
+"""The engine process's own cost without HTTP (issue #50): one engine (``EngineServer`` and ``Service`` on the tiny
+model of ``bench.serving.overhead``) in a process of its own, and a one-thread client in another that keeps C
+requests in flight on C connections, as C HTTP worker threads would, and reads the engine's CPU from /proc.
+
+    .venv/bin/python -m bench.serving.engine_only                                # JPEG, V2 x1, V2 x16 at C=16
+    .venv/bin/python -m bench.serving.engine_only --checkout ../before --rounds 3   # A/B: another checkout beside
+
+With no HTTP worker beside it on the CPU, the engine is the bound and runs the batches it would run saturated: the
+figures are its cost per request and per image at that load, with nothing of the HTTP side in them (the overhead
+benchmark measures both together, at the batch sizes two HTTP workers feed it). Each checkout's engine and client
+run that checkout's code (the wire differs between versions); rounds alternate the checkouts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import selectors
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+FORMS = {"jpeg": ("jpeg", 1), "v2 x1": ("v2", 1), "v2 x16": ("v2", 16)}
+
+
+def _import_from(checkout: Path) -> None:
+    """This process imports ``app`` from ``checkout`` (its wire and engine), ``bench`` from this one."""
+    sys.path.insert(0, str(checkout))
+    if str(ROOT) not in sys.path:
+        sys.path.append(str(ROOT))
+
+
+def serve(checkout: Path, weights: Path, sock: Path) -> None:
+    """The engine process: the tiny model's Service served on ``sock`` until killed (``sock``.ready once bound)."""
+    _import_from(checkout)
+    from app.config import Settings
+    from app.engine.service import Service
+    from app.engine.versions.sources import DirectorySource
+    from app.link.loop import EngineServer
+
+    assert Path(sys.modules["app"].__file__).is_relative_to(checkout), "the engine runs another checkout's code"
+
+    settings = Settings(weights_dir=weights, device="cpu", auto_batch_size=False, max_images=16,
+                        log_level="warning", warmup=False)
+    server = EngineServer(Service.build(settings, DirectorySource(settings)), sock)
+    server.bind()
+    Path(f"{sock}.ready").touch()
+    server.listen()
+
+
+def _requests(wire: Any, form: str, count: int) -> list[tuple[Any, list[Any]]]:
+    import numpy as np
+
+    from bench.serving.overhead import INPUT, MODEL, padded_jpeg
+
+    made = []
+    for seed in range(8):
+        common = dict(model=MODEL, version=None, client_key=None, timeout_s=10.0, parsed_version="1",
+                      parsed_shape=tuple(INPUT), names=(None,) * count)
+        if form == "jpeg":
+            made.append((wire.Infer(**common), [padded_jpeg(seed + k) for k in range(count)]))
+            continue
+        rng = np.random.default_rng(seed)
+        tensors = [rng.standard_normal(INPUT).astype(np.float32) for _ in range(count)]
+        if hasattr(wire, "tensor_segments"):  # tensors as raw segments (PROTOCOL 3)
+            specs, segments = wire.tensor_segments(tensors)
+            made.append((wire.Infer(**common, tensors=specs), segments))
+        else:  # before: pickled with the message
+            made.append((wire.Infer(**common, tensors=tuple(tensors)), []))
+    return made
+
+
+def drive(checkout: Path, sock: Path, form: str, concurrency: int, seconds: float, engine: int) -> dict[str, Any]:
+    """The client: C requests in flight for ``seconds`` after a second of warm-up; the engine's CPU over them."""
+    _import_from(checkout)
+    from app.hosting.procstat import cpu_and_memory
+    from app.link import wire
+
+    assert Path(wire.__file__).is_relative_to(checkout), f"{wire.__file__} is not {checkout}'s"
+
+    kind, count = FORMS[form]
+    requests = _requests(wire, kind, count)
+    selector = selectors.DefaultSelector()
+    for _ in range(concurrency):
+        conn = wire.connect(sock, 5.0)
+        wire.say_hello(conn)
+        selector.register(conn, selectors.EVENT_READ)
+
+    def run(duration: float) -> tuple[int, int]:
+        sent = answered = errors = 0
+        for key in list(selector.get_map().values()):
+            wire.send(key.fileobj, *requests[sent % len(requests)])
+            sent += 1
+        end = time.monotonic() + duration
+        while answered < sent:
+            for key, _ in selector.select(5.0):
+                answer = wire.receive_answer(key.fileobj)
+                answered += 1
+                errors += answer.error is not None
+                if time.monotonic() < end:
+                    wire.send(key.fileobj, *requests[sent % len(requests)])
+                    sent += 1
+        return answered, errors
+
+    run(1.0)
+    cpu_before, started = cpu_and_memory(engine)[0], time.monotonic()  # type: ignore[index]
+    answered, errors = run(seconds)
+    elapsed, cpu = time.monotonic() - started, cpu_and_memory(engine)[0] - cpu_before  # type: ignore[index]
+    return {"form": form, "concurrency": concurrency, "requests_per_s": answered / elapsed,
+            "engine_us_per_request": cpu / answered * 1e6, "engine_us_per_image": cpu / (answered * count) * 1e6,
+            "errors": errors}
+
+
+def measure(checkout: Path, weights: Path, form: str, concurrency: int, seconds: float) -> dict[str, Any]:
+    """One engine started from ``checkout``, driven by that checkout's client, then stopped."""
+    with tempfile.TemporaryDirectory() as scratch:
+        sock, env = Path(scratch) / "engine.sock", {**os.environ, "PROMETHEUS_MULTIPROC_DIR": scratch}
+        engine = subprocess.Popen([sys.executable, "-m", "bench.serving.engine_only", "--serve", str(checkout),
+                                   str(weights), str(sock)], cwd=ROOT, env=env)
+        try:
+            while not Path(f"{sock}.ready").exists():
+                if engine.poll() is not None:
+                    raise RuntimeError(f"the engine of {checkout} ended with {engine.returncode}")
+                time.sleep(0.1)
+            client = subprocess.run([sys.executable, "-m", "bench.serving.engine_only", "--drive", str(checkout),
+                                     str(sock), form, str(concurrency), str(seconds), str(engine.pid)],
+                                    cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+            return json.loads(client.stdout.strip().splitlines()[-1])
+        finally:
+            engine.kill()
+            engine.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkout", type=Path, action="append", default=[], help="another checkout beside")
+    parser.add_argument("--forms", nargs="+", default=list(FORMS), choices=list(FORMS))
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--seconds", type=float, default=6.0)
+    parser.add_argument("--rounds", type=int, default=1, help="engine starts per checkout and form (medians)")
+    parser.add_argument("--serve", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--drive", nargs=6, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve:
+        serve(Path(args.serve[0]), Path(args.serve[1]), Path(args.serve[2]))
+        return 0
+    if args.drive:
+        checkout, sock, form, concurrency, seconds, engine = args.drive
+        print(json.dumps(drive(Path(checkout), Path(sock), form, int(concurrency), float(seconds), int(engine))))
+        return 0
+
+    from bench.serving.overhead import tiny_weights
+
+    weights = tiny_weights(Path(tempfile.gettempdir()) / "visionserve-engine-only-weights")
+    checkouts = [ROOT, *(c.resolve() for c in args.checkout)]
+    found: dict[tuple[str, Path], list[dict[str, Any]]] = {}
+    for _ in range(args.rounds):
+        for form in args.forms:
+            for checkout in checkouts:
+                found.setdefault((form, checkout), []).append(
+                    measure(checkout, weights, form, args.concurrency, args.seconds))
+    print(f"The engine without HTTP: C={args.concurrency}, {args.seconds:g} s per point, median of {args.rounds}\n")
+    print("| checkout | form | req/s | engine us / request | engine us / image | errors |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for (form, checkout), points in found.items():
+        median = {key: statistics.median(p[key] for p in points)
+                  for key in ("requests_per_s", "engine_us_per_request", "engine_us_per_image")}
+        name = "this" if checkout == ROOT else str(checkout)
+        print(f"| {name} | {form} | {median['requests_per_s']:.0f} | {median['engine_us_per_request']:.0f} | "
+              f"{median['engine_us_per_image']:.0f} | {sum(p['errors'] for p in points)} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
