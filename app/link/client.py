@@ -117,16 +117,29 @@ class EngineConnections:
         self._local = threading.local()
         self._mismatch_logged = False
 
-    def get(self) -> socket.socket:
-        """This thread's connection (a new one when it has none, or the engine closed it since: a restart)."""
+    def get(self) -> tuple[socket.socket, bool]:
+        """This thread's connection (a new one when it has none), and whether it is new."""
         conn = getattr(self._local, "conn", None)
-        if conn is not None and wire.readable(conn):  # between exchanges only its end can be there
+        if conn is not None:
+            return conn, False
+        conn = self._connect()
+        self._local.conn = conn  # before the hello: a failed one is dropped like any exchange
+        self._greet(conn)
+        return conn, True
+
+    def _sent(self, message: Any, segments: Sequence[bytes | memoryview]) -> socket.socket:
+        """This thread's connection with ``message`` sent on it. A kept connection the engine closed since its last
+        exchange (a restart) fails the send at once, with nothing of it read there: it is made again and the message
+        sent once more (no look at the connection before each send)."""
+        conn, new = self.get()
+        try:
+            wire.send(conn, message, segments)
+        except OSError:
+            if new:
+                raise
             self.drop()
-            conn = None
-        if conn is None:
-            conn = self._connect()
-            self._local.conn = conn  # before the hello: a failed one is dropped like any exchange
-            self._greet(conn)
+            conn, _ = self.get()
+            wire.send(conn, message, segments)
         return conn
 
     def _greet(self, conn: socket.socket) -> None:
@@ -149,11 +162,12 @@ class EngineConnections:
                 conn.close()
 
     @contextlib.contextmanager
-    def exchange(self, away: str) -> Iterator[socket.socket]:
-        """This thread's connection for one exchange; the engine away, silent or closing it is NotReady (503 with
-        Retry-After) saying ``away`` (or the mismatch); anything that leaves the exchange unfinished drops it."""
+    def exchange(self, away: str, message: Any, segments: Sequence[bytes | memoryview] = ()) -> Iterator[socket.socket]:
+        """This thread's connection with ``message`` sent on it, for its answer; the engine away, silent or closing
+        it is NotReady (503 with Retry-After) saying ``away`` (or the mismatch); anything that leaves the exchange
+        unfinished drops it."""
         try:
-            yield self.get()
+            yield self._sent(message, segments)
         except wire.WireMismatch as exc:
             self.drop()
             raise not_ready(f"the engine runs other code than this worker: {exc}") from None
@@ -210,11 +224,10 @@ class RemoteService(Lifecycle):
 
     def _exchange(self, message: Any, timeout_s: float, away: str) -> Any:
         """One question and its answer within ``timeout_s``; the answer's value, or its error raised."""
-        with self.connections.exchange(away) as conn:
-            conn.settimeout(timeout_s)
-            wire.send(conn, message)
-            answer = wire.receive_answer(conn)
-            conn.settimeout(None)
+        with self.connections.exchange(away, message) as conn:
+            if not wire.readable(conn, timeout_s):
+                raise wire.EngineGone(f"no answer within {timeout_s:g}s")  # NotReady saying ``away``
+            answer = wire.receive_answer(conn, timeout_s)
         return self._value(answer)
 
     def _value(self, answer: wire.Answer) -> Any:
@@ -229,12 +242,10 @@ class RemoteService(Lifecycle):
               client_gone: Callable[[], bool] | None) -> Served:
         """Send one request with its images or tensors; wait for the answer (``limit_s`` at most) or the client to
         leave."""
-        with self.connections.exchange("the engine stopped while answering this request; it is restarting") as conn:
-            wire.send(conn, message, segments)
+        with self.connections.exchange("the engine stopped while answering this request; it is restarting", message,
+                                       segments) as conn:
             _wait_for_answer(conn, limit_s, client_gone)
-            conn.settimeout(ANSWER_GRACE_S)  # the answer is arriving: never a wait without end
-            answer = wire.receive_answer(conn)
-            conn.settimeout(None)
+            answer = wire.receive_answer(conn, ANSWER_GRACE_S)  # it is arriving: never a wait without end
         return self._value(answer)
 
     def _ask(self, call: wire.CatalogCall) -> Any:
@@ -294,8 +305,8 @@ class RemoteService(Lifecycle):
     def _unanswered(self, call: RemoteCall, error: ServiceError | None) -> None:
         """Tell the engine of a request that never reached it (it has no answer); unsent, it is only uncounted."""
         with contextlib.suppress(NotReady):
-            with self.connections.exchange("the engine is away") as conn:
-                wire.send(conn, wire.Unanswered(*call.request, error=error))
+            with self.connections.exchange("the engine is away", wire.Unanswered(*call.request, error=error)):
+                pass
 
     @property
     def loaded(self) -> bool:

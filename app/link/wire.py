@@ -205,15 +205,19 @@ def _receive_frame(sock: socket.socket, max_head: int = MAX_FRAME_BYTES) -> tupl
     return body[:head_size], segments
 
 
+def _loads(head: memoryview) -> Any:
+    try:
+        return pickle.loads(head)
+    except Exception as exc:  # noqa: BLE001 - whatever unpickling raises, the stream cannot go on
+        raise EngineGone(f"a frame that does not unpickle: {type(exc).__name__}: {exc}") from None
+
+
 def receive(sock: socket.socket, expected: tuple[type, ...] = MESSAGES) -> tuple[Any, list[memoryview]]:
     """The next frame: its message (one of ``expected``) and its segments (writable views of the one buffer the
     frame was read into). EngineGone when the other side closed or sent anything else (the stream is then out of
     step)."""
     head, segments = _receive_frame(sock)
-    try:
-        message = pickle.loads(head)
-    except Exception as exc:  # noqa: BLE001 - whatever unpickling raises, the stream cannot go on
-        raise EngineGone(f"a frame that does not unpickle: {type(exc).__name__}: {exc}") from None
+    message = _loads(head)
     if not isinstance(message, expected):
         raise EngineGone(f"a {type(message).__name__} frame where {'/'.join(t.__name__ for t in expected)} belongs")
     return message, segments
@@ -224,9 +228,52 @@ def receive_request(sock: socket.socket) -> tuple[Any, list[memoryview]]:
     return receive(sock, _REQUESTS)
 
 
-def receive_answer(sock: socket.socket) -> Answer:
-    """The engine's answer to the exchange in progress."""
-    return receive(sock, (Answer,))[0]
+ANSWER_READ_BYTES = 1 << 16  # an answer's first read: one image's answer (a row of 1,000 classes) fits in it
+
+
+def _receive_some(sock: socket.socket, view: memoryview, grace_s: float) -> int:
+    """Bytes read into ``view`` (at least one): what has arrived, else what arrives within ``grace_s``."""
+    while True:
+        try:
+            count = sock.recv_into(view, len(view), socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            if not readable(sock, grace_s):
+                raise EngineGone(f"the engine sent nothing more of its answer for {grace_s:g}s") from None
+            continue
+        if count == 0:
+            raise EngineGone("the connection closed mid-frame")
+        return count
+
+
+def receive_answer(sock: socket.socket, grace_s: float) -> Answer:
+    """The engine's answer to the exchange in progress, read in as few calls as it arrived in (one, for a small
+    answer: no timeout toggled, no poll before each read). The engine sends nothing on a connection but the answer
+    of its exchange, so reading ahead of the frame's length takes nothing of a next one; an answer that stops
+    arriving for ``grace_s`` is EngineGone."""
+    buffer, got, table_end, size = bytearray(ANSWER_READ_BYTES), 0, 0, 0
+    while not size or got < size:
+        got += _receive_some(sock, memoryview(buffer)[got:], grace_s)
+        if got < _HEAD.size or size:
+            continue
+        head_size, count = _HEAD.unpack_from(buffer)
+        if count > MAX_SEGMENTS or head_size > MAX_FRAME_BYTES:
+            raise EngineGone(f"a frame of {count} segments and a {head_size}-byte header: the stream is corrupt")
+        table_end = _HEAD.size + _LENGTH.size * count
+        if got < table_end:
+            buffer += bytes(max(0, table_end - len(buffer)))
+            continue
+        lengths = [_LENGTH.unpack_from(buffer, _HEAD.size + i * _LENGTH.size)[0] for i in range(count)]
+        size = table_end + head_size + sum(lengths)
+        if size > MAX_FRAME_BYTES:
+            raise EngineGone(f"a frame of {size} bytes: the stream is corrupt")
+        if size > len(buffer):
+            buffer += bytes(size - len(buffer))
+    if got > size:
+        raise EngineGone(f"{got - size} bytes beyond the answer: the stream is out of step")
+    message = _loads(memoryview(buffer)[table_end:table_end + head_size])
+    if not isinstance(message, Answer):
+        raise EngineGone(f"a {type(message).__name__} frame where Answer belongs")
+    return message
 
 
 _WELCOME = b"ok"

@@ -70,6 +70,43 @@ def test_only_messages_are_sent_and_a_frame_out_of_step_ends_the_stream() -> Non
             wire.receive(right)
 
 
+
+class _CountedReads(socket.socket):
+    reads = 0
+
+    def recv_into(self, *args: object) -> int:  # type: ignore[override]
+        type(self).reads += 1
+        return super().recv_into(*args)  # type: ignore[arg-type]
+
+
+def test_an_answer_is_read_in_as_few_calls_as_it_arrived_in_and_never_past_its_end() -> None:
+    left, right = _pair()
+    right = _CountedReads(socket.AF_UNIX, socket.SOCK_STREAM, fileno=right.detach())
+    with left, right:
+        wire.send(left, wire.Answer([1.5] * 100, None, 7, 3))
+        assert wire.receive_answer(right, 1.0).value == [1.5] * 100 and _CountedReads.reads == 1
+        big = np.arange(100_000, dtype=np.float32)  # 400 KB: beyond the first read's buffer
+        sender = threading.Thread(target=wire.send, args=(left, wire.Answer(big, None, 7, 3)))
+        sender.start()  # more than the socket buffers hold: sent while it is read
+        assert np.array_equal(wire.receive_answer(right, 1.0).value, big)
+        sender.join()
+        sent = wire.Answer(1)
+        whole = pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL)
+        left.sendall(wire._HEAD.pack(len(whole), 0) + whole[:3])  # an answer that stops arriving
+        with pytest.raises(wire.EngineGone, match="nothing more"):
+            wire.receive_answer(right, 0.1)
+    left, right = _pair()
+    with left, right:
+        wire.send(left, sent)
+        left.sendall(b"more")  # the engine never sends past an answer: the stream is out of step
+        time.sleep(0.05)
+        with pytest.raises(wire.EngineGone, match="beyond the answer"):
+            wire.receive_answer(right, 1.0)
+        left.close()
+        with pytest.raises(wire.EngineGone, match="closed"):
+            wire.receive_answer(right, 1.0)
+
+
 def test_a_worker_running_other_code_is_refused_on_both_sides_by_its_hello(caplog: pytest.LogCaptureFixture) -> None:
     left, right = _pair()
     with left, right:
