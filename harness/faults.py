@@ -146,9 +146,11 @@ def until_served(url: str, since: float, limit_s: float = 120) -> float:
 
 def ready_workers(server: Running) -> int:
     """How many HTTP workers have said "ready to serve" so far (replacements included); under ENGINE=process, "ready
-    to serve (engine N)" once they reach their engine."""
+    to serve (engine N)" once they reach their engine (the engines' own "ready to serve" is not a worker's)."""
     output = server.output()
-    return output.count('"ready to serve"') + output.count('"ready to serve (engine ')
+    if server.engine_process:
+        return output.count('"ready to serve (engine ')
+    return output.count('"ready to serve"')
 
 
 def wait_ready_workers(server: Running, count: int, limit_s: float = 120) -> None:
@@ -186,8 +188,7 @@ def sigkill_worker(start: Start, weights: Path, workers: int) -> Row:
         with Load(server.url, 16) as load:
             time.sleep(1.0)
             killed_at = time.monotonic()
-            server_pids = server.worker_pids()
-            os.kill(server_pids[0], signal.SIGKILL)
+            os.kill(server.http_worker_pids()[0], signal.SIGKILL)
             wait_ready_workers(server, workers + 1)  # gunicorn's replacement has loaded its model
             recover_s = until_served(server.url, killed_at)
             outcomes = load.stop(1.0)

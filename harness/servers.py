@@ -28,6 +28,7 @@ class Running:
     def __init__(self, name: str, command: Sequence[str], env: dict[str, str], port: int, ready_path: str,
                  log_dir: Path, cwd: Path = ROOT) -> None:
         self.name, self.port, self.ready_path = name, port, ready_path
+        self.engine_process = env.get("VISIONSERVE_ENGINE") == "process"  # HTTP workers and engines apart
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_dir / f"{name}.log"
         self._log = self.log_path.open("w")
@@ -61,6 +62,15 @@ class Running:
         pid = self.process.pid
         return sorted(int(child) for task in Path(f"/proc/{pid}/task").glob("*/children")
                       for child in task.read_text().split())
+
+    def http_worker_pids(self) -> list[int]:
+        """``worker_pids`` but the engine processes (``python -m app.link.server SLOT``)."""
+        def engine(pid: int) -> bool:
+            try:
+                return b"app.link.server" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:  # gone meanwhile
+                return True
+        return [pid for pid in self.worker_pids() if not engine(pid)]
 
     def terminate(self) -> None:
         """SIGTERM the main process, once: a second one during gunicorn's shutdown kills it outright."""

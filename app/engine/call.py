@@ -108,10 +108,12 @@ class Call:
         return self.answer(queued)
 
     def queue(self, images: Sequence[bytes] = (), tensors: Sequence[np.ndarray | torch.Tensor] = (), *,
-              timeout_s: float, names: Sequence[str | None] = (), inline: bool = True) -> Queued:
+              timeout_s: float, names: Sequence[str | None] = (), inline: bool = True,
+              client_gone: Callable[[], bool] | None = None) -> Queued:
         """The request's images checked, counted, decoded (or their headers read) and queued, all or none; its
         deadline counts from now. ``inline=False``: never run on this thread, even when the batcher is idle (a
-        thread that serves many requests would run each alone). Raises a ServiceError for every refusal."""
+        thread that serves many requests would run each alone). Once decoded, images whose client ``client_gone``
+        says has hung up are dropped there (ClientGone), not queued. Raises a ServiceError for every refusal."""
         if bool(images) == bool(tensors):
             raise BadRequest("the request holds no images" if not images else "send images or tensors, not both")
         count = len(images) or len(tensors)
@@ -120,6 +122,9 @@ class Call:
         started_ns = time.time_ns()
         pixels = [torch.as_tensor(t) for t in tensors]
         prepared, decode_s = self._prepare(images, names) if images else (list(pixels), 0.0)
+        if client_gone is not None and client_gone():
+            BATCHER_EVENTS.labels("client_gone").inc(count)
+            raise ClientGone(f"the client closed the connection while its images were decoded; {count} dropped")
         self._arrived()
         deadline = time.monotonic() + timeout_s
         try:

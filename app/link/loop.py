@@ -326,7 +326,8 @@ class EngineServer:
         message = exchange.message
         try:
             queued = exchange.call.queue(exchange.images, exchange.tensors, timeout_s=message.timeout_s,
-                                         names=message.names, inline=False)  # batches form on the batcher's thread
+                                         names=message.names, inline=False,  # batches form on the batcher's thread
+                                         client_gone=lambda: exchange.ended)  # its hang-up ends it on the loop
         except Exception as exc:  # noqa: BLE001 - answered
             return functools.partial(self._end, exchange, exc)
         exchange.images, exchange.tensors = [], []  # the queue holds what it needs
@@ -335,8 +336,8 @@ class EngineServer:
     def _queued(self, exchange: _Exchange, queued: Queued) -> None:
         """On the loop: the request's images are queued; its deadline is watched and its futures counted down."""
         exchange.queued = queued
-        if exchange.ended:  # its client hung up while its images were decoded
-            queued.drop()
+        if exchange.ended:  # its client hung up just after its images were decoded: dropped unrun, counted
+            exchange.call.hung_up(queued)
             return
         heapq.heappush(self._deadlines, (queued.deadline, next(self._order), exchange))
         queued.futures[-1].add_done_callback(functools.partial(self._last_done, exchange, queued))

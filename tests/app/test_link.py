@@ -26,7 +26,7 @@ from app.link import wire
 from app.link.client import RemoteCatalog, RemoteService
 from app.link import loop
 from app.link.loop import EngineServer
-from app.metrics import VERSION_REQUESTS
+from app.metrics import BATCHER_EVENTS, VERSION_REQUESTS
 from tests.support.fakes import ColourModel, infer, wait_until
 from tests.support.imaging import BLUE, RED, image_bytes
 
@@ -281,6 +281,33 @@ def test_a_client_that_hangs_up_drops_its_images_in_the_engine(link: Link, model
     model.gate.set()
     assert isinstance(failures[0], ClientGone)
     wait_until(lambda: link.engine.in_flight.count() == 0)  # the engine saw the connection close and let go
+
+
+def test_images_of_a_client_that_hung_up_while_they_were_decoded_are_dropped_unrun_and_counted(
+        link: Link, model: ColourModel) -> None:
+    version = link.engine.loaded_version()
+    prepare, decoding, release = version.decoder.prepare, threading.Event(), threading.Event()
+
+    def held(data: bytes) -> object:
+        decoding.set()
+        release.wait(10)
+        return prepare(data)
+
+    version.decoder.prepare = held  # type: ignore[method-assign]
+    dropped = BATCHER_EVENTS.labels("client_gone")
+    before, batches, gone = dropped._value.get(), list(model.batch_sizes), threading.Event()
+    failures: list[BaseException | None] = []
+    thread = threading.Thread(target=lambda: failures.append(_failure(lambda: infer(
+        link.worker, [image_bytes(RED), image_bytes(BLUE)], client_gone=gone.is_set))))
+    thread.start()
+    assert decoding.wait(10)  # a lone request's images are worth a hand-off: decoded on a thread, held there
+    gone.set()
+    thread.join(5)
+    assert isinstance(failures[0], ClientGone)
+    wait_until(lambda: link.engine.in_flight.count() == 0)  # ended as the connection closed, mid-decode
+    release.set()
+    wait_until(lambda: dropped._value.get() == before + 2)  # queued after its end: dropped at once, counted
+    assert model.batch_sizes == batches  # no forward pass for them
 
 
 def test_an_engine_gone_mid_request_is_a_503_with_retry_after_and_a_failed_connection_is_made_again(
