@@ -3,7 +3,6 @@ the fork) switches prometheus-client to its multiprocess mode and /metrics aggre
 from __future__ import annotations
 
 import bisect
-import math
 import os
 import threading
 from collections import Counter as Tally
@@ -86,7 +85,7 @@ def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
     bounds = histogram._upper_bounds
     # NaN is below no bound: observe() adds it to the sum and to no bucket
     counts = Tally(bisect.bisect_left(bounds, value) for value in values if value == value)
-    histogram._sum.inc(math.fsum(values))
+    histogram._sum.inc(sum(values))  # as observe() adds them: inf and -inf make NaN, never an exception
     for index, count in counts.items():
         histogram._buckets[index].inc(count)
 
@@ -116,7 +115,7 @@ class MetricsObserver:
             for gauge in self._figures_set:
                 gauge.labels(*self._labels).set(0)
         self._queue_depth.set(0)
-        self._depth_written = 0
+        self._depth_written = -1  # unknown: a report racing this one may land after it; the next one writes 0 again
         QUEUE_CAPACITY.labels(*self._labels).set(0)
 
     def predictions(self, labels: Sequence[str], confidences: Sequence[float], low_confidence_ratio: float | None,

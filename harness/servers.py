@@ -28,7 +28,7 @@ class Running:
     def __init__(self, name: str, command: Sequence[str], env: dict[str, str], port: int, ready_path: str,
                  log_dir: Path, cwd: Path = ROOT) -> None:
         self.name, self.port, self.ready_path = name, port, ready_path
-        self.engine_process = env.get("VISIONSERVE_ENGINE") == "process"  # HTTP workers and engines apart
+        self.engine_process = {**os.environ, **env}.get("VISIONSERVE_ENGINE") == "process"  # engines apart
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_dir / f"{name}.log"
         self._log = self.log_path.open("w")

@@ -80,8 +80,8 @@ class RemoteCall:
               names: Sequence[str | None] = (), client_gone: Callable[[], bool] | None = None) -> Served:
         """As ``Call.infer``: the request and its images go to the engine as they are, the answer comes back; a
         client that hangs up drops its queued images there (the connection closes, which the engine watches)."""
-        self.sent = True
         specs, segments = wire.tensor_segments([np.ascontiguousarray(t) for t in tensors]) if tensors else ((), images)
+        self.sent = True
         message = wire.Infer(*self.request, timeout_s=timeout_s, parsed_version=self.model.version,
                              parsed_shape=tuple(self.model.input_shape), names=tuple(names), tensors=specs)
         served = self._service.infer(message, segments, 2 * timeout_s + ANSWER_GRACE_S, client_gone)

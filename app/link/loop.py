@@ -59,7 +59,7 @@ def _parsed_alike(message: wire.Infer, answering: Signature) -> None:
 FRAME_TIMEOUT_S = 10.0  # a frame whose first bytes came is read whole within this (the HTTP side sends it at once)
 CATALOG_THREADS = 4  # catalog calls at once (a load waits for every engine): never on the loop
 HAND_OFF_S = 0.005  # what handing a turn's decoding to a thread and back costs, about: less decoding stays here
-DECODE_S_WEIGHT = 0.2  # how fast the expected decode time per image follows the measured one
+DECODE_S_WEIGHT = 0.2  # how fast the expected decode time per byte follows the measured one
 
 
 class _Connection:
@@ -79,6 +79,10 @@ def _inputs(message: wire.Infer, segments: list[memoryview]) -> tuple[list[bytes
         raise InferenceFailed(f"a request of {len(message.tensors)} tensors came with {len(segments)} segments")
     return [], [np.frombuffer(segment, np.dtype(dtype)).reshape(shape)
                 for (dtype, shape), segment in zip(message.tensors, segments)]
+
+
+def _encoded_bytes(exchanges: list["_Exchange"]) -> int:
+    return sum(len(image) for exchange in exchanges for image in exchange.images)
 
 
 class _Exchange:
@@ -115,7 +119,7 @@ class EngineServer:
         self._order = itertools.count()
         self._decode_threads = decode_threads or len(os.sched_getaffinity(0))
         self._decoders = ThreadPoolExecutor(self._decode_threads, thread_name_prefix="engine-decode")
-        self._decode_s_per_image = HAND_OFF_S  # until measured: a lone image is worth a hand-off
+        self._decode_s_per_byte: float | None = None  # until measured, any image is worth a hand-off
         self._catalog_threads = ThreadPoolExecutor(CATALOG_THREADS, thread_name_prefix="engine-catalog")
         self._loop_thread: int | None = None
         self._started = threading.Lock()
@@ -267,27 +271,28 @@ class EngineServer:
             self._decoders.submit(self._queue_all, share)
 
     def _decode_here(self, exchanges: list[_Exchange]) -> bool:
-        """Whether these requests' images decode in less time than a hand-off to a decode thread costs (their
-        expected time from the images decoded so far): then the loop decodes them itself."""
-        images = sum(len(exchange.images) for exchange in exchanges)
-        return images * self._decode_s_per_image < HAND_OFF_S
+        """Whether these requests' images decode in less time than a hand-off to a decode thread costs (expected
+        from their bytes and the decode CPU per byte measured so far: one large photo after small ones is not kept
+        here): then the loop decodes them itself."""
+        per_byte = self._decode_s_per_byte
+        return per_byte is not None and _encoded_bytes(exchanges) * per_byte < HAND_OFF_S
 
     def _decode_shares(self, exchanges: list[_Exchange]) -> list[list[_Exchange]]:
         """The turn's requests to decode, split into at most one share per decode thread, each worth a hand-off
-        (at least HAND_OFF_S of expected decoding), by their images: one hand-off per share, not per request."""
+        (at least HAND_OFF_S of expected decoding), by their bytes: one hand-off per share, not per request."""
         if not exchanges:
             return []
-        images = sum(len(exchange.images) for exchange in exchanges)
-        worth = int(images * self._decode_s_per_image / HAND_OFF_S)
+        per_byte = self._decode_s_per_byte
+        worth = len(exchanges) if per_byte is None else int(_encoded_bytes(exchanges) * per_byte / HAND_OFF_S)
         count = max(1, min(self._decode_threads, len(exchanges), worth))
         if count == 1:
             return [exchanges]
         shares: list[list[_Exchange]] = [[] for _ in range(count)]
         loads = [0] * count
-        for exchange in sorted(exchanges, key=lambda e: -len(e.images)):
+        for exchange in sorted(exchanges, key=lambda e: -_encoded_bytes([e])):
             lightest = loads.index(min(loads))
             shares[lightest].append(exchange)
-            loads[lightest] += len(exchange.images)
+            loads[lightest] += _encoded_bytes([exchange])
         return shares
 
     def _admit(self, conn: _Connection, message: wire.Infer, segments: list[memoryview]) -> _Exchange | None:
@@ -309,11 +314,18 @@ class EngineServer:
 
     def _queue_all(self, exchanges: list[_Exchange]) -> None:
         """On a decode thread or the loop: the images of these requests decoded and queued, handed to the loop
-        together; the time they took per image is what the next turns expect (``_decode_shares``)."""
-        images, started = sum(len(exchange.images) for exchange in exchanges), time.thread_time()
-        steps = [self._queued_or_ended(exchange) for exchange in exchanges]
-        self._decode_s_per_image += DECODE_S_WEIGHT * ((time.thread_time() - started) / images
-                                                       - self._decode_s_per_image)
+        together; the CPU they took per byte decoded is what the next turns expect (``_decode_shares``): requests
+        refused before their decode (the queue's room) cost next to nothing and do not count."""
+        steps, decoded, spent = [], 0, 0.0
+        for exchange in exchanges:
+            size, started = _encoded_bytes([exchange]), time.thread_time()
+            step = self._queued_or_ended(exchange)
+            steps.append(step)
+            if getattr(step, "func", None) == self._queued:
+                decoded, spent = decoded + size, spent + time.thread_time() - started
+        if decoded:
+            measured, before = spent / decoded, self._decode_s_per_byte
+            self._decode_s_per_byte = measured if before is None else before + DECODE_S_WEIGHT * (measured - before)
 
         def hand_over() -> None:
             for step in steps:

@@ -174,6 +174,20 @@ def test_an_unloaded_version_s_figures_read_zero_and_stay_there() -> None:
     assert value("visionserve_top1_confidence_count") == 4  # its predictions still count
 
 
+def test_the_queue_depth_is_written_when_it_changes_and_a_retired_version_s_reads_zero_again() -> None:
+    def depth() -> float | None:
+        return REGISTRY.get_sample_value("visionserve_queue_depth", {"model": "draining", "version": "1"})
+
+    observer = MetricsObserver(model="draining", version="1")
+    observer.queue_depth(3)
+    assert depth() == 3
+    observer.retire()
+    assert depth() == 0
+    observer._queue_depth.set(3)  # a submit's report that raced the retire and landed after it
+    observer.queue_depth(2)  # the next report of the draining queue (a retired version's is 0)
+    assert depth() == 0
+
+
 def test_a_confidence_equal_to_the_threshold_is_not_low_whatever_its_decimal() -> None:
     # 0.7 is no float32: a float32 confidence of 0.7 equals the threshold as float32 holds it (as torch compared it).
     monitor = PredictionMonitor(LABELS, window=10, min_predictions=1, low_confidence_threshold=0.7, psi_bins=20)
