@@ -35,6 +35,7 @@ from app.engine.contract import CATALOG_CALLS, Signature, not_ready
 from app.engine.service import Service
 from app.errors import ClientGone, InferenceFailed, ServiceError
 from app.link import wire
+from app.link.decode_shares import DecodeShares, encoded_bytes
 from app.metrics import RequestTally
 
 log = logging.getLogger(__name__)
@@ -58,8 +59,6 @@ def _parsed_alike(message: wire.Infer, answering: Signature) -> None:
 
 FRAME_TIMEOUT_S = 10.0  # a frame whose first bytes came is read whole within this (the HTTP side sends it at once)
 CATALOG_THREADS = 4  # catalog calls at once (a load waits for every engine): never on the loop
-HAND_OFF_S = 0.005  # what handing a turn's decoding to a thread and back costs, about: less decoding stays here
-DECODE_S_WEIGHT = 0.2  # how fast the expected decode time per byte follows the measured one
 
 
 class _Connection:
@@ -79,10 +78,6 @@ def _inputs(message: wire.Infer, segments: list[memoryview]) -> tuple[list[bytes
         raise InferenceFailed(f"a request of {len(message.tensors)} tensors came with {len(segments)} segments")
     return [], [np.frombuffer(segment, np.dtype(dtype)).reshape(shape)
                 for (dtype, shape), segment in zip(message.tensors, segments)]
-
-
-def _encoded_bytes(exchanges: list["_Exchange"]) -> int:
-    return sum(len(image) for exchange in exchanges for image in exchange.images)
 
 
 class _Exchange:
@@ -117,9 +112,8 @@ class EngineServer:
         self._wake_sent = False  # a wake-up byte is on its way and the loop has not yet taken what was posted
         self._deadlines: list[tuple[float, int, _Exchange]] = []
         self._order = itertools.count()
-        self._decode_threads = decode_threads or len(os.sched_getaffinity(0))
-        self._decoders = ThreadPoolExecutor(self._decode_threads, thread_name_prefix="engine-decode")
-        self._decode_s_per_byte: float | None = None  # until measured, any image is worth a hand-off
+        self.decode_shares = DecodeShares(decode_threads or len(os.sched_getaffinity(0)))
+        self._decoders = ThreadPoolExecutor(self.decode_shares.threads, thread_name_prefix="engine-decode")
         self._catalog_threads = ThreadPoolExecutor(CATALOG_THREADS, thread_name_prefix="engine-catalog")
         self._loop_thread: int | None = None
         self._started = threading.Lock()
@@ -255,7 +249,7 @@ class EngineServer:
     def _run_turn(self) -> None:
         """The requests this turn read: every one admitted first (each then counts as on its way to its version's
         next batch, so the batcher waits for them), then their images queued: those the CPU decodes in a few
-        hand-offs to the decode threads (``_decode_shares``), the rest here. Each answer goes out once its futures
+        hand-offs to the decode threads, or here when cheaper (app/link/decode_shares.py), the rest here. Each answer goes out once its futures
         are done, its deadline passes or its client hangs up, whichever comes first."""
         turn, self._turn = self._turn, []
         admitted = [exchange for exchange in (self._admit(*read) for read in turn) if exchange is not None]
@@ -263,37 +257,11 @@ class EngineServer:
         for exchange in admitted:
             if not (exchange.images and exchange.call.decodes_on_host):
                 self._queue(exchange)
-        shares = self._decode_shares(decoded)
-        if len(shares) == 1 and self._decode_here(decoded):
+        if decoded and self.decode_shares.here(decoded):
             self._queue_all(decoded)
             return
-        for share in shares:
+        for share in self.decode_shares.shares(decoded):
             self._decoders.submit(self._queue_all, share)
-
-    def _decode_here(self, exchanges: list[_Exchange]) -> bool:
-        """Whether these requests' images decode in less time than a hand-off to a decode thread costs (expected
-        from their bytes and the decode CPU per byte measured so far: one large photo after small ones is not kept
-        here): then the loop decodes them itself."""
-        per_byte = self._decode_s_per_byte
-        return per_byte is not None and _encoded_bytes(exchanges) * per_byte < HAND_OFF_S
-
-    def _decode_shares(self, exchanges: list[_Exchange]) -> list[list[_Exchange]]:
-        """The turn's requests to decode, split into at most one share per decode thread, each worth a hand-off
-        (at least HAND_OFF_S of expected decoding), by their bytes: one hand-off per share, not per request."""
-        if not exchanges:
-            return []
-        per_byte = self._decode_s_per_byte
-        worth = len(exchanges) if per_byte is None else int(_encoded_bytes(exchanges) * per_byte / HAND_OFF_S)
-        count = max(1, min(self._decode_threads, len(exchanges), worth))
-        if count == 1:
-            return [exchanges]
-        shares: list[list[_Exchange]] = [[] for _ in range(count)]
-        loads = [0] * count
-        for exchange in sorted(exchanges, key=lambda e: -_encoded_bytes([e])):
-            lightest = loads.index(min(loads))
-            shares[lightest].append(exchange)
-            loads[lightest] += _encoded_bytes([exchange])
-        return shares
 
     def _admit(self, conn: _Connection, message: wire.Infer, segments: list[memoryview]) -> _Exchange | None:
         stack = contextlib.ExitStack()
@@ -314,18 +282,15 @@ class EngineServer:
 
     def _queue_all(self, exchanges: list[_Exchange]) -> None:
         """On a decode thread or the loop: the images of these requests decoded and queued, handed to the loop
-        together; the CPU they took per byte decoded is what the next turns expect (``_decode_shares``): requests
-        refused before their decode (the queue's room) cost next to nothing and do not count."""
+        together; the CPU they took per byte decoded is what the next turns expect (``DecodeShares.measured``):
+        requests refused before their decode (the queue's room) cost next to nothing and do not count."""
         steps, decoded, spent = [], 0, 0.0
         for exchange in exchanges:
-            size, started = _encoded_bytes([exchange]), time.thread_time()
-            step = self._queued_or_ended(exchange)
-            steps.append(step)
-            if getattr(step, "func", None) == self._queued:
+            size, started = encoded_bytes(exchange), time.thread_time()
+            steps.append(self._queued_or_ended(exchange))
+            if not exchange.images:  # queued: the queue holds what it needs
                 decoded, spent = decoded + size, spent + time.thread_time() - started
-        if decoded:
-            measured, before = spent / decoded, self._decode_s_per_byte
-            self._decode_s_per_byte = measured if before is None else before + DECODE_S_WEIGHT * (measured - before)
+        self.decode_shares.measured(decoded, spent)
 
         def hand_over() -> None:
             for step in steps:

@@ -188,16 +188,27 @@ def _read_exactly(sock: socket.socket, size: int) -> memoryview:
     return view
 
 
-def _receive_frame(sock: socket.socket, max_head: int = MAX_FRAME_BYTES) -> tuple[memoryview, list[memoryview]]:
-    head_size, count = _HEAD.unpack(_read_exactly(sock, _HEAD.size))
+def _frame_head(data: bytes | bytearray | memoryview, max_head: int = MAX_FRAME_BYTES) -> tuple[int, int]:
+    """A frame's header length and segment count, from its first bytes; EngineGone when out of bounds."""
+    head_size, count = _HEAD.unpack_from(data)
     if count > MAX_SEGMENTS or head_size > max_head:
         raise EngineGone(f"a frame of {count} segments and a {head_size}-byte header: the stream is corrupt")
+    return head_size, count
+
+
+def _segment_lengths(table: bytes | bytearray | memoryview, at: int, count: int, head_size: int) -> list[int]:
+    """The segments' lengths from the table at ``at``; EngineGone when the frame's body would be out of bounds."""
+    lengths = [_LENGTH.unpack_from(table, at + i * _LENGTH.size)[0] for i in range(count)]
+    if head_size + sum(lengths) > MAX_FRAME_BYTES:
+        raise EngineGone(f"a frame of {head_size + sum(lengths)} bytes: the stream is corrupt")
+    return lengths
+
+
+def _receive_frame(sock: socket.socket, max_head: int = MAX_FRAME_BYTES) -> tuple[memoryview, list[memoryview]]:
+    head_size, count = _frame_head(_read_exactly(sock, _HEAD.size), max_head)
     table = _read_exactly(sock, _LENGTH.size * count) if count else memoryview(b"")
-    lengths = [_LENGTH.unpack_from(table, i * _LENGTH.size)[0] for i in range(count)]
-    size = head_size + sum(lengths)
-    if size > MAX_FRAME_BYTES:
-        raise EngineGone(f"a frame of {size} bytes: the stream is corrupt")
-    body = _read_exactly(sock, size)
+    lengths = _segment_lengths(table, 0, count, head_size)
+    body = _read_exactly(sock, head_size + sum(lengths))
     segments, at = [], head_size
     for length in lengths:
         segments.append(body[at:at + length])
@@ -255,17 +266,12 @@ def receive_answer(sock: socket.socket, grace_s: float) -> Answer:
         got += _receive_some(sock, memoryview(buffer)[got:], grace_s)
         if got < _HEAD.size or size:
             continue
-        head_size, count = _HEAD.unpack_from(buffer)
-        if count > MAX_SEGMENTS or head_size > MAX_FRAME_BYTES:
-            raise EngineGone(f"a frame of {count} segments and a {head_size}-byte header: the stream is corrupt")
+        head_size, count = _frame_head(buffer)
         table_end = _HEAD.size + _LENGTH.size * count
         if got < table_end:
             buffer += bytes(max(0, table_end - len(buffer)))
             continue
-        lengths = [_LENGTH.unpack_from(buffer, _HEAD.size + i * _LENGTH.size)[0] for i in range(count)]
-        size = table_end + head_size + sum(lengths)
-        if size > MAX_FRAME_BYTES:
-            raise EngineGone(f"a frame of {size} bytes: the stream is corrupt")
+        size = table_end + head_size + sum(_segment_lengths(buffer, _HEAD.size, count, head_size))
         if size > len(buffer):
             buffer += bytes(size - len(buffer))
     if got > size:

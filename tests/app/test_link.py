@@ -24,7 +24,7 @@ from app.engine.service import Service
 from app.errors import BadRequest, ClientGone, DeadlineExceeded, InvalidImage, NotFound, NotReady, ServiceError
 from app.link import wire
 from app.link.client import RemoteCatalog, RemoteService
-from app.link import loop
+from app.link.decode_shares import HAND_OFF_S
 from app.link.loop import EngineServer
 from app.metrics import BATCHER_EVENTS, VERSION_REQUESTS
 from tests.support.fakes import ColourModel, infer, wait_until
@@ -438,20 +438,20 @@ def test_a_turn_s_images_are_decoded_in_a_few_shares_and_on_the_loop_when_that_i
     # Handing a request's decode to a thread and back costs more than decoding a small image: a turn's images go
     # to the decode threads in at most one share per thread, each worth a hand-off, and stay on the loop when
     # all of them decode in less than one (expected from their bytes and the decode CPU per byte measured so far)
-    server = link.server
+    plan = link.server.decode_shares
     turn = [type("Read", (), {"images": [b"x" * 1000] * count})() for count in (1, 5, 2, 1, 3)]  # 12,000 bytes
-    server._decode_s_per_byte = loop.HAND_OFF_S / 1_000_000
-    assert server._decode_here(turn) and server._decode_shares(turn) == [turn]
+    plan.s_per_byte = HAND_OFF_S / 1_000_000
+    assert plan.here(turn) and plan.shares(turn) == [turn]
     big = [type("Read", (), {"images": [b"x" * 2_000_000]})()]  # one large photo after small ones: not on the loop
-    assert not server._decode_here(big)
-    server._decode_s_per_byte = loop.HAND_OFF_S / 1000  # each image worth a hand-off of its own
-    shares = server._decode_shares(turn)
-    assert not server._decode_here(turn) and len(shares) == server._decode_threads
+    assert not plan.here(big)
+    plan.s_per_byte = HAND_OFF_S / 1000  # each image worth a hand-off of its own
+    shares = plan.shares(turn)
+    assert not plan.here(turn) and len(shares) == plan.threads
     assert sorted(map(id, sum(shares, []))) == sorted(map(id, turn))  # every request once
     loads = sorted(sum(len(read.images) for read in share) for share in shares)
     assert loads[-1] - loads[0] <= 1 or len(shares) == 1  # balanced by bytes (5 1 | 3 2 1 with two threads)
-    server._decode_s_per_byte = loop.HAND_OFF_S / 4000  # twelve images worth three hand-offs at most
-    assert len(server._decode_shares(turn)) == min(3, server._decode_threads)
+    plan.s_per_byte = HAND_OFF_S / 4000  # twelve images worth three hand-offs at most
+    assert len(plan.shares(turn)) == min(3, plan.threads)
 
 
 def test_small_images_are_decoded_on_the_loop_once_their_cost_is_measured(link: Link) -> None:
@@ -467,7 +467,7 @@ def test_small_images_are_decoded_on_the_loop_once_their_cost_is_measured(link: 
     for _ in range(5):
         infer(link.worker, [image_bytes(RED)])
     assert decoded_on[0].startswith("engine-decode")  # before any is measured, an image is worth a hand-off
-    assert decoded_on[-1] == "engine-loop" and link.server._decode_s_per_byte < loop.HAND_OFF_S / 1000
+    assert decoded_on[-1] == "engine-loop" and link.server.decode_shares.s_per_byte < HAND_OFF_S / 1000
 
 
 def test_a_request_is_answered_once_every_image_is_done_even_when_its_last_is_done_first(link: Link) -> None:
