@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import gc
 import heapq
 import itertools
 import logging
@@ -57,16 +58,17 @@ def _parsed_alike(message: wire.Infer, answering: Signature) -> None:
                         f"{answering.version} takes {list(answering.input_shape)}; send it again")
 
 
-FRAME_TIMEOUT_S = 10.0  # a frame whose first bytes came is read whole within this (the HTTP side sends it at once)
 CATALOG_THREADS = 4  # catalog calls at once (a load waits for every engine): never on the loop
 
 
 class _Connection:
-    """One HTTP worker thread's connection: greeted or not, and the request it waits on (at most one). While a
-    catalog call runs for it on a thread, the loop does not watch it (unregistered)."""
+    """One HTTP worker thread's connection (non-blocking): its frames as they come (the first one its hello), and
+    the request it waits on (at most one). While a catalog call runs for it on a thread, the loop does not watch it
+    (unregistered)."""
 
     def __init__(self, sock: socket.socket) -> None:
-        self.sock, self.greeted, self.closed = sock, False, False
+        self.sock, self.closed = sock, False
+        self.reader = wire.FrameReader(sock, wire.REQUESTS, greet=True)
         self.exchange: _Exchange | None = None
 
 
@@ -131,6 +133,9 @@ class EngineServer:
     def listen(self) -> None:
         """Accept connections and serve them on this thread until the process ends."""
         log.info("engine listening on %s", self.path)
+        # What start-up built (torch, the models, the settings) lives as long as the process: frozen out of the
+        # collector's scans, which every few thousand requests would otherwise walk all of it
+        gc.freeze()
         self._listener.setblocking(False)
         self._selector.register(self._listener, selectors.EVENT_READ, self._accept)
         self._loop()
@@ -190,8 +195,7 @@ class EngineServer:
                 self._adopt(sock)
 
     def _adopt(self, sock: socket.socket) -> None:
-        sock.setblocking(True)
-        sock.settimeout(FRAME_TIMEOUT_S)
+        sock.setblocking(False)  # read as frames come (wire.FrameReader), no poll before each read or send
         conn = _Connection(sock)
         self._selector.register(sock, selectors.EVENT_READ, functools.partial(self._readable, conn))
 
@@ -204,17 +208,13 @@ class EngineServer:
         conn.sock.close()
 
     def _readable(self, conn: _Connection) -> None:
-        """A frame to read, or, while a request of this connection is in flight, the HTTP side hanging up (it sends
-        nothing else before the answer)."""
+        """What came of a frame (the hello, requests), or, while a request of this connection is in flight, the
+        HTTP side hanging up (it sends nothing else before the answer)."""
         if conn.exchange is not None:
             self._hang_up(conn.exchange)
             return
         try:
-            if not conn.greeted:
-                wire.answer_hello(conn.sock)
-                conn.greeted = True
-                return
-            message, segments = wire.receive_request(conn.sock)
+            frames = conn.reader.read()
         except wire.WireMismatch as exc:
             log.error("refused a connection: %s", exc)
             self._close(conn)
@@ -222,10 +222,16 @@ class EngineServer:
         except (wire.EngineGone, OSError):  # the HTTP worker closed it, or it went out of step: closed here
             self._close(conn)
             return
-        if isinstance(message, wire.Infer):
-            self._turn.append((conn, message, segments))
-        else:
-            self._handlers[type(message)](conn, message, segments)
+        for index, (message, segments) in enumerate(frames):
+            if index < len(frames) - 1 and isinstance(message, (wire.Infer, wire.CatalogCall)):
+                log.warning("closed a connection that sent a frame after a %s before its answer: out of step",
+                            type(message).__name__)
+                self._close(conn)
+                return
+            if isinstance(message, wire.Infer):
+                self._turn.append((conn, message, segments))
+            else:
+                self._handlers[type(message)](conn, message, segments)
 
     def _answer(self, value: Any = None, error: ServiceError | None = None) -> wire.Answer:
         return wire.Answer(value, error, engine=os.getpid(), routes=self.service.controller.routes.generation)

@@ -34,6 +34,7 @@ _LENGTH = struct.Struct("!Q")
 MAX_SEGMENTS = 10_000  # a bound on one frame's segments (MAX_IMAGES is far lower): a corrupt frame fails at once
 MAX_FRAME_BYTES = 1 << 32  # a bound on one frame's size (MAX_BODY_BYTES is far lower): a corrupt one fails at once
 MAX_HELLO_BYTES = 256
+SEND_STALL_S = 10.0  # a non-blocking socket whose other side takes none of a frame for this long has left
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 
 
@@ -122,7 +123,7 @@ class Answer(_Message):
 
 MESSAGES = (Infer, Unanswered, CatalogCall, StateQuery, EngineState, Answer)
 NO_LABELS: list[str] = []  # what an answer's Served holds in place of its version's labels
-_REQUESTS = (Infer, Unanswered, CatalogCall, StateQuery)
+REQUESTS = (Infer, Unanswered, CatalogCall, StateQuery)
 
 
 def _shape(cls: type) -> str:
@@ -152,7 +153,12 @@ def _send_frame(sock: socket.socket, head: bytes, segments: Sequence[bytes | mem
     lengths = b"".join(_LENGTH.pack(len(s)) for s in segments)
     parts = [memoryview(p).cast("B") for p in (_HEAD.pack(len(head), len(segments)), lengths, head, *segments)]
     while parts:
-        sent = sock.sendmsg(parts[:_IOV_MAX])  # the kernel takes at most IOV_MAX buffers a call
+        try:
+            sent = sock.sendmsg(parts[:_IOV_MAX])  # the kernel takes at most IOV_MAX buffers a call
+        except BlockingIOError:  # a non-blocking socket's buffer is full: on once the other side has read some
+            if not _writable(sock, SEND_STALL_S):
+                raise EngineGone(f"the other side took nothing of a frame for {SEND_STALL_S:g}s") from None
+            continue
         while parts and sent >= len(parts[0]):  # a partial send (a signal, a full buffer): go on from there
             sent -= len(parts.pop(0))
         if parts:
@@ -223,20 +229,84 @@ def _loads(head: memoryview) -> Any:
         raise EngineGone(f"a frame that does not unpickle: {type(exc).__name__}: {exc}") from None
 
 
-def receive(sock: socket.socket, expected: tuple[type, ...] = MESSAGES) -> tuple[Any, list[memoryview]]:
-    """The next frame: its message (one of ``expected``) and its segments (writable views of the one buffer the
-    frame was read into). EngineGone when the other side closed or sent anything else (the stream is then out of
-    step)."""
-    head, segments = _receive_frame(sock)
-    message = _loads(head)
-    if not isinstance(message, expected):
-        raise EngineGone(f"a {type(message).__name__} frame where {'/'.join(t.__name__ for t in expected)} belongs")
-    return message, segments
+READ_AHEAD_BYTES = 1 << 16  # one read's buffer: a request of a few small images or tensors comes in one call
 
 
-def receive_request(sock: socket.socket) -> tuple[Any, list[memoryview]]:
-    """The next request the engine is to serve (Infer, Unanswered, CatalogCall or StateQuery)."""
-    return receive(sock, _REQUESTS)
+class FrameReader:
+    """The frames of a connection as they arrive, one ``recv`` a ``read()``, for a non-blocking socket that a
+    selector watches (no poll before each read, no read that waits): a frame that arrives in pieces is completed
+    over several reads, the part of a large frame beyond the read-ahead buffer read straight into the frame's own
+    buffer. With ``greet``, the first frame is the hello, answered here (``ok``, or WireMismatch saying both sides'
+    code, also told to the other side). EngineGone when the other side closed or sent what cannot be read."""
+
+    def __init__(self, sock: socket.socket, expected: tuple[type, ...] = MESSAGES, greet: bool = False) -> None:
+        self.sock, self._expected, self._greeting = sock, expected, greet
+        self._ahead, self._have = bytearray(READ_AHEAD_BYTES), 0
+        self._body: memoryview | None = None  # the frame being read into its own buffer
+        self._got, self._head_size, self._lengths = 0, 0, [0]
+
+    @property
+    def started(self) -> bool:
+        """Whether part of a frame has come."""
+        return bool(self._have) or self._body is not None
+
+    def read(self) -> list[tuple[Any, list[memoryview]]]:
+        """One read: the messages (of ``expected``) it completed, in order, each with its segments (writable views
+        of the one buffer its frame was read into); none when nothing had come (a spurious wake-up)."""
+        into = self._body[self._got:] if self._body is not None else memoryview(self._ahead)[self._have:]
+        try:
+            count = self.sock.recv_into(into, len(into))
+        except (BlockingIOError, InterruptedError):
+            return []
+        if count == 0:
+            raise EngineGone("the connection closed mid-frame" if self.started else "the connection closed")
+        if self._body is not None:
+            self._got += count
+            return self._completed([])
+        self._have += count
+        return self._from_ahead()
+
+    def _from_ahead(self) -> list[tuple[Any, list[memoryview]]]:
+        """Every frame whose start is in the read-ahead buffer: taken from it, whole or begun."""
+        frames: list[tuple[Any, list[memoryview]]] = []
+        while self._body is None and self._have >= _HEAD.size:
+            head_size, count = _frame_head(self._ahead, MAX_HELLO_BYTES if self._greeting else MAX_FRAME_BYTES)
+            table_end = _HEAD.size + _LENGTH.size * count
+            if table_end > len(self._ahead):  # a table of many segments: beyond the buffer as it is
+                self._ahead += bytes(table_end - len(self._ahead))
+            if self._have < table_end:
+                break
+            self._lengths = _segment_lengths(self._ahead, _HEAD.size, count, head_size)
+            size = head_size + sum(self._lengths)
+            body, taken = bytearray(size), min(size, self._have - table_end)
+            body[:taken] = memoryview(self._ahead)[table_end:table_end + taken]
+            used = table_end + taken
+            self._ahead[:self._have - used] = self._ahead[used:self._have]
+            self._have -= used
+            self._body, self._got, self._head_size = memoryview(body), taken, head_size
+            frames = self._completed(frames)
+        return frames
+
+    def _completed(self, frames: list[tuple[Any, list[memoryview]]]) -> list[tuple[Any, list[memoryview]]]:
+        """``frames`` and the one being read, once whole (the hello answered, not returned)."""
+        body = self._body
+        if body is None or self._got < len(body):
+            return frames
+        self._body = None
+        head, segments, at = body[:self._head_size], [], self._head_size
+        for length in self._lengths:
+            segments.append(body[at:at + length])
+            at += length
+        if self._greeting:
+            self._greeting = False
+            _answer_hello(self.sock, head)
+            return frames
+        message = _loads(head)
+        if not isinstance(message, self._expected):
+            raise EngineGone(f"a {type(message).__name__} frame where "
+                             f"{'/'.join(t.__name__ for t in self._expected)} belongs")
+        frames.append((message, segments))
+        return frames
 
 
 ANSWER_READ_BYTES = 1 << 16  # an answer's first read: one image's answer (a row of 1,000 classes) fits in it
@@ -293,10 +363,9 @@ def say_hello(sock: socket.socket) -> None:
         raise WireMismatch(bytes(head).decode("utf-8", "replace"))
 
 
-def answer_hello(sock: socket.socket) -> None:
-    """The engine's side of the greeting: ``ok``, or WireMismatch (saying both sides' code, also told to the
-    other side) when the first frame is not this code's hello."""
-    head, _ = _receive_frame(sock, max_head=MAX_HELLO_BYTES)
+def _answer_hello(sock: socket.socket, head: memoryview) -> None:
+    """The engine's side of the greeting, to the first frame's ``head``: ``ok``, or WireMismatch (saying both sides'
+    code, also told to the other side) when it is not this code's hello."""
     if bytes(head) == HELLO:
         _send_frame(sock, _WELCOME, ())
         return
@@ -311,6 +380,12 @@ def readable(sock: socket.socket, timeout_s: float = 0.0) -> bool:
     """Whether ``sock`` has data or its end within ``timeout_s`` (poll: no limit on the descriptor's number)."""
     poller = select.poll()
     poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+    return bool(poller.poll(max(0, int(timeout_s * 1000))))
+
+
+def _writable(sock: socket.socket, timeout_s: float) -> bool:
+    poller = select.poll()
+    poller.register(sock, select.POLLOUT)
     return bool(poller.poll(max(0, int(timeout_s * 1000))))
 
 

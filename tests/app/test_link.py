@@ -44,11 +44,48 @@ def test_every_message_crosses_with_its_segments() -> None:
                 wire.Unanswered("colour", "1", None, BadRequest("no image")), wire.CatalogCall("version", ("x",)),
                 wire.StateQuery(), wire.EngineState(True, True, True, False), wire.Answer([1, 2], None, 7, 3)]
     with left, right:
+        reader = wire.FrameReader(right)
         for message in messages:
             wire.send(left, message, [b"\xff\xd8" * 3, b"", memoryview(b"abc")])
-            got, segments = wire.receive(right)
+            [(got, segments)] = reader.read()
             assert type(got) is type(message) and segments == [b"\xff\xd8" * 3, b"", b"abc"]
         assert str(got) == str(messages[-1])
+
+
+def test_frames_are_read_as_they_come_whole_in_pieces_or_several_in_one_read() -> None:
+    left, right = _pair()
+    right.setblocking(False)
+    with left, right:
+        reader = wire.FrameReader(right, wire.REQUESTS)
+        assert reader.read() == [] and not reader.started  # nothing came: a spurious wake-up reads nothing
+        wire.send(left, wire.StateQuery())
+        wire.send(left, wire.Unanswered("colour", "1", None))
+        wire.send(left, wire.CatalogCall("version", ("x",)))
+        assert [type(m) for m, _ in reader.read()] == [wire.StateQuery, wire.Unanswered, wire.CatalogCall]
+        big = np.arange(100_000, dtype=np.float32)  # 400 KB: beyond the read-ahead buffer, in many pieces
+        specs, segments = wire.tensor_segments([big, big[:10]])
+        sender = threading.Thread(target=wire.send, args=(left, wire.Infer("colour", None, None, 1.0, "1", (3,),
+                                                                           tensors=specs), segments))
+        sender.start()
+        got: list[tuple[object, list[memoryview]]] = []
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            got = reader.read()
+        sender.join()
+        [(message, [first, second])] = got
+        assert isinstance(message, wire.Infer) and not reader.started
+        assert np.array_equal(np.frombuffer(first, np.float32), big) and not first.readonly
+        assert np.array_equal(np.frombuffer(second, np.float32), big[:10])
+        frame = pickle.dumps(wire.StateQuery(), protocol=pickle.HIGHEST_PROTOCOL)
+        left.sendall(wire._HEAD.pack(len(frame), 0) + frame[:2])  # a frame cut short: nothing yet
+        assert reader.read() == [] and reader.started
+        left.sendall(frame[2:])
+        assert [type(m) for m, _ in reader.read()] == [wire.StateQuery]
+        left.sendall(wire._HEAD.pack(len(frame), 0))
+        assert reader.read() == []
+        left.close()
+        with pytest.raises(wire.EngineGone, match="closed mid-frame"):
+            reader.read()
 
 
 def test_only_messages_are_sent_and_a_frame_out_of_step_ends_the_stream() -> None:
@@ -58,16 +95,16 @@ def test_only_messages_are_sent_and_a_frame_out_of_step_ends_the_stream() -> Non
             wire.send(left, ("infer", {}))  # the untyped tuples of before
         wire.send(left, wire.Answer(1))
         with pytest.raises(wire.EngineGone, match="Answer frame where"):
-            wire.receive_request(right)  # the engine never takes an answer as a request
+            wire.FrameReader(right, wire.REQUESTS).read()  # the engine never takes an answer as a request
         wire._send_frame(left, pickle.dumps(("state",)), ())
         with pytest.raises(wire.EngineGone, match="tuple frame"):
-            wire.receive(right)
+            wire.FrameReader(right).read()
         wire._send_frame(left, b"not a pickle", ())
         with pytest.raises(wire.EngineGone, match="does not unpickle"):
-            wire.receive(right)
+            wire.FrameReader(right).read()
         left.sendall(wire._HEAD.pack(10, wire.MAX_SEGMENTS + 1))
         with pytest.raises(wire.EngineGone, match="corrupt"):
-            wire.receive(right)
+            wire.FrameReader(right).read()
 
 
 
@@ -110,7 +147,7 @@ def test_an_answer_is_read_in_as_few_calls_as_it_arrived_in_and_never_past_its_e
 def test_a_worker_running_other_code_is_refused_on_both_sides_by_its_hello(caplog: pytest.LogCaptureFixture) -> None:
     left, right = _pair()
     with left, right:
-        engine = threading.Thread(target=wire.answer_hello, args=(right,))
+        engine = threading.Thread(target=wire.FrameReader(right, greet=True).read)
         engine.start()
         wire.say_hello(left)  # the same code: welcomed
         engine.join()
@@ -118,7 +155,7 @@ def test_a_worker_running_other_code_is_refused_on_both_sides_by_its_hello(caplo
 
         def refuse() -> None:
             try:
-                wire.answer_hello(right)
+                wire.FrameReader(right, greet=True).read()
             except wire.WireMismatch as exc:
                 failures.append(exc)
 
