@@ -42,7 +42,7 @@ from app.metrics import BATCHER_EVENTS, STAGE_CPU_SECONDS, STAGE_SECONDS
 
 
 ShadowOffer = Callable[[Sequence[bytes], Sequence[torch.Tensor], Sequence[Prepared],
-                        Sequence[BatchResult[torch.Tensor]]], None]
+                        Sequence[BatchResult[np.ndarray]]], None]
 
 
 @dataclass
@@ -53,7 +53,7 @@ class Queued:
     images: Sequence[bytes]
     pixels: list[torch.Tensor]
     prepared: list[Prepared]
-    futures: "list[Future[BatchResult[torch.Tensor]]]"
+    futures: "list[Future[BatchResult[np.ndarray]]]"
     deadline: float  # time.monotonic() after which the request is answered 504
     timeout_s: float
     names: Sequence[str | None]
@@ -157,10 +157,7 @@ class Call:
             raise InferenceFailed(f"the model failed on this request's images: {type(exc).__name__}") from exc
         if self._shadow is not None:
             self._shadow(queued.images, queued.pixels, queued.prepared, results)
-        values = torch.stack([r.value for r in results]).float().cpu().numpy()  # one conversion, rows its views
-        rows = [BatchResult(value, r.batch_id, r.batch_size, r.queued_s, r.run_s)
-                for r, value in zip(results, values)]
-        return Served(rows, self.model.name, self.model.version, self.model.labels if labels is None else labels,
+        return Served(results, self.model.name, self.model.version, self.model.labels if labels is None else labels,
                       queued.decode_s, queued.started_ns)
 
     def _prepare(self, images: Sequence[bytes], names: Sequence[str | None]) -> tuple[list[Prepared], float]:
@@ -186,8 +183,8 @@ def _named(exc: ServiceError, index: int, names: Sequence[str | None]) -> Servic
     return exc
 
 
-def _result(future: "Future[BatchResult[torch.Tensor]]", index: int,
-            names: Sequence[str | None]) -> BatchResult[torch.Tensor]:
+def _result(future: "Future[BatchResult[np.ndarray]]", index: int,
+            names: Sequence[str | None]) -> BatchResult[np.ndarray]:
     try:
         return future.result()
     except ServiceError as exc:  # an image the device path could not decode in its batch

@@ -130,32 +130,43 @@ class Service(Lifecycle):
     @contextlib.contextmanager
     def admit(self, name: str | None = None, version: str | None = None, client_key: str | None = None,
               images: int = 0, timeout_s: float | None = None) -> Iterator[Call]:
-        """One request's stay in the engine: readiness, then routing to the version of model ``name`` (None: the
-        only one) at ``version`` (None: its default, or its rollout's canary, by ``client_key`` when given) that
-        the request keeps to its answer, even if a newer one takes over meanwhile. The protocol parses its body
-        with ``call.model``, then ``call.infer``; until then the request counts as on its way, so a forming batch
-        may wait for it. Its outcome and time count in the version's traffic. Raises a ServiceError (NotReady,
-        NotFound, BadRequest) when the request cannot be admitted. ``images`` (what the request announces, before its
-        body is parsed) with ``timeout_s``: refused at once (429 with Retry-After) when the queue cannot take them
-        in time, so a request the server would refuse anyway costs no parsing and no decode."""
-        with self.in_flight.inside():
+        """One request's stay in the engine as a block (``enter`` says what it holds): the protocol parses its body
+        with ``call.model``, then ``call.infer``; the block's exception, if any, is the request's outcome."""
+        admission = self.enter(name, version, client_key, images, timeout_s)
+        try:
+            yield admission.call
+        except BaseException as exc:
+            admission.leave(exc)
+            raise
+        admission.leave()
+
+    def enter(self, name: str | None = None, version: str | None = None, client_key: str | None = None,
+              images: int = 0, timeout_s: float | None = None) -> Admission:
+        """One request's stay in the engine, from here to its ``leave``: readiness, then routing to the version of
+        model ``name`` (None: the only one) at ``version`` (None: its default, or its rollout's canary, by
+        ``client_key`` when given) that the request keeps to its answer, even if a newer one takes over meanwhile.
+        Until its images are queued it counts as on its way, so a forming batch may wait for it; its outcome and
+        time count in the version's traffic when it leaves. Raises a ServiceError (NotReady, NotFound, BadRequest)
+        when the request cannot be admitted. ``images`` (what the request announces, before its body is parsed)
+        with ``timeout_s``: refused at once (429 with Retry-After) when the queue cannot take them in time, so a
+        request the server would refuse anyway costs no parsing and no decode."""
+        self.in_flight.enter()
+        try:
             self.require_ready()
-            with self._routes.acquire(name, version, client_key) as route:
-                loaded, started, outcome = route.version, time.perf_counter(), "refused"
-                try:
-                    if images:
-                        check_room(loaded, images, timeout_s or self.settings.request_timeout_s)
-                    with loaded.arrivals.arriving() as arrived:
-                        yield Call(loaded, arrived, self.settings.max_images, self._shadow_offer(route))
-                    outcome = "ok"
-                except ServiceError as exc:
-                    outcome = "failed" if exc.status in (500, 504) else "refused"
-                    raise
-                except Exception:
-                    outcome = "failed"
-                    raise
-                finally:
-                    self._count(route, time.perf_counter() - started, outcome)
+            route = self._routes.hold(name, version, client_key)
+        except BaseException:
+            self.in_flight.leave()
+            raise
+        started = time.perf_counter()
+        try:
+            if images:
+                check_room(route.version, images, timeout_s or self.settings.request_timeout_s)
+            arrived = route.version.arrivals.begin()
+        except BaseException as exc:
+            self._left(route, time.perf_counter() - started, _outcome(exc))
+            raise
+        call = Call(route.version, arrived, self.settings.max_images, self._shadow_offer(route))
+        return Admission(self, route, started, arrived, call)
 
     def _shadow_offer(self, route: Route) -> Callable[..., None] | None:
         if route.shadow is None:
@@ -165,6 +176,14 @@ class Service(Lifecycle):
         return functools.partial(offer, route.version, route.shadow, comparison,
                                  max_age_s=self.settings.shadow_max_age_s,
                                  queue_limit=self.settings.shadow_queue_size)
+
+    def _left(self, route: Route, seconds: float, outcome: str) -> None:
+        """A request left after ``seconds`` with ``outcome``: counted, its version released."""
+        try:
+            self._count(route, seconds, outcome)
+        finally:
+            self._routes.release(route)
+            self.in_flight.leave()
 
     def _count(self, route: Route, seconds: float, outcome: str) -> None:
         loaded = route.version
@@ -177,3 +196,34 @@ class Service(Lifecycle):
                 VERSION_REQUEST_SECONDS.labels(loaded.name, loaded.version).observe(seconds)
         if not refused:
             self.controller.evidence.traffic(loaded.name, loaded.version).record(seconds, outcome == "failed")
+
+
+def _outcome(error: BaseException | None) -> str:
+    """What a request's end counts as: ok, failed (the server's fault, or the deadline) or refused (the client's
+    error, or the server's capacity)."""
+    if error is None:
+        return "ok"
+    if isinstance(error, ServiceError):
+        return "failed" if error.status in (500, 504) else "refused"
+    return "failed" if isinstance(error, Exception) else "refused"
+
+
+class Admission:
+    """One request admitted (``Service.enter``): its ``call``, holding its version until it ``leave``s, once."""
+
+    __slots__ = ("call", "_service", "_route", "_started", "_arrived", "_left")
+
+    def __init__(self, service: Service, route: Route, started: float, arrived: Callable[[], None],
+                 call: Call) -> None:
+        self._service, self._route, self._started, self._arrived = service, route, started, arrived
+        self.call = call
+        self._left = False
+
+    def leave(self, error: BaseException | None = None) -> None:
+        """The request ends, answered (None) or with ``error``: no longer on its way to a batch, its outcome and
+        time counted, its version released. Once: a second call does nothing."""
+        if self._left:
+            return
+        self._left = True
+        self._arrived()
+        self._service._left(self._route, time.perf_counter() - self._started, _outcome(error))

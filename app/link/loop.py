@@ -31,9 +31,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from app.engine.call import Call, Queued
+from app.engine.call import Queued
 from app.engine.contract import CATALOG_CALLS, Signature, not_ready
-from app.engine.service import Service
+from app.engine.service import Admission, Service
 from app.errors import ClientGone, InferenceFailed, ServiceError
 from app.link import wire
 from app.link.decode_shares import DecodeShares, encoded_bytes
@@ -83,12 +83,12 @@ def _inputs(message: wire.Infer, segments: list[memoryview]) -> tuple[list[bytes
 
 
 class _Exchange:
-    """One ``Infer`` in flight: its admission held open (``stack``) from its arrival to its answer."""
+    """One ``Infer`` in flight: its admission held from its arrival to its answer (``Admission.leave``)."""
 
-    def __init__(self, conn: _Connection, stack: contextlib.ExitStack, call: Call, message: wire.Infer,
-                 images: list[bytes], tensors: list[np.ndarray]) -> None:
-        self.conn, self.stack, self.call, self.message, self.images = conn, stack, call, message, images
-        self.tensors = tensors
+    def __init__(self, conn: _Connection, admission: Admission, message: wire.Infer, images: list[bytes],
+                 tensors: list[np.ndarray]) -> None:
+        self.conn, self.admission, self.call, self.message = conn, admission, admission.call, message
+        self.images, self.tensors = images, tensors
         self.queued: Queued | None = None
         self.ended = False
         self.left = 0  # futures not done when the last one was (``_last_done``), counted down
@@ -270,16 +270,19 @@ class EngineServer:
             self._decoders.submit(self._queue_all, share)
 
     def _admit(self, conn: _Connection, message: wire.Infer, segments: list[memoryview]) -> _Exchange | None:
-        stack = contextlib.ExitStack()
         try:
-            call = stack.enter_context(self.service.admit(message.model, message.version, message.client_key))
-            _parsed_alike(message, call.model)
-            images, tensors = _inputs(message, segments)
+            admission = self.service.enter(message.model, message.version, message.client_key)
         except Exception as exc:  # noqa: BLE001 - every failure is answered, never a dropped connection
-            stack.__exit__(type(exc), exc, exc.__traceback__)
             self._send(conn, self._answer(error=_as_error(exc)))
             return None
-        exchange = conn.exchange = _Exchange(conn, stack, call, message, images, tensors)
+        try:
+            _parsed_alike(message, admission.call.model)
+            images, tensors = _inputs(message, segments)
+        except Exception as exc:  # noqa: BLE001 - answered
+            admission.leave(exc)
+            self._send(conn, self._answer(error=_as_error(exc)))
+            return None
+        exchange = conn.exchange = _Exchange(conn, admission, message, images, tensors)
         return exchange
 
     def _queue(self, exchange: _Exchange) -> None:
@@ -375,12 +378,8 @@ class EngineServer:
                 served = exchange.call.answer(exchange.queued, wire.NO_LABELS)  # type: ignore[arg-type]
             except Exception as exc:  # noqa: BLE001 - answered
                 error = exc
-        if error is not None:
-            exchange.stack.__exit__(type(error), error, error.__traceback__)
-            answer = self._answer(error=_as_error(error))
-        else:
-            exchange.stack.close()
-            answer = self._answer(served)
+        exchange.admission.leave(error)
+        answer = self._answer(served) if error is None else self._answer(error=_as_error(error))
         exchange.queued = None  # its deadline may stay queued a while: not the images with it
         self._send(conn, answer)
 

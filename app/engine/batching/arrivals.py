@@ -55,6 +55,14 @@ class Arrivals(InFlight):
     def arriving(self) -> Iterator[Callable[[], None]]:
         """Count one request until it calls the yielded ``arrived`` (just before queueing) or leaves, whichever
         comes first (a request that fails to decode leaves without queueing)."""
+        arrived = self.begin()
+        try:
+            yield arrived
+        finally:
+            arrived()
+
+    def begin(self) -> Callable[[], None]:
+        """Count one request until the returned ``arrived`` is called (once counts: later calls do nothing)."""
         pending = [True]
 
         def arrived() -> None:
@@ -64,7 +72,4 @@ class Arrivals(InFlight):
                     self._count -= 1
 
         self._add(1)
-        try:
-            yield arrived
-        finally:
-            arrived()
+        return arrived

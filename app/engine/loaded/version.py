@@ -3,11 +3,13 @@ the batcher's thread; counted while requests use it, so an unloaded version stop
 answered. ``run_batch`` is a batch's steps, in order, in one place."""
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from app.config import Settings
@@ -38,7 +40,7 @@ class LoadedVersion:
     in_use: InFlight = field(default_factory=InFlight)  # requests holding this version, from routing to answer
     batch_profile: dict[int, float] = field(default_factory=dict)  # forward images/s per batch size, at warm-up
     device_memory_bytes: int | None = None  # CUDA memory the load and warm-up took (None on the CPU)
-    batcher: Batcher[Prepared, torch.Tensor] = field(init=False)
+    batcher: Batcher[Prepared, np.ndarray] = field(init=False)
     serving: threading.Event = field(default_factory=threading.Event)  # warmed up and canaried: batches monitored
 
     @property
@@ -51,20 +53,23 @@ class LoadedVersion:
         """The version (its manifest's)."""
         return self.predictor.manifest.version
 
-    @property
+    @functools.cached_property
     def signature(self) -> Signature:
-        """What a request this version answers is parsed with: name, version, classes, input shape."""
+        """What a request this version answers is parsed with: name, version, classes, input shape (its manifest's,
+        fixed while it is loaded)."""
         manifest = self.predictor.manifest
         return Signature(manifest.name, manifest.version, manifest.labels, tuple(manifest.preprocess.input_shape))
 
-    def run_batch(self, prepared: Sequence[Prepared]) -> torch.Tensor:
+    def run_batch(self, prepared: Sequence[Prepared]) -> np.ndarray:
         """One batch, on the batcher's thread: collate (the device path decodes here), the forward pass (softmax
-        probabilities, one row per image), then, for requests' batches, the monitor and its metrics."""
+        probabilities, one row per image), then, for requests' batches, the monitor and its metrics. The rows come
+        back as one float32 array (its rows are views: a request's answer takes them as they are, no per-request
+        tensor steps)."""
         probabilities = self.predictor.predict_batch(self.decoder.collate(prepared))
         if self.serving.is_set():
             seen = self.monitor.observe(probabilities)
             self.observer.predictions(seen.labels, seen.confidences, seen.low_confidence_ratio, seen.psi)
-        return probabilities
+        return probabilities.numpy()
 
     def _info_labels(self) -> tuple[str, str, str, str]:
         return self.name, self.version, str(self.predictor.device), self.predictor.dtype_name
@@ -79,10 +84,10 @@ class LoadedVersion:
         return drained
 
 
-def check_canary(probabilities: torch.Tensor, num_classes: int) -> None:
+def check_canary(probabilities: np.ndarray, num_classes: int) -> None:
     """ModelLoadError unless the canary's answer is one row of ``num_classes`` finite probabilities summing to 1."""
-    total = float(probabilities.sum())
-    if (probabilities.shape != (1, num_classes) or not torch.isfinite(probabilities).all()
+    total = float(probabilities.sum(dtype=np.float64))
+    if (probabilities.shape != (1, num_classes) or not np.isfinite(probabilities).all()
             or abs(total - 1.0) > 1e-3):
         raise ModelLoadError(f"canary inference failed: shape {tuple(probabilities.shape)}, sum {total}")
 

@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from app.engine.batching.types import BackgroundJob, BatcherClosed, BatcherError, BatchResult, DeadlineExpired
@@ -93,19 +94,19 @@ class ShadowJob:
             position += len(inputs)
             _when_all_done(mine, job._compare)
 
-    def _compare(self, futures: "list[Future[BatchResult[torch.Tensor]]]") -> None:
+    def _compare(self, futures: "list[Future[BatchResult[np.ndarray]]]") -> None:
         if any(f.cancelled() or isinstance(f.exception(), DeadlineExpired) for f in futures):
             return self.drop("stale")  # not run within SHADOW_MAX_AGE_S
         if any(f.exception() is not None for f in futures):
             return self.comparison.error(self.size)
         results = [f.result() for f in futures]
-        rows = torch.stack([r.value for r in results]).float().cpu()
+        rows = torch.from_numpy(np.stack([r.value for r in results]))
         self.comparison.record(self.live_rows, self.live_labels, rows, self.candidate.predictor.labels,
                                self.live_ms, [r.run_s * 1000 / r.batch_size for r in results])
 
 
-def _when_all_done(futures: "list[Future[BatchResult[torch.Tensor]]]",
-                   then: Callable[["list[Future[BatchResult[torch.Tensor]]]"], None]) -> None:
+def _when_all_done(futures: "list[Future[BatchResult[np.ndarray]]]",
+                   then: Callable[["list[Future[BatchResult[np.ndarray]]]"], None]) -> None:
     """Call ``then(futures)`` once every future is done (on the thread that finished the last one)."""
     remaining = [len(futures)]
     lock = threading.Lock()
@@ -130,11 +131,11 @@ def _drop_all(ready: list[tuple[ShadowJob, list[Prepared]]], reason: str) -> Non
 
 
 def offer(live: LoadedVersion, candidate: LoadedVersion, comparison: Comparison, images: Sequence[bytes],
-          tensors: Sequence[torch.Tensor], prepared: Sequence[Prepared], results: Sequence[BatchResult[torch.Tensor]],
+          tensors: Sequence[torch.Tensor], prepared: Sequence[Prepared], results: Sequence[BatchResult[np.ndarray]],
           max_age_s: float, queue_limit: int) -> None:
     """Queue the shadow comparison of one answered request behind the live version's work (never raises)."""
     try:
-        rows = torch.stack([r.value for r in results]).float().cpu()
+        rows = torch.from_numpy(np.stack([r.value for r in results]))
         job = ShadowJob(candidate, comparison, live.predictor.labels, rows,
                         [r.run_s * 1000 / r.batch_size for r in results], images, (), time.monotonic() + max_age_s)
         if tensors:

@@ -161,16 +161,27 @@ class RoutingTable:
     @contextlib.contextmanager
     def acquire(self, name: str | None, version: str | None, client_key: str | None = None) -> Iterator[Route]:
         """The route of this request; its version (and shadow) counted as in use until the block ends."""
-        with self._lock:
-            route = self._pick(name, version, client_key)
-            held = [route.version] if route.shadow is None else [route.version, route.shadow]
-            for loaded in held:
-                loaded.in_use.enter()
+        route = self.hold(name, version, client_key)
         try:
             yield route
         finally:
-            for loaded in held:
-                loaded.in_use.leave()
+            self.release(route)
+
+    def hold(self, name: str | None, version: str | None, client_key: str | None = None) -> Route:
+        """The route of this request, its version (and shadow) counted as in use until ``release``."""
+        with self._lock:
+            route = self._pick(name, version, client_key)
+            route.version.in_use.enter()
+            if route.shadow is not None:
+                route.shadow.in_use.enter()
+        return route
+
+    @staticmethod
+    def release(route: Route) -> None:
+        """What ``hold`` counted as in use, no longer."""
+        route.version.in_use.leave()
+        if route.shadow is not None:
+            route.shadow.in_use.leave()
 
     def route(self, name: str, versions: dict[str, LoadedVersion], default: str,
               candidate: Candidate | None = None) -> list[LoadedVersion]:
