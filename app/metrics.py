@@ -151,7 +151,8 @@ class MetricsObserver:
         BATCHER_EVENTS.labels(name).inc(count)
 
     def queue_depth(self, depth: int) -> None:
-        """Publish the queue depth (written when it changed: the batcher reports it on every submit)."""
+        """Publish the queue depth (written when it changed: the batcher reports it as it takes each batch, before
+        and after)."""
         depth = 0 if self.retired else depth
         if depth != self._depth_written:
             self._depth_written = depth

@@ -41,7 +41,7 @@ from app.errors import (
 from app.metrics import BATCHER_EVENTS, STAGE_CPU_SECONDS, STAGE_SECONDS
 
 
-ShadowOffer = Callable[[Sequence[bytes], Sequence[torch.Tensor], Sequence[Prepared],
+ShadowOffer = Callable[[Sequence[bytes], Sequence[np.ndarray | torch.Tensor], Sequence[Prepared],
                         Sequence[BatchResult[np.ndarray]]], None]
 
 
@@ -51,7 +51,7 @@ class Queued:
     done (``Call.answer``), or what is dropped when it ends first."""
 
     images: Sequence[bytes]
-    pixels: list[torch.Tensor]
+    pixels: list[np.ndarray | torch.Tensor]
     prepared: list[Prepared]
     futures: "list[Future[BatchResult[np.ndarray]]]"
     deadline: float  # time.monotonic() after which the request is answered 504
@@ -120,7 +120,7 @@ class Call:
         check_image_count(count, self._max_images)
         check_room(self._version, count, timeout_s)  # before any decode: what the queue would refuse costs nothing
         started_ns = time.time_ns()
-        pixels = [torch.as_tensor(t) for t in tensors]
+        pixels = list(tensors)  # made one tensor with their batch (Decoder.collate), not one by one here
         prepared, decode_s = self._prepare(images, names) if images else (list(pixels), 0.0)
         if client_gone is not None and client_gone():
             BATCHER_EVENTS.labels("client_gone").inc(count)

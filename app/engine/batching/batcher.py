@@ -156,7 +156,6 @@ class Batcher(Generic[In, Out]):
             else:
                 self._queue.extend(pending)
                 self._cond.notify()
-                self._observer.queue_depth(len(self._queue))
         if inline:
             self._run_inline(pending)
         return [p.future for p in pending]
@@ -243,7 +242,8 @@ class Batcher(Generic[In, Out]):
                     return self._take_background()
                 self._cond.wait(BACKGROUND_LOOK_S if self._background else None)
             self._busy = True
-            batch = [self._queue.popleft()]
+            self._observer.queue_depth(len(self._queue))  # the depth as a batch is taken: the backlog it met,
+            batch = [self._queue.popleft()]  # then what it left (not written on each submit: a write a request)
             deadline = time.monotonic() + self.max_wait_s
             limit = self.current_max_batch_size
             while len(batch) < limit:

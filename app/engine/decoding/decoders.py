@@ -14,14 +14,15 @@ from __future__ import annotations
 
 from typing import Sequence, Union
 
+import numpy as np
 import torch
 
-from app.engine.decoding.device import Encoded, check_header, collate_on_device
+from app.engine.decoding.device import Encoded, check_header, collate_on_device, stack_pixels
 from app.engine.decoding.image import DecodeLimits, image_to_tensor
 from app.engine.decoding.tensor import image_to_tensor_path
 from models.presets import ImageTransform, TensorEvalTransform
 
-Prepared = Union[torch.Tensor, Encoded]  # one image as it waits in the queue
+Prepared = Union[torch.Tensor, np.ndarray, Encoded]  # one image as it waits in the queue (an array: V2 pixels)
 
 
 class Decoder:
@@ -38,7 +39,7 @@ class Decoder:
 
     def collate(self, items: Sequence[Prepared]) -> torch.Tensor:
         """The prepared images of one batch as the model's (N, C, H, W) input."""
-        return torch.stack(list(items))  # type: ignore[arg-type]
+        return stack_pixels(items)  # type: ignore[arg-type]
 
 
 class PilDecoder(Decoder):

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from app.engine.decoding.image import DecodeLimits, open_checked
@@ -64,14 +65,24 @@ def decode_batch(items: Sequence[Encoded], device: torch.device, transform: Tens
     return transform.batch(decoded).to(dtype)  # resized one by one (sizes differ), normalised as one batch
 
 
-def collate_on_device(items: Sequence[Encoded | torch.Tensor], device: torch.device, transform: TensorEvalTransform,
-                      dtype: torch.dtype) -> torch.Tensor:
+def stack_pixels(items: Sequence[torch.Tensor | np.ndarray]) -> torch.Tensor:
+    """Preprocessed rows as one (N, C, H, W) tensor where they are: a client's pixels (arrays) stacked by numpy,
+    else every row made a tensor and stacked."""
+    if all(isinstance(item, np.ndarray) for item in items):
+        return torch.from_numpy(np.stack(items))  # type: ignore[arg-type]
+    return torch.stack([torch.as_tensor(item) for item in items])
+
+
+def collate_on_device(items: Sequence[Encoded | torch.Tensor | np.ndarray], device: torch.device,
+                      transform: TensorEvalTransform, dtype: torch.dtype) -> torch.Tensor:
     """A batch of encoded images, possibly mixed with preprocessed pixels (V2 clients may send those), as the
     model's input on ``device``: the rows in their order."""
     encoded = [i for i, item in enumerate(items) if isinstance(item, Encoded)]
+    if not encoded:  # a client's pixels only: one stack, one copy to the device
+        return stack_pixels(items).to(device, dtype)  # type: ignore[arg-type]
     decoded = decode_batch([items[i] for i in encoded], device, transform, dtype)  # type: ignore[misc]
     if len(encoded) == len(items):
         return decoded
     rows = dict(zip(encoded, decoded))
-    return torch.stack([rows[i] if i in rows else items[i].to(device, dtype)  # type: ignore[union-attr]
+    return torch.stack([rows[i] if i in rows else torch.as_tensor(items[i]).to(device, dtype)  # type: ignore[arg-type]
                         for i in range(len(items))])
