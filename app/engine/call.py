@@ -118,7 +118,8 @@ class Call:
             raise BadRequest("the request holds no images" if not images else "send images or tensors, not both")
         count = len(images) or len(tensors)
         check_image_count(count, self._max_images)
-        check_room(self._version, count, timeout_s)  # before any decode: what the queue would refuse costs nothing
+        if images:  # before any decode: what the queue would refuse costs nothing (submit_many checks pixels)
+            check_room(self._version, count, timeout_s)
         started_ns = time.time_ns()
         pixels = list(tensors)  # made one tensor with their batch (Decoder.collate), not one by one here
         prepared, decode_s = self._prepare(images, names) if images else (list(pixels), 0.0)

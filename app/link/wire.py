@@ -150,8 +150,11 @@ HELLO = f"visionserve-wire/{PROTOCOL} {FINGERPRINT}".encode("ascii")
 
 
 def _send_frame(sock: socket.socket, head: bytes, segments: Sequence[bytes | memoryview]) -> None:
-    lengths = b"".join(_LENGTH.pack(len(s)) for s in segments)
-    parts = [memoryview(p).cast("B") for p in (_HEAD.pack(len(head), len(segments)), lengths, head, *segments)]
+    if not segments:  # an answer: header and message joined, one buffer
+        parts = [memoryview(_HEAD.pack(len(head), 0) + head)]
+    else:
+        lengths = b"".join(_LENGTH.pack(len(s)) for s in segments)
+        parts = [memoryview(p).cast("B") for p in (_HEAD.pack(len(head), len(segments)), lengths, head, *segments)]
     while parts:
         try:
             sent = sock.sendmsg(parts[:_IOV_MAX])  # the kernel takes at most IOV_MAX buffers a call
@@ -281,7 +284,8 @@ class FrameReader:
             body, taken = bytearray(size), min(size, self._have - table_end)
             body[:taken] = memoryview(self._ahead)[table_end:table_end + taken]
             used = table_end + taken
-            self._ahead[:self._have - used] = self._ahead[used:self._have]
+            if used < self._have:  # the start of a next frame: to the buffer's start
+                self._ahead[:self._have - used] = self._ahead[used:self._have]
             self._have -= used
             self._body, self._got, self._head_size = memoryview(body), taken, head_size
             frames = self._completed(frames)
