@@ -263,6 +263,7 @@ class FrameReader:
             return []
         if count == 0:
             raise EngineGone("the connection closed mid-frame" if self.started else "the connection closed")
+        into.release()  # the buffer it views may be replaced by a larger one
         if self._body is not None:
             self._got += count
             return self._completed([])
@@ -276,7 +277,9 @@ class FrameReader:
             head_size, count = _frame_head(self._ahead, MAX_HELLO_BYTES if self._greeting else MAX_FRAME_BYTES)
             table_end = _HEAD.size + _LENGTH.size * count
             if table_end > len(self._ahead):  # a table of many segments: beyond the buffer as it is
-                self._ahead += bytes(table_end - len(self._ahead))
+                grown = bytearray(table_end)  # a new one: the read's view of the old one may still be held
+                grown[:self._have] = memoryview(self._ahead)[:self._have]
+                self._ahead = grown
             if self._have < table_end:
                 break
             self._lengths = _segment_lengths(self._ahead, _HEAD.size, count, head_size)

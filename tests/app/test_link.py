@@ -76,6 +76,16 @@ def test_frames_are_read_as_they_come_whole_in_pieces_or_several_in_one_read() -
         assert isinstance(message, wire.Infer) and not reader.started
         assert np.array_equal(np.frombuffer(first, np.float32), big) and not first.readonly
         assert np.array_equal(np.frombuffer(second, np.float32), big[:10])
+        many = [b"\xff"] * 9_000  # a table of lengths (72 KB) beyond the read-ahead buffer
+        sender = threading.Thread(target=wire.send, args=(left, wire.Infer("colour", None, None, 1.0, "1", (3,),
+                                                                           names=(None,) * len(many)), many))
+        sender.start()
+        got, deadline = [], time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            got = reader.read()
+        sender.join()
+        [(message, segments)] = got
+        assert isinstance(message, wire.Infer) and segments == many
         frame = pickle.dumps(wire.StateQuery(), protocol=pickle.HIGHEST_PROTOCOL)
         left.sendall(wire._HEAD.pack(len(frame), 0) + frame[:2])  # a frame cut short: nothing yet
         assert reader.read() == [] and reader.started

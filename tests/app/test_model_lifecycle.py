@@ -3,8 +3,10 @@ repository API, and workers sharing loads. In-memory ColourModel versions (tests
 no server; tests/server/test_model_swaps.py does the same under gunicorn with real exports."""
 from __future__ import annotations
 
+import gc
 import logging
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
@@ -144,6 +146,16 @@ def test_a_version_that_would_not_fit_is_refused_before_loading(settings: Settin
         assert ("colour", "2") not in repository.loads and _ask(service) == "1"
     finally:
         service.shutdown(timeout=5)
+
+
+def test_a_version_loaded_before_an_engine_froze_its_start_up_is_freed_when_unloaded(service: Service) -> None:
+    loaded = weakref.ref(service.loaded_version("colour", "1"))
+    gc.freeze()  # as an engine's loop does once start-up is done
+    try:
+        service.catalog.unload("colour")
+        assert loaded() is None and gc.get_freeze_count() > 0  # collected, and the rest frozen again
+    finally:
+        gc.unfreeze()
 
 
 def test_unload_stops_a_model_and_unknown_names_are_404(service: Service, repository: FakeRepository) -> None:

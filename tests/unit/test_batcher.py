@@ -16,7 +16,8 @@ from app.engine.batching.types import (
     DeadlineUnreachable,
     QueueFull,
 )
-from app.engine.batching.batcher import Batcher
+from app.engine.batching.batcher import QUEUE_DEPTH_REPORT_S, Batcher
+from tests.support.fakes import wait_until
 
 
 class Recorder:
@@ -410,6 +411,25 @@ def test_observer_hears_batches_and_queue_depth(make_batcher) -> None:
     batcher = make_batcher(Recorder(), max_wait_ms=1, observer=events)
     [f.result(timeout=10) for f in batcher.submit_many([1, 2, 3])]
     assert events.batches == [3] and events.depths[0] == 3 and events.depths[-1] == 0
+
+
+def test_a_stuck_batch_still_lets_submits_tell_the_queue_depth_now_and_then(make_batcher) -> None:
+    events, release = Events(), threading.Event()
+
+    def stuck(items: list[int]) -> list[int]:
+        release.wait(10)
+        return items
+
+    batcher = make_batcher(stuck, max_batch_size=1, max_wait_ms=1, observer=events)
+    first = batcher.submit(1)
+    wait_until(lambda: events.depths[-1:] == [0])  # taken, the depth after it told: its batch hangs
+    told = len(events.depths)
+    batcher.submit_many([2, 3])  # told at once only if none was told lately: not yet
+    time.sleep(QUEUE_DEPTH_REPORT_S * 1.5)
+    batcher.submit_many([4, 5, 6])
+    assert events.depths[told:] == [5]  # a queue no batch is taken from is still told now and then
+    release.set()
+    first.result(timeout=10)
 
 
 @pytest.mark.parametrize("inline", [False, True])

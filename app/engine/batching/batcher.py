@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import math
 import threading
 import time
 from concurrent.futures import Future
@@ -28,6 +29,7 @@ from app.engine.batching.types import (
 )
 
 log = logging.getLogger(__name__)
+QUEUE_DEPTH_REPORT_S = 0.1  # the depth is told as each batch is taken, and by a submit when none was told this long
 BACKGROUND_LOOK_S = 0.01  # with background work waiting, how often an idle worker looks whether requests still arrive
 
 In = TypeVar("In")
@@ -78,6 +80,7 @@ class Batcher(Generic[In, Out]):
         self._queue: collections.deque[_Pending[In]] = collections.deque()
         self._background: collections.deque[BackgroundJob] = collections.deque()
         self._cond = threading.Condition()
+        self._depth_reported_at = -math.inf
         self._closed = False
         self._batch_ids = itertools.count(1)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -156,6 +159,8 @@ class Batcher(Generic[In, Out]):
             else:
                 self._queue.extend(pending)
                 self._cond.notify()
+                if now - self._depth_reported_at >= QUEUE_DEPTH_REPORT_S:  # a stuck batch takes none: still told
+                    self._report_depth(now)
         if inline:
             self._run_inline(pending)
         return [p.future for p in pending]
@@ -242,8 +247,8 @@ class Batcher(Generic[In, Out]):
                     return self._take_background()
                 self._cond.wait(BACKGROUND_LOOK_S if self._background else None)
             self._busy = True
-            self._observer.queue_depth(len(self._queue))  # the depth as a batch is taken: the backlog it met,
-            batch = [self._queue.popleft()]  # then what it left (not written on each submit: a write a request)
+            self._report_depth(time.monotonic())  # as a batch is taken: the backlog it met, then what it left
+            batch = [self._queue.popleft()]
             deadline = time.monotonic() + self.max_wait_s
             limit = self.current_max_batch_size
             while len(batch) < limit:
@@ -254,8 +259,13 @@ class Batcher(Generic[In, Out]):
                 if remaining <= 0 or self._closed or self._nothing_incoming():
                     break
                 self._cond.wait(remaining)
-            self._observer.queue_depth(len(self._queue))
+            self._report_depth(time.monotonic())
             return batch
+
+    def _report_depth(self, now: float) -> None:
+        """Under the lock: the queue's depth to the observer."""
+        self._depth_reported_at = now
+        self._observer.queue_depth(len(self._queue))
 
     def _nothing_incoming(self) -> bool:
         return self._incoming is not None and self._incoming() == 0

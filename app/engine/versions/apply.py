@@ -90,8 +90,7 @@ class Applier:
             for version in sorted(set(wanted) - set(current), key=order_key):
                 fresh.append(self._load(name, version, fresh))
         except BaseException:
-            for loaded in fresh:
-                self._retire(loaded, wait=True)
+            self._retire(fresh, wait=True)
             raise
         if wanted:
             chosen = {**{v: current[v] for v in wanted if v in current}, **{f.version: f for f in fresh}}
@@ -101,9 +100,10 @@ class Applier:
         else:
             replaced = self.routes.remove(name)
             self._show_refused_candidate(name, entry)
-        for loaded in replaced:
-            self._retire(loaded, wait=not wanted)  # an unload returns once they are freed
-        if not wanted and replaced:
+        unloaded = not wanted and bool(replaced)
+        del serving, current  # this frame holds no version that goes: their collection frees them
+        self._retire(replaced, wait=not wanted)  # an unload returns once they are freed
+        if unloaded:
             log.info("unloaded %s", name)
 
     def _route(self, name: str, entry: ModelEntry, chosen: dict[str, LoadedVersion]) -> list[LoadedVersion]:
@@ -176,22 +176,32 @@ class Applier:
         check_fits(f"{name} version {version}", need, self.device, loaded, self.settings.model_memory_limit_mb,
                    self.settings.memory_reserve_mb)
 
-    def _retire(self, loaded: LoadedVersion, wait: bool) -> None:
-        key = (loaded.name, loaded.version)
-        self.states.retiring(loaded)
-
-        def run() -> None:
-            drained = loaded.retire(self.settings.request_timeout_s + RETIRE_GRACE_S)
-            self.states.retired(loaded)
-            if loaded.predictor.device.type == "cuda":
-                gc.collect()
-                torch.cuda.empty_cache()  # hand the freed blocks back, so the next load sees them as free
-            log.info("%s version %s stopped%s", *key, "" if drained else " (some requests were still holding it)")
-
+    def _retire(self, versions: list[LoadedVersion], wait: bool) -> None:
+        """Stop ``versions`` (emptied: nothing here holds them once stopped), each on a thread of its own; ``wait``:
+        return once they are stopped and freed."""
+        stopping = []
+        while versions:
+            held = [versions.pop()]
+            self.states.retiring(held[0])
+            stopping.append(threading.Thread(target=self._stop_retired, args=(held,), daemon=True,
+                                             name=f"retire-{held[0].name}-{held[0].version}"))
+            stopping[-1].start()
         if wait:
-            run()
-        else:
-            threading.Thread(target=run, name=f"retire-{key[0]}-{key[1]}", daemon=True).start()
+            for thread in stopping:
+                thread.join()
+
+    def _stop_retired(self, held: list[LoadedVersion]) -> None:
+        """On its thread: the version in ``held`` (taken out) finishes its requests and stops; with the last
+        reference dropped here, a collection frees it (and a GPU's cache gives its blocks back for the next load)."""
+        loaded = held.pop()
+        key, on_cuda = (loaded.name, loaded.version), loaded.predictor.device.type == "cuda"
+        drained = loaded.retire(self.settings.request_timeout_s + RETIRE_GRACE_S)
+        self.states.retired(loaded)
+        del loaded
+        _collect_retired()
+        if on_cuda:
+            torch.cuda.empty_cache()  # hand the freed blocks back, so the next load sees them as free
+        log.info("%s version %s stopped%s", *key, "" if drained else " (some requests were still holding it)")
 
     def serving(self) -> dict[str, ModelEntry]:
         """What this worker serves: {name: {"versions": [...], "default": v}}."""
@@ -204,3 +214,15 @@ class Applier:
         return [row for name in sorted(set(self.source.models()) | set(routed))
                 for row in self.states.rows(name, self.source.versions(name),
                                             {v.version for v in routed.get(name, ([], None))[0]})]
+
+
+def _collect_retired() -> None:
+    """Free a retired version now (a version is a reference cycle: its batcher runs its bound run_batch). An engine
+    freezes what its start-up built out of the collector's scans (link/loop.py), a version loaded then included:
+    unfrozen for this collection, frozen again after it."""
+    frozen = gc.get_freeze_count() > 0
+    if frozen:
+        gc.unfreeze()
+    gc.collect()
+    if frozen:
+        gc.freeze()
