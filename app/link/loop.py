@@ -222,6 +222,10 @@ class EngineServer:
         except (wire.EngineGone, OSError):  # the HTTP worker closed it, or it went out of step: closed here
             self._close(conn)
             return
+        except Exception:  # noqa: BLE001 - one connection's fault never ends the loop every other one is served by
+            log.exception("closed a connection whose frames could not be read")
+            self._close(conn)
+            return
         for index, (message, segments) in enumerate(frames):
             if index < len(frames) - 1 and isinstance(message, (wire.Infer, wire.CatalogCall)):
                 log.warning("closed a connection that sent a frame after a %s before its answer: out of step",
