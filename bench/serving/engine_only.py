@@ -4,11 +4,15 @@ requests in flight on C connections, as C HTTP worker threads would, and reads t
 
     .venv/bin/python -m bench.serving.engine_only                                # JPEG, V2 x1, V2 x16 at C=16
     .venv/bin/python -m bench.serving.engine_only --checkout ../before --rounds 3   # A/B: another checkout beside
+    .venv/bin/python -m bench.serving.engine_only --floor --forms "v2 x1" "v2 x16"   # beside the floor
 
 With no HTTP worker beside it on the CPU, the engine is the bound and runs the batches it would run saturated: the
 figures are its cost per request and per image at that load, with nothing of the HTTP side in them (the overhead
 benchmark measures both together, at the batch sizes two HTTP workers feed it). Each checkout's engine and client
 run that checkout's code (the wire differs between versions); rounds alternate the checkouts.
+
+``--floor`` measures beside it the least a Python engine on this wire costs on this host: one loop, the same frames,
+model and answers, nothing else (no admission, routing, deadlines, futures, batcher thread, metrics or monitor).
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 FORMS = {"jpeg": ("jpeg", 1), "v2 x1": ("v2", 1), "v2 x16": ("v2", 16)}
+FLOOR = Path("/floor")  # the floor's key among the checkouts measured
 
 
 def _import_from(checkout: Path) -> None:
@@ -53,6 +58,63 @@ def serve(checkout: Path, weights: Path, sock: Path) -> None:
     server.bind()
     Path(f"{sock}.ready").touch()
     server.listen()
+
+
+def serve_floor(weights: Path, sock: Path) -> None:
+    """The floor: the same wire, model and answers with nothing else (no admission, routing, deadlines, futures,
+    batcher thread, decode, metrics or monitor): one loop reads a turn's requests, runs their tensors as one forward
+    pass and answers each. What a Python engine on this wire cannot do with less, on this host."""
+    import gc
+    import itertools
+    import socket
+
+    import numpy as np
+    import torch
+
+    from app.engine.contract import BatchResult, Served
+    from app.link import wire
+    from bench.serving.overhead import MODEL
+
+    from models.serving import forward_threads
+
+    torch.set_num_threads(forward_threads(0, "cpu") or torch.get_num_threads())  # the engine's rule for its forward
+    module = torch.jit.load(str(weights / "model.torchscript.pt")).eval()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(sock))
+    listener.listen(64)
+    listener.setblocking(False)
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, None)
+    batch_ids = itertools.count()
+    gc.freeze()
+    Path(f"{sock}.ready").touch()
+    while True:
+        turn = []
+        for key, _ in selector.select():
+            if key.data is None:
+                conn, _ = listener.accept()
+                conn.setblocking(False)
+                selector.register(conn, selectors.EVENT_READ, wire.FrameReader(conn, wire.REQUESTS, greet=True))
+                continue
+            try:
+                turn += [(key.fileobj, message, segments) for message, segments in key.data.read()]
+            except (wire.EngineGone, OSError):
+                selector.unregister(key.fileobj)
+                key.fileobj.close()
+        if not turn:
+            continue
+        rows = [np.frombuffer(segment, np.dtype(dtype)).reshape(shape)
+                for _, message, segments in turn for (dtype, shape), segment in zip(message.tensors, segments)]
+        started = time.monotonic()
+        with torch.inference_mode():
+            probabilities = module(torch.from_numpy(np.stack(rows))).softmax(dim=1).numpy()
+        run_s, batch_id, at = time.monotonic() - started, next(batch_ids), 0
+        for conn, message, _ in turn:
+            count = len(message.tensors)
+            results = [BatchResult(row, batch_id, len(rows), 0.0, run_s) for row in probabilities[at:at + count]]
+            at += count
+            wire.send(conn, wire.Answer(Served(results, MODEL, "1", wire.NO_LABELS, 0.0), None, os.getpid()))
+
 
 
 def _requests(wire: Any, form: str, count: int) -> list[tuple[Any, list[Any]]]:
@@ -121,12 +183,15 @@ def drive(checkout: Path, sock: Path, form: str, concurrency: int, seconds: floa
             "errors": errors}
 
 
-def measure(checkout: Path, weights: Path, form: str, concurrency: int, seconds: float) -> dict[str, Any]:
-    """One engine started from ``checkout``, driven by that checkout's client, then stopped."""
+def measure(checkout: Path, weights: Path, form: str, concurrency: int, seconds: float,
+            floor: bool = False) -> dict[str, Any]:
+    """One engine started from ``checkout`` (``floor``: the floor's loop instead), driven by that checkout's client,
+    then stopped."""
     with tempfile.TemporaryDirectory() as scratch:
         sock, env = Path(scratch) / "engine.sock", {**os.environ, "PROMETHEUS_MULTIPROC_DIR": scratch}
-        engine = subprocess.Popen([sys.executable, "-m", "bench.serving.engine_only", "--serve", str(checkout),
-                                   str(weights), str(sock)], cwd=ROOT, env=env)
+        serve_args = ["--serve-floor", str(weights), str(sock)] if floor else ["--serve", str(checkout), str(weights),
+                                                                              str(sock)]
+        engine = subprocess.Popen([sys.executable, "-m", "bench.serving.engine_only", *serve_args], cwd=ROOT, env=env)
         try:
             while not Path(f"{sock}.ready").exists():
                 if engine.poll() is not None:
@@ -148,11 +213,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--rounds", type=int, default=1, help="engine starts per checkout and form (medians)")
+    parser.add_argument("--floor", action="store_true",
+                        help="also the floor: a loop with this wire and model and nothing else (V2 forms)")
     parser.add_argument("--serve", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--serve-floor", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--drive", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
         serve(Path(args.serve[0]), Path(args.serve[1]), Path(args.serve[2]))
+        return 0
+    if args.serve_floor:
+        serve_floor(Path(args.serve_floor[0]), Path(args.serve_floor[1]))
         return 0
     if args.drive:
         checkout, sock, form, concurrency, seconds, engine = args.drive
@@ -169,13 +240,16 @@ def main(argv: list[str] | None = None) -> int:
             for checkout in checkouts:
                 found.setdefault((form, checkout), []).append(
                     measure(checkout, weights, form, args.concurrency, args.seconds))
+            if args.floor and FORMS[form][0] == "v2":
+                found.setdefault((form, FLOOR), []).append(
+                    measure(ROOT, weights, form, args.concurrency, args.seconds, floor=True))
     print(f"The engine without HTTP: C={args.concurrency}, {args.seconds:g} s per point, median of {args.rounds}\n")
     print("| checkout | form | req/s | engine us / request | engine us / image | errors |")
     print("| --- | --- | --- | --- | --- | --- |")
     for (form, checkout), points in found.items():
         median = {key: statistics.median(p[key] for p in points)
                   for key in ("requests_per_s", "engine_us_per_request", "engine_us_per_image")}
-        name = "this" if checkout == ROOT else str(checkout)
+        name = "this" if checkout == ROOT else "floor" if checkout == FLOOR else str(checkout)
         print(f"| {name} | {form} | {median['requests_per_s']:.0f} | {median['engine_us_per_request']:.0f} | "
               f"{median['engine_us_per_image']:.0f} | {sum(p['errors'] for p in points)} |")
     return 0

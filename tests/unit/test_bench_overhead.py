@@ -48,7 +48,7 @@ def test_each_figure_is_in_the_unit_the_bare_app_measured_at_the_same_concurrenc
 
 
 @pytest.mark.slow
-def test_the_engine_alone_answers_tensor_requests_and_its_cpu_is_counted_per_image(tmp_path: Path) -> None:
+def test_the_engine_alone_and_the_floor_answer_tensor_requests_and_their_cpu_is_counted_per_image(tmp_path: Path) -> None:
     # bench.serving.engine_only: an engine process of this checkout driven over its socket with no HTTP worker
     from bench.serving import engine_only
     from bench.serving.overhead import tiny_weights
@@ -57,3 +57,5 @@ def test_the_engine_alone_answers_tensor_requests_and_its_cpu_is_counted_per_ima
     point = engine_only.measure(engine_only.ROOT, weights, "v2 x16", concurrency=2, seconds=0.5)  # one start: ~6 s
     assert point["errors"] == 0 and point["requests_per_s"] > 0 and point["engine_us_per_request"] > 0
     assert point["engine_us_per_image"] * 16 == pytest.approx(point["engine_us_per_request"])
+    floor = engine_only.measure(engine_only.ROOT, weights, "v2 x1", concurrency=2, seconds=0.5, floor=True)  # ~2 s
+    assert floor["errors"] == 0 and floor["requests_per_s"] > 0 and floor["engine_us_per_request"] > 0
