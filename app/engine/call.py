@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from app.engine.batching.batcher import Group
 from app.engine.batching.types import (
     BatcherClosed,
     BatchResult,
@@ -47,26 +48,31 @@ ShadowOffer = Callable[[Sequence[bytes], Sequence[np.ndarray | torch.Tensor], Se
 
 @dataclass
 class Queued:
-    """A request's images in its version's queue (``Call.queue``): what its answer is made of once every future is
-    done (``Call.answer``), or what is dropped when it ends first."""
+    """A request's images in its version's queue (``Call.queue``), one group: what its answer is made of once the
+    group's future is done (``Call.answer``), or what is dropped when it ends first."""
 
     images: Sequence[bytes]
     pixels: list[np.ndarray | torch.Tensor]
     prepared: list[Prepared]
-    futures: "list[Future[BatchResult[np.ndarray]]]"
+    group: Group[np.ndarray]
     deadline: float  # time.monotonic() after which the request is answered 504
     timeout_s: float
     names: Sequence[str | None]
     decode_s: float
     started_ns: int
 
+    @property
+    def future(self) -> "Future[list[BatchResult[np.ndarray]]]":
+        """Done once every image has its row, or one failed."""
+        return self.group.future
+
     def done(self) -> bool:
-        """Every image has its row (or its error)."""
-        return all(f.done() for f in self.futures)
+        """Every image has its row (or one its error)."""
+        return self.group.future.done()
 
     def drop(self) -> int:
-        """Cancel the images still queued (they cost no forward pass); how many were."""
-        return sum(f.cancel() for f in self.futures)
+        """Cancel the images still queued (they cost no forward pass) unless their batches began; how many were."""
+        return len(self.prepared) if self.group.future.cancel() else 0
 
 
 class Call:
@@ -102,7 +108,7 @@ class Call:
             if remaining <= 0:
                 raise self.expired(queued)
             # Without a client to watch, one wait to the deadline; else look every CLIENT_CHECK_S.
-            wait(queued.futures, timeout=remaining if client_gone is None else min(remaining, CLIENT_CHECK_S))
+            wait((queued.future,), timeout=remaining if client_gone is None else min(remaining, CLIENT_CHECK_S))
             if client_gone is not None and client_gone():
                 raise self.hung_up(queued)
         return self.answer(queued)
@@ -129,10 +135,10 @@ class Call:
         self._arrived()
         deadline = time.monotonic() + timeout_s
         try:
-            futures = self._version.batcher.submit_many(prepared, deadline=deadline, inline=inline)
+            group = self._version.batcher.submit_group(prepared, deadline=deadline, inline=inline)
         except (QueueFull, BatcherClosed, DeadlineTooShort) as exc:
             raise service_error(exc) from None
-        return Queued(images, pixels, prepared, futures, deadline, timeout_s, names, decode_s, started_ns)
+        return Queued(images, pixels, prepared, group, deadline, timeout_s, names, decode_s, started_ns)
 
     def expired(self, queued: Queued) -> DeadlineExceeded:
         """The deadline passed first: the images still queued dropped; the error to answer."""
@@ -149,11 +155,11 @@ class Call:
         """The answer of a request whose futures are all done (offered to the shadow first), with ``labels`` (None:
         the version's); raises what failed."""
         try:
-            results = [_result(f, i, queued.names) for i, f in enumerate(queued.futures)]
+            results = queued.future.result()
         except DeadlineExpired:
             raise self.expired(queued) from None
-        except ServiceError:
-            raise
+        except ServiceError as exc:  # an image the device path could not decode in its batch
+            raise _named(exc, queued.group.failed_at, queued.names) from None
         except Exception as exc:
             raise InferenceFailed(f"the model failed on this request's images: {type(exc).__name__}") from exc
         if self._shadow is not None:
@@ -182,14 +188,6 @@ def _named(exc: ServiceError, index: int, names: Sequence[str | None]) -> Servic
     exc.args = (exc.message,)
     exc.details = {"image": index, "filename": name, **(exc.details if isinstance(exc.details, dict) else {})}
     return exc
-
-
-def _result(future: "Future[BatchResult[np.ndarray]]", index: int,
-            names: Sequence[str | None]) -> BatchResult[np.ndarray]:
-    try:
-        return future.result()
-    except ServiceError as exc:  # an image the device path could not decode in its batch
-        raise _named(exc, index, names) from None
 
 
 def check_room(version: LoadedVersion, count: int, timeout_s: float) -> None:

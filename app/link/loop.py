@@ -91,8 +91,6 @@ class _Exchange:
         self.images, self.tensors = images, tensors
         self.queued: Queued | None = None
         self.ended = False
-        self.left = 0  # futures not done when the last one was (``_last_done``), counted down
-        self.lock = threading.Lock()
 
 
 class EngineServer:
@@ -330,27 +328,12 @@ class EngineServer:
             exchange.call.hung_up(queued)
             return
         heapq.heappush(self._deadlines, (queued.deadline, next(self._order), exchange))
-        queued.futures[-1].add_done_callback(functools.partial(self._last_done, exchange, queued))
+        queued.future.add_done_callback(functools.partial(self._done, exchange))
 
-    def _last_done(self, exchange: _Exchange, queued: Queued, _: Future) -> None:
-        """On the batcher's thread (or the loop): the request's last image is done. Its version's one batcher
-        thread takes the queue in order, so the images before it are done too (one callback a request, not one an
-        image); any that is not yet is waited for one by one."""
-        pending = [future for future in queued.futures if not future.done()]
-        if not pending:
-            self._post(functools.partial(self._end, exchange, None))
-            return
-        exchange.left = len(pending)
-        for future in pending:
-            future.add_done_callback(functools.partial(self._one_done, exchange))
-
-    def _one_done(self, exchange: _Exchange, _: Future) -> None:
-        """One more of the images left when the last one was done; the last of them hands the answer to the loop."""
-        with exchange.lock:
-            exchange.left -= 1
-            last = exchange.left == 0
-        if last:
-            self._post(functools.partial(self._end, exchange, None))
+    def _done(self, exchange: _Exchange, _: Future) -> None:
+        """On the batcher's thread (or the loop): every image of the request has its row, or one failed; the
+        answer is the loop's to send."""
+        self._post(functools.partial(self._end, exchange, None))
 
     def _expire(self) -> None:
         """Answer 504 for every request whose deadline passed before its images were done."""

@@ -12,7 +12,8 @@ benchmark measures both together, at the batch sizes two HTTP workers feed it). 
 run that checkout's code (the wire differs between versions); rounds alternate the checkouts.
 
 ``--floor`` measures beside it the least a Python engine on this wire costs on this host: one loop, the same frames,
-model and answers, nothing else (no admission, routing, deadlines, futures, batcher thread, metrics or monitor).
+model, forward threads, batch cap and answers, nothing else (no admission, routing, deadlines, futures, batcher
+thread, metrics or monitor).
 """
 from __future__ import annotations
 
@@ -71,6 +72,7 @@ def serve_floor(weights: Path, sock: Path) -> None:
     import numpy as np
     import torch
 
+    from app.config import Settings
     from app.engine.contract import BatchResult, Served
     from app.link import wire
     from bench.serving.overhead import MODEL
@@ -78,6 +80,7 @@ def serve_floor(weights: Path, sock: Path) -> None:
     from models.serving import forward_threads
 
     torch.set_num_threads(forward_threads(0, "cpu") or torch.get_num_threads())  # the engine's rule for its forward
+    batch_cap = Settings.model_fields["max_batch_size"].default  # the engine's (serve: auto_batch_size off)
     module = torch.jit.load(str(weights / "model.torchscript.pt")).eval()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(sock))
@@ -105,13 +108,16 @@ def serve_floor(weights: Path, sock: Path) -> None:
             continue
         rows = [np.frombuffer(segment, np.dtype(dtype)).reshape(shape)
                 for _, message, segments in turn for (dtype, shape), segment in zip(message.tensors, segments)]
-        started = time.monotonic()
-        with torch.inference_mode():
-            probabilities = module(torch.from_numpy(np.stack(rows))).softmax(dim=1).numpy()
+        started, answers = time.monotonic(), []
+        with torch.inference_mode():  # in batches of the engine's cap, as its batcher runs them
+            for first in range(0, len(rows), batch_cap):
+                batch = torch.from_numpy(np.stack(rows[first:first + batch_cap]))
+                answers.append(module(batch).softmax(dim=1).numpy())
+        probabilities = np.concatenate(answers)
         run_s, batch_id, at = time.monotonic() - started, next(batch_ids), 0
         for conn, message, _ in turn:
             count = len(message.tensors)
-            results = [BatchResult(row, batch_id, len(rows), 0.0, run_s) for row in probabilities[at:at + count]]
+            results = [BatchResult(row, batch_id, batch_cap, 0.0, run_s) for row in probabilities[at:at + count]]
             at += count
             wire.send(conn, wire.Answer(Served(results, MODEL, "1", wire.NO_LABELS, 0.0), None, os.getpid()))
 

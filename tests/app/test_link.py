@@ -515,28 +515,3 @@ def test_small_images_are_decoded_on_the_loop_once_their_cost_is_measured(link: 
         infer(link.worker, [image_bytes(RED)])
     assert decoded_on[0].startswith("engine-decode")  # before any is measured, an image is worth a hand-off
     assert decoded_on[-1] == "engine-loop" and link.server.decode_shares.s_per_byte < HAND_OFF_S / 1000
-
-
-def test_a_request_is_answered_once_every_image_is_done_even_when_its_last_is_done_first(link: Link) -> None:
-    # One callback a request, on its last image (one batcher thread takes the queue in order); an image still
-    # running when the last is done (as an out-of-order batch would leave it) is waited for before the answer
-    from concurrent.futures import Future
-
-    server = link.server
-    ended: list[object] = []
-    server._post = lambda work: work()  # type: ignore[method-assign]
-    server._end = lambda exchange, error: ended.append(exchange)  # type: ignore[method-assign]
-    first, middle, last = Future(), Future(), Future()
-    queued = type("Queued", (), {"futures": [first, middle, last]})()
-    exchange = type("Exchange", (), {"lock": threading.Lock(), "left": 0})()
-    first.set_result(1)
-    last.add_done_callback(functools.partial(server._last_done, exchange, queued))
-    last.set_result(3)
-    assert ended == [] and exchange.left == 1  # the middle image still runs
-    middle.set_result(2)
-    assert ended == [exchange]
-    in_order = [Future(), Future()]
-    in_order[-1].add_done_callback(functools.partial(server._last_done, "done", type("Q", (), {"futures": in_order})()))
-    for future in in_order:
-        future.set_result(0)
-    assert ended == [exchange, "done"]

@@ -10,13 +10,14 @@ import pytest
 
 from app.engine.batching.types import (
     BatcherClosed,
+    BatchResult,
     BatchSizeMismatch,
     DeadlineExpired,
     DeadlineTooShort,
     DeadlineUnreachable,
     QueueFull,
 )
-from app.engine.batching.batcher import QUEUE_DEPTH_REPORT_S, Batcher
+from app.engine.batching.batcher import QUEUE_DEPTH_REPORT_S, Batcher, Group
 from tests.support.fakes import wait_until
 
 
@@ -492,3 +493,38 @@ def test_the_cap_can_be_lowered_after_start(make_batcher) -> None:
     assert max(len(b) for b in recorder.batches) <= 2 and batcher.current_max_batch_size == 2
     with pytest.raises(ValueError):
         batcher.set_max_batch_size(0)
+
+
+def test_a_group_is_answered_once_all_its_items_are_whatever_order_they_finish_in() -> None:
+    group: Group[int] = Group(3)
+    assert group.wanted() and group.wanted()  # the first item taken starts it: its cancel comes too late
+    assert not group.future.cancel()
+    for index in (2, 0):
+        group.done(index, BatchResult(index * 10, 1, 3, 0.0, 0.0))
+    assert not group.future.done()  # the middle item still runs
+    group.done(1, BatchResult(10, 2, 1, 0.0, 0.0))
+    assert [r.value for r in group.future.result(timeout=1)] == [0, 10, 20]
+
+    failing: Group[int] = Group(2)
+    failing.fail(1, ValueError("image 1"))
+    failing.done(0, BatchResult(0, 1, 2, 0.0, 0.0))  # a row after the failure changes nothing
+    assert failing.failed_at == 1 and isinstance(failing.future.exception(timeout=1), ValueError)
+    assert not failing.wanted()  # its items still queued are not run
+
+    dropped: Group[int] = Group(2)
+    assert dropped.future.cancel() and not dropped.wanted()  # cancelled before any item ran: none runs
+    dropped.fail(0, DeadlineExpired("late"))  # nobody waits for it: nothing raised
+
+
+def test_a_submitted_group_runs_across_batches_and_a_cancelled_one_never_runs(make_batcher) -> None:
+    recorder = Recorder()
+    recorder.gate.clear()
+    batcher = make_batcher(recorder, max_batch_size=2, max_wait_ms=1)
+    first = batcher.submit_group([1, 2, 3])  # two batches: [1, 2] runs (held at the gate), [3] waits
+    assert recorder.entered.wait(10)
+    cancelled = batcher.submit_group([7, 8])
+    assert cancelled.future.cancel()
+    recorder.gate.set()
+    assert [r.value for r in first.future.result(timeout=10)] == [2, 4, 6]
+    wait_until(lambda: batcher.depth == 0 and len(recorder.batches) == 2)
+    assert recorder.batches == [[1, 2], [3]]  # the cancelled group's items never ran
