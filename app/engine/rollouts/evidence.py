@@ -177,7 +177,10 @@ class Evidence:
     def traffic(self, model: str, version: str) -> Traffic:
         """``version``'s traffic since its role last changed (made on first use)."""
         with self._lock:
-            return self._traffic.setdefault((model, version), Traffic())
+            traffic = self._traffic.get((model, version))
+            if traffic is None:  # not made on every call: each request of the version asks for it
+                traffic = self._traffic[model, version] = Traffic()
+            return traffic
 
     def restart(self, model: str, keep: set[tuple[str, str]], versions: set[str]) -> None:
         """A rollout changed: keep the comparisons in ``keep`` ((candidate, live) pairs) and start every other
