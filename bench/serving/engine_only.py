@@ -13,7 +13,8 @@ run that checkout's code (the wire differs between versions); rounds alternate t
 
 ``--floor`` measures beside it the least a Python engine on this wire costs on this host: one loop, the same frames,
 model, forward threads, batch cap and answers, nothing else (no admission, routing, deadlines, futures, batcher
-thread, metrics or monitor).
+thread, metrics or monitor); and again with every request on one connection (frames read together, a turn's answers
+sent in one call: a multiplexed link's system calls).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 FORMS = {"jpeg": ("jpeg", 1), "v2 x1": ("v2", 1), "v2 x16": ("v2", 16)}
 FLOOR = Path("/floor")  # the floor's key among the checkouts measured
+FLOOR_PIPELINED = Path("/floor-one-connection")  # the floor, every request on one connection
 
 
 def _import_from(checkout: Path) -> None:
@@ -115,11 +117,34 @@ def serve_floor(weights: Path, sock: Path) -> None:
                 answers.append(module(batch).softmax(dim=1).numpy())
         probabilities = np.concatenate(answers)
         run_s, batch_id, at = time.monotonic() - started, next(batch_ids), 0
+        frames: dict[socket.socket, list[bytes]] = {}  # a connection's answers of this turn, sent in one call
         for conn, message, _ in turn:
             count = len(message.tensors)
             results = [BatchResult(row, batch_id, batch_cap, 0.0, run_s) for row in probabilities[at:at + count]]
             at += count
-            wire.send(conn, wire.Answer(Served(results, MODEL, "1", wire.NO_LABELS, 0.0), None, os.getpid()))
+            answer = wire.Answer(Served(results, MODEL, "1", wire.NO_LABELS, 0.0), None, os.getpid())
+            frames.setdefault(conn, []).append(_frame(wire, answer))
+        for conn, answers in frames.items():
+            _send_all(conn, b"".join(answers))
+
+
+def _frame(wire: Any, message: Any) -> bytes:
+    """One frame of ``message`` and no segments, as the wire sends it."""
+    import pickle
+
+    head = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return wire._HEAD.pack(len(head), 0) + head
+
+
+def _send_all(sock: Any, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[sock.send(view):]
+        except BlockingIOError:  # the socket's buffer is full: on once the client has read some
+            with selectors.DefaultSelector() as waiting:
+                waiting.register(sock, selectors.EVENT_WRITE)
+                waiting.select(10)
 
 
 
@@ -145,8 +170,12 @@ def _requests(wire: Any, form: str, count: int) -> list[tuple[Any, list[Any]]]:
     return made
 
 
-def drive(checkout: Path, sock: Path, form: str, concurrency: int, seconds: float, engine: int) -> dict[str, Any]:
-    """The client: C requests in flight for ``seconds`` after a second of warm-up; the engine's CPU over them."""
+def drive(checkout: Path, sock: Path, form: str, concurrency: int, seconds: float, engine: int,
+          pipelined: bool = False) -> dict[str, Any]:
+    """The client: C requests in flight for ``seconds`` after a second of warm-up, on C connections (``pipelined``:
+    all on one, read as they come back); the engine's CPU over them."""
+    if pipelined:
+        return _drive_pipelined(checkout, sock, form, concurrency, seconds, engine)
     _import_from(checkout)
     from app.hosting.procstat import cpu_and_memory
     from app.link import wire
@@ -189,8 +218,44 @@ def drive(checkout: Path, sock: Path, form: str, concurrency: int, seconds: floa
             "errors": errors}
 
 
+def _drive_pipelined(checkout: Path, sock: Path, form: str, concurrency: int, seconds: float,
+                     engine: int) -> dict[str, Any]:
+    _import_from(checkout)
+    from app.hosting.procstat import cpu_and_memory
+    from app.link import wire
+
+    kind, count = FORMS[form]
+    requests = _requests(wire, kind, count)
+    conn = wire.connect(sock, 5.0)
+    wire.say_hello(conn)
+    reader = wire.FrameReader(conn, (wire.Answer,))
+
+    def run(duration: float) -> tuple[int, int]:
+        sent = answered = errors = 0
+        for _ in range(concurrency):
+            wire.send(conn, *requests[sent % len(requests)])
+            sent += 1
+        end = time.monotonic() + duration
+        while answered < sent:
+            for answer, _ in reader.read():
+                answered += 1
+                errors += answer.error is not None
+                if time.monotonic() < end:
+                    wire.send(conn, *requests[sent % len(requests)])
+                    sent += 1
+        return answered, errors
+
+    run(1.0)
+    cpu_before, started = cpu_and_memory(engine)[0], time.monotonic()  # type: ignore[index]
+    answered, errors = run(seconds)
+    elapsed, cpu = time.monotonic() - started, cpu_and_memory(engine)[0] - cpu_before  # type: ignore[index]
+    return {"form": form, "concurrency": concurrency, "requests_per_s": answered / elapsed,
+            "engine_us_per_request": cpu / answered * 1e6, "engine_us_per_image": cpu / (answered * count) * 1e6,
+            "errors": errors}
+
+
 def measure(checkout: Path, weights: Path, form: str, concurrency: int, seconds: float,
-            floor: bool = False) -> dict[str, Any]:
+            floor: bool = False, pipelined: bool = False) -> dict[str, Any]:
     """One engine started from ``checkout`` (``floor``: the floor's loop instead), driven by that checkout's client,
     then stopped."""
     with tempfile.TemporaryDirectory() as scratch:
@@ -204,7 +269,8 @@ def measure(checkout: Path, weights: Path, form: str, concurrency: int, seconds:
                     raise RuntimeError(f"the engine of {checkout} ended with {engine.returncode}")
                 time.sleep(0.1)
             client = subprocess.run([sys.executable, "-m", "bench.serving.engine_only", "--drive", str(checkout),
-                                     str(sock), form, str(concurrency), str(seconds), str(engine.pid)],
+                                     str(sock), form, str(concurrency), str(seconds), str(engine.pid),
+                                     "pipelined" if pipelined else "apart"],
                                     cwd=ROOT, env=env, capture_output=True, text=True, check=True)
             return json.loads(client.stdout.strip().splitlines()[-1])
         finally:
@@ -223,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="also the floor: a loop with this wire and model and nothing else (V2 forms)")
     parser.add_argument("--serve", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--serve-floor", nargs=2, help=argparse.SUPPRESS)
-    parser.add_argument("--drive", nargs=6, help=argparse.SUPPRESS)
+    parser.add_argument("--drive", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
         serve(Path(args.serve[0]), Path(args.serve[1]), Path(args.serve[2]))
@@ -232,8 +298,9 @@ def main(argv: list[str] | None = None) -> int:
         serve_floor(Path(args.serve_floor[0]), Path(args.serve_floor[1]))
         return 0
     if args.drive:
-        checkout, sock, form, concurrency, seconds, engine = args.drive
-        print(json.dumps(drive(Path(checkout), Path(sock), form, int(concurrency), float(seconds), int(engine))))
+        checkout, sock, form, concurrency, seconds, engine, connections = args.drive
+        print(json.dumps(drive(Path(checkout), Path(sock), form, int(concurrency), float(seconds), int(engine),
+                               pipelined=connections == "pipelined")))
         return 0
 
     from bench.serving.overhead import tiny_weights
@@ -249,13 +316,15 @@ def main(argv: list[str] | None = None) -> int:
             if args.floor and FORMS[form][0] == "v2":
                 found.setdefault((form, FLOOR), []).append(
                     measure(ROOT, weights, form, args.concurrency, args.seconds, floor=True))
+                found.setdefault((form, FLOOR_PIPELINED), []).append(
+                    measure(ROOT, weights, form, args.concurrency, args.seconds, floor=True, pipelined=True))
     print(f"The engine without HTTP: C={args.concurrency}, {args.seconds:g} s per point, median of {args.rounds}\n")
     print("| checkout | form | req/s | engine us / request | engine us / image | errors |")
     print("| --- | --- | --- | --- | --- | --- |")
     for (form, checkout), points in found.items():
         median = {key: statistics.median(p[key] for p in points)
                   for key in ("requests_per_s", "engine_us_per_request", "engine_us_per_image")}
-        name = "this" if checkout == ROOT else "floor" if checkout == FLOOR else str(checkout)
+        name = {ROOT: "this", FLOOR: "floor", FLOOR_PIPELINED: "floor, one connection"}.get(checkout, str(checkout))
         print(f"| {name} | {form} | {median['requests_per_s']:.0f} | {median['engine_us_per_request']:.0f} | "
               f"{median['engine_us_per_image']:.0f} | {sum(p['errors'] for p in points)} |")
     return 0
