@@ -177,7 +177,6 @@ def drive(checkout: Path, sock: Path, form: str, concurrency: int, seconds: floa
     if pipelined:
         return _drive_pipelined(checkout, sock, form, concurrency, seconds, engine)
     _import_from(checkout)
-    from app.hosting.procstat import cpu_and_memory
     from app.link import wire
 
     assert Path(wire.__file__).is_relative_to(checkout), f"{wire.__file__} is not {checkout}'s"
@@ -209,6 +208,13 @@ def drive(checkout: Path, sock: Path, form: str, concurrency: int, seconds: floa
                     sent += 1
         return answered, errors
 
+    return _measured(run, engine, form, concurrency, seconds, count)
+
+
+def _measured(run: Any, engine: int, form: str, concurrency: int, seconds: float, count: int) -> dict[str, Any]:
+    """``run`` for a second of warm-up, then for ``seconds`` with the engine's CPU read around it."""
+    from app.hosting.procstat import cpu_and_memory
+
     run(1.0)
     cpu_before, started = cpu_and_memory(engine)[0], time.monotonic()  # type: ignore[index]
     answered, errors = run(seconds)
@@ -221,7 +227,6 @@ def drive(checkout: Path, sock: Path, form: str, concurrency: int, seconds: floa
 def _drive_pipelined(checkout: Path, sock: Path, form: str, concurrency: int, seconds: float,
                      engine: int) -> dict[str, Any]:
     _import_from(checkout)
-    from app.hosting.procstat import cpu_and_memory
     from app.link import wire
 
     kind, count = FORMS[form]
@@ -245,13 +250,7 @@ def _drive_pipelined(checkout: Path, sock: Path, form: str, concurrency: int, se
                     sent += 1
         return answered, errors
 
-    run(1.0)
-    cpu_before, started = cpu_and_memory(engine)[0], time.monotonic()  # type: ignore[index]
-    answered, errors = run(seconds)
-    elapsed, cpu = time.monotonic() - started, cpu_and_memory(engine)[0] - cpu_before  # type: ignore[index]
-    return {"form": form, "concurrency": concurrency, "requests_per_s": answered / elapsed,
-            "engine_us_per_request": cpu / answered * 1e6, "engine_us_per_image": cpu / (answered * count) * 1e6,
-            "errors": errors}
+    return _measured(run, engine, form, concurrency, seconds, count)
 
 
 def measure(checkout: Path, weights: Path, form: str, concurrency: int, seconds: float,
