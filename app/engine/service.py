@@ -123,10 +123,6 @@ class Service(Lifecycle):
         for model in self._routes.all_versions():
             model.batcher.stop(timeout)
 
-    def _require_serving(self) -> None:
-        if not self.alive:  # no model at all is the router's to say: 503 without a name, 404 with one
-            raise not_ready("the model is not ready")
-
     @contextlib.contextmanager
     def admit(self, name: str | None = None, version: str | None = None, client_key: str | None = None,
               images: int = 0, timeout_s: float | None = None) -> Iterator[Call]:
@@ -157,6 +153,10 @@ class Service(Lifecycle):
         except BaseException:
             self.in_flight.leave()
             raise
+        if not route.version.batcher.is_alive():  # its thread ended (the process is not live): no batch would run
+            self._routes.release(route)
+            self.in_flight.leave()
+            raise not_ready("the model is not ready")
         started = time.perf_counter()
         try:
             if images:

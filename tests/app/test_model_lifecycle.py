@@ -148,6 +148,21 @@ def test_a_version_that_would_not_fit_is_refused_before_loading(settings: Settin
         service.shutdown(timeout=5)
 
 
+def test_a_version_whose_batcher_ended_refuses_its_requests_and_the_others_still_serve(
+        settings: Settings, repository: FakeRepository) -> None:
+    repository.add("colour", "2")
+    service = _service(settings, repository, version_policy="latest:2")
+    try:
+        ended = service.loaded_version("colour", "1")
+        ended.batcher.stop(timeout=5)  # as if its thread had died
+        with pytest.raises(NotReady, match="the model is not ready"):
+            _ask(service, "colour", "1")
+        assert _ask(service, "colour", "2") == "2" and not service.alive  # liveness says it: the engine restarts
+        assert service.in_flight.count() == 0 and ended.in_use.count() == 0  # the refusal left nothing held
+    finally:
+        service.shutdown(timeout=5)
+
+
 def test_a_version_loaded_before_an_engine_froze_its_start_up_is_freed_when_unloaded(service: Service) -> None:
     loaded = weakref.ref(service.loaded_version("colour", "1"))
     gc.freeze()  # as an engine's loop does once start-up is done
