@@ -295,13 +295,18 @@ class EngineServer:
         """On a decode thread or the loop: the images of these requests decoded and queued, handed to the loop
         together; the CPU they took per byte decoded is what the next turns expect (``DecodeShares.measured``):
         requests refused before their decode (the queue's room) cost next to nothing and do not count."""
-        steps, decoded, spent = [], 0, 0.0
-        for exchange in exchanges:
-            size, started = encoded_bytes(exchange), time.thread_time()
-            steps.append(self._queued_or_ended(exchange))
-            if not exchange.images:  # queued: the queue holds what it needs
-                decoded, spent = decoded + size, spent + time.thread_time() - started
-        self.decode_shares.measured(decoded, spent)
+        steps: list[Callable[[], None]] = []
+        decoded, spent = 0, 0.0
+        try:
+            for exchange in exchanges:
+                size, started = encoded_bytes(exchange), time.thread_time()
+                steps.append(self._queued_or_ended(exchange))
+                if not exchange.images:  # queued: the queue holds what it needs
+                    decoded, spent = decoded + size, spent + time.thread_time() - started
+            self.decode_shares.measured(decoded, spent)
+        except Exception as exc:  # noqa: BLE001 - unforeseen (a decode thread's executor would swallow it): every
+            log.exception("queueing %d requests failed", len(exchanges))  # request not yet queued is answered
+            steps += [functools.partial(self._end, exchange, exc) for exchange in exchanges[len(steps):]]
 
         def hand_over() -> None:
             for step in steps:

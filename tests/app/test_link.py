@@ -357,6 +357,22 @@ def test_images_of_a_client_that_hung_up_while_they_were_decoded_are_dropped_unr
     assert model.batch_sizes == batches  # no forward pass for them
 
 
+def test_requests_whose_queueing_fails_unforeseen_are_answered_not_left_waiting(
+        link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.link import loop
+
+    def broken(exchange: object) -> int:
+        raise RuntimeError("a bug on the way to the queue")
+
+    monkeypatch.setattr(loop, "encoded_bytes", broken)  # on a decode thread, whose executor would swallow it
+    with pytest.raises(ServiceError, match="RuntimeError: a bug on the way to the queue") as failure:
+        infer(link.worker, [image_bytes(RED)])
+    assert failure.value.status == 500
+    wait_until(lambda: link.engine.in_flight.count() == 0)  # admitted, ended, counted: nothing held
+    monkeypatch.undo()
+    assert infer(link.worker, [image_bytes(RED)]).probabilities().argmax() == 0  # the connection serves on
+
+
 def test_an_engine_gone_mid_request_is_a_503_with_retry_after_and_a_failed_connection_is_made_again(
         link: Link, model: ColourModel) -> None:
     infer(link.worker, [image_bytes(RED)])
