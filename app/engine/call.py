@@ -15,13 +15,13 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from app.engine.batching.batcher import Group
 from app.engine.batching.types import (
     BatcherClosed,
     BatchResult,
     DeadlineExpired,
     DeadlineTooShort,
     DeadlineUnreachable,
+    Group,
     QueueFull,
 )
 from app.engine.contract import CLIENT_CHECK_S, NOT_READY_RETRY_S, Served

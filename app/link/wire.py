@@ -246,7 +246,7 @@ class FrameReader:
         self.sock, self._expected, self._greeting = sock, expected, greet
         self._ahead, self._have = bytearray(READ_AHEAD_BYTES), 0
         self._body: memoryview | None = None  # the frame being read into its own buffer
-        self._got, self._head_size, self._lengths = 0, 0, [0]
+        self._got, self._head_size, self._lengths = 0, 0, []
 
     @property
     def started(self) -> bool:
@@ -383,17 +383,19 @@ def _answer_hello(sock: socket.socket, head: memoryview) -> None:
     raise WireMismatch(why)
 
 
-def readable(sock: socket.socket, timeout_s: float = 0.0) -> bool:
-    """Whether ``sock`` has data or its end within ``timeout_s`` (poll: no limit on the descriptor's number)."""
-    poller = select.poll()
-    poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+def _polled(sock: socket.socket, events: int, timeout_s: float) -> bool:
+    poller = select.poll()  # poll: no limit on the descriptor's number
+    poller.register(sock, events)
     return bool(poller.poll(max(0, int(timeout_s * 1000))))
+
+
+def readable(sock: socket.socket, timeout_s: float = 0.0) -> bool:
+    """Whether ``sock`` has data or its end within ``timeout_s``."""
+    return _polled(sock, select.POLLIN | select.POLLHUP | select.POLLERR, timeout_s)
 
 
 def _writable(sock: socket.socket, timeout_s: float) -> bool:
-    poller = select.poll()
-    poller.register(sock, select.POLLOUT)
-    return bool(poller.poll(max(0, int(timeout_s * 1000))))
+    return _polled(sock, select.POLLOUT, timeout_s)
 
 
 def peer_closed(sock: socket.socket) -> bool:

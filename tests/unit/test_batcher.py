@@ -15,9 +15,10 @@ from app.engine.batching.types import (
     DeadlineExpired,
     DeadlineTooShort,
     DeadlineUnreachable,
+    Group,
     QueueFull,
 )
-from app.engine.batching.batcher import QUEUE_DEPTH_REPORT_S, Batcher, Group
+from app.engine.batching.batcher import QUEUE_DEPTH_REPORT_S, Batcher
 from tests.support.fakes import wait_until
 
 

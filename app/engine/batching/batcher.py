@@ -25,6 +25,7 @@ from app.engine.batching.types import (
     DeadlineExpired,
     DeadlineTooShort,
     DeadlineUnreachable,
+    Group,
     NullObserver,
     QueueFull,
 )
@@ -35,44 +36,6 @@ BACKGROUND_LOOK_S = 0.01  # with background work waiting, how often an idle work
 
 In = TypeVar("In")
 Out = TypeVar("Out")
-
-
-class Group(Generic[Out]):
-    """Items queued together and answered together (``Batcher.submit_group``): one future for their results, in
-    order, set once the last one has its row; the first item that fails fails it (``failed_at`` says which).
-    Cancelled before any of its items is taken into a batch, they are dropped unrun; once one is, it runs to its
-    end. One lock-free count an item, where a future an item took its lock five or six times on its way."""
-
-    __slots__ = ("future", "results", "left", "started", "over", "failed_at")
-
-    def __init__(self, size: int) -> None:
-        self.future: Future[list[BatchResult[Out]]] = Future()
-        self.results: list[BatchResult[Out] | None] = [None] * size
-        self.left, self.started, self.over, self.failed_at = size, False, False, -1
-
-    def wanted(self) -> bool:
-        """On the thread taking a batch: whether the group's items still run (the first one taken marks it running,
-        so a cancel then comes too late)."""
-        if not self.started and not self.over:
-            self.started = True
-            self.over = not self.future.set_running_or_notify_cancel()
-        return not self.over
-
-    def done(self, index: int, result: BatchResult[Out]) -> None:
-        """Item ``index``'s row; the last one sets the future."""
-        self.results[index] = result
-        self.left -= 1
-        if not self.left and not self.over:
-            self.over = True
-            self.future.set_result(self.results)  # type: ignore[arg-type]
-
-    def fail(self, index: int, exc: BaseException) -> None:
-        """Item ``index`` failed: so does the group, unless it was over already."""
-        if self.over:
-            return
-        self.over, self.failed_at = True, index
-        with contextlib.suppress(InvalidStateError):  # cancelled meanwhile: nobody waits for it
-            self.future.set_exception(exc)
 
 
 @dataclass(slots=True)
@@ -90,9 +53,10 @@ class _Pending(Generic[In]):
         return self.future.set_running_or_notify_cancel()  # type: ignore[union-attr]
 
     def expired(self) -> bool:
-        """Whether its deadline has passed with someone still waiting for it."""
-        future = self.future if self.group is None else self.group.future
-        return not (self.group is not None and self.group.over) and not future.cancelled()  # type: ignore[union-attr]
+        """Whether someone still waits for it (so its passed deadline fails it)."""
+        if self.group is not None:
+            return not self.group.over and not self.group.future.cancelled()
+        return not self.future.cancelled()  # type: ignore[union-attr]
 
     def fail(self, exc: BaseException) -> None:
         if self.group is not None:

@@ -1,10 +1,13 @@
-"""What the batcher raises, reports and returns: its errors, the observer it reports to, and each item's result.
+"""What the batcher raises, reports and returns: its errors, the observer it reports to, each item's result, and a
+request's items answered together (``Group``).
 
 Kept apart from the queue and worker thread (app/engine/batching/batcher.py) so the service's error mapping and the timing
 headers can name these without the batching machinery.
 """
 from __future__ import annotations
 
+import contextlib
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Generic, Protocol, Sequence, TypeVar
 
@@ -94,3 +97,41 @@ class BatchResult(Generic[Out]):
     batch_size: int
     queued_s: float  # from submit() until its batch started
     run_s: float  # duration of the batch's predict_fn call
+
+
+class Group(Generic[Out]):
+    """Items queued together and answered together (``Batcher.submit_group``): one future for their results, in
+    order, set once the last one has its row; the first item that fails fails it (``failed_at`` says which).
+    Cancelled before any of its items is taken into a batch, they are dropped unrun; once one is, it runs to its
+    end. One lock-free count an item, where a future an item took its lock five or six times on its way."""
+
+    __slots__ = ("future", "results", "left", "started", "over", "failed_at")
+
+    def __init__(self, size: int) -> None:
+        self.future: Future[list[BatchResult[Out]]] = Future()
+        self.results: list[BatchResult[Out] | None] = [None] * size
+        self.left, self.started, self.over, self.failed_at = size, False, False, -1
+
+    def wanted(self) -> bool:
+        """On the thread taking a batch: whether the group's items still run (the first one taken marks it running,
+        so a cancel then comes too late)."""
+        if not self.started and not self.over:
+            self.started = True
+            self.over = not self.future.set_running_or_notify_cancel()
+        return not self.over
+
+    def done(self, index: int, result: BatchResult[Out]) -> None:
+        """Item ``index``'s row; the last one sets the future."""
+        self.results[index] = result
+        self.left -= 1
+        if not self.left and not self.over:
+            self.over = True
+            self.future.set_result(self.results)  # type: ignore[arg-type]
+
+    def fail(self, index: int, exc: BaseException) -> None:
+        """Item ``index`` failed: so does the group, unless it was over already."""
+        if self.over:
+            return
+        self.over, self.failed_at = True, index
+        with contextlib.suppress(InvalidStateError):  # cancelled meanwhile: nobody waits for it
+            self.future.set_exception(exc)
