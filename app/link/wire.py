@@ -3,13 +3,14 @@
 A connection opens with a hello (raw ASCII, never pickled: ``visionserve-wire/<PROTOCOL> <FINGERPRINT>``), which the
 engine answers with ``ok`` or why not; it closes a connection whose code differs from its own (after a ``kill -HUP``
 the HTTP workers run new code, the engines the old), and both sides log it. Then each exchange is one frame each way: a request (``Infer`` with the
-images or tensors as raw segments, ``CatalogCall``, ``StateQuery``) and its ``Answer``; ``Unanswered`` (a request the HTTP side
-refused before its images were sent, counted by the engine as the version's traffic) has no answer.
+images or tensors as raw segments, ``CatalogCall``, ``StateQuery``) and its ``Answer`` (an inference's rows as one raw
+segment); ``Unanswered`` (a request the HTTP side refused before its images were sent, counted by the engine as the
+version's traffic) has no answer.
 
 A frame is a header (a pickled message, one of ``MESSAGES``) and raw byte segments, sent with one scatter-gather
 call and read into one buffer, so an image's bytes are copied once on each side and never pickled.
 
-Standard library only (and the engine's torch-free contract): the HTTP side never imports torch.
+Standard library and numpy only (and the engine's torch-free contract): the HTTP side never imports torch.
 """
 from __future__ import annotations
 
@@ -25,10 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
+
 from app import errors
 from app.engine import contract
 
-PROTOCOL = 3  # the frame layout, what segments carry, and the hello; each message's own fields are in FINGERPRINT
+PROTOCOL = 4  # the frame layout, what segments carry, and the hello; each message's own fields are in FINGERPRINT
 _HEAD = struct.Struct("!II")  # the header's length, the number of segments
 _LENGTH = struct.Struct("!Q")
 MAX_SEGMENTS = 10_000  # a bound on one frame's segments (MAX_IMAGES is far lower): a corrupt frame fails at once
@@ -121,6 +124,22 @@ class Answer(_Message):
     routes: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class _ServedHead(_Message):
+    """A ``contract.Served`` as it crosses in an ``Answer``: all of it but its rows, which follow as the frame's one
+    segment (``dtype`` and ``shape``: one array, a row per input). Pickled, its rows' arrays and BatchResults cost
+    about 26 us to send and 17 to read for one image, 100 and 90 for 16."""
+
+    model: str
+    version: str
+    labels: list[str]
+    decode_s: float
+    started_ns: int
+    batches: tuple[tuple[int, int, float, float], ...]  # each row's batch_id, batch_size, queued_s, run_s
+    dtype: str
+    shape: tuple[int, ...]
+
+
 MESSAGES = (Infer, Unanswered, CatalogCall, StateQuery, EngineState, Answer)
 NO_LABELS: list[str] = []  # what an answer's Served holds in place of its version's labels
 REQUESTS = (Infer, Unanswered, CatalogCall, StateQuery)
@@ -137,7 +156,7 @@ def _shape(cls: type) -> str:
 
 def _fingerprint() -> str:
     """What both sides must agree on: the messages, the contract's data and every error an answer may carry."""
-    carried = [*MESSAGES, contract.Signature, contract.Served, contract.Ranked, contract.VersionInfo,
+    carried = [*MESSAGES, _ServedHead, contract.Signature, contract.Served, contract.Ranked, contract.VersionInfo,
                contract.VersionState, contract.Manifest, contract.BatchResult,
                *(c for _, c in inspect.getmembers(errors, inspect.isclass) if issubclass(c, errors.ServiceError)),
                *(getattr(contract.CatalogFace, name) for name in contract.CATALOG_CALLS)]
@@ -168,11 +187,47 @@ def _send_frame(sock: socket.socket, head: bytes, segments: Sequence[bytes | mem
             parts[0] = parts[0][sent:]
 
 
-def send(sock: socket.socket, message: Any, segments: Sequence[bytes | memoryview] = ()) -> None:
-    """One frame: ``message`` (one of MESSAGES, pickled) and ``segments`` (sent as they are)."""
+def _encoded(message: Any, segments: Sequence[bytes | memoryview]) -> tuple[bytes, Sequence[bytes | memoryview]]:
+    """``message`` pickled, and the frame's segments: an answer's Served as its head and its rows' bytes."""
     if not isinstance(message, MESSAGES):
         raise TypeError(f"{type(message).__name__} is no message of the wire")
-    _send_frame(sock, pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), segments)
+    served = message.value if isinstance(message, Answer) else None
+    if isinstance(served, contract.Served):
+        rows = np.ascontiguousarray(np.stack([result.value for result in served.results]))
+        head = _ServedHead(served.model, served.version, served.labels, served.decode_s, served.started_ns,
+                           tuple((r.batch_id, r.batch_size, r.queued_s, r.run_s) for r in served.results),
+                           rows.dtype.str, rows.shape)
+        message, segments = Answer(head, message.error, message.engine, message.routes), [memoryview(rows).cast("B")]
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), segments
+
+
+def send(sock: socket.socket, message: Any, segments: Sequence[bytes | memoryview] = ()) -> None:
+    """One frame: ``message`` (one of MESSAGES, pickled) and ``segments`` (sent as they are)."""
+    _send_frame(sock, *_encoded(message, segments))
+
+
+def frame(message: Any) -> bytes:
+    """``message``'s whole frame as ``send`` sends it: for several frames sent in one call."""
+    head, segments = _encoded(message, ())
+    return b"".join([_HEAD.pack(len(head), len(segments)), *(_LENGTH.pack(len(s)) for s in segments), head,
+                     *segments])
+
+
+def _served(answer: Answer, segments: Sequence[memoryview]) -> Answer:
+    """``answer`` with the Served its head and rows carry (itself when it carries none)."""
+    head = answer.value
+    if not isinstance(head, _ServedHead):
+        return answer
+    if len(segments) != 1:
+        raise EngineGone(f"an answer's rows in {len(segments)} segments: the stream is out of step")
+    try:
+        rows = np.frombuffer(segments[0], dtype=np.dtype(head.dtype)).reshape(head.shape)
+    except (TypeError, ValueError) as exc:
+        raise EngineGone(f"an answer's rows do not read as {head.dtype} {head.shape}: {exc}") from None
+    results = [contract.BatchResult(row, *batch) for row, batch in zip(rows, head.batches)]
+    served = contract.Served(results, head.model, head.version, head.labels or NO_LABELS, head.decode_s,
+                             head.started_ns)
+    return Answer(served, answer.error, answer.engine, answer.routes)
 
 
 def tensor_segments(tensors: Sequence[Any]) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], list[memoryview]]:
@@ -353,10 +408,15 @@ def receive_answer(sock: socket.socket, grace_s: float) -> Answer:
             buffer += bytes(size - len(buffer))
     if got > size:
         raise EngineGone(f"{got - size} bytes beyond the answer: the stream is out of step")
-    message = _loads(memoryview(buffer)[table_end:table_end + head_size])
+    view = memoryview(buffer)
+    message = _loads(view[table_end:table_end + head_size])
     if not isinstance(message, Answer):
         raise EngineGone(f"a {type(message).__name__} frame where Answer belongs")
-    return message
+    segments, at = [], table_end + head_size
+    for length in _segment_lengths(buffer, _HEAD.size, (table_end - _HEAD.size) // _LENGTH.size, head_size):
+        segments.append(view[at:at + length])
+        at += length
+    return _served(message, segments)
 
 
 _WELCOME = b"ok"

@@ -123,17 +123,9 @@ def serve_floor(weights: Path, sock: Path) -> None:
             results = [BatchResult(row, batch_id, batch_cap, 0.0, run_s) for row in probabilities[at:at + count]]
             at += count
             answer = wire.Answer(Served(results, MODEL, "1", wire.NO_LABELS, 0.0), None, os.getpid())
-            frames.setdefault(conn, []).append(_frame(wire, answer))
+            frames.setdefault(conn, []).append(wire.frame(answer))
         for conn, answers in frames.items():
             _send_all(conn, b"".join(answers))
-
-
-def _frame(wire: Any, message: Any) -> bytes:
-    """One frame of ``message`` and no segments, as the wire sends it."""
-    import pickle
-
-    head = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    return wire._HEAD.pack(len(head), 0) + head
 
 
 def _send_all(sock: Any, data: bytes) -> None:

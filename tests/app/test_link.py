@@ -154,6 +154,34 @@ def test_an_answer_is_read_in_as_few_calls_as_it_arrived_in_and_never_past_its_e
             wire.receive_answer(right, 1.0)
 
 
+def test_an_answer_s_rows_cross_as_one_raw_segment_and_come_back_as_the_served_that_was_sent() -> None:
+    rows = np.random.default_rng(0).random((3, 1000), dtype=np.float32)
+    results = [contract.BatchResult(row, batch, size, 0.25 * i, 0.5) for i, (row, batch, size)
+               in enumerate(zip(rows, (4, 4, 5), (2, 2, 1)))]
+    sent = contract.Served(results, "colour", "2", wire.NO_LABELS, 0.125, 99)
+    left, right = _pair()
+    with left, right:
+        wire.send(left, wire.Answer(sent, None, 7, 3))
+        answer = wire.receive_answer(right, 1.0)
+        assert (answer.engine, answer.routes, answer.error) == (7, 3, None)
+        got = answer.value
+        assert isinstance(got, contract.Served) and got.labels is wire.NO_LABELS
+        assert (got.model, got.version, got.decode_s, got.started_ns) == ("colour", "2", 0.125, 99)
+        assert [(r.batch_id, r.batch_size, r.queued_s, r.run_s) for r in got.results] == [
+            (r.batch_id, r.batch_size, r.queued_s, r.run_s) for r in results]
+        assert np.array_equal(got.probabilities(), rows) and got.probabilities().dtype == np.float32
+        # what goes out is the rows' bytes as they are (one segment), not pickled arrays
+        head, segments = wire._encoded(wire.Answer(sent, None, 7, 3), ())
+        assert len(head) < 400 and [bytes(s) for s in segments] == [rows.tobytes()]
+        assert wire.frame(wire.Answer(sent, None, 7, 3)) == b"".join(
+            [wire._HEAD.pack(len(head), 1), wire._LENGTH.pack(rows.nbytes), head, rows.tobytes()])
+        # rows that do not fit what the head says end the stream, as any frame out of step does
+        bad = wire._ServedHead("colour", "2", [], 0.0, 0, ((1, 1, 0.0, 0.0),), "<f4", (1, 1000))
+        wire._send_frame(left, pickle.dumps(wire.Answer(bad), protocol=pickle.HIGHEST_PROTOCOL), [b"\0" * 12])
+        with pytest.raises(wire.EngineGone, match="do not read as"):
+            wire.receive_answer(right, 1.0)
+
+
 def test_a_worker_running_other_code_is_refused_on_both_sides_by_its_hello(caplog: pytest.LogCaptureFixture) -> None:
     left, right = _pair()
     with left, right:
