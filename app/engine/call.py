@@ -8,7 +8,6 @@ parses its body with ``call.model`` and calls ``call.infer``; the stages run in 
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -61,18 +60,13 @@ class Queued:
     decode_s: float
     started_ns: int
 
-    @property
-    def future(self) -> "Future[list[BatchResult[np.ndarray]]]":
-        """Done once every image has its row, or one failed."""
-        return self.group.future
-
     def done(self) -> bool:
         """Every image has its row (or one its error)."""
-        return self.group.future.done()
+        return self.group.done()
 
     def drop(self) -> int:
         """Cancel the images still queued (they cost no forward pass) unless their batches began; how many were."""
-        return len(self.prepared) if self.group.future.cancel() else 0
+        return len(self.prepared) if self.group.cancel() else 0
 
 
 class Call:
@@ -108,7 +102,7 @@ class Call:
             if remaining <= 0:
                 raise self.expired(queued)
             # Without a client to watch, one wait to the deadline; else look every CLIENT_CHECK_S.
-            wait((queued.future,), timeout=remaining if client_gone is None else min(remaining, CLIENT_CHECK_S))
+            queued.group.wait(remaining if client_gone is None else min(remaining, CLIENT_CHECK_S))
             if client_gone is not None and client_gone():
                 raise self.hung_up(queued)
         return self.answer(queued)
@@ -155,7 +149,7 @@ class Call:
         """The answer of a request whose futures are all done (offered to the shadow first), with ``labels`` (None:
         the version's); raises what failed."""
         try:
-            results = queued.future.result()
+            results = queued.group.result()
         except DeadlineExpired:
             raise self.expired(queued) from None
         except ServiceError as exc:  # an image the device path could not decode in its batch

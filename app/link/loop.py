@@ -25,7 +25,7 @@ import selectors
 import socket
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -333,9 +333,9 @@ class EngineServer:
             exchange.call.hung_up(queued)
             return
         heapq.heappush(self._deadlines, (queued.deadline, next(self._order), exchange))
-        queued.future.add_done_callback(functools.partial(self._done, exchange))
+        queued.group.add_done_callback(functools.partial(self._done, exchange))
 
-    def _done(self, exchange: _Exchange, _: Future) -> None:
+    def _done(self, exchange: _Exchange, _: object) -> None:
         """On the batcher's thread (or the loop): every image of the request has its row, or one failed; the
         answer is the loop's to send."""
         self._post(functools.partial(self._end, exchange, None))

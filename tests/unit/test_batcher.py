@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from typing import Callable, Iterator, Sequence
 
 import pytest
@@ -499,22 +499,41 @@ def test_the_cap_can_be_lowered_after_start(make_batcher) -> None:
 def test_a_group_is_answered_once_all_its_items_are_whatever_order_they_finish_in() -> None:
     group: Group[int] = Group(3)
     assert group.wanted() and group.wanted()  # the first item taken starts it: its cancel comes too late
-    assert not group.future.cancel()
+    assert not group.cancel()
+    called: list[Group[int]] = []
+    group.add_done_callback(called.append)
     for index in (2, 0):
-        group.done(index, BatchResult(index * 10, 1, 3, 0.0, 0.0))
-    assert not group.future.done()  # the middle item still runs
-    group.done(1, BatchResult(10, 2, 1, 0.0, 0.0))
-    assert [r.value for r in group.future.result(timeout=1)] == [0, 10, 20]
+        group.set_row(index, BatchResult(index * 10, 1, 3, 0.0, 0.0))
+    assert not group.done() and not called and not group.wait(0.01)  # the middle item still runs
+    with pytest.raises(TimeoutError):
+        group.result(timeout=0.01)
+    waiter = threading.Thread(target=group.wait)  # a caller waiting when the last row comes is woken
+    waiter.start()
+    group.set_row(1, BatchResult(10, 2, 1, 0.0, 0.0))
+    waiter.join(5)
+    assert not waiter.is_alive() and called == [group] and group.done() and not group.cancelled()
+    assert [r.value for r in group.result(timeout=1)] == [0, 10, 20]
+    late: list[Group[int]] = []
+    group.add_done_callback(late.append)  # added once done: called at once
+    assert late == [group]
 
     failing: Group[int] = Group(2)
-    failing.fail(1, ValueError("image 1"))
-    failing.done(0, BatchResult(0, 1, 2, 0.0, 0.0))  # a row after the failure changes nothing
-    assert failing.failed_at == 1 and isinstance(failing.future.exception(timeout=1), ValueError)
-    assert not failing.wanted()  # its items still queued are not run
+    failing.set_failed(1, ValueError("image 1"))
+    failing.set_row(0, BatchResult(0, 1, 2, 0.0, 0.0))  # a row after the failure changes nothing
+    assert failing.failed_at == 1 and isinstance(failing.exception(timeout=1), ValueError)
+    with pytest.raises(ValueError, match="image 1"):
+        failing.result()
+    assert not failing.wanted() and not failing.cancel()  # its items still queued are not run
 
     dropped: Group[int] = Group(2)
-    assert dropped.future.cancel() and not dropped.wanted()  # cancelled before any item ran: none runs
-    dropped.fail(0, DeadlineExpired("late"))  # nobody waits for it: nothing raised
+    told: list[Group[int]] = []
+    dropped.add_done_callback(told.append)
+    assert dropped.cancel() and dropped.cancel() and not dropped.wanted()  # cancelled before any item ran
+    assert dropped.done() and dropped.cancelled() and told == [dropped]
+    dropped.set_failed(0, DeadlineExpired("late"))  # nobody waits for it: nothing raised, told once
+    assert told == [dropped]
+    with pytest.raises(CancelledError):
+        dropped.result()
 
 
 def test_a_submitted_group_runs_across_batches_and_a_cancelled_one_never_runs(make_batcher) -> None:
@@ -524,8 +543,8 @@ def test_a_submitted_group_runs_across_batches_and_a_cancelled_one_never_runs(ma
     first = batcher.submit_group([1, 2, 3])  # two batches: [1, 2] runs (held at the gate), [3] waits
     assert recorder.entered.wait(10)
     cancelled = batcher.submit_group([7, 8])
-    assert cancelled.future.cancel()
+    assert cancelled.cancel()
     recorder.gate.set()
-    assert [r.value for r in first.future.result(timeout=10)] == [2, 4, 6]
+    assert [r.value for r in first.result(timeout=10)] == [2, 4, 6]
     wait_until(lambda: batcher.depth == 0 and len(recorder.batches) == 2)
     assert recorder.batches == [[1, 2], [3]]  # the cancelled group's items never ran

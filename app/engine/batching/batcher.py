@@ -55,19 +55,19 @@ class _Pending(Generic[In]):
     def expired(self) -> bool:
         """Whether someone still waits for it (so its passed deadline fails it)."""
         if self.group is not None:
-            return not self.group.over and not self.group.future.cancelled()
+            return not self.group.over
         return not self.future.cancelled()  # type: ignore[union-attr]
 
     def fail(self, exc: BaseException) -> None:
         if self.group is not None:
-            self.group.fail(self.index, exc)
+            self.group.set_failed(self.index, exc)
             return
         with contextlib.suppress(InvalidStateError):  # cancelled meanwhile: nobody waits for it
             self.future.set_exception(exc)  # type: ignore[union-attr]
 
     def done(self, result: BatchResult[Any]) -> None:
         if self.group is not None:
-            self.group.done(self.index, result)
+            self.group.set_row(self.index, result)
         else:
             self.future.set_result(result)  # type: ignore[union-attr]
 

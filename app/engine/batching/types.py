@@ -6,10 +6,13 @@ headers can name these without the batching machinery.
 """
 from __future__ import annotations
 
-import contextlib
-from concurrent.futures import Future, InvalidStateError
+import logging
+import threading
+from concurrent.futures import CancelledError
 from dataclasses import dataclass
-from typing import Generic, Protocol, Sequence, TypeVar
+from typing import Callable, Generic, Protocol, Sequence, TypeVar
+
+log = logging.getLogger(__name__)
 
 Out = TypeVar("Out")
 
@@ -100,38 +103,116 @@ class BatchResult(Generic[Out]):
 
 
 class Group(Generic[Out]):
-    """Items queued together and answered together (``Batcher.submit_group``): one future for their results, in
-    order, set once the last one has its row; the first item that fails fails it (``failed_at`` says which).
-    Cancelled before any of its items is taken into a batch, they are dropped unrun; once one is, it runs to its
-    end. One lock-free count an item, where a future an item took its lock five or six times on its way."""
+    """Items queued together and answered together (``Batcher.submit_group``): their results, in order, once the last
+    one has its row; the first item that fails fails the group (``failed_at`` says which). Cancelled before any of its
+    items is taken into a batch, they are dropped unrun; once one is, it runs to its end.
 
-    __slots__ = ("future", "results", "left", "started", "over", "failed_at")
+    Its own completion, as much of a ``concurrent.futures.Future``'s as a request needs (``done``, ``cancel``,
+    ``result``, ``add_done_callback``, ``wait``): one plain lock taken at each of its few changes of state and an event
+    made only for a caller that waits, where a future took its condition five or six times a request."""
+
+    __slots__ = ("results", "left", "started", "over", "failed_at", "_error", "_cancelled", "_callbacks", "_lock",
+                 "_finished")
 
     def __init__(self, size: int) -> None:
-        self.future: Future[list[BatchResult[Out]]] = Future()
         self.results: list[BatchResult[Out] | None] = [None] * size
         self.left, self.started, self.over, self.failed_at = size, False, False, -1
+        self._error: BaseException | None = None
+        self._cancelled = False
+        self._callbacks: list[Callable[["Group[Out]"], object]] | None = []  # None once done
+        self._lock = threading.Lock()
+        self._finished: threading.Event | None = None  # made by the first wait that finds it not done
+
+    # -- the batcher's side ----------------------------------------------------------------------------------------
 
     def wanted(self) -> bool:
         """On the thread taking a batch: whether the group's items still run (the first one taken marks it running,
         so a cancel then comes too late)."""
         if not self.started and not self.over:
-            self.started = True
-            self.over = not self.future.set_running_or_notify_cancel()
+            with self._lock:
+                if not self.over:
+                    self.started = True
         return not self.over
 
-    def done(self, index: int, result: BatchResult[Out]) -> None:
-        """Item ``index``'s row; the last one sets the future."""
+    def set_row(self, index: int, result: BatchResult[Out]) -> None:
+        """Item ``index``'s row; the last one completes the group."""
         self.results[index] = result
         self.left -= 1
-        if not self.left and not self.over:
+        if not self.left and not self.over:  # rows come after the start, which no cancel passes: no race here
             self.over = True
-            self.future.set_result(self.results)  # type: ignore[arg-type]
+            self._finish()
 
-    def fail(self, index: int, exc: BaseException) -> None:
-        """Item ``index`` failed: so does the group, unless it was over already."""
-        if self.over:
-            return
-        self.over, self.failed_at = True, index
-        with contextlib.suppress(InvalidStateError):  # cancelled meanwhile: nobody waits for it
-            self.future.set_exception(exc)
+    def set_failed(self, index: int, exc: BaseException) -> None:
+        """Item ``index`` failed: so does the group, unless it was over already (answered, failed or cancelled)."""
+        with self._lock:
+            if self.over:
+                return
+            self.over, self.failed_at, self._error = True, index, exc
+        self._finish()
+
+    def _finish(self) -> None:
+        with self._lock:
+            callbacks, self._callbacks, finished = self._callbacks or [], None, self._finished
+        if finished is not None:
+            finished.set()
+        for callback in callbacks:
+            try:
+                callback(self)
+            except Exception:  # noqa: BLE001 - as a future's: one callback's fault is logged, the others still run
+                log.exception("a group's done callback failed")
+
+    # -- the waiting side ------------------------------------------------------------------------------------------
+
+    def done(self) -> bool:
+        """Every item has its row, one failed, or the group was cancelled."""
+        return self._callbacks is None
+
+    def cancelled(self) -> bool:
+        """Cancelled before any of its items ran."""
+        return self._cancelled
+
+    def cancel(self) -> bool:
+        """Drop the items unrun unless one was taken into a batch already; whether the group is cancelled."""
+        with self._lock:
+            if self._cancelled:
+                return True
+            if self.started or self.over:
+                return False
+            self._cancelled = self.over = True
+        self._finish()
+        return True
+
+    def add_done_callback(self, callback: Callable[["Group[Out]"], object]) -> None:
+        """``callback(group)`` once it is done, on the thread that completes it (at once when it is done already)."""
+        with self._lock:
+            if self._callbacks is not None:
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until it is done (``timeout`` seconds at most); whether it is."""
+        if self._callbacks is None:
+            return True
+        with self._lock:
+            if self._callbacks is None:
+                return True
+            if self._finished is None:
+                self._finished = threading.Event()
+            finished = self._finished
+        return finished.wait(timeout)
+
+    def result(self, timeout: float | None = None) -> list[BatchResult[Out]]:
+        """The items' results in order; raises what failed the group, CancelledError, or TimeoutError."""
+        error = self.exception(timeout)
+        if error is not None:
+            raise error
+        return self.results  # type: ignore[return-value]
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """What failed the group (None when it was answered); CancelledError, or TimeoutError when not done."""
+        if not self.wait(timeout):
+            raise TimeoutError(f"the group was not done within {timeout}s")
+        if self._cancelled:
+            raise CancelledError()
+        return self._error
