@@ -86,7 +86,7 @@ def test_frames_are_read_as_they_come_whole_in_pieces_or_several_in_one_read() -
         sender.join()
         [(message, segments)] = got
         assert isinstance(message, wire.Infer) and segments == many
-        frame = pickle.dumps(wire.StateQuery(), protocol=pickle.HIGHEST_PROTOCOL)
+        frame, _ = wire._encoded(wire.StateQuery(), ())
         left.sendall(wire._HEAD.pack(len(frame), 0) + frame[:2])  # a frame cut short: nothing yet
         assert reader.read() == [] and reader.started
         left.sendall(frame[2:])
@@ -106,8 +106,11 @@ def test_only_messages_are_sent_and_a_frame_out_of_step_ends_the_stream() -> Non
         wire.send(left, wire.Answer(1))
         with pytest.raises(wire.EngineGone, match="Answer frame where"):
             wire.FrameReader(right, wire.REQUESTS).read()  # the engine never takes an answer as a request
-        wire._send_frame(left, pickle.dumps(("state",)), ())
-        with pytest.raises(wire.EngineGone, match="tuple frame"):
+        wire._send_frame(left, pickle.dumps(("state",)), ())  # the untyped tuples of before, as they were sent
+        with pytest.raises(wire.EngineGone, match="does not unpickle as a message"):
+            wire.FrameReader(right).read()
+        wire._send_frame(left, pickle.dumps((-1, ())), ())  # no message of that kind
+        with pytest.raises(wire.EngineGone, match="no message of kind"):
             wire.FrameReader(right).read()
         wire._send_frame(left, b"not a pickle", ())
         with pytest.raises(wire.EngineGone, match="does not unpickle"):
@@ -138,7 +141,7 @@ def test_an_answer_is_read_in_as_few_calls_as_it_arrived_in_and_never_past_its_e
         assert np.array_equal(wire.receive_answer(right, 1.0).value, big)
         sender.join()
         sent = wire.Answer(1)
-        whole = pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL)
+        whole, _ = wire._encoded(sent, ())
         left.sendall(wire._HEAD.pack(len(whole), 0) + whole[:3])  # an answer that stops arriving
         with pytest.raises(wire.EngineGone, match="nothing more"):
             wire.receive_answer(right, 0.1)
@@ -176,9 +179,13 @@ def test_an_answer_s_rows_cross_as_one_raw_segment_and_come_back_as_the_served_t
         assert wire.frame(wire.Answer(sent, None, 7, 3)) == b"".join(
             [wire._HEAD.pack(len(head), 1), wire._LENGTH.pack(rows.nbytes), head, rows.tobytes()])
         # rows that do not fit what the head says end the stream, as any frame out of step does
-        bad = wire._ServedHead("colour", "2", [], 0.0, 0, ((1, 1, 0.0, 0.0),), "<f4", (1, 1000))
-        wire._send_frame(left, pickle.dumps(wire.Answer(bad), protocol=pickle.HIGHEST_PROTOCOL), [b"\0" * 12])
-        with pytest.raises(wire.EngineGone, match="do not read as"):
+        bad = ("colour", "2", [], 0.0, 0, ((1, 1, 0.0, 0.0),), "<f4", (1, 1000))
+        wire._send_frame(left, pickle.dumps((wire._SERVED, (bad, None, 7, 3))), [b"\0" * 12])
+        with pytest.raises(wire.EngineGone, match="do not read as its head says"):
+            wire.receive_answer(right, 1.0)
+        fewer = ("colour", "2", [], 0.0, 0, ((1, 1, 0.0, 0.0),) * 2, "<f4", (1, 3))
+        wire._send_frame(left, pickle.dumps((wire._SERVED, (fewer, None, 7, 3))), [b"\0" * 12])
+        with pytest.raises(wire.EngineGone, match="out of step"):
             wire.receive_answer(right, 1.0)
 
 
