@@ -38,6 +38,7 @@ _LENGTH = struct.Struct("!Q")
 MAX_SEGMENTS = 10_000  # a bound on one frame's segments (MAX_IMAGES is far lower): a corrupt frame fails at once
 MAX_FRAME_BYTES = 1 << 32  # a bound on one frame's size (MAX_BODY_BYTES is far lower): a corrupt one fails at once
 MAX_HELLO_BYTES = 256
+JOIN_BYTES = 1 << 16  # segments up to this size in all are copied into one buffer with the header: one send, no list
 SEND_STALL_S = 10.0  # a non-blocking socket whose other side takes none of a frame for this long has left
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 
@@ -177,11 +178,13 @@ HELLO = f"visionserve-wire/{PROTOCOL} {FINGERPRINT}".encode("ascii")
 
 
 def _send_frame(sock: socket.socket, head: bytes, segments: Sequence[bytes | memoryview]) -> None:
-    if not segments:  # an answer: header and message joined, one buffer
-        parts = [memoryview(_HEAD.pack(len(head), 0) + head)]
-    else:
-        lengths = b"".join(_LENGTH.pack(len(s)) for s in segments)
-        parts = [memoryview(p).cast("B") for p in (_HEAD.pack(len(head), len(segments)), lengths, head, *segments)]
+    first = b"".join([_HEAD.pack(len(head), len(segments)), *[_LENGTH.pack(len(s)) for s in segments], head])
+    if not segments:
+        parts = [memoryview(first)]
+    elif sum(map(len, segments)) <= JOIN_BYTES:  # a small frame (an answer's rows, a few tensors): one buffer
+        parts = [memoryview(b"".join([first, *segments]))]
+    else:  # images: sent from where they are
+        parts = [memoryview(first), *[memoryview(s).cast("B") for s in segments]]
     while parts:
         try:
             sent = sock.sendmsg(parts[:_IOV_MAX])  # the kernel takes at most IOV_MAX buffers a call
