@@ -1,7 +1,8 @@
 """An image's bytes to upright RGB pixels under the serving limits: the decode rules the server
 (app/engine/decoding/) and ``python -m models.predict`` both follow, stated once.
 
-Every limit is checked from the header before any pixel is decoded (``open_checked``); then PIL decodes the pixels
+Every limit is checked from the header before any pixel is decoded (``open_checked``; a plain JPEG's header is read
+without PIL on the tensor and device paths, ``jpeg_header_checked``); then PIL decodes the pixels
 (reduced-scale for large JPEGs) and turns them upright by their EXIF orientation (``load_upright``), or on the
 tensor path libjpeg-turbo decodes a JPEG to the same pixels (``decode_tensor``). A refused image raises an
 ``ImageRefused`` whose message says why: the server raises its HTTP error of that kind with the same message
@@ -18,7 +19,7 @@ from typing import Protocol
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from models.data.jpeg import decode_jpeg_cpu
+from models.data.jpeg import JpegHeader, decode_jpeg_cpu, read_jpeg_header
 from models.presets import IMAGE_FORMATS, JPEG_FORMATS, pil_to_tensor, upright_rgb
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,10 @@ def _check_header(image: Image.Image, limits: DecodeLimits) -> None:
     if image.format not in IMAGE_FORMATS:
         raise FormatNotServed(
             f"image format {image.format} is not supported; send one of {', '.join(sorted(IMAGE_FORMATS))}")
-    width, height = image.size
+    _check_size(*image.size, limits)
+
+
+def _check_size(width: int, height: int, limits: DecodeLimits) -> None:
     if width <= 0 or height <= 0:
         raise BrokenImage(f"the image has no pixels ({width}x{height})")
     if width * height > limits.max_pixels:
@@ -106,6 +110,15 @@ def open_checked(data: bytes, limits: DecodeLimits) -> Image.Image:
     image = _open(data)
     _check_header(image, limits)
     return image
+
+
+def jpeg_header_checked(data: bytes, limits: DecodeLimits) -> JpegHeader | None:
+    """A plain JPEG's header read without PIL (``read_jpeg_header``) and its size checked against every limit, as
+    ``open_checked`` would (TooManyPixels, BrokenImage); None for any other image, which ``open_checked`` reads."""
+    header = read_jpeg_header(data)
+    if header is not None:
+        _check_size(header.width, header.height, limits)
+    return header
 
 
 def is_jpeg(image: Image.Image) -> bool:
@@ -138,10 +151,15 @@ def decode_tensor(data: bytes, limits: DecodeLimits) -> torch.Tensor:
     included, without PIL's copies); every other format, CMYK and YCCK JPEGs, and any JPEG libjpeg-turbo refuses
     (truncated data: PIL then says why) go to PIL's decoder.
     """
-    image = open_checked(data, limits)
-    if is_jpeg(image):
+    header, image = jpeg_header_checked(data, limits), None
+    if header is None:  # not a plain JPEG: PIL reads the header
+        image = open_checked(data, limits)
+        header = JpegHeader.of(image) if is_jpeg(image) else None
+    if header is not None:
         try:
-            return decode_jpeg_cpu(data, image, limits.jpeg_draft_min_side)
+            return decode_jpeg_cpu(data, header, limits.jpeg_draft_min_side)
         except ValueError as exc:
             log.debug("PIL decodes this JPEG: %s", exc)
+    if image is None:  # libjpeg-turbo refused what its header read took: PIL decodes it, or says why not
+        image = open_checked(data, limits)
     return pil_to_tensor(load_upright(image, limits))  # the header read above, its pixels not yet touched

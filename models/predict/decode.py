@@ -21,6 +21,7 @@ from models.image_decode import (
     decode_image,
     decode_tensor,
     is_jpeg,
+    jpeg_header_checked,
     load_upright,
     open_checked,
 )
@@ -58,10 +59,11 @@ class ScoreSet(Dataset):
             return self.pil(decode_image(data, self.limits))
         if self.path == "tensor":
             return self.tensor(decode_tensor(data, self.limits))
-        image = open_checked(data, self.limits)
-        if is_jpeg(image):
-            return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        return pil_to_tensor(load_upright(image, self.limits))
+        if jpeg_header_checked(data, self.limits) is None:  # not a plain JPEG: PIL reads its header
+            image = open_checked(data, self.limits)
+            if not is_jpeg(image):
+                return pil_to_tensor(load_upright(image, self.limits))
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def collate(rows: list[tuple[int, torch.Tensor | None, str]]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from app.engine.decoding.tensor import decode_tensor, image_to_tensor_path
 from app.errors import ImageTooLarge, InvalidImage, UnsupportedImageFormat
 from harness.photos import jpeg as photo_jpeg
 from harness.photos import photo
-from models.data.jpeg import decode_jpeg_cpu, draft_scale
+from models.data.jpeg import JpegHeader, decode_jpeg_cpu, draft_scale, read_jpeg_header
 from models.presets import EvalPreset, TensorEvalTransform, eval_transform, pil_to_tensor
 from tests.support.imaging import BLUE, RED, encode, image_bytes
 
@@ -263,3 +263,67 @@ def test_on_cuda_exif_rotated_photos_get_the_cpu_paths_pixels() -> None:
         expected = decode_tensor(data, LIMITS)
         assert pixels.shape == expected.shape, orientation  # before: (3, 300, 200) turned 90 degrees came back as is
         assert (pixels.float() - expected.float()).abs().mean() < 2.0, orientation  # nvJPEG's IDCT differs a little
+
+
+# -- a plain JPEG's header read without PIL -------------------------------------------------------------------------
+
+def _with_exif(image: Image.Image, turn: int, **save: object) -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = turn
+    return encode(image, exif=exif, **save)
+
+
+def _segment(marker: int, payload: bytes) -> bytes:
+    return bytes([0xFF, marker]) + (len(payload) + 2).to_bytes(2, "big") + payload
+
+
+def _long_orientation_exif() -> bytes:
+    """An EXIF block whose orientation is a LONG, not the SHORT cameras write."""
+    entry = (0x0112).to_bytes(2, "little") + (4).to_bytes(2, "little") + (1).to_bytes(4, "little") + \
+        (6).to_bytes(4, "little")
+    return b"Exif\0\0" + b"II*\0" + (8).to_bytes(4, "little") + (1).to_bytes(2, "little") + entry + bytes(4)
+
+
+def test_a_plain_jpeg_s_header_reads_without_pil_as_pil_reads_it() -> None:
+    astronaut, coffee = photo("astronaut"), photo("coffee")
+    plain = [photo_jpeg(astronaut), encode(coffee, progressive=True), encode(coffee.convert("L")),
+             encode(astronaut, subsampling=0, quality=95), encode(coffee, restart_marker_blocks=4),
+             encode(astronaut.resize((97, 31)))]
+    turned = [_with_exif(coffee, turn) for turn in range(1, 9)] + [_with_exif(coffee, 9), _with_exif(coffee, 0)]
+    for data in plain + turned:
+        header = read_jpeg_header(data)
+        with Image.open(io.BytesIO(data)) as opened:
+            assert header == JpegHeader.of(opened)
+    assert [read_jpeg_header(data).orientation for data in turned] == [1, 2, 3, 4, 5, 6, 7, 8, 1, 1]
+    # the same pixels and refusals as through PIL's reading (decode_jpeg_cpu given PIL's image of the header)
+    for data in turned:
+        assert torch.equal(decode_tensor(data, LIMITS), decode_jpeg_cpu(data, Image.open(io.BytesIO(data)), 0))
+    with pytest.raises(ImageTooLarge, match=r"512x512 = 262144 pixels; the limit is 1000"):
+        decode_tensor(photo_jpeg(astronaut), DecodeLimits(max_pixels=1000))
+    with pytest.raises(InvalidImage, match="aspect ratio is over 3"):
+        decode_tensor(encode(astronaut.resize((97, 31))), DecodeLimits(max_aspect_ratio=3))
+
+
+def test_what_the_header_reader_leaves_to_pil_is_read_by_pil_as_before() -> None:
+    coffee = photo("coffee")
+    base = encode(coffee)
+    exif = _with_exif(coffee, 6)
+    exif_block = exif[2:exif.index(b"\xff\xdb")]  # SOI stripped; up to the tables: the JFIF and EXIF segments
+    left = {
+        "PNG": encode(coffee, fmt="PNG"),
+        "CMYK": encode(coffee.convert("CMYK")),
+        "XMP": encode(coffee, xmp=b"<x:xmpmeta><tiff:Orientation>6</tiff:Orientation></x:xmpmeta>"),
+        "two EXIF blocks": base[:2] + exif_block + exif_block + base[2:],
+        "a LONG orientation": base[:2] + _segment(0xE1, _long_orientation_exif()) + base[2:],
+        "cut in its segments": base[:300],
+        "not a marker": base[:2] + b"\xff\xe0\x00\x10JFIF\x00" + b"\x00" * 9 + b"junk" + base[20:],
+    }
+    for name, data in left.items():
+        assert read_jpeg_header(data) is None, name
+    # PIL turns the XMP and LONG orientations, so decoding still does
+    xmp, long_turn = left["XMP"], left["a LONG orientation"]
+    assert torch.equal(decode_tensor(xmp, LIMITS), pil_to_tensor(_pil_upright(xmp)))
+    assert torch.equal(decode_tensor(long_turn, LIMITS), pil_to_tensor(_pil_upright(long_turn)))
+    assert decode_tensor(long_turn, LIMITS).shape[1:] == (coffee.width, coffee.height)
+    with pytest.raises(InvalidImage, match="header is broken"):
+        decode_tensor(left["cut in its segments"], LIMITS)

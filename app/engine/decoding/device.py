@@ -17,10 +17,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from app.engine.decoding.image import DecodeLimits, open_checked
+from app.engine.decoding.image import DecodeLimits, open_checked, service_errors
 from app.engine.decoding.tensor import decode_tensor
 from models.data.jpeg import decode_jpegs, orientation
-from models.image_decode import is_jpeg
+from models.image_decode import is_jpeg, jpeg_header_checked
 from models.presets import TensorEvalTransform
 
 
@@ -35,7 +35,12 @@ class Encoded:
 
 
 def check_header(data: bytes, limits: DecodeLimits) -> Encoded:
-    """Read the header only and check every limit (InvalidImage, ImageTooLarge, UnsupportedImageFormat)."""
+    """Read the header only and check every limit (InvalidImage, ImageTooLarge, UnsupportedImageFormat): a plain
+    JPEG's without PIL (models/data/jpeg.py ``read_jpeg_header``), any other image's by PIL."""
+    with service_errors():
+        fast = jpeg_header_checked(data, limits)
+    if fast is not None:
+        return Encoded(data, True, limits, fast.orientation)
     header = open_checked(data, limits)
     jpeg = is_jpeg(header)
     return Encoded(data, jpeg, limits, orientation(header) if jpeg else 1)
