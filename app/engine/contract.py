@@ -68,16 +68,31 @@ class Served:
 
     def probabilities(self) -> np.ndarray:
         """(N, classes) float32 softmax probabilities, one row per input."""
-        return np.stack([r.value for r in self.results]).astype(np.float32, copy=False)
+        return np.array([r.value for r in self.results], dtype=np.float32)
 
     def top_k(self, k: int) -> list[list[Ranked]]:
         """Each image's ``k`` most probable classes (at most every class), most probable first (ties: the lower
         index first)."""
         probabilities = self.probabilities()
-        k = min(k, probabilities.shape[1])
-        order = np.argsort(-probabilities, axis=1, kind="stable")[:, :k]
+        order = top_indices(probabilities, min(k, probabilities.shape[1]))
         return [[Ranked(int(i), self.labels[i], float(row[i])) for i in indices]
                 for row, indices in zip(probabilities, order)]
+
+
+def top_indices(scores: np.ndarray, k: int) -> np.ndarray:
+    """Each row's ``k`` highest columns, highest first, ties the lower index first, NaN last: a stable sort's first
+    ``k``, found by a partial sort (a stable sort of 1,000 classes took about 35 us a row on the 2-core VM). Rows
+    with NaN, or ties across the ``k``-th place, take the stable sort itself."""
+    if 4 * k >= scores.shape[1] or np.isnan(scores).any():
+        return np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    if k == 1:
+        return scores.argmax(axis=1)[:, None]  # the first of the highest: the lower index of a tie
+    rows = np.arange(len(scores))[:, None]
+    chosen = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+    values = scores[rows, chosen]
+    if ((scores >= values.min(axis=1, keepdims=True)).sum(axis=1) != k).any():  # a tie across the k-th place
+        return np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    return chosen[rows, np.lexsort((chosen, -values), axis=-1)]
 
 
 def distinct_batches(results: Sequence[BatchResult[Any]]) -> list[BatchResult[Any]]:

@@ -6,9 +6,10 @@ After: the id header, the request metrics and one structured access-log line.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
-import uuid
+from typing import Any
 
 from flask import Flask, Response, g, request
 
@@ -30,21 +31,22 @@ def register_hooks(app: Flask, settings: Settings) -> None:
 
     @app.before_request
     def _start_request() -> None:
+        req, context = request._get_current_object(), g._get_current_object()  # not a proxy lookup per field
         # Keep a caller's id when it is sane, so logs can be joined across services; otherwise make one.
-        incoming = request.headers.get("X-Request-ID", "")
-        g.request_id = incoming if _REQUEST_ID.match(incoming) else uuid.uuid4().hex
-        g.started = time.perf_counter()
-        g.log_fields = {}
-        if (request.content_length or 0) > max_body_bytes:
+        incoming = req.headers.get("X-Request-ID", "")
+        context.request_id = incoming if _REQUEST_ID.match(incoming) else os.urandom(16).hex()
+        context.started = time.perf_counter()
+        context.log_fields = {}
+        if (req.content_length or 0) > max_body_bytes:
             # Announced over the limit: refused here, on every route, before any of it is read (werkzeug's own
             # 413 said "The data value transmitted exceeds the capacity limit.", and only on routes that read).
             raise BodyTooLarge(max_body_bytes)
-        sock = request.environ.get("gunicorn.socket")
+        sock = req.environ.get("gunicorn.socket")
         if sock is not None:
             # A client that stalls while sending its body gets 408 instead of holding a thread forever.
             sock.settimeout(body_timeout_s)
-        if api_key is not None and needs_key(request.path, health_open):
-            check_api_key(request.headers, api_key)
+        if api_key is not None and needs_key(req.path, health_open):
+            check_api_key(req.headers, api_key)
 
     app.after_request(_finish_request)
 
@@ -59,22 +61,36 @@ def is_probe(path: str) -> bool:
     return path in OPEN_PATHS or is_page(path)
 
 
+_SERIES: dict[tuple[object, ...], Any] = {}  # the labelled series each route and status writes, looked up once
+
+
+def _series(metric: Any, *labels: str) -> Any:
+    key = (metric, *labels)
+    series = _SERIES.get(key)
+    if series is None:  # two threads may both look it up: labels() gives both the same series
+        series = _SERIES[key] = metric.labels(*labels)
+    return series
+
+
 def _finish_request(response: Response) -> Response:
-    response.headers["X-Request-ID"] = g.get("request_id", "")
-    elapsed = time.perf_counter() - g.get("started", time.perf_counter())
-    endpoint = request.url_rule.rule if request.url_rule is not None else "unmatched"
-    probe = is_probe(request.path)
+    req, context = request._get_current_object(), g._get_current_object()
+    request_id = getattr(context, "request_id", "")
+    response.headers["X-Request-ID"] = request_id
+    elapsed = time.perf_counter() - getattr(context, "started", time.perf_counter())
+    endpoint = req.url_rule.rule if req.url_rule is not None else "unmatched"
+    status = response.status_code
+    probe = is_probe(req.path)
     if probe:
-        PROBES.labels(endpoint, str(response.status_code)).inc()
+        _series(PROBES, endpoint, str(status)).inc()
     else:
-        REQUESTS.labels(endpoint, str(response.status_code)).inc()
-        REQUEST_SECONDS.labels(endpoint).observe(elapsed)
-    code = g.get("error_code")
-    if response.status_code in (429, 503) and code and not probe:
+        _series(REQUESTS, endpoint, str(status)).inc()
+        _series(REQUEST_SECONDS, endpoint).observe(elapsed)
+    code = getattr(context, "error_code", None)
+    if status in (429, 503) and code and not probe:
         REJECTED.labels(code).inc()
-    fields = {"request_id": g.get("request_id"), "client": request.remote_addr, "method": request.method,
-              "route": endpoint,
-              "status": response.status_code, "error": code, "duration_ms": round(elapsed * 1000, 2),
-              **g.get("log_fields", {})}
-    access_log.log(logging.DEBUG if probe else logging.INFO, "request", extra=fields)
+    if access_log.isEnabledFor(logging.DEBUG if probe else logging.INFO):
+        access_log.log(logging.DEBUG if probe else logging.INFO, "request", extra={
+            "request_id": request_id or None, "client": req.remote_addr, "method": req.method, "route": endpoint,
+            "status": status, "error": code, "duration_ms": round(elapsed * 1000, 2),
+            **getattr(context, "log_fields", {})})
     return response

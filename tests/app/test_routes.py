@@ -9,6 +9,7 @@ import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 from flask.testing import FlaskClient
 
@@ -16,7 +17,7 @@ from app import EXTENSION_KEY
 from app.config import Settings
 from app.engine.batching.types import BatchResult
 from app.engine.service import Service
-from app.engine.contract import stage_ms
+from app.engine.contract import Served, stage_ms, top_indices
 from tests.support.answers import error_of, labels_of
 from tests.support.fakes import ColourModel, wait_until
 from tests.support.imaging import BLUE, GREEN, RED, image_bytes
@@ -59,6 +60,24 @@ def test_top_k_default_query_and_form(client: FlaskClient) -> None:
     assert top_k_len(client.post("/predict?top_k=1", data=image_bytes(), content_type="image/jpeg")) == 1
     form = {"image": (io.BytesIO(image_bytes()), "a.jpg"), "top_k": "3"}
     assert top_k_len(client.post("/predict", data=form)) == 3
+
+
+def test_the_top_classes_are_a_stable_sort_s_first_whatever_the_ties_nan_or_rows() -> None:
+    rng = np.random.default_rng(0)
+    for trial in range(2000):
+        columns, rows = int(rng.integers(1, 60)), int(rng.integers(1, 5))
+        k = int(rng.integers(1, columns + 1))
+        scores = (rng.integers(0, 6, (rows, columns)).astype(np.float32) if trial % 2  # many ties
+                  else rng.random((rows, columns), dtype=np.float32))
+        if trial % 7 == 0:
+            scores[0, rng.integers(0, columns)] = np.nan
+        assert np.array_equal(top_indices(scores, k), np.argsort(-scores, axis=1, kind="stable")[:, :k])
+    tied = np.zeros((2, 1000), dtype=np.float32)
+    tied[0, [7, 3, 900]] = 0.3  # a three-way tie for first: the lower index first
+    tied[1, 999] = 1.0
+    served = Served([BatchResult(row, 1, 2, 0.0, 0.0) for row in tied], "m", "1", [f"c{i}" for i in range(1000)], 0.0)
+    assert [[r.index for r in top] for top in served.top_k(2)] == [[3, 7], [999, 0]]
+    assert [[r.label for r in top] for top in served.top_k(1)] == [["c3"], ["c999"]]
 
 
 def test_server_timing_batch_size_and_request_id(client: FlaskClient) -> None:
