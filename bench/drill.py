@@ -15,7 +15,8 @@ and 256, and 4x overload at C=1024); the serving overhead (``bench.serving.overh
 model and bodies that decode in microseconds, the HTTP workers' and the engine's CPU per request beside the bare
 Flask app, the budget's unit, measured on this host); the ``-m gpu`` tests (the device decode path's pixels, EXIF
 turns included, placement, tensors); ``models.predict`` on CUDA over a photo folder; the training feed (JPEG folder
-on the CPU and on the GPU against synthetic batches).
+on the CPU and on the GPU against synthetic batches); last, in whatever time is left, the engine alone on the device
+beside its floor (``bench.serving.engine_only``: its CPU per request with no HTTP worker beside it).
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
                   "--workers", "1"]
         overhead = ["--smoke", "--servers", "process", "--forms", "jpeg", "v2 x16"]  # inline: the served step
         tests = ["-m", "gpu", "tests/unit/test_device.py"]
+        engine = ["--forms", "v2 x1", "--concurrency", "2", "--seconds", "0.3"]
         train = ["--archs", "resnet18", "--batch-size", "4", "--crop-size", "32", "--steps", "1", "--warmup", "1",
                  "--workers", "1", "--paths", "synthetic", "cpu"]
         photo_counts = ["--classes", "2", "--train-per-class", "4", "--val-per-class", "2"]
@@ -70,6 +72,7 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
                     "--forms", "jpeg", "v2 x1", "/v1/models"]  # 16 per request: the served step
         tests = ["-m", "gpu", "tests/unit/test_device.py", "tests/unit/test_tensor_decode.py",
                  "tests/unit/test_load_placement.py", "tests/training/test_gpu_data.py"]
+        engine = ["--floor", "--forms", "v2 x1", "jpeg", "--concurrency", "16", "--seconds", "3"]  # ~4 engine starts
         train = ["--archs", "efficientnet_lite0", "--batch-size", "128", "--steps", "12", "--warmup", "4"]
         photo_counts = ["--classes", "20", "--train-per-class", "60", "--val-per-class", "20"]
     return [
@@ -85,6 +88,10 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
                              "--out", str(figures / "predict.jsonl"), "--device", device)),
         Step("train-feed", 100, (py, "-m", "bench.training.train", "--device", device, "--data", str(photos),
                                  "--rounds", "1", "--no-variants", "--ddp", "0", *train, "--out", str(figures))),
+        # last: the time left after the steps above (the engine's own cost per request on the device's host, beside
+        # the floor: what issue #50 needs next from a GPU), never in their way
+        Step("engine", 70, (py, "-m", "bench.serving.engine_only", "--device", device, *engine, "--out",
+                            str(figures)), least_s=30),
     ]
 
 

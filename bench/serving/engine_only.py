@@ -5,6 +5,7 @@ requests in flight on C connections, as C HTTP worker threads would, and reads t
     .venv/bin/python -m bench.serving.engine_only                                # JPEG, V2 x1, V2 x16 at C=16
     .venv/bin/python -m bench.serving.engine_only --checkout ../before --rounds 3   # A/B: another checkout beside
     .venv/bin/python -m bench.serving.engine_only --floor --forms "v2 x1" "v2 x16"   # beside the floor
+    python3 -m bench.serving.engine_only --device cuda --floor --out FOLDER        # on a GPU host (the drill)
 
 With no HTTP worker beside it on the CPU, the engine is the bound and runs the batches it would run saturated: the
 figures are its cost per request and per image at that load, with nothing of the HTTP side in them (the overhead
@@ -45,7 +46,7 @@ def _import_from(checkout: Path) -> None:
         sys.path.append(str(ROOT))
 
 
-def serve(checkout: Path, weights: Path, sock: Path) -> None:
+def serve(checkout: Path, weights: Path, sock: Path, device: str = "cpu") -> None:
     """The engine process: the tiny model's Service served on ``sock`` until killed (``sock``.ready once bound)."""
     _import_from(checkout)
     from app.config import Settings
@@ -55,7 +56,7 @@ def serve(checkout: Path, weights: Path, sock: Path) -> None:
 
     assert Path(sys.modules["app"].__file__).is_relative_to(checkout), "the engine runs another checkout's code"
 
-    settings = Settings(weights_dir=weights, device="cpu", auto_batch_size=False, max_images=16,
+    settings = Settings(weights_dir=weights, device=device, auto_batch_size=False, max_images=16,
                         log_level="warning", warmup=False)
     server = EngineServer(Service.build(settings, DirectorySource(settings)), sock)
     server.bind()
@@ -63,7 +64,7 @@ def serve(checkout: Path, weights: Path, sock: Path) -> None:
     server.listen()
 
 
-def serve_floor(weights: Path, sock: Path) -> None:
+def serve_floor(weights: Path, sock: Path, device: str = "cpu") -> None:
     """The floor: the same wire, model and answers with nothing else (no admission, routing, deadlines, futures,
     batcher thread, decode, metrics or monitor): one loop reads a turn's requests, runs their tensors as one forward
     pass and answers each. What a Python engine on this wire cannot do with less, on this host."""
@@ -81,9 +82,9 @@ def serve_floor(weights: Path, sock: Path) -> None:
 
     from models.serving import forward_threads
 
-    torch.set_num_threads(forward_threads(0, "cpu") or torch.get_num_threads())  # the engine's rule for its forward
+    torch.set_num_threads(forward_threads(0, device) or torch.get_num_threads())  # the engine's rule for its forward
     batch_cap = Settings.model_fields["max_batch_size"].default  # the engine's (serve: auto_batch_size off)
-    module = torch.jit.load(str(weights / "model.torchscript.pt")).eval()
+    module = torch.jit.load(str(weights / "model.torchscript.pt"), map_location=device).eval()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(sock))
     listener.listen(64)
@@ -113,8 +114,8 @@ def serve_floor(weights: Path, sock: Path) -> None:
         started, answers = time.monotonic(), []
         with torch.inference_mode():  # in batches of the engine's cap, as its batcher runs them
             for first in range(0, len(rows), batch_cap):
-                batch = torch.from_numpy(np.stack(rows[first:first + batch_cap]))
-                answers.append(module(batch).softmax(dim=1).numpy())
+                batch = torch.from_numpy(np.stack(rows[first:first + batch_cap])).to(device)
+                answers.append(module(batch).softmax(dim=1).cpu().numpy())
         probabilities = np.concatenate(answers)
         run_s, batch_id, at = time.monotonic() - started, next(batch_ids), 0
         frames: dict[socket.socket, list[bytes]] = {}  # a connection's answers of this turn, sent in one call
@@ -246,13 +247,13 @@ def _drive_pipelined(checkout: Path, sock: Path, form: str, concurrency: int, se
 
 
 def measure(checkout: Path, weights: Path, form: str, concurrency: int, seconds: float,
-            floor: bool = False, pipelined: bool = False) -> dict[str, Any]:
+            floor: bool = False, pipelined: bool = False, device: str = "cpu") -> dict[str, Any]:
     """One engine started from ``checkout`` (``floor``: the floor's loop instead), driven by that checkout's client,
     then stopped."""
     with tempfile.TemporaryDirectory() as scratch:
         sock, env = Path(scratch) / "engine.sock", {**os.environ, "PROMETHEUS_MULTIPROC_DIR": scratch}
-        serve_args = ["--serve-floor", str(weights), str(sock)] if floor else ["--serve", str(checkout), str(weights),
-                                                                              str(sock)]
+        serve_args = (["--serve-floor", str(weights), str(sock), device] if floor else
+                      ["--serve", str(checkout), str(weights), str(sock), device])
         engine = subprocess.Popen([sys.executable, "-m", "bench.serving.engine_only", *serve_args], cwd=ROOT, env=env)
         try:
             while not Path(f"{sock}.ready").exists():
@@ -278,15 +279,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1, help="engine starts per checkout and form (medians)")
     parser.add_argument("--floor", action="store_true",
                         help="also the floor: a loop with this wire and model and nothing else (V2 forms)")
-    parser.add_argument("--serve", nargs=3, help=argparse.SUPPRESS)
-    parser.add_argument("--serve-floor", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cpu", help="the engine's DEVICE (and the floor's)")
+    parser.add_argument("--out", type=Path, help="also write the report (Markdown) here")
+    parser.add_argument("--serve", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--serve-floor", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--drive", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
-        serve(Path(args.serve[0]), Path(args.serve[1]), Path(args.serve[2]))
+        serve(Path(args.serve[0]), Path(args.serve[1]), Path(args.serve[2]), args.serve[3])
         return 0
     if args.serve_floor:
-        serve_floor(Path(args.serve_floor[0]), Path(args.serve_floor[1]))
+        serve_floor(Path(args.serve_floor[0]), Path(args.serve_floor[1]), args.serve_floor[2])
         return 0
     if args.drive:
         checkout, sock, form, concurrency, seconds, engine, connections = args.drive
@@ -303,21 +306,28 @@ def main(argv: list[str] | None = None) -> int:
         for form in args.forms:
             for checkout in checkouts:
                 found.setdefault((form, checkout), []).append(
-                    measure(checkout, weights, form, args.concurrency, args.seconds))
+                    measure(checkout, weights, form, args.concurrency, args.seconds, device=args.device))
             if args.floor and FORMS[form][0] == "v2":
                 found.setdefault((form, FLOOR), []).append(
-                    measure(ROOT, weights, form, args.concurrency, args.seconds, floor=True))
+                    measure(ROOT, weights, form, args.concurrency, args.seconds, floor=True, device=args.device))
                 found.setdefault((form, FLOOR_PIPELINED), []).append(
-                    measure(ROOT, weights, form, args.concurrency, args.seconds, floor=True, pipelined=True))
-    print(f"The engine without HTTP: C={args.concurrency}, {args.seconds:g} s per point, median of {args.rounds}\n")
-    print("| checkout | form | req/s | engine us / request | engine us / image | errors |")
-    print("| --- | --- | --- | --- | --- | --- |")
+                    measure(ROOT, weights, form, args.concurrency, args.seconds, floor=True, pipelined=True,
+                            device=args.device))
+    lines = [f"The engine without HTTP on {args.device} ({os.cpu_count()} cores): C={args.concurrency}, "
+             f"{args.seconds:g} s per point, median of {args.rounds}", "",
+             "| checkout | form | req/s | engine us / request | engine us / image | errors |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for (form, checkout), points in found.items():
         median = {key: statistics.median(p[key] for p in points)
                   for key in ("requests_per_s", "engine_us_per_request", "engine_us_per_image")}
         name = {ROOT: "this", FLOOR: "floor", FLOOR_PIPELINED: "floor, one connection"}.get(checkout, str(checkout))
-        print(f"| {name} | {form} | {median['requests_per_s']:.0f} | {median['engine_us_per_request']:.0f} | "
-              f"{median['engine_us_per_image']:.0f} | {sum(p['errors'] for p in points)} |")
+        lines.append(f"| {name} | {form} | {median['requests_per_s']:.0f} | {median['engine_us_per_request']:.0f} | "
+                     f"{median['engine_us_per_image']:.0f} | {sum(p['errors'] for p in points)} |")
+    report = "\n".join(lines) + "\n"
+    print(report)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{time.strftime('%Y-%m-%d')}-engine-only-{args.device}.md").write_text(report)
     return 0
 
 

@@ -5,6 +5,7 @@ on figures, not on fixing the script."""
 from __future__ import annotations
 
 import json
+import re
 import tarfile
 from pathlib import Path
 
@@ -14,6 +15,12 @@ from bench import drill
 
 
 @pytest.mark.slow
+def tar_text(out: Path, ending: str) -> str:
+    """The text of the one file in the drill's figures whose name ends with ``ending``."""
+    with tarfile.open(out / "figures.tar.gz") as tar:
+        return tar.extractfile(next(m for m in tar.getmembers() if m.name.endswith(ending))).read().decode()
+
+
 def test_the_gpu_drill_runs_every_step_on_the_cpu_and_returns_what_it_wrote(tmp_path: Path) -> None:
     out = tmp_path / "out"
     assert drill.main(["--smoke", "--out", str(out)]) == 0
@@ -24,6 +31,9 @@ def test_the_gpu_drill_runs_every_step_on_the_cpu_and_returns_what_it_wrote(tmp_
         names = {Path(name).name for name in tar.getnames()}
         report = tar.extractfile(next(m for m in tar.getmembers() if m.name.endswith("-gpu-cpu.md"))).read().decode()
     assert "predict.jsonl" in names and any(name.endswith("-train-cpu.md") for name in names)
+    engine = tar_text(out, "-engine-only-cpu.md")  # the engine alone, one tensor per request
+    assert "The engine without HTTP on cpu" in engine and re.search(r"^\| this \| v2 x1 \| \d+ \| \d+ \| \d+ \| 0 \|$",
+                                                                     engine, re.M)
     served = [line for line in report.splitlines() if line.startswith(("| process-2 |", "| inline |"))]
     assert [tuple(cell.strip() for cell in row.split("|")[1:4]) + (row.split("|")[7].strip(),) for row in served] == [
         (engine, "auto", per_request, "2") for engine in ("process-2", "inline") for per_request in ("1", "2")]
