@@ -14,13 +14,13 @@ import pytest
 from bench import drill
 
 
-@pytest.mark.slow
 def tar_text(out: Path, ending: str) -> str:
     """The text of the one file in the drill's figures whose name ends with ``ending``."""
     with tarfile.open(out / "figures.tar.gz") as tar:
         return tar.extractfile(next(m for m in tar.getmembers() if m.name.endswith(ending))).read().decode()
 
 
+@pytest.mark.slow
 def test_the_gpu_drill_runs_every_step_on_the_cpu_and_returns_what_it_wrote(tmp_path: Path) -> None:
     out = tmp_path / "out"
     assert drill.main(["--smoke", "--out", str(out)]) == 0
