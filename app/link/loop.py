@@ -246,7 +246,7 @@ class EngineServer:
         try:
             try:
                 wire.send(conn.sock, answer)
-            except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            except (pickle.PicklingError, TypeError, AttributeError, ValueError) as exc:  # rows that make no array too
                 wire.send(conn.sock, self._answer(error=InferenceFailed(f"the engine's answer could not be sent: "
                                                                         f"{exc}")))
         except OSError:

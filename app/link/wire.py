@@ -218,7 +218,8 @@ def _encoded(message: Any, segments: Sequence[bytes | memoryview]) -> tuple[byte
 
 
 def send(sock: socket.socket, message: Any, segments: Sequence[bytes | memoryview] = ()) -> None:
-    """One frame: ``message`` (one of MESSAGES, pickled) and ``segments`` (sent as they are)."""
+    """One frame: ``message`` (one of MESSAGES, its kind and values pickled; an answer's rows a segment) and
+    ``segments`` (sent as they are)."""
     _send_frame(sock, *_encoded(message, segments))
 
 
