@@ -299,7 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--warmup", type=float, default=1.0)
-    parser.add_argument("--rounds", type=int, default=1, help="server starts per server (medians over them)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="server starts per server (medians over them; every other round starts them in reverse "
+                        "order after the unit)")
     parser.add_argument("--workers", type=int, default=2, help="HTTP workers of every server")
     parser.add_argument("--device", default="cpu", help="visionserve's DEVICE (the engine's, in process mode)")
     parser.add_argument("--out", type=Path, help="also write the report (Markdown) and the points (JSON) here")
@@ -313,8 +315,11 @@ def main(argv: list[str] | None = None) -> int:
     rounds: dict[tuple[str, str, int], list[Point]] = collections.defaultdict(list)
     with tempfile.TemporaryDirectory() as folder:
         weights = tiny_weights(Path(folder) / "weights")
-        for _ in range(args.rounds):
-            for server, start in starters(args, weights, Path(folder)).items():
+        for round_index in range(args.rounds):
+            order = list(starters(args, weights, Path(folder)).items())
+            if round_index % 2:  # every other round the other way round: no server always runs right after the unit
+                order = order[:1] + order[:0:-1]
+            for server, start in order:
                 running = start().wait_ready()
                 try:
                     for form in forms_for(server, every, args.forms):
