@@ -6,7 +6,7 @@ import bisect
 import os
 import threading
 from collections import Counter as Tally
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -74,6 +74,20 @@ PREDICTION_DRIFT_PSI = Gauge("visionserve_prediction_drift_psi", "Population sta
                              "0 once unloaded)", ["model", "version"], multiprocess_mode="livemax")
 
 
+_SERIES: dict[tuple[object, ...], Any] = {}
+
+
+def series(metric: Any, *labels: str) -> Any:
+    """``metric.labels(*labels)``, looked up once per process: ``labels()`` takes a lock and checks its values on
+    every call, and a request or a batch writes the same few series each time. Two threads may both look one up
+    first: ``labels()`` gives both the same series."""
+    key = (metric, *labels)
+    found = _SERIES.get(key)
+    if found is None:
+        found = _SERIES[key] = metric.labels(*labels)
+    return found
+
+
 def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
     """``histogram.observe`` of each of ``values`` (a labelled child), written as one increment per bucket they
     fall in and one of the sum: in multiprocess mode each increment is a locked write to a shared file, and a batch's
@@ -139,9 +153,9 @@ class MetricsObserver:
     def batch_done(self, size: int, run_s: float, queued_s: Sequence[float], cpu_s: float) -> None:
         """Record one forward pass."""
         BATCH_SIZE.observe(size)
-        STAGE_SECONDS.labels("inference").observe(run_s)
-        STAGE_CPU_SECONDS.labels("inference").inc(cpu_s)
-        observe_many(STAGE_SECONDS.labels("queue"), queued_s)
+        series(STAGE_SECONDS, "inference").observe(run_s)
+        series(STAGE_CPU_SECONDS, "inference").inc(cpu_s)
+        observe_many(series(STAGE_SECONDS, "queue"), queued_s)
         if self._memory_stats is not None:
             for kind, value in self._memory_stats().items():
                 GPU_MEMORY.labels(kind).set(value)

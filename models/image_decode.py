@@ -2,7 +2,7 @@
 (app/engine/decoding/) and ``python -m models.predict`` both follow, stated once.
 
 Every limit is checked from the header before any pixel is decoded (``open_checked``; a plain JPEG's header is read
-without PIL on the tensor and device paths, ``jpeg_header_checked``); then PIL decodes the pixels
+without PIL on the tensor and device paths, ``checked_header``); then PIL decodes the pixels
 (reduced-scale for large JPEGs) and turns them upright by their EXIF orientation (``load_upright``), or on the
 tensor path libjpeg-turbo decodes a JPEG to the same pixels (``decode_tensor``). A refused image raises an
 ``ImageRefused`` whose message says why: the server raises its HTTP error of that kind with the same message
@@ -112,13 +112,16 @@ def open_checked(data: bytes, limits: DecodeLimits) -> Image.Image:
     return image
 
 
-def jpeg_header_checked(data: bytes, limits: DecodeLimits) -> JpegHeader | None:
-    """A plain JPEG's header read without PIL (``read_jpeg_header``) and its size checked against every limit, as
-    ``open_checked`` would (TooManyPixels, BrokenImage); None for any other image, which ``open_checked`` reads."""
+def checked_header(data: bytes, limits: DecodeLimits) -> tuple[JpegHeader | None, Image.Image | None]:
+    """An image's header read and every limit checked, no pixel decoded: a plain JPEG's without PIL
+    (``read_jpeg_header``; no PIL image then), any other image's by PIL (``open_checked``: its image, and its
+    JpegHeader when it is a JPEG)."""
     header = read_jpeg_header(data)
     if header is not None:
         _check_size(header.width, header.height, limits)
-    return header
+        return header, None
+    image = open_checked(data, limits)
+    return (JpegHeader.of(image) if is_jpeg(image) else None), image
 
 
 def is_jpeg(image: Image.Image) -> bool:
@@ -151,10 +154,7 @@ def decode_tensor(data: bytes, limits: DecodeLimits) -> torch.Tensor:
     included, without PIL's copies); every other format, CMYK and YCCK JPEGs, and any JPEG libjpeg-turbo refuses
     (truncated data: PIL then says why) go to PIL's decoder.
     """
-    header, image = jpeg_header_checked(data, limits), None
-    if header is None:  # not a plain JPEG: PIL reads the header
-        image = open_checked(data, limits)
-        header = JpegHeader.of(image) if is_jpeg(image) else None
+    header, image = checked_header(data, limits)
     if header is not None:
         try:
             return decode_jpeg_cpu(data, header, limits.jpeg_draft_min_side)

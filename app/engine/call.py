@@ -38,7 +38,7 @@ from app.errors import (
     check_image_count,
     retry_after_header,
 )
-from app.metrics import BATCHER_EVENTS, STAGE_CPU_SECONDS, STAGE_SECONDS
+from app.metrics import BATCHER_EVENTS, STAGE_CPU_SECONDS, STAGE_SECONDS, series
 
 
 ShadowOffer = Callable[[Sequence[bytes], Sequence[np.ndarray | torch.Tensor], Sequence[Prepared],
@@ -48,7 +48,7 @@ ShadowOffer = Callable[[Sequence[bytes], Sequence[np.ndarray | torch.Tensor], Se
 @dataclass
 class Queued:
     """A request's images in its version's queue (``Call.queue``), one group: what its answer is made of once the
-    group's future is done (``Call.answer``), or what is dropped when it ends first."""
+    group is done (``Call.answer``), or what is dropped when it ends first."""
 
     images: Sequence[bytes]
     pixels: list[np.ndarray | torch.Tensor]
@@ -146,7 +146,7 @@ class Call:
         return ClientGone(f"the client closed the connection; {dropped} queued images dropped")
 
     def answer(self, queued: Queued, labels: list[str] | None = None) -> Served:
-        """The answer of a request whose futures are all done (offered to the shadow first), with ``labels`` (None:
+        """The answer of a request whose group is done (offered to the shadow first), with ``labels`` (None:
         the version's); raises what failed."""
         try:
             results = queued.group.result()
@@ -170,8 +170,8 @@ class Call:
             except ServiceError as exc:
                 raise _named(exc, index, names) from None
         decode_s = time.perf_counter() - started
-        STAGE_SECONDS.labels("decode").observe(decode_s)
-        STAGE_CPU_SECONDS.labels("decode").inc(time.thread_time() - cpu_started)
+        series(STAGE_SECONDS, "decode").observe(decode_s)
+        series(STAGE_CPU_SECONDS, "decode").inc(time.thread_time() - cpu_started)
         return prepared, decode_s
 
 

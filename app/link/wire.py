@@ -7,8 +7,9 @@ images or tensors as raw segments, ``CatalogCall``, ``StateQuery``) and its ``An
 segment); ``Unanswered`` (a request the HTTP side refused before its images were sent, counted by the engine as the
 version's traffic) has no answer.
 
-A frame is a header (a message, one of ``MESSAGES``, pickled as its kind and its fields' values) and raw byte segments, sent with one scatter-gather
-call and read into one buffer, so an image's bytes are copied once on each side and never pickled.
+A frame is a header (a message, one of ``MESSAGES``, pickled as its kind and its fields' values) and raw byte
+segments, sent with one scatter-gather call and read into one buffer, so an image's bytes are copied once on each side
+and never pickled.
 
 Standard library and numpy only (and the engine's torch-free contract): the HTTP side never imports torch.
 """

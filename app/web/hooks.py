@@ -9,13 +9,12 @@ import logging
 import os
 import re
 import time
-from typing import Any
 
 from flask import Flask, Response, g, request
 
 from app.config import Settings
 from app.errors import BodyTooLarge
-from app.metrics import PROBES, REJECTED, REQUEST_SECONDS, REQUESTS
+from app.metrics import PROBES, REJECTED, REQUEST_SECONDS, REQUESTS, series
 from app.web.auth import OPEN_PATHS, check_api_key, is_page, needs_key
 
 access_log = logging.getLogger("visionserve.access")
@@ -61,17 +60,6 @@ def is_probe(path: str) -> bool:
     return path in OPEN_PATHS or is_page(path)
 
 
-_SERIES: dict[tuple[object, ...], Any] = {}  # the labelled series each route and status writes, looked up once
-
-
-def _series(metric: Any, *labels: str) -> Any:
-    key = (metric, *labels)
-    series = _SERIES.get(key)
-    if series is None:  # two threads may both look it up: labels() gives both the same series
-        series = _SERIES[key] = metric.labels(*labels)
-    return series
-
-
 def _finish_request(response: Response) -> Response:
     req, context = request._get_current_object(), g._get_current_object()
     request_id = getattr(context, "request_id", "")
@@ -81,15 +69,16 @@ def _finish_request(response: Response) -> Response:
     status = response.status_code
     probe = is_probe(req.path)
     if probe:
-        _series(PROBES, endpoint, str(status)).inc()
+        series(PROBES, endpoint, str(status)).inc()
     else:
-        _series(REQUESTS, endpoint, str(status)).inc()
-        _series(REQUEST_SECONDS, endpoint).observe(elapsed)
+        series(REQUESTS, endpoint, str(status)).inc()
+        series(REQUEST_SECONDS, endpoint).observe(elapsed)
     code = getattr(context, "error_code", None)
     if status in (429, 503) and code and not probe:
         REJECTED.labels(code).inc()
-    if access_log.isEnabledFor(logging.DEBUG if probe else logging.INFO):
-        access_log.log(logging.DEBUG if probe else logging.INFO, "request", extra={
+    level = logging.DEBUG if probe else logging.INFO
+    if access_log.isEnabledFor(level):
+        access_log.log(level, "request", extra={
             "request_id": request_id or None, "client": req.remote_addr, "method": req.method, "route": endpoint,
             "status": status, "error": code, "duration_ms": round(elapsed * 1000, 2),
             **getattr(context, "log_fields", {})})

@@ -120,13 +120,11 @@ def _exif_orientation(exif: bytes) -> int | None:
     return 1
 
 
-def decode_jpeg_cpu(data: bytes, header: JpegHeader | Image.Image, min_side: int) -> torch.Tensor:
-    """A JPEG whose header was read (``read_jpeg_header``, or PIL's image of it), as an upright RGB uint8 (3, H, W)
-    tensor: PIL's pixels bit for bit (its draft scale for ``min_side``, its EXIF turn), decoded by libjpeg-turbo
+def decode_jpeg_cpu(data: bytes, header: JpegHeader, min_side: int) -> torch.Tensor:
+    """A JPEG whose header was read (``read_jpeg_header``, or ``JpegHeader.of`` PIL's image), as an upright RGB uint8
+    (3, H, W) tensor: PIL's pixels bit for bit (its draft scale for ``min_side``, its EXIF turn), decoded by libjpeg-turbo
     straight into the array the tensor wraps. ValueError for what PIL must decode itself: CMYK and YCCK (PIL converts
     them its own way), and data libjpeg-turbo refuses (truncated: PIL then says why)."""
-    if isinstance(header, Image.Image):
-        header = JpegHeader.of(header)
     if header.mode not in _MODES:
         raise ValueError(f"a {header.mode} JPEG")
     width, height = header.width, header.height

@@ -20,10 +20,8 @@ from models.image_decode import (
     ImageRefused,
     decode_image,
     decode_tensor,
-    is_jpeg,
-    jpeg_header_checked,
+    checked_header,
     load_upright,
-    open_checked,
 )
 from models.predict.inputs import Item
 from models.presets import EvalPreset, TensorEvalTransform, eval_transform, pil_to_tensor
@@ -59,10 +57,9 @@ class ScoreSet(Dataset):
             return self.pil(decode_image(data, self.limits))
         if self.path == "tensor":
             return self.tensor(decode_tensor(data, self.limits))
-        if jpeg_header_checked(data, self.limits) is None:  # not a plain JPEG: PIL reads its header
-            image = open_checked(data, self.limits)
-            if not is_jpeg(image):
-                return pil_to_tensor(load_upright(image, self.limits))
+        header, image = checked_header(data, self.limits)
+        if header is None:  # not a JPEG: decoded here by PIL, as the device decodes only JPEGs
+            return pil_to_tensor(load_upright(image, self.limits))  # type: ignore[arg-type]
         return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 

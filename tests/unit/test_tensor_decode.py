@@ -42,7 +42,7 @@ def test_grey_and_cmyk_jpegs_become_pils_rgb(mode: str, color: object) -> None:
     assert torch.equal(decode_tensor(data, LIMITS), pil_to_tensor(_pil_upright(data)))
     if mode == "CMYK":  # libjpeg's CMYK -> RGB is not PIL's: PIL decodes it
         with pytest.raises(ValueError):
-            decode_jpeg_cpu(data, Image.open(io.BytesIO(data)), 0)
+            decode_jpeg_cpu(data, JpegHeader.of(Image.open(io.BytesIO(data))), 0)
 
 
 def _pil_upright(data: bytes, min_side: int = 0) -> Image.Image:
@@ -55,7 +55,7 @@ def _pil_upright(data: bytes, min_side: int = 0) -> Image.Image:
 
 def _decoded_fast(data: bytes, min_side: int = 0) -> torch.Tensor:
     """libjpeg-turbo's decode itself (a ValueError here would otherwise fall back to PIL and hide a difference)."""
-    return decode_jpeg_cpu(data, Image.open(io.BytesIO(data)), min_side)
+    return decode_jpeg_cpu(data, JpegHeader.of(Image.open(io.BytesIO(data))), min_side)
 
 
 def test_exif_orientation_is_applied_as_on_the_pil_path() -> None:
@@ -81,7 +81,7 @@ def test_an_orientation_that_is_not_an_exif_number_is_left_as_pil_leaves_it(valu
     headers = [Image.open(io.BytesIO(data)) for _ in range(2)]
     for header in headers:
         header.getexif()[0x0112] = value  # as a broken or crafted EXIF block reads
-    assert decode_jpeg_cpu(data, headers[0], 0).shape == (3, 20, 40)
+    assert decode_jpeg_cpu(data, JpegHeader.of(headers[0]), 0).shape == (3, 20, 40)
     assert ImageOps.exif_transpose(headers[1]).size == (40, 20)
 
 
@@ -295,9 +295,10 @@ def test_a_plain_jpeg_s_header_reads_without_pil_as_pil_reads_it() -> None:
         with Image.open(io.BytesIO(data)) as opened:
             assert header == JpegHeader.of(opened)
     assert [read_jpeg_header(data).orientation for data in turned] == [1, 2, 3, 4, 5, 6, 7, 8, 1, 1]
-    # the same pixels and refusals as through PIL's reading (decode_jpeg_cpu given PIL's image of the header)
+    # the same pixels and refusals as through PIL's reading (decode_jpeg_cpu given PIL's reading of the header)
     for data in turned:
-        assert torch.equal(decode_tensor(data, LIMITS), decode_jpeg_cpu(data, Image.open(io.BytesIO(data)), 0))
+        read_by_pil = JpegHeader.of(Image.open(io.BytesIO(data)))
+        assert torch.equal(decode_tensor(data, LIMITS), decode_jpeg_cpu(data, read_by_pil, 0))
     with pytest.raises(ImageTooLarge, match=r"512x512 = 262144 pixels; the limit is 1000"):
         decode_tensor(photo_jpeg(astronaut), DecodeLimits(max_pixels=1000))
     with pytest.raises(InvalidImage, match="aspect ratio is over 3"):

@@ -1,7 +1,8 @@
 """Dynamic batching: a bounded queue and one worker thread that runs one forward pass per batch.
 
 The batcher knows neither Flask nor the model: it takes items, calls ``predict_fn(list_of_items)`` and hands each
-caller its own row of the result through a Future.
+caller its own row of the result: through a Future an item (``submit_many``), or one Group a request
+(``submit_group``).
 """
 from __future__ import annotations
 
@@ -184,7 +185,7 @@ class Batcher(Generic[In, Out]):
 
     def submit_group(self, items: Sequence[In], deadline: float | None = None,
                      inline: bool = True) -> "Group[Out]":
-        """``submit_many``'s queueing, with one future for all of the items' results (a request's images)."""
+        """``submit_many``'s queueing, with one Group for all of the items' results (a request's images)."""
         now = time.monotonic()
         group: Group[Out] = Group(len(items))
         self._queue_pending([_Pending(item, None, now, deadline, group, index) for index, item in enumerate(items)],

@@ -17,10 +17,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from app.engine.decoding.image import DecodeLimits, open_checked, service_errors
+from app.engine.decoding.image import DecodeLimits, service_errors
 from app.engine.decoding.tensor import decode_tensor
-from models.data.jpeg import decode_jpegs, orientation
-from models.image_decode import is_jpeg, jpeg_header_checked
+from models.data.jpeg import decode_jpegs
+from models.image_decode import checked_header
 from models.presets import TensorEvalTransform
 
 
@@ -38,12 +38,8 @@ def check_header(data: bytes, limits: DecodeLimits) -> Encoded:
     """Read the header only and check every limit (InvalidImage, ImageTooLarge, UnsupportedImageFormat): a plain
     JPEG's without PIL (models/data/jpeg.py ``read_jpeg_header``), any other image's by PIL."""
     with service_errors():
-        fast = jpeg_header_checked(data, limits)
-    if fast is not None:
-        return Encoded(data, True, limits, fast.orientation)
-    header = open_checked(data, limits)
-    jpeg = is_jpeg(header)
-    return Encoded(data, jpeg, limits, orientation(header) if jpeg else 1)
+        header, _ = checked_header(data, limits)
+    return Encoded(data, header is not None, limits, header.orientation if header is not None else 1)
 
 
 def _jpegs_on(device: torch.device, items: Sequence[Encoded]) -> dict[int, torch.Tensor]:

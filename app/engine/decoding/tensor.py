@@ -2,10 +2,11 @@
 ``TensorEvalTransform``), so the same code runs on the CPU and, batched, on a GPU.
 
 The decode is models/image_decode.py's ``decode_tensor`` (models.predict's too): the header read and every limit
-checked first, before any pixel is decoded (a plain JPEG's without PIL, models/data/jpeg.py ``read_jpeg_header``); JPEGs to libjpeg-turbo (models/data/jpeg.py ``decode_jpeg_cpu``:
-PIL's pixels, reduced-scale decoding by ``JPEG_DRAFT_MIN_SIDE`` and the EXIF orientation included, without PIL's
-copies); every other format, CMYK and YCCK JPEGs (PIL converts them its own way), and any JPEG libjpeg-turbo refuses
-(truncated data: PIL then says why not) to PIL's decoder, joining the same tensor transform.
+checked first, before any pixel is decoded (a plain JPEG's without PIL, models/data/jpeg.py ``read_jpeg_header``);
+JPEGs to libjpeg-turbo (models/data/jpeg.py ``decode_jpeg_cpu``: PIL's pixels, reduced-scale decoding by
+``JPEG_DRAFT_MIN_SIDE`` and the EXIF orientation included, without PIL's copies); every other format, CMYK and YCCK
+JPEGs (PIL converts them its own way), and any JPEG libjpeg-turbo refuses (truncated data: PIL then says why not) to
+PIL's decoder, joining the same tensor transform.
 """
 from __future__ import annotations
 
