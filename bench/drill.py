@@ -14,7 +14,8 @@ mode with one engine and with two (ENGINES_PER_DEVICE=2), and inline, on Lite0, 
 and 256, and 4x overload at C=1024); the serving overhead (``bench.serving.overhead`` on the device: a one-layer
 model and bodies that decode in microseconds, the HTTP workers' and the engine's CPU per request beside the bare
 Flask app, the budget's unit, measured on this host); the ``-m gpu`` tests (the device decode path's pixels, EXIF
-turns included, placement, tensors); ``models.predict`` on CUDA over a photo folder; the training feed (JPEG folder
+turns included, placement, tensors); one forward pass's cost to the engine's thread at each batch size, eager and
+replayed as a CUDA graph (``bench.serving.forward_launch``); ``models.predict`` on CUDA over a photo folder; the training feed (JPEG folder
 on the CPU and on the GPU against synthetic batches); last, in whatever time is left, the engine alone on the device
 beside its floor (``bench.serving.engine_only``: its CPU per request with no HTTP worker beside it).
 """
@@ -60,6 +61,7 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         overhead = ["--smoke", "--servers", "process", "--forms", "jpeg", "v2 x16"]  # inline: the served step
         tests = ["-m", "gpu", "tests/unit/test_device.py"]
         engine = ["--forms", "v2 x1", "--concurrency", "2", "--seconds", "0.3"]
+        launches = ["--model", model, "--dtypes", "float32", "--batch-sizes", "1", "2", "--seconds", "0.1"]
         train = ["--archs", "resnet18", "--batch-size", "4", "--crop-size", "32", "--steps", "1", "--warmup", "1",
                  "--workers", "1", "--paths", "synthetic", "cpu"]
         photo_counts = ["--classes", "2", "--train-per-class", "4", "--val-per-class", "2"]
@@ -73,6 +75,7 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         tests = ["-m", "gpu", "tests/unit/test_device.py", "tests/unit/test_tensor_decode.py",
                  "tests/unit/test_load_placement.py", "tests/training/test_gpu_data.py"]
         engine = ["--floor", "--forms", "v2 x1", "jpeg", "--concurrency", "16", "--seconds", "3"]  # ~4 engine starts
+        launches = ["--model", model, "--dtypes", "float32", "bfloat16", "--seconds", "0.5"]
         train = ["--archs", "efficientnet_lite0", "--batch-size", "128", "--steps", "12", "--warmup", "4"]
         photo_counts = ["--classes", "20", "--train-per-class", "60", "--val-per-class", "20"]
     return [
@@ -83,6 +86,9 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         Step("overhead", 100, (py, "-m", "bench.serving.overhead", "--device", device, *overhead, "--out",
                                str(figures))),
         Step("gpu-tests", 100, (py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests)),
+        # one forward's launches at each batch size, eager and as a CUDA graph: the next lever on the engine's lock
+        Step("launches", 60, (py, "-m", "bench.serving.forward_launch", "--device", device, *launches, "--out",
+                              str(figures)), least_s=25),
         Step("photos", 40, (py, "-m", "demo_data", "photos", "--out", str(photos), *photo_counts), least_s=10),
         Step("predict", 50, (py, "-m", "models.predict", "--weights", str(weights), "--data", str(photos / "val"),
                              "--out", str(figures / "predict.jsonl"), "--device", device)),

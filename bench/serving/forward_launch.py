@@ -1,0 +1,133 @@
+"""What one forward pass costs the engine's thread at each batch size the batcher runs (issue #50): the served model
+as the server loads it (``Predictor.load``), called as it calls it, beside the same forward captured once as a CUDA
+graph and replayed. On a GPU the engine's thread pays for every kernel launch of a forward pass while holding the
+interpreter lock; at the small batches a one-image-per-request load makes, those launches, not the GPU, bound it.
+
+    python3 -m bench.serving.forward_launch --device cuda --out FOLDER         # on a GPU host (the drill runs it)
+    .venv/bin/python -m bench.serving.forward_launch --device cpu --batch-sizes 1 4 --seconds 0.2   # eager only
+
+For each dtype and batch size: the calling thread's CPU per call (``time.thread_time``: the launches, what the lock
+is held for) and the wall time per call, waited for (the GPU's time for the batch when it exceeds the launches),
+eager and, on CUDA, graphed; the graphed output's largest difference from eager's. Writes
+``forward-launch-<device>.json`` and ``.md`` into ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from bench.serving.compare import export_models
+
+WORK = Path(__file__).resolve().parents[1] / ".work"
+
+
+def _timed(call: Callable[[], object], sync: Callable[[], None], seconds: float) -> tuple[float, float, int]:
+    """(thread CPU us per call, wall us per call waited for, calls) over about ``seconds``."""
+    call()
+    sync()
+    calls = 0
+    cpu = wall = 0.0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or calls < 3:
+        wall_start, cpu_start = time.perf_counter(), time.thread_time()
+        call()
+        cpu += time.thread_time() - cpu_start
+        sync()
+        wall += time.perf_counter() - wall_start
+        calls += 1
+    return cpu / calls * 1e6, wall / calls * 1e6, calls
+
+
+def _graphed(module: torch.nn.Module, batch: torch.Tensor) -> tuple[Callable[[], torch.Tensor], torch.Tensor]:
+    """``module`` on ``batch`` captured as one CUDA graph: (replay, its output tensor)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.inference_mode():
+        for _ in range(3):  # warm-up on a side stream, as capture needs (lazy init, cuDNN's choice)
+            module(batch)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.inference_mode(), torch.cuda.graph(graph):
+        output = module(batch)
+    return graph.replay, output
+
+
+def measure(weights: Path, device: str, dtypes: Sequence[str], batch_sizes: Sequence[int],
+            seconds: float) -> list[dict[str, object]]:
+    """One row per dtype and batch size (see the module's docstring)."""
+    from app.engine.loaded.predictor import Predictor
+
+    cuda = device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    rows: list[dict[str, object]] = []
+    for dtype in dtypes:
+        predictor = Predictor.load(weights, device=device, dtype=dtype, max_batch_size=max(batch_sizes))
+        module = predictor.module
+        for size in batch_sizes:
+            batch = torch.rand(size, *predictor.manifest.preprocess.input_shape, device=predictor.device,
+                               dtype=predictor.dtype)
+            row: dict[str, object] = {"dtype": dtype, "batch": size, "format": predictor.weights_format}
+
+            def eager() -> torch.Tensor:
+                with torch.inference_mode():
+                    return module(batch)
+
+            row["eager_cpu_us"], row["eager_wall_us"], row["eager_calls"] = _timed(eager, sync, seconds)
+            if cuda:
+                try:
+                    replay, output = _graphed(module, batch)
+                    row["graph_cpu_us"], row["graph_wall_us"], row["graph_calls"] = _timed(replay, sync, seconds)
+                    row["graph_max_diff"] = float((output.float() - eager().float()).abs().max())
+                except Exception as exc:  # noqa: BLE001 - a module capture refuses is a finding, not a stop
+                    row["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            rows.append(row)
+        del predictor, module
+        if cuda:
+            torch.cuda.empty_cache()
+    return rows
+
+
+def report(rows: Sequence[dict[str, object]], machine: dict[str, object]) -> str:
+    """The rows as a markdown table."""
+    lines = [f"# One forward pass's cost to the engine's thread: {machine['device_name']}, torch {machine['torch']}",
+             "", "| dtype | format | batch | eager CPU us | eager wall us | graph CPU us | graph wall us | "
+             "eager/graph CPU | graph max diff |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+        graph_cpu = row.get("graph_cpu_us")
+        ratio = f"{row['eager_cpu_us'] / graph_cpu:.1f}x" if graph_cpu else "-"  # type: ignore[operator]
+        graph = (f"{graph_cpu:.0f} | {row['graph_wall_us']:.0f}" if graph_cpu
+                 else f"{row.get('graph_error', 'no CUDA')} | -")
+        lines.append(f"| {row['dtype']} | {row['format']} | {row['batch']} | {row['eager_cpu_us']:.0f} | "
+                     f"{row['eager_wall_us']:.0f} | {graph} | {ratio} | {row.get('graph_max_diff', '-')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--model", default="efficientnet_lite0", choices=("efficientnet_lite0", "mobilenet_v3_small"))
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument("--seconds", type=float, default=1.0, help="per point and path")
+    parser.add_argument("--out", type=Path, default=WORK / "forward-launch")
+    args = parser.parse_args(argv)
+    weights = export_models(WORK / "weights", [args.model])[args.model]
+    machine = {"device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor()
+               or "cpu", "torch": torch.__version__}
+    rows = measure(weights, args.device, args.dtypes, args.batch_sizes, args.seconds)
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = f"forward-launch-{args.device.split(':')[0]}"
+    (args.out / f"{name}.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=2) + "\n")
+    text = report(rows, machine)
+    (args.out / f"{name}.md").write_text(text)
+    print(text, flush=True)
+
+
+if __name__ == "__main__":
+    main()
