@@ -169,6 +169,12 @@ class DeviceSettings(SettingsGroup):
         "to +20% images/s on 2 cores); on CUDA torch's default.")
     warmup: bool = Field(True, description="Run every batch shape once before reporting ready (each size on the "
                          "CPU; powers of two and the cap on CUDA, where batches are padded to them).")
+    cuda_graphs: bool = Field(
+        True, description="On CUDA, capture each warmed batch shape's forward pass as a CUDA graph and replay it: "
+        "one launch instead of one per kernel, which at small batches is what bounds the engine (EfficientNet-Lite0, "
+        "float32, H200: ~2.2 ms of the engine thread's CPU per batch of 1-8 eager, 7-9 us replayed; docs/"
+        "performance.md). TorchScript and state-dict weights; needs `WARMUP` (graphs are captured then). A model "
+        "that cannot be captured runs eagerly, and the log says why.")
     jit_optimize: bool = Field(
         True, description="On the CPU, `torch.jit.freeze` + `optimize_for_inference` the TorchScript model "
         "(BatchNorm folded into convolutions, MKLDNN kernels): about 1.5x images/s for EfficientNet-Lite0 on 2 "

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from app.engine.loaded.graphs import GraphedForward
 from models.export.load import load_model, module_bytes
 from models.export.manifest import Manifest
 from models.presets import ImageTransform, TensorEvalTransform, eval_transform
@@ -24,7 +25,7 @@ class Predictor:
 
     def __init__(self, model: nn.Module, manifest: Manifest, *, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, weights_format: str = "eager",
-                 pad_batches: bool | None = None, weights_bytes: int | None = None) -> None:
+                 pad_batches: bool | None = None, weights_bytes: int | None = None, cuda_graphs: bool = False) -> None:
         self.manifest = manifest
         self.device = torch.device(device)
         self.dtype = dtype
@@ -43,19 +44,24 @@ class Predictor:
         self.pad_batches = self.device.type == "cuda" if pad_batches is None else pad_batches
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN pick its fastest kernels
+        # Each batch shape's forward pass replayed as one CUDA graph, captured at warm-up (graphs.py): modules only
+        # (an AOTInductor package runs its own kernels; ONNX Runtime runs on the CPU).
+        self.graphs = (GraphedForward(self._probabilities) if cuda_graphs and self.device.type == "cuda"
+                       and weights_format in ("torchscript", "state_dict", "eager") else None)
 
     @classmethod
     def load(cls, weights_dir: Path, *, weights_format: str = "auto", device: str = "auto",
              dtype: str = "float32", jit_optimize: bool = False, max_batch_size: int = 1,
-             threads: int = 1) -> "Predictor":
+             threads: int = 1, cuda_graphs: bool = False) -> "Predictor":
         """Load and verify (manifest, checksum, keys, output shape) or raise ModelLoadError. ``auto`` serves what
         was measured fastest on the device type (models/export/choose.py FASTEST_ON): the ONNX file under ONNX
         Runtime with ``threads`` intra-op threads, or a fitting AOTInductor package (float or int8); else the
-        manifest's default format (models/export/load.py, shared with python -m models.predict)."""
+        manifest's default format (models/export/load.py, shared with python -m models.predict). ``cuda_graphs``:
+        on CUDA, replay each warmed batch shape's forward pass as a CUDA graph (graphs.py)."""
         loaded = load_model(weights_dir, weights_format=weights_format, device=device, dtype=dtype,
                             jit_optimize=jit_optimize, max_batch_size=max_batch_size, threads=threads)
         return cls(loaded.module, loaded.manifest, device=loaded.device, dtype=loaded.dtype,
-                   weights_format=loaded.weights_format, weights_bytes=loaded.weights_bytes)
+                   weights_format=loaded.weights_format, weights_bytes=loaded.weights_bytes, cuda_graphs=cuda_graphs)
 
     @property
     def dtype_name(self) -> str:
@@ -81,17 +87,24 @@ class Predictor:
     def _padded_size(self, rows: int) -> int:
         return next((size for size in self.warmed_batch_sizes if size >= rows), rows)
 
+    def _probabilities(self, batch: torch.Tensor) -> torch.Tensor:
+        """The forward pass of a batch on the device in the compute dtype -> float32 softmax probabilities there."""
+        return self.module(batch).float().softmax(dim=1)
+
     def predict_batch(self, batch: torch.Tensor) -> torch.Tensor:
         """(N, C, H, W) on the CPU or the device -> (N, classes) float32 softmax probabilities on the CPU."""
         rows = batch.shape[0]
+        size = self._padded_size(rows) if self.pad_batches else rows
         if self.device.type == "cuda" and batch.device.type == "cpu":
-            batch = batch.pin_memory().to(self.device, non_blocking=True)
-        if self.pad_batches and (padded := self._padded_size(rows)) > rows:
-            batch = torch.cat([batch, batch.new_zeros(padded - rows, *batch.shape[1:])])  # on the device
+            batch = batch.pin_memory()
+        if self.graphs is not None and (replayed := self.graphs.run(batch, size)) is not None:
+            return replayed
+        batch = batch.to(self.device, non_blocking=True)
+        if size > rows:
+            batch = torch.cat([batch, batch.new_zeros(size - rows, *batch.shape[1:])])  # on the device
         try:
             with torch.inference_mode():
-                logits = self.module(batch.to(dtype=self.dtype))[:rows]
-                return logits.float().softmax(dim=1).cpu()
+                return self._probabilities(batch.to(dtype=self.dtype))[:rows].cpu()
         except torch.cuda.OutOfMemoryError:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # give the smaller retry the cached blocks back
@@ -120,6 +133,8 @@ class Predictor:
         for size, batch in batches.items():
             self.predict_batch(batch)
             self.warmed_batch_sizes.append(size)
+        if self.graphs is not None:
+            self._capture_graphs(list(batches))
         fastest = dict.fromkeys(batches, float("inf"))
         for _ in range(repeats):
             for size, batch in batches.items():
@@ -128,3 +143,19 @@ class Predictor:
                 fastest[size] = min(fastest[size], time.perf_counter() - begun)
         log.info("warmed up batch sizes %s in %.2fs", self.warmed_batch_sizes, time.perf_counter() - started)
         return {size: size / max(seconds, 1e-9) for size, seconds in fastest.items()}
+
+    def _capture_graphs(self, sizes: list[int]) -> None:
+        """Capture the forward pass of each of ``sizes`` as a graph, the largest first (they share its memory); if
+        one cannot be captured the forward passes stay eager, and the log says why."""
+        assert self.graphs is not None
+        try:
+            for size in sorted(sizes, reverse=True):
+                self.graphs.capture(torch.zeros(size, *self.manifest.preprocess.input_shape, device=self.device,
+                                                dtype=self.dtype))
+        except Exception as exc:  # noqa: BLE001 - a module capture refuses still serves, eagerly
+            log.warning("%s %s: forward passes stay eager: CUDA graph capture failed: %s", self.manifest.name,
+                        self.manifest.version, exc)
+            self.graphs = None
+            return
+        log.info("%s %s: forward passes replay CUDA graphs for batch sizes %s", self.manifest.name,
+                 self.manifest.version, self.graphs.batch_sizes)

@@ -103,7 +103,7 @@ class DirectorySource:
         folder = self.path(name, version)
         predictor = Predictor.load(folder, weights_format=self.settings.weights_format, device=self.settings.device,
                                    dtype=self.settings.dtype, jit_optimize=self.settings.jit_optimize,
-                                   max_batch_size=self.settings.max_batch_size,
+                                   max_batch_size=self.settings.max_batch_size, cuda_graphs=self.settings.cuda_graphs,
                                    threads=forward_threads(self.settings.torch_threads, resolve_device(
                                        self.settings.device), workers=self.settings.model_processes()) or 1)
         found = (predictor.manifest.name, predictor.manifest.version)

@@ -1,0 +1,85 @@
+"""A forward pass replayed as one CUDA graph per batch size (Settings.cuda_graphs).
+
+On a GPU the thread that runs a forward pass pays for every kernel it launches, and at the small batches a
+one-image-per-request load makes those launches, not the GPU, bound the engine: EfficientNet-Lite0 in float32 cost
+its thread ~2.2 ms of CPU per batch of 1-8 on an H200, and 7-9 us replayed from a graph, whose batch also finished
+4x sooner (530 against 2,270 us at one image; bench/results/2026-11-28-gpu-drill-h200.md). A graph is captured per
+batch size the batcher runs (the padded sizes of Predictor.batch_shapes) at warm-up, into one shared memory pool,
+and replayed from fixed input and output tensors: a batch is copied into its size's input, the graph replayed, the
+rows read back, under one lock, so no replay can overwrite what another is reading.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, NamedTuple
+
+import torch
+
+log = logging.getLogger(__name__)
+
+Forward = Callable[[torch.Tensor], torch.Tensor]
+# (forward, its fixed input, the shared memory pool) -> (replay, its fixed output)
+Capture = Callable[[Forward, torch.Tensor, object], tuple[Callable[[], None], torch.Tensor]]
+
+
+def cuda_capture(forward: Forward, fixed_input: torch.Tensor, pool: object) -> tuple[Callable[[], None],
+                                                                                      torch.Tensor]:
+    """``forward`` on ``fixed_input`` captured as one CUDA graph in ``pool`` after two runs on a side stream (lazy
+    initialisation and cuDNN's choices happen outside the capture, as PyTorch's CUDA graph notes ask)."""
+    side = torch.cuda.Stream(fixed_input.device)
+    side.wait_stream(torch.cuda.current_stream(fixed_input.device))
+    with torch.cuda.stream(side), torch.inference_mode():
+        for _ in range(2):
+            forward(fixed_input)
+    torch.cuda.current_stream(fixed_input.device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+        fixed_output = forward(fixed_input)
+    return graph.replay, fixed_output
+
+
+class _Captured(NamedTuple):
+    fixed_input: torch.Tensor
+    replay: Callable[[], None]
+    fixed_output: torch.Tensor
+
+
+class GraphedForward:
+    """``forward`` (a batch on the device -> its output) captured once per batch size and replayed."""
+
+    def __init__(self, forward: Forward, capture: Capture = cuda_capture) -> None:
+        self._forward = forward
+        self._capture = capture
+        self._captured: dict[int, _Captured] = {}
+        self._pool: object = None
+        self._lock = threading.Lock()
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        """The batch sizes captured, smallest first."""
+        return sorted(self._captured)
+
+    def capture(self, example: torch.Tensor) -> None:
+        """Capture ``forward`` at ``example``'s batch size (its shape, dtype and device). Capture the largest size
+        first: the later ones then fit in the memory the first one's pool holds."""
+        if self._pool is None and example.is_cuda:
+            self._pool = torch.cuda.graph_pool_handle()
+        fixed_input = torch.zeros_like(example)
+        replay, fixed_output = self._capture(self._forward, fixed_input, self._pool)
+        self._captured[example.shape[0]] = _Captured(fixed_input, replay, fixed_output)
+
+    def run(self, batch: torch.Tensor, size: int) -> torch.Tensor | None:
+        """``batch`` (at most ``size`` rows, on the CPU or the device) through the graph of ``size`` -> its rows of
+        the output, copied to the CPU; None when no graph of that size was captured. Rows past the batch's are
+        zeros, as an eager padded batch's are."""
+        captured = self._captured.get(size)
+        if captured is None:
+            return None
+        rows = batch.shape[0]
+        with self._lock:
+            captured.fixed_input[:rows].copy_(batch, non_blocking=True)
+            if rows < size:
+                captured.fixed_input[rows:].zero_()
+            captured.replay()
+            return captured.fixed_output[:rows].to("cpu", copy=True)
