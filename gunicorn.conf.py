@@ -28,8 +28,8 @@ _workers, _workers_why = workers_for(_settings.workers, _settings.device)
 os.environ["VISIONSERVE_WORKERS"] = str(_workers)
 
 # ENGINE=process: the models run in engine processes the master starts (app/link/supervisor.py), the workers only
-# HTTP; ENGINE=auto is inline for now (app/hosting/host.py says why).
-_engine = engine_mode(_settings.engine)
+# HTTP; ENGINE=auto is process with a GPU, inline on a CPU host (app/hosting/host.py says why).
+_engine = engine_mode(_settings.engine, _settings.device)
 # The engines read how many of them share the host (each forward pass takes its share of the cores).
 _engines = engine_count(_settings.device, _settings.engines_per_device) if _engine == "process" else 0
 os.environ["VISIONSERVE_ENGINES"] = str(_engines)

@@ -279,10 +279,10 @@ class ServerSettings(SettingsGroup):
         "per GPU, or on a CPU host), started and restarted by the master, owns the models, batching, decoding and "
         "the forward pass; "
         "the HTTP workers never import torch and send it the images over a Unix socket (docs/architecture.md). "
-        "`inline`: each worker loads its own copy and batches its own requests. `auto`: `inline`, with a GPU too, "
-        "until one engine process keeps up with a GPU (on an H100, Lite0, one image per request: inline 1,315-1,367 "
-        "img/s against 473 with one engine, whose interpreter is the bound; docs/performance.md); on a CPU host two "
-        "workers each running forward passes keep both cores busy.")
+        "`inline`: each worker loads its own copy and batches its own requests. `auto`: `process` when the model "
+        "runs on a GPU (on an H200, Lite0, one image per request: one engine 1,619-2,062 img/s against inline's "
+        "1,339-1,568 from C=64 to 1,024; docs/performance.md), `inline` on a CPU host, where two workers each running "
+        "forward passes keep both cores busy.")
     engines_per_device: int = Field(
         1, ge=1, le=8, description="Under ENGINE=process: engine processes per device (Triton's instance count), each "
         "with its own copy of the models and its own interpreter: a GPU whose preprocessing and launches saturate one "

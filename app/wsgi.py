@@ -34,7 +34,7 @@ def _load() -> Callable[[], WSGIApp]:
     """Import what the app needs (the slow part: torch and the engine unless it runs in its own process, Flask, the
     protocols); return its builder."""
     settings = load_settings()
-    engine = engine_mode(settings.engine)
+    engine = engine_mode(settings.engine, settings.device)
     if engine == "inline":
         import app.engine.service  # noqa: F401 - torch
     import app.v1  # noqa: F401 - Flask and the web layer

@@ -11,13 +11,15 @@ output goes to ``OUT/drill.log`` as it comes.
 
 Steps, most wanted first: the machine's facts; the served figures (``bench.serving.gpu``: the defaults in process
 mode with one engine and with two (ENGINES_PER_DEVICE=2), and inline, on Lite0, 1 and 16 images per request, C=64
-and 256, and 4x overload at C=1024); the serving overhead (``bench.serving.overhead`` on the device: a one-layer
+and 256, and 4x overload at C=1024), then its process-mode points at C=64 again with eager forward passes
+(CUDA_GRAPHS=false: the graphs' A/B); the serving overhead (``bench.serving.overhead`` on the device: a one-layer
 model and bodies that decode in microseconds, the HTTP workers' and the engine's CPU per request beside the bare
 Flask app, the budget's unit, measured on this host); the ``-m gpu`` tests (the device decode path's pixels, EXIF
-turns included, placement, tensors); one forward pass's cost to the engine's thread at each batch size, eager and
-replayed as a CUDA graph (``bench.serving.forward_launch``); ``models.predict`` on CUDA over a photo folder; the training feed (JPEG folder
-on the CPU and on the GPU against synthetic batches); last, in whatever time is left, the engine alone on the device
-beside its floor (``bench.serving.engine_only``: its CPU per request with no HTTP worker beside it).
+turns included, placement, tensors, CUDA graphs against eager); one forward pass's cost to the engine's thread at
+each batch size, eager and replayed as a CUDA graph (``bench.serving.forward_launch``); the engine alone on the
+device beside its floor (``bench.serving.engine_only``: its CPU per request with no HTTP worker beside it);
+``models.predict`` on CUDA over a photo folder; last, the training feed (JPEG folder on the CPU and on the GPU
+against synthetic batches).
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ class Step:
     limit_s: float  # the most this step may take
     command: tuple[str, ...]
     least_s: float = 20.0  # not started with less time than this left
+    env: tuple[tuple[str, str], ...] = ()  # settings of its own, beside the drill's environment
 
 
 def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
@@ -61,6 +64,7 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         overhead = ["--smoke", "--servers", "process", "--forms", "jpeg", "v2 x16"]  # inline: the served step
         tests = ["-m", "gpu", "tests/unit/test_device.py"]
         engine = ["--forms", "v2 x1", "--concurrency", "2", "--seconds", "0.3"]
+        eager = ["--engines", "process-2", *served]
         launches = ["--model", model, "--dtypes", "float32", "--batch-sizes", "1", "2", "--seconds", "0.1"]
         train = ["--archs", "resnet18", "--batch-size", "4", "--crop-size", "32", "--steps", "1", "--warmup", "1",
                  "--workers", "1", "--paths", "synthetic", "cpu"]
@@ -73,9 +77,12 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         overhead = ["--servers", "process", "inline", "--seconds", "2", "--concurrency", "16", "64", "--workers", "4",
                     "--forms", "jpeg", "v2 x1", "/v1/models"]  # 16 per request: the served step
         tests = ["-m", "gpu", "tests/unit/test_device.py", "tests/unit/test_tensor_decode.py",
-                 "tests/unit/test_load_placement.py", "tests/training/test_gpu_data.py"]
+                 "tests/unit/test_load_placement.py", "tests/unit/test_cuda_graphs.py",
+                 "tests/training/test_gpu_data.py"]
         engine = ["--floor", "--forms", "v2 x1", "jpeg", "--concurrency", "16", "--seconds", "3"]  # ~4 engine starts
-        launches = ["--model", model, "--dtypes", "float32", "bfloat16", "--seconds", "0.5"]
+        eager = ["--engines", "process", "--batch-sizes", "64", "--concurrency", "64", "--images-per-request", "1",
+                 "16", "--seconds", "3", "--warmup", "1", "--limit-seconds", "1", "--workers", "0"]
+        launches = ["--model", model, "--dtypes", "float32", "--seconds", "0.3"]
         train = ["--archs", "efficientnet_lite0", "--batch-size", "128", "--steps", "12", "--warmup", "4"]
         photo_counts = ["--classes", "20", "--train-per-class", "60", "--val-per-class", "20"]
     return [
@@ -83,21 +90,26 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         Step("served", 260, (py, "-m", "bench.serving.gpu", "--device", device, "--dtype", "float32", "--models",
                              model, "--engines", *engines, "--decode-paths", "auto", "--processes",
                              "--workload", "imagenet", *served, "--out", str(figures)), least_s=60),
+        # the served step's process-mode points at C=64 again with eager forward passes (CUDA_GRAPHS=false), right
+        # after it: CUDA graphs against eager on one machine (bench/results/2026-11-28-gpu-drill-h200.md)
+        Step("served-eager", 100, (py, "-m", "bench.serving.gpu", "--device", device, "--dtype", "float32",
+                                   "--models", model, "--decode-paths", "auto", "--processes", "--workload",
+                                   "imagenet", *eager, "--out", str(figures / "eager")),
+             least_s=60, env=(("VISIONSERVE_CUDA_GRAPHS", "false"),)),
         Step("overhead", 100, (py, "-m", "bench.serving.overhead", "--device", device, *overhead, "--out",
                                str(figures))),
         Step("gpu-tests", 100, (py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests)),
-        # one forward's launches at each batch size, eager and as a CUDA graph: the next lever on the engine's lock
+        # one forward's launches at each batch size, eager and as a CUDA graph: what CUDA_GRAPHS saves the engine
         Step("launches", 60, (py, "-m", "bench.serving.forward_launch", "--device", device, *launches, "--out",
                               str(figures)), least_s=25),
+        # the engine's own cost per request on the device's host beside the floor, in the time left (least 30 s)
+        Step("engine", 70, (py, "-m", "bench.serving.engine_only", "--device", device, *engine, "--out",
+                            str(figures)), least_s=30),
         Step("photos", 40, (py, "-m", "demo_data", "photos", "--out", str(photos), *photo_counts), least_s=10),
         Step("predict", 50, (py, "-m", "models.predict", "--weights", str(weights), "--data", str(photos / "val"),
                              "--out", str(figures / "predict.jsonl"), "--device", device)),
         Step("train-feed", 100, (py, "-m", "bench.training.train", "--device", device, "--data", str(photos),
                                  "--rounds", "1", "--no-variants", "--ddp", "0", *train, "--out", str(figures))),
-        # last: the time left after the steps above (the engine's own cost per request on the device's host, beside
-        # the floor: what issue #50 needs next from a GPU), never in their way
-        Step("engine", 70, (py, "-m", "bench.serving.engine_only", "--device", device, *engine, "--out",
-                            str(figures)), least_s=30),
     ]
 
 
@@ -108,7 +120,8 @@ def _run(step: Step, limit_s: float, log: Path) -> tuple[int | None, float, bool
         out.write(f"\n===== {step.name} (limit {limit_s:.0f} s): {' '.join(step.command)}\n")
         out.flush()
         process = subprocess.Popen(step.command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1", **dict(step.env)},
+                                   start_new_session=True)
         try:
             return process.wait(limit_s), time.monotonic() - started, False
         except subprocess.TimeoutExpired:

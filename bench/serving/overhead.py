@@ -137,7 +137,9 @@ def bare_app(log_dir: Path, workers: int, threads: int, cwd: Path = ROOT) -> Run
     command = [sys.executable, "-m", "gunicorn", "-c", "/dev/null", "-k", "app.hosting.worker.BufferingWorker",
                "--threads", str(threads), "-w", str(workers), "-b", f"127.0.0.1:{port}", "--log-level", "warning",
                "bench.serving.bare_app:app"]
-    return Running("bare-flask", command, {"PYTHONPATH": str(cwd)}, port, "/readyz", log_dir)
+    # cwd before what PYTHONPATH already holds (on a lent GPU machine: the carried wheels, gunicorn among them)
+    path = os.pathsep.join(filter(None, (str(cwd), os.environ.get("PYTHONPATH"))))
+    return Running("bare-flask", command, {"PYTHONPATH": path}, port, "/readyz", log_dir)
 
 
 def process_cpu(root: int) -> dict[int, tuple[str, float]]:

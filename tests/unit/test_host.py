@@ -31,6 +31,17 @@ def test_the_setting_wins_and_the_reason_is_said(monkeypatch: pytest.MonkeyPatch
     assert host.workers_for(0, "cpu") == (2, "auto: 2 usable cores, no GPU")  # DEVICE=cpu: the GPU is not used
 
 
+def test_engine_auto_is_the_engine_process_on_a_gpu_and_inline_on_a_cpu_host(monkeypatch: pytest.MonkeyPatch
+                                                                           ) -> None:
+    monkeypatch.setattr(host, "visible_gpus", lambda: 0)
+    assert host.engine_mode("auto", "auto") == "inline"
+    assert host.engine_mode("process", "cpu") == "process"  # the setting as set
+    monkeypatch.setattr(host, "visible_gpus", lambda: 1)
+    assert [host.engine_mode("auto", device) for device in ("auto", "cuda", "cuda:0", "cpu")] == [
+        "process", "process", "process", "inline"]  # DEVICE=cpu: the GPU is not used
+    assert host.engine_mode("inline", "cuda") == "inline"
+
+
 def test_a_container_quota_bounds_the_cores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cpu_max = tmp_path / "cpu.max"
     monkeypatch.setattr(serving, "_CGROUP_CPU_MAX", cpu_max)
