@@ -291,11 +291,11 @@ class ServerSettings(SettingsGroup):
         "be at least the engine count (the start-up log warns when an engine gets no worker). Versions, rollouts and "
         "readiness span every engine, as they span inline workers.")
     workers: int = Field(
-        0, ge=0, description="gunicorn worker processes; each loads its own model and batcher. 0 = auto, said in "
-        "the start-up log: on a CPU host one per usable core (affinity and container quota), at most 8 (2 "
-        "processes x 1 forward thread beat 1 x 2 by 8-12% on 2 cores); with a GPU, where CPU decoding is the bound, "
-        "one per 4 cores, at least one per GPU and at most 4 per GPU (4 workers on a 16-core H100 host served 1.5x "
-        "one).")
+        0, ge=0, description="gunicorn worker processes: under `ENGINE=inline` each loads its own model and "
+        "batcher, under `ENGINE=process` they speak HTTP only. 0 = auto, said in the start-up log: on a CPU host "
+        "one per usable core (affinity and container quota), at most 8 (2 processes x 1 forward thread beat 1 x 2 "
+        "by 8-12% on 2 cores); with a GPU one per 4 cores, at least one per GPU and at most 4 per GPU (4 inline "
+        "workers on a 16-core H100 host served 1.5x one; the H200's process-mode figures were taken with it).")
     threads: int = Field(32, gt=0, description="gthread threads per worker: concurrent requests that share one "
                          "batcher.")
     max_connections: int = Field(

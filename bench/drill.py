@@ -11,15 +11,15 @@ output goes to ``OUT/drill.log`` as it comes.
 
 Steps, most wanted first: the machine's facts; the served figures (``bench.serving.gpu``: the defaults in process
 mode with one engine and with two (ENGINES_PER_DEVICE=2), and inline, on Lite0, 1 and 16 images per request, C=64
-and 256, and 4x overload at C=1024), then its process-mode points at C=64 again with eager forward passes
-(CUDA_GRAPHS=false: the graphs' A/B); the serving overhead (``bench.serving.overhead`` on the device: a one-layer
-model and bodies that decode in microseconds, the HTTP workers' and the engine's CPU per request beside the bare
-Flask app, the budget's unit, measured on this host); the ``-m gpu`` tests (the device decode path's pixels, EXIF
-turns included, placement, tensors, CUDA graphs against eager); one forward pass's cost to the engine's thread at
-each batch size, eager and replayed as a CUDA graph (``bench.serving.forward_launch``); the engine alone on the
-device beside its floor (``bench.serving.engine_only``: its CPU per request with no HTTP worker beside it);
-``models.predict`` on CUDA over a photo folder; last, the training feed (JPEG folder on the CPU and on the GPU
-against synthetic batches).
+and 256, and 4x overload at C=1024), then its process-mode points at C=64 and 256 again with the tensor decode path
+(DECODE_PATH=tensor), and with eager forward passes (CUDA_GRAPHS=false: the graphs' A/B); the ``-m gpu`` tests (the
+device decode path's pixels, EXIF turns included, placement, tensors, CUDA graphs against eager); the serving
+overhead (``bench.serving.overhead`` on the device: a one-layer model and bodies that decode in microseconds, the
+HTTP workers' and the engine's CPU per request beside the bare Flask app, the budget's unit, measured on this host);
+one forward pass's cost to the engine's thread at each batch size, eager and replayed as a CUDA graph
+(``bench.serving.forward_launch``); the engine alone on the device beside its floor (``bench.serving.engine_only``:
+its CPU per request with no HTTP worker beside it); ``models.predict`` on CUDA over a photo folder; last, the
+training feed (JPEG folder on the CPU and on the GPU against synthetic batches).
 """
 from __future__ import annotations
 
@@ -64,8 +64,8 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         overhead = ["--smoke", "--servers", "process", "--forms", "jpeg", "v2 x16"]  # inline: the served step
         tests = ["-m", "gpu", "tests/unit/test_device.py"]
         engine = ["--forms", "v2 x1", "--concurrency", "2", "--seconds", "0.3"]
-        eager = ["--engines", "process-2", "--batch-sizes", "2", "--concurrency", "2", "--images-per-request", "1",
-                 "--seconds", "0.5", "--warmup", "0.2", "--limit-seconds", "0.3", "--workers", "1"]
+        variant = ["--engines", "process-2", "--batch-sizes", "2", "--concurrency", "2", "--images-per-request", "1",
+                   "--seconds", "0.5", "--warmup", "0.2", "--workers", "1"]
         launches = ["--model", model, "--dtypes", "float32", "--batch-sizes", "1", "2", "--seconds", "0.1"]
         train = ["--archs", "resnet18", "--batch-size", "4", "--crop-size", "32", "--steps", "1", "--warmup", "1",
                  "--workers", "1", "--paths", "synthetic", "cpu"]
@@ -81,8 +81,8 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
                  "tests/unit/test_load_placement.py", "tests/unit/test_cuda_graphs.py",
                  "tests/training/test_gpu_data.py"]
         engine = ["--floor", "--forms", "v2 x1", "jpeg", "--concurrency", "16", "--seconds", "3"]  # ~4 engine starts
-        eager = ["--engines", "process", "--batch-sizes", "64", "--concurrency", "64", "--images-per-request", "1",
-                 "16", "--seconds", "3", "--warmup", "1", "--limit-seconds", "1", "--workers", "0"]
+        variant = ["--engines", "process", "--batch-sizes", "64", "--concurrency", "64", "256", "--images-per-request",
+                   "1", "16", "--seconds", "3", "--warmup", "1", "--workers", "0"]
         launches = ["--model", model, "--dtypes", "float32", "--seconds", "0.3"]
         train = ["--archs", "efficientnet_lite0", "--batch-size", "128", "--steps", "12", "--warmup", "4"]
         photo_counts = ["--classes", "20", "--train-per-class", "60", "--val-per-class", "20"]
@@ -91,15 +91,17 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         Step("served", 260, (py, "-m", "bench.serving.gpu", "--device", device, "--dtype", "float32", "--models",
                              model, "--engines", *engines, "--decode-paths", "auto", "--processes",
                              "--workload", "imagenet", *served, "--out", str(figures)), least_s=60),
-        # the served step's process-mode points at C=64 again with eager forward passes (CUDA_GRAPHS=false), right
-        # after it: CUDA graphs against eager on one machine (bench/results/2026-11-28-gpu-drill-h200.md)
-        Step("served-eager", 100, (py, "-m", "bench.serving.gpu", "--device", device, "--dtype", "float32",
-                                   "--models", model, "--decode-paths", "auto", "--processes", "--workload",
-                                   "imagenet", *eager, "--out", str(figures / "eager")),
-             least_s=60, env=(("VISIONSERVE_CUDA_GRAPHS", "false"),)),
+        # the served step's process-mode points again with the tensor decode path (DECODE_PATH=tensor: an engine's
+        # decode threads on every core, where the device path decodes a batch on one thread), then with eager forward
+        # passes (CUDA_GRAPHS=false): each against the served step's, on one machine, back to back
+        *(Step(name, 100, (py, "-m", "bench.serving.gpu", "--device", device, "--dtype", "float32", "--models", model,
+                           "--decode-paths", path, "--workload", "imagenet", "--loads-only", *variant, "--out",
+                           str(figures / name)), least_s=50, env=env)
+          for name, path, env in (("served-tensor", "tensor", ()),
+                                  ("served-eager", "auto", (("VISIONSERVE_CUDA_GRAPHS", "false"),)))),
+        Step("gpu-tests", 100, (py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests)),
         Step("overhead", 100, (py, "-m", "bench.serving.overhead", "--device", device, *overhead, "--out",
                                str(figures))),
-        Step("gpu-tests", 100, (py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests)),
         # one forward's launches at each batch size, eager and as a CUDA graph: what CUDA_GRAPHS saves the engine
         Step("launches", 60, (py, "-m", "bench.serving.forward_launch", "--device", device, *launches, "--out",
                               str(figures)), least_s=25),

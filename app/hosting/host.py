@@ -9,8 +9,8 @@ from pathlib import Path
 from models.serving import usable_cores  # standard library only, as this module
 
 CPU_WORKERS_MAX = 8  # auto on a CPU host: one worker per core, at most this many (each holds its own model copy)
-CORES_PER_GPU_WORKER = 4  # auto on a GPU host: CPU decoding is the bound, about one worker per 4 cores (H100 run)
-GPU_WORKERS_PER_GPU_MAX = 4  # ... and at most this many per GPU (each holds its own copy in GPU memory)
+CORES_PER_GPU_WORKER = 4  # auto on a GPU host: about one worker per 4 cores (H100 run, inline; H200 run, process)
+GPU_WORKERS_PER_GPU_MAX = 4  # ... and at most this many per GPU (an inline one holds its own copy in GPU memory)
 _NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
 
 

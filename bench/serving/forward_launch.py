@@ -1,6 +1,6 @@
 """What one forward pass costs the engine's thread at each batch size the batcher runs (issue #50): the served model
-as the server loads it (``Predictor.load``), called as it calls it, beside the same forward captured once as a CUDA
-graph and replayed. On a GPU the engine's thread pays for every kernel launch of a forward pass while holding the
+as the server loads it (``Predictor.load``), its module called on a batch already on the device (no softmax, no
+copy back), beside the same call captured once as a CUDA graph and replayed. On a GPU the engine's thread pays for every kernel launch of a forward pass while holding the
 interpreter lock; at the small batches a one-image-per-request load makes, those launches, not the GPU, bound it.
 
     python3 -m bench.serving.forward_launch --device cuda --out FOLDER         # on a GPU host (the drill runs it)

@@ -12,9 +12,11 @@ utilisation (nvidia-smi) and the load generator's own CPU beside the server's.
 For each model: the limit, i.e. the fastest in-process pipeline (decode threads on every core, batched forward in the
 chosen dtype on the device, no HTTP; also one such pipeline per process, several processes sharing the GPU), the
 single-image latency, then visionserve on the same device under the closed-loop load, once per worker count.
-Decoding: PIL + the eval transform in a thread pool (the CPU path) against the service's device path
-(``app/engine/decoding/device.decode_batch``: nvJPEG on the batch, resize, crop and normalise on the GPU), alone and
-with the forward pass (the device path's in-process limit).
+Decoding, on the served workload's photos: PIL + the eval transform in a thread pool, the service's tensor path
+(libjpeg-turbo and the transform on tensors on every core, as an engine's decode threads run it, the batch uploaded)
+and its device path (``app/engine/decoding/device.decode_batch``: nvJPEG on the batch, resize, crop and normalise on
+the GPU), alone and with the forward pass (the device path's in-process limit). ``--loads-only``: the served points
+alone (a variant's settings through the environment, e.g. ``VISIONSERVE_CUDA_GRAPHS=false``).
 """
 from __future__ import annotations
 
@@ -56,6 +58,17 @@ def decode_rates(predictor: Predictor, photos: Sequence[bytes], batch_size: int,
             with intra_op_threads(torch_threads):
                 rates[f"CPU: PIL + eval transform, {cores} threads, {torch_threads} intra-op"] = timed_rate(
                     lambda: len(list(pool.map(on_cpu, chunk))), seconds)
+    tensor_path = decoder_of("tensor", predictor, LIMITS)  # the service's tensor path, as an engine runs it
+    with ThreadPoolExecutor(cores) as decoders, intra_op_threads(1):
+        def on_cpu_threads() -> int:  # libjpeg-turbo and the transform on tensors on every core, stacked, uploaded
+            batch = tensor_path.collate(list(decoders.map(tensor_path.prepare, chunk)))
+            if device.type == "cuda":
+                batch.pin_memory().to(device, non_blocking=True)
+                torch.cuda.synchronize(device)
+            return len(chunk)
+
+        rates[f"tensor path: decode + preprocess on {cores} CPU threads, batch {batch_size}, to {device.type}"] = (
+            timed_rate(on_cpu_threads, seconds))
     decoder = decoder_of("device", predictor, LIMITS)  # the service's device path
     encoded = [decoder.prepare(photo) for photo in chunk]  # headers once: the request threads' share
 
@@ -107,35 +120,46 @@ def serve(weights: Path, args: argparse.Namespace, workers: int, torch_threads: 
 
 
 def run_model(weights: Path, args: argparse.Namespace) -> dict[str, object]:
-    """The in-process limit, decode rates and visionserve's load points for one model."""
+    """The in-process limit, decode rates (on the served workload's photos) and visionserve's load points for one
+    model; the load points only with ``args.loads_only``."""
+    def loads() -> list[dict[str, object]]:
+        return [row for engine in args.engines for path in args.decode_paths for workers in args.workers
+                for threads in args.torch_threads for row in serve(weights, args, workers, threads, path, engine)]
+
+    if args.loads_only:
+        return {"loads": loads()}
     device = torch.device(args.device)
-    predictor = Predictor.load(weights, device=args.device, dtype=args.dtype)
+    photos = imagenet_workload() if args.workload == "imagenet" else workload()
+    # as the server runs it: CUDA graphs captured at warm-up for every padded batch size
+    predictor = Predictor.load(weights, device=args.device, dtype=args.dtype, max_batch_size=max(args.batch_sizes),
+                               cuda_graphs=True)
+    predictor.warmup(max(args.batch_sizes), repeats=1)
     cores = torch.get_num_threads()
     limit = {}
     for size in args.batch_sizes:  # end_to_end_rate leaves its first forward pass per shape untimed
-        limit[size] = best_threads(predictor.predict_batch, predictor, workload(), size, args.limit_seconds, cores)
+        limit[size] = best_threads(predictor.predict_batch, predictor, photos, size, args.limit_seconds, cores)
     for processes in args.processes:  # one pipeline per process, as many as the served workers
-        result = process_pipeline(weights, workload(), f"{args.device}/{args.dtype}", args.process_batch,
+        result = process_pipeline(weights, photos, f"{args.device}/{args.dtype}", args.process_batch,
                                   args.limit_seconds, processes, decode_threads=max(1, cores // processes))
         limit[f"{args.process_batch} x {processes} processes"] = (result.images_per_s, result.config)
-    single_ms = single_image_ms(predictor, workload(), cores)
-    decode = decode_rates(predictor, workload(), max(args.batch_sizes), args.limit_seconds, device)
+    single_ms = single_image_ms(predictor, photos, cores)
+    decode = decode_rates(predictor, photos, max(args.batch_sizes), args.limit_seconds, device)
     del predictor
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    loads = [row for engine in args.engines for path in args.decode_paths for workers in args.workers
-             for threads in args.torch_threads for row in serve(weights, args, workers, threads, path, engine)]
-    return {"limit_by_batch": limit, "decode": decode, "loads": loads, "single_ms": single_ms}
+    return {"limit_by_batch": limit, "decode": decode, "loads": loads(), "single_ms": single_ms}
 
 
-def _load_row(r: dict, limit: float, single_ms: float) -> str:
-    """One served load point as a table row, with its efficiency and its p50 against the in-process latency."""
+def _load_row(r: dict, limit: float | None, single_ms: float | None) -> str:
+    """One served load point as a table row, with its efficiency and its p50 against the in-process latency (when
+    they were measured)."""
     util, client = r.get("gpu_util"), r.get("client_cores")
     cells = [r.get("engine", "inline"), r.get("decode_path", "pil"), r.get("per_request", 1), r.get("workers", 1), r["torch_threads"] or "default",
              f"{r['ready_s']:.0f}", r["concurrency"], f"{r['images_per_s']:.1f}", f"{r['p50_ms']:.1f}",
              f"{r['p99_ms']:.1f}", r["errors"], f"{r['mean_batch'] or 0:.2f}", f"{r['server_cores'] or 0:.2f}",
              "-" if client is None else f"{client:.2f}", "-" if util is None else f"{util:.0f}",
-             f"{r['images_per_s'] / limit:.2f}", f"{r['p50_ms'] / single_ms:.2f}"]
+             "-" if limit is None else f"{r['images_per_s'] / limit:.2f}",
+             "-" if single_ms is None else f"{r['p50_ms'] / single_ms:.2f}"]
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
@@ -146,16 +170,21 @@ def report(results: dict[str, dict], machine: dict[str, object]) -> str:
              f"{machine['dtype']}. visionserve: gunicorn workers as in the tables, 64 request threads each, same "
              f"photos as the CPU benchmark (6 photos at native size, 1920x1080, 4000x3000), closed loop.", ""]
     for model, data in results.items():
-        best = max(rate for rate, _ in data["limit_by_batch"].values())
-        lines += [f"## {model}", "", "| in-process pipeline batch | img/s | threads |", "| --- | --- | --- |"]
-        lines += [f"| {b} | {r:.1f} | {threads} |" for b, (r, threads) in data["limit_by_batch"].items()]
-        lines += ["", f"In-process latency of one image (decode + preprocess + forward), median: "
-                      f"{data['single_ms']:.1f} ms.", "", "| decode + preprocess | img/s |", "| --- | --- |"]
-        lines += [f"| {name} | {r:.1f} |" for name, r in data["decode"].items()]
-        lines += ["", "| engine | decode path | images / request | workers | intra-op threads | ready s | C | img/s | "
+        lines += [f"## {model}", ""]
+        best = single_ms = None
+        if "limit_by_batch" in data:  # not with --loads-only
+            best = max(rate for rate, _ in data["limit_by_batch"].values())
+            single_ms = data["single_ms"]
+            lines += ["| in-process pipeline batch | img/s | threads |", "| --- | --- | --- |"]
+            lines += [f"| {b} | {r:.1f} | {threads} |" for b, (r, threads) in data["limit_by_batch"].items()]
+            lines += ["", f"In-process latency of one image (decode + preprocess + forward), median: "
+                          f"{single_ms:.1f} ms.", "", "| decode + preprocess | img/s |", "| --- | --- |"]
+            lines += [f"| {name} | {r:.1f} |" for name, r in data["decode"].items()]
+            lines.append("")
+        lines += ["| engine | decode path | images / request | workers | intra-op threads | ready s | C | img/s | "
                   "p50 ms | p99 ms | errors | mean batch | server cores | client cores | GPU util % | efficiency | "
                   "p50 / in-process |", "|" + " --- |" * 17]
-        lines += [_load_row(r, best, data["single_ms"]) for r in data["loads"]]
+        lines += [_load_row(r, best, single_ms) for r in data["loads"]]
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -186,6 +215,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="1: the raw JPEG as the body; more: one multipart request")
     parser.add_argument("--workload", choices=["mix", "imagenet"], default="mix",
                         help="mix: 6 photos at native, 1920x1080, 4000x3000; imagenet: the photos at 500x375")
+    parser.add_argument("--loads-only", action="store_true",
+                        help="the served load points only, without the in-process limit and decode rates")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     (WORK / "logs").mkdir(parents=True, exist_ok=True)

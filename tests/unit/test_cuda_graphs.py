@@ -5,6 +5,7 @@ is tested everywhere; on CUDA the real graphs are compared with eager."""
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -55,24 +56,31 @@ def test_each_padded_batch_size_replays_its_graph_with_the_eager_answers(small_w
     graphed.warmup(MAX_BATCH, repeats=1)
     assert graphed.graphs is not None and graphed.graphs.batch_sizes == graphed.batch_shapes(MAX_BATCH) == [1, 2, 4, 8]
     capture.replayed_inputs.clear()
-    answers = []
-    for rows in range(1, MAX_BATCH + 1):
+    answers = {}
+    for rows in range(MAX_BATCH, 0, -1):  # largest first: a smaller batch meets the rows a larger one left
         batch = _batch(rows, seed=rows)
-        answers.append(graphed.predict_batch(batch))
-        torch.testing.assert_close(answers[-1], eager.predict_batch(batch), rtol=0, atol=1e-6)
+        answers[rows] = graphed.predict_batch(batch)
+        torch.testing.assert_close(answers[rows], eager.predict_batch(batch), rtol=0, atol=1e-6)
         replayed = capture.replayed_inputs[-1]  # the padded size's graph, with the batch and zeros after it
         assert replayed.shape[0] == graphed._padded_size(rows)
         assert torch.equal(replayed[:rows], batch) and not replayed[rows:].any()
     assert len(capture.replayed_inputs) == MAX_BATCH  # every batch went through a graph
     # each answer is the rows' own copy: later replays into the same fixed output leave it as it was
-    torch.testing.assert_close(answers[2], eager.predict_batch(_batch(3, seed=3)), rtol=0, atol=1e-6)
+    torch.testing.assert_close(answers[3], eager.predict_batch(_batch(3, seed=3)), rtol=0, atol=1e-6)
 
 
-def test_a_capture_that_fails_leaves_the_forward_passes_eager(small_weights: Path,
-                                                              caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("captured_before_the_failure", [0, 2])
+def test_a_capture_that_fails_leaves_the_forward_passes_eager(small_weights: Path, caplog: pytest.LogCaptureFixture,
+                                                              captured_before_the_failure: int) -> None:
+    capture = ReplayingCapture()
+
     def refusing(forward: Forward, fixed_input: torch.Tensor, pool: object) -> tuple[Callable[[], None],
                                                                                       torch.Tensor]:
-        raise RuntimeError("operation not permitted when stream is capturing")
+        nonlocal captured_before_the_failure
+        if not captured_before_the_failure:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        captured_before_the_failure -= 1
+        return capture(forward, fixed_input, pool)
 
     eager, graphed = _padded(small_weights), _padded(small_weights)
     graphed.graphs = GraphedForward(graphed._probabilities, capture=refusing)
@@ -81,8 +89,11 @@ def test_a_capture_that_fails_leaves_the_forward_passes_eager(small_weights: Pat
         graphed.warmup(MAX_BATCH, repeats=1)
     assert graphed.graphs is None
     assert "forward passes stay eager: CUDA graph capture failed: operation not permitted" in caplog.text
-    batch = _batch(5, seed=0)
-    torch.testing.assert_close(graphed.predict_batch(batch), eager.predict_batch(batch), rtol=0, atol=1e-6)
+    capture.replayed_inputs.clear()
+    for rows in (8, 5, 1):  # sizes captured before the failure too: none replays
+        batch = _batch(rows, seed=rows)
+        torch.testing.assert_close(graphed.predict_batch(batch), eager.predict_batch(batch), rtol=0, atol=1e-6)
+    assert not capture.replayed_inputs
 
 
 def test_graphs_are_for_cuda_modules_only(small_weights: Path) -> None:
@@ -107,3 +118,56 @@ def test_on_cuda_the_replayed_graphs_answer_as_the_eager_forward(small_weights: 
         for placed in (batch, batch.cuda()):  # the tensor decode path's CPU batches and the device path's
             torch.testing.assert_close(predictors[True].predict_batch(placed), predictors[False].predict_batch(placed),
                                        rtol=0, atol=tolerance)
+
+
+class _Syncing(torch.nn.Module):
+    """A module no graph can hold: it reads a value back to the CPU in its forward pass."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        logits = self.inner(batch)
+        return logits if logits.abs().sum().item() >= 0 else -logits
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_module_that_cannot_be_captured_stays_eager_on_its_own_stream(small_weights: Path) -> None:
+    loaded = Predictor.load(small_weights, weights_format="state_dict", device="cuda", max_batch_size=MAX_BATCH)
+    syncing = Predictor(_Syncing(loaded.module), loaded.manifest, device="cuda", weights_format="state_dict",
+                        cuda_graphs=True)
+    syncing.warmup(MAX_BATCH, repeats=1)
+    loaded.warmup(MAX_BATCH, repeats=1)
+    assert syncing.graphs is None
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()  # the capture's side stream was left
+    batch = _batch(5, seed=5)
+    torch.testing.assert_close(syncing.predict_batch(batch), loaded.predict_batch(batch), rtol=0, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_version_captures_while_another_serves_beside_it(small_weights: Path) -> None:
+    serving = Predictor.load(small_weights, weights_format="torchscript", device="cuda", max_batch_size=MAX_BATCH)
+    serving.warmup(MAX_BATCH, repeats=1)
+    loading = Predictor.load(small_weights, weights_format="torchscript", device="cuda", max_batch_size=MAX_BATCH,
+                             cuda_graphs=True)
+    stop, failures, served = threading.Event(), [], [0]
+
+    def serve() -> None:  # a live version's batches, allocating as they go, while the other one captures
+        while not stop.is_set():
+            try:
+                serving.predict_batch(_batch(3 + served[0] % 5, seed=served[0]))
+                served[0] += 1
+            except Exception as exc:  # noqa: BLE001 - what the live version would have answered with
+                failures.append(exc)
+                return
+
+    beside = threading.Thread(target=serve)
+    beside.start()
+    try:
+        loading.warmup(MAX_BATCH, repeats=1)
+    finally:
+        stop.set()
+        beside.join()
+    assert not failures and served[0] > 0
+    assert loading.graphs is not None and loading.graphs.batch_sizes == loading.batch_shapes(MAX_BATCH)

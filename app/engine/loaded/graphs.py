@@ -10,13 +10,11 @@ rows read back, under one lock, so no replay can overwrite what another is readi
 """
 from __future__ import annotations
 
-import logging
+import contextlib
 import threading
 from typing import Callable, NamedTuple
 
 import torch
-
-log = logging.getLogger(__name__)
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
 # (forward, its fixed input, the shared memory pool) -> (replay, its fixed output)
@@ -25,17 +23,30 @@ Capture = Callable[[Forward, torch.Tensor, object], tuple[Callable[[], None], to
 
 def cuda_capture(forward: Forward, fixed_input: torch.Tensor, pool: object) -> tuple[Callable[[], None],
                                                                                       torch.Tensor]:
-    """``forward`` on ``fixed_input`` captured as one CUDA graph in ``pool`` after two runs on a side stream (lazy
-    initialisation and cuDNN's choices happen outside the capture, as PyTorch's CUDA graph notes ask)."""
-    side = torch.cuda.Stream(fixed_input.device)
-    side.wait_stream(torch.cuda.current_stream(fixed_input.device))
+    """``forward`` on ``fixed_input`` captured as one CUDA graph in ``pool``, on a side stream after two runs there
+    (lazy initialisation and cuDNN's choices happen outside the capture, as PyTorch's CUDA graph notes ask).
+
+    Not through ``torch.cuda.graph``: that synchronises the device and empties the caching allocator first, under
+    the feet of the versions serving beside a version that loads, and captures in the global mode, in which any
+    other thread's allocation during the capture fails (theirs) and invalidates it (this one's). Captured here in
+    the thread-local mode, with the side stream left whatever happens, so a capture that fails leaves the thread's
+    eager forward passes on its own stream."""
+    device = fixed_input.device
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side), torch.inference_mode():
         for _ in range(2):
             forward(fixed_input)
-    torch.cuda.current_stream(fixed_input.device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
-        fixed_output = forward(fixed_input)
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            fixed_output = forward(fixed_input)
+        except BaseException:
+            with contextlib.suppress(Exception):  # ends the capture; the forward's error is the one to report
+                graph.capture_end()
+            raise
+        graph.capture_end()
+    torch.cuda.current_stream(device).wait_stream(side)
     return graph.replay, fixed_output
 
 
@@ -70,15 +81,17 @@ class GraphedForward:
         self._captured[example.shape[0]] = _Captured(fixed_input, replay, fixed_output)
 
     def run(self, batch: torch.Tensor, size: int) -> torch.Tensor | None:
-        """``batch`` (at most ``size`` rows, on the CPU or the device) through the graph of ``size`` -> its rows of
-        the output, copied to the CPU; None when no graph of that size was captured. Rows past the batch's are
-        zeros, as an eager padded batch's are."""
+        """``batch`` (at most ``size`` rows, on the CPU, pinned, or on the device) through the graph of ``size`` ->
+        its rows of the output, copied to the CPU; None when no graph of that size was captured. Rows past the
+        batch's are zeros, as an eager padded batch's are."""
         captured = self._captured.get(size)
         if captured is None:
             return None
         rows = batch.shape[0]
+        if batch.device != captured.fixed_input.device:  # uploaded as it is: a cast to the compute dtype runs there
+            batch = batch.to(captured.fixed_input.device, non_blocking=True)
         with self._lock:
-            captured.fixed_input[:rows].copy_(batch, non_blocking=True)
+            captured.fixed_input[:rows].copy_(batch)
             if rows < size:
                 captured.fixed_input[rows:].zero_()
             captured.replay()
