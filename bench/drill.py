@@ -64,8 +64,8 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         overhead = ["--smoke", "--servers", "process", "--forms", "jpeg", "v2 x16"]  # inline: the served step
         tests = ["-m", "gpu", "tests/unit/test_device.py"]
         engine = ["--forms", "v2 x1", "--concurrency", "2", "--seconds", "0.3"]
-        variant = ["--engines", "process-2", "--batch-sizes", "2", "--concurrency", "2", "--images-per-request", "1",
-                   "--seconds", "0.5", "--warmup", "0.2", "--workers", "1"]
+        variant = ["--engines", "inline", "--batch-sizes", "2", "--concurrency", "2", "--images-per-request", "1",
+                   "--seconds", "0.5", "--warmup", "0.2", "--workers", "1"]  # inline: the cheapest to start
         launches = ["--model", model, "--dtypes", "float32", "--batch-sizes", "1", "2", "--seconds", "0.1"]
         train = ["--archs", "resnet18", "--batch-size", "4", "--crop-size", "32", "--steps", "1", "--warmup", "1",
                  "--workers", "1", "--paths", "synthetic", "cpu"]

@@ -167,8 +167,8 @@ def report(results: dict[str, dict], machine: dict[str, object]) -> str:
     """Markdown: per model the limit per batch size, the decode comparison and the load table with efficiency."""
     lines = [f"# GPU benchmark {time.strftime('%Y-%m-%d %H:%M')}", "",
              f"Machine: {machine['gpu']}, {machine['cpus']} CPU cores, torch {machine['torch']}, dtype "
-             f"{machine['dtype']}. visionserve: gunicorn workers as in the tables, 64 request threads each, same "
-             f"photos as the CPU benchmark (6 photos at native size, 1920x1080, 4000x3000), closed loop.", ""]
+             f"{machine['dtype']}. visionserve: gunicorn workers as in the tables, 64 request threads each, "
+             f"{machine['photos']}, closed loop.", ""]
     for model, data in results.items():
         lines += [f"## {model}", ""]
         best = single_ms = None
@@ -222,7 +222,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     (WORK / "logs").mkdir(parents=True, exist_ok=True)
     weights = export_models(WORK / "weights", args.models)
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    machine = {"gpu": name, "cpus": os.cpu_count(), "torch": torch.__version__, "dtype": args.dtype}
+    photos = ("6 photos at 500x375, about ImageNet's size" if args.workload == "imagenet" else
+              "6 photos at native size, 1920x1080 and 4000x3000, as the CPU benchmark's")
+    machine = {"gpu": name, "cpus": os.cpu_count(), "torch": torch.__version__, "dtype": args.dtype, "photos": photos}
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"{time.strftime('%Y-%m-%d')}-gpu-{name.replace(' ', '-').lower()}"
     results: dict[str, dict] = {}

@@ -96,6 +96,9 @@ def test_the_request_path_is_the_apps_cpu_per_image_split_by_its_stage_counters(
         request_path(small_weights.parent / "no-such-weights", 2, bodies, rounds=1, timeout_s=60)
 
 
+MACHINE = {"gpu": "H100", "cpus": 16, "torch": "x", "dtype": "float16", "photos": "6 photos at 500x375"}
+
+
 def test_gpu_report_compares_each_point_with_the_best_pipeline_of_its_run() -> None:
     from bench.serving.gpu import report as gpu_report
 
@@ -104,16 +107,21 @@ def test_gpu_report_compares_each_point_with_the_best_pipeline_of_its_run() -> N
     results = {"m": {"limit_by_batch": {"32": [250.0, "1 intra-op, 16 decode threads"],
                                         "16 x 4 processes": [300.0, "4 processes x ..."]},
                      "decode": {"CPU": 290.0, "GPU": 1150.0}, "single_ms": 30.0, "loads": [load]}}
-    markdown = gpu_report(results, {"gpu": "H100", "cpus": 16, "torch": "x", "dtype": "float16"})
+    markdown = gpu_report(results, MACHINE)
     # A row from before the decode paths (the committed H100 runs) reads as the PIL path, one image per request.
     assert "| pil | 1 | 4 | default | 36 | 64 | 330.0 | 180.0 | 360.0 | 0 | 4.30 | 11.90 | - | - | 1.10 | 6.00 |" in (
         markdown)
     device = {**load, "decode_path": "device", "per_request": 16, "client_cores": 0.8, "gpu_util": 71.4}
     results["m"]["loads"] = [device]
     assert "| device | 16 | 4 | default | 36 | 64 | 330.0 | 180.0 | 360.0 | 0 | 4.30 | 11.90 | 0.80 | 71 | 1.10 |" in (
-        gpu_report(results, {"gpu": "H100", "cpus": 16, "torch": "x", "dtype": "float16"}))
+        gpu_report(results, MACHINE))
     assert "| 16 x 4 processes | 300.0 | 4 processes x ... |" in markdown
-    assert "median: 30.0 ms" in markdown and "| GPU | 1150.0 |" in markdown
+    assert "median: 30.0 ms" in markdown and "| GPU | 1150.0 |" in markdown and "6 photos at 500x375, closed" in markdown
+    # --loads-only: the served points alone, nothing to compare them with
+    loads_only = gpu_report({"m": {"loads": [device]}}, MACHINE)
+    assert "in-process pipeline" not in loads_only
+    assert "| device | 16 | 4 | default | 36 | 64 | 330.0 | 180.0 | 360.0 | 0 | 4.30 | 11.90 | 0.80 | 71 | - | - |" in (
+        loads_only)
 
 
 def test_the_batch_inference_report_gives_each_round_and_the_median_ratio() -> None:
