@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import multiprocessing
 import os
 import shlex
 import sys
@@ -177,6 +178,20 @@ def plan(args: argparse.Namespace, env: DistEnv, batch_size: int, items: list[It
     return Plan(items, chunks_for_rank(pending, batch_size, env.rank, env.world_size), len(pending), fmt)
 
 
+def quiet_handover_errors(worker_id: int) -> None:
+    """A DataLoader worker's part of Ctrl-C (its ``worker_init_fn``): a worker hands each batch's tensors over by file
+    descriptor, and a main process interrupted in the middle of taking one drops the connection; the worker's
+    hand-over thread then printed the broken connection's traceback beside the one line that says what is written.
+    Those errors go unprinted; any other is printed as before."""
+    printed = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, traceback: object) -> None:
+        if not issubclass(kind, (EOFError, ConnectionError, multiprocessing.AuthenticationError)):
+            printed(kind, value, traceback)  # type: ignore[arg-type]
+
+    sys.excepthook = hook
+
+
 def score(plan: Plan, loaded: LoadedModel, args: argparse.Namespace, env: DistEnv, decode: str) -> None:
     """This rank's batches through the DataLoader's workers and the model; each batch's records appended."""
     mine = [item for batch in plan.batches for item in batch]
@@ -184,7 +199,7 @@ def score(plan: Plan, loaded: LoadedModel, args: argparse.Namespace, env: DistEn
     workers = args.workers
     loader = DataLoader(dataset, batch_sampler=_batch_positions(plan.batches), collate_fn=collate,
                         num_workers=workers, pin_memory=loaded.device.type == "cuda",
-                        prefetch_factor=4 if workers else None)
+                        prefetch_factor=4 if workers else None, worker_init_fn=quiet_handover_errors)
     identity = {"model": loaded.manifest.name, "version": loaded.manifest.version}
     transform = TensorEvalTransform(loaded.manifest.preprocess)
     top_k = min(args.top_k, loaded.manifest.num_classes)

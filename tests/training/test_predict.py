@@ -26,7 +26,7 @@ from models import train
 from models.architectures import build_model
 from models.data.folder import FolderDataset
 from models.export.write import export_model
-from models.predict.__main__ import main
+from models.predict.__main__ import main, quiet_handover_errors
 from models.predict.inputs import Item, Labels, chunks_for_rank, list_inputs
 from models.presets import EvalPreset, eval_transform
 from models.run.distributed import DistEnv
@@ -291,6 +291,21 @@ def test_ctrl_c_before_anything_is_written_says_so(weights: Path, photos: Path, 
     with caplog.at_level(logging.INFO, logger="models.predict"):
         assert main(["--weights", str(weights), "--data", str(photos), "--out", str(tmp_path / "s.csv")]) == 130
     assert _stop_line(caplog).startswith("stopped before any image was scored; to start again: ")
+
+
+def test_a_worker_prints_no_broken_hand_over_and_every_other_error(monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    import multiprocessing
+    import sys
+
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    quiet_handover_errors(0)
+    for dropped in (EOFError(), ConnectionResetError(104, "Connection reset by peer"),
+                    multiprocessing.AuthenticationError("digest sent was rejected")):
+        sys.excepthook(type(dropped), dropped, None)  # as multiprocessing's hand-over thread reports them
+    assert capsys.readouterr().err == ""
+    sys.excepthook(ValueError, ValueError("a real bug"), None)
+    assert "ValueError: a real bug" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # a real Ctrl-C: the command in a subprocess, its DataLoader worker signalled too
