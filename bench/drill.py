@@ -86,6 +86,9 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         launches = ["--model", model, "--dtypes", "float32", "--seconds", "0.3"]
         train = ["--archs", "efficientnet_lite0", "--batch-size", "128", "--steps", "12", "--warmup", "4"]
         photo_counts = ["--classes", "20", "--train-per-class", "60", "--val-per-class", "20"]
+    variants = [("served-tensor", "tensor", ()), ("served-eager", "auto", (("VISIONSERVE_CUDA_GRAPHS", "false"),))]
+    if smoke:  # one variant stands for both (the same command, another setting): the suite's 15 minutes
+        variants = variants[:1]
     return [
         Step("facts", 30, (py, "-c", facts), least_s=5),
         Step("served", 260, (py, "-m", "bench.serving.gpu", "--device", device, "--dtype", "float32", "--models",
@@ -97,8 +100,7 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         *(Step(name, 100, (py, "-m", "bench.serving.gpu", "--device", device, "--dtype", "float32", "--models", model,
                            "--decode-paths", path, "--workload", "imagenet", "--loads-only", *variant, "--out",
                            str(figures / name)), least_s=50, env=env)
-          for name, path, env in (("served-tensor", "tensor", ()),
-                                  ("served-eager", "auto", (("VISIONSERVE_CUDA_GRAPHS", "false"),)))),
+          for name, path, env in variants),
         Step("gpu-tests", 100, (py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests)),
         Step("overhead", 100, (py, "-m", "bench.serving.overhead", "--device", device, *overhead, "--out",
                                str(figures))),
