@@ -1,7 +1,9 @@
 """What one forward pass costs the engine's thread at each batch size the batcher runs (issue #50): the served model
 as the server loads it (``Predictor.load``), its module called on a batch already on the device (no softmax, no
-copy back), beside the same call captured once as a CUDA graph and replayed. On a GPU the engine's thread pays for every kernel launch of a forward pass while holding the
-interpreter lock; at the small batches a one-image-per-request load makes, those launches, not the GPU, bound it.
+copy back), beside the same call captured once as a CUDA graph as the server captures it (app/engine/loaded/graphs.py
+``cuda_capture``) and replayed. On a GPU the engine's thread pays for every kernel launch of a forward pass while
+holding the interpreter lock; at the small batches a one-image-per-request load makes, those launches, not the GPU,
+bound it.
 
     python3 -m bench.serving.forward_launch --device cuda --out FOLDER         # on a GPU host (the drill runs it)
     .venv/bin/python -m bench.serving.forward_launch --device cpu --batch-sizes 1 4 --seconds 0.2   # eager only
@@ -22,6 +24,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from app.engine.loaded.graphs import cuda_capture
 from bench.serving.compare import export_models
 
 WORK = Path(__file__).resolve().parents[1] / ".work"
@@ -42,20 +45,6 @@ def _timed(call: Callable[[], object], sync: Callable[[], None], seconds: float)
         wall += time.perf_counter() - wall_start
         calls += 1
     return cpu / calls * 1e6, wall / calls * 1e6, calls
-
-
-def _graphed(module: torch.nn.Module, batch: torch.Tensor) -> tuple[Callable[[], torch.Tensor], torch.Tensor]:
-    """``module`` on ``batch`` captured as one CUDA graph: (replay, its output tensor)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.inference_mode():
-        for _ in range(3):  # warm-up on a side stream, as capture needs (lazy init, cuDNN's choice)
-            module(batch)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.inference_mode(), torch.cuda.graph(graph):
-        output = module(batch)
-    return graph.replay, output
 
 
 def measure(weights: Path, device: str, dtypes: Sequence[str], batch_sizes: Sequence[int],
@@ -81,7 +70,7 @@ def measure(weights: Path, device: str, dtypes: Sequence[str], batch_sizes: Sequ
             row["eager_cpu_us"], row["eager_wall_us"], row["eager_calls"] = _timed(eager, sync, seconds)
             if cuda:
                 try:
-                    replay, output = _graphed(module, batch)
+                    replay, output = cuda_capture(module, batch, torch.cuda.graph_pool_handle())  # as the server does
                     row["graph_cpu_us"], row["graph_wall_us"], row["graph_calls"] = _timed(replay, sync, seconds)
                     row["graph_max_diff"] = float((output.float() - eager().float()).abs().max())
                 except Exception as exc:  # noqa: BLE001 - a module capture refuses is a finding, not a stop

@@ -101,7 +101,7 @@ def serve(weights: Path, args: argparse.Namespace, workers: int, torch_threads: 
                          torch_threads=str(torch_threads), decode_path=decode_path, max_images=str(max(args.images_per_request)),
                          max_body_bytes=str(256 * 1024 * 1024)).wait_ready()
     ready_s = time.perf_counter() - started
-    photos = imagenet_workload() if args.workload == "imagenet" else workload()
+    photos = served_photos(args.workload)
     rows: list[dict[str, object]] = []
     try:
         for per_request in args.images_per_request:
@@ -119,6 +119,11 @@ def serve(weights: Path, args: argparse.Namespace, workers: int, torch_threads: 
     return rows
 
 
+def served_photos(name: str) -> tuple[bytes, ...]:
+    """The photos of ``--workload``: imagenet (500x375) or mix (native, 1920x1080, 4000x3000)."""
+    return imagenet_workload() if name == "imagenet" else workload()
+
+
 def run_model(weights: Path, args: argparse.Namespace) -> dict[str, object]:
     """The in-process limit, decode rates (on the served workload's photos) and visionserve's load points for one
     model; the load points only with ``args.loads_only``."""
@@ -129,7 +134,7 @@ def run_model(weights: Path, args: argparse.Namespace) -> dict[str, object]:
     if args.loads_only:
         return {"loads": loads()}
     device = torch.device(args.device)
-    photos = imagenet_workload() if args.workload == "imagenet" else workload()
+    photos = served_photos(args.workload)
     # as the server runs it: CUDA graphs captured at warm-up for every padded batch size
     predictor = Predictor.load(weights, device=args.device, dtype=args.dtype, max_batch_size=max(args.batch_sizes),
                                cuda_graphs=True)
