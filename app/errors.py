@@ -39,6 +39,18 @@ class InvalidImage(ServiceError):
     status, code = 400, "invalid_image"
 
 
+class UnknownOutput(BadRequest):
+    """A request names an output the model does not answer."""
+
+    code = "unknown_output"
+
+
+class NoEmbedding(BadRequest):
+    """An embedding asked of a version whose export has none."""
+
+    code = "no_embedding"
+
+
 class InvalidJSON(ServiceError):
     """The body says JSON but does not parse (400)."""
     status, code = 400, "invalid_json"

@@ -1,19 +1,32 @@
-"""The only place architectures are named: ``build_model(arch, num_classes)``."""
+"""The only place architectures are named: ``build_model(arch, num_classes)``; and what a classifier's embedding
+is: the input of its head (its last Linear layer), L2-normalised, returned beside the logits by ``WithEmbedding``
+from the same forward pass (every served format is exported from it)."""
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
-import timm
+import torch
 import torch.nn as nn
-import torchvision.models as tvm
+import torch.nn.functional as F
 
 
 def _timm(name: str) -> Callable[[int], nn.Module]:
-    return lambda num_classes: timm.create_model(name, pretrained=False, num_classes=num_classes)
+    def build(num_classes: int) -> nn.Module:
+        import timm  # imported when a model is built: the server imports this module for its embeddings alone
+
+        return timm.create_model(name, pretrained=False, num_classes=num_classes)
+
+    return build
 
 
 def _torchvision(name: str) -> Callable[[int], nn.Module]:
-    return lambda num_classes: tvm.get_model(name, weights=None, num_classes=num_classes)
+    def build(num_classes: int) -> nn.Module:
+        import torchvision.models as tvm
+
+        return tvm.get_model(name, weights=None, num_classes=num_classes)
+
+    return build
 
 
 # timm's ``tf_`` variant pads like TensorFlow ("same"), which the released Lite0 weights were trained with;
@@ -37,9 +50,55 @@ def build_model(arch: str, num_classes: int) -> nn.Module:
     return _BUILDERS[arch](num_classes)
 
 
+def head_name(model: nn.Module) -> str:
+    """The classification head's qualified name: the last Linear layer in module order, in every arch listed here
+    (``classifier`` in EfficientNet, ``fc`` in ResNet, ``classifier.3`` in MobileNetV3)."""
+    names = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    if not names:
+        raise ValueError(f"{type(model).__name__} has no Linear head")
+    return names[-1]
+
+
 def head_of(model: nn.Module) -> nn.Module:
     """The classification head: the last Linear layer in module order, in every arch listed here."""
-    linears = [module for module in model.modules() if isinstance(module, nn.Linear)]
-    if not linears:
-        raise ValueError(f"{type(model).__name__} has no Linear head")
-    return linears[-1]
+    return model.get_submodule(head_name(model))
+
+
+class WithEmbedding(nn.Module):
+    """``model`` answering ``(logits, embedding)`` from one forward pass: the embedding is the input of its head (the
+    pooled features before the classifier: 1,280 values for EfficientNet-Lite0), L2-normalised, so the dot product
+    of two is their cosine similarity. ``body`` is a copy of ``model`` with the head replaced by Identity, so the
+    logits are the head of the body's output, as the whole model's are."""
+
+    def __init__(self, model: nn.Module, layer: str) -> None:
+        super().__init__()
+        body = copy.deepcopy(model)
+        parent, _, child = layer.rpartition(".")
+        self.head = body.get_submodule(layer)
+        setattr(body.get_submodule(parent) if parent else body, child, nn.Identity())
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        features = self.body(x).flatten(1)
+        return self.head(features), F.normalize(features, dim=1)
+
+
+def with_embedding(model: nn.Module, example: torch.Tensor) -> WithEmbedding:
+    """``model`` (put in eval mode) with its embedding beside its logits, taken at its head's input; ValueError when
+    the logits differ from ``model``'s own on ``example`` (a head that is not the forward pass's last step)."""
+    wrapped = WithEmbedding(model.eval(), head_name(model)).eval()
+    with torch.inference_mode():
+        expected, (logits, _) = model(example), wrapped(example)
+    if expected.shape != logits.shape or not torch.allclose(expected, logits, atol=1e-5, rtol=1e-4):
+        raise ValueError(f"{type(model).__name__}'s head {head_name(model)} is not the last step of its forward "
+                         f"pass: its input is no embedding of the answer")
+    return wrapped
+
+
+def split_outputs(outputs: torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor]
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A served module's answer as ``(logits, embedding or None)``: an export with an embedding answers both (a
+    tuple, or a list from ONNX Runtime and AOTInductor), one written before embeddings only the logits."""
+    if isinstance(outputs, (tuple, list)):
+        return outputs[0], (outputs[1] if len(outputs) > 1 else None)
+    return outputs, None

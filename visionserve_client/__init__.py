@@ -8,6 +8,6 @@ CLI: ``python -m visionserve_client predict cat.jpg cup.jpg --url http://localho
 """
 from visionserve_client.api import Client, ImageInput
 from visionserve_client.errors import VisionServeError
-from visionserve_client.types import ClassScore, ModelInfo, Prediction
+from visionserve_client.types import ClassScore, Embedding, ModelInfo, Prediction
 
-__all__ = ["Client", "ClassScore", "ImageInput", "ModelInfo", "Prediction", "VisionServeError"]
+__all__ = ["Client", "ClassScore", "Embedding", "ImageInput", "ModelInfo", "Prediction", "VisionServeError"]

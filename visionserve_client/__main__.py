@@ -1,8 +1,10 @@
-"""``visionserve`` (pip) or ``python -m visionserve_client`` (the repository): predict, health, ready and model.
+"""``visionserve`` (pip) or ``python -m visionserve_client`` (the repository): predict, embed, health, ready and
+model.
 
     visionserve predict cat.jpg cup.jpg --top-k 3                # a table, under the model and version that answered
     visionserve predict cat.jpg --json --url http://host:8000    # options before or after the command
     visionserve predict cat.jpg --model colour --version 2       # ask one model's version
+    visionserve embed cat.jpg cup.jpg --json                     # each image's embedding (its vector in JSON)
     visionserve model --labels
 Each file gets its own result or error. Exit codes: 0 success (and, for health/ready, a yes), 1 a server error
 (for any file) or a no, 2 a usage error or a file that cannot be read.
@@ -20,7 +22,7 @@ from typing import Sequence
 
 from visionserve_client.api import Client
 from visionserve_client.errors import VisionServeError
-from visionserve_client.types import Prediction
+from visionserve_client.types import Embedding, Prediction
 
 
 DEFAULT_URL, DEFAULT_TIMEOUT_S, DEFAULT_RETRIES = "http://127.0.0.1:8000", 30.0, 3
@@ -71,6 +73,14 @@ def _parser() -> argparse.ArgumentParser:
     _connection_options(parser, defaults=True)
     commands = parser.add_subparsers(dest="command", required=True)
     _predict_options(commands.add_parser("predict", help="classify image files"))
+    embed = commands.add_parser("embed", help="image files' embeddings (the model's pooled features)")
+    embed.add_argument("images", nargs="+", help="image files (JPEG, PNG, WebP, BMP, GIF)")
+    embed.add_argument("--model", default=None, metavar="NAME",
+                       help="the served model to ask (default: the server's default model; see `model`)")
+    embed.add_argument("--version", default=None, metavar="V",
+                       help="the model's version to ask (default: that model's default version)")
+    embed.add_argument("--json", action="store_true",
+                       help="print each vector as JSON (default: a line per image with its length and first values)")
     commands.add_parser("health", help="is the server alive?")
     commands.add_parser("ready", help="is the server ready for work?")
     model = commands.add_parser("model", help="a served model's metadata")
@@ -87,7 +97,7 @@ def _for_cli(error: object) -> str:
     return _QUERY_PARAMETER.sub(lambda m: f"{' ' if m[1] == '&' else ''}--{m[2].replace('_', '-')} {m[3]}", text)
 
 
-def _answered_by(prediction: Prediction) -> str:
+def _answered_by(prediction: Prediction | Embedding) -> str:
     return f"model {prediction.model} version {prediction.version}"
 
 
@@ -126,6 +136,24 @@ def _predict(client: Client, args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _embed(client: Client, args: argparse.Namespace) -> int:
+    """The images' embeddings, in one request: a line each (its length and first values), or JSON with --json.
+    Exit 2 when a file cannot be read, 1 when the server refused the request."""
+    try:
+        embeddings: list[Embedding] = client.embed(list(args.images), model=args.model, version=args.version)
+    except OSError as exc:
+        print(f"error: {exc.filename}: cannot read it: {exc.strerror}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([{"image": path, **dataclasses.asdict(e)} for path, e in zip(args.images, embeddings)]))
+        return 0
+    print(_answered_by(embeddings[0]))  # type: ignore[arg-type]
+    for path, embedding in zip(args.images, embeddings):
+        shown = ", ".join(f"{value:.4f}" for value in embedding.vector[:4])
+        print(f"{path}  {len(embedding.vector)} values  [{shown}, ...]")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; returns the exit code."""
     args = _parser().parse_args(argv)
@@ -133,6 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             if args.command == "predict":
                 return _predict(client, args)
+            if args.command == "embed":
+                return _embed(client, args)
             if args.command == "model":
                 print(json.dumps(client.model(labels=args.labels, model=args.model).raw, indent=2))
                 return 0

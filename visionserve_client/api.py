@@ -10,7 +10,7 @@ import requests
 from requests.adapters import HTTPAdapter
 
 from visionserve_client.errors import VisionServeError
-from visionserve_client.types import ModelInfo, Prediction
+from visionserve_client.types import Embedding, ModelInfo, Prediction
 
 ImageInput = Union[str, Path, bytes]
 # Overloaded or not ready: the server says when to come back. Other errors are the caller's to handle.
@@ -145,6 +145,29 @@ class Client:
         predictions = self._predict_files(files, top_k, deadline_ms, _route(model, version))
         return predictions[0] if single else predictions
 
+    @overload
+    def embed(self, images: ImageInput, *, deadline_ms: float | None = None, model: str | None = None,
+              version: str | None = None) -> Embedding: ...
+
+    @overload
+    def embed(self, images: Sequence[ImageInput], *, deadline_ms: float | None = None, model: str | None = None,
+              version: str | None = None) -> list[Embedding]: ...
+
+    def embed(self, images: ImageInput | Sequence[ImageInput], *, deadline_ms: float | None = None,
+              model: str | None = None, version: str | None = None) -> Embedding | list[Embedding]:
+        """The embedding of one image (a path or the file's bytes) or of each of a list, in one request, in order
+        (``/predict?outputs=embedding``); a model exported without one answers VisionServeError ``no_embedding``.
+        ``model`` and ``version`` as for ``predict``."""
+        single = isinstance(images, (str, Path, bytes))
+        batch: Sequence[ImageInput] = [images] if single else images  # type: ignore[list-item, assignment]
+        if not batch:
+            raise ValueError("embed needs at least one image")
+        files = [_read(image, i) for i, image in enumerate(batch)]
+        body = self._post_files(files, {**_route(model, version), "outputs": "embedding"}, deadline_ms)
+        served = body.get("model") or {}
+        embeddings = [Embedding(vector, served.get("name"), served.get("version")) for vector in body["embeddings"]]
+        return embeddings[0] if single else embeddings
+
     def predict_each(self, images: Sequence[ImageInput], top_k: int | None = None, *,
                      deadline_ms: float | None = None, model: str | None = None,
                      version: str | None = None) -> list[Prediction | VisionServeError | OSError]:
@@ -178,14 +201,17 @@ class Client:
 
     def _predict_files(self, files: list[tuple[str, bytes]], top_k: int | None, deadline_ms: float | None,
                        route: dict[str, str]) -> list[Prediction]:
-        headers = {"X-Request-Timeout": str(deadline_ms)} if deadline_ms is not None else {}
-        params = {**route, **({"top_k": str(top_k)} if top_k is not None else {})}
-        response = self._request("POST", "/predict", params=params or None, files=[("image", f) for f in files],
-                                 headers=headers)
-        body = response.json()
+        body = self._post_files(files, {**route, **({"top_k": str(top_k)} if top_k is not None else {})}, deadline_ms)
         served = body.get("model") or {}
         return [Prediction.from_json(p, model=served.get("name"), version=served.get("version"))
                 for p in body["predictions"]]
+
+    def _post_files(self, files: list[tuple[str, bytes]], params: dict[str, str],
+                    deadline_ms: float | None) -> dict[str, Any]:
+        headers = {"X-Request-Timeout": str(deadline_ms)} if deadline_ms is not None else {}
+        response = self._request("POST", "/predict", params=params or None, files=[("image", f) for f in files],
+                                 headers=headers)
+        return response.json()
 
     def health(self) -> bool:
         """Liveness: True when the process and its inference thread run (no retries)."""

@@ -35,6 +35,16 @@ class Prediction:
 
 
 @dataclass(frozen=True)
+class Embedding:
+    """One image's embedding (the model's pooled features before its classifier, L2-normalised: the dot product of
+    two is their cosine similarity), and the model and version that answered."""
+
+    vector: list[float]
+    model: str | None = None
+    version: str | None = None
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """The served model, as /v1/models describes it; ``raw`` keeps every field the server sent."""
 

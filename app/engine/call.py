@@ -91,11 +91,14 @@ class Call:
 
     def infer(self, images: Sequence[bytes] = (), tensors: Sequence[np.ndarray | torch.Tensor] = (), *,
               timeout_s: float, names: Sequence[str | None] = (),
-              client_gone: Callable[[], bool] | None = None) -> Served:
+              client_gone: Callable[[], bool] | None = None, embedding: bool = False) -> Served:
         """Encoded ``images`` (decoded here) or preprocessed ``tensors`` (float32 (C, H, W) arrays or tensors), with
         the request's deadline (counted from queueing) and, where the request gave them, the images' file names
-        (errors say which image). Once ``client_gone`` says the client hung up, the images still queued are dropped
-        unrun. Raises a ServiceError for every refusal."""
+        (errors say which image); ``embedding``: answer each image's embedding too (NoEmbedding when the version
+        has none). Once ``client_gone`` says the client hung up, the images still queued are dropped unrun. Raises a
+        ServiceError for every refusal."""
+        if embedding:
+            self.model.check_embedding()
         queued = self.queue(images, tensors, timeout_s=timeout_s, names=names)
         while not queued.done():
             remaining = queued.deadline - time.monotonic()
@@ -105,7 +108,7 @@ class Call:
             queued.group.wait(remaining if client_gone is None else min(remaining, CLIENT_CHECK_S))
             if client_gone is not None and client_gone():
                 raise self.hung_up(queued)
-        return self.answer(queued)
+        return self.answer(queued, embedding=embedding)
 
     def queue(self, images: Sequence[bytes] = (), tensors: Sequence[np.ndarray | torch.Tensor] = (), *,
               timeout_s: float, names: Sequence[str | None] = (), inline: bool = True,
@@ -145,9 +148,10 @@ class Call:
         BATCHER_EVENTS.labels("client_gone").inc(dropped)
         return ClientGone(f"the client closed the connection; {dropped} queued images dropped")
 
-    def answer(self, queued: Queued, labels: list[str] | None = None) -> Served:
+    def answer(self, queued: Queued, labels: list[str] | None = None, embedding: bool = False) -> Served:
         """The answer of a request whose group is done (offered to the shadow first), with ``labels`` (None:
-        the version's); raises what failed."""
+        the version's), and each image's embedding when asked for (the rows' last columns; else the rows are the
+        probabilities alone, so nothing more is carried on); raises what failed."""
         try:
             results = queued.group.result()
         except DeadlineExpired:
@@ -158,8 +162,11 @@ class Call:
             raise InferenceFailed(f"the model failed on this request's images: {type(exc).__name__}") from exc
         if self._shadow is not None:
             self._shadow(queued.images, queued.pixels, queued.prepared, results)
+        classes = len(self.model.labels)
+        if not embedding and self.model.embedding_dim:  # the probabilities' columns alone (views, not copies)
+            results = [BatchResult(r.value[:classes], r.batch_id, r.batch_size, r.queued_s, r.run_s) for r in results]
         return Served(results, self.model.name, self.model.version, self.model.labels if labels is None else labels,
-                      queued.decode_s, queued.started_ns)
+                      queued.decode_s, queued.started_ns, self.model.embedding_dim if embedding else 0)
 
     def _prepare(self, images: Sequence[bytes], names: Sequence[str | None]) -> tuple[list[Prepared], float]:
         started, cpu_started = time.perf_counter(), time.thread_time()

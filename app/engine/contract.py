@@ -23,7 +23,7 @@ import numpy as np
 from app.config import Settings
 from app.engine.batching.arrivals import InFlight
 from app.engine.batching.types import BatchResult
-from app.errors import NotReady, retry_after_header
+from app.errors import NoEmbedding, NotReady, retry_after_header
 from models.export.manifest import Manifest
 
 NOT_READY_RETRY_S = 5  # Retry-After of every 503: loading, draining, a stopped batcher, an engine away
@@ -39,6 +39,13 @@ class Signature:
     version: str
     labels: list[str]
     input_shape: tuple[int, ...]  # (C, H, W) of one preprocessed image
+    embedding_dim: int = 0  # the length of the embedding it answers when asked (0: its export has none)
+
+    def check_embedding(self) -> None:
+        """NoEmbedding (400) unless this version answers embeddings."""
+        if not self.embedding_dim:
+            raise NoEmbedding(f"{self.name} version {self.version} was exported without an embedding: export it "
+                              f"again with this release's python -m models.export (every export since records one)")
 
     @property
     def num_classes(self) -> int:
@@ -56,8 +63,9 @@ class Ranked(NamedTuple):
 
 @dataclass(frozen=True)
 class Served:
-    """A request's answer: one result per input, in order (each a float32 row of probabilities), which version gave
-    it, and how long decoding took."""
+    """A request's answer: one result per input, in order (each a float32 row of probabilities, followed by the
+    image's embedding when it was asked for: ``embedding_dim`` values), which version gave it, and how long decoding
+    took."""
 
     results: list[BatchResult[np.ndarray]]
     model: str
@@ -65,10 +73,20 @@ class Served:
     labels: list[str]  # class names in output order
     decode_s: float
     started_ns: int = 0  # wall clock (time.time_ns) when decoding began: traces place the stages from it
+    embedding_dim: int = 0  # the rows' last columns that are the embedding (0: none asked)
+
+    def _rows(self) -> np.ndarray:
+        return np.array([r.value for r in self.results], dtype=np.float32)
 
     def probabilities(self) -> np.ndarray:
         """(N, classes) float32 softmax probabilities, one row per input."""
-        return np.array([r.value for r in self.results], dtype=np.float32)
+        rows = self._rows()
+        return rows[:, :rows.shape[1] - self.embedding_dim] if self.embedding_dim else rows
+
+    def embeddings(self) -> np.ndarray:
+        """(N, embedding_dim) float32 L2-normalised embeddings, one row per input (asked for: ``embedding_dim``)."""
+        assert self.embedding_dim, "no embedding was asked for"
+        return np.ascontiguousarray(self._rows()[:, -self.embedding_dim:])
 
     def top_k(self, k: int) -> list[list[Ranked]]:
         """Each image's ``k`` most probable classes (at most every class), most probable first (ties: the lower
@@ -193,7 +211,8 @@ class CallFace(Protocol):
     model: Signature
 
     def infer(self, images: Sequence[bytes] = (), tensors: Sequence[Any] = (), *, timeout_s: float,
-              names: Sequence[str | None] = (), client_gone: Callable[[], bool] | None = None) -> Served: ...
+              names: Sequence[str | None] = (), client_gone: Callable[[], bool] | None = None,
+              embedding: bool = False) -> Served: ...
 
 
 class ServiceFace(Protocol):

@@ -77,13 +77,17 @@ class RemoteCall:
         self.sent = False  # the request went to the engine (it counts its outcome there)
 
     def infer(self, images: Sequence[bytes] = (), tensors: Sequence[Any] = (), *, timeout_s: float,
-              names: Sequence[str | None] = (), client_gone: Callable[[], bool] | None = None) -> Served:
+              names: Sequence[str | None] = (), client_gone: Callable[[], bool] | None = None,
+              embedding: bool = False) -> Served:
         """As ``Call.infer``: the request and its images go to the engine as they are, the answer comes back; a
         client that hangs up drops its queued images there (the connection closes, which the engine watches)."""
+        if embedding:
+            self.model.check_embedding()  # refused here: the signature says what the version answers
         specs, segments = wire.tensor_segments([np.ascontiguousarray(t) for t in tensors]) if tensors else ((), images)
         self.sent = True
         message = wire.Infer(*self.request, timeout_s=timeout_s, parsed_version=self.model.version,
-                             parsed_shape=tuple(self.model.input_shape), names=tuple(names), tensors=specs)
+                             parsed_shape=tuple(self.model.input_shape), names=tuple(names), tensors=specs,
+                             embedding=embedding)
         served = self._service.infer(message, segments, 2 * timeout_s + ANSWER_GRACE_S, client_gone)
         return dataclasses.replace(served, labels=self._service.labels(served, self.model))
 

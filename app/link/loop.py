@@ -367,7 +367,8 @@ class EngineServer:
         served = None
         if error is None:
             try:
-                served = exchange.call.answer(exchange.queued, wire.NO_LABELS)  # type: ignore[arg-type]
+                served = exchange.call.answer(exchange.queued, wire.NO_LABELS,  # type: ignore[arg-type]
+                                              embedding=exchange.message.embedding)
             except Exception as exc:  # noqa: BLE001 - answered
                 error = exc
         exchange.admission.leave(error)

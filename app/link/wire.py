@@ -33,7 +33,7 @@ import numpy as np
 from app import errors
 from app.engine import contract
 
-PROTOCOL = 4  # the frame layout, what segments carry, and the hello; each message's own fields are in FINGERPRINT
+PROTOCOL = 5  # the frame layout, what segments carry, and the hello; each message's own fields are in FINGERPRINT
 _HEAD = struct.Struct("!II")  # the header's length, the number of segments
 _LENGTH = struct.Struct("!Q")
 MAX_SEGMENTS = 10_000  # a bound on one frame's segments (MAX_IMAGES is far lower): a corrupt frame fails at once
@@ -78,6 +78,7 @@ class Infer(_Message):
     parsed_shape: tuple[int, ...]
     names: tuple[str | None, ...] = ()
     tensors: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    embedding: bool = False  # answer each image's embedding too
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +141,7 @@ class _ServedHead(NamedTuple):
     batches: tuple[tuple[int, int, float, float], ...]  # each row's batch_id, batch_size, queued_s, run_s
     dtype: str
     shape: tuple[int, ...]
+    embedding_dim: int
 
 
 MESSAGES = (Infer, Unanswered, CatalogCall, StateQuery, EngineState, Answer)
@@ -210,7 +212,7 @@ def _encoded(message: Any, segments: Sequence[bytes | memoryview]) -> tuple[byte
         rows = np.array([result.value for result in served.results])
         head = (served.model, served.version, served.labels, served.decode_s, served.started_ns,
                 tuple([(r.batch_id, r.batch_size, r.queued_s, r.run_s) for r in served.results]), rows.dtype.str,
-                rows.shape)
+                rows.shape, served.embedding_dim)
         fields: tuple[Any, ...] = (head, message.error, message.engine, message.routes)
         kind, segments = _SERVED, [memoryview(rows).cast("B")]
     else:
@@ -243,7 +245,7 @@ def _answer_with_served(fields: tuple[Any, ...], segments: Sequence[memoryview])
         raise EngineGone(f"an answer's rows in {len(segments)} segments of {len(rows)}: the stream is out of step")
     results = [contract.BatchResult(row, *batch) for row, batch in zip(rows, head.batches)]
     served = contract.Served(results, head.model, head.version, head.labels or NO_LABELS, head.decode_s,
-                             head.started_ns)
+                             head.started_ns, head.embedding_dim)
     return Answer(served, error, engine, routes)
 
 

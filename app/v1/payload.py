@@ -1,4 +1,4 @@
-"""Reads a /predict request in any of its shapes into image bytes and a top_k.
+"""Reads a /predict request in any of its shapes into image bytes, a top_k and the outputs asked for.
 
 It takes the werkzeug request as an argument rather than using Flask's global, so it stays a plain function.
 """
@@ -10,13 +10,15 @@ from typing import Iterable
 import pydantic
 from werkzeug import Request
 
-from app.errors import BadRequest, SchemaViolation, UnsupportedMediaType
+from app.errors import BadRequest, SchemaViolation, UnknownOutput, UnsupportedMediaType
 from app.v1.schemas import PredictJSONRequest
 from app.web.inputs import decode_base64, parse_json, read_body
 
 RAW_TYPES = ("application/octet-stream",)
 IMAGE_FIELD = "image"
 TOP_K = "top_k"
+OUTPUTS = "outputs"  # what to answer per image, comma-separated: labels (the top k, the default), embedding
+LABELS_OUTPUT, EMBEDDING_OUTPUT = "labels", "embedding"
 # The model and version a request asks for (optional; 404 naming the served one when they are not it).
 MODEL, VERSION = "model", "version"
 
@@ -28,6 +30,22 @@ class PredictInput:
     images: list[bytes]
     top_k: int
     names: list[str | None] | None = None  # multipart file names, to say which image an error is about
+    labels: bool = True  # answer each image's top k
+    embedding: bool = False  # answer each image's embedding
+
+
+def _parse_outputs(raw: str | list[str] | None, where: str) -> tuple[bool, bool]:
+    """(labels, embedding) from ``outputs`` ("labels", "embedding" or both, comma-separated; a list in JSON);
+    UnknownOutput naming what is not one of them."""
+    if raw is None:
+        return True, False
+    names = [name.strip() for name in (raw.split(",") if isinstance(raw, str) else raw) if name.strip()]
+    unknown = [name for name in names if name not in (LABELS_OUTPUT, EMBEDDING_OUTPUT)]
+    if unknown or not names:
+        raise UnknownOutput(f"{OUTPUTS} ({where}) names {', '.join(map(repr, unknown)) or 'nothing'}; each must be "
+                            f"{LABELS_OUTPUT!r} or {EMBEDDING_OUTPUT!r} (e.g. {OUTPUTS}={LABELS_OUTPUT},"
+                            f"{EMBEDDING_OUTPUT})")
+    return LABELS_OUTPUT in names, EMBEDDING_OUTPUT in names
 
 
 def _parse_top_k(raw: str | int | None, default: int, num_classes: int, where: str) -> int:
@@ -58,11 +76,14 @@ def _from_json(request: Request, default_top_k: int, num_classes: int) -> Predic
     query_top_k = request.args.get("top_k")
     raw_top_k = parsed.top_k if parsed.top_k is not None else query_top_k
     top_k = _parse_top_k(raw_top_k, default_top_k, num_classes, "body" if parsed.top_k is not None else "query")
-    return PredictInput([_image_from_base64(s, i) for i, s in enumerate(parsed.images)], top_k)
+    raw_outputs = parsed.outputs if parsed.outputs is not None else request.args.get(OUTPUTS)
+    labels, embedding = _parse_outputs(raw_outputs, "body" if parsed.outputs is not None else "query")
+    return PredictInput([_image_from_base64(s, i) for i, s in enumerate(parsed.images)], top_k, None, labels,
+                        embedding)
 
 
 def _from_multipart(request: Request) -> tuple[list[bytes], list[str | None]]:
-    check_known(request.form.keys(), {TOP_K}, "form field")
+    check_known(request.form.keys(), {TOP_K, OUTPUTS}, "form field")
     unknown_files = sorted(set(request.files.keys()) - {IMAGE_FIELD})
     files = request.files.getlist(IMAGE_FIELD)
     if not files or unknown_files:
@@ -80,8 +101,9 @@ def check_known(names: Iterable[str], known: set[str], what: str) -> None:
 
 
 def parse_predict(request: Request, *, default_top_k: int, num_classes: int) -> PredictInput:
-    """Images and top_k from a multipart, raw-bytes or JSON request; raises a ServiceError on bad input."""
-    check_known(request.args.keys(), {TOP_K, MODEL, VERSION}, "query parameter")
+    """Images, top_k and outputs from a multipart, raw-bytes or JSON request; raises a ServiceError on bad
+    input."""
+    check_known(request.args.keys(), {TOP_K, OUTPUTS, MODEL, VERSION}, "query parameter")
     mimetype = request.mimetype
     names: list[str | None] | None = None
     if mimetype == "application/json":
@@ -89,11 +111,14 @@ def parse_predict(request: Request, *, default_top_k: int, num_classes: int) -> 
     if mimetype == "multipart/form-data":
         images, names = _from_multipart(request)
         raw_top_k = request.form.get("top_k", request.args.get("top_k"))
+        raw_outputs = request.form.get(OUTPUTS, request.args.get(OUTPUTS))
     elif mimetype.startswith("image/") or mimetype in RAW_TYPES:
         images = [read_body(request)]
         raw_top_k = request.args.get("top_k")
+        raw_outputs = request.args.get(OUTPUTS)
     else:
         raise UnsupportedMediaType(
             f"content type {mimetype or '(none)'!r} is not supported; send multipart/form-data with an "
             f"{IMAGE_FIELD!r} field, a raw image body (image/* or application/octet-stream), or JSON")
-    return PredictInput(images, _parse_top_k(raw_top_k, default_top_k, num_classes, "parameter"), names)
+    return PredictInput(images, _parse_top_k(raw_top_k, default_top_k, num_classes, "parameter"), names,
+                        *_parse_outputs(raw_outputs, "parameter"))

@@ -45,10 +45,13 @@ def predict() -> Response:
     with service.admit(request.args.get("model"), request.args.get("version"),
                        client_key(request.headers, settings.client_key_header), images=1, timeout_s=timeout_s) as call:
         parsed = parse_predict(request, default_top_k=settings.top_k, num_classes=call.model.num_classes)
-        served = call.infer(parsed.images, names=parsed.names or (), client_gone=client_gone(), timeout_s=timeout_s)
-    body = PredictResponse(model=ModelRef(name=served.model, version=served.version),
-                           predictions=[_prediction(top, settings.score_digits) for top in served.top_k(parsed.top_k)])
-    return annotate(Response(body.model_dump_json(), mimetype="application/json"), served)
+        served = call.infer(parsed.images, names=parsed.names or (), client_gone=client_gone(), timeout_s=timeout_s,
+                            embedding=parsed.embedding)
+    predictions = ([_prediction(top, settings.score_digits) for top in served.top_k(parsed.top_k)] if parsed.labels
+                   else None)
+    body = PredictResponse(model=ModelRef(name=served.model, version=served.version), predictions=predictions,
+                           embeddings=served.embeddings().tolist() if parsed.embedding else None)
+    return annotate(Response(body.model_dump_json(exclude_none=True), mimetype="application/json"), served)
 
 
 def _model_info(settings: Settings, info: VersionInfo, ready: bool, show_labels: bool) -> ModelInfo:
@@ -58,6 +61,7 @@ def _model_info(settings: Settings, info: VersionInfo, ready: bool, show_labels:
         input_shape=list(m.preprocess.input_shape), preprocess=m.preprocess, format=info.weights_format,
         device=info.device, dtype=info.dtype,
         files={fmt: entry.sha256 for fmt, entry in m.files.items()}, metrics=m.metrics, source=m.source,
+        embedding=m.embedding,
         warmed_batch_sizes=info.warmed_batch_sizes, labels=m.labels if show_labels else None,
         ready=ready and info.alive, default=info.default, state="READY", role=info.role,
         memory_bytes=info.memory_bytes, device_memory_bytes=info.device_memory_bytes, monitoring=info.monitoring,

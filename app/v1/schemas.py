@@ -5,7 +5,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from models.export.manifest import EvalPreset
+from models.export.manifest import EmbeddingOutput, EvalPreset
 
 
 class PredictJSONRequest(BaseModel):
@@ -15,6 +15,8 @@ class PredictJSONRequest(BaseModel):
 
     images: list[str] = Field(min_length=1, description="base64 of each image file (JPEG, PNG, WebP, BMP, GIF)")
     top_k: int | None = Field(default=None, ge=1, description="classes to return per image")
+    outputs: list[str] | str | None = Field(default=None, description="what to answer per image: labels (the top "
+                                            "k, the default) and/or embedding, as a list or comma-separated")
 
     @field_validator("top_k", mode="before")
     @classmethod
@@ -49,10 +51,16 @@ class ModelRef(BaseModel):
 
 
 class PredictResponse(BaseModel):
-    """Answer of POST /predict: one prediction per posted image, in order."""
+    """Answer of POST /predict: one prediction per posted image, in order, and each image's embedding when asked
+    for (``outputs=labels,embedding``; ``outputs=embedding`` answers the embeddings alone)."""
 
     model: ModelRef
-    predictions: list[Prediction]
+    predictions: list[Prediction] | None = Field(default=None, description="each image's top k (left out when "
+                                                 "outputs does not name labels)")
+    embeddings: list[list[float]] | None = Field(default=None, description="each image's embedding: the model's "
+                                                 "pooled features before its classifier, L2-normalised (the dot "
+                                                 "product of two is their cosine similarity); only when outputs "
+                                                 "names embedding")
 
 
 class Batching(BaseModel):
@@ -140,6 +148,8 @@ class ModelInfo(BaseModel):
     files: dict[str, str] = Field(description="sha256 of each weights file")
     metrics: dict[str, float]
     source: str
+    embedding: EmbeddingOutput | None = Field(default=None, description="what its embedding output is (outputs="
+                                              "embedding); null: exported without one")
     warmed_batch_sizes: list[int]
     labels: list[str] | None = Field(default=None, description="only with ?labels=1")
     batching: Batching

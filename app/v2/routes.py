@@ -1,8 +1,10 @@
 """The Open Inference Protocol (KServe V2) REST endpoints beside /predict, on the same batcher.
 
 Inputs: ``images`` (BYTES [N]: encoded image files, decoded by our pipeline) or ``pixels`` (FP32 [N, 3, H, W],
-already preprocessed). Output: ``probabilities`` (FP32 [N, classes]); with ``parameters.classification = k`` it
-holds the top k as "score:index:label" strings (BYTES [N, k]), as Triton's classification extension does.
+already preprocessed). Outputs: ``probabilities`` (FP32 [N, classes]; with ``parameters.classification = k`` it
+holds the top k as "score:index:label" strings (BYTES [N, k]), as Triton's classification extension does) and, for a
+model exported with one, ``embedding`` (FP32 [N, dim]: the pooled features before the classifier, L2-normalised),
+from the same forward pass, only when a request names it.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from pydantic import BaseModel
 
 from app import __version__
 from app.engine.contract import Served, Signature
-from app.errors import BadRequest, NotFound, NotReady
+from app.errors import BadRequest, NotFound, NotReady, UnknownOutput
 from app.v2.codec import InferRequest, Tensor, encode_response, parse_request
 from app.v2.schemas import Live, ModelMetadata, ModelReady, Ready, ServerMetadata, TensorMetadata
 from app.web.inputs import client_key, deadline_s, read_body
@@ -26,7 +28,7 @@ if TYPE_CHECKING:  # the engine's Service, or app/link/client.py's RemoteService
 
 bp = Blueprint("v2", __name__, url_prefix="/v2")
 
-IMAGES_INPUT, PIXELS_INPUT, OUTPUT = "images", "pixels", "probabilities"
+IMAGES_INPUT, PIXELS_INPUT, OUTPUT, EMBEDDING = "images", "pixels", "probabilities", "embedding"
 EXTENSIONS = ["classification", "binary_tensor_data", "model_repository"]
 _MODEL = "/models/<name>"
 _VERSIONED = "/models/<name>/versions/<version>"
@@ -87,7 +89,9 @@ def model_metadata(name: str, version: str | None = None) -> Response:
         name=manifest.name, versions=versions, platform="pytorch",
         inputs=[TensorMetadata(name=IMAGES_INPUT, datatype="BYTES", shape=[-1]),
                 TensorMetadata(name=PIXELS_INPUT, datatype="FP32", shape=[-1, *manifest.preprocess.input_shape])],
-        outputs=[TensorMetadata(name=OUTPUT, datatype="FP32", shape=[-1, manifest.num_classes])]))
+        outputs=[TensorMetadata(name=OUTPUT, datatype="FP32", shape=[-1, manifest.num_classes]),
+                 *([TensorMetadata(name=EMBEDDING, datatype="FP32", shape=[-1, manifest.embedding.dim])]
+                   if manifest.embedding is not None else [])]))
 
 
 def _inputs(model: Signature, infer: InferRequest) -> tuple[list[bytes], list[np.ndarray]]:
@@ -113,22 +117,33 @@ def _inputs(model: Signature, infer: InferRequest) -> tuple[list[bytes], list[np
                      f"{PIXELS_INPUT!r} as FP32")
 
 
-def _output_plan(infer: InferRequest) -> list[tuple[int, bool]]:
-    """(classification k, binary?) per requested output, checked before any inference is spent."""
+def _output_plan(infer: InferRequest, model: Signature) -> list[tuple[str, int, bool]]:
+    """(name, classification k, binary?) per requested output, checked against ``model`` before any inference is
+    spent."""
     binary_default = bool(infer.parameters.get("binary_data_output", False))
+    known = [OUTPUT, EMBEDDING] if model.embedding_dim else [OUTPUT]
     plan = []
     for item in infer.outputs if infer.outputs is not None else [{"name": OUTPUT}]:
-        if item.get("name") != OUTPUT:
-            raise BadRequest(f"unknown output {item.get('name')!r}; this model has {OUTPUT!r}")
+        name = item.get("name")
+        if name == EMBEDDING:
+            model.check_embedding()
+        elif name != OUTPUT:
+            raise UnknownOutput(f"unknown output {name!r}; {model.name} version {model.version} has "
+                                f"{', '.join(map(repr, known))}")
         params = item.get("parameters") or {}
         k = params.get("classification", 0)
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
             raise BadRequest(f"parameters.classification must be a non-negative integer, got {k!r}")
-        plan.append((k, bool(params.get("binary_data", binary_default))))
+        if k and name == EMBEDDING:
+            raise BadRequest(f"parameters.classification is for {OUTPUT!r}; {EMBEDDING!r} is a vector per image")
+        plan.append((name, k, bool(params.get("binary_data", binary_default))))
     return plan
 
 
-def _output(served: Served, k: int, digits: int) -> Tensor:
+def _output(served: Served, name: str, k: int, digits: int) -> Tensor:
+    if name == EMBEDDING:
+        embeddings = served.embeddings()
+        return Tensor(EMBEDDING, "FP32", list(embeddings.shape), embeddings)
     if not k:
         probabilities = served.probabilities()
         return Tensor(OUTPUT, "FP32", list(probabilities.shape), probabilities)
@@ -156,14 +171,15 @@ def infer(name: str, version: str | None = None) -> Response:
         if request.content_encoding:
             raise BadRequest(f"Content-Encoding {request.content_encoding!r} is not supported; send the body as is")
         parsed = parse_request(read_body(request), request.headers.get("Inference-Header-Content-Length"))
-        plan = _output_plan(parsed)
+        plan = _output_plan(parsed, call.model)
         images, tensors = _inputs(call.model, parsed)
-        served = call.infer(images, tensors, timeout_s=_timeout_s(service, parsed), client_gone=client_gone())
+        served = call.infer(images, tensors, timeout_s=_timeout_s(service, parsed), client_gone=client_gone(),
+                            embedding=any(name == EMBEDDING for name, _, _ in plan))
     digits = service.settings.score_digits
-    outputs = [_output(served, k, digits) for k, _ in plan]
+    outputs = [_output(served, name, k, digits) for name, k, _ in plan]
     body, header_length = encode_response(model_name=served.model, model_version=served.version,
                                           request_id=parsed.id, outputs=outputs,
-                                          binary={OUTPUT for _, is_binary in plan if is_binary})
+                                          binary={name for name, _, is_binary in plan if is_binary})
     response = Response(body, mimetype="application/json" if header_length is None else "application/octet-stream")
     if header_length is not None:
         response.headers["Inference-Header-Content-Length"] = str(header_length)

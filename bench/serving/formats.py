@@ -102,7 +102,7 @@ def forward_rates(weights: Path, photos: torch.Tensor, rounds: int, batches: tup
                 rates[name][size].append(rate)
     answers = {name: probabilities(p.module, photos) for name, p in predictors.items()}
     answers |= {name: torch.from_numpy(np.load(WORK / f"{name}.npy")) for name in RUNTIMES}
-    agreements = {name: agreement(answers["eager"], probs) for name, probs in answers.items() if name != "eager"}
+    agreements = {name: agreement((answers["eager"], None), (probs, None)) for name, probs in answers.items() if name != "eager"}
     return {name: {b: statistics.median(v) for b, v in sizes.items()} for name, sizes in rates.items()}, agreements
 
 

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
+from models.architectures import split_outputs
 from models.export.manifest import Agreement
 from models.presets import EvalPreset, eval_transform
 
@@ -111,15 +112,36 @@ class Laps:
         return ", ".join(f"{step} {seconds:.1f}s" for step, seconds in self.seconds.items())
 
 
-def probabilities(forward: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor,
+Answers = tuple[torch.Tensor, "torch.Tensor | None"]  # float32 probabilities and embeddings (None: the model has none)
+
+
+def answers(forward: Callable[[torch.Tensor], object], images: torch.Tensor, batch_size: int = 8) -> Answers:
+    """Softmax of ``forward`` over ``images``, ``batch_size`` at a time, as float32, and its embeddings when it
+    answers them (models/architectures.split_outputs)."""
+    probabilities, embeddings = [], []
+    with torch.inference_mode():
+        for chunk in images.split(batch_size):
+            logits, embedding = split_outputs(forward(chunk))  # type: ignore[arg-type]
+            probabilities.append(logits.float().softmax(dim=1))
+            if embedding is not None:
+                embeddings.append(embedding.float())
+    return torch.cat(probabilities), (torch.cat(embeddings) if embeddings else None)
+
+
+def probabilities(forward: Callable[[torch.Tensor], object], images: torch.Tensor,
                   batch_size: int = 8) -> torch.Tensor:
     """Softmax of ``forward`` over ``images``, ``batch_size`` at a time, as float32."""
-    with torch.inference_mode():
-        return torch.cat([forward(chunk).float().softmax(dim=1) for chunk in images.split(batch_size)])
+    return answers(forward, images, batch_size)[0]
 
 
-def agreement(reference: torch.Tensor, candidate: torch.Tensor) -> Agreement:
-    """How ``candidate``'s probabilities agree with ``reference``'s (both images x classes)."""
-    same = (reference.argmax(dim=1) == candidate.argmax(dim=1)).float().mean()
-    return Agreement(photos=reference.shape[0], top1=round(float(same), 4),
-                     max_probability_difference=round(float((reference - candidate).abs().max()), 4))
+def agreement(reference: Answers, candidate: Answers) -> Agreement:
+    """How ``candidate``'s probabilities (both images x classes), and embeddings when both have them, agree with
+    ``reference``'s."""
+    (expected, expected_embedding), (got, got_embedding) = reference, candidate
+    same = (expected.argmax(dim=1) == got.argmax(dim=1)).float().mean()
+    cosine = None
+    if expected_embedding is not None and got_embedding is not None:
+        cosine = round(float(torch.nn.functional.cosine_similarity(expected_embedding, got_embedding).min()), 4)
+    return Agreement(photos=expected.shape[0], top1=round(float(same), 4),
+                     max_probability_difference=round(float((expected - got).abs().max()), 4),
+                     min_embedding_cosine=cosine)

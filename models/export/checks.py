@@ -12,6 +12,7 @@ import pydantic
 import torch
 import torch.nn as nn
 
+from models.architectures import split_outputs
 from models.export.compile import DTYPES
 from models.export.manifest import Manifest, WeightsFormat, read_manifest, sha256_of
 
@@ -72,9 +73,16 @@ def checked_file(weights_dir: Path, manifest: Manifest, fmt: WeightsFormat) -> P
 
 def check_output_shape(model: nn.Module, manifest: Manifest, device: torch.device | str = "cpu",
                        dtype: torch.dtype = torch.float32) -> None:
-    """Raise ModelLoadError unless the model gives one column per label."""
+    """Raise ModelLoadError unless the model gives one column per label, and its embedding when the manifest says
+    it has one (and nothing else when not)."""
     with torch.inference_mode():
-        out = model(torch.zeros(1, *manifest.preprocess.input_shape, device=device, dtype=dtype))
+        out, embedding = split_outputs(model(torch.zeros(1, *manifest.preprocess.input_shape, device=device,
+                                                         dtype=dtype)))
     if out.ndim != 2 or out.shape[1] != manifest.num_classes:
         raise ModelLoadError(f"model outputs shape {tuple(out.shape)} but the manifest has "
                              f"{manifest.num_classes} labels")
+    wanted = None if manifest.embedding is None else (1, manifest.embedding.dim)
+    found = None if embedding is None else tuple(embedding.shape)
+    if found != wanted:
+        raise ModelLoadError(f"model answers an embedding of shape {found} but the manifest says "
+                             f"{wanted or 'it has none'}")

@@ -3,7 +3,8 @@
 ``torch.export.export`` traces the eval-mode model with a dynamic batch dimension (1 to ``max_batch_size``) and
 ``torch._inductor.aoti_compile_and_package`` turns the graph into native code in one ``.pt2`` file; the server loads
 it with ``aoti_load_package`` and no compiler. Compiling needs a C++ compiler (g++) and, for CUDA, the GPU it runs on.
-The package is checked against the eager model before it is recorded: probabilities within ``TOLERANCE``.
+The package is checked against the eager model before it is recorded: probabilities, and embeddings when the model
+answers them, within ``TOLERANCE``.
 """
 from __future__ import annotations
 
@@ -15,13 +16,14 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from models.architectures import split_outputs
 from models.export.manifest import CompiledPackage, sha256_of
 from models.presets import EvalPreset
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 2e-2}  # largest probability difference allowed
+TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 2e-2}  # largest probability (or embedding) difference
 
 
 def package_name(device: str, dtype: str) -> str:
@@ -54,9 +56,11 @@ def _check_matches(module: nn.Module, path: Path, example: torch.Tensor, dtype: 
     runner = torch._inductor.aoti_load_package(str(path))
     with torch.inference_mode():
         for rows in (1, example.shape[0]):
-            expected = module(example[:rows]).float().softmax(dim=1)
-            got = runner(example[:rows]).float().softmax(dim=1)
-            difference = float((expected - got).abs().max())
+            expected, expected_embedding = split_outputs(module(example[:rows]))
+            got, got_embedding = split_outputs(runner(example[:rows]))
+            difference = float((expected.float().softmax(dim=1) - got.float().softmax(dim=1)).abs().max())
+            if expected_embedding is not None and got_embedding is not None:
+                difference = max(difference, float((expected_embedding.float() - got_embedding.float()).abs().max()))
             if difference > TOLERANCE[dtype]:
                 path.unlink(missing_ok=True)
                 raise RuntimeError(f"the compiled package differs from the eager model by {difference:.3g} "

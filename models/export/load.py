@@ -15,6 +15,7 @@ from typing import Any, Callable, TypeVar
 import torch
 import torch.nn as nn
 
+from models.architectures import WithEmbedding
 from models.export.checks import (
     ModelLoadError,
     check_output_shape,
@@ -34,7 +35,8 @@ Runner = TypeVar("Runner")
 
 
 def load_module(path: Path, manifest: Manifest, fmt: WeightsFormat) -> nn.Module:
-    """The module in ``path`` on the CPU in eval mode; state dicts are loaded strictly into the manifest's arch."""
+    """The module in ``path`` on the CPU in eval mode; state dicts are loaded strictly into the manifest's arch, which
+    answers its embedding beside its logits when the manifest has one (as the export's other formats do)."""
     try:
         if fmt == "torchscript":
             with quiet_jit():
@@ -44,6 +46,8 @@ def load_module(path: Path, manifest: Manifest, fmt: WeightsFormat) -> nn.Module
         model = build_model(manifest.arch, manifest.num_classes)
         model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True), strict=True)
         # eval() before any forward: a training-mode forward would overwrite the BatchNorm running statistics.
+        if manifest.embedding is not None:
+            return WithEmbedding(model.eval(), manifest.embedding.layer).eval()
         return model.eval()
     except Exception as exc:  # noqa: BLE001 - unpickling, shape and key errors all mean "cannot serve this"
         raise ModelLoadError(f"cannot load {fmt} weights from {path}: {exc}") from exc
@@ -67,8 +71,9 @@ class PackagedModel(nn.Module):
         self.runner = runner
         self.package = package
 
-    def forward(self, batch: torch.Tensor) -> torch.Tensor:
-        return self.runner(batch)  # type: ignore[operator]
+    def forward(self, batch: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        outputs = self.runner(batch)  # type: ignore[operator]
+        return tuple(outputs) if isinstance(outputs, list) else outputs
 
 
 class OnnxModel(nn.Module):
@@ -79,7 +84,7 @@ class OnnxModel(nn.Module):
         self.session = onnx_session
         self.onnx = onnx
 
-    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+    def forward(self, batch: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         return run_session(self.session, batch)
 
 

@@ -61,6 +61,8 @@ class Agreement(BaseModel):
     photos: int = Field(gt=0, description="images compared (views of photos int8 calibration never saw)")
     top1: float = Field(ge=0, le=1, description="share of images with the same top-1 class")
     max_probability_difference: float = Field(ge=0, description="largest difference of any class's probability")
+    min_embedding_cosine: float | None = Field(default=None, ge=-1, le=1, description="lowest cosine similarity of "
+                                               "an image's embedding with float32's (exports with an embedding)")
 
 
 class CompiledPackage(WeightsFile):
@@ -88,6 +90,24 @@ class OnnxFile(WeightsFile):
     torch_version: str
     export_s: float = Field(ge=0, description="how long exporting took")
     agreement: Agreement
+
+
+EMBEDDING_OUTPUT = "embedding"  # the output's name: V2's, ONNX's, the answers'
+
+
+class EmbeddingOutput(BaseModel):
+    """What an export's second output is: the input of its classification head (the pooled features), one
+    ``dim``-vector per image, L2-normalised. Every artefact of such an export (TorchScript, ONNX, AOTInductor, int8;
+    a state dict through models/architectures.WithEmbedding) answers it beside the logits from one forward pass,
+    checked at export against the float32 model's: within the package's probability tolerance (float formats) or
+    ``Agreement.min_embedding_cosine`` (ONNX, int8). Manifests written before it load without it: their models
+    answer logits only."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    layer: str = Field(min_length=1, description="the module whose input the embedding is (the classifier head)")
+    dim: int = Field(gt=0)
+    normalization: Literal["l2"] = "l2"
 
 
 CONFIDENCE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)  # upper edges, as Prometheus's `le`
@@ -144,6 +164,7 @@ class Manifest(BaseModel):
     metrics: dict[str, float] = Field(default_factory=dict)
     source: str = ""
     reference: PredictionReference | None = None  # optional: manifests written before it load without it
+    embedding: EmbeddingOutput | None = None  # optional: exports written before it answer logits only
 
     @property
     def num_classes(self) -> int:

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from models.export.agreement import Laps, agreement, agreement_batch, one_thread, probabilities
-from models.export.manifest import MIN_TOP1_AGREEMENT, OnnxFile, sha256_of
+from models.export.agreement import Laps, agreement, agreement_batch, answers, one_thread
+from models.export.manifest import EMBEDDING_OUTPUT, MIN_TOP1_AGREEMENT, OnnxFile, sha256_of
 from models.export.onnx_runtime import run_session, session
 from models.presets import EvalPreset
 
@@ -58,10 +58,10 @@ def export_onnx(model: nn.Module, preset: EvalPreset, out_dir: Path, max_batch_s
             laps.done("agreement photos")
             # Eager one image at a time: on a CPU its batches of 8 are slower per image (their activations leave
             # the cache); ONNX Runtime's are not.
-            expected = probabilities(module, photos, batch_size=1)
+            expected = answers(module, photos, batch_size=1)
             laps.done("eager on them")
             runner = session(path)
-            answered = probabilities(lambda b: run_session(runner, b), photos)
+            answered = answers(lambda b: run_session(runner, b), photos)
             laps.done("ONNX Runtime on them")
         found = agreement(expected, answered)
     except Exception as exc:  # noqa: BLE001 - an architecture the exporter cannot take: serve TorchScript
@@ -76,7 +76,7 @@ def export_onnx(model: nn.Module, preset: EvalPreset, out_dir: Path, max_batch_s
         return None
     log.info("wrote %s in %.0fs: top-1 agrees with the model on %.1f%% of %d photos, probabilities within %.1e",
              path.name, export_s, 100 * found.top1, found.photos,
-             float((expected - answered).abs().max()))  # unrounded: the manifest's 4 decimals made 4e-5 read "0"
+             float((expected[0] - answered[0]).abs().max()))  # unrounded: the manifest's 4 decimals made 4e-5 read "0"
     return OnnxFile(path=path.name, sha256=sha256_of(path), opset=OPSET, max_batch_size=max(2, max_batch_size),
                     torch_version=torch.__version__, export_s=round(export_s, 1), agreement=found)
 
@@ -85,26 +85,29 @@ def _write(module: nn.Module, preset: EvalPreset, path: Path, max_batch_size: in
     """``module`` as ONNX in ``path``: traced and optimized, or by the ``torch.export``-based exporter when the
     tracing exporter fails."""
     example = (torch.randn(2, *preset.input_shape),)
+    with torch.inference_mode():
+        answered = module(*example)
+    names = ["logits", EMBEDDING_OUTPUT] if isinstance(answered, tuple) else ["logits"]
     for noisy in ("onnx_ir", "onnxscript", "torch.onnx"):  # one INFO line per graph pass otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # the exporter's deprecation and tracing notes
         try:
-            _traced(module, example, path)
+            _traced(module, example, path, names)
         except Exception as exc:  # noqa: BLE001 - e.g. a torch without the tracing exporter: the other one
             log.info("the tracing ONNX exporter failed (%s); exporting with torch.export instead", exc)
             batch = torch.export.Dim("batch", min=1, max=max_batch_size)
             torch.onnx.export(module, example, str(path), dynamo=True, input_names=["input"],
-                              output_names=["logits"], dynamic_shapes=({0: batch},), external_data=False,
+                              output_names=names, dynamic_shapes=({0: batch},), external_data=False,
                               opset_version=OPSET, verbose=False)
 
 
-def _traced(module: nn.Module, example: tuple[torch.Tensor, ...], path: Path) -> None:
+def _traced(module: nn.Module, example: tuple[torch.Tensor, ...], path: Path, names: list[str]) -> None:
     """The TorchScript-based exporter's graph, with what depends only on the fixed image size folded away."""
     from onnxscript import ir, optimizer  # here: about 2 s to import, for ONNX exports only
 
-    torch.onnx.export(module, example, str(path), dynamo=False, input_names=["input"], output_names=["logits"],
-                      dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}}, opset_version=OPSET)
+    torch.onnx.export(module, example, str(path), dynamo=False, input_names=["input"], output_names=names,
+                      dynamic_axes={name: {0: "batch"} for name in ["input", *names]}, opset_version=OPSET)
     model = ir.load(path)
     _slice_dimensions(model)
     optimizer.optimize_ir(model, should_fold=_small_constant_of_shape)

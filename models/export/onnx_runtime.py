@@ -21,7 +21,8 @@ def session(path: Path, threads: int = 1) -> Any:
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
-def run_session(onnx_session: Any, batch: torch.Tensor) -> torch.Tensor:
-    """Logits for a float32 (N, C, H, W) CPU batch."""
+def run_session(onnx_session: Any, batch: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """Logits for a float32 (N, C, H, W) CPU batch, and the embeddings beside them when the file has that output."""
     inputs = {onnx_session.get_inputs()[0].name: batch.contiguous().numpy()}
-    return torch.from_numpy(np.asarray(onnx_session.run(None, inputs)[0]))
+    outputs = tuple(torch.from_numpy(np.asarray(output)) for output in onnx_session.run(None, inputs))
+    return outputs if len(outputs) > 1 else outputs[0]

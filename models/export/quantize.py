@@ -22,7 +22,7 @@ from types import ModuleType
 import torch
 import torch.nn as nn
 
-from models.export.agreement import agreement, agreement_batch, calibration_batch, probabilities
+from models.export.agreement import agreement, agreement_batch, answers, calibration_batch
 from models.export.manifest import MIN_TOP1_AGREEMENT, CompiledPackage, sha256_of
 from models.presets import EvalPreset
 
@@ -72,7 +72,7 @@ def compile_int8_package(model: nn.Module, preset: EvalPreset, out_dir: Path,
     runner = torch._inductor.aoti_load_package(str(path))
     photos = agreement_batch(preset)
     reference = model.eval().cpu()
-    found = agreement(probabilities(reference, photos), probabilities(runner, photos, min(8, max_batch_size)))
+    found = agreement(answers(reference, photos), answers(runner, photos, min(8, max_batch_size)))
     log.info("compiled %s in %.0fs: top-1 agrees with float32 on %.2f%% of %d photos, probabilities within %.3g",
              path.name, compile_s, 100 * found.top1, found.photos, found.max_probability_difference)
     if found.top1 < MIN_TOP1_AGREEMENT:

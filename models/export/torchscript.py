@@ -40,5 +40,7 @@ def check_same_outputs(model: nn.Module, scripted: torch.jit.ScriptModule, examp
     """RuntimeError unless the scripted model gives the eager model's outputs on ``example``."""
     with torch.inference_mode():
         expected, got = model(example), scripted(example)
-    if not torch.allclose(expected, got, atol=1e-5, rtol=1e-4):
-        raise RuntimeError(f"TorchScript output differs from eager by {(expected - got).abs().max():.3g}")
+    pairs = zip(expected, got) if isinstance(expected, tuple) else [(expected, got)]  # logits, and the embedding
+    for wanted, answered in pairs:
+        if not torch.allclose(wanted, answered, atol=1e-5, rtol=1e-4):
+            raise RuntimeError(f"TorchScript output differs from eager by {(wanted - answered).abs().max():.3g}")

@@ -11,6 +11,7 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
+from models.architectures import head_name, split_outputs, with_embedding
 from models.export.agreement import Laps, one_thread
 from models.export.compile import compile_package
 from models.export.onnx import export_onnx
@@ -18,6 +19,7 @@ from models.export.quantize import compile_int8_package
 from models.export.manifest import (
     MANIFEST_NAME,
     CompiledPackage,
+    EmbeddingOutput,
     Manifest,
     PredictionReference,
     WeightsFile,
@@ -61,7 +63,9 @@ def export_model(model: nn.Module, *, out_dir: Path, name: str, version: str, ar
                  force: bool = False, packages: Sequence[tuple[str, str]] = (),
                  package_max_batch: int = PACKAGE_MAX_BATCH,
                  reference: PredictionReference | None = None, laps: Laps | None = None) -> Manifest:
-    """Save ``model`` as TorchScript and state dict in ``out_dir``, compile an AOTInductor package per (device,
+    """Save ``model`` as TorchScript and state dict in ``out_dir``, every format but the state dict answering its
+    embedding beside its logits (models/architectures.WithEmbedding; a model whose head is not its last step is
+    exported without one, with a warning), compile an AOTInductor package per (device,
     dtype) of ``packages`` (dtype ``int8``: the PT2E-quantized CPU package; device ``onnx``: ONNX for ONNX
     Runtime), and write the manifest last, with ``reference`` (the validation split's predictions, for the server's
     drift figure) when there is one. A different model already there is replaced only with ``force``. The last
@@ -71,14 +75,16 @@ def export_model(model: nn.Module, *, out_dir: Path, name: str, version: str, ar
     out_dir.mkdir(parents=True, exist_ok=True)
     laps = Laps() if laps is None else laps
     model = model.eval().cpu()
-    _write_torchscript(model, preset, len(labels), out_dir)
+    served, embedding = _served(model, preset)
+    _write_torchscript(served, preset, len(labels), out_dir)
+    torch.save(model.state_dict(), out_dir / STATE_DICT_NAME)  # the architecture's own keys (loaded into build_model)
     laps.done("TorchScript")
     compiled: list[CompiledPackage] = []
     for device, dtype in (wanted for wanted in packages if wanted[0] != "onnx"):
-        compiled.append(compile_int8_package(model, preset, out_dir, package_max_batch) if dtype == "int8"
-                        else compile_package(model, preset, out_dir, device, dtype, package_max_batch))
+        compiled.append(compile_int8_package(served, preset, out_dir, package_max_batch) if dtype == "int8"
+                        else compile_package(served, preset, out_dir, device, dtype, package_max_batch))
         laps.done(f"AOTInductor {device}-{dtype}")
-    onnx = (export_onnx(model, preset, out_dir, package_max_batch, laps) if any(d == "onnx" for d, _ in packages)
+    onnx = (export_onnx(served, preset, out_dir, package_max_batch, laps) if any(d == "onnx" for d, _ in packages)
             else None)
 
     manifest = Manifest(
@@ -86,7 +92,7 @@ def export_model(model: nn.Module, *, out_dir: Path, name: str, version: str, ar
         files={fmt: WeightsFile(path=file, sha256=sha256_of(out_dir / file))
                for fmt, file in (("torchscript", TORCHSCRIPT_NAME), ("state_dict", STATE_DICT_NAME))},
         default_format="torchscript", packages=compiled, onnx=onnx, metrics=metrics or {}, source=source,
-        reference=reference,
+        reference=reference, embedding=embedding,
     )
     write_manifest(out_dir, manifest)
     laps.done("manifest")
@@ -95,20 +101,31 @@ def export_model(model: nn.Module, *, out_dir: Path, name: str, version: str, ar
     return manifest
 
 
+def _served(model: nn.Module, preset: EvalPreset) -> tuple[nn.Module, EmbeddingOutput | None]:
+    """What every format but the state dict is written from: ``model`` answering its embedding beside its logits,
+    and what that embedding is; ``model`` alone (warned) when its head's input is no embedding of its answer."""
+    try:
+        with one_thread():
+            served = with_embedding(model, torch.randn(2, *preset.input_shape))
+    except ValueError as exc:
+        log.warning("exported without an embedding: %s", exc)
+        return model, None
+    return served, EmbeddingOutput(layer=head_name(model), dim=served.head.in_features)
+
+
 def _write_torchscript(model: nn.Module, preset: EvalPreset, num_labels: int, out_dir: Path) -> None:
-    """``model`` scripted (checked against eager) and its state dict, in ``out_dir``; ValueError when its outputs
-    are not one per label."""
+    """``model`` scripted (checked against eager) in ``out_dir``; ValueError when its outputs are not one per
+    label."""
     example = torch.randn(2, *preset.input_shape)
     with one_thread():
         with torch.inference_mode():
-            num_outputs = model(example).shape[1]
+            num_outputs = split_outputs(model(example))[0].shape[1]
         if num_outputs != num_labels:
             raise ValueError(f"model has {num_outputs} outputs but {num_labels} labels were given")
         scripted = to_torchscript(model, example)
         check_same_outputs(model, scripted, example)
     with quiet_jit():
         torch.jit.save(scripted, out_dir / TORCHSCRIPT_NAME)
-    torch.save(model.state_dict(), out_dir / STATE_DICT_NAME)
 
 
 def describe(manifest: Manifest, out_dir: Path) -> str:

@@ -27,6 +27,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from models.architectures import split_outputs
 from models.data.malloc import DEFAULT_TRIM_THRESHOLD_MB, keep_freed_memory
 from models.export.checks import ModelLoadError
 from models.export.load import LoadedModel, load_model
@@ -230,7 +231,7 @@ def _answers(loaded: LoadedModel, images: torch.Tensor, index: list[int], items:
              identity: dict[str, str]) -> dict[int, Record]:
     """The forward pass as the server runs it (its dtype, float32 softmax), and the top-k of each row."""
     with torch.inference_mode():
-        probabilities = loaded.module(images).float().softmax(dim=1)
+        probabilities = split_outputs(loaded.module(images))[0].float().softmax(dim=1)
         scores, classes = (t.cpu().tolist() for t in probabilities.topk(top_k, dim=1))
     labels = loaded.manifest.labels
     return {i: {"path": items[i].path, "labels": [labels[c] for c in row_classes], "scores": row_scores, **identity}

@@ -107,6 +107,8 @@ def test_the_manifest_records_the_int8_package_and_its_agreement(int8_export: Pa
     assert (package.device, package.dtype, package.quantization) == ("cpu", "float32", "int8")
     assert package.agreement is not None and package.agreement.photos == 198
     assert package.agreement.top1 >= 0.9 and package.agreement.max_probability_difference < 0.2
+    # its embedding (the head's 32 inputs) too, from the same pass: near float32's in direction
+    assert read_manifest(int8_export).embedding.dim == 32 and package.agreement.min_embedding_cosine > 0.95
 
 
 @pytest.mark.slow
@@ -118,7 +120,7 @@ def test_the_int8_package_runs_without_torchao(int8_export: Path) -> None:
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split("\n")[-2] == "int8 (3, 3)"
+    assert done.stdout.split("\n")[-2] == "int8 (3, 35)"  # 3 probabilities, then the 32-value embedding
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ from app.link.client import RemoteCatalog, RemoteService
 from app.link.decode_shares import HAND_OFF_S
 from app.link.loop import EngineServer
 from app.metrics import BATCHER_EVENTS, VERSION_REQUESTS
-from tests.support.fakes import ColourModel, infer, wait_until
+from tests.support.fakes import ColourModel, infer, tiny_manifest, wait_until
 from tests.support.imaging import BLUE, RED, image_bytes
 
 
@@ -173,17 +173,22 @@ def test_an_answer_s_rows_cross_as_one_raw_segment_and_come_back_as_the_served_t
         assert [(r.batch_id, r.batch_size, r.queued_s, r.run_s) for r in got.results] == [
             (r.batch_id, r.batch_size, r.queued_s, r.run_s) for r in results]
         assert np.array_equal(got.probabilities(), rows) and got.probabilities().dtype == np.float32
+        # an answer with embeddings: the rows' last columns, said by the head
+        wire.send(left, wire.Answer(dataclasses.replace(sent, embedding_dim=24), None, 7, 3))
+        with_embeddings = wire.receive_answer(right, 1.0).value
+        assert np.array_equal(with_embeddings.probabilities(), rows[:, :976])
+        assert np.array_equal(with_embeddings.embeddings(), rows[:, 976:])
         # what goes out is the rows' bytes as they are (one segment), not pickled arrays
         head, segments = wire._encoded(wire.Answer(sent, None, 7, 3), ())
         assert len(head) < 400 and [bytes(s) for s in segments] == [rows.tobytes()]
         assert wire.frame(wire.Answer(sent, None, 7, 3)) == b"".join(
             [wire._HEAD.pack(len(head), 1), wire._LENGTH.pack(rows.nbytes), head, rows.tobytes()])
         # rows that do not fit what the head says end the stream, as any frame out of step does
-        bad = ("colour", "2", [], 0.0, 0, ((1, 1, 0.0, 0.0),), "<f4", (1, 1000))
+        bad = ("colour", "2", [], 0.0, 0, ((1, 1, 0.0, 0.0),), "<f4", (1, 1000), 0)
         wire._send_frame(left, pickle.dumps((wire._SERVED, (bad, None, 7, 3))), [b"\0" * 12])
         with pytest.raises(wire.EngineGone, match="do not read as its head says"):
             wire.receive_answer(right, 1.0)
-        fewer = ("colour", "2", [], 0.0, 0, ((1, 1, 0.0, 0.0),) * 2, "<f4", (1, 3))
+        fewer = ("colour", "2", [], 0.0, 0, ((1, 1, 0.0, 0.0),) * 2, "<f4", (1, 3), 0)
         wire._send_frame(left, pickle.dumps((wire._SERVED, (fewer, None, 7, 3))), [b"\0" * 12])
         with pytest.raises(wire.EngineGone, match="out of step"):
             wire.receive_answer(right, 1.0)
@@ -286,6 +291,22 @@ def test_a_request_is_one_exchange_of_two_frames(link: Link) -> None:
     served = infer(link.worker, [image_bytes(BLUE), image_bytes(RED)])
     assert [ranked[0].label for ranked in served.top_k(1)] == ["blue", "red"]
     assert link.frames == ["Infer", "Answer"] and len(link.connections) == 1
+
+
+def test_an_embedding_crosses_only_when_asked_for(settings: Settings, tmp_path: Path) -> None:
+    predictor = Predictor(ColourModel(embedding=True), tiny_manifest(embedding=True), device="cpu")
+    service = Service.build(settings, predictor)
+    link = Link(settings.model_copy(update={"control_dir": tmp_path / "control"}), service).start()
+    try:
+        plain = infer(link.worker, [image_bytes(RED)])
+        both = infer(link.worker, [image_bytes(RED), image_bytes(BLUE)], embedding=True)
+        assert plain.embedding_dim == 0 and [len(r.value) for r in plain.results] == [4]  # 4 classes, nothing more
+        assert both.embedding_dim == 3 and both.embeddings().shape == (2, 3)
+        assert [top[0].label for top in both.top_k(1)] == ["red", "blue"]
+        assert np.array_equal(both.probabilities()[:1], plain.probabilities())
+        assert both.embeddings()[0].argmax() == 0 and both.embeddings()[1].argmax() == 2  # red's, blue's channel
+    finally:
+        service.shutdown(timeout=5)
 
 
 def test_the_labels_stay_on_the_http_side_and_a_request_carries_no_signature(link: Link) -> None:

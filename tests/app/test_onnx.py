@@ -58,6 +58,7 @@ def test_the_export_writes_the_onnx_file_with_its_agreement(onnx_export: Path) -
     assert manifest.onnx is not None and manifest.onnx.sha256 == sha256_of(onnx_export / "model.onnx")
     assert manifest.onnx.agreement.photos == 198 and manifest.onnx.agreement.top1 == 1.0
     assert manifest.onnx.agreement.max_probability_difference < 1e-4
+    assert manifest.embedding.dim == 1024 and manifest.onnx.agreement.min_embedding_cosine > 0.9999
     assert manifest.default_format == "torchscript"  # what a server without ONNX Runtime's choice falls back to
 
 
@@ -67,8 +68,10 @@ def test_onnx_answers_as_the_eager_model_at_every_batch_size(onnx_export: Path) 
     assert onnx.weights_format == "onnx" and onnx.weights_bytes == (onnx_export / "model.onnx").stat().st_size
     torch.manual_seed(1)
     photos = torch.rand(8, 3, 32, 32)
-    for size in (1, 3, 8):
-        assert float((onnx.predict_batch(photos[:size]) - eager.predict_batch(photos[:size])).abs().max()) < 1e-5
+    for size in (1, 3, 8):  # the probabilities, and the embedding after them, from one forward pass
+        answered = onnx.predict_batch(photos[:size])
+        assert answered.shape == (size, 3 + 1024)
+        assert float((answered - eager.predict_batch(photos[:size])).abs().max()) < 1e-5
 
 
 def test_a_changed_onnx_file_stops_the_load(onnx_export: Path, tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from app.config import Settings
 from harness.servers import ROOT, Running, free_port
 from tests.support.fakes import served_over_http, several_models_app
 from tests.support.imaging import BLUE, RED, encode, image_bytes
-from visionserve_client import Client, Prediction, VisionServeError
+from visionserve_client import Client, Embedding, Prediction, VisionServeError
 from visionserve_client.__main__ import main as cli
 
 PACKAGE = "visionserve_client"  # the import package pyproject.toml ships (not `client`: too common a name)
@@ -43,6 +43,23 @@ def test_predict_paths_bytes_and_lists(live_server: Running, photos: dict[str, P
         assert client.health() and client.ready()
         info = client.model(labels=True)
         assert (info.name, info.num_classes, len(info.labels or [])) == ("efficientnet_lite0", 1000, 1000)
+
+
+def test_embeddings_by_the_client_and_the_cli(live_server: Running, photos: dict[str, Path],
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    with Client(live_server.url) as client:
+        one = client.embed(photos["chelsea"])
+        cat, cup = client.embed([photos["chelsea"], photos["coffee"].read_bytes()])
+    assert isinstance(one, Embedding) and (one.model, one.version) == ("efficientnet_lite0", "1")
+    assert len(one.vector) == 1280 and abs(sum(v * v for v in one.vector) - 1) < 1e-4
+    assert max(abs(a - b) for a, b in zip(one.vector, cat.vector)) < 1e-5  # the same photo, the same vector
+    assert sum(a * b for a, b in zip(cat.vector, cup.vector)) < 0.9  # a cat is not a cup
+    assert cli(["--url", live_server.url, "embed", str(photos["chelsea"]), "--json"]) == 0
+    (entry,) = json.loads(capsys.readouterr().out)
+    assert entry["image"].endswith("chelsea.jpg") and max(abs(a - b) for a, b in zip(entry["vector"], cat.vector)) < 1e-5
+    assert cli(["--url", live_server.url, "embed", str(photos["coffee"])]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "model efficientnet_lite0 version 1" and "coffee.jpg  1280 values  [" in lines[1]
 
 
 def test_server_errors_carry_code_status_and_request_id(live_server: Running) -> None:

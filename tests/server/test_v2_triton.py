@@ -62,7 +62,8 @@ def test_health_and_metadata(client: triton.InferenceServerClient) -> None:
     assert client.is_server_live() and client.is_server_ready() and client.is_model_ready(MODEL)
     assert "binary_tensor_data" in client.get_server_metadata()["extensions"]
     meta = client.get_model_metadata(MODEL)
-    assert meta["outputs"] == [{"name": "probabilities", "datatype": "FP32", "shape": [-1, 1000]}]
+    assert meta["outputs"] == [{"name": "probabilities", "datatype": "FP32", "shape": [-1, 1000]},
+                               {"name": "embedding", "datatype": "FP32", "shape": [-1, 1280]}]
     assert not client.is_model_ready(MODEL, model_version="999")
 
 
@@ -86,6 +87,21 @@ def test_fp32_input_preprocessed_by_the_client(client: triton.InferenceServerCli
     got = result.as_numpy("probabilities")
     assert got.argmax(1).tolist() == predict_scores.argmax(1).tolist()
     assert np.abs(got - predict_scores).max() < 0.05
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_the_embedding_output_equals_predict_s(client: triton.InferenceServerClient, server: Running,
+                                               photos: list[bytes], binary: bool) -> None:
+    outputs = [triton.InferRequestedOutput("embedding", binary_data=binary),
+               triton.InferRequestedOutput("probabilities", class_count=1)]
+    result = client.infer(MODEL, [_images(photos, True)], outputs=outputs)
+    vectors = result.as_numpy("embedding")
+    assert vectors.dtype == np.float32 and vectors.shape == (2, 1280)
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-5)
+    by_predict = [requests.post(f"{server.url}/predict?outputs=embedding", data=photo, timeout=60,
+                                headers={"Content-Type": "image/jpeg"}).json()["embeddings"][0] for photo in photos]
+    assert np.allclose(vectors, np.array(by_predict, dtype=np.float32), atol=1e-6)
+    assert [row[0].decode().split(":", 2)[2] for row in result.as_numpy("probabilities")] == list(PHOTOS.values())
 
 
 def test_classification_extension(client: triton.InferenceServerClient, photos: list[bytes]) -> None:

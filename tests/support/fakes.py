@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 import torch
 import torch.nn as nn
 
-from models.export.manifest import Manifest, WeightsFile
+from models.export.manifest import EmbeddingOutput, Manifest, WeightsFile
 from models.presets import EvalPreset
 
 if TYPE_CHECKING:
@@ -23,23 +23,27 @@ if TYPE_CHECKING:
 LABELS = ["red", "green", "blue", "other"]
 
 
-def tiny_manifest(name: str = "colour", version: str = "test") -> Manifest:
-    """A manifest for an 8x8-input model with four classes (files are never read: the model is passed in)."""
+def tiny_manifest(name: str = "colour", version: str = "test", embedding: bool = False) -> Manifest:
+    """A manifest for an 8x8-input model with four classes (files are never read: the model is passed in);
+    ``embedding``: it answers ColourModel's 3-value embedding too."""
     sha = "0" * 64
     return Manifest(name=name, version=version, arch="fake", labels=LABELS,
                     preprocess=EvalPreset(resize_size=8, crop_size=8, mean=(0.5,) * 3, std=(0.5,) * 3),
-                    files={"state_dict": WeightsFile(path="none.pt", sha256=sha)}, default_format="state_dict")
+                    files={"state_dict": WeightsFile(path="none.pt", sha256=sha)}, default_format="state_dict",
+                    embedding=EmbeddingOutput(layer="head", dim=3) if embedding else None)
 
 
 class ColourModel(nn.Module):
     """Logits = mean of each colour channel (and a fixed 'other'), so a red image is 'red' and so on.
 
     ``gate`` (when set) blocks every forward pass until released, ``fail_when`` makes a batch raise, and
-    ``batch_sizes`` records the size of every batch it saw.
+    ``batch_sizes`` records the size of every batch it saw. ``embedding``: it answers (logits, embedding) as an
+    export with an embedding does, the embedding being the colour means shifted to 0..2, L2-normalised.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, embedding: bool = False) -> None:
         super().__init__()
+        self.embedding = embedding
         self.batch_sizes: list[int] = []
         self.threads: list[int] = []  # threading.get_ident() of every forward pass
         self.gate: threading.Event | None = None
@@ -57,15 +61,18 @@ class ColourModel(nn.Module):
         if self.fail_when is not None and bool((means[:, 0] > self.fail_when).any()):
             raise RuntimeError("fake forward failure")
         other = torch.full((x.shape[0], 1), -0.5)
-        return torch.cat([means, other], dim=1) * 10
+        logits = torch.cat([means, other], dim=1) * 10
+        if self.embedding:
+            return logits, torch.nn.functional.normalize(means + 1, dim=1)
+        return logits
 
 
 def infer(service: Service, images: Sequence[bytes] = (), tensors: Sequence[torch.Tensor] = (), *,
           name: str | None = None, version: str | None = None, client_gone: Callable[[], bool] | None = None,
-          timeout_s: float = 5.0) -> Served:
+          timeout_s: float = 5.0, embedding: bool = False) -> Served:
     """One request through the engine as a protocol sends it: admitted to ``name``/``version``, then inferred."""
     with service.admit(name, version) as call:
-        return call.infer(images, tensors, timeout_s=timeout_s, client_gone=client_gone)
+        return call.infer(images, tensors, timeout_s=timeout_s, client_gone=client_gone, embedding=embedding)
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 10) -> None:

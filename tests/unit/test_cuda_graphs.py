@@ -51,7 +51,7 @@ def _batch(rows: int, seed: int) -> torch.Tensor:
 def test_each_padded_batch_size_replays_its_graph_with_the_eager_answers(small_weights: Path) -> None:
     eager, graphed = _padded(small_weights), _padded(small_weights)
     capture = ReplayingCapture()
-    graphed.graphs = GraphedForward(graphed._probabilities, capture=capture)
+    graphed.graphs = GraphedForward(graphed._rows, capture=capture)
     eager.warmup(MAX_BATCH, repeats=1)
     graphed.warmup(MAX_BATCH, repeats=1)
     assert graphed.graphs is not None and graphed.graphs.batch_sizes == graphed.batch_shapes(MAX_BATCH) == [1, 2, 4, 8]
@@ -83,7 +83,7 @@ def test_a_capture_that_fails_leaves_the_forward_passes_eager(small_weights: Pat
         return capture(forward, fixed_input, pool)
 
     eager, graphed = _padded(small_weights), _padded(small_weights)
-    graphed.graphs = GraphedForward(graphed._probabilities, capture=refusing)
+    graphed.graphs = GraphedForward(graphed._rows, capture=refusing)
     eager.warmup(MAX_BATCH, repeats=1)
     with caplog.at_level(logging.WARNING, logger="app.engine.loaded.predictor"):
         graphed.warmup(MAX_BATCH, repeats=1)

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from app.engine.loaded.graphs import GraphedForward
+from models.architectures import split_outputs
 from models.export.load import load_model, module_bytes
 from models.export.manifest import Manifest
 from models.presets import ImageTransform, TensorEvalTransform, eval_transform
@@ -21,7 +22,8 @@ OUT_OF_MEMORY_ERRORS: tuple[type[BaseException], ...] = (torch.cuda.OutOfMemoryE
 
 
 class Predictor:
-    """A model placed on its device with its manifest's transform; ``predict_batch`` returns probabilities."""
+    """A model placed on its device with its manifest's transform; ``predict_batch`` returns probabilities (and,
+    when the export has one, each image's embedding after them: one forward pass for both)."""
 
     def __init__(self, model: nn.Module, manifest: Manifest, *, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, weights_format: str = "eager",
@@ -46,7 +48,7 @@ class Predictor:
             torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN pick its fastest kernels
         # Each batch shape's forward pass replayed as one CUDA graph, captured at warm-up (graphs.py): modules only
         # (an AOTInductor package runs its own kernels; ONNX Runtime runs on the CPU).
-        self.graphs = (GraphedForward(self._probabilities) if cuda_graphs and self.device.type == "cuda"
+        self.graphs = (GraphedForward(self._rows) if cuda_graphs and self.device.type == "cuda"
                        and weights_format in ("torchscript", "state_dict", "eager") else None)
 
     @classmethod
@@ -87,12 +89,16 @@ class Predictor:
     def _padded_size(self, rows: int) -> int:
         return next((size for size in self.warmed_batch_sizes if size >= rows), rows)
 
-    def _probabilities(self, batch: torch.Tensor) -> torch.Tensor:
-        """The forward pass of a batch on the device in the compute dtype -> float32 softmax probabilities there."""
-        return self.module(batch).float().softmax(dim=1)
+    def _rows(self, batch: torch.Tensor) -> torch.Tensor:
+        """The forward pass of a batch on the device in the compute dtype -> float32 softmax probabilities there,
+        followed by the embedding's columns when the model answers one."""
+        logits, embedding = split_outputs(self.module(batch))
+        probabilities = logits.float().softmax(dim=1)
+        return probabilities if embedding is None else torch.cat([probabilities, embedding.float()], dim=1)
 
     def predict_batch(self, batch: torch.Tensor) -> torch.Tensor:
-        """(N, C, H, W) on the CPU or the device -> (N, classes) float32 softmax probabilities on the CPU."""
+        """(N, C, H, W) on the CPU or the device -> (N, classes) float32 softmax probabilities on the CPU, each row
+        followed by the image's embedding when the model has one ((N, classes + dim))."""
         rows = batch.shape[0]
         size = self._padded_size(rows) if self.pad_batches else rows
         if self.device.type == "cuda" and batch.device.type == "cpu":
@@ -104,7 +110,7 @@ class Predictor:
             batch = torch.cat([batch, batch.new_zeros(size - rows, *batch.shape[1:])])  # on the device
         try:
             with torch.inference_mode():
-                return self._probabilities(batch.to(dtype=self.dtype))[:rows].cpu()
+                return self._rows(batch.to(dtype=self.dtype))[:rows].cpu()
         except torch.cuda.OutOfMemoryError:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # give the smaller retry the cached blocks back

@@ -58,18 +58,19 @@ class LoadedVersion:
         """What a request this version answers is parsed with: name, version, classes, input shape (its manifest's,
         fixed while it is loaded)."""
         manifest = self.predictor.manifest
-        return Signature(manifest.name, manifest.version, manifest.labels, tuple(manifest.preprocess.input_shape))
+        return Signature(manifest.name, manifest.version, manifest.labels, tuple(manifest.preprocess.input_shape),
+                         manifest.embedding.dim if manifest.embedding is not None else 0)
 
     def run_batch(self, prepared: Sequence[Prepared]) -> np.ndarray:
         """One batch, on the batcher's thread: collate (the device path decodes here), the forward pass (softmax
         probabilities, one row per image), then, for requests' batches, the monitor and its metrics. The rows come
         back as one float32 array (its rows are views: a request's answer takes them as they are, no per-request
-        tensor steps)."""
-        probabilities = self.predictor.predict_batch(self.decoder.collate(prepared))
+        tensor steps), each the image's probabilities followed by its embedding when the version has one."""
+        rows = self.predictor.predict_batch(self.decoder.collate(prepared))
         if self.serving.is_set():
-            seen = self.monitor.observe(probabilities)
+            seen = self.monitor.observe(rows[:, :self.predictor.num_classes])
             self.observer.predictions(seen.labels, seen.confidences, seen.low_confidence_ratio, seen.psi)
-        return probabilities.numpy()
+        return rows.numpy()
 
     def _info_labels(self) -> tuple[str, str, str, str]:
         return self.name, self.version, str(self.predictor.device), self.predictor.dtype_name
@@ -129,7 +130,8 @@ def start_version(settings: Settings, predictor: Predictor) -> LoadedVersion:
             loaded.batch_profile.update(predictor.warmup(settings.max_batch_size))
         # A synthetic photo through the decoder the batches will use (starting the device's decoder there) and
         # the model.
-        check_canary(loaded.run_batch([decoder.prepare(canary_jpeg())]), predictor.num_classes)
+        check_canary(loaded.run_batch([decoder.prepare(canary_jpeg())])[:, :predictor.num_classes],
+                     predictor.num_classes)
 
     loaded.batcher.start(prepare)
     loaded.serving.set()
