@@ -362,6 +362,23 @@ class MonitoringSettings(SettingsGroup):
         return self
 
 
+class ExplainSettings(SettingsGroup):
+    """Explanations (`POST /explain`, docs/api.md): Grad-CAM maps in a lane of their own, beside the batches."""
+
+    heading = "Explanations"
+
+    explain_concurrency: int = Field(
+        1, ge=1, description="Explanations computed at once per process (the models' process: each worker inline, "
+        "each engine under ENGINE=process), each one forward and one backward pass on a copy of the version's "
+        "weights with gradients, on threads of their own, never inside the batches `/predict` runs.")
+    explain_queue_size: int = Field(
+        4, ge=0, description="Explanations waiting for a free lane, per process; past it a new one is refused at "
+        "once (429 with Retry-After).")
+    explain_nice: int = Field(
+        10, ge=0, le=19, description="The CPU priority the explanation threads lower themselves to (Linux nice, "
+        "0-19): on busy cores predictions go first; 0 leaves them equal.")
+
+
 class SecuritySettings(SettingsGroup):
     """Who may call the API (API key, CORS), and tracing."""
 
@@ -401,7 +418,7 @@ class SecuritySettings(SettingsGroup):
 
 # The groups are listed last first: pydantic collects a model's fields from its last base up, so this order gives
 # Settings.model_fields (and the validators' order) in the order of GROUPS and of docs/configuration.md.
-class Settings(SecuritySettings, MonitoringSettings, ServerSettings, DecodingSettings, RequestSettings,
+class Settings(SecuritySettings, ExplainSettings, MonitoringSettings, ServerSettings, DecodingSettings, RequestSettings,
                BatchingSettings, DeviceSettings, RolloutSettings, ModelSettings, BaseSettings):
     """Service settings; validated once at boot so a bad value stops the start, not the first request."""
 

@@ -51,6 +51,12 @@ class NoEmbedding(BadRequest):
     code = "no_embedding"
 
 
+class NoGradients(ServiceError):
+    """An explanation asked of a version with no weights to take gradients of (or no feature map to read)."""
+
+    status, code = 422, "no_gradients"
+
+
 class InvalidJSON(ServiceError):
     """The body says JSON but does not parse (400)."""
     status, code = 400, "invalid_json"

@@ -204,6 +204,12 @@ VERSION_REQUEST_SECONDS = Histogram("visionserve_version_request_duration_second
                                     buckets=_LATENCY_BUCKETS)
 ROLLOUT_ROLE = Gauge("visionserve_rollout_role", "1 for each loaded version's role in its model's rollout: live, "
                      "canary, shadow, previous", ["model", "version", "role"], multiprocess_mode="livemax")
+EXPLANATIONS = Counter("visionserve_explanations_total", "Explanations (POST /explain) by model, version and "
+                       "outcome: ok, refused (the lane full, no gradients, a bad image) or failed",
+                       ["model", "version", "outcome"])
+EXPLAIN_SECONDS = Histogram("visionserve_explain_duration_seconds", "An explanation's time in its lane: decode, "
+                            "forward and backward pass, map (and overlay)", ["model"],
+                            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
 ROLLOUT_CHANGES = Counter("visionserve_rollout_changes_total", "Promotions and rollbacks, by call or by the rules",
                           ["model", "action"])
 ROLLOUT_CANDIDATE_REFUSED = Gauge("visionserve_rollout_candidate_refused", "1 while a model's rollout goes on "

@@ -27,4 +27,5 @@ SERVING_CONTRACT: tuple[str, ...] = (
     "models.export.torchscript",  # quiet_jit around loading TorchScript
     "models.export.compile",  # the dtypes of AOTInductor packages
     "models.export.onnx_runtime",  # an ONNX file's ONNX Runtime session
+    "models.explain",  # Grad-CAM and its overlay: the server's explanations
 )

@@ -139,6 +139,26 @@ def stage_ms(results: Sequence[BatchResult[Any]]) -> tuple[float, float]:
 
 
 @dataclass(frozen=True)
+class Explanation:
+    """Why a version chose a class for one image: its Grad-CAM map (``grid``: rows of 0..1 values over ``crop``, the
+    region (left, top, right, bottom) of the photo the model saw), from the feature map of ``layer``, computed on its
+    ``weights`` (the format that gave the gradients), and the overlay PNG when asked for."""
+
+    model: str
+    version: str
+    index: int
+    label: str
+    score: float
+    method: str
+    layer: str
+    weights: str
+    grid: list[list[float]]
+    crop: tuple[int, int, int, int]
+    explain_ms: float
+    png: bytes | None = None
+
+
+@dataclass(frozen=True)
 class VersionInfo:
     """One loaded version's facts, as /v1/models and the V2 metadata show them."""
 
@@ -239,6 +259,8 @@ class ServiceFace(Protocol):
     def wait_loaded(self, timeout_s: float) -> None: ...
     def require_loaded(self) -> None: ...
     def require_ready(self) -> None: ...
+    def explain(self, image: bytes, name: str | None = None, version: str | None = None, index: int | None = None,
+                png: bool = False, timeout_s: float = 30.0) -> Explanation: ...
 
 
 def not_ready(why: str, close: bool = False) -> NotReady:

@@ -16,7 +16,8 @@ from typing import Callable, Iterator
 from app.config import Settings
 from app.engine.call import Call, check_room
 from app.engine.catalog import Catalog
-from app.engine.contract import Lifecycle, not_ready
+from app.engine.contract import Explanation, Lifecycle, not_ready
+from app.engine.explain import ExplainLane
 from app.engine.loaded.predictor import Predictor
 from app.engine.loaded.version import LoadedVersion
 from app.engine.rollouts.shadow import offer
@@ -47,6 +48,7 @@ class Service(Lifecycle):
         # Requests' outcomes held for the one thread that admits every request to write together (an event loop,
         # once a turn: app/link/loop.py); None: each written as its request ends (any thread)
         self.counts: RequestTally | None = None
+        self.explanations = ExplainLane(settings)
 
     @classmethod
     def build(cls, settings: Settings, source: Source | Predictor) -> "Service":
@@ -120,8 +122,21 @@ class Service(Lifecycle):
         """Drain: refuse new work, finish what is queued, stop the worker threads."""
         self.begin_drain()
         self.controller.close()
+        self.explanations.close()
         for model in self._routes.all_versions():
             model.batcher.stop(timeout)
+
+    def explain(self, image: bytes, name: str | None = None, version: str | None = None, index: int | None = None,
+                png: bool = False, timeout_s: float = 30.0) -> Explanation:
+        """Why model ``name`` at ``version`` (None: as ``enter`` routes a request naming none; no canary) chooses
+        class ``index`` (None: its top one) for ``image``: its Grad-CAM map, in the explanations' own lane
+        (app/engine/explain.py), never in a batch. The version is held until it is answered."""
+        route = self._held(name, version, None)
+        try:
+            return self.explanations.explain(route.version, image, index, png, timeout_s)
+        finally:
+            self._routes.release(route)
+            self.in_flight.leave()
 
     @contextlib.contextmanager
     def admit(self, name: str | None = None, version: str | None = None, client_key: str | None = None,
@@ -146,13 +161,7 @@ class Service(Lifecycle):
         when the request cannot be admitted. ``images`` (what the request announces, before its body is parsed)
         with ``timeout_s``: refused at once (429 with Retry-After) when the queue cannot take them in time, so a
         request the server would refuse anyway costs no parsing and no decode."""
-        self.in_flight.enter()
-        try:
-            self.require_ready()
-            route = self._routes.hold(name, version, client_key)
-        except BaseException:
-            self.in_flight.leave()
-            raise
+        route = self._held(name, version, client_key)
         if not route.version.batcher.is_alive():  # its thread ended (the process is not live): no batch would run
             self._routes.release(route)
             self.in_flight.leave()
@@ -167,6 +176,17 @@ class Service(Lifecycle):
             raise
         call = Call(route.version, arrived, self.settings.max_images, self._shadow_offer(route))
         return Admission(self, route, started, arrived, call)
+
+    def _held(self, name: str | None, version: str | None, client_key: str | None) -> Route:
+        """A request in flight, once the service is ready, holding the version routing picks for it (released, and
+        the request's flight ended, by the caller); nothing held when it raises."""
+        self.in_flight.enter()
+        try:
+            self.require_ready()
+            return self._routes.hold(name, version, client_key)
+        except BaseException:
+            self.in_flight.leave()
+            raise
 
     def _shadow_offer(self, route: Route) -> Callable[..., None] | None:
         if route.shadow is None:

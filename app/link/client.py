@@ -36,6 +36,7 @@ from app.engine.contract import (
     CATALOG_CALLS,
     CLIENT_CHECK_S,
     CatalogFace,
+    Explanation,
     Lifecycle,
     Served,
     Signature,
@@ -250,6 +251,18 @@ class RemoteService(Lifecycle):
                                        segments) as conn:
             _wait_for_answer(conn, limit_s, client_gone)
             answer = wire.receive_answer(conn, ANSWER_GRACE_S)  # it is arriving: never a wait without end
+        return self._value(answer)
+
+    def explain(self, image: bytes, name: str | None = None, version: str | None = None, index: int | None = None,
+                png: bool = False, timeout_s: float = 30.0) -> Explanation:
+        """As ``Service.explain``, in the engine: the image crosses as it is, the explanation comes back."""
+        self.require_ready()
+        with self.connections.exchange("the engine stopped while explaining this image; it is restarting",
+                                       wire.Explain(name, version, index, png, timeout_s), [image]) as conn:
+            limit_s = timeout_s + ANSWER_GRACE_S
+            if not wire.readable(conn, limit_s):
+                raise wire.EngineGone(f"no answer within {limit_s:g}s")
+            answer = wire.receive_answer(conn, ANSWER_GRACE_S)
         return self._value(answer)
 
     def _ask(self, call: wire.CatalogCall) -> Any:

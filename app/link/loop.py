@@ -8,6 +8,8 @@ worker running other code is refused and logged), then carries one exchange at a
 - ``Unanswered``: a request the HTTP side refused before sending it, admitted and ended with its error (no answer).
 - ``CatalogCall``: one of ``contract.CATALOG_CALLS``, on a thread of its own; ``StateQuery``: readiness, liveness,
   draining.
+- ``Explain``: one image's explanation (``Service.explain``: the explanations' own lane), waited for on a thread of
+  its own, as a catalog call is.
 Every answer is an ``Answer`` with the value or the ServiceError, and this engine's pid and routing generation.
 """
 from __future__ import annotations
@@ -117,8 +119,12 @@ class EngineServer:
         self._catalog_threads = ThreadPoolExecutor(CATALOG_THREADS, thread_name_prefix="engine-catalog")
         self._loop_thread: int | None = None
         self._started = threading.Lock()
+        settings = service.settings
+        self._explain_threads = ThreadPoolExecutor(settings.explain_concurrency + settings.explain_queue_size + 1,
+                                                   thread_name_prefix="engine-explain")  # each waits on the lane
         self._handlers: dict[type, Callable[[_Connection, Any, list[memoryview]], None]] = {
-            wire.Unanswered: self._unanswered, wire.CatalogCall: self._catalog, wire.StateQuery: self._state}
+            wire.Unanswered: self._unanswered, wire.CatalogCall: self._catalog, wire.StateQuery: self._state,
+            wire.Explain: self._explain}
         self._turn: list[tuple[_Connection, wire.Infer, list[memoryview]]] = []  # requests read in this loop turn
 
     def bind(self) -> None:
@@ -225,7 +231,7 @@ class EngineServer:
             self._close(conn)
             return
         for index, (message, segments) in enumerate(frames):
-            if index < len(frames) - 1 and isinstance(message, (wire.Infer, wire.CatalogCall)):
+            if index < len(frames) - 1 and isinstance(message, (wire.Infer, wire.CatalogCall, wire.Explain)):
                 log.warning("closed a connection that sent a frame after a %s before its answer: out of step",
                             type(message).__name__)
                 self._close(conn)
@@ -395,6 +401,21 @@ class EngineServer:
             self._post(functools.partial(self._catalog_done, conn, answer))
 
         self._catalog_threads.submit(run)
+
+    def _explain(self, conn: _Connection, message: wire.Explain, segments: list[memoryview]) -> None:
+        """On an explain thread (it waits for the lane): the connection is not watched until it answers."""
+        self._selector.unregister(conn.sock)
+        image = bytes(segments[0]) if len(segments) == 1 else b""
+
+        def run() -> None:
+            try:
+                answer = self._answer(self.service.explain(image, message.model, message.version, message.index,
+                                                           message.png, message.timeout_s))
+            except Exception as exc:  # noqa: BLE001 - answered
+                answer = self._answer(error=_as_error(exc))
+            self._post(functools.partial(self._catalog_done, conn, answer))
+
+        self._explain_threads.submit(run)
 
     def _catalog_answer(self, message: wire.CatalogCall) -> wire.Answer:
         if message.method not in CATALOG_CALLS:

@@ -82,6 +82,18 @@ class Infer(_Message):
 
 
 @dataclass(frozen=True, slots=True)
+class Explain(_Message):
+    """Explain one image (the frame's one segment) by ``model`` at ``version`` for class ``index`` (None: the top
+    one), with its overlay PNG when ``png``; answered with a ``contract.Explanation``."""
+
+    model: str | None
+    version: str | None
+    index: int | None
+    png: bool
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class Unanswered(_Message):
     """A request admitted on the HTTP side that never reached ``Infer`` (its body refused: ``error``; or nothing
     asked of the model: None): the engine counts it as the routed version's request would be. No answer."""
@@ -144,7 +156,7 @@ class _ServedHead(NamedTuple):
     embedding_dim: int
 
 
-MESSAGES = (Infer, Unanswered, CatalogCall, StateQuery, EngineState, Answer)
+MESSAGES = (Infer, Unanswered, CatalogCall, StateQuery, EngineState, Answer, Explain)
 # A frame's header is the pickled tuple (kind, fields): kind the message's place in MESSAGES, or _SERVED for an Answer
 # whose value is a Served (its fields: the _ServedHead's, error, engine, routes). Pickling the message itself wrote
 # and looked up its class by name both ways: about 4 us more to send and 2 more to read an Infer, 8 and 3 an answer.
@@ -154,7 +166,7 @@ _FIELDS = [operator.attrgetter(*cls.__slots__) if len(cls.__slots__) > 1 else
 _SERVED = len(MESSAGES)
 _ANSWER = _KINDS[Answer]
 NO_LABELS: list[str] = []  # what an answer's Served holds in place of its version's labels
-REQUESTS = (Infer, Unanswered, CatalogCall, StateQuery)
+REQUESTS = (Infer, Unanswered, CatalogCall, StateQuery, Explain)
 
 
 def _shape(cls: type) -> str:
@@ -169,6 +181,7 @@ def _shape(cls: type) -> str:
 def _fingerprint() -> str:
     """What both sides must agree on: the messages, the contract's data and every error an answer may carry."""
     carried = [*MESSAGES, _ServedHead, contract.Signature, contract.Served, contract.Ranked, contract.VersionInfo,
+               contract.Explanation,
                contract.VersionState, contract.Manifest, contract.BatchResult,
                *(c for _, c in inspect.getmembers(errors, inspect.isclass) if issubclass(c, errors.ServiceError)),
                *(getattr(contract.CatalogFace, name) for name in contract.CATALOG_CALLS)]

@@ -7,7 +7,8 @@ from app.v1 import schemas as s
 from app.web.openapi import BINARY, TIMEOUT_HEADER, errors, json_answer, ref
 from app.web.schemas import ErrorResponse
 
-MODELS = (s.PredictJSONRequest, s.PredictResponse, s.ModelsResponse, s.VersionChoice, s.RolloutChanged)
+MODELS = (s.PredictJSONRequest, s.PredictResponse, s.ExplainJSONRequest, s.ExplainResponse, s.ModelsResponse,
+          s.VersionChoice, s.RolloutChanged)
 # A 4x4 red PNG, so "Try it out" on the JSON form sends an image any model accepts.
 EXAMPLE_IMAGE_BASE64 = ("iVBORw0KGgoAAAANSUhEUgAAAAQAAAAECAIAAAAmkwkpAAAAFElEQVR4nGO8IyfHAANMDEgANwcAOHIBIO1BLLkAAAAA"
                         "SUVORK5CYII=")
@@ -22,6 +23,9 @@ def _model_params() -> list[dict[str, Any]]:
 def _predict() -> dict[str, Any]:
     top_k = {"name": "top_k", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 1},
              "description": "Classes per image (1 to the model's classes); left out, the server's TOP_K"}
+    outputs = {"name": "outputs", "in": "query", "required": False, "schema": {"type": "string"},
+               "description": "What to answer per image, comma-separated: labels (the top k, the default) and/or "
+                              "embedding (the model's pooled features, L2-normalised: `embeddings`)"}
     # top_k is accepted as a form field too, but described only as the query parameter: /docs would otherwise
     # pre-fill a form box with 0 and every "Try it out" would answer 400.
     multipart = {"type": "object", "required": ["image"],
@@ -32,7 +36,7 @@ def _predict() -> dict[str, Any]:
         "description": "Send the images as multipart (repeat the `image` field; `top_k` may also be a form "
                        "field), as a raw body (image/* or application/octet-stream), or as JSON with base64 "
                        "strings. Answers keep the order sent.",
-        "parameters": [top_k, *_model_params(), TIMEOUT_HEADER],
+        "parameters": [top_k, outputs, *_model_params(), TIMEOUT_HEADER],
         "requestBody": {"required": True, "content": {
             "multipart/form-data": {"schema": multipart},
             "image/*": {"schema": BINARY}, "application/octet-stream": {"schema": BINARY},
@@ -44,11 +48,42 @@ def _predict() -> dict[str, Any]:
     }}
 
 
+def _explain() -> dict[str, Any]:
+    index = {"name": "class_index", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 0},
+             "description": "The class to explain; left out (and no label): the top one"}
+    label = {"name": "label", "in": "query", "required": False, "schema": {"type": "string"},
+             "description": "The class to explain, by its label"}
+    answer_format = {"name": "format", "in": "query", "required": False,
+                     "schema": {"type": "string", "enum": ["json", "png"]},
+                     "description": "json: the map's grid; png: the map drawn over the region of the photo the model "
+                                    "saw"}
+    multipart = {"type": "object", "required": ["image"],
+                 "properties": {"image": {**BINARY, "description": "One image file"}}}
+    png = {"description": "The overlay (format=png), its class in X-Explained-Class (URL-encoded), "
+                          "X-Explained-Index and X-Explained-Score",
+           "content": {"image/png": {"schema": BINARY}}}
+    json_body = json_answer(s.ExplainResponse, "The Grad-CAM map of the class over the photo (format=json)")
+    return {"post": {
+        "summary": "Why the model chooses a class for one image (Grad-CAM)",
+        "description": "One forward and one backward pass on the version's weights with gradients (its state "
+                       "dict when the served format has none), in a lane of its own beside the batches. Send the "
+                       "image as multipart, a raw body, or JSON with base64.",
+        "parameters": [index, label, answer_format, *_model_params(), TIMEOUT_HEADER],
+        "requestBody": {"required": True, "content": {
+            "multipart/form-data": {"schema": multipart},
+            "image/*": {"schema": BINARY}, "application/octet-stream": {"schema": BINARY},
+            "application/json": {"schema": ref(s.ExplainJSONRequest), "example": {"image": EXAMPLE_IMAGE_BASE64}}}},
+        "responses": {"200": {**json_body, "content": {**json_body["content"], **png["content"]},
+                              "description": f"{json_body['description']}; or {png['description']}"},
+                      **errors(ErrorResponse, "400 401 404 413 415 422 429 503 504")},
+    }}
+
+
 def paths() -> dict[str, Any]:
-    """/predict and /v1/models."""
+    """/predict, /explain and /v1/models."""
     labels = {"name": "labels", "in": "query", "required": False,
               "schema": {"type": "string", "enum": ["1", "true", "yes"]}}
-    return {"/predict": _predict(),
+    return {"/predict": _predict(), "/explain": _explain(),
             "/v1/models": {"get": {"summary": "The served model, its batching and its limits", "parameters": [labels],
                                    "responses": {"200": json_answer(s.ModelsResponse, "The model")}}},
             "/v1/models/{name}/promote": _rollout_call(

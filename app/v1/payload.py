@@ -1,4 +1,5 @@
-"""Reads a /predict request in any of its shapes into image bytes, a top_k and the outputs asked for.
+"""Reads a /predict request in any of its shapes into image bytes, a top_k and the outputs asked for; and an
+/explain request into its one image, the class to explain and the answer's format.
 
 It takes the werkzeug request as an argument rather than using Flask's global, so it stays a plain function.
 """
@@ -11,7 +12,7 @@ import pydantic
 from werkzeug import Request
 
 from app.errors import BadRequest, SchemaViolation, UnknownOutput, UnsupportedMediaType
-from app.v1.schemas import PredictJSONRequest
+from app.v1.schemas import ExplainJSONRequest, PredictJSONRequest
 from app.web.inputs import decode_base64, parse_json, read_body
 
 RAW_TYPES = ("application/octet-stream",)
@@ -82,8 +83,8 @@ def _from_json(request: Request, default_top_k: int, num_classes: int) -> Predic
                         embedding)
 
 
-def _from_multipart(request: Request) -> tuple[list[bytes], list[str | None]]:
-    check_known(request.form.keys(), {TOP_K, OUTPUTS}, "form field")
+def _from_multipart(request: Request, fields: set[str]) -> tuple[list[bytes], list[str | None]]:
+    check_known(request.form.keys(), fields, "form field")
     unknown_files = sorted(set(request.files.keys()) - {IMAGE_FIELD})
     files = request.files.getlist(IMAGE_FIELD)
     if not files or unknown_files:
@@ -100,6 +101,71 @@ def check_known(names: Iterable[str], known: set[str], what: str) -> None:
         raise BadRequest(f"unknown {what} {', '.join(map(repr, unknown))}; known: {', '.join(sorted(known))}")
 
 
+CLASS_INDEX, LABEL, FORMAT = "class_index", "label", "format"
+FORMATS = ("json", "png")
+
+
+@dataclass(frozen=True)
+class ExplainInput:
+    """What an /explain request asks for: one image, the class to explain (None: the top one), JSON or a PNG."""
+
+    image: bytes
+    index: int | None
+    png: bool
+
+
+def _class_index(raw_index: str | int | None, label: str | None, labels: list[str]) -> int | None:
+    if raw_index not in (None, "") and label not in (None, ""):
+        raise BadRequest(f"name the class by {CLASS_INDEX} or by {LABEL}, not both")
+    if label not in (None, ""):
+        if label not in labels:
+            raise BadRequest(f"{LABEL} {label!r} is not one of the model's {len(labels)} classes (GET /v1/models"
+                             f"?labels=1 lists them)")
+        return labels.index(label)  # type: ignore[arg-type]
+    if raw_index in (None, ""):
+        return None
+    try:
+        index = int(raw_index)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise BadRequest(f"{CLASS_INDEX} must be an integer from 0 to {len(labels) - 1}, got {raw_index!r}") from None
+    if not 0 <= index < len(labels) or isinstance(raw_index, bool):
+        raise BadRequest(f"{CLASS_INDEX} must be from 0 to {len(labels) - 1}, got {raw_index!r}")
+    return index
+
+
+def parse_explain(request: Request, labels: list[str]) -> ExplainInput:
+    """The image (multipart ``image``, a raw body, or JSON ``{"image": base64}``), the class (``class_index`` or
+    ``label``, as query parameters, form or JSON fields; left out: the top one) and ``format`` (json or png)."""
+    check_known(request.args.keys(), {CLASS_INDEX, LABEL, FORMAT, MODEL, VERSION}, "query parameter")
+    fields = dict(request.args)
+    mimetype = request.mimetype
+    if mimetype == "application/json":
+        try:
+            parsed = ExplainJSONRequest.model_validate(parse_json(read_body(request), "the body"))
+        except pydantic.ValidationError as exc:
+            details = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
+            raise SchemaViolation("the JSON body does not match the request schema", details=details) from None
+        image = _image_from_base64(parsed.image, 0)
+        fields |= {key: value for key, value in ((CLASS_INDEX, parsed.class_index), (LABEL, parsed.label))
+                   if value is not None}
+    elif mimetype == "multipart/form-data":
+        images, _ = _from_multipart(request, {CLASS_INDEX, LABEL, FORMAT})
+        if len(images) != 1:
+            raise BadRequest(f"an explanation is of one image; {len(images)} were sent")
+        image, fields = images[0], {**fields, **request.form}
+    elif mimetype.startswith("image/") or mimetype in RAW_TYPES:
+        image = read_body(request)
+    else:
+        raise UnsupportedMediaType(
+            f"content type {mimetype or '(none)'!r} is not supported; send multipart/form-data with an "
+            f"{IMAGE_FIELD!r} field, a raw image body (image/* or application/octet-stream), or JSON")
+    answer_format = fields.get(FORMAT) or "json"
+    if answer_format not in FORMATS:
+        raise BadRequest(f"{FORMAT} must be json or png, got {answer_format!r}")
+    return ExplainInput(image, _class_index(fields.get(CLASS_INDEX), fields.get(LABEL), labels),
+                        answer_format == "png")
+
+
 def parse_predict(request: Request, *, default_top_k: int, num_classes: int) -> PredictInput:
     """Images, top_k and outputs from a multipart, raw-bytes or JSON request; raises a ServiceError on bad
     input."""
@@ -109,7 +175,7 @@ def parse_predict(request: Request, *, default_top_k: int, num_classes: int) -> 
     if mimetype == "application/json":
         return _from_json(request, default_top_k, num_classes)
     if mimetype == "multipart/form-data":
-        images, names = _from_multipart(request)
+        images, names = _from_multipart(request, {TOP_K, OUTPUTS})
         raw_top_k = request.form.get("top_k", request.args.get("top_k"))
         raw_outputs = request.form.get(OUTPUTS, request.args.get(OUTPUTS))
     elif mimetype.startswith("image/") or mimetype in RAW_TYPES:

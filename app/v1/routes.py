@@ -2,15 +2,19 @@
 ``Service.catalog``), shape the answer."""
 from __future__ import annotations
 
+import urllib.parse
+
 import pydantic
 from flask import Blueprint, Response, request
 
 from app.config import Settings
 from app.engine.contract import Ranked, VersionInfo
 from app.errors import BadRequest
-from app.v1.payload import PredictInput, parse_predict
+from app.v1.payload import PredictInput, parse_explain, parse_predict
 from app.v1.schemas import (
     Batching,
+    Crop,
+    ExplainResponse,
     Rollout,
     RolloutChanged,
     VersionChoice,
@@ -52,6 +56,28 @@ def predict() -> Response:
     body = PredictResponse(model=ModelRef(name=served.model, version=served.version), predictions=predictions,
                            embeddings=served.embeddings().tolist() if parsed.embedding else None)
     return annotate(Response(body.model_dump_json(exclude_none=True), mimetype="application/json"), served)
+
+
+@bp.post("/explain")
+def explain() -> Response:
+    """Why the model chooses a class for one image: a Grad-CAM map as JSON, or drawn over the photo as a PNG."""
+    service = current_service()
+    timeout_s = deadline_s(request.headers, service.settings.request_timeout_s)
+    name, version = request.args.get("model"), request.args.get("version")
+    service.require_ready()
+    parsed = parse_explain(request, service.catalog.signature(name, version).labels)
+    found = service.explain(parsed.image, name, version, parsed.index, png=parsed.png, timeout_s=timeout_s)
+    said = {"X-Explained-Class": urllib.parse.quote(found.label), "X-Explained-Index": str(found.index),
+            "X-Explained-Score": f"{found.score:.{service.settings.score_digits}f}", "X-Model-Version": found.version}
+    if parsed.png:
+        return Response(found.png, mimetype="image/png", headers=said)
+    body = ExplainResponse(model=ModelRef(name=found.model, version=found.version),
+                           explained=ClassScore(label=found.label, index=found.index,
+                                                score=round(found.score, service.settings.score_digits)),
+                           method=found.method, layer=found.layer, weights=found.weights, grid=found.grid,
+                           crop=Crop(**dict(zip(("left", "top", "right", "bottom"), found.crop))),
+                           explain_ms=round(found.explain_ms, 1))
+    return Response(body.model_dump_json(), mimetype="application/json", headers=said)
 
 
 def _model_info(settings: Settings, info: VersionInfo, ready: bool, show_labels: bool) -> ModelInfo:

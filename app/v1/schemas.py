@@ -27,6 +27,17 @@ class PredictJSONRequest(BaseModel):
         return value
 
 
+class ExplainJSONRequest(BaseModel):
+    """JSON form of POST /explain: one base64-encoded image file, and the class to explain."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    image: str = Field(description="base64 of the image file (JPEG, PNG, WebP, BMP, GIF)")
+    class_index: int | None = Field(default=None, ge=0, description="the class to explain; left out (and no "
+                                    "label): the top one")
+    label: str | None = Field(default=None, description="the class to explain, by its label")
+
+
 class ClassScore(BaseModel):
     """One class and its softmax probability."""
 
@@ -61,6 +72,30 @@ class PredictResponse(BaseModel):
                                                  "pooled features before its classifier, L2-normalised (the dot "
                                                  "product of two is their cosine similarity); only when outputs "
                                                  "names embedding")
+
+
+class Crop(BaseModel):
+    """The region of the photo (in its upright pixels) the model saw: what the grid covers."""
+
+    left: int
+    top: int
+    right: int
+    bottom: int
+
+
+class ExplainResponse(BaseModel):
+    """Answer of POST /explain: why the model chose (or would choose) a class for the image."""
+
+    model: ModelRef
+    explained: ClassScore = Field(description="the class explained, and its probability for this image")
+    method: str = Field(description="grad-cam: the chosen class's gradient-weighted last feature map")
+    layer: str = Field(description="the layer whose feature map it is")
+    weights: str = Field(description="the weights the gradients were taken of: the version's state dict (the "
+                         "served format when it has none: ONNX, AOTInductor, int8, TorchScript)")
+    grid: list[list[float]] = Field(description="the map, row by row over the crop: 0 (no evidence for the class) "
+                                    "to 1 (the most)")
+    crop: Crop
+    explain_ms: float = Field(description="decode, forward and backward pass and map, in the explanation lane")
 
 
 class Batching(BaseModel):

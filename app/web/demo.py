@@ -1,7 +1,8 @@
-"""The demo page at ``/``: a person picks or drops photos and sees each one's top classes (app/web/demo/).
+"""The demo page at ``/``: a person picks or drops photos and sees each one's top classes, and, asked "why?", the
+top class's Grad-CAM overlay (app/web/demo/).
 
 Plain HTML, CSS and JavaScript served from the package: no CDN, no build step, works offline. The page holds no
-data, so it needs no API key; its calls to /predict and /v1/models carry the key the person types in.
+data, so it needs no API key; its calls to /predict, /explain and /v1/models carry the key the person types in.
 """
 from __future__ import annotations
 

@@ -72,8 +72,8 @@ def cases() -> dict[str, list[bytes]]:
 
 def parity(predictor: Predictor, bodies: list[bytes], pil: Callable, tensor: Callable) -> tuple[int, float]:
     """How many of ``bodies`` get the same top-1 on both paths, and the largest probability difference."""
-    a = predictor.predict_batch(torch.stack([pil(b) for b in bodies]))
-    b = predictor.predict_batch(torch.stack([tensor(b) for b in bodies]))
+    a = predictor.probabilities(torch.stack([pil(b) for b in bodies]))
+    b = predictor.probabilities(torch.stack([tensor(b) for b in bodies]))
     return int((a.argmax(1) == b.argmax(1)).sum()), float((a - b).abs().max())
 
 

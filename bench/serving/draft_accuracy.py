@@ -43,7 +43,7 @@ def main() -> None:
         for size_name, size in SIZES.items():
             data = jpeg(photo(name), size)
             tensors = [image_to_tensor(data, predictor.transform, limits) for limits in (full, draft)]
-            p_full, p_draft = predictor.predict_batch(torch.stack(tensors))
+            p_full, p_draft = predictor.probabilities(torch.stack(tensors))
             t_full = _median_ms(lambda: image_to_tensor(data, predictor.transform, full))
             t_draft = _median_ms(lambda: image_to_tensor(data, predictor.transform, draft))
             same_top1 = int(p_full.argmax()) == int(p_draft.argmax())

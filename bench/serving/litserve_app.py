@@ -40,7 +40,7 @@ class ImageAPI(ls.LitAPI):
         return torch.stack(inputs)
 
     def predict(self, x: torch.Tensor) -> torch.Tensor:
-        return self.predictor.predict_batch(x)
+        return self.predictor.probabilities(x)
 
     def unbatch(self, output: torch.Tensor) -> list[torch.Tensor]:
         return list(output)

@@ -30,7 +30,7 @@ def predict():  # noqa: ANN201 - tutorial style on purpose
     data = base64.b64decode(request.get_json()["image"]) if request.is_json else request.get_data()
     image = image_to_tensor(data, _predictor.transform, LIMITS)
     with torch.inference_mode():
-        probabilities = _predictor.predict_batch(image.unsqueeze(0))[0]
+        probabilities = _predictor.probabilities(image.unsqueeze(0))[0]
     scores, indices = probabilities.topk(5)
     return jsonify(predictions=[{"label": _predictor.labels[i], "score": s}
                                 for s, i in zip(scores.tolist(), indices.tolist())])

@@ -3,6 +3,7 @@
     python -m models.predict --weights weights --data photos/ --out scores.jsonl        # or .csv, .parquet
     python -m models.predict --weights repository --model mine --version 2 --data list.txt --out scores.csv
     python -m models.predict --weights runs/mine/export --data data/mine --labels data/mine --out eval.jsonl
+    python -m models.predict --weights weights --data photos/ --out scores.jsonl --embeddings photos.npy
     torchrun --nproc_per_node=N -m models.predict ...          # one process per GPU (or CPU processes, gloo)
 
 The model is loaded as the server loads it (models/export/load.py: the format the server would choose, on the CPU
@@ -10,6 +11,11 @@ the ONNX file under ONNX Runtime when the export has one, else TorchScript froze
 each image preprocessed as the server's decode path does (``--decode``). One line per input, in input order; a file
 that cannot be scored gets its reason. A rerun skips what is written: Ctrl-C prints how much is written and the
 command that goes on.
+
+``--embeddings photos.npy`` also writes each scored image's embedding, from the same forward pass: photos.npy holds
+them (float32, one row per image, N x dim, L2-normalised: a dot product is a cosine similarity) in the records'
+order, and photos.names.txt beside it their paths, one a line. A file that cannot be scored has no row (and no
+name). ``python -m models.neighbours photos.npy --duplicates`` finds the near-duplicates among them.
 """
 from __future__ import annotations
 
@@ -23,28 +29,34 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from models.architectures import split_outputs
 from models.data.malloc import DEFAULT_TRIM_THRESHOLD_MB, keep_freed_memory
-from models.export.checks import ModelLoadError
+from models.export.checks import ModelLoadError, read_checked_manifest
 from models.export.load import LoadedModel, load_model
 from models.export.repository import RepositoryError, is_export, models, newest
 from models.predict.decode import PATHS, ScoreSet, collate, on_device
 from models.predict.evaluate import check_labels, evaluation, mistakes, report_folder, write_report
 from models.predict.inputs import Item, Labels, chunks_for_rank, list_inputs
 from models.predict.outputs import (
+    EMBEDDINGS_SUFFIX,
     PartWriter,
     Record,
     done_paths,
-    merge,
+    merged_records,
+    names_file,
     output_format,
     part_file,
     parts_dir,
     read_records,
     repair_tail,
+    stored_embeddings,
+    write_embeddings,
+    write_merged,
 )
 from models.presets import TensorEvalTransform
 from models.run.args import DataError
@@ -86,6 +98,12 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode", default="auto", choices=("auto", *PATHS),
                         help="the server's decode path: auto is device on CUDA, tensor on the CPU")
     parser.add_argument("--retry-errors", action="store_true", help="a rerun scores again the files that failed")
+    parser.add_argument("--embeddings", type=Path, metavar="EMB.npy",
+                        help="also write each scored image's embedding (same forward pass) into EMB.npy: float32, "
+                             "N x dim, L2-normalised, rows in the records' order; and their paths, one a line, into "
+                             "EMB.names.txt beside it (runs/photos.npy: runs/photos.names.txt). A file that cannot "
+                             "be scored has no row and no name. Resumes as the records do; needs a model exported "
+                             "with an embedding")
     return parser
 
 
@@ -117,18 +135,39 @@ def weights_folder(weights: Path, model: str | None, version: str | None) -> Pat
     return folder
 
 
-def check_out(out: Path) -> None:
-    """``--out`` can be written: not a folder, its folder made (or there) and writable; DataError if not."""
+def check_out(out: Path, option: str = "--out", example: str = "scores.jsonl") -> None:
+    """``--out`` (or ``option``) can be written: not a folder, its folder made (or there) and writable; DataError if
+    not."""
     if out.is_dir():
-        raise DataError(f"--out {out} is a folder: name the file to write in it, e.g. {out / 'scores.jsonl'}")
+        raise DataError(f"{option} {out} is a folder: name the file to write in it, e.g. {out / example}")
     folder = out.parent
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         reason = "a file is in the way" if isinstance(exc, (FileExistsError, NotADirectoryError)) else exc.strerror
-        raise DataError(f"--out {out}: its folder {folder} cannot be made ({reason or exc})") from None
+        raise DataError(f"{option} {out}: its folder {folder} cannot be made ({reason or exc})") from None
     if not os.access(folder, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK)):
-        raise DataError(f"--out {out} cannot be written here (permissions): choose another folder")
+        raise DataError(f"{option} {out} cannot be written here (permissions): choose another folder")
+
+
+def embedding_dim(args: argparse.Namespace, weights: Path, items: list[Item]) -> int:
+    """``--embeddings``: the length of the export's embedding, once the file and its names can be written there;
+    DataError (before the model loads) when they cannot, or when the export has no embedding."""
+    embeddings, names = args.embeddings, names_file(args.embeddings)
+    if embeddings.suffix.lower() != EMBEDDINGS_SUFFIX:
+        raise DataError(f"--embeddings {embeddings}: write a .npy file (its names go beside it, as X.names.txt "
+                        "beside X.npy)")
+    check_out(embeddings, "--embeddings", "photos.npy")
+    broken = next((item.path for item in items if "\n" in item.path or "\r" in item.path), None)
+    if broken is not None:
+        raise DataError(f"--embeddings: the input {broken!r} has a line break in its path, and {names} holds one "
+                        "path a line: rename it or leave it out of --data")
+    manifest = read_checked_manifest(weights)
+    if manifest.embedding is None:
+        raise DataError(f"--embeddings: {manifest.name} {manifest.version} in {weights} was exported without an "
+                        f"embedding (written before exports recorded one): export it again with "
+                        f"{python_command()} -m models.export, which records it, and score that")
+    return manifest.embedding.dim
 
 
 def rank_device(requested: str, env: DistEnv) -> str:
@@ -166,14 +205,17 @@ class Plan:
     fmt: str
 
 
-def plan(args: argparse.Namespace, env: DistEnv, batch_size: int, items: list[Item] | None = None) -> Plan:
-    """The inputs (``items``, or ``--data`` listed), less what earlier runs wrote; this rank's share of the rest.
-    Every rank reads the same files between two barriers, so all see the same work and deal it alike."""
+def plan(args: argparse.Namespace, env: DistEnv, batch_size: int, items: list[Item] | None = None,
+         dim: int | None = None) -> Plan:
+    """The inputs (``items``, or ``--data`` listed), less what earlier runs wrote (with ``--embeddings``, an image's
+    ``dim`` values too); this rank's share of the rest. Every rank reads the same files between two barriers, so all
+    see the same work and deal it alike."""
     fmt = output_format(args.out)
     items = list_inputs(args.data) if items is None else items
     repair_tail(part_file(args.out, env.rank))
     barrier(env)
-    done = done_paths(read_records(args.out, fmt), args.retry_errors)
+    embedded = set(stored_embeddings(args.out, args.embeddings, dim)) if dim is not None else None
+    done = done_paths(read_records(args.out, fmt), args.retry_errors, embedded)
     barrier(env)
     pending = [item for item in items if item.path not in done]
     return Plan(items, chunks_for_rank(pending, batch_size, env.rank, env.world_size), len(pending), fmt)
@@ -193,8 +235,10 @@ def quiet_handover_errors(worker_id: int) -> None:
     sys.excepthook = hook
 
 
-def score(plan: Plan, loaded: LoadedModel, args: argparse.Namespace, env: DistEnv, decode: str) -> None:
-    """This rank's batches through the DataLoader's workers and the model; each batch's records appended."""
+def score(plan: Plan, loaded: LoadedModel, args: argparse.Namespace, env: DistEnv, decode: str,
+          dim: int | None = None) -> None:
+    """This rank's batches through the DataLoader's workers and the model; each batch's records appended (with
+    ``dim``, the embeddings of ``--embeddings``, beside them)."""
     mine = [item for batch in plan.batches for item in batch]
     dataset = ScoreSet(mine, loaded.manifest.preprocess, decode)
     workers = args.workers
@@ -204,15 +248,17 @@ def score(plan: Plan, loaded: LoadedModel, args: argparse.Namespace, env: DistEn
     identity = {"model": loaded.manifest.name, "version": loaded.manifest.version}
     transform = TensorEvalTransform(loaded.manifest.preprocess)
     top_k = min(args.top_k, loaded.manifest.num_classes)
-    writer = PartWriter(part_file(args.out, env.rank))
+    writer = PartWriter(part_file(args.out, env.rank), dim)
     bar = tqdm(total=plan.pending, unit="img", disable=not env.is_main or not plan.pending, mininterval=1.0,
                desc="scoring" + (f" (rank 0's pace x {env.world_size})" if env.distributed else ""))
     try:
         for batch in loader:
             index, images = on_device(batch, loaded.device, loaded.dtype, transform)
-            records = _answers(loaded, images, index, mine, top_k, identity) if images is not None else {}
+            records, vectors = (_answers(loaded, images, index, mine, top_k, identity, dim is not None)
+                                if images is not None else ({}, {}))
             records |= {i: {"path": mine[i].path, "error": reason, **identity} for i, reason in batch["failed"]}
-            writer.write(records[i] for i in sorted(records))
+            order = sorted(records)
+            writer.write([records[i] for i in order], [vectors.get(i) for i in order] if dim is not None else None)
             bar.update(min(len(records) * env.world_size, bar.total - bar.n))
     finally:
         writer.close()
@@ -228,14 +274,17 @@ def _batch_positions(batches: list[list[Item]]) -> list[list[int]]:
 
 
 def _answers(loaded: LoadedModel, images: torch.Tensor, index: list[int], items: list[Item], top_k: int,
-             identity: dict[str, str]) -> dict[int, Record]:
-    """The forward pass as the server runs it (its dtype, float32 softmax), and the top-k of each row."""
+             identity: dict[str, str], embed: bool = False) -> tuple[dict[int, Record], dict[int, np.ndarray]]:
+    """The forward pass as the server runs it (its dtype, float32 softmax): the top-k of each row, and with
+    ``embed`` each row's embedding from the same pass (float32)."""
     with torch.inference_mode():
-        probabilities = split_outputs(loaded.module(images))[0].float().softmax(dim=1)
-        scores, classes = (t.cpu().tolist() for t in probabilities.topk(top_k, dim=1))
+        logits, embedding = split_outputs(loaded.module(images))
+        scores, classes = (t.cpu().tolist() for t in logits.float().softmax(dim=1).topk(top_k, dim=1))
+        vectors = embedding.float().cpu().numpy() if embed and embedding is not None else ()
     labels = loaded.manifest.labels
-    return {i: {"path": items[i].path, "labels": [labels[c] for c in row_classes], "scores": row_scores, **identity}
-            for i, row_classes, row_scores in zip(index, classes, scores)}
+    records = {i: {"path": items[i].path, "labels": [labels[c] for c in row_classes], "scores": row_scores,
+                   **identity} for i, row_classes, row_scores in zip(index, classes, scores)}
+    return records, dict(zip(index, vectors))
 
 
 def report(args: argparse.Namespace, records: list[Record], items: list[Item], loaded: LoadedModel) -> None:
@@ -253,9 +302,11 @@ def report(args: argparse.Namespace, records: list[Record], items: list[Item], l
 
 @dataclass
 class Seen:
-    """What a run knew when it stopped: the number of inputs (None before they were listed)."""
+    """What a run knew when it stopped: the number of inputs (None before they were listed), the length of the
+    embeddings it writes (None without --embeddings, or before the manifest was read)."""
 
     inputs: int | None = None
+    embedding_dim: int | None = None
 
 
 def run(args: argparse.Namespace, env: DistEnv, seen: Seen | None = None) -> None:
@@ -266,6 +317,7 @@ def run(args: argparse.Namespace, env: DistEnv, seen: Seen | None = None) -> Non
     seen.inputs = len(items)
     check_out(args.out)
     output_format(args.out)
+    dim = seen.embedding_dim = embedding_dim(args, weights, items) if args.embeddings is not None else None
     labels = Labels(args.labels) if args.labels is not None else None
     if labels is not None:
         labels.require_some(items)  # before the model loads
@@ -284,27 +336,43 @@ def run(args: argparse.Namespace, env: DistEnv, seen: Seen | None = None) -> Non
         check_labels({i.path: lab for i in items if (lab := labels.of(i))}, loaded.manifest.labels,
                      split=labels.split_folder())
     batch_size = args.batch_size or (largest_batch(loaded) if loaded.device.type == "cuda" else CPU_BATCH)
-    work = plan(args, env, batch_size, items)
+    work = plan(args, env, batch_size, items, dim)
     decode = args.decode if args.decode != "auto" else "device" if loaded.device.type == "cuda" else "tensor"
     if env.is_main:
         log.info("%s %s (%s, %s, %s) on %d of %d inputs (%d written before), batch %d, %s decode path, %d rank(s)",
                  loaded.manifest.name, loaded.manifest.version, loaded.weights_format, loaded.device,
                  str(loaded.dtype).removeprefix("torch."), work.pending, len(work.items),
                  len(work.items) - work.pending, batch_size, decode, env.world_size)
-    score(work, loaded, args, env, decode)
+    score(work, loaded, args, env, decode, dim)
     barrier(env)
     if env.is_main:
-        records = merge(args.out, work.fmt, {item.path: i for i, item in enumerate(work.items)})
+        records = merged_records(args.out, work.fmt, {item.path: i for i, item in enumerate(work.items)})
+        if dim is not None:
+            merge_embeddings(args, records, dim)
+        records = write_merged(args.out, work.fmt, records)
         failed = sum(1 for r in records if r.get("error"))
         log.info("wrote %s: %d lines, %d of them unreadable files", args.out, len(records), failed)
         if args.labels is not None:
             report(args, records, work.items, loaded)
 
 
-def written(out: Path) -> int:
-    """How many inputs ``out`` and its part files hold (each counted once), as a rerun would skip them."""
+def merge_embeddings(args: argparse.Namespace, records: list[Record], dim: int) -> None:
+    """``--embeddings`` and its names written from the parts and what it held (rank 0, before the parts go)."""
+    rows = write_embeddings(records, args.out, args.embeddings, dim)
+    log.info("wrote %s: %d embeddings of %d values, their paths in %s", args.embeddings, rows, dim,
+             names_file(args.embeddings))
+    missing = sum(1 for r in records if not r.get("error")) - rows
+    if missing:  # never when the model answers its embedding: a run scores every image that has no row yet
+        log.warning("%d scored images have no row in %s: the model answered no embedding for them", missing,
+                    args.embeddings)
+
+
+def written(out: Path, embeddings: Path | None = None, dim: int | None = None) -> int:
+    """How many inputs ``out`` and its part files hold (each counted once), as a rerun would skip them (with
+    ``embeddings``, an image's ``dim`` values must be written too)."""
     try:
-        return len(done_paths(read_records(out, output_format(out))))
+        embedded = set(stored_embeddings(out, embeddings, dim)) if embeddings is not None and dim else None
+        return len(done_paths(read_records(out, output_format(out)), embedded=embedded))
     except Exception:  # noqa: BLE001 - a count for the stop line; never a second error after Ctrl-C
         return 0
 
@@ -324,7 +392,7 @@ def rerun_command(argv: list[str], env: DistEnv) -> str:
 
 def stopped(args: argparse.Namespace, argv: list[str], env: DistEnv, seen: Seen) -> str:
     """What Ctrl-C leaves, in one line: how many inputs are written, where, and the exact command that goes on."""
-    done = written(args.out)
+    done = written(args.out, args.embeddings, seen.embedding_dim)
     command = rerun_command(argv, env)
     if not done:
         return f"stopped before any image was scored; to start again: {command}"

@@ -1,10 +1,19 @@
 """The records: one per input, ``{"path", "labels", "scores", "model", "version"}`` (top-k, best first) or
-``{"path", "error", "model", "version"}`` for a file that cannot be scored.
+``{"path", "error", "model", "version"}`` for a file that cannot be scored; with ``--embeddings``, each scored
+image's embedding too.
 
 Each rank appends its records to its own part file (``OUT.parts/rank-NNNNN.jsonl``), flushed after every batch, so a
 stopped run loses at most a batch per rank: a rerun reads the merged file and every part, and skips what they hold.
 When every rank is done, rank 0 merges them into ``OUT`` in input order (JSON lines, CSV or Parquet by extension),
 written to a temporary file and renamed, and removes the parts.
+
+Embeddings ride on the same parts: each rank appends its batch's rows (raw float32, ``dim`` values a row) to
+``OUT.parts/rank-NNNNN.embeddings-<dim>.f32`` and flushes them before the batch's records, each of which names its
+row (``embedding_row``, ``embedding_dim``: part files only), so a record never points past what is written and a
+half-written row is cut before appending. A rerun skips an image only when its embedding is written too (in the
+parts, or in the merged ``EMB.npy`` with its ``EMB.names.txt``). The merge writes ``EMB.npy`` (N x dim float32, one
+row per scored image, in the records' order; an image that could not be scored has none) and ``EMB.names.txt`` (its
+path, one a line, in the same order), each to a temporary file and renamed, before ``OUT`` and the parts' removal.
 """
 from __future__ import annotations
 
@@ -12,13 +21,23 @@ import csv
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
+
+import numpy as np
 
 from models.run.args import DataError
 
 Record = dict[str, Any]
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet"}
+EMBEDDINGS_SUFFIX = ".npy"
+NAMES_SUFFIX = ".names.txt"  # the names beside an embeddings file: runs/photos.npy's are runs/photos.names.txt
+EMBEDDING_ROW = "embedding_row"  # a part record's row in its rank's embeddings part (never in OUT)
+EMBEDDING_DIM = "embedding_dim"  # that row's length, which names the part it is in
+PART_KEYS = (EMBEDDING_ROW, EMBEDDING_DIM)
+ROW_DTYPE = np.dtype("<f4")  # the parts' rows and the merged file's: float32
+MERGE_ROWS = 4096  # rows the merge copies at once into the merged file (20 MB at 1,280 values)
 
 
 def output_format(out: Path) -> str:
@@ -43,6 +62,29 @@ def parts_dir(out: Path) -> Path:
 def part_file(out: Path, rank: int) -> Path:
     """One rank's part file."""
     return parts_dir(out) / f"rank-{rank:05d}.jsonl"
+
+
+def embeddings_part(part: Path, dim: int) -> Path:
+    """The embeddings beside a part file: rank-00000.jsonl's rows of 1280 values are rank-00000.embeddings-1280.f32."""
+    return part.with_name(f"{part.stem}.embeddings-{dim}.f32")
+
+
+def names_file(embeddings: Path) -> Path:
+    """The names beside an embeddings file: runs/photos.npy's are runs/photos.names.txt."""
+    return embeddings.with_suffix(NAMES_SUFFIX)
+
+
+def npy_shape(path: Path) -> tuple[int, ...] | None:
+    """The shape of the array a .npy file holds (the file mapped, not read), or None when it is no such file."""
+    try:
+        return tuple(np.load(path, mmap_mode="r", allow_pickle=False).shape)
+    except (OSError, ValueError):
+        return None
+
+
+def _whole_rows(path: Path, dim: int) -> int:
+    """The whole rows of ``dim`` values an embeddings part holds (a half-written last one left out)."""
+    return path.stat().st_size // (dim * ROW_DTYPE.itemsize) if path.is_file() else 0
 
 
 def repair_tail(path: Path) -> None:
@@ -88,41 +130,139 @@ def read_records(out: Path, fmt: str) -> list[Record]:
     return records
 
 
-def done_paths(records: Iterable[Record], retry_errors: bool = False) -> set[str]:
-    """The paths a rerun skips (with ``retry_errors``, not those that failed)."""
-    return {r["path"] for r in records if not (retry_errors and r.get("error"))}
+def done_paths(records: Iterable[Record], retry_errors: bool = False, embedded: set[str] | None = None) -> set[str]:
+    """The paths a rerun skips (with ``retry_errors``, not those that failed). With ``embedded`` (the paths whose
+    embedding is written), a path whose newest record was scored is skipped only when it is among them."""
+    records = list(records)
+    skipped = {r["path"] for r in records if not (retry_errors and r.get("error"))}
+    if embedded is None:
+        return skipped
+    failed = {r["path"]: bool(r.get("error")) for r in records}  # the newest record of each path decides
+    return {path for path in skipped if failed[path] or path in embedded}
+
+
+@dataclass(frozen=True)
+class StoredRow:
+    """Where one image's embedding is written: the merged .npy or a rank's embeddings part, and its row there."""
+
+    file: Path
+    row: int
+
+
+def stored_embeddings(out: Path, embeddings: Path, dim: int) -> dict[str, StoredRow]:
+    """Each path's written embedding of ``dim`` values (a later one wins): the merged file's rows, by its names file
+    (unless the two disagree, or its rows are of another length: then none), then every part's."""
+    stored: dict[str, StoredRow] = {}
+    names = names_file(embeddings)
+    if names.is_file():
+        listed = names.read_text(encoding="utf-8").splitlines()
+        if npy_shape(embeddings) == (len(listed), dim):
+            stored.update((name, StoredRow(embeddings, row)) for row, name in enumerate(listed))
+    for part in sorted(parts_dir(out).glob("rank-*.jsonl")):
+        rows = embeddings_part(part, dim)
+        whole = _whole_rows(rows, dim)
+        for record in _read_jsonl(part):
+            row = record.get(EMBEDDING_ROW)
+            if record.get(EMBEDDING_DIM) == dim and isinstance(row, int) and 0 <= row < whole:
+                stored[record["path"]] = StoredRow(rows, row)
+    return stored
 
 
 class PartWriter:
-    """One rank's part file, appended and flushed per batch."""
+    """One rank's part file, appended and flushed per batch; with ``dim``, its embeddings part beside it, whose rows
+    are flushed before the records that name them."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, dim: int | None = None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.handle = path.open("a", encoding="utf-8")
+        self.dim, self.rows, self.next_row = dim, None, 0
+        if dim is not None:
+            rows = embeddings_part(path, dim)
+            self.next_row = _whole_rows(rows, dim)
+            if rows.is_file():
+                os.truncate(rows, self.next_row * dim * ROW_DTYPE.itemsize)  # a half-written row cut
+            self.rows = rows.open("ab")
 
-    def write(self, records: Iterable[Record]) -> None:
+    def write(self, records: Iterable[Record], embeddings: Sequence[np.ndarray | None] | None = None) -> None:
+        """Append ``records``; with ``embeddings`` (one per record: its vector, or None), their rows first."""
+        records = list(records)
+        if self.rows is not None and embeddings is not None:
+            present = [(r, vector) for r, vector in zip(records, embeddings, strict=True) if vector is not None]
+            if present:
+                self.rows.write(np.stack([vector for _, vector in present]).astype(ROW_DTYPE).tobytes())
+                self.rows.flush()
+                for record, _ in present:
+                    record |= {EMBEDDING_ROW: self.next_row, EMBEDDING_DIM: self.dim}
+                    self.next_row += 1
         self.handle.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
         self.handle.flush()
 
     def close(self) -> None:
         self.handle.close()
+        if self.rows is not None:
+            self.rows.close()
 
 
-def merge(out: Path, fmt: str, order: dict[str, int]) -> list[Record]:
+def merged_records(out: Path, fmt: str, order: dict[str, int]) -> list[Record]:
     """Every record of ``out`` and its parts, one per path (the newest), in input order (paths no longer in the
-    input after them, in the order they were written); ``out`` rewritten atomically, the parts removed."""
+    input after them, in the order they were written)."""
     latest: dict[str, Record] = {}
     for record in read_records(out, fmt):
         latest.pop(record["path"], None)
         latest[record["path"]] = record
     tail = len(order)
-    records = sorted(latest.values(), key=lambda r: order.get(r["path"], tail))
+    return sorted(latest.values(), key=lambda r: order.get(r["path"], tail))
+
+
+def write_embeddings(records: Sequence[Record], out: Path, embeddings: Path, dim: int) -> int:
+    """``embeddings`` (N x dim float32) and its names file: the written embedding of every scored record, in the
+    records' order, each file written to a temporary file and renamed (before the parts, which it reads, go);
+    returns N. A scored record without one (never, after a run with --embeddings) has no row."""
+    stored = stored_embeddings(out, embeddings, dim)
+    names = [r["path"] for r in records if not r.get("error") and r["path"] in stored]
+    embeddings.parent.mkdir(parents=True, exist_ok=True)
+    temporary = embeddings.with_name(f".{embeddings.name}.{os.getpid()}.tmp")
+    matrix = np.lib.format.open_memmap(temporary, mode="w+", dtype=ROW_DTYPE, shape=(len(names), dim))
+    sources = {file: _rows_of(file, dim) for file in {stored[name].file for name in names}}
+    for start in range(0, len(names), MERGE_ROWS):
+        by_file: dict[Path, tuple[list[int], list[int]]] = {}
+        for position, name in enumerate(names[start:start + MERGE_ROWS], start):
+            targets, rows = by_file.setdefault(stored[name].file, ([], []))
+            targets.append(position)
+            rows.append(stored[name].row)
+        for file, (targets, rows) in by_file.items():
+            matrix[targets] = sources[file][rows]
+    matrix.flush()
+    del matrix, sources
+    names_temporary = temporary.with_name(temporary.name + NAMES_SUFFIX)
+    names_temporary.write_text("".join(name + "\n" for name in names), encoding="utf-8")
+    os.replace(temporary, embeddings)
+    os.replace(names_temporary, names_file(embeddings))
+    return len(names)
+
+
+def _rows_of(file: Path, dim: int) -> np.ndarray:
+    """The rows of the merged .npy or of an embeddings part (whole rows only), read through a memory map."""
+    if file.suffix == EMBEDDINGS_SUFFIX:
+        return np.load(file, mmap_mode="r", allow_pickle=False)
+    return np.memmap(file, dtype=ROW_DTYPE, mode="r", shape=(_whole_rows(file, dim), dim))
+
+
+def write_merged(out: Path, fmt: str, records: Sequence[Record]) -> list[Record]:
+    """``records``, less the keys only part files hold, into ``out`` (rewritten atomically); the parts removed."""
+    records = [{key: value for key, value in r.items() if key not in PART_KEYS} for r in records]
     temporary = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     out.parent.mkdir(parents=True, exist_ok=True)
     {"jsonl": _write_jsonl, "csv": _write_csv, "parquet": _write_parquet}[fmt](records, temporary)
     os.replace(temporary, out)
     shutil.rmtree(parts_dir(out), ignore_errors=True)
     return records
+
+
+def merge(out: Path, fmt: str, order: dict[str, int]) -> list[Record]:
+    """Every record of ``out`` and its parts, one per path (the newest), in input order (paths no longer in the
+    input after them, in the order they were written); ``out`` rewritten atomically, the parts removed."""
+    return write_merged(out, fmt, merged_records(out, fmt, order))
 
 
 def _write_jsonl(records: list[Record], path: Path) -> None:

@@ -309,6 +309,33 @@ def test_an_embedding_crosses_only_when_asked_for(settings: Settings, tmp_path: 
         service.shutdown(timeout=5)
 
 
+@pytest.mark.slow  # a real export (about 3 s)
+def test_an_explanation_crosses_as_the_engine_made_it_and_its_refusals_as_they_are(settings: Settings, link: Link,
+                                                                                   tmp_path: Path) -> None:
+    from models.explain import crop_box
+    from tests.support.fakes import export_tiny
+
+    with pytest.raises(ServiceError) as refused:  # ColourModel has no feature map: 422 from the engine
+        link.worker.explain(image_bytes(RED))
+    assert refused.value.status == 422 and refused.value.code == "no_gradients"
+    weights = export_tiny(tmp_path / "weights", head_scale=1e10)
+    service = Service.build(settings, Predictor.load(weights, device="cpu"))
+    joined = Link(settings.model_copy(update={"control_dir": tmp_path / "control"}), service).start()
+    try:
+        photo = image_bytes(RED, size=(64, 48))
+        remote = joined.worker.explain(photo, index=2, png=True, timeout_s=10)
+        here = service.explain(photo, index=2, timeout_s=10)
+        assert isinstance(remote, contract.Explanation) and (remote.index, remote.label) == (2, "c")
+        assert remote.grid == here.grid and remote.crop == crop_box(64, 48, service.loaded_version().predictor
+                                                                    .manifest.preprocess)
+        assert remote.png is not None and remote.png.startswith(b"\x89PNG") and here.png is None
+        with pytest.raises(InvalidImage):
+            joined.worker.explain(b"not an image")
+        assert joined.worker.explain(photo).index in (0, 1, 2)  # the connection serves on after an error
+    finally:
+        service.shutdown(timeout=5)
+
+
 def test_the_labels_stay_on_the_http_side_and_a_request_carries_no_signature(link: Link) -> None:
     served = infer(link.worker, [image_bytes(RED)])
     infer_message, answer = link.sent[-2:]

@@ -163,7 +163,7 @@ def test_reduced_scale_jpeg_decoding_keeps_predictions(real_app: Flask, name: st
                          jpeg_draft_min_side=Settings().jpeg_draft_min_side)
     full = DecodeLimits(max_pixels=20_000_000, max_aspect_ratio=20, jpeg_draft_min_side=0)
     batch = torch.stack([image_to_tensor(data, service.loaded_version().predictor.transform, limits) for limits in (draft, full)])
-    p_draft, p_full = service.loaded_version().predictor.predict_batch(batch)
+    p_draft, p_full = service.loaded_version().predictor.probabilities(batch)
     assert int(p_draft.argmax()) == int(p_full.argmax())
     assert set(p_draft.topk(5).indices.tolist()) == set(p_full.topk(5).indices.tolist())
     assert float((p_draft - p_full).abs().max()) < 0.01

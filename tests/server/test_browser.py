@@ -134,6 +134,41 @@ def test_the_demo_page_classifies_a_real_photo(browser, live_server: Running, tm
     assert "efficientnet_lite0" in browser.find_element(By.ID, "model").text
 
 
+def test_the_demo_page_shows_why_beside_the_scores(browser, live_server: Running, tmp_path: Path) -> None:  # noqa: ANN001
+    import skimage.data
+    from PIL import Image
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    photo = tmp_path / "chelsea.jpg"
+    photo.write_bytes(encode(Image.fromarray(skimage.data.chelsea()), "JPEG"))
+    _pick(browser, live_server.url, photo)
+    button = browser.find_element(By.CSS_SELECTOR, ".card button.why")
+    assert button.text == "Why tiger cat?"
+    button.click()
+    WebDriverWait(browser, 60).until(lambda b: b.execute_script(
+        "const i = document.querySelector('.card img.overlay'); return i !== null && i.complete && i.naturalWidth > 0"))
+    size = browser.execute_script("const i = document.querySelector('.card img.overlay'); "
+                                  "return [i.naturalWidth, i.naturalHeight]")
+    assert size[0] == size[1] > 200  # the square the model saw, at the photo's resolution
+    explanation = browser.find_element(By.CSS_SELECTOR, ".card .explanation").text
+    assert "the more this region made it say tiger cat" in explanation
+    assert not browser.find_elements(By.CSS_SELECTOR, ".card button.why")  # answered: the button is gone
+
+
+def test_the_demo_page_says_why_a_model_cannot_be_explained(browser, fake_url: str,  # noqa: ANN001
+                                                            tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    photo = tmp_path / "red.jpg"
+    photo.write_bytes(image_bytes(RED, size=(64, 48)))
+    _pick(browser, fake_url, photo)
+    browser.find_element(By.CSS_SELECTOR, ".card button.why").click()
+    WebDriverWait(browser, 30).until(lambda b: "422" in b.find_element(By.CSS_SELECTOR, ".card .explanation").text)
+    assert "no_gradients" in browser.find_element(By.CSS_SELECTOR, ".card .explanation").text
+
+
 def test_the_demo_page_shows_each_photos_error(browser, fake_url: str, tmp_path: Path) -> None:  # noqa: ANN001
     good, bad = tmp_path / "red.jpg", tmp_path / "notes.jpg"
     good.write_bytes(image_bytes(RED, size=(64, 48)))

@@ -32,7 +32,7 @@ CALLS_SERVICE = re.compile(r"localhost:8000|-m visionserve_client\b|\.venv/bin/v
 # A command that fails in a fresh shell: a project module run by whatever `python` is first on the PATH (the
 # system's has no torch), or the client's command by its bare name (it is installed into .venv/bin only).
 BARE = re.compile(r"(?<![\w/.=-])(?:python3? -m (?:models|app|demo_data|visionserve_client)\b"
-                  r"|visionserve (?:predict|health|ready|model|-))")
+                  r"|visionserve (?:predict|embed|health|ready|model|-))")
 # Inline `code` is checked too on these pages. Not on docs/architecture.md (a module map: "train.py  python -m
 # models.train, top to bottom"), docs/configuration.md (generated from app/config.py), docs/testing.md and
 # docs/performance.md (the developer's and benchmark pages), nor yet docs/training.md.

@@ -1,5 +1,11 @@
-"""What the app's answers hold, checked the same way everywhere: the labels of a 200, the error body of a 4xx/5xx."""
+"""What the app's answers hold, checked the same way everywhere: the labels of a 200, the error body of a 4xx/5xx;
+and the one error line python -m models.predict ends with."""
 from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import pytest
 
 
 def labels_of(response) -> list[str]:  # noqa: ANN001 - a Flask test response
@@ -16,3 +22,14 @@ def error_of(response, status: int, code: str) -> dict:  # noqa: ANN001 - a Flas
     assert body["code"] == code and body["message"]
     assert body["request_id"] == response.headers["X-Request-ID"]
     return body
+
+
+def predict_error(argv: Sequence[str], caplog: pytest.LogCaptureFixture) -> str:
+    """The one error line ``python -m models.predict`` logs for ``argv``, which it refuses with exit code 2."""
+    from models.predict.__main__ import main
+
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="models.predict"):
+        assert main(list(argv)) == 2
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    return line

@@ -44,6 +44,7 @@ def export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return export_tiny(tmp_path_factory.mktemp("embedding"), packages=(("onnx", "float32"),), head_scale=1e10)
 
 
+@pytest.mark.slow  # a real export with ONNX (about 5 s)
 def test_every_format_answers_the_state_dict_s_embedding_from_one_forward_pass(export: Path) -> None:
     manifest = read_manifest(export)
     assert manifest.embedding is not None and (manifest.embedding.layer, manifest.embedding.dim) == ("classifier.3",
@@ -62,6 +63,7 @@ def test_every_format_answers_the_state_dict_s_embedding_from_one_forward_pass(e
         assert torch.equal(logits.argmax(dim=1), reference_logits.argmax(dim=1)), fmt
 
 
+@pytest.mark.slow  # a real export with ONNX (about 5 s)
 def test_a_manifest_written_before_embeddings_still_loads_and_answers_logits_alone(export: Path,
                                                                                     tmp_path: Path) -> None:
     import json

@@ -1,6 +1,6 @@
 """python -m models.predict (#34): the served artefact scores a folder or a file list in process; unreadable files
 get their reason, a rerun skips what is written, the answers equal the server's, an evaluation equals the training
-script's evaluate(), and two torchrun processes write the same file as one."""
+script's evaluate(), and two torchrun processes write the same file (and embeddings) as one."""
 from __future__ import annotations
 
 import json
@@ -11,6 +11,7 @@ import shutil
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -31,6 +32,7 @@ from models.predict.inputs import Item, Labels, chunks_for_rank, list_inputs
 from models.presets import EvalPreset, eval_transform
 from models.run.distributed import DistEnv
 from models.serving import usable_cores
+from tests.support.answers import predict_error
 from tests.support.fakes import export_tiny
 
 DIGITS = [str(d) for d in range(10)]
@@ -148,7 +150,7 @@ def test_the_answers_equal_the_servers_for_the_same_files(weights: Path, photos:
         for line in _lines(out):
             if "error" in line:
                 continue
-            served = server.predict_batch(decode(Path(line["path"]).read_bytes()).unsqueeze(0))[0]
+            served = server.probabilities(decode(Path(line["path"]).read_bytes()).unsqueeze(0))[0]
             scores, classes = served.topk(10)
             assert line["labels"][0] == DIGITS[int(classes[0])], (path, line["path"])
             assert torch.allclose(torch.tensor(line["scores"]), scores, atol=1e-5)
@@ -173,7 +175,7 @@ def test_on_the_cpu_it_scores_with_onnx_runtime_when_the_server_would(photos: Pa
     assert "(onnx, cpu, float32)" in caplog.text
     for line in (line for line in _lines(out) if "error" not in line):
         image = image_to_tensor_path(Path(line["path"]).read_bytes(), server.tensor_transform, limits)
-        scores, _ = server.predict_batch(image.unsqueeze(0))[0].topk(3)
+        scores, _ = server.probabilities(image.unsqueeze(0))[0].topk(3)
         assert torch.allclose(torch.tensor(line["scores"]), scores, atol=1e-5)
 
 
@@ -228,11 +230,15 @@ def test_two_torchrun_processes_write_the_same_file_as_one(weights: Path, photos
     data = tmp_path / "photos"
     shutil.copytree(photos, data)
     common = ["--weights", str(weights), "--data", str(data), "--batch-size", "2", "--workers", "1"]
-    assert main([*common, "--out", str(tmp_path / "one.jsonl")]) == 0
+    assert main([*common, "--out", str(tmp_path / "one.jsonl"), "--embeddings", str(tmp_path / "one.npy")]) == 0
     done = torchrun(["--standalone", "--nproc_per_node=2", "-m", "models.predict", *common,
-                     "--out", str(tmp_path / "two.jsonl")])
+                     "--out", str(tmp_path / "two.jsonl"), "--embeddings", str(tmp_path / "two.npy")])
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "two.jsonl").read_text() == (tmp_path / "one.jsonl").read_text()
+    # The embeddings too (#52): each rank's rows merged in input order, the names beside them alike.
+    assert (tmp_path / "two.names.txt").read_text() == (tmp_path / "one.names.txt").read_text()
+    one, two = np.load(tmp_path / "one.npy"), np.load(tmp_path / "two.npy")
+    assert one.shape == two.shape == (10, 512) and np.abs(one - two).max() < 1e-6
 
 
 def _stop_line(caplog: pytest.LogCaptureFixture) -> str:
@@ -353,14 +359,6 @@ def test_a_real_ctrl_c_prints_one_line_and_no_traceback(weights: Path, tmp_path:
     assert len(_lines(out)) == inputs
 
 
-def _error(argv: list[str], caplog: pytest.LogCaptureFixture) -> str:
-    caplog.clear()
-    with caplog.at_level(logging.ERROR, logger="models.predict"):
-        assert main(argv) == 2
-    (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    return line
-
-
 def test_wrong_paths_are_named_before_the_model_loads(weights: Path, photos: Path, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch,
                                                       caplog: pytest.LogCaptureFixture) -> None:
@@ -372,22 +370,22 @@ def test_wrong_paths_are_named_before_the_model_loads(weights: Path, photos: Pat
     monkeypatch.setattr("models.predict.__main__.load_model", no_load)
     out = str(tmp_path / "s.jsonl")
     missing = tmp_path / "runs" / "nothing" / "export"
-    assert _error(["--weights", str(missing), "--data", str(photos), "--out", out], caplog) == (
+    assert predict_error(["--weights", str(missing), "--data", str(photos), "--out", out], caplog) == (
         f"error: --weights {missing} does not exist: give an export's folder (with manifest.json) or a model "
         "repository")
-    assert _error(["--weights", str(photos), "--data", str(photos), "--out", out], caplog) == (
+    assert predict_error(["--weights", str(photos), "--data", str(photos), "--out", out], caplog) == (
         f"error: --weights {photos} is not an export (no manifest.json in it) nor a model repository "
         "(no <model>/<version>/manifest.json under it)")
     given = ["--weights", str(weights)]
-    assert "--data " + str(tmp_path / "gone") + " is neither a folder nor a file list" in _error(
+    assert "--data " + str(tmp_path / "gone") + " is neither a folder nor a file list" in predict_error(
         [*given, "--data", str(tmp_path / "gone"), "--out", out], caplog)
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    assert f"--out {blocker / 'x.jsonl'}: its folder {blocker} cannot be made (a file is in the way)" in _error(
+    assert f"--out {blocker / 'x.jsonl'}: its folder {blocker} cannot be made (a file is in the way)" in predict_error(
         [*given, "--data", str(photos), "--out", str(blocker / "x.jsonl")], caplog)
-    assert f"--out {tmp_path} is a folder" in _error([*given, "--data", str(photos), "--out", str(tmp_path)], caplog)
-    assert "write .jsonl, .csv or .parquet" in _error([*given, "--data", str(photos), "--out", out + ".txt"], caplog)
-    assert "is neither a DIR/<class>/ folder nor a CSV" in _error(
+    assert f"--out {tmp_path} is a folder" in predict_error([*given, "--data", str(photos), "--out", str(tmp_path)], caplog)
+    assert "write .jsonl, .csv or .parquet" in predict_error([*given, "--data", str(photos), "--out", out + ".txt"], caplog)
+    assert "is neither a DIR/<class>/ folder nor a CSV" in predict_error(
         [*given, "--data", str(photos), "--out", out, "--labels", str(tmp_path / "no-labels")], caplog)
 
 
@@ -403,7 +401,7 @@ def test_a_training_folder_as_labels_names_the_split_to_evaluate(weights: Path, 
             for file in sorted((digits / digit).iterdir())[:count]:
                 shutil.copy(file, mine / split / digit / file.name)
     out = tmp_path / "eval.jsonl"
-    line = _error(["--weights", str(weights), "--data", str(mine), "--labels", str(mine), "--out", str(out)], caplog)
+    line = predict_error(["--weights", str(weights), "--data", str(mine), "--labels", str(mine), "--out", str(out)], caplog)
     assert line == (f"error: --labels {mine} holds the training splits train/ and val/, not <class>/ folders: "
                     f"evaluate on the split training held out, --data {mine / 'val'} --labels {mine / 'val'}")
     assert not out.exists() and not Path(f"{out}.parts").exists()  # nothing scored

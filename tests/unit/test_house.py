@@ -183,9 +183,10 @@ def test_the_server_imports_only_the_serving_contract_of_models() -> None:
 
 
 # The engine's wings, lowest first: each imports only the wings before it (and the engine's top-level modules,
-# service.py, call.py and catalog.py, import any wing). docs/architecture.md draws the same order.
+# service.py, call.py, explain.py and catalog.py, import any wing). docs/architecture.md draws the same order.
 WINGS = ("decoding", "batching", "loaded", "rollouts", "versions")
-ENGINE_FACADE = ("app.engine.service", "app.engine.call", "app.engine.catalog", "app.engine.contract")
+ENGINE_FACADE = ("app.engine.service", "app.engine.call", "app.engine.explain", "app.engine.catalog",
+                 "app.engine.contract")
 # contract.py sits between batching and the wings above it: it imports only these of the engine, and any wing from
 # loaded up may import it (the data a loaded version and the repository index hand out).
 CONTRACT_IMPORTS = ("app.engine.batching.types", "app.engine.batching.arrivals")
@@ -213,7 +214,8 @@ def test_the_http_side_reaches_the_engine_only_through_its_contract() -> None:
 
 def test_engine_is_in_wings_and_they_import_downwards_only() -> None:
     loose = sorted(p.name for p in (APP / "engine").glob("*.py") if p.name != "__init__.py")
-    assert loose == ["call.py", "catalog.py", "contract.py", "service.py"], "an engine module belongs in a wing"
+    assert loose == ["call.py", "catalog.py", "contract.py", "explain.py", "service.py"], \
+        "an engine module belongs in a wing"
     assert sorted(p.name for p in (APP / "engine").iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(WINGS)
     graph = import_graph(_project_files())
     for position, wing in enumerate(WINGS):

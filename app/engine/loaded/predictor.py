@@ -32,6 +32,7 @@ class Predictor:
         self.device = torch.device(device)
         self.dtype = dtype
         self.weights_format = weights_format
+        self.weights_dir: Path | None = None  # where it was loaded from (its other formats: explanations' weights)
         self.transform: ImageTransform = eval_transform(manifest.preprocess)
         self.tensor_transform = TensorEvalTransform(manifest.preprocess)  # the same, on decoded tensors
         self.module = model.eval().to(device=self.device, dtype=dtype)
@@ -62,8 +63,11 @@ class Predictor:
         on CUDA, replay each warmed batch shape's forward pass as a CUDA graph (graphs.py)."""
         loaded = load_model(weights_dir, weights_format=weights_format, device=device, dtype=dtype,
                             jit_optimize=jit_optimize, max_batch_size=max_batch_size, threads=threads)
-        return cls(loaded.module, loaded.manifest, device=loaded.device, dtype=loaded.dtype,
-                   weights_format=loaded.weights_format, weights_bytes=loaded.weights_bytes, cuda_graphs=cuda_graphs)
+        predictor = cls(loaded.module, loaded.manifest, device=loaded.device, dtype=loaded.dtype,
+                        weights_format=loaded.weights_format, weights_bytes=loaded.weights_bytes,
+                        cuda_graphs=cuda_graphs)
+        predictor.weights_dir = weights_dir
+        return predictor
 
     @property
     def dtype_name(self) -> str:
@@ -115,6 +119,10 @@ class Predictor:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # give the smaller retry the cached blocks back
             raise
+
+    def probabilities(self, batch: torch.Tensor) -> torch.Tensor:
+        """``predict_batch``'s probabilities alone: (N, classes) float32 on the CPU."""
+        return self.predict_batch(batch)[:, :self.num_classes]
 
     def memory_stats(self) -> dict[str, int]:
         """CUDA memory allocated and reserved by this process, or nothing on CPU."""

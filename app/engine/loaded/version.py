@@ -19,6 +19,7 @@ from app.engine.contract import Signature
 from app.engine.batching.tuning import choose_batch_cap, forward_threads, inline_batches
 from app.engine.decoding.decoders import Decoder, Prepared, decoder_for
 from app.engine.decoding.image import DecodeLimits, canary_jpeg
+from app.engine.loaded.explainer import Explainer
 from app.engine.loaded.monitor import PredictionMonitor
 from app.engine.loaded.predictor import OUT_OF_MEMORY_ERRORS, Predictor
 from app.metrics import MODEL_INFO, QUEUE_CAPACITY, MetricsObserver
@@ -42,6 +43,16 @@ class LoadedVersion:
     device_memory_bytes: int | None = None  # CUDA memory the load and warm-up took (None on the CPU)
     batcher: Batcher[Prepared, np.ndarray] = field(init=False)
     serving: threading.Event = field(default_factory=threading.Event)  # warmed up and canaried: batches monitored
+    _explainer: Explainer | None = field(default=None, init=False)  # made on the first explanation
+    _explainer_made: threading.Lock = field(default_factory=threading.Lock, init=False)
+
+    def explainer(self) -> Explainer:
+        """Its explanations' Explainer (a copy of its weights with gradients), made on first use; NoGradients when
+        it has none."""
+        with self._explainer_made:
+            if self._explainer is None:
+                self._explainer = Explainer(self.predictor, self.decoder.limits)
+            return self._explainer
 
     @property
     def name(self) -> str:

@@ -100,7 +100,8 @@ class ShadowJob:
         if any(f.exception() is not None for f in futures):
             return self.comparison.error(self.size)
         results = [f.result() for f in futures]
-        rows = torch.from_numpy(np.stack([r.value for r in results]))
+        classes = self.candidate.predictor.num_classes  # the probabilities: an embedding may follow them
+        rows = torch.from_numpy(np.stack([r.value[:classes] for r in results]))
         self.comparison.record(self.live_rows, self.live_labels, rows, self.candidate.predictor.labels,
                                self.live_ms, [r.run_s * 1000 / r.batch_size for r in results])
 
@@ -135,7 +136,8 @@ def offer(live: LoadedVersion, candidate: LoadedVersion, comparison: Comparison,
           max_age_s: float, queue_limit: int) -> None:
     """Queue the shadow comparison of one answered request behind the live version's work (never raises)."""
     try:
-        rows = torch.from_numpy(np.stack([r.value for r in results]))
+        classes = live.predictor.num_classes  # the probabilities: an embedding may follow them
+        rows = torch.from_numpy(np.stack([r.value[:classes] for r in results]))
         job = ShadowJob(candidate, comparison, live.predictor.labels, rows,
                         [r.run_s * 1000 / r.batch_size for r in results], images, (), time.monotonic() + max_age_s)
         if tensors:

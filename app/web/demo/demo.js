@@ -2,6 +2,8 @@
 // model and version picked (filled from /v1/models: the server's default model at its default version first).
 // While the model picked has a rollout candidate (canary or shadow) and no version is pinned, each photo goes to
 // the live version and to the candidate, the two answers side by side, with the server's running comparison.
+// Under an answer, "Why <label>?" asks POST /explain for the top class's Grad-CAM overlay and shows it beside the
+// scores.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -141,6 +143,47 @@ async function describeModels() {
   }
 }
 
+function explainUrl(version, index) {
+  // /explain of class ``index`` by the model picked at ``version`` (null: none named), as a PNG overlay.
+  const query = new URLSearchParams({ format: "png", class_index: String(index) });
+  if (!modelPick.disabled) query.set("model", modelPick.value);
+  if (version !== null) query.set("version", version);
+  return "/explain?" + query.toString();
+}
+
+async function explainInto(holder, button, file, version, top) {
+  // The photo's Grad-CAM overlay for class ``top`` in ``holder``, or the server's error (e.g. a version with no
+  // gradients to explain with).
+  button.disabled = true;
+  holder.textContent = "Explaining…";
+  const form = new FormData();
+  form.append("image", file, file.name);
+  try {
+    const response = await fetch(explainUrl(version, top.index), { method: "POST", body: form, headers: headers() });
+    if (!response.ok) {
+      let answer = null;
+      try { answer = await response.json(); } catch (_) { /* not JSON: reported as it is */ }
+      holder.className = "explanation error";
+      holder.textContent = errorText(response.status, answer);
+      button.disabled = false;
+      return;
+    }
+    const overlay = document.createElement("img");
+    overlay.className = "overlay";
+    overlay.alt = `Where the model sees ${top.label}`;
+    overlay.src = URL.createObjectURL(await response.blob());
+    const caption = document.createElement("div");
+    caption.className = "meta";
+    caption.textContent = `Grad-CAM: the brighter, the more this region made it say ${top.label}.`;
+    holder.replaceChildren(overlay, caption);
+    button.remove();
+  } catch (err) {
+    holder.className = "explanation error";
+    holder.textContent = "The request failed: " + err;
+    button.disabled = false;
+  }
+}
+
 function predictUrl(version) {
   // /predict for the model picked at ``version`` (null: none named).
   const query = new URLSearchParams();
@@ -181,6 +224,18 @@ function card(file) {
   return body;
 }
 
+function offerExplanation(body, file, version, top) {
+  // A "Why <label>?" button under the answer; the overlay goes beside the scores.
+  const holder = document.createElement("div");
+  holder.className = "explanation";
+  const button = document.createElement("button");
+  button.type = "button";
+  button.className = "why";
+  button.textContent = `Why ${top.label}?`;
+  button.addEventListener("click", () => explainInto(holder, button, file, version, top));
+  body.append(button, holder);
+}
+
 function showPrediction(body, answer, response) {
   body.textContent = "";
   for (const entry of answer.predictions[0].top_k) {
@@ -217,6 +272,7 @@ async function answerInto(body, file, version) {
     try { answer = await response.json(); } catch (_) { /* not JSON: reported below */ }
     if (response.ok && answer) {
       showPrediction(body, answer, response);
+      offerExplanation(body, file, version, answer.predictions[0]);
       return answer;
     }
     body.className = "body error";

@@ -1,0 +1,79 @@
+"""Explainer: one loaded version's explanations (models/explain.py's Grad-CAM), on a copy of its weights that has
+gradients, made on first use and dropped with the version.
+
+The weights: the eager module the version serves (a state dict, or a module handed in), copied so that the hooks and
+the backward pass never touch the one its batches run; else, for a format without gradients (ONNX Runtime, an
+AOTInductor or int8 package, TorchScript, whose modules take no hooks), the export's state dict, loaded strictly
+into its architecture. A version with neither is refused (NoGradients, 422) naming what to export.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import time
+
+import numpy as np
+import torch.nn as nn
+
+from app.engine.contract import Explanation
+from app.engine.decoding.image import DecodeLimits, decode_image
+from app.engine.loaded.predictor import Predictor
+from app.errors import BadRequest, NoGradients
+from models.explain import METHOD, NoFeatureMap, crop_box, feature_layer, grad_cam, overlay
+from models.export.checks import ModelLoadError, checked_file
+from models.export.load import load_module
+
+log = logging.getLogger(__name__)
+
+EAGER_FORMATS = ("state_dict", "eager")  # what a Predictor serves as a plain module with gradients
+
+
+def _gradient_module(predictor: Predictor) -> tuple[nn.Module, str]:
+    """A module with gradients giving the version's answers, in float32 on its device, and the format it came
+    from; NoGradients when the version has none."""
+    manifest = predictor.manifest
+    if predictor.weights_format in EAGER_FORMATS:
+        return copy.deepcopy(predictor.module).float().eval(), predictor.weights_format
+    where = f"{manifest.name} version {manifest.version}"
+    if predictor.weights_dir is None or "state_dict" not in manifest.files:
+        raise NoGradients(f"{where} serves {predictor.weights_format} weights, which have no gradients, and its "
+                          f"export holds no state dict to explain with: export it again with python -m "
+                          f"models.export (every export writes model.state_dict.pt)")
+    try:
+        module = load_module(checked_file(predictor.weights_dir, manifest, "state_dict"), manifest, "state_dict")
+    except ModelLoadError as exc:
+        raise NoGradients(f"{where}: its state dict cannot be loaded to explain with: {exc}") from None
+    return module.to(predictor.device).eval(), "state_dict"
+
+
+class Explainer:
+    """Grad-CAM for one version: ``explain`` decodes an image as its requests are (the same limits, the PIL eval
+    transform), runs one forward and one backward pass and answers the map (and its overlay PNG when asked)."""
+
+    def __init__(self, predictor: Predictor, limits: DecodeLimits) -> None:
+        self.predictor, self.limits = predictor, limits
+        self.module, self.weights = _gradient_module(predictor)
+        try:
+            self.layer = feature_layer(self.module, predictor.manifest.preprocess.input_shape)
+        except NoFeatureMap as exc:
+            raise NoGradients(f"{predictor.manifest.name} version {predictor.manifest.version} cannot be explained "
+                              f"with Grad-CAM: {exc}") from None
+        log.info("%s %s: explanations on its %s weights, feature map %s", predictor.manifest.name,
+                 predictor.manifest.version, self.weights, self.layer)
+
+    def explain(self, image: bytes, index: int | None = None, png: bool = False) -> Explanation:
+        """The map of ``image`` for class ``index`` (None: the top one); ServiceErrors for an image the decode
+        rules refuse or a class out of range."""
+        manifest = self.predictor.manifest
+        if index is not None and not 0 <= index < manifest.num_classes:
+            raise BadRequest(f"class_index must be from 0 to {manifest.num_classes - 1}, got {index}")
+        started = time.perf_counter()
+        photo = decode_image(image, self.limits)
+        found = grad_cam(self.module, self.layer, self.predictor.transform(photo), index)
+        rendered = overlay(photo, found.grid, manifest.preprocess) if png else None
+        return Explanation(
+            manifest.name, manifest.version, found.index, manifest.labels[found.index], found.score, METHOD,
+            self.layer, self.weights, np.round(found.grid.astype(np.float64), 4).tolist(),
+            crop_box(photo.width, photo.height, manifest.preprocess), (time.perf_counter() - started) * 1000,
+            rendered)
+

@@ -1,0 +1,202 @@
+"""Explanations (#52): POST /explain answers a Grad-CAM map as JSON or drawn over the photo as a PNG, for the top
+class or a named one, in a lane of its own; every bad input is a JSON 4xx naming the problem."""
+from __future__ import annotations
+
+import base64
+import io
+import threading
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+import skimage.data
+from flask import Flask
+from flask.testing import FlaskClient
+from PIL import Image
+
+from app import EXTENSION_KEY
+from app.config import Settings
+from app.factory import create_app
+from models.explain import crop_box, feature_layer, grad_cam
+from models.export.manifest import read_manifest
+from models.presets import EvalPreset
+from tests.support.fakes import export_tiny
+from tests.support.imaging import RED, image_bytes
+
+
+def _jpeg(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(array).convert("RGB").save(buffer, format="JPEG", quality=90)
+    return buffer.getvalue()
+
+
+CAT = _jpeg(skimage.data.chelsea())
+
+
+@pytest.fixture(scope="module")
+def tiny_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real export (TorchScript, state dict, ONNX) of a 3-class MobileNetV3 at 32 px with distinct scores."""
+    return export_tiny(tmp_path_factory.mktemp("explain"), packages=(("onnx", "float32"),), head_scale=1e10)
+
+
+def _app(weights: Path, **settings: object) -> Iterator[Flask]:
+    app = create_app(Settings(weights_dir=weights, device="cpu", log_level="warning", **settings))
+    yield app
+    app.extensions[EXTENSION_KEY].shutdown(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def onnx_app(tiny_export: Path) -> Iterator[Flask]:
+    """The export served as the CPU default serves it: ONNX Runtime, which has no gradients."""
+    yield from _app(tiny_export)
+
+
+@pytest.fixture(scope="module")
+def explain_client(onnx_app: Flask) -> FlaskClient:
+    return onnx_app.test_client()
+
+
+@pytest.mark.slow  # a real export with ONNX (about 5 s)
+def test_the_json_answer_holds_the_map_of_the_top_class_over_the_region_the_model_saw(
+        explain_client: FlaskClient, tiny_export: Path) -> None:
+    answer = explain_client.post("/explain", data=CAT, content_type="image/jpeg")
+    assert answer.status_code == 200, answer.json
+    body = answer.json
+    top = explain_client.post("/predict?top_k=1", data=CAT, content_type="image/jpeg").json["predictions"][0]
+    assert (body["explained"]["index"], body["explained"]["label"]) == (top["index"], top["label"])
+    # the same model (eager against ONNX), the photo decoded by PIL against the tensor path: within a pixel level
+    assert body["explained"]["score"] == pytest.approx(top["score"], abs=2e-3)
+    assert (body["method"], body["weights"]) == ("grad-cam", "state_dict")  # ONNX has no gradients: the state dict
+    grid = np.array(body["grid"])
+    assert grid.ndim == 2 and grid.min() >= 0 and grid.max() == pytest.approx(1)
+    preset = read_manifest(tiny_export).preprocess
+    assert tuple(body["crop"].values()) == crop_box(451, 300, preset)  # chelsea is 451 x 300
+    assert answer.headers["X-Explained-Index"] == str(top["index"])
+
+
+@pytest.mark.slow  # a real export with ONNX (about 5 s)
+def test_it_equals_grad_cam_on_the_state_dict_computed_offline(explain_client: FlaskClient,
+                                                                tiny_export: Path) -> None:
+    from models.export.load import load_model
+    from models.presets import eval_transform
+
+    loaded = load_model(tiny_export, weights_format="state_dict", device="cpu")
+    preset = loaded.manifest.preprocess
+    photo = Image.open(io.BytesIO(CAT)).convert("RGB")
+    offline = grad_cam(loaded.module, feature_layer(loaded.module, preset.input_shape), eval_transform(preset)(photo),
+                       index=1)
+    served = explain_client.post("/explain?class_index=1", data=CAT, content_type="image/jpeg").json
+    assert served["explained"]["index"] == 1 and np.allclose(served["grid"], offline.grid, atol=1e-3)
+
+
+@pytest.mark.slow  # a real export with ONNX (about 5 s)
+def test_a_named_class_by_label_in_every_request_form(explain_client: FlaskClient) -> None:
+    by_query = explain_client.post("/explain?label=b", data=CAT, content_type="image/jpeg").json
+    by_form = explain_client.post("/explain", data={"image": (io.BytesIO(CAT), "cat.jpg"), "class_index": "1"},
+                                  content_type="multipart/form-data").json
+    by_json = explain_client.post("/explain", json={"image": base64.b64encode(CAT).decode(), "label": "b"}).json
+    assert by_query["explained"]["label"] == by_form["explained"]["label"] == by_json["explained"]["label"] == "b"
+    assert by_query["grid"] == by_form["grid"] == by_json["grid"]
+
+
+@pytest.mark.slow  # a real export with ONNX (about 5 s)
+def test_the_png_is_the_overlay_on_the_crop(explain_client: FlaskClient, tiny_export: Path) -> None:
+    answer = explain_client.post("/explain?format=png", data=CAT, content_type="image/jpeg")
+    assert answer.status_code == 200 and answer.mimetype == "image/png"
+    overlay = Image.open(io.BytesIO(answer.data))
+    left, top, right, bottom = crop_box(451, 300, read_manifest(tiny_export).preprocess)
+    assert overlay.size == (right - left, bottom - top) and overlay.mode == "RGB"
+    assert answer.headers["X-Explained-Class"] in ("a", "b", "c")
+
+
+@pytest.mark.slow  # a real export with ONNX (about 5 s)
+@pytest.mark.parametrize("query, body, content_type, code, fragment", [
+    ("?class_index=3", CAT, "image/jpeg", "invalid_request", "from 0 to 2"),
+    ("?class_index=x", CAT, "image/jpeg", "invalid_request", "integer"),
+    ("?label=dog", CAT, "image/jpeg", "invalid_request", "'dog' is not one of"),
+    ("?label=a&class_index=0", CAT, "image/jpeg", "invalid_request", "not both"),
+    ("?format=gif", CAT, "image/jpeg", "invalid_request", "json or png"),
+    ("?classindex=1", CAT, "image/jpeg", "invalid_request", "unknown query parameter"),
+    ("", b"not an image", "image/jpeg", "invalid_image", ""),
+    ("", b"{}", "text/plain", "unsupported_media_type", ""),
+])
+def test_bad_input_is_a_json_4xx_naming_the_problem(explain_client: FlaskClient, query: str, body: bytes,
+                                                    content_type: str, code: str, fragment: str) -> None:
+    answer = explain_client.post(f"/explain{query}", data=body, content_type=content_type)
+    assert 400 <= answer.status_code < 500 and answer.json["error"]["code"] == code
+    assert fragment in answer.json["error"]["message"]
+
+
+@pytest.mark.slow  # a real export with ONNX (about 5 s)
+def test_two_images_are_refused(explain_client: FlaskClient) -> None:
+    answer = explain_client.post("/explain", data={"image": [(io.BytesIO(CAT), "a.jpg"), (io.BytesIO(CAT), "b.jpg")]},
+                                 content_type="multipart/form-data")
+    assert answer.status_code == 400 and "one image; 2 were sent" in answer.json["error"]["message"]
+
+
+@pytest.mark.slow  # a real export with ONNX (about 5 s)
+def test_a_version_without_gradients_is_a_422_naming_what_to_export(tiny_export: Path, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_export, bare)
+    manifest = json.loads((bare / "manifest.json").read_text())
+    del manifest["files"]["state_dict"]  # TorchScript alone: no module with gradients to explain with
+    (bare / "manifest.json").write_text(json.dumps(manifest))
+    for app in _app(bare, weights_format="torchscript"):
+        answer = app.test_client().post("/explain", data=CAT, content_type="image/jpeg")
+        assert answer.status_code == 422 and answer.json["error"]["code"] == "no_gradients"
+        assert "export it again with python -m models.export" in answer.json["error"]["message"]
+        # predictions are not affected
+        assert app.test_client().post("/predict", data=CAT, content_type="image/jpeg").status_code == 200
+
+
+def test_a_model_without_a_feature_map_is_a_422(client: FlaskClient) -> None:
+    answer = client.post("/explain", data=image_bytes(RED), content_type="image/jpeg")  # ColourModel: channel means
+    assert answer.status_code == 422 and "no convolutional feature map" in answer.json["error"]["message"]
+
+
+@pytest.mark.slow  # a real export with ONNX (about 5 s)
+def test_an_eager_version_explains_on_a_copy_never_the_module_its_batches_run(tiny_export: Path) -> None:
+    for app in _app(tiny_export, weights_format="state_dict"):
+        service = app.extensions[EXTENSION_KEY]
+        served = service.loaded_version().predictor.module
+        answer = app.test_client().post("/explain", data=CAT, content_type="image/jpeg")
+        assert answer.status_code == 200 and answer.json["weights"] == "state_dict"
+        explainer = service.loaded_version().explainer()
+        assert explainer.module is not served and not served._forward_hooks  # no hook left on the served one
+
+
+@pytest.mark.slow  # a real export with ONNX (about 5 s)
+def test_the_lane_refuses_past_its_queue_at_once_with_retry_after(tiny_export: Path) -> None:
+    for app in _app(tiny_export, explain_concurrency=1, explain_queue_size=0):
+        service = app.extensions[EXTENSION_KEY]
+        explainer = service.loaded_version().explainer()
+        release, entered = threading.Event(), threading.Event()
+        real = explainer.explain
+
+        def held(*args: object, **kwargs: object) -> object:
+            entered.set()
+            release.wait(10)
+            return real(*args, **kwargs)
+
+        explainer.explain = held  # type: ignore[method-assign]
+        first: list[int] = []
+        worker = threading.Thread(target=lambda: first.append(
+            app.test_client().post("/explain", data=CAT, content_type="image/jpeg").status_code))
+        worker.start()
+        assert entered.wait(10)
+        refused = app.test_client().post("/explain", data=CAT, content_type="image/jpeg")
+        predicted = app.test_client().post("/predict", data=CAT, content_type="image/jpeg")  # not in the lane
+        release.set()
+        worker.join(10)
+        assert refused.status_code == 429 and "Retry-After" in refused.headers
+        assert predicted.status_code == 200 and first == [200]
+
+
+def test_the_crop_box_is_the_eval_transform_s_region() -> None:
+    preset = EvalPreset(resize_size=256, crop_size=224)
+    assert crop_box(512, 256, preset) == (144, 16, 368, 240)  # short side 256: the centre 224 as it is
+    assert crop_box(300, 600, preset) == (19, 169, 281, 431)  # short side 300: 224 x 300 / 256 = 262.5 wide
