@@ -80,6 +80,7 @@ def serve_floor(weights: Path, sock: Path, device: str = "cpu") -> None:
     from app.link import wire
     from bench.serving.overhead import MODEL
 
+    from models.architectures import split_outputs
     from models.serving import forward_threads
 
     torch.set_num_threads(forward_threads(0, device) or torch.get_num_threads())  # the engine's rule for its forward
@@ -115,7 +116,7 @@ def serve_floor(weights: Path, sock: Path, device: str = "cpu") -> None:
         with torch.inference_mode():  # in batches of the engine's cap, as its batcher runs them
             for first in range(0, len(rows), batch_cap):
                 batch = torch.from_numpy(np.stack(rows[first:first + batch_cap])).to(device)
-                answers.append(module(batch).softmax(dim=1).cpu().numpy())
+                answers.append(split_outputs(module(batch))[0].softmax(dim=1).cpu().numpy())
         probabilities = np.concatenate(answers)
         run_s, batch_id, at = time.monotonic() - started, next(batch_ids), 0
         frames: dict[socket.socket, list[bytes]] = {}  # a connection's answers of this turn, sent in one call

@@ -16,7 +16,14 @@ import logging
 import torch
 
 from models.export.checks import ModelLoadError
-from models.export.manifest import MIN_TOP1_AGREEMENT, CompiledPackage, Manifest, OnnxFile
+from models.export.manifest import (
+    MIN_EMBEDDING_COSINE,
+    MIN_TOP1_AGREEMENT,
+    Agreement,
+    CompiledPackage,
+    Manifest,
+    OnnxFile,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +57,8 @@ def choose_onnx(manifest: Manifest, setting: str, device: torch.device, dtype: s
     if setting == "onnx" and why:
         raise ModelLoadError(f"WEIGHTS_FORMAT=onnx but {why}")
     agreement = manifest.onnx.agreement if manifest.onnx else None
-    if not why and agreement is not None and agreement.top1 < MIN_TOP1_AGREEMENT:
-        why = f"its top-1 agreed with float32 on {100 * agreement.top1:.1f}% of {agreement.photos} photos"
+    if not why and agreement is not None:
+        why = short_of(agreement)
     if why:
         log.info("not serving ONNX: %s", why)
         return None
@@ -82,9 +89,18 @@ def disagrees(package: CompiledPackage) -> str | None:
         return None
     if package.agreement is None:
         return "its agreement with float32 was not measured at export"
-    if package.agreement.top1 < MIN_TOP1_AGREEMENT:
-        return (f"its top-1 agrees with float32 on {100 * package.agreement.top1:.1f}% of "
-                f"{package.agreement.photos} photos, below {100 * MIN_TOP1_AGREEMENT:.0f}%")
+    return short_of(package.agreement)
+
+
+def short_of(agreement: Agreement) -> str | None:
+    """How ``agreement`` falls short of what ``auto`` serves (top-1, and the embeddings' cosine when measured),
+    or None."""
+    if agreement.top1 < MIN_TOP1_AGREEMENT:
+        return (f"its top-1 agrees with float32 on {100 * agreement.top1:.1f}% of {agreement.photos} photos, below "
+                f"{100 * MIN_TOP1_AGREEMENT:.0f}%")
+    cosine = agreement.min_embedding_cosine
+    if cosine is not None and cosine < MIN_EMBEDDING_COSINE:
+        return f"its embeddings' cosine with float32's fell to {cosine:.3f}, below {MIN_EMBEDDING_COSINE}"
     return None
 
 

@@ -51,6 +51,7 @@ class WeightsFile(BaseModel):
 
 
 MIN_TOP1_AGREEMENT = 0.99  # what a quantized package must reach against float32 before `auto` may serve it
+MIN_EMBEDDING_COSINE = 0.99  # and its embeddings' lowest cosine similarity with float32's, when it answers them
 
 
 class Agreement(BaseModel):
@@ -99,8 +100,10 @@ class EmbeddingOutput(BaseModel):
     """What an export's second output is: the input of its classification head (the pooled features), one
     ``dim``-vector per image, L2-normalised. Every artefact of such an export (TorchScript, ONNX, AOTInductor, int8;
     a state dict through models/architectures.WithEmbedding) answers it beside the logits from one forward pass,
-    checked at export against the float32 model's: within the package's probability tolerance (float formats) or
-    ``Agreement.min_embedding_cosine`` (ONNX, int8). Manifests written before it load without it: their models
+    checked at export against the float32 model's: TorchScript within 1e-5, a float package within its probability
+    tolerance (models/export/compile.py TOLERANCE), ONNX and int8 by their lowest cosine similarity
+    (``Agreement.min_embedding_cosine``: an ONNX file below ``MIN_EMBEDDING_COSINE`` is not written, an int8 package
+    below it is not served by ``auto``). Manifests written before it load without it: their models
     answer logits only."""
 
     model_config = ConfigDict(extra="forbid")

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from models.export.agreement import Laps, agreement, agreement_batch, answers, one_thread
-from models.export.manifest import EMBEDDING_OUTPUT, MIN_TOP1_AGREEMENT, OnnxFile, sha256_of
+from models.export.manifest import EMBEDDING_OUTPUT, MIN_EMBEDDING_COSINE, MIN_TOP1_AGREEMENT, OnnxFile, sha256_of
 from models.export.onnx_runtime import run_session, session
 from models.presets import EvalPreset
 
@@ -69,10 +69,11 @@ def export_onnx(model: nn.Module, preset: EvalPreset, out_dir: Path, max_batch_s
         log.warning("no ONNX file (the server will serve TorchScript): the export failed: %s", exc)
         return None
     export_s = time.perf_counter() - started
-    if found.top1 < MIN_TOP1_AGREEMENT:
+    if found.top1 < MIN_TOP1_AGREEMENT or (found.min_embedding_cosine or 1.0) < MIN_EMBEDDING_COSINE:
         path.unlink()
         log.warning("no ONNX file (the server will serve TorchScript): its top-1 agreed with the model on %.1f%% "
-                    "of %d photos", 100 * found.top1, found.photos)
+                    "of %d photos, its embeddings' lowest cosine %s", 100 * found.top1, found.photos,
+                    found.min_embedding_cosine)
         return None
     log.info("wrote %s in %.0fs: top-1 agrees with the model on %.1f%% of %d photos, probabilities within %.1e",
              path.name, export_s, 100 * found.top1, found.photos,

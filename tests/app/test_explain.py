@@ -36,8 +36,8 @@ CAT = _jpeg(skimage.data.chelsea())
 
 @pytest.fixture(scope="module")
 def tiny_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real export (TorchScript, state dict, ONNX) of a 3-class MobileNetV3 at 32 px with distinct scores."""
-    return export_tiny(tmp_path_factory.mktemp("explain"), packages=(("onnx", "float32"),), head_scale=1e10)
+    """A real export (TorchScript and state dict) of a 3-class MobileNetV3 at 32 px with distinct scores."""
+    return export_tiny(tmp_path_factory.mktemp("explain"), head_scale=1e10)
 
 
 def _app(weights: Path, **settings: object) -> Iterator[Flask]:
@@ -47,17 +47,17 @@ def _app(weights: Path, **settings: object) -> Iterator[Flask]:
 
 
 @pytest.fixture(scope="module")
-def onnx_app(tiny_export: Path) -> Iterator[Flask]:
-    """The export served as the CPU default serves it: ONNX Runtime, which has no gradients."""
+def served_app(tiny_export: Path) -> Iterator[Flask]:
+    """The export served by default: TorchScript here (no ONNX file), which takes no hooks: no gradients."""
     yield from _app(tiny_export)
 
 
 @pytest.fixture(scope="module")
-def explain_client(onnx_app: Flask) -> FlaskClient:
-    return onnx_app.test_client()
+def explain_client(served_app: Flask) -> FlaskClient:
+    return served_app.test_client()
 
 
-@pytest.mark.slow  # a real export with ONNX (about 5 s)
+@pytest.mark.slow  # a real export (seconds)
 def test_the_json_answer_holds_the_map_of_the_top_class_over_the_region_the_model_saw(
         explain_client: FlaskClient, tiny_export: Path) -> None:
     answer = explain_client.post("/explain", data=CAT, content_type="image/jpeg")
@@ -65,9 +65,10 @@ def test_the_json_answer_holds_the_map_of_the_top_class_over_the_region_the_mode
     body = answer.json
     top = explain_client.post("/predict?top_k=1", data=CAT, content_type="image/jpeg").json["predictions"][0]
     assert (body["explained"]["index"], body["explained"]["label"]) == (top["index"], top["label"])
-    # the same model (eager against ONNX), the photo decoded by PIL against the tensor path: within a pixel level
+    # the same model (eager against TorchScript), the photo decoded by PIL against the tensor path: within a pixel level
     assert body["explained"]["score"] == pytest.approx(top["score"], abs=2e-3)
-    assert (body["method"], body["weights"]) == ("grad-cam", "state_dict")  # ONNX has no gradients: the state dict
+    # TorchScript takes no hooks: the gradients are the state dict's
+    assert (body["method"], body["weights"]) == ("grad-cam", "state_dict")
     grid = np.array(body["grid"])
     assert grid.ndim == 2 and grid.min() >= 0 and grid.max() == pytest.approx(1)
     preset = read_manifest(tiny_export).preprocess
@@ -75,7 +76,7 @@ def test_the_json_answer_holds_the_map_of_the_top_class_over_the_region_the_mode
     assert answer.headers["X-Explained-Index"] == str(top["index"])
 
 
-@pytest.mark.slow  # a real export with ONNX (about 5 s)
+@pytest.mark.slow  # a real export (seconds)
 def test_it_equals_grad_cam_on_the_state_dict_computed_offline(explain_client: FlaskClient,
                                                                 tiny_export: Path) -> None:
     from models.export.load import load_model
@@ -90,7 +91,7 @@ def test_it_equals_grad_cam_on_the_state_dict_computed_offline(explain_client: F
     assert served["explained"]["index"] == 1 and np.allclose(served["grid"], offline.grid, atol=1e-3)
 
 
-@pytest.mark.slow  # a real export with ONNX (about 5 s)
+@pytest.mark.slow  # a real export (seconds)
 def test_a_named_class_by_label_in_every_request_form(explain_client: FlaskClient) -> None:
     by_query = explain_client.post("/explain?label=b", data=CAT, content_type="image/jpeg").json
     by_form = explain_client.post("/explain", data={"image": (io.BytesIO(CAT), "cat.jpg"), "class_index": "1"},
@@ -100,7 +101,7 @@ def test_a_named_class_by_label_in_every_request_form(explain_client: FlaskClien
     assert by_query["grid"] == by_form["grid"] == by_json["grid"]
 
 
-@pytest.mark.slow  # a real export with ONNX (about 5 s)
+@pytest.mark.slow  # a real export (seconds)
 def test_the_png_is_the_overlay_on_the_crop(explain_client: FlaskClient, tiny_export: Path) -> None:
     answer = explain_client.post("/explain?format=png", data=CAT, content_type="image/jpeg")
     assert answer.status_code == 200 and answer.mimetype == "image/png"
@@ -110,7 +111,7 @@ def test_the_png_is_the_overlay_on_the_crop(explain_client: FlaskClient, tiny_ex
     assert answer.headers["X-Explained-Class"] in ("a", "b", "c")
 
 
-@pytest.mark.slow  # a real export with ONNX (about 5 s)
+@pytest.mark.slow  # a real export (seconds)
 @pytest.mark.parametrize("query, body, content_type, code, fragment", [
     ("?class_index=3", CAT, "image/jpeg", "invalid_request", "from 0 to 2"),
     ("?class_index=x", CAT, "image/jpeg", "invalid_request", "integer"),
@@ -128,14 +129,14 @@ def test_bad_input_is_a_json_4xx_naming_the_problem(explain_client: FlaskClient,
     assert fragment in answer.json["error"]["message"]
 
 
-@pytest.mark.slow  # a real export with ONNX (about 5 s)
+@pytest.mark.slow  # a real export (seconds)
 def test_two_images_are_refused(explain_client: FlaskClient) -> None:
     answer = explain_client.post("/explain", data={"image": [(io.BytesIO(CAT), "a.jpg"), (io.BytesIO(CAT), "b.jpg")]},
                                  content_type="multipart/form-data")
     assert answer.status_code == 400 and "one image; 2 were sent" in answer.json["error"]["message"]
 
 
-@pytest.mark.slow  # a real export with ONNX (about 5 s)
+@pytest.mark.slow  # a real export (seconds)
 def test_a_version_without_gradients_is_a_422_naming_what_to_export(tiny_export: Path, tmp_path: Path) -> None:
     import json
     import shutil
@@ -158,7 +159,7 @@ def test_a_model_without_a_feature_map_is_a_422(client: FlaskClient) -> None:
     assert answer.status_code == 422 and "no convolutional feature map" in answer.json["error"]["message"]
 
 
-@pytest.mark.slow  # a real export with ONNX (about 5 s)
+@pytest.mark.slow  # a real export (seconds)
 def test_an_eager_version_explains_on_a_copy_never_the_module_its_batches_run(tiny_export: Path) -> None:
     for app in _app(tiny_export, weights_format="state_dict"):
         service = app.extensions[EXTENSION_KEY]
@@ -169,7 +170,7 @@ def test_an_eager_version_explains_on_a_copy_never_the_module_its_batches_run(ti
         assert explainer.module is not served and not served._forward_hooks  # no hook left on the served one
 
 
-@pytest.mark.slow  # a real export with ONNX (about 5 s)
+@pytest.mark.slow  # a real export (seconds)
 def test_the_lane_refuses_past_its_queue_at_once_with_retry_after(tiny_export: Path) -> None:
     for app in _app(tiny_export, explain_concurrency=1, explain_queue_size=0):
         service = app.extensions[EXTENSION_KEY]

@@ -46,8 +46,11 @@ def test_auto_serves_int8_only_where_it_was_faster_and_agrees(monkeypatch: pytes
     with caplog.at_level(logging.INFO, logger="models.export.choose"):
         assert choose_package(_with(_int8(top1=0.98)), "auto", CPU, "float32", 8) is None
         assert choose_package(_with(_int8(agreement=None)), "auto", CPU, "float32", 8) is None
+        astray = Agreement(photos=198, top1=1.0, max_probability_difference=0.02, min_embedding_cosine=0.9)
+        assert choose_package(_with(_int8(agreement=astray)), "auto", CPU, "float32", 8) is None
     assert "its top-1 agrees with float32 on 98.0% of 198 photos, below 99%" in caplog.text
     assert "its agreement with float32 was not measured at export" in caplog.text
+    assert "its embeddings' cosine with float32's fell to 0.900" in caplog.text
     float_only = _with(_int8().model_copy(update={"quantization": None, "agreement": None,
                                                   "path": "model.cpu-float32.pt2"}))
     assert choose_package(float_only, "auto", CPU, "float32", 8) is None  # auto on the CPU wants int8 here

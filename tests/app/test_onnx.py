@@ -19,9 +19,10 @@ from tests.support.fakes import export_tiny, tiny_manifest
 CPU = torch.device("cpu")
 
 
-def _with_onnx(top1: float = 1.0) -> Manifest:
+def _with_onnx(top1: float = 1.0, cosine: float | None = None) -> Manifest:
     onnx = OnnxFile(path="model.onnx", sha256="0" * 64, opset=18, max_batch_size=64, torch_version="x",
-                    export_s=7.0, agreement=Agreement(photos=198, top1=top1, max_probability_difference=0.0))
+                    export_s=7.0, agreement=Agreement(photos=198, top1=top1, max_probability_difference=0.0,
+                                                      min_embedding_cosine=cosine))
     return tiny_manifest().model_copy(update={"onnx": onnx})
 
 
@@ -38,8 +39,11 @@ def test_auto_serves_onnx_on_the_cpu_only_when_it_agreed(caplog: pytest.LogCaptu
     with caplog.at_level(logging.INFO, logger="models.export.choose"):
         assert choose_onnx(tiny_manifest(), "auto", CPU, "float32") is None  # an export from before ONNX
         assert choose_onnx(_with_onnx(top1=0.97), "auto", CPU, "float32") is None
+        assert choose_onnx(_with_onnx(cosine=0.95), "auto", CPU, "float32") is None  # its embeddings differ
+    assert choose_onnx(_with_onnx(cosine=0.9999), "auto", CPU, "float32").path == "model.onnx"
     assert "not serving ONNX: the manifest lists no ONNX file" in caplog.text
-    assert "its top-1 agreed with float32 on 97.0% of 198 photos" in caplog.text
+    assert "its top-1 agrees with float32 on 97.0% of 198 photos" in caplog.text
+    assert "its embeddings' cosine with float32's fell to 0.950, below 0.99" in caplog.text
 
 
 @pytest.mark.parametrize(("manifest", "device", "dtype", "reason"), [

@@ -119,10 +119,12 @@ def _pick(browser, url: str | None, *photos: Path) -> list[str]:  # noqa: ANN001
     return [card.text for card in browser.find_elements(By.CSS_SELECTOR, ".card")]
 
 
-def test_the_demo_page_classifies_a_real_photo(browser, live_server: Running, tmp_path: Path) -> None:  # noqa: ANN001
+def test_the_demo_page_classifies_a_real_photo_and_shows_why(browser, live_server: Running,  # noqa: ANN001
+                                                                tmp_path: Path) -> None:
     import skimage.data
     from PIL import Image
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
 
     photo = tmp_path / "chelsea.jpg"
     photo.write_bytes(encode(Image.fromarray(skimage.data.chelsea()), "JPEG"))
@@ -132,17 +134,7 @@ def test_the_demo_page_classifies_a_real_photo(browser, live_server: Running, tm
     assert "efficientnet_lite0 version 1" in card and "inference" in card and " ms" in card  # model and Server-Timing
     assert len(browser.find_elements(By.CSS_SELECTOR, ".card .bar")) == 5
     assert "efficientnet_lite0" in browser.find_element(By.ID, "model").text
-
-
-def test_the_demo_page_shows_why_beside_the_scores(browser, live_server: Running, tmp_path: Path) -> None:  # noqa: ANN001
-    import skimage.data
-    from PIL import Image
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    photo = tmp_path / "chelsea.jpg"
-    photo.write_bytes(encode(Image.fromarray(skimage.data.chelsea()), "JPEG"))
-    _pick(browser, live_server.url, photo)
+    # "Why tiger cat?": the top class's Grad-CAM overlay beside the scores
     button = browser.find_element(By.CSS_SELECTOR, ".card button.why")
     assert button.text == "Why tiger cat?"
     button.click()
@@ -156,26 +148,20 @@ def test_the_demo_page_shows_why_beside_the_scores(browser, live_server: Running
     assert not browser.find_elements(By.CSS_SELECTOR, ".card button.why")  # answered: the button is gone
 
 
-def test_the_demo_page_says_why_a_model_cannot_be_explained(browser, fake_url: str,  # noqa: ANN001
-                                                            tmp_path: Path) -> None:
+def test_the_demo_page_shows_each_photos_error(browser, fake_url: str, tmp_path: Path) -> None:  # noqa: ANN001
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    photo = tmp_path / "red.jpg"
-    photo.write_bytes(image_bytes(RED, size=(64, 48)))
-    _pick(browser, fake_url, photo)
-    browser.find_element(By.CSS_SELECTOR, ".card button.why").click()
-    WebDriverWait(browser, 30).until(lambda b: "422" in b.find_element(By.CSS_SELECTOR, ".card .explanation").text)
-    assert "no_gradients" in browser.find_element(By.CSS_SELECTOR, ".card .explanation").text
-
-
-def test_the_demo_page_shows_each_photos_error(browser, fake_url: str, tmp_path: Path) -> None:  # noqa: ANN001
     good, bad = tmp_path / "red.jpg", tmp_path / "notes.jpg"
     good.write_bytes(image_bytes(RED, size=(64, 48)))
     bad.write_text("not a photo")
     cards = {card.splitlines()[0]: card for card in _pick(browser, fake_url, good, bad)}
     assert "red" in cards["red.jpg"].splitlines()[1]
     assert "400 invalid_image" in cards["notes.jpg"]
+    # the fake model has no feature map to explain with: the server's reason, in the card
+    browser.find_element(By.CSS_SELECTOR, ".card button.why").click()
+    WebDriverWait(browser, 30).until(lambda b: "422" in b.find_element(By.CSS_SELECTOR, ".card .explanation").text)
+    assert "no_gradients" in browser.find_element(By.CSS_SELECTOR, ".card .explanation").text
 
 
 def test_the_demo_page_asks_for_the_api_key(browser, settings, predictor, tmp_path: Path) -> None:  # noqa: ANN001
