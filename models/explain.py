@@ -14,6 +14,7 @@ over the region of the photo the model saw (the eval transform's resize and cent
 from __future__ import annotations
 
 import io
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,7 +72,13 @@ def grad_cam(model: nn.Module, layer: str, pixels: torch.Tensor, index: int | No
     """Grad-CAM of ``pixels`` (C, H, W, preprocessed) for class ``index`` (None: the top one) at ``layer`` of
     ``model`` (in eval mode; it answers logits, or logits and an embedding): one forward and one backward pass."""
     kept: list[torch.Tensor] = []
-    handle = model.get_submodule(layer).register_forward_hook(lambda _, __, output: kept.append(output))
+    caller = threading.get_ident()  # threads explaining at once share the module: each keeps its own feature map
+
+    def keep(_: nn.Module, __: object, output: torch.Tensor) -> None:
+        if threading.get_ident() == caller:
+            kept.append(output)
+
+    handle = model.get_submodule(layer).register_forward_hook(keep)
     try:
         with torch.enable_grad():
             logits, _ = split_outputs(model(pixels.unsqueeze(0).to(_device_of(model), torch.float32)))

@@ -12,11 +12,11 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from app.config import Settings
-from app.engine.contract import Explanation
+from app.engine.contract import Explanation, not_ready
 from app.engine.loaded.version import LoadedVersion
 from app.errors import DeadlineExceeded, Overloaded, ServiceError, retry_after_header
 from app.metrics import EXPLAIN_SECONDS, EXPLANATIONS, series
@@ -49,10 +49,17 @@ class ExplainLane:
             self._count(version, "refused")
             raise Overloaded("explanations are busy: the lane and its queue are full; try again later",
                              headers=retry_after_header(self._seconds))
-        future = self._threads.submit(self._run, version, image, index, png)
+        try:
+            future = self._threads.submit(self._run, version, image, index, png)
+        except RuntimeError:  # the lane closed (the process is going away)
+            self._room.release()
+            raise not_ready("the server is shutting down", close=True) from None
         future.add_done_callback(lambda _: self._room.release())
         try:
             explanation = future.result(timeout=timeout_s)
+        except CancelledError:  # still waiting when the lane closed
+            self._count(version, "refused")
+            raise not_ready("the server is shutting down", close=True) from None
         except FutureTimeout:
             future.cancel()  # not yet begun: never runs
             self._count(version, "failed")

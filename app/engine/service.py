@@ -128,9 +128,10 @@ class Service(Lifecycle):
 
     def explain(self, image: bytes, name: str | None = None, version: str | None = None, index: int | None = None,
                 png: bool = False, timeout_s: float = 30.0) -> Explanation:
-        """Why model ``name`` at ``version`` (None: as ``enter`` routes a request naming none; no canary) chooses
-        class ``index`` (None: its top one) for ``image``: its Grad-CAM map, in the explanations' own lane
-        (app/engine/explain.py), never in a batch. The version is held until it is answered."""
+        """Why model ``name`` at ``version`` (None: as ``enter`` routes a request naming none; POST /explain names
+        the version whose labels it read the class with) chooses class ``index`` (None: its top one) for ``image``:
+        its Grad-CAM map, in the explanations' own lane (app/engine/explain.py), never in a batch. The version is
+        held until it is answered."""
         route = self._held(name, version, None)
         try:
             return self.explanations.explain(route.version, image, index, png, timeout_s)

@@ -257,8 +257,9 @@ class RemoteService(Lifecycle):
                 png: bool = False, timeout_s: float = 30.0) -> Explanation:
         """As ``Service.explain``, in the engine: the image crosses as it is, the explanation comes back."""
         self.require_ready()
-        with self.connections.exchange("the engine stopped while explaining this image; it is restarting",
-                                       wire.Explain(name, version, index, png, timeout_s), [image]) as conn:
+        with self.in_flight.inside(), self.connections.exchange(  # a drain waits for it, as for a request
+                "the engine stopped while explaining this image; it is restarting",
+                wire.Explain(name, version, index, png, timeout_s), [image]) as conn:
             limit_s = timeout_s + ANSWER_GRACE_S
             if not wire.readable(conn, limit_s):
                 raise wire.EngineGone(f"no answer within {limit_s:g}s")

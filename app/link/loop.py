@@ -285,6 +285,8 @@ class EngineServer:
             return None
         try:
             _parsed_alike(message, admission.call.model)
+            if message.embedding:  # the version routed here may not be the one the HTTP side checked
+                admission.call.model.check_embedding()
             images, tensors = _inputs(message, segments)
         except Exception as exc:  # noqa: BLE001 - answered
             admission.leave(exc)

@@ -65,8 +65,11 @@ def explain() -> Response:
     timeout_s = deadline_s(request.headers, service.settings.request_timeout_s)
     name, version = request.args.get("model"), request.args.get("version")
     service.require_ready()
-    parsed = parse_explain(request, service.catalog.signature(name, version).labels)
-    found = service.explain(parsed.image, name, version, parsed.index, png=parsed.png, timeout_s=timeout_s)
+    # The version whose labels the class is read with is the one that explains (named, so no canary draws it)
+    signature = service.catalog.signature(name, version)
+    parsed = parse_explain(request, signature.labels)
+    found = service.explain(parsed.image, signature.name, signature.version, parsed.index, png=parsed.png,
+                            timeout_s=timeout_s)
     said = {"X-Explained-Class": urllib.parse.quote(found.label), "X-Explained-Index": str(found.index),
             "X-Explained-Score": f"{found.score:.{service.settings.score_digits}f}", "X-Model-Version": found.version}
     if parsed.png:

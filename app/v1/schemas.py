@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from models.export.manifest import EmbeddingOutput, EvalPreset
 
@@ -33,8 +33,8 @@ class ExplainJSONRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     image: str = Field(description="base64 of the image file (JPEG, PNG, WebP, BMP, GIF)")
-    class_index: int | None = Field(default=None, ge=0, description="the class to explain; left out (and no "
-                                    "label): the top one")
+    class_index: StrictInt | None = Field(default=None, ge=0, description="the class to explain (an integer, "
+                                          "not a boolean or a string); left out (and no label): the top one")
     label: str | None = Field(default=None, description="the class to explain, by its label")
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import io
 import threading
+import time
+import types
 from pathlib import Path
 from typing import Iterator
 
@@ -17,12 +19,13 @@ from PIL import Image
 
 from app import EXTENSION_KEY
 from app.config import Settings
+from app.engine.loaded.predictor import Predictor
 from app.factory import create_app
 from models.explain import crop_box, feature_layer, grad_cam
 from models.export.manifest import read_manifest
 from models.presets import EvalPreset
-from tests.support.fakes import export_tiny
-from tests.support.imaging import RED, image_bytes
+from tests.support.fakes import ConvColourModel, export_tiny, tiny_manifest
+from tests.support.imaging import BLUE, GREEN, RED, image_bytes
 
 
 def _jpeg(array: np.ndarray) -> bytes:
@@ -167,7 +170,8 @@ def test_an_eager_version_explains_on_a_copy_never_the_module_its_batches_run(ti
         answer = app.test_client().post("/explain", data=CAT, content_type="image/jpeg")
         assert answer.status_code == 200 and answer.json["weights"] == "state_dict"
         explainer = service.loaded_version().explainer()
-        assert explainer.module is not served and not served._forward_hooks  # no hook left on the served one
+        theirs = {p.data_ptr() for p in explainer.module.parameters()}
+        assert explainer.module is not served and not theirs & {p.data_ptr() for p in served.parameters()}
 
 
 @pytest.mark.slow  # a real export (seconds)
@@ -201,3 +205,98 @@ def test_the_crop_box_is_the_eval_transform_s_region() -> None:
     preset = EvalPreset(resize_size=256, crop_size=224)
     assert crop_box(512, 256, preset) == (144, 16, 368, 240)  # short side 256: the centre 224 as it is
     assert crop_box(300, 600, preset) == (19, 169, 281, 431)  # short side 300: 224 x 300 / 256 = 262.5 wide
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weights_format", ["torchscript", "state_dict"])
+def test_on_cuda_in_bfloat16_the_map_is_the_cpu_s(tiny_export: Path, weights_format: str) -> None:
+    """The explainer takes float32 gradients on the version's device whatever its served dtype."""
+    maps = {}
+    for device, dtype in (("cpu", "float32"), ("cuda", "bfloat16")):
+        for app in _app(tiny_export, device=device, dtype=dtype, weights_format=weights_format):
+            answer = app.test_client().post("/explain?class_index=1", data=CAT, content_type="image/jpeg")
+            assert answer.status_code == 200, answer.json
+            maps[device] = np.array(answer.json["grid"])
+    assert np.allclose(maps["cuda"], maps["cpu"], atol=0.02)
+
+
+def _conv_app(settings: Settings, **changes: object) -> Iterator[Flask]:
+    app = create_app(settings.model_copy(update=changes), Predictor(ConvColourModel(), tiny_manifest(), device="cpu"))
+    yield app
+    app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def test_explanations_at_once_each_keep_their_own_feature_map(settings: Settings) -> None:
+    for app in _conv_app(settings, explain_concurrency=2, explain_queue_size=8):
+        photos = {colour: image_bytes(colour, size=(32, 24)) for colour in (RED, GREEN, BLUE)}
+        alone = {colour: app.test_client().post("/explain?class_index=0", data=photo,
+                                                content_type="image/jpeg").json["grid"]
+                 for colour, photo in photos.items()}
+        answers: list[tuple[tuple[int, int, int], int, object]] = []
+
+        def ask(colour: tuple[int, int, int]) -> None:
+            for _ in range(5):
+                answer = app.test_client().post("/explain?class_index=0", data=photos[colour],
+                                                content_type="image/jpeg")
+                answers.append((colour, answer.status_code, answer.json.get("grid")))
+
+        threads = [threading.Thread(target=ask, args=(colour,)) for colour in (RED, GREEN, BLUE, RED)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert len(answers) == 20 and all(status == 200 for _, status, _ in answers), answers[:3]
+        assert all(grid == alone[colour] for colour, _, grid in answers)  # never another thread's map
+
+
+def test_the_crop_is_in_the_photo_s_own_pixels_after_a_reduced_scale_decode(settings: Settings) -> None:
+    large = image_bytes(RED, size=(4000, 3000))  # decoded at 1/2 or less (JPEG_DRAFT_MIN_SIDE)
+    for app in _conv_app(settings, jpeg_draft_min_side=1024, max_pixels=20_000_000, max_body_bytes=8 << 20):
+        answer = app.test_client().post("/explain", data=large, content_type="image/jpeg")
+        assert answer.status_code == 200, answer.json
+        assert tuple(answer.json["crop"].values()) == crop_box(4000, 3000, tiny_manifest().preprocess)
+
+
+def test_a_class_index_in_json_must_be_an_integer(settings: Settings) -> None:
+    red = base64.b64encode(image_bytes(RED, size=(32, 24))).decode()
+    for app in _conv_app(settings):
+        for value in (True, 1.0, "1"):
+            answer = app.test_client().post("/explain", json={"image": red, "class_index": value})
+            assert answer.status_code == 422 and answer.json["error"]["code"] == "validation_error", value
+
+
+def test_explanations_waiting_when_the_lane_closes_are_503_not_500(settings: Settings) -> None:
+    from app.engine.explain import ExplainLane
+    from app.errors import NotReady
+
+    lane = ExplainLane(settings.model_copy(update={"explain_concurrency": 1, "explain_queue_size": 2}))
+    entered, release = threading.Event(), threading.Event()
+
+    class Held:
+        def explain(self, *args: object) -> None:
+            entered.set()
+            release.wait(10)
+
+    version = types.SimpleNamespace(name="colour", version="test", explainer=Held)
+    outcomes: list[object] = []
+
+    def ask() -> None:
+        try:
+            outcomes.append(lane.explain(version, b"", None, False, 10))  # type: ignore[arg-type]
+        except Exception as exc:  # noqa: BLE001 - what the caller gets is the point
+            outcomes.append(exc)
+
+    first = threading.Thread(target=ask)
+    first.start()
+    assert entered.wait(10)
+    second = threading.Thread(target=ask)
+    second.start()
+    time.sleep(0.2)  # waiting behind the first
+    lane.close()
+    second.join(10)
+    release.set()
+    first.join(10)
+    with pytest.raises(NotReady):
+        lane.explain(version, b"", None, False, 10)  # type: ignore[arg-type]
+    assert isinstance(outcomes[0], NotReady) and outcomes[0].status == 503  # the waiting one
+    assert outcomes[1] is None  # the running one ended as it would have

@@ -336,6 +336,16 @@ def test_an_explanation_crosses_as_the_engine_made_it_and_its_refusals_as_they_a
         service.shutdown(timeout=5)
 
 
+def test_an_embedding_asked_of_a_version_the_engine_routes_without_one_is_a_400_from_the_engine(link: Link) -> None:
+    signature = link.worker.signature(None, None)
+    # the HTTP side's kept signature says the version has an embedding (another version's, kept from before)
+    link.worker._signatures[(None, None)] = dataclasses.replace(signature, embedding_dim=3)
+    with pytest.raises(ServiceError) as refused:
+        infer(link.worker, [image_bytes(RED)], embedding=True)
+    assert (refused.value.status, refused.value.code) == (400, "no_embedding")
+    assert infer(link.worker, [image_bytes(RED)]).top_k(1)[0][0].label == "red"  # the connection serves on
+
+
 def test_the_labels_stay_on_the_http_side_and_a_request_carries_no_signature(link: Link) -> None:
     served = infer(link.worker, [image_bytes(RED)])
     infer_message, answer = link.sent[-2:]

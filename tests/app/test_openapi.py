@@ -19,6 +19,7 @@ from app.config import Settings
 from app.engine.loaded.predictor import Predictor
 from app.engine.service import Service
 from app.metrics import PROBES
+from tests.support.fakes import ColourModel, ConvColourModel, tiny_manifest
 from tests.support.imaging import RED, image_bytes
 
 RED_B64 = base64.b64encode(image_bytes(RED)).decode()
@@ -92,6 +93,31 @@ def test_every_answer_matches_its_documented_schema(client: FlaskClient, service
     service.begin_drain()  # the 503 forms
     for method, path, url, kwargs in CALLS[:1] + CALLS[6:8] + CALLS[-3:-2]:
         _check(document, method, path, getattr(client, method)(url, **kwargs))
+
+
+def test_embeddings_and_explanations_match_their_documented_schemas(settings: Settings,
+                                                                    document: dict[str, Any]) -> None:
+    for model, manifest in ((ColourModel(embedding=True), tiny_manifest(embedding=True)),
+                            (ConvColourModel(), tiny_manifest())):
+        app = create_app(settings, Predictor(model, manifest, device="cpu"))
+        try:
+            client = app.test_client()
+            red = {"data": image_bytes(RED, size=(32, 24)), "content_type": "image/jpeg"}
+            embeds = manifest.embedding is not None
+            for url, status in (("/predict?outputs=embedding", 200 if embeds else 400),
+                                ("/predict?outputs=labels,embedding", 200 if embeds else 400),
+                                ("/predict?outputs=x", 400)):
+                answer = client.post(url, **red)
+                assert answer.status_code == status, answer.data[:200]
+                _check(document, "post", "/predict", answer)
+            for url, status in (("/explain", 422 if embeds else 200),  # ColourModel has no feature map
+                                ("/explain?format=png&label=green", 422 if embeds else 200),
+                                ("/explain?class_index=9", 400)):
+                answer = client.post(url, **red)
+                assert answer.status_code == status, answer.data[:200]
+                _check(document, "post", "/explain", answer)
+        finally:
+            app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 
 
 def test_a_response_that_strays_from_its_schema_fails_the_check(client: FlaskClient,

@@ -16,7 +16,7 @@ import numpy as np
 import torch.nn as nn
 
 from app.engine.contract import Explanation
-from app.engine.decoding.image import DecodeLimits, decode_image
+from app.engine.decoding.image import DecodeLimits, load_upright, open_checked
 from app.engine.loaded.predictor import Predictor
 from app.errors import BadRequest, NoGradients
 from models.explain import METHOD, NoFeatureMap, crop_box, feature_layer, grad_cam, overlay
@@ -68,12 +68,15 @@ class Explainer:
         if index is not None and not 0 <= index < manifest.num_classes:
             raise BadRequest(f"class_index must be from 0 to {manifest.num_classes - 1}, got {index}")
         started = time.perf_counter()
-        photo = decode_image(image, self.limits)
+        opened = open_checked(image, self.limits)
+        stored = opened.size  # before a large JPEG's reduced-scale decode, and before its EXIF turn
+        photo = load_upright(opened, self.limits)
+        turned = (stored[0] > stored[1]) != (photo.width > photo.height) and stored[0] != stored[1]
+        width, height = stored[::-1] if turned else stored  # the upright photo's own pixels
         found = grad_cam(self.module, self.layer, self.predictor.transform(photo), index)
         rendered = overlay(photo, found.grid, manifest.preprocess) if png else None
         return Explanation(
             manifest.name, manifest.version, found.index, manifest.labels[found.index], found.score, METHOD,
             self.layer, self.weights, np.round(found.grid.astype(np.float64), 4).tolist(),
-            crop_box(photo.width, photo.height, manifest.preprocess), (time.perf_counter() - started) * 1000,
-            rendered)
+            crop_box(width, height, manifest.preprocess), (time.perf_counter() - started) * 1000, rendered)
 
