@@ -1,12 +1,16 @@
 """Model side of visionserve: architectures, preprocessing presets, training and export.
 
-    architectures.py, pretrained.py, presets.py   what a model is, its packaged weights, its input transform
+    architectures.py, pretrained.py, presets.py   what a model is (and its embedding beside its logits), its
+              packaged weights, its input transform
+    explain.py   Grad-CAM: why a model chose a class, as a map and drawn over the photo (the server's /explain)
     serving.py, image_decode.py   the rules the server and models.predict share: the usable cores and the forward
               pass's threads (standard library only), an image's limits, header checks and upright decode
     data/     a training run's images: folders, loaders, augmentation, the GPU data path, JPEG decoding (CPU, device)
     run/      the training run's parts: options, step (amp, optim), torchrun, checkpoints and resume, reports
     export/   what training hands the server: the weights directory, its formats, the model repository
     train.py  python -m models.train (the script, top to bottom); plot.py: python -m models.plot
+    neighbours.py  python -m models.neighbours: near-duplicates and nearest neighbours among the embeddings
+              python -m models.predict --embeddings wrote
 
 The server (``app/``) imports only the modules of ``SERVING_CONTRACT``, which import only each other
 (tests/unit/test_house.py checks both): changing one of them changes what the server runs.
