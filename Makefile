@@ -31,8 +31,9 @@ $(CLIENT): pyproject.toml | $(STAMP)
 
 # The default model is produced from the packaged ImageNet weights, never downloaded and never committed, with its
 # ONNX file (25-65 s on 2 cores, by what else runs on them: docs/training.md): the server serves it with ONNX
-# Runtime on a CPU (docs/performance.md). It is make's own product, remade (--force) when the requirements change.
-$(DEFAULT_WEIGHTS)/manifest.json: $(STAMP)
+# Runtime on a CPU (docs/performance.md). It is make's own product, remade (--force) when the requirements or the
+# code that writes it change (an export from an older release lacks what a newer one records, e.g. its embedding).
+$(DEFAULT_WEIGHTS)/manifest.json: $(STAMP) $(wildcard models/export/*.py) models/architectures.py models/pretrained.py
 	$(BIN)/python -m models.export --default --out $(DEFAULT_WEIGHTS) --packages onnx --force
 
 weights: $(DEFAULT_WEIGHTS)/manifest.json
