@@ -35,7 +35,6 @@ class ExplainLane:
     """Explanations computed on threads of their own, bounded in number (running and waiting)."""
 
     def __init__(self, settings: Settings) -> None:
-        self.concurrency = settings.explain_concurrency
         self._room = threading.BoundedSemaphore(settings.explain_concurrency + settings.explain_queue_size)
         self._threads = ThreadPoolExecutor(settings.explain_concurrency, thread_name_prefix="explain",
                                            initializer=_lower_priority, initargs=(settings.explain_nice,))

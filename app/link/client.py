@@ -227,9 +227,10 @@ class RemoteService(Lifecycle):
 
     # -- exchanges with the engine ---------------------------------------------------------------------------------
 
-    def _exchange(self, message: Any, timeout_s: float, away: str) -> Any:
-        """One question and its answer within ``timeout_s``; the answer's value, or its error raised."""
-        with self.connections.exchange(away, message) as conn:
+    def _exchange(self, message: Any, timeout_s: float, away: str, segments: Sequence[bytes] = ()) -> Any:
+        """One question (with ``segments``) and its answer within ``timeout_s``; the answer's value, or its error
+        raised."""
+        with self.connections.exchange(away, message, segments) as conn:
             if not wire.readable(conn, timeout_s):
                 raise wire.EngineGone(f"no answer within {timeout_s:g}s")  # NotReady saying ``away``
             answer = wire.receive_answer(conn, timeout_s)
@@ -257,14 +258,9 @@ class RemoteService(Lifecycle):
                 png: bool = False, timeout_s: float = 30.0) -> Explanation:
         """As ``Service.explain``, in the engine: the image crosses as it is, the explanation comes back."""
         self.require_ready()
-        with self.in_flight.inside(), self.connections.exchange(  # a drain waits for it, as for a request
-                "the engine stopped while explaining this image; it is restarting",
-                wire.Explain(name, version, index, png, timeout_s), [image]) as conn:
-            limit_s = timeout_s + ANSWER_GRACE_S
-            if not wire.readable(conn, limit_s):
-                raise wire.EngineGone(f"no answer within {limit_s:g}s")
-            answer = wire.receive_answer(conn, ANSWER_GRACE_S)
-        return self._value(answer)
+        with self.in_flight.inside():  # a drain waits for it, as for a request
+            return self._exchange(wire.Explain(name, version, index, png, timeout_s), timeout_s + ANSWER_GRACE_S,
+                                  "the engine stopped while explaining this image; it is restarting", [image])
 
     def _ask(self, call: wire.CatalogCall) -> Any:
         self.require_loaded()

@@ -394,30 +394,32 @@ class EngineServer:
                 if message.error is not None:
                     raise message.error
 
-    def _catalog(self, conn: _Connection, message: wire.CatalogCall, _: list[memoryview]) -> None:
-        """On a catalog thread (it may wait for every engine): the connection is not watched until it answers."""
+    def _off_loop(self, conn: _Connection, threads: ThreadPoolExecutor, answer: Callable[[], wire.Answer]) -> None:
+        """``answer`` made on one of ``threads`` (it may wait), then sent from the loop; the connection is not
+        watched meanwhile."""
         self._selector.unregister(conn.sock)
 
         def run() -> None:
-            answer = self._catalog_answer(message)
-            self._post(functools.partial(self._catalog_done, conn, answer))
+            self._post(functools.partial(self._answered, conn, answer()))
 
-        self._catalog_threads.submit(run)
+        threads.submit(run)
+
+    def _catalog(self, conn: _Connection, message: wire.CatalogCall, _: list[memoryview]) -> None:
+        """On a catalog thread (it may wait for every engine)."""
+        self._off_loop(conn, self._catalog_threads, functools.partial(self._catalog_answer, message))
 
     def _explain(self, conn: _Connection, message: wire.Explain, segments: list[memoryview]) -> None:
-        """On an explain thread (it waits for the lane): the connection is not watched until it answers."""
-        self._selector.unregister(conn.sock)
+        """On an explain thread (it waits for the lane)."""
         image = bytes(segments[0]) if len(segments) == 1 else b""
 
-        def run() -> None:
+        def answer() -> wire.Answer:
             try:
-                answer = self._answer(self.service.explain(image, message.model, message.version, message.index,
-                                                           message.png, message.timeout_s))
+                return self._answer(self.service.explain(image, message.model, message.version, message.index,
+                                                         message.png, message.timeout_s))
             except Exception as exc:  # noqa: BLE001 - answered
-                answer = self._answer(error=_as_error(exc))
-            self._post(functools.partial(self._catalog_done, conn, answer))
+                return self._answer(error=_as_error(exc))
 
-        self._explain_threads.submit(run)
+        self._off_loop(conn, self._explain_threads, answer)
 
     def _catalog_answer(self, message: wire.CatalogCall) -> wire.Answer:
         if message.method not in CATALOG_CALLS:
@@ -428,7 +430,7 @@ class EngineServer:
             return self._answer(error=_as_error(exc))
         return self._answer(value)
 
-    def _catalog_done(self, conn: _Connection, answer: wire.Answer) -> None:
+    def _answered(self, conn: _Connection, answer: wire.Answer) -> None:
         self._send(conn, answer)
         if not conn.closed:
             self._selector.register(conn.sock, selectors.EVENT_READ, functools.partial(self._readable, conn))

@@ -20,6 +20,14 @@ def _model_params() -> list[dict[str, Any]]:
             for name in ("model", "version")]
 
 
+def _image_body(multipart: dict[str, Any], json_schema: type, example: dict[str, Any]) -> dict[str, Any]:
+    """A request body of images: multipart, a raw image, or JSON with base64 (``json_schema``)."""
+    return {"required": True, "content": {
+        "multipart/form-data": {"schema": multipart},
+        "image/*": {"schema": BINARY}, "application/octet-stream": {"schema": BINARY},
+        "application/json": {"schema": ref(json_schema), "example": example}}}
+
+
 def _predict() -> dict[str, Any]:
     top_k = {"name": "top_k", "in": "query", "required": False, "schema": {"type": "integer", "minimum": 1},
              "description": "Classes per image (1 to the model's classes); left out, the server's TOP_K"}
@@ -37,11 +45,7 @@ def _predict() -> dict[str, Any]:
                        "field), as a raw body (image/* or application/octet-stream), or as JSON with base64 "
                        "strings. Answers keep the order sent.",
         "parameters": [top_k, outputs, *_model_params(), TIMEOUT_HEADER],
-        "requestBody": {"required": True, "content": {
-            "multipart/form-data": {"schema": multipart},
-            "image/*": {"schema": BINARY}, "application/octet-stream": {"schema": BINARY},
-            "application/json": {"schema": ref(s.PredictJSONRequest),
-                                 "example": {"images": [EXAMPLE_IMAGE_BASE64], "top_k": 1}}}},
+        "requestBody": _image_body(multipart, s.PredictJSONRequest, {"images": [EXAMPLE_IMAGE_BASE64], "top_k": 1}),
         "responses": {"200": json_answer(s.PredictResponse, "One prediction per image", "Server-Timing",
                                          "X-Batch-Size"),
                       **errors(ErrorResponse, "400 401 404 408 413 415 422 429 500 503 504")},
@@ -69,10 +73,7 @@ def _explain() -> dict[str, Any]:
                        "dict when the served format has none), in a lane of its own beside the batches. Send the "
                        "image as multipart, a raw body, or JSON with base64.",
         "parameters": [index, label, answer_format, *_model_params(), TIMEOUT_HEADER],
-        "requestBody": {"required": True, "content": {
-            "multipart/form-data": {"schema": multipart},
-            "image/*": {"schema": BINARY}, "application/octet-stream": {"schema": BINARY},
-            "application/json": {"schema": ref(s.ExplainJSONRequest), "example": {"image": EXAMPLE_IMAGE_BASE64}}}},
+        "requestBody": _image_body(multipart, s.ExplainJSONRequest, {"image": EXAMPLE_IMAGE_BASE64}),
         "responses": {"200": {**json_body, "content": {**json_body["content"], **png["content"]},
                               "description": f"{json_body['description']}; or {png['description']}"},
                       **errors(ErrorResponse, "400 401 404 413 415 422 429 503 504")},

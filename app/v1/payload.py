@@ -6,7 +6,7 @@ It takes the werkzeug request as an argument rather than using Flask's global, s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, TypeVar
 
 import pydantic
 from werkzeug import Request
@@ -15,6 +15,7 @@ from app.errors import BadRequest, SchemaViolation, UnknownOutput, UnsupportedMe
 from app.v1.schemas import ExplainJSONRequest, PredictJSONRequest
 from app.web.inputs import decode_base64, parse_json, read_body
 
+Schema = TypeVar("Schema", bound=pydantic.BaseModel)
 RAW_TYPES = ("application/octet-stream",)
 IMAGE_FIELD = "image"
 TOP_K = "top_k"
@@ -67,13 +68,17 @@ def _image_from_base64(text: str, position: int) -> bytes:
     return decode_base64(text, f"images[{position}]")
 
 
-def _from_json(request: Request, default_top_k: int, num_classes: int) -> PredictInput:
-    body = parse_json(read_body(request), "the body")
+def _json_body(request: Request, schema: type[Schema]) -> Schema:
+    """The JSON body read as ``schema``; SchemaViolation (422) listing the fields that do not match."""
     try:
-        parsed = PredictJSONRequest.model_validate(body)
+        return schema.model_validate(parse_json(read_body(request), "the body"))
     except pydantic.ValidationError as exc:
         details = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
         raise SchemaViolation("the JSON body does not match the request schema", details=details) from None
+
+
+def _from_json(request: Request, default_top_k: int, num_classes: int) -> PredictInput:
+    parsed = _json_body(request, PredictJSONRequest)
     query_top_k = request.args.get("top_k")
     raw_top_k = parsed.top_k if parsed.top_k is not None else query_top_k
     top_k = _parse_top_k(raw_top_k, default_top_k, num_classes, "body" if parsed.top_k is not None else "query")
@@ -140,11 +145,7 @@ def parse_explain(request: Request, labels: list[str]) -> ExplainInput:
     fields = dict(request.args)
     mimetype = request.mimetype
     if mimetype == "application/json":
-        try:
-            parsed = ExplainJSONRequest.model_validate(parse_json(read_body(request), "the body"))
-        except pydantic.ValidationError as exc:
-            details = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
-            raise SchemaViolation("the JSON body does not match the request schema", details=details) from None
+        parsed = _json_body(request, ExplainJSONRequest)
         image = _image_from_base64(parsed.image, 0)
         fields |= {key: value for key, value in ((CLASS_INDEX, parsed.class_index), (LABEL, parsed.label))
                    if value is not None}
