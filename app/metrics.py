@@ -119,15 +119,15 @@ class MetricsObserver:
         self._confidence: Histogram | None = None  # from the first prediction made for a request
         self._predicted: dict[str, Counter] = {}
         self._figures_lock = threading.Lock()  # a batch's figures never land after the version's retire()
-        self._figures_set: set[Gauge] = set()
+        self._figures: dict[Gauge, Gauge] = {}  # each figure's series, once it was set
 
     def retire(self) -> None:
         """The version is being unloaded: its queue series and the figures it reported read 0, and its batcher's
         end is no failure."""
         with self._figures_lock:
             self.retired = True
-            for gauge in self._figures_set:
-                gauge.labels(*self._labels).set(0)
+            for figure in self._figures.values():
+                figure.set(0)
         self._queue_depth.set(0)
         self._depth_written = -1  # unknown: a report racing this one may land after it; the next one writes 0 again
         QUEUE_CAPACITY.labels(*self._labels).set(0)
@@ -147,8 +147,10 @@ class MetricsObserver:
         with self._figures_lock:
             for gauge, value in ((LOW_CONFIDENCE_RATIO, low_confidence_ratio), (PREDICTION_DRIFT_PSI, psi)):
                 if value is not None and not self.retired:
-                    gauge.labels(*self._labels).set(value)
-                    self._figures_set.add(gauge)
+                    figure = self._figures.get(gauge)
+                    if figure is None:
+                        figure = self._figures[gauge] = gauge.labels(*self._labels)
+                    figure.set(value)
 
     def batch_done(self, size: int, run_s: float, queued_s: Sequence[float], cpu_s: float) -> None:
         """Record one forward pass."""

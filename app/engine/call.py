@@ -7,6 +7,7 @@ parses its body with ``call.model`` and calls ``call.infer``; the stages run in 
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -112,11 +113,13 @@ class Call:
 
     def queue(self, images: Sequence[bytes] = (), tensors: Sequence[np.ndarray | torch.Tensor] = (), *,
               timeout_s: float, names: Sequence[str | None] = (), inline: bool = True,
-              client_gone: Callable[[], bool] | None = None) -> Queued:
+              inline_within_s: float = math.inf, client_gone: Callable[[], bool] | None = None) -> Queued:
         """The request's images checked, counted, decoded (or their headers read) and queued, all or none; its
-        deadline counts from now. ``inline=False``: never run on this thread, even when the batcher is idle (a
-        thread that serves many requests would run each alone). Once decoded, images whose client ``client_gone``
-        says has hung up are dropped there (ClientGone), not queued. Raises a ServiceError for every refusal."""
+        deadline counts from now. ``inline=False``: never run on this thread, even when the batcher is idle;
+        ``inline_within_s``: only while the version's batches take at most this long (a thread that serves many
+        requests runs a lone request's batch only when it is short). Once decoded, images whose client
+        ``client_gone`` says has hung up are dropped there (ClientGone), not queued. Raises a ServiceError for every
+        refusal."""
         if bool(images) == bool(tensors):
             raise BadRequest("the request holds no images" if not images else "send images or tensors, not both")
         count = len(images) or len(tensors)
@@ -132,7 +135,8 @@ class Call:
         self._arrived()
         deadline = time.monotonic() + timeout_s
         try:
-            group = self._version.batcher.submit_group(prepared, deadline=deadline, inline=inline)
+            group = self._version.batcher.submit_group(prepared, deadline=deadline, inline=inline,
+                                                       inline_within_s=inline_within_s)
         except (QueueFull, BatcherClosed, DeadlineTooShort) as exc:
             raise service_error(exc) from None
         return Queued(images, pixels, prepared, group, deadline, timeout_s, names, decode_s, started_ns)

@@ -3,7 +3,8 @@ from one thread (one selector, no thread per connection or per request). A conne
 worker running other code is refused and logged), then carries one exchange at a time:
 - ``Infer``: the request admitted (``Service.admit``: readiness, routing, its outcome counted), its images queued
   (``Call.queue``; decoded on a few threads when the CPU decodes them) and, once the batcher's thread has counted
-  them done, the ``Served`` answered from the loop (``Call.answer``); its deadline passing first answers 504, and
+  them done (or the loop ran a lone request's short batch itself), the ``Served`` answered from the loop
+  (``Call.answer``); its deadline passing first answers 504, and
   anything readable from the HTTP side meanwhile means its client hung up (the images still queued are dropped).
 - ``Unanswered``: a request the HTTP side refused before sending it, admitted and ended with its error (no answer).
 - ``CatalogCall``: one of ``contract.CATALOG_CALLS``, on a thread of its own; ``StateQuery``: readiness, liveness,
@@ -61,6 +62,10 @@ def _parsed_alike(message: wire.Infer, answering: Signature) -> None:
 
 
 CATALOG_THREADS = 4  # catalog calls at once (a load waits for every engine): never on the loop
+# A lone request's batch that takes less than this (the batcher's recent average) runs on the loop: handing it to
+# the batcher's thread and its answer back costs the engine two wake-ups, a good part of a short batch's CPU, and a
+# longer one would keep the loop from reading the next requests
+LOOP_BATCH_S = 0.001
 
 
 class _Connection:
@@ -323,11 +328,15 @@ class EngineServer:
         self._post(hand_over)
 
     def _queued_or_ended(self, exchange: _Exchange) -> Callable[[], None]:
-        """The request's images decoded (or their headers read) and queued; what the loop then does with it."""
+        """The request's images decoded (or their headers read) and queued; what the loop then does with it. On the
+        loop, a lone request's batch expected within LOOP_BATCH_S runs there (on the CPU, as ``INLINE_WHEN_IDLE``
+        says) instead of waking the batcher's thread and being woken back: the batches form on that thread otherwise,
+        and always from a decode thread."""
         message = exchange.message
         try:
             queued = exchange.call.queue(exchange.images, exchange.tensors, timeout_s=message.timeout_s,
-                                         names=message.names, inline=False,  # batches form on the batcher's thread
+                                         names=message.names, inline=threading.get_ident() == self._loop_thread,
+                                         inline_within_s=LOOP_BATCH_S,
                                          client_gone=lambda: exchange.ended)  # its hang-up ends it on the loop
         except Exception as exc:  # noqa: BLE001 - answered
             return functools.partial(self._end, exchange, exc)

@@ -22,7 +22,7 @@ from app.engine.catalog import Catalog
 from app.engine.loaded.predictor import Predictor
 from app.engine.service import Service
 from app.errors import BadRequest, ClientGone, DeadlineExceeded, InvalidImage, NotFound, NotReady, ServiceError
-from app.link import wire
+from app.link import loop, wire
 from app.link.client import RemoteCatalog, RemoteService
 from app.link.decode_shares import HAND_OFF_S
 from app.link.loop import EngineServer
@@ -524,6 +524,17 @@ def test_a_tensor_request_crosses_as_numpy(link: Link) -> None:
     red[0] = 1.0
     served = infer(link.worker, tensors=[red.numpy()])
     assert served.top_k(1)[0][0].label == "red" and isinstance(served.results[0].value, np.ndarray)
+
+
+def test_a_lone_request_s_short_batch_runs_on_the_engine_s_loop_and_a_long_one_on_the_batcher_s_thread(
+        link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    red = torch.zeros(3, 8, 8)
+    red[0] = 1.0
+    assert infer(link.worker, tensors=[red.numpy()]).top_k(1)[0][0].label == "red"
+    assert model.threads[-1] == link.server._loop_thread  # no hand-off to the batcher's thread and back
+    monkeypatch.setattr(loop, "LOOP_BATCH_S", -1.0)  # as if its batches took longer than that
+    assert infer(link.worker, tensors=[red.numpy()]).top_k(1)[0][0].label == "red"
+    assert model.threads[-1] != link.server._loop_thread
 
 
 def test_the_engine_answers_504_at_the_deadline_while_the_batch_still_runs(link: Link, model: ColourModel) -> None:

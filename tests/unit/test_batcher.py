@@ -122,12 +122,14 @@ class ThreadRecorder:
         self._active = 0
         self.most_at_once = 0
         self._lock = threading.Lock()
+        self.delay_s = 0.0  # each batch's own time
 
     def __call__(self, items: list[int]) -> Sequence[int]:
         with self._lock:
             self._active += 1
             self.most_at_once = max(self.most_at_once, self._active)
         self.threads.append(threading.current_thread())
+        time.sleep(self.delay_s)
         self.entered.set()
         self.gate.wait(timeout=10)
         with self._lock:
@@ -548,3 +550,16 @@ def test_a_submitted_group_runs_across_batches_and_a_cancelled_one_never_runs(ma
     assert [r.value for r in first.result(timeout=10)] == [2, 4, 6]
     wait_until(lambda: batcher.depth == 0 and len(recorder.batches) == 2)
     assert recorder.batches == [[1, 2], [3]]  # the cancelled group's items never ran
+
+
+def test_a_lone_batch_runs_on_the_callers_thread_only_while_batches_are_short(make_batcher) -> None:
+    fn = ThreadRecorder()
+    batcher = make_batcher(fn, max_wait_ms=1, incoming=lambda: 0, inline_when_idle=True)
+    assert batcher.submit_group([1], inline_within_s=0.005).wait(0)  # batches measured short: inline, done
+    assert fn.threads == [threading.current_thread()]
+    fn.delay_s = 0.05
+    assert batcher.submit_group([2], inline_within_s=0.005).wait(0)  # inline, and now batches take about 10 ms
+    group = batcher.submit_group([3], inline_within_s=0.005)  # longer than it may: the worker's
+    assert group.wait(10) and [r.value for r in group.result()] == [6]
+    assert fn.threads[1] is threading.current_thread() and fn.threads[2] is not threading.current_thread()
+    assert batcher.submit_group([4], inline_within_s=1.0).wait(0) and fn.threads[3] is threading.current_thread()

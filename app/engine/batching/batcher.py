@@ -184,12 +184,14 @@ class Batcher(Generic[In, Out]):
         return [p.future for p in pending]  # type: ignore[misc]
 
     def submit_group(self, items: Sequence[In], deadline: float | None = None,
-                     inline: bool = True) -> "Group[Out]":
-        """``submit_many``'s queueing, with one Group for all of the items' results (a request's images)."""
+                     inline: bool = True, inline_within_s: float = math.inf) -> "Group[Out]":
+        """``submit_many``'s queueing, with one Group for all of the items' results (a request's images);
+        ``inline_within_s``: run on the caller's thread only while a batch takes at most this long (the recent
+        average)."""
         now = time.monotonic()
         group: Group[Out] = Group(len(items))
         self._queue_pending([_Pending(item, None, now, deadline, group, index) for index, item in enumerate(items)],
-                            deadline, inline, now)
+                            deadline, inline and self._batch_seconds <= inline_within_s, now)
         return group
 
     def _queue_pending(self, pending: list[_Pending[In]], deadline: float | None, inline: bool, now: float) -> None:

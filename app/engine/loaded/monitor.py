@@ -1,8 +1,9 @@
 """A model version's prediction monitor: the top-1 class and probability of its last ``window`` predictions made for
 requests, their class mix against a reference as a population stability index (PSI), their share below a
 confidence threshold, and the classes they name most. One per loaded version and worker; thread-safe (one lock);
-each batch costs one top-1 over its rows, a step per row, and a sum over the PSI's bins (the window keeps its counts
-per bin as it goes), never a pass over the classes. No Flask, no Prometheus: the caller publishes what ``observe``
+each batch costs one top-1 over its rows (numpy, as the answers rank), a step per row, and, once the window is full,
+a term of the PSI for each bin the batch changed (the window keeps its counts per bin as it goes, and the PSI its
+terms per bin): never a pass over the classes. No Flask, no Prometheus: the caller publishes what ``observe``
 returns.
 
 PSI = sum over the bins of (w - r) * ln(w / r), where w and r are the window's and the reference's shares of a bin:
@@ -27,9 +28,11 @@ import threading
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from app.config import Settings
+from app.engine.contract import top_indices
 from models.export.manifest import Manifest, PredictionReference
 
 PSI_EPSILON = 1e-4
@@ -56,12 +59,25 @@ def population_stability_index(actual_counts: Sequence[float] | torch.Tensor,
     Python floats (doubles): a batch's figure comes from a few dozen bins, where torch's per-operation cost, with the
     caches cold from the forward pass just run, was most of the monitor's time."""
     actual, expected = _as_list(actual_counts), _as_list(expected_counts)
-    actual_total, expected_total = max(float(sum(actual)), 1.0), max(float(sum(expected)), 1.0)
-    psi = 0.0
-    for a, e in zip(actual, expected, strict=True):
-        a, e = max(a / actual_total, epsilon), max(e / expected_total, epsilon)
-        psi += (a - e) * math.log(a / e)
-    return psi
+    if len(actual) != len(expected):
+        raise ValueError(f"{len(actual)} bins against {len(expected)}")
+    return math.fsum(_psi_terms(actual, shares(expected, epsilon), epsilon))
+
+
+def shares(counts: Sequence[float], epsilon: float = PSI_EPSILON) -> list[float]:
+    """Each count's share of their total (a total of 0 taken as 1), ``epsilon`` at least."""
+    total = max(float(sum(counts)), 1.0)
+    return [max(count / total, epsilon) for count in counts]
+
+
+def _psi_term(count: float, total: float, expected_share: float, epsilon: float) -> float:
+    actual_share = max(count / total, epsilon)
+    return (actual_share - expected_share) * math.log(actual_share / expected_share)
+
+
+def _psi_terms(actual: Sequence[float], expected_shares: Sequence[float], epsilon: float) -> list[float]:
+    total = max(float(sum(actual)), 1.0)
+    return [_psi_term(a, total, e, epsilon) for a, e in zip(actual, expected_shares)]
 
 
 def _as_list(counts: Sequence[float] | torch.Tensor) -> list[float]:
@@ -85,9 +101,9 @@ class _Window:
         self.filled = 0
         self._next = 0
 
-    def add(self, classes: Sequence[int], low: Sequence[bool]) -> None:
+    def add(self, classes: Sequence[int], low: Sequence[bool], changed_bins: set[int]) -> None:
         """Add rows in order; each takes the oldest slot once the ring is full (a batch longer than the window: its
-        last rows)."""
+        last rows). The bins whose counts moved are added to ``changed_bins``."""
         counts, bins, bin_counts = self.class_counts, self.bins, self.bin_counts
         for cls, is_low in zip(classes[-self.size:], low[-self.size:]):
             slot = self._next
@@ -97,6 +113,7 @@ class _Window:
                 self.low_count -= self.low[slot]
                 if bins is not None:
                     bin_counts[bins[evicted]] -= 1
+                    changed_bins.add(bins[evicted])
             else:
                 self.filled += 1
             self.classes[slot], self.low[slot] = cls, is_low
@@ -104,6 +121,7 @@ class _Window:
             self.low_count += is_low
             if bins is not None:
                 bin_counts[bins[cls]] += 1
+                changed_bins.add(bins[cls])
             self._next = (slot + 1) % self.size
 
 
@@ -171,8 +189,13 @@ class PredictionMonitor:
         self._manifest_reference = reference
         self._reference_low_share = reference.low_confidence_share if reference else None
         self._bins: list[int] | None = None
-        self._reference_bins: list[int] | None = None
+        self._reference_shares: list[float] | None = None  # per bin, PSI_EPSILON at least
         self._reference_predictions = 0
+        # The PSI's terms per bin for the window's count ``_terms_total`` (None: to be computed), and the bins
+        # changed since: a full window's total stays, so a batch recomputes only the terms of the bins it moved
+        self._terms: list[float] | None = None
+        self._terms_total = 0
+        self._changed_bins: set[int] = set()
         if reference is not None:
             self._set_reference(torch.tensor(reference.class_counts, dtype=torch.int64))
         self._window = self._new_window(window)
@@ -187,21 +210,27 @@ class PredictionMonitor:
     def _set_reference(self, class_counts: torch.Tensor) -> None:
         bins = class_bins(class_counts, self.psi_bins)
         self._bins = bins.tolist()
-        self._reference_bins = torch.zeros(self.psi_bins, dtype=torch.int64).index_add_(0, bins, class_counts).tolist()
+        self._reference_shares = shares(
+            torch.zeros(self.psi_bins, dtype=torch.int64).index_add_(0, bins, class_counts).tolist())
         self._reference_predictions = int(class_counts.sum())
+        self._terms = None
 
     def _new_window(self, size: int) -> _Window:
+        self._terms = None
+        self._changed_bins.clear()
         return _Window(size, len(self.labels), self._bins, self.psi_bins)
 
-    def observe(self, probabilities: torch.Tensor) -> Observed:
-        """Add a batch's softmax rows (rows x classes) made for requests; returns what it added and the figures."""
-        top = probabilities.topk(1, dim=1)  # topk as the answers rank (max breaks exact ties another way)
-        classes = top.indices[:, 0].tolist()
-        confidences = [c if c == c else 0.0 for c in top.values[:, 0].float().tolist()]  # NaN: no confidence
+    def observe(self, probabilities: np.ndarray | torch.Tensor) -> Observed:
+        """Add a batch's softmax rows (rows x classes, float32, on the CPU) made for requests; returns what it added
+        and the figures."""
+        rows = np.asarray(probabilities, dtype=np.float32)
+        top = top_indices(rows, 1)[:, 0]  # the top-1 class as the answers rank it: ties the lower index, NaN last
+        classes = top.tolist()
+        confidences = [c if c == c else 0.0 for c in rows[np.arange(len(rows)), top].tolist()]  # NaN: no confidence
         low = [c < self._low_below for c in confidences]
         with self._lock:
             self._total += len(classes)
-            self._window.add(classes, low)
+            self._window.add(classes, low, self._changed_bins)
             if self._bins is None and self._window.filled == self._window.size:  # the first full window
                 self._reference_low_share = self._window.low_count / self._window.size
                 self._set_reference(torch.tensor(self._window.class_counts, dtype=torch.int64))
@@ -210,9 +239,20 @@ class PredictionMonitor:
         return Observed([self.labels[i] for i in classes], confidences, ratio, psi)
 
     def _psi(self) -> float | None:
-        if self._reference_bins is None or self._window.bins is None or self._window.filled < self.min_predictions:
+        """Under the lock: ``population_stability_index`` of the window's bins against the reference's, from the
+        terms kept per bin (each computed as it computes it), those of the bins changed since recomputed."""
+        window, reference = self._window, self._reference_shares
+        if reference is None or window.bins is None or window.filled < self.min_predictions:
             return None
-        return population_stability_index(self._window.bin_counts, self._reference_bins)
+        counts, total = window.bin_counts, float(window.filled)
+        if self._terms is None or self._terms_total != window.filled:  # the total moved: every share did
+            self._terms, self._terms_total = _psi_terms(counts, reference, PSI_EPSILON), window.filled
+        else:
+            terms = self._terms
+            for b in self._changed_bins:
+                terms[b] = _psi_term(counts[b], total, reference[b], PSI_EPSILON)
+        self._changed_bins.clear()
+        return math.fsum(self._terms)
 
     def _low_confidence_ratio(self) -> float | None:
         if self._window.filled < self.min_predictions:

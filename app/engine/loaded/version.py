@@ -77,11 +77,11 @@ class LoadedVersion:
         probabilities, one row per image), then, for requests' batches, the monitor and its metrics. The rows come
         back as one float32 array (its rows are views: a request's answer takes them as they are, no per-request
         tensor steps), each the image's probabilities followed by its embedding when the version has one."""
-        rows = self.predictor.predict_batch(self.decoder.collate(prepared))
+        rows = self.predictor.predict_batch(self.decoder.collate(prepared)).numpy()
         if self.serving.is_set():
             seen = self.monitor.observe(rows[:, :self.predictor.num_classes])
             self.observer.predictions(seen.labels, seen.confidences, seen.low_confidence_ratio, seen.psi)
-        return rows.numpy()
+        return rows
 
     def _info_labels(self) -> tuple[str, str, str, str]:
         return self.name, self.version, str(self.predictor.device), self.predictor.dtype_name
