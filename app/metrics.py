@@ -37,7 +37,8 @@ STAGE_SECONDS = Histogram("visionserve_stage_duration_seconds", "Time per stage:
 # CPU time of the thread doing the stage (time.thread_time): set against the wall-time histograms above it shows
 # time spent waiting for a core, and against the process's whole CPU what HTTP and Python cost per request.
 STAGE_CPU_SECONDS = Counter("visionserve_stage_cpu_seconds", "CPU seconds of the thread running each stage: decode "
-                            "(request threads) and inference (the thread running the batch)", ["stage"])
+                            "(request threads), inference (the thread running the batch: collate, forward pass, "
+                            "monitor) and forward (the forward pass alone, a part of inference)", ["stage"])
 BATCH_SIZE = Histogram("visionserve_batch_size", "Images per forward pass", buckets=_BATCH_BUCKETS)
 QUEUE_DEPTH = Gauge("visionserve_queue_depth", "Images waiting for the inference worker", ["model", "version"],
                     multiprocess_mode="livesum")
@@ -120,6 +121,7 @@ class MetricsObserver:
         self._predicted: dict[str, Counter] = {}
         self._figures_lock = threading.Lock()  # a batch's figures never land after the version's retire()
         self._figures: dict[Gauge, Gauge] = {}  # each figure's series, once it was set
+        self._forward_cpu_s = 0.0  # the running batch's forward pass (one batch runs at a time)
 
     def retire(self) -> None:
         """The version is being unloaded: its queue series and the figures it reported read 0, and its batcher's
@@ -152,11 +154,20 @@ class MetricsObserver:
                         figure = self._figures[gauge] = gauge.labels(*self._labels)
                     figure.set(value)
 
+    def forward_ran(self, cpu_s: float) -> None:
+        """The CPU of the forward pass of the batch running now, counted with it when it is done (``batch_done``:
+        a canary's or a shadow's pass, which is no request's batch, is not)."""
+        self._forward_cpu_s = cpu_s
+
     def batch_done(self, size: int, run_s: float, queued_s: Sequence[float], cpu_s: float) -> None:
-        """Record one forward pass."""
+        """Record one batch: its size, its time, its thread's CPU and its forward pass's (``forward_ran``), and how
+        long its images waited."""
         BATCH_SIZE.observe(size)
         series(STAGE_SECONDS, "inference").observe(run_s)
         series(STAGE_CPU_SECONDS, "inference").inc(cpu_s)
+        forward_s, self._forward_cpu_s = self._forward_cpu_s, 0.0
+        if forward_s:
+            series(STAGE_CPU_SECONDS, "forward").inc(forward_s)
         observe_many(series(STAGE_SECONDS, "queue"), queued_s)
         if self._memory_stats is not None:
             for kind, value in self._memory_stats().items():

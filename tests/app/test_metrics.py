@@ -120,7 +120,7 @@ def test_metrics_count_requests_batches_and_rejections(client: FlaskClient) -> N
         assert name in text
     cpu = {m.group(1): float(m.group(2)) for m in
            re.finditer(r'^visionserve_stage_cpu_seconds_total\{stage="(\w+)"\} (\S+)$', text, re.M)}
-    assert cpu["decode"] > 0 and cpu["inference"] > 0
+    assert cpu["decode"] > 0 and cpu["inference"] > 0 and 0 < cpu["forward"] <= cpu["inference"]
 
 
 def test_many_values_observed_at_once_land_as_one_by_one(tmp_path: Path) -> None:

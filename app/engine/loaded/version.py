@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -74,10 +75,14 @@ class LoadedVersion:
 
     def run_batch(self, prepared: Sequence[Prepared]) -> np.ndarray:
         """One batch, on the batcher's thread: collate (the device path decodes here), the forward pass (softmax
-        probabilities, one row per image), then, for requests' batches, the monitor and its metrics. The rows come
-        back as one float32 array (its rows are views: a request's answer takes them as they are, no per-request
-        tensor steps), each the image's probabilities followed by its embedding when the version has one."""
-        rows = self.predictor.predict_batch(self.decoder.collate(prepared)).numpy()
+        probabilities, one row per image; its CPU told to the observer, which counts it with the batch's), then, for requests' batches,
+        the monitor and its metrics. The rows come back as one float32 array (its rows are views: a request's answer
+        takes them as they are, no per-request tensor steps), each the image's probabilities followed by its
+        embedding when the version has one."""
+        batch = self.decoder.collate(prepared)
+        started = time.thread_time()
+        rows = self.predictor.predict_batch(batch).numpy()
+        self.observer.forward_ran(time.thread_time() - started)
         if self.serving.is_set():
             seen = self.monitor.observe(rows[:, :self.predictor.num_classes])
             self.observer.predictions(seen.labels, seen.confidences, seen.low_confidence_ratio, seen.psi)
