@@ -14,6 +14,7 @@ from werkzeug import Request
 from app.errors import BadRequest, SchemaViolation, UnknownOutput, UnsupportedMediaType
 from app.v1.schemas import ExplainJSONRequest, PredictJSONRequest
 from app.web.inputs import decode_base64, parse_json, read_body
+from app.web.multipart import FormData, parse_form_data
 
 Schema = TypeVar("Schema", bound=pydantic.BaseModel)
 RAW_TYPES = ("application/octet-stream",)
@@ -88,15 +89,17 @@ def _from_json(request: Request, default_top_k: int, num_classes: int) -> Predic
                         embedding)
 
 
-def _from_multipart(request: Request, fields: set[str]) -> tuple[list[bytes], list[str | None]]:
-    check_known(request.form.keys(), fields, "form field")
-    unknown_files = sorted(set(request.files.keys()) - {IMAGE_FIELD})
-    files = request.files.getlist(IMAGE_FIELD)
-    if not files or unknown_files:
-        sent = ", ".join(repr(name) for name in [*request.files.keys(), *request.form.keys()]) or "none"
+def _from_multipart(request: Request, fields: set[str], max_images: int) -> tuple[FormData, list[bytes],
+                                                                                 list[str | None]]:
+    """The form, its images (the ``image`` files) and their file names; BadRequest naming what was sent instead."""
+    form = parse_form_data(read_body(request), request.content_type or "", max_images)
+    check_known(form.fields, fields, "form field")
+    files = form.files.get(IMAGE_FIELD, [])
+    if not files or set(form.files) - {IMAGE_FIELD}:
+        sent = ", ".join(repr(name) for name in form.names()) or "none"
         raise BadRequest(f"send each image as a file in the {IMAGE_FIELD!r} field (e.g. curl -F "
                          f"{IMAGE_FIELD}=@cat.jpg); fields sent: {sent}")
-    return [f.read() for f in files], [f.filename or None for f in files]
+    return form, [f.data for f in files], [f.filename for f in files]
 
 
 def check_known(names: Iterable[str], known: set[str], what: str) -> None:
@@ -138,7 +141,7 @@ def _class_index(raw_index: str | int | None, label: str | None, labels: list[st
     return index
 
 
-def parse_explain(request: Request, labels: list[str]) -> ExplainInput:
+def parse_explain(request: Request, labels: list[str], max_images: int) -> ExplainInput:
     """The image (multipart ``image``, a raw body, or JSON ``{"image": base64}``), the class (``class_index`` or
     ``label``, as query parameters, form or JSON fields; left out: the top one) and ``format`` (json or png)."""
     check_known(request.args.keys(), {CLASS_INDEX, LABEL, FORMAT, MODEL, VERSION}, "query parameter")
@@ -150,10 +153,10 @@ def parse_explain(request: Request, labels: list[str]) -> ExplainInput:
         fields |= {key: value for key, value in ((CLASS_INDEX, parsed.class_index), (LABEL, parsed.label))
                    if value is not None}
     elif mimetype == "multipart/form-data":
-        images, _ = _from_multipart(request, {CLASS_INDEX, LABEL, FORMAT})
+        form, images, _ = _from_multipart(request, {CLASS_INDEX, LABEL, FORMAT}, max_images)
         if len(images) != 1:
             raise BadRequest(f"an explanation is of one image; {len(images)} were sent")
-        image, fields = images[0], {**fields, **request.form}
+        image, fields = images[0], {**fields, **{name: values[0] for name, values in form.fields.items()}}
     elif mimetype.startswith("image/") or mimetype in RAW_TYPES:
         image = read_body(request)
     else:
@@ -167,7 +170,7 @@ def parse_explain(request: Request, labels: list[str]) -> ExplainInput:
                         answer_format == "png")
 
 
-def parse_predict(request: Request, *, default_top_k: int, num_classes: int) -> PredictInput:
+def parse_predict(request: Request, *, default_top_k: int, num_classes: int, max_images: int) -> PredictInput:
     """Images, top_k and outputs from a multipart, raw-bytes or JSON request; raises a ServiceError on bad
     input."""
     check_known(request.args.keys(), {TOP_K, OUTPUTS, MODEL, VERSION}, "query parameter")
@@ -176,9 +179,10 @@ def parse_predict(request: Request, *, default_top_k: int, num_classes: int) -> 
     if mimetype == "application/json":
         return _from_json(request, default_top_k, num_classes)
     if mimetype == "multipart/form-data":
-        images, names = _from_multipart(request, {TOP_K, OUTPUTS})
-        raw_top_k = request.form.get("top_k", request.args.get("top_k"))
-        raw_outputs = request.form.get(OUTPUTS, request.args.get(OUTPUTS))
+        form, images, names = _from_multipart(request, {TOP_K, OUTPUTS}, max_images)
+        form_top_k, form_outputs = form.field(TOP_K), form.field(OUTPUTS)
+        raw_top_k = form_top_k if form_top_k is not None else request.args.get(TOP_K)
+        raw_outputs = form_outputs if form_outputs is not None else request.args.get(OUTPUTS)
     elif mimetype.startswith("image/") or mimetype in RAW_TYPES:
         images = [read_body(request)]
         raw_top_k = request.args.get("top_k")

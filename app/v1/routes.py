@@ -48,7 +48,8 @@ def predict() -> Response:
     # Admitted only if the queue could take one image in time: refused before the body is parsed otherwise.
     with service.admit(request.args.get("model"), request.args.get("version"),
                        client_key(request.headers, settings.client_key_header), images=1, timeout_s=timeout_s) as call:
-        parsed = parse_predict(request, default_top_k=settings.top_k, num_classes=call.model.num_classes)
+        parsed = parse_predict(request, default_top_k=settings.top_k, num_classes=call.model.num_classes,
+                               max_images=settings.max_images)
         served = call.infer(parsed.images, names=parsed.names or (), client_gone=client_gone(), timeout_s=timeout_s,
                             embedding=parsed.embedding)
     predictions = ([_prediction(top, settings.score_digits) for top in served.top_k(parsed.top_k)] if parsed.labels
@@ -67,7 +68,7 @@ def explain() -> Response:
     service.require_ready()
     # The version whose labels the class is read with is the one that explains (named, so no canary draws it)
     signature = service.catalog.signature(name, version)
-    parsed = parse_explain(request, signature.labels)
+    parsed = parse_explain(request, signature.labels, service.settings.max_images)
     found = service.explain(parsed.image, signature.name, signature.version, parsed.index, png=parsed.png,
                             timeout_s=timeout_s)
     said = {"X-Explained-Class": urllib.parse.quote(found.label), "X-Explained-Index": str(found.index),

@@ -1,0 +1,90 @@
+"""The in-memory multipart/form-data reader (app/web/multipart.py) against werkzeug's parser, which it replaces on
+the request path: the same fields, files and file names for what both accept, a clear 400 for what is not a form."""
+from __future__ import annotations
+
+import io
+import random
+
+import pytest
+from werkzeug import Request
+from werkzeug.test import EnvironBuilder
+
+from app.errors import BadRequest, TooManyImages
+from app.web.multipart import MAX_FIELD_BYTES, MAX_FIELDS, parse_form_data
+
+BOUNDARY = "----formboundary7MA4YWxkTrZu0gW"
+TYPE = f"multipart/form-data; boundary={BOUNDARY}"
+
+
+def _werkzeug(body: bytes, content_type: str = TYPE) -> tuple[dict, dict]:
+    environ = EnvironBuilder(method="POST", data=body, content_type=content_type).get_environ()
+    environ["wsgi.input"] = io.BytesIO(body)
+    request = Request(environ)
+    fields = {name: request.form.getlist(name) for name in request.form}
+    files = {name: [(f.filename or None, f.read()) for f in request.files.getlist(name)] for name in request.files}
+    return fields, files
+
+
+def _ours(body: bytes, content_type: str = TYPE, max_files: int = 16) -> tuple[dict, dict]:
+    form = parse_form_data(body, content_type, max_files)
+    return form.fields, {name: [(f.filename, f.data) for f in parts] for name, parts in form.files.items()}
+
+
+def _part(headers: str, content: bytes) -> bytes:
+    return f"--{BOUNDARY}\r\n{headers}\r\n\r\n".encode() + content + b"\r\n"
+
+
+def _body(*parts: bytes, preamble: bytes = b"", epilogue: bytes = b"") -> bytes:
+    return preamble + b"".join(parts) + f"--{BOUNDARY}--\r\n".encode() + epilogue
+
+
+def test_what_a_client_library_sends_reads_as_werkzeug_reads_it() -> None:
+    rng = random.Random(0)
+    photo = bytes(rng.randrange(256) for _ in range(50_000)) + b"\r\n--" + BOUNDARY[:-1].encode() + b"\r\n"
+    environ = EnvironBuilder(method="POST", data={"image": [(io.BytesIO(photo), "cat.jpg"), (io.BytesIO(b"x"), "")],
+                                                  "top_k": "3"}).get_environ()
+    body, content_type = environ["wsgi.input"].read(), environ["CONTENT_TYPE"]
+    assert _ours(body, content_type) == _werkzeug(body, content_type)
+    fields, files = _ours(body, content_type)
+    assert fields == {"top_k": ["3"]} and files["image"] == [("cat.jpg", photo), (None, b"x")]
+
+
+@pytest.mark.parametrize("body", [
+    _body(_part('Content-Disposition: form-data; name="image"; filename="a.jpg"\r\nContent-Type: image/jpeg',
+                b"\xff\xd8 jpeg \r\n bytes"), _part('content-disposition: form-data; name="top_k"', b"5")),
+    _body(_part('Content-Disposition: form-data; name="image"; filename="a.jpg"', b""),
+          preamble=b"ignored preamble\r\n", epilogue=b"ignored epilogue"),
+    _body(_part('Content-Disposition: form-data; name="image"; filename*=UTF-8\'\'%C3%A9t%C3%A9.jpg', b"summer"),
+          _part('Content-Disposition: form-data; name="label"', "tigre rayé".encode())),
+    _body(_part('Content-Disposition: form-data; name="image"; filename="1.jpg"', b"one"),
+          _part('Content-Disposition: form-data; name="image"; filename="2.jpg"', b"two"),
+          _part('Content-Disposition: form-data; name="outputs"', b"labels,embedding")),
+], ids=["file and field", "preamble and epilogue", "RFC 2231 file name and UTF-8 field", "files in order"])
+def test_forms_read_as_werkzeug_reads_them(body: bytes) -> None:
+    assert _ours(body) == _werkzeug(body)
+
+
+@pytest.mark.parametrize("body, content_type, says", [
+    (b"--x\r\nbroken", "multipart/form-data; boundary=x", "ends inside its headers"),
+    (_body(_part('Content-Disposition: form-data; name="image"; filename="a"', b"data"))[:-20], TYPE,
+     "before its closing boundary"),
+    (b"no boundary anywhere", TYPE, "holds no part"),
+    (_body(_part("Content-Type: image/jpeg", b"data")), TYPE, 'name="..."'),
+    (_body(_part('Content-Disposition: attachment; name="image"', b"data")), TYPE, 'name="..."'),
+    (_body(_part('Content-Disposition: form-data; name="top_k"', b"5")), "multipart/form-data", "boundary"),
+    (_body(_part('Content-Disposition: form-data; name="note"', b"x" * (MAX_FIELD_BYTES + 1))), TYPE,
+     f"at most {MAX_FIELD_BYTES}"),
+    (_body(*[_part(f'Content-Disposition: form-data; name="f{i}"', b"1") for i in range(MAX_FIELDS + 1)]), TYPE,
+     f"more than {MAX_FIELDS} form fields"),
+], ids=["cut in its headers", "no closing boundary", "no boundary in the body", "no disposition", "not form-data",
+        "no boundary parameter", "a field too long", "too many fields"])
+def test_what_is_not_a_form_is_a_bad_request_saying_why(body: bytes, content_type: str, says: str) -> None:
+    with pytest.raises(BadRequest, match=says.replace("(", r"\(").replace(".", r"\.")):
+        parse_form_data(body, content_type, 16)
+
+
+def test_more_files_than_a_request_may_carry_are_refused_before_the_rest_is_read() -> None:
+    parts = [_part(f'Content-Disposition: form-data; name="image"; filename="{i}.jpg"', b"x") for i in range(3)]
+    assert len(_ours(_body(*parts), max_files=3)[1]["image"]) == 3
+    with pytest.raises(TooManyImages, match="the limit is 2"):
+        parse_form_data(_body(*parts, _part("broken", b"")), TYPE, 2)  # refused before the broken part is reached
