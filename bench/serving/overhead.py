@@ -18,8 +18,8 @@ mode) apart from the rest (the HTTP workers and the master).
 The unit, **one bare-Flask request**, is the bare app's CPU per request with the same one-image body and the same
 client, at the same C. The budget (issue #50): HTTP worker <= 1.5 units per one-image request; engine <= 0.1 unit
 per image at one image per request, <= 0.04 at 16, for everything but decode and the forward pass: the engine's
-figure in units is its CPU less its forward passes' (their CPU as visionserve's /metrics counts it, read around
-each point; the table shows both).
+figure in units is its CPU less its decoding's and its forward passes' (their CPU as visionserve's /metrics counts
+it, read around each point; the table shows all three).
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ BODY_BYTES = 100_000  # about an ImageNet photo's JPEG
 CLASSES = 1000  # as an ImageNet model: its labels and its rows cross the link
 BUDGET = {"http": 1.5, "engine_1": 0.1, "engine_16": 0.04}
 ENGINE_COMMAND = "app.link.server"  # an engine process's command line holds its module
-FORWARD = "stage_cpu_seconds_total:forward"  # the forward passes' CPU, as visionserve's /metrics counts it
+DECODE, FORWARD = "stage_cpu_seconds_total:decode", "stage_cpu_seconds_total:forward"  # as /metrics counts them
 
 
 def tiny_weights(out: Path) -> Path:
@@ -178,9 +178,10 @@ class Point:
     errors: int
     http_us: float  # CPU per request of the HTTP side (workers and master)
     engine_us: float | None  # CPU per image (per request for a listing) of the engine process(es); None without one
-    forward_us: float | None = None  # of which its forward passes (visionserve's /metrics; None where not told)
+    decode_us: float | None = None  # of which its decoding (visionserve's /metrics; None where not told)
+    forward_us: float | None = None  # of which its forward passes (the same)
     http_units: float | None = None
-    engine_units: float | None = None  # the engine beyond its forward passes: what the budget counts
+    engine_units: float | None = None  # the engine beyond its decoding and forward passes: what the budget counts
 
 
 def measure(server: str, running: Running, form: Form, concurrency: int, seconds: float, warmup: float) -> Point:
@@ -188,7 +189,8 @@ def measure(server: str, running: Running, form: Form, concurrency: int, seconds
     url, headers = running.url + form.path, dict(form.headers)
     # warm-up: enough clients that every worker has answered (a worker's first answer of a kind is slow)
     closed_loop(url, form.bodies, max(concurrency, 8), warmup, 0.0, headers=headers, method=form.method)
-    counted = server_counters(running.url)  # visionserve's own: its forward passes' CPU (outside the CPU read)
+    counted = server_counters(running.url)  # visionserve's own: its decoding's and forward passes' CPU (outside
+    # the CPU read)
     before = process_cpu(running.process.pid)
     statuses: collections.Counter[int] = collections.Counter()
     started = time.perf_counter()
@@ -196,17 +198,20 @@ def measure(server: str, running: Running, form: Form, concurrency: int, seconds
                                               method=form.method, statuses=statuses)
     elapsed = time.perf_counter() - started
     after = process_cpu(running.process.pid)
-    forward_s = server_counters(running.url).get(FORWARD, 0.0) - counted.get(FORWARD, 0.0)
+    now = server_counters(running.url)
+    decode_s, forward_s = (now.get(key, 0.0) - counted.get(key, 0.0) for key in (DECODE, FORWARD))
     spent = {pid: cpu - before[pid][1] for pid, (_, cpu) in after.items() if pid in before}
     engines = [pid for pid, (command, _) in after.items() if ENGINE_COMMAND in command]
     engine_s = sum(spent.get(pid, 0.0) for pid in engines)
     http_s = sum(spent.values()) - engine_s
     answered = max(answered, 1)
+    per_image = 1e6 / (answered * max(form.images, 1))
     ms = sorted(x * 1000 for x in latencies)
     return Point(server, form.name, form.images, concurrency, len(latencies) / seconds,
                  len(latencies) * form.images / seconds, percentile(ms, 50), percentile(ms, 99), errors,
-                 http_s / answered * 1e6, engine_s / (answered * max(form.images, 1)) * 1e6 if engines else None,
-                 forward_s / (answered * max(form.images, 1)) * 1e6 if FORWARD in counted else None)
+                 http_s / answered * 1e6, engine_s * per_image if engines else None,
+                 decode_s * per_image if FORWARD in counted else None,
+                 forward_s * per_image if FORWARD in counted else None)
 
 
 def in_units(points: list[Point]) -> dict[int, float]:
@@ -217,18 +222,19 @@ def in_units(points: list[Point]) -> dict[int, float]:
         if p.concurrency in unit:
             p.http_units = p.http_us / unit[p.concurrency]
             p.engine_units = (None if p.engine_us is None
-                              else (p.engine_us - (p.forward_us or 0.0)) / unit[p.concurrency])
+                              else (p.engine_us - (p.decode_us or 0.0) - (p.forward_us or 0.0)) / unit[p.concurrency])
     return unit
 
 
 def table(points: list[Point]) -> str:
     lines = ["| server | form | C | req/s | img/s | p50 ms | p99 ms | errors | HTTP us / request | "
-             "engine us / image | of which forward | HTTP in units | engine beyond forward, in units |",
-             "|" + " --- |" * 13]
+             "engine us / image | of which decode | of which forward | HTTP in units | engine beyond decode and "
+             "forward, in units |", "|" + " --- |" * 14]
     for p in points:
         lines.append(f"| {p.server} | {p.form} | {p.concurrency} | {p.req_s:.0f} | {p.img_s:.0f} | {p.p50_ms:.1f} | "
                      f"{p.p99_ms:.1f} | {p.errors} | {p.http_us:.0f} | "
                      f"{'-' if p.engine_us is None else f'{p.engine_us:.0f}'} | "
+                     f"{'-' if p.decode_us is None or p.engine_us is None else f'{p.decode_us:.0f}'} | "
                      f"{'-' if p.forward_us is None or p.engine_us is None else f'{p.forward_us:.0f}'} | "
                      f"{'-' if p.http_units is None else f'{p.http_units:.2f}'} | "
                      f"{'-' if p.engine_units is None else f'{p.engine_units:.3f}'} |")
@@ -242,10 +248,14 @@ def verdict(points: list[Point], headline_c: int) -> list[str]:
     for server in ("process", "inline"):
         for form, budget_key, what in (("jpeg", "http", "HTTP side per one-image request (raw)"),
                                        ("multipart x1", "http", "HTTP side per one-image request (multipart)"),
-                                       ("jpeg", "engine_1", "engine per image beyond forward, 1 per request"),
-                                       ("multipart x16", "engine_16", "engine per image beyond forward, 16 per request"),
-                                       ("v2 x1", "engine_1", "engine per image beyond forward, V2 tensors, 1 per request"),
-                                       ("v2 x16", "engine_16", "engine per image beyond forward, V2 tensors, 16 per request")):
+                                       ("jpeg", "engine_1", "engine per image beyond decode and forward, 1 per "
+                                        "request"),
+                                       ("multipart x16", "engine_16", "engine per image beyond decode and forward, "
+                                        "16 per request"),
+                                       ("v2 x1", "engine_1", "engine per image beyond forward, V2 tensors, 1 per "
+                                        "request"),
+                                       ("v2 x16", "engine_16", "engine per image beyond forward, V2 tensors, 16 per "
+                                        "request")):
             p = at.get((server, form))
             figure = None if p is None else (p.http_units if budget_key == "http" else p.engine_units)
             if figure is None:
@@ -367,10 +377,10 @@ def _median(found: list[Point]) -> Point:
     numbers = {key: statistics.median(getattr(p, key) for p in found)
                for key in ("req_s", "img_s", "p50_ms", "p99_ms", "http_us")}
     engine = [p.engine_us for p in found if p.engine_us is not None]
-    forward = [p.forward_us for p in found if p.forward_us is not None]
+    told = {key: [getattr(p, key) for p in found if getattr(p, key) is not None] for key in ("decode_us", "forward_us")}
     return Point(first.server, first.form, first.images, first.concurrency, errors=sum(p.errors for p in found),
                  engine_us=statistics.median(engine) if engine else None,
-                 forward_us=statistics.median(forward) if forward else None, **numbers)
+                 **{key: statistics.median(values) if values else None for key, values in told.items()}, **numbers)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def test_the_gpu_drill_runs_every_step_on_the_cpu_and_returns_what_it_wrote(tmp_
         (engine, "auto", per_request, "2") for engine in ("process-2", "inline") for per_request in ("1", "2")]
     assert all(row.split("|")[11].strip() == "0" for row in served)  # no request failed in either engine
     log = (out / "drill.log").read_text()
-    assert "The unit, one bare-Flask request: C=1:" in log and "engine per image beyond forward, 1 per request" in log
+    assert "The unit, one bare-Flask request: C=1:" in log and "engine per image beyond decode and forward, 1 per request" in log
 
 
 def test_a_step_past_its_limit_is_stopped_and_the_drill_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
