@@ -34,6 +34,12 @@ class BadRequest(ServiceError):
     status, code = 400, "invalid_request"
 
 
+class MalformedBody(BadRequest):
+    """A body the server cannot read at all: a multipart body without a boundary, cut short, or with a part that
+    has no name (400)."""
+    code = "bad_request"
+
+
 class InvalidImage(ServiceError):
     """The bytes are not a decodable image (400)."""
     status, code = 400, "invalid_image"

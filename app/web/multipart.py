@@ -6,8 +6,9 @@ bodies that do not fit in memory, took 0.66 ms of the worker's CPU for one 100 K
 the 2-core VM, about as much as the rest of the request (docs/performance.md). What werkzeug accepts is read the
 same way: a preamble and an epilogue are ignored, header names are case-insensitive, a part is a file when its
 ``Content-Disposition`` names a ``filename`` (RFC 2231's ``filename*`` too), and text fields are UTF-8. A body that
-is not one (no boundary, a part cut short, a part without a name) is a 400 saying what is wrong, and a form with
-more parts than a request may carry is refused before the rest is read.
+is not one (no boundary, a part cut short, a part without a name) is a 400 ``bad_request`` saying what is wrong, a
+text field too long or too many of them a 400 ``invalid_request``, and a form with more files than a request may
+carry a 413 before the rest is read.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 
 from werkzeug.http import parse_options_header
 
-from app.errors import BadRequest, TooManyImages
+from app.errors import BadRequest, MalformedBody, TooManyImages
 
 MAX_FIELD_BYTES = 4096  # a text field's value: the forms' fields are numbers and names
 MAX_FIELDS = 16  # text fields beside the files (each endpoint knows a few and refuses the others by name)
@@ -49,15 +50,15 @@ class FormData:
 
 
 def parse_form_data(body: bytes, content_type: str, max_files: int) -> FormData:
-    """The form in ``body`` (its ``content_type`` gives the boundary); BadRequest when it is not one, TooManyImages as
-    soon as it holds more than ``max_files`` files."""
+    """The form in ``body`` (its ``content_type`` gives the boundary); MalformedBody when it is not one, BadRequest
+    for a text field too long or too many, TooManyImages as soon as it holds more than ``max_files`` files."""
     boundary = parse_options_header(content_type)[1].get("boundary", "")
     if not boundary or len(boundary) > 70:
-        raise BadRequest("multipart/form-data needs a boundary parameter of 1 to 70 characters in its Content-Type")
+        raise MalformedBody("multipart/form-data needs a boundary parameter of 1 to 70 characters in its Content-Type")
     delimiter = b"--" + boundary.encode("latin-1", "replace")
     start = body.find(delimiter)
     if start == -1 or (start > 0 and body[start - 2:start] != _CRLF):
-        raise BadRequest("the multipart body holds no part: its boundary never starts a line")
+        raise MalformedBody("the multipart body holds no part: its boundary never starts a line")
     form, files, separator = FormData(), 0, _CRLF + delimiter
     at = start + len(delimiter)
     while True:
@@ -65,18 +66,18 @@ def parse_form_data(body: bytes, content_type: str, max_files: int) -> FormData:
             return form
         line_end = body.find(_CRLF, at)
         if line_end == -1 or body[at:line_end].strip(b" \t"):
-            raise BadRequest("the multipart body is cut short or malformed after a boundary")
+            raise MalformedBody("the multipart body is cut short or malformed after a boundary")
         headers_start = line_end + 2
         if body.startswith(_CRLF, headers_start):  # a part without headers
             headers, content_start = b"", headers_start + 2
         else:
             headers_end = body.find(_HEADERS_END, headers_start)
             if headers_end == -1:
-                raise BadRequest("a part of the multipart body ends inside its headers")
+                raise MalformedBody("a part of the multipart body ends inside its headers")
             headers, content_start = body[headers_start:headers_end], headers_end + 4
         content_end = body.find(separator, content_start)
         if content_end == -1:
-            raise BadRequest("the multipart body ends before its closing boundary")
+            raise MalformedBody("the multipart body ends before its closing boundary")
         name, filename = _disposition(headers)
         if filename is None:
             _add_field(form, name, body, content_start, content_end)
@@ -97,7 +98,7 @@ def _disposition(headers: bytes) -> tuple[str, str | None]:
             if kind.lower() != "form-data" or not options.get("name"):
                 break
             return options["name"], options.get("filename")
-    raise BadRequest('every part of a multipart/form-data body needs Content-Disposition: form-data; name="..."')
+    raise MalformedBody('every part of a multipart/form-data body needs Content-Disposition: form-data; name="..."')
 
 
 def _add_field(form: FormData, name: str, body: bytes, start: int, end: int) -> None:

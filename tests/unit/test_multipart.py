@@ -9,7 +9,7 @@ import pytest
 from werkzeug import Request
 from werkzeug.test import EnvironBuilder
 
-from app.errors import BadRequest, TooManyImages
+from app.errors import BadRequest, MalformedBody, TooManyImages
 from app.web.multipart import MAX_FIELD_BYTES, MAX_FIELDS, parse_form_data
 
 BOUNDARY = "----formboundary7MA4YWxkTrZu0gW"
@@ -79,8 +79,10 @@ def test_forms_read_as_werkzeug_reads_them(body: bytes) -> None:
 ], ids=["cut in its headers", "no closing boundary", "no boundary in the body", "no disposition", "not form-data",
         "no boundary parameter", "a field too long", "too many fields"])
 def test_what_is_not_a_form_is_a_bad_request_saying_why(body: bytes, content_type: str, says: str) -> None:
-    with pytest.raises(BadRequest, match=says.replace("(", r"\(").replace(".", r"\.")):
+    with pytest.raises(BadRequest, match=says.replace("(", r"\(").replace(".", r"\.")) as refused:
         parse_form_data(body, content_type, 16)
+    limit = "at most" in says or "more than" in says  # a form, but over a field's limits: a bad field
+    assert (refused.value.code, refused.value.status) == (("invalid_request" if limit else "bad_request"), 400)
 
 
 def test_more_files_than_a_request_may_carry_are_refused_before_the_rest_is_read() -> None:
