@@ -75,9 +75,7 @@ def parse_form_data(body: bytes, content_type: str, max_files: int) -> FormData:
             if headers_end == -1:
                 raise MalformedBody("a part of the multipart body ends inside its headers")
             headers, content_start = body[headers_start:headers_end], headers_end + 4
-        content_end = body.find(separator, content_start)
-        if content_end == -1:
-            raise MalformedBody("the multipart body ends before its closing boundary")
+        content_end = _part_end(body, separator, content_start)
         name, filename = _disposition(headers)
         if filename is None:
             _add_field(form, name, body, content_start, content_end)
@@ -87,6 +85,20 @@ def parse_form_data(body: bytes, content_type: str, max_files: int) -> FormData:
                 raise TooManyImages(f"more than {max_files} files in one request; the limit is {max_files}")
             form.files.setdefault(name, []).append(FilePart(filename or None, body[content_start:content_end]))
         at = content_end + len(separator)
+
+
+def _part_end(body: bytes, separator: bytes, start: int) -> int:
+    """Where the part starting at ``start`` ends: the next CRLF and delimiter that a line end (after optional
+    spaces) or the closing ``--`` follows; the boundary's text followed by anything else is the part's content, as
+    werkzeug reads it."""
+    end = body.find(separator, start)
+    while end != -1:
+        after = end + len(separator)
+        line_end = body.find(_CRLF, after)
+        if body.startswith(b"--", after) or (line_end != -1 and not body[after:line_end].strip(b" \t")):
+            return end
+        end = body.find(separator, end + 1)
+    raise MalformedBody("the multipart body ends before its closing boundary")
 
 
 def _disposition(headers: bytes) -> tuple[str, str | None]:

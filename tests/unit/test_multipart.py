@@ -59,7 +59,10 @@ def test_what_a_client_library_sends_reads_as_werkzeug_reads_it() -> None:
     _body(_part('Content-Disposition: form-data; name="image"; filename="1.jpg"', b"one"),
           _part('Content-Disposition: form-data; name="image"; filename="2.jpg"', b"two"),
           _part('Content-Disposition: form-data; name="outputs"', b"labels,embedding")),
-], ids=["file and field", "preamble and epilogue", "RFC 2231 file name and UTF-8 field", "files in order"])
+    _body(_part('Content-Disposition: form-data; name="image"; filename="a.jpg"',
+                f"\r\n--{BOUNDARY}not the end\r\n--{BOUNDARY}x".encode())),
+], ids=["file and field", "preamble and epilogue", "RFC 2231 file name and UTF-8 field", "files in order",
+        "the boundary's text inside a file"])
 def test_forms_read_as_werkzeug_reads_them(body: bytes) -> None:
     assert _ours(body) == _werkzeug(body)
 
