@@ -60,6 +60,7 @@ class Queued:
     names: Sequence[str | None]
     decode_s: float
     started_ns: int
+    decode_cpu_s: float = 0.0  # the decode's CPU on the thread that queued it (not a batch it may have run inline)
 
     def done(self) -> bool:
         """Every image has its row (or one its error)."""
@@ -128,7 +129,7 @@ class Call:
             check_room(self._version, count, timeout_s)
         started_ns = time.time_ns()
         pixels = list(tensors)  # made one tensor with their batch (Decoder.collate), not one by one here
-        prepared, decode_s = self._prepare(images, names) if images else (list(pixels), 0.0)
+        prepared, decode_s, decode_cpu_s = self._prepare(images, names) if images else (list(pixels), 0.0, 0.0)
         if client_gone is not None and client_gone():
             BATCHER_EVENTS.labels("client_gone").inc(count)
             raise ClientGone(f"the client closed the connection while its images were decoded; {count} dropped")
@@ -139,7 +140,7 @@ class Call:
                                                        inline_within_s=inline_within_s)
         except (QueueFull, BatcherClosed, DeadlineTooShort) as exc:
             raise service_error(exc) from None
-        return Queued(images, pixels, prepared, group, deadline, timeout_s, names, decode_s, started_ns)
+        return Queued(images, pixels, prepared, group, deadline, timeout_s, names, decode_s, started_ns, decode_cpu_s)
 
     def expired(self, queued: Queued) -> DeadlineExceeded:
         """The deadline passed first: the images still queued dropped; the error to answer."""
@@ -172,7 +173,7 @@ class Call:
         return Served(results, self.model.name, self.model.version, self.model.labels if labels is None else labels,
                       queued.decode_s, queued.started_ns, self.model.embedding_dim if embedding else 0)
 
-    def _prepare(self, images: Sequence[bytes], names: Sequence[str | None]) -> tuple[list[Prepared], float]:
+    def _prepare(self, images: Sequence[bytes], names: Sequence[str | None]) -> tuple[list[Prepared], float, float]:
         started, cpu_started = time.perf_counter(), time.thread_time()
         prepared = []
         for index, data in enumerate(images):
@@ -180,10 +181,10 @@ class Call:
                 prepared.append(self._version.decoder.prepare(data))
             except ServiceError as exc:
                 raise _named(exc, index, names) from None
-        decode_s = time.perf_counter() - started
+        decode_s, decode_cpu_s = time.perf_counter() - started, time.thread_time() - cpu_started
         series(STAGE_SECONDS, "decode").observe(decode_s)
-        series(STAGE_CPU_SECONDS, "decode").inc(time.thread_time() - cpu_started)
-        return prepared, decode_s
+        series(STAGE_CPU_SECONDS, "decode").inc(decode_cpu_s)
+        return prepared, decode_s, decode_cpu_s
 
 
 def _named(exc: ServiceError, index: int, names: Sequence[str | None]) -> ServiceError:

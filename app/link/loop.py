@@ -98,6 +98,7 @@ class _Exchange:
         self.images, self.tensors = images, tensors
         self.queued: Queued | None = None
         self.ended = False
+        self.decode_cpu_s = 0.0  # its images' decode, once queued
 
 
 class EngineServer:
@@ -312,10 +313,10 @@ class EngineServer:
         decoded, spent = 0, 0.0
         try:
             for exchange in exchanges:
-                size, started = encoded_bytes(exchange), time.thread_time()
+                size = encoded_bytes(exchange)
                 steps.append(self._queued_or_ended(exchange))
                 if not exchange.images:  # queued: the queue holds what it needs
-                    decoded, spent = decoded + size, spent + time.thread_time() - started
+                    decoded, spent = decoded + size, spent + exchange.decode_cpu_s  # not a batch run here
             self.decode_shares.measured(decoded, spent)
         except Exception as exc:  # noqa: BLE001 - unforeseen (a decode thread's executor would swallow it): every
             log.exception("queueing %d requests failed", len(exchanges))  # request not yet queued is answered
@@ -341,6 +342,7 @@ class EngineServer:
         except Exception as exc:  # noqa: BLE001 - answered
             return functools.partial(self._end, exchange, exc)
         exchange.images, exchange.tensors = [], []  # the queue holds what it needs
+        exchange.decode_cpu_s = queued.decode_cpu_s
         return functools.partial(self._queued, exchange, queued)
 
     def _queued(self, exchange: _Exchange, queued: Queued) -> None:

@@ -20,6 +20,7 @@ from app.errors import BadRequest, MalformedBody, TooManyImages
 
 MAX_FIELD_BYTES = 4096  # a text field's value: the forms' fields are numbers and names
 MAX_FIELDS = 16  # text fields beside the files (each endpoint knows a few and refuses the others by name)
+MAX_HEADER_BYTES = 8192  # a part's header block (its disposition, its type): looked for no further
 _CRLF = b"\r\n"
 _HEADERS_END = b"\r\n\r\n"
 
@@ -71,9 +72,10 @@ def parse_form_data(body: bytes, content_type: str, max_files: int) -> FormData:
         if body.startswith(_CRLF, headers_start):  # a part without headers
             headers, content_start = b"", headers_start + 2
         else:
-            headers_end = body.find(_HEADERS_END, headers_start)
+            headers_end = body.find(_HEADERS_END, headers_start, headers_start + MAX_HEADER_BYTES + 4)
             if headers_end == -1:
-                raise MalformedBody("a part of the multipart body ends inside its headers")
+                raise MalformedBody("a part of the multipart body ends inside its headers" if body.find(
+                    _HEADERS_END, headers_start) == -1 else f"a part's headers run past {MAX_HEADER_BYTES} bytes")
             headers, content_start = body[headers_start:headers_end], headers_end + 4
         content_end = _part_end(body, separator, content_start)
         name, filename = _disposition(headers)

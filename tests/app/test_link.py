@@ -531,6 +531,8 @@ def test_a_lone_request_s_short_batch_runs_on_the_engine_s_loop_and_a_long_one_o
     red = torch.zeros(3, 8, 8)
     red[0] = 1.0
     assert infer(link.worker, tensors=[red.numpy()]).top_k(1)[0][0].label == "red"
+    assert model.threads[-1] != link.server._loop_thread  # the version's first batch: not measured yet
+    assert infer(link.worker, tensors=[red.numpy()]).top_k(1)[0][0].label == "red"
     assert model.threads[-1] == link.server._loop_thread  # no hand-off to the batcher's thread and back
     monkeypatch.setattr(loop, "LOOP_BATCH_S", -1.0)  # as if its batches took longer than that
     assert infer(link.worker, tensors=[red.numpy()]).top_k(1)[0][0].label == "red"
@@ -635,3 +637,26 @@ def test_small_images_are_decoded_on_the_loop_once_their_cost_is_measured(link: 
         infer(link.worker, [image_bytes(RED)])
     assert decoded_on[0].startswith("engine-decode")  # before any is measured, an image is worth a hand-off
     assert decoded_on[-1] == "engine-loop" and link.server.decode_shares.s_per_byte < HAND_OFF_S / 1000
+
+
+def test_a_batch_run_where_images_were_decoded_is_not_counted_as_their_decode(settings: Settings) -> None:
+    # The loop learns what decoding costs per byte from what its decodes took; a lone batch it then runs itself must
+    # not count, or a slow forward pass would read as slow decoding and send small images to the decode threads.
+    class Burning(ColourModel):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            until = time.thread_time() + 0.05  # 50 ms of this thread's CPU
+            while time.thread_time() < until:
+                pass
+            return super().forward(x)
+
+    service = Service.build(settings, Predictor(Burning(), tiny_manifest(), device="cpu"))
+    try:
+        with service.admit(None, None, None) as call:
+            call.queue([image_bytes(RED)], timeout_s=10).group.wait(10)  # measured: later lone batches run here
+        with service.admit(None, None, None) as call:
+            started = time.thread_time()
+            queued = call.queue([image_bytes(RED)], timeout_s=10, inline_within_s=10.0)
+            assert queued.done() and time.thread_time() - started >= 0.05  # its batch ran on this thread
+            assert 0 < queued.decode_cpu_s < 0.03
+    finally:
+        service.shutdown(timeout=5)

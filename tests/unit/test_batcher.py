@@ -552,14 +552,14 @@ def test_a_submitted_group_runs_across_batches_and_a_cancelled_one_never_runs(ma
     assert recorder.batches == [[1, 2], [3]]  # the cancelled group's items never ran
 
 
-def test_a_lone_batch_runs_on_the_callers_thread_only_while_batches_are_short(make_batcher) -> None:
+def test_a_lone_batch_runs_on_the_callers_thread_only_once_measured_and_expected_within_the_limit(make_batcher) -> None:
     fn = ThreadRecorder()
-    batcher = make_batcher(fn, max_wait_ms=1, incoming=lambda: 0, inline_when_idle=True)
-    assert batcher.submit_group([1], inline_within_s=0.005).wait(0)  # batches measured short: inline, done
-    assert fn.threads == [threading.current_thread()]
-    fn.delay_s = 0.05
-    assert batcher.submit_group([2], inline_within_s=0.005).wait(0)  # inline, and now batches take about 10 ms
-    group = batcher.submit_group([3], inline_within_s=0.005)  # longer than it may: the worker's
-    assert group.wait(10) and [r.value for r in group.result()] == [6]
-    assert fn.threads[1] is threading.current_thread() and fn.threads[2] is not threading.current_thread()
-    assert batcher.submit_group([4], inline_within_s=1.0).wait(0) and fn.threads[3] is threading.current_thread()
+    batcher = make_batcher(fn, max_wait_ms=1, max_batch_size=16, incoming=lambda: 0, inline_when_idle=True)
+    fn.delay_s = 0.01  # each batch's own time: 10 ms a batch of one
+    assert batcher.submit_group([1], inline_within_s=0.1).wait(10)  # nothing measured yet: the worker's
+    assert fn.threads[-1] is not threading.current_thread()
+    assert batcher.submit_group([2, 3], inline_within_s=0.1).wait(0)  # about 20 ms expected: here, done at return
+    assert fn.threads[-1] is threading.current_thread()
+    group = batcher.submit_group(list(range(16)), inline_within_s=0.1)  # 16 x the time per item: the worker's
+    assert group.wait(10) and [r.value for r in group.result()] == [2 * i for i in range(16)]
+    assert fn.threads[-1] is not threading.current_thread()

@@ -10,7 +10,7 @@ from werkzeug import Request
 from werkzeug.test import EnvironBuilder
 
 from app.errors import BadRequest, MalformedBody, TooManyImages
-from app.web.multipart import MAX_FIELD_BYTES, MAX_FIELDS, parse_form_data
+from app.web.multipart import MAX_FIELD_BYTES, MAX_FIELDS, MAX_HEADER_BYTES, parse_form_data
 
 BOUNDARY = "----formboundary7MA4YWxkTrZu0gW"
 TYPE = f"multipart/form-data; boundary={BOUNDARY}"
@@ -79,8 +79,10 @@ def test_forms_read_as_werkzeug_reads_them(body: bytes) -> None:
      f"at most {MAX_FIELD_BYTES}"),
     (_body(*[_part(f'Content-Disposition: form-data; name="f{i}"', b"1") for i in range(MAX_FIELDS + 1)]), TYPE,
      f"more than {MAX_FIELDS} form fields"),
+    (_body(_part('Content-Disposition: form-data; name="image"; filename="a"' + "; a=b" * 5000, b"data")), TYPE,
+     f"run past {MAX_HEADER_BYTES} bytes"),
 ], ids=["cut in its headers", "no closing boundary", "no boundary in the body", "no disposition", "not form-data",
-        "no boundary parameter", "a field too long", "too many fields"])
+        "no boundary parameter", "a field too long", "too many fields", "headers too long"])
 def test_what_is_not_a_form_is_a_bad_request_saying_why(body: bytes, content_type: str, says: str) -> None:
     with pytest.raises(BadRequest, match=says.replace("(", r"\(").replace(".", r"\.")) as refused:
         parse_form_data(body, content_type, 16)

@@ -114,6 +114,7 @@ class Batcher(Generic[In, Out]):
         self._batch_ids = itertools.count(1)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._batch_seconds = 0.0  # moving average of one predict_fn call, for Retry-After estimates
+        self._item_seconds = 0.0  # the same per item of its batch
         self._split_on = split_on
         self._shrink_s = shrink_s
         self._shrunk_size = max_batch_size
@@ -186,13 +187,21 @@ class Batcher(Generic[In, Out]):
     def submit_group(self, items: Sequence[In], deadline: float | None = None,
                      inline: bool = True, inline_within_s: float = math.inf) -> "Group[Out]":
         """``submit_many``'s queueing, with one Group for all of the items' results (a request's images);
-        ``inline_within_s``: run on the caller's thread only while a batch takes at most this long (the recent
-        average)."""
+        ``inline_within_s``: run on the caller's thread only when batches have been measured and these items' batch
+        is expected within it (``expected_batch_s``)."""
         now = time.monotonic()
         group: Group[Out] = Group(len(items))
+        inline = inline and (inline_within_s == math.inf or self.expected_batch_s(len(items)) <= inline_within_s)
         self._queue_pending([_Pending(item, None, now, deadline, group, index) for index, item in enumerate(items)],
-                            deadline, inline and self._batch_seconds <= inline_within_s, now)
+                            deadline, inline, now)
         return group
+
+    def expected_batch_s(self, items: int) -> float:
+        """How long a batch of ``items`` takes, from the recent batches (their time, and their time per item times
+        ``items``, whichever is longer); infinite before the first one was run."""
+        if not self.batches_run:
+            return math.inf
+        return max(self._batch_seconds, self._item_seconds * items)
 
     def _queue_pending(self, pending: list[_Pending[In]], deadline: float | None, inline: bool, now: float) -> None:
         with self._cond:
@@ -409,6 +418,8 @@ class Batcher(Generic[In, Out]):
         run_s = time.monotonic() - started
         self.batches_run += 1
         self._batch_seconds = run_s if self.batches_run == 1 else 0.8 * self._batch_seconds + 0.2 * run_s
+        per_item = run_s / len(batch)
+        self._item_seconds = per_item if self.batches_run == 1 else 0.8 * self._item_seconds + 0.2 * per_item
         queued = [started - p.enqueued_at for p in batch]
         self._observer.batch_done(len(batch), run_s, queued, time.thread_time() - cpu_started)
         for p, value, waited in zip(batch, outputs, queued):
