@@ -62,7 +62,7 @@ def _parsed_alike(message: wire.Infer, answering: Signature) -> None:
 
 
 CATALOG_THREADS = 4  # catalog calls at once (a load waits for every engine): never on the loop
-# A lone request's batch that takes less than this (the batcher's recent average) runs on the loop: handing it to
+# A lone request's batch expected within this (Batcher.expected_batch_s) runs on the loop: handing it to
 # the batcher's thread and its answer back costs the engine two wake-ups, a good part of a short batch's CPU, and a
 # longer one would keep the loop from reading the next requests
 LOOP_BATCH_S = 0.001

@@ -23,6 +23,7 @@ MAX_FIELDS = 16  # text fields beside the files (each endpoint knows a few and r
 MAX_HEADER_BYTES = 8192  # a part's header block (its disposition, its type): looked for no further
 _CRLF = b"\r\n"
 _HEADERS_END = b"\r\n\r\n"
+_CLOSED = -1  # _after_delimiter: the closing delimiter
 
 
 @dataclass(frozen=True)
@@ -63,12 +64,11 @@ def parse_form_data(body: bytes, content_type: str, max_files: int) -> FormData:
     form, files, separator = FormData(), 0, _CRLF + delimiter
     at = start + len(delimiter)
     while True:
-        if body.startswith(b"--", at):  # the closing delimiter: what follows is the epilogue
+        headers_start = _after_delimiter(body, at)
+        if headers_start == _CLOSED:  # what follows is the epilogue
             return form
-        line_end = body.find(_CRLF, at)
-        if line_end == -1 or body[at:line_end].strip(b" \t"):
+        if headers_start is None:
             raise MalformedBody("the multipart body is cut short or malformed after a boundary")
-        headers_start = line_end + 2
         if body.startswith(_CRLF, headers_start):  # a part without headers
             headers, content_start = b"", headers_start + 2
         else:
@@ -89,15 +89,22 @@ def parse_form_data(body: bytes, content_type: str, max_files: int) -> FormData:
         at = content_end + len(separator)
 
 
+def _after_delimiter(body: bytes, at: int) -> int | None:
+    """Where the part after a delimiter ending at ``at`` starts (its headers), _CLOSED after the closing delimiter
+    (``--``), None when what follows ends no delimiter (optional spaces, then a line end)."""
+    if body.startswith(b"--", at):
+        return _CLOSED
+    line_end = body.find(_CRLF, at)
+    return None if line_end == -1 or body[at:line_end].strip(b" \t") else line_end + 2
+
+
 def _part_end(body: bytes, separator: bytes, start: int) -> int:
     """Where the part starting at ``start`` ends: the next CRLF and delimiter that a line end (after optional
     spaces) or the closing ``--`` follows; the boundary's text followed by anything else is the part's content, as
     werkzeug reads it."""
     end = body.find(separator, start)
     while end != -1:
-        after = end + len(separator)
-        line_end = body.find(_CRLF, after)
-        if body.startswith(b"--", after) or (line_end != -1 and not body[after:line_end].strip(b" \t")):
+        if _after_delimiter(body, end + len(separator)) is not None:
             return end
         end = body.find(separator, end + 1)
     raise MalformedBody("the multipart body ends before its closing boundary")

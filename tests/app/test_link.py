@@ -530,10 +530,14 @@ def test_a_lone_request_s_short_batch_runs_on_the_engine_s_loop_and_a_long_one_o
         link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch) -> None:
     red = torch.zeros(3, 8, 8)
     red[0] = 1.0
+    monkeypatch.setattr(loop, "LOOP_BATCH_S", 1.0)  # "short", however busy the machine running the test
     assert infer(link.worker, tensors=[red.numpy()]).top_k(1)[0][0].label == "red"
     assert model.threads[-1] != link.server._loop_thread  # the version's first batch: not measured yet
-    assert infer(link.worker, tensors=[red.numpy()]).top_k(1)[0][0].label == "red"
-    assert model.threads[-1] == link.server._loop_thread  # no hand-off to the batcher's thread and back
+    # no hand-off to the batcher's thread and back (a request that arrives while the batcher's thread is still
+    # finishing the batch before goes to that thread: of a few in a row, the later ones run on the loop)
+    for _ in range(5):
+        assert infer(link.worker, tensors=[red.numpy()]).top_k(1)[0][0].label == "red"
+    assert model.threads[-1] == link.server._loop_thread
     monkeypatch.setattr(loop, "LOOP_BATCH_S", -1.0)  # as if its batches took longer than that
     assert infer(link.worker, tensors=[red.numpy()]).top_k(1)[0][0].label == "red"
     assert model.threads[-1] != link.server._loop_thread
@@ -652,7 +656,7 @@ def test_a_batch_run_where_images_were_decoded_is_not_counted_as_their_decode(se
     service = Service.build(settings, Predictor(Burning(), tiny_manifest(), device="cpu"))
     try:
         with service.admit(None, None, None) as call:
-            call.queue([image_bytes(RED)], timeout_s=10).group.wait(10)  # measured: later lone batches run here
+            assert call.queue([image_bytes(RED)], timeout_s=10).done()  # run here, measured: so do later ones
         with service.admit(None, None, None) as call:
             started = time.thread_time()
             queued = call.queue([image_bytes(RED)], timeout_s=10, inline_within_s=10.0)

@@ -558,8 +558,8 @@ def test_a_lone_batch_runs_on_the_callers_thread_only_once_measured_and_expected
     fn.delay_s = 0.01  # each batch's own time: 10 ms a batch of one
     assert batcher.submit_group([1], inline_within_s=0.1).wait(10)  # nothing measured yet: the worker's
     assert fn.threads[-1] is not threading.current_thread()
-    assert batcher.submit_group([2, 3], inline_within_s=0.1).wait(0)  # about 20 ms expected: here, done at return
+    assert batcher.submit_group([2, 3], inline_within_s=1.0).wait(0)  # about 20 ms expected: here, done at return
     assert fn.threads[-1] is threading.current_thread()
-    group = batcher.submit_group(list(range(16)), inline_within_s=0.1)  # 16 x the time per item: the worker's
+    group = batcher.submit_group(list(range(16)), inline_within_s=0.1)  # 16 x >= 5 ms per item: the worker's
     assert group.wait(10) and [r.value for r in group.result()] == [2 * i for i in range(16)]
     assert fn.threads[-1] is not threading.current_thread()

@@ -187,11 +187,11 @@ class Batcher(Generic[In, Out]):
     def submit_group(self, items: Sequence[In], deadline: float | None = None,
                      inline: bool = True, inline_within_s: float = math.inf) -> "Group[Out]":
         """``submit_many``'s queueing, with one Group for all of the items' results (a request's images);
-        ``inline_within_s``: run on the caller's thread only when batches have been measured and these items' batch
-        is expected within it (``expected_batch_s``)."""
+        ``inline_within_s``: when given, run on the caller's thread only once batches were measured and these items'
+        batch is expected within it (``expected_batch_s``)."""
         now = time.monotonic()
         group: Group[Out] = Group(len(items))
-        inline = inline and (inline_within_s == math.inf or self.expected_batch_s(len(items)) <= inline_within_s)
+        inline = inline and self.expected_batch_s(len(items)) <= inline_within_s  # inf <= inf: any time
         self._queue_pending([_Pending(item, None, now, deadline, group, index) for index, item in enumerate(items)],
                             deadline, inline, now)
         return group

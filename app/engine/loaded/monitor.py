@@ -59,8 +59,6 @@ def population_stability_index(actual_counts: Sequence[float] | torch.Tensor,
     Python floats (doubles): a batch's figure comes from a few dozen bins, where torch's per-operation cost, with the
     caches cold from the forward pass just run, was most of the monitor's time."""
     actual, expected = _as_list(actual_counts), _as_list(expected_counts)
-    if len(actual) != len(expected):
-        raise ValueError(f"{len(actual)} bins against {len(expected)}")
     return math.fsum(_psi_terms(actual, shares(expected, epsilon), epsilon))
 
 
@@ -77,7 +75,7 @@ def _psi_term(count: float, total: float, expected_share: float, epsilon: float)
 
 def _psi_terms(actual: Sequence[float], expected_shares: Sequence[float], epsilon: float) -> list[float]:
     total = max(float(sum(actual)), 1.0)
-    return [_psi_term(a, total, e, epsilon) for a, e in zip(actual, expected_shares)]
+    return [_psi_term(a, total, e, epsilon) for a, e in zip(actual, expected_shares, strict=True)]
 
 
 def _as_list(counts: Sequence[float] | torch.Tensor) -> list[float]:
@@ -213,7 +211,6 @@ class PredictionMonitor:
         self._reference_shares = shares(
             torch.zeros(self.psi_bins, dtype=torch.int64).index_add_(0, bins, class_counts).tolist())
         self._reference_predictions = int(class_counts.sum())
-        self._terms = None
 
     def _new_window(self, size: int) -> _Window:
         self._terms = None

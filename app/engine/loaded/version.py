@@ -75,10 +75,10 @@ class LoadedVersion:
 
     def run_batch(self, prepared: Sequence[Prepared]) -> np.ndarray:
         """One batch, on the batcher's thread: collate (the device path decodes here), the forward pass (softmax
-        probabilities, one row per image; its CPU told to the observer, which counts it with the batch's), then, for requests' batches,
-        the monitor and its metrics. The rows come back as one float32 array (its rows are views: a request's answer
-        takes them as they are, no per-request tensor steps), each the image's probabilities followed by its
-        embedding when the version has one."""
+        probabilities, one row per image; its CPU told to the observer, which counts it with the batch's), then, for
+        requests' batches, the monitor and its metrics. The rows come back as one float32 array (its rows are views:
+        a request's answer takes them as they are, no per-request tensor steps), each the image's probabilities
+        followed by its embedding when the version has one."""
         batch = self.decoder.collate(prepared)
         started = time.thread_time()
         rows = self.predictor.predict_batch(batch).numpy()
