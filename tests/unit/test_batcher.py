@@ -169,6 +169,15 @@ def test_work_arriving_during_an_inline_batch_waits_for_it(make_batcher) -> None
     inline.shutdown()
 
 
+def test_an_inline_batch_leaves_an_idle_worker_asleep(make_batcher) -> None:
+    fn = ThreadRecorder()
+    batcher = make_batcher(fn, incoming=lambda: 0, inline_when_idle=True)
+    notified, notify = [], batcher._cond.notify
+    batcher._cond.notify = lambda n=1: (notified.append(n), notify(n))  # type: ignore[method-assign]
+    assert [batcher.submit(i).result(timeout=10).value for i in range(3)] == [0, 2, 4]
+    assert batcher.batches_inline == 3 and notified == []  # nothing queued meanwhile: no wake-up for nothing
+
+
 def test_an_inline_batch_that_fails_fails_its_caller_and_frees_the_batcher(make_batcher) -> None:
     fn = ThreadRecorder()
     batcher = make_batcher(fn, max_batch_size=2, incoming=lambda: 0, inline_when_idle=True)

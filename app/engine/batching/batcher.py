@@ -257,7 +257,8 @@ class Batcher(Generic[In, Out]):
         finally:
             with self._cond:
                 self._busy = False
-                self._cond.notify()  # items that queued meanwhile are the worker's now
+                if self._queue or self._background:  # the worker's now; an idle worker is left asleep (a wake-up
+                    self._cond.notify()  # for nothing costs the caller's thread the GIL's hand-over and back)
 
     def expected_wait_s(self, items: int) -> float:
         """How long ``items`` queued items take to clear at the recent batch latency."""
