@@ -7,7 +7,6 @@ parses its body with ``call.model`` and calls ``call.infer``; the stages run in 
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -113,14 +112,14 @@ class Call:
         return self.answer(queued, embedding=embedding)
 
     def queue(self, images: Sequence[bytes] = (), tensors: Sequence[np.ndarray | torch.Tensor] = (), *,
-              timeout_s: float, names: Sequence[str | None] = (), inline: bool = True,
-              inline_within_s: float = math.inf, client_gone: Callable[[], bool] | None = None) -> Queued:
+              timeout_s: float, names: Sequence[str | None] = (), inline: bool = True, defer: bool = False,
+              client_gone: Callable[[], bool] | None = None) -> Queued:
         """The request's images checked, counted, decoded (or their headers read) and queued, all or none; its
         deadline counts from now. ``inline=False``: never run on this thread, even when the batcher is idle;
-        ``inline_within_s``: only while the version's batches take at most this long (a thread that serves many
-        requests runs a lone request's batch only when it is short). Once decoded, images whose client
-        ``client_gone`` says has hung up are dropped there (ClientGone), not queued. Raises a ServiceError for every
-        refusal."""
+        ``defer``: queued without waking the batcher's thread, for ``run_queued`` once the caller has queued the
+        other requests it holds (a thread that serves many requests runs their batch itself when it is short).
+        Once decoded, images whose client ``client_gone`` says has hung up are dropped there (ClientGone), not
+        queued. Raises a ServiceError for every refusal."""
         if bool(images) == bool(tensors):
             raise BadRequest("the request holds no images" if not images else "send images or tensors, not both")
         count = len(images) or len(tensors)
@@ -136,11 +135,15 @@ class Call:
         self._arrived()
         deadline = time.monotonic() + timeout_s
         try:
-            group = self._version.batcher.submit_group(prepared, deadline=deadline, inline=inline,
-                                                       inline_within_s=inline_within_s)
+            group = self._version.batcher.submit_group(prepared, deadline=deadline, inline=inline, defer=defer)
         except (QueueFull, BatcherClosed, DeadlineTooShort) as exc:
             raise service_error(exc) from None
         return Queued(images, pixels, prepared, group, deadline, timeout_s, names, decode_s, started_ns, decode_cpu_s)
+
+    def run_queued(self, inline_within_s: float) -> None:
+        """After ``queue(defer=True)``: the version's waiting images run here as one batch when it is idle and
+        their batch is expected within ``inline_within_s`` (``Batcher.run_queued``), else its thread is woken."""
+        self._version.batcher.run_queued(inline_within_s)
 
     def expired(self, queued: Queued) -> DeadlineExceeded:
         """The deadline passed first: the images still queued dropped; the error to answer."""

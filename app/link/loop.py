@@ -3,7 +3,7 @@ from one thread (one selector, no thread per connection or per request). A conne
 worker running other code is refused and logged), then carries one exchange at a time:
 - ``Infer``: the request admitted (``Service.admit``: readiness, routing, its outcome counted), its images queued
   (``Call.queue``; decoded on a few threads when the CPU decodes them) and, once the batcher's thread has counted
-  them done (or the loop ran a lone request's short batch itself), the ``Served`` answered from the loop
+  them done (or the loop ran a turn's short batch itself), the ``Served`` answered from the loop
   (``Call.answer``); its deadline passing first answers 504, and
   anything readable from the HTTP side meanwhile means its client hung up (the images still queued are dropped).
 - ``Unanswered``: a request the HTTP side refused before sending it, admitted and ended with its error (no answer).
@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from app.engine.call import Queued
+from app.engine.call import Call, Queued
 from app.engine.contract import CATALOG_CALLS, Signature, not_ready
 from app.engine.service import Admission, Service
 from app.errors import ClientGone, InferenceFailed, ServiceError
@@ -62,9 +62,9 @@ def _parsed_alike(message: wire.Infer, answering: Signature) -> None:
 
 
 CATALOG_THREADS = 4  # catalog calls at once (a load waits for every engine): never on the loop
-# A lone request's batch expected within this (Batcher.expected_batch_s) runs on the loop: handing it to
-# the batcher's thread and its answer back costs the engine two wake-ups, a good part of a short batch's CPU, and a
-# longer one would keep the loop from reading the next requests
+# A loop turn's batch expected within this (Batcher.expected_batch_s) runs on the loop: handing it to the batcher's
+# thread and its answers back costs the engine two wake-ups, a good part of a short batch's CPU, and a longer one
+# would keep the loop from reading the next requests
 LOOP_BATCH_S = 0.001
 
 
@@ -132,6 +132,7 @@ class EngineServer:
             wire.Unanswered: self._unanswered, wire.CatalogCall: self._catalog, wire.StateQuery: self._state,
             wire.Explain: self._explain}
         self._turn: list[tuple[_Connection, wire.Infer, list[memoryview]]] = []  # requests read in this loop turn
+        self._deferred: list[Call] = []  # this turn's calls queued on the loop, their batchers not yet woken
 
     def bind(self) -> None:
         """Bind (replacing a dead engine's socket file)."""
@@ -269,8 +270,10 @@ class EngineServer:
     def _run_turn(self) -> None:
         """The requests this turn read: every one admitted first (each then counts as on its way to its version's
         next batch, so the batcher waits for them), then their images queued: those the CPU decodes in a few
-        hand-offs to the decode threads, or here when cheaper (app/link/decode_shares.py), the rest here. Each answer goes out once its futures
-        are done, its deadline passes or its client hangs up, whichever comes first."""
+        hand-offs to the decode threads, or here when cheaper (app/link/decode_shares.py), the rest here. What was
+        queued here then runs here as one batch when it is short (``LOOP_BATCH_S``), else on the batcher's thread.
+        Each answer goes out once its futures are done, its deadline passes or its client hangs up, whichever comes
+        first."""
         turn, self._turn = self._turn, []
         admitted = [exchange for exchange in (self._admit(*read) for read in turn) if exchange is not None]
         decoded = [exchange for exchange in admitted if exchange.images and exchange.call.decodes_on_host]
@@ -279,9 +282,15 @@ class EngineServer:
                 self._queue(exchange)
         if decoded and self.decode_shares.here(decoded):
             self._queue_all(decoded)
-            return
-        for share in self.decode_shares.shares(decoded):
-            self._decoders.submit(self._queue_all, share)
+        else:
+            for share in self.decode_shares.shares(decoded):
+                self._decoders.submit(self._queue_all, share)
+        deferred, self._deferred = self._deferred, []
+        for call in deferred:  # after the decode threads got theirs: a batch waits for what is on its way
+            try:
+                call.run_queued(LOOP_BATCH_S)
+            except Exception:  # noqa: BLE001 - never the loop's end: its requests end at their deadlines
+                log.exception("a batch run on the engine's loop failed")
 
     def _admit(self, conn: _Connection, message: wire.Infer, segments: list[memoryview]) -> _Exchange | None:
         try:
@@ -330,17 +339,18 @@ class EngineServer:
 
     def _queued_or_ended(self, exchange: _Exchange) -> Callable[[], None]:
         """The request's images decoded (or their headers read) and queued; what the loop then does with it. On the
-        loop, a lone request's batch expected within LOOP_BATCH_S runs there (on the CPU, as ``INLINE_WHEN_IDLE``
-        says) instead of waking the batcher's thread and being woken back: the batches form on that thread otherwise,
-        and always from a decode thread."""
-        message = exchange.message
+        loop, queued without waking the batcher's thread: the turn then runs its batch there when it is short (on
+        the CPU, as ``INLINE_WHEN_IDLE`` says) instead of waking that thread and being woken back; from a decode
+        thread, queued for the batcher's thread."""
+        message, on_loop = exchange.message, threading.get_ident() == self._loop_thread
         try:
             queued = exchange.call.queue(exchange.images, exchange.tensors, timeout_s=message.timeout_s,
-                                         names=message.names, inline=threading.get_ident() == self._loop_thread,
-                                         inline_within_s=LOOP_BATCH_S,
+                                         names=message.names, inline=False, defer=on_loop,
                                          client_gone=lambda: exchange.ended)  # its hang-up ends it on the loop
         except Exception as exc:  # noqa: BLE001 - answered
             return functools.partial(self._end, exchange, exc)
+        if on_loop:
+            self._deferred.append(exchange.call)
         exchange.images, exchange.tensors = [], []  # the queue holds what it needs
         exchange.decode_cpu_s = queued.decode_cpu_s
         return functools.partial(self._queued, exchange, queued)

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import inspect
 import pickle
+import select
 import socket
 import threading
 import time
@@ -543,6 +544,41 @@ def test_a_lone_request_s_short_batch_runs_on_the_engine_s_loop_and_a_long_one_o
     assert model.threads[-1] != link.server._loop_thread
 
 
+def test_requests_read_in_one_loop_turn_run_as_one_batch_on_the_loop(link: Link, model: ColourModel,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    red = torch.zeros(3, 8, 8)
+    red[0] = 1.0
+    monkeypatch.setattr(loop, "LOOP_BATCH_S", 1.0)  # "short", however busy the machine running the test
+    rounds, together, answers = 3, threading.Barrier(3), []
+
+    def client() -> None:
+        infer(link.worker, tensors=[red.numpy()])  # its connection, and a batch measured
+        for _ in range(rounds):
+            together.wait(10)  # ready
+            together.wait(10)  # the loop is held
+            answers.append(infer(link.worker, tensors=[red.numpy()]).top_k(1)[0][0].label)
+            together.wait(10)
+
+    clients = [threading.Thread(target=client) for _ in range(2)]
+    for thread in clients:
+        thread.start()
+    for _ in range(rounds):
+        together.wait(10)
+        held, go = threading.Event(), threading.Event()
+        link.server._post(lambda: (held.set(), go.wait(10)))  # the loop held while both requests are sent
+        assert held.wait(10)
+        together.wait(10)
+        wait_until(lambda: len(select.select(link.connections, [], [], 0)[0]) == 2)
+        go.set()  # its next turn reads both
+        together.wait(10)
+    for thread in clients:
+        thread.join(10)
+    # one batch of both, run by the loop itself: no hand-off to the batcher's thread and back (the first round's
+    # requests may find that thread still finishing a batch before: then its)
+    assert answers == ["red"] * 2 * rounds
+    assert model.batch_sizes[-1] == 2 and model.threads[-1] == link.server._loop_thread
+
+
 def test_the_engine_answers_504_at_the_deadline_while_the_batch_still_runs(link: Link, model: ColourModel) -> None:
     model.gate = threading.Event()
     started = time.monotonic()
@@ -659,7 +695,8 @@ def test_a_batch_run_where_images_were_decoded_is_not_counted_as_their_decode(se
             assert call.queue([image_bytes(RED)], timeout_s=10).done()  # run here, measured: so do later ones
         with service.admit(None, None, None) as call:
             started = time.thread_time()
-            queued = call.queue([image_bytes(RED)], timeout_s=10, inline_within_s=10.0)
+            queued = call.queue([image_bytes(RED)], timeout_s=10, defer=True)
+            call.run_queued(10.0)
             assert queued.done() and time.thread_time() - started >= 0.05  # its batch ran on this thread
             assert 0 < queued.decode_cpu_s < 0.03
     finally:

@@ -561,14 +561,35 @@ def test_a_submitted_group_runs_across_batches_and_a_cancelled_one_never_runs(ma
     assert recorder.batches == [[1, 2], [3]]  # the cancelled group's items never ran
 
 
-def test_a_lone_batch_runs_on_the_callers_thread_only_once_measured_and_expected_within_the_limit(make_batcher) -> None:
-    fn = ThreadRecorder()
-    batcher = make_batcher(fn, max_wait_ms=1, max_batch_size=16, incoming=lambda: 0, inline_when_idle=True)
-    fn.delay_s = 0.01  # each batch's own time: 10 ms a batch of one
-    assert batcher.submit_group([1], inline_within_s=0.1).wait(10)  # nothing measured yet: the worker's
-    assert fn.threads[-1] is not threading.current_thread()
-    assert batcher.submit_group([2, 3], inline_within_s=1.0).wait(0)  # about 20 ms expected: here, done at return
-    assert fn.threads[-1] is threading.current_thread()
-    group = batcher.submit_group(list(range(16)), inline_within_s=0.1)  # 16 x >= 5 ms per item: the worker's
+def test_deferred_groups_run_on_the_callers_thread_as_one_batch_once_measured_and_expected_within_the_limit(
+        make_batcher) -> None:
+    fn, incoming = ThreadRecorder(), [0]
+    batcher = make_batcher(fn, max_wait_ms=1, max_batch_size=16, incoming=lambda: incoming[0], inline_when_idle=True)
+    fn.delay_s = 0.01  # each batch's own time: 10 ms
+    first = batcher.submit_group([1], defer=True)
+    assert not first.wait(0.05) and batcher.depth == 1  # queued, the worker left asleep
+    batcher.run_queued(0.1)  # nothing measured yet: the worker's
+    assert first.wait(10) and fn.threads[-1] is not threading.current_thread()
+    groups = [batcher.submit_group([2], defer=True), batcher.submit_group([3], defer=True)]
+    batcher.run_queued(1.0)  # two images, about 20 ms expected: one batch here, done at return
+    assert all(group.wait(0) for group in groups) and fn.threads[-1] is threading.current_thread()
+    assert [(group.result()[0].value, group.result()[0].batch_size) for group in groups] == [(4, 2), (6, 2)]
+    incoming[0] = 1  # another request on its way: the worker's, which waits for it
+    waiting = batcher.submit_group([4], defer=True)
+    batcher.run_queued(1.0)
+    incoming[0] = 0
+    assert waiting.wait(10) and fn.threads[-1] is not threading.current_thread()
+    group = batcher.submit_group(list(range(16)), defer=True)
+    batcher.run_queued(0.1)  # 16 x >= 5 ms per item: the worker's
     assert group.wait(10) and [r.value for r in group.result()] == [2 * i for i in range(16)]
-    assert fn.threads[-1] is not threading.current_thread()
+    assert fn.threads[-1] is not threading.current_thread() and batcher.batches_inline == 1
+
+
+def test_deferred_groups_over_the_cap_run_here_in_batches_of_the_cap(make_batcher) -> None:
+    recorder = Recorder()
+    batcher = make_batcher(recorder, max_batch_size=2, incoming=lambda: 0, inline_when_idle=True)
+    assert batcher.submit(0).result(timeout=10).value == 0  # a batch measured
+    groups = [batcher.submit_group([i], defer=True) for i in range(1, 6)]
+    batcher.run_queued(10.0)
+    assert all(group.wait(0) for group in groups) and [g.result()[0].value for g in groups] == [2, 4, 6, 8, 10]
+    assert recorder.batches[1:] == [[1, 2], [3, 4], [5]] and batcher.batches_inline == 4 and batcher.depth == 0

@@ -184,17 +184,42 @@ class Batcher(Generic[In, Out]):
         self._queue_pending(pending, deadline, inline, now)
         return [p.future for p in pending]  # type: ignore[misc]
 
-    def submit_group(self, items: Sequence[In], deadline: float | None = None,
-                     inline: bool = True, inline_within_s: float = math.inf) -> "Group[Out]":
-        """``submit_many``'s queueing, with one Group for all of the items' results (a request's images);
-        ``inline_within_s``: when given, run on the caller's thread only once batches were measured and these items'
-        batch is expected within it (``expected_batch_s``)."""
+    def submit_group(self, items: Sequence[In], deadline: float | None = None, inline: bool = True,
+                     defer: bool = False) -> "Group[Out]":
+        """``submit_many``'s queueing, with one Group for all of the items' results (a request's images).
+        ``defer``: queued only, the worker not woken: the caller queues more (a loop turn's requests), then
+        ``run_queued`` runs them or wakes it."""
         now = time.monotonic()
         group: Group[Out] = Group(len(items))
-        inline = inline and self.expected_batch_s(len(items)) <= inline_within_s  # inf <= inf: any time
         self._queue_pending([_Pending(item, None, now, deadline, group, index) for index, item in enumerate(items)],
-                            deadline, inline, now)
+                            deadline, inline and not defer, now, wake=not defer)
         return group
+
+    def run_queued(self, inline_within_s: float) -> None:
+        """After ``submit_group(defer=True)``: the items waiting run on the caller's thread, in batches of the cap,
+        when nothing runs and nothing is on its way (as for ``inline_when_idle``), batches were measured and all of
+        them are expected within ``inline_within_s`` (``expected_batch_s``); else the worker is woken to take them."""
+        with self._cond:
+            left = len(self._queue)
+            if not left:
+                return
+            if not (self._inline_when_idle and not self._busy and (self._incoming is None or self._incoming() == 0)
+                    and self.expected_batch_s(left) <= inline_within_s):
+                self._cond.notify()
+                return
+            self._busy = True  # the queue is this thread's: the worker takes nothing meanwhile
+        try:
+            while left > 0:  # only what was judged: what others queue meanwhile is the worker's
+                with self._cond:
+                    batch = [self._queue.popleft() for _ in range(min(left, self.current_max_batch_size))]
+                    self._report_depth(time.monotonic())
+                left -= len(batch)
+                live = self._still_wanted(batch)
+                if live:
+                    self.batches_inline += 1
+                    self._run_batch(live)
+        finally:
+            self._release_inline()
 
     def expected_batch_s(self, items: int) -> float:
         """How long a batch of ``items`` takes, from the recent batches (their time, and their time per item times
@@ -203,7 +228,8 @@ class Batcher(Generic[In, Out]):
             return math.inf
         return max(self._batch_seconds, self._item_seconds * items)
 
-    def _queue_pending(self, pending: list[_Pending[In]], deadline: float | None, inline: bool, now: float) -> None:
+    def _queue_pending(self, pending: list[_Pending[In]], deadline: float | None, inline: bool, now: float,
+                       wake: bool = True) -> None:
         with self._cond:
             self._check_room(len(pending), deadline, now)
             inline = inline and self._may_run_inline(len(pending))
@@ -211,7 +237,8 @@ class Batcher(Generic[In, Out]):
                 self._busy = True
             else:
                 self._queue.extend(pending)
-                self._cond.notify()
+                if wake:
+                    self._cond.notify()
                 if now - self._depth_reported_at >= QUEUE_DEPTH_REPORT_S:  # a stuck batch takes none: still told
                     self._report_depth(now)
         if inline:
@@ -255,10 +282,13 @@ class Batcher(Generic[In, Out]):
                 self.batches_inline += 1
                 self._run_batch(live)
         finally:
-            with self._cond:
-                self._busy = False
-                if self._queue or self._background:  # the worker's now; an idle worker is left asleep (a wake-up
-                    self._cond.notify()  # for nothing costs the caller's thread the GIL's hand-over and back)
+            self._release_inline()
+
+    def _release_inline(self) -> None:
+        with self._cond:
+            self._busy = False
+            if self._queue or self._background:  # the worker's now; an idle worker is left asleep (a wake-up for
+                self._cond.notify()  # nothing costs the caller's thread the GIL's hand-over and back)
 
     def expected_wait_s(self, items: int) -> float:
         """How long ``items`` queued items take to clear at the recent batch latency."""
