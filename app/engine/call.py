@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from app.engine.batching.batcher import Batcher
 from app.engine.batching.types import (
     BatcherClosed,
     BatchResult,
@@ -140,9 +141,14 @@ class Call:
             raise service_error(exc) from None
         return Queued(images, pixels, prepared, group, deadline, timeout_s, names, decode_s, started_ns, decode_cpu_s)
 
+    @property
+    def batcher(self) -> Batcher:
+        """The batcher its images queue on (the version's): what a caller deferring several calls runs once."""
+        return self._version.batcher
+
     def run_queued(self, inline_within_s: float) -> None:
-        """After ``queue(defer=True)``: the version's waiting images run here as one batch when it is idle and
-        their batch is expected within ``inline_within_s`` (``Batcher.run_queued``), else its thread is woken."""
+        """After ``queue(defer=True)``: the version's waiting images run here, in batches of its cap, when it is
+        idle and they are expected within ``inline_within_s`` (``Batcher.run_queued``), else its thread is woken."""
         self._version.batcher.run_queued(inline_within_s)
 
     def expired(self, queued: Queued) -> DeadlineExceeded:

@@ -132,7 +132,7 @@ class EngineServer:
             wire.Unanswered: self._unanswered, wire.CatalogCall: self._catalog, wire.StateQuery: self._state,
             wire.Explain: self._explain}
         self._turn: list[tuple[_Connection, wire.Infer, list[memoryview]]] = []  # requests read in this loop turn
-        self._deferred: list[Call] = []  # this turn's calls queued on the loop, their batchers not yet woken
+        self._deferred: dict[int, Call] = {}  # a call of each batcher this turn queued on, not yet run or woken
 
     def bind(self) -> None:
         """Bind (replacing a dead engine's socket file)."""
@@ -285,8 +285,8 @@ class EngineServer:
         else:
             for share in self.decode_shares.shares(decoded):
                 self._decoders.submit(self._queue_all, share)
-        deferred, self._deferred = self._deferred, []
-        for call in deferred:  # after the decode threads got theirs: a batch waits for what is on its way
+        deferred, self._deferred = self._deferred, {}
+        for call in deferred.values():  # after the decode threads got theirs: a batch waits for what is on its way
             try:
                 call.run_queued(LOOP_BATCH_S)
             except Exception:  # noqa: BLE001 - never the loop's end: its requests end at their deadlines
@@ -350,7 +350,7 @@ class EngineServer:
         except Exception as exc:  # noqa: BLE001 - answered
             return functools.partial(self._end, exchange, exc)
         if on_loop:
-            self._deferred.append(exchange.call)
+            self._deferred[id(exchange.call.batcher)] = exchange.call
         exchange.images, exchange.tensors = [], []  # the queue holds what it needs
         exchange.decode_cpu_s = queued.decode_cpu_s
         return functools.partial(self._queued, exchange, queued)

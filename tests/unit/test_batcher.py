@@ -565,11 +565,15 @@ def test_deferred_groups_run_on_the_callers_thread_as_one_batch_once_measured_an
         make_batcher) -> None:
     fn, incoming = ThreadRecorder(), [0]
     batcher = make_batcher(fn, max_wait_ms=1, max_batch_size=16, incoming=lambda: incoming[0], inline_when_idle=True)
+    wait_until(lambda: _worker_asleep(batcher))  # started, whatever the machine's load: it takes nothing unwoken
     fn.delay_s = 0.01  # each batch's own time: 10 ms
+    notified, notify = [], batcher._cond.notify
+    batcher._cond.notify = lambda n=1: (notified.append(n), notify(n))  # type: ignore[method-assign]
     first = batcher.submit_group([1], defer=True)
-    assert not first.wait(0.05) and batcher.depth == 1  # queued, the worker left asleep
+    assert notified == [] and batcher.depth == 1  # queued, the worker not woken
     batcher.run_queued(0.1)  # nothing measured yet: the worker's
-    assert first.wait(10) and fn.threads[-1] is not threading.current_thread()
+    assert first.wait(10) and fn.threads[-1] is not threading.current_thread() and notified == [1]
+    wait_until(lambda: _worker_asleep(batcher))  # done with that batch, whatever the machine's load
     groups = [batcher.submit_group([2], defer=True), batcher.submit_group([3], defer=True)]
     batcher.run_queued(1.0)  # two images, about 20 ms expected: one batch here, done at return
     assert all(group.wait(0) for group in groups) and fn.threads[-1] is threading.current_thread()
@@ -589,7 +593,13 @@ def test_deferred_groups_over_the_cap_run_here_in_batches_of_the_cap(make_batche
     recorder = Recorder()
     batcher = make_batcher(recorder, max_batch_size=2, incoming=lambda: 0, inline_when_idle=True)
     assert batcher.submit(0).result(timeout=10).value == 0  # a batch measured
+    wait_until(lambda: _worker_asleep(batcher))  # started, whatever the machine's load: it takes nothing unwoken
     groups = [batcher.submit_group([i], defer=True) for i in range(1, 6)]
     batcher.run_queued(10.0)
     assert all(group.wait(0) for group in groups) and [g.result()[0].value for g in groups] == [2, 4, 6, 8, 10]
     assert recorder.batches[1:] == [[1, 2], [3, 4], [5]] and batcher.batches_inline == 4 and batcher.depth == 0
+
+
+def _worker_asleep(batcher: Batcher) -> bool:
+    """The worker waits for work with none taken (so only a notify or an item it is told of wakes it)."""
+    return not batcher._busy and bool(batcher._cond._waiters)  # type: ignore[attr-defined]
