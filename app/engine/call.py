@@ -117,8 +117,8 @@ class Call:
               client_gone: Callable[[], bool] | None = None) -> Queued:
         """The request's images checked, counted, decoded (or their headers read) and queued, all or none; its
         deadline counts from now. ``inline=False``: never run on this thread, even when the batcher is idle;
-        ``defer``: queued without waking the batcher's thread, for ``run_queued`` once the caller has queued the
-        other requests it holds (a thread that serves many requests runs their batch itself when it is short).
+        ``defer``: queued without waking the batcher's thread, for ``batcher.run_queued`` once the caller has queued
+        the other requests it holds (a thread that serves many requests runs their batch itself when it is short).
         Once decoded, images whose client ``client_gone`` says has hung up are dropped there (ClientGone), not
         queued. Raises a ServiceError for every refusal."""
         if bool(images) == bool(tensors):
@@ -143,13 +143,9 @@ class Call:
 
     @property
     def batcher(self) -> Batcher:
-        """The batcher its images queue on (the version's): what a caller deferring several calls runs once."""
+        """The batcher its images queue on (the version's): after ``queue(defer=True)``, its ``run_queued`` runs
+        them (once for every call deferred on it)."""
         return self._version.batcher
-
-    def run_queued(self, inline_within_s: float) -> None:
-        """After ``queue(defer=True)``: the version's waiting images run here, in batches of its cap, when it is
-        idle and they are expected within ``inline_within_s`` (``Batcher.run_queued``), else its thread is woken."""
-        self._version.batcher.run_queued(inline_within_s)
 
     def expired(self, queued: Queued) -> DeadlineExceeded:
         """The deadline passed first: the images still queued dropped; the error to answer."""

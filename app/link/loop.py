@@ -34,7 +34,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from app.engine.call import Call, Queued
+from app.engine.batching.batcher import Batcher
+from app.engine.call import Queued
 from app.engine.contract import CATALOG_CALLS, Signature, not_ready
 from app.engine.service import Admission, Service
 from app.errors import ClientGone, InferenceFailed, ServiceError
@@ -132,7 +133,7 @@ class EngineServer:
             wire.Unanswered: self._unanswered, wire.CatalogCall: self._catalog, wire.StateQuery: self._state,
             wire.Explain: self._explain}
         self._turn: list[tuple[_Connection, wire.Infer, list[memoryview]]] = []  # requests read in this loop turn
-        self._deferred: dict[int, Call] = {}  # a call of each batcher this turn queued on, not yet run or woken
+        self._deferred: dict[int, Batcher] = {}  # the batchers this turn queued on, not yet run or woken (by id)
 
     def bind(self) -> None:
         """Bind (replacing a dead engine's socket file)."""
@@ -271,7 +272,7 @@ class EngineServer:
         """The requests this turn read: every one admitted first (each then counts as on its way to its version's
         next batch, so the batcher waits for them), then their images queued: those the CPU decodes in a few
         hand-offs to the decode threads, or here when cheaper (app/link/decode_shares.py), the rest here. What was
-        queued here then runs here as one batch when it is short (``LOOP_BATCH_S``), else on the batcher's thread.
+        queued here then runs here, in batches of the cap, when it is short (``LOOP_BATCH_S``), else on the batcher's thread.
         Each answer goes out once its futures are done, its deadline passes or its client hangs up, whichever comes
         first."""
         turn, self._turn = self._turn, []
@@ -286,9 +287,9 @@ class EngineServer:
             for share in self.decode_shares.shares(decoded):
                 self._decoders.submit(self._queue_all, share)
         deferred, self._deferred = self._deferred, {}
-        for call in deferred.values():  # after the decode threads got theirs: a batch waits for what is on its way
+        for batcher in deferred.values():  # after the decode threads got theirs: a batch waits for what is on its way
             try:
-                call.run_queued(LOOP_BATCH_S)
+                batcher.run_queued(LOOP_BATCH_S)
             except Exception:  # noqa: BLE001 - never the loop's end: its requests end at their deadlines
                 log.exception("a batch run on the engine's loop failed")
 
@@ -350,7 +351,7 @@ class EngineServer:
         except Exception as exc:  # noqa: BLE001 - answered
             return functools.partial(self._end, exchange, exc)
         if on_loop:
-            self._deferred[id(exchange.call.batcher)] = exchange.call
+            self._deferred[id(exchange.call.batcher)] = exchange.call.batcher
         exchange.images, exchange.tensors = [], []  # the queue holds what it needs
         exchange.decode_cpu_s = queued.decode_cpu_s
         return functools.partial(self._queued, exchange, queued)

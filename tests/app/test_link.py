@@ -696,7 +696,7 @@ def test_a_batch_run_where_images_were_decoded_is_not_counted_as_their_decode(se
         with service.admit(None, None, None) as call:
             started = time.thread_time()
             queued = call.queue([image_bytes(RED)], timeout_s=10, defer=True)
-            call.run_queued(10.0)
+            call.batcher.run_queued(10.0)
             assert queued.done() and time.thread_time() - started >= 0.05  # its batch ran on this thread
             assert 0 < queued.decode_cpu_s < 0.03
     finally:

@@ -203,8 +203,7 @@ class Batcher(Generic[In, Out]):
             left = len(self._queue)
             if not left:
                 return
-            if not (self._inline_when_idle and not self._busy and (self._incoming is None or self._incoming() == 0)
-                    and self.expected_batch_s(left) <= inline_within_s):
+            if not (self._idle_for_inline() and self.expected_batch_s(left) <= inline_within_s):
                 self._cond.notify()
                 return
             self._busy = True  # the queue is this thread's: the worker takes nothing meanwhile
@@ -214,10 +213,7 @@ class Batcher(Generic[In, Out]):
                     batch = [self._queue.popleft() for _ in range(min(left, self.current_max_batch_size))]
                     self._report_depth(time.monotonic())
                 left -= len(batch)
-                live = self._still_wanted(batch)
-                if live:
-                    self.batches_inline += 1
-                    self._run_batch(live)
+                self._run_wanted(batch)
         finally:
             self._release_inline()
 
@@ -272,17 +268,24 @@ class Batcher(Generic[In, Out]):
 
     def _may_run_inline(self, count: int) -> bool:
         """Called under the lock: no batch runs, none waits, no item is on its way, and these items fit one batch."""
-        return (self._inline_when_idle and not self._busy and not self._queue
-                and count <= self.current_max_batch_size and (self._incoming is None or self._incoming() == 0))
+        return not self._queue and count <= self.current_max_batch_size and self._idle_for_inline()
+
+    def _idle_for_inline(self) -> bool:
+        """Called under the lock: batches may run on callers' threads, none runs, and no item is on its way."""
+        return self._inline_when_idle and not self._busy and (self._incoming is None or self._incoming() == 0)
 
     def _run_inline(self, pending: list[_Pending[In]]) -> None:
         try:
-            live = self._still_wanted(pending)
-            if live:
-                self.batches_inline += 1
-                self._run_batch(live)
+            self._run_wanted(pending)
         finally:
             self._release_inline()
+
+    def _run_wanted(self, batch: list[_Pending[In]]) -> None:
+        """On the caller's thread, holding the queue (busy): what is still wanted of ``batch`` run as one batch."""
+        live = self._still_wanted(batch)
+        if live:
+            self.batches_inline += 1
+            self._run_batch(live)
 
     def _release_inline(self) -> None:
         with self._cond:
