@@ -100,11 +100,14 @@ class _Client:
 def closed_loop(url: str, bodies: Sequence[bytes], concurrency: int, duration_s: float, warmup_s: float,
                 content_type: str = "image/jpeg", statuses: collections.Counter[int] | None = None,
                 headers: dict[str, str] | None = None, method: str = "POST") -> tuple[list[float], int, int]:
-    """Run C clients for warm-up + duration; returns latencies (s) and errors inside the measured window, and every
-    answered request (200) until the last client stopped, for CPU per request over the whole call; ``statuses``
-    counts the measured window's answers by status (0: none). Each client sends its next request as soon as the
-    previous answer arrives (a 429's Retry-After is not waited for: the overload a client that retries makes).
-    ``headers`` (all of them, Content-Type included) replace ``content_type``; ``method`` GET sends no body."""
+    """Run C clients for warm-up + duration; returns latencies (s) and errors of the answers that came inside the
+    measured window (whenever they were sent: with the clients running through the warm-up, the window counts the
+    steady state's rate; counted from a cold start it would lose the work still in flight at its end, which grows
+    with the latency and so with overload), and every answered request (200) until the last client stopped, for
+    CPU per request over the whole call; ``statuses`` counts the window's answers by status (0: none). Each client
+    sends its next request as soon as the previous answer arrives (a 429's Retry-After is not waited for: the
+    overload a client that retries makes). ``headers`` (all of them, Content-Type included) replace
+    ``content_type``; ``method`` GET sends no body."""
     start = time.perf_counter()
     measure_from, stop_at = start + warmup_s, start + warmup_s + duration_s
     latencies: list[float] = []
@@ -123,7 +126,7 @@ def closed_loop(url: str, bodies: Sequence[bytes], concurrency: int, duration_s:
             i += concurrency
             with lock:
                 answered[0] += ok
-                if sent >= measure_from and done <= stop_at:
+                if measure_from <= done <= stop_at:
                     if statuses is not None:
                         statuses[status] += 1
                     if ok:
@@ -143,12 +146,14 @@ def closed_loop(url: str, bodies: Sequence[bytes], concurrency: int, duration_s:
 def measure(server: str, model: str, base_url: str, path: str, bodies: Sequence[bytes], concurrency: int,
             duration_s: float, warmup_s: float, content_type: str = "image/jpeg",
             server_pgid: int | None = None) -> LoadResult:
-    """One point of the comparison: a warm-up run, then the measured run (batch sizes and CPU use over it only)."""
+    """One point of the comparison: a warm-up run (a worker's first answers are slow), then the measured run (batch
+    sizes and CPU use over it only), whose clients run ``warmup_s`` again before its window (the window's rate is
+    then the steady state's, whatever the latency: ``closed_loop``)."""
     closed_loop(base_url + path, bodies, concurrency, warmup_s, 0.0, content_type)
     before = server_counters(base_url)
     server_cpu = process_group_cpu_s(server_pgid) if server_pgid else 0.0
     client_cpu, started = _own_cpu_s(), time.perf_counter()
-    latencies, errors, answered = closed_loop(base_url + path, bodies, concurrency, duration_s, 0.0,
+    latencies, errors, answered = closed_loop(base_url + path, bodies, concurrency, duration_s, warmup_s,
                                               content_type)
     wall = time.perf_counter() - started
     server_cores = (process_group_cpu_s(server_pgid) - server_cpu) / wall if server_pgid else None

@@ -1,7 +1,9 @@
 """The benchmark's load generator against a tiny stdlib HTTP server: what it counts and how it survives closes."""
 from __future__ import annotations
 
+import collections
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Iterator
 
@@ -12,7 +14,8 @@ from harness.servers import free_port
 
 
 class _Handler(BaseHTTPRequestHandler):
-    """200 for the body b"ok", 503 for anything else; b"close" also closes the connection after answering."""
+    """200 for the body b"ok", 503 for anything else; b"close" also closes the connection after answering; b"slow"
+    answers 200 after 0.4 s."""
 
     protocol_version = "HTTP/1.1"  # keep-alive, as the servers under test speak it
     connections: set[tuple[str, int]] = set()
@@ -20,7 +23,9 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
         body = self.rfile.read(int(self.headers["Content-Length"]))
         _Handler.connections.add(self.client_address)
-        self.send_response(200 if body in (b"ok", b"close") else 503)
+        if body == b"slow":
+            time.sleep(0.4)
+        self.send_response(200 if body in (b"ok", b"close", b"slow") else 503)
         self.send_header("Content-Length", "2")
         if body == b"close":
             self.send_header("Connection", "close")
@@ -70,3 +75,15 @@ def test_no_server_counts_errors_without_raising() -> None:
     latencies, errors, answered = closed_loop(f"http://127.0.0.1:{free_port()}/predict", [b"ok"], concurrency=2,
                                     duration_s=0.2, warmup_s=0.0)
     assert latencies == [] and errors > 0 and answered == 0
+
+
+def test_counts_the_answers_that_came_in_the_window_whenever_they_were_sent(url: str) -> None:
+    # One client, 0.4 s an answer: sent at 0 (in the warm-up) and 0.4, answered at 0.4 and 0.8, both inside the
+    # window [0.2, 1.0]; the one sent at 0.8 is answered after it. A count of only what was sent in the window
+    # would lose the first: the work in flight at the window's start, which grows with the latency.
+    statuses: collections.Counter[int] = collections.Counter()
+    latencies, errors, answered = closed_loop(url, [b"slow"], concurrency=1, duration_s=0.8, warmup_s=0.2,
+                                              statuses=statuses)
+    assert errors == 0 and len(latencies) == 2 and statuses == {200: 2}
+    assert all(0.4 <= x < 0.6 for x in latencies)
+    assert answered == 3  # every 200 of the call, the one after the window too
