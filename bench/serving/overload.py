@@ -5,10 +5,13 @@ server at that saturating concurrency, in each engine layout (issue #50, item 3)
     .venv/bin/python -m bench.serving.overload --model small --seconds 6 --points 16x2 1x4
     python3 -m bench.serving.overload --device cuda --points 1x64 16x16   # on a GPU host
 
-Each point (IMAGESxC: images per request, the saturating concurrency) runs C clients, then 8 x C clients, each for
-``--seconds`` after a warm-up, on one server start per engine. Printed per run: goodput (images/s of 200 answers),
-the answers by status, p50/p99 of the 200s and the longest, and the ratio of the overloaded goodput to the
-saturated one (the bar: >= 0.9, answers only 200/429/503).
+Each point is IMAGES (images per request: the saturating concurrency found here) or IMAGESxC (C given). Finding it:
+C = 1, 2, 4, ... clients for half of ``--seconds`` each, until the goodput gains less than 5% over the best so far
+(or C reaches ``--max-concurrency``); the saturating C is the one that gave the best, the smallest within 5% of it.
+Then C clients, then 8 x C clients, each for ``--seconds``, their clients going on from a warm-up into the window,
+on one server start per engine. Printed per run: goodput (images/s of 200 answers), the answers by status, p50/p99
+of the 200s and the longest, and the ratio of the overloaded goodput to the saturated one (the bar: >= 0.9, answers
+only 200/429/503).
 """
 from __future__ import annotations
 
@@ -38,6 +41,23 @@ def point(url: str, per_request: int, concurrency: int, seconds: float, warmup: 
             "max_ms": max(ms, default=float("nan"))}
 
 
+def saturating(url: str, per_request: int, seconds: float, warmup: float, limit: int) -> tuple[int, list[dict]]:
+    """The concurrency that saturates the server with ``per_request`` images a request (doubling from 1 until the
+    goodput gains less than 5% over the best so far, or ``limit``), and the points tried."""
+    tried: list[dict[str, object]] = []
+    best: dict[str, object] | None = None
+    concurrency = 1
+    while concurrency <= limit:
+        row = point(url, per_request, concurrency, seconds, warmup)
+        tried.append(row)
+        if best is not None and row["img_s"] < 1.05 * best["img_s"]:  # type: ignore[operator]
+            break
+        best = row if best is None or row["img_s"] > best["img_s"] else best  # type: ignore[operator]
+        concurrency *= 2
+    assert best is not None, "limit below 1"
+    return int(best["concurrency"]), tried  # type: ignore[arg-type]
+
+
 def weights_for(model: str, work: Path) -> Path:
     if model == "small":
         from harness.faults import small_weights
@@ -53,8 +73,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="efficientnet_lite0", choices=("efficientnet_lite0", "small"))
     parser.add_argument("--engines", nargs="+", default=["inline", "process"], choices=("inline", "process"))
-    parser.add_argument("--points", nargs="+", default=["16x2", "1x4"],
-                        help="IMAGESxC: images per request and the concurrency that saturates the server")
+    parser.add_argument("--points", nargs="+", default=["16", "1"],
+                        help="IMAGES (the saturating concurrency found) or IMAGESxC (given): images per request")
+    parser.add_argument("--max-concurrency", type=int, default=128, help="the search for saturation stops here")
     parser.add_argument("--seconds", type=float, default=12.0)
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--device", default="cpu")
@@ -63,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="QUEUE_SIZE, a server start per value (0: the automatic size; 128: the count before)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args(argv)
-    points = [tuple(int(x) for x in p.split("x")) for p in args.points]
+    points = [(int(images), int(given) if given else 0) for images, _, given in (p.partition("x") for p in args.points)]
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         weights = weights_for(args.model, Path(folder))
@@ -71,8 +92,15 @@ def main(argv: list[str] | None = None) -> None:
             server = visionserve(weights, Path(folder), engine=engine, device=args.device, workers=args.workers,
                                  queue_size=queue_size, max_images=str(max(n for n, _ in points))).wait_ready()
             try:
-                for per_request, saturating in points:
-                    for concurrency in (saturating, OVERLOAD * saturating):
+                for per_request, given in points:
+                    found = given
+                    if not given:
+                        found, tried = saturating(server.url, per_request, args.seconds / 2, args.warmup / 2,
+                                                  args.max_concurrency)
+                        for row in tried:
+                            print(json.dumps({"engine": engine, "queue_size": queue_size, "search": True, **row}),
+                                  flush=True)
+                    for concurrency in (found, OVERLOAD * found):
                         row = {"engine": engine, "queue_size": queue_size,
                                **point(server.url, per_request, concurrency, args.seconds, args.warmup)}
                         rows.append(row)
