@@ -31,7 +31,7 @@ class LoadResult:
     errors: int
     requests: int
     mean_batch: float | None
-    server_cores: float | None = None  # CPU the server's processes used over the measured window, in cores
+    server_cores: float | None = None  # CPU the server's processes used over the measured call (ramp, window, tail)
     client_cores: float | None = None  # the same for this load generator
     cpu_ms_per_image: float | None = None  # the server's CPU per answered image: what "faster per core" means
     decode_cpu_ms: float | None = None  # of which decode + preprocess, per image (visionserve's own counters)
