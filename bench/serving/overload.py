@@ -7,9 +7,9 @@ server at that saturating concurrency, in each engine layout (issue #50, item 3)
 
 Each point is IMAGES (images per request: the saturating concurrency found here) or IMAGESxC (C given). Finding it:
 C = 1, 2, 4, ... clients for half of ``--seconds`` each, until two doublings in a row gain less than 5% over the
-best so far (or C reaches ``--max-concurrency`` still gaining: said as not saturated); the saturating C is the best's,
-the smallest within 5% of every C after it. Then C, 2 x C and 8 x C clients, each for ``--seconds``, their clients going on from a
-warm-up into the window, on one server start per engine (warmed first). Printed per run: goodput (images/s of 200
+best so far (or C reaches ``--max-concurrency`` still gaining: said as not saturated); the saturating C is the
+best's. Then C, 2 x C and 8 x C clients, each for ``--seconds``, their clients going on from a warm-up into the
+window, on one server start per engine (warmed first). Printed per run: goodput (images/s of 200
 answers), the answers by status, p50/p99 of the 200s and the longest, and the ratio of each goodput to the peak, the
 better of C and 2 x C (the bar: 8 x C at >= 0.9 of it, answers only 200/429/503). With ``--rounds`` N the three are
 measured N times in turn and each is told by its median round (this VM's 8-s points swing by 15-20%).
@@ -45,8 +45,8 @@ def point(url: str, per_request: int, concurrency: int, seconds: float, warmup: 
 def saturating(url: str, per_request: int, seconds: float, warmup: float, limit: int) -> tuple[dict, bool, list]:
     """The point that saturates the server with ``per_request`` images a request (C doubling from 1 until two
     doublings in a row gain less than 5% over the best so far: one low reading of a noisy host does not end the
-    search), whether it did before ``limit`` (else the best is the last C tried, still gaining), and the points
-    tried."""
+    search), whether it stopped gaining before ``limit`` (else the best is the last C tried, still gaining), and
+    the points tried."""
     if limit < 1:
         raise ValueError(f"the search's limit must be at least 1, got {limit}")
     tried: list[dict[str, object]] = []
