@@ -6,6 +6,7 @@ import bisect
 import os
 import threading
 from collections import Counter as Tally
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from prometheus_client import (
@@ -94,7 +95,9 @@ def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
     fall in and one of the sum: in multiprocess mode each increment is a locked write to a shared file, and a batch's
     or a loop turn's values land in few buckets. Reads prometheus-client's own fields (pinned; tests compare it with
     ``observe`` one by one)."""
-    if not values:
+    if len(values) < 2:
+        if values:
+            histogram.observe(values[0])
         return
     histogram._raise_if_not_observable()
     bounds = histogram._upper_bounds
@@ -105,10 +108,23 @@ def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
         histogram._buckets[index].inc(count)
 
 
+@dataclass
+class _HeldBatches:
+    """Batches' figures held until they are written together."""
+
+    sizes: list[int] = field(default_factory=list)
+    run_s: list[float] = field(default_factory=list)
+    queued_s: list[float] = field(default_factory=list)
+    cpu_s: float = 0.0
+    forward_cpu_s: float = 0.0
+
+
 class MetricsObserver:
-    """Feeds one model version's batcher reports and its monitored predictions into the metrics; ``memory_stats``
-    is read after each batch (CUDA only). Once ``retire``d (its version unloaded), its stopping batcher no longer
-    counts as a dead one and its drift and low-confidence gauges read 0."""
+    """Feeds one model version's batcher reports and its monitored predictions into the metrics. A batch's figures
+    are held until ``settle`` (the batcher's, through its version) writes every batch's since the last one together:
+    one increment per bucket and series, not several per batch; ``memory_stats`` is read then (CUDA only). Once
+    ``retire``d (its version unloaded), its stopping batcher no longer counts as a dead one and its drift and
+    low-confidence gauges read 0."""
 
     def __init__(self, memory_stats: Callable[[], dict[str, int]] | None = None, model: str = "",
                  version: str = "") -> None:
@@ -122,6 +138,8 @@ class MetricsObserver:
         self._figures_lock = threading.Lock()  # a batch's figures never land after the version's retire()
         self._figures: dict[Gauge, Gauge] = {}  # each figure's series, once it was set
         self._forward_cpu_s = 0.0  # the running batch's forward pass (one batch runs at a time)
+        self._held_lock = threading.Lock()
+        self._held = _HeldBatches()  # the batches' figures since the last settle
 
     def retire(self) -> None:
         """The version is being unloaded: its queue series and the figures it reported read 0, and its batcher's
@@ -160,15 +178,28 @@ class MetricsObserver:
         self._forward_cpu_s = cpu_s
 
     def batch_done(self, size: int, run_s: float, queued_s: Sequence[float], cpu_s: float) -> None:
-        """Record one batch: its size, its time, its thread's CPU and its forward pass's (``forward_ran``), and how
-        long its images waited."""
-        BATCH_SIZE.observe(size)
-        series(STAGE_SECONDS, "inference").observe(run_s)
-        series(STAGE_CPU_SECONDS, "inference").inc(cpu_s)
+        """Hold one batch's figures for ``settle``: its size, its time, its thread's CPU and its forward pass's
+        (``forward_ran``), and how long its images waited."""
         forward_s, self._forward_cpu_s = self._forward_cpu_s, 0.0
-        if forward_s:
-            series(STAGE_CPU_SECONDS, "forward").inc(forward_s)
-        observe_many(series(STAGE_SECONDS, "queue"), queued_s)
+        with self._held_lock:
+            held = self._held
+            held.sizes.append(size)
+            held.run_s.append(run_s)
+            held.queued_s.extend(queued_s)
+            held.cpu_s += cpu_s
+            held.forward_cpu_s += forward_s
+
+    def settle(self) -> None:
+        """Write the batches' figures held since the last call."""
+        with self._held_lock:
+            held, self._held = self._held, _HeldBatches()
+        if held.sizes:
+            observe_many(BATCH_SIZE, held.sizes)
+            observe_many(series(STAGE_SECONDS, "inference"), held.run_s)
+            series(STAGE_CPU_SECONDS, "inference").inc(held.cpu_s)
+            if held.forward_cpu_s:
+                series(STAGE_CPU_SECONDS, "forward").inc(held.forward_cpu_s)
+            observe_many(series(STAGE_SECONDS, "queue"), held.queued_s)
         if self._memory_stats is not None:
             for kind, value in self._memory_stats().items():
                 GPU_MEMORY.labels(kind).set(value)

@@ -8,6 +8,7 @@ import base64
 import json
 import random
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
@@ -175,3 +176,22 @@ def test_a_reference_that_does_not_fit_the_labels_is_refused() -> None:
 def test_monitor_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="monitor_min_predictions"):
         Settings(monitor_window=100, monitor_min_predictions=200)
+
+
+def test_predictions_held_while_images_wait_are_all_counted_once_every_answer_is_back(settings: Settings) -> None:
+    # Six clients at once, figures held while images wait (never written for time): each batch that empties the queue
+    # writes what the batches before it held, before its answers leave; nothing is lost or counted twice.
+    app = _app(settings, "held_under_load", metrics_flush_ms=60_000, queue_size=64)
+    try:
+        client = app.test_client()
+        sent = [_mix(2, 1, 1, seed=seed) for seed in range(6)]
+        with ThreadPoolExecutor(len(sent)) as pool:
+            answers = [p for predictions in pool.map(lambda images: _send(client, images), sent * 3)
+                       for p in predictions]
+        assert len(answers) == 72 and _monitoring(client)["predictions_total"] == 72
+        for label in ("red", "green", "blue"):
+            count = sum(p["label"] == label for p in answers)
+            assert _series(client, "visionserve_predicted_class_total", "held_under_load", label=label) == count
+        assert _series(client, "visionserve_top1_confidence_count", "held_under_load") == 72
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)

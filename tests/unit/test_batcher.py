@@ -45,7 +45,7 @@ class Recorder:
 def make_batcher() -> Iterator[Callable[..., Batcher]]:
     started: list[Batcher] = []
 
-    def make(fn: Callable, **kwargs: float) -> Batcher:
+    def make(fn: Callable, **kwargs: object) -> Batcher:
         options = {"max_batch_size": 4, "max_wait_ms": 20, "queue_size": 64} | kwargs
         batcher = Batcher(fn, **options).start()  # type: ignore[arg-type]
         started.append(batcher)
@@ -603,3 +603,74 @@ def test_deferred_groups_over_the_cap_run_here_in_batches_of_the_cap(make_batche
 def _worker_asleep(batcher: Batcher) -> bool:
     """The worker waits for work with none taken (so only a notify or an item it is told of wakes it)."""
     return not batcher._busy and bool(batcher._cond._waiters)  # type: ignore[attr-defined]
+
+
+class Settles:
+    """A batcher's ``settle``: at each call, how many batches had run and whether the last submitted item's answer
+    had left."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder, self.calls, self.last = recorder, [], None
+
+    def __call__(self) -> None:
+        self.calls.append((len(self.recorder.batches), self.last is not None and self.last.done()))
+
+
+def test_batches_run_while_items_wait_settle_together_before_the_answers_of_the_batch_that_empties_the_queue(
+        make_batcher) -> None:
+    recorder = Recorder()
+    settles = Settles(recorder)
+    batcher = make_batcher(recorder, max_batch_size=2, max_wait_ms=1, settle=settles, settle_s=60.0)
+    _settled_once(batcher, settles)
+    _hold_worker(batcher, recorder)  # [0] runs, held; 1-5 queue behind it
+    futures = batcher.submit_many([1, 2, 3, 4, 5])
+    settles.last = futures[-1]
+    recorder.gate.set()
+    assert [f.result(timeout=10).value for f in futures] == [2, 4, 6, 8, 10]
+    assert recorder.batches[1:] == [[0], [1, 2], [3, 4], [5]]
+    assert settles.calls[1:] == [(5, False)]  # once, for the four batches, before [5]'s answer left
+
+
+def test_a_settle_interval_of_zero_settles_every_batch_before_its_answers(make_batcher) -> None:
+    recorder = Recorder()
+    settles = Settles(recorder)
+    batcher = make_batcher(recorder, max_batch_size=2, max_wait_ms=1, settle=settles, settle_s=0.0)
+    _hold_worker(batcher, recorder)
+    futures = batcher.submit_many([1, 2, 3])
+    settles.last = futures[-1]
+    recorder.gate.set()
+    assert [f.result(timeout=10).value for f in futures] == [2, 4, 6]
+    assert settles.calls == [(1, False), (2, False), (3, False)]
+
+
+def test_batches_left_unsettled_settle_when_the_items_behind_them_are_dropped_unrun(make_batcher) -> None:
+    recorder = Recorder()
+    settles = Settles(recorder)
+    batcher = make_batcher(recorder, max_wait_ms=1, settle=settles, settle_s=60.0)
+    _settled_once(batcher, settles)
+    _hold_worker(batcher, recorder)
+    doomed = batcher.submit(1)
+    assert doomed.cancel()  # still queued when [0] ends: [0] does not settle; nothing runs after it
+    recorder.gate.set()
+    wait_until(lambda: len(settles.calls) == 2)
+    assert settles.calls[1] == (2, False) and recorder.batches[1:] == [[0]]
+
+
+def test_a_stopping_batcher_settles_the_batches_it_finishes(make_batcher) -> None:
+    recorder = Recorder()
+    settles = Settles(recorder)
+    batcher = make_batcher(recorder, max_batch_size=1, max_wait_ms=1, settle=settles, settle_s=60.0)
+    _settled_once(batcher, settles)
+    _hold_worker(batcher, recorder)
+    batcher.submit(1)
+    batcher.stop(timeout=0)  # closed while [0] runs and [1] waits
+    recorder.gate.set()
+    batcher.stop(timeout=10)
+    assert recorder.batches[1:] == [[0], [1]] and settles.calls[1:] == [(3, False)]
+
+
+def _settled_once(batcher: Batcher, settles: Settles) -> None:
+    """One batch run and settled (a first batch settles: none was, ``settle_s`` ago), the worker asleep again."""
+    assert batcher.submit(9).result(timeout=10).value == 18
+    wait_until(lambda: _worker_asleep(batcher))
+    assert settles.calls == [(1, False)]

@@ -196,3 +196,28 @@ def test_a_confidence_equal_to_the_threshold_is_not_low_whatever_its_decimal() -
     assert monitor.observe(row).low_confidence_ratio == 0.0
     row[0, 2] = torch.nextafter(torch.tensor(0.7), torch.tensor(0.0))
     assert monitor.observe(row).low_confidence_ratio == 0.5
+
+
+def test_batches_figures_are_held_until_settled_then_written_as_each_batch_s_would_be() -> None:
+    def sample(name: str, labels: dict[str, str] | None = None) -> float:
+        return REGISTRY.get_sample_value(name, labels or {}) or 0.0
+
+    names = [("visionserve_batch_size_count", None), ("visionserve_batch_size_sum", None),
+             ("visionserve_batch_size_bucket", {"le": "4.0"}),
+             ("visionserve_stage_duration_seconds_count", {"stage": "inference"}),
+             ("visionserve_stage_duration_seconds_sum", {"stage": "inference"}),
+             ("visionserve_stage_duration_seconds_count", {"stage": "queue"}),
+             ("visionserve_stage_duration_seconds_bucket", {"stage": "queue", "le": "0.01"}),
+             ("visionserve_stage_cpu_seconds_total", {"stage": "inference"}),
+             ("visionserve_stage_cpu_seconds_total", {"stage": "forward"})]
+    before = [sample(*name) for name in names]
+    observer = MetricsObserver(model="held", version="1")
+    observer.forward_ran(0.002)
+    observer.batch_done(3, 0.004, [0.001, 0.002, 0.02], 0.003)
+    observer.batch_done(8, 0.006, [0.005] * 8, 0.005)  # no forward pass told: a shadow's or a canary's
+    assert [sample(*name) for name in names] == before  # nothing written yet
+    observer.settle()
+    written = [sample(*name) - b for name, b in zip(names, before)]
+    assert written == pytest.approx([2, 11, 1, 2, 0.010, 11, 10, 0.008, 0.002])
+    observer.settle()  # nothing held: nothing written again
+    assert [sample(*name) - b for name, b in zip(names, before)] == pytest.approx(written)

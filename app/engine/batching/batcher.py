@@ -89,13 +89,20 @@ class Batcher(Generic[In, Out]):
 
     Background work (``submit_background``: a shadow comparison) runs on the worker thread only when no item is
     queued, no batch runs and nothing is on its way; an item queued meanwhile waits for that one job at most.
+
+    ``settle`` (optional) is the caller's accounting of its batches (a version's monitor and metrics), done for
+    every batch since the last call: once the queue is empty, before the answers of the batch that emptied it leave,
+    and while items still wait, after a batch ``settle_s`` or more after the last call; so a batcher that cannot
+    keep up accounts for many batches at once, and one that keeps up for each before its answers (0: every batch).
+    It runs on the thread that ran the batches, one call at a time.
     """
 
     def __init__(self, predict_fn: Callable[[list[In]], Sequence[Out]], *, max_batch_size: int,
                  max_wait_ms: float, queue_size: int, name: str = "batcher",
                  split_on: tuple[type[BaseException], ...] = (), shrink_s: float = 30.0,
                  observer: BatchObserver | None = None, incoming: Callable[[], int] | None = None,
-                 inline_when_idle: bool = False) -> None:
+                 inline_when_idle: bool = False, settle: Callable[[], None] | None = None,
+                 settle_s: float = 0.0) -> None:
         if max_batch_size <= 0:
             raise ValueError(f"max_batch_size must be positive, got {max_batch_size}")
         if max_wait_ms < 0:
@@ -127,6 +134,10 @@ class Batcher(Generic[In, Out]):
         self._busy = False  # a batch is being gathered or run, by the worker or inline by a caller
         self.batches_run = 0
         self.batches_inline = 0
+        self._settle = settle
+        self._settle_s = settle_s
+        self._settled_at = -math.inf
+        self._unsettled = False  # batches ran since the last settle
         self._prepare: Callable[[], object] | None = None
         self._prepared: Future[BaseException | None] = Future()  # prepare's outcome: None, or what it raised
 
@@ -286,6 +297,7 @@ class Batcher(Generic[In, Out]):
         if live:
             self.batches_inline += 1
             self._run_batch(live)
+        self._settle_when_empty()
 
     def _release_inline(self) -> None:
         with self._cond:
@@ -392,12 +404,30 @@ class Batcher(Generic[In, Out]):
                     live = self._still_wanted(batch)  # type: ignore[arg-type]
                     if live:
                         self._run_batch(live)
+                    self._settle_when_empty()
                 finally:
                     with self._cond:
                         self._busy = False
         finally:
+            if self._unsettled:
+                self._settle_now(time.monotonic())
             self._observer.running(False)
         log.info("batcher stopped after %d batches", self.batches_run)
+
+    def _settle_when_empty(self) -> None:
+        """Holding the queue (busy), after a take: settle what the batches left unsettled once nothing waits (its
+        items may all have been dropped, so no batch of theirs settles)."""
+        if self._unsettled and not self._queue:
+            self._settle_now(time.monotonic())
+
+    def _settle_now(self, now: float) -> None:
+        self._unsettled, self._settled_at = False, now
+        if self._settle is None:
+            return
+        try:
+            self._settle()
+        except Exception:  # noqa: BLE001 - accounting must never end the worker or fail the answers
+            log.exception("settling the batches' accounting failed")
 
     def _run_background(self, jobs: list[BackgroundJob]) -> None:
         try:
@@ -456,5 +486,8 @@ class Batcher(Generic[In, Out]):
         self._item_seconds = per_item if self.batches_run == 1 else 0.8 * self._item_seconds + 0.2 * per_item
         queued = [started - p.enqueued_at for p in batch]
         self._observer.batch_done(len(batch), run_s, queued, time.thread_time() - cpu_started)
+        self._unsettled = True
+        if not self._queue or started - self._settled_at >= self._settle_s:
+            self._settle_now(started)
         for p, value, waited in zip(batch, outputs, queued):
             p.done(BatchResult(value, batch_id, len(batch), waited, run_s))

@@ -44,6 +44,8 @@ class LoadedVersion:
     device_memory_bytes: int | None = None  # CUDA memory the load and warm-up took (None on the CPU)
     batcher: Batcher[Prepared, np.ndarray] = field(init=False)
     serving: threading.Event = field(default_factory=threading.Event)  # warmed up and canaried: batches monitored
+    _unmonitored: list[np.ndarray] = field(default_factory=list, init=False)  # requests' rows since the last settle
+    _settling: threading.Lock = field(default_factory=threading.Lock, init=False)
     _explainer: Explainer | None = field(default=None, init=False)  # made on the first explanation
     _explainer_made: threading.Lock = field(default_factory=threading.Lock, init=False)
 
@@ -75,18 +77,28 @@ class LoadedVersion:
 
     def run_batch(self, prepared: Sequence[Prepared]) -> np.ndarray:
         """One batch, on the batcher's thread: collate (the device path decodes here), the forward pass (softmax
-        probabilities, one row per image; its CPU told to the observer, which counts it with the batch's), then, for
-        requests' batches, the monitor and its metrics. The rows come back as one float32 array (its rows are views:
-        a request's answer takes them as they are, no per-request tensor steps), each the image's probabilities
-        followed by its embedding when the version has one."""
+        probabilities, one row per image; its CPU told to the observer, which counts it with the batch's); a
+        request's batch's probabilities are held for the monitor (``settle``). The rows come back as one float32
+        array (its rows are views: a request's answer takes them as they are, no per-request tensor steps), each the
+        image's probabilities followed by its embedding when the version has one."""
         batch = self.decoder.collate(prepared)
         started = time.thread_time()
         rows = self.predictor.predict_batch(batch).numpy()
         self.observer.forward_ran(time.thread_time() - started)
         if self.serving.is_set():
-            seen = self.monitor.observe(rows[:, :self.predictor.num_classes])
-            self.observer.predictions(seen.labels, seen.confidences, seen.low_confidence_ratio, seen.psi)
+            with self._settling:
+                self._unmonitored.append(rows[:, :self.predictor.num_classes])
         return rows
+
+    def settle(self) -> None:
+        """The batcher's ``settle``: the requests' predictions since the last call to the monitor in one step, then
+        they, the monitor's figures and the batches' to the metrics in one write each."""
+        with self._settling:
+            held, self._unmonitored = self._unmonitored, []
+            if held:
+                seen = self.monitor.observe(held[0] if len(held) == 1 else np.concatenate(held))
+                self.observer.predictions(seen.labels, seen.confidences, seen.low_confidence_ratio, seen.psi)
+            self.observer.settle()
 
     def _info_labels(self) -> tuple[str, str, str, str]:
         return self.name, self.version, str(self.predictor.device), self.predictor.dtype_name
@@ -139,7 +151,8 @@ def start_version(settings: Settings, predictor: Predictor) -> LoadedVersion:
         loaded.run_batch, max_batch_size=settings.max_batch_size, max_wait_ms=settings.max_wait_ms,
         queue_size=settings.resolved_queue_size(), split_on=OUT_OF_MEMORY_ERRORS, shrink_s=settings.oom_shrink_s,
         observer=observer, incoming=loaded.arrivals.count, name=f"batcher-{name}-{version}",
-        inline_when_idle=inline_batches(settings.inline_when_idle, predictor.device))
+        inline_when_idle=inline_batches(settings.inline_when_idle, predictor.device), settle=loaded.settle,
+        settle_s=settings.metrics_flush_ms / 1000)
 
     def prepare() -> None:  # on the thread that will run the batches: cuDNN's tuned plans are per thread
         if settings.warmup:
