@@ -32,7 +32,8 @@ from app.engine.batching.types import (
 )
 
 log = logging.getLogger(__name__)
-QUEUE_DEPTH_REPORT_S = 0.1  # the depth is told as each batch is taken, and by a submit when none was told this long
+QUEUE_DEPTH_REPORT_S = 0.1  # the depth is told when none was told this long (as a batch is taken, or by a submit), and
+# as a batch taken empties the queue: a saturated queue's depth is a gauge write every 0.1 s, not two every batch
 BACKGROUND_LOOK_S = 0.01  # with background work waiting, how often an idle worker looks whether requests still arrive
 
 In = TypeVar("In")
@@ -222,7 +223,7 @@ class Batcher(Generic[In, Out]):
             while left > 0:  # only what was judged: what others queue meanwhile is the worker's
                 with self._cond:
                     batch = [self._queue.popleft() for _ in range(min(left, self.current_max_batch_size))]
-                    self._report_depth(time.monotonic())
+                    self._report_depth_taken(time.monotonic())
                 left -= len(batch)
                 self._run_wanted(batch)
         finally:
@@ -345,7 +346,7 @@ class Batcher(Generic[In, Out]):
                     return self._take_background()
                 self._cond.wait(BACKGROUND_LOOK_S if self._background else None)
             self._busy = True
-            self._report_depth(time.monotonic())  # as a batch is taken: the backlog it met, then what it left
+            self._report_depth_taken(time.monotonic())  # as a batch is taken: the backlog it met, then what it left
             batch = [self._queue.popleft()]
             deadline = time.monotonic() + self.max_wait_s
             limit = self.current_max_batch_size
@@ -357,8 +358,13 @@ class Batcher(Generic[In, Out]):
                 if remaining <= 0 or self._closed or self._nothing_incoming():
                     break
                 self._cond.wait(remaining)
-            self._report_depth(time.monotonic())
+            self._report_depth_taken(time.monotonic())
             return batch
+
+    def _report_depth_taken(self, now: float) -> None:
+        """Under the lock, as a batch is taken: the depth told when the queue is empty or was not told lately."""
+        if not self._queue or now - self._depth_reported_at >= QUEUE_DEPTH_REPORT_S:
+            self._report_depth(now)
 
     def _report_depth(self, now: float) -> None:
         """Under the lock: the queue's depth to the observer."""

@@ -69,8 +69,8 @@ def decode_batch(items: Sequence[Encoded], device: torch.device, transform: Tens
 def stack_pixels(items: Sequence[torch.Tensor | np.ndarray]) -> torch.Tensor:
     """Preprocessed rows as one (N, C, H, W) tensor where they are: a client's pixels (arrays) stacked by numpy,
     else every row made a tensor and stacked."""
-    if all(isinstance(item, np.ndarray) for item in items):
-        return torch.from_numpy(np.stack(items))  # type: ignore[arg-type]
+    if all(isinstance(item, np.ndarray) for item in items):  # one shape (the model's input): np.array stacks them
+        return torch.from_numpy(np.array(items))  # in half np.stack's time for small rows
     return torch.stack([torch.as_tensor(item) for item in items])
 
 
