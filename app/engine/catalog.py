@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from app.config import Settings
-from app.engine.contract import Signature, VersionInfo, VersionState
+from app.engine.contract import ModelsOverview, Signature, VersionInfo, VersionState
 from app.engine.loaded.version import LoadedVersion
 from app.engine.rollouts.entry import ModelEntry
 from app.engine.versions.controller import VersionsController
@@ -36,6 +36,10 @@ class Catalog:
         roles = self._rollout_changes.roles()
         return [self._info(loaded, loaded.version == default, roles.get((loaded.name, loaded.version)))
                 for versions, default in self._applier.routes.routes().values() for loaded in versions]
+
+    def overview(self) -> ModelsOverview:
+        """Every loaded version, what each worker serves, the default model and the rollouts, read together."""
+        return ModelsOverview(self.versions(), self.workers(), self.default_model(), self.rollouts())
 
     def version(self, name: str | None, version: str | None = None) -> VersionInfo:
         """The version a request for ``name`` at ``version`` would get now (NotFound)."""

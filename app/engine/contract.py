@@ -190,6 +190,17 @@ class VersionInfo:
 
 
 @dataclass(frozen=True)
+class ModelsOverview:
+    """What /v1/models shows, read in one catalog call (one exchange with an engine process, not four, and one
+    moment's state): every loaded version, what each worker serves, the default model, the rollouts."""
+
+    versions: list[VersionInfo]
+    workers: list[dict[str, Any]]
+    default_model: str | None
+    rollouts: dict[str, dict[str, Any]]
+
+
+@dataclass(frozen=True)
 class VersionState:
     """One row of the repository index: a version and what this process does with it."""
 
@@ -204,6 +215,7 @@ class CatalogFace(Protocol):
     plain data out. Every public method here is a catalog call; an engine process answers the same ones."""
 
     def versions(self) -> list[VersionInfo]: ...
+    def overview(self) -> ModelsOverview: ...
     def version(self, name: str | None, version: str | None = None) -> VersionInfo: ...
     def signature(self, name: str | None, version: str | None = None) -> Signature: ...
     def routes_generation(self) -> int: ...

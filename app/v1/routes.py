@@ -110,11 +110,11 @@ def models() -> Response:
     show_labels = request.args.get("labels", "").lower() in ("1", "true", "yes")
     service = current_service()
     service.require_loaded()
-    catalog = service.catalog
-    infos = [_model_info(service.settings, info, service.ready, show_labels) for info in catalog.versions()]
-    workers = [WorkerModels(**worker) for worker in catalog.workers()]
-    default_model = catalog.default_model()
-    rollouts = [Rollout(model=name, **rollout) for name, rollout in catalog.rollouts().items()]
+    overview = service.catalog.overview()
+    infos = [_model_info(service.settings, info, service.ready, show_labels) for info in overview.versions]
+    workers = [WorkerModels(**worker) for worker in overview.workers]
+    default_model = overview.default_model
+    rollouts = [Rollout(model=name, **rollout) for name, rollout in overview.rollouts.items()]
     # Every documented field is there, null where it says "null: none" (a client reads rollout["comparison"] before
     # the shadow compared anything); only the labels are left out unless asked for.
     hidden = None if show_labels else {"models": {"__all__": {"labels"}}}

@@ -510,6 +510,16 @@ def test_the_catalog_and_the_state_answer_across_the_link(link: Link, tmp_path: 
         infer(link.worker, [image_bytes(RED)])
 
 
+def test_what_v1_models_shows_crosses_in_one_exchange_and_agrees_with_the_calls_one_by_one(link: Link) -> None:
+    link.frames.clear()
+    overview = link.worker.catalog.overview()
+    assert link.frames == ["CatalogCall", "Answer"]
+    assert isinstance(overview, contract.ModelsOverview) and overview.default_model == "colour"
+    assert [(info.name, info.version, info.default) for info in overview.versions] == [
+        (info.name, info.version, info.default) for info in link.worker.catalog.versions()]
+    assert overview.workers == link.worker.catalog.workers() and overview.rollouts == link.worker.catalog.rollouts()
+
+
 def test_both_services_have_one_face_and_one_lifecycle() -> None:
     for service in (Service, RemoteService):
         assert issubclass(service, contract.Lifecycle)
