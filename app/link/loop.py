@@ -63,10 +63,6 @@ def _parsed_alike(message: wire.Infer, answering: Signature) -> None:
 
 
 CATALOG_THREADS = 4  # catalog calls at once (a load waits for every engine): never on the loop
-# A loop turn's batch expected within this (Batcher.expected_batch_s) runs on the loop: handing it to the batcher's
-# thread and its answers back costs the engine two wake-ups, a good part of a short batch's CPU, and a longer one
-# would keep the loop from reading the next requests
-LOOP_BATCH_S = 0.001
 
 
 class _Connection:
@@ -127,6 +123,7 @@ class EngineServer:
         self._loop_thread: int | None = None
         self._started = threading.Lock()
         settings = service.settings
+        self._loop_batch_s = settings.engine_loop_batch_ms / 1000
         self._explain_threads = ThreadPoolExecutor(settings.explain_concurrency + settings.explain_queue_size + 1,
                                                    thread_name_prefix="engine-explain")  # each waits on the lane
         self._handlers: dict[type, Callable[[_Connection, Any, list[memoryview]], None]] = {
@@ -272,7 +269,8 @@ class EngineServer:
         """The requests this turn read: every one admitted first (each then counts as on its way to its version's
         next batch, so the batcher waits for them), then their images queued: those the CPU decodes in a few
         hand-offs to the decode threads, or here when cheaper (app/link/decode_shares.py), the rest here. What was
-        queued here then runs here, in batches of the cap, when it is short (``LOOP_BATCH_S``), else on the batcher's thread.
+        queued here then runs here, in batches of the cap, when it is short (``ENGINE_LOOP_BATCH_MS``), else on the
+        batcher's thread.
         Each answer goes out once its futures are done, its deadline passes or its client hangs up, whichever comes
         first."""
         turn, self._turn = self._turn, []
@@ -289,7 +287,7 @@ class EngineServer:
         deferred, self._deferred = self._deferred, {}
         for batcher in deferred.values():  # after the decode threads got theirs: a batch waits for what is on its way
             try:
-                batcher.run_queued(LOOP_BATCH_S)
+                batcher.run_queued(self._loop_batch_s)
             except Exception:  # noqa: BLE001 - never the loop's end: its requests end at their deadlines
                 log.exception("a batch run on the engine's loop failed")
 

@@ -23,7 +23,7 @@ from app.engine.catalog import Catalog
 from app.engine.loaded.predictor import Predictor
 from app.engine.service import Service
 from app.errors import BadRequest, ClientGone, DeadlineExceeded, InvalidImage, NotFound, NotReady, ServiceError
-from app.link import loop, wire
+from app.link import wire
 from app.link.client import RemoteCatalog, RemoteService
 from app.link.decode_shares import HAND_OFF_S
 from app.link.loop import EngineServer
@@ -541,7 +541,7 @@ def test_a_lone_request_s_short_batch_runs_on_the_engine_s_loop_and_a_long_one_o
         link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch) -> None:
     red = torch.zeros(3, 8, 8)
     red[0] = 1.0
-    monkeypatch.setattr(loop, "LOOP_BATCH_S", 1.0)  # "short", however busy the machine running the test
+    monkeypatch.setattr(link.server, "_loop_batch_s", 1.0)  # "short", however busy the machine running the test
     assert infer(link.worker, tensors=[red.numpy()]).top_k(1)[0][0].label == "red"
     assert model.threads[-1] != link.server._loop_thread  # the version's first batch: not measured yet
     # no hand-off to the batcher's thread and back (a request that arrives while the batcher's thread is still
@@ -549,7 +549,7 @@ def test_a_lone_request_s_short_batch_runs_on_the_engine_s_loop_and_a_long_one_o
     for _ in range(5):
         assert infer(link.worker, tensors=[red.numpy()]).top_k(1)[0][0].label == "red"
     assert model.threads[-1] == link.server._loop_thread
-    monkeypatch.setattr(loop, "LOOP_BATCH_S", -1.0)  # as if its batches took longer than that
+    monkeypatch.setattr(link.server, "_loop_batch_s", -1.0)  # as if its batches took longer than that
     assert infer(link.worker, tensors=[red.numpy()]).top_k(1)[0][0].label == "red"
     assert model.threads[-1] != link.server._loop_thread
 
@@ -558,7 +558,7 @@ def test_requests_read_in_one_loop_turn_run_as_one_batch_on_the_loop(link: Link,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     red = torch.zeros(3, 8, 8)
     red[0] = 1.0
-    monkeypatch.setattr(loop, "LOOP_BATCH_S", 1.0)  # "short", however busy the machine running the test
+    monkeypatch.setattr(link.server, "_loop_batch_s", 1.0)  # "short", however busy the machine running the test
     rounds, together, answers = 3, threading.Barrier(3), []
 
     def client() -> None:
