@@ -189,10 +189,12 @@ class MetricsObserver:
             held.cpu_s += cpu_s
             held.forward_cpu_s += forward_s
 
-    def settle(self) -> None:
-        """Write the batches' figures held since the last call."""
+    def settle(self, accounting_cpu_s: float = 0.0) -> None:
+        """Write the batches' figures held since the last call; ``accounting_cpu_s``: the CPU their monitoring took
+        (``LoadedVersion.settle``), counted with their inference stage as when it ran in each batch."""
         with self._held_lock:
             held, self._held = self._held, _HeldBatches()
+        held.cpu_s += accounting_cpu_s
         if held.sizes:
             observe_many(BATCH_SIZE, held.sizes)
             observe_many(series(STAGE_SECONDS, "inference"), held.run_s)
@@ -209,8 +211,8 @@ class MetricsObserver:
         BATCHER_EVENTS.labels(name).inc(count)
 
     def queue_depth(self, depth: int) -> None:
-        """Publish the queue depth (written when it changed: the batcher reports it as it takes each batch, before
-        and after)."""
+        """Publish the queue depth (written when it changed: the batcher reports it as it takes a batch when it is 0
+        or none was reported lately, and now and then as items are queued)."""
         depth = 0 if self.retired else depth
         if depth != self._depth_written:
             self._depth_written = depth

@@ -38,7 +38,8 @@ class Catalog:
                 for versions, default in self._applier.routes.routes().values() for loaded in versions]
 
     def overview(self) -> ModelsOverview:
-        """Every loaded version, what each worker serves, the default model and the rollouts, read together."""
+        """Every loaded version, what each worker serves, the default model and the rollouts, in one call (read one
+        after the other, as the four calls would be)."""
         return ModelsOverview(self.versions(), self.workers(), self.default_model(), self.rollouts())
 
     def version(self, name: str | None, version: str | None = None) -> VersionInfo:

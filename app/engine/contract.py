@@ -191,8 +191,8 @@ class VersionInfo:
 
 @dataclass(frozen=True)
 class ModelsOverview:
-    """What /v1/models shows, read in one catalog call (one exchange with an engine process, not four, and one
-    moment's state): every loaded version, what each worker serves, the default model, the rollouts."""
+    """What /v1/models shows, read in one catalog call (one exchange with an engine process, not four): every loaded
+    version, what each worker serves, the default model, the rollouts."""
 
     versions: list[VersionInfo]
     workers: list[dict[str, Any]]

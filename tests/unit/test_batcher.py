@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 from concurrent.futures import CancelledError, ThreadPoolExecutor
 from typing import Callable, Iterator, Sequence
 
@@ -18,6 +19,7 @@ from app.engine.batching.types import (
     Group,
     QueueFull,
 )
+from app.engine.batching import batcher as batcher_module
 from app.engine.batching.batcher import QUEUE_DEPTH_REPORT_S, Batcher
 from tests.support.fakes import wait_until
 
@@ -641,6 +643,32 @@ def test_a_settle_interval_of_zero_settles_every_batch_before_its_answers(make_b
     recorder.gate.set()
     assert [f.result(timeout=10).value for f in futures] == [2, 4, 6]
     assert settles.calls == [(1, False), (2, False), (3, False)]
+
+
+def test_while_items_wait_batches_settle_by_the_first_that_ends_settle_s_after_the_last_settle(
+        make_batcher, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [1000.0]
+
+    def monotonic() -> float:  # each batch takes 0.1 s of this clock; each reading a microsecond
+        clock[0] += 1e-6
+        return clock[0]
+
+    def timed(items: list[int]) -> Sequence[int]:
+        clock[0] += 0.1
+        return recorder(items)
+
+    monkeypatch.setattr(batcher_module, "time", types.SimpleNamespace(monotonic=monotonic,
+                                                                      thread_time=time.thread_time))
+    recorder = Recorder()
+    settles = Settles(recorder)
+    batcher = make_batcher(timed, max_batch_size=1, max_wait_ms=1, settle=settles, settle_s=0.25)
+    _settled_once(batcher, settles)
+    _hold_worker(batcher, recorder)
+    futures = batcher.submit_many(list(range(1, 8)))
+    recorder.gate.set()
+    assert [f.result(timeout=10).value for f in futures] == [2 * i for i in range(1, 8)]
+    # [0] ends 0.1 s after the first settle, [1] 0.2, [2] 0.3: settled; [5] 0.3 after that; [7] empties the queue
+    assert [count for count, _ in settles.calls] == [1, 4, 7, 9]
 
 
 def test_batches_left_unsettled_settle_when_the_items_behind_them_are_dropped_unrun(make_batcher) -> None:

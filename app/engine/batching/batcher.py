@@ -93,9 +93,10 @@ class Batcher(Generic[In, Out]):
 
     ``settle`` (optional) is the caller's accounting of its batches (a version's monitor and metrics), done for
     every batch since the last call: once the queue is empty, before the answers of the batch that emptied it leave,
-    and while items still wait, after a batch ``settle_s`` or more after the last call; so a batcher that cannot
-    keep up accounts for many batches at once, and one that keeps up for each before its answers (0: every batch).
-    It runs on the thread that ran the batches, one call at a time.
+    and while items still wait, after the first batch that ends ``settle_s`` or more after the last call (so what is
+    held waits at most ``settle_s`` and a batch); a batcher that cannot keep up accounts for many batches at once,
+    one that keeps up for each before its answers (0: every batch). It runs on the thread holding the queue (the one
+    that ran the batches), one call at a time.
     """
 
     def __init__(self, predict_fn: Callable[[list[In]], Sequence[Out]], *, max_batch_size: int,
@@ -347,6 +348,7 @@ class Batcher(Generic[In, Out]):
                 self._cond.wait(BACKGROUND_LOOK_S if self._background else None)
             self._busy = True
             self._report_depth_taken(time.monotonic())  # as a batch is taken: the backlog it met, then what it left
+            # (each told when none was told lately, or when it is 0)
             batch = [self._queue.popleft()]
             deadline = time.monotonic() + self.max_wait_s
             limit = self.current_max_batch_size
@@ -415,8 +417,6 @@ class Batcher(Generic[In, Out]):
                     with self._cond:
                         self._busy = False
         finally:
-            if self._unsettled:
-                self._settle_now(time.monotonic())
             self._observer.running(False)
         log.info("batcher stopped after %d batches", self.batches_run)
 
@@ -493,7 +493,8 @@ class Batcher(Generic[In, Out]):
         queued = [started - p.enqueued_at for p in batch]
         self._observer.batch_done(len(batch), run_s, queued, time.thread_time() - cpu_started)
         self._unsettled = True
-        if not self._queue or started - self._settled_at >= self._settle_s:
-            self._settle_now(started)
+        ended = started + run_s
+        if not self._queue or ended - self._settled_at >= self._settle_s:
+            self._settle_now(ended)
         for p, value, waited in zip(batch, outputs, queued):
             p.done(BatchResult(value, batch_id, len(batch), waited, run_s))

@@ -94,11 +94,12 @@ class LoadedVersion:
         """The batcher's ``settle``: the requests' predictions since the last call to the monitor in one step, then
         they, the monitor's figures and the batches' to the metrics in one write each."""
         with self._settling:
+            started = time.thread_time()
             held, self._unmonitored = self._unmonitored, []
             if held:
                 seen = self.monitor.observe(held[0] if len(held) == 1 else np.concatenate(held))
                 self.observer.predictions(seen.labels, seen.confidences, seen.low_confidence_ratio, seen.psi)
-            self.observer.settle()
+            self.observer.settle(time.thread_time() - started)
 
     def _info_labels(self) -> tuple[str, str, str, str]:
         return self.name, self.version, str(self.predictor.device), self.predictor.dtype_name
