@@ -1,7 +1,8 @@
 """The engine's event loop: ``EngineServer`` serves one engine's ``Service`` to the HTTP workers' connections
 from one thread (one selector, no thread per connection or per request). A connection opens with the hello (a
 worker running other code is refused and logged), then carries one exchange at a time:
-- ``Infer``: the request admitted (``Service.admit``: readiness, routing, its outcome counted), its images queued
+- ``Infer``: read with the others of its loop turn (the loop waits up to ``MAX_WAIT_MS`` for more while they
+  come faster than that and waiting brings more: ``_gather``), the request admitted (``Service.admit``: readiness, routing, its outcome counted), its images queued
   (``Call.queue``; decoded on a few threads when the CPU decodes them) and, once the batcher's thread has counted
   them done (or the loop ran a turn's short batch itself), the ``Served`` answered from the loop
   (``Call.answer``); its deadline passing first answers 504, and
@@ -63,6 +64,10 @@ def _parsed_alike(message: wire.Infer, answering: Signature) -> None:
 
 
 CATALOG_THREADS = 4  # catalog calls at once (a load waits for every engine): never on the loop
+ARRIVAL_WEIGHT = 0.2  # a turn's weight in the pace requests come at, and a wait's in what waits bring
+ARRIVAL_GAP_IDLE_S = 1.0  # the pace after a pause: no wait for the first requests after it
+GATHER_MIN_YIELD = 0.5  # requests a wait brought, on average, below which the loop stops waiting
+GATHER_PROBE_TURNS = 100  # then it waits again once in this many turns, to see whether waiting brings more
 
 
 class _Connection:
@@ -124,6 +129,10 @@ class EngineServer:
         self._started = threading.Lock()
         settings = service.settings
         self._loop_batch_s = settings.engine_loop_batch_ms / 1000
+        self._gather_s, self._gather_count = settings.max_wait_ms / 1000, settings.max_batch_size
+        self._wake_only = selectors.DefaultSelector()  # the loop's wake-ups alone, while it gathers requests
+        self._arrival_gap_s, self._last_turn = ARRIVAL_GAP_IDLE_S, time.monotonic()
+        self._gather_yield, self._turns_since_wait = 1.0, 0  # requests a wait brought (EWMA): at first, hoped for
         self._explain_threads = ThreadPoolExecutor(settings.explain_concurrency + settings.explain_queue_size + 1,
                                                    thread_name_prefix="engine-explain")  # each waits on the lane
         self._handlers: dict[type, Callable[[_Connection, Any, list[memoryview]], None]] = {
@@ -162,6 +171,7 @@ class EngineServer:
     def _loop(self) -> None:
         self._loop_thread = threading.get_ident()
         self._selector.register(self._wake_read, selectors.EVENT_READ, self._woken)
+        self._wake_only.register(self._wake_read, selectors.EVENT_READ)
         self._woken()  # what was posted before the loop ran
         while True:
             while self._deadlines and self._deadlines[0][2].ended:  # answered before its deadline
@@ -171,9 +181,38 @@ class EngineServer:
                 timeout = max(0.0, self._deadlines[0][0] - time.monotonic())
             for key, _ in self._selector.select(timeout):
                 key.data()
+            if self._turn:
+                self._gather()
             self._run_turn()
             self._expire()
             self._counts.flush()
+
+    def _gather(self) -> None:
+        """Before a turn's requests run: while they come faster than one per ``MAX_WAIT_MS`` (the batcher's own
+        wait for more images) and waiting has recently brought more, the loop waits up to that long (at most what a
+        batch of the cap takes to come at that pace) and reads what came meanwhile, so one wake-up reads several
+        requests and their images run as one batch: a request that woke the loop for itself alone paid that
+        wake-up, and the cold caches after it, with most of its CPU on a busy two-core host
+        (docs/performance.md). Answers and what other threads post go out while it waits. A lone client's next
+        request cannot come before its answer: waits that bring nothing stop the waiting, but for one turn in
+        ``GATHER_PROBE_TURNS``, which looks again."""
+        read = len(self._turn)
+        wait_s = min(self._gather_s, self._arrival_gap_s * (self._gather_count - read))
+        self._turns_since_wait += 1
+        if wait_s >= self._arrival_gap_s and (self._gather_yield >= GATHER_MIN_YIELD
+                                              or self._turns_since_wait >= GATHER_PROBE_TURNS):
+            self._turns_since_wait = 0
+            until = time.monotonic() + wait_s
+            while (left := until - time.monotonic()) > 0:
+                if self._wake_only.select(left):
+                    self._woken()
+            for key, _ in self._selector.select(0):
+                key.data()
+            self._gather_yield += ARRIVAL_WEIGHT * (len(self._turn) - read - self._gather_yield)
+        now = time.monotonic()
+        gap_s = min((now - self._last_turn) / len(self._turn), ARRIVAL_GAP_IDLE_S)
+        self._arrival_gap_s += ARRIVAL_WEIGHT * (gap_s - self._arrival_gap_s)
+        self._last_turn = now
 
     def _post(self, work: Callable[[], None]) -> None:
         """Run ``work`` on the loop: at once when called there, else on its next turn."""

@@ -26,7 +26,7 @@ from app.errors import BadRequest, ClientGone, DeadlineExceeded, InvalidImage, N
 from app.link import wire
 from app.link.client import RemoteCatalog, RemoteService
 from app.link.decode_shares import HAND_OFF_S
-from app.link.loop import EngineServer
+from app.link.loop import GATHER_MIN_YIELD, EngineServer
 from app.metrics import BATCHER_EVENTS, VERSION_REQUESTS
 from tests.support.fakes import ColourModel, infer, tiny_manifest, wait_until
 from tests.support.imaging import BLUE, RED, image_bytes
@@ -711,3 +711,83 @@ def test_a_batch_run_where_images_were_decoded_is_not_counted_as_their_decode(se
             assert 0 < queued.decode_cpu_s < 0.03
     finally:
         service.shutdown(timeout=5)
+
+
+def _as_if_busy(server: EngineServer, monkeypatch: pytest.MonkeyPatch, wait_s: float, yield_: float = 1.0) -> None:
+    """The loop as if requests came every 10 ms (so it waits for more, up to ``wait_s``) and waits so far brought
+    ``yield_`` requests each."""
+    monkeypatch.setattr(server, "_gather_s", wait_s)
+    monkeypatch.setattr(server, "_gather_count", 1000)  # no cap on the wait from the pace
+    monkeypatch.setattr(server, "_arrival_gap_s", 0.01)
+    monkeypatch.setattr(server, "_gather_yield", yield_)
+
+
+def test_requests_that_come_while_the_loop_waits_for_more_run_as_one_batch(link: Link, model: ColourModel,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    red = torch.zeros(3, 8, 8)
+    red[0] = 1.0
+    answers: list[str] = []
+    connected, go = threading.Barrier(3), [threading.Event(), threading.Event()]
+
+    def client(turn: threading.Event) -> None:  # an HTTP worker's thread: its own connection, kept
+        infer(link.worker, tensors=[red.numpy()])
+        connected.wait(10)
+        assert turn.wait(10)
+        answers.append(infer(link.worker, tensors=[red.numpy()]).top_k(1)[0][0].label)
+
+    clients = [threading.Thread(target=client, args=(event,)) for event in go]
+    for thread in clients:
+        thread.start()
+    connected.wait(10)
+    _as_if_busy(link.server, monkeypatch, wait_s=1.0)
+    go[0].set()
+    wait_until(lambda: len(link.server._turn) == 1)  # read (not yet admitted): the loop waits for more
+    go[1].set()  # its request comes while the loop waits
+    for thread in clients:
+        thread.join(10)
+    assert answers == ["red", "red"] and model.batch_sizes[-1] == 2, model.batch_sizes
+    assert link.server._gather_yield >= GATHER_MIN_YIELD  # the wait brought one: the loop keeps waiting
+
+
+def test_a_lone_client_s_requests_stop_the_waits_that_bring_nothing_but_for_a_probe(
+        link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("app.link.loop.GATHER_PROBE_TURNS", 4)
+    red = torch.zeros(3, 8, 8)
+    red[0] = 1.0
+    infer(link.worker, tensors=[red.numpy()])
+    _as_if_busy(link.server, monkeypatch, wait_s=1.0, yield_=0.6)  # one wait that brings nothing stops them
+    took = []
+    for _ in range(6):
+        started = time.monotonic()
+        infer(link.worker, tensors=[red.numpy()])
+        took.append(time.monotonic() - started)
+    # a sequential client's next request cannot come while the loop waits: the first wait brought nothing, the
+    # next three turns did not wait, the fourth looked again (and brought nothing), the one after did not wait
+    assert [t >= 0.9 for t in took] == [True, False, False, False, True, False], took
+
+
+def test_answers_go_out_while_the_loop_waits_for_more_requests(link: Link, model: ColourModel,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    red = torch.zeros(3, 8, 8)
+    red[0] = 1.0
+    infer(link.worker, tensors=[red.numpy()])
+    monkeypatch.setattr(link.server, "_loop_batch_s", -1.0)  # batches on the batcher's thread
+    model.gate = threading.Event()
+    answered: dict[str, float] = {}
+
+    def request(name: str) -> None:
+        infer(link.worker, tensors=[red.numpy()])
+        answered[name] = time.monotonic()
+
+    held = threading.Thread(target=request, args=("held",))
+    held.start()
+    wait_until(lambda: link.engine.in_flight.count() == 1)
+    _as_if_busy(link.server, monkeypatch, wait_s=3.0)
+    waiting = threading.Thread(target=request, args=("waiting",))  # the loop reads it, then waits for more
+    waiting.start()
+    wait_until(lambda: len(link.server._turn) == 1)  # read (not yet admitted): the loop waits for more
+    released = time.monotonic()
+    model.gate.set()  # the held batch ends: its answer is posted to the loop, which is waiting
+    for thread in (held, waiting):
+        thread.join(10)
+    assert answered["held"] - released < 2.0 < answered["waiting"] - released, (answered, released)
