@@ -722,6 +722,7 @@ def _as_if_busy(server: EngineServer, monkeypatch: pytest.MonkeyPatch, wait_s: f
     monkeypatch.setattr(server, "_gather_yield", yield_)
 
 
+@pytest.mark.slow  # the loop's waits last a second or more
 def test_requests_that_come_while_the_loop_waits_for_more_run_as_one_batch(link: Link, model: ColourModel,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     red = torch.zeros(3, 8, 8)
@@ -749,6 +750,7 @@ def test_requests_that_come_while_the_loop_waits_for_more_run_as_one_batch(link:
     assert link.server._gather_yield >= GATHER_MIN_YIELD  # the wait brought one: the loop keeps waiting
 
 
+@pytest.mark.slow  # the loop's waits last a second or more
 def test_a_lone_client_s_requests_stop_the_waits_that_bring_nothing_but_for_a_probe(
         link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("app.link.loop.GATHER_PROBE_TURNS", 4)
@@ -766,6 +768,7 @@ def test_a_lone_client_s_requests_stop_the_waits_that_bring_nothing_but_for_a_pr
     assert [t >= 0.9 for t in took] == [True, False, False, False, True, False], took
 
 
+@pytest.mark.slow  # the loop's waits last a second or more
 def test_answers_go_out_while_the_loop_waits_for_more_requests(link: Link, model: ColourModel,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     red = torch.zeros(3, 8, 8)
@@ -782,7 +785,7 @@ def test_answers_go_out_while_the_loop_waits_for_more_requests(link: Link, model
     held = threading.Thread(target=request, args=("held",))
     held.start()
     wait_until(lambda: link.engine.in_flight.count() == 1)
-    _as_if_busy(link.server, monkeypatch, wait_s=3.0)
+    _as_if_busy(link.server, monkeypatch, wait_s=1.5)
     waiting = threading.Thread(target=request, args=("waiting",))  # the loop reads it, then waits for more
     waiting.start()
     wait_until(lambda: len(link.server._turn) == 1)  # read (not yet admitted): the loop waits for more
@@ -790,4 +793,4 @@ def test_answers_go_out_while_the_loop_waits_for_more_requests(link: Link, model
     model.gate.set()  # the held batch ends: its answer is posted to the loop, which is waiting
     for thread in (held, waiting):
         thread.join(10)
-    assert answered["held"] - released < 2.0 < answered["waiting"] - released, (answered, released)
+    assert answered["held"] - released < 1.0 < answered["waiting"] - released, (answered, released)
