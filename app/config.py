@@ -207,10 +207,10 @@ class BatchingSettings(SettingsGroup):
         "within 5% of the best images/s, below any size where it slows (the curve is in `/v1/models`).")
     max_wait_ms: float = Field(
         2.0, ge=0, description="How long the worker waits for more images after the first one of a batch (not "
-        "at all when no other request is on its way). Under ENGINE=process the engine's loop also waits up to this "
-        "long for more requests after it reads some, while they come faster than one per this long and waiting "
-        "has recently brought more: one wake-up then reads several and their images run as one batch "
-        "(docs/performance.md).")
+        "at all when no other request is on its way). Under ENGINE=process on a CPU, where the engine's loop runs "
+        "short batches itself, the loop also waits up to this long for more requests after it reads some, while "
+        "they come faster than one per this long and waiting has recently brought more: one wake-up then reads "
+        "several and their images run as one batch (docs/performance.md).")
     inline_when_idle: bool = Field(
         True, description="A request that finds no batch running or waiting, and no other request on its way, "
         "runs its forward pass on its own thread instead of handing it to the worker thread on another core "

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from app.config import Settings
-from app.engine.contract import ModelsOverview, Signature, VersionInfo, VersionState
+from app.engine.contract import ModelsOverview, RepositoryOverview, Signature, VersionInfo, VersionState
 from app.engine.loaded.version import LoadedVersion
 from app.engine.rollouts.entry import ModelEntry
 from app.engine.versions.controller import VersionsController
@@ -41,6 +41,13 @@ class Catalog:
         """Every loaded version, what each worker serves, the default model and the rollouts, in one call (read one
         after the other, as the four calls would be)."""
         return ModelsOverview(self.versions(), self.workers(), self.default_model(), self.rollouts())
+
+    def repository_overview(self) -> RepositoryOverview:
+        """Every version's state, the default model and its default version, the roles and the rollouts, in one
+        call (read one after the other, as the five calls would be)."""
+        default_model = self.default_model()
+        default_version = self.serving().get(default_model or "", {}).get("default")
+        return RepositoryOverview(self.index(), default_model, default_version, self.roles(), self.rollouts())
 
     def version(self, name: str | None, version: str | None = None) -> VersionInfo:
         """The version a request for ``name`` at ``version`` would get now (NotFound)."""

@@ -210,12 +210,26 @@ class VersionState:
     reason: str = ""
 
 
+@dataclass(frozen=True)
+class RepositoryOverview:
+    """What the V2 repository index shows, read in one catalog call (one exchange with an engine process, not
+    five): every version's state, the default model and its default version, each version's role and the
+    rollouts."""
+
+    index: list[VersionState]
+    default_model: str | None
+    default_version: str | None
+    roles: dict[tuple[str, str], str]
+    rollouts: dict[str, dict[str, Any]]
+
+
 class CatalogFace(Protocol):
     """What protocols read about the served models and the calls that change them (app/engine/catalog.py):
     plain data out. Every public method here is a catalog call; an engine process answers the same ones."""
 
     def versions(self) -> list[VersionInfo]: ...
     def overview(self) -> ModelsOverview: ...
+    def repository_overview(self) -> RepositoryOverview: ...
     def version(self, name: str | None, version: str | None = None) -> VersionInfo: ...
     def signature(self, name: str | None, version: str | None = None) -> Signature: ...
     def routes_generation(self) -> int: ...

@@ -1,5 +1,6 @@
 """The engine's event loop: ``EngineServer`` serves one engine's ``Service`` to the HTTP workers' connections
-from one thread (one selector, no thread per connection or per request). A connection opens with the hello (a
+from one thread (one selector, and one for its wake-ups alone while it waits for more requests; no thread per
+connection or per request). A connection opens with the hello (a
 worker running other code is refused and logged), then carries one exchange at a time:
 - ``Infer``: read with the others of its loop turn (the loop waits up to ``MAX_WAIT_MS`` for more while they
   come faster than that and waiting brings more: ``_gather``), the request admitted (``Service.admit``: readiness, routing, its outcome counted), its images queued
@@ -64,7 +65,8 @@ def _parsed_alike(message: wire.Infer, answering: Signature) -> None:
 
 
 CATALOG_THREADS = 4  # catalog calls at once (a load waits for every engine): never on the loop
-ARRIVAL_WEIGHT = 0.2  # a turn's weight in the pace requests come at, and a wait's in what waits bring
+ARRIVAL_WEIGHT = 0.2  # a turn's weight in the pace requests come at
+YIELD_WEIGHT = 0.2  # a wait's weight in what waits bring
 ARRIVAL_GAP_IDLE_S = 1.0  # the pace after a pause: no wait for the first requests after it
 GATHER_MIN_YIELD = 0.5  # requests a wait brought, on average, below which the loop stops waiting
 GATHER_PROBE_TURNS = 100  # then it waits again once in this many turns, to see whether waiting brings more
@@ -79,6 +81,7 @@ class _Connection:
         self.sock, self.closed = sock, False
         self.reader = wire.FrameReader(sock, wire.REQUESTS, greet=True)
         self.exchange: _Exchange | None = None
+        self.read_pending = False  # a request of it is in this loop turn, not yet admitted
 
 
 def _inputs(message: wire.Infer, segments: list[memoryview]) -> tuple[list[bytes], list[np.ndarray]]:
@@ -133,6 +136,7 @@ class EngineServer:
         self._wake_only = selectors.DefaultSelector()  # the loop's wake-ups alone, while it gathers requests
         self._arrival_gap_s, self._last_turn = ARRIVAL_GAP_IDLE_S, time.monotonic()
         self._gather_yield, self._turns_since_wait = 1.0, 0  # requests a wait brought (EWMA): at first, hoped for
+        self._batches_on_loop = False  # the last turn that queued here ran its batches here (a CPU's short batches)
         self._explain_threads = ThreadPoolExecutor(settings.explain_concurrency + settings.explain_queue_size + 1,
                                                    thread_name_prefix="engine-explain")  # each waits on the lane
         self._handlers: dict[type, Callable[[_Connection, Any, list[memoryview]], None]] = {
@@ -188,19 +192,21 @@ class EngineServer:
             self._counts.flush()
 
     def _gather(self) -> None:
-        """Before a turn's requests run: while they come faster than one per ``MAX_WAIT_MS`` (the batcher's own
-        wait for more images) and waiting has recently brought more, the loop waits up to that long (at most what a
-        batch of the cap takes to come at that pace) and reads what came meanwhile, so one wake-up reads several
-        requests and their images run as one batch: a request that woke the loop for itself alone paid that
-        wake-up, and the cold caches after it, with most of its CPU on a busy two-core host
-        (docs/performance.md). Answers and what other threads post go out while it waits. A lone client's next
-        request cannot come before its answer: waits that bring nothing stop the waiting, but for one turn in
-        ``GATHER_PROBE_TURNS``, which looks again."""
+        """Before a turn's requests run, while the turns' batches run on this loop (short batches on a CPU: on a
+        GPU the batcher's thread gathers them, waiting ``MAX_WAIT_MS`` for more images itself): when requests come
+        faster than one per ``MAX_WAIT_MS`` and waiting has recently brought more, the loop waits that long (less
+        when a batch of the cap comes sooner at that pace; epoll's clock may add up to a millisecond) and reads
+        what came meanwhile, so one wake-up reads several requests and their images run as one batch. A request
+        that woke the loop for itself alone paid that wake-up, and the cold caches after it, with most of its CPU
+        on a busy two-core host (docs/performance.md). While it waits, answers and what other threads post go out;
+        hang-ups, new connections, catalog calls and deadlines are seen when it ends (it never ends early). A lone
+        client's next request cannot come before its answer: waits that bring nothing stop the waiting (four, from
+        the start), but for one turn in ``GATHER_PROBE_TURNS``, which looks again."""
         read = len(self._turn)
         wait_s = min(self._gather_s, self._arrival_gap_s * (self._gather_count - read))
         self._turns_since_wait += 1
-        if wait_s >= self._arrival_gap_s and (self._gather_yield >= GATHER_MIN_YIELD
-                                              or self._turns_since_wait >= GATHER_PROBE_TURNS):
+        if self._batches_on_loop and wait_s >= self._arrival_gap_s and (
+                self._gather_yield >= GATHER_MIN_YIELD or self._turns_since_wait >= GATHER_PROBE_TURNS):
             self._turns_since_wait = 0
             until = time.monotonic() + wait_s
             while (left := until - time.monotonic()) > 0:
@@ -208,7 +214,7 @@ class EngineServer:
                     self._woken()
             for key, _ in self._selector.select(0):
                 key.data()
-            self._gather_yield += ARRIVAL_WEIGHT * (len(self._turn) - read - self._gather_yield)
+            self._gather_yield += YIELD_WEIGHT * (len(self._turn) - read - self._gather_yield)
         now = time.monotonic()
         gap_s = min((now - self._last_turn) / len(self._turn), ARRIVAL_GAP_IDLE_S)
         self._arrival_gap_s += ARRIVAL_WEIGHT * (gap_s - self._arrival_gap_s)
@@ -256,10 +262,14 @@ class EngineServer:
         conn.sock.close()
 
     def _readable(self, conn: _Connection) -> None:
-        """What came of a frame (the hello, requests), or, while a request of this connection is in flight, the
-        HTTP side hanging up (it sends nothing else before the answer)."""
+        """What came of a frame (the hello, requests), or, while a request of this connection is in flight or read
+        and not yet admitted (the loop waited for more), the HTTP side hanging up (it sends nothing else before the
+        answer): a request read but not admitted is then ended as its client's hang-up when the turn runs."""
         if conn.exchange is not None:
             self._hang_up(conn.exchange)
+            return
+        if conn.read_pending:
+            self._close(conn)
             return
         try:
             frames = conn.reader.read()
@@ -281,6 +291,7 @@ class EngineServer:
                 self._close(conn)
                 return
             if isinstance(message, wire.Infer):
+                conn.read_pending = True
                 self._turn.append((conn, message, segments))
             else:
                 self._handlers[type(message)](conn, message, segments)
@@ -324,17 +335,24 @@ class EngineServer:
             for share in self.decode_shares.shares(decoded):
                 self._decoders.submit(self._queue_all, share)
         deferred, self._deferred = self._deferred, {}
+        ran_here = False
         for batcher in deferred.values():  # after the decode threads got theirs: a batch waits for what is on its way
             try:
-                batcher.run_queued(self._loop_batch_s)
+                ran_here = batcher.run_queued(self._loop_batch_s) or ran_here
             except Exception:  # noqa: BLE001 - never the loop's end: its requests end at their deadlines
                 log.exception("a batch run on the engine's loop failed")
+        if deferred:
+            self._batches_on_loop = ran_here
 
     def _admit(self, conn: _Connection, message: wire.Infer, segments: list[memoryview]) -> _Exchange | None:
+        conn.read_pending = False
         try:
             admission = self.service.enter(message.model, message.version, message.client_key)
         except Exception as exc:  # noqa: BLE001 - every failure is answered, never a dropped connection
             self._send(conn, self._answer(error=_as_error(exc)))
+            return None
+        if conn.closed:  # its client hung up while the loop waited for more requests: counted, nothing run
+            admission.leave(ClientGone("the client closed the connection before its request was admitted"))
             return None
         try:
             _parsed_alike(message, admission.call.model)

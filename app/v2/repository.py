@@ -37,16 +37,14 @@ def _loaded(name: str, spec: Mapping[str, Any]) -> Response:
 def repository_index() -> Response:
     """Every model version in the repository or loaded, with its state (READY, LOADING, UNLOADING, UNAVAILABLE)."""
     only_ready = _body(RepositoryIndexRequest).ready
-    catalog = current_service().catalog
-    default_model = catalog.default_model()
-    default = (default_model, catalog.serving().get(default_model or "", {}).get("default"))
-    roles = catalog.roles()
-    compared = {(name, r["candidate"]): r.get("comparison") for name, r in catalog.rollouts().items()}
+    overview = current_service().catalog.repository_overview()  # one exchange with an engine process
+    default, roles = (overview.default_model, overview.default_version), overview.roles
+    compared = {(name, r["candidate"]): r.get("comparison") for name, r in overview.rollouts.items()}
     rows = [RepositoryModel(name=r.name, version=r.version, state=r.state, reason=r.reason,  # type: ignore[arg-type]
                             default=r.state == "READY" and (r.name, r.version) == default,
                             role=roles.get((r.name, r.version)) if r.state == "READY" else None,
                             comparison=compared.get((r.name, r.version)) if r.state == "READY" else None)
-            for r in catalog.index() if r.state == "READY" or not only_ready]
+            for r in overview.index if r.state == "READY" or not only_ready]
     return Response(RepositoryIndex(rows).model_dump_json(exclude_none=True), mimetype="application/json")
 
 

@@ -208,17 +208,18 @@ class Batcher(Generic[In, Out]):
                             deadline, inline and not defer, now, wake=not defer)
         return group
 
-    def run_queued(self, inline_within_s: float) -> None:
+    def run_queued(self, inline_within_s: float) -> bool:
         """After ``submit_group(defer=True)``: the items waiting run on the caller's thread, in batches of the cap,
         when nothing runs and nothing is on its way (as for ``inline_when_idle``), batches were measured and all of
-        them are expected within ``inline_within_s`` (``expected_batch_s``); else the worker is woken to take them."""
+        them are expected within ``inline_within_s`` (``expected_batch_s``); else the worker is woken to take them.
+        Whether they ran here."""
         with self._cond:
             left = len(self._queue)
             if not left:
-                return
+                return False
             if not (self._idle_for_inline() and self.expected_batch_s(left) <= inline_within_s):
                 self._cond.notify()
-                return
+                return False
             self._busy = True  # the queue is this thread's: the worker takes nothing meanwhile
         try:
             while left > 0:  # only what was judged: what others queue meanwhile is the worker's
@@ -229,6 +230,7 @@ class Batcher(Generic[In, Out]):
                 self._run_wanted(batch)
         finally:
             self._release_inline()
+        return True
 
     def expected_batch_s(self, items: int) -> float:
         """How long a batch of ``items`` takes, from the recent batches (their time, and their time per item times
