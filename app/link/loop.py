@@ -1,12 +1,12 @@
 """The engine's event loop: ``EngineServer`` serves one engine's ``Service`` to the HTTP workers' connections
 from one thread (one selector, and one for its wake-ups alone while it waits for more requests; no thread per
-connection or per request). A connection opens with the hello (a
-worker running other code is refused and logged), then carries one exchange at a time:
+connection or per request). A connection opens with the hello (a worker running other code is refused and
+logged), then carries one exchange at a time:
 - ``Infer``: read with the others of its loop turn (the loop waits up to ``MAX_WAIT_MS`` for more while they
-  come faster than that and waiting brings more: ``_gather``), the request admitted (``Service.admit``: readiness, routing, its outcome counted), its images queued
-  (``Call.queue``; decoded on a few threads when the CPU decodes them) and, once the batcher's thread has counted
-  them done (or the loop ran a turn's short batch itself), the ``Served`` answered from the loop
-  (``Call.answer``); its deadline passing first answers 504, and
+  come faster than that and waiting brings more: ``_gather``), the request admitted (``Service.admit``:
+  readiness, routing, its outcome counted), its images queued (``Call.queue``; decoded on a few threads when the
+  CPU decodes them) and, once the batcher's thread has counted them done (or the loop ran a turn's short batch
+  itself), the ``Served`` answered from the loop (``Call.answer``); its deadline passing first answers 504, and
   anything readable from the HTTP side meanwhile means its client hung up (the images still queued are dropped).
 - ``Unanswered``: a request the HTTP side refused before sending it, admitted and ended with its error (no answer).
 - ``CatalogCall``: one of ``contract.CATALOG_CALLS``, on a thread of its own; ``StateQuery``: readiness, liveness,
