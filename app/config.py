@@ -295,10 +295,11 @@ class ServerSettings(SettingsGroup):
         "readiness span every engine, as they span inline workers.")
     engine_loop_batch_ms: float = Field(
         5.0, ge=0, description="Under ENGINE=process on a CPU: what a loop turn queued runs on the engine's loop "
-        "itself, in batches of the cap, when the version's recent batches say all of it takes at most this long; "
-        "else the batcher's thread is woken once. Handing a short batch to that thread and its answers back costs "
-        "two wake-ups, a good part of its CPU; a longer one holds the loop from reading the next requests. The "
-        "first batch of a version never runs there; 0 = never (docs/performance.md).")
+        "itself, in batches of the cap, when the version's recent batches say one takes at most this long: as many "
+        "as fit in this long a turn, a backlog's rest in the next turns, with reads and answers between them; else "
+        "the batcher's thread is woken once. Handing a short batch to that thread and its answers back costs two "
+        "wake-ups, a good part of its CPU; a longer one holds the loop from reading the next requests. The first "
+        "batch of a version never runs there; 0 = never (docs/performance.md).")
     workers: int = Field(
         0, ge=0, description="gunicorn worker processes: under `ENGINE=inline` each loads its own model and "
         "batcher, under `ENGINE=process` they speak HTTP only. 0 = auto, said in the start-up log: on a CPU host "

@@ -181,7 +181,9 @@ class EngineServer:
             while self._deadlines and self._deadlines[0][2].ended:  # answered before its deadline
                 heapq.heappop(self._deadlines)
             timeout = None
-            if self._deadlines:
+            if self._deferred:  # a backlog's next slice to run: a look at what came, no wait
+                timeout = 0.0
+            elif self._deadlines:
                 timeout = max(0.0, self._deadlines[0][0] - time.monotonic())
             for key, _ in self._selector.select(timeout):
                 key.data()
@@ -319,8 +321,8 @@ class EngineServer:
         """The requests this turn read: every one admitted first (each then counts as on its way to its version's
         next batch, so the batcher waits for them), then their images queued: those the CPU decodes in a few
         hand-offs to the decode threads, or here when cheaper (app/link/decode_shares.py), the rest here. What was
-        queued here then runs here, in batches of the cap, when it is short (``ENGINE_LOOP_BATCH_MS``), else on the
-        batcher's thread.
+        queued here then runs here, in batches of the cap, when they are short (``ENGINE_LOOP_BATCH_MS``; a backlog
+        in slices of that long, one a turn, reads and answers between them), else on the batcher's thread.
         Each answer goes out once its futures are done, its deadline passes or its client hangs up, whichever comes
         first."""
         turn, self._turn = self._turn, []
@@ -336,9 +338,12 @@ class EngineServer:
                 self._decoders.submit(self._queue_all, share)
         deferred, self._deferred = self._deferred, {}
         ran_here = False
-        for batcher in deferred.values():  # after the decode threads got theirs: a batch waits for what is on its way
-            try:
-                ran_here = batcher.run_queued(self._loop_batch_s) or ran_here
+        for key, batcher in deferred.items():  # after the decode threads got theirs: a batch waits for what is on its
+            try:  # way
+                if batcher.run_queued(self._loop_batch_s):
+                    ran_here = True
+                    if batcher.depth:  # a backlog's next slice: the next turn's, after the answers and reads
+                        self._deferred[key] = batcher
             except Exception:  # noqa: BLE001 - never the loop's end: its requests end at their deadlines
                 log.exception("a batch run on the engine's loop failed")
         if deferred:

@@ -601,6 +601,51 @@ def test_requests_read_in_one_loop_turn_run_as_one_batch_on_the_loop(link: Link,
     assert model.batch_sizes[-1] == 2 and model.threads[-1] == link.server._loop_thread
 
 
+def test_a_backlog_of_short_batches_runs_on_the_loop_a_slice_a_turn_with_the_answers_between(
+        link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    colours = {"red": torch.zeros(3, 8, 8), "blue": torch.zeros(3, 8, 8)}
+    colours["red"][0], colours["blue"][2] = 1.0, 1.0
+    together, answers = threading.Barrier(3), {}
+
+    def client(colour: str) -> None:
+        infer(link.worker, tensors=[colours[colour].numpy()])  # its connection, and a batch measured
+        together.wait(10)  # ready
+        together.wait(10)  # the loop is held
+        served = infer(link.worker, tensors=[colours[colour].numpy()] * 4)  # a batch of the cap
+        answers[colour] = [ranked[0].label for ranked in served.top_k(1)]
+
+    clients = [threading.Thread(target=client, args=(colour,)) for colour in colours]
+    for thread in clients:
+        thread.start()
+    together.wait(10)
+    batcher = link.engine.loaded_version().batcher
+    wait_until(lambda: not batcher._busy)  # the batcher's thread done with a batch before, whatever the machine's load
+    monkeypatch.setattr(link.server, "_loop_batch_s", 1.0)
+    monkeypatch.setattr(batcher, "expected_batch_s", lambda items: 0.6)  # a slice: one batch of the cap
+    slices, run_queued = [], batcher.run_queued
+
+    def sliced(limit: float) -> bool:
+        before, answered = batcher.depth, link.frames.count("Answer")
+        ran = run_queued(limit)
+        slices.append((before, batcher.depth, ran, answered))
+        return ran
+
+    monkeypatch.setattr(batcher, "run_queued", sliced)
+    held, go = threading.Event(), threading.Event()
+    link.server._post(lambda: (held.set(), go.wait(10)))  # the loop held while both requests are sent
+    assert held.wait(10)
+    together.wait(10)
+    wait_until(lambda: len(select.select(link.connections, [], [], 0)[0]) == 2)
+    go.set()  # its next turn reads both: eight images, two batches of the cap
+    for thread in clients:
+        thread.join(10)
+    assert answers == {"red": ["red"] * 4, "blue": ["blue"] * 4}
+    assert model.batch_sizes[-2:] == [4, 4] and model.threads[-2:] == [link.server._loop_thread] * 2
+    # a batch a turn: the first request answered before the second's batch ran, no hand-off to the batcher's thread
+    (first, second) = slices
+    assert first[:3] == (8, 4, True) and second[:3] == (4, 0, True) and second[3] == first[3] + 1
+
+
 def test_the_engine_answers_504_at_the_deadline_while_the_batch_still_runs(link: Link, model: ColourModel) -> None:
     model.gate = threading.Event()
     started = time.monotonic()

@@ -602,6 +602,27 @@ def test_deferred_groups_over_the_cap_run_here_in_batches_of_the_cap(make_batche
     assert recorder.batches[1:] == [[1, 2], [3, 4], [5]] and batcher.batches_inline == 4 and batcher.depth == 0
 
 
+def test_a_backlog_runs_here_a_slice_a_call_and_the_rest_waits_for_the_next_call_not_the_worker(
+        make_batcher) -> None:
+    recorder = Recorder()
+    batcher = make_batcher(recorder, max_batch_size=2, incoming=lambda: 0, inline_when_idle=True)
+    assert batcher.submit(0).result(timeout=10).value == 0  # a batch measured
+    wait_until(lambda: _worker_asleep(batcher))  # started, whatever the machine's load: it takes nothing unwoken
+    batcher.expected_batch_s = lambda items: 0.01  # type: ignore[method-assign]  # 10 ms a batch, whatever its size
+    notified, notify = [], batcher._cond.notify
+    batcher._cond.notify = lambda n=1: (notified.append(n), notify(n))  # type: ignore[method-assign]
+    groups = [batcher.submit_group([i], defer=True) for i in range(1, 8)]  # seven items: four batches of the cap
+    assert batcher.run_queued(0.025)  # two batches fit in 25 ms: they run here, the rest waits
+    assert [group.wait(0) for group in groups] == [True] * 4 + [False] * 3
+    assert batcher.depth == 3 and notified == [] and _worker_asleep(batcher)
+    assert batcher.run_queued(0.025) and batcher.depth == 0
+    assert [g.result()[0].value for g in groups] == [2, 4, 6, 8, 10, 12, 14]
+    assert recorder.batches[1:] == [[1, 2], [3, 4], [5, 6], [7]] and batcher.batches_inline == 5 and notified == []
+    longer = batcher.submit_group([8, 9, 10], defer=True)
+    assert not batcher.run_queued(0.005) and longer.wait(10)  # a batch beyond the limit: the worker's, woken
+    assert notified == [1] and recorder.batches[-2:] == [[8, 9], [10]]
+
+
 def _worker_asleep(batcher: Batcher) -> bool:
     """The worker waits for work with none taken (so only a notify or an item it is told of wakes it)."""
     return not batcher._busy and bool(batcher._cond._waiters)  # type: ignore[attr-defined]

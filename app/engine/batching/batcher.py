@@ -210,26 +210,33 @@ class Batcher(Generic[In, Out]):
 
     def run_queued(self, inline_within_s: float) -> bool:
         """After ``submit_group(defer=True)``: the items waiting run on the caller's thread, in batches of the cap,
-        when nothing runs and nothing is on its way (as for ``inline_when_idle``), batches were measured and all of
-        them are expected within ``inline_within_s`` (``expected_batch_s``); else the worker is woken to take them.
-        Whether they ran here."""
+        when nothing runs and nothing is on its way (as for ``inline_when_idle``), batches were measured and the
+        first is expected within ``inline_within_s`` (``expected_batch_s``); else the worker is woken to take them.
+        Here, as many batches run as are expected within ``inline_within_s`` (one at least): what is left stays
+        queued for the caller's next call (``depth``), the worker not woken for it, so a backlog of short batches
+        runs on one thread in slices of ``inline_within_s`` instead of moving to the worker's and its answers back.
+        Whether any ran here."""
         with self._cond:
             left = len(self._queue)
             if not left:
                 return False
-            if not (self._idle_for_inline() and self.expected_batch_s(left) <= inline_within_s):
+            cap = self.current_max_batch_size
+            first_s = self.expected_batch_s(min(left, cap))
+            if not (self._idle_for_inline() and first_s <= inline_within_s):
                 self._cond.notify()
                 return False
+            if left > cap and first_s > 0:  # a slice of the backlog: as many batches of the cap as fit the time
+                left = min(left, cap * int(inline_within_s / first_s))  # (one at least)
             self._busy = True  # the queue is this thread's: the worker takes nothing meanwhile
         try:
-            while left > 0:  # only what was judged: what others queue meanwhile is the worker's
+            while left > 0:  # only what was judged: the rest, and what others queue meanwhile, waits
                 with self._cond:
                     batch = [self._queue.popleft() for _ in range(min(left, self.current_max_batch_size))]
                     self._report_depth_taken(time.monotonic())
                 left -= len(batch)
                 self._run_wanted(batch)
         finally:
-            self._release_inline()
+            self._release_inline(wake_worker=False)
         return True
 
     def expected_batch_s(self, items: int) -> float:
@@ -303,11 +310,14 @@ class Batcher(Generic[In, Out]):
             self._run_batch(live)
         self._settle_when_empty()
 
-    def _release_inline(self) -> None:
+    def _release_inline(self, wake_worker: bool = True) -> None:
+        """The queue no longer this thread's: the worker woken for what waits (``wake_worker``: the items; background
+        work always); an idle worker is left asleep (a wake-up for nothing costs the caller's thread the GIL's
+        hand-over and back)."""
         with self._cond:
             self._busy = False
-            if self._queue or self._background:  # the worker's now; an idle worker is left asleep (a wake-up for
-                self._cond.notify()  # nothing costs the caller's thread the GIL's hand-over and back)
+            if self._background or (wake_worker and self._queue):
+                self._cond.notify()
 
     def expected_wait_s(self, items: int) -> float:
         """How long ``items`` queued items take to clear at the recent batch latency."""
