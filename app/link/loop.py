@@ -3,7 +3,7 @@ from one thread (one selector, and one for its wake-ups alone while it waits for
 connection or per request). A connection opens with the hello (a worker running other code is refused and
 logged), then carries one exchange at a time:
 - ``Infer``: read with the others of its loop turn (the loop waits up to ``MAX_WAIT_MS`` for more while they
-  come faster than that and waiting brings more: ``_gather``), the request admitted (``Service.admit``:
+  come faster than that and waiting brings more: app/link/gathering.py), the request admitted (``Service.admit``:
   readiness, routing, its outcome counted), its images queued (``Call.queue``; decoded on a few threads when the
   CPU decodes them) and, once the batcher's thread has counted them done (or the loop ran a turn's short batch
   itself), the ``Served`` answered from the loop (``Call.answer``); its deadline passing first answers 504, and
@@ -43,6 +43,7 @@ from app.engine.service import Admission, Service
 from app.errors import ClientGone, InferenceFailed, ServiceError
 from app.link import wire
 from app.link.decode_shares import DecodeShares, encoded_bytes
+from app.link.gathering import Gathering
 from app.metrics import RequestTally
 
 log = logging.getLogger(__name__)
@@ -65,11 +66,6 @@ def _parsed_alike(message: wire.Infer, answering: Signature) -> None:
 
 
 CATALOG_THREADS = 4  # catalog calls at once (a load waits for every engine): never on the loop
-ARRIVAL_WEIGHT = 0.2  # a turn's weight in the pace requests come at
-YIELD_WEIGHT = 0.2  # a wait's weight in what waits bring
-ARRIVAL_GAP_IDLE_S = 1.0  # the pace after a pause: no wait for the first requests after it
-GATHER_MIN_YIELD = 0.5  # requests a wait brought, on average, below which the loop stops waiting
-GATHER_PROBE_TURNS = 100  # then it waits again once in this many turns, to see whether waiting brings more
 
 
 class _Connection:
@@ -132,11 +128,8 @@ class EngineServer:
         self._started = threading.Lock()
         settings = service.settings
         self._loop_batch_s = settings.engine_loop_batch_ms / 1000
-        self._gather_s, self._gather_count = settings.max_wait_ms / 1000, settings.max_batch_size
+        self.gathering = Gathering(settings.max_wait_ms / 1000, settings.max_batch_size, time.monotonic())
         self._wake_only = selectors.DefaultSelector()  # the loop's wake-ups alone, while it gathers requests
-        self._arrival_gap_s, self._last_turn = ARRIVAL_GAP_IDLE_S, time.monotonic()
-        self._gather_yield, self._turns_since_wait = 1.0, 0  # requests a wait brought (EWMA): at first, hoped for
-        self._batches_on_loop = False  # the last turn that queued here ran its batches here (a CPU's short batches)
         self._explain_threads = ThreadPoolExecutor(settings.explain_concurrency + settings.explain_queue_size + 1,
                                                    thread_name_prefix="engine-explain")  # each waits on the lane
         self._handlers: dict[type, Callable[[_Connection, Any, list[memoryview]], None]] = {
@@ -194,33 +187,21 @@ class EngineServer:
             self._counts.flush()
 
     def _gather(self) -> None:
-        """Before a turn's requests run, while the turns' batches run on this loop (short batches on a CPU: on a
-        GPU the batcher's thread gathers them, waiting ``MAX_WAIT_MS`` for more images itself): when requests come
-        faster than one per ``MAX_WAIT_MS`` and waiting has recently brought more, the loop waits that long (less
-        when a batch of the cap comes sooner at that pace; epoll's clock may add up to a millisecond) and reads
-        what came meanwhile, so one wake-up reads several requests and their images run as one batch. A request
-        that woke the loop for itself alone paid that wake-up, and the cold caches after it, with most of its CPU
-        on a busy two-core host (docs/performance.md). While it waits, answers and what other threads post go out;
-        hang-ups, new connections, catalog calls and deadlines are seen when it ends (it never ends early). A lone
-        client's next request cannot come before its answer: waits that bring nothing stop the waiting (four, from
-        the start), but for one turn in ``GATHER_PROBE_TURNS``, which looks again."""
+        """Before a turn's requests run: the wait for more that ``gathering`` says (app/link/gathering.py), and what
+        came meanwhile read. While it waits, answers and what other threads post go out; hang-ups, new connections,
+        catalog calls and deadlines are seen when it ends (it never ends early; epoll's clock may add up to a
+        millisecond)."""
         read = len(self._turn)
-        wait_s = min(self._gather_s, self._arrival_gap_s * (self._gather_count - read))
-        self._turns_since_wait += 1
-        if self._batches_on_loop and wait_s >= self._arrival_gap_s and (
-                self._gather_yield >= GATHER_MIN_YIELD or self._turns_since_wait >= GATHER_PROBE_TURNS):
-            self._turns_since_wait = 0
+        wait_s = self.gathering.wait_s(read)
+        if wait_s:
             until = time.monotonic() + wait_s
             while (left := until - time.monotonic()) > 0:
                 if self._wake_only.select(left):
                     self._woken()
             for key, _ in self._selector.select(0):
                 key.data()
-            self._gather_yield += YIELD_WEIGHT * (len(self._turn) - read - self._gather_yield)
-        now = time.monotonic()
-        gap_s = min((now - self._last_turn) / len(self._turn), ARRIVAL_GAP_IDLE_S)
-        self._arrival_gap_s += ARRIVAL_WEIGHT * (gap_s - self._arrival_gap_s)
-        self._last_turn = now
+            self.gathering.waited(len(self._turn) - read)
+        self.gathering.turn_runs(len(self._turn), time.monotonic())
 
     def _post(self, work: Callable[[], None]) -> None:
         """Run ``work`` on the loop: at once when called there, else on its next turn."""
@@ -347,7 +328,7 @@ class EngineServer:
             except Exception:  # noqa: BLE001 - never the loop's end: its requests end at their deadlines
                 log.exception("a batch run on the engine's loop failed")
         if deferred:
-            self._batches_on_loop = ran_here
+            self.gathering.batches_on_loop = ran_here
 
     def _admit(self, conn: _Connection, message: wire.Infer, segments: list[memoryview]) -> _Exchange | None:
         conn.read_pending = False

@@ -26,7 +26,8 @@ from app.errors import BadRequest, ClientGone, DeadlineExceeded, InvalidImage, N
 from app.link import wire
 from app.link.client import RemoteCatalog, RemoteService
 from app.link.decode_shares import HAND_OFF_S
-from app.link.loop import YIELD_WEIGHT, EngineServer
+from app.link.gathering import YIELD_WEIGHT
+from app.link.loop import EngineServer
 from app.metrics import BATCHER_EVENTS, VERSION_REQUESTS
 from tests.support.fakes import ColourModel, infer, tiny_manifest, wait_until
 from tests.support.imaging import BLUE, RED, image_bytes
@@ -642,6 +643,7 @@ def test_a_backlog_of_short_batches_runs_on_the_loop_a_slice_a_turn_with_the_ans
     assert answers == {"red": ["red"] * 4, "blue": ["blue"] * 4}
     assert model.batch_sizes[-2:] == [4, 4] and model.threads[-2:] == [link.server._loop_thread] * 2
     # a batch a turn: the first request answered before the second's batch ran, no hand-off to the batcher's thread
+    wait_until(lambda: len(slices) == 2)  # the second answer leaves from within its slice's call
     (first, second) = slices
     assert first[:3] == (8, 4, True) and second[:3] == (4, 0, True) and second[3] == first[3] + 1
 
@@ -773,12 +775,10 @@ def test_a_batch_run_where_images_were_decoded_is_not_counted_as_their_decode(se
 def _as_if_busy(server: EngineServer, monkeypatch: pytest.MonkeyPatch, wait_s: float, yield_: float = 1.0) -> None:
     """The loop as if requests came every 10 ms and its batches ran on it (so it waits for more, up to ``wait_s``),
     and waits so far brought ``yield_`` requests each; the pace stays as it is."""
-    monkeypatch.setattr("app.link.loop.ARRIVAL_WEIGHT", 0.0)
-    monkeypatch.setattr(server, "_gather_s", wait_s)
-    monkeypatch.setattr(server, "_gather_count", 1000)  # no cap on the wait from the pace
-    monkeypatch.setattr(server, "_arrival_gap_s", 0.01)
-    monkeypatch.setattr(server, "_gather_yield", yield_)
-    monkeypatch.setattr(server, "_batches_on_loop", True)
+    monkeypatch.setattr("app.link.gathering.ARRIVAL_WEIGHT", 0.0)
+    gathering = server.gathering
+    gathering.max_wait_s, gathering.batch_cap = wait_s, 1000  # no cap on the wait from the pace
+    gathering.arrival_gap_s, gathering.wait_yield, gathering.batches_on_loop = 0.01, yield_, True
 
 
 def _waits(server: EngineServer, monkeypatch: pytest.MonkeyPatch, on_loop: bool = False) -> list[bool]:
@@ -789,9 +789,9 @@ def _waits(server: EngineServer, monkeypatch: pytest.MonkeyPatch, on_loop: bool 
 
     def counted() -> None:
         if on_loop:
-            server._batches_on_loop = True
+            server.gathering.batches_on_loop = True
         gather()
-        waited.append(server._turns_since_wait == 0)
+        waited.append(server.gathering.turns_since_wait == 0)
 
     monkeypatch.setattr(server, "_gather", counted)
     return waited
@@ -823,12 +823,12 @@ def test_requests_that_come_while_the_loop_waits_for_more_run_as_one_batch(link:
     for thread in clients:
         thread.join(10)
     assert answers == ["red", "red"] and model.batch_sizes[-1] == 2, model.batch_sizes
-    assert link.server._gather_yield == pytest.approx(0.6 + YIELD_WEIGHT * (1 - 0.6))  # the wait brought one
+    assert link.server.gathering.wait_yield == pytest.approx(0.6 + YIELD_WEIGHT * (1 - 0.6))  # the wait brought one
 
 
 def test_a_lone_client_s_requests_stop_the_waits_that_bring_nothing_but_for_a_probe(
         link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("app.link.loop.GATHER_PROBE_TURNS", 4)
+    monkeypatch.setattr("app.link.gathering.GATHER_PROBE_TURNS", 4)
     red = torch.zeros(3, 8, 8)
     red[0] = 1.0
     infer(link.worker, tensors=[red.numpy()])
