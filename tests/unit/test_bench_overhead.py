@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +14,8 @@ from PIL import Image
 
 from bench.serving.overhead import BODY_BYTES, INPUT, forms, in_units, padded_jpeg, Point
 from models.image_decode import DecodeLimits, decode_tensor
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_padded_jpeg_is_a_photos_size_and_decodes_as_its_8x8_pixels() -> None:
@@ -61,3 +65,15 @@ def test_the_engine_alone_and_the_floor_answer_tensor_requests_and_their_cpu_is_
         floor = engine_only.measure(engine_only.ROOT, weights, "v2 x1", concurrency=2, seconds=0.5, floor=True,
                                     pipelined=pipelined)
         assert floor["errors"] == 0 and floor["requests_per_s"] > 0 and floor["engine_us_per_request"] > 0
+
+
+@pytest.mark.slow
+def test_the_http_side_breakdown_runs_every_step_against_an_engine_and_reports_it() -> None:
+    # bench.serving.http_side, as docs/performance.md shows it: an engine process, the app through WSGI (~15 s)
+    done = subprocess.run([sys.executable, "-m", "bench.serving.http_side", "--smoke", "--forms", "v2 x1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith("| v2 x1 |")]
+    assert [row[1] for row in rows] == ["bare app", "the app", "without the exchange", "and the timing headers",
+                                        "and the hooks"]
+    assert all(float(row[2]) > 0 for row in rows)

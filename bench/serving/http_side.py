@@ -1,0 +1,180 @@
+"""Where an HTTP worker's CPU goes in process mode (issue #50's HTTP budget): the process-mode app called through WSGI
+in this process, one request at a time on one thread, against an engine process on the tiny model of
+``bench.serving.overhead``; the CPU of that thread per request (``time.thread_time``, medians), for:
+
+- the bare Flask app (``bench/serving/bare_app.py``, the budget's unit) and the app itself;
+- the app with its exchange with the engine replaced by the answer it got (no send, wait or receive);
+- and then without the timing headers (``app/web/timing.py``), and then without the request hooks as well.
+
+Each step's difference is what the part it leaves out costs a request here, cold caches after the wait included.
+No gunicorn, no socket to a client: served, both apps cost about the same more per request (the overhead
+benchmark's figures against these).
+
+    .venv/bin/python -m bench.serving.http_side             # V2 x1 and JPEG, 5 rounds of 1,000 requests a step
+    .venv/bin/python -m bench.serving.http_side --smoke     # a few requests a step (the suite runs it)
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from bench.serving.overhead import Form, forms, padded_jpeg, tiny_weights
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = ("the app", "without the exchange", "and the timing headers", "and the hooks")
+
+
+def environ(form: Form, body: bytes) -> dict[str, Any]:
+    """The WSGI environ of one request of ``form`` with ``body``."""
+    env: dict[str, Any] = {
+        "REQUEST_METHOD": form.method, "PATH_INFO": form.path, "SERVER_NAME": "bench", "SERVER_PORT": "80",
+        "SERVER_PROTOCOL": "HTTP/1.1", "wsgi.url_scheme": "http", "wsgi.input": io.BytesIO(body),
+        "CONTENT_LENGTH": str(len(body)), "REMOTE_ADDR": "127.0.0.1", "wsgi.errors": sys.stderr,
+        "wsgi.multithread": True, "wsgi.multiprocess": True, "wsgi.run_once": False, "wsgi.version": (1, 0)}
+    for name, value in form.headers:
+        key = name.upper().replace("-", "_")
+        env[key if key in ("CONTENT_TYPE", "CONTENT_LENGTH") else f"HTTP_{key}"] = value
+    return env
+
+
+def cpu_per_request(app: Callable[..., Any], form: Form, requests: int) -> float:
+    """Median microseconds of this thread's CPU per request of ``form`` (the first tenth left out); each answered
+    200, else RuntimeError."""
+    spent = []
+    for i in range(requests):
+        status: list[str] = []
+        started = time.thread_time_ns()
+        chunks = app(environ(form, form.bodies[i % len(form.bodies)]), lambda s, h, e=None: status.append(s))
+        b"".join(chunks)
+        getattr(chunks, "close", lambda: None)()
+        spent.append(time.thread_time_ns() - started)
+        if not status[0].startswith("200"):
+            raise RuntimeError(f"{form.name}: {status[0]}")
+    return statistics.median(spent[requests // 10:]) / 1000
+
+
+@contextlib.contextmanager
+def engine(weights: Path, control: Path) -> Iterator[None]:
+    """An engine process on ``weights`` serving ``control``'s slot-0 socket, for the block."""
+    sock = control / "engine-0.sock"
+    process = subprocess.Popen([sys.executable, "-m", "bench.serving.engine_only", "--serve", str(ROOT), str(weights),
+                                str(sock), "cpu"], cwd=ROOT, stderr=subprocess.DEVNULL)
+    try:
+        until = time.monotonic() + 120
+        while not Path(f"{sock}.ready").exists():
+            if process.poll() is not None or time.monotonic() > until:
+                raise RuntimeError("the engine did not start")
+            time.sleep(0.1)
+        yield
+    finally:
+        process.kill()
+        process.wait()
+
+
+def measure(form_names: list[str], requests: int, rounds: int) -> dict[str, dict[str, float]]:
+    """For each form: microseconds of CPU per request of the bare app and of each of STEPS, the median of
+    ``rounds`` rounds that each measure them all in turn."""
+    control = Path(tempfile.mkdtemp(prefix="visionserve-http-side-"))
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(control)  # as under gunicorn: the metrics' files
+    weights = tiny_weights(Path(tempfile.gettempdir()) / "visionserve-engine-only-weights")
+    with engine(weights, control):
+        import bench.serving.bare_app as bare
+        import app.link.client as client
+        import app.v1.routes as v1_routes
+        import app.v2.routes as v2_routes
+        from app.config import Settings
+        from app.factory import create_app
+
+        settings = Settings(weights_dir=weights, control_dir=control, engine="process", device="cpu",
+                            log_level="warning", max_images=16, auto_batch_size=False, warmup=False)
+        app = create_app(settings, engine="process", on_load_error=print)
+        every = forms([padded_jpeg(i) for i in range(4)])
+        until = time.monotonic() + 60
+        while True:  # the engine reached, every worker's readiness marked
+            try:
+                cpu_per_request(app, every[form_names[0]], 1)
+                break
+            except RuntimeError:
+                if time.monotonic() > until:
+                    raise
+                time.sleep(0.1)
+        found: dict[str, dict[str, float]] = {}
+        for name in form_names:
+            form = every[name]
+            real_infer, answered = client.RemoteCall.infer, {}
+
+            def kept(self: Any, *args: Any, **kwargs: Any) -> Any:
+                answered["served"] = real_infer(self, *args, **kwargs)
+                return answered["served"]
+
+            client.RemoteCall.infer = kept  # type: ignore[method-assign]
+            cpu_per_request(app, form, 1)  # an answer of this form to give back without the exchange
+            client.RemoteCall.infer = real_infer  # type: ignore[method-assign]
+            annotate = v1_routes.annotate, v2_routes.annotate
+            hooks = dict(app.before_request_funcs), dict(app.after_request_funcs)
+
+            def leave_out(step: int) -> None:  # the parts STEPS[step] leaves out, those of the steps before too
+                if step >= 1:
+                    client.RemoteCall.infer = lambda self, *a, **k: answered["served"]  # type: ignore[method-assign]
+                if step >= 2:
+                    v1_routes.annotate = v2_routes.annotate = lambda response, served: response  # type: ignore
+                if step >= 3:
+                    app.before_request_funcs.clear()
+                    app.after_request_funcs.clear()
+
+            def restore() -> None:
+                client.RemoteCall.infer = real_infer  # type: ignore[method-assign]
+                v1_routes.annotate, v2_routes.annotate = annotate
+                app.before_request_funcs.update(hooks[0])
+                app.after_request_funcs.update(hooks[1])
+
+            spent: dict[str, list[float]] = {"bare app": [], **{step: [] for step in STEPS}}
+            for _ in range(rounds):  # the steps alternate: this VM's speed moves from one minute to the next
+                spent["bare app"].append(cpu_per_request(bare.app, every["jpeg"], requests))
+                for index, step in enumerate(STEPS):
+                    try:
+                        leave_out(index)
+                        spent[step].append(cpu_per_request(app, form, requests))
+                    finally:
+                        restore()
+            found[name] = {step: statistics.median(values) for step, values in spent.items()}
+        return found
+
+
+def report(found: dict[str, dict[str, float]], requests: int, rounds: int) -> str:
+    """The Markdown table: per form, each step's CPU per request and what it saved against the step before."""
+    lines = [f"HTTP worker CPU per request in process, {requests} requests a step, medians of {rounds} rounds (us); the "
+             "bare app with the same JPEG body is the unit", "", "| form | step | us / request | in bare-app requests | saved |",
+             "| --- | --- | --- | --- | --- |"]
+    for name, row in found.items():
+        before = None
+        for step, us in row.items():
+            saved = "" if before is None or step == STEPS[0] else f"{before - us:.0f}"
+            lines.append(f"| {name} | {step} | {us:.0f} | {us / row['bare app']:.2f} | {saved} |")
+            before = us
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--forms", nargs="+", default=["v2 x1", "jpeg"], choices=["v2 x1", "v2 x16", "jpeg"])
+    parser.add_argument("--requests", type=int, default=1000, help="requests a step in each round")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of every step in turn (medians)")
+    parser.add_argument("--smoke", action="store_true", help="a few requests a step, one round")
+    args = parser.parse_args(argv)
+    requests, rounds = (20, 1) if args.smoke else (args.requests, args.rounds)
+    print(report(measure(args.forms, requests, rounds), requests, rounds))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
