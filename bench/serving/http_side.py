@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import os
 import statistics
 import subprocess
@@ -28,22 +27,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from bench.serving.overhead import Form, forms, padded_jpeg, tiny_weights
+from bench.serving.request_path import wsgi_environ
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = ("the app", "without the exchange", "and the timing headers", "and the hooks")
-
-
-def environ(form: Form, body: bytes) -> dict[str, Any]:
-    """The WSGI environ of one request of ``form`` with ``body``."""
-    env: dict[str, Any] = {
-        "REQUEST_METHOD": form.method, "PATH_INFO": form.path, "SERVER_NAME": "bench", "SERVER_PORT": "80",
-        "SERVER_PROTOCOL": "HTTP/1.1", "wsgi.url_scheme": "http", "wsgi.input": io.BytesIO(body),
-        "CONTENT_LENGTH": str(len(body)), "REMOTE_ADDR": "127.0.0.1", "wsgi.errors": sys.stderr,
-        "wsgi.multithread": True, "wsgi.multiprocess": True, "wsgi.run_once": False, "wsgi.version": (1, 0)}
-    for name, value in form.headers:
-        key = name.upper().replace("-", "_")
-        env[key if key in ("CONTENT_TYPE", "CONTENT_LENGTH") else f"HTTP_{key}"] = value
-    return env
 
 
 def cpu_per_request(app: Callable[..., Any], form: Form, requests: int) -> float:
@@ -52,8 +39,10 @@ def cpu_per_request(app: Callable[..., Any], form: Form, requests: int) -> float
     spent = []
     for i in range(requests):
         status: list[str] = []
+        environ = wsgi_environ(form.bodies[i % len(form.bodies)], path=form.path, method=form.method,
+                               headers=form.headers)
         started = time.thread_time_ns()
-        chunks = app(environ(form, form.bodies[i % len(form.bodies)]), lambda s, h, e=None: status.append(s))
+        chunks = app(environ, lambda s, h, e=None: status.append(s))
         b"".join(chunks)
         getattr(chunks, "close", lambda: None)()
         spent.append(time.thread_time_ns() - started)

@@ -51,12 +51,22 @@ class RequestPathResult:
         return cores * 1000 / self.cpu_ms_per_image
 
 
-def _environ(body: bytes, content_type: str) -> dict[str, object]:
-    return {"REQUEST_METHOD": "POST", "PATH_INFO": "/predict", "QUERY_STRING": "", "SERVER_NAME": "127.0.0.1",
-            "SERVER_PORT": "8000", "SERVER_PROTOCOL": "HTTP/1.1", "REMOTE_ADDR": "127.0.0.1",
-            "CONTENT_TYPE": content_type, "CONTENT_LENGTH": str(len(body)), "wsgi.input": io.BytesIO(body),
-            "wsgi.url_scheme": "http", "wsgi.errors": io.StringIO(), "wsgi.version": (1, 0),
-            "wsgi.multithread": True, "wsgi.multiprocess": True, "wsgi.run_once": False}
+def wsgi_environ(body: bytes, content_type: str | None = None, path: str = "/predict", method: str = "POST",
+                 headers: Sequence[tuple[str, str]] = ()) -> dict[str, object]:
+    """The WSGI environ a server makes of one request (``headers``: its header fields, Content-Type among them or
+    in ``content_type``), for calling an app directly."""
+    environ: dict[str, object] = {
+        "REQUEST_METHOD": method, "PATH_INFO": path, "QUERY_STRING": "", "SERVER_NAME": "127.0.0.1",
+        "SERVER_PORT": "8000", "SERVER_PROTOCOL": "HTTP/1.1", "REMOTE_ADDR": "127.0.0.1",
+        "CONTENT_LENGTH": str(len(body)), "wsgi.input": io.BytesIO(body), "wsgi.url_scheme": "http",
+        "wsgi.errors": io.StringIO(), "wsgi.version": (1, 0), "wsgi.multithread": True, "wsgi.multiprocess": True,
+        "wsgi.run_once": False}
+    if content_type is not None:
+        environ["CONTENT_TYPE"] = content_type
+    for name, value in headers:
+        key = name.upper().replace("-", "_")
+        environ[key if key in ("CONTENT_TYPE", "CONTENT_LENGTH") else f"HTTP_{key}"] = value
+    return environ
 
 
 def _counters() -> dict[str, float]:
@@ -90,7 +100,7 @@ def _timed_passes(bodies: Sequence[bytes], content_type: str, rounds: int) -> di
 
     def post(body: bytes) -> None:
         statuses: list[str] = []
-        answer = app(_environ(body, content_type), lambda status, headers, *_: statuses.append(status))
+        answer = app(wsgi_environ(body, content_type), lambda status, headers, *_: statuses.append(status))
         try:
             b"".join(answer)
         finally:
