@@ -3,7 +3,8 @@ in this process, one request at a time on one thread, against an engine process 
 ``bench.serving.overhead``; the CPU of that thread per request (``time.thread_time``, medians), for:
 
 - the bare Flask app (``bench/serving/bare_app.py``, the budget's unit) and the app itself;
-- the app with its exchange with the engine replaced by the answer it got (no send, wait or receive);
+- the app with its exchange with the engine (``RemoteService.infer``: the send, the wait, the answer's read)
+  replaced by the answer it got, the request still made and counted as sent;
 - and then without the timing headers (``app/web/timing.py``), and then without the request hooks as well.
 
 Each step's difference is what the part it leaves out costs a request here, cold caches after the wait included.
@@ -99,21 +100,21 @@ def measure(form_names: list[str], requests: int, rounds: int) -> dict[str, dict
         found: dict[str, dict[str, float]] = {}
         for name in form_names:
             form = every[name]
-            real_infer, answered = client.RemoteCall.infer, {}
+            real_infer, answered = client.RemoteService.infer, {}
 
             def kept(self: Any, *args: Any, **kwargs: Any) -> Any:
                 answered["served"] = real_infer(self, *args, **kwargs)
                 return answered["served"]
 
-            client.RemoteCall.infer = kept  # type: ignore[method-assign]
+            client.RemoteService.infer = kept  # type: ignore[method-assign]
             cpu_per_request(app, form, 1)  # an answer of this form to give back without the exchange
-            client.RemoteCall.infer = real_infer  # type: ignore[method-assign]
+            client.RemoteService.infer = real_infer  # type: ignore[method-assign]
             annotate = v1_routes.annotate, v2_routes.annotate
             hooks = dict(app.before_request_funcs), dict(app.after_request_funcs)
 
             def leave_out(step: int) -> None:  # the parts STEPS[step] leaves out, those of the steps before too
-                if step >= 1:
-                    client.RemoteCall.infer = lambda self, *a, **k: answered["served"]  # type: ignore[method-assign]
+                if step >= 1:  # the request made and counted as sent, its answer given back as the engine's
+                    client.RemoteService.infer = lambda self, *a, **k: answered["served"]  # type: ignore
                 if step >= 2:
                     v1_routes.annotate = v2_routes.annotate = lambda response, served: response  # type: ignore
                 if step >= 3:
@@ -121,7 +122,7 @@ def measure(form_names: list[str], requests: int, rounds: int) -> dict[str, dict
                     app.after_request_funcs.clear()
 
             def restore() -> None:
-                client.RemoteCall.infer = real_infer  # type: ignore[method-assign]
+                client.RemoteService.infer = real_infer  # type: ignore[method-assign]
                 v1_routes.annotate, v2_routes.annotate = annotate
                 app.before_request_funcs.update(hooks[0])
                 app.after_request_funcs.update(hooks[1])
