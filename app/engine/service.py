@@ -25,7 +25,7 @@ from app.engine.versions.controller import VersionsController
 from app.engine.versions.routing import Route
 from app.engine.versions.sources import GivenSource, Source
 from app.errors import ServiceError
-from app.metrics import READY, VERSION_REQUEST_SECONDS, VERSION_REQUESTS, RequestTally
+from app.metrics import READY, VERSION_REQUEST_SECONDS, VERSION_REQUESTS, RequestTally, series
 
 log = logging.getLogger(__name__)
 
@@ -212,9 +212,9 @@ class Service(Lifecycle):
         if self.counts is not None:
             self.counts.count(loaded.name, loaded.version, route.role, outcome, None if refused else seconds)
         else:
-            VERSION_REQUESTS.labels(loaded.name, loaded.version, route.role, outcome).inc()
+            series(VERSION_REQUESTS, loaded.name, loaded.version, route.role, outcome).inc()
             if not refused:
-                VERSION_REQUEST_SECONDS.labels(loaded.name, loaded.version).observe(seconds)
+                series(VERSION_REQUEST_SECONDS, loaded.name, loaded.version).observe(seconds)
         if not refused:
             self.controller.evidence.traffic(loaded.name, loaded.version).record(seconds, outcome == "failed")
 

@@ -159,3 +159,33 @@ def test_a_loop_s_request_tally_writes_the_series_each_request_would() -> None:
     tally.flush()  # a second flush has nothing left to write
     assert (ok._value.get() - before[0], refused._value.get() - before[1]) == (3, 1)
     assert seconds._sum.get() - before[2] == pytest.approx(0.75)
+
+
+def test_a_forked_child_writes_its_metrics_to_a_file_of_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # app.metrics gives prometheus-client's multiprocess values a kept process id (no system call per write),
+    # renewed in a forked child: the child's writes must still land in a file of its own, as with os.getpid
+    import os
+
+    from prometheus_client import CollectorRegistry, Counter
+    from prometheus_client import values as prometheus_values
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    from app import metrics
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    monkeypatch.setattr(prometheus_values, "ValueClass",
+                        prometheus_values.MultiProcessValue(process_identifier=metrics._this_process))
+    counter = Counter("forked", "", registry=CollectorRegistry())
+    counter.inc()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child process
+        try:
+            counter.inc(5)
+        finally:
+            os._exit(0 if metrics._this_process() == os.getpid() else 1)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0 and metrics._this_process() == os.getpid()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"counter_{os.getpid()}.db", f"counter_{child}.db"])
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, str(tmp_path))
+    assert registry.get_sample_value("forked_total") == 6
