@@ -1,10 +1,14 @@
 """The engine process's own cost without HTTP (issue #50): one engine (``EngineServer`` and ``Service`` on the tiny
 model of ``bench.serving.overhead``) in a process of its own, and a one-thread client in another that keeps C
-requests in flight on C connections, as C HTTP worker threads would, and reads the engine's CPU from /proc.
+requests in flight on C connections, as C HTTP worker threads would, and reads the engine's CPU from /proc
+(``--clients threads``: C client threads, each waiting for its answer before it sends again, as an HTTP worker's
+request threads do: an engine with slack, whose turns carry the few requests that came meanwhile, the load HTTP
+workers give it when they are the bound).
 
     .venv/bin/python -m bench.serving.engine_only                                # JPEG, V2 x1, V2 x16 at C=16
     .venv/bin/python -m bench.serving.engine_only --checkout ../before --rounds 3   # A/B: another checkout beside
     .venv/bin/python -m bench.serving.engine_only --floor --forms "v2 x1" "v2 x16"   # beside the floor
+    .venv/bin/python -m bench.serving.engine_only --clients threads --concurrency 4 --forms "v2 x1"  # with slack
     python3 -m bench.serving.engine_only --device cuda --floor --out FOLDER        # on a GPU host (the drill)
 
 With no HTTP worker beside it on the CPU, the engine is the bound and runs the batches it would run saturated: the
@@ -165,11 +169,13 @@ def _requests(wire: Any, form: str, count: int) -> list[tuple[Any, list[Any]]]:
 
 
 def drive(checkout: Path, sock: Path, form: str, concurrency: int, seconds: float, engine: int,
-          pipelined: bool = False) -> dict[str, Any]:
+          pipelined: bool = False, threads: bool = False) -> dict[str, Any]:
     """The client: C requests in flight for ``seconds`` after a second of warm-up, on C connections (``pipelined``:
     all on one, read as they come back); the engine's CPU over them."""
     if pipelined:
         return _drive_pipelined(checkout, sock, form, concurrency, seconds, engine)
+    if threads:
+        return _drive_threads(checkout, sock, form, concurrency, seconds, engine)
     _import_from(checkout)
     from app.link import wire
 
@@ -247,10 +253,50 @@ def _drive_pipelined(checkout: Path, sock: Path, form: str, concurrency: int, se
     return _measured(run, engine, form, concurrency, seconds, count)
 
 
+def _drive_threads(checkout: Path, sock: Path, form: str, concurrency: int, seconds: float,
+                   engine: int) -> dict[str, Any]:
+    """C threads, each with its connection and one request at a time, waiting for its answer as an HTTP worker's
+    request thread does (the checkout's ``wire.receive_answer`` on a blocking socket): the engine then has slack
+    and each loop turn carries the few requests that came, as when HTTP workers are the bound."""
+    import threading
+
+    _import_from(checkout)
+    from app.link import wire
+
+    kind, count = FORMS[form]
+    requests = _requests(wire, kind, count)
+    connections = []
+    for _ in range(concurrency):
+        conn = wire.connect(sock, 5.0)
+        wire.say_hello(conn)
+        connections.append(conn)
+
+    def run(duration: float) -> tuple[int, int]:
+        answered, errors, end = [0] * concurrency, [0] * concurrency, time.monotonic() + duration
+
+        def client(index: int) -> None:
+            conn, sent = connections[index], index
+            while time.monotonic() < end:
+                wire.send(conn, *requests[sent % len(requests)])
+                sent += concurrency
+                answer = wire.receive_answer(conn, 10.0)
+                answered[index] += 1
+                errors[index] += answer.error is not None
+
+        running = [threading.Thread(target=client, args=(index,)) for index in range(concurrency)]
+        for thread in running:
+            thread.start()
+        for thread in running:
+            thread.join()
+        return sum(answered), sum(errors)
+
+    return _measured(run, engine, form, concurrency, seconds, count)
+
+
 def measure(checkout: Path, weights: Path, form: str, concurrency: int, seconds: float,
-            floor: bool = False, pipelined: bool = False, device: str = "cpu") -> dict[str, Any]:
-    """One engine started from ``checkout`` (``floor``: the floor's loop instead), driven by that checkout's client,
-    then stopped."""
+            floor: bool = False, pipelined: bool = False, device: str = "cpu", clients: str = "loop") -> dict[str, Any]:
+    """One engine started from ``checkout`` (``floor``: the floor's loop instead), driven by that checkout's client
+    (``clients``: one loop for every connection, or a thread each), then stopped."""
     with tempfile.TemporaryDirectory() as scratch:
         sock, env = Path(scratch) / "engine.sock", {**os.environ, "PROMETHEUS_MULTIPROC_DIR": scratch}
         serve_args = (["--serve-floor", str(weights), str(sock), device] if floor else
@@ -263,7 +309,7 @@ def measure(checkout: Path, weights: Path, form: str, concurrency: int, seconds:
                 time.sleep(0.1)
             client = subprocess.run([sys.executable, "-m", "bench.serving.engine_only", "--drive", str(checkout),
                                      str(sock), form, str(concurrency), str(seconds), str(engine.pid),
-                                     "pipelined" if pipelined else "apart"],
+                                     "pipelined" if pipelined else "threads" if clients == "threads" else "apart"],
                                     cwd=ROOT, env=env, capture_output=True, text=True, check=True)
             return json.loads(client.stdout.strip().splitlines()[-1])
         finally:
@@ -281,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--floor", action="store_true",
                         help="also the floor: a loop with this wire and model and nothing else (V2 forms)")
     parser.add_argument("--device", default="cpu", help="the engine's DEVICE (and the floor's)")
+    parser.add_argument("--clients", choices=("loop", "threads"), default="loop",
+                        help="loop: one client thread keeps every request in flight (the engine the bound); threads: "
+                        "a thread per connection, a request at a time (the engine with slack, as behind HTTP workers)")
     parser.add_argument("--out", type=Path, help="also write the report (Markdown) here")
     parser.add_argument("--serve", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--serve-floor", nargs=3, help=argparse.SUPPRESS)
@@ -295,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.drive:
         checkout, sock, form, concurrency, seconds, engine, connections = args.drive
         print(json.dumps(drive(Path(checkout), Path(sock), form, int(concurrency), float(seconds), int(engine),
-                               pipelined=connections == "pipelined")))
+                               pipelined=connections == "pipelined", threads=connections == "threads")))
         return 0
 
     from bench.serving.overhead import tiny_weights
@@ -307,15 +356,18 @@ def main(argv: list[str] | None = None) -> int:
         for form in args.forms:
             for checkout in checkouts:
                 found.setdefault((form, checkout), []).append(
-                    measure(checkout, weights, form, args.concurrency, args.seconds, device=args.device))
+                    measure(checkout, weights, form, args.concurrency, args.seconds, device=args.device,
+                            clients=args.clients))
             if args.floor and FORMS[form][0] == "v2":
                 found.setdefault((form, FLOOR), []).append(
-                    measure(ROOT, weights, form, args.concurrency, args.seconds, floor=True, device=args.device))
+                    measure(ROOT, weights, form, args.concurrency, args.seconds, floor=True, device=args.device,
+                            clients=args.clients))
                 found.setdefault((form, FLOOR_PIPELINED), []).append(
                     measure(ROOT, weights, form, args.concurrency, args.seconds, floor=True, pipelined=True,
                             device=args.device))
-    lines = [f"The engine without HTTP on {args.device} ({os.cpu_count()} cores): C={args.concurrency}, "
-             f"{args.seconds:g} s per point, median of {args.rounds}", "",
+    lines = [f"The engine without HTTP on {args.device} ({os.cpu_count()} cores): C={args.concurrency} "
+             f"({'a client thread each' if args.clients == 'threads' else 'one client loop'}), {args.seconds:g} s per "
+             f"point, median of {args.rounds}", "",
              "| checkout | form | req/s | engine us / request | engine us / image | errors |",
              "| --- | --- | --- | --- | --- | --- |"]
     for (form, checkout), points in found.items():
