@@ -20,7 +20,6 @@ reached a ready engine (it has no inference thread of its own), ready 0 again fr
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import os
@@ -90,7 +89,7 @@ class RemoteCall:
                              parsed_shape=tuple(self.model.input_shape), names=tuple(names), tensors=specs,
                              embedding=embedding)
         served = self._service.infer(message, segments, 2 * timeout_s + ANSWER_GRACE_S, client_gone)
-        return dataclasses.replace(served, labels=self._service.labels(served, self.model))
+        return served.labelled(self._service.labels(served, self.model))
 
 
 def _remote_call(method: str) -> Callable[..., Any]:

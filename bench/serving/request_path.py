@@ -60,7 +60,7 @@ def wsgi_environ(body: bytes, content_type: str | None = None, path: str = "/pre
         "SERVER_PORT": "8000", "SERVER_PROTOCOL": "HTTP/1.1", "REMOTE_ADDR": "127.0.0.1",
         "CONTENT_LENGTH": str(len(body)), "wsgi.input": io.BytesIO(body), "wsgi.url_scheme": "http",
         "wsgi.errors": io.StringIO(), "wsgi.version": (1, 0), "wsgi.multithread": True, "wsgi.multiprocess": True,
-        "wsgi.run_once": False}
+        "wsgi.run_once": False, "wsgi.input_terminated": True}  # gunicorn ends a request's body itself
     if content_type is not None:
         environ["CONTENT_TYPE"] = content_type
     for name, value in headers:

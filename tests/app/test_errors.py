@@ -223,6 +223,25 @@ def test_a_streamed_body_over_the_limit_is_413_not_cut_short(client: FlaskClient
     assert post(settings.max_body_bytes, content_type).status_code == 400  # at the limit: read, and not an image
 
 
+class _CountedStream(io.BytesIO):
+    reads: list[int]
+
+    def read(self, size: int | None = -1) -> bytes:  # type: ignore[override]
+        self.reads.append(-1 if size is None else size)
+        return super().read(size)
+
+
+def test_a_body_of_a_known_length_from_a_server_that_ends_it_is_read_in_one_call(client: FlaskClient) -> None:
+    # gunicorn says it ends the input itself (wsgi.input_terminated): a Content-Length body is one read of that length
+    photo = image_bytes(RED)
+    stream = _CountedStream(photo)
+    stream.reads = []
+    response = client.post("/predict", input_stream=stream, content_length=len(photo), content_type="image/jpeg",
+                           environ_overrides={"wsgi.input_terminated": True})
+    assert response.status_code == 200 and response.get_json()["predictions"][0]["label"] == "red"
+    assert stream.reads == [len(photo)]
+
+
 @pytest.mark.parametrize("path", ["/predict", "/v2/models/colour/infer", "/v1/models", "/nowhere"])
 def test_a_body_announced_over_the_limit_is_our_413_on_every_route(client: FlaskClient, settings: Settings,
                                                                    path: str) -> None:
