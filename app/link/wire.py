@@ -415,18 +415,29 @@ class FrameReader:
 ANSWER_READ_BYTES = 1 << 16  # an answer's first read: one image's answer (a row of 1,000 classes) fits in it
 
 
-def _receive_some(sock: socket.socket, view: memoryview, grace_s: float) -> int:
-    """Bytes read into ``view`` (at least one): what has arrived, else what arrives within ``grace_s``."""
+def _receive_some(sock: socket.socket, most: int, grace_s: float) -> bytes:
+    """What has arrived (at least one byte, at most ``most``), else what arrives within ``grace_s``: read into a
+    fresh buffer that is not zeroed first (``recv``; a zeroed 64 KiB buffer was most of an answer's read)."""
     while True:
         try:
-            count = sock.recv_into(view, len(view), socket.MSG_DONTWAIT)
+            data = sock.recv(most, socket.MSG_DONTWAIT)
         except BlockingIOError:
             if not readable(sock, grace_s):
                 raise EngineGone(f"the engine sent nothing more of its answer for {grace_s:g}s") from None
             continue
-        if count == 0:
+        if not data:
             raise EngineGone("the connection closed mid-frame")
-        return count
+        return data
+
+
+def _answer_size(data: bytes | bytearray) -> int | None:
+    """The whole frame's size once ``data`` holds its header and segment table, else None."""
+    if len(data) < _HEAD.size:
+        return None
+    head_size, count = _frame_head(data)
+    table_end = _HEAD.size + _LENGTH.size * count
+    return table_end + head_size + sum(_segment_lengths(data, _HEAD.size, count, head_size)) if len(
+        data) >= table_end else None
 
 
 def receive_answer(sock: socket.socket, grace_s: float) -> Answer:
@@ -434,24 +445,19 @@ def receive_answer(sock: socket.socket, grace_s: float) -> Answer:
     answer: no timeout toggled, no poll before each read). The engine sends nothing on a connection but the answer
     of its exchange, so reading ahead of the frame's length takes nothing of a next one; an answer that stops
     arriving for ``grace_s`` is EngineGone."""
-    buffer, got, table_end, size = bytearray(ANSWER_READ_BYTES), 0, 0, 0
-    while not size or got < size:
-        got += _receive_some(sock, memoryview(buffer)[got:], grace_s)
-        if got < _HEAD.size or size:
-            continue
-        head_size, count = _frame_head(buffer)
-        table_end = _HEAD.size + _LENGTH.size * count
-        if got < table_end:
-            buffer += bytes(max(0, table_end - len(buffer)))
-            continue
-        size = table_end + head_size + sum(_segment_lengths(buffer, _HEAD.size, count, head_size))
-        if size > len(buffer):
-            buffer += bytes(size - len(buffer))
-    if got > size:
-        raise EngineGone(f"{got - size} bytes beyond the answer: the stream is out of step")
-    view = memoryview(buffer)
+    data: bytes | bytearray = _receive_some(sock, ANSWER_READ_BYTES, grace_s)
+    size = _answer_size(data)
+    if size is None or len(data) < size:  # a large answer, or one still arriving: gathered in one buffer
+        data = bytearray(data)
+        while size is None or len(data) < size:
+            data += _receive_some(sock, size - len(data) if size else ANSWER_READ_BYTES, grace_s)
+            size = size or _answer_size(data)
+    if len(data) > size:
+        raise EngineGone(f"{len(data) - size} bytes beyond the answer: the stream is out of step")
+    view, (head_size, count) = memoryview(data), _frame_head(data)
+    table_end = _HEAD.size + _LENGTH.size * count
     segments, at = [], table_end + head_size
-    for length in _segment_lengths(buffer, _HEAD.size, (table_end - _HEAD.size) // _LENGTH.size, head_size):
+    for length in _segment_lengths(data, _HEAD.size, count, head_size):
         segments.append(view[at:at + length])
         at += length
     message = _loads(view[table_end:table_end + head_size], segments)

@@ -42,13 +42,13 @@ def _prediction(top: list[Ranked], digits: int) -> Prediction:
 @bp.post("/predict")
 def predict() -> Response:
     """Classify one or more images."""
-    service = current_service()
+    service, req = current_service(), request._get_current_object()  # not a proxy lookup per field
     settings = service.settings
-    timeout_s = deadline_s(request.headers, settings.request_timeout_s)
+    timeout_s = deadline_s(req.headers, settings.request_timeout_s)
     # Admitted only if the queue could take one image in time: refused before the body is parsed otherwise.
-    with service.admit(request.args.get("model"), request.args.get("version"),
-                       client_key(request.headers, settings.client_key_header), images=1, timeout_s=timeout_s) as call:
-        parsed = parse_predict(request, default_top_k=settings.top_k, num_classes=call.model.num_classes,
+    with service.admit(req.args.get("model"), req.args.get("version"),
+                       client_key(req.headers, settings.client_key_header), images=1, timeout_s=timeout_s) as call:
+        parsed = parse_predict(req, default_top_k=settings.top_k, num_classes=call.model.num_classes,
                                max_images=settings.max_images)
         served = call.infer(parsed.images, names=parsed.names or (), client_gone=client_gone(), timeout_s=timeout_s,
                             embedding=parsed.embedding)
@@ -56,7 +56,7 @@ def predict() -> Response:
                    else None)
     body = PredictResponse(model=ModelRef(name=served.model, version=served.version), predictions=predictions,
                            embeddings=served.embeddings().tolist() if parsed.embedding else None)
-    return annotate(Response(body.model_dump_json(exclude_none=True), mimetype="application/json"), served)
+    return annotate(Response(body.model_dump_json(exclude_none=True), content_type="application/json"), served)
 
 
 @bp.post("/explain")

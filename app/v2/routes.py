@@ -8,8 +8,6 @@ from the same forward pass, only when a request names it.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 from flask import Blueprint, Response, request
 from pydantic import BaseModel
@@ -22,9 +20,6 @@ from app.v2.schemas import Live, ModelMetadata, ModelReady, Ready, ServerMetadat
 from app.web.inputs import client_key, deadline_s, read_body
 from app.web.services import client_gone, current_service
 from app.web.timing import annotate
-
-if TYPE_CHECKING:  # the engine's Service, or app/link/client.py's RemoteService
-    from app.engine.contract import ServiceFace
 
 bp = Blueprint("v2", __name__, url_prefix="/v2")
 
@@ -151,36 +146,38 @@ def _output(served: Served, name: str, k: int, digits: int) -> Tensor:
     return Tensor(OUTPUT, "BYTES", [len(rows), len(rows[0])], np.array(rows, dtype=object))
 
 
-def _timeout_s(service: ServiceFace, infer: InferRequest) -> float:
-    timeout_s = deadline_s(request.headers, service.settings.request_timeout_s)
-    micros = infer.parameters.get("timeout")  # tritonclient's per-request timeout, in microseconds
+def _timeout_s(announced_s: float, infer: InferRequest) -> float:
+    """The request's deadline: the one its headers announced (``deadline_s``), lowered by its body's ``timeout``
+    parameter (tritonclient's per-request timeout, in microseconds)."""
+    micros = infer.parameters.get("timeout")
     if isinstance(micros, (int, float)) and not isinstance(micros, bool) and micros > 0:
-        timeout_s = min(timeout_s, micros / 1e6)
-    return timeout_s
+        return min(announced_s, micros / 1e6)
+    return announced_s
 
 
 @bp.post(_MODEL + "/infer")
 @bp.post(_VERSIONED + "/infer")
 def infer(name: str, version: str | None = None) -> Response:
     """Inference through the same admission, ``Call.infer`` and batcher as /predict."""
-    service = current_service()
-    announced_timeout_s = deadline_s(request.headers, service.settings.request_timeout_s)  # the body may lower it
+    service, req = current_service(), request._get_current_object()  # not a proxy lookup per field
+    headers = req.headers
+    announced_timeout_s = deadline_s(headers, service.settings.request_timeout_s)  # the body may lower it
     # Admitted only if the queue could take one image in time: refused before the body is parsed otherwise.
-    with service.admit(name, version, client_key(request.headers, service.settings.client_key_header), images=1,
+    with service.admit(name, version, client_key(headers, service.settings.client_key_header), images=1,
                        timeout_s=announced_timeout_s) as call:
-        if request.content_encoding:
-            raise BadRequest(f"Content-Encoding {request.content_encoding!r} is not supported; send the body as is")
-        parsed = parse_request(read_body(request), request.headers.get("Inference-Header-Content-Length"))
+        if req.content_encoding:
+            raise BadRequest(f"Content-Encoding {req.content_encoding!r} is not supported; send the body as is")
+        parsed = parse_request(read_body(req), headers.get("Inference-Header-Content-Length"))
         plan = _output_plan(parsed, call.model)
         images, tensors = _inputs(call.model, parsed)
-        served = call.infer(images, tensors, timeout_s=_timeout_s(service, parsed), client_gone=client_gone(),
-                            embedding=any(name == EMBEDDING for name, _, _ in plan))
+        served = call.infer(images, tensors, timeout_s=_timeout_s(announced_timeout_s, parsed),
+                            client_gone=client_gone(), embedding=any(name == EMBEDDING for name, _, _ in plan))
     digits = service.settings.score_digits
     outputs = [_output(served, name, k, digits) for name, k, _ in plan]
     body, header_length = encode_response(model_name=served.model, model_version=served.version,
                                           request_id=parsed.id, outputs=outputs,
                                           binary={name for name, _, is_binary in plan if is_binary})
-    response = Response(body, mimetype="application/json" if header_length is None else "application/octet-stream")
+    response = Response(body, content_type="application/json" if header_length is None else "application/octet-stream")
     if header_length is not None:
         response.headers["Inference-Header-Content-Length"] = str(header_length)
     return annotate(response, served)

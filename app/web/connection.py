@@ -52,9 +52,10 @@ class CloseWhenAsked:
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         """Run the app; force the server to close when its answer asks for it or leaves a streamed body unread."""
         def start(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
-            if not _asks_to_close(headers) and left_unread(environ):
-                headers = [*headers, ("Connection", "close")]
-            if _asks_to_close(headers):
+            close = _asks_to_close(headers)
+            if not close and left_unread(environ):
+                headers, close = [*headers, ("Connection", "close")], True
+            if close:
                 force_close(start_response)
             return start_response(status, headers, exc_info)
 

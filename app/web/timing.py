@@ -8,14 +8,15 @@ from app.engine.contract import Served, distinct_batches, stage_ms
 
 def annotate(response: Response, served: Served) -> Response:
     """Add the timing headers to ``response`` and hand the per-stage figures to the access log."""
-    g.served = served  # for the trace's stage spans (app/web/tracing.py)
+    context = g._get_current_object()  # not a proxy lookup per field
+    context.served = served  # for the trace's stage spans (app/web/tracing.py)
     results, decode_ms = served.results, served.decode_s * 1000
     queue_ms, inference_ms = stage_ms(results)
+    batch_sizes = [r.batch_size for r in results]
     sizes = "+".join(str(r.batch_size) for r in distinct_batches(results))
     response.headers["Server-Timing"] = (f'decode;dur={decode_ms:.2f}, queue;dur={queue_ms:.2f}, '
                                          f'inference;dur={inference_ms:.2f}, batch;desc="{sizes}"')
-    response.headers["X-Batch-Size"] = ",".join(str(r.batch_size) for r in results)
-    g.log_fields.update({"images": len(results), "batch_sizes": [r.batch_size for r in results],
-                         "decode_ms": round(decode_ms, 2), "queue_ms": round(queue_ms, 2),
-                         "inference_ms": round(inference_ms, 2)})
+    response.headers["X-Batch-Size"] = ",".join(map(str, batch_sizes))
+    context.log_fields.update({"images": len(results), "batch_sizes": batch_sizes, "decode_ms": round(decode_ms, 2),
+                               "queue_ms": round(queue_ms, 2), "inference_ms": round(inference_ms, 2)})
     return response
