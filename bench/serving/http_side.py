@@ -13,11 +13,20 @@ benchmark's figures against these).
 
     .venv/bin/python -m bench.serving.http_side             # V2 x1 and JPEG, 5 rounds of 1,000 requests a step
     .venv/bin/python -m bench.serving.http_side --smoke     # a few requests a step (the suite runs it)
+    .venv/bin/python -m bench.serving.http_side --instructions --requests 200   # instructions, not CPU time
+
+``--instructions`` (valgrind installed: ``apt-get install valgrind``) runs this process under callgrind and counts
+the instructions each step runs per request, the counting turned on around the step's requests only: a figure that
+does not move with the host's speed from one minute to the next, so a change of a few percent shows in one run,
+where the CPU time of two runs of the same code differs by 10-20% on the 2-core VM. It counts what runs in this
+process, not the kernel's system calls or the wait for the engine (native, not under valgrind), and a memset counts
+about one instruction per byte.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import statistics
 import subprocess
@@ -32,6 +41,35 @@ from bench.serving.request_path import wsgi_environ
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = ("the app", "without the exchange", "and the timing headers", "and the hooks")
+
+
+CALLGRIND_OUT = "VISIONSERVE_CALLGRIND_OUT"  # set in the process that valgrind runs (--instructions): its dumps' path
+
+
+def _callgrind(*command: str) -> None:
+    subprocess.run(["callgrind_control", *command, str(os.getpid())], check=True, capture_output=True)
+
+
+def instructions_per_request(app: Callable[..., Any], form: Form, requests: int) -> float:
+    """Instructions this process runs per request of ``form`` (callgrind's count over the requests alone: this
+    process runs under valgrind, ``--instructions``); each answered 200, else RuntimeError."""
+    environs = [wsgi_environ(form.bodies[i % len(form.bodies)], path=form.path, method=form.method,
+                             headers=form.headers) for i in range(requests)]
+    status: list[str] = []
+    _callgrind("--instr=on")  # from the first step on (turning it off again would drop what callgrind translated)
+    gc.collect()  # every step from the same collector state: a full collection counts millions of instructions
+    _callgrind("--zero")
+    for environ in environs:
+        chunks = app(environ, lambda s, h, e=None: status.append(s))
+        b"".join(chunks)
+        getattr(chunks, "close", lambda: None)()
+    _callgrind("--dump")  # the counts since the zero
+    if not all(s.startswith("200") for s in status):
+        raise RuntimeError(f"{form.name}: {next(s for s in status if not s.startswith('200'))}")
+    dumps = sorted(Path(os.environ[CALLGRIND_OUT]).parent.glob(f"{Path(os.environ[CALLGRIND_OUT]).name}.*"),
+                   key=lambda path: int(path.suffix[1:]))
+    totals = next(line for line in dumps[-1].read_text().splitlines() if line.startswith(("summary:", "totals:")))
+    return int(totals.split()[1]) / requests
 
 
 def cpu_per_request(app: Callable[..., Any], form: Form, requests: int) -> float:
@@ -70,9 +108,10 @@ def engine(weights: Path, control: Path) -> Iterator[None]:
         process.wait()
 
 
-def measure(form_names: list[str], requests: int, rounds: int) -> dict[str, dict[str, float]]:
-    """For each form: microseconds of CPU per request of the bare app and of each of STEPS, the median of
-    ``rounds`` rounds that each measure them all in turn."""
+def measure(form_names: list[str], requests: int, rounds: int,
+            per_request: Callable[[Callable[..., Any], Form, int], float] = cpu_per_request) -> dict[str, dict[str, float]]:
+    """For each form: what ``per_request`` says a request of the bare app and of each of STEPS costs (microseconds
+    of CPU, or instructions), the median of ``rounds`` rounds that each measure them all in turn."""
     control = Path(tempfile.mkdtemp(prefix="visionserve-http-side-"))
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(control)  # as under gunicorn: the metrics' files
     weights = tiny_weights(Path(tempfile.gettempdir()) / "visionserve-engine-only-weights")
@@ -129,22 +168,24 @@ def measure(form_names: list[str], requests: int, rounds: int) -> dict[str, dict
 
             spent: dict[str, list[float]] = {"bare app": [], **{step: [] for step in STEPS}}
             for _ in range(rounds):  # the steps alternate: this VM's speed moves from one minute to the next
-                spent["bare app"].append(cpu_per_request(bare.app, every["jpeg"], requests))
+                spent["bare app"].append(per_request(bare.app, every["jpeg"], requests))
                 for index, step in enumerate(STEPS):
                     try:
                         leave_out(index)
-                        spent[step].append(cpu_per_request(app, form, requests))
+                        spent[step].append(per_request(app, form, requests))
                     finally:
                         restore()
             found[name] = {step: statistics.median(values) for step, values in spent.items()}
         return found
 
 
-def report(found: dict[str, dict[str, float]], requests: int, rounds: int) -> str:
-    """The Markdown table: per form, each step's CPU per request and what it saved against the step before."""
-    lines = [f"HTTP worker CPU per request in process, {requests} requests a step, medians of {rounds} rounds (us); the "
-             "bare app with the same JPEG body is the unit", "", "| form | step | us / request | in bare-app requests | saved |",
-             "| --- | --- | --- | --- | --- |"]
+def report(found: dict[str, dict[str, float]], requests: int, rounds: int, instructions: bool = False) -> str:
+    """The Markdown table: per form, each step's CPU (or instructions) per request and what it saved against the
+    step before."""
+    what, unit = ("Instructions", "instructions") if instructions else ("HTTP worker CPU", "us")
+    lines = [f"{what} per request in process, {requests} requests a step, medians of {rounds} rounds ({unit}); the "
+             "bare app with the same JPEG body is the unit", "",
+             f"| form | step | {unit} / request | in bare-app requests | saved |", "| --- | --- | --- | --- | --- |"]
     for name, row in found.items():
         before = None
         for step, us in row.items():
@@ -160,9 +201,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=1000, help="requests a step in each round")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of every step in turn (medians)")
     parser.add_argument("--smoke", action="store_true", help="a few requests a step, one round")
+    parser.add_argument("--instructions", action="store_true",
+                        help="count instructions under callgrind (valgrind) instead of CPU time; one round")
     args = parser.parse_args(argv)
-    requests, rounds = (20, 1) if args.smoke else (args.requests, args.rounds)
-    print(report(measure(args.forms, requests, rounds), requests, rounds))
+    requests, rounds = (20, 1) if args.smoke else (args.requests, 1 if args.instructions else args.rounds)
+    if args.instructions and CALLGRIND_OUT not in os.environ:  # this process again, under valgrind
+        with tempfile.TemporaryDirectory(prefix="visionserve-callgrind-") as folder:
+            out = str(Path(folder) / "callgrind.out")
+            return subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
+                                   sys.executable, "-m", "bench.serving.http_side", *(argv if argv is not None else
+                                                                                      sys.argv[1:])],
+                                  cwd=ROOT, env={**os.environ, CALLGRIND_OUT: out}, stderr=subprocess.DEVNULL).returncode
+    per_request = instructions_per_request if args.instructions else cpu_per_request
+    print(report(measure(args.forms, requests, rounds, per_request), requests, rounds, args.instructions))
     return 0
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -78,3 +80,37 @@ def test_the_http_side_breakdown_runs_every_step_against_an_engine_and_reports_i
     assert [row[1] for row in rows] == ["bare app", "the app", "without the exchange", "and the timing headers",
                                         "and the hooks"]
     assert all(float(row[2]) > 0 for row in rows)
+
+
+def test_instructions_per_request_are_callgrind_s_count_of_the_requests_alone(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # http_side --instructions: counting zeroed before a step's requests, dumped after them, the dump's total per
+    # request (a stand-in callgrind_control writes the dumps valgrind's would, numbered as callgrind numbers them)
+    import bench.serving.bare_app as bare
+    from bench.serving import http_side
+    from bench.serving.overhead import forms, padded_jpeg
+
+    calls = tmp_path / "calls"
+    control = tmp_path / "bin" / "callgrind_control"
+    control.parent.mkdir()
+    control.write_text(f'#!/bin/sh\necho "$1" >> {calls}\nif [ "$1" = --dump ]; then n=$(grep -c -- --dump {calls}); '
+                       f'printf "events: Ir\\nsummary: $((n * 1000))\\n" > {tmp_path}/callgrind.out.$n; fi\n')
+    control.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{control.parent}:{os.environ['PATH']}")
+    monkeypatch.setenv(http_side.CALLGRIND_OUT, str(tmp_path / "callgrind.out"))
+    jpeg = forms([padded_jpeg(0)])["jpeg"]
+    assert http_side.instructions_per_request(bare.app, jpeg, 4) == 250  # the first dump: 1,000 over 4 requests
+    for _ in range(9):  # the tenth dump is the newest, not the last by name
+        http_side.instructions_per_request(bare.app, jpeg, 4)
+    assert http_side.instructions_per_request(bare.app, jpeg, 4) == 2750
+    assert calls.read_text().split()[:3] == ["--instr=on", "--zero", "--dump"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed (apt-get install valgrind)")
+def test_the_http_side_counts_instructions_under_valgrind_as_docs_performance_shows() -> None:
+    done = subprocess.run([sys.executable, "-m", "bench.serving.http_side", "--instructions", "--smoke", "--forms",
+                           "v2 x1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith("| v2 x1 |")]
+    assert [row[1] for row in rows][:2] == ["bare app", "the app"] and all(float(row[2]) > 1000 for row in rows)
