@@ -436,8 +436,9 @@ def _answer_size(data: bytes | bytearray) -> int | None:
         return None
     head_size, count = _frame_head(data)
     table_end = _HEAD.size + _LENGTH.size * count
-    return table_end + head_size + sum(_segment_lengths(data, _HEAD.size, count, head_size)) if len(
-        data) >= table_end else None
+    if len(data) < table_end:
+        return None
+    return table_end + head_size + sum(_segment_lengths(data, _HEAD.size, count, head_size))
 
 
 def receive_answer(sock: socket.socket, grace_s: float) -> Answer:

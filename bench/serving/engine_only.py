@@ -169,12 +169,13 @@ def _requests(wire: Any, form: str, count: int) -> list[tuple[Any, list[Any]]]:
 
 
 def drive(checkout: Path, sock: Path, form: str, concurrency: int, seconds: float, engine: int,
-          pipelined: bool = False, threads: bool = False) -> dict[str, Any]:
-    """The client: C requests in flight for ``seconds`` after a second of warm-up, on C connections (``pipelined``:
-    all on one, read as they come back); the engine's CPU over them."""
-    if pipelined:
+          connections: str = "apart") -> dict[str, Any]:
+    """The client: C requests in flight for ``seconds`` after a second of warm-up, on C connections read by one
+    loop (``connections``: "apart"; "pipelined": all on one, read as they come back; "threads": a thread each); the
+    engine's CPU over them."""
+    if connections == "pipelined":
         return _drive_pipelined(checkout, sock, form, concurrency, seconds, engine)
-    if threads:
+    if connections == "threads":
         return _drive_threads(checkout, sock, form, concurrency, seconds, engine)
     _import_from(checkout)
     from app.link import wire
@@ -344,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.drive:
         checkout, sock, form, concurrency, seconds, engine, connections = args.drive
         print(json.dumps(drive(Path(checkout), Path(sock), form, int(concurrency), float(seconds), int(engine),
-                               pipelined=connections == "pipelined", threads=connections == "threads")))
+                               connections)))
         return 0
 
     from bench.serving.overhead import tiny_weights
