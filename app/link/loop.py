@@ -319,8 +319,9 @@ class EngineServer:
                 self._decoders.submit(self._queue_all, share)
         deferred, self._deferred = self._deferred, {}
         ran_here = False
-        for key, batcher in deferred.items():  # after the decode threads got theirs: a batch waits for what is on its
-            try:  # way
+        # after the decode threads got theirs: a batch waits for what is on its way
+        for key, batcher in deferred.items():
+            try:
                 if batcher.run_queued(self._loop_batch_s):
                     ran_here = True
                     if batcher.depth:  # a backlog's next slice: the next turn's, after the answers and reads

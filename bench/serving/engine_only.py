@@ -169,13 +169,13 @@ def _requests(wire: Any, form: str, count: int) -> list[tuple[Any, list[Any]]]:
 
 
 def drive(checkout: Path, sock: Path, form: str, concurrency: int, seconds: float, engine: int,
-          connections: str = "apart") -> dict[str, Any]:
+          clients: str = "loop") -> dict[str, Any]:
     """The client: C requests in flight for ``seconds`` after a second of warm-up, on C connections read by one
-    loop (``connections``: "apart"; "pipelined": all on one, read as they come back; "threads": a thread each); the
-    engine's CPU over them."""
-    if connections == "pipelined":
+    loop (``clients``: "loop"; "pipelined": all on one connection, read as they come back; "threads": a thread
+    per connection); the engine's CPU over them."""
+    if clients == "pipelined":
         return _drive_pipelined(checkout, sock, form, concurrency, seconds, engine)
-    if connections == "threads":
+    if clients == "threads":
         return _drive_threads(checkout, sock, form, concurrency, seconds, engine)
     _import_from(checkout)
     from app.link import wire
@@ -295,9 +295,9 @@ def _drive_threads(checkout: Path, sock: Path, form: str, concurrency: int, seco
 
 
 def measure(checkout: Path, weights: Path, form: str, concurrency: int, seconds: float,
-            floor: bool = False, pipelined: bool = False, device: str = "cpu", clients: str = "loop") -> dict[str, Any]:
+            floor: bool = False, device: str = "cpu", clients: str = "loop") -> dict[str, Any]:
     """One engine started from ``checkout`` (``floor``: the floor's loop instead), driven by that checkout's client
-    (``clients``: one loop for every connection, or a thread each), then stopped."""
+    (``clients``: as ``drive`` says), then stopped."""
     with tempfile.TemporaryDirectory() as scratch:
         sock, env = Path(scratch) / "engine.sock", {**os.environ, "PROMETHEUS_MULTIPROC_DIR": scratch}
         serve_args = (["--serve-floor", str(weights), str(sock), device] if floor else
@@ -310,7 +310,7 @@ def measure(checkout: Path, weights: Path, form: str, concurrency: int, seconds:
                 time.sleep(0.1)
             client = subprocess.run([sys.executable, "-m", "bench.serving.engine_only", "--drive", str(checkout),
                                      str(sock), form, str(concurrency), str(seconds), str(engine.pid),
-                                     "pipelined" if pipelined else "threads" if clients == "threads" else "apart"],
+                                     clients],
                                     cwd=ROOT, env=env, capture_output=True, text=True, check=True)
             return json.loads(client.stdout.strip().splitlines()[-1])
         finally:
@@ -343,9 +343,9 @@ def main(argv: list[str] | None = None) -> int:
         serve_floor(Path(args.serve_floor[0]), Path(args.serve_floor[1]), args.serve_floor[2])
         return 0
     if args.drive:
-        checkout, sock, form, concurrency, seconds, engine, connections = args.drive
+        checkout, sock, form, concurrency, seconds, engine, clients = args.drive
         print(json.dumps(drive(Path(checkout), Path(sock), form, int(concurrency), float(seconds), int(engine),
-                               connections)))
+                               clients)))
         return 0
 
     from bench.serving.overhead import tiny_weights
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
                     measure(ROOT, weights, form, args.concurrency, args.seconds, floor=True, device=args.device,
                             clients=args.clients))
                 found.setdefault((form, FLOOR_PIPELINED), []).append(
-                    measure(ROOT, weights, form, args.concurrency, args.seconds, floor=True, pipelined=True,
+                    measure(ROOT, weights, form, args.concurrency, args.seconds, floor=True, clients="pipelined",
                             device=args.device))
     lines = [f"The engine without HTTP on {args.device} ({os.cpu_count()} cores): C={args.concurrency} "
              f"({'a client thread each' if args.clients == 'threads' else 'one client loop'}), {args.seconds:g} s per "

@@ -46,6 +46,21 @@ STEPS = ("the app", "without the exchange", "and the timing headers", "and the h
 CALLGRIND_OUT = "VISIONSERVE_CALLGRIND_OUT"  # set in the process that valgrind runs (--instructions): its dumps' path
 
 
+def _environ(form: Form, index: int) -> dict[str, object]:
+    return wsgi_environ(form.bodies[index % len(form.bodies)], path=form.path, method=form.method,
+                        headers=form.headers)
+
+
+def _answer(app: Callable[..., Any], environ: dict[str, object], form: Form) -> None:
+    """``app``'s whole answer to ``environ``; RuntimeError unless it is a 200."""
+    status: list[str] = []
+    chunks = app(environ, lambda s, h, e=None: status.append(s))
+    b"".join(chunks)
+    getattr(chunks, "close", lambda: None)()
+    if not status[0].startswith("200"):
+        raise RuntimeError(f"{form.name}: {status[0]}")
+
+
 def _callgrind(*command: str) -> None:
     subprocess.run(["callgrind_control", *command, str(os.getpid())], check=True, capture_output=True)
 
@@ -53,21 +68,15 @@ def _callgrind(*command: str) -> None:
 def instructions_per_request(app: Callable[..., Any], form: Form, requests: int) -> float:
     """Instructions this process runs per request of ``form`` (callgrind's count over the requests alone: this
     process runs under valgrind, ``--instructions``); each answered 200, else RuntimeError."""
-    environs = [wsgi_environ(form.bodies[i % len(form.bodies)], path=form.path, method=form.method,
-                             headers=form.headers) for i in range(requests)]
-    status: list[str] = []
+    environs = [_environ(form, i) for i in range(requests)]
     _callgrind("--instr=on")  # from the first step on (turning it off again would drop what callgrind translated)
     gc.collect()  # every step from the same collector state: a full collection counts millions of instructions
     _callgrind("--zero")
     for environ in environs:
-        chunks = app(environ, lambda s, h, e=None: status.append(s))
-        b"".join(chunks)
-        getattr(chunks, "close", lambda: None)()
+        _answer(app, environ, form)
     _callgrind("--dump")  # the counts since the zero
-    if not all(s.startswith("200") for s in status):
-        raise RuntimeError(f"{form.name}: {next(s for s in status if not s.startswith('200'))}")
-    dumps = sorted(Path(os.environ[CALLGRIND_OUT]).parent.glob(f"{Path(os.environ[CALLGRIND_OUT]).name}.*"),
-                   key=lambda path: int(path.suffix[1:]))
+    out = Path(os.environ[CALLGRIND_OUT])
+    dumps = sorted(out.parent.glob(f"{out.name}.*"), key=lambda path: int(path.suffix[1:]))
     totals = next(line for line in dumps[-1].read_text().splitlines() if line.startswith(("summary:", "totals:")))
     return int(totals.split()[1]) / requests
 
@@ -77,16 +86,10 @@ def cpu_per_request(app: Callable[..., Any], form: Form, requests: int) -> float
     200, else RuntimeError."""
     spent = []
     for i in range(requests):
-        status: list[str] = []
-        environ = wsgi_environ(form.bodies[i % len(form.bodies)], path=form.path, method=form.method,
-                               headers=form.headers)
+        environ = _environ(form, i)
         started = time.thread_time_ns()
-        chunks = app(environ, lambda s, h, e=None: status.append(s))
-        b"".join(chunks)
-        getattr(chunks, "close", lambda: None)()
+        _answer(app, environ, form)
         spent.append(time.thread_time_ns() - started)
-        if not status[0].startswith("200"):
-            raise RuntimeError(f"{form.name}: {status[0]}")
     return statistics.median(spent[requests // 10:]) / 1000
 
 

@@ -64,9 +64,9 @@ def test_the_engine_alone_and_the_floor_answer_tensor_requests_and_their_cpu_is_
     assert point["errors"] == 0 and point["requests_per_s"] > 0 and point["engine_us_per_request"] > 0
     assert point["engine_us_per_image"] * 16 == pytest.approx(point["engine_us_per_request"])
     # the floor on one connection, and apart with a client thread per connection (--clients threads): ~2 s each
-    for pipelined, clients in ((True, "loop"), (False, "threads")):
+    for clients in ("pipelined", "threads"):
         floor = engine_only.measure(engine_only.ROOT, weights, "v2 x1", concurrency=2, seconds=0.5, floor=True,
-                                    pipelined=pipelined, clients=clients)
+                                    clients=clients)
         assert floor["errors"] == 0 and floor["requests_per_s"] > 0 and floor["engine_us_per_request"] > 0
 
 
