@@ -94,7 +94,8 @@ class Call:
     def infer(self, images: Sequence[bytes] = (), tensors: Sequence[np.ndarray | torch.Tensor] = (), *,
               timeout_s: float, names: Sequence[str | None] = (),
               client_gone: Callable[[], bool] | None = None, embedding: bool = False) -> Served:
-        """Encoded ``images`` (decoded here) or preprocessed ``tensors`` (float32 (C, H, W) arrays or tensors), with
+        """Encoded ``images`` (decoded here) or preprocessed ``tensors`` (float32 (C, H, W) arrays or tensors, or their
+        (N, C, H, W) array), with
         the request's deadline (counted from queueing) and, where the request gave them, the images' file names
         (errors say which image); ``embedding``: answer each image's embedding too (NoEmbedding when the version
         has none). Once ``client_gone`` says the client hung up, the images still queued are dropped unrun. Raises a
@@ -121,7 +122,7 @@ class Call:
         the other requests it holds (a thread that serves many requests runs their batch itself when it is short).
         Once decoded, images whose client ``client_gone`` says has hung up are dropped there (ClientGone), not
         queued. Raises a ServiceError for every refusal."""
-        if bool(images) == bool(tensors):
+        if (len(images) > 0) == (len(tensors) > 0):  # tensors may be one (N, C, H, W) array: no truth value
             raise BadRequest("the request holds no images" if not images else "send images or tensors, not both")
         count = len(images) or len(tensors)
         check_image_count(count, self._max_images)

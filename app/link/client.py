@@ -83,7 +83,11 @@ class RemoteCall:
         client that hangs up drops its queued images there (the connection closes, which the engine watches)."""
         if embedding:
             self.model.check_embedding()  # refused here: the signature says what the version answers
-        specs, segments = wire.tensor_segments([np.ascontiguousarray(t) for t in tensors]) if tensors else ((), images)
+        if len(tensors):  # the pixels cross as one (N, C, H, W) stack: one segment, however many images
+            stack = tensors if isinstance(tensors, np.ndarray) else np.stack([np.asarray(t) for t in tensors])
+            specs, segments = wire.tensor_segments([np.ascontiguousarray(stack)])
+        else:
+            specs, segments = (), images
         self.sent = True
         message = wire.Infer(*self.request, timeout_s=timeout_s, parsed_version=self.model.version,
                              parsed_shape=tuple(self.model.input_shape), names=tuple(names), tensors=specs,

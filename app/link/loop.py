@@ -81,13 +81,18 @@ class _Connection:
 
 
 def _inputs(message: wire.Infer, segments: list[memoryview]) -> tuple[list[bytes], list[np.ndarray]]:
-    """The request's encoded images, or its tensors (arrays on the frame's buffer, not copied)."""
+    """The request's encoded images, or its images' pixels: the rows of its stacks (arrays on the frame's buffer,
+    not copied)."""
     if not message.tensors:
         return [bytes(segment) for segment in segments], []
     if len(segments) != len(message.tensors):
         raise InferenceFailed(f"a request of {len(message.tensors)} tensors came with {len(segments)} segments")
-    return [], [np.frombuffer(segment, np.dtype(dtype)).reshape(shape)
-                for (dtype, shape), segment in zip(message.tensors, segments)]
+    rows: list[np.ndarray] = []
+    for (dtype, shape), segment in zip(message.tensors, segments):
+        if tuple(shape[1:]) != tuple(message.parsed_shape):
+            raise InferenceFailed(f"pixels of shape {tuple(shape)} came for an input of {tuple(message.parsed_shape)}")
+        rows.extend(np.frombuffer(segment, np.dtype(dtype)).reshape(shape))  # its rows: views, one per image
+    return [], rows
 
 
 class _Exchange:

@@ -33,7 +33,7 @@ import numpy as np
 from app import errors
 from app.engine import contract
 
-PROTOCOL = 5  # the frame layout, what segments carry, and the hello; each message's own fields are in FINGERPRINT
+PROTOCOL = 6  # the frame layout, what segments carry, and the hello; each message's own fields are in FINGERPRINT
 _HEAD = struct.Struct("!II")  # the header's length, the number of segments
 _LENGTH = struct.Struct("!Q")
 MAX_SEGMENTS = 10_000  # a bound on one frame's segments (MAX_IMAGES is far lower): a corrupt frame fails at once
@@ -67,8 +67,9 @@ class Infer(_Message):
     """Admit and run one request, parsed with the signature of version ``parsed_version``, whose input is
     ``parsed_shape`` (not the signature itself: its labels, 1,000 for an ImageNet model, cost about 160 us a request
     to pickle and unpickle). The frame's segments are its encoded images, or, when ``tensors`` is not empty, its
-    tensors' bytes: ``tensors`` holds each one's (dtype, shape) (``tensor_segments``; pickling arrays copied them
-    twice more and cost about 15 us each on both sides)."""
+    images' pixels as stacks of rows, (N, *parsed_shape) each (one for a request's pixels): ``tensors`` holds each
+    stack's (dtype, shape) (``tensor_segments``; pickling arrays copied them twice more and cost about 15 us each on
+    both sides, and a segment per image cost both sides a few us an image)."""
 
     model: str | None
     version: str | None

@@ -89,8 +89,9 @@ def model_metadata(name: str, version: str | None = None) -> Response:
                    if manifest.embedding is not None else [])]))
 
 
-def _inputs(model: Signature, infer: InferRequest) -> tuple[list[bytes], list[np.ndarray]]:
-    """The one input: encoded images (BYTES) or preprocessed pixels (FP32), checked against ``model``."""
+def _inputs(model: Signature, infer: InferRequest) -> tuple[list[bytes], list[np.ndarray] | np.ndarray]:
+    """The one input: encoded images (BYTES) or preprocessed pixels (FP32, as one (N, C, H, W) array), checked
+    against ``model``."""
     if len(infer.inputs) != 1:
         raise BadRequest(f"send exactly one input, {IMAGES_INPUT!r} (BYTES) or {PIXELS_INPUT!r} (FP32)")
     (tensor,) = infer.inputs
@@ -107,7 +108,7 @@ def _inputs(model: Signature, infer: InferRequest) -> tuple[list[bytes], list[np
             raise BadRequest(f"input {PIXELS_INPUT!r} must have shape {expected}, got {tensor.shape}")
         if not np.isfinite(tensor.data).all():
             raise BadRequest(f"input {PIXELS_INPUT!r} holds NaN or infinite values")
-        return [], list(np.array(tensor.data, dtype=np.float32))  # a copy: the body's buffer is read-only
+        return [], np.array(tensor.data, dtype=np.float32)  # (N, C, H, W), a copy: the body's buffer is read-only
     raise BadRequest(f"unknown input {tensor.name!r} ({tensor.datatype}); send {IMAGES_INPUT!r} as BYTES or "
                      f"{PIXELS_INPUT!r} as FP32")
 

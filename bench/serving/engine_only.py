@@ -114,8 +114,9 @@ def serve_floor(weights: Path, sock: Path, device: str = "cpu") -> None:
                 key.fileobj.close()
         if not turn:
             continue
-        rows = [np.frombuffer(segment, np.dtype(dtype)).reshape(shape)
-                for _, message, segments in turn for (dtype, shape), segment in zip(message.tensors, segments)]
+        stacks = [np.frombuffer(segment, np.dtype(dtype)).reshape(shape)  # (N, C, H, W): a request's pixels
+                  for _, message, segments in turn for (dtype, shape), segment in zip(message.tensors, segments)]
+        rows = [row for stack in stacks for row in stack]
         started, answers = time.monotonic(), []
         with torch.inference_mode():  # in batches of the engine's cap, as its batcher runs them
             for first in range(0, len(rows), batch_cap):
@@ -125,7 +126,7 @@ def serve_floor(weights: Path, sock: Path, device: str = "cpu") -> None:
         run_s, batch_id, at = time.monotonic() - started, next(batch_ids), 0
         frames: dict[socket.socket, list[bytes]] = {}  # a connection's answers of this turn, sent in one call
         for conn, message, _ in turn:
-            count = len(message.tensors)
+            count = sum(shape[0] for _, shape in message.tensors)
             results = [BatchResult(row, batch_id, batch_cap, 0.0, run_s) for row in probabilities[at:at + count]]
             at += count
             answer = wire.Answer(Served(results, MODEL, "1", wire.NO_LABELS, 0.0), None, os.getpid())
@@ -160,7 +161,10 @@ def _requests(wire: Any, form: str, count: int) -> list[tuple[Any, list[Any]]]:
             continue
         rng = np.random.default_rng(seed)
         tensors = [rng.standard_normal(INPUT).astype(np.float32) for _ in range(count)]
-        if hasattr(wire, "tensor_segments"):  # tensors as raw segments (PROTOCOL 3)
+        if wire.PROTOCOL >= 6:  # a request's pixels as one stack, one segment
+            specs, segments = wire.tensor_segments([np.stack(tensors)])
+            made.append((wire.Infer(**common, tensors=specs), segments))
+        elif hasattr(wire, "tensor_segments"):  # a raw segment per image (PROTOCOL 3 to 5)
             specs, segments = wire.tensor_segments(tensors)
             made.append((wire.Infer(**common, tensors=specs), segments))
         else:  # before: pickled with the message

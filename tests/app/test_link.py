@@ -11,7 +11,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import pytest
@@ -42,7 +42,7 @@ def _pair() -> tuple[socket.socket, socket.socket]:
 def test_every_message_crosses_with_its_segments() -> None:
     left, right = _pair()
     messages = [wire.Infer("colour", None, "k", 2.5, "1", (3, 8, 8), names=("a.jpg",),
-                           tensors=(np.zeros((3, 8, 8)),)),
+                           tensors=(("<f8", (1, 3, 8, 8)),)),
                 wire.Unanswered("colour", "1", None, BadRequest("no image")), wire.CatalogCall("version", ("x",)),
                 wire.StateQuery(), wire.EngineState(True, True, True, False), wire.Answer([1, 2], None, 7, 3)]
     with left, right:
@@ -52,6 +52,19 @@ def test_every_message_crosses_with_its_segments() -> None:
             [(got, segments)] = reader.read()
             assert type(got) is type(message) and segments == [b"\xff\xd8" * 3, b"", b"abc"]
         assert str(got) == str(messages[-1])
+
+
+def test_the_engine_takes_a_stack_s_rows_and_refuses_pixels_not_shaped_as_parsed() -> None:
+    from app.errors import InferenceFailed
+    from app.link.loop import _inputs
+
+    stack = np.arange(2 * 3 * 8 * 8, dtype=np.float32).reshape(2, 3, 8, 8)
+    specs, segments = wire.tensor_segments([stack])
+    images, rows = _inputs(wire.Infer("colour", None, None, 1.0, "1", (3, 8, 8), tensors=specs), segments)
+    assert images == [] and [row.shape for row in rows] == [(3, 8, 8)] * 2
+    assert all(np.array_equal(row, expected) for row, expected in zip(rows, stack))
+    with pytest.raises(InferenceFailed, match="shape"):
+        _inputs(wire.Infer("colour", None, None, 1.0, "1", (3, 4, 4), tensors=specs), segments)
 
 
 def test_frames_are_read_as_they_come_whole_in_pieces_or_several_in_one_read() -> None:
@@ -548,6 +561,28 @@ def test_a_tensor_request_crosses_as_numpy(link: Link) -> None:
     red[0] = 1.0
     served = infer(link.worker, tensors=[red.numpy()])
     assert served.top_k(1)[0][0].label == "red" and isinstance(served.results[0].value, np.ndarray)
+
+
+def test_a_request_s_pixels_cross_as_one_stack_and_come_back_row_by_row_in_order(
+        link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
+    pixels = np.zeros((4, 3, 8, 8), np.float32)
+    for row, channel in enumerate([0, 2, 2, 0]):  # red, blue, blue, red
+        pixels[row, channel] = 1.0
+    sent: list[tuple[object, list]] = []
+    send = wire.send
+
+    def spied(sock: socket.socket, message: object, segments: Sequence = ()) -> None:
+        if isinstance(message, wire.Infer):
+            sent.append((message, list(segments)))
+        send(sock, message, segments)
+
+    monkeypatch.setattr(wire, "send", spied)
+    for tensors in (pixels, list(pixels)):  # one (N, C, H, W) array, or a row each
+        served = infer(link.worker, tensors=tensors)
+        assert [ranked[0].label for ranked in served.top_k(1)] == ["red", "blue", "blue", "red"]
+    assert len(sent) == 2
+    for message, segments in sent:
+        assert message.tensors == (("<f4", (4, 3, 8, 8)),) and len(segments) == 1
 
 
 def test_a_lone_request_s_short_batch_runs_on_the_engine_s_loop_and_a_long_one_on_the_batcher_s_thread(
