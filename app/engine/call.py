@@ -24,7 +24,7 @@ from app.engine.batching.types import (
     Group,
     QueueFull,
 )
-from app.engine.contract import CLIENT_CHECK_S, NOT_READY_RETRY_S, Served
+from app.engine.contract import CLIENT_CHECK_S, NOT_READY_RETRY_S, Served, batch_runs
 from app.engine.decoding.decoders import Prepared
 from app.engine.loaded.version import LoadedVersion
 from app.errors import (
@@ -173,11 +173,14 @@ class Call:
             raise InferenceFailed(f"the model failed on this request's images: {type(exc).__name__}") from exc
         if self._shadow is not None:
             self._shadow(queued.images, queued.pixels, queued.prepared, results)
-        classes = len(self.model.labels)
-        if not embedding and self.model.embedding_dim:  # the probabilities' columns alone (views, not copies)
-            results = [BatchResult(r.value[:classes], r.batch_id, r.batch_size, r.queued_s, r.run_s) for r in results]
-        return Served(results, self.model.name, self.model.version, self.model.labels if labels is None else labels,
-                      queued.decode_s, queued.started_ns, self.model.embedding_dim if embedding else 0)
+        if embedding or not self.model.embedding_dim:
+            rows = np.array([r.value for r in results])
+        else:  # the probabilities' columns alone
+            classes = len(self.model.labels)
+            rows = np.array([r.value[:classes] for r in results])
+        return Served(rows, batch_runs(results), self.model.name, self.model.version,
+                      self.model.labels if labels is None else labels, queued.decode_s, queued.started_ns,
+                      self.model.embedding_dim if embedding else 0)
 
     def _prepare(self, images: Sequence[bytes], names: Sequence[str | None]) -> tuple[list[Prepared], float, float]:
         started, cpu_started = time.perf_counter(), time.thread_time()

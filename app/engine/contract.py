@@ -61,13 +61,37 @@ class Ranked(NamedTuple):
     score: float
 
 
+class BatchRun(NamedTuple):
+    """Consecutive inputs of a request that ran in one batch: how many (``rows``), the batch's id and size, how long
+    they waited from their queueing to its start, and its forward pass's time."""
+
+    rows: int
+    batch_id: int
+    batch_size: int
+    queued_s: float
+    run_s: float
+
+
+def batch_runs(results: Sequence[BatchResult[Any]]) -> tuple[BatchRun, ...]:
+    """A request's results (one per input, in order) as the runs of consecutive inputs that shared a batch (its
+    inputs queue together, so a batch takes a run of them; each waited as long)."""
+    runs: list[list[Any]] = []
+    for result in results:
+        if runs and runs[-1][1] == result.batch_id:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, result.batch_id, result.batch_size, result.queued_s, result.run_s])
+    return tuple(BatchRun(*run) for run in runs)
+
+
 @dataclass(frozen=True)
 class Served:
-    """A request's answer: one result per input, in order (each a float32 row of probabilities, followed by the
-    image's embedding when it was asked for: ``embedding_dim`` values), which version gave it, and how long decoding
-    took."""
+    """A request's answer: its ``rows``, one per input in order (float32 probabilities, followed by the image's
+    embedding when it was asked for: ``embedding_dim`` columns), the batches they ran in, which version gave it, and
+    how long decoding took."""
 
-    results: list[BatchResult[np.ndarray]]
+    rows: np.ndarray
+    batches: tuple[BatchRun, ...]
     model: str
     version: str
     labels: list[str]  # class names in output order
@@ -78,21 +102,22 @@ class Served:
     def labelled(self, labels: list[str]) -> "Served":
         """This answer with ``labels`` (an answer crosses the link without them): made directly, where
         ``dataclasses.replace`` looks the fields up again each time (about 10 us a request)."""
-        return Served(self.results, self.model, self.version, labels, self.decode_s, self.started_ns,
+        return Served(self.rows, self.batches, self.model, self.version, labels, self.decode_s, self.started_ns,
                       self.embedding_dim)
 
-    def _rows(self) -> np.ndarray:
-        return np.array([r.value for r in self.results], dtype=np.float32)
+    def batch_sizes(self) -> list[int]:
+        """The size of the batch each input ran in, in input order."""
+        return [size for run in self.batches for size in (run.batch_size,) * run.rows]
 
     def probabilities(self) -> np.ndarray:
         """(N, classes) float32 softmax probabilities, one row per input."""
-        rows = self._rows()
+        rows = self.rows
         return rows[:, :rows.shape[1] - self.embedding_dim] if self.embedding_dim else rows
 
     def embeddings(self) -> np.ndarray:
         """(N, embedding_dim) float32 L2-normalised embeddings, one row per input (asked for: ``embedding_dim``)."""
         assert self.embedding_dim, "no embedding was asked for"
-        return np.ascontiguousarray(self._rows()[:, -self.embedding_dim:])
+        return np.ascontiguousarray(self.rows[:, -self.embedding_dim:])
 
     def top_k(self, k: int) -> list[list[Ranked]]:
         """Each image's ``k`` most probable classes (at most every class), most probable first (ties: the lower
@@ -125,12 +150,12 @@ def top_indices(scores: np.ndarray, k: int) -> np.ndarray:
     return chosen[rows, np.lexsort((chosen, -values), axis=-1)]
 
 
-def distinct_batches(results: Sequence[BatchResult[Any]]) -> list[BatchResult[Any]]:
-    """One result per distinct batch the request's images ran in, in the order they first appear."""
+def distinct_batches(results: Sequence[BatchRun | BatchResult[Any]]) -> list[BatchRun | BatchResult[Any]]:
+    """One run (or result) per distinct batch the request's images ran in, in the order they first appear."""
     return list({r.batch_id: r for r in results}.values())
 
 
-def stage_ms(results: Sequence[BatchResult[Any]]) -> tuple[float, float]:
+def stage_ms(results: Sequence[BatchRun | BatchResult[Any]]) -> tuple[float, float]:
     """(queue, inference) milliseconds of one request's images: the one definition the Server-Timing header and
     the access log both report.
 

@@ -10,13 +10,13 @@ def annotate(response: Response, served: Served) -> Response:
     """Add the timing headers to ``response`` and hand the per-stage figures to the access log."""
     context = g._get_current_object()  # not a proxy lookup per field
     context.served = served  # for the trace's stage spans (app/web/tracing.py)
-    results, decode_ms = served.results, served.decode_s * 1000
-    queue_ms, inference_ms = stage_ms(results)
-    batch_sizes = [r.batch_size for r in results]
-    sizes = "+".join(str(r.batch_size) for r in distinct_batches(results))
+    runs, decode_ms = served.batches, served.decode_s * 1000
+    queue_ms, inference_ms = stage_ms(runs)
+    batch_sizes = served.batch_sizes()
+    sizes = "+".join(str(run.batch_size) for run in distinct_batches(runs))
     response.headers["Server-Timing"] = (f'decode;dur={decode_ms:.2f}, queue;dur={queue_ms:.2f}, '
                                          f'inference;dur={inference_ms:.2f}, batch;desc="{sizes}"')
     response.headers["X-Batch-Size"] = ",".join(map(str, batch_sizes))
-    context.log_fields.update({"images": len(results), "batch_sizes": batch_sizes, "decode_ms": round(decode_ms, 2),
+    context.log_fields.update({"images": len(batch_sizes), "batch_sizes": batch_sizes, "decode_ms": round(decode_ms, 2),
                                "queue_ms": round(queue_ms, 2), "inference_ms": round(inference_ms, 2)})
     return response

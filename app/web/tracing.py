@@ -77,8 +77,8 @@ def _stage_spans(tracer: Any, parent: Any, served: Any, batches: OrderedDict[int
 
     decoded_ns = served.started_ns + int(served.decode_s * 1e9)
     tracer.start_span("decode", context=parent, start_time=served.started_ns,
-                      attributes={"images": len(served.results)}).end(end_time=decoded_ns)
-    for result in distinct_batches(served.results):
+                      attributes={"images": len(served.rows)}).end(end_time=decoded_ns)
+    for result in distinct_batches(served.batches):
         batch_start = decoded_ns + int(result.queued_s * 1e9)
         batch_end = batch_start + int(result.run_s * 1e9)
         tracer.start_span("queue", context=parent, start_time=decoded_ns).end(end_time=batch_start)

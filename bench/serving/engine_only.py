@@ -80,7 +80,7 @@ def serve_floor(weights: Path, sock: Path, device: str = "cpu") -> None:
     import torch
 
     from app.config import Settings
-    from app.engine.contract import BatchResult, Served
+    from app.engine.contract import BatchRun, Served
     from app.link import wire
     from bench.serving.overhead import MODEL
 
@@ -127,9 +127,10 @@ def serve_floor(weights: Path, sock: Path, device: str = "cpu") -> None:
         frames: dict[socket.socket, list[bytes]] = {}  # a connection's answers of this turn, sent in one call
         for conn, message, _ in turn:
             count = sum(shape[0] for _, shape in message.tensors)
-            results = [BatchResult(row, batch_id, batch_cap, 0.0, run_s) for row in probabilities[at:at + count]]
+            served = Served(probabilities[at:at + count], (BatchRun(count, batch_id, batch_cap, 0.0, run_s),), MODEL,
+                            "1", wire.NO_LABELS, 0.0)
             at += count
-            answer = wire.Answer(Served(results, MODEL, "1", wire.NO_LABELS, 0.0), None, os.getpid())
+            answer = wire.Answer(served, None, os.getpid())
             frames.setdefault(conn, []).append(wire.frame(answer))
         for conn, answers in frames.items():
             _send_all(conn, b"".join(answers))

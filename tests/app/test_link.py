@@ -174,9 +174,8 @@ def test_an_answer_is_read_in_as_few_calls_as_it_arrived_in_and_never_past_its_e
 
 def test_an_answer_s_rows_cross_as_one_raw_segment_and_come_back_as_the_served_that_was_sent() -> None:
     rows = np.random.default_rng(0).random((3, 1000), dtype=np.float32)
-    results = [contract.BatchResult(row, batch, size, 0.25 * i, 0.5) for i, (row, batch, size)
-               in enumerate(zip(rows, (4, 4, 5), (2, 2, 1)))]
-    sent = contract.Served(results, "colour", "2", wire.NO_LABELS, 0.125, 99)
+    runs = (contract.BatchRun(2, 4, 2, 0.25, 0.5), contract.BatchRun(1, 5, 1, 0.75, 0.5))
+    sent = contract.Served(rows, runs, "colour", "2", wire.NO_LABELS, 0.125, 99)
     left, right = _pair()
     with left, right:
         wire.send(left, wire.Answer(sent, None, 7, 3))
@@ -185,8 +184,7 @@ def test_an_answer_s_rows_cross_as_one_raw_segment_and_come_back_as_the_served_t
         got = answer.value
         assert isinstance(got, contract.Served) and got.labels is wire.NO_LABELS
         assert (got.model, got.version, got.decode_s, got.started_ns) == ("colour", "2", 0.125, 99)
-        assert [(r.batch_id, r.batch_size, r.queued_s, r.run_s) for r in got.results] == [
-            (r.batch_id, r.batch_size, r.queued_s, r.run_s) for r in results]
+        assert got.batches == runs and got.batch_sizes() == [2, 2, 1]
         assert np.array_equal(got.probabilities(), rows) and got.probabilities().dtype == np.float32
         # an answer with embeddings: the rows' last columns, said by the head
         wire.send(left, wire.Answer(dataclasses.replace(sent, embedding_dim=24), None, 7, 3))
@@ -199,11 +197,11 @@ def test_an_answer_s_rows_cross_as_one_raw_segment_and_come_back_as_the_served_t
         assert wire.frame(wire.Answer(sent, None, 7, 3)) == b"".join(
             [wire._HEAD.pack(len(head), 1), wire._LENGTH.pack(rows.nbytes), head, rows.tobytes()])
         # rows that do not fit what the head says end the stream, as any frame out of step does
-        bad = ("colour", "2", [], 0.0, 0, ((1, 1, 0.0, 0.0),), "<f4", (1, 1000), 0)
+        bad = ("colour", "2", [], 0.0, 0, ((1, 1, 1, 0.0, 0.0),), "<f4", (1, 1000), 0)
         wire._send_frame(left, pickle.dumps((wire._SERVED, (bad, None, 7, 3))), [b"\0" * 12])
         with pytest.raises(wire.EngineGone, match="do not read as its head says"):
             wire.receive_answer(right, 1.0)
-        fewer = ("colour", "2", [], 0.0, 0, ((1, 1, 0.0, 0.0),) * 2, "<f4", (1, 3), 0)
+        fewer = ("colour", "2", [], 0.0, 0, ((1, 1, 1, 0.0, 0.0),) * 2, "<f4", (1, 3), 0)
         wire._send_frame(left, pickle.dumps((wire._SERVED, (fewer, None, 7, 3))), [b"\0" * 12])
         with pytest.raises(wire.EngineGone, match="out of step"):
             wire.receive_answer(right, 1.0)
@@ -315,7 +313,7 @@ def test_an_embedding_crosses_only_when_asked_for(settings: Settings, tmp_path: 
     try:
         plain = infer(link.worker, [image_bytes(RED)])
         both = infer(link.worker, [image_bytes(RED), image_bytes(BLUE)], embedding=True)
-        assert plain.embedding_dim == 0 and [len(r.value) for r in plain.results] == [4]  # 4 classes, nothing more
+        assert plain.embedding_dim == 0 and plain.rows.shape == (1, 4)  # 4 classes, nothing more
         assert both.embedding_dim == 3 and both.embeddings().shape == (2, 3)
         assert [top[0].label for top in both.top_k(1)] == ["red", "blue"]
         assert np.array_equal(both.probabilities()[:1], plain.probabilities())
@@ -560,7 +558,7 @@ def test_a_tensor_request_crosses_as_numpy(link: Link) -> None:
     red = torch.zeros(3, 8, 8)
     red[0] = 1.0
     served = infer(link.worker, tensors=[red.numpy()])
-    assert served.top_k(1)[0][0].label == "red" and isinstance(served.results[0].value, np.ndarray)
+    assert served.top_k(1)[0][0].label == "red" and served.rows.dtype == np.float32
 
 
 def test_a_request_s_pixels_cross_as_one_stack_and_come_back_row_by_row_in_order(

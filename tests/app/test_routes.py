@@ -17,7 +17,7 @@ from app import EXTENSION_KEY
 from app.config import Settings
 from app.engine.batching.types import BatchResult
 from app.engine.service import Service
-from app.engine.contract import Served, stage_ms, top_indices
+from app.engine.contract import BatchRun, Served, batch_runs, stage_ms, top_indices
 from tests.support.answers import error_of, labels_of
 from tests.support.fakes import ColourModel, wait_until
 from tests.support.imaging import BLUE, GREEN, RED, image_bytes
@@ -75,7 +75,7 @@ def test_the_top_classes_are_a_stable_sort_s_first_whatever_the_ties_nan_or_rows
     tied = np.zeros((2, 1000), dtype=np.float32)
     tied[0, [7, 3, 900]] = 0.3  # a three-way tie for first: the lower index first
     tied[1, 999] = 1.0
-    served = Served([BatchResult(row, 1, 2, 0.0, 0.0) for row in tied], "m", "1", [f"c{i}" for i in range(1000)], 0.0)
+    served = Served(tied, (BatchRun(len(tied), 1, 2, 0.0, 0.0),), "m", "1", [f"c{i}" for i in range(1000)], 0.0)
     assert [[r.index for r in top] for top in served.top_k(2)] == [[3, 7], [999, 0]]
     assert [[r.label for r in top] for top in served.top_k(1)] == [["c3"], ["c999"]]
 
@@ -167,12 +167,13 @@ def _result(batch_id: int, size: int, queued_s: float, run_s: float) -> BatchRes
 
 def test_inference_is_the_wall_time_of_the_requests_distinct_batches() -> None:
     # One batch shared by three images: its forward pass counts once, not once per image.
-    assert stage_ms([_result(5, 3, 0.002, 0.010)] * 3) == pytest.approx((2.0, 10.0))
+    assert stage_ms(batch_runs([_result(5, 3, 0.002, 0.010)] * 3)) == pytest.approx((2.0, 10.0))
     # Four images in batch 7, then two in batch 8, which waited behind batch 7 and 5 ms more: the batcher runs one
     # batch at a time, so inference is 20 + 15 ms (not the larger alone), and the queue is the rest of the 50 ms
     # from queueing to the end of batch 8 (10 ms before batch 7, 5 ms between them).
-    results = [_result(7, 4, 0.010, 0.020)] * 4 + [_result(8, 2, 0.035, 0.015)] * 2
-    assert stage_ms(results) == pytest.approx((15.0, 35.0))
+    runs = batch_runs([_result(7, 4, 0.010, 0.020)] * 4 + [_result(8, 2, 0.035, 0.015)] * 2)
+    assert runs == (BatchRun(4, 7, 4, 0.010, 0.020), BatchRun(2, 8, 2, 0.035, 0.015))  # a run per batch, in order
+    assert stage_ms(runs) == pytest.approx((15.0, 35.0))
 
 
 @pytest.mark.parametrize("inline", [True, False])

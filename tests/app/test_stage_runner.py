@@ -22,7 +22,7 @@ def test_images_are_decoded_queued_and_answered_in_order(service: Service) -> No
     served = infer(service, [image_bytes(RED), image_bytes(BLUE)])
     assert (served.model, served.version, served.labels) == ("colour", "test", ["red", "green", "blue", "other"])
     assert served.probabilities().argmax(axis=1).tolist() == [0, 2]  # red, blue
-    assert served.decode_s > 0 and all(r.batch_size >= 1 for r in served.results)
+    assert served.decode_s > 0 and all(size >= 1 for size in served.batch_sizes())
 
 
 def test_preprocessed_tensors_skip_decoding(service: Service) -> None:
