@@ -17,14 +17,14 @@ import torch
 from app.engine.batching.batcher import Batcher
 from app.engine.batching.types import (
     BatcherClosed,
-    BatchResult,
+    BatchRun,
     DeadlineExpired,
     DeadlineTooShort,
     DeadlineUnreachable,
     Group,
     QueueFull,
 )
-from app.engine.contract import CLIENT_CHECK_S, NOT_READY_RETRY_S, Served, batch_runs
+from app.engine.contract import CLIENT_CHECK_S, NOT_READY_RETRY_S, Served
 from app.engine.decoding.decoders import Prepared
 from app.engine.loaded.version import LoadedVersion
 from app.errors import (
@@ -43,7 +43,7 @@ from app.metrics import BATCHER_EVENTS, STAGE_CPU_SECONDS, STAGE_SECONDS, series
 
 
 ShadowOffer = Callable[[Sequence[bytes], Sequence[np.ndarray | torch.Tensor], Sequence[Prepared],
-                        Sequence[BatchResult[np.ndarray]]], None]
+                        Sequence[np.ndarray], Sequence[BatchRun]], None]
 
 
 @dataclass
@@ -164,21 +164,22 @@ class Call:
         the version's), and each image's embedding when asked for (the rows' last columns; else the rows are the
         probabilities alone, so nothing more is carried on); raises what failed."""
         try:
-            results = queued.group.result()
+            values = queued.group.result()
         except DeadlineExpired:
             raise self.expired(queued) from None
         except ServiceError as exc:  # an image the device path could not decode in its batch
             raise _named(exc, queued.group.failed_at, queued.names) from None
         except Exception as exc:
             raise InferenceFailed(f"the model failed on this request's images: {type(exc).__name__}") from exc
+        runs = queued.group.runs()
         if self._shadow is not None:
-            self._shadow(queued.images, queued.pixels, queued.prepared, results)
+            self._shadow(queued.images, queued.pixels, queued.prepared, values, runs)
         if embedding or not self.model.embedding_dim:
-            rows = np.array([r.value for r in results])
+            rows = np.array(values)
         else:  # the probabilities' columns alone
             classes = len(self.model.labels)
-            rows = np.array([r.value[:classes] for r in results])
-        return Served(rows, batch_runs(results), self.model.name, self.model.version,
+            rows = np.array([value[:classes] for value in values])
+        return Served(rows, runs, self.model.name, self.model.version,
                       self.model.labels if labels is None else labels, queued.decode_s, queued.started_ns,
                       self.model.embedding_dim if embedding else 0)
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from app.config import Settings
 from app.engine.batching.arrivals import InFlight
-from app.engine.batching.types import BatchResult
+from app.engine.batching.types import BatchRun
 from app.errors import NoEmbedding, NotReady, retry_after_header
 from models.export.manifest import Manifest
 
@@ -59,29 +59,6 @@ class Ranked(NamedTuple):
     index: int
     label: str
     score: float
-
-
-class BatchRun(NamedTuple):
-    """Consecutive inputs of a request that ran in one batch: how many (``rows``), the batch's id and size, how long
-    they waited from their queueing to its start, and its forward pass's time."""
-
-    rows: int
-    batch_id: int
-    batch_size: int
-    queued_s: float
-    run_s: float
-
-
-def batch_runs(results: Sequence[BatchResult[Any]]) -> tuple[BatchRun, ...]:
-    """A request's results (one per input, in order) as the runs of consecutive inputs that shared a batch (its
-    inputs queue together, so a batch takes a run of them; each waited as long)."""
-    runs: list[list[Any]] = []
-    for result in results:
-        if runs and runs[-1][1] == result.batch_id:
-            runs[-1][0] += 1
-        else:
-            runs.append([1, result.batch_id, result.batch_size, result.queued_s, result.run_s])
-    return tuple(BatchRun(*run) for run in runs)
 
 
 @dataclass(frozen=True)
@@ -150,12 +127,12 @@ def top_indices(scores: np.ndarray, k: int) -> np.ndarray:
     return chosen[rows, np.lexsort((chosen, -values), axis=-1)]
 
 
-def distinct_batches(results: Sequence[BatchRun | BatchResult[Any]]) -> list[BatchRun | BatchResult[Any]]:
-    """One run (or result) per distinct batch the request's images ran in, in the order they first appear."""
+def distinct_batches(results: Sequence[BatchRun]) -> list[BatchRun]:
+    """One run per distinct batch the request's images ran in, in the order they first appear."""
     return list({r.batch_id: r for r in results}.values())
 
 
-def stage_ms(results: Sequence[BatchRun | BatchResult[Any]]) -> tuple[float, float]:
+def stage_ms(results: Sequence[BatchRun]) -> tuple[float, float]:
     """(queue, inference) milliseconds of one request's images: the one definition the Server-Timing header and
     the access log both report.
 

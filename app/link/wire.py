@@ -185,7 +185,7 @@ def _fingerprint() -> str:
     carried = [*MESSAGES, _ServedHead, contract.Signature, contract.Served, contract.Ranked, contract.VersionInfo,
                contract.Explanation,
                contract.VersionState, contract.ModelsOverview, contract.RepositoryOverview, contract.Manifest,
-               contract.BatchResult, contract.BatchRun,
+               contract.BatchRun,
                *(c for _, c in inspect.getmembers(errors, inspect.isclass) if issubclass(c, errors.ServiceError)),
                *(getattr(contract.CatalogFace, name) for name in contract.CATALOG_CALLS)]
     shapes = sorted(_shape(c) if isinstance(c, type) else f"{c.__qualname__}{inspect.signature(c)}" for c in carried)

@@ -15,9 +15,8 @@ from flask.testing import FlaskClient
 
 from app import EXTENSION_KEY
 from app.config import Settings
-from app.engine.batching.types import BatchResult
 from app.engine.service import Service
-from app.engine.contract import BatchRun, Served, batch_runs, stage_ms, top_indices
+from app.engine.contract import BatchRun, Served, stage_ms, top_indices
 from tests.support.answers import error_of, labels_of
 from tests.support.fakes import ColourModel, wait_until
 from tests.support.imaging import BLUE, GREEN, RED, image_bytes
@@ -161,19 +160,13 @@ def test_request_larger_than_max_batch_size_is_split(settings, predictor, model:
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 
 
-def _result(batch_id: int, size: int, queued_s: float, run_s: float) -> BatchResult:
-    return BatchResult(None, batch_id, size, queued_s, run_s)
-
-
 def test_inference_is_the_wall_time_of_the_requests_distinct_batches() -> None:
     # One batch shared by three images: its forward pass counts once, not once per image.
-    assert stage_ms(batch_runs([_result(5, 3, 0.002, 0.010)] * 3)) == pytest.approx((2.0, 10.0))
+    assert stage_ms([BatchRun(3, 5, 3, 0.002, 0.010)]) == pytest.approx((2.0, 10.0))
     # Four images in batch 7, then two in batch 8, which waited behind batch 7 and 5 ms more: the batcher runs one
     # batch at a time, so inference is 20 + 15 ms (not the larger alone), and the queue is the rest of the 50 ms
     # from queueing to the end of batch 8 (10 ms before batch 7, 5 ms between them).
-    runs = batch_runs([_result(7, 4, 0.010, 0.020)] * 4 + [_result(8, 2, 0.035, 0.015)] * 2)
-    assert runs == (BatchRun(4, 7, 4, 0.010, 0.020), BatchRun(2, 8, 2, 0.035, 0.015))  # a run per batch, in order
-    assert stage_ms(runs) == pytest.approx((15.0, 35.0))
+    assert stage_ms([BatchRun(4, 7, 4, 0.010, 0.020), BatchRun(2, 8, 2, 0.035, 0.015)]) == pytest.approx((15.0, 35.0))
 
 
 @pytest.mark.parametrize("inline", [True, False])

@@ -12,6 +12,7 @@ import pytest
 from app.engine.batching.types import (
     BatcherClosed,
     BatchResult,
+    BatchRun,
     BatchSizeMismatch,
     DeadlineExpired,
     DeadlineTooShort,
@@ -516,7 +517,7 @@ def test_a_group_is_answered_once_all_its_items_are_whatever_order_they_finish_i
     called: list[Group[int]] = []
     group.add_done_callback(called.append)
     for index in (2, 0):
-        group.set_row(index, BatchResult(index * 10, 1, 3, 0.0, 0.0))
+        group.set_row(index, BatchResult(index * 10, 1, 3, 0.0, 0.0))  # one batch ran both, alone each
     assert not group.done() and not called and not group.wait(0.01)  # the middle item still runs
     with pytest.raises(TimeoutError):
         group.result(timeout=0.01)
@@ -525,7 +526,8 @@ def test_a_group_is_answered_once_all_its_items_are_whatever_order_they_finish_i
     group.set_row(1, BatchResult(10, 2, 1, 0.0, 0.0))
     waiter.join(5)
     assert not waiter.is_alive() and called == [group] and group.done() and not group.cancelled()
-    assert [r.value for r in group.result(timeout=1)] == [0, 10, 20]
+    assert group.result(timeout=1) == [0, 10, 20]
+    assert group.runs() == (BatchRun(1, 1, 3, 0.0, 0.0), BatchRun(1, 2, 1, 0.0, 0.0), BatchRun(1, 1, 3, 0.0, 0.0))
     late: list[Group[int]] = []
     group.add_done_callback(late.append)  # added once done: called at once
     assert late == [group]
@@ -558,7 +560,9 @@ def test_a_submitted_group_runs_across_batches_and_a_cancelled_one_never_runs(ma
     cancelled = batcher.submit_group([7, 8])
     assert cancelled.cancel()
     recorder.gate.set()
-    assert [r.value for r in first.result(timeout=10)] == [2, 4, 6]
+    assert first.result(timeout=10) == [2, 4, 6]
+    runs = first.runs()  # the rows of a batch's consecutive items handed over at once: a run each
+    assert [(run.rows, run.batch_size) for run in runs] == [(2, 2), (1, 1)] and runs[0].batch_id != runs[1].batch_id
     wait_until(lambda: batcher.depth == 0 and len(recorder.batches) == 2)
     assert recorder.batches == [[1, 2], [3]]  # the cancelled group's items never ran
 
@@ -579,7 +583,7 @@ def test_deferred_groups_run_on_the_callers_thread_as_one_batch_once_measured_an
     groups = [batcher.submit_group([2], defer=True), batcher.submit_group([3], defer=True)]
     batcher.run_queued(1.0)  # two images, about 20 ms expected: one batch here, done at return
     assert all(group.wait(0) for group in groups) and fn.threads[-1] is threading.current_thread()
-    assert [(group.result()[0].value, group.result()[0].batch_size) for group in groups] == [(4, 2), (6, 2)]
+    assert [(group.result()[0], group.runs()[0].batch_size) for group in groups] == [(4, 2), (6, 2)]
     incoming[0] = 1  # another request on its way: the worker's, which waits for it
     waiting = batcher.submit_group([4], defer=True)
     batcher.run_queued(1.0)
@@ -587,7 +591,7 @@ def test_deferred_groups_run_on_the_callers_thread_as_one_batch_once_measured_an
     assert waiting.wait(10) and fn.threads[-1] is not threading.current_thread()
     group = batcher.submit_group(list(range(16)), defer=True)
     batcher.run_queued(0.1)  # 16 x >= 5 ms per item: the worker's
-    assert group.wait(10) and [r.value for r in group.result()] == [2 * i for i in range(16)]
+    assert group.wait(10) and group.result() == [2 * i for i in range(16)]
     assert fn.threads[-1] is not threading.current_thread() and batcher.batches_inline == 1
 
 
@@ -598,7 +602,7 @@ def test_deferred_groups_over_the_cap_run_here_in_batches_of_the_cap(make_batche
     wait_until(lambda: _worker_asleep(batcher))  # started, whatever the machine's load: it takes nothing unwoken
     groups = [batcher.submit_group([i], defer=True) for i in range(1, 6)]
     batcher.run_queued(10.0)
-    assert all(group.wait(0) for group in groups) and [g.result()[0].value for g in groups] == [2, 4, 6, 8, 10]
+    assert all(group.wait(0) for group in groups) and [g.result()[0] for g in groups] == [2, 4, 6, 8, 10]
     assert recorder.batches[1:] == [[1, 2], [3, 4], [5]] and batcher.batches_inline == 4 and batcher.depth == 0
 
 
@@ -616,7 +620,7 @@ def test_a_backlog_runs_here_a_slice_a_call_and_the_rest_waits_for_the_next_call
     assert [group.wait(0) for group in groups] == [True] * 4 + [False] * 3
     assert batcher.depth == 3 and notified == [] and _worker_asleep(batcher)
     assert batcher.run_queued(0.025) and batcher.depth == 0
-    assert [g.result()[0].value for g in groups] == [2, 4, 6, 8, 10, 12, 14]
+    assert [g.result()[0] for g in groups] == [2, 4, 6, 8, 10, 12, 14]
     assert recorder.batches[1:] == [[1, 2], [3, 4], [5, 6], [7]] and batcher.batches_inline == 5 and notified == []
     longer = batcher.submit_group([8, 9, 10], defer=True)
     assert not batcher.run_queued(0.005) and longer.wait(10)  # a batch beyond the limit: the worker's, woken

@@ -22,6 +22,7 @@ from app.engine.batching.types import (
     BatcherClosed,
     BatchObserver,
     BatchResult,
+    BatchRun,
     BatchSizeMismatch,
     DeadlineExpired,
     DeadlineTooShort,
@@ -508,5 +509,24 @@ class Batcher(Generic[In, Out]):
         ended = started + run_s
         if not self._queue or ended - self._settled_at >= self._settle_s:
             self._settle_now(ended)
-        for p, value, waited in zip(batch, outputs, queued):
-            p.done(BatchResult(value, batch_id, len(batch), waited, run_s))
+        self._answer(batch, outputs, queued, batch_id, run_s)
+
+    @staticmethod
+    def _answer(batch: list[_Pending[In]], outputs: Sequence[Out], queued: list[float], batch_id: int,
+                run_s: float) -> None:
+        """Each item's output to whoever waits for it: a future its result, a group the rows of its consecutive
+        items in this batch at once."""
+        size, first = len(batch), 0
+        while first < size:
+            item = batch[first]
+            group = item.group
+            if group is None:
+                item.done(BatchResult(outputs[first], batch_id, size, queued[first], run_s))
+                first += 1
+                continue
+            end = first + 1
+            while end < size and batch[end].group is group and batch[end].index == item.index + end - first:
+                end += 1
+            rows = (outputs[first],) if end == first + 1 else outputs[first:end]
+            group.set_rows(item.index, rows, BatchRun(end - first, batch_id, size, queued[first], run_s))
+            first = end

@@ -90,6 +90,17 @@ class BatchSizeMismatch(BatcherError):
     """``predict_fn`` returned a different number of outputs than it was given inputs."""
 
 
+class BatchRun(NamedTuple):
+    """Consecutive items of a group that ran in one batch: how many (``rows``), the batch's id and size, how long
+    they waited from their queueing to its start, and its forward pass's time."""
+
+    rows: int
+    batch_id: int
+    batch_size: int
+    queued_s: float
+    run_s: float
+
+
 class BatchResult(NamedTuple, Generic[Out]):
     """One item's output and how it was served (a tuple: made per image on both sides of the link, in under half a
     frozen dataclass's time)."""
@@ -102,19 +113,22 @@ class BatchResult(NamedTuple, Generic[Out]):
 
 
 class Group(Generic[Out]):
-    """Items queued together and answered together (``Batcher.submit_group``): their results, in order, once the last
-    one has its row; the first item that fails fails the group (``failed_at`` says which). Cancelled before any of its
-    items is taken into a batch, they are dropped unrun; once one is, it runs to its end.
+    """Items queued together and answered together (``Batcher.submit_group``): their outputs, in order, once the last
+    one has its row, and the batches they ran in (``runs``); the first item that fails fails the group (``failed_at``
+    says which). Cancelled before any of its items is taken into a batch, they are dropped unrun; once one is, it
+    runs to its end.
 
     Its own completion, as much of a ``concurrent.futures.Future``'s as a request needs (``done``, ``cancel``,
     ``result``, ``add_done_callback``, ``wait``): one plain lock taken at each of its few changes of state and an event
-    made only for a caller that waits, where a future took its condition five or six times a request."""
+    made only for a caller that waits, where a future took its condition five or six times a request. A batch hands
+    it the rows of its consecutive items at once (``set_rows``): no object and no call per item."""
 
-    __slots__ = ("results", "left", "started", "over", "failed_at", "_error", "_cancelled", "_callbacks", "_lock",
-                 "_finished")
+    __slots__ = ("values", "_runs", "left", "started", "over", "failed_at", "_error", "_cancelled", "_callbacks",
+                 "_lock", "_finished")
 
     def __init__(self, size: int) -> None:
-        self.results: list[BatchResult[Out] | None] = [None] * size
+        self.values: list[Out | None] = [None] * size
+        self._runs: list[tuple[int, BatchRun]] = []  # (first item, its run), as the batches came
         self.left, self.started, self.over, self.failed_at = size, False, False, -1
         self._error: BaseException | None = None
         self._cancelled = False
@@ -133,13 +147,32 @@ class Group(Generic[Out]):
                     self.started = True
         return not self.over
 
-    def set_row(self, index: int, result: BatchResult[Out]) -> None:
-        """Item ``index``'s row; the last one completes the group."""
-        self.results[index] = result
-        self.left -= 1
+    def set_rows(self, start: int, values: Sequence[Out], run: BatchRun) -> None:
+        """Items ``start`` to ``start + run.rows - 1`` ran in one batch (``run``): their outputs; the last row
+        completes the group."""
+        self.values[start:start + run.rows] = values
+        self._runs.append((start, run))
+        self.left -= run.rows
         if not self.left and not self.over:  # rows come after the start, which no cancel passes: no race here
             self.over = True
             self._finish()
+
+    def set_row(self, index: int, result: BatchResult[Out]) -> None:
+        """Item ``index``'s result alone (a batch that ran it by itself)."""
+        self.set_rows(index, (result.value,), BatchRun(1, result.batch_id, result.batch_size, result.queued_s,
+                                                        result.run_s))
+
+    def runs(self) -> tuple[BatchRun, ...]:
+        """Once done: the batches its items ran in, in item order, a run of consecutive items per batch."""
+        if len(self._runs) == 1:  # every item in one batch
+            return (self._runs[0][1],)
+        merged: list[BatchRun] = []
+        for _, run in sorted(self._runs, key=lambda started: started[0]):
+            if merged and merged[-1].batch_id == run.batch_id:  # split by a retry's re-run, or by set_row
+                merged[-1] = merged[-1]._replace(rows=merged[-1].rows + run.rows)
+            else:
+                merged.append(run)
+        return tuple(merged)
 
     def set_failed(self, index: int, exc: BaseException) -> None:
         """Item ``index`` failed: so does the group, unless it was over already (answered, failed or cancelled)."""
@@ -201,12 +234,12 @@ class Group(Generic[Out]):
             finished = self._finished
         return finished.wait(timeout)
 
-    def result(self, timeout: float | None = None) -> list[BatchResult[Out]]:
-        """The items' results in order; raises what failed the group, CancelledError, or TimeoutError."""
+    def result(self, timeout: float | None = None) -> list[Out]:
+        """The items' outputs in order; raises what failed the group, CancelledError, or TimeoutError."""
         error = self.exception(timeout)
         if error is not None:
             raise error
-        return self.results  # type: ignore[return-value]
+        return self.values  # type: ignore[return-value]
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """What failed the group (None when it was answered); CancelledError, or TimeoutError when not done."""

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from app.engine.batching.types import BackgroundJob, BatcherClosed, BatcherError, BatchResult, DeadlineExpired
+from app.engine.batching.types import BackgroundJob, BatcherClosed, BatcherError, BatchResult, BatchRun, DeadlineExpired
 from app.engine.decoding.decoders import Prepared
 from app.engine.rollouts.evidence import Comparison
 from app.engine.loaded.version import LoadedVersion
@@ -132,14 +132,16 @@ def _drop_all(ready: list[tuple[ShadowJob, list[Prepared]]], reason: str) -> Non
 
 
 def offer(live: LoadedVersion, candidate: LoadedVersion, comparison: Comparison, images: Sequence[bytes],
-          tensors: Sequence[torch.Tensor], prepared: Sequence[Prepared], results: Sequence[BatchResult[np.ndarray]],
-          max_age_s: float, queue_limit: int) -> None:
-    """Queue the shadow comparison of one answered request behind the live version's work (never raises)."""
+          tensors: Sequence[torch.Tensor], prepared: Sequence[Prepared], values: Sequence[np.ndarray],
+          runs: Sequence[BatchRun], max_age_s: float, queue_limit: int) -> None:
+    """Queue the shadow comparison of one answered request (its rows, ``values``, and the batches they ran in)
+    behind the live version's work (never raises)."""
     try:
         classes = live.predictor.num_classes  # the probabilities: an embedding may follow them
-        rows = torch.from_numpy(np.stack([r.value[:classes] for r in results]))
-        job = ShadowJob(candidate, comparison, live.predictor.labels, rows,
-                        [r.run_s * 1000 / r.batch_size for r in results], images, (), time.monotonic() + max_age_s)
+        rows = torch.from_numpy(np.stack(values)[:, :classes])
+        live_ms = [run.run_s * 1000 / run.batch_size for run in runs for _ in range(run.rows)]
+        job = ShadowJob(candidate, comparison, live.predictor.labels, rows, live_ms, images, (),
+                        time.monotonic() + max_age_s)
         if tensors:
             if tuple(tensors[0].shape) != tuple(candidate.predictor.manifest.preprocess.input_shape):
                 return job.drop("incompatible")
