@@ -10,6 +10,7 @@ workers give it when they are the bound).
     .venv/bin/python -m bench.serving.engine_only --floor --forms "v2 x1" "v2 x16"   # beside the floor
     .venv/bin/python -m bench.serving.engine_only --clients threads --concurrency 4 --forms "v2 x1"  # with slack
     python3 -m bench.serving.engine_only --device cuda --floor --out FOLDER        # on a GPU host (the drill)
+    .venv/bin/python -m bench.serving.engine_only --instructions --checkout ../before --forms "v2 x1" "v2 x16"
 
 With no HTTP worker beside it on the CPU, the engine is the bound and runs the batches it would run saturated: the
 figures are its cost per request and per image at that load, with nothing of the HTTP side in them (the overhead
@@ -20,10 +21,16 @@ run that checkout's code (the wire differs between versions); rounds alternate t
 model, forward threads, batch cap and answers, nothing else (no admission, routing, deadlines, futures, batcher
 thread, metrics or monitor); and again with every request on one connection (frames read together, a turn's answers
 sent in one call: a multiplexed link's system calls).
+
+``--instructions`` (valgrind installed: ``apt-get install valgrind``) runs each checkout's engine under callgrind and
+sends it requests one at a time: its instructions per request, the same from run to run within a fraction of a
+percent, where its CPU time moves 10-20% between runs on a VM. A change to the engine's steps shows there in one run;
+what it does to the wake-ups and the caches of a loaded engine (not counted) the CPU runs still tell.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import inspect
 import json
@@ -35,12 +42,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
 FORMS = {"jpeg": ("jpeg", 1), "v2 x1": ("v2", 1), "v2 x16": ("v2", 16)}
 FLOOR = Path("/floor")  # the floor's key among the checkouts measured
 FLOOR_PIPELINED = Path("/floor-one-connection")  # the floor, every request on one connection
+WARM_UP_REQUESTS = 50  # before an instruction count: every step of the request path run (and translated) once
 
 
 def _import_from(checkout: Path) -> None:
@@ -303,24 +311,92 @@ def measure(checkout: Path, weights: Path, form: str, concurrency: int, seconds:
             floor: bool = False, device: str = "cpu", clients: str = "loop") -> dict[str, Any]:
     """One engine started from ``checkout`` (``floor``: the floor's loop instead), driven by that checkout's client
     (``clients``: as ``drive`` says), then stopped."""
+    serve_args = (["--serve-floor", str(weights)] if floor else ["--serve", str(checkout), str(weights)])
+    with _engine(checkout, serve_args, device) as (engine, sock, env):
+        client = subprocess.run([sys.executable, "-m", "bench.serving.engine_only", "--drive", str(checkout),
+                                 str(sock), form, str(concurrency), str(seconds), str(engine.pid), clients],
+                                cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+        return json.loads(client.stdout.strip().splitlines()[-1])
+
+
+def instructions(checkout: Path, weights: Path, form: str, requests: int) -> dict[str, Any]:
+    """The engine of ``checkout`` under callgrind (valgrind installed), sent ``requests`` of ``form`` one at a time
+    by that checkout's client (``count``): its instructions per request and per image, the same from run to run
+    where its CPU time moves 10-20% on a VM. A request that comes alone: its batches, its settle, no wake-up's cost
+    (the kernel's and the caches' work is not counted)."""
+    with tempfile.TemporaryDirectory(prefix="visionserve-callgrind-") as folder:
+        out = Path(folder) / "callgrind.out"
+        valgrind = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
+        with _engine(checkout, ["--serve", str(checkout), str(weights)], "cpu", valgrind) as (engine, sock, env):
+            subprocess.run([sys.executable, "-m", "bench.serving.engine_only", "--count", str(checkout), str(sock),
+                            form, str(requests), str(engine.pid)], cwd=ROOT, env=env, capture_output=True, check=True)
+        from bench.serving.http_side import callgrind_total
+
+        total = callgrind_total(out)
+    return {"form": form, "instructions_per_request": total / requests,
+            "instructions_per_image": total / (requests * FORMS[form][1])}
+
+
+@contextlib.contextmanager
+def _engine(checkout: Path, serve_args: list[str], device: str,
+            wrapper: Sequence[str] = ()) -> Iterator[tuple[subprocess.Popen, Path, dict[str, str]]]:
+    """An engine process (``serve_args``: --serve or --serve-floor and their paths; ``wrapper``: what runs it, such
+    as valgrind) on a socket of its own, once ready; killed after."""
     with tempfile.TemporaryDirectory() as scratch:
         sock, env = Path(scratch) / "engine.sock", {**os.environ, "PROMETHEUS_MULTIPROC_DIR": scratch}
-        serve_args = (["--serve-floor", str(weights), str(sock), device] if floor else
-                      ["--serve", str(checkout), str(weights), str(sock), device])
-        engine = subprocess.Popen([sys.executable, "-m", "bench.serving.engine_only", *serve_args], cwd=ROOT, env=env)
+        engine = subprocess.Popen([*wrapper, sys.executable, "-m", "bench.serving.engine_only", *serve_args, str(sock),
+                                   device], cwd=ROOT, env=env)
         try:
             while not Path(f"{sock}.ready").exists():
                 if engine.poll() is not None:
                     raise RuntimeError(f"the engine of {checkout} ended with {engine.returncode}")
                 time.sleep(0.1)
-            client = subprocess.run([sys.executable, "-m", "bench.serving.engine_only", "--drive", str(checkout),
-                                     str(sock), form, str(concurrency), str(seconds), str(engine.pid),
-                                     clients],
-                                    cwd=ROOT, env=env, capture_output=True, text=True, check=True)
-            return json.loads(client.stdout.strip().splitlines()[-1])
+            yield engine, sock, env
         finally:
             engine.kill()
             engine.wait()
+
+
+def count(checkout: Path, sock: Path, form: str, requests: int, engine: int) -> None:
+    """``instructions``' client: requests of ``form`` one at a time on one connection (the checkout's wire), a
+    warm-up first; the engine's count zeroed before the measured ones and dumped after them."""
+    _import_from(checkout)
+    from app.link import wire
+
+    kind, images = FORMS[form]
+    made = _requests(wire, kind, images)
+    answer_of = wire.receive_answer
+    if "grace_s" in inspect.signature(wire.receive_answer).parameters:
+        answer_of = functools.partial(wire.receive_answer, grace_s=60.0)
+    conn = wire.connect(sock, 60.0)
+    wire.say_hello(conn)
+
+    def send(total: int) -> None:
+        for index in range(total):
+            wire.send(conn, *made[index % len(made)])
+            answer = answer_of(conn)
+            if answer.error is not None:
+                raise RuntimeError(f"{form}: {answer.error}")
+
+    def callgrind(command: str) -> None:
+        subprocess.run(["callgrind_control", command, str(engine)], check=True, capture_output=True)
+
+    send(WARM_UP_REQUESTS)
+    callgrind("--instr=on")
+    callgrind("--zero")
+    send(requests)
+    callgrind("--dump")
+
+
+def instruction_report(found: dict[tuple[str, Path], dict[str, Any]], requests: int) -> str:
+    """``--instructions``' table: each checkout's count per request and per image, by form."""
+    lines = [f"The engine's instructions (callgrind), {requests} requests a point sent one at a time after "
+             f"{WARM_UP_REQUESTS} of warm-up", "", "| checkout | form | instructions / request | instructions / image |",
+             "| --- | --- | --- | --- |"]
+    for (form, checkout), point in found.items():
+        lines.append(f"| {'this' if checkout == ROOT else checkout} | {form} | {point['instructions_per_request']:.0f} | "
+                     f"{point['instructions_per_image']:.0f} |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -336,8 +412,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", choices=("loop", "threads"), default="loop",
                         help="loop: one client thread keeps every request in flight (the engine the bound); threads: "
                         "a thread per connection, a request at a time (the engine with slack, as behind HTTP workers)")
+    parser.add_argument("--instructions", action="store_true",
+                        help="count the engine's instructions per request under callgrind (valgrind), requests sent "
+                        "one at a time, instead of its CPU under load; one round")
+    parser.add_argument("--requests", type=int, default=200, help="requests counted with --instructions")
     parser.add_argument("--out", type=Path, help="also write the report (Markdown) here")
     parser.add_argument("--serve", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--count", nargs=5, help=argparse.SUPPRESS)
     parser.add_argument("--serve-floor", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--drive", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -346,6 +427,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.serve_floor:
         serve_floor(Path(args.serve_floor[0]), Path(args.serve_floor[1]), args.serve_floor[2])
+        return 0
+    if args.count:
+        checkout, sock, form, requests, engine = args.count
+        count(Path(checkout), Path(sock), form, int(requests), int(engine))
         return 0
     if args.drive:
         checkout, sock, form, concurrency, seconds, engine, clients = args.drive
@@ -357,6 +442,14 @@ def main(argv: list[str] | None = None) -> int:
 
     weights = tiny_weights(Path(tempfile.gettempdir()) / "visionserve-engine-only-weights")
     checkouts = [ROOT, *(c.resolve() for c in args.checkout)]
+    if args.instructions:
+        report = instruction_report({(form, checkout): instructions(checkout, weights, form, args.requests)
+                                     for form in args.forms for checkout in checkouts}, args.requests)
+        print(report)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / f"{time.strftime('%Y-%m-%d')}-engine-only-instructions.md").write_text(report)
+        return 0
     found: dict[tuple[str, Path], list[dict[str, Any]]] = {}
     for _ in range(args.rounds):
         for form in args.forms:

@@ -75,10 +75,15 @@ def instructions_per_request(app: Callable[..., Any], form: Form, requests: int)
     for environ in environs:
         _answer(app, environ, form)
     _callgrind("--dump")  # the counts since the zero
-    out = Path(os.environ[CALLGRIND_OUT])
+    return callgrind_total(Path(os.environ[CALLGRIND_OUT])) / requests
+
+
+def callgrind_total(out: Path) -> int:
+    """The instruction count of the last dump callgrind wrote to ``out`` (``--callgrind-out-file``; its dumps are
+    ``out``.1, .2, ...)."""
     dumps = sorted(out.parent.glob(f"{out.name}.*"), key=lambda path: int(path.suffix[1:]))
     totals = next(line for line in dumps[-1].read_text().splitlines() if line.startswith(("summary:", "totals:")))
-    return int(totals.split()[1]) / requests
+    return int(totals.split()[1])
 
 
 def cpu_per_request(app: Callable[..., Any], form: Form, requests: int) -> float:

@@ -114,3 +114,14 @@ def test_the_http_side_counts_instructions_under_valgrind_as_docs_performance_sh
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith("| v2 x1 |")]
     assert [row[1] for row in rows][:2] == ["bare app", "the app"] and all(float(row[2]) > 1000 for row in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed (apt-get install valgrind)")
+def test_the_engine_counts_instructions_under_valgrind_for_requests_sent_one_at_a_time() -> None:
+    done = subprocess.run([sys.executable, "-m", "bench.serving.engine_only", "--instructions", "--forms", "v2 x16",
+                           "--requests", "3"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    [row] = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith("| this | v2 x16 |")]
+    per_request, per_image = float(row[2]), float(row[3].rstrip(" |"))
+    assert per_request > 100_000 and per_image == pytest.approx(per_request / 16, rel=1e-3)
