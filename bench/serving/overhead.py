@@ -19,7 +19,8 @@ The unit, **one bare-Flask request**, is the bare app's CPU per request with the
 client, at the same C. The budget (issue #50): HTTP worker <= 1.5 units per one-image request; engine <= 0.1 unit
 per image at one image per request, <= 0.04 at 16, for everything but decode and the forward pass: the engine's
 figure in units is its CPU less its decoding's and its forward passes' (their CPU as visionserve's /metrics counts
-it, read around each point; the table shows all three).
+it, read around each point; the table shows all three). ``bare-wait`` is the same bare app sleeping before it
+answers: what the unit's request costs when it waits, as every request in process mode waits for its engine.
 """
 from __future__ import annotations
 
@@ -134,16 +135,18 @@ def forms(photos: Sequence[bytes]) -> dict[str, Form]:
     return {form.name: form for form in every}
 
 
-def bare_app(log_dir: Path, workers: int, threads: int, cwd: Path = ROOT) -> Running:
+def bare_app(log_dir: Path, workers: int, threads: int, cwd: Path = ROOT, wait_ms: float = 0.0) -> Running:
     """The unit: bench/serving/bare_app.py under gunicorn with visionserve's worker class, workers and threads
-    (``-c /dev/null``: not the project's gunicorn.conf.py, which would start an engine beside it)."""
+    (``-c /dev/null``: not the project's gunicorn.conf.py, which would start an engine beside it); ``wait_ms``: its
+    route sleeps that long before it answers (``bare-wait``)."""
     port = free_port()
     command = [sys.executable, "-m", "gunicorn", "-c", "/dev/null", "-k", "app.hosting.worker.BufferingWorker",
                "--threads", str(threads), "-w", str(workers), "-b", f"127.0.0.1:{port}", "--log-level", "warning",
                "bench.serving.bare_app:app"]
     # cwd before what PYTHONPATH already holds (on a lent GPU machine: the carried wheels, gunicorn among them)
     path = os.pathsep.join(filter(None, (str(cwd), os.environ.get("PYTHONPATH"))))
-    return Running("bare-flask", command, {"PYTHONPATH": path}, port, "/readyz", log_dir)
+    return Running("bare-flask", command, {"PYTHONPATH": path, "BARE_WAIT_MS": str(wait_ms)}, port, "/readyz",
+                   log_dir)
 
 
 def process_cpu(root: int) -> dict[int, tuple[str, float]]:
@@ -293,6 +296,7 @@ def starters(args: argparse.Namespace, weights: Path, logs: Path) -> dict[str, S
         "process": lambda: visionserve(weights, logs, engine="process", **ours),
         "process-2": lambda: visionserve(weights, logs, engine="process", engines_per_device="2", **ours),
         "bare": lambda: bare_app(logs, args.workers, threads),
+        "bare-wait": lambda: bare_app(logs, args.workers, threads, wait_ms=args.bare_wait_ms),
         "naive": lambda: peers.naive(weights, logs, workers=args.workers),
         "litserve": lambda: peers.litserve(weights, logs, workers=args.workers),
     }
@@ -314,8 +318,11 @@ def forms_for(server: str, every: dict[str, Form], chosen: Sequence[str]) -> lis
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--servers", nargs="+", default=["bare", "process", "inline", "naive", "litserve"],
-                        choices=("bare", "process", "process-2", "inline", "naive", "litserve"),
-                        help="process-2: the engine process mode with two engines (ENGINES_PER_DEVICE=2)")
+                        choices=("bare", "bare-wait", "process", "process-2", "inline", "naive", "litserve"),
+                        help="process-2: the engine process mode with two engines (ENGINES_PER_DEVICE=2); "
+                        "bare-wait: the bare app sleeping --bare-wait-ms before it answers")
+    parser.add_argument("--bare-wait-ms", type=float, default=20.0,
+                        help="bare-wait's sleep: about what a request in process mode waits for its engine at C=16")
     parser.add_argument("--checkout", type=Path, action="append", default=[],
                         help="another checkout whose process mode runs beside (repeatable)")
     parser.add_argument("--forms", nargs="+", default=["jpeg", "multipart x1", "multipart x16", "v2 x1", "v2 x16",

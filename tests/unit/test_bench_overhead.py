@@ -125,3 +125,15 @@ def test_the_engine_counts_instructions_under_valgrind_for_requests_sent_one_at_
     [row] = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith("| this | v2 x16 |")]
     per_request, per_image = float(row[2]), float(row[3].rstrip(" |"))
     assert per_request > 100_000 and per_image == pytest.approx(per_request / 16, rel=1e-3)
+
+
+def test_the_bare_app_with_a_wait_sleeps_that_long_before_it_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    # bare-wait: the unit's request when it waits, as a request in process mode waits for its engine
+    import bench.serving.bare_app as bare
+
+    slept: list[float] = []
+    monkeypatch.setattr(bare.time, "sleep", slept.append)
+    client = bare.app.test_client()
+    assert client.post("/predict", data=b"abc").get_json() == {"bytes": 3, "label": "bare"} and slept == []
+    monkeypatch.setattr(bare, "WAIT_S", 0.02)
+    assert client.post("/predict", data=b"abcd").get_json() == {"bytes": 4, "label": "bare"} and slept == [0.02]
