@@ -391,10 +391,11 @@ def count(checkout: Path, sock: Path, form: str, requests: int, engine: int) -> 
 def instruction_report(found: dict[tuple[str, Path], dict[str, Any]], requests: int) -> str:
     """``--instructions``' table: each checkout's count per request and per image, by form."""
     lines = [f"The engine's instructions (callgrind), {requests} requests a point sent one at a time after "
-             f"{WARM_UP_REQUESTS} of warm-up", "", "| checkout | form | instructions / request | instructions / image |",
-             "| --- | --- | --- | --- |"]
+             f"{WARM_UP_REQUESTS} of warm-up", "",
+             "| checkout | form | instructions / request | instructions / image |", "| --- | --- | --- | --- |"]
     for (form, checkout), point in found.items():
-        lines.append(f"| {'this' if checkout == ROOT else checkout} | {form} | {point['instructions_per_request']:.0f} | "
+        name = "this" if checkout == ROOT else checkout
+        lines.append(f"| {name} | {form} | {point['instructions_per_request']:.0f} | "
                      f"{point['instructions_per_image']:.0f} |")
     return "\n".join(lines) + "\n"
 

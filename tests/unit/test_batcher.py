@@ -516,25 +516,25 @@ def test_a_group_is_answered_once_all_its_items_are_whatever_order_they_finish_i
     assert not group.cancel()
     called: list[Group[int]] = []
     group.add_done_callback(called.append)
-    for index in (2, 0):
-        group.set_row(index, BatchResult(index * 10, 1, 3, 0.0, 0.0))  # one batch ran both, alone each
+    for index in (2, 0):  # a failed batch's items, each run again alone, in any order
+        group.set_rows(index, [index * 10], BatchRun(1, index + 1, 1, 0.0, 0.0))
     assert not group.done() and not called and not group.wait(0.01)  # the middle item still runs
     with pytest.raises(TimeoutError):
         group.result(timeout=0.01)
     waiter = threading.Thread(target=group.wait)  # a caller waiting when the last row comes is woken
     waiter.start()
-    group.set_row(1, BatchResult(10, 2, 1, 0.0, 0.0))
+    group.set_rows(1, [10], BatchRun(1, 2, 1, 0.0, 0.0))
     waiter.join(5)
     assert not waiter.is_alive() and called == [group] and group.done() and not group.cancelled()
     assert group.result(timeout=1) == [0, 10, 20]
-    assert group.runs() == (BatchRun(1, 1, 3, 0.0, 0.0), BatchRun(1, 2, 1, 0.0, 0.0), BatchRun(1, 1, 3, 0.0, 0.0))
+    assert [run.batch_id for run in group.runs()] == [1, 2, 3]  # in item order
     late: list[Group[int]] = []
     group.add_done_callback(late.append)  # added once done: called at once
     assert late == [group]
 
     failing: Group[int] = Group(2)
     failing.set_failed(1, ValueError("image 1"))
-    failing.set_row(0, BatchResult(0, 1, 2, 0.0, 0.0))  # a row after the failure changes nothing
+    failing.set_rows(0, [0], BatchRun(1, 1, 2, 0.0, 0.0))  # a row after the failure changes nothing
     assert failing.failed_at == 1 and isinstance(failing.exception(timeout=1), ValueError)
     with pytest.raises(ValueError, match="image 1"):
         failing.result()

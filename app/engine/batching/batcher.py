@@ -68,11 +68,6 @@ class _Pending(Generic[In]):
         with contextlib.suppress(InvalidStateError):  # cancelled meanwhile: nobody waits for it
             self.future.set_exception(exc)  # type: ignore[union-attr]
 
-    def done(self, result: BatchResult[Any]) -> None:
-        if self.group is not None:
-            self.group.set_row(self.index, result)
-        else:
-            self.future.set_result(result)  # type: ignore[union-attr]
 
 
 class Batcher(Generic[In, Out]):
@@ -521,7 +516,8 @@ class Batcher(Generic[In, Out]):
             item = batch[first]
             group = item.group
             if group is None:
-                item.done(BatchResult(outputs[first], batch_id, size, queued[first], run_s))
+                result = BatchResult(outputs[first], batch_id, size, queued[first], run_s)
+                item.future.set_result(result)  # type: ignore[union-attr]
                 first += 1
                 continue
             end = first + 1

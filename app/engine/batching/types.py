@@ -157,22 +157,12 @@ class Group(Generic[Out]):
             self.over = True
             self._finish()
 
-    def set_row(self, index: int, result: BatchResult[Out]) -> None:
-        """Item ``index``'s result alone (a batch that ran it by itself)."""
-        self.set_rows(index, (result.value,), BatchRun(1, result.batch_id, result.batch_size, result.queued_s,
-                                                        result.run_s))
-
     def runs(self) -> tuple[BatchRun, ...]:
-        """Once done: the batches its items ran in, in item order, a run of consecutive items per batch."""
+        """Once done: the batches its items ran in, in item order (a group's items queue together, so a batch takes
+        a run of them; an item a failed batch ran again alone is a run of its own)."""
         if len(self._runs) == 1:  # every item in one batch
             return (self._runs[0][1],)
-        merged: list[BatchRun] = []
-        for _, run in sorted(self._runs, key=lambda started: started[0]):
-            if merged and merged[-1].batch_id == run.batch_id:  # split by a retry's re-run, or by set_row
-                merged[-1] = merged[-1]._replace(rows=merged[-1].rows + run.rows)
-            else:
-                merged.append(run)
-        return tuple(merged)
+        return tuple(run for _, run in sorted(self._runs))  # by first item: no two runs start at the same one
 
     def set_failed(self, index: int, exc: BaseException) -> None:
         """Item ``index`` failed: so does the group, unless it was over already (answered, failed or cancelled)."""
