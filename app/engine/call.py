@@ -96,10 +96,9 @@ class Call:
               client_gone: Callable[[], bool] | None = None, embedding: bool = False) -> Served:
         """Encoded ``images`` (decoded here) or preprocessed ``tensors`` (float32 (C, H, W) arrays or tensors, or their
         (N, C, H, W) array), with the request's deadline (counted from queueing) and, where the request gave them, the
-        images' file names
-        (errors say which image); ``embedding``: answer each image's embedding too (NoEmbedding when the version
-        has none). Once ``client_gone`` says the client hung up, the images still queued are dropped unrun. Raises a
-        ServiceError for every refusal."""
+        images' file names (errors say which image); ``embedding``: answer each image's embedding too (NoEmbedding
+        when the version has none). Once ``client_gone`` says the client hung up, the images still queued are dropped
+        unrun. Raises a ServiceError for every refusal."""
         if embedding:
             self.model.check_embedding()
         queued = self.queue(images, tensors, timeout_s=timeout_s, names=names)

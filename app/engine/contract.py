@@ -64,8 +64,8 @@ class Ranked(NamedTuple):
 @dataclass(frozen=True)
 class Served:
     """A request's answer: its ``rows``, one per input in order (float32 probabilities, followed by the image's
-    embedding when it was asked for: ``embedding_dim`` columns), the batches they ran in, which version gave it, and
-    how long decoding took."""
+    embedding when it was asked for: ``embedding_dim`` columns), the batches they ran in (a run of consecutive
+    inputs per batch, in input order: ``Group.runs``), which version gave it, and how long decoding took."""
 
     rows: np.ndarray
     batches: tuple[BatchRun, ...]
@@ -127,25 +127,20 @@ def top_indices(scores: np.ndarray, k: int) -> np.ndarray:
     return chosen[rows, np.lexsort((chosen, -values), axis=-1)]
 
 
-def distinct_batches(results: Sequence[BatchRun]) -> list[BatchRun]:
-    """One run per distinct batch the request's images ran in, in the order they first appear."""
-    return list({r.batch_id: r for r in results}.values())
-
-
-def stage_ms(results: Sequence[BatchRun]) -> tuple[float, float]:
+def stage_ms(runs: Sequence[BatchRun]) -> tuple[float, float]:
     """(queue, inference) milliseconds of one request's images: the one definition the Server-Timing header and
     the access log both report.
 
-    inference: the wall time the request's images spent in forward passes, the sum of its distinct batches'
-    ``run_s`` (by ``batch_id``: images of one batch share its forward pass). A request's images are queued together
-    and a batcher runs one batch at a time, so its batches never overlap and their durations add up; the largest
-    alone would leave out every batch but one, and a sum over images would count a batch once per image.
+    inference: the wall time the request's images spent in forward passes, the sum of its batch runs' ``run_s`` (one
+    run per batch: images of one batch share its forward pass). A request's images are queued together and a
+    batcher runs one batch at a time, so its batches never overlap and their durations add up; the largest alone
+    would leave out every batch but one, and a sum over images would count a batch once per image.
     queue: from the images' queueing to the end of the request's last batch, less that inference: the time they
     waited behind other work (and for company) while none of the request's batches ran: decode + queue + inference
     then add up to the request's time from its first decode to the end of its last forward pass.
     """
-    inference_s = sum(r.run_s for r in distinct_batches(results))
-    done_s = max(r.queued_s + r.run_s for r in results)
+    inference_s = sum(run.run_s for run in runs)
+    done_s = max(run.queued_s + run.run_s for run in runs)
     return max(0.0, done_s - inference_s) * 1000, inference_s * 1000
 
 

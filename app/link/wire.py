@@ -151,8 +151,7 @@ class _ServedHead(NamedTuple):
     labels: list[str]
     decode_s: float
     started_ns: int
-    batches: tuple[tuple[int, int, int, float, float], ...]  # each batch run's rows, batch_id, batch_size, queued_s,
-    # run_s
+    batches: tuple[tuple[int, int, int, float, float], ...]  # each BatchRun's fields: rows, batch id and size, waits
     dtype: str
     shape: tuple[int, ...]
     embedding_dim: int

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from flask import Response, g
 
-from app.engine.contract import Served, distinct_batches, stage_ms
+from app.engine.contract import Served, stage_ms
 
 
 def annotate(response: Response, served: Served) -> Response:
@@ -13,7 +13,7 @@ def annotate(response: Response, served: Served) -> Response:
     runs, decode_ms = served.batches, served.decode_s * 1000
     queue_ms, inference_ms = stage_ms(runs)
     batch_sizes = served.batch_sizes()
-    sizes = "+".join(str(run.batch_size) for run in distinct_batches(runs))
+    sizes = "+".join(str(run.batch_size) for run in runs)
     response.headers["Server-Timing"] = (f'decode;dur={decode_ms:.2f}, queue;dur={queue_ms:.2f}, '
                                          f'inference;dur={inference_ms:.2f}, batch;desc="{sizes}"')
     response.headers["X-Batch-Size"] = ",".join(map(str, batch_sizes))

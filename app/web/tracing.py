@@ -15,7 +15,6 @@ from typing import Any
 from flask import Flask, Response, g, request
 
 from app.config import Settings
-from app.engine.contract import distinct_batches
 from app.web.hooks import is_probe
 
 BATCH_SPANS_KEPT = 1024  # batch span contexts kept for the requests still reporting them
@@ -78,7 +77,7 @@ def _stage_spans(tracer: Any, parent: Any, served: Any, batches: OrderedDict[int
     decoded_ns = served.started_ns + int(served.decode_s * 1e9)
     tracer.start_span("decode", context=parent, start_time=served.started_ns,
                       attributes={"images": len(served.rows)}).end(end_time=decoded_ns)
-    for result in distinct_batches(served.batches):
+    for result in served.batches:
         batch_start = decoded_ns + int(result.queued_s * 1e9)
         batch_end = batch_start + int(result.run_s * 1e9)
         tracer.start_span("queue", context=parent, start_time=decoded_ns).end(end_time=batch_start)

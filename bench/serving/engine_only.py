@@ -326,12 +326,12 @@ def instructions(checkout: Path, weights: Path, form: str, requests: int) -> dic
     (the kernel's and the caches' work is not counted)."""
     with tempfile.TemporaryDirectory(prefix="visionserve-callgrind-") as folder:
         out = Path(folder) / "callgrind.out"
-        valgrind = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
-        with _engine(checkout, ["--serve", str(checkout), str(weights)], "cpu", valgrind) as (engine, sock, env):
+        from bench.serving.http_side import callgrind_command, callgrind_total
+
+        serve_args = ["--serve", str(checkout), str(weights)]
+        with _engine(checkout, serve_args, "cpu", callgrind_command(out)) as (engine, sock, env):
             subprocess.run([sys.executable, "-m", "bench.serving.engine_only", "--count", str(checkout), str(sock),
                             form, str(requests), str(engine.pid)], cwd=ROOT, env=env, capture_output=True, check=True)
-        from bench.serving.http_side import callgrind_total
-
         total = callgrind_total(out)
     return {"form": form, "instructions_per_request": total / requests,
             "instructions_per_image": total / (requests * FORMS[form][1])}

@@ -78,6 +78,12 @@ def instructions_per_request(app: Callable[..., Any], form: Form, requests: int)
     return callgrind_total(Path(os.environ[CALLGRIND_OUT])) / requests
 
 
+def callgrind_command(out: Path) -> list[str]:
+    """What runs a command under callgrind with counting off until ``callgrind_control --instr=on``, its dumps written
+    to ``out``.1, .2, ..."""
+    return ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
+
+
 def callgrind_total(out: Path) -> int:
     """The instruction count of the last dump callgrind wrote to ``out`` (``--callgrind-out-file``; its dumps are
     ``out``.1, .2, ...)."""
@@ -117,7 +123,8 @@ def engine(weights: Path, control: Path) -> Iterator[None]:
 
 
 def measure(form_names: list[str], requests: int, rounds: int,
-            per_request: Callable[[Callable[..., Any], Form, int], float] = cpu_per_request) -> dict[str, dict[str, float]]:
+            per_request: Callable[[Callable[..., Any], Form, int], float] = cpu_per_request,
+            ) -> dict[str, dict[str, float]]:
     """For each form: what ``per_request`` says a request of the bare app and of each of STEPS costs (microseconds
     of CPU, or instructions), the median of ``rounds`` rounds that each measure them all in turn."""
     control = Path(tempfile.mkdtemp(prefix="visionserve-http-side-"))
@@ -215,11 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     requests, rounds = (20, 1) if args.smoke else (args.requests, 1 if args.instructions else args.rounds)
     if args.instructions and CALLGRIND_OUT not in os.environ:  # this process again, under valgrind
         with tempfile.TemporaryDirectory(prefix="visionserve-callgrind-") as folder:
-            out = str(Path(folder) / "callgrind.out")
-            return subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
-                                   sys.executable, "-m", "bench.serving.http_side", *(argv if argv is not None else
-                                                                                      sys.argv[1:])],
-                                  cwd=ROOT, env={**os.environ, CALLGRIND_OUT: out}, stderr=subprocess.DEVNULL).returncode
+            out = Path(folder) / "callgrind.out"
+            again = [sys.executable, "-m", "bench.serving.http_side", *(argv if argv is not None else sys.argv[1:])]
+            env = {**os.environ, CALLGRIND_OUT: str(out)}
+            return subprocess.run([*callgrind_command(out), *again], cwd=ROOT, env=env,
+                                  stderr=subprocess.DEVNULL).returncode
     per_request = instructions_per_request if args.instructions else cpu_per_request
     print(report(measure(args.forms, requests, rounds, per_request), requests, rounds, args.instructions))
     return 0

@@ -54,7 +54,8 @@ def test_each_figure_is_in_the_unit_the_bare_app_measured_at_the_same_concurrenc
 
 
 @pytest.mark.slow
-def test_the_engine_alone_and_the_floor_answer_tensor_requests_and_their_cpu_is_counted_per_image(tmp_path: Path) -> None:
+def test_the_engine_alone_and_the_floor_answer_tensor_requests_and_their_cpu_is_counted_per_image(
+        tmp_path: Path) -> None:
     # bench.serving.engine_only: an engine process of this checkout driven over its socket with no HTTP worker
     from bench.serving import engine_only
     from bench.serving.overhead import tiny_weights

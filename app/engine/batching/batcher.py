@@ -69,7 +69,6 @@ class _Pending(Generic[In]):
             self.future.set_exception(exc)  # type: ignore[union-attr]
 
 
-
 class Batcher(Generic[In, Out]):
     """Collects up to ``max_batch_size`` items, waiting at most ``max_wait_ms`` after the first, then runs them.
 
