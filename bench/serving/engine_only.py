@@ -439,9 +439,9 @@ def main(argv: list[str] | None = None) -> int:
                                clients)))
         return 0
 
-    from bench.serving.overhead import tiny_weights
+    from bench.serving.overhead import TINY_WEIGHTS, tiny_weights
 
-    weights = tiny_weights(Path(tempfile.gettempdir()) / "visionserve-engine-only-weights")
+    weights = tiny_weights(TINY_WEIGHTS)
     checkouts = [ROOT, *(c.resolve() for c in args.checkout)]
     if args.instructions:
         report = instruction_report({(form, checkout): instructions(checkout, weights, form, args.requests)

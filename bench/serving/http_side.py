@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from bench.serving.overhead import Form, forms, padded_jpeg, tiny_weights
+from bench.serving.overhead import TINY_WEIGHTS, Form, forms, padded_jpeg, tiny_weights
 from bench.serving.request_path import wsgi_environ
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -129,7 +129,7 @@ def measure(form_names: list[str], requests: int, rounds: int,
     of CPU, or instructions), the median of ``rounds`` rounds that each measure them all in turn."""
     control = Path(tempfile.mkdtemp(prefix="visionserve-http-side-"))
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(control)  # as under gunicorn: the metrics' files
-    weights = tiny_weights(Path(tempfile.gettempdir()) / "visionserve-engine-only-weights")
+    weights = tiny_weights(TINY_WEIGHTS)
     with engine(weights, control):
         import bench.serving.bare_app as bare
         import app.link.client as client
@@ -221,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     requests, rounds = (20, 1) if args.smoke else (args.requests, 1 if args.instructions else args.rounds)
     if args.instructions and CALLGRIND_OUT not in os.environ:  # this process again, under valgrind
+        tiny_weights(TINY_WEIGHTS)  # written here: torch is not imported under valgrind, where it takes half a minute
         with tempfile.TemporaryDirectory(prefix="visionserve-callgrind-") as folder:
             out = Path(folder) / "callgrind.out"
             again = [sys.executable, "-m", "bench.serving.http_side", *(argv if argv is not None else sys.argv[1:])]

@@ -31,6 +31,7 @@ import functools
 import io
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -54,22 +55,33 @@ BODY_BYTES = 100_000  # about an ImageNet photo's JPEG
 CLASSES = 1000  # as an ImageNet model: its labels and its rows cross the link
 BUDGET = {"http": 1.5, "engine_1": 0.1, "engine_16": 0.04}
 ENGINE_COMMAND = "app.link.server"  # an engine process's command line holds its module
+TINY_WEIGHTS = Path(tempfile.gettempdir()) / "visionserve-engine-only-weights"  # where the tools outside a run keep it
 DECODE, FORWARD = "stage_cpu_seconds_total:decode", "stage_cpu_seconds_total:forward"  # as /metrics counts them
 
 
 def tiny_weights(out: Path) -> Path:
-    """A one-layer classifier on 8x8 inputs (CLASSES classes), exported the normal way."""
-    import torch
-    from torch import nn
-
-    from models.export.write import export_model
-    from models.presets import EvalPreset
-
+    """A one-layer classifier on 8x8 inputs (CLASSES classes), exported the normal way. Written once, whole or not
+    at all (two tools at once may both find it missing), and torch imported only to write it."""
     if not (out / "manifest.json").exists():
+        import torch
+        from torch import nn
+
+        from models.export.write import export_model
+        from models.presets import EvalPreset
+
         torch.manual_seed(0)
-        export_model(nn.Sequential(nn.Flatten(), nn.Linear(int(np.prod(INPUT)), CLASSES)), out_dir=out, name=MODEL,
-                     version="1", arch="linear", labels=[f"n{i:08d} class {i}" for i in range(CLASSES)],
+        out.parent.mkdir(parents=True, exist_ok=True)
+        written = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+        export_model(nn.Sequential(nn.Flatten(), nn.Linear(int(np.prod(INPUT)), CLASSES)), out_dir=written,
+                     name=MODEL, version="1", arch="linear", labels=[f"n{i:08d} class {i}" for i in range(CLASSES)],
                      preset=EvalPreset(resize_size=8, crop_size=8))
+        try:
+            written.rename(out)
+        except OSError:  # written meanwhile by another, or an older one's folder left without its manifest
+            if not (out / "manifest.json").exists():
+                shutil.rmtree(out)
+                written.rename(out)
+        shutil.rmtree(written, ignore_errors=True)
     return out
 
 
