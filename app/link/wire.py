@@ -332,10 +332,10 @@ READ_AHEAD_BYTES = 1 << 16  # one read's buffer: a request of a few small images
 
 
 class FrameReader:
-    """The frames of a connection as they arrive, one ``recv`` a ``read()``, for a non-blocking socket that a
-    selector watches (no poll before each read, no read that waits): a frame that arrives in pieces is completed
-    over several reads, the part of a large frame beyond the read-ahead buffer read straight into the frame's own
-    buffer. With ``greet``, the first frame is the hello, answered here (``ok``, or WireMismatch saying both sides'
+    """The frames of a connection as they arrive, for a non-blocking socket that a selector watches (no poll before
+    each read, no read that waits): one ``recv`` a ``read()``, more only while a large frame's buffer fills. A frame
+    that arrives in pieces is completed over several reads, the part of a large frame beyond the read-ahead buffer
+    read straight into the frame's own buffer. With ``greet``, the first frame is the hello, answered here (``ok``, or WireMismatch saying both sides'
     code, also told to the other side). EngineGone when the other side closed or sent what cannot be read."""
 
     def __init__(self, sock: socket.socket, expected: tuple[type, ...] = MESSAGES, greet: bool = False) -> None:
@@ -351,24 +351,31 @@ class FrameReader:
 
     def read(self) -> list[tuple[Any, list[memoryview]]]:
         """One read: the messages (of ``expected``) it completed, in order, each with its segments (writable views
-        of the one buffer its frame was read into); none when nothing had come (a spurious wake-up)."""
-        into = self._body[self._got:] if self._body is not None else memoryview(self._ahead)[self._have:]
-        try:
-            count = self.sock.recv_into(into, len(into))
-        except (BlockingIOError, InterruptedError):
-            return []
-        if count == 0:
-            raise EngineGone("the connection closed mid-frame" if self.started else "the connection closed")
-        into.release()  # the buffer it views may be replaced by a larger one
-        if self._body is not None:
-            self._got += count
-            return self._completed([])
-        self._have += count
-        return self._from_ahead()
-
-    def _from_ahead(self) -> list[tuple[Any, list[memoryview]]]:
-        """Every frame whose start is in the read-ahead buffer: taken from it, whole or begun."""
+        of the one buffer its frame was read into); none when nothing had come (a spurious wake-up). A read that
+        filled its buffer and left a frame begun reads on at once (a large frame, such as a photo's, sent in one
+        call, comes whole in one wake-up, not a turn of the loop a buffer's worth)."""
         frames: list[tuple[Any, list[memoryview]]] = []
+        while True:
+            into = self._body[self._got:] if self._body is not None else memoryview(self._ahead)[self._have:]
+            try:
+                count = self.sock.recv_into(into, len(into))
+            except (BlockingIOError, InterruptedError):
+                return frames
+            if count == 0:
+                raise EngineGone("the connection closed mid-frame" if self.started else "the connection closed")
+            filled = count == len(into)
+            into.release()  # the buffer it views may be replaced by a larger one
+            if self._body is not None:
+                self._got += count
+                frames = self._completed(frames)
+            else:
+                self._have += count
+                frames = self._from_ahead(frames)
+            if not (filled and self._body is not None):
+                return frames
+
+    def _from_ahead(self, frames: list[tuple[Any, list[memoryview]]]) -> list[tuple[Any, list[memoryview]]]:
+        """``frames`` and every frame whose start is in the read-ahead buffer: taken from it, whole or begun."""
         while self._body is None and self._have >= _HEAD.size:
             head_size, count = _frame_head(self._ahead, MAX_HELLO_BYTES if self._greeting else MAX_FRAME_BYTES)
             table_end = _HEAD.size + _LENGTH.size * count
@@ -430,35 +437,36 @@ def _receive_some(sock: socket.socket, most: int, grace_s: float) -> bytes:
         return data
 
 
-def _answer_size(data: bytes | bytearray) -> int | None:
-    """The whole frame's size once ``data`` holds its header and segment table, else None."""
+def _answer_layout(data: bytes | bytearray) -> tuple[int, int, int, list[int]] | None:
+    """A frame's whole size, where its header starts (after the segment table), the header's length and the segments'
+    lengths, once ``data`` holds its header and segment table, else None."""
     if len(data) < _HEAD.size:
         return None
     head_size, count = _frame_head(data)
     table_end = _HEAD.size + _LENGTH.size * count
     if len(data) < table_end:
         return None
-    return table_end + head_size + sum(_segment_lengths(data, _HEAD.size, count, head_size))
+    lengths = _segment_lengths(data, _HEAD.size, count, head_size)
+    return table_end + head_size + sum(lengths), table_end, head_size, lengths
 
 
 def receive_answer(sock: socket.socket, grace_s: float) -> Answer:
     """The engine's answer to the exchange in progress, read in as few calls as it arrived in (one, for a small
     answer: no timeout toggled, no poll before each read). The engine sends nothing on a connection but the answer
     of its exchange, so reading ahead of the frame's length takes nothing of a next one; an answer that stops
-    arriving for ``grace_s`` is EngineGone."""
+    arriving for ``grace_s`` is EngineGone. Its frame's layout is read once."""
     data: bytes | bytearray = _receive_some(sock, ANSWER_READ_BYTES, grace_s)
-    size = _answer_size(data)
-    if size is None or len(data) < size:  # a large answer, or one still arriving: gathered in one buffer
+    layout = _answer_layout(data)
+    if layout is None or len(data) < layout[0]:  # a large answer, or one still arriving: gathered in one buffer
         data = bytearray(data)
-        while size is None or len(data) < size:
-            data += _receive_some(sock, size - len(data) if size else ANSWER_READ_BYTES, grace_s)
-            size = size or _answer_size(data)
+        while layout is None or len(data) < layout[0]:
+            data += _receive_some(sock, layout[0] - len(data) if layout else ANSWER_READ_BYTES, grace_s)
+            layout = layout or _answer_layout(data)
+    size, table_end, head_size, lengths = layout
     if len(data) > size:
         raise EngineGone(f"{len(data) - size} bytes beyond the answer: the stream is out of step")
-    view, (head_size, count) = memoryview(data), _frame_head(data)
-    table_end = _HEAD.size + _LENGTH.size * count
-    segments, at = [], table_end + head_size
-    for length in _segment_lengths(data, _HEAD.size, count, head_size):
+    view, segments, at = memoryview(data), [], table_end + head_size
+    for length in lengths:
         segments.append(view[at:at + length])
         at += length
     message = _loads(view[table_end:table_end + head_size], segments)

@@ -113,6 +113,21 @@ def test_frames_are_read_as_they_come_whole_in_pieces_or_several_in_one_read() -
             reader.read()
 
 
+def test_a_large_frame_that_has_come_whole_is_read_in_one_wake_up() -> None:
+    left, right = _pair()
+    right.setblocking(False)
+    with left, right:
+        reader = wire.FrameReader(right, wire.REQUESTS)
+        photo = bytes(range(256)) * 400  # a photo's 100 KB: beyond the read-ahead buffer
+        sender = threading.Thread(target=wire.send, args=(left, wire.Infer("colour", None, None, 1.0, "1", (3,),
+                                                                           names=(None,)), [photo]))
+        sender.start()
+        sender.join(10)  # all of it waits in the socket
+        [(message, [segment])] = reader.read()  # one read, not one a buffer's worth
+        assert isinstance(message, wire.Infer) and bytes(segment) == photo and not reader.started
+        assert reader.read() == []
+
+
 def test_only_messages_are_sent_and_a_frame_out_of_step_ends_the_stream() -> None:
     left, right = _pair()
     with left, right:
