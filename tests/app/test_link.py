@@ -605,8 +605,8 @@ def test_a_lone_request_s_short_batch_runs_on_the_engine_s_loop_and_a_long_one_o
     monkeypatch.setattr(link.server, "_loop_batch_s", 1.0)  # "short", however busy the machine running the test
     assert infer(link.worker, tensors=[red.numpy()]).top_k(1)[0][0].label == "red"
     assert model.threads[-1] != link.server._loop_thread  # the version's first batch: not measured yet
-    # no hand-off to the batcher's thread and back, once that thread is done with the batch before (it may still
-    # settle it after the answer went out: a request that comes meanwhile goes to that thread)
+    # no hand-off to the batcher's thread and back, once that thread is done with the batch before (its answer
+    # wakes the loop before it frees the queue, and a request the loop reads meanwhile goes to that thread)
     batcher = link.engine.loaded_version().batcher
     for _ in range(3):
         wait_until(lambda: not batcher._busy)
