@@ -217,8 +217,7 @@ class BufferingWorker(ThreadWorker):
         """In a request thread: give the parser what the loop read, then gthread's own handling."""
         prefetched = getattr(conn, "prefetched", None)
         if prefetched:
-            conn.prefetched = None
-            conn.sock.setblocking(True)
+            conn.prefetched = None  # (gthread's handle sets the socket blocking: its one system call here)
             conn.init()  # plain HTTP/1.1 (no TLS or HTTP/2 configured): only makes the parser
             if not isinstance(conn.parser.unreader, HeldUnreader):  # the connection's first request
                 conn.parser.unreader = HeldUnreader(conn.sock)
