@@ -335,8 +335,9 @@ class FrameReader:
     """The frames of a connection as they arrive, for a non-blocking socket that a selector watches (no poll before
     each read, no read that waits): one ``recv`` a ``read()``, more only while a large frame's buffer fills. A frame
     that arrives in pieces is completed over several reads, the part of a large frame beyond the read-ahead buffer
-    read straight into the frame's own buffer. With ``greet``, the first frame is the hello, answered here (``ok``, or WireMismatch saying both sides'
-    code, also told to the other side). EngineGone when the other side closed or sent what cannot be read."""
+    read straight into the frame's own buffer. With ``greet``, the first frame is the hello, answered here (``ok``,
+    or WireMismatch saying both sides' code, also told to the other side). EngineGone when the other side closed or
+    sent what cannot be read."""
 
     def __init__(self, sock: socket.socket, expected: tuple[type, ...] = MESSAGES, greet: bool = False) -> None:
         self.sock, self._expected, self._greeting = sock, expected, greet

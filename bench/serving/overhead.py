@@ -55,7 +55,8 @@ BODY_BYTES = 100_000  # about an ImageNet photo's JPEG
 CLASSES = 1000  # as an ImageNet model: its labels and its rows cross the link
 BUDGET = {"http": 1.5, "engine_1": 0.1, "engine_16": 0.04}
 ENGINE_COMMAND = "app.link.server"  # an engine process's command line holds its module
-TINY_WEIGHTS = Path(tempfile.gettempdir()) / "visionserve-engine-only-weights"  # where the tools outside a run keep it
+TINY_WEIGHTS = Path(tempfile.gettempdir()) / "visionserve-engine-only-weights"  # the tiny model engine_only and
+# http_side share (this benchmark writes its own in each run's folder)
 DECODE, FORWARD = "stage_cpu_seconds_total:decode", "stage_cpu_seconds_total:forward"  # as /metrics counts them
 
 
@@ -77,11 +78,11 @@ def tiny_weights(out: Path) -> Path:
                      preset=EvalPreset(resize_size=8, crop_size=8))
         try:
             written.rename(out)
-        except OSError:  # written meanwhile by another, or an older one's folder left without its manifest
+        except OSError:  # written meanwhile by another (ours is dropped), or a folder left without its manifest
             if not (out / "manifest.json").exists():
                 shutil.rmtree(out)
                 written.rename(out)
-        shutil.rmtree(written, ignore_errors=True)
+            shutil.rmtree(written, ignore_errors=True)
     return out
 
 
