@@ -151,7 +151,7 @@ class _ServedHead(NamedTuple):
     labels: list[str]
     decode_s: float
     started_ns: int
-    batches: tuple[tuple[int, int, int, float, float], ...]  # each BatchRun's fields: rows, batch id and size, waits
+    batches: tuple[tuple[int, int, int, float, float], ...]  # each BatchRun's fields (rows, batch_id, ..., run_s)
     dtype: str
     shape: tuple[int, ...]
     embedding_dim: int
@@ -306,11 +306,16 @@ def _receive_frame(sock: socket.socket, max_head: int = MAX_FRAME_BYTES) -> tupl
     table = _read_exactly(sock, _LENGTH.size * count) if count else memoryview(b"")
     lengths = _segment_lengths(table, 0, count, head_size)
     body = _read_exactly(sock, head_size + sum(lengths))
-    segments, at = [], head_size
+    return body[:head_size], _split(body, head_size, lengths)
+
+
+def _split(body: memoryview, at: int, lengths: Sequence[int]) -> list[memoryview]:
+    """A frame's segments: views of ``body`` of ``lengths`` one after the other from ``at`` (the header's end)."""
+    segments = []
     for length in lengths:
         segments.append(body[at:at + length])
         at += length
-    return body[:head_size], segments
+    return segments
 
 
 def _loads(head: memoryview, segments: Sequence[memoryview]) -> Any:
@@ -404,10 +409,7 @@ class FrameReader:
         if body is None or self._got < len(body):
             return frames
         self._body = None
-        head, segments, at = body[:self._head_size], [], self._head_size
-        for length in self._lengths:
-            segments.append(body[at:at + length])
-            at += length
+        head, segments = body[:self._head_size], _split(body, self._head_size, self._lengths)
         if self._greeting:
             self._greeting = False
             _answer_hello(self.sock, head)
@@ -466,11 +468,8 @@ def receive_answer(sock: socket.socket, grace_s: float) -> Answer:
     size, table_end, head_size, lengths = layout
     if len(data) > size:
         raise EngineGone(f"{len(data) - size} bytes beyond the answer: the stream is out of step")
-    view, segments, at = memoryview(data), [], table_end + head_size
-    for length in lengths:
-        segments.append(view[at:at + length])
-        at += length
-    message = _loads(view[table_end:table_end + head_size], segments)
+    view = memoryview(data)
+    message = _loads(view[table_end:table_end + head_size], _split(view, table_end + head_size, lengths))
     if not isinstance(message, Answer):
         raise EngineGone(f"a {type(message).__name__} frame where Answer belongs")
     return message

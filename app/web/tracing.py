@@ -77,12 +77,12 @@ def _stage_spans(tracer: Any, parent: Any, served: Any, batches: OrderedDict[int
     decoded_ns = served.started_ns + int(served.decode_s * 1e9)
     tracer.start_span("decode", context=parent, start_time=served.started_ns,
                       attributes={"images": len(served.rows)}).end(end_time=decoded_ns)
-    for result in served.batches:
-        batch_start = decoded_ns + int(result.queued_s * 1e9)
-        batch_end = batch_start + int(result.run_s * 1e9)
+    for run in served.batches:
+        batch_start = decoded_ns + int(run.queued_s * 1e9)
+        batch_end = batch_start + int(run.run_s * 1e9)
         tracer.start_span("queue", context=parent, start_time=decoded_ns).end(end_time=batch_start)
-        attributes = {"batch.id": result.batch_id, "batch.size": result.batch_size}
-        link = Link(_batch_context(tracer, batches, result.batch_id, batch_start, batch_end, attributes))
+        attributes = {"batch.id": run.batch_id, "batch.size": run.batch_size}
+        link = Link(_batch_context(tracer, batches, run.batch_id, batch_start, batch_end, attributes))
         tracer.start_span("inference", context=parent, start_time=batch_start, links=[link],
                           attributes=attributes).end(end_time=batch_end)
 

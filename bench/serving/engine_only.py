@@ -360,6 +360,8 @@ def _engine(checkout: Path, serve_args: list[str], device: str,
 def count(checkout: Path, sock: Path, form: str, requests: int, engine: int) -> None:
     """``instructions``' client: requests of ``form`` one at a time on one connection (the checkout's wire), a
     warm-up first; the engine's count zeroed before the measured ones and dumped after them."""
+    from bench.serving.http_side import callgrind_control  # this checkout's (before the other's is on the path)
+
     _import_from(checkout)
     from app.link import wire
 
@@ -378,14 +380,11 @@ def count(checkout: Path, sock: Path, form: str, requests: int, engine: int) -> 
             if answer.error is not None:
                 raise RuntimeError(f"{form}: {answer.error}")
 
-    def callgrind(command: str) -> None:
-        subprocess.run(["callgrind_control", command, str(engine)], check=True, capture_output=True)
-
     send(WARM_UP_REQUESTS)
-    callgrind("--instr=on")
-    callgrind("--zero")
+    callgrind_control(engine, "--instr=on")
+    callgrind_control(engine, "--zero")
     send(requests)
-    callgrind("--dump")
+    callgrind_control(engine, "--dump")
 
 
 def instruction_report(found: dict[tuple[str, Path], dict[str, Any]], requests: int) -> str:

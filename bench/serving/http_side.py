@@ -61,20 +61,22 @@ def _answer(app: Callable[..., Any], environ: dict[str, object], form: Form) -> 
         raise RuntimeError(f"{form.name}: {status[0]}")
 
 
-def _callgrind(*command: str) -> None:
-    subprocess.run(["callgrind_control", *command, str(os.getpid())], check=True, capture_output=True)
+def callgrind_control(pid: int, option: str) -> None:
+    """``callgrind_control option`` for the process ``pid`` runs under callgrind (``callgrind_command``)."""
+    subprocess.run(["callgrind_control", option, str(pid)], check=True, capture_output=True)
 
 
 def instructions_per_request(app: Callable[..., Any], form: Form, requests: int) -> float:
     """Instructions this process runs per request of ``form`` (callgrind's count over the requests alone: this
     process runs under valgrind, ``--instructions``); each answered 200, else RuntimeError."""
     environs = [_environ(form, i) for i in range(requests)]
-    _callgrind("--instr=on")  # from the first step on (turning it off again would drop what callgrind translated)
+    # counted from the first step on (turning it off again would drop what callgrind translated)
+    callgrind_control(os.getpid(), "--instr=on")
     gc.collect()  # every step from the same collector state: a full collection counts millions of instructions
-    _callgrind("--zero")
+    callgrind_control(os.getpid(), "--zero")
     for environ in environs:
         _answer(app, environ, form)
-    _callgrind("--dump")  # the counts since the zero
+    callgrind_control(os.getpid(), "--dump")  # the counts since the zero
     return callgrind_total(Path(os.environ[CALLGRIND_OUT])) / requests
 
 
