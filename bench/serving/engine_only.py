@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FORMS = {"jpeg": ("jpeg", 1), "v2 x1": ("v2", 1), "v2 x16": ("v2", 16)}
 FLOOR = Path("/floor")  # the floor's key among the checkouts measured
 FLOOR_PIPELINED = Path("/floor-one-connection")  # the floor, every request on one connection
+STAGE_CPU_METRIC = "visionserve_stage_cpu_seconds"  # app/metrics.py's STAGE_CPU_SECONDS, which the floor writes too
 WARM_UP_REQUESTS = 50  # before an instruction count: every step of the request path run (and translated) once
 
 
@@ -78,8 +79,10 @@ def serve(checkout: Path, weights: Path, sock: Path, device: str = "cpu") -> Non
 
 def serve_floor(weights: Path, sock: Path, device: str = "cpu") -> None:
     """The floor: the same wire, model and answers with nothing else (no admission, routing, deadlines, futures,
-    batcher thread, decode, metrics or monitor): one loop reads a turn's requests, runs their tensors as one forward
-    pass and answers each. What a Python engine on this wire cannot do with less, on this host."""
+    batcher thread, decode, monitor, metrics but its forward passes' CPU): one loop reads a turn's requests, runs
+    their tensors in batches of the engine's cap and answers each. What a Python engine on this wire cannot do with
+    less, on this host; its forward passes' CPU counted as the engine counts its own, so what the floor spends
+    beyond them stands beside the engine's."""
     import gc
     import itertools
     import socket
@@ -90,6 +93,7 @@ def serve_floor(weights: Path, sock: Path, device: str = "cpu") -> None:
     from app.config import Settings
     from app.engine.contract import BatchRun, Served
     from app.link import wire
+    from app.metrics import STAGE_CPU_SECONDS, series
     from bench.serving.overhead import MODEL
 
     from models.architectures import split_outputs
@@ -105,6 +109,7 @@ def serve_floor(weights: Path, sock: Path, device: str = "cpu") -> None:
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ, None)
     batch_ids = itertools.count()
+    forward_cpu = series(STAGE_CPU_SECONDS, "forward")
     gc.freeze()
     Path(f"{sock}.ready").touch()
     while True:
@@ -125,11 +130,15 @@ def serve_floor(weights: Path, sock: Path, device: str = "cpu") -> None:
         stacks = [np.frombuffer(segment, np.dtype(dtype)).reshape(shape)  # (N, C, H, W): a request's pixels
                   for _, message, segments in turn for (dtype, shape), segment in zip(message.tensors, segments)]
         rows = [row for stack in stacks for row in stack]
-        started, answers = time.monotonic(), []
+        started, answers, forward_s = time.monotonic(), [], 0.0
         with torch.inference_mode():  # in batches of the engine's cap, as its batcher runs them
             for first in range(0, len(rows), batch_cap):
-                batch = torch.from_numpy(np.stack(rows[first:first + batch_cap])).to(device)
+                stacked = np.stack(rows[first:first + batch_cap])  # the engine's collate
+                forward_started = time.thread_time()  # the forward pass as the engine counts its own (run_batch)
+                batch = torch.from_numpy(stacked).to(device)
                 answers.append(split_outputs(module(batch))[0].softmax(dim=1).cpu().numpy())
+                forward_s += time.thread_time() - forward_started
+        forward_cpu.inc(forward_s)  # one counter write a turn, where the engine writes its own once a settle
         probabilities = np.concatenate(answers)
         run_s, batch_id, at = time.monotonic() - started, next(batch_ids), 0
         frames: dict[socket.socket, list[bytes]] = {}  # a connection's answers of this turn, sent in one call
@@ -226,16 +235,35 @@ def drive(checkout: Path, sock: Path, form: str, concurrency: int, seconds: floa
 
 
 def _measured(run: Any, engine: int, form: str, concurrency: int, seconds: float, count: int) -> dict[str, Any]:
-    """``run`` for a second of warm-up, then for ``seconds`` with the engine's CPU read around it."""
+    """``run`` for a second of warm-up, then for ``seconds`` with the engine's CPU read around it, and the CPU of its
+    decoding and forward passes as it counts them (``stage_cpu_s``; read once every answer is in, so each batch's
+    count is written: a batch's accounting settles before the answers of the batch that empties the queue)."""
     from app.hosting.procstat import cpu_and_memory
 
     run(1.0)
+    stages_before = stage_cpu_s()
     cpu_before, started = cpu_and_memory(engine)[0], time.monotonic()  # type: ignore[index]
     answered, errors = run(seconds)
     elapsed, cpu = time.monotonic() - started, cpu_and_memory(engine)[0] - cpu_before  # type: ignore[index]
+    stages = {stage: spent - stages_before.get(stage, 0.0) for stage, spent in stage_cpu_s().items()}
+    images = answered * count
+    decode_s, forward_s = stages.get("decode", 0.0), stages.get("forward", 0.0)
     return {"form": form, "concurrency": concurrency, "requests_per_s": answered / elapsed,
-            "engine_us_per_request": cpu / answered * 1e6, "engine_us_per_image": cpu / (answered * count) * 1e6,
-            "errors": errors}
+            "engine_us_per_request": cpu / answered * 1e6, "engine_us_per_image": cpu / images * 1e6,
+            "decode_us_per_image": decode_s / images * 1e6, "forward_us_per_image": forward_s / images * 1e6,
+            "beyond_us_per_image": (cpu - decode_s - forward_s) / images * 1e6, "errors": errors}
+
+
+def stage_cpu_s() -> dict[str, float]:
+    """The engine's CPU seconds per stage so far (decode, inference, forward), as its metrics count them: read from
+    the Prometheus multiprocess folder the engine writes (``_engine`` gives each its own)."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=os.environ["PROMETHEUS_MULTIPROC_DIR"])
+    return {sample.labels["stage"]: sample.value for metric in registry.collect()
+            if metric.name == STAGE_CPU_METRIC for sample in metric.samples if sample.name.endswith("_total")}
 
 
 def _drive_pipelined(checkout: Path, sock: Path, form: str, concurrency: int, seconds: float,
@@ -467,14 +495,18 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"The engine without HTTP on {args.device} ({os.cpu_count()} cores): C={args.concurrency} "
              f"({'a client thread each' if args.clients == 'threads' else 'one client loop'}), {args.seconds:g} s per "
              f"point, median of {args.rounds}", "",
-             "| checkout | form | req/s | engine us / request | engine us / image | errors |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "| checkout | form | req/s | engine us / request | engine us / image | of which decode | of which "
+             "forward | beyond decode and forward, us / image | errors |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (form, checkout), points in found.items():
         median = {key: statistics.median(p[key] for p in points)
-                  for key in ("requests_per_s", "engine_us_per_request", "engine_us_per_image")}
+                  for key in ("requests_per_s", "engine_us_per_request", "engine_us_per_image", "decode_us_per_image",
+                              "forward_us_per_image", "beyond_us_per_image")}
         name = {ROOT: "this", FLOOR: "floor", FLOOR_PIPELINED: "floor, one connection"}.get(checkout, str(checkout))
         lines.append(f"| {name} | {form} | {median['requests_per_s']:.0f} | {median['engine_us_per_request']:.0f} | "
-                     f"{median['engine_us_per_image']:.0f} | {sum(p['errors'] for p in points)} |")
+                     f"{median['engine_us_per_image']:.0f} | {median['decode_us_per_image']:.0f} | "
+                     f"{median['forward_us_per_image']:.0f} | {median['beyond_us_per_image']:.0f} | "
+                     f"{sum(p['errors'] for p in points)} |")
     report = "\n".join(lines) + "\n"
     print(report)
     if args.out:

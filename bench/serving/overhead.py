@@ -21,6 +21,10 @@ per image at one image per request, <= 0.04 at 16, for everything but decode and
 figure in units is its CPU less its decoding's and its forward passes' (their CPU as visionserve's /metrics counts
 it, read around each point; the table shows all three). ``bare-wait`` is the same bare app sleeping before it
 answers: what the unit's request costs when it waits, as every request in process mode waits for its engine.
+``--floor`` adds, for the V2 forms, the engine process alone (``bench.serving.engine_only``: a client thread per
+connection, as behind HTTP workers) and its floor (a loop with the same wire, model and answers, nothing else), their
+CPU beyond the forward pass in the same run's unit: what the engine's budget leaves beyond the least a Python engine
+on this wire spends.
 """
 from __future__ import annotations
 
@@ -349,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2, help="HTTP workers of every server")
     parser.add_argument("--device", default="cpu", help="visionserve's DEVICE (the engine's, in process mode)")
     parser.add_argument("--out", type=Path, help="also write the report (Markdown) and the points (JSON) here")
+    parser.add_argument("--floor", action="store_true",
+                        help="also the engine alone and its floor (V2 forms, at the headline C) in this run's unit")
     parser.add_argument("--smoke", action="store_true", help="half a second per point, C=1 and 4, one start each")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -357,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         args.servers = ["bare", *args.servers]  # the unit is measured in every run
     every = forms([padded_jpeg(seed) for seed in range(8)])
     rounds: dict[tuple[str, str, int], list[Point]] = collections.defaultdict(list)
+    alone: dict[tuple[str, str], list[dict]] = collections.defaultdict(list)  # --floor: (engine, form) -> points
+    headline = 16 if 16 in args.concurrency else max(args.concurrency)
+    from bench.serving import engine_only  # it imports this module's model and weights
     with tempfile.TemporaryDirectory() as folder:
         weights = tiny_weights(Path(folder) / "weights")
         for round_index in range(args.rounds):
@@ -373,9 +382,15 @@ def main(argv: list[str] | None = None) -> int:
                             print(json.dumps(asdict(point)), flush=True)
                 finally:
                     running.stop()
+            if args.floor:
+                for form_name in (name for name in args.forms if name.startswith("v2")):
+                    for kind in ENGINE_ALONE:
+                        found = engine_only.measure(ROOT, weights, form_name, headline, args.seconds,
+                                                    floor=kind == "floor", device=args.device, clients="threads")
+                        alone[(kind, form_name)].append(found)
+                        print(json.dumps({"engine": kind, **found}), flush=True)
     points = [_median(found) for found in rounds.values()]
     unit = in_units(points)
-    headline = 16 if 16 in args.concurrency else max(args.concurrency)
     report = "\n".join([
         f"# Serving overhead, {time.strftime('%Y-%m-%d %H:%M')}", "",
         f"{os.cpu_count()} cores, device {args.device}, {args.workers} HTTP workers per server, {args.seconds:g} s per "
@@ -383,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
         f"on {'x'.join(map(str, INPUT))} inputs, {CLASSES} classes; JPEG bodies of {BODY_BYTES // 1000} KB (8x8 "
         "photos, padded).", "",
         "The unit, one bare-Flask request: " + ", ".join(f"C={c}: {u:.0f} us" for c, u in sorted(unit.items())),
-        "", table(points), "", f"At C={headline}:", *(f"- {line}" for line in verdict(points, headline)), ""])
+        "", table(points), "", f"At C={headline}:", *(f"- {line}" for line in verdict(points, headline)), "",
+        *(alone_table(alone, unit.get(headline), headline) if alone else [])])
     print(report)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -391,6 +407,26 @@ def main(argv: list[str] | None = None) -> int:
         stem.with_suffix(".md").write_text(report)
         stem.with_suffix(".json").write_text(json.dumps([asdict(p) for p in points], indent=1))
     return 0 if all(p.errors == 0 for p in points) else 1
+
+
+ENGINE_ALONE = ("engine alone", "floor")  # --floor's engines: this one without HTTP, and the floor
+
+
+def alone_table(alone: dict[tuple[str, str], list[dict]], unit_us: float | None, concurrency: int) -> list[str]:
+    """``--floor``'s section: the engine alone and its floor per V2 form (medians over the rounds), their CPU beyond
+    the forward pass in this run's unit, against the engine's budget."""
+    lines = [f"## The engine alone and its floor (C={concurrency}, a client thread each, no HTTP)", "",
+             "| engine | form | req/s | engine us / image | of which forward | beyond forward, us / image | "
+             "beyond forward, in units | budget |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for (kind, form_name), found in alone.items():
+        median = {key: statistics.median(p[key] for p in found)
+                  for key in ("requests_per_s", "engine_us_per_image", "forward_us_per_image", "beyond_us_per_image")}
+        budget = BUDGET["engine_16" if form_name.endswith("x16") else "engine_1"]
+        units = f"{median['beyond_us_per_image'] / unit_us:.3f}" if unit_us else "-"
+        lines.append(f"| {kind} | {form_name} | {median['requests_per_s']:.0f} | {median['engine_us_per_image']:.0f} | "
+                     f"{median['forward_us_per_image']:.0f} | {median['beyond_us_per_image']:.0f} | {units} | "
+                     f"{budget} |")
+    return [*lines, ""]
 
 
 def _median(found: list[Point]) -> Point:
