@@ -19,13 +19,17 @@ run that checkout's code (the wire differs between versions); rounds alternate t
 
 ``--floor`` measures beside it the least a Python engine on this wire costs on this host: one loop, the same frames,
 model, forward threads, batch cap and answers, nothing else (no admission, routing, deadlines, futures, batcher
-thread, metrics or monitor); and again with every request on one connection (frames read together, a turn's answers
-sent in one call: a multiplexed link's system calls).
+thread, monitor, metrics but its forward passes' CPU); and again with every request on one connection (frames read
+together, a turn's answers sent in one call: a multiplexed link's system calls).
 
 ``--instructions`` (valgrind installed: ``apt-get install valgrind``) runs each checkout's engine under callgrind and
 sends it requests one at a time: its instructions per request, the same from run to run within a fraction of a
 percent, where its CPU time moves 10-20% between runs on a VM. A change to the engine's steps shows there in one run;
 what it does to the wake-ups and the caches of a loaded engine (not counted) the CPU runs still tell.
+
+Each engine's decode and forward CPU is read as its metrics count it (the thread that runs each, ``time.thread_time``:
+intra-op threads of a forward pass on more than one CPU thread land beyond it), and what is beyond both is told
+apart; "-" for an engine that does not count its forward passes (an older checkout's).
 """
 from __future__ import annotations
 
@@ -247,11 +251,21 @@ def _measured(run: Any, engine: int, form: str, concurrency: int, seconds: float
     elapsed, cpu = time.monotonic() - started, cpu_and_memory(engine)[0] - cpu_before  # type: ignore[index]
     stages = {stage: spent - stages_before.get(stage, 0.0) for stage, spent in stage_cpu_s().items()}
     images = answered * count
-    decode_s, forward_s = stages.get("decode", 0.0), stages.get("forward", 0.0)
+    # no decode counted: nothing was decoded (V2 tensors); no forward pass counted: an engine that does not count it
+    # (another checkout's), whose figures beyond it are then unknown (None), not its whole CPU
+    decode_s, forward_s = stages.get("decode", 0.0), stages.get("forward")
     return {"form": form, "concurrency": concurrency, "requests_per_s": answered / elapsed,
             "engine_us_per_request": cpu / answered * 1e6, "engine_us_per_image": cpu / images * 1e6,
-            "decode_us_per_image": decode_s / images * 1e6, "forward_us_per_image": forward_s / images * 1e6,
-            "beyond_us_per_image": (cpu - decode_s - forward_s) / images * 1e6, "errors": errors}
+            "decode_us_per_image": decode_s / images * 1e6,
+            "forward_us_per_image": None if forward_s is None else forward_s / images * 1e6,
+            "beyond_us_per_image": None if forward_s is None else (cpu - decode_s - forward_s) / images * 1e6,
+            "errors": errors}
+
+
+def median_of(points: Sequence[dict[str, Any]], key: str, digits: int = 0) -> str:
+    """The median of ``key`` over ``points`` as a table shows it; "-" when a point has none (not counted)."""
+    values = [p[key] for p in points]
+    return "-" if any(value is None for value in values) else f"{statistics.median(values):.{digits}f}"
 
 
 def stage_cpu_s() -> dict[str, float]:
@@ -499,14 +513,11 @@ def main(argv: list[str] | None = None) -> int:
              "forward | beyond decode and forward, us / image | errors |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (form, checkout), points in found.items():
-        median = {key: statistics.median(p[key] for p in points)
-                  for key in ("requests_per_s", "engine_us_per_request", "engine_us_per_image", "decode_us_per_image",
-                              "forward_us_per_image", "beyond_us_per_image")}
+        figures = [median_of(points, key) for key in ("requests_per_s", "engine_us_per_request", "engine_us_per_image",
+                                                      "decode_us_per_image", "forward_us_per_image",
+                                                      "beyond_us_per_image")]
         name = {ROOT: "this", FLOOR: "floor", FLOOR_PIPELINED: "floor, one connection"}.get(checkout, str(checkout))
-        lines.append(f"| {name} | {form} | {median['requests_per_s']:.0f} | {median['engine_us_per_request']:.0f} | "
-                     f"{median['engine_us_per_image']:.0f} | {median['decode_us_per_image']:.0f} | "
-                     f"{median['forward_us_per_image']:.0f} | {median['beyond_us_per_image']:.0f} | "
-                     f"{sum(p['errors'] for p in points)} |")
+        lines.append(f"| {name} | {form} | " + " | ".join(figures) + f" | {sum(p['errors'] for p in points)} |")
     report = "\n".join(lines) + "\n"
     print(report)
     if args.out:

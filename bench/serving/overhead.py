@@ -405,8 +405,12 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         stem = args.out / f"{time.strftime('%Y-%m-%d')}-overhead-{args.device}"
         stem.with_suffix(".md").write_text(report)
-        stem.with_suffix(".json").write_text(json.dumps([asdict(p) for p in points], indent=1))
-    return 0 if all(p.errors == 0 for p in points) else 1
+        stem.with_suffix(".json").write_text(json.dumps(
+            [asdict(p) for p in points] + [{"engine": kind, **found} for (kind, _), every in alone.items()
+                                           for found in every], indent=1))
+    answered_all = all(p.errors == 0 for p in points) and all(
+        found["errors"] == 0 for every in alone.values() for found in every)
+    return 0 if answered_all else 1
 
 
 ENGINE_ALONE = ("engine alone", "floor")  # --floor's engines: this one without HTTP, and the floor
@@ -415,17 +419,19 @@ ENGINE_ALONE = ("engine alone", "floor")  # --floor's engines: this one without 
 def alone_table(alone: dict[tuple[str, str], list[dict]], unit_us: float | None, concurrency: int) -> list[str]:
     """``--floor``'s section: the engine alone and its floor per V2 form (medians over the rounds), their CPU beyond
     the forward pass in this run's unit, against the engine's budget."""
+    from bench.serving.engine_only import median_of
+
     lines = [f"## The engine alone and its floor (C={concurrency}, a client thread each, no HTTP)", "",
              "| engine | form | req/s | engine us / image | of which forward | beyond forward, us / image | "
-             "beyond forward, in units | budget |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "beyond forward, in units | budget | errors |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (kind, form_name), found in alone.items():
-        median = {key: statistics.median(p[key] for p in found)
-                  for key in ("requests_per_s", "engine_us_per_image", "forward_us_per_image", "beyond_us_per_image")}
+        figures = [median_of(found, key) for key in ("requests_per_s", "engine_us_per_image", "forward_us_per_image",
+                                                     "beyond_us_per_image")]
         budget = BUDGET["engine_16" if form_name.endswith("x16") else "engine_1"]
-        units = f"{median['beyond_us_per_image'] / unit_us:.3f}" if unit_us else "-"
-        lines.append(f"| {kind} | {form_name} | {median['requests_per_s']:.0f} | {median['engine_us_per_image']:.0f} | "
-                     f"{median['forward_us_per_image']:.0f} | {median['beyond_us_per_image']:.0f} | {units} | "
-                     f"{budget} |")
+        beyond = [p["beyond_us_per_image"] for p in found]
+        units = (f"{statistics.median(beyond) / unit_us:.3f}" if unit_us and None not in beyond else "-")
+        lines.append(f"| {kind} | {form_name} | " + " | ".join(figures) +
+                     f" | {units} | {budget} | {sum(p['errors'] for p in found)} |")
     return [*lines, ""]
 
 
