@@ -98,7 +98,7 @@ def serve_floor(weights: Path, sock: Path, device: str = "cpu") -> None:
     from app.engine.contract import BatchRun, Served
     from app.link import wire
     from app.metrics import STAGE_CPU_SECONDS, series
-    from bench.serving.overhead import MODEL
+    from bench.serving.tiny_work import MODEL
 
     from models.architectures import split_outputs
     from models.serving import forward_threads
@@ -172,7 +172,7 @@ def _send_all(sock: Any, data: bytes) -> None:
 def _requests(wire: Any, form: str, count: int) -> list[tuple[Any, list[Any]]]:
     import numpy as np
 
-    from bench.serving.overhead import INPUT, MODEL, padded_jpeg
+    from bench.serving.tiny_work import INPUT, MODEL, padded_jpeg
 
     made = []
     for seed in range(8):
@@ -368,7 +368,7 @@ def instructions(checkout: Path, weights: Path, form: str, requests: int) -> dic
     (the kernel's and the caches' work is not counted)."""
     with tempfile.TemporaryDirectory(prefix="visionserve-callgrind-") as folder:
         out = Path(folder) / "callgrind.out"
-        from bench.serving.http_side import callgrind_command, callgrind_total
+        from bench.serving.callgrind import callgrind_command, callgrind_total
 
         serve_args = ["--serve", str(checkout), str(weights)]
         with _engine(checkout, serve_args, "cpu", callgrind_command(out)) as (engine, sock, env):
@@ -402,7 +402,7 @@ def _engine(checkout: Path, serve_args: list[str], device: str,
 def count(checkout: Path, sock: Path, form: str, requests: int, engine: int) -> None:
     """``instructions``' client: requests of ``form`` one at a time on one connection (the checkout's wire), a
     warm-up first; the engine's count zeroed before the measured ones and dumped after them."""
-    from bench.serving.http_side import callgrind_control  # this checkout's (before the other's is on the path)
+    from bench.serving.callgrind import callgrind_control  # this checkout's (before the other's is on the path)
 
     _import_from(checkout)
     from app.link import wire
@@ -480,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
                                clients)))
         return 0
 
-    from bench.serving.overhead import TINY_WEIGHTS, tiny_weights
+    from bench.serving.tiny_work import TINY_WEIGHTS, tiny_weights
 
     weights = tiny_weights(TINY_WEIGHTS)
     checkouts = [ROOT, *(c.resolve() for c in args.checkout)]

@@ -36,7 +36,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from bench.serving.overhead import TINY_WEIGHTS, Form, forms, padded_jpeg, tiny_weights
+from bench.serving.callgrind import callgrind_command, callgrind_control, callgrind_total
+from bench.serving.overhead import Form, forms
+from bench.serving.tiny_work import TINY_WEIGHTS, padded_jpeg, tiny_weights
 from bench.serving.request_path import wsgi_environ
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,11 +63,6 @@ def _answer(app: Callable[..., Any], environ: dict[str, object], form: Form) -> 
         raise RuntimeError(f"{form.name}: {status[0]}")
 
 
-def callgrind_control(pid: int, option: str) -> None:
-    """``callgrind_control option`` for the process ``pid`` runs under callgrind (``callgrind_command``)."""
-    subprocess.run(["callgrind_control", option, str(pid)], check=True, capture_output=True)
-
-
 def instructions_per_request(app: Callable[..., Any], form: Form, requests: int) -> float:
     """Instructions this process runs per request of ``form`` (callgrind's count over the requests alone: this
     process runs under valgrind, ``--instructions``); each answered 200, else RuntimeError."""
@@ -78,20 +75,6 @@ def instructions_per_request(app: Callable[..., Any], form: Form, requests: int)
         _answer(app, environ, form)
     callgrind_control(os.getpid(), "--dump")  # the counts since the zero
     return callgrind_total(Path(os.environ[CALLGRIND_OUT])) / requests
-
-
-def callgrind_command(out: Path) -> list[str]:
-    """What runs a command under callgrind with counting off until ``callgrind_control --instr=on``, its dumps written
-    to ``out``.1, .2, ..."""
-    return ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
-
-
-def callgrind_total(out: Path) -> int:
-    """The instruction count of the last dump callgrind wrote to ``out`` (``--callgrind-out-file``; its dumps are
-    ``out``.1, .2, ...)."""
-    dumps = sorted(out.parent.glob(f"{out.name}.*"), key=lambda path: int(path.suffix[1:]))
-    totals = next(line for line in dumps[-1].read_text().splitlines() if line.startswith(("summary:", "totals:")))
-    return int(totals.split()[1])
 
 
 def cpu_per_request(app: Callable[..., Any], form: Form, requests: int) -> float:

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from bench.serving.overhead import BODY_BYTES, INPUT, forms, in_units, padded_jpeg, Point
+from bench.serving.overhead import Point, forms, in_units
+from bench.serving.tiny_work import BODY_BYTES, INPUT, padded_jpeg
 from models.image_decode import DecodeLimits, decode_tensor
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,7 +59,7 @@ def test_the_engine_alone_and_the_floor_answer_tensor_requests_and_their_cpu_is_
         tmp_path: Path) -> None:
     # bench.serving.engine_only: an engine process of this checkout driven over its socket with no HTTP worker
     from bench.serving import engine_only
-    from bench.serving.overhead import tiny_weights
+    from bench.serving.tiny_work import tiny_weights
 
     weights = tiny_weights(tmp_path / "weights")
     point = engine_only.measure(engine_only.ROOT, weights, "v2 x16", concurrency=2, seconds=0.5)  # one start: ~6 s
@@ -114,7 +115,8 @@ def test_instructions_per_request_are_callgrind_s_count_of_the_requests_alone(tm
     # request (a stand-in callgrind_control writes the dumps valgrind's would, numbered as callgrind numbers them)
     import bench.serving.bare_app as bare
     from bench.serving import http_side
-    from bench.serving.overhead import forms, padded_jpeg
+    from bench.serving.overhead import forms
+    from bench.serving.tiny_work import padded_jpeg
 
     calls = tmp_path / "calls"
     control = tmp_path / "bin" / "callgrind_control"
