@@ -106,6 +106,10 @@ class Served:
                 for row, indices in zip(probabilities, order.tolist())]
 
 
+ROWS_RANKED_ONE_BY_ONE = 2  # top_indices' rows (k > 1) up to which each is ranked alone: a one-image request's row
+# in 11 us against 30 for the partial sort's dozen numpy steps on the whole (the 2-core VM; 25 against 42 at two rows)
+
+
 def top_indices(scores: np.ndarray, k: int) -> np.ndarray:
     """Each row's ``k`` highest columns, highest first, ties the lower index first, NaN last: a stable sort's first
     ``k``, found by a partial sort (a stable sort of 1,000 classes took about 35 us a row on the 2-core VM). Rows
@@ -129,10 +133,6 @@ def top_indices(scores: np.ndarray, k: int) -> np.ndarray:
     if ((scores >= values.min(axis=1, keepdims=True)).sum(axis=1) != k).any():  # a tie across the k-th place
         return stable()
     return chosen[rows, np.lexsort((chosen, -values), axis=-1)]
-
-
-ROWS_RANKED_ONE_BY_ONE = 2  # top_indices' rows (k > 1) up to which each is ranked alone: a one-image request's row
-# in 11 us against 30 for the partial sort's dozen numpy steps on the whole (the 2-core VM; 25 against 42 at two rows)
 
 
 def _top_of_row(row: np.ndarray, k: int) -> list[int] | None:

@@ -45,6 +45,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from app.hosting.procstat import cpu_and_memory
+from bench.serving import engine_only
 from bench.serving.load import closed_loop, percentile, server_counters
 from bench.serving.tiny_work import BODY_BYTES, CLASSES, INPUT, MODEL, padded_jpeg, tiny_weights
 from harness.photos import multipart
@@ -248,6 +249,26 @@ def verdict(points: list[Point], headline_c: int) -> list[str]:
     return lines
 
 
+ENGINE_ALONE = ("engine alone", "floor")  # --floor's engines: this one without HTTP, and the floor
+
+
+def alone_table(alone: dict[tuple[str, str], list[dict]], unit_us: float | None, concurrency: int) -> list[str]:
+    """``--floor``'s section: the engine alone and its floor per V2 form (medians over the rounds), their CPU beyond
+    the forward pass in this run's unit, against the engine's budget."""
+    lines = [f"## The engine alone and its floor (C={concurrency}, a client thread each, no HTTP)", "",
+             "| engine | form | req/s | engine us / image | of which forward | beyond forward, us / image | "
+             "beyond forward, in units | budget | errors |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for (kind, form_name), found in alone.items():
+        figures = [engine_only.median_of(found, key)
+                   for key in ("requests_per_s", "engine_us_per_image", "forward_us_per_image", "beyond_us_per_image")]
+        budget = BUDGET["engine_16" if form_name.endswith("x16") else "engine_1"]
+        beyond = [p["beyond_us_per_image"] for p in found]
+        units = (f"{statistics.median(beyond) / unit_us:.3f}" if unit_us and None not in beyond else "-")
+        lines.append(f"| {kind} | {form_name} | " + " | ".join(figures) +
+                     f" | {units} | {budget} | {sum(p['errors'] for p in found)} |")
+    return [*lines, ""]
+
+
 Start = Callable[[], Running]
 
 
@@ -316,7 +337,6 @@ def main(argv: list[str] | None = None) -> int:
     rounds: dict[tuple[str, str, int], list[Point]] = collections.defaultdict(list)
     alone: dict[tuple[str, str], list[dict]] = collections.defaultdict(list)  # --floor: (engine, form) -> points
     headline = 16 if 16 in args.concurrency else max(args.concurrency)
-    from bench.serving import engine_only  # it imports this module's model and weights
     with tempfile.TemporaryDirectory() as folder:
         weights = tiny_weights(Path(folder) / "weights")
         for round_index in range(args.rounds):
@@ -362,28 +382,6 @@ def main(argv: list[str] | None = None) -> int:
     answered_all = all(p.errors == 0 for p in points) and all(
         found["errors"] == 0 for every in alone.values() for found in every)
     return 0 if answered_all else 1
-
-
-ENGINE_ALONE = ("engine alone", "floor")  # --floor's engines: this one without HTTP, and the floor
-
-
-def alone_table(alone: dict[tuple[str, str], list[dict]], unit_us: float | None, concurrency: int) -> list[str]:
-    """``--floor``'s section: the engine alone and its floor per V2 form (medians over the rounds), their CPU beyond
-    the forward pass in this run's unit, against the engine's budget."""
-    from bench.serving.engine_only import median_of
-
-    lines = [f"## The engine alone and its floor (C={concurrency}, a client thread each, no HTTP)", "",
-             "| engine | form | req/s | engine us / image | of which forward | beyond forward, us / image | "
-             "beyond forward, in units | budget | errors |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for (kind, form_name), found in alone.items():
-        figures = [median_of(found, key) for key in ("requests_per_s", "engine_us_per_image", "forward_us_per_image",
-                                                     "beyond_us_per_image")]
-        budget = BUDGET["engine_16" if form_name.endswith("x16") else "engine_1"]
-        beyond = [p["beyond_us_per_image"] for p in found]
-        units = (f"{statistics.median(beyond) / unit_us:.3f}" if unit_us and None not in beyond else "-")
-        lines.append(f"| {kind} | {form_name} | " + " | ".join(figures) +
-                     f" | {units} | {budget} | {sum(p['errors'] for p in found)} |")
-    return [*lines, ""]
 
 
 def _median(found: list[Point]) -> Point:
