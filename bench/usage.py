@@ -1,6 +1,6 @@
-"""What a measured run used, for the serving and the training benchmarks: CPU seconds of a process group (from
-/proc), and GPU utilisation sampled by ``nvidia-smi`` every 200 ms (no NVML binding needed; None where there is no
-NVIDIA driver, as on the CPU machines)."""
+"""What a measured run used, for the serving and the training benchmarks: CPU seconds of a process group or of a
+server's process tree (from /proc), and GPU utilisation sampled by ``nvidia-smi`` every 200 ms (no NVML binding
+needed; None where there is no NVIDIA driver, as on the CPU machines)."""
 from __future__ import annotations
 
 import os
@@ -8,6 +8,11 @@ import shutil
 import statistics
 import subprocess
 import threading
+from pathlib import Path
+
+from app.hosting.procstat import cpu_and_memory
+
+ENGINE_COMMAND = "app.link.server"  # an engine process's command line holds its module
 
 
 def process_group_cpu_s(pgid: int) -> float:
@@ -24,6 +29,29 @@ def process_group_cpu_s(pgid: int) -> float:
         if int(fields[2]) == pgid:  # fields after "(comm)": state ppid pgrp ... utime(11) stime(12)
             total += (int(fields[11]) + int(fields[12])) / ticks
     return total
+
+
+def process_tree_cpu(root: int) -> dict[int, tuple[str, float]]:
+    """``root`` and every live process below it: pid -> (command line, CPU seconds). A server's tree, not its process
+    group: an engine process (ENGINE=process) runs in a session of its own, below the gunicorn master."""
+    found, pending = {}, [root]
+    while pending:
+        pid = pending.pop()
+        stat = cpu_and_memory(pid)
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            pending += [int(child) for task in Path(f"/proc/{pid}/task").glob("*/children")
+                        for child in task.read_text().split()]
+        except OSError:  # ended meanwhile
+            continue
+        if stat is not None:
+            found[pid] = (command, stat[0])
+    return found
+
+
+def engine_pids(tree: dict[int, tuple[str, float]]) -> list[int]:
+    """The engine processes of a server's tree (``process_tree_cpu``)."""
+    return [pid for pid, (command, _) in tree.items() if ENGINE_COMMAND in command]
 
 
 class GpuUtilisation:

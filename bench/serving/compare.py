@@ -196,7 +196,7 @@ def run_model(model: str, weights: Path, args: argparse.Namespace, logs: Path) -
                     pipelines[concurrency] = asdict(pipeline(best_batch))
                 result = measure(contender.name, model, server.url, "/predict", contender.bodies, concurrency,
                                  args.seconds, args.warmup, content_type=contender.content_type,
-                                 server_pgid=server.process.pid)
+                                 server_pid=server.process.pid)
                 loads.append(result)
                 print(f"[{model}] {report.row(result)}", flush=True)
         finally:

@@ -38,6 +38,7 @@ from bench.paths import RESULTS, WORK
 from bench.serving.compare import export_models
 from bench.serving.limit import LIMITS, best_threads, intra_op_threads, process_pipeline, single_image_ms, timed_rate
 from bench.serving.load import measure
+from bench.serving.report import fixed
 from bench.usage import GpuUtilisation
 from harness.photos import imagenet_workload, request_bodies, workload
 from harness.servers import visionserve
@@ -109,8 +110,8 @@ def serve(weights: Path, args: argparse.Namespace, workers: int, torch_threads: 
             for c in args.concurrency:
                 with GpuUtilisation() as gpu:
                     r = asdict(measure("visionserve", weights.name, server.url, "/predict", bodies, c, args.seconds,
-                                       args.warmup, content_type, server_pgid=server.process.pid))
-                r["images_per_s"] *= per_request
+                                       args.warmup, content_type, server_pid=server.process.pid,
+                                       images_per_request=per_request))
                 rows.append({**r, "workers": workers, "torch_threads": torch_threads, "ready_s": ready_s,
                              "decode_path": decode_path, "per_request": per_request, "gpu_util": gpu.mean,
                              "engine": engine})
@@ -155,6 +156,13 @@ def run_model(weights: Path, args: argparse.Namespace) -> dict[str, object]:
     return {"limit_by_batch": limit, "decode": decode, "loads": loads(), "single_ms": single_ms}
 
 
+# Each point's later columns (rows from before they were measured show "-"): the engine processes' share of the
+# server's cores, the server's CPU per image (every process, the engine's included), a batch's mean wall time, and
+# a batch's CPU per image (made and run: the device path decodes there) with its forward pass's part.
+LOAD_FIGURES = (("engine_cores", 2), ("cpu_ms_per_image", 2), ("batch_wall_ms", 1), ("batch_cpu_ms", 3),
+                ("forward_cpu_ms", 3))
+
+
 def _load_row(r: dict, limit: float | None, single_ms: float | None) -> str:
     """One served load point as a table row, with its efficiency and its p50 against the in-process latency (when
     they were measured)."""
@@ -164,8 +172,10 @@ def _load_row(r: dict, limit: float | None, single_ms: float | None) -> str:
              f"{r['p99_ms']:.1f}", r["errors"], f"{r['mean_batch'] or 0:.2f}", f"{r['server_cores'] or 0:.2f}",
              "-" if client is None else f"{client:.2f}", "-" if util is None else f"{util:.0f}",
              "-" if limit is None else f"{r['images_per_s'] / limit:.2f}",
-             "-" if single_ms is None else f"{r['p50_ms'] / single_ms:.2f}"]
+             "-" if single_ms is None else f"{r['p50_ms'] / single_ms:.2f}",
+             *(fixed(r.get(key), digits) for key, digits in LOAD_FIGURES)]
     return "| " + " | ".join(str(c) for c in cells) + " |"
+
 
 
 def report(results: dict[str, dict], machine: dict[str, object]) -> str:
@@ -188,7 +198,8 @@ def report(results: dict[str, dict], machine: dict[str, object]) -> str:
             lines.append("")
         lines += ["| engine | decode path | images / request | workers | intra-op threads | ready s | C | img/s | "
                   "p50 ms | p99 ms | errors | mean batch | server cores | client cores | GPU util % | efficiency | "
-                  "p50 / in-process |", "|" + " --- |" * 17]
+                  "p50 / in-process | engine cores | server CPU ms / image | batch wall ms | batch CPU ms / image | "
+                  "of which forward |", "|" + " --- |" * 22]
         lines += [_load_row(r, best, single_ms) for r in data["loads"]]
         lines.append("")
     return "\n".join(lines) + "\n"

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import requests
 
-from bench.usage import process_group_cpu_s
+from bench.usage import engine_pids, process_tree_cpu
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,10 @@ class LoadResult:
     cpu_ms_per_image: float | None = None  # the server's CPU per answered image: what "faster per core" means
     decode_cpu_ms: float | None = None  # of which decode + preprocess, per image (visionserve's own counters)
     forward_cpu_ms: float | None = None  # and the forward pass, per image (a server counting none apart: its batches')
+    engine_cores: float | None = None  # of server_cores, its engine processes' (ENGINE=process; None: it has none)
+    batch_cpu_ms: float | None = None  # a batch's whole CPU per image: the batch made (the device path decodes
+    # there) and its forward pass; visionserve's counters
+    batch_wall_ms: float | None = None  # a batch's mean wall time (made and run; on a GPU, the wait for it too)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -51,12 +55,14 @@ def _own_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-_COUNTERS = re.compile(r'^visionserve_(batch_size_sum|batch_size_count|stage_cpu_seconds_total)'
+_COUNTERS = re.compile(r'^visionserve_(batch_size_sum|batch_size_count|stage_cpu_seconds_total|'
+                       r'stage_duration_seconds_sum|stage_duration_seconds_count)'
                        r'(?:\{stage="(\w+)"\})? ([0-9.e+-]+)$', re.M)
 
 
 def server_counters(base_url: str) -> dict[str, float]:
-    """visionserve's images run, batches run and CPU seconds per stage from /metrics; empty for other servers."""
+    """visionserve's images run, batches run, CPU seconds per stage and each stage's time (sum and count) from
+    /metrics; empty for other servers."""
     try:
         text = requests.get(f"{base_url}/metrics", timeout=5).text
     except requests.RequestException:
@@ -145,18 +151,23 @@ def closed_loop(url: str, bodies: Sequence[bytes], concurrency: int, duration_s:
 
 def measure(server: str, model: str, base_url: str, path: str, bodies: Sequence[bytes], concurrency: int,
             duration_s: float, warmup_s: float, content_type: str = "image/jpeg",
-            server_pgid: int | None = None) -> LoadResult:
+            server_pid: int | None = None, images_per_request: int = 1) -> LoadResult:
     """One point of the comparison: a warm-up run (a worker's first answers are slow), then the measured run (batch
     sizes and CPU use over it only), whose clients run ``warmup_s`` again before its window (the window's rate is
-    then the steady state's, whatever the latency: ``closed_loop``)."""
+    then the steady state's, whatever the latency: ``closed_loop``). ``server_pid``: the server's first process, whose
+    tree's CPU is read (its workers and an engine process included); ``images_per_request``: what each body holds."""
     closed_loop(base_url + path, bodies, concurrency, warmup_s, 0.0, content_type)
     before = server_counters(base_url)
-    server_cpu = process_group_cpu_s(server_pgid) if server_pgid else 0.0
+    tree_before = process_tree_cpu(server_pid) if server_pid else {}
     client_cpu, started = _own_cpu_s(), time.perf_counter()
     latencies, errors, answered = closed_loop(base_url + path, bodies, concurrency, duration_s, warmup_s,
                                               content_type)
     wall = time.perf_counter() - started
-    server_cores = (process_group_cpu_s(server_pgid) - server_cpu) / wall if server_pgid else None
+    tree_after = process_tree_cpu(server_pid) if server_pid else {}
+    spent = {pid: cpu - tree_before[pid][1] for pid, (_, cpu) in tree_after.items() if pid in tree_before}
+    engines = engine_pids(tree_after)
+    server_cores = sum(spent.values()) / wall if server_pid else None
+    engine_cores = sum(spent.get(pid, 0.0) for pid in engines) / wall if engines else None
     client_cores = (_own_cpu_s() - client_cpu) / wall
     delta = {k: v - before.get(k, 0.0) for k, v in server_counters(base_url).items()}
     images, batches = delta.get("batch_size_sum", 0.0), delta.get("batch_size_count", 0.0)
@@ -165,11 +176,15 @@ def measure(server: str, model: str, base_url: str, path: str, bodies: Sequence[
         return 1000 * delta[key] / images if images and key in delta else None
 
     ms = sorted(x * 1000 for x in latencies)
-    return LoadResult(server, model, concurrency, len(latencies) / duration_s, percentile(ms, 50),
-                      percentile(ms, 95), percentile(ms, 99), errors, len(latencies) + errors,
+    answered_images = answered * images_per_request
+    batch_runs = delta.get("stage_duration_seconds_count:inference")
+    return LoadResult(server, model, concurrency, len(latencies) * images_per_request / duration_s,
+                      percentile(ms, 50), percentile(ms, 95), percentile(ms, 99), errors, len(latencies) + errors,
                       images / batches if batches else None, server_cores, client_cores,
-                      1000 * server_cores * wall / answered if server_cores and answered else None,
+                      1000 * server_cores * wall / answered_images if server_cores and answered_images else None,
                       per_image_ms("stage_cpu_seconds_total:decode"),
                       # the forward pass alone where the server counts it apart, else its batch's whole stage
                       per_image_ms("stage_cpu_seconds_total:forward")
-                      or per_image_ms("stage_cpu_seconds_total:inference"))
+                      or per_image_ms("stage_cpu_seconds_total:inference"),
+                      engine_cores, per_image_ms("stage_cpu_seconds_total:inference"),
+                      1000 * delta["stage_duration_seconds_sum:inference"] / batch_runs if batch_runs else None)

@@ -44,16 +44,15 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from app.hosting.procstat import cpu_and_memory
 from bench.serving import engine_only
 from bench.serving.load import closed_loop, percentile, server_counters
 from bench.serving.tiny_work import BODY_BYTES, CLASSES, INPUT, MODEL, padded_jpeg, tiny_weights
+from bench.usage import engine_pids, process_tree_cpu
 from harness.photos import multipart
 from harness.servers import ROOT, Running, free_port, visionserve
 
 RAMP_S = 0.5  # the measured call's clients run this long before its window
 BUDGET = {"http": 1.5, "engine_1": 0.1, "engine_16": 0.04}
-ENGINE_COMMAND = "app.link.server"  # an engine process's command line holds its module
 DECODE, FORWARD = "stage_cpu_seconds_total:decode", "stage_cpu_seconds_total:forward"  # as /metrics counts them
 
 
@@ -118,24 +117,6 @@ def bare_app(log_dir: Path, workers: int, threads: int, cwd: Path = ROOT, wait_m
                    log_dir)
 
 
-def process_cpu(root: int) -> dict[int, tuple[str, float]]:
-    """``root`` and every process below it (an engine runs in a session of its own, so not by process group): pid ->
-    (command line, CPU seconds)."""
-    found, pending = {}, [root]
-    while pending:
-        pid = pending.pop()
-        stat = cpu_and_memory(pid)
-        try:
-            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            pending += [int(child) for task in Path(f"/proc/{pid}/task").glob("*/children")
-                        for child in task.read_text().split()]
-        except OSError:  # ended meanwhile
-            continue
-        if stat is not None:
-            found[pid] = (command, stat[0])
-    return found
-
-
 @dataclass
 class Point:
     """One server, one form, one concurrency."""
@@ -164,17 +145,17 @@ def measure(server: str, running: Running, form: Form, concurrency: int, seconds
     closed_loop(url, form.bodies, max(concurrency, 8), warmup, 0.0, headers=headers, method=form.method)
     counted = server_counters(running.url)  # visionserve's own: its decoding's and forward passes' CPU (outside
     # the CPU read)
-    before = process_cpu(running.process.pid)
+    before = process_tree_cpu(running.process.pid)
     statuses: collections.Counter[int] = collections.Counter()
     # the clients ramp again inside the measured call (half a second: these requests take milliseconds), so its
     # window counts the steady state (load.closed_loop); the CPU read spans the whole call and all its answers
     latencies, errors, answered = closed_loop(url, form.bodies, concurrency, seconds, min(warmup, RAMP_S),
                                               headers=headers, method=form.method, statuses=statuses)
-    after = process_cpu(running.process.pid)
+    after = process_tree_cpu(running.process.pid)
     now = server_counters(running.url)
     decode_s, forward_s = (now.get(key, 0.0) - counted.get(key, 0.0) for key in (DECODE, FORWARD))
     spent = {pid: cpu - before[pid][1] for pid, (_, cpu) in after.items() if pid in before}
-    engines = [pid for pid, (command, _) in after.items() if ENGINE_COMMAND in command]
+    engines = engine_pids(after)
     engine_s = sum(spent.get(pid, 0.0) for pid in engines)
     http_s = sum(spent.values()) - engine_s
     answered = max(answered, 1)

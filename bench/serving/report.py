@@ -14,15 +14,16 @@ from bench.paths import RESULTS
 from bench.serving.load import LoadResult
 
 
-def _fixed(value: float | None, digits: int) -> str:
+def fixed(value: float | None, digits: int) -> str:
+    """``value`` with ``digits`` decimals, or "-" when it was not measured."""
     return f"{value:.{digits}f}" if value is not None else "-"
 
 
 def row(r: LoadResult) -> str:
     """One load point as a table row."""
     return (f"| {r.server} | {r.concurrency} | {r.images_per_s:.1f} | {r.p50_ms:.0f} | {r.p95_ms:.0f} | "
-            f"{r.p99_ms:.0f} | {r.errors} | {_fixed(r.mean_batch, 2)} | {_fixed(r.server_cores, 2)} | "
-            f"{_fixed(r.client_cores, 2)} | {_fixed(r.cpu_ms_per_image, 1)} |")
+            f"{r.p99_ms:.0f} | {r.errors} | {fixed(r.mean_batch, 2)} | {fixed(r.server_cores, 2)} | "
+            f"{fixed(r.client_cores, 2)} | {fixed(r.cpu_ms_per_image, 1)} |")
 
 
 def _limit(results: dict[str, Any]) -> dict[str, Any]:

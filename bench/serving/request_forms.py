@@ -95,7 +95,7 @@ def served(duration_s: float, rounds: int) -> dict[str, list[LoadResult]]:
             for name, (payloads, content_type) in bodies.items():
                 results[name].append(measure(name, "efficientnet_lite0", server.url, "/predict", payloads, 16,
                                              duration_s, 2.0, content_type=content_type,
-                                             server_pgid=server.process.pid))
+                                             server_pid=server.process.pid))
     finally:
         server.stop()
     return results

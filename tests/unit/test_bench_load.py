@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import collections
+import os
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -9,8 +12,10 @@ from typing import Iterator
 
 import pytest
 
-from bench.serving.load import closed_loop
+from bench.serving.load import closed_loop, measure
+from bench.usage import process_tree_cpu
 from harness.servers import free_port
+from tests.support.fakes import wait_until
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -88,3 +93,49 @@ def test_counts_the_answers_that_came_in_the_window_whenever_they_were_sent(url:
     assert errors == 0 and len(latencies) == 1 and statuses == {200: 1}
     assert 1.0 <= latencies[0] < 1.5
     assert answered == 2  # every 200 of the call, the one after the window too
+
+
+# A server whose "engine" runs in a session of its own, as ENGINE=process's does: the server answers {} to every
+# POST; the engine (its command line names app.link.server) spends CPU until the server ends.
+_SERVER_WITH_AN_ENGINE = """
+import subprocess, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *args):
+        pass
+
+burn = "import os\\nserver = os.getppid()\\nwhile os.getppid() == server: sum(range(10000))"  # until it is gone
+engine = subprocess.Popen([sys.executable, "-c", burn, "app.link.server"], start_new_session=True)
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+def test_a_served_point_counts_the_cpu_of_an_engine_in_a_session_of_its_own_and_each_request_s_images() -> None:
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", _SERVER_WITH_AN_ENGINE, str(port)])
+    try:
+        wait_until(lambda: len(process_tree_cpu(server.pid)) == 2, timeout=30)
+        engine = next(pid for pid in process_tree_cpu(server.pid) if pid != server.pid)
+        assert os.getpgid(engine) != os.getpgid(server.pid)  # not in the server's process group
+        result = measure("fake", "m", f"http://127.0.0.1:{port}", "/predict", [b"four images"], 2, 1.0, 0.2,
+                         server_pid=server.pid, images_per_request=4)
+    finally:
+        server.terminate()
+        server.wait()
+    answered = result.requests - result.errors
+    assert result.errors == 0 and answered > 0
+    assert result.images_per_s == pytest.approx(4 * answered / 1.0)
+    # the engine's busy loop is most of a core, all of it counted in the server's, which a process group leaves out
+    assert result.engine_cores is not None and 0.3 < result.engine_cores <= result.server_cores
+    assert result.cpu_ms_per_image is not None and result.cpu_ms_per_image > 0
+    assert result.batch_cpu_ms is None and result.batch_wall_ms is None  # no /metrics: not visionserve
