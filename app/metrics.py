@@ -49,7 +49,8 @@ REQUESTS = Counter("visionserve_requests_total", "HTTP requests answered", ["end
 REQUEST_SECONDS = Histogram("visionserve_request_duration_seconds", "Whole request time", ["endpoint"],
                             buckets=_LATENCY_BUCKETS)
 STAGE_SECONDS = Histogram("visionserve_stage_duration_seconds", "Time per stage: decode (per request), queue "
-                          "(per image), inference (per batch)", ["stage"], buckets=_LATENCY_BUCKETS)
+                          "(per image), inference (per batch: the batch made and its forward pass), forward (per "
+                          "batch: the forward pass alone, waited for)", ["stage"], buckets=_LATENCY_BUCKETS)
 # CPU time of the thread doing the stage (time.thread_time): set against the wall-time histograms above it shows
 # time spent waiting for a core, and against the process's whole CPU what HTTP and Python cost per request.
 STAGE_CPU_SECONDS = Counter("visionserve_stage_cpu_seconds", "CPU seconds of the thread running each stage: decode "
@@ -130,6 +131,7 @@ class _HeldBatches:
     sizes: list[int] = field(default_factory=list)
     run_s: list[float] = field(default_factory=list)
     queued_s: list[float] = field(default_factory=list)
+    forward_s: list[float] = field(default_factory=list)
     cpu_s: float = 0.0
     forward_cpu_s: float = 0.0
 
@@ -152,7 +154,8 @@ class MetricsObserver:
         self._predicted: dict[str, Counter] = {}
         self._figures_lock = threading.Lock()  # a batch's figures never land after the version's retire()
         self._figures: dict[Gauge, Gauge] = {}  # each figure's series, once it was set
-        self._forward_cpu_s = 0.0  # the running batch's forward pass (one batch runs at a time)
+        self._forward: tuple[float, float] | None = None  # the running batch's forward pass (one batch runs at a
+        # time): its wall time and CPU
         self._held_lock = threading.Lock()
         self._held = _HeldBatches()  # the batches' figures since the last settle
 
@@ -187,22 +190,24 @@ class MetricsObserver:
                         figure = self._figures[gauge] = gauge.labels(*self._labels)
                     figure.set(value)
 
-    def forward_ran(self, cpu_s: float) -> None:
-        """The CPU of the forward pass of the batch running now, counted with it when it is done (``batch_done``:
-        a canary's or a shadow's pass, which is no request's batch, is not)."""
-        self._forward_cpu_s = cpu_s
+    def forward_ran(self, wall_s: float, cpu_s: float) -> None:
+        """The wall time and CPU of the forward pass of the batch running now, counted with it when it is done
+        (``batch_done``: a canary's or a shadow's pass, which is no request's batch, is not)."""
+        self._forward = (wall_s, cpu_s)
 
     def batch_done(self, size: int, run_s: float, queued_s: Sequence[float], cpu_s: float) -> None:
         """Hold one batch's figures for ``settle``: its size, its time, its thread's CPU and its forward pass's
         (``forward_ran``), and how long its images waited."""
-        forward_s, self._forward_cpu_s = self._forward_cpu_s, 0.0
+        forward, self._forward = self._forward, None
         with self._held_lock:
             held = self._held
             held.sizes.append(size)
             held.run_s.append(run_s)
             held.queued_s.extend(queued_s)
             held.cpu_s += cpu_s
-            held.forward_cpu_s += forward_s
+            if forward is not None:
+                held.forward_s.append(forward[0])
+                held.forward_cpu_s += forward[1]
 
     def settle(self, accounting_cpu_s: float = 0.0) -> None:
         """Write the batches' figures held since the last call; ``accounting_cpu_s``: the CPU their monitoring took
@@ -214,7 +219,8 @@ class MetricsObserver:
             observe_many(BATCH_SIZE, held.sizes)
             observe_many(series(STAGE_SECONDS, "inference"), held.run_s)
             series(STAGE_CPU_SECONDS, "inference").inc(held.cpu_s)
-            if held.forward_cpu_s:
+            if held.forward_s:
+                observe_many(series(STAGE_SECONDS, "forward"), held.forward_s)
                 series(STAGE_CPU_SECONDS, "forward").inc(held.forward_cpu_s)
             observe_many(series(STAGE_SECONDS, "queue"), held.queued_s)
         if self._memory_stats is not None:

@@ -157,10 +157,11 @@ def run_model(weights: Path, args: argparse.Namespace) -> dict[str, object]:
 
 
 # Each point's later columns (rows from before they were measured show "-"): the engine processes' share of the
-# server's cores, the server's CPU per image (every process, the engine's included), a batch's mean wall time, and
-# a batch's CPU per image (made and run: the device path decodes there) with its forward pass's part.
-LOAD_FIGURES = (("engine_cores", 2), ("cpu_ms_per_image", 2), ("batch_wall_ms", 1), ("batch_cpu_ms", 3),
-                ("forward_cpu_ms", 3))
+# server's cores, the server's CPU per image (every process, the engine's included), a batch's mean wall time with
+# its forward pass's (waited for: the rest is the batch being made, where the device path decodes), and a batch's CPU
+# per image with its forward pass's.
+LOAD_FIGURES = (("engine_cores", 2), ("cpu_ms_per_image", 2), ("batch_wall_ms", 1), ("forward_wall_ms", 1),
+                ("batch_cpu_ms", 3), ("forward_cpu_ms", 3))
 
 
 def _load_row(r: dict, limit: float | None, single_ms: float | None) -> str:
@@ -198,8 +199,8 @@ def report(results: dict[str, dict], machine: dict[str, object]) -> str:
             lines.append("")
         lines += ["| engine | decode path | images / request | workers | intra-op threads | ready s | C | img/s | "
                   "p50 ms | p99 ms | errors | mean batch | server cores | client cores | GPU util % | efficiency | "
-                  "p50 / in-process | engine cores | server CPU ms / image | batch wall ms | batch CPU ms / image | "
-                  "of which forward |", "|" + " --- |" * 22]
+                  "p50 / in-process | engine cores | server CPU ms / image | batch wall ms | of which forward | "
+                  "batch CPU ms / image | of which forward |", "|" + " --- |" * 23]
         lines += [_load_row(r, best, single_ms) for r in data["loads"]]
         lines.append("")
     return "\n".join(lines) + "\n"

@@ -40,6 +40,7 @@ class LoadResult:
     batch_cpu_ms: float | None = None  # a batch's whole CPU per image: the batch made (the device path decodes
     # there) and its forward pass; visionserve's counters
     batch_wall_ms: float | None = None  # a batch's mean wall time (made and run; on a GPU, the wait for it too)
+    forward_wall_ms: float | None = None  # of which its forward pass's (waited for)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -175,9 +176,12 @@ def measure(server: str, model: str, base_url: str, path: str, bodies: Sequence[
     def per_image_ms(key: str) -> float | None:
         return 1000 * delta[key] / images if images and key in delta else None
 
+    def per_batch_ms(stage: str) -> float | None:
+        runs = delta.get(f"stage_duration_seconds_count:{stage}")
+        return 1000 * delta[f"stage_duration_seconds_sum:{stage}"] / runs if runs else None
+
     ms = sorted(x * 1000 for x in latencies)
     answered_images = answered * images_per_request
-    batch_runs = delta.get("stage_duration_seconds_count:inference")
     return LoadResult(server, model, concurrency, len(latencies) * images_per_request / duration_s,
                       percentile(ms, 50), percentile(ms, 95), percentile(ms, 99), errors, len(latencies) + errors,
                       images / batches if batches else None, server_cores, client_cores,
@@ -186,5 +190,5 @@ def measure(server: str, model: str, base_url: str, path: str, bodies: Sequence[
                       # the forward pass alone where the server counts it apart, else its batch's whole stage
                       per_image_ms("stage_cpu_seconds_total:forward")
                       or per_image_ms("stage_cpu_seconds_total:inference"),
-                      engine_cores, per_image_ms("stage_cpu_seconds_total:inference"),
-                      1000 * delta["stage_duration_seconds_sum:inference"] / batch_runs if batch_runs else None)
+                      engine_cores, per_image_ms("stage_cpu_seconds_total:inference"), per_batch_ms("inference"),
+                      per_batch_ms("forward"))

@@ -108,7 +108,13 @@ def test_readiness_the_inference_thread_and_the_queue_capacity_are_metrics(clien
     assert value("visionserve_batcher_alive") == 0
 
 
+def _stage_seconds(text: str) -> dict[tuple[str, str], float]:
+    return {(m.group(1), m.group(2)): float(m.group(3)) for m in re.finditer(
+        r'^visionserve_stage_duration_seconds_(sum|count)\{stage="(\w+)"\} (\S+)$', text, re.M)}
+
+
 def test_metrics_count_requests_batches_and_rejections(client: FlaskClient) -> None:
+    before = _stage_seconds(client.get("/metrics").get_data(as_text=True))  # the process's registry: other tests'
     client.post("/predict", data=image_bytes(), content_type="image/jpeg")
     client.post("/predict", data=b"junk", content_type="image/jpeg")
     text = client.get("/metrics").get_data(as_text=True)
@@ -121,6 +127,10 @@ def test_metrics_count_requests_batches_and_rejections(client: FlaskClient) -> N
     cpu = {m.group(1): float(m.group(2)) for m in
            re.finditer(r'^visionserve_stage_cpu_seconds_total\{stage="(\w+)"\} (\S+)$', text, re.M)}
     assert cpu["decode"] > 0 and cpu["inference"] > 0 and 0 < cpu["forward"] <= cpu["inference"]
+    # the forward pass's own time per batch, within its batch's
+    seconds = {key: value - before.get(key, 0.0) for key, value in _stage_seconds(text).items()}
+    assert seconds["count", "forward"] == seconds["count", "inference"] >= 1
+    assert 0 < seconds["sum", "forward"] <= seconds["sum", "inference"]
 
 
 def test_many_values_observed_at_once_land_as_one_by_one(tmp_path: Path) -> None:

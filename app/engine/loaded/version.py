@@ -82,9 +82,9 @@ class LoadedVersion:
         array (its rows are views: a request's answer takes them as they are, no per-request tensor steps), each the
         image's probabilities followed by its embedding when the version has one."""
         batch = self.decoder.collate(prepared)
-        started = time.thread_time()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         rows = self.predictor.predict_batch(batch).numpy()
-        self.observer.forward_ran(time.thread_time() - started)
+        self.observer.forward_ran(time.perf_counter() - started, time.thread_time() - cpu_started)
         if self.serving.is_set():
             with self._settling:
                 self._unmonitored.append(rows[:, :self.predictor.num_classes])
