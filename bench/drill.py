@@ -17,7 +17,8 @@ device decode path's pixels, EXIF turns included, placement, tensors, CUDA graph
 overhead (``bench.serving.overhead`` on the device: a one-layer model and bodies that decode in microseconds, the
 HTTP workers' and the engine's CPU per request beside the bare Flask app, the budget's unit, measured on this host);
 one forward pass's cost to the engine's thread at each batch size, eager and replayed as a CUDA graph
-(``bench.serving.forward_launch``); the engine alone on the device beside its floor (``bench.serving.engine_only``:
+(``bench.serving.forward_launch``); the device path's batch made the model's input, image by image and rounded
+together (``bench.serving.batch_preprocess``); the engine alone on the device beside its floor (``bench.serving.engine_only``:
 its CPU per request with no HTTP worker beside it); ``models.predict`` on CUDA over a photo folder; last, the
 training feed (JPEG folder on the CPU and on the GPU against synthetic batches).
 """
@@ -67,6 +68,7 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         variant = ["--engines", "inline", "--batch-sizes", "2", "--concurrency", "2", "--images-per-request", "1",
                    "--seconds", "0.5", "--warmup", "0.2", "--workers", "1"]  # inline: the cheapest to start
         launches = ["--model", model, "--dtypes", "float32", "--batch-sizes", "1", "2", "--seconds", "0.1"]
+        preprocess = ["--batch-sizes", "1", "2", "--seconds", "0.05"]
         train = ["--archs", "resnet18", "--batch-size", "4", "--crop-size", "32", "--steps", "1", "--warmup", "1",
                  "--workers", "1", "--paths", "synthetic", "cpu"]
         photo_counts = ["--classes", "2", "--train-per-class", "4", "--val-per-class", "2"]
@@ -84,6 +86,7 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         variant = ["--engines", "process", "--batch-sizes", "64", "--concurrency", "64", "256", "--images-per-request",
                    "1", "16", "--seconds", "3", "--warmup", "1", "--workers", "0"]
         launches = ["--model", model, "--dtypes", "float32", "--seconds", "0.3"]
+        preprocess = ["--batch-sizes", "1", "8", "64", "--seconds", "0.5"]
         train = ["--archs", "efficientnet_lite0", "--batch-size", "128", "--steps", "12", "--warmup", "4"]
         photo_counts = ["--classes", "20", "--train-per-class", "60", "--val-per-class", "20"]
     variants = [("served-tensor", "tensor", ()), ("served-eager", "auto", (("VISIONSERVE_CUDA_GRAPHS", "false"),))]
@@ -107,6 +110,10 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         # one forward's launches at each batch size, eager and as a CUDA graph: what CUDA_GRAPHS saves the engine
         Step("launches", 60, (py, "-m", "bench.serving.forward_launch", "--device", device, *launches, "--out",
                               str(figures)), least_s=25),
+        # the device path's batch made the model's input (resize, crop, normalise), image by image as before against
+        # the crops rounded together: the thread's CPU and the steps per batch
+        Step("preprocess", 40, (py, "-m", "bench.serving.batch_preprocess", "--device", device, *preprocess, "--out",
+                                str(figures)), least_s=15),
         # the engine's own cost per request on the device's host beside the floor, in the time left (least 30 s)
         Step("engine", 70, (py, "-m", "bench.serving.engine_only", "--device", device, *engine, "--out",
                             str(figures)), least_s=30),

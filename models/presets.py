@@ -172,7 +172,7 @@ class TensorEvalTransform:
     flipped the top-1 of 3 of 90 photos (bench/serving/decode_paths.py). Where torchvision itself resizes uint8
     natively (bicubic on the CPU; bilinear on AVX2, AVX-512 or ARM CPUs) the same ``interpolate`` call runs here;
     elsewhere (CUDA's float round trip, other filters, a crop larger than the resized image, a batch)
-    torchvision's does.
+    torchvision's does, but for a batch that torchvision would resize through float32 and back (``batch``).
     """
 
     def __init__(self, preset: EvalPreset) -> None:
@@ -187,8 +187,41 @@ class TensorEvalTransform:
 
     def batch(self, images: Sequence[torch.Tensor]) -> torch.Tensor:
         """Decoded images of any sizes as one (N, C, H, W) float batch: each resized and cropped, then scaled and
-        normalised together (one step for the batch, the constants resident on its device)."""
+        normalised together (one step for the batch, the constants resident on its device). Where torchvision would
+        resize each image through float32 and back to uint8 (on CUDA), the crops stay float32 and are rounded
+        together (``rounded_crops``): the same values in two steps an image, not five and torchvision's dispatch."""
+        if images and all(self._through_float(image) for image in images):
+            return self.normalize(self.rounded_crops(images))
         return self.normalize(torch.stack([self.resize_crop(image) for image in images]))
+
+    def _through_float(self, image: torch.Tensor) -> bool:
+        """Whether ``resize_crop`` hands ``image`` to torchvision, which resizes it in float32 and rounds it back:
+        uint8 (C, H, W) pixels where no native uint8 resize runs, a filter ``interpolate`` has, a crop within."""
+        p = self.preset
+        if (image.ndim != 3 or image.dtype != torch.uint8 or p.interpolation not in INTERPOLATED
+                or _native_uint8_resize(image.device, p.interpolation)):
+            return False
+        return p.crop_size <= min(resized_size(image.shape[-1], image.shape[-2], p.resize_size))
+
+    def rounded_crops(self, images: Sequence[torch.Tensor]) -> torch.Tensor:
+        """uint8 (C, H, W) images as one (N, C, crop, crop) float32 stack of the values torchvision's resize and
+        centre crop give each (its float32 resize, clamped to 0..255 after a bicubic one, rounded): each image made
+        float32 and resized, its crop a view; the clamp and the rounding once for the stack."""
+        p = self.preset
+        crops = []
+        for image in images:
+            height, width = image.shape[-2:]
+            new_width, new_height = resized_size(width, height, p.resize_size)
+            pixels = image.to(torch.float32)
+            if (new_height, new_width) != (height, width):  # torchvision leaves an image of that size as it is
+                pixels = F.interpolate(pixels[None], size=[new_height, new_width], mode=p.interpolation,
+                                       align_corners=False, antialias=True)[0]
+            left, top = crop_origin(new_width, new_height, p.crop_size)
+            crops.append(pixels[:, top:top + p.crop_size, left:left + p.crop_size])
+        stacked = torch.stack(crops)
+        if p.interpolation == "bicubic":  # its filter overshoots; bilinear's stays within the pixels' range
+            stacked.clamp_(0, 255)
+        return stacked.round_()
 
     def normalize(self, pixels: torch.Tensor) -> torch.Tensor:
         """Resized and cropped pixels ((C, H, W) or (N, C, H, W), uint8 or float 0..255) scaled to 0..1 and
@@ -218,6 +251,9 @@ class TensorEvalTransform:
             left, top = crop_origin(new_width, new_height, p.crop_size)
             pixels = pixels[:, top:top + p.crop_size, left:left + p.crop_size]
         return pixels
+
+
+INTERPOLATED = ("bilinear", "bicubic")  # the filters torch's interpolate runs antialiased (not lanczos, not nearest)
 
 
 def _native_uint8_resize(device: torch.device, interpolation: Interpolation) -> bool:

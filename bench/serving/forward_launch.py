@@ -31,7 +31,7 @@ from models.architectures import split_outputs
 WORK = Path(__file__).resolve().parents[1] / ".work"
 
 
-def _timed(call: Callable[[], object], sync: Callable[[], None], seconds: float) -> tuple[float, float, int]:
+def timed_call(call: Callable[[], object], sync: Callable[[], None], seconds: float) -> tuple[float, float, int]:
     """(thread CPU us per call, wall us per call waited for, calls) over about ``seconds``."""
     call()
     sync()
@@ -68,11 +68,11 @@ def measure(weights: Path, device: str, dtypes: Sequence[str], batch_sizes: Sequ
                 with torch.inference_mode():
                     return module(batch)
 
-            row["eager_cpu_us"], row["eager_wall_us"], row["eager_calls"] = _timed(eager, sync, seconds)
+            row["eager_cpu_us"], row["eager_wall_us"], row["eager_calls"] = timed_call(eager, sync, seconds)
             if cuda:
                 try:
                     replay, output = cuda_capture(module, batch, torch.cuda.graph_pool_handle())  # as the server does
-                    row["graph_cpu_us"], row["graph_wall_us"], row["graph_calls"] = _timed(replay, sync, seconds)
+                    row["graph_cpu_us"], row["graph_wall_us"], row["graph_calls"] = timed_call(replay, sync, seconds)
                     expected = split_outputs(eager())[0].float()  # the logits (an embedding may follow)
                     row["graph_max_diff"] = float((split_outputs(output)[0].float() - expected).abs().max())
                 except Exception as exc:  # noqa: BLE001 - a module capture refuses is a finding, not a stop
@@ -109,14 +109,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=WORK / "forward-launch")
     args = parser.parse_args(argv)
     weights = export_models(WORK / "weights", [args.model])[args.model]
-    machine = {"device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor()
-               or "cpu", "torch": torch.__version__}
+    machine = {"device_name": device_name(torch.device(args.device)), "torch": torch.__version__}
     rows = measure(weights, args.device, args.dtypes, args.batch_sizes, args.seconds)
-    args.out.mkdir(parents=True, exist_ok=True)
-    name = f"forward-launch-{args.device.split(':')[0]}"
-    (args.out / f"{name}.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=2) + "\n")
-    text = report(rows, machine)
-    (args.out / f"{name}.md").write_text(text)
+    write_report(args.out / f"forward-launch-{args.device.split(':')[0]}", machine, rows, report(rows, machine))
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+
+
+def write_report(stem: Path, machine: dict[str, object], rows: Sequence[dict[str, object]], text: str) -> None:
+    """``stem``.json (the machine and the rows) and ``stem``.md (``text``), its folder made; ``text`` printed."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(text)
     print(text, flush=True)
 
 

@@ -46,6 +46,9 @@ def test_the_gpu_drill_runs_every_step_on_the_cpu_and_returns_what_it_wrote(tmp_
     launches = tar_text(out, "forward-launch-cpu.md")  # one forward per batch size; no graph without CUDA
     assert [line.split("|")[1:4] + line.split("|")[6:7] for line in launches.splitlines()
             if line.startswith("| float32 |")] == [[" float32 ", " onnx ", f" {size} ", " no CUDA "] for size in (1, 2)]
+    preprocess = tar_text(out, "batch-preprocess-cpu.md")  # the batch made in float as on CUDA: the same values
+    assert [line.split("|")[1].strip() + line.split("|")[8] for line in preprocess.splitlines()
+            if re.match(r"^\| \d+ \|", line)] == ["1 0 ", "2 0 "]
     served = [line for line in report.splitlines() if line.startswith(("| process-2 |", "| inline |"))]
     assert [tuple(cell.strip() for cell in row.split("|")[1:4]) + (row.split("|")[7].strip(),) for row in served] == [
         (engine, "auto", per_request, "2") for engine in ("process-2", "inline") for per_request in ("1", "2")]

@@ -96,6 +96,41 @@ def test_the_eval_transforms_give_torchvisions_values(preset: EvalPreset) -> Non
             assert got.shape == expected.shape == preset.input_shape and torch.equal(got, expected), size
 
 
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: f"{p.interpolation}-{p.resize_size}-{p.crop_size}")
+def test_a_batch_resized_through_float_gives_torchvision_s_float_round_trip_image_by_image(
+        preset: EvalPreset, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Where torchvision resizes uint8 through float32 and back (on CUDA; here with its native uint8 kernels turned
+    # off, so it runs that path on the CPU), a batch keeps the crops float32 and rounds them together: the same
+    # values, image by image, for every size, layout and filter; a filter or crop it cannot take goes image by image.
+    import torchvision.transforms.v2.functional._geometry as geometry
+
+    import models.presets
+
+    monkeypatch.setattr(geometry, "_do_native_uint8_resize_on_cpu", lambda interpolation: False)
+    monkeypatch.setattr(models.presets, "_native_uint8_resize", lambda device, interpolation: False)
+    source, tensor_eval = photo("chelsea"), TensorEvalTransform(preset)
+    images = []
+    for size in [(1920, 1080), (1080, 1920), (451, 300), (256, 300), (232, 232), (120, 90)]:
+        hwc = torch.from_numpy(np.array(source.resize(size, Image.BICUBIC)))
+        images += [hwc.permute(2, 0, 1), hwc.permute(2, 0, 1).contiguous()]  # as decoded, and a contiguous copy
+    if preset.interpolation == "bicubic":  # a bicubic resize overshoots on a hard edge, clamped as torchvision does
+        images.append(torch.tensor([0, 255] * 150, dtype=torch.uint8).reshape(1, 1, 300).expand(3, 300, 300))
+    crops: list[torch.Tensor] = []  # what rounded_crops gave, before batch normalises it in place
+
+    def rounded_crops(batch: list[torch.Tensor]) -> torch.Tensor:
+        crops.append(TensorEvalTransform.rounded_crops(tensor_eval, batch))
+        return crops[-1].clone()
+
+    monkeypatch.setattr(tensor_eval, "rounded_crops", rounded_crops)
+    got = tensor_eval.batch(images)
+    expected = torch.stack([_torchvision_tensor_eval(preset, image.clone()) for image in images])
+    assert got.shape == expected.shape == (len(images), *preset.input_shape) and torch.equal(got, expected)
+    in_float = preset.interpolation in ("bilinear", "bicubic") and preset.crop_size <= preset.resize_size
+    assert len(crops) == in_float  # nearest, and a crop larger than the resize: image by image, as before
+    if in_float:
+        assert crops[0].dtype == torch.float32 and torch.equal(crops[0], crops[0].round().clamp(0, 255))
+
+
 @pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_serving_a_model_on_the_tensor_path_imports_no_torchvision(tmp_path: Path) -> None:
     # torchvision imports torch._dynamo: about a second of every worker's start, for nothing the CPU path uses.

@@ -18,7 +18,7 @@ from app.errors import ImageTooLarge, InvalidImage, UnsupportedImageFormat
 from harness.photos import jpeg as photo_jpeg
 from harness.photos import photo
 from models.data.jpeg import JpegHeader, decode_jpeg_cpu, draft_scale, read_jpeg_header
-from models.presets import EvalPreset, TensorEvalTransform, eval_transform, pil_to_tensor
+from models.presets import EvalPreset, TensorEvalTransform, eval_transform, lite0_preset, pil_to_tensor
 from tests.support.imaging import BLUE, RED, encode, image_bytes
 
 LIMITS = DecodeLimits(max_pixels=1_000_000, max_aspect_ratio=20, jpeg_draft_min_side=0)
@@ -263,6 +263,20 @@ def test_on_cuda_exif_rotated_photos_get_the_cpu_paths_pixels() -> None:
         expected = decode_tensor(data, LIMITS)
         assert pixels.shape == expected.shape, orientation  # before: (3, 300, 200) turned 90 degrees came back as is
         assert (pixels.float() - expected.float()).abs().mean() < 2.0, orientation  # nvJPEG's IDCT differs a little
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", [lite0_preset(), EvalPreset(resize_size=232, crop_size=224)], ids=["bicubic",
+                                                                                                   "bilinear"])
+def test_on_cuda_a_batch_rounded_together_equals_torchvision_image_by_image(preset: EvalPreset) -> None:
+    # On CUDA torchvision resizes uint8 through float32 and back, image by image; the device path's batch keeps the
+    # crops float32 and rounds them together (TensorEvalTransform.rounded_crops): the same values
+    transform, cuda = TensorEvalTransform(preset), torch.device("cuda")
+    images = _device_batch(_turned_photos(), cuda)
+    images = [image.to(cuda) for image in images] + [decode_tensor(photo_jpeg(photo("coffee")), LIMITS).to(cuda)]
+    expected = torch.stack([transform(image) for image in images])
+    got = transform.batch(images)
+    assert got.device.type == "cuda" and torch.equal(got, expected)
 
 
 # -- a plain JPEG's header read without PIL -------------------------------------------------------------------------
