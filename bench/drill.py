@@ -18,7 +18,8 @@ overhead (``bench.serving.overhead`` on the device: a one-layer model and bodies
 HTTP workers' and the engine's CPU per request beside the bare Flask app, the budget's unit, measured on this host);
 one forward pass's cost to the engine's thread at each batch size, eager and replayed as a CUDA graph
 (``bench.serving.forward_launch``); the device path's batch made the model's input, image by image and rounded
-together (``bench.serving.batch_preprocess``); the engine alone on the device beside its floor (``bench.serving.engine_only``:
+together (``bench.serving.batch_preprocess``); the engine alone on the device beside its floor
+(``bench.serving.engine_only``:
 its CPU per request with no HTTP worker beside it); ``models.predict`` on CUDA over a photo folder; last, the
 training feed (JPEG folder on the CPU and on the GPU against synthetic batches).
 """

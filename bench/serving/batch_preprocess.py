@@ -10,8 +10,8 @@ each) against the crops kept float32 and rounded together (two steps an image, `
 On the CPU torchvision resizes uint8 natively and neither path runs, so there both are made to take the float round
 trip they take on CUDA (torchvision's native kernels turned off for the run), on the photos shrunk to 64 pixels and a
 48-pixel crop: the same steps, the compute small, so the CPU per image stands for what the dispatch costs. On CUDA:
-the ImageNet-size photos and Lite0's preset. For each batch size: the operations torch runs per batch (views
-included; on a GPU the others are kernel launches), the calling thread's CPU per image (``time.thread_time``: what
+the ImageNet-size photos and Lite0's preset. For each batch size: the operations torch runs per batch that compute
+(views left out: on a GPU, each a kernel launch), the calling thread's CPU per image (``time.thread_time``: what
 the interpreter lock is held for) and the wall time per image, waited for; the largest difference between the two
 paths' batches (0: the same values). Writes ``batch-preprocess-<device>.json`` and ``.md`` into ``--out``.
 """
@@ -39,14 +39,14 @@ SMALL_PRESET = EvalPreset(resize_size=56, crop_size=48, interpolation="bicubic",
 
 
 class _Counted(TorchDispatchMode):
-    """Counts the operations torch runs inside it."""
+    """Counts the operations torch runs inside it that compute (not views: on a GPU, each a kernel launch)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.operations = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.operations += 1
+        self.operations += not func.is_view
         return func(*args, **(kwargs or {}))
 
 
@@ -106,8 +106,8 @@ def report(rows: Sequence[dict[str, Any]], machine: dict[str, object]) -> str:
     """The rows as a markdown table."""
     lines = [f"# Making a batch the model's input, the thread's cost: {machine['device_name']}, torch "
              f"{machine['torch']}, {machine['photos']}", "",
-             "| batch | operations, image by image | together | CPU us / image, image by image | together | "
-             "wall us / image, image by image | together | largest difference |",
+             "| batch | operations that compute, image by image | together | CPU us / image, image by image | "
+             "together | wall us / image, image by image | together | largest difference |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['batch']} | {r['one_by_one_operations']} | {r['together_operations']} | "
               f"{r['one_by_one_cpu_us_per_image']:.0f} | {r['together_cpu_us_per_image']:.0f} | "

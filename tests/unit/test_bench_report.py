@@ -128,8 +128,9 @@ def test_gpu_report_compares_each_point_with_the_best_pipeline_of_its_run() -> N
     # with its forward pass's
     engine = {**device, "engine": "process", "engine_cores": 1.234, "cpu_ms_per_image": 2.5, "batch_wall_ms": 29.04,
               "forward_wall_ms": 22.96, "batch_cpu_ms": 0.4567, "forward_cpu_ms": 0.3682}
-    assert "| process | device | 16 | 4 | default | 36 | 64 | 330.0 | 180.0 | 360.0 | 0 | 4.30 | 11.90 | 0.80 | 71 | - " \
-           "| - | 1.23 | 2.50 | 29.0 | 23.0 | 0.457 | 0.368 |" in gpu_report({"m": {"loads": [engine]}}, MACHINE)
+    row = ("| process | device | 16 | 4 | default | 36 | 64 | 330.0 | 180.0 | 360.0 | 0 | 4.30 | 11.90 | 0.80 | 71 | "
+           "- | - | 1.23 | 2.50 | 29.0 | 23.0 | 0.457 | 0.368 |")
+    assert row in gpu_report({"m": {"loads": [engine]}}, MACHINE)
 
 
 def test_the_batch_inference_report_gives_each_round_and_the_median_ratio() -> None:
