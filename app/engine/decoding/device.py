@@ -7,7 +7,8 @@ turned by the EXIF orientation read with its header (nvJPEG ignores it; the same
 it); a JPEG nvJPEG refuses (and every PNG, WebP, GIF, BMP) is decoded on the CPU for that image alone, and its
 pixels join the batch through pinned memory with a non-blocking copy. On the CPU the same code runs with
 libjpeg-turbo, which is how CI tests it. The resize and crop are ``TensorEvalTransform``'s, one image at a time (sizes
-differ); the crops are stacked once and scaled and normalised as one batch, mean and std resident on the device.
+differ); the crops are stacked once and scaled and normalised as one batch, mean and std resident on the device (on
+CUDA the crops stay float32 and are rounded as one batch too: ``TensorEvalTransform.batch``).
 """
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def decode_batch(items: Sequence[Encoded], device: torch.device, transform: Tens
             if device.type == "cuda":
                 pixels = pixels.pin_memory().to(device, non_blocking=True)
         decoded.append(pixels)
-    return transform.batch(decoded).to(dtype)  # resized one by one (sizes differ), normalised as one batch
+    return transform.batch(decoded).to(dtype)  # resized one by one (sizes differ), rounded and normalised as one
 
 
 def stack_pixels(items: Sequence[torch.Tensor | np.ndarray]) -> torch.Tensor:
