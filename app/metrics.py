@@ -50,7 +50,8 @@ REQUEST_SECONDS = Histogram("visionserve_request_duration_seconds", "Whole reque
                             buckets=_LATENCY_BUCKETS)
 STAGE_SECONDS = Histogram("visionserve_stage_duration_seconds", "Time per stage: decode (per request), queue "
                           "(per image), inference (per batch: the batch made and its forward pass), forward (per "
-                          "batch: the forward pass alone, waited for)", ["stage"], buckets=_LATENCY_BUCKETS)
+                          "batch: the forward pass alone, waited for; on a GPU from where the batch's making ends "
+                          "there)", ["stage"], buckets=_LATENCY_BUCKETS)
 # CPU time of the thread doing the stage (time.thread_time): set against the wall-time histograms above it shows
 # time spent waiting for a core, and against the process's whole CPU what HTTP and Python cost per request.
 STAGE_CPU_SECONDS = Counter("visionserve_stage_cpu_seconds", "CPU seconds of the thread running each stage: decode "

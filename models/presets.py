@@ -188,8 +188,9 @@ class TensorEvalTransform:
     def batch(self, images: Sequence[torch.Tensor]) -> torch.Tensor:
         """Decoded images of any sizes as one (N, C, H, W) float batch: each resized and cropped, then scaled and
         normalised together (one step for the batch, the constants resident on its device). Where torchvision would
-        resize each image through float32 and back to uint8 (on CUDA), the crops stay float32 and are rounded
-        together (``rounded_crops``): the same values in two steps an image, not five and torchvision's dispatch."""
+        resize each image through float32 and back to uint8 (on CUDA; on a CPU without its native uint8 kernel for
+        the filter), the crops stay float32 and are rounded together (``rounded_crops``): the same values in two
+        steps an image, not five and torchvision's dispatch."""
         if images and all(self._through_float(image) for image in images):
             return self.normalize(self.rounded_crops(images))
         return self.normalize(torch.stack([self.resize_crop(image) for image in images]))

@@ -178,7 +178,6 @@ def _load_row(r: dict, limit: float | None, single_ms: float | None) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
-
 def report(results: dict[str, dict], machine: dict[str, object]) -> str:
     """Markdown: per model the limit per batch size, the decode comparison and the load table with efficiency."""
     lines = [f"# GPU benchmark {time.strftime('%Y-%m-%d %H:%M')}", "",

@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import collections
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -126,24 +124,25 @@ ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
 def test_a_served_point_counts_the_cpu_of_an_engine_in_a_session_of_its_own_and_each_request_s_images() -> None:
     port = free_port()
     server = subprocess.Popen([sys.executable, "-c", _SERVER_WITH_AN_ENGINE, str(port)])
-    engine = None
     try:
         # listed once it runs its command (its session is its own from then on; a fork not yet exec'd is not)
         wait_until(lambda: len(engine_pids(process_tree_cpu(server.pid))) == 1, timeout=30)
         (engine,) = engine_pids(process_tree_cpu(server.pid))
         assert os.getpgid(engine) != os.getpgid(server.pid)  # not in the server's process group
+        started = time.perf_counter()
         result = measure("fake", "m", f"http://127.0.0.1:{port}", "/predict", [b"four images"], 2, 0.5, 0.1,
                          server_pid=server.pid, images_per_request=4)
+        elapsed = time.perf_counter() - started
     finally:
-        server.terminate()
+        server.terminate()  # the engine ends once it is gone
         server.wait()
-        if engine is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(engine, signal.SIGKILL)
     answered = result.requests - result.errors
     assert result.errors == 0 and answered > 0
     assert result.images_per_s == pytest.approx(4 * answered / 0.5)
+    # CPU per image: the server's CPU over every answer of the call, 4 images each; at most what the whole call's
+    # time and the window's answers alone allow (a quarter of it per request: counted per request, it would exceed it)
+    assert result.server_cores is not None and result.cpu_ms_per_image is not None
+    assert 0 < result.cpu_ms_per_image <= 1000 * result.server_cores * elapsed / (4 * answered)
     # the engine's busy loop, counted in the server's CPU (its process group alone would leave it out)
     assert result.engine_cores is not None and 0.1 < result.engine_cores <= result.server_cores
-    assert result.cpu_ms_per_image is not None and result.cpu_ms_per_image > 0
     assert result.batch_cpu_ms is result.batch_wall_ms is result.forward_wall_ms is None  # no /metrics here

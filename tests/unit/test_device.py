@@ -1,6 +1,7 @@
 """Device and dtype selection on a CPU machine, and the CUDA paths where a GPU exists."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pydantic
@@ -78,6 +79,23 @@ def test_cuda_matches_cpu(real_weights: Path, dtype: torch.dtype, atol: float) -
     assert got.argmax(1).tolist() == expected.argmax(1).tolist()
     assert torch.allclose(got, expected, atol=atol)
 
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_forward_s_time_starts_where_the_work_queued_before_it_ends() -> None:
+    # the batch's decoding and resizing are queued on the device and not waited for: the forward pass's time is the
+    # device's from where they end, not the host's from when it queued the forward pass
+    from app.engine.loaded.version import device_mark, device_seconds_since
+
+    cuda = torch.device("cuda")
+    started = time.perf_counter()
+    torch.cuda._sleep(200_000_000)  # work queued before the mark: about a tenth of a second on the device
+    mark = device_mark(cuda)
+    assert mark is not None and device_mark(torch.device("cpu")) is None
+    pixels = torch.ones(512, 512, device=cuda)
+    (pixels @ pixels).cpu()  # the "forward pass", waited for
+    seconds, whole = device_seconds_since(mark, cuda), time.perf_counter() - started
+    assert 0 < seconds < whole / 4, (seconds, whole)
 
 
 @pytest.mark.gpu

@@ -268,14 +268,19 @@ def test_on_cuda_exif_rotated_photos_get_the_cpu_paths_pixels() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", [lite0_preset(), EvalPreset(resize_size=232, crop_size=224)], ids=["bicubic",
                                                                                                    "bilinear"])
-def test_on_cuda_a_batch_rounded_together_equals_torchvision_image_by_image(preset: EvalPreset) -> None:
+def test_on_cuda_a_batch_rounded_together_equals_torchvision_image_by_image(
+        preset: EvalPreset, monkeypatch: pytest.MonkeyPatch) -> None:
     # On CUDA torchvision resizes uint8 through float32 and back, image by image; the device path's batch keeps the
     # crops float32 and rounds them together (TensorEvalTransform.rounded_crops): the same values
     transform, cuda = TensorEvalTransform(preset), torch.device("cuda")
     images = _device_batch(_turned_photos(), cuda)
     images = [image.to(cuda) for image in images] + [decode_tensor(photo_jpeg(photo("coffee")), LIMITS).to(cuda)]
     expected = torch.stack([transform(image) for image in images])
+    rounded: list[int] = []
+    monkeypatch.setattr(transform, "rounded_crops", lambda batch: rounded.append(len(batch)) or
+                        TensorEvalTransform.rounded_crops(transform, batch))
     got = transform.batch(images)
+    assert rounded == [len(images)]  # the batch took the float path
     assert got.device.type == "cuda" and torch.equal(got, expected)
 
 

@@ -77,14 +77,18 @@ class LoadedVersion:
 
     def run_batch(self, prepared: Sequence[Prepared]) -> np.ndarray:
         """One batch, on the batcher's thread: collate (the device path decodes here), the forward pass (softmax
-        probabilities, one row per image; its CPU told to the observer, which counts it with the batch's); a
+        probabilities, one row per image; its time and CPU told to the observer, which counts them with the batch's); a
         request's batch's probabilities are held for the monitor (``settle``). The rows come back as one float32
         array (its rows are views: a request's answer takes them as they are, no per-request tensor steps), each the
         image's probabilities followed by its embedding when the version has one."""
         batch = self.decoder.collate(prepared)
+        device = self.predictor.device
+        made = device_mark(device)  # on a GPU the batch's making may still run there: the forward's time starts after
         started, cpu_started = time.perf_counter(), time.thread_time()
         rows = self.predictor.predict_batch(batch).numpy()
-        self.observer.forward_ran(time.perf_counter() - started, time.thread_time() - cpu_started)
+        cpu_s = time.thread_time() - cpu_started
+        wall_s = time.perf_counter() - started if made is None else device_seconds_since(made, device)
+        self.observer.forward_ran(wall_s, cpu_s)
         if self.serving.is_set():
             with self._settling:
                 self._unmonitored.append(rows[:, :self.predictor.num_classes])
@@ -112,6 +116,24 @@ class LoadedVersion:
         self.batcher.stop(timeout_s)
         MODEL_INFO.labels(*self._info_labels()).set(0)
         return drained
+
+
+def device_mark(device: torch.device) -> torch.cuda.Event | None:
+    """On CUDA, an event recorded on the device's stream now: it completes where the work queued so far ends (a
+    batch's decoding and resizing, which the host does not wait for); None on the CPU, where that work is done."""
+    if device.type != "cuda":
+        return None
+    mark = torch.cuda.Event(enable_timing=True)
+    mark.record(torch.cuda.current_stream(device))
+    return mark
+
+
+def device_seconds_since(mark: torch.cuda.Event, device: torch.device) -> float:
+    """The device's seconds from ``mark`` (``device_mark``) to now, waited for: the work queued after it."""
+    now = torch.cuda.Event(enable_timing=True)
+    now.record(torch.cuda.current_stream(device))
+    now.synchronize()
+    return mark.elapsed_time(now) / 1000
 
 
 def check_canary(probabilities: np.ndarray, num_classes: int) -> None:
