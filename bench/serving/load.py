@@ -156,7 +156,8 @@ def measure(server: str, model: str, base_url: str, path: str, bodies: Sequence[
     """One point of the comparison: a warm-up run (a worker's first answers are slow), then the measured run (batch
     sizes and CPU use over it only), whose clients run ``warmup_s`` again before its window (the window's rate is
     then the steady state's, whatever the latency: ``closed_loop``). ``server_pid``: the server's first process, whose
-    tree's CPU is read (its workers and an engine process included); ``images_per_request``: what each body holds."""
+    tree's CPU is read (its workers and an engine process included; a process started during the call, such as a
+    restarted engine, is not counted); ``images_per_request``: what each body holds."""
     closed_loop(base_url + path, bodies, concurrency, warmup_s, 0.0, content_type)
     before = server_counters(base_url)
     tree_before = process_tree_cpu(server_pid) if server_pid else {}
