@@ -10,7 +10,7 @@ import subprocess
 import threading
 from pathlib import Path
 
-from app.hosting.procstat import cpu_and_memory
+from app.hosting.procstat import children, cpu_and_memory
 
 ENGINE_COMMAND = "app.link.server"  # an engine process's command line holds its module
 
@@ -40,10 +40,9 @@ def process_tree_cpu(root: int) -> dict[int, tuple[str, float]]:
         stat = cpu_and_memory(pid)
         try:
             command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            pending += [int(child) for task in Path(f"/proc/{pid}/task").glob("*/children")
-                        for child in task.read_text().split()]
         except OSError:  # ended meanwhile
             continue
+        pending += children(pid)
         if stat is not None:
             found[pid] = (command, stat[0])
     return found

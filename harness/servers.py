@@ -12,6 +12,8 @@ from typing import Sequence
 
 import requests
 
+from app.hosting.procstat import children
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -57,11 +59,8 @@ class Running:
         raise RuntimeError(f"{self.name} not ready after {timeout_s}s: {self.output()[-4000:]}")
 
     def worker_pids(self) -> list[int]:
-        """PIDs of the main process's children (gunicorn's workers, and engines a watcher thread restarted: a
-        child is listed under the thread that started it)."""
-        pid = self.process.pid
-        return sorted(int(child) for task in Path(f"/proc/{pid}/task").glob("*/children")
-                      for child in task.read_text().split())
+        """PIDs of the main process's children (gunicorn's workers, and engines a watcher thread restarted)."""
+        return children(self.process.pid)
 
     def http_worker_pids(self) -> list[int]:
         """``worker_pids`` but the engine processes (``python -m app.link.server SLOT``)."""

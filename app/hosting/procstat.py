@@ -17,16 +17,20 @@ _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def worker_pids(parent: int | None = None) -> list[int]:
-    """The parent's children (gunicorn's workers, and the engines, which a watcher thread of the master restarts:
-    a child is listed under the thread that started it), or just this process when /proc does not say."""
-    parent = os.getppid() if parent is None else parent
+def children(pid: int) -> list[int]:
+    """``pid``'s live children, sorted: each of its threads' (a child is listed under the thread that started it);
+    none when /proc does not say (the process is gone, or the kernel keeps no such list)."""
     try:
-        pids = sorted(int(pid) for task in Path(f"/proc/{parent}/task").glob("*/children")
-                      for pid in task.read_text().split())
+        return sorted(int(child) for task in Path(f"/proc/{pid}/task").glob("*/children")
+                      for child in task.read_text().split())
     except (OSError, ValueError):
-        pids = []
-    return pids or [os.getpid()]
+        return []
+
+
+def worker_pids(parent: int | None = None) -> list[int]:
+    """The parent's children (gunicorn's workers, and the engines, which a watcher thread of the master restarts),
+    or just this process when /proc does not say."""
+    return children(os.getppid() if parent is None else parent) or [os.getpid()]
 
 
 def cpu_and_memory(pid: int) -> tuple[float, int] | None:
