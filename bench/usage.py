@@ -11,8 +11,7 @@ import threading
 from pathlib import Path
 
 from app.hosting.procstat import children, cpu_and_memory
-
-ENGINE_COMMAND = "app.link.server"  # an engine process's command line holds its module
+from app.link.supervisor import ENGINE_MODULE
 
 
 def process_group_cpu_s(pgid: int) -> float:
@@ -50,7 +49,16 @@ def process_tree_cpu(root: int) -> dict[int, tuple[str, float]]:
 
 def engine_pids(tree: dict[int, tuple[str, float]]) -> list[int]:
     """The engine processes of a server's tree (``process_tree_cpu``)."""
-    return [pid for pid, (command, _) in tree.items() if ENGINE_COMMAND in command]
+    return [pid for pid, (command, _) in tree.items() if ENGINE_MODULE in command]
+
+
+def tree_cpu_spent(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]
+                   ) -> tuple[float, float | None]:
+    """CPU seconds a server's tree spent between two ``process_tree_cpu`` readings (the processes in both), and of
+    them its engine processes' (None: it has none)."""
+    spent = {pid: cpu - before[pid][1] for pid, (_, cpu) in after.items() if pid in before}
+    engines = engine_pids(after)
+    return sum(spent.values()), sum(spent.get(pid, 0.0) for pid in engines) if engines else None
 
 
 class GpuUtilisation:

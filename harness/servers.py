@@ -13,6 +13,7 @@ from typing import Sequence
 import requests
 
 from app.hosting.procstat import children
+from app.link.supervisor import ENGINE_MODULE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,7 +67,7 @@ class Running:
         """``worker_pids`` but the engine processes (``python -m app.link.server SLOT``)."""
         def engine(pid: int) -> bool:
             try:
-                return b"app.link.server" in Path(f"/proc/{pid}/cmdline").read_bytes()
+                return ENGINE_MODULE.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:  # gone meanwhile
                 return True
         return [pid for pid in self.worker_pids() if not engine(pid)]

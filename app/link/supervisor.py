@@ -36,6 +36,7 @@ log = logging.getLogger("gunicorn.error")
 RESTART_DELAY_S = 1.0  # after a crash, before starting it again (a crash loop costs one start a second)
 EARLY_CRASHES = 3  # deaths in a row before the engine ever listened that count as a failure to start
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: where `python -m app.link.server` finds app
+ENGINE_MODULE = "app.link.server"  # what an engine process runs: its command line names it
 _ENGINES: list["Engine"] = []  # this master's engines (survives gunicorn.conf.py being executed again)
 OWNED_DIRS: list[str] = []  # temporary directories this master made (removed at exit, also after a HUP)
 
@@ -70,7 +71,7 @@ class Engine:
 
     def _spawn(self) -> None:
         self.socket.unlink(missing_ok=True)  # it appears again when this engine listens
-        self.process = subprocess.Popen([sys.executable, "-m", "app.link.server", str(self.slot)], cwd=ROOT,
+        self.process = subprocess.Popen([sys.executable, "-m", ENGINE_MODULE, str(self.slot)], cwd=ROOT,
                                         stdin=subprocess.PIPE, start_new_session=True)
         log.info("engine %d started (pid %d)", self.slot, self.process.pid)
 

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import requests
 
-from bench.usage import engine_pids, process_tree_cpu
+from bench.usage import process_tree_cpu, tree_cpu_spent
 
 
 @dataclass(frozen=True)
@@ -166,10 +166,9 @@ def measure(server: str, model: str, base_url: str, path: str, bodies: Sequence[
                                               content_type)
     wall = time.perf_counter() - started
     tree_after = process_tree_cpu(server_pid) if server_pid else {}
-    spent = {pid: cpu - tree_before[pid][1] for pid, (_, cpu) in tree_after.items() if pid in tree_before}
-    engines = engine_pids(tree_after)
-    server_cores = sum(spent.values()) / wall if server_pid else None
-    engine_cores = sum(spent.get(pid, 0.0) for pid in engines) / wall if engines else None
+    server_s, engine_s = tree_cpu_spent(tree_before, tree_after)
+    server_cores = server_s / wall if server_pid else None
+    engine_cores = engine_s / wall if engine_s is not None else None
     client_cores = (_own_cpu_s() - client_cpu) / wall
     delta = {k: v - before.get(k, 0.0) for k, v in server_counters(base_url).items()}
     images, batches = delta.get("batch_size_sum", 0.0), delta.get("batch_size_count", 0.0)

@@ -47,7 +47,7 @@ import numpy as np
 from bench.serving import engine_only
 from bench.serving.load import closed_loop, percentile, server_counters
 from bench.serving.tiny_work import BODY_BYTES, CLASSES, INPUT, MODEL, padded_jpeg, tiny_weights
-from bench.usage import engine_pids, process_tree_cpu
+from bench.usage import process_tree_cpu, tree_cpu_spent
 from harness.photos import multipart
 from harness.servers import ROOT, Running, free_port, visionserve
 
@@ -154,16 +154,14 @@ def measure(server: str, running: Running, form: Form, concurrency: int, seconds
     after = process_tree_cpu(running.process.pid)
     now = server_counters(running.url)
     decode_s, forward_s = (now.get(key, 0.0) - counted.get(key, 0.0) for key in (DECODE, FORWARD))
-    spent = {pid: cpu - before[pid][1] for pid, (_, cpu) in after.items() if pid in before}
-    engines = engine_pids(after)
-    engine_s = sum(spent.get(pid, 0.0) for pid in engines)
-    http_s = sum(spent.values()) - engine_s
+    server_s, engine_s = tree_cpu_spent(before, after)
+    http_s = server_s - (engine_s or 0.0)
     answered = max(answered, 1)
     per_image = 1e6 / (answered * max(form.images, 1))
     ms = sorted(x * 1000 for x in latencies)
     return Point(server, form.name, form.images, concurrency, len(latencies) / seconds,
                  len(latencies) * form.images / seconds, percentile(ms, 50), percentile(ms, 99), errors,
-                 http_s / answered * 1e6, engine_s * per_image if engines else None,
+                 http_s / answered * 1e6, None if engine_s is None else engine_s * per_image,
                  decode_s * per_image if FORWARD in counted else None,
                  forward_s * per_image if FORWARD in counted else None)
 
