@@ -24,6 +24,7 @@ Dtype = Literal["float32", "float16", "bfloat16"]
 WeightsFormatSetting = Literal["auto", "onnx", "aoti", "int8", "torchscript", "state_dict"]
 ENV_PREFIX = "VISIONSERVE_"
 CLIENT_VARIABLES = frozenset({"VISIONSERVE_URL"})  # read by the client (python -m visionserve_client), not by the server
+AUTO_MAX_BATCH_SIZE = {"cpu": 8, "cuda": 32}  # MAX_BATCH_SIZE=0, by the model's device type
 
 
 def dtype_fits_device(dtype: str, device_type: str) -> str | None:
@@ -201,7 +202,11 @@ class BatchingSettings(SettingsGroup):
 
     heading = "Batching and queue"
 
-    max_batch_size: int = Field(8, gt=0, description="Most images in one forward pass.")
+    max_batch_size: int = Field(
+        0, ge=0, description="Most images in one forward pass. 0 = auto, by the model's device: 8 on a CPU (a batch "
+        "costs about as much per image there at any size, and a larger one only waits longer); 32 on a GPU (an H200's "
+        "forward pass of 32 images ran 10,000 img/s against 7,500 at 8 and 10,750 at 64: docs/performance.md). "
+        "`auto_batch_size` may cap batches lower.")
     auto_batch_size: bool = Field(
         True, description="At warm-up, time the forward pass per batch size and cap batches at the largest size "
         "within 5% of the best images/s, below any size where it slows (the curve is in `/v1/models`).")
@@ -441,11 +446,16 @@ class Settings(SecuritySettings, ExplainSettings, MonitoringSettings, ServerSett
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", protected_namespaces=())
 
-    def resolved_queue_size(self) -> int:
+    def batch_ceiling(self, device_type: str) -> int:
+        """``max_batch_size``, or its automatic value for a model on ``device_type`` (cpu, cuda) when 0."""
+        return self.max_batch_size or AUTO_MAX_BATCH_SIZE.get(device_type, AUTO_MAX_BATCH_SIZE["cpu"])
+
+    def resolved_queue_size(self, device_type: str) -> int:
         """``queue_size``, or its automatic value when 0: what the request threads feeding one queue can hold (an
-        engine serves every HTTP worker; inline, a worker its own threads)."""
+        engine serves every HTTP worker; inline, a worker its own threads), and two batches at least."""
         feeding_workers = -(-(self.workers or 1) // self.engines) if self.engines else 1
-        return self.queue_size or max(feeding_workers * self.threads * self.max_images, 2 * self.max_batch_size)
+        return self.queue_size or max(feeding_workers * self.threads * self.max_images,
+                                      2 * self.batch_ceiling(device_type))
 
     def model_processes(self) -> int:
         """How many processes load models side by side, share the host's cores and report what they serve: the

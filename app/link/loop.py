@@ -45,6 +45,7 @@ from app.link import wire
 from app.link.decode_shares import DecodeShares, encoded_bytes
 from app.link.gathering import Gathering
 from app.metrics import RequestTally
+from models.export.checks import device_type
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +134,8 @@ class EngineServer:
         self._started = threading.Lock()
         settings = service.settings
         self._loop_batch_s = settings.engine_loop_batch_ms / 1000
-        self.gathering = Gathering(settings.max_wait_ms / 1000, settings.max_batch_size, time.monotonic())
+        self.gathering = Gathering(settings.max_wait_ms / 1000, settings.batch_ceiling(device_type(settings.device)),
+                                   time.monotonic())
         self._wake_only = selectors.DefaultSelector()  # the loop's wake-ups alone, while it gathers requests
         self._explain_threads = ThreadPoolExecutor(settings.explain_concurrency + settings.explain_queue_size + 1,
                                                    thread_name_prefix="engine-explain")  # each waits on the lane
@@ -141,6 +143,8 @@ class EngineServer:
             wire.Unanswered: self._unanswered, wire.CatalogCall: self._catalog, wire.StateQuery: self._state,
             wire.Explain: self._explain}
         self._turn: list[tuple[_Connection, wire.Infer, list[memoryview]]] = []  # requests read in this loop turn
+        self._open = 0  # connections adopted and not closed
+        self._exchanges = 0  # requests admitted and not yet ended (a connection's one at a time)
         self._deferred: dict[int, Batcher] = {}  # the batchers this turn queued on, not yet run or woken (by id)
 
     def bind(self) -> None:
@@ -197,7 +201,7 @@ class EngineServer:
         catalog calls and deadlines are seen when it ends (it never ends early; epoll's clock may add up to a
         millisecond)."""
         read = len(self._turn)
-        wait_s = self.gathering.wait_s(read)
+        wait_s = self.gathering.wait_s(read, self._open - self._exchanges - read)
         if wait_s:
             until = time.monotonic() + wait_s
             while (left := until - time.monotonic()) > 0:
@@ -240,11 +244,13 @@ class EngineServer:
         sock.setblocking(False)  # read as frames come (wire.FrameReader), no poll before each read or send
         conn = _Connection(sock)
         self._selector.register(sock, selectors.EVENT_READ, functools.partial(self._readable, conn))
+        self._open += 1
 
     def _close(self, conn: _Connection) -> None:
         if conn.closed:
             return
         conn.closed = True
+        self._open -= 1
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(conn.sock)
         conn.sock.close()
@@ -356,6 +362,7 @@ class EngineServer:
             self._send(conn, self._answer(error=_as_error(exc)))
             return None
         exchange = conn.exchange = _Exchange(conn, admission, message, images, tensors)
+        self._exchanges += 1
         return exchange
 
     def _queue(self, exchange: _Exchange) -> None:
@@ -439,6 +446,7 @@ class EngineServer:
         if exchange.ended:
             return
         exchange.ended = True
+        self._exchanges -= 1
         conn = exchange.conn
         conn.exchange = None
         served = None

@@ -86,6 +86,7 @@ def explain() -> Response:
 
 def _model_info(settings: Settings, info: VersionInfo, ready: bool, show_labels: bool) -> ModelInfo:
     s, m = settings, info.manifest
+    device_type = info.device.partition(":")[0]  # cpu, cuda
     return ModelInfo(
         name=m.name, version=m.version, arch=m.arch, num_classes=m.num_classes,
         input_shape=list(m.preprocess.input_shape), preprocess=m.preprocess, format=info.weights_format,
@@ -95,10 +96,10 @@ def _model_info(settings: Settings, info: VersionInfo, ready: bool, show_labels:
         warmed_batch_sizes=info.warmed_batch_sizes, labels=m.labels if show_labels else None,
         ready=ready and info.alive, default=info.default, state="READY", role=info.role,
         memory_bytes=info.memory_bytes, device_memory_bytes=info.device_memory_bytes, monitoring=info.monitoring,
-        batching=Batching(max_batch_size=s.max_batch_size, batch_cap=info.batch_cap,
+        batching=Batching(max_batch_size=s.batch_ceiling(device_type), batch_cap=info.batch_cap,
                           profile={k: round(v, 1) for k, v in info.profile.items()}, max_wait_ms=s.max_wait_ms,
                           current_max_batch_size=info.current_max_batch_size,
-                          queue_size=s.resolved_queue_size(), queue_depth=info.queue_depth),
+                          queue_size=s.resolved_queue_size(device_type), queue_depth=info.queue_depth),
         limits=Limits(max_body_bytes=s.max_body_bytes, max_pixels=s.max_pixels, max_images=s.max_images,
                       max_aspect_ratio=s.max_aspect_ratio, default_top_k=s.top_k,
                       request_timeout_s=s.request_timeout_s))

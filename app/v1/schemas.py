@@ -101,7 +101,7 @@ class ExplainResponse(BaseModel):
 class Batching(BaseModel):
     """The batcher's settings and its state now."""
 
-    max_batch_size: int = Field(description="the configured ceiling")
+    max_batch_size: int = Field(description="the ceiling: MAX_BATCH_SIZE, or its automatic value for the device")
     batch_cap: int = Field(description="the cap in force: measured at warm-up when auto_batch_size is on")
     max_wait_ms: float
     current_max_batch_size: int = Field(description="lower than batch_cap for a while after a GPU OOM")

@@ -12,6 +12,8 @@ workers give it when they are the bound).
     python3 -m bench.serving.engine_only --device cuda --floor --out FOLDER        # on a GPU host (the drill)
     .venv/bin/python -m bench.serving.engine_only --instructions --checkout ../before --forms "v2 x1" "v2 x16"
 
+The engine batches as it does on a GPU host, the host the budget is written for (``--max-batch-size``: by default
+MAX_BATCH_SIZE's automatic value there, 32, where a CPU's is 8: a 16-image request is one forward pass, not two).
 With no HTTP worker beside it on the CPU, the engine is the bound and runs the batches it would run saturated: the
 figures are its cost per request and per image at that load, with nothing of the HTTP side in them (the overhead
 benchmark measures both together, at the batch sizes two HTTP workers feed it). Each checkout's engine and client
@@ -54,6 +56,7 @@ FLOOR = Path("/floor")  # the floor's key among the checkouts measured
 FLOOR_PIPELINED = Path("/floor-one-connection")  # the floor, every request on one connection
 STAGE_CPU_METRIC = "visionserve_stage_cpu_seconds"  # app/metrics.py's STAGE_CPU_SECONDS, which the floor writes too
 WARM_UP_REQUESTS = 50  # before an instruction count: every step of the request path run (and translated) once
+GPU_BATCH_CEILING = 32  # app/config.py AUTO_MAX_BATCH_SIZE["cuda"]: the engine batches as on the GPU host #50 is for
 
 
 def _import_from(checkout: Path) -> None:
@@ -101,10 +104,11 @@ def serve_floor(weights: Path, sock: Path, device: str = "cpu") -> None:
     from bench.serving.tiny_work import MODEL
 
     from models.architectures import split_outputs
+    from models.export.checks import device_type
     from models.serving import forward_threads
 
     torch.set_num_threads(forward_threads(0, device) or torch.get_num_threads())  # the engine's rule for its forward
-    batch_cap = Settings.model_fields["max_batch_size"].default  # the engine's (serve: auto_batch_size off)
+    batch_cap = Settings(device=device).batch_ceiling(device_type(device))  # the engine's (auto_batch_size off)
     module = torch.jit.load(str(weights / "model.torchscript.pt"), map_location=device).eval()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(sock))
@@ -350,18 +354,21 @@ def _drive_threads(checkout: Path, sock: Path, form: str, concurrency: int, seco
 
 
 def measure(checkout: Path, weights: Path, form: str, concurrency: int, seconds: float,
-            floor: bool = False, device: str = "cpu", clients: str = "loop") -> dict[str, Any]:
-    """One engine started from ``checkout`` (``floor``: the floor's loop instead), driven by that checkout's client
-    (``clients``: as ``drive`` says), then stopped."""
+            floor: bool = False, device: str = "cpu", clients: str = "loop",
+            max_batch_size: int = GPU_BATCH_CEILING) -> dict[str, Any]:
+    """One engine started from ``checkout`` (``floor``: the floor's loop instead) with batches of up to
+    ``max_batch_size`` images (0: its device's automatic ceiling), driven by that checkout's client (``clients``: as
+    ``drive`` says), then stopped."""
     serve_args = (["--serve-floor", str(weights)] if floor else ["--serve", str(checkout), str(weights)])
-    with _engine(checkout, serve_args, device) as (engine, sock, env):
+    with _engine(checkout, serve_args, device, max_batch_size=max_batch_size) as (engine, sock, env):
         client = subprocess.run([sys.executable, "-m", "bench.serving.engine_only", "--drive", str(checkout),
                                  str(sock), form, str(concurrency), str(seconds), str(engine.pid), clients],
                                 cwd=ROOT, env=env, capture_output=True, text=True, check=True)
         return json.loads(client.stdout.strip().splitlines()[-1])
 
 
-def instructions(checkout: Path, weights: Path, form: str, requests: int) -> dict[str, Any]:
+def instructions(checkout: Path, weights: Path, form: str, requests: int,
+                 max_batch_size: int = GPU_BATCH_CEILING) -> dict[str, Any]:
     """The engine of ``checkout`` under callgrind (valgrind installed), sent ``requests`` of ``form`` one at a time
     by that checkout's client (``count``): its instructions per request and per image, the same from run to run
     where its CPU time moves 10-20% on a VM. A request that comes alone: its batches, its settle, no wake-up's cost
@@ -371,7 +378,7 @@ def instructions(checkout: Path, weights: Path, form: str, requests: int) -> dic
         from bench.serving.callgrind import callgrind_command, callgrind_total
 
         serve_args = ["--serve", str(checkout), str(weights)]
-        with _engine(checkout, serve_args, "cpu", callgrind_command(out)) as (engine, sock, env):
+        with _engine(checkout, serve_args, "cpu", callgrind_command(out), max_batch_size) as (engine, sock, env):
             subprocess.run([sys.executable, "-m", "bench.serving.engine_only", "--count", str(checkout), str(sock),
                             form, str(requests), str(engine.pid)], cwd=ROOT, env=env, capture_output=True, check=True)
         total = callgrind_total(out)
@@ -380,12 +387,15 @@ def instructions(checkout: Path, weights: Path, form: str, requests: int) -> dic
 
 
 @contextlib.contextmanager
-def _engine(checkout: Path, serve_args: list[str], device: str,
-            wrapper: Sequence[str] = ()) -> Iterator[tuple[subprocess.Popen, Path, dict[str, str]]]:
+def _engine(checkout: Path, serve_args: list[str], device: str, wrapper: Sequence[str] = (),
+            max_batch_size: int = GPU_BATCH_CEILING) -> Iterator[tuple[subprocess.Popen, Path, dict[str, str]]]:
     """An engine process (``serve_args``: --serve or --serve-floor and their paths; ``wrapper``: what runs it, such
-    as valgrind) on a socket of its own, once ready; killed after."""
+    as valgrind; ``max_batch_size``: its MAX_BATCH_SIZE, 0 leaving it to the device) on a socket of its own, once
+    ready; killed after."""
     with tempfile.TemporaryDirectory() as scratch:
         sock, env = Path(scratch) / "engine.sock", {**os.environ, "PROMETHEUS_MULTIPROC_DIR": scratch}
+        if max_batch_size:  # (an older checkout's settings refuse 0)
+            env["VISIONSERVE_MAX_BATCH_SIZE"] = str(max_batch_size)
         engine = subprocess.Popen([*wrapper, sys.executable, "-m", "bench.serving.engine_only", *serve_args, str(sock),
                                    device], cwd=ROOT, env=env)
         try:
@@ -451,6 +461,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--floor", action="store_true",
                         help="also the floor: a loop with this wire and model and nothing else (V2 forms)")
     parser.add_argument("--device", default="cpu", help="the engine's DEVICE (and the floor's)")
+    parser.add_argument("--max-batch-size", type=int, default=GPU_BATCH_CEILING,
+                        help="the engine's MAX_BATCH_SIZE (and the floor's batches): by default what a GPU host gets "
+                        "(the host the budget is for; a 16-image request is one forward pass there); 0: the "
+                        "device's own automatic value (8 on a CPU)")
     parser.add_argument("--clients", choices=("loop", "threads"), default="loop",
                         help="loop: one client thread keeps every request in flight (the engine the bound); threads: "
                         "a thread per connection, a request at a time (the engine with slack, as behind HTTP workers)")
@@ -485,7 +499,8 @@ def main(argv: list[str] | None = None) -> int:
     weights = tiny_weights(TINY_WEIGHTS)
     checkouts = [ROOT, *(c.resolve() for c in args.checkout)]
     if args.instructions:
-        report = instruction_report({(form, checkout): instructions(checkout, weights, form, args.requests)
+        report = instruction_report({(form, checkout): instructions(checkout, weights, form, args.requests,
+                                                                    args.max_batch_size)
                                      for form in args.forms for checkout in checkouts}, args.requests)
         print(report)
         if args.out:
@@ -498,17 +513,17 @@ def main(argv: list[str] | None = None) -> int:
             for checkout in checkouts:
                 found.setdefault((form, checkout), []).append(
                     measure(checkout, weights, form, args.concurrency, args.seconds, device=args.device,
-                            clients=args.clients))
+                            clients=args.clients, max_batch_size=args.max_batch_size))
             if args.floor and FORMS[form][0] == "v2":
                 found.setdefault((form, FLOOR), []).append(
                     measure(ROOT, weights, form, args.concurrency, args.seconds, floor=True, device=args.device,
-                            clients=args.clients))
+                            clients=args.clients, max_batch_size=args.max_batch_size))
                 found.setdefault((form, FLOOR_PIPELINED), []).append(
                     measure(ROOT, weights, form, args.concurrency, args.seconds, floor=True, clients="pipelined",
-                            device=args.device))
+                            device=args.device, max_batch_size=args.max_batch_size))
     lines = [f"The engine without HTTP on {args.device} ({os.cpu_count()} cores): C={args.concurrency} "
              f"({'a client thread each' if args.clients == 'threads' else 'one client loop'}), {args.seconds:g} s per "
-             f"point, median of {args.rounds}", "",
+             f"point, median of {args.rounds}, MAX_BATCH_SIZE {args.max_batch_size or 'auto'}", "",
              "| checkout | form | req/s | engine us / request | engine us / image | of which decode | of which "
              "forward | beyond decode and forward, us / image | errors |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

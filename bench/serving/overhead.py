@@ -13,7 +13,9 @@ and V2 binary tensors (FP32 pixels: no decode at all).
 Each server (visionserve inline, visionserve with the engine process, the bare Flask app that is the unit, and the
 peers: the naive Flask app and LitServe, on the same model and bodies) is started once; each point runs C
 keep-alive clients after a warm-up. CPU is read from /proc for every process of the server: the engine's (process
-mode) apart from the rest (the HTTP workers and the master).
+mode) apart from the rest (the HTTP workers and the master). visionserve batches as on a GPU host, the host the
+budget is written for: MAX_BATCH_SIZE 32, its automatic value there (``--max-batch-size``; 0 leaves it to the
+device: 8 on a CPU, where a 16-image request is two forward passes, each with its own steps).
 
 The unit, **one bare-Flask request**, is the bare app's CPU per request with the same one-image body and the same
 client, at the same C. The budget (issue #50): HTTP worker <= 1.5 units per one-image request; engine <= 0.1 unit
@@ -254,7 +256,8 @@ Start = Callable[[], Running]
 def starters(args: argparse.Namespace, weights: Path, logs: Path) -> dict[str, Start]:
     """How each server named in ``--servers`` (and each ``--checkout``'s process mode) starts."""
     ours = {"device": args.device, "workers": str(args.workers), "auto_batch_size": "false",
-            "max_images": "16", "log_level": "warning", "warmup": "false"}
+            "max_images": "16", "log_level": "warning", "warmup": "false",
+            **({"max_batch_size": str(args.max_batch_size)} if args.max_batch_size else {})}
     from app.config import Settings
     from bench.serving import peers
 
@@ -303,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
                         "order after the unit)")
     parser.add_argument("--workers", type=int, default=2, help="HTTP workers of every server")
     parser.add_argument("--device", default="cpu", help="visionserve's DEVICE (the engine's, in process mode)")
+    parser.add_argument("--max-batch-size", type=int, default=engine_only.GPU_BATCH_CEILING,
+                        help="visionserve's MAX_BATCH_SIZE (and the engine alone's and the floor's): by default what "
+                        "a GPU host gets, the host the budget is for; 0: the device's own automatic value (8 on a CPU)")
     parser.add_argument("--out", type=Path, help="also write the report (Markdown) and the points (JSON) here")
     parser.add_argument("--floor", action="store_true",
                         help="also the engine alone and its floor (V2 forms, at the headline C) in this run's unit")
@@ -336,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
                 for form_name in (name for name in args.forms if name.startswith("v2")):
                     for kind in ENGINE_ALONE:
                         found = engine_only.measure(ROOT, weights, form_name, headline, args.seconds,
-                                                    floor=kind == "floor", device=args.device, clients="threads")
+                                                    floor=kind == "floor", device=args.device, clients="threads",
+                                                    max_batch_size=args.max_batch_size)
                         alone[(kind, form_name)].append(found)
                         print(json.dumps({"engine": kind, **found}), flush=True)
     points = [_median(found) for found in rounds.values()]
@@ -344,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     report = "\n".join([
         f"# Serving overhead, {time.strftime('%Y-%m-%d %H:%M')}", "",
         f"{os.cpu_count()} cores, device {args.device}, {args.workers} HTTP workers per server, {args.seconds:g} s per "
-        f"point after {args.warmup:g} s of warm-up, median of {args.rounds} server start(s). Model: one linear layer "
+        f"point after {args.warmup:g} s of warm-up, median of {args.rounds} server start(s), MAX_BATCH_SIZE "
+        f"{args.max_batch_size or 'auto'}. Model: one linear layer "
         f"on {'x'.join(map(str, INPUT))} inputs, {CLASSES} classes; JPEG bodies of {BODY_BYTES // 1000} KB (8x8 "
         "photos, padded).", "",
         "The unit, one bare-Flask request: " + ", ".join(f"C={c}: {u:.0f} us" for c, u in sorted(unit.items())),

@@ -21,10 +21,18 @@ class ModelLoadError(RuntimeError):
     """The weights directory cannot be served; the message says why and what to do."""
 
 
+def device_type(name: str) -> str:
+    """The type of the device ``name`` (auto, cpu, cuda, cuda:N) means here, cuda or cpu, without checking that it
+    exists (``resolve_device`` does)."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name).type
+
+
 def resolve_device(name: str) -> torch.device:
     """auto -> cuda when available else cpu; an explicit cuda device must exist."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(device_type(name))
     device = torch.device(name)
     if device.type == "cuda":
         if not torch.cuda.is_available():

@@ -36,6 +36,28 @@ def test_measured_cap_is_applied_and_shown(settings: Settings, predictor: Predic
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 
 
+def test_the_automatic_ceiling_follows_the_device() -> None:
+    auto = Settings(workers=1, threads=1, max_images=1)  # the queue's automatic size then rests on the ceiling
+    assert auto.max_batch_size == 0
+    assert (auto.batch_ceiling("cpu"), auto.batch_ceiling("cuda")) == (8, 32)
+    assert (auto.resolved_queue_size("cpu"), auto.resolved_queue_size("cuda")) == (16, 64)
+    assert Settings(max_batch_size=12).batch_ceiling("cuda") == 12  # a set value holds on every device
+
+
+def test_a_version_on_the_cpu_batches_up_to_the_cpu_ceiling(settings: Settings, predictor: Predictor) -> None:
+    sizes: list[int] = []
+    predictor.warmup = lambda max_batch_size: sizes.append(max_batch_size) or {}  # type: ignore[method-assign]
+    app = create_app(settings.model_copy(update={"max_batch_size": 0, "queue_size": 0, "warmup": True}), predictor)
+    try:
+        assert app.extensions[EXTENSION_KEY].loaded_version().batcher.max_batch_size == 8
+        assert sizes == [8]  # warmed up to it
+        batching = app.test_client().get("/v1/models").get_json()["models"][0]["batching"]
+        assert (batching["max_batch_size"], batching["batch_cap"]) == (8, 8)
+        assert batching["queue_size"] == settings.model_copy(update={"queue_size": 0}).resolved_queue_size("cpu")
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
 def test_warmup_canary_and_batches_run_on_the_batcher_thread(settings: Settings, predictor: Predictor,
                                                               model) -> None:  # noqa: ANN001
     # cuDNN keeps its tuned plans per thread: a warm-up on any other thread would leave them to the first batches.

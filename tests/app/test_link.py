@@ -823,9 +823,11 @@ def test_a_batch_run_where_images_were_decoded_is_not_counted_as_their_decode(se
 
 
 def _as_if_busy(server: EngineServer, monkeypatch: pytest.MonkeyPatch, wait_s: float, yield_: float = 1.0) -> None:
-    """The loop as if requests came every 10 ms and its batches ran on it (so it waits for more, up to ``wait_s``),
-    and waits so far brought ``yield_`` requests each; the pace stays as it is."""
+    """The loop as if requests came every 10 ms, its batches ran on it and other HTTP threads' connections were open
+    with no request (so it waits for more, up to ``wait_s``), and waits so far brought ``yield_`` requests each; the
+    pace stays as it is."""
     monkeypatch.setattr("app.link.gathering.ARRIVAL_WEIGHT", 0.0)
+    monkeypatch.setattr(server, "_open", server._open + 8)
     gathering = server.gathering
     gathering.max_wait_s, gathering.batch_cap = wait_s, 1000  # no cap on the wait from the pace
     gathering.arrival_gap_s, gathering.wait_yield, gathering.batches_on_loop = 0.01, yield_, True
@@ -889,6 +891,19 @@ def test_a_lone_client_s_requests_stop_the_waits_that_bring_nothing_but_for_a_pr
     # a sequential client's next request cannot come while the loop waits: the first wait brought nothing, the
     # next three turns did not wait, the fourth looked again (and brought nothing), the one after did not wait
     assert waited == [True, False, False, False, True, False]
+
+
+def test_the_loop_never_waits_for_requests_that_cannot_come(link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
+    red = torch.zeros(3, 8, 8)
+    red[0] = 1.0
+    infer(link.worker, tensors=[red.numpy()])
+    _as_if_busy(link.server, monkeypatch, wait_s=0.05)
+    monkeypatch.setattr(link.server, "_open", link.server._open - 8)  # this thread's connection alone, as it is
+    waited = _waits(link.server, monkeypatch, on_loop=True)
+    for _ in range(3):
+        infer(link.worker, tensors=[red.numpy()])
+    # its one connection carries the request the turn read: no other can come, whatever the pace and the yield say
+    assert waited == [False, False, False] and link.server._exchanges == 0
 
 
 def test_the_loop_waits_only_while_its_turns_batches_run_on_it(link: Link, monkeypatch: pytest.MonkeyPatch) -> None:

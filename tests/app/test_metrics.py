@@ -101,7 +101,7 @@ def test_readiness_the_inference_thread_and_the_queue_capacity_are_metrics(clien
 
     assert value("visionserve_ready") == 1 and value("visionserve_batcher_alive") == 1
     # per model version, so a swap shows the old queue draining beside the new one
-    assert value('visionserve_queue_capacity{model="colour",version="test"}') == service.settings.resolved_queue_size()
+    assert value('visionserve_queue_capacity{model="colour",version="test"}') == service.settings.resolved_queue_size("cpu")
     service.begin_drain()
     assert value("visionserve_ready") == 0
     service.loaded_version().batcher.stop(timeout=5)

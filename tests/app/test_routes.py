@@ -204,9 +204,9 @@ def test_the_default_queue_holds_every_image_its_request_threads_hold(predictor)
     from app.factory import create_app
 
     defaults = Settings(device="cpu", max_batch_size=4, auto_batch_size=False, max_wait_ms=5)
-    assert defaults.resolved_queue_size() == defaults.threads * defaults.max_images == 512
+    assert defaults.resolved_queue_size("cpu") == defaults.threads * defaults.max_images == 512
     engine = defaults.model_copy(update={"workers": 5, "engines": 2})  # an engine serves every HTTP worker's threads
-    assert engine.resolved_queue_size() == 3 * 512
+    assert engine.resolved_queue_size("cpu") == 3 * 512
     app = create_app(defaults, predictor)
     model = predictor.module
     try:

@@ -83,5 +83,5 @@ def test_the_methods_of_the_groups_and_of_the_whole(tmp_path: Path) -> None:
     assert settings.model_names() == ["a", "b"]
     assert settings.resolved_api_key() == "s3cret"
     assert settings.device == "cuda:1"
-    assert settings.resolved_queue_size() == settings.threads * 4 == 128
+    assert settings.resolved_queue_size("cuda") == settings.threads * 4 == 128
     assert settings.resolved_weights_dir().is_absolute()

@@ -42,7 +42,7 @@ def test_dtypes() -> None:
 
 
 @pytest.mark.parametrize("env", [{"device": "gpu"}, {"device": "cuda:x"}, {"dtype": "int8"},
-                                 {"max_batch_size": 0}, {"queue_size": -1}, {"device": "cpu", "dtype": "float16"}])
+                                 {"max_batch_size": -1}, {"queue_size": -1}, {"device": "cpu", "dtype": "float16"}])
 def test_bad_settings_are_refused_at_boot(env: dict[str, object]) -> None:
     with pytest.raises(pydantic.ValidationError):
         Settings(**env)

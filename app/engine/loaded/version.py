@@ -146,9 +146,9 @@ def check_canary(probabilities: np.ndarray, num_classes: int) -> None:
 
 def _apply_batch_cap(settings: Settings, loaded: LoadedVersion) -> None:
     """Cap batches where the forward pass measured at warm-up starts to slow (when ``auto_batch_size``), saying why in the log."""
-    profile = loaded.batch_profile
-    cap = choose_batch_cap(profile) if profile and settings.auto_batch_size else settings.max_batch_size
-    if cap < settings.max_batch_size:
+    profile, ceiling = loaded.batch_profile, settings.batch_ceiling(loaded.predictor.device.type)
+    cap = choose_batch_cap(profile) if profile and settings.auto_batch_size else ceiling
+    if cap < ceiling:
         log.info("%s %s: batch cap %d: larger batches were slower (%s)", loaded.name, loaded.version, cap,
                  ", ".join(f"{size}: {rate:.0f} img/s" for size, rate in profile.items()))
         loaded.batcher.set_max_batch_size(cap)
@@ -170,16 +170,17 @@ def start_version(settings: Settings, predictor: Predictor) -> LoadedVersion:
     decoder = decoder_of(settings.decode_path, predictor, DecodeLimits.from_settings(settings))
     observer = MetricsObserver(predictor.memory_stats if predictor.device.type == "cuda" else None, name, version)
     loaded = LoadedVersion(predictor, decoder, PredictionMonitor.for_version(settings, predictor.manifest), observer)
+    ceiling = settings.batch_ceiling(predictor.device.type)
     loaded.batcher = Batcher(
-        loaded.run_batch, max_batch_size=settings.max_batch_size, max_wait_ms=settings.max_wait_ms,
-        queue_size=settings.resolved_queue_size(), split_on=OUT_OF_MEMORY_ERRORS, shrink_s=settings.oom_shrink_s,
+        loaded.run_batch, max_batch_size=ceiling, max_wait_ms=settings.max_wait_ms,
+        queue_size=settings.resolved_queue_size(predictor.device.type), split_on=OUT_OF_MEMORY_ERRORS, shrink_s=settings.oom_shrink_s,
         observer=observer, incoming=loaded.arrivals.count, name=f"batcher-{name}-{version}",
         inline_when_idle=inline_batches(settings.inline_when_idle, predictor.device), settle=loaded.settle,
         settle_s=settings.metrics_flush_ms / 1000)
 
     def prepare() -> None:  # on the thread that will run the batches: cuDNN's tuned plans are per thread
         if settings.warmup:
-            loaded.batch_profile.update(predictor.warmup(settings.max_batch_size))
+            loaded.batch_profile.update(predictor.warmup(ceiling))
         # A synthetic photo through the decoder the batches will use (starting the device's decoder there) and
         # the model.
         check_canary(loaded.run_batch([decoder.prepare(canary_jpeg())])[:, :predictor.num_classes],

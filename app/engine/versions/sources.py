@@ -100,12 +100,13 @@ class DirectorySource:
 
     def load(self, name: str, version: str) -> Predictor:
         """Load and verify one version (manifest, checksum, keys, output shape) or raise ModelLoadError."""
-        folder = self.path(name, version)
+        folder, device = self.path(name, version), resolve_device(self.settings.device)
         predictor = Predictor.load(folder, weights_format=self.settings.weights_format, device=self.settings.device,
                                    dtype=self.settings.dtype, jit_optimize=self.settings.jit_optimize,
-                                   max_batch_size=self.settings.max_batch_size, cuda_graphs=self.settings.cuda_graphs,
-                                   threads=forward_threads(self.settings.torch_threads, resolve_device(
-                                       self.settings.device), workers=self.settings.model_processes()) or 1)
+                                   max_batch_size=self.settings.batch_ceiling(device.type),
+                                   cuda_graphs=self.settings.cuda_graphs,
+                                   threads=forward_threads(self.settings.torch_threads, device,
+                                                           workers=self.settings.model_processes()) or 1)
         found = (predictor.manifest.name, predictor.manifest.version)
         if found != (name, version):
             raise ModelLoadError(f"{folder}/manifest.json says {found[0]} version {found[1]}, but the repository "
