@@ -105,14 +105,17 @@ def forms(photos: Sequence[bytes]) -> dict[str, Form]:
     return {form.name: form for form in every}
 
 
-def bare_app(log_dir: Path, workers: int, threads: int, cwd: Path = ROOT, wait_ms: float = 0.0) -> Running:
+def bare_app(log_dir: Path, workers: int, threads: int, cwd: Path = ROOT, wait_ms: float = 0.0,
+             gevent: bool = False) -> Running:
     """The unit: bench/serving/bare_app.py under gunicorn with visionserve's worker class, workers and threads
     (``-c /dev/null``: not the project's gunicorn.conf.py, which would start an engine beside it); ``wait_ms``: its
-    route sleeps that long before it answers (``bare-wait``)."""
+    route sleeps that long before it answers (``bare-wait``); ``gevent``: gunicorn's gevent worker instead, a
+    greenlet per connection (``bare-gevent``: what another worker class would cost; gevent must be installed)."""
     port = free_port()
-    command = [sys.executable, "-m", "gunicorn", "-c", "/dev/null", "-k", "app.hosting.worker.BufferingWorker",
-               "--threads", str(threads), "-w", str(workers), "-b", f"127.0.0.1:{port}", "--log-level", "warning",
-               "bench.serving.bare_app:app"]
+    worker = (["-k", "gevent", "--worker-connections", "1000"] if gevent else
+              ["-k", "app.hosting.worker.BufferingWorker", "--threads", str(threads)])
+    command = [sys.executable, "-m", "gunicorn", "-c", "/dev/null", *worker, "-w", str(workers),
+               "-b", f"127.0.0.1:{port}", "--log-level", "warning", "bench.serving.bare_app:app"]
     # cwd before what PYTHONPATH already holds (on a lent GPU machine: the carried wheels, gunicorn among them)
     path = os.pathsep.join(filter(None, (str(cwd), os.environ.get("PYTHONPATH"))))
     return Running("bare-flask", command, {"PYTHONPATH": path, "BARE_WAIT_MS": str(wait_ms)}, port, "/readyz",
@@ -268,6 +271,8 @@ def starters(args: argparse.Namespace, weights: Path, logs: Path) -> dict[str, S
         "process-2": lambda: visionserve(weights, logs, engine="process", engines_per_device="2", **ours),
         "bare": lambda: bare_app(logs, args.workers, threads),
         "bare-wait": lambda: bare_app(logs, args.workers, threads, wait_ms=args.bare_wait_ms),
+        "bare-gevent": lambda: bare_app(logs, args.workers, threads, gevent=True),
+        "bare-gevent-wait": lambda: bare_app(logs, args.workers, threads, wait_ms=args.bare_wait_ms, gevent=True),
         "naive": lambda: peers.naive(weights, logs, workers=args.workers),
         "litserve": lambda: peers.litserve(weights, logs, workers=args.workers),
     }
@@ -289,9 +294,11 @@ def forms_for(server: str, every: dict[str, Form], chosen: Sequence[str]) -> lis
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--servers", nargs="+", default=["bare", "process", "inline", "naive", "litserve"],
-                        choices=("bare", "bare-wait", "process", "process-2", "inline", "naive", "litserve"),
+                        choices=("bare", "bare-wait", "bare-gevent", "bare-gevent-wait", "process", "process-2",
+                                 "inline", "naive", "litserve"),
                         help="process-2: the engine process mode with two engines (ENGINES_PER_DEVICE=2); "
-                        "bare-wait: the bare app sleeping --bare-wait-ms before it answers")
+                        "bare-wait: the bare app sleeping --bare-wait-ms before it answers; bare-gevent(-wait): the "
+                        "same under gunicorn's gevent worker (pip install gevent), not a unit: another worker class")
     parser.add_argument("--bare-wait-ms", type=float, default=20.0,
                         help="bare-wait's sleep: about what a request in process mode waits for its engine at C=16")
     parser.add_argument("--checkout", type=Path, action="append", default=[],
