@@ -82,7 +82,7 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
                     "--forms", "jpeg", "v2 x1", "/v1/models"]  # 16 per request: the served step
         tests = ["-m", "gpu", "tests/unit/test_device.py", "tests/unit/test_tensor_decode.py",
                  "tests/unit/test_load_placement.py", "tests/unit/test_cuda_graphs.py",
-                 "tests/training/test_gpu_data.py"]
+                 "tests/app/test_batching_cap.py", "tests/training/test_gpu_data.py"]
         engine = ["--floor", "--forms", "v2 x1", "jpeg", "--concurrency", "16", "--seconds", "3"]  # ~4 engine starts
         variant = ["--engines", "process", "--batch-sizes", "64", "--concurrency", "64", "256", "--images-per-request",
                    "1", "16", "--seconds", "3", "--warmup", "1", "--workers", "0"]

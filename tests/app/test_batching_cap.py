@@ -9,6 +9,7 @@ from app.factory import create_app
 from app.config import Settings
 from app.engine.loaded.predictor import Predictor
 from app.engine.batching.tuning import choose_batch_cap
+from tests.support.fakes import tiny_manifest
 from tests.support.imaging import image_bytes
 
 
@@ -54,6 +55,18 @@ def test_a_version_on_the_cpu_batches_up_to_the_cpu_ceiling(settings: Settings, 
         batching = app.test_client().get("/v1/models").get_json()["models"][0]["batching"]
         assert (batching["max_batch_size"], batching["batch_cap"]) == (8, 8)
         assert batching["queue_size"] == settings.model_copy(update={"queue_size": 0}).resolved_queue_size("cpu")
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+@pytest.mark.gpu
+def test_a_version_on_a_gpu_batches_up_to_the_gpu_ceiling(settings: Settings, model) -> None:  # noqa: ANN001
+    predictor = Predictor(model, tiny_manifest(), device="cuda")
+    app = create_app(settings.model_copy(update={"device": "cuda", "max_batch_size": 0}), predictor)
+    try:
+        assert app.extensions[EXTENSION_KEY].loaded_version().batcher.max_batch_size == 32
+        batching = app.test_client().get("/v1/models").get_json()["models"][0]["batching"]
+        assert batching["max_batch_size"] == 32
     finally:
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 
