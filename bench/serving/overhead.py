@@ -22,7 +22,9 @@ client, at the same C. The budget (issue #50): HTTP worker <= 1.5 units per one-
 per image at one image per request, <= 0.04 at 16, for everything but decode and the forward pass: the engine's
 figure in units is its CPU less its decoding's and its forward passes' (their CPU as visionserve's /metrics counts
 it, read around each point; the table shows all three). ``bare-wait`` is the same bare app sleeping before it
-answers: what the unit's request costs when it waits, as every request in process mode waits for its engine.
+answers: what the unit's request costs when it waits, as every request in process mode waits for its engine;
+``bare-gevent`` and ``bare-gevent-wait`` the same two under gunicorn's gevent worker (gevent installed by hand): what
+the wait costs a worker class without a thread hand-off (docs/performance.md).
 ``--floor`` adds, for the V2 forms, the engine process alone (``bench.serving.engine_only``: a client thread per
 connection, as behind HTTP workers) and its floor (a loop with the same wire, model and answers, nothing else), their
 CPU beyond the forward pass in the same run's unit: what the engine's budget leaves beyond the least a Python engine
