@@ -2,8 +2,9 @@
 one wake-up then reads several requests and their images run as one batch. A request that woke the loop for itself
 alone paid that wake-up, and the cold caches after it, with most of its CPU on a busy two-core host
 (docs/performance.md). The wait is bounded (``MAX_WAIT_MS``, less when a batch of the cap comes sooner at the pace
-requests come, or when fewer can come: a connection carries one request at a time, so those whose request is read
-or in flight send nothing more before their answer), and taken only when it pays:
+requests come, or when fewer can come: a connection carries one exchange at a time, so those whose request is
+read or in flight, or whose catalog call or explanation runs, send nothing more before their answer), and taken only
+when it pays:
 - the turns' batches run on the loop (a CPU's short batches; on a GPU the batcher's thread waits for more images
   itself, and a second wait would only add latency);
 - requests come faster than one per wait (a moving average of the time between them, reset by a pause);
@@ -34,7 +35,7 @@ class Gathering:
 
     def wait_s(self, read: int, can_come: int) -> float:
         """How long a turn that read ``read`` requests waits for more before it runs (0: it runs at once), when at
-        most ``can_come`` more can come meanwhile (the connections with no request read or in flight); a wait
+        most ``can_come`` more can come meanwhile (the connections with no exchange under way); a wait
         returned is taken (``waited`` then says what it brought)."""
         wait_s = min(self.max_wait_s, self.arrival_gap_s * min(self.batch_cap - read, can_come))
         self.turns_since_wait += 1

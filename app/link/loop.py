@@ -145,6 +145,7 @@ class EngineServer:
         self._turn: list[tuple[_Connection, wire.Infer, list[memoryview]]] = []  # requests read in this loop turn
         self._open = 0  # connections adopted and not closed
         self._exchanges = 0  # requests admitted and not yet ended (a connection's one at a time)
+        self._calls_off_loop = 0  # catalog calls and explanations made on threads, not yet answered
         self._deferred: dict[int, Batcher] = {}  # the batchers this turn queued on, not yet run or woken (by id)
 
     def bind(self) -> None:
@@ -201,7 +202,7 @@ class EngineServer:
         catalog calls and deadlines are seen when it ends (it never ends early; epoll's clock may add up to a
         millisecond)."""
         read = len(self._turn)
-        wait_s = self.gathering.wait_s(read, self._open - self._exchanges - read)
+        wait_s = self.gathering.wait_s(read, self._open - self._exchanges - self._calls_off_loop - read)
         if wait_s:
             until = time.monotonic() + wait_s
             while (left := until - time.monotonic()) > 0:
@@ -473,8 +474,9 @@ class EngineServer:
 
     def _off_loop(self, conn: _Connection, threads: ThreadPoolExecutor, answer: Callable[[], wire.Answer]) -> None:
         """``answer`` made on one of ``threads`` (it may wait), then sent from the loop; the connection is not
-        watched meanwhile."""
+        watched meanwhile (nor counted among those that could send a request)."""
         self._selector.unregister(conn.sock)
+        self._calls_off_loop += 1
 
         def run() -> None:
             self._post(functools.partial(self._answered, conn, answer()))
@@ -508,6 +510,7 @@ class EngineServer:
         return self._answer(value)
 
     def _answered(self, conn: _Connection, answer: wire.Answer) -> None:
+        self._calls_off_loop -= 1
         self._send(conn, answer)
         if not conn.closed:
             self._selector.register(conn.sock, selectors.EVENT_READ, functools.partial(self._readable, conn))

@@ -79,7 +79,8 @@ def why_not(package: CompiledPackage, device: torch.device, dtype: str, max_batc
     if package.torch_version != torch.__version__:
         return f"compiled by torch {package.torch_version}, this server has torch {torch.__version__}"
     if package.max_batch_size < max_batch_size:
-        return f"compiled for batches up to {package.max_batch_size}, MAX_BATCH_SIZE is {max_batch_size}"
+        return (f"compiled for batches up to {package.max_batch_size}, this server batches up to {max_batch_size} "
+                "(MAX_BATCH_SIZE, or its automatic value for the device)")
     return None
 
 

@@ -48,13 +48,14 @@ def test_the_automatic_ceiling_follows_the_device() -> None:
 def test_a_version_on_the_cpu_batches_up_to_the_cpu_ceiling(settings: Settings, predictor: Predictor) -> None:
     sizes: list[int] = []
     predictor.warmup = lambda max_batch_size: sizes.append(max_batch_size) or {}  # type: ignore[method-assign]
-    app = create_app(settings.model_copy(update={"max_batch_size": 0, "queue_size": 0, "warmup": True}), predictor)
+    auto = {"max_batch_size": 0, "queue_size": 0, "threads": 1, "max_images": 1, "warmup": True}
+    app = create_app(settings.model_copy(update=auto), predictor)
     try:
         assert app.extensions[EXTENSION_KEY].loaded_version().batcher.max_batch_size == 8
         assert sizes == [8]  # warmed up to it
         batching = app.test_client().get("/v1/models").get_json()["models"][0]["batching"]
         assert (batching["max_batch_size"], batching["batch_cap"]) == (8, 8)
-        assert batching["queue_size"] == settings.model_copy(update={"queue_size": 0}).resolved_queue_size("cpu")
+        assert batching["queue_size"] == 16  # two batches of the CPU's ceiling, more than one thread's one image
     finally:
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 

@@ -63,7 +63,7 @@ def test_int8_and_aoti_each_serve_their_own_kind() -> None:
     with pytest.raises(ModelLoadError, match="WEIGHTS_FORMAT=int8 but no int8 AOTInductor package fits: the "
                                              "manifest lists none"):
         choose_package(_with(), "int8", CPU, "float32", 8)
-    with pytest.raises(ModelLoadError, match="model.cpu-int8.pt2: compiled for batches up to 4, MAX_BATCH_SIZE is 8"):
+    with pytest.raises(ModelLoadError, match="model.cpu-int8.pt2: compiled for batches up to 4, this server batches up to 8"):
         choose_package(_with(_int8(max_batch_size=4)), "int8", CPU, "float32", 8)
 
 

@@ -906,6 +906,19 @@ def test_the_loop_never_waits_for_requests_that_cannot_come(link: Link, monkeypa
     assert waited == [False, False, False] and link.server._exchanges == 0
 
 
+def test_connections_whose_catalog_call_runs_are_not_waited_for(link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
+    red = torch.zeros(3, 8, 8)
+    red[0] = 1.0
+    assert link.worker.catalog.default_model() == "colour"  # a catalog call made on a thread and answered
+    assert link.server._calls_off_loop == 0
+    infer(link.worker, tensors=[red.numpy()])
+    _as_if_busy(link.server, monkeypatch, wait_s=0.05)  # eight more connections, open and idle...
+    monkeypatch.setattr(link.server, "_calls_off_loop", 8)  # ... as if each waited on a catalog call
+    waited = _waits(link.server, monkeypatch, on_loop=True)
+    infer(link.worker, tensors=[red.numpy()])
+    assert waited == [False]
+
+
 def test_the_loop_waits_only_while_its_turns_batches_run_on_it(link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
     red = torch.zeros(3, 8, 8)
     red[0] = 1.0

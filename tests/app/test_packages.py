@@ -39,8 +39,9 @@ def test_a_package_serves_only_where_it_fits(caplog: pytest.LogCaptureFixture) -
     assert why_not(_package(dtype="bfloat16"), cpu, "float32", 8) == ("compiled for bfloat16, this server "
                                                                      "computes in float32")
     assert "compiled by torch 2.0.0" in why_not(_package(torch_version="2.0.0"), cpu, "float32", 8)
-    assert why_not(_package(max_batch_size=4), cpu, "float32", 8) == ("compiled for batches up to 4, "
-                                                                     "MAX_BATCH_SIZE is 8")
+    assert why_not(_package(max_batch_size=4), cpu, "float32", 8) == (
+        "compiled for batches up to 4, this server batches up to 8 (MAX_BATCH_SIZE, or its automatic value for the "
+        "device)")
     manifest = tiny_manifest().model_copy(update={"packages": [_package(torch_version="2.0.0")]})
     with pytest.raises(ModelLoadError, match="WEIGHTS_FORMAT=aoti but no AOTInductor package fits: "
                                              "model.cpu-float32.pt2: compiled by torch 2.0.0"):
@@ -137,7 +138,7 @@ def test_the_server_serves_the_package_when_asked_and_refuses_one_that_does_not_
                                                                                      tmp_path: Path) -> None:
     assert served_format(packaged_export, "aoti", MAX_BATCH) == "aoti"
     assert served_format(packaged_export, "auto", MAX_BATCH) == "torchscript"
-    with pytest.raises(ModelLoadError, match="compiled for batches up to 8, MAX_BATCH_SIZE is 16"):
+    with pytest.raises(ModelLoadError, match="compiled for batches up to 8, this server batches up to 16"):
         Predictor.load(packaged_export, weights_format="aoti", device="cpu", max_batch_size=MAX_BATCH * 2)
     corrupt = shutil.copytree(packaged_export, tmp_path / "corrupt")
     (corrupt / "model.cpu-float32.pt2").write_bytes(b"not a package")

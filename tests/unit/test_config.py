@@ -79,7 +79,7 @@ def test_the_groups_checks_still_stop_the_start(environment: dict[str, str], mes
 def test_the_methods_of_the_groups_and_of_the_whole(tmp_path: Path) -> None:
     key_file = tmp_path / "key"
     key_file.write_text(" s3cret\n", encoding="utf-8")
-    settings = Settings(models=" a, ,b", api_key_file=key_file, device=" CUDA:1 ", max_images=4, max_batch_size=64)
+    settings = Settings(models=" a, ,b", api_key_file=key_file, device=" CUDA:1 ", max_images=4, max_batch_size=16)
     assert settings.model_names() == ["a", "b"]
     assert settings.resolved_api_key() == "s3cret"
     assert settings.device == "cuda:1"
