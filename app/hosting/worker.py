@@ -168,16 +168,22 @@ class BufferingWorker(ThreadWorker):
         self._start_reading(TConn(self.cfg, sock, client, listener.getsockname()))  # TConn: non-blocking
 
     def on_client_socket_readable(self, conn: TConn, client: Any) -> None:
-        """A kept-alive connection's next request: read in the loop too."""
-        self.poller.unregister(client)
+        """A kept-alive connection's next request: read in the loop too, at once (its bytes are there), the socket
+        kept in the poller with its callback changed (no system call)."""
         self.keepalived_conns.remove(conn)
-        self._start_reading(conn)
+        reading = self._reading(conn)
+        self.poller.modify(client, selectors.EVENT_READ, partial(self._on_data, reading))
+        self._on_data(reading, client)
 
     def _start_reading(self, conn: TConn) -> None:
+        reading = self._reading(conn)
+        self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._on_data, reading))
+
+    def _reading(self, conn: TConn) -> Reading:
         now = time.monotonic()
         reading = Reading(conn, now + self.limits.header_timeout_s, now)
         self.reading.add(reading)
-        self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._on_data, reading))
+        return reading
 
     def _on_data(self, reading: Reading, sock: Any) -> None:
         try:
