@@ -173,7 +173,8 @@ def start_version(settings: Settings, predictor: Predictor) -> LoadedVersion:
     ceiling = settings.batch_ceiling(predictor.device.type)
     loaded.batcher = Batcher(
         loaded.run_batch, max_batch_size=ceiling, max_wait_ms=settings.max_wait_ms,
-        queue_size=settings.resolved_queue_size(predictor.device.type), split_on=OUT_OF_MEMORY_ERRORS, shrink_s=settings.oom_shrink_s,
+        queue_size=settings.resolved_queue_size(predictor.device.type), split_on=OUT_OF_MEMORY_ERRORS,
+        shrink_s=settings.oom_shrink_s,
         observer=observer, incoming=loaded.arrivals.count, name=f"batcher-{name}-{version}",
         inline_when_idle=inline_batches(settings.inline_when_idle, predictor.device), settle=loaded.settle,
         settle_s=settings.metrics_flush_ms / 1000)
