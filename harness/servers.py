@@ -102,14 +102,15 @@ def gunicorn_command(app: str) -> list[str]:
     return [str(Path(sys.executable).with_name("gunicorn")), "-c", "gunicorn.conf.py", app]
 
 
-def visionserve(weights: Path, log_dir: Path, checkout: Path = ROOT, **settings: str) -> Running:
+def visionserve(weights: Path, log_dir: Path, checkout: Path = ROOT, gunicorn_args: Sequence[str] = (),
+                **settings: str) -> Running:
     """Our service through bin/serve (of ``checkout``: this one, or another one's code to compare with), the command
-    `make serve` and the container run; with a short shutdown drain unless ``settings`` say otherwise (the default
-    5 s keeps the listener open for a load balancer to notice, and nothing but the caller sends to these servers:
-    each stop would wait 5 s for no one)."""
+    `make serve` and the container run, ``gunicorn_args`` after it; with a short shutdown drain unless ``settings``
+    say otherwise (the default 5 s keeps the listener open for a load balancer to notice, and nothing but the caller
+    sends to these servers: each stop would wait 5 s for no one)."""
     port = free_port()
     env = {"VISIONSERVE_WEIGHTS_DIR": str(weights), "VISIONSERVE_BIND": f"127.0.0.1:{port}",
            "VISIONSERVE_DEVICE": "cpu", "VISIONSERVE_LOG_LEVEL": "warning", "VISIONSERVE_SHUTDOWN_DRAIN_S": "0.5",
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
            **{f"VISIONSERVE_{k.upper()}": v for k, v in settings.items()}}
-    return Running("visionserve", ["bin/serve"], env, port, "/readyz", log_dir, cwd=checkout)
+    return Running("visionserve", ["bin/serve", *gunicorn_args], env, port, "/readyz", log_dir, cwd=checkout)

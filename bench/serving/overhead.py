@@ -107,6 +107,9 @@ def forms(photos: Sequence[bytes]) -> dict[str, Form]:
     return {form.name: form for form in every}
 
 
+GEVENT_WORKER = ("-k", "gevent", "--worker-connections", "1000")  # gunicorn's greenlet worker (gevent by hand)
+
+
 def bare_app(log_dir: Path, workers: int, threads: int, cwd: Path = ROOT, wait_ms: float = 0.0,
              gevent: bool = False) -> Running:
     """The unit: bench/serving/bare_app.py under gunicorn with visionserve's worker class, workers and threads
@@ -114,7 +117,7 @@ def bare_app(log_dir: Path, workers: int, threads: int, cwd: Path = ROOT, wait_m
     route sleeps that long before it answers (``bare-wait``); ``gevent``: gunicorn's gevent worker instead, a
     greenlet per connection (``bare-gevent``: what another worker class would cost; gevent must be installed)."""
     port = free_port()
-    worker = (["-k", "gevent", "--worker-connections", "1000"] if gevent else
+    worker = (list(GEVENT_WORKER) if gevent else
               ["-k", "app.hosting.worker.BufferingWorker", "--threads", str(threads)])
     command = [sys.executable, "-m", "gunicorn", "-c", "/dev/null", *worker, "-w", str(workers),
                "-b", f"127.0.0.1:{port}", "--log-level", "warning", "bench.serving.bare_app:app"]
@@ -271,6 +274,7 @@ def starters(args: argparse.Namespace, weights: Path, logs: Path) -> dict[str, S
         "inline": lambda: visionserve(weights, logs, engine="inline", **ours),
         "process": lambda: visionserve(weights, logs, engine="process", **ours),
         "process-2": lambda: visionserve(weights, logs, engine="process", engines_per_device="2", **ours),
+        "process-gevent": lambda: visionserve(weights, logs, engine="process", gunicorn_args=GEVENT_WORKER, **ours),
         "bare": lambda: bare_app(logs, args.workers, threads),
         "bare-wait": lambda: bare_app(logs, args.workers, threads, wait_ms=args.bare_wait_ms),
         "bare-gevent": lambda: bare_app(logs, args.workers, threads, gevent=True),
@@ -288,7 +292,7 @@ def starters(args: argparse.Namespace, weights: Path, logs: Path) -> dict[str, S
 def forms_for(server: str, every: dict[str, Form], chosen: Sequence[str]) -> list[Form]:
     """visionserve gets every chosen form; the bare app and the naive app the one-image JPEG, LitServe the same
     image in its JSON (what each serves)."""
-    if server in ("inline", "process", "process-2") or server.startswith("process@"):
+    if server in ("inline", "process", "process-2", "process-gevent") or server.startswith("process@"):
         return [every[name] for name in chosen]
     return [every["json" if server == "litserve" else "jpeg"]]
 
@@ -297,10 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--servers", nargs="+", default=["bare", "process", "inline", "naive", "litserve"],
                         choices=("bare", "bare-wait", "bare-gevent", "bare-gevent-wait", "process", "process-2",
-                                 "inline", "naive", "litserve"),
+                                 "process-gevent", "inline", "naive", "litserve"),
                         help="process-2: the engine process mode with two engines (ENGINES_PER_DEVICE=2); "
                         "bare-wait: the bare app sleeping --bare-wait-ms before it answers; bare-gevent(-wait): the "
-                        "same under gunicorn's gevent worker (pip install gevent), not a unit: another worker class")
+                        "same under gunicorn's gevent worker (pip install gevent), not a unit: another worker class; "
+                        "process-gevent: process mode's HTTP workers under it, the app as it is (no slow-client 408s)")
     parser.add_argument("--bare-wait-ms", type=float, default=20.0,
                         help="bare-wait's sleep: about what a request in process mode waits for its engine at C=16")
     parser.add_argument("--checkout", type=Path, action="append", default=[],
