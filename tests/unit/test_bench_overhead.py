@@ -165,3 +165,11 @@ def test_the_bare_app_with_a_wait_sleeps_that_long_before_it_answers(monkeypatch
     assert client.post("/predict", data=b"abc").get_json() == {"bytes": 3, "label": "bare"} and slept == []
     monkeypatch.setattr(bare, "WAIT_S", 0.02)
     assert client.post("/predict", data=b"abcd").get_json() == {"bytes": 4, "label": "bare"} and slept == [0.02]
+
+
+def test_the_benchmarks_gpu_ceiling_is_the_servers_automatic_one_on_a_gpu() -> None:
+    # engine_only keeps its own copy: it may not import app before it chose which checkout's app to run
+    from app.config import AUTO_MAX_BATCH_SIZE
+    from bench.serving import engine_only
+
+    assert engine_only.GPU_BATCH_CEILING == AUTO_MAX_BATCH_SIZE["cuda"]

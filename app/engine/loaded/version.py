@@ -146,7 +146,7 @@ def check_canary(probabilities: np.ndarray, num_classes: int) -> None:
 
 def _apply_batch_cap(settings: Settings, loaded: LoadedVersion) -> None:
     """Cap batches where the forward pass measured at warm-up starts to slow (when ``auto_batch_size``), saying why in the log."""
-    profile, ceiling = loaded.batch_profile, settings.batch_ceiling(loaded.predictor.device.type)
+    profile, ceiling = loaded.batch_profile, loaded.batcher.max_batch_size  # the batcher was started at the ceiling
     cap = choose_batch_cap(profile) if profile and settings.auto_batch_size else ceiling
     if cap < ceiling:
         log.info("%s %s: batch cap %d: larger batches were slower (%s)", loaded.name, loaded.version, cap,
