@@ -55,6 +55,8 @@ FORMS = {"jpeg": ("jpeg", 1), "v2 x1": ("v2", 1), "v2 x16": ("v2", 16)}
 FLOOR = Path("/floor")  # the floor's key among the checkouts measured
 FLOOR_PIPELINED = Path("/floor-one-connection")  # the floor, every request on one connection
 STAGE_CPU_METRIC = "visionserve_stage_cpu_seconds"  # app/metrics.py's STAGE_CPU_SECONDS, which the floor writes too
+BATCH_SIZE_METRIC = "visionserve_batch_size"  # app/metrics.py's BATCH_SIZE, the floor's too
+BATCHES, BATCHED_IMAGES = "batches", "batched images"  # engine_counts' keys beside the stages'
 WARM_UP_REQUESTS = 50  # before an instruction count: every step of the request path run (and translated) once
 GPU_BATCH_CEILING = 32  # app/config.py AUTO_MAX_BATCH_SIZE["cuda"]: the engine batches as on the GPU host #50 is for
 
@@ -86,10 +88,11 @@ def serve(checkout: Path, weights: Path, sock: Path, device: str = "cpu") -> Non
 
 def serve_floor(weights: Path, sock: Path, device: str = "cpu") -> None:
     """The floor: the same wire, model and answers with nothing else (no admission, routing, deadlines, futures,
-    batcher thread, decode, monitor, metrics but its forward passes' CPU): one loop reads a turn's requests, runs
-    their tensors in batches of the engine's cap and answers each. What a Python engine on this wire cannot do with
-    less, on this host; its forward passes' CPU counted as the engine counts its own, so what the floor spends
-    beyond them stands beside the engine's."""
+    batcher thread, decode, monitor, metrics but its forward passes' CPU and its batch sizes): one loop reads a
+    turn's requests, runs their tensors in batches of the engine's cap and answers each. What a Python engine on this
+    wire cannot do with less, on this host; its forward passes' CPU and its batches counted as the engine counts its
+    own (one write each a turn), so what the floor spends beyond them stands beside the engine's, at the batches it
+    ran."""
     import gc
     import itertools
     import socket
@@ -100,7 +103,7 @@ def serve_floor(weights: Path, sock: Path, device: str = "cpu") -> None:
     from app.config import Settings
     from app.engine.contract import BatchRun, Served
     from app.link import wire
-    from app.metrics import STAGE_CPU_SECONDS, series
+    from app.metrics import BATCH_SIZE, STAGE_CPU_SECONDS, observe_many, series
     from bench.serving.tiny_work import MODEL
 
     from models.architectures import split_outputs
@@ -138,15 +141,17 @@ def serve_floor(weights: Path, sock: Path, device: str = "cpu") -> None:
         stacks = [np.frombuffer(segment, np.dtype(dtype)).reshape(shape)  # (N, C, H, W): a request's pixels
                   for _, message, segments in turn for (dtype, shape), segment in zip(message.tensors, segments)]
         rows = [row for stack in stacks for row in stack]
-        started, answers, forward_s = time.monotonic(), [], 0.0
+        started, answers, forward_s, sizes = time.monotonic(), [], 0.0, []
         with torch.inference_mode():  # in batches of the engine's cap, as its batcher runs them
             for first in range(0, len(rows), batch_cap):
                 stacked = np.stack(rows[first:first + batch_cap])  # the engine's collate
+                sizes.append(len(stacked))
                 forward_started = time.thread_time()  # the forward pass as the engine counts its own (run_batch)
                 batch = torch.from_numpy(stacked).to(device)
                 answers.append(split_outputs(module(batch))[0].softmax(dim=1).cpu().numpy())
                 forward_s += time.thread_time() - forward_started
         forward_cpu.inc(forward_s)  # one counter write a turn, where the engine writes its own once a settle
+        observe_many(BATCH_SIZE, sizes)
         probabilities = np.concatenate(answers)
         run_s, batch_id, at = time.monotonic() - started, next(batch_ids), 0
         frames: dict[socket.socket, list[bytes]] = {}  # a connection's answers of this turn, sent in one call
@@ -243,27 +248,29 @@ def drive(checkout: Path, sock: Path, form: str, concurrency: int, seconds: floa
 
 
 def _measured(run: Any, engine: int, form: str, concurrency: int, seconds: float, count: int) -> dict[str, Any]:
-    """``run`` for a second of warm-up, then for ``seconds`` with the engine's CPU read around it, and the CPU of its
-    decoding and forward passes as it counts them (``stage_cpu_s``; read once every answer is in, so each batch's
-    count is written: a batch's accounting settles before the answers of the batch that empties the queue)."""
+    """``run`` for a second of warm-up, then for ``seconds`` with the engine's CPU read around it, and what its
+    metrics count (``engine_counts``: its decoding's and forward passes' CPU, its batches; read once every answer is
+    in, so each batch's count is written: a batch's accounting settles before the answers of the batch that empties
+    the queue)."""
     from app.hosting.procstat import cpu_and_memory
 
     run(1.0)
-    stages_before = stage_cpu_s()
+    counted_before = engine_counts()
     cpu_before, started = cpu_and_memory(engine)[0], time.monotonic()  # type: ignore[index]
     answered, errors = run(seconds)
     elapsed, cpu = time.monotonic() - started, cpu_and_memory(engine)[0] - cpu_before  # type: ignore[index]
-    stages = {stage: spent - stages_before.get(stage, 0.0) for stage, spent in stage_cpu_s().items()}
+    counted = {key: spent - counted_before.get(key, 0.0) for key, spent in engine_counts().items()}
     images = answered * count
     # no decode counted: nothing was decoded (V2 tensors); no forward pass counted: an engine that does not count it
     # (another checkout's), whose figures beyond it are then unknown (None), not its whole CPU
-    decode_s, forward_s = stages.get("decode", 0.0), stages.get("forward")
+    decode_s, forward_s = counted.get("decode", 0.0), counted.get("forward")
+    batches = counted.get(BATCHES, 0.0)
     return {"form": form, "concurrency": concurrency, "requests_per_s": answered / elapsed,
             "engine_us_per_request": cpu / answered * 1e6, "engine_us_per_image": cpu / images * 1e6,
             "decode_us_per_image": decode_s / images * 1e6,
             "forward_us_per_image": None if forward_s is None else forward_s / images * 1e6,
             "beyond_us_per_image": None if forward_s is None else (cpu - decode_s - forward_s) / images * 1e6,
-            "errors": errors}
+            "mean_batch": counted[BATCHED_IMAGES] / batches if batches else None, "errors": errors}
 
 
 def median_of(points: Sequence[dict[str, Any]], key: str, digits: int = 0) -> str:
@@ -272,16 +279,24 @@ def median_of(points: Sequence[dict[str, Any]], key: str, digits: int = 0) -> st
     return "-" if any(value is None for value in values) else f"{statistics.median(values):.{digits}f}"
 
 
-def stage_cpu_s() -> dict[str, float]:
-    """The engine's CPU seconds per stage so far (decode, inference, forward), as its metrics count them: read from
-    the Prometheus multiprocess folder the engine writes (``_engine`` gives each its own)."""
+def engine_counts() -> dict[str, float]:
+    """What the engine's metrics counted so far: CPU seconds per stage (decode, inference, forward), and its batches
+    (``BATCHES``) and the images in them (``BATCHED_IMAGES``); read from the Prometheus multiprocess folder the
+    engine writes (``_engine`` gives each its own)."""
     from prometheus_client import CollectorRegistry
     from prometheus_client.multiprocess import MultiProcessCollector
 
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=os.environ["PROMETHEUS_MULTIPROC_DIR"])
-    return {sample.labels["stage"]: sample.value for metric in registry.collect()
-            if metric.name == STAGE_CPU_METRIC for sample in metric.samples if sample.name.endswith("_total")}
+    counts: dict[str, float] = {BATCHES: 0.0, BATCHED_IMAGES: 0.0}
+    for metric in registry.collect():
+        for sample in metric.samples:
+            if metric.name == STAGE_CPU_METRIC and sample.name.endswith("_total"):
+                counts[sample.labels["stage"]] = sample.value
+            elif metric.name == BATCH_SIZE_METRIC and sample.name.endswith(("_count", "_sum")):
+                key = BATCHES if sample.name.endswith("_count") else BATCHED_IMAGES
+                counts[key] += sample.value
+    return counts
 
 
 def _drive_pipelined(checkout: Path, sock: Path, form: str, concurrency: int, seconds: float,
@@ -524,13 +539,14 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"The engine without HTTP on {args.device} ({os.cpu_count()} cores): C={args.concurrency} "
              f"({'a client thread each' if args.clients == 'threads' else 'one client loop'}), {args.seconds:g} s per "
              f"point, median of {args.rounds}, MAX_BATCH_SIZE {args.max_batch_size or 'auto'}", "",
-             "| checkout | form | req/s | engine us / request | engine us / image | of which decode | of which "
-             "forward | beyond decode and forward, us / image | errors |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| checkout | form | req/s | mean batch | engine us / request | engine us / image | of which decode | "
+             "of which forward | beyond decode and forward, us / image | errors |",
+             "|" + " --- |" * 10]
     for (form, checkout), points in found.items():
-        figures = [median_of(points, key) for key in ("requests_per_s", "engine_us_per_request", "engine_us_per_image",
-                                                      "decode_us_per_image", "forward_us_per_image",
-                                                      "beyond_us_per_image")]
+        figures = [median_of(points, "requests_per_s"), median_of(points, "mean_batch", 1),
+                   *(median_of(points, key) for key in ("engine_us_per_request", "engine_us_per_image",
+                                                        "decode_us_per_image", "forward_us_per_image",
+                                                        "beyond_us_per_image"))]
         name = {ROOT: "this", FLOOR: "floor", FLOOR_PIPELINED: "floor, one connection"}.get(checkout, str(checkout))
         lines.append(f"| {name} | {form} | " + " | ".join(figures) + f" | {sum(p['errors'] for p in points)} |")
     report = "\n".join(lines) + "\n"

@@ -28,7 +28,9 @@ the wait costs a worker class without a thread hand-off (docs/performance.md).
 ``--floor`` adds, for the V2 forms, the engine process alone (``bench.serving.engine_only``: a client thread per
 connection, as behind HTTP workers) and its floor (a loop with the same wire, model and answers, nothing else), their
 CPU beyond the forward pass in the same run's unit: what the engine's budget leaves beyond the least a Python engine
-on this wire spends.
+on this wire spends. Each runs at the headline C, and again with as many clients as process mode's mean batch there
+(the table's "mean batch": behind two HTTP workers on two cores the engine runs smaller batches than its own clients
+give it, and a batch's steps are shared by fewer images): the floor at the batches the served engine ran.
 """
 from __future__ import annotations
 
@@ -144,6 +146,7 @@ class Point:
     engine_us: float | None  # CPU per image (per request for a listing) of the engine process(es); None without one
     decode_us: float | None = None  # of which its decoding (visionserve's /metrics; None where not told)
     forward_us: float | None = None  # of which its forward passes (the same)
+    mean_batch: float | None = None  # images per forward pass (visionserve's /metrics)
     http_units: float | None = None
     engine_units: float | None = None  # the engine beyond its decoding and forward passes: what the budget counts
 
@@ -164,6 +167,7 @@ def measure(server: str, running: Running, form: Form, concurrency: int, seconds
     after = process_tree_cpu(running.process.pid)
     now = server_counters(running.url)
     decode_s, forward_s = (now.get(key, 0.0) - counted.get(key, 0.0) for key in (DECODE, FORWARD))
+    batches, batched = (now.get(key, 0.0) - counted.get(key, 0.0) for key in ("batch_size_count", "batch_size_sum"))
     server_s, engine_s = tree_cpu_spent(before, after)
     http_s = server_s - (engine_s or 0.0)
     answered = max(answered, 1)
@@ -173,7 +177,7 @@ def measure(server: str, running: Running, form: Form, concurrency: int, seconds
                  len(latencies) * form.images / seconds, percentile(ms, 50), percentile(ms, 99), errors,
                  http_s / answered * 1e6, None if engine_s is None else engine_s * per_image,
                  decode_s * per_image if FORWARD in counted else None,
-                 forward_s * per_image if FORWARD in counted else None)
+                 forward_s * per_image if FORWARD in counted else None, batched / batches if batches else None)
 
 
 def in_units(points: list[Point]) -> dict[int, float]:
@@ -189,11 +193,12 @@ def in_units(points: list[Point]) -> dict[int, float]:
 
 
 def table(points: list[Point]) -> str:
-    lines = ["| server | form | C | req/s | img/s | p50 ms | p99 ms | errors | HTTP us / request | "
+    lines = ["| server | form | C | req/s | img/s | mean batch | p50 ms | p99 ms | errors | HTTP us / request | "
              "engine us / image | of which decode | of which forward | HTTP in units | engine beyond decode and "
-             "forward, in units |", "|" + " --- |" * 14]
+             "forward, in units |", "|" + " --- |" * 15]
     for p in points:
-        lines.append(f"| {p.server} | {p.form} | {p.concurrency} | {p.req_s:.0f} | {p.img_s:.0f} | {p.p50_ms:.1f} | "
+        lines.append(f"| {p.server} | {p.form} | {p.concurrency} | {p.req_s:.0f} | {p.img_s:.0f} | "
+                     f"{'-' if p.mean_batch is None else f'{p.mean_batch:.1f}'} | {p.p50_ms:.1f} | "
                      f"{p.p99_ms:.1f} | {p.errors} | {p.http_us:.0f} | "
                      f"{'-' if p.engine_us is None else f'{p.engine_us:.0f}'} | "
                      f"{'-' if p.decode_us is None or p.engine_us is None else f'{p.decode_us:.0f}'} | "
@@ -239,17 +244,44 @@ def verdict(points: list[Point], headline_c: int) -> list[str]:
 
 
 ENGINE_ALONE = ("engine alone", "floor")  # --floor's engines: this one without HTTP, and the floor
+AT_HEADLINE, AT_SERVED = "at the headline C", "at the served batches"  # --floor's client counts
 
 
-def alone_table(alone: dict[tuple[str, str], list[dict]], unit_us: float | None, concurrency: int) -> list[str]:
-    """``--floor``'s section: the engine alone and its floor per V2 form (medians over the rounds), their CPU beyond
-    the forward pass in this run's unit, against the engine's budget."""
-    lines = [f"## The engine alone and its floor (C={concurrency}, a client thread each, no HTTP)", "",
-             "| engine | form | req/s | engine us / image | of which forward | beyond forward, us / image | "
-             "beyond forward, in units | budget | errors |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for (kind, form_name), found in alone.items():
-        figures = [engine_only.median_of(found, key)
-                   for key in ("requests_per_s", "engine_us_per_image", "forward_us_per_image", "beyond_us_per_image")]
+def alone_clients(served: Point | None, headline: int) -> dict[str, int]:
+    """``--floor``'s client threads for a V2 form: the headline C, and as many as process mode's mean batch at that C
+    in the served run (``served``), rounded, when that differs: the engine alone and its floor then run about the
+    batches the engine ran behind HTTP workers, where the headline's clients give them larger ones."""
+    clients = {AT_HEADLINE: headline}
+    if served is not None and served.mean_batch is not None:
+        at_served = max(1, round(served.mean_batch))
+        if at_served != headline:
+            clients[AT_SERVED] = at_served
+    return clients
+
+
+def at_batch(run: Callable[[int], dict], clients: int, batch: float | None, most: int) -> dict:
+    """``run`` with ``clients`` client threads; with a ``batch`` to reach, again with twice as many (``most`` at
+    most) while its mean batch stays below nine tenths of it: an engine that does not wait for more requests (the
+    floor) runs smaller batches than its clients, and is set beside the served engine at the batches that engine ran,
+    not at fewer."""
+    found = run(clients)
+    while batch is not None and clients < most and (found["mean_batch"] or 0.0) < 0.9 * batch:
+        clients = min(most, 2 * clients)
+        found = run(clients)
+    return found
+
+
+def alone_table(alone: dict[tuple[str, str, str], list[dict]], unit_us: float | None, concurrency: int) -> list[str]:
+    """``--floor``'s section: the engine alone and its floor per V2 form and client count (medians over the rounds,
+    with the batches they ran), their CPU beyond the forward pass in this run's unit, against the engine's budget."""
+    lines = [f"## The engine alone and its floor (no HTTP, a client thread per connection: C={concurrency}, and as "
+             "many as visionserve's mean batch in the served run)", "",
+             "| engine | form | clients | mean batch | req/s | engine us / image | of which forward | beyond forward, "
+             "us / image | beyond forward, in units | budget | errors |", "|" + " --- |" * 11]
+    for (kind, form_name, _), found in alone.items():
+        figures = [engine_only.median_of(found, "concurrency"), engine_only.median_of(found, "mean_batch", 1),
+                   *(engine_only.median_of(found, key) for key in ("requests_per_s", "engine_us_per_image",
+                                                                   "forward_us_per_image", "beyond_us_per_image"))]
         budget = BUDGET["engine_16" if form_name.endswith("x16") else "engine_1"]
         beyond = [p["beyond_us_per_image"] for p in found]
         units = (f"{statistics.median(beyond) / unit_us:.3f}" if unit_us and None not in beyond else "-")
@@ -325,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
                         "a GPU host gets, the host the budget is for; 0: the device's own automatic value (8 on a CPU)")
     parser.add_argument("--out", type=Path, help="also write the report (Markdown) and the points (JSON) here")
     parser.add_argument("--floor", action="store_true",
-                        help="also the engine alone and its floor (V2 forms, at the headline C) in this run's unit")
+                        help="also the engine alone and its floor (V2 forms: at the headline C, and with as many "
+                        "clients as process mode's mean batch there) in this run's unit")
     parser.add_argument("--smoke", action="store_true", help="half a second per point, C=1 and 4, one start each")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -334,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         args.servers = ["bare", *args.servers]  # the unit is measured in every run
     every = forms([padded_jpeg(seed) for seed in range(8)])
     rounds: dict[tuple[str, str, int], list[Point]] = collections.defaultdict(list)
-    alone: dict[tuple[str, str], list[dict]] = collections.defaultdict(list)  # --floor: (engine, form) -> points
+    alone: dict[tuple[str, str, str], list[dict]] = collections.defaultdict(list)  # --floor: (engine, form, at)
     headline = 16 if 16 in args.concurrency else max(args.concurrency)
     with tempfile.TemporaryDirectory() as folder:
         weights = tiny_weights(Path(folder) / "weights")
@@ -354,12 +387,13 @@ def main(argv: list[str] | None = None) -> int:
                     running.stop()
             if args.floor:
                 for form_name in (name for name in args.forms if name.startswith("v2")):
-                    for kind in ENGINE_ALONE:
-                        found = engine_only.measure(ROOT, weights, form_name, headline, args.seconds,
-                                                    floor=kind == "floor", device=args.device, clients="threads",
-                                                    max_batch_size=args.max_batch_size)
-                        alone[(kind, form_name)].append(found)
-                        print(json.dumps({"engine": kind, **found}), flush=True)
+                    served = rounds.get(("process", form_name, headline), [])
+                    clients = alone_clients(served[-1] if served else None, headline)  # this round's
+                    for at, concurrency in clients.items():
+                        batch = served[-1].mean_batch if at == AT_SERVED and served else None
+                        for kind in ENGINE_ALONE:
+                            run = functools.partial(_alone, kind, weights, form_name, args)
+                            alone[(kind, form_name, at)].append(at_batch(run, concurrency, batch, headline))
     points = [_median(found) for found in rounds.values()]
     unit = in_units(points)
     report = "\n".join([
@@ -378,11 +412,19 @@ def main(argv: list[str] | None = None) -> int:
         stem = args.out / f"{time.strftime('%Y-%m-%d')}-overhead-{args.device}"
         stem.with_suffix(".md").write_text(report)
         stem.with_suffix(".json").write_text(json.dumps(
-            [asdict(p) for p in points] + [{"engine": kind, **found} for (kind, _), every in alone.items()
+            [asdict(p) for p in points] + [{"engine": kind, **found} for (kind, _, _), every in alone.items()
                                            for found in every], indent=1))
     answered_all = all(p.errors == 0 for p in points) and all(
         found["errors"] == 0 for every in alone.values() for found in every)
     return 0 if answered_all else 1
+
+
+def _alone(kind: str, weights: Path, form_name: str, args: argparse.Namespace, clients: int) -> dict:
+    """One ``--floor`` point: the engine alone or its floor (``kind``) with ``clients`` client threads."""
+    found = engine_only.measure(ROOT, weights, form_name, clients, args.seconds, floor=kind == "floor",
+                                device=args.device, clients="threads", max_batch_size=args.max_batch_size)
+    print(json.dumps({"engine": kind, **found}), flush=True)
+    return found
 
 
 def _median(found: list[Point]) -> Point:
@@ -390,7 +432,8 @@ def _median(found: list[Point]) -> Point:
     numbers = {key: statistics.median(getattr(p, key) for p in found)
                for key in ("req_s", "img_s", "p50_ms", "p99_ms", "http_us")}
     engine = [p.engine_us for p in found if p.engine_us is not None]
-    told = {key: [getattr(p, key) for p in found if getattr(p, key) is not None] for key in ("decode_us", "forward_us")}
+    told = {key: [getattr(p, key) for p in found if getattr(p, key) is not None]
+            for key in ("decode_us", "forward_us", "mean_batch")}
     return Point(first.server, first.form, first.images, first.concurrency, errors=sum(p.errors for p in found),
                  engine_us=statistics.median(engine) if engine else None,
                  **{key: statistics.median(values) if values else None for key, values in told.items()}, **numbers)

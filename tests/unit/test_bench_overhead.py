@@ -67,6 +67,7 @@ def test_the_engine_alone_and_the_floor_answer_tensor_requests_and_their_cpu_is_
     assert point["engine_us_per_image"] * 16 == pytest.approx(point["engine_us_per_request"])
     # the forward passes' CPU as the engine's metrics count it, the rest beyond it (V2 tensors: no decode)
     assert 0 < point["forward_us_per_image"] < point["engine_us_per_image"] and point["decode_us_per_image"] == 0
+    assert 16 <= point["mean_batch"] <= 32  # its batches as its metrics count them: whole requests, two at most
     # the floor on one connection, and apart with a client thread per connection (--clients threads): ~2 s each;
     # its forward passes counted as the engine counts its own
     for clients in ("pipelined", "threads"):
@@ -74,27 +75,68 @@ def test_the_engine_alone_and_the_floor_answer_tensor_requests_and_their_cpu_is_
                                     clients=clients)
         assert floor["errors"] == 0 and floor["requests_per_s"] > 0 and floor["engine_us_per_request"] > 0
         assert 0 < floor["forward_us_per_image"] < floor["engine_us_per_image"]
+        assert 1 <= floor["mean_batch"] <= 2  # as the engine counts its own: two clients, one image each
 
 
 def test_the_engine_alone_and_its_floor_are_told_beyond_their_forward_passes_in_the_run_s_unit() -> None:
-    from bench.serving.overhead import alone_table
+    from bench.serving.overhead import AT_HEADLINE, AT_SERVED, alone_table
 
-    def found(beyond: float | None, errors: int = 0) -> dict[str, float | None]:
-        return {"requests_per_s": 1000.0, "engine_us_per_image": (beyond or 0.0) + 50.0,
-                "forward_us_per_image": None if beyond is None else 50.0, "beyond_us_per_image": beyond,
-                "errors": errors}
+    def found(beyond: float | None, errors: int = 0, clients: int = 16,
+              batch: float | None = 9.0) -> dict[str, float | None]:
+        return {"concurrency": clients, "mean_batch": batch, "requests_per_s": 1000.0,
+                "engine_us_per_image": (beyond or 0.0) + 50.0, "forward_us_per_image": None if beyond is None else 50.0,
+                "beyond_us_per_image": beyond, "errors": errors}
 
-    alone = {("engine alone", "v2 x1"): [found(400.0), found(200.0, errors=2), found(100.0)],
-             ("floor", "v2 x16"): [found(10.0)]}
+    alone = {("engine alone", "v2 x1", AT_HEADLINE): [found(400.0), found(200.0, errors=2, batch=7.0), found(100.0)],
+             ("engine alone", "v2 x1", AT_SERVED): [found(300.0, clients=5, batch=3.5)],
+             ("floor", "v2 x16", AT_HEADLINE): [found(10.0, batch=None)]}
     rows = [line.split(" | ") for line in alone_table(alone, 500.0, 16)
             if line.startswith(("| engine alone", "| floor"))]
-    # medians (not means, firsts or lasts) in us and in the run's unit, the budget of the form, the errors summed
-    assert [row[5:] for row in rows] == [["200", "0.400", "0.1", "2 |"], ["10", "0.020", "0.04", "0 |"]]
-    assert alone_table(alone, None, 16)[4].split(" | ")[6] == "-"  # no unit measured at that C: no figure in units
+    # medians (not means, firsts or lasts) in us and in the run's unit, the budget of the form, the errors summed;
+    # the clients and the batches each ran ("-": not counted)
+    assert [row[2:4] + row[7:] for row in rows] == [["16", "9.0", "200", "0.400", "0.1", "2 |"],
+                                                    ["5", "3.5", "300", "0.600", "0.1", "0 |"],
+                                                    ["16", "-", "10", "0.020", "0.04", "0 |"]]
+    assert alone_table(alone, None, 16)[4].split(" | ")[8] == "-"  # no unit measured at that C: no figure in units
     # an engine that does not count its forward passes (another checkout's): nothing told beyond them
-    [unknown] = [line for line in alone_table({("engine alone", "v2 x1"): [found(None)]}, 500.0, 16)
+    [unknown] = [line for line in alone_table({("engine alone", "v2 x1", AT_HEADLINE): [found(None)]}, 500.0, 16)
                  if line.startswith("| engine alone")]
-    assert unknown.split(" | ")[4:7] == ["-", "-", "-"]
+    assert unknown.split(" | ")[6:9] == ["-", "-", "-"]
+
+
+def test_the_engine_alone_and_its_floor_run_again_at_the_batches_the_served_engine_ran() -> None:
+    from bench.serving.overhead import AT_HEADLINE, AT_SERVED, alone_clients
+
+    def served(batch: float | None) -> Point:
+        return Point("process", "v2 x1", 1, 16, 1.0, 1.0, 1.0, 1.0, 0, 900.0, 200.0, mean_batch=batch)
+
+    assert alone_clients(served(5.3), 16) == {AT_HEADLINE: 16, AT_SERVED: 5}
+    assert alone_clients(served(0.4), 16) == {AT_HEADLINE: 16, AT_SERVED: 1}
+    assert alone_clients(served(15.6), 16) == {AT_HEADLINE: 16}  # the same clients: not run twice
+    assert alone_clients(served(None), 16) == alone_clients(None, 16) == {AT_HEADLINE: 16}  # no batches counted
+
+
+def test_an_engine_that_runs_smaller_batches_than_its_clients_is_run_again_with_more_until_it_reaches_the_served_ones(
+        ) -> None:
+    from bench.serving.overhead import at_batch
+
+    ran: list[int] = []
+
+    def run(batch_of: dict[int, float | None]) -> object:
+        def at(clients: int) -> dict[str, float | None]:
+            ran.append(clients)
+            return {"concurrency": clients, "mean_batch": batch_of[clients]}
+        return at
+
+    assert at_batch(run({5: 2.0, 10: 4.0, 16: 6.0}), 5, 5.3, 16)["concurrency"] == 16 and ran == [5, 10, 16]
+    ran.clear()
+    assert at_batch(run({5: 4.8}), 5, 5.3, 16)["concurrency"] == 5 and ran == [5]  # within a tenth: as it is
+    ran.clear()
+    assert at_batch(run({5: 1.0}), 5, None, 16)["concurrency"] == 5 and ran == [5]  # no batch to reach
+    ran.clear()
+    assert at_batch(run({16: 3.0}), 16, 5.3, 16)["concurrency"] == 16 and ran == [16]  # never past the headline C
+    ran.clear()
+    assert at_batch(run({5: None, 10: 6.0}), 5, 5.3, 16)["concurrency"] == 10  # none counted: below any batch
 
 
 @pytest.mark.slow
