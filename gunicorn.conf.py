@@ -122,7 +122,7 @@ def post_fork(server, worker) -> None:  # noqa: ANN001
     request arrives (app/hosting/worker.py)."""
     os.environ["VISIONSERVE_WORKER_SLOT"] = str(getattr(worker, "slot", 0))
     worker.limits = ReadLimits(_settings.client_header_timeout_s, _settings.client_body_timeout_s,
-                               _settings.max_body_bytes)
+                               _settings.max_body_bytes, _settings.keepalive_linger_ms / 1000)
 
 
 def post_worker_init(worker) -> None:  # noqa: ANN001

@@ -330,6 +330,13 @@ class ServerSettings(SettingsGroup):
         "noticed yet gets a clean answer, not a reset), and then until the requests it accepted are answered, "
         "within `GRACEFUL_TIMEOUT_S`; only then does it stop accepting and close the listener.")
     keepalive_s: int = Field(5, ge=0, description="HTTP keep-alive, in seconds.")
+    keepalive_linger_ms: float = Field(
+        2.0, ge=0, description="After an answer on a kept-alive connection, how long its request thread waits for "
+        "the client's next request and serves it itself, when no other request waits for a thread, instead of "
+        "handing the connection back to the worker's event loop, which would read the request and hand it to a "
+        "thread again: a client that sends its requests one after another on one connection costs the worker "
+        "fewer wake-ups (docs/performance.md). A request begun and not whole by then is read on by the loop, "
+        "with its timeouts. 0 = never.")
     trust_forwarded_for: bool = Field(
         False, description="Log the `X-Forwarded-For` header beside the peer address. Turn on only behind a proxy "
         "that sets it: clients can write anything there.")

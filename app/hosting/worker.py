@@ -24,7 +24,9 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import select
 import selectors
+import socket
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -50,6 +52,7 @@ class ReadLimits:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     max_body_bytes: int = 20 * 1024 * 1024
+    linger_s: float = 0.002  # KEEPALIVE_LINGER_MS: a request thread's wait for its connection's next request
 
 
 @dataclass(eq=False)
@@ -213,13 +216,79 @@ class BufferingWorker(ThreadWorker):
 
     def _dispatch(self, reading: Reading) -> None:
         self._forget(reading)
+        self._hand_over(reading)
+        self.enqueue_req(reading.conn)
+
+    @staticmethod
+    def _hand_over(reading: Reading) -> None:
+        """A whole request's bytes given to its connection's parser (``_handle_one``)."""
         conn = reading.conn
         conn.data_ready = True  # gthread's handle() must not wait for data again
         conn.prefetched = reading.buffer
         conn.body_held = reading.body_end is not None  # set only once the whole body is in the buffer
-        self.enqueue_req(conn)
 
     def handle(self, conn: TConn) -> Any:
+        """In a request thread: the request, then the connection's next ones while it is kept alive and no other
+        request waits for a thread (``_next_request``: one already read behind it, or one that arrives within
+        ``linger_s`` of the answer) instead of handing it back to the loop, which would read the next request and
+        hand it to a thread again (the loop woken twice and a thread once, for each request). A request begun and not
+        whole by then goes back to the loop (``finish_request``), which reads the rest with its timeouts: a slow client
+        holds this thread ``linger_s`` at most."""
+        keepalive = self._handle_one(conn)
+        while keepalive is True and self.alive and self.limits.linger_s > 0 and self.tpool._work_queue.empty():
+            reading = self._next_request(conn)
+            if reading is None or reading is False:  # nothing came (kept alive, watched by the loop), or it closed
+                return reading is None
+            if not self._whole(reading):
+                return reading
+            self._hand_over(reading)
+            keepalive = self._handle_one(conn)
+        return keepalive
+
+    def _next_request(self, conn: TConn) -> Reading | bool | None:
+        """The connection's next request: what the parser holds past the last one (pipelined), then what arrives
+        within ``linger_s``; its Reading once whole or when the time is up, None when nothing came, False when the
+        client closed the connection."""
+        started = time.monotonic()
+        reading = Reading(conn, started + self.limits.header_timeout_s, started)
+        reading.buffer += _held(conn)
+        deadline = started + self.limits.linger_s
+        poller = select.poll()  # (a socket of any number: select's fd limit does not apply)
+        poller.register(conn.sock, select.POLLIN)
+        while not (reading.buffer and self._whole(reading)) and (left := deadline - time.monotonic()) > 0:
+            if not poller.poll(left * 1000):
+                break
+            try:
+                data = conn.sock.recv(READ_SIZE, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                return False
+            if not data:
+                return False
+            reading.buffer += data
+            reading.last_data = time.monotonic()
+        return reading if reading.buffer else None
+
+    def finish_request(self, conn: TConn, fs: Any) -> None:
+        """On the loop, once a request thread is done with the connection: a request begun on it (pipelined behind
+        the last answer, or begun while the thread lingered) is read on here and handed to a thread once whole;
+        the rest as gthread does (kept alive in the poller, or closed)."""
+        result = fs.result() if not fs.cancelled() and fs.exception() is None else None
+        if result is True and (held := _held(conn)):
+            result = Reading(conn, time.monotonic() + self.limits.header_timeout_s, time.monotonic())
+            result.buffer += held
+        if not isinstance(result, Reading):
+            super().finish_request(conn, fs)
+            return
+        conn.sock.setblocking(False)
+        self.reading.add(result)
+        if self._whole(result):
+            self._dispatch(result)
+        else:
+            self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._on_data, result))
+
+    def _handle_one(self, conn: TConn) -> Any:
         """In a request thread: give the parser what the loop read, then gthread's own handling."""
         prefetched = getattr(conn, "prefetched", None)
         if prefetched:
@@ -279,6 +348,12 @@ class BufferingWorker(ThreadWorker):
         self._forget(reading)
         self.nr_conns -= 1
         reading.conn.close()
+
+
+def _held(conn: TConn) -> bytes:
+    """What the connection's parser holds past the request it answered: the start of the next one (pipelined)."""
+    unreader = getattr(conn.parser, "unreader", None)
+    return unreader.take_buffered() if isinstance(unreader, HeldUnreader) else b""
 
 
 def skip_held_body(parser: Any) -> bool:

@@ -184,6 +184,46 @@ def test_the_event_loop_answers_stalled_requests_408_and_oversized_ones_413_unre
     assert answer.status_code == 200
 
 
+@pytest.mark.parametrize("linger_ms", ["2", "0"])
+def test_pipelined_and_lingered_requests_are_each_answered_and_a_stall_after_the_linger_is_408(
+        small_weights: Path, start_server: Start, linger_ms: str) -> None:
+    # Before: requests pipelined on one connection (sent before the answer of the one ahead) were read by the loop
+    # together, and only the first was answered: the rest waited in the parser for bytes that never came.
+    server = start_server(small_weights, client_header_timeout_s="1", keepalive_linger_ms=linger_ms).wait_ready()
+    health = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    photo = (b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
+             + f"Content-Length: {len(faults.IMAGE)}\r\n\r\n".encode() + faults.IMAGE)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(health + photo + health + photo[:20])  # three whole, the fourth begun ...
+        time.sleep(0.2)  # ... and finished after any linger
+        sock.sendall(photo[20:])
+        answers = _answers(sock, 4)
+        assert [a.split(b"\r\n", 1)[0] for a in answers] == [b"HTTP/1.1 200 OK"] * 4
+        assert [b'"predictions"' in a for a in answers] == [False, True, False, True]
+        sock.sendall(photo[:50])  # begun right after an answer, then stalled past the header timeout
+        started = time.monotonic()
+        [timeout] = _answers(sock, 1)
+        assert timeout.startswith(b"HTTP/1.1 408") and b"request_timeout" in timeout
+        assert 0.5 < time.monotonic() - started < 5 and sock.recv(1) == b""  # closed after it
+
+
+def _answers(sock: socket.socket, count: int) -> list[bytes]:
+    """``count`` whole HTTP answers read from ``sock`` (each with a Content-Length)."""
+    data, answers = b"", []
+    while len(answers) < count:
+        head_end = data.find(b"\r\n\r\n")
+        if head_end >= 0:
+            length = int(re.search(rb"Content-Length: (\d+)", data[:head_end], re.I).group(1))
+            if len(data) >= head_end + 4 + length:
+                answers.append(data[:head_end + 4 + length])
+                data = data[head_end + 4 + length:]
+                continue
+        chunk = sock.recv(65536)
+        assert chunk, f"closed after {len(answers)} answers"
+        data += chunk
+    return answers
+
+
 def _exchange(port: int, head: bytes, body: bytes = b"", wait_s: float = 15) -> tuple[bytes, bool]:
     """Send raw bytes; return what came back and whether the server closed the connection within ``wait_s``."""
     with socket.create_connection(("127.0.0.1", port), timeout=wait_s) as sock:

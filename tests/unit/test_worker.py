@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -164,3 +165,56 @@ def test_a_stopped_worker_exits_with_gunicorns_status_after_its_exit_functions_a
     assert done.returncode == status, done.stderr
     assert ran.read_text() == "flushed" and "worker exiting" in (tmp_path / "log").read_text()
     assert "not reached" not in done.stdout and "Traceback" not in done.stderr
+
+
+class _Conn:
+    """What a request thread's linger reads of a connection: its socket and its parser's unreader."""
+
+    def __init__(self, sock: socket.socket, held: bytes = b"") -> None:
+        self.sock, self.parser = sock, None
+        if held:
+            self.parser = _parser(sock, held=True)
+            self.parser.unreader.unread(held)
+
+
+def _lingering(linger_s: float = 0.05):  # noqa: ANN202 - the worker class without gunicorn's set-up
+    from app.hosting.worker import BufferingWorker, ReadLimits
+
+    worker = BufferingWorker.__new__(BufferingWorker)
+    worker.limits = ReadLimits(linger_s=linger_s)
+    return worker
+
+
+def test_a_lingering_thread_takes_the_next_request_that_arrives_whole_and_nothing_else(sockets) -> None:
+    ours, client = sockets
+    worker = _lingering()
+    first, second = _request(b"a" * 10), _request(b"b" * 5)
+    client.sendall(first + second[:7])  # the next request, and the start of one more
+    reading = worker._next_request(_Conn(ours))
+    assert worker._whole(reading) and bytes(reading.buffer[:reading.body_end]) == first
+    client.sendall(second[7:])  # the rest: after the surplus the parser holds once the first is answered
+    reading = worker._next_request(_Conn(ours, held=bytes(reading.buffer[reading.body_end:])))
+    assert worker._whole(reading) and bytes(reading.buffer) == second
+
+
+def test_a_request_held_behind_the_last_answer_is_taken_before_the_socket_is_read(sockets) -> None:
+    # pipelined: the loop read two requests at once; the parser holds the second after answering the first
+    ours, client = sockets
+    worker = _lingering(linger_s=5.0)
+    pipelined = _request(b"p" * 3)
+    started = time.monotonic()
+    reading = worker._next_request(_Conn(ours, held=pipelined))
+    assert bytes(reading.buffer) == pipelined and worker._whole(reading) and time.monotonic() - started < 1.0
+    client.sendall(b"x")
+    assert ours.recv(1) == b"x"  # the socket was not read
+
+
+def test_a_lingering_thread_gives_back_a_request_it_did_not_get_whole_and_a_connection_that_closed(sockets) -> None:
+    ours, client = sockets
+    worker = _lingering()
+    assert worker._next_request(_Conn(ours)) is None  # nothing came: kept alive, back to the loop
+    client.sendall(_request(b"z" * 100)[:-10])  # a request begun: the loop reads the rest, with its timeouts
+    reading = worker._next_request(_Conn(ours))
+    assert reading.body_end is not None and not worker._whole(reading)
+    client.close()
+    assert worker._next_request(_Conn(ours)) is False
