@@ -249,11 +249,11 @@ AT_HEADLINE, AT_SERVED = "at the headline C", "at the served batches"  # --floor
 
 def alone_clients(served: Point | None, headline: int) -> dict[str, int]:
     """``--floor``'s client threads for a V2 form: the headline C, and as many as process mode's mean batch at that C
-    in the served run (``served``), rounded, when that differs: the engine alone and its floor then run about the
-    batches the engine ran behind HTTP workers, where the headline's clients give them larger ones."""
+    in the served run (``served``) holds requests, rounded, when that differs: the engine alone and its floor then run
+    about the batches the engine ran behind HTTP workers, where the headline's clients give them larger ones."""
     clients = {AT_HEADLINE: headline}
     if served is not None and served.mean_batch is not None:
-        at_served = max(1, round(served.mean_batch))
+        at_served = max(1, round(served.mean_batch / max(served.images, 1)))
         if at_served != headline:
             clients[AT_SERVED] = at_served
     return clients

@@ -107,10 +107,11 @@ def test_the_engine_alone_and_its_floor_are_told_beyond_their_forward_passes_in_
 def test_the_engine_alone_and_its_floor_run_again_at_the_batches_the_served_engine_ran() -> None:
     from bench.serving.overhead import AT_HEADLINE, AT_SERVED, alone_clients
 
-    def served(batch: float | None) -> Point:
-        return Point("process", "v2 x1", 1, 16, 1.0, 1.0, 1.0, 1.0, 0, 900.0, 200.0, mean_batch=batch)
+    def served(batch: float | None, images: int = 1) -> Point:
+        return Point("process", f"v2 x{images}", images, 16, 1.0, 1.0, 1.0, 1.0, 0, 900.0, 200.0, mean_batch=batch)
 
     assert alone_clients(served(5.3), 16) == {AT_HEADLINE: 16, AT_SERVED: 5}
+    assert alone_clients(served(29.3, images=16), 16) == {AT_HEADLINE: 16, AT_SERVED: 2}  # batches of requests
     assert alone_clients(served(0.4), 16) == {AT_HEADLINE: 16, AT_SERVED: 1}
     assert alone_clients(served(15.6), 16) == {AT_HEADLINE: 16}  # the same clients: not run twice
     assert alone_clients(served(None), 16) == alone_clients(None, 16) == {AT_HEADLINE: 16}  # no batches counted
