@@ -66,7 +66,9 @@ def export_onnx(model: nn.Module, preset: EvalPreset, out_dir: Path, max_batch_s
         found = agreement(expected, answered)
     except Exception as exc:  # noqa: BLE001 - an architecture the exporter cannot take: serve TorchScript
         path.unlink(missing_ok=True)
-        log.warning("no ONNX file (the server will serve TorchScript): the export failed: %s", exc)
+        missing = (f" ({exc.name} is not installed: pip install -r requirements.txt)"
+                   if isinstance(exc, ImportError) and exc.name else "")
+        log.warning("no ONNX file (the server will serve TorchScript): the export failed: %s%s", exc, missing)
         return None
     export_s = time.perf_counter() - started
     if found.top1 < MIN_TOP1_AGREEMENT or (found.min_embedding_cosine or 1.0) < MIN_EMBEDDING_COSINE:

@@ -109,3 +109,17 @@ def test_a_model_the_exporter_cannot_take_is_exported_without_onnx(tmp_path: Pat
     assert read_manifest(tmp_path).onnx is None and not (tmp_path / "model.onnx").exists()
     assert "no ONNX file (the server will serve TorchScript): the export failed: no ONNX op" in caplog.text
     assert Predictor.load(tmp_path, device="cpu").weights_format == "torchscript"
+
+
+def test_an_export_without_the_agreement_photos_says_which_package_to_install(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # The image installed requirements.txt only, without scikit-image: its build exported TorchScript alone, said
+    # "No module named 'skimage'" and nothing of what to do (scikit-image is in requirements.txt now)
+    def no_skimage(*_: object) -> None:
+        raise ModuleNotFoundError("No module named 'skimage'", name="skimage")
+
+    monkeypatch.setattr("models.export.agreement._photo", no_skimage)
+    with caplog.at_level(logging.WARNING, logger="models.export.onnx"):
+        export_tiny(tmp_path, packages=(("onnx", "float32"),))
+    assert read_manifest(tmp_path).onnx is None
+    assert "skimage is not installed: pip install -r requirements.txt" in caplog.text
