@@ -11,7 +11,7 @@ DEFAULT_WEIGHTS := weights
 WEIGHTS_DIR ?= $(or $(VISIONSERVE_WEIGHTS_DIR),$(DEFAULT_WEIGHTS))
 SERVE := PATH="$(CURDIR)/$(BIN):$$PATH" bin/serve
 
-.PHONY: serve test install weights clean-weights train-digits finetune-textures bench bench-train faults docs
+.PHONY: serve test install weights clean-weights train-digits finetune-textures bench bench-train faults docs samples
 
 install: $(STAMP) $(CLIENT)
 
@@ -55,6 +55,10 @@ clean-weights:
 # docs/configuration.md is generated from the settings' descriptions in app/config.py (a test compares them).
 docs: $(STAMP)
 	$(BIN)/python -m app.configdoc
+
+# The photos the docs' commands send (cat.jpg, cup.jpg), from scikit-image's bundled photos; kept when present.
+samples: $(STAMP)
+	$(BIN)/python -m demo_data samples --out .
 
 # Training demos on real data that ships inside installed packages (docs/training.md).
 data/digits: $(STAMP)

@@ -15,9 +15,9 @@ from tests.support.fakes import export_tiny, served_over_http
 NO_PACKAGES = ["--packages", "none"]  # compiling an AOTInductor package takes a minute: tests/app/test_packages.py
 
 
-def _make_serve(**env: str) -> str:
-    """The commands `make serve` would run (make -n), with the installation taken as done."""
-    result = subprocess.run(["make", "-n", "-o", ".venv/.installed", "serve"], cwd=ROOT, capture_output=True,
+def _make_serve(target: str = "serve", **env: str) -> str:
+    """The commands `make serve` (or ``target``) would run (make -n), with the installation taken as done."""
+    result = subprocess.run(["make", "-n", "-o", ".venv/.installed", target], cwd=ROOT, capture_output=True,
                             text=True, env={**os.environ, **env}, check=True)
     return result.stdout
 
@@ -41,6 +41,23 @@ def test_export_refuses_to_replace_a_different_model_without_force(tmp_path: Pat
     export_tiny(tmp_path, version="2", force=True)
     assert '"version": "2"' in (tmp_path / "manifest.json").read_text()
     assert export_main(["--default", "--out", str(tmp_path), *NO_PACKAGES]) == 2  # the CLI says so and exits 2
+
+
+def test_make_samples_writes_the_photos_the_docs_send_and_keeps_files_already_there(tmp_path: Path) -> None:
+    # Before: the README's first commands (`curl -F image=@cat.jpg ...`) failed in a fresh clone: no cat.jpg, and no
+    # word of where to find one
+    import sys
+
+    from PIL import Image
+
+    assert "make samples" in (ROOT / "README.md").read_text()
+    assert ".venv/bin/python -m demo_data samples --out .\n" in _make_serve(target="samples")
+    (tmp_path / "cup.jpg").write_bytes(b"mine")
+    done = subprocess.run([sys.executable, "-m", "demo_data", "samples", "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, check=True)
+    with Image.open(tmp_path / "cat.jpg") as cat:
+        assert cat.format == "JPEG" and cat.size == (451, 300)  # scikit-image's chelsea
+    assert (tmp_path / "cup.jpg").read_bytes() == b"mine" and "kept" in done.stderr  # never overwritten
 
 
 def test_a_misspelt_setting_is_named_with_the_closest_one() -> None:
