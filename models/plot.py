@@ -24,8 +24,10 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     matplotlib.use("Agg")  # files only: no display on servers and CI
     import matplotlib.pyplot as plt
 
+    from matplotlib.ticker import MaxNLocator
+
     rows = read_metrics(run_dir)
-    epochs = [row["epoch"] for row in rows]
+    epochs = [row["epoch"] + 1 for row in rows]  # counted from 1, as the run's lines and the manifest count them
     figure, (loss_axes, acc_axes) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
     for key, label in (("train_loss", "train"), ("val_loss", "val")):
         loss_axes.plot(epochs, [row[key] for row in rows], marker="o", label=label)
@@ -35,6 +37,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     loss_axes.set(title="loss (log scale)", xlabel="epoch", yscale="log")
     acc_axes.set(title="accuracy", xlabel="epoch", ylim=(0, 1.02))
     for axes in (loss_axes, acc_axes):
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
         axes.grid(alpha=0.3)
         axes.legend()
     figure.suptitle(run_dir.name)
@@ -79,7 +82,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {args.run_dir / METRICS_NAME} does not exist; is {args.run_dir} a training run?",
               file=sys.stderr)
         return 2
-    print(plot_run(args.run_dir, args.out))
+    curves = plot_run(args.run_dir, args.out)
+    print(curves)
+    if (args.run_dir / CONFUSION_NAME).is_file():  # plot_run drew the best epoch's confusion matrix beside it
+        print(curves.with_name(CONFUSION_PLOT_NAME))
     return 0
 
 

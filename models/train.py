@@ -195,6 +195,7 @@ def run(args: argparse.Namespace, env: DistEnv, device: torch.device, preset: Ev
     whole time counts from ``started`` (``time.perf_counter()``; default: now)."""
     started = time.perf_counter() if started is None else started
     torch.manual_seed(args.seed)
+    ckpt.check_fresh_output(args)
     data = load_data(args, preset, env, device)
     parts = build_parts(args, len(data.classes), device, env)
     model, model_without_ddp, optimizer, scaler = parts.step_model, parts.model, parts.optimizer, parts.scaler

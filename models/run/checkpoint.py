@@ -18,7 +18,7 @@ import torch.nn as nn
 from models.presets import EvalPreset
 from models.run.args import DataError
 from models.run.optim import Scheduler, continue_schedule
-from models.run.report import module_command
+from models.run.report import METRICS_NAME, module_command
 
 log = logging.getLogger("models.train")
 
@@ -152,6 +152,18 @@ def _resume(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, sche
     set_rng_state(state["rng"])
     best = (float(state["best_acc1"]), float(state.get("best_val_loss", math.inf)))  # older checkpoints: no loss
     return int(state["epoch"]) + 1, best, int(state["args"]["epochs"])
+
+
+def check_fresh_output(args: argparse.Namespace) -> None:
+    """DataError when a run that does not ``--resume`` would write into an ``--output-dir`` that holds an earlier
+    run: its checkpoints would be replaced and its metrics.jsonl mixed with the new run's epochs (a plot then draws
+    one curve of both)."""
+    if args.resume:
+        return
+    earlier = [name for name in (CHECKPOINT_NAME, BEST_NAME, METRICS_NAME) if (args.output_dir / name).exists()]
+    if earlier:
+        raise DataError(f"{args.output_dir} holds an earlier run ({', '.join(earlier)}): continue it with --resume "
+                        f"{args.output_dir / CHECKPOINT_NAME}, or choose another --output-dir")
 
 
 def start_or_resume(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Scheduler,

@@ -257,3 +257,46 @@ def test_batchnorm_statistics_are_measured_for_the_final_weights() -> None:
     bn = model[1]
     assert torch.allclose(bn.running_mean, features.mean(dim=(0, 2, 3)), atol=1e-5)
     assert bn.momentum == 0.1 and not model[2].training  # momentum restored; dropout stayed off
+
+
+def test_a_fresh_run_into_a_folder_holding_an_earlier_one_is_refused_and_told_how_to_go_on(tmp_path: Path) -> None:
+    # Before: training.md and models.md both trained into runs/mine: the second run replaced the first's checkpoints
+    # (its export no longer matched them) and appended its epochs to the first's metrics.jsonl (one mixed curve)
+    from models.run.args import DataError
+    from models.run.checkpoint import check_fresh_output
+
+    def args(resume: Path | None = None) -> argparse.Namespace:
+        return argparse.Namespace(output_dir=tmp_path / "run", resume=resume)
+
+    check_fresh_output(args())  # nothing there yet
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "curves.png").write_bytes(b"")  # what an earlier plot left is not a run
+    check_fresh_output(args())
+    RunLog(tmp_path / "run", enabled=True).epoch({"epoch": 0, "val_acc1": 0.5})
+    with pytest.raises(DataError, match=r"holds an earlier run \(metrics.jsonl\): continue it with --resume "
+                                        r".*run/checkpoint.pt, or choose another --output-dir"):
+        check_fresh_output(args())
+    check_fresh_output(args(resume=tmp_path / "run" / CHECKPOINT_NAME))  # going on with it
+
+
+def test_the_curves_count_epochs_from_1_and_the_plot_names_every_file_it_wrote(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: the x axis started at 0 (metrics.jsonl's loop index) where the run's lines and the manifest say epoch 1,
+    # and the command printed curves.png only, though it drew confusion.png too
+    import json
+
+    from matplotlib.axes import Axes
+
+    drawn: list[list[float]] = []
+    plot = Axes.plot
+    monkeypatch.setattr(Axes, "plot", lambda self, x, *a, **k: drawn.append(list(x)) or plot(self, x, *a, **k))
+    log = RunLog(tmp_path, enabled=True)
+    for epoch in (0, 1, 2):
+        log.epoch({"epoch": epoch, "train_loss": 1.0, "val_loss": 1.1, "train_acc1": 0.5, "val_acc1": 0.4,
+                   "val_acc5": 0.9})
+    (tmp_path / "confusion.json").write_text(json.dumps(
+        {"classes": ["a", "b"], "matrix": [[2, 0], [1, 1]],
+         "per_class": {"a": {"recall": 1.0}, "b": {"recall": 0.5}}}))
+    assert plot_main([str(tmp_path)]) == 0
+    assert drawn and all(x == [1, 2, 3] for x in drawn)
+    assert capsys.readouterr().out.split() == [str(tmp_path / "curves.png"), str(tmp_path / "confusion.png")]
