@@ -19,8 +19,12 @@ log = logging.getLogger(__name__)
 
 
 def _from_http(exc: HTTPException) -> ServiceError:
+    """werkzeug's exception as a ServiceError: its status, name as code, and its own headers (the Allow of a 405,
+    which RFC 9110 requires) but for the HTML Content-Type, as the answer is JSON."""
+    headers = {name: value for name, value in exc.get_headers() if name.lower() != "content-type"}
     # A body refused before it was read to its end must not stay on a kept-alive connection.
-    headers = {"Connection": "close"} if isinstance(exc, RequestEntityTooLarge) else None
+    if isinstance(exc, RequestEntityTooLarge):
+        headers["Connection"] = "close"
     error = ServiceError(exc.description or exc.name, headers=headers)
     error.status = exc.code or 500
     error.code = exc.name.lower().replace(" ", "_")

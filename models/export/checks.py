@@ -17,6 +17,10 @@ from models.export.compile import DTYPES
 from models.export.manifest import Manifest, WeightsFormat, read_manifest, sha256_of
 
 
+# The folder `make weights` fills with the bundled default model (the Makefile's DEFAULT_WEIGHTS, in the checkout).
+DEFAULT_WEIGHTS_DIR = Path(__file__).resolve().parents[2] / "weights"
+
+
 class ModelLoadError(RuntimeError):
     """The weights directory cannot be served; the message says why and what to do."""
 
@@ -49,13 +53,25 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def no_export_message(weights_dir: Path) -> str:
+    """The one line that says ``weights_dir`` holds no export (no manifest.json) and what to do: ``make weights``
+    only for the checkout's default weights/ folder, which it fills; for any other folder, which to name in
+    VISIONSERVE_WEIGHTS_DIR (the Makefile never exports the default model into it, so a typo fails loudly)."""
+    found = "it holds no export" if weights_dir.is_dir() else "the folder does not exist"
+    served = "an export's folder (e.g. runs/NAME/export) or a model repository"
+    if weights_dir.resolve() == DEFAULT_WEIGHTS_DIR:
+        return (f"no manifest.json in {weights_dir}: {found}; run `make weights` to export the bundled default model "
+                f"into it, or set VISIONSERVE_WEIGHTS_DIR to {served}")
+    return (f"no manifest.json in {weights_dir}: {found}; check VISIONSERVE_WEIGHTS_DIR, which names the folder to "
+            f"serve: {served} (`make weights` exports the bundled default model into weights/, not there)")
+
+
 def read_checked_manifest(weights_dir: Path) -> Manifest:
-    """The directory's manifest, or ModelLoadError saying how to make one."""
+    """The directory's manifest, or ModelLoadError saying what to serve instead (``no_export_message``)."""
     try:
         return read_manifest(weights_dir)
     except FileNotFoundError as exc:
-        raise ModelLoadError(f"no manifest.json in {weights_dir}: run `make weights` "
-                             f"(python -m models.export --default --out {weights_dir})") from exc
+        raise ModelLoadError(no_export_message(weights_dir)) from exc
     except (ValueError, pydantic.ValidationError) as exc:
         raise ModelLoadError(f"{weights_dir}/manifest.json is invalid: {exc}") from exc
 

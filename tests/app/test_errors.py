@@ -179,6 +179,26 @@ def test_unknown_route_and_method_are_json(client: FlaskClient) -> None:
     error_of(client.get("/predict"), 405, "method_not_allowed")
 
 
+@pytest.mark.parametrize("method, path, allowed", [
+    ("get", "/predict", {"POST", "OPTIONS"}), ("head", "/predict", {"POST", "OPTIONS"}),
+    ("delete", "/v1/models", {"GET", "HEAD", "OPTIONS"}), ("get", "/v2/models/colour/infer", {"POST", "OPTIONS"})])
+def test_a_405_names_the_methods_the_path_takes_in_allow(client: FlaskClient, method: str, path: str,
+                                                         allowed: set[str]) -> None:
+    # Before: the JSON 405 had no Allow header (RFC 9110 requires one; docs/api.md promises it).
+    response = getattr(client, method)(path, headers={"X-Request-ID": "allow-1"})
+    assert response.status_code == 405
+    assert set(response.headers["Allow"].split(", ")) == allowed
+    assert response.mimetype == "application/json"
+    message = "The method is not allowed for the requested URL."
+    if method == "head":
+        assert response.get_data() == b""
+    elif path.startswith("/v2/"):
+        assert response.get_json() == {"error": message}  # the Open Inference Protocol's shape
+    else:
+        assert response.get_json() == {"error": {"code": "method_not_allowed", "message": message,
+                                                 "request_id": "allow-1"}}
+
+
 def test_failing_forward_is_500_json_and_the_server_goes_on(client: FlaskClient, model: ColourModel) -> None:
     model.fail_when = 0.5  # red images make the forward pass raise
     error_of(client.post("/predict", data=image_bytes(RED), content_type="image/jpeg"), 500, "inference_failed")

@@ -42,7 +42,12 @@ def test_a_directory_is_one_export_or_a_repository(tmp_path: Path) -> None:
     assert source.models() == ["mine", "other"] and source.versions("mine") == ["1", "2"]
     assert source.size_bytes("mine", "2") == (repository / "mine" / "2" / "model.torchscript.pt").stat().st_size
     empty = DirectorySource(Settings(weights_dir=tmp_path / "empty", device="cpu"))
-    assert empty.models() == [] and "run `make weights`" in str(empty.missing())
+    assert empty.models() == []
+    # Before: "run `make weights` (python -m models.export --default --out <empty>)", which fills weights/ only.
+    assert str(empty.missing()) == (
+        f"no manifest.json in {tmp_path / 'empty'}: the folder does not exist; check VISIONSERVE_WEIGHTS_DIR, which "
+        "names the folder to serve: an export's folder (e.g. runs/NAME/export) or a model repository (`make weights` "
+        "exports the bundled default model into weights/, not there)")
 
 
 def test_a_version_filed_under_another_name_or_number_is_refused(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from app.engine.loaded.predictor import Predictor
 from app.engine.service import Service
 from app.engine.versions.sources import DirectorySource, GivenSource
 from app.errors import BadRequest, InvalidImage, NotReady, TooManyImages
+from models.export import checks
 from models.export.checks import ModelLoadError
 from tests.support.fakes import ColourModel, infer, wait_until
 from tests.support.imaging import BLUE, RED, image_bytes
@@ -105,7 +107,25 @@ def test_a_failed_background_load_is_handed_to_on_error(settings: Settings) -> N
     service = Service.start(settings, DirectorySource(settings), failures.append)  # an empty directory
     wait_until(lambda: bool(failures) and not service.alive)  # the loader thread ends: liveness fails
     assert isinstance(failures[0], ModelLoadError) and "no manifest.json" in str(failures[0])
+    message = str(failures[0])
+    assert "it holds no export; check VISIONSERVE_WEIGHTS_DIR" in message and "runs/NAME/export" in message
+    assert "run `make weights`" not in message and "--default --out" not in message  # that fills weights/ only
+    assert "\n" not in message
     assert not service.ready
+
+
+def test_only_the_default_weights_folder_is_told_to_run_make_weights(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    default = tmp_path / "weights"
+    default.mkdir()
+    monkeypatch.setattr(checks, "DEFAULT_WEIGHTS_DIR", default.resolve())
+    with pytest.raises(ModelLoadError) as refused:
+        checks.read_checked_manifest(default)
+    assert str(refused.value) == (
+        f"no manifest.json in {default}: it holds no export; run `make weights` to export the bundled default model "
+        "into it, or set VISIONSERVE_WEIGHTS_DIR to an export's folder (e.g. runs/NAME/export) or a model repository")
+    with pytest.raises(ModelLoadError, match="the folder does not exist; check VISIONSERVE_WEIGHTS_DIR"):
+        checks.read_checked_manifest(tmp_path / "runs" / "typo")
 
 
 def test_a_drain_waits_for_the_requests_inside_the_runner(service: Service, model: ColourModel) -> None:
