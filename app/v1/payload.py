@@ -93,6 +93,9 @@ def _from_multipart(request: Request, fields: set[str], max_images: int) -> tupl
                                                                                  list[str | None]]:
     """The form, its images (the ``image`` files) and their file names; BadRequest naming what was sent instead."""
     form = parse_form_data(read_body(request), request.content_type or "", max_images)
+    if IMAGE_FIELD in form.fields:  # curl -F image=cat.jpg (no @) sends the name as text
+        raise BadRequest(f"the {IMAGE_FIELD!r} field came as text, not a file: send the image as a file (curl -F "
+                         f"{IMAGE_FIELD}=@cat.jpg, with the @)")
     check_known(form.fields, fields, "form field")
     files = form.files.get(IMAGE_FIELD, [])
     if not files or set(form.files) - {IMAGE_FIELD}:

@@ -297,6 +297,10 @@ def test_a_wrong_multipart_field_says_which_fields_were_sent(client: FlaskClient
     assert "fields sent: 'file'" in error_of(response, 400, "invalid_request")["message"]
     both = {"image": (io.BytesIO(image_bytes()), "x.jpg"), "file": (io.BytesIO(image_bytes()), "y.jpg")}
     assert "'file'" in error_of(client.post("/predict", data=both), 400, "invalid_request")["message"]
+    # Before: `curl -F image=cat.jpg` (no @: the name sent as text) was told "unknown form field 'image'"
+    text = error_of(client.post("/predict", data={"image": "cat.jpg"}, content_type="multipart/form-data"), 400,
+                    "invalid_request")["message"]
+    assert text.startswith("the 'image' field came as text, not a file") and "-F image=@cat.jpg" in text
 
 
 @pytest.mark.parametrize("url, form", [("/predict?topk=1", None), ("/predict?top_k=1&format=json", None),
