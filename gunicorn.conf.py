@@ -9,6 +9,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from gunicorn.errors import HaltServer
+
 from app import EXTENSION_KEY
 from app.hosting import drain
 from app.config import SettingsError, load_settings, unknown_variables
@@ -88,6 +90,7 @@ def on_starting(server) -> None:  # noqa: ANN001
     for warning in unknown_variables(os.environ):
         server.log.warning(warning)
     server.log.info("visionserve: %d worker%s (%s)", _workers, "" if _workers == 1 else "s", _workers_why)
+    _halt_once(server)
     if _engine == "process":
         server.log.info("visionserve: %d engine process%s (ENGINES_PER_DEVICE=%d)", _engines,
                         "" if _engines == 1 else "es", _settings.engines_per_device)
@@ -98,6 +101,30 @@ def on_starting(server) -> None:  # noqa: ANN001
         supervisor.reap_engines_first(server)  # an engine's exit status is its watcher's to log, not lost to gunicorn
         supervisor.start_engines(_engines, Path(os.environ["VISIONSERVE_CONTROL_DIR"]),
                                  _forget)
+
+
+def _halt_once(server) -> None:  # noqa: ANN001
+    """Make a worker's boot error halt the master once: while it stops, another worker that failed to boot too is
+    one more worker reaped. gunicorn's arbiter raises HaltServer for each one it reaps, and its halt reaps the
+    others: when two failed alike (each loads the same model) the second raised again from inside the halt, which
+    ended the master with a plain traceback, status 1 instead of 3, and no on_exit (engines, temporary directories)."""
+    reap, stop = server.reap_workers, server.stop
+    stopping = False
+
+    def reap_workers() -> None:
+        while True:
+            try:
+                return reap()
+            except HaltServer:  # the worker is reaped and logged ("exited with code 3"); reap the rest
+                if not stopping:
+                    raise
+
+    def stop_reaping_quietly(graceful: bool = True) -> None:
+        nonlocal stopping
+        stopping = True
+        stop(graceful)
+
+    server.reap_workers, server.stop = reap_workers, stop_reaping_quietly
 
 
 def _forget(pid: int) -> None:
