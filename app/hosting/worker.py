@@ -28,6 +28,7 @@ import select
 import selectors
 import socket
 import time
+import uuid
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -83,11 +84,13 @@ def body_length(head: bytes) -> int | None:
     return int(lengths[0])
 
 
-def timeout_response(message: str) -> bytes:
-    """A 408 in the service's error shape; the connection closes after it."""
-    body = json.dumps(default_body(RequestTimeout(message), None)).encode()
+def timeout_response(message: str, request_id: str) -> bytes:
+    """A 408 in the service's error shape, with its request id (as every answer has: the access line names it too);
+    the connection closes after it."""
+    body = json.dumps(default_body(RequestTimeout(message), request_id)).encode()
     return (b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nConnection: close\r\n"
-            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            b"X-Request-ID: " + request_id.encode() + b"\r\nContent-Length: " + str(len(body)).encode()
+            + b"\r\n\r\n" + body)
 
 
 class HeldUnreader(SocketUnreader):
@@ -329,12 +332,13 @@ class BufferingWorker(ThreadWorker):
                 message = f"the request headers did not arrive within {self.limits.header_timeout_s:g}s"
             else:
                 message = f"the body did not arrive within {self.limits.body_timeout_s:g}s"
+            request_id = uuid.uuid4().hex
             try:
-                reading.conn.sock.send(timeout_response(message))  # small: fits the socket buffer at once
+                reading.conn.sock.send(timeout_response(message, request_id))  # small: fits the socket buffer
             except OSError:
                 pass
             log.info("request", extra={"client": _peer(reading.conn), "status": 408, "error": "request_timeout",
-                                       "detail": message})
+                                       "detail": message, "request_id": request_id})
         self._close(reading)
 
     def _forget(self, reading: Reading) -> None:

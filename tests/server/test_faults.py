@@ -171,7 +171,7 @@ def test_the_event_loop_answers_stalled_requests_408_and_oversized_ones_413_unre
         answer, closed = _exchange(server.port, sent, wait_s=10)  # the server closes after its answer
         assert closed and time.monotonic() - started < 10
         head, _, body = answer.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 408") and b"Connection: close" in head
+        assert head.startswith(b"HTTP/1.1 408") and b"Connection: close" in head and b"X-Request-ID: " in head
         assert json.loads(body)["error"]["code"] == "request_timeout"
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:  # sends nothing at all
         assert sock.recv(4096) == b""  # closed quietly: there is no request to answer

@@ -29,10 +29,11 @@ def test_body_length_says_how_much_to_wait_for(head: bytes, expected: int | None
 
 
 def test_a_timeout_answer_is_408_json_in_the_service_error_shape() -> None:
-    head, _, body = timeout_response("the request headers did not arrive within 10s").partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 408 ") and b"Connection: close" in head
+    # with its request id, as every answer has (before: "request_id": null and no X-Request-ID)
+    head, _, body = timeout_response("the request headers did not arrive within 10s", "a1b2").partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 ") and b"Connection: close" in head and b"X-Request-ID: a1b2" in head
     assert f"Content-Length: {len(body)}".encode() in head
-    assert json.loads(body) == {"error": {"code": "request_timeout", "request_id": None,
+    assert json.loads(body) == {"error": {"code": "request_timeout", "request_id": "a1b2",
                                           "message": "the request headers did not arrive within 10s"}}
 
 
