@@ -63,6 +63,9 @@ loglevel = _settings.log_level
 accesslog = None  # the app writes one structured line per request itself
 logger_class = "app.hosting.worker.NoAccessLog"  # and gunicorn builds no access line for no one
 errorlog = "-"
+# gunicorn's control socket (gunicornc -s PATH) in this server's CONTROL_DIR: its default, one path per user
+# ($HOME/.gunicorn/gunicorn.ctl), was taken over by each server started on the machine and removed by the first to stop
+control_socket = str(Path(os.environ["VISIONSERVE_CONTROL_DIR"]) / "gunicorn.ctl")
 # gunicorn's own lines in the app's JSON format (app/logs.py), so every line of the output parses alike.
 _level = _settings.log_level.upper()
 logconfig_dict = {

@@ -138,6 +138,20 @@ def test_gunicorn_builds_no_access_line_where_the_app_writes_its_own(monkeypatch
     logger.access(None, None, {}, 0.1)  # ... and still nothing is built
 
 
+def test_each_server_has_its_own_gunicorn_control_socket_in_its_control_dir(tmp_path: Path) -> None:
+    # Before: gunicorn's default, $HOME/.gunicorn/gunicorn.ctl, one for every server the user started
+    import os
+    import subprocess
+    import sys
+
+    read = "import runpy; print(runpy.run_path('gunicorn.conf.py')['control_socket'])"
+    root = Path(__file__).resolve().parents[2]
+    found = subprocess.run([sys.executable, "-c", read], cwd=root, check=True, capture_output=True, text=True,
+                           env={**os.environ, "VISIONSERVE_CONTROL_DIR": str(tmp_path),
+                                "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}).stdout.splitlines()[-1]
+    assert found == str(tmp_path / "gunicorn.ctl")
+
+
 @pytest.mark.parametrize("exiting, status", [("SystemExit(0)", 0), ("SystemExit(3)", 3), ("SystemExit(-1)", 255),
                                              ("SystemExit(None)", 0)])
 def test_a_stopped_worker_exits_with_gunicorns_status_after_its_exit_functions_and_logs(
