@@ -33,8 +33,9 @@ def test_the_gpu_drill_runs_every_step_on_the_cpu_and_returns_what_it_wrote(tmp_
     assert "predict.jsonl" in names and any(name.endswith("-train-cpu.md") for name in names)
     engine = tar_text(out, "-engine-only-cpu.md")  # the engine alone, one tensor per request: its CPU, no decode,
     # its forward passes' and what is beyond them, every request answered
+    # (req/s, its mean batch, CPU per request and per image, decode, forward, beyond, errors)
     assert "The engine without HTTP on cpu" in engine and re.search(
-        r"^\| this \| v2 x1 \| \d+ \| \d+ \| \d+ \| 0 \| \d+ \| -?\d+ \| 0 \|$", engine, re.M)
+        r"^\| this \| v2 x1 \| \d+ \| \d+\.\d \| \d+ \| \d+ \| 0 \| \d+ \| -?\d+ \| 0 \|$", engine, re.M)
     # the smoke's one served variant (DECODE_PATH=tensor): its served points alone, every one answered
     table = tar_text(out, "served-tensor/" + next(Path(n).name for n in names if n.endswith("-gpu-cpu.md")))
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in table.splitlines()

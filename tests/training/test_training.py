@@ -440,11 +440,12 @@ def test_the_summary_serves_what_the_run_exported(folder: Path, tmp_path: Path,
     weights, repository = tmp_path / "weights", tmp_path / "repository"
     for option, target, served in (("--export", weights, weights), ("--export-repository", repository, repository)):
         caplog.clear()
+        run = tmp_path / option.lstrip("-")  # a run of its own each: a fresh run into an earlier one's is refused
         with caplog.at_level(logging.INFO):
-            assert train.main(small_args(folder, tmp_path / "mine", option, str(target), "--name", "mine")) == 0
+            assert train.main(small_args(folder, run, option, str(target), "--name", "mine")) == 0
         text = caplog.text
         assert f"serve:  VISIONSERVE_WEIGHTS_DIR={served} make serve" in text
-        assert "export: python -m models.export" not in text and str(tmp_path / "mine" / "export") not in text
+        assert "export: python -m models.export" not in text and str(run / "export") not in text
     assert "exported: " + str(repository / "mine" / "1") in caplog.text
     assert "wrote model mine version 1 (3 classes" in caplog.text
 
