@@ -366,7 +366,16 @@ def test_a_deadline_shorter_than_the_request_alone_is_the_callers_mistake(make_b
     batcher.submit(1).result(timeout=10)
     with pytest.raises(DeadlineTooShort, match="shorter than these 2 images' own inference"):
         batcher.submit_many([2, 3], deadline=time.monotonic() + 0.06)  # two batches of at least 50 ms
+    with pytest.raises(DeadlineTooShort, match=r"^the \d+ ms deadline is shorter than this image's own"):
+        batcher.submit(4, deadline=time.monotonic() + 0.03)  # one image: not "these 1 images'"
     assert batcher.depth == 0
+
+
+def test_a_deadline_of_microseconds_is_said_in_them() -> None:
+    # a V2 timeout is in microseconds: one of 12 was told "the 0 ms deadline"
+    from app.engine.batching.batcher import _ms
+
+    assert [_ms(s) for s in (0.000012, 0.0004, 0.0123, 0.0, -1.0)] == ["0.012 ms", "0.4 ms", "12 ms", "0 ms", "0 ms"]
 
 
 class OutOfMemory(Exception):

@@ -271,8 +271,9 @@ class Batcher(Generic[In, Out]):
         own = self.expected_wait_s(count)
         if deadline is not None and self.batches_run and now + own > deadline:
             # No backlog could clear in time for this: retrying the same deadline would fail again.
-            raise DeadlineTooShort(f"the {max(0.0, deadline - now) * 1000:.0f} ms deadline is shorter than "
-                                   f"these {count} images' own inference (about {own * 1000:.0f} ms)")
+            images = "this image's" if count == 1 else f"these {count} images'"
+            raise DeadlineTooShort(f"the {_ms(deadline - now)} deadline is shorter than {images} own inference "
+                                   f"(about {_ms(own)})")
         backlog = len(self._queue) + count
         if backlog > self.queue_size:
             raise QueueFull(f"inference queue is full ({len(self._queue)}/{self.queue_size} waiting)",
@@ -525,3 +526,10 @@ class Batcher(Generic[In, Out]):
             rows = (outputs[first],) if end == first + 1 else outputs[first:end]
             group.set_rows(item.index, rows, BatchRun(end - first, batch_id, size, queued[first], run_s))
             first = end
+
+
+def _ms(seconds: float) -> str:
+    """``seconds`` in milliseconds as a message says them: whole ones, or two significant digits below one (a V2
+    deadline may be a few microseconds)."""
+    ms = max(0.0, seconds) * 1000
+    return f"{ms:.0f} ms" if ms >= 1 or ms == 0 else f"{ms:.2g} ms"
