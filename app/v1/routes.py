@@ -30,6 +30,7 @@ from app.v1.schemas import (
 from app.web.inputs import client_key, deadline_s, parse_json, read_body
 from app.web.services import client_gone, current_service
 from app.web.timing import annotate
+from models.export.manifest import Manifest
 
 bp = Blueprint("v1", __name__)
 
@@ -84,6 +85,16 @@ def explain() -> Response:
     return Response(body.model_dump_json(), mimetype="application/json", headers=said)
 
 
+def _file_checksums(manifest: Manifest) -> dict[str, str]:
+    """The sha256 of every weights file the export holds, whichever one serves: each format's (by its name), the ONNX
+    file's (``onnx``) and each compiled package's (by its file name)."""
+    found = {fmt: entry.sha256 for fmt, entry in manifest.files.items()}
+    if manifest.onnx is not None:
+        found["onnx"] = manifest.onnx.sha256
+    found.update({package.path: package.sha256 for package in manifest.packages})
+    return found
+
+
 def _model_info(settings: Settings, info: VersionInfo, ready: bool, show_labels: bool) -> ModelInfo:
     s, m = settings, info.manifest
     device_type = info.device.partition(":")[0]  # cpu, cuda
@@ -91,7 +102,7 @@ def _model_info(settings: Settings, info: VersionInfo, ready: bool, show_labels:
         name=m.name, version=m.version, arch=m.arch, num_classes=m.num_classes,
         input_shape=list(m.preprocess.input_shape), preprocess=m.preprocess, format=info.weights_format,
         device=info.device, dtype=info.dtype,
-        files={fmt: entry.sha256 for fmt, entry in m.files.items()}, metrics=m.metrics, source=m.source,
+        files=_file_checksums(m), metrics=m.metrics, source=m.source,
         embedding=m.embedding,
         warmed_batch_sizes=info.warmed_batch_sizes, labels=m.labels if show_labels else None,
         ready=ready and info.alive, default=info.default, state="READY", role=info.role,

@@ -180,7 +180,8 @@ class ModelInfo(BaseModel):
     format: str = Field(description="torchscript, state_dict, aoti (an AOTInductor package) or int8 (an int8 one)")
     device: str
     dtype: str
-    files: dict[str, str] = Field(description="sha256 of each weights file")
+    files: dict[str, str] = Field(description="sha256 of each weights file: by format, `onnx`, and each compiled "
+                                  "package by its file name")
     metrics: dict[str, float]
     source: str
     embedding: EmbeddingOutput | None = Field(default=None, description="what its embedding output is (outputs="

@@ -123,3 +123,12 @@ def test_an_export_without_the_agreement_photos_says_which_package_to_install(
         export_tiny(tmp_path, packages=(("onnx", "float32"),))
     assert read_manifest(tmp_path).onnx is None
     assert "skimage is not installed: pip install -r requirements.txt" in caplog.text
+
+
+def test_v1_models_gives_the_checksum_of_the_onnx_file_it_serves(onnx_export: Path) -> None:
+    # Before: "files" named the TorchScript and state-dict files only, not the ONNX file that served (format: onnx)
+    from app.v1.routes import _file_checksums
+
+    manifest = read_manifest(onnx_export)
+    assert _file_checksums(manifest) == {**{fmt: f.sha256 for fmt, f in manifest.files.items()},
+                                         "onnx": sha256_of(onnx_export / "model.onnx")}
