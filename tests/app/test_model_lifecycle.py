@@ -74,6 +74,14 @@ def test_policies_choose_versions_and_the_default() -> None:
         VersionPolicy.parse("specific:7").choose(held)
     with pytest.raises(PolicyError, match="unsupported config keys \\['max_batch_size'\\]"):
         VersionPolicy.from_config({"max_batch_size": 8}, VersionPolicy())
+    # Before: a count that is not one raised ValueError from int() (not a PolicyError), which stopped the start
+    latest = {"version_policy": {"latest": {"num_versions": "2"}}}  # protobuf's JSON writes counts as strings too
+    assert VersionPolicy.from_config(latest, VersionPolicy()).choose(held) == ["2", "10"]
+    for count in ("two", 2.5, True, None, [2]):
+        with pytest.raises(PolicyError, match="num_versions must be a whole number"):
+            VersionPolicy.from_config({"version_policy": {"latest": {"num_versions": count}}}, VersionPolicy())
+    with pytest.raises(PolicyError, match="takes an object"):
+        VersionPolicy.from_config({"version_policy": {"latest": 2}}, VersionPolicy())
 
 
 def test_a_new_version_takes_new_requests_while_the_old_one_finishes_its_own(service: Service,
@@ -291,6 +299,84 @@ def test_a_version_that_cannot_load_is_skipped_at_start(settings: Settings, repo
     repository.fail("colour", "1", "cannot load state_dict weights from x.pt: missing keys")
     with pytest.raises(LoadFailed, match="nothing can be served"):
         _service(settings, repository)  # only when nothing at all can be served does the start fail
+
+
+def test_a_policy_that_cannot_be_read_is_shown_by_the_index_and_logged_once_per_change(
+        settings: Settings, repository: FakeRepository, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: its versions were listed as UNAVAILABLE "unloaded", every poll logged the policy's error again, and the
+    # default model's 404 did not say why it was not loaded.
+    repository.add("other", "1")
+    repository.default = "colour"
+    repository.policies["colour"] = {"version_policy": "newest"}
+
+    def said(words: str) -> int:
+        return sum(words in record.getMessage() for record in caplog.records)
+
+    def colour_rows() -> list[tuple[str, str, str]]:
+        return [(r.version, r.state, r.reason) for r in service.catalog.index() if r.name == "colour"]
+
+    with caplog.at_level(logging.WARNING, logger="app.engine.versions.writers"):
+        service = _service(settings, repository)
+        try:
+            broken = ("model 'colour': version_policy must be {\"latest\": {\"num_versions\": N}}, {\"all\": {}} or "
+                      '{"specific": {"versions": [...]}}')
+            assert colour_rows() == [("1", "UNAVAILABLE", broken)]
+            with pytest.raises(NotFound, match="no model 'colour' \\(the default model\\) is loaded: model 'colour': "
+                                               "version_policy must be"):
+                _ask(service)
+            for _ in range(3):
+                service.controller.writers.poll()
+            assert said("version_policy must be") == 1  # at start, not again by each poll
+            repository.policies["colour"] = {"max_batch_size": 8}  # broken another way: said once more
+            for _ in range(3):
+                service.controller.writers.poll()
+            assert said("version_policy must be") == 1 and said("unsupported config keys ['max_batch_size']") == 1
+            assert "unsupported config keys ['max_batch_size']" in colour_rows()[0][2]
+            repository.policies["colour"] = {"default_version": "1"}  # fixed: the poll serves it
+            service.controller.writers.poll()
+            assert _ask(service) == "1" and colour_rows() == [("1", "READY", "")]
+            repository.add("colour", "2")
+            repository.policies["colour"] = {"version_policy": "newest"}  # broken while it serves: version 1 stays
+            for _ in range(3):
+                service.controller.writers.poll()
+            assert _ask(service) == "1" and said("version_policy must be") == 2
+            assert colour_rows() == [("1", "READY", ""), ("2", "UNAVAILABLE", broken)]  # why 2 is not taken
+            del repository.policies["colour"]
+            service.controller.writers.poll()
+            assert _ask(service) == "2"
+            wait_until(lambda: colour_rows() == [("1", "UNAVAILABLE", "unloaded"), ("2", "READY", "")])
+        finally:
+            service.shutdown(timeout=5)
+
+
+def test_a_worker_that_joins_a_running_server_shows_why_a_model_is_not_served(
+        settings: Settings, tmp_path: Path, repository: FakeRepository, caplog: pytest.LogCaptureFixture) -> None:
+    import os
+
+    shared = settings.model_copy(update={"control_dir": tmp_path / "control"})
+    repository.add("colour", "2")
+    repository.add("other", "1")
+    repository.policies["colour"] = {"version_policy": "newest"}
+    here, _ = _worker(shared, repository)  # the first worker: writes the desired state, without colour
+    there, there_catalog = _worker(shared, repository, boot=False)
+    there.sync.desired = SharedDesiredState(shared.control_dir, pid=os.getppid())
+    caplog.clear()  # what the first worker said
+    try:
+        with caplog.at_level(logging.WARNING, logger="app.engine.versions.writers"):
+            there.boot()  # joins: serves the desired state, and checks the models it lacks (no poll here)
+            there.writers.poll()
+        assert [(r.name, r.state) for r in there_catalog.index()] == [("colour", "UNAVAILABLE")] * 2 + [
+            ("other", "READY")]
+        assert all(r.reason.startswith("model 'colour': version_policy must be") for r in there_catalog.index()[:2])
+        assert sum("version_policy must be" in r.getMessage() for r in caplog.records) == 1
+        repository.policies["colour"] = {"version_policy": {"specific": {"versions": ["1"]}}}
+        here.writers.poll()  # the first worker serves colour again; the other applies it and no longer says why not
+        wait_until(lambda: "colour" in there_catalog.serving())
+        assert [(r.version, r.state, r.reason) for r in there_catalog.index()] == [
+            ("1", "READY", ""), ("2", "UNAVAILABLE", "unloaded"), ("1", "READY", "")]
+    finally:
+        for controller in (here, there):
+            _stop(controller)
 
 
 @pytest.fixture

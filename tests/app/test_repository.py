@@ -101,3 +101,43 @@ def test_names_from_urls_bodies_and_folders_follow_one_pattern_and_nothing_outsi
         assert client.get("/v1/models").get_json()["models"][0]["name"] == "mine"
     finally:
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def test_a_policy_json_that_is_not_json_keeps_its_model_out_and_the_index_and_the_404_say_why(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    # Before: the index listed mine 1 as UNAVAILABLE "unloaded", the 404 of a request for the default model did
+    # not say why it was not loaded, and every poll logged the policy's error again.
+    export_tiny(tmp_path / "mine" / "1")
+    export_tiny(tmp_path / "other" / "1", name="other")
+    policy = tmp_path / "mine" / "policy.json"
+    policy.write_text("{nope", encoding="utf-8")
+    (tmp_path / "repository.json").write_text('{"default_model": "mine"}', encoding="utf-8")
+    not_json = f"model 'mine': {policy} is not JSON: Expecting property name enclosed in double quotes"
+
+    def said(words: str) -> int:
+        return sum(words in record.getMessage() for record in caplog.records)
+
+    with caplog.at_level(logging.WARNING, logger="app.engine.versions.writers"):
+        app = create_app(Settings(weights_dir=tmp_path, device="cpu", log_level="warning"))
+        client, writers = app.test_client(), app.extensions[EXTENSION_KEY].controller.writers
+        try:
+            (row, _) = client.post("/v2/repository/index").get_json()
+            assert (row["name"], row["state"]) == ("mine", "UNAVAILABLE") and row["reason"].startswith(not_json)
+            answer = client.post("/predict", data=b"x", content_type="image/jpeg")
+            assert answer.status_code == 404 and answer.get_json()["error"]["message"].startswith(
+                f"no model 'mine' (the default model) is loaded: {not_json}")
+            for _ in range(3):
+                writers.poll()
+            assert said(not_json) == 1  # at start, not again by each poll
+            policy.write_text("[]", encoding="utf-8")  # broken another way: said once more
+            for _ in range(3):
+                writers.poll()
+            assert said(not_json) == 1 and said(f"{policy} must hold a JSON object") == 1
+            policy.write_text('{"version_policy": {"all": {}}}', encoding="utf-8")  # fixed: the poll serves it
+            writers.poll()
+            assert client.post("/v2/repository/index").get_json()[0]["state"] == "READY"
+            assert client.get("/v1/models").get_json()["default_model"] == "mine"
+        finally:
+            app.extensions[EXTENSION_KEY].shutdown(timeout=5)

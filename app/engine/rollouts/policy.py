@@ -128,8 +128,15 @@ def _from_triton(spec: Any) -> VersionPolicy:
                           '{"specific": {"versions": [...]}}')
     kind, args = next(iter(spec.items()))
     args = args or {}
+    if not isinstance(args, dict):
+        raise PolicyError(f"version_policy's {kind!r} takes an object, got {args!r}")
     if kind == "latest":
-        return VersionPolicy("latest", count=int(args.get("num_versions", 1)))
+        count = args.get("num_versions", 1)
+        if isinstance(count, str) and count.isdigit():  # protobuf's JSON may write a count as a string
+            count = int(count)
+        if isinstance(count, bool) or not isinstance(count, int):  # "two", 2.5: not a count (JSON's true is no 1)
+            raise PolicyError(f"latest's num_versions must be a whole number, got {count!r}")
+        return VersionPolicy("latest", count=count)
     if kind == "specific":
         return VersionPolicy("specific", versions=tuple(version_name(v) for v in args.get("versions", [])))
     return VersionPolicy("all")

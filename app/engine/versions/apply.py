@@ -48,8 +48,8 @@ class Applier:
 
     def __init__(self, settings: Settings, source: Source) -> None:
         self.settings, self.source = settings, source
-        self.routes = RoutingTable()
-        self.states = VersionStates()  # versions loading, retiring, refused
+        self.states = VersionStates()  # versions loading, retiring, refused; models that cannot be served
+        self.routes = RoutingTable(self.states.why_unservable)
         self.evidence = Evidence()  # this worker's rollout comparisons and traffic per version
         self._refused_candidates: dict[str, str] = {}  # model -> the refused candidate its rollout goes on without
         self._lock = threading.Lock()  # one change at a time: a call, the poll, the rules or another worker's
@@ -95,6 +95,7 @@ class Applier:
         if wanted:
             chosen = {**{v: current[v] for v in wanted if v in current}, **{f.version: f for f in fresh}}
             replaced = self._route(name, entry, chosen)
+            self.states.servable(name)  # served as the writer of ``entry`` found it: no reason held from before
             log.info("%s serves versions %s (default %s)", name, ", ".join(sorted(wanted, key=order_key)),
                      entry["default"])
         else:

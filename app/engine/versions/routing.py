@@ -11,7 +11,7 @@ import contextlib
 import random
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from app.engine.loaded.version import LoadedVersion
 from app.engine.rollouts.policy import order_key
@@ -61,9 +61,11 @@ class Candidate:
 
 class RoutingTable:
     """Model name -> {version -> LoadedVersion} taking traffic, the default version of each model, and the model
-    that requests naming none get (``default_model``: the named one, else the only one)."""
+    that requests naming none get (``default_model``: the named one, else the only one). ``why_unservable`` says why
+    a model cannot be served (its policy), for the 404 of a request for it."""
 
-    def __init__(self) -> None:
+    def __init__(self, why_unservable: Callable[[str], str | None] = lambda name: None) -> None:
+        self._why_unservable = why_unservable
         self._lock = threading.Lock()
         self._routes: dict[str, dict[str, LoadedVersion]] = {}
         self._defaults: dict[str, str] = {}
@@ -142,7 +144,9 @@ class RoutingTable:
         if loaded is None:
             wanted = f"{name!r}" + ("" if version is None else f" version {version!r}")
             wanted += " (the default model)" if name == self._named_default and versions is None else ""
-            raise NotFound(f"no model {wanted} is loaded; this server serves {self._describe()}",
+            why = self._why_unservable(name)  # its policy cannot be read
+            raise NotFound(f"no model {wanted} is loaded{f': {why}' if why else ''}; this server serves "
+                           f"{self._describe()}",
                            details={"models": self._available()})
         return loaded
 

@@ -1,5 +1,6 @@
 """What a worker is doing with the versions that take no traffic: loading, retiring (finishing their requests) or
-refused (and why), kept under one lock for the apply step, its retiring threads and the repository index."""
+refused (and why), and the models that cannot be served at all (a policy.json that cannot be read, and why), kept
+under one lock for the apply step, its retiring threads, the writers and the repository index."""
 from __future__ import annotations
 
 import contextlib
@@ -22,6 +23,7 @@ class VersionStates:
         self._loading: set[Key] = set()
         self._retiring: dict[Key, LoadedVersion] = {}
         self._refused: dict[Key, tuple[Stamp, str]] = {}  # the version's stamp when refused, and why
+        self._unservable: dict[str, str] = {}  # model -> why its policy cannot be read (start and the poll)
 
     @contextlib.contextmanager
     def loading(self, key: Key) -> Iterator[None]:
@@ -46,6 +48,24 @@ class VersionStates:
         with self._lock:
             return self._refused.get(key)
 
+    def unservable(self, name: str, reason: str) -> bool:
+        """``name`` cannot be served at all (its policy cannot be read): its versions that do not serve show
+        ``reason`` until ``servable``. Whether ``reason`` is new (not the one already held for it)."""
+        with self._lock:
+            new = self._unservable.get(name) != reason
+            self._unservable[name] = reason
+            return new
+
+    def servable(self, name: str) -> None:
+        """``name``'s policy can be read again (or another worker serves it): its versions show their own state."""
+        with self._lock:
+            self._unservable.pop(name, None)
+
+    def why_unservable(self, name: str) -> str | None:
+        """Why ``name`` cannot be served at all, if it cannot."""
+        with self._lock:
+            return self._unservable.get(name)
+
     def retiring(self, loaded: LoadedVersion) -> None:
         """``loaded`` left the routing table and finishes its requests."""
         with self._lock:
@@ -62,9 +82,11 @@ class VersionStates:
             return list(self._retiring.values())
 
     def rows(self, name: str, available: list[str], serving: set[str]) -> list[VersionState]:
-        """The index rows of model ``name``: the repository's versions, the serving ones and those in between."""
+        """The index rows of model ``name``: the repository's versions, the serving ones and those in between. A
+        version that does not serve says why: its own refusal, else why its model cannot be served, else unloaded."""
         with self._lock:
             loading, retiring, refused = set(self._loading), set(self._retiring), dict(self._refused)
+            unloaded = self._unservable.get(name, "unloaded")
         held = set(available) | serving | {v for n, v in loading | retiring if n == name}
         rows = []
         for version in sorted(held, key=order_key):
@@ -77,5 +99,5 @@ class VersionStates:
                 rows.append(VersionState(name, version, "UNLOADING"))
             else:
                 rows.append(VersionState(name, version, "UNAVAILABLE", refused[key][1] if key in refused else
-                                         "unloaded"))
+                                         unloaded))
         return rows

@@ -7,8 +7,10 @@ Every writer applies its change here first (``Applier.apply``), so a refusal cha
 does it write it (``WorkerSync.write``); a call then waits for the other workers. A refused version is remembered
 and left out (by the poll and by calls) until its files change; at start and by the poll the policy then picks
 among the rest. A load call's config (a rollback) stays in the desired state and the poll keeps applying it until
-another call or a change of the model's policy.json. One change runs at a time (``Applier.changing``): a second
-load call for the same model waits, then finds the model already as wanted.
+another call or a change of the model's policy.json. A policy.json that cannot be read keeps its model from being
+served (or from changing, while it serves): logged once per reason, and shown by the index, until it can be read.
+One change runs at a time (``Applier.changing``): a second load call for the same model waits, then finds the model
+already as wanted.
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ class Writers:
             generation, desired = self.sync.read()
             if generation:
                 errors = self.applier.apply_all(desired)
+                self._check_unserved(desired)
             else:
                 names = self.settings.model_names() or self.source.models()
                 if not names:
@@ -74,7 +77,7 @@ class Writers:
             try:
                 entry = self._serve_loadable(name)
             except ServiceError as exc:  # not a version's fault (no such model, a bad policy): said once here
-                log.warning("%s is not served: %s", name, exc.message)
+                self._not_served(name, exc, "%s is not served: %s")
                 errors.append(exc)
                 continue
             if entry is not None:
@@ -144,7 +147,7 @@ class Writers:
                                                         desired.get(name))):
                         changes[name] = entry
                 except ServiceError as exc:
-                    log.warning("poll: %s: %s", name, exc.message)
+                    self._not_served(name, exc, "poll: %s: %s")
             self.sync.write(changes, read=desired)
 
     def follow_newest(self) -> None:
@@ -184,6 +187,25 @@ class Writers:
                     self.share_evidence()
             except Exception:  # noqa: BLE001 - a failed round must not end following
                 log.exception("reconciling the models failed")
+
+    def _not_served(self, name: str, exc: ServiceError, message: str) -> None:
+        """Log why start or the poll cannot serve ``name`` (``message`` with the name and the reason). A policy that
+        cannot be read (BadRequest) is said once per reason, not again by every poll while it stands, and the index
+        shows it for the model's versions that do not serve (``VersionStates.unservable``)."""
+        if not isinstance(exc, BadRequest) or self.applier.states.unservable(name, exc.message):
+            log.warning(message, name, exc.message)
+
+    def _check_unserved(self, desired: dict[str, ModelEntry]) -> None:
+        """A worker joining a running server: why the models it would serve that the desired state lacks cannot be
+        (their policy), as start found in the worker that wrote it, so its index says so before any poll."""
+        for name in self.settings.model_names() or self.source.models():
+            if name not in desired:
+                try:
+                    self._wanted(name)
+                except BadRequest as exc:
+                    self._not_served(name, exc, "%s is not served: %s")
+                except ServiceError:  # no such model: nothing to show
+                    continue
 
     def _calls_config(self, name: str, entry: ModelEntry | None) -> Any:
         """The config a load call gave ``name``, while the model's policy.json is still what the call found."""
@@ -247,6 +269,7 @@ class Writers:
             entry = plan(policy, RolloutPolicy.layered(self.settings, own, config), available, current, refused)
         except PolicyError as exc:
             raise BadRequest(f"model {name!r}: {exc}") from None
+        self.applier.states.servable(name)  # its policy can be read (again)
         watch = entry.get("watch")
         if watch and watch.get("baseline_p99_ms") is None:
             entry["watch"] = {**watch, "baseline_p99_ms": traffic_p99_ms(self.sync.workers(), name, watch["previous"])}
