@@ -17,6 +17,7 @@ from app.web.inputs import decode_base64, parse_json, read_body
 from app.web.multipart import FormData, parse_form_data
 
 Schema = TypeVar("Schema", bound=pydantic.BaseModel)
+Given = TypeVar("Given")
 RAW_TYPES = ("application/octet-stream",)
 IMAGE_FIELD = "image"
 TOP_K = "top_k"
@@ -78,12 +79,19 @@ def _json_body(request: Request, schema: type[Schema]) -> Schema:
         raise SchemaViolation("the JSON body does not match the request schema", details=details) from None
 
 
+def _said_once(name: str, given: Given | None, query: str | None, where: str) -> Given | str | None:
+    """The value of parameter ``name`` given in the request's body or form (``where``) or in its query; BadRequest
+    when both give it (neither silently wins over the other)."""
+    if given is not None and query is not None:
+        raise BadRequest(f"{name} is given twice, {given!r} in the {where} and {query!r} in the query: send it once")
+    return query if given is None else given
+
+
 def _from_json(request: Request, default_top_k: int, num_classes: int) -> PredictInput:
     parsed = _json_body(request, PredictJSONRequest)
-    query_top_k = request.args.get("top_k")
-    raw_top_k = parsed.top_k if parsed.top_k is not None else query_top_k
+    raw_top_k = _said_once(TOP_K, parsed.top_k, request.args.get(TOP_K), "body")
     top_k = _parse_top_k(raw_top_k, default_top_k, num_classes, "body" if parsed.top_k is not None else "query")
-    raw_outputs = parsed.outputs if parsed.outputs is not None else request.args.get(OUTPUTS)
+    raw_outputs = _said_once(OUTPUTS, parsed.outputs, request.args.get(OUTPUTS), "body")
     labels, embedding = _parse_outputs(raw_outputs, "body" if parsed.outputs is not None else "query")
     return PredictInput([_image_from_base64(s, i) for i, s in enumerate(parsed.images)], top_k, None, labels,
                         embedding)
@@ -184,8 +192,8 @@ def parse_predict(request: Request, *, default_top_k: int, num_classes: int, max
     if mimetype == "multipart/form-data":
         form, images, names = _from_multipart(request, {TOP_K, OUTPUTS}, max_images)
         form_top_k, form_outputs = form.field(TOP_K), form.field(OUTPUTS)
-        raw_top_k = form_top_k if form_top_k is not None else request.args.get(TOP_K)
-        raw_outputs = form_outputs if form_outputs is not None else request.args.get(OUTPUTS)
+        raw_top_k = _said_once(TOP_K, form_top_k, request.args.get(TOP_K), "form")
+        raw_outputs = _said_once(OUTPUTS, form_outputs, request.args.get(OUTPUTS), "form")
     elif mimetype.startswith("image/") or mimetype in RAW_TYPES:
         images = [read_body(request)]
         raw_top_k = request.args.get("top_k")

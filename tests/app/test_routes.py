@@ -59,6 +59,15 @@ def test_top_k_default_query_and_form(client: FlaskClient) -> None:
     assert top_k_len(client.post("/predict?top_k=1", data=image_bytes(), content_type="image/jpeg")) == 1
     form = {"image": (io.BytesIO(image_bytes()), "a.jpg"), "top_k": "3"}
     assert top_k_len(client.post("/predict", data=form)) == 3
+    # Before: given in the body or form and in the query, the body's silently won
+    form = {"image": (io.BytesIO(image_bytes()), "a.jpg"), "top_k": "3"}
+    refused = client.post("/predict?top_k=1", data=form)
+    assert refused.status_code == 400 and refused.get_json()["error"]["message"] == (
+        "top_k is given twice, '3' in the form and '1' in the query: send it once")
+    body = {"images": [base64.b64encode(image_bytes()).decode()], "outputs": ["labels"]}
+    refused = client.post("/predict?outputs=labels", json=body)
+    assert refused.status_code == 400 and "outputs is given twice" in refused.get_json()["error"]["message"]
+    assert top_k_len(client.post("/predict?top_k=1", json={"images": body["images"]})) == 1  # the query alone
 
 
 def test_the_top_classes_are_a_stable_sort_s_first_whatever_the_ties_nan_or_rows() -> None:
