@@ -186,9 +186,16 @@ class BufferingWorker(ThreadWorker):
         self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._on_data, reading))
 
     def _reading(self, conn: TConn) -> Reading:
+        """A request starting to arrive on ``conn``, watched by the loop's timeouts (``reading``)."""
+        reading = self._new_reading(conn)
+        self.reading.add(reading)
+        return reading
+
+    def _new_reading(self, conn: TConn, held: bytes = b"") -> Reading:
+        """A request starting now on ``conn`` with ``held`` already read; its header time counted from now."""
         now = time.monotonic()
         reading = Reading(conn, now + self.limits.header_timeout_s, now)
-        self.reading.add(reading)
+        reading.buffer += held
         return reading
 
     def _on_data(self, reading: Reading, sock: Any) -> None:
@@ -252,10 +259,8 @@ class BufferingWorker(ThreadWorker):
         """The connection's next request: what the parser holds past the last one (pipelined), then what arrives
         within ``linger_s``; its Reading once whole or when the time is up, None when nothing came, False when the
         client closed the connection."""
-        started = time.monotonic()
-        reading = Reading(conn, started + self.limits.header_timeout_s, started)
-        reading.buffer += _held(conn)
-        deadline = started + self.limits.linger_s
+        reading = self._new_reading(conn, _held(conn))
+        deadline = reading.last_data + self.limits.linger_s
         poller = select.poll()  # (a socket of any number: select's fd limit does not apply)
         poller.register(conn.sock, select.POLLIN)
         while not (reading.buffer and self._whole(reading)) and (left := deadline - time.monotonic()) > 0:
@@ -279,16 +284,15 @@ class BufferingWorker(ThreadWorker):
         the rest as gthread does (kept alive in the poller, or closed)."""
         result = fs.result() if not fs.cancelled() and fs.exception() is None else None
         if result is True and (held := _held(conn)):
-            result = Reading(conn, time.monotonic() + self.limits.header_timeout_s, time.monotonic())
-            result.buffer += held
+            result = self._new_reading(conn, held)
         if not isinstance(result, Reading):
             super().finish_request(conn, fs)
-            return
-        conn.sock.setblocking(False)
-        self.reading.add(result)
-        if self._whole(result):
-            self._dispatch(result)
+        elif self._whole(result):
+            self._hand_over(result)
+            self.enqueue_req(conn)
         else:
+            conn.sock.setblocking(False)
+            self.reading.add(result)
             self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._on_data, result))
 
     def _handle_one(self, conn: TConn) -> Any:
