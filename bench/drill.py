@@ -18,7 +18,8 @@ overhead (``bench.serving.overhead`` on the device: a one-layer model and bodies
 HTTP workers' and the engine's CPU per request beside the bare Flask app, the budget's unit, measured on this host);
 one forward pass's cost to the engine's thread at each batch size, eager and replayed as a CUDA graph
 (``bench.serving.forward_launch``); the device path's batch made the model's input, image by image and rounded
-together (``bench.serving.batch_preprocess``); the engine alone on the device beside its floor
+together (``bench.serving.batch_preprocess``); the device path's batch made step by step, with CUDA's spinning
+wait and with blocking sync (``bench.serving.device_collate``); the engine alone on the device beside its floor
 (``bench.serving.engine_only``:
 its CPU per request with no HTTP worker beside it); ``models.predict`` on CUDA over a photo folder; last, the
 training feed (JPEG folder on the CPU and on the GPU against synthetic batches).
@@ -70,6 +71,7 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
                    "--seconds", "0.5", "--warmup", "0.2", "--workers", "1"]  # inline: the cheapest to start
         launches = ["--model", model, "--dtypes", "float32", "--batch-sizes", "1", "2", "--seconds", "0.1"]
         preprocess = ["--batch-sizes", "1", "2", "--seconds", "0.05"]
+        collate = ["--batch-sizes", "2", "--seconds", "0.02"]
         train = ["--archs", "resnet18", "--batch-size", "4", "--crop-size", "32", "--steps", "1", "--warmup", "1",
                  "--workers", "1", "--paths", "synthetic", "cpu"]
         photo_counts = ["--classes", "2", "--train-per-class", "4", "--val-per-class", "2"]
@@ -88,6 +90,7 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
                    "1", "16", "--seconds", "3", "--warmup", "1", "--workers", "0"]
         launches = ["--model", model, "--dtypes", "float32", "--seconds", "0.3"]
         preprocess = ["--batch-sizes", "1", "8", "64", "--seconds", "0.5"]
+        collate = ["--batch-sizes", "1", "8", "32", "--seconds", "0.3"]
         train = ["--archs", "efficientnet_lite0", "--batch-size", "128", "--steps", "12", "--warmup", "4"]
         photo_counts = ["--classes", "20", "--train-per-class", "60", "--val-per-class", "20"]
     variants = [("served-tensor", "tensor", ()), ("served-eager", "auto", (("VISIONSERVE_CUDA_GRAPHS", "false"),))]
@@ -115,6 +118,10 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         # the crops rounded together: the thread's CPU and the steps per batch
         Step("preprocess", 40, (py, "-m", "bench.serving.batch_preprocess", "--device", device, *preprocess, "--out",
                                 str(figures)), least_s=15),
+        # the device path's batch made step by step (JPEGs to tensors, nvJPEG, preprocessing, a read-back), the batch
+        # worker's CPU per image with CUDA's default spinning wait and with blocking sync, each in its own process
+        Step("collate", 60, (py, "-m", "bench.serving.device_collate", "--device", device, *collate, "--out",
+                             str(figures)), least_s=20),
         # the engine's own cost per request on the device's host beside the floor, in the time left (least 30 s)
         Step("engine", 70, (py, "-m", "bench.serving.engine_only", "--device", device, *engine, "--out",
                             str(figures)), least_s=30),

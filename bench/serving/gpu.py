@@ -115,6 +115,7 @@ def serve(weights: Path, args: argparse.Namespace, workers: int, torch_threads: 
                 rows.append({**r, "workers": workers, "torch_threads": torch_threads, "ready_s": ready_s,
                              "decode_path": decode_path, "per_request": per_request, "gpu_util": gpu.mean,
                              "engine": engine})
+                print(json.dumps(rows[-1]), flush=True)  # as it comes: a run stopped at its limit keeps its points
     finally:
         server.stop()
     return rows

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench import drill
+from bench.serving import device_collate
 
 
 def tar_text(out: Path, ending: str) -> str:
@@ -50,6 +51,9 @@ def test_the_gpu_drill_runs_every_step_on_the_cpu_and_returns_what_it_wrote(tmp_
     preprocess = tar_text(out, "batch-preprocess-cpu.md")  # the batch made in float as on CUDA: the same values
     assert [line.split("|")[1].strip() + line.split("|")[8] for line in preprocess.splitlines()
             if re.match(r"^\| \d+ \|", line)] == ["1 0 ", "2 0 "]
+    collate = tar_text(out, "device-collate-cpu.md")  # the device path's batch step by step, in both workloads
+    assert [line.split("|")[2].strip() for line in collate.splitlines()
+            if re.match(r"^\| 2 \| \w+ \| \d+ \| \d+ \| \d+ \|$", line)] == [*device_collate.STEPS] * 2, collate
     served = [line for line in report.splitlines() if line.startswith(("| process-2 |", "| inline |"))]
     assert [tuple(cell.strip() for cell in row.split("|")[1:4]) + (row.split("|")[7].strip(),) for row in served] == [
         (engine, "auto", per_request, "2") for engine in ("process-2", "inline") for per_request in ("1", "2")]

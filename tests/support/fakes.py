@@ -60,7 +60,7 @@ class ColourModel(nn.Module):
         means = x.mean(dim=(2, 3))
         if self.fail_when is not None and bool((means[:, 0] > self.fail_when).any()):
             raise RuntimeError("fake forward failure")
-        other = torch.full((x.shape[0], 1), -0.5)
+        other = torch.full((x.shape[0], 1), -0.5, device=x.device, dtype=x.dtype)
         logits = torch.cat([means, other], dim=1) * 10
         if self.embedding:
             return logits, torch.nn.functional.normalize(means + 1, dim=1)
