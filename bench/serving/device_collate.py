@@ -28,7 +28,6 @@ import ctypes
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -36,7 +35,7 @@ import torch
 
 from app.engine.decoding.device import Encoded, check_header, collate_on_device
 from app.engine.decoding.image import DecodeLimits
-from bench.serving.forward_launch import WORK, device_name, write_report
+from bench.serving.forward_launch import WORK, device_name, timed_waits, write_report
 from bench.serving.tiny_work import padded_jpeg
 from harness.photos import imagenet_workload
 from models.data.jpeg import decode_jpegs
@@ -62,24 +61,6 @@ def schedule_blocking_sync(ordinal: int = 0) -> str:
         if code != 0:
             return f"{step} returned {code}"
     return "set"
-
-
-def timed(call: Callable[[], object], sync: Callable[[], None], seconds: float) -> tuple[float, float, float]:
-    """(thread CPU us in the call, thread CPU us with the wait included, wall us waited for), per call, over about
-    ``seconds`` after one untimed call."""
-    call()
-    sync()
-    calls, in_call, with_wait, wall = 0, 0.0, 0.0, 0.0
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline or calls < 3:
-        wall_start, cpu_start = time.perf_counter(), time.thread_time()
-        call()
-        in_call += time.thread_time() - cpu_start
-        sync()
-        with_wait += time.thread_time() - cpu_start
-        wall += time.perf_counter() - wall_start
-        calls += 1
-    return in_call / calls * 1e6, with_wait / calls * 1e6, wall / calls * 1e6
 
 
 def workloads() -> dict[str, tuple[list[bytes], EvalPreset]]:
@@ -110,7 +91,7 @@ def measure(device: torch.device, batch_sizes: Sequence[int], seconds: float, sy
                 "readback": lambda: logits.softmax(dim=1).cpu(),
             }
             for step in STEPS:
-                in_call, with_wait, wall = timed(calls[step], sync, seconds)
+                in_call, with_wait, wall, _ = timed_waits(calls[step], sync, seconds)
                 rows.append({"sync": sync_mode, "workload": workload, "batch": size, "step": step,
                              "cpu_us_per_image": in_call / size, "cpu_with_wait_us_per_image": with_wait / size,
                              "wall_us_per_image": wall / size})

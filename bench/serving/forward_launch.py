@@ -33,19 +33,28 @@ WORK = Path(__file__).resolve().parents[1] / ".work"
 
 def timed_call(call: Callable[[], object], sync: Callable[[], None], seconds: float) -> tuple[float, float, int]:
     """(thread CPU us per call, wall us per call waited for, calls) over about ``seconds``."""
+    cpu, _, wall, calls = timed_waits(call, sync, seconds)
+    return cpu, wall, calls
+
+
+def timed_waits(call: Callable[[], object], sync: Callable[[], None],
+                seconds: float) -> tuple[float, float, float, int]:
+    """(thread CPU us in the call, thread CPU us with the wait for the device included, wall us waited for, calls),
+    per call, over about ``seconds`` after one untimed call (a CUDA wait spins its thread unless told to sleep)."""
     call()
     sync()
     calls = 0
-    cpu = wall = 0.0
+    in_call = with_wait = wall = 0.0
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline or calls < 3:
         wall_start, cpu_start = time.perf_counter(), time.thread_time()
         call()
-        cpu += time.thread_time() - cpu_start
+        in_call += time.thread_time() - cpu_start
         sync()
+        with_wait += time.thread_time() - cpu_start
         wall += time.perf_counter() - wall_start
         calls += 1
-    return cpu / calls * 1e6, wall / calls * 1e6, calls
+    return in_call / calls * 1e6, with_wait / calls * 1e6, wall / calls * 1e6, calls
 
 
 def measure(weights: Path, device: str, dtypes: Sequence[str], batch_sizes: Sequence[int],
