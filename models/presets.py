@@ -189,8 +189,8 @@ class TensorEvalTransform:
         """Decoded images of any sizes as one (N, C, H, W) float batch: each resized and cropped, then scaled and
         normalised together (one step for the batch, the constants resident on its device). Where torchvision would
         resize each image through float32 and back to uint8 (on CUDA; on a CPU without its native uint8 kernel for
-        the filter), the crops stay float32 and are rounded together (``rounded_crops``): the same values in two
-        steps an image, not five and torchvision's dispatch."""
+        the filter), the crops stay float32 and are rounded together (``rounded_crops``, which resizes the images of
+        one size together): the same values in a few steps a size, not five an image and torchvision's dispatch."""
         if images and all(self._through_float(image) for image in images):
             return self.normalize(self.rounded_crops(images))
         return self.normalize(torch.stack([self.resize_crop(image) for image in images]))
@@ -206,20 +206,28 @@ class TensorEvalTransform:
 
     def rounded_crops(self, images: Sequence[torch.Tensor]) -> torch.Tensor:
         """uint8 (C, H, W) images as one (N, C, crop, crop) float32 stack of the values torchvision's resize and
-        centre crop give each (its float32 resize, clamped to 0..255 after a bicubic one, rounded): each image made
-        float32 and resized, its crop a view; the clamp and the rounding once for the stack."""
+        centre crop give each (its float32 resize, clamped to 0..255 after a bicubic one, rounded), in their order.
+        Images of one size are resized together, as one (n, C, H, W) batch made float32 (the filter runs on each
+        image alone, so the values are the same): a batch of a camera's frames or of one client's photos is a few
+        steps, not two per image (on CUDA, each a kernel launch and torch's dispatch); each crop a view; the clamp
+        and the rounding once for the stack."""
         p = self.preset
-        crops = []
-        for image in images:
-            height, width = image.shape[-2:]
+        by_size: dict[tuple[int, int], list[int]] = {}
+        for index, image in enumerate(images):
+            by_size.setdefault((image.shape[-2], image.shape[-1]), []).append(index)
+        crops: list[torch.Tensor | None] = [None] * len(images)  # each filled below, by its size's group
+        for (height, width), indices in by_size.items():
+            same = images[indices[0]][None] if len(indices) == 1 else torch.stack([images[i] for i in indices])
+            pixels = same.to(torch.float32)
             new_width, new_height = resized_size(width, height, p.resize_size)
-            pixels = image.to(torch.float32)
             if (new_height, new_width) != (height, width):  # torchvision leaves an image of that size as it is
-                pixels = F.interpolate(pixels[None], size=[new_height, new_width], mode=p.interpolation,
-                                       align_corners=False, antialias=True)[0]
+                pixels = F.interpolate(pixels, size=[new_height, new_width], mode=p.interpolation,
+                                       align_corners=False, antialias=True)
             left, top = crop_origin(new_width, new_height, p.crop_size)
-            crops.append(pixels[:, top:top + p.crop_size, left:left + p.crop_size])
-        stacked = torch.stack(crops)
+            cropped = pixels[:, :, top:top + p.crop_size, left:left + p.crop_size]
+            for position, index in enumerate(indices):
+                crops[index] = cropped[position]
+        stacked = torch.stack(crops)  # type: ignore[arg-type]
         if p.interpolation == "bicubic":  # its filter overshoots; bilinear's stays within the pixels' range
             stacked.clamp_(0, 255)
         return stacked.round_()

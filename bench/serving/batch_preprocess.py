@@ -2,7 +2,8 @@
 device path's resize, centre crop and normalisation (``TensorEvalTransform.batch``, in the batch worker after the
 batch's JPEGs are decoded on the device), image by image as before (each image through torchvision's resize, which on
 CUDA converts it to float32, resizes, rounds and converts it back to uint8: five steps and torchvision's dispatch
-each) against the crops kept float32 and rounded together (two steps an image, ``rounded_crops``).
+each) against the crops kept float32 and rounded together (``rounded_crops``: the images of one size made float32
+and resized as one batch, a few steps a size).
 
     python3 -m bench.serving.batch_preprocess --device cuda --out FOLDER      # on a GPU host (the drill runs it)
     .venv/bin/python -m bench.serving.batch_preprocess --device cpu           # the stand-in on a CPU host

@@ -131,6 +131,30 @@ def test_a_batch_resized_through_float_gives_torchvision_s_float_round_trip_imag
         assert crops[0].dtype == torch.float32 and torch.equal(crops[0], crops[0].round().clamp(0, 255))
 
 
+def test_a_batch_resizes_the_images_of_one_size_together_and_keeps_their_order(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A batch of a camera's frames is a few steps, not two an image (on CUDA each a launch): one resize per size,
+    # in whatever order the sizes come, each image's values as torchvision's float round trip gives them alone.
+    import torchvision.transforms.v2.functional._geometry as geometry
+
+    import models.presets
+
+    monkeypatch.setattr(geometry, "_do_native_uint8_resize_on_cpu", lambda interpolation: False)
+    monkeypatch.setattr(models.presets, "_native_uint8_resize", lambda device, interpolation: False)
+    preset, source = lite0_preset(), photo("chelsea")
+    sizes = [(500, 375), (375, 500), (500, 375), (320, 320), (375, 500), (500, 375)]  # interleaved
+    images = [torch.from_numpy(np.array(source.resize(size, Image.BICUBIC).rotate(17 * i)))
+              .permute(2, 0, 1).contiguous() for i, size in enumerate(sizes)]  # each image its own pixels
+    expected = torch.stack([_torchvision_tensor_eval(preset, image.clone()) for image in images])
+    resized: list[int] = []  # the images each resize call took
+    interpolate = models.presets.F.interpolate
+    monkeypatch.setattr(models.presets.F, "interpolate",
+                        lambda pixels, **kw: resized.append(pixels.shape[0]) or interpolate(pixels, **kw))
+    got = TensorEvalTransform(preset).batch(images)
+    assert sorted(resized) == [1, 2, 3]  # 500x375 three times, 375x500 twice, 320x320 once
+    assert torch.equal(got, expected)
+
+
 @pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_serving_a_model_on_the_tensor_path_imports_no_torchvision(tmp_path: Path) -> None:
     # torchvision imports torch._dynamo: about a second of every worker's start, for nothing the CPU path uses.

@@ -6,9 +6,9 @@ On CUDA the batch's JPEGs go to nvJPEG in one batched ``decode_jpeg(list, device
 turned by the EXIF orientation read with its header (nvJPEG ignores it; the same turn runs on the CPU, so CI tests
 it); a JPEG nvJPEG refuses (and every PNG, WebP, GIF, BMP) is decoded on the CPU for that image alone, and its
 pixels join the batch through pinned memory with a non-blocking copy. On the CPU the same code runs with
-libjpeg-turbo, which is how CI tests it. The resize and crop are ``TensorEvalTransform``'s, one image at a time (sizes
-differ); the crops are stacked once and scaled and normalised as one batch, mean and std resident on the device (on
-CUDA the crops stay float32 and are rounded as one batch too: ``TensorEvalTransform.batch``).
+libjpeg-turbo, which is how CI tests it. The resize and crop are ``TensorEvalTransform``'s; the crops are stacked once
+and scaled and normalised as one batch, mean and std resident on the device (on CUDA the images of one size are
+resized together and the crops stay float32 and are rounded as one batch: ``TensorEvalTransform.batch``).
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def decode_batch(items: Sequence[Encoded], device: torch.device, transform: Tens
             if device.type == "cuda":
                 pixels = pixels.pin_memory().to(device, non_blocking=True)
         decoded.append(pixels)
-    return transform.batch(decoded).to(dtype)  # resized one by one (sizes differ), rounded and normalised as one
+    return transform.batch(decoded).to(dtype)  # resized by size, rounded and normalised as one batch
 
 
 def stack_pixels(items: Sequence[torch.Tensor | np.ndarray]) -> torch.Tensor:
