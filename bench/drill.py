@@ -20,9 +20,10 @@ one forward pass's cost to the engine's thread at each batch size, eager and rep
 (``bench.serving.forward_launch``); the device path's batch made the model's input, image by image and rounded
 together (``bench.serving.batch_preprocess``); the device path's batch made step by step, with CUDA's spinning
 wait and with blocking sync (``bench.serving.device_collate``); the engine alone on the device beside its floor
-(``bench.serving.engine_only``:
-its CPU per request with no HTTP worker beside it); ``models.predict`` on CUDA over a photo folder; last, the
-training feed (JPEG folder on the CPU and on the GPU against synthetic batches).
+(``bench.serving.engine_only``: its CPU per request with no HTTP worker beside it); the engine's profile under load
+(``bench.serving.engine_profile``: py-spy on it, the interpreter lock's holder and every thread on a CPU);
+``models.predict`` on CUDA over a photo folder; last, the training feed (JPEG folder on the CPU and on the GPU against
+synthetic batches).
 """
 from __future__ import annotations
 
@@ -72,6 +73,7 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         launches = ["--model", model, "--dtypes", "float32", "--batch-sizes", "1", "2", "--seconds", "0.1"]
         preprocess = ["--batch-sizes", "1", "2", "--seconds", "0.05"]
         collate = ["--batch-sizes", "2", "--seconds", "0.02"]
+        profile = ["--forms", "v2 x1", "--seconds", "1", "--rate", "200"]
         train = ["--archs", "resnet18", "--batch-size", "4", "--crop-size", "32", "--steps", "1", "--warmup", "1",
                  "--workers", "1", "--paths", "synthetic", "cpu"]
         photo_counts = ["--classes", "2", "--train-per-class", "4", "--val-per-class", "2"]
@@ -91,6 +93,7 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         launches = ["--model", model, "--dtypes", "float32", "--seconds", "0.3"]
         preprocess = ["--batch-sizes", "1", "8", "64", "--seconds", "0.5"]
         collate = ["--batch-sizes", "1", "8", "32", "--seconds", "0.3"]
+        profile = ["--forms", "v2 x1", "jpeg", "--seconds", "3"]
         train = ["--archs", "efficientnet_lite0", "--batch-size", "128", "--steps", "12", "--warmup", "4"]
         photo_counts = ["--classes", "20", "--train-per-class", "60", "--val-per-class", "20"]
     variants = [("served-tensor", "tensor", ()), ("served-eager", "auto", (("VISIONSERVE_CUDA_GRAPHS", "false"),))]
@@ -125,6 +128,9 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         # the engine's own cost per request on the device's host beside the floor, in the time left (least 30 s)
         Step("engine", 70, (py, "-m", "bench.serving.engine_only", "--device", device, *engine, "--out",
                             str(figures)), least_s=30),
+        # where the engine's time goes under load: py-spy on it, the lock's holder and every thread on a CPU
+        Step("profile", 50, (py, "-m", "bench.serving.engine_profile", "--device", device, *profile, "--out",
+                             str(figures)), least_s=30),
         Step("photos", 40, (py, "-m", "demo_data", "photos", "--out", str(photos), *photo_counts), least_s=10),
         Step("predict", 50, (py, "-m", "models.predict", "--weights", str(weights), "--data", str(photos / "val"),
                              "--out", str(figures / "predict.jsonl"), "--device", device)),

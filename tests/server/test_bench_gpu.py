@@ -54,6 +54,10 @@ def test_the_gpu_drill_runs_every_step_on_the_cpu_and_returns_what_it_wrote(tmp_
     collate = tar_text(out, "device-collate-cpu.md")  # the device path's batch step by step, in both workloads
     assert [line.split("|")[2].strip() for line in collate.splitlines()
             if re.match(r"^\| 2 \| \w+ \| \d+ \| \d+ \| \d+ \|$", line)] == [*device_collate.STEPS] * 2, collate
+    profile = tar_text(out, "engine-profile-cpu.md")  # py-spy on the engine under load: both samplings summarised
+    assert re.search(r"^## v2 x1: \d+ req/s, .* 0 errors$", profile, re.M), profile
+    assert [int(n) > 0 for n in re.findall(r"^### (?:gil|cpu): (\d+) samples$", profile, re.M)] == [True, True]
+    assert "Batcher._run_batch (batcher.py)" in profile  # the engine's own functions, named by file
     served = [line for line in report.splitlines() if line.startswith(("| process-2 |", "| inline |"))]
     assert [tuple(cell.strip() for cell in row.split("|")[1:4]) + (row.split("|")[7].strip(),) for row in served] == [
         (engine, "auto", per_request, "2") for engine in ("process-2", "inline") for per_request in ("1", "2")]
