@@ -11,19 +11,20 @@ output goes to ``OUT/drill.log`` as it comes.
 
 Steps, most wanted first: the machine's facts; the served figures (``bench.serving.gpu``: the defaults in process
 mode with one engine and with two (ENGINES_PER_DEVICE=2), and inline, on Lite0, 1 and 16 images per request, C=64
-and 256, and 4x overload at C=1024), then its process-mode points at C=64 and 256 again with the tensor decode path
-(DECODE_PATH=tensor), and with eager forward passes (CUDA_GRAPHS=false: the graphs' A/B); the ``-m gpu`` tests (the
-device decode path's pixels, EXIF turns included, placement, tensors, CUDA graphs against eager); the serving
-overhead (``bench.serving.overhead`` on the device: a one-layer model and bodies that decode in microseconds, the
-HTTP workers' and the engine's CPU per request beside the bare Flask app, the budget's unit, measured on this host);
-one forward pass's cost to the engine's thread at each batch size, eager and replayed as a CUDA graph
-(``bench.serving.forward_launch``); the device path's batch made the model's input, image by image and rounded
-together (``bench.serving.batch_preprocess``); the device path's batch made step by step, with CUDA's spinning
-wait and with blocking sync (``bench.serving.device_collate``); the engine alone on the device beside its floor
-(``bench.serving.engine_only``: its CPU per request with no HTTP worker beside it); the engine's profile under load
-(``bench.serving.engine_profile``: py-spy on it, the interpreter lock's holder and every thread on a CPU);
-``models.predict`` on CUDA over a photo folder; last, the training feed (JPEG folder on the CPU and on the GPU against
-synthetic batches).
+and 256, and 4x overload at C=1024; each point printed as it comes); the ``-m gpu`` tests (the device decode path's
+pixels, EXIF turns included, placement, tensors, CUDA graphs against eager, the batch ceiling); the device path's
+batch made step by step, with CUDA's spinning wait and with blocking sync (``bench.serving.device_collate``); the
+engine's profile under load (``bench.serving.engine_profile``: py-spy on it, the interpreter lock's holder and every
+thread on a CPU); the engine alone on the device beside its floor (``bench.serving.engine_only``: its CPU per request
+with no HTTP worker beside it); the serving overhead (``bench.serving.overhead`` on the device: a one-layer model and
+bodies that decode in microseconds, the HTTP workers' and the engine's CPU per request beside the bare Flask app, the
+budget's unit, measured on this host); the device path's batch made the model's input, image by image and rounded
+together (``bench.serving.batch_preprocess``); one forward pass's cost to the engine's thread at each batch size,
+eager and replayed as a CUDA graph (``bench.serving.forward_launch``); the served step's process-mode points again
+with the tensor decode path (DECODE_PATH=tensor), and with eager forward passes (CUDA_GRAPHS=false: the graphs'
+A/B); ``models.predict`` on CUDA over a photo folder; last, the training feed (JPEG folder on the CPU and on the GPU
+against synthetic batches). The order follows what the last drills left to learn (docs/testing.md): the served
+figures and the engine's own time first, then what earlier drills measured already.
 """
 from __future__ import annotations
 
@@ -101,9 +102,29 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         variants = variants[:1]
     return [
         Step("facts", 30, (py, "-c", facts), least_s=5),
-        Step("served", 260, (py, "-m", "bench.serving.gpu", "--device", device, "--dtype", "float32", "--models",
+        Step("served", 280, (py, "-m", "bench.serving.gpu", "--device", device, "--dtype", "float32", "--models",
                              model, "--engines", *engines, "--decode-paths", "auto", "--processes",
                              "--workload", "imagenet", *served, "--out", str(figures)), least_s=60),
+        Step("gpu-tests", 100, (py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests)),
+        # the device path's batch made step by step (JPEGs to tensors, nvJPEG, preprocessing, a read-back), the batch
+        # worker's CPU per image with CUDA's default spinning wait and with blocking sync, each in its own process
+        Step("collate", 60, (py, "-m", "bench.serving.device_collate", "--device", device, *collate, "--out",
+                             str(figures)), least_s=20),
+        # where the engine's time goes under load: py-spy on it, the lock's holder and every thread on a CPU
+        Step("profile", 50, (py, "-m", "bench.serving.engine_profile", "--device", device, *profile, "--out",
+                             str(figures)), least_s=30),
+        # the engine's own cost per request on the device's host beside the floor, in the time left (least 30 s)
+        Step("engine", 70, (py, "-m", "bench.serving.engine_only", "--device", device, *engine, "--out",
+                            str(figures)), least_s=30),
+        Step("overhead", 100, (py, "-m", "bench.serving.overhead", "--device", device, *overhead, "--out",
+                               str(figures))),
+        # the device path's batch made the model's input (resize, crop, normalise), image by image as before against
+        # the crops rounded together: the thread's CPU and the steps per batch
+        Step("preprocess", 40, (py, "-m", "bench.serving.batch_preprocess", "--device", device, *preprocess, "--out",
+                                str(figures)), least_s=15),
+        # one forward's launches at each batch size, eager and as a CUDA graph: what CUDA_GRAPHS saves the engine
+        Step("launches", 60, (py, "-m", "bench.serving.forward_launch", "--device", device, *launches, "--out",
+                              str(figures)), least_s=25),
         # the served step's process-mode points again with the tensor decode path (DECODE_PATH=tensor: an engine's
         # decode threads on every core, where the device path decodes a batch on one thread), then with eager forward
         # passes (CUDA_GRAPHS=false): each against the served step's, on one machine, back to back
@@ -111,26 +132,6 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
                            "--decode-paths", path, "--workload", "imagenet", "--loads-only", *variant, "--out",
                            str(figures / name)), least_s=50, env=env)
           for name, path, env in variants),
-        Step("gpu-tests", 100, (py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests)),
-        Step("overhead", 100, (py, "-m", "bench.serving.overhead", "--device", device, *overhead, "--out",
-                               str(figures))),
-        # one forward's launches at each batch size, eager and as a CUDA graph: what CUDA_GRAPHS saves the engine
-        Step("launches", 60, (py, "-m", "bench.serving.forward_launch", "--device", device, *launches, "--out",
-                              str(figures)), least_s=25),
-        # the device path's batch made the model's input (resize, crop, normalise), image by image as before against
-        # the crops rounded together: the thread's CPU and the steps per batch
-        Step("preprocess", 40, (py, "-m", "bench.serving.batch_preprocess", "--device", device, *preprocess, "--out",
-                                str(figures)), least_s=15),
-        # the device path's batch made step by step (JPEGs to tensors, nvJPEG, preprocessing, a read-back), the batch
-        # worker's CPU per image with CUDA's default spinning wait and with blocking sync, each in its own process
-        Step("collate", 60, (py, "-m", "bench.serving.device_collate", "--device", device, *collate, "--out",
-                             str(figures)), least_s=20),
-        # the engine's own cost per request on the device's host beside the floor, in the time left (least 30 s)
-        Step("engine", 70, (py, "-m", "bench.serving.engine_only", "--device", device, *engine, "--out",
-                            str(figures)), least_s=30),
-        # where the engine's time goes under load: py-spy on it, the lock's holder and every thread on a CPU
-        Step("profile", 50, (py, "-m", "bench.serving.engine_profile", "--device", device, *profile, "--out",
-                             str(figures)), least_s=30),
         Step("photos", 40, (py, "-m", "demo_data", "photos", "--out", str(photos), *photo_counts), least_s=10),
         Step("predict", 50, (py, "-m", "models.predict", "--weights", str(weights), "--data", str(photos / "val"),
                              "--out", str(figures / "predict.jsonl"), "--device", device)),
