@@ -1,7 +1,7 @@
 """Where the engine process's time goes under load (issue #50): ``engine_only``'s engine and client, with py-spy
 sampling the engine meanwhile, twice: the thread holding the interpreter lock (``gil``: what bounds one engine,
 whose Python runs under one lock), then every thread on a CPU (``cpu``: waits for a device that spin, and C++ that
-runs without the lock, included). Each is summarised by function: the share of the samples in which it is on the
+runs without the lock, included, each as its Python caller's own time). Each is summarised by function: the share of the samples in which it is on the
 stack (inclusive) and at the top (self). On a GPU host the engine is what bounds process mode (the drill of 11-29:
 its time per image beyond the forward pass 4x its floor's there, 2x on a CPU), and this is where the difference is.
 
@@ -30,7 +30,10 @@ from bench.serving import engine_only
 from bench.serving.forward_launch import WORK
 from harness.servers import ROOT
 
-KINDS = {"gil": ("--gil",), "cpu": ()}  # py-spy's flags for each sampling
+# py-spy's flags for each sampling, neither stopping the engine. Not --native: py-spy reads native frames only with
+# the thread stopped, and then counts threads waiting on a lock as running (measured: 42% of the samples); a C++
+# call's time shows as its Python caller's own.
+KINDS = {"gil": ("--gil", "--nonblocking"), "cpu": ("--nonblocking",)}
 WARM_UP_S = 1.0  # of load before the first sampling
 
 
@@ -58,8 +61,8 @@ def sample(form: str, concurrency: int, seconds: float, device: str, rate: int, 
                                   cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
         time.sleep(WARM_UP_S)
         for kind, flags in KINDS.items():
-            subprocess.run([spy, "record", "--nonblocking", "-d", str(record_s), "-r", str(rate), "-f", "raw",
-                            *flags, "-o", str(raw_file(raw_stem, kind)), "-p", str(engine.pid)],
+            subprocess.run([spy, "record", "-d", str(record_s), "-r", str(rate), "-f", "raw", *flags, "-o",
+                            str(raw_file(raw_stem, kind)), "-p", str(engine.pid)],
                            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         out, _ = client.communicate()
     if client.returncode:
