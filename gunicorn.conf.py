@@ -148,11 +148,12 @@ def pre_fork(server, worker) -> None:  # noqa: ANN001
 
 
 def post_fork(server, worker) -> None:  # noqa: ANN001
-    """The worker's number for the app (it picks its GPU with it), and the limits its event loop enforces while a
-    request arrives (app/hosting/worker.py)."""
+    """The worker's number for the app (it picks its GPU with it), the limits its event loop enforces while a
+    request arrives, and where the workers' ready marks are (app/hosting/worker.py)."""
     os.environ["VISIONSERVE_WORKER_SLOT"] = str(getattr(worker, "slot", 0))
     worker.limits = ReadLimits(_settings.client_header_timeout_s, _settings.client_body_timeout_s,
                                _settings.max_body_bytes, _settings.keepalive_linger_ms / 1000)
+    worker.control_dir = Path(os.environ["VISIONSERVE_CONTROL_DIR"])  # the ready marks: which workers serve
 
 
 def post_worker_init(worker) -> None:  # noqa: ANN001

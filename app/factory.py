@@ -83,13 +83,19 @@ def _remote_service(settings: "Settings", on_error: "Callable[[BaseException], N
 def _inline_service(settings: "Settings", predictor: "Predictor | None",
                     on_load_error: "Callable[[BaseException], None] | None", source: "Source | None") -> "ServiceFace":
     """The engine in this process: the models loaded here (now, or on a thread with ``on_load_error``)."""
+    import os
+
     from app.engine.service import Service
     from app.engine.versions.sources import DirectorySource, GivenSource
+    from app.hosting import control
     from models.data.malloc import keep_freed_memory
 
     settings = _placed(settings)
     keep_freed_memory(settings.malloc_trim_threshold_mb)  # before any image buffer is allocated
     if source is None:
         source = GivenSource(predictor) if predictor is not None else DirectorySource(settings)
-    return (Service.build(settings, source) if on_load_error is None
-            else Service.start(settings, source, on_load_error))
+    if on_load_error is None:
+        return Service.build(settings, source)
+    # a worker loading on a thread (gunicorn's): its ready mark says when it serves (app/hosting/worker.py)
+    mark = None if settings.control_dir is None else control.ready_mark(settings.control_dir, os.getpid())
+    return Service.start(settings, source, on_load_error, ready_mark=mark)

@@ -16,6 +16,7 @@ import inspect
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, ContextManager, NamedTuple, Protocol, Sequence
 
 import numpy as np
@@ -329,6 +330,10 @@ class Lifecycle:
         self.in_flight = InFlight()  # requests admitted and not yet answered
         self._started = threading.Event()
         self._draining = threading.Event()
+        # An HTTP worker's file saying it serves (CONTROL_DIR's http-<pid>.ready): there from its first models (or
+        # its engine reached) until its drain. A replacement worker leaves new connections to the workers that have
+        # one (app/hosting/worker.py); None: no file (an engine process, a test's app).
+        self.ready_mark: Path | None = None
 
     @property
     def draining(self) -> bool:
@@ -338,10 +343,17 @@ class Lifecycle:
     def begin_drain(self) -> None:
         """Turn readiness off so load balancers stop sending; accepted work still completes."""
         self._draining.set()
+        if self.ready_mark is not None:
+            self.ready_mark.unlink(missing_ok=True)
         self._drain_begun()
 
+    def _serving_now(self) -> None:
+        """The first models serve (or the engine was reached): the ready mark made, unless a drain began."""
+        if self.ready_mark is not None and not self.draining:
+            self.ready_mark.touch()
+
     def _drain_begun(self) -> None:
-        """What else a drain turns off (a gauge, a ready mark)."""
+        """What else a drain turns off (a gauge)."""
 
     def wait_drained(self, min_s: float, max_s: float) -> bool:
         """After begin_drain: wait ``min_s``, then until no admitted request is left unanswered, ``max_s`` at most.

@@ -11,6 +11,7 @@ import functools
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Callable, Iterator
 
 from app.config import Settings
@@ -60,14 +61,18 @@ class Service(Lifecycle):
         return service
 
     @classmethod
-    def start(cls, settings: Settings, source: Source, on_error: Callable[[BaseException], None]) -> "Service":
-        """A service that answers now and loads its models on a thread; ``on_error`` gets a failure."""
+    def start(cls, settings: Settings, source: Source, on_error: Callable[[BaseException], None],
+              ready_mark: Path | None = None) -> "Service":
+        """A service that answers now and loads its models on a thread; ``on_error`` gets a failure; ``ready_mark``
+        (an HTTP worker's, ``Lifecycle``): made once they serve."""
         service = cls(settings, source)
+        service.ready_mark = ready_mark
 
         def run() -> None:
             try:
                 service.controller.boot()
                 service._started.set()
+                service._serving_now()
                 service._update_ready_gauge()
                 log.info("ready to serve")
             except BaseException as exc:  # noqa: BLE001 - handed to on_error, which decides the worker's fate

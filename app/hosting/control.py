@@ -4,7 +4,9 @@ the engine processes. Every name in it is made here and nowhere else:
 - ``desired.json`` and ``lock``: the desired state and its file lock (app/engine/versions/desired.py);
 - ``worker-<pid>.json``: what each process that serves models reports (an inline worker, or an engine);
 - ``engine-<slot>.sock``: where engine ``slot`` listens; ``engine-<slot>.failed``: why it cannot serve;
-- ``http-<pid>.ready``: an HTTP worker that reached a ready engine (readiness counts the live workers' marks).
+- ``http-<pid>.ready``: an HTTP worker that serves: it reached a ready engine, or loaded its models inline, and is
+  not draining (readiness counts the live workers' marks in process mode; a worker that has none leaves new
+  connections to those that have one, app/hosting/worker.py).
 
 Standard library only: the master imports it, and so does the engine (the desired state's names).
 """
@@ -39,6 +41,13 @@ def engine_failure(control_dir: Path, slot: int) -> Path:
 def ready_mark(control_dir: Path, pid: int) -> Path:
     """The file an HTTP worker writes once it reaches a ready engine."""
     return control_dir / f"http-{pid}.ready"
+
+
+def takes_connections(control_dir: Path, pid: int) -> bool:
+    """Whether HTTP worker ``pid`` should take new connections now: it serves (its ready mark is there), or no
+    other live worker does (a server starting: each answers 503 while it loads, rather than none answering)."""
+    return ready_mark(control_dir, pid).exists() or not [other for other in ready_workers(control_dir)
+                                                         if other != pid]
 
 
 def _pid_of(path: Path, prefix: str, suffix: str) -> int | None:

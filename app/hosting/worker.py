@@ -17,13 +17,15 @@ by a reset of the client's next request).
 
 ``NoAccessLog`` is gunicorn's logger without its access line: the app writes one structured line per request.
 
-The master loads these classes: they import gunicorn and the standard library only (and app.errors, which is plain).
+The master loads these classes: they import gunicorn and the standard library only (and app.errors and
+app.hosting.control, which are plain).
 """
 from __future__ import annotations
 
 import errno
 import json
 import logging
+import os
 import select
 import selectors
 import socket
@@ -31,6 +33,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from gunicorn.glogging import Logger
@@ -38,6 +41,7 @@ from gunicorn.http.unreader import SocketUnreader
 from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn, ThreadWorker
 
 from app.errors import RequestTimeout, default_body
+from app.hosting import control
 
 HEADER_END = b"\r\n\r\n"
 READ_SIZE = 1 << 20  # what the socket holds, in as few calls as possible: the loop thread competes for the GIL
@@ -153,10 +157,29 @@ class BufferingWorker(ThreadWorker):
     """gthread with requests read in the event loop (see the module's docstring)."""
 
     limits = ReadLimits()
+    control_dir: Path | None = None  # CONTROL_DIR (gunicorn.conf.py's post_fork): the workers' ready marks
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.reading: set[Reading] = set()
+        self._held_back = False  # new connections left to the serving workers, said once in the log
+
+    def set_accept_enabled(self, enabled: bool) -> None:
+        """gthread's, but a worker that does not serve yet (a killed one's replacement, importing the app and
+        loading or reaching its models) takes no new connection while another worker serves: they wait in the
+        shared listen backlog for a worker that answers them, instead of a 503 from this one. gthread's loop asks
+        again each turn (a second apart at most) until it serves. A server starting (no worker serves) takes them
+        all, each worker answering 503 while it loads."""
+        if enabled and self.control_dir is not None and not control.takes_connections(self.control_dir, os.getpid()):
+            if not self._held_back:
+                self._held_back = True
+                self.log.info("worker %d takes new connections once it serves (another worker serves them)",
+                              os.getpid())
+            return
+        if enabled and self._held_back:
+            self._held_back = False
+            self.log.info("worker %d serves: taking new connections", os.getpid())
+        super().set_accept_enabled(enabled)
 
     def accept(self, listener: Any) -> None:
         """A new connection waits in the loop for its request (app/hosting/drain.py counts on nr_conns growing by one)."""

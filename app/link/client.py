@@ -194,6 +194,7 @@ class RemoteService(Lifecycle):
         super().__init__()
         assert settings.control_dir is not None, "ENGINE=process needs CONTROL_DIR (gunicorn.conf.py sets it)"
         self.settings, self.slot, self.control_dir = settings, slot, settings.control_dir
+        self.ready_mark = control.ready_mark(self.control_dir, os.getpid())
         path = control.socket_path(self.control_dir, slot)
         self.connections = EngineConnections(connect or functools.partial(wire.connect, path, CONNECT_TIMEOUT_S))
         self.catalog = RemoteCatalog(self._ask)
@@ -217,9 +218,8 @@ class RemoteService(Lifecycle):
                 return
             state = self._engine_state(fresh=True)
             if state is not None and state.ready:
-                if not self.draining:
-                    control.ready_mark(self.control_dir, os.getpid()).touch()
                 self._started.set()
+                self._serving_now()
                 BATCHER_ALIVE.set(1)  # no inference thread here: whether the engine's runs is its own gauge
                 READY.set(1)
                 if self.draining:  # a drain that began meanwhile set 0 before this
@@ -347,7 +347,6 @@ class RemoteService(Lifecycle):
             self.settings.workers or 1)
 
     def _drain_begun(self) -> None:
-        control.ready_mark(self.control_dir, os.getpid()).unlink(missing_ok=True)
         READY.set(0)
 
     def shutdown(self, timeout: float | None = None) -> None:

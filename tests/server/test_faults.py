@@ -85,6 +85,38 @@ def test_sigkill_of_a_worker_mid_batch(small_weights: Path, start_server: Start,
     assert row.recover_s is not None
 
 
+@pytest.mark.parametrize("settings", [{}, {"engine": "process"}], ids=["inline", "process"])
+def test_a_killed_workers_replacement_leaves_new_connections_to_the_worker_that_serves(
+        small_weights: Path, start_server: Start, settings: dict[str, str]) -> None:
+    # Before: the replacement took connections from its first second and answered 503 not_ready while it imported
+    # the app and loaded its model (a new user's trial, a new connection for each request: 43 of 308). Now they
+    # wait in the shared backlog for the worker that serves, and the replacement takes them once it serves.
+    server = start_server(small_weights, workers="2", max_batch_size="4", **settings).wait_ready()
+    faults.wait_ready_workers(server, 2)
+    before = server.http_worker_pids()
+    os.kill(before[0], signal.SIGKILL)
+    outcomes: list[faults.Outcome] = []
+    while faults.ready_workers(server) < 3:  # until the replacement serves, one request at a time
+        with requests.Session() as session:  # a new connection for each
+            outcomes.append(faults.send(session, server.url))
+        assert len(outcomes) < 5000, server.output()[-2000:]
+    held_back = len(outcomes)
+    replacement, = set(server.http_worker_pids()) - set(before)
+    taking = f"worker {replacement} serves: taking new connections"
+    deadline = time.monotonic() + 10  # its loop looks again within a second
+    while taking not in server.output() and time.monotonic() < deadline:
+        with requests.Session() as session:
+            outcomes.append(faults.send(session, server.url))
+    for _ in range(40):  # both workers take them now
+        with requests.Session() as session:
+            outcomes.append(faults.send(session, server.url))
+    assert Counter(o.status for o in outcomes) == Counter({200: len(outcomes)}), [
+        o for o in outcomes if o.status != 200][:3]
+    assert held_back > 5, "the replacement served before any request met it: the test proved nothing"
+    log = server.output()  # gunicorn's lines: the replacement held back, then took its share
+    assert f"worker {replacement} takes new connections once it serves" in log and taking in log, log[-3000:]
+
+
 def test_the_client_library_retries_what_a_killed_worker_dropped(small_weights: Path, start_server: Start) -> None:
     # A reset is retried by visionserve's client (prediction is idempotent), and so are the 503s while gunicorn's
     # replacement worker loads: a caller using it loses nothing.

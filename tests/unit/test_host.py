@@ -2,6 +2,7 @@
 and the cores and forward threads the server and models.predict take by one rule (models/serving.py)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,18 @@ def test_engines_per_device_places_k_engines_on_each_gpu_and_says_which_get_no_w
     assert host.unserved_engines(workers=4, engines=4) == 0 and host.unserved_engines(workers=1, engines=2) == 1
     with pytest.raises(ValueError):
         Settings(engines_per_device=0)
+
+
+def test_a_worker_takes_connections_once_it_serves_or_while_no_other_worker_does(tmp_path: Path) -> None:
+    # A killed worker's replacement leaves new connections in the backlog for the workers that serve, instead of
+    # answering them 503 while it loads; a server whose workers all load takes them (each answers 503 meanwhile).
+    from app.hosting import control
+
+    me, other, dead = os.getpid(), os.getppid(), 2 ** 22 + 1  # above pid_max's default: no such process
+    assert control.takes_connections(tmp_path, me)  # nobody serves yet
+    control.ready_mark(tmp_path, dead).touch()  # a killed worker's mark not yet removed
+    assert control.takes_connections(tmp_path, me)
+    control.ready_mark(tmp_path, other).touch()
+    assert not control.takes_connections(tmp_path, me)  # another worker serves: it takes them
+    control.ready_mark(tmp_path, me).touch()
+    assert control.takes_connections(tmp_path, me)  # this one serves too
