@@ -68,8 +68,8 @@ def test_the_json_answer_holds_the_map_of_the_top_class_over_the_region_the_mode
     body = answer.json
     top = explain_client.post("/predict?top_k=1", data=CAT, content_type="image/jpeg").json["predictions"][0]
     assert (body["explained"]["index"], body["explained"]["label"]) == (top["index"], top["label"])
-    # the same model (eager against TorchScript), the photo decoded by PIL against the tensor path: within a pixel level
-    assert body["explained"]["score"] == pytest.approx(top["score"], abs=2e-3)
+    # the same model (eager against TorchScript) on the same pixels (the version's decode path): the same score
+    assert body["explained"]["score"] == pytest.approx(top["score"], abs=2e-5)
     # TorchScript takes no hooks: the gradients are the state dict's
     assert (body["method"], body["weights"]) == ("grad-cam", "state_dict")
     grid = np.array(body["grid"])
@@ -82,14 +82,15 @@ def test_the_json_answer_holds_the_map_of_the_top_class_over_the_region_the_mode
 @pytest.mark.slow  # a real export (seconds)
 def test_it_equals_grad_cam_on_the_state_dict_computed_offline(explain_client: FlaskClient,
                                                                 tiny_export: Path) -> None:
+    from app.engine.decoding.image import DecodeLimits
+    from app.engine.decoding.tensor import image_to_tensor_path
     from models.export.load import load_model
-    from models.presets import eval_transform
+    from models.presets import TensorEvalTransform
 
     loaded = load_model(tiny_export, weights_format="state_dict", device="cpu")
     preset = loaded.manifest.preprocess
-    photo = Image.open(io.BytesIO(CAT)).convert("RGB")
-    offline = grad_cam(loaded.module, feature_layer(loaded.module, preset.input_shape), eval_transform(preset)(photo),
-                       index=1)
+    pixels = image_to_tensor_path(CAT, TensorEvalTransform(preset), DecodeLimits())  # as the CPU's requests are
+    offline = grad_cam(loaded.module, feature_layer(loaded.module, preset.input_shape), pixels, index=1)
     served = explain_client.post("/explain?class_index=1", data=CAT, content_type="image/jpeg").json
     assert served["explained"]["index"] == 1 and np.allclose(served["grid"], offline.grid, atol=1e-3)
 

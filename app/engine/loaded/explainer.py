@@ -16,7 +16,8 @@ import numpy as np
 import torch.nn as nn
 
 from app.engine.contract import Explanation
-from app.engine.decoding.image import DecodeLimits, load_upright, open_checked
+from app.engine.decoding.decoders import Decoder
+from app.engine.decoding.image import load_upright, open_checked
 from app.engine.loaded.predictor import Predictor
 from app.errors import BadRequest, NoGradients
 from models.explain import METHOD, NoFeatureMap, crop_box, feature_layer, grad_cam, overlay
@@ -47,11 +48,12 @@ def _gradient_module(predictor: Predictor) -> tuple[nn.Module, str]:
 
 
 class Explainer:
-    """Grad-CAM for one version: ``explain`` decodes an image as its requests are (the same limits, the PIL eval
-    transform), runs one forward and one backward pass and answers the map (and its overlay PNG when asked)."""
+    """Grad-CAM for one version: ``explain`` decodes an image as its requests are (its decoder: the same limits,
+    path and pixels, so the explained score is the one /predict answers), runs one forward and one backward pass
+    and answers the map (and its overlay PNG when asked, drawn on the photo as PIL opens it)."""
 
-    def __init__(self, predictor: Predictor, limits: DecodeLimits) -> None:
-        self.predictor, self.limits = predictor, limits
+    def __init__(self, predictor: Predictor, decoder: Decoder) -> None:
+        self.predictor, self.decoder, self.limits = predictor, decoder, decoder.limits
         self.module, self.weights = _gradient_module(predictor)
         try:
             self.layer = feature_layer(self.module, predictor.manifest.preprocess.input_shape)
@@ -68,12 +70,13 @@ class Explainer:
         if index is not None and not 0 <= index < manifest.num_classes:
             raise BadRequest(f"class_index must be from 0 to {manifest.num_classes - 1}, got {index}")
         started = time.perf_counter()
+        pixels = self.decoder.collate([self.decoder.prepare(image)])[0]  # as a request's, refused as one is
         opened = open_checked(image, self.limits)
         stored = opened.size  # before a large JPEG's reduced-scale decode, and before its EXIF turn
         photo = load_upright(opened, self.limits)
         turned = (stored[0] > stored[1]) != (photo.width > photo.height) and stored[0] != stored[1]
         width, height = stored[::-1] if turned else stored  # the upright photo's own pixels
-        found = grad_cam(self.module, self.layer, self.predictor.transform(photo), index)
+        found = grad_cam(self.module, self.layer, pixels, index)
         rendered = overlay(photo, found.grid, manifest.preprocess) if png else None
         return Explanation(
             manifest.name, manifest.version, found.index, manifest.labels[found.index], found.score, METHOD,

@@ -54,7 +54,7 @@ class LoadedVersion:
         it has none."""
         with self._explainer_made:
             if self._explainer is None:
-                self._explainer = Explainer(self.predictor, self.decoder.limits)
+                self._explainer = Explainer(self.predictor, self.decoder)
             return self._explainer
 
     @property
