@@ -10,7 +10,8 @@ import os
 import re
 import time
 
-from flask import Flask, Response, g, request
+from flask import Flask, Request, Response, current_app, g, request
+from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from app.config import Settings
 from app.errors import BodyTooLarge
@@ -60,12 +61,26 @@ def is_probe(path: str) -> bool:
     return path in OPEN_PATHS or is_page(path)
 
 
+def _route_refusing(req: Request) -> str:
+    """The route of a request no rule took: the one whose path it matched when only its method was not allowed
+    (a 405 counts under its route, as a 400 does), else ``unmatched`` (a 404)."""
+    refused = req.routing_exception
+    if isinstance(refused, MethodNotAllowed) and refused.valid_methods:
+        try:
+            rule, _ = current_app.url_map.bind_to_environ(req.environ).match(method=refused.valid_methods[0],
+                                                                             return_rule=True)
+            return rule.rule
+        except HTTPException:
+            pass
+    return "unmatched"
+
+
 def _finish_request(response: Response) -> Response:
     req, context = request._get_current_object(), g._get_current_object()
     request_id = getattr(context, "request_id", "")
     response.headers["X-Request-ID"] = request_id
     elapsed = time.perf_counter() - getattr(context, "started", time.perf_counter())
-    endpoint = req.url_rule.rule if req.url_rule is not None else "unmatched"
+    endpoint = req.url_rule.rule if req.url_rule is not None else _route_refusing(req)
     status = response.status_code
     probe = is_probe(req.path)
     if probe:

@@ -113,6 +113,19 @@ def _stage_seconds(text: str) -> dict[tuple[str, str], float]:
         r'^visionserve_stage_duration_seconds_(sum|count)\{stage="(\w+)"\} (\S+)$', text, re.M)}
 
 
+def test_a_405_counts_under_the_route_it_reached_and_a_404_as_unmatched(client: FlaskClient) -> None:
+    # Before: a wrong method counted as endpoint="unmatched", with the 404s, hiding which route was misused.
+    assert client.get("/predict").status_code == 405
+    assert client.delete("/v2/models/colour/infer").status_code == 405
+    assert client.get("/no/such/path").status_code == 404
+    text = client.get("/metrics").get_data(as_text=True)
+    assert 'visionserve_requests_total{endpoint="/predict",status="405"}' in text
+    assert 'visionserve_requests_total{endpoint="/v2/models/<name>/infer",status="405"}' in text, [
+        line for line in text.splitlines() if "405" in line]
+    assert 'visionserve_requests_total{endpoint="unmatched",status="404"}' in text
+    assert 'endpoint="unmatched",status="405"' not in text
+
+
 def test_metrics_count_requests_batches_and_rejections(client: FlaskClient) -> None:
     before = _stage_seconds(client.get("/metrics").get_data(as_text=True))  # the process's registry: other tests'
     client.post("/predict", data=image_bytes(), content_type="image/jpeg")
