@@ -142,16 +142,21 @@ def test_two_load_calls_for_one_model_run_one_load(service: Service, repository:
     assert repository.loads.count(("colour", "2")) == 1 and _ask(service) == "2"
 
 
-def test_a_version_that_would_not_fit_is_refused_before_loading(settings: Settings,
-                                                                repository: FakeRepository) -> None:
+def test_a_version_that_would_not_fit_is_refused_before_loading(settings: Settings, repository: FakeRepository,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
     # Each fake version takes 1 MiB and needs 2 MiB to load: the first fits in 2 MiB, a second beside it not.
     service = _service(settings, repository, model_memory_limit_mb=2)
     try:
         repository.add("colour", "2")
-        with pytest.raises(InsufficientMemory, match="colour version 2 needs about 2 MiB; the loaded models take 1 MiB "
-                                                      "of MODEL_MEMORY_LIMIT_MB=2"):
-            service.catalog.load("colour")
+        with caplog.at_level(logging.DEBUG, logger="app.engine.versions.apply"):
+            for _ in range(3):  # a call, then the polls that try it again
+                with pytest.raises(InsufficientMemory, match="colour version 2 needs about 2 MiB; the loaded models "
+                                                             "take 1 MiB of MODEL_MEMORY_LIMIT_MB=2"):
+                    service.catalog.load("colour")
         assert ("colour", "2") not in repository.loads and _ask(service) == "1"
+        # Before: a warning at every try (each poll, in each worker); now one, the tries after it at debug
+        refusals = [r.levelno for r in caplog.records if "refused colour version 2" in r.getMessage()]
+        assert refusals == [logging.WARNING, logging.DEBUG, logging.DEBUG]
     finally:
         service.shutdown(timeout=5)
 

@@ -52,6 +52,8 @@ class Applier:
         self.routes = RoutingTable(self.states.why_unservable)
         self.evidence = Evidence()  # this worker's rollout comparisons and traffic per version
         self._refused_candidates: dict[str, str] = {}  # model -> the refused candidate its rollout goes on without
+        # versions refused for memory since they last loaded: tried again at every call and poll, warned of once
+        self._short_of_memory: set[tuple[str, str]] = set()
         self._lock = threading.Lock()  # one change at a time: a call, the poll, the rules or another worker's
 
     @property
@@ -144,12 +146,18 @@ class Applier:
                 loaded = start_version(self.settings, self.source.load(name, version))
                 if device.type == "cuda":
                     loaded.device_memory_bytes = torch.cuda.memory_allocated(device) - before
+                self._short_of_memory.discard((name, version))
                 return loaded
         except Exception as exc:
             error = exc if isinstance(exc, ServiceError) else LoadFailed(
                 f"{name} version {version} cannot be served: {exc if isinstance(exc, ModelLoadError) else repr(exc)}")
-            log.warning("refused %s version %s: %s", name, version, error.message)
-            if not isinstance(error, InsufficientMemory):  # memory may be freed: a later call tries it again
+            if isinstance(error, InsufficientMemory):  # memory may be freed: a later call or poll tries it again
+                again = (name, version) in self._short_of_memory
+                self._short_of_memory.add((name, version))
+                log.log(logging.DEBUG if again else logging.WARNING, "refused %s version %s: %s (tried again at "
+                        "each poll and load call; warned of again once it has loaded)", name, version, error.message)
+            else:
+                log.warning("refused %s version %s: %s", name, version, error.message)
                 with contextlib.suppress(OSError):
                     self.states.refuse((name, version), self.source.stamp(name, version), error.message)
             raise error from exc
