@@ -94,6 +94,7 @@ def on_starting(server) -> None:  # noqa: ANN001
         server.log.warning(warning)
     server.log.info("visionserve: %d worker%s (%s)", _workers, "" if _workers == 1 else "s", _workers_why)
     _halt_once(server)
+    control.clear_stale(Path(os.environ["VISIONSERVE_CONTROL_DIR"]))  # a kept directory's marks: an earlier start's
     if _engine == "process":
         server.log.info("visionserve: %d engine process%s (ENGINES_PER_DEVICE=%d)", _engines,
                         "" if _engines == 1 else "es", _settings.engines_per_device)

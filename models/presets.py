@@ -208,15 +208,20 @@ class TensorEvalTransform:
         """uint8 (C, H, W) images as one (N, C, crop, crop) float32 stack of the values torchvision's resize and
         centre crop give each (its float32 resize, clamped to 0..255 after a bicubic one, rounded), in their order.
         Images of one size are resized together, as one (n, C, H, W) batch made float32 (the filter runs on each
-        image alone, so the values are the same): a batch of a camera's frames or of one client's photos is a few
-        steps, not two per image (on CUDA, each a kernel launch and torch's dispatch); each crop a view; the clamp
-        and the rounding once for the stack."""
+        image alone, so the values are the same), up to ``RESIZED_TOGETHER_PIXELS`` a batch: a batch of a camera's
+        frames or of one client's photos is a few steps, not two per image (on CUDA, each a kernel launch and
+        torch's dispatch); each crop a view; the clamp and the rounding once for the stack."""
         p = self.preset
         by_size: dict[tuple[int, int], list[int]] = {}
         for index, image in enumerate(images):
             by_size.setdefault((image.shape[-2], image.shape[-1]), []).append(index)
-        crops: list[torch.Tensor | None] = [None] * len(images)  # each filled below, by its size's group
+        groups: list[tuple[tuple[int, int], list[int]]] = []
         for (height, width), indices in by_size.items():
+            per_batch = max(1, RESIZED_TOGETHER_PIXELS // (height * width))
+            groups += [((height, width), indices[start:start + per_batch])
+                       for start in range(0, len(indices), per_batch)]
+        crops: list[torch.Tensor | None] = [None] * len(images)  # each filled below, by its size's group
+        for (height, width), indices in groups:
             same = images[indices[0]][None] if len(indices) == 1 else torch.stack([images[i] for i in indices])
             pixels = same.to(torch.float32)
             new_width, new_height = resized_size(width, height, p.resize_size)
@@ -262,6 +267,9 @@ class TensorEvalTransform:
         return pixels
 
 
+# The most source pixels resized together (``rounded_crops``): a group of one size is split into batches of at most
+# this many, so its float32 copy stays about 200 MB (ImageNet-size photos: 85 a batch; 12-megapixel ones: one).
+RESIZED_TOGETHER_PIXELS = 16_000_000
 INTERPOLATED = ("bilinear", "bicubic")  # the filters torch's interpolate runs antialiased (not lanczos, not nearest)
 
 

@@ -13,6 +13,7 @@ serve when the engine runs inside the worker:
 from __future__ import annotations
 
 import inspect
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from app.engine.batching.arrivals import InFlight
 from app.engine.batching.types import BatchRun
 from app.errors import NoEmbedding, NotReady, retry_after_header
 from models.export.manifest import Manifest
+
+log = logging.getLogger(__name__)
 
 NOT_READY_RETRY_S = 5  # Retry-After of every 503: loading, draining, a stopped batcher, an engine away
 CLIENT_CHECK_S = 0.05  # how often a waiting request looks whether its client is still connected
@@ -348,9 +351,18 @@ class Lifecycle:
         self._drain_begun()
 
     def _serving_now(self) -> None:
-        """The first models serve (or the engine was reached): the ready mark made, unless a drain began."""
-        if self.ready_mark is not None and not self.draining:
+        """The first models serve (or the engine was reached): the ready mark made, unless a drain began (one that
+        began meanwhile takes it away again). A mark that cannot be written leaves this worker serving: the others
+        then hold back new connections a little longer (until they serve), readiness waits for it in process mode."""
+        if self.ready_mark is None or self.draining:
+            return
+        try:
             self.ready_mark.touch()
+        except OSError as exc:
+            log.warning("could not write the ready mark %s: %s", self.ready_mark, exc)
+            return
+        if self.draining:  # began between the look and the touch: its unlink may have come first
+            self.ready_mark.unlink(missing_ok=True)
 
     def _drain_begun(self) -> None:
         """What else a drain turns off (a gauge)."""

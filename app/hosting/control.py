@@ -23,6 +23,14 @@ READY_MARKS = "http-*.ready"
 STALE_AT_START = ("engine-*.failed", "engine-*.sock", READY_MARKS)
 
 
+def clear_stale(control_dir: Path) -> None:
+    """What an earlier server left in a kept CONTROL_DIR (``STALE_AT_START``): removed before this one starts (a
+    killed worker's ready mark could otherwise name a live process of this start, pids being reused)."""
+    for pattern in STALE_AT_START:
+        for stale in control_dir.glob(pattern):
+            stale.unlink(missing_ok=True)
+
+
 def report(control_dir: Path, pid: int) -> Path:
     """What process ``pid`` serves (its versions, device and rollout evidence)."""
     return control_dir / f"worker-{pid}.json"

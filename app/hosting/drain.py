@@ -24,11 +24,12 @@ from typing import Any, Callable
 
 
 def _accept_queued_then_close(worker: Any) -> None:
-    """On the worker's loop thread: take every connection already in the backlog, then close the listeners."""
+    """On the worker's loop thread: take every connection already in the backlog, then close the listeners. A worker
+    holding back new connections for the workers that serve (app/hosting/worker.py) leaves the backlog to them."""
     worker.set_accept_enabled(False)
     for listener in worker.sockets:
         with contextlib.suppress(OSError):
-            while True:
+            while not getattr(worker, "held_back", False):
                 before = worker.nr_conns
                 worker.accept(listener)  # non-blocking: stops at EAGAIN without counting a connection
                 if worker.nr_conns == before:

@@ -162,7 +162,7 @@ class BufferingWorker(ThreadWorker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.reading: set[Reading] = set()
-        self._held_back = False  # new connections left to the serving workers, said once in the log
+        self.held_back = False  # new connections left to the workers that serve (said once in the log)
 
     def set_accept_enabled(self, enabled: bool) -> None:
         """gthread's, but a worker that does not serve yet (a killed one's replacement, importing the app and
@@ -171,13 +171,13 @@ class BufferingWorker(ThreadWorker):
         again each turn (a second apart at most) until it serves. A server starting (no worker serves) takes them
         all, each worker answering 503 while it loads."""
         if enabled and self.control_dir is not None and not control.takes_connections(self.control_dir, os.getpid()):
-            if not self._held_back:
-                self._held_back = True
+            if not self.held_back:
+                self.held_back = True
                 self.log.info("worker %d takes new connections once it serves (another worker serves them)",
                               os.getpid())
             return
-        if enabled and self._held_back:
-            self._held_back = False
+        if enabled and self.held_back:
+            self.held_back = False
             self.log.info("worker %d serves: taking new connections", os.getpid())
         super().set_accept_enabled(enabled)
 

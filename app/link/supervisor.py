@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from app.hosting.control import STALE_AT_START, engine_failure, socket_path  # standard library only
+from app.hosting.control import clear_stale, engine_failure, socket_path  # standard library only
 
 log = logging.getLogger("gunicorn.error")
 RESTART_DELAY_S = 1.0  # after a crash, before starting it again (a crash loop costs one start a second)
@@ -175,9 +175,7 @@ def start_engines(count: int, control_dir: Path, on_death: Callable[[int], None]
     again); stale files of an earlier start of a kept CONTROL_DIR go first."""
     if _ENGINES:
         return _ENGINES
-    for pattern in STALE_AT_START:
-        for stale in control_dir.glob(pattern):
-            stale.unlink(missing_ok=True)
+    clear_stale(control_dir)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     _ENGINES.extend(Engine(slot, control_dir, on_death).start() for slot in range(count))
     return _ENGINES

@@ -45,22 +45,44 @@ CU_CTX_SCHED_BLOCKING_SYNC = 0x04  # cuda.h: a thread waiting for the device sle
 STEPS = ("bytes", "decode", "preprocess", "collate", "readback")
 
 
-def schedule_blocking_sync(ordinal: int = 0) -> str:
-    """Set the device's primary context to blocking sync through the driver, before torch makes the context.
-    Returns what happened, in words (the driver's status when it refused)."""
+def _driver_device(ordinal: int) -> tuple[ctypes.CDLL, ctypes.c_int] | str:
+    """The CUDA driver and its handle of device ``ordinal``, or why not, in words."""
     try:
         driver = ctypes.CDLL("libcuda.so.1")
     except OSError as exc:
         return f"no driver: {exc}"
     device = ctypes.c_int()
-    for step, status in (("cuInit", lambda: driver.cuInit(0)),
-                         ("cuDeviceGet", lambda: driver.cuDeviceGet(ctypes.byref(device), ordinal)),
-                         ("cuDevicePrimaryCtxSetFlags", lambda: driver.cuDevicePrimaryCtxSetFlags_v2(
-                             device, CU_CTX_SCHED_BLOCKING_SYNC))):
-        code = status()
-        if code != 0:
-            return f"{step} returned {code}"
-    return "set"
+    for step, code in (("cuInit", lambda: driver.cuInit(0)),
+                       ("cuDeviceGet", lambda: driver.cuDeviceGet(ctypes.byref(device), ordinal))):
+        if (status := code()) != 0:
+            return f"{step} returned {status}"
+    return driver, device
+
+
+def schedule_blocking_sync(ordinal: int = 0) -> str:
+    """Set the device's primary context to blocking sync through the driver, before torch makes the context (call
+    it before anything asks torch about the device). Returns what happened, in words."""
+    found = _driver_device(ordinal)
+    if isinstance(found, str):
+        return found
+    driver, device = found
+    status = driver.cuDevicePrimaryCtxSetFlags_v2(device, CU_CTX_SCHED_BLOCKING_SYNC)
+    return "asked" if status == 0 else f"cuDevicePrimaryCtxSetFlags returned {status}"
+
+
+def primary_context_flags(ordinal: int = 0) -> str:
+    """The device's primary context as the driver holds it now: its flags and whether it is active, in words (what
+    a run with blocking sync really ran with)."""
+    found = _driver_device(ordinal)
+    if isinstance(found, str):
+        return found
+    driver, device = found
+    flags, active = ctypes.c_uint(), ctypes.c_int()
+    status = driver.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active))
+    if status != 0:
+        return f"cuDevicePrimaryCtxGetState returned {status}"
+    schedule = "blocking sync" if flags.value & 0x07 == CU_CTX_SCHED_BLOCKING_SYNC else f"flags {flags.value:#x}"
+    return f"{schedule}, {'active' if active.value else 'inactive'}"
 
 
 def workloads() -> dict[str, tuple[list[bytes], EvalPreset]]:
@@ -132,6 +154,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=WORK / "device-collate")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    blocking = args.sync == "blocking" and device.type == "cuda"
+    asked = schedule_blocking_sync(device.index or 0) if blocking else ""  # before torch makes the context
     machine: dict[str, object] = {"device_name": device_name(device), "torch": torch.__version__}
     if args.sync == "both" and device.type == "cuda":
         rows: list[dict] = []
@@ -148,9 +172,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         mode = "spin" if args.sync == "both" else args.sync
         how = "CUDA's default" if mode == "spin" else "none on the CPU"
-        if mode == "blocking" and device.type == "cuda":
-            how = f"primary context blocking sync: {schedule_blocking_sync(device.index or 0)}"
         rows = measure(device, args.batch_sizes, args.seconds, mode)
+        if device.type == "cuda":  # read back after the run: what its context really had
+            ran = primary_context_flags(device.index or 0)
+            how = f"blocking sync {asked}; ran with: {ran}" if blocking else f"CUDA's default; ran with: {ran}"
         if args.rows_to:
             args.rows_to.write_text(json.dumps({"how": how, "rows": rows}))
             return

@@ -1,9 +1,12 @@
 """Where the engine process's time goes under load (issue #50): ``engine_only``'s engine and client, with py-spy
 sampling the engine meanwhile, twice: the thread holding the interpreter lock (``gil``: what bounds one engine,
 whose Python runs under one lock), then every thread on a CPU (``cpu``: waits for a device that spin, and C++ that
-runs without the lock, included, each as its Python caller's own time). Each is summarised by function: the share of the samples in which it is on the
-stack (inclusive) and at the top (self). On a GPU host the engine is what bounds process mode (the drill of 11-29:
-its time per image beyond the forward pass 4x its floor's there, 2x on a CPU), and this is where the difference is.
+runs without the lock, included, each as its Python caller's own time). Each is summarised by function: the share
+of the samples in which it is on the stack (inclusive) and at the top (self). On a GPU host the engine is what
+bounds process mode (the drill of 11-29: its time per image beyond the forward pass 4x its floor's there, 2x on a
+CPU), and this is where the difference is. The engine lets a profiler beside it read it (``engine_only``'s
+``allow_profilers``: Yama's ptrace_scope 1 allows only ancestors); where py-spy is refused all the same (a container
+without CAP_SYS_PTRACE), the step fails saying py-spy's reason.
 
     .venv/bin/python -m bench.serving.engine_profile --forms "v2 x1"            # py-spy from requirements-dev.txt
     python3 -m bench.serving.engine_profile --device cuda --out FOLDER          # on a GPU host (the drill runs it)
@@ -59,12 +62,20 @@ def sample(form: str, concurrency: int, seconds: float, device: str, rate: int, 
         client = subprocess.Popen([sys.executable, "-m", "bench.serving.engine_only", "--drive", str(ROOT), str(sock),
                                    form, str(concurrency), str(load_s), str(engine.pid), "loop"],
                                   cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
-        time.sleep(WARM_UP_S)
-        for kind, flags in KINDS.items():
-            subprocess.run([spy, "record", "-d", str(record_s), "-r", str(rate), "-f", "raw", *flags, "-o",
-                            str(raw_file(raw_stem, kind)), "-p", str(engine.pid)],
-                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        out, _ = client.communicate()
+        try:
+            time.sleep(WARM_UP_S)
+            for kind, flags in KINDS.items():
+                spied = subprocess.run([spy, "record", "-d", str(record_s), "-r", str(rate), "-f", "raw", *flags,
+                                        "-o", str(raw_file(raw_stem, kind)), "-p", str(engine.pid)],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                if spied.returncode:  # say why (on a host whose ptrace rules refuse it: its permission error)
+                    raise RuntimeError(f"py-spy could not sample the engine ({spied.returncode}): "
+                                       f"{spied.stderr.strip()[-2000:]}")
+            out, _ = client.communicate()
+        finally:
+            if client.poll() is None:
+                client.kill()
+                client.wait()
     if client.returncode:
         raise RuntimeError(f"the client of {form} ended with {client.returncode}")
     return json.loads(out.strip().splitlines()[-1])

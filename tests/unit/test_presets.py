@@ -153,6 +153,11 @@ def test_a_batch_resizes_the_images_of_one_size_together_and_keeps_their_order(
     got = TensorEvalTransform(preset).batch(images)
     assert sorted(resized) == [1, 2, 3]  # 500x375 three times, 375x500 twice, 320x320 once
     assert torch.equal(got, expected)
+    # a size's images are resized at most RESIZED_TOGETHER_PIXELS at once: their float32 copy stays bounded
+    resized.clear()
+    monkeypatch.setattr(models.presets, "RESIZED_TOGETHER_PIXELS", 2 * 500 * 375)
+    assert torch.equal(TensorEvalTransform(preset).batch(images), expected)
+    assert sorted(resized) == [1, 1, 2, 2]  # 500x375: two, then one
 
 
 @pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's

@@ -233,3 +233,54 @@ def test_a_lingering_thread_gives_back_a_request_it_did_not_get_whole_and_a_conn
     assert reading.body_end is not None and not worker._whole(reading)
     client.close()
     assert worker._next_request(_Conn(ours)) is False
+
+
+class _Listening:
+    """A worker's view of one listening socket with ``waiting`` connections in its backlog."""
+
+    def __init__(self, waiting: int) -> None:
+        self.waiting, self.closed = waiting, False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _DrainingWorker:
+    """What app/hosting/drain.py's last step uses of a gthread worker."""
+
+    def __init__(self, waiting: int, held_back: bool) -> None:
+        self.sockets, self.nr_conns, self.held_back = [_Listening(waiting)], 0, held_back
+        self.accepting = True
+
+    def set_accept_enabled(self, enabled: bool) -> None:
+        self.accepting = enabled
+
+    def accept(self, listener: _Listening) -> None:
+        if listener.waiting:
+            listener.waiting, self.nr_conns = listener.waiting - 1, self.nr_conns + 1
+
+
+@pytest.mark.parametrize("held_back", [False, True])
+def test_a_drain_takes_the_backlog_unless_its_worker_leaves_it_to_the_workers_that_serve(held_back: bool) -> None:
+    # A worker drains to its last connection, then closes its listener: the backlog's connections are answered
+    # (503 with Connection: close) rather than reset. One holding back for a serving worker (a replacement still
+    # loading) leaves them to that worker instead of answering them 503.
+    from app.hosting import drain
+
+    worker = _DrainingWorker(waiting=3, held_back=held_back)
+    drain._accept_queued_then_close(worker)
+    assert not worker.accepting and worker.sockets[0].closed
+    assert (worker.nr_conns, worker.sockets[0].waiting) == ((0, 3) if held_back else (3, 0))
+
+
+def test_a_kept_control_dir_loses_what_an_earlier_server_left_at_the_next_start(tmp_path: Path) -> None:
+    # A killed worker's ready mark from an earlier run could name a live process of this one (pids are reused):
+    # the others would hold back new connections for a worker that does not serve.
+    from app.hosting import control
+
+    left = [control.ready_mark(tmp_path, 1234), control.socket_path(tmp_path, 0), control.engine_failure(tmp_path, 1)]
+    kept = [tmp_path / control.DESIRED, control.report(tmp_path, 1234)]
+    for path in left + kept:
+        path.touch()
+    control.clear_stale(tmp_path)
+    assert [path.exists() for path in left + kept] == [False, False, False, True, True]
