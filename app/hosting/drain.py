@@ -25,11 +25,12 @@ from typing import Any, Callable
 
 def _accept_queued_then_close(worker: Any) -> None:
     """On the worker's loop thread: take every connection already in the backlog, then close the listeners. A worker
-    holding back new connections for the workers that serve (app/hosting/worker.py) leaves the backlog to them."""
+    holding back new connections for a worker that still serves (app/hosting/worker.py) leaves the backlog to it."""
     worker.set_accept_enabled(False)
+    leaves_backlog = getattr(worker, "leaves_backlog", lambda: False)()
     for listener in worker.sockets:
         with contextlib.suppress(OSError):
-            while not getattr(worker, "held_back", False):
+            while not leaves_backlog:
                 before = worker.nr_conns
                 worker.accept(listener)  # non-blocking: stops at EAGAIN without counting a connection
                 if worker.nr_conns == before:

@@ -181,6 +181,13 @@ class BufferingWorker(ThreadWorker):
             self.log.info("worker %d serves: taking new connections", os.getpid())
         super().set_accept_enabled(enabled)
 
+    def leaves_backlog(self) -> bool:
+        """Whether this worker's drain, at its end, leaves the listen backlog to another: it holds back, and a worker
+        serves still (asked then: when every other one has begun its drain too, this one takes its share, answered,
+        rather than leaving it to be reset when the last listener closes)."""
+        return (self.held_back and self.control_dir is not None
+                and not control.takes_connections(self.control_dir, os.getpid()))
+
     def accept(self, listener: Any) -> None:
         """A new connection waits in the loop for its request (app/hosting/drain.py counts on nr_conns growing by one)."""
         if getattr(listener, "sock", listener) is None:

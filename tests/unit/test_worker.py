@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from pathlib import Path
@@ -248,9 +249,12 @@ class _Listening:
 class _DrainingWorker:
     """What app/hosting/drain.py's last step uses of a gthread worker."""
 
-    def __init__(self, waiting: int, held_back: bool) -> None:
-        self.sockets, self.nr_conns, self.held_back = [_Listening(waiting)], 0, held_back
+    def __init__(self, waiting: int, leaves: bool) -> None:
+        self.sockets, self.nr_conns, self.leaves = [_Listening(waiting)], 0, leaves
         self.accepting = True
+
+    def leaves_backlog(self) -> bool:
+        return self.leaves
 
     def set_accept_enabled(self, enabled: bool) -> None:
         self.accepting = enabled
@@ -260,17 +264,35 @@ class _DrainingWorker:
             listener.waiting, self.nr_conns = listener.waiting - 1, self.nr_conns + 1
 
 
-@pytest.mark.parametrize("held_back", [False, True])
-def test_a_drain_takes_the_backlog_unless_its_worker_leaves_it_to_the_workers_that_serve(held_back: bool) -> None:
+@pytest.mark.parametrize("leaves", [False, True])
+def test_a_drain_takes_the_backlog_unless_its_worker_leaves_it_to_one_that_serves(leaves: bool) -> None:
     # A worker drains to its last connection, then closes its listener: the backlog's connections are answered
-    # (503 with Connection: close) rather than reset. One holding back for a serving worker (a replacement still
-    # loading) leaves them to that worker instead of answering them 503.
+    # (503 with Connection: close) rather than reset. One holding back for a worker that still serves (a
+    # replacement still loading) leaves them to that worker instead of answering them 503.
     from app.hosting import drain
 
-    worker = _DrainingWorker(waiting=3, held_back=held_back)
+    worker = _DrainingWorker(waiting=3, leaves=leaves)
     drain._accept_queued_then_close(worker)
     assert not worker.accepting and worker.sockets[0].closed
-    assert (worker.nr_conns, worker.sockets[0].waiting) == ((0, 3) if held_back else (3, 0))
+    assert (worker.nr_conns, worker.sockets[0].waiting) == ((0, 3) if leaves else (3, 0))
+
+
+def test_a_held_back_worker_leaves_the_backlog_only_while_another_still_serves(tmp_path: Path) -> None:
+    # Asked at its drain's end: when the serving worker has begun its drain too (its mark gone), the backlog is
+    # this one's to answer, or the last listener's close would reset it.
+    from app.hosting import control
+    from app.hosting.worker import BufferingWorker
+
+    worker = BufferingWorker.__new__(BufferingWorker)  # its state alone: no gunicorn arbiter behind it
+    worker.control_dir, worker.held_back = tmp_path, True
+    serving = control.ready_mark(tmp_path, os.getppid())  # another live process's mark
+    serving.touch()
+    assert worker.leaves_backlog()
+    serving.unlink()  # that worker began its drain
+    assert not worker.leaves_backlog()
+    serving.touch()
+    worker.held_back = False  # this one serves (or never held back): it takes its backlog
+    assert not worker.leaves_backlog()
 
 
 def test_a_kept_control_dir_loses_what_an_earlier_server_left_at_the_next_start(tmp_path: Path) -> None:
