@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import os
 import threading
+import time
 from collections import Counter as Tally
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -137,16 +138,23 @@ class _HeldBatches:
     forward_cpu_s: float = 0.0
 
 
+# The GPU memory gauges' freshness: torch.cuda.memory_allocated and memory_reserved each build the allocator's whole
+# statistics dict, which at every settle was 5% of an engine's interpreter lock on an H200 (11-30's drill).
+MEMORY_READ_S = 1.0
+
+
 class MetricsObserver:
     """Feeds one model version's batcher reports and its monitored predictions into the metrics. A batch's figures
     are held until ``settle`` (the batcher's, through its version) writes every batch's since the last one together:
-    one increment per bucket and series, not several per batch; ``memory_stats`` is read then (CUDA only). Once
+    one increment per bucket and series, not several per batch; ``memory_stats`` is read then (CUDA only), once a
+    ``MEMORY_READ_S`` at most. Once
     ``retire``d (its version unloaded), its stopping batcher no longer counts as a dead one and its drift and
     low-confidence gauges read 0."""
 
     def __init__(self, memory_stats: Callable[[], dict[str, int]] | None = None, model: str = "",
                  version: str = "") -> None:
         self._memory_stats = memory_stats
+        self._memory_read_at = float("-inf")  # when memory_stats was last read (at most once a MEMORY_READ_S)
         self._labels = (model, version)
         self.retired = False
         # this version's series, looked up once (labels() takes a lock and checks its values on every call)
@@ -224,7 +232,8 @@ class MetricsObserver:
                 observe_many(series(STAGE_SECONDS, "forward"), held.forward_s)
                 series(STAGE_CPU_SECONDS, "forward").inc(held.forward_cpu_s)
             observe_many(series(STAGE_SECONDS, "queue"), held.queued_s)
-        if self._memory_stats is not None:
+        if self._memory_stats is not None and (now := time.monotonic()) - self._memory_read_at >= MEMORY_READ_S:
+            self._memory_read_at = now
             for kind, value in self._memory_stats().items():
                 GPU_MEMORY.labels(kind).set(value)
 

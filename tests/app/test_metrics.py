@@ -212,3 +212,19 @@ def test_a_forked_child_writes_its_metrics_to_a_file_of_its_own(tmp_path: Path, 
     registry = CollectorRegistry()
     MultiProcessCollector(registry, str(tmp_path))
     assert registry.get_sample_value("forked_total") == 6
+
+
+def test_the_gpu_memory_gauges_are_read_once_a_second_at_most(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch.cuda.memory_allocated and memory_reserved each build the allocator's whole statistics dict: read at every
+    # settle they were 5% of an engine's interpreter lock on an H200. A gauge scraped every few seconds needs one a
+    # second.
+    import app.metrics as metrics
+
+    reads: list[int] = []
+    observer = metrics.MetricsObserver(lambda: reads.append(1) or {"allocated": 10 * len(reads)}, "m", "1")
+    clock = iter([100.0, 100.2, 100.9, 101.0, 101.5, 102.1])
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: next(clock))
+    for _ in range(6):
+        observer.settle()
+    assert len(reads) == 3  # at 100.0, 101.0 and 102.1
+    assert metrics.GPU_MEMORY.labels("allocated")._value.get() == 30
