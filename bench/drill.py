@@ -111,7 +111,7 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         Step("collate", 60, (py, "-m", "bench.serving.device_collate", "--device", device, *collate, "--out",
                              str(figures)), least_s=20),
         # where the engine's time goes under load: py-spy on it, the lock's holder and every thread on a CPU
-        Step("profile", 50, (py, "-m", "bench.serving.engine_profile", "--device", device, *profile, "--out",
+        Step("profile", 80, (py, "-m", "bench.serving.engine_profile", "--device", device, *profile, "--out",
                              str(figures)), least_s=30),
         Step("gpu-tests", 100, (py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests)),
         # the engine's own cost per request on the device's host, in the time left (least 30 s)

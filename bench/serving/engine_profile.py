@@ -156,8 +156,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         points[form] = sample(form, args.concurrency, args.seconds, args.device, args.rate, stem)
         for kind in KINDS:
             summaries[(form, kind)] = summarise(raw_file(stem, kind).read_text(), args.top)
-    text = report(points, summaries, args.device, max(1, math.ceil(args.seconds)), args.concurrency)
-    (args.out / f"engine-profile-{args.device}.md").write_text(text)
+        # after each form: a run stopped at its limit keeps the forms it finished
+        text = report(points, summaries, args.device, max(1, math.ceil(args.seconds)), args.concurrency)
+        (args.out / f"engine-profile-{args.device}.md").write_text(text)
     print(text, flush=True)
     return 0
 
