@@ -54,8 +54,7 @@ def ready_mark(control_dir: Path, pid: int) -> Path:
 def takes_connections(control_dir: Path, pid: int) -> bool:
     """Whether HTTP worker ``pid`` should take new connections now: it serves (its ready mark is there), or no
     other live worker does (a server starting: each answers 503 while it loads, rather than none answering)."""
-    return ready_mark(control_dir, pid).exists() or not [other for other in ready_workers(control_dir)
-                                                         if other != pid]
+    return ready_mark(control_dir, pid).exists() or all(other == pid for other in ready_workers(control_dir))
 
 
 def _pid_of(path: Path, prefix: str, suffix: str) -> int | None:

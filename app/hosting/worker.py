@@ -170,7 +170,7 @@ class BufferingWorker(ThreadWorker):
         shared listen backlog for a worker that answers them, instead of a 503 from this one. gthread's loop asks
         again each turn (a second apart at most) until it serves. A server starting (no worker serves) takes them
         all, each worker answering 503 while it loads."""
-        if enabled and self.control_dir is not None and not control.takes_connections(self.control_dir, os.getpid()):
+        if enabled and self._another_serves_instead():
             if not self.held_back:
                 self.held_back = True
                 self.log.info("worker %d takes new connections once it serves (another worker serves them)",
@@ -185,8 +185,11 @@ class BufferingWorker(ThreadWorker):
         """Whether this worker's drain, at its end, leaves the listen backlog to another: it holds back, and a worker
         serves still (asked then: when every other one has begun its drain too, this one takes its share, answered,
         rather than leaving it to be reset when the last listener closes)."""
-        return (self.held_back and self.control_dir is not None
-                and not control.takes_connections(self.control_dir, os.getpid()))
+        return self.held_back and self._another_serves_instead()
+
+    def _another_serves_instead(self) -> bool:
+        """This worker does not serve yet and another live one does (CONTROL_DIR's ready marks)."""
+        return self.control_dir is not None and not control.takes_connections(self.control_dir, os.getpid())
 
     def accept(self, listener: Any) -> None:
         """A new connection waits in the loop for its request (app/hosting/drain.py counts on nr_conns growing by one)."""

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from app.hosting.control import clear_stale, engine_failure, socket_path  # standard library only
+from app.hosting.control import engine_failure, socket_path  # standard library only
 
 log = logging.getLogger("gunicorn.error")
 RESTART_DELAY_S = 1.0  # after a crash, before starting it again (a crash loop costs one start a second)
@@ -172,10 +172,9 @@ def reap_engines_first(server: Any) -> None:
 
 def start_engines(count: int, control_dir: Path, on_death: Callable[[int], None]) -> list[Engine]:
     """``count`` engines, slots 0..count-1, unless this master runs them already (a HUP executes the config
-    again); stale files of an earlier start of a kept CONTROL_DIR go first."""
+    again). A kept CONTROL_DIR's stale files are gone by then (gunicorn.conf.py's on_starting: control.clear_stale)."""
     if _ENGINES:
         return _ENGINES
-    clear_stale(control_dir)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     _ENGINES.extend(Engine(slot, control_dir, on_death).start() for slot in range(count))
     return _ENGINES
