@@ -81,11 +81,11 @@ class _Connection:
         self.read_pending = False  # a request of it is in this loop turn, not yet admitted
 
 
-def _inputs(message: wire.Infer, segments: list[memoryview]) -> tuple[list[bytes], list[np.ndarray]]:
-    """The request's encoded images, or its images' pixels: the rows of its stacks (arrays on the frame's buffer,
-    not copied)."""
+def _inputs(message: wire.Infer, segments: list[bytearray]) -> tuple[list[bytearray], list[np.ndarray]]:
+    """The request's encoded images (each its segment's own buffer, as read), or its images' pixels: the rows of its
+    stacks (arrays on the segments' buffers). Nothing copied."""
     if not message.tensors:
-        return [bytes(segment) for segment in segments], []
+        return segments, []
     if len(segments) != len(message.tensors):
         raise InferenceFailed(f"a request of {len(message.tensors)} tensors came with {len(segments)} segments")
     rows: list[np.ndarray] = []
@@ -99,7 +99,7 @@ def _inputs(message: wire.Infer, segments: list[memoryview]) -> tuple[list[bytes
 class _Exchange:
     """One ``Infer`` in flight: its admission held from its arrival to its answer (``Admission.leave``)."""
 
-    def __init__(self, conn: _Connection, admission: Admission, message: wire.Infer, images: list[bytes],
+    def __init__(self, conn: _Connection, admission: Admission, message: wire.Infer, images: list[bytearray],
                  tensors: list[np.ndarray]) -> None:
         self.conn, self.admission, self.call, self.message = conn, admission, admission.call, message
         self.images, self.tensors = images, tensors
@@ -139,10 +139,10 @@ class EngineServer:
         self._wake_only = selectors.DefaultSelector()  # the loop's wake-ups alone, while it gathers requests
         self._explain_threads = ThreadPoolExecutor(settings.explain_concurrency + settings.explain_queue_size + 1,
                                                    thread_name_prefix="engine-explain")  # each waits on the lane
-        self._handlers: dict[type, Callable[[_Connection, Any, list[memoryview]], None]] = {
+        self._handlers: dict[type, Callable[[_Connection, Any, list[bytearray]], None]] = {
             wire.Unanswered: self._unanswered, wire.CatalogCall: self._catalog, wire.StateQuery: self._state,
             wire.Explain: self._explain}
-        self._turn: list[tuple[_Connection, wire.Infer, list[memoryview]]] = []  # requests read in this loop turn
+        self._turn: list[tuple[_Connection, wire.Infer, list[bytearray]]] = []  # requests read in this loop turn
         self._open = 0  # connections adopted and not closed
         self._exchanges = 0  # requests admitted and not yet ended (a connection's one at a time)
         self._calls_off_loop = 0  # catalog calls and explanations made on threads, not yet answered
@@ -343,7 +343,7 @@ class EngineServer:
         if deferred:
             self.gathering.batches_on_loop = ran_here
 
-    def _admit(self, conn: _Connection, message: wire.Infer, segments: list[memoryview]) -> _Exchange | None:
+    def _admit(self, conn: _Connection, message: wire.Infer, segments: list[bytearray]) -> _Exchange | None:
         conn.read_pending = False
         try:
             admission = self.service.enter(message.model, message.version, message.client_key)
@@ -464,7 +464,7 @@ class EngineServer:
 
     # -- the other exchanges ---------------------------------------------------------------------------------------
 
-    def _unanswered(self, conn: _Connection, message: wire.Unanswered, _: list[memoryview]) -> None:
+    def _unanswered(self, conn: _Connection, message: wire.Unanswered, _: list[bytearray]) -> None:
         """A request the HTTP side ended before sending it: admitted and ended here as it ended there, so it counts
         in its version's traffic as it would inline."""
         with contextlib.suppress(Exception):
@@ -483,13 +483,13 @@ class EngineServer:
 
         threads.submit(run)
 
-    def _catalog(self, conn: _Connection, message: wire.CatalogCall, _: list[memoryview]) -> None:
+    def _catalog(self, conn: _Connection, message: wire.CatalogCall, _: list[bytearray]) -> None:
         """On a catalog thread (it may wait for every engine)."""
         self._off_loop(conn, self._catalog_threads, functools.partial(self._catalog_answer, message))
 
-    def _explain(self, conn: _Connection, message: wire.Explain, segments: list[memoryview]) -> None:
+    def _explain(self, conn: _Connection, message: wire.Explain, segments: list[bytearray]) -> None:
         """On an explain thread (it waits for the lane)."""
-        image = bytes(segments[0]) if len(segments) == 1 else b""
+        image = segments[0] if len(segments) == 1 else b""
 
         def answer() -> wire.Answer:
             try:
@@ -515,7 +515,7 @@ class EngineServer:
         if not conn.closed:
             self._selector.register(conn.sock, selectors.EVENT_READ, functools.partial(self._readable, conn))
 
-    def _state(self, conn: _Connection, message: wire.StateQuery, _: list[memoryview]) -> None:
+    def _state(self, conn: _Connection, message: wire.StateQuery, _: list[bytearray]) -> None:
         service = self.service
         self._send(conn, self._answer(wire.EngineState(ready=service.ready, alive=service.alive,
                                                        loaded=service.loaded, draining=service.draining)))

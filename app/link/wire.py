@@ -8,8 +8,9 @@ segment); ``Unanswered`` (a request the HTTP side refused before its images were
 version's traffic) has no answer.
 
 A frame is a header (a message, one of ``MESSAGES``, pickled as its kind and its fields' values) and raw byte
-segments, sent with one scatter-gather call and read into one buffer, so an image's bytes are copied once on each side
-and never pickled.
+segments, sent with one scatter-gather call and never pickled. The engine reads the header and each segment into a
+buffer of its own (``FrameReader``), so an image's bytes are copied once on each side and the engine decodes them
+where they were read (a JPEG's bytes are the tensor nvJPEG reads).
 
 Standard library and numpy only (and the engine's torch-free contract): the HTTP side never imports torch.
 """
@@ -318,7 +319,7 @@ def _split(body: memoryview, at: int, lengths: Sequence[int]) -> list[memoryview
     return segments
 
 
-def _loads(head: memoryview, segments: Sequence[memoryview]) -> Any:
+def _loads(head: bytes | bytearray | memoryview, segments: Sequence[bytes | bytearray | memoryview]) -> Any:
     """The message a frame's header and segments make."""
     try:
         kind, fields = pickle.loads(head)
@@ -338,51 +339,75 @@ READ_AHEAD_BYTES = 1 << 16  # one read's buffer: a request of a few small images
 
 class FrameReader:
     """The frames of a connection as they arrive, for a non-blocking socket that a selector watches (no poll before
-    each read, no read that waits): one ``recv`` a ``read()``, more only while a large frame's buffer fills. A frame
-    that arrives in pieces is completed over several reads, the part of a large frame beyond the read-ahead buffer
-    read straight into the frame's own buffer. With ``greet``, the first frame is the hello, answered here (``ok``,
-    or WireMismatch saying both sides' code, also told to the other side). EngineGone when the other side closed or
-    sent what cannot be read."""
+    each read, no read that waits): one ``recv`` a ``read()``, more only while a large frame's buffers fill. A frame
+    that arrives in pieces is completed over several reads. Its header and each of its segments are read into a
+    buffer of their own (a bytearray), the part beyond the read-ahead buffer straight into them (a scatter read), so
+    a segment is the request's image, not a view that would be copied to stand alone. With ``greet``, the first
+    frame is the hello, answered here (``ok``, or WireMismatch saying both sides' code, also told to the other
+    side). EngineGone when the other side closed or sent what cannot be read."""
 
     def __init__(self, sock: socket.socket, expected: tuple[type, ...] = MESSAGES, greet: bool = False) -> None:
         self.sock, self._expected, self._greeting = sock, expected, greet
         self._ahead, self._have = bytearray(READ_AHEAD_BYTES), 0
-        self._body: memoryview | None = None  # the frame being read into its own buffer
-        self._got, self._head_size, self._lengths = 0, 0, []
+        self._parts: list[bytearray] | None = None  # the frame being read: its header, then its segments
+        self._unfilled: list[memoryview] = []  # what of its parts is still to come, in order from ``_next``
+        self._next = 0
 
     @property
     def started(self) -> bool:
         """Whether part of a frame has come."""
-        return bool(self._have) or self._body is not None
+        return bool(self._have) or self._parts is not None
 
-    def read(self) -> list[tuple[Any, list[memoryview]]]:
-        """One read: the messages (of ``expected``) it completed, in order, each with its segments (writable views
-        of the one buffer its frame was read into); none when nothing had come (a spurious wake-up). A read that
-        filled its buffer and left a frame begun reads on at once (a large frame, such as a photo's, sent in one
-        call, comes whole in one wake-up, not a turn of the loop a buffer's worth)."""
-        frames: list[tuple[Any, list[memoryview]]] = []
+    def read(self) -> list[tuple[Any, list[bytearray]]]:
+        """One read: the messages (of ``expected``) it completed, in order, each with its segments (a bytearray
+        each); none when nothing had come (a spurious wake-up). A read that filled what it was given and left a frame
+        begun reads on at once (a large frame, such as a photo's, sent in one call, comes whole in one wake-up, not a
+        turn of the loop a buffer's worth)."""
+        frames: list[tuple[Any, list[bytearray]]] = []
         while True:
-            into = self._body[self._got:] if self._body is not None else memoryview(self._ahead)[self._have:]
-            try:
-                count = self.sock.recv_into(into, len(into))
-            except (BlockingIOError, InterruptedError):
-                return frames
-            if count == 0:
-                raise EngineGone("the connection closed mid-frame" if self.started else "the connection closed")
-            filled = count == len(into)
-            into.release()  # the buffer it views may be replaced by a larger one
-            if self._body is not None:
-                self._got += count
+            if self._parts is not None:
+                into = self._unfilled[self._next:self._next + _IOV_MAX]
+                try:
+                    count = self.sock.recv_into(into[0]) if len(into) == 1 else self.sock.recvmsg_into(into)[0]
+                except (BlockingIOError, InterruptedError):
+                    return frames
+                if count == 0:
+                    raise EngineGone("the connection closed mid-frame")
+                filled = self._filled(count)
                 frames = self._completed(frames)
             else:
+                view = memoryview(self._ahead)[self._have:]
+                room = len(view)
+                try:
+                    count = self.sock.recv_into(view, room)
+                except (BlockingIOError, InterruptedError):
+                    return frames
+                finally:
+                    view.release()  # the buffer it views may be replaced by a larger one
+                if count == 0:
+                    raise EngineGone("the connection closed mid-frame" if self.started else "the connection closed")
+                filled = count == room
                 self._have += count
                 frames = self._from_ahead(frames)
-            if not (filled and self._body is not None):
+            if not (filled and self._parts is not None):
                 return frames
 
-    def _from_ahead(self, frames: list[tuple[Any, list[memoryview]]]) -> list[tuple[Any, list[memoryview]]]:
+    def _filled(self, count: int) -> bool:
+        """``count`` bytes read into the parts still to come: whether they filled every one the read was given."""
+        unfilled, at, given = self._unfilled, self._next, min(self._next + _IOV_MAX, len(self._unfilled))
+        while count and at < given:
+            view = unfilled[at]
+            if count < len(view):
+                unfilled[at] = view[count:]
+                break
+            count -= len(view)
+            at += 1
+        self._next = at
+        return at == given
+
+    def _from_ahead(self, frames: list[tuple[Any, list[bytearray]]]) -> list[tuple[Any, list[bytearray]]]:
         """``frames`` and every frame whose start is in the read-ahead buffer: taken from it, whole or begun."""
-        while self._body is None and self._have >= _HEAD.size:
+        while self._parts is None and self._have >= _HEAD.size:
             head_size, count = _frame_head(self._ahead, MAX_HELLO_BYTES if self._greeting else MAX_FRAME_BYTES)
             table_end = _HEAD.size + _LENGTH.size * count
             if table_end > len(self._ahead):  # a table of many segments: beyond the buffer as it is
@@ -391,25 +416,32 @@ class FrameReader:
                 self._ahead = grown
             if self._have < table_end:
                 break
-            self._lengths = _segment_lengths(self._ahead, _HEAD.size, count, head_size)
-            size = head_size + sum(self._lengths)
-            body, taken = bytearray(size), min(size, self._have - table_end)
-            body[:taken] = memoryview(self._ahead)[table_end:table_end + taken]
-            used = table_end + taken
+            lengths = _segment_lengths(self._ahead, _HEAD.size, count, head_size)
+            parts = [bytearray(head_size)] + [bytearray(length) for length in lengths]
+            used, ahead = table_end, memoryview(self._ahead)
+            for index, part in enumerate(parts):
+                taken = min(len(part), self._have - used)
+                part[:taken] = ahead[used:used + taken]
+                used += taken
+                if taken < len(part):  # the rest of the frame is still to come, straight into its parts
+                    self._unfilled = [memoryview(part)[taken:]] + [memoryview(p) for p in parts[index + 1:] if p]
+                    self._next = 0
+                    break
+            ahead.release()
             if used < self._have:  # the start of a next frame: to the buffer's start
                 self._ahead[:self._have - used] = self._ahead[used:self._have]
             self._have -= used
-            self._body, self._got, self._head_size = memoryview(body), taken, head_size
+            self._parts = parts
             frames = self._completed(frames)
         return frames
 
-    def _completed(self, frames: list[tuple[Any, list[memoryview]]]) -> list[tuple[Any, list[memoryview]]]:
+    def _completed(self, frames: list[tuple[Any, list[bytearray]]]) -> list[tuple[Any, list[bytearray]]]:
         """``frames`` and the one being read, once whole (the hello answered, not returned)."""
-        body = self._body
-        if body is None or self._got < len(body):
+        parts = self._parts
+        if parts is None or self._next < len(self._unfilled):
             return frames
-        self._body = None
-        head, segments = body[:self._head_size], _split(body, self._head_size, self._lengths)
+        self._parts, self._unfilled, self._next = None, [], 0
+        head, segments = parts[0], parts[1:]
         if self._greeting:
             self._greeting = False
             _answer_hello(self.sock, head)
@@ -486,7 +518,7 @@ def say_hello(sock: socket.socket) -> None:
         raise WireMismatch(bytes(head).decode("utf-8", "replace"))
 
 
-def _answer_hello(sock: socket.socket, head: memoryview) -> None:
+def _answer_hello(sock: socket.socket, head: bytes | bytearray | memoryview) -> None:
     """The engine's side of the greeting, to the first frame's ``head``: ``ok``, or WireMismatch (saying both sides'
     code, also told to the other side) when it is not this code's hello."""
     if bytes(head) == HELLO:

@@ -256,6 +256,32 @@ def test_the_device_path_turns_every_exif_orientation_as_pil_does() -> None:
         assert torch.equal(pixels, decode_tensor(data, LIMITS)), orientation
 
 
+def test_images_as_the_link_hands_them_decode_alike_and_the_device_path_reads_them_where_they_lie(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The engine's images are its request's segments as read (a bytearray each), where the inline path's are bytes.
+    import app.engine.decoding.device as device
+
+    photos = _turned_photos()
+    segments = [bytearray(data) for data in photos]
+    wrapped: list[int] = []
+    real = device.decode_jpegs
+
+    def decode_jpegs(encoded: list[torch.Tensor], *args: object) -> list[torch.Tensor | None]:
+        wrapped.extend(tensor.data_ptr() for tensor in encoded)
+        return real(encoded, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(device, "decode_jpegs", decode_jpegs)
+    cpu = torch.device("cpu")
+    for pixels, expected in zip(_device_batch(segments, cpu), _device_batch(photos, cpu)):  # type: ignore[arg-type]
+        assert torch.equal(pixels, expected)
+    addresses = [np.frombuffer(segment, np.uint8).ctypes.data for segment in segments]
+    assert wrapped[:len(segments)] == addresses  # the segments themselves, not copies
+    assert wrapped[len(segments):] != addresses[:len(photos)]  # read-only bytes: copied, which torch may wrap
+    for segment, data in zip(segments, photos):  # the host paths and the header reader take them alike
+        assert torch.equal(decode_tensor(segment, LIMITS), decode_tensor(data, LIMITS))
+        assert read_jpeg_header(segment) == read_jpeg_header(data)
+
+
 @pytest.mark.gpu
 def test_on_cuda_exif_rotated_photos_get_the_cpu_paths_pixels() -> None:
     photos = _turned_photos()

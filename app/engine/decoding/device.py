@@ -43,10 +43,16 @@ def check_header(data: bytes, limits: DecodeLimits) -> Encoded:
     return Encoded(data, header is not None, limits, header.orientation if header is not None else 1)
 
 
+def _writable(data: bytes | bytearray) -> bytearray:
+    """A JPEG's bytes as a buffer a tensor may wrap: the engine's own (its request's segment, read from the link)
+    as it is, a copy of read-only bytes (torch warns of a tensor on memory it may not write)."""
+    return data if isinstance(data, bytearray) else bytearray(data)
+
+
 def _jpegs_on(device: torch.device, items: Sequence[Encoded]) -> dict[int, torch.Tensor]:
     """The batch's JPEGs decoded on ``device`` in one call, by position; those it refuses are left out."""
     positions = [i for i, item in enumerate(items) if item.jpeg]
-    encoded = [torch.frombuffer(bytearray(items[i].data), dtype=torch.uint8) for i in positions]
+    encoded = [torch.frombuffer(_writable(items[i].data), dtype=torch.uint8) for i in positions]
     turns = [items[i].orientation for i in positions]
     return {i: pixels for i, pixels in zip(positions, decode_jpegs(encoded, device, turns)) if pixels is not None}
 
