@@ -129,6 +129,57 @@ def test_a_large_frame_that_has_come_whole_is_read_in_one_wake_up() -> None:
         assert reader.read() == []
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_frames_cut_anywhere_come_out_whole_each_segment_in_a_buffer_of_its_own(seed: int) -> None:
+    # Segments of every size (empty, a byte, beyond the read-ahead buffer, more than one scatter read takes), frames
+    # back to back, the stream cut at random places: each read takes what came, and the frames come out as sent.
+    rng = np.random.default_rng(seed)
+    sizes = [[0, 1, 3], [200_000], [1] * (2 * wire._IOV_MAX + 5), [70_000, 0, 5, 90_000], [], [10] * 40]
+    sent = [[rng.integers(0, 256, size, dtype=np.uint8).tobytes() for size in frame] for frame in sizes]
+    frames = [_frame_bytes(frame) for frame in sent]
+    stream, ends = b"".join(frames), np.cumsum([len(frame) for frame in frames])
+    middles = (ends - np.array([len(frame) for frame in frames]) // 2).tolist()  # within every frame's segments
+    cuts = sorted({0, len(stream), *middles, *rng.choice(np.arange(1, len(stream)), size=60).tolist()})
+    left, right = _pair()
+    right.setblocking(False)
+
+    def send_in_pieces() -> None:
+        for start, end in zip(cuts, cuts[1:]):
+            left.sendall(stream[start:end])
+            time.sleep(0.001)  # mostly read a piece at a time; what a read finds does not change what comes out
+
+    with left, right:
+        reader = wire.FrameReader(right, wire.REQUESTS)
+        sender = threading.Thread(target=send_in_pieces)
+        sender.start()
+        got: list[list[bytearray]] = []
+        deadline = time.monotonic() + 20
+        while len(got) < len(sent) and time.monotonic() < deadline:
+            if select.select([right], [], [], 0.1)[0]:
+                got.extend(segments for _, segments in reader.read())
+        sender.join()
+        assert got == sent and not reader.started
+        assert all(type(segment) is bytearray for frame in got for segment in frame)
+        assert len({id(segment) for frame in got for segment in frame}) == sum(map(len, sent))  # no buffer shared
+
+
+def _frame_bytes(segments: list[bytes]) -> bytes:
+    """An Infer frame with ``segments``, as ``wire.send`` puts it on the stream."""
+    a, b = _pair()
+    with a, b:
+        sender = threading.Thread(target=wire.send, args=(a, wire.Infer("colour", None, None, 1.0, "1", (3,),
+                                                                         names=(None,) * len(segments)), segments))
+        sender.start()
+        chunks = []
+        b.settimeout(0.01)
+        while True:
+            try:
+                chunks.append(b.recv(1 << 20))
+            except TimeoutError:
+                if not sender.is_alive():
+                    return b"".join(chunks)
+
+
 def test_only_messages_are_sent_and_a_frame_out_of_step_ends_the_stream() -> None:
     left, right = _pair()
     with left, right:
