@@ -416,24 +416,38 @@ class FrameReader:
                 self._ahead = grown
             if self._have < table_end:
                 break
-            lengths = _segment_lengths(self._ahead, _HEAD.size, count, head_size)
-            parts = [bytearray(head_size)] + [bytearray(length) for length in lengths]
-            used, ahead = table_end, memoryview(self._ahead)
-            for index, part in enumerate(parts):
-                taken = min(len(part), self._have - used)
-                part[:taken] = ahead[used:used + taken]
-                used += taken
-                if taken < len(part):  # the rest of the frame is still to come, straight into its parts
-                    self._unfilled = [memoryview(part)[taken:]] + [memoryview(p) for p in parts[index + 1:] if p]
-                    self._next = 0
-                    break
-            ahead.release()
+            used = self._take_parts([head_size, *_segment_lengths(self._ahead, _HEAD.size, count, head_size)],
+                                    table_end)
             if used < self._have:  # the start of a next frame: to the buffer's start
                 self._ahead[:self._have - used] = self._ahead[used:self._have]
             self._have -= used
-            self._parts = parts
             frames = self._completed(frames)
         return frames
+
+    def _take_parts(self, sizes: list[int], at: int) -> int:
+        """The frame whose parts (its header, then its segments) have ``sizes`` and start at ``at`` in the read-ahead
+        buffer, made ``_parts``: a part the buffer holds whole copied out of it (one copy, nothing zeroed first); the
+        part the buffer ends in begun, and the rest of it and every part after it left to be read into
+        (``_unfilled``). Returns where the buffer's bytes of the frame end."""
+        ahead, have = memoryview(self._ahead), self._have
+        parts: list[bytearray] = []
+        unfilled: list[memoryview] = []
+        for size in sizes:
+            if not unfilled and at + size <= have:
+                parts.append(bytearray(ahead[at:at + size]))
+                at += size
+                continue
+            part = bytearray(size)
+            if not unfilled:  # the part the buffer ends in
+                part[:have - at] = ahead[at:have]
+                unfilled.append(memoryview(part)[have - at:])
+                at = have
+            elif size:
+                unfilled.append(memoryview(part))
+            parts.append(part)
+        ahead.release()
+        self._parts, self._unfilled, self._next = parts, unfilled, 0
+        return at
 
     def _completed(self, frames: list[tuple[Any, list[bytearray]]]) -> list[tuple[Any, list[bytearray]]]:
         """``frames`` and the one being read, once whole (the hello answered, not returned)."""

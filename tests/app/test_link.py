@@ -127,6 +127,14 @@ def test_a_large_frame_that_has_come_whole_is_read_in_one_wake_up() -> None:
         assert isinstance(message, wire.Infer) and segment == photo and not reader.started
         assert type(segment) is bytearray  # the image's own buffer, as the engine decodes it: no copy to stand alone
         assert reader.read() == []
+        # the same when more parts are left beyond the buffer than one scatter read takes
+        many = [photo[:70_000]] + [b"\x01"] * (2 * wire._IOV_MAX + 5)
+        sender = threading.Thread(target=wire.send, args=(left, wire.Infer("colour", None, None, 1.0, "1", (3,),
+                                                                           names=(None,) * len(many)), many))
+        sender.start()
+        sender.join(10)  # about 90 KB, all of it in the socket
+        [(message, segments)] = reader.read()
+        assert segments == many and not reader.started
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -134,7 +142,7 @@ def test_frames_cut_anywhere_come_out_whole_each_segment_in_a_buffer_of_its_own(
     # Segments of every size (empty, a byte, beyond the read-ahead buffer, more than one scatter read takes), frames
     # back to back, the stream cut at random places: each read takes what came, and the frames come out as sent.
     rng = np.random.default_rng(seed)
-    sizes = [[0, 1, 3], [200_000], [1] * (2 * wire._IOV_MAX + 5), [70_000, 0, 5, 90_000], [], [10] * 40]
+    sizes = [[0, 1, 3], [200_000], [70_000] + [1] * (2 * wire._IOV_MAX + 5), [70_000, 0, 5, 90_000], [], [10] * 40]
     sent = [[rng.integers(0, 256, size, dtype=np.uint8).tobytes() for size in frame] for frame in sizes]
     frames = [_frame_bytes(frame) for frame in sent]
     stream, ends = b"".join(frames), np.cumsum([len(frame) for frame in frames])
@@ -166,18 +174,19 @@ def test_frames_cut_anywhere_come_out_whole_each_segment_in_a_buffer_of_its_own(
 def _frame_bytes(segments: list[bytes]) -> bytes:
     """An Infer frame with ``segments``, as ``wire.send`` puts it on the stream."""
     a, b = _pair()
+
+    def send() -> None:
+        wire.send(a, wire.Infer("colour", None, None, 1.0, "1", (3,), names=(None,) * len(segments)), segments)
+        a.shutdown(socket.SHUT_WR)
+
     with a, b:
-        sender = threading.Thread(target=wire.send, args=(a, wire.Infer("colour", None, None, 1.0, "1", (3,),
-                                                                         names=(None,) * len(segments)), segments))
+        sender = threading.Thread(target=send)
         sender.start()
-        chunks = []
-        b.settimeout(0.01)
-        while True:
-            try:
-                chunks.append(b.recv(1 << 20))
-            except TimeoutError:
-                if not sender.is_alive():
-                    return b"".join(chunks)
+        chunks = [b.recv(1 << 20)]
+        while chunks[-1]:  # to the end the sender's shutdown marks
+            chunks.append(b.recv(1 << 20))
+        sender.join()
+        return b"".join(chunks)
 
 
 def test_only_messages_are_sent_and_a_frame_out_of_step_ends_the_stream() -> None:
