@@ -236,6 +236,33 @@ def test_a_lingering_thread_gives_back_a_request_it_did_not_get_whole_and_a_conn
     assert worker._next_request(_Conn(ours)) is False
 
 
+class _Asked:
+    """A socket that notes what each read asks for."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.asked = sock, []  # type: socket.socket, list[int]
+
+    def recv(self, size: int, *flags: int) -> bytes:
+        self.asked.append(size)
+        return self.sock.recv(size, *flags)
+
+
+def test_the_loop_reads_a_body_that_came_with_its_headers_in_one_wake_up_asking_for_what_is_left(sockets) -> None:
+    from app.hosting.worker import FIRST_READ, Reading
+
+    ours, client = sockets
+    ours.setblocking(False)
+    worker, dispatched = _lingering(), []
+    worker._dispatch = dispatched.append
+    for body, reads in ((os.urandom(120_000), 2), (b"s" * 10, 1)):  # a photo beyond the first read, a small one
+        client.sendall(_request(body))  # all of it waits in the socket
+        reading, asked = Reading(None, time.monotonic() + 10, time.monotonic()), _Asked(ours)
+        worker._on_data(reading, asked)  # one wake-up
+        assert dispatched.pop() is reading and bytes(reading.buffer) == _request(body)
+        # the headers' read asks for 64 KB (not a MiB: Python allocates what is asked), then what the body still needs
+        assert asked.asked[0] == FIRST_READ and len(asked.asked) == reads
+
+
 class _Listening:
     """A worker's view of one listening socket with ``waiting`` connections in its backlog."""
 
