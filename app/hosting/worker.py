@@ -23,6 +23,8 @@ app.hosting.control, which are plain).
 from __future__ import annotations
 
 import errno
+import heapq
+import itertools
 import json
 import logging
 import os
@@ -31,17 +33,19 @@ import selectors
 import socket
 import time
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from greenlet import getcurrent, greenlet
 from gunicorn.glogging import Logger
 from gunicorn.http.unreader import SocketUnreader
 from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn, ThreadWorker
 
 from app.errors import RequestTimeout, default_body
-from app.hosting import control
+from app.hosting import control, waiting
 
 HEADER_END = b"\r\n\r\n"
 READ_SIZE = 1 << 20  # the most one read asks for: a body's rest in as few calls as possible (the GIL is contended)
@@ -60,6 +64,7 @@ class ReadLimits:
     body_timeout_s: float = 30.0
     max_body_bytes: int = 20 * 1024 * 1024
     linger_s: float = 0.002  # KEEPALIVE_LINGER_MS: a request thread's wait for its connection's next request
+    answer_timeout_s: float = 30.0  # CLIENT_ANSWER_TIMEOUT_S: a client taking none of its answer this long is left
 
 
 @dataclass(eq=False)
@@ -162,16 +167,153 @@ class NoAccessLog(Logger):
         """Nothing: the app's own access line is the one."""
 
 
+class ClientSocket(socket.socket):
+    """A client's connection, whose answer is written without blocking (``sendall``): the part the socket's buffer
+    takes at once, then the rest as the client reads it, waiting by ``waiting.wait_for`` (a loop request hands the
+    wait to the loop; a request thread polls), at most ``answer_timeout_s`` without progress."""
+
+    __slots__ = ("answer_timeout_s", "body_held")
+
+    def sendall(self, data: Any, flags: int = 0) -> None:  # type: ignore[override]
+        view = memoryview(data).cast("B")
+        while view:
+            try:
+                sent = self.send(view, flags | socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                if not waiting.wait_for(self, select.POLLOUT, self.answer_timeout_s):
+                    self._leave()
+                continue
+            view = view[sent:]
+
+    def _leave(self) -> None:
+        """A client that took none of its answer for ``answer_timeout_s``: its connection ends (gunicorn closes it
+        on the broken pipe, quietly; this says why)."""
+        message = f"the client took none of its answer for {self.answer_timeout_s:g}s: its connection is closed"
+        logging.getLogger(__name__).info(message)
+        try:
+            self.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        raise BrokenPipeError(errno.EPIPE, message)
+
+    def sendfile(self, file: Any, offset: int = 0, count: int | None = None) -> int:
+        """A file's bytes (the demo page's) through ``sendall``, a piece at a time: never a blocking write."""
+        file.seek(offset)
+        total = 0
+        while count is None or total < count:
+            piece = file.read(HELD_PIECE if count is None else min(HELD_PIECE, count - total))
+            if not piece:
+                break
+            self.sendall(piece)
+            total += len(piece)
+        return total
+
+
+class LoopRequest(greenlet):
+    """A request the worker runs on its event loop's thread: it waits by handing its socket to the loop."""
+
+    conn: TConn
+    outcome: Future
+
+
+@dataclass(eq=False)
+class LoopWait:
+    """A loop request's wait for a socket: ``resume`` once, with True when the socket is ready, False when its time
+    is up (whichever comes first)."""
+    resume: Callable[[bool], None]
+    done: bool = False
+
+    def ready(self, _fileobj: Any = None) -> None:
+        if not self.done:
+            self.done = True
+            self.resume(True)
+
+    def expire(self) -> None:
+        if not self.done:
+            self.done = True
+            self.resume(False)
+
+
 class BufferingWorker(ThreadWorker):
     """gthread with requests read in the event loop (see the module's docstring)."""
 
     limits = ReadLimits()
     control_dir: Path | None = None  # CONTROL_DIR (gunicorn.conf.py's post_fork): the workers' ready marks
+    loop_requests = False  # LOOP_REQUESTS under ENGINE=process (gunicorn.conf.py's post_fork)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.reading: set[Reading] = set()
         self.held_back = False  # new connections left to the workers that serve (said once in the log)
+        self.loop_greenlet: greenlet | None = None
+        self.waits: list[tuple[float, int, LoopWait]] = []  # the loop requests' waits, a heap by deadline
+        self._wait_order = itertools.count()
+
+    def init_process(self) -> None:
+        """The loop's greenlet noted and, with ``loop_requests``, every wait of a request on it handed to it; then
+        gthread's start (which runs the loop)."""
+        self.loop_greenlet = getcurrent()
+        if self.loop_requests:
+            waiting.wait_on(self.loop_wait)
+        super().init_process()
+
+    # -- requests run on the loop (LOOP_REQUESTS) -------------------------------------------------------------------
+
+    def enqueue_req(self, conn: TConn) -> None:
+        """A request the loop read whole runs on the loop itself (``loop_requests``), up to its first wait; any
+        other (a body still arriving: chunked, ``Expect: 100-continue``) goes to a request thread, as in gthread."""
+        if (self.loop_requests and getattr(conn, "prefetched", None) and conn.body_held
+                and getcurrent() is self.loop_greenlet):
+            request = LoopRequest(self._run_on_loop, parent=self.loop_greenlet)
+            request.conn = conn
+            self._step(request)
+            return
+        super().enqueue_req(conn)
+
+    def _run_on_loop(self) -> None:
+        request: LoopRequest = getcurrent()  # type: ignore[assignment]
+        request.outcome = Future()
+        try:
+            request.outcome.set_result(self._handle_one(request.conn))  # no linger: the loop reads the next one
+        except BaseException as exc:  # noqa: BLE001 - gthread's handle caught what it handles; the rest is told
+            request.outcome.set_exception(exc)
+
+    def _step(self, request: LoopRequest, *resumed: Any) -> None:
+        """On the loop's greenlet: ``request`` runs on from where it waits until it waits again or ends."""
+        request.switch(*resumed)
+        if request.dead:
+            self.finish_request(request.conn, request.outcome)
+
+    def loop_wait(self, sock: socket.socket, events: int, timeout_s: float) -> bool | None:
+        """``waiting.wait_for`` in a loop request: the socket watched by the loop and a deadline, then the loop's
+        greenlet runs on; True once the socket is ready, False when the time is up. None (the caller polls) on any
+        other greenlet or thread."""
+        request = getcurrent()
+        if not isinstance(request, LoopRequest) or self.loop_greenlet is None:
+            return None
+        mask = ((selectors.EVENT_READ if events & select.POLLIN else 0)
+                | (selectors.EVENT_WRITE if events & select.POLLOUT else 0))
+        wait = LoopWait(partial(self._step, request))
+        self.poller.register(sock, mask, wait.ready)
+        heapq.heappush(self.waits, (time.monotonic() + timeout_s, next(self._wait_order), wait))
+        try:
+            return self.loop_greenlet.switch()
+        finally:
+            wait.done = True
+            self.poller.unregister(sock)
+
+    def wait_for_and_dispatch_events(self, timeout: float) -> None:
+        """gthread's turn, waking no later than the first loop request's deadline; then the waits whose time is up
+        resume (False)."""
+        waits = self.waits
+        while waits and waits[0][2].done:
+            heapq.heappop(waits)
+        if waits:
+            timeout = min(timeout, max(0.0, waits[0][0] - time.monotonic()))
+        super().wait_for_and_dispatch_events(timeout)
+        now = time.monotonic()
+        while waits and (waits[0][2].done or waits[0][0] <= now):
+            heapq.heappop(waits)[2].expire()
 
     def set_accept_enabled(self, enabled: bool) -> None:
         """gthread's, but a worker that does not serve yet (a killed one's replacement, importing the app and
@@ -207,11 +349,13 @@ class BufferingWorker(ThreadWorker):
             # (gthread's accept raised here: the worker died and its open connections were reset).
             return
         try:
-            sock, client = listener.accept()
+            accepted, client = listener.accept()
         except OSError as exc:
             if exc.errno not in (errno.EAGAIN, errno.ECONNABORTED, errno.EWOULDBLOCK):
                 raise
             return
+        sock = ClientSocket(accepted.family, accepted.type, accepted.proto, fileno=accepted.detach())
+        sock.answer_timeout_s, sock.body_held = self.limits.answer_timeout_s, False
         self.nr_conns += 1
         self._start_reading(TConn(self.cfg, sock, client, listener.getsockname()))  # TConn: non-blocking
 
@@ -284,7 +428,7 @@ class BufferingWorker(ThreadWorker):
         conn = reading.conn
         conn.data_ready = True  # gthread's handle() must not wait for data again
         conn.prefetched = reading.buffer
-        conn.body_held = reading.body_end is not None  # set only once the whole body is in the buffer
+        _body_held(conn, reading.body_end is not None)  # set only once the whole body is in the buffer
 
     def handle(self, conn: TConn) -> Any:
         """In a request thread: the request, then the connection's next ones while it is kept alive and no other
@@ -354,7 +498,7 @@ class BufferingWorker(ThreadWorker):
                 conn.parser.unreader = HeldUnreader(conn.sock)
             conn.parser.unreader.unread(prefetched)
         else:  # a request gthread hands over itself (bytes its parser read ahead): its body may be on the socket
-            conn.body_held = False
+            _body_held(conn, False)
         return super().handle(conn)
 
     def _keepalive_after(self, conn: TConn, keepalive: bool) -> bool:
@@ -405,6 +549,14 @@ class BufferingWorker(ThreadWorker):
         self._forget(reading)
         self.nr_conns -= 1
         reading.conn.close()
+
+
+def _body_held(conn: TConn, held: bool) -> None:
+    """Note whether the request's whole body is in memory, on the connection and its socket (app/web/hooks.py then
+    sets no timeout for reading a body that no read will wait for)."""
+    conn.body_held = held
+    if isinstance(conn.sock, ClientSocket):
+        conn.sock.body_held = held
 
 
 def _held(conn: TConn) -> bytes:

@@ -5,8 +5,9 @@ worker keeps everything HTTP (routes, parsing, auth, drain, the access log) and 
 
 A request is one exchange: the worker parses its body with the signature it keeps of the version the request asks
 for (fetched once, dropped when the engine's answers say its routing changed or another engine answers), then sends
-the request with its images and reads the answer. Each request thread keeps one connection; a connection that fails
-is dropped and the next request makes a new one. An engine that dies fails the requests in flight with 503 and
+the request with its images and reads the answer, on a connection of the worker's that no other exchange holds
+(``EngineConnections``); a connection that fails is closed and the next request makes a new one. Its waits are
+``app/hosting/waiting.py``'s: a request thread polls, a request on the worker's loop hands the wait to the loop. An engine that dies fails the requests in flight with 503 and
 Retry-After (the master restarts it); until it is back, requests get 503 ``not_ready``.
 
 Readiness is the server's, not this worker's alone: ready once the engine is ready, this worker is not draining,
@@ -117,38 +118,44 @@ for _method in CATALOG_CALLS:
 
 
 class EngineConnections:
-    """One connection to the engine per thread, greeted on connect; every exchange whole or its connection dropped,
-    so no later request reads an earlier one's answer."""
+    """The worker's connections to the engine, each greeted on connect and in one exchange at a time: an exchange
+    takes an idle one (or makes one) and gives it back once whole; one whose exchange did not finish is closed, so
+    no later request reads an earlier one's answer. Request threads and requests on the worker's loop (greenlets
+    of one thread, app/hosting/worker.py) take them alike, so there are as many as exchanges ever ran at once."""
 
     def __init__(self, connect: Callable[[], socket.socket]) -> None:
         self._connect = connect
-        self._local = threading.local()
+        self._idle: list[socket.socket] = []  # (a list's pop and append are atomic: no lock)
         self._mismatch_logged = False
 
-    def get(self) -> tuple[socket.socket, bool]:
-        """This thread's connection (a new one when it has none), and whether it is new."""
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            return conn, False
+    def _new(self) -> socket.socket:
         conn = self._connect()
-        self._local.conn = conn  # before the hello: a failed one is dropped like any exchange
-        self._greet(conn)
-        return conn, True
+        try:
+            self._greet(conn)
+        except BaseException:
+            conn.close()
+            raise
+        conn.setblocking(False)  # every wait is wire's (a request on the worker's loop hands it to the loop)
+        return conn
 
     def _sent(self, message: Any, segments: Sequence[bytes | memoryview]) -> socket.socket:
-        """This thread's connection with ``message`` sent on it. A kept connection the engine closed since its last
-        exchange (a restart) fails the send at once, with nothing of it read there: it is made again and the message
-        sent once more (no look at the connection before each send)."""
-        conn, new = self.get()
+        """A connection with ``message`` sent on it. Idle connections the engine closed since their last exchange
+        (a restart) fail the send at once, with nothing of it read there: they are all closed (the engine that
+        greeted them is gone) and the message is sent on a new one (no look at a connection before each send)."""
+        try:
+            conn = self._idle.pop()
+        except IndexError:
+            return _sent_on(self._new(), message, segments)
         try:
             wire.send(conn, message, segments)
+            return conn
         except OSError:
-            if new:
-                raise
-            self.drop()
-            conn, _ = self.get()
-            wire.send(conn, message, segments)
-        return conn
+            _close(conn)
+            self.close_idle()
+        except BaseException:
+            _close(conn)
+            raise
+        return _sent_on(self._new(), message, segments)
 
     def _greet(self, conn: socket.socket) -> None:
         conn.settimeout(CONNECT_TIMEOUT_S)
@@ -159,32 +166,47 @@ class EngineConnections:
                 self._mismatch_logged = True
                 log.error("the engine refused this worker: %s", exc)
             raise
-        conn.settimeout(None)
 
-    def drop(self) -> None:
-        """Close this thread's connection (the engine ends whatever it held for it)."""
-        conn = getattr(self._local, "conn", None)
-        self._local.conn = None
-        if conn is not None:
-            with contextlib.suppress(OSError):
-                conn.close()
+    def close_idle(self) -> None:
+        """Close the connections no exchange holds (the engine ends whatever it held for them)."""
+        while self._idle:
+            with contextlib.suppress(IndexError):
+                _close(self._idle.pop())
 
     @contextlib.contextmanager
     def exchange(self, away: str, message: Any, segments: Sequence[bytes | memoryview] = ()) -> Iterator[socket.socket]:
-        """This thread's connection with ``message`` sent on it, for its answer; the engine away, silent or closing
-        it is NotReady (503 with Retry-After) saying ``away`` (or the mismatch); anything that leaves the exchange
-        unfinished drops it."""
+        """A connection with ``message`` sent on it, for its answer, given back once the block ends; the engine
+        away, silent or closing it is NotReady (503 with Retry-After) saying ``away`` (or the mismatch); anything
+        that leaves the exchange unfinished closes it."""
+        conn = None
         try:
-            yield self._sent(message, segments)
+            conn = self._sent(message, segments)
+            yield conn
         except wire.WireMismatch as exc:
-            self.drop()
+            _close(conn)
             raise not_ready(f"the engine runs other code than this worker: {exc}") from None
         except (wire.EngineGone, OSError):
-            self.drop()
+            _close(conn)
             raise not_ready(away) from None
         except BaseException:
-            self.drop()
+            _close(conn)
             raise
+        self._idle.append(conn)
+
+
+def _sent_on(conn: socket.socket, message: Any, segments: Sequence[bytes | memoryview]) -> socket.socket:
+    try:
+        wire.send(conn, message, segments)
+    except BaseException:
+        _close(conn)
+        raise
+    return conn
+
+
+def _close(conn: socket.socket | None) -> None:
+    if conn is not None:
+        with contextlib.suppress(OSError):
+            conn.close()
 
 
 class RemoteService(Lifecycle):

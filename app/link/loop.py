@@ -70,7 +70,7 @@ CATALOG_THREADS = 4  # catalog calls at once (a load waits for every engine): ne
 
 
 class _Connection:
-    """One HTTP worker thread's connection (non-blocking): its frames as they come (the first one its hello), and
+    """One HTTP worker connection (non-blocking): its frames as they come (the first one its hello), and
     the request it waits on (at most one). While a catalog call runs for it on a thread, the loop does not watch it
     (unregistered)."""
 

@@ -33,6 +33,7 @@ import numpy as np
 
 from app import errors
 from app.engine import contract
+from app.hosting import waiting
 
 PROTOCOL = 6  # the frame layout, what segments carry, and the hello; each message's own fields are in FINGERPRINT
 _HEAD = struct.Struct("!II")  # the header's length, the number of segments
@@ -545,19 +546,13 @@ def _answer_hello(sock: socket.socket, head: bytes | bytearray | memoryview) -> 
     raise WireMismatch(why)
 
 
-def _polled(sock: socket.socket, events: int, timeout_s: float) -> bool:
-    poller = select.poll()  # poll: no limit on the descriptor's number
-    poller.register(sock, events)
-    return bool(poller.poll(max(0, int(timeout_s * 1000))))
-
-
 def readable(sock: socket.socket, timeout_s: float = 0.0) -> bool:
     """Whether ``sock`` has data or its end within ``timeout_s``."""
-    return _polled(sock, select.POLLIN | select.POLLHUP | select.POLLERR, timeout_s)
+    return waiting.wait_for(sock, select.POLLIN | select.POLLHUP | select.POLLERR, timeout_s)
 
 
 def _writable(sock: socket.socket, timeout_s: float) -> bool:
-    return _polled(sock, select.POLLOUT, timeout_s)
+    return waiting.wait_for(sock, select.POLLOUT, timeout_s)
 
 
 def peer_closed(sock: socket.socket) -> bool:

@@ -42,8 +42,10 @@ def register_hooks(app: Flask, settings: Settings) -> None:
             # 413 said "The data value transmitted exceeds the capacity limit.", and only on routes that read).
             raise BodyTooLarge(max_body_bytes)
         sock = req.environ.get("gunicorn.socket")
-        if sock is not None:
-            # A client that stalls while sending its body gets 408 instead of holding a thread forever.
+        if sock is not None and not getattr(sock, "body_held", False):
+            # A client that stalls while sending its body gets 408 instead of holding a thread forever (a body the
+            # worker's loop read whole needs no read of the socket, and its answer is written without a timeout
+            # that would block: app/hosting/worker.py's ClientSocket).
             sock.settimeout(body_timeout_s)
         if api_key is not None and needs_key(req.path, health_open):
             check_api_key(req.headers, api_key)

@@ -306,6 +306,7 @@ def starters(args: argparse.Namespace, weights: Path, logs: Path) -> dict[str, S
         "inline": lambda: visionserve(weights, logs, engine="inline", **ours),
         "process": lambda: visionserve(weights, logs, engine="process", **ours),
         "process-2": lambda: visionserve(weights, logs, engine="process", engines_per_device="2", **ours),
+        "process-threads": lambda: visionserve(weights, logs, engine="process", loop_requests="false", **ours),
         "process-gevent": lambda: visionserve(weights, logs, engine="process", gunicorn_args=GEVENT_WORKER, **ours),
         "bare": lambda: bare_app(logs, args.workers, threads),
         "bare-wait": lambda: bare_app(logs, args.workers, threads, wait_ms=args.bare_wait_ms),
@@ -324,7 +325,7 @@ def starters(args: argparse.Namespace, weights: Path, logs: Path) -> dict[str, S
 def forms_for(server: str, every: dict[str, Form], chosen: Sequence[str]) -> list[Form]:
     """visionserve gets every chosen form; the bare app and the naive app the one-image JPEG, LitServe the same
     image in its JSON (what each serves)."""
-    if server in ("inline", "process", "process-2", "process-gevent") or server.startswith("process@"):
+    if server in ("inline", "process", "process-2", "process-threads", "process-gevent") or server.startswith("process@"):
         return [every[name] for name in chosen]
     return [every["json" if server == "litserve" else "jpeg"]]
 
@@ -333,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--servers", nargs="+", default=["bare", "process", "inline", "naive", "litserve"],
                         choices=("bare", "bare-wait", "bare-gevent", "bare-gevent-wait", "process", "process-2",
-                                 "process-gevent", "inline", "naive", "litserve"),
+                                 "process-threads", "process-gevent", "inline", "naive", "litserve"),
                         help="process-2: the engine process mode with two engines (ENGINES_PER_DEVICE=2); "
                         "bare-wait: the bare app sleeping --bare-wait-ms before it answers; bare-gevent(-wait): the "
                         "same under gunicorn's gevent worker (pip install gevent), not a unit: another worker class; "

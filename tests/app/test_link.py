@@ -563,12 +563,14 @@ def test_an_engine_gone_mid_request_is_a_503_with_retry_after_and_a_failed_conne
     thread = threading.Thread(target=lambda: failures.append(_failure(lambda: infer(link.worker, [image_bytes(RED)]))))
     thread.start()
     wait_until(lambda: len(model.batch_sizes) > batches)  # its forward pass runs (held by the gate)
+    assert len(link.connections) == 1  # the request took the idle connection of the one before
     link.connections[-1].shutdown(socket.SHUT_RDWR)  # that request's connection ends, as when the engine dies
     thread.join(5)
     model.gate.set()
     failure = failures[0]
     assert isinstance(failure, NotReady) and failure.headers["Retry-After"] == "5" and "restarting" in failure.message
-    link.connections[0].shutdown(socket.SHUT_RDWR)  # this thread's connection too, between two requests
+    assert infer(link.worker, [image_bytes(RED)]).model == "colour" and len(link.connections) == 2  # made again
+    link.connections[-1].shutdown(socket.SHUT_RDWR)  # the idle connection ends between two requests (a restart)
     assert infer(link.worker, [image_bytes(RED)]).model == "colour" and len(link.connections) == 3
 
 
@@ -713,11 +715,29 @@ def test_requests_read_in_one_loop_turn_run_as_one_batch_on_the_loop(link: Link,
     assert model.batch_sizes[-1] == 2 and model.threads[-1] == link.server._loop_thread
 
 
+def _idle_connections(link: Link, count: int) -> None:
+    """``count`` connections idle in the worker's pool, as after that many requests at once (an exchange takes an
+    idle connection and makes one only when none is): sent while the engine's loop is held, each needs its own."""
+    infer(link.worker, tensors=[np.zeros((3, 8, 8), "float32")])  # the engine's loop runs once a connection came
+    held, go = threading.Event(), threading.Event()
+    link.server._post(lambda: (held.set(), go.wait(10)))
+    assert held.wait(10)
+    senders = [threading.Thread(target=infer, args=(link.worker,), kwargs={"tensors": [np.zeros((3, 8, 8), "float32")]})
+               for _ in range(count)]
+    for sender in senders:
+        sender.start()
+    wait_until(lambda: len(link.connections) >= count)
+    go.set()
+    for sender in senders:
+        sender.join(10)
+
+
 def test_a_backlog_of_short_batches_runs_on_the_loop_a_slice_a_turn_with_the_answers_between(
         link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch) -> None:
     colours = {"red": torch.zeros(3, 8, 8), "blue": torch.zeros(3, 8, 8)}
     colours["red"][0], colours["blue"][2] = 1.0, 1.0
     together, answers = threading.Barrier(3), {}
+    _idle_connections(link, 2)  # one for each client: their requests below cross at once
 
     def client(colour: str) -> None:
         infer(link.worker, tensors=[colours[colour].numpy()])  # its connection, and a batch measured
@@ -918,8 +938,9 @@ def test_requests_that_come_while_the_loop_waits_for_more_run_as_one_batch(link:
     monkeypatch.setattr(link.server, "_loop_batch_s", 1.0)  # "short", however busy the machine running the test
     answers: list[str] = []
     connected, go = threading.Barrier(3), [threading.Event(), threading.Event()]
+    _idle_connections(link, 2)  # the second request needs no connection made while the loop waits
 
-    def client(turn: threading.Event) -> None:  # an HTTP worker's thread: its own connection, kept
+    def client(turn: threading.Event) -> None:  # an HTTP worker's request
         infer(link.worker, tensors=[red.numpy()])
         connected.wait(10)
         assert turn.wait(10)

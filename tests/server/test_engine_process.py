@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 from collections import Counter
@@ -196,3 +197,31 @@ def _gone(pid: int, timeout_s: float = 30) -> None:
     while Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]:
         assert time.monotonic() < deadline, f"engine {pid} outlived its master"
         time.sleep(0.1)
+
+
+def _threads(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def test_requests_run_on_the_workers_loop_a_chunked_body_on_a_thread_and_a_client_that_stops_reading_stalls_no_one(
+        small_weights: Path, start_server: Callable[..., Running]) -> None:
+    server = start_server(small_weights, engine="process", workers="1", max_wait_ms="5").wait_ready()
+    (worker,) = [pid for pid, command in _children(server).items() if "app.link.server" not in command]
+    assert _predict(server).status_code == 200
+    threads = _threads(worker)
+    with ThreadPoolExecutor(24) as pool:  # 24 requests at once, each waiting for the engine on the worker's loop
+        codes = Counter(pool.map(lambda _: _predict(server).status_code, range(96)))
+    assert codes == Counter({200: 96}) and _threads(worker) == threads  # not one request thread started
+    chunked = requests.post(f"{server.url}/predict", data=iter([IMAGE[:100], IMAGE[100:]]), timeout=30,
+                            headers={"Content-Type": "image/jpeg"})  # its body arrives after its headers
+    assert chunked.status_code == 200 and _threads(worker) == threads + 1  # a request thread read it
+
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stalled.connect((server.url.split("//")[1].split(":")[0], int(server.url.rsplit(":", 1)[1])))
+    stalled.sendall(b"GET /openapi.json HTTP/1.1\r\nHost: x\r\n\r\n" * 400)  # megabytes of answers, none read
+    time.sleep(0.5)
+    started = time.monotonic()
+    assert _predict(server, timeout_s=10).status_code == 200 and time.monotonic() - started < 5
+    stalled.close()
+    assert _predict(server).status_code == 200

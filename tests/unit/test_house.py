@@ -62,7 +62,10 @@ ENGINE_FOR_THE_HTTP_SIDE = ("app.engine.contract",)
     ("app.link.supervisor", ("torch", "flask", "app.engine", "app.link.client", "app.link.server",
                              "app.link.loop")),
     ("app.link.client", ("flask", "werkzeug", "app.link.server", "app.link.loop", "app.web", *PROTOCOLS)),
-    ("app.link.wire", ("flask", "werkzeug", "app.link.client", "app.link.server", "app.link.loop", "app.hosting")),
+    ("app.link.wire", ("flask", "werkzeug", "app.link.client", "app.link.server", "app.link.loop",
+                       "app.hosting.worker", "app.hosting.starting", "app.hosting.drain", "app.hosting.control",
+                       "app.hosting.host", "app.hosting.procstat")),  # of the hosting, how the HTTP side waits only
+    ("app.hosting.waiting", ("app", "gunicorn", "greenlet")),
     ("app.config", ("app", "models", "torch", "flask")),
     ("app.errors", ("app", "models", "flask", "werkzeug")),
     ("app.metrics", ("app.engine", "app.web", *PROTOCOLS, "flask")),

@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Iterator
 
 import pytest
+from greenlet import getcurrent
 from gunicorn.config import Config
 from gunicorn.http.parser import RequestParser
 
@@ -333,3 +337,94 @@ def test_a_kept_control_dir_loses_what_an_earlier_server_left_at_the_next_start(
         path.touch()
     control.clear_stale(tmp_path)
     assert [path.exists() for path in left + kept] == [False, False, False, True, True]
+
+
+def test_an_answer_is_written_as_the_client_reads_it_and_a_client_that_reads_none_is_left(sockets) -> None:
+    from app.hosting.worker import ClientSocket
+
+    ours, client = sockets
+    answer = ClientSocket(ours.family, ours.type, ours.proto, fileno=ours.detach())
+    answer.answer_timeout_s = 0.3
+    body = os.urandom(4 << 20)  # beyond what the socket's buffers hold
+    received = bytearray()
+
+    def read_all() -> None:
+        while len(received) < len(body):
+            received.extend(client.recv(1 << 16))
+
+    reader = threading.Thread(target=read_all)
+    reader.start()
+    answer.sendall(body)  # written while the client reads, never a blocking write
+    reader.join(10)
+    assert bytes(received) == body
+    started = time.monotonic()
+    with pytest.raises(BrokenPipeError, match="took none of its answer for 0.3s"):
+        answer.sendall(body)  # nobody reads now: gunicorn closes a broken pipe quietly
+    assert 0.25 < time.monotonic() - started < 5
+    client.setblocking(False)
+    while client.recv(1 << 20):  # what was sent, then the end: the connection was shut down
+        pass
+    answer.close()
+
+
+class _LoopWorker:
+    """The worker's loop requests with its poller and waits, without gunicorn's set-up: each request's end noted."""
+
+    def __init__(self) -> None:
+        import selectors
+
+        from app.hosting.worker import BufferingWorker
+
+        self.worker = worker = BufferingWorker.__new__(BufferingWorker)
+        worker.poller, worker.waits, worker._wait_order = selectors.DefaultSelector(), [], __import__("itertools").count()
+        worker.loop_greenlet, worker.loop_requests = getcurrent(), True
+        self.ended: list[tuple[str, object]] = []
+        worker.finish_request = lambda conn, outcome: self.ended.append((conn, outcome.result()))
+
+    def start(self, name: str, run) -> None:  # noqa: ANN001
+        from app.hosting.worker import LoopRequest
+
+        request = LoopRequest(lambda: self._done(request, run), parent=self.worker.loop_greenlet)
+        request.conn = name
+        self.worker._step(request)
+
+    @staticmethod
+    def _done(request, run) -> None:  # noqa: ANN001
+        request.outcome = Future()
+        request.outcome.set_result(run())
+
+
+def test_a_request_on_the_loop_hands_its_waits_to_the_loop_which_resumes_each_when_ready_or_at_its_deadline() -> None:
+    from app.hosting import waiting
+
+    loop = _LoopWorker()
+    pairs = [socket.socketpair() for _ in range(3)]
+    waiting.wait_on(loop.worker.loop_wait)
+    try:
+        for name, (ours, _), limit in zip("abc", pairs, (5.0, 5.0, 0.2)):
+            loop.start(name, lambda ours=ours, limit=limit: (waiting.wait_for(ours, select.POLLIN, limit),
+                                                             ours.recv(8, socket.MSG_DONTWAIT) if limit > 1 else b""))
+        assert loop.ended == [] and len(loop.worker.poller.get_map()) == 3  # all three wait on the one loop
+        pairs[1][1].sendall(b"second")
+        loop.worker.wait_for_and_dispatch_events(1.0)
+        assert loop.ended == [("b", (True, b"second"))]
+        started = time.monotonic()
+        while len(loop.ended) < 2 and time.monotonic() - started < 3:
+            loop.worker.wait_for_and_dispatch_events(1.0)  # wakes at c's deadline, not a second later
+        assert loop.ended[1] == ("c", (False, b"")) and time.monotonic() - started < 0.9
+        pairs[0][1].sendall(b"first")
+        loop.worker.wait_for_and_dispatch_events(1.0)
+        assert loop.ended[2] == ("a", (True, b"first"))
+        assert not loop.worker.poller.get_map() and not [w for w in loop.worker.waits if not w[2].done]
+        # a thread, or the loop's own greenlet, polls: the loop's wait declines
+        assert loop.worker.loop_wait(pairs[0][0], select.POLLIN, 0.1) is None
+        seen: list[object] = []
+        thread = threading.Thread(target=lambda: seen.append(loop.worker.loop_wait(pairs[0][0], select.POLLIN, 0.1)))
+        thread.start()
+        thread.join(5)
+        assert seen == [None]
+    finally:
+        waiting.wait_on(None)
+        for ours, theirs in pairs:
+            ours.close()
+            theirs.close()

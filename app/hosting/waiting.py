@@ -1,0 +1,36 @@
+"""How the HTTP side waits for a socket (the engine's answer, room to send): ``wait_for``.
+
+A request thread polls. A request an HTTP worker runs on its event loop as a greenlet (app/hosting/worker.py,
+``LOOP_REQUESTS``) hands the wait to that loop, which goes on with its other requests and resumes this one when the
+socket is ready or the time is up: no thread sleeps and no thread is woken for it. The worker installs its loop's
+``wait`` with ``wait_on``; anywhere else (a request thread, the engine-wait thread, the engine, a test) that ``wait``
+declines (None) and the caller polls.
+
+Standard library only: the gunicorn master imports the worker, which imports this.
+"""
+from __future__ import annotations
+
+import select
+import socket
+from typing import Callable, Optional
+
+LoopWait = Callable[[socket.socket, int, float], Optional[bool]]
+
+_loop_wait: LoopWait | None = None
+
+
+def wait_on(loop_wait: LoopWait | None) -> None:
+    """Hand the waits of the requests ``loop_wait`` runs to it (None: every wait polls)."""
+    global _loop_wait
+    _loop_wait = loop_wait
+
+
+def wait_for(sock: socket.socket, events: int, timeout_s: float) -> bool:
+    """Whether ``sock`` shows ``events`` (select.POLLIN and the like) within ``timeout_s``."""
+    if _loop_wait is not None and timeout_s > 0:
+        ready = _loop_wait(sock, events, timeout_s)
+        if ready is not None:
+            return ready
+    poller = select.poll()  # poll: no limit on the descriptor's number
+    poller.register(sock, events)
+    return bool(poller.poll(max(0, int(timeout_s * 1000))))
