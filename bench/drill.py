@@ -98,9 +98,10 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         profile = ["--forms", "v2 x1", "jpeg", "--seconds", "3"]
         train = ["--archs", "efficientnet_lite0", "--batch-size", "128", "--steps", "12", "--warmup", "4"]
         photo_counts = ["--classes", "20", "--train-per-class", "60", "--val-per-class", "20"]
-    variants = [("served-tensor", "tensor", ()), ("served-eager", "auto", (("VISIONSERVE_CUDA_GRAPHS", "false"),))]
+    variants = [("served-threads", "auto", (("VISIONSERVE_LOOP_REQUESTS", "false"),)),
+                ("served-tensor", "tensor", ()), ("served-eager", "auto", (("VISIONSERVE_CUDA_GRAPHS", "false"),))]
     if smoke:  # one variant stands for both (the same command, another setting): the suite's 15 minutes
-        variants = variants[:1]
+        variants = [variant for variant in variants if variant[0] == "served-tensor"]
     return [
         Step("facts", 30, (py, "-c", facts), least_s=5),
         Step("served", 280, (py, "-m", "bench.serving.gpu", "--device", device, "--dtype", "float32", "--models",
@@ -126,9 +127,10 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         # one forward's launches at each batch size, eager and as a CUDA graph: what CUDA_GRAPHS saves the engine
         Step("launches", 60, (py, "-m", "bench.serving.forward_launch", "--device", device, *launches, "--out",
                               str(figures)), least_s=25),
-        # the served step's process-mode points again with the tensor decode path (DECODE_PATH=tensor: an engine's
-        # decode threads on every core, where the device path decodes a batch on one thread), then with eager forward
-        # passes (CUDA_GRAPHS=false): each against the served step's, on one machine, back to back
+        # the served step's process-mode points again with a request thread per request (LOOP_REQUESTS=false: the
+        # HTTP workers as before 11-30), with the tensor decode path (DECODE_PATH=tensor: an engine's decode threads
+        # on every core, where the device path decodes a batch on one thread), then with eager forward passes
+        # (CUDA_GRAPHS=false): each against the served step's, on one machine, back to back
         *(Step(name, 100, (py, "-m", "bench.serving.gpu", "--device", device, "--dtype", "float32", "--models", model,
                            "--decode-paths", path, "--workload", "imagenet", "--loads-only", *variant, "--out",
                            str(figures / name)), least_s=50, env=env)
