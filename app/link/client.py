@@ -130,12 +130,12 @@ class EngineConnections:
 
     def _new(self) -> socket.socket:
         conn = self._connect()
+        conn.setblocking(False)  # every wait is wire's (a request on the worker's loop hands it to the loop)
         try:
             self._greet(conn)
         except BaseException:
             conn.close()
             raise
-        conn.setblocking(False)  # every wait is wire's (a request on the worker's loop hands it to the loop)
         return conn
 
     def _sent(self, message: Any, segments: Sequence[bytes | memoryview]) -> socket.socket:
@@ -158,9 +158,8 @@ class EngineConnections:
         return _sent_on(self._new(), message, segments)
 
     def _greet(self, conn: socket.socket) -> None:
-        conn.settimeout(CONNECT_TIMEOUT_S)
         try:
-            wire.say_hello(conn)
+            wire.say_hello(conn, CONNECT_TIMEOUT_S)
         except wire.WireMismatch as exc:
             if not self._mismatch_logged:
                 self._mismatch_logged = True

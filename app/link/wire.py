@@ -275,12 +275,19 @@ def tensor_segments(tensors: Sequence[Any]) -> tuple[tuple[tuple[str, tuple[int,
             [view.cast("B") for view in views])
 
 
-def _read_exactly(sock: socket.socket, size: int) -> memoryview:
+def _read_exactly(sock: socket.socket, size: int, grace_s: float = SEND_STALL_S) -> memoryview:
+    """``size`` bytes; on a non-blocking socket each wait for more is ``readable``'s (a request on the HTTP worker's
+    loop hands it to the loop), ``grace_s`` at most."""
     buffer = bytearray(size)
     view = memoryview(buffer)
     got = 0
     while got < size:
-        n = sock.recv_into(view[got:], size - got)
+        try:
+            n = sock.recv_into(view[got:], size - got)
+        except BlockingIOError:
+            if not readable(sock, grace_s):
+                raise EngineGone(f"the other side sent nothing more of a frame for {grace_s:g}s") from None
+            continue
         if n == 0:
             raise EngineGone("the connection closed mid-frame" if got else "the connection closed")
         got += n
@@ -303,11 +310,12 @@ def _segment_lengths(table: bytes | bytearray | memoryview, at: int, count: int,
     return lengths
 
 
-def _receive_frame(sock: socket.socket, max_head: int = MAX_FRAME_BYTES) -> tuple[memoryview, list[memoryview]]:
-    head_size, count = _frame_head(_read_exactly(sock, _HEAD.size), max_head)
-    table = _read_exactly(sock, _LENGTH.size * count) if count else memoryview(b"")
+def _receive_frame(sock: socket.socket, max_head: int = MAX_FRAME_BYTES,
+                   grace_s: float = SEND_STALL_S) -> tuple[memoryview, list[memoryview]]:
+    head_size, count = _frame_head(_read_exactly(sock, _HEAD.size, grace_s), max_head)
+    table = _read_exactly(sock, _LENGTH.size * count, grace_s) if count else memoryview(b"")
     lengths = _segment_lengths(table, 0, count, head_size)
-    body = _read_exactly(sock, head_size + sum(lengths))
+    body = _read_exactly(sock, head_size + sum(lengths), grace_s)
     return body[:head_size], _split(body, head_size, lengths)
 
 
@@ -525,10 +533,11 @@ def receive_answer(sock: socket.socket, grace_s: float) -> Answer:
 _WELCOME = b"ok"
 
 
-def say_hello(sock: socket.socket) -> None:
-    """The HTTP side's greeting: which code it runs; WireMismatch with the engine's reason when it differs."""
+def say_hello(sock: socket.socket, timeout_s: float = SEND_STALL_S) -> None:
+    """The HTTP side's greeting: which code it runs; WireMismatch with the engine's reason when it differs,
+    EngineGone when no answer comes within ``timeout_s`` (a non-blocking socket's wait is ``readable``'s)."""
     _send_frame(sock, HELLO, ())
-    head, _ = _receive_frame(sock, max_head=MAX_HELLO_BYTES * 4)
+    head, _ = _receive_frame(sock, max_head=MAX_HELLO_BYTES * 4, grace_s=timeout_s)
     if bytes(head) != _WELCOME:
         raise WireMismatch(bytes(head).decode("utf-8", "replace"))
 

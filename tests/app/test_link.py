@@ -306,6 +306,27 @@ def test_a_worker_running_other_code_is_refused_on_both_sides_by_its_hello(caplo
     assert "visionserve-wire/1 0123456789abcdef" in bytes(reply).decode() and "restart the server" in str(failures[0])
 
 
+def test_a_hello_on_a_non_blocking_connection_waits_for_its_answer_by_readable_and_gives_up_in_its_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # how a connection made by a request on the HTTP worker's loop is greeted: its waits are the loop's, not a
+    # blocking read that would hold the loop
+    waits: list[float] = []
+    real = wire.readable
+    monkeypatch.setattr(wire, "readable", lambda sock, timeout_s=0.0: waits.append(timeout_s) or real(sock, timeout_s))
+    left, right = _pair()
+    with left, right:
+        left.setblocking(False)
+        late = threading.Timer(0.2, wire.FrameReader(right, greet=True).read)
+        late.start()
+        wire.say_hello(left, 3.0)  # welcomed once the engine's side reads the hello, 0.2 s later
+        late.join()
+        assert waits and set(waits) == {3.0}
+        started = time.monotonic()
+        with pytest.raises(wire.EngineGone, match="nothing more of a frame for 0.3s"):
+            wire.say_hello(left, 0.3)  # nobody answers
+        assert time.monotonic() - started < 2
+
+
 def test_the_fingerprint_follows_the_messages_and_the_data_they_carry() -> None:
     assert len(wire.FINGERPRINT) == 16 and wire.HELLO.decode().endswith(wire.FINGERPRINT)
 
