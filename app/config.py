@@ -312,7 +312,9 @@ class ServerSettings(SettingsGroup):
         "by 8-12% on 2 cores); with a GPU one per 4 cores, at least one per GPU and at most 4 per GPU (4 inline "
         "workers on a 16-core H100 host served 1.5x one; the H200's process-mode figures were taken with it).")
     threads: int = Field(32, gt=0, description="gthread threads per worker: concurrent requests that share one "
-                         "batcher.")
+                         "batcher. Under ENGINE=process with LOOP_REQUESTS only a request whose body arrives after "
+                         "its headers takes one; the others run on the worker's event loop, as many as its "
+                         "connections.")
     max_connections: int = Field(
         1000, gt=0, description="Open connections per worker, idle keep-alive and still-arriving requests included "
         "(gunicorn's `worker_connections`); at the limit the worker stops accepting until one closes.")
