@@ -33,6 +33,7 @@ import selectors
 import socket
 import time
 import uuid
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
@@ -248,6 +249,10 @@ class BufferingWorker(ThreadWorker):
         self.loop_greenlet: greenlet | None = None
         self.waits: list[tuple[float, int, LoopWait]] = []  # the loop requests' waits, a heap by deadline
         self._wait_order = itertools.count()
+        self.loop_queue: deque[TConn] = deque()  # loop requests waiting for room (at most THREADS run)
+        self.loop_running = 0
+        self._ended: deque[LoopRequest] = deque()  # loop requests that ended, to settle
+        self._settling = False
 
     def init_process(self) -> None:
         """The loop's greenlet noted and, with ``loop_requests``, every wait of a request on it handed to it; then
@@ -260,15 +265,43 @@ class BufferingWorker(ThreadWorker):
     # -- requests run on the loop (LOOP_REQUESTS) -------------------------------------------------------------------
 
     def enqueue_req(self, conn: TConn) -> None:
-        """A request the loop read whole runs on the loop itself (``loop_requests``), up to its first wait; any
-        other (a body still arriving: chunked, ``Expect: 100-continue``) goes to a request thread, as in gthread."""
+        """A request the loop read whole runs on the loop itself (``loop_requests``: ``run_on_loop``); any other (a
+        body still arriving: chunked, ``Expect: 100-continue``) goes to a request thread, as in gthread."""
         if (self.loop_requests and getattr(conn, "prefetched", None) and conn.body_held
                 and getcurrent() is self.loop_greenlet):
-            request = LoopRequest(self._run_on_loop, parent=self.loop_greenlet)
-            request.conn = conn
-            self._step(request)
+            self.run_on_loop(conn)
             return
         super().enqueue_req(conn)
+
+    def run_on_loop(self, conn: TConn) -> None:
+        """Run ``conn``'s request on the loop up to its first wait, once fewer than THREADS loop requests run (as
+        many as the request threads would: the engine gets no more connections than before); until then it waits
+        its turn, read and not yet parsed."""
+        self.loop_queue.append(conn)
+        self._run_loop_requests()
+
+    def _run_loop_requests(self) -> None:
+        """Settle the loop requests that ended (gthread's ``finish_request``: the connection kept alive, or the next
+        request pipelined on it started) and start queued ones while there is room, one after another: a request
+        that ends at once never settles inside another's settling (600 pipelined requests nested 600 deep)."""
+        if self._settling:
+            return  # the outer call goes on with whatever this one queued or ended
+        self._settling = True
+        try:
+            while True:
+                if self._ended:
+                    request = self._ended.popleft()
+                    self.loop_running -= 1
+                    self.finish_request(request.conn, request.outcome)
+                elif self.loop_queue and self.loop_running < self.cfg.threads:
+                    self.loop_running += 1
+                    request = LoopRequest(self._run_on_loop, parent=self.loop_greenlet)
+                    request.conn = self.loop_queue.popleft()
+                    self._switch(request)
+                else:
+                    return
+        finally:
+            self._settling = False
 
     def _run_on_loop(self) -> None:
         request: LoopRequest = getcurrent()  # type: ignore[assignment]
@@ -278,11 +311,17 @@ class BufferingWorker(ThreadWorker):
         except BaseException as exc:  # noqa: BLE001 - gthread's handle caught what it handles; the rest is told
             request.outcome.set_exception(exc)
 
-    def _step(self, request: LoopRequest, *resumed: Any) -> None:
+    def _switch(self, request: LoopRequest, *resumed: Any) -> None:
         """On the loop's greenlet: ``request`` runs on from where it waits until it waits again or ends."""
         request.switch(*resumed)
         if request.dead:
-            self.finish_request(request.conn, request.outcome)
+            self._ended.append(request)
+
+    def _step(self, request: LoopRequest, *resumed: Any) -> None:
+        """A wait of ``request`` is over (its socket ready, or its time up): it runs on, then what it ended is
+        settled."""
+        self._switch(request, *resumed)
+        self._run_loop_requests()
 
     def loop_wait(self, sock: socket.socket, events: int, timeout_s: float) -> bool | None:
         """``waiting.wait_for`` in a loop request: the socket watched by the loop and a deadline, then the loop's

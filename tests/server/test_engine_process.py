@@ -215,10 +215,17 @@ def test_requests_run_on_the_workers_loop_a_chunked_body_on_a_thread_and_a_clien
     chunked = requests.post(f"{server.url}/predict", data=iter([IMAGE[:100], IMAGE[100:]]), timeout=30,
                             headers={"Content-Type": "image/jpeg"})  # its body arrives after its headers
     assert chunked.status_code == 200 and _threads(worker) == threads + 1  # a request thread read it
+    host, port = server.url.split("//")[1].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as pipelined:  # each answer starts the next
+        pipelined.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * 600)
+        answers = b""
+        while answers.count(b"HTTP/1.1 ") < 600 and (chunk := pipelined.recv(1 << 20)):
+            answers += chunk
+    assert answers.count(b"HTTP/1.1 200 ") == 600  # 320-578 before: nested 600 deep, the connection dropped
 
     stalled = socket.socket()
     stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    stalled.connect((server.url.split("//")[1].split(":")[0], int(server.url.rsplit(":", 1)[1])))
+    stalled.connect((host, int(port)))
     stalled.sendall(b"GET /openapi.json HTTP/1.1\r\nHost: x\r\n\r\n" * 400)  # megabytes of answers, none read
     time.sleep(0.5)
     started = time.monotonic()

@@ -9,7 +9,8 @@ import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Iterator
+from collections import deque
+from typing import Callable, Iterator
 
 import pytest
 from greenlet import getcurrent
@@ -368,30 +369,27 @@ def test_an_answer_is_written_as_the_client_reads_it_and_a_client_that_reads_non
 
 
 class _LoopWorker:
-    """The worker's loop requests with its poller and waits, without gunicorn's set-up: each request's end noted."""
+    """The worker's loop requests with its poller and waits, without gunicorn's set-up: each request a function
+    (its ``conn`` a name), each request's end noted as gthread's ``finish_request`` would see it."""
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int = 32) -> None:
         import selectors
+        from types import SimpleNamespace
 
         from app.hosting.worker import BufferingWorker
 
         self.worker = worker = BufferingWorker.__new__(BufferingWorker)
         worker.poller, worker.waits, worker._wait_order = selectors.DefaultSelector(), [], __import__("itertools").count()
-        worker.loop_greenlet, worker.loop_requests = getcurrent(), True
+        worker.loop_queue, worker.loop_running, worker._ended, worker._settling = deque(), 0, deque(), False
+        worker.loop_greenlet, worker.loop_requests, worker.cfg = getcurrent(), True, SimpleNamespace(threads=threads)
+        self.runs: dict[str, Callable[[], object]] = {}
         self.ended: list[tuple[str, object]] = []
+        worker._handle_one = lambda conn: self.runs[conn]()
         worker.finish_request = lambda conn, outcome: self.ended.append((conn, outcome.result()))
 
-    def start(self, name: str, run) -> None:  # noqa: ANN001
-        from app.hosting.worker import LoopRequest
-
-        request = LoopRequest(lambda: self._done(request, run), parent=self.worker.loop_greenlet)
-        request.conn = name
-        self.worker._step(request)
-
-    @staticmethod
-    def _done(request, run) -> None:  # noqa: ANN001
-        request.outcome = Future()
-        request.outcome.set_result(run())
+    def start(self, name: str, run: Callable[[], object]) -> None:
+        self.runs[name] = run
+        self.worker.run_on_loop(name)
 
 
 def test_a_request_on_the_loop_hands_its_waits_to_the_loop_which_resumes_each_when_ready_or_at_its_deadline() -> None:
@@ -428,3 +426,43 @@ def test_a_request_on_the_loop_hands_its_waits_to_the_loop_which_resumes_each_wh
         for ours, theirs in pairs:
             ours.close()
             theirs.close()
+
+
+def test_at_most_threads_requests_run_on_the_loop_the_next_starting_as_one_ends() -> None:
+    from app.hosting import waiting
+
+    loop = _LoopWorker(threads=2)
+    pairs = [socket.socketpair() for _ in range(3)]
+    waiting.wait_on(loop.worker.loop_wait)
+    try:
+        for name, (ours, _) in zip("abc", pairs):
+            loop.start(name, lambda ours=ours: waiting.wait_for(ours, select.POLLIN, 5.0))
+        assert len(loop.worker.poller.get_map()) == 2 and list(loop.worker.loop_queue) == ["c"]  # c waits its turn
+        pairs[0][1].sendall(b"a")
+        loop.worker.wait_for_and_dispatch_events(1.0)
+        assert loop.ended == [("a", True)] and not loop.worker.loop_queue and len(loop.worker.poller.get_map()) == 2
+        for _, theirs in pairs[1:]:
+            theirs.sendall(b"x")
+        while len(loop.ended) < 3:
+            loop.worker.wait_for_and_dispatch_events(1.0)
+        assert sorted(loop.ended) == [("a", True), ("b", True), ("c", True)] and loop.worker.loop_running == 0
+    finally:
+        waiting.wait_on(None)
+        for ours, theirs in pairs:
+            ours.close()
+            theirs.close()
+
+
+def test_requests_that_end_at_once_are_settled_one_after_another_not_one_inside_another() -> None:
+    # pipelined requests: each one's end (gthread's finish_request) starts the next on the connection
+    loop = _LoopWorker()
+    count = 3 * __import__("sys").getrecursionlimit()
+
+    def ended(conn: str, outcome: Future) -> None:
+        loop.ended.append((conn, outcome.result()))
+        if len(loop.ended) < count:
+            loop.start(f"r{len(loop.ended)}", lambda: "answered")
+
+    loop.worker.finish_request = ended
+    loop.start("r0", lambda: "answered")
+    assert len(loop.ended) == count and {outcome for _, outcome in loop.ended} == {"answered"}
