@@ -1,6 +1,7 @@
 """The event loop's request reading (app/hosting/worker.py), without a server: when a request is whole."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -392,13 +393,27 @@ class _LoopWorker:
         self.worker.run_on_loop(name)
 
 
+@contextlib.contextmanager
+def _waits_on_the_loop(loop: _LoopWorker, count: int) -> Iterator[list[tuple[socket.socket, socket.socket]]]:
+    """``count`` socket pairs, and every wait of a loop request handed to ``loop``'s worker, for the block."""
+    from app.hosting import waiting
+
+    pairs = [socket.socketpair() for _ in range(count)]
+    waiting.wait_on(loop.worker.loop_wait)
+    try:
+        yield pairs
+    finally:
+        waiting.wait_on(None)
+        for ours, theirs in pairs:
+            ours.close()
+            theirs.close()
+
+
 def test_a_request_on_the_loop_hands_its_waits_to_the_loop_which_resumes_each_when_ready_or_at_its_deadline() -> None:
     from app.hosting import waiting
 
     loop = _LoopWorker()
-    pairs = [socket.socketpair() for _ in range(3)]
-    waiting.wait_on(loop.worker.loop_wait)
-    try:
+    with _waits_on_the_loop(loop, 3) as pairs:
         for name, (ours, _), limit in zip("abc", pairs, (5.0, 5.0, 0.2)):
             loop.start(name, lambda ours=ours, limit=limit: (waiting.wait_for(ours, select.POLLIN, limit),
                                                              ours.recv(8, socket.MSG_DONTWAIT) if limit > 1 else b""))
@@ -421,20 +436,13 @@ def test_a_request_on_the_loop_hands_its_waits_to_the_loop_which_resumes_each_wh
         thread.start()
         thread.join(5)
         assert seen == [None]
-    finally:
-        waiting.wait_on(None)
-        for ours, theirs in pairs:
-            ours.close()
-            theirs.close()
 
 
 def test_at_most_threads_requests_run_on_the_loop_the_next_starting_as_one_ends() -> None:
     from app.hosting import waiting
 
     loop = _LoopWorker(threads=2)
-    pairs = [socket.socketpair() for _ in range(3)]
-    waiting.wait_on(loop.worker.loop_wait)
-    try:
+    with _waits_on_the_loop(loop, 3) as pairs:
         for name, (ours, _) in zip("abc", pairs):
             loop.start(name, lambda ours=ours: waiting.wait_for(ours, select.POLLIN, 5.0))
         assert len(loop.worker.poller.get_map()) == 2 and list(loop.worker.loop_queue) == ["c"]  # c waits its turn
@@ -446,11 +454,6 @@ def test_at_most_threads_requests_run_on_the_loop_the_next_starting_as_one_ends(
         while len(loop.ended) < 3:
             loop.worker.wait_for_and_dispatch_events(1.0)
         assert sorted(loop.ended) == [("a", True), ("b", True), ("c", True)] and loop.worker.loop_running == 0
-    finally:
-        waiting.wait_on(None)
-        for ours, theirs in pairs:
-            ours.close()
-            theirs.close()
 
 
 def test_requests_that_end_at_once_are_settled_one_after_another_not_one_inside_another() -> None:
