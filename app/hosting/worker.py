@@ -54,6 +54,8 @@ FIRST_READ = 1 << 16  # a request's first read: its headers and a small body. Py
 # a 1 MiB ask cost a small request 10-12 us (the allocation and its release), a 64 KB one 1 us
 HEADER_LIMIT = 64 * 1024  # a longer header block goes to gunicorn's parser, which refuses it (431/400)
 HELD_PIECE = 64 * 1024  # what a read of "the next chunk" (the header parser's) takes out of the held bytes
+CLOSE_LINGER_S = 2.0  # a connection's graceful close reads what the client still sends for this long at most
+CLOSE_DRAIN_BYTES = 64 * 1024  # and this much at most (gunicorn's close_graceful, on the loop without blocking)
 
 log = logging.getLogger("visionserve.access")
 
@@ -176,6 +178,8 @@ class ClientSocket(socket.socket):
     __slots__ = ("answer_timeout_s", "body_held")
 
     def sendall(self, data: Any, flags: int = 0) -> None:  # type: ignore[override]
+        if self.gettimeout():  # a body read from the socket had one (app/web/hooks.py): Python would poll before a
+            self.settimeout(None)  # send for that long, whatever its flags, then raise instead of waiting here
         view = memoryview(data).cast("B")
         while view:
             try:
@@ -210,11 +214,40 @@ class ClientSocket(socket.socket):
         return total
 
 
+class ClientConn(TConn):
+    """gthread's connection, whose graceful close (after an answer that said ``Connection: close``) is its worker's
+    ``close_gracefully``: the same half-close and drain, without blocking the event loop for up to 2 s."""
+
+    closer: Callable[[socket.socket], None] | None = None
+
+    def close(self, graceful: bool = False) -> None:
+        if graceful and self.closer is not None:
+            self.closer(self.sock)
+            return
+        super().close(graceful)
+
+
+@dataclass(eq=False)
+class Closing:
+    """A connection half-closed after its last answer: read until the client closes its end, CLOSE_DRAIN_BYTES
+    have come or CLOSE_LINGER_S has passed, then closed (RFC 9112 9.6: no reset that would cut the answer short)."""
+    sock: socket.socket
+    deadline: float
+    drained: int = 0
+
+
 class LoopRequest(greenlet):
-    """A request the worker runs on its event loop's thread: it waits by handing its socket to the loop."""
+    """A request the worker runs on its event loop's thread: it waits by handing its socket to the loop. It holds
+    one of THREADS slots until it ends or first waits to write its answer (a client that stops reading then holds
+    its connection, not a slot)."""
 
     conn: TConn
     outcome: Future
+    holds_slot = True
+
+
+def _resumed_already(_ready: bool) -> None:
+    """A finished wait's resume (its entry may stay in the deadline heap until its deadline)."""
 
 
 @dataclass(eq=False)
@@ -249,6 +282,7 @@ class BufferingWorker(ThreadWorker):
         self.loop_greenlet: greenlet | None = None
         self.waits: list[tuple[float, int, LoopWait]] = []  # the loop requests' waits, a heap by deadline
         self._wait_order = itertools.count()
+        self.closing: set[Closing] = set()  # connections half-closed after their last answer
         self.loop_queue: deque[TConn] = deque()  # loop requests waiting for room (at most THREADS run)
         self.loop_running = 0
         self._ended: deque[LoopRequest] = deque()  # loop requests that ended, to settle
@@ -291,7 +325,7 @@ class BufferingWorker(ThreadWorker):
             while True:
                 if self._ended:
                     request = self._ended.popleft()
-                    self.loop_running -= 1
+                    self._free_slot(request)
                     self.finish_request(request.conn, request.outcome)
                 elif self.loop_queue and self.loop_running < self.cfg.threads:
                     self.loop_running += 1
@@ -302,6 +336,11 @@ class BufferingWorker(ThreadWorker):
                     return
         finally:
             self._settling = False
+
+    def _free_slot(self, request: LoopRequest) -> None:
+        if request.holds_slot:
+            request.holds_slot = False
+            self.loop_running -= 1
 
     def _run_on_loop(self) -> None:
         request: LoopRequest = getcurrent()  # type: ignore[assignment]
@@ -332,13 +371,15 @@ class BufferingWorker(ThreadWorker):
             return None
         mask = ((selectors.EVENT_READ if events & select.POLLIN else 0)
                 | (selectors.EVENT_WRITE if events & select.POLLOUT else 0))
+        if isinstance(sock, ClientSocket):  # its answer waits for the client: the slot goes to the next request
+            self._free_slot(request)
         wait = LoopWait(partial(self._step, request))
         self.poller.register(sock, mask, wait.ready)
         heapq.heappush(self.waits, (time.monotonic() + timeout_s, next(self._wait_order), wait))
         try:
             return self.loop_greenlet.switch()
         finally:
-            wait.done = True
+            wait.done, wait.resume = True, _resumed_already  # the heap keeps no ended request alive
             self.poller.unregister(sock)
 
     def wait_for_and_dispatch_events(self, timeout: float) -> None:
@@ -396,7 +437,9 @@ class BufferingWorker(ThreadWorker):
         sock = ClientSocket(accepted.family, accepted.type, accepted.proto, fileno=accepted.detach())
         sock.answer_timeout_s, sock.body_held = self.limits.answer_timeout_s, False
         self.nr_conns += 1
-        self._start_reading(TConn(self.cfg, sock, client, listener.getsockname()))  # TConn: non-blocking
+        conn = ClientConn(self.cfg, sock, client, listener.getsockname())  # non-blocking
+        conn.closer = self.close_gracefully
+        self._start_reading(conn)
 
     def on_client_socket_readable(self, conn: TConn, client: Any) -> None:
         """A kept-alive connection's next request: read in the loop too, at once (its bytes are there), the socket
@@ -548,11 +591,48 @@ class BufferingWorker(ThreadWorker):
         return super()._keepalive_after(conn, keepalive)
 
     def murder_pending(self) -> None:
-        """Every loop turn: gthread's own sweep, then the requests that arrive too slowly."""
+        """Every loop turn: gthread's own sweep, then the requests that arrive too slowly and the closes that have
+        lingered long enough."""
         super().murder_pending()
         now = time.monotonic()
         for reading in [r for r in self.reading if self._expired(r, now)]:
             self._time_out(reading, now)
+        for closing in [c for c in self.closing if c.deadline <= now]:
+            self._closed(closing)
+
+    def close_gracefully(self, sock: socket.socket) -> None:
+        """gunicorn's graceful close on the loop: the write side shut (the client sees the answer end), then what
+        the client still sends read as it comes (``_drain``), and the socket closed once it closes its end."""
+        try:
+            sock.shutdown(socket.SHUT_WR)
+            sock.setblocking(False)
+            closing = Closing(sock, time.monotonic() + CLOSE_LINGER_S)
+            self.poller.register(sock, selectors.EVENT_READ, partial(self._drain, closing))
+        except (OSError, ValueError):
+            sock.close()
+            return
+        self.closing.add(closing)
+
+    def _drain(self, closing: Closing, _sock: Any = None) -> None:
+        while True:
+            try:
+                data = closing.sock.recv(HELD_PIECE)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                data = b""
+            closing.drained += len(data)
+            if not data or closing.drained >= CLOSE_DRAIN_BYTES:
+                self._closed(closing)
+                return
+
+    def _closed(self, closing: Closing) -> None:
+        self.closing.discard(closing)
+        try:
+            self.poller.unregister(closing.sock)
+        except (KeyError, ValueError, OSError):
+            pass
+        closing.sock.close()
 
     def _expired(self, reading: Reading, now: float) -> bool:
         if reading.body_end is not None:

@@ -751,6 +751,7 @@ def _idle_connections(link: Link, count: int) -> None:
     go.set()
     for sender in senders:
         sender.join(10)
+    assert len(link.worker.connections._idle) == count
 
 
 def test_a_backlog_of_short_batches_runs_on_the_loop_a_slice_a_turn_with_the_answers_between(
@@ -829,7 +830,8 @@ def test_requests_that_arrive_together_share_a_batch_and_no_thread_waits_on_them
     waiting = [threading.Thread(target=request, args=(BLUE,)) for _ in range(3)]
     for thread in waiting:
         thread.start()
-    wait_until(lambda: link.engine.in_flight.count() == 4)
+    batcher = link.engine.loaded_version().batcher
+    wait_until(lambda: link.engine.in_flight.count() == 4 and batcher.depth == 3)  # decoded and queued, however slow
     # the three requests wait in the queue with no engine thread of their own: only this test's three clients
     # and the pool's decode threads (the CPU decodes these images) are new
     new = set(threading.enumerate()) - threads_before

@@ -359,6 +359,7 @@ def test_an_answer_is_written_as_the_client_reads_it_and_a_client_that_reads_non
     answer.sendall(body)  # written while the client reads, never a blocking write
     reader.join(10)
     assert bytes(received) == body
+    answer.settimeout(5.0)  # as app/web/hooks.py sets for a body still to read: not what bounds an answer's write
     started = time.monotonic()
     with pytest.raises(BrokenPipeError, match="took none of its answer for 0.3s"):
         answer.sendall(body)  # nobody reads now: gunicorn closes a broken pipe quietly
@@ -451,7 +452,8 @@ def test_at_most_threads_requests_run_on_the_loop_the_next_starting_as_one_ends(
         assert loop.ended == [("a", True)] and not loop.worker.loop_queue and len(loop.worker.poller.get_map()) == 2
         for _, theirs in pairs[1:]:
             theirs.sendall(b"x")
-        while len(loop.ended) < 3:
+        until = time.monotonic() + 10
+        while len(loop.ended) < 3 and time.monotonic() < until:
             loop.worker.wait_for_and_dispatch_events(1.0)
         assert sorted(loop.ended) == [("a", True), ("b", True), ("c", True)] and loop.worker.loop_running == 0
 
@@ -469,3 +471,20 @@ def test_requests_that_end_at_once_are_settled_one_after_another_not_one_inside_
     loop.worker.finish_request = ended
     loop.start("r0", lambda: "answered")
     assert len(loop.ended) == count and {outcome for _, outcome in loop.ended} == {"answered"}
+
+
+def test_a_request_waiting_to_write_its_answer_gives_its_slot_to_the_next() -> None:
+    from app.hosting import waiting
+    from app.hosting.worker import ClientSocket
+
+    loop = _LoopWorker(threads=1)
+    with _waits_on_the_loop(loop, 2) as pairs:
+        writer = ClientSocket(fileno=pairs[0][0].detach())
+        writer.answer_timeout_s = 5.0
+        loop.start("slow reader", lambda: writer.sendall(os.urandom(4 << 20)))  # its client reads none of it
+        loop.start("next", lambda: waiting.wait_for(pairs[1][0], select.POLLIN, 5.0))
+        assert not loop.worker.loop_queue and loop.worker.loop_running == 1  # "next" runs: the writer left its slot
+        pairs[1][1].sendall(b"x")
+        loop.worker.wait_for_and_dispatch_events(1.0)
+        assert loop.ended == [("next", True)] and loop.worker.loop_running == 0
+        writer.close()
