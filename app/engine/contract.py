@@ -279,6 +279,8 @@ class CatalogFace(Protocol):
 # The catalog's calls, from the face itself: a new call is one method on CatalogFace and its implementation.
 CATALOG_CALLS = tuple(name for name, _ in inspect.getmembers(CatalogFace, inspect.isfunction)
                       if not name.startswith("_"))
+# Those that change what is served (each waits for every engine to apply it); every other one reads.
+CATALOG_CHANGES = frozenset({"load", "unload", "promote", "rollback"})
 
 
 class CallFace(Protocol):

@@ -603,6 +603,31 @@ def _failure(run: Callable[[], object]) -> BaseException | None:
     return None
 
 
+def test_a_catalog_read_answers_while_a_change_waits_for_every_engine(link: Link,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    assert contract.CATALOG_CHANGES < set(contract.CATALOG_CALLS)
+    infer(link.worker, [image_bytes(RED)])  # the engine's loop runs
+    waiting, release = threading.Event(), threading.Event()
+
+    def load(name: str, config: object = None) -> dict[str, object]:
+        waiting.set()
+        assert release.wait(10)  # as a load waits for every engine to apply it
+        return {"loaded": name}
+
+    monkeypatch.setattr(link.engine.catalog, "load", load)
+    results: list[object] = []
+    changes = [threading.Thread(target=lambda: results.append(link.worker.catalog.load("colour"))) for _ in range(4)]
+    for change in changes:
+        change.start()
+    assert waiting.wait(10)
+    for _ in range(3):  # reads answer on their own thread, none behind the changes (which fill theirs)
+        assert [info.name for info in link.worker.catalog.versions()] == ["colour"]
+    release.set()
+    for change in changes:
+        change.join(10)
+    assert results == [{"loaded": "colour"}] * 4
+
+
 def test_the_catalog_and_the_state_answer_across_the_link(link: Link, tmp_path: Path) -> None:
     assert link.worker.catalog.default_model() == "colour"
     (info,) = link.worker.catalog.versions()
