@@ -14,21 +14,22 @@ import select
 import socket
 from typing import Callable, Optional
 
-LoopWait = Callable[[socket.socket, int, float], Optional[bool]]
+Waiter = Callable[[socket.socket, int, float, bool], Optional[bool]]
 
-_loop_wait: LoopWait | None = None
+_loop_wait: Waiter | None = None
 
 
-def wait_on(loop_wait: LoopWait | None) -> None:
+def wait_on(loop_wait: Waiter | None) -> None:
     """Hand the waits of the requests ``loop_wait`` runs to it (None: every wait polls)."""
     global _loop_wait
     _loop_wait = loop_wait
 
 
-def wait_for(sock: socket.socket, events: int, timeout_s: float) -> bool:
-    """Whether ``sock`` shows ``events`` (select.POLLIN and the like) within ``timeout_s``."""
+def wait_for(sock: socket.socket, events: int, timeout_s: float, for_client: bool = False) -> bool:
+    """Whether ``sock`` shows ``events`` (select.POLLIN and the like) within ``timeout_s``; ``for_client``: a wait
+    for the client to read its answer (a loop request then leaves its slot to the next)."""
     if _loop_wait is not None and timeout_s > 0:
-        ready = _loop_wait(sock, events, timeout_s)
+        ready = _loop_wait(sock, events, timeout_s, for_client)
         if ready is not None:
             return ready
     poller = select.poll()  # poll: no limit on the descriptor's number

@@ -15,16 +15,20 @@ next request on the connection, whatever its size (gunicorn's own skip reads the
 closes a connection its answer called kept alive: a 503 refusing a photo while the engine restarts was then followed
 by a reset of the client's next request).
 
+Under ENGINE=process a request read whole runs on the loop itself, as a greenlet, not on a thread
+(app/hosting/loop_requests.py, ``LOOP_REQUESTS``). Every answer is written without blocking (``ClientSocket``): a
+client that stops reading holds its connection, and after ``answer_timeout_s`` without progress loses it; a
+connection closed after its answer lingers for the client's end on the loop (``close_gracefully``), not in a
+blocking read.
+
 ``NoAccessLog`` is gunicorn's logger without its access line: the app writes one structured line per request.
 
-The master loads these classes: they import gunicorn and the standard library only (and app.errors and
-app.hosting.control, which are plain).
+The master loads these classes: they import gunicorn, greenlet and the standard library only (and app.errors and
+app.hosting's control, waiting and loop_requests, which are plain).
 """
 from __future__ import annotations
 
 import errno
-import heapq
-import itertools
 import json
 import logging
 import os
@@ -33,20 +37,19 @@ import selectors
 import socket
 import time
 import uuid
-from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
-from greenlet import getcurrent, greenlet
+from greenlet import getcurrent
 from gunicorn.glogging import Logger
 from gunicorn.http.unreader import SocketUnreader
 from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn, ThreadWorker
 
 from app.errors import RequestTimeout, default_body
 from app.hosting import control, waiting
+from app.hosting.loop_requests import LoopRequests
 
 HEADER_END = b"\r\n\r\n"
 READ_SIZE = 1 << 20  # the most one read asks for: a body's rest in as few calls as possible (the GIL is contended)
@@ -185,7 +188,7 @@ class ClientSocket(socket.socket):
             try:
                 sent = self.send(view, flags | socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
-                if not waiting.wait_for(self, select.POLLOUT, self.answer_timeout_s):
+                if not waiting.wait_for(self, select.POLLOUT, self.answer_timeout_s, for_client=True):
                     self._leave()
                 continue
             view = view[sent:]
@@ -236,39 +239,7 @@ class Closing:
     drained: int = 0
 
 
-class LoopRequest(greenlet):
-    """A request the worker runs on its event loop's thread: it waits by handing its socket to the loop. It holds
-    one of THREADS slots until it ends or first waits to write its answer (a client that stops reading then holds
-    its connection, not a slot)."""
-
-    conn: TConn
-    outcome: Future
-    holds_slot = True
-
-
-def _resumed_already(_ready: bool) -> None:
-    """A finished wait's resume (its entry may stay in the deadline heap until its deadline)."""
-
-
-@dataclass(eq=False)
-class LoopWait:
-    """A loop request's wait for a socket: ``resume`` once, with True when the socket is ready, False when its time
-    is up (whichever comes first)."""
-    resume: Callable[[bool], None]
-    done: bool = False
-
-    def ready(self, _fileobj: Any = None) -> None:
-        if not self.done:
-            self.done = True
-            self.resume(True)
-
-    def expire(self) -> None:
-        if not self.done:
-            self.done = True
-            self.resume(False)
-
-
-class BufferingWorker(ThreadWorker):
+class BufferingWorker(LoopRequests, ThreadWorker):
     """gthread with requests read in the event loop (see the module's docstring)."""
 
     limits = ReadLimits()
@@ -279,24 +250,16 @@ class BufferingWorker(ThreadWorker):
         super().__init__(*args, **kwargs)
         self.reading: set[Reading] = set()
         self.held_back = False  # new connections left to the workers that serve (said once in the log)
-        self.loop_greenlet: greenlet | None = None
-        self.waits: list[tuple[float, int, LoopWait]] = []  # the loop requests' waits, a heap by deadline
-        self._wait_order = itertools.count()
         self.closing: set[Closing] = set()  # connections half-closed after their last answer
-        self.loop_queue: deque[TConn] = deque()  # loop requests waiting for room (at most THREADS run)
-        self.loop_running = 0
-        self._ended: deque[LoopRequest] = deque()  # loop requests that ended, to settle
-        self._settling = False
+        self.init_loop_requests()
 
     def init_process(self) -> None:
-        """The loop's greenlet noted and, with ``loop_requests``, every wait of a request on it handed to it; then
-        gthread's start (which runs the loop)."""
+        """The loop's greenlet noted (app/hosting/loop_requests.py) and, with ``loop_requests``, every wait of a
+        request on it handed to it; then gthread's start (which runs the loop)."""
         self.loop_greenlet = getcurrent()
         if self.loop_requests:
             waiting.wait_on(self.loop_wait)
         super().init_process()
-
-    # -- requests run on the loop (LOOP_REQUESTS) -------------------------------------------------------------------
 
     def enqueue_req(self, conn: TConn) -> None:
         """A request the loop read whole runs on the loop itself (``loop_requests``: ``run_on_loop``); any other (a
@@ -306,94 +269,6 @@ class BufferingWorker(ThreadWorker):
             self.run_on_loop(conn)
             return
         super().enqueue_req(conn)
-
-    def run_on_loop(self, conn: TConn) -> None:
-        """Run ``conn``'s request on the loop up to its first wait, once fewer than THREADS loop requests run (as
-        many as the request threads would: the engine gets no more connections than before); until then it waits
-        its turn, read and not yet parsed."""
-        self.loop_queue.append(conn)
-        self._run_loop_requests()
-
-    def _run_loop_requests(self) -> None:
-        """Settle the loop requests that ended (gthread's ``finish_request``: the connection kept alive, or the next
-        request pipelined on it started) and start queued ones while there is room, one after another: a request
-        that ends at once never settles inside another's settling (600 pipelined requests nested 600 deep)."""
-        if self._settling:
-            return  # the outer call goes on with whatever this one queued or ended
-        self._settling = True
-        try:
-            while True:
-                if self._ended:
-                    request = self._ended.popleft()
-                    self._free_slot(request)
-                    self.finish_request(request.conn, request.outcome)
-                elif self.loop_queue and self.loop_running < self.cfg.threads:
-                    self.loop_running += 1
-                    request = LoopRequest(self._run_on_loop, parent=self.loop_greenlet)
-                    request.conn = self.loop_queue.popleft()
-                    self._switch(request)
-                else:
-                    return
-        finally:
-            self._settling = False
-
-    def _free_slot(self, request: LoopRequest) -> None:
-        if request.holds_slot:
-            request.holds_slot = False
-            self.loop_running -= 1
-
-    def _run_on_loop(self) -> None:
-        request: LoopRequest = getcurrent()  # type: ignore[assignment]
-        request.outcome = Future()
-        try:
-            request.outcome.set_result(self._handle_one(request.conn))  # no linger: the loop reads the next one
-        except BaseException as exc:  # noqa: BLE001 - gthread's handle caught what it handles; the rest is told
-            request.outcome.set_exception(exc)
-
-    def _switch(self, request: LoopRequest, *resumed: Any) -> None:
-        """On the loop's greenlet: ``request`` runs on from where it waits until it waits again or ends."""
-        request.switch(*resumed)
-        if request.dead:
-            self._ended.append(request)
-
-    def _step(self, request: LoopRequest, *resumed: Any) -> None:
-        """A wait of ``request`` is over (its socket ready, or its time up): it runs on, then what it ended is
-        settled."""
-        self._switch(request, *resumed)
-        self._run_loop_requests()
-
-    def loop_wait(self, sock: socket.socket, events: int, timeout_s: float) -> bool | None:
-        """``waiting.wait_for`` in a loop request: the socket watched by the loop and a deadline, then the loop's
-        greenlet runs on; True once the socket is ready, False when the time is up. None (the caller polls) on any
-        other greenlet or thread."""
-        request = getcurrent()
-        if not isinstance(request, LoopRequest) or self.loop_greenlet is None:
-            return None
-        mask = ((selectors.EVENT_READ if events & select.POLLIN else 0)
-                | (selectors.EVENT_WRITE if events & select.POLLOUT else 0))
-        if isinstance(sock, ClientSocket):  # its answer waits for the client: the slot goes to the next request
-            self._free_slot(request)
-        wait = LoopWait(partial(self._step, request))
-        self.poller.register(sock, mask, wait.ready)
-        heapq.heappush(self.waits, (time.monotonic() + timeout_s, next(self._wait_order), wait))
-        try:
-            return self.loop_greenlet.switch()
-        finally:
-            wait.done, wait.resume = True, _resumed_already  # the heap keeps no ended request alive
-            self.poller.unregister(sock)
-
-    def wait_for_and_dispatch_events(self, timeout: float) -> None:
-        """gthread's turn, waking no later than the first loop request's deadline; then the waits whose time is up
-        resume (False)."""
-        waits = self.waits
-        while waits and waits[0][2].done:
-            heapq.heappop(waits)
-        if waits:
-            timeout = min(timeout, max(0.0, waits[0][0] - time.monotonic()))
-        super().wait_for_and_dispatch_events(timeout)
-        now = time.monotonic()
-        while waits and (waits[0][2].done or waits[0][0] <= now):
-            heapq.heappop(waits)[2].expire()
 
     def set_accept_enabled(self, enabled: bool) -> None:
         """gthread's, but a worker that does not serve yet (a killed one's replacement, importing the app and

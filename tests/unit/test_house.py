@@ -66,6 +66,7 @@ ENGINE_FOR_THE_HTTP_SIDE = ("app.engine.contract",)
                        "app.hosting.worker", "app.hosting.starting", "app.hosting.drain", "app.hosting.control",
                        "app.hosting.host", "app.hosting.procstat")),  # of the hosting, how the HTTP side waits only
     ("app.hosting.waiting", ("app", "gunicorn", "greenlet")),
+    ("app.hosting.loop_requests", ("app", "gunicorn", "flask", "torch")),
     ("app.config", ("app", "models", "torch", "flask")),
     ("app.errors", ("app", "models", "flask", "werkzeug")),
     ("app.metrics", ("app.engine", "app.web", *PROTOCOLS, "flask")),

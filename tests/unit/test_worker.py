@@ -10,11 +10,9 @@ import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from collections import deque
 from typing import Callable, Iterator
 
 import pytest
-from greenlet import getcurrent
 from gunicorn.config import Config
 from gunicorn.http.parser import RequestParser
 
@@ -381,9 +379,9 @@ class _LoopWorker:
         from app.hosting.worker import BufferingWorker
 
         self.worker = worker = BufferingWorker.__new__(BufferingWorker)
-        worker.poller, worker.waits, worker._wait_order = selectors.DefaultSelector(), [], __import__("itertools").count()
-        worker.loop_queue, worker.loop_running, worker._ended, worker._settling = deque(), 0, deque(), False
-        worker.loop_greenlet, worker.loop_requests, worker.cfg = getcurrent(), True, SimpleNamespace(threads=threads)
+        worker.init_loop_requests()  # on this greenlet: the test's, standing for the loop's
+        worker.poller, worker.loop_requests = selectors.DefaultSelector(), True
+        worker.cfg = SimpleNamespace(threads=threads)
         self.runs: dict[str, Callable[[], object]] = {}
         self.ended: list[tuple[str, object]] = []
         worker._handle_one = lambda conn: self.runs[conn]()

@@ -1,0 +1,168 @@
+"""Requests an HTTP worker runs on its event loop's own thread, as greenlets (``LOOP_REQUESTS``, ENGINE=process).
+
+A request the loop read whole starts on the loop (``run_on_loop``) and runs until it waits: every wait of the HTTP
+side goes through app/hosting/waiting.py, which the worker points at ``loop_wait``, so the request's socket (its
+engine connection, or its client's while its answer is written) is watched by the loop's poller with a deadline and
+the loop runs on; ``_step`` resumes the request when the socket is ready or its time is up. At most THREADS of them
+run at once (the rest wait their turn, read and not parsed); a request waiting for its client to read its answer
+gives its slot to the next. One that ends is settled (gthread's ``finish_request``: keep-alive, a pipelined next
+request) after the one that started it, never inside it.
+
+``LoopRequests`` is the worker's part that does this (app/hosting/worker.py's ``BufferingWorker`` inherits it): it
+uses the worker's poller, its ``cfg.threads``, ``_handle_one`` and ``finish_request``. Standard library, gunicorn's
+worker (through the class that inherits it) and greenlet only: the gunicorn master imports it.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import select
+import selectors
+import socket
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable
+
+from greenlet import getcurrent, greenlet
+
+
+class LoopRequest(greenlet):
+    """A request the worker runs on its event loop's thread: it waits by handing its socket to the loop. It holds
+    one of THREADS slots until it ends or first waits to write its answer (a client that stops reading then holds
+    its connection, not a slot)."""
+
+    conn: Any  # gthread's TConn
+    outcome: Future
+    holds_slot = True
+
+
+def _resumed_already(_ready: bool) -> None:
+    """A finished wait's resume (its entry may stay in the deadline heap until its deadline)."""
+
+
+@dataclass(eq=False)
+class LoopWait:
+    """A loop request's wait for a socket: ``resume`` once, with True when the socket is ready, False when its time
+    is up (whichever comes first)."""
+    resume: Callable[[bool], None]
+    done: bool = False
+
+    def ready(self, _fileobj: Any = None) -> None:
+        if not self.done:
+            self.done = True
+            self.resume(True)
+
+    def expire(self) -> None:
+        if not self.done:
+            self.done = True
+            self.resume(False)
+
+
+class LoopRequests:
+    """The worker's loop requests: queued, started, resumed from their waits and settled (see the module's
+    docstring). ``init_loop_requests`` before the loop runs."""
+
+    poller: Any  # the worker's (gthread's) selector; and it calls the worker's _handle_one and finish_request
+    cfg: Any
+    loop_greenlet: greenlet | None = None
+
+    def init_loop_requests(self) -> None:
+        self.loop_greenlet = getcurrent()
+        self.waits: list[tuple[float, int, LoopWait]] = []  # the loop requests' waits, a heap by deadline
+        self._wait_order = itertools.count()
+        self.loop_queue: deque[Any] = deque()  # connections whose request waits for room (at most THREADS run)
+        self.loop_running = 0
+        self._ended: deque[LoopRequest] = deque()  # loop requests that ended, to settle
+        self._settling = False
+
+    def run_on_loop(self, conn: Any) -> None:
+        """Run ``conn``'s request on the loop up to its first wait, once fewer than THREADS loop requests run (as
+        many as the request threads would: the engine gets no more connections than before); until then it waits
+        its turn, read and not yet parsed."""
+        self.loop_queue.append(conn)
+        self._run_loop_requests()
+
+    def _run_loop_requests(self) -> None:
+        """Settle the loop requests that ended (gthread's ``finish_request``: the connection kept alive, or the next
+        request pipelined on it started) and start queued ones while there is room, one after another: a request
+        that ends at once never settles inside another's settling (600 pipelined requests nested 600 deep)."""
+        if self._settling:
+            return  # the outer call goes on with whatever this one queued or ended
+        self._settling = True
+        try:
+            while True:
+                if self._ended:
+                    request = self._ended.popleft()
+                    self._free_slot(request)
+                    self.finish_request(request.conn, request.outcome)
+                elif self.loop_queue and self.loop_running < self.cfg.threads:
+                    self.loop_running += 1
+                    request = LoopRequest(self._run_on_loop, parent=self.loop_greenlet)
+                    request.conn = self.loop_queue.popleft()
+                    self._switch(request)
+                else:
+                    return
+        finally:
+            self._settling = False
+
+    def _free_slot(self, request: LoopRequest) -> None:
+        if request.holds_slot:
+            request.holds_slot = False
+            self.loop_running -= 1
+
+    def _run_on_loop(self) -> None:
+        request: LoopRequest = getcurrent()  # type: ignore[assignment]
+        request.outcome = Future()
+        try:
+            request.outcome.set_result(self._handle_one(request.conn))  # no linger: the loop reads the next one
+        except BaseException as exc:  # noqa: BLE001 - gthread's handle caught what it handles; the rest is told
+            request.outcome.set_exception(exc)
+
+    def _switch(self, request: LoopRequest, *resumed: Any) -> None:
+        """On the loop's greenlet: ``request`` runs on from where it waits until it waits again or ends."""
+        request.switch(*resumed)
+        if request.dead:
+            self._ended.append(request)
+
+    def _step(self, request: LoopRequest, *resumed: Any) -> None:
+        """A wait of ``request`` is over (its socket ready, or its time up): it runs on, then what it ended is
+        settled."""
+        self._switch(request, *resumed)
+        self._run_loop_requests()
+
+    def loop_wait(self, sock: socket.socket, events: int, timeout_s: float, for_client: bool = False) -> bool | None:
+        """``waiting.wait_for`` in a loop request: the socket watched by the loop and a deadline, then the loop's
+        greenlet runs on; True once the socket is ready, False when the time is up. A wait ``for_client`` (to write
+        its answer) gives the request's slot to the next. None (the caller polls) on any other greenlet or
+        thread."""
+        request = getcurrent()
+        if not isinstance(request, LoopRequest) or self.loop_greenlet is None:
+            return None
+        mask = ((selectors.EVENT_READ if events & select.POLLIN else 0)
+                | (selectors.EVENT_WRITE if events & select.POLLOUT else 0))
+        if for_client:  # its answer waits for the client to read: the slot goes to the next request
+            self._free_slot(request)
+        wait = LoopWait(partial(self._step, request))
+        self.poller.register(sock, mask, wait.ready)
+        heapq.heappush(self.waits, (time.monotonic() + timeout_s, next(self._wait_order), wait))
+        try:
+            return self.loop_greenlet.switch()
+        finally:
+            wait.done, wait.resume = True, _resumed_already  # the heap keeps no ended request alive
+            self.poller.unregister(sock)
+
+    def wait_for_and_dispatch_events(self, timeout: float) -> None:
+        """gthread's turn, waking no later than the first loop request's deadline; then the waits whose time is up
+        resume (False)."""
+        waits = self.waits
+        while waits and waits[0][2].done:
+            heapq.heappop(waits)
+        if waits:
+            timeout = min(timeout, max(0.0, waits[0][0] - time.monotonic()))
+        super().wait_for_and_dispatch_events(timeout)
+        now = time.monotonic()
+        while waits and (waits[0][2].done or waits[0][0] <= now):
+            heapq.heappop(waits)[2].expire()
