@@ -7,8 +7,9 @@ A request is one exchange: the worker parses its body with the signature it keep
 for (fetched once, dropped when the engine's answers say its routing changed or another engine answers), then sends
 the request with its images and reads the answer, on a connection of the worker's that no other exchange holds
 (``EngineConnections``); a connection that fails is closed and the next request makes a new one. Its waits are
-``app/hosting/waiting.py``'s: a request thread polls, a request on the worker's loop hands the wait to the loop. An engine that dies fails the requests in flight with 503 and
-Retry-After (the master restarts it); until it is back, requests get 503 ``not_ready``.
+``app/hosting/waiting.py``'s: a request thread polls, a request on the worker's loop hands the wait to the loop. An
+engine that dies fails the requests in flight with 503 and Retry-After (the master restarts it); until it is back,
+requests get 503 ``not_ready``.
 
 Readiness is the server's, not this worker's alone: ready once the engine is ready, this worker is not draining,
 and every worker of the server reached the engine (each marks ``http-<pid>.ready`` in CONTROL_DIR; the master
@@ -121,7 +122,8 @@ class EngineConnections:
     """The worker's connections to the engine, each greeted on connect and in one exchange at a time: an exchange
     takes an idle one (or makes one) and gives it back once whole; one whose exchange did not finish is closed, so
     no later request reads an earlier one's answer. Request threads and requests on the worker's loop (greenlets
-    of one thread, app/hosting/worker.py) take them alike, so there are as many as exchanges ever ran at once."""
+    of one thread, app/hosting/loop_requests.py) take them alike, so there are as many as exchanges ever ran at
+    once."""
 
     def __init__(self, connect: Callable[[], socket.socket]) -> None:
         self._connect = connect

@@ -12,7 +12,8 @@ segments, sent with one scatter-gather call and never pickled. The engine reads 
 buffer of its own (``FrameReader``), so an image's bytes are copied once on each side and the engine decodes them
 where they were read (a JPEG's bytes are the tensor nvJPEG reads).
 
-Standard library and numpy only (and the engine's torch-free contract): the HTTP side never imports torch.
+Standard library and numpy only (and the engine's torch-free contract, and app/hosting/waiting.py, through which
+every wait here goes: a request on an HTTP worker's loop hands it to the loop): the HTTP side never imports torch.
 """
 from __future__ import annotations
 

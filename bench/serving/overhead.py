@@ -325,7 +325,8 @@ def starters(args: argparse.Namespace, weights: Path, logs: Path) -> dict[str, S
 def forms_for(server: str, every: dict[str, Form], chosen: Sequence[str]) -> list[Form]:
     """visionserve gets every chosen form; the bare app and the naive app the one-image JPEG, LitServe the same
     image in its JSON (what each serves)."""
-    if server in ("inline", "process", "process-2", "process-threads", "process-gevent") or server.startswith("process@"):
+    if server in ("inline", "process", "process-2", "process-threads", "process-gevent") or \
+            server.startswith("process@"):
         return [every[name] for name in chosen]
     return [every["json" if server == "litserve" else "jpeg"]]
 
@@ -336,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                         choices=("bare", "bare-wait", "bare-gevent", "bare-gevent-wait", "process", "process-2",
                                  "process-threads", "process-gevent", "inline", "naive", "litserve"),
                         help="process-2: the engine process mode with two engines (ENGINES_PER_DEVICE=2); "
+                        "process-threads: process mode with a request thread per request (LOOP_REQUESTS=false); "
                         "bare-wait: the bare app sleeping --bare-wait-ms before it answers; bare-gevent(-wait): the "
                         "same under gunicorn's gevent worker (pip install gevent), not a unit: another worker class; "
                         "process-gevent: process mode's HTTP workers under it, the app as it is (no slow-client 408s)")
