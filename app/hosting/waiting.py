@@ -1,6 +1,6 @@
 """How the HTTP side waits for a socket (the engine's answer, room to send): ``wait_for``.
 
-A request thread polls. A request an HTTP worker runs on its event loop as a greenlet (app/hosting/worker.py,
+A request thread polls. A request an HTTP worker runs on its event loop as a greenlet (app/hosting/loop_requests.py,
 ``LOOP_REQUESTS``) hands the wait to that loop, which goes on with its other requests and resumes this one when the
 socket is ready or the time is up: no thread sleeps and no thread is woken for it. The worker installs its loop's
 ``wait`` with ``wait_on``; anywhere else (a request thread, the engine-wait thread, the engine, a test) that ``wait``

@@ -503,10 +503,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
 
     def _closed(self, closing: Closing) -> None:
         self.closing.discard(closing)
-        try:
-            self.poller.unregister(closing.sock)
-        except (KeyError, ValueError, OSError):
-            pass
+        self._unwatch(closing.sock)
         closing.sock.close()
 
     def _expired(self, reading: Reading, now: float) -> bool:
@@ -534,8 +531,12 @@ class BufferingWorker(LoopRequests, ThreadWorker):
 
     def _forget(self, reading: Reading) -> None:
         self.reading.discard(reading)
+        self._unwatch(reading.conn.sock)
+
+    def _unwatch(self, sock: socket.socket) -> None:
+        """``sock`` out of the loop's poller, if it was in it (closed meanwhile, or never registered: nothing)."""
         try:
-            self.poller.unregister(reading.conn.sock)
+            self.poller.unregister(sock)
         except (KeyError, ValueError, OSError):
             pass
 
