@@ -11,6 +11,7 @@ workers give it when they are the bound).
     .venv/bin/python -m bench.serving.engine_only --clients threads --concurrency 4 --forms "v2 x1"  # with slack
     python3 -m bench.serving.engine_only --device cuda --floor --out FOLDER        # on a GPU host (the drill)
     .venv/bin/python -m bench.serving.engine_only --instructions --checkout ../before --forms "v2 x1" "v2 x16"
+    .venv/bin/python -m bench.serving.engine_only --forms "v2 x1" "v2 x4" "v2 x16" --images-in-flight 16  # by size
 
 The engine batches as it does on a GPU host, the host the budget is written for (``--max-batch-size``: by default
 MAX_BATCH_SIZE's automatic value there, 32, where a CPU's is 8: a 16-image request is one forward pass, not two).
@@ -51,7 +52,8 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
-FORMS = {"jpeg": ("jpeg", 1), "v2 x1": ("v2", 1), "v2 x16": ("v2", 16)}
+FORMS = {"jpeg": ("jpeg", 1), "v2 x1": ("v2", 1), "v2 x2": ("v2", 2), "v2 x4": ("v2", 4), "v2 x8": ("v2", 8),
+         "v2 x16": ("v2", 16)}
 FLOOR = Path("/floor")  # the floor's key among the checkouts measured
 FLOOR_PIPELINED = Path("/floor-one-connection")  # the floor, every request on one connection
 STAGE_CPU_METRIC = "visionserve_stage_cpu_seconds"  # app/metrics.py's STAGE_CPU_SECONDS, which the floor writes too
@@ -485,6 +487,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkout", type=Path, action="append", default=[], help="another checkout beside")
     parser.add_argument("--forms", nargs="+", default=list(FORMS), choices=list(FORMS))
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--images-in-flight", type=int,
+                        help="instead of --concurrency: each form's C is this many images over its images per request "
+                        "(at least 1), so every form keeps as many images in flight: what k one-image requests would "
+                        "cost the engine if they reached it as one k-image request")
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--rounds", type=int, default=1, help="engine starts per checkout and form (medians)")
     parser.add_argument("--floor", action="store_true",
@@ -537,27 +543,31 @@ def main(argv: list[str] | None = None) -> int:
             (args.out / f"{time.strftime('%Y-%m-%d')}-engine-only-instructions.md").write_text(report)
         return 0
     found: dict[tuple[str, Path], list[dict[str, Any]]] = {}
+    clients_of = {form: (max(1, args.images_in_flight // FORMS[form][1]) if args.images_in_flight else
+                         args.concurrency) for form in args.forms}
     for _ in range(args.rounds):
         for form in args.forms:
+            concurrency = clients_of[form]
             for checkout in checkouts:
                 found.setdefault((form, checkout), []).append(
-                    measure(checkout, weights, form, args.concurrency, args.seconds, device=args.device,
+                    measure(checkout, weights, form, concurrency, args.seconds, device=args.device,
                             clients=args.clients, max_batch_size=args.max_batch_size))
             if args.floor and FORMS[form][0] == "v2":
                 found.setdefault((form, FLOOR), []).append(
-                    measure(ROOT, weights, form, args.concurrency, args.seconds, floor=True, device=args.device,
+                    measure(ROOT, weights, form, concurrency, args.seconds, floor=True, device=args.device,
                             clients=args.clients, max_batch_size=args.max_batch_size))
                 found.setdefault((form, FLOOR_PIPELINED), []).append(
-                    measure(ROOT, weights, form, args.concurrency, args.seconds, floor=True, clients="pipelined",
+                    measure(ROOT, weights, form, concurrency, args.seconds, floor=True, clients="pipelined",
                             device=args.device, max_batch_size=args.max_batch_size))
-    lines = [f"The engine without HTTP on {args.device} ({os.cpu_count()} cores): C={args.concurrency} "
+    in_flight = (f"{args.images_in_flight} images in flight" if args.images_in_flight else f"C={args.concurrency}")
+    lines = [f"The engine without HTTP on {args.device} ({os.cpu_count()} cores): {in_flight} "
              f"({'a client thread each' if args.clients == 'threads' else 'one client loop'}), {args.seconds:g} s per "
              f"point, median of {args.rounds}, MAX_BATCH_SIZE {args.max_batch_size or 'auto'}", "",
-             "| checkout | form | req/s | mean batch | engine us / request | engine us / image | of which decode | "
+             "| checkout | form | C | req/s | mean batch | engine us / request | engine us / image | of which decode | "
              "of which forward | beyond decode and forward, us / image | errors |",
-             "|" + " --- |" * 10]
+             "|" + " --- |" * 11]
     for (form, checkout), points in found.items():
-        figures = [median_of(points, "requests_per_s"), median_of(points, "mean_batch", 1),
+        figures = [str(clients_of[form]), median_of(points, "requests_per_s"), median_of(points, "mean_batch", 1),
                    *(median_of(points, key) for key in ("engine_us_per_request", "engine_us_per_image",
                                                         "decode_us_per_image", "forward_us_per_image",
                                                         "beyond_us_per_image"))]

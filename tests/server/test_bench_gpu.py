@@ -15,10 +15,12 @@ from bench import drill
 from bench.serving import device_collate
 
 
-def tar_text(out: Path, ending: str) -> str:
-    """The text of the one file in the drill's figures whose name ends with ``ending``."""
+def tar_text(out: Path, ending: str, outside: str | None = None) -> str:
+    """The text of the one file in the drill's figures whose name ends with ``ending`` (and is not in a folder named
+    ``outside``)."""
     with tarfile.open(out / "figures.tar.gz") as tar:
-        return tar.extractfile(next(m for m in tar.getmembers() if m.name.endswith(ending))).read().decode()
+        return tar.extractfile(next(m for m in tar.getmembers() if m.name.endswith(ending)
+                                    and not (outside and outside in m.name))).read().decode()
 
 
 @pytest.mark.slow
@@ -32,11 +34,16 @@ def test_the_gpu_drill_runs_every_step_on_the_cpu_and_returns_what_it_wrote(tmp_
         names = {Path(name).name for name in tar.getnames()}
         report = tar.extractfile(next(m for m in tar.getmembers() if m.name.endswith("-gpu-cpu.md"))).read().decode()
     assert "predict.jsonl" in names and any(name.endswith("-train-cpu.md") for name in names)
-    engine = tar_text(out, "-engine-only-cpu.md")  # the engine alone, one tensor per request: its CPU, no decode,
-    # its forward passes' and what is beyond them, every request answered
-    # (req/s, its mean batch, CPU per request and per image, decode, forward, beyond, errors)
+    engine = tar_text(out, "-engine-only-cpu.md", outside="by-size/")
+    # the engine alone, one tensor per request: its CPU, no decode, its forward passes' and what is beyond them,
+    # every request answered (C, req/s, its mean batch, CPU per request and per image, decode, forward, beyond, errors)
     assert "The engine without HTTP on cpu" in engine and re.search(
-        r"^\| this \| v2 x1 \| \d+ \| \d+\.\d \| \d+ \| \d+ \| 0 \| \d+ \| -?\d+ \| 0 \|$", engine, re.M)
+        r"^\| this \| v2 x1 \| 2 \| \d+ \| \d+\.\d \| \d+ \| \d+ \| 0 \| \d+ \| -?\d+ \| 0 \|$", engine, re.M)
+    # then by images per request, as many images in flight: one tensor on two connections, two on one
+    by_size = tar_text(out, "by-size/" + next(Path(n).name for n in names if n.endswith("-engine-only-cpu.md")))
+    assert "2 images in flight" in by_size and [
+        re.match(r"^\| this \| (v2 x\d+) \| (\d+) \|.* \| 0 \|$", line).groups()
+        for line in by_size.splitlines() if line.startswith("| this |")] == [("v2 x1", "2"), ("v2 x2", "1")], by_size
     # the smoke's one served variant (DECODE_PATH=tensor): its served points alone, every one answered
     table = tar_text(out, "served-tensor/" + next(Path(n).name for n in names if n.endswith("-gpu-cpu.md")))
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in table.splitlines()
