@@ -11,6 +11,7 @@ workers give it when they are the bound).
     .venv/bin/python -m bench.serving.engine_only --clients threads --concurrency 4 --forms "v2 x1"  # with slack
     python3 -m bench.serving.engine_only --device cuda --floor --out FOLDER        # on a GPU host (the drill)
     .venv/bin/python -m bench.serving.engine_only --instructions --checkout ../before --forms "v2 x1" "v2 x16"
+    .venv/bin/python -m bench.serving.engine_only --instructions --forms "v2 x1" --burst 16 --requests 192  # turns of 16
     .venv/bin/python -m bench.serving.engine_only --forms "v2 x1" "v2 x4" "v2 x16" --images-in-flight 16  # by size
 
 The engine batches as it does on a GPU host, the host the budget is written for (``--max-batch-size``: by default
@@ -26,8 +27,9 @@ thread, monitor, metrics but its forward passes' CPU); and again with every requ
 together, a turn's answers sent in one call: a multiplexed link's system calls).
 
 ``--instructions`` (valgrind installed: ``apt-get install valgrind``) runs each checkout's engine under callgrind and
-sends it requests one at a time: its instructions per request, the same from run to run within a fraction of a
-percent, where its CPU time moves 10-20% between runs on a VM. A change to the engine's steps shows there in one run;
+sends it requests one at a time (``--burst K``: K at a time, each on a connection of its own, so a turn of the
+engine's loop holds K): its instructions per request, the same from run to run within a fraction of a percent, where
+its CPU time moves 10-20% between runs on a VM. A change to the engine's steps shows there in one run;
 what it does to the wake-ups and the caches of a loaded engine (not counted) the CPU runs still tell.
 
 Each engine's decode and forward CPU is read as its metrics count it (the thread that runs each, ``time.thread_time``:
@@ -399,10 +401,11 @@ def measure(checkout: Path, weights: Path, form: str, concurrency: int, seconds:
 
 
 def instructions(checkout: Path, weights: Path, form: str, requests: int,
-                 max_batch_size: int = GPU_BATCH_CEILING) -> dict[str, Any]:
-    """The engine of ``checkout`` under callgrind (valgrind installed), sent ``requests`` of ``form`` one at a time
-    by that checkout's client (``count``): its instructions per request and per image, the same from run to run
-    where its CPU time moves 10-20% on a VM. A request that comes alone: its batches, its settle, no wake-up's cost
+                 max_batch_size: int = GPU_BATCH_CEILING, burst: int = 1) -> dict[str, Any]:
+    """The engine of ``checkout`` under callgrind (valgrind installed), sent ``requests`` of ``form`` ``burst`` at a
+    time (each on a connection of its own, the next ones once all are answered) by that checkout's client
+    (``count``): its instructions per request and per image, the same from run to run where its CPU time moves
+    10-20% on a VM. Requests that come alone (or ``burst`` together): their batches, their settle, no wake-up's cost
     (the kernel's and the caches' work is not counted)."""
     with tempfile.TemporaryDirectory(prefix="visionserve-callgrind-") as folder:
         out = Path(folder) / "callgrind.out"
@@ -411,10 +414,12 @@ def instructions(checkout: Path, weights: Path, form: str, requests: int,
         serve_args = ["--serve", str(checkout), str(weights)]
         with _engine(checkout, serve_args, "cpu", callgrind_command(out), max_batch_size) as (engine, sock, env):
             subprocess.run([sys.executable, "-m", "bench.serving.engine_only", "--count", str(checkout), str(sock),
-                            form, str(requests), str(engine.pid)], cwd=ROOT, env=env, capture_output=True, check=True)
+                            form, str(requests), str(engine.pid), str(burst)], cwd=ROOT, env=env, capture_output=True,
+                           check=True)
         total = callgrind_total(out)
-    return {"form": form, "instructions_per_request": total / requests,
-            "instructions_per_image": total / (requests * FORMS[form][1])}
+    sent = -(-requests // burst) * burst  # whole bursts
+    return {"form": form, "instructions_per_request": total / sent,
+            "instructions_per_image": total / (sent * FORMS[form][1])}
 
 
 @contextlib.contextmanager
@@ -440,9 +445,10 @@ def _engine(checkout: Path, serve_args: list[str], device: str, wrapper: Sequenc
             engine.wait()
 
 
-def count(checkout: Path, sock: Path, form: str, requests: int, engine: int) -> None:
-    """``instructions``' client: requests of ``form`` one at a time on one connection (the checkout's wire), a
-    warm-up first; the engine's count zeroed before the measured ones and dumped after them."""
+def count(checkout: Path, sock: Path, form: str, requests: int, engine: int, burst: int = 1) -> None:
+    """``instructions``' client: requests of ``form`` ``burst`` at a time, each on a connection of its own (the
+    checkout's wire), the next ones once every one is answered; a warm-up first; the engine's count zeroed before the
+    measured ones and dumped after them."""
     from bench.serving.callgrind import callgrind_control  # this checkout's (before the other's is on the path)
 
     _import_from(checkout)
@@ -453,15 +459,18 @@ def count(checkout: Path, sock: Path, form: str, requests: int, engine: int) -> 
     answer_of = wire.receive_answer
     if "grace_s" in inspect.signature(wire.receive_answer).parameters:
         answer_of = functools.partial(wire.receive_answer, grace_s=60.0)
-    conn = wire.connect(sock, 60.0)
-    wire.say_hello(conn)
+    conns = [wire.connect(sock, 60.0) for _ in range(burst)]
+    for conn in conns:
+        wire.say_hello(conn)
 
     def send(total: int) -> None:
-        for index in range(total):
-            wire.send(conn, *made[index % len(made)])
-            answer = answer_of(conn)
-            if answer.error is not None:
-                raise RuntimeError(f"{form}: {answer.error}")
+        for start in range(0, total, burst):
+            for index, conn in enumerate(conns):
+                wire.send(conn, *made[(start + index) % len(made)])
+            for conn in conns:
+                answer = answer_of(conn)
+                if answer.error is not None:
+                    raise RuntimeError(f"{form}: {answer.error}")
 
     send(WARM_UP_REQUESTS)
     callgrind_control(engine, "--instr=on")
@@ -470,9 +479,10 @@ def count(checkout: Path, sock: Path, form: str, requests: int, engine: int) -> 
     callgrind_control(engine, "--dump")
 
 
-def instruction_report(found: dict[tuple[str, Path], dict[str, Any]], requests: int) -> str:
+def instruction_report(found: dict[tuple[str, Path], dict[str, Any]], requests: int, burst: int = 1) -> str:
     """``--instructions``' table: each checkout's count per request and per image, by form."""
-    lines = [f"The engine's instructions (callgrind), {requests} requests a point sent one at a time after "
+    sent = "one at a time" if burst == 1 else f"{burst} at a time"
+    lines = [f"The engine's instructions (callgrind), {requests} requests a point sent {sent} after "
              f"{WARM_UP_REQUESTS} of warm-up", "",
              "| checkout | form | instructions / request | instructions / image |", "| --- | --- | --- | --- |"]
     for (form, checkout), point in found.items():
@@ -507,9 +517,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="count the engine's instructions per request under callgrind (valgrind), requests sent "
                         "one at a time, instead of its CPU under load; one round")
     parser.add_argument("--requests", type=int, default=200, help="requests counted with --instructions")
+    parser.add_argument("--burst", type=int, default=1,
+                        help="with --instructions: requests sent at once, each on a connection of its own (a turn's)")
     parser.add_argument("--out", type=Path, help="also write the report (Markdown) here")
     parser.add_argument("--serve", nargs=4, help=argparse.SUPPRESS)
-    parser.add_argument("--count", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument("--count", nargs=6, help=argparse.SUPPRESS)
     parser.add_argument("--serve-floor", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--drive", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -520,8 +532,8 @@ def main(argv: list[str] | None = None) -> int:
         serve_floor(Path(args.serve_floor[0]), Path(args.serve_floor[1]), args.serve_floor[2])
         return 0
     if args.count:
-        checkout, sock, form, requests, engine = args.count
-        count(Path(checkout), Path(sock), form, int(requests), int(engine))
+        checkout, sock, form, requests, engine, burst = args.count
+        count(Path(checkout), Path(sock), form, int(requests), int(engine), int(burst))
         return 0
     if args.drive:
         checkout, sock, form, concurrency, seconds, engine, clients = args.drive
@@ -535,8 +547,8 @@ def main(argv: list[str] | None = None) -> int:
     checkouts = [ROOT, *(c.resolve() for c in args.checkout)]
     if args.instructions:
         report = instruction_report({(form, checkout): instructions(checkout, weights, form, args.requests,
-                                                                    args.max_batch_size)
-                                     for form in args.forms for checkout in checkouts}, args.requests)
+                                                                    args.max_batch_size, args.burst)
+                                     for form in args.forms for checkout in checkouts}, args.requests, args.burst)
         print(report)
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
