@@ -19,12 +19,15 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 def children(pid: int) -> list[int]:
     """``pid``'s live children, sorted: each of its threads' (a child is listed under the thread that started it);
-    none when /proc does not say (the process is gone, or the kernel keeps no such list)."""
-    try:
-        return sorted(int(child) for task in Path(f"/proc/{pid}/task").glob("*/children")
-                      for child in task.read_text().split())
-    except (OSError, ValueError):
-        return []
+    none when /proc does not say (the process is gone, or the kernel keeps no such list). A thread that ends while
+    they are read (a server's thread per connection) takes only its own children's list with it."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            found += [int(child) for child in task.read_text().split()]
+        except (OSError, ValueError):
+            continue
+    return sorted(found)
 
 
 def worker_pids(parent: int | None = None) -> list[int]:

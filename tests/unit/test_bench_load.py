@@ -8,10 +8,12 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Iterator
 
 import pytest
 
+from app.hosting import procstat
 from bench.serving.load import closed_loop, measure
 from bench.usage import engine_pids, process_tree_cpu
 from harness.servers import free_port
@@ -119,6 +121,23 @@ engine = subprocess.Popen([sys.executable, "-c", burn, str(os.getpid()), "app.li
                           start_new_session=True)  # engine's command line only
 ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
 """
+
+
+def test_a_process_s_children_are_listed_while_its_threads_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a server's thread per connection may end between the listing of its threads and the read of its children: that
+    # thread's list goes, not every other one's (the engine below a threading server went missing from its tree)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        listed = Path.glob
+
+        def with_a_thread_gone(self: Path, pattern: str) -> list[Path]:
+            return [self / "999999999" / "children", *listed(self, pattern)]
+
+        monkeypatch.setattr(Path, "glob", with_a_thread_gone)
+        assert child.pid in procstat.children(os.getpid())
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_a_served_point_counts_the_cpu_of_an_engine_in_a_session_of_its_own_and_each_request_s_images() -> None:
