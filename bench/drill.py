@@ -10,22 +10,23 @@ folder the steps write their reports into, so a call stopped at any point return
 output goes to ``OUT/drill.log`` as it comes.
 
 Steps, most wanted first: the machine's facts; the served figures (``bench.serving.gpu``: the defaults in process
-mode with one engine and with two (ENGINES_PER_DEVICE=2), and inline, on Lite0, 1 and 16 images per request, C=64
-and 256, and 4x overload at C=1024; each point printed as it comes); the device path's batch made step by step,
-with CUDA's spinning wait and with blocking sync (``bench.serving.device_collate``); the engine's profile under load
+mode with one engine and with two (ENGINES_PER_DEVICE=2), and inline, on Lite0, 1 and 16 images per request, C=64 and
+256, and 4x overload at C=1024; each point printed as it comes); the device path's batch made step by step, with
+CUDA's spinning wait and with blocking sync (``bench.serving.device_collate``); the engine's profile under load
 (``bench.serving.engine_profile``: py-spy on it, the interpreter lock's holder and every thread on a CPU); the
 ``-m gpu`` tests (the device decode path's pixels, EXIF turns included, placement, tensors, CUDA graphs against
 eager, the batch ceiling); the engine alone on the device (``bench.serving.engine_only``: its CPU per request with no
 HTTP worker beside it; its floor there, measured on 11-29, by hand), then at 1, 4 and 16 images per request with as
-many images in flight (what a turn's requests sent together would cost it); the serving overhead (``bench.serving.overhead`` on the device: a one-layer model and
-bodies that decode in microseconds, the HTTP workers' and the engine's CPU per request beside the bare Flask app, the
-budget's unit, measured on this host); the device path's batch made the model's input, image by image and rounded
-together (``bench.serving.batch_preprocess``); one forward pass's cost to the engine's thread at each batch size,
-eager and replayed as a CUDA graph (``bench.serving.forward_launch``); the served step's process-mode points again
-with the tensor decode path (DECODE_PATH=tensor), and with eager forward passes (CUDA_GRAPHS=false: the graphs'
-A/B); ``models.predict`` on CUDA over a photo folder; last, the training feed (JPEG folder on the CPU and on the GPU
-against synthetic batches). The order follows what the last drills left to learn (docs/testing.md): the served
-figures and the engine's own time first, then what earlier drills measured already.
+many images in flight (what a turn's requests sent together would cost it); the serving overhead
+(``bench.serving.overhead`` on the device: a one-layer model and bodies that decode in microseconds, the HTTP
+workers' and the engine's CPU per request beside the bare Flask app, the budget's unit, measured on this host); the
+device path's batch made the model's input, image by image and rounded together (``bench.serving.batch_preprocess``);
+one forward pass's cost to the engine's thread at each batch size, eager and replayed as a CUDA graph
+(``bench.serving.forward_launch``); the served step's process-mode points again with the tensor decode path
+(DECODE_PATH=tensor), and with eager forward passes (CUDA_GRAPHS=false: the graphs' A/B); ``models.predict`` on CUDA
+over a photo folder; last, the training feed (JPEG folder on the CPU and on the GPU against synthetic batches). The
+order follows what the last drills left to learn (docs/testing.md): the served figures and the engine's own time
+first, then what earlier drills measured already.
 """
 from __future__ import annotations
 

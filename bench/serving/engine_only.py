@@ -11,7 +11,7 @@ workers give it when they are the bound).
     .venv/bin/python -m bench.serving.engine_only --clients threads --concurrency 4 --forms "v2 x1"  # with slack
     python3 -m bench.serving.engine_only --device cuda --floor --out FOLDER        # on a GPU host (the drill)
     .venv/bin/python -m bench.serving.engine_only --instructions --checkout ../before --forms "v2 x1" "v2 x16"
-    .venv/bin/python -m bench.serving.engine_only --instructions --forms "v2 x1" --burst 16 --requests 192  # turns of 16
+    .venv/bin/python -m bench.serving.engine_only --instructions --forms "v2 x1" --burst 16 --requests 192  # by 16
     .venv/bin/python -m bench.serving.engine_only --forms "v2 x1" "v2 x4" "v2 x16" --images-in-flight 16  # by size
 
 The engine batches as it does on a GPU host, the host the budget is written for (``--max-batch-size``: by default
@@ -495,7 +495,7 @@ def instruction_report(found: dict[tuple[str, Path], dict[str, Any]], requests: 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkout", type=Path, action="append", default=[], help="another checkout beside")
-    parser.add_argument("--forms", nargs="+", default=list(FORMS), choices=list(FORMS))
+    parser.add_argument("--forms", nargs="+", default=["jpeg", "v2 x1", "v2 x16"], choices=list(FORMS))
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--images-in-flight", type=int,
                         help="instead of --concurrency: each form's C is this many images over its images per request "
