@@ -400,6 +400,11 @@ def measure(checkout: Path, weights: Path, form: str, concurrency: int, seconds:
         return json.loads(client.stdout.strip().splitlines()[-1])
 
 
+def whole_bursts(requests: int, burst: int) -> int:
+    """How many requests ``count`` sends for ``requests`` at ``burst`` a time: its bursts are whole."""
+    return -(-requests // burst) * burst
+
+
 def instructions(checkout: Path, weights: Path, form: str, requests: int,
                  max_batch_size: int = GPU_BATCH_CEILING, burst: int = 1) -> dict[str, Any]:
     """The engine of ``checkout`` under callgrind (valgrind installed), sent ``requests`` of ``form`` ``burst`` at a
@@ -417,7 +422,7 @@ def instructions(checkout: Path, weights: Path, form: str, requests: int,
                             form, str(requests), str(engine.pid), str(burst)], cwd=ROOT, env=env, capture_output=True,
                            check=True)
         total = callgrind_total(out)
-    sent = -(-requests // burst) * burst  # whole bursts
+    sent = whole_bursts(requests, burst)
     return {"form": form, "instructions_per_request": total / sent,
             "instructions_per_image": total / (sent * FORMS[form][1])}
 
@@ -482,8 +487,8 @@ def count(checkout: Path, sock: Path, form: str, requests: int, engine: int, bur
 def instruction_report(found: dict[tuple[str, Path], dict[str, Any]], requests: int, burst: int = 1) -> str:
     """``--instructions``' table: each checkout's count per request and per image, by form."""
     sent = "one at a time" if burst == 1 else f"{burst} at a time"
-    lines = [f"The engine's instructions (callgrind), {requests} requests a point sent {sent} after "
-             f"{WARM_UP_REQUESTS} of warm-up", "",
+    lines = [f"The engine's instructions (callgrind), {whole_bursts(requests, burst)} requests a point sent {sent} "
+             f"after {WARM_UP_REQUESTS} of warm-up", "",
              "| checkout | form | instructions / request | instructions / image |", "| --- | --- | --- | --- |"]
     for (form, checkout), point in found.items():
         name = "this" if checkout == ROOT else checkout
