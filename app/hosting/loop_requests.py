@@ -8,12 +8,18 @@ run at once (the rest wait their turn, read and not parsed); a request waiting f
 gives its slot to the next. One that ends is settled (gthread's ``finish_request``: keep-alive, a pipelined next
 request) after the one that started it, never inside it.
 
+Beyond a socket's wait, a loop request may wait for a ``LoopEvent`` that code on the loop sets (an answer read for
+it on a connection the loop's requests share), have a socket watched while it stays open (``watch``: that shared
+connection's answers), and leave work to run before the loop's next wait (``before_wait``: what the requests of
+this turn gave it, sent together once all of them ran).
+
 ``LoopRequests`` is the worker's part that does this (app/hosting/worker.py's ``BufferingWorker`` inherits it): it
 uses the worker's poller, its ``cfg.threads``, ``_handle_one`` and ``finish_request``. Standard library, gunicorn's
 worker (through the class that inherits it) and greenlet only: the gunicorn master imports it.
 """
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import select
@@ -61,6 +67,41 @@ class LoopWait:
             self.resume(False)
 
 
+class LoopEvent:
+    """What a loop request waits for (``wait``) until code on the loop's thread sets it (``set``): set from the loop's
+    greenlet, the request runs on at once; from another loop request's greenlet, once that one waits (a request
+    switched to from another would never return to it). Set before the wait, the wait returns at once."""
+
+    def __init__(self, loop: "LoopRequests", request: "LoopRequest") -> None:
+        self._loop, self._request = loop, request
+        self.is_set = False
+        self._wait: LoopWait | None = None
+
+    def set(self) -> None:
+        if self.is_set:
+            return
+        self.is_set = True
+        wait = self._wait
+        if wait is not None:
+            if getcurrent() is self._loop.loop_greenlet:
+                wait.ready()
+            else:
+                self._loop.before_wait(wait.ready)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether it was set within ``timeout_s``; the loop serves its other requests meanwhile."""
+        if self.is_set:
+            return True
+        loop = self._loop
+        wait = self._wait = LoopWait(partial(loop._step, self._request))
+        heapq.heappush(loop.waits, (time.monotonic() + timeout_s, next(loop._wait_order), wait))
+        try:
+            return loop.loop_greenlet.switch()  # type: ignore[union-attr]
+        finally:
+            wait.done, wait.resume = True, _resumed_already
+            self._wait = None
+
+
 class LoopRequests:
     """The worker's loop requests: queued, started, resumed from their waits and settled (see the module's
     docstring). ``init_loop_requests`` before the loop runs."""
@@ -77,6 +118,7 @@ class LoopRequests:
         self.loop_running = 0
         self._ended: deque[LoopRequest] = deque()  # loop requests that ended, to settle
         self._settling = False
+        self._before_wait: list[Callable[[], Any]] = []  # to run before the loop's next wait
 
     def run_on_loop(self, conn: Any) -> None:
         """Run ``conn``'s request on the loop up to its first wait, once fewer than THREADS loop requests run (as
@@ -154,9 +196,35 @@ class LoopRequests:
             wait.done, wait.resume = True, _resumed_already  # the heap keeps no ended request alive
             self.poller.unregister(sock)
 
+    def in_loop_request(self) -> bool:
+        """Whether the caller is one of this loop's requests."""
+        return isinstance(getcurrent(), LoopRequest) and self.loop_greenlet is not None
+
+    def event(self) -> LoopEvent:
+        """An event the calling loop request can wait for."""
+        request = getcurrent()
+        assert isinstance(request, LoopRequest), "an event is a loop request's"
+        return LoopEvent(self, request)
+
+    def watch(self, sock: socket.socket, on_readable: Callable[[], None]) -> None:
+        """``on_readable`` called on the loop's greenlet whenever ``sock`` is readable, until ``unwatch``."""
+        self.poller.register(sock, selectors.EVENT_READ, lambda _fileobj: on_readable())
+
+    def unwatch(self, sock: socket.socket) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self.poller.unregister(sock)
+
+    def before_wait(self, work: Callable[[], Any]) -> None:
+        """``work`` run on the loop's greenlet before it next waits for events (after what is ready now ran)."""
+        self._before_wait.append(work)
+
     def wait_for_and_dispatch_events(self, timeout: float) -> None:
         """gthread's turn, waking no later than the first loop request's deadline; then the waits whose time is up
-        resume (False)."""
+        resume (False). First, what was left to run before the wait (it may leave more)."""
+        while self._before_wait:
+            work, self._before_wait = self._before_wait, []
+            for step in work:
+                step()
         waits = self.waits
         while waits and waits[0][2].done:
             heapq.heappop(waits)

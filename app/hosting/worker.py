@@ -258,7 +258,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         request on it handed to it; then gthread's start (which runs the loop)."""
         self.loop_greenlet = getcurrent()
         if self.loop_requests:
-            waiting.wait_on(self.loop_wait)
+            waiting.wait_on(self)
         super().init_process()
 
     def enqueue_req(self, conn: TConn) -> None:

@@ -7,7 +7,8 @@ A request is one exchange: the worker parses its body with the signature it keep
 for (fetched once, dropped when the engine's answers say its routing changed or another engine answers), then sends
 the request with its images and reads the answer, on a connection of the worker's that no other exchange holds
 (``EngineConnections``); a connection that fails is closed and the next request makes a new one. Its waits are
-``app/hosting/waiting.py``'s: a request thread polls, a request on the worker's loop hands the wait to the loop. An
+``app/hosting/waiting.py``'s: a request thread polls, a request on the worker's loop hands the wait to the loop. The
+requests on the worker's loop share one connection instead, several to a message (app/link/loop_link.py). An
 engine that dies fails the requests in flight with 503 and Retry-After (the master restarts it); until it is back,
 requests get 503 ``not_ready``.
 
@@ -44,8 +45,9 @@ from app.engine.contract import (
     not_ready,
 )
 from app.errors import ClientGone, DeadlineExceeded, LoadFailed, NotReady, ServiceError
-from app.hosting import control
+from app.hosting import control, waiting
 from app.link import wire
+from app.link.loop_link import LoopLink
 from app.metrics import BATCHER_ALIVE, READY
 
 log = logging.getLogger(__name__)
@@ -130,7 +132,8 @@ class EngineConnections:
         self._idle: list[socket.socket] = []  # (a list's pop and append are atomic: no lock)
         self._mismatch_logged = False
 
-    def _new(self) -> socket.socket:
+    def new(self) -> socket.socket:
+        """A new connection, greeted and non-blocking (the caller's own: not one of the idle ones)."""
         conn = self._connect()
         conn.setblocking(False)  # every wait is wire's (a request on the worker's loop hands it to the loop)
         try:
@@ -147,7 +150,7 @@ class EngineConnections:
         try:
             conn = self._idle.pop()
         except IndexError:
-            return _sent_on(self._new(), message, segments)
+            return _sent_on(self.new(), message, segments)
         try:
             wire.send(conn, message, segments)
             return conn
@@ -157,7 +160,7 @@ class EngineConnections:
         except BaseException:
             _close(conn)
             raise
-        return _sent_on(self._new(), message, segments)
+        return _sent_on(self.new(), message, segments)
 
     def _greet(self, conn: socket.socket) -> None:
         try:
@@ -181,18 +184,25 @@ class EngineConnections:
         that leaves the exchange unfinished closes it."""
         conn = None
         try:
-            conn = self._sent(message, segments)
-            yield conn
-        except wire.WireMismatch as exc:
-            _close(conn)
-            raise not_ready(f"the engine runs other code than this worker: {exc}") from None
-        except (wire.EngineGone, OSError):
-            _close(conn)
-            raise not_ready(away) from None
+            with engine_away(away):
+                conn = self._sent(message, segments)
+                yield conn
         except BaseException:
             _close(conn)
             raise
         self._idle.append(conn)
+
+
+@contextlib.contextmanager
+def engine_away(away: str) -> Iterator[None]:
+    """The engine away, silent or closing the connection as NotReady (503 with Retry-After) saying ``away``, or that
+    it runs other code than this worker."""
+    try:
+        yield
+    except wire.WireMismatch as exc:
+        raise not_ready(f"the engine runs other code than this worker: {exc}") from None
+    except (wire.EngineGone, OSError):
+        raise not_ready(away) from None
 
 
 def _sent_on(conn: socket.socket, message: Any, segments: Sequence[bytes | memoryview]) -> socket.socket:
@@ -224,6 +234,7 @@ class RemoteService(Lifecycle):
         self._state: tuple[float, wire.EngineState | None] = (0.0, None)
         self._signatures: dict[tuple[str | None, str | None], Signature] = {}
         self._signatures_of: tuple[int, int] = (0, 0)  # (engine pid, routing generation) they were read at
+        self.loop_link: LoopLink | None = None  # the requests on this worker's loop: one connection, made when first used
 
     @classmethod
     def start(cls, settings: Settings, slot: int, on_error: Callable[[BaseException], None]) -> "RemoteService":
@@ -273,9 +284,17 @@ class RemoteService(Lifecycle):
     def infer(self, message: wire.Infer, segments: Sequence[bytes | memoryview], limit_s: float,
               client_gone: Callable[[], bool] | None) -> Served:
         """Send one request with its images or tensors; wait for the answer (``limit_s`` at most) or the client to
-        leave."""
-        with self.connections.exchange("the engine stopped while answering this request; it is restarting", message,
-                                       segments) as conn:
+        leave. A request on the worker's loop goes with the loop's others (``LoopLink``), any other on a connection
+        it holds alone."""
+        away = "the engine stopped while answering this request; it is restarting"
+        loop = waiting.on_loop()
+        if loop is not None:
+            if self.loop_link is None:
+                self.loop_link = LoopLink(self.connections.new)
+            with engine_away(away):
+                answer = self.loop_link.ask(loop, message, segments, limit_s, client_gone)
+            return self._value(answer)
+        with self.connections.exchange(away, message, segments) as conn:
             _wait_for_answer(conn, limit_s, client_gone)
             answer = wire.receive_answer(conn, ANSWER_GRACE_S)  # it is arriving: never a wait without end
         return self._value(answer)

@@ -1,7 +1,10 @@
 """The engine's event loop: ``EngineServer`` serves one engine's ``Service`` to the HTTP workers' connections
 from one thread (one selector, and one for its wake-ups alone while it waits for more requests; no thread per
 connection or per request). A connection opens with the hello (a worker running other code is refused and
-logged), then carries one exchange at a time:
+logged), then carries one exchange at a time, or, once it sent ``Infers`` (the connection an HTTP worker's loop
+requests share: app/link/loop_link.py), many: requests several to a message, each under its id, a ``Cancel`` for
+those whose client left (and its closing for all of them), and their answers sent together, one ``Answers`` a loop
+turn:
 - ``Infer``: read with the others of its loop turn (the loop waits up to ``MAX_WAIT_MS`` for more while they
   come faster than that and waiting brings more: app/link/gathering.py), the request admitted (``Service.admit``:
   readiness, routing, its outcome counted), its images queued (``Call.queue``; decoded on a few threads when the
@@ -74,7 +77,8 @@ CATALOG_CHANGE_THREADS = 2  # catalog changes at once (a load waits for every en
 
 class _Connection:
     """One HTTP worker connection (non-blocking): its frames as they come (the first one its hello), and
-    the request it waits on (at most one). While a catalog call runs for it on a thread, the loop does not watch it
+    the request it waits on (at most one), or, once it sent ``Infers``, its requests by id (``exchanges``) and the
+    answers of this loop turn still to send. While a catalog call runs for it on a thread, the loop does not watch it
     (unregistered)."""
 
     def __init__(self, sock: socket.socket) -> None:
@@ -82,6 +86,16 @@ class _Connection:
         self.reader = wire.FrameReader(sock, wire.REQUESTS, greet=True)
         self.exchange: _Exchange | None = None
         self.read_pending = False  # a request of it is in this loop turn, not yet admitted
+        self.exchanges: dict[int, _Exchange] | None = None  # shared: its requests in flight, by id
+        self.unadmitted: set[int] = set()  # shared: ids read in this loop turn, not yet admitted
+        self.cancelled: set[int] = set()  # shared: ids of those cancelled before their admission
+        self.answers: list[tuple[int, wire.Answer]] = []  # shared: this turn's answers, to send together
+        self.most = 0  # shared: the most requests it had under way at once (read or in flight)
+
+    def can_come(self) -> int:
+        """How many more requests a shared connection may send before an answer: as many as it had under way at
+        most, less those under way now (its HTTP worker's requests come back once answered)."""
+        return self.most - len(self.exchanges or ()) - len(self.unadmitted)
 
 
 def _inputs(message: wire.Infer, segments: list[bytearray]) -> tuple[list[bytearray], list[np.ndarray]]:
@@ -100,14 +114,16 @@ def _inputs(message: wire.Infer, segments: list[bytearray]) -> tuple[list[bytear
 
 
 class _Exchange:
-    """One ``Infer`` in flight: its admission held from its arrival to its answer (``Admission.leave``)."""
+    """One ``Infer`` in flight: its admission held from its arrival to its answer (``Admission.leave``); ``ident``
+    its id on a shared connection (None on a connection of its own)."""
 
     def __init__(self, conn: _Connection, admission: Admission, message: wire.Infer, images: list[bytearray],
-                 tensors: list[np.ndarray]) -> None:
+                 tensors: list[np.ndarray], ident: int | None) -> None:
         self.conn, self.admission, self.call, self.message = conn, admission, admission.call, message
-        self.images, self.tensors = images, tensors
+        self.images, self.tensors, self.ident = images, tensors, ident
         self.queued: Queued | None = None
         self.ended = False
+        self.cancelled = False  # nobody waits for its answer (a Cancel, or its shared connection closed)
         self.decode_cpu_s = 0.0  # its images' decode, once queued
 
 
@@ -146,9 +162,11 @@ class EngineServer:
         self._handlers: dict[type, Callable[[_Connection, Any, list[bytearray]], None]] = {
             wire.Unanswered: self._unanswered, wire.CatalogCall: self._catalog, wire.StateQuery: self._state,
             wire.Explain: self._explain}
-        self._turn: list[tuple[_Connection, wire.Infer, list[bytearray]]] = []  # requests read in this loop turn
+        self._turn: list[tuple[_Connection, wire.Infer, list[bytearray], int | None]] = []  # read in this loop turn
         self._open = 0  # connections adopted and not closed
-        self._exchanges = 0  # requests admitted and not yet ended (a connection's one at a time)
+        self._shared: list[_Connection] = []  # of them, those that sent Infers (several requests at a time)
+        self._exchanges = 0  # requests admitted and not yet ended on connections of one at a time
+        self._answering: list[_Connection] = []  # shared connections with answers of this turn to send
         self._calls_off_loop = 0  # catalog calls and explanations made on threads, not yet answered
         self._deferred: dict[int, Batcher] = {}  # the batchers this turn queued on, not yet run or woken (by id)
 
@@ -198,6 +216,7 @@ class EngineServer:
                 self._gather()
             self._run_turn()
             self._expire()
+            self._send_answers()
             self._counts.flush()
 
     def _gather(self) -> None:
@@ -206,7 +225,11 @@ class EngineServer:
         catalog calls and deadlines are seen when it ends (it never ends early; epoll's clock may add up to a
         millisecond)."""
         read = len(self._turn)
-        wait_s = self.gathering.wait_s(read, self._open - self._exchanges - self._calls_off_loop - read)
+        # what can still come: a request from each connection of one exchange at a time that has none under way, and
+        # from each shared one as many as it had under way at most, less those under way now
+        singles_read = sum(1 for entry in self._turn if entry[3] is None)
+        can_come = self._open - len(self._shared) - self._exchanges - self._calls_off_loop - singles_read
+        wait_s = self.gathering.wait_s(read, can_come + sum(conn.can_come() for conn in self._shared))
         if wait_s:
             until = time.monotonic() + wait_s
             while (left := until - time.monotonic()) > 0:
@@ -238,6 +261,7 @@ class EngineServer:
         self._wake_sent = False
         while self._posted:
             self._posted.popleft()()
+        self._send_answers()
 
     def _accept(self) -> None:
         with contextlib.suppress(BlockingIOError, InterruptedError):
@@ -252,6 +276,7 @@ class EngineServer:
         self._open += 1
 
     def _close(self, conn: _Connection) -> None:
+        """Closed; a shared connection's requests in flight then end as their clients' hang-ups."""
         if conn.closed:
             return
         conn.closed = True
@@ -259,11 +284,17 @@ class EngineServer:
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(conn.sock)
         conn.sock.close()
+        if conn.exchanges is not None:
+            self._shared.remove(conn)
+            for exchange in list(conn.exchanges.values()):
+                exchange.cancelled = True
+                self._hang_up(exchange)
 
     def _readable(self, conn: _Connection) -> None:
         """What came of a frame (the hello, requests), or, while a request of this connection is in flight or read
         and not yet admitted (the loop waited for more), the HTTP side hanging up (it sends nothing else before the
-        answer): a request read but not admitted is then ended as its client's hang-up when the turn runs."""
+        answer): a request read but not admitted is then ended as its client's hang-up when the turn runs. A shared
+        connection sends whenever it has more (requests, cancels): read as it comes."""
         if conn.exchange is not None:
             self._hang_up(conn.exchange)
             return
@@ -284,19 +315,97 @@ class EngineServer:
             self._close(conn)
             return
         for index, (message, segments) in enumerate(frames):
-            if index < len(frames) - 1 and isinstance(message, (wire.Infer, wire.CatalogCall, wire.Explain)):
-                log.warning("closed a connection that sent a frame after a %s before its answer: out of step",
-                            type(message).__name__)
+            if isinstance(message, (wire.Infers, wire.Cancel)):
+                if not self._shared_read(conn, message, segments):
+                    return
+                continue
+            if conn.exchanges is not None or (
+                    index < len(frames) - 1 and isinstance(message, (wire.Infer, wire.CatalogCall, wire.Explain))):
+                log.warning("closed a connection that sent a %s out of step (after another request, before its "
+                            "answer, or on a shared connection)", type(message).__name__)
                 self._close(conn)
                 return
             if isinstance(message, wire.Infer):
                 conn.read_pending = True
-                self._turn.append((conn, message, segments))
+                self._turn.append((conn, message, segments, None))
             else:
                 self._handlers[type(message)](conn, message, segments)
 
+    def _shared_read(self, conn: _Connection, message: wire.Infers | wire.Cancel, segments: list[bytearray]) -> bool:
+        """A shared connection's requests (into this turn) or cancels; False when the connection was closed for
+        it (it carried a request of one exchange at a time before, or requests that do not add up)."""
+        if conn.exchanges is None:
+            if conn.exchange is not None or conn.read_pending:
+                log.warning("closed a connection that sent several requests a message during an exchange")
+                self._close(conn)
+                return False
+            conn.exchanges = {}
+            self._shared.append(conn)
+        if isinstance(message, wire.Cancel):
+            self._cancel(conn, message.ids)
+            return True
+        try:
+            requests = message.split(segments)
+        except wire.EngineGone as exc:
+            log.warning("closed a connection whose requests could not be read: %s", exc)
+            self._close(conn)
+            return False
+        for ident, infer, its_segments in requests:
+            conn.unadmitted.add(ident)
+            self._turn.append((conn, infer, its_segments, ident))
+        conn.most = max(conn.most, len(conn.exchanges) + len(conn.unadmitted))
+        return True
+
+    def _cancel(self, conn: _Connection, ids: tuple[int, ...]) -> None:
+        """Requests of a shared connection whose clients left: ended as hang-ups, unanswered; one not yet admitted
+        is when its turn runs; one already answered is past."""
+        assert conn.exchanges is not None
+        for ident in ids:
+            exchange = conn.exchanges.get(ident)
+            if exchange is not None:
+                exchange.cancelled = True
+                self._hang_up(exchange)
+            elif ident in conn.unadmitted:
+                conn.cancelled.add(ident)
+
     def _answer(self, value: Any = None, error: ServiceError | None = None) -> wire.Answer:
         return wire.Answer(value, error, engine=os.getpid(), routes=self.service.controller.routes.generation)
+
+    def _reply(self, conn: _Connection, ident: int | None, answer: wire.Answer) -> None:
+        """``answer`` sent now on a connection of one exchange at a time, or with this turn's others on a shared one
+        (``_send_answers``)."""
+        if ident is None:
+            self._send(conn, answer)
+            return
+        if conn.closed:
+            return
+        if not conn.answers:
+            self._answering.append(conn)
+        conn.answers.append((ident, answer))
+
+    def _send_answers(self) -> None:
+        """Every shared connection's answers of this turn, in one ``Answers`` each; an answer that does not pickle
+        is sent as the server's error instead; a connection that fails is closed."""
+        answering, self._answering = self._answering, []
+        for conn in answering:
+            answers, conn.answers = conn.answers, []
+            if conn.closed:
+                continue
+            ids, values = tuple([ident for ident, _ in answers]), tuple([answer for _, answer in answers])
+            try:
+                try:
+                    wire.send(conn.sock, wire.Answers(ids, values))
+                except (pickle.PicklingError, TypeError, AttributeError, ValueError):
+                    wire.send(conn.sock, wire.Answers(ids, tuple([self._sendable(answer) for answer in values])))
+            except OSError:
+                self._close(conn)
+
+    def _sendable(self, answer: wire.Answer) -> wire.Answer:
+        try:
+            wire.frame(answer)
+        except (pickle.PicklingError, TypeError, AttributeError, ValueError) as exc:
+            return self._answer(error=InferenceFailed(f"the engine's answer could not be sent: {exc}"))
+        return answer
 
     def _send(self, conn: _Connection, answer: wire.Answer) -> None:
         """Send ``answer``; one that does not pickle is answered as the server's error instead (nothing was sent);
@@ -347,14 +456,18 @@ class EngineServer:
         if deferred:
             self.gathering.batches_on_loop = ran_here
 
-    def _admit(self, conn: _Connection, message: wire.Infer, segments: list[bytearray]) -> _Exchange | None:
+    def _admit(self, conn: _Connection, message: wire.Infer, segments: list[bytearray],
+               ident: int | None) -> _Exchange | None:
         conn.read_pending = False
+        if ident is not None:
+            conn.unadmitted.discard(ident)
         try:
             admission = self.service.enter(message.model, message.version, message.client_key)
         except Exception as exc:  # noqa: BLE001 - every failure is answered, never a dropped connection
-            self._send(conn, self._answer(error=_as_error(exc)))
+            self._reply(conn, ident, self._answer(error=_as_error(exc)))
             return None
-        if conn.closed:  # its client hung up while the loop waited for more requests: counted, nothing run
+        if conn.closed or (ident is not None and ident in conn.cancelled):  # its client hung up while the loop
+            conn.cancelled.discard(ident)  # type: ignore[arg-type]  # waited for more requests: counted, not run
             admission.leave(ClientGone("the client closed the connection before its request was admitted"))
             return None
         try:
@@ -364,10 +477,14 @@ class EngineServer:
             images, tensors = _inputs(message, segments)
         except Exception as exc:  # noqa: BLE001 - answered
             admission.leave(exc)
-            self._send(conn, self._answer(error=_as_error(exc)))
+            self._reply(conn, ident, self._answer(error=_as_error(exc)))
             return None
-        exchange = conn.exchange = _Exchange(conn, admission, message, images, tensors)
-        self._exchanges += 1
+        exchange = _Exchange(conn, admission, message, images, tensors, ident)
+        if conn.exchanges is not None:
+            conn.exchanges[ident] = exchange  # type: ignore[index]
+        else:
+            conn.exchange = exchange
+            self._exchanges += 1
         return exchange
 
     def _queue(self, exchange: _Exchange) -> None:
@@ -438,12 +555,14 @@ class EngineServer:
                 self._end(exchange, exchange.call.expired(exchange.queued))
 
     def _hang_up(self, exchange: _Exchange) -> None:
-        """The HTTP side closed the connection of a request in flight (its client left): the images still queued
-        are dropped, the request ends as ClientGone, the connection is closed."""
+        """The HTTP side closed the connection of a request in flight, or cancelled it on a shared one (its client
+        left): the images still queued are dropped, the request ends as ClientGone, a connection of its own is
+        closed."""
         queued = exchange.queued
         error = exchange.call.hung_up(queued) if queued is not None else ClientGone(
             "the client closed the connection while its images were decoded")
-        self._close(exchange.conn)
+        if exchange.ident is None:
+            self._close(exchange.conn)
         self._end(exchange, error)
 
     def _end(self, exchange: _Exchange, error: BaseException | None) -> None:
@@ -451,9 +570,12 @@ class EngineServer:
         if exchange.ended:
             return
         exchange.ended = True
-        self._exchanges -= 1
         conn = exchange.conn
-        conn.exchange = None
+        if exchange.ident is None:
+            self._exchanges -= 1
+            conn.exchange = None
+        else:
+            conn.exchanges.pop(exchange.ident, None)  # type: ignore[union-attr]
         served = None
         if error is None:
             try:
@@ -462,9 +584,10 @@ class EngineServer:
             except Exception as exc:  # noqa: BLE001 - answered
                 error = exc
         exchange.admission.leave(error)
-        answer = self._answer(served) if error is None else self._answer(error=_as_error(error))
         exchange.queued = None  # its deadline may stay queued a while: not the images with it
-        self._send(conn, answer)
+        if not exchange.cancelled:
+            self._reply(conn, exchange.ident, self._answer(served) if error is None else
+                        self._answer(error=_as_error(error)))
 
     # -- the other exchanges ---------------------------------------------------------------------------------------
 

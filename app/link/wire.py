@@ -2,10 +2,13 @@
 
 A connection opens with a hello (raw ASCII, never pickled: ``visionserve-wire/<PROTOCOL> <FINGERPRINT>``), which the
 engine answers with ``ok`` or why not; it closes a connection whose code differs from its own (after a ``kill -HUP``
-the HTTP workers run new code, the engines the old), and both sides log it. Then each exchange is one frame each way: a request (``Infer`` with the
-images or tensors as raw segments, ``CatalogCall``, ``StateQuery``) and its ``Answer`` (an inference's rows as one raw
-segment); ``Unanswered`` (a request the HTTP side refused before its images were sent, counted by the engine as the
-version's traffic) has no answer.
+the HTTP workers run new code, the engines the old), and both sides log it. Then each exchange is one frame each way: a
+request (``Infer`` with the images or tensors as raw segments, ``CatalogCall``, ``StateQuery``) and its ``Answer`` (an
+inference's rows as one raw segment); ``Unanswered`` (a request the HTTP side refused before its images were sent,
+counted by the engine as the version's traffic) has no answer. A connection an HTTP worker's loop requests share
+(app/link/loop_link.py) carries several requests a message instead: ``Infers`` (each ``Infer``'s fields under its
+id, the segments of all of them), ``Cancel`` (ids whose client left), and the engine's ``Answers`` (several answers
+under their ids, the rows of each a segment), in any order.
 
 A frame is a header (a message, one of ``MESSAGES``, pickled as its kind and its fields' values) and raw byte
 segments, sent with one scatter-gather call and never pickled. The engine reads the header and each segment into a
@@ -36,7 +39,7 @@ from app import errors
 from app.engine import contract
 from app.hosting import waiting
 
-PROTOCOL = 6  # the frame layout, what segments carry, and the hello; each message's own fields are in FINGERPRINT
+PROTOCOL = 7  # the frame layout, what segments carry, and the hello; each message's own fields are in FINGERPRINT
 _HEAD = struct.Struct("!II")  # the header's length, the number of segments
 _LENGTH = struct.Struct("!Q")
 MAX_SEGMENTS = 10_000  # a bound on one frame's segments (MAX_IMAGES is far lower): a corrupt frame fails at once
@@ -144,6 +147,56 @@ class Answer(_Message):
     routes: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Infers(_Message):
+    """Several requests in one message, each an ``Infer``'s fields (``requests``) under its id (``ids``), the frame's
+    segments theirs one request after another, ``counts`` of them each: the requests a loop turn of an HTTP worker
+    gave its shared connection (one message where each had its frame: a request's header, read and reply cost the
+    engine about 18 of its 27 us on this wire alone; docs/performance.md). ``split`` gives them back."""
+
+    ids: tuple[int, ...]
+    requests: tuple[tuple[Any, ...], ...]
+    counts: tuple[int, ...]
+
+    def split(self, segments: list[bytearray]) -> list[tuple[int, Infer, list[bytearray]]]:
+        """Each request: its id, its ``Infer`` and its segments; EngineGone when they do not add up."""
+        if not len(self.ids) == len(self.requests) == len(self.counts) or sum(self.counts) != len(segments):
+            raise EngineGone(f"{len(self.ids)} requests of {sum(self.counts)} segments came with {len(segments)}")
+        split, at = [], 0
+        for ident, fields, count in zip(self.ids, self.requests, self.counts):
+            try:
+                split.append((ident, Infer(*fields), segments[at:at + count]))
+            except TypeError as exc:
+                raise EngineGone(f"a request that is no Infer: {exc}") from None
+            at += count
+        return split
+
+
+def infers(requests: Sequence[tuple[int, Infer, Sequence[bytes | memoryview]]]
+           ) -> tuple[Infers, list[bytes | memoryview]]:
+    """The one message (and its segments) that carries ``requests``, each (id, its Infer, its segments)."""
+    fields = _FIELDS[_KINDS[Infer]]
+    return (Infers(tuple([ident for ident, _, _ in requests]), tuple([fields(message) for _, message, _ in requests]),
+                   tuple([len(segments) for _, _, segments in requests])),
+            [segment for _, _, segments in requests for segment in segments])
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel(_Message):
+    """The requests of these ids (sent in ``Infers``) are not waited for any more: their clients left or their time
+    ran out on the HTTP side. The engine drops what of them is still queued and answers none of them."""
+
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Answers(_Message):
+    """Answers to requests sent in ``Infers``, under their ids, in the order they were made (not the requests')."""
+
+    ids: tuple[int, ...]
+    answers: tuple[Answer, ...]
+
+
 class _ServedHead(NamedTuple):
     """A ``contract.Served`` as it crosses in an ``Answer``: all of it but its rows, which follow as the frame's one
     segment (``dtype`` and ``shape``: one array, a row per input), its batch runs as plain tuples. Pickled, its rows'
@@ -160,7 +213,7 @@ class _ServedHead(NamedTuple):
     embedding_dim: int
 
 
-MESSAGES = (Infer, Unanswered, CatalogCall, StateQuery, EngineState, Answer, Explain)
+MESSAGES = (Infer, Unanswered, CatalogCall, StateQuery, EngineState, Answer, Explain, Infers, Cancel, Answers)
 # A frame's header is the pickled tuple (kind, fields): kind the message's place in MESSAGES, or _SERVED for an Answer
 # whose value is a Served (its fields: the _ServedHead's, error, engine, routes). Pickling the message itself wrote
 # and looked up its class by name both ways: about 4 us more to send and 2 more to read an Infer, 8 and 3 an answer.
@@ -169,8 +222,9 @@ _FIELDS = [operator.attrgetter(*cls.__slots__) if len(cls.__slots__) > 1 else
            (lambda message, names=cls.__slots__: tuple(getattr(message, name) for name in names)) for cls in MESSAGES]
 _SERVED = len(MESSAGES)
 _ANSWER = _KINDS[Answer]
+_ANSWERS = _KINDS[Answers]
 NO_LABELS: list[str] = []  # what an answer's Served holds in place of its version's labels
-REQUESTS = (Infer, Unanswered, CatalogCall, StateQuery, Explain)
+REQUESTS = (Infer, Unanswered, CatalogCall, StateQuery, Explain, Infers, Cancel)
 
 
 def _shape(cls: type) -> str:
@@ -227,14 +281,37 @@ def _encoded(message: Any, segments: Sequence[bytes | memoryview]) -> tuple[byte
         raise TypeError(f"{type(message).__name__} is no message of the wire")
     served = message.value if kind == _ANSWER else None
     if isinstance(served, contract.Served):
-        rows = np.ascontiguousarray(served.rows)
-        head = (served.model, served.version, served.labels, served.decode_s, served.started_ns,
-                tuple([tuple(run) for run in served.batches]), rows.dtype.str, rows.shape, served.embedding_dim)
+        head, rows = _served_head(served)
         fields: tuple[Any, ...] = (head, message.error, message.engine, message.routes)
-        kind, segments = _SERVED, [memoryview(rows).cast("B")]
+        kind, segments = _SERVED, [rows]
+    elif kind == _ANSWERS:
+        fields, segments = _answers_fields(message)
     else:
         fields = _FIELDS[kind](message)
     return pickle.dumps((kind, fields), protocol=pickle.HIGHEST_PROTOCOL), segments
+
+
+def _served_head(served: contract.Served) -> tuple[tuple[Any, ...], memoryview]:
+    """A Served as it crosses: its ``_ServedHead``'s fields and its rows' bytes."""
+    rows = np.ascontiguousarray(served.rows)
+    return ((served.model, served.version, served.labels, served.decode_s, served.started_ns,
+             tuple([tuple(run) for run in served.batches]), rows.dtype.str, rows.shape, served.embedding_dim),
+            memoryview(rows).cast("B"))
+
+
+def _answers_fields(message: Answers) -> tuple[tuple[Any, ...], list[memoryview]]:
+    """An ``Answers``' fields: the ids, each answer as (its Served's head or None, its other value, its error), and
+    the one engine and routing generation they share; each Served's rows a segment."""
+    items, segments = [], []
+    for answer in message.answers:
+        if isinstance(answer.value, contract.Served):
+            head, rows = _served_head(answer.value)
+            items.append((head, None, answer.error))
+            segments.append(rows)
+        else:
+            items.append((None, answer.value, answer.error))
+    first = message.answers[0] if message.answers else Answer()
+    return (message.ids, tuple(items), first.engine, first.routes), segments
 
 
 def send(sock: socket.socket, message: Any, segments: Sequence[bytes | memoryview] = ()) -> None:
@@ -252,18 +329,39 @@ def frame(message: Any) -> bytes:
 
 def _answer_with_served(fields: tuple[Any, ...], segments: Sequence[memoryview]) -> Answer:
     """The Answer a ``_SERVED`` frame's fields and rows make."""
-    (raw, error, engine, routes), head = fields, None
+    raw, error, engine, routes = fields
+    if len(segments) != 1:
+        raise EngineGone(f"an answer's rows in {len(segments)} segments: the stream is out of step")
+    return Answer(_served(raw, segments[0]), error, engine, routes)
+
+
+def _served(raw: tuple[Any, ...], segment: bytes | bytearray | memoryview) -> contract.Served:
+    """The Served a ``_ServedHead``'s fields and its rows' segment make."""
+    head = None
     try:
         head = _ServedHead(*raw)
-        rows = np.frombuffer(segments[0], dtype=np.dtype(head.dtype)).reshape(head.shape)
+        rows = np.frombuffer(segment, dtype=np.dtype(head.dtype)).reshape(head.shape)
         runs = tuple(contract.BatchRun(*run) for run in head.batches)
     except (TypeError, ValueError, IndexError) as exc:
         raise EngineGone(f"an answer's rows do not read as its head says ({head}): {exc}") from None
-    if len(segments) != 1 or len(rows) != sum(run.rows for run in runs):
-        raise EngineGone(f"an answer's rows in {len(segments)} segments of {len(rows)}: the stream is out of step")
-    served = contract.Served(rows, runs, head.model, head.version, head.labels or NO_LABELS, head.decode_s,
-                             head.started_ns, head.embedding_dim)
-    return Answer(served, error, engine, routes)
+    if len(rows) != sum(run.rows for run in runs):
+        raise EngineGone(f"an answer's {len(rows)} rows for batch runs of other rows: the stream is out of step")
+    return contract.Served(rows, runs, head.model, head.version, head.labels or NO_LABELS, head.decode_s,
+                           head.started_ns, head.embedding_dim)
+
+
+def _answers_from(fields: tuple[Any, ...], segments: Sequence[bytes | bytearray | memoryview]) -> Answers:
+    """The ``Answers`` an ``_ANSWERS`` frame's fields and segments make."""
+    ids, items, engine, routes = fields
+    answers, rows = [], iter(segments)
+    try:
+        for head, value, error in items:
+            answers.append(Answer(value if head is None else _served(head, next(rows)), error, engine, routes))
+    except StopIteration:
+        raise EngineGone("answers with fewer row segments than served answers: the stream is out of step") from None
+    if next(rows, None) is not None or len(answers) != len(ids):
+        raise EngineGone("answers whose ids, rows and segments do not add up: the stream is out of step")
+    return Answers(tuple(ids), tuple(answers))
 
 
 def tensor_segments(tensors: Sequence[Any]) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], list[memoryview]]:
@@ -335,6 +433,8 @@ def _loads(head: bytes | bytearray | memoryview, segments: Sequence[bytes | byte
         kind, fields = pickle.loads(head)
         if kind == _SERVED:
             return _answer_with_served(fields, segments)
+        if kind == _ANSWERS:
+            return _answers_from(fields, segments)
         if not 0 <= kind < _SERVED:
             raise ValueError(f"no message of kind {kind!r}")
         return MESSAGES[kind](*fields)

@@ -31,6 +31,7 @@ from app.link.loop import EngineServer
 from app.metrics import BATCHER_EVENTS, VERSION_REQUESTS
 from tests.support.fakes import ColourModel, infer, tiny_manifest, wait_until
 from tests.support.imaging import BLUE, RED, image_bytes
+from tests.support.loop import LoopWorker
 
 
 def _pair() -> tuple[socket.socket, socket.socket]:
@@ -1112,3 +1113,157 @@ def test_a_client_that_hangs_up_while_the_loop_waits_is_counted_gone_and_nothing
     assert isinstance(failures[0], ClientGone)
     wait_until(lambda: link.server._turn == [] and link.engine.in_flight.count() == 0)
     assert len(model.batch_sizes) == batches  # admitted and ended as gone when the wait ended: never run
+
+
+# -- requests on an HTTP worker's loop: one shared connection, several requests a message -------------------------
+
+def _on_loop(link: Link, requests: dict[str, Callable[[], object]], loop: LoopWorker | None = None,
+             until: Callable[[], bool] | None = None) -> dict[str, object]:
+    """``requests`` run as an HTTP worker's loop requests (their waits the loop's, their engine requests on the
+    worker's loop link), the loop turned until all ended (or ``until``); what each returned or raised."""
+    loop = loop or LoopWorker()
+    with loop.waits():
+        for name, run in requests.items():
+            loop.start(name, lambda run=run: _failure(run) or run.__dict__.get("result"))
+        loop.turn_until(until or (lambda: all(name in loop.outcomes for name in requests)))
+    return {name: outcome.result() for name, outcome in loop.outcomes.items()}
+
+
+def _labelled(link: Link, image: bytes, **kwargs: object) -> Callable[[], object]:
+    def run() -> None:
+        run.__dict__["result"] = infer(link.worker, [image], **kwargs).top_k(1)[0][0].label  # type: ignore[arg-type]
+    return run
+
+
+def test_the_requests_of_a_loop_turn_reach_the_engine_as_one_message_and_come_back_each_with_its_own_answer(
+        link: Link) -> None:
+    infer(link.worker, [image_bytes(RED)])  # the signature kept: the loop's requests all send in its first turn
+    link.frames.clear()
+    colours = {f"r{i}": (RED, BLUE)[i % 2] for i in range(6)}
+    loop = LoopWorker()
+    got = _on_loop(link, {name: _labelled(link, image_bytes(colour)) for name, colour in colours.items()}, loop)
+    assert got == {name: ("red" if colour == RED else "blue") for name, colour in colours.items()}
+    assert link.frames.count("Infers") == 1 and "Infer" not in link.frames  # one message for the six
+    [message] = [m for m in link.sent if isinstance(m, wire.Infers)]
+    assert len(message.ids) == 6 and sum(message.counts) == 6
+    assert 1 <= link.frames.count("Answers") <= 6 and link.worker.loop_link.in_flight == 0
+    wait_until(lambda: link.engine.in_flight.count() == 0)
+    # the next turn's requests go on the same connection
+    connections = len(link.connections)
+    assert _on_loop(link, {"again": _labelled(link, image_bytes(BLUE))}, loop)["again"] == "blue"
+    assert len(link.connections) == connections
+
+
+def _batches_off_the_loop(link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's batches on the batcher's thread, as on a GPU: a batch held by the gate leaves its loop free."""
+    monkeypatch.setattr(link.server, "_loop_batch_s", 0.0)
+
+
+def test_a_loop_request_whose_client_leaves_is_cancelled_in_the_engine_and_the_others_are_answered(
+        link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    _batches_off_the_loop(link, monkeypatch)
+    infer(link.worker, [image_bytes(RED)])
+    model.gate, batches, gone = threading.Event(), len(model.batch_sizes), threading.Event()
+    loop = LoopWorker()
+    requests = {"stays": _labelled(link, image_bytes(RED)),
+                "leaves": _labelled(link, image_bytes(BLUE), client_gone=gone.is_set)}
+    with loop.waits():
+        for name, run in requests.items():
+            loop.start(name, lambda run=run: _failure(run) or run.__dict__.get("result"))
+        loop.turn_until(lambda: len(model.batch_sizes) > batches)  # their forward pass runs, held by the gate
+        gone.set()
+        loop.turn_until(lambda: "leaves" in loop.outcomes)
+        assert isinstance(loop.outcomes["leaves"].result(), ClientGone)
+        assert any(isinstance(m, wire.Cancel) for m in link.sent)
+        model.gate.set()
+        loop.turn_until(lambda: "stays" in loop.outcomes)
+    assert loop.outcomes["stays"].result() == "red"
+    wait_until(lambda: link.engine.in_flight.count() == 0)  # the cancelled one ended in the engine too
+    assert link.worker.loop_link.in_flight == 0
+
+
+def test_a_loop_request_cancelled_while_queued_is_dropped_unrun(link: Link, model: ColourModel,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    _batches_off_the_loop(link, monkeypatch)
+    infer(link.worker, [image_bytes(RED)])
+    model.gate, gone = threading.Event(), threading.Event()
+    first = threading.Thread(target=lambda: _failure(lambda: infer(link.worker, [image_bytes(RED)])))
+    batches = len(model.batch_sizes)
+    first.start()  # on a connection of its own: its batch holds the batcher
+    wait_until(lambda: len(model.batch_sizes) > batches)
+    dropped = BATCHER_EVENTS.labels("client_gone")
+    before = dropped._value.get()
+    loop = LoopWorker()
+    with loop.waits():
+        loop.start("leaves", lambda: _failure(lambda: infer(link.worker, [image_bytes(BLUE)],
+                                                             client_gone=gone.is_set)))
+        loop.turn_until(lambda: link.engine.in_flight.count() == 2)  # queued behind the held batch
+        gone.set()
+        loop.turn_until(lambda: "leaves" in loop.outcomes)
+    assert isinstance(loop.outcomes["leaves"].result(), ClientGone)
+    wait_until(lambda: dropped._value.get() == before + 1)  # its queued image dropped
+    model.gate.set()
+    first.join(10)
+    wait_until(lambda: link.engine.in_flight.count() == 0)
+    assert model.batch_sizes[-1] == 1 and len(model.batch_sizes) == batches + 1  # it never ran
+
+
+def test_an_engine_gone_fails_every_request_of_the_loop_link_with_a_503_and_the_next_connects_again(
+        link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    _batches_off_the_loop(link, monkeypatch)
+    infer(link.worker, [image_bytes(RED)])
+    model.gate, batches = threading.Event(), len(model.batch_sizes)
+    loop = LoopWorker()
+    requests = {f"r{i}": _labelled(link, image_bytes(RED)) for i in range(3)}
+    with loop.waits():
+        for name, run in requests.items():
+            loop.start(name, lambda run=run: _failure(run) or run.__dict__.get("result"))
+        loop.turn_until(lambda: len(model.batch_sizes) > batches)
+        link.connections[-1].shutdown(socket.SHUT_RDWR)  # the loop link's connection ends, as when the engine dies
+        loop.turn_until(lambda: len(loop.outcomes) == 3)
+    model.gate.set()
+    wait_until(lambda: link.engine.in_flight.count() == 0)  # the engine ended them as its connection closed
+    failures = [outcome.result() for outcome in loop.outcomes.values()]
+    assert all(isinstance(f, NotReady) and f.headers["Retry-After"] == "5" and "restarting" in f.message
+               for f in failures)
+    assert link.worker.loop_link.in_flight == 0
+    connections = len(link.connections)
+    assert _on_loop(link, {"after": _labelled(link, image_bytes(BLUE))}, loop)["after"] == "blue"
+    assert len(link.connections) == connections + 1  # made again
+
+
+def test_a_loop_request_past_its_deadline_is_answered_504_through_the_shared_connection(
+        link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    _batches_off_the_loop(link, monkeypatch)
+    infer(link.worker, [image_bytes(RED)])
+    model.gate = threading.Event()
+    started = time.monotonic()
+    got = _on_loop(link, {"late": lambda: infer(link.worker, [image_bytes(RED)], timeout_s=0.2)})
+    model.gate.set()
+    assert isinstance(got["late"], DeadlineExceeded) and got["late"].status == 504
+    assert time.monotonic() - started < 3  # the engine's deadline, not the HTTP side's grace beyond it
+    assert not any(isinstance(m, wire.Cancel) for m in link.sent)  # answered: nothing to cancel
+    wait_until(lambda: link.engine.in_flight.count() == 0)
+
+
+def test_a_shared_connection_that_sends_a_request_of_its_own_is_closed_out_of_step(link: Link) -> None:
+    worker_end, engine_end = _pair()
+    with worker_end:
+        link.server.serve(engine_end)
+        wire.say_hello(worker_end)
+        infer(link.worker, [image_bytes(RED)])  # the signature's version
+        message, segments = wire.infers([(1, wire.Infer("colour", None, None, 5.0, "1", (3, 8, 8), names=(None,)),
+                                          [image_bytes(RED)])])
+        wire.send(worker_end, message, segments)
+        answers = wire.FrameReader(worker_end, (wire.Answers,))
+        worker_end.settimeout(10)
+        got: list[tuple[object, list[bytearray]]] = []
+        while not got:
+            got = answers.read()
+        [(answer, _)] = got
+        assert answer.ids == (1,) and answer.answers[0].value.rows.argmax() == 0
+        wire.send(worker_end, wire.Infer("colour", None, None, 5.0, "1", (3, 8, 8), names=(None,)),
+                  [image_bytes(RED)])
+        with pytest.raises(wire.EngineGone):
+            while True:
+                answers.read()

@@ -17,6 +17,7 @@ from gunicorn.config import Config
 from gunicorn.http.parser import RequestParser
 
 from app.hosting.worker import HeldUnreader, body_length, timeout_response
+from tests.support.loop import LoopWorker
 
 
 @pytest.mark.parametrize("head, expected", [
@@ -368,41 +369,14 @@ def test_an_answer_is_written_as_the_client_reads_it_and_a_client_that_reads_non
     answer.close()
 
 
-class _LoopWorker:
-    """The worker's loop requests with its poller and waits, without gunicorn's set-up: each request a function
-    (its ``conn`` a name), each request's end noted as gthread's ``finish_request`` would see it."""
-
-    def __init__(self, threads: int = 32) -> None:
-        import selectors
-        from types import SimpleNamespace
-
-        from app.hosting.worker import BufferingWorker
-
-        self.worker = worker = BufferingWorker.__new__(BufferingWorker)
-        worker.init_loop_requests()  # on this greenlet: the test's, standing for the loop's
-        worker.poller, worker.loop_requests = selectors.DefaultSelector(), True
-        worker.cfg = SimpleNamespace(threads=threads)
-        self.runs: dict[str, Callable[[], object]] = {}
-        self.ended: list[tuple[str, object]] = []
-        worker._handle_one = lambda conn: self.runs[conn]()
-        worker.finish_request = lambda conn, outcome: self.ended.append((conn, outcome.result()))
-
-    def start(self, name: str, run: Callable[[], object]) -> None:
-        self.runs[name] = run
-        self.worker.run_on_loop(name)
-
-
 @contextlib.contextmanager
-def _waits_on_the_loop(loop: _LoopWorker, count: int) -> Iterator[list[tuple[socket.socket, socket.socket]]]:
+def _waits_on_the_loop(loop: LoopWorker, count: int) -> Iterator[list[tuple[socket.socket, socket.socket]]]:
     """``count`` socket pairs, and every wait of a loop request handed to ``loop``'s worker, for the block."""
-    from app.hosting import waiting
-
     pairs = [socket.socketpair() for _ in range(count)]
-    waiting.wait_on(loop.worker.loop_wait)
     try:
-        yield pairs
+        with loop.waits():
+            yield pairs
     finally:
-        waiting.wait_on(None)
         for ours, theirs in pairs:
             ours.close()
             theirs.close()
@@ -411,7 +385,7 @@ def _waits_on_the_loop(loop: _LoopWorker, count: int) -> Iterator[list[tuple[soc
 def test_a_request_on_the_loop_hands_its_waits_to_the_loop_which_resumes_each_when_ready_or_at_its_deadline() -> None:
     from app.hosting import waiting
 
-    loop = _LoopWorker()
+    loop = LoopWorker()
     with _waits_on_the_loop(loop, 3) as pairs:
         for name, (ours, _), limit in zip("abc", pairs, (5.0, 5.0, 0.2)):
             loop.start(name, lambda ours=ours, limit=limit: (waiting.wait_for(ours, select.POLLIN, limit),
@@ -440,7 +414,7 @@ def test_a_request_on_the_loop_hands_its_waits_to_the_loop_which_resumes_each_wh
 def test_at_most_threads_requests_run_on_the_loop_the_next_starting_as_one_ends() -> None:
     from app.hosting import waiting
 
-    loop = _LoopWorker(threads=2)
+    loop = LoopWorker(threads=2)
     with _waits_on_the_loop(loop, 3) as pairs:
         for name, (ours, _) in zip("abc", pairs):
             loop.start(name, lambda ours=ours: waiting.wait_for(ours, select.POLLIN, 5.0))
@@ -458,7 +432,7 @@ def test_at_most_threads_requests_run_on_the_loop_the_next_starting_as_one_ends(
 
 def test_requests_that_end_at_once_are_settled_one_after_another_not_one_inside_another() -> None:
     # pipelined requests: each one's end (gthread's finish_request) starts the next on the connection
-    loop = _LoopWorker()
+    loop = LoopWorker()
     count = 3 * __import__("sys").getrecursionlimit()
 
     def ended(conn: str, outcome: Future) -> None:
@@ -475,7 +449,7 @@ def test_a_request_waiting_to_write_its_answer_gives_its_slot_to_the_next() -> N
     from app.hosting import waiting
     from app.hosting.worker import ClientSocket
 
-    loop = _LoopWorker(threads=1)
+    loop = LoopWorker(threads=1)
     with _waits_on_the_loop(loop, 2) as pairs:
         writer = ClientSocket(fileno=pairs[0][0].detach())
         writer.answer_timeout_s = 5.0

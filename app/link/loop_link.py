@@ -1,0 +1,192 @@
+"""The requests an HTTP worker runs on its event loop (app/hosting/loop_requests.py, ``LOOP_REQUESTS``) reach the
+engine on one connection they share, several to a message: ``LoopLink``.
+
+A request's ``Infer`` joins the loop's outbox under an id. The first request to find the outbox empty sends it: it
+waits until the loop has run every request that is ready now (``before_wait``), so the others of this loop turn add
+theirs, then sends all of them as one ``Infers`` message, and again whatever came while it sent. The engine reads
+one frame for all of them, admits them in one turn and sends the answers of its turn as one ``Answers``; the link's
+connection is watched by the loop, which hands each answer to its request by id. So a loop turn of k requests costs
+the engine one read and one send, where each request had its own (about 18 of the 27 us a request costs a bare
+loop on this wire: docs/performance.md), and costs this worker one send and one read.
+
+A request whose client leaves, or whose time runs out here, is cancelled (``Cancel``, sent like the requests): the
+engine drops its images still queued and answers it no more. A connection that fails (the engine restarting) fails
+every request it carries, as a request's own connection did (503 with Retry-After), and the next request connects
+anew. Sends never block the loop: they are made by a request, whose waits for room are the loop's.
+
+Standard library and the wire only: the HTTP side never imports torch.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import socket
+import time
+from typing import Callable, Sequence
+
+from app.engine.contract import CLIENT_CHECK_S
+from app.errors import ClientGone, DeadlineExceeded
+from app.hosting.waiting import Event, OnLoop
+from app.link import wire
+
+SEND_BUFFER_BYTES = 4 << 20  # a loop turn's requests in one send: 16 photos of 100 KB and more (the kernel
+# caps it at net.core.wmem_max; its default, 208 KB, took two photos and made the rest wait for the engine's reads)
+TURN_WAIT_S = 1.0  # the longest a sender waits for the loop to come round (it runs the ready requests, then it)
+
+
+class _Asked:
+    """A request sent on the link: the event its request waits for, and its answer (or why there is none)."""
+
+    __slots__ = ("event", "answer")
+
+    def __init__(self, event: Event) -> None:
+        self.event = event
+        self.answer: wire.Answer | BaseException | None = None
+
+
+class LoopLink:
+    """One HTTP worker loop's connection to one engine, its requests several to a message (the module's
+    docstring). Used on the loop's thread only: by its requests (``ask``) and the loop (the answers' reads)."""
+
+    def __init__(self, connect: Callable[[], socket.socket]) -> None:
+        self._connect = connect  # a new connection, greeted and non-blocking
+        self._conn: socket.socket | None = None
+        self._sends: socket.socket | None = None  # the connection's second descriptor: a send's wait for room is
+        # watched apart from the answers' (one descriptor takes one watch)
+        self._reader: wire.FrameReader | None = None
+        self._loop: OnLoop | None = None
+        self._connecting: list[Event] | None = None  # while a request connects: the others waiting for it
+        self._ids = itertools.count(1)
+        self._asked: dict[int, _Asked] = {}  # sent or to send, not yet answered
+        self._outbox: list[tuple[int, wire.Infer, Sequence[bytes | memoryview]]] = []
+        self._cancels: list[int] = []
+        self._sending = False  # a request sends the outbox, or waits for the loop's turn to send it
+
+    @property
+    def in_flight(self) -> int:
+        """Requests sent or to send, not yet answered."""
+        return len(self._asked)
+
+    def ask(self, loop: OnLoop, message: wire.Infer, segments: Sequence[bytes | memoryview], limit_s: float,
+            client_gone: Callable[[], bool] | None) -> wire.Answer:
+        """``message`` with its ``segments`` sent with this turn's others, and its answer, within ``limit_s``; its
+        client gone (``client_gone``) is ClientGone, the time up DeadlineExceeded (both cancel it at the engine); a
+        connection that fails or cannot be made is EngineGone (WireMismatch when the engine runs other code)."""
+        assert self._loop in (None, loop), "a loop link serves the one loop its connection was made on"
+        self._connected(loop)
+        ident = next(self._ids)
+        asked = self._asked[ident] = _Asked(loop.event())
+        self._outbox.append((ident, message, segments))
+        until = time.monotonic() + limit_s
+        try:
+            if not self._sending:
+                self._send_outbox(loop)
+            while not asked.event.wait(min(CLIENT_CHECK_S, until - time.monotonic()) if client_gone else
+                                       until - time.monotonic()):
+                if client_gone is not None and client_gone():
+                    raise ClientGone("the client closed the connection; its queued images are dropped")
+                if time.monotonic() >= until:
+                    raise DeadlineExceeded(f"no answer from the engine within {limit_s:g}s")
+        except BaseException:
+            if self._asked.pop(ident, None) is not None:
+                self._cancel(ident)
+            raise
+        answer = asked.answer
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer  # type: ignore[return-value]
+
+    def _connected(self, loop: OnLoop) -> None:
+        """A connection, made by this request, or by another that is making it."""
+        while self._conn is None:
+            if self._connecting is not None:
+                event = loop.event()
+                self._connecting.append(event)
+                event.wait(2 * wire.SEND_STALL_S)
+                continue
+            self._connecting = []
+            try:
+                conn = self._connect()  # greeted: its waits are the loop's
+            finally:
+                waiting, self._connecting = self._connecting, None
+                for event in waiting:
+                    event.set()
+            with contextlib.suppress(OSError):  # room for a turn's photos in one send (up to the host's wmem_max)
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+            self._conn, self._sends, self._loop = conn, conn.dup(), loop
+            self._reader = wire.FrameReader(conn, (wire.Answers,))
+            loop.watch(conn, self._readable)
+
+    def _send_outbox(self, loop: OnLoop | None) -> None:
+        """This request sends the outbox: with ``loop``, once the loop has run its other ready requests (which add
+        theirs); then as long as more came meanwhile. A connection that fails fails every request it carries."""
+        self._sending = True
+        try:
+            if loop is not None:
+                turn = loop.event()
+                loop.before_wait(turn.set)
+                turn.wait(TURN_WAIT_S)
+            while (self._outbox or self._cancels) and self._sends is not None:
+                outbox, self._outbox = self._outbox, []
+                cancels, self._cancels = self._cancels, []
+                if cancels:
+                    wire.send(self._sends, wire.Cancel(tuple(cancels)))
+                if outbox:
+                    wire.send(self._sends, *wire.infers(outbox))
+        except (wire.EngineGone, OSError) as exc:
+            self._broken(exc)
+        finally:
+            self._sending = False
+
+    def _cancel(self, ident: int) -> None:
+        """``ident`` not waited for any more: dropped from the outbox when it is still there, else told to the
+        engine (sent now, or by the request sending)."""
+        for index, (queued, _, _) in enumerate(self._outbox):
+            if queued == ident:
+                del self._outbox[index]
+                return
+        if self._sends is None:
+            return  # the connection is gone: the engine ended it with it
+        self._cancels.append(ident)
+        if not self._sending:
+            with contextlib.suppress(BaseException):  # the request's own error stands, not a cancel's
+                self._send_outbox(None)
+
+    def _readable(self) -> None:
+        """On the loop: the answers that came, each handed to its request (which runs on at once)."""
+        reader = self._reader
+        if reader is None:
+            return
+        try:
+            frames = reader.read()
+        except (wire.EngineGone, OSError) as exc:
+            self._broken(exc)
+            return
+        for answers, _ in frames:
+            for ident, answer in zip(answers.ids, answers.answers):
+                asked = self._asked.pop(ident, None)
+                if asked is not None:  # else cancelled: its answer crossed the cancel
+                    asked.answer = answer
+                    asked.event.set()
+
+    def _broken(self, exc: BaseException) -> None:
+        """The connection failed: closed, and every request it carries (or was to) fails with EngineGone."""
+        conn, sends, loop = self._conn, self._sends, self._loop
+        self._conn = self._sends = self._reader = None
+        if conn is not None and loop is not None:
+            loop.unwatch(conn)
+        for sock in (conn, sends):
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.close()
+        gone = exc if isinstance(exc, wire.EngineGone) else wire.EngineGone(f"{type(exc).__name__}: {exc}")
+        asked, self._asked = self._asked, {}
+        self._outbox, self._cancels = [], []
+        for waiting in asked.values():
+            waiting.answer = gone
+            waiting.event.set()
+
+    def close(self) -> None:
+        """Closed (the engine ends every request it carries); requests waiting here fail."""
+        self._broken(wire.EngineGone("the link was closed"))
+
