@@ -16,8 +16,8 @@ CUDA's spinning wait and with blocking sync (``bench.serving.device_collate``); 
 (``bench.serving.engine_profile``: py-spy on it, the interpreter lock's holder and every thread on a CPU); the
 ``-m gpu`` tests (the device decode path's pixels, EXIF turns included, placement, tensors, CUDA graphs against
 eager, the batch ceiling); the engine alone on the device (``bench.serving.engine_only``: its CPU per request with no
-HTTP worker beside it; its floor there, measured on 11-29, by hand), then at 1, 4 and 16 images per request with as
-many images in flight (what a turn's requests sent together would cost it); the serving overhead
+HTTP worker beside it, its requests several to a message as HTTP workers' loops send them; its floor there, measured
+on 11-29, by hand), then at 1, 4 and 16 images per request with as many images in flight; the serving overhead
 (``bench.serving.overhead`` on the device: a one-layer model and bodies that decode in microseconds, the HTTP
 workers' and the engine's CPU per request beside the bare Flask app, the budget's unit, measured on this host); the
 device path's batch made the model's input, image by image and rounded together (``bench.serving.batch_preprocess``);
@@ -92,7 +92,7 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
                  "tests/unit/test_load_placement.py", "tests/unit/test_cuda_graphs.py",
                  "tests/app/test_batching_cap.py", "tests/training/test_gpu_data.py"]
         # two engine starts; its floor on a GPU host (51 us an image, 11-29: as on the CPU VM) is run by hand
-        engine = ["--forms", "v2 x1", "jpeg", "--concurrency", "16", "--seconds", "3"]
+        engine = ["--forms", "v2 x1", "jpeg", "--concurrency", "16", "--seconds", "3", "--clients", "messages"]
         by_size = ["--forms", "v2 x1", "v2 x4", "v2 x16", "--images-in-flight", "64", "--seconds", "3"]
         variant = ["--engines", "process", "--batch-sizes", "64", "--concurrency", "64", "256", "--images-per-request",
                    "1", "16", "--seconds", "3", "--warmup", "1", "--workers", "0"]
@@ -119,11 +119,12 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         Step("profile", 80, (py, "-m", "bench.serving.engine_profile", "--device", device, *profile, "--out",
                              str(figures)), least_s=30),
         Step("gpu-tests", 100, (py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests)),
-        # the engine's own cost per request on the device's host, in the time left (least 30 s)
+        # the engine's own cost per request on the device's host, its requests several to a message as the HTTP
+        # workers' loop links send them, in the time left (least 30 s)
         Step("engine", 70, (py, "-m", "bench.serving.engine_only", "--device", device, *engine, "--out",
                             str(figures)), least_s=30),
-        # the engine's CPU per image at 1, 4 and 16 images per request, as many images in flight: what one-image
-        # requests would cost it if an HTTP worker sent a loop turn's together (three engine starts)
+        # the engine's CPU per image at 1, 4 and 16 images per request, as many images in flight, a frame each
+        # (three engine starts)
         Step("engine-by-size", 80, (py, "-m", "bench.serving.engine_only", "--device", device, *by_size, "--out",
                                     str(figures / "by-size")), least_s=40),
         Step("overhead", 100, (py, "-m", "bench.serving.overhead", "--device", device, *overhead, "--out",

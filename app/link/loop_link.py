@@ -127,16 +127,27 @@ class LoopLink:
                 loop.before_wait(turn.set)
                 turn.wait(TURN_WAIT_S)
             while (self._outbox or self._cancels) and self._sends is not None:
-                outbox, self._outbox = self._outbox, []
                 cancels, self._cancels = self._cancels, []
                 if cancels:
                     wire.send(self._sends, wire.Cancel(tuple(cancels)))
-                if outbox:
-                    wire.send(self._sends, *wire.infers(outbox))
+                if self._outbox:
+                    wire.send(self._sends, *wire.infers(self._next_message()))
         except (wire.EngineGone, OSError) as exc:
             self._broken(exc)
         finally:
             self._sending = False
+
+    def _next_message(self) -> list[tuple[int, wire.Infer, Sequence[bytes | memoryview]]]:
+        """The outbox's first requests, as many as one frame's segments hold (``wire.MAX_SEGMENTS``; one at least),
+        taken from it."""
+        total, end = 0, len(self._outbox)
+        for index, (_, _, segments) in enumerate(self._outbox):
+            total += len(segments)
+            if total > wire.MAX_SEGMENTS and index:
+                end = index
+                break
+        taken, self._outbox = self._outbox[:end], self._outbox[end:]
+        return taken
 
     def _cancel(self, ident: int) -> None:
         """``ident`` not waited for any more: dropped from the outbox when it is still there, else told to the

@@ -3,7 +3,9 @@ model of ``bench.serving.overhead``) in a process of its own, and a one-thread c
 requests in flight on C connections, as C HTTP worker threads would, and reads the engine's CPU from /proc
 (``--clients threads``: C client threads, each waiting for its answer before it sends again, as an HTTP worker's
 request threads do: an engine with slack, whose turns carry the few requests that came meanwhile, the load HTTP
-workers give it when they are the bound).
+workers give it when they are the bound; ``--clients messages``: the C requests on two connections, as two HTTP
+workers' loops share theirs (app/link/loop_link.py), each connection's answered requests sent again together as one
+message; a checkout that predates those messages is sent its requests as ``loop`` sends them).
 
     .venv/bin/python -m bench.serving.engine_only                                # JPEG, V2 x1, V2 x16 at C=16
     .venv/bin/python -m bench.serving.engine_only --checkout ../before --rounds 3   # A/B: another checkout beside
@@ -13,6 +15,7 @@ workers give it when they are the bound).
     .venv/bin/python -m bench.serving.engine_only --instructions --checkout ../before --forms "v2 x1" "v2 x16"
     .venv/bin/python -m bench.serving.engine_only --instructions --forms "v2 x1" --burst 16 --requests 192  # by 16
     .venv/bin/python -m bench.serving.engine_only --forms "v2 x1" "v2 x4" "v2 x16" --images-in-flight 16  # by size
+    .venv/bin/python -m bench.serving.engine_only --clients messages --floor --forms "v2 x1"  # as loop links send
 
 The engine batches as it does on a GPU host, the host the budget is written for (``--max-batch-size``: by default
 MAX_BATCH_SIZE's automatic value there, 32, where a CPU's is 8: a 16-image request is one forward pass, not two).
@@ -23,8 +26,8 @@ run that checkout's code (the wire differs between versions); rounds alternate t
 
 ``--floor`` measures beside it the least a Python engine on this wire costs on this host: one loop, the same frames,
 model, forward threads, batch cap and answers, nothing else (no admission, routing, deadlines, futures, batcher
-thread, monitor, metrics but its forward passes' CPU); and again with every request on one connection (frames read
-together, a turn's answers sent in one call: a multiplexed link's system calls).
+thread, monitor, metrics but its forward passes' CPU); and again with the requests several to a message on two
+connections (``Infers`` and ``Answers``, as two HTTP workers' loop links send them).
 
 ``--instructions`` (valgrind installed: ``apt-get install valgrind``) runs each checkout's engine under callgrind and
 sends it requests one at a time (``--burst K``: K at a time, each on a connection of its own, so a turn of the
@@ -57,7 +60,10 @@ ROOT = Path(__file__).resolve().parents[2]
 FORMS = {"jpeg": ("jpeg", 1), "v2 x1": ("v2", 1), "v2 x2": ("v2", 2), "v2 x4": ("v2", 4), "v2 x8": ("v2", 8),
          "v2 x16": ("v2", 16)}
 FLOOR = Path("/floor")  # the floor's key among the checkouts measured
-FLOOR_PIPELINED = Path("/floor-one-connection")  # the floor, every request on one connection
+FLOOR_MESSAGES = Path("/floor-messages")  # the floor, its requests several to a message
+LINKS = 2  # --clients messages: connections, as the HTTP workers of the overhead benchmark's servers
+CLIENTS = {"loop": "one client loop", "threads": "a client thread each",
+           "messages": f"one client loop, on {LINKS} connections several requests a message"}
 STAGE_CPU_METRIC = "visionserve_stage_cpu_seconds"  # app/metrics.py's STAGE_CPU_SECONDS, which the floor writes too
 BATCH_SIZE_METRIC = "visionserve_batch_size"  # app/metrics.py's BATCH_SIZE, the floor's too
 BATCHES, BATCHED_IMAGES = "batches", "batched images"  # engine_counts' keys beside the stages'
@@ -150,14 +156,18 @@ def serve_floor(weights: Path, sock: Path, device: str = "cpu") -> None:
                 selector.register(conn, selectors.EVENT_READ, wire.FrameReader(conn, wire.REQUESTS, greet=True))
                 continue
             try:
-                turn += [(key.fileobj, message, segments) for message, segments in key.data.read()]
+                for message, segments in key.data.read():
+                    if isinstance(message, wire.Infer):
+                        turn.append((key.fileobj, message, segments, None))
+                    else:  # Infers: several requests, each under its id
+                        turn += [(key.fileobj, infer, its, ident) for ident, infer, its in message.split(segments)]
             except (wire.EngineGone, OSError):
                 selector.unregister(key.fileobj)
                 key.fileobj.close()
         if not turn:
             continue
         stacks = [np.frombuffer(segment, np.dtype(dtype)).reshape(shape)  # (N, C, H, W): a request's pixels
-                  for _, message, segments in turn for (dtype, shape), segment in zip(message.tensors, segments)]
+                  for _, message, segments, _ in turn for (dtype, shape), segment in zip(message.tensors, segments)]
         rows = [row for stack in stacks for row in stack]
         started, answers, forward_s, sizes = time.monotonic(), [], 0.0, []
         with torch.inference_mode():  # in batches of the engine's cap, as its batcher runs them
@@ -173,13 +183,20 @@ def serve_floor(weights: Path, sock: Path, device: str = "cpu") -> None:
         probabilities = np.concatenate(answers)
         run_s, batch_id, at = time.monotonic() - started, next(batch_ids), 0
         frames: dict[socket.socket, list[bytes]] = {}  # a connection's answers of this turn, sent in one call
-        for conn, message, _ in turn:
+        shared: dict[socket.socket, list[tuple[int, Any]]] = {}  # a shared connection's, in one Answers
+        for conn, message, _, ident in turn:
             count = sum(shape[0] for _, shape in message.tensors)
             served = Served(probabilities[at:at + count], (BatchRun(count, batch_id, batch_cap, 0.0, run_s),), MODEL,
                             "1", wire.NO_LABELS, 0.0)
             at += count
             answer = wire.Answer(served, None, os.getpid())
-            frames.setdefault(conn, []).append(wire.frame(answer))
+            if ident is None:
+                frames.setdefault(conn, []).append(wire.frame(answer))
+            else:
+                shared.setdefault(conn, []).append((ident, answer))
+        for conn, answered in shared.items():
+            frames.setdefault(conn, []).append(wire.frame(wire.Answers(tuple(i for i, _ in answered),
+                                                                       tuple(a for _, a in answered))))
         for conn, answers in frames.items():
             _send_all(conn, b"".join(answers))
 
@@ -224,10 +241,10 @@ def _requests(wire: Any, form: str, count: int) -> list[tuple[Any, list[Any]]]:
 def drive(checkout: Path, sock: Path, form: str, concurrency: int, seconds: float, engine: int,
           clients: str = "loop") -> dict[str, Any]:
     """The client: C requests in flight for ``seconds`` after a second of warm-up, on C connections read by one
-    loop (``clients``: "loop"; "pipelined": all on one connection, read as they come back; "threads": a thread
+    loop (``clients``: "loop"; "messages": on LINKS connections, several requests a message; "threads": a thread
     per connection); the engine's CPU over them."""
-    if clients == "pipelined":
-        return _drive_pipelined(checkout, sock, form, concurrency, seconds, engine)
+    if clients == "messages":
+        return _drive_messages(checkout, sock, form, concurrency, seconds, engine)
     if clients == "threads":
         return _drive_threads(checkout, sock, form, concurrency, seconds, engine)
     _import_from(checkout)
@@ -317,30 +334,49 @@ def engine_counts() -> dict[str, float]:
     return counts
 
 
-def _drive_pipelined(checkout: Path, sock: Path, form: str, concurrency: int, seconds: float,
-                     engine: int) -> dict[str, Any]:
+def _drive_messages(checkout: Path, sock: Path, form: str, concurrency: int, seconds: float,
+                    engine: int) -> dict[str, Any]:
+    """C requests in flight on ``LINKS`` connections, several to a message, as HTTP workers' loop links send them:
+    each connection's answered requests sent again together (``Infers``); a checkout that predates them is driven
+    as ``drive`` does (a connection and a frame per request)."""
+    import itertools
+
     _import_from(checkout)
     from app.link import wire
 
+    if not hasattr(wire, "Infers"):
+        return drive(checkout, sock, form, concurrency, seconds, engine)
     kind, count = FORMS[form]
     requests = _requests(wire, kind, count)
-    conn = wire.connect(sock, 5.0)
-    wire.say_hello(conn)
-    reader = wire.FrameReader(conn, (wire.Answer,))
+    selector = selectors.DefaultSelector()
+    shares = [concurrency // LINKS + (index < concurrency % LINKS) for index in range(LINKS)]
+    for share in shares:
+        if share:
+            conn = wire.connect(sock, 5.0)
+            wire.say_hello(conn)
+            conn.setblocking(False)
+            selector.register(conn, selectors.EVENT_READ, (wire.FrameReader(conn, (wire.Answers,)), share))
+    ids = itertools.count(1)
 
     def run(duration: float) -> tuple[int, int]:
         sent = answered = errors = 0
-        for _ in range(concurrency):
-            wire.send(conn, *requests[sent % len(requests)])
-            sent += 1
+
+        def send(conn: Any, many: int) -> None:
+            nonlocal sent
+            wire.send(conn, *wire.infers([(next(ids), *requests[(sent + index) % len(requests)])
+                                          for index in range(many)]))
+            sent += many
+
+        for key in list(selector.get_map().values()):
+            send(key.fileobj, key.data[1])
         end = time.monotonic() + duration
         while answered < sent:
-            for answer, _ in reader.read():
-                answered += 1
-                errors += answer.error is not None
-                if time.monotonic() < end:
-                    wire.send(conn, *requests[sent % len(requests)])
-                    sent += 1
+            for key, _ in selector.select(5.0):
+                for answers, _ in key.data[0].read():
+                    answered += len(answers.ids)
+                    errors += sum(answer.error is not None for answer in answers.answers)
+                    if time.monotonic() < end:
+                        send(key.fileobj, len(answers.ids))
         return answered, errors
 
     return _measured(run, engine, form, concurrency, seconds, count)
@@ -515,9 +551,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="the engine's MAX_BATCH_SIZE (and the floor's batches): by default what a GPU host gets "
                         "(the host the budget is for; a 16-image request is one forward pass there); 0: the "
                         "device's own automatic value (8 on a CPU)")
-    parser.add_argument("--clients", choices=("loop", "threads"), default="loop",
+    parser.add_argument("--clients", choices=("loop", "threads", "messages"), default="loop",
                         help="loop: one client thread keeps every request in flight (the engine the bound); threads: "
-                        "a thread per connection, a request at a time (the engine with slack, as behind HTTP workers)")
+                        "a thread per connection, a request at a time (the engine with slack, as behind HTTP "
+                        "workers); messages: on two connections, several requests a message, as HTTP workers' loop "
+                        "links send them")
     parser.add_argument("--instructions", action="store_true",
                         help="count the engine's instructions per request under callgrind (valgrind), requests sent "
                         "one at a time, instead of its CPU under load; one round")
@@ -570,15 +608,16 @@ def main(argv: list[str] | None = None) -> int:
                     measure(checkout, weights, form, concurrency, args.seconds, device=args.device,
                             clients=args.clients, max_batch_size=args.max_batch_size))
             if args.floor and FORMS[form][0] == "v2":
-                found.setdefault((form, FLOOR), []).append(
+                found.setdefault((form, FLOOR), []).append(  # a frame each (the messages' floor is next)
                     measure(ROOT, weights, form, concurrency, args.seconds, floor=True, device=args.device,
-                            clients=args.clients, max_batch_size=args.max_batch_size))
-                found.setdefault((form, FLOOR_PIPELINED), []).append(
-                    measure(ROOT, weights, form, concurrency, args.seconds, floor=True, clients="pipelined",
+                            clients="loop" if args.clients == "messages" else args.clients,
+                            max_batch_size=args.max_batch_size))
+                found.setdefault((form, FLOOR_MESSAGES), []).append(
+                    measure(ROOT, weights, form, concurrency, args.seconds, floor=True, clients="messages",
                             device=args.device, max_batch_size=args.max_batch_size))
     in_flight = (f"{args.images_in_flight} images in flight" if args.images_in_flight else f"C={args.concurrency}")
     lines = [f"The engine without HTTP on {args.device} ({os.cpu_count()} cores): {in_flight} "
-             f"({'a client thread each' if args.clients == 'threads' else 'one client loop'}), {args.seconds:g} s per "
+             f"({CLIENTS[args.clients]}), {args.seconds:g} s per "
              f"point, median of {args.rounds}, MAX_BATCH_SIZE {args.max_batch_size or 'auto'}", "",
              "| checkout | form | C | req/s | mean batch | engine us / request | engine us / image | of which decode | "
              "of which forward | beyond decode and forward, us / image | errors |",
@@ -588,7 +627,8 @@ def main(argv: list[str] | None = None) -> int:
                    *(median_of(points, key) for key in ("engine_us_per_request", "engine_us_per_image",
                                                         "decode_us_per_image", "forward_us_per_image",
                                                         "beyond_us_per_image"))]
-        name = {ROOT: "this", FLOOR: "floor", FLOOR_PIPELINED: "floor, one connection"}.get(checkout, str(checkout))
+        name = {ROOT: "this", FLOOR: "floor", FLOOR_MESSAGES: "floor, several a message"}.get(checkout,
+                                                                                             str(checkout))
         lines.append(f"| {name} | {form} | " + " | ".join(figures) + f" | {sum(p['errors'] for p in points)} |")
     report = "\n".join(lines) + "\n"
     print(report)

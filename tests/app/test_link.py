@@ -1117,22 +1117,28 @@ def test_a_client_that_hangs_up_while_the_loop_waits_is_counted_gone_and_nothing
 
 # -- requests on an HTTP worker's loop: one shared connection, several requests a message -------------------------
 
-def _on_loop(link: Link, requests: dict[str, Callable[[], object]], loop: LoopWorker | None = None,
-             until: Callable[[], bool] | None = None) -> dict[str, object]:
+def _outcome(run: Callable[[], object]) -> object:
+    """What ``run`` returned, or the exception it raised."""
+    try:
+        return run()
+    except BaseException as exc:  # noqa: BLE001 - the test reads it
+        return exc
+
+
+def _on_loop(link: Link, requests: dict[str, Callable[[], object]], loop: LoopWorker | None = None) -> dict[str, object]:
     """``requests`` run as an HTTP worker's loop requests (their waits the loop's, their engine requests on the
-    worker's loop link), the loop turned until all ended (or ``until``); what each returned or raised."""
+    worker's loop link), the loop turned until all ended; what each returned or raised."""
     loop = loop or LoopWorker()
     with loop.waits():
         for name, run in requests.items():
-            loop.start(name, lambda run=run: _failure(run) or run.__dict__.get("result"))
-        loop.turn_until(until or (lambda: all(name in loop.outcomes for name in requests)))
-    return {name: outcome.result() for name, outcome in loop.outcomes.items()}
+            loop.start(name, functools.partial(_outcome, run))
+        loop.turn_until(lambda: all(name in loop.outcomes for name in requests))
+    return {name: loop.outcomes[name].result() for name in requests}
 
 
-def _labelled(link: Link, image: bytes, **kwargs: object) -> Callable[[], object]:
-    def run() -> None:
-        run.__dict__["result"] = infer(link.worker, [image], **kwargs).top_k(1)[0][0].label  # type: ignore[arg-type]
-    return run
+def _labelled(link: Link, image: bytes, **kwargs: object) -> Callable[[], str]:
+    """A request of ``image``, returning its top label."""
+    return lambda: infer(link.worker, [image], **kwargs).top_k(1)[0][0].label  # type: ignore[arg-type]
 
 
 def test_the_requests_of_a_loop_turn_reach_the_engine_as_one_message_and_come_back_each_with_its_own_answer(
@@ -1154,6 +1160,18 @@ def test_the_requests_of_a_loop_turn_reach_the_engine_as_one_message_and_come_ba
     assert len(link.connections) == connections
 
 
+def test_a_loop_turn_s_requests_beyond_one_frame_s_segments_go_in_as_many_messages_as_they_need(
+        link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
+    infer(link.worker, [image_bytes(RED)])
+    monkeypatch.setattr(wire, "MAX_SEGMENTS", 3)  # (the engine's reads bound frames by it too)
+    link.frames.clear()
+    got = _on_loop(link, {f"r{i}": _labelled(link, image_bytes(RED)) for i in range(5)}
+                   | {"two": lambda: infer(link.worker, [image_bytes(BLUE)] * 2).rows.argmax(axis=1).tolist()})
+    assert got == {**{f"r{i}": "red" for i in range(5)}, "two": [2, 2]}
+    counts = [message.counts for message in link.sent if isinstance(message, wire.Infers)]
+    assert counts == [(1, 1, 1), (1, 1), (2,)]  # in order, none over 3 segments
+
+
 def _batches_off_the_loop(link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine's batches on the batcher's thread, as on a GPU: a batch held by the gate leaves its loop free."""
     monkeypatch.setattr(link.server, "_loop_batch_s", 0.0)
@@ -1169,7 +1187,7 @@ def test_a_loop_request_whose_client_leaves_is_cancelled_in_the_engine_and_the_o
                 "leaves": _labelled(link, image_bytes(BLUE), client_gone=gone.is_set)}
     with loop.waits():
         for name, run in requests.items():
-            loop.start(name, lambda run=run: _failure(run) or run.__dict__.get("result"))
+            loop.start(name, functools.partial(_outcome, run))
         loop.turn_until(lambda: len(model.batch_sizes) > batches)  # their forward pass runs, held by the gate
         gone.set()
         loop.turn_until(lambda: "leaves" in loop.outcomes)
@@ -1217,7 +1235,7 @@ def test_an_engine_gone_fails_every_request_of_the_loop_link_with_a_503_and_the_
     requests = {f"r{i}": _labelled(link, image_bytes(RED)) for i in range(3)}
     with loop.waits():
         for name, run in requests.items():
-            loop.start(name, lambda run=run: _failure(run) or run.__dict__.get("result"))
+            loop.start(name, functools.partial(_outcome, run))
         loop.turn_until(lambda: len(model.batch_sizes) > batches)
         link.connections[-1].shutdown(socket.SHUT_RDWR)  # the loop link's connection ends, as when the engine dies
         loop.turn_until(lambda: len(loop.outcomes) == 3)

@@ -68,9 +68,10 @@ def test_the_engine_alone_and_the_floor_answer_tensor_requests_and_their_cpu_is_
     # the forward passes' CPU as the engine's metrics count it, the rest beyond it (V2 tensors: no decode)
     assert 0 < point["forward_us_per_image"] < point["engine_us_per_image"] and point["decode_us_per_image"] == 0
     assert 16 <= point["mean_batch"] <= 32  # its batches as its metrics count them: whole requests, two at most
-    # the floor on one connection, and apart with a client thread per connection (--clients threads): ~2 s each;
-    # its forward passes counted as the engine counts its own
-    for clients in ("pipelined", "threads"):
+    # the floor with its requests several to a message (--clients messages, as loop links send them), and apart with
+    # a client thread per connection (--clients threads): ~2 s each; its forward passes counted as the engine counts
+    # its own
+    for clients in ("messages", "threads"):
         floor = engine_only.measure(engine_only.ROOT, weights, "v2 x1", concurrency=2, seconds=0.5, floor=True,
                                     clients=clients)
         assert floor["errors"] == 0 and floor["requests_per_s"] > 0 and floor["engine_us_per_request"] > 0

@@ -411,6 +411,48 @@ def test_a_request_on_the_loop_hands_its_waits_to_the_loop_which_resumes_each_wh
         assert seen == [None]
 
 
+def test_a_loop_request_waits_for_an_event_the_loop_sets_and_work_left_for_the_loop_runs_before_its_next_wait(
+) -> None:
+    loop = LoopWorker()
+    events: dict[str, object] = {}
+    order: list[str] = []
+
+    def waits(name: str, timeout_s: float) -> bool:
+        event = events[name] = loop.worker.event()
+        return event.wait(timeout_s)
+
+    def sets_another() -> str:
+        events["a"].set()  # from another loop request: a resumes once this one waits or ends, not inside it
+        order.append("b set a")
+        return "b"
+
+    with _waits_on_the_loop(loop, 1) as [(ours, theirs)]:
+        loop.start("a", lambda: (waits("a", 5.0), order.append("a resumed"))[0])
+        loop.start("late", lambda: waits("late", 0.1))
+        assert loop.ended == []
+        loop.start("b", sets_another)
+        assert order == ["b set a"] and [name for name, _ in loop.ended] == ["b"]
+        loop.worker.wait_for_and_dispatch_events(0.01)  # before its wait, the loop resumes a
+        assert order == ["b set a", "a resumed"] and ("a", True) in loop.ended
+        started = time.monotonic()
+        loop.turn_until(lambda: len(loop.ended) == 3)
+        assert ("late", False) in loop.ended and time.monotonic() - started < 1  # its time was up
+        loop.start("early", lambda: (events.__setitem__("early", loop.worker.event()), events["early"].set(),
+                                     events["early"].wait(5.0))[-1])
+        assert ("early", True) in loop.ended  # set before its wait: no wait at all
+        # a socket watched while it is open: its callback on the loop each time it is readable
+        seen: list[bytes] = []
+        loop.worker.watch(ours, lambda: seen.append(ours.recv(8)))
+        theirs.sendall(b"one")
+        loop.worker.wait_for_and_dispatch_events(1.0)
+        theirs.sendall(b"two")
+        loop.worker.wait_for_and_dispatch_events(1.0)
+        loop.worker.unwatch(ours)
+        theirs.sendall(b"three")
+        loop.worker.wait_for_and_dispatch_events(0.05)
+        assert seen == [b"one", b"two"] and not loop.worker.poller.get_map()
+
+
 def test_at_most_threads_requests_run_on_the_loop_the_next_starting_as_one_ends() -> None:
     from app.hosting import waiting
 
