@@ -156,7 +156,7 @@ class EngineServer:
         self._loop_batch_s = settings.engine_loop_batch_ms / 1000
         self.gathering = Gathering(settings.max_wait_ms / 1000, settings.batch_ceiling(device_type(settings.device)),
                                    time.monotonic())
-        self._wake_only = selectors.DefaultSelector()  # the loop's wake-ups alone, while it gathers requests
+        self._wake_only = selectors.DefaultSelector()  # the loop's wake-ups and shared connections, while it gathers
         self._explain_threads = ThreadPoolExecutor(settings.explain_concurrency + settings.explain_queue_size + 1,
                                                    thread_name_prefix="engine-explain")  # each waits on the lane
         self._handlers: dict[type, Callable[[_Connection, Any, list[bytearray]], None]] = {
@@ -200,7 +200,7 @@ class EngineServer:
     def _loop(self) -> None:
         self._loop_thread = threading.get_ident()
         self._selector.register(self._wake_read, selectors.EVENT_READ, self._woken)
-        self._wake_only.register(self._wake_read, selectors.EVENT_READ)
+        self._wake_only.register(self._wake_read, selectors.EVENT_READ, self._woken)
         self._woken()  # what was posted before the loop ran
         while True:
             while self._deadlines and self._deadlines[0][2].ended:  # answered before its deadline
@@ -221,20 +221,24 @@ class EngineServer:
 
     def _gather(self) -> None:
         """Before a turn's requests run: the wait for more that ``gathering`` says (app/link/gathering.py), and what
-        came meanwhile read. While it waits, answers and what other threads post go out; hang-ups, new connections,
-        catalog calls and deadlines are seen when it ends (it never ends early; epoll's clock may add up to a
-        millisecond)."""
+        came meanwhile read. While it waits, answers and what other threads post go out, and the shared connections'
+        requests are read as they come: the wait ends once none more can come from them and none from a connection of
+        one exchange at a time could (those, hang-ups, new connections, catalog calls and deadlines are seen when it
+        ends; epoll's clock may add up to a millisecond)."""
         read = len(self._turn)
         # what can still come: a request from each connection of one exchange at a time that has none under way, and
         # from each shared one as many as it had under way at most, less those under way now
         singles_read = sum(1 for entry in self._turn if entry[3] is None)
-        can_come = self._open - len(self._shared) - self._exchanges - self._calls_off_loop - singles_read
-        wait_s = self.gathering.wait_s(read, can_come + sum(conn.can_come() for conn in self._shared))
+        singles = self._open - len(self._shared) - self._exchanges - self._calls_off_loop - singles_read
+        wait_s = self.gathering.wait_s(read, singles + sum(conn.can_come() for conn in self._shared))
         if wait_s:
             until = time.monotonic() + wait_s
             while (left := until - time.monotonic()) > 0:
-                if self._wake_only.select(left):
-                    self._woken()
+                for key, _ in self._wake_only.select(left):
+                    key.data()
+                if singles <= 0 and (len(self._turn) >= self.gathering.batch_cap or
+                                     not any(conn.can_come() > 0 for conn in self._shared)):
+                    break
             for key, _ in self._selector.select(0):
                 key.data()
             self.gathering.waited(len(self._turn) - read)
@@ -281,8 +285,9 @@ class EngineServer:
             return
         conn.closed = True
         self._open -= 1
-        with contextlib.suppress(KeyError, ValueError):
-            self._selector.unregister(conn.sock)
+        for selector in (self._selector, self._wake_only):
+            with contextlib.suppress(KeyError, ValueError):
+                selector.unregister(conn.sock)
         conn.sock.close()
         if conn.exchanges is not None:
             self._shared.remove(conn)
@@ -341,6 +346,7 @@ class EngineServer:
                 return False
             conn.exchanges = {}
             self._shared.append(conn)
+            self._wake_only.register(conn.sock, selectors.EVENT_READ, functools.partial(self._readable, conn))
         if isinstance(message, wire.Cancel):
             self._cancel(conn, message.ids)
             return True
