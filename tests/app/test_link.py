@@ -1037,6 +1037,50 @@ def test_the_loop_never_waits_for_requests_that_cannot_come(link: Link, monkeypa
     assert waited == [False, False, False] and link.server._exchanges == 0
 
 
+def _shared_connection(link: Link) -> tuple[socket.socket, wire.FrameReader]:
+    """A connection to the engine greeted, as a loop link's (its reads of Answers)."""
+    worker_end, engine_end = _pair()
+    link.server.serve(engine_end)
+    wire.say_hello(worker_end)
+    return worker_end, wire.FrameReader(worker_end, (wire.Answers,))
+
+
+def _sent_together(conn: socket.socket, ids: Sequence[int], image: bytes) -> None:
+    wire.send(conn, *wire.infers([(ident, wire.Infer("colour", None, None, 5.0, "1", (3, 8, 8), names=(None,)),
+                                   [image]) for ident in ids]))
+
+
+def _answered(reader: wire.FrameReader, count: int) -> list[int]:
+    """The ids of ``count`` answers read (a blocking socket), each a red image's."""
+    ids: list[int] = []
+    while len(ids) < count:
+        for answers, _ in reader.read():
+            assert all(answer.value.rows.argmax() == 0 for answer in answers.answers)
+            ids.extend(answers.ids)
+    return ids
+
+
+def test_the_loop_s_wait_for_more_ends_once_its_shared_connections_sent_what_they_can(
+        link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(link.server, "_loop_batch_s", 1.0)  # "short", however busy the machine running the test
+    (first, first_answers), (second, second_answers) = _shared_connection(link), _shared_connection(link)
+    with first, second:
+        _sent_together(first, [1, 2], image_bytes(RED))  # each has had two requests under way at once
+        _sent_together(second, [1, 2], image_bytes(RED))
+        assert sorted(_answered(first_answers, 2)) == [1, 2] and sorted(_answered(second_answers, 2)) == [1, 2]
+        _as_if_busy(link.server, monkeypatch, wait_s=5.0)
+        monkeypatch.setattr(link.server, "_open", link.server._open - 8)  # these two connections alone
+        link.server.gathering.arrival_gap_s = 2.5  # a wait of 5 s for the two the second connection can send
+        waited = _waits(link.server, monkeypatch)
+        started = time.monotonic()
+        _sent_together(first, [3, 4], image_bytes(RED))
+        wait_until(lambda: len(link.server._turn) == 2)  # read: the loop waits for the second connection's
+        _sent_together(second, [3, 4], image_bytes(RED))
+        assert sorted(_answered(first_answers, 2)) == [3, 4] and sorted(_answered(second_answers, 2)) == [3, 4]
+        assert time.monotonic() - started < 2.5  # the wait ended as they came, not at its 5 s
+        assert waited[-1] and model.batch_sizes[-1] == 4  # one batch of the four
+
+
 def test_connections_whose_catalog_call_runs_are_not_waited_for(link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
     red = torch.zeros(3, 8, 8)
     red[0] = 1.0
@@ -1265,23 +1309,12 @@ def test_a_loop_request_past_its_deadline_is_answered_504_through_the_shared_con
 
 
 def test_a_shared_connection_that_sends_a_request_of_its_own_is_closed_out_of_step(link: Link) -> None:
-    worker_end, engine_end = _pair()
-    with worker_end:
-        link.server.serve(engine_end)
-        wire.say_hello(worker_end)
-        infer(link.worker, [image_bytes(RED)])  # the signature's version
-        message, segments = wire.infers([(1, wire.Infer("colour", None, None, 5.0, "1", (3, 8, 8), names=(None,)),
-                                          [image_bytes(RED)])])
-        wire.send(worker_end, message, segments)
-        answers = wire.FrameReader(worker_end, (wire.Answers,))
-        worker_end.settimeout(10)
-        got: list[tuple[object, list[bytearray]]] = []
-        while not got:
-            got = answers.read()
-        [(answer, _)] = got
-        assert answer.ids == (1,) and answer.answers[0].value.rows.argmax() == 0
-        wire.send(worker_end, wire.Infer("colour", None, None, 5.0, "1", (3, 8, 8), names=(None,)),
-                  [image_bytes(RED)])
+    conn, answers = _shared_connection(link)
+    with conn:
+        _sent_together(conn, [1], image_bytes(RED))
+        assert _answered(answers, 1) == [1]
+        wire.send(conn, wire.Infer("colour", None, None, 5.0, "1", (3, 8, 8), names=(None,)), [image_bytes(RED)])
+        conn.settimeout(10)
         with pytest.raises(wire.EngineGone):
             while True:
                 answers.read()
