@@ -72,6 +72,8 @@ def _parsed_alike(message: wire.Infer, answering: Signature) -> None:
 
 CATALOG_READ_THREADS = 1  # catalog reads at once, never on the loop: one thread, as more only contend for the
 # interpreter lock with the loop (at C=64 four read threads cost 2x the CPU a /v1/models call, 0.72x its rate)
+SHARED_SEND_BUFFER_BYTES = 4 << 20  # a shared connection's answers of a turn (16-image requests' rows, 64 KB each)
+# in one send where the host allows (net.core.wmem_max); beyond it, the rest goes as the HTTP worker reads
 CATALOG_CHANGE_THREADS = 2  # catalog changes at once (a load waits for every engine), apart: no read waits behind one
 
 
@@ -91,6 +93,8 @@ class _Connection:
         self.cancelled: set[int] = set()  # shared: ids of those cancelled before their admission
         self.answers: list[tuple[int, wire.Answer]] = []  # shared: this turn's answers, to send together
         self.most = 0  # shared: the most requests it had under way at once (read or in flight)
+        self.unsent: list[memoryview] = []  # shared: what of its answers' frames the socket has not taken yet
+        self.writes: socket.socket | None = None  # shared: its second descriptor, watched for room while unsent
 
     def can_come(self) -> int:
         """How many more requests a shared connection may send before an answer: as many as it had under way at
@@ -288,6 +292,7 @@ class EngineServer:
         for selector in (self._selector, self._wake_only):
             with contextlib.suppress(KeyError, ValueError):
                 selector.unregister(conn.sock)
+        self._unwatch_writes(conn)
         conn.sock.close()
         if conn.exchanges is not None:
             self._shared.remove(conn)
@@ -346,6 +351,8 @@ class EngineServer:
                 return False
             conn.exchanges = {}
             self._shared.append(conn)
+            with contextlib.suppress(OSError):  # a turn's answers in one send (up to the host's wmem_max)
+                conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SHARED_SEND_BUFFER_BYTES)
             self._wake_only.register(conn.sock, selectors.EVENT_READ, functools.partial(self._readable, conn))
         if isinstance(message, wire.Cancel):
             self._cancel(conn, message.ids)
@@ -391,20 +398,44 @@ class EngineServer:
 
     def _send_answers(self) -> None:
         """Every shared connection's answers of this turn, in one ``Answers`` each; an answer that does not pickle
-        is sent as the server's error instead; a connection that fails is closed."""
+        is sent as the server's error instead. Never a wait: what the socket does not take now goes when it has
+        room (``_write``)."""
         answering, self._answering = self._answering, []
         for conn in answering:
             answers, conn.answers = conn.answers, []
             if conn.closed:
                 continue
-            ids, values = tuple([ident for ident, _ in answers]), tuple([answer for _, answer in answers])
-            try:
+            for first in range(0, len(answers), wire.MAX_SEGMENTS):  # a frame's segments: a row array an answer
+                some = answers[first:first + wire.MAX_SEGMENTS]
+                ids, values = tuple([ident for ident, _ in some]), tuple([answer for _, answer in some])
                 try:
-                    wire.send(conn.sock, wire.Answers(ids, values))
+                    conn.unsent += wire.frame_parts(wire.Answers(ids, values))
                 except (pickle.PicklingError, TypeError, AttributeError, ValueError):
-                    wire.send(conn.sock, wire.Answers(ids, tuple([self._sendable(answer) for answer in values])))
-            except OSError:
-                self._close(conn)
+                    conn.unsent += wire.frame_parts(wire.Answers(ids, tuple([self._sendable(a) for a in values])))
+            self._write(conn)
+
+    def _write(self, conn: _Connection) -> None:
+        """What of a shared connection's answers its socket takes now; the rest once it has room (its second
+        descriptor watched for that: the first is watched for requests). A connection that fails is closed."""
+        try:
+            while conn.unsent:
+                wire.send_some(conn.sock, conn.unsent)
+        except BlockingIOError:
+            if conn.writes is None:
+                conn.writes = conn.sock.dup()
+                self._selector.register(conn.writes, selectors.EVENT_WRITE, functools.partial(self._write, conn))
+            return
+        except OSError:
+            self._close(conn)
+            return
+        self._unwatch_writes(conn)
+
+    def _unwatch_writes(self, conn: _Connection) -> None:
+        writes, conn.writes = conn.writes, None
+        if writes is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(writes)
+            writes.close()
 
     def _sendable(self, answer: wire.Answer) -> wire.Answer:
         try:

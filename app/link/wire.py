@@ -252,25 +252,35 @@ FINGERPRINT = _fingerprint()
 HELLO = f"visionserve-wire/{PROTOCOL} {FINGERPRINT}".encode("ascii")
 
 
-def _send_frame(sock: socket.socket, head: bytes, segments: Sequence[bytes | memoryview]) -> None:
+def _frame_parts(head: bytes, segments: Sequence[bytes | memoryview]) -> list[memoryview]:
+    """A frame's bytes as the buffers one scatter-gather send takes: the header and the segment table, then the
+    segments, joined into one buffer when small."""
     first = b"".join([_HEAD.pack(len(head), len(segments)), *[_LENGTH.pack(len(s)) for s in segments], head])
     if not segments:
-        parts = [memoryview(first)]
-    elif sum(map(len, segments)) <= JOIN_BYTES:  # a small frame (an answer's rows, a few tensors): one buffer
-        parts = [memoryview(b"".join([first, *segments]))]
-    else:  # images: sent from where they are
-        parts = [memoryview(first), *[memoryview(s).cast("B") for s in segments]]
+        return [memoryview(first)]
+    if sum(map(len, segments)) <= JOIN_BYTES:  # a small frame (an answer's rows, a few tensors): one buffer
+        return [memoryview(b"".join([first, *segments]))]
+    return [memoryview(first), *[memoryview(s).cast("B") for s in segments]]  # images: sent from where they are
+
+
+def send_some(sock: socket.socket, parts: list[memoryview]) -> None:
+    """What of ``parts`` a non-blocking ``sock`` takes now, taken from ``parts`` (those left are what it did not
+    take); BlockingIOError when it takes none."""
+    sent = sock.sendmsg(parts[:_IOV_MAX])  # the kernel takes at most IOV_MAX buffers a call
+    while parts and sent >= len(parts[0]):  # a partial send (a signal, a full buffer): go on from there
+        sent -= len(parts.pop(0))
+    if parts:
+        parts[0] = parts[0][sent:]
+
+
+def _send_frame(sock: socket.socket, head: bytes, segments: Sequence[bytes | memoryview]) -> None:
+    parts = _frame_parts(head, segments)
     while parts:
         try:
-            sent = sock.sendmsg(parts[:_IOV_MAX])  # the kernel takes at most IOV_MAX buffers a call
+            send_some(sock, parts)
         except BlockingIOError:  # a non-blocking socket's buffer is full: on once the other side has read some
             if not _writable(sock, SEND_STALL_S):
                 raise EngineGone(f"the other side took nothing of a frame for {SEND_STALL_S:g}s") from None
-            continue
-        while parts and sent >= len(parts[0]):  # a partial send (a signal, a full buffer): go on from there
-            sent -= len(parts.pop(0))
-        if parts:
-            parts[0] = parts[0][sent:]
 
 
 def _encoded(message: Any, segments: Sequence[bytes | memoryview]) -> tuple[bytes, Sequence[bytes | memoryview]]:
@@ -318,6 +328,12 @@ def send(sock: socket.socket, message: Any, segments: Sequence[bytes | memoryvie
     """One frame: ``message`` (one of MESSAGES, its kind and values pickled; an answer's rows a segment) and
     ``segments`` (sent as they are)."""
     _send_frame(sock, *_encoded(message, segments))
+
+
+def frame_parts(message: Any, segments: Sequence[bytes | memoryview] = ()) -> list[memoryview]:
+    """``message``'s frame as the buffers ``send`` would send, for a sender that waits for room itself
+    (``send_some``)."""
+    return _frame_parts(*_encoded(message, segments))
 
 
 def frame(message: Any) -> bytes:

@@ -389,7 +389,14 @@ def link(settings: Settings, predictor: Predictor, tmp_path: Path,
         joined.sent.append(message)
         real(sock, message, segments)  # type: ignore[arg-type]
 
+    def parts(message: object, segments: object = ()) -> list[memoryview]:  # the engine's shared answers
+        joined.frames.append(type(message).__name__)
+        joined.sent.append(message)
+        return real_parts(message, segments)  # type: ignore[arg-type]
+
+    real_parts = wire.frame_parts
     monkeypatch.setattr(wire, "send", counted)
+    monkeypatch.setattr(wire, "frame_parts", parts)
     yield joined
     service.shutdown(timeout=5)
 
@@ -1050,12 +1057,15 @@ def _sent_together(conn: socket.socket, ids: Sequence[int], image: bytes) -> Non
                                    [image]) for ident in ids]))
 
 
-def _answered(reader: wire.FrameReader, count: int) -> list[int]:
-    """The ids of ``count`` answers read (a blocking socket), each a red image's."""
+def _answered(reader: wire.FrameReader, count: int, red: bool = True) -> list[int]:
+    """The ids of ``count`` answers read (a blocking socket), each a red image's (``red``; else any answer, the
+    queue's refusals included)."""
     ids: list[int] = []
     while len(ids) < count:
         for answers, _ in reader.read():
-            assert all(answer.value.rows.argmax() == 0 for answer in answers.answers)
+            if red:
+                assert [answer.error for answer in answers.answers if answer.error] == []
+                assert all(answer.value.rows.argmax() == 0 for answer in answers.answers)
             ids.extend(answers.ids)
     return ids
 
@@ -1306,6 +1316,22 @@ def test_a_loop_request_past_its_deadline_is_answered_504_through_the_shared_con
     assert time.monotonic() - started < 3  # the engine's deadline, not the HTTP side's grace beyond it
     assert not any(isinstance(m, wire.Cancel) for m in link.sent)  # answered: nothing to cancel
     wait_until(lambda: link.engine.in_flight.count() == 0)
+
+
+def test_answers_a_shared_connection_does_not_read_wait_for_room_while_the_loop_serves_the_others(
+        link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.link import loop
+
+    monkeypatch.setattr(loop, "SHARED_SEND_BUFFER_BYTES", 4096)  # the least a socket takes: a few answers' worth
+    (slow, slow_answers), (other, other_answers) = _shared_connection(link), _shared_connection(link)
+    with slow, other:
+        _sent_together(slow, range(1, 201), image_bytes(RED))  # 200 answers, far beyond its buffer; none read yet
+        wait_until(lambda: any(conn.writes is not None for conn in link.server._shared))  # the rest waits for room
+        _sent_together(other, [1], image_bytes(RED))
+        assert _answered(other_answers, 1) == [1]  # the loop serves on
+        # and the rest goes as it is read: each answered, run or refused by the queue (it holds a few here)
+        assert sorted(_answered(slow_answers, 200, red=False)) == list(range(1, 201))
+        wait_until(lambda: all(conn.writes is None and not conn.unsent for conn in link.server._shared))
 
 
 def test_a_shared_connection_that_sends_a_request_of_its_own_is_closed_out_of_step(link: Link) -> None:
