@@ -405,13 +405,18 @@ class EngineServer:
             answers, conn.answers = conn.answers, []
             if conn.closed:
                 continue
-            for first in range(0, len(answers), wire.MAX_SEGMENTS):  # a frame's segments: a row array an answer
-                some = answers[first:first + wire.MAX_SEGMENTS]
-                ids, values = tuple([ident for ident, _ in some]), tuple([answer for _, answer in some])
-                try:
-                    conn.unsent += wire.frame_parts(wire.Answers(ids, values))
-                except (pickle.PicklingError, TypeError, AttributeError, ValueError):
-                    conn.unsent += wire.frame_parts(wire.Answers(ids, tuple([self._sendable(a) for a in values])))
+            try:
+                for first in range(0, len(answers), wire.MAX_SEGMENTS):  # a frame's segments: a row array an answer
+                    some = answers[first:first + wire.MAX_SEGMENTS]
+                    ids, values = tuple([ident for ident, _ in some]), tuple([answer for _, answer in some])
+                    try:
+                        conn.unsent += wire.frame_parts(wire.Answers(ids, values))
+                    except (pickle.PicklingError, TypeError, AttributeError, ValueError):
+                        conn.unsent += wire.frame_parts(wire.Answers(ids, tuple([self._sendable(a) for a in values])))
+            except Exception:  # noqa: BLE001 - one connection's fault never ends the loop: it is closed
+                log.exception("closed a shared connection whose answers could not be framed")
+                self._close(conn)
+                continue
             self._write(conn)
 
     def _write(self, conn: _Connection) -> None:
@@ -422,8 +427,11 @@ class EngineServer:
                 wire.send_some(conn.sock, conn.unsent)
         except BlockingIOError:
             if conn.writes is None:
-                conn.writes = conn.sock.dup()
-                self._selector.register(conn.writes, selectors.EVENT_WRITE, functools.partial(self._write, conn))
+                try:
+                    conn.writes = conn.sock.dup()
+                    self._selector.register(conn.writes, selectors.EVENT_WRITE, functools.partial(self._write, conn))
+                except OSError:  # no descriptor to spare: the connection cannot wait for room
+                    self._close(conn)
             return
         except OSError:
             self._close(conn)
@@ -496,15 +504,18 @@ class EngineServer:
     def _admit(self, conn: _Connection, message: wire.Infer, segments: list[bytearray],
                ident: int | None) -> _Exchange | None:
         conn.read_pending = False
+        cancelled = False
         if ident is not None:
             conn.unadmitted.discard(ident)
+            cancelled = ident in conn.cancelled
+            conn.cancelled.discard(ident)
         try:
             admission = self.service.enter(message.model, message.version, message.client_key)
         except Exception as exc:  # noqa: BLE001 - every failure is answered, never a dropped connection
-            self._reply(conn, ident, self._answer(error=_as_error(exc)))
+            if not cancelled:
+                self._reply(conn, ident, self._answer(error=_as_error(exc)))
             return None
-        if conn.closed or (ident is not None and ident in conn.cancelled):  # its client hung up while the loop
-            conn.cancelled.discard(ident)  # type: ignore[arg-type]  # waited for more requests: counted, not run
+        if conn.closed or cancelled:  # its client hung up while the loop waited for more requests: counted, not run
             admission.leave(ClientGone("the client closed the connection before its request was admitted"))
             return None
         try:

@@ -111,31 +111,50 @@ class LoopLink:
                 waiting, self._connecting = self._connecting, None
                 for event in waiting:
                     event.set()
-            with contextlib.suppress(OSError):  # room for a turn's photos in one send (up to the host's wmem_max)
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
-            self._conn, self._sends, self._loop = conn, conn.dup(), loop
+            sends = None
+            try:
+                with contextlib.suppress(OSError):  # a turn's photos in one send (up to the host's wmem_max)
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+                sends = conn.dup()
+                loop.watch(conn, self._readable)
+            except BaseException:
+                for sock in (conn, sends):
+                    if sock is not None:
+                        sock.close()
+                raise
+            self._conn, self._sends, self._loop = conn, sends, loop
             self._reader = wire.FrameReader(conn, (wire.Answers,))
-            loop.watch(conn, self._readable)
 
     def _send_outbox(self, loop: OnLoop | None) -> None:
         """This request sends the outbox: with ``loop``, once the loop has run its other ready requests (which add
-        theirs); then as long as more came meanwhile. A connection that fails fails every request it carries."""
+        theirs); then as long as more came meanwhile. A connection that fails fails every request it carries; one
+        that broke meanwhile (its descriptor shut down, which ends a wait for room) is closed here, and a new one
+        is left as it is. Anything else that ends a send midway breaks the connection too (the engine would read
+        the next frame from the middle of this one), then is raised."""
         self._sending = True
+        sends = None
         try:
             if loop is not None:
                 turn = loop.event()
                 loop.before_wait(turn.set)
                 turn.wait(TURN_WAIT_S)
-            while (self._outbox or self._cancels) and self._sends is not None:
+            sends = self._sends
+            while (self._outbox or self._cancels) and sends is not None and self._sends is sends:
                 cancels, self._cancels = self._cancels, []
                 if cancels:
-                    wire.send(self._sends, wire.Cancel(tuple(cancels)))
+                    wire.send(sends, wire.Cancel(tuple(cancels)))
                 if self._outbox:
-                    wire.send(self._sends, *wire.infers(self._next_message()))
-        except (wire.EngineGone, OSError) as exc:
-            self._broken(exc)
+                    wire.send(sends, *wire.infers(self._next_message()))
+        except BaseException as exc:
+            if sends is not None and self._sends is sends:
+                self._broken(exc)
+            if not isinstance(exc, (wire.EngineGone, OSError)):
+                raise
         finally:
             self._sending = False
+            if sends is not None and self._sends is not sends:  # broken while it sent: its descriptor is ours
+                with contextlib.suppress(OSError):
+                    sends.close()
 
     def _next_message(self) -> list[tuple[int, wire.Infer, Sequence[bytes | memoryview]]]:
         """The outbox's first requests, as many as one frame's segments hold (``wire.MAX_SEGMENTS``; one at least),
@@ -181,7 +200,8 @@ class LoopLink:
                     asked.event.set()
 
     def _broken(self, exc: BaseException) -> None:
-        """The connection failed: closed, and every request it carries (or was to) fails with EngineGone."""
+        """The connection failed: closed, and every request it carries (or was to) fails with EngineGone. A send
+        under way keeps its descriptor, shut down (which wakes its wait for room), for the sender to close."""
         conn, sends, loop = self._conn, self._sends, self._loop
         self._conn = self._sends = self._reader = None
         if conn is not None and loop is not None:
@@ -189,7 +209,10 @@ class LoopLink:
         for sock in (conn, sends):
             if sock is not None:
                 with contextlib.suppress(OSError):
-                    sock.close()
+                    sock.shutdown(socket.SHUT_RDWR)
+                if sock is conn or not self._sending:
+                    with contextlib.suppress(OSError):
+                        sock.close()
         gone = exc if isinstance(exc, wire.EngineGone) else wire.EngineGone(f"{type(exc).__name__}: {exc}")
         asked, self._asked = self._asked, {}
         self._outbox, self._cancels = [], []

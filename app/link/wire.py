@@ -310,8 +310,8 @@ def _served_head(served: contract.Served) -> tuple[tuple[Any, ...], memoryview]:
 
 
 def _answers_fields(message: Answers) -> tuple[tuple[Any, ...], list[memoryview]]:
-    """An ``Answers``' fields: the ids, each answer as (its Served's head or None, its other value, its error), and
-    the one engine and routing generation they share; each Served's rows a segment."""
+    """An ``Answers``' fields: the ids, each answer as (its Served's head or None, its other value, its error), the
+    engine and the latest routing generation among them; each Served's rows a segment."""
     items, segments = [], []
     for answer in message.answers:
         if isinstance(answer.value, contract.Served):
@@ -320,8 +320,9 @@ def _answers_fields(message: Answers) -> tuple[tuple[Any, ...], list[memoryview]
             segments.append(rows)
         else:
             items.append((None, answer.value, answer.error))
-    first = message.answers[0] if message.answers else Answer()
-    return (message.ids, tuple(items), first.engine, first.routes), segments
+    engine = message.answers[0].engine if message.answers else 0
+    routes = max([answer.routes for answer in message.answers], default=0)  # the latest: a routing change of the
+    return (message.ids, tuple(items), engine, routes), segments  # turn drops what the HTTP side keeps at once
 
 
 def send(sock: socket.socket, message: Any, segments: Sequence[bytes | memoryview] = ()) -> None:

@@ -1226,6 +1226,48 @@ def test_a_loop_turn_s_requests_beyond_one_frame_s_segments_go_in_as_many_messag
     assert counts == [(1, 1, 1), (1, 1), (2,)]  # in order, none over 3 segments
 
 
+def test_a_link_broken_while_a_send_waits_for_room_ends_that_send_and_leaves_the_next_connection_be() -> None:
+    from app.link.loop_link import LoopLink
+
+    engine_ends: list[socket.socket] = []
+
+    def connect() -> socket.socket:  # an engine that reads nothing on the first connection, answers on the next
+        ours, theirs = _pair()
+        ours.setblocking(False)
+        engine_ends.append(theirs)
+        return ours
+
+    def answer_one(conn: socket.socket) -> None:
+        reader = wire.FrameReader(conn, (wire.Infers,))
+        got: list[tuple[object, list[bytearray]]] = []
+        while not got:
+            got = reader.read()
+        [(message, _)] = got
+        rows = np.zeros((1, 4), np.float32)
+        served = contract.Served(rows, (contract.BatchRun(1, 1, 4, 0.0, 0.0),), "colour", "1", wire.NO_LABELS, 0.0)
+        wire.send(conn, wire.Answers(message.ids, (wire.Answer(served, None, 1, 0),)))  # type: ignore[attr-defined]
+
+    link, loop = LoopLink(connect), LoopWorker()
+    message = wire.Infer("colour", None, None, 5.0, "1", (3, 8, 8), names=(None,))
+    with loop.waits():
+        loop.start("big", functools.partial(_outcome, lambda: link.ask(loop.worker, message, [b"x" * (16 << 20)],
+                                                                        30.0, None)))
+        loop.turn_until(lambda: link._sending and len(loop.worker.poller.get_map()) == 2)  # its send waits for room
+        started = time.monotonic()
+        engine_ends[0].sendall(wire._HEAD.pack(8, wire.MAX_SEGMENTS + 1))  # a frame that cannot be: the link breaks
+        loop.turn_until(lambda: "big" in loop.outcomes)  # while the send waits for room the engine never makes
+        assert isinstance(loop.outcomes["big"].result(), wire.EngineGone) and time.monotonic() - started < 5
+        loop.start("next", functools.partial(_outcome, lambda: link.ask(loop.worker, message, [b"y"], 30.0, None)))
+        engine = threading.Thread(target=answer_one, args=(engine_ends[1],))
+        engine.start()
+        loop.turn_until(lambda: "next" in loop.outcomes)
+        engine.join(10)
+    assert isinstance(loop.outcomes["next"].result(), wire.Answer) and link.in_flight == 0
+    assert link._conn is not None and link._conn.fileno() >= 0  # the new connection stands
+    for conn in engine_ends:
+        conn.close()
+
+
 def _batches_off_the_loop(link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine's batches on the batcher's thread, as on a GPU: a batch held by the gate leaves its loop free."""
     monkeypatch.setattr(link.server, "_loop_batch_s", 0.0)
