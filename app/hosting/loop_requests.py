@@ -92,13 +92,10 @@ class LoopEvent:
         """Whether it was set within ``timeout_s``; the loop serves its other requests meanwhile."""
         if self.is_set:
             return True
-        loop = self._loop
-        wait = self._wait = LoopWait(partial(loop._step, self._request))
-        heapq.heappush(loop.waits, (time.monotonic() + timeout_s, next(loop._wait_order), wait))
+        wait = self._wait = LoopWait(partial(self._loop._step, self._request))
         try:
-            return loop.loop_greenlet.switch()  # type: ignore[union-attr]
+            return self._loop.parked(wait, timeout_s)
         finally:
-            wait.done, wait.resume = True, _resumed_already
             self._wait = None
 
 
@@ -180,21 +177,28 @@ class LoopRequests:
         greenlet runs on; True once the socket is ready, False when the time is up. A wait ``for_client`` (to write
         its answer) gives the request's slot to the next. None (the caller polls) on any other greenlet or
         thread."""
-        request = getcurrent()
-        if not isinstance(request, LoopRequest) or self.loop_greenlet is None:
+        if not self.in_loop_request():
             return None
+        request: LoopRequest = getcurrent()  # type: ignore[assignment]
         mask = ((selectors.EVENT_READ if events & select.POLLIN else 0)
                 | (selectors.EVENT_WRITE if events & select.POLLOUT else 0))
         if for_client:  # its answer waits for the client to read: the slot goes to the next request
             self._free_slot(request)
         wait = LoopWait(partial(self._step, request))
         self.poller.register(sock, mask, wait.ready)
+        try:
+            return self.parked(wait, timeout_s)
+        finally:
+            self.poller.unregister(sock)
+
+    def parked(self, wait: LoopWait, timeout_s: float) -> bool:
+        """The calling loop request waits on the loop's greenlet until ``wait`` resumes it (ready: True) or its
+        ``timeout_s`` is up (False)."""
         heapq.heappush(self.waits, (time.monotonic() + timeout_s, next(self._wait_order), wait))
         try:
-            return self.loop_greenlet.switch()
+            return self.loop_greenlet.switch()  # type: ignore[union-attr]
         finally:
             wait.done, wait.resume = True, _resumed_already  # the heap keeps no ended request alive
-            self.poller.unregister(sock)
 
     def in_loop_request(self) -> bool:
         """Whether the caller is one of this loop's requests."""
