@@ -65,11 +65,12 @@ class Ranked(NamedTuple):
     score: float
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Served:
     """A request's answer: its ``rows``, one per input in order (float32 probabilities, followed by the image's
     embedding when it was asked for: ``embedding_dim`` columns), the batches they ran in (a run of consecutive
-    inputs per batch, in input order: ``Group.runs``), which version gave it, and how long decoding took."""
+    inputs per batch, in input order: ``Group.runs``), which version gave it, and how long decoding took. Never
+    changed once made, but not frozen: made on both sides of every request (app/link/wire.py ``_Message``)."""
 
     rows: np.ndarray
     batches: tuple[BatchRun, ...]

@@ -442,17 +442,17 @@ def whole_bursts(requests: int, burst: int) -> int:
 
 
 def instructions(checkout: Path, weights: Path, form: str, requests: int,
-                 max_batch_size: int = GPU_BATCH_CEILING, burst: int = 1) -> dict[str, Any]:
+                 max_batch_size: int = GPU_BATCH_CEILING, burst: int = 1, floor: bool = False) -> dict[str, Any]:
     """The engine of ``checkout`` under callgrind (valgrind installed), sent ``requests`` of ``form`` ``burst`` at a
     time (each on a connection of its own, the next ones once all are answered) by that checkout's client
     (``count``): its instructions per request and per image, the same from run to run where its CPU time moves
     10-20% on a VM. Requests that come alone (or ``burst`` together): their batches, their settle, no wake-up's cost
-    (the kernel's and the caches' work is not counted)."""
+    (the kernel's and the caches' work is not counted). ``floor``: the floor's engine (``serve_floor``) instead."""
     with tempfile.TemporaryDirectory(prefix="visionserve-callgrind-") as folder:
         out = Path(folder) / "callgrind.out"
         from bench.serving.callgrind import callgrind_command, callgrind_total
 
-        serve_args = ["--serve", str(checkout), str(weights)]
+        serve_args = ["--serve-floor", str(weights)] if floor else ["--serve", str(checkout), str(weights)]
         with _engine(checkout, serve_args, "cpu", callgrind_command(out), max_batch_size) as (engine, sock, env):
             subprocess.run([sys.executable, "-m", "bench.serving.engine_only", "--count", str(checkout), str(sock),
                             form, str(requests), str(engine.pid), str(burst)], cwd=ROOT, env=env, capture_output=True,
@@ -527,7 +527,7 @@ def instruction_report(found: dict[tuple[str, Path], dict[str, Any]], requests: 
              f"after {WARM_UP_REQUESTS} of warm-up", "",
              "| checkout | form | instructions / request | instructions / image |", "| --- | --- | --- | --- |"]
     for (form, checkout), point in found.items():
-        name = "this" if checkout == ROOT else checkout
+        name = {ROOT: "this", FLOOR: "floor"}.get(checkout, str(checkout))
         lines.append(f"| {name} | {form} | {point['instructions_per_request']:.0f} | "
                      f"{point['instructions_per_image']:.0f} |")
     return "\n".join(lines) + "\n"
@@ -589,9 +589,14 @@ def main(argv: list[str] | None = None) -> int:
     weights = tiny_weights(TINY_WEIGHTS)
     checkouts = [ROOT, *(c.resolve() for c in args.checkout)]
     if args.instructions:
-        report = instruction_report({(form, checkout): instructions(checkout, weights, form, args.requests,
-                                                                    args.max_batch_size, args.burst)
-                                     for form in args.forms for checkout in checkouts}, args.requests, args.burst)
+        counted = {(form, checkout): instructions(checkout, weights, form, args.requests, args.max_batch_size,
+                                                  args.burst)
+                   for form in args.forms for checkout in checkouts}
+        if args.floor:  # the floor's count beside (V2 forms: it decodes nothing)
+            counted.update({(form, FLOOR): instructions(ROOT, weights, form, args.requests, args.max_batch_size,
+                                                        args.burst, floor=True)
+                            for form in args.forms if FORMS[form][0] == "v2"})
+        report = instruction_report(counted, args.requests, args.burst)
         print(report)
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)

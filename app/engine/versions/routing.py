@@ -32,10 +32,11 @@ def check_names(name: str | None, version: str | None = None) -> None:
         raise BadRequest(str(exc), details={"pattern": NAME_PATTERN}) from None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Route:
     """Where one request goes: the version that answers it, its role there, and the candidate that also runs it
-    off the response path (a shadow), if any."""
+    off the response path (a shadow), if any. Never changed once made; not frozen, as it is made for every request
+    (app/link/wire.py ``_Message``)."""
 
     version: LoadedVersion
     role: str  # live (the default), canary (the rollout's candidate, its share), or named (the request named it)
@@ -130,6 +131,11 @@ class RoutingTable:
         return Route(loaded, "live", other if shadow else None)
 
     def _find(self, name: str | None, version: str | None) -> LoadedVersion:
+        versions = self._routes.get(name) if isinstance(name, str) else None
+        if versions is not None:  # a name routed is a valid one, as is a version it holds: no pattern to match
+            loaded = versions.get(version if isinstance(version, str) else self._defaults[name])
+            if loaded is not None:
+                return loaded
         check_names(name, version)
         if name is None:
             if not self._routes:
