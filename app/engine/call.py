@@ -173,7 +173,10 @@ class Call:
         runs = queued.group.runs()
         if self._shadow is not None:
             self._shadow(queued.images, queued.pixels, queued.prepared, values, runs)
-        if embedding or not self.model.embedding_dim:
+        if len(values) == 1 and isinstance(values[0], np.ndarray):  # one image: its row of the batch's array, not
+            rows = values[0][None] if embedding or not self.model.embedding_dim else (  # a copy
+                values[0][None, :len(self.model.labels)])
+        elif embedding or not self.model.embedding_dim:
             rows = np.array(values)
         else:  # the probabilities' columns alone
             classes = len(self.model.labels)

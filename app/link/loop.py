@@ -539,7 +539,11 @@ class EngineServer:
 
     def _queue(self, exchange: _Exchange) -> None:
         """On the loop: the images queued (their headers read, or none to decode), then watched until done."""
-        self._queued_or_ended(exchange)()
+        queued = self._queued_or_ended(exchange)
+        if isinstance(queued, Queued):
+            self._queued(exchange, queued)
+        else:
+            queued()
 
     def _queue_all(self, exchanges: list[_Exchange]) -> None:
         """On a decode thread or the loop: the images of these requests decoded and queued, handed to the loop
@@ -550,7 +554,9 @@ class EngineServer:
         try:
             for exchange in exchanges:
                 size = encoded_bytes(exchange)
-                steps.append(self._queued_or_ended(exchange))
+                queued = self._queued_or_ended(exchange)
+                steps.append(functools.partial(self._queued, exchange, queued) if isinstance(queued, Queued) else
+                             queued)
                 if not exchange.images:  # queued: the queue holds what it needs
                     decoded, spent = decoded + size, spent + exchange.decode_cpu_s  # not a batch run here
             self.decode_shares.measured(decoded, spent)
@@ -564,23 +570,25 @@ class EngineServer:
 
         self._post(hand_over)
 
-    def _queued_or_ended(self, exchange: _Exchange) -> Callable[[], None]:
-        """The request's images decoded (or their headers read) and queued; what the loop then does with it. On the
-        loop, queued without waking the batcher's thread: the turn then runs its batch there when it is short (on
-        the CPU, as ``INLINE_WHEN_IDLE`` says) instead of waking that thread and being woken back; from a decode
-        thread, queued for the batcher's thread."""
+    def _queued_or_ended(self, exchange: _Exchange) -> Queued | Callable[[], None]:
+        """The request's images decoded (or their headers read) and queued (for ``_queued`` on the loop), or what
+        the loop then does instead (its end). On the loop, queued without waking the batcher's thread: the turn then
+        runs its batch there when it is short (on the CPU, as ``INLINE_WHEN_IDLE`` says) instead of waking that
+        thread and being woken back; from a decode thread, queued for the batcher's thread, unless its client hung
+        up meanwhile (which the loop says)."""
         message, on_loop = exchange.message, threading.get_ident() == self._loop_thread
         try:
             queued = exchange.call.queue(exchange.images, exchange.tensors, timeout_s=message.timeout_s,
                                          names=message.names, inline=False, defer=on_loop,
-                                         client_gone=lambda: exchange.ended)  # its hang-up ends it on the loop
+                                         client_gone=None if on_loop else lambda: exchange.ended)
         except Exception as exc:  # noqa: BLE001 - answered
             return functools.partial(self._end, exchange, exc)
         if on_loop:
-            self._deferred[id(exchange.call.batcher)] = exchange.call.batcher
+            batcher = exchange.call.batcher
+            self._deferred[id(batcher)] = batcher
         exchange.images, exchange.tensors = [], []  # the queue holds what it needs
         exchange.decode_cpu_s = queued.decode_cpu_s
-        return functools.partial(self._queued, exchange, queued)
+        return queued
 
     def _queued(self, exchange: _Exchange, queued: Queued) -> None:
         """On the loop: the request's images are queued; its deadline is watched and its futures counted down."""
@@ -594,7 +602,10 @@ class EngineServer:
     def _done(self, exchange: _Exchange, _: object) -> None:
         """On the batcher's thread (or the loop): every image of the request has its row, or one failed; the
         answer is the loop's to send."""
-        self._post(functools.partial(self._end, exchange, None))
+        if threading.get_ident() == self._loop_thread:
+            self._end(exchange, None)
+        else:
+            self._post(functools.partial(self._end, exchange, None))
 
     def _expire(self) -> None:
         """Answer 504 for every request whose deadline passed before its images were done."""

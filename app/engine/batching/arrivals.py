@@ -25,11 +25,13 @@ class InFlight:
 
     def enter(self) -> None:
         """Count one more (``leave`` when done): for a use that outlives a ``with`` block."""
-        self._add(1)
+        with self._lock:  # (not through _add: each request enters and leaves several of these)
+            self._count += 1
 
     def leave(self) -> None:
         """Count one less."""
-        self._add(-1)
+        with self._lock:
+            self._count -= 1
 
     def wait_empty(self, timeout_s: float, poll_s: float = 0.02) -> bool:
         """Wait until nobody is inside (``timeout_s`` at most); returns whether nobody is."""
@@ -66,10 +68,12 @@ class Arrivals(InFlight):
         pending = [True]
 
         def arrived() -> None:
-            with self._lock:
-                if pending[0]:
-                    pending[0] = False
-                    self._count -= 1
+            if pending[0]:  # (a request's second call, at its end, takes no lock)
+                with self._lock:
+                    if pending[0]:
+                        pending[0] = False
+                        self._count -= 1
 
-        self._add(1)
+        with self._lock:
+            self._count += 1
         return arrived

@@ -268,20 +268,23 @@ class Batcher(Generic[In, Out]):
         """Under the lock: BatcherClosed, DeadlineTooShort, QueueFull or DeadlineUnreachable, else nothing."""
         if self._closed:
             raise BatcherClosed("the inference worker is shutting down")
-        own = self.expected_wait_s(count)
-        if deadline is not None and self.batches_run and now + own > deadline:
+        # expected_wait_s's figures, looked up once (this runs for every request); deadlines judged once timed
+        cap, batch_s = self.current_max_batch_size, max(self._batch_seconds, self.max_wait_s)
+        until = deadline if self.batches_run else None
+        own = -(-count // cap) * batch_s
+        if until is not None and now + own > until:
             # No backlog could clear in time for this: retrying the same deadline would fail again.
             images = "this image's" if count == 1 else f"these {count} images'"
-            raise DeadlineTooShort(f"the {_ms(deadline - now)} deadline is shorter than {images} own inference "
+            raise DeadlineTooShort(f"the {_ms(until - now)} deadline is shorter than {images} own inference "
                                    f"(about {_ms(own)})")
         backlog = len(self._queue) + count
+        wait = -(-backlog // cap) * batch_s
         if backlog > self.queue_size:
             raise QueueFull(f"inference queue is full ({len(self._queue)}/{self.queue_size} waiting)",
-                            retry_after_s=self.expected_wait_s(backlog))
-        wait = self.expected_wait_s(backlog)
-        if deadline is not None and self.batches_run and now + wait > deadline:
+                            retry_after_s=wait)
+        if until is not None and now + wait > until:
             raise DeadlineUnreachable(f"the queue ahead needs about {wait:.3f}s, more than the "
-                                      f"{max(0.0, deadline - now):.3f}s deadline",
+                                      f"{max(0.0, until - now):.3f}s deadline",
                                       retry_after_s=self.expected_wait_s(len(self._queue)))
 
     def _may_run_inline(self, count: int) -> bool:

@@ -57,14 +57,14 @@ class LoadedVersion:
                 self._explainer = Explainer(self.predictor, self.decoder)
             return self._explainer
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
-        """The model's name (its manifest's)."""
+        """The model's name (its manifest's, fixed while it is loaded: read for every request)."""
         return self.predictor.manifest.name
 
-    @property
+    @functools.cached_property
     def version(self) -> str:
-        """The version (its manifest's)."""
+        """The version (its manifest's, fixed while it is loaded)."""
         return self.predictor.manifest.version
 
     @functools.cached_property
