@@ -14,6 +14,7 @@ message; a checkout that predates those messages is sent its requests as ``loop`
     python3 -m bench.serving.engine_only --device cuda --floor --out FOLDER        # on a GPU host (the drill)
     .venv/bin/python -m bench.serving.engine_only --instructions --checkout ../before --forms "v2 x1" "v2 x16"
     .venv/bin/python -m bench.serving.engine_only --instructions --forms "v2 x1" --burst 16 --requests 192  # by 16
+    .venv/bin/python -m bench.serving.engine_only --instructions --floor --forms "v2 x1" --burst 16  # the floor's too
     .venv/bin/python -m bench.serving.engine_only --forms "v2 x1" "v2 x4" "v2 x16" --images-in-flight 16  # by size
     .venv/bin/python -m bench.serving.engine_only --clients messages --floor --forms "v2 x1"  # as loop links send
 
@@ -33,7 +34,8 @@ connections (``Infers`` and ``Answers``, as two HTTP workers' loop links send th
 sends it requests one at a time (``--burst K``: K at a time, each on a connection of its own, so a turn of the
 engine's loop holds K): its instructions per request, the same from run to run within a fraction of a percent, where
 its CPU time moves 10-20% between runs on a VM. A change to the engine's steps shows there in one run;
-what it does to the wake-ups and the caches of a loaded engine (not counted) the CPU runs still tell.
+what it does to the wake-ups and the caches of a loaded engine (not counted) the CPU runs still tell. With
+``--floor``, the floor's engine is counted beside (V2 forms).
 
 Each engine's decode and forward CPU is read as its metrics count it (the thread that runs each, ``time.thread_time``:
 intra-op threads of a forward pass on more than one CPU thread land beyond it), and what is beyond both is told

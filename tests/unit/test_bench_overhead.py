@@ -202,6 +202,30 @@ def test_the_engine_counts_instructions_under_valgrind_for_requests_sent_a_few_a
     assert per_request > 100_000 and per_image == pytest.approx(per_request / 16, rel=1e-3)
 
 
+def test_the_engine_s_instruction_count_puts_the_floor_s_beside_for_the_v2_forms(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # --instructions --floor: each form counted on this checkout, and the V2 ones on the floor's engine too (the floor
+    # decodes nothing); the report names the floor's rows (the counts here stand in for callgrind's)
+    from bench.serving import engine_only
+    from bench.serving import tiny_work
+
+    counted: list[tuple[str, bool]] = []
+
+    def count(checkout: Path, weights: Path, form: str, requests: int, max_batch_size: int, burst: int,
+              floor: bool = False) -> dict[str, float]:
+        counted.append((form, floor))
+        return {"form": form, "instructions_per_request": 200_000 if floor else 300_000,
+                "instructions_per_image": 200_000 if floor else 300_000}
+
+    monkeypatch.setattr(engine_only, "instructions", count)
+    monkeypatch.setattr(tiny_work, "tiny_weights", lambda out: tmp_path)
+    assert engine_only.main(["--instructions", "--floor", "--forms", "v2 x1", "jpeg"]) == 0
+    assert sorted(counted) == [("jpeg", False), ("v2 x1", False), ("v2 x1", True)]
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert "| floor | v2 x1 | 200000 | 200000 |" in rows and "| this | v2 x1 | 300000 | 300000 |" in rows
+    assert not any(row.startswith("| floor | jpeg") for row in rows)
+
+
 def test_the_bare_app_with_a_wait_sleeps_that_long_before_it_answers(monkeypatch: pytest.MonkeyPatch) -> None:
     # bare-wait: the unit's request when it waits, as a request in process mode waits for its engine
     import bench.serving.bare_app as bare
