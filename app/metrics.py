@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import struct
 import threading
 import time
 from collections import Counter as Tally
@@ -108,22 +109,81 @@ def series(metric: Any, *labels: str) -> Any:
     return found
 
 
+class Increments:
+    """Counters' increments and histograms' observations written together (``write``): in multiprocess mode under
+    prometheus-client's one lock with one look for a fork, each value's two doubles put in its file's map directly,
+    where ``inc`` took the lock, the look and three calls for each (a lone request's engine turn writes about 20:
+    docs/performance.md); without it, each value's own ``inc``. Several values of a histogram as one increment per
+    bucket they fall in and one of the sum (a batch's or a loop turn's values land in few buckets). Reads
+    prometheus-client's own fields (pinned; tests compare it with ``inc`` and ``observe`` one by one, and across a
+    fork)."""
+
+    __slots__ = ("_pairs",)
+
+    def __init__(self) -> None:
+        self._pairs: list[tuple[Any, float]] = []  # (a prometheus-client value, what to add to it)
+
+    def inc(self, counter: Counter, amount: float) -> None:
+        """``counter.inc(amount)`` (a labelled child; ``amount`` >= 0)."""
+        counter._raise_if_not_observable()
+        self._pairs.append((counter._value, amount))
+
+    def observe(self, histogram: Histogram, values: Sequence[float]) -> None:
+        """``histogram.observe`` of each of ``values`` (a labelled child)."""
+        if not values:
+            return
+        histogram._raise_if_not_observable()
+        bounds, buckets, pairs = histogram._upper_bounds, histogram._buckets, self._pairs
+        pairs.append((histogram._sum, sum(values)))  # as observe() adds them: inf and -inf make NaN, no exception
+        # NaN is below no bound: observe() adds it to the sum and to no bucket
+        if len(values) == 1:
+            if values[0] == values[0]:
+                pairs.append((buckets[bisect.bisect_left(bounds, values[0])], 1))
+            return
+        for index, count in Tally(bisect.bisect_left(bounds, value) for value in values if value == value).items():
+            pairs.append((buckets[index], count))
+
+    def write(self) -> None:
+        """Everything added since the last write, written."""
+        pairs, self._pairs = self._pairs, []
+        if not pairs:
+            return
+        first = pairs[0][0]
+        if not getattr(first, "_multiprocess", False):
+            for value, amount in pairs:
+                value.inc(amount)
+            return
+        with _multiprocess_lock(type(first)):
+            first._MmapedValue__check_for_pid_change()  # a forked child's values move to files of its own first
+            for value, amount in pairs:
+                value._value += amount
+                value._timestamp = 0.0
+                file = value._file
+                at = file._positions.get(value._key)
+                if at is None:  # its first write in this file: placed there by the client
+                    file.write_value(value._key, value._value, 0.0)
+                else:  # as the client writes it: both doubles in one slice assignment, never a zero between
+                    file._m[at:at + 16] = _TWO_DOUBLES(value._value, 0.0)
+
+
+_TWO_DOUBLES = struct.Struct("dd").pack  # prometheus-client's mmap_dict layout: a value, then its timestamp
+_LOCKS: dict[type, Any] = {}
+
+
+def _multiprocess_lock(value_class: type) -> Any:
+    """The one lock prometheus-client's multiprocess values of ``value_class`` write under (its ``inc``'s)."""
+    lock = _LOCKS.get(value_class)
+    if lock is None:
+        inc = value_class.inc  # type: ignore[attr-defined]
+        lock = _LOCKS[value_class] = inc.__closure__[inc.__code__.co_freevars.index("lock")].cell_contents
+    return lock
+
+
 def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
-    """``histogram.observe`` of each of ``values`` (a labelled child), written as one increment per bucket they
-    fall in and one of the sum: in multiprocess mode each increment is a locked write to a shared file, and a batch's
-    or a loop turn's values land in few buckets. Reads prometheus-client's own fields (pinned; tests compare it with
-    ``observe`` one by one)."""
-    if len(values) < 2:
-        if values:
-            histogram.observe(values[0])
-        return
-    histogram._raise_if_not_observable()
-    bounds = histogram._upper_bounds
-    # NaN is below no bound: observe() adds it to the sum and to no bucket
-    counts = Tally(bisect.bisect_left(bounds, value) for value in values if value == value)
-    histogram._sum.inc(sum(values))  # as observe() adds them: inf and -inf make NaN, never an exception
-    for index, count in counts.items():
-        histogram._buckets[index].inc(count)
+    """``histogram.observe`` of each of ``values`` (a labelled child), written together (``Increments``)."""
+    increments = Increments()
+    increments.observe(histogram, values)
+    increments.write()
 
 
 @dataclass
@@ -183,14 +243,16 @@ class MetricsObserver:
                     psi: float | None) -> None:
         """Record a batch's predictions made for requests (top-1 label and probability of each) and the
         monitor's figures after it (None: not reported yet)."""
+        writes = Increments()
         for label, count in Tally(labels).items():
             predicted = self._predicted.get(label)
             if predicted is None:
                 predicted = self._predicted[label] = PREDICTED_CLASS.labels(*self._labels, label)
-            predicted.inc(count)
+            writes.inc(predicted, count)
         if self._confidence is None:
             self._confidence = TOP1_CONFIDENCE.labels(*self._labels)
-        observe_many(self._confidence, confidences)
+        writes.observe(self._confidence, confidences)
+        writes.write()
         with self._figures_lock:
             for gauge, value in ((LOW_CONFIDENCE_RATIO, low_confidence_ratio), (PREDICTION_DRIFT_PSI, psi)):
                 if value is not None and not self.retired:
@@ -225,13 +287,15 @@ class MetricsObserver:
             held, self._held = self._held, _HeldBatches()
         held.cpu_s += accounting_cpu_s
         if held.sizes:
-            observe_many(BATCH_SIZE, held.sizes)
-            observe_many(series(STAGE_SECONDS, "inference"), held.run_s)
-            series(STAGE_CPU_SECONDS, "inference").inc(held.cpu_s)
+            writes = Increments()
+            writes.observe(BATCH_SIZE, held.sizes)
+            writes.observe(series(STAGE_SECONDS, "inference"), held.run_s)
+            writes.inc(series(STAGE_CPU_SECONDS, "inference"), held.cpu_s)
             if held.forward_s:
-                observe_many(series(STAGE_SECONDS, "forward"), held.forward_s)
-                series(STAGE_CPU_SECONDS, "forward").inc(held.forward_cpu_s)
-            observe_many(series(STAGE_SECONDS, "queue"), held.queued_s)
+                writes.observe(series(STAGE_SECONDS, "forward"), held.forward_s)
+                writes.inc(series(STAGE_CPU_SECONDS, "forward"), held.forward_cpu_s)
+            writes.observe(series(STAGE_SECONDS, "queue"), held.queued_s)
+            writes.write()
         if self._memory_stats is not None and (now := time.monotonic()) - self._memory_read_at >= MEMORY_READ_S:
             self._memory_read_at = now
             for kind, value in self._memory_stats().items():
@@ -312,12 +376,16 @@ class RequestTally:
 
     def flush(self) -> None:
         """Write what was counted since the last flush."""
+        if not self._outcomes:  # (every loop turn flushes: most often nothing)
+            return
         outcomes, self._outcomes = self._outcomes, Tally()
         seconds, self._seconds = self._seconds, {}
+        writes = Increments()
         for labels, count in outcomes.items():
-            series(VERSION_REQUESTS, *labels).inc(count)
+            writes.inc(series(VERSION_REQUESTS, *labels), count)
         for (model, version), times in seconds.items():
-            observe_many(series(VERSION_REQUEST_SECONDS, model, version), times)
+            writes.observe(series(VERSION_REQUEST_SECONDS, model, version), times)
+        writes.write()
 
 
 # Every series an alert or a dashboard reads exists at 0 from the start, so "none yet" never reads as "no data".

@@ -214,6 +214,74 @@ def test_a_forked_child_writes_its_metrics_to_a_file_of_its_own(tmp_path: Path, 
     assert registry.get_sample_value("forked_total") == 6
 
 
+def test_increments_written_together_land_as_one_by_one_in_the_multiprocess_files_and_a_fork_s_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Increments writes under prometheus-client's lock straight into its files (its own fields: a client upgrade
+    # that moves them fails here): the same aggregated series as inc() and observe() one by one, a value's first
+    # write placing it in the file, and a forked child's writes in a file of its own
+    import os
+
+    from prometheus_client import CollectorRegistry, Counter, Histogram
+    from prometheus_client import values as prometheus_values
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    from app import metrics
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    monkeypatch.setattr(prometheus_values, "ValueClass",
+                        prometheus_values.MultiProcessValue(process_identifier=metrics._this_process))
+    made = CollectorRegistry()
+    counters = {way: Counter(f"{way}_events", "", ["k"], registry=made) for way in ("one", "many")}
+    histograms = {way: Histogram(f"{way}_seconds", "", ["k"], buckets=(0.1, 0.5, 1.0), registry=made)
+                  for way in ("one", "many")}
+    values = [0.0, 0.1, 0.100001, 0.5, 0.7, 1.0, 3.0, float("inf"), -1.0, 0.05]
+
+    def one_by_one() -> None:
+        counters["one"].labels("a").inc(2)
+        counters["one"].labels("b").inc(0.5)
+        for value in values:
+            histograms["one"].labels("a").observe(value)
+        histograms["one"].labels("b").observe(0.3)
+
+    def together() -> None:
+        writes = metrics.Increments()
+        writes.inc(counters["many"].labels("a"), 2)
+        writes.inc(counters["many"].labels("b"), 0.5)
+        writes.observe(histograms["many"].labels("a"), values)
+        writes.observe(histograms["many"].labels("b"), [0.3])
+        writes.observe(histograms["many"].labels("b"), [])
+        writes.write()
+        writes.write()  # nothing left: writes nothing more
+
+    for _ in range(2):  # a value's first write places it, the next ones overwrite it
+        together()
+        one_by_one()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child process: Increments alone must tell the fork
+        try:
+            together()
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    together()  # the parent's own values: had the child written into the parent's file, these write over it
+    for _ in range(2):
+        one_by_one()
+    assert {p.name for p in tmp_path.iterdir()} == {f"{kind}_{pid}.db" for kind in ("counter", "histogram")
+                                                    for pid in (os.getpid(), child)}
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, str(tmp_path))
+    read = {(s.name, tuple(sorted(s.labels.items()))): s.value for metric in registry.collect() for s in metric.samples}
+
+    def way(prefix: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return {(name.removeprefix(prefix), labels): value for (name, labels), value in read.items()
+                if name.startswith(prefix)}
+
+    assert way("one_") == way("many_") and len(way("many_")) > 10
+    assert way("many_")[("events_total", (("k", "a"),))] == 8  # both processes'
+    assert way("many_")[("seconds_count", (("k", "a"),))] == 4 * len(values)
+
+
 def test_the_gpu_memory_gauges_are_read_once_a_second_at_most(monkeypatch: pytest.MonkeyPatch) -> None:
     # torch.cuda.memory_allocated and memory_reserved each build the allocator's whole statistics dict: read at every
     # settle they were 5% of an engine's interpreter lock on an H200. A gauge scraped every few seconds needs one a

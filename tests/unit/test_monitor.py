@@ -7,6 +7,7 @@ import math
 import random
 import threading
 
+import numpy as np
 import pytest
 import torch
 from prometheus_client import REGISTRY
@@ -137,6 +138,23 @@ def test_nan_rows_count_as_no_confidence() -> None:
     monitor = _monitor(window=10, min_predictions=1)
     seen = monitor.observe(torch.full((2, len(LABELS)), float("nan")))
     assert seen.confidences == [0.0, 0.0] and seen.low_confidence_ratio == 1.0
+
+
+def test_the_monitor_s_top_class_is_the_one_the_answers_rank_first_ties_nan_and_inf_included() -> None:
+    # observe takes argmax and max where it can; it must name the class top_indices ranks first (ties: the lower
+    # index; NaN last), with that class's probability, for every row of a batch that mixes ties, NaN and inf
+    from app.engine.contract import top_indices
+
+    nan, inf = float("nan"), float("inf")
+    rows = np.array([[0.1, 0.3, 0.3, 0.1, 0.1, 0.1], [nan, 0.2, 0.5, 0.5, 0.0, 0.0], [0.2, 0.2, 0.2, 0.2, 0.2, 0.2],
+                     [0.0, 0.1, inf, 0.2, inf, nan], [nan] * 6, [-inf, -inf, 0.0, -inf, 0.1, 0.0],
+                     [0.05, 0.05, 0.1, 0.7, 0.05, 0.05]], dtype=np.float32)
+    for batch in (rows, rows[[0, 2, 6]], rows[[1]], rows[[5, 0]]):  # with NaN, inf and -inf, and without
+        seen = _monitor(window=100).observe(batch)
+        expected = top_indices(batch, 1)[:, 0]
+        assert seen.labels == [LABELS[i] for i in expected]
+        best = batch[np.arange(len(batch)), expected]
+        assert seen.confidences == [0.0 if c != c else pytest.approx(c) for c in best.tolist()]
 
 
 def test_observing_from_several_threads_loses_no_prediction() -> None:
