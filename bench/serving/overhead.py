@@ -25,8 +25,8 @@ it, read around each point; the table shows all three). ``bare-wait`` is the sam
 answers: what the unit's request costs when it waits, as every request in process mode waits for its engine;
 ``bare-gevent`` and ``bare-gevent-wait`` the same two under gunicorn's gevent worker (gevent installed by hand): what
 the wait costs a worker class without a thread hand-off (docs/performance.md).
-``--floor`` adds, for the V2 forms, the engine process alone (``bench.serving.engine_only``: a client thread per
-connection, as behind HTTP workers) and its floor (a loop with the same wire, model and answers, nothing else), their
+``--floor`` adds, for the V2 forms, the engine process alone (``bench.serving.engine_only --clients messages``: the
+requests on two connections, several a message, as two HTTP workers' loop links send them) and its floor (a loop with the same wire, model and answers, nothing else), their
 CPU beyond the forward pass in the same run's unit: what the engine's budget leaves beyond the least a Python engine
 on this wire spends. Each runs at the headline C, and again with as many clients as process mode's mean batch there
 (the table's "mean batch": behind two HTTP workers on two cores the engine runs smaller batches than its own clients
@@ -248,7 +248,7 @@ AT_HEADLINE, AT_SERVED = "at the headline C", "at the served batches"  # --floor
 
 
 def alone_clients(served: Point | None, headline: int) -> dict[str, int]:
-    """``--floor``'s client threads for a V2 form: the headline C, and as many as process mode's mean batch at that C
+    """``--floor``'s requests in flight for a V2 form: the headline C, and as many as process mode's mean batch at that C
     in the served run (``served``) holds requests, rounded, when that differs: the engine alone and its floor then run
     about the batches the engine ran behind HTTP workers, where the headline's clients give them larger ones."""
     clients = {AT_HEADLINE: headline}
@@ -260,7 +260,7 @@ def alone_clients(served: Point | None, headline: int) -> dict[str, int]:
 
 
 def at_batch(run: Callable[[int], dict], clients: int, batch: float | None, most: int) -> dict:
-    """``run`` with ``clients`` client threads; with a ``batch`` to reach, again with twice as many (``most`` at
+    """``run`` with ``clients`` requests in flight; with a ``batch`` to reach, again with twice as many (``most`` at
     most) while its mean batch stays below nine tenths of it: an engine that does not wait for more requests (the
     floor) runs smaller batches than its clients, and is set beside the served engine at the batches that engine ran,
     not at fewer."""
@@ -274,7 +274,7 @@ def at_batch(run: Callable[[int], dict], clients: int, batch: float | None, most
 def alone_table(alone: dict[tuple[str, str, str], list[dict]], unit_us: float | None, concurrency: int) -> list[str]:
     """``--floor``'s section: the engine alone and its floor per V2 form and client count (medians over the rounds,
     with the batches they ran), their CPU beyond the forward pass in this run's unit, against the engine's budget."""
-    lines = [f"## The engine alone and its floor (no HTTP, a client thread per connection: C={concurrency}, and as "
+    lines = [f"## The engine alone and its floor (no HTTP, sent as two loop links send: C={concurrency}, and as "
              "many as visionserve's mean batch in the served run)", "",
              "| engine | form | clients | mean batch | req/s | engine us / image | of which forward | beyond forward, "
              "us / image | beyond forward, in units | budget | errors |", "|" + " --- |" * 11]
@@ -423,9 +423,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _alone(kind: str, weights: Path, form_name: str, args: argparse.Namespace, clients: int) -> dict:
-    """One ``--floor`` point: the engine alone or its floor (``kind``) with ``clients`` client threads."""
+    """One ``--floor`` point: the engine alone or its floor (``kind``) with ``clients`` requests in flight, sent as
+    the HTTP workers' loop links send them (``engine_only --clients messages``: two connections, several requests a
+    message), as the served engine beside it was."""
     found = engine_only.measure(ROOT, weights, form_name, clients, args.seconds, floor=kind == "floor",
-                                device=args.device, clients="threads", max_batch_size=args.max_batch_size)
+                                device=args.device, clients="messages", max_batch_size=args.max_batch_size)
     print(json.dumps({"engine": kind, **found}), flush=True)
     return found
 
