@@ -46,7 +46,7 @@ ShadowOffer = Callable[[Sequence[bytes], Sequence[np.ndarray | torch.Tensor], Se
                         Sequence[np.ndarray], Sequence[BatchRun]], None]
 
 
-@dataclass
+@dataclass(slots=True)
 class Queued:
     """A request's images in its version's queue (``Call.queue``), one group: what its answer is made of once the
     group is done (``Call.answer``), or what is dropped when it ends first."""
@@ -79,6 +79,8 @@ class Call:
     open the request counts as on its way to the version's next batch (``arrived`` ends that just before its images
     are queued). ``shadow`` (a rollout's shadow share) gets the images and the answer once it is ready, off the
     response path."""
+
+    __slots__ = ("_version", "_arrived", "_max_images", "_shadow", "model")
 
     def __init__(self, version: LoadedVersion, arrived: Callable[[], None], max_images: int,
                  shadow: ShadowOffer | None = None) -> None:

@@ -180,7 +180,8 @@ class Service(Lifecycle):
         except BaseException as exc:
             self._left(route, time.perf_counter() - started, _outcome(exc))
             raise
-        call = Call(route.version, arrived, self.settings.max_images, self._shadow_offer(route))
+        call = Call(route.version, arrived, self.settings.max_images,
+                    None if route.shadow is None else self._shadow_offer(route))
         return Admission(self, route, started, arrived, call)
 
     def _held(self, name: str | None, version: str | None, client_key: str | None) -> Route:
@@ -194,9 +195,9 @@ class Service(Lifecycle):
             self.in_flight.leave()
             raise
 
-    def _shadow_offer(self, route: Route) -> Callable[..., None] | None:
-        if route.shadow is None:
-            return None
+    def _shadow_offer(self, route: Route) -> Callable[..., None]:
+        """A route with a shadow: what hands the shadow a request's images and answer (asked only then)."""
+        assert route.shadow is not None
         comparison = self.controller.evidence.comparison(route.version.name, route.shadow.version,
                                                          route.version.version)
         return functools.partial(offer, route.version, route.shadow, comparison,

@@ -113,13 +113,16 @@ def _inputs(message: wire.Infer, segments: list[bytearray]) -> tuple[list[bytear
     for (dtype, shape), segment in zip(message.tensors, segments):
         if tuple(shape[1:]) != tuple(message.parsed_shape):
             raise InferenceFailed(f"pixels of shape {tuple(shape)} came for an input of {tuple(message.parsed_shape)}")
-        rows.extend(np.frombuffer(segment, np.dtype(dtype)).reshape(shape))  # its rows: views, one per image
+        rows.extend(np.frombuffer(segment, dtype).reshape(shape))  # its rows: views, one per image
     return [], rows
 
 
 class _Exchange:
     """One ``Infer`` in flight: its admission held from its arrival to its answer (``Admission.leave``); ``ident``
     its id on a shared connection (None on a connection of its own)."""
+
+    __slots__ = ("conn", "admission", "call", "message", "images", "tensors", "ident", "queued", "ended", "cancelled",
+                 "decode_cpu_s")
 
     def __init__(self, conn: _Connection, admission: Admission, message: wire.Infer, images: list[bytearray],
                  tensors: list[np.ndarray], ident: int | None) -> None:
@@ -509,8 +512,9 @@ class EngineServer:
         cancelled = False
         if ident is not None:
             conn.unadmitted.discard(ident)
-            cancelled = ident in conn.cancelled
-            conn.cancelled.discard(ident)
+            if conn.cancelled and ident in conn.cancelled:
+                cancelled = True
+                conn.cancelled.discard(ident)
         try:
             admission = self.service.enter(message.model, message.version, message.client_key)
         except Exception as exc:  # noqa: BLE001 - every failure is answered, never a dropped connection

@@ -226,6 +226,8 @@ class Group(Generic[Out]):
 
     def result(self, timeout: float | None = None) -> list[Out]:
         """The items' outputs in order; raises what failed the group, CancelledError, or TimeoutError."""
+        if self._callbacks is None and self._error is None and not self._cancelled:  # done and answered: as is
+            return self.values  # type: ignore[return-value]
         error = self.exception(timeout)
         if error is not None:
             raise error
