@@ -31,15 +31,15 @@ _pid = [os.getpid()]
 os.register_at_fork(after_in_child=lambda: _pid.__setitem__(0, os.getpid()))
 
 
-def _this_process() -> int:
+def this_process() -> int:
     """This process's id, kept and renewed in a forked child: what prometheus-client's multiprocess values ask on
     every write to tell a fork, where its own ``os.getpid`` is a system call per write (about 0.5 of each write's
-    1.6 us on the 2-core VM, and several writes a request or a loop turn)."""
+    1.6 us on the 2-core VM, and several writes a request or a loop turn); the engine's answers carry it too."""
     return _pid[0]
 
 
 if getattr(prometheus_values.ValueClass, "_multiprocess", False):  # multiprocess mode, as prometheus-client chose
-    prometheus_values.ValueClass = prometheus_values.MultiProcessValue(process_identifier=_this_process)
+    prometheus_values.ValueClass = prometheus_values.MultiProcessValue(process_identifier=this_process)
 
 # A `_created` series per counter and histogram is noise for our dashboards and alerts.
 disable_created_metrics()

@@ -48,7 +48,7 @@ from app.errors import ClientGone, InferenceFailed, ServiceError
 from app.link import wire
 from app.link.decode_shares import DecodeShares, encoded_bytes
 from app.link.gathering import Gathering
-from app.metrics import RequestTally
+from app.metrics import RequestTally, this_process
 from models.export.checks import device_type
 
 log = logging.getLogger(__name__)
@@ -158,7 +158,6 @@ class EngineServer:
         self._catalog_reads = ThreadPoolExecutor(CATALOG_READ_THREADS, thread_name_prefix="engine-catalog")
         self._catalog_changes = ThreadPoolExecutor(CATALOG_CHANGE_THREADS, thread_name_prefix="engine-catalog-change")
         self._loop_thread: int | None = None
-        self._pid = os.getpid()
         self._started = threading.Lock()
         settings = service.settings
         self._loop_batch_s = settings.engine_loop_batch_ms / 1000
@@ -207,7 +206,6 @@ class EngineServer:
 
     def _loop(self) -> None:
         self._loop_thread = threading.get_ident()
-        self._pid = os.getpid()  # the process it answers from (a system call a request, asked each time)
         self._selector.register(self._wake_read, selectors.EVENT_READ, self._woken)
         self._wake_only.register(self._wake_read, selectors.EVENT_READ, self._woken)
         self._woken()  # what was posted before the loop ran
@@ -387,7 +385,7 @@ class EngineServer:
                 conn.cancelled.add(ident)
 
     def _answer(self, value: Any = None, error: ServiceError | None = None) -> wire.Answer:
-        return wire.Answer(value, error, self._pid, self.service.controller.routes.generation)
+        return wire.Answer(value, error, this_process(), self.service.controller.routes.generation)
 
     def _reply(self, conn: _Connection, ident: int | None, answer: wire.Answer) -> None:
         """``answer`` sent now on a connection of one exchange at a time, or with this turn's others on a shared one

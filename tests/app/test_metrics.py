@@ -197,7 +197,7 @@ def test_a_forked_child_writes_its_metrics_to_a_file_of_its_own(tmp_path: Path, 
 
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     monkeypatch.setattr(prometheus_values, "ValueClass",
-                        prometheus_values.MultiProcessValue(process_identifier=metrics._this_process))
+                        prometheus_values.MultiProcessValue(process_identifier=metrics.this_process))
     counter = Counter("forked", "", registry=CollectorRegistry())
     counter.inc()
     child = os.fork()
@@ -205,9 +205,9 @@ def test_a_forked_child_writes_its_metrics_to_a_file_of_its_own(tmp_path: Path, 
         try:
             counter.inc(5)
         finally:
-            os._exit(0 if metrics._this_process() == os.getpid() else 1)
+            os._exit(0 if metrics.this_process() == os.getpid() else 1)
     _, status = os.waitpid(child, 0)
-    assert os.waitstatus_to_exitcode(status) == 0 and metrics._this_process() == os.getpid()
+    assert os.waitstatus_to_exitcode(status) == 0 and metrics.this_process() == os.getpid()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"counter_{os.getpid()}.db", f"counter_{child}.db"])
     registry = CollectorRegistry()
     MultiProcessCollector(registry, str(tmp_path))
@@ -229,7 +229,7 @@ def test_increments_written_together_land_as_one_by_one_in_the_multiprocess_file
 
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     monkeypatch.setattr(prometheus_values, "ValueClass",
-                        prometheus_values.MultiProcessValue(process_identifier=metrics._this_process))
+                        prometheus_values.MultiProcessValue(process_identifier=metrics.this_process))
     made = CollectorRegistry()
     counters = {way: Counter(f"{way}_events", "", ["k"], registry=made) for way in ("one", "many")}
     histograms = {way: Histogram(f"{way}_seconds", "", ["k"], buckets=(0.1, 0.5, 1.0), registry=made)
