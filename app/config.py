@@ -220,7 +220,8 @@ class BatchingSettings(SettingsGroup):
         True, description="A request that finds no batch running or waiting, and no other request on its way, "
         "runs its forward pass on its own thread instead of handing it to the worker thread on another core "
         "(about 2 ms less per lone request on a CPU; still one batch at a time). CPU only: on CUDA each request "
-        "thread would tune its own cuDNN plans again (seconds, measured on an H100).")
+        "thread would tune its own cuDNN plans again (seconds, measured on an H100). Inline workers' request "
+        "threads; the engine's loop under ENGINE=process follows `ENGINE_LOOP_BATCH_MS`.")
     queue_size: int = Field(
         0, ge=0, description="Images waiting for the inference worker, per process; a request that does not "
         "fit is refused at once with 429 and `Retry-After`. 0 = auto: room for every image the requests feeding "
@@ -299,12 +300,14 @@ class ServerSettings(SettingsGroup):
         "be at least the engine count (the start-up log warns when an engine gets no worker). Versions, rollouts and "
         "readiness span every engine, as they span inline workers.")
     engine_loop_batch_ms: float = Field(
-        5.0, ge=0, description="Under ENGINE=process on a CPU: what a loop turn queued runs on the engine's loop "
-        "itself, in batches of the cap, when the version's recent batches say one takes at most this long: as many "
-        "as fit in this long a turn, a backlog's rest in the next turns, with reads and answers between them; else "
-        "the batcher's thread is woken once. Handing a short batch to that thread and its answers back costs two "
-        "wake-ups, a good part of its CPU; a longer one holds the loop from reading the next requests. The first "
-        "batch of a version never runs there; 0 = never (docs/performance.md).")
+        5.0, ge=0, description="Under ENGINE=process: what a loop turn queued runs on the engine's loop itself, in "
+        "batches of the cap, when the version's recent batches say one takes at most this long: as many as fit in "
+        "this long a turn, a backlog's rest in the next turns, with reads and answers between them; else the "
+        "batcher's thread is woken once. Handing a short batch to that thread and its answers back costs two "
+        "wake-ups and the interpreter lock's hand-overs, a good part of its CPU; a longer one holds the loop from "
+        "reading the next requests. On a CPU; on CUDA for a version whose every batch shape replays a CUDA graph "
+        "(`CUDA_GRAPHS`: an eager pass would tune cuDNN's plans again on the loop's thread). The first batch of a "
+        "version never runs there; 0 = never (docs/performance.md).")
     workers: int = Field(
         0, ge=0, description="gunicorn worker processes: under `ENGINE=inline` each loads its own model and "
         "batcher, under `ENGINE=process` they speak HTTP only. 0 = auto, said in the start-up log: on a CPU host "

@@ -142,3 +142,40 @@ def test_lone_batches_run_inline_on_the_cpu_only() -> None:
     assert inline_batches(True, torch.device("cpu"))
     assert not inline_batches(False, torch.device("cpu"))
     assert not inline_batches(True, torch.device("cuda", 0))  # per-thread cuDNN/cuBLAS set-up costs seconds
+
+
+def test_an_engines_loop_runs_short_batches_on_the_cpu_and_on_cuda_only_where_every_batch_replays_a_graph() -> None:
+    import torch
+
+    from app.engine.batching.tuning import loop_batches
+
+    assert loop_batches(torch.device("cpu"), replays_every_batch=False)
+    assert loop_batches(torch.device("cuda", 0), replays_every_batch=True)  # one launch, no per-thread cuDNN plans
+    assert not loop_batches(torch.device("cuda", 0), replays_every_batch=False)  # eager: the batcher's thread's plans
+
+
+def test_a_version_on_the_cpu_lets_an_engines_loop_run_its_batches_whatever_lone_batches_do(
+        settings: Settings, predictor: Predictor) -> None:
+    app = create_app(settings.model_copy(update={"inline_when_idle": False}), predictor)
+    service = app.extensions[EXTENSION_KEY]
+    try:
+        batcher = service.loaded_version().batcher
+        assert batcher.runs_queued_on_caller and not batcher._inline_when_idle
+    finally:
+        service.shutdown(timeout=5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False])
+def test_a_version_on_a_gpu_lets_an_engines_loop_run_its_batches_when_they_replay_graphs(
+        settings: Settings, small_weights, graphs: bool) -> None:  # noqa: ANN001
+    gpu = settings.model_copy(update={"device": "cuda", "max_batch_size": 4, "warmup": True, "cuda_graphs": graphs})
+    predictor = Predictor.load(small_weights, weights_format="torchscript", device="cuda", max_batch_size=4,
+                               cuda_graphs=graphs)
+    app = create_app(gpu, predictor)
+    service = app.extensions[EXTENSION_KEY]
+    try:
+        assert predictor.replays_every_batch is graphs
+        assert service.loaded_version().batcher.runs_queued_on_caller is graphs
+    finally:
+        service.shutdown(timeout=5)

@@ -579,7 +579,8 @@ def test_a_submitted_group_runs_across_batches_and_a_cancelled_one_never_runs(ma
 def test_deferred_groups_run_on_the_callers_thread_as_one_batch_once_measured_and_expected_within_the_limit(
         make_batcher) -> None:
     fn, incoming = ThreadRecorder(), [0]
-    batcher = make_batcher(fn, max_wait_ms=1, max_batch_size=16, incoming=lambda: incoming[0], inline_when_idle=True)
+    batcher = make_batcher(fn, max_wait_ms=1, max_batch_size=16, incoming=lambda: incoming[0],
+                           runs_queued_on_caller=True)  # (a lone submit's batch stays the worker's)
     wait_until(lambda: _worker_asleep(batcher))  # started, whatever the machine's load: it takes nothing unwoken
     fn.delay_s = 0.01  # each batch's own time: 10 ms
     notified, notify = [], batcher._cond.notify
@@ -604,9 +605,27 @@ def test_deferred_groups_run_on_the_callers_thread_as_one_batch_once_measured_an
     assert fn.threads[-1] is not threading.current_thread() and batcher.batches_inline == 1
 
 
+def test_deferred_groups_run_here_only_where_the_batcher_was_told_they_may_whatever_lone_batches_do(
+        make_batcher) -> None:
+    fn = ThreadRecorder()
+    batcher = make_batcher(fn, max_batch_size=2, incoming=lambda: 0, inline_when_idle=True)
+    assert batcher.submit(0).result(timeout=10).value == 0  # a lone batch, measured: on this thread
+    assert fn.threads[-1] is threading.current_thread() and batcher.batches_inline == 1
+    wait_until(lambda: _worker_asleep(batcher))
+    group = batcher.submit_group([1], defer=True)
+    assert not batcher.run_queued(10.0)  # not told it may (a version whose batches need the worker's thread)
+    assert group.wait(10) and group.result() == [2] and fn.threads[-1] is not threading.current_thread()
+    wait_until(lambda: _worker_asleep(batcher))
+    batcher.runs_queued_on_caller = True  # as a version is told once its warm-up showed where batches can run
+    group = batcher.submit_group([2], defer=True)
+    assert batcher.run_queued(10.0) and group.wait(0) and group.result() == [4]
+    assert fn.threads[-1] is threading.current_thread() and batcher.batches_inline == 2
+
+
 def test_deferred_groups_over_the_cap_run_here_in_batches_of_the_cap(make_batcher) -> None:
     recorder = Recorder()
-    batcher = make_batcher(recorder, max_batch_size=2, incoming=lambda: 0, inline_when_idle=True)
+    batcher = make_batcher(recorder, max_batch_size=2, incoming=lambda: 0, inline_when_idle=True,
+                           runs_queued_on_caller=True)
     assert batcher.submit(0).result(timeout=10).value == 0  # a batch measured
     wait_until(lambda: _worker_asleep(batcher))  # started, whatever the machine's load: it takes nothing unwoken
     groups = [batcher.submit_group([i], defer=True) for i in range(1, 6)]
@@ -618,7 +637,8 @@ def test_deferred_groups_over_the_cap_run_here_in_batches_of_the_cap(make_batche
 def test_a_backlog_runs_here_a_slice_a_call_and_the_rest_waits_for_the_next_call_not_the_worker(
         make_batcher) -> None:
     recorder = Recorder()
-    batcher = make_batcher(recorder, max_batch_size=2, incoming=lambda: 0, inline_when_idle=True)
+    batcher = make_batcher(recorder, max_batch_size=2, incoming=lambda: 0, inline_when_idle=True,
+                           runs_queued_on_caller=True)
     assert batcher.submit(0).result(timeout=10).value == 0  # a batch measured
     wait_until(lambda: _worker_asleep(batcher))  # started, whatever the machine's load: it takes nothing unwoken
     batcher.expected_batch_s = lambda items: 0.01  # type: ignore[method-assign]  # 10 ms a batch, whatever its size

@@ -78,7 +78,8 @@ class Batcher(Generic[In, Out]):
     on the caller's own thread instead of handing it to the worker. The worker thread would run it on another core,
     whose caches hold neither the freshly preprocessed input nor the weights, and only after a wake-up, so a lone
     batch costs more there (docs/performance.md: Figures behind the code's choices). Only one batch runs at a time
-    either way.
+    either way. ``runs_queued_on_caller``: the same for ``run_queued``, an event loop's turn of deferred items (a
+    public attribute: its owner may allow it once warm-up showed where batches can run).
 
     ``split_on`` names exceptions that mean "this batch is too big" (CUDA out-of-memory): such a batch is split in
     halves and retried, and the batch size is capped at the size that worked for ``shrink_s`` seconds.
@@ -98,8 +99,8 @@ class Batcher(Generic[In, Out]):
                  max_wait_ms: float, queue_size: int, name: str = "batcher",
                  split_on: tuple[type[BaseException], ...] = (), shrink_s: float = 30.0,
                  observer: BatchObserver | None = None, incoming: Callable[[], int] | None = None,
-                 inline_when_idle: bool = False, settle: Callable[[], None] | None = None,
-                 settle_s: float = 0.0) -> None:
+                 inline_when_idle: bool = False, runs_queued_on_caller: bool = False,
+                 settle: Callable[[], None] | None = None, settle_s: float = 0.0) -> None:
         if max_batch_size <= 0:
             raise ValueError(f"max_batch_size must be positive, got {max_batch_size}")
         if max_wait_ms < 0:
@@ -128,6 +129,7 @@ class Batcher(Generic[In, Out]):
         # company only adds latency, so a batch leaves at once: a lone client pays no batching delay.
         self._incoming = incoming
         self._inline_when_idle = inline_when_idle
+        self.runs_queued_on_caller = runs_queued_on_caller
         self._busy = False  # a batch is being gathered or run, by the worker or inline by a caller
         self.batches_run = 0
         self.batches_inline = 0
@@ -205,7 +207,7 @@ class Batcher(Generic[In, Out]):
 
     def run_queued(self, inline_within_s: float) -> bool:
         """After ``submit_group(defer=True)``: the items waiting run on the caller's thread, in batches of the cap,
-        when nothing runs and nothing is on its way (as for ``inline_when_idle``), batches were measured and the
+        when ``runs_queued_on_caller``, nothing runs and nothing is on its way, batches were measured and the
         first is expected within ``inline_within_s`` (``expected_batch_s``); else the worker is woken to take them.
         Here, as many batches run as are expected within ``inline_within_s`` (one at least): what is left stays
         queued for the caller's next call (``depth``), the worker not woken for it, so a backlog of short batches
@@ -217,7 +219,7 @@ class Batcher(Generic[In, Out]):
                 return False
             cap = self.current_max_batch_size
             first_s = self.expected_batch_s(min(left, cap))
-            if not (self._idle_for_inline() and first_s <= inline_within_s):
+            if not (self.runs_queued_on_caller and self._idle() and first_s <= inline_within_s):
                 self._cond.notify()
                 return False
             if left > cap and first_s > 0:  # a slice of the backlog: as many batches of the cap as fit the time
@@ -292,8 +294,12 @@ class Batcher(Generic[In, Out]):
         return not self._queue and count <= self.current_max_batch_size and self._idle_for_inline()
 
     def _idle_for_inline(self) -> bool:
-        """Called under the lock: batches may run on callers' threads, none runs, and no item is on its way."""
-        return self._inline_when_idle and not self._busy and (self._incoming is None or self._incoming() == 0)
+        """Called under the lock: lone batches may run on callers' threads, none runs, and no item is on its way."""
+        return self._inline_when_idle and self._idle()
+
+    def _idle(self) -> bool:
+        """Called under the lock: no batch runs and no item is on its way."""
+        return not self._busy and (self._incoming is None or self._incoming() == 0)
 
     def _run_inline(self, pending: list[_Pending[In]]) -> None:
         try:

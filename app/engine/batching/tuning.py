@@ -1,4 +1,4 @@
-"""How a version's batches are sized to the machine: forward threads, the batch cap, where lone batches run.
+"""How a version's batches are sized to the machine: forward threads, the batch cap, where short batches run.
 
 ``forward_threads`` is models/serving.py's rule, which models.predict follows too; the server is its default case:
 each gunicorn worker's request threads decode beside its forward pass, which takes half of the worker's share of
@@ -10,7 +10,7 @@ import torch
 
 from models.serving import forward_threads
 
-__all__ = ["choose_batch_cap", "forward_threads", "inline_batches"]
+__all__ = ["choose_batch_cap", "forward_threads", "inline_batches", "loop_batches"]
 
 
 def inline_batches(setting: bool, device: torch.device) -> bool:
@@ -21,6 +21,19 @@ def inline_batches(setting: bool, device: torch.device) -> bool:
     them from warm-up (docs/performance.md: Figures behind the code's choices).
     """
     return setting and device.type == "cpu"
+
+
+def loop_batches(device: torch.device, replays_every_batch: bool) -> bool:
+    """Whether an engine's event loop may run a version's short batches itself (Batcher.run_queued, as
+    ENGINE_LOOP_BATCH_MS says) instead of waking the batcher's thread and being woken back: on the CPU; on CUDA when
+    every batch shape's forward pass replays a CUDA graph (``Predictor.replays_every_batch``).
+
+    A replay holds none of the per-thread cuDNN plans an eager pass would tune again on the loop's thread (seconds a
+    shape, see ``inline_batches``), and its launch is one call. The batcher's thread, where warm-up tuned them, stays
+    for longer batches and a backlog. The hand-off to that thread and back costs the engine 1.4x its CPU per
+    request beyond the forward pass on the CPU (docs/performance.md).
+    """
+    return device.type == "cpu" or replays_every_batch
 
 
 def choose_batch_cap(profile: dict[int, float], tolerance: float = 0.95) -> int:

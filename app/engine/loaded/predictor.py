@@ -90,6 +90,13 @@ class Predictor:
             return list(range(1, max_batch_size + 1))
         return sorted({min(2 ** i, max_batch_size) for i in range(max_batch_size.bit_length() + 1)})
 
+    @property
+    def replays_every_batch(self) -> bool:
+        """Whether every batch runs its forward pass as a CUDA graph's replay: one was captured at warm-up for each
+        batch shape a batch is padded to."""
+        return (self.graphs is not None and bool(self.warmed_batch_sizes)
+                and set(self.warmed_batch_sizes) <= set(self.graphs.batch_sizes))
+
     def _padded_size(self, rows: int) -> int:
         return next((size for size in self.warmed_batch_sizes if size >= rows), rows)
 

@@ -17,7 +17,7 @@ from app.config import Settings
 from app.engine.batching.arrivals import Arrivals, InFlight
 from app.engine.batching.batcher import Batcher
 from app.engine.contract import Signature
-from app.engine.batching.tuning import choose_batch_cap, forward_threads, inline_batches
+from app.engine.batching.tuning import choose_batch_cap, forward_threads, inline_batches, loop_batches
 from app.engine.decoding.decoders import Decoder, Prepared, decoder_for
 from app.engine.decoding.image import DecodeLimits, canary_jpeg
 from app.engine.loaded.explainer import Explainer
@@ -188,6 +188,11 @@ def start_version(settings: Settings, predictor: Predictor) -> LoadedVersion:
                      predictor.num_classes)
 
     loaded.batcher.start(prepare)
+    # where an engine's loop may run its short batches: known once warm-up captured (or not) the forward's graphs
+    loaded.batcher.runs_queued_on_caller = loop_batches(predictor.device, predictor.replays_every_batch)
+    if predictor.device.type == "cuda":
+        log.info("%s %s: an engine's loop %s its short batches itself", name, version,
+                 "runs" if loaded.batcher.runs_queued_on_caller else "leaves to the batcher's thread (no CUDA graphs)")
     loaded.serving.set()
     _apply_batch_cap(settings, loaded)
     MODEL_INFO.labels(*loaded._info_labels()).set(1)
