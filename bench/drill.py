@@ -17,13 +17,17 @@ CUDA's spinning wait and with blocking sync (``bench.serving.device_collate``); 
 ``-m gpu`` tests (the device decode path's pixels, EXIF turns included, placement, tensors, CUDA graphs against
 eager, the batch ceiling); the engine alone on the device (``bench.serving.engine_only``: its CPU per request with no
 HTTP worker beside it, its requests several to a message as HTTP workers' loops send them; its floor there, measured
-on 11-29, by hand), then at 1, 4 and 16 images per request with as many images in flight; the serving overhead
+on 11-29, by hand), beside it in the same rounds with its batches on the batcher's thread (ENGINE_LOOP_BATCH_MS=0:
+CUDA's only way before 11-30, the A/B of the loop's batches on CUDA), then at 1, 4 and 16 images per request with as
+many images in flight;
+the serving overhead
 (``bench.serving.overhead`` on the device: a one-layer model and bodies that decode in microseconds, the HTTP
 workers' and the engine's CPU per request beside the bare Flask app, the budget's unit, measured on this host); the
 device path's batch made the model's input, image by image and rounded together (``bench.serving.batch_preprocess``);
 one forward pass's cost to the engine's thread at each batch size, eager and replayed as a CUDA graph
-(``bench.serving.forward_launch``); the served step's process-mode points again with the tensor decode path
-(DECODE_PATH=tensor), and with eager forward passes (CUDA_GRAPHS=false: the graphs' A/B); ``models.predict`` on CUDA
+(``bench.serving.forward_launch``); the served step's process-mode points again with every batch on the batcher's
+thread (ENGINE_LOOP_BATCH_MS=0: the loop's batches' A/B on Lite0), with the tensor decode path (DECODE_PATH=tensor),
+and with eager forward passes (CUDA_GRAPHS=false: the graphs' A/B); ``models.predict`` on CUDA
 over a photo folder; last, the training feed (JPEG folder on the CPU and on the GPU against synthetic batches). The
 order follows what the last drills left to learn (docs/testing.md): the served figures and the engine's own time
 first, then what earlier drills measured already.
@@ -102,10 +106,14 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         profile = ["--forms", "v2 x1", "jpeg", "--seconds", "3"]
         train = ["--archs", "efficientnet_lite0", "--batch-size", "128", "--steps", "12", "--warmup", "4"]
         photo_counts = ["--classes", "20", "--train-per-class", "60", "--val-per-class", "20"]
-    variants = [("served-threads", "auto", (("VISIONSERVE_LOOP_REQUESTS", "false"),)),
+    on_thread = (("VISIONSERVE_ENGINE_LOOP_BATCH_MS", "0"),)  # every batch on the batcher's thread
+    variants = [("served-batcher-thread", "auto", on_thread),
+                ("served-threads", "auto", (("VISIONSERVE_LOOP_REQUESTS", "false"),)),
                 ("served-tensor", "tensor", ()), ("served-eager", "auto", (("VISIONSERVE_CUDA_GRAPHS", "false"),))]
     if smoke:  # one variant stands for both (the same command, another setting): the suite's 15 minutes
         variants = [variant for variant in variants if variant[0] == "served-tensor"]
+    if not smoke:  # the engine alone also with its batches on the batcher's thread, round by round: the A/B of the
+        engine += ["--with-settings", "=".join(on_thread[0])]  # loop's batches on CUDA (two more engine starts)
     return [
         Step("facts", 30, (py, "-c", facts), least_s=5),
         Step("served", 280, (py, "-m", "bench.serving.gpu", "--device", device, "--dtype", "float32", "--models",
@@ -121,8 +129,8 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         Step("gpu-tests", 100, (py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests)),
         # the engine's own cost per request on the device's host, its requests several to a message as the HTTP
         # workers' loop links send them, in the time left (least 30 s)
-        Step("engine", 70, (py, "-m", "bench.serving.engine_only", "--device", device, *engine, "--out",
-                            str(figures)), least_s=30),
+        Step("engine", 110, (py, "-m", "bench.serving.engine_only", "--device", device, *engine, "--out",
+                             str(figures)), least_s=50),
         # the engine's CPU per image at 1, 4 and 16 images per request, as many images in flight, a frame each
         # (three engine starts)
         Step("engine-by-size", 80, (py, "-m", "bench.serving.engine_only", "--device", device, *by_size, "--out",

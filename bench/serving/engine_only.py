@@ -17,6 +17,7 @@ message; a checkout that predates those messages is sent its requests as ``loop`
     .venv/bin/python -m bench.serving.engine_only --instructions --floor --forms "v2 x1" --burst 16  # the floor's too
     .venv/bin/python -m bench.serving.engine_only --forms "v2 x1" "v2 x4" "v2 x16" --images-in-flight 16  # by size
     .venv/bin/python -m bench.serving.engine_only --clients messages --floor --forms "v2 x1"  # as loop links send
+    .venv/bin/python -m bench.serving.engine_only --with-settings VISIONSERVE_ENGINE_LOOP_BATCH_MS=0  # a setting's A/B
 
 The engine batches as it does on a GPU host, the host the budget is written for (``--max-batch-size``: by default
 MAX_BATCH_SIZE's automatic value there, 32, where a CPU's is 8: a 16-image request is one forward pass, not two).
@@ -63,6 +64,7 @@ FORMS = {"jpeg": ("jpeg", 1), "v2 x1": ("v2", 1), "v2 x2": ("v2", 2), "v2 x4": (
          "v2 x16": ("v2", 16)}
 FLOOR = Path("/floor")  # the floor's key among the checkouts measured
 FLOOR_MESSAGES = Path("/floor-messages")  # the floor, its requests several to a message
+WITH_SETTINGS = Path("/with-settings")  # this checkout's engine with --with-settings
 LINKS = 2  # --clients messages: connections, as the HTTP workers of the overhead benchmark's servers
 CLIENTS = {"loop": "one client loop", "threads": "a client thread each",
            "messages": f"one client loop, on {LINKS} connections several requests a message"}
@@ -426,12 +428,13 @@ def _drive_threads(checkout: Path, sock: Path, form: str, concurrency: int, seco
 
 def measure(checkout: Path, weights: Path, form: str, concurrency: int, seconds: float,
             floor: bool = False, device: str = "cpu", clients: str = "loop",
-            max_batch_size: int = GPU_BATCH_CEILING) -> dict[str, Any]:
+            max_batch_size: int = GPU_BATCH_CEILING, settings: dict[str, str] | None = None) -> dict[str, Any]:
     """One engine started from ``checkout`` (``floor``: the floor's loop instead) with batches of up to
-    ``max_batch_size`` images (0: its device's automatic ceiling), driven by that checkout's client (``clients``: as
-    ``drive`` says), then stopped."""
+    ``max_batch_size`` images (0: its device's automatic ceiling) and ``settings`` (environment variables) beside,
+    driven by that checkout's client (``clients``: as ``drive`` says), then stopped."""
     serve_args = (["--serve-floor", str(weights)] if floor else ["--serve", str(checkout), str(weights)])
-    with _engine(checkout, serve_args, device, max_batch_size=max_batch_size) as (engine, sock, env):
+    with _engine(checkout, serve_args, device, max_batch_size=max_batch_size, settings=settings) as (engine, sock,
+                                                                                                     env):
         client = subprocess.run([sys.executable, "-m", "bench.serving.engine_only", "--drive", str(checkout),
                                  str(sock), form, str(concurrency), str(seconds), str(engine.pid), clients],
                                 cwd=ROOT, env=env, capture_output=True, text=True, check=True)
@@ -467,12 +470,14 @@ def instructions(checkout: Path, weights: Path, form: str, requests: int,
 
 @contextlib.contextmanager
 def _engine(checkout: Path, serve_args: list[str], device: str, wrapper: Sequence[str] = (),
-            max_batch_size: int = GPU_BATCH_CEILING) -> Iterator[tuple[subprocess.Popen, Path, dict[str, str]]]:
+            max_batch_size: int = GPU_BATCH_CEILING, settings: dict[str, str] | None = None
+            ) -> Iterator[tuple[subprocess.Popen, Path, dict[str, str]]]:
     """An engine process (``serve_args``: --serve or --serve-floor and their paths; ``wrapper``: what runs it, such
-    as valgrind; ``max_batch_size``: its MAX_BATCH_SIZE, 0 leaving it to the device) on a socket of its own, once
-    ready; killed after."""
+    as valgrind; ``max_batch_size``: its MAX_BATCH_SIZE, 0 leaving it to the device; ``settings``: environment
+    variables beside) on a socket of its own, once ready; killed after."""
     with tempfile.TemporaryDirectory() as scratch:
-        sock, env = Path(scratch) / "engine.sock", {**os.environ, "PROMETHEUS_MULTIPROC_DIR": scratch}
+        sock = Path(scratch) / "engine.sock"
+        env = {**os.environ, **(settings or {}), "PROMETHEUS_MULTIPROC_DIR": scratch}
         if max_batch_size:  # (an older checkout's settings refuse 0)
             env["VISIONSERVE_MAX_BATCH_SIZE"] = str(max_batch_size)
         engine = subprocess.Popen([*wrapper, sys.executable, "-m", "bench.serving.engine_only", *serve_args, str(sock),
@@ -564,12 +569,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=200, help="requests counted with --instructions")
     parser.add_argument("--burst", type=int, default=1,
                         help="with --instructions: requests sent at once, each on a connection of its own (a turn's)")
+    parser.add_argument("--with-settings", nargs="+", metavar="KEY=VALUE", default=[],
+                        help="also this checkout's engine with these settings (environment variables, such as "
+                        "VISIONSERVE_ENGINE_LOOP_BATCH_MS=0), in the same rounds: a setting's A/B in one run")
     parser.add_argument("--out", type=Path, help="also write the report (Markdown) here")
     parser.add_argument("--serve", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--count", nargs=6, help=argparse.SUPPRESS)
     parser.add_argument("--serve-floor", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--drive", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    with_settings = dict(setting.split("=", 1) for setting in args.with_settings if "=" in setting)
+    if len(with_settings) != len(args.with_settings):
+        parser.error("--with-settings takes KEY=VALUE pairs")
     if args.serve:
         serve(Path(args.serve[0]), Path(args.serve[1]), Path(args.serve[2]), args.serve[3])
         return 0
@@ -614,6 +625,10 @@ def main(argv: list[str] | None = None) -> int:
                 found.setdefault((form, checkout), []).append(
                     measure(checkout, weights, form, concurrency, args.seconds, device=args.device,
                             clients=args.clients, max_batch_size=args.max_batch_size))
+            if with_settings:
+                found.setdefault((form, WITH_SETTINGS), []).append(
+                    measure(ROOT, weights, form, concurrency, args.seconds, device=args.device, clients=args.clients,
+                            max_batch_size=args.max_batch_size, settings=with_settings))
             if args.floor and FORMS[form][0] == "v2":
                 found.setdefault((form, FLOOR), []).append(  # a frame each (the messages' floor is next)
                     measure(ROOT, weights, form, concurrency, args.seconds, floor=True, device=args.device,
@@ -634,8 +649,8 @@ def main(argv: list[str] | None = None) -> int:
                    *(median_of(points, key) for key in ("engine_us_per_request", "engine_us_per_image",
                                                         "decode_us_per_image", "forward_us_per_image",
                                                         "beyond_us_per_image"))]
-        name = {ROOT: "this", FLOOR: "floor", FLOOR_MESSAGES: "floor, several a message"}.get(checkout,
-                                                                                             str(checkout))
+        name = {ROOT: "this", FLOOR: "floor", FLOOR_MESSAGES: "floor, several a message",
+                WITH_SETTINGS: "this, " + " ".join(args.with_settings)}.get(checkout, str(checkout))
         lines.append(f"| {name} | {form} | " + " | ".join(figures) + f" | {sum(p['errors'] for p in points)} |")
     report = "\n".join(lines) + "\n"
     print(report)

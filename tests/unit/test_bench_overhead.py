@@ -226,6 +226,57 @@ def test_the_engine_s_instruction_count_puts_the_floor_s_beside_for_the_v2_forms
     assert not any(row.startswith("| floor | jpeg") for row in rows)
 
 
+def test_the_engine_alone_with_settings_beside_runs_in_the_same_rounds_and_its_engine_gets_them(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # --with-settings: this checkout's engine again with those environment variables, round by round beside the
+    # plain one, its rows named by them (the points here stand in for the engines')
+    from bench.serving import engine_only
+    from bench.serving import tiny_work
+
+    measured: list[dict[str, str] | None] = []
+
+    def measure(checkout: Path, weights: Path, form: str, concurrency: int, seconds: float, device: str, clients: str,
+                max_batch_size: int, settings: dict[str, str] | None = None) -> dict[str, float]:
+        measured.append(settings)
+        return {"requests_per_s": 200.0 if settings else 100.0, "mean_batch": 4.0, "engine_us_per_request": 10.0,
+                "engine_us_per_image": 10.0, "decode_us_per_image": 0.0, "forward_us_per_image": 1.0,
+                "beyond_us_per_image": 9.0, "errors": 0}
+
+    monkeypatch.setattr(engine_only, "measure", measure)
+    monkeypatch.setattr(tiny_work, "tiny_weights", lambda out: tmp_path)
+    setting = "VISIONSERVE_ENGINE_LOOP_BATCH_MS=0"
+    assert engine_only.main(["--forms", "v2 x1", "--rounds", "2", "--with-settings", setting]) == 0
+    assert measured == [None, {"VISIONSERVE_ENGINE_LOOP_BATCH_MS": "0"}] * 2  # alternating, round by round
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| this")]
+    assert [row.split(" | ")[:4] for row in rows] == [["| this", "v2 x1", "16", "100"],
+                                                      [f"| this, {setting}", "v2 x1", "16", "200"]]
+    with pytest.raises(SystemExit):
+        engine_only.main(["--with-settings", "VISIONSERVE_ENGINE_LOOP_BATCH_MS"])  # not a KEY=VALUE pair
+
+    started: list[dict[str, str]] = []
+
+    class Engine:  # what _engine starts, standing in for the engine's process: ready at once
+        returncode = None
+
+        def __init__(self, command: list[str], cwd: Path, env: dict[str, str]) -> None:
+            started.append(env)
+            Path(f"{command[-2]}.ready").touch()
+
+        def poll(self) -> None:
+            return None
+
+        def kill(self) -> None:
+            pass
+
+        def wait(self) -> int:
+            return 0
+
+    monkeypatch.setattr(engine_only.subprocess, "Popen", Engine)
+    with engine_only._engine(engine_only.ROOT, ["--serve"], "cpu", settings={"VISIONSERVE_ENGINE_LOOP_BATCH_MS": "0"}):
+        pass
+    assert started[0]["VISIONSERVE_ENGINE_LOOP_BATCH_MS"] == "0" and "PROMETHEUS_MULTIPROC_DIR" in started[0]
+
+
 def test_the_bare_app_with_a_wait_sleeps_that_long_before_it_answers(monkeypatch: pytest.MonkeyPatch) -> None:
     # bare-wait: the unit's request when it waits, as a request in process mode waits for its engine
     import bench.serving.bare_app as bare
