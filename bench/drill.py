@@ -9,28 +9,28 @@ with too little time left is skipped, and said so). After each step the drill ap
 folder the steps write their reports into, so a call stopped at any point returns what was done. Every step's
 output goes to ``OUT/drill.log`` as it comes.
 
-Steps, most wanted first: the machine's facts; the served figures (``bench.serving.gpu``: the defaults in process
-mode with one engine and with two (ENGINES_PER_DEVICE=2), and inline, on Lite0, 1 and 16 images per request, C=64 and
-256, and 4x overload at C=1024; each point printed as it comes); the device path's batch made step by step, with
-CUDA's spinning wait and with blocking sync (``bench.serving.device_collate``); the engine's profile under load
-(``bench.serving.engine_profile``: py-spy on it, the interpreter lock's holder and every thread on a CPU); the
-``-m gpu`` tests (the device decode path's pixels, EXIF turns included, placement, tensors, CUDA graphs against
-eager, the batch ceiling); the engine alone on the device (``bench.serving.engine_only``: its CPU per request with no
-HTTP worker beside it, its requests several to a message as HTTP workers' loops send them; its floor there, measured
-on 11-29, by hand), beside it in the same rounds with its batches on the batcher's thread (ENGINE_LOOP_BATCH_MS=0:
-CUDA's only way before 11-30, the A/B of the loop's batches on CUDA), then at 1, 4 and 16 images per request with as
-many images in flight;
-the serving overhead
+Steps, most wanted first: the machine's facts; the ``-m gpu`` tests (the device decode path's pixels, EXIF turns
+included, placement, tensors, CUDA graphs against eager, the batch ceiling, the engine's loop running a graphed
+version's batches); the engine alone on the device (``bench.serving.engine_only``: its CPU per request with no HTTP
+worker beside it, its requests several to a message as HTTP workers' loops send them; its floor there, measured on
+11-29, by hand), beside it in the same rounds with its batches on the batcher's thread (ENGINE_LOOP_BATCH_MS=0:
+CUDA's only way before 11-30, the A/B of the loop's batches on CUDA); the served figures (``bench.serving.gpu``: the
+defaults in process mode with one engine and with two (ENGINES_PER_DEVICE=2), and inline, on Lite0, 1 and 16 images
+per request, C=64 and 256, and 4x overload at C=1024; each point printed as it comes), and its process-mode points
+again with every batch on the batcher's thread (the same A/B on Lite0); the device path's batch made step by step,
+with CUDA's spinning wait and with blocking sync (``bench.serving.device_collate``); the engine's profile under load
+(``bench.serving.engine_profile``: py-spy on it, the interpreter lock's holder and every thread on a CPU); the engine
+alone at 1, 4 and 16 images per request with as many images in flight; the serving overhead
 (``bench.serving.overhead`` on the device: a one-layer model and bodies that decode in microseconds, the HTTP
 workers' and the engine's CPU per request beside the bare Flask app, the budget's unit, measured on this host); the
 device path's batch made the model's input, image by image and rounded together (``bench.serving.batch_preprocess``);
 one forward pass's cost to the engine's thread at each batch size, eager and replayed as a CUDA graph
-(``bench.serving.forward_launch``); the served step's process-mode points again with every batch on the batcher's
-thread (ENGINE_LOOP_BATCH_MS=0: the loop's batches' A/B on Lite0), with the tensor decode path (DECODE_PATH=tensor),
-and with eager forward passes (CUDA_GRAPHS=false: the graphs' A/B); ``models.predict`` on CUDA
+(``bench.serving.forward_launch``); the served step's process-mode points again with the tensor decode path
+(DECODE_PATH=tensor), and with eager forward passes (CUDA_GRAPHS=false: the graphs' A/B); ``models.predict`` on CUDA
 over a photo folder; last, the training feed (JPEG folder on the CPU and on the GPU against synthetic batches). The
-order follows what the last drills left to learn (docs/testing.md): the served figures and the engine's own time
-first, then what earlier drills measured already.
+order follows what the last drills left to learn (docs/testing.md): whether the code is right on the device, then
+the engine's own time and the served figures with and without the change the CPU could not measure, then what
+earlier drills measured already.
 """
 from __future__ import annotations
 
@@ -114,11 +114,26 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         variants = [variant for variant in variants if variant[0] == "served-tensor"]
     if not smoke:  # the engine alone also with its batches on the batcher's thread, round by round: the A/B of the
         engine += ["--with-settings", "=".join(on_thread[0])]  # loop's batches on CUDA (two more engine starts)
+    served_variants = [
+        Step(name, 100, (py, "-m", "bench.serving.gpu", "--device", device, "--dtype", "float32", "--models", model,
+                         "--decode-paths", path, "--workload", "imagenet", "--loads-only", *variant, "--out",
+                         str(figures / name)), least_s=50, env=env)
+        for name, path, env in variants]
+    on_thread_served = [step for step in served_variants if step.env == on_thread]
     return [
         Step("facts", 30, (py, "-c", facts), least_s=5),
+        # first what says the code is right on the device: the loop's batches on CUDA among them (11-30)
+        Step("gpu-tests", 100, (py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests)),
+        # the engine's own cost per request on the device's host, its requests several to a message as the HTTP
+        # workers' loop links send them, with and without its batches on its loop (four engine starts)
+        Step("engine", 140, (py, "-m", "bench.serving.engine_only", "--device", device, *engine, "--out",
+                             str(figures)), least_s=60),
         Step("served", 280, (py, "-m", "bench.serving.gpu", "--device", device, "--dtype", "float32", "--models",
                              model, "--engines", *engines, "--decode-paths", "auto", "--processes",
                              "--workload", "imagenet", *served, "--out", str(figures)), least_s=60),
+        # the served step's process-mode points again with every batch on the batcher's thread, on Lite0, whose
+        # batches hold the device longer than the engine step's model's (ENGINE_LOOP_BATCH_MS=0)
+        *on_thread_served,
         # the device path's batch made step by step (JPEGs to tensors, nvJPEG, preprocessing, a read-back), the batch
         # worker's CPU per image with CUDA's default spinning wait and with blocking sync, each in its own process
         Step("collate", 60, (py, "-m", "bench.serving.device_collate", "--device", device, *collate, "--out",
@@ -126,11 +141,6 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         # where the engine's time goes under load: py-spy on it, the lock's holder and every thread on a CPU
         Step("profile", 80, (py, "-m", "bench.serving.engine_profile", "--device", device, *profile, "--out",
                              str(figures)), least_s=30),
-        Step("gpu-tests", 100, (py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests)),
-        # the engine's own cost per request on the device's host, its requests several to a message as the HTTP
-        # workers' loop links send them, in the time left (least 30 s)
-        Step("engine", 110, (py, "-m", "bench.serving.engine_only", "--device", device, *engine, "--out",
-                             str(figures)), least_s=50),
         # the engine's CPU per image at 1, 4 and 16 images per request, as many images in flight, a frame each
         # (three engine starts)
         Step("engine-by-size", 80, (py, "-m", "bench.serving.engine_only", "--device", device, *by_size, "--out",
@@ -148,10 +158,7 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         # HTTP workers as before 11-30), with the tensor decode path (DECODE_PATH=tensor: an engine's decode threads
         # on every core, where the device path decodes a batch on one thread), then with eager forward passes
         # (CUDA_GRAPHS=false): each against the served step's, on one machine, back to back
-        *(Step(name, 100, (py, "-m", "bench.serving.gpu", "--device", device, "--dtype", "float32", "--models", model,
-                           "--decode-paths", path, "--workload", "imagenet", "--loads-only", *variant, "--out",
-                           str(figures / name)), least_s=50, env=env)
-          for name, path, env in variants),
+        *(step for step in served_variants if step not in on_thread_served),
         Step("photos", 40, (py, "-m", "demo_data", "photos", "--out", str(photos), *photo_counts), least_s=10),
         Step("predict", 50, (py, "-m", "models.predict", "--weights", str(weights), "--data", str(photos / "val"),
                              "--out", str(figures / "predict.jsonl"), "--device", device)),
