@@ -734,6 +734,22 @@ def test_a_lone_request_s_short_batch_runs_on_the_engine_s_loop_and_a_long_one_o
     assert model.threads[-1] != link.server._loop_thread
 
 
+def test_a_version_whose_batches_may_not_run_on_a_loop_has_even_its_short_ones_run_on_the_batcher_s_thread(
+        link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    # as on CUDA for a version whose forward passes are eager (no CUDA graphs): the batcher's thread holds the tuned
+    # cuDNN plans, so the engine's loop wakes it for every batch, the short ones too
+    red = torch.zeros(3, 8, 8)
+    red[0] = 1.0
+    monkeypatch.setattr(link.server, "_loop_batch_s", 1.0)  # "short", however busy the machine running the test
+    batcher = link.engine.loaded_version().batcher
+    batcher.runs_queued_on_caller = False
+    for _ in range(3):
+        wait_until(lambda: not batcher._busy)
+        assert infer(link.worker, tensors=[red.numpy()]).top_k(1)[0][0].label == "red"
+        assert model.threads[-1] == batcher._thread.ident
+    assert batcher.batches_inline == 0
+
+
 def test_requests_read_in_one_loop_turn_run_as_one_batch_on_the_loop(link: Link, model: ColourModel,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     red = torch.zeros(3, 8, 8)
