@@ -212,10 +212,10 @@ class BatchingSettings(SettingsGroup):
         "within 5% of the best images/s, below any size where it slows (the curve is in `/v1/models`).")
     max_wait_ms: float = Field(
         2.0, ge=0, description="How long the worker waits for more images after the first one of a batch (not "
-        "at all when no other request is on its way). Under ENGINE=process on a CPU, where the engine's loop runs "
-        "short batches itself, the loop also waits up to this long for more requests after it reads some, while "
-        "they come faster than one per this long and waiting has recently brought more: one wake-up then reads "
-        "several and their images run as one batch (docs/performance.md).")
+        "at all when no other request is on its way). Under ENGINE=process, where the engine's loop runs short "
+        "batches itself (`ENGINE_LOOP_BATCH_MS`), the loop also waits up to this long for more requests after it "
+        "reads some, while they come faster than one per this long and waiting has recently brought more: one "
+        "wake-up then reads several and their images run as one batch (docs/performance.md).")
     inline_when_idle: bool = Field(
         True, description="A request that finds no batch running or waiting, and no other request on its way, "
         "runs its forward pass on its own thread instead of handing it to the worker thread on another core "
@@ -305,9 +305,10 @@ class ServerSettings(SettingsGroup):
         "this long a turn, a backlog's rest in the next turns, with reads and answers between them; else the "
         "batcher's thread is woken once. Handing a short batch to that thread and its answers back costs two "
         "wake-ups and the interpreter lock's hand-overs, a good part of its CPU; a longer one holds the loop from "
-        "reading the next requests. On a CPU; on CUDA for a version whose every batch shape replays a CUDA graph "
-        "(`CUDA_GRAPHS`: an eager pass would tune cuDNN's plans again on the loop's thread). The first batch of a "
-        "version never runs there; 0 = never (docs/performance.md).")
+        "reading the next requests (this bounds a batch's expected time from the version's recent ones; on CUDA "
+        "the loop waits for the device to finish the batch). On a CPU; on CUDA for a version whose every batch "
+        "replays a CUDA graph (`CUDA_GRAPHS`: an eager pass would tune cuDNN's plans again on the loop's thread), "
+        "on a stream of its own. The first batch of a version never runs there; 0 = never (docs/performance.md).")
     workers: int = Field(
         0, ge=0, description="gunicorn worker processes: under `ENGINE=inline` each loads its own model and "
         "batcher, under `ENGINE=process` they speak HTTP only. 0 = auto, said in the start-up log: on a CPU host "

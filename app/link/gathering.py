@@ -5,8 +5,8 @@ alone paid that wake-up, and the cold caches after it, with most of its CPU on a
 requests come, or when fewer can come: a connection carries one exchange at a time, so those whose request is
 read or in flight, or whose catalog call or explanation runs, send nothing more before their answer), and taken only
 when it pays:
-- the turns' batches run on the loop (a CPU's short batches; on a GPU the batcher's thread waits for more images
-  itself, and a second wait would only add latency);
+- the turns' batches run on the loop (short batches on a CPU, or on CUDA where they replay CUDA graphs; where the
+  batcher's thread runs them it waits for more images itself, and a second wait would only add latency);
 - requests come faster than one per wait (a moving average of the time between them, reset by a pause);
 - recent waits brought at least ``GATHER_MIN_YIELD`` requests each (a moving average). A lone client's next request
   cannot come before its answer, so its waits bring nothing and stop (four, from the start), but for one turn in

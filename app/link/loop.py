@@ -575,9 +575,9 @@ class EngineServer:
     def _queued_or_ended(self, exchange: _Exchange) -> Queued | Callable[[], None]:
         """The request's images decoded (or their headers read) and queued (for ``_queued`` on the loop), or what
         the loop then does instead (its end). On the loop, queued without waking the batcher's thread: the turn then
-        runs its batch there when it is short (on the CPU, as ``INLINE_WHEN_IDLE`` says) instead of waking that
-        thread and being woken back; from a decode thread, queued for the batcher's thread, unless its client hung
-        up meanwhile (which the loop says)."""
+        runs its batch there when it is short (on a CPU, or on CUDA where every batch replays a CUDA graph: the
+        version says, ``tuning.loop_batches``) instead of waking that thread and being woken back; from a decode
+        thread, queued for the batcher's thread, unless its client hung up meanwhile (which the loop says)."""
         message, on_loop = exchange.message, threading.get_ident() == self._loop_thread
         try:
             queued = exchange.call.queue(exchange.images, exchange.tensors, timeout_s=message.timeout_s,

@@ -175,7 +175,56 @@ def test_a_version_on_a_gpu_lets_an_engines_loop_run_its_batches_when_they_repla
     app = create_app(gpu, predictor)
     service = app.extensions[EXTENSION_KEY]
     try:
-        assert predictor.replays_every_batch is graphs
-        assert service.loaded_version().batcher.runs_queued_on_caller is graphs
+        loaded = service.loaded_version()
+        assert predictor.replays_batches_up_to(4) is graphs
+        assert loaded.batcher.runs_queued_on_caller is graphs and (loaded.batch_stream is not None) is graphs
+    finally:
+        service.shutdown(timeout=5)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_graphed_versions_batches_run_on_the_callers_thread_replayed_on_the_versions_stream(
+        settings: Settings, small_weights, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    # as an engine's loop runs them (Batcher.run_queued): no eager forward pass off the batcher's thread, whose tuned
+    # cuDNN plans it would need, and the answers the batcher's thread gives
+    import threading
+
+    import numpy as np
+    import torch
+
+    from tests.support.fakes import wait_until
+
+    gpu = settings.model_copy(update={"device": "cuda", "max_batch_size": 4, "warmup": True, "cuda_graphs": True})
+    predictor = Predictor.load(small_weights, weights_format="torchscript", device="cuda", max_batch_size=4,
+                               cuda_graphs=True)
+    app = create_app(gpu, predictor)
+    service = app.extensions[EXTENSION_KEY]
+    try:
+        loaded = service.loaded_version()
+        batcher, graphs = loaded.batcher, predictor.graphs
+        assert graphs is not None and loaded.batch_stream is not None
+        replays: list[tuple[bool, int, torch.cuda.Stream]] = []
+        replay = graphs.run
+
+        def spied(batch: torch.Tensor, size: int) -> torch.Tensor | None:
+            rows = replay(batch, size)
+            replays.append((rows is not None, threading.get_ident(), torch.cuda.current_stream()))
+            return rows
+
+        monkeypatch.setattr(graphs, "run", spied)
+        shape = loaded.signature.input_shape
+        pixels = [np.random.default_rng(seed).random(shape, dtype=np.float32) for seed in range(4)]
+        measured = batcher.submit_group(pixels[:1])  # the version's first batch: the batcher's thread's
+        assert measured.wait(30)
+        on_thread = np.array(measured.result())
+        wait_until(lambda: not batcher._busy)  # the batcher's thread done with it
+        for rows in range(1, 5):
+            group = batcher.submit_group(pixels[:rows], defer=True)
+            assert batcher.run_queued(10.0) and group.wait(0)  # run here, done at return
+            np.testing.assert_allclose(np.array(group.result())[:1], on_thread, rtol=0, atol=1e-5)
+        assert [replayed for replayed, _, _ in replays] == [True] * 5  # every batch a replay, none eager
+        assert replays[0][1] == batcher._thread.ident
+        assert {thread for _, thread, _ in replays[1:]} == {threading.get_ident()}
+        assert {stream for _, _, stream in replays} == {loaded.batch_stream}
     finally:
         service.shutdown(timeout=5)

@@ -96,18 +96,20 @@ def test_a_capture_that_fails_leaves_the_forward_passes_eager(small_weights: Pat
     assert not capture.replayed_inputs
 
 
-def test_a_predictor_replays_every_batch_only_once_each_warmed_shape_has_its_graph(small_weights: Path) -> None:
+def test_a_predictor_replays_its_batches_only_once_each_warmed_shape_up_to_the_cap_has_its_graph(
+        small_weights: Path) -> None:
     eager, graphed, unwarmed = _padded(small_weights), _padded(small_weights), _padded(small_weights)
     for predictor in (graphed, unwarmed):
         predictor.graphs = GraphedForward(predictor._rows, capture=ReplayingCapture())
-    assert not graphed.replays_every_batch  # nothing captured before warm-up
+    assert not graphed.replays_batches_up_to(MAX_BATCH)  # nothing captured before warm-up
     for predictor in (eager, graphed):
         predictor.warmup(MAX_BATCH, repeats=1)
-    assert graphed.replays_every_batch and not eager.replays_every_batch
-    assert not unwarmed.replays_every_batch  # WARMUP off: no shape warmed, none captured
+    assert graphed.replays_batches_up_to(MAX_BATCH) and not eager.replays_batches_up_to(MAX_BATCH)
+    assert not graphed.replays_batches_up_to(MAX_BATCH + 1)  # a batch past every warmed shape would run eagerly
+    assert not unwarmed.replays_batches_up_to(MAX_BATCH)  # WARMUP off: no shape warmed, none captured
     assert graphed.graphs is not None
     del graphed.graphs._captured[4]  # a shape batches are padded to, without its graph: an eager pass would run
-    assert not graphed.replays_every_batch
+    assert not graphed.replays_batches_up_to(MAX_BATCH)
 
 
 def test_graphs_are_for_cuda_modules_only(small_weights: Path) -> None:

@@ -26,12 +26,13 @@ def inline_batches(setting: bool, device: torch.device) -> bool:
 def loop_batches(device: torch.device, replays_every_batch: bool) -> bool:
     """Whether an engine's event loop may run a version's short batches itself (Batcher.run_queued, as
     ENGINE_LOOP_BATCH_MS says) instead of waking the batcher's thread and being woken back: on the CPU; on CUDA when
-    every batch shape's forward pass replays a CUDA graph (``Predictor.replays_every_batch``).
+    every batch's forward pass replays a CUDA graph (``Predictor.replays_batches_up_to`` the batch cap).
 
     A replay holds none of the per-thread cuDNN plans an eager pass would tune again on the loop's thread (seconds a
-    shape, see ``inline_batches``), and its launch is one call. The batcher's thread, where warm-up tuned them, stays
-    for longer batches and a backlog. The hand-off to that thread and back costs the engine 1.4x its CPU per
-    request beyond the forward pass on the CPU (docs/performance.md).
+    shape, see ``inline_batches``), and its launch is one call; what else a batch runs on the device (the upload,
+    the device path's decode and resize, the read-back) uses neither cuDNN nor cuBLAS. Batches expected to take
+    longer stay on the batcher's thread. The hand-off to that thread and back costs the engine about 1.5x its CPU
+    per image on the CPU (docs/performance.md).
     """
     return device.type == "cpu" or replays_every_batch
 

@@ -90,11 +90,11 @@ class Predictor:
             return list(range(1, max_batch_size + 1))
         return sorted({min(2 ** i, max_batch_size) for i in range(max_batch_size.bit_length() + 1)})
 
-    @property
-    def replays_every_batch(self) -> bool:
-        """Whether every batch runs its forward pass as a CUDA graph's replay: one was captured at warm-up for each
-        batch shape a batch is padded to."""
-        return (self.graphs is not None and bool(self.warmed_batch_sizes)
+    def replays_batches_up_to(self, cap: int) -> bool:
+        """Whether every batch of up to ``cap`` images runs its forward pass as a CUDA graph's replay: warm-up
+        captured one for each batch shape a batch is padded to, the largest at least ``cap`` (a batch past every
+        warmed shape would run eagerly)."""
+        return (self.graphs is not None and bool(self.warmed_batch_sizes) and max(self.warmed_batch_sizes) >= cap
                 and set(self.warmed_batch_sizes) <= set(self.graphs.batch_sizes))
 
     def _padded_size(self, rows: int) -> int:

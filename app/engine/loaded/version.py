@@ -43,6 +43,9 @@ class LoadedVersion:
     batch_profile: dict[int, float] = field(default_factory=dict)  # forward images/s per batch size, at warm-up
     device_memory_bytes: int | None = None  # CUDA memory the load and warm-up took (None on the CPU)
     batcher: Batcher[Prepared, np.ndarray] = field(init=False)
+    # CUDA, where an engine's loop may run its batches: the stream they run on, whichever thread runs them, so one
+    # waits for no other thread's work queued on the default stream (another version's warm-up, an explanation)
+    batch_stream: torch.cuda.Stream | None = None
     serving: threading.Event = field(default_factory=threading.Event)  # warmed up and canaried: batches monitored
     _unmonitored: list[np.ndarray] = field(default_factory=list, init=False)  # requests' rows since the last settle
     _settling: threading.Lock = field(default_factory=threading.Lock, init=False)
@@ -76,11 +79,18 @@ class LoadedVersion:
                          manifest.embedding.dim if manifest.embedding is not None else 0)
 
     def run_batch(self, prepared: Sequence[Prepared]) -> np.ndarray:
-        """One batch, on the batcher's thread: collate (the device path decodes here), the forward pass (softmax
-        probabilities, one row per image; its time and CPU told to the observer, which counts them with the batch's); a
-        request's batch's probabilities are held for the monitor (``settle``). The rows come back as one float32
-        array (its rows are views: a request's answer takes them as they are, no per-request tensor steps), each the
-        image's probabilities followed by its embedding when the version has one."""
+        """One batch, on the batcher's thread or an engine's loop (on ``batch_stream`` where there is one): collate
+        (the device path decodes here), the forward pass (softmax probabilities, one row per image; its time and CPU
+        told to the observer, which counts them with the batch's); a request's batch's probabilities are held for the
+        monitor (``settle``). The rows come back as one float32 array (its rows are views: a request's answer takes
+        them as they are, no per-request tensor steps), each the image's probabilities followed by its embedding when
+        the version has one."""
+        if self.batch_stream is None:
+            return self._run_batch(prepared)
+        with torch.cuda.stream(self.batch_stream):
+            return self._run_batch(prepared)
+
+    def _run_batch(self, prepared: Sequence[Prepared]) -> np.ndarray:
         batch = self.decoder.collate(prepared)
         device = self.predictor.device
         made = device_mark(device)  # on a GPU the batch's making may still run there: the forward's time starts after
@@ -144,6 +154,25 @@ def check_canary(probabilities: np.ndarray, num_classes: int) -> None:
         raise ModelLoadError(f"canary inference failed: shape {tuple(probabilities.shape)}, sum {total}")
 
 
+def _place_loop_batches(loaded: LoadedVersion) -> None:
+    """Once warm-up captured the forward's graphs (or did not): whether an engine's loop may run the version's short
+    batches (``tuning.loop_batches``), and on CUDA then the stream of its own they run on."""
+    predictor, batcher = loaded.predictor, loaded.batcher
+    batcher.runs_queued_on_caller = loop_batches(predictor.device,
+                                                 predictor.replays_batches_up_to(batcher.max_batch_size))
+    if predictor.device.type != "cuda":
+        return
+    if batcher.runs_queued_on_caller:
+        # from the high-priority pool: never the stream a loading version's graphs are captured on (the pool's
+        # default priority), whose capture would take in this one's work; the serving batches come first too
+        loaded.batch_stream = torch.cuda.Stream(predictor.device, priority=-1)
+        log.info("%s %s: every batch replays a CUDA graph: under ENGINE=process the engine's loop may run the short "
+                 "ones itself", loaded.name, loaded.version)
+    else:
+        log.info("%s %s: batches run on the batcher's thread (its forward passes do not all replay CUDA graphs: "
+                 "CUDA_GRAPHS, WARMUP, or a capture that failed)", loaded.name, loaded.version)
+
+
 def _apply_batch_cap(settings: Settings, loaded: LoadedVersion) -> None:
     """Cap batches where the forward pass measured at warm-up starts to slow (when ``auto_batch_size``), saying why in the log."""
     profile, ceiling = loaded.batch_profile, loaded.batcher.max_batch_size  # the batcher was started at the ceiling
@@ -188,11 +217,7 @@ def start_version(settings: Settings, predictor: Predictor) -> LoadedVersion:
                      predictor.num_classes)
 
     loaded.batcher.start(prepare)
-    # where an engine's loop may run its short batches: known once warm-up captured (or not) the forward's graphs
-    loaded.batcher.runs_queued_on_caller = loop_batches(predictor.device, predictor.replays_every_batch)
-    if predictor.device.type == "cuda":
-        log.info("%s %s: an engine's loop %s its short batches itself", name, version,
-                 "runs" if loaded.batcher.runs_queued_on_caller else "leaves to the batcher's thread (no CUDA graphs)")
+    _place_loop_batches(loaded)
     loaded.serving.set()
     _apply_batch_cap(settings, loaded)
     MODEL_INFO.labels(*loaded._info_labels()).set(1)
