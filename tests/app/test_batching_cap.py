@@ -1,6 +1,10 @@
 """Measured tuning: the batch cap chosen at warm-up (applied and reported), and the forward-pass threads."""
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
+from typing import Iterator
+
 import pytest
 
 from app import EXTENSION_KEY
@@ -9,6 +13,7 @@ from app.factory import create_app
 from app.config import Settings
 from app.engine.loaded.predictor import Predictor
 from app.engine.batching.tuning import choose_batch_cap
+from app.engine.service import Service
 from tests.support.fakes import tiny_manifest
 from tests.support.imaging import image_bytes
 
@@ -165,26 +170,32 @@ def test_a_version_on_the_cpu_lets_an_engines_loop_run_its_batches_whatever_lone
         service.shutdown(timeout=5)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("graphs", [True, False])
-def test_a_version_on_a_gpu_lets_an_engines_loop_run_its_batches_when_they_replay_graphs(
-        settings: Settings, small_weights, graphs: bool) -> None:  # noqa: ANN001
+@contextlib.contextmanager
+def _version_on_a_gpu(settings: Settings, small_weights: Path, graphs: bool) -> Iterator[tuple[Service, Predictor]]:
+    """A service with the small model on CUDA, warmed up to batches of 4, its forward passes graphed or eager."""
     gpu = settings.model_copy(update={"device": "cuda", "max_batch_size": 4, "warmup": True, "cuda_graphs": graphs})
     predictor = Predictor.load(small_weights, weights_format="torchscript", device="cuda", max_batch_size=4,
                                cuda_graphs=graphs)
-    app = create_app(gpu, predictor)
-    service = app.extensions[EXTENSION_KEY]
+    service = create_app(gpu, predictor).extensions[EXTENSION_KEY]
     try:
-        loaded = service.loaded_version()
-        assert predictor.replays_batches_up_to(4) is graphs
-        assert loaded.batcher.runs_queued_on_caller is graphs and (loaded.batch_stream is not None) is graphs
+        yield service, predictor
     finally:
         service.shutdown(timeout=5)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False])
+def test_a_version_on_a_gpu_lets_an_engines_loop_run_its_batches_when_they_replay_graphs(
+        settings: Settings, small_weights: Path, graphs: bool) -> None:
+    with _version_on_a_gpu(settings, small_weights, graphs) as (service, predictor):
+        loaded = service.loaded_version()
+        assert predictor.replays_batches_up_to(4) is graphs
+        assert loaded.batcher.runs_queued_on_caller is graphs and (loaded.batch_stream is not None) is graphs
+
+
+@pytest.mark.gpu
 def test_on_a_gpu_a_graphed_versions_batches_run_on_the_callers_thread_replayed_on_the_versions_stream(
-        settings: Settings, small_weights, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+        settings: Settings, small_weights: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # as an engine's loop runs them (Batcher.run_queued): no eager forward pass off the batcher's thread, whose tuned
     # cuDNN plans it would need, and the answers the batcher's thread gives
     import threading
@@ -194,12 +205,7 @@ def test_on_a_gpu_a_graphed_versions_batches_run_on_the_callers_thread_replayed_
 
     from tests.support.fakes import wait_until
 
-    gpu = settings.model_copy(update={"device": "cuda", "max_batch_size": 4, "warmup": True, "cuda_graphs": True})
-    predictor = Predictor.load(small_weights, weights_format="torchscript", device="cuda", max_batch_size=4,
-                               cuda_graphs=True)
-    app = create_app(gpu, predictor)
-    service = app.extensions[EXTENSION_KEY]
-    try:
+    with _version_on_a_gpu(settings, small_weights, graphs=True) as (service, predictor):
         loaded = service.loaded_version()
         batcher, graphs = loaded.batcher, predictor.graphs
         assert graphs is not None and loaded.batch_stream is not None
@@ -226,5 +232,3 @@ def test_on_a_gpu_a_graphed_versions_batches_run_on_the_callers_thread_replayed_
         assert replays[0][1] == batcher._thread.ident
         assert {thread for _, thread, _ in replays[1:]} == {threading.get_ident()}
         assert {stream for _, _, stream in replays} == {loaded.batch_stream}
-    finally:
-        service.shutdown(timeout=5)
