@@ -125,8 +125,9 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         # first what says the code is right on the device: the loop's batches on CUDA among them (11-30)
         Step("gpu-tests", 100, (py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests)),
         # the engine's own cost per request on the device's host, its requests several to a message as the HTTP
-        # workers' loop links send them, with and without its batches on its loop (four engine starts)
-        Step("engine", 140, (py, "-m", "bench.serving.engine_only", "--device", device, *engine, "--out",
+        # workers' loop links send them, with and without its batches on its loop (four engine starts, about 30 s
+        # each on an H200; each point printed to the log as it comes)
+        Step("engine", 180, (py, "-m", "bench.serving.engine_only", "--device", device, *engine, "--out",
                              str(figures)), least_s=60),
         Step("served", 280, (py, "-m", "bench.serving.gpu", "--device", device, "--dtype", "float32", "--models",
                              model, "--engines", *engines, "--decode-paths", "auto", "--processes",

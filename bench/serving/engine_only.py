@@ -618,25 +618,31 @@ def main(argv: list[str] | None = None) -> int:
     found: dict[tuple[str, Path], list[dict[str, Any]]] = {}
     clients_of = {form: (max(1, args.images_in_flight // FORMS[form][1]) if args.images_in_flight else
                          args.concurrency) for form in args.forms}
+
+    def measured(key: tuple[str, Path], point: dict[str, Any]) -> None:
+        """A point kept, and printed as it comes (a run stopped before its report still told it)."""
+        found.setdefault(key, []).append(point)
+        print(json.dumps({"engine": str(key[1]), "form": key[0], **point}), flush=True)
+
     for _ in range(args.rounds):
         for form in args.forms:
             concurrency = clients_of[form]
             for checkout in checkouts:
-                found.setdefault((form, checkout), []).append(
-                    measure(checkout, weights, form, concurrency, args.seconds, device=args.device,
-                            clients=args.clients, max_batch_size=args.max_batch_size))
+                measured((form, checkout), measure(checkout, weights, form, concurrency, args.seconds,
+                                                   device=args.device, clients=args.clients,
+                                                   max_batch_size=args.max_batch_size))
             if with_settings:
-                found.setdefault((form, WITH_SETTINGS), []).append(
-                    measure(ROOT, weights, form, concurrency, args.seconds, device=args.device, clients=args.clients,
-                            max_batch_size=args.max_batch_size, settings=with_settings))
+                measured((form, WITH_SETTINGS), measure(ROOT, weights, form, concurrency, args.seconds,
+                                                        device=args.device, clients=args.clients,
+                                                        max_batch_size=args.max_batch_size, settings=with_settings))
             if args.floor and FORMS[form][0] == "v2":
-                found.setdefault((form, FLOOR), []).append(  # a frame each (the messages' floor is next)
-                    measure(ROOT, weights, form, concurrency, args.seconds, floor=True, device=args.device,
-                            clients="loop" if args.clients == "messages" else args.clients,
-                            max_batch_size=args.max_batch_size))
-                found.setdefault((form, FLOOR_MESSAGES), []).append(
-                    measure(ROOT, weights, form, concurrency, args.seconds, floor=True, clients="messages",
-                            device=args.device, max_batch_size=args.max_batch_size))
+                measured((form, FLOOR), measure(  # a frame each (the messages' floor is next)
+                    ROOT, weights, form, concurrency, args.seconds, floor=True, device=args.device,
+                    clients="loop" if args.clients == "messages" else args.clients,
+                    max_batch_size=args.max_batch_size))
+                measured((form, FLOOR_MESSAGES), measure(
+                    ROOT, weights, form, concurrency, args.seconds, floor=True, clients="messages",
+                    device=args.device, max_batch_size=args.max_batch_size))
     in_flight = (f"{args.images_in_flight} images in flight" if args.images_in_flight else f"C={args.concurrency}")
     lines = [f"The engine without HTTP on {args.device} ({os.cpu_count()} cores): {in_flight} "
              f"({CLIENTS[args.clients]}), {args.seconds:g} s per "
