@@ -308,7 +308,7 @@ class ServerSettings(SettingsGroup):
         "reading the next requests (this bounds a batch's expected time from the version's recent ones; on CUDA "
         "the loop waits for the device to finish the batch). On a CPU; on CUDA for a version whose every batch "
         "replays a CUDA graph (`CUDA_GRAPHS`: an eager pass would tune cuDNN's plans again on the loop's thread), "
-        "on a stream of its own. The first batch of a version never runs there; 0 = never (docs/performance.md).")
+        "off the default stream. The first batch of a version never runs there; 0 = never (docs/performance.md).")
     workers: int = Field(
         0, ge=0, description="gunicorn worker processes: under `ENGINE=inline` each loads its own model and "
         "batcher, under `ENGINE=process` they speak HTTP only. 0 = auto, said in the start-up log: on a CPU host "

@@ -156,7 +156,7 @@ def check_canary(probabilities: np.ndarray, num_classes: int) -> None:
 
 def _place_loop_batches(loaded: LoadedVersion) -> None:
     """Once warm-up captured the forward's graphs (or did not): whether an engine's loop may run the version's short
-    batches (``tuning.loop_batches``), and on CUDA then the stream of its own they run on."""
+    batches (``tuning.loop_batches``), and on CUDA then the stream, not the default one, they run on."""
     predictor, batcher = loaded.predictor, loaded.batcher
     batcher.runs_queued_on_caller = loop_batches(predictor.device,
                                                  predictor.replays_batches_up_to(batcher.max_batch_size))
