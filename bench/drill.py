@@ -17,7 +17,8 @@ worker beside it, its requests several to a message as HTTP workers' loops send 
 CUDA's only way before 11-30, the A/B of the loop's batches on CUDA); the served figures (``bench.serving.gpu``: the
 defaults in process mode with one engine and with two (ENGINES_PER_DEVICE=2), and inline, on Lite0, 1 and 16 images
 per request, C=64 and 256, and 4x overload at C=1024; each point printed as it comes), and its process-mode points
-again with every batch on the batcher's thread (the same A/B on Lite0); the device path's batch made step by step,
+again with every batch on the batcher's thread (the same A/B on Lite0) and with 8 HTTP workers (twice a 16-core
+host's default); the device path's batch made step by step,
 with CUDA's spinning wait and with blocking sync (``bench.serving.device_collate``); the engine's profile under load
 (``bench.serving.engine_profile``: py-spy on it, the interpreter lock's holder and every thread on a CPU); the engine
 alone at 1, 4 and 16 images per request with as many images in flight; the serving overhead
@@ -77,7 +78,8 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         engine = ["--forms", "v2 x1", "--concurrency", "2", "--seconds", "0.3"]
         by_size = ["--forms", "v2 x1", "v2 x2", "--images-in-flight", "2", "--seconds", "0.3"]
         variant = ["--engines", "inline", "--batch-sizes", "2", "--concurrency", "2", "--images-per-request", "1",
-                   "--seconds", "0.5", "--warmup", "0.2", "--workers", "1"]  # inline: the cheapest to start
+                   "--seconds", "0.5", "--warmup", "0.2"]  # inline: the cheapest to start
+        auto_workers, more_workers = "1", "2"
         launches = ["--model", model, "--dtypes", "float32", "--batch-sizes", "1", "2", "--seconds", "0.1"]
         preprocess = ["--batch-sizes", "1", "2", "--seconds", "0.05"]
         collate = ["--batch-sizes", "2", "--seconds", "0.02"]
@@ -99,7 +101,8 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         engine = ["--forms", "v2 x1", "jpeg", "--concurrency", "16", "--seconds", "3", "--clients", "messages"]
         by_size = ["--forms", "v2 x1", "v2 x4", "v2 x16", "--images-in-flight", "64", "--seconds", "3"]
         variant = ["--engines", "process", "--batch-sizes", "64", "--concurrency", "64", "256", "--images-per-request",
-                   "1", "16", "--seconds", "3", "--warmup", "1", "--workers", "0"]
+                   "1", "16", "--seconds", "3", "--warmup", "1"]
+        auto_workers, more_workers = "0", "8"  # the served step's (4 on a 16-core host), and twice that
         launches = ["--model", model, "--dtypes", "float32", "--seconds", "0.3"]
         preprocess = ["--batch-sizes", "1", "8", "64", "--seconds", "0.5"]
         collate = ["--batch-sizes", "1", "8", "32", "--seconds", "0.3"]
@@ -107,19 +110,23 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         train = ["--archs", "efficientnet_lite0", "--batch-size", "128", "--steps", "12", "--warmup", "4"]
         photo_counts = ["--classes", "20", "--train-per-class", "60", "--val-per-class", "20"]
     on_thread = (("VISIONSERVE_ENGINE_LOOP_BATCH_MS", "0"),)  # every batch on the batcher's thread
-    variants = [("served-batcher-thread", "auto", on_thread),
-                ("served-threads", "auto", (("VISIONSERVE_LOOP_REQUESTS", "false"),)),
-                ("served-tensor", "tensor", ()), ("served-eager", "auto", (("VISIONSERVE_CUDA_GRAPHS", "false"),))]
+    variants = [("served-batcher-thread", "auto", on_thread, auto_workers),
+                ("served-more-workers", "auto", (), more_workers),
+                ("served-threads", "auto", (("VISIONSERVE_LOOP_REQUESTS", "false"),), auto_workers),
+                ("served-tensor", "tensor", (), auto_workers),
+                ("served-eager", "auto", (("VISIONSERVE_CUDA_GRAPHS", "false"),), auto_workers)]
     if smoke:  # one variant stands for both (the same command, another setting): the suite's 15 minutes
         variants = [variant for variant in variants if variant[0] == "served-tensor"]
     if not smoke:  # the engine alone also with its batches on the batcher's thread, round by round: the A/B of the
         engine += ["--with-settings", "=".join(on_thread[0])]  # loop's batches on CUDA (two more engine starts)
     served_variants = [
         Step(name, 100, (py, "-m", "bench.serving.gpu", "--device", device, "--dtype", "float32", "--models", model,
-                         "--decode-paths", path, "--workload", "imagenet", "--loads-only", *variant, "--out",
-                         str(figures / name)), least_s=50, env=env)
-        for name, path, env in variants]
-    on_thread_served = [step for step in served_variants if step.env == on_thread]
+                         "--decode-paths", path, "--workload", "imagenet", "--loads-only", *variant, "--workers",
+                         workers, "--out", str(figures / name)), least_s=50, env=env)
+        for name, path, env, workers in variants]
+    # right after the served step: what bounds one image a request on the host once the engine's loop runs its
+    # batches (the engine's hand-offs, or four HTTP workers' CPU: 1.5 ms a request on an H200, 11-29)
+    first_served = [step for step in served_variants if step.name in ("served-batcher-thread", "served-more-workers")]
     return [
         Step("facts", 30, (py, "-c", facts), least_s=5),
         # first what says the code is right on the device: the loop's batches on CUDA among them (11-30)
@@ -133,8 +140,9 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
                              model, "--engines", *engines, "--decode-paths", "auto", "--processes",
                              "--workload", "imagenet", *served, "--out", str(figures)), least_s=60),
         # the served step's process-mode points again with every batch on the batcher's thread, on Lite0, whose
-        # batches hold the device longer than the engine step's model's (ENGINE_LOOP_BATCH_MS=0)
-        *on_thread_served,
+        # batches hold the device longer than the engine step's model's (ENGINE_LOOP_BATCH_MS=0), then with twice
+        # the HTTP workers
+        *first_served,
         # the device path's batch made step by step (JPEGs to tensors, nvJPEG, preprocessing, a read-back), the batch
         # worker's CPU per image with CUDA's default spinning wait and with blocking sync, each in its own process
         Step("collate", 60, (py, "-m", "bench.serving.device_collate", "--device", device, *collate, "--out",
@@ -159,7 +167,7 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         # HTTP workers as before 11-30), with the tensor decode path (DECODE_PATH=tensor: an engine's decode threads
         # on every core, where the device path decodes a batch on one thread), then with eager forward passes
         # (CUDA_GRAPHS=false): each against the served step's, on one machine, back to back
-        *(step for step in served_variants if step not in on_thread_served),
+        *(step for step in served_variants if step not in first_served),
         Step("photos", 40, (py, "-m", "demo_data", "photos", "--out", str(photos), *photo_counts), least_s=10),
         Step("predict", 50, (py, "-m", "models.predict", "--weights", str(weights), "--data", str(photos / "val"),
                              "--out", str(figures / "predict.jsonl"), "--device", device)),
