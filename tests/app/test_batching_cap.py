@@ -232,3 +232,8 @@ def test_on_a_gpu_a_graphed_versions_batches_run_on_the_callers_thread_replayed_
         assert replays[0][1] == batcher._thread.ident
         assert {thread for _, thread, _ in replays[1:]} == {threading.get_ident()}
         assert {stream for _, _, stream in replays} == {loaded.batch_stream}
+        # an image the device path decodes on the CPU in its batch (not a JPEG): the batcher's thread's
+        wait_until(lambda: not batcher._busy)
+        png = batcher.submit_group([loaded.decoder.prepare(image_bytes(fmt="PNG", size=(64, 64)))], defer=True)
+        assert not batcher.run_queued(10.0) and png.wait(30) and len(png.result()) == 1
+        assert replays[-1][1] == batcher._thread.ident and replays[-1][2] == loaded.batch_stream

@@ -622,6 +622,24 @@ def test_deferred_groups_run_here_only_where_the_batcher_was_told_they_may_whate
     assert fn.threads[-1] is threading.current_thread() and batcher.batches_inline == 2
 
 
+def test_a_deferred_batch_holding_an_item_the_caller_may_not_run_is_the_worker_s_with_what_follows(
+        make_batcher) -> None:
+    fn = ThreadRecorder()
+    batcher = make_batcher(fn, max_batch_size=2, incoming=lambda: 0, runs_queued_on_caller=True)
+    assert batcher.submit(0).result(timeout=10).value == 0  # a batch measured (on the worker)
+    wait_until(lambda: _worker_asleep(batcher))
+    batcher.caller_may_run = lambda item: item % 2 == 0  # odd items: decoded on the CPU in their batch, say
+    groups = [batcher.submit_group([item], defer=True) for item in (2, 4, 5, 6)]
+    assert batcher.run_queued(10.0)  # [2, 4] here; [5, 6] holds 5: the worker's, woken
+    assert groups[0].wait(0) and groups[1].wait(0) and fn.threads[1] == threading.current_thread()
+    assert groups[2].wait(10) and groups[3].wait(10) and fn.threads[2] is not threading.current_thread()
+    assert [group.result()[0] for group in groups] == [4, 8, 10, 12] and batcher.batches_inline == 1
+    wait_until(lambda: _worker_asleep(batcher))
+    first = batcher.submit_group([7], defer=True)
+    assert not batcher.run_queued(10.0)  # the first batch already holds one: nothing here
+    assert first.wait(10) and fn.threads[-1] is not threading.current_thread() and batcher.batches_inline == 1
+
+
 def test_deferred_groups_over_the_cap_run_here_in_batches_of_the_cap(make_batcher) -> None:
     recorder = Recorder()
     batcher = make_batcher(recorder, max_batch_size=2, incoming=lambda: 0, inline_when_idle=True,

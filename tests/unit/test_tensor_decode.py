@@ -219,6 +219,20 @@ def test_the_device_path_decodes_in_the_batch_and_fails_only_the_bad_image(setti
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 
 
+def test_only_the_device_path_decodes_in_the_batch_on_the_cpu_and_only_what_is_not_a_jpeg(
+        predictor) -> None:  # noqa: ANN001
+    from app.engine.loaded.version import decoder_of
+
+    device = decoder_of("device", predictor, LIMITS)
+    pixels = predictor.tensor_transform(decode_tensor(image_bytes(RED), LIMITS)).numpy()
+    assert not device.decodes_on_host_in_batch(device.prepare(image_bytes(BLUE)))  # nvJPEG's
+    assert device.decodes_on_host_in_batch(device.prepare(image_bytes(RED, fmt="PNG")))  # the CPU decoder's
+    assert not device.decodes_on_host_in_batch(pixels)  # a client's pixels: decoded already
+    for path in ("tensor", "pil"):  # decoded before their batch
+        decoder = decoder_of(path, predictor, LIMITS)
+        assert not decoder.decodes_on_host_in_batch(decoder.prepare(image_bytes(RED, fmt="PNG")))
+
+
 def test_a_batch_may_mix_encoded_images_and_preprocessed_pixels(predictor) -> None:  # noqa: ANN001
     from app.engine.loaded.version import decoder_of
 

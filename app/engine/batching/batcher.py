@@ -79,7 +79,8 @@ class Batcher(Generic[In, Out]):
     whose caches hold neither the freshly preprocessed input nor the weights, and only after a wake-up, so a lone
     batch costs more there (docs/performance.md: Figures behind the code's choices). Only one batch runs at a time
     either way. ``runs_queued_on_caller``: the same for ``run_queued``, an event loop's turn of deferred items (a
-    public attribute: its owner may allow it once warm-up showed where batches can run).
+    public attribute: its owner may allow it once warm-up showed where batches can run); ``caller_may_run`` (None:
+    any item), the items a batch run there may hold: a batch with another is the worker's.
 
     ``split_on`` names exceptions that mean "this batch is too big" (CUDA out-of-memory): such a batch is split in
     halves and retried, and the batch size is capped at the size that worked for ``shrink_s`` seconds.
@@ -130,6 +131,7 @@ class Batcher(Generic[In, Out]):
         self._incoming = incoming
         self._inline_when_idle = inline_when_idle
         self.runs_queued_on_caller = runs_queued_on_caller
+        self.caller_may_run: Callable[[In], bool] | None = None
         self._busy = False  # a batch is being gathered or run, by the worker or inline by a caller
         self.batches_run = 0
         self.batches_inline = 0
@@ -212,6 +214,7 @@ class Batcher(Generic[In, Out]):
         Here, as many batches run as are expected within ``inline_within_s`` (one at least): what is left stays
         queued for the caller's next call (``depth``), the worker not woken for it, so a backlog of short batches
         runs on one thread in slices of ``inline_within_s`` instead of moving to the worker's and its answers back.
+        A batch holding an item ``caller_may_run`` refuses is the worker's, woken for it and what follows it.
         Whether any ran here."""
         with self._cond:
             left = len(self._queue)
@@ -219,22 +222,33 @@ class Batcher(Generic[In, Out]):
                 return False
             cap = self.current_max_batch_size
             first_s = self.expected_batch_s(min(left, cap))
-            if not (self.runs_queued_on_caller and self._idle() and first_s <= inline_within_s):
+            if not (self.runs_queued_on_caller and self._idle() and first_s <= inline_within_s
+                    and self._caller_may_take(min(left, cap))):
                 self._cond.notify()
                 return False
             if left > cap and first_s > 0:  # a slice of the backlog: as many batches of the cap as fit the time
                 left = min(left, cap * int(inline_within_s / first_s))  # (one at least)
             self._busy = True  # the queue is this thread's: the worker takes nothing meanwhile
+        refused = False
         try:
             while left > 0:  # only what was judged: the rest, and what others queue meanwhile, waits
                 with self._cond:
-                    batch = [self._queue.popleft() for _ in range(min(left, self.current_max_batch_size))]
+                    count = min(left, self.current_max_batch_size)
+                    if not self._caller_may_take(count):  # this batch and the rest: the worker's
+                        refused = True
+                        break
+                    batch = [self._queue.popleft() for _ in range(count)]
                     self._report_depth_taken(time.monotonic())
                 left -= len(batch)
                 self._run_wanted(batch)
         finally:
-            self._release_inline(wake_worker=False)
+            self._release_inline(wake_worker=refused)
         return True
+
+    def _caller_may_take(self, count: int) -> bool:
+        """Under the lock: whether the next ``count`` queued items may run as a batch on the caller's thread."""
+        may_run = self.caller_may_run
+        return may_run is None or all(may_run(pending.item) for pending in itertools.islice(self._queue, count))
 
     def expected_batch_s(self, items: int) -> float:
         """How long a batch of ``items`` takes, from the recent batches (their time, and their time per item times

@@ -41,6 +41,10 @@ class Decoder:
         """The prepared images of one batch as the model's (N, C, H, W) input."""
         return stack_pixels(items)  # type: ignore[arg-type]
 
+    def decodes_on_host_in_batch(self, item: Prepared) -> bool:
+        """Whether ``collate`` decodes ``item`` on the CPU (the others came decoded, or the device decodes them)."""
+        return False
+
 
 class PilDecoder(Decoder):
     """PIL decodes and the manifest's PIL eval transform preprocesses, in the request thread."""
@@ -88,6 +92,10 @@ class DeviceDecoder(Decoder):
     def collate(self, items: Sequence[Prepared]) -> torch.Tensor:
         """The batch decoded on the device, in the model's dtype (preprocessed pixels join in their place)."""
         return collate_on_device(items, self.device, self.transform, self.dtype)
+
+    def decodes_on_host_in_batch(self, item: Prepared) -> bool:
+        """An image that is not a JPEG: the batch decodes it on the CPU, then uploads it."""
+        return isinstance(item, Encoded) and not item.jpeg
 
 
 def decode_path(setting: str, device: torch.device) -> str:

@@ -166,6 +166,10 @@ def _place_loop_batches(loaded: LoadedVersion) -> None:
         # from the high-priority pool: never the stream a loading version's graphs are captured on (the pool's
         # default priority), whose capture would take in this one's work; the serving batches come first too
         loaded.batch_stream = torch.cuda.Stream(predictor.device, priority=-1)
+        # an image the batch would decode on the CPU (not a JPEG, on the device path) keeps its batch off the loop,
+        # which would hold every connection while it decodes
+        decoder = loaded.decoder
+        batcher.caller_may_run = lambda item: not decoder.decodes_on_host_in_batch(item)
         log.info("%s %s: every batch replays a CUDA graph: under ENGINE=process the engine's loop may run the short "
                  "ones itself", loaded.name, loaded.version)
     else:
