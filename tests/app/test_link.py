@@ -945,10 +945,20 @@ def test_small_images_are_decoded_on_the_loop_once_their_cost_is_measured(link: 
         return prepare(data)
 
     version.decoder.prepare = recorded  # type: ignore[method-assign]
-    for _ in range(5):
-        infer(link.worker, [image_bytes(RED)])
+    # The first decodes' one-time costs (a decoder's first use, on a loaded machine) weigh in the moving average of
+    # the cost per byte until a few more decodes took their place: on the loop once it has (30 requests leave room
+    # for a first decode 400 times a hand-off). What a decode costs is the machine's: the rule, not a speed, is
+    # asserted
+    image = image_bytes(RED)
+    for _ in range(30):
+        shares = link.server.decode_shares
+        expected_here = shares.s_per_byte is not None and len(image) * shares.s_per_byte < HAND_OFF_S
+        infer(link.worker, [image])
+        assert (decoded_on[-1] == "engine-loop") is expected_here  # here exactly when cheaper than a hand-off
+        if expected_here:
+            break
     assert decoded_on[0].startswith("engine-decode")  # before any is measured, an image is worth a hand-off
-    assert decoded_on[-1] == "engine-loop" and link.server.decode_shares.s_per_byte < HAND_OFF_S / 1000
+    assert decoded_on[-1] == "engine-loop"
 
 
 def test_a_batch_run_where_images_were_decoded_is_not_counted_as_their_decode(settings: Settings) -> None:
