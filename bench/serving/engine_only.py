@@ -136,11 +136,13 @@ def serve_floor(weights: Path, sock: Path, device: str = "cpu") -> None:
 
     from models.architectures import split_outputs
     from models.export.checks import device_type
+    from models.export.torchscript import quiet_jit
     from models.serving import forward_threads
 
     torch.set_num_threads(forward_threads(0, device) or torch.get_num_threads())  # the engine's rule for its forward
     batch_cap = Settings(device=device).batch_ceiling(device_type(device))  # the engine's (auto_batch_size off)
-    module = torch.jit.load(str(weights / "model.torchscript.pt"), map_location=device).eval()
+    with quiet_jit():  # as the engine loads it (models/export/load.py): no deprecation notice in every log
+        module = torch.jit.load(str(weights / "model.torchscript.pt"), map_location=device).eval()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(sock))
     listener.listen(64)
