@@ -194,6 +194,16 @@ def _upright(pixels: np.ndarray, turn: tuple[bool, bool, bool] | None) -> np.nda
 _DECODE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
+def decode_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one stream ``_decode`` decodes on for ``device``, drawn once from PyTorch's default-priority pool (whose
+    32 streams it hands out in turn: a draw per call would soon share one with another user of that pool, a graph's
+    capture among them)."""
+    stream = _DECODE_STREAMS.get(device)
+    if stream is None:
+        stream = _DECODE_STREAMS.setdefault(device, torch.cuda.Stream(device))  # two threads at once: one stream
+    return stream
+
+
 def _decode(encoded: torch.Tensor | list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """``decode_jpeg`` on ``device``; on CUDA ordered safely against the caller's stream.
 
@@ -207,7 +217,7 @@ def _decode(encoded: torch.Tensor | list[torch.Tensor], device: torch.device) ->
 
     cuda = device.type == "cuda"
     caller = torch.cuda.current_stream(device) if cuda else None
-    stream = _DECODE_STREAMS.setdefault(device, torch.cuda.Stream(device)) if cuda else None
+    stream = decode_stream(device) if cuda else None
     with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
         # EXIF is applied by ``turned`` after: torchvision's CUDA decode ignores apply_exif_orientation (a 500x300
         # photo with orientation 6 came back 500 wide on CUDA, 300 on the CPU), so no device is trusted with it.

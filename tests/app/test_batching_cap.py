@@ -227,11 +227,25 @@ def test_on_a_gpu_a_graphed_versions_batches_run_on_the_callers_thread_replayed_
         for rows in range(1, 5):
             group = batcher.submit_group(pixels[:rows], defer=True)
             assert batcher.run_queued(10.0) and group.wait(0)  # run here, done at return
-            np.testing.assert_allclose(np.array(group.result())[:1], on_thread, rtol=0, atol=1e-5)
+            # batches of 1, 2 and 4 are three graphs, whose cuDNN kernels (TF32 convolutions, chosen per shape) may
+            # differ by about 1e-4; another image's row differs from this one's by 0.03 or more
+            np.testing.assert_allclose(np.array(group.result())[:1], on_thread, rtol=0, atol=1e-3)
         assert [replayed for replayed, _, _ in replays] == [True] * 5  # every batch a replay, none eager
         assert replays[0][1] == batcher._thread.ident
         assert {thread for _, thread, _ in replays[1:]} == {threading.get_ident()}
         assert {stream for _, _, stream in replays} == {loaded.batch_stream}
+        # a JPEG, decoded by nvJPEG in its batch (the decode's stream ordered against the batch's): on the caller's
+        # thread as on the batcher's, with its answer
+        jpeg = loaded.decoder.prepare(image_bytes(fmt="JPEG", size=(64, 64)))
+        wait_until(lambda: not batcher._busy)
+        threaded = batcher.submit_group([jpeg])
+        assert threaded.wait(30)
+        wait_until(lambda: not batcher._busy)
+        here = batcher.submit_group([jpeg], defer=True)
+        assert batcher.run_queued(10.0) and here.wait(0)
+        np.testing.assert_allclose(np.array(here.result()), np.array(threaded.result()), rtol=0, atol=1e-3)
+        assert replays[-2][1] == batcher._thread.ident and replays[-1][1] == threading.get_ident()
+        assert replays[-1][2] == loaded.batch_stream
         # an image the device path decodes on the CPU in its batch (not a JPEG): the batcher's thread's
         wait_until(lambda: not batcher._busy)
         png = batcher.submit_group([loaded.decoder.prepare(image_bytes(fmt="PNG", size=(64, 64)))], defer=True)

@@ -208,3 +208,25 @@ def several_models_app(settings: Settings) -> Iterator[Flask]:
         yield app
     finally:
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+class PooledStreams:
+    """``torch.cuda.Stream`` on a machine without CUDA: each stream made is recorded with its device and priority, and
+    ``priority_range`` is a device's as PyTorch reports it (``highest``: -3 where it offers four pools, as on an
+    H100; -1 where the device has two priorities)."""
+
+    def __init__(self, highest: int) -> None:
+        self.highest = highest
+        self.made: list[tuple[torch.device, int]] = []
+        fake = self
+
+        class Stream:
+            def __init__(self, device: torch.device, priority: int = 0) -> None:
+                self.device, self.priority = device, priority
+                fake.made.append((device, priority))
+
+            @staticmethod
+            def priority_range() -> tuple[int, int]:
+                return 0, fake.highest
+
+        self.Stream = Stream

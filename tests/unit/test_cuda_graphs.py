@@ -190,3 +190,24 @@ def test_on_cuda_a_version_captures_while_another_serves_beside_it(small_weights
         beside.join()
     assert not failures and served[0] > 0
     assert loading.graphs is not None and loading.graphs.batch_sizes == loading.batch_shapes(MAX_BATCH)
+
+
+@pytest.mark.parametrize("highest, expected", [(-3, "its own"), (-1, "the default")])
+def test_each_device_captures_on_one_stream_drawn_once_from_a_pool_no_serving_stream_uses(
+        monkeypatch: pytest.MonkeyPatch, highest: int, expected: str) -> None:
+    # PyTorch hands a pool's 32 streams out in turn: a capture stream drawn per capture would soon be a serving
+    # batch's or a JPEG decode's, and their work would be captured into the graph (or fail it)
+    from app.engine.loaded import graphs
+    from app.engine.loaded.version import BATCH_STREAM_PRIORITY
+    from tests.support.fakes import PooledStreams
+
+    streams = PooledStreams(highest)
+    monkeypatch.setattr(torch.cuda, "Stream", streams.Stream)
+    monkeypatch.setattr(graphs, "_capture_streams", {})
+    first, second = torch.device("cuda", 0), torch.device("cuda", 1)
+    stream = graphs.capture_stream(first)
+    assert [graphs.capture_stream(first) for _ in range(3)] == [stream] * 3
+    assert graphs.capture_stream(second) is not stream
+    priority = graphs.CAPTURE_PRIORITY if expected == "its own" else 0
+    assert streams.made == [(first, priority), (second, priority)]
+    assert graphs.CAPTURE_PRIORITY not in (BATCH_STREAM_PRIORITY, 0)  # 0: the decoding's, ours and torchvision's

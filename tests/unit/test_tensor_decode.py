@@ -387,3 +387,17 @@ def test_what_the_header_reader_leaves_to_pil_is_read_by_pil_as_before() -> None
     assert decode_tensor(long_turn, LIMITS).shape[1:] == (coffee.width, coffee.height)
     with pytest.raises(InvalidImage, match="header is broken"):
         decode_tensor(left["cut in its segments"], LIMITS)
+
+
+def test_the_device_decode_draws_its_stream_once_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a draw per batch would walk PyTorch's pool of 32 streams and soon decode on a capture's or another's stream
+    import models.data.jpeg as jpeg
+    from tests.support.fakes import PooledStreams
+
+    streams = PooledStreams(highest=-3)
+    monkeypatch.setattr(torch.cuda, "Stream", streams.Stream)
+    monkeypatch.setattr(jpeg, "_DECODE_STREAMS", {})
+    device = torch.device("cuda", 0)
+    stream = jpeg.decode_stream(device)
+    assert [jpeg.decode_stream(device) for _ in range(3)] == [stream] * 3
+    assert streams.made == [(device, 0)]

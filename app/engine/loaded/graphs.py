@@ -21,32 +21,56 @@ Forward = Callable[[torch.Tensor], torch.Tensor]
 Capture = Callable[[Forward, torch.Tensor, object], tuple[Callable[[], None], torch.Tensor]]
 
 
+# PyTorch hands out a device's streams from a pool per priority, 32 in turn, so two draws of one priority can be one
+# stream. Graphs are captured on a pool no other stream of the engine is drawn from, where the device has one: a
+# serving version's batches run on -1 (version.py BATCH_STREAM_PRIORITY), JPEG decoding on 0 (ours,
+# models/data/jpeg.py, and torchvision's nvJPEG). Work another thread queued on a capturing stream would be captured
+# into the graph instead of run, or fail it.
+CAPTURE_PRIORITY = -2
+_capture_streams: dict[torch.device, torch.cuda.Stream] = {}
+_capturing = threading.Lock()  # captures one at a time: a device's captures share its stream
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one stream graphs are captured on for ``device``, drawn once: from CAPTURE_PRIORITY's pool where PyTorch
+    offers it on this device, else from the default one (a device of two priorities; drawn once, it is not the
+    decoding's stream). Called under ``_capturing``."""
+    stream = _capture_streams.get(device)
+    if stream is None:
+        _, highest = torch.cuda.Stream.priority_range()
+        priority = CAPTURE_PRIORITY if highest <= CAPTURE_PRIORITY else 0
+        stream = _capture_streams[device] = torch.cuda.Stream(device, priority=priority)
+    return stream
+
+
 def cuda_capture(forward: Forward, fixed_input: torch.Tensor, pool: object) -> tuple[Callable[[], None],
                                                                                       torch.Tensor]:
-    """``forward`` on ``fixed_input`` captured as one CUDA graph in ``pool``, on a side stream after two runs there
-    (lazy initialisation and cuDNN's choices happen outside the capture, as PyTorch's CUDA graph notes ask).
+    """``forward`` on ``fixed_input`` captured as one CUDA graph in ``pool``, on the device's capture stream
+    (``capture_stream``) after two runs there (lazy initialisation and cuDNN's choices happen outside the capture,
+    as PyTorch's CUDA graph notes ask), one capture at a time.
 
     Not through ``torch.cuda.graph``: that synchronises the device and empties the caching allocator first, under
     the feet of the versions serving beside a version that loads, and captures in the global mode, in which any
     other thread's allocation during the capture fails (theirs) and invalidates it (this one's). Captured here in
-    the thread-local mode, with the side stream left whatever happens, so a capture that fails leaves the thread's
+    the thread-local mode, with the capture stream left whatever happens, so a capture that fails leaves the thread's
     eager forward passes on its own stream."""
     device = fixed_input.device
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(side), torch.inference_mode():
-        for _ in range(2):
-            forward(fixed_input)
-        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-        try:
-            fixed_output = forward(fixed_input)
-        except BaseException:
-            with contextlib.suppress(Exception):  # ends the capture; the forward's error is the one to report
-                graph.capture_end()
-            raise
-        graph.capture_end()
-    torch.cuda.current_stream(device).wait_stream(side)
+    with _capturing:
+        side = capture_stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side), torch.inference_mode():
+            for _ in range(2):
+                forward(fixed_input)
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                fixed_output = forward(fixed_input)
+            except BaseException:
+                with contextlib.suppress(Exception):  # ends the capture; the forward's error is the one to report
+                    graph.capture_end()
+                raise
+            graph.capture_end()
+        torch.cuda.current_stream(device).wait_stream(side)
     return graph.replay, fixed_output
 
 

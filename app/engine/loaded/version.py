@@ -27,6 +27,10 @@ from app.metrics import MODEL_INFO, QUEUE_CAPACITY, MetricsObserver
 from models.export.checks import ModelLoadError
 
 log = logging.getLogger(__name__)
+# The stream pool a serving version's batches run on (PyTorch's: 32 streams a priority, in turn): the high-priority
+# side, so never the stream a loading version's graphs are captured on (graphs.py CAPTURE_PRIORITY) nor a JPEG
+# decoding one (the default priority); serving batches come first on the device too.
+BATCH_STREAM_PRIORITY = -1
 
 
 @dataclass(eq=False)
@@ -163,9 +167,7 @@ def _place_loop_batches(loaded: LoadedVersion) -> None:
     if predictor.device.type != "cuda":
         return
     if batcher.runs_queued_on_caller:
-        # from the high-priority pool: never the stream a loading version's graphs are captured on (the pool's
-        # default priority), whose capture would take in this one's work; the serving batches come first too
-        loaded.batch_stream = torch.cuda.Stream(predictor.device, priority=-1)
+        loaded.batch_stream = torch.cuda.Stream(predictor.device, priority=BATCH_STREAM_PRIORITY)
         # an image the batch would decode on the CPU (not a JPEG, on the device path) keeps its batch off the loop,
         # which would hold every connection while it decodes
         decoder = loaded.decoder
