@@ -166,15 +166,23 @@ def test_on_cuda_a_module_that_cannot_be_captured_stays_eager_on_its_own_stream(
 
 @pytest.mark.gpu
 def test_on_cuda_a_version_captures_while_another_serves_beside_it(small_weights: Path) -> None:
+    from app.engine.loaded.graphs import CAPTURE_PRIORITY, capture_stream
+    from harness.photos import jpeg, photo
+    from models.data.jpeg import decode_jpegs, decode_stream
+
     serving = Predictor.load(small_weights, weights_format="torchscript", device="cuda", max_batch_size=MAX_BATCH)
     serving.warmup(MAX_BATCH, repeats=1)
     loading = Predictor.load(small_weights, weights_format="torchscript", device="cuda", max_batch_size=MAX_BATCH,
                              cuda_graphs=True)
     stop, failures, served = threading.Event(), [], [0]
+    encoded = torch.frombuffer(bytearray(jpeg(photo("chelsea"), (64, 48))), dtype=torch.uint8)
+    device = torch.device("cuda", torch.cuda.current_device())  # as a tensor's device names it
 
-    def serve() -> None:  # a live version's batches, allocating as they go, while the other one captures
-        while not stop.is_set():
+    def serve() -> None:  # a live version's batches, allocating and decoding JPEGs as they go, while the other one
+        while not stop.is_set():  # captures
             try:
+                (pixels,) = decode_jpegs([encoded], device)
+                assert pixels is not None and tuple(pixels.shape) == (3, 48, 64)
                 serving.predict_batch(_batch(3 + served[0] % 5, seed=served[0]))
                 served[0] += 1
             except Exception as exc:  # noqa: BLE001 - what the live version would have answered with
@@ -190,6 +198,10 @@ def test_on_cuda_a_version_captures_while_another_serves_beside_it(small_weights
         beside.join()
     assert not failures and served[0] > 0
     assert loading.graphs is not None and loading.graphs.batch_sizes == loading.batch_shapes(MAX_BATCH)
+    # each from a pool of its own, drawn once: the capture never took the stream the thread beside it decoded on
+    assert capture_stream(device) != decode_stream(device)
+    if torch.cuda.Stream.priority_range()[1] <= CAPTURE_PRIORITY:  # a pool of its own, as on an H100
+        assert (capture_stream(device).priority, decode_stream(device).priority) == (CAPTURE_PRIORITY, 0)
 
 
 @pytest.mark.parametrize("highest, expected", [(-3, "its own"), (-1, "the default")])
