@@ -96,7 +96,7 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
                     "--forms", "jpeg", "v2 x1", "/v1/models"]  # 16 per request: the served step
         tests = ["-m", "gpu", "tests/unit/test_device.py", "tests/unit/test_tensor_decode.py",
                  "tests/unit/test_load_placement.py", "tests/unit/test_cuda_graphs.py",
-                 "tests/app/test_batching_cap.py", "tests/training/test_gpu_data.py"]
+                 "tests/app/test_batching_cap.py", "tests/app/test_explain.py", "tests/training/test_gpu_data.py"]
         # two engine starts; its floor on a GPU host (51 us an image, 11-29: as on the CPU VM) is run by hand
         engine = ["--forms", "v2 x1", "jpeg", "--concurrency", "16", "--seconds", "3", "--clients", "messages"]
         by_size = ["--forms", "v2 x1", "v2 x4", "v2 x16", "--images-in-flight", "64", "--seconds", "3"]

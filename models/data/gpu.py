@@ -148,6 +148,21 @@ class ToDevice:
                 targets.to(self.device, non_blocking=True))
 
 
+# The side stream batches are prepared on, drawn once per device from the high-priority pool. PyTorch hands a pool's
+# 32 streams out in turn: one drawn from the default pool every epoch would in time be the JPEG decoding's own
+# (models/data/jpeg.py ``decode_stream``), which then no longer orders nvJPEG's output against its caller.
+PREFETCH_PRIORITY = -1
+_prefetch_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def prefetch_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one stream ``DevicePrefetcher`` prepares ``device``'s batches on."""
+    stream = _prefetch_streams.get(device)
+    if stream is None:
+        stream = _prefetch_streams.setdefault(device, torch.cuda.Stream(device, priority=PREFETCH_PRIORITY))
+    return stream
+
+
 class DevicePrefetcher:
     """Iterates a loader's batches prepared on the device; on CUDA the next batch is prepared on a side stream
     while the current step runs (its decode and crops overlap the forward and backward pass)."""
@@ -164,8 +179,9 @@ class DevicePrefetcher:
         return self._overlapped()
 
     def _overlapped(self) -> Iterator[Batch]:
-        stream, batches = torch.cuda.Stream(self.device), iter(self.loader)
+        stream, batches = prefetch_stream(self.device), iter(self.loader)
         main = torch.cuda.current_stream(self.device)
+        stream.wait_stream(main)  # what the main stream queued first (the augment's constants) before any batch
 
         def ahead() -> Batch | None:
             batch = next(batches, None)

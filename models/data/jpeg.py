@@ -21,7 +21,9 @@ _ORIENTATION = 0x0112  # the EXIF tag
 # that is none of these keys (absent, 1, a string, a fraction) leaves the pixels as stored, as in PIL.
 _TURNS = {2: (False, False, True), 3: (False, True, True), 4: (False, True, False), 5: (True, False, False),
           6: (True, False, True), 7: (True, True, True), 8: (True, True, False)}
-_MODES = ("RGB", "L")  # what PIL reads a JPEG as when libjpeg gives PIL's pixels; CMYK and YCCK are left to PIL
+# What PIL reads a JPEG as when libjpeg-turbo (here) or nvJPEG (``decode_jpegs``) gives PIL's pixels; CMYK and YCCK
+# are left to PIL, which converts them its own way
+LIBJPEG_MODES = ("RGB", "L")
 
 
 def draft_scale(size: tuple[int, int], min_side: int) -> int:
@@ -125,7 +127,7 @@ def decode_jpeg_cpu(data: bytes, header: JpegHeader, min_side: int) -> torch.Ten
     (3, H, W) tensor: PIL's pixels bit for bit (its draft scale for ``min_side``, its EXIF turn), decoded by libjpeg-turbo
     straight into the array the tensor wraps. ValueError for what PIL must decode itself: CMYK and YCCK (PIL converts
     them its own way), and data libjpeg-turbo refuses (truncated: PIL then says why)."""
-    if header.mode not in _MODES:
+    if header.mode not in LIBJPEG_MODES:
         raise ValueError(f"a {header.mode} JPEG")
     width, height = header.width, header.height
     scale = draft_scale((width, height), min_side)
@@ -238,15 +240,29 @@ def decode_jpegs(encoded: Sequence[torch.Tensor], device: torch.device,
     either)."""
     if not encoded:
         return []
+    if device.type == "cuda" and device.index is None:  # one spelling of the device: torchvision's one decoder is
+        device = torch.device("cuda", torch.cuda.current_device())  # made again for another, and so is our stream
     turns = list(orientations) if orientations is not None else [_orientation_of(e) for e in encoded]
     try:
         return [turned(pixels, turn) for pixels, turn in zip(_decode(list(encoded), device), turns)]
     except RuntimeError as exc:  # one bad image fails the batched call: decode them one by one instead
+        _raise_out_of_memory(exc)
         log.debug("batched JPEG decoding failed, decoding one at a time: %s", exc)
     out: list[torch.Tensor | None] = []
     for data, turn in zip(encoded, turns):
         try:
             out.append(turned(_decode(data, device)[0], turn))
-        except RuntimeError:
+        except RuntimeError as exc:
+            _raise_out_of_memory(exc)
             out.append(None)
     return out
+
+
+def _raise_out_of_memory(exc: RuntimeError) -> None:
+    """Raise ``exc`` as the device's out-of-memory error when it is one: torchvision reports a failed allocation in
+    its decoder as a plain RuntimeError, and an image it refuses must not be told from a device that is full (a
+    batcher splits a batch on the latter; decoding each image on the CPU instead would hide it)."""
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        raise exc
+    if "out of memory" in str(exc).lower():
+        raise torch.cuda.OutOfMemoryError(str(exc)) from exc

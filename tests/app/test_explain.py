@@ -44,7 +44,7 @@ def tiny_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _app(weights: Path, **settings: object) -> Iterator[Flask]:
-    app = create_app(Settings(weights_dir=weights, device="cpu", log_level="warning", **settings))
+    app = create_app(Settings(**{"weights_dir": weights, "device": "cpu", "log_level": "warning", **settings}))
     yield app
     app.extensions[EXTENSION_KEY].shutdown(timeout=10)
 

@@ -182,3 +182,22 @@ def test_on_cuda_the_gpu_path_gives_the_cpu_decoders_batches(folder: Path) -> No
         # levels per sample, the most on a small crop enlarged, which magnifies nvJPEG's and libjpeg-turbo's
         # different chroma upsampling. A wrong channel order or normalisation is tens of levels.
         assert levels.flatten(1).mean(1).max() < 3.0
+
+
+def test_the_prefetcher_prepares_on_one_stream_a_device_drawn_once_from_a_pool_decoding_does_not_use(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # PyTorch hands a pool's 32 streams out in turn: a stream drawn every epoch from the default pool would in time
+    # be the JPEG decoding's own, which then no longer orders nvJPEG's output against its caller
+    import models.data.gpu as gpu
+    import models.data.jpeg as jpeg
+    from tests.support.fakes import PooledStreams
+
+    streams = PooledStreams(highest=-3)
+    monkeypatch.setattr(torch.cuda, "Stream", streams.Stream)
+    monkeypatch.setattr(gpu, "_prefetch_streams", {})
+    monkeypatch.setattr(jpeg, "_DECODE_STREAMS", {})
+    device = torch.device("cuda", 0)
+    prefetch = gpu.prefetch_stream(device)
+    assert [gpu.prefetch_stream(device) for _ in range(40)] == [prefetch] * 40  # an epoch's iteration each
+    jpeg.decode_stream(device)
+    assert streams.made == [(device, gpu.PREFETCH_PRIORITY), (device, 0)] and gpu.PREFETCH_PRIORITY != 0

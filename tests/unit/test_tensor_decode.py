@@ -401,3 +401,69 @@ def test_the_device_decode_draws_its_stream_once_per_device(monkeypatch: pytest.
     stream = jpeg.decode_stream(device)
     assert [jpeg.decode_stream(device) for _ in range(3)] == [stream] * 3
     assert streams.made == [(device, 0)]
+
+
+def test_a_cmyk_jpeg_is_left_to_the_cpu_on_the_device_path_and_gets_pils_pixels() -> None:
+    # nvJPEG, like libjpeg-turbo, does not convert CMYK as PIL does: the batch decodes it on the CPU, and a batch
+    # holding it stays off an engine's loop (decodes_on_host_in_batch)
+    from app.engine.decoding.decoders import decoder_for
+    from app.engine.decoding.device import check_header, decode_batch
+
+    cmyk, plain = encode(photo("coffee").convert("CMYK")), encode(photo("coffee"))
+    assert not check_header(cmyk, LIMITS).jpeg and check_header(plain, LIMITS).jpeg
+    transform = TensorEvalTransform(EvalPreset(resize_size=64, crop_size=56))
+    decoder = decoder_for("device", LIMITS, device=torch.device("cpu"), dtype=torch.float32,
+                          transform=eval_transform(EvalPreset(resize_size=64, crop_size=56)),
+                          tensor_transform=transform)
+    assert decoder.decodes_on_host_in_batch(decoder.prepare(cmyk))
+    assert not decoder.decodes_on_host_in_batch(decoder.prepare(plain))
+    batch = decode_batch([check_header(cmyk, LIMITS)], torch.device("cpu"), transform, torch.float32)
+    assert torch.equal(batch[0], transform(decode_tensor(cmyk, LIMITS)))
+
+
+def test_a_device_out_of_memory_in_the_jpeg_decoder_is_raised_as_one_and_a_refused_image_is_left_out(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # torchvision reports a failed allocation as a plain RuntimeError: a batcher splits a batch on the device's
+    # out-of-memory error, where decoding each image on the CPU instead would hide a full device
+    import models.data.jpeg as jpeg
+
+    encoded = [torch.frombuffer(bytearray(encode(photo("coffee"))), dtype=torch.uint8)] * 2
+    failure = {"message": "Error while decoding JPEG images: CUDA out of memory. Tried to allocate 2.00 MiB"}
+    calls: list[object] = []
+
+    def failing(data: object, device: torch.device) -> list[torch.Tensor]:
+        calls.append(data)
+        raise RuntimeError(failure["message"])
+
+    monkeypatch.setattr(jpeg, "_decode", failing)
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="out of memory"):
+        jpeg.decode_jpegs(encoded, torch.device("cpu"))
+    assert len(calls) == 1  # raised from the batch's call: no image tried alone on a full device
+    failure["message"] = "Error while decoding JPEG images: nvjpegDecode failed: 6"  # an image it refuses
+    assert jpeg.decode_jpegs(encoded, torch.device("cpu")) == [None, None]
+
+    def full_one_at_a_time(data: object, device: torch.device) -> list[torch.Tensor]:  # the batch refused, then
+        raise RuntimeError("nvjpegDecode failed: 6" if isinstance(data, list) else "CUDA out of memory")  # no room
+
+    monkeypatch.setattr(jpeg, "_decode", full_one_at_a_time)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        jpeg.decode_jpegs(encoded, torch.device("cpu"))
+
+
+def test_the_device_decode_names_a_gpu_by_its_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torchvision keeps one decoder, made again (and the old one's buffers kept) when the device it is asked for
+    # changes, and "cuda" is not "cuda:0" to it
+    import models.data.jpeg as jpeg
+
+    asked: list[torch.device] = []
+
+    def decode(data: object, device: torch.device) -> list[torch.Tensor]:
+        asked.append(device)
+        return [torch.zeros(3, 2, 2, dtype=torch.uint8)] * (len(data) if isinstance(data, list) else 1)
+
+    monkeypatch.setattr(jpeg, "_decode", decode)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    encoded = [torch.frombuffer(bytearray(encode(photo("coffee"))), dtype=torch.uint8)]
+    for device in (torch.device("cuda"), torch.device("cuda", 1)):
+        jpeg.decode_jpegs(encoded, device)
+    assert asked == [torch.device("cuda", 1)] * 2

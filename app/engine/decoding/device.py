@@ -20,7 +20,7 @@ import torch
 
 from app.engine.decoding.image import DecodeLimits, service_errors
 from app.engine.decoding.tensor import decode_tensor
-from models.data.jpeg import decode_jpegs
+from models.data.jpeg import LIBJPEG_MODES, decode_jpegs
 from models.image_decode import checked_header
 from models.presets import TensorEvalTransform
 
@@ -30,7 +30,7 @@ class Encoded:
     """An image whose header passed every limit, waiting to be decoded in its batch."""
 
     data: bytes
-    jpeg: bool
+    jpeg: bool  # one the device's JPEG decoder takes: not CMYK or YCCK, which PIL converts its own way
     limits: DecodeLimits
     orientation: int = 1  # EXIF, read with the header: the device decode turns the pixels by it
 
@@ -40,7 +40,8 @@ def check_header(data: bytes, limits: DecodeLimits) -> Encoded:
     JPEG's without PIL (models/data/jpeg.py ``read_jpeg_header``), any other image's by PIL."""
     with service_errors():
         header, _ = checked_header(data, limits)
-    return Encoded(data, header is not None, limits, header.orientation if header is not None else 1)
+    jpeg = header is not None and header.mode in LIBJPEG_MODES
+    return Encoded(data, jpeg, limits, header.orientation if header is not None else 1)
 
 
 def _writable(data: bytes | bytearray) -> bytearray:
