@@ -130,7 +130,7 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
     return [
         Step("facts", 30, (py, "-c", facts), least_s=5),
         # first what says the code is right on the device: the loop's batches on CUDA among them (11-30)
-        Step("gpu-tests", 100, (py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests)),
+        Step("gpu-tests", 130, (py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests)),
         # the engine's own cost per request on the device's host, its requests several to a message as the HTTP
         # workers' loop links send them, with and without its batches on its loop (four engine starts, about 30 s
         # each on an H200; each point printed to the log as it comes)
