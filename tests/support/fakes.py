@@ -229,4 +229,7 @@ class PooledStreams:
             def priority_range() -> tuple[int, int]:
                 return 0, fake.highest
 
+            def wait_stream(self, other: object) -> None:
+                """Ordering does not arise without a device."""
+
         self.Stream = Stream

@@ -157,6 +157,7 @@ def test_on_cuda_a_module_that_cannot_be_captured_stays_eager_on_its_own_stream(
     syncing = Predictor(_Syncing(loaded.module), loaded.manifest, device="cuda", weights_format="state_dict",
                         cuda_graphs=True)
     syncing.warmup(MAX_BATCH, repeats=1)
+    torch.cuda.empty_cache()  # the allocator knows the failed capture is over (PyTorch refuses this during one)
     loaded.warmup(MAX_BATCH, repeats=1)
     assert syncing.graphs is None
     assert torch.cuda.current_stream() == torch.cuda.default_stream()  # the capture's side stream was left
@@ -223,3 +224,69 @@ def test_each_device_captures_on_one_stream_drawn_once_from_a_pool_no_serving_st
     priority = graphs.CAPTURE_PRIORITY if expected == "its own" else 0
     assert streams.made == [(first, priority), (second, priority)]
     assert graphs.CAPTURE_PRIORITY not in (BATCH_STREAM_PRIORITY, 0)  # 0: the decoding's, ours and torchvision's
+
+
+class _Capturing:
+    """``torch.cuda.CUDAGraph`` without a device: a capture whose end fails as an invalidated one does."""
+
+    under_way = False
+
+    def capture_begin(self, pool: object, capture_error_mode: str) -> None:
+        _Capturing.under_way = True
+
+    def capture_end(self) -> None:
+        raise RuntimeError("operation failed due to a previous error during capture")
+
+
+def test_a_failed_capture_tells_the_allocator_it_is_over_and_lets_the_next_one_run(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # PyTorch before 2.12 skipped that when ending an invalidated capture raised: its allocator then refused every
+    # later empty_cache (the drill's GPU has 2.11)
+    import contextlib
+
+    from app.engine.loaded import graphs
+    from tests.support.fakes import PooledStreams
+
+    streams = PooledStreams(highest=-3)
+    ended: list[tuple[int, object]] = []
+    monkeypatch.setattr(torch.cuda, "Stream", streams.Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: streams.Stream(device))
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _Capturing)
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda index, pool: ended.append((index, pool)),
+                        raising=False)
+    monkeypatch.setattr(graphs, "_capture_streams", {})
+    monkeypatch.setattr(_Capturing, "under_way", False)
+
+    class OnTheGpu:
+        device = torch.device("cuda", 0)
+
+    def syncing(batch: object) -> torch.Tensor:  # runs twice before the capture, as any forward does
+        if _Capturing.under_way:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return torch.zeros(1)
+
+    pool = (0, 7)
+    with pytest.raises(RuntimeError, match="not permitted when stream is capturing"):  # the forward's error
+        graphs.cuda_capture(syncing, OnTheGpu(), pool)  # type: ignore[arg-type]
+    assert ended == [(0, pool)]
+    assert graphs._capturing.acquire(blocking=False)  # the next capture may run
+    graphs._capturing.release()
+
+
+def test_the_cached_memory_is_released_only_between_captures(monkeypatch: pytest.MonkeyPatch) -> None:
+    # PyTorch refuses empty_cache while any capture is under way in the process: a serving version's
+    # out-of-memory retry skips it then, a retired version's release waits for the capture to end
+    from app.engine.loaded import graphs
+
+    released: list[bool] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: released.append(True))
+    assert graphs.release_cached_memory(wait=False) and released == [True]
+    with graphs._capturing:  # a capture under way
+        assert not graphs.release_cached_memory(wait=False) and released == [True]
+        waiting = threading.Thread(target=graphs.release_cached_memory, kwargs={"wait": True})
+        waiting.start()
+        waiting.join(0.2)
+        assert waiting.is_alive() and released == [True]
+    waiting.join(5)
+    assert released == [True, True]

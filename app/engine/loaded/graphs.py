@@ -68,10 +68,33 @@ def cuda_capture(forward: Forward, fixed_input: torch.Tensor, pool: object) -> t
             except BaseException:
                 with contextlib.suppress(Exception):  # ends the capture; the forward's error is the one to report
                     graph.capture_end()
+                _stop_allocating_to(pool, device)
                 raise
             graph.capture_end()
         torch.cuda.current_stream(device).wait_stream(side)
     return graph.replay, fixed_output
+
+
+def _stop_allocating_to(pool: object, device: torch.device) -> None:
+    """After a capture that failed: the allocator told that it is over. Before 2.12, PyTorch skipped that when ending
+    an invalidated capture raised (pytorch/pytorch#180395), and its allocator then refused every later
+    ``empty_cache`` and never reclaimed a block freed on another stream; later versions did it already, and say so
+    (suppressed)."""
+    with contextlib.suppress(Exception):
+        torch._C._cuda_endAllocateToPool(device.index, pool)
+
+
+def release_cached_memory(wait: bool) -> bool:
+    """``torch.cuda.empty_cache()``, which PyTorch refuses (an internal assert) while a capture is under way anywhere
+    in the process: only between captures. ``wait``: for the capture under way to end; else none is waited for, and
+    nothing is released while one runs. Whether it ran."""
+    if not _capturing.acquire(blocking=wait):
+        return False
+    try:
+        torch.cuda.empty_cache()
+        return True
+    finally:
+        _capturing.release()
 
 
 class _Captured(NamedTuple):

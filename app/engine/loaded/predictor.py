@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from app.engine.loaded.graphs import GraphedForward
+from app.engine.loaded.graphs import GraphedForward, release_cached_memory
 from models.architectures import split_outputs
 from models.export.load import load_model, module_bytes
 from models.export.manifest import Manifest
@@ -124,7 +124,7 @@ class Predictor:
                 return self._rows(batch.to(dtype=self.dtype))[:rows].cpu()
         except torch.cuda.OutOfMemoryError:
             if self.device.type == "cuda":
-                torch.cuda.empty_cache()  # give the smaller retry the cached blocks back
+                release_cached_memory(wait=False)  # the smaller retry gets the cached blocks, unless a capture runs
             raise
 
     def probabilities(self, batch: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ from typing import Iterator
 import torch
 
 from app.config import Settings
+from app.engine.loaded.graphs import release_cached_memory
 from app.engine.loaded.version import LoadedVersion, start_version
 from app.engine.rollouts.entry import UNLOADED, ModelEntry
 from app.engine.rollouts.evidence import Evidence
@@ -209,7 +210,7 @@ class Applier:
         del loaded
         _collect_retired()
         if on_cuda:
-            torch.cuda.empty_cache()  # hand the freed blocks back, so the next load sees them as free
+            release_cached_memory(wait=True)  # hand the freed blocks back, so the next load sees them as free
         log.info("%s version %s stopped%s", *key, "" if drained else " (some requests were still holding it)")
 
     def serving(self) -> dict[str, ModelEntry]:
