@@ -486,3 +486,30 @@ def test_a_poll_decided_before_a_call_does_not_undo_the_call(tmp_path: Path) -> 
     assert (generation, complete) == (3, False)  # other written, mine left as the call put it
     assert caller.read()[1] == {"mine": rollback, "other": UNLOADED}
     assert poller.write_unless_changed({"mine": newest}, read) == (3, False)  # nothing to write: no generation
+
+
+def test_a_version_that_fails_to_load_is_freed_at_once(service: Service, repository: FakeRepository,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # its version, predictor and batcher are a reference cycle, held by its error's traceback too: left to the
+    # collector (switched off here: an engine's next full collection may be far off) it would keep its device memory
+    import gc
+    import weakref
+
+    made: list[weakref.ref] = []
+    load = repository.load
+
+    def loading(name: str, version: str):  # noqa: ANN202 - a Predictor
+        predictor = load(name, version)
+        made.append(weakref.ref(predictor))
+        return predictor
+
+    monkeypatch.setattr(repository, "load", loading)
+    repository.add("colour", "2").fail_when = -1.0  # every forward pass raises, the canary's too
+    gc.disable()
+    try:
+        with pytest.raises(LoadFailed, match="fake forward failure"):
+            service.catalog.load("colour")
+        assert len(made) == 1 and made[0]() is None
+    finally:
+        gc.enable()
+    assert _ask(service) == "1" and service.ready

@@ -161,6 +161,8 @@ class Applier:
                 log.warning("refused %s version %s: %s", name, version, error.message)
                 with contextlib.suppress(OSError):
                     self.states.refuse((name, version), self.source.stamp(name, version), error.message)
+                log.debug("%s version %s: the load's error", name, version, exc_info=exc)
+                _free_failed_load(exc, self.device)  # not for a version refused before it loaded (short of memory)
             raise error from exc
 
     def known_refused(self, name: str, version: str) -> bool:
@@ -224,6 +226,24 @@ class Applier:
         return [row for name in sorted(set(self.source.models()) | set(routed))
                 for row in self.states.rows(name, self.source.versions(name),
                                             {v.version for v in routed.get(name, ([], None))[0]})]
+
+
+def _free_failed_load(exc: BaseException, device: torch.device) -> None:
+    """What a load that failed took, freed now. Its version, predictor and batcher are a reference cycle, held too by
+    the frames of the error's traceback (a frame keeps its function, and a closure its cells, even once cleared): the
+    tracebacks of the error and of those it came from are dropped (logged first, at debug), then a collection frees
+    the cycle and on a GPU the cache gives its blocks back, for the versions serving and the next load. Left to the
+    collector, whose next full collection may be far off (the engine's start-up is frozen out of it), they would
+    keep their device memory."""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        error.__traceback__ = None
+        error = error.__cause__ or error.__context__
+    _collect_retired()
+    if device.type == "cuda":
+        release_cached_memory(wait=True)
 
 
 def _collect_retired() -> None:
