@@ -22,7 +22,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 
 from models.data.augment import CropFlip, check_min_crop_scale, crop_tensor, draw
 from models.data.folder import Sample, SampleKey, sample_seed
-from models.data.jpeg import decode_jpegs
+from models.data.jpeg import decode_jpegs, stream_drawn_once
 from models.presets import JPEG_FORMATS, EvalPreset, pil_to_tensor, upright_rgb
 
 _SWAPS_SIDES = (5, 6, 7, 8)  # EXIF orientations that turn the image by 90 degrees
@@ -157,10 +157,7 @@ _prefetch_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 def prefetch_stream(device: torch.device) -> torch.cuda.Stream:
     """The one stream ``DevicePrefetcher`` prepares ``device``'s batches on."""
-    stream = _prefetch_streams.get(device)
-    if stream is None:
-        stream = _prefetch_streams.setdefault(device, torch.cuda.Stream(device, priority=PREFETCH_PRIORITY))
-    return stream
+    return stream_drawn_once(_prefetch_streams, device, PREFETCH_PRIORITY)
 
 
 class DevicePrefetcher:

@@ -196,14 +196,20 @@ def _upright(pixels: np.ndarray, turn: tuple[bool, bool, bool] | None) -> np.nda
 _DECODE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def decode_stream(device: torch.device) -> torch.cuda.Stream:
-    """The one stream ``_decode`` decodes on for ``device``, drawn once from PyTorch's default-priority pool (whose
-    32 streams it hands out in turn: a draw per call would soon share one with another user of that pool, a graph's
-    capture among them)."""
-    stream = _DECODE_STREAMS.get(device)
+def stream_drawn_once(streams: dict[torch.device, torch.cuda.Stream], device: torch.device,
+                      priority: int = 0) -> torch.cuda.Stream:
+    """``device``'s stream in ``streams``, drawn from PyTorch's pool of ``priority`` the first time. A pool hands its
+    32 streams out in turn, so a stream drawn per use would soon be one another user of the pool runs work on (the
+    JPEG decoding's, a graph capture's, training's prefetch: each keeps one, drawn here)."""
+    stream = streams.get(device)
     if stream is None:
-        stream = _DECODE_STREAMS.setdefault(device, torch.cuda.Stream(device))  # two threads at once: one stream
+        stream = streams.setdefault(device, torch.cuda.Stream(device, priority=priority))  # two threads: one stream
     return stream
+
+
+def decode_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one stream ``_decode`` decodes on for ``device``, from PyTorch's default-priority pool."""
+    return stream_drawn_once(_DECODE_STREAMS, device)
 
 
 def _decode(encoded: torch.Tensor | list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

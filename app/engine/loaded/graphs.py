@@ -16,6 +16,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from models.data.jpeg import stream_drawn_once
+
 Forward = Callable[[torch.Tensor], torch.Tensor]
 # (forward, its fixed input, the shared memory pool) -> (replay, its fixed output)
 Capture = Callable[[Forward, torch.Tensor, object], tuple[Callable[[], None], torch.Tensor]]
@@ -35,12 +37,10 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     """The one stream graphs are captured on for ``device``, drawn once: from CAPTURE_PRIORITY's pool where PyTorch
     offers it on this device, else from the default one (a device of two priorities; drawn once, it is not the
     decoding's stream). Called under ``_capturing``."""
-    stream = _capture_streams.get(device)
-    if stream is None:
-        _, highest = torch.cuda.Stream.priority_range()
-        priority = CAPTURE_PRIORITY if highest <= CAPTURE_PRIORITY else 0
-        stream = _capture_streams[device] = torch.cuda.Stream(device, priority=priority)
-    return stream
+    if device in _capture_streams:
+        return _capture_streams[device]
+    _, highest = torch.cuda.Stream.priority_range()
+    return stream_drawn_once(_capture_streams, device, CAPTURE_PRIORITY if highest <= CAPTURE_PRIORITY else 0)
 
 
 def cuda_capture(forward: Forward, fixed_input: torch.Tensor, pool: object) -> tuple[Callable[[], None],
