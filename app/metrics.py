@@ -203,6 +203,13 @@ class _HeldBatches:
 MEMORY_READ_S = 1.0
 
 
+def show_gpu_memory(stats: dict[str, int]) -> None:
+    """visionserve_gpu_memory_bytes from ``stats`` ({kind: bytes}): at a settle, and once a retired version is freed
+    (no batch of it settles again, and there may be no other)."""
+    for kind, value in stats.items():
+        GPU_MEMORY.labels(kind).set(value)
+
+
 class MetricsObserver:
     """Feeds one model version's batcher reports and its monitored predictions into the metrics. A batch's figures
     are held until ``settle`` (the batcher's, through its version) writes every batch's since the last one together:
@@ -298,8 +305,7 @@ class MetricsObserver:
             writes.write()
         if self._memory_stats is not None and (now := time.monotonic()) - self._memory_read_at >= MEMORY_READ_S:
             self._memory_read_at = now
-            for kind, value in self._memory_stats().items():
-                GPU_MEMORY.labels(kind).set(value)
+            show_gpu_memory(self._memory_stats())
 
     def event(self, name: str, count: int = 1) -> None:
         """Count a batcher event."""

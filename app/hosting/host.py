@@ -21,9 +21,20 @@ def visible_gpus() -> int:
     except OSError:
         return 0
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        found = min(found, len([d for d in visible.split(",") if d.strip() and not d.strip().startswith("-")]))
-    return found
+    return found if visible is None else min(found, _cuda_visible_count(visible, found))
+
+
+def _cuda_visible_count(visible: str, found: int) -> int:
+    """How many of ``found`` GPUs CUDA_VISIBLE_DEVICES=``visible`` leaves: CUDA's rule, the entries before the first
+    invalid one (an index that is negative or not below ``found``, or what is neither an index nor a GPU-/MIG- UUID;
+    "0,-1,1" leaves one, "" none)."""
+    count = 0
+    for entry in (part.strip() for part in visible.split(",")):
+        if entry.isdigit() and int(entry) < found or entry.startswith(("GPU-", "MIG-")):
+            count += 1
+        else:
+            break
+    return count
 
 
 def auto_workers(cores: int, gpus: int) -> int:

@@ -9,9 +9,11 @@ import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Iterator
 
 import pytest
+import torch
 from flask import Flask
 from flask.testing import FlaskClient
 
@@ -24,6 +26,8 @@ from app.engine.versions.desired import SharedDesiredState
 from app.engine.rollouts.policy import PolicyError, VersionPolicy
 from app.engine.catalog import Catalog
 from app.engine.versions.controller import VersionsController
+from app.engine.versions.memory import device_bytes_taken
+from app.engine.versions.states import VersionStates
 from app.engine.service import Service
 from app.errors import BadRequest, InsufficientMemory, LoadFailed, NotFound, NotReady
 from tests.support.fakes import FakeRepository, infer, wait_until
@@ -106,6 +110,20 @@ def test_a_new_version_takes_new_requests_while_the_old_one_finishes_its_own(ser
     assert service.ready
 
 
+def test_a_version_retired_twice_at_once_is_held_until_both_copies_are_freed() -> None:
+    # Unloaded while stuck in a request, loaded again and unloaded again: two copies of one version retire at once.
+    # The first to stop must not take the other out of the memory check and the index.
+    states = VersionStates()
+    first, second = (SimpleNamespace(name="colour", version="1") for _ in range(2))
+    states.retiring(first)  # type: ignore[arg-type]
+    states.retiring(second)  # type: ignore[arg-type]
+    states.retired(second)  # type: ignore[arg-type]
+    assert states.retiring_versions() == [first]
+    assert [row.state for row in states.rows("colour", [], set())] == ["UNLOADING"]
+    states.retired(first)  # type: ignore[arg-type]
+    assert states.retiring_versions() == [] and states.rows("colour", [], set()) == []
+
+
 def test_a_version_that_fails_to_load_is_refused_and_the_old_one_serves(service: Service,
                                                                         repository: FakeRepository) -> None:
     repository.fail("colour", "2", "weights file x.pt has sha256 abc, the manifest says def")
@@ -184,6 +202,31 @@ def test_a_version_loaded_before_an_engine_froze_its_start_up_is_freed_when_unlo
         assert loaded() is None and gc.get_freeze_count() > 0  # collected, and the rest frozen again
     finally:
         gc.unfreeze()
+
+
+def test_a_gpu_version_s_unload_shows_the_memory_it_gave_back(service: Service,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # The GPU memory gauge was written only as a version's batches settled: after an unload it kept reading the
+    # unloaded version's memory until another version served a batch (with none left, for ever).
+    from app.engine.versions import apply
+    from app.metrics import GPU_MEMORY
+
+    service.loaded_version("colour", "1").predictor.device = torch.device("cuda", 0)  # as if it served on a GPU
+    read: list[torch.device] = []
+    monkeypatch.setattr(apply, "device_memory_stats", lambda device: read.append(device) or {"allocated": 5 << 20,
+                                                                                             "reserved": 8 << 20})
+    GPU_MEMORY.labels("allocated").set(900 << 20)
+    service.catalog.unload("colour")
+    assert read == [torch.device("cuda", 0)]  # read once the version was freed
+    assert GPU_MEMORY.labels("allocated")._value.get() == 5 << 20
+    assert GPU_MEMORY.labels("reserved")._value.get() == 8 << 20
+
+
+def test_a_load_s_device_memory_is_at_least_its_weights() -> None:
+    # Measured as allocated bytes after the load less those before: a version retiring meanwhile on its own thread
+    # frees memory, and the difference read less than the weights, or below 0 (then the memory check undercounted).
+    assert device_bytes_taken(100 << 20, 160 << 20, 20 << 20) == 60 << 20
+    assert device_bytes_taken(100 << 20, 90 << 20, 20 << 20) == 20 << 20
 
 
 def test_unload_stops_a_model_and_unknown_names_are_404(service: Service, repository: FakeRepository) -> None:

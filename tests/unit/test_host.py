@@ -64,6 +64,11 @@ def test_visible_gpus_follow_the_driver_and_cuda_visible_devices(tmp_path: Path,
     assert host.visible_gpus() == 2
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
     assert host.visible_gpus() == 1
+    # CUDA's rule: the entries before the first invalid one (a negative index, one the driver lacks, a typo)
+    for visible, gpus in (("0,-1,1", 1), ("-1", 0), ("", 0), ("1,0", 2), ("0,2,1", 1), ("GPU-8f1c,1", 2),
+                          ("0, 1", 2), ("0,x", 1), ("0,1,0,1", 2)):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        assert host.visible_gpus() == gpus, visible
 
 
 def test_each_workers_forward_pass_takes_half_its_share_of_the_cores() -> None:

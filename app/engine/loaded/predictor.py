@@ -132,11 +132,8 @@ class Predictor:
         return self.predict_batch(batch)[:, :self.num_classes]
 
     def memory_stats(self) -> dict[str, int]:
-        """CUDA memory allocated and reserved by this process, or nothing on CPU."""
-        if self.device.type != "cuda":
-            return {}
-        return {"allocated": torch.cuda.memory_allocated(self.device),
-                "reserved": torch.cuda.memory_reserved(self.device)}
+        """CUDA memory allocated and reserved by this process on its device, or nothing on CPU."""
+        return device_memory_stats(self.device)
 
     def warmup(self, max_batch_size: int, repeats: int = 5) -> dict[int, float]:
         """Run every batch shape the batcher's batches run with (``batch_shapes``: so no request pays for
@@ -180,3 +177,10 @@ class Predictor:
             return
         log.info("%s %s: forward passes replay CUDA graphs for batch sizes %s", self.manifest.name,
                  self.manifest.version, self.graphs.batch_sizes)
+
+
+def device_memory_stats(device: torch.device) -> dict[str, int]:
+    """CUDA memory allocated and reserved by this process on ``device``, or nothing on CPU."""
+    if device.type != "cuda":
+        return {}
+    return {"allocated": torch.cuda.memory_allocated(device), "reserved": torch.cuda.memory_reserved(device)}

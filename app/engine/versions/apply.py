@@ -25,18 +25,19 @@ import torch
 
 from app.config import Settings
 from app.engine.loaded.graphs import release_cached_memory
+from app.engine.loaded.predictor import device_memory_stats
 from app.engine.loaded.version import LoadedVersion, start_version
 from app.engine.rollouts.entry import UNLOADED, ModelEntry
 from app.engine.rollouts.evidence import Evidence
 from app.engine.rollouts.policy import order_key
 from app.engine.rollouts.rules import roles_of
-from app.engine.versions.memory import check_fits
+from app.engine.versions.memory import check_fits, device_bytes_taken
 from app.engine.versions.routing import Candidate, RoutingTable
 from app.engine.versions.sources import Source
 from app.engine.contract import VersionState
 from app.engine.versions.states import VersionStates
 from app.errors import InsufficientMemory, LoadFailed, ServiceError
-from app.metrics import ROLLOUT_CANDIDATE_REFUSED, ROLLOUT_ROLE
+from app.metrics import ROLLOUT_CANDIDATE_REFUSED, ROLLOUT_ROLE, show_gpu_memory
 from models.export.checks import ModelLoadError, resolve_device
 
 log = logging.getLogger(__name__)
@@ -146,7 +147,8 @@ class Applier:
                 before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
                 loaded = start_version(self.settings, self.source.load(name, version))
                 if device.type == "cuda":
-                    loaded.device_memory_bytes = torch.cuda.memory_allocated(device) - before
+                    loaded.device_memory_bytes = device_bytes_taken(before, torch.cuda.memory_allocated(device),
+                                                                    loaded.predictor.weights_bytes)
                 self._short_of_memory.discard((name, version))
                 return loaded
         except Exception as exc:
@@ -206,13 +208,14 @@ class Applier:
         """On its thread: the version in ``held`` (taken out) finishes its requests and stops; with the last
         reference dropped here, a collection frees it (and a GPU's cache gives its blocks back for the next load)."""
         loaded = held.pop()
-        key, on_cuda = (loaded.name, loaded.version), loaded.predictor.device.type == "cuda"
+        key, device = (loaded.name, loaded.version), loaded.predictor.device
         drained = loaded.retire(self.settings.request_timeout_s + RETIRE_GRACE_S)
         self.states.retired(loaded)
         del loaded
         _collect_retired()
-        if on_cuda:
+        if device.type == "cuda":
             release_cached_memory(wait=True)  # hand the freed blocks back, so the next load sees them as free
+            show_gpu_memory(device_memory_stats(device))
         log.info("%s version %s stopped%s", *key, "" if drained else " (some requests were still holding it)")
 
     def serving(self) -> dict[str, ModelEntry]:

@@ -53,3 +53,10 @@ def check_fits(what: str, need_bytes: int, device: torch.device, loaded_bytes: i
         raise InsufficientMemory(
             f"{what} needs about {need_bytes / MIB:.0f} MiB on {device}, which has {free / MIB:.0f} MiB free and "
             f"keeps MEMORY_RESERVE_MB={reserve_mb} for traffic: unload a version first")
+
+
+def device_bytes_taken(allocated_before: int, allocated_after: int, weights_bytes: int) -> int:
+    """The device memory a load took, from the process's allocated bytes before and after it: at least its weights.
+    A version retiring on its own thread may free memory during the load, so the difference alone can read less
+    than the weights hold, or below 0."""
+    return max(allocated_after - allocated_before, weights_bytes)

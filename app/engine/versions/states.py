@@ -21,7 +21,8 @@ class VersionStates:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._loading: set[Key] = set()
-        self._retiring: dict[Key, LoadedVersion] = {}
+        self._retiring: dict[Key, list[LoadedVersion]] = {}  # a version unloaded, loaded and unloaded again while
+        # its first copy still finishes its requests is held twice
         self._refused: dict[Key, tuple[Stamp, str]] = {}  # the version's stamp when refused, and why
         self._unservable: dict[str, str] = {}  # model -> why its policy cannot be read (start and the poll)
 
@@ -69,17 +70,22 @@ class VersionStates:
     def retiring(self, loaded: LoadedVersion) -> None:
         """``loaded`` left the routing table and finishes its requests."""
         with self._lock:
-            self._retiring[(loaded.name, loaded.version)] = loaded
+            self._retiring.setdefault((loaded.name, loaded.version), []).append(loaded)
 
     def retired(self, loaded: LoadedVersion) -> None:
         """``loaded`` is stopped and freed."""
+        key = (loaded.name, loaded.version)
         with self._lock:
-            self._retiring.pop((loaded.name, loaded.version), None)
+            held = [other for other in self._retiring.get(key, []) if other is not loaded]
+            if held:
+                self._retiring[key] = held
+            else:
+                self._retiring.pop(key, None)
 
     def retiring_versions(self) -> list[LoadedVersion]:
         """The versions still holding memory after leaving the table."""
         with self._lock:
-            return list(self._retiring.values())
+            return [loaded for held in self._retiring.values() for loaded in held]
 
     def rows(self, name: str, available: list[str], serving: set[str]) -> list[VersionState]:
         """The index rows of model ``name``: the repository's versions, the serving ones and those in between. A
