@@ -4,6 +4,9 @@ the engine processes. Every name in it is made here and nowhere else:
 - ``desired.json`` and ``lock``: the desired state and its file lock (app/engine/versions/desired.py);
 - ``worker-<pid>.json``: what each process that serves models reports (an inline worker, or an engine);
 - ``engine-<slot>.sock``: where engine ``slot`` listens; ``engine-<slot>.failed``: why it cannot serve;
+- ``loads-<device>.lock``: held by the process loading a version onto that GPU, from its memory check until the
+  version has warmed up (app/engine/versions/memory.py: two engines, or inline workers, of one GPU each saw the
+  memory free that the other was about to take);
 - ``http-<pid>.ready``: an HTTP worker that serves: it reached a ready engine, or loaded its models inline, and is
   not draining (readiness counts the live workers' marks in process mode; a worker that has none leaves new
   connections to those that have one, app/hosting/worker.py).
@@ -44,6 +47,11 @@ def socket_path(control_dir: Path, slot: int) -> Path:
 def engine_failure(control_dir: Path, slot: int) -> Path:
     """Where engine ``slot`` writes why it cannot serve (it then exits with status 3)."""
     return control_dir / f"engine-{slot}.failed"
+
+
+def device_loads_lock(control_dir: Path, device: str) -> Path:
+    """The file lock the processes loading onto ``device`` ("cuda:0") take in turn."""
+    return control_dir / f"loads-{device.replace(':', '-')}.lock"
 
 
 def ready_mark(control_dir: Path, pid: int) -> Path:

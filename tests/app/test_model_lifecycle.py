@@ -3,6 +3,7 @@ repository API, and workers sharing loads. In-memory ColourModel versions (tests
 no server; tests/server/test_model_swaps.py does the same under gunicorn with real exports."""
 from __future__ import annotations
 
+import fcntl
 import gc
 import logging
 import threading
@@ -220,6 +221,31 @@ def test_a_gpu_version_s_unload_shows_the_memory_it_gave_back(service: Service,
     assert read == [torch.device("cuda", 0)]  # read once the version was freed
     assert GPU_MEMORY.labels("allocated")._value.get() == 5 << 20
     assert GPU_MEMORY.labels("reserved")._value.get() == 8 << 20
+
+
+def test_processes_sharing_a_gpu_check_its_memory_and_load_onto_it_one_at_a_time(
+        settings: Settings, repository: FakeRepository, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two engines of one GPU (or inline workers) each read the device's free memory before the other had taken its
+    # share: both loads passed the check. The check and the load now hold the device's lock in CONTROL_DIR.
+    from app.engine.versions import apply
+    from app.hosting import control
+
+    service = _service(settings, repository, control_dir=tmp_path)
+    checked = threading.Event()
+    monkeypatch.setattr(apply.Applier, "device", property(lambda self: torch.device("cuda", 0)))
+    monkeypatch.setattr(apply, "check_fits", lambda *args: checked.set())  # the GPU's free memory read
+    repository.add("colour", "2")
+    try:
+        with open(control.device_loads_lock(tmp_path, "cuda:0"), "a+") as other:  # another process loading
+            fcntl.flock(other, fcntl.LOCK_EX)
+            with ThreadPoolExecutor(1) as pool:
+                loading = pool.submit(service.catalog.load, "colour")
+                assert not checked.wait(0.5) and ("colour", "2") not in repository.loads  # waits for the other
+                fcntl.flock(other, fcntl.LOCK_UN)
+                loading.result(timeout=10)
+        assert checked.is_set() and _ask(service) == "2"
+    finally:
+        service.shutdown(timeout=5)
 
 
 def test_a_load_s_device_memory_is_at_least_its_weights() -> None:

@@ -31,7 +31,7 @@ from app.engine.rollouts.entry import UNLOADED, ModelEntry
 from app.engine.rollouts.evidence import Evidence
 from app.engine.rollouts.policy import order_key
 from app.engine.rollouts.rules import roles_of
-from app.engine.versions.memory import check_fits, device_bytes_taken
+from app.engine.versions.memory import check_fits, device_bytes_taken, loading_onto
 from app.engine.versions.routing import Candidate, RoutingTable
 from app.engine.versions.sources import Source
 from app.engine.contract import VersionState
@@ -141,9 +141,9 @@ class Applier:
 
     def _load(self, name: str, version: str, fresh: list[LoadedVersion]) -> LoadedVersion:
         try:
-            with self.states.loading((name, version)):
+            device = self.device
+            with self.states.loading((name, version)), loading_onto(device, self.settings.control_dir):
                 self._check_memory(name, version, fresh)
-                device = self.device
                 before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
                 loaded = start_version(self.settings, self.source.load(name, version))
                 if device.type == "cuda":

@@ -1,11 +1,16 @@
-"""The memory check before a load: refuse a version that cannot fit, instead of failing live traffic with it."""
+"""The memory check before a load: refuse a version that cannot fit, instead of failing live traffic with it; on a
+GPU, the check and the load one process at a time."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
 from app.errors import InsufficientMemory
+from app.hosting import control
 
 MIB = 1024 * 1024
 _CGROUP = Path("/sys/fs/cgroup")
@@ -60,3 +65,21 @@ def device_bytes_taken(allocated_before: int, allocated_after: int, weights_byte
     A version retiring on its own thread may free memory during the load, so the difference alone can read less
     than the weights hold, or below 0."""
     return max(allocated_after - allocated_before, weights_bytes)
+
+
+@contextlib.contextmanager
+def loading_onto(device: torch.device, control_dir: Path | None) -> Iterator[None]:
+    """Held from a load's memory check until the version has warmed up. On a GPU that several processes share (engines
+    of one device, inline workers), one of them at a time: each would otherwise read the device's free memory before
+    the other had taken its share, both loads would pass the check, and one of them, or a serving version, would run
+    out of memory. A file lock in ``control_dir`` (each process has it); on the CPU, or with one process, nothing."""
+    if device.type != "cuda" or control_dir is None:
+        yield
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with open(control.device_loads_lock(control_dir, f"cuda:{index}"), "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
