@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,7 @@ from app.web.inputs import decode_base64, parse_json
 _NUMPY_TYPES = {"FP32": np.float32, "FP64": np.float64, "FP16": np.float16, "INT64": np.int64, "INT32": np.int32,
                 "INT16": np.int16, "INT8": np.int8, "UINT8": np.uint8, "BOOL": np.bool_}
 _LENGTH = struct.Struct("<I")
+_LENGTH_DIGITS = re.compile(r"[0-9]{1,18}")  # ASCII digits only (str.isdigit takes "²"), few enough for int()
 
 
 @dataclass
@@ -46,7 +48,7 @@ class InferRequest:
 def _header(body: bytes, header_length: str | None) -> tuple[dict[str, Any], bytes]:
     if header_length is None:
         size = len(body)
-    elif not header_length.isdigit() or int(header_length) > len(body):
+    elif not _LENGTH_DIGITS.fullmatch(header_length) or int(header_length) > len(body):
         raise BadRequest(f"Inference-Header-Content-Length {header_length!r} does not fit a {len(body)} byte body")
     else:
         size = int(header_length)
@@ -91,9 +93,9 @@ def _flatten(data: Any) -> list[Any]:
 
 def _tensor(raw: dict[str, Any], binary: bytes, offset: int) -> tuple[Tensor, int]:
     name, datatype = str(raw.get("name", "")), raw.get("datatype")
-    if datatype != "BYTES" and datatype not in _NUMPY_TYPES:
+    if not isinstance(datatype, str) or datatype != "BYTES" and datatype not in _NUMPY_TYPES:
         raise BadRequest(f"input {name!r}: datatype {datatype!r} is not supported")
-    shape, params = _shape(raw.get("shape"), name), raw.get("parameters") or {}
+    shape, params = _shape(raw.get("shape"), name), parameters(raw, f"input {name!r}")
     size = params.get("binary_data_size")
     if size is not None:
         if not isinstance(size, int) or size < 0 or offset + size > len(binary):
@@ -112,13 +114,18 @@ def _tensor(raw: dict[str, Any], binary: bytes, offset: int) -> tuple[Tensor, in
         else:
             try:
                 values = np.asarray(flat, dtype=_NUMPY_TYPES[datatype])
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):  # OverflowError: out of the type's range (UINT8 -1)
                 raise BadRequest(f"input {name!r}: 'data' holds values that are not {datatype}") from None
     else:
         raise BadRequest(f"input {name!r} has neither 'data' nor parameters.binary_data_size")
     if values.size != math.prod(shape):
         raise BadRequest(f"input {name!r}: shape {shape} needs {math.prod(shape)} values, got {values.size}")
-    return Tensor(name, datatype, shape, values.reshape(shape) if datatype != "BYTES" else values, params), offset
+    if datatype != "BYTES":
+        try:
+            values = values.reshape(shape)
+        except ValueError:  # no values, but more dimensions than numpy's 64 or a dimension past its sizes
+            raise BadRequest(f"input {name!r}: shape {shape} cannot be made") from None
+    return Tensor(name, datatype, shape, values, params), offset
 
 
 def parse_request(body: bytes, header_length: str | None) -> InferRequest:
@@ -135,11 +142,17 @@ def parse_request(body: bytes, header_length: str | None) -> InferRequest:
     outputs = header.get("outputs")
     if outputs is not None and not (isinstance(outputs, list) and all(isinstance(o, dict) for o in outputs)):
         raise BadRequest("'outputs' must be a list of objects")
-    params = header.get("parameters") or {}
-    if not isinstance(params, dict):
-        raise BadRequest("'parameters' must be an object")
+    params = parameters(header, "the request")
     request_id = header.get("id")
     return InferRequest(str(request_id) if request_id is not None else None, inputs, outputs, params)
+
+
+def parameters(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    """``raw``'s ``parameters`` (the request's, an input's or an output's): an object, or none ({})."""
+    params = raw.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise BadRequest(f"{where}: 'parameters' must be an object")
+    return params
 
 
 def _binary_payload(tensor: Tensor) -> bytes:

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from app import __version__
 from app.engine.contract import Served, Signature
 from app.errors import BadRequest, NotFound, NotReady, UnknownOutput
-from app.v2.codec import InferRequest, Tensor, encode_response, parse_request
+from app.v2.codec import InferRequest, Tensor, encode_response, parameters, parse_request
 from app.v2.schemas import Live, ModelMetadata, ModelReady, Ready, ServerMetadata, TensorMetadata
 from app.web.inputs import client_key, deadline_s, read_body
 from app.web.services import client_gone, current_service
@@ -126,7 +126,7 @@ def _output_plan(infer: InferRequest, model: Signature) -> list[tuple[str, int, 
         elif name != OUTPUT:
             raise UnknownOutput(f"unknown output {name!r}; {model.name} version {model.version} has "
                                 f"{', '.join(map(repr, known))}")
-        params = item.get("parameters") or {}
+        params = parameters(item, f"output {name!r}")
         k = params.get("classification", 0)
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
             raise BadRequest(f"parameters.classification must be a non-negative integer, got {k!r}")
@@ -152,7 +152,7 @@ def _timeout_s(announced_s: float, infer: InferRequest) -> float:
     parameter (tritonclient's per-request timeout, in microseconds)."""
     micros = infer.parameters.get("timeout")
     if isinstance(micros, (int, float)) and not isinstance(micros, bool) and micros > 0:
-        return min(announced_s, micros / 1e6)
+        return announced_s if micros >= announced_s * 1e6 else micros / 1e6  # a huge int would not divide
     return announced_s
 
 

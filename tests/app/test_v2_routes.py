@@ -101,6 +101,36 @@ def test_bad_requests_get_400_in_the_protocol_error_shape(client: FlaskClient, b
     assert message in _v2_error(client.post(INFER, json=body), 400)
 
 
+_PIXELS = {"name": "pixels", "datatype": "FP32", "shape": [1, 3, 8, 8], "data": [0.0] * 192}
+
+
+@pytest.mark.parametrize("body, headers, message", [
+    ({"inputs": [{**_PIXELS, "datatype": ["FP32"]}]}, {}, "not supported"),  # unhashable: a TypeError before
+    ({"inputs": [{**_PIXELS, "parameters": [1]}]}, {}, "input 'pixels': 'parameters' must be an object"),
+    ({"inputs": [{"name": "images", "datatype": "UINT8", "shape": [1], "data": [-1]}]}, {}, "not UINT8"),
+    ({"inputs": [{"name": "images", "datatype": "INT64", "shape": [1], "data": [2 ** 70]}]}, {}, "not INT64"),
+    ({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [0, 2 ** 62, 2 ** 62], "data": []}]}, {},
+     "cannot be made"),
+    ({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [0] * 65, "data": []}]}, {}, "cannot be made"),
+    ({"inputs": [_PIXELS], "outputs": [{"name": "probabilities", "parameters": [1]}]}, {},
+     "output 'probabilities': 'parameters' must be an object"),
+    ({"inputs": [_PIXELS], "parameters": "x"}, {}, "the request: 'parameters' must be an object"),
+    ({"inputs": [_PIXELS]}, {"Inference-Header-Content-Length": "\u00b2"}, "does not fit"),  # a digit to isdigit()
+    ({"inputs": [_PIXELS]}, {"Inference-Header-Content-Length": "9" * 5000}, "does not fit"),  # past int()'s limit
+])
+def test_malformed_tensors_are_400_and_no_failure_of_the_version(client: FlaskClient, service: Service,
+                                                                 body: dict, headers: dict, message: str) -> None:
+    # Each was a 500 (a TypeError, AttributeError, OverflowError or ValueError in the parse), and a 500 counts as a
+    # failure of the version serving it: one bad request rolled a watched default back or held a canary.
+    (route,) = [row for row in service.catalog.index() if row.state == "READY"]
+    traffic = service.controller.evidence.traffic(route.name, route.version)
+    assert message in _v2_error(client.post(INFER, data=json.dumps(body), content_type="application/json",
+                                            headers=headers), 400)
+    answered = client.post(INFER, json={"inputs": [_PIXELS], "parameters": {"timeout": 10 ** 400}})
+    assert answered.status_code == 200  # a timeout past a float's range: the announced deadline
+    assert traffic.failures == 0 and traffic.requests == 1
+
+
 def test_bad_binary_framing_and_limits(client: FlaskClient, settings: Any) -> None:
     def framed(size: int, blob: bytes) -> tuple[bytes, dict[str, str]]:
         return _binary_body({"inputs": [{"name": "images", "datatype": "BYTES", "shape": [1],
