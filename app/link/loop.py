@@ -74,6 +74,8 @@ CATALOG_READ_THREADS = 1  # catalog reads at once, never on the loop: one thread
 # interpreter lock with the loop (at C=64 four read threads cost 2x the CPU a /v1/models call, 0.72x its rate)
 SHARED_SEND_BUFFER_BYTES = 4 << 20  # a shared connection's answers of a turn (16-image requests' rows, 64 KB each)
 # in one send where the host allows (net.core.wmem_max); beyond it, the rest goes as the HTTP worker reads
+ACCEPT_PAUSE_S = 0.1  # out of file descriptors: new connections wait in the listener's backlog this long, the loop
+# serving the open ones, before it accepts again
 CATALOG_CHANGE_THREADS = 2  # catalog changes at once (a load waits for every engine), apart: no read waits behind one
 
 
@@ -158,6 +160,7 @@ class EngineServer:
         self._catalog_reads = ThreadPoolExecutor(CATALOG_READ_THREADS, thread_name_prefix="engine-catalog")
         self._catalog_changes = ThreadPoolExecutor(CATALOG_CHANGE_THREADS, thread_name_prefix="engine-catalog-change")
         self._loop_thread: int | None = None
+        self._accept_again_at: float | None = None  # when the listener, paused (``_accept``), is watched again
         self._started = threading.Lock()
         settings = service.settings
         self._loop_batch_s = settings.engine_loop_batch_ms / 1000
@@ -217,8 +220,14 @@ class EngineServer:
                 timeout = 0.0
             elif self._deadlines:
                 timeout = max(0.0, self._deadlines[0][0] - time.monotonic())
+            if self._accept_again_at is not None:
+                pause_s = max(0.0, self._accept_again_at - time.monotonic())
+                timeout = pause_s if timeout is None else min(timeout, pause_s)
             for key, _ in self._selector.select(timeout):
                 key.data()
+            if self._accept_again_at is not None and time.monotonic() >= self._accept_again_at:
+                self._accept_again_at = None
+                self._selector.register(self._listener, selectors.EVENT_READ, self._accept)
             if self._turn:
                 self._gather()
             self._run_turn()
@@ -275,10 +284,21 @@ class EngineServer:
         self._send_answers()
 
     def _accept(self) -> None:
-        with contextlib.suppress(BlockingIOError, InterruptedError):
-            while True:
+        while True:
+            try:
                 sock, _ = self._listener.accept()
-                self._adopt(sock)
+            except (BlockingIOError, InterruptedError):
+                return
+            except ConnectionAbortedError:  # gone before it was taken: the next one
+                continue
+            except OSError as exc:  # EMFILE, ENFILE, ENOBUFS: no room for one more connection now. Not the loop's end
+                # (it serves the open ones on); the listener is left unwatched for a pause, or the loop would spin
+                log.warning("cannot accept a connection (%s): the engine's connections wait %.0f ms; raise the "
+                            "open-file limit (ulimit -n) if this lasts", exc, ACCEPT_PAUSE_S * 1000)
+                self._selector.unregister(self._listener)
+                self._accept_again_at = time.monotonic() + ACCEPT_PAUSE_S
+                return
+            self._adopt(sock)
 
     def _adopt(self, sock: socket.socket) -> None:
         sock.setblocking(False)  # read as frames come (wire.FrameReader), no poll before each read or send
@@ -327,6 +347,15 @@ class EngineServer:
             log.exception("closed a connection whose frames could not be read")
             self._close(conn)
             return
+        try:
+            self._handle(conn, frames)
+        except Exception:  # noqa: BLE001 - a message whose fields are not of their types (ids that are no tuple of
+            # ints, a method that is no string): its connection closed, its requests read so far ended as hang-ups
+            log.exception("closed a connection that sent a message that could not be handled")
+            self._close(conn)
+
+    def _handle(self, conn: _Connection, frames: list[tuple[Any, list[bytearray]]]) -> None:
+        """A connection's messages that came in one read, in order (``_readable``)."""
         for index, (message, segments) in enumerate(frames):
             if isinstance(message, (wire.Infers, wire.Cancel)):
                 if not self._shared_read(conn, message, segments):

@@ -20,6 +20,7 @@ after the HTTP workers at shutdown. Standard library only: it runs in the master
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -87,19 +88,34 @@ class Engine:
                     return
             early = 0 if self.socket.exists() else early + 1
             if early >= EARLY_CRASHES and not self.failure.exists():
-                self.failure.write_text(f"engine {self.slot} exited {early} times before it could serve "
-                                        f"(status {_said(status)}; the log above says why)", encoding="utf-8")
+                with contextlib.suppress(OSError):  # unwritten (a full disk): it is restarted on, as before
+                    self.failure.write_text(f"engine {self.slot} exited {early} times before it could serve "
+                                            f"(status {_said(status)}; the log above says why)", encoding="utf-8")
             if self.failure.exists():
                 self._failed()
                 return
             log.warning("engine %d (pid %d) died with status %s; restarting it", self.slot, process.pid,
                         _said(status))
+            if not self._restart():
+                return
+
+    def _restart(self) -> bool:
+        """Start the process again after RESTART_DELAY_S, and again each RESTART_DELAY_S while the system refuses
+        it (a fork or exec that fails for now: EAGAIN, ENOMEM, EMFILE): a watcher that ended there would leave the
+        engine dead and every worker answering 503 for good. False once it is stopping."""
+        while True:
             time.sleep(RESTART_DELAY_S)
             with self._lock:
                 if self._stopping:
-                    return
+                    return False
+                try:
+                    self._spawn()
+                except (OSError, subprocess.SubprocessError) as exc:
+                    log.error("engine %d could not be started again (%s); trying again in %.0f s", self.slot, exc,
+                              RESTART_DELAY_S)
+                    continue
                 self.restarts += 1
-                self._spawn()
+                return True
 
     def _ended(self, process: subprocess.Popen[bytes]) -> int | None:
         """Wait for ``process`` to end, reap it; its status as Popen says it (-9: killed by SIGKILL), None when

@@ -23,6 +23,7 @@ from app.link import supervisor, wire
 from app.link.client import RemoteService
 from app.metrics import BATCHER_ALIVE, READY
 from app.web.connection import left_unread
+from tests.support.fakes import wait_until
 
 BODY = bytes(range(256)) * 800  # 200 KiB: past the 64 KiB gunicorn's own skip gives up at
 
@@ -89,6 +90,34 @@ def test_an_end_reaped_elsewhere_unseen_is_unknown_never_a_clean_exit(engine: su
     Arbiter(engine.process.pid).reap_workers()  # gunicorn's reaping without reap_engines_first
     status = engine._ended(engine.process)
     assert status is None and supervisor._said(status) == "unknown"
+
+
+def test_an_engine_whose_restart_the_system_refuses_once_is_started_on_the_next_try(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A restart whose fork failed (EAGAIN, ENOMEM, EMFILE in the master) ended the watcher: the engine stayed dead,
+    # and every worker answered 503 for good.
+    monkeypatch.setattr(supervisor, "RESTART_DELAY_S", 0.05)
+    spawned: list[subprocess.Popen[bytes]] = []
+    real_popen = subprocess.Popen
+
+    def popen(command: list[str], **kwargs: object) -> subprocess.Popen[bytes]:
+        if len(spawned) == 1:  # the first restart: refused
+            spawned.append(None)  # type: ignore[arg-type]
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        child = real_popen([sys.executable, "-c", f"import time; time.sleep({60 if spawned else 0})"],
+                           stdin=subprocess.PIPE)
+        spawned.append(child)
+        return child  # the first ends at once, as an engine that crashed; the next lives
+
+    monkeypatch.setattr(supervisor.subprocess, "Popen", popen)
+    engine = supervisor.Engine(0, tmp_path, on_death=lambda pid: None).start()
+    try:
+        wait_until(lambda: len(spawned) == 3)
+        assert spawned[1] is None and engine.process is spawned[2] and engine.restarts == 1
+        assert engine.process.poll() is None  # the one the watcher watches now
+    finally:
+        engine.signal_stop()
+        engine.wait_stopped(10)
 
 
 @pytest.fixture

@@ -3,11 +3,13 @@ EngineServer over socket.socketpair(), the engine a real Service on the tiny col
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import inspect
 import pickle
 import select
 import socket
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -1413,3 +1415,75 @@ def test_a_shared_connection_that_sends_a_request_of_its_own_is_closed_out_of_st
         with pytest.raises(wire.EngineGone):
             while True:
                 answers.read()
+
+
+@pytest.mark.parametrize("message", [wire.Cancel(5), wire.Infers(5, (), ()),  # type: ignore[arg-type]
+                                     wire.Infers((1,), ((1, 2),), (0,)), wire.CatalogCall([], (), {})])  # type: ignore
+def test_a_message_whose_fields_are_not_of_their_types_closes_its_connection_not_the_loop(
+        link: Link, message: object) -> None:
+    # A frame that unpickles as a message, whose fields are of other types (ids that are no tuple, a method that
+    # cannot be looked up): its handler's TypeError ended the engine's loop, and every worker's requests with it.
+    conn, answers = _shared_connection(link)
+    with conn:
+        wire.send(conn, message)
+        conn.settimeout(10)
+        with pytest.raises(wire.EngineGone):
+            while True:
+                answers.read()
+    other, other_answers = _shared_connection(link)  # the loop serves the others on
+    with other:
+        _sent_together(other, [1], image_bytes(RED))
+        assert _answered(other_answers, 1) == [1]
+    assert infer(link.worker, [image_bytes(RED)]).top_k(1)[0][0].label == "red"
+
+
+class _FullListener:
+    """The engine's listener as when the process has no file descriptor to spare: its first ``refusals`` accepts
+    raise EMFILE; counted."""
+
+    def __init__(self, listener: socket.socket, refusals: int) -> None:
+        self.listener, self.refusals, self.accepts = listener, refusals, 0
+
+    def fileno(self) -> int:
+        return self.listener.fileno()
+
+    def setblocking(self, flag: bool) -> None:
+        self.listener.setblocking(flag)
+
+    def accept(self) -> tuple[socket.socket, object]:
+        self.accepts += 1
+        if self.refusals:
+            self.refusals -= 1
+            raise OSError(errno.EMFILE, "Too many open files")
+        return self.listener.accept()
+
+
+def test_out_of_file_descriptors_the_loop_pauses_its_accepts_and_serves_on(
+        settings: Settings, predictor: Predictor, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # accept() raising EMFILE ended the engine's loop, and the engine with it: every worker's requests failed and
+    # the models loaded again. The listener now rests ACCEPT_PAUSE_S (it stays readable: the loop would spin).
+    import app.link.loop as loop
+
+    monkeypatch.setattr(loop.gc, "freeze", lambda: None)  # listen()'s, for an engine process's start-up
+    service = Service.build(settings, predictor)
+    folder = Path(tempfile.mkdtemp(prefix="vs-", dir="/tmp"))  # a socket path within its 108 bytes
+    server = EngineServer(service, folder / "engine.sock")
+    server.bind()
+    full = server._listener = _FullListener(server._listener, refusals=2)  # type: ignore[assignment]
+    threading.Thread(target=server.listen, daemon=True).start()
+    try:
+        with caplog.at_level("WARNING", logger="app.link.loop"):
+            clients = [socket.socket(socket.AF_UNIX) for _ in range(3)]
+            for client in clients:
+                client.connect(str(folder / "engine.sock"))  # waits in the backlog while accepts rest
+                client.settimeout(10)
+                wire.say_hello(client)  # each taken and greeted once the accepts resume
+                wire.send(client, wire.StateQuery())
+                (answer, _), = wire.FrameReader(client, (wire.Answer,)).read()
+                assert answer.value.ready
+                client.close()
+        assert [r for r in caplog.records if "cannot accept a connection" in r.getMessage()]
+        assert full.accepts < 20  # rested between tries (the loop spinning on the readable listener made thousands)
+    finally:
+        service.shutdown(timeout=5)
