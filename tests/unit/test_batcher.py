@@ -404,6 +404,31 @@ def test_out_of_memory_batches_are_split_and_the_cap_lowered(make_batcher) -> No
     assert seen == [2, 2, 2]  # the lowered cap avoids hitting the wall again
 
 
+def test_a_split_batch_whose_part_fails_runs_again_only_that_part_s_items(make_batcher) -> None:
+    # Split for memory, the first half ran and the second failed: every item of the batch ran again alone, the first
+    # half's a second time (their rows monitored twice, their forward passes counted twice).
+    seen: list[list[int]] = []
+
+    def fits_two_chokes_on_13(items: list[int]) -> list[int]:
+        seen.append(list(items))
+        if len(items) > 2:
+            raise OutOfMemory(f"{len(items)} do not fit")
+        if 13 in items:
+            raise ValueError("the model chokes on 13")
+        return [2 * i for i in items]
+
+    events = Events()
+    batcher = make_batcher(fits_two_chokes_on_13, max_batch_size=8, max_wait_ms=1, split_on=(OutOfMemory,),
+                           observer=events)
+    futures = batcher.submit_many([1, 2, 3, 13])
+    assert [f.result(timeout=10).value for f in futures[:3]] == [2, 4, 6]
+    with pytest.raises(ValueError, match="chokes"):
+        futures[3].result(timeout=10)
+    assert seen == [[1, 2, 3, 13], [1, 2], [3, 13], [3], [13]]  # 1 and 2 ran once
+    assert events.batches == [2, 1]  # the half that ran, then 3 alone
+    assert batcher.is_alive()
+
+
 def test_out_of_memory_on_a_single_item_fails_it(make_batcher) -> None:
     def never_fits(items: list[int]) -> list[int]:
         raise OutOfMemory("no")

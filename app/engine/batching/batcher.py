@@ -41,6 +41,17 @@ In = TypeVar("In")
 Out = TypeVar("Out")
 
 
+_UNRUN = object()  # the output of an item whose part of a split batch failed
+
+
+class _PartlyRun(Exception):
+    """A batch split for memory of which a part failed: per item its output, or ``_UNRUN``."""
+
+    def __init__(self, outputs: list[object]) -> None:
+        super().__init__(f"{sum(output is _UNRUN for output in outputs)} of {len(outputs)} items unrun")
+        self.outputs = outputs
+
+
 @dataclass(slots=True)
 class _Pending(Generic[In]):
     item: In
@@ -495,16 +506,39 @@ class Batcher(Generic[In, Out]):
             self._shrunk_size, self._shrunk_until = half, time.monotonic() + self._shrink_s
             self._observer.event("batch_split")
             log.warning("batch of %d did not fit; retrying as %d + %d", len(items), half, len(items) - half)
-            return [*self._predict(items[:half]), *self._predict(items[half:])]
+            outputs = [*self._predict_part(items[:half]), *self._predict_part(items[half:])]
+            if any(output is _UNRUN for output in outputs):
+                raise _PartlyRun(outputs)
+            return outputs
         if len(outputs) != len(items):
             raise BatchSizeMismatch(f"predict_fn returned {len(outputs)} outputs for {len(items)} inputs")
         return outputs
+
+    def _predict_part(self, items: list[In]) -> list[Out | object]:
+        """A part of a batch split for memory: its outputs, ``_UNRUN`` for each item of a part that failed (run
+        alone after, as a failed batch's; the parts that ran are answered, never run again)."""
+        try:
+            return list(self._predict(items))
+        except _PartlyRun as part:
+            return part.outputs
+        except Exception:  # noqa: BLE001 - a failing part fails no item yet: its items run alone after
+            log.exception("a part of %d of a split batch failed", len(items))
+            return [_UNRUN] * len(items)
 
     def _run_batch(self, batch: list[_Pending[In]]) -> None:
         batch_id = next(self._batch_ids)
         started, cpu_started = time.monotonic(), time.thread_time()
         try:
             outputs = self._predict([p.item for p in batch])
+        except _PartlyRun as part:  # split for memory, and a part failed: the others' rows are answered
+            self._observer.event("batch_failed")
+            ran = [(p, output) for p, output in zip(batch, part.outputs) if output is not _UNRUN]
+            if ran:
+                self._done(batch_id, [p for p, _ in ran], [output for _, output in ran], started, cpu_started)
+            for p, output in zip(batch, part.outputs):
+                if output is _UNRUN:
+                    self._run_batch([p])
+            return
         except Exception as exc:  # noqa: BLE001 - a failing batch fails its callers, never the worker
             log.exception("batch %d of %d failed", batch_id, len(batch))
             self._observer.event("batch_failed")
@@ -516,6 +550,11 @@ class Batcher(Generic[In, Out]):
             for p in batch:
                 self._run_batch([p])
             return
+        self._done(batch_id, batch, outputs, started, cpu_started)
+
+    def _done(self, batch_id: int, batch: list[_Pending[In]], outputs: Sequence[Out], started: float,
+              cpu_started: float) -> None:
+        """A batch that ran: counted, timed, settled when due, its outputs handed to their waiters."""
         run_s = time.monotonic() - started
         self.batches_run += 1
         self._batch_seconds = run_s if self.batches_run == 1 else 0.8 * self._batch_seconds + 0.2 * run_s
