@@ -529,17 +529,44 @@ def test_workers_sharing_a_control_directory_apply_each_others_loads(settings: S
             _stop(controller)
 
 
+def test_a_call_that_changes_nothing_does_not_take_another_worker_s_change_for_applied(
+        settings: Settings, tmp_path: Path, repository: FakeRepository) -> None:
+    # Another worker unloaded "other" and wrote generation 2; a poll or call here that changed nothing got 2 back as
+    # the newest generation, took it for its own (applied + 1), and never unloaded "other": the unload answered 200.
+    import os
+
+    shared = settings.model_copy(update={"control_dir": tmp_path / "control"})
+    repository.add("other", "1")
+    here, here_catalog = _worker(shared, repository)
+    there, _ = _worker(shared, repository, boot=False)
+    there.sync.desired = SharedDesiredState(shared.control_dir, pid=os.getppid())  # another live process's report
+    try:
+        there.boot()
+        for controller in (here, there):
+            controller.close()  # no follow thread: this worker applies the other's generation only when told
+        with there.applier.changing():  # the other worker's unload call, applied and written there
+            there.applier.apply("other", UNLOADED)
+            unloaded, _ = there.sync.write({"other": UNLOADED})
+        here.writers.poll()  # changes nothing: each model serves as its policy picks (a load call's write too)
+        assert here.sync.applied < unloaded and here.sync.is_behind()
+        here.writers.follow_newest()
+        assert "other" not in here_catalog.serving() and here.sync.applied == unloaded
+    finally:
+        for controller in (here, there):
+            _stop(controller)
+
+
 def test_calls_for_different_models_on_different_workers_both_take_effect(tmp_path: Path) -> None:
     first, second = SharedDesiredState(tmp_path, pid=1), SharedDesiredState(tmp_path, pid=2)
     one, two, five = ({"versions": [v], "default": v} for v in ("1", "2", "5"))
     assert first.seed({"x": one, "y": one}) == 1 and second.seed({"x": two}) == 1  # the first seed stands
-    assert first.write({"x": two}) == 2
+    assert first.write({"x": two}) == (2, True)
     # The second worker's call for y, written before it applied generation 2, keeps the first call's x 2.
-    assert second.write({"y": five}) == 3
+    assert second.write({"y": five}) == (3, True)
     assert first.read() == (3, {"x": two, "y": five})
-    assert second.write({"y": five}) == 3  # nothing changed: no new generation for the workers to apply
-    assert second.write({"y": UNLOADED}) == 4 and first.read()[1]["y"] == UNLOADED  # the poll leaves it alone
-    assert second.write({"y": None}) == 5 and list(first.read()[1]) == ["x"]  # left the repository
+    assert second.write({"y": five}) == (3, False)  # nothing changed: no new generation for the workers to apply
+    assert second.write({"y": UNLOADED}) == (4, True) and first.read()[1]["y"] == UNLOADED  # the poll leaves it
+    assert second.write({"y": None}) == (5, True) and list(first.read()[1]) == ["x"]  # left the repository
 
 
 def test_a_poll_decided_before_a_call_does_not_undo_the_call(tmp_path: Path) -> None:
@@ -550,11 +577,11 @@ def test_a_poll_decided_before_a_call_does_not_undo_the_call(tmp_path: Path) -> 
     rollback = {"versions": ["1", "2"], "default": "1", "config": {"default_version": "1"}, "policy_file": None}
     poller.seed({"mine": {"versions": ["1"], "default": "1"}, "other": newest})
     _, read = poller.read()
-    assert caller.write({"mine": rollback}) == 2
-    generation, complete = poller.write_unless_changed({"mine": newest, "other": UNLOADED}, read)
-    assert (generation, complete) == (3, False)  # other written, mine left as the call put it
+    assert caller.write({"mine": rollback}) == (2, True)
+    assert poller.write_unless_changed({"mine": newest, "other": UNLOADED}, read) == (3, True, False)  # other
+    # written, mine left as the call put it
     assert caller.read()[1] == {"mine": rollback, "other": UNLOADED}
-    assert poller.write_unless_changed({"mine": newest}, read) == (3, False)  # nothing to write: no generation
+    assert poller.write_unless_changed({"mine": newest}, read) == (3, False, False)  # nothing to write
 
 
 def test_a_version_that_fails_to_load_is_freed_at_once(service: Service, repository: FakeRepository,

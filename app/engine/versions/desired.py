@@ -59,25 +59,29 @@ class DesiredState:
     def _store(self, generation: int, models: dict[str, ModelEntry]) -> None:
         self._state = (generation, models)
 
-    def _commit(self, decide: Callable[[int, dict[str, ModelEntry]], dict[str, ModelEntry] | None]) -> int:
+    def _commit(self, decide: Callable[[int, dict[str, ModelEntry]], dict[str, ModelEntry] | None]
+                ) -> tuple[int, bool]:
+        """The newest generation once ``decide`` had its say, and whether this call wrote it (``decide`` changed
+        something): a generation it did not write may be another worker's change, still to apply here."""
         with self._locked():
             generation, models = self.read()
             updated = decide(generation, models)
             if updated is None or updated == models:
-                return generation
+                return generation, False
             self._store(generation + 1, updated)
-            return generation + 1
+            return generation + 1, True
 
-    def write(self, changes: dict[str, ModelEntry | None]) -> int:
+    def write(self, changes: dict[str, ModelEntry | None]) -> tuple[int, bool]:
         """Apply ``changes`` to the newest generation under the lock (so calls for different models on different
-        workers at once both take effect); a new generation only when something changed. Returns the generation."""
+        workers at once both take effect); a new generation only when something changed. Returns the newest
+        generation and whether this call wrote it."""
         return self._commit(lambda _, models: _changed(models, changes))
 
     def write_unless_changed(self, changes: dict[str, ModelEntry | None],
-                             read: dict[str, ModelEntry]) -> tuple[int, bool]:
+                             read: dict[str, ModelEntry]) -> tuple[int, bool, bool]:
         """``write`` for a change decided on the models as ``read``: a model whose entry another writer changed
-        since (a load call during a poll) keeps that newer entry. Returns the generation and whether every change
-        was written."""
+        since (a load call during a poll) keeps that newer entry. Returns the newest generation, whether this call
+        wrote it, and whether every change was written."""
         kept: dict[str, ModelEntry | None] = {}
 
         def decide(_: int, models: dict[str, ModelEntry]) -> dict[str, ModelEntry]:
@@ -85,11 +89,12 @@ class DesiredState:
             kept.update({name: entry for name, entry in changes.items() if models.get(name) == read.get(name)})
             return _changed(models, kept)
 
-        return self._commit(decide), len(kept) == len(changes)
+        generation, wrote = self._commit(decide)
+        return generation, wrote, len(kept) == len(changes)
 
     def seed(self, models: dict[str, ModelEntry]) -> int:
         """The first generation, unless a worker wrote one already."""
-        return self._commit(lambda generation, _: None if generation else dict(models))
+        return self._commit(lambda generation, _: None if generation else dict(models))[0]
 
     def report(self, generation: int, serving: dict[str, ModelEntry], error: str | None, device: str,
                evidence: dict[str, Any] | None = None) -> None:

@@ -43,12 +43,13 @@ class WorkerSync:
         entry: this worker applies it with the rest of that newer generation when it follows."""
         complete = True
         if read is None:
-            generation = self.desired.write(changes)
+            generation, wrote = self.desired.write(changes)
         else:
-            generation, complete = self.desired.write_unless_changed(changes, read)
-        if complete and generation == self.applied + 1:  # nothing written meanwhile: this worker serves it
+            generation, wrote, complete = self.desired.write_unless_changed(changes, read)
+        if wrote and complete and generation == self.applied + 1:  # nothing written meanwhile: this worker serves it
             self.applied = generation
-        # else another worker's change came first: following applies the whole generation, this one included
+        # else another worker's change came first (or this call changed nothing, and the newest generation is
+        # another's): following applies the whole generation, this one included
         self.report(self.last_error)
         return generation, complete
 
