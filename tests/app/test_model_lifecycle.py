@@ -556,6 +556,27 @@ def test_a_call_that_changes_nothing_does_not_take_another_worker_s_change_for_a
             _stop(controller)
 
 
+def test_a_model_that_cannot_be_served_fails_no_call_for_another(settings: Settings,
+                                                                 repository: FakeRepository) -> None:
+    # One worker: "shade"'s policy.json could not be read at start. That error stayed in the worker's report for
+    # good, and every later load, unload, promote or rollback of any model answered 422 "refused by other workers",
+    # its change applied all the same; even once shade's policy was fixed and the poll served it.
+    repository.add("shade", "1")
+    repository.policies["shade"] = {"version_policy": "nonsense"}
+    service = _service(settings, repository)
+    try:
+        repository.add("colour", "2")
+        service.catalog.load("colour")  # shade's trouble is not this call's
+        assert _ask(service) == "2" and "shade" in service.catalog.workers()[0]["error"]
+        repository.policies.pop("shade")  # fixed
+        service.controller.writers.poll()
+        service.catalog.unload("colour")
+        service.catalog.load("colour")
+        assert service.catalog.workers()[0]["error"] is None and _ask(service, "shade") == "1"
+    finally:
+        service.shutdown(timeout=5)
+
+
 def test_calls_for_different_models_on_different_workers_both_take_effect(tmp_path: Path) -> None:
     first, second = SharedDesiredState(tmp_path, pid=1), SharedDesiredState(tmp_path, pid=2)
     one, two, five = ({"versions": [v], "default": v} for v in ("1", "2", "5"))

@@ -56,6 +56,9 @@ class Applier:
         self._refused_candidates: dict[str, str] = {}  # model -> the refused candidate its rollout goes on without
         # versions refused for memory since they last loaded: tried again at every call and poll, warned of once
         self._short_of_memory: set[tuple[str, str]] = set()
+        # model -> why this worker could not serve it as last asked (an apply refused, a policy unreadable), until it
+        # is applied: what its report says, and what a call waiting for the other workers reads of theirs
+        self.not_served: dict[str, str] = {}
         self._lock = threading.Lock()  # one change at a time: a call, the poll, the rules or another worker's
 
     @property
@@ -81,7 +84,15 @@ class Applier:
 
     def apply(self, name: str, entry: ModelEntry) -> None:
         """Serve exactly ``entry``'s versions of ``name`` with its default (load, route, retire); all or nothing.
-        The caller holds the change lock."""
+        The caller holds the change lock. A refusal is held in ``not_served`` until ``name`` is applied."""
+        try:
+            self._apply(name, entry)
+        except ServiceError as exc:
+            self.not_served[name] = exc.message
+            raise
+        self.not_served.pop(name, None)
+
+    def _apply(self, name: str, entry: ModelEntry) -> None:
         serving, default = self.routes.routes().get(name, ([], None))
         current = {loaded.version: loaded for loaded in serving}
         wanted = [str(v) for v in entry["versions"]]

@@ -48,5 +48,5 @@ class VersionsController:
         self.writers.close()
 
     def _report_body(self) -> dict[str, Any]:
-        return {"models": self.applier.serving(), "device": str(self.applier.device),
-                "evidence": self.applier.evidence.dump()}
+        return {"models": self.applier.serving(), "not_served": self.applier.not_served,
+                "device": str(self.applier.device), "evidence": self.applier.evidence.dump()}

@@ -96,11 +96,14 @@ class DesiredState:
         """The first generation, unless a worker wrote one already."""
         return self._commit(lambda generation, _: None if generation else dict(models))[0]
 
-    def report(self, generation: int, serving: dict[str, ModelEntry], error: str | None, device: str,
+    def report(self, generation: int, serving: dict[str, ModelEntry], not_served: dict[str, str], device: str,
                evidence: dict[str, Any] | None = None) -> None:
-        """What this worker serves after applying ``generation``, on which device, why it could not apply it, and
-        its rollout evidence (app/engine/rollouts/evidence.py)."""
-        self._reports[self.pid] = {"pid": self.pid, "generation": generation, "models": serving, "error": error,
+        """What this worker serves after applying ``generation``, on which device, why it could not serve each model
+        it could not as asked (``not_served``; ``error``: those reasons in one line), and its rollout evidence
+        (app/engine/rollouts/evidence.py)."""
+        self._reports[self.pid] = {"pid": self.pid, "generation": generation, "models": serving,
+                                   "not_served": dict(not_served),
+                                   "error": "; ".join(not_served[name] for name in sorted(not_served)) or None,
                                    "device": device, "time": time.time(), "evidence": evidence or {}}
 
     def workers(self) -> list[dict[str, Any]]:
@@ -157,11 +160,11 @@ class SharedDesiredState(DesiredState):
     def _store(self, generation: int, models: dict[str, ModelEntry]) -> None:
         _write_atomic(self.root / control.DESIRED, {"generation": generation, "models": models})
 
-    def report(self, generation: int, serving: dict[str, ModelEntry], error: str | None, device: str,
+    def report(self, generation: int, serving: dict[str, ModelEntry], not_served: dict[str, str], device: str,
                evidence: dict[str, Any] | None = None) -> None:
-        """What this worker serves after applying ``generation``, on which device, why it could not apply it, and
-        its rollout evidence."""
-        super().report(generation, serving, error, device, evidence)
+        """What this worker serves after applying ``generation``, on which device, what it could not serve and why,
+        and its rollout evidence."""
+        super().report(generation, serving, not_served, device, evidence)
         _write_atomic(control.report(self.root, self.pid), self._reports[self.pid])
 
     def workers(self) -> list[dict[str, Any]]:

@@ -58,7 +58,7 @@ class RolloutChanges:
             if target not in self.applier.source.versions(name):
                 raise NotFound(f"model {name!r} has no version {target!r} in the repository")
             generation, changed = self._change(name, entry, action, target, "by a call")
-        self.sync.wait_for_workers(generation)
+        self.sync.wait_for_workers(generation, name)
         return changed
 
     def _nothing_meant(self, name: str, entry: ModelEntry, action: str, missing: str) -> Conflict:

@@ -17,8 +17,9 @@ from app.errors import LoadFailed, LoadTimeout
 class WorkerSync:
     """This worker's place in the desired state: the generation it applied, what it writes and reports.
 
-    ``describe`` gives the report's body when it is written: {"models": what it serves, "device": ..., "evidence":
-    its rollout evidence}; ``on_report`` runs after each report (what this worker serves may have changed).
+    ``describe`` gives the report's body when it is written: {"models": what it serves, "not_served": {model: why
+    it could not serve it as last asked}, "device": ..., "evidence": its rollout evidence}; ``on_report`` runs after
+    each report (what this worker serves may have changed).
     """
 
     def __init__(self, desired: DesiredState, describe: Callable[[], dict[str, Any]], sync_timeout_s: float,
@@ -26,7 +27,6 @@ class WorkerSync:
         self.desired, self._describe, self._sync_timeout_s = desired, describe, sync_timeout_s
         self._on_report = on_report
         self.applied = 0  # the desired generation this worker serves
-        self.last_error: str | None = None  # why this worker could not apply the desired state, as reported
 
     def read(self) -> tuple[int, dict[str, ModelEntry]]:
         """The newest generation and its models."""
@@ -50,36 +50,36 @@ class WorkerSync:
             self.applied = generation
         # else another worker's change came first (or this call changed nothing, and the newest generation is
         # another's): following applies the whole generation, this one included
-        self.report(self.last_error)
+        self.report()
         return generation, complete
 
     def seed(self, models: dict[str, ModelEntry]) -> None:
         """The first generation, unless a worker that started at the same time wrote one already."""
         self.desired.seed(models)
 
-    def served(self, generation: int, error: str | None) -> None:
-        """This worker now serves ``generation`` (``error``: what it could not apply of it)."""
+    def served(self, generation: int) -> None:
+        """This worker now serves ``generation`` (as far as it could: its report says what it could not)."""
         self.applied = max(self.applied, generation)
-        self.report(error)
+        self.report()
 
-    def report(self, error: str | None = None) -> None:
+    def report(self) -> None:
         """Write this worker's report as it is now."""
-        self.last_error = error
         self._on_report()
         body = self._describe()
-        self.desired.report(self.applied, body["models"], error, body["device"], body["evidence"])
+        self.desired.report(self.applied, body["models"], body["not_served"], body["device"], body["evidence"])
 
     def workers(self) -> list[dict[str, Any]]:
         """What each worker of the server serves (its last report)."""
         return self.desired.workers()
 
-    def wait_for_workers(self, generation: int) -> None:
-        """Return once every live worker serves ``generation``; LoadFailed when one refused it, LoadTimeout when
-        one has not applied it within REPOSITORY_SYNC_TIMEOUT_S (it goes on trying)."""
+    def wait_for_workers(self, generation: int, name: str) -> None:
+        """Return once every live worker serves ``generation``, a call's change of model ``name``; LoadFailed when
+        one could not serve ``name`` as it says (another model's trouble is not the call's), LoadTimeout when one
+        has not applied it within REPOSITORY_SYNC_TIMEOUT_S (it goes on trying)."""
         timeout_s = self._sync_timeout_s
         reports, behind = self.desired.wait_applied(generation, timeout_s)
-        failed = [f"worker {r['pid']}: {r['error']}" for r in reports
-                  if r.get("error") and r.get("generation", 0) >= generation]
+        failed = [f"worker {r['pid']}: {r['not_served'][name]}" for r in reports
+                  if r.get("generation", 0) >= generation and name in (r.get("not_served") or {})]
         if failed:
             raise LoadFailed("applied here, refused by other workers (they serve what they did): " + "; ".join(failed),
                              details={"workers": reports})

@@ -68,7 +68,7 @@ class Writers:
                 raise errors[0] if errors else LoadFailed(
                     "nothing can be served: every version was refused (the reasons are logged above and listed "
                     "by the repository index)")
-            self.sync.served(generation, "; ".join(e.message for e in errors) or None)
+            self.sync.served(generation)
         threading.Thread(target=self._follow, name="models-follow", daemon=True).start()
 
     def _first_load(self, names: list[str]) -> tuple[dict[str, ModelEntry], list[ServiceError]]:
@@ -97,7 +97,7 @@ class Writers:
             entry = self._wanted(name, config, {"versions": [], "default": now["default"]} if now else None)
             self.applier.apply(name, entry)
             generation, _ = self.sync.write({name: entry})
-        self.sync.wait_for_workers(generation)
+        self.sync.wait_for_workers(generation, name)
 
     def _refuse_naming_a_refused_version(self, name: str, config: Any) -> None:
         """A load call whose config names a version refused before (its rollout's candidate, or its default) and
@@ -125,7 +125,7 @@ class Writers:
                 raise NotFound(f"no model {name!r} is loaded or in the repository")
             self.applier.apply(name, UNLOADED)
             generation, _ = self.sync.write({name: UNLOADED})
-        self.sync.wait_for_workers(generation)
+        self.sync.wait_for_workers(generation, name)
 
     def poll(self) -> None:
         """The repository poll: each followed model as its policy (and a load call's config, while its policy.json
@@ -156,14 +156,14 @@ class Writers:
         with self.applier.changing():
             if self.sync.is_behind():
                 generation, desired = self.sync.read()
-                errors = self.applier.apply_all(desired)
-                self.sync.served(generation, "; ".join(e.message for e in errors) or None)
+                self.applier.apply_all(desired)
+                self.sync.served(generation)
 
     def share_evidence(self) -> None:
         """Write this worker's rollout evidence into its report, then apply what the rules decide on every
         worker's (app/engine/versions/rollout_changes.py)."""
         with self.applier.changing():
-            self.sync.report(self.sync.last_error)
+            self.sync.report()
             self.rollouts.judge_evidence()
 
     def close(self) -> None:
@@ -192,6 +192,7 @@ class Writers:
         """Log why start or the poll cannot serve ``name`` (``message`` with the name and the reason). A policy that
         cannot be read (BadRequest) is said once per reason, not again by every poll while it stands, and the index
         shows it for the model's versions that do not serve (``VersionStates.unservable``)."""
+        self.applier.not_served[name] = exc.message
         if not isinstance(exc, BadRequest) or self.applier.states.unservable(name, exc.message):
             log.warning(message, name, exc.message)
 
