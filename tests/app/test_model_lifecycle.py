@@ -142,6 +142,22 @@ def test_a_version_that_fails_to_load_is_refused_and_the_old_one_serves(service:
     assert _ask(service) == "2"
 
 
+def test_a_load_call_with_no_version_that_can_load_changes_nothing(service: Service,
+                                                                   repository: FakeRepository) -> None:
+    # Every version of "shade" refused: the call's entry had no version, applying it unloaded the model, the call
+    # answered 200, and the entry (the same as an unload's) kept the poll from trying shade again.
+    repository.fail("shade", "1", "weights file x.pt has sha256 abc, the manifest says def")
+    with pytest.raises(LoadFailed, match="shade version 1 cannot be served: weights file x.pt has sha256"):
+        service.catalog.load("shade")  # tried, refused
+    with pytest.raises(LoadFailed, match=r"no version of 'shade' can be served \(version 1: .*sha256"):
+        service.catalog.load("shade")  # its files unchanged: not tried again, and nothing changed
+    assert "shade" not in service.controller.sync.read()[1] and _ask(service) == "1"
+    del repository.broken[("shade", "1")]
+    repository.add("shade", "1")  # fixed: the poll serves it
+    service.controller.writers.poll()
+    assert _ask(service, "shade") == "1"
+
+
 def test_a_canary_that_fails_refuses_the_version(service: Service, repository: FakeRepository) -> None:
     repository.add("colour", "2").fail_when = -1.0  # every forward pass raises, the canary's too
     with pytest.raises(LoadFailed, match="colour version 2 cannot be served: .*fake forward failure"):

@@ -95,9 +95,19 @@ class Writers:
             now = self.sync.read()[1].get(name)
             # A version refused before is tried again once its files change; a rollout keeps the default it has.
             entry = self._wanted(name, config, {"versions": [], "default": now["default"]} if now else None)
+            if not entry["versions"]:  # every version refused: applied, this entry would unload the model
+                raise self._nothing_loadable(name)
             self.applier.apply(name, entry)
             generation, _ = self.sync.write({name: entry})
         self.sync.wait_for_workers(generation, name)
+
+    def _nothing_loadable(self, name: str) -> LoadFailed:
+        """The 422 of a load call none of whose versions can load (each refused, its files unchanged since): what
+        serves keeps serving, and the poll goes on as before."""
+        reasons = {v: why for v in self.source.versions(name) if (why := self.applier.refusal(name, v))}
+        said = "; ".join(f"version {v}: {why}" for v, why in reasons.items()) or "none is left to pick"
+        return LoadFailed(f"no version of {name!r} can be served ({said}); nothing was changed (fix its files, or "
+                          "add a version)", details={"model": name, "refused": reasons})
 
     def _refuse_naming_a_refused_version(self, name: str, config: Any) -> None:
         """A load call whose config names a version refused before (its rollout's candidate, or its default) and
