@@ -142,6 +142,35 @@ def test_a_version_that_fails_to_load_is_refused_and_the_old_one_serves(service:
     assert _ask(service) == "2"
 
 
+def test_a_policy_json_that_cannot_be_read_stops_no_poll_of_the_other_models(settings: Settings) -> None:
+    # A model given a load call's config whose policy.json then could not be read: the poll's read of it raised a
+    # PolicyError past its ServiceError handling, so every poll ended there: the models after it never got their
+    # new versions, and those before were applied here but never written for the other workers.
+    class UnreadablePolicies(FakeRepository):
+        unreadable: set[str] = set()
+
+        def policy(self, name: str) -> dict[str, object] | None:
+            if name in self.unreadable:
+                raise PolicyError(f"/repository/{name}/policy.json is not JSON: Expecting value")  # as a directory's
+            return super().policy(name)
+
+    repository = UnreadablePolicies()
+    for name in ("alpha", "mid", "zulu"):
+        repository.add(name, "1")
+    service = _service(settings, repository)
+    try:
+        service.catalog.load("mid", {"version_policy": {"all": {}}})
+        repository.unreadable.add("mid")
+        repository.add("alpha", "2")
+        repository.add("zulu", "2")
+        service.controller.writers.poll()
+        assert {name: entry["default"] for name, entry in service.controller.sync.read()[1].items()} == {
+            "alpha": "2", "mid": "1", "zulu": "2"}
+        assert _ask(service, "zulu") == "2" and _ask(service, "mid") == "1"  # mid serves on as it did
+    finally:
+        service.shutdown(timeout=5)
+
+
 def test_a_load_call_with_no_version_that_can_load_changes_nothing(service: Service,
                                                                    repository: FakeRepository) -> None:
     # Every version of "shade" refused: the call's entry had no version, applying it unloaded the model, the call

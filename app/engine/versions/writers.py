@@ -222,7 +222,14 @@ class Writers:
         """The config a load call gave ``name``, while the model's policy.json is still what the call found."""
         if entry is None or entry.get("config") is None:
             return None
-        return entry["config"] if entry.get("policy_file") == self.source.policy(name) else None
+        return entry["config"] if entry.get("policy_file") == self._policy_file(name) else None
+
+    def _policy_file(self, name: str) -> dict[str, Any] | None:
+        """``name``'s policy.json; BadRequest when it cannot be read (the poll says so and goes on to the others)."""
+        try:
+            return self.source.policy(name)
+        except PolicyError as exc:
+            raise BadRequest(f"model {name!r}: {exc}") from None
 
     def _serve_loadable(self, name: str, config: Any = None, current: ModelEntry | None = None) -> ModelEntry | None:
         """``name`` as its policy picks among the versions not refused, applied here; a version refused on the way
@@ -269,8 +276,8 @@ class Writers:
                            details={"models": self.source.models()})
         refused = {v: why for v in available if (why := self.applier.refusal(name, v) or (left_out or {}).get(v))}
         available = [v for v in available if v not in refused]  # until their files change
+        own = self._policy_file(name)
         try:
-            own = self.source.policy(name)
             if isinstance(config, (str, bytes)):
                 try:
                     config = json.loads(config)
