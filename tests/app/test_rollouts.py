@@ -291,6 +291,9 @@ def test_promote_and_rollback_by_call_with_evidence_in_the_api(settings: Setting
         assert client.post("/v1/models/colour/promote", data="{", content_type="application/json").status_code == 400
         assert client.post("/v1/models/colour/promote", json={"versions": "2"}).status_code == 400
         assert client.post("/v1/models/colour/promote", json={"version": "2"}).get_json()["default"] == "2"
+        to_live = client.post("/v1/models/colour/rollback", json={"version": "2"})  # a 500 before
+        assert to_live.status_code == 409 and "is the live version already" in to_live.get_json()["error"]["message"]
+        assert client.post("/predict", data=PHOTOS[0], content_type="image/jpeg").get_json()["model"]["version"] == "2"
     finally:
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 

@@ -57,6 +57,9 @@ class RolloutChanges:
                 raise self._nothing_meant(name, entry, action, missing)
             if target not in self.applier.source.versions(name):
                 raise NotFound(f"model {name!r} has no version {target!r} in the repository")
+            if action == "rollback" and target == entry["default"]:  # it would roll back the version it serves
+                raise Conflict(f"model {name!r} version {target!r} is the live version already; a rollback names "
+                               "the version to serve instead of it", details={"model": name, "live": target})
             generation, changed = self._change(name, entry, action, target, "by a call")
         self.sync.wait_for_workers(generation, name)
         return changed
