@@ -298,6 +298,20 @@ def test_promote_and_rollback_by_call_with_evidence_in_the_api(settings: Setting
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 
 
+def test_a_plain_load_call_keeps_a_rolled_back_version_out(settings: Settings) -> None:
+    # A load call with no config gave the plan the default alone: the rolled-back version came back as the canary.
+    service = Service.build(settings, _repository({"canary_percent": 10}))  # type: ignore[arg-type]
+    try:
+        service.catalog.promote("colour")
+        assert service.catalog.rollback("colour")["rolled_back"] == ["2"]
+        service.catalog.load("colour")
+        routes = service.controller.applier.routes
+        assert routes.candidate("colour") is None and routes.routes()["colour"][1] == "1"
+        assert service.controller.sync.read()[1]["colour"]["rolled_back"] == ["2"]
+    finally:
+        service.shutdown(timeout=5)
+
+
 def test_a_canary_answers_its_share_and_each_client_stays_on_its_side(settings: Settings) -> None:
     app = create_app(settings, source=_repository({"canary_percent": 30}))  # type: ignore[arg-type]
     client = app.test_client()

@@ -93,8 +93,10 @@ class Writers:
             self._refuse_naming_a_refused_version(name, config)
             self._name_default_model()
             now = self.sync.read()[1].get(name)
-            # A version refused before is tried again once its files change; a rollout keeps the default it has.
-            entry = self._wanted(name, config, {"versions": [], "default": now["default"]} if now else None)
+            # A version refused before is tried again once its files change; a rollout keeps the default it has,
+            # and a version rolled back stays out until a promotion names it (docs/models.md).
+            kept = {"versions": [], "default": now["default"], "rolled_back": now.get("rolled_back", [])}
+            entry = self._wanted(name, config, kept if now else None)
             if not entry["versions"]:  # every version refused: applied, this entry would unload the model
                 raise self._nothing_loadable(name)
             self.applier.apply(name, entry)
