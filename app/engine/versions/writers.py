@@ -95,8 +95,9 @@ class Writers:
             now = self.sync.read()[1].get(name)
             # A version refused before is tried again once its files change; a rollout keeps the default it has,
             # and a version rolled back stays out until a promotion names it (docs/models.md).
-            kept = {"versions": [], "default": now["default"], "rolled_back": now.get("rolled_back", [])}
-            entry = self._wanted(name, config, kept if now else None)
+            kept = None if now is None else {"versions": [], "default": now["default"],
+                                             "rolled_back": now.get("rolled_back", [])}
+            entry = self._wanted(name, config, kept)
             if not entry["versions"]:  # every version refused: applied, this entry would unload the model
                 raise self._nothing_loadable(name)
             self.applier.apply(name, entry)
