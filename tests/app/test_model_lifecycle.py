@@ -187,6 +187,27 @@ def test_a_load_call_with_no_version_that_can_load_changes_nothing(service: Serv
     assert _ask(service, "shade") == "1"
 
 
+def test_a_fix_written_while_the_broken_files_load_is_tried_again(service: Service,
+                                                                  repository: FakeRepository) -> None:
+    # The refusal was stamped with the files as they stood after the load failed: a fix written meanwhile was taken
+    # for the refused files, and the version was never tried again.
+    repository.fail("colour", "2", "weights file x.pt has sha256 abc, the manifest says def")
+    repository.gate = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        polled = pool.submit(service.controller.writers.poll)
+        wait_until(lambda: ("colour", "2") in repository.loads)  # the broken files read, the load under way
+        reason = repository.broken.pop(("colour", "2"))
+        repository.add("colour", "2")  # the fix lands: its files rewritten
+        repository.broken[("colour", "2")] = reason  # ... while the load goes on with what it read
+        repository.gate.set()
+        polled.result(timeout=10)
+    repository.gate = None
+    del repository.broken[("colour", "2")]
+    assert _ask(service) == "1"
+    service.controller.writers.poll()
+    assert _ask(service) == "2"
+
+
 def test_a_canary_that_fails_refuses_the_version(service: Service, repository: FakeRepository) -> None:
     repository.add("colour", "2").fail_when = -1.0  # every forward pass raises, the canary's too
     with pytest.raises(LoadFailed, match="colour version 2 cannot be served: .*fake forward failure"):

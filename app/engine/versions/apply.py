@@ -151,6 +151,9 @@ class Applier:
             ROLLOUT_CANDIDATE_REFUSED.labels(name, refused).set(1)
 
     def _load(self, name: str, version: str, fresh: list[LoadedVersion]) -> LoadedVersion:
+        stamp = None  # the files as this load reads them: a fix written while it fails is a change, tried again
+        with contextlib.suppress(OSError):
+            stamp = self.source.stamp(name, version)
         try:
             device = self.device
             with self.states.loading((name, version)), loading_onto(device, self.settings.control_dir):
@@ -173,7 +176,7 @@ class Applier:
             else:
                 log.warning("refused %s version %s: %s", name, version, error.message)
                 with contextlib.suppress(OSError):
-                    self.states.refuse((name, version), self.source.stamp(name, version), error.message)
+                    self.states.refuse((name, version), stamp or self.source.stamp(name, version), error.message)
                 log.debug("%s version %s: the load's error", name, version, exc_info=exc)
                 _free_failed_load(exc, self.device)  # not for a version refused before it loaded (short of memory)
             raise error from exc
