@@ -221,7 +221,8 @@ class Service(Lifecycle):
             series(VERSION_REQUESTS, loaded.name, loaded.version, route.role, outcome).inc()
             if not refused:
                 series(VERSION_REQUEST_SECONDS, loaded.name, loaded.version).observe(seconds)
-        if not refused:
+        if not refused and route.role != "named":  # a rollout's evidence: the traffic it routed, not requests that
+            # named a version (a candidate's own tests would promote it)
             self.controller.evidence.traffic(loaded.name, loaded.version).record(seconds, outcome == "failed")
 
 

@@ -312,6 +312,27 @@ def test_a_plain_load_call_keeps_a_rolled_back_version_out(settings: Settings) -
         service.shutdown(timeout=5)
 
 
+def test_a_candidate_is_promoted_on_the_canary_traffic_it_was_routed_as_candidate(settings: Settings) -> None:
+    # Its traffic from before (as the default) was not started afresh when it became the candidate, and requests
+    # that named it counted as canary requests: the first judge promoted it with no canary request at all.
+    repository = FakeRepository()
+    for version in ("1", "2"):
+        repository.add("colour", version)
+    service = Service.build(settings, repository)
+    try:
+        for _ in range(20):
+            infer(service, [image_bytes(RED)])  # 2 answers them, as the default
+        service.catalog.load("colour", {"default_version": "1", "version_policy": {"all": {}}, "rollout": {
+            "candidate": "2", "canary_percent": 1, "promote": {"after": 20}}})
+        for _ in range(20):
+            infer(service, [image_bytes(RED)], version="2")  # named: no canary request
+        service.controller.writers.share_evidence()  # what the follow thread does every second
+        assert service.controller.applier.routes.routes()["colour"][1] == "1"
+        assert service.catalog.rollouts()["colour"]["promotion"] == "waiting: 0 of 20 canary requests"
+    finally:
+        service.shutdown(timeout=5)
+
+
 def test_a_canary_answers_its_share_and_each_client_stays_on_its_side(settings: Settings) -> None:
     app = create_app(settings, source=_repository({"canary_percent": 30}))  # type: ignore[arg-type]
     client = app.test_client()

@@ -124,14 +124,18 @@ class Applier:
 
     def _route(self, name: str, entry: ModelEntry, chosen: dict[str, LoadedVersion]) -> list[LoadedVersion]:
         """Route ``name`` to ``chosen`` with ``entry``'s default and candidate; when the default or the candidate
-        changes, the evidence about the old pair ends and the new default's traffic is counted afresh."""
+        changes, the evidence about the old pair ends, and a new default's or candidate's traffic is counted afresh
+        (what it served before in another role is no evidence of this one)."""
         before = self.routes.candidate(name), self.routes.routes().get(name, ([], None))[1]
         candidate = Candidate.from_entry(entry)
         replaced = self.routes.route(name, chosen, entry["default"], candidate)
         after = self.routes.candidate(name), entry["default"]
         if after != before:
             pair = {(after[0].version, after[1])} if after[0] is not None else set()
-            self.evidence.restart(name, pair, {after[1]} if after[1] != before[1] else set())
+            fresh = {after[1]} if after[1] != before[1] else set()
+            if after[0] is not None and (before[0] is None or before[0].version != after[0].version):
+                fresh.add(after[0].version)
+            self.evidence.restart(name, pair, fresh)
         roles = roles_of(entry, after[0] and after[0].version, bool(after[0] and after[0].canary_percent))
         for version in {*chosen, *(v.version for v in replaced)}:
             for role in ROLES:
