@@ -10,6 +10,7 @@ import logging
 import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
@@ -33,6 +34,8 @@ from app.engine.rollouts.plan import (
 from app.engine.rollouts.rules import judge
 from app.engine.contract import Served
 from app.engine.service import Service
+from app.engine.versions.controller import VersionsController
+from app.engine.versions.desired import SharedDesiredState
 from app.errors import Conflict, LoadFailed
 from tests.support.fakes import LABELS, ColourModel, FakeRepository, infer, served_over_http, wait_until
 from tests.support.imaging import BLUE, GREEN, RED, image_bytes
@@ -331,6 +334,37 @@ def test_a_candidate_is_promoted_on_the_canary_traffic_it_was_routed_as_candidat
         assert service.catalog.rollouts()["colour"]["promotion"] == "waiting: 0 of 20 canary requests"
     finally:
         service.shutdown(timeout=5)
+
+
+def test_the_rules_judge_only_the_evidence_of_workers_that_serve_the_newest_generation(
+        settings: Settings, tmp_path: Path) -> None:
+    # A worker that had not applied a promotion yet still reported the candidate's canary requests: merged into the
+    # new default's watch, they settled it (no request had been served by it as the default).
+    import os
+
+    shared = settings.model_copy(update={"control_dir": tmp_path / "control", "repository_sync_timeout_s": 20})
+    repository = _repository({"canary_percent": 50, "rollback": {"within": 10}})
+    here, there = (VersionsController(shared, repository, on_report=lambda: None) for _ in range(2))  # type: ignore
+    there.sync.desired = SharedDesiredState(shared.control_dir, pid=os.getppid())  # another live process's report
+    try:
+        for controller in (here, there):
+            controller.boot()
+            controller.close()  # no follow thread: each applies the other's generation only when told
+        for _ in range(15):
+            there.evidence.traffic("colour", "2").record(0.005, False)  # its canary requests to 2
+        there.writers.share_evidence()
+        with ThreadPoolExecutor(1) as pool:  # the promotion waits for the other worker: not applied there yet
+            promoting = pool.submit(here.rollout_changes.promote, "colour")
+            wait_until(lambda: here.sync.read()[1]["colour"]["default"] == "2")
+            here.writers.share_evidence()  # this worker's next judge
+            assert "watch" in here.sync.read()[1]["colour"]  # still watched: the other's requests were the canary's
+            there.writers.follow_newest()
+            promoting.result(timeout=10)
+    finally:
+        for controller in (here, there):
+            controller.close()
+            for loaded in controller.routes.all_versions():
+                loaded.batcher.stop(5)
 
 
 def test_a_canary_answers_its_share_and_each_client_stays_on_its_side(settings: Settings) -> None:

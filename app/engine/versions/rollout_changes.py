@@ -104,7 +104,7 @@ class RolloutChanges:
 
     def _changed_entry(self, name: str, entry: ModelEntry, action: str, version: str) -> ModelEntry:
         if action == "promote":  # the old default's p99 becomes the watch's baseline
-            return promoted(entry, version, traffic_p99_ms(self.sync.workers(), name, entry["default"]))
+            return promoted(entry, version, traffic_p99_ms(self.sync.current_workers(), name, entry["default"]))
         if action == "rollback":
             return rolled_back(entry, version)
         return {k: v for k, v in entry.items() if k != "watch"}  # "settle": the rules found the new default good
@@ -114,7 +114,7 @@ class RolloutChanges:
         call would. The caller holds the change lock, having shared this worker's evidence."""
         _, desired = self.sync.read()
         judged = {name: entry for name, entry in desired.items() if entry.get("versions") and has_rules(entry)}
-        evidence = merged(self.sync.workers()) if judged else {}
+        evidence = merged(self.sync.current_workers()) if judged else {}
         for name, entry in sorted(judged.items()):
             verdict = judge(name, entry, evidence)
             if verdict is None:

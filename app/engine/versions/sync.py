@@ -72,6 +72,13 @@ class WorkerSync:
         """What each worker of the server serves (its last report)."""
         return self.desired.workers()
 
+    def current_workers(self) -> list[dict[str, Any]]:
+        """The reports of the workers that serve the newest generation: the rollout evidence gathered under the
+        roles it gives (a worker still behind counts its traffic under the roles before, e.g. a candidate's canary
+        requests as though the new default had served them)."""
+        newest = self.desired.read()[0]
+        return [report for report in self.desired.workers() if report.get("generation", 0) >= newest]
+
     def wait_for_workers(self, generation: int, name: str) -> None:
         """Return once every live worker serves ``generation``, a call's change of model ``name``; LoadFailed when
         one could not serve ``name`` as it says (another model's trouble is not the call's), LoadTimeout when one

@@ -293,7 +293,8 @@ class Writers:
         self.applier.states.servable(name)  # its policy can be read (again)
         watch = entry.get("watch")
         if watch and watch.get("baseline_p99_ms") is None:
-            entry["watch"] = {**watch, "baseline_p99_ms": traffic_p99_ms(self.sync.workers(), name, watch["previous"])}
+            baseline_p99_ms = traffic_p99_ms(self.sync.current_workers(), name, watch["previous"])
+            entry["watch"] = {**watch, "baseline_p99_ms": baseline_p99_ms}
         if config is None:
             return entry
         return {**entry, "config": config, "policy_file": own}
