@@ -25,6 +25,7 @@ from tqdm import tqdm
 from models.architectures import ARCHS
 from models.data.gpu import DevicePrefetcher
 from models.data.loaders import Data, load_data
+from models.export.repository import check_name, name_from
 from models.presets import EvalPreset
 from models.pretrained import pretrained_preset
 from models.run import checkpoint as ckpt
@@ -182,6 +183,8 @@ def _setup(args: argparse.Namespace, env: DistEnv) -> tuple[torch.device, EvalPr
     try:
         device = pick_device(args.device, env)
         check_amp(device, _amp_dtype(args))
+        if args.name is not None:  # refused now, not at the export after the last epoch
+            check_name("model", args.name)
         if args.sync_bn and device.type != "cuda":
             raise ValueError("--sync-bn needs CUDA (torch's SyncBatchNorm runs on GPUs); use --freeze-bn on CPU")
         return device, make_preset(args)
@@ -202,13 +205,12 @@ def run(args: argparse.Namespace, env: DistEnv, device: torch.device, preset: Ev
     start, best, scheduler = ckpt.start_or_resume(args, model_without_ddp, optimizer,
                                                   make_scheduler(optimizer, args), scaler, data.classes)
     if start >= args.epochs:
-        raise RunFinished(f"{args.resume} is a finished run of {start} epochs (best val top-1 {best[0]:.4f}); "
+        raise RunFinished(f"{args.resume} is a finished run of {start} epochs (best val top-1 {best.acc1:.4f}); "
                           f"nothing to train. To train longer: --resume {args.resume} --epochs {start + 5}")
     if env.is_main:
         args.output_dir.mkdir(parents=True, exist_ok=True)
     runlog, timer = RunLog(args.output_dir, enabled=env.is_main), Timer()
     progress = Progress(args.epochs, len(data.classes))
-    best_counts: torch.Tensor | None = None
     writer = ckpt.CheckpointWriter()
     try:
         for epoch in range(start, args.epochs):
@@ -226,8 +228,7 @@ def run(args: argparse.Namespace, env: DistEnv, device: torch.device, preset: Ev
             reference = _prediction_reference(result, len(data.classes), device, env)
             is_best = ckpt.better(result.acc1, result.loss, best)
             if is_best:
-                best = (result.acc1, result.loss)
-                best_counts = _confusion_counts(result, data, device, env)
+                best = ckpt.Best(result.acc1, result.loss, row, _confusion_counts(result, data, device, env))
             if env.is_main:  # written by a thread while the next epoch trains
                 writer.save(ckpt.checkpoint_state(model_without_ddp, optimizer, scheduler, scaler, epoch, best,
                                                    args, data.classes, preset, row, reference),
@@ -239,7 +240,7 @@ def run(args: argparse.Namespace, env: DistEnv, device: torch.device, preset: Ev
         writer.wait()  # the last checkpoint is on disk before the export, a resume hint or the exit
     runlog.close()
     if env.is_main:
-        _finish(args, progress, best_counts, data.classes, started)
+        _finish(args, progress, best, data.classes, started)
 
 
 def _confusion_counts(result: EvalResult, data: Data, device: torch.device, env: DistEnv) -> torch.Tensor:
@@ -257,21 +258,28 @@ def _prediction_reference(result: EvalResult, num_classes: int, device: torch.de
     return reference_from_counts(summed, num_classes)
 
 
-def _finish(args: argparse.Namespace, progress: Progress, best_counts: torch.Tensor | None,
-            classes: list[str], started: float) -> None:
-    """The best epoch's per-class report, the export asked for, the plot, then the summary: the whole command's
-    time (the export included) and the command that serves what was exported, or the export to run first."""
-    if best_counts is not None:
-        path, table = write_confusion(confusion(best_counts, classes), args.output_dir)
+def _finish(args: argparse.Namespace, progress: Progress, best: ckpt.Best, classes: list[str],
+            started: float) -> None:
+    """The best epoch's per-class report (an epoch before a resume's too: the checkpoint keeps it), the export asked
+    for, the plot, then the summary: the whole command's time (the export included) and the command that serves
+    what was exported, or the export to run first."""
+    if best.confusion is not None:
+        path, table = write_confusion(confusion(best.confusion, classes), args.output_dir)
         log.info("per class, best epoch (%s):\n%s", path, "\n".join(table))
-    best = args.output_dir / ckpt.BEST_NAME
-    exported = _export(args, best) if args.export or args.export_repository else None
+    best_path = args.output_dir / ckpt.BEST_NAME
+    exported = _export(args, best_path) if args.export or args.export_repository else None
     if args.plot:
         from models.plot import plot_run
         log.info("wrote %s", plot_run(args.output_dir))
-    for line in progress.summary(best, exported, args.export_repository or args.export,
-                                 total_seconds=time.perf_counter() - started):
+    for line in progress.summary(best.row, best_path, exported, args.export_repository or args.export,
+                                 model_name(args), total_seconds=time.perf_counter() - started):
         log.info("%s", line)
+
+
+def model_name(args: argparse.Namespace) -> str:
+    """The name the run exports under: ``--name`` (checked in ``_setup``), else its ``--output-dir``'s name made a
+    valid one (``runs/resnet+aug``: resnet-aug)."""
+    return args.name or name_from(args.output_dir.name)
 
 
 def _export(args: argparse.Namespace, best: Path) -> Path | None:
@@ -281,7 +289,7 @@ def _export(args: argparse.Namespace, best: Path) -> Path | None:
     try:
         # With its ONNX file: what the server runs on a CPU (docs/performance.md); a GPU package is compiled
         # separately (python -m models.export --checkpoint ... --packages onnx,cuda).
-        manifest = export_checkpoint(best, args.export, name=args.name, repository=args.export_repository,
+        manifest = export_checkpoint(best, args.export, name=model_name(args), repository=args.export_repository,
                                      packages=[("onnx", "float32")])
     except (FileExistsError, ValueError) as exc:  # the run is kept: say how to export it, do not fail after training
         log.error("not exported: %s", exc)
@@ -310,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:  # one line with what to run next, not a traceback
         if env.is_main:
-            log.warning("%s", ckpt.interrupted(args, list(sys.argv[1:] if argv is None else argv)))
+            log.warning("%s", ckpt.interrupted(args, list(sys.argv[1:] if argv is None else argv), env.world_size))
         return 130
     finally:
         destroy_process_group(env)

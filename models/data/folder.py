@@ -1,8 +1,8 @@
 """Image folders for training: ``DIR/train/<class>/*`` and ``DIR/val/<class>/*``, checked before training starts."""
 from __future__ import annotations
 
+import hashlib
 import logging
-import random
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,9 +89,21 @@ def check_same_classes(train: Split, val: Split) -> None:
                     f"only in val: {only_val or '-'}")
 
 
+HOLDOUT_RULE = "path-hash"  # how split_holdout decides an image's side: checkpoints record it (--resume checks)
+
+
+def held_out_score(relative: str, seed: int) -> float:
+    """An image's place in [0, 1) for the holdout, from its path under the folder and the seed alone: adding or
+    removing other images never moves it."""
+    digest = hashlib.sha256(f"{seed}\0{relative}".encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0 ** 64
+
+
 def split_holdout(split: Split, fraction: float, seed: int) -> tuple[Split, Split]:
-    """Split one folder into train and val: the same files every time (seeded), ``fraction`` of each class held
-    out (at least one image, and at least one left to train on), so every class is in both."""
+    """Split one folder into train and val: an image is held out when its score (:func:`held_out_score` of its
+    path under the folder and the seed) is below ``fraction``, so each image's side stays put when images are added
+    (a resumed run never validates on what it trained on) and about ``fraction`` of each class is held out. A class
+    keeps at least one image on each side: the lowest score held out, or the highest trained on, where none was."""
     if not 0 < fraction < 1:
         raise DataError(f"--val-split must be between 0 and 1, got {fraction}")
     train: list[Sample] = []
@@ -100,10 +112,11 @@ def split_holdout(split: Split, fraction: float, seed: int) -> tuple[Split, Spli
         files = sorted(path for path, target in split.samples if target == index)
         if len(files) < 2:
             raise DataError(f"class {name!r} has {len(files)} readable image(s); a split needs at least 2")
-        random.Random(f"{seed}:{name}").shuffle(files)
-        held = min(max(1, round(len(files) * fraction)), len(files) - 1)
-        val += [(path, index) for path in sorted(files[:held])]
-        train += [(path, index) for path in sorted(files[held:])]
+        scored = sorted((held_out_score(path.relative_to(split.root).as_posix(), seed), path) for path in files)
+        ranked = [path for _, path in scored]
+        held = min(max(1, sum(score < fraction for score, _ in scored)), len(files) - 1)
+        val += [(path, index) for path in sorted(ranked[:held])]
+        train += [(path, index) for path in sorted(ranked[held:])]
     return (Split(root=split.root, classes=split.classes, samples=train, skipped=split.skipped),
             Split(root=split.root, classes=split.classes, samples=val, skipped=[]))
 

@@ -73,13 +73,16 @@ def load_data(args: argparse.Namespace, preset: EvalPreset, env: DistEnv, device
                "persistent_workers": args.workers > 0, "prefetch_factor": args.prefetch if args.workers else None}
     if len(sampler) < 2:
         raise DataError(f"{args.data / 'train'} has {len(train_set)} image(s); need at least 2 per process")
-    # The loader's own generator keeps worker start-up from consuming the global RNG (which dropout uses).
+    # Each loader's own generator keeps its iterators from drawing on the global RNG (which dropout uses): a
+    # loader draws a seed per iterator, and with persistent workers that is once per process, so a resumed run
+    # would draw once more than an uninterrupted one and train differently.
     # A last batch of one image would break BatchNorm in training mode, so only then is it dropped.
     train = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
                        drop_last=len(sampler) % args.batch_size == 1,
                        generator=torch.Generator().manual_seed(args.seed), collate_fn=collate_fn, **workers)
     val = DataLoader(val_set, batch_size=args.batch_size,
-                     sampler=ShardSampler(len(val_set), env.rank, env.world_size), **workers)
+                     sampler=ShardSampler(len(val_set), env.rank, env.world_size),
+                     generator=torch.Generator().manual_seed(args.seed), **workers)
     return Data(train, val, sampler, train_split.classes, [path for path, _ in val_split.samples], prepare)
 
 

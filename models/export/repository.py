@@ -32,6 +32,12 @@ def check_name(kind: str, value: str) -> str:
     return value
 
 
+def name_from(text: str) -> str:
+    """A valid model name made of ``text`` (a run folder's name): each run of other characters one '-', leading
+    '_', '.' and '-' dropped, at most 128 characters; "model" when nothing is left. A valid name stays as it is."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).lstrip("_.-")[:128] or "model"
+
+
 class RepositoryError(LookupError):
     """The repository has no such model or version, or cannot say which one is meant; the message names the
     available ones."""

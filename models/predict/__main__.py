@@ -23,7 +23,6 @@ import argparse
 import logging
 import multiprocessing
 import os
-import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +45,7 @@ from models.predict.outputs import (
     EMBEDDINGS_SUFFIX,
     PartWriter,
     Record,
+    check_same_model,
     done_paths,
     merged_records,
     names_file,
@@ -61,7 +61,7 @@ from models.predict.outputs import (
 from models.presets import TensorEvalTransform
 from models.run.args import DataError
 from models.run.distributed import DistEnv, barrier, destroy_process_group, env_from_torchrun, init_process_group
-from models.run.report import command_path, module_command, python_command
+from models.run.report import python_command, rerun_command
 from models.serving import forward_threads, usable_cores
 
 log = logging.getLogger("models.predict")
@@ -206,19 +206,28 @@ class Plan:
 
 
 def plan(args: argparse.Namespace, env: DistEnv, batch_size: int, items: list[Item] | None = None,
-         dim: int | None = None) -> Plan:
+         dim: int | None = None, identity: dict[str, str] | None = None) -> Plan:
     """The inputs (``items``, or ``--data`` listed), less what earlier runs wrote (with ``--embeddings``, an image's
-    ``dim`` values too); this rank's share of the rest. Every rank reads the same files between two barriers, so all
-    see the same work and deal it alike."""
+    ``dim`` values too); this rank's share of the rest. With ``identity`` (the loaded model and version), what
+    earlier runs wrote must be that model's answers (DataError). Every rank reads the same files between two
+    barriers, so all see the same work and deal it alike."""
     fmt = output_format(args.out)
     items = list_inputs(args.data) if items is None else items
     repair_tail(part_file(args.out, env.rank))
     barrier(env)
     embedded = set(stored_embeddings(args.out, args.embeddings, dim)) if dim is not None else None
-    done = done_paths(read_records(args.out, fmt), args.retry_errors, embedded)
+    records = read_records(args.out, fmt)
     barrier(env)
+    if identity is not None:
+        check_same_model(records, args.out, identity)
+    done = done_paths(records, args.retry_errors, embedded)
     pending = [item for item in items if item.path not in done]
     return Plan(items, chunks_for_rank(pending, batch_size, env.rank, env.world_size), len(pending), fmt)
+
+
+def record_identity(loaded: LoadedModel) -> dict[str, str]:
+    """The model and version every record names: the loaded export's."""
+    return {"model": loaded.manifest.name, "version": loaded.manifest.version}
 
 
 def quiet_handover_errors(worker_id: int) -> None:
@@ -245,7 +254,7 @@ def score(plan: Plan, loaded: LoadedModel, args: argparse.Namespace, env: DistEn
     loader = DataLoader(dataset, batch_sampler=_batch_positions(plan.batches), collate_fn=collate,
                         num_workers=workers, pin_memory=loaded.device.type == "cuda",
                         prefetch_factor=4 if workers else None, worker_init_fn=quiet_handover_errors)
-    identity = {"model": loaded.manifest.name, "version": loaded.manifest.version}
+    identity = record_identity(loaded)
     transform = TensorEvalTransform(loaded.manifest.preprocess)
     top_k = min(args.top_k, loaded.manifest.num_classes)
     writer = PartWriter(part_file(args.out, env.rank), dim)
@@ -336,7 +345,7 @@ def run(args: argparse.Namespace, env: DistEnv, seen: Seen | None = None) -> Non
         check_labels({i.path: lab for i in items if (lab := labels.of(i))}, loaded.manifest.labels,
                      split=labels.split_folder())
     batch_size = args.batch_size or (largest_batch(loaded) if loaded.device.type == "cuda" else CPU_BATCH)
-    work = plan(args, env, batch_size, items, dim)
+    work = plan(args, env, batch_size, items, dim, record_identity(loaded))
     decode = args.decode if args.decode != "auto" else "device" if loaded.device.type == "cuda" else "tensor"
     if env.is_main:
         log.info("%s %s (%s, %s, %s) on %d of %d inputs (%d written before), batch %d, %s decode path, %d rank(s)",
@@ -377,23 +386,10 @@ def written(out: Path, embeddings: Path | None = None, dim: int | None = None) -
         return 0
 
 
-def rerun_command(argv: list[str], env: DistEnv) -> str:
-    """The command that goes on: this one again (a rerun scores only what is not written), under torchrun with
-    the same number of processes on this machine."""
-    if not env.distributed:
-        return module_command("models.predict", argv)
-    beside = Path(sys.executable).with_name("torchrun")
-    torchrun = command_path(beside) if beside.exists() else f"{python_command()} -m torch.distributed.run"
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))
-    if local != env.world_size:  # several machines: their rendezvous options are not this process's to know
-        return f"the same torchrun command on every machine (-m models.predict {shlex.join(argv)})"
-    return f"{torchrun} --standalone --nproc_per_node={env.world_size} -m models.predict {shlex.join(argv)}"
-
-
 def stopped(args: argparse.Namespace, argv: list[str], env: DistEnv, seen: Seen) -> str:
     """What Ctrl-C leaves, in one line: how many inputs are written, where, and the exact command that goes on."""
     done = written(args.out, args.embeddings, seen.embedding_dim)
-    command = rerun_command(argv, env)
+    command = rerun_command("models.predict", argv, env.world_size)
     if not done:
         return f"stopped before any image was scored; to start again: {command}"
     total = f" of {seen.inputs}" if seen.inputs is not None else ""

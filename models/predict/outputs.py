@@ -130,6 +130,17 @@ def read_records(out: Path, fmt: str) -> list[Record]:
     return records
 
 
+def check_same_model(records: Iterable[Record], out: Path, identity: dict[str, str]) -> None:
+    """DataError when ``out`` or its parts hold answers of another model or version than ``identity`` (this run's
+    ``{"model", "version"}``): a rerun would write one file of two models' answers (a new version exported since)."""
+    kept = {(record.get("model"), record.get("version")) for record in records}
+    other = sorted(f"{model} {version}" for model, version in kept - {(identity["model"], identity["version"])})
+    if other:
+        raise DataError(f"{out} holds answers of {', '.join(other)}, not of {identity['model']} "
+                        f"{identity['version']}, which this run loads: go on with the weights that wrote them "
+                        f"(--version), write to another --out, or remove {out} and {parts_dir(out)} to start afresh")
+
+
 def done_paths(records: Iterable[Record], retry_errors: bool = False, embedded: set[str] | None = None) -> set[str]:
     """The paths a rerun skips (with ``retry_errors``, not those that failed). With ``embedded`` (the paths whose
     embedding is written), a path whose newest record was scored is skipped only when it is among them."""

@@ -55,8 +55,9 @@ def get_args_parser(archs: Sequence[str], description: str = "") -> argparse.Arg
     parser.add_argument("--data", type=Path, required=True,
                         help="folder with train/<class>/* and val/<class>/* (or <class>/* with --val-split)")
     parser.add_argument("--val-split", type=float, default=None,
-                        help="hold out this fraction of each class of a DIR/<class>/* folder for validation "
-                             "(the same files every run with the same --seed; default for such a folder: 0.2)")
+                        help="hold out about this fraction of each class of a DIR/<class>/* folder for validation "
+                             "(each image by its path and --seed: added images move none; default for such a "
+                             "folder: 0.2)")
     parser.add_argument("--arch", choices=archs, default=None,
                         help="the network (default: efficientnet_lite0 with --pretrained, resnet18 without)")
     parser.add_argument("--pretrained", action="store_true",

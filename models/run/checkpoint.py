@@ -6,33 +6,47 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import random
 import shutil
 import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
+from models.data.folder import HOLDOUT_RULE
 from models.presets import EvalPreset
 from models.run.args import DataError
 from models.run.optim import Scheduler, continue_schedule
-from models.run.report import METRICS_NAME, module_command
+from models.run.report import METRICS_NAME, rerun_command
 
 log = logging.getLogger("models.train")
 
 CHECKPOINT_NAME = "checkpoint.pt"
 BEST_NAME = "best.pt"
 
-Best = tuple[float, float]  # the best epoch's validation (top-1, loss)
-NO_BEST: Best = (-1.0, math.inf)
+
+@dataclass(frozen=True)
+class Best:
+    """The best epoch so far: its validation top-1 and loss (what a later epoch must beat), its metrics row (the
+    summary's) and its confusion counts (confusion.json), kept in every checkpoint so a resumed run reports it."""
+
+    acc1: float = -1.0
+    loss: float = math.inf
+    row: dict[str, float] | None = None
+    confusion: torch.Tensor | None = None
+
+
+NO_BEST = Best()  # before the first epoch
 
 
 def better(acc1: float, loss: float, best: Best) -> bool:
     """Whether an epoch's validation beats ``best``: higher top-1, and on a tie (usual on small sets, where top-1
     moves in steps of 1/len(val)) lower loss."""
-    return (acc1, -loss) > (best[0], -best[1])
+    return (acc1, -loss) > (best.acc1, -best.loss)
 
 
 def plain_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -41,29 +55,47 @@ def plain_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def rng_state() -> dict[str, Any]:
-    """The global RNG states a run draws from after start-up (dropout, stochastic depth, Python's random)."""
+    """The global RNG states a run draws from after start-up (dropout, stochastic depth, Python's random); on CUDA,
+    the generator of the device this process trains on (the current one: torchrun's ranks each set theirs), the
+    only one it draws from."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`rng_state` saved."""
+    """Restore what :func:`rng_state` saved; the CUDA state onto this process's own device only, whatever the number
+    of GPUs it was saved on: every rank takes rank 0's, which wrote the checkpoint (seeded alike and drawing alike,
+    the ranks' states are the same). An older checkpoint's list of every device's state gives the first: rank 0's."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if isinstance(cuda, (list, tuple)):
+        cuda = cuda[0] if cuda else None
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda)
+
+
+def _replace_atomically(target: Path, write: Callable[[Path], None]) -> None:
+    """``write`` a temporary file beside ``target``, then rename it over ``target``: a crash, a kill or a full
+    disk mid-write leaves the previous ``target`` whole (and no temporary file, where the write raised)."""
+    tmp = target.with_name(target.name + ".tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def save_checkpoint(state: dict[str, Any], output_dir: Path, *, is_best: bool) -> Path:
-    """Write ``checkpoint.pt`` atomically (a crash mid-write keeps the previous one); copy it to ``best.pt``."""
+    """Write ``checkpoint.pt``, and copy it to ``best.pt`` when ``is_best``, each atomically (a crash mid-write
+    keeps the previous one)."""
     target = output_dir / CHECKPOINT_NAME
-    tmp = target.with_suffix(".pt.tmp")
-    torch.save(state, tmp)
-    tmp.replace(target)
+    _replace_atomically(target, lambda tmp: torch.save(state, tmp))
     if is_best:
-        shutil.copyfile(target, output_dir / BEST_NAME)
+        _replace_atomically(output_dir / BEST_NAME, lambda tmp: shutil.copyfile(target, tmp))
     return target
 
 
@@ -128,29 +160,70 @@ def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer, schedul
     epoch's validation reference (models/run/reference.py) for the export's manifest."""
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
             "lr_scheduler": scheduler.state_dict(),  # type: ignore[attr-defined]
-            "scaler": scaler.state_dict() if scaler else None, "epoch": epoch, "best_acc1": best[0],
-            "best_val_loss": best[1],
+            "scaler": scaler.state_dict() if scaler else None, "epoch": epoch, "best_acc1": best.acc1,
+            "best_val_loss": best.loss, "best_metrics": best.row, "best_confusion": best.confusion,
             "args": plain_args(args), "arch": args.arch, "classes": classes,
             "preset": preset.model_dump(), "metrics": metrics, "prediction_reference": prediction_reference,
-            "rng": rng_state()}
+            "holdout": holdout(args), "rng": rng_state()}
+
+
+Holdout = dict[str, Any]  # the --val-split holdout a run validates on: its rule, fraction and seed
+
+
+def holdout(args: argparse.Namespace) -> Holdout | None:
+    """The ``--val-split`` holdout this run validates on; None for train/ and val/ folders."""
+    if args.val_split is None:
+        return None
+    return {"rule": HOLDOUT_RULE, "fraction": float(args.val_split), "seed": int(args.seed)}
+
+
+def _saved_holdout(state: dict[str, Any]) -> Holdout | None:
+    """The holdout a checkpoint's run validated on; a checkpoint from before the rule was recorded held out each
+    class by another rule (a seeded shuffle, which one more image reshuffled)."""
+    if "holdout" in state:
+        return state["holdout"]
+    saved = state["args"]
+    if saved.get("val_split") is None:
+        return None
+    return {"rule": "class-shuffle", "fraction": float(saved["val_split"]), "seed": int(saved["seed"])}
+
+
+def _holdout_text(split: Holdout | None) -> str:
+    if split is None:
+        return "its train/ and val/ folders"
+    older = " by an older rule" if split["rule"] != HOLDOUT_RULE else ""
+    return f"a --val-split {split['fraction']:g} holdout of seed {split['seed']}{older}"
+
+
+def _check_same_holdout(path: Path, state: dict[str, Any], args: argparse.Namespace) -> None:
+    """DataError when the run resumed validated on other images than this one would: it would validate on images
+    it trained on (and its best epoch was chosen on another set)."""
+    saved, now = _saved_holdout(state), holdout(args)
+    if saved != now:
+        raise DataError(f"{path} validated on {_holdout_text(saved)}, this run on {_holdout_text(now)}: it would "
+                        f"validate on images it trained on; resume with the same options or train afresh into "
+                        f"another --output-dir")
 
 
 def _resume(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: object,
             scaler: torch.amp.GradScaler | None, args: argparse.Namespace,
             classes: list[str]) -> tuple[int, Best, int]:
-    """Restore a checkpoint; returns the next epoch, the best epoch's (top-1, loss) and the epochs its schedule was
-    planned for."""
+    """Restore a checkpoint; returns the next epoch, the best epoch so far and the epochs its schedule was planned
+    for."""
     state = load_checkpoint(path)
     if state["arch"] != args.arch or state["classes"] != classes:
         raise DataError(f"{path} was trained as {state['arch']} on classes {state['classes']}, "
                         f"not {args.arch} on {classes}")
+    _check_same_holdout(path, state, args)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["lr_scheduler"])  # type: ignore[attr-defined]
     if scaler is not None and state["scaler"] is not None:
         scaler.load_state_dict(state["scaler"])
     set_rng_state(state["rng"])
-    best = (float(state["best_acc1"]), float(state.get("best_val_loss", math.inf)))  # older checkpoints: no loss
+    # Older checkpoints: no loss, no best epoch's figures (its summary and confusion.json are not reported).
+    best = Best(float(state["best_acc1"]), float(state.get("best_val_loss", math.inf)), state.get("best_metrics"),
+                state.get("best_confusion"))
     return int(state["epoch"]) + 1, best, int(state["args"]["epochs"])
 
 
@@ -168,8 +241,7 @@ def check_fresh_output(args: argparse.Namespace) -> None:
 
 def start_or_resume(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Scheduler,
            scaler: torch.amp.GradScaler | None, classes: list[str]) -> tuple[int, Best, Scheduler]:
-    """The first epoch to run, the best (top-1, loss) so far and the schedule: fresh, or continued from
-    ``--resume``."""
+    """The first epoch to run, the best epoch so far and the schedule: fresh, or continued from ``--resume``."""
     if not args.resume:
         return 0, NO_BEST, scheduler
     start, best, planned = _resume(args.resume, model, optimizer, scheduler, scaler, args, classes)
@@ -183,8 +255,9 @@ def start_or_resume(args: argparse.Namespace, model: nn.Module, optimizer: torch
     return start, best, scheduler
 
 
-def interrupted(args: argparse.Namespace, argv: list[str]) -> str:
-    """What Ctrl-C leaves: the last checkpoint and the exact command that goes on from it."""
+def interrupted(args: argparse.Namespace, argv: list[str], world_size: int = 1) -> str:
+    """What Ctrl-C leaves: the last checkpoint and the exact command that goes on from it (under torchrun, the
+    torchrun command of ``world_size`` processes)."""
     saved = args.output_dir / CHECKPOINT_NAME
     if not saved.exists():
         return "interrupted before the first epoch ended: no checkpoint to resume from"
@@ -194,5 +267,5 @@ def interrupted(args: argparse.Namespace, argv: list[str]) -> str:
             next(words, None)  # and its value
         elif not word.startswith("--resume="):
             kept.append(word)
-    command = module_command("models.train", [*kept, "--resume", str(saved)])
+    command = rerun_command("models.train", [*kept, "--resume", str(saved)], world_size)
     return f"interrupted: the last finished epoch is in {saved}; to go on: {command}"

@@ -55,6 +55,21 @@ def module_command(module: str, argv: list[str]) -> str:
     return f"{python_command()} -m {module} {shlex.join(argv)}".rstrip()
 
 
+def rerun_command(module: str, argv: list[str], world_size: int = 1) -> str:
+    """The command that runs ``python -m module argv`` again as this process was started: alone, or under torchrun
+    with the same number of processes on this machine (the ``torchrun`` beside this interpreter, else ``<this
+    python> -m torch.distributed.run``); a job across machines says to start the same torchrun command on each
+    (their rendezvous options are not this process's to know)."""
+    if world_size <= 1:
+        return module_command(module, argv)
+    beside = Path(sys.executable).with_name("torchrun")
+    torchrun = command_path(beside) if beside.exists() else f"{python_command()} -m torch.distributed.run"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if local != world_size:
+        return f"the same torchrun command on every machine (-m {module} {shlex.join(argv)})"
+    return f"{torchrun} --standalone --nproc_per_node={world_size} -m {module} {shlex.join(argv)}"
+
+
 def process_started() -> float:
     """``time.perf_counter()`` at this process's start, so a command's whole time counts the interpreter's start and
     its imports (seconds on a busy machine): Linux's /proc; elsewhere, now."""
@@ -70,17 +85,14 @@ def process_started() -> float:
 
 @dataclass
 class Progress:
-    """Epoch lines with time, a best mark and the run's ETA; the best epoch for the summary."""
+    """Epoch lines with time, a best mark and the run's ETA; the summary at the end."""
 
     epochs: int
     num_classes: int
     epoch_seconds: list[float] = field(default_factory=list)
-    best: dict[str, float] = field(default_factory=dict)
 
     def line(self, row: dict[str, float], is_best: bool, seconds: float) -> str:
         self.epoch_seconds.append(seconds)
-        if is_best:
-            self.best = dict(row)
         remaining = self.epochs - 1 - int(row["epoch"])
         eta = sum(self.epoch_seconds) / len(self.epoch_seconds) * remaining
         top5 = f" top-5 {row['val_acc5']:.4f}" if self.num_classes >= TOP5_MIN_CLASSES else ""
@@ -89,23 +101,24 @@ class Progress:
                 f" | {duration(seconds)}, {row['images_per_s']:.0f} img/s{_peak(row)}{'  * best' if is_best else ''}"
                 + (f" | ETA {duration(eta)}" if remaining else ""))
 
-    def summary(self, best_checkpoint: Path, exported: Path | None, served: Path | None,
-                total_seconds: float | None = None) -> list[str]:
-        """The best epoch and the time (the epochs', and ``total_seconds``: the whole command's, loading and the
-        export included), then what serves this run: ``served`` (the export's folder or its repository) when it
-        was exported into ``exported``, else the export command into the run's own folder and what serves that."""
-        if not self.best:
+    def summary(self, best: dict[str, float] | None, best_checkpoint: Path, exported: Path | None,
+                served: Path | None, name: str, total_seconds: float | None = None) -> list[str]:
+        """The best epoch (``best``: its metrics row; none: no summary) and the time (this process's epochs', and
+        ``total_seconds``: the whole command's, loading and the export included), then what serves this run:
+        ``served`` (the export's folder or its repository) when it was exported into ``exported``, else the export
+        command (model ``name``) into the run's own folder and what serves that."""
+        if not best:
             return []
         epochs = len(self.epoch_seconds)
         took = f"{epochs} epoch{'s' if epochs != 1 else ''} in {duration(sum(self.epoch_seconds))}"
         if total_seconds is not None:
             took += f", {duration(total_seconds)} in all" + (" with the export" if exported is not None else "")
-        lines = [f"done: best epoch {int(self.best['epoch']) + 1}, val top-1 {self.best['val_acc1']:.4f} "
-                 f"(loss {self.best['val_loss']:.4f}); {took}"]
+        lines = [f"done: best epoch {int(best['epoch']) + 1}, val top-1 {best['val_acc1']:.4f} "
+                 f"(loss {best['val_loss']:.4f}); {took}"]
         if exported is None or served is None:
             served = best_checkpoint.parent / "export"
             lines.append("export: " + module_command("models.export", ["--checkpoint", str(best_checkpoint),
-                                                                      "--out", str(served)]))
+                                                                      "--out", str(served), "--name", name]))
         else:
             lines.append(f"exported: {exported}")
         return [*lines, f"serve:  VISIONSERVE_WEIGHTS_DIR={served} make serve"]

@@ -118,6 +118,33 @@ def test_a_rerun_skips_what_is_written_and_a_stopped_run_resumes(weights: Path, 
     assert "on 7 of 12 inputs (5 written before)" in said[0] and "on 0 of 12 inputs (12 written before)" in said[1]
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
+def test_a_rerun_refuses_to_mix_the_answers_of_two_versions(weights: Path, photos: Path, tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    # Before: a run stopped, a new version landed in the repository, and the printed rerun command went on with it:
+    # one file of 5 answers of version 1 and 7 of version 2.
+    repository = tmp_path / "repository"
+    shutil.copytree(weights, repository / "digits" / "1")
+    args = ["--weights", str(repository), "--data", str(photos), "--batch-size", "4", "--workers", "0"]
+    whole = tmp_path / "whole.jsonl"
+    assert main([*args, "--out", str(whole)]) == 0
+    out, parts = tmp_path / "scores.jsonl", tmp_path / "scores.jsonl.parts"
+    parts.mkdir()
+    kept = "".join(whole.read_text().splitlines(keepends=True)[:5])  # version 1's run, stopped after 5 lines
+    (parts / "rank-00000.jsonl").write_text(kept)
+    torch.manual_seed(1)
+    export_model(build_model("resnet18", 10), out_dir=repository / "digits" / "2", name="digits", version="2",
+                 arch="resnet18", labels=DIGITS, preset=EvalPreset(resize_size=36, crop_size=32))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="models.predict"):
+        assert main([*args, "--out", str(out)]) == 2  # the newest is version 2 now
+    (error,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert error.startswith(f"error: {out} holds answers of digits 1, not of digits 2, which this run loads: ")
+    assert (parts / "rank-00000.jsonl").read_text() == kept and not out.exists()  # nothing written
+    assert main([*args, "--version", "1", "--out", str(out)]) == 0  # going on with the version that wrote them
+    assert {line["version"] for line in _lines(out)} == {"1"} and len(_lines(out)) == len(_lines(whole))
+
+
 def test_csv_output_and_parquet_without_pyarrow(weights: Path, photos: Path, tmp_path: Path,
                                                 caplog: pytest.LogCaptureFixture) -> None:
     listed = tmp_path / "list.txt"

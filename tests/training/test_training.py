@@ -104,11 +104,18 @@ def test_one_epoch_exports_weights_the_app_serves_with_evaluates_predictions(fol
 
 
 @pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
+@pytest.mark.parametrize("workers, epochs", [("0", 2), ("1", 3)])
 def test_resume_after_an_interruption_matches_an_uninterrupted_run(folder: Path, tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    # mobilenet_v3_small has dropout, so this also checks that the RNG state is carried over.
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   workers: str, epochs: int) -> None:
+    # mobilenet_v3_small has dropout, so this also checks that the RNG state is carried over. Before (--workers 1):
+    # the val loader drew its iterator's seed from the global RNG, once per process with persistent workers, so the
+    # resumed process drew once more and its third epoch's dropout (and weights) differed.
+    def options(out: Path, *extra: str) -> list[str]:
+        return small_args(folder, out, "--epochs", str(epochs), "--workers", workers, *extra)
+
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert train.main(small_args(folder, straight, "--epochs", "2")) == 0
+    assert train.main(options(straight)) == 0
 
     real_epoch, calls = train.train_one_epoch, []
 
@@ -119,22 +126,22 @@ def test_resume_after_an_interruption_matches_an_uninterrupted_run(folder: Path,
         return real_epoch(*args, **kwargs)
 
     monkeypatch.setattr(train, "train_one_epoch", interrupted)
-    assert train.main(small_args(folder, resumed, "--epochs", "2")) == 130  # Ctrl-C: one line, exit 130
+    assert train.main(options(resumed)) == 130  # Ctrl-C: one line, exit 130
     monkeypatch.setattr(train, "train_one_epoch", real_epoch)
     assert load_checkpoint(resumed / CHECKPOINT_NAME)["epoch"] == 0
-    assert train.main(small_args(folder, resumed, "--epochs", "2", "--resume",
-                                 str(resumed / CHECKPOINT_NAME))) == 0
+    assert train.main(options(resumed, "--resume", str(resumed / CHECKPOINT_NAME))) == 0
 
     a, b = load_checkpoint(straight / CHECKPOINT_NAME), load_checkpoint(resumed / CHECKPOINT_NAME)
-    assert a["epoch"] == b["epoch"] == 1
+    assert a["epoch"] == b["epoch"] == epochs - 1
     for key, value in a["model"].items():
         assert torch.equal(value, b["model"][key]), key
     for key, value in a["optimizer"]["state"].items():  # SGD momentum buffers
         assert torch.equal(value["momentum_buffer"], b["optimizer"]["state"][key]["momentum_buffer"])
+    assert torch.equal(a["rng"]["torch"], b["rng"]["torch"]) and a["rng"]["python"] == b["rng"]["python"]
     timing = {"images_per_s"}
     assert {k: v for k, v in a["metrics"].items() if k not in timing} == \
         {k: v for k, v in b["metrics"].items() if k not in timing}
-    assert [row["epoch"] for row in read_metrics(resumed)] == [0, 1]
+    assert [row["epoch"] for row in read_metrics(resumed)] == list(range(epochs))
 
 
 def test_ddp_on_two_cpu_processes_matches_one_process_with_the_same_global_batch(
@@ -181,6 +188,9 @@ def test_user_mistakes_are_one_line_errors(folder: Path, tmp_path: Path, caplog:
     assert "needs CUDA" in _main_error(small_args(folder, out, "--sync-bn"), caplog)
     assert "fp16 needs a CUDA device" in _main_error(small_args(folder, out, "--amp", "--amp-dtype", "fp16"), caplog)
     assert "does not exist" in _main_error(small_args(folder, out, "--resume", str(tmp_path / "nope.pt")), caplog)
+    # Before: an invalid --name trained every epoch, then the export refused it.
+    assert "model name 'a+b' is not one this server serves" in _main_error(small_args(folder, out, "--name", "a+b"),
+                                                                           caplog)
 
 
 def test_unreadable_images_are_skipped_and_counted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -261,8 +271,24 @@ def test_a_flat_folder_is_split_with_val_split(tmp_path: Path, caplog: pytest.Lo
     first, again = splits(args), splits(args)
     assert first == again  # the same files every time
     train_split, val_split = first
-    assert [sum(t == i for _, t in val_split.samples) for i in range(3)] == [2, 2, 2]  # 40% of 5, per class
+    held = [sum(t == i for _, t in val_split.samples) for i in range(3)]
+    assert all(1 <= count <= 4 for count in held)  # about 40% of 5 (by each image's path), both sides never empty
     assert not {p for p, _ in train_split.samples} & {p for p, _ in val_split.samples}
+
+    # Resuming onto other validation images is refused: it would validate on images the run trained on.
+    default = tmp_path / "default"
+    resume = ["--resume", str(default / CHECKPOINT_NAME)]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="models.train"):
+        assert train.main(small_args(flat, default, *resume)) == 0  # the same holdout: taken (here: finished)
+    assert "is a finished run of 1 epochs" in caplog.text
+    text = _main_error(small_args(flat, default, "--val-split", "0.4", *resume), caplog)
+    assert "validated on a --val-split 0.2 holdout of seed 0, this run on a --val-split 0.4 holdout of seed 0: " \
+           "it would validate on images it trained on" in text and len(text.strip().splitlines()) == 1
+    state = load_checkpoint(default / CHECKPOINT_NAME)
+    del state["holdout"]  # a checkpoint of the earlier rule (a per-class shuffle that one more image reshuffled)
+    torch.save(state, default / CHECKPOINT_NAME)
+    assert "holdout of seed 0 by an older rule" in _main_error(small_args(flat, default, *resume), caplog)
     assert train.main(small_args(flat, tmp_path / "run", "--val-split", "0.4")) == 0
 
 
@@ -374,16 +400,59 @@ def test_the_summary_names_the_best_epoch_as_the_manifest_does_and_its_export_ru
         return result
 
     monkeypatch.setattr(train, "evaluate", tied)
-    run = tmp_path / "run"
+    run = tmp_path / "resnet+aug"  # a folder name that is no model name: before, the printed export refused it
     with caplog.at_level(logging.INFO, logger="models.train"):
         assert train.main(small_args(folder, run, "--epochs", "3")) == 0
     lines = [r.getMessage() for r in caplog.records]
     assert any(line.startswith("done: best epoch 2, val top-1 0.5000 (loss 0.5000); 3 epochs in ") for line in lines)
     (export,) = [line.removeprefix("export: ") for line in lines if line.startswith("export: ")]
-    assert export == f"{python_command()} -m models.export --checkpoint {run / BEST_NAME} --out {run / 'export'}"
+    assert export == (f"{python_command()} -m models.export --checkpoint {run / BEST_NAME} --out {run / 'export'} "
+                      f"--name resnet-aug")
     words = shlex.split(export)
     assert export_main([*words[3:], *NO_PACKAGES]) == 0  # as printed (without ONNX's minute)
-    assert read_manifest(run / "export").source == "models.train checkpoint best.pt of run run, epoch 2"
+    manifest = read_manifest(run / "export")
+    assert manifest.source == "models.train checkpoint best.pt of run resnet+aug, epoch 2"
+    assert manifest.name == "resnet-aug"
+
+
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
+def test_a_resumed_run_whose_best_epoch_came_before_the_interruption_reports_it(
+        folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: the summary and confusion.json came only from an epoch this process ran: a run resumed after its best
+    # epoch ended without a word of it and wrote no confusion.json.
+    real_epoch, real_evaluate, real_counts = train.train_one_epoch, train.evaluate, train._confusion_counts
+    epochs: list[int] = []
+    counts: list[list[list[int]]] = []
+
+    def one_epoch(*args: object, **kwargs: object) -> dict[str, float]:
+        epochs.append(int(args[5]))  # type: ignore[call-overload]
+        if epochs[-1] == 2 and len(epochs) == 3:
+            raise KeyboardInterrupt  # the first run is stopped in its third epoch
+        return real_epoch(*args, **kwargs)  # type: ignore[arg-type]
+
+    def evaluate(*args: object, **kwargs: object) -> train.EvalResult:
+        result = real_evaluate(*args, **kwargs)  # type: ignore[arg-type]
+        result.acc1, result.loss = 0.5, [1.0, 0.5, 0.7][epochs[-1]]  # the second epoch is the best
+        return result
+
+    def confusion_counts(*args: object, **kwargs: object) -> torch.Tensor:
+        counted = real_counts(*args, **kwargs)  # type: ignore[arg-type]
+        counts.append(counted.tolist())
+        return counted
+
+    monkeypatch.setattr(train, "train_one_epoch", one_epoch)
+    monkeypatch.setattr(train, "evaluate", evaluate)
+    monkeypatch.setattr(train, "_confusion_counts", confusion_counts)
+    run = tmp_path / "run"
+    assert train.main(small_args(folder, run, "--epochs", "3")) == 130
+    assert len(counts) == 2 and not (run / "confusion.json").exists()
+    with caplog.at_level(logging.INFO, logger="models.train"):
+        assert train.main(small_args(folder, run, "--epochs", "3", "--resume", str(run / CHECKPOINT_NAME))) == 0
+    assert epochs == [0, 1, 2, 2] and len(counts) == 2  # the resumed epoch was no better
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("done: best epoch 2, val top-1 0.5000 (loss 0.5000); 1 epoch in ") for line in lines)
+    assert any(line.startswith("export: ") and f"--checkpoint {run / BEST_NAME}" in line for line in lines)
+    assert json.loads((run / "confusion.json").read_text())["matrix"] == counts[1]  # the second epoch's
 
 
 @pytest.mark.slow  # its run exports ONNX

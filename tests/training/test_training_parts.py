@@ -300,3 +300,160 @@ def test_the_curves_count_epochs_from_1_and_the_plot_names_every_file_it_wrote(
     assert plot_main([str(tmp_path)]) == 0
     assert drawn and all(x == [1, 2, 3] for x in drawn)
     assert capsys.readouterr().out.split() == [str(tmp_path / "curves.png"), str(tmp_path / "confusion.png")]
+
+
+def test_a_best_checkpoint_whose_copy_fails_midway_keeps_the_previous_best(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: best.pt was copied in place, so a full disk (or a kill) mid-copy left a torn best.pt and no best at all.
+    import errno
+    import shutil
+
+    from models.run.checkpoint import save_checkpoint
+
+    save_checkpoint({"epoch": 0, "w": torch.zeros(1000)}, tmp_path, is_best=True)
+
+    def torn_copy(source: Path, target: Path) -> None:
+        data = Path(source).read_bytes()
+        Path(target).write_bytes(data[: len(data) // 2])  # half the bytes, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shutil, "copyfile", torn_copy)
+    with pytest.raises(OSError, match="No space left"):
+        save_checkpoint({"epoch": 1, "w": torch.ones(1000)}, tmp_path, is_best=True)
+    assert load_checkpoint(tmp_path / CHECKPOINT_NAME)["epoch"] == 1  # written before the copy
+    best = load_checkpoint(tmp_path / BEST_NAME)
+    assert best["epoch"] == 0 and torch.equal(best["w"], torch.zeros(1000))  # the previous best, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == [BEST_NAME, CHECKPOINT_NAME]  # no temporary file left
+    monkeypatch.undo()
+    save_checkpoint({"epoch": 2, "w": torch.ones(1000)}, tmp_path, is_best=True)
+    assert load_checkpoint(tmp_path / BEST_NAME)["epoch"] == 2
+
+
+class _FakeCuda:
+    """torch.cuda's RNG calls on a machine of ``count`` GPUs, this process on ``current``: per-device states, and
+    an index past the last device raising IndexError as torch's ``default_generators[index]`` does."""
+
+    def __init__(self, count: int, current: int) -> None:
+        self.states = [torch.full((4,), 100 + index, dtype=torch.uint8) for index in range(count)]
+        self.current = current
+
+    def _index(self, device: int | str) -> int:
+        index = self.current if device == "cuda" else int(device)
+        self.states[index]  # IndexError past the last device
+        return index
+
+    def get_rng_state(self, device: int | str = "cuda") -> torch.Tensor:
+        return self.states[self._index(device)].clone()
+
+    def get_rng_state_all(self) -> list[torch.Tensor]:
+        return [state.clone() for state in self.states]
+
+    def set_rng_state(self, state: torch.Tensor, device: int | str = "cuda") -> None:
+        self.states[self._index(device)] = state.clone()
+
+    def set_rng_state_all(self, states: list[torch.Tensor]) -> None:
+        for index, state in enumerate(states):
+            self.set_rng_state(state, index)
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        for name in ("get_rng_state", "get_rng_state_all", "set_rng_state", "set_rng_state_all"):
+            monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+
+
+def test_the_cuda_rng_state_is_restored_onto_each_ranks_own_device_whatever_the_gpu_count(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: rank 0 saved every device's state and every rank restored them all: a checkpoint of a 4-GPU machine
+    # raised IndexError on a 2-GPU one, and each rank's own device got the state of the device of its index.
+    from models.run.checkpoint import rng_state, set_rng_state
+
+    saver = _FakeCuda(count=4, current=0)  # rank 0 of a 4-GPU job writes the checkpoint
+    saver.states[0] = torch.full((4,), 7, dtype=torch.uint8)
+    saver.install(monkeypatch)
+    state = rng_state()
+    assert torch.equal(state["cuda"], saver.states[0])  # its own device's state only
+
+    for rank in (0, 1):  # resumed on a 2-GPU machine: each rank restores onto its own device and no other
+        resumer = _FakeCuda(count=2, current=rank)
+        resumer.install(monkeypatch)
+        set_rng_state(state)
+        other = 1 - rank
+        assert torch.equal(resumer.states[rank], saver.states[0])
+        assert torch.equal(resumer.states[other], torch.full((4,), 100 + other, dtype=torch.uint8))  # untouched
+
+    every = [torch.full((4,), 50 + index, dtype=torch.uint8) for index in range(4)]
+    older = {**state, "cuda": every}  # what a checkpoint held before: every device's state
+    resumer = _FakeCuda(count=2, current=1)
+    resumer.install(monkeypatch)
+    set_rng_state(older)  # no IndexError: the first device's (rank 0's) onto this rank's own
+    assert torch.equal(resumer.states[1], every[0])
+    assert torch.equal(resumer.states[0], torch.full((4,), 100, dtype=torch.uint8))  # untouched
+
+
+def _named_split(root: Path, counts: dict[str, int]) -> "Split":
+    """A scanned folder's listing of ``counts[class]`` images per class (split_holdout reads names, not pixels)."""
+    from models.data.folder import Split
+
+    classes = sorted(counts)
+    samples = [(root / name / f"{i:04d}.jpg", index) for index, name in enumerate(classes) for i in range(counts[name])]
+    return Split(root=root, classes=classes, samples=samples, skipped=[])
+
+
+def test_the_val_split_decides_each_image_by_its_path_so_added_images_move_none(tmp_path: Path) -> None:
+    # Before: each class was shuffled whole by the seed, so one more photo of a cat moved 3 of its 4 held-out
+    # images: a resumed run validated on images it had trained on.
+    from models.data.folder import split_holdout
+
+    def sides(counts: dict[str, int], seed: int = 0) -> tuple[set[Path], set[Path]]:
+        train_split, val_split = split_holdout(_named_split(tmp_path, counts), 0.2, seed)
+        return {p for p, _ in train_split.samples}, {p for p, _ in val_split.samples}
+
+    trained, validated = sides({"cat": 20, "dog": 20})
+    for cats in range(21, 80):  # photos added one at a time: no image changes sides
+        now_trained, now_validated = sides({"cat": cats, "dog": 20})
+        assert trained <= now_trained and validated <= now_validated, cats
+        trained, validated = now_trained, now_validated
+    assert sides({"cat": 79, "dog": 20}, seed=1)[1] != validated  # another seed, another holdout
+
+    train_split, val_split = split_holdout(_named_split(tmp_path, {"a": 1000, "b": 1000, "c": 2}), 0.2, 0)
+    held = [sum(target == index for _, target in val_split.samples) for index in range(3)]
+    assert all(160 <= count <= 240 for count in held[:2])  # about the fraction asked for
+    assert held[2] == 1 and sum(target == 2 for _, target in train_split.samples) == 1  # both sides never empty
+
+
+def test_the_ctrl_c_hint_under_torchrun_is_the_torchrun_command_that_goes_on(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: a torchrun job's hint was "<python> -m models.train ...": one process, where the job ran two.
+    import shlex
+    import sys
+
+    from torch.distributed.run import get_args_parser as torchrun_parser
+
+    from models.architectures import ARCHS
+    from models.run.args import get_args_parser
+    from models.run.checkpoint import interrupted
+    from models.run.report import command_path, python_command
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / CHECKPOINT_NAME).write_bytes(b"")  # the last finished epoch's
+    argv = ["--data", str(tmp_path / "my data"), "--epochs", "3", "--output-dir", str(run), "--resume", "old.pt"]
+    args = get_args_parser(ARCHS).parse_args(argv)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun's, on every process of a job of one machine
+    words = shlex.split(interrupted(args, argv, world_size=2).split("; to go on: ", 1)[1])
+    start = words.index("--standalone")
+    beside = Path(sys.executable).with_name("torchrun")
+    assert words[:start] == ([command_path(beside)] if beside.exists()
+                             else [*shlex.split(python_command()), "-m", "torch.distributed.run"])
+    launch = torchrun_parser().parse_args(words[start:])  # what torchrun makes of it
+    assert (launch.standalone, launch.nproc_per_node, launch.module, launch.training_script) == \
+        (True, "2", True, "models.train")
+    resumed = get_args_parser(ARCHS).parse_args(launch.training_script_args)
+    assert (resumed.data, resumed.epochs, resumed.resume) == (tmp_path / "my data", 3, run / CHECKPOINT_NAME)
+
+    alone = interrupted(args, argv).split("; to go on: ", 1)[1]  # one process: the plain command
+    assert alone.startswith(f"{python_command()} -m models.train --data ")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # 2 machines of 8: their rendezvous options are not known here
+    assert "to go on: the same torchrun command on every machine (-m models.train --data " in \
+        interrupted(args, argv, world_size=16)
