@@ -9,8 +9,8 @@ Meanwhile it answers as the real app does while its model loads: ``/healthz`` an
 ``/readyz`` and ``/v2/health/ready`` 503, everything else ``503 not_ready`` with ``Retry-After``, in the error
 shape of the path (``{"error": "<message>"}`` under /v2), with an ``X-Request-ID`` and one access-log line. It
 checks no API key (its answers hold nothing but "starting"), counts no metrics, and closes the connection after a
-body it cannot have read (chunked, or over ``max_body_bytes``). Standard library only: no request waits for the
-imports it is answering around.
+body it cannot have read (chunked, over ``max_body_bytes``, or sent after ``100 Continue``). Standard library only:
+no request waits for the imports it is answering around.
 """
 from __future__ import annotations
 
@@ -52,11 +52,15 @@ def force_close(start_response: StartResponse) -> None:
 
 
 def _unread_body(environ: dict[str, Any], max_body_bytes: int) -> bool:
-    """A body the worker's event loop did not read whole: chunked, or announced over the limit."""
+    """A body the worker's event loop did not read whole: chunked, announced over the limit, or sent after
+    gunicorn's ``100 Continue`` (it skips at most 64 KiB of one before the next request, then drops the
+    connection its answer called kept alive)."""
     if "chunked" in environ.get("HTTP_TRANSFER_ENCODING", "").lower():
         return True
     length = environ.get("CONTENT_LENGTH") or "0"
-    return not length.isdigit() or int(length) > max_body_bytes
+    if not length.isdigit() or int(length) > max_body_bytes:
+        return True
+    return int(length) > 0 and environ.get("HTTP_EXPECT", "").strip().lower() == "100-continue"
 
 
 def starting_answer(environ: dict[str, Any], request_id: str) -> tuple[int, dict[str, Any], dict[str, str]]:

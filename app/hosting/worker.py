@@ -6,7 +6,10 @@ times out, for slow headers and slow bodies alike (docs/performance.md: Figures 
 Here the event loop reads each request itself, as a buffering proxy would: the headers, then a body of known
 length up to ``max_body_bytes``, and only a whole request goes to a thread (the parser then reads it from memory).
 A client that takes longer than ``client_header_timeout_s`` for its headers, or stays silent longer than
-``client_body_timeout_s`` in its body, gets ``408`` and the connection closes. A chunked body, one announced with
+``client_body_timeout_s`` in its body, gets ``408`` and the connection closes. A head the parser would refuse once more
+bytes came (a line ending in a bare LF, a request line over gunicorn's limit, a head over ``HEADER_LIMIT``) is refused
+by the loop at once (400, 414, 431), never handed to a thread that would wait for those bytes; empty lines before a
+request line are skipped (RFC 9112 2.2: a client may send one after a body). A chunked body, one announced with
 ``Expect: 100-continue`` (the client waits for the 100 before sending it) or one over the limit (the app refuses
 it from the headers alone) goes to a thread after its headers, as before. The thread's parser reads the request
 out of a ``HeldUnreader``, which copies each byte once (gunicorn's own unreader copied everything it held on every
@@ -32,6 +35,7 @@ import errno
 import json
 import logging
 import os
+import re
 import select
 import selectors
 import socket
@@ -47,7 +51,7 @@ from gunicorn.glogging import Logger
 from gunicorn.http.unreader import SocketUnreader
 from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn, ThreadWorker
 
-from app.errors import RequestTimeout, default_body
+from app.errors import ServiceError, default_body
 from app.hosting import control, waiting
 from app.hosting.loop_requests import LoopRequests
 
@@ -55,10 +59,11 @@ HEADER_END = b"\r\n\r\n"
 READ_SIZE = 1 << 20  # the most one read asks for: a body's rest in as few calls as possible (the GIL is contended)
 FIRST_READ = 1 << 16  # a request's first read: its headers and a small body. Python allocates what a read asks for:
 # a 1 MiB ask cost a small request 10-12 us (the allocation and its release), a 64 KB one 1 us
-HEADER_LIMIT = 64 * 1024  # a longer header block goes to gunicorn's parser, which refuses it (431/400)
+HEADER_LIMIT = 64 * 1024  # a longer request head (line and headers) is refused by the loop (431)
 HELD_PIECE = 64 * 1024  # what a read of "the next chunk" (the header parser's) takes out of the held bytes
 CLOSE_LINGER_S = 2.0  # a connection's graceful close reads what the client still sends for this long at most
 CLOSE_DRAIN_BYTES = 64 * 1024  # and this much at most (gunicorn's close_graceful, on the loop without blocking)
+EMPTY_LINES = re.compile(rb"(?:\r\n)+")  # what may come before a request line (RFC 9112 2.2), skipped
 
 log = logging.getLogger("visionserve.access")
 
@@ -71,6 +76,7 @@ class ReadLimits:
     max_body_bytes: int = 20 * 1024 * 1024
     linger_s: float = 0.002  # KEEPALIVE_LINGER_MS: a request thread's wait for its connection's next request
     answer_timeout_s: float = 30.0  # CLIENT_ANSWER_TIMEOUT_S: a client taking none of its answer this long is left
+    request_line_limit: int = 8190  # gunicorn's limit_request_line (gunicorn.conf.py): a longer one is refused (414)
 
 
 @dataclass(eq=False)
@@ -81,6 +87,17 @@ class Reading:
     last_data: float
     buffer: bytearray = field(default_factory=bytearray)
     body_end: int | None = None  # header length + Content-Length, once the headers are in
+    scanned: int = 0  # how much of the buffer the head's checks have seen (each byte looked at once)
+    refusal: Refusal | None = None  # why the loop refuses the request from its head, once it does
+
+    def take(self, data: bytes) -> None:
+        """``data`` added to what arrived; empty lines (CRLF) before the request line are skipped (RFC 9112 2.2): a
+        connection that sent only those after its last answer holds no request, and stays idle."""
+        buffer = self.buffer
+        buffer += data
+        if buffer.startswith(b"\r\n"):
+            del buffer[:EMPTY_LINES.match(buffer).end()]  # type: ignore[union-attr]
+            self.scanned = 0
 
     def wanted(self) -> int:
         """What the next read asks for: the rest of a body whose length is known (at least FIRST_READ, at most
@@ -108,13 +125,49 @@ def body_length(head: bytes) -> int | None:
     return int(lengths[0])
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """An answer the loop gives itself to a request it ends (a timeout) or refuses from its head; the connection
+    closes after it. Its code is its reason's (as app/web/errors.py names werkzeug's)."""
+    status: int
+    reason: str
+    message: str
+
+    @property
+    def code(self) -> str:
+        return self.reason.lower().replace(" ", "_")
+
+    def response(self, request_id: str) -> bytes:
+        """The answer in the service's error shape, with its request id (as every answer has: the access line names
+        it too)."""
+        error = ServiceError(self.message)
+        error.status, error.code = self.status, self.code
+        body = json.dumps(default_body(error, request_id)).encode()
+        return (f"HTTP/1.1 {self.status} {self.reason}\r\n".encode()
+                + b"Content-Type: application/json\r\nConnection: close\r\nX-Request-ID: " + request_id.encode()
+                + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
 def timeout_response(message: str, request_id: str) -> bytes:
-    """A 408 in the service's error shape, with its request id (as every answer has: the access line names it too);
-    the connection closes after it."""
-    body = json.dumps(default_body(RequestTimeout(message), request_id)).encode()
-    return (b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nConnection: close\r\n"
-            b"X-Request-ID: " + request_id.encode() + b"\r\nContent-Length: " + str(len(body)).encode()
-            + b"\r\n\r\n" + body)
+    """A 408 in the service's error shape; the connection closes after it."""
+    return Refusal(408, "Request Timeout", message).response(request_id)
+
+
+def head_refusal(buffer: bytearray, start: int, end: int, line_limit: int) -> Refusal | None:
+    """What the loop refuses of a request head from its bytes so far (looked at from ``start`` on; ``end``: where
+    HEADER_END starts, -1 before it came): a line ending in a bare LF (400), a request line longer than
+    ``line_limit`` (414, 0: no limit) or a head longer than HEADER_LIMIT (431). gunicorn's parser refuses these
+    too, but a thread waits on the socket (blocking, no timeout) for more bytes first: for a head over 64 KiB up to
+    its own limit (about 800 KiB), for a head that ends its lines in LF alone for ever."""
+    stop = len(buffer) if end < 0 else end + len(HEADER_END)
+    if buffer.count(b"\n", start, stop) != buffer.count(b"\r\n", max(start - 1, 0), stop):
+        return Refusal(400, "Bad Request", "a line of the request head ends in a bare LF, not CRLF (RFC 9112 2.2)")
+    if 0 < line_limit and stop >= line_limit + 2 and buffer.find(b"\r\n", 0, line_limit + 2) < 0:
+        return Refusal(414, "URI Too Long", f"the request line is over the {line_limit} byte limit")
+    if stop > HEADER_LIMIT:
+        return Refusal(431, "Request Header Fields Too Large",
+                       f"the request line and headers are over the {HEADER_LIMIT} byte limit")
+    return None
 
 
 class HeldUnreader(SocketUnreader):
@@ -298,10 +351,11 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         return self.control_dir is not None and not control.takes_connections(self.control_dir, os.getpid())
 
     def accept(self, listener: Any) -> None:
-        """A new connection waits in the loop for its request (app/hosting/drain.py counts on nr_conns growing by one)."""
+        """A new connection waits in the loop for its request (app/hosting/drain.py counts on nr_conns growing by
+        one)."""
         if getattr(listener, "sock", listener) is None:
-            # Closed by app/hosting/drain.py's last step, which ran earlier in the same poller turn that found it readable
-            # (gthread's accept raised here: the worker died and its open connections were reset).
+            # Closed by app/hosting/drain.py's last step, which ran earlier in the same poller turn that found it
+            # readable (gthread's accept raised here: the worker died and its open connections were reset).
             return
         try:
             accepted, client = listener.accept()
@@ -338,7 +392,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         """A request starting now on ``conn`` with ``held`` already read; its header time counted from now."""
         now = time.monotonic()
         reading = Reading(conn, now + self.limits.header_timeout_s, now)
-        reading.buffer += held
+        reading.take(held)
         return reading
 
     def _on_data(self, reading: Reading, sock: Any) -> None:
@@ -355,7 +409,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
             if not data:  # the client went away before its request was whole
                 self._close(reading)
                 return
-            reading.buffer += data
+            reading.take(data)
             reading.last_data = time.monotonic()
             if self._whole(reading):
                 self._dispatch(reading)
@@ -364,17 +418,29 @@ class BufferingWorker(LoopRequests, ThreadWorker):
                 return
 
     def _whole(self, reading: Reading) -> bool:
+        """Whether the loop's wait for the request is over: it is whole (its body too when the loop reads it), or
+        refused from its head (``reading.refusal``)."""
+        if reading.refusal is not None:
+            return True
         if reading.body_end is None:
-            end = reading.buffer.find(HEADER_END)
+            buffer, start = reading.buffer, reading.scanned
+            end = buffer.find(HEADER_END, max(start - len(HEADER_END) + 1, 0))
+            reading.scanned = len(buffer)
+            reading.refusal = head_refusal(buffer, start, end, self.limits.request_line_limit)
+            if reading.refusal is not None:
+                return True
             if end < 0:
-                return len(reading.buffer) > HEADER_LIMIT
-            length = body_length(bytes(reading.buffer[:end]))
+                return False
+            length = body_length(bytes(buffer[:end]))
             if length is None or length > self.limits.max_body_bytes:
                 return True
             reading.body_end = end + len(HEADER_END) + length
         return len(reading.buffer) >= reading.body_end
 
     def _dispatch(self, reading: Reading) -> None:
+        if reading.refusal is not None:
+            self._refuse(reading)
+            return
         self._forget(reading)
         self._hand_over(reading)
         self.enqueue_req(reading.conn)
@@ -399,7 +465,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
             reading = self._next_request(conn)
             if reading is None or reading is False:  # nothing came (kept alive, watched by the loop), or it closed
                 return reading is None
-            if not self._whole(reading):
+            if not self._whole(reading) or reading.refusal is not None:  # the loop reads on, or refuses it
                 return reading
             self._hand_over(reading)
             keepalive = self._handle_one(conn)
@@ -424,26 +490,29 @@ class BufferingWorker(LoopRequests, ThreadWorker):
                 return False
             if not data:
                 return False
-            reading.buffer += data
+            reading.take(data)
             reading.last_data = time.monotonic()
         return reading if reading.buffer else None
 
     def finish_request(self, conn: TConn, fs: Any) -> None:
         """On the loop, once a request thread is done with the connection: a request begun on it (pipelined behind
         the last answer, or begun while the thread lingered) is read on here and handed to a thread once whole;
-        the rest as gthread does (kept alive in the poller, or closed)."""
+        the rest as gthread does (kept alive in the poller, or closed; empty lines held behind the last answer
+        leave it kept alive)."""
         result = fs.result() if not fs.cancelled() and fs.exception() is None else None
-        if result is True and (held := _held(conn)):
-            result = self._new_reading(conn, held)
+        if result is True and (held := _held(conn)) and (reading := self._new_reading(conn, held)).buffer:
+            result = reading
         if not isinstance(result, Reading):
             super().finish_request(conn, fs)
-        elif self._whole(result):
-            self._hand_over(result)
-            self.enqueue_req(conn)
-        else:
+        elif not self._whole(result):
             conn.sock.setblocking(False)
             self.reading.add(result)
             self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._on_data, result))
+        elif result.refusal is not None:
+            self._refuse(result)
+        else:
+            self._hand_over(result)
+            self.enqueue_req(conn)
 
     def _handle_one(self, conn: TConn) -> Any:
         """In a request thread: give the parser what the loop read, then gthread's own handling."""
@@ -510,8 +579,12 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         if reading.body_end is not None:
             return now - reading.last_data > self.limits.body_timeout_s
         deadline = reading.header_deadline
-        if not self.alive and not reading.buffer:  # stopping: an idle connection is not kept, as gthread's own
-            deadline = min(deadline, reading.last_data + STOP_KEEPALIVE_LINGER)
+        if not reading.buffer:  # idle (empty lines at most came): a kept-alive connection ends with its keep-alive
+            kept_until = getattr(reading.conn, "timeout", None)  # gthread's, set when it was kept alive
+            if kept_until is not None:
+                deadline = min(deadline, kept_until)
+            if not self.alive:  # stopping: an idle connection is not kept, as gthread's own
+                deadline = min(deadline, reading.last_data + STOP_KEEPALIVE_LINGER)
         return now > deadline
 
     def _time_out(self, reading: Reading, now: float) -> None:
@@ -520,14 +593,26 @@ class BufferingWorker(LoopRequests, ThreadWorker):
                 message = f"the request headers did not arrive within {self.limits.header_timeout_s:g}s"
             else:
                 message = f"the body did not arrive within {self.limits.body_timeout_s:g}s"
-            request_id = uuid.uuid4().hex
-            try:
-                reading.conn.sock.send(timeout_response(message, request_id))  # small: fits the socket buffer
-            except OSError:
-                pass
-            log.info("request", extra={"client": _peer(reading.conn), "status": 408, "error": "request_timeout",
-                                       "detail": message, "request_id": request_id})
+            self._answer(reading, Refusal(408, "Request Timeout", message))
         self._close(reading)
+
+    def _refuse(self, reading: Reading) -> None:
+        """A request whose head the loop refuses: told why, then its connection closes gracefully (the client may
+        still be sending: a reset must not cut its answer short)."""
+        assert reading.refusal is not None
+        self._answer(reading, reading.refusal)
+        self._close(reading, graceful=True)
+
+    @staticmethod
+    def _answer(reading: Reading, refusal: Refusal) -> None:
+        """The loop's own answer to a request it ends, and its access line."""
+        request_id = uuid.uuid4().hex
+        try:
+            reading.conn.sock.send(refusal.response(request_id))  # small: fits the socket buffer
+        except OSError:
+            pass
+        log.info("request", extra={"client": _peer(reading.conn), "status": refusal.status, "error": refusal.code,
+                                   "detail": refusal.message, "request_id": request_id})
 
     def _forget(self, reading: Reading) -> None:
         self.reading.discard(reading)
@@ -540,10 +625,10 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         except (KeyError, ValueError, OSError):
             pass
 
-    def _close(self, reading: Reading) -> None:
+    def _close(self, reading: Reading, graceful: bool = False) -> None:
         self._forget(reading)
         self.nr_conns -= 1
-        reading.conn.close()
+        reading.conn.close(graceful)
 
 
 def _body_held(conn: TConn, held: bool) -> None:

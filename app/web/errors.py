@@ -10,9 +10,10 @@ import logging
 from typing import Sequence
 
 from flask import Flask, Response, g, jsonify, request
+from gunicorn.http.errors import InvalidResponseHeader, InvalidResponseHeaderName, ParseException
 from werkzeug.exceptions import ClientDisconnected, HTTPException, RequestEntityTooLarge
 
-from app.errors import RequestTimeout, ServiceError, default_body
+from app.errors import MalformedBody, RequestTimeout, ServiceError, default_body
 from app.web.protocol import Protocol
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,15 @@ def _from_disconnect(exc: ClientDisconnected, body_timeout_s: float) -> ServiceE
     return _from_http(exc)
 
 
+def _from_framing(exc: ParseException) -> ServiceError | None:
+    """gunicorn's refusal of a body's framing, raised as the app reads it (a chunk size that is no number, a chunk
+    without its CRLF, a bad chunk extension or trailer): the client's fault, 400; where the next request would
+    start is unknown, so the connection closes. None for a header the app sent (its own fault: a 500)."""
+    if isinstance(exc, (InvalidResponseHeader, InvalidResponseHeaderName)):
+        return None
+    return MalformedBody(f"the request body's framing is malformed: {exc}", headers={"Connection": "close"})
+
+
 def register_error_handlers(app: Flask, protocols: Sequence[Protocol], body_timeout_s: float) -> None:
     """Route every exception the app can raise to one renderer."""
     by_blueprint = {p.blueprint.name: p for p in protocols}
@@ -56,7 +66,12 @@ def register_error_handlers(app: Flask, protocols: Sequence[Protocol], body_time
         log.exception("unhandled error", extra={"request_id": g.get("request_id")})
         return render(ServiceError("internal server error"))
 
+    def framing(exc: ParseException) -> Response:
+        error = _from_framing(exc)
+        return unexpected(exc) if error is None else render(error)
+
     app.register_error_handler(ServiceError, render)
     app.register_error_handler(ClientDisconnected, lambda exc: render(_from_disconnect(exc, body_timeout_s)))
     app.register_error_handler(HTTPException, lambda exc: render(_from_http(exc)))
+    app.register_error_handler(ParseException, framing)
     app.register_error_handler(Exception, unexpected)

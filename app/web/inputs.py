@@ -7,6 +7,7 @@ from typing import Any, Mapping
 import pybase64
 import pydantic_core
 from werkzeug import Request
+from werkzeug.exceptions import ClientDisconnected
 
 from app.errors import BadRequest, BodyTooLarge, InvalidBase64, InvalidJSON
 from app.web.auth import presented_key
@@ -68,9 +69,19 @@ def read_body(request: Request) -> bytes:
     if length is not None and request.environ.get("wsgi.input_terminated") and (limit is None or length <= limit):
         # a server that ends the body itself (gunicorn) and a length within the limit: werkzeug's reader would read
         # the stream to its end in chunks; one read of that length gives the same bytes without it (~15 us less)
-        return request.environ["wsgi.input"].read(length)
+        return _read_input(request, length)
     data = request.get_data(cache=False)
     if limit is not None and length is None and len(data) >= limit:
-        if request.environ["wsgi.input"].read(1):
+        if _read_input(request, 1):
             raise BodyTooLarge(limit)
     return data
+
+
+def _read_input(request: Request, size: int) -> bytes:
+    """``size`` bytes of the server's own stream; a read that fails (the client too slow: the socket timeout
+    app/web/hooks.py sets, or gone) is ClientDisconnected, as werkzeug's own reads report it (app/web/errors.py
+    answers a timeout 408)."""
+    try:
+        return request.environ["wsgi.input"].read(size)
+    except (OSError, ValueError) as exc:
+        raise ClientDisconnected() from exc

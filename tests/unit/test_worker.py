@@ -502,3 +502,66 @@ def test_a_request_waiting_to_write_its_answer_gives_its_slot_to_the_next() -> N
         loop.worker.wait_for_and_dispatch_events(1.0)
         assert loop.ended == [("next", True)] and loop.worker.loop_running == 0
         writer.close()
+
+
+GOOD_HEAD = b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc"
+
+
+@pytest.mark.parametrize("sent, status", [
+    (GOOD_HEAD, None),
+    (b"GET / HTTP/1.1\nHost: x\n\n", 400),  # the request line ends in LF alone
+    (b"GET / HTTP/1.1\r\nHost: x\nX: y\r\n\r\n", 400),  # a header line does
+    (b"POST /p HTTP/1.1\r\nContent-Length: 4\r\n\r\n\n\n\n\n", None),  # the body's LFs are the body's
+    (b"GET /" + b"a" * 8185 + b" HTTP/1.1\r\n", 414),  # 8195 before its CRLF: over 8190
+    (b"GET /" + b"a" * 8186, None),  # 8191 bytes, no CRLF yet: a line of 8190 may still end with one
+    (b"GET /" + b"a" * 8187, 414),  # 8192 without one: too long already
+    (b"GET /" + b"a" * 8180 + b" H\r\n\r\n", None),  # 8190 exactly
+    (b"GET / HTTP/1.1\r\n" + b"X: " + b"a" * (64 * 1024) + b"\r\n", 431),  # no end yet, over 64 KiB
+    (b"GET / HTTP/1.1\r\n" + b"X: " + b"a" * (64 * 1024) + b"\r\n\r\n", 431),  # whole, over 64 KiB
+])
+def test_the_loop_refuses_a_head_the_parser_would_wait_on_the_same_whichever_way_its_bytes_came(
+        sent: bytes, status: int | None) -> None:
+    from app.hosting.worker import Reading
+
+    worker = _lingering()
+    verdicts = []
+    for step in (len(sent), 1000, 7, 1):  # at once, then in pieces: each byte looked at once, the same verdict
+        reading = Reading(None, time.monotonic() + 10, time.monotonic())
+        for at in range(0, len(sent), step):
+            reading.take(sent[at:at + step])
+            if worker._whole(reading):
+                break
+        verdicts.append(reading.refusal.status if reading.refusal else None)
+    assert verdicts == [status] * 4
+
+
+def test_a_refusal_is_json_in_the_service_error_shape_and_closes_the_connection() -> None:
+    from app.hosting.worker import Refusal
+
+    answer = Refusal(431, "Request Header Fields Too Large", "too long").response("r1")
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n") and b"Connection: close" in head
+    assert json.loads(body) == {"error": {"code": "request_header_fields_too_large", "message": "too long",
+                                          "request_id": "r1"}}
+
+
+def test_empty_lines_before_a_request_are_skipped_and_a_connection_that_sent_only_those_idles() -> None:
+    from app.hosting.worker import Reading
+
+    class Kept:
+        timeout = time.monotonic() + 3  # gthread's keep-alive deadline for the connection
+
+    worker = _lingering()
+    worker.alive = True
+    reading = Reading(Kept(), time.monotonic() + 60, time.monotonic())
+    for piece in (b"\r\n", b"\r", b"\n\r\n"):  # one after a body, then two more, one split
+        reading.take(piece)
+        assert not worker._whole(reading)
+    assert reading.buffer == b"" and reading.refusal is None
+    # idle, not a request begun: it ends quietly with its keep-alive, not with a 408 at the header timeout
+    assert not worker._expired(reading, Kept.timeout - 0.1) and worker._expired(reading, Kept.timeout + 0.1)
+    worker.alive = False  # a stopping worker keeps it no longer than gthread keeps its own idle connections
+    assert worker._expired(reading, reading.last_data + 2.1)
+    reading.take(b"\r\nGET /healthz HTTP/1.1\r\n\r\n")
+    assert worker._whole(reading) and reading.buffer == b"GET /healthz HTTP/1.1\r\n\r\n"
+    assert not worker._expired(reading, Kept.timeout + 0.1)  # a request begun has its header time

@@ -1,0 +1,204 @@
+"""Requests judged by their framing, against the real server: heads the worker's loop refuses at once (a bare LF,
+a request line or a head over its limit), empty lines between requests, a body that stalls after ``100 Continue``,
+malformed chunked framing, and the starting app's answer to an upload it never reads. Each gets a JSON error with
+its 4xx status (or, for the empty lines, nothing at all), never a 500 or a connection left waiting.
+
+The server's header timeout is long (60 s) and every read here waits at most 30 s: an answer that came is the
+refusal itself, not a timeout."""
+from __future__ import annotations
+
+import json
+import socket
+import textwrap
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from harness import faults
+from harness.servers import Running, free_port, gunicorn_command
+from tests.support.servers import serve
+
+WAIT_S = 30.0  # the most a read waits for the server; the server's own timeouts are longer, or not involved
+HEALTH = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+@pytest.fixture(scope="module")
+def server(small_weights: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    server = serve(small_weights, tmp_path_factory.mktemp("framing"), client_header_timeout_s="60",
+                   client_body_timeout_s="1", keepalive_s="1").wait_ready()
+    yield server
+    server.stop()
+
+
+class Raw:
+    """One connection: bytes sent as they are, answers read whole (a 1xx head alone, others by Content-Length)."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
+        self.data = b""
+
+    def __enter__(self) -> "Raw":
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.sock.close()
+
+    def send(self, data: bytes) -> None:
+        try:
+            self.sock.sendall(data)
+        except (BrokenPipeError, ConnectionResetError):  # the server answered and closed before taking it all
+            pass
+
+    def answer(self) -> tuple[int, dict[str, str], bytes]:
+        """The next answer: status, headers (names lower-cased), body."""
+        while b"\r\n\r\n" not in self.data:
+            self._more()
+        head, self.data = self.data.split(b"\r\n\r\n", 1)
+        status_line, *lines = head.decode("latin-1").split("\r\n")
+        headers = {name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in lines)}
+        status = int(status_line.split()[1])
+        length = 0 if status < 200 else int(headers.get("content-length", "0"))
+        while len(self.data) < length:
+            self._more()
+        body, self.data = self.data[:length], self.data[length:]
+        return status, headers, body
+
+    def error(self, status: int, code: str) -> dict:
+        """The next answer, which must be ``status`` with the service's JSON error ``code``, closing the
+        connection; its error object."""
+        got, headers, body = self.answer()
+        assert (got, headers.get("content-type"), headers.get("connection")) == (
+            status, "application/json", "close"), (got, headers, body)
+        error = json.loads(body)["error"]
+        assert error["code"] == code and error["request_id"] == headers["x-request-id"], error
+        return error
+
+    def closed(self) -> bool:
+        """Whether the server closes the connection with nothing more said (waits up to WAIT_S)."""
+        try:
+            more = self.sock.recv(65536)
+        except ConnectionResetError:
+            return not self.data
+        except TimeoutError:
+            return False
+        assert not self.data and not more, self.data + more  # an unsolicited answer (an idle 408, say)
+        return True
+
+    def _more(self) -> None:
+        chunk = self.sock.recv(65536)
+        assert chunk, f"closed by the server; held {self.data[:200]!r}"
+        self.data += chunk
+
+
+def _photo(extra: bytes = b"") -> bytes:
+    return (b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
+            + f"Content-Length: {len(faults.IMAGE)}\r\n".encode() + extra + b"\r\n" + faults.IMAGE)
+
+
+def test_a_head_over_64_kib_is_refused_431_at_once_whole_or_stalled(server: Running) -> None:
+    # Before: a stalled head over 64 KiB went to a request thread whose parser waited on a blocking socket for the
+    # rest (gunicorn refuses only near 800 KiB): no answer ever, the thread held, a stop waited graceful_timeout.
+    head = b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-Pad-%d: %s\r\n" % (i, b"a" * 8000) for i in range(9))
+    for sent in (head, head + b"\r\n"):  # stalled before its end; whole (was served or not as the reads fell)
+        with Raw(server.port) as raw:
+            raw.send(sent)
+            error = raw.error(431, "request_header_fields_too_large")
+            assert "65536 byte limit" in error["message"] and raw.closed()
+    with Raw(server.port) as raw:  # the worker serves on
+        raw.send(HEALTH)
+        assert raw.answer()[0] == 200
+
+
+def test_a_bare_lf_head_is_400_and_an_endless_request_line_414_at_once(server: Running) -> None:
+    # Before: both waited for a CRLF CRLF that never came, then got 408 after the header timeout.
+    for sent in (b"GET /healthz HTTP/1.1\nHost: x\n\n", b"GET /healthz HTTP/1.1\r\nHost: x\n\n",
+                 b"\nGET /healthz HTTP/1.1\r\n\r\n"):
+        with Raw(server.port) as raw:
+            raw.send(sent)
+            assert "bare LF" in raw.error(400, "bad_request")["message"] and raw.closed()
+    with Raw(server.port) as raw:
+        raw.send(b"GET /" + b"a" * 9000)  # no end of line yet, past gunicorn's 8190
+        assert "8190 byte limit" in raw.error(414, "uri_too_long")["message"] and raw.closed()
+
+
+def test_empty_lines_between_requests_are_skipped_and_leave_the_connection_idle(server: Running) -> None:
+    # RFC 9112 2.2: a client may send a CRLF after a body. Before: it counted as a request begun, so the idle
+    # connection got an unsolicited 408 at the header timeout (and held a stopping worker until then).
+    with Raw(server.port) as raw:
+        raw.send(_photo() + b"\r\n")
+        assert raw.answer()[0] == 200
+        raw.send(HEALTH + b"\r\n")  # the next request after the empty line: served on the same connection
+        assert raw.answer()[0] == 200
+        assert raw.closed()  # then idle: closed quietly when its keep-alive (1 s) ends, nothing said
+    with Raw(server.port) as raw:  # the empty line arriving on its own, once the answer went out
+        raw.send(_photo())
+        assert raw.answer()[0] == 200
+        raw.send(b"\r\n")
+        assert raw.closed()
+    with Raw(server.port) as raw:  # any number of them, before a connection's first request too
+        raw.send(b"\r\n\r\n" + HEALTH)
+        assert raw.answer()[0] == 200
+
+
+def test_a_body_that_stalls_after_100_continue_is_408(server: Running) -> None:
+    # Before: the app's one read of a Content-Length body raised the socket's timeout to the 500 handler.
+    with Raw(server.port) as raw:
+        head, body = _photo(b"Expect: 100-continue\r\n").split(b"\r\n\r\n", 1)
+        raw.send(head + b"\r\n\r\n")
+        assert raw.answer()[0] == 100
+        raw.send(body[:50])  # then nothing: the body timeout is 1 s
+        assert "did not arrive within 1s" in raw.error(408, "request_timeout")["message"]
+
+
+@pytest.mark.parametrize("chunks, what", [
+    (b"zz\r\nhello\r\n0\r\n\r\n", "chunk size"),
+    (b"5\r\nhelloXX0\r\n\r\n", "chunk terminator"),
+    (b"5;\x01\r\nhello\r\n0\r\n\r\n", "chunk extension"),
+    (b"5\r\nhello\r\n0\r\nBad Trailer\r\n\r\n", "Invalid HTTP Header"),
+])
+def test_malformed_chunked_framing_is_400_in_the_error_shape(server: Running, chunks: bytes, what: str) -> None:
+    # Before: gunicorn's parse errors, raised as the app read the body, were a 500 and a logged traceback.
+    with Raw(server.port) as raw:
+        raw.send(b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\nTransfer-Encoding: chunked\r\n\r\n"
+                 + chunks + HEALTH)
+        error = raw.error(400, "bad_request")
+        assert "framing is malformed" in error["message"] and what in error["message"]
+        assert raw.closed()  # where the next request would start is unknown
+    assert "unhandled error" not in server.output()
+
+
+STARTING_ONLY = """
+import threading, time
+from app.hosting.starting import StartingApp
+
+def load():  # imports that never end while the worker runs: every request is the starting app's
+    while threading.main_thread().is_alive():
+        time.sleep(0.05)
+    return lambda: None
+
+app = StartingApp(load, print, 20 * 1024 * 1024).start()
+"""
+
+
+@pytest.mark.slow  # a gunicorn master started from the command line, as the server is
+def test_a_starting_worker_closes_the_connection_after_an_upload_it_did_not_read(tmp_path: Path) -> None:
+    # Before: the 503 to an Expect: 100-continue upload said keep-alive; gunicorn skipped 64 KiB of the body it had
+    # asked for, then dropped the connection, so the client's next request on it failed.
+    (tmp_path / "starting_only.py").write_text(textwrap.dedent(STARTING_ONLY))
+    port = free_port()
+    env = {"PYTHONPATH": str(tmp_path), "VISIONSERVE_BIND": f"127.0.0.1:{port}", "VISIONSERVE_WORKERS": "1",
+           "VISIONSERVE_DEVICE": "cpu", "VISIONSERVE_LOG_LEVEL": "info", "VISIONSERVE_SHUTDOWN_DRAIN_S": "0.5"}
+    server = Running("starting-only", gunicorn_command("starting_only:app"), env, port, "/healthz", tmp_path)
+    try:
+        server.wait_ready(120)
+        body = b"\xff" * 300_000
+        with Raw(port) as raw:
+            raw.send(b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\nExpect: 100-continue\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode())
+            assert raw.answer()[0] == 100  # gunicorn asks for the body before the app runs
+            raw.send(body)
+            assert raw.error(503, "not_ready")["message"] == "the model is still loading"
+            assert raw.closed()
+    finally:
+        server.stop()
