@@ -30,6 +30,7 @@ SAME_WORKER: tuple[tuple[str, str], ...] = (  # (node id prefix, group)
     ("tests/server/test_engine_process_ops.py::test_ready", "engine server"),
     ("tests/server/test_engine_process_ops.py::test_a_refusal", "engine server"),
     ("tests/server/test_rollouts.py::", "two lite0 versions"),
+    ("tests/server/test_http_framing.py::", "framing server"),
     ("tests/server/test_model_swaps.py::", "four exports"),
     ("tests/training/test_export_versions.py::", "a trained run"),
     ("tests/training/test_predict.py::", "predict's exports"),
