@@ -20,7 +20,7 @@ import torch.nn as nn
 from models.data.folder import HOLDOUT_RULE
 from models.presets import EvalPreset
 from models.run.args import DataError
-from models.run.optim import Scheduler, continue_schedule
+from models.run.optim import SchedulePlan, Scheduler, continue_schedule, schedule_plan
 from models.run.report import METRICS_NAME, rerun_command
 
 log = logging.getLogger("models.train")
@@ -205,11 +205,10 @@ def _check_same_holdout(path: Path, state: dict[str, Any], args: argparse.Namesp
                         f"another --output-dir")
 
 
-def _resume(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: object,
-            scaler: torch.amp.GradScaler | None, args: argparse.Namespace,
-            classes: list[str]) -> tuple[int, Best, int]:
-    """Restore a checkpoint; returns the next epoch, the best epoch so far and the epochs its schedule was planned
-    for."""
+def _resume(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
+            args: argparse.Namespace, classes: list[str]) -> tuple[int, Best, SchedulePlan, dict[str, Any]]:
+    """Restore a checkpoint's weights, optimiser, scaler and RNG; returns the next epoch, the best epoch so far, the
+    plan of its schedule and that schedule's state (which only a schedule of the same plan can take)."""
     state = load_checkpoint(path)
     if state["arch"] != args.arch or state["classes"] != classes:
         raise DataError(f"{path} was trained as {state['arch']} on classes {state['classes']}, "
@@ -217,14 +216,14 @@ def _resume(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, sche
     _check_same_holdout(path, state, args)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["lr_scheduler"])  # type: ignore[attr-defined]
     if scaler is not None and state["scaler"] is not None:
         scaler.load_state_dict(state["scaler"])
     set_rng_state(state["rng"])
     # Older checkpoints: no loss, no best epoch's figures (its summary and confusion.json are not reported).
     best = Best(float(state["best_acc1"]), float(state.get("best_val_loss", math.inf)), state.get("best_metrics"),
                 state.get("best_confusion"))
-    return int(state["epoch"]) + 1, best, int(state["args"]["epochs"])
+    planned = schedule_plan(int(state["args"]["epochs"]), int(state["args"]["lr_warmup_epochs"]))
+    return int(state["epoch"]) + 1, best, planned, state["lr_scheduler"]
 
 
 def check_fresh_output(args: argparse.Namespace) -> None:
@@ -239,19 +238,28 @@ def check_fresh_output(args: argparse.Namespace) -> None:
                         f"{args.output_dir / CHECKPOINT_NAME}, or choose another --output-dir")
 
 
-def start_or_resume(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Scheduler,
-           scaler: torch.amp.GradScaler | None, classes: list[str]) -> tuple[int, Best, Scheduler]:
-    """The first epoch to run, the best epoch so far and the schedule: fresh, or continued from ``--resume``."""
+def start_or_resume(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: Scheduler, scaler: torch.amp.GradScaler | None,
+                    classes: list[str]) -> tuple[int, Best, Scheduler]:
+    """The first epoch to run, the best epoch so far and the schedule: fresh, or continued from ``--resume``.
+
+    ``scheduler`` is the schedule this run's options plan; it takes the checkpoint's schedule state only when the
+    resumed run's plan was the same (then it goes on exactly as an uninterrupted run's would)."""
     if not args.resume:
         return 0, NO_BEST, scheduler
-    start, best, planned = _resume(args.resume, model, optimizer, scheduler, scaler, args, classes)
+    start, best, planned, saved_schedule = _resume(args.resume, model, optimizer, scaler, args, classes)
     log.info("resumed from %s at epoch %d", args.resume, start + 1)
-    if planned != args.epochs and start < args.epochs:
+    now = schedule_plan(args.epochs, args.lr_warmup_epochs)
+    if planned == now:
+        scheduler.load_state_dict(saved_schedule)
+    elif start < args.epochs:
         # Extending (or shortening) a run: the cosine is laid over the new length and continued from this epoch,
-        # so the learning rate is what a run planned for --epochs would have now (not 0, not a restart).
+        # so the learning rate is what a run planned for --epochs would have now (not 0, not a restart). The saved
+        # state is not loaded: its schedule's shape may differ (a 1-epoch run's is the cosine alone, a longer one's
+        # a warm-up then the cosine), and the new one is rebuilt from the optimiser's initial rates anyway.
         scheduler = continue_schedule(optimizer, args, start)
-        log.info("the schedule was planned for %d epochs: stretched to %d, learning rate now %.3g",
-                 planned, args.epochs, optimizer.param_groups[0]["lr"])
+        log.info("the schedule was planned for %d epochs (%d of warm-up): stretched to %d (%d of warm-up), "
+                 "learning rate now %.3g", *planned, *now, optimizer.param_groups[0]["lr"])
     return start, best, scheduler
 
 

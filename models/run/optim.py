@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -58,9 +59,23 @@ def make_optimizer(model: nn.Module, args: argparse.Namespace, *, fused: bool = 
 Scheduler = torch.optim.lr_scheduler.LRScheduler
 
 
+class SchedulePlan(NamedTuple):
+    """What a run's schedule is laid over: its epochs and how many of the first warm up. Two runs with the same plan
+    have schedules of the same shape (the one's state loads into the other's)."""
+
+    epochs: int
+    warmup: int
+
+
+def schedule_plan(epochs: int, lr_warmup_epochs: int) -> SchedulePlan:
+    """The plan of a run of ``epochs`` asked for ``lr_warmup_epochs`` of warm-up: at most all epochs but the last (a
+    1-epoch run has none, its schedule is the cosine alone)."""
+    return SchedulePlan(epochs, min(lr_warmup_epochs, max(epochs - 1, 0)))
+
+
 def make_scheduler(optimizer: torch.optim.Optimizer, args: argparse.Namespace) -> Scheduler:
     """Cosine decay over the epochs, after an optional linear warm-up; stepped once per epoch."""
-    warmup = min(args.lr_warmup_epochs, max(args.epochs - 1, 0))
+    warmup = schedule_plan(args.epochs, args.lr_warmup_epochs).warmup
     cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(args.epochs - warmup, 1))
     if not warmup:
         return cosine
@@ -69,8 +84,9 @@ def make_scheduler(optimizer: torch.optim.Optimizer, args: argparse.Namespace) -
 
 
 def continue_schedule(optimizer: torch.optim.Optimizer, args: argparse.Namespace, epoch: int) -> Scheduler:
-    """The schedule of a run planned for ``args.epochs``, advanced to ``epoch`` (for a resumed run whose length
-    changed): each group's learning rate restarts from its initial value and steps as that run's would have."""
+    """The schedule of a run planned for ``args.epochs``, advanced to ``epoch`` (for a resumed run whose plan
+    changed): each group's learning rate restarts from its initial value and steps as that run's would have. Whatever
+    schedule the optimiser had (its shape need not be this one's), only its groups' ``initial_lr`` is read."""
     for group in optimizer.param_groups:
         group["lr"] = group["initial_lr"]
         del group["initial_lr"]  # the new scheduler records it again

@@ -239,6 +239,50 @@ def test_extending_a_finished_run_continues_the_schedule_and_a_finished_run_says
     assert len(read_metrics(extended)) == 4  # nothing more was trained
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
+def test_a_one_epoch_run_goes_on_to_more_epochs_at_the_rate_of_the_stretched_schedule(
+        folder: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: KeyError '_schedulers'. A 1-epoch run has no warm-up (its schedule is the cosine alone); its state was
+    # loaded into the warm-up-then-cosine schedule of the 2-epoch run before that schedule was stretched.
+    planned, extended = tmp_path / "planned", tmp_path / "extended"
+    assert train.main(small_args(folder, planned, "--epochs", "2")) == 0
+    assert train.main(small_args(folder, extended, "--epochs", "1")) == 0
+    with caplog.at_level(logging.INFO, logger="models.train"):
+        assert train.main(small_args(folder, extended, "--epochs", "2", "--resume",
+                                     str(extended / CHECKPOINT_NAME))) == 0
+    assert "stretched to 2" in caplog.text
+    assert [row["epoch"] for row in read_metrics(extended)] == [0, 1]  # the second epoch was trained
+    assert load_checkpoint(extended / CHECKPOINT_NAME)["epoch"] == 1
+    # A run planned for 2 epochs warms up in its first (0.1 x --lr) and starts the cosine at --lr in its second: the
+    # extended run's second epoch starts there, as the uninterrupted one's did, not at a restart's warm-up.
+    assert _lrs(planned) == pytest.approx([0.001, 0.01])
+    assert _lrs(extended)[1] == pytest.approx(_lrs(planned)[1])
+
+
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
+def test_a_run_resumed_with_another_warm_up_goes_on_with_that_schedule(folder: Path, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # The same --epochs, another --lr-warmup-epochs: the saved schedule (the cosine alone) has another shape than
+    # the one the resumed options plan (a warm-up, then the cosine), so its state cannot be loaded into it.
+    run = tmp_path / "run"
+    real_epoch, calls = train.train_one_epoch, []
+
+    def interrupted(*args: object, **kwargs: object) -> dict[str, float]:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the job was stopped during its second epoch
+        return real_epoch(*args, **kwargs)
+
+    monkeypatch.setattr(train, "train_one_epoch", interrupted)
+    assert train.main(small_args(folder, run, "--epochs", "2", "--lr-warmup-epochs", "0")) == 130
+    monkeypatch.setattr(train, "train_one_epoch", real_epoch)
+    assert train.main(small_args(folder, run, "--epochs", "2", "--lr-warmup-epochs", "1", "--resume",
+                                 str(run / CHECKPOINT_NAME))) == 0
+    # The second epoch starts where a run planned with one warm-up epoch starts its cosine (--lr), not at the
+    # 0.005 halfway down the old cosine.
+    assert _lrs(run) == pytest.approx([0.01, 0.01])
+
+
 def test_the_run_reports_each_epoch_and_ends_with_a_summary(folder: Path, tmp_path: Path,
                                                            caplog: pytest.LogCaptureFixture) -> None:
     run = tmp_path / "run"
