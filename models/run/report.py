@@ -117,8 +117,9 @@ class Progress:
                  f"(loss {best['val_loss']:.4f}); {took}"]
         if exported is None or served is None:
             served = best_checkpoint.parent / "export"
+            named = [] if name == best_checkpoint.parent.name else ["--name", name]  # the export's default: the run's
             lines.append("export: " + module_command("models.export", ["--checkpoint", str(best_checkpoint),
-                                                                      "--out", str(served), "--name", name]))
+                                                                      "--out", str(served), *named]))
         else:
             lines.append(f"exported: {exported}")
         return [*lines, f"serve:  VISIONSERVE_WEIGHTS_DIR={served} make serve"]

@@ -216,18 +216,26 @@ def _lrs(run: Path) -> list[float]:
     return [row["lr"] for row in read_metrics(run)]
 
 
+def _planned_and_extended(folder: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, first: int,
+                          then: int) -> tuple[Path, Path]:
+    """A run planned for ``then`` epochs, and one of ``first`` epochs resumed with ``--epochs then`` (its schedule
+    stretched, as the log says)."""
+    planned, extended = tmp_path / "planned", tmp_path / "extended"
+    assert train.main(small_args(folder, planned, "--epochs", str(then))) == 0
+    assert train.main(small_args(folder, extended, "--epochs", str(first))) == 0
+    with caplog.at_level(logging.INFO, logger="models.train"):
+        assert train.main(small_args(folder, extended, "--epochs", str(then), "--resume",
+                                     str(extended / CHECKPOINT_NAME))) == 0
+    assert f"stretched to {then}" in caplog.text
+    return planned, extended
+
+
 @pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_extending_a_finished_run_continues_the_schedule_and_a_finished_run_says_so(
         folder: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # Before: --resume --epochs 4 on a 2-epoch run restarted the cosine (lr 0.0, then 0.0019); resuming a finished
     # run exited 0 without a word.
-    planned, extended = tmp_path / "planned", tmp_path / "extended"
-    assert train.main(small_args(folder, planned, "--epochs", "4")) == 0
-    assert train.main(small_args(folder, extended, "--epochs", "2")) == 0
-    with caplog.at_level(logging.INFO, logger="models.train"):
-        assert train.main(small_args(folder, extended, "--epochs", "4", "--resume",
-                                     str(extended / CHECKPOINT_NAME))) == 0
-    assert "stretched to 4" in caplog.text
+    planned, extended = _planned_and_extended(folder, tmp_path, caplog, first=2, then=4)
     # Epochs 2 and 3 run at the learning rates of a run planned for 4 epochs.
     assert _lrs(extended)[2:] == pytest.approx(_lrs(planned)[2:])
     assert min(_lrs(extended)[2:]) > 0
@@ -244,13 +252,7 @@ def test_a_one_epoch_run_goes_on_to_more_epochs_at_the_rate_of_the_stretched_sch
         folder: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # Before: KeyError '_schedulers'. A 1-epoch run has no warm-up (its schedule is the cosine alone); its state was
     # loaded into the warm-up-then-cosine schedule of the 2-epoch run before that schedule was stretched.
-    planned, extended = tmp_path / "planned", tmp_path / "extended"
-    assert train.main(small_args(folder, planned, "--epochs", "2")) == 0
-    assert train.main(small_args(folder, extended, "--epochs", "1")) == 0
-    with caplog.at_level(logging.INFO, logger="models.train"):
-        assert train.main(small_args(folder, extended, "--epochs", "2", "--resume",
-                                     str(extended / CHECKPOINT_NAME))) == 0
-    assert "stretched to 2" in caplog.text
+    planned, extended = _planned_and_extended(folder, tmp_path, caplog, first=1, then=2)
     assert [row["epoch"] for row in read_metrics(extended)] == [0, 1]  # the second epoch was trained
     assert load_checkpoint(extended / CHECKPOINT_NAME)["epoch"] == 1
     # A run planned for 2 epochs warms up in its first (0.1 x --lr) and starts the cosine at --lr in its second: the
