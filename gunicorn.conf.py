@@ -79,7 +79,7 @@ logconfig_dict = {
                 "gunicorn.access": {"level": "CRITICAL", "handlers": [], "propagate": False}},
 }
 # Bound the request line and headers (a longer request line is refused by the worker's loop, 414, as a head over
-# 64 KiB is, 431: app/hosting/worker.py; gunicorn's parser bounds each header).
+# MAX_HEADER_BYTES is, 431: app/hosting/worker.py; gunicorn's parser bounds each header).
 limit_request_line = 8190
 limit_request_fields = 100
 
@@ -155,7 +155,8 @@ def post_fork(server, worker) -> None:  # noqa: ANN001
     os.environ["VISIONSERVE_WORKER_SLOT"] = str(getattr(worker, "slot", 0))
     worker.limits = ReadLimits(_settings.client_header_timeout_s, _settings.client_body_timeout_s,
                                _settings.max_body_bytes, _settings.keepalive_linger_ms / 1000,
-                               _settings.client_answer_timeout_s, worker.cfg.limit_request_line)
+                               _settings.client_answer_timeout_s, worker.cfg.limit_request_line,
+                               _settings.max_header_bytes)
     worker.control_dir = Path(os.environ["VISIONSERVE_CONTROL_DIR"])  # the ready marks: which workers serve
     worker.loop_requests = _engine == "process" and _settings.loop_requests  # inline: the threads run torch
 

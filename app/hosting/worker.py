@@ -6,10 +6,10 @@ times out, for slow headers and slow bodies alike (docs/performance.md: Figures 
 Here the event loop reads each request itself, as a buffering proxy would: the headers, then a body of known
 length up to ``max_body_bytes``, and only a whole request goes to a thread (the parser then reads it from memory).
 A client that takes longer than ``client_header_timeout_s`` for its headers, or stays silent longer than
-``client_body_timeout_s`` in its body, gets ``408`` and the connection closes. A head the parser would refuse once more
-bytes came (a line ending in a bare LF, a request line over gunicorn's limit, a head over ``HEADER_LIMIT``) is refused
-by the loop at once (400, 414, 431), never handed to a thread that would wait for those bytes; empty lines before a
-request line are skipped (RFC 9112 2.2: a client may send one after a body). A chunked body, one announced with
+``client_body_timeout_s`` in its body, gets ``408`` and the connection closes. A head the parser would refuse once
+more bytes came (a line ending in a bare LF, a request line over gunicorn's limit, a head over ``MAX_HEADER_BYTES``)
+is refused by the loop at once (400, 414, 431), never handed to a thread that would wait for those bytes; empty lines
+before a request line are skipped (RFC 9112 2.2: a client may send one after a body). A chunked body, one announced with
 ``Expect: 100-continue`` (the client waits for the 100 before sending it) or one over the limit (the app refuses
 it from the headers alone) goes to a thread after its headers, as before. The thread's parser reads the request
 out of a ``HeldUnreader``, which copies each byte once (gunicorn's own unreader copied everything it held on every
@@ -31,6 +31,7 @@ app.hosting's control, waiting and loop_requests, which are plain).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -47,7 +48,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from greenlet import getcurrent
+from gunicorn import util as gunicorn_util
 from gunicorn.glogging import Logger
+from gunicorn.http import errors as http_errors
 from gunicorn.http.unreader import SocketUnreader
 from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn, ThreadWorker
 
@@ -59,7 +62,6 @@ HEADER_END = b"\r\n\r\n"
 READ_SIZE = 1 << 20  # the most one read asks for: a body's rest in as few calls as possible (the GIL is contended)
 FIRST_READ = 1 << 16  # a request's first read: its headers and a small body. Python allocates what a read asks for:
 # a 1 MiB ask cost a small request 10-12 us (the allocation and its release), a 64 KB one 1 us
-HEADER_LIMIT = 64 * 1024  # a longer request head (line and headers) is refused by the loop (431)
 HELD_PIECE = 64 * 1024  # what a read of "the next chunk" (the header parser's) takes out of the held bytes
 CLOSE_LINGER_S = 2.0  # a connection's graceful close reads what the client still sends for this long at most
 CLOSE_DRAIN_BYTES = 64 * 1024  # and this much at most (gunicorn's close_graceful, on the loop without blocking)
@@ -77,6 +79,7 @@ class ReadLimits:
     linger_s: float = 0.002  # KEEPALIVE_LINGER_MS: a request thread's wait for its connection's next request
     answer_timeout_s: float = 30.0  # CLIENT_ANSWER_TIMEOUT_S: a client taking none of its answer this long is left
     request_line_limit: int = 8190  # gunicorn's limit_request_line (gunicorn.conf.py): a longer one is refused (414)
+    head_limit: int = 64 * 1024  # MAX_HEADER_BYTES: a longer request head (line and headers) is refused (431)
 
 
 @dataclass(eq=False)
@@ -148,15 +151,38 @@ class Refusal:
                 + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
 
+# What gunicorn's parser refuses once a head is whole, as gunicorn answers it (its status and reason), written in the
+# service's JSON error shape instead of its HTML page. Most specific first: the first class an error is wins.
+PARSER_REFUSALS: tuple[tuple[type[Exception], int, str], ...] = (
+    (http_errors.LimitRequestLine, 414, "URI Too Long"),
+    (http_errors.LimitRequestHeaders, 431, "Request Header Fields Too Large"),
+    (http_errors.ExpectationFailed, 417, "Expectation Failed"),
+    (http_errors.UnsupportedTransferCoding, 501, "Not Implemented"),
+    (http_errors.ForbiddenProxyRequest, 403, "Forbidden"),
+    ((http_errors.InvalidRequestLine, http_errors.InvalidRequestMethod, http_errors.InvalidHTTPVersion,  # type: ignore
+      http_errors.InvalidHeader, http_errors.InvalidHeaderName, http_errors.ObsoleteFolding,
+      http_errors.InvalidProxyLine, http_errors.InvalidSchemeHeaders, http_errors.InvalidChunkSize,
+      http_errors.ChunkMissingTerminator, http_errors.InvalidChunkExtension), 400, "Bad Request"),
+)
+
+
+def parser_refusal(exc: BaseException) -> Refusal | None:
+    """The answer to a request gunicorn's parser refused (``PARSER_REFUSALS``); None for any other error."""
+    for kinds, status, reason in PARSER_REFUSALS:
+        if isinstance(exc, kinds):
+            return Refusal(status, reason, str(exc) or reason)
+    return None
+
+
 def timeout_response(message: str, request_id: str) -> bytes:
     """A 408 in the service's error shape; the connection closes after it."""
     return Refusal(408, "Request Timeout", message).response(request_id)
 
 
-def head_refusal(buffer: bytearray, start: int, end: int, line_limit: int) -> Refusal | None:
+def head_refusal(buffer: bytearray, start: int, end: int, line_limit: int, head_limit: int) -> Refusal | None:
     """What the loop refuses of a request head from its bytes so far (looked at from ``start`` on; ``end``: where
     HEADER_END starts, -1 before it came): a line ending in a bare LF (400), a request line longer than
-    ``line_limit`` (414, 0: no limit) or a head longer than HEADER_LIMIT (431). gunicorn's parser refuses these
+    ``line_limit`` (414, 0: no limit) or a head longer than ``head_limit`` (431). gunicorn's parser refuses these
     too, but a thread waits on the socket (blocking, no timeout) for more bytes first: for a head over 64 KiB up to
     its own limit (about 800 KiB), for a head that ends its lines in LF alone for ever."""
     stop = len(buffer) if end < 0 else end + len(HEADER_END)
@@ -164,9 +190,9 @@ def head_refusal(buffer: bytearray, start: int, end: int, line_limit: int) -> Re
         return Refusal(400, "Bad Request", "a line of the request head ends in a bare LF, not CRLF (RFC 9112 2.2)")
     if 0 < line_limit and stop >= line_limit + 2 and buffer.find(b"\r\n", 0, line_limit + 2) < 0:
         return Refusal(414, "URI Too Long", f"the request line is over the {line_limit} byte limit")
-    if stop > HEADER_LIMIT:
+    if stop > head_limit:
         return Refusal(431, "Request Header Fields Too Large",
-                       f"the request line and headers are over the {HEADER_LIMIT} byte limit")
+                       f"the request line and headers are over the {head_limit} byte limit (MAX_HEADER_BYTES)")
     return None
 
 
@@ -426,7 +452,8 @@ class BufferingWorker(LoopRequests, ThreadWorker):
             buffer, start = reading.buffer, reading.scanned
             end = buffer.find(HEADER_END, max(start - len(HEADER_END) + 1, 0))
             reading.scanned = len(buffer)
-            reading.refusal = head_refusal(buffer, start, end, self.limits.request_line_limit)
+            reading.refusal = head_refusal(buffer, start, end, self.limits.request_line_limit,
+                                           self.limits.head_limit)
             if reading.refusal is not None:
                 return True
             if end < 0:
@@ -595,6 +622,19 @@ class BufferingWorker(LoopRequests, ThreadWorker):
                 message = f"the body did not arrive within {self.limits.body_timeout_s:g}s"
             self._answer(reading, Refusal(408, "Request Timeout", message))
         self._close(reading)
+
+    def handle_error(self, req: Any, client: Any, addr: Any, exc: BaseException) -> None:
+        """A request gunicorn's parser refused (a request line or header it cannot read): its status, in the
+        service's JSON error shape (gunicorn's own answer is an HTML page); any other error as gunicorn answers it."""
+        refusal = parser_refusal(exc)
+        if refusal is None:
+            super().handle_error(req, client, addr, exc)
+            return
+        request_id = uuid.uuid4().hex
+        with contextlib.suppress(OSError):
+            gunicorn_util.write_nonblock(client, refusal.response(request_id))
+        log.info("request", extra={"client": (addr or ("", -1))[0], "status": refusal.status, "error": refusal.code,
+                                   "detail": refusal.message, "request_id": request_id})
 
     def _refuse(self, reading: Reading) -> None:
         """A request whose head the loop refuses: told why, then its connection closes gracefully (the client may

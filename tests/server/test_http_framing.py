@@ -122,6 +122,22 @@ def test_a_bare_lf_head_is_400_and_an_endless_request_line_414_at_once(server: R
         assert "8190 byte limit" in raw.error(414, "uri_too_long")["message"] and raw.closed()
 
 
+@pytest.mark.parametrize("sent, status, code", [
+    (b"GARBAGE\r\n\r\n", 400, "bad_request"),  # no method, path and version
+    (b"GET /healthz HTTP/9.9\r\nHost: x\r\n\r\n", 400, "bad_request"),
+    (b"GET /healthz HTTP/1.1\r\nHost x\r\n\r\n", 400, "bad_request"),  # a header without its colon
+    (b"POST /predict HTTP/1.1\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n", 400, "bad_request"),
+    (b"GET /healthz HTTP/1.1\r\n" + b"".join(b"X-%d: a\r\n" % i for i in range(101)) + b"\r\n", 431,
+     "request_header_fields_too_large"),  # over limit_request_fields
+])
+def test_a_head_gunicorn_s_parser_refuses_is_answered_in_the_error_shape(server: Running, sent: bytes, status: int,
+                                                                         code: str) -> None:
+    # Before: gunicorn's own HTML page, with the right status.
+    with Raw(server.port) as raw:
+        raw.send(sent)
+        raw.error(status, code)
+
+
 def test_empty_lines_between_requests_are_skipped_and_leave_the_connection_idle(server: Running) -> None:
     # RFC 9112 2.2: a client may send a CRLF after a body. Before: it counted as a request begun, so the idle
     # connection got an unsolicited 408 at the header timeout (and held a stopping worker until then).

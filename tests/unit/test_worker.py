@@ -16,6 +16,7 @@ import pytest
 from gunicorn.config import Config
 from gunicorn.http.parser import RequestParser
 
+from app.config import Settings
 from app.hosting.worker import HeldUnreader, body_length, timeout_response
 from tests.support.loop import LoopWorker
 
@@ -533,6 +534,16 @@ def test_the_loop_refuses_a_head_the_parser_would_wait_on_the_same_whichever_way
                 break
         verdicts.append(reading.refusal.status if reading.refusal else None)
     assert verdicts == [status] * 4
+
+
+def test_the_head_limit_is_the_max_header_bytes_setting() -> None:
+    from app.hosting.worker import head_refusal
+
+    head = bytearray(b"GET / HTTP/1.1\r\n" + b"X: " + b"a" * 20_000 + b"\r\n\r\n")
+    end = head.find(b"\r\n\r\n")
+    assert head_refusal(head, 0, end, 8190, Settings().max_header_bytes) is None  # 64 KiB by default
+    refused = head_refusal(head, 0, end, 8190, 16 * 1024)
+    assert refused is not None and refused.status == 431 and "16384 byte limit (MAX_HEADER_BYTES)" in refused.message
 
 
 def test_a_refusal_is_json_in_the_service_error_shape_and_closes_the_connection() -> None:
