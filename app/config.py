@@ -248,6 +248,9 @@ class RequestSettings(SettingsGroup):
                             "header before any pixel is decoded (413).")
     max_aspect_ratio: float = Field(20.0, ge=1, description="Longest side / shortest side: a 1x10000 strip is "
                                     "refused (400).")
+    max_jpeg_scans: int = Field(64, ge=0, description="Most scans a progressive JPEG may have, counted before any "
+                                "pixel is decoded (400): each scan decodes the whole image again, so a small file of "
+                                "thousands held a decoding thread for minutes. Encoders write about 10; 0 = no limit.")
     max_images: int = Field(16, gt=0, description="Images in one request (413).")
     score_digits: int = Field(6, ge=1, le=17, description="Decimal places of the scores in an answer.")
     top_k: int = Field(5, gt=0, description="Classes per image when the request does not say (requests may ask "

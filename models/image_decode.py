@@ -60,6 +60,9 @@ class LimitSettings(Protocol):
     @property
     def jpeg_draft_min_side(self) -> int: ...
 
+    @property
+    def max_jpeg_scans(self) -> int: ...
+
 
 @dataclass(frozen=True)
 class DecodeLimits:
@@ -69,12 +72,13 @@ class DecodeLimits:
     max_pixels: int = 40_000_000
     max_aspect_ratio: float = 20.0
     jpeg_draft_min_side: int = 1024  # 0 disables reduced-scale JPEG decoding
+    max_jpeg_scans: int = 64  # a progressive JPEG's scans, each a decode of the whole image again (0: no limit)
 
     @classmethod
     def from_settings(cls, settings: LimitSettings) -> "DecodeLimits":
         """The limits a service with ``settings`` enforces."""
         return cls(max_pixels=settings.max_pixels, max_aspect_ratio=settings.max_aspect_ratio,
-                   jpeg_draft_min_side=settings.jpeg_draft_min_side)
+                   jpeg_draft_min_side=settings.jpeg_draft_min_side, max_jpeg_scans=settings.max_jpeg_scans)
 
 
 def _open(data: bytes) -> Image.Image:
@@ -105,10 +109,21 @@ def _check_size(width: int, height: int, limits: DecodeLimits) -> None:
         raise BrokenImage(f"the image is {width}x{height}; its aspect ratio is over {limits.max_aspect_ratio:g}")
 
 
+def _check_scans(data: bytes, limits: DecodeLimits) -> None:
+    """A progressive JPEG's scans, counted by their markers (a thumbnail's in its EXIF count too): each decodes the
+    whole image again, so a file of a few hundred KB with thousands of them held a decoding thread for minutes."""
+    scans = data.count(b"\xff\xda")
+    if limits.max_jpeg_scans and scans > limits.max_jpeg_scans:
+        raise BrokenImage(f"the progressive JPEG has {scans} scans; the limit is {limits.max_jpeg_scans} (each "
+                          "decodes the whole image again; encoders write about 10)")
+
+
 def open_checked(data: bytes, limits: DecodeLimits) -> Image.Image:
     """The image's header read and every limit checked; no pixel decoded yet (``load_upright`` does that)."""
     image = _open(data)
     _check_header(image, limits)
+    if is_jpeg(image) and image.info.get("progressive"):
+        _check_scans(data, limits)
     return image
 
 
@@ -119,6 +134,8 @@ def checked_header(data: bytes, limits: DecodeLimits) -> tuple[JpegHeader | None
     header = read_jpeg_header(data)
     if header is not None:
         _check_size(header.width, header.height, limits)
+        if header.progressive:
+            _check_scans(data, limits)
         return header, None
     image = open_checked(data, limits)
     return (JpegHeader.of(image) if is_jpeg(image) else None), image

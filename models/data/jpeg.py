@@ -34,20 +34,25 @@ def draft_scale(size: tuple[int, int], min_side: int) -> int:
 
 
 class JpegHeader(NamedTuple):
-    """What decoding a JPEG needs of its header, as PIL reads it: its size, PIL's mode for it, its EXIF orientation."""
+    """What decoding a JPEG needs of its header, as PIL reads it: its size, PIL's mode for it, its EXIF orientation,
+    and whether it is progressive (its scans each decode the whole image again: the decode rules count them)."""
 
     width: int
     height: int
     mode: str
     orientation: int  # 1: none, or one PIL would not turn by
+    progressive: bool = False
 
     @classmethod
     def of(cls, image: Image.Image) -> "JpegHeader":
         """The header of a JPEG PIL has opened."""
-        return cls(*image.size, image.mode, orientation(image))
+        return cls(*image.size, image.mode, orientation(image), bool(image.info.get("progressive")))
 
 
-_SOS, _APP1 = 0xDA, 0xE1
+_SOS, _APP0, _APP1 = 0xDA, 0xE0, 0xE1
+_PROGRESSIVE_FRAMES = frozenset({0xC2, 0xC6, 0xCA, 0xCE})  # SOF2, 6, 10, 14: progressive frames
+_JFIF = b"JFIF"
+_JFIF_READ = 7  # what PIL reads of a JFIF APP0 segment's data (its version at 5): a shorter one PIL refuses
 _WITHOUT_LENGTH = frozenset({0x01, *range(0xD0, 0xD8)})  # TEM and RSTn: a marker and nothing else
 _EXIF, _XMP = b"Exif\0\0", b"http://ns.adobe.com/xap/1.0/\0"
 _PIL_MODES = {"YCbCr": "RGB", "RGB": "RGB", "Gray": "L"}  # libjpeg's colour spaces PIL opens as RGB or L
@@ -62,7 +67,7 @@ def read_jpeg_header(data: bytes | bytearray) -> JpegHeader | None:
     that does not fit, or a header libjpeg-turbo refuses."""
     if not data.startswith(b"\xff\xd8\xff"):
         return None
-    exif, at, size = None, 2, len(data)
+    exif, progressive, at, size = None, False, 2, len(data)
     while True:  # the segments up to the scan, as PIL walks them (fill bytes between them skipped)
         if at + 2 > size or data[at] != 0xFF:
             return None
@@ -80,6 +85,9 @@ def read_jpeg_header(data: bytes | bytearray) -> JpegHeader | None:
         length = (data[at + 2] << 8) | data[at + 3]
         if length < 2 or at + 2 + length > size:
             return None
+        progressive = progressive or marker in _PROGRESSIVE_FRAMES
+        if marker == _APP0 and data.startswith(_JFIF, at + 4) and length - 2 < _JFIF_READ:
+            return None  # PIL refuses it (libjpeg-turbo only warns): PIL says why
         if marker == _APP1:
             if data.startswith(_XMP, at + 4):
                 return None
@@ -96,7 +104,7 @@ def read_jpeg_header(data: bytes | bytearray) -> JpegHeader | None:
     turn = _exif_orientation(exif) if exif is not None else 1
     if mode is None or turn is None:
         return None
-    return JpegHeader(width, height, mode, turn)
+    return JpegHeader(width, height, mode, turn, progressive)
 
 
 def _exif_orientation(exif: bytes) -> int | None:
@@ -112,6 +120,8 @@ def _exif_orientation(exif: bytes) -> int | None:
             return None
         for entry in range(directory + 2, directory + 2 + 12 * count, 12):
             tag, kind, values = struct.unpack_from(order + "HHI", exif, entry)
+            if _past_the_block(exif, order, entry, kind, values):
+                return None  # PIL stops reading the directory there (a truncated block), and turns by nothing
             if tag == _ORIENTATION:
                 if kind != 3 or values != 1:  # a SHORT, as written; anything else is PIL's to read
                     return None
@@ -120,6 +130,19 @@ def _exif_orientation(exif: bytes) -> int | None:
     except struct.error:
         return None
     return 1
+
+
+_TIFF_SIZES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 1, 7: 1, 8: 2, 9: 4, 10: 8, 11: 4, 12: 8, 13: 4, 16: 8, 17: 8, 18: 8}
+
+
+def _past_the_block(exif: bytes, order: str, entry: int, kind: int, values: int) -> bool:
+    """Whether a directory entry's values lie out of line (over 4 bytes) past the end of the EXIF block, where PIL
+    stops reading the directory (a kind it does not know it skips, as PIL does)."""
+    size = _TIFF_SIZES.get(kind, 0) * values
+    if size <= 4:
+        return False
+    (offset,) = struct.unpack_from(order + "I", exif, entry + 8)
+    return offset + size > len(exif)
 
 
 def decode_jpeg_cpu(data: bytes, header: JpegHeader, min_side: int) -> torch.Tensor:

@@ -4,6 +4,7 @@ pixel, and the tensor eval transform against PIL's."""
 from __future__ import annotations
 
 import io
+import struct
 
 import numpy as np
 import pytest
@@ -12,7 +13,9 @@ import torch
 from PIL import Image, ImageOps
 
 from app.config import Settings
-from app.engine.decoding.image import DecodeLimits, image_to_tensor, load_upright, open_checked
+from app.engine.decoding.device import check_header
+from app.engine.decoding.image import (DecodeLimits, decode_image, image_to_tensor, load_upright,
+                                       open_checked)
 from app.engine.decoding.tensor import decode_tensor, image_to_tensor_path
 from app.errors import ImageTooLarge, InvalidImage, UnsupportedImageFormat
 from harness.photos import jpeg as photo_jpeg
@@ -467,3 +470,66 @@ def test_the_device_decode_names_a_gpu_by_its_index(monkeypatch: pytest.MonkeyPa
     for device in (torch.device("cuda"), torch.device("cuda", 1)):
         jpeg.decode_jpegs(encoded, device)
     assert asked == [torch.device("cuda", 1)] * 2
+
+
+def _segment(marker: int, payload: bytes) -> bytes:
+    return bytes([0xFF, marker]) + struct.pack(">H", len(payload) + 2) + payload
+
+
+def _many_scans(side: int, scans: int) -> bytes:
+    """A legal progressive grey JPEG of ``side`` x ``side`` whose DC scan is followed by ``scans`` AC scans of a
+    few bytes each (end-of-block runs): each walks every block of the image again, the file stays small."""
+    blocks = (-(-side // 8)) ** 2
+
+    def packed(bits: str) -> bytes:
+        bits += "1" * (-len(bits) % 8)
+        out = bytearray()
+        for at in range(0, len(bits), 8):
+            out.append(int(bits[at:at + 8], 2))
+            if out[-1] == 0xFF:
+                out.append(0)
+        return bytes(out)
+
+    table = bytes([1] + [0] * 15)  # one code of one bit
+    head = (_segment(0xDB, bytes([0]) + bytes([1] * 64))
+            + _segment(0xC2, struct.pack(">BHHB", 8, side, side, 1) + bytes([1, 0x11, 0]))
+            + _segment(0xC4, bytes([0x00]) + table + bytes([0]))  # DC: one symbol, no difference
+            + _segment(0xC4, bytes([0x10]) + table + bytes([0xE0])))  # AC: one symbol, a run of 16384 ends of block
+    dc = _segment(0xDA, bytes([1, 1, 0x00, 0, 0, 0x00])) + packed("0" * blocks)
+    ac = _segment(0xDA, bytes([1, 1, 0x00, 1, 63, 0x00])) + packed("0" * 15 * -(-blocks // 16384))
+    return b"\xff\xd8" + head + dc + ac * scans + b"\xff\xd9"
+
+
+def test_a_progressive_jpeg_of_thousands_of_scans_is_refused_before_any_pixel() -> None:
+    # Before: 20,000 scans in 1.6 MB of a 6000x6000 image decoded for 39 s on every path and were answered 200, past
+    # the request's deadline (which starts after the decode); on the device path it held the batch worker.
+    bomb = _many_scans(512, 2000)
+    for decode in (decode_tensor, decode_image, check_header):
+        with pytest.raises(InvalidImage, match="the progressive JPEG has 2001 scans; the limit is 64"):
+            decode(bomb, LIMITS)
+    few = _many_scans(64, 30)  # under the limit: decoded
+    assert decode_tensor(few, LIMITS).shape == (3, 64, 64) and decode_image(few, LIMITS).size == (64, 64)
+    unlimited = DecodeLimits(max_pixels=1_000_000, max_aspect_ratio=20, jpeg_draft_min_side=0, max_jpeg_scans=0)
+    assert decode_tensor(_many_scans(64, 100), unlimited).shape == (3, 64, 64)
+
+
+def test_a_cut_exif_block_is_turned_as_pil_turns_it() -> None:
+    # A camera's EXIF whose last bytes were lost: PIL stops reading its directory at the first value past the end and
+    # turns by nothing; the header reader went on to the Orientation entry and turned the tensor and device paths.
+    exif = Image.Exif()
+    exif[0x010F], exif[0x0110], exif[0x0112] = "Canon", "Canon EOS 5D Mark IV", 6
+    exif[0x011A], exif[0x011B], exif[0x0131] = 72.0, 72.0, "Firmware 1.2.0"
+    astronaut = Image.fromarray(np.asarray(skimage.data.astronaut())[:450, :300])
+    data = encode(astronaut, "JPEG", quality=95, exif=exif.tobytes()[:-40])
+    assert torch.equal(decode_tensor(data, LIMITS), pil_to_tensor(decode_image(data, LIMITS)))
+    assert check_header(data, LIMITS).orientation == 1
+
+
+def test_a_jfif_segment_too_short_for_pil_is_refused_on_every_path() -> None:
+    # libjpeg-turbo only warns of it: the tensor and device paths answered 200 where the pil path answered 400.
+    data = encode(Image.fromarray(np.asarray(skimage.data.chelsea())), "JPEG")
+    length = int.from_bytes(data[4:6], "big")
+    short = data[:2] + b"\xff\xe0\x00\x08JFIF\x00\x01" + data[4 + length:]
+    for decode in (decode_tensor, decode_image, check_header):
+        with pytest.raises(InvalidImage):
+            decode(short, LIMITS)
