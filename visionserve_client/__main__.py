@@ -171,6 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0 if ok else 1
         except VisionServeError as exc:
             print(f"error: {_for_cli(exc)}", file=sys.stderr)
+            if exc.code == "connection_error":
+                print(f"no server answers at {args.url}: start one (make serve), or name it with --url or "
+                      "VISIONSERVE_URL", file=sys.stderr)
             return 1
 
 

@@ -41,6 +41,20 @@ def test_docker_compose_parses_it(profile: list[str]) -> None:
     assert result.returncode == 0, result.stderr
 
 
+def test_the_documented_cpu_monitoring_command_starts_no_gpu_service() -> None:
+    # docs/deployment.md's CPU monitoring command was `--profile cpu --profile monitoring up`: the GPU api (no
+    # profile) started too, reserving an NVIDIA device and the same port 8000 as api-cpu.
+    command = next(line.split("#")[0].split() for line in (ROOT / "docs" / "deployment.md").read_text().splitlines()
+                   if line.startswith("docker compose --profile cpu --profile monitoring up"))
+    result = subprocess.run([str(COMPOSE_BINARY), "-f", "docker-compose.yaml", *command[2:command.index("up")],
+                             "config", "--format", "json", *command[command.index("up") + 1:]], cwd=ROOT,
+                            capture_output=True, text=True, env={"PATH": "/usr/bin"})
+    assert result.returncode == 0, result.stderr
+    services = json.loads(result.stdout)["services"]
+    assert sorted(services) == ["api-cpu", "grafana", "prometheus"]
+    assert "api" in services["api-cpu"]["networks"]["default"]["aliases"]  # Prometheus scrapes api:8000
+
+
 def test_api_reserves_an_nvidia_gpu_and_checks_readiness() -> None:
     services = _compose()["services"]
     (device,) = services["api"]["deploy"]["resources"]["reservations"]["devices"]

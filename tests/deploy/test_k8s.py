@@ -1,6 +1,8 @@
 """deploy/k8s, checked offline against the Kubernetes API schemas (PyPI kubernetes-validate) and against the app."""
 from __future__ import annotations
 
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -98,9 +100,11 @@ def _apply_json_patch(document: dict[str, Any], operations: list[dict[str, Any]]
 
 
 def test_the_repository_overlay_serves_a_shared_volume() -> None:
-    overlay = K8S / "repository"
+    overlay = K8S.parent / "k8s-repository"
     kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())
-    assert kustomization["resources"] == ["../", "pvc.yaml"]
+    assert kustomization["resources"] == ["../k8s", "pvc.yaml"]
+    # kustomize refuses an overlay inside its own base ("cycle detected"): it sat in deploy/k8s/repository
+    assert not overlay.resolve().is_relative_to((overlay / kustomization["resources"][0]).resolve())
     (patch,) = kustomization["patches"]
     deployment = _apply_json_patch(_resources()["Deployment"], yaml.safe_load((overlay / patch["path"]).read_text()))
     assert patch["target"] == {"kind": "Deployment", "name": deployment["metadata"]["name"]}
@@ -116,3 +120,12 @@ def test_the_repository_overlay_serves_a_shared_volume() -> None:
     settings = Settings(weights_dir=env["VISIONSERVE_WEIGHTS_DIR"],
                         repository_poll_s=env["VISIONSERVE_REPOSITORY_POLL_S"])
     assert str(settings.weights_dir) == mount["mountPath"] and mount["readOnly"] and settings.repository_poll_s > 0
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs kubectl (its kustomize builds the overlays)")
+def test_kubectl_builds_the_base_and_the_repository_overlay() -> None:
+    for folder in (K8S, K8S.parent / "k8s-repository"):
+        built = subprocess.run(["kubectl", "kustomize", str(folder)], capture_output=True, text=True, timeout=60)
+        assert built.returncode == 0, built.stderr
+        kinds = [document["kind"] for document in yaml.safe_load_all(built.stdout)]
+        assert "Deployment" in kinds and ("PersistentVolumeClaim" in kinds) == (folder != K8S), kinds

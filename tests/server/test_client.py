@@ -156,6 +156,13 @@ def test_connection_errors_back_off_exponentially() -> None:
     assert len(sleeps) == 3 and all(0.25 * 2 ** i <= s <= 0.75 * 2 ** i for i, s in enumerate(sleeps))
 
 
+def test_the_cli_says_what_to_do_when_no_server_answers(capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    assert cli(["model", "--url", url, "--retries", "0"]) == 1
+    said = capsys.readouterr().err
+    assert "error: connection_error" in said and f"no server answers at {url}: start one (make serve)" in said
+
+
 @pytest.fixture
 def fake_server(app: Flask) -> Iterator[str]:
     """The app factory's app with the fake colour model (4 classes), served over real HTTP in this process."""
