@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from app.v1 import schemas as s
-from app.web.openapi import BINARY, TIMEOUT_HEADER, errors, json_answer, ref
+from app.web.openapi import BINARY, TIMEOUT_HEADER, errors, json_answer, ref, request_wide
 from app.web.schemas import ErrorResponse
 
 MODELS = (s.PredictJSONRequest, s.PredictResponse, s.ExplainJSONRequest, s.ExplainResponse, s.ModelsResponse,
@@ -76,7 +76,7 @@ def _explain() -> dict[str, Any]:
         "requestBody": _image_body(multipart, s.ExplainJSONRequest, {"image": EXAMPLE_IMAGE_BASE64}),
         "responses": {"200": {**json_body, "content": {**json_body["content"], **png["content"]},
                               "description": f"{json_body['description']}; or {png['description']}"},
-                      **errors(ErrorResponse, "400 401 404 413 415 422 429 503 504")},
+                      **errors(ErrorResponse, "400 401 404 408 413 415 422 429 500 503 504")},
     }}
 
 
@@ -84,13 +84,16 @@ def paths() -> dict[str, Any]:
     """/predict, /explain and /v1/models."""
     labels = {"name": "labels", "in": "query", "required": False,
               "schema": {"type": "string", "enum": ["1", "true", "yes"]}}
-    return {"/predict": _predict(), "/explain": _explain(),
-            "/v1/models": {"get": {"summary": "The served model, its batching and its limits", "parameters": [labels],
-                                   "responses": {"200": json_answer(s.ModelsResponse, "The model")}}},
-            "/v1/models/{name}/promote": _rollout_call(
-                "Make a version (default: the rollout's candidate) the model's default in every worker"),
-            "/v1/models/{name}/rollback": _rollout_call(
-                "Serve a version (default: the previous default) again; the one it replaces is rolled back")}
+    return request_wide({
+        "/predict": _predict(), "/explain": _explain(),
+        "/v1/models": {"get": {"summary": "The served model, its batching and its limits", "parameters": [labels],
+                               "responses": {"200": json_answer(s.ModelsResponse, "The model"),
+                                             **errors(ErrorResponse, "503")}}},
+        "/v1/models/{name}/promote": _rollout_call(
+            "Make a version (default: the rollout's candidate) the model's default in every worker"),
+        "/v1/models/{name}/rollback": _rollout_call(
+            "Serve a version (default: the previous default) again; the one it replaces is rolled back")},
+        ErrorResponse)
 
 
 def _rollout_call(summary: str) -> dict[str, Any]:
@@ -99,4 +102,4 @@ def _rollout_call(summary: str) -> dict[str, Any]:
                      "requestBody": {"required": False,
                                      "content": {"application/json": {"schema": ref(s.VersionChoice)}}},
                      "responses": {"200": json_answer(s.RolloutChanged, "The model's default and versions now"),
-                                   **errors(ErrorResponse, "400 401 404 409 422 503 504 507")}}}
+                                   **errors(ErrorResponse, "400 401 404 408 409 413 422 503 504 507")}}}

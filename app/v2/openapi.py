@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from app.v2 import schemas as v2
-from app.web.openapi import BINARY, TIMEOUT_HEADER, errors, headers, health, json_answer, ref
+from app.web.openapi import BINARY, TIMEOUT_HEADER, errors, headers, health, json_answer, ref, request_wide
 
 MODELS = (v2.ServerMetadata, v2.Live, v2.Ready, v2.ModelReady, v2.ModelMetadata, v2.InferRequest, v2.InferResponse,
           v2.Error, v2.RepositoryIndexRequest, v2.RepositoryModel, v2.RepositoryIndex, v2.LoadRequest,
@@ -36,27 +36,35 @@ def _repository() -> dict[str, Any]:
 
     return {
         "/v2/repository/index": call("Every model version in the repository, with its state",
-                                     v2.RepositoryIndexRequest, v2.RepositoryIndex, "400 401 422"),
+                                     v2.RepositoryIndexRequest, v2.RepositoryIndex, "400 401 408 413 422"),
         "/v2/repository/models/{name}/load": call(
             "Load or reload a model: its new versions are verified, warmed up and canaried before they take traffic",
-            v2.LoadRequest, v2.Loaded, "400 401 404 422 503 504 507"),
+            v2.LoadRequest, v2.Loaded, "400 401 404 408 413 422 503 504 507"),
         "/v2/repository/models/{name}/unload": call(
             "Unload a model once the requests its versions hold are answered", v2.UnloadRequest, v2.Loaded,
-            "400 401 404 422 503 504"),
+            "400 401 404 408 413 422 503 504"),
     }
+
+
+def _metadata() -> dict[str, Any]:
+    return {"get": {"summary": "Model inputs and outputs",
+                    "responses": {"200": json_answer(v2.ModelMetadata, "Metadata"),
+                                  **errors(v2.Error, "400 404 503")}}}
+
+
+def _model_ready() -> dict[str, Any]:
+    """200 or 503 as the model (or version) takes requests or not; 404 unknown, 400 a name no model can have."""
+    ready = health(v2.ModelReady, "Model readiness", v2.ModelReady)
+    ready["get"]["responses"].update(errors(v2.Error, "400 404"))
+    return ready
 
 
 def paths() -> dict[str, Any]:
     """Every /v2 path, unversioned and versioned."""
-    infer = _infer()
-    metadata = {"get": {"summary": "Model inputs and outputs",
-                        "responses": {"200": json_answer(v2.ModelMetadata, "Metadata"), **errors(v2.Error, "404")}}}
-    ready = health(v2.ModelReady, "Model readiness", v2.ModelReady)
     out = {"/v2": {"get": {"summary": "Server metadata", "responses": {"200": json_answer(v2.ServerMetadata, "OK")}}},
            "/v2/health/live": health(v2.Live, "Liveness", v2.Live),
            "/v2/health/ready": health(v2.Ready, "Readiness", v2.Ready)}
     out.update(_repository())
     for base in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
-        # Copies: each path gets its own path-parameter list in the document.
-        out.update({base: {**metadata}, f"{base}/ready": {**ready}, f"{base}/infer": {**infer}})
-    return out
+        out.update({base: _metadata(), f"{base}/ready": _model_ready(), f"{base}/infer": _infer()})
+    return request_wide(out, v2.Error)

@@ -1,4 +1,10 @@
-"""Optional API key: ``Authorization: Bearer <key>`` or ``X-API-Key: <key>``, compared in constant time."""
+"""Optional API key: ``Authorization: Bearer <key>`` or ``X-API-Key: <key>``, compared in constant time.
+
+A key need not be ASCII: it matches when the bytes a client sent are the key in UTF-8 (curl, the demo page) or, for
+a key of characters up to U+00FF, in latin-1 (what Python's http.client and a browser's fetch send for such text).
+A WSGI server hands a header over as its bytes read as latin-1 (PEP 3333; gunicorn too), so those bytes are the
+header's text encoded as latin-1 again.
+"""
 from __future__ import annotations
 
 import hmac
@@ -28,18 +34,40 @@ def needs_key(path: str, health_open: bool) -> bool:
 
 
 def presented_key(headers: Mapping[str, str]) -> str | None:
-    """The key a request carries, from either header."""
+    """The key a request carries, from either header (as the server hands it over: its bytes read as latin-1)."""
     authorization = headers.get("Authorization", "")
     scheme, _, token = authorization.partition(" ")
-    if scheme.lower() == "bearer" and token.strip():
-        return token.strip()
+    token = token.strip(" \t")  # HTTP's whitespace only: str.strip() would also cut U+0085 and U+00A0, bytes of UTF-8
+    if scheme.lower() == "bearer" and token:
+        return token
     return headers.get("X-API-Key") or None
 
 
-def check_api_key(headers: Mapping[str, str], expected: str) -> None:
-    """Raise Unauthorized unless the request carries ``expected``."""
+def key_forms(expected: str) -> tuple[bytes, bytes]:
+    """The bytes a client may send for ``expected``: its UTF-8 and its latin-1 (the UTF-8 again where it has
+    characters past U+00FF)."""
+    utf8 = expected.encode()
+    try:
+        return utf8, expected.encode("latin-1")
+    except UnicodeEncodeError:
+        return utf8, utf8
+
+
+def _sent_bytes(key: str) -> bytes | None:
+    """The bytes the client sent; None for text no server hands over (a character past U+00FF)."""
+    try:
+        return key.encode("latin-1")
+    except UnicodeEncodeError:
+        return None
+
+
+def check_api_key(headers: Mapping[str, str], forms: tuple[bytes, bytes]) -> None:
+    """Raise Unauthorized unless the request carries the key, in one of its ``forms`` (``key_forms``)."""
     key = presented_key(headers)
-    # compare_digest takes the same time whatever the first differing byte, so timing leaks nothing.
-    if key is None or not hmac.compare_digest(key.encode(), expected.encode()):
+    sent = _sent_bytes(key) if key is not None else None
+    # compare_digest takes the same time whatever the first differing byte, so timing leaks nothing; both forms are
+    # compared, always.
+    matches = sent is not None and (hmac.compare_digest(sent, forms[0]) | hmac.compare_digest(sent, forms[1]))
+    if not matches:
         raise Unauthorized("a valid API key is required (Authorization: Bearer <key> or X-API-Key)",
                            headers={"WWW-Authenticate": 'Bearer realm="visionserve"'})

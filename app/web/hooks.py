@@ -1,7 +1,9 @@
 """Request-wide hooks, registered on the app (not on one blueprint): every route gets them, /v2 and /docs too.
 
-Before: the request id, a body announced over the limit (413), the socket timeout for slow bodies, the API key.
-After: the id header, the request metrics and one structured access-log line.
+Before, first (``register_identity``, ahead of even a CORS preflight's answer): the request id, the clock and the
+access log's fields (a trusted X-Forwarded-For among them). Then (``register_hooks``): a body announced over the
+limit (413), the socket timeout for slow bodies, the API key. After: the id header, the request metrics and one
+structured access-log line.
 """
 from __future__ import annotations
 
@@ -16,27 +18,40 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed
 from app.config import Settings
 from app.errors import BodyTooLarge
 from app.metrics import PROBES, REJECTED, REQUEST_SECONDS, REQUESTS, series
-from app.web.auth import OPEN_PATHS, check_api_key, is_page, needs_key
+from app.web.auth import OPEN_PATHS, check_api_key, is_page, key_forms, needs_key
 
 access_log = logging.getLogger("visionserve.access")
 
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}\Z")  # \Z, not $: $ also matches before a final newline
 
 
-def register_hooks(app: Flask, settings: Settings) -> None:
-    """Install the before/after hooks for every request of ``app``."""
-    api_key = settings.resolved_api_key()
-    body_timeout_s, health_open = settings.client_body_timeout_s, settings.auth_health_open
-    max_body_bytes = settings.max_body_bytes
+def register_identity(app: Flask, settings: Settings) -> None:
+    """Give every request of ``app`` its id, its start time and its access-log fields before anything may answer
+    it (a refusal, a CORS preflight), and the after hook that sends the id and writes the log line."""
+    trust_forwarded_for = settings.trust_forwarded_for
 
     @app.before_request
-    def _start_request() -> None:
+    def _identify() -> None:
         req, context = request._get_current_object(), g._get_current_object()  # not a proxy lookup per field
         # Keep a caller's id when it is sane, so logs can be joined across services; otherwise make one.
         incoming = req.headers.get("X-Request-ID", "")
         context.request_id = incoming if _REQUEST_ID.match(incoming) else os.urandom(16).hex()
         context.started = time.perf_counter()
-        context.log_fields = {}
+        context.log_fields = {"forwarded_for": req.headers.get("X-Forwarded-For")} if trust_forwarded_for else {}
+
+    app.after_request(_finish_request)
+
+
+def register_hooks(app: Flask, settings: Settings) -> None:
+    """Install the refusals every request of ``app`` meets: an announced body over the limit, the body's socket
+    timeout, the API key (after ``register_identity``'s hook)."""
+    forms = None if (api_key := settings.resolved_api_key()) is None else key_forms(api_key)
+    body_timeout_s, health_open = settings.client_body_timeout_s, settings.auth_health_open
+    max_body_bytes = settings.max_body_bytes
+
+    @app.before_request
+    def _start_request() -> None:
+        req = request._get_current_object()  # not a proxy lookup per field
         if (req.content_length or 0) > max_body_bytes:
             # Announced over the limit: refused here, on every route, before any of it is read (werkzeug's own
             # 413 said "The data value transmitted exceeds the capacity limit.", and only on routes that read).
@@ -47,15 +62,8 @@ def register_hooks(app: Flask, settings: Settings) -> None:
             # worker's loop read whole needs no read of the socket, and its answer is written without a timeout
             # that would block: app/hosting/worker.py's ClientSocket).
             sock.settimeout(body_timeout_s)
-        if api_key is not None and needs_key(req.path, health_open):
-            check_api_key(req.headers, api_key)
-
-    app.after_request(_finish_request)
-
-    if settings.trust_forwarded_for:
-        @app.before_request
-        def _forwarded_for() -> None:
-            g.log_fields["forwarded_for"] = request.headers.get("X-Forwarded-For")
+        if forms is not None and needs_key(req.path, health_open):
+            check_api_key(req.headers, forms)
 
 
 def is_probe(path: str) -> bool:

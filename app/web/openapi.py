@@ -11,6 +11,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from app import __version__
+from app.web.auth import OPEN_PATHS, is_page
 from app.web.protocol import Protocol
 from app.web.schemas import ErrorResponse, HealthResponse
 
@@ -26,6 +27,10 @@ _HEADERS: dict[str, dict[str, Any]] = {
     "X-Batch-Size": {"description": "The size of the forward pass each image ran in", "schema": {"type": "string"}},
     "Inference-Header-Content-Length": {"description": "Length of the JSON header when binary tensors follow",
                                         "schema": {"type": "integer"}},
+    "WWW-Authenticate": {"description": "How to present the API key: Bearer", "schema": {"type": "string"}},
+    "Allow": {"description": "The methods the path takes", "schema": {"type": "string"}},
+    "Content-Range": {"description": "The bytes answered, of how many (a Range request)",
+                      "schema": {"type": "string"}},
 }
 
 # Status -> description of every error status a data route can answer.
@@ -35,8 +40,9 @@ ERROR_STATUSES = {
     "404": "No such model or version",
     "408": "The body did not arrive within client_body_timeout_s",
     "409": "The call does not apply to the model now: no rollout candidate to promote, no previous default",
-    "413": "Body, image pixels or image count over its limit",
+    "413": "Body, image pixels or image count over its limit (an announced body over max_body_bytes on any route)",
     "415": "Unsupported content type or image format",
+    "416": "The Range asks for bytes the file does not have",
     "422": "JSON that does not match the request schema, or a model version that cannot be served (load_failed)",
     "429": "Overloaded (queue full) or the backlog already exceeds the request's deadline",
     "500": "The forward pass failed",
@@ -67,9 +73,30 @@ def errors(model: type[BaseModel], statuses: str) -> dict[str, Any]:
     """The error responses for the space-separated ``statuses``, in ``model``'s shape."""
     out = {}
     for status in statuses.split():
-        extra = ("Retry-After",) if status in ("429", "503") else ()
+        extra = _ERROR_HEADERS.get(status, ())
         out[status] = json_answer(model, ERROR_STATUSES[status], *extra)
     return out
+
+
+_HEALTH_UNAUTHORIZED = "Missing or wrong API key (when one is configured and AUTH_HEALTH_OPEN is off)"
+_ERROR_HEADERS = {"401": ("WWW-Authenticate",), "429": ("Retry-After",), "503": ("Retry-After",)}
+_METHODS = frozenset({"get", "put", "post", "delete", "options", "head", "patch", "trace"})
+
+
+def request_wide(paths: dict[str, Any], model: type[BaseModel]) -> dict[str, Any]:
+    """``paths`` with what app/web/hooks.py answers on every route added to each operation, in ``model``'s shape:
+    401 (but on the pages, which are open; on the health paths only when AUTH_HEALTH_OPEN is off) and 413 (a body
+    announced over the limit, refused before it is read)."""
+    for path, item in paths.items():
+        for method in _METHODS & item.keys():
+            responses = item[method]["responses"]
+            if not is_page(path):
+                unauthorized = errors(model, "401")["401"]
+                if path in OPEN_PATHS:
+                    unauthorized["description"] = _HEALTH_UNAUTHORIZED
+                responses.setdefault("401", unauthorized)
+            responses.setdefault("413", errors(model, "413")["413"])
+    return paths
 
 
 def health(model: type[BaseModel], summary: str, error_model: type[BaseModel] = HealthResponse) -> dict[str, Any]:
@@ -85,24 +112,55 @@ TIMEOUT_HEADER = {"name": "X-Request-Timeout", "in": "header", "required": False
 # format: binary (swagger-ui issue 10825), so both are given.
 BINARY = {"type": "string", "format": "binary", "contentMediaType": "application/octet-stream"}
 
-_DESCRIPTION = ('Image classification with dynamic batching. Errors outside /v2 have the shape '
-                '{"error": {"code", "message", "request_id"}}; /v2 errors are {"error": "<message>"}.')
+_DESCRIPTION = (
+    'Image classification with dynamic batching. Errors outside /v2 have the shape '
+    '{"error": {"code", "message", "request_id"}}; /v2 errors are {"error": "<message>"}.\n\n'
+    'Besides each operation\'s own statuses: a path the server does not have answers 404 and a method a path does '
+    'not take 405 with `Allow` (components/responses NotFound and MethodNotAllowed), once the body limit (413) '
+    'and the API key (401), checked first on every path, let it through. HEAD is answered for every GET as the GET, '
+    'without a body; OPTIONS for every path with its `Allow` (with CORS_ORIGINS set, a preflight 204 with the CORS '
+    'headers). A request head the server cannot take is refused before any route: 400 (malformed), 408 (not '
+    'complete within client_header_timeout_s), 414 (request line too long), 431 (head over max_header_bytes).')
+
+
+def _refusal(description: str, *names: str) -> dict[str, Any]:
+    """A response no operation holds (a path the server does not have, a method a path does not take), in either
+    error shape: the default one, or, under /v2, the Open Inference Protocol's."""
+    shape = {"oneOf": [ref(ErrorResponse),
+                       {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}]}
+    return {"description": description, "headers": headers(*names),
+            "content": {"application/json": {"schema": shape}}}
+
+
+_REFUSALS = {"NotFound": _refusal("No such path (404)"),
+             "MethodNotAllowed": _refusal("The path does not take this method (405); Allow lists those it does",
+                                          "Allow")}
+
+
+def _static_file(summary: str, description: str, media_type: str) -> dict[str, Any]:
+    """A file the server sends as it is (conditional and Range requests answered: 206, 304, 416)."""
+    content = {media_type: {"schema": {"type": "string"}}}
+    return {"get": {"summary": summary, "responses": {
+        "200": {"description": description, "headers": headers(), "content": content},
+        "206": {"description": "The part of it a Range asked for", "headers": headers("Content-Range"),
+                "content": content},
+        "304": {"description": "Not modified since the copy the request names (If-None-Match, If-Modified-Since)",
+                "headers": headers()},
+        **errors(ErrorResponse, "416")}}}
 
 
 def _ops_paths() -> dict[str, Any]:
-    return {
+    return request_wide({
         "/healthz": health(HealthResponse, "Liveness: the process and its inference thread"),
         "/readyz": health(HealthResponse, "Readiness: warmed up, canary passed, not draining"),
         "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {
             "description": "Text exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
         "/openapi.json": {"get": {"summary": "This document", "responses": {"200": {
             "description": "OpenAPI 3.1", "content": {"application/json": {"schema": {"type": "object"}}}}}}},
-        "/": {"get": {"summary": "The demo page: pick or drop photos and see their classes", "responses": {"200": {
-            "description": "HTML (its script and style under /demo/)",
-            "content": {"text/html": {"schema": {"type": "string"}}}}}}},
-        "/favicon.ico": {"get": {"summary": "The site's icon, for every browser's tab", "responses": {"200": {
-            "description": "An SVG image", "content": {"image/svg+xml": {"schema": {"type": "string"}}}}}}},
-    }
+        "/": _static_file("The demo page: pick or drop photos and see their classes",
+                          "HTML (its script and style under /demo/)", "text/html"),
+        "/favicon.ico": _static_file("The site's icon, for every browser's tab", "An SVG image", "image/svg+xml"),
+    }, ErrorResponse)
 
 
 def openapi_document(protocols: Sequence[Protocol]) -> dict[str, Any]:
@@ -122,7 +180,7 @@ def openapi_document(protocols: Sequence[Protocol]) -> dict[str, Any]:
         "openapi": "3.1.0",
         "info": {"title": "visionserve", "version": __version__, "description": _DESCRIPTION},
         "paths": paths,
-        "components": {"schemas": defs["$defs"], "headers": _HEADERS,
+        "components": {"schemas": defs["$defs"], "headers": _HEADERS, "responses": _REFUSALS,
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
                                            "apiKey": {"type": "apiKey", "in": "header", "name": "X-API-Key"}}},
         # Either key form when VISIONSERVE_API_KEY is set; nothing when it is not.

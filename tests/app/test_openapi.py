@@ -19,7 +19,7 @@ from app.config import Settings
 from app.engine.loaded.predictor import Predictor
 from app.engine.service import Service
 from app.metrics import PROBES
-from tests.support.fakes import ColourModel, ConvColourModel, tiny_manifest
+from tests.support.fakes import ColourModel, ConvColourModel, loading_app, tiny_manifest
 from tests.support.imaging import RED, image_bytes
 
 RED_B64 = base64.b64encode(image_bytes(RED)).decode()
@@ -53,6 +53,43 @@ CALLS: list[tuple[str, str, str, dict[str, Any]]] = [
     ("post", "/v2/models/{name}/infer", "/v2/models/colour/infer", {"json": {"inputs": []}}),
 ]
 
+# (method, documented path or None for a path the server does not have, concrete URL, request keyword arguments):
+# refusals of names, unknown models and versions, methods and paths, HEAD, and the demo page's own answers.
+EDGES: list[tuple[str, str | None, str, dict[str, Any]]] = [
+    ("get", "/v2/models/{name}/ready", "/v2/models/nope/ready", {}),
+    ("get", "/v2/models/{name}/ready", "/v2/models/%E2%98%83/ready", {}),
+    ("get", "/v2/models/{name}/versions/{version}/ready", "/v2/models/colour/versions/nope/ready", {}),
+    ("get", "/v2/models/{name}/versions/{version}/ready", "/v2/models/colour/versions/%E2%98%83/ready", {}),
+    ("get", "/v2/models/{name}", "/v2/models/%E2%98%83", {}),
+    ("get", "/v2/models/{name}/versions/{version}", "/v2/models/colour/versions/nope", {}),
+    ("get", "/v2/models/{name}/versions/{version}", "/v2/models/colour/versions/%E2%98%83", {}),
+    ("post", "/v2/models/{name}/infer", "/v2/models/%E2%98%83/infer", {"json": V2_IMAGES}),
+    ("post", "/explain", "/explain", {"data": image_bytes(RED), "content_type": "image/jpeg"}),
+    ("post", "/explain", "/explain?class_index=abc", {"data": image_bytes(RED), "content_type": "image/jpeg"}),
+    ("post", "/v1/models/{name}/promote", "/v1/models/colour/promote", {}),
+    ("post", "/v1/models/{name}/rollback", "/v1/models/colour/rollback", {"json": {"version": 1.5}}),
+    ("post", "/v1/models/{name}/promote", "/v1/models/nope/promote", {"data": b"nope",
+                                                                      "content_type": "application/json"}),
+    ("post", "/v2/repository/index", "/v2/repository/index", {"json": {}}),
+    ("post", "/v2/repository/index", "/v2/repository/index", {"json": {"ready": "x"}}),
+    ("post", "/v2/repository/models/{name}/load", "/v2/repository/models/nope/load", {}),
+    ("post", "/v2/repository/models/{name}/unload", "/v2/repository/models/nope/unload", {}),
+    ("head", "/v1/models", "/v1/models", {}),
+    ("head", "/healthz", "/healthz", {}),
+    ("get", "/predict", "/predict", {}),
+    ("head", "/predict", "/predict", {}),
+    ("delete", "/v1/models", "/v1/models", {}),
+    ("get", "/v2/models/{name}/infer", "/v2/models/colour/infer", {}),
+    ("get", None, "/nope", {}),
+    ("post", None, "/v2/nope", {}),
+    ("get", None, "/%FF", {}),
+    ("get", "/", "/", {}),
+    ("get", "/", "/", {"headers": {"Range": "bytes=0-10"}}),
+    ("get", "/", "/", {"headers": {"Range": "bytes=999999-"}}),
+    ("get", "/favicon.ico", "/favicon.ico", {"headers": {"If-Modified-Since": "Wed, 21 Oct 2099 07:28:00 GMT"}}),
+    ("get", "/favicon.ico", "/favicon.ico", {"headers": {"Range": "bytes=0-3"}}),
+]
+
 
 @pytest.fixture(scope="module")
 def document() -> dict[str, Any]:
@@ -62,12 +99,31 @@ def document() -> dict[str, Any]:
     return openapi_document(default_protocols())
 
 
-def _check(document: dict[str, Any], method: str, path: str, response: Any) -> None:
-    spec = document["paths"][path][method]["responses"].get(str(response.status_code))
-    assert spec is not None, f"{method.upper()} {path} answered {response.status_code}, which is not documented"
+_REFUSALS = {405: "MethodNotAllowed", 404: "NotFound"}  # what a path answers to a method it does not take, or
+# a path the server does not have: no operation holds them, so the document's components do
+
+
+def _documented(document: dict[str, Any], method: str, path: str | None, status: int) -> dict[str, Any]:
+    """The documented response of ``method`` on ``path`` (a template; None: a path the server does not have) for
+    ``status``: HEAD is answered as GET is, without a body."""
+    operations = document["paths"].get(path, {}) if path is not None else {}
+    operation = operations.get("get" if method == "head" and "get" in operations else method)
+    if operation is None:
+        assert status in _REFUSALS, f"{method.upper()} {path} answered {status}, which is not documented"
+        return document["components"]["responses"][_REFUSALS[status]]
+    spec = operation["responses"].get(str(status))
+    assert spec is not None, f"{method.upper()} {path} answered {status}, which is not documented"
+    return spec
+
+
+def _check(document: dict[str, Any], method: str, path: str | None, response: Any) -> None:
+    spec = _documented(document, method, path, response.status_code)
     # Every documented header is sent, except the binary framing one, which only binary answers carry.
     for header in set(spec.get("headers", {})) - {"Inference-Header-Content-Length"}:
         assert header in response.headers, f"{path} {response.status_code} lacks {header}"
+    if "content" not in spec or method == "head":
+        assert response.get_data() == b"", f"{method.upper()} {path} {response.status_code} has a body"
+        return
     media = spec["content"].get(response.mimetype)
     assert media is not None, f"{path} answered {response.mimetype}, documented {list(spec['content'])}"
     if response.mimetype == "application/json":
@@ -88,11 +144,15 @@ def test_every_route_is_documented(app: Flask, document: dict[str, Any]) -> None
 
 def test_every_answer_matches_its_documented_schema(client: FlaskClient, service: Service,
                                                     document: dict[str, Any]) -> None:
-    for method, path, url, kwargs in CALLS:
-        _check(document, method, path, getattr(client, method)(url, **kwargs))
+    statuses = set()
+    for method, path, url, kwargs in CALLS + EDGES:
+        answer = client.open(url, method=method.upper(), **kwargs)
+        _check(document, method, path, answer)
+        statuses.add(answer.status_code)
+    assert {200, 206, 304, 400, 404, 405, 409, 413, 416, 422} <= statuses  # the edges reach what they are for
     service.begin_drain()  # the 503 forms
-    for method, path, url, kwargs in CALLS[:1] + CALLS[6:8] + CALLS[-3:-2]:
-        _check(document, method, path, getattr(client, method)(url, **kwargs))
+    for method, path, url, kwargs in CALLS + EDGES:
+        _check(document, method, path, client.open(url, method=method.upper(), **kwargs))
 
 
 def test_embeddings_and_explanations_match_their_documented_schemas(settings: Settings,
@@ -205,3 +265,94 @@ def test_every_answer_about_a_rollout_matches_its_documented_schema(settings: Se
         assert client.post("/v1/models/colour/promote").status_code == 404  # unloaded now
     finally:
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+_PAGES = frozenset({"/", "/openapi.json", "/favicon.ico"})  # open whatever the key (app/web/auth.py)
+_HEALTH = frozenset({"/healthz", "/readyz", "/metrics", "/v2/health/live", "/v2/health/ready"})
+_METHODS = frozenset({"get", "put", "post", "delete", "options", "head", "patch", "trace"})
+
+
+def _operations(document: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(method, documented path, a concrete URL of it) for every operation the document lists."""
+    return [(method, path, path.replace("{name}", "colour").replace("{version}", "test"))
+            for path, item in document["paths"].items() for method in item if method in _METHODS]
+
+
+def _app_with(settings: Settings, predictor: Predictor, **changes: Any) -> Flask:
+    return create_app(Settings.model_validate({**settings.model_dump(), **changes}), predictor)
+
+
+@pytest.mark.parametrize("health_open", [False, True])
+def test_every_operation_asks_for_the_api_key_as_documented(settings: Settings, predictor: Predictor,
+                                                            document: dict[str, Any], health_open: bool) -> None:
+    # Before: 401 was documented on the POST routes only: no GET (/v1/models, /v2...) said it, nor the health paths
+    # when AUTH_HEALTH_OPEN is off.
+    app = _app_with(settings, predictor, api_key="s3cret", auth_health_open=health_open)
+    try:
+        client = app.test_client()
+        for method, path, url in _operations(document):
+            answer = client.open(url, method=method.upper())
+            keyless = path in _PAGES or (health_open and path in _HEALTH)
+            assert (answer.status_code == 401) is not keyless, (method, path, answer.status_code)
+            _check(document, method, path, answer)
+        head = client.head("/v1/models")
+        assert head.status_code == 401
+        _check(document, "head", "/v1/models", head)
+        # a path the server does not have: the key is asked first there too (the document's description says so)
+        assert client.get("/nope").get_json()["error"]["code"] == "unauthorized"
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def test_every_operation_refuses_a_body_over_the_limit_as_documented(client: FlaskClient, settings: Settings,
+                                                                      document: dict[str, Any]) -> None:
+    # Before: 413 was documented on /predict and the V2 infer routes only; app/web/hooks.py refuses an announced
+    # body over MAX_BODY_BYTES on every route.
+    for method, path, url in _operations(document):
+        answer = client.open(url, method=method.upper(), data=b"\0" * (settings.max_body_bytes + 1),
+                             content_type="application/json")
+        assert answer.status_code == 413, (method, path, answer.status_code)
+        _check(document, method, path, answer)
+
+
+class _StalledBody:
+    """A request body whose client stopped sending: every read times out as the socket's would."""
+
+    def read(self, *_: Any) -> bytes:
+        raise TimeoutError("timed out")
+
+    readline = read
+
+
+def test_every_operation_that_reads_a_body_answers_a_stalled_one_408_as_documented(
+        client: FlaskClient, document: dict[str, Any]) -> None:
+    # Before: 408 was documented on /predict and the V2 infer routes only, not on /explain, promote and rollback or
+    # the repository calls, which read their bodies too.
+    for method, path, url in _operations(document):
+        if method != "post":
+            continue
+        answer = client.post(url, content_type="application/json", headers={"Content-Length": "100"},
+                             environ_overrides={"wsgi.input": _StalledBody(), "wsgi.input_terminated": True})
+        assert answer.status_code == 408, (path, answer.status_code, answer.data[:200])
+        _check(document, method, path, answer)
+
+
+def test_every_answer_while_the_models_load_matches_the_document(settings: Settings,
+                                                                 document: dict[str, Any]) -> None:
+    # Before: GET /v1/models and GET /v2/models/{name}[/versions/{v}] answered an undocumented 503 while loading.
+    with loading_app(settings) as loading:  # the load waits until the test is done
+        client = loading.app.test_client()
+        image = {"data": image_bytes(RED), "content_type": "image/jpeg"}
+        bodies = {"/predict": image, "/explain": image, "/v2/models/{name}/infer": {"json": V2_IMAGES},
+                  "/v2/models/{name}/versions/{version}/infer": {"json": V2_IMAGES}}
+        statuses = {}
+        for method, path, url in _operations(document):
+            if "/promote" in path or "/rollback" in path or "/repository/models/" in path:
+                continue  # these wait for the load to end (the change lock)
+            answer = client.open(url.replace("/test", "/1"), method=method.upper(), **bodies.get(path, {}))
+            _check(document, method, path, answer)
+            statuses[path] = answer.status_code
+        for path in ("/v1/models", "/v2/models/{name}", "/v2/models/{name}/versions/{version}", "/predict",
+                     "/readyz"):
+            assert statuses[path] == 503, statuses
+        assert not loading.failures

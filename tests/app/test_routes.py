@@ -268,6 +268,36 @@ def test_cors_is_off_by_default_and_answers_preflights_for_allowed_origins(setti
             app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 
 
+def test_cors_lets_a_browser_send_and_read_every_header_the_api_uses(settings: Settings, predictor,  # noqa: ANN001
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    # Before: a browser could not send the CLIENT_KEY_HEADER (here renamed) or a binary V2 request's framing, nor
+    # read an explanation's X-Explained-* headers; a preflight's X-Request-ID was empty, not the caller's, and its
+    # access line had request_id null and duration -0.0.
+    from app import EXTENSION_KEY
+    from app.factory import create_app
+
+    app = create_app(Settings.model_validate({**settings.model_dump(), "api_key": "k", "cors_origins": "*",
+                                              "client_key_header": "X-Tenant"}), predictor)
+    try:
+        client = app.test_client()
+        with caplog.at_level(logging.INFO, logger="visionserve.access"):
+            answer = client.options("/v2/models/colour/infer", headers={
+                "Origin": "https://app.example", "Access-Control-Request-Method": "POST", "X-Request-ID": "pre-1",
+                "Access-Control-Request-Headers": "x-tenant, inference-header-content-length"})
+        assert answer.status_code == 204 and answer.headers["X-Request-ID"] == "pre-1"
+        allowed = {name.strip().lower() for name in answer.headers["Access-Control-Allow-Headers"].split(",")}
+        assert {"x-tenant", "inference-header-content-length", "authorization", "tracestate"} <= allowed
+        (line,) = [r for r in caplog.records if r.msg == "request"]
+        assert (line.status, line.request_id, line.method) == (204, "pre-1", "OPTIONS") and line.duration_ms >= 0
+        explained = client.post("/explain?format=png", data=image_bytes(), content_type="image/jpeg",
+                                headers={"Origin": "https://app.example", "Authorization": "Bearer k"})
+        exposed = {name.strip() for name in explained.headers["Access-Control-Expose-Headers"].split(",")}
+        assert {"X-Explained-Class", "X-Explained-Index", "X-Explained-Score", "X-Request-ID", "Retry-After",
+                "Inference-Header-Content-Length"} <= exposed
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
 def test_cuda_out_of_memory_splits_the_batch_and_lowers_the_cap(client: FlaskClient, model: ColourModel) -> None:
     model.batch_sizes.clear()
     model.oom_above = 1

@@ -147,3 +147,10 @@ def test_it_answers_as_the_loading_app_does(loading_app: Any, gate: Gate) -> Non
         assert ours.json == theirs.json, path
         for header in ("Content-Type", "Retry-After", "X-Request-ID", "Connection"):
             assert ours.headers.get(header) == theirs.headers.get(header), (path, header)
+
+
+def test_a_request_id_with_a_final_newline_is_not_kept() -> None:
+    # `$` also matched before a final newline: "abc\n" was kept, and a header holding it cannot be sent.
+    from app.hosting import starting
+
+    assert starting._REQUEST_ID.match("abc-1") and not starting._REQUEST_ID.match("abc-1\n")

@@ -164,7 +164,11 @@ def test_the_demo_page_shows_each_photos_error(browser, fake_url: str, tmp_path:
     assert "no_gradients" in browser.find_element(By.CSS_SELECTOR, ".card .explanation").text
 
 
-def test_the_demo_page_asks_for_the_api_key(browser, settings, predictor, tmp_path: Path) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("secret", ["s3cret", "clé-密钥"])
+def test_the_demo_page_asks_for_the_api_key(browser, settings, predictor, tmp_path: Path,  # noqa: ANN001
+                                            secret: str) -> None:
+    # A key that is not ASCII too: before, fetch refused one past U+00FF and the server never matched one sent in
+    # UTF-8.
     from selenium.webdriver.common.by import By
 
     from app import EXTENSION_KEY
@@ -172,7 +176,7 @@ def test_the_demo_page_asks_for_the_api_key(browser, settings, predictor, tmp_pa
     from app.factory import create_app
     from app.config import Settings
 
-    app = create_app(Settings.model_validate({**settings.model_dump(), "api_key": "s3cret"}), predictor)
+    app = create_app(Settings.model_validate({**settings.model_dump(), "api_key": secret}), predictor)
     try:
         with served_over_http(app) as url:
             photo = tmp_path / "red.jpg"
@@ -180,11 +184,31 @@ def test_the_demo_page_asks_for_the_api_key(browser, settings, predictor, tmp_pa
             browser.get(url + "/")
             key = browser.find_element(By.ID, "key")
             assert key.is_displayed()  # /v1/models said 401, so the page asks
-            key.send_keys("s3cret")
+            key.send_keys(secret)
             (card,) = _pick(browser, None, photo)
-            assert "red" in card.splitlines()[1]
+            # the label's own line ("red" is in "401 unauthorized: a valid API key is required" too)
+            assert card.splitlines()[1] == "red" and "colour version test · " in card, card
     finally:
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def test_the_demo_page_says_the_models_load_and_shows_them_once_loaded(browser, settings) -> None:  # noqa: ANN001
+    # Before: /v1/models's 503 while the models load was read as a list of models: the model line said "TypeError:
+    # Cannot read properties of undefined (reading 'map')" and was never filled.
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from tests.support.fakes import loading_app
+
+    with loading_app(settings) as loading, served_over_http(loading.app) as url:  # loads once the page said so
+        browser.get(url + "/")
+        line = browser.find_element(By.ID, "model")
+        WebDriverWait(browser, 30).until(lambda _: "503 not_ready" in line.text)
+        assert "the model is still loading · asking again in" in line.text, line.text
+        loading.loaded()
+        WebDriverWait(browser, 60).until(lambda _: line.text.startswith("colour version 1 · 4 classes"))
+        assert _picked(browser) == ("colour", ["1"], "1")
+        assert not loading.failures
 
 
 def _naming_default(app: Flask, name: str) -> Callable:

@@ -5,7 +5,7 @@ import contextlib
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.nn as nn
@@ -208,6 +208,39 @@ def several_models_app(settings: Settings) -> Iterator[Flask]:
         yield app
     finally:
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+class LoadingApp(NamedTuple):
+    """An app whose model is still loading (``loading_app``): ``loaded()`` lets its load finish."""
+
+    app: Flask
+    repository: FakeRepository
+    failures: list[BaseException]  # what the app's start-up said could not be served
+
+    def loaded(self) -> None:
+        assert self.repository.gate is not None
+        self.repository.gate.set()
+
+
+@contextlib.contextmanager
+def loading_app(settings: Settings) -> Iterator[LoadingApp]:
+    """The app factory's app whose colour 1 loads only once ``loaded()`` is called (or the block ends); then it
+    shuts down, the load finished first (no thread is left in torch)."""
+    from app import EXTENSION_KEY
+    from app.factory import create_app
+
+    repository = FakeRepository()
+    repository.add("colour", "1")
+    repository.gate = threading.Event()
+    failures: list[BaseException] = []
+    app = create_app(settings, source=repository, on_load_error=failures.append)  # type: ignore[arg-type]
+    try:
+        yield LoadingApp(app, repository, failures)
+    finally:
+        repository.gate.set()
+        service = app.extensions[EXTENSION_KEY]
+        wait_until(lambda: service.ready or bool(failures))
+        service.shutdown(timeout=5)
 
 
 class PooledStreams:

@@ -12,10 +12,14 @@ const modelPick = $("model-pick"), versionPick = $("version-pick"), rolloutLine 
 const BOTH_VERSIONS = "";  // the version picker's value for "the live version and the candidate side by side"
 let served = [];    // /v1/models's entries: one per loaded version
 let rollouts = [];  // /v1/models's rollouts: one per model with a rollout (none from a server without them)
+const RETRY_S = 2, RETRY_MAX_S = 30;  // asking /v1/models again: without a Retry-After, and at the latest
+let modelsRetry = null;  // the timer that asks /v1/models again, while the server cannot answer it
 
 function headers() {
+  // The key as its UTF-8 bytes, one character each: fetch sends a header's characters as bytes (and refuses one
+  // past U+00FF), so a key in any script reaches the server as curl would send it.
   const key = keyInput.value.trim();
-  return key ? { Authorization: "Bearer " + key } : {};
+  return key ? { Authorization: "Bearer " + String.fromCharCode(...new TextEncoder().encode(key)) } : {};
 }
 
 function errorText(status, body) {
@@ -125,11 +129,29 @@ async function refreshRollouts() {
   } catch (_) { /* the line keeps its last figures */ }
 }
 
+function retryModels(status, retryAfter) {
+  // Whether the page asks /v1/models again, and when (the server's Retry-After, else RETRY_S): while it cannot
+  // answer yet (503 while its models load, 429, any 5xx) or did not answer at all (status null). Returns the note
+  // the model line ends with.
+  if (status !== null && status !== 429 && status < 500) return "";
+  const seconds = Math.min(Math.max(Number.parseInt(retryAfter, 10) || RETRY_S, 1), RETRY_MAX_S);
+  modelsRetry = setTimeout(describeModels, seconds * 1000);
+  return ` · asking again in ${seconds} s`;
+}
+
 async function describeModels() {
+  // The models the server serves, into the pickers; while it cannot say (its models loading), why, until it can.
+  clearTimeout(modelsRetry);
   try {
     const response = await fetch("/v1/models", { headers: headers() });
     if (response.status === 401) return needKey("This server needs an API key: enter it above.");
-    const body = await response.json();
+    let body = null;
+    try { body = await response.json(); } catch (_) { /* not JSON: reported as it is */ }
+    if (!response.ok || !body || !Array.isArray(body.models)) {
+      const again = retryModels(response.status, response.headers.get("Retry-After"));
+      $("model").textContent = errorText(response.status, body) + again;
+      return;
+    }
     [served, rollouts] = [body.models, body.rollouts || []];
     const names = [...new Set(served.map((m) => m.name))];
     const chosen = defaultModel(body, names);
@@ -139,7 +161,7 @@ async function describeModels() {
     modelPick.disabled = names.length === 0;
     fillVersions();
   } catch (err) {
-    $("model").textContent = "The server did not answer: " + err;
+    $("model").textContent = "The server did not answer: " + err + retryModels(null, null);
   }
 }
 
