@@ -140,6 +140,15 @@ class Refusal:
     def code(self) -> str:
         return self.reason.lower().replace(" ", "_")
 
+    def tell(self, send: Callable[[bytes], object], client: str | None) -> None:
+        """Send this answer (under a new request id) by ``send``, a client gone meanwhile aside, and log its access
+        line."""
+        request_id = uuid.uuid4().hex
+        with contextlib.suppress(OSError):
+            send(self.response(request_id))
+        log.info("request", extra={"client": client, "status": self.status, "error": self.code,
+                                   "detail": self.message, "request_id": request_id})
+
     def response(self, request_id: str) -> bytes:
         """The answer in the service's error shape, with its request id (as every answer has: the access line names
         it too)."""
@@ -630,11 +639,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         if refusal is None:
             super().handle_error(req, client, addr, exc)
             return
-        request_id = uuid.uuid4().hex
-        with contextlib.suppress(OSError):
-            gunicorn_util.write_nonblock(client, refusal.response(request_id))
-        log.info("request", extra={"client": (addr or ("", -1))[0], "status": refusal.status, "error": refusal.code,
-                                   "detail": refusal.message, "request_id": request_id})
+        refusal.tell(partial(gunicorn_util.write_nonblock, client), addr[0] if isinstance(addr, tuple) else None)
 
     def _refuse(self, reading: Reading) -> None:
         """A request whose head the loop refuses: told why, then its connection closes gracefully (the client may
@@ -646,13 +651,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
     @staticmethod
     def _answer(reading: Reading, refusal: Refusal) -> None:
         """The loop's own answer to a request it ends, and its access line."""
-        request_id = uuid.uuid4().hex
-        try:
-            reading.conn.sock.send(refusal.response(request_id))  # small: fits the socket buffer
-        except OSError:
-            pass
-        log.info("request", extra={"client": _peer(reading.conn), "status": refusal.status, "error": refusal.code,
-                                   "detail": refusal.message, "request_id": request_id})
+        refusal.tell(reading.conn.sock.send, _peer(reading.conn))  # small: fits the socket buffer
 
     def _forget(self, reading: Reading) -> None:
         self.reading.discard(reading)

@@ -117,17 +117,7 @@ def test_resume_after_an_interruption_matches_an_uninterrupted_run(folder: Path,
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert train.main(options(straight)) == 0
 
-    real_epoch, calls = train.train_one_epoch, []
-
-    def interrupted(*args: object, **kwargs: object) -> dict[str, float]:
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt  # the job was stopped during its second epoch
-        return real_epoch(*args, **kwargs)
-
-    monkeypatch.setattr(train, "train_one_epoch", interrupted)
-    assert train.main(options(resumed)) == 130  # Ctrl-C: one line, exit 130
-    monkeypatch.setattr(train, "train_one_epoch", real_epoch)
+    assert _stopped_in_its_second_epoch(monkeypatch, options(resumed)) == 130  # Ctrl-C: one line, exit 130
     assert load_checkpoint(resumed / CHECKPOINT_NAME)["epoch"] == 0
     assert train.main(options(resumed, "--resume", str(resumed / CHECKPOINT_NAME))) == 0
 
@@ -212,6 +202,23 @@ def test_a_user_mistake_prints_no_traceback(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr and "is not a directory" in done.stderr
 
 
+def _stopped_in_its_second_epoch(monkeypatch: pytest.MonkeyPatch, args: list[str]) -> int:
+    """``models.train``'s exit code for ``args``, the job stopped (Ctrl-C) during its second epoch."""
+    real_epoch, calls = train.train_one_epoch, []
+
+    def interrupted(*epoch_args: object, **kwargs: object) -> dict[str, float]:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_epoch(*epoch_args, **kwargs)
+
+    monkeypatch.setattr(train, "train_one_epoch", interrupted)
+    try:
+        return train.main(args)
+    finally:
+        monkeypatch.setattr(train, "train_one_epoch", real_epoch)
+
+
 def _lrs(run: Path) -> list[float]:
     return [row["lr"] for row in read_metrics(run)]
 
@@ -267,17 +274,8 @@ def test_a_run_resumed_with_another_warm_up_goes_on_with_that_schedule(folder: P
     # The same --epochs, another --lr-warmup-epochs: the saved schedule (the cosine alone) has another shape than
     # the one the resumed options plan (a warm-up, then the cosine), so its state cannot be loaded into it.
     run = tmp_path / "run"
-    real_epoch, calls = train.train_one_epoch, []
-
-    def interrupted(*args: object, **kwargs: object) -> dict[str, float]:
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt  # the job was stopped during its second epoch
-        return real_epoch(*args, **kwargs)
-
-    monkeypatch.setattr(train, "train_one_epoch", interrupted)
-    assert train.main(small_args(folder, run, "--epochs", "2", "--lr-warmup-epochs", "0")) == 130
-    monkeypatch.setattr(train, "train_one_epoch", real_epoch)
+    assert _stopped_in_its_second_epoch(monkeypatch, small_args(folder, run, "--epochs", "2",
+                                                                "--lr-warmup-epochs", "0")) == 130
     assert train.main(small_args(folder, run, "--epochs", "2", "--lr-warmup-epochs", "1", "--resume",
                                  str(run / CHECKPOINT_NAME))) == 0
     # The second epoch starts where a run planned with one warm-up epoch starts its cosine (--lr), not at the

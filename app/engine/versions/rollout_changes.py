@@ -112,9 +112,9 @@ class RolloutChanges:
     def judge_evidence(self) -> None:
         """Apply what the rules decide on every worker's evidence (a promotion, a rollback, a watch settled), as a
         call would. The caller holds the change lock, having shared this worker's evidence."""
-        _, desired = self.sync.read()
+        generation, desired = self.sync.read()
         judged = {name: entry for name, entry in desired.items() if entry.get("versions") and has_rules(entry)}
-        evidence = merged(self.sync.current_workers()) if judged else {}
+        evidence = merged(self.sync.current_workers(generation)) if judged else {}
         for name, entry in sorted(judged.items()):
             verdict = judge(name, entry, evidence)
             if verdict is None:

@@ -72,11 +72,11 @@ class WorkerSync:
         """What each worker of the server serves (its last report)."""
         return self.desired.workers()
 
-    def current_workers(self) -> list[dict[str, Any]]:
-        """The reports of the workers that serve the newest generation: the rollout evidence gathered under the
-        roles it gives (a worker still behind counts its traffic under the roles before, e.g. a candidate's canary
-        requests as though the new default had served them)."""
-        newest = self.desired.read()[0]
+    def current_workers(self, newest: int | None = None) -> list[dict[str, Any]]:
+        """The reports of the workers that serve the newest generation (``newest``, when the caller has just read
+        it): the rollout evidence gathered under the roles it gives (a worker still behind counts its traffic under
+        the roles before, e.g. a candidate's canary requests as though the new default had served them)."""
+        newest = self.desired.read()[0] if newest is None else newest
         return [report for report in self.desired.workers() if report.get("generation", 0) >= newest]
 
     def wait_for_workers(self, generation: int, name: str) -> None:
