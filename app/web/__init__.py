@@ -14,7 +14,7 @@ from app.config import Settings
 from app.web.connection import CloseWhenAsked
 from app.web.cors import register_cors
 from app.web.errors import register_error_handlers
-from app.web.hooks import register_hooks, register_identity
+from app.web.hooks import register_hooks
 from app.web.ops import register_ops
 from app.web.protocol import Protocol
 from app.web.services import current_service
@@ -33,9 +33,8 @@ def init_app(app: Flask, settings: Settings, service: ServiceFace, protocols: Se
     app.json.sort_keys = False  # type: ignore[attr-defined]
     app.extensions[EXTENSION_KEY] = service
     app.wsgi_app = CloseWhenAsked(app.wsgi_app)  # type: ignore[method-assign]
-    register_identity(app, settings)  # first: every answer, a preflight's too, has its id and its access-log line
-    register_cors(app, settings)  # then: a preflight is answered before the body limit and the API key check
-    register_hooks(app, settings)
+    # one before hook: the id and access-log fields, then a CORS preflight's answer, then the limit and the key
+    register_hooks(app, settings, preflight=register_cors(app, settings))
     register_tracing(app, settings)  # after the hooks, so a span can carry the request id they set
     register_error_handlers(app, protocols, settings.client_body_timeout_s)
     register_ops(app, protocols)

@@ -6,7 +6,9 @@ the answer.
 """
 from __future__ import annotations
 
-from flask import Flask, Response, request
+from typing import Callable
+
+from flask import Flask, Request, Response, request
 
 from app.config import Settings
 
@@ -26,23 +28,22 @@ def parse_origins(setting: str) -> frozenset[str]:
     return frozenset(origin.strip().rstrip("/") for origin in setting.split(",") if origin.strip())
 
 
-def register_cors(app: Flask, settings: Settings) -> None:
-    """Answer preflights and add CORS headers for the allowed origins; nothing at all when ``CORS_ORIGINS`` is
-    empty."""
+def register_cors(app: Flask, settings: Settings) -> Callable[[Request], Response | None] | None:
+    """Add CORS headers for the allowed origins, and return what answers a preflight (app/web/hooks.py calls it
+    after the request's id is given and before any refusal); nothing at all when ``CORS_ORIGINS`` is empty."""
     origins = parse_origins(settings.cors_origins)
     if not origins:
-        return
+        return None
     allowed_headers = f"{ALLOWED_HEADERS}, {settings.client_key_header}"
 
     def allowed(origin: str | None) -> bool:
         return origin is not None and ("*" in origins or origin in origins)
 
-    @app.before_request
-    def _preflight() -> Response | None:
-        if request.method != "OPTIONS" or "Access-Control-Request-Method" not in request.headers:
+    def preflight(req: Request) -> Response | None:
+        if req.method != "OPTIONS" or "Access-Control-Request-Method" not in req.headers:
             return None
         response = Response(status=204)
-        if allowed(request.headers.get("Origin")):
+        if allowed(req.headers.get("Origin")):
             response.headers.update({"Access-Control-Allow-Methods": "GET, POST, OPTIONS",
                                      "Access-Control-Allow-Headers": allowed_headers,
                                      "Access-Control-Max-Age": str(MAX_AGE_S)})
@@ -56,3 +57,5 @@ def register_cors(app: Flask, settings: Settings) -> None:
             response.headers["Access-Control-Expose-Headers"] = EXPOSED
         response.vary.add("Origin")
         return response
+
+    return preflight

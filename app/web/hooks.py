@@ -1,9 +1,8 @@
 """Request-wide hooks, registered on the app (not on one blueprint): every route gets them, /v2 and /docs too.
 
-Before, first (``register_identity``, ahead of even a CORS preflight's answer): the request id, the clock and the
-access log's fields (a trusted X-Forwarded-For among them). Then (``register_hooks``): a body announced over the
-limit (413), the socket timeout for slow bodies, the API key. After: the id header, the request metrics and one
-structured access-log line.
+Before, in one hook: the request id, the clock and the access log's fields (a trusted X-Forwarded-For among them),
+then a CORS preflight's answer, then a body announced over the limit (413), the socket timeout for slow bodies, the
+API key. After: the id header, the request metrics and one structured access-log line.
 """
 from __future__ import annotations
 
@@ -11,6 +10,7 @@ import logging
 import os
 import re
 import time
+from typing import Callable
 
 from flask import Flask, Request, Response, current_app, g, request
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
@@ -25,33 +25,28 @@ access_log = logging.getLogger("visionserve.access")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}\Z")  # \Z, not $: $ also matches before a final newline
 
 
-def register_identity(app: Flask, settings: Settings) -> None:
-    """Give every request of ``app`` its id, its start time and its access-log fields before anything may answer
-    it (a refusal, a CORS preflight), and the after hook that sends the id and writes the log line."""
+def register_hooks(app: Flask, settings: Settings,
+                   preflight: Callable[[Request], Response | None] | None = None) -> None:
+    """One before hook for every request of ``app``, in this order: its id, its start time and its access-log fields
+    (a trusted X-Forwarded-For among them), so every answer has them; a CORS ``preflight``'s answer (app/web/cors.py),
+    before any refusal; then the refusals: an announced body over the limit, the body's socket timeout, the API key.
+    And the after hook that sends the id and writes the log line. One hook, not one per step: Flask checks and
+    calls each hook of every request."""
     trust_forwarded_for = settings.trust_forwarded_for
+    forms = None if (api_key := settings.resolved_api_key()) is None else key_forms(api_key)
+    body_timeout_s, health_open = settings.client_body_timeout_s, settings.auth_health_open
+    max_body_bytes = settings.max_body_bytes
 
     @app.before_request
-    def _identify() -> None:
+    def _start_request() -> Response | None:
         req, context = request._get_current_object(), g._get_current_object()  # not a proxy lookup per field
         # Keep a caller's id when it is sane, so logs can be joined across services; otherwise make one.
         incoming = req.headers.get("X-Request-ID", "")
         context.request_id = incoming if _REQUEST_ID.match(incoming) else os.urandom(16).hex()
         context.started = time.perf_counter()
         context.log_fields = {"forwarded_for": req.headers.get("X-Forwarded-For")} if trust_forwarded_for else {}
-
-    app.after_request(_finish_request)
-
-
-def register_hooks(app: Flask, settings: Settings) -> None:
-    """Install the refusals every request of ``app`` meets: an announced body over the limit, the body's socket
-    timeout, the API key (after ``register_identity``'s hook)."""
-    forms = None if (api_key := settings.resolved_api_key()) is None else key_forms(api_key)
-    body_timeout_s, health_open = settings.client_body_timeout_s, settings.auth_health_open
-    max_body_bytes = settings.max_body_bytes
-
-    @app.before_request
-    def _start_request() -> None:
-        req = request._get_current_object()  # not a proxy lookup per field
+        if preflight is not None and (answer := preflight(req)) is not None:
+            return answer
         if (req.content_length or 0) > max_body_bytes:
             # Announced over the limit: refused here, on every route, before any of it is read (werkzeug's own
             # 413 said "The data value transmitted exceeds the capacity limit.", and only on routes that read).
@@ -64,6 +59,9 @@ def register_hooks(app: Flask, settings: Settings) -> None:
             sock.settimeout(body_timeout_s)
         if forms is not None and needs_key(req.path, health_open):
             check_api_key(req.headers, forms)
+        return None
+
+    app.after_request(_finish_request)
 
 
 def is_probe(path: str) -> bool:
