@@ -90,12 +90,14 @@ def _service(worker):  # noqa: ANN001, ANN202 - gunicorn passes its own worker o
 
 
 def on_starting(server) -> None:  # noqa: ANN001
-    """Say so when a VISIONSERVE_ variable is no setting: a misspelt one would otherwise change nothing."""
+    """Say so when a VISIONSERVE_ variable is no setting: a misspelt one would otherwise change nothing. Clear what
+    an earlier run left in kept directories (CONTROL_DIR's marks, the metrics' files), then start the engines."""
     for warning in unknown_variables(os.environ):
         server.log.warning(warning)
     server.log.info("visionserve: %d worker%s (%s)", _workers, "" if _workers == 1 else "s", _workers_why)
     _halt_once(server)
     control.clear_stale(Path(os.environ["VISIONSERVE_CONTROL_DIR"]))  # a kept directory's marks: an earlier start's
+    _clear_metrics(server)
     if _engine == "process":
         server.log.info("visionserve: %d engine process%s (ENGINES_PER_DEVICE=%d)", _engines,
                         "" if _engines == 1 else "es", _settings.engines_per_device)
@@ -106,6 +108,23 @@ def on_starting(server) -> None:  # noqa: ANN001
         supervisor.reap_engines_first(server)  # an engine's exit status is its watcher's to log, not lost to gunicorn
         supervisor.start_engines(_engines, Path(os.environ["VISIONSERVE_CONTROL_DIR"]),
                                  _forget)
+
+
+def _clear_metrics(server) -> None:  # noqa: ANN001
+    """Remove the values an earlier run left in PROMETHEUS_MULTIPROC_DIR (its ``*.db`` files, nothing else), as
+    prometheus-client asks between runs: /metrics sums every file there, so a run that died uncleanly (the
+    container killed) would add its processes' counters, a ready 0 and its queue capacity to this one's. Once, at
+    the master's start: a HUP keeps the workers and engines, and their files; nor in a master started by another's
+    USR2 (its ``master_pid``), whose workers still serve and write there."""
+    folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not folder or getattr(server, "master_pid", 0):
+        return
+    left = list(Path(folder).glob("*.db"))
+    for path in left:
+        path.unlink(missing_ok=True)
+    if left:
+        server.log.info("visionserve: removed %d metrics file%s an earlier run left in %s", len(left),
+                        "" if len(left) == 1 else "s", folder)
 
 
 def _halt_once(server) -> None:  # noqa: ANN001
@@ -186,7 +205,8 @@ def child_exit(server, worker) -> None:  # noqa: ANN001
 
 def on_exit(server) -> None:  # noqa: ANN001
     """Stop the engines once the workers are gone (they finish what is queued), then remove the metrics and control
-    directories this master made (ones set aside by ops are theirs to keep)."""
+    directories this master made (ones set aside by ops are theirs to keep; the next start empties a metrics one of
+    its ``*.db`` files: _clear_metrics)."""
     supervisor.stop_engines(_settings.graceful_timeout_s)
     for own in supervisor.OWNED_DIRS:
         shutil.rmtree(own, ignore_errors=True)

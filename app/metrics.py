@@ -47,7 +47,10 @@ disable_created_metrics()
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
 
-REQUESTS = Counter("visionserve_requests_total", "HTTP requests answered", ["endpoint", "status"])
+REQUESTS = Counter("visionserve_requests_total", "HTTP requests answered (endpoint \"unparsed\": refused before "
+                   "any route, from the request head or its timeouts: 400, 408, 414, 431, a parser's refusal)",
+                   ["endpoint", "status"])
+UNPARSED = "unparsed"  # the endpoint of requests refused before the app (app/hosting/worker.py)
 REQUEST_SECONDS = Histogram("visionserve_request_duration_seconds", "Whole request time", ["endpoint"],
                             buckets=_LATENCY_BUCKETS)
 STAGE_SECONDS = Histogram("visionserve_stage_duration_seconds", "Time per stage: decode (per request), queue "
@@ -64,17 +67,20 @@ QUEUE_DEPTH = Gauge("visionserve_queue_depth", "Images waiting for the inference
                     multiprocess_mode="livesum")
 PROBES = Counter("visionserve_probe_requests_total", "Health probes, scrapes and API-description requests, "
                  "counted apart from traffic", ["endpoint", "status"])
+PREFLIGHTS = Counter("visionserve_cors_preflights_total", "CORS preflights (OPTIONS answered before any route, "
+                     "CORS_ORIGINS), counted apart from traffic", ["endpoint", "status"])
 REJECTED = Counter("visionserve_rejected_total", "Requests refused before inference", ["reason"])
 BATCHER_EVENTS = Counter("visionserve_batcher_events_total", "deadline_dropped: images dropped in the queue; "
                          "client_gone: queued images dropped because their client hung up; batch_split: "
                          "out-of-memory batches split and retried; batch_failed: forward passes that raised (a "
                          "failed batch runs again one image at a time)", ["event"])
-MODEL_INFO = Gauge("visionserve_model_info", "Each loaded model version (1; 0 once unloaded)",
-                   ["name", "version", "device", "dtype"], multiprocess_mode="max")
+MODEL_INFO = Gauge("visionserve_model_info", "Each loaded model version (1; 0 once unloaded; with several "
+                   "processes the highest live one's)", ["name", "version", "device", "dtype"],
+                   multiprocess_mode="livemax")
 READY = Gauge("visionserve_ready", "1 while the worker is ready: model loaded, warmed up, canary passed, batcher "
               "running, not draining (with several workers: the lowest)", multiprocess_mode="livemin")
-BATCHER_ALIVE = Gauge("visionserve_batcher_alive", "1 while the inference thread runs (with several workers: the "
-                      "lowest)", multiprocess_mode="livemin")
+BATCHER_ALIVE = Gauge("visionserve_batcher_alive", "1 while the inference thread of every served version runs "
+                      "(with several workers: the lowest)", multiprocess_mode="livemin")
 QUEUE_CAPACITY = Gauge("visionserve_queue_capacity", "Images the inference queue holds (QUEUE_SIZE resolved)",
                        ["model", "version"], multiprocess_mode="livesum")
 GPU_MEMORY = Gauge("visionserve_gpu_memory_bytes", "CUDA memory of this worker", ["kind"],
@@ -210,13 +216,21 @@ def show_gpu_memory(stats: dict[str, int]) -> None:
         GPU_MEMORY.labels(kind).set(value)
 
 
+# The copies of each (model, version) serving in this process, from their ``serving`` to their ``retire``: a
+# version loaded again (a rollback to it) serves while its replaced copy still drains the requests that held it.
+# The series both write (model info, queue capacity and depth, drift and low confidence) are the serving copy's:
+# the draining one's retire and end write none of them.
+_SERVING: Tally[tuple[str, str]] = Tally()
+_SERVING_LOCK = threading.Lock()  # a copy's end and another's start write the same series: one after the other
+
+
 class MetricsObserver:
     """Feeds one model version's batcher reports and its monitored predictions into the metrics. A batch's figures
     are held until ``settle`` (the batcher's, through its version) writes every batch's since the last one together:
     one increment per bucket and series, not several per batch; ``memory_stats`` is read then (CUDA only), once a
     ``MEMORY_READ_S`` at most. Once
     ``retire``d (its version unloaded), its stopping batcher no longer counts as a dead one and its drift and
-    low-confidence gauges read 0."""
+    low-confidence gauges read 0, unless another copy of its version serves in this process (``_SERVING``)."""
 
     def __init__(self, memory_stats: Callable[[], dict[str, int]] | None = None, model: str = "",
                  version: str = "") -> None:
@@ -234,17 +248,49 @@ class MetricsObserver:
         # time): its wall time and CPU
         self._held_lock = threading.Lock()
         self._held = _HeldBatches()  # the batches' figures since the last settle
+        self._serving = 0  # 1 from ``serving`` to ``retire``: this copy counted in _SERVING
+
+    def serving(self, info_labels: Sequence[str], queue_size: int) -> None:
+        """The version serves: its info series (``info_labels``: name, version, device, dtype) reads 1 until
+        ``gone``, its queue's capacity ``queue_size`` until ``retire``."""
+        with _SERVING_LOCK:
+            if not self._serving:
+                self._serving = 1
+                _SERVING[self._labels] += 1
+            MODEL_INFO.labels(*info_labels).set(1)
+            QUEUE_CAPACITY.labels(*self._labels).set(queue_size)
+
+    def _another_copy_serves(self) -> bool:
+        """Another copy of this version serves in this process: the series they share are its."""
+        return _SERVING[self._labels] > self._serving
+
+    def _stop_serving(self) -> None:
+        """Under _SERVING_LOCK: this copy no longer counts as serving its version."""
+        if self._serving:
+            self._serving = 0
+            _SERVING[self._labels] -= 1
+            if not _SERVING[self._labels]:
+                del _SERVING[self._labels]
 
     def retire(self) -> None:
-        """The version is being unloaded: its queue series and the figures it reported read 0, and its batcher's
-        end is no failure."""
-        with self._figures_lock:
+        """The version is being unloaded: its queue series and the figures it reported read 0 (unless another copy
+        of it serves: they are that copy's), and its batcher's end is no failure."""
+        with _SERVING_LOCK, self._figures_lock:
             self.retired = True
+            self._stop_serving()
+            if self._another_copy_serves():
+                return
             for figure in self._figures.values():
                 figure.set(0)
-        self._queue_depth.set(0)
-        self._depth_written = -1  # unknown: a report racing this one may land after it; the next one writes 0 again
-        QUEUE_CAPACITY.labels(*self._labels).set(0)
+            self._queue_depth.set(0)
+            self._depth_written = -1  # unknown: a report racing this one may land after it; the next one writes 0
+            QUEUE_CAPACITY.labels(*self._labels).set(0)
+
+    def gone(self, info_labels: Sequence[str]) -> None:
+        """The retired version stopped: its info series reads 0, unless another copy of it serves."""
+        with _SERVING_LOCK:
+            if not self._another_copy_serves():
+                MODEL_INFO.labels(*info_labels).set(0)
 
     def predictions(self, labels: Sequence[str], confidences: Sequence[float], low_confidence_ratio: float | None,
                     psi: float | None) -> None:
@@ -314,18 +360,25 @@ class MetricsObserver:
     def queue_depth(self, depth: int) -> None:
         """Publish the queue depth (written when it changed: the batcher reports it as it takes a batch when it is 0
         or none was reported lately, and now and then as items are queued)."""
-        depth = 0 if self.retired else depth
+        if self.retired:
+            if self._another_copy_serves():
+                return
+            depth = 0
         if depth != self._depth_written:
             self._depth_written = depth
             self._queue_depth.set(depth)
 
     def running(self, alive: bool) -> None:
-        """The inference thread started or ended (a worker without it cannot be ready)."""
-        if self.retired:
+        """The inference thread started or ended: one that ends unretired (a worker without it cannot be ready)
+        reads 0 at once. A start writes nothing: the gauge is every served version's (another's thread may have
+        ended), which the service sets as it reports (``Service.alive``). A copy whose thread ended (a crash, its
+        service's shutdown) no longer counts as serving its version (_SERVING)."""
+        if self.retired or alive:
             return
-        BATCHER_ALIVE.set(int(alive))
-        if not alive:
-            READY.set(0)
+        with _SERVING_LOCK:
+            self._stop_serving()
+        BATCHER_ALIVE.set(0)
+        READY.set(0)
 
 # Rollouts (app/engine/rollouts/evidence.py, app/engine/service.py): a candidate against the live version of its model (the
 # dashboard's shadow panels read these).

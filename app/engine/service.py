@@ -26,7 +26,7 @@ from app.engine.versions.controller import VersionsController
 from app.engine.versions.routing import Route
 from app.engine.versions.sources import GivenSource, Source
 from app.errors import ServiceError
-from app.metrics import READY, VERSION_REQUEST_SECONDS, VERSION_REQUESTS, RequestTally, series
+from app.metrics import BATCHER_ALIVE, READY, VERSION_REQUEST_SECONDS, VERSION_REQUESTS, RequestTally, series
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +83,13 @@ class Service(Lifecycle):
         return service
 
     def _update_ready_gauge(self) -> bool:
-        """Readiness now (``ready``), set in the ready gauge too."""
-        ready = self.loaded and not self._draining.is_set() and self.alive and self._every_worker_serves()
+        """Readiness now (``ready``), set in the ready gauge too; once the first models serve, the batcher gauge
+        says ``alive``: every served version's thread runs (a thread's end sets it 0 at once: MetricsObserver; a
+        version's start leaves it to this, as another's thread may have ended)."""
+        alive = self.alive
+        ready = self.loaded and not self._draining.is_set() and alive and self._every_worker_serves()
+        if self._started.is_set():
+            BATCHER_ALIVE.set(int(alive))
         READY.set(int(ready))
         return ready
 

@@ -27,7 +27,8 @@ blocking read.
 ``NoAccessLog`` is gunicorn's logger without its access line: the app writes one structured line per request.
 
 The master loads these classes: they import gunicorn, greenlet and the standard library only (and app.errors and
-app.hosting's control, waiting and loop_requests, which are plain).
+app.hosting's control, waiting and loop_requests, which are plain); a refusal's count imports app.metrics in the
+worker, when it is made (``count_unparsed``).
 """
 from __future__ import annotations
 
@@ -141,13 +142,14 @@ class Refusal:
         return self.reason.lower().replace(" ", "_")
 
     def tell(self, send: Callable[[bytes], object], client: str | None) -> None:
-        """Send this answer (under a new request id) by ``send``, a client gone meanwhile aside, and log its access
-        line."""
+        """Send this answer (under a new request id) by ``send``, a client gone meanwhile aside, log its access
+        line and count it (``count_unparsed``)."""
         request_id = uuid.uuid4().hex
         with contextlib.suppress(OSError):
             send(self.response(request_id))
         log.info("request", extra={"client": client, "status": self.status, "error": self.code,
                                    "detail": self.message, "request_id": request_id})
+        count_unparsed(self.status)
 
     def response(self, request_id: str) -> bytes:
         """The answer in the service's error shape, with its request id (as every answer has: the access line names
@@ -158,6 +160,15 @@ class Refusal:
         return (f"HTTP/1.1 {self.status} {self.reason}\r\n".encode()
                 + b"Content-Type: application/json\r\nConnection: close\r\nX-Request-ID: " + request_id.encode()
                 + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+def count_unparsed(status: int) -> None:
+    """A request answered before the app (refused from its head, or timed out) in ``visionserve_requests_total``,
+    endpoint ``unparsed``. app.metrics is imported here, in the worker: the master loads this module before it sets
+    PROMETHEUS_MULTIPROC_DIR, and prometheus-client chooses its multiprocess mode once, on its import."""
+    from app.metrics import REQUESTS, UNPARSED, series
+
+    series(REQUESTS, UNPARSED, str(status)).inc()
 
 
 # What gunicorn's parser refuses once a head is whole, as gunicorn answers it (its status and reason), written in the

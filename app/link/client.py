@@ -17,8 +17,10 @@ and every worker of the server reached the engine (each marks ``http-<pid>.ready
 removes a dead worker's mark), so after the first 200 of ``/readyz`` no worker answers ``not_ready``.
 
 The gauges ``visionserve_ready`` and ``visionserve_batcher_alive`` read 0 in every process from its import, and
-/metrics reads their lowest over the live processes, the engines' included: a worker sets its own part, 1 once it
-reached a ready engine (it has no inference thread of its own), ready 0 again from its drain.
+/metrics reads their lowest over the live processes, the engines' included: a worker sets its own part, 1 while it
+reaches a ready engine (it has no inference thread of its own), ready 0 again from its drain. A dead engine's own
+values go with it (the master marks it dead), so the worker's part follows its link (``_follow_engine``): 0 from the
+engine process's end, which a pidfd of it says at once, until its restart is ready.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import contextlib
 import functools
 import logging
 import os
+import select
 import socket
 import threading
 import time
@@ -57,7 +60,8 @@ STATE_TIMEOUT_S = 1.0  # an engine that does not say its state within this is no
 SIGNATURE_TIMEOUT_S = 5.0  # a signature is a routing-table read: an engine silent this long is stuck
 CATALOG_GRACE_S = 10.0  # beyond REPOSITORY_SYNC_TIMEOUT_S, for a catalog call (a load waits for every engine)
 STATE_TTL_S = 0.2  # readiness asked of the engine at most this often
-WAIT_S = 0.1  # while starting, how often to look for the engine
+WAIT_S = 0.1  # while starting or restarting, how often to look for the engine
+WATCH_S = 5.0  # how often the wait for the engine process's end looks whether this worker is stopping
 
 
 def _as_service_error(exc: BaseException) -> ServiceError:
@@ -235,14 +239,20 @@ class RemoteService(Lifecycle):
         self._signatures: dict[tuple[str | None, str | None], Signature] = {}
         self._signatures_of: tuple[int, int] = (0, 0)  # (engine pid, routing generation) they were read at
         self.loop_link: LoopLink | None = None  # the requests on this worker's loop: one connection, made when first used
+        self._stopped = threading.Event()  # this worker is going away: its link's thread ends
 
     @classmethod
     def start(cls, settings: Settings, slot: int, on_error: Callable[[BaseException], None]) -> "RemoteService":
-        """A service that answers now and waits on a thread for the engine to be ready; ``on_error`` gets the
-        engine's boot failure (a model that cannot be served)."""
+        """A service that answers now and waits on a thread for the engine to be ready, then follows it there
+        (``_follow_engine``); ``on_error`` gets the engine's boot failure (a model that cannot be served)."""
         service = cls(settings, slot)
-        threading.Thread(target=service._wait_for_engine, args=(on_error,), name="engine-wait", daemon=True).start()
+        threading.Thread(target=service._link_engine, args=(on_error,), name="engine-wait", daemon=True).start()
         return service
+
+    def _link_engine(self, on_error: Callable[[BaseException], None]) -> None:
+        self._wait_for_engine(on_error)
+        if self._started.is_set():
+            self._follow_engine()
 
     def _wait_for_engine(self, on_error: Callable[[BaseException], None]) -> None:
         failure = control.engine_failure(self.control_dir, self.slot)
@@ -254,13 +264,60 @@ class RemoteService(Lifecycle):
             if state is not None and state.ready:
                 self._started.set()
                 self._serving_now()
-                BATCHER_ALIVE.set(1)  # no inference thread here: whether the engine's runs is its own gauge
-                READY.set(1)
-                if self.draining:  # a drain that began meanwhile set 0 before this
-                    READY.set(0)
+                self._show_engine(True)
                 log.info("ready to serve (engine %d)", self.slot)
                 return
             time.sleep(WAIT_S)
+
+    def _follow_engine(self) -> None:
+        """Until this worker stops: its gauges 0 from its engine's end (``_engine_gone``) until an engine is ready
+        again (the master restarts it), then 1 again. Without this the worker's 1s, left alone once the dead
+        engine's values went, read ready and alive while /readyz said 503."""
+        while not self._stopped.is_set():
+            self._engine_gone()
+            if self._stopped.is_set():
+                return
+            self._show_engine(False)
+            log.info("engine %d is gone: waiting for it to be ready again", self.slot)
+            while not self._stopped.wait(WAIT_S):  # (a restart takes a second at least: RESTART_DELAY_S)
+                state = self._engine_state(fresh=True)
+                if state is not None and state.ready:
+                    self._show_engine(True)
+                    log.info("engine %d is ready again", self.slot)
+                    break
+
+    def _engine_gone(self) -> None:
+        """Return once the engine that answered last ends (or this worker stops): its process (each answer names its
+        pid) watched through a pidfd, readable the moment it exits, else looked for every WAIT_S. Nothing is asked
+        of the engine and no connection held open to it: its loop counts each idle connection as one a request may
+        still come on, and waits for it (app/link/gathering.py)."""
+        pid = self._signatures_of[0]  # of the answer that said it is ready
+        if pid <= 0:
+            return
+        try:
+            exited = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return
+        except (AttributeError, OSError):  # no pidfd here (not Linux, or a kernel before 5.3)
+            while control.process_alive(pid) and not self._stopped.wait(WAIT_S):
+                pass
+            return
+        try:
+            poller = select.poll()
+            poller.register(exited, select.POLLIN)
+            while not poller.poll(WATCH_S * 1000) and not self._stopped.is_set():
+                pass
+        finally:
+            os.close(exited)
+
+    def _show_engine(self, reached: bool) -> None:
+        """This worker's part of the ready and batcher_alive gauges: 1 while it reaches a ready engine (it has no
+        inference thread here: whether the engine's runs is the engine's own gauge), else 0; ready 0 once
+        draining."""
+        BATCHER_ALIVE.set(int(reached))
+        READY.set(int(reached))
+        if reached and self.draining:  # a drain that began meanwhile set 0 before this
+            READY.set(0)
 
     # -- exchanges with the engine ---------------------------------------------------------------------------------
 
@@ -392,7 +449,8 @@ class RemoteService(Lifecycle):
         READY.set(0)
 
     def shutdown(self, timeout: float | None = None) -> None:
-        """This worker is going away: nothing of the engine is its to stop."""
+        """This worker is going away: nothing of the engine is its to stop; its link's thread ends."""
+        self._stopped.set()
         self.begin_drain()
 
 

@@ -2,7 +2,8 @@
 
 Before, in one hook: the request id, the clock and the access log's fields (a trusted X-Forwarded-For among them),
 then a CORS preflight's answer, then a body announced over the limit (413), the socket timeout for slow bodies, the
-API key. After: the id header, the request metrics and one structured access-log line.
+API key. After: the id header, the request metrics (probes and CORS preflights apart from traffic) and one
+structured access-log line.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from app.config import Settings
 from app.errors import BodyTooLarge
-from app.metrics import PROBES, REJECTED, REQUEST_SECONDS, REQUESTS, series
+from app.metrics import PREFLIGHTS, PROBES, REJECTED, REQUEST_SECONDS, REQUESTS, series
 from app.web.auth import OPEN_PATHS, check_api_key, is_page, key_forms, needs_key
 
 access_log = logging.getLogger("visionserve.access")
@@ -46,6 +47,7 @@ def register_hooks(app: Flask, settings: Settings,
         context.started = time.perf_counter()
         context.log_fields = {"forwarded_for": req.headers.get("X-Forwarded-For")} if trust_forwarded_for else {}
         if preflight is not None and (answer := preflight(req)) is not None:
+            context.preflight = True  # counted apart from traffic (_finish_request)
             return answer
         if (req.content_length or 0) > max_body_bytes:
             # Announced over the limit: refused here, on every route, before any of it is read (werkzeug's own
@@ -93,6 +95,8 @@ def _finish_request(response: Response) -> Response:
     probe = is_probe(req.path)
     if probe:
         series(PROBES, endpoint, str(status)).inc()
+    elif status == 204 and getattr(context, "preflight", False):  # a CORS preflight (cors.py answers 204): not
+        series(PREFLIGHTS, endpoint, "204").inc()  # traffic, kept out of the alerts' ratios and the latency
     else:
         series(REQUESTS, endpoint, str(status)).inc()
         series(REQUEST_SECONDS, endpoint).observe(elapsed)

@@ -1,5 +1,6 @@
-"""ENGINE=process without a server: an HTTP worker's own part of the ready and batcher_alive gauges, the engine's
-exit status when the master's reaping finds it first, and the keep-alive rules for a body the app left unread."""
+"""ENGINE=process without a server: an HTTP worker's own part of the ready and batcher_alive gauges (0 while its
+engine is gone), the engine's exit status when the master's reaping finds it first, and the keep-alive rules for a
+body the app left unread."""
 from __future__ import annotations
 
 import os
@@ -18,6 +19,7 @@ from gunicorn.http.parser import RequestParser
 from prometheus_client import REGISTRY
 
 from app.config import Settings
+from app.engine.contract import not_ready
 from app.hosting.worker import HeldUnreader, skip_held_body
 from app.link import supervisor, wire
 from app.link.client import RemoteService
@@ -45,6 +47,60 @@ def test_an_http_worker_reads_1_once_it_reached_a_ready_engine_and_0_from_its_dr
     assert not errors and _gauges() == (1.0, 1.0)
     worker.begin_drain()
     assert _gauges() == (0.0, 1.0)
+
+
+class Engines:
+    """The engine as a worker's link meets it: a process (a sleeping child) whose answers name its pid, ready while
+    it lives; ``kill`` ends it (SIGKILL), ``start`` a new one, as the master's restart does."""
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen[bytes] | None = None
+        self.started = 0
+
+    def start(self) -> None:
+        self.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        self.started += 1
+
+    def kill(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+
+    def exchange(self, worker: RemoteService, message: object, timeout_s: float, away: str) -> object:
+        """``RemoteService._exchange``: the engine's answer, or NotReady when it is gone."""
+        if self.process is None:
+            raise not_ready(away)
+        return worker._value(wire.Answer(wire.EngineState(True, True, True, False), None, self.process.pid, 1))
+
+
+@pytest.mark.parametrize("pidfd", [True, False])  # False: a host without pidfd_open, where the pid is looked for
+def test_an_http_worker_reads_0_from_its_engine_s_end_until_the_restarted_engine_is_ready(
+        settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pidfd: bool) -> None:
+    # The dead engine's own values go with it (the master marks it dead): the worker's 1s, left alone, read ready
+    # and alive in /metrics while /readyz said 503, until the restart's first values came.
+    (tmp_path / "control").mkdir()
+    if not pidfd:
+        monkeypatch.delattr(os, "pidfd_open")
+    engines = Engines()
+    monkeypatch.setattr(RemoteService, "_exchange", lambda self, message, timeout_s, away, segments=():
+                        engines.exchange(self, message, timeout_s, away))
+    READY.set(0)
+    BATCHER_ALIVE.set(0)  # as every process's gauges read from their import
+    errors: list[BaseException] = []
+    engines.start()
+    worker = RemoteService.start(settings.model_copy(update={"control_dir": tmp_path / "control"}), 0, errors.append)
+    try:
+        wait_until(lambda: _gauges() == (1.0, 1.0))
+        for _ in range(2):
+            engines.kill()
+            wait_until(lambda: _gauges() == (0.0, 0.0))
+            engines.start()  # the master's restart, ready
+            wait_until(lambda: _gauges() == (1.0, 1.0))
+        assert not errors and engines.started == 3
+    finally:
+        worker.shutdown()
+        engines.kill()
 
 
 @pytest.fixture

@@ -296,3 +296,142 @@ def test_the_gpu_memory_gauges_are_read_once_a_second_at_most(monkeypatch: pytes
         observer.settle()
     assert len(reads) == 3  # at 100.0, 101.0 and 102.1
     assert metrics.GPU_MEMORY.labels("allocated")._value.get() == 30
+
+
+def test_every_gauge_forgets_a_dead_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A gauge of a process that died (an engine killed, then restarted by the master, which marks the dead pid:
+    # gunicorn.conf.py's _forget) must go with it. visionserve_model_info was multiprocess_mode="max", whose files
+    # stay: after the restart and an unload the model still read 1.
+    import os
+
+    from prometheus_client import CollectorRegistry, Gauge
+    from prometheus_client import values as prometheus_values
+    from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+
+    from app import metrics
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    monkeypatch.setattr(prometheus_values, "ValueClass",
+                        prometheus_values.MultiProcessValue(process_identifier=metrics.this_process))
+    modes = {name: gauge._multiprocess_mode for name, gauge in vars(metrics).items() if isinstance(gauge, Gauge)}
+    assert modes["MODEL_INFO"] and len(modes) >= 10
+    made = CollectorRegistry()
+    mirrors = {name: Gauge(f"mirror_{name.lower()}", "", multiprocess_mode=mode, registry=made)
+               for name, mode in modes.items()}
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child process: the engine that served the model, then died
+        try:
+            for mirror in mirrors.values():
+                mirror.set(1)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    mark_process_dead(child, str(tmp_path))
+    for mirror in mirrors.values():
+        mirror.set(0)  # the live process's values: its restart, which unloaded the model
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, str(tmp_path))
+    read = {metric.name.removeprefix("mirror_").upper(): [sample.value for sample in metric.samples]
+            for metric in registry.collect()}
+    assert read == {name: [0.0] for name in modes}
+
+
+def _info_and_capacity(model: str, version: str) -> tuple[float | None, float | None]:
+    from prometheus_client import REGISTRY
+
+    return (REGISTRY.get_sample_value("visionserve_model_info", {"name": model, "version": version, "device": "cpu",
+                                                                 "dtype": "float32"}),
+            REGISTRY.get_sample_value("visionserve_queue_capacity", {"model": model, "version": version}))
+
+
+def test_a_replaced_copy_s_end_leaves_its_version_s_series_to_the_copy_loaded_again(settings: Settings) -> None:
+    # Version 1 replaced while a request held it, then rolled back to: a fresh copy of 1 serves while the old one
+    # drains. The old copy's end set the shared visionserve_model_info series to 0 while 1 served.
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from app.engine.service import Service
+    from tests.support.fakes import ColourModel, FakeRepository, infer, wait_until
+
+    repository = FakeRepository()
+    held_model = repository.add("colour", "1")
+    service = Service.build(settings, repository)  # type: ignore[arg-type]
+    try:
+        replaced = service.loaded_version("colour")
+        assert _info_and_capacity("colour", "1") == (1, 8)
+        held_model.batch_sizes.clear()
+        held_model.gate = threading.Event()
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(infer, service, [image_bytes(RED)])  # in version 1's forward pass
+            wait_until(lambda: bool(held_model.batch_sizes))
+            repository.held["colour"]["1"] = ColourModel()  # what version 1 loads as again: a copy of its own
+            repository.add("colour", "2")
+            service.catalog.load("colour")  # 2 replaces 1, whose copy drains the held request
+            service.catalog.load("colour", config={"default_version": "1"})  # rolled back: 1 loads again
+            held_model.gate.set()
+            assert held.result(timeout=10).version == "1"
+        wait_until(lambda: not any(t.name == "retire-colour-1" for t in threading.enumerate()))  # the old one ended
+        assert service.loaded_version("colour", "1") is not replaced
+        assert infer(service, [image_bytes(RED)]).version == "1"
+        assert _info_and_capacity("colour", "1") == (1, 8)
+        service.catalog.unload("colour")
+        wait_until(lambda: _info_and_capacity("colour", "1") == (0, 0))  # once unloaded, its series read 0
+    finally:
+        service.shutdown(timeout=5)
+
+
+def test_batcher_alive_reads_0_while_any_served_version_s_thread_is_dead(settings: Settings) -> None:
+    # A batcher's start set the one gauge to 1 whatever the others were: another model loaded after a version's
+    # thread died read 1 while /healthz said dead.
+    from prometheus_client import REGISTRY
+
+    from app.engine.service import Service
+    from tests.support.fakes import FakeRepository
+
+    def alive() -> float | None:
+        return REGISTRY.get_sample_value("visionserve_batcher_alive")
+
+    repository = FakeRepository()
+    repository.add("colour", "1")
+    service = Service.build(settings, repository)  # type: ignore[arg-type]
+    try:
+        assert alive() == 1
+        service.loaded_version("colour").batcher.stop(timeout=5)  # stands for the inference thread dying
+        assert alive() == 0 and not service.alive
+        repository.add("shade", "1")
+        service.catalog.load("shade")  # its thread starts
+        assert service.loaded_version("shade").batcher.is_alive()
+        assert alive() == 0 and not service.alive
+        service.catalog.unload("colour")  # the dead one leaves: every served version's thread runs
+        assert alive() == 1 and service.alive
+    finally:
+        service.shutdown(timeout=5)
+
+
+def test_cors_preflights_are_counted_apart_from_traffic(settings: Settings, predictor: Predictor) -> None:
+    # A preflight, answered by the before hook, counted as /predict traffic: it diluted the 5xx and 429 ratios the
+    # alerts read and the /predict latency.
+    app = create_app(settings.model_copy(update={"cors_origins": "https://ui.example"}), predictor)
+    client = app.test_client()
+    try:
+        def counts() -> dict[str, float]:
+            text = client.get("/metrics").get_data(as_text=True)
+            return {name: _value(text, name) for name in (
+                'visionserve_requests_total{endpoint="/predict",status="204"}',
+                'visionserve_requests_total{endpoint="/predict",status="200"}',
+                'visionserve_request_duration_seconds_count{endpoint="/predict"}',
+                'visionserve_cors_preflights_total{endpoint="/predict",status="204"}')}
+
+        before = counts()
+        origin = {"Origin": "https://ui.example"}
+        for _ in range(3):
+            assert client.options("/predict", headers={**origin, "Access-Control-Request-Method": "POST"}
+                                  ).status_code == 204
+        assert client.post("/predict", data=image_bytes(RED), content_type="image/jpeg",
+                           headers=origin).status_code == 200
+        assert client.options("/predict").status_code == 200  # no preflight: Flask's own answer, traffic as any
+        after = counts()
+        assert [after[name] - before[name] for name in after] == [0, 2, 2, 3]
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)

@@ -101,6 +101,34 @@ def test_the_low_confidence_alert_fires_over_half_for_30_minutes(tmp_path: Path)
 
 
 @pytest.mark.skipif(PROMTOOL is None, reason="needs promtool (Debian package prometheus)")
+def test_the_batcher_dead_alert_fires_with_a_version_serving_beside_a_retired_one(tmp_path: Path) -> None:
+    # A retired version's info series reads 0: "min by (instance) (visionserve_model_info) == 1" never held again
+    # once any version was replaced or unloaded, and the inference thread's death paged no one.
+    info = 'visionserve_model_info{instance="%s",name="mine",version="%s",device="cpu",dtype="float32"}'
+    summary = _alert("VisionserveBatcherDead")["annotations"]["summary"]
+
+    def dead(instance: str) -> dict:
+        return {"exp_labels": {"severity": "page", "instance": instance},
+                "exp_annotations": {"summary": summary.replace("{{ $labels.instance }}", instance)}}
+
+    _promtool_test(tmp_path, {
+        'visionserve_batcher_alive{instance="a"}': "0x10",  # a version swapped, then its thread died
+        info % ("a", "1"): "0x10",
+        info % ("a", "2"): "1x10",
+        'visionserve_batcher_alive{instance="b"}': "1x10",  # swapped too, its thread alive
+        info % ("b", "1"): "0x10",
+        info % ("b", "2"): "1x10",
+        'visionserve_batcher_alive{instance="c"}': "0x10",  # every version unloaded: no thread to run
+        info % ("c", "1"): "0x10",
+        'visionserve_batcher_alive{instance="d"}': "1x1 0x9",  # its thread died at 2 min: firing from 3 min
+        info % ("d", "2"): "1x10",
+    }, [
+        {"eval_time": "2m", "alertname": "VisionserveBatcherDead", "exp_alerts": [dead("a")]},
+        {"eval_time": "5m", "alertname": "VisionserveBatcherDead", "exp_alerts": [dead("a"), dead("d")]},
+    ])
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="needs promtool (Debian package prometheus)")
 def test_every_dashboard_query_parses(tmp_path: Path) -> None:
     # promtool parses PromQL in rule files only: each panel's query as a recording rule.
     rules = {"groups": [{"name": "dashboard", "rules": [{"record": f"dashboard:query_{i}", "expr": expr}

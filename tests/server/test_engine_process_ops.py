@@ -1,7 +1,7 @@
 """ENGINE=process as ops see it: /metrics says ready and alive while the server serves, the engine's batches in it,
-before and after the engine is killed and restarted; clients on kept-alive connections see only answers across
-the kill (a refusal that leaves a photo unread keeps its connection, or says it closes it); the log says the
-engine was killed by SIGKILL."""
+before and after the engine is killed and restarted (the killed one's series gone with it); clients on kept-alive
+connections see only answers across the kill (a refusal that leaves a photo unread keeps its connection, or says it
+closes it); the log says the engine was killed by SIGKILL."""
 from __future__ import annotations
 
 import functools
@@ -173,3 +173,7 @@ def test_kept_alive_clients_across_an_engine_sigkill_see_answers_only_and_metric
     assert metrics["visionserve_batch_size_count"] > batches  # the new engine's batches beside the old one's
     assert f"engine 0 (pid {engine}) died with status -9; restarting it" in server.output()
     assert "died with status 0" not in server.output()
+    # The killed engine's info series went with it: unloaded by its restart, the model reads 0 (a "max" gauge kept
+    # the dead engine's 1 for good).
+    assert requests.post(f"{server.url}/v2/repository/models/small/unload", timeout=60).status_code == 200
+    assert [value for name, value in _metrics(server).items() if name.startswith("visionserve_model_info{")] == [0]

@@ -1,15 +1,18 @@
 """Requests judged by their framing, against the real server: heads the worker's loop refuses at once (a bare LF,
 a request line or a head over its limit), empty lines between requests, a body that stalls after ``100 Continue``,
 malformed chunked framing, and the starting app's answer to an upload it never reads. Each gets a JSON error with
-its 4xx status (or, for the empty lines, nothing at all), never a 500 or a connection left waiting.
+its 4xx status (or, for the empty lines, nothing at all), never a 500 or a connection left waiting; those answered
+before the app count in /metrics all the same.
 
 The server's header timeout is long (60 s) and every read here waits at most 30 s: an answer that came is the
 refusal itself, not a timeout."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import textwrap
+from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
@@ -218,3 +221,30 @@ def test_a_starting_worker_closes_the_connection_after_an_upload_it_did_not_read
             assert raw.closed()
     finally:
         server.stop()
+
+
+def _unparsed(server: Running) -> Counter[str]:
+    """visionserve_requests_total of the requests answered before the app, by status."""
+    with Raw(server.port) as raw:
+        raw.send(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, _, body = raw.answer()
+    assert status == 200
+    return Counter({status.decode(): float(value) for status, value in re.findall(
+        rb'^visionserve_requests_total\{endpoint="unparsed",status="(\d+)"\} (\S+)$', body, re.M)})
+
+
+def test_requests_answered_before_the_app_count_in_requests_total_as_unparsed(server: Running) -> None:
+    # Before: the loop's refusals and timeouts and the parser's refusals reached no hook, so no series had them.
+    before = _unparsed(server)
+    for sent, status, code in ((b"GET /healthz HTTP/1.1\nHost: x\n\n", 400, "bad_request"),  # the loop's
+                               (b"GET /" + b"a" * 9000, 414, "uri_too_long"),
+                               (b"GET /healthz HTTP/1.1\r\nX: " + b"a" * (64 * 1024) + b"\r\n", 431,
+                                "request_header_fields_too_large"),
+                               (b"GARBAGE\r\n\r\n", 400, "bad_request"),  # the parser's
+                               (_photo()[:-100], 408, "request_timeout")):  # the body stalls: the loop's 1 s
+        with Raw(server.port) as raw:
+            raw.send(sent)
+            raw.error(status, code)
+    after = _unparsed(server)
+    after.subtract(before)
+    assert +after == Counter({"400": 2, "414": 1, "431": 1, "408": 1})

@@ -576,3 +576,64 @@ def test_empty_lines_before_a_request_are_skipped_and_a_connection_that_sent_onl
     reading.take(b"\r\nGET /healthz HTTP/1.1\r\n\r\n")
     assert worker._whole(reading) and reading.buffer == b"GET /healthz HTTP/1.1\r\n\r\n"
     assert not worker._expired(reading, Kept.timeout + 0.1)  # a request begun has its header time
+
+
+def test_requests_answered_before_the_app_count_in_requests_total_as_unparsed(sockets) -> None:
+    # The loop's refusals (a bare LF: 400), its timeouts (408) and the parser's refusals (a request line over its
+    # limit: 414) never reached Flask's hooks, so no series counted them.
+    import re
+    import selectors
+    from types import SimpleNamespace
+
+    from gunicorn.http import errors as http_errors
+    from prometheus_client import REGISTRY
+
+    from app.hosting.worker import Reading
+
+    def counted(status: int) -> float:
+        return REGISTRY.get_sample_value("visionserve_requests_total",
+                                         {"endpoint": "unparsed", "status": str(status)}) or 0.0
+
+    ours, client = sockets
+    worker = _lingering()
+    worker.reading, worker.poller, worker.nr_conns = set(), selectors.DefaultSelector(), 2
+    conn = SimpleNamespace(sock=ours, client=("127.0.0.1", 1), close=lambda graceful=False: None)
+    before = {status: counted(status) for status in (400, 408, 414)}
+    refused = Reading(conn, time.monotonic() + 10, time.monotonic())
+    refused.take(b"GET /healthz HTTP/1.1\nHost: x\n\n")
+    assert worker._whole(refused)
+    worker._dispatch(refused)
+    stalled = Reading(conn, time.monotonic(), time.monotonic())
+    stalled.take(b"POST /predict HTTP/1.1\r\nHost: x\r\n")  # a head that never ends
+    worker._time_out(stalled, time.monotonic() + 1)
+    worker.handle_error(None, ours, ("127.0.0.1", 1), http_errors.LimitRequestLine(9000, 8190))
+    assert {status: counted(status) - count for status, count in before.items()} == {400: 1, 408: 1, 414: 1}
+    client.settimeout(5)
+    answers = b""
+    while answers.count(b"HTTP/1.1 ") < 3:
+        answers += client.recv(65536)
+    assert re.findall(rb"HTTP/1.1 (\d+) ", answers) == [b"400", b"408", b"414"]  # each told, as before
+
+
+def test_a_kept_metrics_dir_loses_an_earlier_run_s_files_at_the_master_s_start(tmp_path: Path) -> None:
+    # /metrics sums every file in PROMETHEUS_MULTIPROC_DIR: a run that died uncleanly (its container killed) left its
+    # processes' files, and the next run read ready 0 while serving, their counters and twice the queue capacity.
+    import subprocess
+    import sys
+
+    folder, control_dir = tmp_path / "metrics", tmp_path / "control"
+    folder.mkdir()
+    control_dir.mkdir()
+    left = [folder / name for name in ("counter_1234.db", "gauge_livemin_1234.db", "histogram_99.db")]
+    kept = [folder / "README", folder / "db", folder / "counter_1234.db.bak"]  # only prometheus-client's files go
+    for path in left + kept:
+        path.write_bytes(b"x")
+    env = {**os.environ, "VISIONSERVE_CONTROL_DIR": str(control_dir), "PROMETHEUS_MULTIPROC_DIR": str(folder),
+           "VISIONSERVE_ENGINE": "inline", "VISIONSERVE_DEVICE": "cpu"}
+    for master_pid, removed in ((4321, False), (0, True)):  # a USR2's new master: the old one's workers serve on
+        start = ("import logging, runpy; from types import SimpleNamespace; c = runpy.run_path('gunicorn.conf.py'); "
+                 "c['on_starting'](SimpleNamespace(log=logging.getLogger('master'), reap_workers=lambda: None, "
+                 f"stop=lambda graceful=True: None, master_pid={master_pid}))")  # as gunicorn's arbiter calls it
+        subprocess.run([sys.executable, "-c", start], cwd=Path(__file__).resolve().parents[2], check=True,
+                       capture_output=True, text=True, timeout=60, env=env)
+        assert [path.exists() for path in left + kept] == [not removed] * len(left) + [True] * len(kept)

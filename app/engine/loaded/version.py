@@ -23,7 +23,7 @@ from app.engine.decoding.image import DecodeLimits, canary_jpeg
 from app.engine.loaded.explainer import Explainer
 from app.engine.loaded.monitor import PredictionMonitor
 from app.engine.loaded.predictor import OUT_OF_MEMORY_ERRORS, Predictor
-from app.metrics import MODEL_INFO, QUEUE_CAPACITY, MetricsObserver
+from app.metrics import MetricsObserver
 from models.export.checks import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class LoadedVersion:
         self.observer.retire()
         drained = self.in_use.wait_empty(timeout_s)
         self.batcher.stop(timeout_s)
-        MODEL_INFO.labels(*self._info_labels()).set(0)
+        self.observer.gone(self._info_labels())  # its info series 0, unless a copy loaded again serves it
         return drained
 
 
@@ -226,6 +226,5 @@ def start_version(settings: Settings, predictor: Predictor) -> LoadedVersion:
     _place_loop_batches(loaded)
     loaded.serving.set()
     _apply_batch_cap(settings, loaded)
-    MODEL_INFO.labels(*loaded._info_labels()).set(1)
-    QUEUE_CAPACITY.labels(name, version).set(loaded.batcher.queue_size)
+    observer.serving(loaded._info_labels(), loaded.batcher.queue_size)
     return loaded
