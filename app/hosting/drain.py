@@ -74,10 +74,11 @@ def install(worker: Any, service_of: Callable[[Any], Any], drain_s: float, limit
 
 def exit_now(exiting: BaseException | None) -> None:
     """End a worker whose service has shut down with the status gunicorn was exiting with (``exiting``: the
-    SystemExit on its way out), after the exit functions (a tracer's last spans) and the logs, but without the
-    interpreter's teardown: with torch loaded, collecting and freeing every module took 0.6 s of CPU per worker on
-    the 2-core VM, a third of a server's stop (the engine process ends through it too). Anything but a SystemExit
-    (an exception on its way to gunicorn's handler) is left to take its course."""
+    SystemExit on its way out), after the exit functions (a tracer's last spans, sent for at most
+    app/web/tracing.py's EXIT_FLUSH_S) and the logs, but without the interpreter's teardown: with torch loaded,
+    collecting and freeing every module took 0.6 s of CPU per worker on the 2-core VM, a third of a server's stop
+    (the engine process ends through it too). Anything but a SystemExit (an exception on its way to gunicorn's
+    handler) is left to take its course."""
     if not isinstance(exiting, SystemExit):
         return
     code = exiting.code

@@ -35,7 +35,8 @@ def init_app(app: Flask, settings: Settings, service: ServiceFace, protocols: Se
     app.wsgi_app = CloseWhenAsked(app.wsgi_app)  # type: ignore[method-assign]
     # one before hook: the id and access-log fields, then a CORS preflight's answer, then the limit and the key
     register_hooks(app, settings, preflight=register_cors(app, settings))
-    register_tracing(app, settings)  # after the hooks, so a span can carry the request id they set
+    # on, its hook goes first whenever registered, so a request the one above refuses is traced; off, none
+    register_tracing(app, settings)
     register_error_handlers(app, protocols, settings.client_body_timeout_s)
     register_ops(app, protocols)
     for protocol in protocols:
