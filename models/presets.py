@@ -73,10 +73,12 @@ def upright_rgb(image: Image.Image) -> Image.Image:
 
 
 def interpolation_mode(name: Interpolation) -> InterpolationMode:
-    """torchvision's enum for a preset's filter name."""
+    """torchvision's enum for a preset's filter name: ``nearest`` is NEAREST_EXACT, PIL's nearest on tensors too
+    (torchvision's NEAREST floors a pixel's source position, PIL's rounds it: up to a pixel apart, most of a photo
+    off by a level or more); on a PIL image torchvision hands both to PIL's NEAREST, so the PIL paths are as before."""
     from torchvision.transforms import InterpolationMode
 
-    return InterpolationMode(name)
+    return InterpolationMode.NEAREST_EXACT if name == "nearest" else InterpolationMode(name)
 
 
 def _torchvision_v2() -> Any:

@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
+from models.export.manifest import MIN_LABELS
 from models.presets import IMAGE_FORMATS, ImageTransform, upright_rgb
 from models.run.args import DataError
 
@@ -52,6 +53,9 @@ def _class_dirs(root: Path) -> list[Path]:
     dirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not dirs:
         raise DataError(f"{root} has no class folders; expected {root}/<class name>/<images>")
+    if len(dirs) < MIN_LABELS:  # its model would answer 1.0 for every image; the export would refuse it anyway
+        raise DataError(f"{root} has one class folder ({dirs[0].name}); a classifier needs at least {MIN_LABELS} "
+                        f"classes: add a folder of the images that are not {dirs[0].name} (e.g. {root}/other)")
     return dirs
 
 

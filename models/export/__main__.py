@@ -23,6 +23,7 @@ from typing import Sequence
 import torch
 
 from models.export.agreement import Laps
+from models.export.checks import ModelLoadError
 from models.export.compile import DTYPES
 from models.export.quantize import TORCHAO_HINT
 from models.run.args import HelpFormatter
@@ -98,7 +99,7 @@ def main(argv: Sequence[str] | None = None, started: float | None = None) -> int
         else:
             export_default(out, force=args.force, repository=args.repository, packages=targets, version=args.version,
                            laps=laps)
-    except (FileNotFoundError, FileExistsError, ValueError) as exc:
+    except (FileNotFoundError, FileExistsError, ValueError, ModelLoadError) as exc:  # a model the server would refuse
         log.error("error: %s", exc)
         return 2
     return 0

@@ -7,6 +7,7 @@ refuse the same exports with the same messages.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 import pydantic
 import torch
@@ -14,7 +15,7 @@ import torch.nn as nn
 
 from models.architectures import split_outputs
 from models.export.compile import DTYPES
-from models.export.manifest import Manifest, WeightsFormat, read_manifest, sha256_of
+from models.export.manifest import Manifest, WeightsFormat, read_manifest, sha256_of, too_few_labels
 
 
 # The folder `make weights` fills with the bundled default model (the Makefile's DEFAULT_WEIGHTS, in the checkout).
@@ -95,18 +96,91 @@ def checked_file(weights_dir: Path, manifest: Manifest, fmt: WeightsFormat) -> P
                         ": the file is corrupt or belongs to another export")
 
 
+# The load check's batch: two different images, so a model whose row count ignores its batch's (traced or exported
+# for batches of 1) is refused here, not found out by every batch of two or more, each then run again image by image.
+CHECK_BATCH_SIZE = 2
+# How far from 1 a row may sum and still read as probabilities: float32's rounding over 1000 classes is about 1e-6,
+# bfloat16's and float16's about 1e-2 (a logits row non-negative and that close to 1 on every image is no chance).
+PROBABILITY_SUM_TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 2e-2}
+
+
 def check_output_shape(model: nn.Module, manifest: Manifest, device: torch.device | str = "cpu",
-                       dtype: torch.dtype = torch.float32) -> None:
-    """Raise ModelLoadError unless the model gives one column per label, and its embedding when the manifest says
-    it has one (and nothing else when not)."""
-    with torch.inference_mode():
-        out, embedding = split_outputs(model(torch.zeros(1, *manifest.preprocess.input_shape, device=device,
-                                                         dtype=dtype)))
-    if out.ndim != 2 or out.shape[1] != manifest.num_classes:
-        raise ModelLoadError(f"model outputs shape {tuple(out.shape)} but the manifest has "
-                             f"{manifest.num_classes} labels")
-    wanted = None if manifest.embedding is None else (1, manifest.embedding.dim)
+                       dtype: torch.dtype = torch.float32, batch_size: int = CHECK_BATCH_SIZE) -> None:
+    """Raise ModelLoadError unless the model, on a batch of ``batch_size`` different images, answers one row per
+    image of one column per label, logits (``check_outputs``), and its embedding when the manifest says it has one
+    (and nothing else when not)."""
+    check_outputs(model, manifest.labels, manifest.preprocess.input_shape,
+                  None if manifest.embedding is None else manifest.embedding.dim, device, dtype, batch_size)
+
+
+def check_outputs(model: nn.Module, labels: Sequence[str], input_shape: tuple[int, int, int], embedding_dim: int | None,
+                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                  batch_size: int = CHECK_BATCH_SIZE) -> None:
+    """What the load and the export refuse a model for, each a ModelLoadError of one line: fewer than 2 labels; an
+    error on a batch of ``batch_size`` different images; rows that are not one per image of a column per label;
+    an embedding of other than ``embedding_dim`` values (None: none at all); rows that are already probabilities on
+    every image of two batches (the server's softmax would be a second one)."""
+    problem = too_few_labels(list(labels))
+    if problem:
+        raise ModelLoadError(problem)
+    logits, embedding = _answers(model, _check_images(batch_size, input_shape, 0, device, dtype))
+    if logits.ndim != 2 or logits.shape[1] != len(labels):
+        raise ModelLoadError(f"model outputs shape {tuple(logits.shape)} but the manifest has {len(labels)} labels")
+    if logits.shape[0] != batch_size:
+        raise ModelLoadError(f"model answers {logits.shape[0]} rows for a batch of {batch_size} images: it must "
+                             f"answer one row per image, whatever the batch size (export it with a dynamic batch "
+                             f"dimension, not one fixed when it was traced)")
+    wanted = None if embedding_dim is None else (batch_size, embedding_dim)
     found = None if embedding is None else tuple(embedding.shape)
     if found != wanted:
-        raise ModelLoadError(f"model answers an embedding of shape {found} but the manifest says "
-                             f"{wanted or 'it has none'}")
+        raise ModelLoadError(f"model answers an embedding of shape {found} for {batch_size} images but the manifest "
+                             f"says {wanted or 'it has none'}")
+    if _probabilities(logits) and _probabilities(
+            _answers(model, _check_images(batch_size, input_shape, 1, device, dtype))[0]):
+        raise ModelLoadError(f"the model's output rows are already probabilities (each non-negative and summing to 1 "
+                             f"on {2 * batch_size} different images): the server applies softmax to them, which "
+                             f"would be a second one; export the model without its final softmax (its logits)")
+
+
+def _check_images(count: int, input_shape: tuple[int, int, int], seed: int, device: torch.device | str,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """``count`` different preprocessed images, the same on every load: normalised pixels are about standard normal
+    (the first of seed 0 all zeros: a flat grey photo, what the warm-up runs)."""
+    images = torch.randn(count, *input_shape, generator=torch.Generator().manual_seed(seed))
+    if seed == 0:
+        images[0] = 0
+    return images.to(device=device, dtype=dtype)
+
+
+def _answers(model: nn.Module, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``model``'s (logits, embedding or None) for ``images``; ModelLoadError of one line when it raises or answers
+    no tensor."""
+    try:
+        with torch.inference_mode():
+            logits, embedding = split_outputs(model(images))
+    except Exception as exc:  # noqa: BLE001 - whatever a model raises on a batch means "cannot serve this"
+        raise ModelLoadError(f"the model fails on a batch of {images.shape[0]} images of shape "
+                             f"{tuple(images.shape[1:])} ({images.dtype}): {one_line(exc)}") from exc
+    for answer in (logits, embedding):
+        if answer is not None and not isinstance(answer, torch.Tensor):
+            raise ModelLoadError(f"the model answers a {type(answer).__name__} where a tensor of logits (or logits and "
+                                 f"an embedding) was expected")
+    return logits, embedding
+
+
+def _probabilities(rows: torch.Tensor) -> bool:
+    """Whether every row is non-negative and sums to 1 (within the dtype's rounding)."""
+    tolerance = PROBABILITY_SUM_TOLERANCE.get(rows.dtype, PROBABILITY_SUM_TOLERANCE[torch.float32])
+    values = rows.detach().to("cpu", torch.float64)
+    return bool((values >= 0).all()) and bool(((values.sum(dim=1) - 1).abs() <= tolerance).all())
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """``exc`` as one line of at most ``limit`` characters: a TorchScript interpreter's error by its last line (the
+    error itself, after the scripted traceback), any other's lines joined."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if lines and "TorchScript interpreter" in lines[0]:
+        text = lines[-1]
+    else:
+        text = f"{type(exc).__name__}: {' '.join(lines)}" if lines else type(exc).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from models.architectures import WithEmbedding
 from models.export.checks import (
+    CHECK_BATCH_SIZE,
     ModelLoadError,
     check_output_shape,
     checked_file,
@@ -164,7 +165,8 @@ def _onnx_model(weights_dir: Path, manifest: Manifest, onnx: OnnxFile, threads: 
 def _packaged_model(weights_dir: Path, manifest: Manifest, package: CompiledPackage, target: torch.device,
                     compute_dtype: torch.dtype) -> LoadedModel:
     model = load_package(weights_dir, package)
-    check_output_shape(model, manifest, target, compute_dtype)
+    # compiled for batches up to its max_batch_size: checked with two images when it takes them
+    check_output_shape(model, manifest, target, compute_dtype, min(CHECK_BATCH_SIZE, package.max_batch_size))
     log.info("loaded %s %s (AOTInductor %s) onto %s", manifest.name, manifest.version, package.path, target)
     return LoadedModel(model, manifest, target, compute_dtype, kind_of(package),
                        (weights_dir / package.path).stat().st_size)

@@ -149,6 +149,19 @@ class PredictionReference(BaseModel):
         return self
 
 
+MIN_LABELS = 2  # a softmax over one class answers 1.0 for every image: no classifier
+
+
+def too_few_labels(labels: list[str]) -> str | None:
+    """Why ``labels`` cannot be a classifier's (fewer than ``MIN_LABELS``), or None: the one message the manifest,
+    the export and the server give."""
+    if len(labels) >= MIN_LABELS:
+        return None
+    return (f"a classifier needs at least {MIN_LABELS} labels, got {len(labels)} ({labels}): over one class its "
+            f"softmax answers 1.0 for every image; train and export it with every class it tells apart (a detector "
+            f"of one thing is two classes: the thing and everything else)")
+
+
 class Manifest(BaseModel):
     """Everything the server needs to load and serve a model, written by ``models.export``."""
 
@@ -158,7 +171,7 @@ class Manifest(BaseModel):
     name: str = Field(min_length=1)
     version: str = Field(min_length=1)
     arch: str = Field(min_length=1)
-    labels: list[str] = Field(min_length=1)
+    labels: list[str]
     preprocess: EvalPreset
     files: dict[WeightsFormat, WeightsFile] = Field(min_length=1)
     default_format: WeightsFormat
@@ -173,6 +186,14 @@ class Manifest(BaseModel):
     def num_classes(self) -> int:
         """Number of output classes (one label per class)."""
         return len(self.labels)
+
+    @field_validator("labels")
+    @classmethod
+    def _classes_to_tell_apart(cls, labels: list[str]) -> list[str]:
+        problem = too_few_labels(labels)
+        if problem:
+            raise ValueError(problem)
+        return labels
 
     @model_validator(mode="after")
     def _default_format_present(self) -> "Manifest":

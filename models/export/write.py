@@ -16,6 +16,7 @@ from models.export.agreement import Laps, one_thread
 from models.export.compile import compile_package
 from models.export.onnx import export_onnx
 from models.export.quantize import compile_int8_package
+from models.export.checks import check_outputs
 from models.export.manifest import (
     MANIFEST_NAME,
     CompiledPackage,
@@ -25,6 +26,7 @@ from models.export.manifest import (
     WeightsFile,
     read_manifest,
     sha256_of,
+    too_few_labels,
     write_manifest,
 )
 from models.export.repository import check_name, next_version
@@ -69,13 +71,20 @@ def export_model(model: nn.Module, *, out_dir: Path, name: str, version: str, ar
     dtype) of ``packages`` (dtype ``int8``: the PT2E-quantized CPU package; device ``onnx``: ONNX for ONNX
     Runtime), and write the manifest last, with ``reference`` (the validation split's predictions, for the server's
     drift figure) when there is one. A different model already there is replaced only with ``force``. The last
-    log line says how long each step took (``laps``: the steps timed before, such as loading the model)."""
+    log line says how long each step took (``laps``: the steps timed before, such as loading the model). A model
+    the server would refuse (models/export/checks.py check_outputs: fewer than 2 labels, not one row per image,
+    rows that are already probabilities) is refused before anything is written: ValueError, ModelLoadError."""
+    problem = too_few_labels(list(labels))
+    if problem:
+        raise ValueError(problem)
     if not force:
         check_replace(out_dir, name, version)
-    out_dir.mkdir(parents=True, exist_ok=True)
     laps = Laps() if laps is None else laps
     model = model.eval().cpu()
     served, embedding = _served(model, preset)
+    with one_thread():
+        check_outputs(served, labels, preset.input_shape, None if embedding is None else embedding.dim)
+    out_dir.mkdir(parents=True, exist_ok=True)
     _write_torchscript(served, preset, len(labels), out_dir)
     torch.save(model.state_dict(), out_dir / STATE_DICT_NAME)  # the architecture's own keys (loaded into build_model)
     laps.done("TorchScript")

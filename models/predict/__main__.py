@@ -30,6 +30,7 @@ from typing import Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
@@ -67,6 +68,7 @@ from models.serving import forward_threads, usable_cores
 log = logging.getLogger("models.predict")
 CPU_BATCH = 16  # the CPU's default (the limit's best batch here was 8); on CUDA: as large as fits (largest_batch)
 CUDA_BATCH_CAP = 512
+NON_FINITE = "the model produced non-finite output (NaN or infinity) for this image"  # its error record
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -285,15 +287,28 @@ def _batch_positions(batches: list[list[Item]]) -> list[list[int]]:
 def _answers(loaded: LoadedModel, images: torch.Tensor, index: list[int], items: list[Item], top_k: int,
              identity: dict[str, str], embed: bool = False) -> tuple[dict[int, Record], dict[int, np.ndarray]]:
     """The forward pass as the server runs it (its dtype, float32 softmax): the top-k of each row, and with
-    ``embed`` each row's embedding from the same pass (float32)."""
+    ``embed`` each row's embedding from the same pass, of unit length in float32 (as the server answers it). A row
+    the model answered NaN or infinity in is an error record, as the server fails that image (--retry-errors scores
+    it again), never scores of NaN."""
     with torch.inference_mode():
         logits, embedding = split_outputs(loaded.module(images))
-        scores, classes = (t.cpu().tolist() for t in logits.float().softmax(dim=1).topk(top_k, dim=1))
-        vectors = embedding.float().cpu().numpy() if embed and embedding is not None else ()
+        probabilities = logits.float().softmax(dim=1)
+        finite = probabilities.isfinite().all(dim=1).cpu().tolist()
+        scores, classes = (t.cpu().tolist() for t in probabilities.topk(top_k, dim=1))
+        embedded = embed and embedding is not None
+        vectors = F.normalize(embedding.float(), dim=1).cpu().numpy() if embedded else None
     labels = loaded.manifest.labels
-    records = {i: {"path": items[i].path, "labels": [labels[c] for c in row_classes], "scores": row_scores,
-                   **identity} for i, row_classes, row_scores in zip(index, classes, scores)}
-    return records, dict(zip(index, vectors))
+    records: dict[int, Record] = {}
+    rows: dict[int, np.ndarray] = {}
+    for row, (i, row_classes, row_scores) in enumerate(zip(index, classes, scores)):
+        if not finite[row] or (vectors is not None and not np.isfinite(vectors[row]).all()):
+            records[i] = {"path": items[i].path, "error": NON_FINITE, **identity}
+            continue
+        records[i] = {"path": items[i].path, "labels": [labels[c] for c in row_classes], "scores": row_scores,
+                      **identity}
+        if vectors is not None:
+            rows[i] = vectors[row]
+    return records, rows
 
 
 def report(args: argparse.Namespace, records: list[Record], items: list[Item], loaded: LoadedModel) -> None:

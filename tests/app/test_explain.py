@@ -13,6 +13,7 @@ from typing import Iterator
 import numpy as np
 import pytest
 import skimage.data
+import torch
 from flask import Flask
 from flask.testing import FlaskClient
 from PIL import Image
@@ -225,6 +226,36 @@ def _conv_app(settings: Settings, **changes: object) -> Iterator[Flask]:
     app = create_app(settings.model_copy(update=changes), Predictor(ConvColourModel(), tiny_manifest(), device="cpu"))
     yield app
     app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+class BfloatLeansOther(ConvColourModel):
+    """ConvColourModel whose answer in bfloat16 leans to 'other': the served bfloat16 forward pass and the float32
+    copy explanations take gradients of disagree on the top class, as bfloat16's rounding moves a near tie."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(x)
+        if x.dtype == torch.bfloat16:
+            logits = logits + torch.tensor([0.0, 0.0, 0.0, 14.0], dtype=x.dtype)  # other 9, red 8 (a red photo)
+        return logits
+
+
+def test_the_explained_class_and_score_are_predict_s_whatever_the_served_dtype(settings: Settings) -> None:
+    # Before: the class and its score came from the float32 copy of the weights, so under bfloat16 /explain could
+    # name a class /predict did not answer, with another score.
+    predictor = Predictor(BfloatLeansOther(), tiny_manifest(), device="cpu", dtype=torch.bfloat16)
+    app = create_app(settings.model_copy(update={"dtype": "bfloat16"}), predictor)
+    try:
+        photo = image_bytes(RED, size=(32, 24))
+        top = app.test_client().post("/predict?top_k=4", data=photo, content_type="image/jpeg").json["predictions"][0]
+        answer = app.test_client().post("/explain", data=photo, content_type="image/jpeg")
+        assert answer.status_code == 200, answer.json
+        assert top["label"] == "other" and answer.json["explained"]["label"] == "other"
+        assert answer.json["explained"]["score"] == pytest.approx(top["score"], abs=1e-6)
+        named = app.test_client().post("/explain?label=red", data=photo, content_type="image/jpeg").json
+        scores = {row["label"]: row["score"] for row in top["top_k"]}
+        assert scores["red"] > 0.1 and named["explained"]["score"] == pytest.approx(scores["red"], abs=1e-6)
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 
 
 def test_explanations_at_once_each_keep_their_own_feature_map(settings: Settings) -> None:

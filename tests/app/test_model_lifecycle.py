@@ -3,8 +3,10 @@ repository API, and workers sharing loads. In-memory ColourModel versions (tests
 no server; tests/server/test_model_swaps.py does the same under gunicorn with real exports."""
 from __future__ import annotations
 
+import base64
 import fcntl
 import gc
+import json
 import logging
 import threading
 import weakref
@@ -17,22 +19,26 @@ import pytest
 import torch
 from flask import Flask
 from flask.testing import FlaskClient
+from prometheus_client import REGISTRY
 
 from app import EXTENSION_KEY
 
 from app.factory import create_app
 from app.config import Settings
+from app.engine.loaded.predictor import Predictor
 from app.engine.rollouts.entry import UNLOADED
 from app.engine.versions.desired import SharedDesiredState
 from app.engine.rollouts.policy import PolicyError, VersionPolicy
 from app.engine.catalog import Catalog
 from app.engine.versions.controller import VersionsController
 from app.engine.versions.memory import device_bytes_taken
+from app.engine.versions.sources import DirectorySource
 from app.engine.versions.states import VersionStates
 from app.engine.service import Service
 from app.errors import BadRequest, InsufficientMemory, LoadFailed, NotFound, NotReady
-from tests.support.fakes import FakeRepository, infer, wait_until
-from tests.support.imaging import RED, image_bytes
+from tests.support.fakes import ColourModel, FakeRepository, infer, tiny_manifest, wait_until
+from tests.support.imaging import BLUE, GREEN, RED, image_bytes
+from tests.training.test_export_versions import Means, Softmaxed, scripted_export
 
 
 @pytest.fixture
@@ -696,3 +702,109 @@ def test_a_version_that_fails_to_load_is_freed_at_once(service: Service, reposit
     finally:
         gc.enable()
     assert _ask(service) == "1" and service.ready
+
+
+# -- a model that answers NaN or infinity for some images --------------------------------------------------------------
+
+class NanOnGreen(ColourModel):
+    """ColourModel answering NaN for a green image (a model that overflows on some inputs), the others as before."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(x)
+        green = x[:, 1].mean(dim=(1, 2)) > 0.5
+        return torch.where(green[:, None], torch.full_like(logits, float("nan")), logits)
+
+
+@pytest.fixture
+def nan_app(settings: Settings) -> Iterator[Flask]:
+    model = NanOnGreen()
+    app = create_app(settings, Predictor(model, tiny_manifest(), device="cpu"))
+    app.config["model"] = model
+    yield app
+    app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def _version_requests(outcome: str) -> float:
+    return REGISTRY.get_sample_value("visionserve_version_requests_total", {
+        "model": "colour", "version": "test", "role": "live", "outcome": outcome}) or 0.0
+
+
+def test_an_image_the_model_answers_nan_for_fails_alone_and_its_batch_runs_once(nan_app: Flask) -> None:
+    # Before: the NaN row was answered as a class (/predict 200 with score null; V2 200 with NaN in its JSON).
+    model, service, client = nan_app.config["model"], nan_app.extensions[EXTENSION_KEY], nan_app.test_client()
+    version = service.loaded_version()
+    model.gate = threading.Event()  # the worker parked in a forward pass, so the next two requests share a batch
+    parked_at = len(model.batch_sizes)  # the warm-up's and the canary's
+    with ThreadPoolExecutor(3) as pool:
+        parked = pool.submit(client.post, "/predict", data=image_bytes(BLUE), content_type="image/jpeg")
+        wait_until(lambda: len(model.batch_sizes) > parked_at)
+        before = len(model.batch_sizes)
+        red, green = (pool.submit(client.post, "/predict", data=image_bytes(colour), content_type="image/jpeg")
+                      for colour in (RED, GREEN))
+        wait_until(lambda: version.batcher.depth == 2)
+        model.gate.set()
+        assert parked.result(10).status_code == 200
+        red_answer, green_answer = red.result(10), green.result(10)
+    assert red_answer.status_code == 200 and red_answer.json["predictions"][0]["label"] == "red"
+    assert green_answer.status_code == 500 and green_answer.json["error"]["code"] == "non_finite_output"
+    assert "produced non-finite output (NaN or infinity)" in green_answer.json["error"]["message"]
+    assert model.batch_sizes[before:] == [2]  # one forward pass for both: none ran again
+    version.settle()
+    assert version.monitor.snapshot().predictions_total == 2  # blue's and red's rows: the batch's finite ones
+
+
+class NanAlways(ColourModel):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(super().forward(x), float("nan"))
+
+
+def test_a_model_that_answers_nan_for_the_canary_is_refused_at_load_saying_so(
+        settings: Settings, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING), pytest.raises(LoadFailed, match="every version was refused"):
+        create_app(settings, Predictor(NanAlways(), tiny_manifest(), device="cpu"))
+    refused = [r.getMessage() for r in caplog.records if r.name == "app.engine.versions.apply"]
+    assert refused == ["refused colour version test: colour version test cannot be served: canary inference failed: "
+                       "colour version test: the model's output is not finite (NaN or infinity) for 1 of the batch's "
+                       "1 images"]
+
+
+def test_v2_answers_a_nan_row_with_a_500_in_strict_json_counted_as_the_version_s_failure(nan_app: Flask) -> None:
+    client = nan_app.test_client()
+    failed = _version_requests("failed")
+    body = {"inputs": [{"name": "images", "datatype": "BYTES", "shape": [1],
+                        "data": [base64.b64encode(image_bytes(GREEN)).decode()]}]}
+    for parameters in ({}, {"parameters": {"classification": 2}}):
+        answer = client.post("/v2/models/colour/infer", json={**body, **parameters})
+        assert answer.status_code == 500
+        strict = json.loads(answer.get_data(as_text=True), parse_constant=lambda name: pytest.fail(name))
+        assert "non-finite output" in strict["error"]
+    assert _version_requests("failed") == failed + 2
+
+
+def test_nan_rows_never_reach_the_drift_monitor(nan_app: Flask) -> None:
+    client, version = nan_app.test_client(), nan_app.extensions[EXTENSION_KEY].loaded_version()
+
+    def monitored() -> int:
+        version.settle()
+        return version.monitor.snapshot().predictions_total
+
+    before = monitored()
+    assert client.post("/predict", data=image_bytes(GREEN), content_type="image/jpeg").status_code == 500
+    assert monitored() == before
+    assert client.post("/predict", data=image_bytes(RED), content_type="image/jpeg").status_code == 200
+    assert monitored() == before + 1
+
+
+def test_a_version_whose_model_ends_in_softmax_is_refused_saying_so(settings: Settings, tmp_path: Path) -> None:
+    repository = tmp_path / "repository"
+    scripted_export(repository / "tiny" / "1", Means())
+    settings = settings.model_copy(update={"weights_dir": repository})
+    service = Service.build(settings, DirectorySource(settings))
+    try:
+        scripted_export(repository / "tiny" / "2", Softmaxed(), version="2")
+        with pytest.raises(LoadFailed, match="tiny version 2 cannot be served: the model's output rows are already "
+                                             "probabilities .* export the model without its final softmax"):
+            service.catalog.load("tiny")
+        assert infer(service, [image_bytes(RED)]).version == "1"
+    finally:
+        service.shutdown(timeout=5)

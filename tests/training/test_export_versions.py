@@ -163,3 +163,139 @@ def test_the_documented_training_and_export_commands_are_valid_as_written() -> N
     for doc, argv in exports:
         args = export_cli.get_args_parser().parse_args(argv)
         assert args.repository != Path("models"), (doc, argv)
+
+
+# -- what the load and the export refuse, each with one line ----------------------------------------------------------
+
+class Means(torch.nn.Module):
+    """Logits of 4 classes from an image's channel means: a model the server serves."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        means = x.mean(dim=(2, 3))
+        return torch.cat([means, means.sum(dim=1, keepdim=True)], dim=1) * 10
+
+
+class Softmaxed(Means):
+    """An export that ends in its own softmax: the server's would be a second one."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).softmax(dim=1)
+
+
+class FirstRowOnly(Means):
+    """A batch of any size answered with one row (a reshape to batch 1 traced in)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)[:1]
+
+
+class Grey(torch.nn.Module):
+    """A one-channel model in a three-channel export: its forward pass raises on the served input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x).mean(dim=(2, 3))
+
+
+class Answers(Means):
+    """Logits in a dict: no tensor where the server wants one."""
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        return {"logits": super().forward(x)}
+
+
+def scripted_export(folder: Path, model: torch.nn.Module, labels: tuple[str, ...] = ("r", "g", "b", "sum"),
+                    name: str = "tiny", version: str = "1") -> Path:
+    """``model`` traced at batch 1 on 8x8 inputs into ``folder`` as a TorchScript export (manifest and all)."""
+    from models.export.manifest import Manifest, WeightsFile, write_manifest
+
+    folder.mkdir(parents=True, exist_ok=True)
+    input_channels = 1 if isinstance(model, Grey) else 3
+    traced = torch.jit.trace(model.eval(), torch.zeros(1, input_channels, 8, 8), strict=False)
+    torch.jit.save(traced, str(folder / "model.torchscript.pt"))
+    write_manifest(folder, Manifest.model_construct(  # unvalidated: a manifest written by hand may hold anything
+        schema_version=1, name=name, version=version, arch="resnet18", labels=list(labels),
+        preprocess=EvalPreset(resize_size=8, crop_size=8), default_format="torchscript", packages=[], onnx=None,
+        metrics={}, source="", reference=None, embedding=None,
+        files={"torchscript": WeightsFile(path="model.torchscript.pt",
+                                          sha256=sha256_of(folder / "model.torchscript.pt"))}))
+    return folder
+
+
+@pytest.mark.parametrize("model, fragment", [
+    (Softmaxed(), "the model's output rows are already probabilities (each non-negative and summing to 1 on 4 "
+                  "different images): the server applies softmax to them, which would be a second one; export the "
+                  "model without its final softmax"),
+    (FirstRowOnly(), "model answers 1 rows for a batch of 2 images: it must answer one row per image"),
+    (Grey(), "the model fails on a batch of 2 images of shape (3, 8, 8) (torch.float32): RuntimeError: Given "
+             "groups=1, weight of size [4, 1, 1, 1], expected input[2, 3, 8, 8] to have 1 channels"),
+    (Answers(), "the model answers a dict where a tensor of logits (or logits and an embedding) was expected"),
+], ids=["softmax", "one-row", "raises", "dict"])
+def test_the_load_refuses_a_model_it_could_not_serve_in_one_line(tmp_path: Path, model: torch.nn.Module,
+                                                                 fragment: str) -> None:
+    # Before: a model ending in softmax served probabilities of probabilities, one answering a row per batch loaded
+    # and then failed every batch of 2 or more, and a model that raised escaped as RuntimeError/AttributeError.
+    from models.export.checks import ModelLoadError
+    from models.export.load import load_model
+
+    with pytest.raises(ModelLoadError) as refused:
+        load_model(scripted_export(tmp_path / "export", model), weights_format="torchscript", device="cpu")
+    assert fragment in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_model_of_logits_loads_whatever_they_look_like(tmp_path: Path) -> None:
+    from models.export.load import load_model
+
+    class NonNegative(Means):  # logits >= 0 that do not sum to 1: no probabilities
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x).abs()
+
+    for model in (Means(), NonNegative()):
+        assert load_model(scripted_export(tmp_path / type(model).__name__, model), device="cpu").manifest.name == "tiny"
+
+
+def test_models_predict_says_why_a_model_cannot_load_in_one_line_and_exits_2(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from models.predict.__main__ import main as predict_main
+    from tests.support.imaging import RED, image_bytes
+
+    weights = scripted_export(tmp_path / "grey", Grey())
+    (tmp_path / "photos").mkdir()
+    (tmp_path / "photos" / "red.jpg").write_bytes(image_bytes(RED))
+    with caplog.at_level(logging.ERROR, logger="models.predict"):
+        code = predict_main(["--weights", str(weights), "--data", str(tmp_path / "photos"), "--out",
+                             str(tmp_path / "scores.jsonl"), "--device", "cpu", "--workers", "0"])
+    errors = [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR]
+    assert code == 2 and len(errors) == 1 and "\n" not in errors[0]
+    assert errors[0].startswith("error: the model fails on a batch of 2 images") and "to have 1 channels" in errors[0]
+
+
+def test_a_one_class_model_is_refused_by_the_manifest_the_export_and_the_server(tmp_path: Path) -> None:
+    # Before: a one-class model loaded and answered 1.0 for every image.
+    from app.engine.loaded.predictor import Predictor
+    from models.export.checks import ModelLoadError, read_checked_manifest
+    from models.export.write import export_model
+
+    wanted = "a classifier needs at least 2 labels, got 1 (['cat'])"
+    with pytest.raises(ModelLoadError, match=re.escape(wanted)):
+        read_checked_manifest(scripted_export(tmp_path / "one", Means(), labels=("cat",)))
+    with pytest.raises(ValueError, match=re.escape(wanted)):
+        export_model(Means(), out_dir=tmp_path / "out", name="cat", version="1", arch="resnet18", labels=["cat"],
+                     preset=EvalPreset(resize_size=8, crop_size=8))
+    assert not (tmp_path / "out").exists()
+    manifest = read_manifest(scripted_export(tmp_path / "two", Means()))
+    with pytest.raises(ModelLoadError, match=re.escape(wanted)):  # a manifest made in code skips its validation
+        Predictor(Means(), manifest.model_copy(update={"labels": ["cat"]}), device="cpu")
+
+
+def test_the_export_refuses_a_model_ending_in_softmax_and_writes_nothing(tmp_path: Path) -> None:
+    from models.export.checks import ModelLoadError
+    from models.export.write import export_model
+
+    with pytest.raises(ModelLoadError, match="already probabilities"):
+        export_model(Softmaxed(), out_dir=tmp_path / "out", name="soft", version="1", arch="resnet18",
+                     labels=["r", "g", "b", "sum"], preset=EvalPreset(resize_size=8, crop_size=8))
+    assert not (tmp_path / "out").exists()

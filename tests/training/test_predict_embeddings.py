@@ -244,3 +244,24 @@ def test_copies_of_real_photos_find_their_original_as_nearest_neighbour(real_wei
     assert neighbours([str(rows), "--like", "chelsea.jpg", "--k", str(len(COPIES))]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert sorted(Path(line.split()[1]).name for line in lines) == sorted(f"chelsea--{c}.jpg" for c in COPIES)
+
+
+def test_a_row_the_model_answers_nan_in_is_an_error_record_and_bf16_embeddings_are_of_unit_length() -> None:
+    """As the server answers them: an image whose row is NaN fails alone (an error record, rescored by
+    --retry-errors), never scores of NaN; an embedding normalised in bfloat16 is normalised again in float32."""
+    embeddings = torch.nn.functional.normalize(torch.randn(3, 64), dim=1).to(torch.bfloat16)
+    logits = torch.tensor([[2.0, 0.5], [float("nan"), 1.0], [0.1, 0.3]])
+
+    class Answering(torch.nn.Module):
+        def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return logits.to(torch.bfloat16), embeddings
+
+    loaded = type("Loaded", (), {"module": Answering(), "manifest": type("M", (), {"labels": ["cat", "dog"]})()})()
+    items = [type("Item", (), {"path": f"{i}.jpg"})() for i in range(3)]
+    records, vectors = predict._answers(loaded, torch.zeros(3, 3, 8, 8), [0, 1, 2], items, 2, {"version": "1"},
+                                        embed=True)
+    assert records[1] == {"path": "1.jpg", "error": predict.NON_FINITE, "version": "1"}
+    assert [records[i]["labels"][0] for i in (0, 2)] == ["cat", "dog"]
+    assert sorted(vectors) == [0, 2]
+    for row in vectors.values():
+        assert row.dtype == np.float32 and abs(float(np.dot(row, row)) - 1.0) < 1e-5

@@ -97,6 +97,41 @@ def test_augmentation_is_seeded_per_sample_and_epoch(tmp_path: Path) -> None:
     assert dataset[(0, 1)][1] == split.samples[1][1]
 
 
+def test_the_gpu_augment_s_nearest_is_the_cpu_path_s() -> None:
+    # Before: torchvision's NEAREST on the GPU path's tensors floors a pixel's source position where PIL (the CPU
+    # path) rounds it, so a nearest preset trained on other pixels there than on the CPU and at serving.
+    from harness.photos import photo
+    from models.data.augment import CropFlip, crop_pil
+    from models.data.gpu import DeviceAugment, EncodedBatch
+    from models.presets import pil_to_tensor
+
+    preset = EvalPreset(resize_size=64, crop_size=56, interpolation="nearest")
+    augment = DeviceAugment(preset, torch.device("cpu"), torch.contiguous_format)  # the GPU path's code on the CPU
+    image = photo("astronaut").resize((300, 200))
+    for box in (CropFlip(10, 20, 150, 170, True), CropFlip(0, 0, 200, 300, False), CropFlip(5, 7, 112, 112, False)):
+        images, _ = augment(EncodedBatch([pil_to_tensor(image)], box.as_tensor()[None], torch.tensor([0])))
+        on_cpu = pil_to_tensor(crop_pil(image, box, preset.crop_size, "nearest")).float()
+        assert torch.allclose(images[0] * augment.std[0] + augment.mean[0], on_cpu, atol=1e-3), box
+
+
+def test_a_folder_of_one_class_is_refused_before_training(tmp_path: Path) -> None:
+    # Before: it trained a one-class model, which answers 1.0 for every image.
+    from models.data.loaders import splits
+    from models.run.args import DataError
+
+    folder = write_image_folder(tmp_path / "data", train_per_class=2, val_per_class=1)
+    for split in ("train", "val"):
+        for colour in ("green", "blue"):
+            for image in (folder / split / colour).iterdir():
+                image.unlink()
+            (folder / split / colour).rmdir()
+    with pytest.raises(DataError, match=r"has one class folder \(red\); a classifier needs at least 2 classes: add a "
+                                        r"folder of the images that are not red"):
+        splits(argparse.Namespace(data=folder, val_split=None, workers=0, seed=0))
+    with pytest.raises(DataError, match="a classifier needs at least 2 classes"):  # one folder, a share held out
+        splits(argparse.Namespace(data=folder / "train", val_split=0.5, workers=0, seed=0))
+
+
 def test_samplers_shard_every_index_exactly_once() -> None:
     shards = [list(EpochSampler(range(10), num_replicas=2, rank=r, shuffle=True, seed=0)) for r in range(2)]
     assert {epoch for shard in shards for epoch, _ in shard} == {0}

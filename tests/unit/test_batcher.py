@@ -21,7 +21,7 @@ from app.engine.batching.types import (
     QueueFull,
 )
 from app.engine.batching import batcher as batcher_module
-from app.engine.batching.batcher import QUEUE_DEPTH_REPORT_S, Batcher
+from app.engine.batching.batcher import QUEUE_DEPTH_REPORT_S, Batcher, ItemsFailed
 from tests.support.fakes import wait_until
 
 
@@ -235,6 +235,56 @@ def test_an_input_that_fails_the_model_fails_only_its_own_request(make_batcher) 
     assert [f.exception(timeout=10) is not None for f in futures] == [False, True, False]
     assert [futures[0].result().value, futures[2].result().value] == [2, 4]
     assert recorder.batches[-4:] == [[1, 13, 2], [1], [13], [2]]  # the batch, then each alone
+
+
+def _fails_odd_items(seen: list[list[int]]) -> Callable[[list[int]], list[int]]:
+    """A predict_fn whose batch runs but whose odd items get no output (as a model's NaN rows): ItemsFailed."""
+
+    def predict(items: list[int]) -> list[int]:
+        seen.append(list(items))
+        odd = {index: ValueError(f"no output for {item}") for index, item in enumerate(items) if item % 2}
+        if odd:
+            raise ItemsFailed(f"{len(odd)} of {len(items)} items failed", [2 * i for i in items], odd)
+        return [2 * i for i in items]
+
+    return predict
+
+
+def test_items_a_batch_ran_without_an_output_fail_alone_and_nothing_runs_again(make_batcher) -> None:
+    # Before: ItemsFailed did not exist, a model's NaN row was answered as a class; raising instead would have run
+    # every item of the batch again alone.
+    seen: list[list[int]] = []
+    events = Events()
+    batcher = make_batcher(_fails_odd_items(seen), max_batch_size=8, max_wait_ms=1, observer=events)
+    futures = batcher.submit_many([2, 3, 4])
+    assert futures[0].result(timeout=10).value == 4 and futures[2].result(timeout=10).value == 8
+    with pytest.raises(ValueError, match="no output for 3"):
+        futures[1].result(timeout=10)
+    assert futures[0].result().batch_size == 3  # the batch that ran, all of it
+    grouped = batcher.submit_group([6, 8, 9, 10])
+    with pytest.raises(ValueError, match="no output for 9"):
+        grouped.result(timeout=10)
+    assert grouped.failed_at == 2
+    assert seen == [[2, 3, 4], [6, 8, 9, 10]] and events.batches == [3, 4]  # each ran once, counted as it ran
+    assert "batch_failed" not in events.events and batcher.is_alive()
+
+
+def test_a_split_batch_s_part_with_failed_items_runs_only_those_again(make_batcher) -> None:
+    seen: list[list[int]] = []
+    predict = _fails_odd_items(seen)
+
+    def fits_two(items: list[int]) -> list[int]:
+        if len(items) > 2:
+            seen.append(list(items))
+            raise OutOfMemory(f"{len(items)} do not fit")
+        return predict(items)
+
+    batcher = make_batcher(fits_two, max_batch_size=4, max_wait_ms=1, split_on=(OutOfMemory,))
+    futures = batcher.submit_many([2, 4, 6, 7])
+    assert [f.result(timeout=10).value for f in futures[:3]] == [4, 8, 12]
+    with pytest.raises(ValueError, match="no output for 7"):
+        futures[3].result(timeout=10)
+    assert seen == [[2, 4, 6, 7], [2, 4], [6, 7], [7]]  # 6 answered from its part: only 7 ran again
 
 
 def test_wrong_output_count_fails_the_batch(make_batcher) -> None:

@@ -16,7 +16,14 @@ from torchvision.transforms import v2 as T
 
 from harness.photos import photo
 from harness.servers import ROOT
-from models.presets import EvalPreset, ResizeCenterCrop, TensorEvalTransform, eval_transform, lite0_preset
+from models.presets import (
+    EvalPreset,
+    ResizeCenterCrop,
+    TensorEvalTransform,
+    eval_transform,
+    lite0_preset,
+    pil_to_tensor,
+)
 
 SIZES = [(4000, 3000), (1920, 1080), (1080, 1920), (451, 300), (640, 427), (257, 256), (1000, 1001), (700, 3),
          (3, 700), (225, 300), (224, 224), (100, 60), (1, 1)]
@@ -70,8 +77,10 @@ def _torchvision_pil_eval(preset: EvalPreset):  # noqa: ANN202
 
 
 def _torchvision_tensor_eval(preset: EvalPreset, image: torch.Tensor) -> torch.Tensor:
-    pixels = T.functional.resize(image, [preset.resize_size], interpolation=InterpolationMode(preset.interpolation),
-                                 antialias=True)
+    # nearest as PIL's: NEAREST_EXACT on tensors (test_nearest_is_pil_s_nearest_on_tensors too)
+    mode = InterpolationMode.NEAREST_EXACT if preset.interpolation == "nearest" else InterpolationMode(
+        preset.interpolation)
+    pixels = T.functional.resize(image, [preset.resize_size], interpolation=mode, antialias=True)
     pixels = T.functional.center_crop(pixels, [preset.crop_size]).float().div_(255)
     return T.functional.normalize(pixels, list(preset.mean), list(preset.std), inplace=True)
 
@@ -129,6 +138,17 @@ def test_a_batch_resized_through_float_gives_torchvision_s_float_round_trip_imag
     assert len(crops) == in_float  # nearest, and a crop larger than the resize: image by image, as before
     if in_float:
         assert crops[0].dtype == torch.float32 and torch.equal(crops[0], crops[0].round().clamp(0, 255))
+
+
+def test_nearest_is_pil_s_nearest_on_tensors() -> None:
+    # Before: a preset's nearest was torchvision's NEAREST on tensors, which floors a pixel's source position where
+    # PIL rounds it: the tensor and device paths (and the GPU training augment) took the neighbouring pixel, on a
+    # 2:1 shrink every one of them.
+    preset = EvalPreset(resize_size=256, crop_size=224, interpolation="nearest")
+    for size in [(512, 512), (500, 375), (451, 300), (300, 451)]:
+        image = photo("astronaut").resize(size, Image.BICUBIC)
+        on_tensor = TensorEvalTransform(preset).resize_crop(pil_to_tensor(image))
+        assert torch.equal(on_tensor, T.PILToTensor()(ResizeCenterCrop(256, 224, "nearest")(image))), size
 
 
 def test_a_batch_resizes_the_images_of_one_size_together_and_keeps_their_order(

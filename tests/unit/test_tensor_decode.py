@@ -148,7 +148,7 @@ def test_limits_hold_before_any_pixel_and_bad_bytes_are_400() -> None:
         decode_tensor(truncated[: len(truncated) // 2], LIMITS)
 
 
-@pytest.mark.parametrize("interpolation", ["bilinear", "bicubic"])
+@pytest.mark.parametrize("interpolation", ["nearest", "bilinear", "bicubic"])  # nearest: PIL's (NEAREST_EXACT)
 def test_the_tensor_transform_matches_the_pil_transform_on_a_photo(interpolation: str) -> None:
     preset = EvalPreset(resize_size=256, crop_size=224, interpolation=interpolation)  # type: ignore[arg-type]
     buffer = io.BytesIO()

@@ -20,6 +20,7 @@ from typing import Any, Callable, Generic, Sequence, TypeVar
 from app.engine.batching.types import (
     BackgroundJob,
     BatcherClosed,
+    BatcherError,
     BatchObserver,
     BatchResult,
     BatchRun,
@@ -42,6 +43,17 @@ Out = TypeVar("Out")
 
 
 _UNRUN = object()  # the output of an item whose part of a split batch failed
+
+
+class ItemsFailed(BatcherError):
+    """What ``predict_fn`` raises when its batch ran but some items have no output: ``outputs`` holds one per item
+    (a failed item's is never handed out), ``errors`` each failed item's error by its index in the batch. The batcher
+    fails those items with their errors and answers the others: none runs again (a model that answers NaN for one
+    image of a batch, app/engine/loaded/predictor.py)."""
+
+    def __init__(self, message: str, outputs: Sequence[Any], errors: dict[int, BaseException]) -> None:
+        super().__init__(message)
+        self.outputs, self.errors = outputs, errors
 
 
 class _PartlyRun(Exception):
@@ -94,7 +106,9 @@ class Batcher(Generic[In, Out]):
     any item), the items a batch run there may hold: a batch with another is the worker's.
 
     ``split_on`` names exceptions that mean "this batch is too big" (CUDA out-of-memory): such a batch is split in
-    halves and retried, and the batch size is capped at the size that worked for ``shrink_s`` seconds.
+    halves and retried, and the batch size is capped at the size that worked for ``shrink_s`` seconds. Any other
+    error runs the batch's items again one by one; ``ItemsFailed`` (the batch ran, some items have no output) fails
+    those items alone and answers the rest.
 
     Background work (``submit_background``: a shadow comparison) runs on the worker thread only when no item is
     queued, no batch runs and nothing is on its way; an item queued meanwhile waits for that one job at most.
@@ -521,6 +535,9 @@ class Batcher(Generic[In, Out]):
             return list(self._predict(items))
         except _PartlyRun as part:
             return part.outputs
+        except ItemsFailed as failed:  # the part ran: its failed items run alone after (and fail there), the others
+            return [_UNRUN if index in failed.errors else output  # are answered
+                    for index, output in enumerate(failed.outputs)]
         except Exception:  # noqa: BLE001 - a failing part fails no item yet: its items run alone after
             log.exception("a part of %d of a split batch failed", len(items))
             return [_UNRUN] * len(items)
@@ -539,6 +556,9 @@ class Batcher(Generic[In, Out]):
                 if output is _UNRUN:
                     self._run_batch([p])
             return
+        except ItemsFailed as failed:  # it ran: the failed items fail with their errors, the others are answered
+            self._done(batch_id, batch, failed.outputs, started, cpu_started, failed.errors)
+            return
         except Exception as exc:  # noqa: BLE001 - a failing batch fails its callers, never the worker
             log.exception("batch %d of %d failed", batch_id, len(batch))
             self._observer.event("batch_failed")
@@ -553,8 +573,9 @@ class Batcher(Generic[In, Out]):
         self._done(batch_id, batch, outputs, started, cpu_started)
 
     def _done(self, batch_id: int, batch: list[_Pending[In]], outputs: Sequence[Out], started: float,
-              cpu_started: float) -> None:
-        """A batch that ran: counted, timed, settled when due, its outputs handed to their waiters."""
+              cpu_started: float, failed: dict[int, BaseException] | None = None) -> None:
+        """A batch that ran: counted, timed, settled when due, its outputs handed to their waiters; the items of
+        ``failed`` (by index) failed with their errors instead."""
         run_s = time.monotonic() - started
         self.batches_run += 1
         self._batch_seconds = run_s if self.batches_run == 1 else 0.8 * self._batch_seconds + 0.2 * run_s
@@ -566,15 +587,21 @@ class Batcher(Generic[In, Out]):
         ended = started + run_s
         if not self._queue or ended - self._settled_at >= self._settle_s:
             self._settle_now(ended)
-        self._answer(batch, outputs, queued, batch_id, run_s)
+        size = len(batch)
+        if failed:
+            for index, error in failed.items():
+                batch[index].fail(error)
+            kept = [index for index in range(size) if index not in failed]
+            batch, outputs, queued = [batch[i] for i in kept], [outputs[i] for i in kept], [queued[i] for i in kept]
+        self._answer(batch, outputs, queued, batch_id, run_s, size)
 
     @staticmethod
     def _answer(batch: list[_Pending[In]], outputs: Sequence[Out], queued: list[float], batch_id: int,
-                run_s: float) -> None:
+                run_s: float, size: int) -> None:
         """Each item's output to whoever waits for it: a future its result, a group the rows of its consecutive
-        items in this batch at once."""
-        size, first = len(batch), 0
-        while first < size:
+        items in this batch (of ``size`` items) at once."""
+        first, count = 0, len(batch)
+        while first < count:
             item = batch[first]
             group = item.group
             if group is None:
@@ -583,7 +610,7 @@ class Batcher(Generic[In, Out]):
                 first += 1
                 continue
             end = first + 1
-            while end < size and batch[end].group is group and batch[end].index == item.index + end - first:
+            while end < count and batch[end].group is group and batch[end].index == item.index + end - first:
                 end += 1
             rows = (outputs[first],) if end == first + 1 else outputs[first:end]
             group.set_rows(item.index, rows, BatchRun(end - first, batch_id, size, queued[first], run_s))

@@ -5,6 +5,11 @@ The weights: the eager module the version serves (a state dict, or a module hand
 the backward pass never touch the one its batches run; else, for a format without gradients (ONNX Runtime, an
 AOTInductor or int8 package, TorchScript, whose modules take no hooks), the export's state dict, loaded strictly
 into its architecture. A version with neither is refused (NoGradients, 422) naming what to export.
+
+The class and its score are the version's own: its serving forward pass on the same pixels (its dtype, format and
+device), so an explanation names the class /predict answers with the score it answers, even where that copy's float32
+numbers differ (a bfloat16 version, an int8 package, ONNX Runtime: a near tie can go the other way there). The map
+is that copy's gradients for that class.
 """
 from __future__ import annotations
 
@@ -13,12 +18,13 @@ import logging
 import time
 
 import numpy as np
+import torch
 import torch.nn as nn
 
 from app.engine.contract import Explanation
 from app.engine.decoding.decoders import Decoder
 from app.engine.decoding.image import load_upright, open_checked
-from app.engine.loaded.predictor import Predictor
+from app.engine.loaded.predictor import NonFiniteOutput, Predictor
 from app.errors import BadRequest, NoGradients
 from models.explain import METHOD, NoFeatureMap, crop_box, feature_layer, grad_cam, overlay
 from models.export.checks import ModelLoadError, checked_file
@@ -49,8 +55,9 @@ def _gradient_module(predictor: Predictor) -> tuple[nn.Module, str]:
 
 class Explainer:
     """Grad-CAM for one version: ``explain`` decodes an image as its requests are (its decoder: the same limits,
-    path and pixels, so the explained score is the one /predict answers), runs one forward and one backward pass
-    and answers the map (and its overlay PNG when asked, drawn on the photo as PIL opens it)."""
+    path and pixels), takes the class (unless named) and its score from the version's serving forward pass (so both
+    are the ones /predict answers), runs one forward and one backward pass of the copy with gradients and answers
+    the map (and its overlay PNG when asked, drawn on the photo as PIL opens it)."""
 
     def __init__(self, predictor: Predictor, decoder: Decoder) -> None:
         self.predictor, self.decoder, self.limits = predictor, decoder, decoder.limits
@@ -76,10 +83,19 @@ class Explainer:
         photo = load_upright(opened, self.limits)
         turned = (stored[0] > stored[1]) != (photo.width > photo.height) and stored[0] != stored[1]
         width, height = stored[::-1] if turned else stored  # the upright photo's own pixels
-        found = grad_cam(self.module, self.layer, pixels, index)
+        served = self._served_probabilities(pixels)
+        chosen = int(served.argmax()) if index is None else index
+        found = grad_cam(self.module, self.layer, pixels, chosen)
         rendered = overlay(photo, found.grid, manifest.preprocess) if png else None
         return Explanation(
-            manifest.name, manifest.version, found.index, manifest.labels[found.index], found.score, METHOD,
+            manifest.name, manifest.version, chosen, manifest.labels[chosen], float(served[chosen]), METHOD,
             self.layer, self.weights, np.round(found.grid.astype(np.float64), 4).tolist(),
             crop_box(width, height, manifest.preprocess), (time.perf_counter() - started) * 1000, rendered)
 
+    def _served_probabilities(self, pixels: torch.Tensor) -> np.ndarray:
+        """The version's probabilities for one image's ``pixels`` from its serving forward pass (what /predict
+        answers); the image's InferenceFailed when the model answers NaN or infinity for it, as /predict's."""
+        try:
+            return self.predictor.probabilities(pixels[None])[0].numpy()
+        except NonFiniteOutput as failed:
+            raise failed.errors[0] from None

@@ -6,19 +6,49 @@ import logging
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
+from app.engine.batching.batcher import ItemsFailed
 from app.engine.loaded.graphs import GraphedForward, release_cached_memory
+from app.errors import InferenceFailed
 from models.architectures import split_outputs
+from models.export.checks import ModelLoadError
 from models.export.load import load_model, module_bytes
-from models.export.manifest import Manifest
+from models.export.manifest import Manifest, too_few_labels
 from models.presets import ImageTransform, TensorEvalTransform, eval_transform
 
 log = logging.getLogger(__name__)
 
 # What the batcher treats as "this batch is too big": split it and retry the halves.
 OUT_OF_MEMORY_ERRORS: tuple[type[BaseException], ...] = (torch.cuda.OutOfMemoryError,)
+NON_FINITE_OUTPUT = "non_finite_output"  # the error code of an image whose row the model answered NaN or inf in
+
+
+def non_finite_error(where: str) -> InferenceFailed:
+    """One image's error when the model answered NaN or infinity for it: a 500 (the forward pass failed, as the
+    OpenAPI document lists for every inference route), so it counts as the version's failure, with a code of its
+    own (a code set on the instance crosses the engine's link as app/errors.py's classes do)."""
+    error = InferenceFailed(f"{where} produced non-finite output (NaN or infinity) for this image: the model is at "
+                            f"fault, not the image")
+    error.code = NON_FINITE_OUTPUT
+    return error
+
+
+class NonFiniteOutput(ItemsFailed):
+    """A batch whose rows are NaN or infinite for some images: each of those fails alone (``non_finite_error``),
+    the others keep their rows (``outputs``, as ``predict_batch`` answers them, in numpy); ``finite`` says which rows
+    are. Raised instead of returning, so the caller's steps after the forward pass (the drift monitor's rows) never
+    see such a batch; the batcher answers the finite rows (app/engine/batching/batcher.py ItemsFailed)."""
+
+    def __init__(self, rows: np.ndarray, where: str) -> None:
+        finite = np.isfinite(rows).all(axis=1)
+        bad = np.flatnonzero(~finite)
+        super().__init__(f"{where}: the model's output is not finite (NaN or infinity) for {len(bad)} of the "
+                         f"batch's {len(rows)} images", rows, {int(index): non_finite_error(where) for index in bad})
+        self.finite = finite
 
 
 class Predictor:
@@ -28,7 +58,11 @@ class Predictor:
     def __init__(self, model: nn.Module, manifest: Manifest, *, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, weights_format: str = "eager",
                  pad_batches: bool | None = None, weights_bytes: int | None = None, cuda_graphs: bool = False) -> None:
+        problem = too_few_labels(manifest.labels)  # a manifest made in code skips its validation (a given one)
+        if problem:
+            raise ModelLoadError(problem)
         self.manifest = manifest
+        self.where = f"{manifest.name} version {manifest.version}"  # how its errors name it
         self.device = torch.device(device)
         self.dtype = dtype
         self.weights_format = weights_format
@@ -102,14 +136,28 @@ class Predictor:
 
     def _rows(self, batch: torch.Tensor) -> torch.Tensor:
         """The forward pass of a batch on the device in the compute dtype -> float32 softmax probabilities there,
-        followed by the embedding's columns when the model answers one."""
+        followed by the embedding's columns when the model answers one, of unit length in float32 (one normalised
+        in bfloat16 or float16 is off by up to about 1%: its dot products would be no cosine similarities)."""
         logits, embedding = split_outputs(self.module(batch))
         probabilities = logits.float().softmax(dim=1)
-        return probabilities if embedding is None else torch.cat([probabilities, embedding.float()], dim=1)
+        if embedding is None:
+            return probabilities
+        return torch.cat([probabilities, F.normalize(embedding.float(), dim=1)], dim=1)
 
     def predict_batch(self, batch: torch.Tensor) -> torch.Tensor:
         """(N, C, H, W) on the CPU or the device -> (N, classes) float32 softmax probabilities on the CPU, each row
-        followed by the image's embedding when the model has one ((N, classes + dim))."""
+        followed by the image's embedding when the model has one ((N, classes + dim)). NonFiniteOutput when a row
+        holds NaN or infinity: one vectorised check a batch, the rows looked at only then."""
+        out = self._forward(batch)
+        values = out.numpy()
+        if not np.isfinite(values).all():
+            failed = NonFiniteOutput(values, self.where)
+            log.warning("%s", failed)
+            raise failed
+        return out
+
+    def _forward(self, batch: torch.Tensor) -> torch.Tensor:
+        """``predict_batch`` unchecked: the rows whatever their values (the warm-up's, which nobody reads)."""
         rows = batch.shape[0]
         size = self._padded_size(rows) if self.pad_batches else rows
         if self.device.type == "cuda" and batch.device.type == "cpu":
@@ -149,7 +197,7 @@ class Predictor:
         batches = {size: torch.zeros(size, *self.manifest.preprocess.input_shape)
                    for size in self.batch_shapes(max_batch_size)}
         for size, batch in batches.items():
-            self.predict_batch(batch)
+            self._forward(batch)
             self.warmed_batch_sizes.append(size)
         if self.graphs is not None:
             self._capture_graphs(list(batches))
@@ -157,7 +205,7 @@ class Predictor:
         for _ in range(repeats):
             for size, batch in batches.items():
                 begun = time.perf_counter()
-                self.predict_batch(batch)  # returns on the CPU, so CUDA work is finished when it does
+                self._forward(batch)  # returns on the CPU, so CUDA work is finished when it does
                 fastest[size] = min(fastest[size], time.perf_counter() - begun)
         log.info("warmed up batch sizes %s in %.2fs", self.warmed_batch_sizes, time.perf_counter() - started)
         return {size: size / max(seconds, 1e-9) for size, seconds in fastest.items()}

@@ -22,7 +22,7 @@ from app.engine.decoding.decoders import Decoder, Prepared, decoder_for
 from app.engine.decoding.image import DecodeLimits, canary_jpeg
 from app.engine.loaded.explainer import Explainer
 from app.engine.loaded.monitor import PredictionMonitor
-from app.engine.loaded.predictor import OUT_OF_MEMORY_ERRORS, Predictor
+from app.engine.loaded.predictor import OUT_OF_MEMORY_ERRORS, NonFiniteOutput, Predictor
 from app.metrics import MetricsObserver
 from models.export.checks import ModelLoadError
 
@@ -99,14 +99,23 @@ class LoadedVersion:
         device = self.predictor.device
         made = device_mark(device)  # on a GPU the batch's making may still run there: the forward's time starts after
         started, cpu_started = time.perf_counter(), time.thread_time()
-        rows = self.predictor.predict_batch(batch).numpy()
+        try:
+            rows = self.predictor.predict_batch(batch).numpy()
+        except NonFiniteOutput as failed:  # its finite rows are answered (the batcher), so they are monitored too
+            self._ran(made, started, cpu_started, failed.outputs[failed.finite])
+            raise
+        self._ran(made, started, cpu_started, rows)
+        return rows
+
+    def _ran(self, made: object, started: float, cpu_started: float, answered: np.ndarray) -> None:
+        """A forward pass's time to the metrics, and the rows it answers to the drift monitor's next settle."""
         cpu_s = time.thread_time() - cpu_started
+        device = self.predictor.device
         wall_s = time.perf_counter() - started if made is None else device_seconds_since(made, device)
         self.observer.forward_ran(wall_s, cpu_s)
-        if self.serving.is_set():
+        if self.serving.is_set() and len(answered):
             with self._settling:
-                self._unmonitored.append(rows[:, :self.predictor.num_classes])
-        return rows
+                self._unmonitored.append(answered[:, :self.predictor.num_classes])
 
     def settle(self) -> None:
         """The batcher's ``settle``: the requests' predictions since the last call to the monitor in one step, then
@@ -219,8 +228,11 @@ def start_version(settings: Settings, predictor: Predictor) -> LoadedVersion:
             loaded.batch_profile.update(predictor.warmup(ceiling))
         # A synthetic photo through the decoder the batches will use (starting the device's decoder there) and
         # the model.
-        check_canary(loaded.run_batch([decoder.prepare(canary_jpeg())])[:, :predictor.num_classes],
-                     predictor.num_classes)
+        try:
+            canary = loaded.run_batch([decoder.prepare(canary_jpeg())])
+        except NonFiniteOutput as failed:
+            raise ModelLoadError(f"canary inference failed: {failed}") from None
+        check_canary(canary[:, :predictor.num_classes], predictor.num_classes)
 
     loaded.batcher.start(prepare)
     _place_loop_batches(loaded)
