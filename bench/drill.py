@@ -6,8 +6,13 @@
 Each step runs as its own process under its own time limit, inside the drill's deadline (a step that would start
 with too little time left is skipped, and said so). After each step the drill appends one line to
 ``OUT/drill.jsonl`` (step, exit status, seconds, whether it was stopped) and rewrites ``OUT/figures.tar.gz`` from the
-folder the steps write their reports into, so a call stopped at any point returns what was done. Every step's
-output goes to ``OUT/drill.log`` as it comes.
+folder the steps write their reports into (``OUT/figures``), so a call stopped at any point returns what was done.
+Every step's output goes to ``OUT/drill.log`` as it comes. A call starts clean: those, and the scratch folder beside
+OUT (``OUT-work``: the photo folder), are emptied first. A step at its limit, or running when the drill gets SIGTERM
+(then the rest are skipped), gets SIGTERM (a benchmark that started servers turns it into SystemExit and stops them,
+harness/servers.py), and GRACE_S later SIGKILL, with every process that descended from it (servers and engines run
+in sessions of their own). A step knows its deadline (BENCH_DEADLINE): a server that never gets ready fails inside
+it, with its log. ``--only`` runs the steps named and those they need (``Step.needs``).
 
 Steps, most wanted first: the machine's facts; the ``-m gpu`` tests (the device decode path's pixels, EXIF turns
 included, placement, tensors, CUDA graphs against eager, the batch ceiling, the engine's loop running a graphed
@@ -28,26 +33,37 @@ device path's batch made the model's input, image by image and rounded together 
 one forward pass's cost to the engine's thread at each batch size, eager and replayed as a CUDA graph
 (``bench.serving.forward_launch``); the served step's process-mode points again with the tensor decode path
 (DECODE_PATH=tensor), and with eager forward passes (CUDA_GRAPHS=false: the graphs' A/B); ``models.predict`` on CUDA
-over a photo folder; last, the training feed (JPEG folder on the CPU and on the GPU against synthetic batches). The
-order follows what the last drills left to learn (docs/testing.md): whether the code is right on the device, then
-the engine's own time and the served figures with and without the change the CPU could not measure, then what
-earlier drills measured already.
+over a photo folder (made first, with the served step's export where it made none); last, the training feed (JPEG
+folder on the CPU and on the GPU against synthetic batches). The order follows what the last drills left to learn
+(docs/testing.md): whether the code is right on the device, then the engine's own time and the served figures with
+and without the change the CPU could not measure, then what earlier drills measured already.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from harness.processes import descendants, kill_left
+
 ROOT = Path(__file__).resolve().parents[1]
+DEADLINE = "BENCH_DEADLINE"  # a step's deadline (time.time()), as harness/servers.py reads it
+GRACE_S = 10.0  # between a step's SIGTERM and its SIGKILL: a benchmark stops its servers (5 s each at most)
+POLL_S = 0.5  # how often a running step's descendants are collected
+TERMINATED = threading.Event()  # the drill got SIGTERM: stop the step, pack what was done, end
+GPU_TESTS = ("tests/unit/test_device.py", "tests/unit/test_tensor_decode.py", "tests/unit/test_load_placement.py",
+             "tests/unit/test_cuda_graphs.py", "tests/app/test_batching_cap.py", "tests/app/test_explain.py",
+             "tests/training/test_gpu_data.py")  # the files of the -m gpu tests
 
 
 @dataclass(frozen=True)
@@ -57,6 +73,7 @@ class Step:
     command: tuple[str, ...]
     least_s: float = 20.0  # not started with less time than this left
     env: tuple[tuple[str, str], ...] = ()  # settings of its own, beside the drill's environment
+    needs: tuple[str, ...] = ()  # steps whose output it reads: run before it with --only
 
 
 def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
@@ -65,7 +82,7 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
     py = sys.executable
     photos = work / "photos"
     device, model = ("cpu", "mobilenet_v3_small") if smoke else ("cuda", "efficientnet_lite0")
-    weights = ROOT / "bench" / ".work" / "weights" / model  # what the served step exports (bench.serving.compare)
+    weights = ROOT / "bench" / ".work" / "weights" / model  # the served step's export, else the weights step's
     facts = ("import os, torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), "
              "torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU', 'cores', os.cpu_count())")
     if smoke:
@@ -74,7 +91,6 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
                   "--images-per-request", "1", "2", "--seconds", "0.5", "--warmup", "0.2", "--limit-seconds", "0.3",
                   "--workers", "1"]
         overhead = ["--smoke", "--servers", "process", "--forms", "jpeg", "v2 x16"]  # inline: the served step
-        tests = ["-m", "gpu", "tests/unit/test_device.py"]
         engine = ["--forms", "v2 x1", "--concurrency", "2", "--seconds", "0.3"]
         by_size = ["--forms", "v2 x1", "v2 x2", "--images-in-flight", "2", "--seconds", "0.3"]
         variant = ["--engines", "inline", "--batch-sizes", "2", "--concurrency", "2", "--images-per-request", "1",
@@ -94,9 +110,6 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
                   "--workers", "0"]
         overhead = ["--servers", "process", "inline", "--seconds", "2", "--concurrency", "16", "64", "--workers", "4",
                     "--forms", "jpeg", "v2 x1", "/v1/models"]  # 16 per request: the served step
-        tests = ["-m", "gpu", "tests/unit/test_device.py", "tests/unit/test_tensor_decode.py",
-                 "tests/unit/test_load_placement.py", "tests/unit/test_cuda_graphs.py",
-                 "tests/app/test_batching_cap.py", "tests/app/test_explain.py", "tests/training/test_gpu_data.py"]
         # two engine starts; its floor on a GPU host (51 us an image, 11-29: as on the CPU VM) is run by hand
         engine = ["--forms", "v2 x1", "jpeg", "--concurrency", "16", "--seconds", "3", "--clients", "messages"]
         by_size = ["--forms", "v2 x1", "v2 x4", "v2 x16", "--images-in-flight", "64", "--seconds", "3"]
@@ -130,7 +143,9 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
     return [
         Step("facts", 30, (py, "-c", facts), least_s=5),
         # first what says the code is right on the device: the loop's batches on CUDA among them (11-30)
-        Step("gpu-tests", 130, (py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests)),
+        # the smoke collects the same files (its tests skip without CUDA): a file that cannot be collected fails here
+        Step("gpu-tests", 130, (py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-m", "gpu",
+                                *GPU_TESTS)),
         # the engine's own cost per request on the device's host, its requests several to a message as the HTTP
         # workers' loop links send them, with and without its batches on its loop (four engine starts, about 30 s
         # each on an H200; each point printed to the log as it comes)
@@ -169,37 +184,61 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         # (CUDA_GRAPHS=false): each against the served step's, on one machine, back to back
         *(step for step in served_variants if step not in first_served),
         Step("photos", 40, (py, "-m", "demo_data", "photos", "--out", str(photos), *photo_counts), least_s=10),
+        # the served step's export, made here if it made none (the step skipped, stopped, or left out by --only)
+        Step("weights", 60, (py, "-c", f"from bench.paths import WORK; from bench.serving.compare import "
+                                       f"export_models; export_models(WORK / 'weights', ['{model}'])"), least_s=10),
         Step("predict", 50, (py, "-m", "models.predict", "--weights", str(weights), "--data", str(photos / "val"),
-                             "--out", str(figures / "predict.jsonl"), "--device", device)),
+                             "--out", str(figures / "predict.jsonl"), "--device", device), needs=("photos", "weights")),
         Step("train-feed", 100, (py, "-m", "bench.training.train", "--device", device, "--data", str(photos),
-                                 "--rounds", "1", "--no-variants", "--ddp", "0", *train, "--out", str(figures))),
+                                 "--rounds", "1", "--no-variants", "--ddp", "0", *train, "--out", str(figures)),
+             needs=("photos",)),
     ]
 
 
+def _wait(process: subprocess.Popen, limit_s: float, found: dict[int, str]) -> int | None:
+    """The step's exit status, or None at ``limit_s`` or once the drill got SIGTERM; its descendants collected into
+    ``found`` meanwhile."""
+    ends = time.monotonic() + limit_s
+    while not TERMINATED.is_set():
+        descendants(process.pid, found)
+        try:
+            return process.wait(max(0.0, min(POLL_S, ends - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= ends:
+                return None
+    return None
+
+
 def _run(step: Step, limit_s: float, log: Path) -> tuple[int | None, float, bool]:
-    """Run one step in its own process group; stop the group at ``limit_s``. (exit status, seconds, stopped)."""
+    """Run one step in its own process group, its deadline in BENCH_DEADLINE (harness/servers.py: servers are waited
+    for until then, less a margin); at ``limit_s`` (or on the drill's SIGTERM) SIGTERM the group (a benchmark turns
+    it into SystemExit and stops its servers), then after GRACE_S SIGKILL the group and every process that
+    descended from the step. (exit status, seconds, stopped)."""
     started = time.monotonic()
+    found: dict[int, str] = {}
     with log.open("a") as out:
         out.write(f"\n===== {step.name} (limit {limit_s:.0f} s): {' '.join(step.command)}\n")
         out.flush()
-        process = subprocess.Popen(step.command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1", **dict(step.env)},
-                                   start_new_session=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **dict(step.env), DEADLINE: f"{time.time() + limit_s:.1f}"}
+        process = subprocess.Popen(step.command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                   process_group=0)  # the drill's session: what ends the drill's session ends it
         try:
-            return process.wait(limit_s), time.monotonic() - started, False
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-            return None, time.monotonic() - started, True
+            code = _wait(process, limit_s, found)
+            if code is None:
+                descendants(process.pid, found)
+                os.killpg(process.pid, signal.SIGTERM)
+                try:
+                    process.wait(GRACE_S)
+                except subprocess.TimeoutExpired:
+                    descendants(process.pid, found)
+            return code, time.monotonic() - started, code is None
         finally:
-            try:  # a server a step started and left behind
+            try:  # what is left of its group, and every server it started and left behind
                 os.killpg(process.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+            process.wait()
+            kill_left(found)
 
 
 def _pack(figures: Path, out: Path) -> None:
@@ -210,34 +249,78 @@ def _pack(figures: Path, out: Path) -> None:
     partial.rename(out / "figures.tar.gz")
 
 
+def _chosen(every: list[Step], only: Sequence[str]) -> list[Step]:
+    """The steps named in ``only`` and what they need (``Step.needs``, and theirs), in the drill's order."""
+    by_name = {step.name: step for step in every}
+    wanted, todo = set(), list(only)
+    while todo:
+        name = todo.pop()
+        if name not in wanted:
+            wanted.add(name)
+            todo += by_name[name].needs
+    return [step for step in every if step.name in wanted]
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    TERMINATED.set()  # the running step is stopped as at its limit, what was done packed, the rest skipped
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/.work/drill")))
     parser.add_argument("--deadline-s", type=float, default=450.0, help="the whole drill's wall time")
     parser.add_argument("--smoke", action="store_true", help="the same steps, tiny, on the CPU")
-    parser.add_argument("--only", nargs="*", help="these steps only (names as in drill.jsonl)")
+    parser.add_argument("--only", nargs="+", metavar="STEP",
+                        help="these steps only (names as in drill.jsonl), and the steps they need (predict: photos "
+                             "and weights; train-feed: photos)")
     args = parser.parse_args(argv)
     started = time.monotonic()
-    args.out.mkdir(parents=True, exist_ok=True)
-    figures, work = (args.out.parent / f"{args.out.name}-{part}" for part in ("figures", "work"))
-    figures.mkdir(parents=True, exist_ok=True)
+    # the reports (packed into OUT/figures.tar.gz) under OUT; the scratch (the photo folder: too big to come back
+    # with OUT) beside it; both emptied first, so a second call on one machine starts clean
+    figures, work = args.out / "figures", args.out.parent / f"{args.out.name}-work"
+    every = steps(figures, work, args.smoke)
+    unknown = [name for name in args.only or () if name not in {step.name for step in every}]
+    if unknown:
+        parser.error(f"no step named {', '.join(unknown)}; the steps{' of --smoke' if args.smoke else ''}: "
+                     f"{', '.join(step.name for step in every)}")
+    for folder in (figures, work):
+        shutil.rmtree(folder, ignore_errors=True)
+    figures.mkdir(parents=True)
+    log, record = args.out / "drill.log", args.out / "drill.jsonl"
+    for path in (log, record):
+        path.write_text("")
+    _pack(figures, args.out)
+    TERMINATED.clear()
+    handled = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, _on_sigterm) if handled else None
+    try:
+        return _steps(_chosen(every, args.only) if args.only else every, args, started, figures)
+    finally:
+        if handled:
+            signal.signal(signal.SIGTERM, before)
+
+
+def _steps(chosen: list[Step], args: argparse.Namespace, started: float, figures: Path) -> int:
+    """Run ``chosen`` in order inside the deadline, a line each into drill.jsonl; 1 if any failed or was stopped."""
     log, record = args.out / "drill.log", args.out / "drill.jsonl"
     failed = 0
-    for step in steps(figures, work, args.smoke):
-        if args.only and step.name not in args.only:
-            continue
+    for step in chosen:
         left = args.deadline_s - (time.monotonic() - started)
-        if left < step.least_s:
+        if TERMINATED.is_set():
+            row = {"step": step.name, "skipped": "the drill was stopped (SIGTERM)"}
+        elif left < step.least_s:
             row = {"step": step.name, "skipped": f"{left:.0f} s left, needs {step.least_s:.0f}"}
         else:
             code, seconds, stopped = _run(step, min(step.limit_s, left), log)
             row = {"step": step.name, "rc": code, "seconds": round(seconds, 1), "stopped": stopped}
+            if stopped and TERMINATED.is_set():
+                row["stopped_by"] = "the drill's SIGTERM"
             failed += code != 0
             _pack(figures, args.out)
         with record.open("a") as out:
             out.write(json.dumps(row) + "\n")
         print(json.dumps(row), flush=True)
-    return 1 if failed else 0
+    return 1 if failed or TERMINATED.is_set() else 0
 
 
 if __name__ == "__main__":

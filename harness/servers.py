@@ -1,4 +1,12 @@
-"""Start and stop servers as subprocesses on free loopback ports: visionserve through bin/serve, or any gunicorn app."""
+"""Start and stop servers as subprocesses on free loopback ports: visionserve through bin/serve, or any gunicorn app.
+
+A server runs in a session of its own (and visionserve's engines in theirs), so a signal to the process group of
+what started it does not reach it. A benchmark's process (``python -m bench...``, or any process of a GPU drill's
+step, which sets ``BENCH_DEADLINE``) that starts one therefore turns SIGTERM into SystemExit, once, so that its
+``finally: server.stop()`` runs, bounded by ``QUICK_STOP_S``; a server killed at the end of ``stop`` takes every
+process it had started with it. Under a drill's step a server is waited for until the step's deadline (less
+``READY_MARGIN_S``), not beyond, so one that never gets ready fails with its log inside the step.
+"""
 from __future__ import annotations
 
 import os
@@ -6,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Sequence
@@ -13,9 +22,33 @@ from typing import Sequence
 import requests
 
 from app.hosting.procstat import children
+from harness.processes import descendants, kill_left
 from app.link.supervisor import ENGINE_MODULE
 
 ROOT = Path(__file__).resolve().parents[1]
+DEADLINE = "BENCH_DEADLINE"  # set by bench.drill for each step: when (time.time()) the step is stopped
+READY_MARGIN_S = 10.0  # what a step keeps after a server that never got ready: its report, its servers' stop
+QUICK_STOP_S = 5.0  # a server's stop once this process got SIGTERM, or when it never got ready, before SIGKILL
+_terminating = False  # this process got SIGTERM: stop servers quickly
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM -> SystemExit, once (a second SIGTERM ends the process at once, as before)."""
+    global _terminating
+    _terminating = True
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise SystemExit(128 + signum)
+
+
+def exit_on_sigterm_in_benchmarks() -> None:
+    """In a benchmark's process (``python -m bench...``, or a drill step's: ``BENCH_DEADLINE`` set), from the main
+    thread, where nothing else handles SIGTERM: turn it into SystemExit, so that the ``finally`` blocks that stop
+    servers run. Test runs keep SIGTERM's default (but under a drill's step: gpu-tests, stopped alike)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    benchmark = DEADLINE in os.environ or (spec is not None and spec.name.split(".")[0] == "bench")
+    if (benchmark and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL):
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
 
 def free_port() -> int:
@@ -36,6 +69,7 @@ class Running:
         self.log_path = log_dir / f"{name}.log"
         self._log = self.log_path.open("w")
         self._terminated = False
+        exit_on_sigterm_in_benchmarks()
         self.process = subprocess.Popen(list(command), cwd=cwd, env={**os.environ, **env}, stdout=self._log,
                                         stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -46,18 +80,28 @@ class Running:
         return self.log_path.read_text()
 
     def wait_ready(self, timeout_s: float = 300) -> "Running":
-        """Block until the ready path answers 200; raise with the log's tail if the process dies first."""
+        """Block until the ready path answers 200, at most ``timeout_s`` (under a drill's step, at most until its
+        deadline less READY_MARGIN_S); raise with the log's tail if the process dies first or it is not ready by
+        then, having stopped it (so does anything raised meanwhile: SystemExit on SIGTERM)."""
+        step_deadline = os.environ.get(DEADLINE)
+        if step_deadline:
+            timeout_s = max(1.0, min(timeout_s, float(step_deadline) - READY_MARGIN_S - time.time()))
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.process.returncode}: {self.output()[-4000:]}")
-            try:
-                if requests.get(self.url + self.ready_path, timeout=2).status_code == 200:
-                    return self
-            except requests.RequestException:  # the socket accepts before the worker has booted
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"{self.name} not ready after {timeout_s}s: {self.output()[-4000:]}")
+        try:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited with {self.process.returncode}: {self.output()[-4000:]}")
+                try:
+                    if requests.get(self.url + self.ready_path, timeout=2).status_code == 200:
+                        return self
+                except requests.RequestException:  # the socket accepts before the worker has booted
+                    pass
+                time.sleep(0.2)
+            raise RuntimeError(f"{self.name} not ready after {timeout_s:.0f}s"
+                               f"{' (the step deadline)' if step_deadline else ''}: {self.output()[-4000:]}")
+        except BaseException:
+            self.stop(QUICK_STOP_S)
+            raise
 
     def worker_pids(self) -> list[int]:
         """PIDs of the main process's children (gunicorn's workers, and engines a watcher thread restarted)."""
@@ -80,18 +124,21 @@ class Running:
 
     def stop(self, timeout_s: float = 60) -> int:
         """SIGTERM the main process (gunicorn drains its workers) unless ``terminate`` did, wait, then SIGKILL
-        whatever of its process group is left (LitServe's workers, or everything after ``timeout_s``); returns the
-        main exit code."""
+        whatever of its process group is left (LitServe's workers, or everything after ``timeout_s``: at most
+        QUICK_STOP_S once this process got SIGTERM), and once it had to kill the main process, every process that
+        had descended from it (engines, in sessions of their own); returns the main exit code."""
+        started = descendants(self.process.pid)  # before it ends: its orphans would be re-parented
         self.terminate()
         try:
-            code = self.process.wait(timeout_s)
+            code = self.process.wait(min(timeout_s, QUICK_STOP_S) if _terminating else timeout_s)
         except subprocess.TimeoutExpired:
             code = None
         try:
             os.killpg(self.process.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        if code is None:
+        if code is None:  # killed before it could stop what it started (a master that stopped stops its engines)
+            kill_left(started)
             code = self.process.wait()
         self._log.close()
         return code

@@ -1,7 +1,8 @@
 """GPU figures: visionserve on CUDA against an in-process GPU pipeline, and CPU vs GPU JPEG decoding.
 
     python -m bench.serving.gpu              # on a CUDA machine (about 9 minutes on an H100 with 16 cores); writes
-                                             # bench/results/<date>-gpu-<gpu>.md and .json
+                                             # bench/results/<date>-gpu-<gpu>.md and .json, rewritten after each
+                                             # served point, and .jsonl, a line per point as it is measured
     python -m bench.serving.gpu --device cpu --dtype float32 --seconds 1 --concurrency 1 --workers 1 --processes 2
                                              # a smoke run of the same code without a GPU
                                              # (tests/server/test_bench_gpu.py)
@@ -21,13 +22,14 @@ alone (a variant's settings through the environment, e.g. ``VISIONSERVE_CUDA_GRA
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -90,21 +92,24 @@ def decode_rates(predictor: Predictor, photos: Sequence[bytes], batch_size: int,
 
 
 def serve(weights: Path, args: argparse.Namespace, workers: int, torch_threads: int,
-          decode_path: str, engine: str) -> list[dict[str, object]]:
+          decode_path: str, engine: str, on_row: Callable[[dict[str, object]], None] = lambda row: None
+          ) -> list[dict[str, object]]:
     """visionserve on the device with ``workers`` gunicorn workers, ``torch_threads`` intra-op threads (0: the
     service's default), ``decode_path`` and ``engine`` (ENGINE: the model in engine processes, ``process-k`` for
-    ENGINES_PER_DEVICE=k, or in every worker), at each images-per-request and C; images/s count images."""
+    ENGINES_PER_DEVICE=k, or in every worker), at each images-per-request and C; images/s count images. Each point
+    is printed and given to ``on_row`` as it is measured."""
     started = time.perf_counter()
     mode, _, per_device = engine.partition("-")
     server = visionserve(weights, WORK / "logs", device=args.device, dtype=args.dtype, workers=str(workers),
                          engine=mode, engines_per_device=per_device or "1",
                          max_batch_size=str(max(args.batch_sizes)), threads="64",
-                         torch_threads=str(torch_threads), decode_path=decode_path, max_images=str(max(args.images_per_request)),
-                         max_body_bytes=str(256 * 1024 * 1024)).wait_ready()
-    ready_s = time.perf_counter() - started
-    photos = served_photos(args.workload)
+                         torch_threads=str(torch_threads), decode_path=decode_path,
+                         max_images=str(max(args.images_per_request)), max_body_bytes=str(256 * 1024 * 1024))
     rows: list[dict[str, object]] = []
-    try:
+    try:  # (a server that never gets ready is stopped by wait_ready)
+        server.wait_ready()
+        ready_s = time.perf_counter() - started
+        photos = served_photos(args.workload)
         for per_request in args.images_per_request:
             bodies, content_type = request_bodies(photos, per_request)
             for c in args.concurrency:
@@ -116,6 +121,7 @@ def serve(weights: Path, args: argparse.Namespace, workers: int, torch_threads: 
                              "decode_path": decode_path, "per_request": per_request, "gpu_util": gpu.mean,
                              "engine": engine})
                 print(json.dumps(rows[-1]), flush=True)  # as it comes: a run stopped at its limit keeps its points
+                on_row(rows[-1])
     finally:
         server.stop()
     return rows
@@ -126,15 +132,26 @@ def served_photos(name: str) -> tuple[bytes, ...]:
     return imagenet_workload() if name == "imagenet" else workload()
 
 
-def run_model(weights: Path, args: argparse.Namespace) -> dict[str, object]:
+def run_model(weights: Path, args: argparse.Namespace, data: dict[str, object],
+              written: Callable[[dict[str, object] | None], None] = lambda row: None) -> None:
     """The in-process limit, decode rates (on the served workload's photos) and visionserve's load points for one
-    model; the load points only with ``args.loads_only``."""
-    def loads() -> list[dict[str, object]]:
-        return [row for engine in args.engines for path in args.decode_paths for workers in args.workers
-                for threads in args.torch_threads for row in serve(weights, args, workers, threads, path, engine)]
+    model, into ``data`` as they come (``written`` called after the in-process figures with None, and after each
+    load point with its row); the load points only with ``args.loads_only``."""
+    def loads() -> None:
+        rows: list[dict[str, object]] = []
+        data["loads"] = rows
+
+        def on_row(row: dict[str, object]) -> None:
+            rows.append(row)
+            written(row)
+
+        for engine, path, workers, threads in itertools.product(args.engines, args.decode_paths, args.workers,
+                                                                args.torch_threads):
+            serve(weights, args, workers, threads, path, engine, on_row)
 
     if args.loads_only:
-        return {"loads": loads()}
+        loads()
+        return
     device = torch.device(args.device)
     photos = served_photos(args.workload)
     # as the server runs it: CUDA graphs captured at warm-up for every padded batch size
@@ -154,7 +171,9 @@ def run_model(weights: Path, args: argparse.Namespace) -> dict[str, object]:
     del predictor
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"limit_by_batch": limit, "decode": decode, "loads": loads(), "single_ms": single_ms}
+    data.update(limit_by_batch=limit, decode=decode, single_ms=single_ms)
+    written(None)
+    loads()
 
 
 # Each point's later columns (rows from before they were measured show "-"): the engine processes' share of the
@@ -169,7 +188,8 @@ def _load_row(r: dict, limit: float | None, single_ms: float | None) -> str:
     """One served load point as a table row, with its efficiency and its p50 against the in-process latency (when
     they were measured)."""
     util, client = r.get("gpu_util"), r.get("client_cores")
-    cells = [r.get("engine", "inline"), r.get("decode_path", "pil"), r.get("per_request", 1), r.get("workers", 1), r["torch_threads"] or "default",
+    cells = [r.get("engine", "inline"), r.get("decode_path", "pil"), r.get("per_request", 1), r.get("workers", 1),
+             r["torch_threads"] or "default",
              f"{r['ready_s']:.0f}", r["concurrency"], f"{r['images_per_s']:.1f}", f"{r['p50_ms']:.1f}",
              f"{r['p99_ms']:.1f}", r["errors"], f"{r['mean_batch'] or 0:.2f}", f"{r['server_cores'] or 0:.2f}",
              "-" if client is None else f"{client:.2f}", "-" if util is None else f"{util:.0f}",
@@ -201,7 +221,7 @@ def report(results: dict[str, dict], machine: dict[str, object]) -> str:
                   "p50 ms | p99 ms | errors | mean batch | server cores | client cores | GPU util % | efficiency | "
                   "p50 / in-process | engine cores | server CPU ms / image | batch wall ms | of which forward | "
                   "batch CPU ms / image | of which forward |", "|" + " --- |" * 23]
-        lines += [_load_row(r, best, single_ms) for r in data["loads"]]
+        lines += [_load_row(r, best, single_ms) for r in data.get("loads", [])]
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -245,12 +265,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"{time.strftime('%Y-%m-%d')}-gpu-{name.replace(' ', '-').lower()}"
     results: dict[str, dict] = {}
-    for model in args.models:  # the report is rewritten after each model: device time may run out mid-way
-        results[model] = run_model(weights[model], args)
-        markdown = report(results, machine)
-        stem.with_suffix(".md").write_text(markdown)
+    points = stem.with_suffix(".jsonl")
+    points.write_text("")
+
+    def write(model: str, row: dict[str, object] | None) -> None:
+        """The report rewritten, and a load point's row appended to the .jsonl: the run may be stopped mid-way (at
+        the drill step's limit) and keeps what it measured."""
+        if row is not None:
+            with points.open("a") as out:
+                out.write(json.dumps({"model": model, **row}) + "\n")
+        stem.with_suffix(".md").write_text(report(results, machine))
         stem.with_suffix(".json").write_text(json.dumps({"machine": machine, "results": results}, indent=1))
-        print(markdown, flush=True)
+
+    for model in args.models:
+        results[model] = {}
+        run_model(weights[model], args, results[model], lambda row, model=model: write(model, row))
+        write(model, None)
+        print(report(results, machine), flush=True)
 
 
 if __name__ == "__main__":
