@@ -339,7 +339,10 @@ class ServerSettings(SettingsGroup):
         "connection closes): a client that stops reading holds its connection, never a request thread or the "
         "worker's event loop (LOOP_REQUESTS).")
     timeout_s: int = Field(60, gt=0, description="gunicorn worker timeout (a stuck worker is restarted).")
-    graceful_timeout_s: int = Field(30, gt=0, description="Time to finish accepted requests after SIGTERM.")
+    graceful_timeout_s: int = Field(
+        30, gt=0, description="Time to finish accepted requests after SIGTERM: keep it above `REQUEST_TIMEOUT_S` (5 s "
+        "above: the shipped compose file and Kubernetes manifests set 35), so that a request accepted just before "
+        "SIGTERM may wait out its whole deadline.")
     shutdown_drain_s: float = Field(
         5.0, ge=0, description="After SIGTERM a worker keeps its listener open at least this long, answering new "
         "requests `503 not_ready` with `Retry-After` and `Connection: close` (so a load balancer that has not "

@@ -71,6 +71,8 @@ def test_train_service_runs_torchrun_on_the_gpus_with_data_and_runs_mounted() ->
     train = _compose()["services"]["train"]
     assert train["profiles"] == ["train"]
     assert train["entrypoint"][:2] == ["torchrun", "--standalone"]
+    # one process per GPU it reserves (count: all): "gpu", torchrun's count of the visible ones, by default
+    assert "--nproc_per_node=${TRAIN_GPUS:-gpu}" in train["entrypoint"]
     assert train["entrypoint"][-2:] == ["-m", "models.train"]
     (device,) = train["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
@@ -103,6 +105,11 @@ def test_each_api_service_environment_is_a_valid_settings_object(tmp_path: Path)
                for key, value in services[name]["environment"].items() if key.startswith("VISIONSERVE_")}
         settings = Settings(**{**env, "weights_dir": tmp_path})  # raises for e.g. float16 on the cpu
         assert settings.dtype == ("float16" if name == "api" else "float32")
+        # a request accepted just before SIGTERM may wait its whole deadline: the drain (graceful - 1) outlasts it,
+        # and compose's SIGKILL comes after the drain
+        assert settings.graceful_timeout_s - 1 > settings.request_timeout_s
+        grace = int(services[name]["stop_grace_period"].removesuffix("s"))
+        assert grace > settings.graceful_timeout_s + settings.shutdown_drain_s
 
 
 def test_the_image_installs_the_runtime_set_only() -> None:

@@ -55,10 +55,22 @@ def test_deployment_gpu_probes_and_drain_match_the_service() -> None:
     assert container["ports"] == [{"name": "http", "containerPort": port}]
     assert pod["securityContext"]["runAsUser"] == 10001  # the image's USER
 
-    graceful = int(resources["ConfigMap"]["data"]["VISIONSERVE_GRACEFUL_TIMEOUT_S"])
+    settings = resources["ConfigMap"]["data"]
+    graceful = int(settings["VISIONSERVE_GRACEFUL_TIMEOUT_S"])
     pre_stop = int(container["lifecycle"]["preStop"]["exec"]["command"][1])
     assert pod["terminationGracePeriodSeconds"] > pre_stop + graceful
-    assert resources["ConfigMap"]["data"].keys() <= {f"VISIONSERVE_{name.upper()}" for name in Settings.model_fields}
+    # a request accepted just before SIGTERM may wait its whole deadline: the drain (graceful - 1) outlasts it
+    assert graceful - 1 > float(settings["VISIONSERVE_REQUEST_TIMEOUT_S"])
+    assert settings.keys() <= {f"VISIONSERVE_{name.upper()}" for name in Settings.model_fields}
+    # /healthz answers 200 while the models load: a startup probe on it never restarts a load that hangs
+    assert container["startupProbe"]["httpGet"]["path"] == "/readyz"
+    # without a CPU limit the server counts the node's cores (16 and more: 4 workers on a pod of a few)
+    assert "cpu" in container["resources"]["limits"] or "VISIONSERVE_WORKERS" in settings
+
+
+def test_the_hpa_alone_says_how_many_replicas_run() -> None:
+    # a replica count in the Deployment resets the HPA's on every `kubectl apply`, killing the pods it added
+    assert "replicas" not in _resources()["Deployment"]["spec"]
 
 
 def test_a_new_model_version_rolls_out_without_a_gap() -> None:

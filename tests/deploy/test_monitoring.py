@@ -48,6 +48,13 @@ def test_the_alerts_cover_what_ops_page_for() -> None:
                       "VisionservePredictionDrift", "VisionserveLowConfidence"}
     config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     assert config["rule_files"] == ["/etc/prometheus/alerts.yml"]
+    # "target down" reads up{app="visionserve"}: a label the compose target carries and a k8s pod label map gives,
+    # not a job name only one scrape config has (up{job="visionserve"} never fired under Kubernetes)
+    assert 'up{app="visionserve"} == 0' in _alert("VisionserveNotReady")["expr"]
+    (target,) = config["scrape_configs"][0]["static_configs"]
+    assert target["labels"] == {"app": "visionserve"}
+    deployment = yaml.safe_load((DEPLOY / "k8s" / "deployment.yaml").read_text())
+    assert deployment["spec"]["template"]["metadata"]["labels"]["app"] == "visionserve"
 
 
 def _alert(name: str) -> dict:
