@@ -65,3 +65,7 @@ def test_the_inference_service_uses_the_runtime_with_a_gpu_and_the_mounted_expor
     assert model["modelFormat"]["name"] in {f["name"] for f in runtime["spec"]["supportedModelFormats"]}
     assert model["protocolVersion"] == "v2" and model["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert {"name": "VISIONSERVE_WEIGHTS_DIR", "value": "/mnt/models"} in model["env"]  # where KServe puts it
+    # a GPU predictor tolerates the GPU nodes' taint as deploy/k8s's pods do (else it stays Pending there)
+    k8s = yaml.safe_load((Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "deployment.yaml").read_text())
+    predictor = _manifest("InferenceService")["spec"]["predictor"]
+    assert predictor["tolerations"] == k8s["spec"]["template"]["spec"]["tolerations"]
