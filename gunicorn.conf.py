@@ -94,6 +94,14 @@ def on_starting(server) -> None:  # noqa: ANN001
     an earlier run left in kept directories (CONTROL_DIR's marks, the metrics' files), then start the engines."""
     for warning in unknown_variables(os.environ):
         server.log.warning(warning)
+    if server.cfg.workers != _workers:  # gunicorn's --workers or GUNICORN_CMD_ARGS, applied after this file
+        server.log.error("visionserve: gunicorn was told %d workers and VISIONSERVE_WORKERS says %d: readiness waits "
+                         "for the workers the setting counts, and the engines and the queues are sized by it; set "
+                         "VISIONSERVE_WORKERS=%d instead of gunicorn's --workers", server.cfg.workers, _workers,
+                         server.cfg.workers)
+        for own in supervisor.OWNED_DIRS:
+            shutil.rmtree(own, ignore_errors=True)
+        sys.exit(2)
     server.log.info("visionserve: %d worker%s (%s)", _workers, "" if _workers == 1 else "s", _workers_why)
     _halt_once(server)
     control.clear_stale(Path(os.environ["VISIONSERVE_CONTROL_DIR"]))  # a kept directory's marks: an earlier start's

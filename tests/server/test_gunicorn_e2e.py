@@ -319,3 +319,15 @@ def test_the_default_worker_count_uses_the_host_and_says_so(small_weights: Path,
             time.sleep(0.2)
     finally:
         server.stop()
+
+
+def test_gunicorn_s_own_workers_option_beside_the_setting_stops_the_start_saying_which_to_set(tmp_path: Path) -> None:
+    # bin/serve passes its arguments to gunicorn, which applies them after gunicorn.conf.py: --workers 3 started 3
+    # workers while readiness waited for VISIONSERVE_WORKERS' 1 and the queues were sized by it.
+    env = {**os.environ, "VISIONSERVE_WORKERS": "1", "VISIONSERVE_ENGINE": "inline", "VISIONSERVE_DEVICE": "cpu",
+           "TMPDIR": str(tmp_path), "PATH": f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    result = subprocess.run([str(ROOT / "bin" / "serve"), "--workers", "3", "--bind", f"127.0.0.1:{free_port()}"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "set VISIONSERVE_WORKERS=3 instead of gunicorn's --workers" in result.stderr
+    assert list(tmp_path.iterdir()) == []  # the metrics and control directories it made are gone
