@@ -7,7 +7,8 @@
 CLI: ``python -m visionserve_client predict cat.jpg cup.jpg --url http://localhost:8000 --top-k 3 [--json]``.
 """
 from visionserve_client.api import Client, ImageInput
-from visionserve_client.errors import VisionServeError
+from visionserve_client.errors import UsageError, VisionServeError
 from visionserve_client.types import ClassScore, Embedding, ModelInfo, Prediction
 
-__all__ = ["Client", "ClassScore", "Embedding", "ImageInput", "ModelInfo", "Prediction", "VisionServeError"]
+__all__ = ["Client", "ClassScore", "Embedding", "ImageInput", "ModelInfo", "Prediction", "UsageError",
+           "VisionServeError"]

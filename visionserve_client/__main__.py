@@ -6,22 +6,26 @@ model.
     visionserve predict cat.jpg --model colour --version 2       # ask one model's version
     visionserve embed cat.jpg cup.jpg --json                     # each image's embedding (its vector in JSON)
     visionserve model --labels
-Each file gets its own result or error. Exit codes: 0 success (and, for health/ready, a yes), 1 a server error
-(for any file) or a no, 2 a usage error or a file that cannot be read.
+    cat cat.jpg | visionserve predict -                          # `-`: the image from stdin
+Each file gets its own result or error (with --json, an "error" object: status, code, message, request_id); the
+files go in as many requests as the server's limits need. Exit codes: 0 success (and, for health/ready, a yes), 1 a
+server error (for any file) or a no, 2 a usage error (a bad option, a URL without http://) or a file that cannot be
+read.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import sys
 from pathlib import Path
 from typing import Sequence
 
-from visionserve_client.api import Client
-from visionserve_client.errors import VisionServeError
+from visionserve_client.api import Client, ImageInput
+from visionserve_client.errors import UsageError, VisionServeError
 from visionserve_client.types import Embedding, Prediction
 
 
@@ -32,6 +36,29 @@ _URL_HINT = re.compile(r"\?model=NAME, or /v2/models/NAME/\.\.\.")
 _QUERY_PARAMETER = re.compile(r"([?&])(model|version|top_k)=([A-Z]+)\b")
 # "top_k (parameter) must be from 1 to 4": the server names where the value came from; here it came from --top-k.
 _NAMED_PARAMETER = re.compile(r"\btop_k \((?:parameter|query|body|form)\)")
+STDIN = "-"
+
+
+def _seconds(text: str) -> float:
+    """--timeout: a positive, finite number of seconds (argparse says what is wrong, exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def _count(text: str) -> int:
+    """--retries: a whole number, 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
 
 
 def _connection_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
@@ -48,14 +75,16 @@ def _connection_options(parser: argparse.ArgumentParser, defaults: bool) -> None
     key_set = "set" if os.environ.get("VISIONSERVE_API_KEY") else "not set"
     parser.add_argument("--api-key", default=default(os.environ.get("VISIONSERVE_API_KEY")),
                         help=f"sent as a Bearer token (default: $VISIONSERVE_API_KEY, {key_set}; else none)")
-    parser.add_argument("--timeout", type=float, default=default(DEFAULT_TIMEOUT_S),
-                        help=f"seconds per HTTP call (default: {DEFAULT_TIMEOUT_S:g})")
-    parser.add_argument("--retries", type=int, default=default(DEFAULT_RETRIES),
-                        help=f"retries on 429/503 and connection errors (default: {DEFAULT_RETRIES})")
+    parser.add_argument("--timeout", type=_seconds, default=default(DEFAULT_TIMEOUT_S),
+                        help=f"seconds per request to the server, its retries and waits included "
+                             f"(default: {DEFAULT_TIMEOUT_S:g})")
+    parser.add_argument("--retries", type=_count, default=default(DEFAULT_RETRIES),
+                        help=f"retries on 429/503 and connection failures, never after a timeout "
+                             f"(default: {DEFAULT_RETRIES})")
 
 
 def _predict_options(predict: argparse.ArgumentParser) -> None:
-    predict.add_argument("images", nargs="+", help="image files (JPEG, PNG, WebP, BMP, GIF)")
+    predict.add_argument("images", nargs="+", help="image files (JPEG, PNG, WebP, BMP, GIF); - reads stdin")
     predict.add_argument("--top-k", type=int, default=None,
                          help="classes per image (default: the server's TOP_K, at most the model's classes)")
     predict.add_argument("--model", default=None, metavar="NAME",
@@ -74,7 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     _predict_options(commands.add_parser("predict", help="classify image files"))
     embed = commands.add_parser("embed", help="image files' embeddings (the model's pooled features)")
-    embed.add_argument("images", nargs="+", help="image files (JPEG, PNG, WebP, BMP, GIF)")
+    embed.add_argument("images", nargs="+", help="image files (JPEG, PNG, WebP, BMP, GIF); - reads stdin")
     embed.add_argument("--model", default=None, metavar="NAME",
                        help="the served model to ask (default: the server's default model; see `model`)")
     embed.add_argument("--version", default=None, metavar="V",
@@ -117,20 +146,45 @@ def _tables(answered: list[tuple[str, Prediction]]) -> list[str]:
     return header + [line for path, p in answered for line in _table(path, p, by=len(by) > 1)]
 
 
+def _shown(path: str) -> str:
+    """A path as it can be printed: one of bytes that are not UTF-8 (surrogate escapes) with U+FFFD for them."""
+    return os.fsencode(path).decode("utf-8", "replace")
+
+
+def _inputs(paths: list[str]) -> list[ImageInput]:
+    """The files to send: ``-`` is stdin's bytes (read once, however often it is named)."""
+    data = sys.stdin.buffer.read() if STDIN in paths else b""
+    return [data if path == STDIN else path for path in paths]
+
+
+def _error_json(error: VisionServeError | OSError) -> dict[str, object]:
+    """A file's error as --json prints it: the server's status, code, message and request id; or, for a file that
+    cannot be read, no status and code ``unreadable_file``."""
+    if isinstance(error, VisionServeError):
+        return error.to_json()
+    return {"status": None, "code": "unreadable_file", "message": f"cannot read it: {error.strerror or error}",
+            "request_id": None}
+
+
 def _predict(client: Client, args: argparse.Namespace) -> int:
-    """Each file's result or its own error; exit 2 when a file cannot be read, else 1 when the server refused one."""
-    results = client.predict_each(list(args.images), top_k=args.top_k, model=args.model, version=args.version)
-    failed = [(path, r) for path, r in zip(args.images, results) if not isinstance(r, Prediction)]
+    """Each file's result or its own error (a request refused as a whole: the error of each file it held and of
+    those not sent); exit 2 when a file cannot be read, else 1 when the server refused one."""
+    results = client.predict_each(_inputs(list(args.images)), top_k=args.top_k, model=args.model,
+                                  version=args.version)
+    paths = [_shown(path) for path in args.images]
+    failed = [(path, r) for path, r in zip(paths, results) if not isinstance(r, Prediction)]
     if args.json:
         print(json.dumps([{"image": path, **dataclasses.asdict(r)} if isinstance(r, Prediction)
-                          else {"image": path, "error": str(r)} for path, r in zip(args.images, results)], indent=2))
+                          else {"image": path, "error": _error_json(r)} for path, r in zip(paths, results)], indent=2))
     else:
-        answered = [(path, r) for path, r in zip(args.images, results) if isinstance(r, Prediction)]
+        answered = [(path, r) for path, r in zip(paths, results) if isinstance(r, Prediction)]
         if answered:
             print("\n".join(_tables(answered)))
     for path, error in failed:
         said = f"cannot read it: {error.strerror}" if isinstance(error, OSError) and error.strerror else error
         print(f"error: {path}: {_for_cli(said)}", file=sys.stderr)
+    if any(isinstance(error, VisionServeError) and error.code == "connection_error" for _, error in failed):
+        _no_server(args.url)
     if any(isinstance(error, OSError) for _, error in failed):
         return 2
     return 1 if failed else 0
@@ -140,41 +194,58 @@ def _embed(client: Client, args: argparse.Namespace) -> int:
     """The images' embeddings, in one request: a line each (its length and first values), or JSON with --json.
     Exit 2 when a file cannot be read, 1 when the server refused the request."""
     try:
-        embeddings: list[Embedding] = client.embed(list(args.images), model=args.model, version=args.version)
+        embeddings: list[Embedding] = client.embed(_inputs(list(args.images)), model=args.model,
+                                                   version=args.version)
     except OSError as exc:
-        print(f"error: {exc.filename}: cannot read it: {exc.strerror}", file=sys.stderr)
+        print(f"error: {_shown(str(exc.filename))}: cannot read it: {exc.strerror}", file=sys.stderr)
         return 2
+    paths = [_shown(path) for path in args.images]
     if args.json:
-        print(json.dumps([{"image": path, **dataclasses.asdict(e)} for path, e in zip(args.images, embeddings)]))
+        print(json.dumps([{"image": path, **dataclasses.asdict(e)} for path, e in zip(paths, embeddings)]))
         return 0
-    print(_answered_by(embeddings[0]))  # type: ignore[arg-type]
-    for path, embedding in zip(args.images, embeddings):
+    print(_answered_by(embeddings[0]))
+    for path, embedding in zip(paths, embeddings):
         shown = ", ".join(f"{value:.4f}" for value in embedding.vector[:4])
         print(f"{path}  {len(embedding.vector)} values  [{shown}, ...]")
     return 0
 
 
+def _no_server(url: str) -> None:
+    print(f"no server answers at {url}: start one (make serve), or name it with --url or VISIONSERVE_URL",
+          file=sys.stderr)
+
+
+def _run(client: Client, args: argparse.Namespace) -> int:
+    """The command's exit code; a server's refusal (of a request as a whole) printed, exit 1."""
+    try:
+        if args.command == "predict":
+            return _predict(client, args)
+        if args.command == "embed":
+            return _embed(client, args)
+        if args.command == "model":
+            print(json.dumps(client.model(labels=args.labels, model=args.model).raw, indent=2))
+            return 0
+        ok = client.health() if args.command == "health" else client.ready()
+        print("yes" if ok else "no")
+        return 0 if ok else 1
+    except UsageError:
+        raise
+    except VisionServeError as exc:
+        print(f"error: {_for_cli(exc)}", file=sys.stderr)
+        if exc.code == "connection_error":
+            _no_server(args.url)
+        return 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; returns the exit code."""
     args = _parser().parse_args(argv)
-    with Client(args.url, api_key=args.api_key, timeout=args.timeout, retries=args.retries) as client:
-        try:
-            if args.command == "predict":
-                return _predict(client, args)
-            if args.command == "embed":
-                return _embed(client, args)
-            if args.command == "model":
-                print(json.dumps(client.model(labels=args.labels, model=args.model).raw, indent=2))
-                return 0
-            ok = client.health() if args.command == "health" else client.ready()
-            print("yes" if ok else "no")
-            return 0 if ok else 1
-        except VisionServeError as exc:
-            print(f"error: {_for_cli(exc)}", file=sys.stderr)
-            if exc.code == "connection_error":
-                print(f"no server answers at {args.url}: start one (make serve), or name it with --url or "
-                      "VISIONSERVE_URL", file=sys.stderr)
-            return 1
+    try:
+        with Client(args.url, api_key=args.api_key, timeout=args.timeout, retries=args.retries) as client:
+            return _run(client, args)
+    except UsageError as exc:  # nothing a server said: the command line (--url, the key) is wrong
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

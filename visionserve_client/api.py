@@ -1,31 +1,141 @@
 """``Client``: /predict, health, readiness and model metadata over a pooled ``requests`` session, with retries."""
 from __future__ import annotations
 
+import math
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence, Union, overload
+from typing import Any, Callable, Iterator, NamedTuple, Sequence, TypeVar, Union, overload
+from urllib.parse import urlsplit
 
 import requests
 from requests.adapters import HTTPAdapter
+from requests.utils import check_header_validity
 
-from visionserve_client.errors import VisionServeError
+from visionserve_client.answers import MISREAD, error_of, failure_of, invalid_response, parsed, retried, retry_after_s
+from visionserve_client.errors import UsageError, VisionServeError
 from visionserve_client.types import Embedding, ModelInfo, Prediction
 
 ImageInput = Union[str, Path, bytes]
-# Overloaded or not ready: the server says when to come back. Other errors are the caller's to handle.
-RETRY_STATUSES = frozenset({429, 503})
+T = TypeVar("T")
+# Nothing a retry changes: the URL or a header is wrong. Raised at once, as a UsageError.
+SETUP_ERRORS = (requests.exceptions.InvalidSchema, requests.exceptions.MissingSchema, requests.exceptions.InvalidURL,
+                requests.exceptions.InvalidHeader, requests.exceptions.URLRequired)
+# The server's own defaults (MAX_IMAGES, MAX_BODY_BYTES), for a server whose /v1/models does not say its limits.
+DEFAULT_MAX_IMAGES, DEFAULT_MAX_BODY_BYTES = 16, 20 * 1024 * 1024
+# A multipart part's framing beyond its file's bytes and name (its boundary line, Content-Disposition and line ends:
+# about 100 bytes; a name's byte may be sent as 3, %22), and the closing boundary: upper bounds, so that a request
+# planned to fit the server's body limit does.
+_PART_FRAMING, _CLOSING = 160, 64
+# The longest a connection may take to open (within the call's timeout): a server that does not accept in this long
+# is not there, and the retries go on while the call has time left.
+DEFAULT_CONNECT_TIMEOUT_S = 5.0
+# Retry-After is honoured with up to this share more, so that clients told the same do not all come back at once.
+RETRY_AFTER_JITTER = 0.2
+
+
+class _Limits(NamedTuple):
+    """What one /predict request may hold (the server's MAX_IMAGES and MAX_BODY_BYTES)."""
+
+    max_images: int
+    max_body_bytes: int
+
+
+DEFAULT_LIMITS = _Limits(DEFAULT_MAX_IMAGES, DEFAULT_MAX_BODY_BYTES)
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One image of a request: its position in the caller's list, the name it is sent under, its bytes."""
+
+    position: int
+    name: str
+    data: bytes
+
+
+@dataclass(frozen=True)
+class _Budget:
+    """One call's time on ``clock``: its ``end`` (``timeout`` after it starts: its attempts and the waits between
+    them all within it) and its deadline's (``deadline_ms`` after it starts; None without one), of which each
+    attempt tells the server what is left."""
+
+    clock: Callable[[], float]
+    end: float
+    deadline: float | None
+
+    def left_s(self) -> float:
+        """Seconds left for another attempt: to the call's end, or to its deadline when that comes first."""
+        return min(self.end, self.end if self.deadline is None else self.deadline) - self.clock()
+
+    def attempt_timeout(self, connect_s: float) -> tuple[float, float]:
+        """requests' (connect, read) timeouts for an attempt starting now: what is left of the call, the connect
+        at most ``connect_s``."""
+        left = max(self.end - self.clock(), 0.001)
+        return min(connect_s, left), left
+
+    def header_ms(self) -> str | None:
+        """X-Request-Timeout for an attempt starting now: the milliseconds left of the deadline (at least 1)."""
+        return None if self.deadline is None else str(max(1, math.floor((self.deadline - self.clock()) * 1000)))
+
+
+def _sendable(name: str) -> str:
+    """A file's name as it can go in a multipart header: a name of bytes that are not UTF-8 (which Python decodes
+    with surrogate escapes: a Latin-1 disk, an old archive) keeps its UTF-8 parts, the rest replaced by U+FFFD."""
+    try:
+        raw = name.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate no decoding made
+        raw = name.encode("utf-8", "replace")
+    return raw.decode("utf-8", "replace")
+
+
+def _name(image: ImageInput, position: int) -> str:
+    return f"image{position}" if isinstance(image, bytes) else _sendable(Path(image).name)
 
 
 def _read(image: ImageInput, position: int) -> tuple[str, bytes]:
     if isinstance(image, bytes):
-        return f"image{position}", image
-    path = Path(image)
+        return _name(image, position), image
     try:
-        return path.name, path.read_bytes()
+        return _name(image, position), Path(image).read_bytes()
     except OSError as exc:
         _name_the_file(exc, str(image))
         raise
+
+
+def _size(image: ImageInput) -> int:
+    """Its bytes, from the file system for a file (not read: one too large to send is never read)."""
+    if isinstance(image, bytes):
+        return len(image)
+    try:
+        return Path(image).stat().st_size
+    except OSError as exc:
+        _name_the_file(exc, str(image))
+        raise
+
+
+def _part_bytes(name: str, size: int) -> int:
+    """An upper bound of what an image of ``size`` bytes named ``name`` adds to a multipart body."""
+    return size + _PART_FRAMING + 3 * len(name.encode("utf-8"))
+
+
+def _too_large(position: int, name: str, size: int, limits: _Limits) -> VisionServeError:
+    """The error of an image that alone is over the server's body limit: not sent (no answer, so no status)."""
+    return VisionServeError(f"image {position} ({name}): {size} bytes, over the server's limit of "
+                            f"{limits.max_body_bytes} bytes for a request (MAX_BODY_BYTES); not sent",
+                            code="request_entity_too_large",
+                            details={"image": position, "filename": name, "max_body_bytes": limits.max_body_bytes})
+
+
+def _at_position(error: VisionServeError, index: int, position: int) -> VisionServeError:
+    """``error``, about the image at ``position`` of the caller's list, said of that position: the server counted
+    it ``index``, in a request that held part of the list (a later one, or one sent again without a refused image)."""
+    details = dict(error.details) if isinstance(error.details, dict) else {}
+    message, said = error.message, f"image {index} ("
+    if index != position and message.startswith(said):
+        message = f"image {position} (" + message[len(said):]
+    return VisionServeError(message, status=error.status, code=error.code, request_id=error.request_id,
+                            retry_after_s=error.retry_after_s, details={**details, "image": position})
 
 
 def _name_the_file(error: OSError, path: str) -> None:
@@ -45,48 +155,100 @@ def _route(model: str | None, version: str | None) -> dict[str, str]:
     return {key: value for key, value in (("model", model), ("version", version)) if value is not None}
 
 
-def _retry_after(response: requests.Response) -> float | None:
-    try:
-        return float(response.headers["Retry-After"])
-    except (KeyError, ValueError):
-        return None
+def _check_deadline(deadline_ms: float | None) -> None:
+    if deadline_ms is not None and not (isinstance(deadline_ms, (int, float)) and math.isfinite(deadline_ms)
+                                        and deadline_ms > 0):
+        raise ValueError(f"deadline_ms must be a positive number of milliseconds, got {deadline_ms!r}")
 
 
-def _error(response: requests.Response) -> VisionServeError:
+def _base_url(url: str) -> str:
+    """``url`` without its trailing slash; a UsageError for one no request can go to (no http:// or https://, no
+    host, a port that is no number), rather than every call failing as if no server answered there."""
     try:
-        body = response.json()["error"]
-        code, message, details = body.get("code", "error"), body.get("message", ""), body.get("details")
-    except (ValueError, KeyError, TypeError, AttributeError):
-        code, message, details = "http_error", response.text[:200] or response.reason, None
-    return VisionServeError(message, status=response.status_code, code=code, details=details,
-                            request_id=response.headers.get("X-Request-ID"), retry_after_s=_retry_after(response))
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is no number
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"{url!r} is not a URL: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UsageError(f"{url!r} is not a server's URL: it starts with http:// or https:// and names a host "
+                         "(e.g. http://localhost:8000)")
+    return url.rstrip("/")
+
+
+def _header(name: str, value: str) -> bytes:
+    """A header's value as UTF-8 (requests would send a str as Latin-1, failing for a character past U+00FF; the
+    server reads UTF-8); a UsageError, without the value (a key's), for one that cannot go in a header."""
+    encoded = value.encode("utf-8")
+    try:
+        check_header_validity((name, encoded))
+    except requests.exceptions.InvalidHeader:
+        raise UsageError(f"the {name} header cannot be sent: its value holds a line break or another control "
+                         "character") from None
+    return encoded
+
+
+def _usage_error(exc: requests.RequestException) -> UsageError:
+    if isinstance(exc, requests.exceptions.InvalidHeader):  # its text holds the header's value: maybe a key
+        return UsageError("a header cannot be sent: its value holds a line break or another control character")
+    return UsageError(f"no request can go to that URL: {exc} (a server's URL starts with http:// or https://)")
+
+
+def _listing(body: dict[str, Any]) -> tuple[str | None, list[dict[str, Any]]]:
+    """/v1/models's default model and its entries."""
+    return body.get("default_model"), [dict(m) for m in body["models"]]
+
+
+def _limits_of(body: dict[str, Any]) -> _Limits:
+    """The tightest max_images and max_body_bytes of the versions /v1/models lists (each says its worker's); the
+    defaults for what none says."""
+    said = [m["limits"] for m in body.get("models") or [] if isinstance(m, dict) and isinstance(m.get("limits"), dict)]
+
+    def tightest(key: str, default: int) -> int:
+        values = [v for v in (limits.get(key) for limits in said)
+                  if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+        return min(values, default=default)
+
+    return _Limits(tightest("max_images", DEFAULT_MAX_IMAGES), tightest("max_body_bytes", DEFAULT_MAX_BODY_BYTES))
 
 
 class Client:
-    """A visionserve client. Thread-safe for concurrent calls; reuse one instance (it pools connections).
+    """A visionserve client. Thread-safe for concurrent calls; reuse one instance (it pools connections: up to
+    ``pool_size`` of them; more threads than that wait for one rather than open connections they cannot keep).
 
-    429 and 503 answers and connection failures are retried up to ``retries`` times, waiting what the server's
-    Retry-After says (at most ``max_backoff_s``), or an exponential backoff with jitter when it says nothing.
-    ``client_id`` (sent as X-Client-ID) keeps this client on the same side of a canary rollout.
+    ``timeout`` bounds a call, end to end: its attempts and the waits between them (each attempt's connect at most
+    ``connect_timeout`` of it). 429 and 503 answers, a proxy's 502 and 504, a connection that could not be opened
+    and one cut with no answer are retried up to ``retries`` times, waiting what the server's Retry-After says (at
+    most ``max_backoff_s``, and up to a fifth more), or an exponential backoff with jitter when it says nothing; never
+    a read timeout, and never a wait the call's ``timeout`` or deadline would end first. A URL without http://, or
+    an API key that cannot go in a header, is a UsageError at once. ``client_id`` (sent as X-Client-ID) keeps this
+    client on the same side of a canary rollout. ``sleep`` and ``clock`` (monotonic seconds) are for tests.
     """
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", *, api_key: str | None = None,
                  client_id: str | None = None, timeout: float = 30.0, retries: int = 3, backoff_s: float = 0.5,
-                 max_backoff_s: float = 30.0, pool_size: int = 16, sleep: Callable[[float], None] = time.sleep) -> None:
-        if timeout <= 0 or retries < 0 or backoff_s < 0 or max_backoff_s < 0 or pool_size <= 0:
-            raise ValueError("timeout and pool_size must be positive; retries and backoffs must not be negative")
-        self.base_url = base_url.rstrip("/")
-        self.timeout, self.retries = timeout, retries
+                 max_backoff_s: float = 30.0, pool_size: int = 16,
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S, sleep: Callable[[float], None] = time.sleep,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        seconds = (timeout, connect_timeout, backoff_s, max_backoff_s)
+        if not all(isinstance(s, (int, float)) and math.isfinite(s) and s >= 0 for s in seconds) or timeout <= 0 \
+                or connect_timeout <= 0 or retries < 0 or pool_size <= 0:
+            raise ValueError("timeout, connect_timeout and pool_size must be positive; retries and backoffs must not "
+                             "be negative; the times finite")
+        self.base_url = _base_url(base_url)
+        self.timeout, self.connect_timeout, self.retries = timeout, connect_timeout, retries
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
-        self._sleep = sleep
+        self._sleep, self._clock = sleep, clock
+        self._limits: _Limits | None = None  # the server's, read by the first predict_each
         self.session = requests.Session()
-        adapter = HTTPAdapter(pool_connections=1, pool_maxsize=pool_size)
+        # pool_block: a thread past pool_size waits for a pooled connection; without it, it opens one of its own
+        # and then drops it ("Connection pool is full, discarding connection"): a new connection per call.
+        adapter = HTTPAdapter(pool_connections=1, pool_maxsize=pool_size, pool_block=True)
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
         if api_key:
-            self.session.headers["Authorization"] = f"Bearer {api_key}"
+            self.session.headers["Authorization"] = _header("Authorization", f"Bearer {api_key}")  # type: ignore
         if client_id:  # keeps this client on one side of a canary rollout (the server's CLIENT_KEY_HEADER)
-            self.session.headers["X-Client-ID"] = client_id
+            self.session.headers["X-Client-ID"] = _header("X-Client-ID", client_id)  # type: ignore[assignment]
 
     def close(self) -> None:
         """Close pooled connections."""
@@ -98,27 +260,57 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _wait_s(self, attempt: int, retry_after: float | None) -> float:
-        if retry_after is not None:
-            return min(retry_after, self.max_backoff_s)
-        return min(self.backoff_s * 2 ** attempt * (0.5 + random.random()), self.max_backoff_s)
+    def _budget(self, deadline_ms: float | None) -> _Budget:
+        """A call's time, from now."""
+        _check_deadline(deadline_ms)
+        now = self._clock()
+        return _Budget(self._clock, now + self.timeout, None if deadline_ms is None else now + deadline_ms / 1000)
 
-    def _request(self, method: str, path: str, **kwargs: Any) -> requests.Response:
-        for attempt in range(self.retries + 1):
-            try:
-                response = self.session.request(method, self.base_url + path, timeout=self.timeout, **kwargs)
-            except requests.RequestException as exc:
-                error = VisionServeError(str(exc), code="connection_error")
-            else:
-                if response.status_code == 200:
-                    return response
-                error = _error(response)
-                if response.status_code not in RETRY_STATUSES:
+    def _wait_s(self, attempt: int, retry_after: float | None) -> float:
+        if retry_after is not None:  # at least what the server asked (capped), up to a fifth more
+            return min(retry_after, self.max_backoff_s) * (1 + RETRY_AFTER_JITTER * random.random())
+        return min(self.backoff_s * 2.0 ** attempt * (0.5 + random.random()), self.max_backoff_s)
+
+    def _request(self, method: str, path: str, budget: _Budget | None = None, retries: int | None = None,
+                 **kwargs: Any) -> requests.Response:
+        """One call: attempts until an answer that is not retried, the retries run out, or the wait before the
+        next attempt would outlast the call's time or its deadline; then the last attempt's error."""
+        budget = budget or self._budget(None)
+        error: VisionServeError | None = None
+        for attempt in range(1 + (self.retries if retries is None else retries)):
+            if error is not None:
+                wait = self._wait_s(attempt - 1, error.retry_after_s)
+                if wait >= budget.left_s():  # the next attempt would start after the call's end
                     raise error
-            if attempt == self.retries:
+                self._sleep(wait)
+                if budget.left_s() <= 0:
+                    raise error
+            outcome = self._attempt(method, path, budget, kwargs)
+            if isinstance(outcome, requests.Response):
+                return outcome
+            error, retry = outcome
+            if not retry:
                 raise error
-            self._sleep(self._wait_s(attempt, error.retry_after_s))
-        raise AssertionError("unreachable")
+        assert error is not None
+        raise error
+
+    def _attempt(self, method: str, path: str, budget: _Budget,
+                 kwargs: dict[str, Any]) -> requests.Response | tuple[VisionServeError, bool]:
+        """One exchange: the 200 answer, or the error and whether to try again."""
+        headers = dict(kwargs.get("headers") or {})
+        left_ms = budget.header_ms()
+        if left_ms is not None:  # what is left of the caller's deadline, not what it was at the first attempt
+            headers["X-Request-Timeout"] = left_ms
+        try:
+            response = self.session.request(method, self.base_url + path, **{**kwargs, "headers": headers},
+                                            timeout=budget.attempt_timeout(self.connect_timeout))
+        except SETUP_ERRORS as exc:
+            raise _usage_error(exc) from None
+        except requests.RequestException as exc:
+            return failure_of(exc)
+        if response.status_code == 200:
+            return response
+        return error_of(response), retried(response)
 
     @overload
     def predict(self, images: ImageInput, top_k: int | None = None, *, deadline_ms: float | None = None,
@@ -136,13 +328,16 @@ class Client:
         ``top_k``: classes per image; left out, the server's default (``TOP_K``, at most the model's classes).
         ``model`` and ``version``: which served model and version answer; left out, the server's default model
         and that model's default version. Each prediction says which answered (``Prediction.model``, ``.version``).
+        ``deadline_ms``: the call's deadline, end to end: each attempt sends what is left of it (X-Request-Timeout),
+        and no retry starts once it has passed.
         """
         single = isinstance(images, (str, Path, bytes))
         batch: Sequence[ImageInput] = [images] if single else images  # type: ignore[list-item, assignment]
         if not batch:
             raise ValueError("predict needs at least one image")
+        budget = self._budget(deadline_ms)
         files = [_read(image, i) for i, image in enumerate(batch)]
-        predictions = self._predict_files(files, top_k, deadline_ms, _route(model, version))
+        predictions = self._predict_files(files, _params(model, version, top_k), budget)
         return predictions[0] if single else predictions
 
     @overload
@@ -157,61 +352,148 @@ class Client:
               model: str | None = None, version: str | None = None) -> Embedding | list[Embedding]:
         """The embedding of one image (a path or the file's bytes) or of each of a list, in one request, in order
         (``/predict?outputs=embedding``); a model exported without one answers VisionServeError ``no_embedding``.
-        ``model`` and ``version`` as for ``predict``."""
+        ``model``, ``version`` and ``deadline_ms`` as for ``predict``."""
         single = isinstance(images, (str, Path, bytes))
         batch: Sequence[ImageInput] = [images] if single else images  # type: ignore[list-item, assignment]
         if not batch:
             raise ValueError("embed needs at least one image")
+        budget = self._budget(deadline_ms)
         files = [_read(image, i) for i, image in enumerate(batch)]
-        body = self._post_files(files, {**_route(model, version), "outputs": "embedding"}, deadline_ms)
-        served = body.get("model") or {}
-        embeddings = [Embedding(vector, served.get("name"), served.get("version")) for vector in body["embeddings"]]
+        response = self._post_files(files, {**_route(model, version), "outputs": "embedding"}, budget)
+
+        def read(body: dict[str, Any]) -> list[Embedding]:
+            served = body.get("model") or {}
+            found = [Embedding(list(vector), served.get("name"), served.get("version"))
+                     for vector in body["embeddings"]]
+            if len(found) != len(files):
+                raise ValueError(f"{len(found)} embeddings for {len(files)} images")
+            return found
+
+        embeddings = parsed(response, read)
         return embeddings[0] if single else embeddings
 
     def predict_each(self, images: Sequence[ImageInput], top_k: int | None = None, *,
                      deadline_ms: float | None = None, model: str | None = None,
                      version: str | None = None) -> list[Prediction | VisionServeError | OSError]:
         """Like ``predict`` for a list, but one bad image does not sink the others: each entry is its image's
-        prediction, or the error for that image (the server's, or an OSError for a file that cannot be read, naming
-        the file in its str() and repr() and as ``filename``).
-        One request in the common case; when the server refuses one image, the rest are sent again without it."""
-        route = _route(model, version)
+        prediction, or the error for that image (the server's, said of its position in ``images``; or an OSError
+        for a file that cannot be read, naming the file in its str() and repr() and as ``filename``).
+
+        The images go in as few requests as the server's limits allow (its ``max_images`` and ``max_body_bytes``,
+        read once from /v1/models; 16 images and 20 MiB when it does not say), each file read when its request is
+        made; an image alone over the body limit gets its own ``request_entity_too_large`` and is not sent. When the
+        server refuses one image, the rest of its request are sent again without it; when it finds a request too
+        large after all (413), it gets it in halves. A refusal of a request as a whole (auth, overload after the
+        retries, no server, a bad ``top_k``) is the error of each image it held and of every image not sent yet:
+        the rest are not sent. ``timeout`` and ``deadline_ms`` hold for each request; a UsageError is raised."""
+        _check_deadline(deadline_ms)
         results: list[Prediction | VisionServeError | OSError | None] = [None] * len(images)
-        files: dict[int, tuple[str, bytes]] = {}
-        for i, image in enumerate(images):
-            try:
-                files[i] = _read(image, i)
-            except OSError as exc:
-                results[i] = exc
-        while files:
-            positions = list(files)
-            try:
-                answers = self._predict_files([files[i] for i in positions], top_k, deadline_ms, route)
-            except VisionServeError as exc:
-                if exc.image_index is None or not 0 <= exc.image_index < len(positions):
-                    raise  # about the request as a whole (overload, auth...): the caller's to handle
-                bad = positions[exc.image_index]
-                results[bad] = exc
-                del files[bad]
-                continue
-            for i, answer in zip(positions, answers):
-                results[i] = answer
-            break
+        params = _params(model, version, top_k)
+        for parts in self._requests_of(images, results):
+            refused = self._answer_each(parts, params, deadline_ms, results)
+            if refused is not None:
+                results = [refused if result is None else result for result in results]
+                break
         return results  # type: ignore[return-value]
 
-    def _predict_files(self, files: list[tuple[str, bytes]], top_k: int | None, deadline_ms: float | None,
-                       route: dict[str, str]) -> list[Prediction]:
-        body = self._post_files(files, {**route, **({"top_k": str(top_k)} if top_k is not None else {})}, deadline_ms)
-        served = body.get("model") or {}
-        return [Prediction.from_json(p, model=served.get("name"), version=served.get("version"))
-                for p in body["predictions"]]
+    def _requests_of(self, images: Sequence[ImageInput],
+                     results: list[Prediction | VisionServeError | OSError | None]) -> Iterator[list[_Part]]:
+        """``images`` in requests that fit the server's limits, each file read as its request is made (never all of
+        them at once); a file that cannot be read, or alone over the body limit, gets its error in ``results``."""
+        limits: _Limits | None = None  # asked once an image is there to send
+        parts: list[_Part] = []
+        taken = _CLOSING  # the body's bytes so far
+        for position, image in enumerate(images):
+            name = _name(image, position)
+            try:
+                size = _size(image)
+                limits = limits or self._server_limits()
+                if _CLOSING + _part_bytes(name, size) > limits.max_body_bytes:
+                    results[position] = _too_large(position, name, size, limits)
+                    continue
+                data = _read(image, position)[1]
+            except OSError as exc:
+                results[position] = exc
+                continue
+            cost = _part_bytes(name, len(data))
+            if _CLOSING + cost > limits.max_body_bytes:  # grown since it was measured
+                results[position] = _too_large(position, name, len(data), limits)
+                continue
+            if len(parts) == limits.max_images or taken + cost > limits.max_body_bytes:
+                yield parts
+                parts, taken = [], _CLOSING
+            parts.append(_Part(position, name, data))
+            taken += cost
+        if parts:
+            yield parts
+
+    def _server_limits(self) -> _Limits:
+        """The server's limits, read once from /v1/models (one attempt); the defaults while it cannot answer (no
+        server, 429, 5xx: asked again by the next call), and for good from a server that answers without them."""
+        if self._limits is not None:
+            return self._limits
+        try:
+            response = self._request("GET", "/v1/models", retries=0)
+        except UsageError:
+            raise
+        except VisionServeError as exc:
+            if exc.status is None or exc.status == 429 or exc.status >= 500:
+                return DEFAULT_LIMITS
+            self._limits = DEFAULT_LIMITS  # no listing here (a proxy's path, an older server): it will not come
+            return self._limits
+        try:
+            self._limits = parsed(response, _limits_of)
+        except VisionServeError:
+            self._limits = DEFAULT_LIMITS
+        return self._limits
+
+    def _answer_each(self, parts: list[_Part], params: dict[str, str], deadline_ms: float | None,
+                     results: list[Prediction | VisionServeError | OSError | None]) -> VisionServeError | None:
+        """Send ``parts``, putting each image's prediction or own error into ``results`` at its position: an image
+        the server refuses is taken out and the rest sent again; a request it finds too large (413 about the request,
+        when its limits were not known or are lower than it said) is sent in halves, and an image alone in one gets
+        that error. Returns the error of a request refused as a whole, None once every image has its answer."""
+        pending = [parts]  # a stack: the next request last
+        while pending:
+            parts = pending.pop()
+            try:
+                answers = self._predict_files([(p.name, p.data) for p in parts], params, self._budget(deadline_ms))
+            except UsageError:
+                raise
+            except VisionServeError as exc:
+                index = exc.image_index if exc.image_index is not None and 0 <= exc.image_index < len(parts) else None
+                if index is None and exc.status == 413 and len(parts) > 1:
+                    half = len(parts) // 2
+                    pending += [parts[half:], parts[:half]]
+                    continue
+                if index is None and exc.status != 413:
+                    return exc
+                index = index or 0  # alone, and too large
+                results[parts[index].position] = _at_position(exc, index, parts[index].position)
+                if len(parts) > 1:
+                    pending.append(parts[:index] + parts[index + 1:])
+                continue
+            for part, answer in zip(parts, answers):
+                results[part.position] = answer
+        return None
+
+    def _predict_files(self, files: list[tuple[str, bytes]], params: dict[str, str],
+                       budget: _Budget) -> list[Prediction]:
+        response = self._post_files(files, params, budget)
+
+        def read(body: dict[str, Any]) -> list[Prediction]:
+            served = body.get("model") or {}
+            found = [Prediction.from_json(p, model=served.get("name"), version=served.get("version"))
+                     for p in body["predictions"]]
+            if len(found) != len(files):
+                raise ValueError(f"{len(found)} predictions for {len(files)} images")
+            return found
+
+        return parsed(response, read)
 
     def _post_files(self, files: list[tuple[str, bytes]], params: dict[str, str],
-                    deadline_ms: float | None) -> dict[str, Any]:
-        headers = {"X-Request-Timeout": str(deadline_ms)} if deadline_ms is not None else {}
-        response = self._request("POST", "/predict", params=params or None, files=[("image", f) for f in files],
-                                 headers=headers)
-        return response.json()
+                    budget: _Budget) -> requests.Response:
+        return self._request("POST", "/predict", budget, params=params or None, files=[("image", f) for f in files])
 
     def health(self) -> bool:
         """Liveness: True when the process and its inference thread run (no retries)."""
@@ -223,9 +505,13 @@ class Client:
 
     def _probe(self, path: str) -> bool:
         try:
-            return self.session.get(self.base_url + path, timeout=self.timeout).status_code == 200
+            response = self.session.get(self.base_url + path, timeout=(min(self.connect_timeout, self.timeout),
+                                                                       self.timeout))
+        except SETUP_ERRORS as exc:
+            raise _usage_error(exc) from None
         except requests.RequestException:
             return False
+        return response.status_code == 200
 
     def model(self, labels: bool = False, model: str | None = None) -> ModelInfo:
         """A served model's metadata at its default version (with its class names when ``labels``): ``model``, else
@@ -233,10 +519,10 @@ class Client:
         With several models and none the default, it raises what ``predict`` gets then: a 400 ``invalid_request``
         naming them (``details["models"]``); the client never picks one the server would not."""
         response = self._request("GET", "/v1/models", params={"labels": "1"} if labels else None)
-        body = response.json()
-        name = model or body.get("default_model")
+        default_model, models = parsed(response, _listing)
+        name = model or default_model
         if name is None:
-            names = sorted({m["name"] for m in body["models"]})
+            names = sorted({str(m.get("name")) for m in models})
             if len(names) > 1:  # the server's own words for a request naming no model (its RoutingTable)
                 raise VisionServeError(
                     f"this server serves {len(names)} models ({', '.join(names)}) and none is the default "
@@ -244,8 +530,16 @@ class Client:
                     status=400, code="invalid_request", details={"models": names},
                     request_id=response.headers.get("X-Request-ID"))
             name = names[0] if names else None  # the only model is the default (a server that did not say so)
-        entries = [m for m in body["models"] if m["name"] == name]
+        entries = [m for m in models if m.get("name") == name]
         if not entries:
             raise VisionServeError("the server serves no model" + (f" {name!r}" if name else ""), status=404,
                                    code="not_found")
-        return ModelInfo.from_json(next((m for m in entries if m.get("default")), entries[0]))
+        try:
+            return ModelInfo.from_json(next((m for m in entries if m.get("default")), entries[0]))
+        except MISREAD as exc:
+            raise invalid_response(response, exc) from None
+
+
+def _params(model: str | None, version: str | None, top_k: int | None) -> dict[str, str]:
+    """/predict's query parameters: the route, and ``top_k`` when given."""
+    return {**_route(model, version), **({"top_k": str(top_k)} if top_k is not None else {})}

@@ -1,5 +1,7 @@
-"""The client's one exception type, carrying what the server said."""
+"""The client's exception types, carrying what the server said."""
 from __future__ import annotations
+
+from typing import Any
 
 
 class VisionServeError(Exception):
@@ -27,4 +29,17 @@ class VisionServeError(Exception):
     def image_index(self) -> int | None:
         """Which image of a multi-image request the server refused, when it said so."""
         index = self.details.get("image") if isinstance(self.details, dict) else None
-        return index if isinstance(index, int) else None
+        return index if isinstance(index, int) and not isinstance(index, bool) else None
+
+    def to_json(self) -> dict[str, Any]:
+        """What a program reading the CLI's --json needs: the status, code, message and request id."""
+        return {"status": self.status, "code": self.code, "message": self.message, "request_id": self.request_id}
+
+
+class UsageError(VisionServeError, ValueError):
+    """A call that cannot be made as the client is set up: a URL without http:// or https:// or without a host, an
+    API key or client id that cannot go in a header. Raised at once, never retried: no server was asked (so it is
+    no "connection_error"), and asking again changes nothing. A ValueError too, for code that checks arguments."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="usage_error")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,10 @@ from flask import Flask
 from PIL import Image
 from werkzeug.wrappers import Request, Response
 
+from app import EXTENSION_KEY
 from app.config import Settings
+from app.engine.loaded.predictor import Predictor
+from app.factory import create_app
 from harness.servers import ROOT, Running, free_port
 from tests.support.fakes import served_over_http, several_models_app
 from tests.support.imaging import BLUE, RED, encode, image_bytes
@@ -133,13 +137,14 @@ def test_retries_honour_retry_after_then_give_up(stub: tuple[str, _Scripted]) ->
     app.script = [(429, "2"), (503, "1")]
     client = Client(url, retries=3, sleep=sleeps.append)
     assert client.predict(b"x").label == "a"
-    assert sleeps == [2.0, 1.0] and app.calls == 3
+    # What the server asked, and up to a fifth more (jitter: clients told the same do not all come back at once).
+    assert len(sleeps) == 2 and 2.0 <= sleeps[0] <= 2.4 and 1.0 <= sleeps[1] <= 1.2 and app.calls == 3
 
     app.script, app.calls, sleeps[:] = [(429, "120")] * 5, 0, []
     with pytest.raises(VisionServeError) as caught:
         Client(url, retries=2, max_backoff_s=10, sleep=sleeps.append).predict(b"x")
     assert caught.value.code == "overloaded" and caught.value.request_id == "r3"
-    assert sleeps == [10.0, 10.0] and app.calls == 3  # Retry-After capped by max_backoff_s
+    assert len(sleeps) == 2 and all(10.0 <= s <= 12.0 for s in sleeps) and app.calls == 3  # max_backoff_s, jittered
 
     app.script, app.calls = [(400, None)], 0
     with pytest.raises(VisionServeError):
@@ -239,6 +244,11 @@ def test_the_client_installs_with_pip_into_a_fresh_virtualenv(fake_server: str, 
                              cwd=tmp_path)
     assert modules.returncode == 0, modules.stderr
     assert "'requests'" in modules.stdout and "'torch'" not in modules.stdout and "'flask'" not in modules.stdout
+    # PEP 561: the installed package says it is typed, so a caller's mypy checks its calls against the annotations.
+    typed = subprocess.run([str(venv / "bin" / "python"), "-c", f"import pathlib, {PACKAGE} as p; "
+                            "print(pathlib.Path(p.__file__).with_name('py.typed').is_file())"],
+                           capture_output=True, text=True, cwd=tmp_path)
+    assert typed.stdout.strip() == "True", typed.stderr
 
 
 @pytest.fixture
@@ -376,3 +386,58 @@ def test_a_file_that_cannot_be_read_is_named(fake_server: str, tmp_path: Path,
     captured = capsys.readouterr()
     assert "1. red" in captured.out
     assert f"error: {missing}: cannot read it: No such file or directory" in captured.err
+
+
+def test_predict_each_and_the_cli_split_the_files_to_fit_the_servers_limits(
+        fake_server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: every file in one request, so more than MAX_IMAGES files (4 here), or more than MAX_BODY_BYTES (256 KiB
+    # here), was one 413 for every file, and the CLI printed no answer at all.
+    files = []
+    for i in range(9):
+        files.append(tmp_path / f"{i}.jpg")
+        files[-1].write_bytes(image_bytes(RED if i % 2 else BLUE))
+    huge = tmp_path / "huge.jpg"
+    huge.write_bytes(os.urandom(300 * 1024))  # alone over the body limit
+    files.insert(5, huge)
+    with Client(fake_server) as client:
+        results = client.predict_each(files)
+    assert [r.label for r in results if isinstance(r, Prediction)] == ["blue", "red"] * 4 + ["blue"]
+    too_large = results[5]
+    assert isinstance(too_large, VisionServeError) and too_large.code == "request_entity_too_large"
+    assert too_large.image_index == 5 and "huge.jpg" in str(too_large)
+    assert cli(["predict", *map(str, files), "--url", fake_server, "--top-k", "1"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out.count("1. red") == 4 and captured.out.count("1. blue") == 5
+    assert captured.err.count("error:") == 1 and "huge.jpg" in captured.err
+    assert "request_entity_too_large" in captured.err
+
+
+def test_predict_each_names_each_refused_image_by_its_own_position(fake_server: str, tmp_path: Path) -> None:
+    # Before: after the first refused image was taken out, the server counted the rest from 0 again, and the
+    # client passed that on: notes2.txt, the caller's image 2, came back as "image 1 (notes2.txt)", image_index 1.
+    names = ["notes.txt", "red.jpg", "notes2.txt"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"hello" if name.endswith(".txt") else image_bytes(RED))
+    with Client(fake_server) as client:
+        results = client.predict_each([*(tmp_path / name for name in names), b"junk"])
+    for position, name in ((0, "notes.txt"), (2, "notes2.txt"), (3, "image3")):
+        error = results[position]
+        assert isinstance(error, VisionServeError) and error.code == "invalid_image"
+        assert error.image_index == position and error.message.startswith(f"image {position} ({name}): ")
+        assert error.details["filename"] == name  # type: ignore[index]
+    assert isinstance(results[1], Prediction) and results[1].label == "red"
+
+
+@pytest.mark.parametrize("key", ["ключ", "café", "plain"])
+def test_an_api_key_in_any_script_is_accepted(settings: Settings, predictor: Predictor, key: str) -> None:
+    # Before: a key with a character past U+00FF raised UnicodeEncodeError ('latin-1' codec) before any request.
+    app = create_app(Settings.model_validate({**settings.model_dump(), "api_key": key}), predictor)
+    try:
+        with served_over_http(app) as url:
+            with Client(url, api_key=key) as client:
+                assert client.predict(image_bytes(RED)).label == "red"
+            with Client(url, api_key=key + "x", retries=0) as client, pytest.raises(VisionServeError) as caught:
+                client.predict(image_bytes(RED))
+            assert caught.value.status == 401
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)

@@ -1,0 +1,108 @@
+"""How an HTTP answer, or its absence, is read: the service's result, its JSON error, whether to try again and
+when (Retry-After), and what a failure that got no answer means."""
+from __future__ import annotations
+
+import email.utils
+import math
+from datetime import datetime, timezone
+from typing import Any, Callable, TypeVar
+
+import requests
+
+from visionserve_client.errors import VisionServeError
+
+T = TypeVar("T")
+
+# Overloaded or not ready: the server says when to come back. Other errors are the caller's to handle.
+RETRY_STATUSES = frozenset({429, 503})
+# A proxy's or load balancer's own answer (its HTML or text, not the service's JSON error): the service was not
+# reached, or did not answer it in time, and may answer the next attempt. The service's own 502 or 504 (504
+# deadline_exceeded: the request's deadline passed) is its answer to this request, and is not retried.
+PROXY_RETRY_STATUSES = frozenset({502, 504})
+
+
+def failure_of(exc: requests.RequestException) -> tuple[VisionServeError, bool]:
+    """A request that got no answer: its error, and whether to try again. Yes for a connection that could not be
+    opened (nothing was sent) and for one cut with no answer (the worker died: a prediction has no side effect,
+    docs/deployment.md "Faults"); never for a read timeout (the server may still be working on it, and sending it
+    again adds to its load; the call's time is spent anyway) nor a TLS failure (the same the next time)."""
+    if isinstance(exc, requests.exceptions.ReadTimeout):
+        return VisionServeError(f"no answer in time: {exc}", code="timeout"), False
+    retry = isinstance(exc, (requests.exceptions.ConnectionError, requests.exceptions.ChunkedEncodingError))
+    return VisionServeError(str(exc), code="connection_error"), retry and not isinstance(
+        exc, requests.exceptions.SSLError)
+
+
+def service_error(response: requests.Response) -> dict[str, Any] | None:
+    """The service's own JSON error (``{"error": {"code": ...}}``), None for anything else (a proxy's page)."""
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    return error if isinstance(error, dict) and isinstance(error.get("code"), str) else None
+
+
+def retried(response: requests.Response) -> bool:
+    """Whether to try an error answer again: overloaded or not ready, or a proxy's 502/504 (not the service's)."""
+    status = response.status_code
+    return status in RETRY_STATUSES or (status in PROXY_RETRY_STATUSES and service_error(response) is None)
+
+
+def retry_after_s(response: requests.Response) -> float | None:
+    """Retry-After in seconds: a number of them (finite, not negative), or an HTTP-date, counted from the answer's
+    Date (the server's clock, so a skewed one here does not matter) or else this machine's clock; None for anything
+    else (nan, -1, a typo), so that the backoff applies."""
+    raw = response.headers.get("Retry-After", "").strip()
+    if not raw:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        at = http_date(raw)
+        if at is None:
+            return None
+        now = http_date(response.headers.get("Date", "")) or datetime.now(timezone.utc)
+        return max(0.0, (at - now).total_seconds())
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
+
+
+def http_date(text: str) -> datetime | None:
+    try:
+        when = email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    return when if when.tzinfo is not None else when.replace(tzinfo=timezone.utc)  # "-0000": UTC, said vaguely
+
+
+def error_of(response: requests.Response) -> VisionServeError:
+    body = service_error(response)
+    if body is not None:
+        code, message, details = body["code"], str(body.get("message", "")), body.get("details")
+    else:
+        code, message, details = "http_error", response.text[:200] or response.reason, None
+    return VisionServeError(message, status=response.status_code, code=code, details=details,
+                            request_id=response.headers.get("X-Request-ID"), retry_after_s=retry_after_s(response))
+
+
+# What reading an answer that is not the service's raises (a JSONDecodeError is a ValueError).
+MISREAD = (ValueError, KeyError, TypeError, AttributeError, IndexError)
+
+
+def parsed(response: requests.Response, read: Callable[[dict[str, Any]], T]) -> T:
+    """``read`` of a 200's JSON body; a VisionServeError ``invalid_response`` when it is not the service's answer
+    (not JSON: a captive portal's page, a proxy's; or JSON without what the service answers)."""
+    try:
+        body = response.json()
+        if not isinstance(body, dict):
+            raise TypeError(f"a JSON {type(body).__name__}, not an object")
+        return read(body)
+    except MISREAD as exc:
+        raise invalid_response(response, exc) from None
+
+
+def invalid_response(response: requests.Response, exc: Exception) -> VisionServeError:
+    kind = response.headers.get("Content-Type", "no content type")
+    return VisionServeError(f"not visionserve's answer ({kind}; {type(exc).__name__}: "
+                            f"{exc}): {response.text[:100]!r}", status=response.status_code, code="invalid_response",
+                            request_id=response.headers.get("X-Request-ID"))
