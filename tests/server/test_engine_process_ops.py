@@ -169,6 +169,10 @@ def test_kept_alive_clients_across_an_engine_sigkill_see_answers_only_and_metric
     assert set(outcomes) <= {200, 503} and outcomes[503] > 0, outcomes
     assert clients.retry_after == {"5"}
     assert _engine_pid(server) != engine
+    # Each HTTP worker reads 0 from its engine's end until it has seen the restarted one ready (it asks every
+    # 0.1 s), which on a loaded machine may come after the first answers: then 1 on every scrape.
+    _wait(lambda: (lambda m: m["visionserve_ready"] == m["visionserve_batcher_alive"] == 1)(_metrics(server)), server,
+          timeout_s=30)
     metrics = _assert_ready_and_alive(server)
     assert metrics["visionserve_batch_size_count"] > batches  # the new engine's batches beside the old one's
     assert f"engine 0 (pid {engine}) died with status -9; restarting it" in server.output()
