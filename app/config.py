@@ -229,7 +229,8 @@ class BatchingSettings(SettingsGroup):
         "every worker under `ENGINE=process`), so what refuses an overload is time: a request whose images the "
         "queue ahead cannot answer within its deadline (`REQUEST_TIMEOUT_S`, or less by `X-Request-Timeout`) is "
         "refused at once with 429 and `Retry-After` (measured: a count of 128 refused 16-image requests "
-        "that would have been answered in time, and its refusals starved the engine, docs/performance.md).")
+        "that would have been answered in time, and its refusals starved the engine, docs/performance.md). Set, at "
+        "least `MAX_IMAGES`: a request of more images than the queue holds could never be queued.")
     oom_shrink_s: float = Field(
         60.0, ge=0, description="After a CUDA out-of-memory batch is split in halves and retried, how long the "
         "lower batch cap holds.")
@@ -477,6 +478,14 @@ class Settings(SecuritySettings, ExplainSettings, MonitoringSettings, ServerSett
     """Service settings; validated once at boot so a bad value stops the start, not the first request."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", protected_namespaces=())
+
+    @model_validator(mode="after")
+    def _a_request_fits_the_queue(self) -> "Settings":
+        if self.queue_size and self.queue_size < self.max_images:  # (0, automatic, holds MAX_IMAGES x THREADS)
+            raise ValueError(f"queue_size ({self.queue_size}) must be at least max_images ({self.max_images}): a "
+                             f"request of more images than the queue holds would be refused (429) however long it "
+                             f"waited")
+        return self
 
     def batch_ceiling(self, device_type: str) -> int:
         """``max_batch_size``, or its automatic value for a model on ``device_type`` (cpu, cuda) when 0."""

@@ -349,7 +349,9 @@ def _dribble(sockets: list[socket.socket], until: float) -> None:
 
 def burst(start: Start, weights: Path, queue: int = 8) -> Row:
     """10x the queue at once: 80 single-image requests, each on its own connection, released together."""
-    server = start(weights, queue_size=str(queue), max_batch_size="4", inline_when_idle="false").wait_ready()
+    # a queue holds a whole request at least (MAX_IMAGES, 16 by default): the burst's requests are single images
+    server = start(weights, queue_size=str(queue), max_images=str(queue), max_batch_size="4",
+                   inline_when_idle="false").wait_ready()
     gate = threading.Barrier(10 * queue)
     outcomes: list[Outcome] = []
 

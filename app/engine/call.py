@@ -97,10 +97,11 @@ class Call:
               timeout_s: float, names: Sequence[str | None] = (),
               client_gone: Callable[[], bool] | None = None, embedding: bool = False) -> Served:
         """Encoded ``images`` (decoded here) or preprocessed ``tensors`` (float32 (C, H, W) arrays or tensors, or their
-        (N, C, H, W) array), with the request's deadline (counted from queueing) and, where the request gave them, the
-        images' file names (errors say which image); ``embedding``: answer each image's embedding too (NoEmbedding
-        when the version has none). Once ``client_gone`` says the client hung up, the images still queued are dropped
-        unrun. Raises a ServiceError for every refusal."""
+        (N, C, H, W) array), with the request's deadline (``timeout_s``, counted from this call: the decode, the
+        queue and the forward pass all count) and, where the request gave them, the images' file names (errors say
+        which image); ``embedding``: answer each image's embedding too (NoEmbedding when the version has none).
+        Once ``client_gone`` says the client hung up, the images still queued are dropped unrun. Raises a
+        ServiceError for every refusal."""
         if embedding:
             self.model.check_embedding()
         queued = self.queue(images, tensors, timeout_s=timeout_s, names=names)
@@ -118,17 +119,19 @@ class Call:
               timeout_s: float, names: Sequence[str | None] = (), inline: bool = True, defer: bool = False,
               client_gone: Callable[[], bool] | None = None) -> Queued:
         """The request's images checked, counted, decoded (or their headers read) and queued, all or none; its
-        deadline counts from now. ``inline=False``: never run on this thread, even when the batcher is idle;
-        ``defer``: queued without waking the batcher's thread, for ``batcher.run_queued`` once the caller has queued
-        the other requests it holds (a thread that serves many requests runs their batch itself when it is short).
+        deadline counts from now, before the decode (one the decode outlasts is a 504, nothing queued).
+        ``inline=False``: never run on this thread, even when the batcher is idle; ``defer``: queued without waking
+        the batcher's thread, for ``batcher.run_queued`` once the caller has queued the other requests it holds (a
+        thread that serves many requests runs their batch itself when it is short).
         Once decoded, images whose client ``client_gone`` says has hung up are dropped there (ClientGone), not
         queued. Raises a ServiceError for every refusal."""
         if (len(images) > 0) == (len(tensors) > 0):  # tensors may be one (N, C, H, W) array: no truth value
             raise BadRequest("the request holds no images" if not images else "send images or tensors, not both")
         count = len(images) or len(tensors)
         check_image_count(count, self._max_images)
+        deadline = time.monotonic() + timeout_s  # the client's time runs during the decode too
         if images:  # before any decode: what the queue would refuse costs nothing (submit_many checks pixels)
-            check_room(self._version, count, timeout_s)
+            _check_room(self._version, count, deadline)
         started_ns = time.time_ns()
         pixels = list(tensors)  # made one tensor with their batch (Decoder.collate), not one by one here
         prepared, decode_s, decode_cpu_s = self._prepare(images, names) if images else (list(pixels), 0.0, 0.0)
@@ -136,11 +139,13 @@ class Call:
             BATCHER_EVENTS.labels("client_gone").inc(count)
             raise ClientGone(f"the client closed the connection while its images were decoded; {count} dropped")
         self._arrived()
-        deadline = time.monotonic() + timeout_s
         try:
             group = self._version.batcher.submit_group(prepared, deadline=deadline, inline=inline, defer=defer)
         except (QueueFull, BatcherClosed, DeadlineTooShort) as exc:
             raise service_error(exc) from None
+        except DeadlineExpired:  # the decode outlasted it
+            raise DeadlineExceeded(f"no inference result within the request's {timeout_s:g}s deadline: it passed "
+                                   f"while its images were decoded") from None
         return Queued(images, pixels, prepared, group, deadline, timeout_s, names, decode_s, started_ns, decode_cpu_s)
 
     @property
@@ -168,6 +173,8 @@ class Call:
             values = queued.group.result()
         except DeadlineExpired:
             raise self.expired(queued) from None
+        except BatcherClosed as exc:  # the inference thread ended with its images held or queued
+            raise service_error(exc) from None
         except ServiceError as exc:  # an image the device path could not decode in its batch
             raise _named(exc, queued.group.failed_at, queued.names) from None
         except Exception as exc:
@@ -213,16 +220,23 @@ def _named(exc: ServiceError, index: int, names: Sequence[str | None]) -> Servic
 def check_room(version: LoadedVersion, count: int, timeout_s: float) -> None:
     """Overloaded (429 with Retry-After), ShortDeadline or NotReady unless ``version``'s queue can take ``count``
     images to be answered within ``timeout_s`` from now."""
+    _check_room(version, count, time.monotonic() + timeout_s)
+
+
+def _check_room(version: LoadedVersion, count: int, deadline: float) -> None:
+    """``check_room`` against a deadline (a ``time.monotonic()`` value)."""
     try:
-        version.batcher.check_room(count, time.monotonic() + timeout_s)
-    except (QueueFull, BatcherClosed, DeadlineTooShort) as exc:
-        raise service_error(exc) from None
+        version.batcher.check_room(count, deadline)
+    except (QueueFull, BatcherClosed, DeadlineTooShort, DeadlineExpired) as exc:  # (expired: a V2 timeout of a few
+        raise service_error(exc) from None  # microseconds is past before it is judged)
 
 
 def service_error(exc: Exception) -> ServiceError:
     """What the batcher's own refusals mean to a client."""
     if isinstance(exc, DeadlineTooShort):
         return ShortDeadline(str(exc))
+    if isinstance(exc, DeadlineExpired):
+        return DeadlineExceeded(str(exc))
     if isinstance(exc, QueueFull):
         error = Overloaded(str(exc), headers=retry_after_header(exc.retry_after_s))
         if isinstance(exc, DeadlineUnreachable):

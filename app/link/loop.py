@@ -528,7 +528,7 @@ class EngineServer:
                     ran_here = True
                     if batcher.depth:  # a backlog's next slice: the next turn's, after the answers and reads
                         self._deferred[key] = batcher
-            except Exception:  # noqa: BLE001 - never the loop's end: its requests end at their deadlines
+            except Exception:  # noqa: BLE001 - never the loop's end: what it left queued is the batcher's thread's
                 log.exception("a batch run on the engine's loop failed")
         if deferred:
             self.gathering.batches_on_loop = ran_here
@@ -643,23 +643,30 @@ class EngineServer:
         now = time.monotonic()
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, exchange = heapq.heappop(self._deadlines)
-            if not exchange.ended and exchange.queued is not None and not exchange.queued.done():
-                self._end(exchange, exchange.call.expired(exchange.queued))
+            queued = exchange.queued
+            if not exchange.ended and queued is not None and not queued.done():
+                exchange.ended = True  # before the drop, whose cancel completes the group: its done callback
+                self._end(exchange, exchange.call.expired(queued), ending=True)  # finds it ended: this answers
 
     def _hang_up(self, exchange: _Exchange) -> None:
         """The HTTP side closed the connection of a request in flight, or cancelled it on a shared one (its client
         left): the images still queued are dropped, the request ends as ClientGone, a connection of its own is
         closed."""
+        if exchange.ended:
+            return
+        exchange.ended = True  # before the drop, as in _expire: its answer is this one
         queued = exchange.queued
         error = exchange.call.hung_up(queued) if queued is not None else ClientGone(
             "the client closed the connection while its images were decoded")
         if exchange.ident is None:
             self._close(exchange.conn)
-        self._end(exchange, error)
+        self._end(exchange, error, ending=True)
 
-    def _end(self, exchange: _Exchange, error: BaseException | None) -> None:
-        """On the loop, once: the request's admission closed with its outcome, and its answer sent."""
-        if exchange.ended:
+    def _end(self, exchange: _Exchange, error: BaseException | None, ending: bool = False) -> None:
+        """On the loop, once: the request's admission closed with its outcome, and its answer sent. ``ending``: it
+        was marked ended already, before its images were dropped (``_expire``, ``_hang_up``), so the group's done
+        callback that the drop fires finds it ended: a cancelled group's outcome is no answer."""
+        if exchange.ended and not ending:
             return
         exchange.ended = True
         conn = exchange.conn

@@ -865,6 +865,59 @@ def test_the_engine_answers_504_at_the_deadline_while_the_batch_still_runs(link:
     wait_until(lambda: link.engine.in_flight.count() == 0)
 
 
+def _outcome_counts(role: str = "live") -> dict[str, float]:
+    """The colour model's requests counted so far, by outcome."""
+    return {outcome: VERSION_REQUESTS.labels("colour", "test", role, outcome)._value.get()
+            for outcome in ("ok", "failed", "refused")}
+
+
+def _queued_behind_a_held_batch(link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch) -> threading.Thread:
+    """A request's batch running on the batcher's thread, held by the gate: what comes next waits in the queue."""
+    _batches_off_the_loop(link, monkeypatch)
+    infer(link.worker, [image_bytes(RED)])
+    model.gate, batches = threading.Event(), len(model.batch_sizes)
+    first = threading.Thread(target=lambda: _failure(lambda: infer(link.worker, [image_bytes(RED)])))
+    first.start()
+    wait_until(lambda: len(model.batch_sizes) > batches)
+    return first
+
+
+def test_a_request_whose_deadline_passes_while_its_images_wait_is_a_504(link: Link, model: ColourModel,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: dropping its queued images completed its group as cancelled, and that was answered first: 500
+    # inference_failed (CancelledError), the version's failure.
+    first = _queued_behind_a_held_batch(link, model, monkeypatch)
+    batches = len(model.batch_sizes)
+    try:
+        with pytest.raises(DeadlineExceeded, match="0.3s deadline"):
+            infer(link.worker, [image_bytes(BLUE)], timeout_s=0.3)  # queued: never taken into a batch
+    finally:
+        model.gate.set()
+        first.join(10)
+    wait_until(lambda: link.engine.in_flight.count() == 0)
+    assert len(model.batch_sizes) == batches  # it never ran
+
+
+def test_a_client_that_hangs_up_while_its_images_wait_counts_as_gone_not_as_the_version_s_failure(
+        link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: as above, its end was answered from the cancelled group: counted failed (the rollback rule's evidence).
+    first = _queued_behind_a_held_batch(link, model, monkeypatch)
+    batcher, gone = link.engine.loaded_version().batcher, threading.Event()
+    before = _outcome_counts()
+    thread = threading.Thread(target=lambda: _failure(lambda: infer(link.worker, [image_bytes(BLUE)],
+                                                                    client_gone=gone.is_set)))
+    try:
+        thread.start()
+        wait_until(lambda: batcher.depth == 1)  # its image waits in the queue
+        gone.set()
+        thread.join(10)
+        wait_until(lambda: _outcome_counts()["refused"] == before["refused"] + 1)  # a client's leaving (499)
+        assert _outcome_counts()["failed"] == before["failed"] and link.engine.in_flight.count() == 1
+    finally:
+        model.gate.set()
+        first.join(10)
+
+
 def test_requests_that_arrive_together_share_a_batch_and_no_thread_waits_on_them(link: Link,
                                                                                  model: ColourModel) -> None:
     model.gate = threading.Event()
@@ -1334,7 +1387,7 @@ def test_a_loop_request_cancelled_while_queued_is_dropped_unrun(link: Link, mode
     first.start()  # on a connection of its own: its batch holds the batcher
     wait_until(lambda: len(model.batch_sizes) > batches)
     dropped = BATCHER_EVENTS.labels("client_gone")
-    before = dropped._value.get()
+    before, counted = dropped._value.get(), _outcome_counts()
     loop = LoopWorker()
     with loop.waits():
         loop.start("leaves", lambda: _failure(lambda: infer(link.worker, [image_bytes(BLUE)],
@@ -1344,6 +1397,8 @@ def test_a_loop_request_cancelled_while_queued_is_dropped_unrun(link: Link, mode
         loop.turn_until(lambda: "leaves" in loop.outcomes)
     assert isinstance(loop.outcomes["leaves"].result(), ClientGone)
     wait_until(lambda: dropped._value.get() == before + 1)  # its queued image dropped
+    wait_until(lambda: _outcome_counts()["refused"] == counted["refused"] + 1)  # its client's leaving (499)...
+    assert _outcome_counts()["failed"] == counted["failed"]  # ...not the version's failure
     model.gate.set()
     first.join(10)
     wait_until(lambda: link.engine.in_flight.count() == 0)

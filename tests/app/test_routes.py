@@ -7,6 +7,7 @@ import io
 import logging
 import re
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -134,6 +135,23 @@ def test_dead_batcher_fails_liveness(client: FlaskClient, service: Service) -> N
     service.loaded_version().batcher.stop(timeout=5)
     assert client.get("/healthz").status_code == 503
     assert client.get("/readyz").status_code == 503
+
+
+def test_the_deadline_counts_the_decode_too(client: FlaskClient, service: Service,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: X-Request-Timeout counted from queueing, after the decode: a decode that outlasted the client's 50 ms
+    # was answered 200 long after the client had given up.
+    version = service.loaded_version()
+    decode, started = version.decoder.prepare, time.monotonic()
+
+    def slow(data: bytes) -> object:  # a decode that ends well past the request's deadline, however fast the rest
+        wait_until(lambda: time.monotonic() > started + 0.1)
+        return decode(data)
+
+    monkeypatch.setattr(version.decoder, "prepare", slow)
+    response = client.post("/predict", headers={"X-Request-Timeout": "50"}, data=image_bytes(RED),
+                           content_type="image/jpeg")
+    error_of(response, 504, "deadline_exceeded")
 
 
 def test_models_endpoint(client: FlaskClient) -> None:

@@ -412,13 +412,16 @@ def test_a_deadline_the_backlog_cannot_meet_is_refused_at_once(make_batcher) -> 
 
 def test_a_deadline_shorter_than_the_request_alone_is_the_callers_mistake(make_batcher) -> None:
     # Before: refused as "unreachable" (429 with Retry-After), inviting a retry that could never succeed.
-    batcher = make_batcher(Recorder(), max_batch_size=1, max_wait_ms=50)
+    recorder = Recorder()
+    batcher = make_batcher(recorder, max_batch_size=1, max_wait_ms=50)  # its own: a batch's 50 ms wait at least
     batcher.submit(1).result(timeout=10)
+    _hold_worker(batcher, recorder)  # judged while batches run (an idle batcher runs it: its estimate may be stale)
     with pytest.raises(DeadlineTooShort, match="shorter than these 2 images' own inference"):
-        batcher.submit_many([2, 3], deadline=time.monotonic() + 0.06)  # two batches of at least 50 ms
+        batcher.submit_many([2, 3], deadline=time.monotonic() + 0.04)
     with pytest.raises(DeadlineTooShort, match=r"^the \d+ ms deadline is shorter than this image's own"):
         batcher.submit(4, deadline=time.monotonic() + 0.03)  # one image: not "these 1 images'"
     assert batcher.depth == 0
+    recorder.gate.set()
 
 
 def test_a_deadline_of_microseconds_is_said_in_them() -> None:
@@ -849,3 +852,274 @@ def _settled_once(batcher: Batcher, settles: Settles) -> None:
     assert batcher.submit(9).result(timeout=10).value == 18
     wait_until(lambda: _worker_asleep(batcher))
     assert settles.calls == [(1, False)]
+
+
+# -- admission against the live backlog, items nobody waits for, faults past the forward pass ----------------------
+
+class Clock:
+    """The batcher's ``time.monotonic``, moved by hand (a batch's time is what its predict_fn adds), a microsecond
+    a reading; its thread CPU time stays the real one."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.now = 1000.0
+        monkeypatch.setattr(batcher_module, "time", types.SimpleNamespace(monotonic=self.monotonic,
+                                                                          thread_time=time.thread_time))
+
+    def monotonic(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+
+def test_one_slow_batch_refuses_a_short_deadline_on_an_idle_batcher_once_not_for_good(
+        make_batcher, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: the estimate, 600 ms after one stalled batch, refused every 200 ms deadline as too short (400), and
+    # as nothing ran then, nothing brought it down.
+    clock, recorder = Clock(monkeypatch), Recorder()
+
+    def timed(items: list[int]) -> Sequence[int]:
+        clock.now += 0.6 if not recorder.batches else 0.005  # the first batch stalls; every later one takes 5 ms
+        return recorder(items)
+
+    batcher = make_batcher(timed, max_batch_size=8, max_wait_ms=1, incoming=lambda: 0)
+    assert batcher.submit_group([1]).result(timeout=10) == [2]
+    outcomes: list[object] = []
+    for item in range(10):
+        wait_until(lambda: _worker_asleep(batcher))  # idle: nothing queued, nothing running
+        try:
+            outcomes.append(batcher.submit_group([item], deadline=clock.now + 0.2).result(timeout=10))
+        except DeadlineTooShort:
+            outcomes.append("400")
+    # refused by the stall's own figure, then the next runs whatever the estimate, and its batch refreshes it
+    assert outcomes == ["400"] + [[2 * item] for item in range(1, 10)]
+
+
+def test_a_request_s_own_inference_is_its_images_at_the_time_per_image_not_a_full_batch_s(
+        make_batcher, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: after full batches (82 ms each here) one image was "too short" (400, no retry) for any deadline
+    # below a whole batch's time, though alone it takes 12 ms.
+    clock, recorder = Clock(monkeypatch), Recorder()
+
+    def timed(items: list[int]) -> Sequence[int]:
+        clock.now += 0.002 + 0.010 * len(items)
+        return recorder(items)
+
+    batcher = make_batcher(timed, max_batch_size=8, max_wait_ms=1, incoming=lambda: 0)
+    for _ in range(3):
+        assert [f.result(timeout=10).value for f in batcher.submit_many(list(range(8)))] == list(range(0, 16, 2))
+    _hold_worker(batcher, recorder)  # judged while a batch runs
+    with pytest.raises(DeadlineUnreachable):  # behind the batch running: retry once it clears
+        batcher.submit(1, deadline=clock.now + 0.04)
+    with pytest.raises(DeadlineTooShort, match=r"own inference \(about 11 ms\)"):  # 10.25 ms an image, 1 ms wait
+        batcher.submit(1, deadline=clock.now + 0.005)
+    recorder.gate.set()
+
+
+def test_admission_counts_what_is_left_of_the_batch_running_now(make_batcher,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: only the queue counted: a request was admitted behind a batch that had just started, and timed out.
+    clock, recorder = Clock(monkeypatch), Recorder()
+
+    def timed(items: list[int]) -> Sequence[int]:
+        outputs = recorder(items)  # (held at the gate first: the batch's 300 ms pass once it is let go)
+        clock.now += 0.3
+        return outputs
+
+    batcher = make_batcher(timed, max_batch_size=8, max_wait_ms=1, incoming=lambda: 0)
+    assert batcher.submit(1).result(timeout=10).value == 2  # measured: 300 ms a batch
+    wait_until(lambda: _worker_asleep(batcher))
+    batcher.check_room(1, clock.now + 0.45)  # idle: nothing ahead of it
+    _hold_worker(batcher, recorder)  # a batch starts
+    with pytest.raises(DeadlineUnreachable) as raised:  # its 300 ms, then its own 300 ms
+        batcher.submit(2, deadline=clock.now + 0.45)
+    assert raised.value.retry_after_s == pytest.approx(0.3, abs=0.01)  # what the running batch has left
+    batcher.check_room(1, clock.now + 0.65)
+    recorder.gate.set()
+
+
+def test_items_whose_callers_left_are_no_backlog_for_admission(make_batcher) -> None:
+    # Before: cancelled groups counted until a batch took them: 5 images more were refused as a full queue.
+    recorder = Recorder()
+    batcher = make_batcher(recorder, max_batch_size=4, max_wait_ms=1, queue_size=16, incoming=lambda: 0)
+    _hold_worker(batcher, recorder)
+    gone = [batcher.submit_group([100 + i] * 4) for i in range(3)]  # 12 images...
+    assert all(group.cancel() for group in gone)  # ...whose clients all left (504, 499)
+    kept = batcher.submit_group([5] * 5)  # 5 of 16 waiting for someone
+    with pytest.raises(QueueFull, match=r"\(5/16 waiting\)"):
+        batcher.submit_many([6] * 12)
+    recorder.gate.set()
+    assert kept.result(timeout=10) == [10] * 5
+    wait_until(lambda: batcher.depth == 0 and _worker_asleep(batcher))
+    assert batcher._live == 0 and not any(item >= 100 for batch in recorder.batches for item in batch)
+    assert len(batcher.submit_many([7] * 16)) == 16  # the count came back to nothing, not below it
+
+
+def test_items_nobody_waits_for_give_their_places_in_a_batch_to_live_ones(make_batcher,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: a batch took the cap's worth of the queue, then dropped the dead: the 4 live items behind 2 cancelled
+    # ones and one past its deadline ran as [1] and [2, 3, 4].
+    clock, recorder, events = Clock(monkeypatch), Recorder(), Events()
+    batcher = make_batcher(recorder, max_batch_size=4, max_wait_ms=1, incoming=lambda: 0, observer=events)
+    _hold_worker(batcher, recorder)
+    gone = [batcher.submit_group([100 + i]) for i in range(2)]
+    assert all(group.cancel() for group in gone)
+    late = batcher.submit(200, deadline=clock.now + 1)
+    live = [batcher.submit_group([i]) for i in range(1, 5)]
+    clock.now += 2  # past the late one's deadline
+    recorder.gate.set()
+    assert [group.result(timeout=10) for group in live] == [[2], [4], [6], [8]]
+    with pytest.raises(DeadlineExpired):
+        late.result(timeout=10)
+    assert recorder.batches[1:] == [[1, 2, 3, 4]] and events.events.count("deadline_dropped") == 1
+
+
+def test_after_a_failed_batch_only_items_someone_waits_for_run_again_alone(make_batcher,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: every item ran again alone: those of a request that had failed already, and those past their deadline.
+    clock, seen = Clock(monkeypatch), []
+
+    def predict(items: list[int]) -> list[int]:
+        seen.append(list(items))
+        if len(items) > 1:
+            clock.now += 5  # the failed batch took its items past any deadline of 5 s
+            raise RuntimeError("the batch failed")
+        if items == [0]:
+            raise RuntimeError("the model chokes on 0")
+        return [2 * i for i in items]
+
+    batcher = make_batcher(predict, max_batch_size=8, max_wait_ms=1, incoming=lambda: 0)
+    group = batcher.submit_group([0, 1, 2, 3])
+    with pytest.raises(RuntimeError, match="chokes on 0"):
+        group.result(timeout=10)
+    wait_until(lambda: _worker_asleep(batcher))
+    assert seen == [[0, 1, 2, 3], [0]]  # its other items: their request failed with item 0
+    late = batcher.submit_many([5, 6], deadline=clock.now + 1)
+    for future in late:
+        with pytest.raises(DeadlineExpired):
+            future.result(timeout=10)
+    wait_until(lambda: _worker_asleep(batcher))
+    assert seen[2:] == [[5, 6]]  # past their deadline once their batch failed: not run again
+    assert batcher.submit(4, deadline=clock.now + 1).result(timeout=10).value == 8
+
+
+def test_a_stop_while_a_caller_holds_the_queue_ends_the_worker_once_it_lets_go(make_batcher) -> None:
+    # Before: stop()'s wake-up came while run_queued held the queue; the worker slept again for good, and the
+    # retired version's model was never freed.
+    recorder = Recorder()
+    batcher = make_batcher(recorder, max_batch_size=2, incoming=lambda: 0, runs_queued_on_caller=True)
+    assert batcher.submit(0).result(timeout=10).value == 0
+    wait_until(lambda: _worker_asleep(batcher))
+    batcher.expected_batch_s = lambda items: 0.01  # type: ignore[method-assign]  # 10 ms a batch
+    groups = [batcher.submit_group([i], defer=True) for i in range(1, 7)]  # three batches
+    recorder.gate.clear()
+    recorder.entered.clear()
+    loop = threading.Thread(target=batcher.run_queued, args=(0.015,))  # a slice of one batch, on "the loop"
+    loop.start()
+    assert recorder.entered.wait(10)
+    waits, wait = [], batcher._cond.wait
+    batcher._cond.wait = lambda timeout=None: (waits.append(timeout), wait(timeout))[1]  # type: ignore[method-assign]
+    stopper = threading.Thread(target=batcher.stop, kwargs={"timeout": 10})  # (one stop: one wake-up)
+    stopper.start()  # closed while the slice runs: the worker wakes, finds the queue held...
+    wait_until(lambda: bool(waits))  # ...and sleeps again
+    recorder.gate.set()
+    loop.join(10)
+    stopper.join(10)
+    assert not batcher.is_alive()
+    assert [group.result(timeout=1)[0] for group in groups] == [2, 4, 6, 8, 10, 12]  # the rest: the worker's
+
+
+class FaultyObserver(Events):
+    """An observer whose ``batch_done`` raises for the ``fault_at``-th batch (a metrics file on a full disk)."""
+
+    def __init__(self, fault_at: int) -> None:
+        super().__init__()
+        self.fault_at = fault_at
+
+    def batch_done(self, size: int, run_s: float, queued_s: Sequence[float], cpu_s: float) -> None:
+        super().batch_done(size, run_s, queued_s, cpu_s)
+        if len(self.batches) == self.fault_at:
+            raise OSError("No space left on device")
+
+
+def test_a_fault_past_the_forward_pass_fails_its_batch_s_items_and_the_worker_goes_on(make_batcher) -> None:
+    # Before: it ended the worker thread: its batch's callers and every later one waited for their deadlines.
+    batcher = make_batcher(Recorder(), max_wait_ms=1, incoming=lambda: 0, observer=FaultyObserver(2))
+    assert batcher.submit(0).result(timeout=10).value == 0
+    group = batcher.submit_group([1, 2])
+    with pytest.raises(OSError, match="No space left"):
+        group.result(timeout=10)
+    assert batcher.submit_group([3]).result(timeout=10) == [6] and batcher.is_alive()
+
+
+@pytest.mark.parametrize("outputs, errors", [(1, {0: ValueError("nan")}), (2, {5: ValueError("nan")})],
+                         ids=["an output short", "an item it does not have"])
+def test_items_failed_that_do_not_fit_the_batch_are_a_size_mismatch_and_the_worker_goes_on(
+        make_batcher, outputs: int, errors: dict[int, BaseException]) -> None:
+    # Before: an IndexError out of handing them out ended the worker thread.
+    seen: list[list[int]] = []
+
+    def predict(items: list[int]) -> list[int]:
+        seen.append(list(items))
+        if len(items) > 1:
+            raise ItemsFailed("rows that do not add up", [2 * i for i in items[:outputs]], errors)
+        return [2 * i for i in items]
+
+    batcher = make_batcher(predict, max_wait_ms=1, incoming=lambda: 0)
+    group = batcher.submit_group([1, 2])
+    assert group.result(timeout=10) == [2, 4]  # each run again alone, as a batch whose outputs miscount
+    assert seen == [[1, 2], [1], [2]] and batcher.is_alive()
+
+
+def test_what_a_caller_s_run_leaves_when_it_raises_is_the_worker_s(make_batcher) -> None:
+    # Before: run_queued raised with items still queued and the worker asleep: nobody answered them (the engine's
+    # loop logs the fault and goes on).
+    fn = ThreadRecorder()
+    batcher = make_batcher(fn, max_batch_size=2, incoming=lambda: 0, runs_queued_on_caller=True)
+    assert batcher.submit(0).result(timeout=10).value == 0
+    wait_until(lambda: _worker_asleep(batcher))
+
+    def may_run(item: int) -> bool:
+        if item == 3:
+            raise RuntimeError("a fault deciding where 3 runs")
+        return True
+
+    batcher.caller_may_run = may_run
+    groups = [batcher.submit_group([i], defer=True) for i in range(1, 6)]
+    with pytest.raises(RuntimeError, match="a fault deciding"):
+        batcher.run_queued(10.0)
+    assert [group.result(timeout=10)[0] for group in groups] == [2, 4, 6, 8, 10]
+    assert fn.threads[1] is threading.current_thread() and threading.current_thread() not in fn.threads[2:]
+
+
+def test_a_worker_thread_that_ends_fails_what_it_held_and_what_was_queued(make_batcher) -> None:
+    # Before: the thread ended with the batch it was gathering; those items and every one queued after waited for
+    # their deadlines, and the batcher still took more.
+    broken = threading.Event()
+
+    def incoming() -> int:
+        if broken.is_set():
+            raise RuntimeError("a fault counting what is on its way")
+        return 1  # something always on its way: a batch waits for company
+
+    recorder = Recorder()
+    batcher = make_batcher(recorder, max_batch_size=4, max_wait_ms=20, incoming=incoming)
+    _hold_worker(batcher, recorder)
+    queued = [batcher.submit_group([1]), batcher.submit_group([2])]
+    broken.set()
+    recorder.gate.set()  # the next batch takes them, then asks what is on its way
+    for group in queued:
+        with pytest.raises(BatcherClosed):
+            group.result(timeout=10)
+    wait_until(lambda: not batcher.is_alive())
+    with pytest.raises(BatcherClosed):
+        batcher.submit(3)
+
+
+def test_an_item_taken_again_after_it_was_put_back_is_still_wanted() -> None:
+    # A batch the caller may not run goes back to the queue for the worker, its items already marked running: a
+    # future's second mark raised (a RuntimeError out of the worker's take).
+    from concurrent.futures import Future
+
+    pending = batcher_module._Pending(1, Future(), 0.0, None)
+    assert pending.wanted() and pending.wanted()
+    pending.future.set_result(2)  # type: ignore[union-attr]
+    assert not pending.wanted()

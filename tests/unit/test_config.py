@@ -65,6 +65,8 @@ def test_each_setting_is_read_from_its_variable(name: str, monkeypatch: pytest.M
     ({"MONITOR_MIN_PREDICTIONS": "2000"}, "the settings: Value error, monitor_min_predictions (2000) must be at "
                                           "most monitor_window (1000)"),
     ({"API_KEY_FILE": "/nonexistent/key"}, "the settings: Value error, api_key_file /nonexistent/key does not exist"),
+    ({"QUEUE_SIZE": "8", "MAX_IMAGES": "16"}, "the settings: Value error, queue_size (8) must be at least max_images "
+                                              "(16)"),
 ])
 def test_the_groups_checks_still_stop_the_start(environment: dict[str, str], message: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
@@ -85,3 +87,14 @@ def test_the_methods_of_the_groups_and_of_the_whole(tmp_path: Path) -> None:
     assert settings.device == "cuda:1"
     assert settings.resolved_queue_size("cuda") == settings.threads * 4 == 128
     assert settings.resolved_weights_dir().is_absolute()
+
+
+@pytest.mark.parametrize("workers, engines, threads", [(1, 0, 1), (4, 1, 2), (8, 2, 32)])
+def test_a_queue_always_holds_a_whole_request(workers: int, engines: int, threads: int) -> None:
+    # Before: QUEUE_SIZE below MAX_IMAGES was taken, and a request of more images than the queue held was refused
+    # 429 with Retry-After 1 however long it waited. The automatic size holds MAX_IMAGES for every request thread.
+    with pytest.raises(ValueError, match=r"queue_size \(2\) must be at least max_images \(16\)"):
+        Settings(queue_size=2, max_images=16)
+    assert Settings(queue_size=16, max_images=16).resolved_queue_size("cpu") == 16
+    auto = Settings(queue_size=0, max_images=16, max_batch_size=1, workers=workers, engines=engines, threads=threads)
+    assert auto.resolved_queue_size("cpu") >= auto.max_images

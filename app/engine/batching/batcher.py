@@ -74,15 +74,25 @@ class _Pending(Generic[In]):
     index: int = 0
 
     def wanted(self) -> bool:
+        """As it is taken into a batch: whether someone still waits for it (marking it running, past a cancel)."""
         if self.group is not None:
             return self.group.wanted()
-        return self.future.set_running_or_notify_cancel()  # type: ignore[union-attr]
+        try:
+            return self.future.set_running_or_notify_cancel()  # type: ignore[union-attr]
+        except RuntimeError:  # running already: taken before, and put back (a batch the caller may not run)
+            return not self.future.done()  # type: ignore[union-attr]
 
     def expired(self) -> bool:
         """Whether someone still waits for it (so its passed deadline fails it)."""
         if self.group is not None:
             return not self.group.over
         return not self.future.cancelled()  # type: ignore[union-attr]
+
+    def done(self) -> bool:
+        """Answered, failed or cancelled: nothing runs for it any more (a failed batch's item left to run alone)."""
+        if self.group is not None:
+            return self.group.over
+        return self.future.done()  # type: ignore[union-attr]
 
     def fail(self, exc: BaseException) -> None:
         if self.group is not None:
@@ -107,8 +117,13 @@ class Batcher(Generic[In, Out]):
 
     ``split_on`` names exceptions that mean "this batch is too big" (CUDA out-of-memory): such a batch is split in
     halves and retried, and the batch size is capped at the size that worked for ``shrink_s`` seconds. Any other
-    error runs the batch's items again one by one; ``ItemsFailed`` (the batch ran, some items have no output) fails
-    those items alone and answers the rest.
+    error runs the batch's items again one by one (those someone still waits for); ``ItemsFailed`` (the batch ran,
+    some items have no output) fails those items alone and answers the rest. A fault past that (an observer's) fails
+    the batch's items, never the thread; a thread that ends all the same fails what is queued (BatcherClosed).
+
+    Admission (``check_room``, each submit) counts the items someone still waits for, kept as they change state,
+    behind what is left of the batch running now; items nobody waits for are skipped as a batch is taken, so it
+    fills to the cap with live ones.
 
     Background work (``submit_background``: a shadow comparison) runs on the worker thread only when no item is
     queued, no batch runs and nothing is on its way; an item queued meanwhile waits for that one job at most.
@@ -138,18 +153,23 @@ class Batcher(Generic[In, Out]):
         self.max_wait_s = max_wait_ms / 1000.0
         self.queue_size = queue_size
         self._queue: collections.deque[_Pending[In]] = collections.deque()
+        # What admission counts as the backlog: the queued items someone still waits for, kept as items change state
+        # (queued, taken, dropped; a group cancelled while queued: all of its items at once), never a scan
+        self._live = 0
+        self._expired: list[_Pending[In]] = []  # taken past their deadline, to fail once the lock is let go
+        self._dropped_unrun = self._group_cancelled  # each group's cancel hook: one bound method, not one a request
         self._background: collections.deque[BackgroundJob] = collections.deque()
         self._cond = threading.Condition()
         self._depth_reported_at = -math.inf
-        self._closed = False
+        self._closed = self._ended = False  # ended: the worker thread has (closed with it), and what is queued fails
         self._batch_ids = itertools.count(1)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._batch_seconds = 0.0  # moving average of one predict_fn call, for Retry-After estimates
         self._item_seconds = 0.0  # the same per item of its batch
-        self._split_on = split_on
-        self._shrink_s = shrink_s
-        self._shrunk_size = max_batch_size
-        self._shrunk_until = 0.0
+        self._last_item_seconds = 0.0  # the last batch's time per item
+        self._refused_idle_at = -1  # batches_run at the last refusal on an idle batcher (deadline too short)
+        self._split_on, self._shrink_s = split_on, shrink_s
+        self._shrunk_size, self._shrunk_until = max_batch_size, 0.0
         self._observer: BatchObserver = observer or NullObserver()
         # How many items are on their way (e.g. requests still decoding). When nothing is, waiting max_wait_ms for
         # company only adds latency, so a batch leaves at once: a lone client pays no batching delay.
@@ -158,10 +178,10 @@ class Batcher(Generic[In, Out]):
         self.runs_queued_on_caller = runs_queued_on_caller
         self.caller_may_run: Callable[[In], bool] | None = None
         self._busy = False  # a batch is being gathered or run, by the worker or inline by a caller
+        self._running_until = 0.0  # while busy: when the batch gathered or running now is expected to end
         self.batches_run = 0
         self.batches_inline = 0
-        self._settle = settle
-        self._settle_s = settle_s
+        self._settle, self._settle_s = settle, settle_s
         self._settled_at = -math.inf
         self._unsettled = False  # batches ran since the last settle
         self._prepare: Callable[[], object] | None = None
@@ -227,7 +247,7 @@ class Batcher(Generic[In, Out]):
         ``defer``: queued only, the worker not woken: the caller queues more (a loop turn's requests), then
         ``run_queued`` runs them or wakes it."""
         now = time.monotonic()
-        group: Group[Out] = Group(len(items))
+        group: Group[Out] = Group(len(items), self._dropped_unrun)
         self._queue_pending([_Pending(item, None, now, deadline, group, index) for index, item in enumerate(items)],
                             deadline, inline and not defer, now, wake=not defer)
         return group
@@ -239,7 +259,8 @@ class Batcher(Generic[In, Out]):
         Here, as many batches run as are expected within ``inline_within_s`` (one at least): what is left stays
         queued for the caller's next call (``depth``), the worker not woken for it, so a backlog of short batches
         runs on one thread in slices of ``inline_within_s`` instead of moving to the worker's and its answers back.
-        A batch holding an item ``caller_may_run`` refuses is the worker's, woken for it and what follows it.
+        A batch holding an item ``caller_may_run`` refuses is the worker's, woken for it and what follows it, as
+        it is for what is left when anything here raises (the caller logs it; no item waits for its deadline).
         Whether any ran here."""
         with self._cond:
             left = len(self._queue)
@@ -247,33 +268,37 @@ class Batcher(Generic[In, Out]):
                 return False
             cap = self.current_max_batch_size
             first_s = self.expected_batch_s(min(left, cap))
-            if not (self.runs_queued_on_caller and self._idle() and first_s <= inline_within_s
-                    and self._caller_may_take(min(left, cap))):
+            if not (self.runs_queued_on_caller and self._idle() and first_s <= inline_within_s):
                 self._cond.notify()
                 return False
             if left > cap and first_s > 0:  # a slice of the backlog: as many batches of the cap as fit the time
                 left = min(left, cap * int(inline_within_s / first_s))  # (one at least)
             self._busy = True  # the queue is this thread's: the worker takes nothing meanwhile
-        refused = False
+        ran = refused = False
         try:
-            while left > 0:  # only what was judged: the rest, and what others queue meanwhile, waits
+            while left > 0 and not refused:  # only what was judged: the rest, and what others queue meanwhile, waits
+                batch: list[_Pending[In]] = []
                 with self._cond:
-                    count = min(left, self.current_max_batch_size)
-                    if not self._caller_may_take(count):  # this batch and the rest: the worker's
-                        refused = True
-                        break
-                    batch = [self._queue.popleft() for _ in range(count)]
-                    self._report_depth_taken(time.monotonic())
-                left -= len(batch)
-                self._run_wanted(batch)
+                    now = time.monotonic()
+                    cap = self._shrunk_size if now < self._shrunk_until else self.max_batch_size
+                    refused = self._take(batch, min(left, cap), now, self.caller_may_run)
+                    self._report_depth_taken(now)
+                if self._expired:
+                    self._fail_expired()
+                if batch:
+                    left -= len(batch)
+                    ran = True
+                    self.batches_inline += 1
+                    self._run_taken(batch)
+                elif not refused:  # what was judged was all dropped (cancelled, expired) on the way
+                    left = 0
+                self._settle_when_empty()
+        except BaseException:
+            refused = True  # what is left is the worker's
+            raise
         finally:
             self._release_inline(wake_worker=refused)
-        return True
-
-    def _caller_may_take(self, count: int) -> bool:
-        """Under the lock: whether the next ``count`` queued items may run as a batch on the caller's thread."""
-        may_run = self.caller_may_run
-        return may_run is None or all(may_run(pending.item) for pending in itertools.islice(self._queue, count))
+        return ran
 
     def expected_batch_s(self, items: int) -> float:
         """How long a batch of ``items`` takes, from the recent batches (their time, and their time per item times
@@ -291,6 +316,7 @@ class Batcher(Generic[In, Out]):
                 self._busy = True
             else:
                 self._queue.extend(pending)
+                self._live += len(pending)
                 if wake:
                     self._cond.notify()
                 if now - self._depth_reported_at >= QUEUE_DEPTH_REPORT_S:  # a stuck batch takes none: still told
@@ -306,27 +332,54 @@ class Batcher(Generic[In, Out]):
             self._check_room(count, deadline, time.monotonic())
 
     def _check_room(self, count: int, deadline: float | None, now: float) -> None:
-        """Under the lock: BatcherClosed, DeadlineTooShort, QueueFull or DeadlineUnreachable, else nothing."""
+        """Under the lock: BatcherClosed, QueueFull, DeadlineExpired, DeadlineTooShort or DeadlineUnreachable, else
+        nothing. The backlog is the live items (``_live``: not those whose caller left) behind what runs now.
+
+        Deadlines are judged once batches were timed. A deadline is too short (the caller's mistake: no retry)
+        when the request's own inference would outlast it: its images at the recent time per image (the lower of
+        the average and the last batch's: one slow batch must not make it), and a batch's wait for company
+        (``max_wait_ms``). On an idle batcher (nothing queued, nothing running) nothing is ahead, and only a batch
+        run refreshes the estimate: after a refusal there the next request runs whatever its deadline, so an
+        estimate no batch refreshed never refuses twice (a stall's would refuse every short deadline for good)."""
         if self._closed:
             raise BatcherClosed("the inference worker is shutting down")
-        # expected_wait_s's figures, looked up once (this runs for every request); deadlines judged once timed
-        cap, batch_s = self.current_max_batch_size, max(self._batch_seconds, self.max_wait_s)
-        until = deadline if self.batches_run else None
-        own = -(-count // cap) * batch_s
-        if until is not None and now + own > until:
-            # No backlog could clear in time for this: retrying the same deadline would fail again.
-            images = "this image's" if count == 1 else f"these {count} images'"
-            raise DeadlineTooShort(f"the {_ms(until - now)} deadline is shorter than {images} own inference "
-                                   f"(about {_ms(own)})")
-        backlog = len(self._queue) + count
-        wait = -(-backlog // cap) * batch_s
+        live = self._live
+        backlog = live + count
         if backlog > self.queue_size:
-            raise QueueFull(f"inference queue is full ({len(self._queue)}/{self.queue_size} waiting)",
-                            retry_after_s=wait)
-        if until is not None and now + wait > until:
+            raise QueueFull(f"inference queue is full ({live}/{self.queue_size} waiting)",
+                            retry_after_s=self._clear_s(backlog, now))
+        if deadline is None:
+            return
+        if now >= deadline:
+            raise DeadlineExpired(f"the deadline passed {_ms(now - deadline)} before the items were queued")
+        if not self.batches_run:
+            return
+        busy = live or self._busy
+        if busy:
+            wait = self._clear_s(backlog, now)
+            if now + wait <= deadline:
+                return
+        elif self._refused_idle_at == self.batches_run:  # refused here by an estimate no batch refreshed since
+            return
+        own = count * min(self._item_seconds, self._last_item_seconds) + self.max_wait_s
+        if now + own > deadline:  # no backlog could clear in time for this: the same deadline would fail again
+            if not busy:
+                self._refused_idle_at = self.batches_run
+            images = "this image's" if count == 1 else f"these {count} images'"
+            raise DeadlineTooShort(f"the {_ms(deadline - now)} deadline is shorter than {images} own inference "
+                                   f"(about {_ms(own)})")
+        if busy:
             raise DeadlineUnreachable(f"the queue ahead needs about {wait:.3f}s, more than the "
-                                      f"{max(0.0, until - now):.3f}s deadline",
-                                      retry_after_s=self.expected_wait_s(len(self._queue)))
+                                      f"{deadline - now:.3f}s deadline", retry_after_s=self._clear_s(live, now))
+
+    def _clear_s(self, items: int, now: float) -> float:
+        """Under the lock: how long ``items`` queued items take to clear: what is left of the batch gathered or
+        running now, then batches of the cap at the recent batch time (``max_wait_ms`` at least)."""
+        cap = self._shrunk_size if now < self._shrunk_until else self.max_batch_size
+        wait = -(-items // cap) * max(self._batch_seconds, self.max_wait_s)
+        if self._busy and self._running_until > now:
+            wait += self._running_until - now
+        return wait
 
     def _may_run_inline(self, count: int) -> bool:
         """Called under the lock: no batch runs, none waits, no item is on its way, and these items fit one batch."""
@@ -341,32 +394,32 @@ class Batcher(Generic[In, Out]):
         return not self._busy and (self._incoming is None or self._incoming() == 0)
 
     def _run_inline(self, pending: list[_Pending[In]]) -> None:
+        """On the caller's thread, holding the queue (busy): its own items, never queued, run as one batch."""
         try:
-            self._run_wanted(pending)
+            live = self._still_wanted(pending)
+            if live:
+                self.batches_inline += 1
+                self._run_taken(live)
+            self._settle_when_empty()
         finally:
             self._release_inline()
 
-    def _run_wanted(self, batch: list[_Pending[In]]) -> None:
-        """On the caller's thread, holding the queue (busy): what is still wanted of ``batch`` run as one batch."""
-        live = self._still_wanted(batch)
-        if live:
-            self.batches_inline += 1
-            self._run_batch(live)
-        self._settle_when_empty()
-
     def _release_inline(self, wake_worker: bool = True) -> None:
         """The queue no longer this thread's: the worker woken for what waits (``wake_worker``: the items; background
-        work always); an idle worker is left asleep (a wake-up for nothing costs the caller's thread the GIL's
-        hand-over and back)."""
+        work always) and, once stopping, always (``stop``'s wake-up came while this thread held the queue: the
+        worker waits for this one to finish or end); else an idle worker is left asleep (a wake-up for nothing costs
+        the caller's thread the GIL's hand-over and back). What is queued once the worker has ended fails."""
         with self._cond:
             self._busy = False
-            if self._background or (wake_worker and self._queue):
+            if self._background or self._closed or (wake_worker and self._queue):
                 self._cond.notify()
+        if self._ended:
+            self._fail_queued()
 
     def expected_wait_s(self, items: int) -> float:
-        """How long ``items`` queued items take to clear at the recent batch latency."""
-        batches = -(-items // self.current_max_batch_size)
-        return batches * max(self._batch_seconds, self.max_wait_s)
+        """How long ``items`` queued items take to clear at the recent batch latency, behind the batch running now."""
+        with self._cond:
+            return self._clear_s(items, time.monotonic())
 
     def submit_background(self, job: BackgroundJob, limit: int) -> str | None:
         """Queue ``job`` behind every request; returns why it was refused (``busy``: items are queued, ``full``:
@@ -392,32 +445,97 @@ class Batcher(Generic[In, Out]):
 
     def _collect(self) -> list[_Pending[In]] | list[BackgroundJob] | None:
         """Block for the first item, then gather more until the batch is full or max_wait has passed; or, when
-        the worker is idle and nothing is on its way, a group of background jobs."""
+        the worker is idle and nothing is on its way, a group of background jobs. The batch holds only items
+        someone waits for (``_take``): empty when every item it met was dropped."""
         with self._cond:
             while not self._queue or self._busy:
-                if self._closed and not self._queue:
-                    self._drop_background("retired")
+                if self._closed and not self._queue and not self._busy:  # (a caller holding the queue may put
+                    self._drop_background("retired")  # items back: its release wakes this thread once closed)
                     return None
                 if self._background and not self._busy and (self._incoming is None or self._incoming() == 0):
                     self._busy = True
+                    self._running_until = time.monotonic() + self._batch_seconds
                     return self._take_background()
                 self._cond.wait(BACKGROUND_LOOK_S if self._background else None)
             self._busy = True
-            self._report_depth_taken(time.monotonic())  # as a batch is taken: the backlog it met, then what it left
+            now = time.monotonic()
+            self._report_depth_taken(now)  # as a batch is taken: the backlog it met, then what it left
             # (each told when none was told lately, or when it is 0)
-            batch = [self._queue.popleft()]
-            deadline = time.monotonic() + self.max_wait_s
-            limit = self.current_max_batch_size
-            while len(batch) < limit:
-                if self._queue:
-                    batch.append(self._queue.popleft())
-                    continue
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or self._closed or self._nothing_incoming():
-                    break
-                self._cond.wait(remaining)
-            self._report_depth_taken(time.monotonic())
+            limit = self._shrunk_size if now < self._shrunk_until else self.max_batch_size
+            until = now + self.max_wait_s
+            self._running_until = until + self._batch_seconds  # gathered by then at the latest, then run
+            batch: list[_Pending[In]] = []
+            try:
+                self._take(batch, limit, now)
+                while batch and len(batch) < limit and now < until and not self._closed:
+                    if self._nothing_incoming():
+                        break
+                    self._cond.wait(until - now)
+                    now = time.monotonic()
+                    self._take(batch, limit, now)
+            except BaseException:  # (what ``incoming`` raised) what it held goes back: the thread's end fails it
+                self._put_back(batch)
+                raise
+            self._report_depth_taken(now)
             return batch
+
+    def _take(self, batch: list[_Pending[In]], limit: int, now: float,
+              may_run: Callable[[In], bool] | None = None) -> bool:
+        """Under the lock, holding the queue (busy): queued items moved into ``batch`` until it holds ``limit`` or
+        the queue is empty, in one pass that skips those nobody waits for (cancelled; past their deadline: into
+        ``_expired``, failed once the lock is let go), so a batch fills to the cap with live ones. An item
+        ``may_run`` refuses puts back what this call took, and with it: True (the batch is the worker's)."""
+        queue, had = self._queue, len(batch)
+        pending: _Pending[In] | None = None  # the item being judged, out of the queue
+        try:
+            while len(batch) < limit and queue:
+                pending = queue.popleft()
+                if pending.deadline is not None and now > pending.deadline and pending.expired():
+                    self._expired.append(pending)
+                    self._live -= 1
+                elif not pending.wanted():  # a group cancelled while queued left the count at once
+                    if pending.group is None or not pending.group.cancelled():
+                        self._live -= 1
+                elif may_run is not None and not may_run(pending.item):
+                    queue.appendleft(pending)
+                    queue.extendleft(reversed(batch[had:]))
+                    del batch[had:]
+                    return True
+                else:
+                    batch.append(pending)
+                pending = None
+        except BaseException:  # (``may_run``'s fault) what this call took goes back, for the worker
+            if pending is not None:
+                queue.appendleft(pending)
+            queue.extendleft(reversed(batch[had:]))
+            del batch[had:]
+            raise
+        finally:
+            self._live -= len(batch) - had
+        return False
+
+    def _put_back(self, batch: list[_Pending[In]]) -> None:
+        """Under the lock: taken items back at the head of the queue, in their order, counted again."""
+        self._queue.extendleft(reversed(batch))
+        self._live += len(batch)
+
+    def _group_cancelled(self, count: int) -> None:
+        """A group's ``cancel`` (its caller left before any of its items was taken): its ``count`` items, still
+        queued, no longer count as backlog; ``_take`` skips them unrun."""
+        with self._cond:
+            self._live -= count
+
+    def _fail_expired(self) -> None:
+        """Holding the queue, the lock let go (a failure runs its caller's callbacks): the items ``_take`` found
+        past their deadline failed, dropped before their forward pass."""
+        expired, self._expired = self._expired, []
+        now = time.monotonic()
+        for pending in expired:
+            pending.fail(DeadlineExpired(f"deadline passed after {now - pending.enqueued_at:.3f}s in queue"))
+        try:
+            self._observer.event("deadline_dropped", len(expired))
+        except Exception:  # noqa: BLE001 - a count never strands the batch taken with them
+            log.exception("counting the items dropped for their deadline failed")
 
     def _report_depth_taken(self, now: float) -> None:
         """Under the lock, as a batch is taken: the depth told when the queue is empty or was not told lately."""
@@ -425,9 +543,13 @@ class Batcher(Generic[In, Out]):
             self._report_depth(now)
 
     def _report_depth(self, now: float) -> None:
-        """Under the lock: the queue's depth to the observer."""
+        """Under the lock: the queue's depth to the observer (whose fault is logged: a gauge never ends the worker
+        or strands the items being taken)."""
         self._depth_reported_at = now
-        self._observer.queue_depth(len(self._queue))
+        try:
+            self._observer.queue_depth(len(self._queue))
+        except Exception:  # noqa: BLE001 - see above
+            log.exception("reporting the queue's depth failed")
 
     def _nothing_incoming(self) -> bool:
         return self._incoming is not None and self._incoming() == 0
@@ -465,16 +587,54 @@ class Batcher(Generic[In, Out]):
                     if batch and not isinstance(batch[0], _Pending):
                         self._run_background(batch)  # type: ignore[arg-type]
                         continue
-                    live = self._still_wanted(batch)  # type: ignore[arg-type]
-                    if live:
-                        self._run_batch(live)
+                    if self._expired:
+                        self._fail_expired()
+                    if batch:
+                        self._run_taken(batch)  # type: ignore[arg-type]
                     self._settle_when_empty()
                 finally:
                     with self._cond:
                         self._busy = False
+        except Exception:  # noqa: BLE001 - logged; what waits is failed below, not left to its deadline
+            log.exception("the batcher's thread failed")
         finally:
+            self._fail_what_is_left()
             self._observer.running(False)
         log.info("batcher stopped after %d batches", self.batches_run)
+
+    def _fail_what_is_left(self) -> None:
+        """As the worker thread ends, however: closed, the background work dropped and every item still queued
+        failed, so no caller waits for its deadline on a thread that is gone (after ``stop`` nothing is left: the
+        thread finished it)."""
+        with self._cond:
+            self._closed = self._ended = True
+            self._drop_background("retired")
+        if self._expired:  # taken past their deadline as it ended
+            self._fail_expired()
+        self._fail_queued()
+
+    def _fail_queued(self) -> None:
+        """The worker thread has ended: the items queued failed (BatcherClosed), the lock let go meanwhile."""
+        with self._cond:
+            left = list(self._queue)
+            self._queue.clear()
+            self._live = 0
+        error = BatcherClosed("the inference worker stopped")
+        for pending in left:
+            pending.fail(error)
+
+    def _run_taken(self, batch: list[_Pending[In]]) -> None:
+        """Holding the queue (busy): a batch taken run; what escapes its forward pass's own handling (an
+        observer's fault, a bug) fails its items not answered yet, never the thread that runs it."""
+        try:
+            self._run_batch(batch)
+        except BaseException as exc:  # noqa: BLE001 - see above; the thread's end is only for what ends threads
+            log.exception("a batch of %d failed past its forward pass", len(batch))
+            error = exc if isinstance(exc, Exception) else BatcherClosed("the inference worker stopped")
+            for pending in batch:
+                pending.fail(error)
+            if error is not exc:
+                raise
 
     def _settle_when_empty(self) -> None:
         """Holding the queue (busy), after a take: settle what the batches left unsettled once nothing waits (its
@@ -524,6 +684,11 @@ class Batcher(Generic[In, Out]):
             if any(output is _UNRUN for output in outputs):
                 raise _PartlyRun(outputs)
             return outputs
+        except ItemsFailed as failed:  # its outputs are handed out by index: they must be the batch's
+            if len(failed.outputs) != len(items) or not all(0 <= index < len(items) for index in failed.errors):
+                raise BatchSizeMismatch(f"predict_fn's ItemsFailed held {len(failed.outputs)} outputs and failed "
+                                        f"items {sorted(failed.errors)} for {len(items)} inputs") from failed
+            raise
         if len(outputs) != len(items):
             raise BatchSizeMismatch(f"predict_fn returned {len(outputs)} outputs for {len(items)} inputs")
         return outputs
@@ -545,6 +710,7 @@ class Batcher(Generic[In, Out]):
     def _run_batch(self, batch: list[_Pending[In]]) -> None:
         batch_id = next(self._batch_ids)
         started, cpu_started = time.monotonic(), time.thread_time()
+        self._running_until = started + self._batch_seconds  # what admission counts of it: one batch, as queued
         try:
             outputs = self._predict([p.item for p in batch])
         except _PartlyRun as part:  # split for memory, and a part failed: the others' rows are answered
@@ -552,9 +718,7 @@ class Batcher(Generic[In, Out]):
             ran = [(p, output) for p, output in zip(batch, part.outputs) if output is not _UNRUN]
             if ran:
                 self._done(batch_id, [p for p, _ in ran], [output for _, output in ran], started, cpu_started)
-            for p, output in zip(batch, part.outputs):
-                if output is _UNRUN:
-                    self._run_batch([p])
+            self._run_alone([p for p, output in zip(batch, part.outputs) if output is _UNRUN])
             return
         except ItemsFailed as failed:  # it ran: the failed items fail with their errors, the others are answered
             self._done(batch_id, batch, failed.outputs, started, cpu_started, failed.errors)
@@ -567,10 +731,22 @@ class Batcher(Generic[In, Out]):
                 return
             # One input the model chokes on must not fail the requests batched with it: each runs again alone,
             # so only the items that fail on their own fail (a broken model costs len(batch) more passes, once).
-            for p in batch:
-                self._run_batch([p])
+            self._run_alone(batch)
             return
         self._done(batch_id, batch, outputs, started, cpu_started)
+
+    def _run_alone(self, batch: list[_Pending[In]]) -> None:
+        """A failed batch's items run again one at a time, each only while someone waits for it: not once its
+        request failed (an item of it before failed alone), was answered or cancelled, nor past its deadline."""
+        for p in batch:
+            if p.done():
+                continue
+            if p.deadline is not None and time.monotonic() > p.deadline:
+                p.fail(DeadlineExpired(f"deadline passed after {time.monotonic() - p.enqueued_at:.3f}s, before "
+                                       f"this item's run alone after its batch failed"))
+                self._observer.event("deadline_dropped")
+                continue
+            self._run_batch([p])
 
     def _done(self, batch_id: int, batch: list[_Pending[In]], outputs: Sequence[Out], started: float,
               cpu_started: float, failed: dict[int, BaseException] | None = None) -> None:
@@ -579,12 +755,12 @@ class Batcher(Generic[In, Out]):
         run_s = time.monotonic() - started
         self.batches_run += 1
         self._batch_seconds = run_s if self.batches_run == 1 else 0.8 * self._batch_seconds + 0.2 * run_s
-        per_item = run_s / len(batch)
+        per_item = self._last_item_seconds = run_s / len(batch)
         self._item_seconds = per_item if self.batches_run == 1 else 0.8 * self._item_seconds + 0.2 * per_item
         queued = [started - p.enqueued_at for p in batch]
         self._observer.batch_done(len(batch), run_s, queued, time.thread_time() - cpu_started)
         self._unsettled = True
-        ended = started + run_s
+        ended = self._running_until = started + run_s  # (admission counts nothing more of it)
         if not self._queue or ended - self._settled_at >= self._settle_s:
             self._settle_now(ended)
         size = len(batch)

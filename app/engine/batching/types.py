@@ -115,8 +115,8 @@ class BatchResult(NamedTuple, Generic[Out]):
 class Group(Generic[Out]):
     """Items queued together and answered together (``Batcher.submit_group``): their outputs, in order, once the last
     one has its row, and the batches they ran in (``runs``); the first item that fails fails the group (``failed_at``
-    says which). Cancelled before any of its items is taken into a batch, they are dropped unrun; once one is, it
-    runs to its end.
+    says which). Cancelled before any of its items is taken into a batch, they are dropped unrun (``on_cancel``, the
+    queue's, told how many at once, so they stop counting as its backlog); once one is, it runs to its end.
 
     Its own completion, as much of a ``concurrent.futures.Future``'s as a request needs (``done``, ``cancel``,
     ``result``, ``add_done_callback``, ``wait``): one plain lock taken at each of its few changes of state and an event
@@ -124,9 +124,9 @@ class Group(Generic[Out]):
     it the rows of its consecutive items at once (``set_rows``): no object and no call per item."""
 
     __slots__ = ("values", "_runs", "left", "started", "over", "failed_at", "_error", "_cancelled", "_callbacks",
-                 "_lock", "_finished")
+                 "_lock", "_finished", "_on_cancel")
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, on_cancel: Callable[[int], object] | None = None) -> None:
         self.values: list[Out | None] = [None] * size
         self._runs: list[tuple[int, BatchRun]] = []  # (first item, its run), as the batches came
         self.left, self.started, self.over, self.failed_at = size, False, False, -1
@@ -135,6 +135,7 @@ class Group(Generic[Out]):
         self._callbacks: list[Callable[["Group[Out]"], object]] | None = []  # None once done
         self._lock = threading.Lock()
         self._finished: threading.Event | None = None  # made by the first wait that finds it not done
+        self._on_cancel = on_cancel
 
     # -- the batcher's side ----------------------------------------------------------------------------------------
 
@@ -201,6 +202,8 @@ class Group(Generic[Out]):
             if self.started or self.over:
                 return False
             self._cancelled = self.over = True
+        if self._on_cancel is not None:  # every item is still queued: none was taken, or it would have started
+            self._on_cancel(len(self.values))
         self._finish()
         return True
 
