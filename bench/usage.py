@@ -55,10 +55,13 @@ def engine_pids(tree: dict[int, tuple[str, float]]) -> list[int]:
 def tree_cpu_spent(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]
                    ) -> tuple[float, float | None]:
     """CPU seconds a server's tree spent between two ``process_tree_cpu`` readings (the processes in both), and of
-    them its engine processes' (None: it has none)."""
+    them its engine processes' (None: it has none, or one of them started in between: a restarted engine, whose
+    CPU and its predecessor's are not in both readings, so its figure would read 0)."""
     spent = {pid: cpu - before[pid][1] for pid, (_, cpu) in after.items() if pid in before}
     engines = engine_pids(after)
-    return sum(spent.values()), sum(spent.get(pid, 0.0) for pid in engines) if engines else None
+    if not engines or any(pid not in before for pid in engines):
+        return sum(spent.values()), None
+    return sum(spent.values()), sum(spent[pid] for pid in engines)
 
 
 class GpuUtilisation:

@@ -301,6 +301,7 @@ def _measured(run: Any, engine: int, form: str, concurrency: int, seconds: float
     answered, errors = run(seconds)
     elapsed, cpu = time.monotonic() - started, cpu_and_memory(engine)[0] - cpu_before  # type: ignore[index]
     counted = {key: spent - counted_before.get(key, 0.0) for key, spent in engine_counts().items()}
+    answered = max(answered - errors, 1)  # the requests answered with rows: an error is no request served
     images = answered * count
     # no decode counted: nothing was decoded (V2 tensors); no forward pass counted: an engine that does not count it
     # (another checkout's), whose figures beyond it are then unknown (None), not its whole CPU

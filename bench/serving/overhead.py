@@ -168,6 +168,11 @@ def measure(server: str, running: Running, form: Form, concurrency: int, seconds
     now = server_counters(running.url)
     decode_s, forward_s = (now.get(key, 0.0) - counted.get(key, 0.0) for key in (DECODE, FORWARD))
     batches, batched = (now.get(key, 0.0) - counted.get(key, 0.0) for key in ("batch_size_count", "batch_size_sum"))
+    if before.keys() != after.keys():  # a worker replaced or an engine restarted: its CPU is in neither reading
+        raise RuntimeError(f"{server}, {form.name} at C={concurrency}: the server's processes changed during the "
+                           f"measured run (ended {sorted(before.keys() - after.keys())}, started "
+                           f"{sorted(after.keys() - before.keys())}): its CPU per request cannot be told; its log: "
+                           f"{running.output()[-2000:]}")
     server_s, engine_s = tree_cpu_spent(before, after)
     http_s = server_s - (engine_s or 0.0)
     answered = max(answered, 1)
@@ -187,8 +192,10 @@ def in_units(points: list[Point]) -> dict[int, float]:
     for p in points:
         if p.concurrency in unit:
             p.http_units = p.http_us / unit[p.concurrency]
-            p.engine_units = (None if p.engine_us is None
-                              else (p.engine_us - (p.decode_us or 0.0) - (p.forward_us or 0.0)) / unit[p.concurrency])
+            # beyond decode and forward: unknown (None) where the forward pass is not counted (another checkout's
+            # engine), not its whole CPU
+            p.engine_units = (None if p.engine_us is None or p.forward_us is None
+                              else (p.engine_us - (p.decode_us or 0.0) - p.forward_us) / unit[p.concurrency])
     return unit
 
 

@@ -44,14 +44,43 @@ def test_v2_bodies_say_where_their_json_ends_and_carry_float32_pixels() -> None:
 
 
 def test_each_figure_is_in_the_unit_the_bare_app_measured_at_the_same_concurrency() -> None:
-    def point(server: str, c: int, http: float, engine: float | None = None) -> Point:
-        return Point(server, "jpeg", 1, c, 1.0, 1.0, 1.0, 1.0, 0, http, engine)
+    def point(server: str, c: int, http: float, engine: float | None = None, forward: float | None = None) -> Point:
+        return Point(server, "jpeg", 1, c, 1.0, 1.0, 1.0, 1.0, 0, http, engine, 80.0, forward)
 
-    points = [point("bare", 1, 1000.0), point("bare", 16, 800.0), point("process", 16, 2000.0, 400.0),
-              point("inline", 64, 3000.0)]
+    points = [point("bare", 1, 1000.0), point("bare", 16, 800.0), point("process", 16, 2000.0, 600.0, 120.0),
+              point("inline", 64, 3000.0), point("process", 16, 2000.0, 600.0)]
     assert in_units(points) == {1: 1000.0, 16: 800.0}
-    assert (points[2].http_units, points[2].engine_units) == (2.5, 0.5)
+    assert (points[2].http_units, points[2].engine_units) == (2.5, 0.5)  # (600 - 80 - 120) / 800
     assert points[3].http_units is None  # no unit measured at C=64: no figure in units
+    # an engine that does not count its forward pass (another checkout's): beyond it unknown, not its whole CPU
+    assert (points[4].http_units, points[4].engine_units) == (2.5, None)
+
+
+def test_a_server_tree_s_cpu_counts_no_engine_that_restarted_in_between() -> None:
+    from bench.usage import tree_cpu_spent
+
+    engine = "python -m app.link.server 0"
+    before = {1: ("gunicorn: master", 1.0), 2: ("gunicorn: worker", 5.0), 3: (engine, 10.0)}
+    assert tree_cpu_spent(before, {1: ("gunicorn: master", 1.5), 2: ("gunicorn: worker", 7.0),
+                                   3: (engine, 13.0)}) == (5.5, 3.0)
+    # the engine restarted (pid 4): neither its CPU nor its predecessor's is in both readings; it read 0 before
+    assert tree_cpu_spent(before, {1: ("gunicorn: master", 1.5), 2: ("gunicorn: worker", 7.0),
+                                   4: (engine, 0.4)}) == (2.5, None)
+    assert tree_cpu_spent({1: ("bare", 1.0)}, {1: ("bare", 2.0)}) == (1.0, None)  # no engine
+
+
+def test_the_engine_alone_counts_only_the_requests_it_answered_with_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    import app.hosting.procstat
+    from bench.serving import engine_only
+
+    cpu = iter([10.0, 12.0])  # 2 s of the engine's CPU in the measured run
+    monkeypatch.setattr(app.hosting.procstat, "cpu_and_memory", lambda pid: (next(cpu), 0))
+    counts = iter([{}, {"decode": 0.0, "forward": 0.5, engine_only.BATCHES: 10.0, engine_only.BATCHED_IMAGES: 100.0}])
+    monkeypatch.setattr(engine_only, "engine_counts", lambda: next(counts))
+    runs = iter([(50, 0), (2000, 1000)])  # the warm-up, then 2,000 answers of which 1,000 errors
+    measured = engine_only._measured(lambda seconds: next(runs), 1, "v2 x1", 16, 1.0, 1)
+    assert measured["engine_us_per_image"] == pytest.approx(2000.0)  # 2 s over the 1,000 answered with rows
+    assert measured["beyond_us_per_image"] == pytest.approx(1500.0) and measured["errors"] == 1000
 
 
 @pytest.mark.slow
