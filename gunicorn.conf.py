@@ -99,8 +99,7 @@ def on_starting(server) -> None:  # noqa: ANN001
                          "for the workers the setting counts, and the engines and the queues are sized by it; set "
                          "VISIONSERVE_WORKERS=%d instead of gunicorn's --workers", server.cfg.workers, _workers,
                          server.cfg.workers)
-        for own in supervisor.OWNED_DIRS:
-            shutil.rmtree(own, ignore_errors=True)
+        _remove_owned_dirs()
         sys.exit(2)
     server.log.info("visionserve: %d worker%s (%s)", _workers, "" if _workers == 1 else "s", _workers_why)
     _halt_once(server)
@@ -216,5 +215,10 @@ def on_exit(server) -> None:  # noqa: ANN001
     directories this master made (ones set aside by ops are theirs to keep; the next start empties a metrics one of
     its ``*.db`` files: _clear_metrics)."""
     supervisor.stop_engines(_settings.graceful_timeout_s)
+    _remove_owned_dirs()
+
+
+def _remove_owned_dirs() -> None:
+    """The metrics and control directories this master made (not ones ops set aside)."""
     for own in supervisor.OWNED_DIRS:
         shutil.rmtree(own, ignore_errors=True)

@@ -55,9 +55,9 @@ from pathlib import Path
 from typing import Sequence
 
 from harness.processes import descendants, kill_left
+from harness.servers import DEADLINE  # a step's deadline (time.time()), as its servers wait for
 
 ROOT = Path(__file__).resolve().parents[1]
-DEADLINE = "BENCH_DEADLINE"  # a step's deadline (time.time()), as harness/servers.py reads it
 GRACE_S = 10.0  # between a step's SIGTERM and its SIGKILL: a benchmark stops its servers (5 s each at most)
 POLL_S = 0.5  # how often a running step's descendants are collected
 TERMINATED = threading.Event()  # the drill got SIGTERM: stop the step, pack what was done, end

@@ -222,7 +222,11 @@ class Batcher(Generic[In, Out]):
     @property
     def current_max_batch_size(self) -> int:
         """The batch size cap in force: lowered for a while after an out-of-memory split."""
-        return self._shrunk_size if time.monotonic() < self._shrunk_until else self.max_batch_size
+        return self._cap_at(time.monotonic())
+
+    def _cap_at(self, now: float) -> int:
+        """``current_max_batch_size`` at ``now`` (a time the caller has already read)."""
+        return self._shrunk_size if now < self._shrunk_until else self.max_batch_size
 
     def submit(self, item: In, deadline: float | None = None) -> "Future[BatchResult[Out]]":
         """Queue one item; raises QueueFull or BatcherClosed at once instead of blocking."""
@@ -280,7 +284,7 @@ class Batcher(Generic[In, Out]):
                 batch: list[_Pending[In]] = []
                 with self._cond:
                     now = time.monotonic()
-                    cap = self._shrunk_size if now < self._shrunk_until else self.max_batch_size
+                    cap = self._cap_at(now)
                     refused = self._take(batch, min(left, cap), now, self.caller_may_run)
                     self._report_depth_taken(now)
                 if self._expired:
@@ -375,7 +379,7 @@ class Batcher(Generic[In, Out]):
     def _clear_s(self, items: int, now: float) -> float:
         """Under the lock: how long ``items`` queued items take to clear: what is left of the batch gathered or
         running now, then batches of the cap at the recent batch time (``max_wait_ms`` at least)."""
-        cap = self._shrunk_size if now < self._shrunk_until else self.max_batch_size
+        cap = self._cap_at(now)
         wait = -(-items // cap) * max(self._batch_seconds, self.max_wait_s)
         if self._busy and self._running_until > now:
             wait += self._running_until - now
@@ -461,7 +465,7 @@ class Batcher(Generic[In, Out]):
             now = time.monotonic()
             self._report_depth_taken(now)  # as a batch is taken: the backlog it met, then what it left
             # (each told when none was told lately, or when it is 0)
-            limit = self._shrunk_size if now < self._shrunk_until else self.max_batch_size
+            limit = self._cap_at(now)
             until = now + self.max_wait_s
             self._running_until = until + self._batch_seconds  # gathered by then at the latest, then run
             batch: list[_Pending[In]] = []
