@@ -118,7 +118,9 @@ class RolloutSettings(SettingsGroup):
     promote_after: int = Field(
         0, ge=0, description="Promote a candidate by itself once this many shadow comparisons (or canary requests, "
         "without a shadow) across the workers agree within `PROMOTE_MIN_AGREEMENT`, its p99 within "
-        "`PROMOTE_MAX_LATENCY_RATIO` of the default's, with no error; 0 = only by a call.")
+        "`PROMOTE_MAX_LATENCY_RATIO` of the default's, with no error; 0 = only by a call. Needs `CANARY_PERCENT` or "
+        "`SHADOW_PERCENT` above 0 (here or in a model's policy.json): a candidate with no share of the traffic gathers "
+        "no evidence, so its model is refused.")
     promote_min_agreement: float = Field(
         0.99, ge=0, le=1, description="The top-1 agreement with the default a candidate needs to be promoted by "
         "itself.")

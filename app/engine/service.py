@@ -21,6 +21,7 @@ from app.engine.contract import Explanation, Lifecycle, not_ready
 from app.engine.explain import ExplainLane
 from app.engine.loaded.predictor import Predictor
 from app.engine.loaded.version import LoadedVersion
+from app.engine.rollouts.evidence import Traffic
 from app.engine.rollouts.shadow import offer
 from app.engine.versions.controller import VersionsController
 from app.engine.versions.routing import Route
@@ -177,17 +178,18 @@ class Service(Lifecycle):
             self._routes.release(route)
             self.in_flight.leave()
             raise not_ready("the model is not ready")
+        traffic = self._traffic_of(route)
         started = time.perf_counter()
         try:
             if images:
                 check_room(route.version, images, timeout_s or self.settings.request_timeout_s)
             arrived = route.version.arrivals.begin()
         except BaseException as exc:
-            self._left(route, time.perf_counter() - started, _outcome(exc))
+            self._left(route, traffic, time.perf_counter() - started, _outcome(exc))
             raise
         call = Call(route.version, arrived, self.settings.max_images,
                     None if route.shadow is None else self._shadow_offer(route))
-        return Admission(self, route, started, arrived, call)
+        return Admission(self, route, traffic, started, arrived, call)
 
     def _held(self, name: str | None, version: str | None, client_key: str | None) -> Route:
         """A request in flight, once the service is ready, holding the version routing picks for it (released, and
@@ -209,15 +211,24 @@ class Service(Lifecycle):
                                  max_age_s=self.settings.shadow_max_age_s,
                                  queue_limit=self.settings.shadow_queue_size)
 
-    def _left(self, route: Route, seconds: float, outcome: str) -> None:
-        """A request left after ``seconds`` with ``outcome``: counted, its version released."""
+    def _traffic_of(self, route: Route) -> Traffic | None:
+        """The rollout evidence a request's outcome goes to: its version's traffic in the role routing gave it,
+        taken as it is routed, as the shadow's comparison is (a promotion while a canary request is in flight starts
+        the new default's traffic afresh: that request is no evidence of the default it became); None for a request
+        that named its version (a candidate's own tests would promote it)."""
+        if route.role == "named":
+            return None
+        return self.controller.evidence.traffic(route.version.name, route.version.version)
+
+    def _left(self, route: Route, traffic: Traffic | None, seconds: float, outcome: str) -> None:
+        """A request left after ``seconds`` with ``outcome``: counted (in ``traffic`` too), its version released."""
         try:
-            self._count(route, seconds, outcome)
+            self._count(route, traffic, seconds, outcome)
         finally:
             self._routes.release(route)
             self.in_flight.leave()
 
-    def _count(self, route: Route, seconds: float, outcome: str) -> None:
+    def _count(self, route: Route, traffic: Traffic | None, seconds: float, outcome: str) -> None:
         loaded = route.version
         refused = outcome == "refused"  # the client's error, or the server's capacity: not the version's time
         if self.counts is not None:
@@ -226,9 +237,8 @@ class Service(Lifecycle):
             series(VERSION_REQUESTS, loaded.name, loaded.version, route.role, outcome).inc()
             if not refused:
                 series(VERSION_REQUEST_SECONDS, loaded.name, loaded.version).observe(seconds)
-        if not refused and route.role != "named":  # a rollout's evidence: the traffic it routed, not requests that
-            # named a version (a candidate's own tests would promote it)
-            self.controller.evidence.traffic(loaded.name, loaded.version).record(seconds, outcome == "failed")
+        if not refused and traffic is not None:  # a rollout's evidence: the traffic it routed
+            traffic.record(seconds, outcome == "failed")
 
 
 def _outcome(error: BaseException | None) -> str:
@@ -244,11 +254,12 @@ def _outcome(error: BaseException | None) -> str:
 class Admission:
     """One request admitted (``Service.enter``): its ``call``, holding its version until it ``leave``s, once."""
 
-    __slots__ = ("call", "_service", "_route", "_started", "_arrived", "_left")
+    __slots__ = ("call", "_service", "_route", "_traffic", "_started", "_arrived", "_left")
 
-    def __init__(self, service: Service, route: Route, started: float, arrived: Callable[[], None],
-                 call: Call) -> None:
-        self._service, self._route, self._started, self._arrived = service, route, started, arrived
+    def __init__(self, service: Service, route: Route, traffic: Traffic | None, started: float,
+                 arrived: Callable[[], None], call: Call) -> None:
+        self._service, self._route, self._traffic = service, route, traffic
+        self._started, self._arrived = started, arrived
         self.call = call
         self._left = False
 
@@ -259,4 +270,4 @@ class Admission:
             return
         self._left = True
         self._arrived()
-        self._service._left(self._route, time.perf_counter() - self._started, _outcome(error))
+        self._service._left(self._route, self._traffic, time.perf_counter() - self._started, _outcome(error))

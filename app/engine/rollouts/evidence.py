@@ -13,6 +13,7 @@ traffic, not one worker's. Latencies are the last ``SAMPLES`` per worker, so per
 from __future__ import annotations
 
 import collections
+import math
 import statistics
 import threading
 from typing import Any, Iterable
@@ -27,11 +28,12 @@ PAIR = "\x1f"  # between the live and the candidate label of a disagreement (no 
 
 
 def percentile(values: list[float], q: float) -> float | None:
-    """The ``q`` quantile (0..1) of ``values`` (nearest rank), None when there are none."""
+    """The ``q`` quantile (0..1) of ``values`` (nearest rank: the ceil(q * n)-th smallest), None when there are
+    none. Not round(q * n + 0.5): it rounds half to even, so p99 of 100 values was their largest."""
     if not values:
         return None
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 class Comparison:
@@ -41,6 +43,7 @@ class Comparison:
         self.model, self.candidate, self.live = model, candidate, live
         self._lock = threading.Lock()
         self.compared = self.agreed = self.errors = 0
+        self.differenced = 0  # images whose probabilities were compared class by class (the same label lists)
         self.top5_overlap = self.difference_sum = self.difference_max = 0.0
         self.disagreements: collections.Counter[str] = collections.Counter()
         self.dropped: collections.Counter[str] = collections.Counter()
@@ -54,22 +57,25 @@ class Comparison:
         live_top, candidate_top = live.topk(k, dim=1).indices.tolist(), candidate.topk(k, dim=1).indices.tolist()
         same_classes = live_labels == candidate_labels
         differences = (live - candidate).abs().amax(dim=1).tolist() if same_classes else []
+        agreed = 0  # by label, as /v1/models' agreement: two versions may list the same classes in another order
         with self._lock:
             for ours, theirs in zip(live_top, candidate_top):
                 ours_labels, theirs_labels = [live_labels[i] for i in ours], [candidate_labels[i] for i in theirs]
                 self.compared += 1
                 if ours_labels[0] == theirs_labels[0]:
-                    self.agreed += 1
+                    agreed += 1
                 else:
                     self.disagreements[f"{ours_labels[0]}{PAIR}{theirs_labels[0]}"] += 1
                 self.top5_overlap += len(set(ours_labels) & set(theirs_labels)) / k
+            self.agreed += agreed
+            self.differenced += len(differences)
             self.difference_sum += sum(differences)
             self.difference_max = max([self.difference_max, *differences])
             self.live_ms.extend(live_ms)
             self.candidate_ms.extend(candidate_ms)
         labels = (self.model, self.candidate, self.live)
         SHADOW_COMPARED.labels(*labels).inc(len(live_top))
-        SHADOW_AGREED.labels(*labels).inc(sum(a[0] == b[0] for a, b in zip(live_top, candidate_top)))
+        SHADOW_AGREED.labels(*labels).inc(agreed)
         for difference in differences:
             SHADOW_PROBABILITY_DIFFERENCE.labels(self.model, self.candidate).observe(difference)
 
@@ -90,16 +96,18 @@ class Comparison:
         """This worker's figures, in a form ``merge_comparisons`` sums."""
         with self._lock:
             return {"model": self.model, "candidate": self.candidate, "live": self.live, "compared": self.compared,
-                    "agreed": self.agreed, "top5_overlap": self.top5_overlap, "difference_sum": self.difference_sum,
-                    "difference_max": self.difference_max, "errors": self.errors,
+                    "agreed": self.agreed, "top5_overlap": self.top5_overlap, "differenced": self.differenced,
+                    "difference_sum": self.difference_sum, "difference_max": self.difference_max, "errors": self.errors,
                     "disagreements": dict(self.disagreements), "dropped": dict(self.dropped),
                     "live_ms": list(self.live_ms), "candidate_ms": list(self.candidate_ms)}
 
 
 def merge_comparisons(dumps: list[dict[str, Any]]) -> dict[str, Any]:
-    """One candidate's figures over every worker's dump (same model, candidate and live version)."""
-    total = {key: sum(d[key] for d in dumps) for key in ("compared", "agreed", "top5_overlap", "difference_sum",
-                                                         "errors")}
+    """One candidate's figures over every worker's dump (same model, candidate and live version). The probability
+    differences are over the images whose probabilities could be compared (both versions' labels the same, in the
+    same order): None when there were none, not 0.0 (which would read as identical answers)."""
+    total = {key: sum(d[key] for d in dumps) for key in ("compared", "agreed", "top5_overlap", "differenced",
+                                                         "difference_sum", "errors")}
     disagreements: collections.Counter[str] = collections.Counter()
     dropped: collections.Counter[str] = collections.Counter()
     live_ms: list[float] = []
@@ -109,13 +117,13 @@ def merge_comparisons(dumps: list[dict[str, Any]]) -> dict[str, Any]:
         dropped.update(d["dropped"])
         live_ms += d["live_ms"]
         candidate_ms += d["candidate_ms"]
-    compared = total["compared"]
+    compared, differenced = total["compared"], total["differenced"]
     return {
         "compared": compared, "errors": total["errors"], "dropped": dict(dropped),
         "top1_agreement": total["agreed"] / compared if compared else None,
         "top5_overlap": total["top5_overlap"] / compared if compared else None,
-        "mean_probability_difference": total["difference_sum"] / compared if compared else None,
-        "max_probability_difference": max((d["difference_max"] for d in dumps), default=0.0) if compared else None,
+        "mean_probability_difference": total["difference_sum"] / differenced if differenced else None,
+        "max_probability_difference": max(d["difference_max"] for d in dumps) if differenced else None,
         "disagreements": [{"live": pair.partition(PAIR)[0], "candidate": pair.partition(PAIR)[2], "count": n}
                           for pair, n in disagreements.most_common(TOP_DISAGREEMENTS)],
         "live_forward_ms": _latency(live_ms), "candidate_forward_ms": _latency(candidate_ms),
@@ -189,6 +197,13 @@ class Evidence:
             self._comparisons = {k: c for k, c in self._comparisons.items() if k[0] != model or k[1:] in keep}
             for version in versions:
                 self._traffic[(model, version)] = Traffic()
+
+    def forget(self, model: str) -> None:
+        """``model`` is no longer served here (unloaded, or gone from the repository): its comparisons and traffic
+        end, so a later load of it starts with none (requests in flight record into what they took, now unread)."""
+        with self._lock:
+            self._comparisons = {k: c for k, c in self._comparisons.items() if k[0] != model}
+            self._traffic = {k: t for k, t in self._traffic.items() if k[0] != model}
 
     def dump(self) -> dict[str, Any]:
         """Everything, for this worker's report."""

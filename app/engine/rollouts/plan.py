@@ -15,9 +15,10 @@ too, written to the desired state like any change, so every worker follows them 
 """
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from app.engine.rollouts.entry import ModelEntry, RolloutEntry
 from app.engine.rollouts.policy import PolicyError, VersionPolicy, order_key, version_name
@@ -56,14 +57,11 @@ class RolloutPolicy:
     def __post_init__(self) -> None:
         for name in ("canary_percent", "shadow_percent"):
             value = getattr(self, name)
-            if not 0 <= value <= 100:
-                raise PolicyError(f"rollout {name} must be between 0 and 100, got {value}")
-        if self.promote is not None and (self.promote.after < 1 or not 0 <= self.promote.min_agreement <= 1
-                                         or self.promote.max_latency_ratio <= 0):
-            raise PolicyError("rollout promote needs after >= 1, min_agreement in [0, 1], max_latency_ratio > 0")
-        if self.rollback is not None and (self.rollback.within < 1 or not 0 <= self.rollback.max_error_ratio <= 1
-                                          or self.rollback.max_p99_ratio <= 0):
-            raise PolicyError("rollout rollback needs within >= 1, max_error_ratio in [0, 1], max_p99_ratio > 0")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 100:
+                raise PolicyError(f"rollout {name} must be between 0 and 100, got {value!r}")
+        for name, rule in (("promote", self.promote), ("rollback", self.rollback)):
+            if rule is not None:
+                _check_rule(name, rule)
 
     @property
     def active(self) -> bool:
@@ -90,42 +88,89 @@ class RolloutPolicy:
         if unknown := set(spec) - known:
             raise PolicyError(f"unsupported rollout keys {sorted(unknown)}; it takes {', '.join(sorted(known))}")
         try:
-            changes: dict[str, Any] = {k: float(spec[k]) for k in ("canary_percent", "shadow_percent") if k in spec}
+            changes: dict[str, Any] = {k: _number(k, spec[k], whole=False)
+                                       for k in ("canary_percent", "shadow_percent") if k in spec}
             if "candidate" in spec:
                 changes["candidate"] = None if spec["candidate"] is None else version_name(spec["candidate"])
             for key, rule in (("promote", PromoteRule), ("rollback", RollbackRule)):
                 if key in spec:
-                    changes[key] = _rule(rule, spec[key], getattr(self, key))
-            return replace(self, **changes)
-        except (TypeError, ValueError) as exc:
+                    changes[key] = _rule(key, rule, spec[key], getattr(self, key))
+        except (TypeError, ValueError, OverflowError) as exc:  # OverflowError: a JSON integer past any float
             raise PolicyError(f"rollout: {exc}") from None
+        return replace(self, **changes)  # its bounds checked (__post_init__), said as "rollout <field> ..."
 
     @classmethod
     def layered(cls, settings: Any, *configs: Any) -> "RolloutPolicy":
-        """The settings' rollout under each config given (a model's policy.json, a load call's config)."""
+        """The settings' rollout under each config given (a model's policy.json, a load call's config). A promote
+        rule needs a share of the traffic once every layer is read (a layer may set the rule, the next its share)."""
         policy = cls.from_settings(settings)
         for config in configs:
             policy = policy.over(config)
+        if policy.promote is not None and not (policy.canary_percent or policy.shadow_percent):
+            raise PolicyError("rollout promote needs canary_percent or shadow_percent above 0: a candidate that "
+                              "takes no share of the traffic gathers no evidence (requests naming it are none), so "
+                              "the rule would never fire; set promote to null (or after 0) to promote by a call")
         return policy
 
     def as_entry(self, candidate: str | None) -> RolloutEntry:
         """What the desired state records of it, with the candidate it resolved to."""
         return {**asdict(self), "candidate": candidate}
 
-def _rule(kind: type, spec: Any, fallback: Any) -> Any:
-    """A rule from its JSON (None or after/within 0: off); unset fields from ``fallback`` or the defaults."""
+def _rule(name: str, kind: type, spec: Any, fallback: Any) -> Any:
+    """Rule ``name`` (promote, rollback) from its JSON (None or after/within 0: off); unset fields from
+    ``fallback`` or the defaults."""
     if spec is None:
         return None
     if not isinstance(spec, dict):
-        raise ValueError(f"{kind.__name__} must be a JSON object")
+        raise ValueError(f"{name} must be a JSON object")
     names = {f.name for f in fields(kind)}
     if unknown := set(spec) - names:
-        raise ValueError(f"unsupported keys {sorted(unknown)}; it takes {', '.join(sorted(names))}")
-    types = {f.name: int if f.type == "int" else float for f in fields(kind)}
+        raise ValueError(f"unsupported {name} keys {sorted(unknown)}; it takes {', '.join(sorted(names))}")
+    whole = {f.name: f.type == "int" for f in fields(kind)}
     base = asdict(fallback) if fallback is not None else {}
-    values = {**base, **{key: types[key](value) for key, value in spec.items()}}
+    values = {**base, **{key: _number(f"{name} {key}", value, whole[key]) for key, value in spec.items()}}
     first = fields(kind)[0].name  # after / within: 0 turns the rule off
     return None if not values.get(first) else kind(**values)
+
+def _number(name: str, value: Any, whole: bool) -> int | float:
+    """A setting's JSON number as the policy holds it: ValueError naming ``name`` for JSON's true and false (no
+    numbers, though Python's int takes them), a value that is not finite (1e999 reads as infinity, NaN passes
+    every comparison), and, where a count is asked for (``whole``), a fraction (0.5 was cut to 0: the rule off)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {str(value).lower()}")
+    if whole and isinstance(value, int):
+        return value  # as it is: a float would round a large one
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+    except OverflowError:  # a JSON integer past any float
+        raise ValueError(f"{name} must be a finite number, got one past any float") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if whole and not number.is_integer():
+        raise ValueError(f"{name} must be a whole number, got {value!r}")
+    return int(number) if whole else number
+
+# What each rule's field takes (checked once the rule is made, whatever made it): a whole number for the counts.
+_RULE_BOUNDS: dict[str, tuple[Callable[[float], bool], str]] = {
+    "after": (lambda v: v >= 1, "a whole number, at least 1"),
+    "within": (lambda v: v >= 1, "a whole number, at least 1"),
+    "min_requests": (lambda v: v >= 0, "a whole number, at least 0"),
+    "min_agreement": (lambda v: 0 <= v <= 1, "a number between 0 and 1"),
+    "max_error_ratio": (lambda v: 0 <= v <= 1, "a number between 0 and 1"),
+    "max_latency_ratio": (lambda v: v > 0, "a finite number above 0"),
+    "max_p99_ratio": (lambda v: v > 0, "a finite number above 0"),
+}
+
+def _check_rule(name: str, rule: PromoteRule | RollbackRule) -> None:
+    """PolicyError naming the first field of rule ``name`` (promote, rollback) out of its bounds (_RULE_BOUNDS)."""
+    for field in fields(rule):
+        value, (within_bounds, takes) = getattr(rule, field.name), _RULE_BOUNDS[field.name]
+        kind = int if field.type == "int" else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kind) or not within_bounds(value) \
+                or (isinstance(value, float) and not math.isfinite(value)):  # an int is finite, however large
+            raise PolicyError(f"rollout {name} {field.name} must be {takes}, got {value!r}")
 
 def rule_from_entry(kind: type, data: Any) -> Any:
     """A rule as the desired state recorded it."""
@@ -223,13 +268,15 @@ def _carry(entry: ModelEntry, current: ModelEntry, rolled_back: list[str], usabl
 
 def promoted(entry: ModelEntry, version: str, baseline_p99_ms: float | None) -> ModelEntry:
     """``entry`` with ``version`` as its default: the old default kept loaded as the previous one, the new default
-    watched for the rollback rule, the version no longer rolled back."""
+    watched when the rollout has a rollback rule (a watch nothing judges would never settle), the version no longer
+    rolled back."""
     if version == entry["default"]:
         return entry
     changed = {k: v for k, v in entry.items() if k not in ("watch", "previous_default")}
     changed.update(default=version, previous_default=entry["default"], held=True,
-                   versions=_with(list(entry["versions"]), version),
-                   watch={"version": version, "previous": entry["default"], "baseline_p99_ms": baseline_p99_ms})
+                   versions=_with(list(entry["versions"]), version))
+    if (entry.get("rollout") or {}).get("rollback"):
+        changed["watch"] = {"version": version, "previous": entry["default"], "baseline_p99_ms": baseline_p99_ms}
     if version in changed.get("rolled_back", []):
         changed["rolled_back"] = [v for v in changed["rolled_back"] if v != version]
     if not changed.get("rolled_back"):

@@ -29,13 +29,16 @@ def judge(model: str, entry: ModelEntry, evidence: dict[str, Any]) -> tuple[str,
 def rollback_verdict(rule: RollbackRule, watch: Watch,
                      traffic: dict[str, Any] | None) -> tuple[str, str, str] | None:
     """A watched new default: rolled back once a bound is crossed within its first ``within`` requests, settled
-    after them."""
+    after them. The error bound is on the share of those ``within``: judged early only once more have failed than
+    it allows of them all (the bound is broken whatever follows), else once they are in; one failure among the
+    first few requests (a cold start's 504) is no ratio."""
     if not traffic or not traffic["requests"]:
         return None
     requests, failures = traffic["requests"], traffic["failures"]
-    if failures / requests > rule.max_error_ratio and failures >= max(1, rule.max_error_ratio * rule.min_requests):
+    if failures > rule.max_error_ratio * rule.within or (
+            requests >= rule.within and failures / requests > rule.max_error_ratio):
         return "rollback", watch["previous"], (f"{failures} of its first {requests} requests failed "
-                                               f"(more than {rule.max_error_ratio:.1%})")
+                                               f"(more than {rule.max_error_ratio:.1%} of {rule.within})")
     baseline, p99 = watch.get("baseline_p99_ms"), traffic.get("p99")
     if baseline and p99 is not None and requests >= rule.min_requests and p99 > rule.max_p99_ratio * baseline:
         return "rollback", watch["previous"], (f"p99 {p99:.1f} ms over its first {requests} requests, more than "

@@ -115,6 +115,7 @@ class Applier:
                      entry["default"])
         else:
             replaced = self.routes.remove(name)
+            self.evidence.forget(name)  # a later load is new evidence, whatever its versions' names
             self._show_refused_candidate(name, entry)
         unloaded = not wanted and bool(replaced)
         del serving, current  # this frame holds no version that goes: their collection frees them
@@ -124,17 +125,21 @@ class Applier:
 
     def _route(self, name: str, entry: ModelEntry, chosen: dict[str, LoadedVersion]) -> list[LoadedVersion]:
         """Route ``name`` to ``chosen`` with ``entry``'s default and candidate; when the default or the candidate
-        changes, the evidence about the old pair ends, and a new default's or candidate's traffic is counted afresh
-        (what it served before in another role is no evidence of this one)."""
-        before = self.routes.candidate(name), self.routes.routes().get(name, ([], None))[1]
-        candidate = Candidate.from_entry(entry)
-        replaced = self.routes.route(name, chosen, entry["default"], candidate)
+        changes (another version, or the same one loaded afresh: unloaded and loaded again), the evidence about
+        the old pair ends, and a new default's or candidate's traffic is counted afresh (what it served before in
+        another role, or as another load, is no evidence of this one)."""
+        serving, default_before = self.routes.routes().get(name, ([], None))
+        loaded_before = {loaded.version: loaded for loaded in serving}
+        candidate_before = self.routes.candidate(name)
+        replaced = self.routes.route(name, chosen, entry["default"], Candidate.from_entry(entry))
         after = self.routes.candidate(name), entry["default"]
-        if after != before:
-            pair = {(after[0].version, after[1])} if after[0] is not None else set()
-            fresh = {after[1]} if after[1] != before[1] else set()
-            if after[0] is not None and (before[0] is None or before[0].version != after[0].version):
-                fresh.add(after[0].version)
+        kept = {v for v, loaded in chosen.items() if loaded is loaded_before.get(v)}  # the same load serves on
+        fresh = set() if after[1] == default_before and after[1] in kept else {after[1]}
+        if after[0] is not None and (candidate_before is None or candidate_before.version != after[0].version
+                                     or after[0].version not in kept):
+            fresh.add(after[0].version)
+        if fresh or after[0] != candidate_before:  # a share changed alone: the pair's comparison goes on
+            pair = {(after[0].version, after[1])} if after[0] is not None and not fresh else set()
             self.evidence.restart(name, pair, fresh)
         roles = roles_of(entry, after[0] and after[0].version, bool(after[0] and after[0].canary_percent))
         for version in {*chosen, *(v.version for v in replaced)}:
