@@ -11,6 +11,11 @@ MODELS = (v2.ServerMetadata, v2.Live, v2.Ready, v2.ModelReady, v2.ModelMetadata,
           v2.UnloadRequest, v2.Loaded)
 
 
+# What an infer call can answer besides 200: the statuses of /predict's, which runs the same admission, decode and
+# Call.infer (415: an image format no decoder serves), less 422 (/predict's JSON schema; V2's body has none).
+INFER_ERRORS = "400 401 404 408 413 415 429 500 503 504"
+
+
 def _infer() -> dict[str, Any]:
     framing = {"name": "Inference-Header-Content-Length", "in": "header", "required": False,
                "schema": {"type": "integer"}, "description": "Set when binary tensors follow"}
@@ -24,7 +29,7 @@ def _infer() -> dict[str, Any]:
                               "headers": headers("Server-Timing", "X-Batch-Size", "Inference-Header-Content-Length"),
                               "content": {"application/json": {"schema": ref(v2.InferResponse)},
                                           "application/octet-stream": {"schema": BINARY}}},
-                      **errors(v2.Error, "400 401 404 408 413 429 500 503 504")},
+                      **errors(v2.Error, INFER_ERRORS)},
     }}
 
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from app import __version__
 from app.engine.contract import Served, Signature
 from app.errors import BadRequest, NotFound, NotReady, UnknownOutput
-from app.v2.codec import InferRequest, Tensor, encode_response, parameters, parse_request
+from app.v2.codec import InferRequest, Tensor, encode_response, flag, parameters, parse_request
 from app.v2.schemas import Live, ModelMetadata, ModelReady, Ready, ServerMetadata, TensorMetadata
 from app.web.inputs import client_key, deadline_s, read_body
 from app.web.services import client_gone, current_service
@@ -116,7 +116,7 @@ def _inputs(model: Signature, infer: InferRequest) -> tuple[list[bytes], list[np
 def _output_plan(infer: InferRequest, model: Signature) -> list[tuple[str, int, bool]]:
     """(name, classification k, binary?) per requested output, checked against ``model`` before any inference is
     spent."""
-    binary_default = bool(infer.parameters.get("binary_data_output", False))
+    binary_default = flag(infer.parameters, "binary_data_output", False, "the request")
     known = [OUTPUT, EMBEDDING] if model.embedding_dim else [OUTPUT]
     plan = []
     for item in infer.outputs if infer.outputs is not None else [{"name": OUTPUT}]:
@@ -132,7 +132,7 @@ def _output_plan(infer: InferRequest, model: Signature) -> list[tuple[str, int, 
             raise BadRequest(f"parameters.classification must be a non-negative integer, got {k!r}")
         if k and name == EMBEDDING:
             raise BadRequest(f"parameters.classification is for {OUTPUT!r}; {EMBEDDING!r} is a vector per image")
-        plan.append((name, k, bool(params.get("binary_data", binary_default))))
+        plan.append((name, k, flag(params, "binary_data", binary_default, f"output {name!r}")))
     return plan
 
 
@@ -166,8 +166,9 @@ def infer(name: str, version: str | None = None) -> Response:
     # Admitted only if the queue could take one image in time: refused before the body is parsed otherwise.
     with service.admit(name, version, client_key(headers, service.settings.client_key_header), images=1,
                        timeout_s=announced_timeout_s) as call:
-        if req.content_encoding:
-            raise BadRequest(f"Content-Encoding {req.content_encoding!r} is not supported; send the body as is")
+        if req.content_encoding and req.content_encoding.strip().lower() != "identity":
+            raise BadRequest(f"Content-Encoding {req.content_encoding!r} is not supported: this server does not "
+                             "take compressed request bodies (gzip, deflate); send the body uncompressed")
         parsed = parse_request(read_body(req), headers.get("Inference-Header-Content-Length"))
         plan = _output_plan(parsed, call.model)
         images, tensors = _inputs(call.model, parsed)
@@ -177,7 +178,7 @@ def infer(name: str, version: str | None = None) -> Response:
     outputs = [_output(served, name, k, digits) for name, k, _ in plan]
     body, header_length = encode_response(model_name=served.model, model_version=served.version,
                                           request_id=parsed.id, outputs=outputs,
-                                          binary={name for name, _, is_binary in plan if is_binary})
+                                          binary=[is_binary for _, _, is_binary in plan])
     response = Response(body, content_type="application/json" if header_length is None else "application/octet-stream")
     if header_length is not None:
         response.headers["Inference-Header-Content-Length"] = str(header_length)

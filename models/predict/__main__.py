@@ -2,7 +2,7 @@
 
     python -m models.predict --weights weights --data photos/ --out scores.jsonl        # or .csv, .parquet
     python -m models.predict --weights repository --model mine --version 2 --data list.txt --out scores.csv
-    python -m models.predict --weights runs/mine/export --data data/mine --labels data/mine --out eval.jsonl
+    python -m models.predict --weights runs/mine/export --data data/mine/val --labels data/mine/val --out eval.jsonl
     python -m models.predict --weights weights --data photos/ --out scores.jsonl --embeddings photos.npy
     torchrun --nproc_per_node=N -m models.predict ...          # one process per GPU (or CPU processes, gloo)
 
@@ -26,7 +26,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -46,6 +46,7 @@ from models.predict.outputs import (
     EMBEDDINGS_SUFFIX,
     PartWriter,
     Record,
+    check_parquet_names,
     check_same_model,
     done_paths,
     merged_records,
@@ -71,6 +72,21 @@ CUDA_BATCH_CAP = 512
 NON_FINITE = "the model produced non-finite output (NaN or infinity) for this image"  # its error record
 
 
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least ``minimum``, so a value out of range stops the command at once
+    (exit 2, with the usage) rather than after the model loaded, or in a run that scores nothing and exits 0."""
+    def whole(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return whole
+
+
 def get_args_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m models.predict", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -83,12 +99,13 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--report", type=Path,
                         help="the evaluation's folder (default: beside OUT, its name without the extension + "
                              "-report: eval.jsonl's is eval-report/)")
-    parser.add_argument("--top-k", type=int, default=5, help="answers per image (default 5)")
-    parser.add_argument("--mistakes", type=int, default=60, help="mistakes shown in mistakes.html (default 60)")
-    parser.add_argument("--batch-size", type=int, default=0,
+    parser.add_argument("--top-k", type=at_least(1), default=5, help="answers per image (default 5)")
+    parser.add_argument("--mistakes", type=at_least(0), default=60, help="mistakes shown in mistakes.html (default 60)")
+    parser.add_argument("--batch-size", type=at_least(0), default=0,
                         help=f"images per forward pass; 0: {CPU_BATCH} on the CPU, the largest that fits on CUDA")
-    parser.add_argument("--workers", type=int, default=None, help="DataLoader workers (default: the cores)")
-    parser.add_argument("--threads", type=int, default=0,
+    parser.add_argument("--workers", type=at_least(0), default=None,
+                        help="DataLoader workers (default: the cores; 0: read in the main process)")
+    parser.add_argument("--threads", type=at_least(0), default=0,
                         help="intra-op threads of the forward pass, torch's or ONNX Runtime's (default: on the CPU "
                         "the cores the workers leave, at least 1; on CUDA torch's)")
     parser.add_argument("--device", default="auto", help="auto (this rank's GPU, else cpu), cpu, cuda, cuda:N")
@@ -324,6 +341,16 @@ def report(args: argparse.Namespace, records: list[Record], items: list[Item], l
         log.info("%s", line)
 
 
+class NothingScored(Exception):
+    """Every input failed: the records are written, but a run that scored nothing exits 1 (a script that checks
+    the exit code would take a folder of the wrong files, or a model that answers NaN, as done)."""
+
+    def __init__(self, records: list[Record], out: Path) -> None:
+        first = records[0]
+        super().__init__(f"none of the {len(records)} inputs could be scored: each has its reason in {out} (the "
+                         f"first, {first['path']}: {first['error']})")
+
+
 @dataclass
 class Seen:
     """What a run knew when it stopped: the number of inputs (None before they were listed), the length of the
@@ -340,7 +367,8 @@ def run(args: argparse.Namespace, env: DistEnv, seen: Seen | None = None) -> Non
     items = list_inputs(args.data)  # --data, --out and --labels before the model loads: a mistake costs no load
     seen.inputs = len(items)
     check_out(args.out)
-    output_format(args.out)
+    if output_format(args.out) == "parquet":
+        check_parquet_names((item.path for item in items), args.out)
     dim = seen.embedding_dim = embedding_dim(args, weights, items) if args.embeddings is not None else None
     labels = Labels(args.labels) if args.labels is not None else None
     if labels is not None:
@@ -376,6 +404,8 @@ def run(args: argparse.Namespace, env: DistEnv, seen: Seen | None = None) -> Non
         records = write_merged(args.out, work.fmt, records)
         failed = sum(1 for r in records if r.get("error"))
         log.info("wrote %s: %d lines, %d of them unreadable files", args.out, len(records), failed)
+        if failed == len(records) and failed:
+            raise NothingScored(records, args.out)
         if args.labels is not None:
             report(args, records, work.items, loaded)
 
@@ -425,6 +455,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (DataError, ModelLoadError) as exc:
         log.error("error: %s", exc)
         return 2
+    except NothingScored as exc:
+        log.error("error: %s", exc)
+        return 1
     except KeyboardInterrupt:  # one line with what is written and the command that goes on, not a traceback
         if env.is_main:
             log.warning("%s", stopped(args, list(sys.argv[1:] if argv is None else argv), env, seen))

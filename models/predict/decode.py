@@ -9,6 +9,8 @@ server's own (models/image_decode.py, in the serving contract).
 """
 from __future__ import annotations
 
+import os
+import stat
 from typing import Any, Sequence
 
 import torch
@@ -29,6 +31,32 @@ from models.presets import EvalPreset, TensorEvalTransform, eval_transform, pil_
 PATHS = ("pil", "tensor", "device")
 
 
+class NotARegularFile(Exception):
+    """An input that is no regular file: its record's reason."""
+
+
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def read_regular_file(file: str) -> bytes:
+    """The bytes of ``file``; NotARegularFile when it is a pipe, device, socket or folder. Opened without blocking
+    and checked on the open descriptor (fstat): a plain open of a named pipe waits for a writer, and a check before
+    the open could be of another file than the one read."""
+    descriptor = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        mode = os.fstat(descriptor).st_mode
+    except OSError:
+        os.close(descriptor)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(descriptor)
+        kind = next((name for test, name in _KINDS if test(mode)), "a special file")
+        raise NotARegularFile(f"cannot read the file: it is {kind}, not a regular file")
+    with os.fdopen(descriptor, "rb") as handle:
+        return handle.read()
+
+
 class ScoreSet(Dataset):
     """Items read by the DataLoader's workers: (position, payload or None, reason). The payload is the model's
     input (``pil``, ``tensor``), or for ``device`` a JPEG's bytes (1-D uint8) or another format's pixels (3-D)."""
@@ -44,10 +72,9 @@ class ScoreSet(Dataset):
 
     def __getitem__(self, index: int) -> tuple[int, torch.Tensor | None, str]:
         try:
-            with open(self.items[index].file, "rb") as handle:
-                data = handle.read()
+            data = read_regular_file(self.items[index].file)
             return index, self._payload(data), ""
-        except ImageRefused as exc:
+        except (ImageRefused, NotARegularFile) as exc:
             return index, None, str(exc)
         except OSError as exc:
             return index, None, f"cannot read the file: {exc.strerror or exc}"

@@ -71,6 +71,12 @@ def mistakes(records: Sequence[Record], truths: dict[str, str], limit: int) -> l
     return sorted(wrong, key=lambda r: -r["scores"][0])[:limit]
 
 
+def readable(text: str) -> str:
+    """``text`` as a page or a picture can show it: a file name that is not UTF-8 (os.walk's surrogate escapes,
+    which UTF-8 cannot encode) with U+FFFD for its bytes that are not."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
 def _thumbnail(file: str) -> str:
     """A small JPEG of the file as a data: URL (the page stands alone), or "" when it cannot be read."""
     try:
@@ -106,9 +112,10 @@ def mistakes_page(wrong: Sequence[Record], truths: dict[str, str], files: dict[s
         source = _thumbnail(files.get(r["path"], r["path"]))
         picture = f'<img src="{source}" alt="">' if source else "<div class=none>no preview</div>"
         others = ", ".join(f"{html.escape(label)} {score:.3f}" for label, score in zip(r["labels"][1:3], r["scores"][1:3]))
+        path = readable(r["path"])
         cards.append(f'<figure>{picture}<figcaption><b>{html.escape(r["labels"][0])}</b> {r["scores"][0]:.3f}'
                      f'<br>true: {html.escape(truths[r["path"]])}<br><small>{others}</small>'
-                     f'<br><small title="{html.escape(r["path"])}">{html.escape(Path(r["path"]).name)}</small>'
+                     f'<br><small title="{html.escape(path)}">{html.escape(Path(path).name)}</small>'
                      "</figcaption></figure>")
     style = ("body{font-family:sans-serif;margin:1em}figure{display:inline-block;width:170px;margin:6px;"
              "vertical-align:top}img{max-width:160px;max-height:160px}figcaption{font-size:13px}"
@@ -127,6 +134,7 @@ def write_report(report: dict[str, Any], wrong: Sequence[Record], truths: dict[s
     from models.plot import plot_confusion
 
     folder.mkdir(parents=True, exist_ok=True)
+    title = readable(title)  # it names --data, whose name may not be UTF-8
     metrics = {key: report[key] for key in ("count", "acc1", "acc5", "unreadable", "unlabelled")}
     (folder / METRICS_NAME).write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
     confusion_path, table = write_confusion({k: report[k] for k in ("classes", "matrix", "per_class")}, folder)

@@ -3,7 +3,9 @@ share of them, and, to evaluate, each file's true class (its folder under DIR/<c
 from __future__ import annotations
 
 import csv
+import io
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -21,22 +23,43 @@ class Item:
 
 
 def scan_folder(root: Path) -> list[Item]:
-    """Every file under ``root`` in sorted order (hidden files and folders left out): the same order every run."""
+    """Every regular file under ``root`` in sorted order (hidden files and folders left out): the same order every
+    run. A named pipe, socket or device is left out: reading a pipe waits for a writer that never comes, and the run
+    with it. A link that leads nowhere stays, so its record says why it cannot be read."""
     items = []
     for folder, dirs, files in os.walk(root):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in sorted(files):
             if not name.startswith("."):
                 path = os.path.join(folder, name)
-                items.append(Item(path, path))
+                if _regular_or_unreadable(path):
+                    items.append(Item(path, path))
     return items
+
+
+def _regular_or_unreadable(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return True
+
+
+def utf8_text(path: Path, option: str) -> str:
+    """``path``'s text; DataError naming the file and the line when it is not UTF-8 (a traceback before)."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise DataError(f"{option} {path}: line {line} is not UTF-8 text (byte 0x{data[exc.start]:02x}): save it as "
+                        "UTF-8") from None
 
 
 def read_list(list_file: Path) -> list[Item]:
     """The files a list names, one per line (blank lines and ``#`` comments skipped); a relative path is relative
-    to the list's folder."""
+    to the list's folder. A list must be UTF-8 (DataError naming the line that is not)."""
     items = []
-    for line in list_file.read_text(encoding="utf-8").splitlines():
+    for line in utf8_text(list_file, "--data").splitlines():
         name = line.strip()
         if name and not name.startswith("#"):
             items.append(Item(name, name if os.path.isabs(name) else os.path.join(list_file.parent, name)))
@@ -80,7 +103,7 @@ class Labels:
         if not source.is_file():
             raise DataError(f"--labels {source} is neither a DIR/<class>/ folder nor a CSV of path,label")
         table = {}
-        with source.open(newline="", encoding="utf-8") as handle:
+        with io.StringIO(utf8_text(source, "--labels"), newline="") as handle:
             for row in csv.reader(handle):
                 if len(row) < 2 or row[:2] == ["path", "label"]:
                     continue

@@ -30,7 +30,7 @@ import numpy as np
 from models.run.args import DataError
 
 Record = dict[str, Any]
-FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet"}
+FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".parquet": "parquet"}  # .json is one document
 EMBEDDINGS_SUFFIX = ".npy"
 NAMES_SUFFIX = ".names.txt"  # the names beside an embeddings file: runs/photos.npy's are runs/photos.names.txt
 EMBEDDING_ROW = "embedding_row"  # a part record's row in its rank's embeddings part (never in OUT)
@@ -44,7 +44,9 @@ def output_format(out: Path) -> str:
     """jsonl, csv or parquet from ``--out``'s extension; DataError for another, or for Parquet without pyarrow."""
     fmt = FORMATS.get(out.suffix.lower())
     if fmt is None:
-        raise DataError(f"--out {out}: write .jsonl, .csv or .parquet")
+        hint = (": a .json file is one JSON document, and this tool writes JSON Lines, one record a line"
+                if out.suffix.lower() == ".json" else "")
+        raise DataError(f"--out {out}: write .jsonl, .csv or .parquet (JSON Lines also as .ndjson){hint}")
     if fmt == "parquet":
         try:
             import pyarrow  # noqa: F401
@@ -52,6 +54,30 @@ def output_format(out: Path) -> str:
             raise DataError("writing .parquet needs pyarrow, which is not installed: `pip install pyarrow`, "
                             "or write .jsonl or .csv") from None
     return fmt
+
+
+def json_line(record: Record) -> str:
+    """One record as a line of JSON: UTF-8 as it reads, but for a path that is not UTF-8 (os.walk gives its bytes as
+    surrogate escapes, which UTF-8 cannot encode): its record in ASCII escapes (\\udcff), which json reads back to
+    the same path, so the file is written, the others scored, and a rerun still skips it."""
+    line = json.dumps(record, ensure_ascii=False)
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        line = json.dumps(record)
+    return line + "\n"
+
+
+def check_parquet_names(paths: Iterable[str], out: Path) -> None:
+    """DataError (before the model loads) naming the first path Parquet cannot hold: its strings are UTF-8, and a
+    file name that is not (os.walk's surrogate escapes) has no lossless form there, as it has in .jsonl and .csv."""
+    for path in paths:
+        try:
+            path.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+            raise DataError(f"--out {out}: the input {shown} has a name that is not UTF-8, which Parquet cannot "
+                            "hold: write .jsonl or .csv (they keep it), or rename the file") from None
 
 
 def parts_dir(out: Path) -> Path:
@@ -108,7 +134,7 @@ def _read_jsonl(path: Path) -> Iterator[Record]:
 
 
 def _read_csv(path: Path) -> Iterator[Record]:
-    with path.open(newline="", encoding="utf-8") as handle:
+    with path.open(newline="", encoding="utf-8", errors="surrogateescape") as handle:  # as _write_csv wrote names
         for row in csv.DictReader(handle):
             yield _from_flat(row)
 
@@ -166,7 +192,7 @@ def stored_embeddings(out: Path, embeddings: Path, dim: int) -> dict[str, Stored
     stored: dict[str, StoredRow] = {}
     names = names_file(embeddings)
     if names.is_file():
-        listed = names.read_text(encoding="utf-8").splitlines()
+        listed = names.read_text(encoding="utf-8", errors="surrogateescape").splitlines()
         if npy_shape(embeddings) == (len(listed), dim):
             stored.update((name, StoredRow(embeddings, row)) for row, name in enumerate(listed))
     for part in sorted(parts_dir(out).glob("rank-*.jsonl")):
@@ -205,7 +231,7 @@ class PartWriter:
                 for record, _ in present:
                     record |= {EMBEDDING_ROW: self.next_row, EMBEDDING_DIM: self.dim}
                     self.next_row += 1
-        self.handle.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        self.handle.write("".join(json_line(r) for r in records))
         self.handle.flush()
 
     def close(self) -> None:
@@ -246,7 +272,8 @@ def write_embeddings(records: Sequence[Record], out: Path, embeddings: Path, dim
     matrix.flush()
     del matrix, sources
     names_temporary = temporary.with_name(temporary.name + NAMES_SUFFIX)
-    names_temporary.write_text("".join(name + "\n" for name in names), encoding="utf-8")
+    # a name that is not UTF-8 as its own bytes, as the file system has it (read back the same by stored_embeddings)
+    names_temporary.write_text("".join(name + "\n" for name in names), encoding="utf-8", errors="surrogateescape")
     os.replace(temporary, embeddings)
     os.replace(names_temporary, names_file(embeddings))
     return len(names)
@@ -278,7 +305,7 @@ def merge(out: Path, fmt: str, order: dict[str, int]) -> list[Record]:
 
 def _write_jsonl(records: list[Record], path: Path) -> None:
     with path.open("w", encoding="utf-8") as handle:
-        handle.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        handle.writelines(json_line(r) for r in records)
 
 
 def _top_k(records: list[Record]) -> int:
@@ -312,7 +339,9 @@ def _from_flat(row: dict[str, Any]) -> Record:
 
 def _write_csv(records: list[Record], path: Path) -> None:
     k = _top_k(records)
-    with path.open("w", newline="", encoding="utf-8") as handle:
+    # a path that is not UTF-8 is written as its own bytes, as the file system has it (a surrogate escape cannot be
+    # encoded): lossless, as ls shows it, and _read_csv reads it back to the same path
+    with path.open("w", newline="", encoding="utf-8", errors="surrogateescape") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(_flat({"path": ""}, k)))
         writer.writeheader()
         writer.writerows({key: ("" if value is None else repr(value) if isinstance(value, float) else value)

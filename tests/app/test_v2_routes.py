@@ -87,7 +87,8 @@ def test_binary_pixels_in_and_binary_classification_out(client: FlaskClient) -> 
     ({"inputs": [{"name": "images", "datatype": "BYTES", "shape": [1], "data": ["%%%"]}]}, "not valid base64"),
     ({"inputs": [{"name": "images", "datatype": "BYTES", "shape": [1], "data": ["aGk="]}]}, "not an image"),
     ({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 3, 4, 4], "data": [0.0] * 48}]}, "shape"),
-    ({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 3, 8, 8], "data": ["NaN"] * 192}]}, "NaN"),
+    ({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 3, 8, 8], "data": [float("nan")] * 192}]},
+     "NaN"),
     ({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1], "data": ["x"]}]}, "not FP32"),
     ({"inputs": [{"name": "tensor", "datatype": "INT8", "shape": [1], "data": [1]}]}, "unknown input"),
     ({"inputs": [{"name": "images", "datatype": "STRING", "shape": [1], "data": [1]}]}, "not supported"),
@@ -172,3 +173,115 @@ def test_v2_and_predict_requests_join_the_same_batches(client: FlaskClient, mode
     assert [a.status_code for a in answers] == [200, 200, 200]
     assert model.batch_sizes == [1, 2]
     assert answers[1].headers["X-Batch-Size"] == answers[2].headers["X-Batch-Size"] == "2"
+
+
+def _binary_answer(answer) -> tuple[dict[str, Any], bytes]:  # noqa: ANN001
+    assert answer.status_code == 200, answer.get_data(as_text=True)
+    size = int(answer.headers["Inference-Header-Content-Length"])
+    return json.loads(answer.data[:size]), answer.data[size:]
+
+
+def test_one_output_asked_twice_comes_back_as_each_entry_asked(client: FlaskClient) -> None:
+    # Before: binary was decided per output name, so the entry that asked for JSON came back binary too.
+    body = {"inputs": [_bytes_input(image_bytes(RED))],
+            "outputs": [{"name": "probabilities"},
+                        {"name": "probabilities", "parameters": {"classification": 1, "binary_data": True}}]}
+    meta, blob = _binary_answer(client.post(INFER, json=body))
+    as_json, as_binary = meta["outputs"]
+    assert as_json["datatype"] == "FP32" and "parameters" not in as_json
+    assert np.argmax(as_json["data"]) == 0 and len(as_json["data"]) == 4  # red, in the JSON
+    assert as_binary["datatype"] == "BYTES" and "data" not in as_binary
+    assert as_binary["parameters"]["binary_data_size"] == len(blob)
+    (length,) = struct.unpack_from("<I", blob)
+    assert blob[4:4 + length].decode().endswith(":0:red")
+    # and the other way round: the request asks for binary, one entry for JSON
+    body["parameters"] = {"binary_data_output": True}
+    body["outputs"] = [{"name": "probabilities", "parameters": {"binary_data": False}}, {"name": "probabilities"}]
+    meta, blob = _binary_answer(client.post(INFER, json=body))
+    first, second = meta["outputs"]
+    assert len(first["data"]) == 4 and second["parameters"]["binary_data_size"] == len(blob) == 16
+
+
+@pytest.mark.parametrize("where, value", [
+    ("output", "false"), ("output", "true"), ("output", 0), ("output", 1), ("output", [True]),
+    ("request", "false"), ("request", 1),
+])
+def test_binary_flags_must_be_json_booleans(client: FlaskClient, where: str, value: Any) -> None:
+    # Before: bool(params.get("binary_data")) read the string "false" as true, and the client that asked for JSON
+    # got binary it could not read.
+    if where == "output":
+        body = {"inputs": [_PIXELS], "outputs": [{"name": "probabilities", "parameters": {"binary_data": value}}]}
+        expected = f"output 'probabilities': parameters.binary_data must be true or false, got {value!r}"
+    else:
+        body = {"inputs": [_PIXELS], "parameters": {"binary_data_output": value}}
+        expected = f"the request: parameters.binary_data_output must be true or false, got {value!r}"
+    assert _v2_error(client.post(INFER, json=body), 400) == expected
+
+
+def test_binary_flags_as_booleans_and_null_are_honoured(client: FlaskClient) -> None:
+    off = {"inputs": [_PIXELS], "outputs": [{"name": "probabilities", "parameters": {"binary_data": False}}]}
+    answer = client.post(INFER, json=off)
+    assert answer.status_code == 200 and answer.mimetype == "application/json"
+    assert "Inference-Header-Content-Length" not in answer.headers
+    on = {"inputs": [_PIXELS], "parameters": {"binary_data_output": True},
+          "outputs": [{"name": "probabilities", "parameters": {"binary_data": None}}]}  # null: the request's
+    meta, blob = _binary_answer(client.post(INFER, json=on))
+    assert meta["outputs"][0]["parameters"]["binary_data_size"] == len(blob) == 16
+
+
+@pytest.mark.parametrize("request_id", [{"a": 1}, True, 7, 1.5, ["r1"]])
+def test_a_request_id_that_is_not_a_string_is_400(client: FlaskClient, request_id: Any) -> None:
+    # Before: it was echoed as Python's text of it: "{'a': 1}", "True".
+    message = _v2_error(client.post(INFER, json={"id": request_id, "inputs": [_PIXELS]}), 400)
+    assert message.startswith("the request's 'id' must be a string, got ")
+    for given in ({"id": "r-7", "inputs": [_PIXELS]}, {"id": None, "inputs": [_PIXELS]}):
+        answer = client.post(INFER, json=given)
+        assert answer.status_code == 200 and answer.get_json().get("id") == given["id"]
+
+
+@pytest.mark.parametrize("data, datatype", [
+    ([True] * 192, "FP32"), (["0.5"] * 192, "FP32"), ([0.0] * 191 + ["1"], "FP32"), ([0.0] * 191 + [None], "FP32"),
+    ([1] * 192, "BOOL"),
+])
+def test_tensor_data_of_another_json_kind_is_400(client: FlaskClient, data: list, datatype: str) -> None:
+    # Before: numpy took true as 1.0 and "0.5" as 0.5, and answered 200 on pixels the client never sent.
+    body = {"inputs": [{**_PIXELS, "datatype": datatype, "data": data}]}
+    kind = "JSON booleans" if datatype == "BOOL" else "JSON numbers"
+    assert (f"input 'pixels': 'data' holds values that are not {datatype} ({kind})"
+            in _v2_error(client.post(INFER, json=body), 400))
+
+
+def test_nested_tensor_data_is_flattened_as_triton_does(client: FlaskClient) -> None:
+    nested = {"inputs": [{**_PIXELS, "data": [[[[0.0] * 8] * 8] * 3]}]}  # [1, 3, 8, 8] as nested lists
+    assert client.post(INFER, json=nested).status_code == 200
+    ints = {"inputs": [{**_PIXELS, "data": [0] * 192}]}  # JSON integers are numbers too
+    assert client.post(INFER, json=ints).status_code == 200
+
+
+@pytest.mark.parametrize("params", [[], 0, "", False])
+@pytest.mark.parametrize("where", ["request", "input", "output"])
+def test_falsy_parameters_that_are_not_an_object_are_400(client: FlaskClient, where: str, params: Any) -> None:
+    # Before: `raw.get("parameters") or {}` took [], 0 and "" as no parameters.
+    body: dict[str, Any] = {"inputs": [dict(_PIXELS)], "outputs": [{"name": "probabilities"}]}
+    {"request": body, "input": body["inputs"][0], "output": body["outputs"][0]}[where]["parameters"] = params
+    named = {"request": "the request", "input": "input 'pixels'", "output": "output 'probabilities'"}[where]
+    assert _v2_error(client.post(INFER, json=body), 400) == f"{named}: 'parameters' must be an object"
+    for target in (body, body["inputs"][0], body["outputs"][0]):
+        target["parameters"] = None  # null, as absent: none
+    assert client.post(INFER, json=body).status_code == 200
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "br"])
+def test_a_compressed_body_is_400_saying_compression_is_not_supported(client: FlaskClient, encoding: str) -> None:
+    import gzip
+    import zlib
+
+    raw = json.dumps({"inputs": [_PIXELS]}).encode()
+    packed = {"gzip": gzip.compress, "deflate": zlib.compress}.get(encoding, lambda data: data)(raw)
+    answer = client.post(INFER, data=packed, content_type="application/json",
+                         headers={"Content-Encoding": encoding})
+    message = _v2_error(answer, 400)
+    assert message.startswith(f"Content-Encoding {encoding!r} is not supported: this server does not take "
+                              "compressed request bodies")
+    plain = client.post(INFER, data=raw, content_type="application/json", headers={"Content-Encoding": "identity"})
+    assert plain.status_code == 200, plain.get_data(as_text=True)  # identity: no encoding at all

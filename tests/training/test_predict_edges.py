@@ -1,0 +1,265 @@
+"""python -m models.predict on the inputs and options a batch scorer meets at its edges: file names that are not
+UTF-8, lists and label tables that are not, named pipes in a folder or a list, numbers out of range, an --out it
+does not write, the --help examples as printed, and a run in which every input failed."""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shlex
+import shutil
+import sys
+import threading
+import types
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from harness.photos import jpeg, photo
+from models.predict import __main__ as predict
+from models.predict.__main__ import main
+from models.predict.outputs import check_parquet_names, names_file
+from tests.support.answers import predict_error
+from tests.support.fakes import export_tiny
+
+BAD_NAME = b"bad-\xff-name.jpg"  # a Latin-1 name on a UTF-8 system: os.walk gives it as "bad-\udcff-name.jpg"
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """export_tiny's classes a, b, c (an untrained head: every photo's top-1 is a)."""
+    return export_tiny(tmp_path_factory.mktemp("tiny") / "export")
+
+
+@pytest.fixture(scope="module")
+def picture() -> bytes:
+    return jpeg(photo("astronaut"), size=(64, 48))
+
+
+@pytest.fixture
+def no_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model may not load: what the test refuses must be refused before."""
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was loaded before the mistake was named")
+
+    monkeypatch.setattr(predict, "load_model", refuse)
+
+
+def _run(weights: Path, data: Path, out: Path, *more: str) -> int:
+    return main(["--weights", str(weights), "--data", str(data), "--out", str(out), "--workers", "0", *more])
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def _with_bad_name(folder: Path, picture: bytes) -> str:
+    """``folder`` holding ok.jpg and a photo whose name is not UTF-8; returns that one's path as os.walk gives it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "ok.jpg").write_bytes(picture)
+    bad = os.path.join(os.fsencode(folder), BAD_NAME)
+    with open(bad, "wb") as handle:
+        handle.write(picture)
+    return os.fsdecode(bad)
+
+
+def test_a_file_name_that_is_not_utf8_is_scored_and_written_losslessly(weights: Path, picture: bytes, tmp_path: Path,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    # Before: UnicodeEncodeError writing its record: the batch was lost, and every rerun failed the same way.
+    data = tmp_path / "photos"
+    bad = _with_bad_name(data, picture)
+    out, embeddings = tmp_path / "scores.jsonl", tmp_path / "photos.npy"
+    assert _run(weights, data, out, "--embeddings", str(embeddings)) == 0
+    records = _lines(out)  # the file is UTF-8 (the name in a JSON escape), and reads back to the same path
+    assert [r["path"] for r in records] == [bad, str(data / "ok.jpg")]
+    assert "\\udcff" in out.read_text(encoding="ascii") and all("error" not in r for r in records)
+    assert open(records[0]["path"], "rb").read() == picture  # the name written opens the file scored
+    listed = names_file(embeddings).read_bytes().splitlines()  # the names file: the name's own bytes
+    assert listed == [os.fsencode(bad), os.fsencode(data / "ok.jpg")]
+    csv_out = tmp_path / "scores.csv"
+    assert _run(weights, data, csv_out) == 0
+    assert os.path.join(os.fsencode(data), BAD_NAME) in csv_out.read_bytes()  # as the file system has it
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="models.predict"):  # reruns read them back: nothing left to score
+        assert _run(weights, data, out, "--embeddings", str(embeddings)) == 0
+        assert _run(weights, data, csv_out) == 0
+    said = [r.getMessage() for r in caplog.records if "inputs (" in r.getMessage()]
+    assert len(said) == 2 and all("on 0 of 2 inputs (2 written before)" in line for line in said), said
+
+
+def test_a_mistake_whose_name_is_not_utf8_is_shown_on_the_page(weights: Path, picture: bytes, tmp_path: Path) -> None:
+    data = tmp_path / "labelled"
+    (data / "a").mkdir(parents=True)
+    (data / "a" / "right.jpg").write_bytes(picture)
+    _with_bad_name(data / "b", picture)  # true class b, answered a: two mistakes, one named in Latin-1
+    assert _run(weights, data, tmp_path / "eval.jsonl", "--labels", str(data)) == 0
+    page = (tmp_path / "eval-report" / "mistakes.html").read_text(encoding="utf-8")
+    assert "bad-\ufffd-name.jpg" in page and page.count("<figure>") == 2
+
+
+def test_parquet_refuses_a_name_that_is_not_utf8_before_the_model_loads(weights: Path, picture: bytes,
+                                                                       tmp_path: Path, no_load: None,
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    # Parquet's strings are UTF-8: no lossless form for such a name, so the run stops before it loads anything.
+    data = tmp_path / "photos"
+    _with_bad_name(data, picture)
+    monkeypatch.setitem(sys.modules, "pyarrow", types.ModuleType("pyarrow"))  # as if installed: the check after it
+    out = tmp_path / "scores.parquet"
+    line = predict_error(["--weights", str(weights), "--data", str(data), "--out", str(out)], caplog)
+    assert line == (f"error: --out {out}: the input {data}/bad-\\xff-name.jpg has a name that is not UTF-8, which "
+                    "Parquet cannot hold: write .jsonl or .csv (they keep it), or rename the file")
+    check_parquet_names([str(data / "ok.jpg")], out)  # UTF-8 names pass
+
+
+def test_a_list_or_a_labels_csv_that_is_not_utf8_is_one_line_naming_its_line(weights: Path, picture: bytes,
+                                                                              tmp_path: Path, no_load: None,
+                                                                              caplog: pytest.LogCaptureFixture) -> None:
+    # Before: a UnicodeDecodeError traceback, exit 1.
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "one.jpg").write_bytes(picture)
+    listed = tmp_path / "list.txt"
+    listed.write_bytes(b"a/one.jpg\n# caf\xe9, in Latin-1\n")
+    out = str(tmp_path / "s.jsonl")
+    assert predict_error(["--weights", str(weights), "--data", str(listed), "--out", out], caplog) == (
+        f"error: --data {listed}: line 2 is not UTF-8 text (byte 0xe9): save it as UTF-8")
+    table = tmp_path / "labels.csv"
+    table.write_bytes(b"path,label\na/one.jpg,a\na/caf\xe9.jpg,a\n")
+    assert predict_error(["--weights", str(weights), "--data", str(tmp_path / "a"), "--out", out,
+                          "--labels", str(table)], caplog) == (
+        f"error: --labels {table}: line 3 is not UTF-8 text (byte 0xe9): save it as UTF-8")
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--top-k", "-1", "argument --top-k: must be at least 1, got -1"),
+    ("--top-k", "0", "argument --top-k: must be at least 1, got 0"),
+    ("--workers", "-1", "argument --workers: must be at least 0, got -1"),
+    ("--batch-size", "-1", "argument --batch-size: must be at least 0, got -1"),
+    ("--mistakes", "-1", "argument --mistakes: must be at least 0, got -1"),
+    ("--threads", "-2", "argument --threads: must be at least 0, got -2"),
+    ("--top-k", "two", "argument --top-k: 'two' is not a whole number"),
+])
+def test_numbers_out_of_range_stop_the_command_before_the_model_loads(weights: Path, tmp_path: Path, no_load: None,
+                                                                      capsys: pytest.CaptureFixture[str],
+                                                                      option: str, value: str, message: str) -> None:
+    # Before: --top-k -1, --workers -1 and --top-k 0 with --labels crashed after the model loaded; --batch-size -1
+    # scored nothing and exited 0.
+    with pytest.raises(SystemExit) as stopped:
+        main(["--weights", str(weights), "--data", str(tmp_path), "--out", str(tmp_path / "s.jsonl"), option, value])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"python -m models.predict: error: {message}"
+
+
+def test_the_bounds_themselves_are_taken() -> None:
+    args = predict.get_args_parser().parse_args(["--weights", "w", "--data", "d", "--out", "o.jsonl", "--top-k", "1",
+                                                 "--workers", "0", "--batch-size", "0", "--mistakes", "0"])
+    assert (args.top_k, args.workers, args.batch_size, args.mistakes) == (1, 0, 0, 0)
+
+
+def _training_layout(root: Path, picture: bytes) -> Path:
+    """data/mine as training lays it out: train/ and val/, each of <class>/ folders."""
+    for split in ("train", "val"):
+        for label in ("a", "b"):
+            (root / split / label).mkdir(parents=True)
+            (root / split / label / "one.jpg").write_bytes(picture)
+    return root
+
+
+def test_the_help_examples_run_as_printed(weights: Path, picture: bytes, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: the evaluation example said --data data/mine --labels data/mine, which the tool itself refuses on the
+    # layout docs/training.md gives data/mine (train/ and val/).
+    (tmp_path / "runs" / "mine").mkdir(parents=True)
+    shutil.copytree(weights, tmp_path / "runs" / "mine" / "export")
+    shutil.copytree(weights, tmp_path / "weights")
+    _training_layout(tmp_path / "data" / "mine", picture)
+    shutil.copytree(tmp_path / "data" / "mine" / "val", tmp_path / "photos")
+    export_tiny(tmp_path / "repository" / "mine" / "2", version="2")
+    (tmp_path / "list.txt").write_text("photos/a/one.jpg\n")
+    monkeypatch.chdir(tmp_path)
+    examples = [shlex.split(line.split("#", 1)[0]) for line in predict.__doc__.splitlines()
+                if line.strip().startswith("python -m models.predict")]
+    assert len(examples) == 4
+    for words in examples:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="models.predict"):
+            assert main([*words[3:], "--workers", "0"]) == 0, (words, caplog.text)
+        if "--labels" in words:
+            assert "evaluated 2 images: top-1" in caplog.text  # val/a and val/b, not train/
+
+
+@contextlib.contextmanager
+def _unblocked(fifo: Path) -> Iterator[None]:
+    """While open, whoever opens ``fifo`` to read finds a writer that leaves at once: a regression then reads an
+    empty file instead of waiting forever for one, and its test fails rather than hangs."""
+    done = threading.Event()
+
+    def writer() -> None:
+        while not done.wait(0.05):
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # ENXIO while nobody reads
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def test_a_named_pipe_is_left_out_of_a_folder_and_is_an_error_record_in_a_list(weights: Path, picture: bytes,
+                                                                               tmp_path: Path) -> None:
+    # Before: the run waited forever to read the pipe.
+    data = tmp_path / "photos"
+    data.mkdir()
+    (data / "a.jpg").write_bytes(picture)
+    os.mkfifo(data / "pipe")
+    os.symlink(data / "gone.jpg", data / "link.jpg")  # leads nowhere: kept, its record says why
+    listed = tmp_path / "list.txt"
+    listed.write_text("photos/a.jpg\nphotos/pipe\nphotos\n")
+    with _unblocked(data / "pipe"):
+        assert _run(weights, data, tmp_path / "folder.jsonl") == 0
+        assert _run(weights, listed, tmp_path / "list.jsonl") == 0
+    folder = _lines(tmp_path / "folder.jsonl")
+    assert [Path(r["path"]).name for r in folder] == ["a.jpg", "link.jpg"]
+    assert folder[1]["error"] == "cannot read the file: No such file or directory"
+    by_path = {r["path"]: r for r in _lines(tmp_path / "list.jsonl")}
+    assert "labels" in by_path["photos/a.jpg"]
+    assert by_path["photos/pipe"]["error"] == "cannot read the file: it is a named pipe, not a regular file"
+    assert by_path["photos"]["error"] == "cannot read the file: it is a folder, not a regular file"
+
+
+@pytest.mark.parametrize("name", ["scores.json", "scores.txt"])
+def test_an_out_the_tool_does_not_write_is_refused_before_the_model_loads(weights: Path, tmp_path: Path, no_load: None,
+                                                                          caplog: pytest.LogCaptureFixture,
+                                                                          name: str) -> None:
+    # Before: --out x.json was written as JSON Lines, which a JSON reader cannot read.
+    out = tmp_path / name
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.jpg").write_bytes(b"")
+    line = predict_error(["--weights", str(weights), "--data", str(tmp_path / "data"), "--out", str(out)], caplog)
+    assert line.startswith(f"error: --out {out}: write .jsonl, .csv or .parquet (JSON Lines also as .ndjson)")
+    assert ("a .json file is one JSON document" in line) == name.endswith(".json") and not out.exists()
+
+
+def test_a_run_in_which_every_input_failed_exits_1_with_one_line(weights: Path, picture: bytes, tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    # Before: it exited 0, as if the folder had been scored.
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "notes.txt").write_text("not an image")
+    (data / "truncated.jpg").write_bytes(picture[:300])
+    out = tmp_path / "scores.jsonl"
+    with caplog.at_level(logging.INFO, logger="models.predict"):
+        assert _run(weights, data, out) == 1
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert line.startswith(f"error: none of the 2 inputs could be scored: each has its reason in {out} (the first, "
+                           f"{data / 'notes.txt'}: ") and "\n" not in line
+    assert [bool(r.get("error")) for r in _lines(out)] == [True, True]  # the reasons are written all the same
+    (data / "good.jpg").write_bytes(picture)
+    assert _run(weights, data, out) == 0  # one scored: a run that did its work
