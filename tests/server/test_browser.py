@@ -4,6 +4,7 @@ Needs chromium and chromium-driver (Debian packages; .ci/run installs them) and 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
@@ -17,7 +18,7 @@ from werkzeug.wrappers import Request, Response
 
 from app.config import Settings
 from harness.servers import Running
-from tests.support.fakes import export_tiny, served_over_http, several_models_app
+from tests.support.fakes import FakeRepository, export_tiny, served_over_http, several_models_app
 from tests.support.imaging import BLUE, GREEN, RED, encode, image_bytes
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
@@ -162,6 +163,8 @@ def test_the_demo_page_shows_each_photos_error(browser, fake_url: str, tmp_path:
     browser.find_element(By.CSS_SELECTOR, ".card button.why").click()
     WebDriverWait(browser, 30).until(lambda b: "422" in b.find_element(By.CSS_SELECTOR, ".card .explanation").text)
     assert "no_gradients" in browser.find_element(By.CSS_SELECTOR, ".card .explanation").text
+    # the button, disabled while it waited, has the focus again to ask once more
+    assert browser.execute_script("return document.activeElement.className") == "why"
 
 
 @pytest.mark.parametrize("secret", ["s3cret", "clé-密钥"])
@@ -390,3 +393,268 @@ def test_the_demo_page_shows_the_live_and_the_shadow_answers_side_by_side(
     cards = _pick(browser, None, photos[0])
     assert cards[4].splitlines()[1] == top1[0][1] and "mine version 2 · " in cards[4] and "Live" not in cards[4]
     assert browser.find_element(By.ID, "rollout").is_displayed()  # the comparison stays in view
+
+
+class Scripted:
+    """A WSGI app in front of ``app``: ``answer(path, status, ...)`` queues a canned answer for a next request to
+    ``path`` (taken in order; the app answers the others); ``seen`` holds each request's path and query."""
+
+    def __init__(self, app: Callable) -> None:
+        self.app = app
+        self.queued: dict[str, list[Response]] = {}
+        self.seen: list[tuple[str, dict[str, str]]] = []
+
+    def answer(self, path: str, status: int, body: bytes | dict, headers: dict[str, str] | None = None) -> None:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        mimetype = "image/png" if isinstance(body, bytes) else "application/json"
+        self.queued.setdefault(path, []).append(Response(data, status, headers, mimetype=mimetype))
+
+    def sent(self, path: str) -> list[dict[str, str]]:
+        """The query of each request to ``path`` so far."""
+        return [query for seen, query in self.seen if seen == path]
+
+    def __call__(self, environ, start_response):  # noqa: ANN001, ANN204 - WSGI
+        request = Request(environ)
+        self.seen.append((request.path, request.args.to_dict()))
+        if self.queued.get(request.path):
+            request.get_data()  # the body read, as the app would
+            return self.queued[request.path].pop(0)(environ, start_response)
+        return self.app(environ, start_response)
+
+
+def _error(code: str, message: str) -> dict:
+    return {"error": {"code": code, "message": message}}
+
+
+@pytest.fixture
+def scripted(app: Flask) -> Iterator[tuple[Scripted, str]]:
+    """The fake colour model's app behind ``Scripted``, over real HTTP."""
+    front = Scripted(app)
+    with served_over_http(front) as url:
+        yield front, url
+
+
+@contextlib.contextmanager
+def _repository_app(settings: Settings, *versions: str,
+                    policy: str = "latest:1") -> Iterator[tuple[FakeRepository, Scripted, str]]:
+    """The app factory's app on a FakeRepository holding colour ``versions``, behind ``Scripted``, over real HTTP:
+    (repository, scripted, url)."""
+    from app import EXTENSION_KEY
+    from app.factory import create_app
+
+    repository = FakeRepository()
+    for version in versions:
+        repository.add("colour", version)
+    app = create_app(settings.model_copy(update={"version_policy": policy}), source=repository)  # type: ignore
+    try:
+        front = Scripted(app)
+        with served_over_http(front) as url:
+            yield repository, front, url
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def _served_versions(url: str) -> list[str]:
+    return [m["version"] for m in requests.get(url + "/v1/models", timeout=10).json()["models"]]
+
+
+def test_the_demo_page_follows_a_version_swap(browser, settings: Settings, tmp_path: Path) -> None:  # noqa: ANN001
+    # Before: the page named the default version it read at load (version=1) in every request: once version 2 was
+    # swapped in and 1 unloaded, every photo and "Why ...?" failed with 404 until a reload, and the model line named 1.
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    photo = tmp_path / "red.jpg"
+    photo.write_bytes(image_bytes(RED, size=(64, 48)))
+    with _repository_app(settings, "1") as (repository, front, url):
+        browser.get(url + "/")
+        assert _picked(browser) == ("colour", ["1"], "1")
+        (card,) = _pick(browser, None, photo)
+        assert "colour version 1 · " in card
+        repository.add("colour", "2")
+        assert requests.post(url + "/v2/repository/models/colour/load", timeout=30).status_code == 200
+        assert _served_versions(url) == ["2"]  # 1 unloaded
+        cards = _pick(browser, None, photo)
+        assert cards[1].splitlines()[1] == "red" and "colour version 2 · " in cards[1], cards[1]
+        line = browser.find_element(By.ID, "model")
+        WebDriverWait(browser, 30).until(lambda _: line.text.startswith("colour version 2 · "))
+        assert _picked(browser) == ("colour", ["2"], "2")
+        assert [query.get("version") for query in front.sent("/predict")] == [None, None]  # the default: none named
+        browser.find_elements(By.CSS_SELECTOR, ".card button.why")[0].click()  # the photo answered by version 1
+        WebDriverWait(browser, 30).until(lambda b: "422" in b.find_element(By.CSS_SELECTOR, ".card .explanation").text)
+        assert "no_gradients" in browser.find_element(By.CSS_SELECTOR, ".card .explanation").text  # not 404
+        assert front.sent("/explain")[0].get("version") is None
+
+
+def test_the_demo_page_reads_the_models_again_when_its_version_is_gone(browser, settings: Settings,  # noqa: ANN001
+                                                                      tmp_path: Path) -> None:
+    # A version picked that the server no longer serves: the 404 makes the page read the models again and send the
+    # photo once more, to what the picker says then (the default version).
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    photo = tmp_path / "red.jpg"
+    photo.write_bytes(image_bytes(RED, size=(64, 48)))
+    with _repository_app(settings, "1", "2", policy="all") as (repository, front, url):
+        browser.get(url + "/")
+        assert _picked(browser) == ("colour", ["1", "2"], "2")
+        Select(browser.find_element(By.ID, "version-pick")).select_by_value("1")
+        (card,) = _pick(browser, None, photo)
+        assert "colour version 1 · " in card
+        del repository.held["colour"]["1"]
+        assert requests.post(url + "/v2/repository/models/colour/load", timeout=30).status_code == 200
+        assert _served_versions(url) == ["2"]
+        cards = _pick(browser, None, photo)
+        assert cards[1].splitlines()[1] == "red" and "colour version 2 · " in cards[1], cards[1]
+        assert [query.get("version") for query in front.sent("/predict")] == ["1", "1", None]
+        assert _picked(browser) == ("colour", ["2"], "2")
+
+
+def _explained(browser) -> bool:  # noqa: ANN001
+    return browser.execute_script("const i = document.querySelector('.card img.overlay'); "
+                                  "return i !== null && i.complete && i.naturalWidth > 0")
+
+
+def _readable(browser, selector: str) -> bool:  # noqa: ANN001
+    """Whether the object URL of the image at ``selector`` can still be read (an URL not revoked)."""
+    return browser.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        "fetch(document.querySelector(arguments[0]).src).then(() => done(true), () => done(false));", selector)
+
+
+def test_why_gives_the_focus_to_the_overlay_and_frees_the_images(browser, scripted,  # noqa: ANN001
+                                                                  tmp_path: Path) -> None:
+    # Before: "Why ...?" removed the button that had the focus (it fell to <body>, the page's start for a keyboard
+    # or screen reader), the answers were no live region (nothing announced), and neither the photo's nor the
+    # overlay's object URL was ever revoked (each photo's bytes held until the tab closed).
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    front, url = scripted
+    photo = tmp_path / "red.jpg"
+    photo.write_bytes(image_bytes(RED, size=(64, 48)))
+    front.answer("/explain", 200, image_bytes(RED, "PNG", size=(32, 32)))
+    (card,) = _pick(browser, url, photo)
+    assert browser.execute_script("return document.querySelector('.card .body').closest('[aria-live=polite]') !== null")
+    button = browser.find_element(By.CSS_SELECTOR, ".card button.why")
+    browser.execute_script("arguments[0].focus()", button)
+    button.send_keys(Keys.ENTER)
+    WebDriverWait(browser, 30).until(_explained)
+    assert browser.execute_script("return document.activeElement.className") == "explanation"
+    assert browser.execute_script("return document.activeElement.closest('[aria-live=polite]') !== null")
+    assert not browser.find_elements(By.CSS_SELECTOR, ".card button.why")
+    WebDriverWait(browser, 10).until(lambda b: not _readable(b, ".card img:not(.overlay)"))
+    WebDriverWait(browser, 10).until(lambda b: not _readable(b, ".card img.overlay"))
+
+
+def _drop(browser, photo: Path, x: float, y: float) -> None:  # noqa: ANN001
+    """``photo`` dragged from outside the browser and dropped at (x, y) of the page."""
+    data = {"items": [], "files": [str(photo)], "dragOperationsMask": 1}
+    for kind in ("dragEnter", "dragOver", "drop"):
+        browser.execute_cdp_cmd("Input.dispatchDragEvent", {"type": kind, "x": x, "y": y, "data": data})
+
+
+def test_a_photo_dropped_beside_the_zone_is_classified(browser, fake_url: str, tmp_path: Path) -> None:  # noqa: ANN001
+    # Before: dropped just outside the dashed zone, the photo was opened in the tab: the page and its answers gone.
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    photo = tmp_path / "red.jpg"
+    photo.write_bytes(image_bytes(RED, size=(64, 48)))
+    (first,) = _pick(browser, fake_url, photo)
+    zone = browser.find_element(By.ID, "drop").rect
+    _drop(browser, photo, zone["x"] + zone["width"] / 2, zone["y"] + zone["height"] + 60)  # below it
+    WebDriverWait(browser, 30).until(lambda b: b.current_url != fake_url + "/" or _cards(b) == 2 and
+                                     "Classifying" not in b.find_element(By.ID, "results").text)
+    assert browser.current_url == fake_url + "/"
+    cards = [card.text for card in browser.find_elements(By.CSS_SELECTOR, ".card")]
+    assert cards[0] == first and cards[1].splitlines()[:2] == ["red.jpg", "red"], cards
+
+
+def test_the_demo_page_asks_for_the_key_wherever_a_401_comes_from(browser, scripted,  # noqa: ANN001
+                                                                  tmp_path: Path) -> None:
+    # Before: only /v1/models's and /predict's 401 showed the key box; /explain's said "401 unauthorized" alone.
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    front, url = scripted
+    photo = tmp_path / "red.jpg"
+    photo.write_bytes(image_bytes(RED, size=(64, 48)))
+    _pick(browser, url, photo)
+    assert not browser.find_element(By.ID, "key").is_displayed()
+    front.answer("/explain", 401, _error("unauthorized", "a valid API key is required"))
+    browser.find_element(By.CSS_SELECTOR, ".card button.why").click()
+    WebDriverWait(browser, 30).until(lambda b: b.find_element(By.ID, "key").is_displayed())
+    assert browser.find_element(By.ID, "notice").text == "This server needs an API key: enter it above, then ask again."
+    assert "401 unauthorized" in browser.find_element(By.CSS_SELECTOR, ".card .explanation").text
+
+
+def _dropped(browser, photo: Path) -> list[str]:  # noqa: ANN001
+    """Drop ``photo`` in the dashed zone (the focus stays where it is); every card's text once it is answered."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    expected, zone = _cards(browser) + 1, browser.find_element(By.ID, "drop").rect
+    _drop(browser, photo, zone["x"] + zone["width"] / 2, zone["y"] + zone["height"] / 2)
+    WebDriverWait(browser, 30).until(lambda b: _cards(b) == expected and
+                                     "Classifying" not in b.find_element(By.ID, "results").text)
+    return [card.text for card in browser.find_elements(By.CSS_SELECTOR, ".card")]
+
+
+def test_the_demo_page_says_a_key_was_refused_and_reads_the_models_with_the_key_typed(  # noqa: ANN001
+        browser, settings: Settings, predictor, tmp_path: Path) -> None:  # noqa: ANN001
+    # Before: a wrong key got the same "needs an API key" as none, and the models were read again only on the key
+    # box's change event, which a photo dropped before the box lost focus never brought: "loading…" for good.
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from app import EXTENSION_KEY
+    from app.factory import create_app
+
+    app = create_app(Settings.model_validate({**settings.model_dump(), "api_key": "s3cret"}), predictor)
+    try:
+        with served_over_http(app) as url:
+            photo = tmp_path / "red.jpg"
+            photo.write_bytes(image_bytes(RED, size=(64, 48)))
+            browser.get(url + "/")
+            key, notice = browser.find_element(By.ID, "key"), browser.find_element(By.ID, "notice")
+            WebDriverWait(browser, 30).until(lambda _: key.is_displayed())
+            assert notice.text == "This server needs an API key: enter it above."
+            key.send_keys("wrong")
+            (card,) = _dropped(browser, photo)
+            assert "401 unauthorized" in card
+            assert notice.text.startswith("The server refused this API key: check it and enter it again above"), \
+                notice.text
+            key.send_keys(Keys.BACKSPACE * 5 + "s3cret")  # and nothing else: the box keeps the focus
+            assert _picked(browser) == ("colour", ["test"], "test")  # the models, read with the key as typed
+            assert browser.execute_script("return document.activeElement.id") == "key"
+            cards = _dropped(browser, photo)
+            assert cards[1].splitlines()[1] == "red" and "colour version test · " in cards[1], cards
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def test_the_demo_page_waits_as_the_server_asks_then_sends_again(browser, scripted,  # noqa: ANN001
+                                                                 tmp_path: Path) -> None:
+    # Before: a 429 or 503 with Retry-After on /predict or /explain was shown and never sent again.
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    front, url = scripted
+    photo = tmp_path / "red.jpg"
+    photo.write_bytes(image_bytes(RED, size=(64, 48)))
+    front.answer("/predict", 429, _error("overloaded", "the queue is full"), {"Retry-After": "1"})
+    (card,) = _pick(browser, url, photo)
+    assert card.splitlines()[1] == "red" and len(front.sent("/predict")) == 2, card
+    front.answer("/explain", 503, _error("not_ready", "the model is still loading"), {"Retry-After": "1"})
+    front.answer("/explain", 200, image_bytes(RED, "PNG", size=(32, 32)))
+    browser.find_element(By.CSS_SELECTOR, ".card button.why").click()
+    WebDriverWait(browser, 30).until(_explained)
+    assert len(front.sent("/explain")) == 2
+    # a wait longer than the page waits: the error, and when to try again
+    front.answer("/predict", 429, _error("overloaded", "the queue is full"), {"Retry-After": "30"})
+    cards = _pick(browser, None, photo)
+    assert cards[1].endswith("429 overloaded: the queue is full · try again in 30 s"), cards[1]
+    assert len(front.sent("/predict")) == 3

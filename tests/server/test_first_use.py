@@ -25,9 +25,9 @@ def _make_serve(target: str = "serve", **env: str) -> str:
 def test_the_weights_dir_variable_wins_over_the_makefile_default() -> None:
     # Before: the Makefile passed its own WEIGHTS_DIR, so `VISIONSERVE_WEIGHTS_DIR=runs/x make serve` served ImageNet.
     commands = _make_serve(VISIONSERVE_WEIGHTS_DIR="runs/x/export")
-    assert "VISIONSERVE_WEIGHTS_DIR=runs/x/export " in commands
+    assert 'VISIONSERVE_WEIGHTS_DIR="runs/x/export" ' in commands
     assert "models.export" not in commands  # your directory is never filled with the packaged model
-    assert "VISIONSERVE_WEIGHTS_DIR=elsewhere " in _make_serve(WEIGHTS_DIR="elsewhere")
+    assert 'VISIONSERVE_WEIGHTS_DIR="elsewhere" ' in _make_serve(WEIGHTS_DIR="elsewhere")
 
 
 @pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's

@@ -3,7 +3,8 @@
 // While the model picked has a rollout candidate (canary or shadow) and no version is pinned, each photo goes to
 // the live version and to the candidate, the two answers side by side, with the server's running comparison.
 // Under an answer, "Why <label>?" asks POST /explain for the top class's Grad-CAM overlay and shows it beside the
-// scores.
+// scores. A photo names a version only when one other than the model's default is picked, so the page goes on working
+// when the server swaps in a new version; a version gone meanwhile (404) reads the models again and asks once more.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -14,6 +15,10 @@ let served = [];    // /v1/models's entries: one per loaded version
 let rollouts = [];  // /v1/models's rollouts: one per model with a rollout (none from a server without them)
 const RETRY_S = 2, RETRY_MAX_S = 30;  // asking /v1/models again: without a Retry-After, and at the latest
 let modelsRetry = null;  // the timer that asks /v1/models again, while the server cannot answer it
+let modelsReading = null;  // the read of /v1/models under way (readModels), which others asking then share
+const SEND_RETRY_MAX_S = 5;  // a photo or explanation is sent again after a 429 or 503 asking to wait this long or less
+const KEY_PAUSE_MS = 400;  // the models are read again once typing in the key box pauses this long
+let keyTimer = null;
 
 function headers() {
   // The key as its UTF-8 bytes, one character each: fetch sends a header's characters as bytes (and refuses one
@@ -34,9 +39,25 @@ function errorText(status, body) {
   return `${status}: ${typeof error === "string" ? error : "the server answered without a JSON error"}`;
 }
 
-function needKey(message) {
+function retryAfterS(response) {
+  // The response's Retry-After in whole seconds (delay-seconds or an HTTP date), or null without one.
+  const value = (response.headers.get("Retry-After") || "").trim();
+  if (/^\d+(\.\d+)?$/.test(value)) return Math.ceil(Number(value));
+  const when = value ? Date.parse(value) : Number.NaN;
+  return Number.isNaN(when) ? null : Math.max(0, Math.ceil((when - Date.now()) / 1000));
+}
+
+function failureText(result) {
+  // A request's error as the page shows it, with when to try again when the server said so.
+  const { response, error } = result, wait = retryAfterS(response);
+  return errorText(response.status, error) + (wait ? ` · try again in ${wait} s` : "");
+}
+
+function needKey(keySent, then) {
+  // The key box, and why: the server refused the key sent, or none was sent. ``then``: what to do once it is in.
   keySection.hidden = false;
-  notice.textContent = message;
+  notice.textContent = keySent ? `The server refused this API key: check it and enter it again above${then}.`
+                               : `This server needs an API key: enter it above${then}.`;
   keyInput.focus();
 }
 
@@ -104,11 +125,21 @@ function versionOptions(name) {
   return [...both, ...served.filter((m) => m.name === name).map(option)];
 }
 
-function fillVersions() {
+function fillVersions(keep = null) {
+  // The version picker for the model picked; ``keep``, a version pinned before, stays picked while it is offered.
   const options = versionOptions(modelPick.value);
   versionPick.replaceChildren(...options);
   versionPick.disabled = options.length === 0;
+  if (keep !== null && options.some((o) => o.value === keep)) versionPick.value = keep;
   describeChoice();
+}
+
+function pinnedVersion() {
+  // The version a photo names: the one picked, unless it is the model's default version or both side by side are
+  // picked (null: none named, so the server answers with its default version, whichever that is by then).
+  if (versionPick.disabled || versionPick.value === BOTH_VERSIONS) return null;
+  const entry = served.find((m) => m.name === modelPick.value && m.version === versionPick.value);
+  return entry && entry.default ? null : versionPick.value;
 }
 
 function offered(name) {
@@ -122,9 +153,9 @@ async function refreshRollouts() {
   try {
     const response = await fetch("/v1/models", { headers: headers() });
     if (!response.ok) return;
-    const body = await response.json(), before = offered(modelPick.value);
+    const body = await response.json(), before = offered(modelPick.value), pinned = pinnedVersion();
     [served, rollouts] = [body.models, body.rollouts || []];
-    if (offered(modelPick.value) !== before) return fillVersions();  // promoted or rolled back meanwhile
+    if (offered(modelPick.value) !== before) return fillVersions(pinned);  // promoted or rolled back meanwhile
     describeRollout();
   } catch (_) { /* the line keeps its last figures */ }
 }
@@ -141,10 +172,12 @@ function retryModels(status, retryAfter) {
 
 async function describeModels() {
   // The models the server serves, into the pickers; while it cannot say (its models loading), why, until it can.
+  // The model and the version picked stay picked while they are served.
   clearTimeout(modelsRetry);
   try {
-    const response = await fetch("/v1/models", { headers: headers() });
-    if (response.status === 401) return needKey("This server needs an API key: enter it above.");
+    const auth = headers();
+    const response = await fetch("/v1/models", { headers: auth });
+    if (response.status === 401) return needKey("Authorization" in auth, "");
     let body = null;
     try { body = await response.json(); } catch (_) { /* not JSON: reported as it is */ }
     if (!response.ok || !body || !Array.isArray(body.models)) {
@@ -152,65 +185,113 @@ async function describeModels() {
       $("model").textContent = errorText(response.status, body) + again;
       return;
     }
+    const before = modelPick.disabled ? null : modelPick.value, pinned = pinnedVersion();
     [served, rollouts] = [body.models, body.rollouts || []];
     const names = [...new Set(served.map((m) => m.name))];
-    const chosen = defaultModel(body, names);
+    const chosen = names.includes(before) ? before : defaultModel(body, names);
     const option = (name) => new Option(name + (name === body.default_model ? " (default)" : ""), name,
                                         name === chosen, name === chosen);
     modelPick.replaceChildren(...names.map(option));
     modelPick.disabled = names.length === 0;
-    fillVersions();
+    fillVersions(chosen === before ? pinned : null);
   } catch (err) {
     $("model").textContent = "The server did not answer: " + err + retryModels(null, null);
   }
 }
 
-function explainUrl(version, index) {
-  // /explain of class ``index`` by the model picked at ``version`` (null: none named), as a PNG overlay.
-  const query = new URLSearchParams({ format: "png", class_index: String(index) });
-  if (!modelPick.disabled) query.set("model", modelPick.value);
-  if (version !== null) query.set("version", version);
-  return "/explain?" + query.toString();
+function readModels() {
+  // describeModels, once for all who ask while it runs (several photos told 404 at once read the models once).
+  modelsReading = modelsReading || describeModels().finally(() => { modelsReading = null; });
+  return modelsReading;
 }
 
-async function explainInto(holder, button, file, version, top) {
-  // The photo's Grad-CAM overlay for class ``top`` in ``holder``, or the server's error (e.g. a version with no
-  // gradients to explain with).
-  button.disabled = true;
-  holder.textContent = "Explaining…";
-  const form = new FormData();
-  form.append("image", file, file.name);
-  try {
-    const response = await fetch(explainUrl(version, top.index), { method: "POST", body: form, headers: headers() });
+async function post(url, file, note) {
+  // POST ``file`` to url() (asked again for each try). Once more after a 404 not_found, the models read again first
+  // (a version swapped or unloaded since the page read them: url() then names what the pickers say now), and once
+  // more after a 429 or 503 whose Retry-After is at most SEND_RETRY_MAX_S, ``note`` saying so meanwhile. Returns
+  // {response, error: its JSON body when not ok, keySent}.
+  const doing = note.textContent;  // "Classifying…": said on while it waits
+  let reread = false, waited = false;
+  for (;;) {
+    const form = new FormData();
+    form.append("image", file, file.name);
+    const auth = headers();
+    const response = await fetch(url(), { method: "POST", body: form, headers: auth });
+    let error = null;
     if (!response.ok) {
-      let answer = null;
-      try { answer = await response.json(); } catch (_) { /* not JSON: reported as it is */ }
-      holder.className = "explanation error";
-      holder.textContent = errorText(response.status, answer);
-      button.disabled = false;
-      return;
+      try { error = await response.json(); } catch (_) { /* not JSON: reported as it is */ }
     }
-    const overlay = document.createElement("img");
-    overlay.className = "overlay";
-    overlay.alt = `Where the model sees ${top.label}`;
-    overlay.src = URL.createObjectURL(await response.blob());
-    const caption = document.createElement("div");
-    caption.className = "meta";
-    caption.textContent = `Grad-CAM: the brighter, the more this region made it say ${top.label}.`;
-    holder.replaceChildren(overlay, caption);
-    button.remove();
-  } catch (err) {
-    holder.className = "explanation error";
-    holder.textContent = "The request failed: " + err;
-    button.disabled = false;
+    const result = { response, error, keySent: "Authorization" in auth };
+    if (response.status === 404 && error && error.error && error.error.code === "not_found" && !reread) {
+      reread = true;
+      await readModels();
+      continue;
+    }
+    const wait = retryAfterS(response);
+    if ((response.status === 429 || response.status === 503) && wait !== null && wait <= SEND_RETRY_MAX_S && !waited) {
+      waited = true;
+      note.textContent = `${doing} ${errorText(response.status, error)} · trying again in ${wait} s`;
+      await new Promise((resolve) => setTimeout(resolve, wait * 1000));
+      continue;
+    }
+    return result;
   }
 }
 
-function predictUrl(version) {
-  // /predict for the model picked at ``version`` (null: none named).
+function explainUrl(target, index) {
+  // /explain of class ``index`` by ``target`` ({model, version}, each null: none named), as a PNG overlay.
+  const query = new URLSearchParams({ format: "png", class_index: String(index) });
+  if (target.model !== null) query.set("model", target.model);
+  if (target.version !== null) query.set("version", target.version);
+  return "/explain?" + query.toString();
+}
+
+function showOverlay(holder, blob, top) {
+  const overlay = document.createElement("img");
+  overlay.className = "overlay";
+  overlay.alt = `Where the model sees ${top.label}`;
+  const url = URL.createObjectURL(blob);
+  overlay.onload = overlay.onerror = () => URL.revokeObjectURL(url);  // shown (or not an image): the blob can go
+  overlay.src = url;
+  const caption = document.createElement("div");
+  caption.className = "meta";
+  caption.textContent = `Grad-CAM: the brighter, the more this region made it say ${top.label}.`;
+  holder.replaceChildren(overlay, caption);
+}
+
+async function explainInto(holder, button, file, target, top) {
+  // The photo's Grad-CAM overlay for class ``top`` in ``holder``, or the server's error (e.g. a version with no
+  // gradients to explain with). The button goes once the overlay is shown; focus on it moves to the overlay's
+  // holder first (else it would fall to the page's start), and comes back to it after an error.
+  const focused = () => document.activeElement === button || document.activeElement === document.body;
+  const hadFocus = document.activeElement === button;
+  button.disabled = true;
+  holder.className = "explanation";
+  holder.textContent = "Explaining…";
+  try {
+    const result = await post(() => explainUrl(target, top.index), file, holder);
+    if (result.response.ok) {
+      showOverlay(holder, await result.response.blob(), top);
+      if (hadFocus && focused()) holder.focus();
+      button.remove();
+      return;
+    }
+    holder.className = "explanation error";
+    holder.textContent = failureText(result);
+    if (result.response.status === 401) needKey(result.keySent, ", then ask again");
+  } catch (err) {
+    holder.className = "explanation error";
+    holder.textContent = "The request failed: " + err;
+  }
+  button.disabled = false;
+  if (hadFocus && focused()) button.focus();
+}
+
+function predictUrl(target) {
+  // /predict for ``target`` ({model, version}, each null: none named).
   const query = new URLSearchParams();
-  if (!modelPick.disabled) query.set("model", modelPick.value);
-  if (version !== null) query.set("version", version);
+  if (target.model !== null) query.set("model", target.model);
+  if (target.version !== null) query.set("version", target.version);
   const topK = $("top-k").value.trim();
   if (topK) query.set("top_k", topK);
   const text = query.toString();
@@ -233,28 +314,37 @@ function card(file) {
   element.className = "card";
   const image = document.createElement("img");
   image.alt = file.name;
-  image.src = URL.createObjectURL(file);
-  image.onerror = () => image.remove();  // not an image the browser can show either: the error says why
+  const url = URL.createObjectURL(file);
+  image.onload = () => URL.revokeObjectURL(url);  // shown: the browser keeps what it decoded
+  image.onerror = () => {  // not an image the browser can show either: the error says why
+    URL.revokeObjectURL(url);
+    image.remove();
+  };
+  image.src = url;
   const name = document.createElement("div");
   name.className = "name";
   name.textContent = file.name;
   const body = document.createElement("div");
   body.className = "body";
+  body.setAttribute("aria-live", "polite");  // in the page before its answer, so the answer is announced
   body.textContent = "Classifying…";
   element.append(image, name, body);
   results.append(element);  // in the order the photos were chosen
   return body;
 }
 
-function offerExplanation(body, file, version, top) {
-  // A "Why <label>?" button under the answer; the overlay goes beside the scores.
+function offerExplanation(body, file, target, top) {
+  // A "Why <label>?" button under the answer; the overlay goes beside the scores, in a holder that takes the focus
+  // from the button and says what came (a live region).
   const holder = document.createElement("div");
   holder.className = "explanation";
+  holder.tabIndex = -1;
+  holder.setAttribute("aria-live", "polite");
   const button = document.createElement("button");
   button.type = "button";
   button.className = "why";
   button.textContent = `Why ${top.label}?`;
-  button.addEventListener("click", () => explainInto(holder, button, file, version, top));
+  button.addEventListener("click", () => explainInto(holder, button, file, target, top));
   body.append(button, holder);
 }
 
@@ -283,23 +373,28 @@ function showPrediction(body, answer, response) {
   body.append(meta);
 }
 
-async function answerInto(body, file, version) {
-  // POST ``file`` to ``version`` (null: none named) and show the answer, or the error, in ``body``; returns the
-  // answer shown, or null for an error.
-  const form = new FormData();
-  form.append("image", file, file.name);
+async function answerInto(body, file, target) {
+  // POST ``file`` to target() ({model, version}, each null: none named; asked again for each try) and show the
+  // answer, or the error, in ``body``; returns the answer shown, or null for an error. An answer from a version the
+  // page does not list (swapped in meanwhile) reads the models again.
+  let sent = null;
   try {
-    const response = await fetch(predictUrl(version), { method: "POST", body: form, headers: headers() });
+    const result = await post(() => predictUrl(sent = target()), file, body);
+    const { response } = result;
     let answer = null;
-    try { answer = await response.json(); } catch (_) { /* not JSON: reported below */ }
-    if (response.ok && answer) {
+    if (response.ok) {
+      try { answer = await response.json(); } catch (_) { /* not JSON: reported below */ }
+    }
+    if (answer) {
       showPrediction(body, answer, response);
-      offerExplanation(body, file, version, answer.predictions[0]);
+      const { name, version } = answer.model;
+      offerExplanation(body, file, { model: name, version: sent.version }, answer.predictions[0]);
+      if (!served.some((m) => m.name === name && m.version === version)) readModels();
       return answer;
     }
     body.className = "body error";
-    body.textContent = errorText(response.status, answer);
-    if (response.status === 401) needKey("This server needs an API key: enter it above, then pick the photo again.");
+    body.textContent = response.ok ? errorText(response.status, null) : failureText(result);
+    if (response.status === 401) needKey(result.keySent, ", then pick the photo again");
   } catch (err) {
     body.className = "body error";
     body.textContent = "The request failed: " + err;
@@ -315,6 +410,7 @@ function side(title) {
   heading.textContent = title;
   const body = document.createElement("div");
   body.className = "body";
+  body.setAttribute("aria-live", "polite");
   body.textContent = "Classifying…";
   section.append(heading, body);
   return { section, body };
@@ -336,8 +432,9 @@ function verdict(pair, live, candidate) {
 async function classifyBoth(file, pair) {
   // The photo to the live version and to the candidate at once, their answers side by side and whether their
   // top-1 agrees.
-  const body = card(file);
+  const body = card(file), name = pair.live.name;
   body.closest(".card").classList.add("compared");
+  body.removeAttribute("aria-live");  // each side's answer and the verdict are live regions of their own
   const live = side(`Live · version ${pair.live.version}`);
   const candidate = side(`Candidate (${pair.role}) · version ${pair.candidate.version}`);
   const sides = document.createElement("div");
@@ -347,18 +444,24 @@ async function classifyBoth(file, pair) {
   line.className = "verdict";
   line.setAttribute("aria-live", "polite");  // in the page before its text, so the text is announced
   body.replaceChildren(sides, line);
-  const answers = await Promise.all([answerInto(live.body, file, pair.live.version),
-                                     answerInto(candidate.body, file, pair.candidate.version)]);
+  const answers = await Promise.all([answerInto(live.body, file, () => ({ model: name, version: pair.live.version })),
+                                     answerInto(candidate.body, file,
+                                                () => ({ model: name, version: pair.candidate.version }))]);
   const { text, kind } = verdict(pair, ...answers);
   line.textContent = text;
   line.classList.add(kind);
   refreshRollouts();
 }
 
+function picked() {
+  // What the pickers say now: {model, version}, each null when none is to be named.
+  return { model: modelPick.disabled ? null : modelPick.value, version: pinnedVersion() };
+}
+
 function classify(file) {
   const pair = chosenPair();
   if (pair) return classifyBoth(file, pair);
-  return answerInto(card(file), file, versionPick.disabled ? null : versionPick.value);
+  return answerInto(card(file), file, picked);
 }
 
 function classifyAll(files) {
@@ -375,15 +478,31 @@ $("files").addEventListener("change", (event) => {
   classifyAll(event.target.files);
   event.target.value = "";  // picking the same photo again classifies it again
 });
+// Photos dropped anywhere on the page are classified: dropped beside the dashed zone, the browser would open the
+// file in this tab instead, and every answer shown would be lost. Other drags (text into a box) are left alone.
 const drop = $("drop");
-drop.addEventListener("dragover", (event) => { event.preventDefault(); drop.classList.add("over"); });
-drop.addEventListener("dragleave", () => drop.classList.remove("over"));
-drop.addEventListener("drop", (event) => {
+const carriesFiles = (event) => event.dataTransfer !== null && Array.from(event.dataTransfer.types).includes("Files");
+window.addEventListener("dragover", (event) => {
+  if (!carriesFiles(event)) return;
+  event.preventDefault();
+  event.dataTransfer.dropEffect = "copy";
+  drop.classList.add("over");
+});
+window.addEventListener("dragleave", (event) => {
+  if (event.relatedTarget === null) drop.classList.remove("over");  // left the page
+});
+window.addEventListener("drop", (event) => {
+  if (!carriesFiles(event)) return;
   event.preventDefault();
   drop.classList.remove("over");
   classifyAll(event.dataTransfer.files);
 });
-modelPick.addEventListener("change", fillVersions);
+modelPick.addEventListener("change", () => fillVersions());
 versionPick.addEventListener("change", describeChoice);
-keyInput.addEventListener("change", describeModels);
-describeModels();
+// The models again once typing in the key box pauses: its change event waits for the box to lose focus, which a
+// photo dropped meanwhile never brings (the model picker would say "loading…" throughout).
+keyInput.addEventListener("input", () => {
+  clearTimeout(keyTimer);
+  keyTimer = setTimeout(readModels, KEY_PAUSE_MS);
+});
+readModels();
