@@ -13,11 +13,11 @@ from pathlib import Path
 
 from models.export.manifest import MANIFEST_NAME
 
-_NUMBER = re.compile(r"^[0-9]+$")
+_NUMBER = re.compile(r"[0-9]+")  # whole names only (fullmatch): "$" would take "1\n"
 # What a model or version may be called: a folder name of the repository and nothing else (no separator, no "..",
 # no hidden file), whether it comes from a URL, a request body, a policy file or a folder.
 NAME_PATTERN = "[A-Za-z0-9][A-Za-z0-9_.-]{0,127}"
-_NAME = re.compile(f"^{NAME_PATTERN}$")
+_NAME = re.compile(NAME_PATTERN)  # fullmatch, as _NUMBER
 
 
 class InvalidName(ValueError):
@@ -26,7 +26,7 @@ class InvalidName(ValueError):
 
 def check_name(kind: str, value: str) -> str:
     """``value`` when it is a valid ``kind`` name ("model", "version"), else InvalidName."""
-    if not isinstance(value, str) or not _NAME.match(value):
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
         raise InvalidName(f"{kind} name {value!r} is not one this server serves: names match {NAME_PATTERN} "
                           "(letters, digits, '_', '.' and '-', starting with a letter or digit, at most 128)")
     return value
@@ -53,27 +53,27 @@ def models(repository: Path) -> list[str]:
     if not repository.is_dir():
         return []
     return sorted(p.name for p in repository.iterdir()
-                  if p.is_dir() and _NAME.match(p.name) and versions(repository, p.name))
+                  if p.is_dir() and _NAME.fullmatch(p.name) and versions(repository, p.name))
 
 
 def version_order(version: str) -> tuple[int, int, str]:
     """Sort key: numbered versions in numeric order (2 < 10), after them any named ones by name."""
-    return (0, int(version), "") if _NUMBER.match(version) else (1, 0, version)
+    return (0, int(version), "") if _NUMBER.fullmatch(version) else (1, 0, version)
 
 
 def versions(repository: Path, model: str) -> list[str]:
     """The versions of ``model``, oldest first (numbered ones numerically, then named ones); none for a name outside
     NAME_PATTERN (nothing outside the repository is read)."""
     folder = repository / model
-    if not _NAME.match(model) or not folder.is_dir():
+    if not _NAME.fullmatch(model) or not folder.is_dir():
         return []
-    return sorted((p.name for p in folder.iterdir() if p.is_dir() and _NAME.match(p.name) and is_export(p)),
+    return sorted((p.name for p in folder.iterdir() if p.is_dir() and _NAME.fullmatch(p.name) and is_export(p)),
                   key=version_order)
 
 
 def next_version(repository: Path, model: str) -> str:
     """One more than the highest numbered version of ``model`` ("1" for a new model)."""
-    numbered = [int(v) for v in versions(repository, model) if _NUMBER.match(v)]
+    numbered = [int(v) for v in versions(repository, model) if _NUMBER.fullmatch(v)]
     return str(max(numbered, default=0) + 1)
 
 
@@ -82,5 +82,5 @@ def newest(repository: Path, model: str) -> str:
     found = versions(repository, model)
     if not found:
         raise RepositoryError(f"{repository} has no model {model!r}; it has: {', '.join(models(repository)) or 'none'}")
-    numbered = [v for v in found if _NUMBER.match(v)]
+    numbered = [v for v in found if _NUMBER.fullmatch(v)]
     return numbered[-1] if numbered else found[-1]

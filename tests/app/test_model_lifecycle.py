@@ -252,6 +252,60 @@ def test_a_version_that_would_not_fit_is_refused_before_loading(settings: Settin
         service.shutdown(timeout=5)
 
 
+def test_a_version_short_of_memory_says_so_in_the_index_and_is_warned_of_once(
+        settings: Settings, repository: FakeRepository, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: the index listed it as UNAVAILABLE "unloaded", and every poll warned of it again (in every worker).
+    import jsonschema
+
+    app = create_app(settings.model_copy(update={"model_memory_limit_mb": 2}), source=repository)  # type: ignore
+    client, writers = app.test_client(), app.extensions[EXTENSION_KEY].controller.writers
+    try:
+        repository.add("colour", "2")
+        with caplog.at_level(logging.DEBUG, logger="app.engine.versions"):
+            for _ in range(3):
+                writers.poll()
+        warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warned) == 1 and warned[0].startswith("refused colour version 2: colour version 2 needs about")
+        rows = client.post("/v2/repository/index").get_json()
+        assert [(r["version"], r["state"]) for r in rows] == [("1", "READY"), ("2", "UNAVAILABLE")]
+        assert rows[1]["reason"].startswith("short of memory (tried again at each poll and load call): colour version "
+                                            "2 needs about 2 MiB; the loaded models take 1 MiB")
+        document = client.get("/openapi.json").get_json()  # the reason fits the index's served schema
+        schema = document["paths"]["/v2/repository/index"]["post"]["responses"]["200"]["content"]
+        jsonschema.Draft202012Validator({**schema["application/json"]["schema"],
+                                         "components": document["components"]}).validate(rows)
+        assert client.post("/v2/repository/models/colour/unload").status_code == 200
+        assert client.post("/v2/repository/models/colour/load").status_code == 200  # alone, version 2 fits
+        assert client.post("/v2/repository/models/colour/unload").status_code == 200
+        assert [(r["version"], r["reason"]) for r in client.post("/v2/repository/index").get_json()] == [
+            ("1", "unloaded"), ("2", "unloaded")]  # loaded since: no longer short of memory
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def test_a_policy_naming_a_refused_version_says_why_it_was_refused(settings: Settings, repository: FakeRepository,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    # Before: "model 'colour': no version 2; the repository has 1" (400), hiding why version 2 was left out.
+    repository.fail("colour", "2", "weights file x.pt has sha256 abc, the manifest says def")
+    with pytest.raises(LoadFailed, match=r"model 'colour': its policy names version 2, refused \(version 2: colour "
+                                         r"version 2 cannot be served: weights file x.pt has sha256 abc"):
+        _service(settings, repository, version_policy="specific:2")
+    service = _service(settings, repository)  # latest:1: version 2 refused, 1 serves
+    try:
+        with pytest.raises(LoadFailed, match=r"colour version 2 \(the config's specific version\) was refused and "
+                                             "its files have not changed since: .*sha256 abc"):
+            service.catalog.load("colour", {"version_policy": {"specific": {"versions": ["1", "2"]}}})
+        repository.policies["colour"] = {"default_version": "2"}
+        caplog.clear()  # what the start-ups said
+        with caplog.at_level(logging.WARNING, logger="app.engine.versions.writers"):
+            for _ in range(3):
+                service.controller.writers.poll()
+        assert sum("its policy names version 2, refused" in r.getMessage() for r in caplog.records) == 1  # once
+        assert _ask(service) == "1"
+    finally:
+        service.shutdown(timeout=5)
+
+
 def test_a_version_whose_batcher_ended_refuses_its_requests_and_the_others_still_serve(
         settings: Settings, repository: FakeRepository) -> None:
     repository.add("colour", "2")

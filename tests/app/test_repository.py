@@ -15,7 +15,7 @@ from app.engine.versions.sources import DirectorySource
 from app.errors import NotFound
 from models.export.checks import ModelLoadError
 from models.export.repository import models, newest, next_version, versions
-from tests.support.fakes import export_tiny
+from tests.support.fakes import FakeRepository, export_tiny
 
 pytestmark = pytest.mark.slow  # real exports: seconds each
 
@@ -141,3 +141,70 @@ def test_a_policy_json_that_is_not_json_keeps_its_model_out_and_the_index_and_th
             assert client.get("/v1/models").get_json()["default_model"] == "mine"
         finally:
             app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def test_a_name_ending_in_a_newline_is_outside_the_pattern(settings: Settings, tmp_path: Path) -> None:
+    # Before: "^...$" with re.match also matched before a final newline: "colour\n" passed the name check (a 404
+    # from the lookup, not the documented 400), "1\n" counted as a numbered version, and so did a folder so named.
+    from app.engine.rollouts.policy import PolicyError, VersionPolicy
+    from models.export.repository import InvalidName, check_name, version_order
+
+    for kind, value in (("model", "colour\n"), ("version", "1\n")):
+        with pytest.raises(InvalidName):
+            check_name(kind, value)
+    assert version_order("1\n") == (1, 0, "1\n") and VersionPolicy().default_of(["1\n", "2", "10\n"]) == "2"
+    for name in ("mine", "mine\n"):
+        (tmp_path / "repo" / name / "1").mkdir(parents=True)
+        (tmp_path / "repo" / name / "1" / "manifest.json").write_text("{}", encoding="utf-8")
+    assert models(tmp_path / "repo") == ["mine"] and versions(tmp_path / "repo", "mine\n") == []
+    # str.isdigit takes "²", which int() refused with a ValueError (a 500), not a PolicyError
+    with pytest.raises(PolicyError, match="num_versions must be a whole number"):
+        VersionPolicy.from_config({"version_policy": {"latest": {"num_versions": "²"}}}, VersionPolicy())
+    repository = FakeRepository()
+    repository.add("colour", "1")
+    app = create_app(settings, source=repository)  # type: ignore[arg-type]
+    client = app.test_client()
+    try:
+        for url, body in (("/v2/repository/models/colour%0A/load", {}),
+                          ("/v2/repository/models/colour/load", {"parameters": {"config": {"default_version": "1\n"}}}),
+                          ("/v2/models/colour/versions/1%0A/infer", {"inputs": []})):
+            answer = client.post(url, json=body)
+            assert answer.status_code == 400 and "names match" in answer.get_data(as_text=True), (url, answer.json)
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def test_a_single_export_whose_manifest_turns_invalid_serves_on_and_says_why(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import json
+    import logging
+
+    # Before: every poll round raised the manifest's ModelLoadError (skipping the round's follow and evidence
+    # sharing), and POST /v2/repository/index answered 500.
+    weights = export_tiny(tmp_path / "weights")
+    good = (weights / "manifest.json").read_text(encoding="utf-8")
+
+    def write_manifest(text: str) -> None:
+        (weights / "manifest.json.tmp").write_text(text, encoding="utf-8")
+        (weights / "manifest.json.tmp").replace(weights / "manifest.json")
+
+    app = create_app(Settings(weights_dir=weights, device="cpu", log_level="warning"))
+    client, writers = app.test_client(), app.extensions[EXTENSION_KEY].controller.writers
+    try:
+        write_manifest(json.dumps({**json.loads(good), "labels": ["a"]}))  # one label: does not validate
+        with caplog.at_level(logging.WARNING, logger="app.engine.versions.writers"):
+            for _ in range(3):
+                writers.poll()
+        assert sum("manifest.json is invalid" in r.getMessage() for r in caplog.records) == 1  # once, not per poll
+        index = client.post("/v2/repository/index")
+        assert index.status_code == 200
+        assert [(r["name"], r["version"], r["state"]) for r in index.get_json()] == [("mine", "1", "READY")]
+        (worker,) = client.get("/v1/models").get_json()["workers"]
+        assert f"model 'mine': {weights}/manifest.json is invalid" in worker["error"]
+        answer = client.post("/v2/repository/models/mine/load")  # nothing changes while it stands
+        assert answer.status_code == 400 and "manifest.json is invalid" in answer.get_json()["error"]
+        write_manifest(good)  # fixed: served as before, and no longer said
+        writers.poll()
+        assert client.get("/v1/models").get_json()["workers"][0]["error"] is None
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)

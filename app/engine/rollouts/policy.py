@@ -14,7 +14,7 @@ from models.export.repository import InvalidName, check_name
 from models.export.repository import version_order as order_key
 
 POLICY_FILE = "policy.json"  # beside a model's version folders
-_NUMBER = re.compile(r"^[0-9]+$")
+_NUMBER = re.compile(r"[0-9]+")  # whole names only (fullmatch): "$" would take "1\n"
 _KINDS = ("latest", "all", "specific")
 
 
@@ -28,6 +28,15 @@ def version_name(value: Any) -> str:
 
 class PolicyError(ValueError):
     """A policy that cannot be read; the message says what is accepted."""
+
+
+class VersionsMissing(PolicyError):
+    """A policy naming versions (``versions``) the repository does not hold: absent, or left out as refused (the
+    caller, which knows why, says so)."""
+
+    def __init__(self, message: str, versions: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.versions = versions
 
 
 @dataclass(frozen=True)
@@ -54,7 +63,7 @@ class VersionPolicy:
     def parse(cls, text: str) -> "VersionPolicy":
         """``latest:N`` (``latest`` = ``latest:1``), ``all``, or ``specific:V[,V...]``."""
         kind, _, arg = text.strip().partition(":")
-        if kind == "latest" and (not arg or arg.isdigit()):
+        if kind == "latest" and (not arg or _NUMBER.fullmatch(arg)):
             return cls("latest", count=int(arg or 1))
         if kind == "all" and not arg:
             return cls("all")
@@ -95,21 +104,23 @@ class VersionPolicy:
         return {"versions": versions, "default": self.default_of(versions)}
 
     def choose(self, available: list[str]) -> list[str]:
-        """The versions to keep loaded out of ``available``, oldest first; PolicyError when one named is absent."""
+        """The versions to keep loaded out of ``available``, oldest first; VersionsMissing when one it names is not
+        there."""
         ordered = sorted(available, key=order_key)
         if self.kind == "all":
             chosen = ordered
         elif self.kind == "latest":
-            numbered = [v for v in ordered if _NUMBER.match(v)] or ordered
+            numbered = [v for v in ordered if _NUMBER.fullmatch(v)] or ordered
             chosen = numbered[-self.count:]
         else:
             missing = [v for v in self.versions if v not in available]
             if missing:
-                raise PolicyError(f"no version {', '.join(missing)}; the repository has {', '.join(ordered) or 'none'}")
+                has = ", ".join(ordered) or "none"
+                raise VersionsMissing(f"no version {', '.join(missing)}; the repository has {has}", tuple(missing))
             chosen = sorted(self.versions, key=order_key)
         if self.default is not None and self.default not in chosen:
             if self.default not in available:
-                raise PolicyError(f"default version {self.default!r} is not in the repository")
+                raise VersionsMissing(f"default version {self.default!r} is not in the repository", (self.default,))
             chosen = sorted([*chosen, self.default], key=order_key)
         return chosen
 
@@ -118,7 +129,7 @@ class VersionPolicy:
         if self.default is not None and self.default in loaded:
             return self.default
         ordered = sorted(loaded, key=order_key)
-        numbered = [v for v in ordered if _NUMBER.match(v)]
+        numbered = [v for v in ordered if _NUMBER.fullmatch(v)]
         return (numbered or ordered or [None])[-1]
 
 
@@ -132,7 +143,8 @@ def _from_triton(spec: Any) -> VersionPolicy:
         raise PolicyError(f"version_policy's {kind!r} takes an object, got {args!r}")
     if kind == "latest":
         count = args.get("num_versions", 1)
-        if isinstance(count, str) and count.isdigit():  # protobuf's JSON may write a count as a string
+        if isinstance(count, str) and _NUMBER.fullmatch(count):  # protobuf's JSON may write a count as a string
+            # (ASCII digits only: str.isdigit takes "²", which int() refuses with a ValueError, a 500)
             count = int(count)
         if isinstance(count, bool) or not isinstance(count, int):  # "two", 2.5: not a count (JSON's true is no 1)
             raise PolicyError(f"latest's num_versions must be a whole number, got {count!r}")

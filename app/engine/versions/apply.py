@@ -54,8 +54,6 @@ class Applier:
         self.routes = RoutingTable(self.states.why_unservable)
         self.evidence = Evidence()  # this worker's rollout comparisons and traffic per version
         self._refused_candidates: dict[str, str] = {}  # model -> the refused candidate its rollout goes on without
-        # versions refused for memory since they last loaded: tried again at every call and poll, warned of once
-        self._short_of_memory: set[tuple[str, str]] = set()
         # model -> why this worker could not serve it as last asked (an apply refused, a policy unreadable), until it
         # is applied: what its report says, and what a call waiting for the other workers reads of theirs
         self.not_served: dict[str, str] = {}
@@ -172,15 +170,15 @@ class Applier:
                 if device.type == "cuda":
                     loaded.device_memory_bytes = device_bytes_taken(before, torch.cuda.memory_allocated(device),
                                                                     loaded.predictor.weights_bytes)
-                self._short_of_memory.discard((name, version))
                 return loaded
         except Exception as exc:
             error = exc if isinstance(exc, ServiceError) else LoadFailed(
                 f"{name} version {version} cannot be served: {exc if isinstance(exc, ModelLoadError) else repr(exc)}")
             if isinstance(error, InsufficientMemory):  # memory may be freed: a later call or poll tries it again
-                again = (name, version) in self._short_of_memory
-                self._short_of_memory.add((name, version))
-                log.log(logging.DEBUG if again else logging.WARNING, "refused %s version %s: %s (tried again at "
+                # the index says why it does not serve, meanwhile
+                first = self.states.short_of_memory((name, version), f"short of memory (tried again at each poll and "
+                                                                     f"load call): {error.message}")
+                log.log(logging.WARNING if first else logging.DEBUG, "refused %s version %s: %s (tried again at "
                         "each poll and load call; warned of again once it has loaded)", name, version, error.message)
             else:
                 log.warning("refused %s version %s: %s", name, version, error.message)
@@ -247,11 +245,17 @@ class Applier:
                 for name, (versions, default) in self.routes.routes().items()}
 
     def index(self) -> list[VersionState]:
-        """Every version in the repository or in memory, with this worker's state of it."""
+        """Every version in the repository or in memory, with this worker's state of it (a model whose folder
+        cannot be read now: the versions held in memory)."""
         routed = self.routes.routes()
-        return [row for name in sorted(set(self.source.models()) | set(routed))
-                for row in self.states.rows(name, self.source.versions(name),
-                                            {v.version for v in routed.get(name, ([], None))[0]})]
+        rows = []
+        for name in sorted(set(self.source.models()) | set(routed)):
+            try:
+                available = self.source.versions(name)
+            except (OSError, ModelLoadError):  # the poll says why (its report); the index still answers
+                available = []
+            rows += self.states.rows(name, available, {v.version for v in routed.get(name, ([], None))[0]})
+        return rows
 
 
 def _free_failed_load(exc: BaseException, device: torch.device) -> None:

@@ -38,17 +38,29 @@ class DirectorySource:
         self.settings = settings
         self.root = settings.resolved_weights_dir()
         self._seen: tuple[tuple[int, int], tuple[str, str]] | None = None  # the single export's (stamp, identity)
+        # the single export's manifest as it stands, when it does not validate since it did: (stamp, why)
+        self._invalid: tuple[tuple[int, int], str] | None = None
 
     def _single(self) -> tuple[str, str] | None:
-        # Asked on every poll, index and readiness call: the manifest is parsed again only when it changed.
+        # Asked on every poll, index and readiness call: the manifest is parsed again only when it changed. One that
+        # no longer validates (a hand edit, a newer schema) keeps the identity it had: the version loaded from it
+        # serves on, and policy() says why it cannot change (ModelLoadError) until the manifest is fixed.
         try:
             stat = (self.root / MANIFEST_NAME).stat()
         except OSError:
             return None
         stamp = (stat.st_mtime_ns, stat.st_size)
-        if self._seen is None or self._seen[0] != stamp:
-            manifest = read_checked_manifest(self.root)
-            self._seen = (stamp, (manifest.name, manifest.version))
+        if self._seen is not None and self._seen[0] == stamp:
+            self._invalid = None  # as it was (put back as it stood)
+        elif self._invalid is None or self._invalid[0] != stamp:
+            try:
+                manifest = read_checked_manifest(self.root)
+            except ModelLoadError as exc:
+                if self._seen is None:
+                    raise  # never valid: nothing to keep (start-up says why)
+                self._invalid = (stamp, str(exc))
+                return self._seen[1]
+            self._seen, self._invalid = (stamp, (manifest.name, manifest.version)), None
         return self._seen[1]
 
     def models(self) -> list[str]:
@@ -79,8 +91,14 @@ class DirectorySource:
         return self.root / check_name("model", name) / check_name("version", version)
 
     def policy(self, name: str) -> dict[str, Any] | None:
-        """``<repository>/<name>/policy.json``, when there is one."""
-        return None if self._single() else _json_object(self.root / check_name("model", name) / POLICY_FILE)
+        """``<repository>/<name>/policy.json``, when there is one; a single export has none, and raises ModelLoadError
+        while its manifest does not validate (its model keeps the version it serves, as with a policy.json that
+        cannot be read)."""
+        if not self._single():
+            return _json_object(self.root / check_name("model", name) / POLICY_FILE)
+        if self._invalid is not None:
+            raise ModelLoadError(self._invalid[1])
+        return None
 
     def stamp(self, name: str, version: str) -> tuple[int, int]:
         """Changes when any file of the version is rewritten: a version refused before is tried again then."""

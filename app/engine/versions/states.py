@@ -1,6 +1,7 @@
-"""What a worker is doing with the versions that take no traffic: loading, retiring (finishing their requests) or
-refused (and why), and the models that cannot be served at all (a policy.json that cannot be read, and why), kept
-under one lock for the apply step, its retiring threads, the writers and the repository index."""
+"""What a worker is doing with the versions that take no traffic: loading, retiring (finishing their requests),
+refused (and why), or short of memory (and by how much), and the models that cannot be served at all (a policy.json
+that cannot be read, and why), kept under one lock for the apply step, its retiring threads, the writers and the
+repository index."""
 from __future__ import annotations
 
 import contextlib
@@ -24,25 +25,43 @@ class VersionStates:
         self._retiring: dict[Key, list[LoadedVersion]] = {}  # a version unloaded, loaded and unloaded again while
         # its first copy still finishes its requests is held twice
         self._refused: dict[Key, tuple[Stamp, str]] = {}  # the version's stamp when refused, and why
+        # versions refused for memory since they last loaded, and why: tried again by every call and poll (memory may
+        # be freed), so not left out as a refusal is, but the index says why they do not serve
+        self._short_of_memory: dict[Key, str] = {}
         self._unservable: dict[str, str] = {}  # model -> why its policy cannot be read (start and the poll)
 
     @contextlib.contextmanager
     def loading(self, key: Key) -> Iterator[None]:
-        """While ``key`` loads; once loaded it is no longer refused."""
+        """While ``key`` loads; once loaded it is no longer refused, nor short of memory."""
         with self._lock:
             self._loading.add(key)
         try:
             yield
             with self._lock:
                 self._refused.pop(key, None)
+                self._short_of_memory.pop(key, None)
         finally:
             with self._lock:
                 self._loading.discard(key)
 
     def refuse(self, key: Key, stamp: Stamp, reason: str) -> None:
-        """``key`` could not be served, as its files stood at ``stamp``."""
+        """``key`` could not be served, as its files stood at ``stamp`` (what it said before of memory is older)."""
         with self._lock:
             self._refused[key] = (stamp, reason)
+            self._short_of_memory.pop(key, None)
+
+    def short_of_memory(self, key: Key, reason: str) -> bool:
+        """``key`` would not fit (``reason``: how much it needs, of what): the index says so until it loads or is
+        refused for another reason. Whether it is new: not already short of memory since it last loaded."""
+        with self._lock:
+            new = key not in self._short_of_memory
+            self._short_of_memory[key] = reason
+            return new
+
+    def is_short_of_memory(self, key: Key) -> bool:
+        """Whether ``key`` was refused for memory since it last loaded."""
+        with self._lock:
+            return key in self._short_of_memory
 
     def refusal(self, key: Key) -> tuple[Stamp, str] | None:
         """The stamp ``key`` was refused at and why, if it was."""
@@ -89,9 +108,11 @@ class VersionStates:
 
     def rows(self, name: str, available: list[str], serving: set[str]) -> list[VersionState]:
         """The index rows of model ``name``: the repository's versions, the serving ones and those in between. A
-        version that does not serve says why: its own refusal, else why its model cannot be served, else unloaded."""
+        version that does not serve says why: that it would not fit in memory (its latest try), else its own
+        refusal, else why its model cannot be served, else unloaded."""
         with self._lock:
             loading, retiring, refused = set(self._loading), set(self._retiring), dict(self._refused)
+            short_of_memory = dict(self._short_of_memory)
             unloaded = self._unservable.get(name, "unloaded")
         held = set(available) | serving | {v for n, v in loading | retiring if n == name}
         rows = []
@@ -104,6 +125,6 @@ class VersionStates:
             elif key in retiring:
                 rows.append(VersionState(name, version, "UNLOADING"))
             else:
-                rows.append(VersionState(name, version, "UNAVAILABLE", refused[key][1] if key in refused else
-                                         unloaded))
+                why = short_of_memory.get(key) or (refused[key][1] if key in refused else unloaded)
+                rows.append(VersionState(name, version, "UNAVAILABLE", why))
         return rows

@@ -72,6 +72,11 @@ class WorkerSync:
         """What each worker of the server serves (its last report)."""
         return self.desired.workers()
 
+    def served_elsewhere(self, name: str) -> set[str]:
+        """The versions of model ``name`` the other live workers serve (their last reports)."""
+        return {version for report in self.desired.workers() if report.get("pid") != self.desired.pid
+                for version in ((report.get("models") or {}).get(name) or {}).get("versions", [])}
+
     def current_workers(self, newest: int | None = None) -> list[dict[str, Any]]:
         """The reports of the workers that serve the newest generation (``newest``, when the caller has just read
         it): the rollout evidence gathered under the roles it gives (a worker still behind counts its traffic under

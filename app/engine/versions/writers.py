@@ -6,9 +6,11 @@ worker's rollout evidence every second so the rules are judged on everyone's.
 Every writer applies its change here first (``Applier.apply``), so a refusal changes nothing anywhere; only then
 does it write it (``WorkerSync.write``); a call then waits for the other workers. A refused version is remembered
 and left out (by the poll and by calls) until its files change; at start and by the poll the policy then picks
-among the rest. A load call's config (a rollback) stays in the desired state and the poll keeps applying it until
-another call or a change of the model's policy.json. A policy.json that cannot be read keeps its model from being
-served (or from changing, while it serves): logged once per reason, and shown by the index, until it can be read.
+among the rest; a version this worker refused that another worker serves keeps its entry (this worker serves what
+it can and its report says why, so the workers never undo each other's picks). A load call's config (a rollback)
+stays in the desired state and the poll keeps applying it until another call or a change of the model's policy.json.
+A policy.json (or a single export's manifest) that cannot be read keeps its model from being served (or from
+changing, while it serves): logged once per reason, and shown by the index, until it can be read.
 One change runs at a time (``Applier.changing``): a second load call for the same model waits, then finds the model
 already as wanted.
 """
@@ -24,13 +26,14 @@ from app.config import Settings
 from app.engine.rollouts.entry import UNLOADED, ModelEntry
 from app.engine.rollouts.evidence import traffic_p99_ms
 from app.engine.rollouts.plan import RolloutPolicy, plan
-from app.engine.rollouts.policy import PolicyError, VersionPolicy
+from app.engine.rollouts.policy import PolicyError, VersionPolicy, VersionsMissing
 from app.engine.versions.apply import Applier
 from app.engine.versions.desired import WATCH_S
 from app.engine.versions.rollout_changes import RolloutChanges
 from app.engine.versions.sources import Source
 from app.engine.versions.sync import WorkerSync
-from app.errors import BadRequest, LoadFailed, NotFound, ServiceError
+from app.errors import BadRequest, InsufficientMemory, LoadFailed, NotFound, ServiceError
+from models.export.checks import ModelLoadError
 
 log = logging.getLogger(__name__)
 EVIDENCE_S = 1.0  # how often a worker shares its rollout evidence and the rules are judged on everyone's
@@ -54,7 +57,7 @@ class Writers:
             self._name_default_model()
             generation, desired = self.sync.read()
             if generation:
-                errors = self.applier.apply_all(desired)
+                errors = self._apply_desired(desired)
                 self._check_unserved(desired)
             else:
                 names = self.settings.model_names() or self.source.models()
@@ -113,9 +116,9 @@ class Writers:
                           "add a version)", details={"model": name, "refused": reasons})
 
     def _refuse_naming_a_refused_version(self, name: str, config: Any) -> None:
-        """A load call whose config names a version refused before (its rollout's candidate, or its default) and
-        unchanged since is answered with why (LoadFailed, 422), changing nothing: left out silently, the policy
-        would pick something the caller did not ask for."""
+        """A load call whose config names a version refused before (its rollout's candidate, its default, or one of
+        its specific versions) and unchanged since is answered with why (LoadFailed, 422), changing nothing: left
+        out silently, the policy would pick something the caller did not ask for."""
         try:
             parsed = json.loads(config) if isinstance(config, (str, bytes)) else config
         except ValueError:
@@ -123,8 +126,12 @@ class Writers:
         if not isinstance(parsed, dict):
             return
         rollout = parsed.get("rollout") if isinstance(parsed.get("rollout"), dict) else {}
+        policy = parsed.get("version_policy") if isinstance(parsed.get("version_policy"), dict) else {}
+        specific = policy.get("specific") if isinstance(policy.get("specific"), dict) else {}
+        named = specific.get("versions") if isinstance(specific.get("versions"), list) else []
         for role, version in (("rollout candidate", rollout.get("candidate")),
-                              ("default version", parsed.get("default_version"))):
+                              ("default version", parsed.get("default_version")),
+                              *(("specific version", v) for v in named)):
             why = None if version is None else self.applier.refusal(name, str(version))
             if why is not None:
                 raise LoadFailed(f"{name} version {version} (the config's {role}) was refused and its files have not "
@@ -150,18 +157,35 @@ class Writers:
             _, desired = self.sync.read()
             changes: dict[str, ModelEntry | None] = {}
             for name in sorted(set(self.settings.model_names() or self.source.models()) | set(desired)):
-                if desired.get(name) == UNLOADED:
+                current = desired.get(name)
+                if current == UNLOADED:
                     continue  # unloaded by a call: stays so until a load call
                 try:
                     if not self.source.versions(name):
                         self.applier.apply(name, UNLOADED)
                         changes[name] = None
-                    elif (entry := self._serve_loadable(name, self._calls_config(name, desired.get(name)),
-                                                        desired.get(name))):
+                    elif (why := self._refused_here(name, current)) is not None:
+                        # Another worker serves it: a pick without it would undo that worker's, which would then
+                        # undo this one's at its next poll. The entry stays; this worker's report says why not here.
+                        self.applier.not_served[name] = why
+                    elif entry := self._serve_loadable(name, self._calls_config(name, current), current):
                         changes[name] = entry
                 except ServiceError as exc:
                     self._not_served(name, exc, "poll: %s: %s")
+                except (OSError, ModelLoadError) as exc:  # its files could not be read: the other models are polled
+                    self._not_served(name, LoadFailed(f"model {name!r}: {exc}"), "poll: %s: %s")
             self.sync.write(changes, read=desired)
+
+    def _refused_here(self, name: str, entry: ModelEntry | None) -> str | None:
+        """Why this worker cannot serve ``entry``, a version of ``name`` it names being refused here (its files
+        unchanged since) while another live worker serves it (a failure of this worker's own: less memory on its
+        device); None otherwise (no worker serves it: the poll picks without it)."""
+        if entry is None:
+            return None
+        available = self.source.versions(name)
+        refused = {v: why for v in entry["versions"] if v in available and (why := self.applier.refusal(name, v))}
+        served_elsewhere = self.sync.served_elsewhere(name) if refused else set()
+        return next((why for v, why in refused.items() if v in served_elsewhere), None)
 
     def follow_newest(self) -> None:
         """Serve the desired state's newest generation if this worker does not yet (another worker wrote it), and
@@ -169,8 +193,28 @@ class Writers:
         with self.applier.changing():
             if self.sync.is_behind():
                 generation, desired = self.sync.read()
-                self.applier.apply_all(desired)
+                self._apply_desired(desired)
                 self.sync.served(generation)
+
+    def _apply_desired(self, desired: dict[str, ModelEntry]) -> list[ServiceError]:
+        """Every model as ``desired`` says (``Applier.apply_all``); returns the refusals. A model this worker serves
+        no version of and cannot serve as desired (a failure of its own: less memory on its device, a warm-up that
+        fails here) serves the newest version that loads here, as its policy picks, rather than nothing; the shared
+        entry stays as the worker that applied it wrote it, and this worker's report says why it differs."""
+        errors = self.applier.apply_all(desired)
+        for name, entry in sorted(desired.items()):
+            why = self.applier.not_served.get(name)
+            if why is None or not entry["versions"] or name in self.applier.routes.routes():
+                continue
+            try:
+                served = self._serve_loadable(name, self._calls_config(name, entry), entry, around_memory=True)
+            except ServiceError as exc:
+                served, why = None, f"{why}; no other version loads here either: {exc.message}"
+            if served is not None:
+                log.warning("%s: this worker cannot serve versions %s (%s); it serves %s until they load here", name,
+                            ", ".join(entry["versions"]), why, ", ".join(served["versions"]))
+            self.applier.not_served[name] = why  # still not the desired entry: a call waiting for this worker hears so
+        return errors
 
     def share_evidence(self) -> None:
         """Write this worker's rollout evidence into its report, then apply what the rules decide on every
@@ -190,11 +234,10 @@ class Writers:
         next_poll = next_evidence = time.monotonic() + poll_s
         while not self._stop.wait(WATCH_S):
             try:
+                self.follow_newest()  # every round, before a poll: a poll as often as the rounds must not starve it
                 if poll_s > 0 and time.monotonic() >= next_poll:
                     next_poll = time.monotonic() + poll_s
                     self.poll()
-                else:
-                    self.follow_newest()
                 if time.monotonic() >= next_evidence:
                     next_evidence = time.monotonic() + EVIDENCE_S
                     self.share_evidence()
@@ -202,11 +245,15 @@ class Writers:
                 log.exception("reconciling the models failed")
 
     def _not_served(self, name: str, exc: ServiceError, message: str) -> None:
-        """Log why start or the poll cannot serve ``name`` (``message`` with the name and the reason). A policy that
-        cannot be read (BadRequest) is said once per reason, not again by every poll while it stands, and the index
-        shows it for the model's versions that do not serve (``VersionStates.unservable``)."""
+        """Log why start or the poll cannot serve ``name`` (``message`` with the name and the reason). A policy (or a
+        single export's manifest) that cannot be read (BadRequest), or that names only versions refused
+        (``_named_refused``), is said once per reason, not again by every poll while it stands, and the index shows
+        it for the model's versions that do not serve (``VersionStates.unservable``). A version short of memory was
+        warned of by the apply step the first time, and the index says so: the tries after it are at debug."""
         self.applier.not_served[name] = exc.message
-        if not isinstance(exc, BadRequest) or self.applier.states.unservable(name, exc.message):
+        if isinstance(exc, InsufficientMemory):
+            log.debug(message, name, exc.message)
+        elif not _about_the_model(exc) or self.applier.states.unservable(name, exc.message):
             log.warning(message, name, exc.message)
 
     def _check_unserved(self, desired: dict[str, ModelEntry]) -> None:
@@ -228,16 +275,19 @@ class Writers:
         return entry["config"] if entry.get("policy_file") == self._policy_file(name) else None
 
     def _policy_file(self, name: str) -> dict[str, Any] | None:
-        """``name``'s policy.json; BadRequest when it cannot be read (the poll says so and goes on to the others)."""
+        """``name``'s policy.json; BadRequest when it (or a single export's manifest) cannot be read (the poll says
+        so and goes on to the others; what serves keeps serving)."""
         try:
             return self.source.policy(name)
-        except PolicyError as exc:
+        except (PolicyError, OSError, ModelLoadError) as exc:
             raise BadRequest(f"model {name!r}: {exc}") from None
 
-    def _serve_loadable(self, name: str, config: Any = None, current: ModelEntry | None = None) -> ModelEntry | None:
+    def _serve_loadable(self, name: str, config: Any = None, current: ModelEntry | None = None,
+                        around_memory: bool = False) -> ModelEntry | None:
         """``name`` as its policy picks among the versions not refused, applied here; a version refused on the way
-        is left out and the policy picks again (a rollout candidate refused: the live version serves without one).
-        None when no version is left (what serves keeps serving)."""
+        is left out and the policy picks again (a rollout candidate refused: the live version serves without one;
+        ``around_memory``: a version short of memory too, this time). None when no version is left (what serves
+        keeps serving)."""
         left_out: dict[str, str] = {}  # a candidate that failed for a reason not remembered (memory): this time
         while True:
             entry = self._wanted(name, config, current, left_out)
@@ -248,6 +298,11 @@ class Writers:
             except ServiceError as exc:
                 if any(self.applier.known_refused(name, v) for v in entry["versions"]):
                     continue  # the policy picks again without it
+                short = {v: exc.message for v in entry["versions"] if v not in left_out
+                         and self.applier.states.is_short_of_memory((name, v))}
+                if around_memory and isinstance(exc, InsufficientMemory) and short:
+                    left_out.update(short)
+                    continue
                 candidate = (entry.get("rollout") or {}).get("candidate")
                 if candidate is None or candidate in left_out:
                     raise  # no version was refused and no candidate is left to blame: it would fail the same way
@@ -288,6 +343,11 @@ class Writers:
                     raise PolicyError(f"the config is not JSON: {exc}") from None
             policy = VersionPolicy.layered(self.settings.version_policy, own, config)
             entry = plan(policy, RolloutPolicy.layered(self.settings, own, config), available, current, refused)
+        except VersionsMissing as exc:
+            named = {v: refused[v] for v in exc.versions if v in refused}
+            if named:  # there, but refused: why, not "no version 2"
+                raise _named_refused(name, named) from None
+            raise BadRequest(f"model {name!r}: {exc}") from None
         except PolicyError as exc:
             raise BadRequest(f"model {name!r}: {exc}") from None
         self.applier.states.servable(name)  # its policy can be read (again)
@@ -298,3 +358,19 @@ class Writers:
         if config is None:
             return entry
         return {**entry, "config": config, "policy_file": own}
+
+
+def _named_refused(name: str, refused: dict[str, str]) -> LoadFailed:
+    """The 422 of a policy (the setting, policy.json or a call's config) naming versions that are there but were
+    refused (version -> why), their files unchanged since: why, rather than that the repository lacks them."""
+    said = "; ".join(f"version {v}: {why}" for v, why in refused.items())
+    return LoadFailed(f"model {name!r}: its policy names {'versions' if len(refused) > 1 else 'version'} "
+                      f"{', '.join(refused)}, refused ({said}); fix its files, or name another version",
+                      details={"model": name, "refused": refused})
+
+
+def _about_the_model(exc: ServiceError) -> bool:
+    """Whether ``exc`` says why a model cannot be served at all, not why one try failed: its policy (or a single
+    export's manifest) cannot be read (BadRequest), or its policy names only versions refused (``_named_refused``)."""
+    return isinstance(exc, BadRequest) or (isinstance(exc, LoadFailed) and isinstance(exc.details, dict)
+                                           and "refused" in exc.details)
