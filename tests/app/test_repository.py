@@ -208,3 +208,20 @@ def test_a_single_export_whose_manifest_turns_invalid_serves_on_and_says_why(
         assert client.get("/v1/models").get_json()["workers"][0]["error"] is None
     finally:
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+def test_specific_versions_that_are_no_list_are_400_saying_so(settings: Settings) -> None:
+    # Before: a string was read a character a version: "abc" asked for versions a, b and c ("no version a, b, c").
+    repository = FakeRepository()
+    repository.add("colour", "1")
+    app = create_app(settings, source=repository)  # type: ignore[arg-type]
+    try:
+        for versions in ("abc", "1", {"1": True}):
+            answer = app.test_client().post("/v2/repository/models/colour/load", json={"parameters": {"config": {
+                "version_policy": {"specific": {"versions": versions}}}}})
+            assert answer.status_code == 400, (versions, answer.json)
+            assert "specific's versions must be a list of versions" in answer.json["error"]
+        answer = app.test_client().post("/v2/repository/models/colour/load", json={"parameters": {"config": {
+            "version_policy": {"specific": {"versions": [1]}}}}})  # Triton's configs write versions as numbers
+        assert answer.status_code == 200, answer.json
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)

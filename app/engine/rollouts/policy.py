@@ -150,5 +150,8 @@ def _from_triton(spec: Any) -> VersionPolicy:
             raise PolicyError(f"latest's num_versions must be a whole number, got {count!r}")
         return VersionPolicy("latest", count=count)
     if kind == "specific":
-        return VersionPolicy("specific", versions=tuple(version_name(v) for v in args.get("versions", [])))
+        versions = args.get("versions", [])
+        if not isinstance(versions, list):  # a string was read a character a version: "abc" named a, b and c
+            raise PolicyError(f"specific's versions must be a list of versions, got {versions!r}")
+        return VersionPolicy("specific", versions=tuple(version_name(v) for v in versions))
     return VersionPolicy("all")
