@@ -12,6 +12,7 @@ rollouts, device and precision, batching, requests, decoding, the HTTP server, p
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 from pathlib import Path
 from typing import ClassVar, Literal, Mapping
@@ -25,6 +26,7 @@ WeightsFormatSetting = Literal["auto", "onnx", "aoti", "int8", "torchscript", "s
 ENV_PREFIX = "VISIONSERVE_"
 CLIENT_VARIABLES = frozenset({"VISIONSERVE_URL"})  # read by the client (python -m visionserve_client), not by the server
 AUTO_MAX_BATCH_SIZE = {"cpu": 8, "cuda": 32}  # MAX_BATCH_SIZE=0, by the model's device type
+log = logging.getLogger(__name__)
 
 
 def dtype_fits_device(dtype: str, device_type: str) -> str | None:
@@ -443,7 +445,8 @@ class SecuritySettings(SettingsGroup):
 
     api_key: SecretStr | None = Field(
         None, description="Require `Authorization: Bearer <key>` or `X-API-Key: <key>` (compared in constant "
-        "time). Unset: no key needed.")
+        "time; the key stripped of surrounding whitespace). Unset: no key needed; so is an empty or whitespace-only "
+        "key, here or in `API_KEY_FILE`, with a warning at start that auth is off.")
     api_key_file: Path | None = Field(None, description="The same, read from a file at boot (a Docker or "
                                       "Kubernetes secret).")
     tracing: bool = Field(
@@ -465,12 +468,22 @@ class SecuritySettings(SettingsGroup):
         return self
 
     def resolved_api_key(self) -> str | None:
-        """The API key from the setting or the key file (stripped), or None when auth is off."""
+        """The API key from the setting or the key file (stripped), or None when auth is off.
+
+        An empty or whitespace-only key, from either, is no key: auth off, said in a warning. Taken as a key, no
+        request could present it (a header's value is stripped), so every protected path would be 401; an empty
+        variable is how a template or a compose file says "none" (`API_KEY=${API_KEY:-}`), and the warning tells
+        an operator who meant a key that none is required."""
         if self.api_key is not None:
-            return self.api_key.get_secret_value()
-        if self.api_key_file is not None:
-            return self.api_key_file.read_text(encoding="utf-8").strip() or None
-        return None
+            key, source = self.api_key.get_secret_value().strip(), f"{ENV_PREFIX}API_KEY"
+        elif self.api_key_file is not None:
+            key, source = self.api_key_file.read_text(encoding="utf-8").strip(), f"the key file {self.api_key_file}"
+        else:
+            return None
+        if not key:
+            log.warning("the API key setting is empty (%s): no key is required, auth is off; unset it, or give a "
+                        "key", source)
+        return key or None
 
 
 # The groups are listed last first: pydantic collects a model's fields from its last base up, so this order gives

@@ -11,7 +11,7 @@ from typing import Iterable, TypeVar
 import pydantic
 from werkzeug import Request
 
-from app.errors import BadRequest, SchemaViolation, UnknownOutput, UnsupportedMediaType
+from app.errors import BadRequest, SchemaViolation, UnknownOutput, UnsupportedMediaType, check_image_count
 from app.v1.schemas import ExplainJSONRequest, PredictJSONRequest
 from app.web.inputs import decode_base64, parse_json, read_body
 from app.web.multipart import FormData, parse_form_data
@@ -87,8 +87,9 @@ def _said_once(name: str, given: Given | None, query: str | None, where: str) ->
     return query if given is None else given
 
 
-def _from_json(request: Request, default_top_k: int, num_classes: int) -> PredictInput:
+def _from_json(request: Request, default_top_k: int, num_classes: int, max_images: int) -> PredictInput:
     parsed = _json_body(request, PredictJSONRequest)
+    check_image_count(len(parsed.images), max_images)  # before the decode: millions of tiny images cost none
     raw_top_k = _said_once(TOP_K, parsed.top_k, request.args.get(TOP_K), "body")
     top_k = _parse_top_k(raw_top_k, default_top_k, num_classes, "body" if parsed.top_k is not None else "query")
     raw_outputs = _said_once(OUTPUTS, parsed.outputs, request.args.get(OUTPUTS), "body")
@@ -188,7 +189,7 @@ def parse_predict(request: Request, *, default_top_k: int, num_classes: int, max
     mimetype = request.mimetype
     names: list[str | None] | None = None
     if mimetype == "application/json":
-        return _from_json(request, default_top_k, num_classes)
+        return _from_json(request, default_top_k, num_classes, max_images)
     if mimetype == "multipart/form-data":
         form, images, names = _from_multipart(request, {TOP_K, OUTPUTS}, max_images)
         form_top_k, form_outputs = form.field(TOP_K), form.field(OUTPUTS)

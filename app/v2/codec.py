@@ -11,7 +11,7 @@ import math
 import re
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -20,9 +20,18 @@ from app.web.inputs import decode_base64, parse_json
 
 _NUMPY_TYPES = {"FP32": np.float32, "FP64": np.float64, "FP16": np.float16, "INT64": np.int64, "INT32": np.int32,
                 "INT16": np.int16, "INT8": np.int8, "UINT8": np.uint8, "BOOL": np.bool_}
+# The binary extension's values are little-endian; the dtypes made once, not per request.
+_WIRE_TYPES = {name: np.dtype(kind).newbyteorder("<") for name, kind in _NUMPY_TYPES.items()}
 _JSON_NUMBERS, _JSON_BOOLEANS = frozenset({int, float}), frozenset({bool})  # what JSON parses to: bool is no int
+_INTEGERS = frozenset({int})
 _LENGTH = struct.Struct("<I")
 _LENGTH_DIGITS = re.compile(r"[0-9]{1,18}")  # ASCII digits only (str.isdigit takes "²"), few enough for int()
+# A shape's bounds: JSON takes integers of any size, and the product of a thousand of 4,000 digits held the
+# interpreter for tens of seconds, then was too long to print. Half numpy's 64 dimensions, each an int32: more than
+# any image takes.
+MAX_DIMENSIONS, MAX_DIMENSION = 32, 2 ** 31 - 1
+# What a caller checks of an input (its index, name, datatype and shape) once they are read, before its data is.
+InputCheck = Callable[[int, str, str, list[int]], None]
 
 
 @dataclass
@@ -60,14 +69,23 @@ def _header(body: bytes, header_length: str | None) -> tuple[dict[str, Any], byt
 
 
 def _shape(raw: Any, name: str) -> list[int]:
-    if not isinstance(raw, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in raw):
+    # C loops (type, min, max), no generator: every request's shape passes here. type(), not isinstance: True is no
+    # dimension.
+    if not isinstance(raw, list) or not set(map(type, raw)) <= _INTEGERS or raw and min(raw) < 0:
         raise BadRequest(f"input {name!r}: 'shape' must be a list of non-negative integers")
+    if len(raw) > MAX_DIMENSIONS:
+        raise BadRequest(f"input {name!r}: 'shape' has {len(raw)} dimensions; at most {MAX_DIMENSIONS} are taken")
+    if raw and max(raw) > MAX_DIMENSION:  # never printed: a dimension may have thousands of digits
+        raise BadRequest(f"input {name!r}: each 'shape' dimension must be at most {MAX_DIMENSION}")
     return raw
 
 
-def _split_bytes(blob: bytes, name: str) -> list[bytes]:
+def _split_bytes(blob: bytes, name: str, count: int) -> list[bytes]:
+    """The length-prefixed elements of ``blob``; BadRequest at the first past ``count``, before the rest are cut."""
     items, offset = [], 0
     while offset < len(blob):
+        if len(items) == count:
+            raise BadRequest(f"input {name!r}: BYTES data holds more than the {count} values its shape says")
         if offset + 4 > len(blob):
             raise BadRequest(f"input {name!r}: BYTES data ends inside a length prefix")
         (length,) = _LENGTH.unpack_from(blob, offset)
@@ -100,37 +118,60 @@ def _json_numbers(values: list[Any], name: str, datatype: str) -> np.ndarray:
 
 
 def _flatten(data: Any) -> list[Any]:
-    if isinstance(data, list):
-        return [item for part in data for item in _flatten(part)]
-    return [data]
+    """``data``'s values in order, its nested lists flattened as Triton does, in one pass: each value is copied
+    once, however deep (a flatten per level copied a value once a level). Flat data, the usual, is not copied."""
+    if not isinstance(data, list):
+        return [data]
+    if list not in set(map(type, data)):  # a C loop
+        return data
+    flat: list[Any] = []
+    stack = [data]
+    while stack:
+        part = stack.pop()
+        if not isinstance(part, list):
+            flat.append(part)
+        elif list in set(map(type, part)):
+            stack.extend(reversed(part))  # popped in order
+        else:
+            flat.extend(part)
+    return flat
 
 
-def _tensor(raw: dict[str, Any], binary: bytes, offset: int) -> tuple[Tensor, int]:
+def _tensor(raw: dict[str, Any], binary: bytes, offset: int, most: int, index: int,
+            check: InputCheck | None) -> tuple[Tensor, int]:
     name, datatype = str(raw.get("name", "")), raw.get("datatype")
     if not isinstance(datatype, str) or datatype != "BYTES" and datatype not in _NUMPY_TYPES:
         raise BadRequest(f"input {name!r}: datatype {datatype!r} is not supported")
     shape, params = _shape(raw.get("shape"), name), parameters(raw, f"input {name!r}")
+    count = math.prod(shape)  # small: a shape's bounds keep it under 2 ** 992
+    if count > most:  # every value takes a byte of the body at least, in JSON or binary
+        raise BadRequest(f"input {name!r}: shape {shape} holds more values than the {most} byte body can carry")
+    if check is not None:  # before the data: what it refuses (too many images) costs no decode
+        check(index, name, datatype, shape)
     size = params.get("binary_data_size")
     if size is not None:
         if not isinstance(size, int) or size < 0 or offset + size > len(binary):
             raise BadRequest(f"input {name!r}: binary_data_size {size!r} runs past the end of the body")
         blob, offset = binary[offset:offset + size], offset + size
         if datatype == "BYTES":
-            values: Any = np.array(_split_bytes(blob, name) or [], dtype=object)
+            values: Any = np.array(_split_bytes(blob, name, count) or [], dtype=object)
         else:
-            if size % np.dtype(_NUMPY_TYPES[datatype]).itemsize:
+            wire = _WIRE_TYPES[datatype]
+            if size % wire.itemsize:
                 raise BadRequest(f"input {name!r}: {size} bytes is not a whole number of {datatype} values")
-            values = np.frombuffer(blob, dtype=np.dtype(_NUMPY_TYPES[datatype]).newbyteorder("<"))
+            values = np.frombuffer(blob, dtype=wire)
     elif "data" in raw:
         flat = _flatten(raw["data"])
+        if len(flat) != count:  # before any value is decoded
+            raise BadRequest(f"input {name!r}: shape {shape} needs {count} values, got {len(flat)}")
         if datatype == "BYTES":
             values = np.array(_json_bytes(flat, name), dtype=object)
         else:
             values = _json_numbers(flat, name, datatype)
     else:
         raise BadRequest(f"input {name!r} has neither 'data' nor parameters.binary_data_size")
-    if values.size != math.prod(shape):
-        raise BadRequest(f"input {name!r}: shape {shape} needs {math.prod(shape)} values, got {values.size}")
+    if values.size != count:
+        raise BadRequest(f"input {name!r}: shape {shape} needs {count} values, got {values.size}")
     if datatype != "BYTES":
         try:
             values = values.reshape(shape)
@@ -139,14 +180,16 @@ def _tensor(raw: dict[str, Any], binary: bytes, offset: int) -> tuple[Tensor, in
     return Tensor(name, datatype, shape, values, params), offset
 
 
-def parse_request(body: bytes, header_length: str | None) -> InferRequest:
-    """Parse a V2 inference request body; raises BadRequest (400) for anything malformed."""
+def parse_request(body: bytes, header_length: str | None, check: InputCheck | None = None) -> InferRequest:
+    """Parse a V2 inference request body; raises BadRequest (400) for anything malformed. ``check(index, name,
+    datatype, shape)`` is called for each input once its shape is read, before its data is decoded; what it raises
+    is raised."""
     header, binary = _header(body, header_length)
     inputs, offset = [], 0
-    for raw in header["inputs"]:
+    for index, raw in enumerate(header["inputs"]):
         if not isinstance(raw, dict):
             raise BadRequest("each input must be a JSON object")
-        tensor, offset = _tensor(raw, binary, offset)
+        tensor, offset = _tensor(raw, binary, offset, len(body), index, check)
         inputs.append(tensor)
     if offset != len(binary):
         raise BadRequest(f"the body has {len(binary) - offset} bytes that no input claims")

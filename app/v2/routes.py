@@ -14,8 +14,8 @@ from pydantic import BaseModel
 
 from app import __version__
 from app.engine.contract import Served, Signature
-from app.errors import BadRequest, NotFound, NotReady, UnknownOutput
-from app.v2.codec import InferRequest, Tensor, encode_response, flag, parameters, parse_request
+from app.errors import BadRequest, NotFound, NotReady, UnknownOutput, check_image_count
+from app.v2.codec import InferRequest, InputCheck, Tensor, encode_response, flag, parameters, parse_request
 from app.v2.schemas import Live, ModelMetadata, ModelReady, Ready, ServerMetadata, TensorMetadata
 from app.web.inputs import client_key, deadline_s, read_body
 from app.web.services import client_gone, current_service
@@ -89,28 +89,41 @@ def model_metadata(name: str, version: str | None = None) -> Response:
                    if manifest.embedding is not None else [])]))
 
 
-def _inputs(model: Signature, infer: InferRequest) -> tuple[list[bytes], list[np.ndarray] | np.ndarray]:
-    """The one input: encoded images (BYTES) or preprocessed pixels (FP32, as one (N, C, H, W) array), checked
-    against ``model``."""
-    if len(infer.inputs) != 1:
-        raise BadRequest(f"send exactly one input, {IMAGES_INPUT!r} (BYTES) or {PIXELS_INPUT!r} (FP32)")
+def _input_check(model: Signature, max_images: int) -> InputCheck:
+    """What ``parse_request`` checks of each input once its shape is read, before its data is decoded: the one
+    input, images (BYTES [N] or [N, 1]) or pixels (FP32 [N, *model.input_shape]), and its N images against
+    MAX_IMAGES (413), so a refused request costs no decode (N tiny elements would each be cut, or decoded from
+    base64, before Call.infer counted them)."""
+    def check(index: int, name: str, datatype: str, shape: list[int]) -> None:
+        if index:
+            raise BadRequest(f"send exactly one input, {IMAGES_INPUT!r} (BYTES) or {PIXELS_INPUT!r} (FP32)")
+        count = shape[0] if shape else 0
+        if count == 0:
+            raise BadRequest(f"input {name!r} holds no images")
+        if name == IMAGES_INPUT and datatype == "BYTES":
+            if shape not in ([count], [count, 1]):
+                raise BadRequest(f"input {IMAGES_INPUT!r} must have shape [N] or [N, 1], got {shape}")
+        elif name == PIXELS_INPUT and datatype == "FP32":
+            expected = [count, *model.input_shape]
+            if shape != expected:
+                raise BadRequest(f"input {PIXELS_INPUT!r} must have shape {expected}, got {shape}")
+        else:
+            raise BadRequest(f"unknown input {name!r} ({datatype}); send {IMAGES_INPUT!r} as BYTES or "
+                             f"{PIXELS_INPUT!r} as FP32")
+        check_image_count(count, max_images)
+
+    return check
+
+
+def _inputs(infer: InferRequest) -> tuple[list[bytes], list[np.ndarray] | np.ndarray]:
+    """The one input, parsed under ``_input_check``: encoded images (BYTES) or preprocessed pixels (FP32, as one
+    (N, C, H, W) array)."""
     (tensor,) = infer.inputs
-    count = tensor.shape[0] if tensor.shape else 0
-    if count == 0:
-        raise BadRequest(f"input {tensor.name!r} holds no images")
-    if tensor.name == IMAGES_INPUT and tensor.datatype == "BYTES":
-        if tensor.shape not in ([count], [count, 1]):
-            raise BadRequest(f"input {IMAGES_INPUT!r} must have shape [N] or [N, 1], got {tensor.shape}")
+    if tensor.datatype == "BYTES":
         return [bytes(item) for item in tensor.data.reshape(-1)], []
-    if tensor.name == PIXELS_INPUT and tensor.datatype == "FP32":
-        expected = [count, *model.input_shape]
-        if tensor.shape != expected:
-            raise BadRequest(f"input {PIXELS_INPUT!r} must have shape {expected}, got {tensor.shape}")
-        if not np.isfinite(tensor.data).all():
-            raise BadRequest(f"input {PIXELS_INPUT!r} holds NaN or infinite values")
-        return [], np.array(tensor.data, dtype=np.float32)  # (N, C, H, W), a copy: the body's buffer is read-only
-    raise BadRequest(f"unknown input {tensor.name!r} ({tensor.datatype}); send {IMAGES_INPUT!r} as BYTES or "
-                     f"{PIXELS_INPUT!r} as FP32")
+    if not np.isfinite(tensor.data).all():
+        raise BadRequest(f"input {PIXELS_INPUT!r} holds NaN or infinite values")
+    return [], np.array(tensor.data, dtype=np.float32)  # (N, C, H, W), a copy: the body's buffer is read-only
 
 
 def _output_plan(infer: InferRequest, model: Signature) -> list[tuple[str, int, bool]]:
@@ -169,9 +182,10 @@ def infer(name: str, version: str | None = None) -> Response:
         if req.content_encoding and req.content_encoding.strip().lower() != "identity":
             raise BadRequest(f"Content-Encoding {req.content_encoding!r} is not supported: this server does not "
                              "take compressed request bodies (gzip, deflate); send the body uncompressed")
-        parsed = parse_request(read_body(req), headers.get("Inference-Header-Content-Length"))
+        parsed = parse_request(read_body(req), headers.get("Inference-Header-Content-Length"),
+                               _input_check(call.model, service.settings.max_images))
         plan = _output_plan(parsed, call.model)
-        images, tensors = _inputs(call.model, parsed)
+        images, tensors = _inputs(parsed)
         served = call.infer(images, tensors, timeout_s=_timeout_s(announced_timeout_s, parsed),
                             client_gone=client_gone(), embedding=any(name == EMBEDDING for name, _, _ in plan))
     digits = service.settings.score_digits

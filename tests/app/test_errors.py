@@ -163,6 +163,43 @@ def test_api_key(keyed_client: FlaskClient, headers: dict[str, str], status: int
         assert keyed_client.get(open_path).status_code == 200
 
 
+@pytest.mark.parametrize("source", ["setting", "file"])
+@pytest.mark.parametrize("empty", ["", "  \n"])
+def test_an_empty_api_key_is_no_key_and_the_start_warns(settings: Settings, predictor: Predictor, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch, source: str,
+                                                        empty: str) -> None:
+    # Before: VISIONSERVE_API_KEY="" (or blanks) turned auth on with a key no request can present (a header's value
+    # is stripped): every protected path 401; an empty key file was no key, and said nothing.
+    fields = {name: value for name, value in settings.model_dump().items() if name not in ("api_key", "api_key_file")}
+    if source == "setting":
+        monkeypatch.setenv("VISIONSERVE_API_KEY", empty)
+    else:
+        (tmp_path / "api_key").write_text(empty, encoding="utf-8")
+        fields["api_key_file"] = tmp_path / "api_key"
+    with mock.patch("app.config.log.warning") as warning:
+        app = create_app(Settings.model_validate(fields), predictor)
+    try:
+        (message, *args), _ = warning.call_args
+        assert (message % tuple(args)).startswith("the API key setting is empty (")
+        assert "auth is off" in message
+        client = app.test_client()
+        assert client.get("/v1/models").status_code == 200
+        _ok(client)
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def test_too_many_json_images_are_413_before_any_is_base64_decoded(client: FlaskClient, settings: Settings) -> None:
+    # Before: every image was base64-decoded, then counted: 3 million tiny ones cost 2 s of CPU before the 413.
+    n = settings.max_images + 1
+    with mock.patch("app.v1.payload.decode_base64") as decode:
+        response = client.post("/predict", json={"images": [_b64(image_bytes())] * n})
+    error = error_of(response, 413, "too_many_images")
+    assert error["message"] == f"{n} images in one request; the limit is {settings.max_images}"
+    assert decode.call_count == 0
+    _ok(client)
+
+
 @pytest.mark.parametrize("top_k", ["0", "-1", "1000000000", "abc", "5"])
 def test_bad_top_k_parameter(client: FlaskClient, top_k: str) -> None:
     response = client.post(f"/predict?top_k={top_k}", data=image_bytes(), content_type="image/jpeg")

@@ -7,12 +7,15 @@ import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
 from flask.testing import FlaskClient
 
 from app.engine.service import Service
+from app.errors import BadRequest
+from app.v2 import codec
 from tests.support.fakes import ColourModel, wait_until
 from tests.support.imaging import BLUE, GREEN, RED, image_bytes
 
@@ -89,7 +92,7 @@ def test_binary_pixels_in_and_binary_classification_out(client: FlaskClient) -> 
     ({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 3, 4, 4], "data": [0.0] * 48}]}, "shape"),
     ({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 3, 8, 8], "data": [float("nan")] * 192}]},
      "NaN"),
-    ({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1], "data": ["x"]}]}, "not FP32"),
+    ({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 3, 8, 8], "data": ["x"] * 192}]}, "not FP32"),
     ({"inputs": [{"name": "tensor", "datatype": "INT8", "shape": [1], "data": [1]}]}, "unknown input"),
     ({"inputs": [{"name": "images", "datatype": "STRING", "shape": [1], "data": [1]}]}, "not supported"),
     ({"inputs": [{"name": "images", "datatype": "BYTES", "shape": [-1], "data": []}]}, "non-negative"),
@@ -108,11 +111,13 @@ _PIXELS = {"name": "pixels", "datatype": "FP32", "shape": [1, 3, 8, 8], "data": 
 @pytest.mark.parametrize("body, headers, message", [
     ({"inputs": [{**_PIXELS, "datatype": ["FP32"]}]}, {}, "not supported"),  # unhashable: a TypeError before
     ({"inputs": [{**_PIXELS, "parameters": [1]}]}, {}, "input 'pixels': 'parameters' must be an object"),
-    ({"inputs": [{"name": "images", "datatype": "UINT8", "shape": [1], "data": [-1]}]}, {}, "not UINT8"),
-    ({"inputs": [{"name": "images", "datatype": "INT64", "shape": [1], "data": [2 ** 70]}]}, {}, "not INT64"),
+    # refused by name before their data is read (test_the_codec_alone_refuses_values_not_of_their_type)
+    ({"inputs": [{"name": "images", "datatype": "UINT8", "shape": [1], "data": [-1]}]}, {}, "unknown input"),
+    ({"inputs": [{"name": "images", "datatype": "INT64", "shape": [1], "data": [2 ** 70]}]}, {}, "unknown input"),
     ({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [0, 2 ** 62, 2 ** 62], "data": []}]}, {},
-     "cannot be made"),
-    ({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [0] * 65, "data": []}]}, {}, "cannot be made"),
+     "each 'shape' dimension must be at most 2147483647"),
+    ({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [0] * 65, "data": []}]}, {},
+     "'shape' has 65 dimensions; at most 32 are taken"),
     ({"inputs": [_PIXELS], "outputs": [{"name": "probabilities", "parameters": [1]}]}, {},
      "output 'probabilities': 'parameters' must be an object"),
     ({"inputs": [_PIXELS], "parameters": "x"}, {}, "the request: 'parameters' must be an object"),
@@ -130,6 +135,15 @@ def test_malformed_tensors_are_400_and_no_failure_of_the_version(client: FlaskCl
     answered = client.post(INFER, json={"inputs": [_PIXELS], "parameters": {"timeout": 10 ** 400}})
     assert answered.status_code == 200  # a timeout past a float's range: the announced deadline
     assert traffic.failures == 0 and traffic.requests == 1
+
+
+@pytest.mark.parametrize("datatype, value", [("UINT8", -1), ("INT64", 2 ** 70), ("BOOL", 1)])
+def test_the_codec_alone_refuses_values_not_of_their_type(datatype: str, value: int) -> None:
+    # The route refuses these inputs by name before their data is read; the codec, asked with no check, still
+    # answers 400 (an OverflowError once, a 500; a BOOL of 1 once True).
+    body = json.dumps({"inputs": [{"name": "x", "datatype": datatype, "shape": [1], "data": [value]}]}).encode()
+    with pytest.raises(BadRequest, match=f"'data' holds values that are not {datatype}"):
+        codec.parse_request(body, None)
 
 
 def test_bad_binary_framing_and_limits(client: FlaskClient, settings: Any) -> None:
@@ -241,7 +255,6 @@ def test_a_request_id_that_is_not_a_string_is_400(client: FlaskClient, request_i
 
 @pytest.mark.parametrize("data, datatype", [
     ([True] * 192, "FP32"), (["0.5"] * 192, "FP32"), ([0.0] * 191 + ["1"], "FP32"), ([0.0] * 191 + [None], "FP32"),
-    ([1] * 192, "BOOL"),
 ])
 def test_tensor_data_of_another_json_kind_is_400(client: FlaskClient, data: list, datatype: str) -> None:
     # Before: numpy took true as 1.0 and "0.5" as 0.5, and answered 200 on pixels the client never sent.
@@ -256,6 +269,85 @@ def test_nested_tensor_data_is_flattened_as_triton_does(client: FlaskClient) -> 
     assert client.post(INFER, json=nested).status_code == 200
     ints = {"inputs": [{**_PIXELS, "data": [0] * 192}]}  # JSON integers are numbers too
     assert client.post(INFER, json=ints).status_code == 200
+
+
+@pytest.mark.parametrize("depth", [4, 150])
+def test_nested_tensor_data_is_flattened_in_one_pass_in_order(client: FlaskClient, depth: int) -> None:
+    # Before: _flatten called itself on every list and value, copying each value once per level: a 10 MB body
+    # nested 190 deep took 8.8 s of CPU against 0.65 flat. One call now, whatever the depth.
+    green = [[[0.0] * 8] * 8, [[1.0] * 8] * 8, [[0.0] * 8] * 8]  # channel 1 set: green once normalised
+    data: Any = [green]  # [1, 3, 8, 8], as the shape
+    for _ in range(depth - 4):
+        data = [data]
+    mixed = [[0.0] * 64, [[1.0] * 8] * 8, 0.0, [[[0.0]] * 63]]  # lists and values side by side, same order
+    outputs = [{"name": "probabilities", "parameters": {"classification": 1}}]
+    for values in (data, mixed):
+        with mock.patch.object(codec, "_flatten", wraps=codec._flatten) as flatten:
+            answer = client.post(INFER, json={"inputs": [{**_PIXELS, "data": values}], "outputs": outputs})
+        assert answer.status_code == 200, answer.get_data(as_text=True)
+        assert answer.get_json()["outputs"][0]["data"][0].endswith(":1:green")
+        assert flatten.call_count == 1
+
+
+@pytest.mark.parametrize("shape, message", [
+    ([9 * 10 ** 3999] * 40, "input 'pixels': 'shape' has 40 dimensions; at most 32 are taken"),
+    ([9 * 10 ** 3999] * 20, "input 'pixels': each 'shape' dimension must be at most 2147483647"),
+    ([0, 10 ** 30], "input 'pixels': each 'shape' dimension must be at most 2147483647"),
+    ([4, 2 ** 31 - 1, 2 ** 31 - 1, 2 ** 31 - 1], "input 'pixels': shape [4, 2147483647, 2147483647, 2147483647] "
+                                                "holds more values than the "),
+])
+def test_a_shape_of_huge_or_too_many_dimensions_is_400_with_a_short_message(client: FlaskClient, service: Service,
+                                                                          shape: list[int], message: str) -> None:
+    # Before: any integer was a dimension; the product of 1,000 of 4,000 digits held the interpreter for tens of
+    # seconds (the worker's every request waiting), then printing it passed Python's int-to-str limit: a 500.
+    body = json.dumps({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": shape, "data": []}]})
+    (route,) = [row for row in service.catalog.index() if row.state == "READY"]
+    traffic = service.controller.evidence.traffic(route.name, route.version)
+    error = _v2_error(client.post(INFER, data=body, content_type="application/json"), 400)
+    assert error.startswith(message) and len(error) < 200
+    assert traffic.failures == 0
+    assert client.post(INFER, json={"inputs": [_PIXELS]}).status_code == 200
+
+
+def _too_many(settings: Any, how: str) -> tuple[bytes, dict[str, str]]:
+    """A request of MAX_IMAGES + 1 images: BYTES in binary or in JSON, or pixels."""
+    n = settings.max_images + 1
+    if how == "binary":
+        blob = b"".join(struct.pack("<I", 4) + b"\0" * 4 for _ in range(n))
+        return _binary_body({"inputs": [{"name": "images", "datatype": "BYTES", "shape": [n],
+                                         "parameters": {"binary_data_size": len(blob)}}]}, blob)
+    if how == "json":
+        body = {"inputs": [{"name": "images", "datatype": "BYTES", "shape": [n], "data": ["AAAA"] * n}]}
+    else:
+        body = {"inputs": [{**_PIXELS, "shape": [n, 3, 8, 8], "data": [0.0] * 192 * n}]}
+    return json.dumps(body).encode(), {"Content-Type": "application/json"}
+
+
+@pytest.mark.parametrize("how", ["binary", "json", "pixels"])
+def test_too_many_images_is_413_before_any_element_is_cut_or_decoded(client: FlaskClient, settings: Any,
+                                                                     how: str) -> None:
+    # Before: every element was cut from the binary data (or base64-decoded, or read as a number) and only then
+    # counted by Call.infer: 20 MiB of 4-byte elements took 2 s of CPU and 250 MiB before the same 413.
+    body, headers = _too_many(settings, how)
+    with mock.patch.object(codec, "_split_bytes", wraps=codec._split_bytes) as split, \
+            mock.patch.object(codec, "decode_base64", wraps=codec.decode_base64) as decode, \
+            mock.patch.object(codec, "_json_numbers", wraps=codec._json_numbers) as numbers:
+        error = _v2_error(client.post(INFER, data=body, headers=headers), 413)
+    n = settings.max_images + 1
+    assert error == f"{n} images in one request; the limit is {settings.max_images}"
+    assert split.call_count == decode.call_count == numbers.call_count == 0
+
+
+def test_binary_bytes_past_the_shape_stop_being_cut_at_the_first_extra(client: FlaskClient) -> None:
+    # Before: every element of the data was cut, then their count compared with the shape's.
+    blob = b"".join(struct.pack("<I", 4) + b"\0" * 4 for _ in range(1000))
+    body, headers = _binary_body({"inputs": [{"name": "images", "datatype": "BYTES", "shape": [1],
+                                              "parameters": {"binary_data_size": len(blob)}}]}, blob)
+    with mock.patch.object(codec, "_LENGTH", mock.Mock(wraps=codec._LENGTH)) as length:
+        error = _v2_error(client.post(INFER, data=body, headers=headers), 400)
+        cuts = length.unpack_from.call_count
+    assert error == "input 'images': BYTES data holds more than the 1 values its shape says"
+    assert cuts == 1
 
 
 @pytest.mark.parametrize("params", [[], 0, "", False])

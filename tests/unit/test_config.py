@@ -84,6 +84,8 @@ def test_the_methods_of_the_groups_and_of_the_whole(tmp_path: Path) -> None:
     settings = Settings(models=" a, ,b", api_key_file=key_file, device=" CUDA:1 ", max_images=4, max_batch_size=16)
     assert settings.model_names() == ["a", "b"]
     assert settings.resolved_api_key() == "s3cret"
+    # the setting's key stripped as the file's is: a header's value is, so " s3cret" could never be presented
+    assert Settings(api_key=" s3cret\n").resolved_api_key() == "s3cret"
     assert settings.device == "cuda:1"
     assert settings.resolved_queue_size("cuda") == settings.threads * 4 == 128
     assert settings.resolved_weights_dir().is_absolute()
