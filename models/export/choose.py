@@ -6,8 +6,8 @@ saying why (no file in the manifest, a GPU server, a dtype other than float32). 
 with float32 on real photos measured at export); ``WEIGHTS_FORMAT=aoti`` or ``int8`` serves a package of that kind
 compiled for this device type, dtype and torch version, whose batch range covers ``MAX_BATCH_SIZE``, or refuses to
 start saying why none fits. ``auto`` serves what was measured fastest end to end on this device type (``FASTEST_ON``)
-when it may (ONNX and int8 also need ``MIN_TOP1_AGREEMENT``), and otherwise the manifest's default format
-(TorchScript), saying why in one log line.
+when it may (ONNX and int8 also need ``MIN_TOP1_AGREEMENT``; ONNX its probabilities within float32's rounding
+too), and otherwise the manifest's default format (TorchScript), saying why in one log line.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 
 from models.export.checks import ModelLoadError
 from models.export.manifest import (
+    MAX_ONNX_PROBABILITY_DIFFERENCE,
     MIN_EMBEDDING_COSINE,
     MIN_TOP1_AGREEMENT,
     Agreement,
@@ -58,7 +59,9 @@ def choose_onnx(manifest: Manifest, setting: str, device: torch.device, dtype: s
         raise ModelLoadError(f"WEIGHTS_FORMAT=onnx but {why}")
     agreement = manifest.onnx.agreement if manifest.onnx else None
     if not why and agreement is not None:
-        why = short_of(agreement)
+        why = onnx_short_of(agreement)
+    if why and setting == "onnx":  # asked for by name: no start, saying why (not a search for a file named onnx)
+        raise ModelLoadError(f"WEIGHTS_FORMAT=onnx but {why}")
     if why:
         log.info("not serving ONNX: %s", why)
         return None
@@ -91,6 +94,18 @@ def disagrees(package: CompiledPackage) -> str | None:
     if package.agreement is None:
         return "its agreement with float32 was not measured at export"
     return short_of(package.agreement)
+
+
+def onnx_short_of(agreement: Agreement) -> str | None:
+    """How an ONNX file's ``agreement`` falls short of what is served: ``short_of``, and its probabilities within
+    ``MAX_ONNX_PROBABILITY_DIFFERENCE`` of float32's (it computes in float32: top-1 alone would pass answers at
+    another scale)."""
+    if why := short_of(agreement):
+        return why
+    if agreement.max_probability_difference > MAX_ONNX_PROBABILITY_DIFFERENCE:
+        return (f"its probabilities differ from the model's by up to {agreement.max_probability_difference:.1e}, "
+                f"beyond {MAX_ONNX_PROBABILITY_DIFFERENCE:g}")
+    return None
 
 
 def short_of(agreement: Agreement) -> str | None:

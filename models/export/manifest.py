@@ -52,6 +52,9 @@ class WeightsFile(BaseModel):
 
 MIN_TOP1_AGREEMENT = 0.99  # what a quantized package must reach against float32 before `auto` may serve it
 MIN_EMBEDDING_COSINE = 0.99  # and its embeddings' lowest cosine similarity with float32's, when it answers them
+# An ONNX file computes in float32 as the model does: its probabilities may differ by rounding only (measured under
+# 1e-6 for the default model), where a quantized package's may differ by much more.
+MAX_ONNX_PROBABILITY_DIFFERENCE = 1e-3
 
 
 class Agreement(BaseModel):

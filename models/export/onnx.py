@@ -8,7 +8,8 @@ optimizations), which took 25-55 s to write the default model on the 2-core VM a
 about the symbolic batch dimension in Python at every layer. It is the fallback for a model the tracing exporter
 cannot take. ONNX Runtime runs the file on the agreement photos (models/export/agreement.py: 198 views of 9 real
 photos) next to the eager model, and the top-1 agreement and largest probability difference go into the manifest. A
-model neither exporter can take, or whose ONNX answers differ (top-1 agreement under ``MIN_TOP1_AGREEMENT``), is
+model neither exporter can take, or whose ONNX answers differ (``choose.onnx_short_of``: top-1 agreement, the
+embeddings' cosine, and its probabilities beyond float32's rounding), is
 exported without the file, with a warning saying why: the server then serves TorchScript.
 
 ``python -m bench.serving.formats`` measured ONNX Runtime's forward pass at about twice frozen TorchScript's on the
@@ -28,7 +29,8 @@ import torch
 import torch.nn as nn
 
 from models.export.agreement import Laps, agreement, agreement_batch, answers, one_thread
-from models.export.manifest import EMBEDDING_OUTPUT, MIN_EMBEDDING_COSINE, MIN_TOP1_AGREEMENT, OnnxFile, sha256_of
+from models.export.choose import onnx_short_of
+from models.export.manifest import EMBEDDING_OUTPUT, OnnxFile, sha256_of
 from models.export.onnx_runtime import run_session, session
 from models.presets import EvalPreset
 
@@ -71,11 +73,9 @@ def export_onnx(model: nn.Module, preset: EvalPreset, out_dir: Path, max_batch_s
         log.warning("no ONNX file (the server will serve TorchScript): the export failed: %s%s", exc, missing)
         return None
     export_s = time.perf_counter() - started
-    if found.top1 < MIN_TOP1_AGREEMENT or (found.min_embedding_cosine or 1.0) < MIN_EMBEDDING_COSINE:
+    if why := onnx_short_of(found):
         path.unlink()
-        log.warning("no ONNX file (the server will serve TorchScript): its top-1 agreed with the model on %.1f%% "
-                    "of %d photos, its embeddings' lowest cosine %s", 100 * found.top1, found.photos,
-                    found.min_embedding_cosine)
+        log.warning("no ONNX file (the server will serve TorchScript): %s", why)
         return None
     log.info("wrote %s in %.0fs: top-1 agrees with the model on %.1f%% of %d photos, probabilities within %.1e",
              path.name, export_s, 100 * found.top1, found.photos,

@@ -19,9 +19,9 @@ from tests.support.fakes import export_tiny, tiny_manifest
 CPU = torch.device("cpu")
 
 
-def _with_onnx(top1: float = 1.0, cosine: float | None = None) -> Manifest:
+def _with_onnx(top1: float = 1.0, cosine: float | None = None, difference: float = 0.0) -> Manifest:
     onnx = OnnxFile(path="model.onnx", sha256="0" * 64, opset=18, max_batch_size=64, torch_version="x",
-                    export_s=7.0, agreement=Agreement(photos=198, top1=top1, max_probability_difference=0.0,
+                    export_s=7.0, agreement=Agreement(photos=198, top1=top1, max_probability_difference=difference,
                                                       min_embedding_cosine=cosine))
     return tiny_manifest().model_copy(update={"onnx": onnx})
 
@@ -41,6 +41,10 @@ def test_auto_serves_onnx_on_the_cpu_only_when_it_agreed(caplog: pytest.LogCaptu
         assert choose_onnx(_with_onnx(top1=0.97), "auto", CPU, "float32") is None
         assert choose_onnx(_with_onnx(cosine=0.95), "auto", CPU, "float32") is None  # its embeddings differ
     assert choose_onnx(_with_onnx(cosine=0.9999), "auto", CPU, "float32").path == "model.onnx"
+    with caplog.at_level(logging.INFO, logger="models.export.choose"):  # float32 as the model: rounding apart only
+        assert choose_onnx(_with_onnx(difference=0.4), "auto", CPU, "float32") is None
+    assert choose_onnx(_with_onnx(difference=2e-6), "auto", CPU, "float32").path == "model.onnx"
+    assert "its probabilities differ from the model's by up to 4.0e-01, beyond 0.001" in caplog.text
     assert "not serving ONNX: the manifest lists no ONNX file" in caplog.text
     assert "its top-1 agrees with float32 on 97.0% of 198 photos" in caplog.text
     assert "its embeddings' cosine with float32's fell to 0.950, below 0.99" in caplog.text
@@ -55,6 +59,13 @@ def test_weights_format_onnx_refuses_to_start_saying_why(manifest: Manifest, dev
                                                          reason: str) -> None:
     with pytest.raises(ModelLoadError, match=f"WEIGHTS_FORMAT=onnx but {reason}"):
         choose_onnx(manifest, "onnx", torch.device(device), dtype)
+
+
+def test_weights_format_onnx_with_a_file_that_did_not_agree_says_so() -> None:
+    # Before: logged, then None, and the load looked for a weights file named "onnx": "the manifest lists no onnx
+    # file (has: torchscript, state_dict)", though it lists one
+    with pytest.raises(ModelLoadError, match="WEIGHTS_FORMAT=onnx but its top-1 agrees with float32 on 50.0%"):
+        choose_onnx(_with_onnx(top1=0.5), "onnx", CPU, "float32")
 
 
 def test_the_export_writes_the_onnx_file_with_its_agreement(onnx_export: Path) -> None:
@@ -109,6 +120,28 @@ def test_a_model_the_exporter_cannot_take_is_exported_without_onnx(tmp_path: Pat
     assert read_manifest(tmp_path).onnx is None and not (tmp_path / "model.onnx").exists()
     assert "no ONNX file (the server will serve TorchScript): the export failed: no ONNX op" in caplog.text
     assert Predictor.load(tmp_path, device="cpu").weights_format == "torchscript"
+
+
+def test_an_onnx_file_whose_probabilities_differ_is_not_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    # Only top-1 and the embeddings' cosine were checked: ONNX answers at another scale (the same top class, every
+    # probability off) were written, and auto served them on the CPU.
+    import models.export.onnx as onnx
+
+    real = onnx.run_session
+
+    def surer(runner: object, batch: object) -> object:  # each row's top class by 1 more: the same class, surer
+        answered = real(runner, batch)  # type: ignore[arg-type]
+        logits = answered[0] if isinstance(answered, tuple) else answered
+        top = logits.float().softmax(dim=1).argmax(dim=1)  # as the agreement reads it (the tiny model's are ties)
+        logits = logits + torch.nn.functional.one_hot(top, logits.shape[1])
+        return (logits, *answered[1:]) if isinstance(answered, tuple) else logits
+
+    monkeypatch.setattr(onnx, "run_session", surer)
+    with caplog.at_level(logging.WARNING, logger="models.export.onnx"):
+        export_tiny(tmp_path, packages=(("onnx", "float32"),))
+    assert read_manifest(tmp_path).onnx is None and not (tmp_path / "model.onnx").exists()
+    assert "no ONNX file (the server will serve TorchScript): its probabilities differ" in caplog.text
 
 
 def test_an_export_without_the_agreement_photos_says_which_package_to_install(
