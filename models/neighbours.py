@@ -6,7 +6,9 @@
 
 It reads ``OUT.npy`` (float32, one row per image) and the names beside it, ``OUT.names.txt`` (one a line, in the
 rows' order; runs/photos.npy's are runs/photos.names.txt). The similarity is the cosine of two rows: the model's
-rows are unit vectors, and the similarities of other rows are divided by their lengths, so any vectors work.
+rows are unit vectors, and the similarities of other rows are divided by their lengths, so any vectors work. A row
+of NaN or infinity compares with nothing: the file is refused, naming it. Names are printed as the names file holds
+them (one that is not UTF-8 as its own bytes; in ``--json``, in JSON's ASCII escapes, which json reads back).
 
 The search is exact and in numpy alone: ``--duplicates`` multiplies a block of rows by every row after the block's
 first (the upper triangle: each pair once), keeps the similarities at or above the threshold and sorts them;
@@ -32,12 +34,15 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from models.predict.outputs import names_file
+from models.predict.outputs import names_file, read_meta, read_names
 
 BLOCK_BYTES = 64 * 2**20  # the similarities of one block of rows against every row after its first: 64 MiB
 MAX_PAIRS = 1_000_000  # --duplicates keeps at most this many pairs, the most similar (a low threshold, many images)
 UNIT_TOLERANCE = 1e-4  # rows whose lengths are all within it of 1 are used as they are (the model's: L2-normalised)
 DEFAULT_THRESHOLD = 0.95
+# float32 rounding: a unit row's product with itself is 0.9999994, so --threshold 1 would miss exact duplicates;
+# a pair within this of the threshold is at it
+SIMILARITY_TOLERANCE = 1e-5
 DEFAULT_K = 5
 
 
@@ -57,7 +62,7 @@ class Embeddings:
 
 
 def read_embeddings(path: Path) -> Embeddings:
-    """``path`` and the names beside it, checked: a 2-D array of numbers with one name per row."""
+    """``path`` and the names beside it, checked: a 2-D array of finite numbers with one name per row."""
     if not path.is_file():
         raise NeighboursError(f"{path} does not exist: models.predict --embeddings {path} writes it")
     names_path = names_file(path)
@@ -72,12 +77,17 @@ def read_embeddings(path: Path) -> Embeddings:
                               "numbers per image (N x dim)")
     if rows.dtype not in (np.float32, np.float64):
         rows = np.asarray(rows, dtype=np.float32)  # a copy: the products run in float32 or float64
-    names = names_path.read_text(encoding="utf-8").splitlines()
+    names = read_names(names_path)
     if len(names) != rows.shape[0]:
         raise NeighboursError(f"{path} holds {rows.shape[0]} rows and {names_path} {len(names)} names: they are "
                               "written together, one name per row; write them again with models.predict")
     lengths = np.ones(len(names), dtype=rows.dtype)
     for start, stop in _blocks(len(names), rows.shape[1], rows.itemsize):
+        finite = np.isfinite(rows[start:stop]).all(axis=1)
+        if not finite.all():  # NaN is similar to nothing and sorts anywhere: the image itself would be its neighbour
+            bad = start + int(np.argmin(finite))
+            raise NeighboursError(f"{path}: row {bad} ({_shown(names[bad])}) holds NaN or infinity, which no "
+                                  "similarity compares: score that image again (models.predict writes no such row)")
         lengths[start:stop] = np.linalg.norm(rows[start:stop], axis=1)
     unit = bool(np.allclose(lengths, 1.0, atol=UNIT_TOLERANCE))
     lengths[lengths == 0] = 1.0  # a zero row is similar to nothing (0), not NaN
@@ -103,7 +113,7 @@ def duplicates(embeddings: Embeddings, threshold: float) -> tuple[np.ndarray, np
             similarity /= lengths[start:stop, None]
             similarity /= lengths[None, start:]
         similarity[:, : stop - start][np.tril_indices(stop - start)] = -np.inf  # each pair once, never itself
-        above = similarity >= threshold
+        above = similarity >= threshold - SIMILARITY_TOLERANCE
         qualified += int(np.count_nonzero(above))
         if floor > threshold:
             above &= similarity >= floor
@@ -156,8 +166,9 @@ def find_name(names: Sequence[str], wanted: str) -> int:
         return matches[0]
     if not matches:
         raise NeighboursError(f"--like {wanted}: no name in the names file is or ends with it "
-                              f"({len(names)} names, e.g. {names[0] if names else 'none'})")
-    shown = ", ".join(names[i] for i in matches[:3]) + (f" and {len(matches) - 3} more" if len(matches) > 3 else "")
+                              f"({len(names)} names, e.g. {_shown(names[0]) if names else 'none'})")
+    more = f" and {len(matches) - 3} more" if len(matches) > 3 else ""
+    shown = ", ".join(_shown(names[i]) for i in matches[:3]) + more
     raise NeighboursError(f"--like {wanted} ends {len(matches)} names ({shown}): give more of its path")
 
 
@@ -166,25 +177,50 @@ def _similarity(value: float) -> float:
     return min(1.0, max(-1.0, float(value)))
 
 
-def print_duplicates(embeddings: Embeddings, threshold: float, as_json: bool) -> None:
-    """``similarity  name_a  name_b`` lines (or JSON lines) on stdout; how many on stderr."""
+def _shown(name: str) -> str:
+    """A name in a line of text: one that is not UTF-8 (surrogate escapes) with its bytes as \\xff."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def _out(lines: Iterator[str]) -> None:
+    """``lines`` on stdout, each name as the names file holds it: one that is not UTF-8 as its own bytes (print
+    would raise UnicodeEncodeError for its surrogate escapes); JSON lines are ASCII already."""
+    buffer = getattr(sys.stdout, "buffer", None)
+    sys.stdout.flush()
+    for line in lines:
+        if buffer is None:  # a stdout of text alone (an embedding program's): the bytes shown as \xff
+            print(_shown(line))
+        else:
+            buffer.write(line.encode("utf-8", "surrogateescape") + b"\n")
+    sys.stdout.flush()
+
+
+def _made_by(path: Path) -> str:
+    """Which model's embeddings ``path`` holds, as its meta file says: " (mine 1's embeddings)", or nothing."""
+    meta = read_meta(path)
+    if meta is None or not isinstance(meta.get("model"), str):
+        return ""
+    return f" ({meta['model']} {meta.get('version')}'s embeddings)"
+
+
+def print_duplicates(embeddings: Embeddings, threshold: float, as_json: bool, made_by: str = "") -> None:
+    """``similarity  name_a  name_b`` lines (or JSON lines) on stdout; how many on stderr (and ``made_by``: whose
+    embeddings)."""
     similarities, first, second, qualified = duplicates(embeddings, threshold)
     names = embeddings.names
-    for value, i, j in zip(similarities.tolist(), first.tolist(), second.tolist()):
-        if as_json:
-            print(json.dumps({"similarity": round(_similarity(value), 6), "a": names[i], "b": names[j]}))
-        else:
-            print(f"{_similarity(value):.4f}  {names[i]}  {names[j]}")
+    _out(json.dumps({"similarity": round(_similarity(value), 6), "a": names[i], "b": names[j]}) if as_json
+         else f"{_similarity(value):.4f}  {names[i]}  {names[j]}"
+         for value, i, j in zip(similarities.tolist(), first.tolist(), second.tolist()))
     shown = f" (the {len(similarities)} most similar shown: raise --threshold)" if qualified > len(similarities) else ""
-    print(f"{qualified} pairs at cosine similarity >= {threshold} among {len(names)} images{shown}", file=sys.stderr)
+    print(f"{qualified} pairs at cosine similarity >= {threshold} among {len(names)} images{made_by}{shown}",
+          file=sys.stderr)
 
 
 def print_like(embeddings: Embeddings, wanted: str, k: int, as_json: bool) -> None:
     """``similarity  name`` lines (or JSON lines) on stdout: the neighbours of ``wanted``, most similar first."""
-    for value, j in like(embeddings, find_name(embeddings.names, wanted), k):
-        name = embeddings.names[j]
-        print(json.dumps({"similarity": round(_similarity(value), 6), "name": name}) if as_json
-              else f"{_similarity(value):.4f}  {name}")
+    nearest = like(embeddings, find_name(embeddings.names, wanted), k)
+    _out(json.dumps({"similarity": round(_similarity(value), 6), "name": embeddings.names[j]}) if as_json
+         else f"{_similarity(value):.4f}  {embeddings.names[j]}" for value, j in nearest)
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -215,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise NeighboursError(f"--k {args.k}: ask for at least 1 neighbour")
         embeddings = read_embeddings(args.embeddings)
         if args.duplicates:
-            print_duplicates(embeddings, args.threshold, args.json)
+            print_duplicates(embeddings, args.threshold, args.json, _made_by(args.embeddings))
         else:
             print_like(embeddings, args.like, args.k, args.json)
     except NeighboursError as exc:

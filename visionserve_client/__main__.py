@@ -8,9 +8,9 @@ model.
     visionserve model --labels
     cat cat.jpg | visionserve predict -                          # `-`: the image from stdin
 Each file gets its own result or error (with --json, an "error" object: status, code, message, request_id); the
-files go in as many requests as the server's limits need. Exit codes: 0 success (and, for health/ready, a yes), 1 a
-server error (for any file) or a no, 2 a usage error (a bad option, a URL without http://) or a file that cannot be
-read.
+files go in as many requests as the server's limits need (predict and embed alike). Exit codes: 0 success (and, for
+health/ready, a yes), 1 a server error (for any file) or a no, 2 a usage error (a bad option, a URL without http://)
+or a file that cannot be read.
 """
 from __future__ import annotations
 
@@ -172,7 +172,6 @@ def _predict(client: Client, args: argparse.Namespace) -> int:
     results = client.predict_each(_inputs(list(args.images)), top_k=args.top_k, model=args.model,
                                   version=args.version)
     paths = [_shown(path) for path in args.images]
-    failed = [(path, r) for path, r in zip(paths, results) if not isinstance(r, Prediction)]
     if args.json:
         print(json.dumps([{"image": path, **dataclasses.asdict(r)} if isinstance(r, Prediction)
                           else {"image": path, "error": _error_json(r)} for path, r in zip(paths, results)], indent=2))
@@ -180,6 +179,12 @@ def _predict(client: Client, args: argparse.Namespace) -> int:
         answered = [(path, r) for path, r in zip(paths, results) if isinstance(r, Prediction)]
         if answered:
             print("\n".join(_tables(answered)))
+    return _failures(args, [(path, r) for path, r in zip(paths, results) if not isinstance(r, Prediction)])
+
+
+def _failures(args: argparse.Namespace, failed: list[tuple[str, VisionServeError | OSError]]) -> int:
+    """Each failed file's error on stderr; the exit code: 2 when a file cannot be read, else 1 when the server
+    refused one, else 0."""
     for path, error in failed:
         said = f"cannot read it: {error.strerror}" if isinstance(error, OSError) and error.strerror else error
         print(f"error: {path}: {_for_cli(said)}", file=sys.stderr)
@@ -191,23 +196,23 @@ def _predict(client: Client, args: argparse.Namespace) -> int:
 
 
 def _embed(client: Client, args: argparse.Namespace) -> int:
-    """The images' embeddings, in one request: a line each (its length and first values), or JSON with --json.
-    Exit 2 when a file cannot be read, 1 when the server refused the request."""
-    try:
-        embeddings: list[Embedding] = client.embed(_inputs(list(args.images)), model=args.model,
-                                                   version=args.version)
-    except OSError as exc:
-        print(f"error: {_shown(str(exc.filename))}: cannot read it: {exc.strerror}", file=sys.stderr)
-        return 2
+    """Each image's embedding or its own error, in as many requests as the server's limits need (as predict): a
+    line each (its length and first values), or JSON with --json; exit codes as predict's."""
+    results = client.embed_each(_inputs(list(args.images)), model=args.model, version=args.version)
     paths = [_shown(path) for path in args.images]
     if args.json:
-        print(json.dumps([{"image": path, **dataclasses.asdict(e)} for path, e in zip(paths, embeddings)]))
-        return 0
-    print(_answered_by(embeddings[0]))
-    for path, embedding in zip(paths, embeddings):
-        shown = ", ".join(f"{value:.4f}" for value in embedding.vector[:4])
-        print(f"{path}  {len(embedding.vector)} values  [{shown}, ...]")
-    return 0
+        print(json.dumps([{"image": path, **dataclasses.asdict(r)} if isinstance(r, Embedding)
+                          else {"image": path, "error": _error_json(r)} for path, r in zip(paths, results)]))
+    else:
+        answered = [(path, r) for path, r in zip(paths, results) if isinstance(r, Embedding)]
+        by = {(e.model, e.version) for _, e in answered if e.model is not None}
+        if answered and len(by) <= 1:
+            print(_answered_by(answered[0][1]))
+        for path, embedding in answered:  # answered by several versions (a canary met by one request): each says
+            shown = ", ".join(f"{value:.4f}" for value in embedding.vector[:4])
+            own = f"  ({_answered_by(embedding)})" if len(by) > 1 else ""
+            print(f"{path}  {len(embedding.vector)} values  [{shown}, ...]{own}")
+    return _failures(args, [(path, r) for path, r in zip(paths, results) if not isinstance(r, Embedding)])
 
 
 def _no_server(url: str) -> None:

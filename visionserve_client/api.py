@@ -19,6 +19,8 @@ from visionserve_client.types import Embedding, ModelInfo, Prediction
 
 ImageInput = Union[str, Path, bytes]
 T = TypeVar("T")
+# One request's answers, an image each (_predict_files, _embed_files): the files, the query parameters, the time.
+_Send = Callable[[list[tuple[str, bytes]], dict[str, str], "_Budget"], list[T]]
 # Nothing a retry changes: the URL or a header is wrong. Raised at once, as a UsageError.
 SETUP_ERRORS = (requests.exceptions.InvalidSchema, requests.exceptions.MissingSchema, requests.exceptions.InvalidURL,
                 requests.exceptions.InvalidHeader, requests.exceptions.URLRequired)
@@ -352,25 +354,25 @@ class Client:
               model: str | None = None, version: str | None = None) -> Embedding | list[Embedding]:
         """The embedding of one image (a path or the file's bytes) or of each of a list, in one request, in order
         (``/predict?outputs=embedding``); a model exported without one answers VisionServeError ``no_embedding``.
-        ``model``, ``version`` and ``deadline_ms`` as for ``predict``."""
+        ``model``, ``version`` and ``deadline_ms`` as for ``predict``. More images than one request may hold (the
+        server's ``max_images``, ``max_body_bytes``): ``embed_each``."""
         single = isinstance(images, (str, Path, bytes))
         batch: Sequence[ImageInput] = [images] if single else images  # type: ignore[list-item, assignment]
         if not batch:
             raise ValueError("embed needs at least one image")
         budget = self._budget(deadline_ms)
         files = [_read(image, i) for i, image in enumerate(batch)]
-        response = self._post_files(files, {**_route(model, version), "outputs": "embedding"}, budget)
-
-        def read(body: dict[str, Any]) -> list[Embedding]:
-            served = body.get("model") or {}
-            found = [Embedding(list(vector), served.get("name"), served.get("version"))
-                     for vector in body["embeddings"]]
-            if len(found) != len(files):
-                raise ValueError(f"{len(found)} embeddings for {len(files)} images")
-            return found
-
-        embeddings = parsed(response, read)
+        embeddings = self._embed_files(files, _embed_params(model, version), budget)
         return embeddings[0] if single else embeddings
+
+    def embed_each(self, images: Sequence[ImageInput], *, deadline_ms: float | None = None,
+                   model: str | None = None,
+                   version: str | None = None) -> list[Embedding | VisionServeError | OSError]:
+        """Like ``embed`` for a list, in as many requests as the server's limits need, one bad image not sinking
+        the others: each entry is its image's embedding or its own error, as ``predict_each`` gives them (and
+        splits the images, sends a request again without a refused image, or in halves after a 413)."""
+        _check_deadline(deadline_ms)
+        return self._each(images, self._embed_files, _embed_params(model, version), deadline_ms)
 
     def predict_each(self, images: Sequence[ImageInput], top_k: int | None = None, *,
                      deadline_ms: float | None = None, model: str | None = None,
@@ -387,17 +389,22 @@ class Client:
         retries, no server, a bad ``top_k``) is the error of each image it held and of every image not sent yet:
         the rest are not sent. ``timeout`` and ``deadline_ms`` hold for each request; a UsageError is raised."""
         _check_deadline(deadline_ms)
-        results: list[Prediction | VisionServeError | OSError | None] = [None] * len(images)
-        params = _params(model, version, top_k)
+        return self._each(images, self._predict_files, _params(model, version, top_k), deadline_ms)
+
+    def _each(self, images: Sequence[ImageInput], send: _Send[T], params: dict[str, str],
+              deadline_ms: float | None) -> list[T | VisionServeError | OSError]:
+        """``images`` in requests that fit the server's limits, each answered by ``send`` (a list of answers, one an
+        image): every image's answer or its own error; a request refused as a whole, the error of the rest."""
+        results: list[T | VisionServeError | OSError | None] = [None] * len(images)
         for parts in self._requests_of(images, results):
-            refused = self._answer_each(parts, params, deadline_ms, results)
+            refused = self._answer_each(parts, send, params, deadline_ms, results)
             if refused is not None:
                 results = [refused if result is None else result for result in results]
                 break
         return results  # type: ignore[return-value]
 
     def _requests_of(self, images: Sequence[ImageInput],
-                     results: list[Prediction | VisionServeError | OSError | None]) -> Iterator[list[_Part]]:
+                     results: list[Any]) -> Iterator[list[_Part]]:
         """``images`` in requests that fit the server's limits, each file read as its request is made (never all of
         them at once); a file that cannot be read, or alone over the body limit, gets its error in ``results``."""
         limits: _Limits | None = None  # asked once an image is there to send
@@ -447,9 +454,9 @@ class Client:
             self._limits = DEFAULT_LIMITS
         return self._limits
 
-    def _answer_each(self, parts: list[_Part], params: dict[str, str], deadline_ms: float | None,
-                     results: list[Prediction | VisionServeError | OSError | None]) -> VisionServeError | None:
-        """Send ``parts``, putting each image's prediction or own error into ``results`` at its position: an image
+    def _answer_each(self, parts: list[_Part], send: _Send[T], params: dict[str, str], deadline_ms: float | None,
+                     results: list[T | VisionServeError | OSError | None]) -> VisionServeError | None:
+        """Send ``parts``, putting each image's answer or own error into ``results`` at its position: an image
         the server refuses is taken out and the rest sent again; a request it finds too large (413 about the request,
         when its limits were not known or are lower than it said) is sent in halves, and an image alone in one gets
         that error. Returns the error of a request refused as a whole, None once every image has its answer."""
@@ -457,7 +464,7 @@ class Client:
         while pending:
             parts = pending.pop()
             try:
-                answers = self._predict_files([(p.name, p.data) for p in parts], params, self._budget(deadline_ms))
+                answers = send([(p.name, p.data) for p in parts], params, self._budget(deadline_ms))
             except UsageError:
                 raise
             except VisionServeError as exc:
@@ -487,6 +494,20 @@ class Client:
                      for p in body["predictions"]]
             if len(found) != len(files):
                 raise ValueError(f"{len(found)} predictions for {len(files)} images")
+            return found
+
+        return parsed(response, read)
+
+    def _embed_files(self, files: list[tuple[str, bytes]], params: dict[str, str],
+                     budget: _Budget) -> list[Embedding]:
+        response = self._post_files(files, params, budget)
+
+        def read(body: dict[str, Any]) -> list[Embedding]:
+            served = body.get("model") or {}
+            found = [Embedding(list(vector), served.get("name"), served.get("version"))
+                     for vector in body["embeddings"]]
+            if len(found) != len(files):
+                raise ValueError(f"{len(found)} embeddings for {len(files)} images")
             return found
 
         return parsed(response, read)
@@ -543,3 +564,8 @@ class Client:
 def _params(model: str | None, version: str | None, top_k: int | None) -> dict[str, str]:
     """/predict's query parameters: the route, and ``top_k`` when given."""
     return {**_route(model, version), **({"top_k": str(top_k)} if top_k is not None else {})}
+
+
+def _embed_params(model: str | None, version: str | None) -> dict[str, str]:
+    """/predict's query parameters for embeddings: the route, and the embedding alone as the answer."""
+    return {**_route(model, version), "outputs": "embedding"}

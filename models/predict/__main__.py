@@ -14,7 +14,8 @@ command that goes on.
 
 ``--embeddings photos.npy`` also writes each scored image's embedding, from the same forward pass: photos.npy holds
 them (float32, one row per image, N x dim, L2-normalised: a dot product is a cosine similarity) in the records'
-order, and photos.names.txt beside it their paths, one a line. A file that cannot be scored has no row (and no
+order, photos.names.txt beside it their paths, one a line, and photos.meta.json the model, version and --out
+they are of (a rerun keeps the rows only when they match it). A file that cannot be scored has no row (and no
 name). ``python -m models.neighbours photos.npy --duplicates`` finds the near-duplicates among them.
 """
 from __future__ import annotations
@@ -38,6 +39,7 @@ from models.architectures import split_outputs
 from models.data.malloc import DEFAULT_TRIM_THRESHOLD_MB, keep_freed_memory
 from models.export.checks import ModelLoadError, read_checked_manifest
 from models.export.load import LoadedModel, load_model
+from models.export.manifest import Manifest
 from models.export.repository import RepositoryError, is_export, models, newest
 from models.predict.decode import PATHS, ScoreSet, collate, on_device
 from models.predict.evaluate import check_labels, evaluation, mistakes, report_folder, write_report
@@ -50,6 +52,7 @@ from models.predict.outputs import (
     check_same_model,
     done_paths,
     merged_records,
+    merged_refusal,
     names_file,
     output_format,
     part_file,
@@ -120,9 +123,10 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--embeddings", type=Path, metavar="EMB.npy",
                         help="also write each scored image's embedding (same forward pass) into EMB.npy: float32, "
                              "N x dim, L2-normalised, rows in the records' order; and their paths, one a line, into "
-                             "EMB.names.txt beside it (runs/photos.npy: runs/photos.names.txt). A file that cannot "
-                             "be scored has no row and no name. Resumes as the records do; needs a model exported "
-                             "with an embedding")
+                             "EMB.names.txt beside it (runs/photos.npy: runs/photos.names.txt), and the model, "
+                             "version and --out they are of into EMB.meta.json. A file that cannot be scored has no "
+                             "row and no name. Resumes as the records do (EMB.npy's rows kept when EMB.meta.json "
+                             "names this run's model and --out); needs a model exported with an embedding")
     return parser
 
 
@@ -177,6 +181,8 @@ def embedding_dim(args: argparse.Namespace, weights: Path, items: list[Item]) ->
         raise DataError(f"--embeddings {embeddings}: write a .npy file (its names go beside it, as X.names.txt "
                         "beside X.npy)")
     check_out(embeddings, "--embeddings", "photos.npy")
+    # The names file is split on "\n" alone (read_names), so other characters str.splitlines() splits at pass; a
+    # "\r" would break a names file read with its line ends translated (Python's text mode, Windows tools).
     broken = next((item.path for item in items if "\n" in item.path or "\r" in item.path), None)
     if broken is not None:
         raise DataError(f"--embeddings: the input {broken!r} has a line break in its path, and {names} holds one "
@@ -227,14 +233,21 @@ class Plan:
 def plan(args: argparse.Namespace, env: DistEnv, batch_size: int, items: list[Item] | None = None,
          dim: int | None = None, identity: dict[str, str] | None = None) -> Plan:
     """The inputs (``items``, or ``--data`` listed), less what earlier runs wrote (with ``--embeddings``, an image's
-    ``dim`` values too); this rank's share of the rest. With ``identity`` (the loaded model and version), what
-    earlier runs wrote must be that model's answers (DataError). Every rank reads the same files between two
-    barriers, so all see the same work and deal it alike."""
+    ``dim`` values too: the merged file's rows only when they are of this model and ``--out``, one line says why
+    not); this rank's share of the rest. With ``identity`` (the loaded model and version), what earlier runs wrote
+    must be that model's answers (DataError). Every rank reads the same files between two barriers, so all see the
+    same work and deal it alike."""
     fmt = output_format(args.out)
     items = list_inputs(args.data) if items is None else items
     repair_tail(part_file(args.out, env.rank))
     barrier(env)
-    embedded = set(stored_embeddings(args.out, args.embeddings, dim)) if dim is not None else None
+    embedded = None
+    if dim is not None:
+        embedded = set(stored_embeddings(args.out, args.embeddings, dim, identity))
+        refused = merged_refusal(args.out, args.embeddings, dim, identity)
+        if refused is not None and env.is_main:
+            log.warning("--embeddings %s: its rows are not taken (%s); the images are scored again",
+                        args.embeddings, refused)
     records = read_records(args.out, fmt)
     barrier(env)
     if identity is not None:
@@ -246,7 +259,12 @@ def plan(args: argparse.Namespace, env: DistEnv, batch_size: int, items: list[It
 
 def record_identity(loaded: LoadedModel) -> dict[str, str]:
     """The model and version every record names: the loaded export's."""
-    return {"model": loaded.manifest.name, "version": loaded.manifest.version}
+    return manifest_identity(loaded.manifest)
+
+
+def manifest_identity(manifest: Manifest) -> dict[str, str]:
+    """The model and version a manifest names, as the records name them."""
+    return {"model": manifest.name, "version": manifest.version}
 
 
 def quiet_handover_errors(worker_id: int) -> None:
@@ -354,10 +372,12 @@ class NothingScored(Exception):
 @dataclass
 class Seen:
     """What a run knew when it stopped: the number of inputs (None before they were listed), the length of the
-    embeddings it writes (None without --embeddings, or before the manifest was read)."""
+    embeddings it writes (None without --embeddings, or before the manifest was read), and the model and version
+    whose embeddings it keeps."""
 
     inputs: int | None = None
     embedding_dim: int | None = None
+    identity: dict[str, str] | None = None  # the model and version the records name, once the manifest was read
 
 
 def run(args: argparse.Namespace, env: DistEnv, seen: Seen | None = None) -> None:
@@ -370,6 +390,8 @@ def run(args: argparse.Namespace, env: DistEnv, seen: Seen | None = None) -> Non
     if output_format(args.out) == "parquet":
         check_parquet_names((item.path for item in items), args.out)
     dim = seen.embedding_dim = embedding_dim(args, weights, items) if args.embeddings is not None else None
+    if dim is not None:  # the load names the same: Ctrl-C while it loads still counts the merged rows kept
+        seen.identity = manifest_identity(read_checked_manifest(weights))
     labels = Labels(args.labels) if args.labels is not None else None
     if labels is not None:
         labels.require_some(items)  # before the model loads
@@ -388,7 +410,8 @@ def run(args: argparse.Namespace, env: DistEnv, seen: Seen | None = None) -> Non
         check_labels({i.path: lab for i in items if (lab := labels.of(i))}, loaded.manifest.labels,
                      split=labels.split_folder())
     batch_size = args.batch_size or (largest_batch(loaded) if loaded.device.type == "cuda" else CPU_BATCH)
-    work = plan(args, env, batch_size, items, dim, record_identity(loaded))
+    identity = record_identity(loaded)
+    work = plan(args, env, batch_size, items, dim, identity)
     decode = args.decode if args.decode != "auto" else "device" if loaded.device.type == "cuda" else "tensor"
     if env.is_main:
         log.info("%s %s (%s, %s, %s) on %d of %d inputs (%d written before), batch %d, %s decode path, %d rank(s)",
@@ -400,7 +423,7 @@ def run(args: argparse.Namespace, env: DistEnv, seen: Seen | None = None) -> Non
     if env.is_main:
         records = merged_records(args.out, work.fmt, {item.path: i for i, item in enumerate(work.items)})
         if dim is not None:
-            merge_embeddings(args, records, dim)
+            merge_embeddings(args, records, dim, identity)
         records = write_merged(args.out, work.fmt, records)
         failed = sum(1 for r in records if r.get("error"))
         log.info("wrote %s: %d lines, %d of them unreadable files", args.out, len(records), failed)
@@ -410,9 +433,10 @@ def run(args: argparse.Namespace, env: DistEnv, seen: Seen | None = None) -> Non
             report(args, records, work.items, loaded)
 
 
-def merge_embeddings(args: argparse.Namespace, records: list[Record], dim: int) -> None:
-    """``--embeddings`` and its names written from the parts and what it held (rank 0, before the parts go)."""
-    rows = write_embeddings(records, args.out, args.embeddings, dim)
+def merge_embeddings(args: argparse.Namespace, records: list[Record], dim: int, identity: dict[str, str]) -> None:
+    """``--embeddings``, its names and meta file written from the parts and what it held (rank 0, before the parts
+    go)."""
+    rows = write_embeddings(records, args.out, args.embeddings, dim, identity)
     log.info("wrote %s: %d embeddings of %d values, their paths in %s", args.embeddings, rows, dim,
              names_file(args.embeddings))
     missing = sum(1 for r in records if not r.get("error")) - rows
@@ -421,11 +445,13 @@ def merge_embeddings(args: argparse.Namespace, records: list[Record], dim: int) 
                     args.embeddings)
 
 
-def written(out: Path, embeddings: Path | None = None, dim: int | None = None) -> int:
+def written(out: Path, embeddings: Path | None = None, dim: int | None = None,
+            identity: dict[str, str] | None = None) -> int:
     """How many inputs ``out`` and its part files hold (each counted once), as a rerun would skip them (with
-    ``embeddings``, an image's ``dim`` values must be written too)."""
+    ``embeddings``, an image's ``dim`` values of ``identity``'s model must be written too)."""
     try:
-        embedded = set(stored_embeddings(out, embeddings, dim)) if embeddings is not None and dim else None
+        embedded = (set(stored_embeddings(out, embeddings, dim, identity)) if embeddings is not None and dim
+                    else None)
         return len(done_paths(read_records(out, output_format(out)), embedded=embedded))
     except Exception:  # noqa: BLE001 - a count for the stop line; never a second error after Ctrl-C
         return 0
@@ -433,7 +459,7 @@ def written(out: Path, embeddings: Path | None = None, dim: int | None = None) -
 
 def stopped(args: argparse.Namespace, argv: list[str], env: DistEnv, seen: Seen) -> str:
     """What Ctrl-C leaves, in one line: how many inputs are written, where, and the exact command that goes on."""
-    done = written(args.out, args.embeddings, seen.embedding_dim)
+    done = written(args.out, args.embeddings, seen.embedding_dim, seen.identity)
     command = rerun_command("models.predict", argv, env.world_size)
     if not done:
         return f"stopped before any image was scored; to start again: {command}"

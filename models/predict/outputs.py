@@ -13,7 +13,10 @@ row (``embedding_row``, ``embedding_dim``: part files only), so a record never p
 half-written row is cut before appending. A rerun skips an image only when its embedding is written too (in the
 parts, or in the merged ``EMB.npy`` with its ``EMB.names.txt``). The merge writes ``EMB.npy`` (N x dim float32, one
 row per scored image, in the records' order; an image that could not be scored has none) and ``EMB.names.txt`` (its
-path, one a line, in the same order), each to a temporary file and renamed, before ``OUT`` and the parts' removal.
+path, one a line, in the same order: split it on "\\n" alone, as ``read_names`` does; a name may hold characters
+``str.splitlines()`` also splits at), each to a temporary file and renamed, before ``OUT`` and the parts' removal,
+and last ``EMB.meta.json``: the model, version and ``OUT`` the rows are of. A rerun keeps the merged rows only when
+that matches it (another run's ``EMB.npy``, or one without it, is scored again).
 """
 from __future__ import annotations
 
@@ -33,11 +36,14 @@ Record = dict[str, Any]
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".parquet": "parquet"}  # .json is one document
 EMBEDDINGS_SUFFIX = ".npy"
 NAMES_SUFFIX = ".names.txt"  # the names beside an embeddings file: runs/photos.npy's are runs/photos.names.txt
+META_SUFFIX = ".meta.json"  # what the rows of an embeddings file are of: runs/photos.npy's is runs/photos.meta.json
 EMBEDDING_ROW = "embedding_row"  # a part record's row in its rank's embeddings part (never in OUT)
 EMBEDDING_DIM = "embedding_dim"  # that row's length, which names the part it is in
 PART_KEYS = (EMBEDDING_ROW, EMBEDDING_DIM)
 ROW_DTYPE = np.dtype("<f4")  # the parts' rows and the merged file's: float32
 MERGE_ROWS = 4096  # rows the merge copies at once into the merged file (20 MB at 1,280 values)
+# Line ends str.splitlines() knows that json.dumps leaves raw (it escapes those below U+0020): json_line escapes them
+LINE_ENDS_ESCAPED = {ord(c): f"\\u{ord(c):04x}" for c in "\u0085\u2028\u2029"}
 
 
 def output_format(out: Path) -> str:
@@ -65,7 +71,10 @@ def json_line(record: Record) -> str:
         line.encode("utf-8")
     except UnicodeEncodeError:
         line = json.dumps(record)
-    return line + "\n"
+    # U+2028, U+2029 and U+0085 in a file name would be written raw, and str.splitlines() (what many readers split a
+    # file with) ends a line at each: escaped, the line is one line to every reader (json writes them inside strings
+    # alone, where the escape reads back the same).
+    return line.translate(LINE_ENDS_ESCAPED) + "\n"
 
 
 def check_parquet_names(paths: Iterable[str], out: Path) -> None:
@@ -100,6 +109,60 @@ def names_file(embeddings: Path) -> Path:
     return embeddings.with_suffix(NAMES_SUFFIX)
 
 
+def meta_file(embeddings: Path) -> Path:
+    """What an embeddings file's rows are of, beside it: runs/photos.npy's is runs/photos.meta.json."""
+    return embeddings.with_suffix(META_SUFFIX)
+
+
+def read_names(path: Path) -> list[str]:
+    """A names file's names: split on "\\n" alone (a file name may hold a form feed, U+2028 or another character
+    ``str.splitlines()`` splits at; models.predict refuses only a name with "\\n" or "\\r"), a name that is not UTF-8
+    read back from its own bytes (surrogate escapes), as ``write_embeddings`` wrote it."""
+    names = path.read_bytes().decode("utf-8", "surrogateescape").split("\n")
+    if names[-1] == "":
+        names.pop()  # the last name's line end
+    return names
+
+
+def embeddings_meta(out: Path, embeddings: Path, identity: dict[str, str], dim: int) -> dict[str, Any]:
+    """What the merge writes into ``meta_file(embeddings)``: the model and version whose rows they are (this run's
+    ``identity``), their length, and the ``--out`` they were merged with, relative to the embeddings' folder (so the
+    two may move together, and a run from another folder names the same file)."""
+    return {"model": identity["model"], "version": identity["version"], "dim": dim,
+            "out": os.path.relpath(os.path.abspath(out), os.path.abspath(embeddings.parent))}
+
+
+def read_meta(embeddings: Path) -> dict[str, Any] | None:
+    """``meta_file(embeddings)`` as written, or None when it is missing or cannot be read as a JSON object."""
+    try:
+        meta = json.loads(meta_file(embeddings).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def merged_refusal(out: Path, embeddings: Path, dim: int, identity: dict[str, str] | None) -> str | None:
+    """Why the rows of a merged ``embeddings`` are not this run's to keep (None: they are, or there is no such file):
+    a file without its meta file (written before there was one, or a merge cut short: it is removed first and
+    written last), or whose meta file names another model, version, row length or ``--out``. Such rows may be of
+    other images at the same paths (another --out's data) or of another model: the images are scored again."""
+    if not embeddings.is_file():
+        return None
+    meta = read_meta(embeddings)
+    if meta is None:
+        return f"no {meta_file(embeddings).name} beside it names the model and --out its rows are of"
+    if identity is None:
+        return "this run's model is not known yet"
+    wanted = embeddings_meta(out, embeddings, identity, dim)
+    if (meta.get("model"), meta.get("version")) != (wanted["model"], wanted["version"]):
+        return f"its rows are of {meta.get('model')} {meta.get('version')}, not {wanted['model']} {wanted['version']}"
+    if meta.get("dim") != dim:
+        return f"its rows are of {meta.get('dim')} values, not {dim}"
+    if meta.get("out") != wanted["out"]:
+        return f"merged with another --out: {meta.get('out')}, relative to its folder"
+    return None
+
+
 def npy_shape(path: Path) -> tuple[int, ...] | None:
     """The shape of the array a .npy file holds (the file mapped, not read), or None when it is no such file."""
     try:
@@ -124,7 +187,10 @@ def repair_tail(path: Path) -> None:
 
 
 def _read_jsonl(path: Path) -> Iterator[Record]:
-    for line in path.read_text(encoding="utf-8").splitlines():
+    # Lines end at "\n" alone: str.splitlines() also splits at U+2028, U+2029 and U+0085, which a file name may hold
+    # and runs before json_line escaped them wrote raw: its record was dropped, and scored again, on every rerun.
+    # "replace": a half-written last line may end inside a character.
+    for line in path.read_bytes().decode("utf-8", "replace").split("\n"):
         try:
             record = json.loads(line)
         except ValueError:
@@ -186,13 +252,15 @@ class StoredRow:
     row: int
 
 
-def stored_embeddings(out: Path, embeddings: Path, dim: int) -> dict[str, StoredRow]:
+def stored_embeddings(out: Path, embeddings: Path, dim: int,
+                      identity: dict[str, str] | None) -> dict[str, StoredRow]:
     """Each path's written embedding of ``dim`` values (a later one wins): the merged file's rows, by its names file
-    (unless the two disagree, or its rows are of another length: then none), then every part's."""
+    (unless its meta file says they are not of this ``identity`` and ``out``, merged_refusal, or the names and rows
+    disagree: then none), then every part's."""
     stored: dict[str, StoredRow] = {}
     names = names_file(embeddings)
-    if names.is_file():
-        listed = names.read_text(encoding="utf-8", errors="surrogateescape").splitlines()
+    if names.is_file() and embeddings.is_file() and merged_refusal(out, embeddings, dim, identity) is None:
+        listed = read_names(names)
         if npy_shape(embeddings) == (len(listed), dim):
             stored.update((name, StoredRow(embeddings, row)) for row, name in enumerate(listed))
     for part in sorted(parts_dir(out).glob("rank-*.jsonl")):
@@ -251,11 +319,14 @@ def merged_records(out: Path, fmt: str, order: dict[str, int]) -> list[Record]:
     return sorted(latest.values(), key=lambda r: order.get(r["path"], tail))
 
 
-def write_embeddings(records: Sequence[Record], out: Path, embeddings: Path, dim: int) -> int:
-    """``embeddings`` (N x dim float32) and its names file: the written embedding of every scored record, in the
-    records' order, each file written to a temporary file and renamed (before the parts, which it reads, go);
-    returns N. A scored record without one (never, after a run with --embeddings) has no row."""
-    stored = stored_embeddings(out, embeddings, dim)
+def write_embeddings(records: Sequence[Record], out: Path, embeddings: Path, dim: int,
+                     identity: dict[str, str]) -> int:
+    """``embeddings`` (N x dim float32), its names file and its meta file (``identity``'s rows, merged with ``out``):
+    the written embedding of every scored record, in the records' order, each file written to a temporary file and
+    renamed (before the parts, which it reads, go); returns N. A scored record without one (never, after a run with
+    --embeddings) has no row. The meta file is removed first and written last: rows a merge cut short left are never
+    taken for a run's (merged_refusal)."""
+    stored = stored_embeddings(out, embeddings, dim, identity)
     names = [r["path"] for r in records if not r.get("error") and r["path"] in stored]
     embeddings.parent.mkdir(parents=True, exist_ok=True)
     temporary = embeddings.with_name(f".{embeddings.name}.{os.getpid()}.tmp")
@@ -274,8 +345,12 @@ def write_embeddings(records: Sequence[Record], out: Path, embeddings: Path, dim
     names_temporary = temporary.with_name(temporary.name + NAMES_SUFFIX)
     # a name that is not UTF-8 as its own bytes, as the file system has it (read back the same by stored_embeddings)
     names_temporary.write_text("".join(name + "\n" for name in names), encoding="utf-8", errors="surrogateescape")
+    meta_temporary = temporary.with_name(temporary.name + META_SUFFIX)
+    meta_temporary.write_text(json.dumps(embeddings_meta(out, embeddings, identity, dim)) + "\n", encoding="utf-8")
+    meta_file(embeddings).unlink(missing_ok=True)
     os.replace(temporary, embeddings)
     os.replace(names_temporary, names_file(embeddings))
+    os.replace(meta_temporary, meta_file(embeddings))
     return len(names)
 
 

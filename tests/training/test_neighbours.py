@@ -4,6 +4,7 @@ whatever the block size, at most MAX_PAIRS pairs kept; a mistake is one line on 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -154,3 +155,61 @@ def test_it_runs_as_a_command_without_torch(hand_made: Path) -> None:
     assert done.returncode == 0 and done.stdout == "0.9600  photos/copies/b2.jpg\n", done.stderr
     check = "import sys, models.neighbours; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", check], cwd=ROOT, timeout=60).returncode == 0
+
+
+def test_exact_duplicates_are_at_threshold_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: a unit float32 row's product with itself is 0.9999994 as often as not, so --threshold 1 (the top of
+    # its range) missed about a third of 200 exact duplicates.
+    rng = np.random.default_rng(1)
+    rows = rng.standard_normal((200, 1280)).astype(np.float32)
+    rows /= np.linalg.norm(rows, axis=1, keepdims=True)
+    path = _write(tmp_path, np.concatenate([rows, rows]), [f"{i}.jpg" for i in range(400)])
+    code, lines, err = _run([str(path), "--duplicates", "--threshold", "1"], capsys)
+    assert code == 0 and err == "200 pairs at cosine similarity >= 1.0 among 400 images\n"
+    assert sorted(lines) == sorted(f"1.0000  {i}.jpg  {i + 200}.jpg" for i in range(200))
+    _, lines, _ = _run([str(path), "--duplicates", "--threshold", "1", "--json"], capsys)
+    assert {json.loads(line)["similarity"] for line in lines} == {1.0}  # never past 1, however float32 rounds
+    code, lines, _ = _run([str(path), "--like", "7.jpg", "--k", "1"], capsys)
+    assert code == 0 and lines == ["1.0000  207.jpg"]
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_row_of_nan_or_infinity_is_refused_naming_its_image(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str], bad: float) -> None:
+    # Before: a NaN row was taken: --like listed the image itself among its neighbours and printed NaN as -1.0000,
+    # and --duplicates left its pairs out without a word.
+    rows = np.array([[1, 0, 0], [0.9, 0.1, 0], [bad, 0, 0], [0, 1, 0], [bad, bad, 0]], np.float32)
+    path = _write(tmp_path, rows, ["a.jpg", "b.jpg", "broken.jpg", "d.jpg", "worse.jpg"])
+    monkeypatch.setattr(neighbours, "BLOCK_BYTES", 4 * 3)  # a row a block: the row counted across blocks
+    for argv in (["--like", "a.jpg"], ["--like", "broken.jpg"], ["--duplicates", "--threshold", "-1"]):
+        assert _error([str(path), *argv], capsys) == (
+            f"error: {path}: row 2 (broken.jpg) holds NaN or infinity, which no similarity compares: score that "
+            "image again (models.predict writes no such row)")
+
+
+def test_names_are_split_at_line_ends_alone_and_printed_as_the_names_file_holds_them(
+        tmp_path: Path, capsysbinary: pytest.CaptureFixture[bytes]) -> None:
+    # Before: the names file was read with splitlines(), which also splits at a form feed, U+2028 or U+0085 that a
+    # file name may hold (more names than rows: exit 2), and as strict UTF-8: a name that is not (models.predict
+    # writes its own bytes) was a UnicodeDecodeError traceback.
+    path = tmp_path / "emb.npy"
+    np.save(path, np.array([[1, 0], [0.99, 0.141], [0, 1], [0.1, 1]], np.float32))
+    names_file(path).write_bytes(b"photos/a.jpg\nphotos/bad-\xff.jpg\nphotos/c\x0cd\xe2\x80\xa8e.jpg\n"
+                                 b"photos/f\xc2\x85g.jpg\n")
+
+    def run(*argv: str | bytes) -> bytes:
+        done = subprocess.run([sys.executable, "-m", "models.neighbours", str(path), *argv], cwd=ROOT,
+                              capture_output=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert run("--like", "a.jpg", "--k", "1") == b"0.9900  photos/bad-\xff.jpg\n"  # as ls has it
+    # A stdout that is strict UTF-8 (print raised UnicodeEncodeError there; C.UTF-8's lets surrogates through)
+    assert main([str(path), "--duplicates", "--threshold", "0.99"]) == 0
+    assert capsysbinary.readouterr().out == ("0.9950  photos/c\x0cd\u2028e.jpg  photos/f\x85g.jpg\n".encode()
+                                            + b"0.9900  photos/a.jpg  photos/bad-\xff.jpg\n")
+    assert run(b"--like", b"bad-\xff.jpg", "--k", "1") == b"0.9900  photos/a.jpg\n"
+    assert run("--like", "c\x0cd\u2028e.jpg", "--k", "1") == "0.9950  photos/f\x85g.jpg\n".encode()
+    pairs = [json.loads(line) for line in run("--duplicates", "--json").decode("ascii").splitlines()]
+    assert [(pair["a"], pair["b"]) for pair in pairs] == [("photos/c\x0cd\u2028e.jpg", "photos/f\x85g.jpg"),
+                                                        ("photos/a.jpg", os.fsdecode(b"photos/bad-\xff.jpg"))]

@@ -15,12 +15,14 @@ import types
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import pytest
 
 from harness.photos import jpeg, photo
+from models.neighbours import main as neighbours
 from models.predict import __main__ as predict
 from models.predict.__main__ import main
-from models.predict.outputs import check_parquet_names, names_file
+from models.predict.outputs import check_parquet_names, names_file, read_names
 from tests.support.answers import predict_error
 from tests.support.fakes import export_tiny
 
@@ -87,6 +89,39 @@ def test_a_file_name_that_is_not_utf8_is_scored_and_written_losslessly(weights: 
         assert _run(weights, data, csv_out) == 0
     said = [r.getMessage() for r in caplog.records if "inputs (" in r.getMessage()]
     assert len(said) == 2 and all("on 0 of 2 inputs (2 written before)" in line for line in said), said
+
+
+# Characters str.splitlines() ends a line at, besides "\n" and "\r" (which --embeddings refuses in a name).
+SPLITLINES_ENDS = ("\u2028", "\u2029", "\x85", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e")
+
+
+@pytest.mark.slow  # scoring runs of seconds each
+def test_names_holding_what_splitlines_splits_at_are_written_kept_and_read_back(
+        weights: Path, picture: bytes, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: a record whose path held U+2028, U+2029 or U+0085 was written raw and read back as two halves, neither
+    # JSON: dropped, so every rerun scored it again; the names file, read with splitlines(), held more lines than the
+    # .npy rows: a rerun scored every image again and models.neighbours refused the file (exit 2).
+    data = tmp_path / "photos"
+    data.mkdir()
+    names = ["plain.jpg", *(f"x{end}y.jpg" for end in SPLITLINES_ENDS)]
+    for name in names:
+        (data / name).write_bytes(picture)
+    out, embeddings = tmp_path / "scores.jsonl", tmp_path / "photos.npy"
+    assert _run(weights, data, out, "--embeddings", str(embeddings)) == 0
+    paths = sorted(str(data / name) for name in names)
+    lines = out.read_text(encoding="utf-8").splitlines()  # as most readers split it: one record a line
+    assert [json.loads(line)["path"] for line in lines] == paths
+    assert read_names(names_file(embeddings)) == paths and np.load(embeddings).shape[0] == len(paths)
+    older = out.read_text(encoding="utf-8")  # as runs before the fix wrote it: those characters raw
+    for end in SPLITLINES_ENDS[:3]:
+        older = older.replace(f"\\u{ord(end):04x}", end)
+    out.write_text(older, encoding="utf-8")
+    assert len(older.splitlines()) > len(paths)  # what splitlines() cut in two
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="models.predict"):
+        assert _run(weights, data, out, "--embeddings", str(embeddings)) == 0
+    assert f"on 0 of {len(paths)} inputs ({len(paths)} written before)" in caplog.text  # each record and row kept
+    assert neighbours([str(embeddings), "--duplicates"]) == 0  # one name a row: the same photo, every pair
 
 
 def test_a_mistake_whose_name_is_not_utf8_is_shown_on_the_page(weights: Path, picture: bytes, tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from models.predict import __main__ as predict
 from models.predict.__main__ import main
 from models.predict.decode import ScoreSet
 from models.predict.inputs import list_inputs
-from models.predict.outputs import embeddings_part, names_file, part_file
+from models.predict.outputs import embeddings_part, meta_file, names_file, part_file
 from tests.support.answers import predict_error
 from tests.support.fakes import export_tiny
 
@@ -159,6 +159,52 @@ def test_a_rerun_scores_what_has_no_embedding_and_keeps_the_rows_written(tiny: P
     assert names == [r["path"] for r in _lines(out) if "error" not in r] and len(names) == 8
     assert names[0].endswith("astronaut-small.jpg")  # in input order: the rows written before, moved one down
     assert np.array_equal(np.load(rows)[1:], first)
+
+
+def _scored(argv: list[str], caplog: pytest.LogCaptureFixture) -> str:
+    """The log of a run of ``argv`` that exits 0."""
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="models.predict"):
+        assert main(argv) == 0
+    return caplog.text
+
+
+@pytest.mark.slow  # scoring runs of seconds each
+def test_merged_rows_are_kept_only_for_the_model_and_out_they_were_merged_with(
+        tiny: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: an EMB.npy and its names file at --embeddings were taken by their path alone: a rerun over records
+    # another --out (or model) wrote scored nothing and kept the other run's rows, here another image's.
+    data = tmp_path / "photos"
+    data.mkdir()
+    (data / "a.jpg").write_bytes(jpeg(photo("chelsea")))
+    (data / "b.jpg").write_bytes(jpeg(photo("coffee")))
+    rows = tmp_path / "photos.npy"
+    _scored(_argv(tiny, data, tmp_path / "x.jsonl", "--embeddings", str(rows)), caplog)
+    assert json.loads(meta_file(rows).read_text()) == {"model": "mine", "version": "1", "dim": DIM, "out": "x.jsonl"}
+    before = np.load(rows)
+    (data / "a.jpg").write_bytes(jpeg(photo("astronaut")))  # another image at the same path
+    _scored(_argv(tiny, data, tmp_path / "y.jsonl"), caplog)  # its records, without --embeddings
+    said = _scored(_argv(tiny, data, tmp_path / "y.jsonl", "--embeddings", str(rows)), caplog)
+    assert "on 2 of 2 inputs (0 written before)" in said
+    assert (f"--embeddings {rows}: its rows are not taken (merged with another --out: x.jsonl, relative to its "
+            "folder); the images are scored again") in said
+    fresh = tmp_path / "fresh.npy"
+    _scored(_argv(tiny, data, tmp_path / "fresh.jsonl", "--embeddings", str(fresh)), caplog)
+    assert np.abs(np.load(rows) - np.load(fresh)).max() < 1e-5 and np.abs(np.load(rows)[0] - before[0]).max() > 0.01
+    assert json.loads(meta_file(rows).read_text())["out"] == "y.jsonl"
+    said = _scored(_argv(tiny, data, tmp_path / "y.jsonl", "--embeddings", str(rows)), caplog)
+    assert "on 0 of 2 inputs (2 written before)" in said and "not taken" not in said  # its own --out: kept
+    meta = json.loads(meta_file(rows).read_text())
+    meta_file(rows).write_text(json.dumps(meta | {"version": "0"}))  # another version's rows
+    said = _scored(_argv(tiny, data, tmp_path / "y.jsonl", "--embeddings", str(rows)), caplog)
+    assert "on 2 of 2 inputs (0 written before)" in said and "(its rows are of mine 0, not mine 1)" in said
+    meta_file(rows).unlink()  # as written before there were meta files, or by a merge cut short
+    said = _scored(_argv(tiny, data, tmp_path / "y.jsonl", "--embeddings", str(rows)), caplog)
+    assert "on 2 of 2 inputs (0 written before)" in said
+    assert "(no photos.meta.json beside it names the model and --out its rows are of)" in said
+    capsys.readouterr()
+    assert neighbours([str(rows), "--duplicates"]) == 0
+    assert capsys.readouterr().err == "0 pairs at cosine similarity >= 0.95 among 2 images (mine 1's embeddings)\n"
 
 
 def test_a_model_exported_without_an_embedding_is_named_before_it_loads(tiny: Path, photos: Path, tmp_path: Path,
