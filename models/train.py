@@ -45,7 +45,7 @@ from models.run.distributed import (
 )
 from models.run.optim import build_trainable, make_optimizer, make_scheduler, set_train_mode
 from models.run.reference import reference_counts, reference_from_counts
-from models.run.report import Progress, RunLog, Timer, process_started
+from models.run.report import TOP5_MIN_CLASSES, Progress, RunLog, Timer, process_started
 
 log = logging.getLogger("models.train")
 
@@ -71,10 +71,20 @@ def _amp_dtype(args: argparse.Namespace) -> AmpDtype | None:
 
 
 def make_preset(args: argparse.Namespace) -> EvalPreset:
-    """The pretrained weights' normalisation, or ImageNet's; sizes and interpolation from the options."""
+    """The pretrained weights' normalisation, or ImageNet's; sizes and interpolation from the options. A
+    ``--crop-size`` alone resizes in the preset's proportion (224 of 256: ``round(crop / 0.875)``): the default
+    resize of 256 evaluated the centre 1/8 of the image at --crop-size 32, and padded a crop of 300 with black.
+    ValueError when the crop is larger than the resize."""
     base = pretrained_preset(args.arch) if args.pretrained else EvalPreset(resize_size=256, crop_size=224)
-    sizes = {"resize_size": args.resize_size, "crop_size": args.crop_size, "interpolation": args.interpolation}
-    return base.model_copy(update={key: value for key, value in sizes.items() if value is not None})
+    resize_size = args.resize_size
+    if resize_size is None and args.crop_size is not None:
+        resize_size = round(args.crop_size * base.resize_size / base.crop_size)
+    sizes = {"resize_size": resize_size, "crop_size": args.crop_size, "interpolation": args.interpolation}
+    preset = base.model_copy(update={key: value for key, value in sizes.items() if value is not None})
+    if preset.crop_size > preset.resize_size:
+        raise ValueError(f"--crop-size {preset.crop_size} is larger than --resize-size {preset.resize_size}: the "
+                         f"centre crop would be padded with black; give a --resize-size of at least the crop")
+    return preset
 
 
 @dataclass
@@ -144,7 +154,12 @@ def train_one_epoch(model: nn.Module, data: Data, optimizer: torch.optim.Optimiz
     total_loss, total_correct, total_seen, slowest = sum_across_ranks(
         [loss_sum.item(), float(correct.item()), float(seen), elapsed], device, env)
     if not math.isfinite(total_loss):
-        raise DataError(f"the training loss became {total_loss} in epoch {epoch}; lower --lr or use --clip-grad-norm")
+        # A resumed run takes a new --lr (models/run/checkpoint.py): going on from the last checkpoint works. Its
+        # writer has finished by the time main() reports this (run() waits for it on the way out).
+        go_on = (f", then resume from epoch {epoch}'s checkpoint with the new value: --resume "
+                 f"{args.output_dir / ckpt.CHECKPOINT_NAME}" if epoch > 0 else "")
+        raise DataError(f"the training loss became {total_loss} in epoch {epoch + 1}; lower --lr or use "
+                        f"--clip-grad-norm{go_on}")
     # Ranks run in lock-step, so the job's wall time is about the mean of the ranks' times.
     wall = slowest / env.world_size
     return {"train_loss": total_loss / total_seen, "train_acc1": total_correct / total_seen,
@@ -187,24 +202,54 @@ def _setup(args: argparse.Namespace, env: DistEnv) -> tuple[torch.device, EvalPr
             check_name("model", args.name)
         if args.sync_bn and device.type != "cuda":
             raise ValueError("--sync-bn needs CUDA (torch's SyncBatchNorm runs on GPUs); use --freeze-bn on CPU")
-        return device, make_preset(args)
+        preset = make_preset(args)
+        _check_export_target(args)
+        return device, preset
     except ValueError as exc:
         raise DataError(str(exc)) from None
 
 
+def _check_export_target(args: argparse.Namespace) -> None:
+    """Refuse, before the first epoch, an export the end of the run would refuse: both targets at once (a run
+    exports to one: --export was dropped), a folder that already holds an export or is a file, a repository that
+    is a Python package or a file. ValueError."""
+    if args.export is None and args.export_repository is None:
+        return
+    if args.export is not None and args.export_repository is not None:
+        raise ValueError("--export and --export-repository both given: a run exports to one of them")
+    from models.export.write import held_by, target
+
+    chosen = args.export if args.export is not None else args.export_repository
+    existing = next((p for p in (chosen, *chosen.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise ValueError(f"{chosen} cannot be a folder to export into: {existing} is a file")
+    folder, _ = target(args.export, args.export_repository, model_name(args), None)
+    found = held_by(folder) if args.export is not None else None
+    if found is not None:
+        raise ValueError(f"--export {folder} already holds {found}: export into a new folder (or use "
+                         f"--export-repository DIR for numbered versions)")
+
+
 def run(args: argparse.Namespace, env: DistEnv, device: torch.device, preset: EvalPreset,
-        started: float | None = None) -> None:
+        started: float | None = None) -> bool:
     """Train ``args.epochs`` epochs (from a checkpoint when resuming), then report, export and plot; the summary's
-    whole time counts from ``started`` (``time.perf_counter()``; default: now)."""
+    whole time counts from ``started`` (``time.perf_counter()``; default: now). False when the export asked for
+    failed (the run is kept, the summary says how to export it)."""
     started = time.perf_counter() if started is None else started
     torch.manual_seed(args.seed)
     ckpt.check_fresh_output(args)
     data = load_data(args, preset, env, device)
     parts = build_parts(args, len(data.classes), device, env)
     model, model_without_ddp, optimizer, scaler = parts.step_model, parts.model, parts.optimizer, parts.scaler
-    start, best, scheduler = ckpt.start_or_resume(args, model_without_ddp, optimizer,
-                                                  make_scheduler(optimizer, args), scaler, data.classes)
+    barrier(env)  # every rank checked --output-dir (check_fresh_output) before the main one carries a run into it
+    start, best, scheduler, planned = ckpt.start_or_resume(args, model_without_ddp, optimizer,
+                                                           make_scheduler(optimizer, args), scaler, data.classes,
+                                                           is_main=env.is_main)
     if start >= args.epochs:
+        if start < planned:  # stopped early, resumed with an --epochs it has already passed
+            raise RunFinished(f"{args.resume} stopped after {start} of its {planned} planned epochs (best val top-1 "
+                              f"{best.acc1:.4f}); --epochs {args.epochs} trains no more. To go on: --resume "
+                              f"{args.resume} --epochs {planned}")
         raise RunFinished(f"{args.resume} is a finished run of {start} epochs (best val top-1 {best.acc1:.4f}); "
                           f"nothing to train. To train longer: --resume {args.resume} --epochs {start + 5}")
     if env.is_main:
@@ -223,8 +268,9 @@ def run(args: argparse.Namespace, env: DistEnv, device: torch.device, preset: Ev
                 recompute_bn_stats(model_without_ddp, DevicePrefetcher(data.train, data.prepare, device),
                                    args.bn_recompute_batches, env)
             result = evaluate(model_without_ddp, data.val, device, env)
+            # Below 6 classes top-5 is 1.0 by construction: null, not a figure a reader takes for an accuracy.
             row = {"epoch": epoch, "lr": lr, **row, "val_loss": result.loss, "val_acc1": result.acc1,
-                   "val_acc5": result.acc5}
+                   "val_acc5": result.acc5 if len(data.classes) >= TOP5_MIN_CLASSES else None}
             reference = _prediction_reference(result, len(data.classes), device, env)
             is_best = ckpt.better(result.acc1, result.loss, best)
             if is_best:
@@ -239,8 +285,7 @@ def run(args: argparse.Namespace, env: DistEnv, device: torch.device, preset: Ev
     finally:
         writer.wait()  # the last checkpoint is on disk before the export, a resume hint or the exit
     runlog.close()
-    if env.is_main:
-        _finish(args, progress, best, data.classes, started)
+    return _finish(args, progress, best, data.classes, started) if env.is_main else True
 
 
 def _confusion_counts(result: EvalResult, data: Data, device: torch.device, env: DistEnv) -> torch.Tensor:
@@ -259,10 +304,10 @@ def _prediction_reference(result: EvalResult, num_classes: int, device: torch.de
 
 
 def _finish(args: argparse.Namespace, progress: Progress, best: ckpt.Best, classes: list[str],
-            started: float) -> None:
+            started: float) -> bool:
     """The best epoch's per-class report (an epoch before a resume's too: the checkpoint keeps it), the export asked
     for, the plot, then the summary: the whole command's time (the export included) and the command that serves
-    what was exported, or the export to run first."""
+    what was exported, or the export to run first. False when the export asked for failed."""
     if best.confusion is not None:
         path, table = write_confusion(confusion(best.confusion, classes), args.output_dir)
         log.info("per class, best epoch (%s):\n%s", path, "\n".join(table))
@@ -274,6 +319,7 @@ def _finish(args: argparse.Namespace, progress: Progress, best: ckpt.Best, class
     for line in progress.summary(best.row, best_path, exported, args.export_repository or args.export,
                                  model_name(args), total_seconds=time.perf_counter() - started):
         log.info("%s", line)
+    return exported is not None or not (args.export or args.export_repository)
 
 
 def model_name(args: argparse.Namespace) -> str:
@@ -310,7 +356,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         device, preset = _setup(args, env)
         init_process_group(env, device)
-        run(args, env, device, preset, started)
+        if not run(args, env, device, preset, started):
+            return 2  # the export asked for failed: said in its line, the summary says how to export the run
     except RunFinished as exc:
         log.info("%s", exc)
     except (DataError, FileNotFoundError) as exc:

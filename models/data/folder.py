@@ -13,10 +13,13 @@ from PIL import Image
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 from models.export.manifest import MIN_LABELS
+from models.image_decode import DecodeLimits, load_upright
 from models.presets import IMAGE_FORMATS, ImageTransform, upright_rgb
 from models.run.args import DataError
 
 log = logging.getLogger(__name__)
+
+SERVED_LIMITS = DecodeLimits()  # the server's defaults: its reduced-scale JPEG decode (JPEG_DRAFT_MIN_SIDE)
 
 Sample = tuple[Path, int]
 # A training sample is addressed as (epoch, index) so that its augmentation can be seeded from both.
@@ -60,7 +63,10 @@ def _class_dirs(root: Path) -> list[Path]:
 
 
 def _files(class_dir: Path) -> list[Path]:
-    return sorted(p for p in class_dir.rglob("*") if p.is_file() and not p.name.startswith("."))
+    """The files under a class folder, hidden ones and those in hidden folders (a NAS's .@__thumb thumbnails, .git)
+    left out, as models.predict's scan leaves them out."""
+    return sorted(p for p in class_dir.rglob("*") if p.is_file()
+                  and not any(part.startswith(".") for part in p.relative_to(class_dir).parts))
 
 
 def scan_split(root: Path, workers: int = 4) -> Split:
@@ -125,11 +131,41 @@ def split_holdout(split: Split, fraction: float, seed: int) -> tuple[Split, Spli
             Split(root=split.root, classes=split.classes, samples=val, skipped=[]))
 
 
-def load_image(path: Path) -> Image.Image:
-    """Read one file the way the server reads an upload: fully decoded, upright by EXIF, RGB."""
+def load_image(path: Path, *, served_decode: bool = False) -> Image.Image:
+    """Read one file, upright by EXIF, RGB: fully decoded (training's crops), or with ``served_decode`` as the
+    server decodes an upload (models/image_decode.py ``load_upright``: a large JPEG at libjpeg's reduced scale, the
+    default JPEG_DRAFT_MIN_SIDE), so validation sees the pixels the served model sees."""
     with Image.open(path) as image:
+        if served_decode:
+            return load_upright(image, SERVED_LIMITS)
         image.load()
         return upright_rgb(image)
+
+
+class UnreadableImage(DataError):
+    """An image that was readable when the run checked it and is not now (replaced, truncated or removed while the
+    run trains): one line naming it. Raised in a DataLoader worker, it reaches the training loop rebuilt from its
+    text with the worker's traceback before it (torch's ExceptionWrapper): only its own line is kept."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message.strip().rsplit(f"{type(self).__name__}: ", 1)[-1])
+
+
+def read_sample(path: Path, *, served_decode: bool = False) -> Image.Image:
+    """:func:`load_image`, a failure raised as UnreadableImage naming the file. It stops the run rather than skipping
+    the file: a sample dropped mid-epoch changes the batches (a resumed run would no longer train as an
+    uninterrupted one) and under DDP one rank's shorter epoch would wait forever for the others."""
+    try:
+        return load_image(path, served_decode=served_decode)
+    except Exception as exc:  # noqa: BLE001 - PIL raises many types on broken files; OSError on a missing one
+        raise unreadable(path, exc) from None
+
+
+def unreadable(path: Path, exc: BaseException) -> UnreadableImage:
+    """The UnreadableImage of a sample whose read failed with ``exc`` (both data paths')."""
+    reason = (str(exc).strip().splitlines() or [""])[0]
+    return UnreadableImage(f"{path} became unreadable after the run checked it ({type(exc).__name__}: {reason}): "
+                           f"replace or remove it, then go on with --resume")
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -144,10 +180,12 @@ class FolderDataset(Dataset):
     resumed run sees exactly the augmentations an uninterrupted one would have.
     """
 
-    def __init__(self, samples: Sequence[Sample], transform: ImageTransform, seed: int = 0) -> None:
+    def __init__(self, samples: Sequence[Sample], transform: ImageTransform, seed: int = 0, *,
+                 served_decode: bool = False) -> None:
         self.samples = list(samples)
         self.transform = transform
         self.seed = seed
+        self.served_decode = served_decode  # validation's: decoded as the server decodes (load_image)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -155,7 +193,7 @@ class FolderDataset(Dataset):
     def __getitem__(self, key: SampleKey) -> tuple[torch.Tensor, int]:
         epoch, index = key if isinstance(key, tuple) else (0, key)
         path, target = self.samples[index]
-        image = load_image(path)
+        image = read_sample(path, served_decode=self.served_decode)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(sample_seed(self.seed, epoch, index))
             return self.transform(image), target

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.io import ImageReadMode, decode_jpeg
 
 from models.data.augment import CropFlip, check_min_crop_scale, crop_tensor, draw
-from models.data.folder import Sample, SampleKey, sample_seed
+from models.data.folder import Sample, SampleKey, sample_seed, unreadable
 from models.data.jpeg import decode_jpegs, stream_drawn_once
 from models.presets import JPEG_FORMATS, EvalPreset, pil_to_tensor, upright_rgb
 
@@ -60,18 +60,24 @@ class EncodedFolder(Dataset):
     def __getitem__(self, key: SampleKey) -> tuple[torch.Tensor, torch.Tensor, int]:
         epoch, index = key if isinstance(key, tuple) else (0, key)
         path, target = self.samples[index]
-        data = Path(path).read_bytes()
-        with Image.open(io.BytesIO(data)) as image:
-            if image.format in JPEG_FORMATS:
-                payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-                height, width = _upright_size(image)
-            else:
-                payload = _pixels(image)
-                height, width = payload.shape[1:]
+        try:
+            payload, (height, width) = _payload(Path(path))
+        except Exception as exc:  # noqa: BLE001 - PIL raises many types on broken files; OSError on a missing one
+            raise unreadable(Path(path), exc) from None
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(sample_seed(self.seed, epoch, index))
             box = draw(height, width, self.min_crop_scale, self.hflip_prob)
         return payload, box.as_tensor(), target
+
+
+def _payload(path: Path) -> tuple[torch.Tensor, tuple[int, int]]:
+    """A JPEG's bytes (decoded on the device) or another image's pixels, and its upright height and width."""
+    data = path.read_bytes()
+    with Image.open(io.BytesIO(data)) as image:
+        if image.format in JPEG_FORMATS:
+            return torch.frombuffer(bytearray(data), dtype=torch.uint8), _upright_size(image)
+        pixels = _pixels(image)
+        return pixels, (pixels.shape[1], pixels.shape[2])
 
 
 @dataclass

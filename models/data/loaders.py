@@ -46,6 +46,11 @@ DEFAULT_VAL_SPLIT = 0.2  # a DIR/<class>/* folder without --val-split
 def splits(args: argparse.Namespace) -> tuple[Split, Split]:
     """DIR/train and DIR/val, or with --val-split one DIR/<class> folder split in two."""
     workers = max(4, args.workers)
+    laid_out = [name for name in ("train", "val") if (args.data / name).is_dir()]
+    if args.val_split is not None and laid_out:  # they would be split as two classes named train and val
+        raise DataError(f"--val-split holds out part of a DIR/<class>/* folder, but {args.data} has "
+                        f"{' and '.join(f'{name}/' for name in laid_out)}: leave --val-split out to validate on "
+                        f"{args.data / 'val'}, or give --data {args.data / 'train'} to split that")
     if args.val_split is None and not (args.data / "train").is_dir() and args.data.is_dir() and any(
             p.is_dir() and p.name not in ("train", "val") for p in args.data.iterdir()):
         args.val_split = DEFAULT_VAL_SPLIT
@@ -67,7 +72,8 @@ def load_data(args: argparse.Namespace, preset: EvalPreset, env: DistEnv, device
         log.warning("skipped %d unreadable file(s); training on %d, validating on %d",
                     skipped, len(train_split.samples), len(val_split.samples))
     train_set, collate_fn, prepare = _train_set(args, train_split, preset, device)
-    val_set = FolderDataset(val_split.samples, eval_transform(preset))
+    # Validation decodes as the server does (a large JPEG at reduced scale), so evaluate() scores what it serves.
+    val_set = FolderDataset(val_split.samples, eval_transform(preset), served_decode=True)
     sampler = EpochSampler(train_set, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=args.seed)
     workers = {"num_workers": args.workers, "pin_memory": device.type == "cuda",
                "persistent_workers": args.workers > 0, "prefetch_factor": args.prefetch if args.workers else None}

@@ -213,6 +213,7 @@ def export_checkpoint(path: Path, out_dir: Path | None, *, name: str | None = No
     laps = Laps() if laps is None else laps
     from models.architectures import build_model
     from models.run.checkpoint import load_checkpoint
+    from models.run.report import TOP5_MIN_CLASSES
 
     state = load_checkpoint(path)
     run_name = Path(str(state["args"]["output_dir"])).name
@@ -223,7 +224,9 @@ def export_checkpoint(path: Path, out_dir: Path | None, *, name: str | None = No
     model = build_model(state["arch"], len(state["classes"]))
     model.load_state_dict(state["model"], strict=True)
     laps.done("load")
-    metrics = {key: float(value) for key, value in state["metrics"].items() if key.startswith("val_")}
+    # No val_acc5 below 6 classes: 1.0 by construction there (training writes it as null; older runs wrote 1.0).
+    metrics = {key: float(value) for key, value in state["metrics"].items() if key.startswith("val_")
+               and value is not None and not (key == "val_acc5" and len(state["classes"]) < TOP5_MIN_CLASSES)}
     reference = state.get("prediction_reference")
     return export_model(
         model, out_dir=out_dir, name=name, version=version or default_version(path, state["model"]),

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 
 class DataError(ValueError):
@@ -48,13 +49,41 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _number(low: float = 0.0, high: float = math.inf, *, low_open: bool = False,
+            high_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite float from ``low`` to ``high`` (an open end excluded), refused before the data is
+    scanned, with the range in the error (a negative --lr or a --label-smoothing of 1.5 failed as a traceback deep
+    in torch, or trained on silently)."""
+    if high == math.inf:
+        span = f"above {low:g}" if low_open else f"{low:g} or more"
+    else:
+        span = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+
+    def number(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text}") from None
+        if not (math.isfinite(value) and low <= value <= high) or (low_open and value == low) or (
+                high_open and value == high):
+            raise argparse.ArgumentTypeError(f"must be {span}, got {text}")
+        return value
+
+    return number
+
+
+_PROBABILITY = _number(0, 1)
+_FRACTION = _number(0, 1, low_open=True, high_open=True)  # of a folder held out: both sides keep images
+_POSITIVE = _number(low_open=True)
+
+
 def get_args_parser(archs: Sequence[str], description: str = "") -> argparse.ArgumentParser:
     """Options in torchvision's reference-script spirit; sizes default to the arch's pretrained preset."""
     parser = _Parser(prog="python -m models.train", description=description,
                                      formatter_class=HelpFormatter)
     parser.add_argument("--data", type=Path, required=True,
                         help="folder with train/<class>/* and val/<class>/* (or <class>/* with --val-split)")
-    parser.add_argument("--val-split", type=float, default=None,
+    parser.add_argument("--val-split", type=_FRACTION, default=None,
                         help="hold out about this fraction of each class of a DIR/<class>/* folder for validation "
                              "(each image by its path and --seed: added images move none; default for such a "
                              "folder: 0.2)")
@@ -63,20 +92,21 @@ def get_args_parser(archs: Sequence[str], description: str = "") -> argparse.Arg
     parser.add_argument("--pretrained", action="store_true",
                         help="start from the packaged ImageNet weights (new head); efficientnet_lite0 only")
     parser.add_argument("--freeze-backbone", action="store_true", help="train the new head only")
-    parser.add_argument("--backbone-lr-scale", type=float, default=1.0,
+    parser.add_argument("--backbone-lr-scale", type=_number(), default=1.0,
                         help="backbone learning rate = lr x this (e.g. 0.1 when fine-tuning)")
     parser.add_argument("--epochs", type=_positive_int, default=10, help="passes over the training set")
     parser.add_argument("--batch-size", type=_positive_int, default=32, help="images per process and step")
     parser.add_argument("--opt", choices=("sgd", "adamw"), default="sgd", help="optimiser")
-    parser.add_argument("--lr", type=float, default=None,
+    parser.add_argument("--lr", type=_POSITIVE, default=None,
                         help="peak learning rate (default: SGD 0.1 x global batch / 256, the linear scaling rule; "
                              "AdamW 0.001)")
-    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
-    parser.add_argument("--weight-decay", type=float, default=1e-4, help="L2 penalty (AdamW: decoupled)")
-    parser.add_argument("--label-smoothing", type=float, default=0.0, help="cross-entropy label smoothing")
+    parser.add_argument("--momentum", type=_number(0, 1, high_open=True), default=0.9, help="SGD momentum")
+    parser.add_argument("--weight-decay", type=_number(), default=1e-4, help="L2 penalty (AdamW: decoupled)")
+    parser.add_argument("--label-smoothing", type=_number(0, 1, high_open=True), default=0.0,
+                        help="cross-entropy label smoothing")
     parser.add_argument("--lr-warmup-epochs", type=_non_negative_int, default=None,
                         help="linear warm-up (default: 1 epoch from scratch, 0 with --pretrained)")
-    parser.add_argument("--clip-grad-norm", type=float, default=None, help="clip the gradient norm to this")
+    parser.add_argument("--clip-grad-norm", type=_POSITIVE, default=None, help="clip the gradient norm to this")
     parser.add_argument("--amp", action="store_true", help="mixed precision (autocast) for training")
     parser.add_argument("--amp-dtype", choices=("bf16", "fp16"), default="bf16", help="fp16 (CUDA) uses a GradScaler")
     parser.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
@@ -93,8 +123,9 @@ def get_args_parser(archs: Sequence[str], description: str = "") -> argparse.Arg
     parser.add_argument("--crop-size", type=_positive_int, default=None, help="input size (default 224)")
     parser.add_argument("--interpolation", choices=("nearest", "bilinear", "bicubic", "lanczos"), default=None,
                         help="resize interpolation (default: the preset's, bilinear from scratch)")
-    parser.add_argument("--hflip-prob", type=float, default=0.5, help="0 for digits and text")
-    parser.add_argument("--min-crop-scale", type=float, default=0.08, help="smallest random crop, as area fraction")
+    parser.add_argument("--hflip-prob", type=_PROBABILITY, default=0.5, help="0 for digits and text")
+    parser.add_argument("--min-crop-scale", type=_number(0, 1, low_open=True), default=0.08,
+                        help="smallest random crop, as area fraction")
     parser.add_argument("--data-backend", choices=("cpu", "gpu"), default="cpu",
                         help="where training images are decoded and augmented: cpu (PIL in the DataLoader workers) "
                              "or gpu (workers read JPEG bytes; nvJPEG decoding, crop, flip and normalisation on the "

@@ -4,6 +4,7 @@ from ``--resume`` (and the command that resumes an interrupted one)."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -12,7 +13,7 @@ import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -43,10 +44,15 @@ class Best:
 NO_BEST = Best()  # before the first epoch
 
 
+def _finite_or_inf(loss: float) -> float:
+    return loss if math.isfinite(loss) else math.inf
+
+
 def better(acc1: float, loss: float, best: Best) -> bool:
     """Whether an epoch's validation beats ``best``: higher top-1, and on a tie (usual on small sets, where top-1
-    moves in steps of 1/len(val)) lower loss."""
-    return (acc1, -loss) > (best.acc1, -best.loss)
+    moves in steps of 1/len(val)) lower loss. A loss that is not finite counts as infinite: a NaN compares false
+    both ways, so an epoch of NaN loss held "best" against any later one of the same top-1."""
+    return (acc1, -_finite_or_inf(loss)) > (best.acc1, -_finite_or_inf(best.loss))
 
 
 def plain_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -205,62 +211,224 @@ def _check_same_holdout(path: Path, state: dict[str, Any], args: argparse.Namesp
                         f"another --output-dir")
 
 
+RESUMED_KEYS = ("model", "optimizer", "lr_scheduler", "epoch", "best_acc1", "args", "arch", "classes", "rng")
+# Options that shape the optimiser's state: a checkpoint's state loads only into an optimiser made with the same.
+STATE_OPTIONS = ("opt", "freeze_backbone")
+# Options a resumed run takes as they are given now, applied to the restored optimiser's groups (the NaN error's
+# advice, "lower --lr", is followed by resuming with a lower --lr).
+RATE_OPTIONS = ("lr", "backbone_lr_scale", "momentum", "weight_decay")
+
+
+def _option(name: str, value: Any) -> str:
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return f"{'with' if value else 'without'} {flag}"
+    return f"with {flag} {value}"
+
+
+def _first_line(exc: BaseException, limit: int = 100) -> str:
+    """``Type: message``, its first line cut at ``limit`` characters (torch's refusals run to paragraphs)."""
+    text = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
+
+
+def read_resumable(path: Path) -> dict[str, Any]:
+    """The checkpoint ``--resume`` names, or DataError in one line when it is no ``models.train`` checkpoint (a
+    file torch cannot read, an export's weights-only state dict); FileNotFoundError when it is not there."""
+    try:
+        state = load_checkpoint(path)
+    except FileNotFoundError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - torch.load raises UnpicklingError, RuntimeError, EOFError, ...
+        raise DataError(f"{path} is no checkpoint torch can read ({_first_line(exc)}): --resume takes the "
+                        f"checkpoint.pt of a models.train run") from None
+    missing = [key for key in RESUMED_KEYS if key not in state] if isinstance(state, dict) else list(RESUMED_KEYS)
+    if missing:
+        raise DataError(f"{path} is no models.train checkpoint (it lacks {', '.join(missing)}; an export's "
+                        f"model.state_dict.pt holds weights only): --resume takes a run's checkpoint.pt")
+    return state
+
+
+def _check_same_state_options(path: Path, saved: dict[str, Any], args: argparse.Namespace) -> None:
+    """DataError naming the option when the checkpoint's optimiser state cannot load into this run's optimiser
+    (another --opt has other state; --freeze-backbone other parameter groups)."""
+    for name in STATE_OPTIONS:
+        if name in saved and saved[name] != getattr(args, name):
+            then, now = _option(name, saved[name]), _option(name, getattr(args, name))
+            raise DataError(f"{path} was trained {then}, this run {now}: its optimiser state cannot go on with "
+                            f"another; resume {then}, or train afresh into another --output-dir")
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What a checkpoint restores beside the weights: the next epoch, the best epoch so far, the plan of its
+    schedule and that schedule's state (which only a schedule of the same plan can take), its options."""
+
+    start: int
+    best: Best
+    planned: SchedulePlan
+    schedule: dict[str, Any]
+    args: dict[str, Any]
+
+
 def _resume(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
-            args: argparse.Namespace, classes: list[str]) -> tuple[int, Best, SchedulePlan, dict[str, Any]]:
-    """Restore a checkpoint's weights, optimiser, scaler and RNG; returns the next epoch, the best epoch so far, the
-    plan of its schedule and that schedule's state (which only a schedule of the same plan can take)."""
-    state = load_checkpoint(path)
+            args: argparse.Namespace, classes: list[str]) -> Resumed:
+    """Restore a checkpoint's weights, optimiser, scaler and RNG; what does not fit this run is a DataError naming
+    why, before anything is restored."""
+    state = read_resumable(path)
     if state["arch"] != args.arch or state["classes"] != classes:
         raise DataError(f"{path} was trained as {state['arch']} on classes {state['classes']}, "
                         f"not {args.arch} on {classes}")
     _check_same_holdout(path, state, args)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    if scaler is not None and state["scaler"] is not None:
+    _check_same_state_options(path, state["args"], args)
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as exc:
+        raise DataError(f"{path} does not fit this run's model or optimiser ({_first_line(exc)}): resume with "
+                        f"the options it was trained with, or train afresh into another --output-dir") from None
+    if scaler is not None and state.get("scaler") is not None:
         scaler.load_state_dict(state["scaler"])
     set_rng_state(state["rng"])
     # Older checkpoints: no loss, no best epoch's figures (its summary and confusion.json are not reported).
     best = Best(float(state["best_acc1"]), float(state.get("best_val_loss", math.inf)), state.get("best_metrics"),
                 state.get("best_confusion"))
     planned = schedule_plan(int(state["args"]["epochs"]), int(state["args"]["lr_warmup_epochs"]))
-    return int(state["epoch"]) + 1, best, planned, state["lr_scheduler"]
+    return Resumed(int(state["epoch"]) + 1, best, planned, state["lr_scheduler"], state["args"])
+
+
+RUN_FILES = (CHECKPOINT_NAME, BEST_NAME, METRICS_NAME)
+
+
+def _same_folder(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return False
+
+
+def resumes_elsewhere(args: argparse.Namespace) -> bool:
+    """Whether ``--resume`` continues a run in another ``--output-dir`` than the checkpoint's own folder."""
+    return args.resume is not None and not _same_folder(args.resume.parent, args.output_dir)
 
 
 def check_fresh_output(args: argparse.Namespace) -> None:
-    """DataError when a run that does not ``--resume`` would write into an ``--output-dir`` that holds an earlier
-    run: its checkpoints would be replaced and its metrics.jsonl mixed with the new run's epochs (a plot then draws
-    one curve of both)."""
-    if args.resume:
+    """DataError when a run would write into an ``--output-dir`` that holds another run: a fresh run (its
+    checkpoints would be replaced and its metrics.jsonl mixed with the new run's epochs: a plot then draws one curve
+    of both), or a ``--resume`` into another run's folder (its best.pt, which no later epoch may beat, would be
+    exported as this run's); or that cannot be a folder (a file, or under one)."""
+    existing = next((p for p in (args.output_dir, *args.output_dir.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise DataError(f"--output-dir {args.output_dir} cannot be a folder: {existing} is a file")
+    if args.resume and not resumes_elsewhere(args):
         return
-    earlier = [name for name in (CHECKPOINT_NAME, BEST_NAME, METRICS_NAME) if (args.output_dir / name).exists()]
+    earlier = [name for name in RUN_FILES if (args.output_dir / name).exists()]
+    if earlier and args.resume:
+        raise DataError(f"{args.output_dir} holds another run ({', '.join(earlier)}): resume {args.resume} in its "
+                        f"own folder (--output-dir {args.resume.parent}) or into a new --output-dir (or go on with "
+                        f"the run there: --resume {args.output_dir / CHECKPOINT_NAME})")
     if earlier:
         raise DataError(f"{args.output_dir} holds an earlier run ({', '.join(earlier)}): continue it with --resume "
                         f"{args.output_dir / CHECKPOINT_NAME}, or choose another --output-dir")
 
 
+def _best_source(args: argparse.Namespace, resumed: Resumed) -> Path:
+    """The file holding the resumed run's best epoch, to carry into another ``--output-dir``: the checkpoint itself
+    when that epoch is its own, else the best.pt beside it when that is of the same epoch; DataError when neither
+    (a checkpoint copied away from its run: no later epoch may beat its best, so the export would find none)."""
+    epoch = None if resumed.best.row is None else int(resumed.best.row["epoch"])
+    if epoch is not None and epoch == resumed.start - 1:
+        return args.resume
+    beside = args.resume.parent / BEST_NAME
+    if beside.is_file() and not _same_folder(beside, args.resume):
+        try:
+            beside_epoch = int(load_checkpoint(beside)["epoch"])
+        except Exception:  # noqa: BLE001 - torn or foreign: not this run's best
+            beside_epoch = None
+        if beside_epoch is not None and (epoch is None or beside_epoch == epoch):
+            return beside
+    shown = "its best epoch" if epoch is None else f"its best epoch ({epoch + 1})"
+    raise DataError(f"{args.resume.parent} holds no best.pt of {shown} to carry into --output-dir "
+                    f"{args.output_dir}: resume in the checkpoint's own folder (--output-dir {args.resume.parent})")
+
+
+def carry_run(args: argparse.Namespace, resumed: Resumed, source: Path) -> None:
+    """Start the resumed run's new ``--output-dir`` as a run folder of its own: the checkpoint it resumes (what
+    Ctrl-C's and a NaN's hints go on from), its best.pt (what the export takes when no later epoch beats it) and
+    the metrics.jsonl rows of the epochs before the one it resumes at (its curves whole)."""
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    _replace_atomically(args.output_dir / CHECKPOINT_NAME, lambda tmp: shutil.copyfile(args.resume, tmp))
+    _replace_atomically(args.output_dir / BEST_NAME, lambda tmp: shutil.copyfile(source, tmp))
+    metrics = args.resume.parent / METRICS_NAME
+    if metrics.is_file():
+        rows = [line for line in metrics.read_text(encoding="utf-8").splitlines()
+                if line.strip() and int(json.loads(line)["epoch"]) < resumed.start]
+        (args.output_dir / METRICS_NAME).write_text("".join(row + "\n" for row in rows), encoding="utf-8")
+    log.info("resuming %s into %s: its checkpoint, best.pt (from %s) and metrics.jsonl carried there",
+             args.resume.parent, args.output_dir, source.name)
+
+
+class Start(NamedTuple):
+    """Where a run starts: the first epoch to train, the best epoch so far, the schedule, and the epochs the run
+    was planned for (a resumed one's checkpoint's, else --epochs)."""
+
+    epoch: int
+    best: Best
+    scheduler: Scheduler
+    planned_epochs: int
+
+
+def _apply_rates(optimizer: torch.optim.Optimizer, saved: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    """Give the restored optimiser's groups this run's --lr (the head's; the backbone's scaled by
+    --backbone-lr-scale, as make_optimizer does), --momentum and --weight-decay; returns what changed, as
+    "--lr 30 -> 0.01". The learning rates are set as each group's initial rate, which the schedule then follows."""
+    changed = [f"--{name.replace('_', '-')} {saved[name]:g} -> {getattr(args, name):g}" for name in RATE_OPTIONS
+               if saved.get(name) is not None and float(saved[name]) != float(getattr(args, name))]
+    bases = [args.lr, args.lr * args.backbone_lr_scale]  # the head's group, then the backbone's (when trained)
+    for group, base in zip(optimizer.param_groups, bases):
+        group["initial_lr"] = base
+        group["weight_decay"] = args.weight_decay
+        if "momentum" in group:  # SGD's; AdamW has betas instead
+            group["momentum"] = args.momentum
+    return changed
+
+
 def start_or_resume(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler: Scheduler, scaler: torch.amp.GradScaler | None,
-                    classes: list[str]) -> tuple[int, Best, Scheduler]:
-    """The first epoch to run, the best epoch so far and the schedule: fresh, or continued from ``--resume``.
+                    classes: list[str], *, is_main: bool = True) -> Start:
+    """The first epoch to run, the best epoch so far, the schedule and the planned epochs: fresh, or continued from
+    ``--resume`` (into another ``--output-dir``: the checkpoint, its best.pt and metrics carried there first, by the
+    main process, ``is_main``).
 
     ``scheduler`` is the schedule this run's options plan; it takes the checkpoint's schedule state only when the
-    resumed run's plan was the same (then it goes on exactly as an uninterrupted run's would)."""
+    resumed run's plan and learning rates were the same (then it goes on exactly as an uninterrupted run's would)."""
     if not args.resume:
-        return 0, NO_BEST, scheduler
-    start, best, planned, saved_schedule = _resume(args.resume, model, optimizer, scaler, args, classes)
+        return Start(0, NO_BEST, scheduler, args.epochs)
+    resumed = _resume(args.resume, model, optimizer, scaler, args, classes)
+    start, planned = resumed.start, resumed.planned
+    elsewhere = resumes_elsewhere(args)
+    source = _best_source(args, resumed) if elsewhere and start < args.epochs else None
     log.info("resumed from %s at epoch %d", args.resume, start + 1)
+    changed = _apply_rates(optimizer, resumed.args, args)
     now = schedule_plan(args.epochs, args.lr_warmup_epochs)
-    if planned == now:
-        scheduler.load_state_dict(saved_schedule)
+    if planned == now and not changed:
+        scheduler.load_state_dict(resumed.schedule)
     elif start < args.epochs:
-        # Extending (or shortening) a run: the cosine is laid over the new length and continued from this epoch,
-        # so the learning rate is what a run planned for --epochs would have now (not 0, not a restart). The saved
-        # state is not loaded: its schedule's shape may differ (a 1-epoch run's is the cosine alone, a longer one's
-        # a warm-up then the cosine), and the new one is rebuilt from the optimiser's initial rates anyway.
+        # Extending (or shortening) a run, or new rates: the cosine is laid over the new length from the new rates
+        # and continued from this epoch, so the learning rate is what a run planned so would have now (not 0, not
+        # a restart). The saved state is not loaded: its schedule's shape may differ (a 1-epoch run's is the cosine
+        # alone, a longer one's a warm-up then the cosine), and the new one is rebuilt from the groups' initial
+        # rates anyway.
         scheduler = continue_schedule(optimizer, args, start)
-        log.info("the schedule was planned for %d epochs (%d of warm-up): stretched to %d (%d of warm-up), "
-                 "learning rate now %.3g", *planned, *now, optimizer.param_groups[0]["lr"])
-    return start, best, scheduler
+        if planned != now:
+            log.info("the schedule was planned for %d epochs (%d of warm-up): stretched to %d (%d of warm-up), "
+                     "learning rate now %.3g", *planned, *now, optimizer.param_groups[0]["lr"])
+        if changed:
+            log.info("resumed with %s: the optimiser goes on with the new values, learning rate now %.3g",
+                     ", ".join(changed), optimizer.param_groups[0]["lr"])
+    if source is not None and is_main:
+        carry_run(args, resumed, source)
+    return Start(start, resumed.best, scheduler, int(resumed.args["epochs"]))
 
 
 def interrupted(args: argparse.Namespace, argv: list[str], world_size: int = 1) -> str:

@@ -161,7 +161,7 @@ class RunLog:
         if self._writer is not None:
             step = int(row["epoch"])
             for key, value in row.items():
-                if key != "epoch":
+                if key != "epoch" and value is not None:  # val_acc5 below 6 classes
                     self._writer.add_scalar(key, value, step)
             self._writer.flush()
 

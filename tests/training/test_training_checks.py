@@ -1,0 +1,312 @@
+"""The training script's checks and what a run does with what it is given: options refused before the data scan,
+folders and checkpoints that do not fit, resuming elsewhere or with new rates, the eval preset, the export asked
+for, images that go bad mid-run, and the figures it writes."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from models import train
+from tests.training.test_training import _stopped_in_its_second_epoch
+from models.architectures import ARCHS
+from models.data.folder import scan_split
+from models.data.loaders import load_data
+from models.export.__main__ import main as export_main
+from models.export.manifest import read_manifest
+from models.image_decode import DecodeLimits, decode_image
+from models.presets import eval_transform
+from models.run.args import get_args_parser
+from models.run.checkpoint import BEST_NAME, CHECKPOINT_NAME, Best, better, load_checkpoint
+from models.run.distributed import DistEnv
+from models.run.report import METRICS_NAME, read_metrics
+from tests.support.imaging import write_image_folder
+
+NO_PACKAGES = ["--packages", "none"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_image_folder(tmp_path_factory.mktemp("folder"))
+
+
+def small_args(data: Path, out: Path, *extra: str, sizes: tuple[str, ...] = ("--resize-size", "36",
+                                                                              "--crop-size", "32")) -> list[str]:
+    """Options for a seconds-long CPU run on the tiny folder."""
+    return ["--data", str(data), "--arch", "mobilenet_v3_small", "--epochs", "1", "--batch-size", "6",
+            "--workers", "0", *sizes, "--device", "cpu", "--lr", "0.01", "--output-dir", str(out), *extra]
+
+
+def _main_error(argv: list[str], caplog: pytest.LogCaptureFixture) -> str:
+    """The one error line ``models.train`` exits 2 with."""
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="models.train"):
+        assert train.main(argv) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "\n" not in errors[0], errors
+    return errors[0]
+
+
+def _refused_option(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """argparse's refusal (exit 2) of an option, before anything is read."""
+    with pytest.raises(SystemExit) as exited:
+        train.main(argv)
+    assert exited.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_val_split_on_a_train_and_val_folder_is_refused(folder: Path, tmp_path: Path,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    # Before: "train" and "val" became the two classes of the model.
+    error = _main_error(small_args(folder, tmp_path / "run", "--val-split", "0.25"), caplog)
+    assert f"{folder} has train/ and val/: leave --val-split out" in error
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("option, value, says", [
+    ("--min-crop-scale", "0", "must be in (0, 1]"), ("--min-crop-scale", "1.5", "must be in (0, 1]"),
+    ("--label-smoothing", "1.5", "must be in [0, 1)"), ("--lr", "-1", "must be above 0"),
+    ("--lr", "nan", "must be above 0"), ("--weight-decay", "-1", "must be 0 or more"),
+    ("--backbone-lr-scale", "-1", "must be 0 or more"), ("--hflip-prob", "3", "must be in [0, 1]"),
+    ("--momentum", "1", "must be in [0, 1)"), ("--val-split", "1", "must be in (0, 1)"),
+    ("--clip-grad-norm", "0", "must be above 0"),
+])
+def test_options_out_of_range_are_refused_before_the_data_is_read(option: str, value: str, says: str,
+                                                                  tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: tracebacks deep in torch (--min-crop-scale 0, --label-smoothing 1.5, --lr -1, --weight-decay -1),
+    # or a run that trained on them (--backbone-lr-scale -1, --hflip-prob 3). The data folder does not exist: the
+    # option is refused first.
+    line = _refused_option(["--data", str(tmp_path / "missing"), option, value], capsys)
+    assert f"argument {option}: {says}, got {value}" in line
+
+
+def test_resume_of_what_cannot_go_on_is_one_line(folder: Path, tmp_path: Path,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    run = tmp_path / "run"
+    assert train.main(small_args(folder, run, "--epochs", "1")) == 0
+    resume = ["--epochs", "2", "--resume", str(run / CHECKPOINT_NAME)]
+    # Before: KeyError 'step' at the first AdamW step; a ValueError on the optimiser's parameter groups.
+    assert "was trained with --opt sgd, this run with --opt adamw" in _main_error(
+        small_args(folder, run, "--opt", "adamw", *resume), caplog)
+    assert "was trained without --freeze-backbone, this run with --freeze-backbone" in _main_error(
+        small_args(folder, run, "--freeze-backbone", *resume), caplog)
+    # Before: KeyError 'arch' (an export's weights-only state dict), an UnpicklingError (not a torch file).
+    weights = tmp_path / "model.state_dict.pt"
+    torch.save(load_checkpoint(run / CHECKPOINT_NAME)["model"], weights)
+    assert "is no models.train checkpoint" in _main_error(
+        small_args(folder, tmp_path / "other", "--resume", str(weights)), caplog)
+    garbage = tmp_path / "notes.txt"
+    garbage.write_text("not a checkpoint")
+    assert "is no checkpoint torch can read" in _main_error(
+        small_args(folder, tmp_path / "other", "--resume", str(garbage)), caplog)
+    # Before: NotADirectoryError after the data scan.
+    assert f"--output-dir {garbage / 'run'} cannot be a folder: {garbage} is a file" in _main_error(
+        small_args(folder, garbage / "run"), caplog)
+
+
+def test_a_run_resumed_into_another_folder_carries_its_best_and_refuses_a_folder_of_another_run(
+        folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    real = train.evaluate
+    acc1 = iter([0.9, 0.5, 0.5])  # the first epoch is the best; the resumed one does not beat it
+
+    def scored(*args: object, **kwargs: object) -> train.EvalResult:
+        result = real(*args, **kwargs)  # type: ignore[arg-type]
+        result.acc1 = next(acc1)
+        return result
+
+    monkeypatch.setattr(train, "evaluate", scored)
+    first, branch, other = tmp_path / "first", tmp_path / "branch", tmp_path / "other"
+    assert train.main(small_args(folder, first)) == 0
+    assert train.main(small_args(folder, other)) == 0  # a run of its own
+    resume = ["--epochs", "2", "--resume", str(first / CHECKPOINT_NAME)]
+    # Before: the other run's best.pt stayed, and --export exported it as this run's.
+    assert f"{other} holds another run" in _main_error(small_args(folder, other, *resume), caplog)
+    # Before: no best.pt in the new folder: "best.pt does not exist", exit 2 after training.
+    assert train.main(small_args(folder, branch, *resume)) == 0
+    best = load_checkpoint(branch / BEST_NAME)
+    assert best["epoch"] == 0 and best["classes"] == ["blue", "green", "red"]
+    assert [row["epoch"] for row in read_metrics(branch)] == [0, 1]
+    assert load_checkpoint(branch / CHECKPOINT_NAME)["epoch"] == 1
+    assert read_metrics(first)[-1]["epoch"] == 0  # the resumed run's folder is left as it was
+
+
+def _nan_in_second_epoch(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_epoch, real_step, epochs = train.train_one_epoch, train.train_step, []
+
+    def epoch(*args: object, **kwargs: object) -> dict[str, float]:
+        epochs.append(1)
+        return real_epoch(*args, **kwargs)  # type: ignore[arg-type]
+
+    def step(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, logits = real_step(*args, **kwargs)  # type: ignore[arg-type]
+        return (loss * math.nan if len(epochs) == 2 else loss), logits
+
+    monkeypatch.setattr(train, "train_one_epoch", epoch)
+    monkeypatch.setattr(train, "train_step", step)
+
+
+def test_a_nan_names_its_epoch_from_1_and_a_resume_with_a_lower_lr_takes_it(
+        folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    run = tmp_path / "run"
+    with monkeypatch.context() as patched:
+        _nan_in_second_epoch(patched)
+        error = _main_error(small_args(folder, run, "--epochs", "3", "--lr-warmup-epochs", "0"), caplog)
+    # Before: "in epoch 1" (counted from 0) for the second epoch.
+    assert f"became nan in epoch 2; lower --lr or use --clip-grad-norm, then resume from epoch 1's checkpoint with " \
+           f"the new value: --resume {run / CHECKPOINT_NAME}" in error
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="models.train"):
+        assert train.main(small_args(folder, run, "--epochs", "3", "--lr-warmup-epochs", "0", "--lr", "0.002",
+                                     "--backbone-lr-scale", "0.5", "--weight-decay", "0.001",
+                                     "--resume", str(run / CHECKPOINT_NAME))) == 0
+    assert "resumed with --lr 0.01 -> 0.002, --backbone-lr-scale 1 -> 0.5, --weight-decay 0.0001 -> 0.001" \
+           in caplog.text
+    # Before: the checkpoint's rates went on (the second epoch at 0.01 x cos(pi / 3) = 0.0075): the advice failed.
+    lrs = [row["lr"] for row in read_metrics(run)]
+    assert lrs == pytest.approx([0.01, 0.002 * 0.75, 0.002 * 0.25])
+    head, backbone = load_checkpoint(run / CHECKPOINT_NAME)["optimizer"]["param_groups"]
+    assert backbone["lr"] == pytest.approx(head["lr"] * 0.5) and head["lr"] == pytest.approx(0.0)
+    assert head["initial_lr"] == 0.002 and backbone["initial_lr"] == 0.001
+    assert head["weight_decay"] == backbone["weight_decay"] == 0.001
+
+
+def test_resuming_a_stopped_run_with_fewer_epochs_names_its_planned_epochs(
+        folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    run = tmp_path / "run"
+    assert _stopped_in_its_second_epoch(monkeypatch, small_args(folder, run, "--epochs", "3")) == 130
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="models.train"):
+        assert train.main(small_args(folder, run, "--epochs", "1", "--resume", str(run / CHECKPOINT_NAME))) == 0
+    # Before: "a finished run of 1 epochs ... --epochs 6" of a run planned for 3.
+    assert "stopped after 1 of its 3 planned epochs" in caplog.text
+    assert f"To go on: --resume {run / CHECKPOINT_NAME} --epochs 3" in caplog.text
+    assert "finished run" not in caplog.text
+
+
+def test_a_crop_size_alone_resizes_in_proportion_and_a_crop_over_the_resize_is_refused(
+        folder: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    parse = get_args_parser(ARCHS).parse_args
+    # Before: the resize stayed at 256 (--crop-size 32: the centre 1/8 evaluated; 300: 15% black padding).
+    assert (train.make_preset(parse(["--data", "x", "--crop-size", "32"])).resize_size,
+            train.make_preset(parse(["--data", "x", "--crop-size", "300"])).resize_size,
+            train.make_preset(parse(["--data", "x", "--pretrained", "--crop-size", "300"])).resize_size,
+            train.make_preset(parse(["--data", "x"])).resize_size) == (37, 343, 343, 256)
+    assert "--crop-size 40 is larger than --resize-size 36" in _main_error(
+        small_args(folder, tmp_path / "run", sizes=("--resize-size", "36", "--crop-size", "40")), caplog)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_records_the_proportional_resize_and_no_top5_below_6_classes_and_its_export_follows(
+        folder: Path, tmp_path: Path) -> None:
+    run, weights = tmp_path / "run", tmp_path / "weights"
+    assert train.main(small_args(folder, run, sizes=("--crop-size", "32"))) == 0
+    state = load_checkpoint(run / BEST_NAME)
+    assert (state["preset"]["resize_size"], state["preset"]["crop_size"]) == (37, 32)
+    # Before: val_acc5 1.0 for 3 classes, where top-5 holds every class.
+    assert state["metrics"]["val_acc5"] is None
+    assert json.loads((run / METRICS_NAME).read_text().splitlines()[0])["val_acc5"] is None
+    assert export_main(["--checkpoint", str(run / BEST_NAME), "--out", str(weights), *NO_PACKAGES]) == 0
+    manifest = read_manifest(weights)  # what the server reads
+    assert (manifest.preprocess.resize_size, manifest.preprocess.crop_size) == (37, 32)
+    assert "val_acc1" in manifest.metrics and "val_acc5" not in manifest.metrics
+    # An older checkpoint's 1.0 for 3 classes is left out too.
+    state["metrics"]["val_acc5"] = 1.0
+    torch.save(state, tmp_path / "older.pt")
+    assert export_main(["--checkpoint", str(tmp_path / "older.pt"), "--out", str(tmp_path / "older"),
+                        *NO_PACKAGES]) == 0
+    assert "val_acc5" not in read_manifest(tmp_path / "older").metrics
+
+
+def test_an_export_that_cannot_be_written_is_refused_before_the_first_epoch_and_a_failed_one_exits_2(
+        folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    run = tmp_path / "run"
+    # Before: --export was dropped silently.
+    assert "--export and --export-repository both given" in _main_error(
+        small_args(folder, run, "--export", str(tmp_path / "e"), "--export-repository", str(tmp_path / "r")), caplog)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    # Before: trained every epoch, then "not exported", exit 0.
+    assert f"{afile} cannot be a folder to export into" in _main_error(
+        small_args(folder, run, "--export", str(afile)), caplog)
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / "manifest.json").write_text("{}")
+    assert f"--export {held} already holds an unreadable model" in _main_error(
+        small_args(folder, run, "--export", str(held)), caplog)
+    assert not run.exists()  # no epoch ran
+
+    import models.export.write as write
+
+    def refused(*args: object, **kwargs: object) -> object:
+        raise ValueError("the export refused it")
+
+    monkeypatch.setattr(write, "export_checkpoint", refused)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="models.train"):
+        assert train.main(small_args(folder, run, "--export", str(tmp_path / "weights"))) == 2
+    assert "not exported: the export refused it" in caplog.text and "export: " in caplog.text
+
+
+def test_an_image_that_goes_bad_mid_run_stops_it_in_one_line_naming_the_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import models.data.loaders as loaders
+
+    data = write_image_folder(tmp_path / "data", train_per_class=2, val_per_class=1)
+    real_scan, broken = loaders.scan_split, []
+
+    def scan_then_truncate(root: Path, workers: int = 4) -> object:
+        split = real_scan(root, workers)
+        if root.name == "train":  # replaced after the check, while the run trains
+            path = split.samples[0][0]
+            path.write_bytes(path.read_bytes()[:40])
+            broken.append(path)
+        return split
+
+    monkeypatch.setattr(loaders, "scan_split", scan_then_truncate)
+    # Before: a traceback of the DataLoader worker's, naming no file. One worker: the error crosses processes.
+    error = _main_error(small_args(data, tmp_path / "run", "--workers", "1", "--batch-size", "2"), caplog)
+    assert error.startswith(f"error: {broken[0]} became unreadable after the run checked it")
+    assert "then go on with --resume" in error and "Traceback" not in error
+
+
+def test_files_in_hidden_folders_of_a_class_are_not_trained_on(tmp_path: Path) -> None:
+    root = write_image_folder(tmp_path / "data", train_per_class=2, val_per_class=0) / "train"
+    thumbs = root / "red" / ".@__thumb"
+    thumbs.mkdir()
+    (thumbs / "0.png").write_bytes((root / "blue" / "0.png").read_bytes())  # a NAS's thumbnail of another class
+    # Before: the thumbnail was a red sample.
+    assert all(".@__thumb" not in str(path) for path, _ in scan_split(root).samples)
+    assert len(scan_split(root).samples) == 6
+
+
+def test_an_epoch_of_nan_val_loss_holds_no_tie() -> None:
+    assert better(0.5, math.nan, Best())
+    # Before: False both ways (NaN compares false): the NaN epoch stayed best against a finite loss.
+    assert better(0.5, 0.3, Best(0.5, math.nan))
+    assert not better(0.5, math.nan, Best(0.5, 0.3))
+
+
+def test_validation_decodes_a_large_jpeg_as_the_server_does(tmp_path: Path) -> None:
+    data = write_image_folder(tmp_path / "data", train_per_class=2, val_per_class=1)
+    rng = np.random.default_rng(0)
+    big = data / "val" / "red" / "big.jpg"  # both sides over twice JPEG_DRAFT_MIN_SIDE: the server decodes at 1/2
+    Image.fromarray(rng.integers(0, 255, (2100, 2100, 3), dtype=np.uint8)).save(big, quality=90)
+    args = get_args_parser(ARCHS).parse_args(["--data", str(data), "--workers", "0", "--crop-size", "32"])
+    preset = train.make_preset(args)
+    loaded = load_data(args, preset, DistEnv(), torch.device("cpu"))
+    val = loaded.val.dataset
+    index = next(i for i, (path, _) in enumerate(val.samples) if path == big)  # type: ignore[attr-defined]
+    served = eval_transform(preset)(decode_image(big.read_bytes(), DecodeLimits()))
+    with Image.open(big) as image:
+        image.load()
+        full = eval_transform(preset)(image.convert("RGB"))
+    assert not torch.equal(served, full)  # the two decodes differ on this photo
+    # Before: the full-size decode, so evaluate() scored other pixels than the server serves.
+    assert torch.equal(val[index][0], served)
