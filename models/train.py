@@ -217,7 +217,8 @@ def _check_export_target(args: argparse.Namespace) -> None:
         return
     if args.export is not None and args.export_repository is not None:
         raise ValueError("--export and --export-repository both given: a run exports to one of them")
-    from models.export.write import held_by, target
+    from models.export.publish import held_by
+    from models.export.write import target
 
     chosen = args.export if args.export is not None else args.export_repository
     existing = next((p for p in (chosen, *chosen.parents) if p.exists()), None)

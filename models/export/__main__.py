@@ -4,7 +4,9 @@
     python -m models.export --checkpoint runs/NAME/best.pt --out weights     # a model from models.train
     python -m models.export --checkpoint runs/NAME/best.pt --repository repository   # repository/NAME/<next number>/
 
-An export never replaces one already written: into a folder that holds an export it refuses unless --force.
+An export never replaces one already written: into a folder that holds an export it refuses unless --force (with
+--checkpoint only into a folder --out names: never weights/ unasked). Each export is written into a hidden folder
+beside its target and moved there complete, so a server reading the target never finds half of one.
 """
 from __future__ import annotations
 
@@ -24,10 +26,10 @@ import torch
 
 from models.export.agreement import Laps
 from models.export.checks import ModelLoadError
-from models.export.compile import DTYPES
+from models.export.compile import DTYPES, cannot_compile
 from models.export.quantize import TORCHAO_HINT
 from models.run.args import HelpFormatter
-from models.export.write import export_checkpoint, export_default
+from models.export.write import export_checkpoint, export_default, one_line
 
 log = logging.getLogger("models.export")
 
@@ -40,7 +42,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     source.add_argument("--default", action="store_true", help="export the bundled EfficientNet-Lite0 (ImageNet)")
     source.add_argument("--checkpoint", type=Path, help="a checkpoint written by models.train (e.g. best.pt)")
     target = parser.add_mutually_exclusive_group()
-    target.add_argument("--out", type=Path, default=None, help="weights directory to write (weights when neither --out nor --repository is given)")
+    target.add_argument("--out", type=Path, default=None,
+                        help="weights directory to write (weights, the bundled model's, when neither --out nor "
+                             "--repository is given; a checkpoint's --force names it)")
     target.add_argument("--repository", type=Path, default=None,
                         help="a model repository: writes <repository>/<name>/<version>, the next version number "
                              "unless --version says")
@@ -52,8 +56,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--packages", default="auto",
                         help="what to build beside TorchScript, comma-separated: onnx (ONNX for ONNX Runtime, what "
                              "the server serves on a CPU; seconds to minutes, by model size, cores and load), cpu, "
-                             "cuda (AOTInductor packages, need g++; about 30 s each), cpu-int8 (int8 for the CPU: PT2E quantization calibrated on real "
-                             "photos, needs torchao), none; auto: onnx, and cuda when a GPU is present. Agreement "
+                             "cuda (AOTInductor packages, need g++, cuda a GPU; about 30 s each), cpu-int8 (int8 "
+                             "for the CPU: PT2E quantization calibrated on real photos, needs torchao and g++), "
+                             "none; auto: onnx, and cuda when a GPU is present. Agreement "
                              "with float32 on real photos goes into the manifest")
     parser.add_argument("--package-dtype", default="float32", choices=sorted(DTYPES),
                         help="the dtype of the CUDA package: the server's VISIONSERVE_DTYPE (CPU packages: float32)")
@@ -61,7 +66,9 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 def package_targets(packages: str, cuda_dtype: str) -> list[tuple[str, str]]:
-    """``--packages`` as (device, dtype) pairs; ``("onnx", "float32")`` is the ONNX file."""
+    """``--packages`` as (device, dtype) pairs; ``("onnx", "float32")`` is the ONNX file. A package this machine
+    cannot compile (CUDA without a GPU, any without a C++ compiler) is refused here, before anything is written
+    (ValueError): found at its compile, it failed an export half way."""
     if packages == "none":
         return []
     if packages == "auto":  # what the server serves by default: ONNX on a CPU, a CUDA package on a GPU
@@ -79,6 +86,10 @@ def package_targets(packages: str, cuda_dtype: str) -> list[tuple[str, str]]:
                          f"got {packages!r}")
     if "cpu-int8" in devices and importlib.util.find_spec("torchao") is None:
         raise ValueError(TORCHAO_HINT)
+    for device in devices:
+        problem = cannot_compile(device.removesuffix("-int8")) if device != "onnx" else None
+        if problem:
+            raise ValueError(f"--packages {device}: {problem}; leave it out (onnx needs neither)")
     return [(device.removesuffix("-int8"), dtypes[device]) for device in devices]
 
 
@@ -92,6 +103,11 @@ def main(argv: Sequence[str] | None = None, started: float | None = None) -> int
     if started is not None:
         laps.done("start")  # the interpreter and the imports
     try:
+        if args.checkpoint and args.force and not (args.out or args.repository):
+            # weights/ is the bundled default model's folder (make serve serves it): a --force meant for the run's
+            # own export must not replace it unasked
+            raise ValueError(f"--force without --out would replace {out}, the bundled default model's folder: name "
+                             f"the folder to replace, e.g. --out runs/NAME/export (or --out {out} to mean it)")
         targets = package_targets(args.packages, args.package_dtype)
         if args.checkpoint:
             export_checkpoint(args.checkpoint, out, name=args.name, version=args.version, force=args.force,
@@ -99,8 +115,9 @@ def main(argv: Sequence[str] | None = None, started: float | None = None) -> int
         else:
             export_default(out, force=args.force, repository=args.repository, packages=targets, version=args.version,
                            laps=laps)
-    except (FileNotFoundError, FileExistsError, ValueError, ModelLoadError) as exc:  # a model the server would refuse
-        log.error("error: %s", exc)
+    # A model the server would refuse, a target that cannot be written, a compile that failed: one line each.
+    except (OSError, ValueError, RuntimeError, ModelLoadError) as exc:
+        log.error("error: %s", one_line(str(exc)))
         return 2
     return 0
 

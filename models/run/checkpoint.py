@@ -232,21 +232,27 @@ def _first_line(exc: BaseException, limit: int = 100) -> str:
     return f"{type(exc).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
 
 
-def read_resumable(path: Path) -> dict[str, Any]:
-    """The checkpoint ``--resume`` names, or DataError in one line when it is no ``models.train`` checkpoint (a
-    file torch cannot read, an export's weights-only state dict); FileNotFoundError when it is not there."""
+def read_run_checkpoint(path: Path, keys: tuple[str, ...], option: str, takes: str) -> dict[str, Any]:
+    """The ``models.train`` checkpoint at ``path`` holding ``keys``, or DataError in one line when it is none (a file
+    torch cannot read, an export's weights-only state dict), naming ``option`` and what it ``takes``;
+    FileNotFoundError when it is not there."""
     try:
         state = load_checkpoint(path)
     except FileNotFoundError:
         raise
     except Exception as exc:  # noqa: BLE001 - torch.load raises UnpicklingError, RuntimeError, EOFError, ...
-        raise DataError(f"{path} is no checkpoint torch can read ({_first_line(exc)}): --resume takes the "
-                        f"checkpoint.pt of a models.train run") from None
-    missing = [key for key in RESUMED_KEYS if key not in state] if isinstance(state, dict) else list(RESUMED_KEYS)
-    if missing:
-        raise DataError(f"{path} is no models.train checkpoint (it lacks {', '.join(missing)}; an export's "
-                        f"model.state_dict.pt holds weights only): --resume takes a run's checkpoint.pt")
+        raise DataError(f"{path} is no checkpoint torch can read ({_first_line(exc)}): {option} takes the "
+                        f"{takes} of a models.train run") from None
+    missing = [key for key in keys if key not in state] if isinstance(state, dict) else list(keys)
+    if missing or not isinstance(state.get("args"), dict):
+        raise DataError(f"{path} is no models.train checkpoint (it lacks {', '.join(missing or ['args'])}; an "
+                        f"export's model.state_dict.pt holds weights only): {option} takes a run's {takes}")
     return state
+
+
+def read_resumable(path: Path) -> dict[str, Any]:
+    """The checkpoint ``--resume`` names (read_run_checkpoint)."""
+    return read_run_checkpoint(path, RESUMED_KEYS, "--resume", "checkpoint.pt")
 
 
 def _check_same_state_options(path: Path, saved: dict[str, Any], args: argparse.Namespace) -> None:

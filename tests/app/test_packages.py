@@ -68,7 +68,11 @@ def test_auto_serves_a_fitting_package_where_packages_are_faster(monkeypatch: py
     assert "no AOTInductor package fits (model.cpu-float32.pt2: compiled by torch 2.0.0" in caplog.text
 
 
-def test_the_export_command_reads_its_package_targets() -> None:
+def test_the_export_command_reads_its_package_targets(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As on a machine with a GPU and g++: without, cuda (and any package without g++) is refused, before anything
+    # is written (tests/training/test_export_writes.py).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr("models.export.compile.shutil.which", lambda name: f"/usr/bin/{name}")
     assert package_targets("none", "float16") == []
     assert package_targets("onnx,cpu", "float16") == [("onnx", "float32"), ("cpu", "float32")]
     assert package_targets("cpu", "float16") == [("cpu", "float32")]
