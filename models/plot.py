@@ -32,7 +32,9 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     for key, label in (("train_loss", "train"), ("val_loss", "val")):
         loss_axes.plot(epochs, [row[key] for row in rows], marker="o", label=label)
     for key, label in (("train_acc1", "train top-1"), ("val_acc1", "val top-1"), ("val_acc5", "val top-5")):
-        acc_axes.plot(epochs, [row[key] for row in rows], marker="o", label=label)
+        values = [row.get(key) for row in rows]
+        if any(value is not None for value in values):  # no top-5 below 6 classes (null in metrics.jsonl)
+            acc_axes.plot(epochs, values, marker="o", label=label)
     # Log scale: an early spike (fresh BatchNorm statistics) would otherwise flatten the rest of the curve.
     loss_axes.set(title="loss (log scale)", xlabel="epoch", yscale="log")
     acc_axes.set(title="accuracy", xlabel="epoch", ylim=(0, 1.02))

@@ -230,9 +230,11 @@ def _run(client: Client, args: argparse.Namespace) -> int:
         if args.command == "model":
             print(json.dumps(client.model(labels=args.labels, model=args.model).raw, indent=2))
             return 0
-        ok = client.health() if args.command == "health" else client.ready()
-        print("yes" if ok else "no")
-        return 0 if ok else 1
+        status = client.probe("/healthz" if args.command == "health" else "/readyz")
+        print("yes" if status == 200 else "no")
+        if status is None:  # not a server that says no: none answered
+            _no_server(args.url)
+        return 0 if status == 200 else 1
     except UsageError:
         raise
     except VisionServeError as exc:

@@ -518,21 +518,23 @@ class Client:
 
     def health(self) -> bool:
         """Liveness: True when the process and its inference thread run (no retries)."""
-        return self._probe("/healthz")
+        return self.probe("/healthz") == 200
 
     def ready(self) -> bool:
         """Readiness: True when the model is warm and the server accepts work (no retries)."""
-        return self._probe("/readyz")
+        return self.probe("/readyz") == 200
 
-    def _probe(self, path: str) -> bool:
+    def probe(self, path: str) -> int | None:
+        """The status a GET of ``path`` answers (no retries), or None when no server answers: what tells a server
+        that is not ready (503) from none at all."""
         try:
             response = self.session.get(self.base_url + path, timeout=(min(self.connect_timeout, self.timeout),
                                                                        self.timeout))
         except SETUP_ERRORS as exc:
             raise _usage_error(exc) from None
         except requests.RequestException:
-            return False
-        return response.status_code == 200
+            return None
+        return response.status_code
 
     def model(self, labels: bool = False, model: str | None = None) -> ModelInfo:
         """A served model's metadata at its default version (with its class names when ``labels``): ``model``, else

@@ -21,6 +21,7 @@ from PIL import Image
 from models.predict.outputs import Record
 from models.run.args import DataError
 from models.run.confusion import confusion, write_confusion
+from models.run.report import TOP5_MIN_CLASSES
 
 METRICS_NAME = "metrics.json"
 MISTAKES_NAME = "mistakes.html"
@@ -46,8 +47,9 @@ def check_labels(truths: dict[str, str], classes: Sequence[str], split: Path | N
 
 
 def evaluation(records: Sequence[Record], truths: dict[str, str], classes: Sequence[str]) -> dict[str, Any]:
-    """Top-1, top-5 and the confusion matrix over the labelled records that were scored; the matrix's classes are
-    the model's that occur as a true or a predicted class, in the model's order."""
+    """Top-1, top-5 (None below ``TOP5_MIN_CLASSES`` classes, where it is 1.0 by construction, as training says)
+    and the confusion matrix over the labelled records that were scored; the matrix's classes are the model's that
+    occur as a true or a predicted class, in the model's order."""
     scored = [r for r in records if r["path"] in truths and not r.get("error")]
     count = len(scored)
     top1 = sum(r["labels"][0] == truths[r["path"]] for r in scored)
@@ -60,7 +62,7 @@ def evaluation(records: Sequence[Record], truths: dict[str, str], classes: Seque
         matrix[position[truths[r["path"]]], position[r["labels"][0]]] += 1
     unreadable = sum(1 for r in records if r["path"] in truths and r.get("error"))
     return {"count": count, "wrong": count - top1, "acc1": top1 / count if count else 0.0,
-            "acc5": top5 / count if count else 0.0,
+            "acc5": (top5 / count if count else 0.0) if len(classes) >= TOP5_MIN_CLASSES else None,  # 1.0 below
             "top_k_written": max((len(r["labels"]) for r in scored), default=0), "unreadable": unreadable,
             "unlabelled": sum(1 for r in records if r["path"] not in truths), **confusion(matrix, shown)}
 
@@ -141,6 +143,7 @@ def write_report(report: dict[str, Any], wrong: Sequence[Record], truths: dict[s
     plot_confusion(confusion_path, folder / "confusion.png", title=title)
     page = mistakes_page(wrong, truths, files, title, total=report["wrong"], scored=report["count"])
     (folder / MISTAKES_NAME).write_text(page, encoding="utf-8")
-    summary = (f"evaluated {report['count']} images: top-1 {report['acc1']:.4f}, top-5 {report['acc5']:.4f}"
+    top5 = "" if report["acc5"] is None else f", top-5 {report['acc5']:.4f}"  # none below 6 classes, as training
+    summary = (f"evaluated {report['count']} images: top-1 {report['acc1']:.4f}{top5}"
                f" ({report['unreadable']} unreadable, {report['unlabelled']} without a label); report in {folder}")
     return [summary, *table]

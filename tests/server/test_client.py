@@ -94,7 +94,12 @@ def test_cli_errors_have_exit_codes(live_server: Running, tmp_path: Path,
     assert cli(["--url", live_server.url, "predict", str(text)]) == 1
     assert "invalid_image" in capsys.readouterr().err
     assert cli(["--url", live_server.url, "predict", str(tmp_path / "missing.jpg")]) == 2
-    assert cli(["--url", f"http://127.0.0.1:{free_port()}", "--retries", "0", "health"]) == 1
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    capsys.readouterr()
+    for command in ("health", "ready"):  # no server at all: said so, not a bare "no" (as for a server not ready)
+        assert cli(["--url", nowhere, "--retries", "0", command]) == 1
+        said = capsys.readouterr()
+        assert said.out == "no\n" and f"no server answers at {nowhere}: start one (make serve)" in said.err
 
 
 def test_client_imports_without_torch_or_flask() -> None:

@@ -337,6 +337,28 @@ def test_the_curves_count_epochs_from_1_and_the_plot_names_every_file_it_wrote(
     assert capsys.readouterr().out.split() == [str(tmp_path / "curves.png"), str(tmp_path / "confusion.png")]
 
 
+def test_no_top5_is_drawn_or_scored_below_6_classes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: the plot's legend listed "val top-5" with no points (metrics.jsonl's null), and models.predict's
+    # evaluation reported a top-5 of 1.0 for 3 classes, which training leaves out as 1.0 by construction.
+    from matplotlib.axes import Axes
+
+    from models.predict.evaluate import evaluation
+
+    labels: list[str] = []
+    plot = Axes.plot
+    monkeypatch.setattr(Axes, "plot", lambda self, *a, **k: labels.append(k.get("label", "")) or plot(self, *a, **k))
+    log = RunLog(tmp_path, enabled=True)
+    for epoch in (0, 1):
+        log.epoch({"epoch": epoch, "train_loss": 1.0, "val_loss": 1.1, "train_acc1": 0.5, "val_acc1": 0.4,
+                   "val_acc5": None})
+    assert plot_main([str(tmp_path)]) == 0
+    assert "val top-5" not in labels and "val top-1" in labels
+    records = [{"path": "a.jpg", "labels": ["x", "y", "z"], "scores": [0.5, 0.3, 0.2]}]
+    assert evaluation(records, {"a.jpg": "y"}, ["x", "y", "z"])["acc5"] is None
+    six = [*"uvwxyz"]
+    assert evaluation([{**records[0], "labels": six, "scores": [0.2] * 6}], {"a.jpg": "y"}, six)["acc5"] == 1.0
+
+
 def test_a_best_checkpoint_whose_copy_fails_midway_keeps_the_previous_best(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     # Before: best.pt was copied in place, so a full disk (or a kill) mid-copy left a torn best.pt and no best at all.
