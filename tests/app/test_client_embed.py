@@ -80,6 +80,7 @@ def test_the_cli_embeds_more_files_than_a_request_holds(embedding_url: str, sett
         f"error: {missing}: cannot read it: No such file or directory"]
 
 
+@pytest.mark.slow  # a second or more (a run of the CLI, make, or workers sharing a state): the full suite's
 def test_the_cli_says_a_refusal_of_every_file_once_each(app: Flask, tmp_path: Path,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     files = _images(tmp_path, 2)

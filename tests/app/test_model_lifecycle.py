@@ -252,6 +252,7 @@ def test_a_version_that_would_not_fit_is_refused_before_loading(settings: Settin
         service.shutdown(timeout=5)
 
 
+@pytest.mark.slow  # a second or more (a run of the CLI, make, or workers sharing a state): the full suite's
 def test_a_version_short_of_memory_says_so_in_the_index_and_is_warned_of_once(
         settings: Settings, repository: FakeRepository, caplog: pytest.LogCaptureFixture) -> None:
     # Before: the index listed it as UNAVAILABLE "unloaded", and every poll warned of it again (in every worker).
@@ -283,6 +284,7 @@ def test_a_version_short_of_memory_says_so_in_the_index_and_is_warned_of_once(
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 
 
+@pytest.mark.slow  # a second or more (a run of the CLI, make, or workers sharing a state): the full suite's
 def test_a_policy_naming_a_refused_version_says_why_it_was_refused(settings: Settings, repository: FakeRepository,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     # Before: "model 'colour': no version 2; the repository has 1" (400), hiding why version 2 was left out.

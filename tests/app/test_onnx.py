@@ -122,6 +122,7 @@ def test_a_model_the_exporter_cannot_take_is_exported_without_onnx(tmp_path: Pat
     assert Predictor.load(tmp_path, device="cpu").weights_format == "torchscript"
 
 
+@pytest.mark.slow  # a second or more (a run of the CLI, make, or workers sharing a state): the full suite's
 def test_an_onnx_file_whose_probabilities_differ_is_not_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                caplog: pytest.LogCaptureFixture) -> None:
     # Only top-1 and the embeddings' cosine were checked: ONNX answers at another scale (the same top class, every

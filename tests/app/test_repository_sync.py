@@ -62,6 +62,7 @@ def _serves(controller: VersionsController, name: str = "colour") -> list[str]:
     return controller.applier.serving().get(name, {}).get("versions", [])
 
 
+@pytest.mark.slow  # a second or more (a run of the CLI, make, or workers sharing a state): the full suite's
 def test_a_version_one_worker_refuses_does_not_undo_the_other_worker_s_pick(shared: Settings) -> None:
     # Version 2 loads in one worker and fails in the other (its own failure: out of memory in warm-up on its
     # device). Before: the second worker's poll picked version 1 without 2 and wrote it, the first followed and
@@ -129,6 +130,7 @@ def test_a_worker_joining_that_cannot_load_the_desired_version_serves_the_newest
         _stop(running)
 
 
+@pytest.mark.slow  # a second or more (a run of the CLI, make, or workers sharing a state): the full suite's
 def test_a_joining_worker_short_of_memory_for_the_desired_versions_serves_what_fits(shared: Settings) -> None:
     # Each fake version takes 1 MiB and needs 2 MiB to load: with 2 MiB the joining worker fits one of the two.
     repository = FakeRepository()
@@ -144,6 +146,7 @@ def test_a_joining_worker_short_of_memory_for_the_desired_versions_serves_what_f
         _stop(running, joining)
 
 
+@pytest.mark.slow  # a second or more (a run of the CLI, make, or workers sharing a state): the full suite's
 def test_a_poll_as_often_as_the_follow_rounds_still_applies_the_other_workers_changes(shared: Settings) -> None:
     # REPOSITORY_POLL_S at or under WATCH_S (0.2 s): every round polled and none followed, so another worker's
     # unload never applied here and its call answered 504 after REPOSITORY_SYNC_TIMEOUT_S, saying this worker had
@@ -192,6 +195,7 @@ def test_a_model_whose_files_cannot_be_read_stops_no_poll_of_the_others(
         _stop(here)
 
 
+@pytest.mark.slow  # a second or more (a run of the CLI, make, or workers sharing a state): the full suite's
 def test_a_load_call_another_worker_refuses_says_so_and_is_not_undone_by_its_poll(shared: Settings) -> None:
     # The call's answer names the worker that refused; that worker's poll then keeps the call's entry.
     here_repository, there_repository, here, here_catalog, there = _two_workers(shared)

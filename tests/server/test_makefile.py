@@ -47,6 +47,7 @@ def _installed(folder: Path, python: str) -> Path:
     return stamp
 
 
+@pytest.mark.slow  # a second or more (a run of the CLI, make, or workers sharing a state): the full suite's
 def test_a_half_made_venv_is_made_again(tmp_path: Path) -> None:
     # Before: `test -x .venv/bin/python || python3 -m venv .venv` took a .venv without pip (a first make stopped while
     # venv ran ensurepip) as made: every later make failed with "No module named pip".
@@ -86,6 +87,7 @@ def _remakes_weights(folder: Path, changed: str) -> bool:
     return "-m models.export --default" in commands
 
 
+@pytest.mark.slow  # a second or more (a run of the CLI, make, or workers sharing a state): the full suite's
 def test_the_default_export_is_remade_when_any_code_it_runs_changes(tmp_path: Path) -> None:
     # Before: a change of models/presets.py (the preprocessing the manifest records) left weights/ as it was.
     (tmp_path / "manifest.json").write_text("{}")
@@ -114,6 +116,7 @@ def test_make_serve_passes_a_weights_folder_with_a_space(tmp_path: Path) -> None
     assert served.returncode == 0 and served.stdout.splitlines()[-1] == str(folder), served.stdout + served.stderr
 
 
+@pytest.mark.slow  # a second or more (a run of the CLI, make, or workers sharing a state): the full suite's
 @pytest.mark.parametrize("venv_on_path", [True, False], ids=["elsewhere", "elsewhere-venv-not-on-path"])
 def test_bin_serve_runs_from_any_folder(tmp_path: Path, venv_on_path: bool) -> None:
     # Before: gunicorn.conf.py and app.wsgi were looked for in the caller's folder, and gunicorn on the PATH (a fresh

@@ -67,6 +67,7 @@ def _with_bad_name(folder: Path, picture: bytes) -> str:
     return os.fsdecode(bad)
 
 
+@pytest.mark.slow  # a second or more (a run of the CLI, make, or workers sharing a state): the full suite's
 def test_a_file_name_that_is_not_utf8_is_scored_and_written_losslessly(weights: Path, picture: bytes, tmp_path: Path,
                                                                        caplog: pytest.LogCaptureFixture) -> None:
     # Before: UnicodeEncodeError writing its record: the batch was lost, and every rerun failed the same way.
@@ -124,6 +125,7 @@ def test_names_holding_what_splitlines_splits_at_are_written_kept_and_read_back(
     assert neighbours([str(embeddings), "--duplicates"]) == 0  # one name a row: the same photo, every pair
 
 
+@pytest.mark.slow  # a second or more (a run of the CLI, make, or workers sharing a state): the full suite's
 def test_a_mistake_whose_name_is_not_utf8_is_shown_on_the_page(weights: Path, picture: bytes, tmp_path: Path) -> None:
     data = tmp_path / "labelled"
     (data / "a").mkdir(parents=True)
@@ -202,6 +204,7 @@ def _training_layout(root: Path, picture: bytes) -> Path:
     return root
 
 
+@pytest.mark.slow  # a second or more (a run of the CLI, make, or workers sharing a state): the full suite's
 def test_the_help_examples_run_as_printed(weights: Path, picture: bytes, tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     # Before: the evaluation example said --data data/mine --labels data/mine, which the tool itself refuses on the
@@ -247,6 +250,7 @@ def _unblocked(fifo: Path) -> Iterator[None]:
         thread.join()
 
 
+@pytest.mark.slow  # a second or more (a run of the CLI, make, or workers sharing a state): the full suite's
 def test_a_named_pipe_is_left_out_of_a_folder_and_is_an_error_record_in_a_list(weights: Path, picture: bytes,
                                                                                tmp_path: Path) -> None:
     # Before: the run waited forever to read the pipe.
@@ -282,6 +286,7 @@ def test_an_out_the_tool_does_not_write_is_refused_before_the_model_loads(weight
     assert ("a .json file is one JSON document" in line) == name.endswith(".json") and not out.exists()
 
 
+@pytest.mark.slow  # a second or more (a run of the CLI, make, or workers sharing a state): the full suite's
 def test_a_run_in_which_every_input_failed_exits_1_with_one_line(weights: Path, picture: bytes, tmp_path: Path,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     # Before: it exited 0, as if the folder had been scored.

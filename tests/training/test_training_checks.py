@@ -87,6 +87,7 @@ def test_options_out_of_range_are_refused_before_the_data_is_read(option: str, v
     assert f"argument {option}: {says}, got {value}" in line
 
 
+@pytest.mark.slow  # a second or more (a run of the CLI, make, or workers sharing a state): the full suite's
 def test_resume_of_what_cannot_go_on_is_one_line(folder: Path, tmp_path: Path,
                                                  caplog: pytest.LogCaptureFixture) -> None:
     run = tmp_path / "run"
@@ -111,6 +112,7 @@ def test_resume_of_what_cannot_go_on_is_one_line(folder: Path, tmp_path: Path,
         small_args(folder, garbage / "run"), caplog)
 
 
+@pytest.mark.slow  # a second or more (a run of the CLI, make, or workers sharing a state): the full suite's
 def test_a_run_resumed_into_another_folder_carries_its_best_and_refuses_a_folder_of_another_run(
         folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     real = train.evaluate
@@ -152,6 +154,7 @@ def _nan_in_second_epoch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(train, "train_step", step)
 
 
+@pytest.mark.slow  # a second or more (a run of the CLI, make, or workers sharing a state): the full suite's
 def test_a_nan_names_its_epoch_from_1_and_a_resume_with_a_lower_lr_takes_it(
         folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     run = tmp_path / "run"
@@ -203,6 +206,7 @@ def test_a_crop_size_alone_resizes_in_proportion_and_a_crop_over_the_resize_is_r
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # a second or more (a run of the CLI, make, or workers sharing a state): the full suite's
 def test_a_run_records_the_proportional_resize_and_no_top5_below_6_classes_and_its_export_follows(
         folder: Path, tmp_path: Path) -> None:
     run, weights = tmp_path / "run", tmp_path / "weights"
