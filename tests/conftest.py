@@ -1,6 +1,7 @@
 """Shared fixtures: settings, app and client through the factory, with a tiny fake predictor."""
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from flask.testing import FlaskClient
 from app import EXTENSION_KEY
 
 from app.factory import create_app
+from app.logs import JsonFormatter
 from app.config import Settings
 from app.engine.loaded.predictor import Predictor
 from app.engine.service import Service
@@ -104,7 +106,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_configure(config: pytest.Config) -> None:
     """A pytest-xdist worker computes on its share of the cores: with torch's default (a thread per core) in
-    every worker, their threads would wait on each other's."""
+    every worker, their threads would wait on each other's. The service's JSON log handler (app/logs.py, added
+    once a process) is added here on the process's own stderr: added by the first app a test built, it kept that
+    test's captured stream, closed after it, and every later log line became a "--- Logging error ---" traceback
+    on whatever test ran then (a CLI test's stderr read two such instead of its own lines)."""
+    handler = logging.StreamHandler(sys.__stderr__)
+    handler.setFormatter(JsonFormatter())
+    logging.getLogger().addHandler(handler)
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None:
         torch.set_num_threads(max(1, torch.get_num_threads() // int(workerinput["workercount"])))
