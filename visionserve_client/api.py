@@ -486,28 +486,25 @@ class Client:
 
     def _predict_files(self, files: list[tuple[str, bytes]], params: dict[str, str],
                        budget: _Budget) -> list[Prediction]:
-        response = self._post_files(files, params, budget)
-
-        def read(body: dict[str, Any]) -> list[Prediction]:
-            served = body.get("model") or {}
-            found = [Prediction.from_json(p, model=served.get("name"), version=served.get("version"))
-                     for p in body["predictions"]]
-            if len(found) != len(files):
-                raise ValueError(f"{len(found)} predictions for {len(files)} images")
-            return found
-
-        return parsed(response, read)
+        return self._answers(files, params, budget, "predictions",
+                             lambda p, model, version: Prediction.from_json(p, model=model, version=version))
 
     def _embed_files(self, files: list[tuple[str, bytes]], params: dict[str, str],
                      budget: _Budget) -> list[Embedding]:
+        return self._answers(files, params, budget, "embeddings",
+                             lambda vector, model, version: Embedding(list(vector), model, version))
+
+    def _answers(self, files: list[tuple[str, bytes]], params: dict[str, str], budget: _Budget, key: str,
+                 answer: Callable[[Any, str | None, str | None], T]) -> list[T]:
+        """One POST of ``files``: the answer's ``key`` list, an item each made by ``answer`` with the model and
+        version that served it; ValueError (a malformed answer) unless there is one per file."""
         response = self._post_files(files, params, budget)
 
-        def read(body: dict[str, Any]) -> list[Embedding]:
+        def read(body: dict[str, Any]) -> list[T]:
             served = body.get("model") or {}
-            found = [Embedding(list(vector), served.get("name"), served.get("version"))
-                     for vector in body["embeddings"]]
+            found = [answer(item, served.get("name"), served.get("version")) for item in body[key]]
             if len(found) != len(files):
-                raise ValueError(f"{len(found)} embeddings for {len(files)} images")
+                raise ValueError(f"{len(found)} {key} for {len(files)} images")
             return found
 
         return parsed(response, read)
