@@ -161,10 +161,10 @@ class Writers:
                 if current == UNLOADED:
                     continue  # unloaded by a call: stays so until a load call
                 try:
-                    if not self.source.versions(name):
+                    if not (available := self.source.versions(name)):
                         self.applier.apply(name, UNLOADED)
                         changes[name] = None
-                    elif (why := self._refused_here(name, current)) is not None:
+                    elif (why := self._refused_here(name, current, available)) is not None:
                         # Another worker serves it: a pick without it would undo that worker's, which would then
                         # undo this one's at its next poll. The entry stays; this worker's report says why not here.
                         self.applier.not_served[name] = why
@@ -176,13 +176,12 @@ class Writers:
                     self._not_served(name, LoadFailed(f"model {name!r}: {exc}"), "poll: %s: %s")
             self.sync.write(changes, read=desired)
 
-    def _refused_here(self, name: str, entry: ModelEntry | None) -> str | None:
+    def _refused_here(self, name: str, entry: ModelEntry | None, available: list[str]) -> str | None:
         """Why this worker cannot serve ``entry``, a version of ``name`` it names being refused here (its files
         unchanged since) while another live worker serves it (a failure of this worker's own: less memory on its
         device); None otherwise (no worker serves it: the poll picks without it)."""
         if entry is None:
             return None
-        available = self.source.versions(name)
         refused = {v: why for v in entry["versions"] if v in available and (why := self.applier.refusal(name, v))}
         served_elsewhere = self.sync.served_elsewhere(name) if refused else set()
         return next((why for v, why in refused.items() if v in served_elsewhere), None)
