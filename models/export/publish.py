@@ -2,19 +2,31 @@
 no other export takes (``hidden_beside``), then published (``publish``): a new folder claimed by one rename (two
 exports never share one; a numbered one that finds its number taken takes the next), a folder holding an export
 swapped whole (one atomic exchange where Linux has it), a folder of other files given the export's files, its
-manifest last. What another export's folder holds (``held_by``) is never replaced unasked (``check_replace``)."""
+manifest last. What another export's folder holds (``held_by``) is never replaced unasked (``check_replace``). An
+export's hidden folder is held (a lock on it) while the export runs: one an export killed left behind (SIGKILL, a
+power cut: nothing ran its clean-up), no longer held, is removed by the next export beside it (``staging_beside``)."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import fcntl
+import logging
 import os
 import secrets
 import shutil
 import sys
+import time
 from pathlib import Path
+from typing import Iterator
 
 from models.export.manifest import MANIFEST_NAME, Manifest, read_manifest, write_manifest
 from models.export.repository import is_export, next_version
+
+log = logging.getLogger("models.export")
+
+STAGING_KIND = "partial"
+ABANDONED_AFTER_S = 60.0  # an unheld staging folder untouched this long is an abandoned one (not one just made)
 
 
 def held_by(out_dir: Path) -> str | None:
@@ -40,6 +52,47 @@ def check_replace(out_dir: Path, name: str, version: str) -> None:
 def hidden_beside(folder: Path, kind: str) -> Path:
     """A name beside ``folder`` no other process takes and the server never lists (hidden: outside NAME_PATTERN)."""
     return folder.parent / f".{folder.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+@contextlib.contextmanager
+def staging_beside(out_dir: Path) -> Iterator[Path]:
+    """A new hidden folder beside ``out_dir`` to write an export into (``.<its name>.partial-<pid>-<random>``), held
+    by this process (an exclusive lock on the folder) until the export ends, then removed with what is left in it (a
+    failed export's files, or the old export a swap put there; a published folder has gone from that name). First
+    the staging folders beside it that no export holds any longer are removed (``remove_abandoned``)."""
+    remove_abandoned(out_dir.parent)
+    staging = hidden_beside(out_dir, STAGING_KIND)
+    staging.mkdir()
+    held = os.open(staging, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with contextlib.suppress(OSError):  # a file system without locks: the folder is removed as before
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield staging
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        os.close(held)
+
+
+def remove_abandoned(parent: Path) -> None:
+    """Remove the export staging folders in ``parent`` that their export left when it was killed: none holds its
+    lock, and none was touched in ``ABANDONED_AFTER_S`` (so not one an export has just made and not yet locked).
+    A folder a running export holds, or one on a file system without locks, is left."""
+    for folder in parent.glob(f".*.{STAGING_KIND}-*"):
+        try:
+            if folder.is_symlink() or not folder.is_dir() or time.time() - folder.stat().st_mtime < ABANDONED_AFTER_S:
+                continue
+            held = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a running export's (or no locks here: nothing can tell)
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+            log.warning("removed %s: an export killed before it ended left it", folder)
+        finally:
+            os.close(held)
 
 
 def publish(staging: Path, out_dir: Path, manifest: Manifest, *, force: bool,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
-import shutil
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -28,7 +27,7 @@ from models.export.manifest import (
     too_few_labels,
 )
 from models.export import publish as publishing
-from models.export.publish import check_replace, held_by, hidden_beside
+from models.export.publish import check_replace, held_by, staging_beside
 from models.export.repository import check_name, is_export, models, next_version
 from models.export.torchscript import check_same_outputs, quiet_jit, to_torchscript
 from models.presets import EvalPreset
@@ -59,7 +58,7 @@ def export_model(model: nn.Module, *, out_dir: Path, name: str, version: str, ar
     Everything is written into a hidden folder beside ``out_dir`` (``.<its name>.partial-<pid>-<random>``: no model
     or version the server lists), each file's checksum taken from the bytes written, and moved into place complete
     (models/export/publish.py): a server never finds a manifest over another export's files, even when the export fails half way
-    (the old export stays as it was). ``numbered``: ``version`` is the repository's next number, ``out_dir`` its
+    (the old export stays as it was); one an export killed left is removed by the next. ``numbered``: ``version`` is the repository's next number, ``out_dir`` its
     ``<repository>/<name>/<version>``; when another export claims that number first, this one takes the next."""
     problem = too_few_labels(list(labels))
     if problem:
@@ -74,9 +73,7 @@ def export_model(model: nn.Module, *, out_dir: Path, name: str, version: str, ar
     with one_thread():
         check_outputs(served, labels, preset.input_shape, None if embedding is None else embedding.dim)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = hidden_beside(out_dir, "partial")
-    staging.mkdir()
-    try:
+    with staging_beside(out_dir) as staging:
         files = {"torchscript": _write_torchscript(served, preset, len(labels), staging),
                  # the architecture's own keys (loaded into build_model)
                  "state_dict": _write_hashed(staging / STATE_DICT_NAME, lambda f: torch.save(model.state_dict(), f))}
@@ -94,8 +91,6 @@ def export_model(model: nn.Module, *, out_dir: Path, name: str, version: str, ar
             reference=reference, embedding=embedding,
         )
         out_dir, manifest = publishing.publish(staging, out_dir, manifest, force=force, numbered=numbered)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)  # what a failed export wrote (a published one is gone from here)
     laps.done("manifest")
     log.info("wrote %s", describe(manifest, out_dir))
     log.info("export took %.0fs: %s", sum(laps.seconds.values()), laps)

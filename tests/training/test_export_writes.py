@@ -4,9 +4,12 @@ not read as meant refused, files that are no checkpoint refused in one line, and
 their folder."""
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import re
 import shlex
+import time
 from pathlib import Path
 from typing import Any
 
@@ -183,6 +186,39 @@ def test_the_server_lists_no_hidden_folder_as_a_model_or_a_version(tmp_path: Pat
         (folder / "manifest.json").write_text(tiny_manifest().model_dump_json())
     source = DirectorySource(Settings(weights_dir=tmp_path, device="cpu"))
     assert source.models() == ["m"] and source.versions("m") == ["1"]
+
+
+def test_an_export_removes_the_staging_folders_killed_exports_left_and_no_running_ones(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: an export killed with SIGKILL (or a power cut) left its hidden folder, weights and packages in it,
+    # beside the versions for good: nothing ever removed it.
+    def staging(name: str, age_s: float) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "model.state_dict.pt").write_bytes(b"weights")
+        os.utime(folder, (time.time() - age_s,) * 2)
+        return folder
+
+    abandoned = staging(".1.partial-4242-aa", publishing.ABANDONED_AFTER_S + 5)
+    running = staging(".2.partial-4343-bb", publishing.ABANDONED_AFTER_S + 5)
+    just_made = staging(".3.partial-4444-cc", 1)  # made, not locked yet
+    other = staging(".keep", publishing.ABANDONED_AFTER_S + 5)  # no export's
+    held = os.open(running, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        with caplog.at_level(logging.WARNING, logger="models.export"):
+            with publishing.staging_beside(tmp_path / "4") as made:
+                assert made.is_dir() and made.name.startswith(".4.partial-")
+                probe = os.open(made, os.O_RDONLY | os.O_DIRECTORY)
+                with pytest.raises(BlockingIOError):  # held while the export runs
+                    fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.close(probe)
+    finally:
+        os.close(held)
+    assert not abandoned.exists() and running.is_dir() and just_made.is_dir() and other.is_dir()
+    assert not made.exists()
+    assert [record.getMessage() for record in caplog.records] == [
+        f"removed {abandoned}: an export killed before it ended left it"]
 
 
 # -- 3. a repository as a single export's folder, and the other way round ----------------------------------------------
