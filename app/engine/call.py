@@ -80,12 +80,14 @@ class Call:
     are queued). ``shadow`` (a rollout's shadow share) gets the images and the answer once it is ready, off the
     response path."""
 
-    __slots__ = ("_version", "_arrived", "_max_images", "_shadow", "model")
+    __slots__ = ("_version", "_arrived", "_max_images", "_shadow", "model", "takes_pixels")
 
     def __init__(self, version: LoadedVersion, arrived: Callable[[], None], max_images: int,
-                 shadow: ShadowOffer | None = None) -> None:
+                 shadow: ShadowOffer | None = None, takes_pixels: bool = True) -> None:
         self._version, self._arrived, self._max_images, self._shadow = version, arrived, max_images, shadow
         self.model = version.signature
+        self.takes_pixels = takes_pixels  # False: a canary of another input than the pixels of an unversioned
+        # request are shaped for (the default's): the protocol raises PixelsForTheDefault on seeing pixels
 
     @property
     def decodes_on_host(self) -> bool:

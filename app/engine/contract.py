@@ -284,10 +284,19 @@ CATALOG_CALLS = tuple(name for name, _ in inspect.getmembers(CatalogFace, inspec
 CATALOG_CHANGES = frozenset({"load", "unload", "promote", "rollback"})
 
 
+class PixelsForTheDefault(Exception):
+    """Raised in an admission (``ServiceFace.admit``) whose call cannot take the request's pixels (``takes_pixels``
+    False: a canary whose input differs from the default's, for which a request naming no version shapes them): the
+    admission ends uncounted, and the request is admitted again with ``pixels=True``, which routes it to the
+    default."""
+
+
 class CallFace(Protocol):
-    """One admitted request: ``model`` to parse its body with, ``infer`` to run its images."""
+    """One admitted request: ``model`` to parse its body with, ``infer`` to run its images; ``takes_pixels``: False
+    when pixels (not images) must go to the default (PixelsForTheDefault)."""
 
     model: Signature
+    takes_pixels: bool
 
     def infer(self, images: Sequence[bytes] = (), tensors: Sequence[Any] = (), *, timeout_s: float,
               names: Sequence[str | None] = (), client_gone: Callable[[], bool] | None = None,
@@ -303,7 +312,7 @@ class ServiceFace(Protocol):
     in_flight: InFlight
 
     def admit(self, name: str | None = None, version: str | None = None, client_key: str | None = None,
-              images: int = 0, timeout_s: float | None = None) -> ContextManager[CallFace]: ...
+              images: int = 0, timeout_s: float | None = None, pixels: bool = False) -> ContextManager[CallFace]: ...
     @property
     def loaded(self) -> bool: ...
     @property

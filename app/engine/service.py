@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 from app.config import Settings
 from app.engine.call import Call, check_room
 from app.engine.catalog import Catalog
-from app.engine.contract import Explanation, Lifecycle, not_ready
+from app.engine.contract import Explanation, Lifecycle, PixelsForTheDefault, not_ready
 from app.engine.explain import ExplainLane
 from app.engine.loaded.predictor import Predictor
 from app.engine.loaded.version import LoadedVersion
@@ -152,19 +152,24 @@ class Service(Lifecycle):
 
     @contextlib.contextmanager
     def admit(self, name: str | None = None, version: str | None = None, client_key: str | None = None,
-              images: int = 0, timeout_s: float | None = None) -> Iterator[Call]:
+              images: int = 0, timeout_s: float | None = None, pixels: bool = False) -> Iterator[Call]:
         """One request's stay in the engine as a block (``enter`` says what it holds): the protocol parses its body
-        with ``call.model``, then ``call.infer``; the block's exception, if any, is the request's outcome."""
-        admission = self.enter(name, version, client_key, images, timeout_s)
+        with ``call.model``, then ``call.infer``; the block's exception, if any, is the request's outcome, but for
+        PixelsForTheDefault (pixels its canary cannot take), which ends it uncounted: admitted again with
+        ``pixels``, it goes to the default."""
+        admission = self.enter(name, version, client_key, images, timeout_s, pixels)
         try:
             yield admission.call
+        except PixelsForTheDefault:
+            admission.withdraw()
+            raise
         except BaseException as exc:
             admission.leave(exc)
             raise
         admission.leave()
 
     def enter(self, name: str | None = None, version: str | None = None, client_key: str | None = None,
-              images: int = 0, timeout_s: float | None = None) -> Admission:
+              images: int = 0, timeout_s: float | None = None, pixels: bool = False) -> Admission:
         """One request's stay in the engine, from here to its ``leave``: readiness, then routing to the version of
         model ``name`` (None: the only one) at ``version`` (None: its default, or its rollout's canary, by
         ``client_key`` when given) that the request keeps to its answer, even if a newer one takes over meanwhile.
@@ -172,8 +177,9 @@ class Service(Lifecycle):
         time count in the version's traffic when it leaves. Raises a ServiceError (NotReady, NotFound, BadRequest)
         when the request cannot be admitted. ``images`` (what the request announces, before its body is parsed)
         with ``timeout_s``: refused at once (429 with Retry-After) when the queue cannot take them in time, so a
-        request the server would refuse anyway costs no parsing and no decode."""
-        route = self._held(name, version, client_key)
+        request the server would refuse anyway costs no parsing and no decode. ``pixels``: the request sends
+        pixels shaped for the default, which a canary of another input cannot take (routing.Route.takes_pixels)."""
+        route = self._held(name, version, client_key, pixels)
         if not route.version.batcher.is_alive():  # its thread ended (the process is not live): no batch would run
             self._routes.release(route)
             self.in_flight.leave()
@@ -188,16 +194,16 @@ class Service(Lifecycle):
             self._left(route, traffic, time.perf_counter() - started, _outcome(exc))
             raise
         call = Call(route.version, arrived, self.settings.max_images,
-                    None if route.shadow is None else self._shadow_offer(route))
+                    None if route.shadow is None else self._shadow_offer(route), route.takes_pixels)
         return Admission(self, route, traffic, started, arrived, call)
 
-    def _held(self, name: str | None, version: str | None, client_key: str | None) -> Route:
+    def _held(self, name: str | None, version: str | None, client_key: str | None, pixels: bool = False) -> Route:
         """A request in flight, once the service is ready, holding the version routing picks for it (released, and
         the request's flight ended, by the caller); nothing held when it raises."""
         self.in_flight.enter()
         try:
             self.require_ready()
-            return self._routes.hold(name, version, client_key)
+            return self._routes.hold(name, version, client_key, pixels)
         except BaseException:
             self.in_flight.leave()
             raise
@@ -271,3 +277,13 @@ class Admission:
         self._left = True
         self._arrived()
         self._service._left(self._route, self._traffic, time.perf_counter() - self._started, _outcome(error))
+
+    def withdraw(self) -> None:
+        """The request leaves this route uncounted (it is admitted again elsewhere: PixelsForTheDefault): its
+        version released, its flight ended. Once, as ``leave``."""
+        if self._left:
+            return
+        self._left = True
+        self._arrived()
+        self._service._routes.release(self._route)
+        self._service.in_flight.leave()

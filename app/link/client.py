@@ -79,6 +79,8 @@ def _as_service_error(exc: BaseException) -> ServiceError:
 class RemoteCall:
     """A request admitted here: ``model`` to parse with, ``infer`` to send it with its images and wait."""
 
+    takes_pixels = True  # the engine routes a request of pixels, shaped with ``model``, where they fit
+
     def __init__(self, service: "RemoteService", model: Signature, request: tuple[str | None, str | None,
                                                                                    str | None]) -> None:
         self.model, self._service, self.request = model, service, request
@@ -401,10 +403,11 @@ class RemoteService(Lifecycle):
 
     @contextlib.contextmanager
     def admit(self, name: str | None = None, version: str | None = None, client_key: str | None = None,
-              images: int = 0, timeout_s: float | None = None) -> Iterator[RemoteCall]:
+              images: int = 0, timeout_s: float | None = None, pixels: bool = False) -> Iterator[RemoteCall]:
         """As ``Service.admit``: readiness here (draining, starting) and the signature to parse with; the engine
-        admits the request when it arrives (routing, its readiness, its queue's room). A request refused here
-        before it was sent is counted there all the same (``Unanswered``)."""
+        admits the request when it arrives (routing, its readiness, its queue's room; a request of pixels, parsed
+        here with the default's signature, to a version they fit). A request refused here before it was sent is
+        counted there all the same (``Unanswered``)."""
         with self.in_flight.inside():
             self.require_ready()
             call = RemoteCall(self, self.signature(name, version), (name, version, client_key))

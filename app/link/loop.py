@@ -543,7 +543,8 @@ class EngineServer:
                 cancelled = True
                 conn.cancelled.discard(ident)
         try:
-            admission = self.service.enter(message.model, message.version, message.client_key)
+            admission = self.service.enter(message.model, message.version, message.client_key,
+                                           pixels=bool(message.tensors))
         except Exception as exc:  # noqa: BLE001 - every failure is answered, never a dropped connection
             if not cancelled:
                 self._reply(conn, ident, self._answer(error=_as_error(exc)))

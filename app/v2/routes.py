@@ -13,7 +13,7 @@ from flask import Blueprint, Response, request
 from pydantic import BaseModel
 
 from app import __version__
-from app.engine.contract import Served, Signature
+from app.engine.contract import CallFace, PixelsForTheDefault, Served, Signature
 from app.errors import BadRequest, NotFound, NotReady, UnknownOutput, check_image_count
 from app.v2.codec import InferRequest, InputCheck, Tensor, encode_response, flag, parameters, parse_request
 from app.v2.schemas import Live, ModelMetadata, ModelReady, Ready, ServerMetadata, TensorMetadata
@@ -89,11 +89,14 @@ def model_metadata(name: str, version: str | None = None) -> Response:
                    if manifest.embedding is not None else [])]))
 
 
-def _input_check(model: Signature, max_images: int) -> InputCheck:
+def _input_check(call: CallFace, max_images: int) -> InputCheck:
     """What ``parse_request`` checks of each input once its shape is read, before its data is decoded: the one
     input, images (BYTES [N] or [N, 1]) or pixels (FP32 [N, *model.input_shape]), and its N images against
     MAX_IMAGES (413), so a refused request costs no decode (N tiny elements would each be cut, or decoded from
-    base64, before Call.infer counted them)."""
+    base64, before Call.infer counted them). Pixels in a call that cannot take them (a canary of another input)
+    raise PixelsForTheDefault before anything is decoded."""
+    model = call.model
+
     def check(index: int, name: str, datatype: str, shape: list[int]) -> None:
         if index:
             raise BadRequest(f"send exactly one input, {IMAGES_INPUT!r} (BYTES) or {PIXELS_INPUT!r} (FP32)")
@@ -104,6 +107,8 @@ def _input_check(model: Signature, max_images: int) -> InputCheck:
             if shape not in ([count], [count, 1]):
                 raise BadRequest(f"input {IMAGES_INPUT!r} must have shape [N] or [N, 1], got {shape}")
         elif name == PIXELS_INPUT and datatype == "FP32":
+            if not call.takes_pixels:
+                raise PixelsForTheDefault()
             expected = [count, *model.input_shape]
             if shape != expected:
                 raise BadRequest(f"input {PIXELS_INPUT!r} must have shape {expected}, got {shape}")
@@ -172,18 +177,30 @@ def _timeout_s(announced_s: float, infer: InferRequest) -> float:
 @bp.post(_MODEL + "/infer")
 @bp.post(_VERSIONED + "/infer")
 def infer(name: str, version: str | None = None) -> Response:
-    """Inference through the same admission, ``Call.infer`` and batcher as /predict."""
+    """Inference through the same admission, ``Call.infer`` and batcher as /predict. Pixels routed to a canary
+    whose input differs from the default's are admitted again, to the default they were shaped for (as the
+    model's metadata shows its input)."""
+    body: list[bytes] = []  # read once, in the first admission
+    try:
+        return _infer(name, version, body, pixels=False)
+    except PixelsForTheDefault:
+        return _infer(name, version, body, pixels=True)
+
+
+def _infer(name: str, version: str | None, body: list[bytes], pixels: bool) -> Response:
     service, req = current_service(), request._get_current_object()  # not a proxy lookup per field
     headers = req.headers
     announced_timeout_s = deadline_s(headers, service.settings.request_timeout_s)  # the body may lower it
     # Admitted only if the queue could take one image in time: refused before the body is parsed otherwise.
     with service.admit(name, version, client_key(headers, service.settings.client_key_header), images=1,
-                       timeout_s=announced_timeout_s) as call:
+                       timeout_s=announced_timeout_s, pixels=pixels) as call:
         if req.content_encoding and req.content_encoding.strip().lower() != "identity":
             raise BadRequest(f"Content-Encoding {req.content_encoding!r} is not supported: this server does not "
                              "take compressed request bodies (gzip, deflate); send the body uncompressed")
-        parsed = parse_request(read_body(req), headers.get("Inference-Header-Content-Length"),
-                               _input_check(call.model, service.settings.max_images))
+        if not body:
+            body.append(read_body(req))
+        parsed = parse_request(body[0], headers.get("Inference-Header-Content-Length"),
+                               _input_check(call, service.settings.max_images))
         plan = _output_plan(parsed, call.model)
         images, tensors = _inputs(parsed)
         served = call.infer(images, tensors, timeout_s=_timeout_s(announced_timeout_s, parsed),

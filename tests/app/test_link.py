@@ -31,7 +31,7 @@ from app.link.decode_shares import HAND_OFF_S
 from app.link.gathering import YIELD_WEIGHT
 from app.link.loop import EngineServer
 from app.metrics import BATCHER_EVENTS, VERSION_REQUESTS
-from tests.support.fakes import ColourModel, infer, tiny_manifest, wait_until
+from tests.support.fakes import ColourModel, OtherInputRepository, infer, tiny_manifest, wait_until
 from tests.support.imaging import BLUE, RED, image_bytes
 from tests.support.loop import LoopWorker
 
@@ -464,6 +464,27 @@ def test_an_embedding_asked_of_a_version_the_engine_routes_without_one_is_a_400_
         infer(link.worker, [image_bytes(RED)], embedding=True)
     assert (refused.value.status, refused.value.code) == (400, "no_embedding")
     assert infer(link.worker, [image_bytes(RED)]).top_k(1)[0][0].label == "red"  # the connection serves on
+
+
+def test_pixels_parsed_for_the_default_are_answered_by_it_when_the_canary_takes_another_input(
+        settings: Settings, tmp_path: Path) -> None:
+    # Before: the HTTP side parsed pixels with the default's signature and the engine routed them to the canary (a
+    # 16x16 input): 503 "send it again", and again at every retry of a client whose key the canary share holds.
+    repository = OtherInputRepository()
+    repository.add("colour", "1")
+    repository.add("colour", "2")
+    repository.policies["colour"] = {"rollout": {"canary_percent": 100}}
+    service = Service.build(settings, repository)  # type: ignore[arg-type]
+    link = Link(settings.model_copy(update={"control_dir": tmp_path / "control"}), service).start()
+    try:
+        for key in ("a", "b", "c"):
+            with link.worker.admit(client_key=key) as call:
+                assert call.model.version == "1" and call.model.input_shape == (3, 8, 8)
+                served = call.infer(tensors=np.zeros((1, 3, 8, 8), np.float32), timeout_s=5)
+            assert served.version == "1"
+            assert infer(link.worker, [image_bytes(RED)]).version == "2"  # images: the canary's
+    finally:
+        service.shutdown(timeout=5)
 
 
 def test_the_labels_stay_on_the_http_side_and_a_request_carries_no_signature(link: Link) -> None:

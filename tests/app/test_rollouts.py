@@ -4,6 +4,7 @@ work dropped under a burst, promotion and rollback by call and by the rules, the
 index. tests/server/test_rollouts.py does it with real exports under gunicorn."""
 from __future__ import annotations
 
+import base64
 import collections
 import json
 import logging
@@ -37,7 +38,8 @@ from app.engine.service import Service
 from app.engine.versions.controller import VersionsController
 from app.engine.versions.desired import SharedDesiredState
 from app.errors import Conflict, LoadFailed
-from tests.support.fakes import LABELS, ColourModel, FakeRepository, infer, served_over_http, wait_until
+from tests.support.fakes import (LABELS, ColourModel, FakeRepository, OtherInputRepository, infer,
+                                 served_over_http, wait_until)
 from tests.support.imaging import BLUE, GREEN, RED, image_bytes
 
 SHADES = [(230, 20, 20), (20, 230, 20), (20, 20, 230), (200, 180, 20), (20, 190, 180), (150, 30, 160),
@@ -537,24 +539,8 @@ def test_the_python_client_keeps_its_side_of_a_canary(settings: Settings) -> Non
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 
 
-class OtherPreprocessing(FakeRepository):
-    """Version 2 takes 16x16 inputs (another eval transform): the shadow decodes the images for it itself."""
-
-    def load(self, name: str, version: str):  # noqa: ANN201 - a Predictor
-        from app.engine.loaded.predictor import Predictor
-        from tests.support.fakes import tiny_manifest
-
-        predictor = super().load(name, version)
-        if version != "2":
-            return predictor
-        manifest = tiny_manifest(name, version)
-        manifest = manifest.model_copy(update={"preprocess": manifest.preprocess.model_copy(
-            update={"resize_size": 16, "crop_size": 16})})
-        return Predictor(predictor.module, manifest, device="cpu", weights_bytes=1024 * 1024)
-
-
 def test_a_candidate_with_other_preprocessing_decodes_the_shadow_images_itself(settings: Settings) -> None:
-    repository = OtherPreprocessing()
+    repository = OtherInputRepository()  # version 2 takes 16x16 inputs: the shadow decodes the images for it itself
     repository.add("colour", "1")
     repository.add("colour", "2")
     repository.policies["colour"] = {"rollout": {"shadow_percent": 100}}
@@ -570,6 +556,52 @@ def test_a_candidate_with_other_preprocessing_decodes_the_shadow_images_itself(s
         assert sizes and set(sizes) == {(16, 16)}  # the shadow images were decoded at the candidate's own size
     finally:
         service.shutdown(timeout=5)
+
+
+def _v2_pixels(shape: tuple[int, ...]) -> dict[str, object]:
+    return {"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, *shape],
+                        "data": np.zeros((1, *shape), np.float32).ravel().tolist()}]}
+
+
+def test_pixels_shaped_as_the_metadata_says_go_to_the_default_when_the_canary_takes_another_input(
+        settings: Settings) -> None:
+    # Before: a request of pixels shaped for the default (the input GET /v2/models/colour shows) that routing sent
+    # to a canary of another input size was refused 400 (inline) or 503 "send it again" (process, for good: the
+    # sticky client's every retry), and counted as the canary's.
+    from prometheus_client import REGISTRY
+
+    def count(version: str, role: str, outcome: str) -> float:
+        return REGISTRY.get_sample_value("visionserve_version_requests_total", {
+            "model": "colour", "version": version, "role": role, "outcome": outcome}) or 0.0
+
+    repository = OtherInputRepository()
+    repository.add("colour", "1")
+    repository.add("colour", "2")
+    repository.policies["colour"] = {"rollout": {"canary_percent": 100}}
+    app = create_app(settings, source=repository)  # type: ignore[arg-type]
+    client = app.test_client()
+    try:
+        shape = client.get("/v2/models/colour").get_json()["inputs"][1]["shape"][1:]
+        assert shape == [3, 8, 8]  # the default's
+        before = {key: count(*key) for key in (("1", "live", "ok"), ("2", "canary", "ok"), ("2", "canary", "refused"),
+                                                ("2", "canary", "failed"))}
+        answer = client.post("/v2/models/colour/infer", json=_v2_pixels((3, 8, 8)))
+        assert answer.status_code == 200 and answer.get_json()["model_version"] == "1"
+        photo = {"inputs": [{"name": "images", "datatype": "BYTES", "shape": [1], "data": [
+            base64.b64encode(PHOTOS[0]).decode()]}], "parameters": {"binary_data_output": False}}
+        images = client.post("/v2/models/colour/infer", json=photo)
+        assert images.status_code == 200 and images.get_json()["model_version"] == "2"  # images: the canary's
+        refused = client.post("/v2/models/colour/infer", json=_v2_pixels((3, 16, 16)))  # as the default would be
+        assert refused.status_code == 400 and "must have shape [1, 3, 8, 8]" in refused.get_json()["error"]
+        named = client.post("/v2/models/colour/versions/2/infer", json=_v2_pixels((3, 16, 16)))
+        assert named.status_code == 200 and named.get_json()["model_version"] == "2"
+        after = {key: count(*key) for key in before}
+        assert after[("1", "live", "ok")] == before[("1", "live", "ok")] + 1
+        assert after[("2", "canary", "ok")] == before[("2", "canary", "ok")] + 1  # the images only
+        assert after[("2", "canary", "refused")] == before[("2", "canary", "refused")]
+        assert after[("2", "canary", "failed")] == before[("2", "canary", "failed")]  # no evidence against it
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 
 
 # -- a candidate that cannot load (#46) ------------------------------------------------------------------------------

@@ -193,6 +193,21 @@ class FakeRepository:
         return RuntimeError("nothing to serve")
 
 
+class OtherInputRepository(FakeRepository):
+    """FakeRepository whose version "2" takes 16x16 inputs (another eval transform), the others 8x8."""
+
+    def load(self, name: str, version: str):  # noqa: ANN201 - a Predictor
+        from app.engine.loaded.predictor import Predictor
+
+        predictor = super().load(name, version)
+        if version != "2":
+            return predictor
+        manifest = tiny_manifest(name, version)
+        manifest = manifest.model_copy(update={"preprocess": manifest.preprocess.model_copy(
+            update={"resize_size": 16, "crop_size": 16})})
+        return Predictor(predictor.module, manifest, device="cpu", weights_bytes=1024 * 1024)
+
+
 @contextlib.contextmanager
 def several_models_app(settings: Settings) -> Iterator[Flask]:
     """The app factory's app serving colour 1 and 2 (2 its default version) and shade 1 (FakeRepository), shut

@@ -41,6 +41,8 @@ class Route:
     version: LoadedVersion
     role: str  # live (the default), canary (the rollout's candidate, its share), or named (the request named it)
     shadow: LoadedVersion | None = None
+    takes_pixels: bool = True  # False: a canary whose input differs from the default's, whose pixels a request
+    # naming no version is shaped for (what the model's metadata shows): such a request goes to the default
 
 
 @dataclass(frozen=True)
@@ -117,16 +119,19 @@ class RoutingTable:
         with self._lock:
             return self._find(name, version)
 
-    def _pick(self, name: str | None, version: str | None, client_key: str | None) -> Route:
+    def _pick(self, name: str | None, version: str | None, client_key: str | None, pixels: bool) -> Route:
         """The version a request gets, with a rollout: a canary share of the unversioned requests goes to the
-        candidate, and a shadow share of those the default answers also runs on it."""
+        candidate (not one of ``pixels``, shaped for the default, when the candidate's input differs), and a shadow
+        share of those the default answers also runs on it."""
         loaded = self._find(name, version)
         candidate = self._candidates.get(loaded.name)
         if version is not None or candidate is None or candidate.version not in self._routes[loaded.name]:
             return Route(loaded, "live" if version is None else "named")
         other = self._routes[loaded.name][candidate.version]
-        if takes_canary(candidate.canary_percent, loaded.name, client_key, self._draw.random()):
-            return Route(other, "canary")
+        alike = other.signature.input_shape == loaded.signature.input_shape
+        if (alike or not pixels) and takes_canary(candidate.canary_percent, loaded.name, client_key,
+                                                  self._draw.random()):
+            return Route(other, "canary", takes_pixels=alike)
         shadow = candidate.shadow_percent > 0 and self._draw.random() * 100 < candidate.shadow_percent
         return Route(loaded, "live", other if shadow else None)
 
@@ -177,10 +182,12 @@ class RoutingTable:
         finally:
             self.release(route)
 
-    def hold(self, name: str | None, version: str | None, client_key: str | None = None) -> Route:
-        """The route of this request, its version (and shadow) counted as in use until ``release``."""
+    def hold(self, name: str | None, version: str | None, client_key: str | None = None,
+             pixels: bool = False) -> Route:
+        """The route of this request (``pixels``: it sends pixels, not images), its version (and shadow) counted as
+        in use until ``release``."""
         with self._lock:
-            route = self._pick(name, version, client_key)
+            route = self._pick(name, version, client_key, pixels)
             route.version.in_use.enter()
             if route.shadow is not None:
                 route.shadow.in_use.enter()
