@@ -70,8 +70,12 @@ class ModelSettings(SettingsGroup):
         "swap them in with no failed request (each worker polls on its own); 0 = off: versions change only "
         "through `POST /v2/repository/models/{name}/load`.")
     repository_sync_timeout_s: float = Field(
-        120.0, gt=0, description="How long a repository load or unload call waits for the server's other workers "
-        "to apply it before answering 504 (they still apply it).")
+        120.0, gt=0, description="How long a repository change call (load, unload, promote, rollback) waits for "
+        "another change under way in its worker (a call's, or a new version the poll loads) before answering 504 "
+        "`load_timeout` with nothing changed, and then, once applied there, how long it waits for the server's other "
+        "workers to apply it before answering 504 (they still apply it). Its own load is not bounded by it (under "
+        "`ENGINE=process` the HTTP worker answers 504 once the engine has not answered within twice this plus 10 s; "
+        "the change goes on).")
     model_memory_limit_mb: int = Field(
         0, ge=0, description="Most memory the loaded models' weights may take together, per worker; a load past "
         "it is refused (507). 0 = no limit but the device's free memory.")

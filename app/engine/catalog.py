@@ -9,6 +9,7 @@ builds and owns it.
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 from app.config import Settings
@@ -110,28 +111,31 @@ class Catalog:
     def load(self, name: str, config: Any = None) -> ModelEntry:
         """A V2 load call (app/engine/versions/writers.py ``Writers.load``); returns what this worker serves of it."""
         check_names(name)
-        self._wait_loaded(self.settings.repository_sync_timeout_s)
-        self._writers.load(name, config)
+        self._writers.load(name, config, start_within_s=self._wait_to_change())
         return self._served(name)
 
     def unload(self, name: str) -> ModelEntry:
         """A V2 unload call; returns what this worker serves of it (nothing)."""
         check_names(name)
-        self._wait_loaded(self.settings.repository_sync_timeout_s)
-        self._writers.unload(name)
+        self._writers.unload(name, start_within_s=self._wait_to_change())
         return self._served(name)
 
     def promote(self, name: str, version: str | None = None) -> ModelEntry:
         """A promote call (``RolloutChanges.promote``); returns the model's entry now."""
         check_names(name, version)
-        self._wait_loaded(self.settings.repository_sync_timeout_s)
-        return self._rollout_changes.promote(name, version)
+        return self._rollout_changes.promote(name, version, start_within_s=self._wait_to_change())
 
     def rollback(self, name: str, version: str | None = None) -> ModelEntry:
         """A rollback call (``RolloutChanges.rollback``); returns the model's entry now."""
         check_names(name, version)
+        return self._rollout_changes.rollback(name, version, start_within_s=self._wait_to_change())
+
+    def _wait_to_change(self) -> float:
+        """A change call starts within REPOSITORY_SYNC_TIMEOUT_S: this waits for the first models (a worker still
+        starting) and returns what is left of it for another change under way to end (``Applier.changing``)."""
+        start_by = time.monotonic() + self.settings.repository_sync_timeout_s
         self._wait_loaded(self.settings.repository_sync_timeout_s)
-        return self._rollout_changes.rollback(name, version)
+        return max(0.0, start_by - time.monotonic())
 
     def _served(self, name: str) -> ModelEntry:
         return self._applier.serving().get(name, {"versions": [], "default": None})

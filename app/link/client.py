@@ -39,6 +39,7 @@ import numpy as np
 from app.config import Settings
 from app.engine.contract import (
     CATALOG_CALLS,
+    CATALOG_CHANGES,
     CLIENT_CHECK_S,
     CatalogFace,
     Explanation,
@@ -47,7 +48,7 @@ from app.engine.contract import (
     Signature,
     not_ready,
 )
-from app.errors import ClientGone, DeadlineExceeded, LoadFailed, NotReady, ServiceError
+from app.errors import ClientGone, DeadlineExceeded, LoadFailed, LoadTimeout, NotReady, ServiceError
 from app.hosting import control, waiting
 from app.link import wire
 from app.link.loop_link import LoopLink
@@ -58,7 +59,7 @@ CONNECT_TIMEOUT_S = 2.0
 ANSWER_GRACE_S = 5.0  # beyond twice a request's deadline (the engine's counts from queueing, after the decode)
 STATE_TIMEOUT_S = 1.0  # an engine that does not say its state within this is not ready (probes never hang)
 SIGNATURE_TIMEOUT_S = 5.0  # a signature is a routing-table read: an engine silent this long is stuck
-CATALOG_GRACE_S = 10.0  # beyond REPOSITORY_SYNC_TIMEOUT_S, for a catalog call (a load waits for every engine)
+CATALOG_GRACE_S = 10.0  # beyond a catalog call's waits (REPOSITORY_SYNC_TIMEOUT_S; a change's twice: _ask)
 STATE_TTL_S = 0.2  # readiness asked of the engine at most this often
 WAIT_S = 0.1  # while starting or restarting, how often to look for the engine
 WATCH_S = 5.0  # how often the wait for the engine process's end looks whether this worker is stopping
@@ -323,11 +324,14 @@ class RemoteService(Lifecycle):
 
     # -- exchanges with the engine ---------------------------------------------------------------------------------
 
-    def _exchange(self, message: Any, timeout_s: float, away: str, segments: Sequence[bytes] = ()) -> Any:
+    def _exchange(self, message: Any, timeout_s: float, away: str, segments: Sequence[bytes] = (),
+                  silent: ServiceError | None = None) -> Any:
         """One question (with ``segments``) and its answer within ``timeout_s``; the answer's value, or its error
-        raised."""
+        raised. No answer in time is NotReady saying ``away``, or ``silent`` (an engine still at the work asked)."""
         with self.connections.exchange(away, message, segments) as conn:
             if not wire.readable(conn, timeout_s):
+                if silent is not None:
+                    raise silent  # the connection is closed: its late answer is dropped
                 raise wire.EngineGone(f"no answer within {timeout_s:g}s")  # NotReady saying ``away``
             answer = wire.receive_answer(conn, timeout_s)
         return self._value(answer)
@@ -368,8 +372,15 @@ class RemoteService(Lifecycle):
 
     def _ask(self, call: wire.CatalogCall) -> Any:
         self.require_loaded()
-        return self._exchange(call, self.settings.repository_sync_timeout_s + CATALOG_GRACE_S,
-                              "the engine is not reachable or not answering; it is starting or restarting")
+        away = "the engine is not reachable or not answering; it is starting or restarting"
+        if call.method not in CATALOG_CHANGES:
+            return self._exchange(call, self.settings.repository_sync_timeout_s + CATALOG_GRACE_S, away)
+        # A change waits REPOSITORY_SYNC_TIMEOUT_S at most to start (another change under way), then as long for the
+        # other engines: an engine silent past both and the grace is still at its own load (504), not gone (503).
+        limit_s = 2 * self.settings.repository_sync_timeout_s + CATALOG_GRACE_S
+        silent = LoadTimeout(f"the engine has not answered this {call.method} call within {limit_s:g}s: the change "
+                             "may still be applying (the repository index and /v1/models show what serves)")
+        return self._exchange(call, limit_s, away, silent=silent)
 
     def _engine_state(self, fresh: bool = False) -> wire.EngineState | None:
         at, state = self._state

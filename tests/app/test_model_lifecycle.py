@@ -8,6 +8,7 @@ import fcntl
 import gc
 import json
 import logging
+import socket
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +36,10 @@ from app.engine.versions.memory import device_bytes_taken
 from app.engine.versions.sources import DirectorySource
 from app.engine.versions.states import VersionStates
 from app.engine.service import Service
-from app.errors import BadRequest, InsufficientMemory, LoadFailed, NotFound, NotReady
+from app.errors import BadRequest, InsufficientMemory, LoadFailed, LoadTimeout, NotFound, NotReady
+from app.link import client as client_module
+from app.link.client import RemoteService
+from app.link.loop import EngineServer
 from tests.support.fakes import ColourModel, FakeRepository, infer, tiny_manifest, wait_until
 from tests.support.imaging import BLUE, GREEN, RED, image_bytes
 from tests.training.test_export_versions import Means, Softmaxed, scripted_export
@@ -231,6 +235,78 @@ def test_two_load_calls_for_one_model_run_one_load(service: Service, repository:
         for call in calls:
             call.result(timeout=10)
     assert repository.loads.count(("colour", "2")) == 1 and _ask(service) == "2"
+
+
+@pytest.mark.slow
+def test_a_change_call_that_cannot_start_in_time_is_a_504_and_changes_nothing(settings: Settings,
+                                                                             repository: FakeRepository) -> None:
+    # Before: a call waited without bound for another change under way (here a load call's load), then answered 200
+    # once that ended: REPOSITORY_SYNC_TIMEOUT_S bounded only its wait for the other workers.
+    settings = settings.model_copy(update={"repository_sync_timeout_s": 0.3})
+    app = create_app(settings, source=repository)  # type: ignore[arg-type]
+    client = app.test_client()
+    repository.add("colour", "2")
+    repository.add("other", "1")
+    repository.gate = threading.Event()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(client.post, "/v2/repository/models/colour/load")
+            wait_until(lambda: ("colour", "2") in repository.loads)  # its load holds the change lock
+            loaded = client.post("/v2/repository/models/other/load")
+            unloaded = client.post("/v2/repository/models/colour/unload")
+            promoted = client.post("/v1/models/colour/promote", json={"version": "1"})
+            assert not first.done()  # answered while the change they waited for was still under way
+            repository.gate.set()
+            assert first.result(timeout=10).get_json() == {"name": "colour", "versions": ["2"], "default": "2"}
+        for answer in (loaded, unloaded):
+            assert answer.status_code == 504
+            assert "another change of the models is under way" in answer.get_json()["error"]
+            assert "nothing was changed" in answer.get_json()["error"]
+        assert promoted.status_code == 504 and promoted.get_json()["error"]["code"] == "load_timeout"
+        assert ("other", "1") not in repository.loads  # nothing was changed
+        catalog = app.extensions[EXTENSION_KEY].catalog
+        assert catalog.serving() == {"colour": {"versions": ["2"], "default": "2"}}
+        assert client.post("/v2/repository/models/other/load").status_code == 200  # once the change ended
+    finally:
+        repository.gate.set()
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+@pytest.mark.slow
+def test_an_engine_still_applying_a_change_is_a_504_saying_so_not_an_engine_away(
+        settings: Settings, repository: FakeRepository, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: under ENGINE=process the HTTP worker gave up on a change after REPOSITORY_SYNC_TIMEOUT_S + 10 s and
+    # answered 503 "the engine is not reachable", while the engine, healthy, went on applying it.
+    monkeypatch.setattr(client_module, "CATALOG_GRACE_S", 2.0)  # the HTTP side gives up after 2 * 0.2 + 2 s
+    settings = settings.model_copy(update={"repository_sync_timeout_s": 0.2})
+    service = _service(settings, repository)
+    server = EngineServer(service)
+
+    def connect() -> socket.socket:  # as the engine's listener would: each connection served by its loop
+        worker_end, engine_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        threading.Thread(target=server.serve, args=(engine_end,), daemon=True).start()
+        return worker_end
+
+    worker = RemoteService(settings.model_copy(update={"control_dir": tmp_path / "control"}), 0, connect=connect)
+    worker._started.set()  # as RemoteService.start does once the engine says it is ready
+    repository.add("colour", "2")
+    repository.add("other", "1")
+    gate = repository.gate = threading.Event()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(worker.catalog.load, "colour")
+            wait_until(lambda: ("colour", "2") in repository.loads)  # its load holds the engine's change lock
+            with pytest.raises(LoadTimeout, match="another change of the models is under way.*nothing was changed"):
+                worker.catalog.load("other")  # the engine's own answer: it could not start
+            with pytest.raises(LoadTimeout, match="has not answered this load call .*the change may still be applying"):
+                first.result(timeout=10)
+        assert not gate.is_set()  # the engine was still at that load
+        gate.set()
+        wait_until(lambda: service.catalog.serving().get("colour", {}).get("default") == "2")  # the change went on
+        assert "other" not in service.catalog.serving()
+    finally:
+        gate.set()
+        service.shutdown(timeout=5)
 
 
 def test_a_version_that_would_not_fit_is_refused_before_loading(settings: Settings, repository: FakeRepository,

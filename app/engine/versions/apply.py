@@ -36,7 +36,7 @@ from app.engine.versions.routing import Candidate, RoutingTable
 from app.engine.versions.sources import Source
 from app.engine.contract import VersionState
 from app.engine.versions.states import VersionStates
-from app.errors import InsufficientMemory, LoadFailed, ServiceError
+from app.errors import InsufficientMemory, LoadFailed, LoadTimeout, ServiceError
 from app.metrics import ROLLOUT_CANDIDATE_REFUSED, ROLLOUT_ROLE, show_gpu_memory
 from models.export.checks import ModelLoadError, resolve_device
 
@@ -65,10 +65,20 @@ class Applier:
         return resolve_device(self.settings.device)
 
     @contextlib.contextmanager
-    def changing(self) -> Iterator[None]:
-        """Hold the change lock: every writer applies its change under it."""
-        with self._lock:
+    def changing(self, within_s: float | None = None) -> Iterator[None]:
+        """Hold the change lock: every writer applies its change under it. Start, the poll, following and the rules
+        wait for it as long as another change takes; a call waits ``within_s`` at most, then is LoadTimeout (504),
+        nothing changed."""
+        if not self._lock.acquire(timeout=-1 if within_s is None else max(0.0, within_s)):
+            raise LoadTimeout(
+                "another change of the models is under way in this worker (a load, unload, promote or rollback, or "
+                "a new version the poll loads) and did not end within REPOSITORY_SYNC_TIMEOUT_S "
+                f"({self.settings.repository_sync_timeout_s:g}s); nothing was changed: try again once it ends (the "
+                "repository index shows the versions loading or unloading)")
+        try:
             yield
+        finally:
+            self._lock.release()
 
     def apply_all(self, desired: dict[str, ModelEntry]) -> list[ServiceError]:
         """Every model as ``desired`` says, and none it does not name; returns the refusals."""

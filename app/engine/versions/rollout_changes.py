@@ -1,10 +1,10 @@
 """A model's default version changed on purpose: a promote or rollback call, or the rollout rules judged on every
 worker's evidence (app/engine/rollouts/rules.py decides; this applies), and what the rollouts look like now.
 
-Each change takes the change lock, is served here first (``Applier.apply``: a refusal changes nothing anywhere),
-then written into the desired state for the other workers (``WorkerSync.write``), as every other writer does
-(app/engine/versions/writers.py). A call then waits for the other workers; the rules' changes, made on the follow
-thread of whichever worker judges first, do not.
+Each change takes the change lock (a call waits REPOSITORY_SYNC_TIMEOUT_S at most for it), is served here first
+(``Applier.apply``: a refusal changes nothing anywhere), then written into the desired state for the other workers
+(``WorkerSync.write``), as every other writer does (app/engine/versions/writers.py). A call then waits for the other
+workers; the rules' changes, made on the follow thread of whichever worker judges first, do not.
 """
 from __future__ import annotations
 
@@ -37,19 +37,21 @@ class RolloutChanges:
     def __init__(self, applier: Applier, sync: WorkerSync) -> None:
         self.applier, self.sync = applier, sync
 
-    def promote(self, name: str, version: str | None = None) -> ModelEntry:
+    def promote(self, name: str, version: str | None = None, start_within_s: float | None = None) -> ModelEntry:
         """A promote call: ``version`` (None: the rollout's candidate) becomes the default here, then in every
         worker; the old default stays loaded as the previous one and the new one is watched by the rollback rule.
-        Raises NotFound, Conflict (nothing to promote), or what a load raises."""
-        return self._by_call(name, "promote", version)
+        Raises NotFound, Conflict (nothing to promote), LoadTimeout (another change under way past
+        ``start_within_s``: nothing changed), or what a load raises."""
+        return self._by_call(name, "promote", version, start_within_s)
 
-    def rollback(self, name: str, version: str | None = None) -> ModelEntry:
+    def rollback(self, name: str, version: str | None = None, start_within_s: float | None = None) -> ModelEntry:
         """A rollback call: ``version`` (None: the previous default) serves again here, then in every worker; the
-        default it replaces is rolled back (left out until a promotion names it). Raises NotFound, Conflict."""
-        return self._by_call(name, "rollback", version)
+        default it replaces is rolled back (left out until a promotion names it). Raises NotFound, Conflict,
+        LoadTimeout (as ``promote``)."""
+        return self._by_call(name, "rollback", version, start_within_s)
 
-    def _by_call(self, name: str, action: str, version: str | None) -> ModelEntry:
-        with self.applier.changing():
+    def _by_call(self, name: str, action: str, version: str | None, start_within_s: float | None) -> ModelEntry:
+        with self.applier.changing(start_within_s):
             entry = self._entry_of(name)
             meant, missing = _UNNAMED[action]
             target = version or meant(entry)

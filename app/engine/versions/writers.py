@@ -12,7 +12,8 @@ stays in the desired state and the poll keeps applying it until another call or 
 A policy.json (or a single export's manifest) that cannot be read keeps its model from being served (or from
 changing, while it serves): logged once per reason, and shown by the index, until it can be read.
 One change runs at a time (``Applier.changing``): a second load call for the same model waits, then finds the model
-already as wanted.
+already as wanted. A call waits REPOSITORY_SYNC_TIMEOUT_S at most for another change to end (then 504, nothing
+changed); start, the poll and following wait as long as it takes.
 """
 from __future__ import annotations
 
@@ -87,12 +88,13 @@ class Writers:
                 wanted[name] = entry
         return wanted, errors
 
-    def load(self, name: str, config: Any = None) -> None:
+    def load(self, name: str, config: Any = None, start_within_s: float | None = None) -> None:
         """A load call: ``name`` as its policy (and ``config``) picks from the repository now, here, then in every
         worker. A ``config`` (a rollback: ``default_version``) holds until another call or a change of the model's
-        policy.json: the poll keeps applying it. Raises NotFound, BadRequest, LoadFailed, InsufficientMemory or
+        policy.json: the poll keeps applying it. Another change under way past ``start_within_s`` is LoadTimeout,
+        nothing changed (``Applier.changing``). Raises NotFound, BadRequest, LoadFailed, InsufficientMemory or
         LoadTimeout."""
-        with self.applier.changing():
+        with self.applier.changing(start_within_s):
             self._refuse_naming_a_refused_version(name, config)
             self._name_default_model()
             now = self.sync.read()[1].get(name)
@@ -138,9 +140,10 @@ class Writers:
                                  f"changed since: {why}; nothing was changed (fix its files, or name another version)",
                                  details={"model": name, "version": str(version), "reason": why})
 
-    def unload(self, name: str) -> None:
-        """An unload call: ``name`` served nowhere, until a load call; returns once its versions are freed here."""
-        with self.applier.changing():
+    def unload(self, name: str, start_within_s: float | None = None) -> None:
+        """An unload call: ``name`` served nowhere, until a load call; returns once its versions are freed here.
+        Another change under way past ``start_within_s`` is LoadTimeout, nothing changed (``Applier.changing``)."""
+        with self.applier.changing(start_within_s):
             if name not in self.applier.routes.routes() and name not in self.source.models():
                 raise NotFound(f"no model {name!r} is loaded or in the repository")
             self.applier.apply(name, UNLOADED)
