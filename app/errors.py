@@ -132,7 +132,9 @@ class InsufficientMemory(ServiceError):
 
 
 class LoadTimeout(ServiceError):
-    """Another worker has not applied a load within the time allowed (504); it keeps trying."""
+    """A repository change not done within REPOSITORY_SYNC_TIMEOUT_S (504): it could not start (another change was
+    under way; nothing changed), another worker has not applied it (it keeps trying), or, across the link, the engine
+    is still applying it."""
 
     status, code = 504, "load_timeout"
 
