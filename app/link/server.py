@@ -17,6 +17,8 @@ import sys
 import threading
 from pathlib import Path
 
+import torch
+
 from app.config import Settings, load_settings
 from app.engine.service import Service
 from app.engine.versions.sources import DirectorySource
@@ -70,9 +72,24 @@ def _stop(service: Service, settings: Settings) -> None:
     exit_now(SystemExit(0))
 
 
+def engine_device(setting: str, slot: int, engines_per_device: int) -> str:
+    """The device engine ``slot`` serves on, for DEVICE=``setting``: ``auto``/``cuda`` spread over the GPUs the driver
+    lists, as the master counted its engines (``engines_per_device`` on each in turn). ``auto`` is CUDA when this
+    torch can use it, else the CPU: a host whose driver lists GPUs that this torch cannot use (a CPU build, a driver
+    older than its CUDA) serves on the CPU, and says why."""
+    from app.hosting.host import placed_device, visible_gpus
+
+    gpus = visible_gpus() if setting != "cpu" else 0
+    if setting == "auto" and gpus and not torch.cuda.is_available():
+        built = "a CPU build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        log.warning("DEVICE=auto: the driver lists %d GPU%s but torch %s (%s) cannot use CUDA: engine %d serves on "
+                    "the CPU", gpus, "s" if gpus != 1 else "", torch.__version__, built, slot)
+        return "cpu"
+    return placed_device(setting, slot, gpus, engines_per_device)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run engine ``SLOT`` (its GPU follows from it) until the master stops it."""
-    from app.hosting.host import placed_device, visible_gpus
     from app.logs import configure_logging
     from models.data.malloc import keep_freed_memory
 
@@ -83,8 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = load_settings()
     configure_logging(settings.log_level)
     keep_freed_memory(settings.malloc_trim_threshold_mb)
-    gpus = visible_gpus() if settings.device != "cpu" else 0
-    device = placed_device(settings.device, slot, gpus, settings.engines_per_device)  # k engines per GPU in turn
+    device = engine_device(settings.device, slot, settings.engines_per_device)
     settings = settings.model_copy(update={"device": device, "worker_slot": slot})
     _serve_forever(settings, slot)
 

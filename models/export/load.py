@@ -98,10 +98,14 @@ def _opened(path: Path, sha256: str, what: str, open_: Callable[[Path], Runner])
         raise ModelLoadError(f"cannot load {what} {path}: {exc}") from exc
 
 
-def load_package(weights_dir: Path, package: CompiledPackage) -> PackagedModel:
-    """The package, its sha256 checked, loaded for its device; ModelLoadError if it cannot be."""
+def load_package(weights_dir: Path, package: CompiledPackage, target: torch.device) -> PackagedModel:
+    """The package, its sha256 checked, loaded onto ``target`` (a CUDA package onto its GPU: cuda:1 for an engine or
+    a rank placed there, the thread's current GPU for ``cuda`` with no index); ModelLoadError if it cannot be."""
+    # Without an index AOTInductor puts the weights and kernels on the loading thread's current GPU, whatever GPU the
+    # inputs will be on.
+    device_index = target.index if target.type == "cuda" and target.index is not None else -1
     runner = _opened(weights_dir / package.path, package.sha256, "package",
-                     lambda path: torch._inductor.aoti_load_package(str(path)))
+                     lambda path: torch._inductor.aoti_load_package(str(path), device_index=device_index))
     return PackagedModel(runner, package)
 
 
@@ -164,7 +168,7 @@ def _onnx_model(weights_dir: Path, manifest: Manifest, onnx: OnnxFile, threads: 
 
 def _packaged_model(weights_dir: Path, manifest: Manifest, package: CompiledPackage, target: torch.device,
                     compute_dtype: torch.dtype) -> LoadedModel:
-    model = load_package(weights_dir, package)
+    model = load_package(weights_dir, package, target)
     # compiled for batches up to its max_batch_size: checked with two images when it takes them
     check_output_shape(model, manifest, target, compute_dtype, min(CHECK_BATCH_SIZE, package.max_batch_size))
     log.info("loaded %s %s (AOTInductor %s) onto %s", manifest.name, manifest.version, package.path, target)

@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from models.architectures import split_outputs
 from models.data.malloc import DEFAULT_TRIM_THRESHOLD_MB, keep_freed_memory
-from models.export.checks import ModelLoadError, read_checked_manifest
+from models.export.checks import ModelLoadError, read_checked_manifest, resolve_device
 from models.export.load import LoadedModel, load_model
 from models.export.manifest import Manifest
 from models.export.repository import RepositoryError, is_export, models, newest
@@ -111,7 +111,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=at_least(0), default=0,
                         help="intra-op threads of the forward pass, torch's or ONNX Runtime's (default: on the CPU "
                         "the cores the workers leave, at least 1; on CUDA torch's)")
-    parser.add_argument("--device", default="auto", help="auto (this rank's GPU, else cpu), cpu, cuda, cuda:N")
+    parser.add_argument("--device", default="auto",
+                        help="auto (this rank's GPU, else cpu), cpu, cuda (this rank's GPU), cuda:N")
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     parser.add_argument("--weights-format", default="auto",
                         choices=("auto", "onnx", "aoti", "int8", "torchscript", "state_dict"),
@@ -196,8 +197,9 @@ def embedding_dim(args: argparse.Namespace, weights: Path, items: list[Item]) ->
 
 
 def rank_device(requested: str, env: DistEnv) -> str:
-    """``auto``: this rank's GPU under torchrun (local rank), the GPU, or the CPU."""
-    if requested == "auto" and torch.cuda.is_available():
+    """``auto``: this rank's GPU under torchrun (local rank), the GPU, or the CPU; ``cuda``: this rank's GPU (as
+    models.train's pick_device), left as it is where CUDA is not available (the load says so); else as given."""
+    if requested in ("auto", "cuda") and torch.cuda.is_available():
         return f"cuda:{env.local_rank % torch.cuda.device_count()}"
     return "cpu" if requested == "auto" else requested
 
@@ -401,9 +403,11 @@ def run(args: argparse.Namespace, env: DistEnv, seen: Seen | None = None) -> Non
     device = rank_device(args.device, env)
     # Given to torch and, like the server's, to the ONNX Runtime session at load.
     threads = forward_threads(args.threads, device, workers=workers, decoders_apart=True)
+    # The group first: on CUDA it makes this rank's GPU the current one, so nothing the load puts on "the current
+    # GPU" lands on GPU 0.
+    init_process_group(env, resolve_device(device))
     loaded = load_model(weights, weights_format=args.weights_format, device=device, dtype=args.dtype,
                         jit_optimize=True, max_batch_size=max(args.batch_size, 1), threads=threads or 1)
-    init_process_group(env, loaded.device)
     if threads:
         torch.set_num_threads(threads)
     if labels is not None:  # a wrong class name stops the run before any image is scored

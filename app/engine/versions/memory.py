@@ -9,6 +9,7 @@ from typing import Iterator
 
 import torch
 
+from app.engine.loaded.graphs import release_cached_memory
 from app.errors import InsufficientMemory
 from app.hosting import control
 
@@ -37,9 +38,12 @@ def _cgroup_room() -> int | None:
         return None
 
 
-def available_bytes(device: torch.device) -> int | None:
-    """Free memory where the model will live: the GPU's free memory, or the host's (container-limited)."""
+def available_bytes(device: torch.device, release_cache: bool = False) -> int | None:
+    """Free memory where the model will live: the GPU's free memory (``release_cache``: once this process's cache has
+    given back the blocks it holds unused), or the host's (container-limited)."""
     if device.type == "cuda":
+        if release_cache:
+            release_cached_memory(wait=True)
         return torch.cuda.mem_get_info(device)[0]
     found = [v for v in (_meminfo_available(), _cgroup_room()) if v is not None]
     return min(found) if found else None
@@ -54,6 +58,11 @@ def check_fits(what: str, need_bytes: int, device: torch.device, loaded_bytes: i
             f"{what} needs about {need_bytes / MIB:.0f} MiB; the loaded models take {loaded_bytes / MIB:.0f} MiB of "
             f"MODEL_MEMORY_LIMIT_MB={limit_mb}: unload a version first or raise the limit")
     free = available_bytes(device)
+    if free is not None and free - need_bytes < reserve_mb * MIB and device.type == "cuda":
+        # The driver counts the blocks this process's allocator keeps cached (a warm-up's activations) as taken, and
+        # memory_reserved - memory_allocated would count a CUDA graph's pool, which no load can use: the cache is
+        # given back, only when short (the batches after a release allocate afresh), and free memory read again.
+        free = available_bytes(device, release_cache=True)
     if free is not None and free - need_bytes < reserve_mb * MIB:
         raise InsufficientMemory(
             f"{what} needs about {need_bytes / MIB:.0f} MiB on {device}, which has {free / MIB:.0f} MiB free and "
