@@ -332,8 +332,9 @@ class ServerSettings(SettingsGroup):
         "workers on a 16-core H100 host served 1.5x one; the H200's process-mode figures were taken with it).")
     threads: int = Field(32, gt=0, description="gthread threads per worker: concurrent requests that share one "
                          "batcher. Under ENGINE=process with LOOP_REQUESTS only a request whose body arrives after "
-                         "its headers takes one; the others run on the worker's event loop, as many as its "
-                         "connections.")
+                         "its headers takes one; the others run on the worker's event loop, at most this many at "
+                         "once (so at most this many exchanges with the engine), the rest waiting their turn, read "
+                         "and not parsed.")
     max_connections: int = Field(
         1000, gt=0, description="Open connections per worker, idle keep-alive and still-arriving requests included "
         "(gunicorn's `worker_connections`); at the limit the worker stops accepting until one closes.")
