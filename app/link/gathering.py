@@ -3,8 +3,9 @@ one wake-up then reads several requests and their images run as one batch. A req
 alone paid that wake-up, and the cold caches after it, with most of its CPU on a busy two-core host
 (docs/performance.md). The wait is bounded (``MAX_WAIT_MS``, less when a batch of the cap comes sooner at the pace
 requests come, or when fewer can come: a connection carries one exchange at a time, so those whose request is
-read or in flight, or whose catalog call or explanation runs, send nothing more before their answer), and taken only
-when it pays:
+read or in flight, or whose catalog call or explanation runs, send nothing more before their answer, and one that
+never carried a request, as an HTTP worker's for its catalog calls and state queries, is not waited for; nor
+is any once the turn holds a batch of the cap), and taken only when it pays:
 - the turns' batches run on the loop (short batches on a CPU, or on CUDA where they replay CUDA graphs; where the
   batcher's thread runs them it waits for more images itself, and a second wait would only add latency);
 - requests come faster than one per wait (a moving average of the time between them, reset by a pause);
@@ -31,12 +32,13 @@ class Gathering:
         self.arrival_gap_s, self.last_turn = ARRIVAL_GAP_IDLE_S, now
         self.wait_yield = 1.0  # at first, hoped for
         self.turns_since_wait = 0
-        self.batches_on_loop = False  # the last turn that queued on the loop ran its batches there
+        self.batches_on_loop = False  # the last turn that admitted requests (or ran a backlog's slice) ran batches
+        # on the loop: one whose requests went to the decode threads ran none
 
     def wait_s(self, read: int, can_come: int) -> float:
         """How long a turn that read ``read`` requests waits for more before it runs (0: it runs at once), when at
-        most ``can_come`` more can come meanwhile (the connections with no exchange under way); a wait
-        returned is taken (``waited`` then says what it brought)."""
+        most ``can_come`` more can come meanwhile (the connections that carried requests and have no exchange under
+        way); a wait returned is taken (``waited`` then says what it brought)."""
         wait_s = min(self.max_wait_s, self.arrival_gap_s * min(self.batch_cap - read, can_come))
         self.turns_since_wait += 1
         if self.batches_on_loop and wait_s >= self.arrival_gap_s and (

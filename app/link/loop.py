@@ -90,6 +90,8 @@ class _Connection:
         self.reader = wire.FrameReader(sock, wire.REQUESTS, greet=True)
         self.exchange: _Exchange | None = None
         self.read_pending = False  # a request of it is in this loop turn, not yet admitted
+        self.sent_infer = False  # of one exchange at a time: it carried a request, so another may come on it (an
+        # HTTP worker's pooled connection for its catalog calls and state queries alone never does)
         self.exchanges: dict[int, _Exchange] | None = None  # shared: its requests in flight, by id
         self.unadmitted: set[int] = set()  # shared: ids read in this loop turn, not yet admitted
         self.cancelled: set[int] = set()  # shared: ids of those cancelled before their admission
@@ -173,11 +175,12 @@ class EngineServer:
             wire.Unanswered: self._unanswered, wire.CatalogCall: self._catalog, wire.StateQuery: self._state,
             wire.Explain: self._explain}
         self._turn: list[tuple[_Connection, wire.Infer, list[bytearray], int | None]] = []  # read in this loop turn
-        self._open = 0  # connections adopted and not closed
-        self._shared: list[_Connection] = []  # of them, those that sent Infers (several requests at a time)
+        self._requesting = 0  # open connections of one exchange at a time that carried a request (sent_infer)
+        self._shared: list[_Connection] = []  # connections that sent Infers (several requests at a time)
         self._exchanges = 0  # requests admitted and not yet ended on connections of one at a time
         self._answering: list[_Connection] = []  # shared connections with answers of this turn to send
-        self._calls_off_loop = 0  # catalog calls and explanations made on threads, not yet answered
+        self._calls_off_loop = 0  # catalog calls and explanations made on threads for connections that carried a
+        # request, not yet answered
         self._deferred: dict[int, Batcher] = {}  # the batchers this turn queued on, not yet run or woken (by id)
 
     def bind(self) -> None:
@@ -238,22 +241,22 @@ class EngineServer:
     def _gather(self) -> None:
         """Before a turn's requests run: the wait for more that ``gathering`` says (app/link/gathering.py), and what
         came meanwhile read. While it waits, answers and what other threads post go out, and the shared connections'
-        requests are read as they come: the wait ends once none more can come from them and none from a connection of
-        one exchange at a time could (those, hang-ups, new connections, catalog calls and deadlines are seen when it
-        ends; epoll's clock may add up to a millisecond)."""
+        requests are read as they come: the wait ends once the turn holds a batch of the cap, or none more can come
+        from them and none from a connection of one exchange at a time could (those, hang-ups, new connections,
+        catalog calls and deadlines are seen when it ends; epoll's clock may add up to a millisecond)."""
         read = len(self._turn)
-        # what can still come: a request from each connection of one exchange at a time that has none under way, and
-        # from each shared one as many as it had under way at most, less those under way now
+        # what can still come: a request from each connection of one exchange at a time that carried one before and
+        # has none under way, and from each shared one as many as it had under way at most, less those under way now
         singles_read = sum(1 for entry in self._turn if entry[3] is None)
-        singles = self._open - len(self._shared) - self._exchanges - self._calls_off_loop - singles_read
+        singles = self._requesting - self._exchanges - self._calls_off_loop - singles_read
         wait_s = self.gathering.wait_s(read, singles + sum(conn.can_come() for conn in self._shared))
         if wait_s:
             until = time.monotonic() + wait_s
             while (left := until - time.monotonic()) > 0:
                 for key, _ in self._wake_only.select(left):
                     key.data()
-                if singles <= 0 and (len(self._turn) >= self.gathering.batch_cap or
-                                     not any(conn.can_come() > 0 for conn in self._shared)):
+                if len(self._turn) >= self.gathering.batch_cap or (
+                        singles <= 0 and not any(conn.can_come() > 0 for conn in self._shared)):
                     break
             for key, _ in self._selector.select(0):
                 key.data()
@@ -304,14 +307,14 @@ class EngineServer:
         sock.setblocking(False)  # read as frames come (wire.FrameReader), no poll before each read or send
         conn = _Connection(sock)
         self._selector.register(sock, selectors.EVENT_READ, functools.partial(self._readable, conn))
-        self._open += 1
 
     def _close(self, conn: _Connection) -> None:
         """Closed; a shared connection's requests in flight then end as their clients' hang-ups."""
         if conn.closed:
             return
         conn.closed = True
-        self._open -= 1
+        if conn.sent_infer:
+            self._requesting -= 1
         for selector in (self._selector, self._wake_only):
             with contextlib.suppress(KeyError, ValueError):
                 selector.unregister(conn.sock)
@@ -369,6 +372,9 @@ class EngineServer:
                 return
             if isinstance(message, wire.Infer):
                 conn.read_pending = True
+                if not conn.sent_infer:
+                    conn.sent_infer = True
+                    self._requesting += 1
                 self._turn.append((conn, message, segments, None))
             else:
                 self._handlers[type(message)](conn, message, segments)
@@ -520,7 +526,8 @@ class EngineServer:
             for share in self.decode_shares.shares(decoded):
                 self._decoders.submit(self._queue_all, share)
         deferred, self._deferred = self._deferred, {}
-        ran_here = False
+        ran_here = False  # whether this turn ran batches on the loop: a turn whose requests all went to the decode
+        # threads ran none (their batches are the batcher's thread's), so it tells the next turns not to wait either
         # after the decode threads got theirs: a batch waits for what is on its way
         for key, batcher in deferred.items():
             try:
@@ -530,7 +537,7 @@ class EngineServer:
                         self._deferred[key] = batcher
             except Exception:  # noqa: BLE001 - never the loop's end: what it left queued is the batcher's thread's
                 log.exception("a batch run on the engine's loop failed")
-        if deferred:
+        if admitted or deferred:
             self.gathering.batches_on_loop = ran_here
 
     def _admit(self, conn: _Connection, message: wire.Infer, segments: list[bytearray],
@@ -703,7 +710,8 @@ class EngineServer:
         """``answer`` made on one of ``threads`` (it may wait), then sent from the loop; the connection is not
         watched meanwhile (nor counted among those that could send a request)."""
         self._selector.unregister(conn.sock)
-        self._calls_off_loop += 1
+        if conn.sent_infer:
+            self._calls_off_loop += 1
 
         def run() -> None:
             self._post(functools.partial(self._answered, conn, answer()))
@@ -738,7 +746,8 @@ class EngineServer:
         return self._answer(value)
 
     def _answered(self, conn: _Connection, answer: wire.Answer) -> None:
-        self._calls_off_loop -= 1
+        if conn.sent_infer:
+            self._calls_off_loop -= 1
         self._send(conn, answer)
         if not conn.closed:
             self._selector.register(conn.sock, selectors.EVENT_READ, functools.partial(self._readable, conn))

@@ -1063,10 +1063,10 @@ def test_a_batch_run_where_images_were_decoded_is_not_counted_as_their_decode(se
 
 def _as_if_busy(server: EngineServer, monkeypatch: pytest.MonkeyPatch, wait_s: float, yield_: float = 1.0) -> None:
     """The loop as if requests came every 10 ms, its batches ran on it and other HTTP threads' connections were open
-    with no request (so it waits for more, up to ``wait_s``), and waits so far brought ``yield_`` requests each; the
-    pace stays as it is."""
+    with no request under way, each having carried some (so it waits for more, up to ``wait_s``), and waits so far
+    brought ``yield_`` requests each; the pace stays as it is."""
     monkeypatch.setattr("app.link.gathering.ARRIVAL_WEIGHT", 0.0)
-    monkeypatch.setattr(server, "_open", server._open + 8)
+    monkeypatch.setattr(server, "_requesting", server._requesting + 8)
     gathering = server.gathering
     gathering.max_wait_s, gathering.batch_cap = wait_s, 1000  # no cap on the wait from the pace
     gathering.arrival_gap_s, gathering.wait_yield, gathering.batches_on_loop = 0.01, yield_, True
@@ -1138,7 +1138,7 @@ def test_the_loop_never_waits_for_requests_that_cannot_come(link: Link, monkeypa
     red[0] = 1.0
     infer(link.worker, tensors=[red.numpy()])
     _as_if_busy(link.server, monkeypatch, wait_s=0.05)
-    monkeypatch.setattr(link.server, "_open", link.server._open - 8)  # this thread's connection alone, as it is
+    monkeypatch.setattr(link.server, "_requesting", link.server._requesting - 8)  # this thread's connection alone
     waited = _waits(link.server, monkeypatch, on_loop=True)
     for _ in range(3):
         infer(link.worker, tensors=[red.numpy()])
@@ -1181,7 +1181,7 @@ def test_the_loop_s_wait_for_more_ends_once_its_shared_connections_sent_what_the
         _sent_together(second, [1, 2], image_bytes(RED))
         assert sorted(_answered(first_answers, 2)) == [1, 2] and sorted(_answered(second_answers, 2)) == [1, 2]
         _as_if_busy(link.server, monkeypatch, wait_s=5.0)
-        monkeypatch.setattr(link.server, "_open", link.server._open - 8)  # these two connections alone
+        monkeypatch.setattr(link.server, "_requesting", link.server._requesting - 8)  # these two connections alone
         link.server.gathering.arrival_gap_s = 2.5  # a wait of 5 s for the two the second connection can send
         waited = _waits(link.server, monkeypatch)
         started = time.monotonic()
@@ -1191,6 +1191,54 @@ def test_the_loop_s_wait_for_more_ends_once_its_shared_connections_sent_what_the
         assert sorted(_answered(first_answers, 2)) == [3, 4] and sorted(_answered(second_answers, 2)) == [3, 4]
         assert time.monotonic() - started < 2.5  # the wait ended as they came, not at its 5 s
         assert waited[-1] and model.batch_sizes[-1] == 4  # one batch of the four
+
+
+def test_the_loop_s_wait_for_more_ends_with_a_batch_of_the_cap_though_a_connection_could_still_send(
+        link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: the wait ended early only while no connection of one exchange at a time could send, and an HTTP worker
+    # keeps one idle in its pool: a turn holding a full batch waited its whole time.
+    monkeypatch.setattr(link.server, "_loop_batch_s", 1.0)  # "short", however busy the machine running the test
+    _idle_connections(link, 1)  # idle, having carried a request: another may come on it
+    shared, answers = _shared_connection(link)
+    with shared:
+        _sent_together(shared, [1, 2, 3, 4], image_bytes(RED))  # it has had four under way at once
+        assert sorted(_answered(answers, 4)) == [1, 2, 3, 4]
+        _as_if_busy(link.server, monkeypatch, wait_s=5.0)
+        monkeypatch.setattr(link.server, "_requesting", link.server._requesting - 8)  # the real connections alone
+        link.server.gathering.batch_cap = 4
+        link.server.gathering.arrival_gap_s = 2.5  # a wait of 5 s for the three more a batch of the cap needs
+        waited = _waits(link.server, monkeypatch)
+        started = time.monotonic()
+        _sent_together(shared, [5], image_bytes(RED))
+        wait_until(lambda: len(link.server._turn) == 1)  # read: the loop waits for more
+        _sent_together(shared, [6, 7, 8], image_bytes(RED))  # a batch of the cap
+        assert sorted(_answered(answers, 4)) == [5, 6, 7, 8]
+        assert time.monotonic() - started < 2.5  # the wait ended with the batch, not at its 5 s
+        assert waited[-1] and model.batch_sizes[-1] == 4
+
+
+def test_a_connection_that_carried_only_state_queries_and_catalog_calls_is_not_waited_for(
+        link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: every idle connection counted as a request that could still come, and an HTTP worker's pooled one (its
+    # state queries, signatures) never sends one: the wait went on after the shared connection sent all it could.
+    monkeypatch.setattr(link.server, "_loop_batch_s", 1.0)  # "short", however busy the machine running the test
+    assert link.worker._engine_state(fresh=True).ready  # the worker's readiness query...
+    assert len(link.worker.connections._idle) == 1  # ... leaves its connection idle in the pool
+    shared, answers = _shared_connection(link)
+    with shared:
+        _sent_together(shared, [1, 2], image_bytes(RED))  # it has had two under way at once
+        assert sorted(_answered(answers, 2)) == [1, 2]
+        _as_if_busy(link.server, monkeypatch, wait_s=10.0)
+        monkeypatch.setattr(link.server, "_requesting", link.server._requesting - 8)  # the real connections alone
+        link.server.gathering.arrival_gap_s = 5.0  # a wait of 5 s for the one more it can send
+        waited = _waits(link.server, monkeypatch)
+        started = time.monotonic()
+        _sent_together(shared, [3], image_bytes(RED))
+        wait_until(lambda: len(link.server._turn) == 1)  # read: the loop waits for more
+        _sent_together(shared, [4], image_bytes(RED))  # all it can send
+        assert sorted(_answered(answers, 2)) == [3, 4]
+        assert time.monotonic() - started < 2.5  # the wait ended as it came, not at its 5 s or 10 s
+        assert waited[-1] and model.batch_sizes[-1] == 2
 
 
 def test_connections_whose_catalog_call_runs_are_not_waited_for(link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1216,6 +1264,20 @@ def test_the_loop_waits_only_while_its_turns_batches_run_on_it(link: Link, monke
     for _ in range(3):
         infer(link.worker, tensors=[red.numpy()])
     assert waited == [True, False, False]  # the first turn after _as_if_busy; then its batches ran on the thread
+
+
+def test_the_loop_stops_waiting_once_its_turns_photos_go_to_the_batcher_s_thread_after_a_batch_ran_on_it(
+        link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: only a turn that queued on the loop told whether its batches ran there, so after a batch run on the
+    # loop every later turn whose photos were decoded (and batched) on other threads still waited for more.
+    monkeypatch.setattr(link.server.decode_shares, "here", lambda requests: False)  # photos: the decode threads'
+    infer(link.worker, [image_bytes(RED)])
+    _as_if_busy(link.server, monkeypatch, wait_s=0.05)  # as if the turn before ran its batches on the loop
+    waited = _waits(link.server, monkeypatch)
+    for _ in range(3):
+        infer(link.worker, [image_bytes(RED)])
+    assert waited == [True, False, False]  # the first turn after _as_if_busy; then its batches ran on the thread
+    assert not link.server.gathering.batches_on_loop
 
 
 @pytest.mark.slow  # the loop's wait lasts two seconds
@@ -1281,7 +1343,8 @@ def _outcome(run: Callable[[], object]) -> object:
         return exc
 
 
-def _on_loop(link: Link, requests: dict[str, Callable[[], object]], loop: LoopWorker | None = None) -> dict[str, object]:
+def _on_loop(link: Link, requests: dict[str, Callable[[], object]],
+             loop: LoopWorker | None = None) -> dict[str, object]:
     """``requests`` run as an HTTP worker's loop requests (their waits the loop's, their engine requests on the
     worker's loop link), the loop turned until all ended; what each returned or raised."""
     loop = loop or LoopWorker()

@@ -12,7 +12,7 @@ import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 import numpy as np
@@ -268,6 +268,85 @@ def test_shadow_work_is_dropped_under_a_burst_and_no_live_request_fails(shadowed
     assert comparison()["errors"] == 0
 
 
+def _comparison(service: Service) -> dict[str, Any]:
+    """The shadow's comparison so far (over the workers' reports, shared now)."""
+    service.controller.writers.share_evidence()
+    return ((service.catalog.rollouts().get("colour") or {}).get("comparison")
+            or {"dropped": {}, "compared": 0, "errors": 0})
+
+
+def _settled(comparison: dict[str, Any]) -> int:
+    """Images whose shadow work is over: compared, failed or dropped."""
+    return comparison["compared"] + comparison["errors"] + sum(comparison["dropped"].values())
+
+
+def test_a_request_of_more_than_two_of_the_candidate_s_batches_is_compared_two_batches_at_a_time(
+        settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: its shadow work was dropped as busy however idle the server (more than two of the candidate's batches
+    # would wait), so agreement was measured on small requests only and a workload of large ones never promoted.
+    service = Service.build(settings.model_copy(update={"max_images": 9, "queue_size": 16}),
+                            _repository({"shadow_percent": 100}))  # type: ignore[arg-type]
+    try:
+        candidate = service.controller.applier.routes.find("colour", "2")
+        pieces, submit_many = [], candidate.batcher.submit_many
+
+        def counted(items: list[object], *args: object, **kwargs: object) -> object:
+            pieces.append(len(items))
+            return submit_many(items, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(candidate.batcher, "submit_many", counted)
+        assert infer(service, PHOTOS).version == "1"  # nine images; the candidate's cap is four
+        wait_until(lambda: _settled(_comparison(service)) == len(PHOTOS))
+        comparison = _comparison(service)
+        assert comparison["compared"] == len(PHOTOS) and comparison["dropped"] == {}
+        assert pieces == [8, 1]  # two batches of its cap, then the rest once they were answered
+        answers = _offline_answers(PHOTOS)
+        assert comparison["top1_agreement"] == pytest.approx(
+            sum(a == b for a, b in zip(answers["1"], answers["2"])) / len(PHOTOS))
+    finally:
+        service.shutdown(timeout=5)
+
+
+def test_a_large_request_s_shadow_stops_between_its_pieces_once_live_work_waits(settings: Settings) -> None:
+    # its first piece was taken with no live work waiting; a later one would run beside live work that waits
+    service = Service.build(settings.model_copy(update={"max_images": 9, "queue_size": 16}),
+                            _repository({"shadow_percent": 100}))  # type: ignore[arg-type]
+    try:
+        live, candidate = (service.controller.applier.routes.find("colour", v) for v in ("1", "2"))
+        candidate.predictor.module.gate = turns = Turnstile()
+        infer(service, PHOTOS)  # answered; its shadow's first piece, two of the candidate's batches, is held there
+        wait_until(lambda: candidate.batcher.depth == 4)  # its first batch runs, the second waits
+        live.predictor.module.gate = held = threading.Event()
+        passes = len(live.predictor.module.batch_sizes)
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(infer, service, [PHOTOS[0]])
+            wait_until(lambda: len(live.predictor.module.batch_sizes) > passes)  # held in its forward pass
+            waiting = pool.submit(infer, service, [PHOTOS[1]])
+            wait_until(lambda: live.batcher.depth == 1)  # live work waits
+            turns.turn(2)  # the first piece answered: the rest is not handed over while live work waits
+            wait_until(lambda: _comparison(service)["dropped"].get("busy", 0) >= len(PHOTOS))
+            assert _comparison(service)["compared"] == 0
+            held.set()
+            turns.turn(10)
+            assert running.result().version == waiting.result().version == "1"
+    finally:
+        service.shutdown(timeout=5)
+
+
+def test_a_request_of_more_images_than_the_shadow_queue_holds_is_compared_when_no_other_shadow_work_waits(
+        settings: Settings) -> None:
+    # Before: dropped as full with nothing waiting: a request larger than SHADOW_QUEUE_SIZE was never compared.
+    service = Service.build(settings.model_copy(update={"shadow_queue_size": 2}),
+                            _repository({"shadow_percent": 100}))  # type: ignore[arg-type]
+    try:
+        infer(service, PHOTOS[:3])
+        wait_until(lambda: _settled(_comparison(service)) == 3)
+        comparison = _comparison(service)
+        assert comparison["compared"] == 3 and comparison["dropped"] == {}
+    finally:
+        service.shutdown(timeout=5)
+
+
 def test_promote_and_rollback_by_call_with_evidence_in_the_api(settings: Settings) -> None:
     app = create_app(settings, source=_repository({"shadow_percent": 100}))  # type: ignore[arg-type]
     client = app.test_client()
@@ -405,7 +484,8 @@ def test_the_rules_promote_a_candidate_that_agrees_and_roll_back_one_that_fails(
         wait_until(lambda: (service.controller.writers.share_evidence() or True)
                    and service.controller.applier.routes.routes()["colour"][1] == "2")
         assert service.catalog.rollouts()["colour"]["watch"]["version"] == "2"
-        service.controller.applier.routes.find("colour", "2").predictor.module.fail_when = -10.0  # every batch now fails
+        failing = service.controller.applier.routes.find("colour", "2").predictor.module
+        failing.fail_when = -10.0  # every batch now fails
         failures = 0
         for photo in PHOTOS[:6]:  # 6 of its first 50 fail: more than 10% of the 50 whatever follows
             try:

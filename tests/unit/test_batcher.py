@@ -752,6 +752,62 @@ def test_a_backlog_runs_here_a_slice_a_call_and_the_rest_waits_for_the_next_call
     assert notified == [1] and recorder.batches[-2:] == [[8, 9], [10]]
 
 
+def test_what_others_queue_while_a_caller_s_run_drops_all_it_judged_is_the_worker_s(make_batcher) -> None:
+    # Before: the queue was let go without waking the worker when nothing run_queued judged ran (all dropped), and
+    # the caller (the engine's loop) calls again only after a run: a decode thread's request queued meanwhile, whose
+    # wake-up met the queue held, waited for its deadline.
+    batcher = make_batcher(Recorder(), max_wait_ms=1, runs_queued_on_caller=True)
+    assert batcher.submit(0).result(timeout=10).value == 0  # a batch measured
+    wait_until(lambda: _worker_asleep(batcher))
+    late_by = time.monotonic() + 0.01
+    late = batcher.submit_group([100], deadline=late_by, defer=True)
+    wait_until(lambda: time.monotonic() > late_by)
+    queued: list[Group] = []
+
+    def queue_another(_: object) -> None:  # as the run fails the late one, a decode thread queues a request
+        thread = threading.Thread(target=lambda: queued.append(batcher.submit_group([1])))
+        thread.start()
+        thread.join(10)
+        wait_until(lambda: bool(batcher._cond._waiters))  # type: ignore[attr-defined]  # woken, it found the queue
+        # held and sleeps again
+
+    late.add_done_callback(queue_another)
+    assert not batcher.run_queued(10.0)  # nothing it judged ran: the late one was dropped
+    assert isinstance(late.exception(0), DeadlineExpired)
+    assert queued[0].wait(10) and queued[0].result() == [2]
+
+
+class _Job:
+    """Background work of ``size`` images that records the sizes of each group it runs in (``ran``)."""
+
+    def __init__(self, size: int, ran: list[list[int]]) -> None:
+        self.size, self.deadline, self.ran, self.dropped = size, time.monotonic() + 60, ran, ""
+
+    def group_key(self) -> object:
+        return "shadow"
+
+    def run_group(self, jobs: list) -> None:
+        self.ran.append([job.size for job in jobs])
+
+    def drop(self, reason: str) -> None:
+        self.dropped = reason
+
+
+def test_background_work_over_its_limit_is_taken_alone_and_refused_as_full_only_behind_other_work(
+        make_batcher) -> None:
+    # Before: a job of more images than the limit was refused as full with nothing waiting: a shadow never compared
+    # a request larger than SHADOW_QUEUE_SIZE, even on an idle server.
+    recorder, ran = Recorder(), []
+    batcher = make_batcher(recorder, incoming=lambda: 0)
+    _hold_worker(batcher, recorder)  # a batch runs, nothing is queued: background work waits for it
+    assert batcher.submit_background(_Job(6, ran), limit=4) is None
+    assert batcher.submit_background(_Job(1, ran), limit=4) == "full"  # behind it, over the limit
+    batcher.submit(1)
+    assert batcher.submit_background(_Job(1, ran), limit=4) == "busy"  # an item is queued
+    recorder.gate.set()
+    wait_until(lambda: ran == [[6]])
+
+
 def _worker_asleep(batcher: Batcher) -> bool:
     """The worker waits for work with none taken (so only a notify or an item it is told of wakes it)."""
     return not batcher._busy and bool(batcher._cond._waiters)  # type: ignore[attr-defined]
@@ -936,6 +992,56 @@ def test_admission_counts_what_is_left_of_the_batch_running_now(make_batcher,
     recorder.gate.set()
 
 
+def test_a_backlog_of_full_batches_is_judged_at_a_full_batch_s_time_after_lone_ones(
+        make_batcher, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: every batch of the backlog was judged at the recent batch time whatever its size: after lone requests
+    # (5 ms) nine batches of eight (40 ms each) were judged 50 ms, and a 150 ms deadline admitted failed in the
+    # queue (504) instead of a 429 at once.
+    clock, recorder = Clock(monkeypatch), Recorder()
+
+    def timed(items: list[int]) -> Sequence[int]:
+        outputs = recorder(items)  # (held at the gate first)
+        clock.now += 0.005 * len(items)  # 5 ms an image, at any batch size
+        return outputs
+
+    batcher = make_batcher(timed, max_batch_size=8, max_wait_ms=1, queue_size=128, incoming=lambda: 0)
+    for item in range(5):
+        assert batcher.submit(item).result(timeout=10).value == 2 * item  # lone requests: 5 ms batches
+        wait_until(lambda: _worker_asleep(batcher))
+    _hold_worker(batcher, recorder)  # judged while a batch runs (5 ms expected of it)
+    batcher.submit_many(list(range(64)))  # eight batches of the cap behind it, 40 ms each
+    with pytest.raises(DeadlineUnreachable):  # 5 + 9 x 40 ms
+        batcher.submit_many(list(range(8)), deadline=clock.now + 0.15)
+    batcher.check_room(8, clock.now + 0.38)  # a deadline the backlog meets is admitted
+    batcher.check_room(1, clock.now + 0.34)  # 5 + 8 x 40 + 5 ms: a last batch of one counts as one image's
+    recorder.gate.set()
+
+
+def test_a_backlog_is_judged_at_the_time_per_image_of_large_batches_once_one_ran(
+        make_batcher, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A GPU's batch costs about the same whatever its size (5 ms here): judged at lone batches' time per image, a
+    # backlog of 64 would read 8 x 40 ms, and a 100 ms deadline it meets in 45 ms would be refused.
+    clock, recorder = Clock(monkeypatch), Recorder()
+
+    def timed(items: list[int]) -> Sequence[int]:
+        outputs = recorder(items)
+        clock.now += 0.005  # 5 ms a batch, at any size
+        return outputs
+
+    batcher = make_batcher(timed, max_batch_size=8, max_wait_ms=1, queue_size=128, incoming=lambda: 0)
+    _hold_worker(batcher, recorder)
+    batcher.submit_many(list(range(8)))  # one full batch behind the held one
+    recorder.gate.set()
+    wait_until(lambda: batcher.depth == 0 and _worker_asleep(batcher))
+    for item in range(5):
+        assert batcher.submit(item).result(timeout=10).value == 2 * item  # then lone ones
+        wait_until(lambda: _worker_asleep(batcher))
+    _hold_worker(batcher, recorder)
+    batcher.submit_many(list(range(64)))
+    batcher.check_room(8, clock.now + 0.1)  # 5 + 9 x 5 ms, not 9 x 40
+    recorder.gate.set()
+
+
 def test_items_whose_callers_left_are_no_backlog_for_admission(make_batcher) -> None:
     # Before: cancelled groups counted until a batch took them: 5 images more were refused as a full queue.
     recorder = Recorder()
@@ -951,6 +1057,37 @@ def test_items_whose_callers_left_are_no_backlog_for_admission(make_batcher) -> 
     wait_until(lambda: batcher.depth == 0 and _worker_asleep(batcher))
     assert batcher._live == 0 and not any(item >= 100 for batch in recorder.batches for item in batch)
     assert len(batcher.submit_many([7] * 16)) == 16  # the count came back to nothing, not below it
+
+
+def test_a_group_found_past_its_deadline_as_a_batch_is_gathered_leaves_the_backlog_once_whatever_cancels_it(
+        make_batcher) -> None:
+    # Before: its items were set aside to fail as expired with their group not marked taken, so the group's cancel
+    # meanwhile (the request's own deadline, at the same moment) counted them out of the backlog a second time: the
+    # count went below nothing and the queue then took more than its size.
+    recorder, incoming = Recorder(), [0]
+    batcher = make_batcher(recorder, max_batch_size=4, max_wait_ms=60_000, queue_size=4,
+                           incoming=lambda: incoming[0])
+    _hold_worker(batcher, recorder)
+    late_by = time.monotonic() + 0.01
+    late = batcher.submit_group([100, 101], deadline=late_by)
+    kept = batcher.submit(1)
+    wait_until(lambda: time.monotonic() > late_by)
+    incoming[0] = 1  # a request on its way: the next batch waits for it
+    recorder.gate.set()
+    wait_until(lambda: len(batcher._expired) == 2)  # the late items set aside, the batch [1] waiting for company
+    assert not late.cancel()  # too late: the batch gathered took it
+    assert batcher._live == 0
+    incoming[0] = 0
+    more = batcher.submit(2)  # wakes the batch, which leaves with it
+    assert kept.result(timeout=10).value == 2 and more.result(timeout=10).value == 4
+    assert isinstance(late.exception(10), DeadlineExpired)
+    wait_until(lambda: batcher.depth == 0 and _worker_asleep(batcher))
+    assert batcher._live == 0 and not any(item >= 100 for batch in recorder.batches for item in batch)
+    _hold_worker(batcher, recorder)
+    batcher.submit_many([3, 4, 5, 6])  # the queue's size, and no more
+    with pytest.raises(QueueFull, match=r"\(4/4 waiting\)"):
+        batcher.submit(7)
+    recorder.gate.set()
 
 
 def test_items_nobody_waits_for_give_their_places_in_a_batch_to_live_ones(make_batcher,

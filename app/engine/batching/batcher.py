@@ -166,6 +166,7 @@ class Batcher(Generic[In, Out]):
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._batch_seconds = 0.0  # moving average of one predict_fn call, for Retry-After estimates
         self._item_seconds = 0.0  # the same per item of its batch
+        self._large_item_seconds = 0.0  # the same over batches of half the cap or more (0: none ran yet)
         self._last_item_seconds = 0.0  # the last batch's time per item
         self._refused_idle_at = -1  # batches_run at the last refusal on an idle batcher (deadline too short)
         self._split_on, self._shrink_s = split_on, shrink_s
@@ -264,8 +265,9 @@ class Batcher(Generic[In, Out]):
         queued for the caller's next call (``depth``), the worker not woken for it, so a backlog of short batches
         runs on one thread in slices of ``inline_within_s`` instead of moving to the worker's and its answers back.
         A batch holding an item ``caller_may_run`` refuses is the worker's, woken for it and what follows it, as
-        it is for what is left when anything here raises (the caller logs it; no item waits for its deadline).
-        Whether any ran here."""
+        it is for what is left when anything here raises (the caller logs it; no item waits for its deadline),
+        and for what others queued meanwhile when nothing ran here (all it judged was dropped on the way: the
+        caller calls again only after a run, and their wake-up met the queue held). Whether any ran here."""
         with self._cond:
             left = len(self._queue)
             if not left:
@@ -301,7 +303,7 @@ class Batcher(Generic[In, Out]):
             refused = True  # what is left is the worker's
             raise
         finally:
-            self._release_inline(wake_worker=refused)
+            self._release_inline(wake_worker=refused or not ran)
         return ran
 
     def expected_batch_s(self, items: int) -> float:
@@ -378,9 +380,17 @@ class Batcher(Generic[In, Out]):
 
     def _clear_s(self, items: int, now: float) -> float:
         """Under the lock: how long ``items`` queued items take to clear: what is left of the batch gathered or
-        running now, then batches of the cap at the recent batch time (``max_wait_ms`` at least)."""
+        running now, then batches of the cap and one of the rest, each its images at the recent time per image
+        (a batch's time grows with its images: after lone ones, a full batch is not a lone one's time; of batches
+        of half the cap or more once one ran, as a GPU's batch costs less per image than a lone one), the recent
+        batch time and ``max_wait_ms`` at least."""
         cap = self._cap_at(now)
-        wait = -(-items // cap) * max(self._batch_seconds, self.max_wait_s)
+        full, rest = divmod(items, cap)
+        batch_s, least_s = self._batch_seconds, self.max_wait_s
+        item_s = self._large_item_seconds or self._item_seconds  # a lone image's time overstates a GPU's full batch
+        wait = full * max(batch_s, item_s * cap, least_s)
+        if rest:
+            wait += max(batch_s, item_s * rest, least_s)
         if self._busy and self._running_until > now:
             wait += self._running_until - now
         return wait
@@ -427,13 +437,15 @@ class Batcher(Generic[In, Out]):
 
     def submit_background(self, job: BackgroundJob, limit: int) -> str | None:
         """Queue ``job`` behind every request; returns why it was refused (``busy``: items are queued, ``full``:
-        ``limit`` images of background work wait already, ``retired``: stopping), else None."""
+        background work waits already and with this job would be over ``limit`` images: a job alone is taken
+        whatever its size, ``retired``: stopping), else None."""
         with self._cond:
             if self._closed:
                 return "retired"
             if self._queue:
                 return "busy"
-            if sum(j.size for j in self._background) + job.size > limit:
+            background = self._background
+            if background and sum(j.size for j in background) + job.size > limit:
                 return "full"
             self._background.append(job)
             self._cond.notify()
@@ -486,20 +498,20 @@ class Batcher(Generic[In, Out]):
     def _take(self, batch: list[_Pending[In]], limit: int, now: float,
               may_run: Callable[[In], bool] | None = None) -> bool:
         """Under the lock, holding the queue (busy): queued items moved into ``batch`` until it holds ``limit`` or
-        the queue is empty, in one pass that skips those nobody waits for (cancelled; past their deadline: into
-        ``_expired``, failed once the lock is let go), so a batch fills to the cap with live ones. An item
+        the queue is empty, in one pass that skips those nobody waits for (cancelled; past their deadline: marked
+        taken, into ``_expired``, failed once the lock is let go), so a batch fills to the cap with live ones. An item
         ``may_run`` refuses puts back what this call took, and with it: True (the batch is the worker's)."""
         queue, had = self._queue, len(batch)
         pending: _Pending[In] | None = None  # the item being judged, out of the queue
         try:
             while len(batch) < limit and queue:
                 pending = queue.popleft()
-                if pending.deadline is not None and now > pending.deadline and pending.expired():
-                    self._expired.append(pending)
-                    self._live -= 1
-                elif not pending.wanted():  # a group cancelled while queued left the count at once
+                if not pending.wanted():  # a group cancelled while queued left the count at once
                     if pending.group is None or not pending.group.cancelled():
                         self._live -= 1
+                elif pending.deadline is not None and now > pending.deadline:  # marked taken by wanted(): a cancel
+                    self._expired.append(pending)  # before it fails comes too late to count it out again
+                    self._live -= 1
                 elif may_run is not None and not may_run(pending.item):
                     queue.appendleft(pending)
                     queue.extendleft(reversed(batch[had:]))
@@ -761,6 +773,9 @@ class Batcher(Generic[In, Out]):
         self._batch_seconds = run_s if self.batches_run == 1 else 0.8 * self._batch_seconds + 0.2 * run_s
         per_item = self._last_item_seconds = run_s / len(batch)
         self._item_seconds = per_item if self.batches_run == 1 else 0.8 * self._item_seconds + 0.2 * per_item
+        if 2 * len(batch) >= self._cap_at(started):
+            large = self._large_item_seconds
+            self._large_item_seconds = per_item if not large else 0.8 * large + 0.2 * per_item
         queued = [started - p.enqueued_at for p in batch]
         self._observer.batch_done(len(batch), run_s, queued, time.thread_time() - cpu_started)
         self._unsettled = True

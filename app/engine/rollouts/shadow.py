@@ -3,15 +3,18 @@ and the two answers are compared (app/engine/rollouts/evidence.Comparison).
 
 ``offer`` hands the work to the live version's batcher as background work
 (app/engine/batching/batcher.submit_background), after the live answer is ready: it is taken only when no request
-waits and none is on its way, and is dropped (counted) when live work is queued, the shadow queue is full, the
-candidate's own queue is busy, or it waited ``SHADOW_MAX_AGE_S``. The live thread then hands the images to the
-candidate's batcher (its own thread, where its warm-up tuned the kernels; with its own decoder when its
-preprocessing differs) and goes on: a live request arriving meanwhile never waits for the shadow's forward pass,
-which runs beside it on another core (waiting for it, as a first version did, slowed a lone client's every
-request; docs/performance.md: Figures behind the code's choices).
+waits and none is on its way, and is dropped (counted, by reason) when live work is queued or the candidate's own
+queue is busy (``busy``), shadow work waits already and this would take it past ``SHADOW_QUEUE_SIZE`` images
+(``full``), it waited ``SHADOW_MAX_AGE_S`` (``stale``), its pixels are of another size than the candidate takes
+(``incompatible``), or a version stops (``retired``). The live thread then hands the images to the candidate's
+batcher (its own thread, where its warm-up tuned the kernels; with its own decoder when its preprocessing differs),
+two batches of its cap at most at a time (``_Handover``), and goes on: a live request arriving meanwhile never
+waits for the shadow's forward pass, which runs beside it on another core (waiting for it, as a first version did,
+slowed a lone client's every request; docs/performance.md: Figures behind the code's choices).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -22,6 +25,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from app.engine.batching.batcher import Batcher
 from app.engine.batching.types import BackgroundJob, BatcherClosed, BatcherError, BatchResult, BatchRun, DeadlineExpired
 from app.engine.decoding.decoders import Prepared
 from app.engine.rollouts.evidence import Comparison
@@ -52,6 +56,7 @@ class ShadowJob:
     images: Sequence[bytes]  # encoded, when the candidate decodes them itself
     prepared: Sequence[Prepared]  # the live version's, when the candidate takes them as they are
     deadline: float
+    live: LoadedVersion  # the version that answered (whose batcher runs this job)
 
     @property
     def size(self) -> int:
@@ -73,26 +78,12 @@ class ShadowJob:
             return None
 
     def run_group(self, jobs: list[BackgroundJob]) -> None:
-        """Hand the group's images to the candidate's batcher in one submission (never run on this thread) and
-        record each job's comparison when the candidate answers; the live batcher goes on meanwhile."""
+        """Hand the group's images to the candidate's batcher (never run on this thread), a piece at a time
+        (``_Handover``), and record each job's comparison when the candidate answers; the live batcher goes on
+        meanwhile."""
         ready = [(job, inputs) for job in jobs if isinstance(job, ShadowJob) and (inputs := job._inputs())]
-        if not ready:
-            return
-        items = [item for _, inputs in ready for item in inputs]
-        batcher = self.candidate.batcher
-        if batcher.depth + len(items) > 2 * batcher.current_max_batch_size:  # more than two batches would wait
-            return _drop_all(ready, "busy")
-        try:
-            futures = batcher.submit_many(items, deadline=min(job.deadline for job, _ in ready), inline=False)
-        except BatcherClosed:
-            return _drop_all(ready, "retired")
-        except BatcherError:
-            return _drop_all(ready, "busy")
-        position = 0
-        for job, inputs in ready:
-            mine = futures[position:position + len(inputs)]
-            position += len(inputs)
-            _when_all_done(mine, job._compare)
+        if ready:
+            _Handover(self.live.batcher, self.candidate.batcher, ready).next_piece()
 
     def _compare(self, futures: "list[Future[BatchResult[np.ndarray]]]") -> None:
         if any(f.cancelled() or isinstance(f.exception(), DeadlineExpired) for f in futures):
@@ -126,9 +117,50 @@ def _when_all_done(futures: "list[Future[BatchResult[np.ndarray]]]",
         future.add_done_callback(one_done)
 
 
-def _drop_all(ready: list[tuple[ShadowJob, list[Prepared]]], reason: str) -> None:
-    for job, _ in ready:
-        job.drop(reason)
+class _Handover:
+    """A group of shadow jobs' images handed to the candidate's batcher in pieces of two batches of its cap at most,
+    the next once the candidate answered the one before: a request the candidate answers itself (a canary's, or one
+    naming it) waits behind no more than two batches of shadow work, and a shadowed request of any size is compared.
+    A piece goes only while the candidate's queue holds two batches at most with it and, after the first, no live
+    work waits on the live version's batcher (the first was taken when none did); else, or once the candidate stops
+    or the group's time is up, the jobs not wholly handed over are dropped for that (``busy``, ``retired``,
+    ``stale``). A job's comparison is made once all of its images are answered."""
+
+    def __init__(self, live: Batcher, candidate: Batcher, ready: list[tuple[ShadowJob, list[Prepared]]]) -> None:
+        self.live, self.candidate, self.ready = live, candidate, ready
+        self.items = [item for _, inputs in ready for item in inputs]
+        self.ends = list(itertools.accumulate(len(inputs) for _, inputs in ready))  # where each job's images end
+        self.deadline = min(job.deadline for job, _ in ready)
+        self.futures: list[Future[BatchResult[np.ndarray]]] = []  # of the images handed over so far, in order
+        self.whole = 0  # the jobs whose images were all handed over (their comparisons wait for the candidate)
+
+    def next_piece(self, _: object = None) -> None:
+        """The next piece handed over, or the jobs left dropped; the piece after it once the candidate answered
+        this one (on its thread)."""
+        batcher, start = self.candidate, len(self.futures)
+        size = 2 * batcher.current_max_batch_size
+        piece = self.items[start:start + size]
+        if batcher.depth + len(piece) > size or (start and self.live.depth):
+            return self._drop("busy")
+        try:
+            futures = batcher.submit_many(piece, deadline=self.deadline, inline=False)
+        except BatcherClosed:
+            return self._drop("retired")
+        except DeadlineExpired:
+            return self._drop("stale")
+        except BatcherError:  # its queue full, or the backlog ahead past the deadline
+            return self._drop("busy")
+        self.futures += futures
+        while self.whole < len(self.ready) and self.ends[self.whole] <= len(self.futures):
+            first = self.ends[self.whole - 1] if self.whole else 0
+            _when_all_done(self.futures[first:self.ends[self.whole]], self.ready[self.whole][0]._compare)
+            self.whole += 1
+        if len(self.futures) < len(self.items):
+            _when_all_done(futures, self.next_piece)
+
+    def _drop(self, reason: str) -> None:
+        for job, _ in self.ready[self.whole:]:
+            job.drop(reason)
 
 
 def offer(live: LoadedVersion, candidate: LoadedVersion, comparison: Comparison, images: Sequence[bytes],
@@ -141,7 +173,7 @@ def offer(live: LoadedVersion, candidate: LoadedVersion, comparison: Comparison,
         rows = torch.from_numpy(np.stack(values)[:, :classes])
         live_ms = [run.run_s * 1000 / run.batch_size for run in runs for _ in range(run.rows)]
         job = ShadowJob(candidate, comparison, live.predictor.labels, rows, live_ms, images, (),
-                        time.monotonic() + max_age_s)
+                        time.monotonic() + max_age_s, live)
         if tensors:
             if tuple(tensors[0].shape) != tuple(candidate.predictor.manifest.preprocess.input_shape):
                 return job.drop("incompatible")
