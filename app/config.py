@@ -146,8 +146,9 @@ class RolloutSettings(SettingsGroup):
         "X-Client-ID", min_length=1, description="The request header whose value keeps a client on one side of a "
         "canary (hashed, never stored); without it the API key does, else each request is drawn at random.")
     shadow_queue_size: int = Field(
-        64, ge=1, description="Images waiting for their shadow comparison, per live version; past it new shadow "
-        "work is dropped (counted in `visionserve_shadow_dropped_total`).")
+        64, ge=1, description="Images waiting for their shadow comparison, per live version; new shadow work that "
+        "would take the waiting ones past it is dropped (counted in `visionserve_shadow_dropped_total`), one "
+        "request's alone taken whatever its size.")
     shadow_max_age_s: float = Field(
         5.0, gt=0, description="Shadow work not run within this many seconds of its live answer is dropped.")
 
