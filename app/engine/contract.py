@@ -349,6 +349,7 @@ class Lifecycle:
         # its engine reached) until its drain. A replacement worker leaves new connections to the workers that have
         # one (app/hosting/worker.py); None: no file (an engine process, a test's app).
         self.ready_mark: Path | None = None
+        self._mark_unwritten = False  # the last try to write the ready mark failed (warned of once)
 
     @property
     def draining(self) -> bool:
@@ -356,25 +357,54 @@ class Lifecycle:
         return self._draining.is_set()
 
     def begin_drain(self) -> None:
-        """Turn readiness off so load balancers stop sending; accepted work still completes."""
+        """Turn readiness off so load balancers stop sending; accepted work still completes. Never raises (a worker's
+        SIGTERM handler calls it): a ready mark that cannot be removed (CONTROL_DIR read-only) is warned of."""
         self._draining.set()
-        if self.ready_mark is not None:
-            self.ready_mark.unlink(missing_ok=True)
+        self._remove_ready_mark()
         self._drain_begun()
+
+    def _remove_ready_mark(self) -> None:
+        if self.ready_mark is None:
+            return
+        try:
+            self.ready_mark.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("could not remove the ready mark %s: %s; this worker drains all the same (the other workers "
+                        "take it for one that serves until it exits)", self.ready_mark, exc)
 
     def _serving_now(self) -> None:
         """The first models serve (or the engine was reached): the ready mark made, unless a drain began (one that
         began meanwhile takes it away again). A mark that cannot be written leaves this worker serving: the others
-        then hold back new connections a little longer (until they serve), readiness waits for it in process mode."""
+        then hold back new connections longer (until they serve), readiness waits for it in process mode, and
+        ``_keep_ready_mark`` writes it again. The first failure is warned of, the next ones until a write succeeds
+        are at debug."""
         if self.ready_mark is None or self.draining:
             return
         try:
             self.ready_mark.touch()
         except OSError as exc:
-            log.warning("could not write the ready mark %s: %s", self.ready_mark, exc)
+            log.log(logging.DEBUG if self._mark_unwritten else logging.WARNING, "could not write the ready mark %s: %s "
+                    "(tried again while this worker serves)", self.ready_mark, exc)
+            self._mark_unwritten = True
             return
+        if self._mark_unwritten:
+            log.info("wrote the ready mark %s", self.ready_mark)
+            self._mark_unwritten = False
         if self.draining:  # began between the look and the touch: its unlink may have come first
-            self.ready_mark.unlink(missing_ok=True)
+            self._remove_ready_mark()
+
+    def _keep_ready_mark(self) -> None:
+        """The ready mark written again where it is missing while this process serves and is not draining (a write
+        that failed: CONTROL_DIR full during a HUP). Called on a path that follows this process's state anyway (the
+        engine's reports, the link's watch of its engine); a stat when the mark is there. Never raises."""
+        if self.ready_mark is None or not self._started.is_set() or self.draining:
+            return
+        try:
+            missing = not self.ready_mark.exists()
+        except OSError:  # the directory cannot be looked into: the touch says why
+            missing = True
+        if missing:
+            self._serving_now()
 
     def _drain_begun(self) -> None:
         """What else a drain turns off (a gauge)."""

@@ -43,7 +43,7 @@ class Service(Lifecycle):
     def __init__(self, settings: Settings, source: Source) -> None:
         super().__init__()
         self.settings = settings
-        self.controller = VersionsController(settings, source, on_report=self._update_ready_gauge)
+        self.controller = VersionsController(settings, source, on_report=self._reported)
         self.catalog = Catalog(settings, self.controller, self.wait_loaded)
         self._routes = self.controller.routes  # what serves now: the routing table
         self._loader: threading.Thread | None = None
@@ -82,6 +82,12 @@ class Service(Lifecycle):
         service._loader = threading.Thread(target=run, name="model-loader", daemon=True)
         service._loader.start()
         return service
+
+    def _reported(self) -> None:
+        """Each report of this process (every EVIDENCE_S on the follow thread, and after each change): its ready
+        mark written again if a write failed (``Lifecycle._keep_ready_mark``), and the ready gauge."""
+        self._keep_ready_mark()
+        self._update_ready_gauge()
 
     def _update_ready_gauge(self) -> bool:
         """Readiness now (``ready``), set in the ready gauge too; once the first models serve, the batcher gauge

@@ -14,13 +14,15 @@ requests get 503 ``not_ready``.
 
 Readiness is the server's, not this worker's alone: ready once the engine is ready, this worker is not draining,
 and every worker of the server reached the engine (each marks ``http-<pid>.ready`` in CONTROL_DIR; the master
-removes a dead worker's mark), so after the first 200 of ``/readyz`` no worker answers ``not_ready``.
+removes a dead worker's mark), so after the first 200 of ``/readyz`` no worker answers ``not_ready``. A mark that
+could not be written (CONTROL_DIR full) is written again every WATCH_S while the engine lives.
 
 The gauges ``visionserve_ready`` and ``visionserve_batcher_alive`` read 0 in every process from its import, and
 /metrics reads their lowest over the live processes, the engines' included: a worker sets its own part, 1 while it
-reaches a ready engine (it has no inference thread of its own), ready 0 again from its drain. A dead engine's own
-values go with it (the master marks it dead), so the worker's part follows its link (``_follow_engine``): 0 from the
-engine process's end, which a pidfd of it says at once, until its restart is ready.
+reaches a ready engine (it has no inference thread of its own), ready 0 while a worker's mark is missing (as
+``/readyz`` says: each reading of ``ready`` sets it, and so does the watch every WATCH_S) and again from its drain.
+A dead engine's own values go with it (the master marks it dead), so the worker's part follows its link
+(``_follow_engine``): 0 from the engine process's end, which a pidfd of it says at once, until its restart is ready.
 """
 from __future__ import annotations
 
@@ -62,7 +64,7 @@ SIGNATURE_TIMEOUT_S = 5.0  # a signature is a routing-table read: an engine sile
 CATALOG_GRACE_S = 10.0  # beyond a catalog call's waits (REPOSITORY_SYNC_TIMEOUT_S; a change's twice: _ask)
 STATE_TTL_S = 0.2  # readiness asked of the engine at most this often
 WAIT_S = 0.1  # while starting or restarting, how often to look for the engine
-WATCH_S = 5.0  # how often the wait for the engine process's end looks whether this worker is stopping
+WATCH_S = 5.0  # how often the wait for the engine process's end looks whether this worker stops, and at its mark
 
 
 def _as_service_error(exc: BaseException) -> ServiceError:
@@ -302,25 +304,41 @@ class RemoteService(Lifecycle):
         except ProcessLookupError:
             return
         except (AttributeError, OSError):  # no pidfd here (not Linux, or a kernel before 5.3)
+            looked = time.monotonic()
             while control.process_alive(pid) and not self._stopped.wait(WAIT_S):
-                pass
+                if time.monotonic() - looked >= WATCH_S:
+                    looked = time.monotonic()
+                    self._engine_serves()
             return
         try:
             poller = select.poll()
             poller.register(exited, select.POLLIN)
             while not poller.poll(WATCH_S * 1000) and not self._stopped.is_set():
-                pass
+                self._engine_serves()
         finally:
             os.close(exited)
 
+    def _engine_serves(self) -> None:
+        """Every WATCH_S while the engine that answered last lives: this worker's ready mark written again if a
+        write failed (``Lifecycle._keep_ready_mark``), and its part of the gauges as the marks are now."""
+        self._keep_ready_mark()
+        self._show_engine(True)
+
     def _show_engine(self, reached: bool) -> None:
         """This worker's part of the ready and batcher_alive gauges: 1 while it reaches a ready engine (it has no
-        inference thread here: whether the engine's runs is the engine's own gauge), else 0; ready 0 once
-        draining."""
+        inference thread here: whether the engine's runs is the engine's own gauge), else 0; ready 0 too while a
+        worker's ready mark is missing (``/readyz`` answers 503 then) and once draining."""
         BATCHER_ALIVE.set(int(reached))
-        READY.set(int(reached))
+        READY.set(int(reached and self._every_worker_marked()))
         if reached and self.draining:  # a drain that began meanwhile set 0 before this
             READY.set(0)
+
+    def _every_worker_marked(self) -> bool:
+        """Every worker of the server reached the engine: as many live workers' ready marks as WORKERS."""
+        try:
+            return len(control.ready_workers(self.control_dir)) >= (self.settings.workers or 1)
+        except OSError:  # the directory cannot be read: no worker can be told to serve
+            return False
 
     # -- exchanges with the engine ---------------------------------------------------------------------------------
 
@@ -452,12 +470,15 @@ class RemoteService(Lifecycle):
 
     @property
     def ready(self) -> bool:
-        """The engine is ready, this worker is not draining, and every worker of the server reached the engine."""
+        """The engine is ready, this worker is not draining, and every worker of the server reached the engine. Each
+        reading once this worker reached its engine sets its part of the ready gauge too, so /metrics says what
+        /readyz, which reads this, answers."""
         if not self._started.is_set() or self.draining:
             return False
         state = self._engine_state()
-        return state is not None and state.ready and len(control.ready_workers(self.control_dir)) >= (
-            self.settings.workers or 1)
+        ready = state is not None and state.ready and self._every_worker_marked()
+        READY.set(int(ready and not self.draining))
+        return ready
 
     def _drain_begun(self) -> None:
         READY.set(0)
