@@ -1,6 +1,6 @@
 """A CONTROL_DIR that cannot be written (read-only: EROFS, or full: ENOSPC), simulated by making the one write that
 fails raise: a worker told to stop drains all the same, a load or unload call whose change cannot be written
-changes nothing in any worker and answers 503 saying why, and a ready mark that could not be written is written
+(or a promotion, or a rollback) changes nothing in any worker and answers 503 saying why, and a ready mark that could not be written is written
 again once it can (while readiness and its gauge agree meanwhile)."""
 from __future__ import annotations
 
@@ -149,6 +149,25 @@ def test_an_unload_call_that_cannot_write_the_desired_state_changes_nothing_and_
     answer = shared_client.post("/v2/repository/models/colour/unload")
     assert answer.status_code == 503 and "nothing was changed" in answer.get_json()["error"]
     assert _answered_by(shared_client) == "2"
+
+
+@pytest.mark.parametrize("action", ["promote", "rollback"])
+def test_a_promotion_or_rollback_that_cannot_be_written_changes_nothing_and_answers_503(
+        shared: Settings, two_versions: FakeRepository, monkeypatch: pytest.MonkeyPatch, action: str) -> None:
+    # Before: applied here, then the write raised: 500, and this worker served the promoted default alone.
+    two_versions.policies["colour"] = {"rollout": {"shadow_percent": 100}}  # 1 the default, 2 its candidate
+    app = create_app(shared, source=two_versions)  # type: ignore[arg-type]
+    client = app.test_client()
+    try:
+        if action == "rollback":  # 2 promoted first: rolling it back puts 1 back
+            assert client.post("/v1/models/colour/promote").status_code == 200
+        before = _answered_by(client)
+        _unwritable_state(monkeypatch, errno.EROFS)
+        answer = client.post(f"/v1/models/colour/{action}")
+        assert answer.status_code == 503 and "nothing was changed" in answer.get_json()["error"]["message"]
+        assert _answered_by(client) == before
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 
 
 def test_a_change_written_whose_report_fails_is_kept_and_said_so(

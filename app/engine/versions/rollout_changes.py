@@ -17,6 +17,7 @@ from app.engine.rollouts.plan import promoted, rolled_back
 from app.engine.rollouts.policy import order_key
 from app.engine.rollouts.rules import has_rules, judge, roles_of, summary
 from app.engine.versions.apply import Applier
+from app.engine.versions.change_write import apply_and_write
 from app.engine.versions.sync import WorkerSync
 from app.errors import Conflict, NotFound, ServiceError
 from app.metrics import ROLLOUT_CHANGES
@@ -92,11 +93,10 @@ class RolloutChanges:
 
     def _change(self, name: str, entry: ModelEntry, action: str, version: str, why: str,
                 read: dict[str, ModelEntry] | None = None) -> tuple[int, ModelEntry]:
-        """A promotion, rollback or settled watch of ``name``: applied here, written, logged as one JSON line.
-        The caller holds the change lock."""
+        """A promotion, rollback or settled watch of ``name``: applied here, written (``apply_and_write``: put back,
+        503, where CONTROL_DIR cannot be written), logged as one JSON line. The caller holds the change lock."""
         new = self._changed_entry(name, entry, action, version)
-        self.applier.apply(name, new)
-        generation, complete = self.sync.write({name: new}, read=read)
+        generation, complete = apply_and_write(self.applier, self.sync, name, new, read=read)
         if complete:
             ROLLOUT_CHANGES.labels(name, action).inc()
             log.info("%s %s: version %s -> %s, %s", name, action, entry["default"], new["default"], why,

@@ -23,22 +23,20 @@ import json
 import logging
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from app.config import Settings
-from app.engine.contract import not_ready
 from app.engine.rollouts.entry import UNLOADED, ModelEntry
 from app.engine.rollouts.evidence import traffic_p99_ms
 from app.engine.rollouts.plan import RolloutPolicy, plan
 from app.engine.rollouts.policy import PolicyError, VersionPolicy, VersionsMissing
 from app.engine.versions.apply import Applier
+from app.engine.versions.change_write import apply_and_write
 from app.engine.versions.desired import WATCH_S
 from app.engine.versions.rollout_changes import RolloutChanges
-from app.engine.versions.routing import Candidate
 from app.engine.versions.sources import Source
 from app.engine.versions.sync import WorkerSync
-from app.errors import BadRequest, InsufficientMemory, LoadFailed, NotFound, NotReady, ServiceError
+from app.errors import BadRequest, InsufficientMemory, LoadFailed, NotFound, ServiceError
 from models.export.checks import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -110,7 +108,7 @@ class Writers:
             entry = self._wanted(name, config, kept)
             if not entry["versions"]:  # every version refused: applied, this entry would unload the model
                 raise self._nothing_loadable(name)
-            generation = self._apply_and_write(name, entry)
+            generation, _ = apply_and_write(self.applier, self.sync, name, entry)
         self.sync.wait_for_workers(generation, name)
 
     def _nothing_loadable(self, name: str) -> LoadFailed:
@@ -150,57 +148,8 @@ class Writers:
         with self.applier.changing(start_within_s):
             if name not in self.applier.routes.routes() and name not in self.source.models():
                 raise NotFound(f"no model {name!r} is loaded or in the repository")
-            generation = self._apply_and_write(name, UNLOADED)
+            generation, _ = apply_and_write(self.applier, self.sync, name, UNLOADED)
         self.sync.wait_for_workers(generation, name)
-
-    def _apply_and_write(self, name: str, entry: ModelEntry) -> int:
-        """A call's change of ``name`` to ``entry``: applied here, then written for the other workers; returns its
-        generation. A CONTROL_DIR that cannot be written (read-only, full) puts back what this worker served of
-        ``name`` and is NotReady (503 with Retry-After) naming the directory and the error: as after a refusal, no
-        worker changed. The caller holds the change lock."""
-        generation_before, desired_before = self.sync.read()
-        served_before = self._served_entry(name, desired_before.get(name))
-        why_before = self.applier.not_served.get(name)
-        self.applier.apply(name, entry)
-        try:
-            generation, _ = self.sync.write({name: entry})
-        except OSError as exc:
-            generation_after, desired_after = self.sync.read()
-            # Written, then this worker's report failed: the other workers follow it, so this worker keeps it.
-            written = generation_after > generation_before and desired_after.get(name) != desired_before.get(name)
-            if not written:
-                self._put_back(name, served_before, why_before)
-            raise _control_dir_unwritable(self.settings.control_dir, exc, written) from None
-        return generation
-
-    def _served_entry(self, name: str, desired: ModelEntry | None) -> ModelEntry:
-        """What this worker serves of ``name`` as an entry to apply: ``desired`` (its entry in the desired state)
-        when the routing table serves exactly that, else the table's versions, default and candidate."""
-        versions, default = self.applier.routes.routes().get(name, ([], None))
-        if not versions:
-            return UNLOADED
-        candidate = self.applier.routes.candidate(name)
-        served: ModelEntry = {"versions": [loaded.version for loaded in versions], "default": default}
-        if candidate is not None:
-            served["rollout"] = {"candidate": candidate.version, "canary_percent": candidate.canary_percent,
-                                 "shadow_percent": candidate.shadow_percent}
-        if desired is not None and set(desired["versions"]) == set(served["versions"]) \
-                and desired["default"] == default and Candidate.from_entry(desired) == candidate:
-            return desired
-        return served
-
-    def _put_back(self, name: str, served_before: ModelEntry, why_before: str | None) -> None:
-        """``name`` served here as before a change that could not be written (``_served_entry``), with the reason
-        this worker's report gave for it, if any."""
-        try:
-            self.applier.apply(name, served_before)
-        except ServiceError as exc:
-            log.error("%s: the change could not be written and what served before cannot serve again: %s; this "
-                      "worker serves versions %s", name, exc.message,
-                      ", ".join(self.applier.serving().get(name, UNLOADED)["versions"]) or "none")
-            return
-        if why_before is not None:
-            self.applier.not_served[name] = why_before
 
     def poll(self) -> None:
         """The repository poll: each followed model as its policy (and a load call's config, while its policy.json
@@ -421,15 +370,6 @@ def _named_refused(name: str, refused: dict[str, str]) -> LoadFailed:
     return LoadFailed(f"model {name!r}: its policy names {'versions' if len(refused) > 1 else 'version'} "
                       f"{', '.join(refused)}, refused ({said}); fix its files, or name another version",
                       details={"model": name, "refused": refused})
-
-
-def _control_dir_unwritable(control_dir: Path | None, exc: OSError, written: bool) -> NotReady:
-    """The 503 (with Retry-After) of a call whose change could not be written into ``control_dir`` (``exc``: it is
-    read-only, full); ``written``: the change was written, this worker's report of it was not."""
-    what = ("the change was written for the other workers, but not this worker's report of it" if written
-            else "nothing was changed in any worker")
-    return not_ready(f"the control directory {control_dir} cannot be written ({exc.strerror or exc}): {what}; try "
-                     "again once it is writable and has room")
 
 
 def _about_the_model(exc: ServiceError) -> bool:
