@@ -322,14 +322,14 @@ class RemoteService(Lifecycle):
         """Every WATCH_S while the engine that answered last lives: this worker's ready mark written again if a
         write failed (``Lifecycle._keep_ready_mark``), and its part of the gauges as the marks are now."""
         self._keep_ready_mark()
-        self._show_engine(True)
+        self.ready  # noqa: B018 - its reading sets this worker's part of the ready gauge as the marks are now
 
     def _show_engine(self, reached: bool) -> None:
         """This worker's part of the ready and batcher_alive gauges: 1 while it reaches a ready engine (it has no
-        inference thread here: whether the engine's runs is the engine's own gauge), else 0; ready 0 too while a
-        worker's ready mark is missing (``/readyz`` answers 503 then) and once draining."""
+        inference thread here: whether the engine's runs is the engine's own gauge), else 0; ready 0 once draining,
+        and while a worker's ready mark is missing as each reading of ``ready`` finds (``/readyz`` answers 503)."""
         BATCHER_ALIVE.set(int(reached))
-        READY.set(int(reached and self._every_worker_marked()))
+        READY.set(int(reached))
         if reached and self.draining:  # a drain that began meanwhile set 0 before this
             READY.set(0)
 

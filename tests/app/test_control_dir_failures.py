@@ -244,7 +244,7 @@ def test_an_http_worker_writes_its_ready_mark_again_and_its_gauge_says_what_read
     worker = RemoteService.start(settings.model_copy(update={"control_dir": control_dir}), 0, errors.append)
     try:
         wait_until(lambda: worker._started.is_set() and REGISTRY.get_sample_value("visionserve_batcher_alive") == 1)
-        assert _ready_gauge() == 0.0 and not worker.ready  # /readyz says 503: so does the gauge
+        assert not worker.ready and _ready_gauge() == 0.0  # /readyz says 503: so does the gauge its reading sets
         space(False)  # space freed
         wait_until(lambda: _ready_gauge() == 1.0)  # the link's watch of its engine, with no /readyz asked
         assert mark.exists() and worker.ready and not errors
