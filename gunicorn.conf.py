@@ -113,6 +113,7 @@ def on_starting(server) -> None:  # noqa: ANN001
             server.log.warning("visionserve: %d of %d engines get no HTTP worker (worker n talks to engine n mod %d): "
                                "set VISIONSERVE_WORKERS to at least %d", unserved, _engines, _engines, _engines)
         supervisor.reap_engines_first(server)  # an engine's exit status is its watcher's to log, not lost to gunicorn
+        _halt_when_an_engine_fails(server)
         supervisor.start_engines(_engines, Path(os.environ["VISIONSERVE_CONTROL_DIR"]),
                                  _forget)
 
@@ -156,6 +157,21 @@ def _halt_once(server) -> None:  # noqa: ANN001
         stop(graceful)
 
     server.reap_workers, server.stop = reap_workers, stop_reaping_quietly
+
+
+def _halt_when_an_engine_fails(server) -> None:  # noqa: ANN001
+    """Make the SIGTERM an engine's watcher sends the master when the engine cannot serve after a restart
+    (app/link/supervisor.py) halt it as a worker's boot error does: status 3 and the engine's reason. A plain stop
+    exits 0, which systemd's Restart=on-failure, compose's on-failure and a Job take for a clean end."""
+    handle_term = server.handle_term
+
+    def handle_term_or_halt() -> None:
+        reason = supervisor.failure()
+        if reason is not None:
+            raise HaltServer(reason, server.WORKER_BOOT_ERROR)
+        handle_term()
+
+    server.handle_term = handle_term_or_halt
 
 
 def _forget(pid: int) -> None:

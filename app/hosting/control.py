@@ -2,7 +2,8 @@
 the engine processes. Every name in it is made here and nowhere else:
 
 - ``desired.json`` and ``lock``: the desired state and its file lock (app/engine/versions/desired.py);
-- ``worker-<pid>.json``: what each process that serves models reports (an inline worker, or an engine);
+- ``worker-<pid>.json``: what each process that serves models reports (an inline worker, or an engine), with the
+  process's start time (``start_time``): a later process given the same pid is not taken for it;
 - ``engine-<slot>.sock``: where engine ``slot`` listens; ``engine-<slot>.failed``: why it cannot serve;
 - ``loads-<device>.lock``: held by the process loading a version onto that GPU, from its memory check until the
   version has warmed up (app/engine/versions/memory.py: two engines, or inline workers, of one GPU each saw the
@@ -23,12 +24,14 @@ LOCK = "lock"
 REPORTS = "worker-*.json"
 READY_MARKS = "http-*.ready"
 # What the engines and the HTTP workers leave behind (a master starting on a kept directory clears them).
-STALE_AT_START = ("engine-*.failed", "engine-*.sock", READY_MARKS)
+STALE_AT_START = ("engine-*.failed", "engine-*.sock", READY_MARKS, REPORTS)
+_HAS_PROC = Path("/proc/self/status").exists()  # Linux: a pid's process is looked up there (``process_alive``)
 
 
 def clear_stale(control_dir: Path) -> None:
     """What an earlier server left in a kept CONTROL_DIR (``STALE_AT_START``): removed before this one starts (a
-    killed worker's ready mark could otherwise name a live process of this start, pids being reused)."""
+    killed worker's ready mark or report could otherwise name a live process of this start, pids being reused: its
+    report a worker that every load and unload call waits for, in vain)."""
     for pattern in STALE_AT_START:
         for stale in control_dir.glob(pattern):
             stale.unlink(missing_ok=True)
@@ -81,8 +84,33 @@ def ready_workers(control_dir: Path) -> list[int]:
     return sorted(pid for pid in pids if pid is not None and process_alive(pid))
 
 
-def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (a zombie counts until its parent reaps it)."""
+def process_alive(pid: int, started: int | None = None) -> bool:
+    """Whether process ``pid`` exists (a zombie counts until its parent reaps it): a process, not a thread of one
+    (a thread's id answers a signal too), and, given ``started`` (``start_time``), the one that started then, not a
+    later process given the same pid. Without /proc (not Linux): whether anything answers to the pid."""
+    if pid <= 0:  # 0 and -1 would signal a process group, or every process
+        return False
+    try:
+        status = Path(f"/proc/{pid}/status").read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return not _HAS_PROC and _answers_signal(pid)
+    except OSError:
+        return _answers_signal(pid)
+    group = next((line.split()[1] for line in status.splitlines() if line.startswith("Tgid:")), None)
+    return group == str(pid) and (started is None or start_time(pid) == started)
+
+
+def start_time(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks after boot (/proc/<pid>/stat's field 22); None when /proc does
+    not say."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()
+        return int(fields[19])  # after the command name: state is field 3, so field 22 is index 19
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _answers_signal(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -90,3 +118,4 @@ def process_alive(pid: int) -> bool:
     except PermissionError:  # it exists, under another user
         return True
     return True
+

@@ -3,7 +3,9 @@
 gunicorn alone stops accepting at SIGTERM but closes its listener only after the requests in flight finish:
 connections arriving meanwhile wait unanswered in the listen backlog, and the kernel resets them when the listener
 closes (24 of 96 requests in a burst, measured). Here readiness turns off at once and the worker keeps accepting
-for ``shutdown_drain_s`` and until the requests it holds are answered (new ones get 503 with Connection: close).
+for ``shutdown_drain_s`` and until the requests it holds are answered (new ones get 503 with Connection: close),
+while no other worker serves: one that does (a HUP's new worker, the others when one worker is told to stop) gets
+the new connections instead (``worker.draining``, app/hosting/worker.py); a whole-server stop drains every worker.
 Then, on the worker's own event-loop thread, it accepts whatever is still queued (each gets its 503), closes its
 listeners in the same step, so a later connect is refused (never sent, safe to retry elsewhere), and hands over to
 gunicorn's graceful stop. A second SIGTERM changes nothing (a signal to the whole process group reaches the
@@ -24,8 +26,8 @@ from typing import Any, Callable
 
 
 def _accept_queued_then_close(worker: Any) -> None:
-    """On the worker's loop thread: take every connection already in the backlog, then close the listeners. A worker
-    holding back new connections for a worker that still serves (app/hosting/worker.py) leaves the backlog to it."""
+    """On the worker's loop thread: take every connection already in the backlog, then close the listeners. While
+    another worker still serves (app/hosting/worker.py's ``leaves_backlog``), the backlog is left to it."""
     worker.set_accept_enabled(False)
     leaves_backlog = getattr(worker, "leaves_backlog", lambda: False)()
     for listener in worker.sockets:
@@ -67,6 +69,7 @@ def install(worker: Any, service_of: Callable[[Any], Any], drain_s: float, limit
         if service.draining:  # a second SIGTERM (the master's, after one sent to the whole process group)
             return
         service.begin_drain()
+        worker.draining = True  # a worker that serves takes its new connections (app/hosting/worker.py)
         threading.Thread(target=drain_then_stop, args=(service,), name="drain", daemon=True).start()
 
     signal.signal(signal.SIGTERM, on_term)

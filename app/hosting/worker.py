@@ -19,10 +19,11 @@ closes a connection its answer called kept alive: a 503 refusing a photo while t
 by a reset of the client's next request).
 
 Under ENGINE=process a request read whole runs on the loop itself, as a greenlet, not on a thread
-(app/hosting/loop_requests.py, ``LOOP_REQUESTS``). Every answer is written without blocking (``ClientSocket``): a
-client that stops reading holds its connection, and after ``answer_timeout_s`` without progress loses it; a
-connection closed after its answer lingers for the client's end on the loop (``close_gracefully``), not in a
-blocking read.
+(app/hosting/loop_requests.py, ``LOOP_REQUESTS``). Every answer is written without blocking (``ClientSocket``): what
+the client does not take at once, a loop request waits for on the loop and a request thread leaves to the loop to
+write (``finish_request``), the thread going on; a client that stops reading holds its connection, and after
+``answer_timeout_s`` without progress loses it. A connection closed after its answer lingers for the client's end
+on the loop (``close_gracefully``), not in a blocking read.
 
 ``NoAccessLog`` is gunicorn's logger without its access line: the app writes one structured line per request.
 
@@ -38,6 +39,7 @@ import json
 import logging
 import os
 import re
+import resource
 import select
 import selectors
 import socket
@@ -67,6 +69,20 @@ HELD_PIECE = 64 * 1024  # what a read of "the next chunk" (the header parser's) 
 CLOSE_LINGER_S = 2.0  # a connection's graceful close reads what the client still sends for this long at most
 CLOSE_DRAIN_BYTES = 64 * 1024  # and this much at most (gunicorn's close_graceful, on the loop without blocking)
 EMPTY_LINES = re.compile(rb"(?:\r\n)+")  # what may come before a request line (RFC 9112 2.2), skipped
+# accept(2)'s errors that end one connection before it was taken (Linux passes a pending network error on as accept's;
+# EPERM: a firewall refused it): the listener is asked again for the next one
+ACCEPT_GONE = frozenset(getattr(errno, name) for name in (
+    "EAGAIN", "EWOULDBLOCK", "ECONNABORTED", "EINTR", "EPROTO", "EPERM", "ENETDOWN", "ENETUNREACH", "ENOPROTOOPT",
+    "EHOSTDOWN", "EHOSTUNREACH", "EOPNOTSUPP", "ENONET") if hasattr(errno, name))
+# and those that say there is no room for one more connection now (the open-file limit, the system's, memory)
+ACCEPT_NO_ROOM = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM))
+HELD_ANSWER_BYTES = 16 << 20  # the most of an answer a request thread leaves to the loop to write (the rest of one
+# the app made whole is held anyway; one streamed in pieces beyond this, the thread writes as the client reads it)
+ACCEPT_PAUSE_S = 0.1  # out of file descriptors: new connections wait in the listen backlog this long, the loop
+# serving the open ones, before it accepts again (as the engine's loop, app/link/loop.py)
+ACCEPT_WARN_EVERY_S = 60.0  # the warning that it paused, at most this often
+OWN_FILES = 64  # what a worker opens beside its clients' connections (its listeners, poller and pipes, metrics files,
+# its engine connections beyond THREADS): 10 measured in an idle inline worker, with room
 
 log = logging.getLogger("visionserve.access")
 
@@ -274,15 +290,46 @@ class NoAccessLog(Logger):
 
 class ClientSocket(socket.socket):
     """A client's connection, whose answer is written without blocking (``sendall``): the part the socket's buffer
-    takes at once, then the rest as the client reads it, waiting by ``waiting.wait_for`` (a loop request hands the
-    wait to the loop; a request thread polls), at most ``answer_timeout_s`` without progress."""
+    takes at once, then the rest as the client reads it. A request thread's rest is held (``unsent``) and the thread
+    goes on: once it is done with the connection, the worker's loop writes it (``BufferingWorker.finish_request``),
+    so a client that stops reading holds its connection, not a thread; beyond HELD_ANSWER_BYTES (an answer streamed
+    in pieces) the thread writes what it holds itself. A loop request hands its wait to the loop; a socket no
+    worker's loop writes for (``loop_writes`` off) waits by polling. Either way at most ``answer_timeout_s`` without
+    progress."""
 
-    __slots__ = ("answer_timeout_s", "body_held")
+    __slots__ = ("answer_timeout_s", "body_held", "loop_writes", "unsent")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.answer_timeout_s, self.body_held = ReadLimits.answer_timeout_s, False
+        self.loop_writes = False  # a request thread leaves the rest of its answer to the worker's loop
+        self.unsent: bytearray | None = None  # that rest, until the loop has written it
 
     def sendall(self, data: Any, flags: int = 0) -> None:  # type: ignore[override]
         if self.gettimeout():  # a body read from the socket had one (app/web/hooks.py): Python would poll before a
             self.settimeout(None)  # send for that long, whatever its flags, then raise instead of waiting here
         view = memoryview(data).cast("B")
+        unsent = self.unsent
+        if unsent is not None:  # behind what is held already, in order
+            if len(unsent) + len(view) <= HELD_ANSWER_BYTES:
+                unsent += view
+                return
+            self.unsent = None  # a streamed answer beyond what is held: written here, as the client reads it
+            self._send_waiting(memoryview(unsent), flags)
+        while view:
+            try:
+                sent = self.send(view, flags | socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                if self.loop_writes and waiting.on_loop() is None:  # a request thread: the loop writes the rest
+                    self.unsent = bytearray(view)
+                    return
+                self._send_waiting(view, flags)
+                return
+            view = view[sent:]
+
+    def _send_waiting(self, view: memoryview, flags: int) -> None:
+        """``view`` written as the client reads it, waiting by ``waiting.wait_for`` (a loop request hands the wait
+        to the loop; a thread polls), ``answer_timeout_s`` at most without progress."""
         while view:
             try:
                 sent = self.send(view, flags | socket.MSG_DONTWAIT)
@@ -295,13 +342,19 @@ class ClientSocket(socket.socket):
     def _leave(self) -> None:
         """A client that took none of its answer for ``answer_timeout_s``: its connection ends (gunicorn closes it
         on the broken pipe, quietly; this says why)."""
-        message = f"the client took none of its answer for {self.answer_timeout_s:g}s: its connection is closed"
-        logging.getLogger(__name__).info(message)
+        message = self.left()
         try:
             self.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         raise BrokenPipeError(errno.EPIPE, message)
+
+    def left(self) -> str:
+        """Say in the log that the client took none of its answer for ``answer_timeout_s`` (its connection ends);
+        the line."""
+        message = f"the client took none of its answer for {self.answer_timeout_s:g}s: its connection is closed"
+        logging.getLogger(__name__).info(message)
+        return message
 
     def sendfile(self, file: Any, offset: int = 0, count: int | None = None) -> int:
         """A file's bytes (the demo page's) through ``sendall``, a piece at a time: never a blocking write."""
@@ -330,6 +383,16 @@ class ClientConn(TConn):
 
 
 @dataclass(eq=False)
+class Writing:
+    """A connection whose request thread left the rest of its answer (``ClientSocket.unsent``) to the loop: written
+    as the client reads it, then settled as the thread left it (``outcome``: its ``handle``'s)."""
+    conn: TConn
+    outcome: Any  # the request thread's future
+    last_progress: float
+    sent: int = 0  # how much of the rest went
+
+
+@dataclass(eq=False)
 class Closing:
     """A connection half-closed after its last answer: read until the client closes its end, CLOSE_DRAIN_BYTES
     have come or CLOSE_LINGER_S has passed, then closed (RFC 9112 9.6: no reset that would cut the answer short)."""
@@ -344,21 +407,44 @@ class BufferingWorker(LoopRequests, ThreadWorker):
     limits = ReadLimits()
     control_dir: Path | None = None  # CONTROL_DIR (gunicorn.conf.py's post_fork): the workers' ready marks
     loop_requests = False  # LOOP_REQUESTS under ENGINE=process (gunicorn.conf.py's post_fork)
+    accept_paused_until = 0.0  # out of file descriptors: no accept before then (time.monotonic())
+    accept_warned_at = -ACCEPT_WARN_EVERY_S  # when the last pause was said in the log
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.reading: set[Reading] = set()
         self.held_back = False  # new connections left to the workers that serve (said once in the log)
+        self.draining = False  # its drain began (app/hosting/drain.py): it takes new connections only if none serves
         self.closing: set[Closing] = set()  # connections half-closed after their last answer
+        self.writing: set[Writing] = set()  # connections whose answer's rest the loop writes
         self.init_loop_requests()
 
     def init_process(self) -> None:
         """The loop's greenlet noted (app/hosting/loop_requests.py) and, with ``loop_requests``, every wait of a
-        request on it handed to it; then gthread's start (which runs the loop)."""
+        request on it handed to it; MAX_CONNECTIONS fitted to the open-file limit; then gthread's start (which runs
+        the loop)."""
         self.loop_greenlet = getcurrent()
         if self.loop_requests:
             waiting.wait_on(self)
+        self._fit_connections_to_file_limit()
         super().init_process()
+
+    def _fit_connections_to_file_limit(self) -> None:
+        """MAX_CONNECTIONS (gunicorn's worker_connections) with this worker's own files, within its open-file limit
+        (``raise_file_limit``); where even the hard limit is below, it takes fewer connections at once, keeping room
+        for its own files (a report, a metrics file, an engine connection), and says so. Past the limit accept fails
+        (EMFILE), which pauses accepting (``_pause_accepting``)."""
+        own = self.cfg.threads + OWN_FILES
+        limit = raise_file_limit(self.worker_connections + own)
+        if limit == resource.RLIM_INFINITY or limit >= self.worker_connections + own:
+            return
+        fitted = max(limit - own, 1)
+        self.log.warning("worker %d may open %d files (ulimit -n), below the %d that MAX_CONNECTIONS=%d and its own "
+                         "files need: it takes %d connections at once, the rest wait in the listen backlog; raise "
+                         "the hard limit (LimitNOFILE, docker run --ulimit nofile) or lower MAX_CONNECTIONS",
+                         os.getpid(), limit, self.worker_connections + own, self.worker_connections, fitted)
+        self.worker_connections = fitted
+        self.max_keepalived = min(self.max_keepalived, fitted - self.cfg.threads)  # gthread's room for active ones
 
     def enqueue_req(self, conn: TConn) -> None:
         """A request the loop read whole runs on the loop itself (``loop_requests``: ``run_on_loop``); any other (a
@@ -370,51 +456,94 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         super().enqueue_req(conn)
 
     def set_accept_enabled(self, enabled: bool) -> None:
-        """gthread's, but a worker that does not serve yet (a killed one's replacement, importing the app and
-        loading or reaching its models) takes no new connection while another worker serves: they wait in the
-        shared listen backlog for a worker that answers them, instead of a 503 from this one. gthread's loop asks
-        again each turn (a second apart at most) until it serves. A server starting (no worker serves) takes them
-        all, each worker answering 503 while it loads."""
+        """gthread's, but a worker that does not serve (a killed one's replacement, importing the app and loading or
+        reaching its models; or one draining: a HUP's old worker, one told to stop alone) takes no new connection
+        while another worker serves: they wait in the shared listen backlog for a worker that answers them, instead
+        of a 503 from this one. gthread's loop asks again each turn (a second apart at most) until it serves, or no
+        other does. A server starting (no worker serves) takes them all, each worker answering 503 while it loads;
+        so does a server stopping (every worker draining), until each closes its listener. Nor does one while its
+        pause after running out of file descriptors lasts (``_pause_accepting``)."""
+        if enabled and time.monotonic() < self.accept_paused_until:
+            return
         if enabled and self._another_serves_instead():
-            if not self.held_back:
-                self.held_back = True
-                self.log.info("worker %d takes new connections once it serves (another worker serves them)",
-                              os.getpid())
+            self._hold_back()
             return
         if enabled and self.held_back:
             self.held_back = False
-            self.log.info("worker %d serves: taking new connections", os.getpid())
+            if self.draining:
+                self.log.info("worker %d drains and no other worker serves: taking new connections", os.getpid())
+            else:
+                self.log.info("worker %d serves: taking new connections", os.getpid())
         super().set_accept_enabled(enabled)
 
+    def _hold_back(self) -> None:
+        """New connections left in the listen backlog to the workers that serve (said once in the log)."""
+        if not self.held_back:
+            self.held_back = True
+            if self.draining:
+                self.log.info("worker %d drains: new connections go to the workers that serve", os.getpid())
+            else:
+                self.log.info("worker %d takes new connections once it serves (another worker serves them)",
+                              os.getpid())
+        super().set_accept_enabled(False)
+
     def leaves_backlog(self) -> bool:
-        """Whether this worker's drain, at its end, leaves the listen backlog to another: it holds back, and a worker
-        serves still (asked then: when every other one has begun its drain too, this one takes its share, answered,
-        rather than leaving it to be reset when the last listener closes)."""
-        return self.held_back and self._another_serves_instead()
+        """Whether this worker's drain, at its end, leaves the listen backlog to another: a worker serves still
+        (asked then: when every other one has begun its drain too, this one takes its share, answered, rather than
+        leaving it to be reset when the last listener closes)."""
+        return self._another_serves_instead()
 
     def _another_serves_instead(self) -> bool:
-        """This worker does not serve yet and another live one does (CONTROL_DIR's ready marks)."""
+        """This worker does not serve (not yet, or no longer: draining) and another live one does (CONTROL_DIR's
+        ready marks)."""
         return self.control_dir is not None and not control.takes_connections(self.control_dir, os.getpid())
 
     def accept(self, listener: Any) -> None:
         """A new connection waits in the loop for its request (app/hosting/drain.py counts on nr_conns growing by
-        one)."""
+        one). A draining worker takes none while another worker serves: it holds back (``set_accept_enabled``)."""
         if getattr(listener, "sock", listener) is None:
             # Closed by app/hosting/drain.py's last step, which ran earlier in the same poller turn that found it
             # readable (gthread's accept raised here: the worker died and its open connections were reset).
             return
+        if self.draining and self._another_serves_instead():
+            self._hold_back()
+            return
         try:
             accepted, client = listener.accept()
         except OSError as exc:
-            if exc.errno not in (errno.EAGAIN, errno.ECONNABORTED, errno.EWOULDBLOCK):
+            if exc.errno in ACCEPT_NO_ROOM:
+                self._pause_accepting(exc)
+            elif exc.errno not in ACCEPT_GONE:
                 raise
             return
         sock = ClientSocket(accepted.family, accepted.type, accepted.proto, fileno=accepted.detach())
-        sock.answer_timeout_s, sock.body_held = self.limits.answer_timeout_s, False
+        sock.answer_timeout_s, sock.loop_writes = self.limits.answer_timeout_s, True
         self.nr_conns += 1
         conn = ClientConn(self.cfg, sock, client, listener.getsockname())  # non-blocking
         conn.closer = self.close_gracefully
         self._start_reading(conn)
+
+    def _pause_accepting(self, exc: OSError) -> None:
+        """No room for one more connection (EMFILE: the open-file limit; ENFILE, ENOBUFS, ENOMEM): new connections
+        wait in the listen backlog for ACCEPT_PAUSE_S while the loop serves the open ones, instead of the worker's
+        end (gthread's accept raised: every connection it held was reset, and the backlog did the same to its
+        replacement). Said in the log once a minute at most."""
+        now = time.monotonic()
+        if now - self.accept_warned_at >= ACCEPT_WARN_EVERY_S:
+            self.accept_warned_at = now
+            self.log.warning("worker %d cannot accept a connection (%s) with %d open: new connections wait %.0f ms "
+                             "at a time; raise the open-file limit (ulimit -n, LimitNOFILE) or lower "
+                             "MAX_CONNECTIONS", os.getpid(), exc, self.nr_conns, ACCEPT_PAUSE_S * 1000)
+        self.accept_paused_until = now + ACCEPT_PAUSE_S
+        super().set_accept_enabled(False)
+
+    def wait_for_and_dispatch_events(self, timeout: float) -> None:
+        """The loop's turn (app/hosting/loop_requests.py's), ending by the end of a pause of accepting, when gthread's
+        loop asks to accept again."""
+        paused_s = self.accept_paused_until - time.monotonic()
+        if paused_s > 0:
+            timeout = min(timeout, paused_s)
+        super().wait_for_and_dispatch_events(timeout)
 
     def on_client_socket_readable(self, conn: TConn, client: Any) -> None:
         """A kept-alive connection's next request: read in the loop too, at once (its bytes are there), the socket
@@ -506,9 +635,11 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         ``linger_s`` of the answer) instead of handing it back to the loop, which would read the next request and
         hand it to a thread again (the loop woken twice and a thread once, for each request). A request begun and not
         whole by then goes back to the loop (``finish_request``), which reads the rest with its timeouts: a slow client
-        holds this thread ``linger_s`` at most."""
+        holds this thread ``linger_s`` at most. An answer whose rest the client has not taken yet (``unsent``) ends
+        the lingering: the loop writes it, then reads the next request."""
         keepalive = self._handle_one(conn)
-        while keepalive is True and self.alive and self.limits.linger_s > 0 and self.tpool._work_queue.empty():
+        while (keepalive is True and self.alive and self.limits.linger_s > 0 and self.tpool._work_queue.empty()
+               and not getattr(conn.sock, "unsent", None)):  # an answer's rest held: the loop writes it first
             reading = self._next_request(conn)
             if reading is None or reading is False:  # nothing came (kept alive, watched by the loop), or it closed
                 return reading is None
@@ -545,7 +676,11 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         """On the loop, once a request thread is done with the connection: a request begun on it (pipelined behind
         the last answer, or begun while the thread lingered) is read on here and handed to a thread once whole;
         the rest as gthread does (kept alive in the poller, or closed; empty lines held behind the last answer
-        leave it kept alive)."""
+        leave it kept alive). First, the rest of the thread's answer that the client had not taken (``unsent``),
+        written as it reads it (``_write_unsent``)."""
+        if getattr(conn.sock, "unsent", None):
+            self._write_unsent(Writing(conn, fs, time.monotonic()))
+            return
         result = fs.result() if not fs.cancelled() and fs.exception() is None else None
         if result is True and (held := _held(conn)) and (reading := self._new_reading(conn, held)).buffer:
             result = reading
@@ -560,6 +695,38 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         else:
             self._hand_over(result)
             self.enqueue_req(conn)
+
+    def _write_unsent(self, writing: Writing, _sock: Any = None) -> None:
+        """On the loop: what the socket takes now of the rest of the answer, watched for room (EVENT_WRITE) until all
+        of it went, then the connection settled as its thread left it (``finish_request``); a client gone meanwhile
+        closes it, one that takes nothing for ``answer_timeout_s`` too (``murder_pending``)."""
+        conn = writing.conn
+        unsent = conn.sock.unsent
+        try:
+            with memoryview(unsent) as view:
+                while writing.sent < len(view):
+                    writing.sent += conn.sock.send(view[writing.sent:], socket.MSG_DONTWAIT)
+                    writing.last_progress = time.monotonic()
+        except (BlockingIOError, InterruptedError):
+            if writing not in self.writing:
+                self.writing.add(writing)
+                self.poller.register(conn.sock, selectors.EVENT_WRITE, partial(self._write_unsent, writing))
+            return
+        except (OSError, ValueError):  # the client went away (or its socket was closed): the connection ends
+            self._end_writing(writing, gone=True)
+            return
+        self._end_writing(writing)
+        self.finish_request(conn, writing.outcome)
+
+    def _end_writing(self, writing: Writing, gone: bool = False) -> None:
+        """The loop writes no more for ``writing``; ``gone``: its connection closes."""
+        if writing in self.writing:
+            self.writing.discard(writing)
+            self._unwatch(writing.conn.sock)
+        writing.conn.sock.unsent = None
+        if gone:
+            self.nr_conns -= 1
+            writing.conn.close()
 
     def _handle_one(self, conn: TConn) -> Any:
         """In a request thread: give the parser what the loop read, then gthread's own handling."""
@@ -582,12 +749,15 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         return super()._keepalive_after(conn, keepalive)
 
     def murder_pending(self) -> None:
-        """Every loop turn: gthread's own sweep, then the requests that arrive too slowly and the closes that have
-        lingered long enough."""
+        """Every loop turn: gthread's own sweep, then the requests that arrive too slowly, the answers whose client
+        took none of them for ``answer_timeout_s`` and the closes that have lingered long enough."""
         super().murder_pending()
         now = time.monotonic()
         for reading in [r for r in self.reading if self._expired(r, now)]:
             self._time_out(reading, now)
+        for writing in [w for w in self.writing if now - w.last_progress > w.conn.sock.answer_timeout_s]:
+            writing.conn.sock.left()
+            self._end_writing(writing, gone=True)
         for closing in [c for c in self.closing if c.deadline <= now]:
             self._closed(closing)
 
@@ -679,6 +849,19 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         self._forget(reading)
         self.nr_conns -= 1
         reading.conn.close(graceful)
+
+
+def raise_file_limit(needed: int) -> int:
+    """The soft open-file limit (RLIMIT_NOFILE: each client connection is a file) raised to the hard one where it is
+    below ``needed`` (systemd's default soft limit is 1024, below the default MAX_CONNECTIONS and a worker's own
+    files); the soft limit now (RLIM_INFINITY: none)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return soft
+    wanted = needed if hard == resource.RLIM_INFINITY else hard
+    with contextlib.suppress(ValueError, OSError):  # refused: the limit stays, and the caller says so
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 def _body_held(conn: TConn, held: bool) -> None:

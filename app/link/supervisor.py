@@ -12,7 +12,8 @@ after the HTTP workers at shutdown. Standard library only: it runs in the master
 - An engine that cannot serve (its model, its settings, its socket) writes why to ``engine-<slot>.failed`` and
   exits; at the first start the HTTP workers read it and stop the server with that message, as a worker that cannot
   load its model does with ``ENGINE=inline``. At a later start (a restart after a crash) the master stops itself
-  with the same message. An engine that dies three times in a row before it listens is taken as failing too.
+  with the same message (``failure``: gunicorn.conf.py then ends it with status 3, as that boot error does, not
+  the 0 of a stop asked for). An engine that dies three times in a row before it listens is taken as failing too.
 - An engine's exit status is its watcher's to read, never gunicorn's: the master's reaping takes every child it
   finds ended (``waitpid(-1)``) and keeps no status of one it does not know, so an engine it reaped first was
   logged as exited 0 whatever ended it. The watcher sees the end without reaping (``WNOWAIT``), and the master's
@@ -40,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]  # the checkout: where `python -m app
 ENGINE_MODULE = "app.link.server"  # what an engine process runs: its command line names it
 _ENGINES: list["Engine"] = []  # this master's engines (survives gunicorn.conf.py being executed again)
 OWNED_DIRS: list[str] = []  # temporary directories this master made (removed at exit, also after a HUP)
+_FAILURES: list[str] = []  # why the engines that stopped this master cannot serve (``failure``)
 
 
 class Engine:
@@ -144,6 +146,7 @@ class Engine:
         reason = self.failure.read_text(encoding="utf-8")
         log.error("engine %d cannot serve: %s", self.slot, reason)
         if self.restarts:  # the workers read it at the first start only: here the master stops itself
+            _FAILURES.append(f"engine {self.slot} cannot serve: {reason}")
             os.kill(os.getpid(), signal.SIGTERM)
 
     def signal_stop(self) -> None:
@@ -169,6 +172,11 @@ class Engine:
 def _said(status: int | None) -> str:
     """A status for the log: Popen's (-9: killed by SIGKILL), or unknown when it was lost."""
     return "unknown" if status is None else str(status)
+
+
+def failure() -> str | None:
+    """Why an engine that cannot serve stopped this master (after a restart), or None when none did."""
+    return _FAILURES[0] if _FAILURES else None
 
 
 def reap_engines_first(server: Any) -> None:

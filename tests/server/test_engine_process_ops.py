@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import functools
 import http.client
+import json
 import os
 import re
+import shutil
 import signal
 import threading
 import time
@@ -181,3 +183,21 @@ def test_kept_alive_clients_across_an_engine_sigkill_see_answers_only_and_metric
     # the dead engine's 1 for good).
     assert requests.post(f"{server.url}/v2/repository/models/small/unload", timeout=60).status_code == 200
     assert [value for name, value in _metrics(server).items() if name.startswith("visionserve_model_info{")] == [0]
+
+
+def test_an_engine_that_cannot_serve_after_a_restart_stops_the_server_with_a_failure_status(
+        small_weights: Path, tmp_path: Path, start_server: Callable[..., Running]) -> None:
+    # Before: the master stopped itself with SIGTERM and exited 0, which systemd's Restart=on-failure, compose's
+    # on-failure and a Job read as a clean end; a worker that cannot load its model at the start ends it with 3.
+    weights = tmp_path / "weights"
+    shutil.copytree(small_weights, weights)
+    server = start_server(weights, engine="process").wait_ready()
+    engine = _engine_pid(server)
+    for name in ("model.torchscript.pt", "model.state_dict.pt"):  # the weights go bad while it serves
+        (weights / name).write_bytes(b"garbage")
+    os.kill(engine, signal.SIGKILL)  # its restart cannot load them
+    assert server.process.wait(timeout=120) == 3, server.output()[-4000:]
+    lines = [json.loads(line) for line in server.output().splitlines()]
+    reasons = [entry for entry in lines if entry["msg"].startswith("Reason: ")]
+    assert [(entry["level"], entry["msg"][:42]) for entry in reasons] == [
+        ("error", "Reason: engine 0 cannot serve: small versi")], reasons

@@ -302,6 +302,34 @@ def test_time_to_exit_after_sigterm_idle_and_after_load(small_weights: Path, sta
           ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in times.items()))
 
 
+def test_a_worker_told_to_stop_alone_leaves_new_connections_to_the_worker_that_serves(
+        small_weights: Path, tmp_path: Path, start_server: Callable[..., Running]) -> None:
+    # Before: a draining worker (SIGTERM or TTOU to one worker, a HUP's old ones) took about half of the new
+    # connections for its whole SHUTDOWN_DRAIN_S and answered them 503 while another worker served them.
+    from app.hosting import control
+
+    control_dir = tmp_path / "control"
+    control_dir.mkdir()
+    server = start_server(small_weights, workers="2", shutdown_drain_s="3", control_dir=str(control_dir))
+    server.wait_ready()
+    deadline = time.monotonic() + 120
+    while len(control.ready_workers(control_dir)) < 2:  # both serve
+        assert time.monotonic() < deadline, server.output()[-3000:]
+        time.sleep(0.1)
+    victim = server.http_worker_pids()[0]
+    os.kill(victim, signal.SIGTERM)
+    while control.ready_mark(control_dir, victim).exists():  # its drain began
+        assert time.monotonic() < deadline, server.output()[-3000:]
+        time.sleep(0.01)
+    statuses: Counter[int] = Counter()
+    while control.process_alive(victim) and time.monotonic() < deadline:  # a new connection for each request
+        statuses[requests.post(f"{server.url}/predict", data=IMAGE, timeout=30,
+                               headers={"Content-Type": "image/jpeg", "Connection": "close"}).status_code] += 1
+    assert set(statuses) == {200}, statuses
+    assert f"worker {victim} drains: new connections go to the workers that serve" in server.output()
+    assert server.stop() == 0
+
+
 def test_the_default_worker_count_uses_the_host_and_says_so(small_weights: Path, tmp_path: Path) -> None:
     # Before: one worker by default, so `make serve` left a core idle on a 2-core host.
     from app.hosting.host import auto_workers, usable_cores

@@ -12,6 +12,7 @@ import json
 import re
 import socket
 import textwrap
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Iterator
@@ -221,6 +222,106 @@ def test_a_starting_worker_closes_the_connection_after_an_upload_it_did_not_read
             assert raw.closed()
     finally:
         server.stop()
+
+
+PLAIN = """
+BIG = b"x" * (2 << 20)
+
+
+def app(environ, start_response):  # every path answered at once (/big with 2 MiB): a worker with no model to load
+    body = BIG if environ["PATH_INFO"] == "/big" else b"ok"
+    start_response("200 OK", [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))])
+    return [body]
+"""
+
+
+def _plain(tmp_path: Path, limit: str = "", **settings: str) -> Running:
+    """PLAIN under gunicorn.conf.py, one worker (``settings``: more VISIONSERVE_ variables; ``limit``: a shell
+    command run before it, ``ulimit -n 128``)."""
+    (tmp_path / "plain.py").write_text(textwrap.dedent(PLAIN))
+    port = free_port()
+    env = {"PYTHONPATH": str(tmp_path), "VISIONSERVE_BIND": f"127.0.0.1:{port}", "VISIONSERVE_WORKERS": "1",
+           "VISIONSERVE_DEVICE": "cpu", "VISIONSERVE_LOG_LEVEL": "info", "VISIONSERVE_SHUTDOWN_DRAIN_S": "0.5",
+           **{f"VISIONSERVE_{name.upper()}": value for name, value in settings.items()}}
+    command = ["bash", "-c", f'{limit or "true"} && exec "$@"', "plain", *gunicorn_command("plain:app")]
+    return Running("plain", command, env, port, "/healthz", tmp_path)
+
+
+@pytest.mark.slow  # a gunicorn master started from the command line, as the server is
+def test_a_worker_under_a_low_file_limit_holds_the_connections_it_can_and_leaves_the_rest_waiting(
+        tmp_path: Path) -> None:
+    # Before: MAX_CONNECTIONS (1000) was not fitted to the open-file limit: idle clients took the worker's last file
+    # descriptors, accept failed with EMFILE, and the worker died with every connection it held reset (its
+    # replacement alike). Here the limit is 128 (soft and hard: nothing to raise it to) and 150 clients connect.
+    server = _plain(tmp_path, "ulimit -n 128", threads="4", client_header_timeout_s="60")
+    port, held = server.port, []
+    try:
+        server.wait_ready(120)
+        (worker,) = server.worker_pids()
+        held = [Raw(port) for _ in range(150)]  # idle: the worker holds what it can, the rest wait in the backlog
+        deadline = time.monotonic() + 60
+        while _backlog(port) != 150 - 60:  # it took 60 (128 less THREADS and its own files)
+            assert time.monotonic() < deadline and server.worker_pids() == [worker], server.output()[-3000:]
+            time.sleep(0.01)
+        first = held[0]
+        first.send(HEALTH)  # the first one in was taken: answered, the loop turning meanwhile
+        assert first.answer()[0] == 200
+        assert _backlog(port) == 150 - 60 and server.worker_pids() == [worker]  # nothing more taken
+        for raw in held:
+            raw.sock.close()
+        held = []
+        with Raw(port) as raw:  # the rest were taken as the held ones closed; a new one is answered too
+            raw.send(HEALTH)
+            assert raw.answer()[0] == 200
+        assert server.worker_pids() == [worker], server.output()[-3000:]  # the same worker throughout
+        assert "may open 128 files (ulimit -n)" in server.output() and "it takes 60 connections at once" in \
+            server.output()
+    finally:
+        for raw in held:
+            raw.sock.close()
+        server.stop()
+
+
+@pytest.mark.slow  # a gunicorn master started from the command line, as the server is
+def test_clients_that_stop_reading_their_answers_hold_connections_not_the_request_threads(tmp_path: Path) -> None:
+    # Before: a request thread polled until its client had read the whole answer (CLIENT_ANSWER_TIMEOUT_S at most):
+    # THREADS clients that stopped reading held every thread of the worker (ENGINE=inline's, or any request a thread
+    # runs), and a /healthz waited behind them. Now the thread leaves the rest to the loop and goes on.
+    server = _plain(tmp_path, threads="2", client_answer_timeout_s="300")
+    stalled: list[socket.socket] = []
+    try:
+        server.wait_ready(120)
+        for _ in range(2):  # as many as the threads, each asking for answers it never reads
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", server.port))
+            sock.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n" * 20)
+            stalled.append(sock)
+        for _ in range(3):  # a thread is free each time: answered long before a stalled answer's time is up
+            with Raw(server.port) as raw:
+                raw.send(HEALTH)
+                assert raw.answer()[0] == 200
+        stalled[0].settimeout(WAIT_S)  # a stalled client that reads again gets all its answers
+        received = 0
+        while received < 20 * (2 << 20):
+            chunk = stalled[0].recv(1 << 20)
+            assert chunk, "closed by the server"
+            received += len(chunk)
+        assert "Traceback" not in server.output()
+    finally:
+        for sock in stalled:
+            sock.close()
+        server.stop()
+
+
+def _backlog(port: int) -> int:
+    """The connections waiting in the listen backlog of the server on 127.0.0.1:``port`` (/proc/net/tcp: a listening
+    socket's rx_queue)."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[1] == f"0100007F:{port:04X}" and fields[3] == "0A":  # LISTEN
+            return int(fields[4].split(":")[1], 16)
+    raise AssertionError(f"nothing listens on port {port}")
 
 
 def _unparsed(server: Running) -> Counter[str]:

@@ -2,15 +2,18 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import logging
 import os
 import select
+import selectors
 import socket
 import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 from gunicorn.config import Config
@@ -310,9 +313,9 @@ def test_a_drain_takes_the_backlog_unless_its_worker_leaves_it_to_one_that_serve
     assert (worker.nr_conns, worker.sockets[0].waiting) == ((0, 3) if leaves else (3, 0))
 
 
-def test_a_held_back_worker_leaves_the_backlog_only_while_another_still_serves(tmp_path: Path) -> None:
-    # Asked at its drain's end: when the serving worker has begun its drain too (its mark gone), the backlog is
-    # this one's to answer, or the last listener's close would reset it.
+def test_a_draining_worker_leaves_the_backlog_only_while_another_still_serves(tmp_path: Path) -> None:
+    # Asked at its drain's end (its own mark gone): when the serving worker has begun its drain too (its mark gone),
+    # the backlog is this one's to answer, or the last listener's close would reset it.
     from app.hosting import control
     from app.hosting.worker import BufferingWorker
 
@@ -324,8 +327,61 @@ def test_a_held_back_worker_leaves_the_backlog_only_while_another_still_serves(t
     serving.unlink()  # that worker began its drain
     assert not worker.leaves_backlog()
     serving.touch()
-    worker.held_back = False  # this one serves (or never held back): it takes its backlog
-    assert not worker.leaves_backlog()
+    worker.held_back = False  # Before: one that had served took its backlog (503s) while another still served
+    assert worker.leaves_backlog()
+
+
+def _listening_worker(control_dir: Path) -> tuple[Any, socket.socket]:
+    """A BufferingWorker's accepting state (no gunicorn arbiter behind it) on a loopback listener."""
+    from app.hosting.worker import BufferingWorker
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    worker = BufferingWorker.__new__(BufferingWorker)
+    worker.control_dir, worker.held_back, worker.draining = control_dir, False, False
+    worker.sockets, worker.poller, worker._accepting = [listener], selectors.DefaultSelector(), False
+    worker.nr_conns, worker.reading, worker.cfg = 0, set(), Config()
+    worker.log = logging.getLogger("test.worker")
+    return worker, listener
+
+
+def test_a_draining_worker_leaves_new_connections_to_a_worker_that_serves_and_takes_them_when_none_does(
+        tmp_path: Path) -> None:
+    # Before: a draining worker (a HUP's old one, one stopped alone) took every new connection it was offered and
+    # answered it 503 for its whole SHUTDOWN_DRAIN_S while another worker served. A whole-server stop (no worker
+    # serves) still takes them: answered 503, never reset.
+    from app.hosting import control
+
+    worker, listener = _listening_worker(tmp_path)
+    mine, serving = control.ready_mark(tmp_path, os.getpid()), control.ready_mark(tmp_path, os.getppid())
+    mine.touch()
+    serving.touch()
+    clients = []
+    try:
+        worker.set_accept_enabled(True)
+        assert worker.poller.get_map() and not worker.held_back  # it serves: it takes new connections
+        clients.append(socket.create_connection(listener.getsockname()))
+        worker.accept(listener)
+        assert worker.nr_conns == 1
+        mine.unlink()  # its drain begins (app/hosting/drain.py): its mark goes, and it says so
+        worker.draining = True
+        clients.append(socket.create_connection(listener.getsockname()))
+        worker.accept(listener)  # the poller found the listener readable
+        assert worker.nr_conns == 1 and worker.held_back and not worker._accepting  # left in the backlog
+        assert listener not in [key.fileobj for key in worker.poller.get_map().values()]
+        worker.set_accept_enabled(True)  # gthread's loop asks again each turn
+        assert not worker._accepting
+        serving.unlink()  # the other worker drains too (the whole server stops)
+        worker.set_accept_enabled(True)
+        assert worker._accepting and not worker.held_back
+        worker.accept(listener)
+        assert worker.nr_conns == 2  # the connection that waited is taken, to be answered
+    finally:
+        for client in clients:
+            client.close()
+        for reading in list(worker.reading):
+            reading.conn.sock.close()
+        listener.close()
+        worker.poller.close()
 
 
 def test_a_kept_control_dir_loses_what_an_earlier_server_left_at_the_next_start(tmp_path: Path) -> None:
@@ -333,12 +389,26 @@ def test_a_kept_control_dir_loses_what_an_earlier_server_left_at_the_next_start(
     # the others would hold back new connections for a worker that does not serve.
     from app.hosting import control
 
-    left = [control.ready_mark(tmp_path, 1234), control.socket_path(tmp_path, 0), control.engine_failure(tmp_path, 1)]
-    kept = [tmp_path / control.DESIRED, control.report(tmp_path, 1234)]
+    left = [control.ready_mark(tmp_path, 1234), control.socket_path(tmp_path, 0), control.engine_failure(tmp_path, 1),
+            control.report(tmp_path, 1234)]
+    kept = [tmp_path / control.DESIRED]
     for path in left + kept:
         path.touch()
     control.clear_stale(tmp_path)
-    assert [path.exists() for path in left + kept] == [False, False, False, True, True]
+    assert [path.exists() for path in left + kept] == [False, False, False, False, True]
+
+
+def _reading(client: socket.socket, size: int) -> tuple[threading.Thread, bytearray]:
+    """A thread started reading ``size`` bytes from ``client`` (or to its end) into the bytearray returned with it."""
+    received = bytearray()
+
+    def read_all() -> None:
+        while len(received) < size and (chunk := client.recv(1 << 16)):
+            received.extend(chunk)
+
+    reader = threading.Thread(target=read_all)
+    reader.start()
+    return reader, received
 
 
 def test_an_answer_is_written_as_the_client_reads_it_and_a_client_that_reads_none_is_left(sockets) -> None:
@@ -348,14 +418,7 @@ def test_an_answer_is_written_as_the_client_reads_it_and_a_client_that_reads_non
     answer = ClientSocket(ours.family, ours.type, ours.proto, fileno=ours.detach())
     answer.answer_timeout_s = 0.3
     body = os.urandom(4 << 20)  # beyond what the socket's buffers hold
-    received = bytearray()
-
-    def read_all() -> None:
-        while len(received) < len(body):
-            received.extend(client.recv(1 << 16))
-
-    reader = threading.Thread(target=read_all)
-    reader.start()
+    reader, received = _reading(client, len(body))
     answer.sendall(body)  # written while the client reads, never a blocking write
     reader.join(10)
     assert bytes(received) == body
@@ -638,3 +701,156 @@ def test_a_kept_metrics_dir_loses_an_earlier_run_s_files_at_the_master_s_start(t
         subprocess.run([sys.executable, "-c", start], cwd=Path(__file__).resolve().parents[2], check=True,
                        capture_output=True, text=True, timeout=60, env=env)
         assert [path.exists() for path in left + kept] == [not removed] * len(left) + [True] * len(kept)
+
+
+class _NoRoom:
+    """A listener whose accept fails as one past the open-file limit does (EMFILE)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.tries = sock, 0
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def setblocking(self, flag: bool) -> None:
+        pass
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        self.tries += 1
+        raise OSError(errno.EMFILE, "Too many open files")
+
+
+def test_a_worker_out_of_file_descriptors_pauses_accepting_and_goes_on_serving(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: accept's EMFILE ended the worker (exit 255), resetting every connection it held, and the backlog did the
+    # same to its replacement.
+    worker, listener = _listening_worker(tmp_path)
+    no_room = _NoRoom(listener)
+    worker.sockets = [no_room]
+    try:
+        worker.set_accept_enabled(True)
+        with caplog.at_level(logging.WARNING, logger="test.worker"):
+            worker.accept(no_room)  # no exception: the worker lives on
+            assert not worker._accepting and not worker.poller.get_map()  # its listener unwatched for a pause
+            worker.set_accept_enabled(True)  # gthread's loop asks again at once: still paused
+            assert not worker._accepting
+            worker.accept_paused_until = time.monotonic()  # the pause is over
+            worker.set_accept_enabled(True)
+            assert worker._accepting
+            worker.accept(no_room)  # out of files again: paused again, said once (a minute apart at most)
+            assert not worker._accepting and no_room.tries == 2
+        said = [r.getMessage() for r in caplog.records if "cannot accept a connection" in r.getMessage()]
+        assert len(said) == 1 and "Too many open files" in said[0]
+    finally:
+        listener.close()
+        worker.poller.close()
+
+
+def test_a_file_limit_below_max_connections_is_raised_or_else_the_worker_takes_fewer_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: MAX_CONNECTIONS (1000 by default) was never checked against RLIMIT_NOFILE (systemd's default soft limit
+    # is 1024): idle clients took the worker's last file descriptors, then accept failed with EMFILE.
+    import subprocess
+    import sys
+
+    from app.hosting import worker as worker_module
+
+    raised = subprocess.run([sys.executable, "-c", (
+        "import resource\n"
+        "from app.hosting.worker import raise_file_limit\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))\n"
+        "print(raise_file_limit(100) == (100 if hard == resource.RLIM_INFINITY else hard) >= 100)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (64, 80))\n"
+        "print(raise_file_limit(100) == 80, raise_file_limit(50) == 80)\n")], capture_output=True, text=True,
+        timeout=60, cwd=Path(__file__).resolve().parents[2])
+    assert raised.stdout.split() == ["True", "True", "True"], raised.stderr
+
+    worker, listener = _listening_worker(tmp_path)
+    listener.close()
+    worker.cfg.set("threads", 4)
+    worker.worker_connections, worker.max_keepalived = 1000, 996
+    monkeypatch.setattr(worker_module, "raise_file_limit", lambda needed: 200)  # a hard limit of 200
+    with caplog.at_level(logging.WARNING, logger="test.worker"):
+        worker._fit_connections_to_file_limit()
+    own = 4 + worker_module.OWN_FILES
+    assert (worker.worker_connections, worker.max_keepalived) == (200 - own, 200 - own - 4)
+    assert "it takes 132 connections at once" in caplog.text
+
+
+def _writing_worker(answer_timeout_s: float = 30.0) -> Any:
+    """A BufferingWorker's loop state (no gunicorn arbiter behind it) for the answers it writes."""
+    from collections import deque
+
+    from app.hosting.worker import BufferingWorker, ReadLimits
+
+    worker = BufferingWorker.__new__(BufferingWorker)
+    worker.poller, worker.cfg, worker.alive = selectors.DefaultSelector(), Config(), True
+    worker.reading, worker.closing, worker.writing = set(), set(), set()
+    worker.pending_conns, worker.keepalived_conns, worker.nr_conns = deque(), deque(), 1
+    worker.limits = ReadLimits(answer_timeout_s=answer_timeout_s)
+    return worker
+
+
+def _turn(worker: Any, done: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """The worker's loop turned (its events, then its sweep) until ``done``."""
+    until = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < until, "the loop did not get there in time"
+        for key, _ in worker.poller.select(0.05):
+            key.data(key.fileobj)
+        worker.murder_pending()
+
+
+def _client_connection(ours: socket.socket, answer_timeout_s: float) -> tuple[Any, list[socket.socket]]:
+    """``ours`` as the worker's connection to a client (ClientConn over a ClientSocket the loop writes for); the
+    sockets its graceful close was asked for."""
+    from app.hosting.worker import ClientConn, ClientSocket
+
+    sock = ClientSocket(ours.family, ours.type, ours.proto, fileno=ours.detach())
+    sock.answer_timeout_s, sock.loop_writes = answer_timeout_s, True
+    conn = ClientConn(Config(), sock, ("127.0.0.1", 1), ("127.0.0.1", 2))
+    closed: list[socket.socket] = []
+    conn.closer = closed.append
+    return conn, closed
+
+
+def test_a_request_thread_leaves_the_rest_of_an_answer_to_the_loop_which_writes_it_as_the_client_reads(
+        sockets) -> None:
+    # Before: the thread polled until the client had read it all (CLIENT_ANSWER_TIMEOUT_S at most): THREADS clients
+    # that stopped reading held every request thread of an inline worker, and a /healthz waited behind them.
+    ours, client = sockets
+    worker = _writing_worker()
+    conn, closed = _client_connection(ours, 30.0)
+    body = os.urandom(4 << 20)  # beyond what the socket's buffers hold
+    thread = threading.Thread(target=conn.sock.sendall, args=(body,))
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive()  # the thread is free while the client has read nothing
+    assert 0 < len(conn.sock.unsent) < len(body)
+    done: Future = Future()
+    done.set_result(False)  # the answer said Connection: close
+    worker.finish_request(conn, done)  # on the loop, once the thread is done with the connection
+    assert worker.writing and not closed
+    reader, received = _reading(client, len(body))
+    _turn(worker, lambda: bool(closed))  # written as it reads, then closed as the thread left it
+    reader.join(30)
+    assert bytes(received) == body and closed == [conn.sock] and worker.nr_conns == 0
+    assert not worker.writing and conn.sock.unsent is None
+    worker.poller.close()
+
+
+def test_a_client_that_takes_none_of_the_rest_of_its_answer_loses_its_connection_on_the_loop(
+        sockets, caplog: pytest.LogCaptureFixture) -> None:
+    ours, client = sockets
+    worker = _writing_worker()
+    conn, closed = _client_connection(ours, 0.2)
+    conn.sock.sendall(os.urandom(4 << 20))
+    done: Future = Future()
+    done.set_result(True)  # kept alive, as far as the thread knew
+    with caplog.at_level(logging.INFO, logger="app.hosting.worker"):
+        worker.finish_request(conn, done)
+        _turn(worker, lambda: not worker.writing)
+    assert worker.nr_conns == 0 and conn.sock.fileno() == -1 and not closed  # closed at once, not kept alive
+    assert "the client took none of its answer for 0.2s" in caplog.text
+    worker.poller.close()

@@ -100,9 +100,9 @@ class DesiredState:
                evidence: dict[str, Any] | None = None) -> None:
         """What this worker serves after applying ``generation``, on which device, why it could not serve each model
         it could not as asked (``not_served``; ``error``: those reasons in one line), and its rollout evidence
-        (app/engine/rollouts/evidence.py)."""
-        self._reports[self.pid] = {"pid": self.pid, "generation": generation, "models": serving,
-                                   "not_served": dict(not_served),
+        (app/engine/rollouts/evidence.py); ``started``: when its process started (``control.start_time``)."""
+        self._reports[self.pid] = {"pid": self.pid, "started": control.start_time(self.pid), "generation": generation,
+                                   "models": serving, "not_served": dict(not_served),
                                    "error": "; ".join(not_served[name] for name in sorted(not_served)) or None,
                                    "device": device, "time": time.time(), "evidence": evidence or {}}
 
@@ -168,10 +168,11 @@ class SharedDesiredState(DesiredState):
         _write_atomic(control.report(self.root, self.pid), self._reports[self.pid])
 
     def workers(self) -> list[dict[str, Any]]:
-        """The reports of the live workers, by pid."""
+        """The reports of the live workers, by pid: a report counts while the process that wrote it lives (its pid,
+        started when the report says), not a later one given its pid, nor a thread whose id it is."""
         reports = [_read(path) for path in sorted(self.root.glob(control.REPORTS))]
-        return sorted((r for r in reports if isinstance(r, dict) and control.process_alive(int(r.get("pid", 0)))),
-                      key=lambda r: r["pid"])
+        return sorted((r for r in reports if isinstance(r, dict)
+                       and control.process_alive(int(r.get("pid", 0)), r.get("started"))), key=lambda r: r["pid"])
 
 
 def desired_state(control_dir: Path | None) -> DesiredState:

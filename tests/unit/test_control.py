@@ -1,0 +1,84 @@
+"""CONTROL_DIR's files (app/hosting/control.py): which pids name a live worker, and what a kept directory loses at
+the next start."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from app.engine.versions.desired import SharedDesiredState
+from app.hosting import control
+
+
+@pytest.fixture
+def thread_id() -> Iterator[int]:
+    """The id of a live thread of this process (not a process's own pid)."""
+    started, stop = threading.Event(), threading.Event()
+    ids: list[int] = []
+
+    def run() -> None:
+        ids.append(threading.get_native_id())
+        started.set()
+        stop.wait(30)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert started.wait(10)
+    yield ids[0]
+    stop.set()
+    thread.join(10)
+
+
+@pytest.fixture
+def squatter() -> Iterator[subprocess.Popen[bytes]]:
+    """A live process started after the report it is given: a dead worker's pid taken by another process."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield process
+    process.kill()
+    process.wait()
+
+
+def test_a_thread_s_id_is_no_live_process(thread_id: int) -> None:
+    # Before: os.kill(tid, 0) succeeds for a thread, so a stale report or mark naming one counted as a live worker.
+    assert thread_id != os.getpid()
+    assert control.process_alive(os.getpid()) and not control.process_alive(thread_id)
+    assert not control.process_alive(0) and not control.process_alive(-1)  # a group, or every process: no worker
+
+
+def test_a_live_process_counts_only_as_the_one_that_started_when_it_says(squatter: subprocess.Popen[bytes]) -> None:
+    started = control.start_time(squatter.pid)
+    assert started is not None and started >= control.start_time(os.getpid())  # type: ignore[operator]
+    assert control.process_alive(squatter.pid) and control.process_alive(squatter.pid, started)
+    assert not control.process_alive(squatter.pid, started - 1)  # an earlier process that had its pid
+
+
+def test_a_report_counts_while_its_own_process_lives_not_a_thread_or_a_later_process_with_its_pid(
+        tmp_path: Path, thread_id: int, squatter: subprocess.Popen[bytes]) -> None:
+    # Before: a kept CONTROL_DIR's report whose pid was now a thread, or another process, listed a phantom worker
+    # in /v1/models and every load or unload call waited for it until REPOSITORY_SYNC_TIMEOUT_S (504).
+    serving = {"m": {"versions": ["1"], "default": "1"}}
+    here = SharedDesiredState(tmp_path)
+    here.report(1, serving, {}, "cpu")
+    SharedDesiredState(tmp_path, pid=thread_id).report(1, serving, {}, "cpu")
+    SharedDesiredState(tmp_path, pid=squatter.pid).report(1, serving, {}, "cpu")
+    reused = control.report(tmp_path, squatter.pid)  # written by a process that had this pid before the squatter
+    reused.write_text(json.dumps(json.loads(reused.read_text()) | {"started": control.start_time(os.getpid())}))
+    assert [report["pid"] for report in here.workers()] == [os.getpid()]
+    assert here.wait_applied(2, 0)[1] == [os.getpid()]  # only this worker is behind a newer generation
+
+
+def test_a_kept_control_dir_loses_the_reports_an_earlier_server_left_at_the_next_start(tmp_path: Path) -> None:
+    # Before: the ready marks went and the reports stayed (worker-<pid>.json): one naming a live process of the new
+    # server counted as a worker of it.
+    left = [control.report(tmp_path, os.getpid()), control.ready_mark(tmp_path, os.getpid())]
+    kept = [tmp_path / control.DESIRED, tmp_path / control.LOCK]
+    for path in left + kept:
+        path.touch()
+    control.clear_stale(tmp_path)
+    assert [path.exists() for path in left + kept] == [False, False, True, True]
