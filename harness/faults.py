@@ -36,6 +36,7 @@ def _jpeg(color: tuple[int, int, int]) -> bytes:
 
 IMAGE = _jpeg((220, 30, 30))
 POISON = _jpeg((255, 255, 255))  # the choosy model below raises on it
+NON_JSON = "non_json"  # the error code send() gives an answer whose body is not the service's JSON error
 Start = Callable[..., Running]  # start(weights, **settings) -> a server, not yet ready
 
 
@@ -51,16 +52,23 @@ class Outcome:
 
 
 def send(session: requests.Session, url: str, body: bytes = IMAGE, timeout_s: float = 30) -> Outcome:
-    """POST one image once, no retry; a body cut off mid-way would not parse as JSON and counts as a reset."""
+    """POST one image once, no retry. A body cut off mid-way (shorter than its Content-Length, or its chunks
+    unfinished) is a reset; an error answered whole in a body that is not JSON (an HTML 500 page) is an answer with
+    its status and the code "non_json"."""
     try:
         r = session.post(f"{url}/predict", data=body, headers={"Content-Type": "image/jpeg"}, timeout=timeout_s)
-        code = r.json().get("error", {}).get("code") if r.status_code != 200 else None
-        return Outcome(time.monotonic(), "response", r.status_code, code, dict(r.headers))
     except requests.Timeout:
         return Outcome(time.monotonic(), "timeout")
-    except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError, ValueError) as exc:
+    except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as exc:
         refused = "NewConnectionError" in repr(exc) or "ConnectionRefusedError" in repr(exc)
         return Outcome(time.monotonic(), "refused" if refused else "reset", detail=repr(exc)[:300])
+    code = None
+    if r.status_code != 200:
+        try:
+            code = r.json().get("error", {}).get("code")
+        except ValueError:  # read whole (a cut-off body raised above), and not JSON
+            code = NON_JSON
+    return Outcome(time.monotonic(), "response", r.status_code, code, dict(r.headers))
 
 
 class Load:
@@ -108,6 +116,10 @@ class Row:
     note: str = ""
     fault_at: float | None = None  # time.monotonic() when the fault struck, where one moment does
     metrics: str = ""  # the server's /metrics after it recovered, where the scenario reads them
+    metrics_before: str = ""  # and before the fault, where it counts what happened during it
+    connections_cut: int | None = None  # the client connections a killed process held when it died (SIGKILL)
+    by_client: dict[str, list[Outcome]] = field(default_factory=dict)  # each kind of client's outcomes, where
+    # a scenario's clients differ (forward_raises: "good" and "bad"); ``outcomes`` holds them all
 
     @property
     def kinds(self) -> Counter[str]:
@@ -180,22 +192,44 @@ def sigterm(start: Start, weights: Path, workers: int, keepalive: bool, **settin
                f"exit {exit_code} after {exited_s:.1f} s; 503s are the drain's", fault_at=term_at)
 
 
+def client_connections(pid: int, port: int) -> int:
+    """How many established TCP connections on ``port`` (the server's side of them) process ``pid`` holds."""
+    sockets = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            sockets.add(target[len("socket:["):-1])
+    held = 0
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()  # sl, local address:port (hex), remote, state (01: established), ..., inode
+            if fields[3] == "01" and int(fields[1].rsplit(":", 1)[1], 16) == port and fields[9] in sockets:
+                held += 1
+    return held
+
+
 def sigkill_worker(start: Start, weights: Path, workers: int) -> Row:
-    """SIGKILL one worker under a 16-client load (it is mid-batch: the load keeps it busy)."""
+    """SIGKILL one worker under a 16-client load (it is mid-batch: the load keeps it busy). The clients keep their
+    connections alive, so those the worker holds when it dies are the requests it can cut: one each at most."""
     server = start(weights, workers=str(workers), max_batch_size="4").wait_ready()
     wait_ready_workers(server, workers)
     try:
         with Load(server.url, 16) as load:
             time.sleep(1.0)
+            victim = server.http_worker_pids()[0]
+            connections = client_connections(victim, server.port)
             killed_at = time.monotonic()
-            os.kill(server.http_worker_pids()[0], signal.SIGKILL)
+            os.kill(victim, signal.SIGKILL)
             wait_ready_workers(server, workers + 1)  # gunicorn's replacement has loaded its model
             recover_s = until_served(server.url, killed_at)
             outcomes = load.stop(1.0)
     finally:
         assert server.stop() == 0
     return Row(f"SIGKILL of a worker mid-batch, {workers} worker(s)", outcomes, recover_s,
-               "resets: the killed worker's requests in flight; replacement ready")
+               "resets: the killed worker's requests in flight; replacement ready", connections_cut=connections)
 
 
 def reload(start: Start, weights: Path) -> Row:
@@ -248,7 +282,7 @@ def forward_raises(start: Start, choosy: Path) -> Row:
     try:
         with Load(server.url, 8) as good, Load(server.url, 2, body=POISON) as bad:
             time.sleep(3.0)
-            outcomes = good.stop(0) + bad.stop(0)
+            by_client = {"good": good.stop(0), "bad": bad.stop(0)}
         started = time.monotonic()
         recover_s = until_served(server.url, started)
         metrics = requests.get(f"{server.url}/metrics", timeout=5).text
@@ -256,8 +290,9 @@ def forward_raises(start: Start, choosy: Path) -> Row:
         assert server.stop() == 0
     failed = re.search(r'visionserve_batcher_events_total\{event="batch_failed"\} (\S+)', metrics)
     passes = float(failed.group(1)) if failed else 0
-    return Row("forward pass raises on some images (2 of 10 clients)", outcomes, recover_s,
-               f"500 inference_failed for the bad image only; {passes:.0f} failed passes")
+    return Row("forward pass raises on some images (2 of 10 clients)", by_client["good"] + by_client["bad"],
+               recover_s, f"500 inference_failed for the bad image only; {passes:.0f} failed passes",
+               metrics=metrics, by_client=by_client)
 
 
 def _post_and_hang_up(port: int, images: int) -> None:
@@ -272,16 +307,17 @@ def _post_and_hang_up(port: int, images: int) -> None:
         time.sleep(0.02)  # long enough to be read and queued behind the load, not to be answered
 
 
-def client_disconnect(start: Start, weights: Path) -> Row:
-    """Under a 16-client load, 20 clients send 16 images each and hang up while they are queued."""
+def client_disconnect(start: Start, weights: Path, hang_ups: int = 20, images: int = 16) -> Row:
+    """Under a 16-client load, ``hang_ups`` clients send ``images`` images each and hang up while they are queued."""
     server = start(weights, max_batch_size="2", max_wait_ms="2", queue_size="1024").wait_ready()
     try:
+        before = requests.get(f"{server.url}/metrics", timeout=5).text
         with Load(server.url, 16) as load:
             time.sleep(0.5)
-            hang_ups = [threading.Thread(target=_post_and_hang_up, args=(server.port, 16)) for _ in range(20)]
-            for thread in hang_ups:
+            clients = [threading.Thread(target=_post_and_hang_up, args=(server.port, images)) for _ in range(hang_ups)]
+            for thread in clients:
                 thread.start()
-            for thread in hang_ups:
+            for thread in clients:
                 thread.join()
             time.sleep(1.0)
             outcomes = load.stop(0)
@@ -290,8 +326,9 @@ def client_disconnect(start: Start, weights: Path) -> Row:
     finally:
         assert server.stop() == 0
     dropped = re.search(r'visionserve_batcher_events_total\{event="client_gone"\} (\S+)', metrics)
-    return Row("clients hang up while their images are queued (20 x 16 images)", outcomes, recover_s,
-               f"{float(dropped.group(1)) if dropped else 0:.0f} queued images dropped unrun (client_gone)")
+    return Row(f"clients hang up while their images are queued ({hang_ups} x {images} images)", outcomes,
+               recover_s, f"{float(dropped.group(1)) if dropped else 0:.0f} queued images dropped unrun (client_gone)",
+               metrics=metrics, metrics_before=before)
 
 
 def _slow_client(port: int, payload: bytes, until: float, answers: list[bytes]) -> None:

@@ -13,7 +13,7 @@ from flask import Flask, Response, g, jsonify, request
 from gunicorn.http.errors import InvalidResponseHeader, InvalidResponseHeaderName, ParseException
 from werkzeug.exceptions import ClientDisconnected, HTTPException, RequestEntityTooLarge
 
-from app.errors import MalformedBody, RequestTimeout, ServiceError, default_body
+from app.errors import ClientGone, MalformedBody, RequestTimeout, ServiceError, default_body
 from app.web.protocol import Protocol
 
 log = logging.getLogger(__name__)
@@ -33,9 +33,16 @@ def _from_http(exc: HTTPException) -> ServiceError:
 
 
 def _from_disconnect(exc: ClientDisconnected, body_timeout_s: float) -> ServiceError:
-    # werkzeug reports every failed body read as a disconnect; the socket timeout the hooks set is the slow case.
-    if isinstance(exc.__context__, TimeoutError):
+    """A body read that failed: the socket timeout the hooks set is the slow client's 408; a connection that ended
+    or was reset mid-body is the client's leaving (499, ClientGone), not a bad request."""
+    # werkzeug reports every failed body read as a disconnect, with what the server's stream raised as its context.
+    cause = exc.__context__
+    if isinstance(cause, TimeoutError):
         return RequestTimeout(f"the body did not arrive within {body_timeout_s:g}s", headers={"Connection": "close"})
+    # gunicorn's NoMoreData (the connection ended mid-chunk) and a reset are OSErrors; a body that ended short of
+    # its Content-Length has no cause at all
+    if cause is None or isinstance(cause, OSError):
+        return ClientGone("the client closed the connection before its body ended", headers={"Connection": "close"})
     return _from_http(exc)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import io
+import logging
+import re
 import struct
 import threading
 import time
@@ -15,6 +17,7 @@ from typing import Any
 
 import pytest
 from flask.testing import FlaskClient
+from gunicorn.http.errors import NoMoreData
 from PIL import Image
 
 from app import EXTENSION_KEY
@@ -299,6 +302,63 @@ def test_a_body_of_a_known_length_from_a_server_that_ends_it_is_read_in_one_call
     assert stream.reads == [len(photo)]
 
 
+class _CutStream(io.BytesIO):
+    """A request body cut short: a read that needs more than the bytes that came raises ``error``, as gunicorn's
+    stream does when the client hangs up (NoMoreData: the connection ended mid-chunk; ConnectionResetError) or
+    stalls (TimeoutError: the socket timeout)."""
+
+    def __init__(self, data: bytes, error: OSError) -> None:
+        super().__init__(data)
+        self.error = error
+
+    def _left(self) -> int:
+        return len(self.getbuffer()) - self.tell()
+
+    def read(self, size: int | None = -1) -> bytes:  # type: ignore[override]
+        if size is None or size < 0 or size > self._left():
+            raise self.error
+        return super().read(size)
+
+    def readinto(self, buffer: Any) -> int:  # type: ignore[override]
+        if len(buffer) > self._left():
+            raise self.error
+        return super().readinto(buffer)
+
+
+def _predict_requests(client: FlaskClient, status: int) -> float:
+    """/metrics' count of /predict requests answered ``status``."""
+    found = re.search(rf'^visionserve_requests_total{{endpoint="/predict",status="{status}"}} (\S+)$',
+                      client.get("/metrics").get_data(as_text=True), re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+@pytest.mark.parametrize("error, status, code", [
+    (NoMoreData(), 499, "client_closed_request"), (ConnectionResetError(), 499, "client_closed_request"),
+    (TimeoutError(), 408, "request_timeout")])
+def test_a_client_that_hangs_up_mid_body_is_499_not_400(client: FlaskClient, caplog: pytest.LogCaptureFixture,
+                                                        chunked: bool, error: OSError, status: int,
+                                                        code: str) -> None:
+    # Before: a chunked body cut off by its client was answered, logged and counted 400 bad_request (the client's
+    # request at fault) where the client had left; only a stalled body (the socket timeout) is 408.
+    photo = image_bytes(RED)
+    environ: dict[str, Any] = {"wsgi.input_terminated": True}  # as gunicorn says of its stream
+    if not chunked:
+        environ["CONTENT_LENGTH"] = str(len(photo))  # announced whole, half of it sent
+    headers = {"Transfer-Encoding": "chunked"} if chunked else {}
+    counted = {s: _predict_requests(client, s) for s in (400, status)}
+    caplog.set_level(logging.INFO, logger="visionserve.access")
+    response = client.post("/predict", input_stream=_CutStream(photo[:len(photo) // 2], error), headers=headers,
+                           content_type="image/jpeg", environ_overrides=environ)
+    error_of(response, status, code)
+    assert response.headers["Connection"] == "close"  # the body was not read to its end
+    assert _predict_requests(client, status) == counted[status] + 1
+    assert _predict_requests(client, 400) == counted[400]
+    logged = [r.status for r in caplog.records if r.name == "visionserve.access" and r.route == "/predict"]
+    assert logged == [status]
+    _ok(client)
+
+
 @pytest.mark.parametrize("path", ["/predict", "/v2/models/colour/infer", "/v1/models", "/nowhere"])
 def test_a_body_announced_over_the_limit_is_our_413_on_every_route(client: FlaskClient, settings: Settings,
                                                                    path: str) -> None:
@@ -378,8 +438,6 @@ def test_a_request_for_another_model_or_version_is_404_naming_the_served_one(cli
 
 def _documented_errors() -> set[tuple[int, str]]:
     """(status, code) of every row of docs/api.md's error table."""
-    import re
-
     from tests.conftest import ROOT
 
     rows = set()

@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable
 
@@ -39,6 +40,43 @@ def choosy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return faults.choosy_weights(tmp_path_factory.mktemp("choosy"))
 
 
+class _Answers(BaseHTTPRequestHandler):
+    """Answers every POST with ``answer``: whole, or its body cut off after 20 bytes and the connection closed."""
+    answer = b""
+    cut = False
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(500)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(self.answer)))
+        self.end_headers()
+        self.wfile.write(self.answer[:20] if self.cut else self.answer)
+        self.close_connection = True
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("cut, kind, status, code", [(False, "response", 500, "non_json"),
+                                                     (True, "reset", None, None)])
+def test_send_counts_an_answer_that_is_not_json_as_answered_and_a_cut_off_one_as_reset(
+        cut: bool, kind: str, status: int | None, code: str | None) -> None:
+    # Before: an HTML 500 page (a proxy's, or gunicorn's own) failed to parse as JSON and was counted a "reset",
+    # hidden among the resets a fault tolerates instead of failing the test as the 5xx it is.
+    handler = type("Answers", (_Answers,), {"answer": b"<html><body>500 Internal Server Error</body></html>",
+                                            "cut": cut})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True).start()
+    try:
+        with requests.Session() as session:
+            outcome = faults.send(session, f"http://127.0.0.1:{server.server_address[1]}", timeout_s=10)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert (outcome.kind, outcome.status, outcome.code) == (kind, status, code), outcome
+
+
 TWO_ENGINES = {"engine": "process", "engines_per_device": "2"}
 
 
@@ -54,9 +92,13 @@ def test_sigterm_mid_burst_resets_no_connection(small_weights: Path, start_serve
     row = faults.sigterm(lambda *a, **k: started.append(start_server(*a, **k)) or started[-1], small_weights, workers,
                          keepalive, **settings)
     _report(row)
-    # 0 resets in most runs; with 2 workers, runs with 1 and once 6 in about 1,900 requests remain (see
-    # docs/architecture.md), hence the bound of 1%.
-    assert row.kinds["reset"] <= len(row.outcomes) // 100
+    # Resets against the requests sent (answered or reset; a refused connect sent nothing, and some 1,100 come
+    # after the listener closes): 1 in about 20,000 since the drain accepts its backlog before it closes
+    # (docs/architecture.md), so 2 in a run, or 1 in 1,000 in a longer one, is well above that. A drain that closes
+    # its listener on its backlog resets a connection for each client in it: 14 to 23 of the 24 in 7 of 14 runs
+    # measured. Before: the bound was 1% of all outcomes, refused connects too, and let every such run pass.
+    sent = row.kinds["response"] + row.kinds["reset"]
+    assert row.kinds["reset"] <= max(2, sent // 1000), f"{row.kinds['reset']} resets of {sent} requests sent"
     assert row.kinds["timeout"] == 0
     for o in _responses(row):
         assert o.status in (200, 503), o
@@ -78,8 +120,12 @@ def test_sigterm_mid_burst_resets_no_connection(small_weights: Path, start_serve
 def test_sigkill_of_a_worker_mid_batch(small_weights: Path, start_server: Start, workers: int) -> None:
     row = faults.sigkill_worker(start_server, small_weights, workers)
     _report(row)
-    # Only the killed worker's requests in flight (at most one per client) are cut; every answer is clean.
-    assert row.kinds["reset"] <= 16 and row.kinds["timeout"] == 0
+    # Only the killed worker's requests in flight are cut: at most one on each connection it held (the 16 clients
+    # keep theirs alive, so with 1 worker it holds all 16, with 2 about half); every answer is clean.
+    cut, resets = row.connections_cut, row.kinds["reset"]
+    assert cut is not None and 0 < cut <= 16, cut
+    assert resets <= cut, f"{resets} resets, {cut} connections cut"
+    assert row.kinds["timeout"] == 0
     for o in _responses(row):
         assert o.status == 200 or (o.status == 503 and o.code == "not_ready" and "Retry-After" in o.headers), o
     assert row.recover_s is not None
@@ -154,22 +200,45 @@ def test_a_reload_with_hup_answers_every_request(small_weights: Path, start_serv
         assert o.status == 200 or (o.status == 503 and o.code == "not_ready" and "Retry-After" in o.headers), o
 
 
+def _metric(row: faults.Row, sample: str, before: bool = False) -> float:
+    """One sample of the row's /metrics after it recovered, or ``before`` the fault (0 where it is absent)."""
+    found = re.search(rf"^{re.escape(sample)} (\S+)$", row.metrics_before if before else row.metrics, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
 def test_a_forward_pass_that_raises_fails_only_its_own_request(choosy: Path, start_server: Start) -> None:
+    # Before: the good and bad clients' outcomes were merged and told apart by their error code, so a failed batch
+    # that failed every request in it passed (a good client's 500 inference_failed was counted as a bad one's).
     row = faults.forward_raises(start_server, choosy)
     _report(row)
-    assert row.kinds == Counter(response=len(row.outcomes))
-    good = [o for o in _responses(row) if o.code is None]
-    bad = [o for o in _responses(row) if o.code is not None]
-    assert good and all(o.status == 200 for o in good)
-    assert bad and all((o.status, o.code) == (500, "inference_failed") for o in bad)
+    good, bad = row.by_client["good"], row.by_client["bad"]
+    assert good and Counter((o.kind, o.status) for o in good) == Counter({("response", 200): len(good)}), [
+        o for o in good if o.status != 200][:3]
+    assert bad and Counter((o.kind, o.status, o.code) for o in bad) == Counter(
+        {("response", 500, "inference_failed"): len(bad)}), [o for o in bad if o.status != 500][:3]
+    # Each bad image fails one pass alone; a pass more is a batch that failed as a whole (with 8 good clients to 2
+    # bad, a good image in it).
+    failed_passes = _metric(row, 'visionserve_batcher_events_total{event="batch_failed"}')
+    assert failed_passes > len(bad), "no batch with a good image in it failed: the test proved nothing"
     assert row.recover_s is not None
 
 
 def test_clients_that_hang_up_while_queued_cost_no_forward_pass(small_weights: Path, start_server: Start) -> None:
-    row = faults.client_disconnect(start_server, small_weights)
+    # Before: the test read client_gone alone, counted at the cancel whether or not the images ran after it (with
+    # a cancelled request's images run anyway, 319 images ran for clients who had left, and it passed).
+    hang_ups, images = 20, 16
+    row = faults.client_disconnect(start_server, small_weights, hang_ups=hang_ups, images=images)
     _report(row)
     assert row.statuses == Counter({200: len(row.outcomes)})  # the others' requests are untouched
-    assert int(row.note.split()[0]) > 0, row.note
+    dropped = _metric(row, 'visionserve_batcher_events_total{event="client_gone"}')
+    assert dropped > 0, row.note
+    # visionserve_batch_size_sum: the images of the forward passes that ran (a failed pass counts none; none fails
+    # here). Each image sent (the load's, one each, the recovery probe's and the hang-ups') runs once or is dropped
+    # unrun, never both: a hang-up's request whose first image was taken into a batch before the hang-up was seen
+    # runs whole and counts none dropped; one refused before it was queued counts in neither.
+    ran = _metric(row, "visionserve_batch_size_sum") - _metric(row, "visionserve_batch_size_sum", before=True)
+    sent = len(row.outcomes) + 1 + hang_ups * images
+    assert ran + dropped <= sent, f"{ran:.0f} images ran and {dropped:.0f} were dropped of {sent} sent"
 
 
 def test_slowloris_does_not_starve_other_requests(small_weights: Path, start_server: Start) -> None:
