@@ -103,7 +103,8 @@ def on_starting(server) -> None:  # noqa: ANN001
         sys.exit(2)
     server.log.info("visionserve: %d worker%s (%s)", _workers, "" if _workers == 1 else "s", _workers_why)
     _halt_once(server)
-    control.clear_stale(Path(os.environ["VISIONSERVE_CONTROL_DIR"]))  # a kept directory's marks: an earlier start's
+    if not getattr(server, "master_pid", 0):  # a master started by another's USR2: the old workers' marks are live
+        control.clear_stale(Path(os.environ["VISIONSERVE_CONTROL_DIR"]))  # a kept directory's: an earlier start's
     _clear_metrics(server)
     if _engine == "process":
         server.log.info("visionserve: %d engine process%s (ENGINES_PER_DEVICE=%d)", _engines,
@@ -174,15 +175,22 @@ def _halt_when_an_engine_fails(server) -> None:  # noqa: ANN001
     server.handle_term = handle_term_or_halt
 
 
-def _forget(pid: int) -> None:
-    """A process that served models ended: its report of what it served and its live gauges go."""
+def _forget(server, pid: int) -> None:  # noqa: ANN001
+    """A worker ended: its report of what it served, its mark of having reached the engine (readiness counts the
+    live workers' marks) and its live gauges go. A directory that cannot be written (read-only, its disk gone) is
+    said in the log, never raised: the master's loop would end with it, and the server with every worker."""
     control_dir = os.environ.get("VISIONSERVE_CONTROL_DIR")
-    if control_dir:
-        control.report(Path(control_dir), pid).unlink(missing_ok=True)
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        from prometheus_client import multiprocess
+    try:
+        if control_dir:
+            control.report(Path(control_dir), pid).unlink(missing_ok=True)
+            control.ready_mark(Path(control_dir), pid).unlink(missing_ok=True)
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            from prometheus_client import multiprocess
 
-        multiprocess.mark_process_dead(pid)
+            multiprocess.mark_process_dead(pid)
+    except OSError as exc:
+        server.log.warning("visionserve: what worker %d left in CONTROL_DIR or PROMETHEUS_MULTIPROC_DIR cannot be "
+                           "removed (%s): readiness and /metrics may count it until it is", pid, exc)
 
 
 def pre_fork(server, worker) -> None:  # noqa: ANN001
@@ -219,11 +227,8 @@ def worker_exit(server, worker) -> None:  # noqa: ANN001
 
 def child_exit(server, worker) -> None:  # noqa: ANN001
     """Drop a dead worker's live gauges (queue depth, GPU memory) from the multiprocess metrics, its report of
-    what it served, and its mark of having reached the engine (readiness counts the live workers' marks)."""
-    _forget(worker.pid)
-    control_dir = os.environ.get("VISIONSERVE_CONTROL_DIR")
-    if control_dir:
-        control.ready_mark(Path(control_dir), worker.pid).unlink(missing_ok=True)
+    what it served, and its mark of having reached the engine (``_forget``)."""
+    _forget(server, worker.pid)
 
 
 def on_exit(server) -> None:  # noqa: ANN001

@@ -82,3 +82,30 @@ def test_a_kept_control_dir_loses_the_reports_an_earlier_server_left_at_the_next
         path.touch()
     control.clear_stale(tmp_path)
     assert [path.exists() for path in left + kept] == [False, False, True, True]
+
+
+def test_a_dead_worker_s_files_the_master_cannot_remove_are_logged_not_raised(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: the unlink's EROFS (CONTROL_DIR turned read-only) was raised in gunicorn's main loop from child_exit:
+    # the master exited 1 at the first worker's death, every other worker with it.
+    import errno
+    import runpy
+    from types import SimpleNamespace
+
+    before = dict(os.environ)
+    try:
+        config = runpy.run_path("gunicorn.conf.py")
+        monkeypatch.setenv("VISIONSERVE_CONTROL_DIR", str(tmp_path))
+        control.ready_mark(tmp_path, 4242).touch()
+
+        def read_only(self: Path, missing_ok: bool = False) -> None:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+
+        monkeypatch.setattr(Path, "unlink", read_only)
+        warnings: list[str] = []
+        server = SimpleNamespace(log=SimpleNamespace(warning=lambda message, *args: warnings.append(message % args)))
+        config["child_exit"](server, SimpleNamespace(pid=4242))
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
+    assert len(warnings) == 1 and "worker 4242" in warnings[0] and os.strerror(errno.EROFS) in warnings[0]
