@@ -32,9 +32,10 @@ def _from_http(exc: HTTPException) -> ServiceError:
     return error
 
 
-def _from_disconnect(exc: ClientDisconnected, body_timeout_s: float) -> ServiceError:
+def from_disconnect(exc: ClientDisconnected, body_timeout_s: float) -> ServiceError:
     """A body read that failed: the socket timeout the hooks set is the slow client's 408; a connection that ended
-    or was reset mid-body is the client's leaving (499, ClientGone), not a bad request."""
+    or was reset mid-body is the client's leaving (499, ClientGone), not a bad request. ``read_body`` raises it where
+    the read fails, so that an admitted request's outcome is the client's, not its version's failure."""
     # werkzeug reports every failed body read as a disconnect, with what the server's stream raised as its context.
     cause = exc.__context__
     if isinstance(cause, TimeoutError):
@@ -78,7 +79,7 @@ def register_error_handlers(app: Flask, protocols: Sequence[Protocol], body_time
         return unexpected(exc) if error is None else render(error)
 
     app.register_error_handler(ServiceError, render)
-    app.register_error_handler(ClientDisconnected, lambda exc: render(_from_disconnect(exc, body_timeout_s)))
+    app.register_error_handler(ClientDisconnected, lambda exc: render(from_disconnect(exc, body_timeout_s)))
     app.register_error_handler(HTTPException, lambda exc: render(_from_http(exc)))
     app.register_error_handler(ParseException, framing)
     app.register_error_handler(Exception, unexpected)

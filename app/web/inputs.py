@@ -59,22 +59,30 @@ def parse_json(data: bytes, what: str) -> Any:
 
 
 def read_body(request: Request) -> bytes:
-    """The whole body; one over ``max_content_length`` is BodyTooLarge (413), never silently cut short.
+    """The whole body; one over ``max_content_length`` is BodyTooLarge (413), never silently cut short; a read that
+    fails is RequestTimeout (408) or ClientGone (499) (``app.web.errors.from_disconnect``).
 
     werkzeug refuses a Content-Length over the limit before reading, but a chunked body has none: its reader stops
     at the limit and returns what it has, as if the body ended there. So when it stops exactly at the limit, one
     more byte is asked of the server's own stream: if there is one, the body was longer.
     """
-    length, limit = request.content_length, request.max_content_length
-    if length is not None and request.environ.get("wsgi.input_terminated") and (limit is None or length <= limit):
-        # a server that ends the body itself (gunicorn) and a length within the limit: werkzeug's reader would read
-        # the stream to its end in chunks; one read of that length gives the same bytes without it (~15 us less)
-        return _read_input(request, length)
-    data = request.get_data(cache=False)
-    if limit is not None and length is None and len(data) >= limit:
-        if _read_input(request, 1):
-            raise BodyTooLarge(limit)
-    return data
+    try:
+        length, limit = request.content_length, request.max_content_length
+        if length is not None and request.environ.get("wsgi.input_terminated") and (
+                limit is None or length <= limit):
+            # a server that ends the body itself (gunicorn) and a length within the limit: werkzeug's reader would
+            # read the stream to its end in chunks; one read of that length gives the same bytes without it (~15 us)
+            return _read_input(request, length)
+        data = request.get_data(cache=False)
+        if limit is not None and length is None and len(data) >= limit:
+            if _read_input(request, 1):
+                raise BodyTooLarge(limit)
+        return data
+    except ClientDisconnected as exc:  # the client's doing (408, 499), as the request's outcome, not its version's
+        from app.web.errors import from_disconnect
+        from app.web.services import current_service
+
+        raise from_disconnect(exc, current_service().settings.client_body_timeout_s) from exc
 
 
 def _read_input(request: Request, size: int) -> bytes:

@@ -332,6 +332,14 @@ def _predict_requests(client: FlaskClient, status: int) -> float:
     return float(found.group(1)) if found else 0.0
 
 
+def _version_requests(outcome: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return sum(sample.value for metric in REGISTRY.collect() if metric.name == "visionserve_version_requests"
+               for sample in metric.samples
+               if sample.name.endswith("_total") and sample.labels.get("outcome") == outcome)
+
+
 @pytest.mark.parametrize("chunked", [True, False])
 @pytest.mark.parametrize("error, status, code", [
     (NoMoreData(), 499, "client_closed_request"), (ConnectionResetError(), 499, "client_closed_request"),
@@ -347,6 +355,7 @@ def test_a_client_that_hangs_up_mid_body_is_499_not_400(client: FlaskClient, cap
         environ["CONTENT_LENGTH"] = str(len(photo))  # announced whole, half of it sent
     headers = {"Transfer-Encoding": "chunked"} if chunked else {}
     counted = {s: _predict_requests(client, s) for s in (400, status)}
+    outcomes = {outcome: _version_requests(outcome) for outcome in ("failed", "refused")}
     caplog.set_level(logging.INFO, logger="visionserve.access")
     response = client.post("/predict", input_stream=_CutStream(photo[:len(photo) // 2], error), headers=headers,
                            content_type="image/jpeg", environ_overrides=environ)
@@ -354,6 +363,8 @@ def test_a_client_that_hangs_up_mid_body_is_499_not_400(client: FlaskClient, cap
     assert response.headers["Connection"] == "close"  # the body was not read to its end
     assert _predict_requests(client, status) == counted[status] + 1
     assert _predict_requests(client, 400) == counted[400]
+    # the client's doing, not its version's failure (a rollout's evidence, a watched default's rollback)
+    assert (_version_requests("failed"), _version_requests("refused")) == (outcomes["failed"], outcomes["refused"] + 1)
     logged = [r.status for r in caplog.records if r.name == "visionserve.access" and r.route == "/predict"]
     assert logged == [status]
     _ok(client)
