@@ -243,6 +243,15 @@ class BatchingSettings(SettingsGroup):
     oom_shrink_s: float = Field(
         60.0, ge=0, description="After a CUDA out-of-memory batch is split in halves and retried, how long the "
         "lower batch cap holds.")
+    stall_s: float = Field(
+        60.0, ge=0, description="A batch running this many seconds is stuck (a forward pass that hangs): `/healthz` "
+        "and `/readyz` answer 503 naming the version and how long (the orchestrator restarts the server), and its "
+        "version's requests get 503 `not_ready` at once. Under ENGINE=process the master also kills an engine "
+        "process that has answered none of its state queries for this long (stopped, or its loop stuck), saying "
+        "why in the log, and starts it again as one that died. Warm-up, with its CUDA graph captures and cuDNN "
+        "tuning, runs before a version serves and does not count; no batch comes near it (a new shape's cuDNN "
+        "tuning with `WARMUP` off takes about 3 s on an H100, a batch of the default cap a fraction of a second on "
+        "a CPU). 0 = never.")
 
 
 class RequestSettings(SettingsGroup):
@@ -341,8 +350,9 @@ class ServerSettings(SettingsGroup):
         "(gunicorn's `worker_connections`); at the limit the worker stops accepting until one closes.")
     client_header_timeout_s: float = Field(
         10.0, gt=0, description="Longest a client may take to send its request line and headers (then 408 and "
-        "the connection closes). A request is read by the worker's event loop, headers and a body of known length, "
-        "before it gets a thread, so slow clients hold connections, not threads.")
+        "the connection closes). A request is read by the worker's event loop, headers and body (of known length, "
+        "chunked, or after `Expect: 100-continue`), before it gets a thread, so slow clients hold connections, not "
+        "threads.")
     client_body_timeout_s: float = Field(30.0, gt=0, description="Longest silence while a client sends its "
                                          "body (then 408).")
     client_answer_timeout_s: float = Field(
@@ -363,9 +373,9 @@ class ServerSettings(SettingsGroup):
     loop_requests: bool = Field(
         True, description="Under ENGINE=process: a request whose body the HTTP worker's event loop read whole runs "
         "on that loop as a greenlet, and its wait for the engine's answer is handed back to the loop, which serves "
-        "other requests meanwhile; no request thread is woken for it. A body still arriving when its headers are "
-        "in (chunked, `Expect: 100-continue`) goes to a request thread, as every request does when this is false "
-        "and under ENGINE=inline (whose threads run the forward passes). docs/performance.md says what it saves.")
+        "other requests meanwhile; no request thread is woken for it. Every request goes to a request thread when "
+        "this is false and under ENGINE=inline (whose threads run the forward passes); a body over MAX_BODY_BYTES "
+        "announced in its headers does too (the app refuses it at once). docs/performance.md says what it saves.")
     keepalive_linger_ms: float = Field(
         2.0, ge=0, description="After an answer on a kept-alive connection, how long its request thread waits for "
         "the client's next request and serves it itself, when no other request waits for a thread, instead of "

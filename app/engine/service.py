@@ -51,6 +51,7 @@ class Service(Lifecycle):
         # once a turn: app/link/loop.py); None: each written as its request ends (any thread)
         self.counts: RequestTally | None = None
         self.explanations = ExplainLane(settings)
+        self._stall_said: float | None = None  # the start of the stalled batch last logged
 
     @classmethod
     def build(cls, settings: Settings, source: Source | Predictor) -> "Service":
@@ -113,10 +114,25 @@ class Service(Lifecycle):
 
     @property
     def alive(self) -> bool:
-        """Liveness: every serving version's batcher thread runs, or the models are still loading."""
+        """Liveness: every serving version's batcher thread runs and no batch of theirs has run past STALL_S
+        (``stalled``), or the models are still loading."""
         if self._started.is_set():
-            return all(m.batcher.is_alive() for m in self._routes.all_versions())
+            return all(m.batcher.is_alive() for m in self._routes.all_versions()) and self.stalled is None
         return self._loader is not None and self._loader.is_alive()
+
+    @property
+    def stalled(self) -> str | None:
+        """Why a serving version is stuck: its batch has run longer than STALL_S (a forward pass that hangs), naming
+        it and how long (logged once a batch); None when none is, or STALL_S is 0."""
+        for loaded in self._routes.all_versions():
+            why = _stall_of(loaded, self.settings.stall_s)
+            if why is not None:
+                since = loaded.batcher.running_since()
+                if since != self._stall_said:
+                    self._stall_said = since
+                    log.error("liveness fails: %s", why)
+                return why
+        return None
 
     @property
     def ready(self) -> bool:
@@ -186,10 +202,13 @@ class Service(Lifecycle):
         request the server would refuse anyway costs no parsing and no decode. ``pixels``: the request sends
         pixels shaped for the default, which a canary of another input cannot take (routing.Route.takes_pixels)."""
         route = self._held(name, version, client_key, pixels)
-        if not route.version.batcher.is_alive():  # its thread ended (the process is not live): no batch would run
+        # Its batcher's thread ended, or its batch has run past STALL_S (either way the process is not live): this
+        # request's batch would not run
+        stall = _stall_of(route.version, self.settings.stall_s)
+        if stall is not None or not route.version.batcher.is_alive():
             self._routes.release(route)
             self.in_flight.leave()
-            raise not_ready("the model is not ready")
+            raise not_ready("the model is not ready" if stall is None else f"the model is stuck: {stall}")
         traffic = self._traffic_of(route)
         started = time.perf_counter()
         try:
@@ -251,6 +270,19 @@ class Service(Lifecycle):
                 series(VERSION_REQUEST_SECONDS, loaded.name, loaded.version).observe(seconds)
         if not refused and traffic is not None:  # a rollout's evidence: the traffic it routed
             traffic.record(seconds, outcome == "failed")
+
+
+def _stall_of(loaded: LoadedVersion, limit: float) -> str | None:
+    """Why ``loaded`` is stuck: its batch running now has run longer than ``limit`` (STALL_S; 0: never), naming it
+    and how long; else None."""
+    since = loaded.batcher.running_since()
+    if since is None or not limit:
+        return None
+    running_s = time.monotonic() - since
+    if running_s <= limit:
+        return None
+    return (f"model {loaded.name} version {loaded.version}: its batch has run {running_s:.1f} s, past STALL_S "
+            f"({limit:g} s)")
 
 
 def _outcome(error: BaseException | None) -> str:

@@ -9,14 +9,18 @@ A client that takes longer than ``client_header_timeout_s`` for its headers, or 
 ``client_body_timeout_s`` in its body, gets ``408`` and the connection closes. A head the parser would refuse once
 more bytes came (a line ending in a bare LF, a request line over gunicorn's limit, a head over ``MAX_HEADER_BYTES``)
 is refused by the loop at once (400, 414, 431), never handed to a thread that would wait for those bytes; empty lines
-before a request line are skipped (RFC 9112 2.2: a client may send one after a body). A chunked body, one announced with
-``Expect: 100-continue`` (the client waits for the 100 before sending it) or one over the limit (the app refuses
-it from the headers alone) goes to a thread after its headers, as before. The thread's parser reads the request
-out of a ``HeldUnreader``, which copies each byte once (gunicorn's own unreader copied everything it held on every
-read: quadratic in the body's size). What the app leaves unread of a body held whole is skipped in memory before the
-next request on the connection, whatever its size (gunicorn's own skip reads the socket, gives up after 64 KiB and
-closes a connection its answer called kept alive: a 503 refusing a photo while the engine restarts was then followed
-by a reset of the client's next request).
+before a request line are skipped (RFC 9112 2.2: a client may send one after a body). A chunked body is read by
+the loop too, its framing followed and checked as it arrives (``ChunkedBody``: malformed framing 400, its data over
+``max_body_bytes`` 413) and held as it came, for the parser to decode from memory; a client that announces
+``Expect: 100-continue`` (it waits for the 100 before sending its body) gets its ``100 Continue`` from the loop,
+which then reads that body as any (``body_framing``). Only a body announced over the limit (the app refuses it from
+the headers alone) goes to a thread after its headers, as does a head whose framing only the parser can judge (a
+repeated Content-Length, an unknown transfer coding: it refuses it from the head). The thread's parser reads the
+request out of a ``HeldUnreader``, which copies each byte once (gunicorn's own unreader copied everything it held on
+every read: quadratic in the body's size). What the app leaves unread of a body held whole is skipped in memory
+before the next request on the connection, whatever its size (gunicorn's own skip reads the socket, gives up after
+64 KiB and closes a connection its answer called kept alive: a 503 refusing a photo while the engine restarts was
+then followed by a reset of the client's next request).
 
 Under ENGINE=process a request read whole runs on the loop itself, as a greenlet, not on a thread
 (app/hosting/loop_requests.py, ``LOOP_REQUESTS``). Every answer is written without blocking (``ClientSocket``): what
@@ -54,6 +58,8 @@ from greenlet import getcurrent
 from gunicorn import util as gunicorn_util
 from gunicorn.glogging import Logger
 from gunicorn.http import errors as http_errors
+from gunicorn.http import get_parser
+from gunicorn.http.body import CHUNK_EXT_RE, DEFAULT_MAX_CHUNK_SIZE_LINE
 from gunicorn.http.unreader import SocketUnreader
 from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn, ThreadWorker
 
@@ -69,6 +75,11 @@ HELD_PIECE = 64 * 1024  # what a read of "the next chunk" (the header parser's) 
 CLOSE_LINGER_S = 2.0  # a connection's graceful close reads what the client still sends for this long at most
 CLOSE_DRAIN_BYTES = 64 * 1024  # and this much at most (gunicorn's close_graceful, on the loop without blocking)
 EMPTY_LINES = re.compile(rb"(?:\r\n)+")  # what may come before a request line (RFC 9112 2.2), skipped
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"  # what a client that sent Expect: 100-continue waits for
+HTTP_11_ON = re.compile(rb"HTTP/1\.[1-9]")  # a request version that may send a chunked body or expect 100 Continue
+CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]+")
+CODINGS = frozenset((b"chunked", b"identity", b"gzip", b"deflate", b"compress"))  # the transfer codings gunicorn takes
+MALFORMED = "the request body's framing is malformed: "  # as app/web/errors.py says it of what the parser refuses
 # accept(2)'s errors that end one connection before it was taken (Linux passes a pending network error on as accept's;
 # EPERM: a firewall refused it): the listener is asked again for the next one
 ACCEPT_GONE = frozenset(getattr(errno, name) for name in (
@@ -97,6 +108,8 @@ class ReadLimits:
     answer_timeout_s: float = 30.0  # CLIENT_ANSWER_TIMEOUT_S: a client taking none of its answer this long is left
     request_line_limit: int = 8190  # gunicorn's limit_request_line (gunicorn.conf.py): a longer one is refused (414)
     head_limit: int = 64 * 1024  # MAX_HEADER_BYTES: a longer request head (line and headers) is refused (431)
+    chunk_line_limit: int = DEFAULT_MAX_CHUNK_SIZE_LINE  # gunicorn's limit on a chunk-size line (its
+    # limit_request_field_size, which gunicorn.conf.py leaves at this default): a longer one is refused (400)
 
 
 @dataclass(eq=False)
@@ -106,9 +119,12 @@ class Reading:
     header_deadline: float
     last_data: float
     buffer: bytearray = field(default_factory=bytearray)
-    body_end: int | None = None  # header length + Content-Length, once the headers are in
+    body_end: int | None = None  # header length + Content-Length, once the headers are in; for a chunked body, how
+    # far the buffer must reach before its framing can be read on, then where it ends (``ChunkedBody.scan``)
     scanned: int = 0  # how much of the buffer the head's checks have seen (each byte looked at once)
-    refusal: Refusal | None = None  # why the loop refuses the request from its head, once it does
+    refusal: Refusal | None = None  # why the loop refuses the request (from its head, or its chunked framing)
+    chunked: ChunkedBody | None = None  # a chunked body's framing, as far as it came
+    continue_owed: bool = False  # the client waits for 100 Continue to send its body (told by the loop: ``_continue``)
 
     def take(self, data: bytes) -> None:
         """``data`` added to what arrived; empty lines (CRLF) before the request line are skipped (RFC 9112 2.2): a
@@ -120,16 +136,16 @@ class Reading:
             self.scanned = 0
 
     def wanted(self) -> int:
-        """What the next read asks for: the rest of a body whose length is known (at least FIRST_READ, at most
-        READ_SIZE), else FIRST_READ."""
+        """What the next read asks for: the rest of a body whose length is known, or of a chunk's data (at least
+        FIRST_READ, at most READ_SIZE), else FIRST_READ."""
         if self.body_end is None:
             return FIRST_READ
         return min(max(self.body_end - len(self.buffer), FIRST_READ), READ_SIZE)
 
 
 def body_length(head: bytes) -> int | None:
-    """The body length a header block announces, or None when the loop must not wait for it: chunked, Expect:
-    100-continue, or a Content-Length that is missing (0), repeated or malformed (the parser will judge)."""
+    """The body length a header block announces (a missing Content-Length: 0), or None when it takes a closer look
+    (``body_framing``): chunked, ``Expect``, or a Content-Length that is repeated or malformed."""
     lengths = []
     for line in head.split(b"\r\n")[1:]:
         name, _, value = line.partition(b":")
@@ -146,9 +162,49 @@ def body_length(head: bytes) -> int | None:
 
 
 @dataclass(frozen=True)
+class Framing:
+    """How a body that ``body_length`` left aside comes (``body_framing``)."""
+    chunked: bool
+    length: int  # its Content-Length, when it is not chunked
+    expects_continue: bool  # the client waits for 100 Continue before it sends the body
+
+
+def body_framing(head: bytes) -> Framing | None:
+    """How a header block that ``body_length`` left aside frames its body, where the loop reads it as gunicorn's
+    parser will (gunicorn/http/message.py's set_body_reader): chunked (the last of its transfer codings and only
+    there, each one a coding gunicorn takes, HTTP/1.1 and no Content-Length), else one Content-Length or none; after
+    ``Expect: 100-continue`` or not (HTTP/1.0 ignores it). None for any other: the parser refuses it from its head (a
+    repeated or malformed Content-Length, both framings, an unknown coding, another expectation)."""
+    lines = head.split(b"\r\n")
+    http_11 = HTTP_11_ON.fullmatch(lines[0].rpartition(b" ")[2]) is not None
+    codings: list[bytes] = []
+    lengths, expects = [], []
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        name = name.strip().lower()
+        if name == b"transfer-encoding":
+            codings += (coding.strip(b" \t").lower() for coding in value.split(b","))
+        elif name == b"content-length":
+            lengths.append(value.strip())
+        elif name == b"expect":
+            expects.append(value.strip(b" \t").lower())
+    if any(expect != b"100-continue" for expect in expects):
+        return None
+    expects_continue = bool(expects) and http_11
+    if codings:
+        if (lengths or not http_11 or codings[-1] != b"chunked" or codings.count(b"chunked") > 1
+                or not CODINGS.issuperset(codings)):
+            return None
+        return Framing(True, 0, expects_continue)
+    if len(lengths) > 1 or (lengths and not lengths[0].isdigit()):
+        return None
+    return Framing(False, int(lengths[0]) if lengths else 0, expects_continue)
+
+
+@dataclass(frozen=True)
 class Refusal:
-    """An answer the loop gives itself to a request it ends (a timeout) or refuses from its head; the connection
-    closes after it. Its code is its reason's (as app/web/errors.py names werkzeug's)."""
+    """An answer the loop gives itself to a request it ends (a timeout) or refuses from its head or its chunked
+    framing; the connection closes after it. Its code is its reason's (as app/web/errors.py names werkzeug's)."""
     status: int
     reason: str
     message: str
@@ -230,6 +286,101 @@ def head_refusal(buffer: bytearray, start: int, end: int, line_limit: int, head_
         return Refusal(431, "Request Header Fields Too Large",
                        f"the request line and headers are over the {head_limit} byte limit (MAX_HEADER_BYTES)")
     return None
+
+
+def malformed(exc: http_errors.ParseException) -> Refusal:
+    """The loop's answer to chunked framing gunicorn's parser would refuse (``exc``: its error, which says why)."""
+    return Refusal(400, "Bad Request", f"{MALFORMED}{exc}")
+
+
+def chunk_size(line: bytes) -> int | Refusal:
+    """The size a chunk-size line (its CRLF aside) says, checked as gunicorn's parser checks it (ChunkedReader's
+    parse_chunk_size: hex digits, then chunk extensions, RFC 9112 7.1.1), or why it is refused."""
+    size, *extension = line.split(b";", 1)
+    if extension:
+        if b"\r" in extension[0]:
+            return malformed(http_errors.InvalidChunkExtension("bare CR not allowed"))
+        size = size.rstrip(b" \t")
+    if not CHUNK_SIZE.fullmatch(size):
+        return malformed(http_errors.InvalidChunkSize(size))
+    if extension and not CHUNK_EXT_RE.fullmatch(b";" + extension[0]):
+        return malformed(http_errors.InvalidChunkExtension("invalid chunk extension"))
+    return int(size, 16)
+
+
+@dataclass(eq=False)
+class ChunkedBody:
+    """A chunked body's framing (RFC 9112 7.1) as the loop reads it, from the buffer's ``line`` on: chunk-size lines,
+    each chunk's data and its CRLF, then the trailer section up to its empty line. Checked as gunicorn's parser
+    checks it, so that the held bytes are the request it will read (``chunk_size``); a line ending in a bare LF is
+    refused at once, as in a head. Bounded: the chunks' data by ``max_body_bytes`` and the framing (the chunk-size
+    lines and CRLFs) by as much again (413), a chunk-size line by ``chunk_line_limit`` (400) and the trailer section
+    by ``head_limit`` (431). Each byte of a line is looked at once; a chunk's data not at all."""
+    line: int  # where the line read next starts: a chunk-size line, or one of the trailer section's
+    scanned: int = 0  # how far the buffer was searched for that line's end
+    data: int = 0  # the chunks' data so far: the body's length as the app will read it
+    framing: int = 0  # the chunk-size lines and CRLFs so far
+    data_end: int | None = None  # where the chunk being read ends (its CRLF next), until that CRLF came
+    trailers: int | None = None  # where the trailer section starts, once the last chunk (size 0) came
+    end: int | None = None  # where the body ends, once it came whole
+
+    def scan(self, buffer: bytearray, limits: ReadLimits) -> int | Refusal:
+        """The framing read on as far as ``buffer`` goes: the body's end once it is whole, else how long the buffer
+        must be before it can be read on (``Reading.body_end``); or why it is refused."""
+        while self.end is None:
+            if self.data_end is not None:  # a chunk's data, then its CRLF
+                crlf = self.data_end
+                if len(buffer) < crlf + 2:
+                    return crlf + 2
+                if buffer[crlf:crlf + 2] != b"\r\n":
+                    return malformed(http_errors.ChunkMissingTerminator(bytes(buffer[crlf:crlf + 2])))
+                self.line = self.scanned = crlf + 2
+                self.data_end, self.framing = None, self.framing + 2
+            line_end = buffer.find(b"\n", max(self.scanned, self.line))
+            if line_end < 0:  # the line goes on past what came
+                self.scanned = len(buffer)
+                if self.trailers is not None and len(buffer) - self.trailers > limits.head_limit:
+                    return trailers_too_long(limits)
+                if self.trailers is None and len(buffer) - self.line > limits.chunk_line_limit + 1:  # (+ its CR)
+                    return chunk_line_too_long(limits)
+                return len(buffer) + 1
+            if line_end == self.line or buffer[line_end - 1] != 0x0D:
+                return Refusal(400, "Bad Request", f"{MALFORMED}a line ends in a bare LF, not CRLF (RFC 9112 2.2)")
+            line = bytes(buffer[self.line:line_end - 1])
+            self.line = self.scanned = line_end + 1
+            if self.trailers is not None:  # a trailer field, or the empty line that ends the body
+                if self.line - self.trailers > limits.head_limit:
+                    return trailers_too_long(limits)
+                if not line:
+                    self.end = self.line
+                continue
+            if len(line) > limits.chunk_line_limit:
+                return chunk_line_too_long(limits)
+            size = chunk_size(line)
+            if isinstance(size, Refusal):
+                return size
+            self.framing += len(line) + 2
+            if size == 0:
+                self.trailers = self.line
+                continue
+            self.data += size
+            if self.data > limits.max_body_bytes or self.framing > limits.max_body_bytes:
+                what = "body" if self.data > limits.max_body_bytes else "body's chunked framing"
+                return Refusal(413, "Request Entity Too Large",
+                               f"the request {what} is over the {limits.max_body_bytes} byte limit")
+            self.data_end = self.line + size
+        return self.end
+
+
+def chunk_line_too_long(limits: ReadLimits) -> Refusal:
+    """A chunk-size line over ``chunk_line_limit``: 400, as gunicorn's parser says it."""
+    return malformed(http_errors.InvalidChunkSize(b"line over %d bytes" % limits.chunk_line_limit))
+
+
+def trailers_too_long(limits: ReadLimits) -> Refusal:
+    """A trailer section over ``head_limit`` (MAX_HEADER_BYTES), as a head over it: 431."""
+    return Refusal(431, "Request Header Fields Too Large",
+                   f"the request's trailer section is over the {limits.head_limit} byte limit (MAX_HEADER_BYTES)")
 
 
 class HeldUnreader(SocketUnreader):
@@ -448,7 +599,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
 
     def enqueue_req(self, conn: TConn) -> None:
         """A request the loop read whole runs on the loop itself (``loop_requests``: ``run_on_loop``); any other (a
-        body still arriving: chunked, ``Expect: 100-continue``) goes to a request thread, as in gthread."""
+        body announced over the limit, a head the parser refuses) goes to a request thread, as in gthread."""
         if (self.loop_requests and getattr(conn, "prefetched", None) and conn.body_held
                 and getcurrent() is self.loop_greenlet):
             self.run_on_loop(conn)
@@ -578,7 +729,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
             try:
                 data = sock.recv(wanted)
             except (BlockingIOError, InterruptedError):
-                return
+                break
             except OSError:
                 data = b""
             if not data:  # the client went away before its request was whole
@@ -590,11 +741,13 @@ class BufferingWorker(LoopRequests, ThreadWorker):
                 self._dispatch(reading)
                 return
             if len(data) < wanted:
-                return
+                break
+        if reading.continue_owed:  # its head is in, and the client waits for this to send the body
+            self._continue(reading)
 
     def _whole(self, reading: Reading) -> bool:
         """Whether the loop's wait for the request is over: it is whole (its body too when the loop reads it), or
-        refused from its head (``reading.refusal``)."""
+        refused (``reading.refusal``: from its head, or from its chunked framing)."""
         if reading.refusal is not None:
             return True
         if reading.body_end is None:
@@ -608,10 +761,54 @@ class BufferingWorker(LoopRequests, ThreadWorker):
             if end < 0:
                 return False
             length = body_length(bytes(buffer[:end]))
-            if length is None or length > self.limits.max_body_bytes:
+            if length is None:
+                return self._framed(reading, end)
+            if length > self.limits.max_body_bytes:
                 return True
             reading.body_end = end + len(HEADER_END) + length
-        return len(reading.buffer) >= reading.body_end
+        if len(reading.buffer) < reading.body_end:
+            return False
+        return reading.chunked is None or self._chunks_whole(reading)
+
+    def _framed(self, reading: Reading, end: int) -> bool:
+        """``_whole`` for a head ``body_length`` left aside (its end at ``end``): a chunked body, or one after
+        ``Expect: 100-continue``, is read on here as its framing says (``body_framing``), the client that waits for
+        it owed its ``100 Continue`` (``continue_owed``: once the loop waits for the body, ``_continue``); any other
+        head, and a Content-Length over the limit, go to the parser as they are (True)."""
+        framing = body_framing(bytes(reading.buffer[:end]))
+        if framing is None or framing.length > self.limits.max_body_bytes:
+            return True
+        start = reading.body_end = end + len(HEADER_END)
+        if framing.chunked:
+            reading.chunked = ChunkedBody(start)
+        else:
+            reading.body_end += framing.length
+        # nothing of the body came yet: the client waits for the 100 (one sending it anyway needs none, RFC 9110 10.1.1)
+        reading.continue_owed = (framing.expects_continue and (framing.chunked or framing.length > 0)
+                                 and len(reading.buffer) == start)
+        return self._whole(reading)
+
+    def _chunks_whole(self, reading: Reading) -> bool:
+        """Whether a chunked body came whole, its framing read on as far as it came (``ChunkedBody.scan``); refused
+        (``reading.refusal``) when that framing is malformed or over its limits."""
+        reach = reading.chunked.scan(reading.buffer, self.limits)  # type: ignore[union-attr]
+        if isinstance(reach, Refusal):
+            reading.refusal = reach
+            return True
+        reading.body_end = reach
+        return reading.chunked.end is not None  # type: ignore[union-attr]
+
+    def _continue(self, reading: Reading) -> None:
+        """``100 Continue`` to a client that waits for it to send its body (``Expect: 100-continue``), said by the
+        loop, which then reads that body; the parser says it no more once the request reaches it
+        (``continued_request``)."""
+        reading.continue_owed = False
+        conn = reading.conn
+        with contextlib.suppress(OSError):  # small: fits the socket buffer (a client gone: its next read says so)
+            conn.sock.send(CONTINUE)
+        if conn.parser is None:  # the connection's first request: its parser made here, as gthread's init would
+            conn.parser = get_parser(self.cfg, conn.sock, conn.client)
+        conn.parser.mesg_class = partial(continued_request, conn.parser)
 
     def _dispatch(self, reading: Reading) -> None:
         if reading.refusal is not None:
@@ -690,6 +887,8 @@ class BufferingWorker(LoopRequests, ThreadWorker):
             conn.sock.setblocking(False)
             self.reading.add(result)
             self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._on_data, result))
+            if result.continue_owed:
+                self._continue(result)
         elif result.refusal is not None:
             self._refuse(result)
         else:
@@ -876,6 +1075,16 @@ def _held(conn: TConn) -> bytes:
     """What the connection's parser holds past the request it answered: the start of the next one (pipelined)."""
     unreader = getattr(conn.parser, "unreader", None)
     return unreader.take_buffered() if isinstance(unreader, HeldUnreader) else b""
+
+
+def continued_request(parser: Any, *args: Any) -> Any:
+    """The request whose ``100 Continue`` the loop said (``BufferingWorker._continue``), made by ``parser`` as any:
+    gunicorn would say it again before the app runs (its wsgi.create), to a client whose body is in already. The
+    parser's next requests are its class's own again."""
+    del parser.mesg_class
+    request = type(parser).mesg_class(*args)
+    request._expected_100_continue = False
+    return request
 
 
 def skip_held_body(parser: Any) -> bool:

@@ -10,7 +10,10 @@ the request with its images and reads the answer, on a connection of the worker'
 ``app/hosting/waiting.py``'s: a request thread polls, a request on the worker's loop hands the wait to the loop. The
 requests on the worker's loop share one connection instead, several to a message (app/link/loop_link.py). An
 engine that dies fails the requests in flight with 503 and Retry-After (the master restarts it); until it is back,
-requests get 503 ``not_ready``.
+requests get 503 ``not_ready``. So do they, refused at once and not sent, while the engine's latest state query went
+unanswered within STATE_TIMEOUT_S (stopped, or its loop stuck: a request sent would wait twice its deadline for
+an answer): the watch of the engine then asks again every WAIT_S, and the master kills and restarts an engine
+silent for STALL_S (app/link/supervisor.py).
 
 Readiness is the server's, not this worker's alone: ready once the engine is ready, this worker is not draining,
 and every worker of the server reached the engine (each marks ``http-<pid>.ready`` in CONTROL_DIR; the master
@@ -241,6 +244,7 @@ class RemoteService(Lifecycle):
         self.connections = EngineConnections(connect or functools.partial(wire.connect, path, CONNECT_TIMEOUT_S))
         self.catalog = RemoteCatalog(self._ask)
         self._state: tuple[float, wire.EngineState | None] = (0.0, None)
+        self._engine_silent = False  # its latest state query went unanswered: requests are refused, not sent
         self._signatures: dict[tuple[str | None, str | None], Signature] = {}
         self._signatures_of: tuple[int, int] = (0, 0)  # (engine pid, routing generation) they were read at
         self.loop_link: LoopLink | None = None  # the requests on this worker's loop: one connection, made when first used
@@ -306,21 +310,27 @@ class RemoteService(Lifecycle):
         except (AttributeError, OSError):  # no pidfd here (not Linux, or a kernel before 5.3)
             looked = time.monotonic()
             while control.process_alive(pid) and not self._stopped.wait(WAIT_S):
-                if time.monotonic() - looked >= WATCH_S:
+                if time.monotonic() - looked >= self._watch_s():
                     looked = time.monotonic()
                     self._engine_serves()
             return
         try:
             poller = select.poll()
             poller.register(exited, select.POLLIN)
-            while not poller.poll(WATCH_S * 1000) and not self._stopped.is_set():
+            while not poller.poll(self._watch_s() * 1000) and not self._stopped.is_set():
                 self._engine_serves()
         finally:
             os.close(exited)
 
+    def _watch_s(self) -> float:
+        """How long the watch of the live engine waits before it asks again: WATCH_S, or WAIT_S while the latest
+        state query went unanswered (requests are refused meanwhile: they are sent again soon after it answers)."""
+        return WAIT_S if self._engine_silent else WATCH_S
+
     def _engine_serves(self) -> None:
-        """Every WATCH_S while the engine that answered last lives: this worker's ready mark written again if a
-        write failed (``Lifecycle._keep_ready_mark``), and its part of the gauges as the marks are now."""
+        """Every WATCH_S while the engine that answered last lives (every WAIT_S while it is silent: ``_watch_s``):
+        this worker's ready mark written again if a write failed (``Lifecycle._keep_ready_mark``), and its part of
+        the gauges as the marks are now (asking the engine's state)."""
         self._keep_ready_mark()
         self.ready  # noqa: B018 - its reading sets this worker's part of the ready gauge as the marks are now
 
@@ -407,7 +417,7 @@ class RemoteService(Lifecycle):
                 state = self._exchange(wire.StateQuery(), STATE_TIMEOUT_S, "the engine is away")
             except NotReady:
                 state = None
-            self._state = (time.monotonic(), state)
+            self._state, self._engine_silent = (time.monotonic(), state), state is None
         return state
 
     def labels(self, served: Served, parsed_with: Signature) -> list[str]:
@@ -464,9 +474,24 @@ class RemoteService(Lifecycle):
 
     @property
     def alive(self) -> bool:
-        """The engine's batchers run (an engine being restarted by the master does not make this worker dead)."""
+        """The engine's batchers run and none of its batches has run past STALL_S (an engine being restarted by the
+        master, or one silent that the master restarts once silent for STALL_S, does not make this worker dead)."""
         state = self._engine_state()
         return state.alive if state is not None else True
+
+    @property
+    def stalled(self) -> str | None:
+        """As ``Service.stalled``, as the engine says it: a batch of it that has run past STALL_S, else None."""
+        state = self._engine_state()
+        return state.stalled if state is not None else None
+
+    def _require_serving(self) -> None:
+        """NotReady (503 with Retry-After) while the engine's latest state query went unanswered (within
+        STATE_TIMEOUT_S): a request is not sent to an engine that is stopped, stuck or restarting, to wait twice its
+        deadline for an answer (the master restarts one silent for STALL_S)."""
+        if self._engine_silent:
+            raise not_ready(f"the engine did not answer its latest state query within {STATE_TIMEOUT_S:g}s: it is "
+                            "stopped, stuck or restarting")
 
     @property
     def ready(self) -> bool:

@@ -755,4 +755,5 @@ class EngineServer:
     def _state(self, conn: _Connection, message: wire.StateQuery, _: list[bytearray]) -> None:
         service = self.service
         self._send(conn, self._answer(wire.EngineState(ready=service.ready, alive=service.alive,
-                                                       loaded=service.loaded, draining=service.draining)))
+                                                       loaded=service.loaded, draining=service.draining,
+                                                       stalled=service.stalled)))

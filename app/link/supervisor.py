@@ -1,7 +1,8 @@
 """The gunicorn master's engine processes (``ENGINE=process``): ENGINES_PER_DEVICE per GPU (that many on a CPU
 host), each started as ``python -m app.link.server SLOT`` (a fresh interpreter: the master never imports torch or
 touches CUDA, and no process that used CUDA is ever forked), watched by a thread, restarted when it dies, stopped
-after the HTTP workers at shutdown. Standard library only: it runs in the master.
+after the HTTP workers at shutdown. Standard library only at import: it runs in the master (which loads the wire,
+numpy and no torch, once it starts engines whose state it asks).
 
 - The engines live in this module, not in gunicorn.conf.py: a ``kill -HUP`` executes the config file again, and
   its new globals would forget the engines (and never stop them). A HUP restarts the HTTP workers only; the
@@ -14,6 +15,12 @@ after the HTTP workers at shutdown. Standard library only: it runs in the master
   load its model does with ``ENGINE=inline``. At a later start (a restart after a crash) the master stops itself
   with the same message (``failure``: gunicorn.conf.py then ends it with status 3, as that boot error does, not
   the 0 of a stop asked for). An engine that dies three times in a row before it listens is taken as failing too.
+- An engine that stops answering without dying (SIGSTOP, its loop deadlocked) is killed and restarted as one that
+  died: once it listens, the master asks its state every STATE_EVERY_S (a connection of its own, as an HTTP
+  worker's, closed after the answer), and an engine whose every state query has gone unanswered for STALL_S is
+  killed (SIGKILL), the log saying why. A long batch does not make it silent: the engine's loop answers while its
+  batcher's thread runs the batch (one past STALL_S makes ``/healthz`` fail: ``Service.stalled``); a batch that
+  hangs on the loop itself (``ENGINE_LOOP_BATCH_MS``) does.
 - An engine's exit status is its watcher's to read, never gunicorn's: the master's reaping takes every child it
   finds ended (``waitpid(-1)``) and keeps no status of one it does not know, so an engine it reaped first was
   logged as exited 0 whatever ended it. The watcher sees the end without reaping (``WNOWAIT``), and the master's
@@ -30,13 +37,17 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable
 
+from app.config import load_settings  # (the master has read the settings already)
 from app.hosting.control import engine_failure, socket_path  # standard library only
 
 log = logging.getLogger("gunicorn.error")
 RESTART_DELAY_S = 1.0  # after a crash, before starting it again (a crash loop costs one start a second)
 EARLY_CRASHES = 3  # deaths in a row before the engine ever listened that count as a failure to start
+STATE_EVERY_S = 5.0  # how often the master asks a listening engine its state
+STATE_ANSWER_S = 5.0  # how long it waits for each answer (an engine's loop answers within milliseconds)
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: where `python -m app.link.server` finds app
 ENGINE_MODULE = "app.link.server"  # what an engine process runs: its command line names it
 _ENGINES: list["Engine"] = []  # this master's engines (survives gunicorn.conf.py being executed again)
@@ -47,10 +58,12 @@ _FAILURES: list[str] = []  # why the engines that stopped this master cannot ser
 class Engine:
     """One engine process and the thread that restarts it."""
 
-    def __init__(self, slot: int, control_dir: Path, on_death: Callable[[int], None]) -> None:
+    def __init__(self, slot: int, control_dir: Path, on_death: Callable[[int], None], stall_s: float = 0.0) -> None:
         self.slot, self.control_dir, self._on_death = slot, control_dir, on_death
+        self.stall_s = stall_s  # killed once silent this long (``_watch_answers``); 0: never
         self.process: subprocess.Popen[bytes] | None = None
         self.restarts = 0
+        self.answered_at: float | None = None  # when its process answered the master's state query last
         self._lock = threading.Lock()  # a spawn and a stop never overlap
         self._reaping = threading.Lock()  # the watcher and the master's reaping: one reaps, both read its status
         self._stopping = False
@@ -66,10 +79,15 @@ class Engine:
         return socket_path(self.control_dir, self.slot)
 
     def start(self) -> "Engine":
-        """Start the process and its watcher."""
+        """Start the process and its watcher, and with ``stall_s`` the watch of its answers."""
         with self._lock:
             self._spawn()
         threading.Thread(target=self._watch, name=f"engine-{self.slot}-watch", daemon=True).start()
+        if self.stall_s:
+            from app.link import wire  # here, before gunicorn forks: never mid-import in a thread at a fork
+
+            threading.Thread(target=self._watch_answers, args=(wire,), name=f"engine-{self.slot}-answers",
+                             daemon=True).start()
         return self
 
     def _spawn(self) -> None:
@@ -118,6 +136,63 @@ class Engine:
                     continue
                 self.restarts += 1
                 return True
+
+    def _watch_answers(self, wire: ModuleType) -> None:
+        """Until it is stopping: the engine's state asked every STATE_EVERY_S once its process listens (not while it
+        loads its models); one whose every query has gone unanswered for ``stall_s`` is killed, and ``_watch``
+        restarts it. One that refuses the master's hello has answered (it runs other code than the master: started
+        again after the code changed) and is not asked again (it would log each refusal)."""
+        process, other_code, silent_since = None, False, None
+        while True:
+            time.sleep(STATE_EVERY_S)
+            with self._lock:
+                if self._stopping:
+                    return
+                current = self.process
+            if current is not process:  # started again: its own silence, from its own first query
+                process, other_code, silent_since = current, False, None
+            if other_code or process is None or not self.socket.exists():
+                continue
+            asked = time.monotonic()
+            answered = self._answers(wire)
+            if answered is not False:
+                other_code, silent_since, self.answered_at = answered is None, None, time.monotonic()
+                continue
+            silent_since = asked if silent_since is None else silent_since
+            if time.monotonic() - silent_since >= self.stall_s:
+                self._kill_silent(process, time.monotonic() - silent_since)
+
+    def _answers(self, wire: ModuleType) -> bool | None:
+        """Whether the engine answers a state query within STATE_ANSWER_S, on a connection of the master's own (as an
+        HTTP worker's); None when it refuses the master's hello (other code: an answer all the same)."""
+        try:
+            conn = wire.connect(self.socket, STATE_ANSWER_S)
+        except wire.EngineGone:
+            return False
+        with conn:
+            conn.setblocking(False)  # every wait is the wire's
+            try:
+                wire.say_hello(conn, STATE_ANSWER_S)
+                wire.send(conn, wire.StateQuery())
+                return wire.readable(conn, STATE_ANSWER_S) and isinstance(
+                    wire.receive_answer(conn, STATE_ANSWER_S), wire.Answer)
+            except wire.WireMismatch:
+                return None
+            except (wire.EngineGone, OSError):
+                return False
+
+    def _kill_silent(self, process: subprocess.Popen[bytes], silent_s: float) -> None:
+        """SIGKILL ``process``, silent ``silent_s``, unless it ended or is being stopped or replaced meanwhile."""
+        with self._lock:
+            if self._stopping or process is not self.process:
+                return
+            self.collect(process)
+            if process.returncode is not None:  # it ended: its watcher restarts it
+                return
+            log.error("engine %d (pid %d) has answered none of the master's state queries for %.0f s (STALL_S=%g): "
+                      "it is stopped or stuck; killing it to start it again", self.slot, process.pid, silent_s,
+                      self.stall_s)
+            process.kill()
 
     def _ended(self, process: subprocess.Popen[bytes]) -> int | None:
         """Wait for ``process`` to end, reap it; its status as Popen says it (-9: killed by SIGKILL), None when
@@ -194,13 +269,16 @@ def reap_engines_first(server: Any) -> None:
     server.reap_workers = reap_engines_then_workers
 
 
-def start_engines(count: int, control_dir: Path, on_death: Callable[[int], None]) -> list[Engine]:
+def start_engines(count: int, control_dir: Path, on_death: Callable[[int], None],
+                  stall_s: float | None = None) -> list[Engine]:
     """``count`` engines, slots 0..count-1, unless this master runs them already (a HUP executes the config
-    again). A kept CONTROL_DIR's stale files are gone by then (gunicorn.conf.py's on_starting: control.clear_stale)."""
+    again), each killed and restarted once silent for ``stall_s`` (None: STALL_S). A kept CONTROL_DIR's stale files
+    are gone by then (gunicorn.conf.py's on_starting: control.clear_stale)."""
     if _ENGINES:
         return _ENGINES
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    _ENGINES.extend(Engine(slot, control_dir, on_death).start() for slot in range(count))
+    stall_s = load_settings().stall_s if stall_s is None else stall_s
+    _ENGINES.extend(Engine(slot, control_dir, on_death, stall_s).start() for slot in range(count))
     return _ENGINES
 
 

@@ -129,12 +129,14 @@ class StateQuery(_Message):
 
 @dataclass(slots=True)
 class EngineState(_Message):
-    """What ``StateQuery`` answers."""
+    """What ``StateQuery`` answers; ``stalled``: why the engine is not live though its threads run (a batch past
+    STALL_S: ``Service.stalled``)."""
 
     ready: bool
     alive: bool
     loaded: bool
     draining: bool
+    stalled: str | None = None
 
 
 @dataclass(slots=True)

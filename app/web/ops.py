@@ -17,23 +17,29 @@ from app.web.schemas import HealthResponse
 from app.web.services import current_service
 
 
-def _health(ok: bool, checks: dict[str, bool], good: str, bad: str) -> tuple[Response, int]:
-    body = HealthResponse(status=good if ok else bad, checks=checks)
-    return jsonify(body.model_dump()), 200 if ok else 503
+def _health(ok: bool, checks: dict[str, bool], good: str, bad: str, reason: str | None) -> tuple[Response, int]:
+    # ``reason`` (why it fails, for a person reading the probe's answer) only when there is one
+    body = HealthResponse(status=good if ok else bad, checks=checks, reason=reason).model_dump(exclude_none=True)
+    return jsonify(body), 200 if ok else 503
 
 
 def healthz() -> tuple[Response, int]:
-    """Liveness: the process answers and its batcher thread runs (or its model is still loading)."""
-    alive = current_service().alive
-    return _health(alive, {"batcher_thread": alive}, "alive", "dead")
+    """Liveness: the process answers, its batcher threads run and no batch has run past STALL_S (or its model is
+    still loading); ``reason`` names a stuck batch's version and how long it has run."""
+    service = current_service()
+    stalled = service.stalled
+    alive = service.alive and stalled is None  # (a batch may pass STALL_S between the two readings)
+    return _health(alive, {"batcher_thread": alive}, "alive", "dead", stalled)
 
 
 def readyz() -> tuple[Response, int]:
-    """Readiness: model loaded, every batch shape warmed up, canary passed, not draining."""
+    """Readiness: model loaded, every batch shape warmed up, canary passed, no batch past STALL_S (``reason`` names
+    it), not draining."""
     service = current_service()
-    checks = {"model_loaded": service.loaded, "warmed_up": service.loaded,  # warm-up and canary are part of loading
-              "batcher_thread": service.loaded and service.alive, "accepting": not service.draining}
-    return _health(service.ready, checks, "ready", "not_ready")
+    ready, loaded, alive, stalled = service.ready, service.loaded, service.alive, service.stalled
+    checks = {"model_loaded": loaded, "warmed_up": loaded,  # warm-up and canary are part of loading
+              "batcher_thread": loaded and alive and stalled is None, "accepting": not service.draining}
+    return _health(ready and stalled is None, checks, "ready", "not_ready", stalled)
 
 
 def metrics() -> Response:

@@ -1,6 +1,7 @@
 """Requests judged by their framing, against the real server: heads the worker's loop refuses at once (a bare LF,
 a request line or a head over its limit), empty lines between requests, a body that stalls after ``100 Continue``,
-malformed chunked framing, and the starting app's answer to an upload it never reads. Each gets a JSON error with
+malformed chunked framing, slow chunked and ``Expect: 100-continue`` bodies (read by the loop, not a thread), and the
+starting app's answer to an upload it never reads. Each gets a JSON error with
 its 4xx status (or, for the empty lines, nothing at all), never a 500 or a connection left waiting; those answered
 before the app count in /metrics all the same.
 
@@ -188,6 +189,45 @@ def test_malformed_chunked_framing_is_400_in_the_error_shape(server: Running, ch
     assert "unhandled error" not in server.output()
 
 
+CHUNKED_PHOTO = b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+@pytest.mark.slow  # a server of its own: two request threads, long body timeouts
+def test_slow_chunked_and_expect_100_bodies_hold_connections_not_the_threads_of_an_inline_worker(
+        small_weights: Path, tmp_path: Path) -> None:
+    # Before: the loop handed a chunked body, or one after Expect: 100-continue, to a request thread as soon as its
+    # head was in, and the thread read the body as it came: as many slow clients as threads and no other request was
+    # answered (the fault review: 40 such clients at one byte a second, 32 threads, 0 of 8 other requests answered).
+    server = serve(small_weights, tmp_path, engine="inline", threads="2", client_header_timeout_s="60",
+                   client_body_timeout_s="120").wait_ready()
+    slow: list[tuple[Raw, bytes]] = []
+    try:
+        for kind in ("expect", "expect", "chunked", "chunked"):  # twice as many as the threads
+            raw = Raw(server.port)
+            if kind == "expect":
+                head, rest = _photo(b"Expect: 100-continue\r\n").split(b"\r\n\r\n", 1)
+                raw.send(head + b"\r\n\r\n")
+                assert raw.answer()[0] == 100
+            else:
+                raw.send(CHUNKED_PHOTO)
+                rest = f"{len(faults.IMAGE):x}\r\n".encode() + faults.IMAGE + b"\r\n0\r\n\r\n"
+            raw.send(rest[:100])  # then nothing, for now
+            slow.append((raw, rest[100:]))
+        for _ in range(3):  # each answered while the slow bodies are still on their way
+            with Raw(server.port) as raw:
+                raw.send(_photo())
+                assert raw.answer()[0] == 200
+        for raw, rest in slow:  # the slow bodies end: each request is served whole
+            raw.send(rest)
+            status, _, body = raw.answer()
+            assert status == 200 and json.loads(body)["predictions"], body
+        assert "Traceback" not in server.output()
+    finally:
+        for raw, _ in slow:
+            raw.sock.close()
+        server.stop()
+
+
 STARTING_ONLY = """
 import threading, time
 from app.hosting.starting import StartingApp
@@ -216,7 +256,7 @@ def test_a_starting_worker_closes_the_connection_after_an_upload_it_did_not_read
         with Raw(port) as raw:
             raw.send(b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\nExpect: 100-continue\r\n"
                      + f"Content-Length: {len(body)}\r\n\r\n".encode())
-            assert raw.answer()[0] == 100  # gunicorn asks for the body before the app runs
+            assert raw.answer()[0] == 100  # the worker's loop asks for the body before the app runs
             raw.send(body)
             assert raw.error(503, "not_ready")["message"] == "the model is still loading"
             assert raw.closed()

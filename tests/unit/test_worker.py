@@ -38,6 +38,29 @@ def test_body_length_says_how_much_to_wait_for(head: bytes, expected: int | None
     assert body_length(head) == expected
 
 
+@pytest.mark.parametrize("head, expected", [
+    (b"POST /p HTTP/1.1\r\nTransfer-Encoding: chunked", (True, 0, False)),
+    (b"POST /p HTTP/1.1\r\nTransfer-Encoding: gzip, Chunked\r\nExpect: 100-Continue", (True, 0, True)),
+    (b"POST /p HTTP/1.1\r\nTransfer-Encoding: gzip\r\nTransfer-Encoding: chunked", (True, 0, False)),
+    (b"POST /p HTTP/1.1\r\nContent-Length: 9\r\nExpect: 100-continue", (False, 9, True)),
+    (b"POST /p HTTP/1.0\r\nContent-Length: 9\r\nExpect: 100-continue", (False, 9, False)),  # HTTP/1.0: ignored
+    # the parser refuses these from the head: the loop reads no body for them
+    (b"POST /p HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 9", None),  # both framings
+    (b"POST /p HTTP/1.0\r\nTransfer-Encoding: chunked", None),
+    (b"POST /p HTTP/1.1\r\nTransfer-Encoding: chunked, gzip", None),  # not chunked last
+    (b"POST /p HTTP/1.1\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked", None),
+    (b"POST /p HTTP/1.1\r\nTransfer-Encoding: br, chunked", None),  # a coding gunicorn does not take (501)
+    (b"POST /p HTTP/1.1\r\nContent-Length: 9\r\nExpect: 200-ok", None),  # 417
+    (b"POST /p HTTP/1.1\r\nContent-Length: 9\r\nContent-Length: 9\r\nExpect: 100-continue", None),
+])
+def test_the_loop_reads_a_chunked_or_expected_body_only_framed_as_the_parser_will_read_it(
+        head: bytes, expected: tuple | None) -> None:
+    from app.hosting.worker import body_framing
+
+    framing = body_framing(head)
+    assert (framing and (framing.chunked, framing.length, framing.expects_continue)) == expected
+
+
 def test_a_timeout_answer_is_408_json_in_the_service_error_shape() -> None:
     # with its request id, as every answer has (before: "request_id": null and no X-Request-ID)
     head, _, body = timeout_response("the request headers did not arrive within 10s", "a1b2").partition(b"\r\n\r\n")
@@ -854,3 +877,152 @@ def test_a_client_that_takes_none_of_the_rest_of_its_answer_loses_its_connection
     assert worker.nr_conns == 0 and conn.sock.fileno() == -1 and not closed  # closed at once, not kept alive
     assert "the client took none of its answer for 0.2s" in caplog.text
     worker.poller.close()
+
+
+class _Pool:
+    """Request threads that only note each connection they are handed (``handed``), running none."""
+
+    def __init__(self) -> None:
+        self.handed: list[Any] = []
+
+    def submit(self, _handle: Callable[[Any], Any], conn: Any) -> Future:
+        self.handed.append(conn)
+        return Future()  # never done: nothing settles
+
+
+def _serving_worker(loop_requests: bool = False, **limits: Any) -> Any:
+    """A BufferingWorker's loop reading requests with ``limits`` (ReadLimits' fields), its request threads a
+    ``_Pool`` (``worker.tpool.handed``) and, with ``loop_requests`` (ENGINE=process), its loop requests noted in
+    ``worker.on_loop``."""
+    from greenlet import getcurrent
+
+    from app.hosting.worker import ReadLimits
+
+    worker = _writing_worker()
+    worker.limits, worker.tpool, worker.log = ReadLimits(**limits), _Pool(), logging.getLogger("test.worker")
+    worker.loop_requests, worker.loop_greenlet, worker.on_loop = loop_requests, getcurrent(), []
+    worker.run_on_loop = worker.on_loop.append
+    return worker
+
+
+def _read_by_the_loop(worker: Any, client: socket.socket, piece: bytes) -> None:
+    """``piece`` sent, then the loop turned until it has read it (or handed the request on, or ended it)."""
+    reading = next(iter(worker.reading))
+    expected = len(reading.buffer) + len(piece)
+    client.sendall(piece)
+    _turn(worker, lambda: len(reading.buffer) >= expected or reading not in worker.reading)
+
+
+CHUNKED_HEAD = b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\nTransfer-Encoding: chunked\r\n\r\n"
+CHUNKS = [b"5;name=value\r\n", b"hel", b"lo\r\n", b"1", b"0\r\n", b"0123456789abcdef", b"\r\n0\r\nX-Sum: 7\r\n",
+          b"\r\n"]  # a chunk extension, a size line split, a trailer
+EXPECT_HEAD = (b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\nContent-Length: 21\r\n"
+               b"Expect: 100-continue\r\n\r\n")
+
+
+@pytest.mark.parametrize("loop_requests", [False, True], ids=["inline", "process"])
+@pytest.mark.parametrize("kind", ["chunked", "expect"])
+def test_a_chunked_or_expected_body_arriving_slowly_is_read_by_the_loop_and_handed_on_only_whole(
+        sockets, kind: str, loop_requests: bool) -> None:
+    # Before: the loop handed a chunked body, or one after Expect: 100-continue, to a request thread as soon as its
+    # head was in, and the thread read the body as it trickled in: 40 such clients at one byte a second held all 32
+    # threads of an inline worker, and no other request was answered.
+    from gunicorn.http import wsgi
+    from gunicorn.http.message import Request
+
+    ours, client = sockets
+    client.settimeout(5)
+    worker = _serving_worker(loop_requests)
+    conn, _ = _client_connection(ours, 30.0)
+    worker._start_reading(conn)
+    pieces = CHUNKS if kind == "chunked" else [b"hel", b"lo", b"0123456789abcdef"]
+    _read_by_the_loop(worker, client, CHUNKED_HEAD if kind == "chunked" else EXPECT_HEAD)
+    if kind == "expect":
+        assert client.recv(100) == b"HTTP/1.1 100 Continue\r\n\r\n"  # from the loop, which reads the body next
+    for piece in pieces[:-1]:
+        _read_by_the_loop(worker, client, piece)
+        assert not worker.tpool.handed and not worker.on_loop and worker.reading  # no thread while it arrives
+    _read_by_the_loop(worker, client, pieces[-1] + b"GET /healthz HTTP/1.1\r\n\r\n")  # pipelined behind it
+    assert (worker.on_loop if loop_requests else worker.tpool.handed) == [conn]  # whole: handed on, once
+    assert not (worker.tpool.handed if loop_requests else worker.on_loop) and not worker.reading
+    assert conn.body_held and conn.sock.body_held  # the app sets no socket timeout for it: no read will wait
+    # The parser reads the request the client sent from what the loop held: the body decoded, the chunk extension
+    # skipped, the trailer kept; gunicorn asks no 100 Continue again; the pipelined request follows.
+    seen: list[tuple[Any, bytes]] = []
+
+    def handle_request(req: Any, _conn: Any) -> bool:
+        _, environ = wsgi.create(req, conn.sock, conn.client, conn.server, worker.cfg)
+        seen.append((req, environ["wsgi.input"].read()))
+        return True
+
+    worker.handle_request = handle_request
+    assert worker._handle_one(conn) is True
+    (req, body), = seen
+    assert (req.path, body) == ("/predict", b"hello0123456789abcdef")
+    assert req.trailers == ([("X-SUM", "7")] if kind == "chunked" else [])
+    client.setblocking(False)
+    with pytest.raises(BlockingIOError):  # nothing was written to the client: no second 100 Continue
+        client.recv(100)
+    assert type(conn.parser).mesg_class is Request and "mesg_class" not in vars(conn.parser)  # the next: as any
+    assert next(conn.parser).path == "/healthz"
+
+
+@pytest.mark.parametrize("sent, status, says", [
+    (b"65\r\n", 413, "the request body is over the 100 byte limit"),  # 101 announced: refused before they come
+    (b"40\r\n" + b"a" * 64 + b"\r\n40\r\n", 413, "the request body is over the 100 byte limit"),  # 128 in all
+    (b"1;e=" + b"x" * 120 + b"\r\n", 413, "the request body's chunked framing is over the 100 byte limit"),
+    (b"zz\r\nhello\r\n", 400, "Invalid chunk size: b'zz'"),
+    (b"5\r\nhelloXX", 400, "Invalid chunk terminator is not '\\r\\n': b'XX'"),
+    (b"5;\x01\r\n", 400, "Invalid chunk extension"),
+    (b"5;a\rb\r\n", 400, "bare CR not allowed"),
+    (b"5\n", 400, "a line ends in a bare LF"),
+    (b"0\r\nX: 1\nY: 2\r\n", 400, "a line ends in a bare LF"),  # in the trailer section
+    (b"1" * 8192, 400, "Invalid chunk size: b'line over 8190 bytes'"),  # no end yet: over the limit already
+    (b"0\r\nX: " + b"a" * (64 * 1024), 431, "trailer section is over the 65536 byte limit (MAX_HEADER_BYTES)"),
+])
+def test_chunked_framing_over_its_limits_or_malformed_is_refused_by_the_loop_at_once_whichever_way_it_came(
+        sockets, sent: bytes, status: int, says: str) -> None:
+    from app.hosting.worker import ReadLimits, Reading
+
+    worker = _lingering()
+    worker.limits = ReadLimits(max_body_bytes=100)
+    verdicts = []
+    for step in (len(sent), 7, 1):  # at once, then in pieces: the same verdict, once the bytes that decide it came
+        reading = Reading(None, time.monotonic() + 10, time.monotonic())
+        reading.take(CHUNKED_HEAD)
+        assert not worker._whole(reading)
+        for at in range(0, len(sent), step):
+            reading.take(sent[at:at + step])
+            if worker._whole(reading):
+                break
+        verdicts.append(reading.refusal and (reading.refusal.status, reading.refusal.message))
+    assert len(set(verdicts)) == 1 and verdicts[0] is not None and verdicts[0][0] == status and says in verdicts[0][1]
+    # served: the answer in the service's error shape, the connection closed, no thread taken
+    ours, client = sockets
+    client.settimeout(5)
+    worker = _serving_worker(max_body_bytes=100)
+    conn, closed = _client_connection(ours, 30.0)
+    worker._start_reading(conn)
+    client.sendall(CHUNKED_HEAD + sent)
+    _turn(worker, lambda: bool(closed))
+    head, _, body = client.recv(65536).partition(b"\r\n\r\n")
+    assert head.startswith(f"HTTP/1.1 {status} ".encode()) and b"Connection: close" in head
+    assert says in json.loads(body)["error"]["message"] and not worker.tpool.handed and not worker.reading
+
+
+@pytest.mark.parametrize("kind", ["chunked", "expect"])
+def test_a_chunked_or_expected_body_that_stalls_is_408_on_the_loop(sockets, kind: str) -> None:
+    ours, client = sockets
+    client.settimeout(5)
+    worker = _serving_worker(body_timeout_s=0.2)
+    conn, _ = _client_connection(ours, 30.0)
+    worker._start_reading(conn)
+    client.sendall(CHUNKED_HEAD + b"5\r\nhe" if kind == "chunked" else EXPECT_HEAD)  # then nothing
+    _turn(worker, lambda: not worker.reading)  # the loop's turns: its sweep ends the request that stalled
+    answers = b""
+    while more := client.recv(65536):  # up to the connection's end
+        answers += more
+    head, _, body = answers.rpartition(b"HTTP/1.1 408 ")[2].partition(b"\r\n\r\n")
+    assert json.loads(body)["error"]["message"] == "the body did not arrive within 0.2s"
+    assert answers.startswith(b"HTTP/1.1 100 Continue\r\n\r\n") == (kind == "expect")
+    assert not worker.tpool.handed  # no thread taken

@@ -136,6 +136,10 @@ class Batcher(Generic[In, Out]):
     that ran the batches), one call at a time.
     """
 
+    # When the batch running now (its forward pass and answers, on the worker's thread or a caller's) started, in
+    # time.monotonic(); None while none runs: what a stall is judged by (``running_since``)
+    _batch_started: float | None = None
+
     def __init__(self, predict_fn: Callable[[list[In]], Sequence[Out]], *, max_batch_size: int,
                  max_wait_ms: float, queue_size: int, name: str = "batcher",
                  split_on: tuple[type[BaseException], ...] = (), shrink_s: float = 30.0,
@@ -213,6 +217,11 @@ class Batcher(Generic[In, Out]):
     def is_alive(self) -> bool:
         """True while the worker thread runs (liveness)."""
         return self._thread.is_alive()
+
+    def running_since(self) -> float | None:
+        """When the batch running now (on the worker's thread or a caller's) started, in time.monotonic(); None
+        while none runs. Warm-up (``start``'s ``prepare``) is no batch."""
+        return self._batch_started
 
     @property
     def depth(self) -> int:
@@ -641,6 +650,7 @@ class Batcher(Generic[In, Out]):
     def _run_taken(self, batch: list[_Pending[In]]) -> None:
         """Holding the queue (busy): a batch taken run; what escapes its forward pass's own handling (an
         observer's fault, a bug) fails its items not answered yet, never the thread that runs it."""
+        self._batch_started = time.monotonic()
         try:
             self._run_batch(batch)
         except BaseException as exc:  # noqa: BLE001 - see above; the thread's end is only for what ends threads
@@ -650,6 +660,8 @@ class Batcher(Generic[In, Out]):
                 pending.fail(error)
             if error is not exc:
                 raise
+        finally:
+            self._batch_started = None
 
     def _settle_when_empty(self) -> None:
         """Holding the queue (busy), after a take: settle what the batches left unsettled once nothing waits (its

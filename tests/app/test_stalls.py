@@ -1,0 +1,274 @@
+"""A server that stops making progress without dying: a forward pass that hangs (inline and across the link, where
+the probes read the engine's state answer), and an engine process that stops answering (a loop stuck, SIGSTOP): new
+requests are refused at once, and the master kills such an engine so that it is restarted. The settings' bounds
+are made small; every wait is for a condition."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from flask import Flask
+from flask.testing import FlaskClient
+
+from app import EXTENSION_KEY
+from app.config import Settings
+from app.engine.batching.batcher import Batcher
+from app.engine.loaded.predictor import Predictor
+from app.engine.service import Service
+from app.errors import NotReady
+from app.factory import create_app, default_protocols
+from app.hosting import control
+from app.link import client as client_module
+from app.link import supervisor, wire
+from app.link.client import RemoteService
+from app.link.loop import EngineServer
+from app.web import init_app
+from tests.support.answers import error_of
+from tests.support.fakes import ColourModel, infer, wait_until
+from tests.support.imaging import RED, image_bytes
+
+STALL_S = 0.2  # STALL_S in these tests
+
+
+def _post(client: FlaskClient) -> int:
+    return client.post("/predict", data=image_bytes(RED), content_type="image/png").status_code
+
+
+# -- the batcher records the batch running now -------------------------------------------------------------------
+
+
+def test_the_batch_running_now_is_timed_from_its_start_on_any_thread_and_warm_up_is_no_batch() -> None:
+    gate, warming, warm = threading.Event(), threading.Event(), threading.Event()
+
+    def predict(items: list[int]) -> list[int]:
+        gate.wait(10)
+        return items
+
+    def prepare() -> None:
+        warming.set()
+        warm.wait(10)
+
+    batcher: Batcher[int, int] = Batcher(predict, max_batch_size=4, max_wait_ms=0, queue_size=8,
+                                         inline_when_idle=True)
+    starting = threading.Thread(target=batcher.start, args=(prepare,))
+    starting.start()
+    try:
+        assert warming.wait(10) and batcher.running_since() is None  # warm-up (prepare) runs: no batch
+        warm.set()
+        starting.join(10)
+        before = time.monotonic()
+        caller = threading.Thread(target=lambda: batcher.submit(1).result(10))  # runs on its own thread (idle)
+        caller.start()
+        wait_until(lambda: batcher.running_since() is not None)
+        assert before <= batcher.running_since() <= time.monotonic() and batcher.batches_inline == 1
+        gate.set()
+        caller.join(10)
+        assert batcher.running_since() is None  # none runs
+        gate.clear()
+        held = batcher.submit_many([1, 2], inline=False)  # the worker's thread
+        wait_until(lambda: batcher.running_since() is not None)
+        gate.set()
+        assert [f.result(10).value for f in held] == [1, 2]
+        wait_until(lambda: batcher.running_since() is None)
+    finally:
+        warm.set()
+        gate.set()
+        batcher.stop(5)
+
+
+# -- a forward pass that hangs, inline -------------------------------------------------------------------------------
+
+
+def test_a_batch_past_stall_s_fails_liveness_and_readiness_naming_it_and_its_requests_get_503(
+        settings: Settings, predictor: Predictor, model: ColourModel, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: /healthz and /readyz only asked whether the batcher's thread existed: with a forward pass blocked,
+    # both said 200 while every request waited out its deadline (504) and the queue grew; nothing restarted it.
+    app = create_app(settings.model_copy(update={"stall_s": STALL_S}), predictor)
+    client = app.test_client()
+    try:
+        assert client.get("/healthz").status_code == 200 and client.get("/readyz").status_code == 200
+        model.gate = threading.Event()
+        held = threading.Thread(target=_post, args=(client,))
+        with caplog.at_level(logging.ERROR, logger="app.engine.service"):
+            held.start()
+            wait_until(lambda: client.get("/healthz").status_code == 503)
+            health, ready = client.get("/healthz").get_json(), client.get("/readyz")
+            assert health["status"] == "dead" and not health["checks"]["batcher_thread"]
+            assert "colour version test: its batch has run" in health["reason"] and "STALL_S" in health["reason"]
+            assert ready.status_code == 503 and ready.get_json()["reason"].startswith("model colour version test")
+            refused = client.post("/predict", data=image_bytes(RED), content_type="image/png")
+            assert "stuck" in error_of(refused, 503, "not_ready")["message"] and refused.headers["Retry-After"]
+            assert client.get("/v2/health/live").status_code == 503
+        said = [r.getMessage() for r in caplog.records if "liveness fails" in r.getMessage()]
+        assert len(said) == 1 and "colour version test" in said[0]  # once a batch, however often it is asked
+        model.gate.set()
+        held.join(10)
+        assert client.get("/healthz").status_code == 200 and client.get("/readyz").status_code == 200
+        assert "reason" not in client.get("/healthz").get_json() and _post(client) == 200
+    finally:
+        if model.gate is not None:
+            model.gate.set()
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+# -- across the link ---------------------------------------------------------------------------------------------
+
+
+class Linked:
+    """An engine (Service + EngineServer, its batches on the batcher's thread) and an HTTP worker's app over its
+    RemoteService, joined by socket pairs as tests/app/test_link.py joins them."""
+
+    def __init__(self, settings: Settings, predictor: Predictor, control_dir: Path) -> None:
+        control_dir.mkdir(exist_ok=True)
+        self.engine = Service.build(settings, predictor)
+        self.server = EngineServer(self.engine)
+        self.server._loop_batch_s = 0.0  # every batch on the batcher's thread, as on a GPU: the loop stays free
+        self.connections: list[socket.socket] = []
+        self.worker = RemoteService(settings.model_copy(update={"control_dir": control_dir}), 0,
+                                    connect=self._connect)
+        self.worker._started.set()  # as RemoteService.start does once the engine says it is ready
+        control.ready_mark(control_dir, os.getpid()).touch()
+        self.app = Flask(__name__)
+        init_app(self.app, settings, self.worker, default_protocols())
+        self.client = self.app.test_client()
+
+    def _connect(self) -> socket.socket:
+        worker_end, engine_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.connections.append(engine_end)
+        self.server.serve(engine_end)
+        return worker_end
+
+
+@pytest.fixture
+def linked(settings: Settings, predictor: Predictor, tmp_path: Path) -> Iterator[Linked]:
+    joined = Linked(settings.model_copy(update={"stall_s": STALL_S}), predictor, tmp_path / "control")
+    yield joined
+    joined.engine.shutdown(timeout=5)
+
+
+@pytest.mark.slow
+def test_an_engine_whose_batch_runs_past_stall_s_says_so_in_its_state_answer_and_the_worker_s_probes_fail(
+        linked: Linked, model: ColourModel) -> None:
+    # Before (ENGINE=process): the engine's state answer said alive and ready with its forward pass blocked, so the
+    # HTTP workers' /healthz and /readyz said 200 while every request got 504.
+    client = linked.client
+    assert client.get("/healthz").status_code == 200 and client.get("/readyz").status_code == 200
+    model.gate = threading.Event()
+    held = threading.Thread(target=lambda: infer(linked.worker, [image_bytes(RED)], timeout_s=10))
+    held.start()
+    try:
+        # the engine's loop answers its state queries while its batcher's thread is held by the batch
+        wait_until(lambda: client.get("/healthz").status_code == 503)
+        health, ready = client.get("/healthz").get_json(), client.get("/readyz")
+        assert health["status"] == "dead" and "model colour version test: its batch has run" in health["reason"]
+        assert ready.status_code == 503 and "STALL_S" in ready.get_json()["reason"]
+        refused = client.post("/predict", data=image_bytes(RED), content_type="image/png")
+        assert "stuck" in error_of(refused, 503, "not_ready")["message"]  # refused by the engine, at once
+    finally:
+        model.gate.set()
+    held.join(10)
+    wait_until(lambda: client.get("/healthz").status_code == 200)
+    assert client.get("/readyz").status_code == 200 and _post(client) == 200
+
+
+@pytest.mark.slow
+def test_a_worker_sends_no_request_to_an_engine_whose_latest_state_query_went_unanswered(
+        linked: Linked, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: requests were sent to an engine that answered nothing (SIGSTOP, its loop stuck) and each waited twice
+    # its deadline plus 5 s for a 504, however often the engine's state had gone unanswered.
+    monkeypatch.setattr(client_module, "STATE_TIMEOUT_S", 0.2)
+    client = linked.client
+    assert _post(client) == 200
+    entered, stuck = threading.Event(), threading.Event()
+    linked.server._post(lambda: (entered.set(), stuck.wait(10)))  # the engine's loop stuck
+    try:
+        assert entered.wait(10)
+        assert client.get("/readyz").status_code == 503  # its state query goes unanswered
+        assert client.get("/healthz").status_code == 200  # the master restarts a silent engine (below)
+        connections = len(linked.connections)
+        with pytest.raises(NotReady, match="did not answer its latest state query") as refused:
+            infer(linked.worker, [image_bytes(RED)], timeout_s=0.5)
+        assert refused.value.headers["Retry-After"]
+        assert len(linked.connections) == connections  # not sent: no connection tried
+        assert linked.worker._watch_s() == client_module.WAIT_S  # the watch of the engine asks again soon
+        answer = client.post("/predict", data=image_bytes(RED), content_type="image/png")
+        error_of(answer, 503, "not_ready")
+        assert len(linked.connections) == connections
+    finally:
+        stuck.set()
+    wait_until(lambda: client.get("/readyz").status_code == 200)  # asked again: it answers
+    assert _post(client) == 200 and linked.worker._watch_s() == client_module.WATCH_S
+
+
+# -- the master and a silent engine ----------------------------------------------------------------------------------
+
+# An engine as far as the master's state queries go: it listens on its socket and answers each (hello, StateQuery)
+FAKE_ENGINE = """
+import os, socket, sys
+from app.link import wire
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+listener.bind(sys.argv[1])
+listener.listen(64)
+while True:
+    conn, _ = listener.accept()
+    with conn:
+        try:
+            head, _ = wire._receive_frame(conn)
+            wire._answer_hello(conn, head)
+            wire._receive_frame(conn)
+            wire.send(conn, wire.Answer(wire.EngineState(True, True, True, False), None, os.getpid(), 1))
+        except (wire.EngineGone, OSError):
+            pass
+"""
+
+
+@pytest.mark.slow
+def test_the_master_kills_an_engine_that_answers_no_state_query_for_stall_s_and_starts_it_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: an engine stopped (SIGSTOP) or with its loop stuck was never restarted: it kept its socket, the
+    # workers kept sending it requests, and the master watched only for its exit.
+    monkeypatch.setattr(supervisor, "STATE_EVERY_S", 0.05)
+    monkeypatch.setattr(supervisor, "STATE_ANSWER_S", 0.2)
+    monkeypatch.setattr(supervisor, "RESTART_DELAY_S", 0.05)
+    stall_s = 0.5
+    real_popen = subprocess.Popen
+    spawned: list[subprocess.Popen[bytes]] = []
+
+    def popen(command: list[str], **kwargs: object) -> subprocess.Popen[bytes]:
+        child = real_popen([sys.executable, "-c", FAKE_ENGINE, str(engine.socket)], stdin=subprocess.PIPE,
+                           cwd=supervisor.ROOT)
+        spawned.append(child)
+        return child
+
+    monkeypatch.setattr(supervisor.subprocess, "Popen", popen)
+    engine = supervisor.Engine(0, tmp_path, on_death=lambda pid: None, stall_s=stall_s)
+    with caplog.at_level(logging.WARNING, logger="gunicorn.error"):
+        engine.start()
+        try:
+            wait_until(lambda: engine.answered_at is not None, timeout=30)
+            first, answering_since = engine.process, engine.answered_at
+            wait_until(lambda: engine.answered_at - answering_since > 2 * stall_s)  # an engine that answers lives
+            assert engine.restarts == 0 and first.poll() is None
+            os.kill(first.pid, signal.SIGSTOP)
+            wait_until(lambda: engine.restarts == 1, timeout=30)
+            assert first.wait(10) == -signal.SIGKILL and engine.process is spawned[1]
+            stopped_at = time.monotonic()
+            wait_until(lambda: engine.answered_at > stopped_at, timeout=30)  # the new one answers
+        finally:
+            engine.signal_stop()
+            for child in spawned:
+                if child.poll() is None:
+                    os.kill(child.pid, signal.SIGCONT)
+            engine.wait_stopped(10)
+    said = [r.getMessage() for r in caplog.records if "state queries" in r.getMessage()]
+    assert len(said) == 1 and f"engine 0 (pid {first.pid})" in said[0] and "stopped or stuck" in said[0]
+    assert any(f"(pid {first.pid}) died with status -9; restarting it" in r.getMessage() for r in caplog.records)
