@@ -1037,6 +1037,7 @@ def test_small_images_are_decoded_on_the_loop_once_their_cost_is_measured(link: 
     assert decoded_on[-1] == "engine-loop"
 
 
+@pytest.mark.slow  # about 1.5 s
 def test_a_batch_run_where_images_were_decoded_is_not_counted_as_their_decode(settings: Settings) -> None:
     # The loop learns what decoding costs per byte from what its decodes took; a lone batch it then runs itself must
     # not count, or a slow forward pass would read as slow decoding and send small images to the decode threads.

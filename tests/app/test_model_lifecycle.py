@@ -709,6 +709,7 @@ def test_v1_models_lists_every_version_with_its_state_memory_and_worker(client: 
     assert [r["default"] for r in client.post("/v2/repository/index").get_json()] == [False, False, False]
 
 
+@pytest.mark.slow  # two workers following each other (2 s)
 def test_workers_sharing_a_control_directory_apply_each_others_loads(settings: Settings, tmp_path: Path,
                                                                      repository: FakeRepository) -> None:
     import os

@@ -127,6 +127,7 @@ LEAVES_A_SERVER = ("import os, subprocess, sys, time; server = subprocess.Popen(
                    "time.sleep(300)")
 
 
+@pytest.mark.slow  # a drill step run to its limit (5 s)
 def test_a_step_stopped_at_its_limit_leaves_no_process_it_started(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     pids = tmp_path / "pids"

@@ -84,6 +84,7 @@ def test_no_server_counts_errors_without_raising() -> None:
     assert latencies == [] and errors > 0 and answered == 0
 
 
+@pytest.mark.slow  # a load window of 2 s
 def test_counts_the_answers_that_came_in_the_window_whenever_they_were_sent(url: str) -> None:
     # One client, 1 s an answer: sent at 0 (in the warm-up) and answered at 1, inside the window [0.5, 1.5] (half a
     # second to spare each side); the next one, sent at 1, is answered at 2, after it. A count of only what was
