@@ -119,6 +119,18 @@ def on_starting(server) -> None:  # noqa: ANN001
                                  lambda pid: _forget(server, pid))
 
 
+def nworkers_changed(server, new_value: int, old_value: int | None) -> None:  # noqa: ANN001
+    """Keep the worker count VISIONSERVE_WORKERS set: readiness waits for that many workers' marks, and the engines,
+    the queues and the cores each worker takes are sized by it, so gunicorn's TTIN and TTOU (one worker more or
+    fewer) would leave /readyz 503 for good, or a worker no engine serves. Refused, and said how to change it."""
+    if old_value is None or new_value == _workers:  # gunicorn's own setting of it at start (and a HUP's)
+        return
+    server._num_workers = _workers  # noqa: SLF001 - the count gunicorn's property just set, put back
+    server.log.error("visionserve: a change of the worker count to %d (TTIN, TTOU) is refused: readiness, the "
+                     "engines and the queues are sized by VISIONSERVE_WORKERS=%d; restart with the count you want "
+                     "in VISIONSERVE_WORKERS", new_value, _workers)
+
+
 def _clear_metrics(server) -> None:  # noqa: ANN001
     """Remove the values an earlier run left in PROMETHEUS_MULTIPROC_DIR (its ``*.db`` files, nothing else), as
     prometheus-client asks between runs: /metrics sums every file there, so a run that died uncleanly (the

@@ -109,3 +109,25 @@ def test_a_dead_worker_s_files_the_master_cannot_remove_are_logged_not_raised(
         os.environ.clear()
         os.environ.update(before)
     assert len(warnings) == 1 and "worker 4242" in warnings[0] and os.strerror(errno.EROFS) in warnings[0]
+
+
+def test_a_change_of_the_worker_count_by_ttin_or_ttou_is_refused_and_said(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: TTOU left one worker fewer than VISIONSERVE_WORKERS, whose marks readiness counts: /readyz answered
+    # 503 for good while every check in its body was true (an orchestrator took the healthy server out).
+    import runpy
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("VISIONSERVE_WORKERS", "2")
+    before = dict(os.environ)
+    try:
+        config = runpy.run_path("gunicorn.conf.py")
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
+    errors: list[str] = []
+    server = SimpleNamespace(_num_workers=2, log=SimpleNamespace(error=lambda message, *args: errors.append(
+        message % args)))
+    config["nworkers_changed"](server, 2, None)  # gunicorn's own setting at start
+    server._num_workers = 1  # TTOU: gunicorn's property sets the count, then calls the hook
+    config["nworkers_changed"](server, 1, 2)
+    assert server._num_workers == 2 and len(errors) == 1 and "VISIONSERVE_WORKERS=2" in errors[0]
