@@ -308,27 +308,31 @@ class RemoteService(Lifecycle):
         except ProcessLookupError:
             return
         except (AttributeError, OSError):  # no pidfd here (not Linux, or a kernel before 5.3)
-            looked = time.monotonic()
+            asked = time.monotonic()
             while control.process_alive(pid) and not self._stopped.wait(WAIT_S):
-                if time.monotonic() - looked >= self._watch_s():
-                    looked = time.monotonic()
-                    self._engine_serves()
+                asked = self._ask_when_due(asked)
             return
         try:
             poller = select.poll()
             poller.register(exited, select.POLLIN)
-            while not poller.poll(self._watch_s() * 1000) and not self._stopped.is_set():
-                self._engine_serves()
+            asked = time.monotonic()
+            while not poller.poll(WAIT_S * 1000) and not self._stopped.is_set():
+                asked = self._ask_when_due(asked)
         finally:
             os.close(exited)
 
-    def _watch_s(self) -> float:
-        """How long the watch of the live engine waits before it asks again: WATCH_S, or WAIT_S while the latest
-        state query went unanswered (requests are refused meanwhile: they are sent again soon after it answers)."""
-        return WAIT_S if self._engine_silent else WATCH_S
+    def _ask_when_due(self, asked: float) -> float:
+        """The watch's look every WAIT_S: the engine asked again (``_engine_serves``) WATCH_S after it was last
+        asked, or at once while its latest state query went unanswered (requests are refused meanwhile: they are
+        sent again within WAIT_S of its answer, whoever's query found it silent); when it was asked last."""
+        now = time.monotonic()
+        if self._engine_silent or now - asked >= WATCH_S:
+            self._engine_serves()
+            return now
+        return asked
 
     def _engine_serves(self) -> None:
-        """Every WATCH_S while the engine that answered last lives (every WAIT_S while it is silent: ``_watch_s``):
+        """Every WATCH_S while the engine that answered last lives (every WAIT_S while it is silent: ``_ask_when_due``):
         this worker's ready mark written again if a write failed (``Lifecycle._keep_ready_mark``), and its part of
         the gauges as the marks are now (asking the engine's state)."""
         self._keep_ready_mark()
