@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable, Iterator
@@ -183,6 +184,23 @@ def test_a_change_written_whose_report_fails_is_kept_and_said_so(
     assert "written for the other workers, but not this worker's report" in answer.get_json()["error"]
     stored = json.loads((shared.control_dir / control.DESIRED).read_text())
     assert stored["models"]["colour"]["default"] == "1" and _answered_by(shared_client) == "1"
+
+
+@pytest.mark.slow  # a few rounds of following (2 s)
+def test_a_control_dir_that_cannot_be_written_is_said_once_in_the_log_not_every_round(
+        shared_client: FlaskClient, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: "reconciling the models failed" with a whole traceback, every second in every worker, for as long as
+    # CONTROL_DIR stayed read-only.
+    monkeypatch.setattr(writers, "EVIDENCE_S", 0.2)  # its report written every round (the write that fails)
+    with caplog.at_level(logging.INFO, logger=writers.log.name):
+        _unwritable_state(monkeypatch, errno.EROFS)
+        wait_until(lambda: "following the other workers failed" in caplog.text)
+        time.sleep(1.0)  # five rounds more
+        said = [r for r in caplog.records if r.name == writers.log.name and r.levelno >= logging.WARNING]
+        assert len(said) == 1 and os.strerror(errno.EROFS) in said[0].getMessage() and said[0].exc_info is None
+        monkeypatch.undo()
+        wait_until(lambda: "can be written again" in caplog.text)
+    assert _answered_by(shared_client) == "2"  # it served on meanwhile
 
 
 # -- a ready mark that could not be written --------------------------------------------------------------------------

@@ -235,6 +235,7 @@ class Writers:
         the evidence."""
         poll_s = self.settings.repository_poll_s
         next_poll = next_evidence = time.monotonic() + poll_s
+        unwritable: str | None = None  # CONTROL_DIR's error last said (read-only, full): said once, not every round
         while not self._stop.wait(WATCH_S):
             try:
                 self.follow_newest()  # every round, before a poll: a poll as often as the rounds must not starve it
@@ -244,6 +245,15 @@ class Writers:
                 if time.monotonic() >= next_evidence:
                     next_evidence = time.monotonic() + EVIDENCE_S
                     self.share_evidence()
+                if unwritable is not None:
+                    unwritable = None
+                    log.info("CONTROL_DIR %s can be written again", self.settings.control_dir)
+            except OSError as exc:  # the same error every round until it is fixed: once in the log, not a traceback
+                if str(exc) != unwritable:
+                    unwritable = str(exc)
+                    log.warning("following the other workers failed: CONTROL_DIR %s cannot be read or written (%s); "
+                                "this worker serves on as it is and tries again every round", self.settings.control_dir,
+                                exc)
             except Exception:  # noqa: BLE001 - a failed round must not end following
                 log.exception("reconciling the models failed")
 
