@@ -53,6 +53,19 @@ ENGINE_MODULE = "app.link.server"  # what an engine process runs: its command li
 _ENGINES: list["Engine"] = []  # this master's engines (survives gunicorn.conf.py being executed again)
 OWNED_DIRS: list[str] = []  # temporary directories this master made (removed at exit, also after a HUP)
 _FAILURES: list[str] = []  # why the engines that stopped this master cannot serve (``failure``)
+_QUERYING: set[int] = set()  # the master's state-query connections open now, by file descriptor
+
+
+def _close_inherited_queries() -> None:
+    """In a process the master forks (a worker) while a state query is open: its copy of that connection closed,
+    else the engine would keep the connection, idle, for the worker's whole life."""
+    for fd in list(_QUERYING):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _QUERYING.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_queries)
 
 
 class Engine:
@@ -169,6 +182,7 @@ class Engine:
             conn = wire.connect(self.socket, STATE_ANSWER_S)
         except wire.EngineGone:
             return False
+        _QUERYING.add(conn.fileno())
         with conn:
             conn.setblocking(False)  # every wait is the wire's
             try:
@@ -180,6 +194,8 @@ class Engine:
                 return None
             except (wire.EngineGone, OSError):
                 return False
+            finally:
+                _QUERYING.discard(conn.fileno())
 
     def _kill_silent(self, process: subprocess.Popen[bytes], silent_s: float) -> None:
         """SIGKILL ``process``, silent ``silent_s``, unless it ended or is being stopped or replaced meanwhile."""

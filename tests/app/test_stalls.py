@@ -275,3 +275,25 @@ def test_the_master_kills_an_engine_that_answers_no_state_query_for_stall_s_and_
     said = [r.getMessage() for r in caplog.records if "state queries" in r.getMessage()]
     assert len(said) == 1 and f"engine 0 (pid {first.pid})" in said[0] and "stopped or stuck" in said[0]
     assert any(f"(pid {first.pid}) died with status -9; restarting it" in r.getMessage() for r in caplog.records)
+
+
+def test_a_worker_forked_while_the_master_asks_an_engine_closes_its_copy_of_that_connection() -> None:
+    # Without it, the worker gunicorn forks in the instant a state query is open keeps a copy of the connection for
+    # its whole life, and the engine keeps it open, idle.
+    ours, engine_end = socket.socketpair()
+    supervisor._QUERYING.add(ours.fileno())
+    try:
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the forked worker
+            try:
+                os.fstat(ours.fileno())
+                os._exit(1)  # still open here
+            except OSError:
+                os._exit(0)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        os.fstat(ours.fileno())  # the master's own is untouched
+    finally:
+        supervisor._QUERYING.discard(ours.fileno())
+        ours.close()
+        engine_end.close()
