@@ -774,8 +774,13 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         """``_whole`` for a head ``body_length`` left aside (its end at ``end``): a chunked body, or one after
         ``Expect: 100-continue``, is read on here as its framing says (``body_framing``), the client that waits for
         it owed its ``100 Continue`` (``continue_owed``: once the loop waits for the body, ``_continue``); any other
-        head, and a Content-Length over the limit, go to the parser as they are (True)."""
+        head, and a Content-Length over the limit, go to the parser as they are (True), but for one after
+        ``Expect: 100-continue``, refused here (413) before its client is asked for the body it announced."""
         framing = body_framing(bytes(reading.buffer[:end]))
+        if framing is not None and framing.length > self.limits.max_body_bytes and framing.expects_continue:
+            reading.refusal = Refusal(413, "Request Entity Too Large",
+                                      f"the request body is over the {self.limits.max_body_bytes} byte limit")
+            return True
         if framing is None or framing.length > self.limits.max_body_bytes:
             return True
         start = reading.body_end = end + len(HEADER_END)

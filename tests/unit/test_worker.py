@@ -1026,3 +1026,19 @@ def test_a_chunked_or_expected_body_that_stalls_is_408_on_the_loop(sockets, kind
     assert json.loads(body)["error"]["message"] == "the body did not arrive within 0.2s"
     assert answers.startswith(b"HTTP/1.1 100 Continue\r\n\r\n") == (kind == "expect")
     assert not worker.tpool.handed  # no thread taken
+
+
+def test_a_body_announced_over_the_limit_after_expect_100_continue_is_413_with_no_100_first(sockets) -> None:
+    # Before: gunicorn's parser said 100 Continue, inviting the whole body, and the app then answered 413.
+    ours, client = sockets
+    client.settimeout(5)
+    worker = _serving_worker(max_body_bytes=100)
+    conn, closed = _client_connection(ours, 30.0)
+    worker._start_reading(conn)
+    client.sendall(b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\nContent-Length: 101\r\n"
+                   b"Expect: 100-continue\r\n\r\n")
+    _turn(worker, lambda: bool(closed))
+    head, _, body = client.recv(65536).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413 ") and b"Connection: close" in head and b"100 Continue" not in head
+    assert json.loads(body)["error"]["message"] == "the request body is over the 100 byte limit"
+    assert not worker.tpool.handed and not worker.reading
