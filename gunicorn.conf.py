@@ -116,7 +116,7 @@ def on_starting(server) -> None:  # noqa: ANN001
         supervisor.reap_engines_first(server)  # an engine's exit status is its watcher's to log, not lost to gunicorn
         _halt_when_an_engine_fails(server)
         supervisor.start_engines(_engines, Path(os.environ["VISIONSERVE_CONTROL_DIR"]),
-                                 lambda pid: _forget(server, pid))
+                                 lambda pid: _forget(server, pid), _settings.stall_s)
 
 
 def nworkers_changed(server, new_value: int, old_value: int | None) -> None:  # noqa: ANN001
@@ -189,8 +189,9 @@ def _halt_when_an_engine_fails(server) -> None:  # noqa: ANN001
 
 def _forget(server, pid: int) -> None:  # noqa: ANN001
     """A worker or an engine ended: its report of what it served, a worker's mark of having reached the engine
-    (readiness counts the live workers' marks) and its live gauges go. A directory that cannot be written (read-only, its disk gone) is
-    said in the log, never raised: the master's loop would end with it, and the server with every worker."""
+    (readiness counts the live workers' marks) and its live gauges go. A directory that cannot be written
+    (read-only, its disk gone) is said in the log, never raised: the master's loop would end with it, and the server
+    with every worker."""
     control_dir = os.environ.get("VISIONSERVE_CONTROL_DIR")
     try:
         if control_dir:

@@ -169,8 +169,7 @@ class Service(Lifecycle):
         try:
             return self.explanations.explain(route.version, image, index, png, timeout_s)
         finally:
-            self._routes.release(route)
-            self.in_flight.leave()
+            self._unhold(route)
 
     @contextlib.contextmanager
     def admit(self, name: str | None = None, version: str | None = None, client_key: str | None = None,
@@ -206,8 +205,7 @@ class Service(Lifecycle):
         # request's batch would not run
         stall = _stall_of(route.version, self.settings.stall_s)
         if stall is not None or not route.version.batcher.is_alive():
-            self._routes.release(route)
-            self.in_flight.leave()
+            self._unhold(route)
             raise not_ready("the model is not ready" if stall is None else f"the model is stuck: {stall}")
         traffic = self._traffic_of(route)
         started = time.perf_counter()
@@ -256,8 +254,12 @@ class Service(Lifecycle):
         try:
             self._count(route, traffic, seconds, outcome)
         finally:
-            self._routes.release(route)
-            self.in_flight.leave()
+            self._unhold(route)
+
+    def _unhold(self, route: Route) -> None:
+        """What ``_held`` holds for a request, let go: its version (and shadow) and its flight."""
+        self._routes.release(route)
+        self.in_flight.leave()
 
     def _count(self, route: Route, traffic: Traffic | None, seconds: float, outcome: str) -> None:
         loaded = route.version
@@ -323,5 +325,4 @@ class Admission:
             return
         self._left = True
         self._arrived()
-        self._service._routes.release(self._route)
-        self._service.in_flight.leave()
+        self._service._unhold(self._route)

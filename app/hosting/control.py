@@ -118,4 +118,3 @@ def _answers_signal(pid: int) -> bool:
     except PermissionError:  # it exists, under another user
         return True
     return True
-

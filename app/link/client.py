@@ -244,7 +244,6 @@ class RemoteService(Lifecycle):
         self.connections = EngineConnections(connect or functools.partial(wire.connect, path, CONNECT_TIMEOUT_S))
         self.catalog = RemoteCatalog(self._ask)
         self._state: tuple[float, wire.EngineState | None] = (0.0, None)
-        self._engine_silent = False  # its latest state query went unanswered: requests are refused, not sent
         self._signatures: dict[tuple[str | None, str | None], Signature] = {}
         self._signatures_of: tuple[int, int] = (0, 0)  # (engine pid, routing generation) they were read at
         self.loop_link: LoopLink | None = None  # the requests on this worker's loop: one connection, made when first used
@@ -414,6 +413,12 @@ class RemoteService(Lifecycle):
                              "may still be applying (the repository index and /v1/models show what serves)")
         return self._exchange(call, limit_s, away, silent=silent)
 
+    @property
+    def _engine_silent(self) -> bool:
+        """Its latest state query went unanswered: requests are refused, not sent (``_require_serving``)."""
+        at, state = self._state
+        return at > 0 and state is None
+
     def _engine_state(self, fresh: bool = False) -> wire.EngineState | None:
         at, state = self._state
         if fresh or time.monotonic() - at > STATE_TTL_S:
@@ -421,7 +426,7 @@ class RemoteService(Lifecycle):
                 state = self._exchange(wire.StateQuery(), STATE_TIMEOUT_S, "the engine is away")
             except NotReady:
                 state = None
-            self._state, self._engine_silent = (time.monotonic(), state), state is None
+            self._state = (time.monotonic(), state)
         return state
 
     def labels(self, served: Served, parsed_with: Signature) -> list[str]:

@@ -40,7 +40,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
-from app.config import load_settings  # (the master has read the settings already)
 from app.hosting.control import engine_failure, socket_path  # standard library only
 
 log = logging.getLogger("gunicorn.error")
@@ -285,15 +284,13 @@ def reap_engines_first(server: Any) -> None:
     server.reap_workers = reap_engines_then_workers
 
 
-def start_engines(count: int, control_dir: Path, on_death: Callable[[int], None],
-                  stall_s: float | None = None) -> list[Engine]:
+def start_engines(count: int, control_dir: Path, on_death: Callable[[int], None], stall_s: float) -> list[Engine]:
     """``count`` engines, slots 0..count-1, unless this master runs them already (a HUP executes the config
-    again), each killed and restarted once silent for ``stall_s`` (None: STALL_S). A kept CONTROL_DIR's stale files
+    again), each killed and restarted once silent for ``stall_s`` (STALL_S; 0: never). A kept CONTROL_DIR's stale files
     are gone by then (gunicorn.conf.py's on_starting: control.clear_stale)."""
     if _ENGINES:
         return _ENGINES
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    stall_s = load_settings().stall_s if stall_s is None else stall_s
     _ENGINES.extend(Engine(slot, control_dir, on_death, stall_s).start() for slot in range(count))
     return _ENGINES
 
