@@ -247,11 +247,11 @@ class BatchingSettings(SettingsGroup):
         60.0, ge=0, description="A batch running this many seconds is stuck (a forward pass that hangs): `/healthz` "
         "and `/readyz` answer 503 naming the version and how long (the orchestrator restarts the server), and its "
         "version's requests get 503 `not_ready` at once. Under ENGINE=process the master also kills an engine "
-        "process that has answered none of its state queries for this long (stopped, or its loop stuck), saying "
-        "why in the log, and starts it again as one that died. Warm-up, with its CUDA graph captures and cuDNN "
-        "tuning, runs before a version serves and does not count; no batch comes near it (a new shape's cuDNN "
-        "tuning with `WARMUP` off takes about 3 s on an H100, a batch of the default cap a fraction of a second on "
-        "a CPU). 0 = never.")
+        "process whose state answer says such a batch (the master asks every 5 s), or that has answered none of "
+        "its state queries for this long (stopped, or its loop stuck), saying why in the log, and starts it again "
+        "as one that died. Warm-up, with its CUDA graph captures and cuDNN tuning, runs before a version serves "
+        "and does not count; no batch comes near it (a new shape's cuDNN tuning with `WARMUP` off takes about 3 s "
+        "on an H100, a batch of the default cap a fraction of a second on a CPU). 0 = never.")
 
 
 class RequestSettings(SettingsGroup):

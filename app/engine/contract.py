@@ -348,8 +348,9 @@ class Lifecycle:
         self._started = threading.Event()
         self._draining = threading.Event()
         # An HTTP worker's file saying it serves (CONTROL_DIR's http-<pid>.ready): there from its first models (or
-        # its engine reached) until its drain. A replacement worker leaves new connections to the workers that have
-        # one (app/hosting/worker.py); None: no file (an engine process, a test's app).
+        # its engine reached) until its drain, and away while its engine restarts (app/link/client.py). A worker
+        # without one leaves new connections to the workers that have one (app/hosting/worker.py); None: no file
+        # (an engine process, a test's app).
         self.ready_mark: Path | None = None
         self._mark_unwritten = False  # the last try to write the ready mark failed (warned of once)
 
@@ -371,8 +372,8 @@ class Lifecycle:
         try:
             self.ready_mark.unlink(missing_ok=True)
         except OSError as exc:
-            log.warning("could not remove the ready mark %s: %s; this worker drains all the same (the other workers "
-                        "take it for one that serves until it exits)", self.ready_mark, exc)
+            log.warning("could not remove the ready mark %s: %s; the other workers take this worker for one that "
+                        "serves while it is there (a drain goes on all the same)", self.ready_mark, exc)
 
     def _serving_now(self) -> None:
         """The first models serve (or the engine was reached): the ready mark made, unless a drain began (one that

@@ -9,8 +9,8 @@ the engine processes. Every name in it is made here and nowhere else:
   version has warmed up (app/engine/versions/memory.py: two engines, or inline workers, of one GPU each saw the
   memory free that the other was about to take);
 - ``http-<pid>.ready``: an HTTP worker that serves: it reached a ready engine, or loaded its models inline, and is
-  not draining (readiness counts the live workers' marks in process mode; a worker that has none leaves new
-  connections to those that have one, app/hosting/worker.py).
+  not draining; away while its engine restarts (readiness counts the live workers' marks in process mode; a worker
+  that has none leaves new connections to those that have one, app/hosting/worker.py).
 
 Standard library only: the master imports it, and so does the engine (the desired state's names).
 """
@@ -58,14 +58,18 @@ def device_loads_lock(control_dir: Path, device: str) -> Path:
 
 
 def ready_mark(control_dir: Path, pid: int) -> Path:
-    """The file an HTTP worker writes once it reaches a ready engine."""
+    """The file an HTTP worker writes once it reaches a ready engine (again, after its engine's restart)."""
     return control_dir / f"http-{pid}.ready"
 
 
 def takes_connections(control_dir: Path, pid: int) -> bool:
     """Whether HTTP worker ``pid`` should take new connections now: it serves (its ready mark is there), or no
-    other live worker does (a server starting: each answers 503 while it loads, rather than none answering)."""
-    return ready_mark(control_dir, pid).exists() or all(other == pid for other in ready_workers(control_dir))
+    other live worker does (a server starting, or its one engine restarting: each answers 503 meanwhile, rather
+    than none answering). A directory that cannot be looked into leaves every worker taking them."""
+    try:
+        return ready_mark(control_dir, pid).exists() or all(other == pid for other in ready_workers(control_dir))
+    except OSError:
+        return True
 
 
 def _pid_of(path: Path, prefix: str, suffix: str) -> int | None:

@@ -608,12 +608,13 @@ class BufferingWorker(LoopRequests, ThreadWorker):
 
     def set_accept_enabled(self, enabled: bool) -> None:
         """gthread's, but a worker that does not serve (a killed one's replacement, importing the app and loading or
-        reaching its models; or one draining: a HUP's old worker, one told to stop alone) takes no new connection
-        while another worker serves: they wait in the shared listen backlog for a worker that answers them, instead
-        of a 503 from this one. gthread's loop asks again each turn (a second apart at most) until it serves, or no
-        other does. A server starting (no worker serves) takes them all, each worker answering 503 while it loads;
-        so does a server stopping (every worker draining), until each closes its listener. Nor does one while its
-        pause after running out of file descriptors lasts (``_pause_accepting``)."""
+        reaching its models; one whose engine restarts; or one draining: a HUP's old worker, one told to stop alone)
+        takes no new connection while another worker serves: they wait in the shared listen backlog for a worker
+        that answers them, instead of a 503 from this one. gthread's loop asks again each turn (a second apart at
+        most) until it serves, or no other does; one that takes connections is asked at each (``accept``). A server
+        starting (no worker serves) takes them all, each worker answering 503 while it loads; so does a server
+        stopping (every worker draining), until each closes its listener, and one whose only engine restarts. Nor
+        does one while its pause after running out of file descriptors lasts (``_pause_accepting``)."""
         if enabled and time.monotonic() < self.accept_paused_until:
             return
         if enabled and self._another_serves_instead():
@@ -623,9 +624,18 @@ class BufferingWorker(LoopRequests, ThreadWorker):
             self.held_back = False
             if self.draining:
                 self.log.info("worker %d drains and no other worker serves: taking new connections", os.getpid())
-            else:
+            elif self._marked():
                 self.log.info("worker %d serves: taking new connections", os.getpid())
+            else:  # none serves: its one engine restarts, or the worker that served drains
+                self.log.info("worker %d takes new connections: no worker serves (503 until one does)", os.getpid())
         super().set_accept_enabled(enabled)
+
+    def _marked(self) -> bool:
+        """This worker's ready mark is there: it serves."""
+        try:
+            return self.control_dir is not None and control.ready_mark(self.control_dir, os.getpid()).exists()
+        except OSError:
+            return False
 
     def _hold_back(self) -> None:
         """New connections left in the listen backlog to the workers that serve (said once in the log)."""
@@ -645,18 +655,21 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         return self._another_serves_instead()
 
     def _another_serves_instead(self) -> bool:
-        """This worker does not serve (not yet, or no longer: draining) and another live one does (CONTROL_DIR's
-        ready marks)."""
+        """This worker does not serve (not yet, or no longer: draining, or its engine restarting) and another live
+        one does (CONTROL_DIR's ready marks)."""
         return self.control_dir is not None and not control.takes_connections(self.control_dir, os.getpid())
 
     def accept(self, listener: Any) -> None:
         """A new connection waits in the loop for its request (app/hosting/drain.py counts on nr_conns growing by
-        one). A draining worker takes none while another worker serves: it holds back (``set_accept_enabled``)."""
+        one). A worker that does not serve takes none while another worker serves: it holds back
+        (``set_accept_enabled``). Asked here, at each connection, for gthread asks ``set_accept_enabled`` only when
+        accepting should change for its own reasons: a worker that began taking them while none served (a server
+        starting), or that served until its drain or its engine's end, would take them for good."""
         if getattr(listener, "sock", listener) is None:
             # Closed by app/hosting/drain.py's last step, which ran earlier in the same poller turn that found it
             # readable (gthread's accept raised here: the worker died and its open connections were reset).
             return
-        if self.draining and self._another_serves_instead():
+        if self._another_serves_instead():
             self._hold_back()
             return
         try:

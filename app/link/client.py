@@ -18,7 +18,9 @@ silent for STALL_S (app/link/supervisor.py).
 Readiness is the server's, not this worker's alone: ready once the engine is ready, this worker is not draining,
 and every worker of the server reached the engine (each marks ``http-<pid>.ready`` in CONTROL_DIR; the master
 removes a dead worker's mark), so after the first 200 of ``/readyz`` no worker answers ``not_ready``. A mark that
-could not be written (CONTROL_DIR full) is written again every WATCH_S while the engine lives.
+could not be written (CONTROL_DIR full) is written again every WATCH_S while the engine lives. The mark is away
+from the engine's end until the restarted engine is ready: meanwhile the worker leaves new connections to the
+workers whose engine serves (app/hosting/worker.py), or, with none (one engine), takes them to answer 503.
 
 The gauges ``visionserve_ready`` and ``visionserve_batcher_alive`` read 0 in every process from its import, and
 /metrics reads their lowest over the live processes, the engines' included: a worker sets its own part, 1 while it
@@ -278,18 +280,23 @@ class RemoteService(Lifecycle):
             time.sleep(WAIT_S)
 
     def _follow_engine(self) -> None:
-        """Until this worker stops: its gauges 0 from its engine's end (``_engine_gone``) until an engine is ready
-        again (the master restarts it), then 1 again. Without this the worker's 1s, left alone once the dead
-        engine's values went, read ready and alive while /readyz said 503."""
+        """Until this worker stops: its gauges 0 and its ready mark away from its engine's end (``_engine_gone``)
+        until an engine is ready again (the master restarts it), then 1 and the mark again. Without this the
+        worker's 1s, left alone once the dead engine's values went, read ready and alive while /readyz said 503; and
+        with its mark there it would take its share of the new connections, which the workers of the other engines
+        serve, to answer them 503 (app/hosting/worker.py: without one it leaves them to those, or takes them when
+        none serves)."""
         while not self._stopped.is_set():
             self._engine_gone()
             if self._stopped.is_set():
                 return
+            self._remove_ready_mark()
             self._show_engine(False)
             log.info("engine %d is gone: waiting for it to be ready again", self.slot)
             while not self._stopped.wait(WAIT_S):  # (a restart takes a second at least: RESTART_DELAY_S)
                 state = self._engine_state(fresh=True)
                 if state is not None and state.ready:
+                    self._serving_now()
                     self._show_engine(True)
                     log.info("engine %d is ready again", self.slot)
                     break

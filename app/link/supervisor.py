@@ -19,8 +19,11 @@ numpy and no torch, once it starts engines whose state it asks).
   died: once it listens, the master asks its state every STATE_EVERY_S (a connection of its own, as an HTTP
   worker's, closed after the answer), and an engine whose every state query has gone unanswered for STALL_S is
   killed (SIGKILL), the log saying why. A long batch does not make it silent: the engine's loop answers while its
-  batcher's thread runs the batch (one past STALL_S makes ``/healthz`` fail: ``Service.stalled``); a batch that
-  hangs on the loop itself (``ENGINE_LOOP_BATCH_MS``) does.
+  batcher's thread runs the batch; a batch that hangs on the loop itself (``ENGINE_LOOP_BATCH_MS``) does. An
+  engine whose batch hangs on the batcher's thread answers, and says so: once that batch has run past STALL_S its
+  state answer names it (``stalled``: ``Service.stalled``, which fails ``/healthz`` too; warm-up is no batch), and
+  the master kills it alike (SIGKILL, the log saying why) to restart it; a batch that ends within STALL_S is never
+  taken for stuck.
 - An engine's exit status is its watcher's to read, never gunicorn's: the master's reaping takes every child it
   finds ended (``waitpid(-1)``) and keeps no status of one it does not know, so an engine it reaped first was
   logged as exited 0 whatever ended it. The watcher sees the end without reaping (``WNOWAIT``), and the master's
@@ -38,9 +41,12 @@ import threading
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from app.hosting.control import engine_failure, socket_path  # standard library only
+
+if TYPE_CHECKING:
+    from app.link.wire import EngineState
 
 log = logging.getLogger("gunicorn.error")
 RESTART_DELAY_S = 1.0  # after a crash, before starting it again (a crash loop costs one start a second)
@@ -72,7 +78,7 @@ class Engine:
 
     def __init__(self, slot: int, control_dir: Path, on_death: Callable[[int], None], stall_s: float = 0.0) -> None:
         self.slot, self.control_dir, self._on_death = slot, control_dir, on_death
-        self.stall_s = stall_s  # killed once silent this long (``_watch_answers``); 0: never
+        self.stall_s = stall_s  # killed once silent this long, or stuck (``_watch_answers``); 0: never
         self.process: subprocess.Popen[bytes] | None = None
         self.restarts = 0
         self.answered_at: float | None = None  # when its process answered the master's state query last
@@ -151,9 +157,10 @@ class Engine:
 
     def _watch_answers(self, wire: ModuleType) -> None:
         """Until it is stopping: the engine's state asked every STATE_EVERY_S once its process listens (not while it
-        loads its models); one whose every query has gone unanswered for ``stall_s`` is killed, and ``_watch``
-        restarts it. One that refuses the master's hello has answered (it runs other code than the master: started
-        again after the code changed) and is not asked again (it would log each refusal)."""
+        loads its models); one whose every query has gone unanswered for ``stall_s``, or whose answer says a batch of
+        it has run past STALL_S, is killed, and ``_watch`` restarts it. One that refuses the master's hello has
+        answered (it runs other code than the master: started again after the code changed) and is not asked again
+        (it would log each refusal)."""
         process, other_code, silent_since = None, False, None
         while True:
             time.sleep(STATE_EVERY_S)
@@ -169,14 +176,22 @@ class Engine:
             answered = self._answers(wire)
             if answered is not False:
                 other_code, silent_since, self.answered_at = answered is None, None, time.monotonic()
+                # Its loop answers while a batch hangs on its batcher's thread: the answer says so once the batch
+                # has run past STALL_S (``Service.stalled``)
+                stalled = getattr(answered, "stalled", None)
+                if stalled:
+                    self._kill(process, f"is stuck, its state answer says: {stalled}")
                 continue
             silent_since = asked if silent_since is None else silent_since
             if time.monotonic() - silent_since >= self.stall_s:
-                self._kill_silent(process, time.monotonic() - silent_since)
+                self._kill(process, f"has answered none of the master's state queries for "
+                                    f"{time.monotonic() - silent_since:.0f} s (STALL_S={self.stall_s:g}): it is "
+                                    "stopped or stuck")
 
-    def _answers(self, wire: ModuleType) -> bool | None:
+    def _answers(self, wire: ModuleType) -> EngineState | bool | None:
         """Whether the engine answers a state query within STATE_ANSWER_S, on a connection of the master's own (as an
-        HTTP worker's); None when it refuses the master's hello (other code: an answer all the same)."""
+        HTTP worker's): its state when it does (True for an answer without one), else False; None when it refuses
+        the master's hello (other code: an answer all the same)."""
         try:
             conn = wire.connect(self.socket, STATE_ANSWER_S)
         except wire.EngineGone:
@@ -187,8 +202,10 @@ class Engine:
             try:
                 wire.say_hello(conn, STATE_ANSWER_S)
                 wire.send(conn, wire.StateQuery())
-                return wire.readable(conn, STATE_ANSWER_S) and isinstance(
-                    wire.receive_answer(conn, STATE_ANSWER_S), wire.Answer)
+                if not wire.readable(conn, STATE_ANSWER_S):
+                    return False
+                state = wire.receive_answer(conn, STATE_ANSWER_S).value
+                return state if isinstance(state, wire.EngineState) else True
             except wire.WireMismatch:
                 return None
             except (wire.EngineGone, OSError):
@@ -196,17 +213,15 @@ class Engine:
             finally:
                 _QUERYING.discard(conn.fileno())
 
-    def _kill_silent(self, process: subprocess.Popen[bytes], silent_s: float) -> None:
-        """SIGKILL ``process``, silent ``silent_s``, unless it ended or is being stopped or replaced meanwhile."""
+    def _kill(self, process: subprocess.Popen[bytes], why: str) -> None:
+        """SIGKILL ``process``, the log saying ``why``, unless it ended or is being stopped or replaced meanwhile."""
         with self._lock:
             if self._stopping or process is not self.process:
                 return
             self.collect(process)
             if process.returncode is not None:  # it ended: its watcher restarts it
                 return
-            log.error("engine %d (pid %d) has answered none of the master's state queries for %.0f s (STALL_S=%g): "
-                      "it is stopped or stuck; killing it to start it again", self.slot, process.pid, silent_s,
-                      self.stall_s)
+            log.error("engine %d (pid %d) %s; killing it to start it again", self.slot, process.pid, why)
             process.kill()
 
     def _ended(self, process: subprocess.Popen[bytes]) -> int | None:
@@ -286,8 +301,9 @@ def reap_engines_first(server: Any) -> None:
 
 def start_engines(count: int, control_dir: Path, on_death: Callable[[int], None], stall_s: float) -> list[Engine]:
     """``count`` engines, slots 0..count-1, unless this master runs them already (a HUP executes the config
-    again), each killed and restarted once silent for ``stall_s`` (STALL_S; 0: never). A kept CONTROL_DIR's stale files
-    are gone by then (gunicorn.conf.py's on_starting: control.clear_stale)."""
+    again), each killed and restarted once silent for ``stall_s`` (STALL_S; 0: never) or once its state answer says a
+    batch has run past it. A kept CONTROL_DIR's stale files are gone by then (gunicorn.conf.py's on_starting:
+    control.clear_stale)."""
     if _ENGINES:
         return _ENGINES
     os.environ.setdefault("PYTHONUNBUFFERED", "1")

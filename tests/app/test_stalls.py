@@ -8,8 +8,6 @@ import logging
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -28,13 +26,14 @@ from app.errors import NotReady
 from app.factory import create_app, default_protocols
 from app.hosting import control
 from app.link import client as client_module
-from app.link import supervisor, wire
+from app.link import supervisor
 from app.link.client import RemoteService
 from app.link.loop import EngineServer
 from app.web import init_app
 from tests.support.answers import error_of
 from tests.support.fakes import ColourModel, infer, wait_until
 from tests.support.imaging import RED, image_bytes
+from tests.support.master import engines_started_as
 
 STALL_S = 0.2  # STALL_S in these tests
 
@@ -239,20 +238,8 @@ def test_the_master_kills_an_engine_that_answers_no_state_query_for_stall_s_and_
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     # Before: an engine stopped (SIGSTOP) or with its loop stuck was never restarted: it kept its socket, the
     # workers kept sending it requests, and the master watched only for its exit.
-    monkeypatch.setattr(supervisor, "STATE_EVERY_S", 0.05)
-    monkeypatch.setattr(supervisor, "STATE_ANSWER_S", 0.2)
-    monkeypatch.setattr(supervisor, "RESTART_DELAY_S", 0.05)
     stall_s = 0.5
-    real_popen = subprocess.Popen
-    spawned: list[subprocess.Popen[bytes]] = []
-
-    def popen(command: list[str], **kwargs: object) -> subprocess.Popen[bytes]:
-        child = real_popen([sys.executable, "-c", FAKE_ENGINE, str(engine.socket)], stdin=subprocess.PIPE,
-                           cwd=supervisor.ROOT)
-        spawned.append(child)
-        return child
-
-    monkeypatch.setattr(supervisor.subprocess, "Popen", popen)
+    spawned = engines_started_as(monkeypatch, lambda before: [FAKE_ENGINE, str(engine.socket)], answer_s=0.2)
     engine = supervisor.Engine(0, tmp_path, on_death=lambda pid: None, stall_s=stall_s)
     with caplog.at_level(logging.WARNING, logger="gunicorn.error"):
         engine.start()

@@ -1,7 +1,8 @@
 """ENGINE=process on the CPU: the HTTP workers never load torch, each talks to its engine (two engines serve the
 shared server: ENGINES_PER_DEVICE=2), an engine killed under load fails its requests in flight with 503 and
-Retry-After while the other engine answers, and is restarted; readiness holds for every worker; an engine that
-cannot load its model stops the server with the message."""
+Retry-After while the other engine answers, and is restarted; meanwhile new connections go to the worker whose
+engine serves; readiness holds for every worker; an engine that cannot load its model stops the server with the
+message."""
 from __future__ import annotations
 
 import os
@@ -18,6 +19,7 @@ import pytest
 import requests
 
 from harness.servers import Running
+from tests.support.fakes import wait_until
 from tests.support.imaging import RED, image_bytes
 from tests.support.servers import serve
 
@@ -110,20 +112,61 @@ def test_an_engine_killed_under_load_fails_its_requests_with_503_the_other_answe
     assert set(statuses) <= {200, 503}, Counter(statuses)  # only answers: no 500, no hang, no reset
     assert retry_after == {"5"}
     first, last = statuses.index(503), len(statuses) - 1 - statuses[::-1].index(503)
-    assert 200 in statuses[:first] and 200 in statuses[first:last], Counter(statuses)  # engine 0 answered on
-    deadline = time.monotonic() + 120
-    while requests.get(f"{server.url}/readyz", timeout=10).status_code != 200:  # the master restarts engine 1
-        assert time.monotonic() < deadline, server.output()[-3000:]
-        time.sleep(0.5)
-    # /metrics' readiness follows within a second (each engine's gauge is refreshed with its report, and engine 0
-    # said not ready while engine 1 was gone): the later tests of this server read it
-    while "visionserve_ready 1.0" not in requests.get(f"{server.url}/metrics", timeout=10).text.splitlines():
-        assert time.monotonic() < deadline, server.output()[-3000:]
-        time.sleep(0.2)
+    # engine 0 answered on: before, and after the 503s of engine 1's requests (those in flight, and those its worker
+    # took before it knew; then its worker leaves new connections to engine 0's while engine 1 restarts)
+    assert 200 in statuses[:first] and 200 in statuses[last:], Counter(statuses)
+    _serving_again(server)
     now = _engines(server)
     assert now[0] == engines[0] and now[1] != engines[1]
     assert all(_predict(server).status_code == 200 for _ in range(4))
     assert f"engine 1 (pid {engines[1]}) died with status -9; restarting it" in server.output()
+
+
+def _serving_again(server: Running) -> None:
+    """Wait until the master's restart of an engine serves: /readyz 200, then /metrics' readiness, which follows
+    within a second (each engine's gauge is refreshed with its report, and the other engine said not ready while
+    this one was gone): the later tests of this server read it."""
+    deadline = time.monotonic() + 120
+    while requests.get(f"{server.url}/readyz", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, server.output()[-3000:]
+        time.sleep(0.5)
+    while "visionserve_ready 1.0" not in requests.get(f"{server.url}/metrics", timeout=10).text.splitlines():
+        assert time.monotonic() < deadline, server.output()[-3000:]
+        time.sleep(0.2)
+
+
+def _held_back(server: Running) -> int:
+    """How many HTTP workers leave new connections to the others now: each says when it starts, and when it takes
+    them again (app/hosting/worker.py; no worker of this server drains)."""
+    output = server.output()
+    return (output.count("takes new connections once it serves") - output.count("serves: taking new connections")
+            - output.count("takes new connections: no worker serves"))
+
+
+@pytest.mark.slow
+def test_new_connections_go_to_the_worker_whose_engine_serves_while_the_other_engine_restarts(
+        server: Running) -> None:
+    # Before: the worker of the killed engine went on taking its share of the new connections for the whole
+    # restart and answered them 503 not_ready (572 of 864 in 4 s) while the worker of engine 0 served.
+    wait_until(lambda: _held_back(server) == 0, timeout=30)  # after an earlier kill: its loop asks a second apart
+    gone, back, held = ("engine 1 is gone: waiting for it to be ready again", "engine 1 is ready again",
+                        "takes new connections once it serves")
+    said = {line: server.output().count(line) for line in (gone, back, held)}
+
+    def more(line: str) -> bool:
+        return server.output().count(line) > said[line]
+
+    os.kill(_engines(server)[1], signal.SIGKILL)
+    wait_until(lambda: more(gone), timeout=60)  # its worker's ready mark went before it said so
+    statuses: list[int] = []
+    while not more(back) and len(statuses) < 40:  # engine 1 restarts meanwhile (torch, the model: seconds)
+        statuses.append(requests.post(f"{server.url}/predict", data=IMAGE, timeout=30, headers={
+            "Content-Type": "image/jpeg", "Connection": "close"}).status_code)  # a new connection each
+    assert len(statuses) >= 10 and set(statuses) == {200}, (Counter(statuses), server.output()[-3000:])
+    wait_until(lambda: more(held), timeout=30)  # the worker of engine 1 left them in the listen backlog
+    wait_until(lambda: more(back), timeout=120)
+    wait_until(lambda: _held_back(server) == 0, timeout=30)  # and takes them again once its engine serves
+    _serving_again(server)
 
 
 def test_after_the_first_ready_no_request_is_refused_as_not_ready(small_weights: Path,

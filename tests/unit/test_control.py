@@ -131,3 +131,17 @@ def test_a_change_of_the_worker_count_by_ttin_or_ttou_is_refused_and_said(monkey
     server._num_workers = 1  # TTOU: gunicorn's property sets the count, then calls the hook
     config["nworkers_changed"](server, 1, 2)
     assert server._num_workers == 2 and len(errors) == 1 and "VISIONSERVE_WORKERS=2" in errors[0]
+
+
+def test_a_worker_takes_new_connections_when_control_dir_cannot_be_looked_into(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A look at the ready mark that fails otherwise than "not there" (EACCES) raises from Path.exists; the worker's
+    # accept asks this at each new connection, and a raise there would end the worker with its connections.
+    control.ready_mark(tmp_path, os.getppid()).touch()  # another live worker serves
+    assert not control.takes_connections(tmp_path, os.getpid())
+
+    def refused(self: Path, *args: object, **kwargs: object) -> object:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "stat", refused)
+    assert control.takes_connections(tmp_path, os.getpid())

@@ -367,6 +367,16 @@ def _listening_worker(control_dir: Path) -> tuple[Any, socket.socket]:
     return worker, listener
 
 
+def _close_all(worker: Any, listener: socket.socket, clients: list[socket.socket]) -> None:
+    """A ``_listening_worker``'s listener and poller closed, with its test's clients and what the worker took."""
+    for client in clients:
+        client.close()
+    for reading in list(worker.reading):
+        reading.conn.sock.close()
+    listener.close()
+    worker.poller.close()
+
+
 def test_a_draining_worker_leaves_new_connections_to_a_worker_that_serves_and_takes_them_when_none_does(
         tmp_path: Path) -> None:
     # Before: a draining worker (a HUP's old one, one stopped alone) took every new connection it was offered and
@@ -399,12 +409,47 @@ def test_a_draining_worker_leaves_new_connections_to_a_worker_that_serves_and_ta
         worker.accept(listener)
         assert worker.nr_conns == 2  # the connection that waited is taken, to be answered
     finally:
-        for client in clients:
-            client.close()
-        for reading in list(worker.reading):
-            reading.conn.sock.close()
-        listener.close()
-        worker.poller.close()
+        _close_all(worker, listener, clients)
+
+
+def test_a_worker_taking_new_connections_leaves_them_to_one_that_serves_once_it_does_not_serve_itself(
+        tmp_path: Path) -> None:
+    # Before: gthread asks set_accept_enabled only when accepting should change for its own reasons, so a worker
+    # that began taking new connections while none served (a server starting: every worker loading) went on taking
+    # them once another served, answering them 503 until it served itself; and so did one whose engine ended (its
+    # mark gone while the master restarts it) while the workers of the other engines served.
+    from app.hosting import control
+
+    worker, listener = _listening_worker(tmp_path)
+    mine, serving = control.ready_mark(tmp_path, os.getpid()), control.ready_mark(tmp_path, os.getppid())
+    clients = []
+
+    def offered() -> None:  # a new connection, and the poller finding the listener readable
+        clients.append(socket.create_connection(listener.getsockname()))
+        worker.accept(listener)
+
+    try:
+        worker.set_accept_enabled(True)  # gthread's loop starts it accepting: no worker serves yet
+        offered()
+        assert worker.nr_conns == 1 and worker._accepting  # taken: it answers 503 while it loads
+        serving.touch()  # another worker serves
+        offered()
+        assert worker.nr_conns == 1 and worker.held_back and not worker._accepting  # left in the backlog
+        mine.touch()  # this one serves too
+        worker.set_accept_enabled(True)  # gthread's loop asks again each turn
+        assert worker._accepting and not worker.held_back
+        worker.accept(listener)
+        assert worker.nr_conns == 2  # the connection that waited
+        mine.unlink()  # its engine ended (app/link/client.py): the master restarts it
+        offered()
+        assert worker.nr_conns == 2 and worker.held_back and not worker._accepting
+        serving.unlink()  # the other's too (one engine for both): none serves, so it takes them, to answer 503
+        worker.set_accept_enabled(True)
+        assert worker._accepting and not worker.held_back
+        worker.accept(listener)
+        assert worker.nr_conns == 3
+    finally:
+        _close_all(worker, listener, clients)
 
 
 def test_a_kept_control_dir_loses_what_an_earlier_server_left_at_the_next_start(tmp_path: Path) -> None:
