@@ -56,8 +56,11 @@ def create_app(settings: "Settings | None" = None, predictor: "Predictor | None"
     from app.logs import configure_logging
     from app.web import init_app
 
+    from models.data.malloc import keep_freed_memory
+
     settings = settings or load_settings()
     configure_logging(settings.log_level)
+    keep_freed_memory(settings.malloc_trim_threshold_mb)  # before any image or body buffer is allocated
     if engine == "process":
         service = _remote_service(settings, on_load_error or _raise)
     else:
@@ -88,10 +91,8 @@ def _inline_service(settings: "Settings", predictor: "Predictor | None",
     from app.engine.service import Service
     from app.engine.versions.sources import DirectorySource, GivenSource
     from app.hosting import control
-    from models.data.malloc import keep_freed_memory
 
     settings = _placed(settings)
-    keep_freed_memory(settings.malloc_trim_threshold_mb)  # before any image buffer is allocated
     if source is None:
         source = GivenSource(predictor) if predictor is not None else DirectorySource(settings)
     if on_load_error is None:

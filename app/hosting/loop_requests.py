@@ -32,17 +32,20 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
 
-from greenlet import getcurrent, greenlet
+from greenlet import GreenletExit, getcurrent, greenlet
 
 
 class LoopRequest(greenlet):
     """A request the worker runs on its event loop's thread: it waits by handing its socket to the loop. It holds
     one of THREADS slots until it ends or first waits to write its answer (a client that stops reading then holds
-    its connection, not a slot)."""
+    its connection, not a slot). The greenlet outlives its request: once settled it waits, idle, to run the next
+    (``LoopRequests._idle``): a new greenlet's first Python frame maps a fresh 16 KiB frame stack and its end unmaps
+    it, a system call and page faults each request on a VM."""
 
     conn: Any  # gthread's TConn
     outcome: Future
     holds_slot = True
+    running = False  # its request runs (or waits); False once it ended, until the next starts
 
 
 def _resumed_already(_ready: bool) -> None:
@@ -114,6 +117,7 @@ class LoopRequests:
         self.loop_queue: deque[Any] = deque()  # connections whose request waits for room (at most THREADS run)
         self.loop_running = 0
         self._ended: deque[LoopRequest] = deque()  # loop requests that ended, to settle
+        self._idle: list[LoopRequest] = []  # greenlets whose request was settled, each to run a next one
         self._settling = False
         self._before_wait: list[Callable[[], Any]] = []  # to run before the loop's next wait
 
@@ -137,10 +141,12 @@ class LoopRequests:
                     request = self._ended.popleft()
                     self._free_slot(request)
                     self.finish_request(request.conn, request.outcome)
+                    self._keep_idle(request)
                 elif self.loop_queue and self.loop_running < self.cfg.threads:
                     self.loop_running += 1
-                    request = LoopRequest(self._run_on_loop, parent=self.loop_greenlet)
-                    request.conn = self.loop_queue.popleft()
+                    request = self._idle.pop() if self._idle else LoopRequest(self._run_on_loop,
+                                                                              parent=self.loop_greenlet)
+                    request.conn, request.holds_slot, request.running = self.loop_queue.popleft(), True, True
                     self._switch(request)
                 else:
                     return
@@ -152,18 +158,31 @@ class LoopRequests:
             request.holds_slot = False
             self.loop_running -= 1
 
+    def _keep_idle(self, request: LoopRequest) -> None:
+        """A settled request's greenlet kept to run a next one (up to THREADS idle; the rest end when dropped)."""
+        del request.conn, request.outcome
+        if not request.dead and len(self._idle) < self.cfg.threads:
+            self._idle.append(request)
+
     def _run_on_loop(self) -> None:
+        """A loop request's greenlet: its request, then, once settled and started again, the next one's."""
         request: LoopRequest = getcurrent()  # type: ignore[assignment]
-        request.outcome = Future()
-        try:
-            request.outcome.set_result(self._handle_one(request.conn))  # no linger: the loop reads the next one
-        except BaseException as exc:  # noqa: BLE001 - gthread's handle caught what it handles; the rest is told
-            request.outcome.set_exception(exc)
+        while True:
+            request.outcome = Future()
+            try:
+                request.outcome.set_result(self._handle_one(request.conn))  # no linger: the loop reads the next one
+            except BaseException as exc:  # noqa: BLE001 - gthread's handle caught what it handles; the rest is told
+                request.outcome.set_exception(exc)
+                if isinstance(exc, GreenletExit):  # the greenlet is being thrown away (the worker's end)
+                    return
+            request.running = False
+            self.loop_greenlet.switch()  # type: ignore[union-attr] # ended: idle until its next request starts
 
     def _switch(self, request: LoopRequest, *resumed: Any) -> None:
         """On the loop's greenlet: ``request`` runs on from where it waits until it waits again or ends."""
         request.switch(*resumed)
-        if request.dead:
+        if not request.running or request.dead:
+            request.running = False
             self._ended.append(request)
 
     def _step(self, request: LoopRequest, *resumed: Any) -> None:

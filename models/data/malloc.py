@@ -1,6 +1,7 @@
 """glibc malloc tuning for decode buffers: keep freed memory for the next image instead of handing it back.
-Applied by the server's workers (app/__init__.py, MALLOC_TRIM_THRESHOLD_MB) and by models.predict before its
-DataLoader's workers start (they inherit it).
+Applied by every server process that reads or decodes images (app/factory.py's ``create_app``: the HTTP workers of
+both engine modes; app/link/server.py: the engine processes; MALLOC_TRIM_THRESHOLD_MB) and by models.predict before
+its DataLoader's workers start (they inherit it).
 
 A 12 MP JPEG decoded at half scale needs about 9 MB of pixels. glibc serves blocks that large with mmap (or
 trims them off a thread's arena on free), so every request that lands on a request thread pays the page faults

@@ -47,3 +47,19 @@ def test_zero_turns_it_off_and_the_default_is_on() -> None:
     assert keep_freed_memory(0) is False
     # models.predict applies the module's default (it reads no server settings): the two stay one value
     assert Settings().malloc_trim_threshold_mb == DEFAULT_TRIM_THRESHOLD_MB > 0
+
+
+@pytest.mark.parametrize("engine", ["process", "inline"])
+def test_every_worker_keeps_freed_memory_the_http_side_of_process_mode_too(
+        engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: only the processes that decode applied it: an HTTP worker of ENGINE=process read each ~100 KB photo
+    # body into memory glibc had trimmed off its heap after the last one (24 page faults a request, measured)
+    import app.factory as factory
+
+    applied: list[int] = []
+    monkeypatch.setattr("models.data.malloc.keep_freed_memory", applied.append)
+    monkeypatch.setattr("app.web.init_app", lambda app, settings, service, protocols: None)
+    monkeypatch.setattr(factory, "_remote_service", lambda settings, on_error: object())
+    monkeypatch.setattr(factory, "_inline_service", lambda settings, predictor, on_load_error, source: object())
+    factory.create_app(Settings(malloc_trim_threshold_mb=48, log_level="warning"), engine=engine)
+    assert applied == [48]

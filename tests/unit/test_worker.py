@@ -619,6 +619,49 @@ def test_requests_that_end_at_once_are_settled_one_after_another_not_one_inside_
     assert len(loop.ended) == count and {outcome for _, outcome in loop.ended} == {"answered"}
 
 
+def test_a_loop_requests_greenlet_runs_the_next_request_once_settled_as_many_as_ran_at_once() -> None:
+    # Before: a greenlet per request, whose first frame mapped a fresh frame stack and whose end unmapped it
+    from greenlet import getcurrent
+
+    from app.hosting import waiting
+
+    loop = LoopWorker(threads=2)
+    ran_on: dict[str, object] = {}
+
+    def finished(conn: str, outcome: Future) -> None:
+        loop.outcomes[conn] = outcome
+        if outcome.exception() is None:
+            loop.ended.append((conn, outcome.result()))
+
+    loop.worker.finish_request = finished
+
+    def answered(name: str) -> str:
+        ran_on[name] = getcurrent()
+        return name
+
+    def failed() -> str:
+        ran_on["failed"] = getcurrent()
+        raise ValueError("its own")
+
+    for name in ("a", "b"):
+        loop.start(name, lambda name=name: answered(name))
+    loop.start("failed", failed)
+    loop.start("c", lambda: answered("c"))
+    assert len(set(ran_on.values())) == 1  # one after another: one greenlet ran them all
+    assert [name for name, _ in loop.ended] == ["a", "b", "c"]
+    assert isinstance(loop.outcomes["failed"].exception(), ValueError) and loop.outcomes["c"].result() == "c"
+    with _waits_on_the_loop(loop, 2) as pairs:  # two at once: two greenlets, each kept for a next request
+        for name, (ours, _) in zip(("w1", "w2"), pairs):
+            loop.start(name, lambda name=name, ours=ours: (answered(name), waiting.wait_for(ours, select.POLLIN, 5.0)))
+        for _, theirs in pairs:
+            theirs.sendall(b"x")
+        loop.turn_until(lambda: len(loop.ended) == 5)
+    assert ran_on["w1"] is ran_on["a"] and ran_on["w2"] is not ran_on["a"]
+    loop.start("d", lambda: answered("d"))
+    assert ran_on["d"] in (ran_on["w1"], ran_on["w2"]) and loop.worker.loop_running == 0
+    assert len(loop.worker._idle) == 2
+
+
 def test_a_request_waiting_to_write_its_answer_gives_its_slot_to_the_next() -> None:
     from app.hosting import waiting
     from app.hosting.worker import ClientSocket
