@@ -197,7 +197,8 @@ def report(found: dict[str, dict[str, float]], requests: int, rounds: int, instr
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--forms", nargs="+", default=["v2 x1", "jpeg"], choices=["v2 x1", "v2 x16", "jpeg"])
+    parser.add_argument("--forms", nargs="+", default=["v2 x1", "jpeg"],
+                        choices=["v2 x1", "v2 x16", "jpeg", "multipart x1"])
     parser.add_argument("--requests", type=int, default=1000, help="requests a step in each round")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of every step in turn (medians)")
     parser.add_argument("--smoke", action="store_true", help="a few requests a step, one round")
