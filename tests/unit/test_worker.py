@@ -662,6 +662,35 @@ def test_a_loop_requests_greenlet_runs_the_next_request_once_settled_as_many_as_
     assert len(loop.worker._idle) == 2
 
 
+def test_a_loop_requests_greenlet_beyond_the_threads_kept_idle_is_freed_once_its_request_is_settled() -> None:
+    # Before: an idle greenlet's frame held the greenlet itself, and a paused greenlet is never collected as part of
+    # a cycle: each one beyond THREADS (requests waiting for their clients to read give up their slots) leaked
+    import gc
+    import weakref
+
+    from greenlet import getcurrent
+
+    from app.hosting import waiting
+
+    loop = LoopWorker(threads=1)
+    ran_on: list[weakref.ref] = []
+
+    def waits_for_its_client(ours: socket.socket) -> bool:
+        ran_on.append(weakref.ref(getcurrent()))
+        return waiting.wait_for(ours, select.POLLIN, 5.0, for_client=True)
+
+    with _waits_on_the_loop(loop, 3) as pairs:
+        for name, (ours, _) in zip("abc", pairs):
+            loop.start(name, lambda ours=ours: waits_for_its_client(ours))
+        assert loop.worker.loop_running == 0 and len({ref() for ref in ran_on}) == 3  # three at once
+        for _, theirs in pairs:
+            theirs.sendall(b"x")
+        loop.turn_until(lambda: len(loop.ended) == 3)
+    gc.collect()
+    assert [ref() for ref in ran_on if ref() is not None] == loop.worker._idle  # the one kept, the others freed
+    assert len(loop.worker._idle) == 1
+
+
 def test_a_request_waiting_to_write_its_answer_gives_its_slot_to_the_next() -> None:
     from app.hosting import waiting
     from app.hosting.worker import ClientSocket
