@@ -10,10 +10,11 @@ the request with its images and reads the answer, on a connection of the worker'
 ``app/hosting/waiting.py``'s: a request thread polls, a request on the worker's loop hands the wait to the loop. The
 requests on the worker's loop share one connection instead, several to a message (app/link/loop_link.py). An
 engine that dies fails the requests in flight with 503 and Retry-After (the master restarts it); until it is back,
-requests get 503 ``not_ready``. So do they, refused at once and not sent, while the engine's latest state query went
-unanswered within STATE_TIMEOUT_S (stopped, or its loop stuck: a request sent would wait twice its deadline for
-an answer): the watch of the engine then asks again every WAIT_S, and the master kills and restarts an engine
-silent for STALL_S (app/link/supervisor.py).
+requests get 503 ``not_ready``. So do they, and catalog calls, refused at once and not sent, while the engine's
+latest state query went unanswered within STATE_TIMEOUT_S (stopped, or its loop stuck): the watch of the engine then
+asks again every WAIT_S, and the master kills and restarts an engine silent for STALL_S (app/link/supervisor.py). A
+request sent to it before then waits for its answer its deadline and ANSWER_GRACE_S at most (504), as every
+request does: the engine answers 504 at the deadline itself.
 
 Readiness is the server's, not this worker's alone: ready once the engine is ready, this worker is not draining,
 and every worker of the server reached the engine (each marks ``http-<pid>.ready`` in CONTROL_DIR; the master
@@ -63,7 +64,7 @@ from app.metrics import BATCHER_ALIVE, READY
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 2.0
-ANSWER_GRACE_S = 5.0  # beyond twice a request's deadline (the engine's counts from queueing, after the decode)
+ANSWER_GRACE_S = 5.0  # beyond a request's deadline (the engine's counts from its queueing there, not its sending)
 STATE_TIMEOUT_S = 1.0  # an engine that does not say its state within this is not ready (probes never hang)
 SIGNATURE_TIMEOUT_S = 5.0  # a signature is a routing-table read: an engine silent this long is stuck
 CATALOG_GRACE_S = 10.0  # beyond a catalog call's waits (REPOSITORY_SYNC_TIMEOUT_S; a change's twice: _ask)
@@ -110,7 +111,9 @@ class RemoteCall:
         message = wire.Infer(*self.request, timeout_s=timeout_s, parsed_version=self.model.version,
                              parsed_shape=tuple(self.model.input_shape), names=tuple(names), tensors=specs,
                              embedding=embedding)
-        served = self._service.infer(message, segments, 2 * timeout_s + ANSWER_GRACE_S, client_gone)
+        # The engine answers 504 at the deadline itself: one that answers nothing (stopped, its loop stuck) costs the
+        # request its deadline and the grace, no more.
+        served = self._service.infer(message, segments, timeout_s + ANSWER_GRACE_S, client_gone)
         return served.labelled(self._service.labels(served, self.model))
 
 
@@ -248,7 +251,7 @@ class RemoteService(Lifecycle):
         self._state: tuple[float, wire.EngineState | None] = (0.0, None)
         self._signatures: dict[tuple[str | None, str | None], Signature] = {}
         self._signatures_of: tuple[int, int] = (0, 0)  # (engine pid, routing generation) they were read at
-        self.loop_link: LoopLink | None = None  # the requests on this worker's loop: one connection, made when first used
+        self.loop_link: LoopLink | None = None  # the requests on this worker's loop: one connection, made at first use
         self._stopped = threading.Event()  # this worker is going away: its link's thread ends
 
     @classmethod
@@ -409,7 +412,10 @@ class RemoteService(Lifecycle):
                                   "the engine stopped while explaining this image; it is restarting", [image])
 
     def _ask(self, call: wire.CatalogCall) -> Any:
+        """A catalog call answered by the engine: refused at once as a request is (NotReady) while the first models
+        load or the engine's latest state query went unanswered, else sent and waited for within its limit."""
         self.require_loaded()
+        self._require_serving()  # an engine that answers nothing would hold the call for its whole limit
         away = "the engine is not reachable or not answering; it is starting or restarting"
         if call.method not in CATALOG_CHANGES:
             return self._exchange(call, self.settings.repository_sync_timeout_s + CATALOG_GRACE_S, away)
@@ -422,7 +428,8 @@ class RemoteService(Lifecycle):
 
     @property
     def _engine_silent(self) -> bool:
-        """Its latest state query went unanswered: requests are refused, not sent (``_require_serving``)."""
+        """Its latest state query went unanswered: requests and catalog calls are refused, not sent
+        (``_require_serving``)."""
         at, state = self._state
         return at > 0 and state is None
 
@@ -503,8 +510,8 @@ class RemoteService(Lifecycle):
 
     def _require_serving(self) -> None:
         """NotReady (503 with Retry-After) while the engine's latest state query went unanswered (within
-        STATE_TIMEOUT_S): a request is not sent to an engine that is stopped, stuck or restarting, to wait twice its
-        deadline for an answer (the master restarts one silent for STALL_S)."""
+        STATE_TIMEOUT_S): neither a request nor a catalog call (``_ask``) is sent to an engine that is stopped, stuck
+        or restarting, to wait out its whole limit for an answer (the master restarts one silent for STALL_S)."""
         if self._engine_silent:
             raise not_ready(f"the engine did not answer its latest state query within {STATE_TIMEOUT_S:g}s: it is "
                             "stopped, stuck or restarting")

@@ -4,6 +4,7 @@ requests are refused at once, and the master kills such an engine so that it is 
 are made small; every wait is for a condition."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -36,6 +37,18 @@ from tests.support.imaging import RED, image_bytes
 from tests.support.master import engines_started_as
 
 STALL_S = 0.2  # STALL_S in these tests
+
+
+@contextlib.contextmanager
+def _engine_loop_stuck(linked: Linked, hold_s: float = 10) -> Iterator[None]:
+    """The engine's loop stuck (at most ``hold_s``) for the block: it answers nothing, as one stopped would."""
+    entered, stuck = threading.Event(), threading.Event()
+    linked.server._post(lambda: (entered.set(), stuck.wait(hold_s)))
+    try:
+        assert entered.wait(10)
+        yield
+    finally:
+        stuck.set()
 
 
 def _post(client: FlaskClient) -> int:
@@ -189,10 +202,7 @@ def test_a_worker_sends_no_request_to_an_engine_whose_latest_state_query_went_un
     assert _post(client) == 200
     watch = threading.Thread(target=linked.worker._engine_gone, daemon=True)  # as _follow_engine runs it
     watch.start()
-    entered, stuck = threading.Event(), threading.Event()
-    linked.server._post(lambda: (entered.set(), stuck.wait(10)))  # the engine's loop stuck
-    try:
-        assert entered.wait(10)
+    with _engine_loop_stuck(linked):
         assert client.get("/readyz").status_code == 503  # its state query goes unanswered
         assert client.get("/healthz").status_code == 200  # the master restarts a silent engine (below)
         connections = len(linked.connections)
@@ -203,12 +213,73 @@ def test_a_worker_sends_no_request_to_an_engine_whose_latest_state_query_went_un
         answer = client.post("/predict", data=image_bytes(RED), content_type="image/png")
         error_of(answer, 503, "not_ready")
         assert len(linked.connections) == connections
-    finally:
-        stuck.set()
     # No probe asks again: the watch of the engine does, within WAIT_S, not at the end of its WATCH_S (5 s) wait
     wait_until(lambda: _post(client) == 200, timeout=2.5)
     linked.worker._stopped.set()
     watch.join(5)
+
+
+@pytest.mark.slow
+def test_a_request_sent_before_any_state_query_went_unanswered_is_answered_within_its_deadline_and_the_grace(
+        linked: Linked, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: a request sent to an engine that had just stopped answering (no state query had found it silent yet)
+    # waited twice its deadline plus the grace for its 504: 4.2 s here, 65 s with the default REQUEST_TIMEOUT_S.
+    monkeypatch.setattr(client_module, "ANSWER_GRACE_S", 0.2)
+    client = linked.client
+    assert _post(client) == 200
+    with _engine_loop_stuck(linked):
+        assert not linked.worker._engine_silent  # so the request is sent
+        started = time.monotonic()
+        answer = client.post("/predict", data=image_bytes(RED), content_type="image/png",
+                             headers={"X-Request-Timeout": "2000"})
+        took_s = time.monotonic() - started
+        assert "no answer from the engine" in error_of(answer, 504, "deadline_exceeded")["message"]
+        assert took_s < 2 + 0.2 + 1  # its deadline and the grace, with room for a loaded machine
+    wait_until(lambda: _post(client) == 200)
+
+
+@pytest.mark.slow
+def test_no_catalog_call_is_sent_to_an_engine_whose_latest_state_query_went_unanswered_and_the_probes_answer(
+        settings: Settings, predictor: Predictor, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: only requests were refused then: /v1/models, a model's metadata, the repository index and a load were
+    # sent, each waiting out its limit on an idle connection (REPOSITORY_SYNC_TIMEOUT_S + 10 s, 130 s by default; a
+    # load's twice REPOSITORY_SYNC_TIMEOUT_S + 10 s) or the hello of a new one (2 s, here), for its 503 or 504.
+    monkeypatch.setattr(client_module, "STATE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(client_module, "CATALOG_GRACE_S", 0.5)
+    linked = Linked(settings.model_copy(update={"stall_s": STALL_S, "repository_sync_timeout_s": 3.0}), predictor,
+                    tmp_path / "control")
+    client = linked.client
+    try:
+        assert client.get("/v1/models").status_code == 200 and _post(client) == 200
+        with _engine_loop_stuck(linked, hold_s=20):
+            wait_until(lambda: client.get("/readyz").status_code == 503)  # its next state query goes unanswered
+            assert client.get("/healthz").status_code == 200  # the master restarts a silent engine
+            connections = len(linked.connections)
+            calls = {"v1 models": lambda: client.get("/v1/models"),
+                     "v2 metadata": lambda: client.get("/v2/models/colour"),
+                     "v2 model ready": lambda: client.get("/v2/models/colour/ready"),
+                     "repository index": lambda: client.post("/v2/repository/index", json={}),
+                     "load": lambda: client.post("/v2/repository/models/colour/load", json={})}
+            for what, call in calls.items():
+                started = time.monotonic()
+                answer = call()
+                took_s = time.monotonic() - started
+                assert answer.status_code == 503, what
+                assert len(linked.connections) == connections, what  # not sent: no connection tried
+                assert took_s < 1.5, what  # at once, not at the end of the call's limit
+                if what == "v2 model ready":
+                    assert answer.get_json()["ready"] is False
+                else:
+                    assert answer.headers["Retry-After"], what
+            said = error_of(client.get("/v1/models"), 503, "not_ready")["message"]
+            assert "did not answer its latest state query" in said
+            assert "did not answer its latest state query" in client.get("/v2/models/colour").get_json()["error"]
+            assert len(linked.connections) == connections
+            assert client.get("/readyz").status_code == 503 and client.get("/healthz").status_code == 200
+        wait_until(lambda: client.get("/readyz").status_code == 200)  # its next state query is answered
+        assert client.get("/v1/models").status_code == 200 and _post(client) == 200
+    finally:
+        linked.engine.shutdown(timeout=5)
 
 
 # -- the master and a silent engine ----------------------------------------------------------------------------------
