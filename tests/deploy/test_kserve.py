@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from app.config import Settings
+from app.link.client import CONNECT_TIMEOUT_S
 from app.web.auth import OPEN_PATHS
 
 KSERVE = Path(__file__).resolve().parents[2] / "deploy" / "kserve"
@@ -56,6 +57,9 @@ def test_the_runtime_speaks_v2_on_the_port_and_probes_the_app_answers() -> None:
     assert container["ports"] == [{"containerPort": port, "protocol": "TCP"}]
     for probe, path in (("readinessProbe", "/v2/health/ready"), ("livenessProbe", "/v2/health/live")):
         assert container[probe]["httpGet"] == {"path": path, "port": port} and path in OPEN_PATHS
+        # a probe may wait for a new connection to a silent engine (then answers 503): Kubernetes' default 1 s
+        # would count that as a timeout, and three in a row restart a container whose engine the master restarts
+        assert container[probe]["timeoutSeconds"] > CONNECT_TIMEOUT_S
 
 
 def test_the_inference_service_uses_the_runtime_with_a_gpu_and_the_mounted_export() -> None:
