@@ -143,62 +143,45 @@ class Reading:
         return min(max(self.body_end - len(self.buffer), FIRST_READ), READ_SIZE)
 
 
-def body_length(head: bytes) -> int | None:
-    """The body length a header block announces (a missing Content-Length: 0), or None when it takes a closer look
-    (``body_framing``): chunked, ``Expect``, or a Content-Length that is repeated or malformed."""
-    lengths = []
-    for line in head.split(b"\r\n")[1:]:
-        name, _, value = line.partition(b":")
-        name = name.strip().lower()
-        if name in (b"transfer-encoding", b"expect"):
-            return None
-        if name == b"content-length":
-            lengths.append(value.strip())
-    if not lengths:
-        return 0
-    if len(lengths) > 1 or not lengths[0].isdigit():
-        return None
-    return int(lengths[0])
-
-
 @dataclass(frozen=True)
 class Framing:
-    """How a body that ``body_length`` left aside comes (``body_framing``)."""
+    """How a body comes that is chunked or follows ``Expect: 100-continue`` (``body_framing``)."""
     chunked: bool
     length: int  # its Content-Length, when it is not chunked
     expects_continue: bool  # the client waits for 100 Continue before it sends the body
 
 
-def body_framing(head: bytes) -> Framing | None:
-    """How a header block that ``body_length`` left aside frames its body, where the loop reads it as gunicorn's
-    parser will (gunicorn/http/message.py's set_body_reader): chunked (the last of its transfer codings and only
-    there, each one a coding gunicorn takes, HTTP/1.1 and no Content-Length), else one Content-Length or none; after
+def body_framing(head: bytes) -> int | Framing | None:
+    """How a header block frames its body, where the loop reads it as gunicorn's parser will (gunicorn/http/message.py's
+    set_body_reader): most heads, with neither Transfer-Encoding nor Expect, by the body's length alone (a missing
+    Content-Length: 0); the others by a Framing: chunked (the last of its transfer codings and only there, each one a
+    coding gunicorn takes, HTTP/1.1 and no Content-Length), else one Content-Length or none; after
     ``Expect: 100-continue`` or not (HTTP/1.0 ignores it). None for any other: the parser refuses it from its head (a
     repeated or malformed Content-Length, both framings, an unknown coding, another expectation)."""
     lines = head.split(b"\r\n")
-    http_11 = HTTP_11_ON.fullmatch(lines[0].rpartition(b" ")[2]) is not None
     codings: list[bytes] = []
     lengths, expects = [], []
     for line in lines[1:]:
         name, _, value = line.partition(b":")
         name = name.strip().lower()
-        if name == b"transfer-encoding":
-            codings += (coding.strip(b" \t").lower() for coding in value.split(b","))
-        elif name == b"content-length":
+        if name == b"content-length":
             lengths.append(value.strip())
+        elif name == b"transfer-encoding":
+            codings += (coding.strip(b" \t").lower() for coding in value.split(b","))
         elif name == b"expect":
             expects.append(value.strip(b" \t").lower())
-    if any(expect != b"100-continue" for expect in expects):
-        return None
-    expects_continue = bool(expects) and http_11
-    if codings:
-        if (lengths or not http_11 or codings[-1] != b"chunked" or codings.count(b"chunked") > 1
-                or not CODINGS.issuperset(codings)):
-            return None
-        return Framing(True, 0, expects_continue)
     if len(lengths) > 1 or (lengths and not lengths[0].isdigit()):
         return None
-    return Framing(False, int(lengths[0]) if lengths else 0, expects_continue)
+    length = int(lengths[0]) if lengths else 0
+    if not (codings or expects):
+        return length
+    if any(expect != b"100-continue" for expect in expects):
+        return None
+    http_11 = HTTP_11_ON.fullmatch(lines[0].rpartition(b" ")[2]) is not None
+    if codings and (lengths or not http_11 or codings[-1] != b"chunked" or codings.count(b"chunked") > 1
+                    or not CODINGS.issuperset(codings)):
+        return None
+    return Framing(bool(codings), length, bool(expects) and http_11)
 
 
 @dataclass(frozen=True)
@@ -466,25 +449,21 @@ class ClientSocket(socket.socket):
                 unsent += view
                 return
             self.unsent = None  # a streamed answer beyond what is held: written here, as the client reads it
-            self._send_waiting(memoryview(unsent), flags)
+            self._send(memoryview(unsent), flags, may_hold=False)
+        self._send(view, flags, may_hold=True)
+
+    def _send(self, view: memoryview, flags: int, may_hold: bool) -> None:
+        """``view`` written without blocking: what the socket takes at once, then the rest as the client reads it,
+        waiting by ``waiting.wait_for`` (a loop request hands the wait to the loop; a thread polls),
+        ``answer_timeout_s`` at most without progress; but with ``may_hold``, a request thread's rest is held for
+        the loop to write (``unsent``) and the thread goes on."""
         while view:
             try:
                 sent = self.send(view, flags | socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
-                if self.loop_writes and waiting.on_loop() is None:  # a request thread: the loop writes the rest
+                if may_hold and self.loop_writes and waiting.on_loop() is None:  # a request thread: the loop writes it
                     self.unsent = bytearray(view)
                     return
-                self._send_waiting(view, flags)
-                return
-            view = view[sent:]
-
-    def _send_waiting(self, view: memoryview, flags: int) -> None:
-        """``view`` written as the client reads it, waiting by ``waiting.wait_for`` (a loop request hands the wait
-        to the loop; a thread polls), ``answer_timeout_s`` at most without progress."""
-        while view:
-            try:
-                sent = self.send(view, flags | socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
                 if not waiting.wait_for(self, select.POLLOUT, self.answer_timeout_s, for_client=True):
                     self._leave()
                 continue
@@ -773,23 +752,22 @@ class BufferingWorker(LoopRequests, ThreadWorker):
                 return True
             if end < 0:
                 return False
-            length = body_length(bytes(buffer[:end]))
-            if length is None:
-                return self._framed(reading, end)
-            if length > self.limits.max_body_bytes:
+            framing = body_framing(bytes(buffer[:end]))
+            if not isinstance(framing, int):  # chunked, Expect, or a head the parser refuses
+                return self._framed(reading, end, framing)
+            if framing > self.limits.max_body_bytes:
                 return True
-            reading.body_end = end + len(HEADER_END) + length
+            reading.body_end = end + len(HEADER_END) + framing
         if len(reading.buffer) < reading.body_end:
             return False
         return reading.chunked is None or self._chunks_whole(reading)
 
-    def _framed(self, reading: Reading, end: int) -> bool:
-        """``_whole`` for a head ``body_length`` left aside (its end at ``end``): a chunked body, or one after
-        ``Expect: 100-continue``, is read on here as its framing says (``body_framing``), the client that waits for
-        it owed its ``100 Continue`` (``continue_owed``: once the loop waits for the body, ``_continue``); any other
-        head, and a Content-Length over the limit, go to the parser as they are (True), but for one after
+    def _framed(self, reading: Reading, end: int, framing: Framing | None) -> bool:
+        """``_whole`` for a head that ``body_framing`` did not frame by a length alone (its end at ``end``): a chunked
+        body, or one after ``Expect: 100-continue``, is read on here as its ``framing`` says, the client that waits
+        for it owed its ``100 Continue`` (``continue_owed``: once the loop waits for the body, ``_continue``); any
+        other head (None), and a Content-Length over the limit, go to the parser as they are (True), but for one after
         ``Expect: 100-continue``, refused here (413) before its client is asked for the body it announced."""
-        framing = body_framing(bytes(reading.buffer[:end]))
         if framing is not None and framing.length > self.limits.max_body_bytes and framing.expects_continue:
             reading.refusal = Refusal(413, "Request Entity Too Large",
                                       f"the request body is over the {self.limits.max_body_bytes} byte limit")

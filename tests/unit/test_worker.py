@@ -20,7 +20,7 @@ from gunicorn.config import Config
 from gunicorn.http.parser import RequestParser
 
 from app.config import Settings
-from app.hosting.worker import HeldUnreader, body_length, timeout_response
+from app.hosting.worker import HeldUnreader, body_framing, timeout_response
 from tests.support.loop import LoopWorker
 
 
@@ -28,14 +28,13 @@ from tests.support.loop import LoopWorker
     (b"GET /healthz HTTP/1.1\r\nHost: x", 0),  # no body
     (b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 1234", 1234),
     (b"POST /predict HTTP/1.1\r\ncontent-length:  7 ", 7),  # names are case-insensitive, values trimmed
-    (b"POST /predict HTTP/1.1\r\nTransfer-Encoding: chunked", None),  # the thread's parser reads chunks
-    (b"POST /predict HTTP/1.1\r\nContent-Length: 9\r\nExpect: 100-continue", None),  # the client waits for 100
     (b"POST /predict HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2", None),  # the parser refuses these
     (b"POST /predict HTTP/1.1\r\nContent-Length: -1", None),
     (b"POST /predict HTTP/1.1\r\nContent-Length: 1e3", None),
 ])
-def test_body_length_says_how_much_to_wait_for(head: bytes, expected: int | None) -> None:
-    assert body_length(head) == expected
+def test_a_head_without_transfer_encoding_or_expect_says_how_much_to_wait_for_by_its_length_alone(
+        head: bytes, expected: int | None) -> None:
+    assert body_framing(head) == expected
 
 
 @pytest.mark.parametrize("head, expected", [
@@ -55,10 +54,40 @@ def test_body_length_says_how_much_to_wait_for(head: bytes, expected: int | None
 ])
 def test_the_loop_reads_a_chunked_or_expected_body_only_framed_as_the_parser_will_read_it(
         head: bytes, expected: tuple | None) -> None:
-    from app.hosting.worker import body_framing
-
     framing = body_framing(head)
     assert (framing and (framing.chunked, framing.length, framing.expects_continue)) == expected
+
+
+@pytest.mark.parametrize("head, came, expected", [  # expected: whole, body_end past the head, continue_owed, refusal
+    (b"GET / HTTP/1.1\r\nHost: x", b"", (True, 0, False, None)),  # no body
+    (b"POST /p HTTP/1.1\r\nContent-Length: 5", b"abc", (False, 5, False, None)),
+    (b"POST /p HTTP/1.1\r\nContent-Length: 5", b"abcde", (True, 5, False, None)),
+    # the parser reads these from the head as it is: the app refuses a body over the limit, the parser the others
+    (b"POST /p HTTP/1.1\r\nContent-Length: 101", b"", (True, None, False, None)),
+    (b"POST /p HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 5", b"", (True, None, False, None)),
+    (b"POST /p HTTP/1.1\r\nContent-Length: 1e3", b"", (True, None, False, None)),
+    (b"POST /p HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 5", b"", (True, None, False, None)),
+    (b"POST /p HTTP/1.1\r\nTransfer-Encoding: br, chunked", b"", (True, None, False, None)),
+    (b"POST /p HTTP/1.1\r\nContent-Length: 5\r\nExpect: 200-ok", b"", (True, None, False, None)),
+    (b"POST /p HTTP/1.1\r\nTransfer-Encoding: chunked", b"", (False, 1, False, None)),  # a size line's first byte
+    (b"POST /p HTTP/1.1\r\nContent-Length: 5\r\nExpect: 100-continue", b"", (False, 5, True, None)),
+    (b"POST /p HTTP/1.1\r\nTransfer-Encoding: chunked\r\nExpect: 100-continue", b"", (False, 1, True, None)),
+    (b"POST /p HTTP/1.1\r\nContent-Length: 5\r\nExpect: 100-continue", b"ab", (False, 5, False, None)),  # sent anyway
+    (b"POST /p HTTP/1.1\r\nContent-Length: 0\r\nExpect: 100-continue", b"", (True, 0, False, None)),  # none to ask
+    (b"POST /p HTTP/1.0\r\nContent-Length: 5\r\nExpect: 100-continue", b"", (False, 5, False, None)),  # HTTP/1.0
+    (b"POST /p HTTP/1.1\r\nContent-Length: 101\r\nExpect: 100-continue", b"", (True, None, False, 413)),
+])
+def test_the_loop_waits_for_the_body_a_head_frames_and_leaves_any_other_head_to_the_parser(
+        head: bytes, came: bytes, expected: tuple) -> None:
+    from app.hosting.worker import ReadLimits, Reading
+
+    worker = _lingering()
+    worker.limits = ReadLimits(max_body_bytes=100)
+    reading = Reading(None, time.monotonic() + 10, time.monotonic())
+    reading.take(head + b"\r\n\r\n" + came)
+    whole = worker._whole(reading)
+    body_end = None if reading.body_end is None else reading.body_end - len(head + b"\r\n\r\n")
+    assert (whole, body_end, reading.continue_owed, reading.refusal and reading.refusal.status) == expected
 
 
 def test_a_timeout_answer_is_408_json_in_the_service_error_shape() -> None:
@@ -977,6 +1006,31 @@ def test_a_request_thread_leaves_the_rest_of_an_answer_to_the_loop_which_writes_
     reader.join(30)
     assert bytes(received) == body and closed == [conn.sock] and worker.nr_conns == 0
     assert not worker.writing and conn.sock.unsent is None
+    worker.poller.close()
+
+
+def test_a_request_thread_holds_an_answer_s_pieces_up_to_a_limit_then_writes_what_it_held_as_the_client_reads(
+        sockets, monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.hosting import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "HELD_ANSWER_BYTES", 4 << 20)
+    ours, client = sockets
+    worker = _writing_worker()
+    conn, closed = _client_connection(ours, 30.0)
+    pieces = [os.urandom(2 << 20), os.urandom(1000), os.urandom(3 << 20)]  # an answer streamed in three pieces
+    conn.sock.sendall(pieces[0])  # nobody reads: the socket takes some, the rest is held
+    held = len(conn.sock.unsent)
+    conn.sock.sendall(pieces[1])  # behind it, held too
+    assert 0 < held < len(pieces[0]) and bytes(conn.sock.unsent[held:]) == pieces[1]
+    reader, received = _reading(client, sum(map(len, pieces)))
+    conn.sock.sendall(pieces[2])  # beyond the limit: what was held, written here as the client reads it, then this
+    assert len(conn.sock.unsent or b"") <= len(pieces[2])  # at most this piece's rest is held for the loop
+    done: Future = Future()
+    done.set_result(False)  # the answer said Connection: close
+    worker.finish_request(conn, done)
+    _turn(worker, lambda: bool(closed))
+    reader.join(30)
+    assert bytes(received) == b"".join(pieces) and not worker.writing
     worker.poller.close()
 
 
