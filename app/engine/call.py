@@ -119,9 +119,11 @@ class Call:
 
     def queue(self, images: Sequence[bytes] = (), tensors: Sequence[np.ndarray | torch.Tensor] = (), *,
               timeout_s: float, names: Sequence[str | None] = (), inline: bool = True, defer: bool = False,
-              client_gone: Callable[[], bool] | None = None) -> Queued:
+              client_gone: Callable[[], bool] | None = None, arrived: float | None = None) -> Queued:
         """The request's images checked, counted, decoded (or their headers read) and queued, all or none; its
-        deadline counts from now, before the decode (one the decode outlasts is a 504, nothing queued).
+        deadline counts from ``arrived`` (a ``time.monotonic()`` value: when the engine process received it, so a
+        wait for a decode thread counts too; by default now), before the decode (one the decode outlasts, or a wait
+        before it, is a 504, nothing queued).
         ``inline=False``: never run on this thread, even when the batcher is idle; ``defer``: queued without waking
         the batcher's thread, for ``batcher.run_queued`` once the caller has queued the other requests it holds (a
         thread that serves many requests runs their batch itself when it is short).
@@ -131,7 +133,7 @@ class Call:
             raise BadRequest("the request holds no images" if not images else "send images or tensors, not both")
         count = len(images) or len(tensors)
         check_image_count(count, self._max_images)
-        deadline = time.monotonic() + timeout_s  # the client's time runs during the decode too
+        deadline = (time.monotonic() if arrived is None else arrived) + timeout_s  # and during the decode too
         if images:  # before any decode: what the queue would refuse costs nothing (submit_many checks pixels)
             _check_room(self._version, count, deadline)
         started_ns = time.time_ns()

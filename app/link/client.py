@@ -64,7 +64,7 @@ from app.metrics import BATCHER_ALIVE, READY
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 2.0
-ANSWER_GRACE_S = 5.0  # beyond a request's deadline (the engine's counts from its queueing there, not its sending)
+ANSWER_GRACE_S = 5.0  # beyond a request's deadline (the engine's counts from its receipt there, not the sending)
 STATE_TIMEOUT_S = 1.0  # an engine that does not say its state within this is not ready (probes never hang)
 SIGNATURE_TIMEOUT_S = 5.0  # a signature is a routing-table read: an engine silent this long is stuck
 CATALOG_GRACE_S = 10.0  # beyond a catalog call's waits (REPOSITORY_SYNC_TIMEOUT_S; a change's twice: _ask)

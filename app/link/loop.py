@@ -126,7 +126,7 @@ class _Exchange:
     its id on a shared connection (None on a connection of its own)."""
 
     __slots__ = ("conn", "admission", "call", "message", "images", "tensors", "ident", "queued", "ended", "cancelled",
-                 "decode_cpu_s")
+                 "decode_cpu_s", "arrived")
 
     def __init__(self, conn: _Connection, admission: Admission, message: wire.Infer, images: list[bytearray],
                  tensors: list[np.ndarray], ident: int | None) -> None:
@@ -136,6 +136,7 @@ class _Exchange:
         self.ended = False
         self.cancelled = False  # nobody waits for its answer (a Cancel, or its shared connection closed)
         self.decode_cpu_s = 0.0  # its images' decode, once queued
+        self.arrived = time.monotonic()  # its deadline counts from here: a wait for a decode thread counts too
 
 
 class EngineServer:
@@ -619,7 +620,8 @@ class EngineServer:
         try:
             queued = exchange.call.queue(exchange.images, exchange.tensors, timeout_s=message.timeout_s,
                                          names=message.names, inline=False, defer=on_loop,
-                                         client_gone=None if on_loop else lambda: exchange.ended)
+                                         client_gone=None if on_loop else lambda: exchange.ended,
+                                         arrived=exchange.arrived)
         except Exception as exc:  # noqa: BLE001 - answered
             return functools.partial(self._end, exchange, exc)
         if on_loop:

@@ -12,7 +12,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 from flask import Flask
@@ -355,3 +355,26 @@ def test_a_worker_forked_while_the_master_asks_an_engine_closes_its_copy_of_that
         supervisor._QUERYING.discard(ours.fileno())
         ours.close()
         engine_end.close()
+
+
+@pytest.mark.slow
+def test_a_requests_deadline_in_the_engine_counts_from_its_arrival_a_wait_for_a_decode_thread_included(
+        linked: Linked) -> None:
+    # Before: the engine counted it from the start of the request's decode, so one that waited for a decode thread
+    # past its deadline was still decoded, run and answered 200, after it (the HTTP side waits only its deadline and
+    # a grace for the engine's answer: a longer wait there was answered 504 by the HTTP side, the work done anyway)
+    server, gate = linked.server, threading.Event()
+    for _ in range(server.decode_shares.threads):  # every decode thread busy
+        server._decoders.submit(gate.wait, 10)
+    answers: list[Any] = []
+    sent = threading.Thread(target=lambda: answers.append(linked.client.post(
+        "/predict", data=image_bytes(RED), content_type="image/png", headers={"X-Request-Timeout": "300"})))
+    sent.start()
+    try:
+        wait_until(lambda: server._decoders._work_queue.qsize() > 0)  # it waits for a decode thread
+        time.sleep(0.5)  # past its deadline
+    finally:
+        gate.set()
+    sent.join(10)
+    assert "deadline" in error_of(answers[0], 504, "deadline_exceeded")["message"]
+    assert _post(linked.client) == 200
