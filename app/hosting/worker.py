@@ -539,11 +539,12 @@ class BufferingWorker(LoopRequests, ThreadWorker):
     loop_requests = False  # LOOP_REQUESTS under ENGINE=process (gunicorn.conf.py's post_fork)
     accept_paused_until = 0.0  # out of file descriptors: no accept before then (time.monotonic())
     accept_warned_at = -ACCEPT_WARN_EVERY_S  # when the last pause was said in the log
+    held_back_draining = False  # the reason held back last said in the log: its drain, or not serving yet
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.reading: set[Reading] = set()
-        self.held_back = False  # new connections left to the workers that serve (said once in the log)
+        self.held_back = False  # new connections left to the workers that serve (said in the log once a reason)
         self.draining = False  # its drain began (app/hosting/drain.py): it takes new connections only if none serves
         self.closing: set[Closing] = set()  # connections half-closed after their last answer
         self.writing: set[Writing] = set()  # connections whose answer's rest the loop writes
@@ -617,9 +618,10 @@ class BufferingWorker(LoopRequests, ThreadWorker):
             return False
 
     def _hold_back(self) -> None:
-        """New connections left in the listen backlog to the workers that serve (said once in the log)."""
-        if not self.held_back:
-            self.held_back = True
+        """New connections left in the listen backlog to the workers that serve (said in the log once a reason: a
+        worker held back while it loaded, then told to stop before its loop asked again, says it drains)."""
+        if not self.held_back or self.held_back_draining != self.draining:
+            self.held_back, self.held_back_draining = True, self.draining
             if self.draining:
                 self.log.info("worker %d drains: new connections go to the workers that serve", os.getpid())
             else:

@@ -441,6 +441,30 @@ def test_a_draining_worker_leaves_new_connections_to_a_worker_that_serves_and_ta
         _close_all(worker, listener, clients)
 
 
+def test_a_worker_held_back_while_it_loads_then_told_to_stop_says_it_drains(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: held back while it loaded (another worker served), marked ready, then told to stop before its loop
+    # asked again (a second apart at most): its log said once, at the start, that it held back until it served,
+    # and never that it drained (a CI run's end-to-end test found the line missing).
+    from app.hosting import control
+
+    worker, listener = _listening_worker(tmp_path)
+    control.ready_mark(tmp_path, os.getppid()).touch()  # another worker serves
+    clients = [socket.create_connection(listener.getsockname())]
+    try:
+        with caplog.at_level(logging.INFO, logger="test.worker"):
+            worker.accept(listener)  # loading: left in the backlog
+            worker.draining = True  # its drain began before its loop asked again
+            worker.accept(listener)
+            worker.accept(listener)
+        said = [record.getMessage() for record in caplog.records]
+        assert said == [f"worker {os.getpid()} takes new connections once it serves (another worker serves them)",
+                        f"worker {os.getpid()} drains: new connections go to the workers that serve"]
+        assert worker.nr_conns == 0 and worker.held_back
+    finally:
+        _close_all(worker, listener, clients)
+
+
 def test_a_worker_taking_new_connections_leaves_them_to_one_that_serves_once_it_does_not_serve_itself(
         tmp_path: Path) -> None:
     # Before: gthread asks set_accept_enabled only when accepting should change for its own reasons, so a worker
