@@ -423,12 +423,13 @@ class MonitoringSettings(SettingsGroup):
         "others are dealt over the remaining bins by class index (one bin per class of 1,000 ImageNet classes in "
         "1,000 predictions would make the figure sampling noise). More bins: finer, and noisier.")
     metrics_flush_ms: float = Field(
-        100.0, ge=0, le=5000, description="While images still wait after a batch, its figures (batch size, stage "
-        "times and CPU, predicted classes, confidence) and its predictions' place in the monitor's window are held "
-        "and written together with the next batches', by the first batch that ends this long or more after the last "
-        "write (so at most this and a batch behind): an engine that cannot keep up writes them once for many "
-        "batches. Once the queue is empty they are written at once, before that batch's answers leave. 0 = after "
-        "every batch.")
+        100.0, ge=0, le=5000, description="A batch's figures (batch size, stage times and CPU, predicted classes, "
+        "confidence) and its predictions' place in the monitor's window are held and written together with the "
+        "next batches', by the first batch that ends this long or more after the last write, or by the idle batcher "
+        "this long after it: a busy engine writes them once for many batches. A scrape of /metrics has its worker's "
+        "versions write theirs first, and a version's monitoring read writes its own, so each counts every request "
+        "answered before it; other engines' and workers' figures are at most this long behind. 0 = after every "
+        "batch.")
 
     @model_validator(mode="after")
     def _minimum_within_window(self) -> "MonitoringSettings":

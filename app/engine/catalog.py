@@ -57,7 +57,14 @@ class Catalog:
         return self._info(loaded, loaded.version == default, self._rollout_changes.roles().get((loaded.name,
                                                                                                 loaded.version)))
 
+    def settle_figures(self) -> None:
+        """Every routed version's figures held since its last settle (METRICS_FLUSH_MS) written now: a scrape of
+        /metrics asks first, so it sees every request answered before it."""
+        for loaded in self._applier.routes.all_versions():
+            loaded.settle()
+
     def _info(self, loaded: LoadedVersion, default: bool, role: str | None) -> VersionInfo:
+        loaded.settle()  # its monitoring as of every request answered before this read
         predictor, batcher = loaded.predictor, loaded.batcher
         return VersionInfo(
             manifest=predictor.manifest, weights_format=predictor.weights_format, device=str(predictor.device),

@@ -417,6 +417,8 @@ class RemoteService(Lifecycle):
         self.require_loaded()
         self._require_serving()  # an engine that answers nothing would hold the call for its whole limit
         away = "the engine is not reachable or not answering; it is starting or restarting"
+        if call.method == "settle_figures":  # a scrape's, which shows what was written rather than wait longer
+            return self._exchange(call, STATE_TIMEOUT_S, away)
         if call.method not in CATALOG_CHANGES:
             return self._exchange(call, self.settings.repository_sync_timeout_s + CATALOG_GRACE_S, away)
         # A change waits REPOSITORY_SYNC_TIMEOUT_S at most to start (another change under way), then as long for the

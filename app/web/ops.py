@@ -2,12 +2,14 @@
 and the demo page at /."""
 from __future__ import annotations
 
+import contextlib
 from functools import lru_cache
 from typing import Any, Sequence
 
 from flask import Blueprint, Flask, Response, jsonify
 from flask_swagger_ui import get_swaggerui_blueprint
 
+from app.errors import ServiceError
 from app.metrics import render as render_metrics
 from app.web.auth import DOCS_PATH, OPENAPI_PATH
 from app.web.demo import demo_blueprint
@@ -43,7 +45,12 @@ def readyz() -> tuple[Response, int]:
 
 
 def metrics() -> Response:
-    """Prometheus text exposition."""
+    """Prometheus text exposition, every request answered before the scrape counted in it: the figures its
+    worker's versions hold (METRICS_FLUSH_MS) are written first. An engine that cannot be asked at once (loading,
+    restarting, silent) leaves them as last written; the other engines' and workers' are at most METRICS_FLUSH_MS
+    behind."""
+    with contextlib.suppress(ServiceError):
+        current_service().catalog.settle_figures()
     body, content_type = render_metrics()
     return Response(body, content_type=content_type)
 

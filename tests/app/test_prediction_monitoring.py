@@ -195,3 +195,20 @@ def test_predictions_held_while_images_wait_are_all_counted_once_every_answer_is
         assert _series(client, "visionserve_top1_confidence_count", "held_under_load") == 72
     finally:
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def test_a_scrape_and_a_monitoring_read_count_every_answer_before_them_however_long_the_figures_are_held(
+        settings: Settings) -> None:
+    # A version writes its batches' figures once a METRICS_FLUSH_MS at most: a reader asks for them first. Before
+    # (without the ask), both read the first request's figures alone for the five seconds here.
+    app = _app(settings, "held_long", metrics_flush_ms=5000)
+    try:
+        client = app.test_client()
+        _send(client, [RED_JPEG])  # the first batch settles at once: none did before
+        _send(client, [RED_JPEG, RED_JPEG, BLUE_JPEG])
+        assert _series(client, "visionserve_predicted_class_total", "held_long", label="red") == 3  # a scrape
+        _send(client, [BLUE_JPEG])
+        assert _monitoring(client)["predictions_total"] == 5  # /v1/models: each version's own figures
+        assert _series(client, "visionserve_predicted_class_total", "held_long", label="blue") == 2
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)

@@ -201,3 +201,16 @@ def test_an_engine_that_cannot_serve_after_a_restart_stops_the_server_with_a_fai
     reasons = [entry for entry in lines if entry["msg"].startswith("Reason: ")]
     assert [(entry["level"], entry["msg"][:42]) for entry in reasons] == [
         ("error", "Reason: engine 0 cannot serve: small versi")], reasons
+
+
+def test_a_scrape_counts_every_answer_before_it_though_the_engine_holds_its_batches_figures(
+        small_weights: Path, start_server: Callable[..., Running]) -> None:
+    # The engine writes its batches' figures once a METRICS_FLUSH_MS at most; the worker a scrape reaches asks it to
+    # write them first. Before (without the ask) the four batches below read 0 for the five seconds here.
+    server = start_server(small_weights, engine="process", workers="1", metrics_flush_ms="5000").wait_ready()
+    assert requests.post(f"{server.url}/predict", data=PHOTO, headers=JPEG, timeout=30).status_code == 200
+    before = _metrics(server)["visionserve_batch_size_count"]
+    for _ in range(4):  # one at a time: a batch each
+        assert requests.post(f"{server.url}/predict", data=PHOTO, headers=JPEG, timeout=30).status_code == 200
+    assert _metrics(server)["visionserve_batch_size_count"] - before == 4
+    assert server.stop() == 0

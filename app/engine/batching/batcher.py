@@ -306,7 +306,7 @@ class Batcher(Generic[In, Out]):
                     self._run_taken(batch)
                 elif not refused:  # what was judged was all dropped (cancelled, expired) on the way
                     left = 0
-                self._settle_when_empty()
+                self._settle_when_due()
         except BaseException:
             refused = True  # what is left is the worker's
             raise
@@ -422,7 +422,7 @@ class Batcher(Generic[In, Out]):
             if live:
                 self.batches_inline += 1
                 self._run_taken(live)
-            self._settle_when_empty()
+            self._settle_when_due()
         finally:
             self._release_inline()
 
@@ -480,7 +480,10 @@ class Batcher(Generic[In, Out]):
                     self._busy = True
                     self._running_until = time.monotonic() + self._batch_seconds
                     return self._take_background()
-                self._cond.wait(BACKGROUND_LOOK_S if self._background else None)
+                if self._unsettled and not self._busy and time.monotonic() - self._settled_at >= self._settle_s:
+                    self._busy = True  # an idle batcher's held figures, due: settled by the worker (``_run``)
+                    return []
+                self._cond.wait(self._idle_wait_s())
             self._busy = True
             now = time.monotonic()
             self._report_depth_taken(now)  # as a batch is taken: the backlog it met, then what it left
@@ -502,6 +505,17 @@ class Batcher(Generic[In, Out]):
                 raise
             self._report_depth_taken(now)
             return batch
+
+    def _idle_wait_s(self) -> float | None:
+        """Under the lock: how long the worker waits for items when none is queued (or another thread holds the
+        queue): background work's look, the held figures' settle when they are due first (a look every
+        BACKGROUND_LOOK_S while another thread holds the queue: that one settles them if its batches go on), else
+        no limit."""
+        waits = [BACKGROUND_LOOK_S] if self._background else []
+        if self._unsettled:
+            due_in = self._settled_at + self._settle_s - time.monotonic()
+            waits.append(max(due_in, BACKGROUND_LOOK_S) if self._busy else max(0.0, due_in))
+        return min(waits) if waits else None
 
     def _take(self, batch: list[_Pending[In]], limit: int, now: float,
               may_run: Callable[[In], bool] | None = None) -> bool:
@@ -615,10 +629,12 @@ class Batcher(Generic[In, Out]):
                         self._fail_expired()
                     if batch:
                         self._run_taken(batch)  # type: ignore[arg-type]
-                    self._settle_when_empty()
+                    self._settle_when_due()
                 finally:
                     with self._cond:
                         self._busy = False
+            if self._unsettled:  # stopped: what the last batches held is written before their version goes
+                self._settle_now(time.monotonic())
         except Exception:  # noqa: BLE001 - logged; what waits is failed below, not left to its deadline
             log.exception("the batcher's thread failed")
         finally:
@@ -663,11 +679,14 @@ class Batcher(Generic[In, Out]):
         finally:
             self._batch_started = None
 
-    def _settle_when_empty(self) -> None:
-        """Holding the queue (busy), after a take: settle what the batches left unsettled once nothing waits (its
-        items may all have been dropped, so no batch of theirs settles)."""
-        if self._unsettled and not self._queue:
-            self._settle_now(time.monotonic())
+    def _settle_when_due(self) -> None:
+        """Holding the queue (busy), after a take, or woken idle for it (``_collect``): settle what the batches
+        left unsettled once ``settle_s`` has passed since the last settle (a take's items may all have been
+        dropped, so no batch of theirs settles)."""
+        if self._unsettled:
+            now = time.monotonic()
+            if now - self._settled_at >= self._settle_s:
+                self._settle_now(now)
 
     def _settle_now(self, now: float) -> None:
         self._unsettled, self._settled_at = False, now
@@ -789,10 +808,13 @@ class Batcher(Generic[In, Out]):
             self._large_item_seconds = per_item if not large else 0.8 * large + 0.2 * per_item
         queued = [started - p.enqueued_at for p in batch]
         self._observer.batch_done(len(batch), run_s, queued, time.thread_time() - cpu_started)
-        self._unsettled = True
         ended = self._running_until = started + run_s  # (admission counts nothing more of it)
-        if not self._queue or ended - self._settled_at >= self._settle_s:
+        if ended - self._settled_at >= self._settle_s:
             self._settle_now(ended)
+        elif not self._unsettled:  # the first batch held since the last settle: the worker's idle wait is bounded
+            self._unsettled = True  # by the settle's time from now on (it may sleep without end: batches run on a
+            with self._cond:  # caller's thread never wake it)
+                self._cond.notify()
         size = len(batch)
         if failed:
             for index, error in failed.items():
