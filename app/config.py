@@ -428,8 +428,8 @@ class MonitoringSettings(SettingsGroup):
         "next batches', by the first batch that ends this long or more after the last write, or by the idle batcher "
         "this long after it: a busy engine writes them once for many batches. A scrape of /metrics has its worker's "
         "versions write theirs first, and a version's monitoring read writes its own, so each counts every request "
-        "answered before it; other engines' and workers' figures are at most this long behind. 0 = after every "
-        "batch.")
+        "answered before it; other engines' and workers' figures are at most this long and the batch running then "
+        "behind. 0 = after every batch.")
 
     @model_validator(mode="after")
     def _minimum_within_window(self) -> "MonitoringSettings":

@@ -9,6 +9,7 @@ builds and owns it.
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable
 
@@ -18,6 +19,8 @@ from app.engine.loaded.version import LoadedVersion
 from app.engine.rollouts.entry import ModelEntry
 from app.engine.versions.controller import VersionsController
 from app.engine.versions.routing import check_names
+
+log = logging.getLogger(__name__)
 
 
 class Catalog:
@@ -61,10 +64,10 @@ class Catalog:
         """Every routed version's figures held since its last settle (METRICS_FLUSH_MS) written now: a scrape of
         /metrics asks first, so it sees every request answered before it."""
         for loaded in self._applier.routes.all_versions():
-            loaded.settle()
+            _settle(loaded)
 
     def _info(self, loaded: LoadedVersion, default: bool, role: str | None) -> VersionInfo:
-        loaded.settle()  # its monitoring as of every request answered before this read
+        _settle(loaded)  # its monitoring as of every request answered before this read
         predictor, batcher = loaded.predictor, loaded.batcher
         return VersionInfo(
             manifest=predictor.manifest, weights_format=predictor.weights_format, device=str(predictor.device),
@@ -146,3 +149,12 @@ class Catalog:
 
     def _served(self, name: str) -> ModelEntry:
         return self._applier.serving().get(name, {"versions": [], "default": None})
+
+
+def _settle(loaded: LoadedVersion) -> None:
+    """``loaded``'s held figures written for a reader; a fault is logged, never the read's failure (the batcher's
+    own settle is guarded alike: accounting never fails what it accounts for)."""
+    try:
+        loaded.settle()
+    except Exception:  # noqa: BLE001 - see above
+        log.exception("writing the figures of model %s version %s failed", loaded.name, loaded.version)

@@ -48,7 +48,7 @@ def metrics() -> Response:
     """Prometheus text exposition, every request answered before the scrape counted in it: the figures its
     worker's versions hold (METRICS_FLUSH_MS) are written first. An engine that cannot be asked at once (loading,
     restarting, silent) leaves them as last written; the other engines' and workers' are at most METRICS_FLUSH_MS
-    behind."""
+    and the batch running then behind."""
     with contextlib.suppress(ServiceError):
         current_service().catalog.settle_figures()
     body, content_type = render_metrics()

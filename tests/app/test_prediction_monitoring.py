@@ -5,6 +5,7 @@ manifest without one (older exports) still loads and serves with its first predi
 from __future__ import annotations
 
 import base64
+import logging
 import json
 import random
 import re
@@ -210,5 +211,29 @@ def test_a_scrape_and_a_monitoring_read_count_every_answer_before_them_however_l
         _send(client, [BLUE_JPEG])
         assert _monitoring(client)["predictions_total"] == 5  # /v1/models: each version's own figures
         assert _series(client, "visionserve_predicted_class_total", "held_long", label="blue") == 2
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def test_a_fault_writing_the_held_figures_fails_no_read_that_asked_for_them(
+        settings: Settings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # A full metrics folder (ENOSPC) is logged, as the batcher's own writes are. Before: /metrics, /v1/models and the
+    # V2 per-model readiness probe answered 500 once a reader asked for what a version held.
+    from app.metrics import MetricsObserver
+
+    app = _app(settings, "faulty_writes", metrics_flush_ms=5000)
+    try:
+        client = app.test_client()
+        _send(client, [RED_JPEG])  # the first batch settles at once
+
+        def full(*_: object, **__: object) -> None:
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(MetricsObserver, "predictions", full)
+        for path in ("/metrics", "/v1/models", "/v2/models/faulty_writes/ready"):
+            _send(client, [BLUE_JPEG])  # held
+            with caplog.at_level(logging.ERROR, logger="app.engine.catalog"):
+                assert client.get(path).status_code == 200, path
+        assert "writing the figures of model faulty_writes version 1 failed" in caplog.text
     finally:
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)

@@ -129,12 +129,15 @@ class Batcher(Generic[In, Out]):
     queued, no batch runs and nothing is on its way; an item queued meanwhile waits for that one job at most.
 
     ``settle`` (optional) is the caller's accounting of its batches (a version's monitor and metrics), done for
-    every batch since the last call: once the queue is empty, before the answers of the batch that emptied it leave,
-    and while items still wait, after the first batch that ends ``settle_s`` or more after the last call (so what is
-    held waits at most ``settle_s`` and a batch); a batcher that cannot keep up accounts for many batches at once,
-    one that keeps up for each before its answers (0: every batch). It runs on the thread holding the queue (the one
-    that ran the batches), one call at a time.
+    every batch since the last call by the first batch that ends ``settle_s`` or more after it (before that batch's
+    answers leave), or by the idle worker then (so what is held waits at most ``settle_s`` and the batch running
+    meanwhile); a busy batcher accounts for many batches at once (0: every batch). It runs on the thread holding the
+    queue, one call at a time; readers that need every answer in it call the caller's accounting themselves. The
+    worker, woken for it, takes no item it was not told of: items a caller queued to run itself (``defer``) stay
+    its own.
     """
+
+    _items_handed = False  # the worker was told of queued items (woken on a timer alone, it takes none)
 
     # When the batch running now (its forward pass and answers, on the worker's thread or a caller's) started, in
     # time.monotonic(); None while none runs: what a stall is judged by (``running_since``)
@@ -283,6 +286,7 @@ class Batcher(Generic[In, Out]):
             cap = self.current_max_batch_size
             first_s = self.expected_batch_s(min(left, cap))
             if not (self.runs_queued_on_caller and self._idle() and first_s <= inline_within_s):
+                self._items_handed = True
                 self._cond.notify()
                 return False
             if left > cap and first_s > 0:  # a slice of the backlog: as many batches of the cap as fit the time
@@ -332,6 +336,7 @@ class Batcher(Generic[In, Out]):
                 self._queue.extend(pending)
                 self._live += len(pending)
                 if wake:
+                    self._items_handed = True
                     self._cond.notify()
                 if now - self._depth_reported_at >= QUEUE_DEPTH_REPORT_S:  # a stuck batch takes none: still told
                     self._report_depth(now)
@@ -433,6 +438,8 @@ class Batcher(Generic[In, Out]):
         the caller's thread the GIL's hand-over and back). What is queued once the worker has ended fails."""
         with self._cond:
             self._busy = False
+            if self._closed or (wake_worker and self._queue):
+                self._items_handed = True
             if self._background or self._closed or (wake_worker and self._queue):
                 self._cond.notify()
         if self._ended:
@@ -462,7 +469,7 @@ class Batcher(Generic[In, Out]):
     def stop(self, timeout: float | None = None) -> None:
         """Refuse new work, finish everything already queued, then end the worker thread."""
         with self._cond:
-            self._closed = True
+            self._closed = self._items_handed = True
             self._cond.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -472,7 +479,7 @@ class Batcher(Generic[In, Out]):
         the worker is idle and nothing is on its way, a group of background jobs. The batch holds only items
         someone waits for (``_take``): empty when every item it met was dropped."""
         with self._cond:
-            while not self._queue or self._busy:
+            while not self._queue or self._busy or not self._items_handed:
                 if self._closed and not self._queue and not self._busy:  # (a caller holding the queue may put
                     self._drop_background("retired")  # items back: its release wakes this thread once closed)
                     return None
@@ -550,6 +557,8 @@ class Batcher(Generic[In, Out]):
             raise
         finally:
             self._live -= len(batch) - had
+            if not queue:  # nothing left that the worker was told of
+                self._items_handed = False
         return False
 
     def _put_back(self, batch: list[_Pending[In]]) -> None:
