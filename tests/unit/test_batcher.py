@@ -915,6 +915,7 @@ def test_the_worker_woken_to_settle_takes_none_of_the_items_a_caller_queued_to_r
     batcher = make_batcher(predict, max_batch_size=1, max_wait_ms=0, incoming=lambda: 0, runs_queued_on_caller=True,
                            settle=settles, settle_s=0.1, name="worker")
     assert batcher.submit_group([0]).result(timeout=10) is not None  # measured, settled (the first batch)
+    batcher.expected_batch_s = lambda items: 0.002  # type: ignore[method-assign]  # a slice of one batch below
     groups = [batcher.submit_group([i], defer=True) for i in range(1, 7)]
     assert batcher.run_queued(0.003)  # one slice: a batch here, five left for the next turn
     wait_until(lambda: len(settles.calls) == 2)  # the worker woke to settle the batch held...
@@ -923,6 +924,25 @@ def test_the_worker_woken_to_settle_takes_none_of_the_items_a_caller_queued_to_r
     assert batcher.run_queued(1.0)
     assert [group.result(timeout=10)[0] for group in groups] == [2 * i for i in range(1, 7)]
     assert ran_on[1:] == [threading.current_thread().name] * 6
+
+
+def test_background_work_waits_for_the_items_a_caller_queued_to_run_itself(make_batcher) -> None:
+    # Background work runs only when no item is queued. Before: the worker, told of no item, took a pending shadow
+    # job ahead of the items an engine's loop had queued for its next run_queued (which then found it busy).
+    recorder, ran = Recorder(), []
+    incoming = [0]
+    batcher = make_batcher(recorder, max_batch_size=4, max_wait_ms=0, incoming=lambda: incoming[0],
+                           runs_queued_on_caller=True)
+    assert batcher.submit_group([0]).result(timeout=10) == [0]  # measured
+    wait_until(lambda: _worker_asleep(batcher))
+    incoming[0] = 1  # a request on its way: background work waits
+    assert batcher.submit_background(_Job(1, ran), limit=10) is None
+    group = batcher.submit_group([7], defer=True)
+    incoming[0] = 0  # it queued: nothing on its way
+    time.sleep(0.05)  # the worker looks every BACKGROUND_LOOK_S
+    assert ran == [] and batcher.depth == 1
+    assert batcher.run_queued(1.0) and group.result(timeout=10) == [14]
+    wait_until(lambda: ran == [[1]])  # then the job
 
 
 def test_a_stopping_batcher_settles_the_batches_it_finishes(make_batcher) -> None:

@@ -134,7 +134,7 @@ class Batcher(Generic[In, Out]):
     meanwhile); a busy batcher accounts for many batches at once (0: every batch). It runs on the thread holding the
     queue, one call at a time; readers that need every answer in it call the caller's accounting themselves. The
     worker, woken for it, takes no item it was not told of: items a caller queued to run itself (``defer``) stay
-    its own.
+    its own, unless items the worker was told of are queued with them.
     """
 
     _items_handed = False  # the worker was told of queued items (woken on a timer alone, it takes none)
@@ -483,7 +483,9 @@ class Batcher(Generic[In, Out]):
                 if self._closed and not self._queue and not self._busy:  # (a caller holding the queue may put
                     self._drop_background("retired")  # items back: its release wakes this thread once closed)
                     return None
-                if self._background and not self._busy and (self._incoming is None or self._incoming() == 0):
+                if (self._background and not self._queue and not self._busy
+                        and (self._incoming is None or self._incoming() == 0)):  # (items queued go first, even
+                    # those a caller queued to run itself: the worker waits for their run)
                     self._busy = True
                     self._running_until = time.monotonic() + self._batch_seconds
                     return self._take_background()
