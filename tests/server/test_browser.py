@@ -173,6 +173,7 @@ def test_the_demo_page_asks_for_the_api_key(browser, settings, predictor, tmp_pa
     # A key that is not ASCII too: before, fetch refused one past U+00FF and the server never matched one sent in
     # UTF-8.
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
 
     from app import EXTENSION_KEY
 
@@ -186,7 +187,8 @@ def test_the_demo_page_asks_for_the_api_key(browser, settings, predictor, tmp_pa
             photo.write_bytes(image_bytes(RED, size=(64, 48)))
             browser.get(url + "/")
             key = browser.find_element(By.ID, "key")
-            assert key.is_displayed()  # /v1/models said 401, so the page asks
+            # once /v1/models said 401 the page asks (its fetch may end after the page's load: a CI run's failure)
+            WebDriverWait(browser, 30).until(lambda _: key.is_displayed())
             key.send_keys(secret)
             (card,) = _pick(browser, None, photo)
             # the label's own line ("red" is in "401 unauthorized: a valid API key is required" too)
