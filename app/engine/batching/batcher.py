@@ -483,9 +483,9 @@ class Batcher(Generic[In, Out]):
                 if self._closed and not self._queue and not self._busy:  # (a caller holding the queue may put
                     self._drop_background("retired")  # items back: its release wakes this thread once closed)
                     return None
+                # background work once no item is queued, even one a caller queued to run itself
                 if (self._background and not self._queue and not self._busy
-                        and (self._incoming is None or self._incoming() == 0)):  # (items queued go first, even
-                    # those a caller queued to run itself: the worker waits for their run)
+                        and (self._incoming is None or self._incoming() == 0)):
                     self._busy = True
                     self._running_until = time.monotonic() + self._batch_seconds
                     return self._take_background()
