@@ -219,8 +219,11 @@ def sigkill_worker(start: Start, weights: Path, workers: int) -> Row:
     try:
         with Load(server.url, 16) as load:
             time.sleep(1.0)
-            victim = server.http_worker_pids()[0]
-            connections = client_connections(victim, server.port)
+            # the worker holding the most of the clients' connections: the one that began taking them last (held
+            # back while the other served, a loop turn after its model loaded) may hold none of them
+            held = {pid: client_connections(pid, server.port) for pid in server.http_worker_pids()}
+            victim = max(held, key=held.__getitem__)
+            connections = held[victim]
             killed_at = time.monotonic()
             os.kill(victim, signal.SIGKILL)
             wait_ready_workers(server, workers + 1)  # gunicorn's replacement has loaded its model
