@@ -438,9 +438,9 @@ class Batcher(Generic[In, Out]):
         the caller's thread the GIL's hand-over and back). What is queued once the worker has ended fails."""
         with self._cond:
             self._busy = False
-            if self._closed or (wake_worker and self._queue):
-                self._items_handed = True
-            if self._background or self._closed or (wake_worker and self._queue):
+            handed = self._closed or (wake_worker and bool(self._queue))
+            self._items_handed = self._items_handed or handed
+            if self._background or handed:
                 self._cond.notify()
         if self._ended:
             self._fail_queued()
@@ -489,7 +489,7 @@ class Batcher(Generic[In, Out]):
                     self._busy = True
                     self._running_until = time.monotonic() + self._batch_seconds
                     return self._take_background()
-                if self._unsettled and not self._busy and time.monotonic() - self._settled_at >= self._settle_s:
+                if self._unsettled and not self._busy and self._settle_due_in(time.monotonic()) <= 0:
                     self._busy = True  # an idle batcher's held figures, due: settled by the worker (``_run``)
                     return []
                 self._cond.wait(self._idle_wait_s())
@@ -522,7 +522,7 @@ class Batcher(Generic[In, Out]):
         no limit."""
         waits = [BACKGROUND_LOOK_S] if self._background else []
         if self._unsettled:
-            due_in = self._settled_at + self._settle_s - time.monotonic()
+            due_in = self._settle_due_in(time.monotonic())
             waits.append(max(due_in, BACKGROUND_LOOK_S) if self._busy else max(0.0, due_in))
         return min(waits) if waits else None
 
@@ -696,8 +696,13 @@ class Batcher(Generic[In, Out]):
         dropped, so no batch of theirs settles)."""
         if self._unsettled:
             now = time.monotonic()
-            if now - self._settled_at >= self._settle_s:
+            if self._settle_due_in(now) <= 0:
                 self._settle_now(now)
+
+    def _settle_due_in(self, now: float) -> float:
+        """How long until the held figures are due to be settled (``settle_s`` after the last settle; 0 or less:
+        due)."""
+        return self._settled_at + self._settle_s - now
 
     def _settle_now(self, now: float) -> None:
         self._unsettled, self._settled_at = False, now
@@ -820,7 +825,7 @@ class Batcher(Generic[In, Out]):
         queued = [started - p.enqueued_at for p in batch]
         self._observer.batch_done(len(batch), run_s, queued, time.thread_time() - cpu_started)
         ended = self._running_until = started + run_s  # (admission counts nothing more of it)
-        if ended - self._settled_at >= self._settle_s:
+        if self._settle_due_in(ended) <= 0:
             self._settle_now(ended)
         elif not self._unsettled:  # the first batch held since the last settle: the worker's idle wait is bounded
             self._unsettled = True  # by the settle's time from now on (it may sleep without end: batches run on a
