@@ -200,13 +200,54 @@ class Service(Lifecycle):
         with ``timeout_s``: refused at once (429 with Retry-After) when the queue cannot take them in time, so a
         request the server would refuse anyway costs no parsing and no decode. ``pixels``: the request sends
         pixels shaped for the default, which a canary of another input cannot take (routing.Route.takes_pixels)."""
-        route = self._held(name, version, client_key, pixels)
-        # Its batcher's thread ended, or its batch has run past STALL_S (either way the process is not live): this
-        # request's batch would not run
+        return self._admitted(self._held(name, version, client_key, pixels), images, timeout_s)
+
+    def enter_many(self, name: str | None, version: str | None, client_key: str | None, count: int,
+                   pixels: bool = False) -> list[Admission | ServiceError]:
+        """``enter`` for ``count`` requests alike (an event loop turn's for one model, version and client key), in
+        one pass: readiness, routing and what they hold counted once for them all, unless a rollout draws each its
+        own version; each request its own Admission, in order, or the error that refused it (its version not live).
+        Raises what refuses them all (NotReady, NotFound, BadRequest), holding nothing then."""
+        self.in_flight.add(count)
+        try:
+            self.require_ready()
+            routes = self._routes.hold_many(name, version, client_key, pixels, count)
+        except BaseException:
+            self.in_flight.add(-count)
+            raise
+        route = routes[0]
+        if route is not routes[-1] or route.shadow is not None:  # a rollout's draws: admitted one by one
+            return [self._admitted_or_refused(route) for route in routes]
+        refusal = self._not_live(route)
+        if refusal is not None:
+            for _ in routes:
+                self._unhold(route)
+            return [refusal] * count
+        traffic, started, max_images = self._traffic_of(route), time.perf_counter(), self.settings.max_images
+        return [Admission(self, route, traffic, started, arrived,
+                          Call(route.version, arrived, max_images, None, route.takes_pixels))
+                for arrived in route.version.arrivals.begin_many(count)]
+
+    def _admitted_or_refused(self, route: Route) -> Admission | ServiceError:
+        try:
+            return self._admitted(route)
+        except ServiceError as exc:
+            return exc
+
+    def _not_live(self, route: Route) -> ServiceError | None:
+        """NotReady when ``route``'s version would not run a request's batch: its batcher's thread ended, or its
+        batch has run past STALL_S (either way the process is not live)."""
         stall = _stall_of(route.version, self.settings.stall_s)
-        if stall is not None or not route.version.batcher.is_alive():
+        if stall is None and route.version.batcher.is_alive():
+            return None
+        return not_ready("the model is not ready" if stall is None else f"the model is stuck: {stall}")
+
+    def _admitted(self, route: Route, images: int = 0, timeout_s: float | None = None) -> Admission:
+        """A request held on ``route`` (``_held``) admitted, as ``enter`` says; nothing held when it raises."""
+        refusal = self._not_live(route)
+        if refusal is not None:
             self._unhold(route)
-            raise not_ready("the model is not ready" if stall is None else f"the model is stuck: {stall}")
+            raise refusal
         traffic = self._traffic_of(route)
         started = time.perf_counter()
         try:

@@ -6,11 +6,12 @@ requests share: app/link/loop_link.py), many: requests several to a message, eac
 those whose client left (and its closing for all of them), and their answers sent together, one ``Answers`` a loop
 turn:
 - ``Infer``: read with the others of its loop turn (the loop waits up to ``MAX_WAIT_MS`` for more while they
-  come faster than that and waiting brings more: app/link/gathering.py), the request admitted (``Service.admit``:
-  readiness, routing, its outcome counted), its images queued (``Call.queue``; decoded on a few threads when the
-  CPU decodes them) and, once the batcher's thread has counted them done (or the loop ran a turn's short batch
-  itself), the ``Served`` answered from the loop (``Call.answer``); its deadline passing first answers 504, and
-  anything readable from the HTTP side meanwhile means its client hung up (the images still queued are dropped).
+  come faster than that and waiting brings more: app/link/gathering.py), the request admitted with those alike of
+  its turn (``Service.enter_many``: readiness and routing once for them, each its outcome counted), its images
+  queued (``Call.queue``; decoded on a few threads when the CPU decodes them) and, once the batcher's thread has
+  counted them done (or the loop ran a turn's short batch itself), the ``Served`` answered from the loop
+  (``Call.answer``); its deadline passing first answers 504, and anything readable from the HTTP side meanwhile
+  means its client hung up (the images still queued are dropped).
 - ``Unanswered``: a request the HTTP side refused before sending it, admitted and ended with its error (no answer).
 - ``CatalogCall``: one of ``contract.CATALOG_CALLS``, off the loop: a read on the catalog's read thread, a change
   (``contract.CATALOG_CHANGES``, which waits for every engine) on a thread of its own; ``StateQuery``: readiness,
@@ -36,7 +37,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -520,7 +521,7 @@ class EngineServer:
         Each answer goes out once its futures are done, its deadline passes or its client hangs up, whichever comes
         first."""
         turn, self._turn = self._turn, []
-        admitted = [exchange for exchange in (self._admit(*read) for read in turn) if exchange is not None]
+        admitted = [exchange for exchange in self._admit_turn(turn) if exchange is not None]
         decoded = [exchange for exchange in admitted if exchange.images and exchange.call.decodes_on_host]
         for exchange in admitted:
             if not (exchange.images and exchange.call.decodes_on_host):
@@ -545,8 +546,26 @@ class EngineServer:
         if admitted or deferred:
             self.gathering.batches_on_loop = ran_here
 
-    def _admit(self, conn: _Connection, message: wire.Infer, segments: list[bytearray],
-               ident: int | None) -> _Exchange | None:
+    def _admit_turn(self, turn: list[tuple[_Connection, wire.Infer, list[bytearray], int | None]]
+                    ) -> Iterator[_Exchange | None]:
+        """The turn's requests admitted, those alike (model, version, client key, pixels or images) in one pass
+        (``Service.enter_many``): each its exchange, or None (answered, or its client gone)."""
+        alike: dict[tuple[str | None, str | None, str | None, bool], list[int]] = {}
+        for at, (_, message, _, _) in enumerate(turn):
+            key = (message.model, message.version, message.client_key, bool(message.tensors))
+            alike.setdefault(key, []).append(at)
+        for (model, version, client_key, pixels), ats in alike.items():
+            try:
+                admissions: list[Admission | BaseException] = list(
+                    self.service.enter_many(model, version, client_key, len(ats), pixels))
+            except Exception as exc:  # noqa: BLE001 - every failure is answered, never a dropped connection
+                admissions = [exc] * len(ats)
+            for at, admission in zip(ats, admissions):
+                yield self._admit(*turn[at], admission)
+
+    def _admit(self, conn: _Connection, message: wire.Infer, segments: list[bytearray], ident: int | None,
+               admission: Admission | BaseException) -> _Exchange | None:
+        """A request of the turn, its admission made (or what refused it), becomes an exchange in flight."""
         conn.read_pending = False
         cancelled = False
         if ident is not None:
@@ -554,12 +573,9 @@ class EngineServer:
             if conn.cancelled and ident in conn.cancelled:
                 cancelled = True
                 conn.cancelled.discard(ident)
-        try:
-            admission = self.service.enter(message.model, message.version, message.client_key,
-                                           pixels=bool(message.tensors))
-        except Exception as exc:  # noqa: BLE001 - every failure is answered, never a dropped connection
+        if isinstance(admission, BaseException):
             if not cancelled:
-                self._reply(conn, ident, self._answer(error=_as_error(exc)))
+                self._reply(conn, ident, self._answer(error=_as_error(admission)))
             return None
         if conn.closed or cancelled:  # its client hung up while the loop waited for more requests: counted, not run
             admission.leave(ClientGone("the client closed the connection before its request was admitted"))

@@ -31,7 +31,7 @@ from app.link.decode_shares import HAND_OFF_S
 from app.link.gathering import YIELD_WEIGHT
 from app.link.loop import EngineServer
 from app.metrics import BATCHER_EVENTS, VERSION_REQUESTS
-from tests.support.fakes import ColourModel, OtherInputRepository, infer, tiny_manifest, wait_until
+from tests.support.fakes import ColourModel, FakeRepository, OtherInputRepository, infer, tiny_manifest, wait_until
 from tests.support.imaging import BLUE, RED, image_bytes
 from tests.support.loop import LoopWorker
 
@@ -1378,6 +1378,30 @@ def test_the_requests_of_a_loop_turn_reach_the_engine_as_one_message_and_come_ba
     connections = len(link.connections)
     assert _on_loop(link, {"again": _labelled(link, image_bytes(BLUE))}, loop)["again"] == "blue"
     assert len(link.connections) == connections
+
+
+def test_a_turn_s_requests_for_several_versions_are_admitted_by_kind_and_each_answered_by_its_own(
+        settings: Settings, tmp_path: Path) -> None:
+    repository = FakeRepository()
+    for version in ("1", "2"):
+        repository.add("colour", version)
+    service = Service.build(settings.model_copy(update={"version_policy": "latest:2"}), repository)  # type: ignore
+    link = Link(settings.model_copy(update={"control_dir": tmp_path / "control"}), service).start()
+    try:
+        conn, reader = _shared_connection(link)
+        wanted = {1: "1", 2: None, 3: "9", 4: "1", 5: None, 6: "2"}  # one message: one turn, alike ones apart
+        wire.send(conn, *wire.infers([(ident, wire.Infer("colour", version, None, 5.0, "2", (3, 8, 8), names=(None,)),
+                                       [image_bytes(RED)]) for ident, version in wanted.items()]))
+        answers: dict[int, wire.Answer] = {}
+        while len(answers) < len(wanted):
+            for message, _ in reader.read():
+                answers.update(zip(message.ids, message.answers))
+        assert {ident: answer.value.version for ident, answer in answers.items() if answer.error is None} == {
+            1: "1", 2: "2", 4: "1", 5: "2", 6: "2"}
+        assert isinstance(answers[3].error, NotFound)
+        wait_until(lambda: service.in_flight.count() == 0)
+    finally:
+        service.shutdown(timeout=5)
 
 
 def test_a_loop_turn_s_requests_beyond_one_frame_s_segments_go_in_as_many_messages_as_they_need(

@@ -384,6 +384,41 @@ def test_a_policy_naming_a_refused_version_says_why_it_was_refused(settings: Set
         service.shutdown(timeout=5)
 
 
+def test_a_turn_s_requests_alike_are_admitted_in_one_pass_each_its_own_and_all_counted_as_they_leave(
+        settings: Settings, repository: FakeRepository) -> None:
+    repository.add("colour", "2")
+    service = _service(settings, repository, version_policy="latest:2")
+    try:
+        default, named = service.enter_many("colour", None, None, 3), service.enter_many("colour", "1", None, 2)
+        assert [a.call.model.version for a in default + named] == ["2", "2", "2", "1", "1"]  # type: ignore[union-attr]
+        two, one = service.loaded_version("colour", "2"), service.loaded_version("colour", "1")
+        assert service.in_flight.count() == 5 and (two.in_use.count(), one.in_use.count()) == (3, 2)
+        assert two.arrivals.count() == 3  # each on its way to a batch until queued, or its end
+        for admission in default + named:
+            admission.leave()  # type: ignore[union-attr]
+        assert service.in_flight.count() == 0 and (two.in_use.count(), one.in_use.count(), two.arrivals.count()) == (
+            0, 0, 0)
+        assert service.controller.evidence.traffic("colour", "2").dump()["requests"] == 3  # named: no rollout's
+        with pytest.raises(NotFound):
+            service.enter_many("colour", "9", None, 4)
+        assert service.in_flight.count() == 0  # refused all at once: nothing held
+    finally:
+        service.shutdown(timeout=5)
+
+
+def test_a_turn_s_requests_for_a_version_whose_batcher_ended_are_each_refused_and_hold_nothing(
+        settings: Settings, repository: FakeRepository) -> None:
+    service = _service(settings, repository)
+    try:
+        ended = service.loaded_version("colour", "1")
+        ended.batcher.stop(timeout=5)  # as if its thread had died
+        refused = service.enter_many("colour", None, None, 3)
+        assert [type(each) for each in refused] == [NotReady] * 3
+        assert service.in_flight.count() == 0 and ended.in_use.count() == 0 and ended.arrivals.count() == 0
+    finally:
+        service.shutdown(timeout=5)
+
+
 def test_a_version_whose_batcher_ended_refuses_its_requests_and_the_others_still_serve(
         settings: Settings, repository: FakeRepository) -> None:
     repository.add("colour", "2")

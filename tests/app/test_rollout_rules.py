@@ -223,6 +223,38 @@ def test_a_pair_served_by_versions_loaded_afresh_is_compared_afresh(settings: Se
         service.shutdown(timeout=5)
 
 
+def _one_of_a_turn(service: Service, photo: bytes) -> None:
+    """``photo`` answered as an engine's loop admits a turn's requests alike (``Service.enter_many``), alone in it."""
+    [admission] = service.enter_many("colour", None, None, 1)
+    try:
+        admission.call.infer([photo], timeout_s=5)  # type: ignore[union-attr]
+    finally:
+        admission.leave()  # type: ignore[union-attr]
+
+
+def test_a_turn_s_requests_are_drawn_one_by_one_for_a_canary_and_a_lone_one_keeps_its_shadow(
+        settings: Settings) -> None:
+    service = Service.build(settings, _repository({"canary_percent": 50}))  # type: ignore[arg-type]
+    try:
+        admitted = service.enter_many("colour", None, None, 40)
+        versions = [admission.call.model.version for admission in admitted]  # type: ignore[union-attr]
+        assert set(versions) == {"1", "2"}  # each drawn: 40 alike at 50% (all one way: 2 in 10^12)
+        routes = service.controller.applier.routes
+        assert [routes.find("colour", v).in_use.count() for v in ("1", "2")] == [versions.count("1"),
+                                                                                versions.count("2")]
+        for admission in admitted:
+            admission.leave()  # type: ignore[union-attr]
+        assert service.in_flight.count() == 0 and routes.find("colour", "2").in_use.count() == 0
+    finally:
+        service.shutdown(timeout=5)
+    service = Service.build(settings, _repository({"shadow_percent": 100, "promote": {"after": 1000}}))  # type: ignore
+    try:
+        _shadowed_one_by_one(service, lambda photo: _one_of_a_turn(service, photo))
+        assert _comparison(service)["compared"] == len(PHOTOS)
+    finally:
+        service.shutdown(timeout=5)
+
+
 def _held_canary(service: Service, infer_with: Any) -> None:
     """A canary request to version 2 held in its forward pass (and failing) while 2 is promoted; its answer after."""
     candidate = service.controller.applier.routes.find("colour", "2").predictor.module

@@ -19,7 +19,8 @@ class InFlight:
         """Requests inside now."""
         return self._count
 
-    def _add(self, delta: int) -> None:
+    def add(self, delta: int) -> None:
+        """Count ``delta`` more (or fewer): requests that enter (or leave) together."""
         with self._lock:
             self._count += delta
 
@@ -43,11 +44,11 @@ class InFlight:
     @contextlib.contextmanager
     def inside(self) -> Iterator[None]:
         """Count the caller until it leaves the block."""
-        self._add(1)
+        self.add(1)
         try:
             yield
         finally:
-            self._add(-1)
+            self.add(-1)
 
 
 class Arrivals(InFlight):
@@ -65,6 +66,18 @@ class Arrivals(InFlight):
 
     def begin(self) -> Callable[[], None]:
         """Count one request until the returned ``arrived`` is called (once counts: later calls do nothing)."""
+        with self._lock:
+            self._count += 1
+        return self._arrival()
+
+    def begin_many(self, count: int) -> list[Callable[[], None]]:
+        """``begin`` for ``count`` requests at once: each its own ``arrived``."""
+        with self._lock:
+            self._count += count
+        return [self._arrival() for _ in range(count)]
+
+    def _arrival(self) -> Callable[[], None]:
+        """One request's ``arrived``, counted already."""
         pending = [True]
 
         def arrived() -> None:
@@ -74,6 +87,4 @@ class Arrivals(InFlight):
                         pending[0] = False
                         self._count -= 1
 
-        with self._lock:
-            self._count += 1
         return arrived

@@ -124,9 +124,22 @@ class RoutingTable:
         candidate (not one of ``pixels``, shaped for the default, when the candidate's input differs), and a shadow
         share of those the default answers also runs on it."""
         loaded = self._find(name, version)
+        candidate = self._drawing(loaded, version)
+        if candidate is None:
+            return Route(loaded, "live" if version is None else "named")
+        return self._draw_route(loaded, candidate, client_key, pixels)
+
+    def _drawing(self, loaded: LoadedVersion, version: str | None) -> Candidate | None:
+        """The rollout whose shares a request for ``loaded`` (naming ``version``) is drawn for, if any: else its
+        route is plain, the same for every such request."""
         candidate = self._candidates.get(loaded.name)
         if version is not None or candidate is None or candidate.version not in self._routes[loaded.name]:
-            return Route(loaded, "live" if version is None else "named")
+            return None
+        return candidate
+
+    def _draw_route(self, loaded: LoadedVersion, candidate: Candidate, client_key: str | None,
+                    pixels: bool) -> Route:
+        """A request's draw among ``candidate``'s shares (canary, shadow) of those ``loaded`` would answer."""
         other = self._routes[loaded.name][candidate.version]
         alike = other.signature.input_shape == loaded.signature.input_shape
         if (alike or not pixels) and takes_canary(candidate.canary_percent, loaded.name, client_key,
@@ -192,6 +205,23 @@ class RoutingTable:
             if route.shadow is not None:
                 route.shadow.in_use.enter()
         return route
+
+    def hold_many(self, name: str | None, version: str | None, client_key: str | None, pixels: bool,
+                  count: int) -> list[Route]:
+        """``hold`` for ``count`` requests alike (one loop turn's for one model, version and client key), in one
+        look at the table: one route for all of them, unless a rollout draws each its own."""
+        with self._lock:
+            loaded = self._find(name, version)
+            candidate = self._drawing(loaded, version)
+            if candidate is None:
+                loaded.in_use.add(count)
+                return [Route(loaded, "live" if version is None else "named")] * count
+            routes = [self._draw_route(loaded, candidate, client_key, pixels) for _ in range(count)]
+            for route in routes:
+                route.version.in_use.enter()
+                if route.shadow is not None:
+                    route.shadow.in_use.enter()
+        return routes
 
     @staticmethod
     def release(route: Route) -> None:
