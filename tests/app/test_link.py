@@ -68,6 +68,14 @@ def test_the_engine_takes_a_stack_s_rows_and_refuses_pixels_not_shaped_as_parsed
     assert all(np.array_equal(row, expected) for row, expected in zip(rows, stack))
     with pytest.raises(InferenceFailed, match="shape"):
         _inputs(wire.Infer("colour", None, None, 1.0, "1", (3, 4, 4), tensors=specs), segments)
+    one = (("<f4", (1, 3, 8, 8)),)  # one image's pixels: its own view, the segment read whole or refused
+    [row] = _inputs(wire.Infer("colour", None, None, 1.0, "1", (3, 8, 8), tensors=one), [segments[0][:768]])[1]
+    assert np.array_equal(row, stack[0])
+    unknown = (("<f9", (1, 3, 8, 8)),)
+    for segment, tensors in ((segments[0], one), (segments[0][:700], one), (segments[0][:768], unknown),
+                             (segments[0][:1000], specs)):
+        with pytest.raises(InferenceFailed, match="segment of"):  # longer, shorter, no dtype, a stack cut short
+            _inputs(wire.Infer("colour", None, None, 1.0, "1", (3, 8, 8), tensors=tensors), [segment])
 
 
 def test_frames_are_read_as_they_come_whole_in_pieces_or_several_in_one_read() -> None:
