@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 from app.config import Settings
 from app.engine.call import Call, check_room
@@ -302,6 +302,23 @@ class Service(Lifecycle):
         self._routes.release(route)
         self.in_flight.leave()
 
+    def leave_many(self, ended: Sequence[tuple[Admission, BaseException | None]]) -> None:
+        """``Admission.leave`` for several requests at once (an event loop's answers of a turn, each with its error
+        or None), those left already skipped: each counted with its outcome and time, what they held let go in one
+        count for each route (the requests ``enter_many`` admitted alike share theirs), and their flights ended."""
+        now = time.perf_counter()
+        left = [(admission, error) for admission, error in ended if admission.leaving()]
+        try:
+            for admission, error in left:
+                self._count(admission.route, admission.traffic, now - admission.started, _outcome(error))
+        finally:
+            alike: dict[int, list[Route]] = {}
+            for admission, _ in left:
+                alike.setdefault(id(admission.route), []).append(admission.route)
+            for routes in alike.values():
+                self._routes.release(routes[0], len(routes))
+            self.in_flight.add(-len(left))
+
     def _count(self, route: Route, traffic: Traffic | None, seconds: float, outcome: str) -> None:
         loaded = route.version
         refused = outcome == "refused"  # the client's error, or the server's capacity: not the version's time
@@ -341,29 +358,32 @@ def _outcome(error: BaseException | None) -> str:
 class Admission:
     """One request admitted (``Service.enter``): its ``call``, holding its version until it ``leave``s, once."""
 
-    __slots__ = ("call", "_service", "_route", "_traffic", "_started", "_arrived", "_left")
+    __slots__ = ("call", "route", "traffic", "started", "_service", "_arrived", "_left")
 
     def __init__(self, service: Service, route: Route, traffic: Traffic | None, started: float,
                  arrived: Callable[[], None], call: Call) -> None:
-        self._service, self._route, self._traffic = service, route, traffic
-        self._started, self._arrived = started, arrived
+        self._service, self.route, self.traffic = service, route, traffic  # its route, the traffic it counts in
+        self.started, self._arrived = started, arrived  # (time.perf_counter() at its admission)
         self.call = call
         self._left = False
 
     def leave(self, error: BaseException | None = None) -> None:
         """The request ends, answered (None) or with ``error``: no longer on its way to a batch, its outcome and
-        time counted, its version released. Once: a second call does nothing."""
-        if self._left:
-            return
-        self._left = True
-        self._arrived()
-        self._service._left(self._route, self._traffic, time.perf_counter() - self._started, _outcome(error))
+        time counted, its version released. Once: a second call does nothing (nor one of ``Service.leave_many``)."""
+        if self.leaving():
+            self._service._left(self.route, self.traffic, time.perf_counter() - self.started, _outcome(error))
 
     def withdraw(self) -> None:
         """The request leaves this route uncounted (it is admitted again elsewhere: PixelsForTheDefault): its
         version released, its flight ended. Once, as ``leave``."""
+        if self.leaving():
+            self._service._unhold(self.route)
+
+    def leaving(self) -> bool:
+        """Whether the request leaves now (not before): no longer on its way to a batch, what it holds the
+        caller's to let go (``leave``, ``withdraw``, ``Service.leave_many``)."""
         if self._left:
-            return
+            return False
         self._left = True
         self._arrived()
-        self._service._unhold(self._route)
+        return True

@@ -196,6 +196,8 @@ class EngineServer:
         self._calls_off_loop = 0  # catalog calls and explanations made on threads for connections that carried a
         # request, not yet answered
         self._deferred: dict[int, Batcher] = {}  # the batchers this turn queued on, not yet run or woken (by id)
+        self._leaving: list[tuple[Admission, BaseException | None]] = []  # shared connections' requests ended, to
+        # leave together as their answers go out (``_send_answers``)
 
     def bind(self) -> None:
         """Bind (replacing a dead engine's socket file)."""
@@ -449,9 +451,16 @@ class EngineServer:
         conn.answers.append((ident, answer))
 
     def _send_answers(self) -> None:
-        """Every shared connection's answers of this turn, in one ``Answers`` each; an answer that does not pickle
+        """Every shared connection's answers of this turn, in one ``Answers`` each, their requests' leaves first
+        (``Service.leave_many``: counted, and what they held let go, together); an answer that does not pickle
         is sent as the server's error instead. Never a wait: what the socket does not take now goes when it has
         room (``_write``)."""
+        if self._leaving:
+            leaving, self._leaving = self._leaving, []
+            try:
+                self.service.leave_many(leaving)
+            except Exception:  # noqa: BLE001 - never the loop's end: what they held is let go whatever failed
+                log.exception("counting the ends of %d requests failed", len(leaving))
         answering, self._answering = self._answering, []
         for conn in answering:
             answers, conn.answers = conn.answers, []
@@ -720,7 +729,10 @@ class EngineServer:
                                               embedding=exchange.message.embedding)
             except Exception as exc:  # noqa: BLE001 - answered
                 error = exc
-        exchange.admission.leave(error)
+        if exchange.ident is None:
+            exchange.admission.leave(error)
+        else:  # a shared connection's: its leave with the others of the turn, before their answers go out
+            self._leaving.append((exchange.admission, error))
         exchange.queued = None  # its deadline may stay queued a while: not the images with it
         if not exchange.cancelled:
             self._reply(conn, exchange.ident, self._answer(served) if error is None else

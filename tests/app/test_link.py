@@ -6,6 +6,7 @@ import dataclasses
 import errno
 import functools
 import inspect
+import logging
 import pickle
 import select
 import socket
@@ -1410,6 +1411,22 @@ def test_a_turn_s_requests_for_several_versions_are_admitted_by_kind_and_each_an
         wait_until(lambda: service.in_flight.count() == 0)
     finally:
         service.shutdown(timeout=5)
+
+
+def test_a_fault_counting_a_turn_s_ends_is_logged_and_lets_go_of_what_they_held_and_the_loop_serves_on(
+        link: Link, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    conn, reader = _shared_connection(link)
+    count, broken = link.engine._count, [True]
+    monkeypatch.setattr(link.engine, "_count", lambda *args: 1 / 0 if broken[0] else count(*args))
+    with caplog.at_level(logging.ERROR, logger="app.link.loop"):
+        _sent_together(conn, [1, 2, 3], image_bytes(RED))
+        assert sorted(_answered(reader, 3)) == [1, 2, 3]
+        wait_until(lambda: link.engine.in_flight.count() == 0)
+    assert link.engine.loaded_version().in_use.count() == 0
+    assert any("counting the ends of" in record.getMessage() for record in caplog.records)
+    broken[0] = False
+    _sent_together(conn, [4], image_bytes(RED))
+    assert _answered(reader, 1) == [4]
 
 
 def test_a_loop_turn_s_requests_beyond_one_frame_s_segments_go_in_as_many_messages_as_they_need(

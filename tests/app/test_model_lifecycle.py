@@ -36,8 +36,9 @@ from app.engine.versions.memory import device_bytes_taken
 from app.engine.versions.sources import DirectorySource
 from app.engine.versions.states import VersionStates
 from app.engine.service import Service
-from app.errors import BadRequest, InsufficientMemory, LoadFailed, LoadTimeout, NotFound, NotReady
+from app.errors import BadRequest, InferenceFailed, InsufficientMemory, LoadFailed, LoadTimeout, NotFound, NotReady
 from app.link import client as client_module
+from app.metrics import RequestTally
 from app.link.client import RemoteService
 from app.link.loop import EngineServer
 from tests.support.fakes import ColourModel, FakeRepository, infer, tiny_manifest, wait_until
@@ -402,6 +403,23 @@ def test_a_turn_s_requests_alike_are_admitted_in_one_pass_each_its_own_and_all_c
         with pytest.raises(NotFound):
             service.enter_many("colour", "9", None, 4)
         assert service.in_flight.count() == 0  # refused all at once: nothing held
+    finally:
+        service.shutdown(timeout=5)
+
+
+def test_a_turn_s_requests_leave_together_each_counted_with_its_outcome_and_once(
+        settings: Settings, repository: FakeRepository) -> None:
+    service = _service(settings, repository)
+    try:
+        alike, named = service.enter_many("colour", None, None, 3), service.enter_many("colour", "1", None, 1)
+        counted = service.counts = RequestTally()  # as an engine's loop counts them
+        alike[2].leave()  # type: ignore[union-attr]  # left before: not again
+        service.leave_many([(alike[0], None), (alike[1], NotFound("gone")), (alike[2], None),  # type: ignore[list-item]
+                            (named[0], InferenceFailed("broke")), (alike[0], None)])  # type: ignore[list-item]
+        assert dict(counted._outcomes) == {("colour", "1", "live", "ok"): 2, ("colour", "1", "live", "refused"): 1,
+                                           ("colour", "1", "named", "failed"): 1}
+        assert service.in_flight.count() == 0 and service.loaded_version("colour", "1").in_use.count() == 0
+        assert service.controller.evidence.traffic("colour", "1").dump()["requests"] == 2  # its live ones counted
     finally:
         service.shutdown(timeout=5)
 

@@ -224,11 +224,14 @@ class RoutingTable:
         return routes
 
     @staticmethod
-    def release(route: Route) -> None:
-        """What ``hold`` counted as in use, no longer."""
-        route.version.in_use.leave()
+    def release(route: Route, count: int = 1) -> None:
+        """What ``hold`` counted as in use (for ``count`` requests of this route), no longer."""
+        if count == 1:
+            route.version.in_use.leave()
+        else:
+            route.version.in_use.add(-count)
         if route.shadow is not None:
-            route.shadow.in_use.leave()
+            route.shadow.in_use.add(-count)
 
     def route(self, name: str, versions: dict[str, LoadedVersion], default: str,
               candidate: Candidate | None = None) -> list[LoadedVersion]:
