@@ -379,6 +379,11 @@ class Admission:
         if self.leaving():
             self._service._unhold(self.route)
 
+    def arrive(self) -> None:
+        """No longer on its way to a batch (its images queued, or it ends): what ``Call.queue`` says as it queues
+        them, said for a request that ends before (once counts: later calls do nothing)."""
+        self._arrived()
+
     def leaving(self) -> bool:
         """Whether the request leaves now (not before): no longer on its way to a batch, what it holds the
         caller's to let go (``leave``, ``withdraw``, ``Service.leave_many``)."""

@@ -37,7 +37,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -107,6 +107,9 @@ class _Connection:
         return self.most - len(self.exchanges or ()) - len(self.unadmitted)
 
 
+_PIXEL_KINDS = "biuf"  # the dtypes pixels may come in: booleans, integers, floats (numpy's kinds)
+
+
 def _inputs(message: wire.Infer, segments: list[bytearray]) -> tuple[list[bytearray], list[np.ndarray]]:
     """The request's encoded images (each its segment's own buffer, as read), or its images' pixels: the rows of its
     stacks (arrays on the segments' buffers). Nothing copied."""
@@ -120,8 +123,11 @@ def _inputs(message: wire.Infer, segments: list[bytearray]) -> tuple[list[bytear
         if tuple(shape[1:]) != parsed:
             raise InferenceFailed(f"pixels of shape {tuple(shape)} came for an input of {parsed}")
         try:  # one image's pixels: its view as one array (no iteration over a stack, no reshape: a fifth less time)
-            stack = np.ndarray(parsed if shape[0] == 1 else shape, dtype, segment)
-        except TypeError as exc:  # a segment too short for its shape, or no dtype numpy knows
+            pixel_type = np.dtype(dtype)
+            if pixel_type.kind not in _PIXEL_KINDS:  # (objects would read the peer's bytes as pointers)
+                raise TypeError(f"{pixel_type} is no number")
+            stack = np.ndarray(parsed if shape[0] == 1 else shape, pixel_type, segment)
+        except TypeError as exc:  # a segment too short for its shape, or no dtype of numbers numpy knows
             raise InferenceFailed(f"pixels of shape {tuple(shape)} ({dtype}) do not read from a segment of "
                                   f"{len(segment)} bytes: {exc}") from None
         if stack.nbytes != len(segment):
@@ -566,19 +572,26 @@ class EngineServer:
     def _admit_turn(self, turn: list[tuple[_Connection, wire.Infer, list[bytearray], int | None]]
                     ) -> Iterator[_Exchange | None]:
         """The turn's requests admitted, those alike (model, version, client key, pixels or images) in one pass
-        (``Service.enter_many``): each its exchange, or None (answered, or its client gone)."""
-        alike: dict[tuple[str | None, str | None, str | None, bool], list[int]] = {}
+        (``Service.enter_many``): each its exchange, or None (answered, or its client gone), in the turn's order."""
+        alike: dict[object, list[int]] = {}
         for at, (_, message, _, _) in enumerate(turn):
-            key = (message.model, message.version, message.client_key, bool(message.tensors))
-            alike.setdefault(key, []).append(at)
-        for (model, version, client_key, pixels), ats in alike.items():
+            key: object = (message.model, message.version, message.client_key, bool(message.tensors))
             try:
-                admissions: list[Admission | BaseException] = list(
-                    self.service.enter_many(model, version, client_key, len(ats), pixels))
+                alike.setdefault(key, []).append(at)
+            except TypeError:  # a field no HTTP worker sends (unhashable): admitted alone, as its checks judge
+                alike[at] = [at]
+        admissions: list[Admission | BaseException | None] = [None] * len(turn)
+        for ats in alike.values():
+            message = turn[ats[0]][1]
+            try:
+                admitted: Sequence[Admission | BaseException] = self.service.enter_many(
+                    message.model, message.version, message.client_key, len(ats), bool(message.tensors))
             except Exception as exc:  # noqa: BLE001 - every failure is answered, never a dropped connection
-                admissions = [exc] * len(ats)
-            for at, admission in zip(ats, admissions):
-                yield self._admit(*turn[at], admission)
+                admitted = [exc] * len(ats)
+            for at, admission in zip(ats, admitted):
+                admissions[at] = admission
+        for read, admission in zip(turn, admissions):  # in the turn's order: queued as they came
+            yield self._admit(*read, admission)  # type: ignore[arg-type]
 
     def _admit(self, conn: _Connection, message: wire.Infer, segments: list[bytearray], ident: int | None,
                admission: Admission | BaseException) -> _Exchange | None:
@@ -729,9 +742,10 @@ class EngineServer:
                                               embedding=exchange.message.embedding)
             except Exception as exc:  # noqa: BLE001 - answered
                 error = exc
-        if exchange.ident is None:
+        if exchange.ident is None or exchange.cancelled or conn.closed:  # no answer to go out with others'
             exchange.admission.leave(error)
-        else:  # a shared connection's: its leave with the others of the turn, before their answers go out
+        else:  # a shared connection's answer: the request leaves with the turn's others as they go out, no longer
+            exchange.admission.arrive()  # on its way to a batch from now (one judged now may run here)
             self._leaving.append((exchange.admission, error))
         exchange.queued = None  # its deadline may stay queued a while: not the images with it
         if not exchange.cancelled:

@@ -72,10 +72,10 @@ def test_the_engine_takes_a_stack_s_rows_and_refuses_pixels_not_shaped_as_parsed
     one = (("<f4", (1, 3, 8, 8)),)  # one image's pixels: its own view, the segment read whole or refused
     [row] = _inputs(wire.Infer("colour", None, None, 1.0, "1", (3, 8, 8), tensors=one), [segments[0][:768]])[1]
     assert np.array_equal(row, stack[0])
-    unknown = (("<f9", (1, 3, 8, 8)),)
+    unknown, objects = (("<f9", (1, 3, 8, 8)),), (("|O", (1, 3, 8, 8)),)  # (objects: 8 bytes a pointer)
     for segment, tensors in ((segments[0], one), (segments[0][:700], one), (segments[0][:768], unknown),
-                             (segments[0][:1000], specs)):
-        with pytest.raises(InferenceFailed, match="segment of"):  # longer, shorter, no dtype, a stack cut short
+                             (segments[0][:1000], specs), (segments[0][:1536], objects)):
+        with pytest.raises(InferenceFailed, match="segment of"):  # longer, shorter, no dtype, cut short, no numbers
             _inputs(wire.Infer("colour", None, None, 1.0, "1", (3, 8, 8), tensors=tensors), [segment])
 
 
@@ -1427,6 +1427,68 @@ def test_a_fault_counting_a_turn_s_ends_is_logged_and_lets_go_of_what_they_held_
     broken[0] = False
     _sent_together(conn, [4], image_bytes(RED))
     assert _answered(reader, 1) == [4]
+
+
+def test_requests_of_a_shared_connection_closed_as_the_turn_s_answers_go_out_let_go_of_what_they_hold_at_once(
+        link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = _queued_behind_a_held_batch(link, model, monkeypatch)  # a batch held on the batcher's thread
+    loaded = link.engine.loaded_version()
+    conn, _ = _shared_connection(link)
+    try:
+        wire.send(conn, *wire.infers([(2, wire.Infer("colour", None, None, 30.0, "1", (3, 8, 8), names=(None,)),
+                                       [image_bytes(RED)])]))
+        wait_until(lambda: loaded.batcher.depth == 1)  # queued behind the held batch
+        conn.shutdown(socket.SHUT_RD)  # the worker reads no more: the engine's next write on it fails
+        wire.send(conn, *wire.infers([(1, wire.Infer("colour", None, None, 30.0, "1", (3, 8, 8), names=(None,)),
+                                       [b"not an image"])]))  # refused at once: its answer's write fails
+        # the engine closes the connection as it writes, which hangs up request 2: it leaves then, not at the next
+        # wake-up of the loop (here, the held batch's end)
+        wait_until(lambda: link.engine.in_flight.count() == 1 and loaded.in_use.count() == 1, timeout=5)
+    finally:
+        model.gate.set()
+        first.join(10)
+
+
+def test_a_request_refused_as_it_is_queued_is_no_longer_on_its_way_and_the_turn_s_batch_still_runs_on_the_loop(
+        link: Link) -> None:
+    conn, reader = _shared_connection(link)
+    batcher = link.engine.loaded_version().batcher
+    red = np.zeros((1, 3, 8, 8), "<f4")
+    red[0, 0] = 1.0
+
+    def turn(refused: bool) -> int:
+        """Batches run on the loop in a turn of one red image's pixels (and one request of none, ``refused``)."""
+        requests = [(1, wire.Infer("colour", None, None, 5.0, "1", (3, 8, 8), names=(None,),
+                                   tensors=(("<f4", (1, 3, 8, 8)),)), [red.tobytes()])]
+        if refused:  # no rows: refused (400) as it is queued, before its images would have arrived
+            requests.append((2, wire.Infer("colour", None, None, 5.0, "1", (3, 8, 8), tensors=(("<f4", (0, 3, 8, 8)),)),
+                             [b""]))
+        before = batcher.batches_inline
+        wire.send(conn, *wire.infers(requests))
+        answers: dict[int, wire.Answer] = {}
+        while len(answers) < len(requests):
+            for message, _ in reader.read():
+                answers.update(zip(message.ids, message.answers))
+        assert answers[1].error is None and (not refused or isinstance(answers[2].error, BadRequest))
+        return batcher.batches_inline - before
+
+    for _ in range(5):
+        turn(False)  # batches measured: the loop runs them
+    assert [turn(refused) for refused in (True, False, True, True)] == [1, 1, 1, 1]
+
+
+def test_a_request_whose_fields_do_not_hash_is_admitted_alone_and_the_loop_serves_on(link: Link) -> None:
+    conn, reader = _shared_connection(link)
+    conn.settimeout(10)  # (a loop that ended would answer nothing)
+    wire.send(conn, *wire.infers([(ident, wire.Infer("colour", None, key, 5.0, "1", (3, 8, 8), names=(None,)),
+                                   [image_bytes(RED)]) for ident, key in ((1, ["k"]), (2, None))]))
+    answers: dict[int, wire.Answer] = {}
+    while len(answers) < 2:
+        for message, _ in reader.read():
+            answers.update(zip(message.ids, message.answers))
+    assert answers[1].error is None and answers[2].error is None  # (no rollout reads the client's key here)
+    _sent_together(conn, [3], image_bytes(RED))
+    assert _answered(reader, 1) == [3]
 
 
 def test_a_loop_turn_s_requests_beyond_one_frame_s_segments_go_in_as_many_messages_as_they_need(

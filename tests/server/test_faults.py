@@ -123,8 +123,10 @@ def test_sigkill_of_a_worker_mid_batch(small_weights: Path, start_server: Start,
     # Only the killed worker's requests in flight are cut: at most one on each connection it held (the 16 clients
     # keep theirs alive, so with 1 worker it holds all 16, with 2 about half); every answer is clean.
     cut, resets = row.connections_cut, row.kinds["reset"]
-    assert cut is not None and 0 < cut <= 16, cut
-    assert resets <= cut, f"{resets} resets, {cut} connections cut"
+    assert cut is not None and cut > 0, cut
+    # at most one each of the 16 clients: the count of established connections may hold one more that is not a
+    # client's (17 once, with 1 worker), so it bounds the resets only with the clients' own bound
+    assert resets <= min(cut, 16), f"{resets} resets, {cut} connections cut"
     assert row.kinds["timeout"] == 0
     for o in _responses(row):
         assert o.status == 200 or (o.status == 503 and o.code == "not_ready" and "Retry-After" in o.headers), o
