@@ -17,6 +17,7 @@ import torch
 from app.engine.batching.batcher import Batcher
 from app.engine.batching.types import (
     BatcherClosed,
+    BatcherError,
     BatchRun,
     DeadlineExpired,
     DeadlineTooShort,
@@ -54,7 +55,7 @@ class Queued:
     images: Sequence[bytes]
     pixels: list[np.ndarray | torch.Tensor]
     prepared: list[Prepared]
-    group: Group[np.ndarray]
+    group: Group[np.ndarray]  # (None only between ``Call.prepare`` and its queueing)
     deadline: float  # time.monotonic() after which the request is answered 504
     timeout_s: float
     names: Sequence[str | None]
@@ -129,6 +130,23 @@ class Call:
         thread that serves many requests runs their batch itself when it is short).
         Once decoded, images whose client ``client_gone`` says has hung up are dropped there (ClientGone), not
         queued. Raises a ServiceError for every refusal."""
+        queued = self.prepare(images, tensors, timeout_s=timeout_s, names=names, arrived=arrived)
+        if client_gone is not None and client_gone():
+            count = len(queued.prepared)
+            BATCHER_EVENTS.labels("client_gone").inc(count)
+            raise ClientGone(f"the client closed the connection while its images were decoded; {count} dropped")
+        self._arrived()
+        try:
+            queued.group = self._version.batcher.submit_group(queued.prepared, deadline=queued.deadline,
+                                                              inline=inline, defer=defer)
+        except (QueueFull, BatcherClosed, DeadlineTooShort, DeadlineExpired) as exc:
+            raise _refused(exc, timeout_s) from None
+        return queued
+
+    def prepare(self, images: Sequence[bytes] = (), tensors: Sequence[np.ndarray | torch.Tensor] = (), *,
+                timeout_s: float, names: Sequence[str | None] = (), arrived: float | None = None) -> Queued:
+        """``queue``'s first half: the request's images checked, counted and decoded (or their headers read), its
+        deadline set; nothing queued yet (its ``group`` None until ``queue_prepared``)."""
         if (len(images) > 0) == (len(tensors) > 0):  # tensors may be one (N, C, H, W) array: no truth value
             raise BadRequest("the request holds no images" if not images else "send images or tensors, not both")
         count = len(images) or len(tensors)
@@ -139,18 +157,7 @@ class Call:
         started_ns = time.time_ns()
         pixels = list(tensors)  # made one tensor with their batch (Decoder.collate), not one by one here
         prepared, decode_s, decode_cpu_s = self._prepare(images, names) if images else (list(pixels), 0.0, 0.0)
-        if client_gone is not None and client_gone():
-            BATCHER_EVENTS.labels("client_gone").inc(count)
-            raise ClientGone(f"the client closed the connection while its images were decoded; {count} dropped")
-        self._arrived()
-        try:
-            group = self._version.batcher.submit_group(prepared, deadline=deadline, inline=inline, defer=defer)
-        except (QueueFull, BatcherClosed, DeadlineTooShort) as exc:
-            raise service_error(exc) from None
-        except DeadlineExpired:  # the decode outlasted it
-            raise DeadlineExceeded(f"no inference result within the request's {timeout_s:g}s deadline: it passed "
-                                   f"while its images were decoded") from None
-        return Queued(images, pixels, prepared, group, deadline, timeout_s, names, decode_s, started_ns, decode_cpu_s)
+        return Queued(images, pixels, prepared, None, deadline, timeout_s, names, decode_s, started_ns, decode_cpu_s)
 
     @property
     def batcher(self) -> Batcher:
@@ -210,6 +217,31 @@ class Call:
         series(STAGE_SECONDS, "decode").observe(decode_s)
         series(STAGE_CPU_SECONDS, "decode").inc(decode_cpu_s)
         return prepared, decode_s, decode_cpu_s
+
+
+def queue_prepared(calls: Sequence[Call], requests: Sequence[Queued]) -> list[Queued | ServiceError]:
+    """Requests of one version, each ``prepare``d by its call, queued as ``Call.queue(defer=True)`` queues one
+    (``run_queued`` runs them), under one hold of the version's queue (``Batcher.submit_groups``): each its Queued,
+    in order, or the error that refused it."""
+    for call in calls:
+        call._arrived()
+    groups = calls[0].batcher.submit_groups([(queued.prepared, queued.deadline) for queued in requests])
+    answers: list[Queued | ServiceError] = []
+    for queued, group in zip(requests, groups):
+        if isinstance(group, BatcherError):
+            answers.append(_refused(group, queued.timeout_s))
+        else:
+            queued.group = group
+            answers.append(queued)
+    return answers
+
+
+def _refused(exc: BatcherError, timeout_s: float) -> ServiceError:
+    """What the queue's refusal of a request means to its client (``timeout_s``: its deadline's length)."""
+    if isinstance(exc, DeadlineExpired):  # the decode outlasted it
+        return DeadlineExceeded(f"no inference result within the request's {timeout_s:g}s deadline: it passed "
+                                f"while its images were decoded")
+    return service_error(exc)
 
 
 def _named(exc: ServiceError, index: int, names: Sequence[str | None]) -> ServiceError:

@@ -8,10 +8,10 @@ turn:
 - ``Infer``: read with the others of its loop turn (the loop waits up to ``MAX_WAIT_MS`` for more while they
   come faster than that and waiting brings more: app/link/gathering.py), the request admitted with those alike of
   its turn (``Service.enter_many``: readiness and routing once for them, each its outcome counted), its images
-  queued (``Call.queue``; decoded on a few threads when the CPU decodes them) and, once the batcher's thread has
-  counted them done (or the loop ran a turn's short batch itself), the ``Served`` answered from the loop
-  (``Call.answer``); its deadline passing first answers 504, and anything readable from the HTTP side meanwhile
-  means its client hung up (the images still queued are dropped).
+  queued (a version's together, ``call.queue_prepared``; decoded on a few threads when the CPU decodes them)
+  and, once the batcher's thread has counted them done (or the loop ran a turn's short batch itself), the
+  ``Served`` answered from the loop (``Call.answer``); its deadline passing first answers 504, and anything
+  readable from the HTTP side meanwhile means its client hung up (the images still queued are dropped).
 - ``Unanswered``: a request the HTTP side refused before sending it, admitted and ended with its error (no answer).
 - ``CatalogCall``: one of ``contract.CATALOG_CALLS``, off the loop: a read on the catalog's read thread, a change
   (``contract.CATALOG_CHANGES``, which waits for every engine) on a thread of its own; ``StateQuery``: readiness,
@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from app.engine.batching.batcher import Batcher
-from app.engine.call import Queued
+from app.engine.call import Queued, queue_prepared
 from app.engine.contract import CATALOG_CALLS, CATALOG_CHANGES, Signature, not_ready
 from app.engine.service import Admission, Service
 from app.errors import ClientGone, InferenceFailed, ServiceError
@@ -546,9 +546,7 @@ class EngineServer:
         turn, self._turn = self._turn, []
         admitted = [exchange for exchange in self._admit_turn(turn) if exchange is not None]
         decoded = [exchange for exchange in admitted if exchange.images and exchange.call.decodes_on_host]
-        for exchange in admitted:
-            if not (exchange.images and exchange.call.decodes_on_host):
-                self._queue(exchange)
+        self._queue_here([exchange for exchange in admitted if not (exchange.images and exchange.call.decodes_on_host)])
         if decoded and self.decode_shares.here(decoded):
             self._queue_all(decoded)
         else:
@@ -627,13 +625,35 @@ class EngineServer:
             self._exchanges += 1
         return exchange
 
-    def _queue(self, exchange: _Exchange) -> None:
-        """On the loop: the images queued (their headers read, or none to decode), then watched until done."""
-        queued = self._queued_or_ended(exchange)
-        if isinstance(queued, Queued):
-            self._queued(exchange, queued)
-        else:
-            queued()
+    def _queue_here(self, exchanges: list[_Exchange]) -> None:
+        """On the loop: these requests' images queued (their headers read, or none to decode), those of a version
+        together (``queue_prepared``: one hold of its queue for them), then watched until done; their batches the
+        turn's to run (``_deferred``), as ``_queued_or_ended`` queues one."""
+        alike: dict[int, list[tuple[_Exchange, Queued]]] = {}
+        for exchange in exchanges:
+            message = exchange.message
+            try:
+                prepared = exchange.call.prepare(exchange.images, exchange.tensors, timeout_s=message.timeout_s,
+                                                 names=message.names, arrived=exchange.arrived)
+            except Exception as exc:  # noqa: BLE001 - answered
+                self._end(exchange, exc)
+                continue
+            alike.setdefault(id(exchange.call.batcher), []).append((exchange, prepared))
+        for requests in alike.values():
+            try:
+                answers: list[Queued | BaseException] = list(queue_prepared(
+                    [exchange.call for exchange, _ in requests], [prepared for _, prepared in requests]))
+            except Exception as exc:  # noqa: BLE001 - unforeseen: every request of them is answered
+                log.exception("queueing %d requests failed", len(requests))
+                answers = [exc] * len(requests)
+            for (exchange, _), queued in zip(requests, answers):
+                if isinstance(queued, Queued):
+                    batcher = exchange.call.batcher
+                    self._deferred[id(batcher)] = batcher
+                    exchange.images, exchange.tensors = [], []  # the queue holds what it needs
+                    self._queued(exchange, queued)
+                else:
+                    self._end(exchange, queued)
 
     def _queue_all(self, exchanges: list[_Exchange]) -> None:
         """On a decode thread or the loop: the images of these requests decoded and queued, handed to the loop

@@ -616,6 +616,22 @@ def test_requests_whose_queueing_fails_unforeseen_are_answered_not_left_waiting(
     assert infer(link.worker, [image_bytes(RED)]).probabilities().argmax() == 0  # the connection serves on
 
 
+def test_pixels_whose_queueing_on_the_loop_fails_unforeseen_are_answered_and_the_loop_serves_on(
+        link: Link, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from app.link import loop
+
+    red = torch.zeros(3, 8, 8)
+    red[0] = 1.0
+    monkeypatch.setattr(loop, "queue_prepared", lambda *_: 1 / 0)
+    with caplog.at_level(logging.ERROR, logger="app.link.loop"), pytest.raises(ServiceError,
+                                                                              match="ZeroDivisionError") as failure:
+        infer(link.worker, tensors=[red.numpy()])
+    assert failure.value.status == 500 and any("queueing 1 requests failed" in r.getMessage() for r in caplog.records)
+    wait_until(lambda: link.engine.in_flight.count() == 0 and link.engine.loaded_version().arrivals.count() == 0)
+    monkeypatch.undo()
+    assert infer(link.worker, tensors=[red.numpy()]).probabilities().argmax() == 0
+
+
 def test_an_engine_gone_mid_request_is_a_503_with_retry_after_and_a_failed_connection_is_made_again(
         link: Link, model: ColourModel) -> None:
     infer(link.worker, [image_bytes(RED)])

@@ -683,6 +683,23 @@ def test_deferred_groups_run_on_the_callers_thread_as_one_batch_once_measured_an
     assert fn.threads[-1] is not threading.current_thread() and batcher.batches_inline == 1
 
 
+def test_a_turn_s_groups_queue_under_one_hold_each_judged_with_those_before_it_and_none_wakes_the_worker(
+        make_batcher) -> None:
+    fn = Recorder()
+    batcher = make_batcher(fn, max_batch_size=8, queue_size=5, incoming=lambda: 0, runs_queued_on_caller=True)
+    wait_until(lambda: _worker_asleep(batcher))
+    notified, notify = [], batcher._cond.notify
+    batcher._cond.notify = lambda n=1: (notified.append(n), notify(n))  # type: ignore[method-assign]
+    now = time.monotonic()
+    answers = batcher.submit_groups([([1, 2], now + 10), ([7], now - 1), ([3, 4, 5], now + 10), ([6], now + 10)])
+    assert [type(answer).__name__ for answer in answers] == ["Group", "DeadlineExpired", "Group", "QueueFull"]
+    assert notified == [] and batcher.depth == 5  # five queued (of at most five), the worker not woken
+    batcher.run_queued(10.0)  # nothing measured yet: the worker's
+    first, second = answers[0], answers[2]
+    assert first.wait(10) and second.wait(10)  # type: ignore[union-attr]
+    assert (first.result(), second.result()) == ([2, 4], [6, 8, 10]) and fn.batches == [[1, 2, 3, 4, 5]]  # type: ignore
+
+
 def test_deferred_groups_run_here_only_where_the_batcher_was_told_they_may_whatever_lone_batches_do(
         make_batcher) -> None:
     fn = ThreadRecorder()

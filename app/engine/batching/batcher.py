@@ -268,6 +268,28 @@ class Batcher(Generic[In, Out]):
                             deadline, inline and not defer, now, wake=not defer)
         return group
 
+    def submit_groups(self, requests: Sequence[tuple[Sequence[In], float | None]]) -> list["Group[Out] | BatcherError"]:
+        """``submit_group(defer=True)`` for several requests (each its items and deadline: an event loop's turn's),
+        under one hold of the queue: each its Group, in order, or the refusal ``submit_group`` would have raised
+        (each judged with those before it queued). The worker is not woken: ``run_queued`` runs them or wakes it."""
+        now = time.monotonic()
+        answers: list[Group[Out] | BatcherError] = []
+        with self._cond:
+            for items, deadline in requests:
+                try:
+                    self._check_room(len(items), deadline, now)
+                except (BatcherClosed, QueueFull, DeadlineExpired, DeadlineTooShort) as exc:
+                    answers.append(exc)
+                    continue
+                group: Group[Out] = Group(len(items), self._dropped_unrun)
+                self._queue.extend([_Pending(item, None, now, deadline, group, index)
+                                    for index, item in enumerate(items)])
+                self._live += len(items)
+                answers.append(group)
+            if now - self._depth_reported_at >= QUEUE_DEPTH_REPORT_S:
+                self._report_depth(now)
+        return answers
+
     def run_queued(self, inline_within_s: float) -> bool:
         """After ``submit_group(defer=True)``: the items waiting run on the caller's thread, in batches of the cap,
         when ``runs_queued_on_caller``, nothing runs and nothing is on its way, batches were measured and the
