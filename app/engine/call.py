@@ -17,7 +17,6 @@ import torch
 from app.engine.batching.batcher import Batcher
 from app.engine.batching.types import (
     BatcherClosed,
-    BatcherError,
     BatchRun,
     DeadlineExpired,
     DeadlineTooShort,
@@ -219,24 +218,26 @@ class Call:
         return prepared, decode_s, decode_cpu_s
 
 
-def queue_prepared(calls: Sequence[Call], requests: Sequence[Queued]) -> list[Queued | ServiceError]:
+def queue_prepared(calls: Sequence[Call], requests: Sequence[Queued]) -> list[Queued | Exception]:
     """Requests of one version, each ``prepare``d by its call, queued as ``Call.queue(defer=True)`` queues one
     (``run_queued`` runs them), under one hold of the version's queue (``Batcher.submit_groups``): each its Queued,
-    in order, or the error that refused it."""
+    in order, or what ``Call.queue`` would have raised for it (the ServiceError of a refusal)."""
     for call in calls:
         call._arrived()
     groups = calls[0].batcher.submit_groups([(queued.prepared, queued.deadline) for queued in requests])
-    answers: list[Queued | ServiceError] = []
+    answers: list[Queued | Exception] = []
     for queued, group in zip(requests, groups):
-        if isinstance(group, BatcherError):
-            answers.append(_refused(group, queued.timeout_s))
-        else:
+        if isinstance(group, Group):
             queued.group = group
             answers.append(queued)
+        elif isinstance(group, (QueueFull, BatcherClosed, DeadlineTooShort, DeadlineExpired)):
+            answers.append(_refused(group, queued.timeout_s))
+        else:
+            answers.append(group)
     return answers
 
 
-def _refused(exc: BatcherError, timeout_s: float) -> ServiceError:
+def _refused(exc: QueueFull | BatcherClosed | DeadlineTooShort | DeadlineExpired, timeout_s: float) -> ServiceError:
     """What the queue's refusal of a request means to its client (``timeout_s``: its deadline's length)."""
     if isinstance(exc, DeadlineExpired):  # the decode outlasted it
         return DeadlineExceeded(f"no inference result within the request's {timeout_s:g}s deadline: it passed "

@@ -8,7 +8,7 @@ turn:
 - ``Infer``: read with the others of its loop turn (the loop waits up to ``MAX_WAIT_MS`` for more while they
   come faster than that and waiting brings more: app/link/gathering.py), the request admitted with those alike of
   its turn (``Service.enter_many``: readiness and routing once for them, each its outcome counted), its images
-  queued (a version's together, ``call.queue_prepared``; decoded on a few threads when the CPU decodes them)
+  queued (a version's together, ``call.queue_prepared``, unless the CPU decodes them: then on a few threads)
   and, once the batcher's thread has counted them done (or the loop ran a turn's short batch itself), the
   ``Served`` answered from the loop (``Call.answer``); its deadline passing first answers 504, and anything
   readable from the HTTP side meanwhile means its client hung up (the images still queued are dropped).
@@ -107,7 +107,8 @@ class _Connection:
         return self.most - len(self.exchanges or ()) - len(self.unadmitted)
 
 
-_PIXEL_KINDS = "biuf"  # the dtypes pixels may come in: booleans, integers, floats (numpy's kinds)
+_PIXEL_KINDS = "biuf"  # the dtypes pixels may come in: booleans, integers, floats (numpy's kinds), in this host's
+# byte order, of 8 bytes at most (what torch.from_numpy takes)
 
 
 def _inputs(message: wire.Infer, segments: list[bytearray]) -> tuple[list[bytearray], list[np.ndarray]]:
@@ -124,8 +125,8 @@ def _inputs(message: wire.Infer, segments: list[bytearray]) -> tuple[list[bytear
             raise InferenceFailed(f"pixels of shape {tuple(shape)} came for an input of {parsed}")
         try:  # one image's pixels: its view as one array (no iteration over a stack, no reshape: a fifth less time)
             pixel_type = np.dtype(dtype)
-            if pixel_type.kind not in _PIXEL_KINDS:  # (objects would read the peer's bytes as pointers)
-                raise TypeError(f"{pixel_type} is no number")
+            if pixel_type.kind not in _PIXEL_KINDS or not pixel_type.isnative or pixel_type.itemsize > 8:
+                raise TypeError(f"{pixel_type} is no number torch takes")  # (objects: the bytes read as pointers)
             stack = np.ndarray(parsed if shape[0] == 1 else shape, pixel_type, segment)
         except TypeError as exc:  # a segment too short for its shape, or no dtype of numbers numpy knows
             raise InferenceFailed(f"pixels of shape {tuple(shape)} ({dtype}) do not read from a segment of "
@@ -573,11 +574,11 @@ class EngineServer:
         (``Service.enter_many``): each its exchange, or None (answered, or its client gone), in the turn's order."""
         alike: dict[object, list[int]] = {}
         for at, (_, message, _, _) in enumerate(turn):
-            key: object = (message.model, message.version, message.client_key, bool(message.tensors))
             try:
+                key = (message.model, message.version, message.client_key, bool(message.tensors))
                 alike.setdefault(key, []).append(at)
-            except TypeError:  # a field no HTTP worker sends (unhashable): admitted alone, as its checks judge
-                alike[at] = [at]
+            except Exception:  # noqa: BLE001 - a field no HTTP worker sends (no hash, no truth value): admitted
+                alike[at] = [at]  # alone, as its checks judge
         admissions: list[Admission | BaseException | None] = [None] * len(turn)
         for ats in alike.values():
             message = turn[ats[0]][1]

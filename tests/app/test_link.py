@@ -73,8 +73,10 @@ def test_the_engine_takes_a_stack_s_rows_and_refuses_pixels_not_shaped_as_parsed
     [row] = _inputs(wire.Infer("colour", None, None, 1.0, "1", (3, 8, 8), tensors=one), [segments[0][:768]])[1]
     assert np.array_equal(row, stack[0])
     unknown, objects = (("<f9", (1, 3, 8, 8)),), (("|O", (1, 3, 8, 8)),)  # (objects: 8 bytes a pointer)
+    swapped, wide = (("<f4".replace("<", ">" if np.little_endian else "<"), (1, 3, 8, 8)),), (("f16", (1, 3, 8, 8)),)
     for segment, tensors in ((segments[0], one), (segments[0][:700], one), (segments[0][:768], unknown),
-                             (segments[0][:1000], specs), (segments[0][:1536], objects)):
+                             (segments[0][:1000], specs), (segments[0][:1536], objects), (segments[0][:768], swapped),
+                             (bytes(segments[0]) * 2, wide)):
         with pytest.raises(InferenceFailed, match="segment of"):  # longer, shorter, no dtype, cut short, no numbers
             _inputs(wire.Infer("colour", None, None, 1.0, "1", (3, 8, 8), tensors=tensors), [segment])
 
@@ -630,6 +632,29 @@ def test_pixels_whose_queueing_on_the_loop_fails_unforeseen_are_answered_and_the
     wait_until(lambda: link.engine.in_flight.count() == 0 and link.engine.loaded_version().arrivals.count() == 0)
     monkeypatch.undo()
     assert infer(link.worker, tensors=[red.numpy()]).probabilities().argmax() == 0
+
+
+def test_a_request_whose_queueing_faults_is_answered_alone_and_its_turn_s_others_are_queued_and_answered(
+        link: Link) -> None:
+    conn, reader = _shared_connection(link)
+    conn.settimeout(10)
+    batcher = link.engine.loaded_version().batcher
+    red = np.zeros((1, 3, 8, 8), "<f4")
+    red[0, 0] = 1.0
+
+    def pixels(timeout_s: object) -> wire.Infer:
+        return wire.Infer("colour", None, None, timeout_s, "1", (3, 8, 8), names=(None,),  # type: ignore[arg-type]
+                          tensors=(("<f4", (1, 3, 8, 8)),))
+
+    wire.send(conn, *wire.infers([(1, pixels(5.0), [red.tobytes()]), (2, pixels(1j), [red.tobytes()]),
+                                  (3, pixels(5.0), [red.tobytes()])]))  # 2: a deadline no time compares with
+    answers: dict[int, wire.Answer] = {}
+    while len(answers) < 3:
+        for message, _ in reader.read():
+            answers.update(zip(message.ids, message.answers))
+    assert answers[1].error is None and answers[3].error is None and answers[2].error is not None
+    wait_until(lambda: link.engine.in_flight.count() == 0)
+    assert batcher.depth == 0 and batcher._live == 0  # nothing left queued for nobody
 
 
 def test_an_engine_gone_mid_request_is_a_503_with_retry_after_and_a_failed_connection_is_made_again(
@@ -1493,16 +1518,20 @@ def test_a_request_refused_as_it_is_queued_is_no_longer_on_its_way_and_the_turn_
     assert [turn(refused) for refused in (True, False, True, True)] == [1, 1, 1, 1]
 
 
-def test_a_request_whose_fields_do_not_hash_is_admitted_alone_and_the_loop_serves_on(link: Link) -> None:
+def test_a_request_whose_fields_do_not_hash_or_have_no_truth_value_is_admitted_alone_and_the_loop_serves_on(
+        link: Link) -> None:
     conn, reader = _shared_connection(link)
     conn.settimeout(10)  # (a loop that ended would answer nothing)
+    no_truth = wire.Infer("colour", None, None, 5.0, "1", (3, 8, 8), names=(None,), tensors=np.array([1, 2]))
     wire.send(conn, *wire.infers([(ident, wire.Infer("colour", None, key, 5.0, "1", (3, 8, 8), names=(None,)),
-                                   [image_bytes(RED)]) for ident, key in ((1, ["k"]), (2, None))]))
+                                   [image_bytes(RED)]) for ident, key in ((1, ["k"]), (2, None))]
+                                 + [(3, no_truth, [b"x"])]))  # type: ignore[arg-type]
     answers: dict[int, wire.Answer] = {}
-    while len(answers) < 2:
+    while len(answers) < 3:
         for message, _ in reader.read():
             answers.update(zip(message.ids, message.answers))
     assert answers[1].error is None and answers[2].error is None  # (no rollout reads the client's key here)
+    assert answers[3].error is not None  # its tensors' checks refuse it
     _sent_together(conn, [3], image_bytes(RED))
     assert _answered(reader, 1) == [3]
 

@@ -691,11 +691,13 @@ def test_a_turn_s_groups_queue_under_one_hold_each_judged_with_those_before_it_a
     notified, notify = [], batcher._cond.notify
     batcher._cond.notify = lambda n=1: (notified.append(n), notify(n))  # type: ignore[method-assign]
     now = time.monotonic()
-    answers = batcher.submit_groups([([1, 2], now + 10), ([7], now - 1), ([3, 4, 5], now + 10), ([6], now + 10)])
-    assert [type(answer).__name__ for answer in answers] == ["Group", "DeadlineExpired", "Group", "QueueFull"]
+    answers = batcher.submit_groups([([1, 2], now + 10), ([7], now - 1), ([8], 1j), ([3, 4, 5], now + 10),
+                                     ([6], now + 10)])  # type: ignore[list-item]  # (1j: a deadline that faults)
+    assert [type(answer).__name__ for answer in answers] == ["Group", "DeadlineExpired", "TypeError", "Group",
+                                                             "QueueFull"]
     assert notified == [] and batcher.depth == 5  # five queued (of at most five), the worker not woken
     batcher.run_queued(10.0)  # nothing measured yet: the worker's
-    first, second = answers[0], answers[2]
+    first, second = answers[0], answers[3]
     assert first.wait(10) and second.wait(10)  # type: ignore[union-attr]
     assert (first.result(), second.result()) == ([2, 4], [6, 8, 10]) and fn.batches == [[1, 2, 3, 4, 5]]  # type: ignore
 

@@ -268,17 +268,18 @@ class Batcher(Generic[In, Out]):
                             deadline, inline and not defer, now, wake=not defer)
         return group
 
-    def submit_groups(self, requests: Sequence[tuple[Sequence[In], float | None]]) -> list["Group[Out] | BatcherError"]:
+    def submit_groups(self, requests: Sequence[tuple[Sequence[In], float | None]]) -> list["Group[Out] | Exception"]:
         """``submit_group(defer=True)`` for several requests (each its items and deadline: an event loop's turn's),
-        under one hold of the queue: each its Group, in order, or the refusal ``submit_group`` would have raised
-        (each judged with those before it queued). The worker is not woken: ``run_queued`` runs them or wakes it."""
+        under one hold of the queue: each its Group, in order, or what ``submit_group`` would have raised (a
+        refusal, judged with those before it queued; or what its items' check raised: nothing of it queued, the
+        others' fate not its). The worker is not woken: ``run_queued`` runs them or wakes it."""
         now = time.monotonic()
-        answers: list[Group[Out] | BatcherError] = []
+        answers: list[Group[Out] | Exception] = []
         with self._cond:
             for items, deadline in requests:
                 try:
                     self._check_room(len(items), deadline, now)
-                except (BatcherClosed, QueueFull, DeadlineExpired, DeadlineTooShort) as exc:
+                except Exception as exc:  # noqa: BLE001 - a refusal (a BatcherError), or a request's own fault
                     answers.append(exc)
                     continue
                 group: Group[Out] = Group(len(items), self._dropped_unrun)
