@@ -571,7 +571,17 @@ class EngineServer:
     def _admit_turn(self, turn: list[tuple[_Connection, wire.Infer, list[bytearray], int | None]]
                     ) -> Iterator[_Exchange | None]:
         """The turn's requests admitted, those alike (model, version, client key, pixels or images) in one pass
-        (``Service.enter_many``): each its exchange, or None (answered, or its client gone), in the turn's order."""
+        (``Service.enter_many``): each its exchange, or None (answered, or its client gone), in the turn's order. A
+        lone request (an engine with slack) is admitted as it comes (``Service.enter``: no grouping to pay for)."""
+        if len(turn) == 1:
+            message = turn[0][1]
+            try:
+                admission: Admission | BaseException = self.service.enter(
+                    message.model, message.version, message.client_key, pixels=bool(message.tensors))
+            except Exception as exc:  # noqa: BLE001 - every failure is answered, never a dropped connection
+                admission = exc
+            yield self._admit(*turn[0], admission)
+            return
         alike: dict[object, list[int]] = {}
         for at, (_, message, _, _) in enumerate(turn):
             try:
@@ -629,7 +639,15 @@ class EngineServer:
     def _queue_here(self, exchanges: list[_Exchange]) -> None:
         """On the loop: these requests' images queued (their headers read, or none to decode), those of a version
         together (``queue_prepared``: one hold of its queue for them), then watched until done; their batches the
-        turn's to run (``_deferred``), as ``_queued_or_ended`` queues one."""
+        turn's to run (``_deferred``), as ``_queued_or_ended`` queues one (and a lone request: no grouping to pay
+        for)."""
+        if len(exchanges) == 1:
+            queued = self._queued_or_ended(exchanges[0])
+            if isinstance(queued, Queued):
+                self._queued(exchanges[0], queued)
+            else:
+                queued()
+            return
         alike: dict[int, list[tuple[_Exchange, Queued]]] = {}
         for exchange in exchanges:
             message = exchange.message

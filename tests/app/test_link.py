@@ -622,16 +622,25 @@ def test_pixels_whose_queueing_on_the_loop_fails_unforeseen_are_answered_and_the
         link: Link, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     from app.link import loop
 
-    red = torch.zeros(3, 8, 8)
-    red[0] = 1.0
-    monkeypatch.setattr(loop, "queue_prepared", lambda *_: 1 / 0)
-    with caplog.at_level(logging.ERROR, logger="app.link.loop"), pytest.raises(ServiceError,
-                                                                              match="ZeroDivisionError") as failure:
-        infer(link.worker, tensors=[red.numpy()])
-    assert failure.value.status == 500 and any("queueing 1 requests failed" in r.getMessage() for r in caplog.records)
+    conn, reader = _shared_connection(link)
+    conn.settimeout(10)
+    red = np.zeros((1, 3, 8, 8), "<f4")
+    red[0, 0] = 1.0
+    pixels = wire.Infer("colour", None, None, 5.0, "1", (3, 8, 8), names=(None,), tensors=(("<f4", (1, 3, 8, 8)),))
+    queue, broken = loop.queue_prepared, [True]
+    monkeypatch.setattr(loop, "queue_prepared", lambda *args: 1 / 0 if broken[0] else queue(*args))
+    with caplog.at_level(logging.ERROR, logger="app.link.loop"):
+        wire.send(conn, *wire.infers([(ident, pixels, [red.tobytes()]) for ident in (1, 2)]))  # one turn's two
+        answers: dict[int, wire.Answer] = {}
+        while len(answers) < 2:
+            for message, _ in reader.read():
+                answers.update(zip(message.ids, message.answers))
+    assert all(answer.error is not None and answer.error.status == 500 for answer in answers.values())
+    assert any("queueing 2 requests failed" in record.getMessage() for record in caplog.records)
     wait_until(lambda: link.engine.in_flight.count() == 0 and link.engine.loaded_version().arrivals.count() == 0)
-    monkeypatch.undo()
-    assert infer(link.worker, tensors=[red.numpy()]).probabilities().argmax() == 0
+    broken[0] = False
+    wire.send(conn, *wire.infers([(3, pixels, [red.tobytes()]), (4, pixels, [red.tobytes()])]))
+    assert sorted(_answered(reader, 2)) == [3, 4]
 
 
 def test_a_request_whose_queueing_faults_is_answered_alone_and_its_turn_s_others_are_queued_and_answered(
