@@ -231,7 +231,10 @@ def queue_prepared(calls: Sequence[Call], requests: Sequence[Queued]) -> list[Qu
             queued.group = group
             answers.append(queued)
         elif isinstance(group, (QueueFull, BatcherClosed, DeadlineTooShort, DeadlineExpired)):
-            answers.append(_refused(group, queued.timeout_s))
+            try:
+                answers.append(_refused(group, queued.timeout_s))
+            except Exception as exc:  # noqa: BLE001 - its own fault (a deadline's length that does not format):
+                answers.append(exc)  # the others' groups are queued, and theirs to answer
         else:
             answers.append(group)
     return answers

@@ -7,11 +7,12 @@ those whose client left (and its closing for all of them), and their answers sen
 turn:
 - ``Infer``: read with the others of its loop turn (the loop waits up to ``MAX_WAIT_MS`` for more while they
   come faster than that and waiting brings more: app/link/gathering.py), the request admitted with those alike of
-  its turn (``Service.enter_many``: readiness and routing once for them, each its outcome counted), its images
-  queued (a version's together, ``call.queue_prepared``, unless the CPU decodes them: then on a few threads)
-  and, once the batcher's thread has counted them done (or the loop ran a turn's short batch itself), the
-  ``Served`` answered from the loop (``Call.answer``); its deadline passing first answers 504, and anything
-  readable from the HTTP side meanwhile means its client hung up (the images still queued are dropped).
+  its turn (``Service.enter_many``: readiness and routing once for them, each its outcome counted; a lone one by
+  ``Service.enter``), its images queued (a version's together, ``call.queue_prepared``; a lone one, or those the
+  CPU decodes, by ``Call.queue``, the latter on a few threads) and, once the batcher's thread has counted them
+  done (or the loop ran a turn's short batch itself), the ``Served`` answered from the loop (``Call.answer``); its
+  deadline passing first answers 504, and anything readable from the HTTP side meanwhile means its client hung up
+  (the images still queued are dropped).
 - ``Unanswered``: a request the HTTP side refused before sending it, admitted and ended with its error (no answer).
 - ``CatalogCall``: one of ``contract.CATALOG_CALLS``, off the loop: a read on the catalog's read thread, a change
   (``contract.CATALOG_CHANGES``, which waits for every engine) on a thread of its own; ``StateQuery``: readiness,
@@ -620,6 +621,7 @@ class EngineServer:
             admission.leave(ClientGone("the client closed the connection before its request was admitted"))
             return None
         try:
+            message.timeout_s = float(message.timeout_s)  # (a peer's number of another type: its messages too)
             _parsed_alike(message, admission.call.model)
             if message.embedding:  # the version routed here may not be the one the HTTP side checked
                 admission.call.model.check_embedding()

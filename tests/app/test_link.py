@@ -13,6 +13,7 @@ import socket
 import tempfile
 import threading
 import time
+from fractions import Fraction
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -664,6 +665,25 @@ def test_a_request_whose_queueing_faults_is_answered_alone_and_its_turn_s_others
     assert answers[1].error is None and answers[3].error is None and answers[2].error is not None
     wait_until(lambda: link.engine.in_flight.count() == 0)
     assert batcher.depth == 0 and batcher._live == 0  # nothing left queued for nobody
+
+
+def test_a_deadline_of_another_number_type_is_taken_as_seconds_and_its_504_ends_no_loop(
+        link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = _queued_behind_a_held_batch(link, model, monkeypatch)
+    conn, reader = _shared_connection(link)
+    conn.settimeout(10)
+    red = np.zeros((1, 3, 8, 8), "<f4")
+    pixels = functools.partial(wire.Infer, "colour", None, None, parsed_version="1", parsed_shape=(3, 8, 8),
+                               names=(None,), tensors=(("<f4", (1, 3, 8, 8)),))
+    try:  # (a Fraction's 504 message failed to format in the loop's expiry, which ended the loop's thread)
+        wire.send(conn, *wire.infers([(1, pixels(timeout_s=Fraction(3, 10)), [red.tobytes()])]))
+        [(message, _)] = reader.read()  # its deadline passes while it waits behind the held batch
+        assert message.ids == (1,) and isinstance(message.answers[0].error, DeadlineExceeded)
+    finally:
+        model.gate.set()
+        first.join(10)
+    wire.send(conn, *wire.infers([(2, pixels(timeout_s=5.0), [red.tobytes()])]))
+    assert _answered(reader, 1, red=False) == [2]
 
 
 def test_an_engine_gone_mid_request_is_a_503_with_retry_after_and_a_failed_connection_is_made_again(

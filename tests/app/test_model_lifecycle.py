@@ -36,7 +36,8 @@ from app.engine.versions.memory import device_bytes_taken
 from app.engine.versions.sources import DirectorySource
 from app.engine.versions.states import VersionStates
 from app.engine.service import Service
-from app.errors import BadRequest, InferenceFailed, InsufficientMemory, LoadFailed, LoadTimeout, NotFound, NotReady
+from app.errors import (BadRequest, DeadlineExceeded, InferenceFailed, InsufficientMemory, LoadFailed, LoadTimeout,
+                        NotFound, NotReady)
 from app.link import client as client_module
 from app.metrics import RequestTally
 from app.link.client import RemoteService
@@ -420,6 +421,33 @@ def test_a_turn_s_requests_leave_together_each_counted_with_its_outcome_and_once
                                            ("colour", "1", "named", "failed"): 1}
         assert service.in_flight.count() == 0 and service.loaded_version("colour", "1").in_use.count() == 0
         assert service.controller.evidence.traffic("colour", "1").dump()["requests"] == 2  # its live ones counted
+    finally:
+        service.shutdown(timeout=5)
+
+
+def test_a_turn_s_requests_queued_together_each_get_their_own_answer_whatever_another_s_refusal_raises(
+        settings: Settings, repository: FakeRepository) -> None:
+    from fractions import Fraction
+
+    from app.engine.call import queue_prepared
+
+    service = _service(settings, repository)
+    try:
+        admitted = service.enter_many("colour", None, None, 3)
+        calls = [admission.call for admission in admitted]  # type: ignore[union-attr]
+        pixels = [torch.zeros(3, 8, 8)]
+        requests = [calls[0].prepare((), pixels, timeout_s=5.0),  # a deadline past, of a length that does not
+                    calls[1].prepare((), pixels, timeout_s=Fraction(1, 10), arrived=0.0),  # format as the 504 says
+                    calls[2].prepare((), pixels, timeout_s=0.001, arrived=0.0)]  # past: the 504
+        first, second, third = queue_prepared(calls, requests)
+        assert first is requests[0] and first.group is not None  # type: ignore[union-attr]
+        assert isinstance(second, TypeError) and isinstance(third, DeadlineExceeded)
+        loaded = service.loaded_version("colour", "1")
+        assert loaded.batcher.depth == 1 and loaded.arrivals.count() == 0  # the first queued; none on its way
+        loaded.batcher.run_queued(10.0)
+        assert first.group.wait(10)  # type: ignore[union-attr]
+        for admission in admitted:
+            admission.leave()  # type: ignore[union-attr]
     finally:
         service.shutdown(timeout=5)
 
