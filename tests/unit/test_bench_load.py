@@ -25,11 +25,14 @@ class _Handler(BaseHTTPRequestHandler):
     answers 200 after 1 s."""
 
     protocol_version = "HTTP/1.1"  # keep-alive, as the servers under test speak it
-    connections: set[tuple[str, int]] = set()
+    connections: list[tuple[str, int]] = []  # each connection accepted (a closed one's port may come again)
+
+    def setup(self) -> None:
+        super().setup()
+        _Handler.connections.append(self.client_address)
 
     def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
         body = self.rfile.read(int(self.headers["Content-Length"]))
-        _Handler.connections.add(self.client_address)
         if body == b"slow":
             time.sleep(1.0)
         self.send_response(200 if body in (b"ok", b"close", b"slow") else 503)
@@ -46,7 +49,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def url() -> Iterator[str]:
-    _Handler.connections = set()
+    _Handler.connections = []
     server = ThreadingHTTPServer(("127.0.0.1", free_port()), _Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
