@@ -408,61 +408,48 @@ def test_a_turn_s_requests_alike_are_admitted_in_one_pass_each_its_own_and_all_c
         service.shutdown(timeout=5)
 
 
-def test_a_turn_s_requests_leave_together_each_counted_with_its_outcome_and_once(
-        settings: Settings, repository: FakeRepository) -> None:
-    service = _service(settings, repository)
-    try:
-        alike, named = service.enter_many("colour", None, None, 3), service.enter_many("colour", "1", None, 1)
-        counted = service.counts = RequestTally()  # as an engine's loop counts them
-        alike[2].leave()  # type: ignore[union-attr]  # left before: not again
-        service.leave_many([(alike[0], None), (alike[1], NotFound("gone")), (alike[2], None),  # type: ignore[list-item]
-                            (named[0], InferenceFailed("broke")), (alike[0], None)])  # type: ignore[list-item]
-        assert dict(counted._outcomes) == {("colour", "1", "live", "ok"): 2, ("colour", "1", "live", "refused"): 1,
-                                           ("colour", "1", "named", "failed"): 1}
-        assert service.in_flight.count() == 0 and service.loaded_version("colour", "1").in_use.count() == 0
-        assert service.controller.evidence.traffic("colour", "1").dump()["requests"] == 2  # its live ones counted
-    finally:
-        service.shutdown(timeout=5)
+def test_a_turn_s_requests_leave_together_each_counted_with_its_outcome_and_once(service: Service) -> None:
+    alike, named = service.enter_many("colour", None, None, 3), service.enter_many("colour", "1", None, 1)
+    counted = service.counts = RequestTally()  # as an engine's loop counts them
+    alike[2].leave()  # type: ignore[union-attr]  # left before: not again
+    service.leave_many([(alike[0], None), (alike[1], NotFound("gone")), (alike[2], None),  # type: ignore[list-item]
+                        (named[0], InferenceFailed("broke")), (alike[0], None)])  # type: ignore[list-item]
+    assert dict(counted._outcomes) == {("colour", "1", "live", "ok"): 2, ("colour", "1", "live", "refused"): 1,
+                                       ("colour", "1", "named", "failed"): 1}
+    assert service.in_flight.count() == 0 and service.loaded_version("colour", "1").in_use.count() == 0
+    assert service.controller.evidence.traffic("colour", "1").dump()["requests"] == 2  # its live ones counted
 
 
 def test_a_turn_s_requests_queued_together_each_get_their_own_answer_whatever_another_s_refusal_raises(
-        settings: Settings, repository: FakeRepository) -> None:
+        service: Service) -> None:
     from fractions import Fraction
 
     from app.engine.call import queue_prepared
 
-    service = _service(settings, repository)
-    try:
-        admitted = service.enter_many("colour", None, None, 3)
-        calls = [admission.call for admission in admitted]  # type: ignore[union-attr]
-        pixels = [torch.zeros(3, 8, 8)]
-        requests = [calls[0].prepare((), pixels, timeout_s=5.0),  # a deadline past, of a length that does not
-                    calls[1].prepare((), pixels, timeout_s=Fraction(1, 10), arrived=0.0),  # format as the 504 says
-                    calls[2].prepare((), pixels, timeout_s=0.001, arrived=0.0)]  # past: the 504
-        first, second, third = queue_prepared(calls, requests)
-        assert first is requests[0] and first.group is not None  # type: ignore[union-attr]
-        assert isinstance(second, TypeError) and isinstance(third, DeadlineExceeded)
-        loaded = service.loaded_version("colour", "1")
-        assert loaded.batcher.depth == 1 and loaded.arrivals.count() == 0  # the first queued; none on its way
-        loaded.batcher.run_queued(10.0)
-        assert first.group.wait(10)  # type: ignore[union-attr]
-        for admission in admitted:
-            admission.leave()  # type: ignore[union-attr]
-    finally:
-        service.shutdown(timeout=5)
+    admitted = service.enter_many("colour", None, None, 3)
+    calls = [admission.call for admission in admitted]  # type: ignore[union-attr]
+    pixels = [torch.zeros(3, 8, 8)]
+    requests = [calls[0].prepare((), pixels, timeout_s=5.0),  # a deadline past, of a length that does not
+                calls[1].prepare((), pixels, timeout_s=Fraction(1, 10), arrived=0.0),  # format as the 504 says
+                calls[2].prepare((), pixels, timeout_s=0.001, arrived=0.0)]  # past: the 504
+    first, second, third = queue_prepared(calls, requests)
+    assert first is requests[0] and first.group is not None  # type: ignore[union-attr]
+    assert isinstance(second, TypeError) and isinstance(third, DeadlineExceeded)
+    loaded = service.loaded_version("colour", "1")
+    assert loaded.batcher.depth == 1 and loaded.arrivals.count() == 0  # the first queued; none on its way
+    loaded.batcher.run_queued(10.0)
+    assert first.group.wait(10)  # type: ignore[union-attr]
+    for admission in admitted:
+        admission.leave()  # type: ignore[union-attr]
 
 
 def test_a_turn_s_requests_for_a_version_whose_batcher_ended_are_each_refused_and_hold_nothing(
-        settings: Settings, repository: FakeRepository) -> None:
-    service = _service(settings, repository)
-    try:
-        ended = service.loaded_version("colour", "1")
-        ended.batcher.stop(timeout=5)  # as if its thread had died
-        refused = service.enter_many("colour", None, None, 3)
-        assert [type(each) for each in refused] == [NotReady] * 3
-        assert service.in_flight.count() == 0 and ended.in_use.count() == 0 and ended.arrivals.count() == 0
-    finally:
-        service.shutdown(timeout=5)
+        service: Service) -> None:
+    ended = service.loaded_version("colour", "1")
+    ended.batcher.stop(timeout=5)  # as if its thread had died
+    refused = service.enter_many("colour", None, None, 3)
+    assert [type(each) for each in refused] == [NotReady] * 3
+    assert service.in_flight.count() == 0 and ended.in_use.count() == 0 and ended.arrivals.count() == 0
 
 
 def test_a_version_whose_batcher_ended_refuses_its_requests_and_the_others_still_serve(

@@ -226,10 +226,7 @@ class RoutingTable:
     @staticmethod
     def release(route: Route, count: int = 1) -> None:
         """What ``hold`` counted as in use (for ``count`` requests of this route), no longer."""
-        if count == 1:
-            route.version.in_use.leave()
-        else:
-            route.version.in_use.add(-count)
+        route.version.in_use.add(-count)
         if route.shadow is not None:
             route.shadow.in_use.add(-count)
 
