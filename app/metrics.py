@@ -427,11 +427,13 @@ class RequestTally:
         self._outcomes: Tally[tuple[str, str, str, str]] = Tally()
         self._seconds: dict[tuple[str, str], list[float]] = {}
 
-    def count(self, model: str, version: str, role: str, outcome: str, seconds: float | None) -> None:
-        """One request's outcome, and its time where it counts (None: a refusal's does not)."""
-        self._outcomes[model, version, role, outcome] += 1
+    def count(self, model: str, version: str, role: str, outcome: str, requests: int,
+              seconds: Sequence[float] | None) -> None:
+        """``requests`` of one version, role and outcome, and their times where they count (None: refusals' do
+        not)."""
+        self._outcomes[model, version, role, outcome] += requests
         if seconds is not None:
-            self._seconds.setdefault((model, version), []).append(seconds)
+            self._seconds.setdefault((model, version), []).extend(seconds)
 
     def flush(self) -> None:
         """Write what was counted since the last flush."""

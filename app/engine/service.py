@@ -293,7 +293,7 @@ class Service(Lifecycle):
     def _left(self, route: Route, traffic: Traffic | None, seconds: float, outcome: str) -> None:
         """A request left after ``seconds`` with ``outcome``: counted (in ``traffic`` too), its version released."""
         try:
-            self._count(route, traffic, seconds, outcome)
+            self._count(route, traffic, [seconds], outcome)
         finally:
             self._unhold(route)
 
@@ -309,8 +309,12 @@ class Service(Lifecycle):
         now = time.perf_counter()
         left = [(admission, error) for admission, error in ended if admission.leaving()]
         try:
-            for admission, error in left:
-                self._count(admission.route, admission.traffic, now - admission.started, _outcome(error))
+            outcomes: dict[tuple[int, int, str], list[Admission]] = {}  # counted together: one route, traffic and
+            for admission, error in left:  # outcome
+                outcomes.setdefault((id(admission.route), id(admission.traffic), _outcome(error)), []).append(admission)
+            for (_, _, outcome), admissions in outcomes.items():
+                self._count(admissions[0].route, admissions[0].traffic,
+                            [now - admission.started for admission in admissions], outcome)
         finally:
             alike: dict[int, list[Route]] = {}
             for admission, _ in left:
@@ -319,15 +323,19 @@ class Service(Lifecycle):
                 self._routes.release(routes[0], len(routes))
             self.in_flight.add(-len(left))
 
-    def _count(self, route: Route, traffic: Traffic | None, seconds: float, outcome: str) -> None:
+    def _count(self, route: Route, traffic: Traffic | None, seconds: list[float], outcome: str) -> None:
+        """Requests of one route, traffic and outcome that left after ``seconds`` each: counted."""
         loaded = route.version
         refused = outcome == "refused"  # the client's error, or the server's capacity: not the version's time
         if self.counts is not None:
-            self.counts.count(loaded.name, loaded.version, route.role, outcome, None if refused else seconds)
+            self.counts.count(loaded.name, loaded.version, route.role, outcome, len(seconds),
+                              None if refused else seconds)
         else:
-            series(VERSION_REQUESTS, loaded.name, loaded.version, route.role, outcome).inc()
+            series(VERSION_REQUESTS, loaded.name, loaded.version, route.role, outcome).inc(len(seconds))
             if not refused:
-                series(VERSION_REQUEST_SECONDS, loaded.name, loaded.version).observe(seconds)
+                histogram = series(VERSION_REQUEST_SECONDS, loaded.name, loaded.version)
+                for each in seconds:
+                    histogram.observe(each)
         if not refused and traffic is not None:  # a rollout's evidence: the traffic it routed
             traffic.record(seconds, outcome == "failed")
 

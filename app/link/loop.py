@@ -97,7 +97,8 @@ class _Connection:
         self.exchanges: dict[int, _Exchange] | None = None  # shared: its requests in flight, by id
         self.unadmitted: set[int] = set()  # shared: ids read in this loop turn, not yet admitted
         self.cancelled: set[int] = set()  # shared: ids of those cancelled before their admission
-        self.answers: list[tuple[int, wire.Answer]] = []  # shared: this turn's answers, to send together
+        self.answers: list[tuple[int, Any, ServiceError | None]] = []  # shared: this turn's answers (each an id, its
+        # value and its error), to send together
         self.most = 0  # shared: the most requests it had under way at once (read or in flight)
         self.unsent: list[memoryview] = []  # shared: what of its answers' frames the socket has not taken yet
         self.writes: socket.socket | None = None  # shared: its second descriptor, watched for room while unsent
@@ -446,17 +447,18 @@ class EngineServer:
     def _answer(self, value: Any = None, error: ServiceError | None = None) -> wire.Answer:
         return wire.Answer(value, error, this_process(), self.service.controller.routes.generation)
 
-    def _reply(self, conn: _Connection, ident: int | None, answer: wire.Answer) -> None:
-        """``answer`` sent now on a connection of one exchange at a time, or with this turn's others on a shared one
-        (``_send_answers``)."""
+    def _reply(self, conn: _Connection, ident: int | None, value: Any = None, error: ServiceError | None = None
+               ) -> None:
+        """The answer (``value`` or ``error``) sent now on a connection of one exchange at a time, or with this
+        turn's others on a shared one (``_send_answers``: in one frame, no ``Answer`` made for each)."""
         if ident is None:
-            self._send(conn, answer)
+            self._send(conn, self._answer(value, error))
             return
         if conn.closed:
             return
         if not conn.answers:
             self._answering.append(conn)
-        conn.answers.append((ident, answer))
+        conn.answers.append((ident, value, error))
 
     def _send_answers(self) -> None:
         """Every shared connection's answers of this turn, in one ``Answers`` each, their requests' leaves first
@@ -470,6 +472,7 @@ class EngineServer:
             except Exception:  # noqa: BLE001 - never the loop's end: what they held is let go whatever failed
                 log.exception("counting the ends of %d requests failed", len(leaving))
         answering, self._answering = self._answering, []
+        engine, routes = this_process(), self.service.controller.routes.generation
         for conn in answering:
             answers, conn.answers = conn.answers, []
             if conn.closed:
@@ -477,11 +480,13 @@ class EngineServer:
             try:
                 for first in range(0, len(answers), wire.MAX_SEGMENTS):  # a frame's segments: a row array an answer
                     some = answers[first:first + wire.MAX_SEGMENTS]
-                    ids, values = tuple([ident for ident, _ in some]), tuple([answer for _, answer in some])
+                    ids = [ident for ident, _, _ in some]
                     try:
-                        conn.unsent += wire.frame_parts(wire.Answers(ids, values))
+                        conn.unsent += wire.answers_parts(ids, [(value, error) for _, value, error in some], engine,
+                                                          routes)
                     except (pickle.PicklingError, TypeError, AttributeError, ValueError):
-                        conn.unsent += wire.frame_parts(wire.Answers(ids, tuple([self._sendable(a) for a in values])))
+                        conn.unsent += wire.answers_parts(ids, [self._sendable(value, error) for _, value, error in
+                                                                some], engine, routes)
             except Exception:  # noqa: BLE001 - one connection's fault never ends the loop: it is closed
                 log.exception("closed a shared connection whose answers could not be framed")
                 self._close(conn)
@@ -514,12 +519,13 @@ class EngineServer:
                 self._selector.unregister(writes)
             writes.close()
 
-    def _sendable(self, answer: wire.Answer) -> wire.Answer:
+    def _sendable(self, value: Any, error: ServiceError | None) -> tuple[Any, ServiceError | None]:
+        """An answer's value and error, or, when they do not pickle, the server's error instead."""
         try:
-            wire.frame(answer)
+            wire.frame(self._answer(value, error))
         except (pickle.PicklingError, TypeError, AttributeError, ValueError) as exc:
-            return self._answer(error=InferenceFailed(f"the engine's answer could not be sent: {exc}"))
-        return answer
+            return None, InferenceFailed(f"the engine's answer could not be sent: {exc}")
+        return value, error
 
     def _send(self, conn: _Connection, answer: wire.Answer) -> None:
         """Send ``answer``; one that does not pickle is answered as the server's error instead (nothing was sent);
@@ -615,7 +621,7 @@ class EngineServer:
                 conn.cancelled.discard(ident)
         if isinstance(admission, BaseException):
             if not cancelled:
-                self._reply(conn, ident, self._answer(error=_as_error(admission)))
+                self._reply(conn, ident, error=_as_error(admission))
             return None
         if conn.closed or cancelled:  # its client hung up while the loop waited for more requests: counted, not run
             admission.leave(ClientGone("the client closed the connection before its request was admitted"))
@@ -628,7 +634,7 @@ class EngineServer:
             images, tensors = _inputs(message, segments)
         except Exception as exc:  # noqa: BLE001 - answered
             admission.leave(exc)
-            self._reply(conn, ident, self._answer(error=_as_error(exc)))
+            self._reply(conn, ident, error=_as_error(exc))
             return None
         exchange = _Exchange(conn, admission, message, images, tensors, ident)
         if conn.exchanges is not None:
@@ -790,8 +796,7 @@ class EngineServer:
             self._leaving.append((exchange.admission, error))
         exchange.queued = None  # its deadline may stay queued a while: not the images with it
         if not exchange.cancelled:
-            self._reply(conn, exchange.ident, self._answer(served) if error is None else
-                        self._answer(error=_as_error(error)))
+            self._reply(conn, exchange.ident, served, None if error is None else _as_error(error))
 
     # -- the other exchanges ---------------------------------------------------------------------------------------
 

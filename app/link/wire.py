@@ -316,29 +316,41 @@ def _served_head(served: contract.Served) -> tuple[tuple[Any, ...], memoryview]:
 def _answers_fields(message: Answers) -> tuple[tuple[Any, ...], list[memoryview]]:
     """An ``Answers``' fields: the ids, each answer as (its Served's head or None, its other value, its error), the
     engine and the latest routing generation among them; each Served's rows a segment."""
-    items, segments = [], []
-    for answer in message.answers:
-        if isinstance(answer.value, contract.Served):
-            head, rows = _served_head(answer.value)
-            items.append((head, None, answer.error))
-            segments.append(rows)
-        else:
-            items.append((None, answer.value, answer.error))
+    items, segments = _answered_items([(answer.value, answer.error) for answer in message.answers])
     engine = message.answers[0].engine if message.answers else 0
     routes = max([answer.routes for answer in message.answers], default=0)  # the latest: a routing change of the
-    return (message.ids, tuple(items), engine, routes), segments  # turn drops what the HTTP side keeps at once
+    return (message.ids, items, engine, routes), segments  # turn drops what the HTTP side keeps at once
+
+
+def _answered_items(answered: Sequence[tuple[Any, errors.ServiceError | None]]
+                    ) -> tuple[tuple[tuple[Any, ...], ...], list[memoryview]]:
+    """Answers' values and errors as an ``Answers`` frame carries them: each (its Served's head or None, its other
+    value, its error), and each Served's rows a segment."""
+    items, segments = [], []
+    for value, error in answered:
+        if isinstance(value, contract.Served):
+            head, rows = _served_head(value)
+            items.append((head, None, error))
+            segments.append(rows)
+        else:
+            items.append((None, value, error))
+    return tuple(items), segments
+
+
+def answers_parts(ids: Sequence[int], answered: Sequence[tuple[Any, errors.ServiceError | None]], engine: int,
+                  routes: int) -> list[memoryview]:
+    """The frame of ``Answers(ids, (Answer(value, error, engine, routes), ...))`` for ``answered`` (each a value
+    and an error), with no ``Answer`` made for each (an event loop's answers of a turn), as the buffers ``send``
+    would send, for a sender that waits for room itself (``send_some``)."""
+    items, segments = _answered_items(answered)
+    head = pickle.dumps((_ANSWERS, (tuple(ids), items, engine, routes)), protocol=pickle.HIGHEST_PROTOCOL)
+    return _frame_parts(head, segments)
 
 
 def send(sock: socket.socket, message: Any, segments: Sequence[bytes | memoryview] = ()) -> None:
     """One frame: ``message`` (one of MESSAGES, its kind and values pickled; an answer's rows a segment) and
     ``segments`` (sent as they are)."""
     _send_frame(sock, *_encoded(message, segments))
-
-
-def frame_parts(message: Any, segments: Sequence[bytes | memoryview] = ()) -> list[memoryview]:
-    """``message``'s frame as the buffers ``send`` would send, for a sender that waits for room itself
-    (``send_some``)."""
-    return _frame_parts(*_encoded(message, segments))
 
 
 def frame(message: Any) -> bytes:

@@ -14,6 +14,7 @@ message; a checkout that predates those messages is sent its requests as ``loop`
     python3 -m bench.serving.engine_only --device cuda --floor --out FOLDER        # on a GPU host (the drill)
     .venv/bin/python -m bench.serving.engine_only --instructions --checkout ../before --forms "v2 x1" "v2 x16"
     .venv/bin/python -m bench.serving.engine_only --instructions --forms "v2 x1" --burst 16 --requests 192  # by 16
+    .venv/bin/python -m bench.serving.engine_only --instructions --forms "v2 x1" --burst 16 --clients messages  # served
     .venv/bin/python -m bench.serving.engine_only --instructions --floor --forms "v2 x1" --burst 16  # the floor's too
     .venv/bin/python -m bench.serving.engine_only --forms "v2 x1" "v2 x4" "v2 x16" --images-in-flight 16  # by size
     .venv/bin/python -m bench.serving.engine_only --clients messages --floor --forms "v2 x1"  # as loop links send
@@ -48,6 +49,7 @@ import argparse
 import contextlib
 import functools
 import inspect
+import itertools
 import json
 import os
 import selectors
@@ -346,8 +348,6 @@ def _drive_messages(checkout: Path, sock: Path, form: str, concurrency: int, sec
     """C requests in flight on ``LINKS`` connections, several to a message, as HTTP workers' loop links send them:
     each connection's answered requests sent again together (``Infers``); a checkout that predates them is driven
     as ``drive`` does (a connection and a frame per request)."""
-    import itertools
-
     _import_from(checkout)
     from app.link import wire
 
@@ -450,12 +450,15 @@ def whole_bursts(requests: int, burst: int) -> int:
 
 
 def instructions(checkout: Path, weights: Path, form: str, requests: int,
-                 max_batch_size: int = GPU_BATCH_CEILING, burst: int = 1, floor: bool = False) -> dict[str, Any]:
+                 max_batch_size: int = GPU_BATCH_CEILING, burst: int = 1, floor: bool = False,
+                 clients: str = "loop") -> dict[str, Any]:
     """The engine of ``checkout`` under callgrind (valgrind installed), sent ``requests`` of ``form`` ``burst`` at a
     time (each on a connection of its own, the next ones once all are answered) by that checkout's client
     (``count``): its instructions per request and per image, the same from run to run where its CPU time moves
     10-20% on a VM. Requests that come alone (or ``burst`` together): their batches, their settle, no wake-up's cost
-    (the kernel's and the caches' work is not counted). ``floor``: the floor's engine (``serve_floor``) instead."""
+    (the kernel's and the caches' work is not counted). ``floor``: the floor's engine (``serve_floor``) instead;
+    ``clients`` "messages": each burst on ``LINKS`` connections, several requests a message (``Infers``), as HTTP
+    workers' loop links send them (the path served requests take)."""
     with tempfile.TemporaryDirectory(prefix="visionserve-callgrind-") as folder:
         out = Path(folder) / "callgrind.out"
         from bench.serving.callgrind import callgrind_command, callgrind_total
@@ -463,8 +466,8 @@ def instructions(checkout: Path, weights: Path, form: str, requests: int,
         serve_args = ["--serve-floor", str(weights)] if floor else ["--serve", str(checkout), str(weights)]
         with _engine(checkout, serve_args, "cpu", callgrind_command(out), max_batch_size) as (engine, sock, env):
             subprocess.run([sys.executable, "-m", "bench.serving.engine_only", "--count", str(checkout), str(sock),
-                            form, str(requests), str(engine.pid), str(burst)], cwd=ROOT, env=env, capture_output=True,
-                           check=True)
+                            form, str(requests), str(engine.pid), str(burst), clients], cwd=ROOT, env=env,
+                           capture_output=True, check=True)
         total = callgrind_total(out)
     sent = whole_bursts(requests, burst)
     return {"form": form, "instructions_per_request": total / sent,
@@ -496,10 +499,11 @@ def _engine(checkout: Path, serve_args: list[str], device: str, wrapper: Sequenc
             engine.wait()
 
 
-def count(checkout: Path, sock: Path, form: str, requests: int, engine: int, burst: int = 1) -> None:
+def count(checkout: Path, sock: Path, form: str, requests: int, engine: int, burst: int = 1,
+          clients: str = "loop") -> None:
     """``instructions``' client: requests of ``form`` ``burst`` at a time, each on a connection of its own (the
-    checkout's wire), the next ones once every one is answered; a warm-up first; the engine's count zeroed before the
-    measured ones and dumped after them."""
+    checkout's wire; ``clients`` "messages": on ``LINKS`` connections, several a message), the next ones once every
+    one is answered; a warm-up first; the engine's count zeroed before the measured ones and dumped after them."""
     from bench.serving.callgrind import callgrind_control  # this checkout's (before the other's is on the path)
 
     _import_from(checkout)
@@ -510,11 +514,32 @@ def count(checkout: Path, sock: Path, form: str, requests: int, engine: int, bur
     answer_of = wire.receive_answer
     if "grace_s" in inspect.signature(wire.receive_answer).parameters:
         answer_of = functools.partial(wire.receive_answer, grace_s=60.0)
-    conns = [wire.connect(sock, 60.0) for _ in range(burst)]
+    messages = clients == "messages" and hasattr(wire, "Infers")
+    conns = [wire.connect(sock, 60.0) for _ in range(min(burst, LINKS) if messages else burst)]
     for conn in conns:
         wire.say_hello(conn)
+    readers = [wire.FrameReader(conn, (wire.Answers,)) for conn in conns] if messages else []
+    ids = itertools.count(1)
+
+    def send_messages(total: int) -> None:
+        for start in range(0, total, burst):
+            shares = [burst // len(conns) + (index < burst % len(conns)) for index in range(len(conns))]
+            for conn, share in zip(conns, shares):
+                wire.send(conn, *wire.infers([(next(ids), *made[(start + index) % len(made)])
+                                              for index in range(share)]))
+            for reader, share in zip(readers, shares):
+                answered = 0
+                while answered < share:
+                    for answers, _ in reader.read():
+                        answered += len(answers.ids)
+                        failed = [answer.error for answer in answers.answers if answer.error is not None]
+                        if failed:
+                            raise RuntimeError(f"{form}: {failed[0]}")
 
     def send(total: int) -> None:
+        if messages:
+            send_messages(total)
+            return
         for start in range(0, total, burst):
             for index, conn in enumerate(conns):
                 wire.send(conn, *made[(start + index) % len(made)])
@@ -530,9 +555,12 @@ def count(checkout: Path, sock: Path, form: str, requests: int, engine: int, bur
     callgrind_control(engine, "--dump")
 
 
-def instruction_report(found: dict[tuple[str, Path], dict[str, Any]], requests: int, burst: int = 1) -> str:
+def instruction_report(found: dict[tuple[str, Path], dict[str, Any]], requests: int, burst: int = 1,
+                       clients: str = "loop") -> str:
     """``--instructions``' table: each checkout's count per request and per image, by form."""
     sent = "one at a time" if burst == 1 else f"{burst} at a time"
+    if clients == "messages":
+        sent += f", on {LINKS} connections several a message"
     lines = [f"The engine's instructions (callgrind), {whole_bursts(requests, burst)} requests a point sent {sent} "
              f"after {WARM_UP_REQUESTS} of warm-up", "",
              "| checkout | form | instructions / request | instructions / image |", "| --- | --- | --- | --- |"]
@@ -571,13 +599,14 @@ def main(argv: list[str] | None = None) -> int:
                         "one at a time, instead of its CPU under load; one round")
     parser.add_argument("--requests", type=int, default=200, help="requests counted with --instructions")
     parser.add_argument("--burst", type=int, default=1,
-                        help="with --instructions: requests sent at once, each on a connection of its own (a turn's)")
+                        help="with --instructions: requests sent at once, each on a connection of its own (a turn's; "
+                        "--clients messages: on two connections, several a message)")
     parser.add_argument("--with-settings", nargs="+", metavar="KEY=VALUE", default=[],
                         help="also this checkout's engine with these settings (environment variables, such as "
                         "VISIONSERVE_ENGINE_LOOP_BATCH_MS=0), in the same rounds: a setting's A/B in one run")
     parser.add_argument("--out", type=Path, help="also write the report (Markdown) here")
     parser.add_argument("--serve", nargs=4, help=argparse.SUPPRESS)
-    parser.add_argument("--count", nargs=6, help=argparse.SUPPRESS)
+    parser.add_argument("--count", nargs=7, help=argparse.SUPPRESS)
     parser.add_argument("--serve-floor", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--drive", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -591,8 +620,8 @@ def main(argv: list[str] | None = None) -> int:
         serve_floor(Path(args.serve_floor[0]), Path(args.serve_floor[1]), args.serve_floor[2])
         return 0
     if args.count:
-        checkout, sock, form, requests, engine, burst = args.count
-        count(Path(checkout), Path(sock), form, int(requests), int(engine), int(burst))
+        checkout, sock, form, requests, engine, burst, clients = args.count
+        count(Path(checkout), Path(sock), form, int(requests), int(engine), int(burst), clients)
         return 0
     if args.drive:
         checkout, sock, form, concurrency, seconds, engine, clients = args.drive
@@ -606,13 +635,13 @@ def main(argv: list[str] | None = None) -> int:
     checkouts = [ROOT, *(c.resolve() for c in args.checkout)]
     if args.instructions:
         counted = {(form, checkout): instructions(checkout, weights, form, args.requests, args.max_batch_size,
-                                                  args.burst)
+                                                  args.burst, clients=args.clients)
                    for form in args.forms for checkout in checkouts}
         if args.floor:  # the floor's count beside (V2 forms: it decodes nothing)
             counted.update({(form, FLOOR): instructions(ROOT, weights, form, args.requests, args.max_batch_size,
-                                                        args.burst, floor=True)
+                                                        args.burst, floor=True, clients=args.clients)
                             for form in args.forms if FORMS[form][0] == "v2"})
-        report = instruction_report(counted, args.requests, args.burst)
+        report = instruction_report(counted, args.requests, args.burst, args.clients)
         print(report)
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)

@@ -152,6 +152,24 @@ def test_a_large_frame_that_has_come_whole_is_read_in_one_wake_up() -> None:
         assert segments == many and not reader.started
 
 
+def test_a_loop_turn_s_answers_frame_as_the_answers_message_of_their_answers_would() -> None:
+    # The engine's loop frames a turn's answers from their values and errors, no Answer made for each
+    rows = np.arange(8, dtype=np.float32).reshape(2, 4)
+    served = contract.Served(rows, (contract.BatchRun(2, 7, 2, 0.0, 0.001),), "colour", "1", wire.NO_LABELS, 0.0, 5,
+                             0)
+    answered = [(served, None), (None, NotFound("gone")), (contract.VersionState("colour", "1", "READY"), None)]
+    parts = wire.answers_parts([3, 1, 2], answered, 42, 9)
+    message = wire.Answers((3, 1, 2), tuple(wire.Answer(value, error, 42, 9) for value, error in answered))
+    assert b"".join(parts) == wire.frame(message)
+    left, right = _pair()
+    with left, right:
+        left.sendall(b"".join(parts))
+        [(read, _)] = wire.FrameReader(right, (wire.Answers,)).read()
+    assert read.ids == (3, 1, 2) and [(a.engine, a.routes) for a in read.answers] == [(42, 9)] * 3
+    assert np.array_equal(read.answers[0].value.rows, rows) and read.answers[0].value.batches == served.batches
+    assert isinstance(read.answers[1].error, NotFound) and read.answers[2].value == answered[2][0]
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_frames_cut_anywhere_come_out_whole_each_segment_in_a_buffer_of_its_own(seed: int) -> None:
     # Segments of every size (empty, a byte, beyond the read-ahead buffer, more than one scatter read takes), frames
@@ -403,14 +421,16 @@ def link(settings: Settings, predictor: Predictor, tmp_path: Path,
         joined.sent.append(message)
         real(sock, message, segments)  # type: ignore[arg-type]
 
-    def parts(message: object, segments: object = ()) -> list[memoryview]:  # the engine's shared answers
-        joined.frames.append(type(message).__name__)
-        joined.sent.append(message)
-        return real_parts(message, segments)  # type: ignore[arg-type]
+    def parts(ids: Sequence[int], answered: Sequence[tuple[object, Any]], engine: int, routes: int
+              ) -> list[memoryview]:  # the engine's shared answers
+        joined.frames.append("Answers")
+        joined.sent.append(wire.Answers(tuple(ids), tuple(wire.Answer(value, error, engine, routes)
+                                                          for value, error in answered)))
+        return real_parts(ids, answered, engine, routes)
 
-    real_parts = wire.frame_parts
+    real_parts = wire.answers_parts
     monkeypatch.setattr(wire, "send", counted)
-    monkeypatch.setattr(wire, "frame_parts", parts)
+    monkeypatch.setattr(wire, "answers_parts", parts)
     yield joined
     service.shutdown(timeout=5)
 

@@ -174,14 +174,15 @@ def test_a_loop_s_request_tally_writes_the_series_each_request_would() -> None:
     seconds = VERSION_REQUEST_SECONDS.labels("tally", "1")
     before = (ok._value.get(), refused._value.get(), seconds._sum.get())
     tally = RequestTally()
-    for _ in range(3):
-        tally.count("tally", "1", "live", "ok", 0.25)
-    tally.count("tally", "1", "live", "refused", None)
+    for _ in range(2):
+        tally.count("tally", "1", "live", "ok", 1, [0.25])
+    tally.count("tally", "1", "live", "ok", 2, [0.25, 0.25])  # several of a turn at once
+    tally.count("tally", "1", "live", "refused", 1, None)
     assert (ok._value.get(), refused._value.get()) == before[:2]  # nothing written before the flush
     tally.flush()
     tally.flush()  # a second flush has nothing left to write
-    assert (ok._value.get() - before[0], refused._value.get() - before[1]) == (3, 1)
-    assert seconds._sum.get() - before[2] == pytest.approx(0.75)
+    assert (ok._value.get() - before[0], refused._value.get() - before[1]) == (4, 1)
+    assert seconds._sum.get() - before[2] == pytest.approx(1.0)
 
 
 def test_a_forked_child_writes_its_metrics_to_a_file_of_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -433,7 +433,7 @@ def test_the_rules_judge_only_the_evidence_of_workers_that_serve_the_newest_gene
             controller.boot()
             controller.close()  # no follow thread: each applies the other's generation only when told
         for _ in range(15):
-            there.evidence.traffic("colour", "2").record(0.005, False)  # its canary requests to 2
+            there.evidence.traffic("colour", "2").record([0.005], False)  # its canary requests to 2
         there.writers.share_evidence()
         with ThreadPoolExecutor(1) as pool:  # the promotion waits for the other worker: not applied there yet
             promoting = pool.submit(here.rollout_changes.promote, "colour")

@@ -702,6 +702,29 @@ def test_a_turn_s_groups_queue_under_one_hold_each_judged_with_those_before_it_a
     assert (first.result(), second.result()) == ([2, 4], [6, 8, 10]) and fn.batches == [[1, 2, 3, 4, 5]]  # type: ignore
 
 
+def test_a_turn_s_groups_after_batches_ran_are_each_judged_with_the_backlog_those_before_them_make(
+        make_batcher) -> None:
+    # A turn's requests whose deadlines the whole turn's backlog clears by are queued without a closer look each: a
+    # request whose deadline it does not clear by is still judged, with those before it queued
+    fn = Recorder()
+    batcher = make_batcher(fn, max_batch_size=8, max_wait_ms=1, queue_size=100, incoming=lambda: 0,
+                           runs_queued_on_caller=True)
+    wait_until(lambda: _worker_asleep(batcher))
+    with batcher._cond:  # as after batches of 10 ms an image
+        batcher.batches_run = 1
+        batcher._item_seconds = batcher._last_item_seconds = batcher._large_item_seconds = 0.01
+        batcher._batch_seconds = 0.005
+    now = time.monotonic()  # on an idle batcher, shorter than its own inference with a batch's wait (0.011 s)
+    assert [type(answer).__name__ for answer in batcher.submit_groups([([0], now + 0.0105)])] == ["DeadlineTooShort"]
+    batcher._batch_seconds = 0.08
+    answers = batcher.submit_groups([([1] * 8, now + 60.0), ([2], now + 0.1), ([3], now + 0.005)])
+    # the second: 0.1 s, less than the 0.16 s the eight before it and itself take (more than the longest request's own
+    # inference, 0.081 s, and its own, 0.011 s); the third: shorter than its own inference
+    assert [type(answer).__name__ for answer in answers] == ["Group", "DeadlineUnreachable", "DeadlineTooShort"]
+    answers = batcher.submit_groups([([4] * 91, now + 60.0), ([5] * 2, now + 60.0)])  # the second: past the size
+    assert [type(answer).__name__ for answer in answers] == ["Group", "QueueFull"] and batcher.depth == 99
+
+
 def test_deferred_groups_run_here_only_where_the_batcher_was_told_they_may_whatever_lone_batches_do(
         make_batcher) -> None:
     fn = ThreadRecorder()

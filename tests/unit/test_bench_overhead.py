@@ -108,6 +108,29 @@ def test_the_engine_alone_and_the_floor_answer_tensor_requests_and_their_cpu_is_
         assert 1 <= floor["mean_batch"] <= 2  # as the engine counts its own: two clients, one image each
 
 
+@pytest.mark.slow
+def test_the_instruction_count_s_client_sends_a_burst_several_requests_a_message_as_loop_links_do(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # --instructions --clients messages: each burst on two connections, several requests a message (Infers), every
+    # one answered before the next burst; the count zeroed after the warm-up and dumped after the counted ones
+    from bench.serving import callgrind, engine_only
+    from bench.serving.tiny_work import tiny_weights
+
+    from app.link import wire
+
+    weights, told, sent = tiny_weights(tmp_path / "weights"), [], []
+    monkeypatch.setattr(callgrind, "callgrind_control", lambda pid, option: told.append(option))
+    real_send = wire.send
+    monkeypatch.setattr(wire, "send", lambda sock, message, segments=(): (sent.append(message),
+                                                                          real_send(sock, message, segments)))
+    with engine_only._engine(engine_only.ROOT, ["--serve", str(engine_only.ROOT), str(weights)], "cpu") as (
+            engine, sock, _):
+        engine_only.count(engine_only.ROOT, sock, "v2 x1", 12, engine.pid, burst=6, clients="messages")
+    infers = [message for message in sent if isinstance(message, wire.Infers)]
+    assert told == ["--instr=on", "--zero", "--dump"] and len(infers) == len(sent)
+    assert [len(message.ids) for message in infers] == [3] * (2 * (9 + 2))  # the warm-up's 54, then 12: by 3
+
+
 def test_the_engine_alone_and_its_floor_are_told_beyond_their_forward_passes_in_the_run_s_unit() -> None:
     from bench.serving.overhead import AT_HEADLINE, AT_SERVED, alone_table
 
@@ -241,7 +264,7 @@ def test_the_engine_s_instruction_count_puts_the_floor_s_beside_for_the_v2_forms
     counted: list[tuple[str, bool]] = []
 
     def count(checkout: Path, weights: Path, form: str, requests: int, max_batch_size: int, burst: int,
-              floor: bool = False) -> dict[str, float]:
+              floor: bool = False, clients: str = "loop") -> dict[str, float]:
         counted.append((form, floor))
         return {"form": form, "instructions_per_request": 200_000 if floor else 300_000,
                 "instructions_per_image": 200_000 if floor else 300_000}

@@ -276,9 +276,12 @@ class Batcher(Generic[In, Out]):
         now = time.monotonic()
         answers: list[Group[Out] | Exception] = []
         with self._cond:
+            fits_from = self._fits_from(requests, now)
             for items, deadline in requests:
                 try:
-                    self._check_room(len(items), deadline, now)
+                    if fits_from is None or not (isinstance(deadline, float) and deadline >= fits_from
+                                                 and self._live + len(items) <= self.queue_size):
+                        self._check_room(len(items), deadline, now)
                 except Exception as exc:  # noqa: BLE001 - a refusal (a BatcherError), or a request's own fault
                     answers.append(exc)
                     continue
@@ -290,6 +293,20 @@ class Batcher(Generic[In, Out]):
             if now - self._depth_reported_at >= QUEUE_DEPTH_REPORT_S:
                 self._report_depth(now)
         return answers
+
+    def _fits_from(self, requests: Sequence[tuple[Sequence[In], float | None]], now: float) -> float | None:
+        """Under the lock, once batches ran: a deadline from which each of ``requests`` fits as ``_check_room``
+        judges it (the backlog they all make clears by then, a batch's time growing with its images, and the
+        largest one's own inference ends by then), so those within the queue's size need no closer look; None
+        when each needs one."""
+        if not self.batches_run or self._closed:
+            return None
+        try:
+            counts = [len(items) for items, _ in requests]
+        except TypeError:  # a request's items of no length: its own fault, judged with it
+            return None
+        own = max(counts, default=0) * min(self._item_seconds, self._last_item_seconds) + self.max_wait_s
+        return now + max(self._clear_s(self._live + sum(counts), now), own)
 
     def run_queued(self, inline_within_s: float) -> bool:
         """After ``submit_group(defer=True)``: the items waiting run on the caller's thread, in batches of the cap,

@@ -16,7 +16,7 @@ import collections
 import math
 import statistics
 import threading
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -138,12 +138,13 @@ class Traffic:
         self.requests = self.failures = 0
         self.latencies_ms: collections.deque[float] = collections.deque(maxlen=SAMPLES)
 
-    def record(self, seconds: float, failed: bool) -> None:
-        """One answered request: how long the engine held it, and whether the model failed it."""
+    def record(self, seconds: Sequence[float], failed: bool) -> None:
+        """Answered requests (one, or an event loop's of a turn): how long the engine held each, and whether the
+        model failed them."""
         with self._lock:
-            self.requests += 1
-            self.failures += failed
-            self.latencies_ms.append(seconds * 1000)
+            self.requests += len(seconds)
+            self.failures += failed * len(seconds)
+            self.latencies_ms.extend([each * 1000 for each in seconds])
 
     def dump(self) -> dict[str, Any]:
         """This worker's figures, in a form ``merge_traffic`` sums."""
