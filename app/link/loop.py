@@ -111,6 +111,21 @@ class _Connection:
 
 _PIXEL_KINDS = "biuf"  # the dtypes pixels may come in: booleans, integers, floats (numpy's kinds), in this host's
 # byte order, of 8 bytes at most (what torch.from_numpy takes)
+_PIXEL_TYPES: dict[str, np.dtype] = {}  # those seen, by the name a request gave (a few: float32's, uint8's)
+_PIXEL_TYPES_KEPT = 64  # names kept at most (any more are looked at each time)
+
+
+def _pixel_type(name: str) -> np.dtype:
+    """The dtype pixels named ``name`` come in; TypeError unless numbers torch takes (objects: the bytes would read
+    as pointers)."""
+    pixel_type = _PIXEL_TYPES.get(name)
+    if pixel_type is None:
+        pixel_type = np.dtype(name)
+        if pixel_type.kind not in _PIXEL_KINDS or not pixel_type.isnative or pixel_type.itemsize > 8:
+            raise TypeError(f"{pixel_type} is no number torch takes")
+        if len(_PIXEL_TYPES) < _PIXEL_TYPES_KEPT:
+            _PIXEL_TYPES[name] = pixel_type
+    return pixel_type
 
 
 def _inputs(message: wire.Infer, segments: list[bytearray]) -> tuple[list[bytearray], list[np.ndarray]]:
@@ -126,10 +141,7 @@ def _inputs(message: wire.Infer, segments: list[bytearray]) -> tuple[list[bytear
         if tuple(shape[1:]) != parsed:
             raise InferenceFailed(f"pixels of shape {tuple(shape)} came for an input of {parsed}")
         try:  # one image's pixels: its view as one array (no iteration over a stack, no reshape: a fifth less time)
-            pixel_type = np.dtype(dtype)
-            if pixel_type.kind not in _PIXEL_KINDS or not pixel_type.isnative or pixel_type.itemsize > 8:
-                raise TypeError(f"{pixel_type} is no number torch takes")  # (objects: the bytes read as pointers)
-            stack = np.ndarray(parsed if shape[0] == 1 else shape, pixel_type, segment)
+            stack = np.ndarray(parsed if shape[0] == 1 else shape, _pixel_type(dtype), segment)
         except TypeError as exc:  # a segment too short for its shape, or no dtype of numbers numpy knows
             raise InferenceFailed(f"pixels of shape {tuple(shape)} ({dtype}) do not read from a segment of "
                                   f"{len(segment)} bytes: {exc}") from None
@@ -666,7 +678,7 @@ class EngineServer:
                 self._end(exchange, exc)
                 continue
             alike.setdefault(id(exchange.call.batcher), []).append((exchange, prepared))
-        for requests in alike.values():
+        for key, requests in alike.items():
             try:
                 answers: list[Queued | BaseException] = list(queue_prepared(
                     [exchange.call for exchange, _ in requests], [prepared for _, prepared in requests]))
@@ -675,8 +687,8 @@ class EngineServer:
                 answers = [exc] * len(requests)
             for (exchange, _), queued in zip(requests, answers):
                 if isinstance(queued, Queued):
-                    batcher = exchange.call.batcher
-                    self._deferred[id(batcher)] = batcher
+                    if key not in self._deferred:
+                        self._deferred[key] = exchange.call.batcher
                     exchange.images, exchange.tensors = [], []  # the queue holds what it needs
                     self._queued(exchange, queued)
                 else:
@@ -791,8 +803,9 @@ class EngineServer:
                 error = exc
         if exchange.ident is None or exchange.cancelled or conn.closed:  # no answer to go out with others'
             exchange.admission.leave(error)
-        else:  # a shared connection's answer: the request leaves with the turn's others as they go out, no longer
-            exchange.admission.arrive()  # on its way to a batch from now (one judged now may run here)
+        else:  # a shared connection's answer: the request leaves with the turn's others as they go out, and from now
+            if exchange.queued is None:  # is no longer on its way to a batch (one judged now may run here; one queued
+                exchange.admission.arrive()  # was no longer once queued)
             self._leaving.append((exchange.admission, error))
         exchange.queued = None  # its deadline may stay queued a while: not the images with it
         if not exchange.cancelled:

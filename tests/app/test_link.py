@@ -82,6 +82,20 @@ def test_the_engine_takes_a_stack_s_rows_and_refuses_pixels_not_shaped_as_parsed
             _inputs(wire.Infer("colour", None, None, 1.0, "1", (3, 8, 8), tensors=tensors), [segment])
 
 
+def test_the_pixel_types_a_loop_keeps_are_numbers_only_and_few(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The dtypes requests name are looked at once each (kept by name), a bounded number of them; a refused one never
+    from app.link import loop
+
+    monkeypatch.setattr(loop, "_PIXEL_TYPES", {})
+    monkeypatch.setattr(loop, "_PIXEL_TYPES_KEPT", 2)
+    for name in ("float32", "<f4" if np.little_endian else ">f4", "uint8", "float32"):
+        assert loop._pixel_type(name).kind in "fu"
+    for refused in ("|O", "f16", ">f4" if np.little_endian else "<f4", ["f4"]):
+        with pytest.raises(TypeError):
+            loop._pixel_type(refused)  # type: ignore[arg-type]
+    assert list(loop._PIXEL_TYPES) == ["float32", "<f4" if np.little_endian else ">f4"]  # two at most
+
+
 def test_frames_are_read_as_they_come_whole_in_pieces_or_several_in_one_read() -> None:
     left, right = _pair()
     right.setblocking(False)
