@@ -307,10 +307,15 @@ def _encoded(message: Any, segments: Sequence[bytes | memoryview]) -> tuple[byte
 
 def _served_head(served: contract.Served) -> tuple[tuple[Any, ...], memoryview]:
     """A Served as it crosses: its ``_ServedHead``'s fields and its rows' bytes."""
-    rows = np.ascontiguousarray(served.rows)
+    rows = served.rows
+    try:
+        segment = memoryview(rows).cast("B")  # (a batch's rows, as they most often are: no copy, no numpy call)
+    except TypeError:  # rows not C-contiguous, or no buffer
+        rows = np.ascontiguousarray(rows)
+        segment = memoryview(rows).cast("B")
     return ((served.model, served.version, served.labels, served.decode_s, served.started_ns,
              tuple([tuple(run) for run in served.batches]), rows.dtype.str, rows.shape, served.embedding_dim),
-            memoryview(rows).cast("B"))
+            segment)
 
 
 def _answers_fields(message: Answers) -> tuple[tuple[Any, ...], list[memoryview]]:

@@ -184,6 +184,17 @@ def test_a_loop_turn_s_answers_frame_as_the_answers_message_of_their_answers_wou
     assert isinstance(read.answers[1].error, NotFound) and read.answers[2].value == answered[2][0]
 
 
+def test_an_answer_s_rows_cross_whatever_their_layout() -> None:
+    # A batch's rows cross as they are; rows of another layout (columns of a batch, a transpose) or no array at all
+    # as a C-contiguous copy
+    batch = np.arange(12, dtype=np.float32).reshape(3, 4)
+    for rows in (batch, batch[:1], batch[:, :2], batch.T, [[1.0, 2.0]]):
+        served = contract.Served(rows, (contract.BatchRun(len(rows), 1, 3, 0.0, 0.0),), "colour", "1",
+                                 wire.NO_LABELS, 0.0, 0, 0)
+        head, segment = wire._served_head(served)
+        assert np.array_equal(wire._served(head, bytes(segment)).rows, np.asarray(rows))
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_frames_cut_anywhere_come_out_whole_each_segment_in_a_buffer_of_its_own(seed: int) -> None:
     # Segments of every size (empty, a byte, beyond the read-ahead buffer, more than one scatter read takes), frames
