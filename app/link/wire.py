@@ -313,6 +313,8 @@ def _served_head(served: contract.Served) -> tuple[tuple[Any, ...], memoryview]:
     except TypeError:  # rows not C-contiguous, or no buffer
         rows = np.ascontiguousarray(rows)
         segment = memoryview(rows).cast("B")
+    if rows.dtype.hasobject:  # their bytes would be pointers: the request answered its error alone (the callers')
+        raise TypeError(f"rows of {rows.dtype} do not cross the link")
     return ((served.model, served.version, served.labels, served.decode_s, served.started_ns,
              tuple([tuple(run) for run in served.batches]), rows.dtype.str, rows.shape, served.embedding_dim),
             segment)

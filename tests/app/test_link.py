@@ -1297,6 +1297,38 @@ def _answered(reader: wire.FrameReader, count: int, red: bool = True) -> list[in
     return ids
 
 
+def test_an_answer_whose_rows_do_not_cross_fails_alone_and_its_turn_s_others_are_answered(
+        link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: rows of objects crossed as their pointers' bytes, and the HTTP side's read of the whole Answers failed
+    # (every request on that link); an answer that does not pickle is the server's error for its request alone
+    from app.engine.call import Call
+    from app.errors import InferenceFailed
+
+    answer, made = Call.answer, []
+
+    def second_of_objects(self: Call, queued: Any, labels: Any = None, embedding: bool = False) -> contract.Served:
+        served = answer(self, queued, labels, embedding)
+        made.append(served)
+        if len(made) == 2:
+            served.rows = served.rows.astype(object)
+        return served
+
+    monkeypatch.setattr(Call, "answer", second_of_objects)
+    shared, reader = _shared_connection(link)
+    with shared:
+        _sent_together(shared, [1, 2, 3], image_bytes(RED))
+        got: dict[int, wire.Answer] = {}
+        while len(got) < 3:
+            for answers, _ in reader.read():
+                got.update(zip(answers.ids, answers.answers))
+        failed = [ident for ident, each in got.items() if each.error is not None]
+        assert len(failed) == 1 and isinstance(got[failed[0]].error, InferenceFailed)
+        assert "could not be sent" in str(got[failed[0]].error)
+        assert all(each.value.rows.argmax() == 0 for ident, each in got.items() if ident not in failed)
+        _sent_together(shared, [4], image_bytes(RED))  # the connection still carries requests
+        assert _answered(reader, 1) == [4]
+
+
 def test_the_loop_s_wait_for_more_ends_once_its_shared_connections_sent_what_they_can(
         link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(link.server, "_loop_batch_s", 1.0)  # "short", however busy the machine running the test

@@ -725,6 +725,18 @@ def test_a_turn_s_groups_after_batches_ran_are_each_judged_with_the_backlog_thos
     assert [type(answer).__name__ for answer in answers] == ["Group", "QueueFull"] and batcher.depth == 99
 
 
+def test_a_turn_s_request_whose_deadline_is_now_is_refused_though_its_batches_took_no_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: batches timed at 0 s (a clock that did not move) made the bound past which requests need no look `now`
+    # itself, and a request whose deadline was now was queued, where its look refuses it as passed
+    monkeypatch.setattr(batcher_module, "time", types.SimpleNamespace(monotonic=lambda: 1000.0,
+                                                                     thread_time=time.thread_time))
+    batcher = Batcher(lambda items: items, max_batch_size=8, max_wait_ms=0, queue_size=64)  # (no worker started)
+    batcher.batches_run = 1
+    answers = batcher.submit_groups([([0], 1000.0), ([1], 1000.5)])
+    assert [type(answer).__name__ for answer in answers] == ["DeadlineExpired", "Group"]
+
+
 def test_deferred_groups_run_here_only_where_the_batcher_was_told_they_may_whatever_lone_batches_do(
         make_batcher) -> None:
     fn = ThreadRecorder()

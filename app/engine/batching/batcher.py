@@ -280,7 +280,7 @@ class Batcher(Generic[In, Out]):
             for items, deadline in requests:
                 try:
                     if fits_from is None or not (isinstance(deadline, float) and deadline >= fits_from
-                                                 and self._live + len(items) <= self.queue_size):
+                                                 and deadline > now and self._live + len(items) <= self.queue_size):
                         self._check_room(len(items), deadline, now)
                 except Exception as exc:  # noqa: BLE001 - a refusal (a BatcherError), or a request's own fault
                     answers.append(exc)
