@@ -307,21 +307,23 @@ class Service(Lifecycle):
         or None), those left already skipped: each counted with its outcome and time, what they held let go in one
         count for each route (the requests ``enter_many`` admitted alike share theirs), and their flights ended."""
         now = time.perf_counter()
-        left = [(admission, error) for admission, error in ended if admission.leaving()]
+        alike: dict[tuple[int, int, str], list[Admission]] = {}  # one route, traffic and outcome: counted together
         try:
-            outcomes: dict[tuple[int, int, str], list[Admission]] = {}  # counted together: one route, traffic and
-            for admission, error in left:  # outcome
-                outcomes.setdefault((id(admission.route), id(admission.traffic), _outcome(error)), []).append(admission)
-            for (_, _, outcome), admissions in outcomes.items():
+            for admission, error in ended:
+                outcome = "ok" if error is None else _outcome(error)
+                if admission.leaving():
+                    alike.setdefault((id(admission.route), id(admission.traffic), outcome), []).append(admission)
+            for (_, _, outcome), admissions in alike.items():
                 self._count(admissions[0].route, admissions[0].traffic,
                             [now - admission.started for admission in admissions], outcome)
         finally:
-            alike: dict[int, list[Route]] = {}
-            for admission, _ in left:
-                alike.setdefault(id(admission.route), []).append(admission.route)
-            for routes in alike.values():
-                self._routes.release(routes[0], len(routes))
-            self.in_flight.add(-len(left))
+            held: dict[int, tuple[Route, int]] = {}  # one count of what each route's requests held
+            for admissions in alike.values():
+                route = admissions[0].route
+                held[id(route)] = (route, held.get(id(route), (route, 0))[1] + len(admissions))
+            for route, count in held.values():
+                self._routes.release(route, count)
+            self.in_flight.add(-sum([len(admissions) for admissions in alike.values()]))
 
     def _count(self, route: Route, traffic: Traffic | None, seconds: list[float], outcome: str) -> None:
         """Requests of one route, traffic and outcome that left after ``seconds`` each: counted."""

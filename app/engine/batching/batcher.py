@@ -275,6 +275,7 @@ class Batcher(Generic[In, Out]):
         others' fate not its). The worker is not woken: ``run_queued`` runs them or wakes it."""
         now = time.monotonic()
         answers: list[Group[Out] | Exception] = []
+        queue, dropped_unrun = self._queue, self._dropped_unrun
         with self._cond:
             fits_from = self._fits_from(requests, now)
             for items, deadline in requests:
@@ -285,9 +286,12 @@ class Batcher(Generic[In, Out]):
                 except Exception as exc:  # noqa: BLE001 - a refusal (a BatcherError), or a request's own fault
                     answers.append(exc)
                     continue
-                group: Group[Out] = Group(len(items), self._dropped_unrun)
-                self._queue.extend([_Pending(item, None, now, deadline, group, index)
-                                    for index, item in enumerate(items)])
+                group: Group[Out] = Group(len(items), dropped_unrun)
+                if len(items) == 1:  # (most requests: one image)
+                    queue.append(_Pending(items[0], None, now, deadline, group, 0))
+                else:
+                    queue.extend([_Pending(item, None, now, deadline, group, index)
+                                  for index, item in enumerate(items)])
                 self._live += len(items)
                 answers.append(group)
             if now - self._depth_reported_at >= QUEUE_DEPTH_REPORT_S:
@@ -577,8 +581,9 @@ class Batcher(Generic[In, Out]):
         try:
             while len(batch) < limit and queue:
                 pending = queue.popleft()
-                if not pending.wanted():  # a group cancelled while queued left the count at once
-                    if pending.group is None or not pending.group.cancelled():
+                group = pending.group  # (a group's item asked directly: one call an item less)
+                if not (group.wanted() if group is not None else pending.wanted()):  # a group cancelled while queued
+                    if group is None or not group.cancelled():  # left the count at once
                         self._live -= 1
                 elif pending.deadline is not None and now > pending.deadline:  # marked taken by wanted(): a cancel
                     self._expired.append(pending)  # before it fails comes too late to count it out again
