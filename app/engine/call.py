@@ -200,6 +200,8 @@ class Call:
         else:  # the probabilities' columns alone
             classes = len(self.model.labels)
             rows = np.array([value[:classes] for value in values])
+        if rows.dtype.hasobject:  # no numbers: nothing a client can read, nor the engine's link carry
+            raise InferenceFailed(f"the model answered rows of {rows.dtype}, not numbers")
         return Served(rows, runs, self.model.name, self.model.version,
                       self.model.labels if labels is None else labels, queued.decode_s, queued.started_ns,
                       self.model.embedding_dim if embedding else 0)

@@ -1329,6 +1329,23 @@ def test_an_answer_whose_rows_do_not_cross_fails_alone_and_its_turn_s_others_are
         assert _answered(reader, 1) == [4]
 
 
+def test_rows_a_model_answers_that_are_no_numbers_fail_their_request_and_count_as_failed(
+        link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: such a request was counted ok (and its time, and a canary's evidence) while its client got a 500 for
+    # an answer the link could not carry
+    from app.engine.loaded.version import LoadedVersion
+    from app.errors import InferenceFailed
+
+    run_batch = LoadedVersion._run_batch
+    monkeypatch.setattr(LoadedVersion, "_run_batch", lambda self, prepared: run_batch(self, prepared).astype(object))
+    ok, failed = (VERSION_REQUESTS.labels("colour", "test", "live", outcome) for outcome in ("ok", "failed"))
+    before = (ok._value.get(), failed._value.get())
+    with pytest.raises(InferenceFailed, match="not numbers"):
+        infer(link.worker, [image_bytes(RED)])
+    wait_until(lambda: failed._value.get() == before[1] + 1)  # counted as the loop's turn ends
+    assert ok._value.get() == before[0]
+
+
 def test_the_loop_s_wait_for_more_ends_once_its_shared_connections_sent_what_they_can(
         link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(link.server, "_loop_batch_s", 1.0)  # "short", however busy the machine running the test
