@@ -803,9 +803,9 @@ class EngineServer:
                 error = exc
         if exchange.ident is None or exchange.cancelled or conn.closed:  # no answer to go out with others'
             exchange.admission.leave(error)
-        else:  # a shared connection's answer: the request leaves with the turn's others as they go out, and from now
-            if exchange.queued is None:  # is no longer on its way to a batch (one judged now may run here; one queued
-                exchange.admission.arrive()  # was no longer once queued)
+        else:  # a shared connection's answer: the request leaves with the turn's others as they go out
+            if exchange.queued is None:  # no longer on its way to a batch from now (one judged now may run here); a
+                exchange.admission.arrive()  # queued one was no longer once queued
             self._leaving.append((exchange.admission, error))
         exchange.queued = None  # its deadline may stay queued a while: not the images with it
         if not exchange.cancelled:
