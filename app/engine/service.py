@@ -317,13 +317,12 @@ class Service(Lifecycle):
                 self._count(admissions[0].route, admissions[0].traffic,
                             [now - admission.started for admission in admissions], outcome)
         finally:
-            held: dict[int, tuple[Route, int]] = {}  # one count of what each route's requests held
-            for admissions in alike.values():
-                route = admissions[0].route
-                held[id(route)] = (route, held.get(id(route), (route, 0))[1] + len(admissions))
-            for route, count in held.values():
-                self._routes.release(route, count)
-            self.in_flight.add(-sum([len(admissions) for admissions in alike.values()]))
+            held: dict[int, list[Admission]] = {}  # each route's requests, let go in one count
+            for (route_id, _, _), admissions in alike.items():
+                held.setdefault(route_id, []).extend(admissions)
+            for admissions in held.values():
+                self._routes.release(admissions[0].route, len(admissions))
+            self.in_flight.add(-sum([len(admissions) for admissions in held.values()]))
 
     def _count(self, route: Route, traffic: Traffic | None, seconds: list[float], outcome: str) -> None:
         """Requests of one route, traffic and outcome that left after ``seconds`` each: counted."""

@@ -72,6 +72,7 @@ def _parsed_alike(message: wire.Infer, answering: Signature) -> None:
                         f"{answering.version} takes {list(answering.input_shape)}; send it again")
 
 
+_UNFRAMED = (pickle.PicklingError, TypeError, AttributeError, ValueError)  # what an answer that does not frame raises
 CATALOG_READ_THREADS = 1  # catalog reads at once, never on the loop: one thread, as more only contend for the
 # interpreter lock with the loop (at C=64 four read threads cost 2x the CPU a /v1/models call, 0.72x its rate)
 SHARED_SEND_BUFFER_BYTES = 4 << 20  # a shared connection's answers of a turn (16-image requests' rows, 64 KB each)
@@ -496,7 +497,7 @@ class EngineServer:
                     try:
                         conn.unsent += wire.answers_parts(ids, [(value, error) for _, value, error in some], engine,
                                                           routes)
-                    except (pickle.PicklingError, TypeError, AttributeError, ValueError):
+                    except _UNFRAMED:
                         conn.unsent += wire.answers_parts(ids, [self._sendable(value, error) for _, value, error in
                                                                 some], engine, routes)
             except Exception:  # noqa: BLE001 - one connection's fault never ends the loop: it is closed
@@ -535,7 +536,7 @@ class EngineServer:
         """An answer's value and error, or, when they do not pickle, the server's error instead."""
         try:
             wire.frame(self._answer(value, error))
-        except (pickle.PicklingError, TypeError, AttributeError, ValueError) as exc:
+        except _UNFRAMED as exc:
             return None, InferenceFailed(f"the engine's answer could not be sent: {exc}")
         return value, error
 
@@ -547,7 +548,7 @@ class EngineServer:
         try:
             try:
                 wire.send(conn.sock, answer)
-            except (pickle.PicklingError, TypeError, AttributeError, ValueError) as exc:  # rows that make no array too
+            except _UNFRAMED as exc:  # rows that make no array too
                 wire.send(conn.sock, self._answer(error=InferenceFailed(f"the engine's answer could not be sent: "
                                                                         f"{exc}")))
         except OSError:

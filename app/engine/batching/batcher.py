@@ -581,9 +581,8 @@ class Batcher(Generic[In, Out]):
         try:
             while len(batch) < limit and queue:
                 pending = queue.popleft()
-                group = pending.group  # (a group's item asked directly: one call an item less)
-                if not (group.wanted() if group is not None else pending.wanted()):  # a group cancelled while queued
-                    if group is None or not group.cancelled():  # left the count at once
+                if not pending.wanted():  # a group cancelled while queued left the count at once
+                    if pending.group is None or not pending.group.cancelled():
                         self._live -= 1
                 elif pending.deadline is not None and now > pending.deadline:  # marked taken by wanted(): a cancel
                     self._expired.append(pending)  # before it fails comes too late to count it out again
