@@ -206,6 +206,17 @@ class Call:
                       self.model.labels if labels is None else labels, queued.decode_s, queued.started_ns,
                       self.model.embedding_dim if embedding else 0)
 
+    def answer_each(self, queued: Queued, labels: list[str] | None = None, embedding: bool = False) -> list[Served]:
+        """``answer`` for a call whose images are as many requests', one each (an event loop's bundle of requests
+        alike): an answer for each image, its row and the batch it ran in, in order; raises what failed."""
+        served = self.answer(queued, labels, embedding)
+        per_row: list[tuple[BatchRun, ...]] = []
+        for run in served.batches:
+            per_row += [(run if run.rows == 1 else run._replace(rows=1),)] * run.rows
+        rows = served.rows
+        return [Served(rows[at:at + 1], per_row[at], served.model, served.version, served.labels, served.decode_s,
+                       served.started_ns, served.embedding_dim) for at in range(len(rows))]
+
     def _prepare(self, images: Sequence[bytes], names: Sequence[str | None]) -> tuple[list[Prepared], float, float]:
         started, cpu_started = time.perf_counter(), time.thread_time()
         prepared = []

@@ -203,11 +203,15 @@ class Service(Lifecycle):
         return self._admitted(self._held(name, version, client_key, pixels), images, timeout_s)
 
     def enter_many(self, name: str | None, version: str | None, client_key: str | None, count: int,
-                   pixels: bool = False) -> list[Admission | ServiceError]:
+                   pixels: bool = False, one_call: bool = False) -> list[Admission | ServiceError]:
         """``enter`` for ``count`` requests alike (an event loop turn's for one model, version and client key), in
         one pass: readiness, routing and what they hold counted once for them all, unless a rollout draws each its
         own version; each request its own Admission, in order, or the error that refused it (its version not live).
-        Raises what refuses them all (NotReady, NotFound, BadRequest), holding nothing then."""
+        Raises what refuses them all (NotReady, NotFound, BadRequest), holding nothing then. ``one_call``: where
+        routing gave them all one route without a shadow, one Admission stands for all of them (``requests``), in
+        every place of the list: one ``Call`` (room for all their images) and one arrival, their images queued as
+        one request's (an event loop's bundle), each counted as a request when it leaves (``leave_one``, or all
+        that are left at once); else each its own."""
         self.in_flight.add(count)
         try:
             self.require_ready()
@@ -224,6 +228,10 @@ class Service(Lifecycle):
                 self._unhold(route)
             return [refusal] * count
         traffic, started, max_images = self._traffic_of(route), time.perf_counter(), self.settings.max_images
+        if one_call:
+            arrived = route.version.arrivals.begin()
+            call = Call(route.version, arrived, max_images * count, None, route.takes_pixels)
+            return [Admission(self, route, traffic, started, arrived, call, count)] * count
         return [Admission(self, route, traffic, started, arrived,
                           Call(route.version, arrived, max_images, None, route.takes_pixels))
                 for arrived in route.version.arrivals.begin_many(count)]
@@ -290,17 +298,18 @@ class Service(Lifecycle):
             return None
         return self.controller.evidence.traffic(route.version.name, route.version.version)
 
-    def _left(self, route: Route, traffic: Traffic | None, seconds: float, outcome: str) -> None:
-        """A request left after ``seconds`` with ``outcome``: counted (in ``traffic`` too), its version released."""
+    def _left(self, route: Route, traffic: Traffic | None, seconds: float, outcome: str, requests: int = 1) -> None:
+        """``requests`` requests left after ``seconds`` with ``outcome``: counted (in ``traffic`` too), their
+        version released."""
         try:
-            self._count(route, traffic, [seconds], outcome)
+            self._count(route, traffic, [seconds] * requests, outcome)
         finally:
-            self._unhold(route)
+            self._unhold(route, requests)
 
-    def _unhold(self, route: Route) -> None:
-        """What ``_held`` holds for a request, let go: its version (and shadow) and its flight."""
-        self._routes.release(route)
-        self.in_flight.leave()
+    def _unhold(self, route: Route, requests: int = 1) -> None:
+        """What ``_held`` holds for ``requests`` requests, let go: their version (and shadow) and their flights."""
+        self._routes.release(route, requests)
+        self.in_flight.add(-requests)
 
     def leave_many(self, ended: Sequence[tuple[Admission, BaseException | None]]) -> None:
         """``Admission.leave`` for several requests at once (an event loop's answers of a turn, each with its error
@@ -314,15 +323,20 @@ class Service(Lifecycle):
                 if admission.leaving():
                     alike.setdefault((id(admission.route), id(admission.traffic), outcome), []).append(admission)
             for (_, _, outcome), admissions in alike.items():
-                self._count(admissions[0].route, admissions[0].traffic,
-                            [now - admission.started for admission in admissions], outcome)
+                seconds = [now - admission.started for admission in admissions]
+                if len(seconds) != sum([admission.requests for admission in admissions]):  # one stands for several
+                    seconds = [now - admission.started for admission in admissions for _ in range(admission.requests)]
+                self._count(admissions[0].route, admissions[0].traffic, seconds, outcome)
         finally:
             held: dict[int, list[Admission]] = {}  # each route's requests, let go in one count
             for (route_id, _, _), admissions in alike.items():
                 held.setdefault(route_id, []).extend(admissions)
+            released = 0
             for admissions in held.values():
-                self._routes.release(admissions[0].route, len(admissions))
-            self.in_flight.add(-sum([len(admissions) for admissions in held.values()]))
+                requests = sum([admission.requests for admission in admissions])
+                self._routes.release(admissions[0].route, requests)
+                released += requests
+            self.in_flight.add(-released)
 
     def _count(self, route: Route, traffic: Traffic | None, seconds: list[float], outcome: str) -> None:
         """Requests of one route, traffic and outcome that left after ``seconds`` each: counted."""
@@ -365,28 +379,48 @@ def _outcome(error: BaseException | None) -> str:
 
 
 class Admission:
-    """One request admitted (``Service.enter``): its ``call``, holding its version until it ``leave``s, once."""
+    """One request admitted (``Service.enter``), or ``requests`` alike admitted as one (``Service.enter_many``'s
+    ``one_call``): its ``call``, holding its version until it ``leave``s, once."""
 
-    __slots__ = ("call", "route", "traffic", "started", "_service", "_arrived", "_left")
+    __slots__ = ("call", "route", "traffic", "started", "requests", "_service", "_arrived", "_left")
 
     def __init__(self, service: Service, route: Route, traffic: Traffic | None, started: float,
-                 arrived: Callable[[], None], call: Call) -> None:
+                 arrived: Callable[[], None], call: Call, requests: int = 1) -> None:
         self._service, self.route, self.traffic = service, route, traffic  # its route, the traffic it counts in
         self.started, self._arrived = started, arrived  # (time.perf_counter() at its admission)
-        self.call = call
+        self.call, self.requests = call, requests  # the requests it stands for, not yet left
         self._left = False
 
     def leave(self, error: BaseException | None = None) -> None:
-        """The request ends, answered (None) or with ``error``: no longer on its way to a batch, its outcome and
-        time counted, its version released. Once: a second call does nothing (nor one of ``Service.leave_many``)."""
+        """The request ends (every one it still stands for), answered (None) or with ``error``: no longer on its
+        way to a batch, its outcome and time counted, its version released. Once: a second call does nothing (nor
+        one of ``Service.leave_many``)."""
         if self.leaving():
+            self._service._left(self.route, self.traffic, time.perf_counter() - self.started, _outcome(error),
+                                self.requests)
+
+    def leave_one(self, error: BaseException | None = None) -> None:
+        """One of the requests it stands for ends before the others (its client left, or it failed its checks):
+        counted and let go alone; the last one as ``leave``."""
+        if self.requests > 1 and not self._left:
+            self.requests -= 1
             self._service._left(self.route, self.traffic, time.perf_counter() - self.started, _outcome(error))
+        else:
+            self.leave(error)
+
+    def apart(self) -> "Admission":
+        """One of the requests it stands for, admitted on its own from here (its own ``leave``), sharing its
+        call, route and start; the last one is this one."""
+        if self.requests <= 1:
+            return self
+        self.requests -= 1
+        return Admission(self._service, self.route, self.traffic, self.started, self._arrived, self.call)
 
     def withdraw(self) -> None:
         """The request leaves this route uncounted (it is admitted again elsewhere: PixelsForTheDefault): its
         version released, its flight ended. Once, as ``leave``."""
         if self.leaving():
-            self._service._unhold(self.route)
+            self._service._unhold(self.route, self.requests)
 
     def arrive(self) -> None:
         """No longer on its way to a batch (its images queued, or it ends): what ``Call.queue`` says as it queues

@@ -161,7 +161,7 @@ class _Exchange:
     its id on a shared connection (None on a connection of its own)."""
 
     __slots__ = ("conn", "admission", "call", "message", "images", "tensors", "ident", "queued", "ended", "cancelled",
-                 "decode_cpu_s", "arrived")
+                 "decode_cpu_s", "arrived", "parts")
 
     def __init__(self, conn: _Connection, admission: Admission, message: wire.Infer, images: list[bytearray],
                  tensors: list[np.ndarray], ident: int | None) -> None:
@@ -172,6 +172,25 @@ class _Exchange:
         self.cancelled = False  # nobody waits for its answer (a Cancel, or its shared connection closed)
         self.decode_cpu_s = 0.0  # its images' decode, once queued
         self.arrived = time.monotonic()  # its deadline counts from here: a wait for a decode thread counts too
+        self.parts: list[_Part] | None = None  # a bundle's requests (``_admit_bundle``): each answered from its row
+
+
+class _Part:
+    """One request of a bundle (requests alike of one shared connection, one image of pixels each, run as one
+    exchange under one admission that stands for all of them): its id, message and row, and whether its client
+    left (it is then ended already)."""
+
+    __slots__ = ("ident", "message", "rows", "cancelled")
+
+    def __init__(self, ident: int, message: wire.Infer, rows: list[np.ndarray]) -> None:
+        self.ident, self.message, self.rows = ident, message, rows
+        self.cancelled = False
+
+
+def _bundles(message: wire.Infer) -> bool:
+    """Whether a shared connection's request may run in a bundle with others alike: one image of pixels, no file
+    name (its errors name no image)."""
+    return len(message.tensors) == 1 and message.tensors[0][1][0] == 1 and not any(message.names)
 
 
 class EngineServer:
@@ -451,11 +470,28 @@ class EngineServer:
         assert conn.exchanges is not None
         for ident in ids:
             exchange = conn.exchanges.get(ident)
-            if exchange is not None:
+            if exchange is not None and exchange.parts is not None:
+                self._cancel_part(exchange, ident)
+            elif exchange is not None:
                 exchange.cancelled = True
                 self._hang_up(exchange)
             elif ident in conn.unadmitted:
                 conn.cancelled.add(ident)
+
+    def _cancel_part(self, exchange: _Exchange, ident: int) -> None:
+        """A bundle's request whose client left: ended as a hang-up at once, unanswered, its image still run with
+        the others'; the last one's hang-up drops what of the bundle is still queued, as a request's own does."""
+        assert exchange.parts is not None and exchange.conn.exchanges is not None
+        if sum(1 for part in exchange.parts if not part.cancelled) <= 1:
+            exchange.cancelled = True
+            self._hang_up(exchange)
+            return
+        exchange.conn.exchanges.pop(ident, None)
+        for part in exchange.parts:
+            if part.ident == ident and not part.cancelled:
+                part.cancelled = True
+                exchange.admission.leave_one(ClientGone("the client closed the connection; its image runs with the "
+                                                        "other requests' of its bundle"))
 
     def _answer(self, value: Any = None, error: ServiceError | None = None) -> wire.Answer:
         return wire.Answer(value, error, this_process(), self.service.controller.routes.generation)
@@ -589,10 +625,12 @@ class EngineServer:
             self.gathering.batches_on_loop = ran_here
 
     def _admit_turn(self, turn: list[tuple[_Connection, wire.Infer, list[bytearray], int | None]]
-                    ) -> Iterator[_Exchange | None]:
+                    ) -> list[_Exchange | None]:
         """The turn's requests admitted, those alike (model, version, client key, pixels or images) in one pass
-        (``Service.enter_many``): each its exchange, or None (answered, or its client gone), in the turn's order. A
-        lone request (an engine with slack) is admitted as it comes (``Service.enter``: no grouping to pay for)."""
+        (``Service.enter_many``): each its exchange, or None (answered, or its client gone), in the turn's order; a
+        shared connection's requests alike to the last detail, one image of pixels each (``_bundles``), one
+        exchange for all of them (``_admit_bundle``), in the place of the first. A lone request (an engine with
+        slack) is admitted as it comes (``Service.enter``: no grouping to pay for)."""
         if len(turn) == 1:
             message = turn[0][1]
             try:
@@ -600,31 +638,84 @@ class EngineServer:
                     message.model, message.version, message.client_key, pixels=bool(message.tensors))
             except Exception as exc:  # noqa: BLE001 - every failure is answered, never a dropped connection
                 admission = exc
-            yield self._admit(*turn[0], admission)
-            return
+            return [self._admit(*turn[0], admission)]
         alike: dict[object, list[int]] = {}
-        for at, (_, message, _, _) in enumerate(turn):
+        for at, (conn, message, _, ident) in enumerate(turn):
             try:
-                key = (message.model, message.version, message.client_key, bool(message.tensors))
+                key: object = (message.model, message.version, message.client_key, bool(message.tensors))
+                if ident is not None and _bundles(message):  # (its connection, and all that makes its answer)
+                    key = (key, conn, message.timeout_s, message.parsed_version, message.parsed_shape,
+                           message.tensors, message.embedding)
                 alike.setdefault(key, []).append(at)
             except Exception:  # noqa: BLE001 - a field no HTTP worker sends (no hash, no truth value): admitted
                 alike[at] = [at]  # alone, as its checks judge
         admissions: list[Admission | BaseException | None] = [None] * len(turn)
-        for ats in alike.values():
+        bundles: dict[int, list[int]] = {}  # a bundle's requests, by the first one's place
+        for key, ats in alike.items():
             message = turn[ats[0]][1]
+            bundled = len(ats) > 1 and isinstance(key, tuple) and len(key) == 7
             try:
                 admitted: Sequence[Admission | BaseException] = self.service.enter_many(
-                    message.model, message.version, message.client_key, len(ats), bool(message.tensors))
+                    message.model, message.version, message.client_key, len(ats), bool(message.tensors), bundled)
             except Exception as exc:  # noqa: BLE001 - every failure is answered, never a dropped connection
                 admitted = [exc] * len(ats)
+            first, last = admitted[0], admitted[-1]
+            if bundled and isinstance(first, Admission) and isinstance(last, Admission) and first.call is last.call:
+                bundles[ats[0]] = ats  # (a rollout's draws, each its own call: admitted one by one)
             for at, admission in zip(ats, admitted):
                 admissions[at] = admission
-        for read, admission in zip(turn, admissions):  # in the turn's order: queued as they came
-            yield self._admit(*read, admission)  # type: ignore[arg-type]
+        exchanges: list[_Exchange | None] = []
+        for at, read in enumerate(turn):  # in the turn's order: queued as they came
+            ats = bundles.get(at)
+            if ats is not None:
+                exchanges.append(self._admit_bundle([turn[each] for each in ats], admissions[at]))  # type: ignore
+                for each in ats:
+                    admissions[each] = None  # admitted with it
+            elif admissions[at] is not None:
+                exchanges.append(self._admit(*read, admissions[at]))  # type: ignore[arg-type]
+        return exchanges
+
+    def _admit_bundle(self, reads: list[tuple[_Connection, wire.Infer, list[bytearray], int | None]],
+                      admission: Admission) -> _Exchange | None:
+        """A bundle: requests of one shared connection alike to the last detail (``_bundles``), admitted as one
+        (``admission`` stands for all of them); each checked as ``_admit`` checks one (a request that fails is
+        answered and leaves alone), those that pass one exchange whose images queue as one request's, each
+        answered from its row (``_end_parts``)."""
+        parts: list[_Part] = []
+        rows: list[np.ndarray] = []
+        for read in reads:
+            inputs = self._checked(*read, admission)
+            if inputs is not None:
+                parts.append(_Part(read[3], read[1], inputs[1]))  # type: ignore[arg-type]
+                rows += inputs[1]
+        if not parts:
+            return None
+        conn, first = reads[0][0], parts[0]
+        exchange = _Exchange(conn, admission, first.message, [], rows, first.ident)
+        if len(parts) > 1:
+            exchange.parts = parts
+        for part in parts:
+            conn.exchanges[part.ident] = exchange  # type: ignore[index]
+        return exchange
 
     def _admit(self, conn: _Connection, message: wire.Infer, segments: list[bytearray], ident: int | None,
                admission: Admission | BaseException) -> _Exchange | None:
         """A request of the turn, its admission made (or what refused it), becomes an exchange in flight."""
+        inputs = self._checked(conn, message, segments, ident, admission)
+        if inputs is None:
+            return None
+        exchange = _Exchange(conn, admission, message, *inputs, ident)  # type: ignore[arg-type]
+        if conn.exchanges is not None:
+            conn.exchanges[ident] = exchange  # type: ignore[index]
+        else:
+            conn.exchange = exchange
+            self._exchanges += 1
+        return exchange
+
+    def _checked(self, conn: _Connection, message: wire.Infer, segments: list[bytearray], ident: int | None,
+                 admission: Admission | BaseException) -> tuple[list[bytearray], list[np.ndarray]] | None:
+        """A request of the turn, its admission made (or what refused it), checked: its images or pixels
+        (``_inputs``), or None once it is answered (or its client gone, counted: of a bundle's admission, one)."""
         conn.read_pending = False
         cancelled = False
         if ident is not None:
@@ -637,25 +728,18 @@ class EngineServer:
                 self._reply(conn, ident, error=_as_error(admission))
             return None
         if conn.closed or cancelled:  # its client hung up while the loop waited for more requests: counted, not run
-            admission.leave(ClientGone("the client closed the connection before its request was admitted"))
+            admission.leave_one(ClientGone("the client closed the connection before its request was admitted"))
             return None
         try:
             message.timeout_s = float(message.timeout_s)  # (a peer's number of another type: its messages too)
             _parsed_alike(message, admission.call.model)
             if message.embedding:  # the version routed here may not be the one the HTTP side checked
                 admission.call.model.check_embedding()
-            images, tensors = _inputs(message, segments)
+            return _inputs(message, segments)
         except Exception as exc:  # noqa: BLE001 - answered
-            admission.leave(exc)
+            admission.leave_one(exc)
             self._reply(conn, ident, error=_as_error(exc))
             return None
-        exchange = _Exchange(conn, admission, message, images, tensors, ident)
-        if conn.exchanges is not None:
-            conn.exchanges[ident] = exchange  # type: ignore[index]
-        else:
-            conn.exchange = exchange
-            self._exchanges += 1
-        return exchange
 
     def _queue_here(self, exchanges: list[_Exchange]) -> None:
         """On the loop: these requests' images queued (their headers read, or none to decode), those of a version
@@ -789,6 +873,9 @@ class EngineServer:
         if exchange.ended and not ending:
             return
         exchange.ended = True
+        if exchange.parts is not None:
+            self._end_parts(exchange, error)
+            return
         conn = exchange.conn
         if exchange.ident is None:
             self._exchanges -= 1
@@ -811,6 +898,54 @@ class EngineServer:
         exchange.queued = None  # its deadline may stay queued a while: not the images with it
         if not exchange.cancelled:
             self._reply(conn, exchange.ident, served, None if error is None else _as_error(error))
+
+    def _end_parts(self, exchange: _Exchange, error: BaseException | None) -> None:
+        """``_end`` for a bundle: each of its requests still waited for answered from its row, or with the error
+        that ended them all, and leaving as ``_end`` leaves one; a model that failed on one of its images runs the
+        others again (``_run_apart``): one request's pixels never fail another's."""
+        conn, parts = exchange.conn, exchange.parts
+        assert parts is not None and conn.exchanges is not None
+        for part in parts:
+            conn.exchanges.pop(part.ident, None)
+        answers: list[Any] | None = None
+        if error is None:
+            try:
+                answers = exchange.call.answer_each(exchange.queued,  # type: ignore[arg-type]
+                                                    wire.NO_LABELS, embedding=exchange.message.embedding)
+            except Exception as exc:  # noqa: BLE001 - answered
+                if self._run_apart(exchange, exc):
+                    return
+                error = exc
+        if exchange.queued is None:  # as _end: no longer on its way to a batch (one arrival for all of them)
+            exchange.admission.arrive()
+        exchange.queued = None
+        if exchange.cancelled or conn.closed:  # (its requests still waited for, at once: no answer goes out)
+            exchange.admission.leave(error)
+            return
+        self._leaving.append((exchange.admission, error))
+        answered = None if error is None else _as_error(error)
+        for at, part in enumerate(parts):
+            if not part.cancelled:  # (one that is left already, as its client left)
+                self._reply(conn, part.ident, None if answers is None else answers[at], answered)
+
+    def _run_apart(self, exchange: _Exchange, error: BaseException) -> bool:
+        """A bundle whose group failed at one of its images (the model's fault: the batcher ran the failed batch's
+        images again one by one to find it): its requests still waited for queued again, each its own exchange and
+        group with the bundle's deadline, so only the one whose image fails fails. Whether they were."""
+        queued, parts = exchange.queued, exchange.parts
+        if (not isinstance(error, InferenceFailed) or queued is None or queued.group.failed_at < 0
+                or exchange.cancelled or exchange.conn.closed or parts is None):
+            return False
+        apart = []
+        for part in parts:
+            if not part.cancelled:
+                alone = _Exchange(exchange.conn, exchange.admission.apart(), part.message, [], part.rows, part.ident)
+                alone.arrived = exchange.arrived
+                exchange.conn.exchanges[part.ident] = alone  # type: ignore[index]
+                apart.append(alone)
+        exchange.queued = None
+        self._queue_here(apart)
+        return True
 
     # -- the other exchanges ---------------------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 EngineServer over socket.socketpair(), the engine a real Service on the tiny colour model."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import errno
 import functools
@@ -15,7 +16,7 @@ import threading
 import time
 from fractions import Fraction
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import pytest
@@ -664,6 +665,139 @@ def test_requests_whose_queueing_fails_unforeseen_are_answered_not_left_waiting(
     assert infer(link.worker, [image_bytes(RED)]).probabilities().argmax() == 0  # the connection serves on
 
 
+def _one_colour(channel: int) -> bytes:
+    """One image's pixels (1, 3, 8, 8), float32, all of ``channel`` (0 red, 1 green, 2 blue): a segment."""
+    pixels = np.zeros((1, 3, 8, 8), "<f4")
+    pixels[0, channel] = 1.0
+    return pixels.tobytes()
+
+
+_ONE_PIXELS = wire.Infer("colour", None, None, 5.0, "1", (3, 8, 8), tensors=(("<f4", (1, 3, 8, 8)),))
+
+
+def _answers_by_id(reader: wire.FrameReader, count: int) -> dict[int, wire.Answer]:
+    answers: dict[int, wire.Answer] = {}
+    while len(answers) < count:
+        for message, _ in reader.read():
+            answers.update(zip(message.ids, message.answers))
+    return answers
+
+
+def _bundles_answered(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many answers each bundle's ``Call.answer_each`` made, as they are made."""
+    from app.engine.call import Call
+
+    made: list[int] = []
+    answer_each = Call.answer_each
+
+    def counted(self: Call, *args: Any, **kwargs: Any) -> list[Any]:
+        answers = answer_each(self, *args, **kwargs)
+        made.append(len(answers))
+        return answers
+
+    monkeypatch.setattr(Call, "answer_each", counted)
+    return made
+
+
+def _all_let_go(link: Link) -> bool:
+    loaded = link.engine.loaded_version()
+    return link.engine.in_flight.count() == 0 and loaded.arrivals.count() == 0 and loaded.in_use.count() == 0
+
+
+def test_a_shared_connection_s_alike_one_image_pixel_requests_run_as_one_bundle_each_answered_from_its_row(
+        link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
+    bundles, before = _bundles_answered(monkeypatch), _outcome_counts()
+    conn, reader = _shared_connection(link)
+    conn.settimeout(10)
+    with conn:
+        requests = [(ident, _ONE_PIXELS, [_one_colour(ident % 3)]) for ident in range(1, 7)]
+        requests.insert(3, (7, _ONE_PIXELS, [_one_colour(0)[:-4]]))  # its pixels a float short: answered alone
+        wire.send(conn, *wire.infers(requests))
+        answers = _answers_by_id(reader, 7)
+    assert answers[7].error is not None and answers[7].error.status == 500 and "segment" in answers[7].error.message
+    assert {ident: int(answers[ident].value.rows.argmax()) for ident in range(1, 7)} == {
+        ident: ident % 3 for ident in range(1, 7)}  # each its own row, in order
+    assert bundles == [6]  # the six queued and answered as one (MAX_BATCH_SIZE 4: in two batches)
+    runs = [answers[ident].value.batches for ident in range(1, 7)]
+    assert all(len(run) == 1 and run[0].rows == 1 for run in runs)  # each the batch its row ran in
+    by_batch = collections.Counter(run[0].batch_id for run in runs)
+    assert len(by_batch) == 2 and all(run[0].batch_size == by_batch[run[0].batch_id] for run in runs)
+    wait_until(lambda: _outcome_counts()["ok"] == before["ok"] + 6 and _all_let_go(link))  # each a request
+    assert _outcome_counts()["failed"] == before["failed"] + 1
+
+
+def _held_and_bundled(link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch, conn: socket.socket,
+                      ids: Sequence[int]) -> None:
+    """A lone request's batch held by the gate on the batcher's thread, and a bundle of ``ids`` (blue pixels)
+    queued behind it on ``conn``, admitted."""
+    _batches_off_the_loop(link, monkeypatch)
+    infer(link.worker, [image_bytes(RED)])  # (batches were timed)
+    model.gate = threading.Event()
+    held = threading.Thread(target=infer, args=(link.worker, [image_bytes(RED)]), daemon=True)
+    held.start()
+    wait_until(lambda: link.engine.in_flight.count() == 1)
+    wire.send(conn, *wire.infers([(ident, _ONE_PIXELS, [_one_colour(2)]) for ident in ids]))
+    wait_until(lambda: link.engine.in_flight.count() == 1 + len(ids))
+
+
+def test_a_bundled_request_whose_client_leaves_is_counted_at_once_and_the_bundle_s_others_are_answered(
+        link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    conn, reader = _shared_connection(link)
+    conn.settimeout(10)
+    try:
+        _held_and_bundled(link, model, monkeypatch, conn, [1, 2, 3])
+        before = _outcome_counts()
+        wire.send(conn, wire.Cancel((2,)))
+        wait_until(lambda: _outcome_counts()["refused"] == before["refused"] + 1)  # left at once, as a hang-up
+        assert link.engine.in_flight.count() == 3
+    finally:
+        assert model.gate is not None
+        model.gate.set()
+    answers = _answers_by_id(reader, 2)
+    assert sorted(answers) == [1, 3] and all(int(answer.value.rows.argmax()) == 2 for answer in answers.values())
+    wait_until(lambda: _outcome_counts()["ok"] == before["ok"] + 3 and _all_let_go(link))  # the lone one's too
+    conn.settimeout(0.2)
+    with pytest.raises(OSError):  # nothing for the one that left
+        reader.read()
+    conn.close()
+
+
+def test_a_bundle_whose_every_client_left_is_dropped_unrun(
+        link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    conn, reader = _shared_connection(link)
+    gone = BATCHER_EVENTS.labels("client_gone")
+    with conn:
+        try:
+            _held_and_bundled(link, model, monkeypatch, conn, [1, 2])
+            dropped, batches = gone._value.get(), len(model.batch_sizes)
+            wire.send(conn, wire.Cancel((1,)))
+            wire.send(conn, wire.Cancel((2,)))
+            wait_until(lambda: link.engine.in_flight.count() == 1)
+        finally:
+            assert model.gate is not None
+            model.gate.set()
+        wait_until(lambda: _all_let_go(link))
+    assert gone._value.get() == dropped + 2  # the bundle's two images, dropped from the queue
+    assert model.batch_sizes[batches:] == []  # no batch after the held one's (counted as it began)
+
+
+def test_a_bundle_whose_model_fails_on_one_image_answers_the_others_from_their_own_run(
+        link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    bundles, before = _bundles_answered(monkeypatch), _outcome_counts()
+    model.fail_when = 0.5  # any red image fails its batch (the batcher runs a failed batch's images one by one)
+    conn, reader = _shared_connection(link)
+    conn.settimeout(10)
+    with conn:
+        wire.send(conn, *wire.infers([(ident, _ONE_PIXELS, [_one_colour(channel)])
+                                      for ident, channel in ((1, 2), (2, 0), (3, 1))]))
+        answers = _answers_by_id(reader, 3)
+    assert answers[2].error is not None and answers[2].error.status == 500
+    assert int(answers[1].value.rows.argmax()) == 2 and int(answers[3].value.rows.argmax()) == 1
+    assert bundles == []  # the bundle failed; its requests were run again each on its own
+    wait_until(lambda: _outcome_counts()["ok"] == before["ok"] + 2 and _all_let_go(link))
+    assert _outcome_counts()["failed"] == before["failed"] + 1
+
+
 def test_pixels_whose_queueing_on_the_loop_fails_unforeseen_are_answered_and_the_loop_serves_on(
         link: Link, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     from app.link import loop
@@ -672,11 +806,14 @@ def test_pixels_whose_queueing_on_the_loop_fails_unforeseen_are_answered_and_the
     conn.settimeout(10)
     red = np.zeros((1, 3, 8, 8), "<f4")
     red[0, 0] = 1.0
-    pixels = wire.Infer("colour", None, None, 5.0, "1", (3, 8, 8), names=(None,), tensors=(("<f4", (1, 3, 8, 8)),))
+    def pixels(timeout_s: float) -> wire.Infer:  # (deadlines of two lengths: two exchanges, not one bundle)
+        return wire.Infer("colour", None, None, timeout_s, "1", (3, 8, 8), names=(None,),
+                          tensors=(("<f4", (1, 3, 8, 8)),))
+
     queue, broken = loop.queue_prepared, [True]
     monkeypatch.setattr(loop, "queue_prepared", lambda *args: 1 / 0 if broken[0] else queue(*args))
     with caplog.at_level(logging.ERROR, logger="app.link.loop"):
-        wire.send(conn, *wire.infers([(ident, pixels, [red.tobytes()]) for ident in (1, 2)]))  # one turn's two
+        wire.send(conn, *wire.infers([(ident, pixels(4.0 + ident), [red.tobytes()]) for ident in (1, 2)]))
         answers: dict[int, wire.Answer] = {}
         while len(answers) < 2:
             for message, _ in reader.read():
@@ -685,7 +822,7 @@ def test_pixels_whose_queueing_on_the_loop_fails_unforeseen_are_answered_and_the
     assert any("queueing 2 requests failed" in record.getMessage() for record in caplog.records)
     wait_until(lambda: link.engine.in_flight.count() == 0 and link.engine.loaded_version().arrivals.count() == 0)
     broken[0] = False
-    wire.send(conn, *wire.infers([(3, pixels, [red.tobytes()]), (4, pixels, [red.tobytes()])]))
+    wire.send(conn, *wire.infers([(3, pixels(5.0), [red.tobytes()]), (4, pixels(6.0), [red.tobytes()])]))
     assert sorted(_answered(reader, 2)) == [3, 4]
 
 

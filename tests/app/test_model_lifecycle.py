@@ -36,8 +36,8 @@ from app.engine.versions.memory import device_bytes_taken
 from app.engine.versions.sources import DirectorySource
 from app.engine.versions.states import VersionStates
 from app.engine.service import Service
-from app.errors import (BadRequest, DeadlineExceeded, InferenceFailed, InsufficientMemory, LoadFailed, LoadTimeout,
-                        NotFound, NotReady)
+from app.errors import (BadRequest, ClientGone, DeadlineExceeded, InferenceFailed, InsufficientMemory, LoadFailed,
+                        LoadTimeout, NotFound, NotReady)
 from app.link import client as client_module
 from app.metrics import RequestTally
 from app.link.client import RemoteService
@@ -418,6 +418,24 @@ def test_a_turn_s_requests_leave_together_each_counted_with_its_outcome_and_once
                                        ("colour", "1", "named", "failed"): 1}
     assert service.in_flight.count() == 0 and service.loaded_version("colour", "1").in_use.count() == 0
     assert service.controller.evidence.traffic("colour", "1").dump()["requests"] == 2  # its live ones counted
+
+
+def test_a_turn_s_requests_admitted_as_one_share_a_call_and_each_is_counted_as_it_leaves(service: Service) -> None:
+    counted = service.counts = RequestTally()  # as an engine's loop counts them
+    loaded = service.loaded_version("colour", "1")
+    bundle = service.enter_many("colour", None, None, 4, one_call=True)
+    one = bundle[0]
+    assert all(each is one for each in bundle) and one.requests == 4  # type: ignore[union-attr]
+    assert (service.in_flight.count(), loaded.in_use.count(), loaded.arrivals.count()) == (4, 4, 1)
+    one.leave_one(ClientGone("left"))  # type: ignore[union-attr]  # one of them ends first
+    assert (one.requests, service.in_flight.count(), loaded.in_use.count()) == (3, 3, 3)  # type: ignore[union-attr]
+    apart = one.apart()  # type: ignore[union-attr]  # one of them from here on its own
+    assert apart is not one and apart.call is one.call and one.requests == 2  # type: ignore[union-attr]
+    service.leave_many([(one, None), (apart, InferenceFailed("broke")), (one, None)])  # type: ignore[list-item]
+    assert dict(counted._outcomes) == {("colour", "1", "live", "refused"): 1, ("colour", "1", "live", "ok"): 2,
+                                       ("colour", "1", "live", "failed"): 1}
+    assert (service.in_flight.count(), loaded.in_use.count(), loaded.arrivals.count()) == (0, 0, 0)
+    assert service.controller.evidence.traffic("colour", "1").dump()["requests"] == 3  # the refusal is no evidence
 
 
 def test_a_turn_s_requests_queued_together_each_get_their_own_answer_whatever_another_s_refusal_raises(
