@@ -177,13 +177,13 @@ class _Exchange:
 
 class _Part:
     """One request of a bundle (requests alike of one shared connection, one image of pixels each, run as one
-    exchange under one admission that stands for all of them): its id, message and row, and whether its client
-    left (it is then ended already)."""
+    exchange under one admission that stands for all of them, with the first one's message): its id and row, and
+    whether its client left (it is then ended already)."""
 
-    __slots__ = ("ident", "message", "rows", "cancelled")
+    __slots__ = ("ident", "rows", "cancelled")
 
-    def __init__(self, ident: int, message: wire.Infer, rows: list[np.ndarray]) -> None:
-        self.ident, self.message, self.rows = ident, message, rows
+    def __init__(self, ident: int, rows: list[np.ndarray]) -> None:
+        self.ident, self.rows = ident, rows
         self.cancelled = False
 
 
@@ -681,17 +681,37 @@ class EngineServer:
         (``admission`` stands for all of them); each checked as ``_admit`` checks one (a request that fails is
         answered and leaves alone), those that pass one exchange whose images queue as one request's, each
         answered from its row (``_end_parts``)."""
+        conn, message = reads[0][0], reads[0][1]
+        try:  # what they have alike, judged once (``_checked`` judges it for one): their pixels' layout too
+            message.timeout_s = float(message.timeout_s)
+            _parsed_alike(message, admission.call.model)
+            if message.embedding:
+                admission.call.model.check_embedding()
+            parsed = tuple(message.parsed_shape)
+            ((dtype, shape),) = message.tensors
+            pixel_type = _pixel_type(dtype)
+            size = pixel_type.itemsize * int(np.prod(parsed)) if tuple(shape) == (1, *parsed) else -1
+        except Exception:  # noqa: BLE001 - each answered as _checked answers it
+            size = -1
         parts: list[_Part] = []
         rows: list[np.ndarray] = []
+        unadmitted, cancelled = conn.unadmitted, conn.cancelled
         for read in reads:
-            inputs = self._checked(*read, admission)
-            if inputs is not None:
-                parts.append(_Part(read[3], read[1], inputs[1]))  # type: ignore[arg-type]
-                rows += inputs[1]
+            segments, ident = read[2], read[3]
+            if (size < 0 or ident in cancelled or conn.closed or len(segments) != 1
+                    or len(segments[0]) != size):  # answered, or counted as gone, one by one
+                inputs = self._checked(*read, admission)
+                if inputs is None:
+                    continue
+                row = inputs[1]
+            else:
+                unadmitted.discard(ident)  # type: ignore[arg-type]
+                row = [np.ndarray(parsed, pixel_type, segments[0])]
+            parts.append(_Part(ident, row))  # type: ignore[arg-type]
+            rows += row
         if not parts:
             return None
-        conn, first = reads[0][0], parts[0]
-        exchange = _Exchange(conn, admission, first.message, [], rows, first.ident)
+        exchange = _Exchange(conn, admission, message, [], rows, parts[0].ident)
         if len(parts) > 1:
             exchange.parts = parts
         for part in parts:
@@ -939,7 +959,8 @@ class EngineServer:
         apart = []
         for part in parts:
             if not part.cancelled:
-                alone = _Exchange(exchange.conn, exchange.admission.apart(), part.message, [], part.rows, part.ident)
+                alone = _Exchange(exchange.conn, exchange.admission.apart(), exchange.message, [], part.rows,
+                                  part.ident)
                 alone.arrived = exchange.arrived
                 exchange.conn.exchanges[part.ident] = alone  # type: ignore[index]
                 apart.append(alone)
