@@ -179,6 +179,43 @@ class Call:
         """The answer of a request whose group is done (offered to the shadow first), with ``labels`` (None:
         the version's), and each image's embedding when asked for (the rows' last columns; else the rows are the
         probabilities alone, so nothing more is carried on); raises what failed."""
+        values, runs = self._done_values(queued)
+        if len(values) == 1 and isinstance(values[0], np.ndarray):  # one image: its row of the batch's array, not
+            rows = values[0][None] if embedding or not self.model.embedding_dim else (  # a copy
+                values[0][None, :len(self.model.labels)])
+        elif embedding or not self.model.embedding_dim:
+            rows = np.array(values)
+        else:  # the probabilities' columns alone
+            classes = len(self.model.labels)
+            rows = np.array([value[:classes] for value in values])
+        _numbers(rows)
+        return Served(rows, runs, self.model.name, self.model.version,
+                      self.model.labels if labels is None else labels, queued.decode_s, queued.started_ns,
+                      self.model.embedding_dim if embedding else 0)
+
+    def answer_each(self, queued: Queued, labels: list[str] | None = None, embedding: bool = False) -> list[Served]:
+        """``answer`` for a call whose images are as many requests', one each (an event loop's bundle of requests
+        alike): an answer for each image, its row (a view of its batch's array, as ``answer``'s for one image) and
+        the batch it ran in, in order; raises what failed."""
+        values, runs = self._done_values(queued)
+        per_row: list[tuple[BatchRun, ...]] = []
+        for run in runs:
+            per_row += [(run if run.rows == 1 else run._replace(rows=1),)] * run.rows
+        model, columns = self.model, None if embedding or not self.model.embedding_dim else len(self.model.labels)
+        labels = model.labels if labels is None else labels
+        answers = []
+        for value, run in zip(values, per_row):
+            if not isinstance(value, np.ndarray):  # (rows of another kind: made an array as ``answer`` makes one)
+                value = np.asarray(value)
+            rows = value[None] if columns is None else value[None, :columns]
+            _numbers(rows)
+            answers.append(Served(rows, run, model.name, model.version, labels, queued.decode_s, queued.started_ns,
+                                  model.embedding_dim if embedding else 0))
+        return answers
+
+    def _done_values(self, queued: Queued) -> tuple[list[np.ndarray], tuple[BatchRun, ...]]:
+        """A done group's rows, one per image, and the batches they ran in (offered to the shadow first); raises
+        what failed."""
         try:
             values = queued.group.result()
         except DeadlineExpired:
@@ -192,30 +229,7 @@ class Call:
         runs = queued.group.runs()
         if self._shadow is not None:
             self._shadow(queued.images, queued.pixels, queued.prepared, values, runs)
-        if len(values) == 1 and isinstance(values[0], np.ndarray):  # one image: its row of the batch's array, not
-            rows = values[0][None] if embedding or not self.model.embedding_dim else (  # a copy
-                values[0][None, :len(self.model.labels)])
-        elif embedding or not self.model.embedding_dim:
-            rows = np.array(values)
-        else:  # the probabilities' columns alone
-            classes = len(self.model.labels)
-            rows = np.array([value[:classes] for value in values])
-        if rows.dtype.hasobject:  # no numbers: nothing a client can read, nor the engine's link carry
-            raise InferenceFailed(f"the model answered rows of {rows.dtype}, not numbers")
-        return Served(rows, runs, self.model.name, self.model.version,
-                      self.model.labels if labels is None else labels, queued.decode_s, queued.started_ns,
-                      self.model.embedding_dim if embedding else 0)
-
-    def answer_each(self, queued: Queued, labels: list[str] | None = None, embedding: bool = False) -> list[Served]:
-        """``answer`` for a call whose images are as many requests', one each (an event loop's bundle of requests
-        alike): an answer for each image, its row and the batch it ran in, in order; raises what failed."""
-        served = self.answer(queued, labels, embedding)
-        per_row: list[tuple[BatchRun, ...]] = []
-        for run in served.batches:
-            per_row += [(run if run.rows == 1 else run._replace(rows=1),)] * run.rows
-        rows = served.rows
-        return [Served(rows[at:at + 1], per_row[at], served.model, served.version, served.labels, served.decode_s,
-                       served.started_ns, served.embedding_dim) for at in range(len(rows))]
+        return values, runs
 
     def _prepare(self, images: Sequence[bytes], names: Sequence[str | None]) -> tuple[list[Prepared], float, float]:
         started, cpu_started = time.perf_counter(), time.thread_time()
@@ -251,6 +265,12 @@ def queue_prepared(calls: Sequence[Call], requests: Sequence[Queued]) -> list[Qu
         else:
             answers.append(group)
     return answers
+
+
+def _numbers(rows: np.ndarray) -> None:
+    """InferenceFailed unless ``rows`` hold numbers (objects: nothing a client can read, nor the link carry)."""
+    if rows.dtype.hasobject:
+        raise InferenceFailed(f"the model answered rows of {rows.dtype}, not numbers")
 
 
 def _refused(exc: QueueFull | BatcherClosed | DeadlineTooShort | DeadlineExpired, timeout_s: float) -> ServiceError:

@@ -8,7 +8,8 @@ turn:
 - ``Infer``: read with the others of its loop turn (the loop waits up to ``MAX_WAIT_MS`` for more while they
   come faster than that and waiting brings more: app/link/gathering.py), the request admitted with those alike of
   its turn (``Service.enter_many``: readiness and routing once for them, each its outcome counted; a lone one by
-  ``Service.enter``), its images queued (a version's together, ``call.queue_prepared``; a lone one, or those the
+  ``Service.enter``; a shared connection's one-image pixel requests alike to the last detail as one bundle: one
+  admission, call and group for all of them, each answered from its row), its images queued (a version's together, ``call.queue_prepared``; a lone one, or those the
   CPU decodes, by ``Call.queue``, the latter on a few threads) and, once the batcher's thread has counted them
   done (or the loop ran a turn's short batch itself), the ``Served`` answered from the loop (``Call.answer``); its
   deadline passing first answers 504, and anything readable from the HTTP side meanwhile means its client hung up
@@ -30,6 +31,7 @@ import gc
 import heapq
 import itertools
 import logging
+import math
 import os
 import pickle
 import selectors
@@ -690,7 +692,7 @@ class EngineServer:
             parsed = tuple(message.parsed_shape)
             ((dtype, shape),) = message.tensors
             pixel_type = _pixel_type(dtype)
-            size = pixel_type.itemsize * int(np.prod(parsed)) if tuple(shape) == (1, *parsed) else -1
+            size = pixel_type.itemsize * math.prod(parsed) if tuple(shape) == (1, *parsed) else -1
         except Exception:  # noqa: BLE001 - each answered as _checked answers it
             size = -1
         parts: list[_Part] = []
