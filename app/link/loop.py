@@ -32,6 +32,7 @@ import heapq
 import itertools
 import logging
 import math
+import operator
 import os
 import pickle
 import selectors
@@ -48,7 +49,7 @@ from app.engine.batching.batcher import Batcher
 from app.engine.call import Queued, queue_prepared
 from app.engine.contract import CATALOG_CALLS, CATALOG_CHANGES, Signature, not_ready
 from app.engine.service import Admission, Service
-from app.errors import ClientGone, InferenceFailed, ServiceError
+from app.errors import ClientGone, InferenceFailed, Overloaded, ServiceError, ShortDeadline
 from app.link import wire
 from app.link.decode_shares import DecodeShares, encoded_bytes
 from app.link.gathering import Gathering
@@ -689,8 +690,8 @@ class EngineServer:
             _parsed_alike(message, admission.call.model)
             if message.embedding:
                 admission.call.model.check_embedding()
-            parsed = tuple(message.parsed_shape)
-            ((dtype, shape),) = message.tensors
+            parsed = tuple([operator.index(each) for each in message.parsed_shape])  # (whole numbers of no int
+            ((dtype, shape),) = message.tensors  # type, such as 3.0, are each request's own error: _inputs')
             pixel_type = _pixel_type(dtype)
             size = pixel_type.itemsize * math.prod(parsed) if tuple(shape) == (1, *parsed) else -1
         except Exception:  # noqa: BLE001 - each answered as _checked answers it
@@ -708,7 +709,13 @@ class EngineServer:
                 row = inputs[1]
             else:
                 unadmitted.discard(ident)  # type: ignore[arg-type]
-                row = [np.ndarray(parsed, pixel_type, segments[0])]
+                try:
+                    row = [np.ndarray(parsed, pixel_type, segments[0])]
+                except Exception:  # noqa: BLE001 - unforeseen (never the loop's end): checked and answered alone
+                    inputs = self._checked(*read, admission)
+                    if inputs is None:
+                        continue
+                    row = inputs[1]
             parts.append(_Part(ident, row))  # type: ignore[arg-type]
             rows += row
         if not parts:
@@ -935,9 +942,9 @@ class EngineServer:
                 answers = exchange.call.answer_each(exchange.queued,  # type: ignore[arg-type]
                                                     wire.NO_LABELS, embedding=exchange.message.embedding)
             except Exception as exc:  # noqa: BLE001 - answered
-                if self._run_apart(exchange, exc):
-                    return
                 error = exc
+        if answers is None and self._run_apart(exchange, error):  # type: ignore[arg-type]
+            return
         if exchange.queued is None:  # as _end: no longer on its way to a batch (one arrival for all of them)
             exchange.admission.arrive()
         exchange.queued = None
@@ -951,12 +958,15 @@ class EngineServer:
                 self._reply(conn, part.ident, None if answers is None else answers[at], answered)
 
     def _run_apart(self, exchange: _Exchange, error: BaseException) -> bool:
-        """A bundle whose group failed at one of its images (the model's fault: the batcher ran the failed batch's
-        images again one by one to find it): its requests still waited for queued again, each its own exchange and
-        group with the bundle's deadline, so only the one whose image fails fails. Whether they were."""
+        """A bundle the queue refused as one request of all its images (no room for all of them, or a deadline too
+        short for all of them: Overloaded, ShortDeadline), or whose group failed at one of its images (the model's fault: the
+        batcher ran the failed batch's images again one by one to find it): its requests still waited for queued
+        again, each its own exchange and group with the bundle's deadline, so each is judged and answered as it
+        would have been on its own. Whether they were."""
         queued, parts = exchange.queued, exchange.parts
-        if (not isinstance(error, InferenceFailed) or queued is None or queued.group.failed_at < 0
-                or exchange.cancelled or exchange.conn.closed or parts is None):
+        refused = queued is None and isinstance(error, (Overloaded, ShortDeadline))  # judged by its image count
+        failed = queued is not None and isinstance(error, InferenceFailed) and queued.group.failed_at >= 0
+        if not (refused or failed) or exchange.cancelled or exchange.conn.closed or parts is None:
             return False
         apart = []
         for part in parts:

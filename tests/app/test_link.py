@@ -726,16 +726,47 @@ def test_a_shared_connection_s_alike_one_image_pixel_requests_run_as_one_bundle_
     assert _outcome_counts()["failed"] == before["failed"] + 1
 
 
+def test_a_bundle_the_queue_cannot_take_whole_is_queued_request_by_request_as_each_would_be_alone(
+        link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
+    bundles, before = _bundles_answered(monkeypatch), _outcome_counts()
+    conn, reader = _shared_connection(link)
+    conn.settimeout(10)
+    with conn:  # ten alike, on an idle engine whose queue takes eight images (QUEUE_SIZE 8)
+        wire.send(conn, *wire.infers([(ident, _ONE_PIXELS, [_one_colour(ident % 3)]) for ident in range(1, 11)]))
+        answers = _answers_by_id(reader, 10)
+    refused = sorted(ident for ident, answer in answers.items() if answer.error is not None)
+    assert refused == [9, 10] and all(answers[ident].error.status == 429 for ident in refused)  # type: ignore[union-attr]
+    assert all(int(answers[ident].value.rows.argmax()) == ident % 3 for ident in range(1, 9))
+    assert bundles == []  # each on its own, as the queue judged the bundle too large for it
+    wait_until(lambda: _outcome_counts()["ok"] == before["ok"] + 8 and _all_let_go(link))
+    assert _outcome_counts()["refused"] == before["refused"] + 2
+
+
+def test_a_bundle_whose_shape_is_of_whole_numbers_of_another_type_answers_each_its_error_and_the_loop_serves_on(
+        link: Link) -> None:
+    # Before: the bundle read its pixels with a shape of (3.0, 8, 8), which numpy refuses, outside any guard: the
+    # engine's loop ended, and every request after it waited for an engine that no longer answered
+    conn, reader = _shared_connection(link)
+    conn.settimeout(10)
+    shaped = dataclasses.replace(_ONE_PIXELS, parsed_shape=(3.0, 8, 8))
+    with conn:
+        wire.send(conn, *wire.infers([(ident, shaped, [_one_colour(0)]) for ident in (1, 2)]))
+        answers = _answers_by_id(reader, 2)
+    assert all(answer.error is not None and answer.error.status == 500 for answer in answers.values())
+    assert infer(link.worker, [image_bytes(RED)]).probabilities().argmax() == 0
+    wait_until(lambda: _all_let_go(link))
+
+
 def _held_and_bundled(link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch, conn: socket.socket,
                       ids: Sequence[int]) -> None:
     """A lone request's batch held by the gate on the batcher's thread, and a bundle of ``ids`` (blue pixels)
     queued behind it on ``conn``, admitted."""
     _batches_off_the_loop(link, monkeypatch)
     infer(link.worker, [image_bytes(RED)])  # (batches were timed)
-    model.gate = threading.Event()
+    model.gate, batches = threading.Event(), len(model.batch_sizes)
     held = threading.Thread(target=infer, args=(link.worker, [image_bytes(RED)]), daemon=True)
     held.start()
-    wait_until(lambda: link.engine.in_flight.count() == 1)
+    wait_until(lambda: len(model.batch_sizes) == batches + 1)  # in its forward pass, held there
     wire.send(conn, *wire.infers([(ident, _ONE_PIXELS, [_one_colour(2)]) for ident in ids]))
     wait_until(lambda: link.engine.in_flight.count() == 1 + len(ids))
 
