@@ -200,7 +200,7 @@ class Call:
         values, runs = self._done_values(queued)
         per_row: list[tuple[BatchRun, ...]] = []
         for run in runs:
-            per_row += [(run if run.rows == 1 else run._replace(rows=1),)] * run.rows
+            per_row += [(run if run.rows == 1 else BatchRun(1, *run[1:]),)] * run.rows
         model, columns = self.model, None if embedding or not self.model.embedding_dim else len(self.model.labels)
         labels = model.labels if labels is None else labels
         answers = []
