@@ -9,11 +9,11 @@ turn:
   come faster than that and waiting brings more: app/link/gathering.py), the request admitted with those alike of
   its turn (``Service.enter_many``: readiness and routing once for them, each its outcome counted; a lone one by
   ``Service.enter``; a shared connection's one-image pixel requests alike to the last detail as one bundle: one
-  admission, call and group for all of them, each answered from its row), its images queued (a version's together, ``call.queue_prepared``; a lone one, or those the
-  CPU decodes, by ``Call.queue``, the latter on a few threads) and, once the batcher's thread has counted them
-  done (or the loop ran a turn's short batch itself), the ``Served`` answered from the loop (``Call.answer``); its
-  deadline passing first answers 504, and anything readable from the HTTP side meanwhile means its client hung up
-  (the images still queued are dropped).
+  admission, call and group for all of them, each answered from its row), its images queued (a version's
+  together, ``call.queue_prepared``; a lone one, or those the CPU decodes, by ``Call.queue``, the latter on a few
+  threads) and, once the batcher's thread has counted them done (or the loop ran a turn's short batch itself), the
+  ``Served`` answered from the loop (``Call.answer``); its deadline passing first answers 504, and anything
+  readable from the HTTP side meanwhile means its client hung up (the images still queued are dropped).
 - ``Unanswered``: a request the HTTP side refused before sending it, admitted and ended with its error (no answer).
 - ``CatalogCall``: one of ``contract.CATALOG_CALLS``, off the loop: a read on the catalog's read thread, a change
   (``contract.CATALOG_CHANGES``, which waits for every engine) on a thread of its own; ``StateQuery``: readiness,
@@ -930,8 +930,9 @@ class EngineServer:
 
     def _end_parts(self, exchange: _Exchange, error: BaseException | None) -> None:
         """``_end`` for a bundle: each of its requests still waited for answered from its row, or with the error
-        that ended them all, and leaving as ``_end`` leaves one; a model that failed on one of its images runs the
-        others again (``_run_apart``): one request's pixels never fail another's."""
+        that ended them all, and leaving as ``_end`` leaves one; one the queue refused whole, or whose model failed
+        on one of its images, runs request by request instead (``_run_apart``): one request's pixels never fail
+        another's."""
         conn, parts = exchange.conn, exchange.parts
         assert parts is not None and conn.exchanges is not None
         for part in parts:
@@ -959,10 +960,10 @@ class EngineServer:
 
     def _run_apart(self, exchange: _Exchange, error: BaseException) -> bool:
         """A bundle the queue refused as one request of all its images (no room for all of them, or a deadline too
-        short for all of them: Overloaded, ShortDeadline), or whose group failed at one of its images (the model's fault: the
-        batcher ran the failed batch's images again one by one to find it): its requests still waited for queued
-        again, each its own exchange and group with the bundle's deadline, so each is judged and answered as it
-        would have been on its own. Whether they were."""
+        short for all of them: Overloaded, ShortDeadline), or whose group failed at one of its images (the model's
+        fault: the batcher ran the failed batch's images again one by one to find it): its requests still waited
+        for queued again, each its own exchange and group with the bundle's deadline, so each is judged and
+        answered as it would have been on its own. Whether they were."""
         queued, parts = exchange.queued, exchange.parts
         refused = queued is None and isinstance(error, (Overloaded, ShortDeadline))  # judged by its image count
         failed = queued is not None and isinstance(error, InferenceFailed) and queued.group.failed_at >= 0
