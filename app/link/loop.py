@@ -963,7 +963,8 @@ class EngineServer:
         short for all of them: Overloaded, ShortDeadline), or whose group failed at one of its images (the model's
         fault: the batcher ran the failed batch's images again one by one to find it): its requests still waited
         for queued again, each its own exchange and group with the bundle's deadline, so each is judged and
-        answered as it would have been on its own. Whether they were."""
+        answered on its own (after the turn's other requests: a later one of them may have taken the room first).
+        Whether they were."""
         queued, parts = exchange.queued, exchange.parts
         refused = queued is None and isinstance(error, (Overloaded, ShortDeadline))  # judged by its image count
         failed = queued is not None and isinstance(error, InferenceFailed) and queued.group.failed_at >= 0
