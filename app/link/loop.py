@@ -31,8 +31,6 @@ import gc
 import heapq
 import itertools
 import logging
-import math
-import operator
 import os
 import pickle
 import selectors
@@ -684,43 +682,31 @@ class EngineServer:
         (``admission`` stands for all of them); each checked as ``_admit`` checks one (a request that fails is
         answered and leaves alone), those that pass one exchange whose images queue as one request's, each
         answered from its row (``_end_parts``)."""
-        conn, message = reads[0][0], reads[0][1]
-        try:  # what they have alike, judged once (``_checked`` judges it for one): their pixels' layout too
-            message.timeout_s = float(message.timeout_s)
-            _parsed_alike(message, admission.call.model)
-            if message.embedding:
-                admission.call.model.check_embedding()
-            parsed = tuple([operator.index(each) for each in message.parsed_shape])  # (whole numbers of no int
-            ((dtype, shape),) = message.tensors  # type, such as 3.0, are each request's own error: _inputs')
-            pixel_type = _pixel_type(dtype)
-            size = pixel_type.itemsize * math.prod(parsed) if tuple(shape) == (1, *parsed) else -1
-        except Exception:  # noqa: BLE001 - each answered as _checked answers it
-            size = -1
+        conn = reads[0][0]
+        first: tuple[wire.Infer, np.ndarray] | None = None  # the first that passed ``_checked``: its message and row,
+        # the layout the others' pixels are read in, as what they have alike was judged with it
         parts: list[_Part] = []
         rows: list[np.ndarray] = []
-        unadmitted, cancelled = conn.unadmitted, conn.cancelled
         for read in reads:
             segments, ident = read[2], read[3]
-            if (size < 0 or ident in cancelled or conn.closed or len(segments) != 1
-                    or len(segments[0]) != size):  # answered, or counted as gone, one by one
+            row: list[np.ndarray] | None = None
+            if (first is not None and ident not in conn.cancelled and not conn.closed and len(segments) == 1
+                    and len(segments[0]) == first[1].nbytes):
+                conn.unadmitted.discard(ident)  # type: ignore[arg-type]
+                with contextlib.suppress(Exception):  # (unforeseen: never the loop's end, checked alone below)
+                    row = [np.ndarray(first[1].shape, first[1].dtype, segments[0])]
+            if row is None:  # answered, or counted as gone, one by one
                 inputs = self._checked(*read, admission)
                 if inputs is None:
                     continue
                 row = inputs[1]
-            else:
-                unadmitted.discard(ident)  # type: ignore[arg-type]
-                try:
-                    row = [np.ndarray(parsed, pixel_type, segments[0])]
-                except Exception:  # noqa: BLE001 - unforeseen (never the loop's end): checked and answered alone
-                    inputs = self._checked(*read, admission)
-                    if inputs is None:
-                        continue
-                    row = inputs[1]
+                if first is None:
+                    first = read[1], row[0]
             parts.append(_Part(ident, row))  # type: ignore[arg-type]
             rows += row
-        if not parts:
+        if first is None:
             return None
-        exchange = _Exchange(conn, admission, message, [], rows, parts[0].ident)
+        exchange = _Exchange(conn, admission, first[0], [], rows, parts[0].ident)
         if len(parts) > 1:
             exchange.parts = parts
         for part in parts:
