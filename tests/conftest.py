@@ -1,6 +1,7 @@
 """Shared fixtures: settings, app and client through the factory, with a tiny fake predictor."""
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import subprocess
@@ -116,6 +117,17 @@ def pytest_configure(config: pytest.Config) -> None:
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None:
         torch.set_num_threads(max(1, torch.get_num_threads() // int(workerinput["workercount"])))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection imported (torch, the app, the test modules: some 450,000 objects) frozen out of the
+    collector's scans, as an engine freezes its start-up before its models load (app/link/server.py): a version
+    retired in a test is then collected in milliseconds (``_collect_retired``), where a walk of all of it took
+    about 0.35 s, some 60 times in the fast tests. Hypothesis is imported first: its plugins (trio's) register their
+    random generators then, and its check that another object holds each cannot see frozen ones."""
+    import hypothesis  # noqa: F401 - for its plugins' registrations, before the freeze
+
+    gc.freeze()
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which a run without it lacks

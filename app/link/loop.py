@@ -27,7 +27,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import gc
 import heapq
 import itertools
 import logging
@@ -251,9 +250,6 @@ class EngineServer:
     def listen(self) -> None:
         """Accept connections and serve them on this thread until the process ends."""
         log.info("engine listening on %s", self.path)
-        # What start-up built (torch, the models, the settings) lives as long as the process: frozen out of the
-        # collector's scans, which every few thousand requests would otherwise walk all of it
-        gc.freeze()
         self._listener.setblocking(False)
         self._selector.register(self._listener, selectors.EVENT_READ, self._accept)
         self._loop()

@@ -10,6 +10,7 @@ master, after the HTTP workers) finishes what is queued and exits; so does the m
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -33,6 +34,10 @@ BOOT_ERROR = 3  # as a gunicorn worker's boot error: the master stops instead of
 def _serve_forever(settings: Settings, slot: int) -> None:
     control_dir = settings.control_dir
     assert control_dir is not None, "the engine process needs CONTROL_DIR (gunicorn.conf.py sets it)"
+    # What start-up imported (torch, the settings) lives as long as the process: frozen out of the collector's scans,
+    # which every few thousand requests would otherwise walk all of it. Frozen before the models load: a version
+    # retired later is collected without thawing it all (app/engine/versions/apply.py, ``_collect_retired``)
+    gc.freeze()
     try:
         service = Service.build(settings, DirectorySource(settings))
         server = EngineServer(service, control.socket_path(control_dir, slot))

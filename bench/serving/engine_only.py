@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import inspect
 import itertools
 import json
@@ -99,6 +100,7 @@ def serve(checkout: Path, weights: Path, sock: Path, device: str = "cpu") -> Non
     settings = Settings(weights_dir=weights, device=device, auto_batch_size=False, max_images=16,
                         log_level="warning", warmup=False)
     allow_profilers()
+    gc.freeze()  # what start-up imported, before the models load: as the engine process does (app/link/server.py)
     server = EngineServer(Service.build(settings, DirectorySource(settings)), sock)
     server.bind()
     Path(f"{sock}.ready").touch()
@@ -123,7 +125,6 @@ def serve_floor(weights: Path, sock: Path, device: str = "cpu") -> None:
     wire cannot do with less, on this host; its forward passes' CPU and its batches counted as the engine counts its
     own (one write each a turn), so what the floor spends beyond them stands beside the engine's, at the batches it
     ran."""
-    import gc
     import itertools
     import socket
 

@@ -2046,13 +2046,9 @@ class _FullListener:
 
 
 def test_out_of_file_descriptors_the_loop_pauses_its_accepts_and_serves_on(
-        settings: Settings, predictor: Predictor, monkeypatch: pytest.MonkeyPatch,
-        caplog: pytest.LogCaptureFixture) -> None:
+        settings: Settings, predictor: Predictor, caplog: pytest.LogCaptureFixture) -> None:
     # accept() raising EMFILE ended the engine's loop, and the engine with it: every worker's requests failed and
     # the models loaded again. The listener now rests ACCEPT_PAUSE_S (it stays readable: the loop would spin).
-    import app.link.loop as loop
-
-    monkeypatch.setattr(loop.gc, "freeze", lambda: None)  # listen()'s, for an engine process's start-up
     service = Service.build(settings, predictor)
     folder = Path(tempfile.mkdtemp(prefix="vs-", dir="/tmp"))  # a socket path within its 108 bytes
     server = EngineServer(service, folder / "engine.sock")

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from app.engine.service import Service
 
 LABELS = ["red", "green", "blue", "other"]
+SERVER_POLL_S = 0.01  # how often an HTTP server a test runs in this process looks for its stop
 
 
 def tiny_manifest(name: str = "colour", version: str = "test", embedding: bool = False) -> Manifest:
@@ -108,7 +109,8 @@ def served_over_http(wsgi_app: Callable) -> Iterator[str]:
     from werkzeug.serving import make_server
 
     server = make_server("127.0.0.1", 0, wsgi_app, threaded=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # its stop looked for every SERVER_POLL_S: at werkzeug's default (0.5 s) each test's end waited half a second
+    threading.Thread(target=server.serve_forever, args=(SERVER_POLL_S,), daemon=True).start()
     try:
         yield f"http://127.0.0.1:{server.server_port}"
     finally:

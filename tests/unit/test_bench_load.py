@@ -17,7 +17,7 @@ from app.hosting import procstat
 from bench.serving.load import closed_loop, measure
 from bench.usage import engine_pids, process_tree_cpu
 from harness.servers import free_port
-from tests.support.fakes import wait_until
+from tests.support.fakes import SERVER_POLL_S, wait_until
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -51,7 +51,7 @@ class _Handler(BaseHTTPRequestHandler):
 def url() -> Iterator[str]:
     _Handler.connections = []
     server = ThreadingHTTPServer(("127.0.0.1", free_port()), _Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, args=(SERVER_POLL_S,), daemon=True)
     thread.start()
     try:
         yield f"http://127.0.0.1:{server.server_port}/predict"

@@ -3,6 +3,7 @@ up to date."""
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,16 @@ MAX_FUNCTION_LINES = 50
 PACKAGES = ("app", "bench", "demo_data", "harness", "models", "tests", "visionserve_client")
 
 
+def _tree(path: Path) -> ast.Module:
+    """A file parsed, its text once a test process: several checks here walk every file of the project."""
+    return _parsed(path.read_text(encoding="utf-8"))
+
+
+@functools.cache
+def _parsed(source: str) -> ast.Module:
+    return ast.parse(source)
+
+
 def _module_name(path: Path) -> str:
     parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -27,7 +38,7 @@ def _module_name(path: Path) -> str:
 def _imports(path: Path) -> set[str]:
     """Every module ``path`` imports, anywhere in the file (inside functions too: those run as well)."""
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -112,11 +123,17 @@ def import_graph(files: dict[str, Path]) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for module, path in files.items():
         edges: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 edges |= _targets(node, module, path.name == "__init__.py", known)
         graph[module] = {t for t in edges if t != module and not module.startswith(t + ".")}
     return graph
+
+
+@functools.cache
+def _project_graph() -> dict[str, set[str]]:
+    """The project's import graph, made once a test process."""
+    return import_graph(_project_files())
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -143,7 +160,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_no_import_cycle_anywhere() -> None:
     # A cycle hidden by imports inside functions still ties the modules together: bench's training benchmarks had
     # one (train -> checks -> train) until their shared step moved to bench/training/trainer.py.
-    cycle = find_cycle(import_graph(_project_files()))
+    cycle = find_cycle(_project_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
@@ -211,7 +228,7 @@ def test_the_http_side_reaches_the_engine_only_through_its_contract() -> None:
             inside = [n for n in names if _under(n, ("app.engine",)) and not _under(n, ENGINE_FOR_THE_HTTP_SIDE)
                       and n != "app.engine"]
             assert not inside, f"{module} is on the HTTP side and reaches into the engine: {inside}"
-    graph = import_graph(_project_files())
+    graph = _project_graph()
     contract = sorted(t for t in graph["app.engine.contract"] if _under(t, ("app.engine",)))
     assert set(contract) <= set(CONTRACT_IMPORTS), f"app.engine.contract imports {contract}"
 
@@ -221,7 +238,7 @@ def test_engine_is_in_wings_and_they_import_downwards_only() -> None:
     assert loose == ["call.py", "catalog.py", "contract.py", "explain.py", "service.py"], \
         "an engine module belongs in a wing"
     assert sorted(p.name for p in (APP / "engine").iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(WINGS)
-    graph = import_graph(_project_files())
+    graph = _project_graph()
     for position, wing in enumerate(WINGS):
         allowed = tuple(f"app.engine.{w}" for w in WINGS[: position + 1]) + (
             ("app.engine.contract",) if position >= WINGS.index("loaded") else ())
@@ -271,7 +288,7 @@ def test_the_gunicorn_master_imports_neither_torch_nor_flask() -> None:
 def test_no_function_is_longer_than_50_lines(folder: str) -> None:
     long = []
     for path in sorted((ROOT / folder).rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 lines = node.end_lineno - node.lineno + 1  # type: ignore[operator]
                 if lines > MAX_FUNCTION_LINES:
@@ -367,7 +384,7 @@ def test_every_module_path_and_dotted_name_in_the_architecture_page_resolves() -
 
     page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
     files = {module: path for module, path in _project_files().items()}
-    modules = {module: _members(ast.parse(path.read_text(encoding="utf-8"))) for module, path in files.items()}
+    modules = {module: _members(_tree(path)) for module, path in files.items()}
     all_paths = [str(p.relative_to(ROOT)) for p in files.values()]
     missing_paths, unresolved = [], []
     for span in re.findall(_CODE_SPAN, page):
