@@ -426,10 +426,11 @@ class MonitoringSettings(SettingsGroup):
         100.0, ge=0, le=5000, description="A batch's figures (batch size, stage times and CPU, predicted classes, "
         "confidence) and its predictions' place in the monitor's window are held and written together with the "
         "next batches', by the first batch that ends this long or more after the last write, or by the idle batcher "
-        "this long after it: a busy engine writes them once for many batches. A scrape of /metrics has its worker's "
-        "versions write theirs first, and a version's monitoring read writes its own, so each counts every request "
-        "answered before it; other engines' and workers' figures are at most this long and the batch running then "
-        "behind. 0 = after every batch.")
+        "this long after it: a busy engine writes them once for many batches. An engine process's request counts and "
+        "durations likewise, by its loop this long after the first held. A scrape of /metrics has its worker's "
+        "versions (and engine) write theirs first, and a version's monitoring read writes its own, so each counts "
+        "every request answered before it; other engines' and workers' figures are at most this long and the batch "
+        "running then behind. 0 = after every batch and loop turn.")
 
     @model_validator(mode="after")
     def _minimum_within_window(self) -> "MonitoringSettings":

@@ -420,10 +420,15 @@ ROLLOUT_CANDIDATE_REFUSED = Gauge("visionserve_rollout_candidate_refused", "1 wh
 
 class RequestTally:
     """Requests' outcomes and times per version (``visionserve_version_requests_total`` and
-    ``visionserve_version_request_duration_seconds``), held until ``flush`` writes them together: one increment
-    per series a loop turn touched, not several per request. Not thread-safe: one thread counts and flushes."""
+    ``visionserve_version_request_duration_seconds``), held and written together: one increment per series for all
+    the requests counted since the last write, not several per request. An engine's loop writes them once they have
+    been held ``flush_s`` (METRICS_FLUSH_MS, as a version's batch figures; ``due_at`` says when) and whenever a
+    reader asks (a scrape's ``settle_figures``, the engine's stop): a busy loop writes them once for many turns.
+    Not thread-safe: one thread counts and flushes."""
 
-    def __init__(self) -> None:
+    def __init__(self, flush_s: float = 0.0) -> None:
+        self.flush_s = flush_s
+        self.due_at: float | None = None  # when what is held is to be written (None: nothing held)
         self._outcomes: Tally[tuple[str, str, str, str]] = Tally()
         self._seconds: dict[tuple[str, str], list[float]] = {}
 
@@ -431,16 +436,24 @@ class RequestTally:
               seconds: Sequence[float] | None) -> None:
         """``requests`` of one version, role and outcome, and their times where they count (None: refusals' do
         not)."""
+        if self.due_at is None:
+            self.due_at = time.monotonic() + self.flush_s
         self._outcomes[model, version, role, outcome] += requests
         if seconds is not None:
             self._seconds.setdefault((model, version), []).extend(seconds)
 
+    def flush_when_due(self, now: float) -> None:
+        """``flush`` once what is held has been held ``flush_s``."""
+        if self.due_at is not None and now >= self.due_at:
+            self.flush()
+
     def flush(self) -> None:
         """Write what was counted since the last flush."""
-        if not self._outcomes:  # (every loop turn flushes: most often nothing)
+        if not self._outcomes:
             return
         outcomes, self._outcomes = self._outcomes, Tally()
         seconds, self._seconds = self._seconds, {}
+        self.due_at = None
         writes = Increments()
         for labels, count in outcomes.items():
             writes.inc(series(VERSION_REQUESTS, *labels), count)

@@ -77,6 +77,7 @@ CATALOG_READ_THREADS = 1  # catalog reads at once, never on the loop: one thread
 # interpreter lock with the loop (at C=64 four read threads cost 2x the CPU a /v1/models call, 0.72x its rate)
 SHARED_SEND_BUFFER_BYTES = 4 << 20  # a shared connection's answers of a turn (16-image requests' rows, 64 KB each)
 # in one send where the host allows (net.core.wmem_max); beyond it, the rest goes as the HTTP worker reads
+STOP_COUNTS_S = 1.0  # how long a stopping engine waits for its loop to write the requests it counted
 ACCEPT_PAUSE_S = 0.1  # out of file descriptors: new connections wait in the listener's backlog this long, the loop
 # serving the open ones, before it accepts again
 CATALOG_CHANGE_THREADS = 2  # catalog changes at once (a load waits for every engine), apart: no read waits behind one
@@ -202,7 +203,9 @@ class EngineServer:
 
     def __init__(self, service: Service, path: Path | None = None, decode_threads: int | None = None) -> None:
         self.service, self.path = service, path
-        self._counts = service.counts = RequestTally()  # every request is admitted and ended on the loop
+        settings = service.settings
+        # every request is admitted and ended on the loop: counted there, written once a METRICS_FLUSH_MS at most
+        self._counts = service.counts = RequestTally(settings.metrics_flush_ms / 1000)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._selector = selectors.DefaultSelector()
         self._wake_read, self._wake_write = socket.socketpair()
@@ -219,7 +222,6 @@ class EngineServer:
         self._loop_thread: int | None = None
         self._accept_again_at: float | None = None  # when the listener, paused (``_accept``), is watched again
         self._started = threading.Lock()
-        settings = service.settings
         self._loop_batch_s = settings.engine_loop_batch_ms / 1000
         self.gathering = Gathering(settings.max_wait_ms / 1000, settings.batch_ceiling(device_type(settings.device)),
                                    time.monotonic())
@@ -262,6 +264,20 @@ class EngineServer:
                 threading.Thread(target=self._loop, name="engine-loop", daemon=True).start()
         self._post(functools.partial(self._adopt, sock))
 
+    def stop(self, timeout_s: float) -> None:
+        """From another thread (the engine's stop, once the HTTP workers drained): the service finishes what is
+        queued (``timeout_s`` at most), then the loop writes the requests it counted and holds (METRICS_FLUSH_MS),
+        waited for ``STOP_COUNTS_S`` at most."""
+        self.service.shutdown(timeout=timeout_s)
+        written = threading.Event()
+
+        def write() -> None:
+            self._counts.flush()
+            written.set()
+
+        self._post(write)
+        written.wait(STOP_COUNTS_S)
+
     # -- the loop --------------------------------------------------------------------------------------------------
 
     def _loop(self) -> None:
@@ -280,6 +296,9 @@ class EngineServer:
             if self._accept_again_at is not None:
                 pause_s = max(0.0, self._accept_again_at - time.monotonic())
                 timeout = pause_s if timeout is None else min(timeout, pause_s)
+            if self._counts.due_at is not None:  # the counts held are written on time even with nothing to do
+                count_s = max(0.0, self._counts.due_at - time.monotonic())
+                timeout = count_s if timeout is None else min(timeout, count_s)
             for key, _ in self._selector.select(timeout):
                 key.data()
             if self._accept_again_at is not None and time.monotonic() >= self._accept_again_at:
@@ -290,7 +309,7 @@ class EngineServer:
             self._run_turn()
             self._expire()
             self._send_answers()
-            self._counts.flush()
+            self._counts.flush_when_due(time.monotonic())
 
     def _gather(self) -> None:
         """Before a turn's requests run: the wait for more that ``gathering`` says (app/link/gathering.py), and what
@@ -987,7 +1006,10 @@ class EngineServer:
         threads.submit(run)
 
     def _catalog(self, conn: _Connection, message: wire.CatalogCall, _: list[bytearray]) -> None:
-        """On the catalog's read thread, or a change's thread (a change waits for every engine)."""
+        """On the catalog's read thread, or a change's thread (a change waits for every engine). A scrape's
+        ``settle_figures`` has the requests counted so far written first, here on the loop that counts them."""
+        if message.method == "settle_figures":
+            self._counts.flush()
         threads = self._catalog_changes if message.method in CATALOG_CHANGES else self._catalog_reads
         self._off_loop(conn, threads, functools.partial(self._catalog_answer, message))
 

@@ -46,7 +46,7 @@ def _serve_forever(settings: Settings, slot: int) -> None:
         _fail(control_dir, slot, getattr(exc, "message", None) or str(exc))
     control.engine_failure(control_dir, slot).unlink(missing_ok=True)
     # The stop waits for the batches queued: on a thread of its own, while the loop (this thread) sends their answers
-    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=_stop, args=(service, settings),
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=_stop, args=(server, settings),
                                                              name="engine-stop").start())
     server.listen()
 
@@ -71,9 +71,10 @@ def _exit_with_the_master() -> None:
     threading.Thread(target=watch, name="master-watch", daemon=True).start()
 
 
-def _stop(service: Service, settings: Settings) -> None:
-    """SIGTERM from the master (after the HTTP workers drained): finish what is queued, then exit."""
-    service.shutdown(timeout=settings.graceful_timeout_s)
+def _stop(server: EngineServer, settings: Settings) -> None:
+    """SIGTERM from the master (after the HTTP workers drained): finish what is queued, write what was counted,
+    then exit."""
+    server.stop(settings.graceful_timeout_s)
     exit_now(SystemExit(0))
 
 

@@ -458,7 +458,7 @@ def link(settings: Settings, predictor: Predictor, tmp_path: Path,
     monkeypatch.setattr(wire, "send", counted)
     monkeypatch.setattr(wire, "answers_parts", parts)
     yield joined
-    service.shutdown(timeout=5)
+    joined.server.stop(5)  # as at a SIGTERM: the counts its loop holds written too
 
 
 def test_a_request_is_one_exchange_of_two_frames(link: Link) -> None:
@@ -484,7 +484,7 @@ def test_an_embedding_crosses_only_when_asked_for(settings: Settings, tmp_path: 
         assert np.array_equal(both.probabilities()[:1], plain.probabilities())
         assert both.embeddings()[0].argmax() == 0 and both.embeddings()[1].argmax() == 2  # red's, blue's channel
     finally:
-        service.shutdown(timeout=5)
+        link.server.stop(5)  # as at a SIGTERM: the counts its loop holds written too
 
 
 @pytest.mark.slow  # a real export (about 3 s)
@@ -511,7 +511,7 @@ def test_an_explanation_crosses_as_the_engine_made_it_and_its_refusals_as_they_a
             joined.worker.explain(b"not an image")
         assert joined.worker.explain(photo).index in (0, 1, 2)  # the connection serves on after an error
     finally:
-        service.shutdown(timeout=5)
+        joined.server.stop(5)  # as at a SIGTERM: the counts its loop holds written too
 
 
 def test_an_embedding_asked_of_a_version_the_engine_routes_without_one_is_a_400_from_the_engine(link: Link) -> None:
@@ -542,7 +542,7 @@ def test_pixels_parsed_for_the_default_are_answered_by_it_when_the_canary_takes_
             assert served.version == "1"
             assert infer(link.worker, [image_bytes(RED)]).version == "2"  # images: the canary's
     finally:
-        service.shutdown(timeout=5)
+        link.server.stop(5)  # as at a SIGTERM: the counts its loop holds written too
 
 
 def test_the_labels_stay_on_the_http_side_and_a_request_carries_no_signature(link: Link) -> None:
@@ -706,7 +706,7 @@ def _all_let_go(link: Link) -> bool:
 
 def test_a_shared_connection_s_alike_one_image_pixel_requests_run_as_one_bundle_each_answered_from_its_row(
         link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
-    bundles, before = _bundles_answered(monkeypatch), _outcome_counts()
+    bundles, before = _bundles_answered(monkeypatch), _outcome_counts(link)
     conn, reader = _shared_connection(link)
     conn.settimeout(10)
     with conn:
@@ -722,13 +722,13 @@ def test_a_shared_connection_s_alike_one_image_pixel_requests_run_as_one_bundle_
     assert all(len(run) == 1 and run[0].rows == 1 for run in runs)  # each the batch its row ran in
     by_batch = collections.Counter(run[0].batch_id for run in runs)
     assert len(by_batch) == 2 and all(run[0].batch_size == by_batch[run[0].batch_id] for run in runs)
-    wait_until(lambda: _outcome_counts()["ok"] == before["ok"] + 6 and _all_let_go(link))  # each a request
-    assert _outcome_counts()["failed"] == before["failed"] + 1
+    wait_until(lambda: _outcome_counts(link)["ok"] == before["ok"] + 6 and _all_let_go(link))  # each a request
+    assert _outcome_counts(link)["failed"] == before["failed"] + 1
 
 
 def test_a_bundle_the_queue_cannot_take_whole_is_queued_request_by_request_as_each_would_be_alone(
         link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
-    bundles, before = _bundles_answered(monkeypatch), _outcome_counts()
+    bundles, before = _bundles_answered(monkeypatch), _outcome_counts(link)
     conn, reader = _shared_connection(link)
     conn.settimeout(10)
     with conn:  # ten alike, on an idle engine whose queue takes eight images (QUEUE_SIZE 8)
@@ -738,8 +738,8 @@ def test_a_bundle_the_queue_cannot_take_whole_is_queued_request_by_request_as_ea
     assert refused == [9, 10] and all(answers[ident].error.status == 429 for ident in refused)  # type: ignore[union-attr]
     assert all(int(answers[ident].value.rows.argmax()) == ident % 3 for ident in range(1, 9))
     assert bundles == []  # each on its own, as the queue judged the bundle too large for it
-    wait_until(lambda: _outcome_counts()["ok"] == before["ok"] + 8 and _all_let_go(link))
-    assert _outcome_counts()["refused"] == before["refused"] + 2
+    wait_until(lambda: _outcome_counts(link)["ok"] == before["ok"] + 8 and _all_let_go(link))
+    assert _outcome_counts(link)["refused"] == before["refused"] + 2
 
 
 def test_a_bundle_whose_shape_is_of_whole_numbers_of_another_type_answers_each_its_error_and_the_loop_serves_on(
@@ -777,16 +777,16 @@ def test_a_bundled_request_whose_client_leaves_is_counted_at_once_and_the_bundle
     conn.settimeout(10)
     try:
         _held_and_bundled(link, model, monkeypatch, conn, [1, 2, 3])
-        before = _outcome_counts()
+        before = _outcome_counts(link)
         wire.send(conn, wire.Cancel((2,)))
-        wait_until(lambda: _outcome_counts()["refused"] == before["refused"] + 1)  # left at once, as a hang-up
+        wait_until(lambda: _outcome_counts(link)["refused"] == before["refused"] + 1)  # left at once, as a hang-up
         assert link.engine.in_flight.count() == 3
     finally:
         assert model.gate is not None
         model.gate.set()
     answers = _answers_by_id(reader, 2)
     assert sorted(answers) == [1, 3] and all(int(answer.value.rows.argmax()) == 2 for answer in answers.values())
-    wait_until(lambda: _outcome_counts()["ok"] == before["ok"] + 3 and _all_let_go(link))  # the lone one's too
+    wait_until(lambda: _outcome_counts(link)["ok"] == before["ok"] + 3 and _all_let_go(link))  # the lone one's too
     conn.settimeout(0.2)
     with pytest.raises(OSError):  # nothing for the one that left
         reader.read()
@@ -814,7 +814,7 @@ def test_a_bundle_whose_every_client_left_is_dropped_unrun(
 
 def test_a_bundle_whose_model_fails_on_one_image_answers_the_others_from_their_own_run(
         link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    bundles, before = _bundles_answered(monkeypatch), _outcome_counts()
+    bundles, before = _bundles_answered(monkeypatch), _outcome_counts(link)
     model.fail_when = 0.5  # any red image fails its batch (the batcher runs a failed batch's images one by one)
     conn, reader = _shared_connection(link)
     conn.settimeout(10)
@@ -825,8 +825,8 @@ def test_a_bundle_whose_model_fails_on_one_image_answers_the_others_from_their_o
     assert answers[2].error is not None and answers[2].error.status == 500
     assert int(answers[1].value.rows.argmax()) == 2 and int(answers[3].value.rows.argmax()) == 1
     assert bundles == []  # the bundle failed; its requests were run again each on its own
-    wait_until(lambda: _outcome_counts()["ok"] == before["ok"] + 2 and _all_let_go(link))
-    assert _outcome_counts()["failed"] == before["failed"] + 1
+    wait_until(lambda: _outcome_counts(link)["ok"] == before["ok"] + 2 and _all_let_go(link))
+    assert _outcome_counts(link)["failed"] == before["failed"] + 1
 
 
 def test_pixels_whose_queueing_on_the_loop_fails_unforeseen_are_answered_and_the_loop_serves_on(
@@ -967,6 +967,49 @@ def test_the_catalog_and_the_state_answer_across_the_link(link: Link, tmp_path: 
     assert not link.worker.ready and not (tmp_path / "control" / f"http-{__import__('os').getpid()}.ready").exists()
     with pytest.raises(NotReady, match="shutting down"):
         infer(link.worker, [image_bytes(RED)])
+
+
+def _counts_held(settings: Settings, predictor: Predictor, tmp_path: Path, flush_ms: float) -> tuple[Service, Link]:
+    """An engine whose loop holds its request counts ``flush_ms`` (METRICS_FLUSH_MS), and a worker joined to it."""
+    settings = settings.model_copy(update={"metrics_flush_ms": flush_ms})
+    service = Service.build(settings, predictor)
+    return service, Link(settings.model_copy(update={"control_dir": tmp_path / "control"}), service).start()
+
+
+@pytest.mark.parametrize("flush_ms", [60_000.0, 50.0])
+def test_the_loop_holds_its_request_counts_until_a_scrape_asks_or_metrics_flush_ms_has_passed(
+        settings: Settings, predictor: Predictor, tmp_path: Path, flush_ms: float) -> None:
+    # An engine's loop wrote its request counts at the end of every turn that counted any: a turn's metric writes
+    # on every few requests. Now it writes them once they have been held METRICS_FLUSH_MS, idle or not, and at once
+    # when a scrape asks (settle_figures), so a scrape still counts every request answered before it.
+    service, link = _counts_held(settings, predictor, tmp_path, flush_ms)
+    try:
+        before = _outcome_counts()
+        for _ in range(3):
+            infer(link.worker, [image_bytes(RED)])
+        if flush_ms > 1000:
+            time.sleep(0.2)
+            assert _outcome_counts() == before  # answered, and held
+            link.worker.catalog.settle_figures()
+            assert _outcome_counts()["ok"] == before["ok"] + 3  # the scrape's ask wrote them before its answer
+        else:  # written by the loop with nothing more to do, once they were due
+            wait_until(lambda: _outcome_counts()["ok"] == before["ok"] + 3, timeout=5)
+    finally:
+        link.server.stop(5)  # as at a SIGTERM: the counts its loop holds written too
+
+
+def test_a_stopping_engine_writes_the_request_counts_its_loop_holds_before_it_exits(
+        settings: Settings, predictor: Predictor, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.link import server as engine_process
+
+    service, link = _counts_held(settings, predictor, tmp_path, 60_000.0)
+    exits: list[BaseException] = []
+    monkeypatch.setattr(engine_process, "exit_now", exits.append)
+    before = _outcome_counts()
+    infer(link.worker, [image_bytes(RED)])
+    assert _outcome_counts() == before  # held a minute
+    engine_process._stop(link.server, settings)  # SIGTERM's, once the HTTP workers drained
+    assert _outcome_counts()["ok"] == before["ok"] + 1 and len(exits) == 1  # written, then the exit
 
 
 def test_what_v1_models_shows_crosses_in_one_exchange_and_agrees_with_the_calls_one_by_one(link: Link) -> None:
@@ -1178,8 +1221,11 @@ def test_the_engine_answers_504_at_the_deadline_while_the_batch_still_runs(link:
     wait_until(lambda: link.engine.in_flight.count() == 0)
 
 
-def _outcome_counts(role: str = "live") -> dict[str, float]:
-    """The colour model's requests counted so far, by outcome."""
+def _outcome_counts(link: Link | None = None, role: str = "live") -> dict[str, float]:
+    """The colour model's requests counted so far, by outcome; with ``link``, as a scrape reads them: its engine's
+    loop asked first to write the counts it holds (METRICS_FLUSH_MS)."""
+    if link is not None:
+        link.worker.catalog.settle_figures()
     return {outcome: VERSION_REQUESTS.labels("colour", "test", role, outcome)._value.get()
             for outcome in ("ok", "failed", "refused")}
 
@@ -1216,7 +1262,7 @@ def test_a_client_that_hangs_up_while_its_images_wait_counts_as_gone_not_as_the_
     # Before: as above, its end was answered from the cancelled group: counted failed (the rollback rule's evidence).
     first = _queued_behind_a_held_batch(link, model, monkeypatch)
     batcher, gone = link.engine.loaded_version().batcher, threading.Event()
-    before = _outcome_counts()
+    before = _outcome_counts(link)
     thread = threading.Thread(target=lambda: _failure(lambda: infer(link.worker, [image_bytes(BLUE)],
                                                                     client_gone=gone.is_set)))
     try:
@@ -1224,8 +1270,8 @@ def test_a_client_that_hangs_up_while_its_images_wait_counts_as_gone_not_as_the_
         wait_until(lambda: batcher.depth == 1)  # its image waits in the queue
         gone.set()
         thread.join(10)
-        wait_until(lambda: _outcome_counts()["refused"] == before["refused"] + 1)  # a client's leaving (499)
-        assert _outcome_counts()["failed"] == before["failed"] and link.engine.in_flight.count() == 1
+        wait_until(lambda: _outcome_counts(link)["refused"] == before["refused"] + 1)  # a client's leaving (499)
+        assert _outcome_counts(link)["failed"] == before["failed"] and link.engine.in_flight.count() == 1
     finally:
         model.gate.set()
         first.join(10)
@@ -1742,7 +1788,7 @@ def test_a_turn_s_requests_for_several_versions_are_admitted_by_kind_and_each_an
         assert isinstance(answers[3].error, NotFound)
         wait_until(lambda: service.in_flight.count() == 0)
     finally:
-        service.shutdown(timeout=5)
+        link.server.stop(5)  # as at a SIGTERM: the counts its loop holds written too
 
 
 def test_a_fault_counting_a_turn_s_ends_is_logged_and_lets_go_of_what_they_held_and_the_loop_serves_on(
@@ -1919,7 +1965,7 @@ def test_a_loop_request_cancelled_while_queued_is_dropped_unrun(link: Link, mode
     first.start()  # on a connection of its own: its batch holds the batcher
     wait_until(lambda: len(model.batch_sizes) > batches)
     dropped = BATCHER_EVENTS.labels("client_gone")
-    before, counted = dropped._value.get(), _outcome_counts()
+    before, counted = dropped._value.get(), _outcome_counts(link)
     loop = LoopWorker()
     with loop.waits():
         loop.start("leaves", lambda: _failure(lambda: infer(link.worker, [image_bytes(BLUE)],
@@ -1929,8 +1975,8 @@ def test_a_loop_request_cancelled_while_queued_is_dropped_unrun(link: Link, mode
         loop.turn_until(lambda: "leaves" in loop.outcomes)
     assert isinstance(loop.outcomes["leaves"].result(), ClientGone)
     wait_until(lambda: dropped._value.get() == before + 1)  # its queued image dropped
-    wait_until(lambda: _outcome_counts()["refused"] == counted["refused"] + 1)  # its client's leaving (499)...
-    assert _outcome_counts()["failed"] == counted["failed"]  # ...not the version's failure
+    wait_until(lambda: _outcome_counts(link)["refused"] == counted["refused"] + 1)  # its client's leaving (499)...
+    assert _outcome_counts(link)["failed"] == counted["failed"]  # ...not the version's failure
     model.gate.set()
     first.join(10)
     wait_until(lambda: link.engine.in_flight.count() == 0)
@@ -2069,4 +2115,4 @@ def test_out_of_file_descriptors_the_loop_pauses_its_accepts_and_serves_on(
         assert [r for r in caplog.records if "cannot accept a connection" in r.getMessage()]
         assert full.accepts < 20  # rested between tries (the loop spinning on the readable listener made thousands)
     finally:
-        service.shutdown(timeout=5)
+        server.stop(5)  # as at a SIGTERM: the counts its loop holds written too

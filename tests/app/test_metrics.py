@@ -185,6 +185,27 @@ def test_a_loop_s_request_tally_writes_the_series_each_request_would() -> None:
     assert seconds._sum.get() - before[2] == pytest.approx(1.0)
 
 
+def test_a_loop_s_request_tally_holds_its_counts_until_they_are_due_then_writes_them_together() -> None:
+    import time
+
+    from app.metrics import VERSION_REQUESTS, RequestTally
+
+    ok = VERSION_REQUESTS.labels("held", "1", "live", "ok")
+    before = ok._value.get()
+    tally = RequestTally(flush_s=60.0)
+    assert tally.due_at is None  # nothing held
+    counted_at = time.monotonic()
+    tally.count("held", "1", "live", "ok", 1, [0.25])
+    due = tally.due_at
+    assert due is not None and counted_at + 60 <= due <= time.monotonic() + 60  # from the first count held
+    tally.count("held", "1", "live", "ok", 2, [0.25, 0.25])
+    assert tally.due_at == due  # a later count does not put it off
+    tally.flush_when_due(due - 0.001)
+    assert ok._value.get() == before  # held
+    tally.flush_when_due(due)
+    assert ok._value.get() == before + 3 and tally.due_at is None  # written together, nothing held
+
+
 def test_a_forked_child_writes_its_metrics_to_a_file_of_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # app.metrics gives prometheus-client's multiprocess values a kept process id (no system call per write),
     # renewed in a forked child: the child's writes must still land in a file of its own, as with os.getpid

@@ -51,6 +51,12 @@ def _metrics(server: Running) -> dict[str, float]:
     return {name: float(value) for name, value in re.findall(r"^(\S+) (\S+)$", text, re.MULTILINE)}
 
 
+def _answered(metrics: dict[str, float]) -> float:
+    """The requests the versions answered, as a scrape counts them."""
+    return sum(value for name, value in metrics.items()
+               if name.startswith("visionserve_version_requests_total{") and 'outcome="ok"' in name)
+
+
 def _assert_ready_and_alive(server: Running) -> dict[str, float]:
     for _ in range(4):
         metrics = _metrics(server)
@@ -205,12 +211,15 @@ def test_an_engine_that_cannot_serve_after_a_restart_stops_the_server_with_a_fai
 
 def test_a_scrape_counts_every_answer_before_it_though_the_engine_holds_its_batches_figures(
         small_weights: Path, start_server: Callable[..., Running]) -> None:
-    # The engine writes its batches' figures once a METRICS_FLUSH_MS at most; the worker a scrape reaches asks it to
-    # write them first. Before (without the ask) the four batches below read 0 for the five seconds here.
+    # The engine writes its batches' figures and its loop its request counts once a METRICS_FLUSH_MS at most; the
+    # worker a scrape reaches asks it to write them first. Before (without the ask) the four batches below read 0 for
+    # the five seconds here.
     server = start_server(small_weights, engine="process", workers="1", metrics_flush_ms="5000").wait_ready()
     assert requests.post(f"{server.url}/predict", data=PHOTO, headers=JPEG, timeout=30).status_code == 200
-    before = _metrics(server)["visionserve_batch_size_count"]
+    before = _metrics(server)
     for _ in range(4):  # one at a time: a batch each
         assert requests.post(f"{server.url}/predict", data=PHOTO, headers=JPEG, timeout=30).status_code == 200
-    assert _metrics(server)["visionserve_batch_size_count"] - before == 4
+    after = _metrics(server)
+    assert after["visionserve_batch_size_count"] - before["visionserve_batch_size_count"] == 4
+    assert _answered(after) == _answered(before) + 4 == 5  # every request answered, the first one too
     assert server.stop() == 0
