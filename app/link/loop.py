@@ -269,9 +269,12 @@ class EngineServer:
         queued (``timeout_s`` at most), then the loop writes the requests it counted and holds (METRICS_FLUSH_MS),
         waited for ``STOP_COUNTS_S`` at most."""
         self.service.shutdown(timeout=timeout_s)
+        if self._loop_thread is None:  # never served: nothing counted
+            return
         written = threading.Event()
 
-        def write() -> None:
+        def write() -> None:  # after the ends the batches posted: their shared connections' leaves counted first
+            self._send_answers()
             self._counts.flush()
             written.set()
 

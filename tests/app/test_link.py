@@ -1012,6 +1012,34 @@ def test_a_stopping_engine_writes_the_request_counts_its_loop_holds_before_it_ex
     assert _outcome_counts()["ok"] == before["ok"] + 1 and len(exits) == 1  # written, then the exit
 
 
+def test_a_stopping_engine_writes_the_counts_of_the_shared_requests_its_stop_finishes(
+        link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A shared connection's request leaves as its turn's answers go out (_send_answers). The stop's write ran in the
+    # same wake-up as the end its batch posted, before those answers: the count came after it, and the exit lost it.
+    from app.link import server as engine_process
+
+    _batches_off_the_loop(link, monkeypatch)
+    infer(link.worker, [image_bytes(RED)])  # (batches were timed)
+    conn, reader = _shared_connection(link)
+    conn.settimeout(10)
+    model.gate, batches = threading.Event(), len(model.batch_sizes)
+    wire.send(conn, *wire.infers([(1, _ONE_PIXELS, [_one_colour(2)])]))
+    wait_until(lambda: len(model.batch_sizes) == batches + 1)  # its batch runs, held by the gate
+    before = _outcome_counts(link)
+    exits: list[BaseException] = []
+    monkeypatch.setattr(engine_process, "exit_now", exits.append)
+    stopper = threading.Thread(target=engine_process._stop, args=(link.server, link.engine.settings))
+    stopper.start()  # SIGTERM's: waits in the service's shutdown for the batch
+    held = threading.Event()
+    link.server._post(lambda: held.wait(5))  # the loop busy (a turn's work) as the batch's end and the write come
+    model.gate.set()
+    time.sleep(0.3)  # the batch's end posted, and the stop's write behind it
+    held.set()
+    stopper.join(10)
+    assert exits and list(_answers_by_id(reader, 1)) == [1]  # answered, then the process would exit
+    assert _outcome_counts()["ok"] == before["ok"] + 1  # what it wrote before its exit
+
+
 def test_what_v1_models_shows_crosses_in_one_exchange_and_agrees_with_the_calls_one_by_one(link: Link) -> None:
     link.frames.clear()
     overview = link.worker.catalog.overview()

@@ -308,7 +308,7 @@ def test_an_engine_still_applying_a_change_is_a_504_saying_so_not_an_engine_away
         assert "other" not in service.catalog.serving()
     finally:
         gate.set()
-        service.shutdown(timeout=5)
+        server.stop(5)  # as at a SIGTERM: the counts its loop holds written too
 
 
 def test_a_version_that_would_not_fit_is_refused_before_loading(settings: Settings, repository: FakeRepository,
@@ -490,6 +490,7 @@ def test_a_version_loaded_after_the_start_up_froze_is_freed_by_a_collection_that
     # An engine freezes what its start-up imported before its models load (app/link/server.py). A retired version
     # was collected by thawing everything frozen first: on the 2-core VM about 0.1 s of the engine's interpreter
     # lock at every unload or swap, every request waiting. Now what was frozen stays frozen through it.
+    gc.collect()  # the earlier tests' garbage first: what is frozen is never collected
     gc.freeze()  # (left frozen, as this process's start-up is: tests/conftest.py; a thaw would thaw that too)
     frozen = gc.get_freeze_count()
     service = _service(settings, repository)

@@ -164,7 +164,7 @@ class Linked:
 def linked(settings: Settings, predictor: Predictor, tmp_path: Path) -> Iterator[Linked]:
     joined = Linked(settings.model_copy(update={"stall_s": STALL_S}), predictor, tmp_path / "control")
     yield joined
-    joined.engine.shutdown(timeout=5)
+    joined.server.stop(5)  # as at a SIGTERM: the counts its loop holds written too
 
 
 @pytest.mark.slow
