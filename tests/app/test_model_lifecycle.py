@@ -498,7 +498,9 @@ def test_a_version_loaded_after_the_start_up_froze_is_freed_by_a_collection_that
     try:
         service.catalog.unload("colour")
         assert loaded() is None  # collected
-        assert gc.get_freeze_count() == frozen  # and nothing thawed (then frozen again, with what came since)
+        # and nothing thawed: a thaw and freeze again would have frozen what came since too (the service: thousands
+        # of objects); frozen objects freed as their last reference goes only make the count smaller
+        assert gc.get_freeze_count() <= frozen
     finally:
         service.shutdown(timeout=5)
 
