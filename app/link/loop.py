@@ -291,18 +291,7 @@ class EngineServer:
         while True:
             while self._deadlines and self._deadlines[0][2].ended:  # answered before its deadline
                 heapq.heappop(self._deadlines)
-            timeout = None
-            if self._deferred:  # a backlog's next slice to run: a look at what came, no wait
-                timeout = 0.0
-            elif self._deadlines:
-                timeout = max(0.0, self._deadlines[0][0] - time.monotonic())
-            if self._accept_again_at is not None:
-                pause_s = max(0.0, self._accept_again_at - time.monotonic())
-                timeout = pause_s if timeout is None else min(timeout, pause_s)
-            if self._counts.due_at is not None:  # the counts held are written on time even with nothing to do
-                count_s = max(0.0, self._counts.due_at - time.monotonic())
-                timeout = count_s if timeout is None else min(timeout, count_s)
-            for key, _ in self._selector.select(timeout):
+            for key, _ in self._selector.select(self._wait_s()):
                 key.data()
             if self._accept_again_at is not None and time.monotonic() >= self._accept_again_at:
                 self._accept_again_at = None
@@ -313,6 +302,16 @@ class EngineServer:
             self._expire()
             self._send_answers()
             self._counts.flush_when_due(time.monotonic())
+
+    def _wait_s(self) -> float | None:
+        """How long the loop waits for its sockets: not at all when a backlog's next slice is to run (a look at what
+        came), else until the first of its next deadline, its listener's pause and its held counts' write is due
+        (the counts are written on time even with nothing to do); None: until something comes."""
+        if self._deferred:
+            return 0.0
+        due = [at for at in (self._deadlines[0][0] if self._deadlines else None, self._accept_again_at,
+                             self._counts.due_at) if at is not None]
+        return max(0.0, min(due) - time.monotonic()) if due else None
 
     def _gather(self) -> None:
         """Before a turn's requests run: the wait for more that ``gathering`` says (app/link/gathering.py), and what
