@@ -335,6 +335,13 @@ class ServerSettings(SettingsGroup):
         "the loop waits for the device to finish the batch). On a CPU; on CUDA for a version whose every batch "
         "replays a CUDA graph (`CUDA_GRAPHS`: an eager pass would tune cuDNN's plans again on the loop's thread), "
         "off the default stream. The first batch of a version never runs there; 0 = never (docs/performance.md).")
+    link_arena_mb: int = Field(
+        16, ge=0, le=4096, description="Under ENGINE=process: shared memory each HTTP worker's loop link to an "
+        "engine places its requests' photos in (a memfd handed to the engine), held from a request's send until "
+        "the engine has read it: a photo then crosses as one copy on each side instead of through the socket's "
+        "buffers (the engine's time per 100 KB photo beyond decode and forward: docs/performance.md). Requests "
+        "that find no room, smaller than 16 KB in all, or sent apart from the loop go through the socket; 0 = "
+        "every image through the socket. Resident memory per worker and engine: up to this much.")
     workers: int = Field(
         0, ge=0, description="gunicorn worker processes: under `ENGINE=inline` each loads its own model and "
         "batcher, under `ENGINE=process` they speak HTTP only. 0 = auto, said in the start-up log: on a CPU host "

@@ -394,7 +394,7 @@ class RemoteService(Lifecycle):
         loop = waiting.on_loop()
         if loop is not None:
             if self.loop_link is None:
-                self.loop_link = LoopLink(self.connections.new)
+                self.loop_link = LoopLink(self.connections.new, self.settings.link_arena_mb << 20)
             with engine_away(away):
                 answer = self.loop_link.ask(loop, message, segments, limit_s, client_gone)
             return self._value(answer)

@@ -48,6 +48,7 @@ from app.engine.contract import CATALOG_CALLS, CATALOG_CHANGES, Signature, not_r
 from app.engine.service import Admission, Service
 from app.errors import ClientGone, InferenceFailed, Overloaded, ServiceError, ShortDeadline
 from app.link import wire
+from app.link.arena import ArenaError, MappedArena
 from app.link.decode_shares import DecodeShares, encoded_bytes
 from app.link.gathering import Gathering
 from app.metrics import RequestTally, this_process
@@ -91,7 +92,8 @@ class _Connection:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock, self.closed = sock, False
-        self.reader = wire.FrameReader(sock, wire.REQUESTS, greet=True)
+        self.reader = wire.FrameReader(sock, wire.REQUESTS, greet=True, takes_fds=True)  # (an arena's, offered)
+        self.arena: MappedArena | None = None  # shared: where its requests' photos are placed (app/link/arena.py)
         self.exchange: _Exchange | None = None
         self.read_pending = False  # a request of it is in this loop turn, not yet admitted
         self.sent_infer = False  # of one exchange at a time: it carried a request, so another may come on it (an
@@ -230,7 +232,7 @@ class EngineServer:
                                                    thread_name_prefix="engine-explain")  # each waits on the lane
         self._handlers: dict[type, Callable[[_Connection, Any, list[bytearray]], None]] = {
             wire.Unanswered: self._unanswered, wire.CatalogCall: self._catalog, wire.StateQuery: self._state,
-            wire.Explain: self._explain}
+            wire.Explain: self._explain, wire.ArenaOffer: self._arena_offer}
         self._turn: list[tuple[_Connection, wire.Infer, list[bytearray], int | None]] = []  # read in this loop turn
         self._requesting = 0  # open connections of one exchange at a time that carried a request (sent_infer)
         self._shared: list[_Connection] = []  # connections that sent Infers (several requests at a time)
@@ -395,6 +397,9 @@ class EngineServer:
                 selector.unregister(conn.sock)
         self._unwatch_writes(conn)
         conn.sock.close()
+        conn.reader.close_fds()
+        if conn.arena is not None:
+            conn.arena.close()
         if conn.exchanges is not None:
             self._shared.remove(conn)
             for exchange in list(conn.exchanges.values()):
@@ -471,7 +476,7 @@ class EngineServer:
             self._cancel(conn, message.ids)
             return True
         try:
-            requests = message.split(segments)
+            requests = message.split(segments, conn.arena)
         except wire.EngineGone as exc:
             log.warning("closed a connection whose requests could not be read: %s", exc)
             self._close(conn)
@@ -481,6 +486,20 @@ class EngineServer:
             self._turn.append((conn, infer, its_segments, ident))
         conn.most = max(conn.most, len(conn.exchanges) + len(conn.unadmitted))
         return True
+
+    def _arena_offer(self, conn: _Connection, message: wire.ArenaOffer, _: list[bytearray]) -> None:
+        """A loop link's arena, offered before its requests, mapped; a connection that offers one twice, none with
+        its descriptor, or one that cannot be mapped is closed (its requests' images would not be found)."""
+        fd = conn.reader.take_fd()
+        try:
+            if fd is None or conn.arena is not None:
+                if fd is not None:
+                    os.close(fd)
+                raise ArenaError("an arena offered twice, or without its descriptor")
+            conn.arena = MappedArena(fd, message.size)  # (which closes the descriptor, mapped or not)
+        except (ArenaError, TypeError) as exc:
+            log.error("closed a connection whose arena could not be taken: %s", exc)
+            self._close(conn)
 
     def _cancel(self, conn: _Connection, ids: tuple[int, ...]) -> None:
         """Requests of a shared connection whose clients left: ended as hang-ups, unanswered; one not yet admitted

@@ -9,6 +9,10 @@ connection is watched by the loop, which hands each answer to its request by id.
 the engine one read and one send, where each request had its own (about 18 of the 27 us a request costs a bare
 loop on this wire: docs/performance.md), and costs this worker one send and one read.
 
+A request's photos cross in shared memory (``arena_bytes``: LINK_ARENA_MB; app/link/arena.py): the link's arena,
+made with each connection and offered to the engine first, holds them from their send until an answer shows the
+engine read their frame, and what finds no room goes in the frame as before.
+
 A request whose client leaves, or whose time runs out here, is cancelled (``Cancel``, sent like the requests): the
 engine drops its images still queued and answers it no more. A connection that fails (the engine restarting) fails
 every request it carries, as a request's own connection did (503 with Retry-After), and the next request connects
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import socket
 import time
 from typing import Callable, Sequence
@@ -28,6 +33,9 @@ from app.engine.contract import CLIENT_CHECK_S
 from app.errors import ClientGone, DeadlineExceeded
 from app.hosting.waiting import Event, OnLoop
 from app.link import wire
+from app.link.arena import Arena
+
+log = logging.getLogger(__name__)
 
 SEND_BUFFER_BYTES = 4 << 20  # a loop turn's requests in one send: 16 photos of 100 KB and more (the kernel
 # caps it at net.core.wmem_max; its default, 208 KB, took two photos and made the rest wait for the engine's reads)
@@ -48,8 +56,10 @@ class LoopLink:
     """One HTTP worker loop's connection to one engine, its requests several to a message (the module's
     docstring). Used on the loop's thread only: by its requests (``ask``) and the loop (the answers' reads)."""
 
-    def __init__(self, connect: Callable[[], socket.socket]) -> None:
+    def __init__(self, connect: Callable[[], socket.socket], arena_bytes: int = 0) -> None:
         self._connect = connect  # a new connection, greeted and non-blocking
+        self._arena_bytes = arena_bytes  # each connection's arena (0: none, every image in its frame)
+        self._arena: Arena | None = None  # the connection's, offered to the engine
         self._conn: socket.socket | None = None
         self._sends: socket.socket | None = None  # the connection's second descriptor: a send's wait for room is
         # watched apart from the answers' (one descriptor takes one watch)
@@ -111,19 +121,39 @@ class LoopLink:
                 waiting, self._connecting = self._connecting, None
                 for event in waiting:
                     event.set()
-            sends = None
+            sends = arena = None
             try:
                 with contextlib.suppress(OSError):  # a turn's photos in one send (up to the host's wmem_max)
                     conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+                arena = self._offer_arena(conn)
                 sends = conn.dup()
                 loop.watch(conn, self._readable)
             except BaseException:
                 for sock in (conn, sends):
                     if sock is not None:
                         sock.close()
+                if arena is not None:
+                    arena.close()
                 raise
-            self._conn, self._sends, self._loop = conn, sends, loop
+            self._conn, self._sends, self._loop, self._arena = conn, sends, loop, arena
             self._reader = wire.FrameReader(conn, (wire.Answers,))
+
+    def _offer_arena(self, conn: socket.socket) -> Arena | None:
+        """A new connection's arena, offered to the engine (its first message), or None: none asked for, or none
+        to be had (the host's memory: logged, the images then go in their frames)."""
+        if not self._arena_bytes:
+            return None
+        try:
+            arena = Arena(self._arena_bytes)
+        except OSError as exc:
+            log.warning("no shared memory for the engine link's images (%s): they go through its socket", exc)
+            return None
+        try:
+            wire.send_with_fd(conn, wire.ArenaOffer(arena.size), arena.fd)
+        except BaseException:
+            arena.close()
+            raise
+        return arena
 
     def _send_outbox(self, loop: OnLoop | None) -> None:
         """This request sends the outbox: with ``loop``, once the loop has run its other ready requests (which add
@@ -144,7 +174,7 @@ class LoopLink:
                 if cancels:
                     wire.send(sends, wire.Cancel(tuple(cancels)))
                 if self._outbox:
-                    wire.send(sends, *wire.infers(self._next_message()))
+                    wire.send(sends, *wire.infers(self._next_message(), self._arena))
         except BaseException as exc:
             if sends is not None and self._sends is sends:
                 self._broken(exc)
@@ -198,12 +228,16 @@ class LoopLink:
                 if asked is not None:  # else cancelled: its answer crossed the cancel
                     asked.answer = answer
                     asked.event.set()
+            if self._arena is not None and answers.ids:  # the engine read every frame up to these requests'
+                self._arena.answered(max(answers.ids))
 
     def _broken(self, exc: BaseException) -> None:
         """The connection failed: closed, and every request it carries (or was to) fails with EngineGone. A send
         under way keeps its descriptor, shut down (which wakes its wait for room), for the sender to close."""
-        conn, sends, loop = self._conn, self._sends, self._loop
-        self._conn = self._sends = self._reader = None
+        conn, sends, loop, arena = self._conn, self._sends, self._loop, self._arena
+        self._conn = self._sends = self._reader = self._arena = None
+        if arena is not None:  # (the engine's mapping stands until it closes its end)
+            arena.close()
         if conn is not None and loop is not None:
             loop.unwatch(conn)
         for sock in (conn, sends):

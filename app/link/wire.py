@@ -8,7 +8,10 @@ inference's rows as one raw segment); ``Unanswered`` (a request the HTTP side re
 counted by the engine as the version's traffic) has no answer. A connection an HTTP worker's loop requests share
 (app/link/loop_link.py) carries several requests a message instead: ``Infers`` (each ``Infer``'s fields under its
 id, the segments of all of them), ``Cancel`` (ids whose client left), and the engine's ``Answers`` (several answers
-under their ids, the rows of each a segment), in any order.
+under their ids, the rows of each a segment), in any order. Such a connection opens with ``ArenaOffer``: the shared
+memory its requests' photos are then placed in (app/link/arena.py), its descriptor passed with the frame
+(``send_with_fd``; a reader made with ``takes_fds`` keeps what comes); an ``Infers`` request whose images were placed
+carries where they are instead of its segments.
 
 A frame is a header (a message, one of ``MESSAGES``, pickled as its kind and its fields' values) and raw byte
 segments, sent with one scatter-gather call and never pickled. The engine reads the header and each segment into a
@@ -20,6 +23,8 @@ every wait here goes: a request on an HTTP worker's loop hands it to the loop): 
 """
 from __future__ import annotations
 
+import array
+import contextlib
 import dataclasses
 import hashlib
 import inspect
@@ -38,8 +43,9 @@ import numpy as np
 from app import errors
 from app.engine import contract
 from app.hosting import waiting
+from app.link.arena import Arena, ArenaError, MappedArena
 
-PROTOCOL = 7  # the frame layout, what segments carry, and the hello; each message's own fields are in FINGERPRINT
+PROTOCOL = 8  # the frame layout, what segments carry, and the hello; each message's own fields are in FINGERPRINT
 _HEAD = struct.Struct("!II")  # the header's length, the number of segments
 _LENGTH = struct.Struct("!Q")
 MAX_SEGMENTS = 10_000  # a bound on one frame's segments (MAX_IMAGES is far lower): a corrupt frame fails at once
@@ -161,9 +167,13 @@ class Infers(_Message):
     ids: tuple[int, ...]
     requests: tuple[tuple[Any, ...], ...]
     counts: tuple[int, ...]
+    placed: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()  # requests whose images are in the
+    # connection's arena: each its place in ``requests`` and its images' (offset, length) there (none in segments)
 
-    def split(self, segments: list[bytearray]) -> list[tuple[int, Infer, list[bytearray]]]:
-        """Each request: its id, its ``Infer`` and its segments; EngineGone when they do not add up."""
+    def split(self, segments: list[bytearray], arena: MappedArena | None = None
+              ) -> list[tuple[int, Infer, list[bytearray]]]:
+        """Each request: its id, its ``Infer`` and its segments (those placed in ``arena`` copied out of it);
+        EngineGone when they do not add up or lie outside the arena."""
         if not len(self.ids) == len(self.requests) == len(self.counts) or sum(self.counts) != len(segments):
             raise EngineGone(f"{len(self.ids)} requests of {sum(self.counts)} segments came with {len(segments)}")
         split, at = [], 0
@@ -173,16 +183,42 @@ class Infers(_Message):
             except TypeError as exc:
                 raise EngineGone(f"a request that is no Infer: {exc}") from None
             at += count
+        for index, images in self.placed:
+            if arena is None:
+                raise EngineGone("images placed in an arena on a connection that offered none")
+            try:
+                split[index][2].extend(arena.copied(images))
+            except (ArenaError, TypeError, ValueError, IndexError) as exc:
+                raise EngineGone(f"placed images that could not be read: {exc}") from None
         return split
 
 
-def infers(requests: Sequence[tuple[int, Infer, Sequence[bytes | memoryview]]]
+def infers(requests: Sequence[tuple[int, Infer, Sequence[bytes | memoryview]]], arena: Arena | None = None
            ) -> tuple[Infers, list[bytes | memoryview]]:
-    """The one message (and its segments) that carries ``requests``, each (id, its Infer, its segments)."""
+    """The one message (and its segments) that carries ``requests``, each (id, its Infer, its segments); with
+    ``arena``, each request's images placed there when they fit (``Arena.place``), sent in the frame otherwise."""
     fields = _FIELDS[_KINDS[Infer]]
+    placed: list[tuple[int, tuple[tuple[int, int], ...]]] = []
+    segments: list[bytes | memoryview] = []
+    counts: list[int] = []
+    for index, (ident, _, its_segments) in enumerate(requests):
+        where = arena.place(ident, its_segments) if arena is not None and its_segments else None
+        if where is None:
+            segments += its_segments
+            counts.append(len(its_segments))
+        else:
+            placed.append((index, where))
+            counts.append(0)
     return (Infers(tuple([ident for ident, _, _ in requests]), tuple([fields(message) for _, message, _ in requests]),
-                   tuple([len(segments) for _, _, segments in requests])),
-            [segment for _, _, segments in requests for segment in segments])
+                   tuple(counts), tuple(placed)), segments)
+
+
+@dataclass(slots=True)
+class ArenaOffer(_Message):
+    """A shared connection's first message (after the hello): the arena its requests' images may be placed in
+    (app/link/arena.py), ``size`` bytes, its descriptor passed with this frame (``send_with_fd``)."""
+
+    size: int
 
 
 @dataclass(slots=True)
@@ -217,7 +253,8 @@ class _ServedHead(NamedTuple):
     embedding_dim: int
 
 
-MESSAGES = (Infer, Unanswered, CatalogCall, StateQuery, EngineState, Answer, Explain, Infers, Cancel, Answers)
+MESSAGES = (Infer, Unanswered, CatalogCall, StateQuery, EngineState, Answer, Explain, Infers, Cancel, Answers,
+            ArenaOffer)
 # A frame's header is the pickled tuple (kind, fields): kind the message's place in MESSAGES, or _SERVED for an Answer
 # whose value is a Served (its fields: the _ServedHead's, error, engine, routes). Pickling the message itself wrote
 # and looked up its class by name both ways: about 4 us more to send and 2 more to read an Infer, 8 and 3 an answer.
@@ -228,7 +265,7 @@ _SERVED = len(MESSAGES)
 _ANSWER = _KINDS[Answer]
 _ANSWERS = _KINDS[Answers]
 NO_LABELS: list[str] = []  # what an answer's Served holds in place of its version's labels
-REQUESTS = (Infer, Unanswered, CatalogCall, StateQuery, Explain, Infers, Cancel)
+REQUESTS = (Infer, Unanswered, CatalogCall, StateQuery, Explain, Infers, Cancel, ArenaOffer)
 
 
 def _shape(cls: type) -> str:
@@ -352,6 +389,19 @@ def answers_parts(ids: Sequence[int], answered: Sequence[tuple[Any, errors.Servi
     items, segments = _answered_items(answered)
     head = pickle.dumps((_ANSWERS, (tuple(ids), items, engine, routes)), protocol=pickle.HIGHEST_PROTOCOL)
     return _frame_parts(head, segments)
+
+
+def send_with_fd(sock: socket.socket, message: Any, fd: int) -> None:
+    """``message`` (no segments) with the descriptor ``fd`` passed along (SCM_RIGHTS), in one call: the frame is
+    small and goes first on its connection, so its socket takes it whole; EngineGone when it does not."""
+    head, _ = _encoded(message, ())
+    data = b"".join(_frame_parts(head, ()))
+    try:
+        sent = socket.send_fds(sock, [data], [fd])
+    except BlockingIOError:
+        sent = 0
+    if sent != len(data):
+        raise EngineGone(f"the other side took {sent} of a {len(data)}-byte frame that passes a descriptor")
 
 
 def send(sock: socket.socket, message: Any, segments: Sequence[bytes | memoryview] = ()) -> None:
@@ -484,6 +534,8 @@ def _loads(head: bytes | bytearray | memoryview, segments: Sequence[bytes | byte
         raise EngineGone(f"a frame that does not unpickle as a message: {type(exc).__name__}: {exc}") from None
 
 
+FDS_PER_READ = 4  # descriptors one read takes (a connection passes one, its arena's: more are closed by the kernel)
+_FD = array.array("i")  # a descriptor as SCM_RIGHTS passes it
 READ_AHEAD_BYTES = 1 << 16  # one read's buffer: a request of a few small images or tensors comes in one call
 
 
@@ -496,8 +548,12 @@ class FrameReader:
     frame is the hello, answered here (``ok``, or WireMismatch saying both sides' code, also told to the other
     side). EngineGone when the other side closed or sent what cannot be read."""
 
-    def __init__(self, sock: socket.socket, expected: tuple[type, ...] = MESSAGES, greet: bool = False) -> None:
+    def __init__(self, sock: socket.socket, expected: tuple[type, ...] = MESSAGES, greet: bool = False,
+                 takes_fds: bool = False) -> None:
         self.sock, self._expected, self._greeting = sock, expected, greet
+        self._ancillary = socket.CMSG_SPACE(FDS_PER_READ * _FD.itemsize) if takes_fds else 0
+        self.fds: list[int] = []  # with ``takes_fds``: descriptors passed along (SCM_RIGHTS), in order, for the
+        # caller to take (``take_fd``) or close (``close_fds``)
         self._ahead, self._have = bytearray(READ_AHEAD_BYTES), 0
         self._parts: list[bytearray] | None = None  # the frame being read: its header, then its segments
         self._unfilled: list[memoryview] = []  # what of its parts is still to come, in order from ``_next``
@@ -518,7 +574,7 @@ class FrameReader:
             if self._parts is not None:
                 into = self._unfilled[self._next:self._next + _IOV_MAX]
                 try:
-                    count = self.sock.recv_into(into[0]) if len(into) == 1 else self.sock.recvmsg_into(into)[0]
+                    count = self._receive_into(into)
                 except (BlockingIOError, InterruptedError):
                     return frames
                 if count == 0:
@@ -529,7 +585,7 @@ class FrameReader:
                 view = memoryview(self._ahead)[self._have:]
                 room = len(view)
                 try:
-                    count = self.sock.recv_into(view, room)
+                    count = self._receive_into([view])
                 except (BlockingIOError, InterruptedError):
                     return frames
                 finally:
@@ -541,6 +597,29 @@ class FrameReader:
                 frames = self._from_ahead(frames)
             if not (filled and self._parts is not None):
                 return frames
+
+    def _receive_into(self, buffers: list[memoryview]) -> int:
+        """One read into ``buffers``; with ``takes_fds``, the descriptors passed with what it read kept (``fds``)."""
+        if not self._ancillary:
+            return self.sock.recv_into(buffers[0]) if len(buffers) == 1 else self.sock.recvmsg_into(buffers)[0]
+        count, ancillary, _, _ = self.sock.recvmsg_into(buffers, self._ancillary)
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                passed = array.array(_FD.typecode)
+                passed.frombytes(data[:len(data) - len(data) % _FD.itemsize])
+                self.fds += passed
+        return count
+
+    def take_fd(self) -> int | None:
+        """The first descriptor passed along and not yet taken (the caller's to close), or None."""
+        return self.fds.pop(0) if self.fds else None
+
+    def close_fds(self) -> None:
+        """Every descriptor passed along and not taken, closed (its connection's end)."""
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def _filled(self, count: int) -> bool:
         """``count`` bytes read into the parts still to come: whether they filled every one the read was given."""

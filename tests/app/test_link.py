@@ -29,6 +29,7 @@ from app.engine.loaded.predictor import Predictor
 from app.engine.service import Service
 from app.errors import BadRequest, ClientGone, DeadlineExceeded, InvalidImage, NotFound, NotReady, ServiceError
 from app.link import wire
+from app.link.arena import Arena
 from app.link.client import RemoteCatalog, RemoteService
 from app.link.decode_shares import HAND_OFF_S
 from app.link.gathering import YIELD_WEIGHT
@@ -1793,6 +1794,56 @@ def test_the_requests_of_a_loop_turn_reach_the_engine_as_one_message_and_come_ba
     connections = len(link.connections)
     assert _on_loop(link, {"again": _labelled(link, image_bytes(BLUE))}, loop)["again"] == "blue"
     assert len(link.connections) == connections
+
+
+def _padded(jpeg: bytes, size: int = 40_000) -> bytes:
+    """``jpeg`` padded with comment segments to about ``size`` bytes: a photo's size, its pixels ``jpeg``'s."""
+    comments = []
+    for at in range(0, size - len(jpeg), 60_000):
+        length = min(60_000, size - len(jpeg) - at)
+        comments.append(b"\xff\xfe" + (length + 2).to_bytes(2, "big") + bytes(length))
+    return jpeg[:2] + b"".join(comments) + jpeg[2:]
+
+
+def test_a_loop_turn_s_photos_cross_in_the_link_s_arena_whose_places_their_answers_free(link: Link) -> None:
+    infer(link.worker, [image_bytes(RED)])  # the signature kept: the loop's requests all send in its first turn
+    link.sent.clear()
+    colours = {f"r{i}": (RED, BLUE)[i % 2] for i in range(4)}
+    loop = LoopWorker()
+    got = _on_loop(link, {name: _labelled(link, _padded(image_bytes(colour))) for name, colour in colours.items()},
+                   loop)
+    assert got == {name: ("red" if colour == RED else "blue") for name, colour in colours.items()}
+    [message] = [m for m in link.sent if isinstance(m, wire.Infers)]
+    assert [index for index, _ in message.placed] == [0, 1, 2, 3] and message.counts == (0, 0, 0, 0)
+    arena = link.worker.loop_link._arena
+    assert arena is not None and arena.placed_bytes >= 4 * 39_000 and arena.held == 0  # all answered: all free
+    # small images go in the frame, as before
+    assert _on_loop(link, {"small": _labelled(link, image_bytes(BLUE))}, loop)["small"] == "blue"
+    assert [m for m in link.sent if isinstance(m, wire.Infers)][-1].placed == ()
+
+
+def test_with_no_arena_asked_for_a_loop_turn_s_photos_go_in_its_frame(link: Link) -> None:
+    link.worker.settings = link.worker.settings.model_copy(update={"link_arena_mb": 0})
+    infer(link.worker, [image_bytes(RED)])
+    got = _on_loop(link, {"photo": _labelled(link, _padded(image_bytes(BLUE)))})
+    assert got == {"photo": "blue"}
+    [message] = [m for m in link.sent if isinstance(m, wire.Infers)]
+    assert message.placed == () and message.counts == (1,) and link.worker.loop_link._arena is None
+
+
+def test_images_placed_outside_the_arena_close_the_link_s_connection_its_requests_fail_503_and_it_connects_again(
+        link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
+    infer(link.worker, [image_bytes(RED)])
+    real = Arena.place
+    monkeypatch.setattr(Arena, "place", lambda arena, ident, segments: ((arena.size - 10, 1000),))
+    loop = LoopWorker()
+    failed = _on_loop(link, {"photo": _labelled(link, _padded(image_bytes(RED)))}, loop)["photo"]
+    assert isinstance(failed, NotReady) and failed.headers["Retry-After"] == "5"
+    monkeypatch.setattr(Arena, "place", real)
+    connections = len(link.connections)
+    assert _on_loop(link, {"after": _labelled(link, _padded(image_bytes(BLUE)))}, loop)["after"] == "blue"
+    assert len(link.connections) == connections + 1
+    wait_until(lambda: link.engine.in_flight.count() == 0)
 
 
 def test_a_turn_s_requests_for_several_versions_are_admitted_by_kind_and_each_answered_by_its_own(
