@@ -19,12 +19,18 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import fcntl
 import mmap
 import os
 from typing import Sequence
 
 PLACED_MIN_BYTES = 16 << 10  # a request's images smaller than this in all go through the socket with its frame (one
 # send of a joined buffer): a photo's are placed
+
+
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if hasattr(fcntl, "F_ADD_SEALS") else 0
+# what the worker seals its arena with: an engine maps only an arena that can never shrink (a read past the end of
+# a shrunk mapping is SIGBUS, which would end the engine), and none can unseal it
 
 
 class ArenaError(ValueError):
@@ -45,9 +51,10 @@ class Arena:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.fd = os.memfd_create("visionserve-link-arena", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create("visionserve-link-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, size)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)  # its size fixed for good: the engine checks
             self._map = mmap.mmap(self.fd, size)
         except BaseException:
             os.close(self.fd)
@@ -112,6 +119,8 @@ class MappedArena:
 
     def __init__(self, fd: int, size: int) -> None:
         try:
+            if not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
+                raise ArenaError("an arena offered that may shrink (its reads past the end would end the engine)")
             if not 0 < size <= os.fstat(fd).st_size:
                 raise ArenaError(f"an arena of {size} bytes offered on a descriptor of {os.fstat(fd).st_size}")
             self._map = mmap.mmap(fd, size)
@@ -128,7 +137,7 @@ class MappedArena:
         images = []
         for offset, length in placed:
             if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset
-                    and 0 < length <= self.size - offset):
+                    and 0 <= length <= self.size - offset):  # (an empty image: the decode says what is wrong)
                 raise ArenaError(f"an image at {offset!r} of {length!r} bytes in an arena of {self.size}")
             images.append(bytearray(self._view[offset:offset + length]))
         return images

@@ -438,7 +438,10 @@ class EngineServer:
             self._close(conn)
 
     def _handle(self, conn: _Connection, frames: list[tuple[Any, list[bytearray]]]) -> None:
-        """A connection's messages that came in one read, in order (``_readable``)."""
+        """A connection's messages that came in one read, in order (``_readable``). Descriptors are taken with the
+        first one alone (an arena's offer), then no more (``takes_no_more_fds``)."""
+        if frames and conn.reader.taking_fds and not isinstance(frames[0][0], wire.ArenaOffer):
+            conn.reader.takes_no_more_fds()
         for index, (message, segments) in enumerate(frames):
             if isinstance(message, (wire.Infers, wire.Cancel)):
                 if not self._shared_read(conn, message, segments):
@@ -497,6 +500,7 @@ class EngineServer:
                     os.close(fd)
                 raise ArenaError("an arena offered twice, or without its descriptor")
             conn.arena = MappedArena(fd, message.size)  # (which closes the descriptor, mapped or not)
+            conn.reader.takes_no_more_fds()
         except (ArenaError, TypeError) as exc:
             log.error("closed a connection whose arena could not be taken: %s", exc)
             self._close(conn)

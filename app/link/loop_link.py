@@ -145,7 +145,7 @@ class LoopLink:
             return None
         try:
             arena = Arena(self._arena_bytes)
-        except OSError as exc:
+        except (OSError, AttributeError) as exc:  # (AttributeError: a system without memfds or seals)
             log.warning("no shared memory for the engine link's images (%s): they go through its socket", exc)
             return None
         try:

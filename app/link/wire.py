@@ -610,6 +610,17 @@ class FrameReader:
                 self.fds += passed
         return count
 
+    @property
+    def taking_fds(self) -> bool:
+        """Whether descriptors passed along are kept (``takes_fds``, until ``takes_no_more_fds``)."""
+        return bool(self._ancillary)
+
+    def takes_no_more_fds(self) -> None:
+        """Descriptors passed along from here on are not taken (the kernel closes them), and those not taken are
+        closed: a connection passes one, with its first message."""
+        self._ancillary = 0
+        self.close_fds()
+
     def take_fd(self) -> int | None:
         """The first descriptor passed along and not yet taken (the caller's to close), or None."""
         return self.fds.pop(0) if self.fds else None

@@ -347,8 +347,9 @@ def engine_counts() -> dict[str, float]:
 def _drive_messages(checkout: Path, sock: Path, form: str, concurrency: int, seconds: float,
                     engine: int) -> dict[str, Any]:
     """C requests in flight on ``LINKS`` connections, several to a message, as HTTP workers' loop links send them:
-    each connection's answered requests sent again together (``Infers``); a checkout that predates them is driven
-    as ``drive`` does (a connection and a frame per request)."""
+    each connection's answered requests sent again together (``Infers``), their photos placed in its arena as a
+    loop link places them (LINK_ARENA_MB, the checkout's default or the setting beside: ``--with-settings``); a
+    checkout that predates them is driven as ``drive`` does (a connection and a frame per request)."""
     _import_from(checkout)
     from app.link import wire
 
@@ -362,8 +363,9 @@ def _drive_messages(checkout: Path, sock: Path, form: str, concurrency: int, sec
         if share:
             conn = wire.connect(sock, 5.0)
             wire.say_hello(conn)
+            arena = _offered_arena(wire, conn)
             conn.setblocking(False)
-            selector.register(conn, selectors.EVENT_READ, (wire.FrameReader(conn, (wire.Answers,)), share))
+            selector.register(conn, selectors.EVENT_READ, (wire.FrameReader(conn, (wire.Answers,)), share, arena))
     ids = itertools.count(1)
 
     def run(duration: float) -> tuple[int, int]:
@@ -371,8 +373,9 @@ def _drive_messages(checkout: Path, sock: Path, form: str, concurrency: int, sec
 
         def send(conn: Any, many: int) -> None:
             nonlocal sent
-            wire.send(conn, *wire.infers([(next(ids), *requests[(sent + index) % len(requests)])
-                                          for index in range(many)]))
+            taken = [(next(ids), *requests[(sent + index) % len(requests)]) for index in range(many)]
+            arena = selector.get_key(conn).data[2]
+            wire.send(conn, *(wire.infers(taken, arena) if arena is not None else wire.infers(taken)))
             sent += many
 
         for key in list(selector.get_map().values()):
@@ -381,6 +384,8 @@ def _drive_messages(checkout: Path, sock: Path, form: str, concurrency: int, sec
         while answered < sent:
             for key, _ in selector.select(5.0):
                 for answers, _ in key.data[0].read():
+                    if key.data[2] is not None and answers.ids:
+                        key.data[2].answered(max(answers.ids))
                     answered += len(answers.ids)
                     errors += sum(answer.error is not None for answer in answers.answers)
                     if time.monotonic() < end:
@@ -388,6 +393,22 @@ def _drive_messages(checkout: Path, sock: Path, form: str, concurrency: int, sec
         return answered, errors
 
     return _measured(run, engine, form, concurrency, seconds, count)
+
+
+def _offered_arena(wire: Any, conn: Any) -> Any:
+    """The arena a loop link of this checkout would offer on ``conn`` (its LINK_ARENA_MB: the default, or the
+    setting in this process's environment), offered; None where it predates them or offers none."""
+    if not hasattr(wire, "ArenaOffer"):
+        return None
+    from app.config import Settings
+    from app.link.arena import Arena
+
+    size = int(os.environ.get("VISIONSERVE_LINK_ARENA_MB", Settings.model_fields["link_arena_mb"].default)) << 20
+    if not size:
+        return None
+    arena = Arena(size)
+    wire.send_with_fd(conn, wire.ArenaOffer(arena.size), arena.fd)
+    return arena
 
 
 def _drive_threads(checkout: Path, sock: Path, form: str, concurrency: int, seconds: float,

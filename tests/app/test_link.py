@@ -8,6 +8,7 @@ import errno
 import functools
 import inspect
 import logging
+import os
 import pickle
 import select
 import socket
@@ -1820,6 +1821,39 @@ def test_a_loop_turn_s_photos_cross_in_the_link_s_arena_whose_places_their_answe
     # small images go in the frame, as before
     assert _on_loop(link, {"small": _labelled(link, image_bytes(BLUE))}, loop)["small"] == "blue"
     assert [m for m in link.sent if isinstance(m, wire.Infers)][-1].placed == ()
+
+
+def test_an_empty_image_placed_beside_a_photo_is_its_own_request_s_400_and_the_turn_s_others_are_answered(
+        link: Link) -> None:
+    infer(link.worker, [image_bytes(RED)])
+    got = _on_loop(link, {"empty": lambda: infer(link.worker, [_padded(image_bytes(RED)), b""]),
+                          "other": _labelled(link, _padded(image_bytes(BLUE)))})
+    assert isinstance(got["empty"], InvalidImage) and "image 1" in got["empty"].message
+    assert got["other"] == "blue"
+    [message] = [m for m in link.sent if isinstance(m, wire.Infers)]
+    assert [index for index, _ in message.placed] == [0, 1]
+
+
+def _memfds_open(name: str) -> int:
+    """Descriptors of this process open on memfds named ``name``."""
+    return sum(1 for fd in Path("/proc/self/fd").iterdir()
+               if os.path.exists(fd) and os.readlink(fd).startswith(f"/memfd:{name}"))
+
+
+def test_an_engine_keeps_no_descriptor_passed_after_a_connection_s_first_message(link: Link) -> None:
+    conn, reader = _shared_connection(link)
+    try:
+        _sent_together(conn, [1], image_bytes(RED))  # its first message: no arena offered
+        assert _answered(reader, 1) == [1]
+        for _ in range(3):  # descriptors passed with later messages: none kept by the engine
+            probe = os.memfd_create("visionserve-test-probe")
+            socket.send_fds(conn, [wire.frame(wire.Cancel((99,)))], [probe])
+            os.close(probe)
+        _sent_together(conn, [2], image_bytes(BLUE))
+        assert _answered(reader, 1, red=False) == [2]
+        assert _memfds_open("visionserve-test-probe") == 0
+    finally:
+        conn.close()
 
 
 def test_with_no_arena_asked_for_a_loop_turn_s_photos_go_in_its_frame(link: Link) -> None:

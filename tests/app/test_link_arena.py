@@ -78,15 +78,22 @@ def test_the_engine_copies_nothing_outside_the_arena_and_maps_no_arena_larger_th
     try:
         engine = _mapped(arena)
         try:
-            for bad in ((60 * KB, 8 * KB), (-1, 10), (0, 0), (0, 64 * KB + 1), ("0", 10)):
+            for bad in ((60 * KB, 8 * KB), (-1, 10), (0, -1), (0, 64 * KB + 1), ("0", 10)):
                 with pytest.raises(ArenaError):
                     engine.copied([bad])  # type: ignore[list-item]
+            assert engine.copied([(64 * KB, 0)]) == [bytearray()]  # an empty image: the decode's to refuse
         finally:
             engine.close()
         with pytest.raises(ArenaError):
             MappedArena(os.dup(arena.fd), 128 * KB)
+        with pytest.raises(OSError):  # sealed: it can never shrink under the engine's mapping
+            os.ftruncate(arena.fd, 32 * KB)
     finally:
         arena.close()
+    unsealed = os.memfd_create("unsealed")
+    os.ftruncate(unsealed, 64 * KB)
+    with pytest.raises(ArenaError, match="may shrink"):  # a read past a shrunk end would end the engine (SIGBUS)
+        MappedArena(unsealed, 64 * KB)
 
 
 @pytest.fixture
