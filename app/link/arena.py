@@ -78,9 +78,11 @@ class Arena:
               ) -> tuple[tuple[int, int], ...] | None:
         """Request ``ident``'s segments written one after the other into the ring: each one's (offset, length),
         or None (nothing written) when they are too small to be worth it, no contiguous buffers, or find no room."""
+        total = sum(segment.nbytes if isinstance(segment, memoryview) else len(segment) for segment in segments)
+        if total < PLACED_MIN_BYTES:  # (before any view is made: most requests of tensors are small)
+            return None
         views = [_bytes_view(segment) for segment in segments]
-        total = sum(len(view) for view in views if view is not None)
-        if total < PLACED_MIN_BYTES or any(view is None for view in views):
+        if any(view is None for view in views):
             return None
         start = self._start_for(total)
         if start is None:
