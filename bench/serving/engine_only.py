@@ -458,6 +458,8 @@ def measure(checkout: Path, weights: Path, form: str, concurrency: int, seconds:
     ``max_batch_size`` images (0: its device's automatic ceiling) and ``settings`` (environment variables) beside,
     driven by that checkout's client (``clients``: as ``drive`` says), then stopped."""
     serve_args = (["--serve-floor", str(weights)] if floor else ["--serve", str(checkout), str(weights)])
+    if floor:  # its forms' tensors are never placed: its client offers it no arena (the floor reads no offer)
+        settings = {**(settings or {}), "VISIONSERVE_LINK_ARENA_MB": "0"}
     with _engine(checkout, serve_args, device, max_batch_size=max_batch_size, settings=settings) as (engine, sock,
                                                                                                      env):
         client = subprocess.run([sys.executable, "-m", "bench.serving.engine_only", "--drive", str(checkout),
