@@ -211,7 +211,8 @@ class Service(Lifecycle):
         routing gave them all one route without a shadow, one Admission stands for all of them (``requests``), in
         every place of the list: one ``Call`` (room for all their images) and one arrival, their images queued as
         one request's (an event loop's bundle), each counted as a request when it leaves (``leave_one``, or all
-        that are left at once); else each its own."""
+        that are left at once); else each its own (and for encoded images the version decodes on the CPU: a
+        loop's decode threads take them request by request)."""
         self.in_flight.add(count)
         try:
             self.require_ready()
@@ -228,7 +229,7 @@ class Service(Lifecycle):
                 self._unhold(route)
             return [refusal] * count
         traffic, started, max_images = self._traffic_of(route), time.perf_counter(), self.settings.max_images
-        if one_call:
+        if one_call and (pixels or route.version.decoder.path == "device"):
             arrived = route.version.arrivals.begin()
             call = Call(route.version, arrived, max_images * count, None, route.takes_pixels)
             return [Admission(self, route, traffic, started, arrived, call, count)] * count

@@ -8,7 +8,7 @@ turn:
 - ``Infer``: read with the others of its loop turn (the loop waits up to ``MAX_WAIT_MS`` for more while they
   come faster than that and waiting brings more: app/link/gathering.py), the request admitted with those alike of
   its turn (``Service.enter_many``: readiness and routing once for them, each its outcome counted; a lone one by
-  ``Service.enter``; a shared connection's one-image pixel requests alike to the last detail as one bundle: one
+  ``Service.enter``; a shared connection's one-image requests alike to the last detail as one bundle: one
   admission, call and group for all of them, each answered from its row), its images queued (a version's
   together, ``call.queue_prepared``; a lone one, or those the CPU decodes, by ``Call.queue``, the latter on a few
   threads) and, once the batcher's thread has counted them done (or the loop ran a turn's short batch itself), the
@@ -179,21 +179,24 @@ class _Exchange:
 
 
 class _Part:
-    """One request of a bundle (requests alike of one shared connection, one image of pixels each, run as one
-    exchange under one admission that stands for all of them, with the first one's message): its id and row, and
-    whether its client left (it is then ended already)."""
+    """One request of a bundle (requests alike of one shared connection, one image each, run as one exchange under
+    one admission that stands for all of them, with the first one's message): its id and its image (its row of
+    pixels, or its encoded image: ``images``), and whether its client left (it is then ended already)."""
 
-    __slots__ = ("ident", "rows", "cancelled")
+    __slots__ = ("ident", "rows", "images", "cancelled")
 
-    def __init__(self, ident: int, rows: list[np.ndarray]) -> None:
-        self.ident, self.rows = ident, rows
+    def __init__(self, ident: int, rows: list[np.ndarray], images: list[bytearray]) -> None:
+        self.ident, self.rows, self.images = ident, rows, images
         self.cancelled = False
 
 
-def _bundles(message: wire.Infer) -> bool:
-    """Whether a shared connection's request may run in a bundle with others alike: one image of pixels, no file
-    name (its errors name no image)."""
-    return len(message.tensors) == 1 and message.tensors[0][1][0] == 1 and not any(message.names)
+def _bundles(message: wire.Infer, segments: list[bytearray]) -> bool:
+    """Whether a shared connection's request may run in a bundle with others alike: one image, of pixels, or
+    encoded (bundled only where the version decodes in its batch: ``Service.enter_many``), no file name (its errors
+    name no image)."""
+    if message.tensors:
+        return len(message.tensors) == 1 and message.tensors[0][1][0] == 1 and not any(message.names)
+    return len(segments) == 1 and not any(message.names)
 
 
 class EngineServer:
@@ -669,9 +672,9 @@ class EngineServer:
                     ) -> list[_Exchange | None]:
         """The turn's requests admitted, those alike (model, version, client key, pixels or images) in one pass
         (``Service.enter_many``): each its exchange, or None (answered, or its client gone), in the turn's order; a
-        shared connection's requests alike to the last detail, one image of pixels each (``_bundles``), one
-        exchange for all of them (``_admit_bundle``), in the place of the first. A lone request (an engine with
-        slack) is admitted as it comes (``Service.enter``: no grouping to pay for)."""
+        shared connection's requests alike to the last detail, one image each (``_bundles``), one exchange for all
+        of them (``_admit_bundle``), in the place of the first. A lone request (an engine with slack) is admitted
+        as it comes (``Service.enter``: no grouping to pay for)."""
         if len(turn) == 1:
             message = turn[0][1]
             try:
@@ -681,10 +684,10 @@ class EngineServer:
                 admission = exc
             return [self._admit(*turn[0], admission)]
         alike: dict[object, list[int]] = {}
-        for at, (conn, message, _, ident) in enumerate(turn):
+        for at, (conn, message, segments, ident) in enumerate(turn):
             try:
                 key: object = (message.model, message.version, message.client_key, bool(message.tensors))
-                if ident is not None and _bundles(message):  # (its connection, and all that makes its answer)
+                if ident is not None and _bundles(message, segments):  # (its connection, all that makes its answer)
                     key = (key, conn, message.timeout_s, message.parsed_version, message.parsed_shape,
                            message.tensors, message.embedding)
                 alike.setdefault(key, []).append(at)
@@ -702,7 +705,7 @@ class EngineServer:
                 admitted = [exc] * len(ats)
             first, last = admitted[0], admitted[-1]
             if bundled and isinstance(first, Admission) and isinstance(last, Admission) and first.call is last.call:
-                bundles[ats[0]] = ats  # (a rollout's draws, each its own call: admitted one by one)
+                bundles[ats[0]] = ats  # (each its own call: a rollout's draws, photos the CPU decodes)
             for at, admission in zip(ats, admitted):
                 admissions[at] = admission
         exchanges: list[_Exchange | None] = []
@@ -723,30 +726,36 @@ class EngineServer:
         answered and leaves alone), those that pass one exchange whose images queue as one request's, each
         answered from its row (``_end_parts``)."""
         conn = reads[0][0]
-        first: tuple[wire.Infer, np.ndarray] | None = None  # the first that passed ``_checked``: its message and row,
-        # the layout the others' pixels are read in, as what they have alike was judged with it
+        first: tuple[wire.Infer, np.ndarray | None] | None = None  # the first that passed ``_checked``: its message
+        # and row, the layout the others' pixels are read in, as what they have alike was judged with it (None:
+        # encoded images, each taken as it is)
         parts: list[_Part] = []
+        images: list[bytearray] = []
         rows: list[np.ndarray] = []
         for read in reads:
             segments, ident = read[2], read[3]
-            row: list[np.ndarray] | None = None
-            if (first is not None and ident not in conn.cancelled and not conn.closed and len(segments) == 1
-                    and len(segments[0]) == first[1].nbytes):
-                conn.unadmitted.discard(ident)  # type: ignore[arg-type]
-                with contextlib.suppress(Exception):  # (unforeseen: never the loop's end, checked alone below)
-                    row = [np.ndarray(first[1].shape, first[1].dtype, segments[0])]
-            if row is None:  # answered, or counted as gone, one by one
+            inputs: tuple[list[bytearray], list[np.ndarray]] | None = None
+            if first is not None and ident not in conn.cancelled and not conn.closed and len(segments) == 1:
+                layout = first[1]
+                if layout is None:
+                    conn.unadmitted.discard(ident)  # type: ignore[arg-type]
+                    inputs = segments, []
+                elif len(segments[0]) == layout.nbytes:
+                    conn.unadmitted.discard(ident)  # type: ignore[arg-type]
+                    with contextlib.suppress(Exception):  # (unforeseen: never the loop's end, checked alone below)
+                        inputs = [], [np.ndarray(layout.shape, layout.dtype, segments[0])]
+            if inputs is None:  # answered, or counted as gone, one by one
                 inputs = self._checked(*read, admission)
                 if inputs is None:
                     continue
-                row = inputs[1]
                 if first is None:
-                    first = read[1], row[0]
-            parts.append(_Part(ident, row))  # type: ignore[arg-type]
-            rows += row
+                    first = read[1], inputs[1][0] if inputs[1] else None
+            parts.append(_Part(ident, inputs[1], inputs[0]))  # type: ignore[arg-type]
+            images += inputs[0]
+            rows += inputs[1]
         if first is None:
             return None
-        exchange = _Exchange(conn, admission, first[0], [], rows, parts[0].ident)
+        exchange = _Exchange(conn, admission, first[0], images, rows, parts[0].ident)
         if len(parts) > 1:
             exchange.parts = parts
         for part in parts:
@@ -986,20 +995,24 @@ class EngineServer:
 
     def _run_apart(self, exchange: _Exchange, error: BaseException) -> bool:
         """A bundle the queue refused as one request of all its images (no room for all of them, or a deadline too
-        short for all of them: Overloaded, ShortDeadline), or whose group failed at one of its images (the model's
-        fault: the batcher ran the failed batch's images again one by one to find it): its requests still waited
+        short for all of them: Overloaded, ShortDeadline), one of encoded images refused before it was queued (one
+        image's header: InvalidImage, ImageTooLarge, ...), or whose group failed at one of its images (the model's
+        fault: the batcher ran the failed batch's images again one by one to find it; or an image the device could
+        not decode in its batch): its requests still waited
         for queued again, each its own exchange and group with the bundle's deadline, so each is judged and
         answered on its own (after the turn's other requests: a later one of them may have taken the room first).
         Whether they were."""
         queued, parts = exchange.queued, exchange.parts
-        refused = queued is None and isinstance(error, (Overloaded, ShortDeadline))  # judged by its image count
-        failed = queued is not None and isinstance(error, InferenceFailed) and queued.group.failed_at >= 0
+        refused = queued is None and (isinstance(error, (Overloaded, ShortDeadline))  # judged by its image count,
+                                      or bool(exchange.images))  # or at one's header (InvalidImage, ImageTooLarge)
+        failed = queued is not None and isinstance(error, (InferenceFailed, ServiceError)) and (
+            queued.group.failed_at >= 0)  # the model's fault, or an image the device could not decode in its batch
         if not (refused or failed) or exchange.cancelled or exchange.conn.closed or parts is None:
             return False
         apart = []
         for part in parts:
             if not part.cancelled:
-                alone = _Exchange(exchange.conn, exchange.admission.apart(), exchange.message, [], part.rows,
+                alone = _Exchange(exchange.conn, exchange.admission.apart(), exchange.message, part.images, part.rows,
                                   part.ident)
                 alone.arrived = exchange.arrived
                 exchange.conn.exchanges[part.ident] = alone  # type: ignore[index]

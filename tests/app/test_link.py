@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 
+import app.engine.decoding.decoders as decoders
 from app.config import Settings
 from app.engine import contract
 from app.engine.catalog import Catalog
@@ -726,6 +727,74 @@ def test_a_shared_connection_s_alike_one_image_pixel_requests_run_as_one_bundle_
     assert len(by_batch) == 2 and all(run[0].batch_size == by_batch[run[0].batch_id] for run in runs)
     wait_until(lambda: _outcome_counts(link)["ok"] == before["ok"] + 6 and _all_let_go(link))  # each a request
     assert _outcome_counts(link)["failed"] == before["failed"] + 1
+
+
+@pytest.fixture
+def device_link(settings: Settings, predictor: Predictor, tmp_path: Path) -> Iterator[Link]:
+    """``link``'s engine on the device decode path (its batches decode their JPEGs; the CPU stands for the GPU)."""
+    settings = settings.model_copy(update={"control_dir": tmp_path / "control", "decode_path": "device"})
+    joined = Link(settings, Service.build(settings.model_copy(update={"control_dir": None}), predictor)).start()
+    yield joined
+    joined.server.stop(5)
+
+
+def _photos_together(conn: socket.socket, images: dict[int, bytes]) -> None:
+    wire.send(conn, *wire.infers([(ident, wire.Infer("colour", None, None, 5.0, "1", (3, 8, 8), names=(None,)),
+                                   [image]) for ident, image in images.items()]))
+
+
+def _watched_shared_connection(link: Link, monkeypatch: pytest.MonkeyPatch
+                               ) -> tuple[list[int], dict[str, float], socket.socket, wire.FrameReader]:
+    """The bundles answered from here on (``_bundles_answered``), the outcome counts now, and a shared connection
+    (its reads time out after 10 s)."""
+    bundles, before = _bundles_answered(monkeypatch), _outcome_counts(link)
+    conn, reader = _shared_connection(link)
+    conn.settimeout(10)
+    return bundles, before, conn, reader
+
+
+def _four_alike_photos_each_answered_from_its_row(conn: socket.socket, reader: wire.FrameReader) -> None:
+    _photos_together(conn, {ident: image_bytes((RED, BLUE)[ident % 2]) for ident in range(1, 5)})
+    answers = _answers_by_id(reader, 4)
+    assert {ident: int(answer.value.rows.argmax()) for ident, answer in answers.items()} == {
+        ident: 2 * (ident % 2) for ident in range(1, 5)}  # each its own row, in order (red 0, blue 2)
+
+
+def test_on_the_device_path_a_shared_connection_s_alike_one_photo_requests_run_as_one_bundle_a_bad_one_alone(
+        device_link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
+    link = device_link
+    bundles, before, conn, reader = _watched_shared_connection(link, monkeypatch)
+    with conn:
+        _four_alike_photos_each_answered_from_its_row(conn, reader)
+        assert bundles == [4]  # queued and answered as one request of four photos
+        _photos_together(conn, {5: image_bytes(RED), 6: b"\xff\xd8 no jpeg", 7: image_bytes(BLUE)})
+        answers = _answers_by_id(reader, 3)
+        assert answers[6].error is not None and answers[6].error.status == 400  # its header: run apart, alone
+        assert int(answers[5].value.rows.argmax()) == 0 and int(answers[7].value.rows.argmax()) == 2
+        collate = decoders.collate_on_device
+
+        def failing(items: Sequence[Any], *rest: Any) -> Any:  # as a JPEG whose header passed, its pixels not
+            if any(b"BROKEN" in getattr(item, "data", b"") for item in items):
+                raise InvalidImage("the image's pixels could not be decoded")
+            return collate(items, *rest)
+
+        monkeypatch.setattr(decoders, "collate_on_device", failing)
+        broken = _padded(image_bytes(RED), 200)[:-2] + b"BROKEN" + image_bytes(RED)[-2:]
+        _photos_together(conn, {8: image_bytes(RED), 9: broken, 10: image_bytes(BLUE)})
+        answers = _answers_by_id(reader, 3)  # 9 fails in the batch: the bundle runs apart, each judged alone
+    assert answers[9].error is not None and answers[9].error.status == 400 and "pixels" in answers[9].error.message
+    assert int(answers[8].value.rows.argmax()) == 0 and int(answers[10].value.rows.argmax()) == 2
+    assert bundles == [4]  # (the failed bundle's requests answered apart)
+    wait_until(lambda: _outcome_counts(link)["ok"] == before["ok"] + 8 and _all_let_go(link))  # each a request
+
+
+def test_photos_a_version_decodes_on_the_cpu_are_never_bundled_the_decode_threads_take_them_one_by_one(
+        link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
+    bundles, before, conn, reader = _watched_shared_connection(link, monkeypatch)
+    with conn:
+        _four_alike_photos_each_answered_from_its_row(conn, reader)
+    assert bundles == []
+    wait_until(lambda: _outcome_counts(link)["ok"] == before["ok"] + 4 and _all_let_go(link))
 
 
 def test_a_bundle_the_queue_cannot_take_whole_is_queued_request_by_request_as_each_would_be_alone(

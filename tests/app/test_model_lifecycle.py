@@ -423,7 +423,11 @@ def test_a_turn_s_requests_leave_together_each_counted_with_its_outcome_and_once
 def test_a_turn_s_requests_admitted_as_one_share_a_call_and_each_is_counted_as_it_leaves(service: Service) -> None:
     counted = service.counts = RequestTally()  # as an engine's loop counts them
     loaded = service.loaded_version("colour", "1")
-    bundle = service.enter_many("colour", None, None, 4, one_call=True)
+    photos = service.enter_many("colour", None, None, 2, one_call=True)  # encoded, decoded on the CPU: each its own
+    assert photos[0] is not photos[1] and photos[0].call is not photos[1].call  # type: ignore[union-attr]
+    service.leave_many([(photo, None) for photo in photos])  # type: ignore[misc]
+    counted._outcomes.clear()
+    bundle = service.enter_many("colour", None, None, 4, pixels=True, one_call=True)
     one = bundle[0]
     assert all(each is one for each in bundle) and one.requests == 4  # type: ignore[union-attr]
     assert (service.in_flight.count(), loaded.in_use.count(), loaded.arrivals.count()) == (4, 4, 1)
@@ -435,7 +439,8 @@ def test_a_turn_s_requests_admitted_as_one_share_a_call_and_each_is_counted_as_i
     assert dict(counted._outcomes) == {("colour", "1", "live", "refused"): 1, ("colour", "1", "live", "ok"): 2,
                                        ("colour", "1", "live", "failed"): 1}
     assert (service.in_flight.count(), loaded.in_use.count(), loaded.arrivals.count()) == (0, 0, 0)
-    assert service.controller.evidence.traffic("colour", "1").dump()["requests"] == 3  # the refusal is no evidence
+    assert service.controller.evidence.traffic("colour", "1").dump()["requests"] == 2 + 3  # the photos first; the
+    # refusal is no evidence
 
 
 def test_a_turn_s_requests_queued_together_each_get_their_own_answer_whatever_another_s_refusal_raises(
