@@ -46,7 +46,8 @@ from app.engine.batching.batcher import Batcher
 from app.engine.call import Queued, queue_prepared
 from app.engine.contract import CATALOG_CALLS, CATALOG_CHANGES, Signature, not_ready
 from app.engine.service import Admission, Service
-from app.errors import ClientGone, InferenceFailed, Overloaded, ServiceError, ShortDeadline
+from app.errors import (ClientGone, ImageTooLarge, InferenceFailed, InvalidImage, Overloaded, ServiceError,
+                        ShortDeadline, UnsupportedImageFormat)
 from app.link import wire
 from app.link.arena import ArenaError, MappedArena
 from app.link.decode_shares import DecodeShares, encoded_bytes
@@ -188,6 +189,10 @@ class _Part:
     def __init__(self, ident: int, rows: list[np.ndarray], images: list[bytearray]) -> None:
         self.ident, self.rows, self.images = ident, rows, images
         self.cancelled = False
+
+
+_ONE_IMAGE_S = (InvalidImage, ImageTooLarge, UnsupportedImageFormat)  # what one photo of a bundle may be refused
+# for (its header, or its pixels in the batch): the bundle runs apart, its others judged each alone
 
 
 def _bundles(message: wire.Infer, segments: list[bytearray]) -> bool:
@@ -1004,8 +1009,8 @@ class EngineServer:
         Whether they were."""
         queued, parts = exchange.queued, exchange.parts
         refused = queued is None and (isinstance(error, (Overloaded, ShortDeadline))  # judged by its image count,
-                                      or bool(exchange.images))  # or at one's header (InvalidImage, ImageTooLarge)
-        failed = queued is not None and isinstance(error, (InferenceFailed, ServiceError)) and (
+                                      or bool(exchange.images) and isinstance(error, _ONE_IMAGE_S))  # or one header
+        failed = queued is not None and isinstance(error, (InferenceFailed, *_ONE_IMAGE_S)) and (
             queued.group.failed_at >= 0)  # the model's fault, or an image the device could not decode in its batch
         if not (refused or failed) or exchange.cancelled or exchange.conn.closed or parts is None:
             return False

@@ -743,6 +743,20 @@ def _photos_together(conn: socket.socket, images: dict[int, bytes]) -> None:
                                    [image]) for ident, image in images.items()]))
 
 
+def _broken_in_its_batch(monkeypatch: pytest.MonkeyPatch) -> bytes:
+    """A photo whose header passes and whose pixels fail in its batch (the device path's collate made to refuse
+    it, as a corrupt scan would be)."""
+    collate = decoders.collate_on_device
+
+    def failing(items: Sequence[Any], *rest: Any) -> Any:
+        if any(b"BROKEN" in getattr(item, "data", b"") for item in items):
+            raise InvalidImage("the image's pixels could not be decoded")
+        return collate(items, *rest)
+
+    monkeypatch.setattr(decoders, "collate_on_device", failing)
+    return _padded(image_bytes(RED), 200)[:-2] + b"BROKEN" + image_bytes(RED)[-2:]
+
+
 def _watched_shared_connection(link: Link, monkeypatch: pytest.MonkeyPatch
                                ) -> tuple[list[int], dict[str, float], socket.socket, wire.FrameReader]:
     """The bundles answered from here on (``_bundles_answered``), the outcome counts now, and a shared connection
@@ -771,21 +785,31 @@ def test_on_the_device_path_a_shared_connection_s_alike_one_photo_requests_run_a
         answers = _answers_by_id(reader, 3)
         assert answers[6].error is not None and answers[6].error.status == 400  # its header: run apart, alone
         assert int(answers[5].value.rows.argmax()) == 0 and int(answers[7].value.rows.argmax()) == 2
-        collate = decoders.collate_on_device
-
-        def failing(items: Sequence[Any], *rest: Any) -> Any:  # as a JPEG whose header passed, its pixels not
-            if any(b"BROKEN" in getattr(item, "data", b"") for item in items):
-                raise InvalidImage("the image's pixels could not be decoded")
-            return collate(items, *rest)
-
-        monkeypatch.setattr(decoders, "collate_on_device", failing)
-        broken = _padded(image_bytes(RED), 200)[:-2] + b"BROKEN" + image_bytes(RED)[-2:]
-        _photos_together(conn, {8: image_bytes(RED), 9: broken, 10: image_bytes(BLUE)})
+        _photos_together(conn, {8: image_bytes(RED), 9: _broken_in_its_batch(monkeypatch), 10: image_bytes(BLUE)})
         answers = _answers_by_id(reader, 3)  # 9 fails in the batch: the bundle runs apart, each judged alone
     assert answers[9].error is not None and answers[9].error.status == 400 and "pixels" in answers[9].error.message
     assert int(answers[8].value.rows.argmax()) == 0 and int(answers[10].value.rows.argmax()) == 2
     assert bundles == [4]  # (the failed bundle's requests answered apart)
     wait_until(lambda: _outcome_counts(link)["ok"] == before["ok"] + 8 and _all_let_go(link))  # each a request
+
+
+def test_a_photo_bundle_across_two_batches_failing_at_its_first_photo_leaves_its_others_the_queue_s_room(
+        device_link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: the failed group's four photos still queued held their room (QUEUE_SIZE 8) while the bundle's
+    # requests were queued again one by one: four of them answered 429
+    link = device_link
+    for _ in range(3):  # batches known short: the loop runs them (the first of a version never does)
+        infer(link.worker, [image_bytes(RED)])
+    bundles, before, conn, reader = _watched_shared_connection(link, monkeypatch)
+    with conn:  # eight alike (MAX_BATCH_SIZE 4: two batches), the first failing in its batch
+        _photos_together(conn, {1: _broken_in_its_batch(monkeypatch),
+                                **{ident: image_bytes(BLUE) for ident in range(2, 9)}})
+        answers = _answers_by_id(reader, 8)
+    assert answers[1].error is not None and answers[1].error.status == 400
+    assert {ident: answers[ident].error for ident in range(2, 9)} == {ident: None for ident in range(2, 9)}
+    assert all(int(answers[ident].value.rows.argmax()) == 2 for ident in range(2, 9))
+    wait_until(lambda: _outcome_counts(link)["ok"] == before["ok"] + 7 and _all_let_go(link))
+    assert link.engine.loaded_version().batcher.depth == 0
 
 
 def test_photos_a_version_decodes_on_the_cpu_are_never_bundled_the_decode_threads_take_them_one_by_one(

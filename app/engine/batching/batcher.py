@@ -161,10 +161,10 @@ class Batcher(Generic[In, Out]):
         self.queue_size = queue_size
         self._queue: collections.deque[_Pending[In]] = collections.deque()
         # What admission counts as the backlog: the queued items someone still waits for, kept as items change state
-        # (queued, taken, dropped; a group cancelled while queued: all of its items at once), never a scan
+        # (queued, taken, dropped; a group cancelled or failed: its items still queued at once, the groups' hooks)
         self._live = 0
         self._expired: list[_Pending[In]] = []  # taken past their deadline, to fail once the lock is let go
-        self._dropped_unrun = self._group_cancelled  # each group's cancel hook: one bound method, not one a request
+        self._dropped_unrun, self._failed_unrun = self._group_cancelled, self._group_failed
         self._background: collections.deque[BackgroundJob] = collections.deque()
         self._cond = threading.Condition()
         self._depth_reported_at = -math.inf
@@ -263,7 +263,7 @@ class Batcher(Generic[In, Out]):
         ``defer``: queued only, the worker not woken: the caller queues more (a loop turn's requests), then
         ``run_queued`` runs them or wakes it."""
         now = time.monotonic()
-        group: Group[Out] = Group(len(items), self._dropped_unrun)
+        group: Group[Out] = Group(len(items), self._dropped_unrun, self._failed_unrun)
         self._queue_pending([_Pending(item, None, now, deadline, group, index) for index, item in enumerate(items)],
                             deadline, inline and not defer, now, wake=not defer)
         return group
@@ -275,7 +275,7 @@ class Batcher(Generic[In, Out]):
         others' fate not its). The worker is not woken: ``run_queued`` runs them or wakes it."""
         now = time.monotonic()
         answers: list[Group[Out] | Exception] = []
-        queue, dropped_unrun = self._queue, self._dropped_unrun
+        queue, dropped_unrun, failed_unrun = self._queue, self._dropped_unrun, self._failed_unrun
         with self._cond:
             fits_from = self._fits_from(requests, now)
             for items, deadline in requests:
@@ -286,7 +286,7 @@ class Batcher(Generic[In, Out]):
                 except Exception as exc:  # noqa: BLE001 - a refusal (a BatcherError), or a request's own fault
                     answers.append(exc)
                     continue
-                group: Group[Out] = Group(len(items), dropped_unrun)
+                group: Group[Out] = Group(len(items), dropped_unrun, failed_unrun)
                 if len(items) == 1:  # (most requests: one image)
                     queue.append(_Pending(items[0], None, now, deadline, group, 0))
                 else:
@@ -617,6 +617,18 @@ class Batcher(Generic[In, Out]):
         queued, no longer count as backlog; ``_take`` skips them unrun."""
         with self._cond:
             self._live -= count
+
+    def _group_failed(self, group: Group) -> None:
+        """A group failed (one of its items, or its deadline): its items still queued dropped unrun at once, so they
+        stop counting as backlog (a bundle's requests run again one by one find the room they held). Rare: one
+        pass over the queue."""
+        with self._cond:
+            queue = self._queue
+            kept = [pending for pending in queue if pending.group is not group]
+            if len(kept) != len(queue):
+                self._live -= len(queue) - len(kept)
+                queue.clear()
+                queue.extend(kept)
 
     def _fail_expired(self) -> None:
         """Holding the queue, the lock let go (a failure runs its caller's callbacks): the items ``_take`` found

@@ -116,7 +116,9 @@ class Group(Generic[Out]):
     """Items queued together and answered together (``Batcher.submit_group``): their outputs, in order, once the last
     one has its row, and the batches they ran in (``runs``); the first item that fails fails the group (``failed_at``
     says which). Cancelled before any of its items is taken into a batch, they are dropped unrun (``on_cancel``, the
-    queue's, told how many at once, so they stop counting as its backlog); once one is, it runs to its end.
+    queue's, told how many at once, so they stop counting as its backlog); once one is, it runs to its end. Failed,
+    its items still queued are dropped unrun (``on_failed``, the queue's, told at once: a request run again after
+    its group failed finds the room they held).
 
     Its own completion, as much of a ``concurrent.futures.Future``'s as a request needs (``done``, ``cancel``,
     ``result``, ``add_done_callback``, ``wait``): one plain lock taken at each of its few changes of state and an event
@@ -124,9 +126,10 @@ class Group(Generic[Out]):
     it the rows of its consecutive items at once (``set_rows``): no object and no call per item."""
 
     __slots__ = ("values", "_runs", "left", "started", "over", "failed_at", "_error", "_cancelled", "_callbacks",
-                 "_lock", "_finished", "_on_cancel")
+                 "_lock", "_finished", "_on_cancel", "_on_failed")
 
-    def __init__(self, size: int, on_cancel: Callable[[int], object] | None = None) -> None:
+    def __init__(self, size: int, on_cancel: Callable[[int], object] | None = None,
+                 on_failed: Callable[["Group[Out]"], object] | None = None) -> None:
         self.values: list[Out | None] = [None] * size
         self._runs: list[tuple[int, BatchRun]] = []  # (first item, its run), as the batches came
         self.left, self.started, self.over, self.failed_at = size, False, False, -1
@@ -135,7 +138,7 @@ class Group(Generic[Out]):
         self._callbacks: list[Callable[["Group[Out]"], object]] | None = []  # None once done
         self._lock = threading.Lock()
         self._finished: threading.Event | None = None  # made by the first wait that finds it not done
-        self._on_cancel = on_cancel
+        self._on_cancel, self._on_failed = on_cancel, on_failed
 
     # -- the batcher's side ----------------------------------------------------------------------------------------
 
@@ -171,6 +174,8 @@ class Group(Generic[Out]):
             if self.over:
                 return
             self.over, self.failed_at, self._error = True, index, exc
+        if self._on_failed is not None and len(self.values) > 1:  # (one item: it was the one that failed)
+            self._on_failed(self)
         self._finish()
 
     def _finish(self) -> None:
