@@ -80,11 +80,12 @@ class Call:
     are queued). ``shadow`` (a rollout's shadow share) gets the images and the answer once it is ready, off the
     response path."""
 
-    __slots__ = ("_version", "_arrived", "_max_images", "_shadow", "model", "takes_pixels")
+    __slots__ = ("_version", "_arrived", "_max_images", "_shadow", "model", "takes_pixels", "requests")
 
     def __init__(self, version: LoadedVersion, arrived: Callable[[], None], max_images: int,
-                 shadow: ShadowOffer | None = None, takes_pixels: bool = True) -> None:
+                 shadow: ShadowOffer | None = None, takes_pixels: bool = True, requests: int = 1) -> None:
         self._version, self._arrived, self._max_images, self._shadow = version, arrived, max_images, shadow
+        self.requests = requests  # the requests it runs: one, or a bundle's (``Service.enter_many``'s one call)
         self.model = version.signature
         self.takes_pixels = takes_pixels  # False: a canary of another input than the pixels of an unversioned
         # request are shaped for (the default's): the protocol raises PixelsForTheDefault on seeing pixels
@@ -202,6 +203,7 @@ class Call:
         for run in runs:
             per_row += [(run if run.rows == 1 else BatchRun(1, *run[1:]),)] * run.rows
         model, columns = self.model, None if embedding or not self.model.embedding_dim else len(self.model.labels)
+        decode_s = queued.decode_s / max(1, len(values))  # each image's share of the headers (or decode) they took
         labels = model.labels if labels is None else labels
         answers = []
         for value, run in zip(values, per_row):
@@ -209,7 +211,7 @@ class Call:
                 value = np.asarray(value)
             rows = value[None] if columns is None else value[None, :columns]
             _numbers(rows)
-            answers.append(Served(rows, run, model.name, model.version, labels, queued.decode_s, queued.started_ns,
+            answers.append(Served(rows, run, model.name, model.version, labels, decode_s, queued.started_ns,
                                   model.embedding_dim if embedding else 0))
         return answers
 
@@ -240,7 +242,9 @@ class Call:
             except ServiceError as exc:
                 raise _named(exc, index, names) from None
         decode_s, decode_cpu_s = time.perf_counter() - started, time.thread_time() - cpu_started
-        series(STAGE_SECONDS, "decode").observe(decode_s)
+        decoded = series(STAGE_SECONDS, "decode")
+        for _ in range(self.requests):  # per request: a bundle's each its share
+            decoded.observe(decode_s / self.requests)
         series(STAGE_CPU_SECONDS, "decode").inc(decode_cpu_s)
         return prepared, decode_s, decode_cpu_s
 

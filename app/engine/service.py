@@ -231,7 +231,7 @@ class Service(Lifecycle):
         traffic, started, max_images = self._traffic_of(route), time.perf_counter(), self.settings.max_images
         if one_call and (pixels or route.version.decoder.path == "device"):
             arrived = route.version.arrivals.begin()
-            call = Call(route.version, arrived, max_images * count, None, route.takes_pixels)
+            call = Call(route.version, arrived, max_images * count, None, route.takes_pixels, count)
             return [Admission(self, route, traffic, started, arrived, call, count)] * count
         return [Admission(self, route, traffic, started, arrived,
                           Call(route.version, arrived, max_images, None, route.takes_pixels))

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import pytest
+from prometheus_client import REGISTRY
 import torch
 
 import app.engine.decoding.decoders as decoders
@@ -791,6 +792,21 @@ def test_on_the_device_path_a_shared_connection_s_alike_one_photo_requests_run_a
     assert int(answers[8].value.rows.argmax()) == 0 and int(answers[10].value.rows.argmax()) == 2
     assert bundles == [4]  # (the failed bundle's requests answered apart)
     wait_until(lambda: _outcome_counts(link)["ok"] == before["ok"] + 8 and _all_let_go(link))  # each a request
+
+
+def test_each_photo_of_a_bundle_is_timed_and_counted_as_its_own_request_s_decode(
+        device_link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
+    def decodes() -> float:
+        return REGISTRY.get_sample_value("visionserve_stage_duration_seconds_count", {"stage": "decode"}) or 0.0
+
+    bundles, _, conn, reader = _watched_shared_connection(device_link, monkeypatch)
+    before = decodes()
+    with conn:
+        _photos_together(conn, {ident: image_bytes(BLUE) for ident in range(1, 5)})
+        answers = _answers_by_id(reader, 4)
+    assert bundles == [4] and decodes() == before + 4  # one observation a request, not one a bundle
+    shares = {answer.value.decode_s for answer in answers.values()}
+    assert len(shares) == 1 and 0 < shares.pop() < 1  # each its share of the bundle's header reads
 
 
 def test_a_photo_bundle_across_two_batches_failing_at_its_first_photo_leaves_its_others_the_queue_s_room(
