@@ -191,8 +191,8 @@ class _Part:
         self.cancelled = False
 
 
-_ONE_IMAGE_S = (InvalidImage, ImageTooLarge, UnsupportedImageFormat)  # what one photo of a bundle may be refused
-# for (its header, or its pixels in the batch): the bundle runs apart, its others judged each alone
+_ONE_IMAGE_ERRORS = (InvalidImage, ImageTooLarge, UnsupportedImageFormat)  # what one photo of a bundle may be
+# refused for (its header, or its pixels in the batch): the bundle runs apart, its others judged each alone
 
 
 def _bundles(message: wire.Infer, segments: list[bytearray]) -> bool:
@@ -1009,8 +1009,8 @@ class EngineServer:
         Whether they were."""
         queued, parts = exchange.queued, exchange.parts
         refused = queued is None and (isinstance(error, (Overloaded, ShortDeadline))  # judged by its image count,
-                                      or bool(exchange.images) and isinstance(error, _ONE_IMAGE_S))  # or one header
-        failed = queued is not None and isinstance(error, (InferenceFailed, *_ONE_IMAGE_S)) and (
+                                      or bool(exchange.images) and isinstance(error, _ONE_IMAGE_ERRORS))  # or a header
+        failed = queued is not None and isinstance(error, (InferenceFailed, *_ONE_IMAGE_ERRORS)) and (
             queued.group.failed_at >= 0)  # the model's fault, or an image the device could not decode in its batch
         if not (refused or failed) or exchange.cancelled or exchange.conn.closed or parts is None:
             return False
