@@ -1003,10 +1003,10 @@ class EngineServer:
         short for all of them: Overloaded, ShortDeadline), one of encoded images refused before it was queued (one
         image's header: InvalidImage, ImageTooLarge, ...), or whose group failed at one of its images (the model's
         fault: the batcher ran the failed batch's images again one by one to find it; or an image the device could
-        not decode in its batch): its requests still waited
-        for queued again, each its own exchange and group with the bundle's deadline, so each is judged and
-        answered on its own (after the turn's other requests: a later one of them may have taken the room first).
-        Whether they were."""
+        not decode in its batch): its requests still waited for queued again, each its own exchange and group with
+        the bundle's deadline, so each is judged and answered on its own (after the turn's other requests: a later
+        one of them may have taken the room first; one refused at a header, before those of the turn still to
+        queue). Whether they were."""
         queued, parts = exchange.queued, exchange.parts
         refused = queued is None and (isinstance(error, (Overloaded, ShortDeadline))  # judged by its image count,
                                       or bool(exchange.images) and isinstance(error, _ONE_IMAGE_ERRORS))  # or a header
