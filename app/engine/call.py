@@ -203,7 +203,7 @@ class Call:
         for run in runs:
             per_row += [(run if run.rows == 1 else BatchRun(1, *run[1:]),)] * run.rows
         model, columns = self.model, None if embedding or not self.model.embedding_dim else len(self.model.labels)
-        decode_s = queued.decode_s / max(1, len(values))  # each image's share of the headers (or decode) they took
+        decode_s = queued.decode_s / self.requests  # each request's share of the headers (or decode) they took
         labels = model.labels if labels is None else labels
         answers = []
         for value, run in zip(values, per_row):

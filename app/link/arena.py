@@ -61,7 +61,7 @@ class Arena:
             raise
         self._view = memoryview(self._map)
         self._places: collections.deque[tuple[int, int, int]] = collections.deque()
-        self.placed_bytes = 0  # images placed so far (the link's figures)
+        self.placed_bytes = 0  # image bytes placed so far, in all
 
     def _start_for(self, length: int) -> int | None:
         """Where ``length`` bytes fit after the last place (or from the front), None when nowhere now."""

@@ -42,6 +42,18 @@ SEND_BUFFER_BYTES = 4 << 20  # a loop turn's requests in one send: 16 photos of 
 TURN_WAIT_S = 1.0  # the longest a sender waits for the loop to come round (it runs the ready requests, then it)
 
 
+def offered_arena(conn: socket.socket, size: int) -> Arena:
+    """An arena of ``size`` bytes made and offered on a new connection (its first message after the hello):
+    OSError when none can be made, EngineGone when the offer cannot be sent (the arena closed then)."""
+    arena = Arena(size)
+    try:
+        wire.send_with_fd(conn, wire.ArenaOffer(arena.size), arena.fd)
+    except BaseException:
+        arena.close()
+        raise
+    return arena
+
+
 class _Asked:
     """A request sent on the link: the event its request waits for, and its answer (or why there is none)."""
 
@@ -144,16 +156,10 @@ class LoopLink:
         if not self._arena_bytes:
             return None
         try:
-            arena = Arena(self._arena_bytes)
+            return offered_arena(conn, self._arena_bytes)
         except (OSError, AttributeError) as exc:  # (AttributeError: a system without memfds or seals)
             log.warning("no shared memory for the engine link's images (%s): they go through its socket", exc)
             return None
-        try:
-            wire.send_with_fd(conn, wire.ArenaOffer(arena.size), arena.fd)
-        except BaseException:
-            arena.close()
-            raise
-        return arena
 
     def _send_outbox(self, loop: OnLoop | None) -> None:
         """This request sends the outbox: with ``loop``, once the loop has run its other ready requests (which add

@@ -401,14 +401,10 @@ def _offered_arena(wire: Any, conn: Any) -> Any:
     if not hasattr(wire, "ArenaOffer"):
         return None
     from app.config import Settings
-    from app.link.arena import Arena
+    from app.link.loop_link import offered_arena
 
     size = int(os.environ.get("VISIONSERVE_LINK_ARENA_MB", Settings.model_fields["link_arena_mb"].default)) << 20
-    if not size:
-        return None
-    arena = Arena(size)
-    wire.send_with_fd(conn, wire.ArenaOffer(arena.size), arena.fd)
-    return arena
+    return offered_arena(conn, size) if size else None
 
 
 def _drive_threads(checkout: Path, sock: Path, form: str, concurrency: int, seconds: float,
