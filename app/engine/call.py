@@ -90,6 +90,14 @@ class Call:
         self.takes_pixels = takes_pixels  # False: a canary of another input than the pixels of an unversioned
         # request are shaped for (the default's): the protocol raises PixelsForTheDefault on seeing pixels
 
+    def one(self) -> "Call":
+        """A call for one of the requests this one runs (a bundle's, run apart, each then timed, counted and
+        judged as a request alone): the same version, arrival and shadow, one request's room; itself when it runs
+        one."""
+        if self.requests == 1:
+            return self
+        return Call(self._version, self._arrived, self._max_images // self.requests, self._shadow, self.takes_pixels)
+
     @property
     def decodes_on_host(self) -> bool:
         """Whether queueing an image decodes it here on the CPU (the PIL and tensor paths), not only reads its

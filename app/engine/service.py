@@ -203,7 +203,8 @@ class Service(Lifecycle):
         return self._admitted(self._held(name, version, client_key, pixels), images, timeout_s)
 
     def enter_many(self, name: str | None, version: str | None, client_key: str | None, count: int,
-                   pixels: bool = False, one_call: bool = False) -> list[Admission | ServiceError]:
+                   pixels: bool = False, one_call: bool = False, decode_runs: Sequence[int] = ()
+                   ) -> list[Admission | ServiceError]:
         """``enter`` for ``count`` requests alike (an event loop turn's for one model, version and client key), in
         one pass: readiness, routing and what they hold counted once for them all, unless a rollout draws each its
         own version; each request its own Admission, in order, or the error that refused it (its version not live).
@@ -211,8 +212,9 @@ class Service(Lifecycle):
         routing gave them all one route without a shadow, one Admission stands for all of them (``requests``), in
         every place of the list: one ``Call`` (room for all their images) and one arrival, their images queued as
         one request's (an event loop's bundle), each counted as a request when it leaves (``leave_one``, or all
-        that are left at once); else each its own (and for encoded images the version decodes on the CPU: a
-        loop's decode threads take them request by request)."""
+        that are left at once); for encoded images the version decodes on the CPU, one for each run of
+        ``decode_runs`` (the lengths of consecutive runs of them, as many as a loop's decode threads take: each
+        run one thread's; none given: each request its own)."""
         self.in_flight.add(count)
         try:
             self.require_ready()
@@ -230,12 +232,14 @@ class Service(Lifecycle):
             return [refusal] * count
         traffic, started, max_images = self._traffic_of(route), time.perf_counter(), self.settings.max_images
         if one_call and (pixels or route.version.decoder.path == "device"):
-            arrived = route.version.arrivals.begin()
-            call = Call(route.version, arrived, max_images * count, None, route.takes_pixels, count)
-            return [Admission(self, route, traffic, started, arrived, call, count)] * count
-        return [Admission(self, route, traffic, started, arrived,
-                          Call(route.version, arrived, max_images, None, route.takes_pixels))
-                for arrived in route.version.arrivals.begin_many(count)]
+            decode_runs = (count,)
+        elif not one_call or not decode_runs:
+            decode_runs = (1,) * count
+        admissions: list[Admission | ServiceError] = []
+        for requests, arrived in zip(decode_runs, route.version.arrivals.begin_many(len(decode_runs))):
+            call = Call(route.version, arrived, max_images * requests, None, route.takes_pixels, requests)
+            admissions += [Admission(self, route, traffic, started, arrived, call, requests)] * requests
+        return admissions
 
     def _admitted_or_refused(self, route: Route) -> Admission | ServiceError:
         try:
@@ -410,8 +414,10 @@ class Admission:
             self.leave(error)
 
     def apart(self) -> "Admission":
-        """One of the requests it stands for, admitted on its own from here (its own ``leave``), sharing its
-        call, route and start; the last one is this one."""
+        """One of the requests it stands for, admitted on its own from here (its own ``leave``), sharing its route,
+        arrival and start, and a call of one request (``Call.one``: from here on, this one's too); the last one is
+        this one."""
+        self.call = self.call.one()
         if self.requests <= 1:
             return self
         self.requests -= 1

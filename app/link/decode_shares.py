@@ -1,7 +1,9 @@
 """How an engine loop turn's CPU decoding is handed out (app/link/loop.py): to the decode threads in at most one
-share per thread, each worth a hand-off, or kept on the loop when all of it decodes in less than one hand-off costs.
-What a request's decoding is expected to cost comes from its encoded bytes and the decode CPU per byte measured so
-far (requests refused before their decode left out), so one large photo after small ones is still handed off."""
+share per thread, each worth a hand-off, or kept on the loop when all of it decodes in less than one hand-off costs;
+a bundle of alike photos (one call for several requests) admitted as as many bundles as its decoding is worth shares
+(``runs``). What a request's decoding is expected to cost comes from its encoded bytes and the decode CPU per byte
+measured so far (requests refused before their decode left out), so one large photo after small ones is still handed
+off."""
 from __future__ import annotations
 
 from typing import Protocol, Sequence, TypeVar
@@ -41,9 +43,7 @@ class DecodeShares:
         if not requests:
             return []
         sized = sorted(((encoded_bytes(request), request) for request in requests), key=lambda pair: -pair[0])
-        per_byte = self.s_per_byte
-        worth = len(requests) if per_byte is None else int(sum(size for size, _ in sized) * per_byte / HAND_OFF_S)
-        count = max(1, min(self.threads, len(requests), worth))
+        count = self._count([size for size, _ in sized])
         if count == 1:
             return [list(requests)]
         shares: list[list[R]] = [[] for _ in range(count)]
@@ -53,6 +53,25 @@ class DecodeShares:
             shares[lightest].append(request)
             loads[lightest] += size
         return shares
+
+    def runs(self, sizes: Sequence[int]) -> list[int]:
+        """Requests of ``sizes`` encoded bytes, in order, as the lengths of the consecutive runs ``shares`` would
+        hand out as many shares (each a bundle: one call, decoded by one thread), about even in bytes."""
+        count = self._count(sizes)
+        runs, total, taken, length = [], sum(sizes), 0, 0
+        for size in sizes:
+            taken, length = taken + size, length + 1
+            if taken * count >= total * (len(runs) + 1) and len(runs) < count - 1:  # this run's part of the bytes
+                runs.append(length)
+                length = 0
+        return runs + [length] if length else runs
+
+    def _count(self, sizes: Sequence[int]) -> int:
+        """How many shares requests of ``sizes`` encoded bytes are worth: one a thread at most, each at least
+        HAND_OFF_S of expected decoding (each request one until the decode is measured)."""
+        per_byte = self.s_per_byte
+        worth = len(sizes) if per_byte is None else int(sum(sizes) * per_byte / HAND_OFF_S)
+        return max(1, min(self.threads, len(sizes), worth))
 
     def measured(self, decoded_bytes: int, cpu_s: float) -> None:
         """``decoded_bytes`` of images took ``cpu_s`` of a thread's CPU to decode and queue."""

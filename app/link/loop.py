@@ -5,15 +5,16 @@ logged), then carries one exchange at a time, or, once it sent ``Infers`` (the c
 requests share: app/link/loop_link.py), many: requests several to a message, each under its id, a ``Cancel`` for
 those whose client left (and its closing for all of them), and their answers sent together, one ``Answers`` a loop
 turn:
-- ``Infer``: read with the others of its loop turn (the loop waits up to ``MAX_WAIT_MS`` for more while they
-  come faster than that and waiting brings more: app/link/gathering.py), the request admitted with those alike of
-  its turn (``Service.enter_many``: readiness and routing once for them, each its outcome counted; a lone one by
-  ``Service.enter``; a shared connection's one-image requests alike to the last detail as one bundle: one
-  admission, call and group for all of them, each answered from its row), its images queued (a version's
-  together, ``call.queue_prepared``; a lone one, or those the CPU decodes, by ``Call.queue``, the latter on a few
-  threads) and, once the batcher's thread has counted them done (or the loop ran a turn's short batch itself), the
-  ``Served`` answered from the loop (``Call.answer``); its deadline passing first answers 504, and anything
-  readable from the HTTP side meanwhile means its client hung up (the images still queued are dropped).
+- ``Infer``: read with the others of its loop turn (the loop waits up to ``MAX_WAIT_MS`` for more while they come
+  faster than that and waiting brings more: app/link/gathering.py), the request admitted with those alike of its
+  turn (``Service.enter_many``: readiness and routing once for them, each its outcome counted; a lone one by
+  ``Service.enter``; a shared connection's one-image requests alike to the last detail as one bundle: one admission,
+  call and group for all of them, each answered from its row; photos the CPU decodes, a bundle a decode thread's
+  share), its images queued (a version's together, ``call.queue_prepared``; a lone one, or those the CPU decodes, by
+  ``Call.queue``, the latter on a few threads) and, once the batcher's thread has counted them done (or the loop ran
+  a turn's short batch itself), the ``Served`` answered from the loop (``Call.answer``); its deadline passing first
+  answers 504, and anything readable from the HTTP side meanwhile means its client hung up (the images still queued
+  are dropped).
 - ``Unanswered``: a request the HTTP side refused before sending it, admitted and ended with its error (no answer).
 - ``CatalogCall``: one of ``contract.CATALOG_CALLS``, off the loop: a read on the catalog's read thread, a change
   (``contract.CATALOG_CHANGES``, which waits for every engine) on a thread of its own; ``StateQuery``: readiness,
@@ -197,8 +198,8 @@ _ONE_IMAGE_ERRORS = (InvalidImage, ImageTooLarge, UnsupportedImageFormat)  # wha
 
 def _bundles(message: wire.Infer, segments: list[bytearray]) -> bool:
     """Whether a shared connection's request may run in a bundle with others alike: one image, of pixels, or
-    encoded (bundled only where the version decodes in its batch: ``Service.enter_many``), no file name (its errors
-    name no image)."""
+    encoded (where the CPU decodes them, one bundle a decode thread's share: ``Service.enter_many``), no file name
+    (its errors name no image)."""
     if message.tensors:
         return len(message.tensors) == 1 and message.tensors[0][1][0] == 1 and not any(message.names)
     return len(segments) == 1 and not any(message.names)
@@ -651,13 +652,7 @@ class EngineServer:
         first."""
         turn, self._turn = self._turn, []
         admitted = [exchange for exchange in self._admit_turn(turn) if exchange is not None]
-        decoded = [exchange for exchange in admitted if exchange.images and exchange.call.decodes_on_host]
-        self._queue_here([exchange for exchange in admitted if not (exchange.images and exchange.call.decodes_on_host)])
-        if decoded and self.decode_shares.here(decoded):
-            self._queue_all(decoded)
-        else:
-            for share in self.decode_shares.shares(decoded):
-                self._decoders.submit(self._queue_all, share)
+        self._queue(admitted)
         deferred, self._deferred = self._deferred, {}
         ran_here = False  # whether this turn ran batches on the loop: a turn whose requests all went to the decode
         # threads ran none (their batches are the batcher's thread's), so it tells the next turns not to wait either
@@ -701,16 +696,11 @@ class EngineServer:
         admissions: list[Admission | BaseException | None] = [None] * len(turn)
         bundles: dict[int, list[int]] = {}  # a bundle's requests, by the first one's place
         for key, ats in alike.items():
-            message = turn[ats[0]][1]
-            bundled = len(ats) > 1 and isinstance(key, tuple) and len(key) == 7
-            try:
-                admitted: Sequence[Admission | BaseException] = self.service.enter_many(
-                    message.model, message.version, message.client_key, len(ats), bool(message.tensors), bundled)
-            except Exception as exc:  # noqa: BLE001 - every failure is answered, never a dropped connection
-                admitted = [exc] * len(ats)
-            first, last = admitted[0], admitted[-1]
-            if bundled and isinstance(first, Admission) and isinstance(last, Admission) and first.call is last.call:
-                bundles[ats[0]] = ats  # (each its own call: a rollout's draws, photos the CPU decodes)
+            admitted = self._enter_alike([turn[at] for at in ats], isinstance(key, tuple) and len(key) == 7)
+            for _, run in itertools.groupby(zip(ats, admitted), key=lambda pair: id(pair[1])):
+                together = list(run)  # an admission standing for several requests is a bundle's
+                if len(together) > 1 and isinstance(together[0][1], Admission):  # (not a refusal of them all)
+                    bundles[together[0][0]] = [at for at, _ in together]
             for at, admission in zip(ats, admitted):
                 admissions[at] = admission
         exchanges: list[_Exchange | None] = []
@@ -723,6 +713,20 @@ class EngineServer:
             elif admissions[at] is not None:
                 exchanges.append(self._admit(*read, admissions[at]))  # type: ignore[arg-type]
         return exchanges
+
+    def _enter_alike(self, reads: list[tuple[_Connection, wire.Infer, list[bytearray], int | None]], bundles: bool
+                     ) -> Sequence[Admission | BaseException]:
+        """Requests of a turn alike admitted together (``Service.enter_many``), each its admission or what refused
+        it; ``bundles``: alike to the last detail (``_bundles``), admitted as one where they may be (pixels, or photos
+        where the version decodes in its batch), or photos the CPU decodes as one a decode share (``runs``)."""
+        message = reads[0][1]
+        bundled = bundles and len(reads) > 1
+        runs = () if not bundled or message.tensors else self.decode_shares.runs([len(read[2][0]) for read in reads])
+        try:
+            return self.service.enter_many(message.model, message.version, message.client_key, len(reads),
+                                           bool(message.tensors), bundled, runs)
+        except Exception as exc:  # noqa: BLE001 - every failure is answered, never a dropped connection
+            return [exc] * len(reads)
 
     def _admit_bundle(self, reads: list[tuple[_Connection, wire.Infer, list[bytearray], int | None]],
                       admission: Admission) -> _Exchange | None:
@@ -809,6 +813,18 @@ class EngineServer:
             admission.leave_one(exc)
             self._reply(conn, ident, error=_as_error(exc))
             return None
+
+    def _queue(self, exchanges: list[_Exchange]) -> None:
+        """These requests' images queued: those the CPU decodes in a few hand-offs to the decode threads, or here
+        when cheaper (app/link/decode_shares.py), the rest here."""
+        decoded = [exchange for exchange in exchanges if exchange.images and exchange.call.decodes_on_host]
+        self._queue_here([exchange for exchange in exchanges if not (exchange.images and
+                                                                     exchange.call.decodes_on_host)])
+        if decoded and self.decode_shares.here(decoded):
+            self._queue_all(decoded)
+        else:
+            for share in self.decode_shares.shares(decoded):
+                self._decoders.submit(self._queue_all, share)
 
     def _queue_here(self, exchanges: list[_Exchange]) -> None:
         """On the loop: these requests' images queued (their headers read, or none to decode), those of a version
@@ -1001,12 +1017,12 @@ class EngineServer:
     def _run_apart(self, exchange: _Exchange, error: BaseException) -> bool:
         """A bundle the queue refused as one request of all its images (no room for all of them, or a deadline too
         short for all of them: Overloaded, ShortDeadline), one of encoded images refused before it was queued (one
-        image's header: InvalidImage, ImageTooLarge, ...), or whose group failed at one of its images (the model's
-        fault: the batcher ran the failed batch's images again one by one to find it; or an image the device could
-        not decode in its batch): its requests still waited for queued again, each its own exchange and group with
-        the bundle's deadline, so each is judged and answered on its own (after the turn's other requests: a later
-        one of them may have taken the room first; one refused at a header, before those of the turn still to
-        queue). Whether they were."""
+        image's header, or its decode on the CPU: InvalidImage, ImageTooLarge, ...), or whose group failed at one of
+        its images (the model's fault: the batcher ran the failed batch's images again one by one to find it; or an
+        image the device could not decode in its batch): its requests still waited for queued again, each its own
+        exchange, call and group with the bundle's deadline, so each is judged, decoded (as a turn's requests are:
+        ``_queue``) and answered on its own (after the turn's other requests: a later one of them may have taken the
+        room first; one refused at a header, before those of the turn still to queue). Whether they were."""
         queued, parts = exchange.queued, exchange.parts
         refused = queued is None and (isinstance(error, (Overloaded, ShortDeadline))  # judged by its image count,
                                       or bool(exchange.images) and isinstance(error, _ONE_IMAGE_ERRORS))  # or a header
@@ -1023,7 +1039,7 @@ class EngineServer:
                 exchange.conn.exchanges[part.ident] = alone  # type: ignore[index]
                 apart.append(alone)
         exchange.queued = None
-        self._queue_here(apart)
+        self._queue(apart)
         return True
 
     # -- the other exchanges ---------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from app.errors import BadRequest, ClientGone, DeadlineExceeded, InvalidImage, N
 from app.link import wire
 from app.link.arena import Arena
 from app.link.client import RemoteCatalog, RemoteService
-from app.link.decode_shares import HAND_OFF_S
+from app.link.decode_shares import HAND_OFF_S, DecodeShares
 from app.link.gathering import YIELD_WEIGHT
 from app.link.loop import EngineServer
 from app.metrics import BATCHER_EVENTS, VERSION_REQUESTS
@@ -828,13 +828,52 @@ def test_a_photo_bundle_across_two_batches_failing_at_its_first_photo_leaves_its
     assert link.engine.loaded_version().batcher.depth == 0
 
 
-def test_photos_a_version_decodes_on_the_cpu_are_never_bundled_the_decode_threads_take_them_one_by_one(
+def _decoded_on(link: Link) -> list[str]:
+    """The threads the engine's version decodes its photos on, as it does."""
+    decoded_on: list[str] = []
+    version = link.engine.loaded_version()
+    prepare = version.decoder.prepare
+
+    def recorded(data: bytes) -> object:
+        decoded_on.append(threading.current_thread().name)
+        return prepare(data)
+
+    version.decoder.prepare = recorded  # type: ignore[method-assign]
+    return decoded_on
+
+
+def test_photos_a_version_decodes_on_the_cpu_run_as_one_bundle_a_decode_thread_s_share(
         link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
     bundles, before, conn, reader = _watched_shared_connection(link, monkeypatch)
+    decoded_on, shares = _decoded_on(link), link.server.decode_shares
+    shares.threads = 2
     with conn:
+        _four_alike_photos_each_answered_from_its_row(conn, reader)  # not measured yet: each worth a hand-off
+        assert bundles == [2, 2] and all(name.startswith("engine-decode") for name in decoded_on)
+        shares.s_per_byte = HAND_OFF_S / 10_000_000  # all four cheaper than one hand-off: one bundle, on the loop
         _four_alike_photos_each_answered_from_its_row(conn, reader)
-    assert bundles == []
-    wait_until(lambda: _outcome_counts(link)["ok"] == before["ok"] + 4 and _all_let_go(link))
+    assert bundles == [2, 2, 4] and decoded_on[4:] == ["engine-loop"] * 4
+    wait_until(lambda: _outcome_counts(link)["ok"] == before["ok"] + 8 and _all_let_go(link))
+
+
+def test_a_bundle_of_photos_decoded_on_the_cpu_answers_a_bad_one_alone_and_each_decode_once(
+        link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: the bundle's requests run apart shared its call of three requests, so each counted its decode three
+    # times
+    def decodes() -> float:
+        return REGISTRY.get_sample_value("visionserve_stage_duration_seconds_count", {"stage": "decode"}) or 0.0
+
+    bundles, before, conn, reader = _watched_shared_connection(link, monkeypatch)
+    link.server.decode_shares.s_per_byte = HAND_OFF_S / 10_000_000  # one bundle
+    decoded = decodes()
+    with conn:
+        _photos_together(conn, {5: image_bytes(RED), 6: b"\xff\xd8 no jpeg", 7: image_bytes(BLUE)})
+        answers = _answers_by_id(reader, 3)
+    assert answers[6].error is not None and answers[6].error.status == 400  # its decode: run apart, alone
+    assert int(answers[5].value.rows.argmax()) == 0 and int(answers[7].value.rows.argmax()) == 2
+    assert bundles == [] and decodes() == decoded + 2  # each answered alone, each decode counted once
+    wait_until(lambda: _outcome_counts(link)["ok"] == before["ok"] + 2 and _all_let_go(link))
+    assert _outcome_counts(link)["refused"] == before["refused"] + 1
 
 
 def test_a_bundle_the_queue_cannot_take_whole_is_queued_request_by_request_as_each_would_be_alone(
@@ -1488,16 +1527,19 @@ def test_a_turn_s_images_are_decoded_in_a_few_shares_and_on_the_loop_when_that_i
     assert len(plan.shares(turn)) == min(3, plan.threads)
 
 
+def test_a_turn_s_alike_photos_are_admitted_as_consecutive_bundles_one_a_share_they_are_worth() -> None:
+    plan = DecodeShares(3)
+    assert plan.runs([100] * 5) == [2, 2, 1] and plan.runs([10, 10]) == [1, 1]  # not measured: each worth one
+    plan.s_per_byte = HAND_OFF_S / 1_000_000
+    assert plan.runs([1000] * 12) == [12]  # all of them less than a hand-off: one bundle
+    plan.s_per_byte = HAND_OFF_S / 1000  # each worth a hand-off: one a thread, about even in bytes, in order
+    assert plan.runs([1000] * 7) == [3, 2, 2] and plan.runs([5000] + [1000] * 5) == [1, 2, 3]
+    plan.s_per_byte = HAND_OFF_S / 2500  # 7,000 bytes worth two
+    assert plan.runs([1000] * 7) == [4, 3]
+
+
 def test_small_images_are_decoded_on_the_loop_once_their_cost_is_measured(link: Link) -> None:
-    decoded_on: list[str] = []
-    version = link.engine.loaded_version()
-    prepare = version.decoder.prepare
-
-    def recorded(data: bytes) -> object:
-        decoded_on.append(threading.current_thread().name)
-        return prepare(data)
-
-    version.decoder.prepare = recorded  # type: ignore[method-assign]
+    decoded_on = _decoded_on(link)
     # The first decodes' one-time costs (a decoder's first use, on a loaded machine) weigh in the moving average of
     # the cost per byte until a few more decodes took their place: on the loop once it has (30 requests leave room
     # for a first decode 400 times a hand-off). What a decode costs is the machine's: the rule, not a speed, is
@@ -1668,8 +1710,10 @@ def test_an_answer_whose_rows_do_not_cross_fails_alone_and_its_turn_s_others_are
 
     monkeypatch.setattr(Call, "answer", second_of_objects)
     shared, reader = _shared_connection(link)
-    with shared:
-        _sent_together(shared, [1, 2, 3], image_bytes(RED))
+    with shared:  # (each its file name: each its own call, not a bundle's)
+        wire.send(shared, *wire.infers([(ident, wire.Infer("colour", None, None, 5.0, "1", (3, 8, 8),
+                                                           names=(f"{ident}.jpg",)), [image_bytes(RED)])
+                                        for ident in (1, 2, 3)]))
         got: dict[int, wire.Answer] = {}
         while len(got) < 3:
             for answers, _ in reader.read():

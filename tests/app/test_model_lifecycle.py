@@ -426,6 +426,11 @@ def test_a_turn_s_requests_admitted_as_one_share_a_call_and_each_is_counted_as_i
     photos = service.enter_many("colour", None, None, 2, one_call=True)  # encoded, decoded on the CPU: each its own
     assert photos[0] is not photos[1] and photos[0].call is not photos[1].call  # type: ignore[union-attr]
     service.leave_many([(photo, None) for photo in photos])  # type: ignore[misc]
+    shared = service.enter_many("colour", None, None, 5, one_call=True, decode_runs=(3, 2))  # a call a decode share
+    assert [id(each) for each in shared] == [id(shared[0])] * 3 + [id(shared[3])] * 2 and shared[0] is not shared[3]
+    assert [shared[0].call.requests, shared[3].call.requests] == [3, 2]  # type: ignore[union-attr]
+    assert loaded.arrivals.count() == 2
+    service.leave_many([(shared[0], None), (shared[3], None)])  # type: ignore[list-item]
     counted._outcomes.clear()
     bundle = service.enter_many("colour", None, None, 4, pixels=True, one_call=True)
     one = bundle[0]
@@ -433,14 +438,16 @@ def test_a_turn_s_requests_admitted_as_one_share_a_call_and_each_is_counted_as_i
     assert (service.in_flight.count(), loaded.in_use.count(), loaded.arrivals.count()) == (4, 4, 1)
     one.leave_one(ClientGone("left"))  # type: ignore[union-attr]  # one of them ends first
     assert (one.requests, service.in_flight.count(), loaded.in_use.count()) == (3, 3, 3)  # type: ignore[union-attr]
-    apart = one.apart()  # type: ignore[union-attr]  # one of them from here on its own
-    assert apart is not one and apart.call is one.call and one.requests == 2  # type: ignore[union-attr]
+    call = one.call  # type: ignore[union-attr]
+    apart = one.apart()  # type: ignore[union-attr]  # one of them from here on its own, its call one request's
+    assert apart is not one and one.requests == 2 and apart.call is not call  # type: ignore[union-attr]
+    assert (apart.call.requests, apart.call.model, call.requests) == (1, call.model, 4)
     service.leave_many([(one, None), (apart, InferenceFailed("broke")), (one, None)])  # type: ignore[list-item]
     assert dict(counted._outcomes) == {("colour", "1", "live", "refused"): 1, ("colour", "1", "live", "ok"): 2,
                                        ("colour", "1", "live", "failed"): 1}
     assert (service.in_flight.count(), loaded.in_use.count(), loaded.arrivals.count()) == (0, 0, 0)
-    assert service.controller.evidence.traffic("colour", "1").dump()["requests"] == 2 + 3  # the photos first; the
-    # refusal is no evidence
+    assert service.controller.evidence.traffic("colour", "1").dump()["requests"] == 2 + 5 + 3  # the photos first;
+    # the refusal is no evidence
 
 
 def test_a_turn_s_requests_queued_together_each_get_their_own_answer_whatever_another_s_refusal_raises(
