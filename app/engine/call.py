@@ -84,8 +84,10 @@ class Call:
 
     def __init__(self, version: LoadedVersion, arrived: Callable[[], None], max_images: int,
                  shadow: ShadowOffer | None = None, takes_pixels: bool = True, requests: int = 1) -> None:
-        self._version, self._arrived, self._max_images, self._shadow = version, arrived, max_images, shadow
-        self.requests = requests  # the requests it runs: one, or a bundle's (``Service.enter_many``'s one call)
+        self._version, self._arrived, self._shadow = version, arrived, shadow
+        self._max_images = max_images  # a request's
+        self.requests = requests  # the requests it runs: one, or a bundle's (``Service.enter_many``'s one call; as
+        # many as it still runs once they are checked: ``EngineServer._admit_bundle``)
         self.model = version.signature
         self.takes_pixels = takes_pixels  # False: a canary of another input than the pixels of an unversioned
         # request are shaped for (the default's): the protocol raises PixelsForTheDefault on seeing pixels
@@ -96,7 +98,7 @@ class Call:
         one."""
         if self.requests == 1:
             return self
-        return Call(self._version, self._arrived, self._max_images // self.requests, self._shadow, self.takes_pixels)
+        return Call(self._version, self._arrived, self._max_images, self._shadow, self.takes_pixels)
 
     @property
     def decodes_on_host(self) -> bool:
@@ -158,7 +160,7 @@ class Call:
         if (len(images) > 0) == (len(tensors) > 0):  # tensors may be one (N, C, H, W) array: no truth value
             raise BadRequest("the request holds no images" if not images else "send images or tensors, not both")
         count = len(images) or len(tensors)
-        check_image_count(count, self._max_images)
+        check_image_count(count, self._max_images * self.requests)
         deadline = (time.monotonic() if arrived is None else arrived) + timeout_s  # and during the decode too
         if images:  # before any decode: what the queue would refuse costs nothing (submit_many checks pixels)
             _check_room(self._version, count, deadline)
@@ -211,7 +213,7 @@ class Call:
         for run in runs:
             per_row += [(run if run.rows == 1 else BatchRun(1, *run[1:]),)] * run.rows
         model, columns = self.model, None if embedding or not self.model.embedding_dim else len(self.model.labels)
-        decode_s = queued.decode_s / self.requests  # each request's share of the headers (or decode) they took
+        decode_s = queued.decode_s  # each request's decode stage: the bundle's, which it waited for
         labels = model.labels if labels is None else labels
         answers = []
         for value, run in zip(values, per_row):
@@ -251,8 +253,8 @@ class Call:
                 raise _named(exc, index, names) from None
         decode_s, decode_cpu_s = time.perf_counter() - started, time.thread_time() - cpu_started
         decoded = series(STAGE_SECONDS, "decode")
-        for _ in range(self.requests):  # per request: a bundle's each its share
-            decoded.observe(decode_s / self.requests)
+        for _ in range(self.requests):  # per request: a bundle's each its decode stage, the bundle's (the CPU once)
+            decoded.observe(decode_s)
         series(STAGE_CPU_SECONDS, "decode").inc(decode_cpu_s)
         return prepared, decode_s, decode_cpu_s
 

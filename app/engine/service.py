@@ -237,7 +237,7 @@ class Service(Lifecycle):
             decode_runs = (1,) * count
         admissions: list[Admission | ServiceError] = []
         for requests, arrived in zip(decode_runs, route.version.arrivals.begin_many(len(decode_runs))):
-            call = Call(route.version, arrived, max_images * requests, None, route.takes_pixels, requests)
+            call = Call(route.version, arrived, max_images, None, route.takes_pixels, requests)
             admissions += [Admission(self, route, traffic, started, arrived, call, requests)] * requests
         return admissions
 

@@ -1,11 +1,11 @@
 """How an engine loop turn's CPU decoding is handed out (app/link/loop.py): to the decode threads in at most one
 share per thread, each worth a hand-off, or kept on the loop when all of it decodes in less than one hand-off costs;
-a bundle of alike photos (one call for several requests) admitted as as many bundles as its decoding is worth shares
-(``runs``). What a request's decoding is expected to cost comes from its encoded bytes and the decode CPU per byte
-measured so far (requests refused before their decode left out), so one large photo after small ones is still handed
-off."""
+alike photos (one call for several requests) admitted as bundles of about a hand-off's decoding each (``runs``).
+What a request's decoding is expected to cost comes from its encoded bytes and the decode CPU per byte measured so
+far (requests refused before their decode left out), so one large photo after small ones is still handed off."""
 from __future__ import annotations
 
+import math
 from typing import Protocol, Sequence, TypeVar
 
 HAND_OFF_S = 0.005  # what handing a turn's decoding to a thread and back costs, about: less decoding stays here
@@ -55,10 +55,16 @@ class DecodeShares:
         return shares
 
     def runs(self, sizes: Sequence[int]) -> list[int]:
-        """Requests of ``sizes`` encoded bytes, in order, as the lengths of the consecutive runs ``shares`` would
-        hand out as many shares (each a bundle: one call, decoded by one thread), about even in bytes."""
-        count = self._count(sizes)
-        runs, total, taken, length = [], sum(sizes), 0, 0
+        """Requests of ``sizes`` encoded bytes, in order, as the lengths of consecutive runs, each a bundle (one
+        call, decoded by one thread, queued once all of it is; ``shares`` hands them out), each expected to decode
+        within about HAND_OFF_S, so that a bundle's first photo waits little for its last (photos that decode
+        longer are each their own, as every photo is until the decode is measured); about even in bytes."""
+        per_byte = self.s_per_byte
+        if per_byte is None:
+            return [1] * len(sizes)
+        total = sum(sizes)
+        count = min(len(sizes), max(1, math.ceil(total * per_byte / HAND_OFF_S)))
+        runs, taken, length = [], 0, 0
         for size in sizes:
             taken, length = taken + size, length + 1
             if taken * count >= total * (len(runs) + 1) and len(runs) < count - 1:  # this run's part of the bytes

@@ -8,13 +8,13 @@ turn:
 - ``Infer``: read with the others of its loop turn (the loop waits up to ``MAX_WAIT_MS`` for more while they come
   faster than that and waiting brings more: app/link/gathering.py), the request admitted with those alike of its
   turn (``Service.enter_many``: readiness and routing once for them, each its outcome counted; a lone one by
-  ``Service.enter``; a shared connection's one-image requests alike to the last detail as one bundle: one admission,
-  call and group for all of them, each answered from its row; photos the CPU decodes, a bundle a decode thread's
-  share), its images queued (a version's together, ``call.queue_prepared``; a lone one, or those the CPU decodes, by
-  ``Call.queue``, the latter on a few threads) and, once the batcher's thread has counted them done (or the loop ran
-  a turn's short batch itself), the ``Served`` answered from the loop (``Call.answer``); its deadline passing first
-  answers 504, and anything readable from the HTTP side meanwhile means its client hung up (the images still queued
-  are dropped).
+  ``Service.enter``; the shared connections' one-image requests alike to the last detail as one bundle: one
+  admission, call and group for all of them, each answered from its row on its connection; photos the CPU decodes,
+  bundles of about a hand-off's decoding each), its images queued (a version's together, ``call.queue_prepared``; a
+  lone one, or those the CPU decodes, by ``Call.queue``, the latter on a few threads) and, once the batcher's thread
+  has counted them done (or the loop ran a turn's short batch itself), the ``Served`` answered from the loop
+  (``Call.answer``); its deadline passing first answers 504, and anything readable from the HTTP side meanwhile
+  means its client hung up (the images still queued are dropped).
 - ``Unanswered``: a request the HTTP side refused before sending it, admitted and ended with its error (no answer).
 - ``CatalogCall``: one of ``contract.CATALOG_CALLS``, off the loop: a read on the catalog's read thread, a change
   (``contract.CATALOG_CHANGES``, which waits for every engine) on a thread of its own; ``StateQuery``: readiness,
@@ -181,19 +181,22 @@ class _Exchange:
 
 
 class _Part:
-    """One request of a bundle (requests alike of one shared connection, one image each, run as one exchange under
-    one admission that stands for all of them, with the first one's message): its id and its image (its row of
-    pixels, or its encoded image: ``images``), and whether its client left (it is then ended already)."""
+    """One request of a bundle (requests alike of the shared connections, one image each, run as one exchange under
+    one admission that stands for all of them, with the first one's message): its connection and id there, its image
+    (its row of pixels, or its encoded image: ``images``), and whether its client left (it is then ended already)."""
 
-    __slots__ = ("ident", "rows", "images", "cancelled")
+    __slots__ = ("conn", "ident", "rows", "images", "cancelled")
 
-    def __init__(self, ident: int, rows: list[np.ndarray], images: list[bytearray]) -> None:
-        self.ident, self.rows, self.images = ident, rows, images
+    def __init__(self, conn: _Connection, ident: int, rows: list[np.ndarray], images: list[bytearray]) -> None:
+        self.conn, self.ident, self.rows, self.images = conn, ident, rows, images
         self.cancelled = False
 
 
 _ONE_IMAGE_ERRORS = (InvalidImage, ImageTooLarge, UnsupportedImageFormat)  # what one photo of a bundle may be
 # refused for (its header, or its pixels in the batch): the bundle runs apart, its others judged each alone
+
+
+_BUNDLE = object()  # the first of a turn's key for requests that may run as a bundle (``_admit_turn``)
 
 
 def _bundles(message: wire.Infer, segments: list[bytearray]) -> bool:
@@ -411,9 +414,12 @@ class EngineServer:
             conn.arena.close()
         if conn.exchanges is not None:
             self._shared.remove(conn)
-            for exchange in list(conn.exchanges.values()):
-                exchange.cancelled = True
-                self._hang_up(exchange)
+            for ident, exchange in list(conn.exchanges.items()):
+                if exchange.parts is not None:  # a bundle's: its requests of other connections run on
+                    self._cancel_part(exchange, conn, ident)
+                else:
+                    exchange.cancelled = True
+                    self._hang_up(exchange)
 
     def _readable(self, conn: _Connection) -> None:
         """What came of a frame (the hello, requests), or, while a request of this connection is in flight or read
@@ -521,24 +527,25 @@ class EngineServer:
         for ident in ids:
             exchange = conn.exchanges.get(ident)
             if exchange is not None and exchange.parts is not None:
-                self._cancel_part(exchange, ident)
+                self._cancel_part(exchange, conn, ident)
             elif exchange is not None:
                 exchange.cancelled = True
                 self._hang_up(exchange)
             elif ident in conn.unadmitted:
                 conn.cancelled.add(ident)
 
-    def _cancel_part(self, exchange: _Exchange, ident: int) -> None:
-        """A bundle's request whose client left: ended as a hang-up at once, unanswered, its image still run with
-        the others'; the last one's hang-up drops what of the bundle is still queued, as a request's own does."""
-        assert exchange.parts is not None and exchange.conn.exchanges is not None
+    def _cancel_part(self, exchange: _Exchange, conn: _Connection, ident: int) -> None:
+        """A bundle's request (``ident`` of ``conn``) whose client left: ended as a hang-up at once, unanswered, its
+        image still run with the others'; the last one's hang-up drops what of the bundle is still queued, as a
+        request's own does."""
+        assert exchange.parts is not None and conn.exchanges is not None
         if sum(1 for part in exchange.parts if not part.cancelled) <= 1:
             exchange.cancelled = True
             self._hang_up(exchange)
             return
-        exchange.conn.exchanges.pop(ident, None)
+        conn.exchanges.pop(ident, None)
         for part in exchange.parts:
-            if part.ident == ident and not part.cancelled:
+            if part.ident == ident and part.conn is conn and not part.cancelled:
                 part.cancelled = True
                 exchange.admission.leave_one(ClientGone("the client closed the connection; its image runs with the "
                                                         "other requests' of its bundle"))
@@ -671,9 +678,10 @@ class EngineServer:
     def _admit_turn(self, turn: list[tuple[_Connection, wire.Infer, list[bytearray], int | None]]
                     ) -> list[_Exchange | None]:
         """The turn's requests admitted, those alike (model, version, client key, pixels or images) in one pass
-        (``Service.enter_many``): each its exchange, or None (answered, or its client gone), in the turn's order; a
-        shared connection's requests alike to the last detail, one image each (``_bundles``), one exchange for all
-        of them (``_admit_bundle``), in the place of the first. A lone request (an engine with slack) is admitted
+        (``Service.enter_many``): each its exchange, or None (answered, or its client gone), in the turn's order; the
+        shared connections' requests alike to the last detail, one image each (``_bundles``), one exchange for all
+        of them (``_admit_bundle``; photos the CPU decodes, one a run of ``DecodeShares.runs``), in the place of the
+        first. A lone request (an engine with slack) is admitted
         as it comes (``Service.enter``: no grouping to pay for)."""
         if len(turn) == 1:
             message = turn[0][1]
@@ -687,8 +695,8 @@ class EngineServer:
         for at, (conn, message, segments, ident) in enumerate(turn):
             try:
                 key: object = (message.model, message.version, message.client_key, bool(message.tensors))
-                if ident is not None and _bundles(message, segments):  # (its connection, all that makes its answer)
-                    key = (key, conn, message.timeout_s, message.parsed_version, message.parsed_shape,
+                if ident is not None and _bundles(message, segments):  # (all that makes its answer)
+                    key = (_BUNDLE, key, message.timeout_s, message.parsed_version, message.parsed_shape,
                            message.tensors, message.embedding)
                 alike.setdefault(key, []).append(at)
             except Exception:  # noqa: BLE001 - a field no HTTP worker sends (no hash, no truth value): admitted
@@ -696,7 +704,7 @@ class EngineServer:
         admissions: list[Admission | BaseException | None] = [None] * len(turn)
         bundles: dict[int, list[int]] = {}  # a bundle's requests, by the first one's place
         for key, ats in alike.items():
-            admitted = self._enter_alike([turn[at] for at in ats], isinstance(key, tuple) and len(key) == 7)
+            admitted = self._enter_alike([turn[at] for at in ats], isinstance(key, tuple) and key[0] is _BUNDLE)
             for _, run in itertools.groupby(zip(ats, admitted), key=lambda pair: id(pair[1])):
                 together = list(run)  # an admission standing for several requests is a bundle's
                 if len(together) > 1 and isinstance(together[0][1], Admission):  # (not a refusal of them all)
@@ -730,11 +738,10 @@ class EngineServer:
 
     def _admit_bundle(self, reads: list[tuple[_Connection, wire.Infer, list[bytearray], int | None]],
                       admission: Admission) -> _Exchange | None:
-        """A bundle: requests of one shared connection alike to the last detail (``_bundles``), admitted as one
+        """A bundle: requests of the shared connections alike to the last detail (``_bundles``), admitted as one
         (``admission`` stands for all of them); each checked as ``_admit`` checks one (a request that fails is
         answered and leaves alone), those that pass one exchange whose images queue as one request's, each
-        answered from its row (``_end_parts``)."""
-        conn = reads[0][0]
+        answered from its row on its connection (``_end_parts``)."""
         first: tuple[wire.Infer, np.ndarray | None] | None = None  # the first that passed ``_checked``: its message
         # and row, the layout the others' pixels are read in, as what they have alike was judged with it (None:
         # encoded images, each taken as it is)
@@ -742,7 +749,7 @@ class EngineServer:
         images: list[bytearray] = []
         rows: list[np.ndarray] = []
         for read in reads:
-            segments, ident = read[2], read[3]
+            conn, segments, ident = read[0], read[2], read[3]
             inputs: tuple[list[bytearray], list[np.ndarray]] | None = None
             if first is not None and ident not in conn.cancelled and not conn.closed and len(segments) == 1:
                 layout = first[1]
@@ -759,16 +766,17 @@ class EngineServer:
                     continue
                 if first is None:
                     first = read[1], inputs[1][0] if inputs[1] else None
-            parts.append(_Part(ident, inputs[1], inputs[0]))  # type: ignore[arg-type]
+            parts.append(_Part(conn, ident, inputs[1], inputs[0]))  # type: ignore[arg-type]
             images += inputs[0]
             rows += inputs[1]
         if first is None:
             return None
-        exchange = _Exchange(conn, admission, first[0], images, rows, parts[0].ident)
+        admission.call.requests = len(parts)  # (those answered or gone already are not its to time and count)
+        exchange = _Exchange(parts[0].conn, admission, first[0], images, rows, parts[0].ident)
         if len(parts) > 1:
             exchange.parts = parts
         for part in parts:
-            conn.exchanges[part.ident] = exchange  # type: ignore[index]
+            part.conn.exchanges[part.ident] = exchange  # type: ignore[index]
         return exchange
 
     def _admit(self, conn: _Connection, message: wire.Infer, segments: list[bytearray], ident: int | None,
@@ -989,10 +997,10 @@ class EngineServer:
         that ended them all, and leaving as ``_end`` leaves one; one the queue refused whole, or whose model failed
         on one of its images, runs request by request instead (``_run_apart``): one request's pixels never fail
         another's."""
-        conn, parts = exchange.conn, exchange.parts
-        assert parts is not None and conn.exchanges is not None
+        parts = exchange.parts
+        assert parts is not None
         for part in parts:
-            conn.exchanges.pop(part.ident, None)
+            part.conn.exchanges.pop(part.ident, None)  # type: ignore[union-attr]
         answers: list[Any] | None = None
         if error is None:
             try:
@@ -1005,14 +1013,14 @@ class EngineServer:
         if exchange.queued is None:  # as _end: no longer on its way to a batch (one arrival for all of them)
             exchange.admission.arrive()
         exchange.queued = None
-        if exchange.cancelled or conn.closed:  # (its requests still waited for, at once: no answer goes out)
+        if exchange.cancelled:  # (its requests still waited for, at once: no answer goes out)
             exchange.admission.leave(error)
             return
         self._leaving.append((exchange.admission, error))
         answered = None if error is None else _as_error(error)
         for at, part in enumerate(parts):
-            if not part.cancelled:  # (one that is left already, as its client left)
-                self._reply(conn, part.ident, None if answers is None else answers[at], answered)
+            if not part.cancelled:  # (one that is left already, as its client left or its connection closed)
+                self._reply(part.conn, part.ident, None if answers is None else answers[at], answered)
 
     def _run_apart(self, exchange: _Exchange, error: BaseException) -> bool:
         """A bundle the queue refused as one request of all its images (no room for all of them, or a deadline too
@@ -1028,15 +1036,15 @@ class EngineServer:
                                       or bool(exchange.images) and isinstance(error, _ONE_IMAGE_ERRORS))  # or a header
         failed = queued is not None and isinstance(error, (InferenceFailed, *_ONE_IMAGE_ERRORS)) and (
             queued.group.failed_at >= 0)  # the model's fault, or an image the device could not decode in its batch
-        if not (refused or failed) or exchange.cancelled or exchange.conn.closed or parts is None:
+        if not (refused or failed) or exchange.cancelled or parts is None:
             return False
         apart = []
         for part in parts:
             if not part.cancelled:
-                alone = _Exchange(exchange.conn, exchange.admission.apart(), exchange.message, part.images, part.rows,
+                alone = _Exchange(part.conn, exchange.admission.apart(), exchange.message, part.images, part.rows,
                                   part.ident)
                 alone.arrived = exchange.arrived
-                exchange.conn.exchanges[part.ident] = alone  # type: ignore[index]
+                part.conn.exchanges[part.ident] = alone  # type: ignore[index]
                 apart.append(alone)
         exchange.queued = None
         self._queue(apart)

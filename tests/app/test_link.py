@@ -794,19 +794,43 @@ def test_on_the_device_path_a_shared_connection_s_alike_one_photo_requests_run_a
     wait_until(lambda: _outcome_counts(link)["ok"] == before["ok"] + 8 and _all_let_go(link))  # each a request
 
 
+def _decodes() -> float:
+    return REGISTRY.get_sample_value("visionserve_stage_duration_seconds_count", {"stage": "decode"}) or 0.0
+
+
 def test_each_photo_of_a_bundle_is_timed_and_counted_as_its_own_request_s_decode(
         device_link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
-    def decodes() -> float:
-        return REGISTRY.get_sample_value("visionserve_stage_duration_seconds_count", {"stage": "decode"}) or 0.0
-
     bundles, _, conn, reader = _watched_shared_connection(device_link, monkeypatch)
-    before = decodes()
+    before = _decodes()
     with conn:
         _photos_together(conn, {ident: image_bytes(BLUE) for ident in range(1, 5)})
         answers = _answers_by_id(reader, 4)
-    assert bundles == [4] and decodes() == before + 4  # one observation a request, not one a bundle
-    shares = {answer.value.decode_s for answer in answers.values()}
-    assert len(shares) == 1 and 0 < shares.pop() < 1  # each its share of the bundle's header reads
+    assert bundles == [4] and _decodes() == before + 4  # one observation a request, not one a bundle
+    decoded = {answer.value.decode_s for answer in answers.values()}
+    assert len(decoded) == 1 and 0 < decoded.pop() < 1  # each the bundle's header reads, which it waited for
+
+
+@pytest.mark.parametrize("path", ["tensor", "device"])
+def test_a_bundle_counts_and_times_only_the_requests_it_runs(
+        settings: Settings, predictor: Predictor, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    # Before: a request cancelled before its admission still counted in its bundle's call: four decodes observed
+    # for three photos
+    settings = settings.model_copy(update={"control_dir": tmp_path / "control", "decode_path": path})
+    link = Link(settings, Service.build(settings.model_copy(update={"control_dir": None}), predictor)).start()
+    try:
+        bundles, _, conn, reader = _watched_shared_connection(link, monkeypatch)
+        link.server.decode_shares.s_per_byte = HAND_OFF_S / 10_000_000  # one bundle
+        before, held, go = _decodes(), threading.Event(), threading.Event()
+        with conn:
+            link.server._post(lambda: (held.set(), go.wait(10)))  # the loop held: the cancel read with the requests
+            assert held.wait(5)
+            _photos_together(conn, {ident: image_bytes(BLUE) for ident in range(1, 5)})
+            wire.send(conn, wire.Cancel((2,)))
+            go.set()
+            answers = _answers_by_id(reader, 3)
+        assert sorted(answers) == [1, 3, 4] and bundles == [3] and _decodes() == before + 3
+    finally:
+        link.server.stop(5)
 
 
 def test_a_photo_bundle_across_two_batches_failing_at_its_first_photo_leaves_its_others_the_queue_s_room(
@@ -842,18 +866,21 @@ def _decoded_on(link: Link) -> list[str]:
     return decoded_on
 
 
-def test_photos_a_version_decodes_on_the_cpu_run_as_one_bundle_a_decode_thread_s_share(
+def test_photos_a_version_decodes_on_the_cpu_run_as_bundles_of_about_a_hand_off_s_decoding(
         link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
     bundles, before, conn, reader = _watched_shared_connection(link, monkeypatch)
     decoded_on, shares = _decoded_on(link), link.server.decode_shares
     shares.threads = 2
     with conn:
-        _four_alike_photos_each_answered_from_its_row(conn, reader)  # not measured yet: each worth a hand-off
-        assert bundles == [2, 2] and all(name.startswith("engine-decode") for name in decoded_on)
+        _four_alike_photos_each_answered_from_its_row(conn, reader)  # not measured yet: each its own
+        assert bundles == [] and all(name.startswith("engine-decode") for name in decoded_on)
+        shares.s_per_byte = HAND_OFF_S / (2 * max(len(image_bytes(RED)), len(image_bytes(BLUE))))  # two hand-offs
+        _four_alike_photos_each_answered_from_its_row(conn, reader)
+        assert bundles == [2, 2] and all(name.startswith("engine-decode") for name in decoded_on[4:])
         shares.s_per_byte = HAND_OFF_S / 10_000_000  # all four cheaper than one hand-off: one bundle, on the loop
         _four_alike_photos_each_answered_from_its_row(conn, reader)
-    assert bundles == [2, 2, 4] and decoded_on[4:] == ["engine-loop"] * 4
-    wait_until(lambda: _outcome_counts(link)["ok"] == before["ok"] + 8 and _all_let_go(link))
+    assert bundles == [2, 2, 4] and decoded_on[8:] == ["engine-loop"] * 4
+    wait_until(lambda: _outcome_counts(link)["ok"] == before["ok"] + 12 and _all_let_go(link))
 
 
 def test_a_bundle_of_photos_decoded_on_the_cpu_answers_a_bad_one_alone_and_each_decode_once(
@@ -907,33 +934,57 @@ def test_a_bundle_whose_shape_is_of_whole_numbers_of_another_type_answers_each_i
     wait_until(lambda: _all_let_go(link))
 
 
-def _held_and_bundled(link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch, conn: socket.socket,
-                      ids: Sequence[int]) -> None:
-    """A lone request's batch held by the gate on the batcher's thread, and a bundle of ``ids`` (blue pixels)
-    queued behind it on ``conn``, admitted."""
+def _sent_in_one_turn(link: Link, sends: dict[socket.socket, dict[int, int]]) -> None:
+    """Each connection's blue, red or green pixel requests (by id, their colour) sent while the engine's loop is held,
+    so that its next turn reads them all."""
+    held, go = threading.Event(), threading.Event()
+    link.server._post(lambda: (held.set(), go.wait(10)))
+    assert held.wait(5)
+    for conn, colours in sends.items():
+        wire.send(conn, *wire.infers([(ident, _ONE_PIXELS, [_one_colour(colour)])
+                                      for ident, colour in colours.items()]))
+    go.set()
+
+
+def _held_and_bundled(link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch,
+                      sends: dict[socket.socket, dict[int, int]]) -> int:
+    """A lone request's batch held by the gate on the batcher's thread, and the pixel requests of ``sends`` (a
+    bundle: ``_sent_in_one_turn``) queued behind it, admitted; the batches that ran before the held one."""
     _batches_off_the_loop(link, monkeypatch)
     infer(link.worker, [image_bytes(RED)])  # (batches were timed)
     model.gate, batches = threading.Event(), len(model.batch_sizes)
     held = threading.Thread(target=infer, args=(link.worker, [image_bytes(RED)]), daemon=True)
     held.start()
     wait_until(lambda: len(model.batch_sizes) == batches + 1)  # in its forward pass, held there
-    wire.send(conn, *wire.infers([(ident, _ONE_PIXELS, [_one_colour(2)]) for ident in ids]))
-    wait_until(lambda: link.engine.in_flight.count() == 1 + len(ids))
+    _sent_in_one_turn(link, sends)
+    wait_until(lambda: link.engine.in_flight.count() == 1 + sum(map(len, sends.values())))
+    return batches
+
+
+def _left_while_held(link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch,
+                     sends: dict[socket.socket, dict[int, int]], leave: Callable[[], object], left: int
+                     ) -> tuple[int, dict[str, float]]:
+    """``sends`` held and bundled (``_held_and_bundled``), then ``leave`` done: ``left`` of them counted at once, as
+    hang-ups, the others still in flight until the gate opens. The batches before the held one, and the outcome
+    counts before the leave."""
+    try:
+        batches = _held_and_bundled(link, model, monkeypatch, sends)
+        before = _outcome_counts(link)
+        leave()
+        wait_until(lambda: _outcome_counts(link)["refused"] == before["refused"] + left)
+        assert link.engine.in_flight.count() == 1 + sum(map(len, sends.values())) - left
+    finally:
+        assert model.gate is not None
+        model.gate.set()
+    return batches, before
 
 
 def test_a_bundled_request_whose_client_leaves_is_counted_at_once_and_the_bundle_s_others_are_answered(
         link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch) -> None:
     conn, reader = _shared_connection(link)
     conn.settimeout(10)
-    try:
-        _held_and_bundled(link, model, monkeypatch, conn, [1, 2, 3])
-        before = _outcome_counts(link)
-        wire.send(conn, wire.Cancel((2,)))
-        wait_until(lambda: _outcome_counts(link)["refused"] == before["refused"] + 1)  # left at once, as a hang-up
-        assert link.engine.in_flight.count() == 3
-    finally:
-        assert model.gate is not None
-        model.gate.set()
+    _, before = _left_while_held(link, model, monkeypatch, {conn: {1: 2, 2: 2, 3: 2}},
+                                 lambda: wire.send(conn, wire.Cancel((2,))), 1)
     answers = _answers_by_id(reader, 2)
     assert sorted(answers) == [1, 3] and all(int(answer.value.rows.argmax()) == 2 for answer in answers.values())
     wait_until(lambda: _outcome_counts(link)["ok"] == before["ok"] + 3 and _all_let_go(link))  # the lone one's too
@@ -943,13 +994,41 @@ def test_a_bundled_request_whose_client_leaves_is_counted_at_once_and_the_bundle
     conn.close()
 
 
+def test_alike_requests_of_two_shared_connections_in_one_turn_run_as_one_bundle_each_answered_on_its_own(
+        link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
+    bundles, before = _bundles_answered(monkeypatch), _outcome_counts(link)
+    (one, one_read), (two, two_read) = _shared_connection(link), _shared_connection(link)
+    with one, two:
+        one.settimeout(10)
+        two.settimeout(10)
+        _sent_in_one_turn(link, {one: {1: 0, 2: 2}, two: {1: 1, 2: 0, 3: 2}})  # (ids are each connection's own)
+        answers = _answers_by_id(one_read, 2), _answers_by_id(two_read, 3)
+    assert bundles == [5]  # one admission, call and group for the turn's five
+    assert [{ident: int(answer.value.rows.argmax()) for ident, answer in each.items()} for each in answers] == [
+        {1: 0, 2: 2}, {1: 1, 2: 0, 3: 2}]  # each its own row, on its own connection
+    wait_until(lambda: _outcome_counts(link)["ok"] == before["ok"] + 5 and _all_let_go(link))
+
+
+def test_a_connection_that_closes_leaves_its_requests_of_a_bundle_the_other_connection_s_are_answered(
+        link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    (one, _), (two, two_read) = _shared_connection(link), _shared_connection(link)
+    two.settimeout(10)
+    batches, before = _left_while_held(link, model, monkeypatch, {one: {1: 2, 2: 2}, two: {1: 2, 2: 2}},  # a bundle
+                                       one.close, 2)  # its HTTP worker gone: its two requests leave at once
+    answers = _answers_by_id(two_read, 2)
+    assert sorted(answers) == [1, 2] and all(int(answer.value.rows.argmax()) == 2 for answer in answers.values())
+    wait_until(lambda: _outcome_counts(link)["ok"] == before["ok"] + 3 and _all_let_go(link))  # the lone one's too
+    assert model.batch_sizes[batches + 1:] == [4]  # the bundle ran whole, its closed connection's images too
+    two.close()
+
+
 def test_a_bundle_whose_every_client_left_is_dropped_unrun(
         link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch) -> None:
     conn, reader = _shared_connection(link)
     gone = BATCHER_EVENTS.labels("client_gone")
     with conn:
         try:
-            _held_and_bundled(link, model, monkeypatch, conn, [1, 2])
+            _held_and_bundled(link, model, monkeypatch, {conn: {1: 2, 2: 2}})
             dropped, batches = gone._value.get(), len(model.batch_sizes)
             wire.send(conn, wire.Cancel((1,)))
             wire.send(conn, wire.Cancel((2,)))
@@ -1527,15 +1606,17 @@ def test_a_turn_s_images_are_decoded_in_a_few_shares_and_on_the_loop_when_that_i
     assert len(plan.shares(turn)) == min(3, plan.threads)
 
 
-def test_a_turn_s_alike_photos_are_admitted_as_consecutive_bundles_one_a_share_they_are_worth() -> None:
+def test_a_turn_s_alike_photos_are_admitted_as_consecutive_bundles_of_about_a_hand_off_s_decoding() -> None:
     plan = DecodeShares(3)
-    assert plan.runs([100] * 5) == [2, 2, 1] and plan.runs([10, 10]) == [1, 1]  # not measured: each worth one
+    assert plan.runs([100] * 5) == [1] * 5  # not measured: each its own
     plan.s_per_byte = HAND_OFF_S / 1_000_000
     assert plan.runs([1000] * 12) == [12]  # all of them less than a hand-off: one bundle
-    plan.s_per_byte = HAND_OFF_S / 1000  # each worth a hand-off: one a thread, about even in bytes, in order
-    assert plan.runs([1000] * 7) == [3, 2, 2] and plan.runs([5000] + [1000] * 5) == [1, 2, 3]
-    plan.s_per_byte = HAND_OFF_S / 2500  # 7,000 bytes worth two
-    assert plan.runs([1000] * 7) == [4, 3]
+    plan.s_per_byte = HAND_OFF_S / 2500  # 7,000 bytes: about three hand-offs, in order, about even in bytes
+    assert plan.runs([1000] * 7) == [3, 2, 2]
+    plan.s_per_byte = HAND_OFF_S / 5000
+    assert plan.runs([5000] + [1000] * 5) == [1, 5]
+    plan.s_per_byte = HAND_OFF_S / 1000  # each photo two hand-offs: each its own
+    assert plan.runs([2000] * 4) == [1] * 4
 
 
 def test_small_images_are_decoded_on_the_loop_once_their_cost_is_measured(link: Link) -> None:
