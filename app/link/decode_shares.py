@@ -5,7 +5,6 @@ What a request's decoding is expected to cost comes from its encoded bytes and t
 far (requests refused before their decode left out), so one large photo after small ones is still handed off."""
 from __future__ import annotations
 
-import math
 from typing import Protocol, Sequence, TypeVar
 
 HAND_OFF_S = 0.005  # what handing a turn's decoding to a thread and back costs, about: less decoding stays here
@@ -57,19 +56,18 @@ class DecodeShares:
     def runs(self, sizes: Sequence[int]) -> list[int]:
         """Requests of ``sizes`` encoded bytes, in order, as the lengths of consecutive runs, each a bundle (one
         call, decoded by one thread, queued once all of it is; ``shares`` hands them out), each expected to decode
-        within about HAND_OFF_S, so that a bundle's first photo waits little for its last (photos that decode
-        longer are each their own, as every photo is until the decode is measured); about even in bytes."""
+        within HAND_OFF_S, so that a bundle's first photo waits little for its last (a photo that decodes longer
+        runs alone, as every photo does until the decode is measured)."""
         per_byte = self.s_per_byte
         if per_byte is None:
             return [1] * len(sizes)
-        total = sum(sizes)
-        count = min(len(sizes), max(1, math.ceil(total * per_byte / HAND_OFF_S)))
+        limit = HAND_OFF_S / per_byte  # the bytes a hand-off's time decodes
         runs, taken, length = [], 0, 0
         for size in sizes:
-            taken, length = taken + size, length + 1
-            if taken * count >= total * (len(runs) + 1) and len(runs) < count - 1:  # this run's part of the bytes
+            if length and taken + size > limit:
                 runs.append(length)
-                length = 0
+                taken, length = 0, 0
+            taken, length = taken + size, length + 1
         return runs + [length] if length else runs
 
     def _count(self, sizes: Sequence[int]) -> int:

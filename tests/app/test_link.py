@@ -1611,10 +1611,10 @@ def test_a_turn_s_alike_photos_are_admitted_as_consecutive_bundles_of_about_a_ha
     assert plan.runs([100] * 5) == [1] * 5  # not measured: each its own
     plan.s_per_byte = HAND_OFF_S / 1_000_000
     assert plan.runs([1000] * 12) == [12]  # all of them less than a hand-off: one bundle
-    plan.s_per_byte = HAND_OFF_S / 2500  # 7,000 bytes: about three hand-offs, in order, about even in bytes
-    assert plan.runs([1000] * 7) == [3, 2, 2]
-    plan.s_per_byte = HAND_OFF_S / 5000
-    assert plan.runs([5000] + [1000] * 5) == [1, 5]
+    plan.s_per_byte = HAND_OFF_S / 2500  # 7,000 bytes: runs of a hand-off's at most, in order
+    assert plan.runs([1000] * 7) == [2, 2, 2, 1]
+    plan.s_per_byte = HAND_OFF_S / 5000  # a photo of more than a hand-off alone, wherever it comes
+    assert plan.runs([5000] + [1000] * 5) == [1, 5] and plan.runs([1000] * 4 + [20_000] + [1000] * 2) == [4, 1, 2]
     plan.s_per_byte = HAND_OFF_S / 1000  # each photo two hand-offs: each its own
     assert plan.runs([2000] * 4) == [1] * 4
 
