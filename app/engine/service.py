@@ -213,8 +213,8 @@ class Service(Lifecycle):
         every place of the list: one ``Call`` (room for all their images) and one arrival, their images queued as
         one request's (an event loop's bundle), each counted as a request when it leaves (``leave_one``, or all
         that are left at once); for encoded images the version decodes on the CPU, one for each run of
-        ``decode_runs`` (the lengths of consecutive runs of them, as many as a loop's decode threads take: each
-        run one thread's; none given: each request its own)."""
+        ``decode_runs`` (the lengths of consecutive runs of them, each decoded by one thread: a loop's
+        ``DecodeShares.runs``; none given: each request its own)."""
         self.in_flight.add(count)
         try:
             self.require_ready()

@@ -1,6 +1,6 @@
 """How an engine loop turn's CPU decoding is handed out (app/link/loop.py): to the decode threads in at most one
 share per thread, each worth a hand-off, or kept on the loop when all of it decodes in less than one hand-off costs;
-alike photos (one call for several requests) admitted as bundles of about a hand-off's decoding each (``runs``).
+alike photos (one call for several requests) admitted as bundles of a hand-off's decoding at most (``runs``).
 What a request's decoding is expected to cost comes from its encoded bytes and the decode CPU per byte measured so
 far (requests refused before their decode left out), so one large photo after small ones is still handed off."""
 from __future__ import annotations
@@ -42,7 +42,9 @@ class DecodeShares:
         if not requests:
             return []
         sized = sorted(((encoded_bytes(request), request) for request in requests), key=lambda pair: -pair[0])
-        count = self._count([size for size, _ in sized])
+        per_byte = self.s_per_byte
+        worth = len(requests) if per_byte is None else int(sum(size for size, _ in sized) * per_byte / HAND_OFF_S)
+        count = max(1, min(self.threads, len(requests), worth))
         if count == 1:
             return [list(requests)]
         shares: list[list[R]] = [[] for _ in range(count)]
@@ -69,13 +71,6 @@ class DecodeShares:
                 taken, length = 0, 0
             taken, length = taken + size, length + 1
         return runs + [length] if length else runs
-
-    def _count(self, sizes: Sequence[int]) -> int:
-        """How many shares requests of ``sizes`` encoded bytes are worth: one a thread at most, each at least
-        HAND_OFF_S of expected decoding (each request one until the decode is measured)."""
-        per_byte = self.s_per_byte
-        worth = len(sizes) if per_byte is None else int(sum(sizes) * per_byte / HAND_OFF_S)
-        return max(1, min(self.threads, len(sizes), worth))
 
     def measured(self, decoded_bytes: int, cpu_s: float) -> None:
         """``decoded_bytes`` of images took ``cpu_s`` of a thread's CPU to decode and queue."""

@@ -10,7 +10,7 @@ turn:
   turn (``Service.enter_many``: readiness and routing once for them, each its outcome counted; a lone one by
   ``Service.enter``; the shared connections' one-image requests alike to the last detail as one bundle: one
   admission, call and group for all of them, each answered from its row on its connection; photos the CPU decodes,
-  bundles of about a hand-off's decoding each), its images queued (a version's together, ``call.queue_prepared``; a
+  bundles of a hand-off's decoding at most), its images queued (a version's together, ``call.queue_prepared``; a
   lone one, or those the CPU decodes, by ``Call.queue``, the latter on a few threads) and, once the batcher's thread
   has counted them done (or the loop ran a turn's short batch itself), the ``Served`` answered from the loop
   (``Call.answer``); its deadline passing first answers 504, and anything readable from the HTTP side meanwhile
@@ -201,8 +201,8 @@ _BUNDLE = object()  # the first of a turn's key for requests that may run as a b
 
 def _bundles(message: wire.Infer, segments: list[bytearray]) -> bool:
     """Whether a shared connection's request may run in a bundle with others alike: one image, of pixels, or
-    encoded (where the CPU decodes them, one bundle a decode thread's share: ``Service.enter_many``), no file name
-    (its errors name no image)."""
+    encoded (where the CPU decodes them, bundles of a hand-off's decoding at most: ``DecodeShares.runs``), no file
+    name (its errors name no image)."""
     if message.tensors:
         return len(message.tensors) == 1 and message.tensors[0][1][0] == 1 and not any(message.names)
     return len(segments) == 1 and not any(message.names)
@@ -681,8 +681,8 @@ class EngineServer:
         (``Service.enter_many``): each its exchange, or None (answered, or its client gone), in the turn's order; the
         shared connections' requests alike to the last detail, one image each (``_bundles``), one exchange for all
         of them (``_admit_bundle``; photos the CPU decodes, one a run of ``DecodeShares.runs``), in the place of the
-        first. A lone request (an engine with slack) is admitted
-        as it comes (``Service.enter``: no grouping to pay for)."""
+        first. A lone request (an engine with slack) is admitted as it comes (``Service.enter``: no grouping to pay
+        for)."""
         if len(turn) == 1:
             message = turn[0][1]
             try:
@@ -725,8 +725,8 @@ class EngineServer:
     def _enter_alike(self, reads: list[tuple[_Connection, wire.Infer, list[bytearray], int | None]], bundles: bool
                      ) -> Sequence[Admission | BaseException]:
         """Requests of a turn alike admitted together (``Service.enter_many``), each its admission or what refused
-        it; ``bundles``: alike to the last detail (``_bundles``), admitted as one where they may be (pixels, or photos
-        where the version decodes in its batch), or photos the CPU decodes as one a decode share (``runs``)."""
+        it; ``bundles``: alike to the last detail (``_bundles``), admitted as one (pixels, or photos where the
+        version decodes in its batch), or, photos the CPU decodes, as one a run of ``DecodeShares.runs``."""
         message = reads[0][1]
         bundled = bundles and len(reads) > 1
         runs = () if not bundled or message.tensors else self.decode_shares.runs([len(read[2][0]) for read in reads])
