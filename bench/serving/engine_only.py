@@ -18,6 +18,7 @@ message; a checkout that predates those messages is sent its requests as ``loop`
     .venv/bin/python -m bench.serving.engine_only --instructions --floor --forms "v2 x1" --burst 16  # the floor's too
     .venv/bin/python -m bench.serving.engine_only --forms "v2 x1" "v2 x4" "v2 x16" --images-in-flight 16  # by size
     .venv/bin/python -m bench.serving.engine_only --clients messages --floor --forms "v2 x1"  # as loop links send
+    .venv/bin/python -m bench.serving.engine_only --clients messages --links 8 --forms "v2 x1"  # eight HTTP workers
     .venv/bin/python -m bench.serving.engine_only --with-settings VISIONSERVE_ENGINE_LOOP_BATCH_MS=0  # a setting's A/B
 
 The engine batches as it does on a GPU host, the host the budget is written for (``--max-batch-size``: by default
@@ -70,7 +71,7 @@ FLOOR_MESSAGES = Path("/floor-messages")  # the floor, its requests several to a
 WITH_SETTINGS = Path("/with-settings")  # this checkout's engine with --with-settings
 LINKS = 2  # --clients messages: connections, as the HTTP workers of the overhead benchmark's servers
 CLIENTS = {"loop": "one client loop", "threads": "a client thread each",
-           "messages": f"one client loop, on {LINKS} connections several requests a message"}
+           "messages": "one client loop, on {links} connections several requests a message"}
 STAGE_CPU_METRIC = "visionserve_stage_cpu_seconds"  # app/metrics.py's STAGE_CPU_SECONDS, which the floor writes too
 BATCH_SIZE_METRIC = "visionserve_batch_size"  # app/metrics.py's BATCH_SIZE, the floor's too
 BATCHES, BATCHED_IMAGES = "batches", "batched images"  # engine_counts' keys beside the stages'
@@ -248,12 +249,12 @@ def _requests(wire: Any, form: str, count: int) -> list[tuple[Any, list[Any]]]:
 
 
 def drive(checkout: Path, sock: Path, form: str, concurrency: int, seconds: float, engine: int,
-          clients: str = "loop") -> dict[str, Any]:
+          clients: str = "loop", links: int = LINKS) -> dict[str, Any]:
     """The client: C requests in flight for ``seconds`` after a second of warm-up, on C connections read by one
-    loop (``clients``: "loop"; "messages": on LINKS connections, several requests a message; "threads": a thread
-    per connection); the engine's CPU over them."""
+    loop (``clients``: "loop"; "messages": on ``links`` connections, several requests a message; "threads": a
+    thread per connection); the engine's CPU over them."""
     if clients == "messages":
-        return _drive_messages(checkout, sock, form, concurrency, seconds, engine)
+        return _drive_messages(checkout, sock, form, concurrency, seconds, engine, links)
     if clients == "threads":
         return _drive_threads(checkout, sock, form, concurrency, seconds, engine)
     _import_from(checkout)
@@ -345,8 +346,8 @@ def engine_counts() -> dict[str, float]:
 
 
 def _drive_messages(checkout: Path, sock: Path, form: str, concurrency: int, seconds: float,
-                    engine: int) -> dict[str, Any]:
-    """C requests in flight on ``LINKS`` connections, several to a message, as HTTP workers' loop links send them:
+                    engine: int, links: int = LINKS) -> dict[str, Any]:
+    """C requests in flight on ``links`` connections, several to a message, as HTTP workers' loop links send them:
     each connection's answered requests sent again together (``Infers``), their photos placed in its arena as a
     loop link places them (LINK_ARENA_MB, the checkout's default or the setting beside: ``--with-settings``); a
     checkout that predates them is driven as ``drive`` does (a connection and a frame per request)."""
@@ -358,7 +359,7 @@ def _drive_messages(checkout: Path, sock: Path, form: str, concurrency: int, sec
     kind, count = FORMS[form]
     requests = _requests(wire, kind, count)
     selector = selectors.DefaultSelector()
-    shares = [concurrency // LINKS + (index < concurrency % LINKS) for index in range(LINKS)]
+    shares = [concurrency // links + (index < concurrency % links) for index in range(links)]
     for share in shares:
         if share:
             conn = wire.connect(sock, 5.0)
@@ -449,7 +450,8 @@ def _drive_threads(checkout: Path, sock: Path, form: str, concurrency: int, seco
 
 def measure(checkout: Path, weights: Path, form: str, concurrency: int, seconds: float,
             floor: bool = False, device: str = "cpu", clients: str = "loop",
-            max_batch_size: int = GPU_BATCH_CEILING, settings: dict[str, str] | None = None) -> dict[str, Any]:
+            max_batch_size: int = GPU_BATCH_CEILING, settings: dict[str, str] | None = None,
+            links: int = LINKS) -> dict[str, Any]:
     """One engine started from ``checkout`` (``floor``: the floor's loop instead) with batches of up to
     ``max_batch_size`` images (0: its device's automatic ceiling) and ``settings`` (environment variables) beside,
     driven by that checkout's client (``clients``: as ``drive`` says), then stopped."""
@@ -459,7 +461,8 @@ def measure(checkout: Path, weights: Path, form: str, concurrency: int, seconds:
     with _engine(checkout, serve_args, device, max_batch_size=max_batch_size, settings=settings) as (engine, sock,
                                                                                                      env):
         client = subprocess.run([sys.executable, "-m", "bench.serving.engine_only", "--drive", str(checkout),
-                                 str(sock), form, str(concurrency), str(seconds), str(engine.pid), clients],
+                                 str(sock), form, str(concurrency), str(seconds), str(engine.pid), clients,
+                                 str(links)],
                                 cwd=ROOT, env=env, capture_output=True, text=True, check=True)
         return json.loads(client.stdout.strip().splitlines()[-1])
 
@@ -471,13 +474,13 @@ def whole_bursts(requests: int, burst: int) -> int:
 
 def instructions(checkout: Path, weights: Path, form: str, requests: int,
                  max_batch_size: int = GPU_BATCH_CEILING, burst: int = 1, floor: bool = False,
-                 clients: str = "loop") -> dict[str, Any]:
+                 clients: str = "loop", links: int = LINKS) -> dict[str, Any]:
     """The engine of ``checkout`` under callgrind (valgrind installed), sent ``requests`` of ``form`` ``burst`` at a
     time (each on a connection of its own, the next ones once all are answered) by that checkout's client
     (``count``): its instructions per request and per image, the same from run to run where its CPU time moves
     10-20% on a VM. Requests that come alone (or ``burst`` together): their batches, their settle, no wake-up's cost
     (the kernel's and the caches' work is not counted). ``floor``: the floor's engine (``serve_floor``) instead;
-    ``clients`` "messages": each burst on ``LINKS`` connections, several requests a message (``Infers``), as HTTP
+    ``clients`` "messages": each burst on ``links`` connections, several requests a message (``Infers``), as HTTP
     workers' loop links send them (the path served requests take)."""
     with tempfile.TemporaryDirectory(prefix="visionserve-callgrind-") as folder:
         out = Path(folder) / "callgrind.out"
@@ -486,7 +489,7 @@ def instructions(checkout: Path, weights: Path, form: str, requests: int,
         serve_args = ["--serve-floor", str(weights)] if floor else ["--serve", str(checkout), str(weights)]
         with _engine(checkout, serve_args, "cpu", callgrind_command(out), max_batch_size) as (engine, sock, env):
             subprocess.run([sys.executable, "-m", "bench.serving.engine_only", "--count", str(checkout), str(sock),
-                            form, str(requests), str(engine.pid), str(burst), clients], cwd=ROOT, env=env,
+                            form, str(requests), str(engine.pid), str(burst), clients, str(links)], cwd=ROOT, env=env,
                            capture_output=True, check=True)
         total = callgrind_total(out)
     sent = whole_bursts(requests, burst)
@@ -520,9 +523,9 @@ def _engine(checkout: Path, serve_args: list[str], device: str, wrapper: Sequenc
 
 
 def count(checkout: Path, sock: Path, form: str, requests: int, engine: int, burst: int = 1,
-          clients: str = "loop") -> None:
+          clients: str = "loop", links: int = LINKS) -> None:
     """``instructions``' client: requests of ``form`` ``burst`` at a time, each on a connection of its own (the
-    checkout's wire; ``clients`` "messages": on ``LINKS`` connections, several a message), the next ones once every
+    checkout's wire; ``clients`` "messages": on ``links`` connections, several a message), the next ones once every
     one is answered; a warm-up first; the engine's count zeroed before the measured ones and dumped after them."""
     from bench.serving.callgrind import callgrind_control  # this checkout's (before the other's is on the path)
 
@@ -535,7 +538,7 @@ def count(checkout: Path, sock: Path, form: str, requests: int, engine: int, bur
     if "grace_s" in inspect.signature(wire.receive_answer).parameters:
         answer_of = functools.partial(wire.receive_answer, grace_s=60.0)
     messages = clients == "messages" and hasattr(wire, "Infers")
-    conns = [wire.connect(sock, 60.0) for _ in range(min(burst, LINKS) if messages else burst)]
+    conns = [wire.connect(sock, 60.0) for _ in range(min(burst, links) if messages else burst)]
     for conn in conns:
         wire.say_hello(conn)
     readers = [wire.FrameReader(conn, (wire.Answers,)) for conn in conns] if messages else []
@@ -576,11 +579,11 @@ def count(checkout: Path, sock: Path, form: str, requests: int, engine: int, bur
 
 
 def instruction_report(found: dict[tuple[str, Path], dict[str, Any]], requests: int, burst: int = 1,
-                       clients: str = "loop") -> str:
+                       clients: str = "loop", links: int = LINKS) -> str:
     """``--instructions``' table: each checkout's count per request and per image, by form."""
     sent = "one at a time" if burst == 1 else f"{burst} at a time"
     if clients == "messages":
-        sent += f", on {LINKS} connections several a message"
+        sent += f", on {min(burst, links)} connections several a message"
     lines = [f"The engine's instructions (callgrind), {whole_bursts(requests, burst)} requests a point sent {sent} "
              f"after {WARM_UP_REQUESTS} of warm-up", "",
              "| checkout | form | instructions / request | instructions / image |", "| --- | --- | --- | --- |"]
@@ -621,14 +624,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--burst", type=int, default=1,
                         help="with --instructions: requests sent at once, each on a connection of its own (a turn's; "
                         "--clients messages: on two connections, several a message)")
+    parser.add_argument("--links", type=int, default=LINKS,
+                        help="with --clients messages: the connections the requests share, as as many HTTP workers' "
+                        "loop links (a GPU host runs many)")
     parser.add_argument("--with-settings", nargs="+", metavar="KEY=VALUE", default=[],
                         help="also this checkout's engine with these settings (environment variables, such as "
                         "VISIONSERVE_ENGINE_LOOP_BATCH_MS=0), in the same rounds: a setting's A/B in one run")
     parser.add_argument("--out", type=Path, help="also write the report (Markdown) here")
     parser.add_argument("--serve", nargs=4, help=argparse.SUPPRESS)
-    parser.add_argument("--count", nargs=7, help=argparse.SUPPRESS)
+    parser.add_argument("--count", nargs=8, help=argparse.SUPPRESS)
     parser.add_argument("--serve-floor", nargs=3, help=argparse.SUPPRESS)
-    parser.add_argument("--drive", nargs=7, help=argparse.SUPPRESS)
+    parser.add_argument("--drive", nargs=8, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     with_settings = dict(setting.split("=", 1) for setting in args.with_settings if "=" in setting)
     if len(with_settings) != len(args.with_settings):
@@ -640,13 +646,13 @@ def main(argv: list[str] | None = None) -> int:
         serve_floor(Path(args.serve_floor[0]), Path(args.serve_floor[1]), args.serve_floor[2])
         return 0
     if args.count:
-        checkout, sock, form, requests, engine, burst, clients = args.count
-        count(Path(checkout), Path(sock), form, int(requests), int(engine), int(burst), clients)
+        checkout, sock, form, requests, engine, burst, clients, links = args.count
+        count(Path(checkout), Path(sock), form, int(requests), int(engine), int(burst), clients, int(links))
         return 0
     if args.drive:
-        checkout, sock, form, concurrency, seconds, engine, clients = args.drive
+        checkout, sock, form, concurrency, seconds, engine, clients, links = args.drive
         print(json.dumps(drive(Path(checkout), Path(sock), form, int(concurrency), float(seconds), int(engine),
-                               clients)))
+                               clients, int(links))))
         return 0
 
     from bench.serving.tiny_work import TINY_WEIGHTS, tiny_weights
@@ -655,13 +661,14 @@ def main(argv: list[str] | None = None) -> int:
     checkouts = [ROOT, *(c.resolve() for c in args.checkout)]
     if args.instructions:
         counted = {(form, checkout): instructions(checkout, weights, form, args.requests, args.max_batch_size,
-                                                  args.burst, clients=args.clients)
+                                                  args.burst, clients=args.clients, links=args.links)
                    for form in args.forms for checkout in checkouts}
         if args.floor:  # the floor's count beside (V2 forms: it decodes nothing)
             counted.update({(form, FLOOR): instructions(ROOT, weights, form, args.requests, args.max_batch_size,
-                                                        args.burst, floor=True, clients=args.clients)
+                                                        args.burst, floor=True, clients=args.clients,
+                                                        links=args.links)
                             for form in args.forms if FORMS[form][0] == "v2"})
-        report = instruction_report(counted, args.requests, args.burst, args.clients)
+        report = instruction_report(counted, args.requests, args.burst, args.clients, args.links)
         print(report)
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
@@ -682,11 +689,12 @@ def main(argv: list[str] | None = None) -> int:
             for checkout in checkouts:
                 measured((form, checkout), measure(checkout, weights, form, concurrency, args.seconds,
                                                    device=args.device, clients=args.clients,
-                                                   max_batch_size=args.max_batch_size))
+                                                   max_batch_size=args.max_batch_size, links=args.links))
             if with_settings:
                 measured((form, WITH_SETTINGS), measure(ROOT, weights, form, concurrency, args.seconds,
                                                         device=args.device, clients=args.clients,
-                                                        max_batch_size=args.max_batch_size, settings=with_settings))
+                                                        max_batch_size=args.max_batch_size, settings=with_settings,
+                                                        links=args.links))
             if args.floor and FORMS[form][0] == "v2":
                 measured((form, FLOOR), measure(  # a frame each (the messages' floor is next)
                     ROOT, weights, form, concurrency, args.seconds, floor=True, device=args.device,
@@ -697,7 +705,7 @@ def main(argv: list[str] | None = None) -> int:
                     device=args.device, max_batch_size=args.max_batch_size))
     in_flight = (f"{args.images_in_flight} images in flight" if args.images_in_flight else f"C={args.concurrency}")
     lines = [f"The engine without HTTP on {args.device} ({os.cpu_count()} cores): {in_flight} "
-             f"({CLIENTS[args.clients]}), {args.seconds:g} s per "
+             f"({CLIENTS[args.clients].format(links=args.links)}), {args.seconds:g} s per "
              f"point, median of {args.rounds}, MAX_BATCH_SIZE {args.max_batch_size or 'auto'}", "",
              "| checkout | form | C | req/s | mean batch | engine us / request | engine us / image | of which decode | "
              "of which forward | beyond decode and forward, us / image | errors |",

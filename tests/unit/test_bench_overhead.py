@@ -126,9 +126,12 @@ def test_the_instruction_count_s_client_sends_a_burst_several_requests_a_message
     with engine_only._engine(engine_only.ROOT, ["--serve", str(engine_only.ROOT), str(weights)], "cpu") as (
             engine, sock, _):
         engine_only.count(engine_only.ROOT, sock, "v2 x1", 12, engine.pid, burst=6, clients="messages")
-    infers = [message for message in sent if isinstance(message, wire.Infers)]
-    assert told == ["--instr=on", "--zero", "--dump"] and len(infers) == len(sent)
-    assert [len(message.ids) for message in infers] == [3] * (2 * (9 + 2))  # the warm-up's 54, then 12: by 3
+        infers = [message for message in sent if isinstance(message, wire.Infers)]
+        assert told == ["--instr=on", "--zero", "--dump"] and len(infers) == len(sent)
+        assert [len(message.ids) for message in infers] == [3] * (2 * (9 + 2))  # the warm-up's 54, then 12: by 3
+        sent.clear()  # --links 3: as three HTTP workers' loop links, by 2
+        engine_only.count(engine_only.ROOT, sock, "v2 x1", 12, engine.pid, burst=6, clients="messages", links=3)
+    assert [len(message.ids) for message in sent] == [2] * (3 * (9 + 2))
 
 
 def test_the_engine_alone_and_its_floor_are_told_beyond_their_forward_passes_in_the_run_s_unit() -> None:
