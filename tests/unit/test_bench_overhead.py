@@ -267,7 +267,7 @@ def test_the_engine_s_instruction_count_puts_the_floor_s_beside_for_the_v2_forms
     counted: list[tuple[str, bool]] = []
 
     def count(checkout: Path, weights: Path, form: str, requests: int, max_batch_size: int, burst: int,
-              floor: bool = False, clients: str = "loop") -> dict[str, float]:
+              floor: bool = False, clients: str = "loop", links: int = 2) -> dict[str, float]:
         counted.append((form, floor))
         return {"form": form, "instructions_per_request": 200_000 if floor else 300_000,
                 "instructions_per_image": 200_000 if floor else 300_000}
@@ -291,7 +291,7 @@ def test_the_engine_alone_with_settings_beside_runs_in_the_same_rounds_and_its_e
     measured: list[dict[str, str] | None] = []
 
     def measure(checkout: Path, weights: Path, form: str, concurrency: int, seconds: float, device: str, clients: str,
-                max_batch_size: int, settings: dict[str, str] | None = None) -> dict[str, float]:
+                max_batch_size: int, settings: dict[str, str] | None = None, links: int = 2) -> dict[str, float]:
         measured.append(settings)
         return {"requests_per_s": 200.0 if settings else 100.0, "mean_batch": 4.0, "engine_us_per_request": 10.0,
                 "engine_us_per_image": 10.0, "decode_us_per_image": 0.0, "forward_us_per_image": 1.0,
