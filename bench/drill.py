@@ -110,8 +110,10 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
                   "--workers", "0"]
         overhead = ["--servers", "process", "inline", "--seconds", "2", "--concurrency", "16", "64", "--workers", "4",
                     "--forms", "jpeg", "v2 x1", "/v1/models"]  # 16 per request: the served step
-        # two engine starts; its floor on a GPU host (51 us an image, 11-29: as on the CPU VM) is run by hand
-        engine = ["--forms", "v2 x1", "jpeg", "--concurrency", "16", "--seconds", "3", "--clients", "messages"]
+        # two engine starts; its floor on a GPU host (51 us an image, 11-29: as on the CPU VM) is run by hand; on
+        # four connections, as the served step's four HTTP workers' loop links (a turn's bundles span them: 12-02)
+        engine = ["--forms", "v2 x1", "jpeg", "--concurrency", "16", "--seconds", "3", "--clients", "messages",
+                  "--links", "4"]
         by_size = ["--forms", "v2 x1", "v2 x4", "v2 x16", "--images-in-flight", "64", "--seconds", "3"]
         variant = ["--engines", "process", "--batch-sizes", "64", "--concurrency", "64", "256", "--images-per-request",
                    "1", "16", "--seconds", "3", "--warmup", "1"]
