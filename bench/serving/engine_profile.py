@@ -60,7 +60,8 @@ def sample(form: str, concurrency: int, seconds: float, device: str, rate: int, 
     load_s = WARM_UP_S + len(KINDS) * (record_s + 1) + 1  # py-spy's own start in each, and a second to spare
     with engine_only._engine(ROOT, ["--serve", str(ROOT), str(weights)], device) as (engine, sock, env):
         client = subprocess.Popen([sys.executable, "-m", "bench.serving.engine_only", "--drive", str(ROOT), str(sock),
-                                   form, str(concurrency), str(load_s), str(engine.pid), "loop"],
+                                   form, str(concurrency), str(load_s), str(engine.pid), "loop",
+                                   str(engine_only.LINKS)],
                                   cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
         try:
             time.sleep(WARM_UP_S)
