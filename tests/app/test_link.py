@@ -814,12 +814,15 @@ def test_each_photo_of_a_bundle_is_timed_and_counted_as_its_own_request_s_decode
 def test_a_bundle_counts_and_times_only_the_requests_it_runs(
         settings: Settings, predictor: Predictor, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str) -> None:
     # Before: a request cancelled before its admission still counted in its bundle's call: four decodes observed
-    # for three photos
+    # for three photos; and each answer was timed with its share of the bundle's decode, a third of what it waited
     settings = settings.model_copy(update={"control_dir": tmp_path / "control", "decode_path": path})
     link = Link(settings, Service.build(settings.model_copy(update={"control_dir": None}), predictor)).start()
     try:
         bundles, _, conn, reader = _watched_shared_connection(link, monkeypatch)
         link.server.decode_shares.s_per_byte = HAND_OFF_S / 10_000_000  # one bundle
+        decoder = link.engine.loaded_version().decoder
+        prepare = decoder.prepare
+        monkeypatch.setattr(decoder, "prepare", lambda data: (time.sleep(0.02), prepare(data))[1])  # 20 ms a photo
         before, held, go = _decodes(), threading.Event(), threading.Event()
         with conn:
             link.server._post(lambda: (held.set(), go.wait(10)))  # the loop held: the cancel read with the requests
@@ -829,6 +832,7 @@ def test_a_bundle_counts_and_times_only_the_requests_it_runs(
             go.set()
             answers = _answers_by_id(reader, 3)
         assert sorted(answers) == [1, 3, 4] and bundles == [3] and _decodes() == before + 3
+        assert all(answer.value.decode_s >= 0.06 for answer in answers.values())  # the bundle's three decodes
     finally:
         link.server.stop(5)
 
