@@ -3,9 +3,10 @@ model of ``bench.serving.overhead``) in a process of its own, and a one-thread c
 requests in flight on C connections, as C HTTP worker threads would, and reads the engine's CPU from /proc
 (``--clients threads``: C client threads, each waiting for its answer before it sends again, as an HTTP worker's
 request threads do: an engine with slack, whose turns carry the few requests that came meanwhile, the load HTTP
-workers give it when they are the bound; ``--clients messages``: the C requests on two connections, as two HTTP
-workers' loops share theirs (app/link/loop_link.py), each connection's answered requests sent again together as one
-message; a checkout that predates those messages is sent its requests as ``loop`` sends them).
+workers give it when they are the bound; ``--clients messages``: the C requests on two connections (``--links``:
+as many as you say), as two HTTP workers' loops share theirs (app/link/loop_link.py), each connection's answered
+requests sent again together as one message; a checkout that predates those messages is sent its requests as
+``loop`` sends them).
 
     .venv/bin/python -m bench.serving.engine_only                                # JPEG, V2 x1, V2 x16 at C=16
     .venv/bin/python -m bench.serving.engine_only --checkout ../before --rounds 3   # A/B: another checkout beside
@@ -636,6 +637,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve-floor", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--drive", nargs=8, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.links < 1:
+        parser.error("--links takes one connection at least")
     with_settings = dict(setting.split("=", 1) for setting in args.with_settings if "=" in setting)
     if len(with_settings) != len(args.with_settings):
         parser.error("--with-settings takes KEY=VALUE pairs")
