@@ -344,7 +344,14 @@ def _encoded(message: Any, segments: Sequence[bytes | memoryview]) -> tuple[byte
 
 def _served_head(served: contract.Served) -> tuple[tuple[Any, ...], memoryview]:
     """A Served as it crosses: its ``_ServedHead``'s fields and its rows' bytes."""
-    rows = served.rows
+    rows, segment = _rows_segment(served.rows)
+    return ((served.model, served.version, served.labels, served.decode_s, served.started_ns,
+             tuple([tuple(run) for run in served.batches]), rows.dtype.str, rows.shape, served.embedding_dim),
+            segment)
+
+
+def _rows_segment(rows: np.ndarray) -> tuple[np.ndarray, memoryview]:
+    """Rows as they cross: C-contiguous, and their bytes; TypeError for rows that are not numbers."""
     try:
         segment = memoryview(rows).cast("B")  # (a batch's rows, as they most often are: no copy, no numpy call)
     except TypeError:  # rows not C-contiguous, or no buffer
@@ -352,9 +359,17 @@ def _served_head(served: contract.Served) -> tuple[tuple[Any, ...], memoryview]:
         segment = memoryview(rows).cast("B")
     if rows.dtype.hasobject:  # their bytes would be pointers: the request answered its error alone (the callers')
         raise TypeError(f"rows of {rows.dtype} do not cross the link")
-    return ((served.model, served.version, served.labels, served.decode_s, served.started_ns,
-             tuple([tuple(run) for run in served.batches]), rows.dtype.str, rows.shape, served.embedding_dim),
-            segment)
+    return rows, segment
+
+
+def _same_head(served: contract.Served, other: contract.Served) -> bool:
+    """Whether ``served`` crosses with ``other``'s head: each of its fields the same object as ``other``'s (a
+    bundle's answers, made together), its rows of the same type and shape. Those fields make the head, so it is
+    the same head whatever made them; looked at by identity, it costs less than making the head again."""
+    return (served.batches is other.batches and served.model is other.model and served.version is other.version
+            and served.labels is other.labels and served.decode_s is other.decode_s
+            and served.started_ns is other.started_ns and served.embedding_dim is other.embedding_dim
+            and served.rows.dtype is other.rows.dtype and served.rows.shape == other.rows.shape)
 
 
 def _answers_fields(message: Answers) -> tuple[tuple[Any, ...], list[memoryview]]:
@@ -369,11 +384,18 @@ def _answers_fields(message: Answers) -> tuple[tuple[Any, ...], list[memoryview]
 def _answered_items(answered: Sequence[tuple[Any, errors.ServiceError | None]]
                     ) -> tuple[tuple[tuple[Any, ...], ...], list[memoryview]]:
     """Answers' values and errors as an ``Answers`` frame carries them: each (its Served's head or None, its other
-    value, its error), and each Served's rows a segment."""
+    value, its error), and each Served's rows a segment. Answers in a row whose heads are the same (a bundle's,
+    ``_same_head``) share one head object: pickled once (pickle's memo), read as one (``_answers_from``)."""
     items, segments = [], []
+    last: contract.Served | None = None  # the last Served framed, and its head
+    last_head: tuple[Any, ...] = ()
     for value, error in answered:
         if isinstance(value, contract.Served):
-            head, rows = _served_head(value)
+            if last is not None and _same_head(value, last):
+                head, rows = last_head, _rows_segment(value.rows)[1]
+            else:
+                head, rows = _served_head(value)
+                last, last_head = value, head
             items.append((head, None, error))
             segments.append(rows)
         else:
@@ -425,16 +447,35 @@ def _answer_with_served(fields: tuple[Any, ...], segments: Sequence[memoryview])
     return Answer(_served(raw, segments[0]), error, engine, routes)
 
 
-def _served(raw: tuple[Any, ...], segment: bytes | bytearray | memoryview) -> contract.Served:
-    """The Served a ``_ServedHead``'s fields and its rows' segment make."""
-    head = None
+class _HeadRead(NamedTuple):
+    """A ``_ServedHead`` as read: itself, its rows' type, its batch runs and the rows they add up to."""
+
+    head: _ServedHead
+    dtype: np.dtype
+    runs: tuple[contract.BatchRun, ...]
+    rows: int
+
+
+def _read_head(raw: tuple[Any, ...]) -> _HeadRead:
+    """A ``_ServedHead``'s fields read; EngineGone when they do not read as one."""
     try:
         head = _ServedHead(*raw)
-        rows = np.frombuffer(segment, dtype=np.dtype(head.dtype)).reshape(head.shape)
-        runs = tuple(contract.BatchRun(*run) for run in head.batches)
+        runs = tuple([contract.BatchRun(*run) for run in head.batches])
+        return _HeadRead(head, np.dtype(head.dtype), runs, sum([run.rows for run in runs]))
     except (TypeError, ValueError, IndexError) as exc:
+        raise EngineGone(f"an answer's head does not read as one ({raw}): {exc}") from None
+
+
+def _served(raw: tuple[Any, ...], segment: bytes | bytearray | memoryview, read: _HeadRead | None = None
+            ) -> contract.Served:
+    """The Served a ``_ServedHead``'s fields and its rows' segment make (``read``: that head read already, for
+    answers that share it)."""
+    head, dtype, runs, expected = read or _read_head(raw)
+    try:
+        rows = np.frombuffer(segment, dtype=dtype).reshape(head.shape)
+    except (TypeError, ValueError) as exc:
         raise EngineGone(f"an answer's rows do not read as its head says ({head}): {exc}") from None
-    if len(rows) != sum(run.rows for run in runs):
+    if len(rows) != expected:
         raise EngineGone(f"an answer's {len(rows)} rows for batch runs of other rows: the stream is out of step")
     return contract.Served(rows, runs, head.model, head.version, head.labels or NO_LABELS, head.decode_s,
                            head.started_ns, head.embedding_dim)
@@ -444,9 +485,16 @@ def _answers_from(fields: tuple[Any, ...], segments: Sequence[bytes | bytearray 
     """The ``Answers`` an ``_ANSWERS`` frame's fields and segments make."""
     ids, items, engine, routes = fields
     answers, rows = [], iter(segments)
+    last: tuple[Any, ...] | None = None  # the last head read, and what it read as: answers that share it read it once
+    read: _HeadRead | None = None
     try:
         for head, value, error in items:
-            answers.append(Answer(value if head is None else _served(head, next(rows)), error, engine, routes))
+            if head is None:
+                answers.append(Answer(value, error, engine, routes))
+                continue
+            if head is not last:
+                last, read = head, _read_head(head)
+            answers.append(Answer(_served(head, next(rows), read), error, engine, routes))
     except StopIteration:
         raise EngineGone("answers with fewer row segments than served answers: the stream is out of step") from None
     if next(rows, None) is not None or len(answers) != len(ids):

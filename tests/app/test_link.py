@@ -189,6 +189,35 @@ def test_a_loop_turn_s_answers_frame_as_the_answers_message_of_their_answers_wou
     assert isinstance(read.answers[1].error, NotFound) and read.answers[2].value == answered[2][0]
 
 
+def test_a_bundle_s_answers_cross_with_one_head_pickled_once_and_read_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Answers made together (a bundle's, each field the same object) frame one head, pickled once and read once;
+    # an answer of another head between them has its own, and every answer comes out as it went
+    batch = np.arange(64, dtype=np.float32).reshape(16, 4)
+    run = (contract.BatchRun(1, 7, 16, 0.0, 0.002),)
+    bundle = [contract.Served(batch[i:i + 1], run, "colour", "1", wire.NO_LABELS, 0.25, 5, 0) for i in range(16)]
+    other = contract.Served(batch[:2], (contract.BatchRun(2, 8, 2, 0.0, 0.001),), "colour", "2", wire.NO_LABELS,
+                            0.5, 6, 0)
+    answered = [(served, None) for served in bundle[:8]] + [(other, None)] + [(s, None) for s in bundle[8:]]
+    # the same answers, none made together: every field alike, none the same object
+    apart = [(contract.Served(served.rows, tuple(contract.BatchRun(*r) for r in served.batches), str(served.model),
+                              str(served.version), served.labels, float(served.decode_s), served.started_ns, 0), None)
+             for served, _ in answered]
+    shared, alone = (b"".join(wire.answers_parts(list(range(17)), each, 42, 9)) for each in (answered, apart))
+    assert len(shared) < len(alone) - 14 * 60  # a head pickles to about a hundred bytes, a memo's reference to two
+    reads: list[tuple] = []
+    real_read = wire._read_head
+    monkeypatch.setattr(wire, "_read_head", lambda raw: reads.append(raw) or real_read(raw))
+    left, right = _pair()
+    with left, right:
+        left.sendall(shared)
+        [(read, _)] = wire.FrameReader(right, (wire.Answers,)).read()
+    assert len(reads) == 3  # the bundle's first eight, the other, the bundle's last eight
+    for (sent, _), got in zip(answered, [answer.value for answer in read.answers], strict=True):
+        assert np.array_equal(got.rows, sent.rows) and got.batches == sent.batches
+        assert (got.model, got.version, got.decode_s, got.started_ns) == (sent.model, sent.version, sent.decode_s,
+                                                                          sent.started_ns)
+
+
 def test_an_answer_s_rows_cross_whatever_their_layout() -> None:
     # A batch's rows cross as they are; rows of another layout (columns of a batch, a transpose) or no array at all
     # as a C-contiguous copy
