@@ -27,7 +27,6 @@ import selectors
 import socket
 import time
 from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
@@ -43,9 +42,31 @@ class LoopRequest(greenlet):
     it, a system call and page faults each request on a VM."""
 
     conn: Any  # gthread's TConn
-    outcome: Future
+    outcome: "Outcome"
     holds_slot = True
     running = False  # its request runs (or waits); False once it ended, until the next starts
+
+
+class Outcome:
+    """How a loop request's ``_handle_one`` ended, as gthread's ``finish_request`` reads a request thread's future
+    (``result``, ``cancelled``, ``exception``): what it returned, or what it raised. A Future's lock and condition
+    are for a result another thread waits for; this one is read on the loop, once it is there."""
+
+    __slots__ = ("value", "error")
+
+    def __init__(self, value: Any = None, error: BaseException | None = None) -> None:
+        self.value, self.error = value, error
+
+    def result(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+    def exception(self) -> BaseException | None:
+        return self.error
+
+    def cancelled(self) -> bool:
+        return False
 
 
 def _resumed_already(_ready: bool) -> None:
@@ -170,11 +191,10 @@ class LoopRequests:
         as part of a cycle), and ends with GreenletExit."""
         while True:
             request: LoopRequest = getcurrent()  # type: ignore[assignment]
-            request.outcome = Future()
             try:
-                request.outcome.set_result(self._handle_one(request.conn))  # no linger: the loop reads the next one
+                request.outcome = Outcome(self._handle_one(request.conn))  # no linger: the loop reads the next one
             except BaseException as exc:  # noqa: BLE001 - gthread's handle caught what it handles; the rest is told
-                request.outcome.set_exception(exc)
+                request.outcome = Outcome(error=exc)
                 if isinstance(exc, GreenletExit):  # the greenlet is being thrown away (the worker's end)
                     return
             request.running = False

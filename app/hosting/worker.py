@@ -78,6 +78,7 @@ EMPTY_LINES = re.compile(rb"(?:\r\n)+")  # what may come before a request line (
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"  # what a client that sent Expect: 100-continue waits for
 HTTP_11_ON = re.compile(rb"HTTP/1\.[1-9]")  # a request version that may send a chunked body or expect 100 Continue
 CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]+")
+_DONTWAIT = int(socket.MSG_DONTWAIT)  # a plain int: or-ing the flag enum makes a new enum member at every send
 CODINGS = frozenset((b"chunked", b"identity", b"gzip", b"deflate", b"compress"))  # the transfer codings gunicorn takes
 MALFORMED = "the request body's framing is malformed: "  # as app/web/errors.py says it of what the parser refuses
 # accept(2)'s errors that end one connection before it was taken (Linux passes a pending network error on as accept's;
@@ -459,7 +460,7 @@ class ClientSocket(socket.socket):
         the loop to write (``unsent``) and the thread goes on."""
         while view:
             try:
-                sent = self.send(view, flags | socket.MSG_DONTWAIT)
+                sent = self.send(view, flags | _DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 if may_hold and self.loop_writes and waiting.on_loop() is None:  # a request thread: the loop writes it
                     self.unsent = bytearray(view)

@@ -5,7 +5,7 @@ metrics and OpenAPI routes, and the one accessor through which protocols reach t
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from flask import Flask
 
@@ -23,7 +23,31 @@ from app.web.tracing import register_tracing
 if TYPE_CHECKING:  # the engine's Service, or app/link/client.py's RemoteService
     from app.engine.contract import ServiceFace
 
-__all__ = ["current_service", "init_app"]
+__all__ = ["ServingApp", "current_service", "init_app"]
+
+SYNC_LOOKS_KEPT = 1024  # views, hooks and handlers whose ``ensure_sync`` is kept (those an app registers: a few dozen)
+
+
+class ServingApp(Flask):
+    """The service's Flask app: it asks once of each view, hook and error handler whether it is a coroutine function
+    (``ensure_sync``, which Flask's documentation says to override to change how views run), where Flask asks
+    ``inspect`` at every call, three a request here."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._sync: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+    def ensure_sync(self, func: Callable[..., Any]) -> Callable[..., Any]:
+        try:
+            return self._sync[func]
+        except KeyError:
+            made = super().ensure_sync(func)
+            if len(self._sync) < SYNC_LOOKS_KEPT:
+                self._sync[func] = made
+            return made
+        except TypeError:  # (a callable that cannot be a key)
+            return super().ensure_sync(func)
+
 
 
 def init_app(app: Flask, settings: Settings, service: ServiceFace, protocols: Sequence[Protocol]) -> None:

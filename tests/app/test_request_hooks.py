@@ -86,3 +86,20 @@ def test_refused_requests_log_the_trusted_forwarded_for(settings: Settings, pred
         assert lines == [(401, "203.0.113.7"), (413, "203.0.113.7"), (200, "203.0.113.7")]
     finally:
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def test_the_app_asks_once_of_each_view_and_hook_whether_it_runs_async(client: Any,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # Flask's ensure_sync asks inspect at every call of a view or hook (three a request here); the service's app
+    # asks once of each, and runs them as Flask would
+    import flask.app
+
+    asked: list[object] = []
+    real = flask.app.iscoroutinefunction
+    monkeypatch.setattr(flask.app, "iscoroutinefunction", lambda func: asked.append(func) or real(func))
+    for _ in range(5):
+        assert client.get("/healthz").status_code == 200
+    first = len(asked)
+    for _ in range(5):
+        assert client.get("/healthz").status_code == 200
+    assert len(asked) == first and len(set(map(id, asked))) == first

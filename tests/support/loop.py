@@ -5,9 +5,8 @@ from __future__ import annotations
 import contextlib
 import selectors
 import time
-from concurrent.futures import Future
 from types import SimpleNamespace
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 
 class LoopWorker:
@@ -23,11 +22,11 @@ class LoopWorker:
         worker.cfg = SimpleNamespace(threads=threads)
         self.runs: dict[str, Callable[[], object]] = {}
         self.ended: list[tuple[str, object]] = []
-        self.outcomes: dict[str, Future] = {}
+        self.outcomes: dict[str, Any] = {}  # each request's Outcome
         worker._handle_one = lambda conn: self.runs[conn]()
         worker.finish_request = self._finished
 
-    def _finished(self, conn: str, outcome: Future) -> None:
+    def _finished(self, conn: str, outcome: Any) -> None:
         self.outcomes[conn] = outcome
         self.ended.append((conn, outcome.result()))
 

@@ -596,6 +596,28 @@ def test_a_request_on_the_loop_hands_its_waits_to_the_loop_which_resumes_each_wh
         assert seen == [None]
 
 
+def test_a_loop_request_s_end_reads_as_a_request_thread_s_future_would() -> None:
+    # gthread's finish_request reads how a loop request ended as it reads a request thread's future: what it
+    # returned, or what it raised (then re-raised by result()), never cancelled
+    loop = LoopWorker()
+    ended: dict[str, Any] = {}
+    loop.worker.finish_request = ended.__setitem__
+    failure = OSError("the client went")
+    loop.start("returns", lambda: "keep-alive")
+    loop.start("raises", lambda: (_ for _ in ()).throw(failure))
+    for name, value, error in (("returns", "keep-alive", None), ("raises", None, failure)):
+        done: Future = Future()
+        done.set_result(value) if error is None else done.set_exception(error)
+        outcome = ended[name]
+        assert (outcome.cancelled(), outcome.exception()) == (done.cancelled(), done.exception())
+        if error is None:
+            assert outcome.result() == done.result() == value
+        else:
+            with pytest.raises(OSError) as raised:
+                outcome.result()
+            assert raised.value is failure
+
+
 def test_a_loop_request_waits_for_an_event_the_loop_sets_and_work_left_for_the_loop_runs_before_its_next_wait(
 ) -> None:
     loop = LoopWorker()
