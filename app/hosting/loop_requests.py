@@ -59,7 +59,10 @@ class Outcome:
 
     def result(self) -> Any:
         if self.error is not None:
-            raise self.error
+            try:
+                raise self.error
+            finally:  # as a Future does: the error's traceback holds this frame, which would hold the error
+                self = None  # type: ignore[assignment]  # noqa: PLW0642
         return self.value
 
     def exception(self) -> BaseException | None:

@@ -345,9 +345,13 @@ def _encoded(message: Any, segments: Sequence[bytes | memoryview]) -> tuple[byte
 def _served_head(served: contract.Served) -> tuple[tuple[Any, ...], memoryview]:
     """A Served as it crosses: its ``_ServedHead``'s fields and its rows' bytes."""
     rows, segment = _rows_segment(served.rows)
-    return ((served.model, served.version, served.labels, served.decode_s, served.started_ns,
-             tuple([tuple(run) for run in served.batches]), rows.dtype.str, rows.shape, served.embedding_dim),
-            segment)
+    return _head(served, rows), segment
+
+
+def _head(served: contract.Served, rows: np.ndarray) -> tuple[Any, ...]:
+    """``served``'s ``_ServedHead`` fields, its rows as ``_rows_segment`` made them cross."""
+    return (served.model, served.version, served.labels, served.decode_s, served.started_ns,
+            tuple([tuple(run) for run in served.batches]), rows.dtype.str, rows.shape, served.embedding_dim)
 
 
 def _rows_segment(rows: np.ndarray) -> tuple[np.ndarray, memoryview]:
@@ -362,14 +366,15 @@ def _rows_segment(rows: np.ndarray) -> tuple[np.ndarray, memoryview]:
     return rows, segment
 
 
-def _same_head(served: contract.Served, other: contract.Served) -> bool:
-    """Whether ``served`` crosses with ``other``'s head: each of its fields the same object as ``other``'s (a
-    bundle's answers, made together), its rows of the same type and shape. Those fields make the head, so it is
-    the same head whatever made them; looked at by identity, it costs less than making the head again."""
+def _same_head(served: contract.Served, rows: np.ndarray, other: contract.Served, other_rows: np.ndarray) -> bool:
+    """Whether ``served`` (its ``rows`` as they cross) crosses with ``other``'s head: each of its fields the same
+    object as ``other``'s (a bundle's answers, made together), its rows of the same type and shape. Those fields
+    make the head, so it is the same head whatever made them; looked at by identity, it costs less than making
+    the head again."""
     return (served.batches is other.batches and served.model is other.model and served.version is other.version
             and served.labels is other.labels and served.decode_s is other.decode_s
             and served.started_ns is other.started_ns and served.embedding_dim is other.embedding_dim
-            and served.rows.dtype is other.rows.dtype and served.rows.shape == other.rows.shape)
+            and rows.dtype is other_rows.dtype and rows.shape == other_rows.shape)
 
 
 def _answers_fields(message: Answers) -> tuple[tuple[Any, ...], list[memoryview]]:
@@ -387,17 +392,14 @@ def _answered_items(answered: Sequence[tuple[Any, errors.ServiceError | None]]
     value, its error), and each Served's rows a segment. Answers in a row whose heads are the same (a bundle's,
     ``_same_head``) share one head object: pickled once (pickle's memo), read as one (``_answers_from``)."""
     items, segments = [], []
-    last: contract.Served | None = None  # the last Served framed, and its head
-    last_head: tuple[Any, ...] = ()
+    last: tuple[contract.Served, np.ndarray, tuple[Any, ...]] | None = None  # the last Served framed, its rows, its head
     for value, error in answered:
         if isinstance(value, contract.Served):
-            if last is not None and _same_head(value, last):
-                head, rows = last_head, _rows_segment(value.rows)[1]
-            else:
-                head, rows = _served_head(value)
-                last, last_head = value, head
-            items.append((head, None, error))
-            segments.append(rows)
+            rows, segment = _rows_segment(value.rows)
+            if last is None or not _same_head(value, rows, last[0], last[1]):
+                last = value, rows, _head(value, rows)
+            items.append((last[2], None, error))
+            segments.append(segment)
         else:
             items.append((None, value, error))
     return tuple(items), segments

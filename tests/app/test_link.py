@@ -218,6 +218,21 @@ def test_a_bundle_s_answers_cross_with_one_head_pickled_once_and_read_once(monke
                                                                           sent.started_ns)
 
 
+def test_answers_whose_rows_are_no_array_frame_after_a_bundle_s_as_alone() -> None:
+    # A head is looked at for sharing once the rows are as they cross: rows of another kind after a bundle's answer
+    # (a list, or columns of a batch) cross as a copy, as alone
+    batch = np.arange(12, dtype=np.float32).reshape(3, 4)
+    run = (contract.BatchRun(1, 1, 3, 0.0, 0.0),)
+    answered = [(contract.Served(rows, run, "colour", "1", wire.NO_LABELS, 0.0, 0, 0), None)
+                for rows in (batch[:1], [[1.0, 2.0, 3.0, 4.0]], batch[1:2, :2], batch[2:3])]
+    left, right = _pair()
+    with left, right:
+        left.sendall(b"".join(wire.answers_parts([1, 2, 3, 4], answered, 42, 9)))
+        [(read, _)] = wire.FrameReader(right, (wire.Answers,)).read()
+    for (sent, _), answer in zip(answered, read.answers, strict=True):
+        assert np.array_equal(answer.value.rows, np.asarray(sent.rows))
+
+
 def test_an_answer_s_rows_cross_whatever_their_layout() -> None:
     # A batch's rows cross as they are; rows of another layout (columns of a batch, a transpose) or no array at all
     # as a C-contiguous copy

@@ -103,3 +103,40 @@ def test_the_app_asks_once_of_each_view_and_hook_whether_it_runs_async(client: A
     for _ in range(5):
         assert client.get("/healthz").status_code == 200
     assert len(asked) == first and len(set(map(id, asked))) == first
+
+
+def test_the_app_keeps_nothing_a_request_made_for_its_views_and_hooks() -> None:
+    # What it keeps of each view and hook is per code, not per callable: a class-based view's instance of each
+    # request, and a hook a request adds (after_this_request, a closure over what it holds), are let go as in Flask
+    import gc
+    import weakref
+
+    from flask import after_this_request
+    from flask.views import MethodView
+
+    from app.web import ServingApp
+
+    held: list[weakref.ref] = []
+
+    class Payload:
+        """What a request's objects hold."""
+
+    class Colours(MethodView):
+        def __init__(self) -> None:
+            self.payload = Payload()
+            held.append(weakref.ref(self.payload))
+
+        def get(self) -> str:
+            payload = Payload()
+            held.append(weakref.ref(payload))
+            after_this_request(lambda response: (payload, response)[1])
+            return "ok"
+
+    app = ServingApp(__name__)
+    app.add_url_rule("/colours", view_func=Colours.as_view("colours"))
+    with app.test_client() as client:
+        for _ in range(50):
+            assert client.get("/colours").status_code == 200
+    gc.collect()
+    assert len(held) == 100 and not [ref for ref in held if ref() is not None]
+    assert len(app._sync_code) == 4  # the codes of as_view's view, dispatch_request, get and the hook: not a request's

@@ -618,6 +618,23 @@ def test_a_loop_request_s_end_reads_as_a_request_thread_s_future_would() -> None
             assert raised.value is failure
 
 
+def test_a_failed_loop_request_s_outcome_is_not_held_by_its_error_once_read() -> None:
+    # As a Future's: the error's traceback holds the frame that raised it, which must not hold the outcome (a cycle
+    # that keeps the request's objects until the collector runs)
+    from app.hosting.loop_requests import Outcome
+
+    failure = OSError("the client went")
+    outcome = Outcome(error=failure)
+    with pytest.raises(OSError):
+        outcome.result()
+    frames, tb = [], failure.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    raised = [frame for frame in frames if frame.f_code is Outcome.result.__code__]  # (the test's own holds it)
+    assert raised and not [value for value in raised[0].f_locals.values() if value is outcome]
+
+
 def test_a_loop_request_waits_for_an_event_the_loop_sets_and_work_left_for_the_loop_runs_before_its_next_wait(
 ) -> None:
     loop = LoopWorker()
