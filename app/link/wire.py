@@ -392,13 +392,15 @@ def _answered_items(answered: Sequence[tuple[Any, errors.ServiceError | None]]
     value, its error), and each Served's rows a segment. Answers in a row whose heads are the same (a bundle's,
     ``_same_head``) share one head object: pickled once (pickle's memo), read as one (``_answers_from``)."""
     items, segments = [], []
-    last: tuple[contract.Served, np.ndarray, tuple[Any, ...]] | None = None  # the last Served framed, its rows, its head
+    last: contract.Served | None = None  # the last Served framed, its rows as they crossed and its head
+    last_rows: np.ndarray | None = None
+    head: tuple[Any, ...] = ()
     for value, error in answered:
         if isinstance(value, contract.Served):
             rows, segment = _rows_segment(value.rows)
-            if last is None or not _same_head(value, rows, last[0], last[1]):
-                last = value, rows, _head(value, rows)
-            items.append((last[2], None, error))
+            if last is None or not _same_head(value, rows, last, last_rows):  # type: ignore[arg-type]
+                last, last_rows, head = value, rows, _head(value, rows)
+            items.append((head, None, error))
             segments.append(segment)
         else:
             items.append((None, value, error))
