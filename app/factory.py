@@ -50,9 +50,11 @@ def create_app(settings: "Settings | None" = None, predictor: "Predictor | None"
     ``engine="process"`` (a gunicorn worker under ENGINE=process) the app loads no model and imports no torch: it
     waits for its engine process (app/link/client.py), and ``on_load_error`` gets the engine's boot failure.
     """
+    from flask import Flask
+
     from app.config import load_settings
     from app.logs import configure_logging
-    from app.web import ServingApp, init_app
+    from app.web import init_app
 
     from models.data.malloc import keep_freed_memory
 
@@ -63,7 +65,7 @@ def create_app(settings: "Settings | None" = None, predictor: "Predictor | None"
         service = _remote_service(settings, on_load_error or _raise)
     else:
         service = _inline_service(settings, predictor, on_load_error, source)
-    app = ServingApp(__name__)
+    app = Flask(__name__)
     init_app(app, settings, service, protocols if protocols is not None else default_protocols())
     return app
 

@@ -5,8 +5,7 @@ metrics and OpenAPI routes, and the one accessor through which protocols reach t
 """
 from __future__ import annotations
 
-from types import CodeType, FunctionType, MethodType
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from flask import Flask
 
@@ -24,33 +23,7 @@ from app.web.tracing import register_tracing
 if TYPE_CHECKING:  # the engine's Service, or app/link/client.py's RemoteService
     from app.engine.contract import ServiceFace
 
-__all__ = ["ServingApp", "current_service", "init_app"]
-
-
-class ServingApp(Flask):
-    """The service's Flask app: it asks once of each view's, hook's and error handler's code whether it is a
-    coroutine function (``ensure_sync``, which Flask's documentation says to override to change how views run), where
-    Flask asks ``inspect`` at every call, three a request here. Kept by code object, which a plain function's (or a
-    method's) answer depends on alone: as many as the app's source has, holding no function, closure or instance
-    that a request made; any other callable is asked as Flask asks."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._sync_code: dict[CodeType, bool] = {}  # each code object: whether its functions run as they are
-
-    def ensure_sync(self, func: Callable[..., Any]) -> Callable[..., Any]:
-        code = getattr(func, "__code__", None) if type(func) in _PLAIN_CALLABLES else None
-        if code is None or hasattr(func, "_is_coroutine_marker"):  # (Python 3.12's inspect.markcoroutinefunction)
-            return super().ensure_sync(func)
-        sync = self._sync_code.get(code)
-        if sync is None:
-            made = super().ensure_sync(func)
-            sync = self._sync_code[code] = made is func
-            return made
-        return func if sync else super().ensure_sync(func)
-
-
-_PLAIN_CALLABLES = (FunctionType, MethodType)  # whose coroutine-ness is their code's (inspect.iscoroutinefunction)
+__all__ = ["current_service", "init_app"]
 
 
 def init_app(app: Flask, settings: Settings, service: ServiceFace, protocols: Sequence[Protocol]) -> None:
