@@ -354,8 +354,9 @@ def _head(served: contract.Served, rows: np.ndarray) -> tuple[Any, ...]:
             tuple([tuple(run) for run in served.batches]), rows.dtype.str, rows.shape, served.embedding_dim)
 
 
-def _rows_segment(rows: np.ndarray) -> tuple[np.ndarray, memoryview]:
-    """Rows as they cross: C-contiguous, and their bytes; TypeError for rows that are not numbers."""
+def _rows_segment(rows: Any) -> tuple[np.ndarray, memoryview]:
+    """Rows as they cross (an array, made C-contiguous when it is not, or made one), and their bytes; TypeError for
+    rows that are not numbers."""
     try:
         segment = memoryview(rows).cast("B")  # (a batch's rows, as they most often are: no copy, no numpy call)
     except TypeError:  # rows not C-contiguous, or no buffer
