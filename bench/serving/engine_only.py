@@ -616,15 +616,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", choices=("loop", "threads", "messages"), default="loop",
                         help="loop: one client thread keeps every request in flight (the engine the bound); threads: "
                         "a thread per connection, a request at a time (the engine with slack, as behind HTTP "
-                        "workers); messages: on two connections, several requests a message, as HTTP workers' loop "
-                        "links send them")
+                        "workers); messages: on --links connections (two), several requests a message, as HTTP "
+                        "workers' loop links send them")
     parser.add_argument("--instructions", action="store_true",
                         help="count the engine's instructions per request under callgrind (valgrind), requests sent "
                         "one at a time, instead of its CPU under load; one round")
     parser.add_argument("--requests", type=int, default=200, help="requests counted with --instructions")
     parser.add_argument("--burst", type=int, default=1,
                         help="with --instructions: requests sent at once, each on a connection of its own (a turn's; "
-                        "--clients messages: on two connections, several a message)")
+                        "--clients messages: on --links connections, several a message)")
     parser.add_argument("--links", type=int, default=LINKS,
                         help="with --clients messages: the connections the requests share, as as many HTTP workers' "
                         "loop links (a GPU host runs many)")
