@@ -87,12 +87,13 @@ def _said_once(name: str, given: Given | None, query: str | None, where: str) ->
     return query if given is None else given
 
 
-def _from_json(request: Request, default_top_k: int, num_classes: int, max_images: int) -> PredictInput:
+def _from_json(request: Request, query: dict[str, str], default_top_k: int, num_classes: int,
+               max_images: int) -> PredictInput:
     parsed = _json_body(request, PredictJSONRequest)
     check_image_count(len(parsed.images), max_images)  # before the decode: millions of tiny images cost none
-    raw_top_k = _said_once(TOP_K, parsed.top_k, request.args.get(TOP_K), "body")
+    raw_top_k = _said_once(TOP_K, parsed.top_k, query.get(TOP_K), "body")
     top_k = _parse_top_k(raw_top_k, default_top_k, num_classes, "body" if parsed.top_k is not None else "query")
-    raw_outputs = _said_once(OUTPUTS, parsed.outputs, request.args.get(OUTPUTS), "body")
+    raw_outputs = _said_once(OUTPUTS, parsed.outputs, query.get(OUTPUTS), "body")
     labels, embedding = _parse_outputs(raw_outputs, "body" if parsed.outputs is not None else "query")
     return PredictInput([_image_from_base64(s, i) for i, s in enumerate(parsed.images)], top_k, None, labels,
                         embedding)
@@ -101,7 +102,7 @@ def _from_json(request: Request, default_top_k: int, num_classes: int, max_image
 def _from_multipart(request: Request, fields: set[str], max_images: int) -> tuple[FormData, list[bytes],
                                                                                  list[str | None]]:
     """The form, its images (the ``image`` files) and their file names; BadRequest naming what was sent instead."""
-    form = parse_form_data(read_body(request), request.content_type or "", max_images)
+    form = parse_form_data(read_body(request), request.mimetype_params.get("boundary", ""), max_images)
     if IMAGE_FIELD in form.fields:  # curl -F image=cat.jpg (no @) sends the name as text
         raise BadRequest(f"the {IMAGE_FIELD!r} field came as text, not a file: send the image as a file (curl -F "
                          f"{IMAGE_FIELD}=@cat.jpg, with the @)")
@@ -185,20 +186,21 @@ def parse_explain(request: Request, labels: list[str], max_images: int) -> Expla
 def parse_predict(request: Request, *, default_top_k: int, num_classes: int, max_images: int) -> PredictInput:
     """Images, top_k and outputs from a multipart, raw-bytes or JSON request; raises a ServiceError on bad
     input."""
-    check_known(request.args.keys(), {TOP_K, OUTPUTS, MODEL, VERSION}, "query parameter")
+    query = request.args.to_dict()  # each parameter's first value (werkzeug's get raises inside for a missing one)
+    check_known(query, {TOP_K, OUTPUTS, MODEL, VERSION}, "query parameter")
     mimetype = request.mimetype
     names: list[str | None] | None = None
     if mimetype == "application/json":
-        return _from_json(request, default_top_k, num_classes, max_images)
+        return _from_json(request, query, default_top_k, num_classes, max_images)
     if mimetype == "multipart/form-data":
         form, images, names = _from_multipart(request, {TOP_K, OUTPUTS}, max_images)
         form_top_k, form_outputs = form.field(TOP_K), form.field(OUTPUTS)
-        raw_top_k = _said_once(TOP_K, form_top_k, request.args.get(TOP_K), "form")
-        raw_outputs = _said_once(OUTPUTS, form_outputs, request.args.get(OUTPUTS), "form")
+        raw_top_k = _said_once(TOP_K, form_top_k, query.get(TOP_K), "form")
+        raw_outputs = _said_once(OUTPUTS, form_outputs, query.get(OUTPUTS), "form")
     elif mimetype.startswith("image/") or mimetype in RAW_TYPES:
         images = [read_body(request)]
-        raw_top_k = request.args.get("top_k")
-        raw_outputs = request.args.get(OUTPUTS)
+        raw_top_k = query.get(TOP_K)
+        raw_outputs = query.get(OUTPUTS)
     else:
         raise UnsupportedMediaType(
             f"content type {mimetype or '(none)'!r} is not supported; send multipart/form-data with an "

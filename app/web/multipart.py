@@ -13,6 +13,7 @@ carry a 413 before the rest is read.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from werkzeug.http import parse_options_header
@@ -52,10 +53,10 @@ class FormData:
         return [*self.files, *(name for name in self.fields if name not in self.files)]
 
 
-def parse_form_data(body: bytes, content_type: str, max_files: int) -> FormData:
-    """The form in ``body`` (its ``content_type`` gives the boundary); MalformedBody when it is not one, BadRequest
-    for a text field too long or too many, TooManyImages as soon as it holds more than ``max_files`` files."""
-    boundary = parse_options_header(content_type)[1].get("boundary", "")
+def parse_form_data(body: bytes, boundary: str, max_files: int) -> FormData:
+    """The form in ``body``, its parts delimited by ``boundary`` (the Content-Type's parameter, as the request parsed
+    it: werkzeug's ``mimetype_params``); MalformedBody when it is not one, BadRequest for a text field too long or too
+    many, TooManyImages as soon as it holds more than ``max_files`` files."""
     if not boundary:  # RFC 2046 caps it at 70 characters; werkzeug's own test client sends longer ones, and reads them
         raise MalformedBody("multipart/form-data needs a boundary parameter in its Content-Type")
     delimiter = b"--" + boundary.encode("latin-1", "replace")
@@ -116,11 +117,28 @@ def _disposition(headers: bytes) -> tuple[str, str | None]:
     for line in headers.split(_CRLF):
         header, _, value = line.decode("utf-8", "replace").partition(":")
         if header.strip().lower() == "content-disposition":
-            kind, options = parse_options_header(value.strip())
+            kind, options = header_options(value.strip())
             if kind.lower() != "form-data" or not options.get("name"):
                 break
             return options["name"], options.get("filename")
     raise MalformedBody('every part of a multipart/form-data body needs Content-Disposition: form-data; name="..."')
+
+
+# Options that are each a name and a quoted value free of escapes (what browsers, curl and client libraries send)
+_QUOTED_OPTIONS = re.compile(r'(?:[A-Za-z0-9_-]+="[^"\\%]*"[ \t]*(?:;[ \t]*|\Z))+')
+_QUOTED_OPTION = re.compile(r'([A-Za-z0-9_-]+)="([^"\\%]*)"')
+
+
+def header_options(value: str) -> tuple[str, dict[str, str]]:
+    """werkzeug's ``parse_options_header(value)``: a header's value and its options by lower-case name. Options that
+    are each a name and a quoted value without escapes are read with one expression (1.6 against 9 us for a part's
+    ``form-data; name="image"; filename="cat.jpg"``: werkzeug scans a quoted value a character at a time, once per
+    file of a form); anything else (a token value, an escape, ``%22``, RFC 2231's ``name*``) is werkzeug's."""
+    kind, _, rest = value.partition(";")
+    kind, rest = kind.strip(" \t"), rest.strip(" \t")
+    if kind and rest and _QUOTED_OPTIONS.fullmatch(rest):
+        return kind, {name.lower(): quoted for name, quoted in _QUOTED_OPTION.findall(rest)}
+    return parse_options_header(value)
 
 
 def _add_field(form: FormData, name: str, body: bytes, start: int, end: int) -> None:

@@ -6,11 +6,14 @@ import io
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from werkzeug import Request
+from werkzeug.http import parse_options_header
 from werkzeug.test import EnvironBuilder
 
 from app.errors import BadRequest, MalformedBody, TooManyImages
-from app.web.multipart import MAX_FIELD_BYTES, MAX_FIELDS, MAX_HEADER_BYTES, parse_form_data
+from app.web.multipart import MAX_FIELD_BYTES, MAX_FIELDS, MAX_HEADER_BYTES, header_options, parse_form_data
 
 BOUNDARY = "----formboundary7MA4YWxkTrZu0gW"
 TYPE = f"multipart/form-data; boundary={BOUNDARY}"
@@ -25,8 +28,13 @@ def _werkzeug(body: bytes, content_type: str = TYPE) -> tuple[dict, dict]:
     return fields, files
 
 
+def _boundary(content_type: str) -> str:
+    """The boundary as a request parses its Content-Type (werkzeug's ``mimetype_params``), as the app passes it."""
+    return Request({"CONTENT_TYPE": content_type}).mimetype_params.get("boundary", "")
+
+
 def _ours(body: bytes, content_type: str = TYPE, max_files: int = 16) -> tuple[dict, dict]:
-    form = parse_form_data(body, content_type, max_files)
+    form = parse_form_data(body, _boundary(content_type), max_files)
     return form.fields, {name: [(f.filename, f.data) for f in parts] for name, parts in form.files.items()}
 
 
@@ -98,7 +106,7 @@ def test_forms_read_as_werkzeug_reads_them(body: bytes) -> None:
         "no boundary parameter", "a field too long", "too many fields", "headers too long"])
 def test_what_is_not_a_form_is_a_bad_request_saying_why(body: bytes, content_type: str, says: str) -> None:
     with pytest.raises(BadRequest, match=says.replace("(", r"\(").replace(".", r"\.")) as refused:
-        parse_form_data(body, content_type, 16)
+        parse_form_data(body, _boundary(content_type), 16)
     limit = "at most" in says or "more than" in says  # a form, but over a field's limits: a bad field
     assert (refused.value.code, refused.value.status) == (("invalid_request" if limit else "bad_request"), 400)
 
@@ -107,4 +115,52 @@ def test_more_files_than_a_request_may_carry_are_refused_before_the_rest_is_read
     parts = [_part(f'Content-Disposition: form-data; name="image"; filename="{i}.jpg"', b"x") for i in range(3)]
     assert len(_ours(_body(*parts), max_files=3)[1]["image"]) == 3
     with pytest.raises(TooManyImages, match="the limit is 2"):
-        parse_form_data(_body(*parts, _part("broken", b"")), TYPE, 2)  # refused before the broken part is reached
+        parse_form_data(_body(*parts, _part("broken", b"")), BOUNDARY, 2)  # refused before the broken part is reached
+
+
+# Content-Disposition values: as clients send them (quoted values, some with an escape, %22, a ";" or non-ASCII
+# text), and with each way werkzeug's reading departs from the simple one (token values, RFC 2231's name* and name*0,
+# keys upper-case or odd, spaces around "=", stray text between options, no value before them)
+_QUOTED = st.sampled_from(['"image"', '"cat.jpg"', '""', '"a;b.jpg"', '"x\\"y"', '"50%22off"', '"100%.jpg"',
+                           '"caf\u00e9 \u00e0.jpg"', '"a=b"', '"tab\there"', '"\\\\"'])
+_NAMES = st.sampled_from(["name", "filename", "Name", "FILENAME", "filename*", "name*0", "name*1", "x-y_1", "a b",
+                          "", "n\u00e9"])
+_VALUES = _QUOTED | st.sampled_from(["image", "UTF-8''%C3%A9t%C3%A9.jpg", '"open', '"a"b', ""])
+_GLUES = st.sampled_from(["; ", ";", " ; ", ";\t", "", " ", ";;", "; junk; "])
+
+
+@st.composite
+def _sent(draw: st.DrawFn) -> str:
+    kind = draw(st.sampled_from(["form-data", "Form-Data", "attachment", ""]))
+    options = draw(st.lists(st.tuples(st.sampled_from(["name", "filename", "Name", "x-y_1"]), _QUOTED), min_size=1,
+                            max_size=3))
+    return kind + "".join(f"; {name}={value}" for name, value in options)
+
+
+@st.composite
+def _dispositions(draw: st.DrawFn) -> str:
+    kind = draw(st.sampled_from(["form-data", "Form-Data", "attachment", "", " form-data "]))
+    options = draw(st.lists(st.tuples(_NAMES, st.sampled_from(["=", " =", "= "]), _VALUES, _GLUES), max_size=4))
+    return kind + "".join(glue + name + equals + value for name, equals, value, glue in options) + draw(
+        st.sampled_from(["", ";", " ", "; "]))
+
+
+@settings(max_examples=600, deadline=None)
+@given(_sent() | _dispositions() | st.text(alphabet='ab=";%2*\\ \t\u00e9', max_size=30).map(
+    lambda rest: "form-data;" + rest))
+def test_a_disposition_s_options_read_as_werkzeug_reads_them(value: str) -> None:
+    assert header_options(value) == parse_options_header(value)
+
+
+def test_what_clients_send_is_read_without_werkzeug_s_scan(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the forms browsers, curl and requests send: one expression; an escape or a token value: werkzeug's reading
+    import app.web.multipart as multipart
+
+    asked: list[str] = []
+    monkeypatch.setattr(multipart, "parse_options_header", lambda value: asked.append(value) or ("", {}))
+    assert header_options('form-data; name="image"; filename="IMG 0001 (copy).jpg"') == (
+        "form-data", {"name": "image", "filename": "IMG 0001 (copy).jpg"})
+    assert header_options('form-data; name="top_k"') == ("form-data", {"name": "top_k"}) and asked == []
+    header_options('form-data; name=image')
+    header_options('form-data; name="image"; filename="a\\"b.jpg"')
+    assert asked == ['form-data; name=image', 'form-data; name="image"; filename="a\\"b.jpg"']
