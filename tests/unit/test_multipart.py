@@ -131,10 +131,11 @@ _GLUES = st.sampled_from(["; ", ";", " ; ", ";\t", "", " ", ";;", "; junk; "])
 
 @st.composite
 def _sent(draw: st.DrawFn) -> str:
-    kind = draw(st.sampled_from(["form-data", "Form-Data", "attachment", ""]))
-    options = draw(st.lists(st.tuples(st.sampled_from(["name", "filename", "Name", "x-y_1"]), _QUOTED), min_size=1,
+    kind = draw(st.sampled_from(["form-data", "Form-Data", "attachment", "", "form-data\x0b", " form-data\t"]))
+    options = draw(st.lists(st.tuples(st.sampled_from(["; ", ";", " ; ", ";\t", " ", ""]),
+                                      st.sampled_from(["name", "filename", "Name", "x-y_1"]), _QUOTED), min_size=1,
                             max_size=3))
-    return kind + "".join(f"; {name}={value}" for name, value in options)
+    return kind + "".join(f"{glue}{name}={value}" for glue, name, value in options)
 
 
 @st.composite
@@ -161,6 +162,10 @@ def test_what_clients_send_is_read_without_werkzeug_s_scan(monkeypatch: pytest.M
     assert header_options('form-data; name="image"; filename="IMG 0001 (copy).jpg"') == (
         "form-data", {"name": "image", "filename": "IMG 0001 (copy).jpg"})
     assert header_options('form-data; name="top_k"') == ("form-data", {"name": "top_k"}) and asked == []
+    # a kind ending in a space other than " " or tab keeps it, as werkzeug's does (then no form-data part)
+    assert header_options('form-data\x0b; name="image"') == ("form-data\x0b", {"name": "image"}) and asked == []
+    header_options('form-data; name="top_k" filename="a.jpg"')  # not parted by ";": werkzeug reads the first alone
     header_options('form-data; name=image')
     header_options('form-data; name="image"; filename="a\\"b.jpg"')
-    assert asked == ['form-data; name=image', 'form-data; name="image"; filename="a\\"b.jpg"']
+    assert asked == ['form-data; name="top_k" filename="a.jpg"', 'form-data; name=image',
+                     'form-data; name="image"; filename="a\\"b.jpg"']
