@@ -183,10 +183,10 @@ def parse_explain(request: Request, labels: list[str], max_images: int) -> Expla
                         answer_format == "png")
 
 
-def parse_predict(request: Request, *, default_top_k: int, num_classes: int, max_images: int) -> PredictInput:
-    """Images, top_k and outputs from a multipart, raw-bytes or JSON request; raises a ServiceError on bad
-    input."""
-    query = request.args.to_dict()  # each parameter's first value (werkzeug's get raises inside for a missing one)
+def parse_predict(request: Request, query: dict[str, str], *, default_top_k: int, num_classes: int,
+                  max_images: int) -> PredictInput:
+    """Images, top_k and outputs from a multipart, raw-bytes or JSON request and its ``query`` (each parameter's
+    first value: ``request.args.to_dict()``, read once by the route); raises a ServiceError on bad input."""
     check_known(query, {TOP_K, OUTPUTS, MODEL, VERSION}, "query parameter")
     mimetype = request.mimetype
     names: list[str | None] | None = None

@@ -47,11 +47,11 @@ def predict() -> Response:
     service, req = current_service(), request._get_current_object()  # not a proxy lookup per field
     settings = service.settings
     timeout_s = deadline_s(req.headers, settings.request_timeout_s)
-    query = req.args.to_dict()  # (werkzeug's get raises and catches inside for each parameter not given)
+    query = req.args.to_dict()  # each one's first value (werkzeug's get raises and catches inside for one not given)
     # Admitted only if the queue could take one image in time: refused before the body is parsed otherwise.
     with service.admit(query.get(MODEL), query.get(VERSION),
                        client_key(req.headers, settings.client_key_header), images=1, timeout_s=timeout_s) as call:
-        parsed = parse_predict(req, default_top_k=settings.top_k, num_classes=call.model.num_classes,
+        parsed = parse_predict(req, query, default_top_k=settings.top_k, num_classes=call.model.num_classes,
                                max_images=settings.max_images)
         served = call.infer(parsed.images, names=parsed.names or (), client_gone=client_gone(), timeout_s=timeout_s,
                             embedding=parsed.embedding)

@@ -124,9 +124,10 @@ def _disposition(headers: bytes) -> tuple[str, str | None]:
     raise MalformedBody('every part of a multipart/form-data body needs Content-Disposition: form-data; name="..."')
 
 
-# Options that are each a name and a quoted value free of escapes (what browsers, curl and client libraries send)
-_QUOTED_OPTIONS = re.compile(r'(?:[A-Za-z0-9_-]+="[^"\\%]*"[ \t]*(?:;[ \t]*|\Z))+')
+# An option that is a name and a quoted value free of escapes (what browsers, curl and client libraries send), and
+# options that are each one, parted by ";"
 _QUOTED_OPTION = re.compile(r'([A-Za-z0-9_-]+)="([^"\\%]*)"')
+_QUOTED_OPTIONS = re.compile(rf'(?:{_QUOTED_OPTION.pattern}[ \t]*(?:;[ \t]*|\Z))+')
 
 
 def header_options(value: str) -> tuple[str, dict[str, str]]:

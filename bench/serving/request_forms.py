@@ -58,7 +58,7 @@ def _standard_library_json(request: Request) -> list[bytes]:
 
 
 def _served_parse(request: Request) -> list[bytes]:
-    return parse_predict(request, default_top_k=5, num_classes=1000, max_images=16).images
+    return parse_predict(request, request.args.to_dict(), default_top_k=5, num_classes=1000, max_images=16).images
 
 
 def parse_ms(rounds: int) -> dict[str, float]:
