@@ -17,11 +17,14 @@ from typing import Any, Callable, Iterator
 import pytest
 import numpy as np
 import torch
+from prometheus_client import REGISTRY
 
 from app import EXTENSION_KEY
 
 from app.factory import create_app
 from app.config import Settings
+from app.engine.batching.types import BatchRun
+from app.engine.rollouts.evidence import Comparison
 from app.engine.rollouts.policy import PolicyError, VersionPolicy
 from app.engine.rollouts.plan import (
     PromoteRule,
@@ -33,6 +36,7 @@ from app.engine.rollouts.plan import (
     takes_canary,
 )
 from app.engine.rollouts.rules import judge
+from app.engine.rollouts.shadow import offer
 from app.engine.contract import Served
 from app.engine.service import Service
 from app.engine.versions.controller import VersionsController
@@ -331,6 +335,62 @@ def test_a_large_request_s_shadow_stops_between_its_pieces_once_live_work_waits(
             assert running.result().version == waiting.result().version == "1"
     finally:
         service.shutdown(timeout=5)
+
+
+def test_a_version_promoted_from_shadow_answers_its_first_requests_ahead_of_the_shadow_work_it_holds(
+        settings: Settings) -> None:
+    # Before: they waited behind it (a suite run's first requests on a promoted Lite0 waited 3.7-4.3 s on a starved
+    # 2-core machine: bench/results/2026-12-02-suite-f5dfded-cpu-2cpu-vm.md)
+    service = Service.build(settings.model_copy(update={"max_images": 9, "queue_size": 16}),
+                            _repository({"shadow_percent": 100}))  # type: ignore[arg-type]
+    try:
+        candidate = service.controller.applier.routes.find("colour", "2")
+        module = candidate.predictor.module
+        module.gate = turns = Turnstile()
+        retired = _retired_shadow_work()
+        assert infer(service, PHOTOS).version == "1"  # its shadow's first piece: two of the candidate's batches
+        wait_until(lambda: candidate.batcher.depth == 4)  # its first batch runs (held), the second waits
+        assert service.catalog.promote("colour", "2")["default"] == "2"
+        passes = len(module.batch_sizes)
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(infer, service, [PHOTOS[0]])
+            wait_until(lambda: candidate.batcher.depth == 5)
+            turns.turn(2)  # the shadow batch running, then the next one
+            assert first.result(timeout=10).version == "2"
+            assert module.batch_sizes[passes:passes + 1] == [1]  # the request's, before the shadow's second batch
+            turns.turn(10)
+            wait_until(lambda: _retired_shadow_work() == retired + len(PHOTOS))  # its last image not handed over:
+            # its comparison, of all nine, nobody reads now
+            assert module.batch_sizes[passes + 1:] == [4]  # the shadow's second batch ran after the request
+    finally:
+        service.shutdown(timeout=5)
+
+
+def test_shadow_work_waiting_as_its_rollout_changes_is_dropped_as_retired_and_never_run() -> None:
+    service = Service.build(ALL_VERSIONS, _repository())  # type: ignore[arg-type]
+    try:
+        live, candidate = (service.controller.applier.routes.find("colour", v) for v in ("1", "2"))
+        passes, retired = len(candidate.predictor.module.batch_sizes), _retired_shadow_work()
+        live.predictor.module.gate = held = threading.Event()
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(infer, service, [PHOTOS[0]], version="1")
+            wait_until(lambda: live.batcher.running_since() is not None)  # its batch held: the job below waits
+            comparison = Comparison("colour", "2", "1")
+            offer(live, candidate, comparison, [PHOTOS[1]], (), (), [np.full(len(LABELS), 1 / len(LABELS))],
+                  [BatchRun(1, 1, 1, 0.0, 0.001)], max_age_s=60, queue_limit=64)
+            comparison.ended = True  # as the rollout changes (Evidence.restart, a promotion)
+            held.set()
+            assert running.result(timeout=10).version == "1"
+        wait_until(lambda: _retired_shadow_work() == retired + 1)
+        assert len(candidate.predictor.module.batch_sizes) == passes and comparison.compared == 0
+    finally:
+        service.shutdown(timeout=5)
+
+
+def _retired_shadow_work() -> float:
+    """Shadow images of version 2 dropped as ``retired`` in this process so far."""
+    return REGISTRY.get_sample_value("visionserve_shadow_dropped_total",
+                                     {"model": "colour", "version": "2", "reason": "retired"}) or 0.0
 
 
 def test_a_request_of_more_images_than_the_shadow_queue_holds_is_compared_when_no_other_shadow_work_waits(

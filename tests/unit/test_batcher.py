@@ -862,6 +862,51 @@ def test_background_work_over_its_limit_is_taken_alone_and_refused_as_full_only_
     wait_until(lambda: ran == [[6]])
 
 
+def test_low_priority_items_run_after_the_items_queued_behind_them_in_batches_of_their_own(make_batcher) -> None:
+    # Before: a shadow's images on its candidate were queued as any request's, so a version promoted from shadow
+    # answered its first requests only after the shadow work it held (a suite run: 3.7-4.3 s on a starved machine).
+    recorder = Recorder()
+    batcher = make_batcher(recorder, max_batch_size=4, max_wait_ms=1, queue_size=6)
+    _hold_worker(batcher, recorder)
+    low = batcher.submit_many([101, 102, 103, 104, 105, 106], low_priority=True)
+    first = batcher.submit_many([1, 2, 3])  # the queue is full of low-priority items: no backlog for these
+    second = batcher.submit_many([4, 5])
+    with pytest.raises(QueueFull):  # a low-priority item is judged with every item queued
+        batcher.submit_many([107], low_priority=True)
+    with pytest.raises(QueueFull):  # the others with each other
+        batcher.submit_many([6, 7])
+    recorder.gate.set()
+    assert [f.result(timeout=10).value for f in first + second + low] == [2, 4, 6, 8, 10, 202, 204, 206, 208, 210,
+                                                                        212]
+    assert recorder.batches == [[0], [1, 2, 3, 4], [5], [101, 102, 103, 104], [105, 106]]
+
+
+def test_low_priority_items_queued_while_a_caller_runs_the_queue_are_the_worker_s_and_it_is_woken(
+        make_batcher) -> None:
+    fn, low = ThreadRecorder(), []
+    handing = threading.Event()
+
+    def predict(items: list[int]) -> Sequence[int]:
+        if handing.is_set() and not low:  # as the caller's batch runs, another thread hands work over
+            thread = threading.Thread(target=lambda: low.extend(batcher.submit_many([101, 102], low_priority=True)))
+            thread.start()
+            thread.join(10)
+        return fn(items)
+
+    batcher = make_batcher(predict, max_batch_size=1, incoming=lambda: 0, runs_queued_on_caller=True)
+    assert batcher.submit(0).result(timeout=10).value == 0  # a batch measured
+    wait_until(lambda: _worker_asleep(batcher))
+    batcher.expected_batch_s = lambda items: 0.001  # type: ignore[method-assign]
+    groups = [batcher.submit_group([i], defer=True) for i in (1, 2, 3)]
+    groups[2].cancel()  # its place, judged, meets the work handed over
+    handing.set()
+    assert batcher.run_queued(1.0)
+    assert [group.result() for group in groups[:2]] == [[2], [4]]
+    assert [f.result(timeout=10).value for f in low] == [202, 204]  # the worker woken for them
+    here = threading.current_thread()
+    assert fn.threads[1:] == [here, here, batcher._thread, batcher._thread]
+
+
 def _worker_asleep(batcher: Batcher) -> bool:
     """The worker waits for work with none taken (so only a notify or an item it is told of wakes it)."""
     return not batcher._busy and bool(batcher._cond._waiters)  # type: ignore[attr-defined]

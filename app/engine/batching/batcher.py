@@ -72,6 +72,7 @@ class _Pending(Generic[In]):
     deadline: float | None  # time.monotonic() after which nobody waits for the answer
     group: Group | None = None
     index: int = 0
+    low: bool = False  # queued behind every other item and batched apart from them (``submit_many``'s low_priority)
 
     def wanted(self) -> bool:
         """As it is taken into a batch: whether someone still waits for it (marking it running, past a cancel)."""
@@ -127,6 +128,10 @@ class Batcher(Generic[In, Out]):
 
     Background work (``submit_background``: a shadow comparison) runs on the worker thread only when no item is
     queued, no batch runs and nothing is on its way; an item queued meanwhile waits for that one job at most.
+    Low-priority items (``submit_many(low_priority=True)``: a shadow's images on its candidate) queue behind every
+    other item, those queued after them included, run in batches of their own on the worker's thread only, and count
+    in no other item's admission: an item queued after them waits for a low-priority batch already running at most
+    (a version promoted from shadow to default serves its first requests ahead of the shadow work it still holds).
 
     ``settle`` (optional) is the caller's accounting of its batches (a version's monitor and metrics), done for
     every batch since the last call by the first batch that ends ``settle_s`` or more after it (before that batch's
@@ -161,8 +166,9 @@ class Batcher(Generic[In, Out]):
         self.queue_size = queue_size
         self._queue: collections.deque[_Pending[In]] = collections.deque()
         # What admission counts as the backlog: the queued items someone still waits for, kept as items change state
-        # (queued, taken, dropped; a group cancelled or failed: its items still queued at once, the groups' hooks)
-        self._live = 0
+        # (queued, taken, dropped; a group cancelled or failed: its items still queued at once, the groups' hooks);
+        # and of the queue's items the low-priority ones (all at its tail, all counted in ``_live``)
+        self._live = self._low = 0
         self._expired: list[_Pending[In]] = []  # taken past their deadline, to fail once the lock is let go
         self._dropped_unrun, self._failed_unrun = self._group_cancelled, self._group_failed
         self._background: collections.deque[BackgroundJob] = collections.deque()
@@ -186,8 +192,7 @@ class Batcher(Generic[In, Out]):
         self.caller_may_run: Callable[[In], bool] | None = None
         self._busy = False  # a batch is being gathered or run, by the worker or inline by a caller
         self._running_until = 0.0  # while busy: when the batch gathered or running now is expected to end
-        self.batches_run = 0
-        self.batches_inline = 0
+        self.batches_run = self.batches_inline = 0  # batches run, and of them on a caller's thread
         self._settle, self._settle_s = settle, settle_s
         self._settled_at = -math.inf
         self._unsettled = False  # batches ran since the last settle
@@ -244,17 +249,18 @@ class Batcher(Generic[In, Out]):
         """Queue one item; raises QueueFull or BatcherClosed at once instead of blocking."""
         return self.submit_many([item], deadline)[0]
 
-    def submit_many(self, items: Sequence[In], deadline: float | None = None,
-                    inline: bool = True) -> "list[Future[BatchResult[Out]]]":
+    def submit_many(self, items: Sequence[In], deadline: float | None = None, inline: bool = True,
+                    low_priority: bool = False) -> "list[Future[BatchResult[Out]]]":
         """Queue several items all together or none of them, so a rejected request leaves nothing behind.
 
         ``deadline`` (a time.monotonic() value) is when the caller stops waiting: items are refused at once when
         the backlog cannot clear by then, and dropped unrun if it passes while they wait. ``inline=False``: never
-        on the caller's thread (another batcher's thread handing over its background work).
+        on the caller's thread. ``low_priority``: behind every other item, on the worker's thread, judged with
+        every item queued (another batcher's thread handing over its background work: a shadow's images).
         """
         now = time.monotonic()
-        pending = [_Pending(item, Future(), now, deadline) for item in items]
-        self._queue_pending(pending, deadline, inline, now)
+        pending = [_Pending(item, Future(), now, deadline, low=low_priority) for item in items]
+        self._queue_pending(pending, deadline, inline and not low_priority, now, low=low_priority)
         return [p.future for p in pending]  # type: ignore[misc]
 
     def submit_group(self, items: Sequence[In], deadline: float | None = None, inline: bool = True,
@@ -277,11 +283,13 @@ class Batcher(Generic[In, Out]):
         answers: list[Group[Out] | Exception] = []
         queue, dropped_unrun, failed_unrun = self._queue, self._dropped_unrun, self._failed_unrun
         with self._cond:
-            fits_from = self._fits_from(requests, now)
+            fits_from, low = self._fits_from(requests, now), self._low
+            if low:  # the low-priority tail to the head: the requests queue after the others, then it goes back
+                queue.rotate(low)
             for items, deadline in requests:
                 try:
-                    if fits_from is None or not (isinstance(deadline, float) and deadline >= fits_from
-                                                 and deadline > now and self._live + len(items) <= self.queue_size):
+                    if fits_from is None or not (isinstance(deadline, float) and deadline >= fits_from and deadline
+                                                 > now and self._live - low + len(items) <= self.queue_size):
                         self._check_room(len(items), deadline, now)
                 except Exception as exc:  # noqa: BLE001 - a refusal (a BatcherError), or a request's own fault
                     answers.append(exc)
@@ -294,6 +302,8 @@ class Batcher(Generic[In, Out]):
                                   for index, item in enumerate(items)])
                 self._live += len(items)
                 answers.append(group)
+            if low:
+                queue.rotate(-low)
             if now - self._depth_reported_at >= QUEUE_DEPTH_REPORT_S:
                 self._report_depth(now)
         return answers
@@ -310,7 +320,7 @@ class Batcher(Generic[In, Out]):
         except TypeError:  # a request's items of no length: its own fault, judged with it
             return None
         own = max(counts, default=0) * min(self._item_seconds, self._last_item_seconds) + self.max_wait_s
-        return now + max(self._clear_s(self._live + sum(counts), now), own)
+        return now + max(self._clear_s(self._live - self._low + sum(counts), now), own)
 
     def run_queued(self, inline_within_s: float) -> bool:
         """After ``submit_group(defer=True)``: the items waiting run on the caller's thread, in batches of the cap,
@@ -324,7 +334,7 @@ class Batcher(Generic[In, Out]):
         and for what others queued meanwhile when nothing ran here (all it judged was dropped on the way: the
         caller calls again only after a run, and their wake-up met the queue held). Whether any ran here."""
         with self._cond:
-            left = len(self._queue)
+            left = len(self._queue) - self._low  # (low-priority items are the worker's)
             if not left:
                 return False
             cap = self.current_max_batch_size
@@ -343,7 +353,7 @@ class Batcher(Generic[In, Out]):
                 with self._cond:
                     now = time.monotonic()
                     cap = self._cap_at(now)
-                    refused = self._take(batch, min(left, cap), now, self.caller_may_run)
+                    refused = self._take(batch, min(left, cap), now, self.caller_may_run, low_ok=False)
                     self._report_depth_taken(now)
                 if self._expired:
                     self._fail_expired()
@@ -370,15 +380,14 @@ class Batcher(Generic[In, Out]):
         return max(self._batch_seconds, self._item_seconds * items)
 
     def _queue_pending(self, pending: list[_Pending[In]], deadline: float | None, inline: bool, now: float,
-                       wake: bool = True) -> None:
+                       wake: bool = True, low: bool = False) -> None:
         with self._cond:
-            self._check_room(len(pending), deadline, now)
+            self._check_room(len(pending), deadline, now, low)
             inline = inline and self._may_run_inline(len(pending))
             if inline:
                 self._busy = True
             else:
-                self._queue.extend(pending)
-                self._live += len(pending)
+                self._enqueue(pending, low)
                 if wake:
                     self._items_handed = True
                     self._cond.notify()
@@ -387,6 +396,21 @@ class Batcher(Generic[In, Out]):
         if inline:
             self._run_inline(pending)
 
+    def _enqueue(self, pending: list[_Pending[In]], low: bool) -> None:
+        """Under the lock: ``pending`` (all ``low`` or none) queued, counted; ahead of the low-priority items unless
+        they are some."""
+        queue, behind = self._queue, self._low
+        if low:
+            self._low += len(pending)
+            queue.extend(pending)
+        elif behind:
+            queue.rotate(behind)  # the low-priority tail to the head, the new items after the others, and back
+            queue.extend(pending)
+            queue.rotate(-behind)
+        else:
+            queue.extend(pending)
+        self._live += len(pending)
+
     def check_room(self, count: int, deadline: float | None = None) -> None:
         """Raise what ``submit_many`` would raise for ``count`` items with ``deadline`` now, without queueing them:
         admission asks before a request's body is parsed or its images decoded, so work that will be refused costs
@@ -394,9 +418,10 @@ class Batcher(Generic[In, Out]):
         with self._cond:
             self._check_room(count, deadline, time.monotonic())
 
-    def _check_room(self, count: int, deadline: float | None, now: float) -> None:
+    def _check_room(self, count: int, deadline: float | None, now: float, low: bool = False) -> None:
         """Under the lock: BatcherClosed, QueueFull, DeadlineExpired, DeadlineTooShort or DeadlineUnreachable, else
-        nothing. The backlog is the live items (``_live``: not those whose caller left) behind what runs now.
+        nothing. The backlog is the live items (``_live``: not those whose caller left) behind what runs now, the
+        low-priority ones only for a ``low`` item (others go ahead of them).
 
         Deadlines are judged once batches were timed. A deadline is too short (the caller's mistake: no retry)
         when the request's own inference would outlast it: its images at the recent time per image (the lower of
@@ -406,7 +431,7 @@ class Batcher(Generic[In, Out]):
         estimate no batch refreshed never refuses twice (a stall's would refuse every short deadline for good)."""
         if self._closed:
             raise BatcherClosed("the inference worker is shutting down")
-        live = self._live
+        live = self._live if low else self._live - self._low
         backlog = live + count
         if backlog > self.queue_size:
             raise QueueFull(f"inference queue is full ({live}/{self.queue_size} waiting)",
@@ -482,7 +507,7 @@ class Batcher(Generic[In, Out]):
         the caller's thread the GIL's hand-over and back). What is queued once the worker has ended fails."""
         with self._cond:
             self._busy = False
-            handed = self._closed or (wake_worker and bool(self._queue))
+            handed = self._closed or bool(self._low) or (wake_worker and bool(self._queue))
             self._items_handed = self._items_handed or handed
             if self._background or handed:
                 self._cond.notify()
@@ -547,7 +572,7 @@ class Batcher(Generic[In, Out]):
             batch: list[_Pending[In]] = []
             try:
                 self._take(batch, limit, now)
-                while batch and len(batch) < limit and now < until and not self._closed:
+                while batch and not batch[0].low and len(batch) < limit and now < until and not self._closed:
                     if self._nothing_incoming():
                         break
                     self._cond.wait(until - now)
@@ -571,15 +596,21 @@ class Batcher(Generic[In, Out]):
         return min(waits) if waits else None
 
     def _take(self, batch: list[_Pending[In]], limit: int, now: float,
-              may_run: Callable[[In], bool] | None = None) -> bool:
+              may_run: Callable[[In], bool] | None = None, low_ok: bool = True) -> bool:
         """Under the lock, holding the queue (busy): queued items moved into ``batch`` until it holds ``limit`` or
         the queue is empty, in one pass that skips those nobody waits for (cancelled; past their deadline: marked
         taken, into ``_expired``, failed once the lock is let go), so a batch fills to the cap with live ones. An item
-        ``may_run`` refuses puts back what this call took, and with it: True (the batch is the worker's)."""
+        ``may_run`` refuses puts back what this call took, and with it: True (the batch is the worker's). A batch
+        holds low-priority items or none (``low_ok``: it may hold them), as its first item does."""
         queue, had = self._queue, len(batch)
         pending: _Pending[In] | None = None  # the item being judged, out of the queue
         try:
             while len(batch) < limit and queue:
+                if self._low:  # low-priority items queued (at the tail): the batch's kind is its first item's
+                    head_low = queue[0].low
+                    if (head_low and not low_ok) or (batch and head_low is not batch[0].low):
+                        break
+                    self._low -= head_low
                 pending = queue.popleft()
                 if not pending.wanted():  # a group cancelled while queued left the count at once
                     if pending.group is None or not pending.group.cancelled():
@@ -587,7 +618,7 @@ class Batcher(Generic[In, Out]):
                 elif pending.deadline is not None and now > pending.deadline:  # marked taken by wanted(): a cancel
                     self._expired.append(pending)  # before it fails comes too late to count it out again
                     self._live -= 1
-                elif may_run is not None and not may_run(pending.item):
+                elif may_run is not None and not may_run(pending.item):  # (never a low-priority item: ``low_ok``)
                     queue.appendleft(pending)
                     queue.extendleft(reversed(batch[had:]))
                     del batch[had:]
@@ -598,7 +629,9 @@ class Batcher(Generic[In, Out]):
         except BaseException:  # (``may_run``'s fault) what this call took goes back, for the worker
             if pending is not None:
                 queue.appendleft(pending)
+                self._low += pending.low
             queue.extendleft(reversed(batch[had:]))
+            self._low += sum(p.low for p in batch[had:])
             del batch[had:]
             raise
         finally:
@@ -608,8 +641,15 @@ class Batcher(Generic[In, Out]):
         return False
 
     def _put_back(self, batch: list[_Pending[In]]) -> None:
-        """Under the lock: taken items back at the head of the queue, in their order, counted again."""
+        """Under the lock: taken items back at the head of the queue, in their order, counted again (low-priority
+        ones at the head of the low-priority tail)."""
+        low = bool(batch) and batch[0].low
+        if low:
+            self._queue.rotate(self._low)
         self._queue.extendleft(reversed(batch))
+        if low:
+            self._low += len(batch)
+            self._queue.rotate(-self._low)
         self._live += len(batch)
 
     def _group_cancelled(self, count: int) -> None:
@@ -725,7 +765,7 @@ class Batcher(Generic[In, Out]):
         with self._cond:
             left = list(self._queue)
             self._queue.clear()
-            self._live = 0
+            self._live = self._low = 0
         error = BatcherClosed("the inference worker stopped")
         for pending in left:
             pending.fail(error)

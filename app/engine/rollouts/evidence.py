@@ -49,6 +49,7 @@ class Comparison:
         self.dropped: collections.Counter[str] = collections.Counter()
         self.live_ms: collections.deque[float] = collections.deque(maxlen=SAMPLES)
         self.candidate_ms: collections.deque[float] = collections.deque(maxlen=SAMPLES)
+        self.ended = False  # its rollout changed (``Evidence.restart``, ``forget``): no longer read, nothing more run
 
     def record(self, live: torch.Tensor, live_labels: list[str], candidate: torch.Tensor,
                candidate_labels: list[str], live_ms: Iterable[float], candidate_ms: Iterable[float]) -> None:
@@ -87,7 +88,7 @@ class Comparison:
 
     def drop(self, reason: str, count: int = 1) -> None:
         """Shadow work not run: ``busy`` (live work queued), ``full`` (the shadow queue), ``stale`` (not run in
-        time), ``retired``, ``incompatible`` (tensors of another shape)."""
+        time), ``retired`` (a version stops, the rollout changed), ``incompatible`` (tensors of another shape)."""
         with self._lock:
             self.dropped[reason] += count
         SHADOW_DROPPED.labels(self.model, self.candidate, reason).inc(count)
@@ -195,7 +196,7 @@ class Evidence:
         """A rollout changed: keep the comparisons in ``keep`` ((candidate, live) pairs) and start every other
         count of ``model`` again; ``versions``' traffic starts again (their role changed)."""
         with self._lock:
-            self._comparisons = {k: c for k, c in self._comparisons.items() if k[0] != model or k[1:] in keep}
+            self._end({k: c for k, c in self._comparisons.items() if k[0] != model or k[1:] in keep})
             for version in versions:
                 self._traffic[(model, version)] = Traffic()
 
@@ -203,8 +204,15 @@ class Evidence:
         """``model`` is no longer served here (unloaded, or gone from the repository): its comparisons and traffic
         end, so a later load of it starts with none (requests in flight record into what they took, now unread)."""
         with self._lock:
-            self._comparisons = {k: c for k, c in self._comparisons.items() if k[0] != model}
+            self._end({k: c for k, c in self._comparisons.items() if k[0] != model})
             self._traffic = {k: t for k, t in self._traffic.items() if k[0] != model}
+
+    def _end(self, kept: dict[tuple[str, str, str], Comparison]) -> None:
+        """Under the lock: the comparisons not ``kept`` ended (the shadow work still queued for them is dropped)."""
+        for key, comparison in self._comparisons.items():
+            if key not in kept:
+                comparison.ended = True
+        self._comparisons = kept
 
     def dump(self) -> dict[str, Any]:
         """Everything, for this worker's report."""

@@ -6,11 +6,12 @@ and the two answers are compared (app/engine/rollouts/evidence.Comparison).
 waits and none is on its way, and is dropped (counted, by reason) when live work is queued or the candidate's own
 queue is busy (``busy``), shadow work waits already and this would take it past ``SHADOW_QUEUE_SIZE`` images
 (``full``), it waited ``SHADOW_MAX_AGE_S`` (``stale``), its pixels are of another size than the candidate takes
-(``incompatible``), or a version stops (``retired``). The live thread then hands the images to the candidate's
-batcher (its own thread, where its warm-up tuned the kernels; with its own decoder when its preprocessing differs),
-two batches of its cap at most at a time (``_Handover``), and goes on: a live request arriving meanwhile never
-waits for the shadow's forward pass, which runs beside it on another core (waiting for it, as a first version did,
-slowed a lone client's every request; docs/performance.md: Figures behind the code's choices).
+(``incompatible``), or a version stops or the rollout changes (``retired``). The live thread then hands the images to
+the candidate's batcher (its own thread, where its warm-up tuned the kernels; with its own decoder when its
+preprocessing differs), two batches of its cap at most at a time (``_Handover``), as low-priority items (behind every
+request the candidate answers itself, the ones queued after them included), and goes on: a live request arriving
+meanwhile never waits for the shadow's forward pass, which runs beside it on another core (waiting for it, as a first
+version did, slowed a lone client's every request; docs/performance.md: Figures behind the code's choices).
 """
 from __future__ import annotations
 
@@ -119,12 +120,13 @@ def _when_all_done(futures: "list[Future[BatchResult[np.ndarray]]]",
 
 class _Handover:
     """A group of shadow jobs' images handed to the candidate's batcher in pieces of two batches of its cap at most,
-    the next once the candidate answered the one before: a request the candidate answers itself (a canary's, or one
-    naming it) waits behind no more than two batches of shadow work, and a shadowed request of any size is compared.
+    the next once the candidate answered the one before, as low-priority items: a request the candidate answers
+    itself (a canary's, one naming it, or any once it is promoted) waits for no shadow work queued, only for a shadow
+    batch already running, and a shadowed request of any size is compared.
     A piece goes only while the candidate's queue holds two batches at most with it and, after the first, no live
-    work waits on the live version's batcher (the first was taken when none did); else, or once the candidate stops
-    or the group's time is up, the jobs not wholly handed over are dropped for that (``busy``, ``retired``,
-    ``stale``). A job's comparison is made once all of its images are answered."""
+    work waits on the live version's batcher (the first was taken when none did); else, or once the candidate stops,
+    the rollout changes (a promotion) or the group's time is up, the jobs not wholly handed over are dropped for that
+    (``busy``, ``retired``, ``stale``). A job's comparison is made once all of its images are answered."""
 
     def __init__(self, live: Batcher, candidate: Batcher, ready: list[tuple[ShadowJob, list[Prepared]]]) -> None:
         self.live, self.candidate, self.ready = live, candidate, ready
@@ -140,10 +142,12 @@ class _Handover:
         batcher, start = self.candidate, len(self.futures)
         size = 2 * batcher.current_max_batch_size
         piece = self.items[start:start + size]
+        if self.ready[self.whole][0].comparison.ended:  # the rollout changed (a promotion): nobody reads it now
+            return self._drop("retired")
         if batcher.depth + len(piece) > size or (start and self.live.depth):
             return self._drop("busy")
         try:
-            futures = batcher.submit_many(piece, deadline=self.deadline, inline=False)
+            futures = batcher.submit_many(piece, deadline=self.deadline, low_priority=True)
         except BatcherClosed:
             return self._drop("retired")
         except DeadlineExpired:
