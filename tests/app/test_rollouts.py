@@ -347,11 +347,12 @@ def test_a_version_promoted_from_shadow_answers_its_first_requests_ahead_of_the_
         candidate = service.controller.applier.routes.find("colour", "2")
         module = candidate.predictor.module
         module.gate = turns = Turnstile()
-        retired = _retired_shadow_work()
+        retired, passes = _retired_shadow_work(), len(module.batch_sizes)
         assert infer(service, PHOTOS).version == "1"  # its shadow's first piece: two of the candidate's batches
-        wait_until(lambda: candidate.batcher.depth == 4)  # its first batch runs (held), the second waits
+        # its first batch in the forward pass (held), the second waits
+        wait_until(lambda: module.batch_sizes[passes:] == [4] and candidate.batcher.depth == 4)
         assert service.catalog.promote("colour", "2")["default"] == "2"
-        passes = len(module.batch_sizes)
+        passes += 1
         with ThreadPoolExecutor(1) as pool:
             first = pool.submit(infer, service, [PHOTOS[0]])
             wait_until(lambda: candidate.batcher.depth == 5)
