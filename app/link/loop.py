@@ -668,7 +668,7 @@ class EngineServer:
             try:
                 if batcher.run_queued(self._loop_batch_s):
                     ran_here = True
-                    if batcher.depth:  # a backlog's next slice: the next turn's, after the answers and reads
+                    if batcher.depth_for_caller:  # a backlog's next slice: the next turn's, after the answers and reads
                         self._deferred[key] = batcher
             except Exception:  # noqa: BLE001 - never the loop's end: what it left queued is the batcher's thread's
                 log.exception("a batch run on the engine's loop failed")

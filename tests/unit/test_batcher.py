@@ -868,17 +868,17 @@ def test_low_priority_items_run_after_the_items_queued_behind_them_in_batches_of
     recorder = Recorder()
     batcher = make_batcher(recorder, max_batch_size=4, max_wait_ms=1, queue_size=6)
     _hold_worker(batcher, recorder)
-    low = batcher.submit_many([101, 102, 103, 104, 105, 106], low_priority=True)
-    first = batcher.submit_many([1, 2, 3])  # the queue is full of low-priority items: no backlog for these
-    second = batcher.submit_many([4, 5])
+    low = batcher.submit_many([101, 102], low_priority=True)
+    first = batcher.submit_many([1, 2, 3, 4])
+    second = batcher.submit_many([5, 6])  # the low-priority items are no backlog for these: 6 of 6
+    assert (batcher.depth, batcher.depth_for_caller) == (8, 6)  # what run_queued may run: not the low-priority ones
     with pytest.raises(QueueFull):  # a low-priority item is judged with every item queued
-        batcher.submit_many([107], low_priority=True)
+        batcher.submit_many([103], low_priority=True)
     with pytest.raises(QueueFull):  # the others with each other
-        batcher.submit_many([6, 7])
+        batcher.submit_many([7])
     recorder.gate.set()
-    assert [f.result(timeout=10).value for f in first + second + low] == [2, 4, 6, 8, 10, 202, 204, 206, 208, 210,
-                                                                        212]
-    assert recorder.batches == [[0], [1, 2, 3, 4], [5], [101, 102, 103, 104], [105, 106]]
+    assert [f.result(timeout=10).value for f in first + second + low] == [2, 4, 6, 8, 10, 12, 202, 204]
+    assert recorder.batches == [[0], [1, 2, 3, 4], [5, 6], [101, 102]]
 
 
 def test_low_priority_items_queued_while_a_caller_runs_the_queue_are_the_worker_s_and_it_is_woken(

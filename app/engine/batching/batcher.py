@@ -237,6 +237,11 @@ class Batcher(Generic[In, Out]):
         return len(self._queue)
 
     @property
+    def depth_for_caller(self) -> int:
+        """Of the items waiting now, those ``run_queued`` may run (the low-priority ones are the worker's)."""
+        return len(self._queue) - self._low
+
+    @property
     def current_max_batch_size(self) -> int:
         """The batch size cap in force: lowered for a while after an out-of-memory split."""
         return self._cap_at(time.monotonic())
@@ -334,7 +339,7 @@ class Batcher(Generic[In, Out]):
         and for what others queued meanwhile when nothing ran here (all it judged was dropped on the way: the
         caller calls again only after a run, and their wake-up met the queue held). Whether any ran here."""
         with self._cond:
-            left = len(self._queue) - self._low  # (low-priority items are the worker's)
+            left = self.depth_for_caller
             if not left:
                 return False
             cap = self.current_max_batch_size
