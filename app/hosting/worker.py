@@ -72,6 +72,8 @@ READ_SIZE = 1 << 20  # the most one read asks for: a body's rest in as few calls
 FIRST_READ = 1 << 16  # a request's first read: its headers and a small body. Python allocates what a read asks for:
 # a 1 MiB ask cost a small request 10-12 us (the allocation and its release), a 64 KB one 1 us
 HELD_PIECE = 64 * 1024  # what a read of "the next chunk" (the header parser's) takes out of the held bytes
+HEAD_JOINED_BYTES = 64 * 1024  # an answer's first piece up to which its head goes out in the same send (one copy):
+# on loopback each send delivers to the reader on the sender's CPU, 7 us more a small answer for two sends than one
 CLOSE_LINGER_S = 2.0  # a connection's graceful close reads what the client still sends for this long at most
 CLOSE_DRAIN_BYTES = 64 * 1024  # and this much at most (gunicorn's close_graceful, on the loop without blocking)
 EMPTY_LINES = re.compile(rb"(?:\r\n)+")  # what may come before a request line (RFC 9112 2.2), skipped
@@ -430,20 +432,46 @@ class ClientSocket(socket.socket):
     so a client that stops reading holds its connection, not a thread; beyond HELD_ANSWER_BYTES (an answer streamed
     in pieces) the thread writes what it holds itself. A loop request hands its wait to the loop; a socket no
     worker's loop writes for (``loop_writes`` off) waits by polling. Either way at most ``answer_timeout_s`` without
-    progress."""
+    progress. An answer's head (gunicorn writes it apart, as its first write) is held and goes out with the answer's
+    first piece of body, in one send (``answer_begins``, ``answer_ends``)."""
 
-    __slots__ = ("answer_timeout_s", "body_held", "loop_writes", "unsent")
+    __slots__ = ("answer_timeout_s", "body_held", "loop_writes", "unsent", "head_next", "head")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.answer_timeout_s, self.body_held = ReadLimits.answer_timeout_s, False
         self.loop_writes = False  # a request thread leaves the rest of its answer to the worker's loop
         self.unsent: bytearray | None = None  # that rest, until the loop has written it
+        self.head_next = False  # the next write is an answer's first: its head, held (``head``) for what follows
+        self.head: bytes | None = None
+
+    def answer_begins(self) -> None:
+        """The next write is an answer's first (gunicorn's head, or an error answer whole): held for the next."""
+        self.head_next, self.head = True, None
+
+    def answer_ends(self) -> None:
+        """The answer is written: a head still held (no body followed it: a HEAD request's, a 204's) goes now."""
+        self.head_next = False
+        if self.head is not None:
+            head, self.head = self.head, None
+            self._write(memoryview(head), 0)
 
     def sendall(self, data: Any, flags: int = 0) -> None:  # type: ignore[override]
+        view = memoryview(data).cast("B")
+        if self.head_next:
+            self.head_next, self.head = False, bytes(view)
+            return
+        if self.head is not None:  # the head held, then this answer's first piece of body: one send for both
+            head, self.head = self.head, None
+            if len(view) <= HEAD_JOINED_BYTES:
+                view = memoryview(head + view)
+            else:
+                self._write(memoryview(head), flags)
+        self._write(view, flags)
+
+    def _write(self, view: memoryview, flags: int) -> None:
         if self.gettimeout():  # a body read from the socket had one (app/web/hooks.py): Python would poll before a
             self.settimeout(None)  # send for that long, whatever its flags, then raise instead of waiting here
-        view = memoryview(data).cast("B")
         unsent = self.unsent
         if unsent is not None:  # behind what is held already, in order
             if len(unsent) + len(view) <= HELD_ANSWER_BYTES:
@@ -937,11 +965,19 @@ class BufferingWorker(LoopRequests, ThreadWorker):
             conn.parser.unreader.unread(prefetched)
         else:  # a request gthread hands over itself (bytes its parser read ahead): its body may be on the socket
             _body_held(conn, False)
-        return super().handle(conn)
+        sock = conn.sock
+        sock.answer_begins()
+        try:
+            return super().handle(conn)
+        finally:  # an answer gthread gave after an error (its own, whole): the connection closes after it
+            with contextlib.suppress(OSError):
+                sock.answer_ends()
 
     def _keepalive_after(self, conn: TConn, keepalive: bool) -> bool:
-        """Whether the connection serves another request: a body the loop held whole is skipped in memory,
-        whatever the app left of it; others as gthread does (a bounded read of the socket, else closed)."""
+        """Whether the connection serves another request, once its answer is written (a head held alone goes now:
+        a client gone meanwhile closes it, as gthread closes it on a write): a body the loop held whole is skipped in
+        memory, whatever the app left of it; others as gthread does (a bounded read of the socket, else closed)."""
+        conn.sock.answer_ends()
         if keepalive and getattr(conn, "body_held", False):
             return skip_held_body(conn.parser)
         return super()._keepalive_after(conn, keepalive)

@@ -1113,6 +1113,79 @@ def test_a_client_that_takes_none_of_the_rest_of_its_answer_loses_its_connection
     worker.poller.close()
 
 
+def _answered_by_gunicorn(ours: socket.socket, app: Callable[..., Any]) -> tuple[Any, Any, list[bytes]]:
+    """A worker whose request threads run gunicorn's own handling of ``app``, its connection on ``ours`` (a
+    ClientSocket that notes each send) and that list of sends."""
+    from types import SimpleNamespace
+
+    from app.hosting.worker import ClientConn, ClientSocket
+
+    sends: list[bytes] = []
+
+    class Noting(ClientSocket):
+        def send(self, data: Any, flags: int = 0) -> int:
+            sent = super().send(data, flags)
+            sends.append(bytes(memoryview(data)[:sent]))
+            return sent
+
+    sock = Noting(ours.family, ours.type, ours.proto, fileno=ours.detach())
+    sock.loop_writes = True
+    worker = _writing_worker()
+    quiet = lambda *args, **kwargs: None  # noqa: E731 - gunicorn's logger's calls, unread here
+    worker.log = SimpleNamespace(access=quiet, debug=quiet, info=quiet, warning=quiet, exception=quiet)
+    worker.wsgi, worker.nr, worker.max_requests, worker.max_keepalived = app, 0, 1000, 100
+    return worker, ClientConn(Config(), sock, ("127.0.0.1", 1), ("127.0.0.1", 2)), sends
+
+
+def _answer_read(client: socket.socket, head_only: bool = False) -> bytes:
+    """One HTTP answer as the client reads it: its head, then as many bytes as its Content-Length says (none after
+    the head of an answer to HEAD)."""
+    client.settimeout(10)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += client.recv(1 << 16)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = 0 if head_only else int(next((line.split(b":")[1] for line in head.split(b"\r\n")
+                                           if line.lower().startswith(b"content-length:")), b"0"))
+    while len(body) < length:
+        body += client.recv(1 << 16)
+    return head + b"\r\n\r\n" + body
+
+
+@pytest.mark.parametrize("request_line, status, body", [
+    (b"GET /small", "200 OK", b'{"ok": true}'),  # head and body: one send
+    (b"HEAD /small", "200 OK", b'{"ok": true}'),  # a head alone (no body for HEAD): sent once the answer is written
+    (b"GET /empty", "204 No Content", b""),
+    (b"GET /large", "200 OK", os.urandom(200 * 1024)),  # beyond HEAD_JOINED_BYTES: the head apart, not copied
+    (b"GET /broken", None, b""),  # the app fails before it answers: gunicorn's own 500, whole
+])
+def test_an_answer_s_head_goes_out_with_its_first_piece_of_body_in_one_send(
+        sockets, request_line: bytes, status: str | None, body: bytes) -> None:
+    from app.hosting.worker import HEAD_JOINED_BYTES
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        if status is None:
+            raise RuntimeError("broken")
+        start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+        return [body]
+
+    ours, client = sockets
+    worker, conn, sends = _answered_by_gunicorn(ours, app)
+    client.sendall(request_line + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+    kept_alive = worker._handle_one(conn)
+    answer = _answer_read(client, head_only=request_line.startswith(b"HEAD"))
+    assert b"".join(sends) == answer  # every byte of it sent, nothing more
+    if status is None:  # gunicorn's answer to an error, sent whole, then the connection closes
+        assert answer.startswith(b"HTTP/1.1 500 Internal Server Error\r\n") and kept_alive is False
+        return
+    assert answer.startswith(f"HTTP/1.1 {status}\r\n".encode()) and kept_alive is True
+    assert answer.endswith(b"" if request_line.startswith(b"HEAD") else body)
+    if len(body) <= HEAD_JOINED_BYTES:
+        assert len(sends) == 1  # before: the head in a send of its own, then the body
+    else:
+        assert sends[0].endswith(b"\r\n\r\n") and len(sends[0]) < 1024  # the head apart: the body is not copied
+
+
 class _Pool:
     """Request threads that only note each connection they are handed (``handed``), running none."""
 
