@@ -139,12 +139,26 @@ def test_the_held_unreader_gives_the_parser_what_gunicorns_gives_it(sockets, pie
     stream = _request(bodies[0], "/a") + _request(bodies[1], "/b") + _request(bodies[2], "/c")
     held, sent = stream[:len(stream) - 50_000], stream[len(stream) - 50_000:]
     answers = {}
-    for kind in (False, True):
+    for kind in ("gunicorn's", "held", "held as a request"):
         client.sendall(sent)
-        parser = _parser(ours, held=kind)
-        parser.unreader.unread(bytearray(held))
+        parser = _parser(ours, held=kind != "gunicorn's")
+        getattr(parser.unreader, "unread_request" if kind == "held as a request" else "unread")(bytearray(held))
         answers[kind] = _bodies(parser, 3, piece)
-    assert answers[True] == answers[False] == [("/a", bodies[0]), ("/b", b""), ("/c", bodies[2])]
+    assert list(answers.values()) == [[("/a", bodies[0]), ("/b", b""), ("/c", bodies[2])]] * 3
+
+
+def test_a_request_held_whole_gives_the_header_parser_its_head_alone(sockets) -> None:
+    # Before: the parser was handed 64 KB of the photo behind the head, and copied it six times before it unread it
+    ours, _ = sockets
+    ours.settimeout(2)  # a read of the socket (nothing there) fails instead of waiting
+    request = _request(b"x" * 100_000)
+    head = request[:request.index(b"\r\n\r\n") + 4]
+    unreader = HeldUnreader(ours)
+    unreader.unread_request(bytearray(request))
+    assert unreader.read() == head
+    assert unreader.read(100_000) == b"x" * 100_000 and unreader._held == b""
+    unreader.unread_request(bytearray(request))
+    assert unreader.read(len(request)) == request  # a read of a size first: all of it held, none asked of the socket
 
 
 def test_the_held_unreader_keeps_the_order_of_what_is_unread(sockets) -> None:
