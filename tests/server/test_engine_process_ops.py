@@ -161,6 +161,9 @@ class Clients:
 def test_kept_alive_clients_across_an_engine_sigkill_see_answers_only_and_metrics_and_log_tell_the_truth(
         small_weights: Path, start_server: Callable[..., Running]) -> None:
     server = start_server(small_weights, engine="process", workers="2", max_wait_ms="5").wait_ready()
+    # /readyz answers 200 once one worker serves; the gauge is the lowest of the two (the second one, on a loaded
+    # machine, may still be reaching its engine: a suite run read 0 here once)
+    _wait(lambda: _metrics(server)["visionserve_ready"] == 1, server, timeout_s=60)
     batches = _assert_ready_and_alive(server)["visionserve_batch_size_count"]
     with Clients(server.url, server.port) as clients:
         for client in (clients.session, clients.session, clients.bare):
