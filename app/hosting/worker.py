@@ -80,6 +80,7 @@ EMPTY_LINES = re.compile(rb"(?:\r\n)+")  # what may come before a request line (
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"  # what a client that sent Expect: 100-continue waits for
 HTTP_11_ON = re.compile(rb"HTTP/1\.[1-9]")  # a request version that may send a chunked body or expect 100 Continue
 CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]+")
+INTERIM_ANSWER = re.compile(rb"HTTP/1\.[0-9] 1[0-9][0-9] ")  # a 1xx (103 Early Hints): sent as it comes, not held
 _DONTWAIT = int(socket.MSG_DONTWAIT)  # a plain int: or-ing the flag enum makes a new enum member at every send
 CODINGS = frozenset((b"chunked", b"identity", b"gzip", b"deflate", b"compress"))  # the transfer codings gunicorn takes
 MALFORMED = "the request body's framing is malformed: "  # as app/web/errors.py says it of what the parser refuses
@@ -467,9 +468,17 @@ class ClientSocket(socket.socket):
             head, self.head = self.head, None
             self._write(memoryview(head), 0)
 
+    def shutdown(self, how: int) -> None:
+        """A head still held goes out before the write side closes: gunicorn closes a connection whose app failed
+        once the head was written, and for an answer without a body that head is all of it."""
+        if self.head is not None and how != socket.SHUT_RD:
+            with contextlib.suppress(OSError):
+                self.answer_ends()
+        super().shutdown(how)
+
     def sendall(self, data: Any, flags: int = 0) -> None:  # type: ignore[override]
         view = memoryview(data).cast("B")
-        if self.head_next:
+        if self.head_next and not INTERIM_ANSWER.match(bytes(view[:13])):
             self.head_next, self.head = False, bytes(view)
             return
         if self.head is not None:  # the head held, then this answer's first piece of body: one send for both

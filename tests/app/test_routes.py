@@ -84,6 +84,8 @@ def test_the_top_classes_are_a_stable_sort_s_first_whatever_the_ties_nan_or_rows
         if trial % 7 == 0:
             scores[int(rng.integers(0, rows)), rng.integers(0, columns)] = np.nan
         assert np.array_equal(top_indices(scores, k), np.argsort(-scores, axis=1, kind="stable")[:, :k])
+    counts = np.array([[3, 9, 9, 1, 0, 7, 2, 8, 5, 4, 6, 9]])  # whole numbers (no -inf to set): ranked all the same
+    assert top_indices(counts, 2).tolist() == [[1, 2]]
     tied = np.zeros((2, 1000), dtype=np.float32)
     tied[0, [7, 3, 900]] = 0.3  # a three-way tie for first: the lower index first
     tied[1, 999] = 1.0

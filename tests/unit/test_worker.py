@@ -1157,12 +1157,16 @@ def _answer_read(client: socket.socket, head_only: bool = False) -> bytes:
     client.settimeout(10)
     data = b""
     while b"\r\n\r\n" not in data:
-        data += client.recv(1 << 16)
+        piece = client.recv(1 << 16)
+        assert piece, f"the connection closed before the answer's head; read: {data!r}"
+        data += piece
     head, _, body = data.partition(b"\r\n\r\n")
     length = 0 if head_only else int(next((line.split(b":")[1] for line in head.split(b"\r\n")
                                            if line.lower().startswith(b"content-length:")), b"0"))
     while len(body) < length:
-        body += client.recv(1 << 16)
+        piece = client.recv(1 << 16)
+        assert piece, "the connection closed before the answer's body"
+        body += piece
     return head + b"\r\n\r\n" + body
 
 
@@ -1198,6 +1202,38 @@ def test_an_answer_s_head_goes_out_with_its_first_piece_of_body_in_one_send(
         assert len(sends) == 1  # before: the head in a send of its own, then the body
     else:
         assert sends[0].endswith(b"\r\n\r\n") and len(sends[0]) < 1024  # the head apart: the body is not copied
+
+
+def test_a_held_head_goes_out_before_gunicorn_closes_a_connection_whose_app_failed_after_it(sockets) -> None:
+    # An answer without a body is its head: gunicorn closes the connection when the app fails after writing it
+    class ClosingFails(list):
+        def close(self) -> None:
+            raise RuntimeError("after the answer")
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        start_response("204 No Content", [])
+        return ClosingFails()
+
+    ours, client = sockets
+    worker, conn, _ = _answered_by_gunicorn(ours, app)
+    client.sendall(b"GET /empty HTTP/1.1\r\nHost: x\r\n\r\n")
+    client.shutdown(socket.SHUT_WR)  # gunicorn's graceful close reads until the client's end: here at once
+    assert worker._handle_one(conn) is False
+    assert _answer_read(client).startswith(b"HTTP/1.1 204 No Content\r\n")
+
+
+def test_an_interim_answer_goes_out_at_once_and_the_final_head_with_its_body(sockets) -> None:
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        environ["wsgi.early_hints"]([("Link", "</a.css>; rel=preload; as=style")])
+        start_response("200 OK", [("Content-Length", "2")])
+        return [b"ok"]
+
+    ours, client = sockets
+    worker, conn, sends = _answered_by_gunicorn(ours, app)
+    client.sendall(b"GET /page HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert worker._handle_one(conn) is True
+    assert [send.split(b"\r\n")[0] for send in sends] == [b"HTTP/1.1 103 Early Hints", b"HTTP/1.1 200 OK"]
+    assert sends[1].endswith(b"\r\n\r\nok")
 
 
 class _Pool:
