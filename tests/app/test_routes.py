@@ -17,7 +17,8 @@ from flask.testing import FlaskClient
 from app import EXTENSION_KEY
 from app.config import Settings
 from app.engine.service import Service
-from app.engine.contract import BatchRun, Served, stage_ms, top_indices
+from app.engine.contract import BatchRun, Served, stage_ms
+from app.engine.ranking import top_indices
 from tests.support.answers import error_of, labels_of
 from tests.support.fakes import ColourModel, wait_until
 from tests.support.imaging import BLUE, GREEN, RED, image_bytes

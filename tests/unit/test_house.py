@@ -209,8 +209,10 @@ WINGS = ("decoding", "batching", "loaded", "rollouts", "versions")
 ENGINE_FACADE = ("app.engine.service", "app.engine.call", "app.engine.explain", "app.engine.catalog",
                  "app.engine.contract")
 # contract.py sits between batching and the wings above it: it imports only these of the engine, and any wing from
-# loaded up may import it (the data a loaded version and the repository index hand out).
-CONTRACT_IMPORTS = ("app.engine.batching.types", "app.engine.batching.arrivals")
+# loaded up may import it (the data a loaded version and the repository index hand out), and ranking.py (numpy
+# only: the answers' top classes, a monitor's top-1) beside it.
+CONTRACT_IMPORTS = ("app.engine.batching.types", "app.engine.batching.arrivals", "app.engine.ranking")
+BESIDE_THE_CONTRACT = ("app.engine.contract", "app.engine.ranking")
 # app/'s root: what is truly shared, and the two files a newcomer looks for first (wsgi.py, factory.py).
 ROOT_MODULES = ["__init__.py", "config.py", "configdoc.py", "errors.py", "factory.py", "logs.py", "metrics.py",
                 "wsgi.py"]
@@ -231,17 +233,19 @@ def test_the_http_side_reaches_the_engine_only_through_its_contract() -> None:
     graph = _project_graph()
     contract = sorted(t for t in graph["app.engine.contract"] if _under(t, ("app.engine",)))
     assert set(contract) <= set(CONTRACT_IMPORTS), f"app.engine.contract imports {contract}"
+    ranking = sorted(t for t in graph["app.engine.ranking"] if t.startswith("app"))
+    assert not ranking, f"app.engine.ranking imports {ranking}"
 
 
 def test_engine_is_in_wings_and_they_import_downwards_only() -> None:
     loose = sorted(p.name for p in (APP / "engine").glob("*.py") if p.name != "__init__.py")
-    assert loose == ["call.py", "catalog.py", "contract.py", "explain.py", "service.py"], \
+    assert loose == ["call.py", "catalog.py", "contract.py", "explain.py", "ranking.py", "service.py"], \
         "an engine module belongs in a wing"
     assert sorted(p.name for p in (APP / "engine").iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(WINGS)
     graph = _project_graph()
     for position, wing in enumerate(WINGS):
         allowed = tuple(f"app.engine.{w}" for w in WINGS[: position + 1]) + (
-            ("app.engine.contract",) if position >= WINGS.index("loaded") else ())
+            BESIDE_THE_CONTRACT if position >= WINGS.index("loaded") else ())
         for module in (m for m in graph if _under(m, (f"app.engine.{wing}",))):
             upward = sorted(t for t in graph[module] if _under(t, ("app.engine",)) and not _under(t, allowed)
                             and t != "app.engine")

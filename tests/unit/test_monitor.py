@@ -143,7 +143,7 @@ def test_nan_rows_count_as_no_confidence() -> None:
 def test_the_monitor_s_top_class_is_the_one_the_answers_rank_first_ties_nan_and_inf_included() -> None:
     # observe takes argmax and max where it can; it must name the class top_indices ranks first (ties: the lower
     # index; NaN last), with that class's probability, for every row of a batch that mixes ties, NaN and inf
-    from app.engine.contract import top_indices
+    from app.engine.ranking import top_indices
 
     nan, inf = float("nan"), float("inf")
     rows = np.array([[0.1, 0.3, 0.3, 0.1, 0.1, 0.1], [nan, 0.2, 0.5, 0.5, 0.0, 0.0], [0.2, 0.2, 0.2, 0.2, 0.2, 0.2],

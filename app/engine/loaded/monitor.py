@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from app.config import Settings
-from app.engine.contract import top_indices
+from app.engine.ranking import top_indices
 from models.export.manifest import Manifest, PredictionReference
 
 PSI_EPSILON = 1e-4
