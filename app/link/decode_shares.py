@@ -1,13 +1,24 @@
 """How an engine loop turn's CPU decoding is handed out (app/link/loop.py): to the decode threads in at most one
-share per thread, each worth a hand-off, or kept on the loop when all of it decodes in less than one hand-off costs;
-alike photos (one call for several requests) admitted as bundles of a hand-off's decoding at most (``runs``).
+share per thread, each worth a hand-off, or kept on the loop when all of it decodes in less than one hand-off costs,
+or when each of its images decodes in less than LOOP_IMAGE_MAX_S; alike photos (one call for several requests)
+admitted as bundles of a hand-off's decoding at most (``runs``).
 What a request's decoding is expected to cost comes from its encoded bytes and the decode CPU per byte measured so
-far (requests refused before their decode left out), so one large photo after small ones is still handed off."""
+far (requests refused before their decode left out), so one large photo after small ones is still handed off. The
+decode threads' measure runs high where an image's decode is mostly Python steps: each torch step lets go of the
+interpreter lock, and a thread then waits for it behind the loop and the other decode threads, which costs CPU
+(2-core VM: a 100 KB JPEG of 8x8 pixels 52 us on the loop, 209 on two threads; a 160x120 photo 180 against
+314-336; 500x375 922 against 996). So the loop's own measure is kept apart and preferred: while only the threads'
+is known, one request of a turn is decoded on the loop to take it (``probe``), and a threads' measure below the
+loop's (the photos became cheaper since) makes the loop's stale."""
 from __future__ import annotations
 
 from typing import Protocol, Sequence, TypeVar
 
 HAND_OFF_S = 0.005  # what handing a turn's decoding to a thread and back costs, about: less decoding stays here
+LOOP_IMAGE_MAX_S = 0.0003  # images each expected to decode in less stay on the loop, however many: their Python
+# steps hold the interpreter lock, and two decode threads beside the loop ran them slower than the loop alone (2-core
+# VM, engine alone, 16 photos a request: 8x8 JPEGs padded to 100 KB, 52 us each, 2.4x the requests a second on the
+# loop; 160x120 photos, 180 us, 1.34x; 320x240, 437 us, 0.76x; 500x375, 922 us, 0.62x)
 DECODE_S_WEIGHT = 0.2  # how fast the expected decode time per byte follows the measured one
 
 
@@ -29,20 +40,36 @@ class DecodeShares:
 
     def __init__(self, threads: int) -> None:
         self.threads = threads
-        self.s_per_byte: float | None = None
+        self.s_per_byte: float | None = None  # measured on the loop: a decode alone
+        self.handed_s_per_byte: float | None = None  # measured on the decode threads: their waits for the lock in it
+
+    def expected_s_per_byte(self) -> float | None:
+        """The decode CPU per byte to expect: the lower of the two measures (a wait for the lock only adds)."""
+        known = [measure for measure in (self.s_per_byte, self.handed_s_per_byte) if measure is not None]
+        return min(known) if known else None
 
     def here(self, requests: Sequence[Encoded]) -> bool:
-        """Whether these requests decode in less time than a hand-off to a decode thread costs."""
-        per_byte = self.s_per_byte
-        return per_byte is not None and sum(map(encoded_bytes, requests)) * per_byte < HAND_OFF_S
+        """Whether these requests decode on the loop: in less time than a hand-off to a decode thread costs, or
+        each of their images in less than LOOP_IMAGE_MAX_S."""
+        per_byte = self.expected_s_per_byte()
+        sizes = [len(image) for request in requests for image in request.images]
+        return per_byte is not None and bool(sizes) and (sum(sizes) * per_byte < HAND_OFF_S or
+                                                         max(sizes) * per_byte < LOOP_IMAGE_MAX_S)
 
+    def probe(self, requests: Sequence[R]) -> R | None:
+        """While only the decode threads' measure is known: the turn's smallest request, to be decoded on the loop
+        for the loop's own, when it is expected to decode in less than a hand-off costs (else None)."""
+        if self.s_per_byte is not None or self.handed_s_per_byte is None or not requests:
+            return None
+        smallest = min(requests, key=encoded_bytes)
+        return smallest if encoded_bytes(smallest) * self.handed_s_per_byte < HAND_OFF_S else None
     def shares(self, requests: Sequence[R]) -> list[list[R]]:
         """The requests split into at most one share per thread, each worth a hand-off (at least HAND_OFF_S of
         expected decoding), balanced by their bytes: one hand-off per share, not per request."""
         if not requests:
             return []
         sized = sorted(((encoded_bytes(request), request) for request in requests), key=lambda pair: -pair[0])
-        per_byte = self.s_per_byte
+        per_byte = self.expected_s_per_byte()
         worth = len(requests) if per_byte is None else int(sum(size for size, _ in sized) * per_byte / HAND_OFF_S)
         count = max(1, min(self.threads, len(requests), worth))
         if count == 1:
@@ -60,7 +87,7 @@ class DecodeShares:
         call, decoded by one thread, queued once all of it is; ``shares`` hands them out), each expected to decode
         within HAND_OFF_S, so that a bundle's first photo waits little for its last (a photo that decodes longer
         runs alone, as every photo does until the decode is measured)."""
-        per_byte = self.s_per_byte
+        per_byte = self.expected_s_per_byte()
         if per_byte is None:
             return [1] * len(sizes)
         limit = HAND_OFF_S / per_byte  # the bytes a hand-off's time decodes
@@ -72,8 +99,20 @@ class DecodeShares:
             taken, length = taken + size, length + 1
         return runs + [length] if length else runs
 
-    def measured(self, decoded_bytes: int, cpu_s: float) -> None:
-        """``decoded_bytes`` of images took ``cpu_s`` of a thread's CPU to decode and queue."""
-        if decoded_bytes:
-            measured, before = cpu_s / decoded_bytes, self.s_per_byte
-            self.s_per_byte = measured if before is None else before + DECODE_S_WEIGHT * (measured - before)
+    def measured(self, decoded_bytes: int, cpu_s: float, on_loop: bool) -> None:
+        """``decoded_bytes`` of images took ``cpu_s`` of a thread's CPU to decode and queue, on the loop or on a
+        decode thread."""
+        if not decoded_bytes:
+            return
+        measured = cpu_s / decoded_bytes
+        if on_loop:
+            self.s_per_byte = _moved(self.s_per_byte, measured)
+            return
+        self.handed_s_per_byte = _moved(self.handed_s_per_byte, measured)
+        if self.s_per_byte is not None and self.handed_s_per_byte < self.s_per_byte:  # the loop's is stale
+            self.s_per_byte = None
+
+
+def _moved(before: float | None, measured: float) -> float:
+    """A moving average ``before`` moved towards ``measured`` (its first value when None)."""
+    return measured if before is None else before + DECODE_S_WEIGHT * (measured - before)

@@ -830,9 +830,12 @@ class EngineServer:
                                                                      exchange.call.decodes_on_host)])
         if decoded and self.decode_shares.here(decoded):
             self._queue_all(decoded)
-        else:
-            for share in self.decode_shares.shares(decoded):
-                self._decoders.submit(self._queue_all, share)
+            return
+        if (probe := self.decode_shares.probe(decoded)) is not None:  # the loop's own measure of the decode
+            decoded.remove(probe)
+            self._queue_all([probe])
+        for share in self.decode_shares.shares(decoded):
+            self._decoders.submit(self._queue_all, share)
 
     def _queue_here(self, exchanges: list[_Exchange]) -> None:
         """On the loop: these requests' images queued (their headers read, or none to decode), those of a version
@@ -886,7 +889,7 @@ class EngineServer:
                              queued)
                 if not exchange.images:  # queued: the queue holds what it needs
                     decoded, spent = decoded + size, spent + exchange.decode_cpu_s  # not a batch run here
-            self.decode_shares.measured(decoded, spent)
+            self.decode_shares.measured(decoded, spent, threading.get_ident() == self._loop_thread)
         except Exception as exc:  # noqa: BLE001 - unforeseen (a decode thread's executor would swallow it): every
             log.exception("queueing %d requests failed", len(exchanges))  # request not yet queued is answered
             steps += [functools.partial(self._end, exchange, exc) for exchange in exchanges[len(steps):]]

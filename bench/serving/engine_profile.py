@@ -50,8 +50,10 @@ def py_spy() -> str:
     return path
 
 
-def sample(form: str, concurrency: int, seconds: float, device: str, rate: int, raw_stem: Path) -> dict:
-    """The engine under ``form`` at ``concurrency`` (engine_only's client loop), sampled ``seconds`` for each kind;
+def sample(form: str, concurrency: int, seconds: float, device: str, rate: int, raw_stem: Path,
+           clients: str = "loop") -> dict:
+    """The engine under ``form`` at ``concurrency`` (engine_only's ``clients``: its client loop, or "messages": several
+    requests a message on two connections, as HTTP workers' loop links send them), sampled ``seconds`` for each kind;
     the raw stacks written beside ``raw_stem``. Returns the load point engine_only measured over the whole run."""
     from bench.serving.tiny_work import TINY_WEIGHTS, tiny_weights
 
@@ -60,7 +62,7 @@ def sample(form: str, concurrency: int, seconds: float, device: str, rate: int, 
     load_s = WARM_UP_S + len(KINDS) * (record_s + 1) + 1  # py-spy's own start in each, and a second to spare
     with engine_only._engine(ROOT, ["--serve", str(ROOT), str(weights)], device) as (engine, sock, env):
         client = subprocess.Popen([sys.executable, "-m", "bench.serving.engine_only", "--drive", str(ROOT), str(sock),
-                                   form, str(concurrency), str(load_s), str(engine.pid), "loop",
+                                   form, str(concurrency), str(load_s), str(engine.pid), clients,
                                    str(engine_only.LINKS)],
                                   cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
         try:
@@ -116,9 +118,9 @@ def _function(frame: str) -> str:
 
 
 def report(points: dict[str, dict], summaries: dict[tuple[str, str], tuple], device: str, seconds: float,
-           concurrency: int) -> str:
+           concurrency: int, clients: str = "one client loop") -> str:
     """The load points and each sampling's summary as markdown."""
-    lines = [f"# The engine's profile under load: {device}, C={concurrency} (one client loop), {seconds:g} s of "
+    lines = [f"# The engine's profile under load: {device}, C={concurrency} ({clients}), {seconds:g} s of "
              "samples each", "",
              "gil: the thread holding the interpreter lock; cpu: every thread on a CPU. Shares of the samples: "
              "inclusive (on the stack; the busiest thread's entry, the functions on as many stacks as the most, "
@@ -147,6 +149,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rate", type=int, default=500, help="py-spy's samples a second")
     parser.add_argument("--top", type=int, default=30, help="functions in each summary")
     parser.add_argument("--device", default="cpu", help="the engine's DEVICE")
+    parser.add_argument("--clients", choices=["loop", "messages"], default="loop",
+                        help="engine_only's clients: one loop, a request a message on a connection each; messages: "
+                             "several a message on two connections, photos in shared memory, as served")
     parser.add_argument("--out", type=Path, default=WORK / "engine-profile")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -154,11 +159,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     summaries: dict[tuple[str, str], tuple] = {}
     for form in args.forms:
         stem = args.out / f"engine-profile-{args.device}-{form.replace(' ', '')}"
-        points[form] = sample(form, args.concurrency, args.seconds, args.device, args.rate, stem)
+        points[form] = sample(form, args.concurrency, args.seconds, args.device, args.rate, stem, args.clients)
         for kind in KINDS:
             summaries[(form, kind)] = summarise(raw_file(stem, kind).read_text(), args.top)
         # after each form: a run stopped at its limit keeps the forms it finished
-        text = report(points, summaries, args.device, max(1, math.ceil(args.seconds)), args.concurrency)
+        text = report(points, summaries, args.device, max(1, math.ceil(args.seconds)), args.concurrency,
+                      engine_only.CLIENTS[args.clients].format(links=engine_only.LINKS))
         (args.out / f"engine-profile-{args.device}.md").write_text(text)
     print(text, flush=True)
     return 0

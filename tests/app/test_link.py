@@ -34,7 +34,7 @@ from app.errors import BadRequest, ClientGone, DeadlineExceeded, InvalidImage, N
 from app.link import wire
 from app.link.arena import Arena
 from app.link.client import RemoteCatalog, RemoteService
-from app.link.decode_shares import HAND_OFF_S, DecodeShares
+from app.link.decode_shares import HAND_OFF_S, LOOP_IMAGE_MAX_S, DecodeShares
 from app.link.gathering import YIELD_WEIGHT
 from app.link.loop import EngineServer
 from app.metrics import BATCHER_EVENTS, VERSION_REQUESTS
@@ -922,6 +922,7 @@ def test_photos_a_version_decodes_on_the_cpu_run_as_bundles_of_about_a_hand_off_
     with conn:
         _four_alike_photos_each_answered_from_its_row(conn, reader)  # not measured yet: each its own
         assert bundles == [] and all(name.startswith("engine-decode") for name in decoded_on)
+        shares.handed_s_per_byte = None  # the threads' measure, lower than what is set here, left out
         shares.s_per_byte = HAND_OFF_S / (2 * max(len(image_bytes(RED)), len(image_bytes(BLUE))))  # two hand-offs
         _four_alike_photos_each_answered_from_its_row(conn, reader)
         assert bundles == [2, 2] and all(name.startswith("engine-decode") for name in decoded_on[4:])
@@ -1667,6 +1668,58 @@ def test_a_turn_s_alike_photos_are_admitted_as_consecutive_bundles_of_about_a_ha
     assert plan.runs([2000] * 4) == [1] * 4
 
 
+def test_images_each_cheaper_than_loop_image_max_s_stay_on_the_loop_however_many() -> None:
+    # Their Python steps hold the interpreter lock: on decode threads beside the loop they ran slower than the loop
+    # alone, however much of them a turn holds
+    plan = DecodeShares(2)
+    turn = [type("Read", (), {"images": [b"x" * 1000] * 16})() for _ in range(8)]  # 128 images of 1,000 bytes
+    plan.s_per_byte = LOOP_IMAGE_MAX_S / 1000 * 0.9  # each image just under: the turn many hand-offs' worth
+    assert 128 * 1000 * plan.s_per_byte > HAND_OFF_S and plan.here(turn)
+    plan.s_per_byte = LOOP_IMAGE_MAX_S / 1000 * 1.1  # each just over: handed out in a share per thread
+    assert not plan.here(turn) and len(plan.shares(turn)) == 2
+    big_one = [*turn, type("Read", (), {"images": [b"x" * 4000]})()]  # one image over it: the turn is handed out
+    plan.s_per_byte = LOOP_IMAGE_MAX_S / 1000 * 0.9
+    assert not plan.here(big_one)
+    assert not DecodeShares(2).here(turn)  # nothing measured: any image is worth a hand-off
+
+
+def test_the_loop_s_decode_measure_is_kept_apart_from_the_threads_and_taken_by_a_probe() -> None:
+    # A decode thread's measure counts its waits for the interpreter lock: it runs high where decoding is mostly
+    # Python steps, and would keep such photos on the threads for good
+    plan = DecodeShares(2)
+    small = type("Read", (), {"images": [b"x" * 1000]})()
+    larger = type("Read", (), {"images": [b"x" * 3000]})()
+    assert plan.probe([larger, small]) is None  # nothing measured yet
+    plan.measured(1000, LOOP_IMAGE_MAX_S * 2, on_loop=False)  # the threads': over LOOP_IMAGE_MAX_S an image
+    assert plan.expected_s_per_byte() == plan.handed_s_per_byte and not plan.here([larger] * 4)
+    assert plan.probe([larger, small]) is small  # the smallest, decoded on the loop for the loop's own measure
+    plan.measured(1000, LOOP_IMAGE_MAX_S / 4, on_loop=True)
+    assert plan.s_per_byte == LOOP_IMAGE_MAX_S / 4000 and plan.expected_s_per_byte() == plan.s_per_byte
+    assert plan.here([larger, small]) and plan.probe([larger, small]) is None  # measured: no probe
+    plan.measured(1000, LOOP_IMAGE_MAX_S * 2, on_loop=False)  # the threads' stays above the loop's: kept
+    assert plan.s_per_byte == LOOP_IMAGE_MAX_S / 4000
+    for _ in range(40):  # the threads' falls below the loop's: the photos became cheaper, the loop's is stale
+        plan.measured(1000, LOOP_IMAGE_MAX_S / 8, on_loop=False)
+    assert plan.s_per_byte is None and plan.probe([larger, small]) is small
+    plan.measured(1000, HAND_OFF_S * 10, on_loop=False)  # a request expected to take more than a hand-off: none
+    plan.handed_s_per_byte = HAND_OFF_S / 1000
+    assert plan.probe([larger, small]) is None
+
+
+def test_photos_first_decoded_on_the_threads_are_then_probed_on_the_loop(
+        link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
+    decoded_on, shares = _decoded_on(link), link.server.decode_shares
+    image = image_bytes(RED)
+    infer(link.worker, [image])  # nothing measured: a hand-off
+    assert decoded_on[-1].startswith("engine-decode") and shares.s_per_byte is None
+    monkeypatch.setattr(shares, "here", lambda requests: False)  # as a turn of more than a hand-off's decoding
+    shares.handed_s_per_byte = HAND_OFF_S / (2 * len(image))  # as if the threads had measured half a hand-off
+    infer(link.worker, [image])
+    assert decoded_on[-1] == "engine-loop" and shares.s_per_byte is not None  # the probe: the loop's own measure
+    infer(link.worker, [image])  # measured on the loop: no probe
+    assert decoded_on[-1].startswith("engine-decode")
+
+
 def test_small_images_are_decoded_on_the_loop_once_their_cost_is_measured(link: Link) -> None:
     decoded_on = _decoded_on(link)
     # The first decodes' one-time costs (a decoder's first use, on a loaded machine) weigh in the moving average of
@@ -1675,8 +1728,8 @@ def test_small_images_are_decoded_on_the_loop_once_their_cost_is_measured(link: 
     # asserted
     image = image_bytes(RED)
     for _ in range(30):
-        shares = link.server.decode_shares
-        expected_here = shares.s_per_byte is not None and len(image) * shares.s_per_byte < HAND_OFF_S
+        per_byte = link.server.decode_shares.expected_s_per_byte()
+        expected_here = per_byte is not None and len(image) * per_byte < HAND_OFF_S
         infer(link.worker, [image])
         assert (decoded_on[-1] == "engine-loop") is expected_here  # here exactly when cheaper than a hand-off
         if expected_here:
@@ -1971,6 +2024,7 @@ def test_the_loop_stops_waiting_once_its_turns_photos_go_to_the_batcher_s_thread
     # Before: only a turn that queued on the loop told whether its batches ran there, so after a batch run on the
     # loop every later turn whose photos were decoded (and batched) on other threads still waited for more.
     monkeypatch.setattr(link.server.decode_shares, "here", lambda requests: False)  # photos: the decode threads'
+    monkeypatch.setattr(link.server.decode_shares, "probe", lambda requests: None)
     infer(link.worker, [image_bytes(RED)])
     _as_if_busy(link.server, monkeypatch, wait_s=0.05)  # as if the turn before ran its batches on the loop
     waited = _waits(link.server, monkeypatch)
