@@ -7,9 +7,9 @@ far (requests refused before their decode left out), so one large photo after sm
 decode threads' measure runs high where an image's decode is mostly Python steps: each torch step lets go of the
 interpreter lock, and a thread then waits for it behind the loop and the other decode threads, which costs CPU
 (2-core VM: a 100 KB JPEG of 8x8 pixels 52 us on the loop, 209 on two threads; a 160x120 photo 180 against
-314-336; 500x375 922 against 996). So the loop's own measure is kept apart and preferred: while only the threads'
-is known, one request of a turn is decoded on the loop to take it (``probe``), and a threads' measure below the
-loop's (the photos became cheaper since) makes the loop's stale."""
+314-336; 500x375 922 against 996). So the loop's own measure is kept apart and the lower one expected; a turn the
+threads' measure alone sends to them though its images may belong on the loop has one request decoded on the loop
+now and then to take (or refresh) the loop's (``probe``)."""
 from __future__ import annotations
 
 from typing import Protocol, Sequence, TypeVar
@@ -19,6 +19,9 @@ LOOP_IMAGE_MAX_S = 0.0003  # images each expected to decode in less stay on the 
 # steps hold the interpreter lock, and two decode threads beside the loop ran them slower than the loop alone (2-core
 # VM, engine alone, 16 photos a request: 8x8 JPEGs padded to 100 KB, 52 us each, 2.4x the requests a second on the
 # loop; 160x120 photos, 180 us, 1.34x; 320x240, 437 us, 0.76x; 500x375, 922 us, 0.62x)
+PROBE_IMAGE_MAX_S = 2 * LOOP_IMAGE_MAX_S  # a turn the decode threads' measure puts each image of under this may
+# belong on the loop (the threads' measure ran 1.8-4x the loop's for photos under LOOP_IMAGE_MAX_S there): ``probe``
+PROBE_EVERY_S = 1.0  # at most one probe this often: one request's decode on the loop, at most 16 x 0.6 ms
 DECODE_S_WEIGHT = 0.2  # how fast the expected decode time per byte follows the measured one
 
 
@@ -42,6 +45,7 @@ class DecodeShares:
         self.threads = threads
         self.s_per_byte: float | None = None  # measured on the loop: a decode alone
         self.handed_s_per_byte: float | None = None  # measured on the decode threads: their waits for the lock in it
+        self._probe_after = 0.0  # time.monotonic() before which no probe is made
 
     def expected_s_per_byte(self) -> float | None:
         """The decode CPU per byte to expect: the lower of the two measures (a wait for the lock only adds)."""
@@ -56,13 +60,20 @@ class DecodeShares:
         return per_byte is not None and bool(sizes) and (sum(sizes) * per_byte < HAND_OFF_S or
                                                          max(sizes) * per_byte < LOOP_IMAGE_MAX_S)
 
-    def probe(self, requests: Sequence[R]) -> R | None:
-        """While only the decode threads' measure is known: the turn's smallest request, to be decoded on the loop
-        for the loop's own, when it is expected to decode in less than a hand-off costs (else None)."""
-        if self.s_per_byte is not None or self.handed_s_per_byte is None or not requests:
+    def probe(self, requests: Sequence[R], now: float) -> R | None:
+        """For a turn going to the decode threads: its smallest request, to be decoded on the loop to take (or
+        refresh) the loop's measure, when the threads' puts each of the turn's images under PROBE_IMAGE_MAX_S (photos
+        the threads' measure alone would keep on them for good, though the loop may decode them faster); at most
+        once every PROBE_EVERY_S (``now``: time.monotonic())."""
+        handed = self.handed_s_per_byte
+        if handed is None or not requests or now < self._probe_after:
             return None
-        smallest = min(requests, key=encoded_bytes)
-        return smallest if encoded_bytes(smallest) * self.handed_s_per_byte < HAND_OFF_S else None
+        largest = max((len(image) for request in requests for image in request.images), default=0)
+        if largest * handed >= PROBE_IMAGE_MAX_S:
+            return None
+        self._probe_after = now + PROBE_EVERY_S
+        return min(requests, key=encoded_bytes)
+
     def shares(self, requests: Sequence[R]) -> list[list[R]]:
         """The requests split into at most one share per thread, each worth a hand-off (at least HAND_OFF_S of
         expected decoding), balanced by their bytes: one hand-off per share, not per request."""
@@ -109,8 +120,6 @@ class DecodeShares:
             self.s_per_byte = _moved(self.s_per_byte, measured)
             return
         self.handed_s_per_byte = _moved(self.handed_s_per_byte, measured)
-        if self.s_per_byte is not None and self.handed_s_per_byte < self.s_per_byte:  # the loop's is stale
-            self.s_per_byte = None
 
 
 def _moved(before: float | None, measured: float) -> float:

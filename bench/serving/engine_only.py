@@ -65,8 +65,8 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
-FORMS = {"jpeg": ("jpeg", 1), "jpeg x16": ("jpeg", 16), "jpeg x16": ("jpeg", 16), "v2 x1": ("v2", 1), "v2 x2": ("v2", 2), "v2 x4": ("v2", 4), "v2 x8": ("v2", 8),
-         "v2 x16": ("v2", 16)}
+FORMS = {"jpeg": ("jpeg", 1), "jpeg x16": ("jpeg", 16), "v2 x1": ("v2", 1), "v2 x2": ("v2", 2), "v2 x4": ("v2", 4),
+         "v2 x8": ("v2", 8), "v2 x16": ("v2", 16)}
 FLOOR = Path("/floor")  # the floor's key among the checkouts measured
 FLOOR_MESSAGES = Path("/floor-messages")  # the floor, its requests several to a message
 WITH_SETTINGS = Path("/with-settings")  # this checkout's engine with --with-settings

@@ -34,7 +34,7 @@ from app.errors import BadRequest, ClientGone, DeadlineExceeded, InvalidImage, N
 from app.link import wire
 from app.link.arena import Arena
 from app.link.client import RemoteCatalog, RemoteService
-from app.link.decode_shares import HAND_OFF_S, LOOP_IMAGE_MAX_S, DecodeShares
+from app.link.decode_shares import HAND_OFF_S, LOOP_IMAGE_MAX_S, PROBE_EVERY_S, PROBE_IMAGE_MAX_S, DecodeShares
 from app.link.gathering import YIELD_WEIGHT
 from app.link.loop import EngineServer
 from app.metrics import BATCHER_EVENTS, VERSION_REQUESTS
@@ -1687,23 +1687,25 @@ def test_the_loop_s_decode_measure_is_kept_apart_from_the_threads_and_taken_by_a
     # A decode thread's measure counts its waits for the interpreter lock: it runs high where decoding is mostly
     # Python steps, and would keep such photos on the threads for good
     plan = DecodeShares(2)
-    small = type("Read", (), {"images": [b"x" * 1000]})()
-    larger = type("Read", (), {"images": [b"x" * 3000]})()
-    assert plan.probe([larger, small]) is None  # nothing measured yet
-    plan.measured(1000, LOOP_IMAGE_MAX_S * 2, on_loop=False)  # the threads': over LOOP_IMAGE_MAX_S an image
-    assert plan.expected_s_per_byte() == plan.handed_s_per_byte and not plan.here([larger] * 4)
-    assert plan.probe([larger, small]) is small  # the smallest, decoded on the loop for the loop's own measure
+    small = type("Read", (), {"images": [b"x" * 1000] * 4})()
+    larger = type("Read", (), {"images": [b"x" * 1000] * 8})()
+    assert plan.probe([larger, small], now=0.0) is None  # nothing measured yet
+    plan.measured(1000, LOOP_IMAGE_MAX_S * 1.5, on_loop=False)  # the threads': over LOOP_IMAGE_MAX_S an image
+    assert plan.expected_s_per_byte() == plan.handed_s_per_byte and plan.s_per_byte is None
+    assert not plan.here([larger, small])
+    assert plan.probe([larger, small], now=10.0) is small  # the smallest, decoded on the loop for the loop's measure
+    assert plan.probe([larger, small], now=10.0 + PROBE_EVERY_S / 2) is None  # at most once every PROBE_EVERY_S
     plan.measured(1000, LOOP_IMAGE_MAX_S / 4, on_loop=True)
     assert plan.s_per_byte == LOOP_IMAGE_MAX_S / 4000 and plan.expected_s_per_byte() == plan.s_per_byte
-    assert plan.here([larger, small]) and plan.probe([larger, small]) is None  # measured: no probe
-    plan.measured(1000, LOOP_IMAGE_MAX_S * 2, on_loop=False)  # the threads' stays above the loop's: kept
+    assert plan.here([larger, small])  # the loop's, the lower, is expected
+    plan.measured(1000, LOOP_IMAGE_MAX_S * 3, on_loop=False)  # a threads' decode leaves the loop's as it was
     assert plan.s_per_byte == LOOP_IMAGE_MAX_S / 4000
-    for _ in range(40):  # the threads' falls below the loop's: the photos became cheaper, the loop's is stale
-        plan.measured(1000, LOOP_IMAGE_MAX_S / 8, on_loop=False)
-    assert plan.s_per_byte is None and plan.probe([larger, small]) is small
-    plan.measured(1000, HAND_OFF_S * 10, on_loop=False)  # a request expected to take more than a hand-off: none
-    plan.handed_s_per_byte = HAND_OFF_S / 1000
-    assert plan.probe([larger, small]) is None
+    plan.measured(1000, LOOP_IMAGE_MAX_S * 40, on_loop=True)  # the loop's moves with its own decodes only
+    assert plan.s_per_byte > plan.handed_s_per_byte and not plan.here([larger, small])
+    assert plan.probe([larger, small], now=10.0 + PROBE_EVERY_S) is small  # a second later: probed again
+    big = type("Read", (), {"images": [b"x" * 1000] * 3 + [b"x" * 3000]})()  # an image the threads' measure
+    plan.handed_s_per_byte = PROBE_IMAGE_MAX_S / 2500  # puts over PROBE_IMAGE_MAX_S: the turn is theirs, unprobed
+    assert plan.probe([big, small], now=100.0) is None and plan.probe([small], now=100.0) is small
 
 
 def test_photos_first_decoded_on_the_threads_are_then_probed_on_the_loop(
@@ -1713,10 +1715,10 @@ def test_photos_first_decoded_on_the_threads_are_then_probed_on_the_loop(
     infer(link.worker, [image])  # nothing measured: a hand-off
     assert decoded_on[-1].startswith("engine-decode") and shares.s_per_byte is None
     monkeypatch.setattr(shares, "here", lambda requests: False)  # as a turn of more than a hand-off's decoding
-    shares.handed_s_per_byte = HAND_OFF_S / (2 * len(image))  # as if the threads had measured half a hand-off
+    shares.handed_s_per_byte = PROBE_IMAGE_MAX_S / (2 * len(image))  # as if the threads put it near the loop's
     infer(link.worker, [image])
     assert decoded_on[-1] == "engine-loop" and shares.s_per_byte is not None  # the probe: the loop's own measure
-    infer(link.worker, [image])  # measured on the loop: no probe
+    infer(link.worker, [image])  # within PROBE_EVERY_S of it: no probe
     assert decoded_on[-1].startswith("engine-decode")
 
 
@@ -2024,7 +2026,7 @@ def test_the_loop_stops_waiting_once_its_turns_photos_go_to_the_batcher_s_thread
     # Before: only a turn that queued on the loop told whether its batches ran there, so after a batch run on the
     # loop every later turn whose photos were decoded (and batched) on other threads still waited for more.
     monkeypatch.setattr(link.server.decode_shares, "here", lambda requests: False)  # photos: the decode threads'
-    monkeypatch.setattr(link.server.decode_shares, "probe", lambda requests: None)
+    monkeypatch.setattr(link.server.decode_shares, "probe", lambda requests, now: None)
     infer(link.worker, [image_bytes(RED)])
     _as_if_busy(link.server, monkeypatch, wait_s=0.05)  # as if the turn before ran its batches on the loop
     waited = _waits(link.server, monkeypatch)
