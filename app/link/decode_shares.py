@@ -9,7 +9,8 @@ interpreter lock, and a thread then waits for it behind the loop and the other d
 (2-core VM: a 100 KB JPEG of 8x8 pixels 52 us on the loop, 209 on two threads; a 160x120 photo 180 against
 314-336; 500x375 922 against 996). So the loop's own measure is kept apart and the lower one expected; a turn the
 threads' measure alone sends to them though its images may belong on the loop has one request decoded on the loop
-now and then to take (or refresh) the loop's (``probe``)."""
+now and then to take (or refresh) the loop's (``probe``): before the rest is handed out, so that the decode
+threads' steps do not wait for the lock in it too."""
 from __future__ import annotations
 
 from typing import Protocol, Sequence, TypeVar
@@ -19,9 +20,10 @@ LOOP_IMAGE_MAX_S = 0.0003  # images each expected to decode in less stay on the 
 # steps hold the interpreter lock, and two decode threads beside the loop ran them slower than the loop alone (2-core
 # VM, engine alone, 16 photos a request: 8x8 JPEGs padded to 100 KB, 52 us each, 2.4x the requests a second on the
 # loop; 160x120 photos, 180 us, 1.34x; 320x240, 437 us, 0.76x; 500x375, 922 us, 0.62x)
-PROBE_IMAGE_MAX_S = 2 * LOOP_IMAGE_MAX_S  # a turn the decode threads' measure puts each image of under this may
+PROBE_IMAGE_MAX_S = 4 * LOOP_IMAGE_MAX_S  # a turn the decode threads' measure puts each image of under this may
 # belong on the loop (the threads' measure ran 1.8-4x the loop's for photos under LOOP_IMAGE_MAX_S there): ``probe``
-PROBE_EVERY_S = 1.0  # at most one probe this often: one request's decode on the loop, at most 16 x 0.6 ms
+PROBE_EVERY_S = 1.0  # at most one probe this often: one request decoded on the loop before the turn's shares are
+# handed out, which waits for it (at most 16 x 1.2 ms, of a second, where photos so decoded belong on the threads)
 DECODE_S_WEIGHT = 0.2  # how fast the expected decode time per byte follows the measured one
 
 

@@ -832,11 +832,10 @@ class EngineServer:
             self._queue_all(decoded)
             return
         if (probe := self.decode_shares.probe(decoded, time.monotonic())) is not None:
-            decoded.remove(probe)
+            decoded.remove(probe)  # the loop's own measure of the decode, taken before the threads decode the rest
+            self._queue_all([probe])
         for share in self.decode_shares.shares(decoded):
             self._decoders.submit(self._queue_all, share)
-        if probe is not None:  # the loop's own measure of the decode, taken while the threads decode the rest
-            self._queue_all([probe])
 
     def _queue_here(self, exchanges: list[_Exchange]) -> None:
         """On the loop: these requests' images queued (their headers read, or none to decode), those of a version

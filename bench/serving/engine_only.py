@@ -66,7 +66,9 @@ from typing import Any, Iterator, Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
 FORMS = {"jpeg": ("jpeg", 1), "jpeg x16": ("jpeg", 16), "v2 x1": ("v2", 1), "v2 x2": ("v2", 2), "v2 x4": ("v2", 4),
-         "v2 x8": ("v2", 8), "v2 x16": ("v2", 16)}
+         "v2 x8": ("v2", 8), "v2 x16": ("v2", 16),
+         **{f"photo {size}{repeat}": (f"photo {size}", count) for size in ("160x120", "320x240", "500x375")
+            for repeat, count in (("", 1), (" x16", 16))}}  # real photos (harness/photos.py), not the padded 8x8
 FLOOR = Path("/floor")  # the floor's key among the checkouts measured
 FLOOR_MESSAGES = Path("/floor-messages")  # the floor, its requests several to a message
 WITH_SETTINGS = Path("/with-settings")  # this checkout's engine with --with-settings
@@ -224,6 +226,15 @@ def _send_all(sock: Any, data: bytes) -> None:
 
 
 
+@functools.lru_cache(maxsize=None)
+def _photo(form: str, seed: int) -> bytes:
+    """Form "photo WxH"'s ``seed``-th JPEG: one of scikit-image's photos (in turn) at W x H."""
+    from harness.photos import PHOTO_NAMES, jpeg, photo
+
+    width, height = map(int, form.split()[1].split("x"))
+    return jpeg(photo(PHOTO_NAMES[seed % len(PHOTO_NAMES)]), (width, height))
+
+
 def _requests(wire: Any, form: str, count: int) -> list[tuple[Any, list[Any]]]:
     import numpy as np
 
@@ -235,6 +246,9 @@ def _requests(wire: Any, form: str, count: int) -> list[tuple[Any, list[Any]]]:
                       parsed_shape=tuple(INPUT), names=(None,) * count)
         if form == "jpeg":
             made.append((wire.Infer(**common), [padded_jpeg(seed + k) for k in range(count)]))
+            continue
+        if form.startswith("photo "):
+            made.append((wire.Infer(**common), [_photo(form, seed + k) for k in range(count)]))
             continue
         rng = np.random.default_rng(seed)
         tensors = [rng.standard_normal(INPUT).astype(np.float32) for _ in range(count)]

@@ -34,6 +34,7 @@ from app.errors import BadRequest, ClientGone, DeadlineExceeded, InvalidImage, N
 from app.link import wire
 from app.link.arena import Arena
 from app.link.client import RemoteCatalog, RemoteService
+from app.link import decode_shares
 from app.link.decode_shares import HAND_OFF_S, LOOP_IMAGE_MAX_S, PROBE_EVERY_S, PROBE_IMAGE_MAX_S, DecodeShares
 from app.link.gathering import YIELD_WEIGHT
 from app.link.loop import EngineServer
@@ -1702,6 +1703,9 @@ def test_the_loop_s_decode_measure_is_kept_apart_from_the_threads_and_taken_by_a
     assert plan.s_per_byte == LOOP_IMAGE_MAX_S / 4000
     plan.measured(1000, LOOP_IMAGE_MAX_S * 40, on_loop=True)  # the loop's moves with its own decodes only
     assert plan.s_per_byte > plan.handed_s_per_byte and not plan.here([larger, small])
+    plan.handed_s_per_byte = LOOP_IMAGE_MAX_S / 2000  # the threads' the lower: expected, though the loop's is known
+    assert plan.expected_s_per_byte() == plan.handed_s_per_byte and plan.here([larger, small])
+    plan.handed_s_per_byte = LOOP_IMAGE_MAX_S * 2 / 1000
     assert plan.probe([larger, small], now=10.0 + PROBE_EVERY_S) is small  # a second later: probed again
     big = type("Read", (), {"images": [b"x" * 1000] * 3 + [b"x" * 3000]})()  # an image the threads' measure
     plan.handed_s_per_byte = PROBE_IMAGE_MAX_S / 2500  # puts over PROBE_IMAGE_MAX_S: the turn is theirs, unprobed
@@ -1711,6 +1715,7 @@ def test_the_loop_s_decode_measure_is_kept_apart_from_the_threads_and_taken_by_a
 def test_photos_first_decoded_on_the_threads_are_then_probed_on_the_loop(
         link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
     decoded_on, shares = _decoded_on(link), link.server.decode_shares
+    monkeypatch.setattr(decode_shares, "PROBE_EVERY_S", 3600.0)  # the next probe due only after the test, however slow
     image = image_bytes(RED)
     infer(link.worker, [image])  # nothing measured: a hand-off
     assert decoded_on[-1].startswith("engine-decode") and shares.s_per_byte is None
@@ -1720,6 +1725,38 @@ def test_photos_first_decoded_on_the_threads_are_then_probed_on_the_loop(
     assert decoded_on[-1] == "engine-loop" and shares.s_per_byte is not None  # the probe: the loop's own measure
     infer(link.worker, [image])  # within PROBE_EVERY_S of it: no probe
     assert decoded_on[-1].startswith("engine-decode")
+
+
+def test_a_probe_is_decoded_on_the_loop_before_the_rest_of_its_turn_is_handed_to_the_decode_threads(
+        link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
+    # so that the decode threads' steps do not wait for the lock in the loop's own measure; every request answered
+    decoded_on, shares = _decoded_on(link), link.server.decode_shares
+    monkeypatch.setattr(shares, "here", lambda requests: False)  # as a turn of more than a hand-off's decoding
+    sizes = [(64, 48), (16, 12), (32, 24)]  # the smallest, 16x12, the probe
+    colours = [RED, BLUE, RED]
+    shares.handed_s_per_byte = PROBE_IMAGE_MAX_S / (2 * len(image_bytes(RED, size=sizes[0])))
+    monkeypatch.setattr(decode_shares, "PROBE_EVERY_S", 3600.0)  # one probe in the test, however slow
+    _idle_connections(link, len(sizes))  # each request its own connection: one turn reads them all
+    held, go = threading.Event(), threading.Event()
+    link.server._post(lambda: (held.set(), go.wait(10)))  # the loop held while the requests are sent
+    assert held.wait(10)
+    answers: dict[int, str] = {}
+
+    def client(index: int) -> None:
+        image = image_bytes(colours[index], size=sizes[index])
+        answers[index] = infer(link.worker, [image]).top_k(1)[0][0].label
+
+    clients = [threading.Thread(target=client, args=(index,)) for index in range(len(sizes))]
+    for thread in clients:
+        thread.start()
+    wait_until(lambda: len(select.select(link.connections, [], [], 0)[0]) == len(sizes))
+    decoded_on.clear()
+    go.set()  # its next turn reads all three
+    for thread in clients:
+        thread.join(10)
+    assert answers == {0: "red", 1: "blue", 2: "red"}
+    assert decoded_on[0] == "engine-loop" and all(name.startswith("engine-decode") for name in decoded_on[1:])
+    assert len(decoded_on) == len(sizes) and shares.s_per_byte is not None
 
 
 def test_small_images_are_decoded_on_the_loop_once_their_cost_is_measured(link: Link) -> None:

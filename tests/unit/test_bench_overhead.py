@@ -83,6 +83,23 @@ def test_the_engine_alone_counts_only_the_requests_it_answered_with_rows(monkeyp
     assert measured["beyond_us_per_image"] == pytest.approx(1500.0) and measured["errors"] == 1000
 
 
+def test_the_engine_alone_s_photo_forms_send_real_photos_of_their_size_in_turn() -> None:
+    import io
+
+    from PIL import Image
+
+    from app.link import wire
+    from bench.serving import engine_only
+
+    kind, count = engine_only.FORMS["photo 320x240 x16"]
+    requests = engine_only._requests(wire, kind, count)
+    assert len(requests) == 8 and all(len(photos) == 16 for _, photos in requests)
+    photos = requests[0][1]
+    assert {Image.open(io.BytesIO(data)).size for data in photos} == {(320, 240)}
+    assert len(set(photos)) == 5  # scikit-image's six photos in turn (its "cat" is "chelsea"), not one repeated
+    assert engine_only.FORMS["photo 500x375"] == ("photo 500x375", 1)
+
+
 @pytest.mark.slow
 def test_the_engine_alone_and_the_floor_answer_tensor_requests_and_their_cpu_is_counted_per_image(
         tmp_path: Path) -> None:
