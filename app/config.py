@@ -338,8 +338,10 @@ class ServerSettings(SettingsGroup):
     link_arena_mb: int = Field(
         16, ge=0, le=4096, description="Under ENGINE=process: shared memory each HTTP worker's loop link to an "
         "engine places its requests' photos in (a memfd handed to the engine), held from a request's send until "
-        "the engine has read it: a photo then crosses as one copy on each side instead of through the socket's "
-        "buffers (the engine's time per 100 KB photo beyond decode and forward: docs/performance.md). Requests "
+        "the engine let go of it: the engine decodes a photo where it lies, so it crosses as one copy on the "
+        "worker's side instead of through the socket's buffers (the engine's time per 100 KB photo beyond decode "
+        "and forward: docs/performance.md). A request whose photos the engine holds long (a rollout's shadow "
+        "share) holds the ring's later places too. Requests "
         "that find no room, smaller than 16 KB in all, or sent apart from the loop go through the socket; 0 = "
         "every image through the socket. Resident memory per worker and engine: up to this much.")
     workers: int = Field(

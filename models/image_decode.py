@@ -112,7 +112,8 @@ def _check_size(width: int, height: int, limits: DecodeLimits) -> None:
 def _check_scans(data: bytes, limits: DecodeLimits) -> None:
     """A progressive JPEG's scans, counted by their markers (a thumbnail's in its EXIF count too): each decodes the
     whole image again, so a file of a few hundred KB with thousands of them held a decoding thread for minutes."""
-    scans = data.count(b"\xff\xda")
+    scans = (data if isinstance(data, (bytes, bytearray)) else bytes(data)).count(b"\xff\xda")  # (the link's views
+    # of its arena have no count: a progressive JPEG's copy costs far less than its decode)
     if limits.max_jpeg_scans and scans > limits.max_jpeg_scans:
         raise BrokenImage(f"the progressive JPEG has {scans} scans; the limit is {limits.max_jpeg_scans} (each "
                           "decodes the whole image again; encoders write about 10)")

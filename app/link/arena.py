@@ -1,28 +1,37 @@
 """Shared memory a loop link's images cross in (``LINK_ARENA_MB``): the HTTP worker writes a request's images into
-an arena of its own and sends where they are; the engine copies them out when it reads the request's frame. A photo
-then costs each side one copy in memory instead of a pass through the socket's buffers (the kernel copies it in on
-the worker's send and out on the engine's read, a system call's work each: about 15 us of the engine's time for a
-100 KB photo on a 2-core VM: docs/performance.md).
+an arena of its own and sends where they are; the engine decodes them where they lie, copying nothing. A photo then
+costs the worker one copy in memory and the engine none, where the socket cost each side a pass through its buffers
+(the kernel copies it in on the worker's send and out on the engine's read, a system call's work each: about 15 us
+of the engine's time for a 100 KB photo on a 2-core VM), and a copy out of the arena still about 8 us (16 for a
+photo out of the caches: docs/performance.md).
 
 The arena is a ring. The worker places each request's images after the last ones placed, starting again from the
-front when the end has no room, and frees a request's place once an answer to it or to any request sent after it
-has come: the engine copies every placed image out as it reads the frame, frames are read in the order they are
-sent, and request ids grow in that order, so an answer proves every frame up to its request's was read. The two
-processes share no lock and no counter: the send and the read of a frame order the writes and the copies. Whatever
-finds no room (a burst, or a request larger than the arena) goes through the socket as before.
+front when the end has no room. The engine lends a request's images to whatever reads them (views of one array on
+its mapping) and tells the worker, with the next answers it sends on the connection (``Answers.released``), each
+request whose views are all gone: decoded, dropped, cancelled or failed, whichever came last (a rollout's shadow
+decodes them later, and holds them until then). The worker frees a place once its request is released, and its
+ring from the oldest place on, so a place held long leaves the ring full behind it: whatever finds no room (a burst,
+a request larger than the arena, or a ring behind a place still held) goes through the socket as before. The two
+processes share no lock and no counter: the frames that carry the places and the releases order the writes and the
+reads.
 
 The worker's arena is a memfd (no file, not bounded by /dev/shm's size in a container), handed to the engine with
-the link's first message (``wire.ArenaOffer``, its descriptor passed with SCM_RIGHTS), unmapped when the link closes.
-Standard library only: the HTTP side never imports torch.
+the link's first message (``wire.ArenaOffer``, its descriptor passed with SCM_RIGHTS), unmapped when the link closes;
+the engine's mapping stands while a view of it does.
+Standard library and numpy only: the HTTP side never imports torch.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
 import fcntl
+import functools
 import mmap
 import os
-from typing import Sequence
+import weakref
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
 
 PLACED_MIN_BYTES = 16 << 10  # a request's images smaller than this in all go through the socket with its frame (one
 # send of a joined buffer): a photo's are placed
@@ -61,6 +70,8 @@ class Arena:
             raise
         self._view = memoryview(self._map)
         self._places: collections.deque[tuple[int, int, int]] = collections.deque()
+        self._released: set[int] = set()  # requests the engine let go of whose places are not yet free (one before
+        # them is still held)
         self.placed_bytes = 0  # image bytes placed so far, in all
 
     def _start_for(self, length: int) -> int | None:
@@ -96,11 +107,13 @@ class Arena:
         self.placed_bytes += total
         return tuple(placed)
 
-    def answered(self, ident: int) -> None:
-        """An answer to request ``ident`` came: its place and every earlier one's are free (their frames were read)."""
-        places = self._places
-        while places and places[0][0] <= ident:
-            places.popleft()
+    def released(self, idents: Iterable[int]) -> None:
+        """The engine let go of these requests' images: their places are free, from the oldest place on up to the
+        first one still held (the rest once it is released too)."""
+        places, released = self._places, self._released
+        released.update(idents)
+        while places and places[0][0] in released:
+            released.discard(places.popleft()[0])
 
     @property
     def held(self) -> int:
@@ -110,6 +123,7 @@ class Arena:
     def close(self) -> None:
         """Unmapped and the descriptor closed (the engine's mapping stands until it closes the connection)."""
         self._places.clear()
+        self._released.clear()
         with contextlib.suppress(BufferError):  # a view of it still held (none is): unmapped with its last reference
             self._view.release()
             self._map.close()
@@ -117,9 +131,10 @@ class Arena:
 
 
 class MappedArena:
-    """The engine's side: a worker's arena mapped from the descriptor it handed over, its images copied out."""
+    """The engine's side: a worker's arena mapped from the descriptor it handed over, its images lent where they lie
+    (``lent``) and the requests whose images are all let go (``released``: their ids, for the worker)."""
 
-    def __init__(self, fd: int, size: int) -> None:
+    def __init__(self, fd: int, size: int, on_release: Callable[[], None] | None = None) -> None:
         try:
             if not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
                 raise ArenaError("an arena offered that may shrink (its reads past the end would end the engine)")
@@ -131,21 +146,42 @@ class MappedArena:
         finally:
             os.close(fd)
         self.size = size
-        self._view = memoryview(self._map)
+        self._lent: dict[int, weakref.ref[np.ndarray]] = {}  # each request's images' array, until it is gone
+        self.released: collections.deque[int] = collections.deque()  # requests whose images are all let go, not
+        # yet told to the worker: appended by whichever thread drops a request's last view, taken by the loop
+        self._on_release = on_release  # called on that thread after each (the engine's loop: woken from another)
 
-    def copied(self, placed: Sequence[tuple[int, int]]) -> list[bytearray]:
-        """The images at ``placed`` (each (offset, length)), each copied into a buffer of the engine's own; ArenaError
-        when one lies outside the arena."""
-        images = []
+    def lent(self, ident: int, placed: Sequence[tuple[int, int]]) -> list[memoryview]:
+        """Request ``ident``'s images at ``placed`` (each (offset, length)), each a view of the arena where it lies,
+        nothing copied: ``ident`` joins ``released`` once every view of them (and whatever was made on them: a
+        tensor, an array) is gone. ArenaError when one lies outside the arena."""
         for offset, length in placed:
             if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset
                     and 0 <= length <= self.size - offset):  # (an empty image: the decode says what is wrong)
                 raise ArenaError(f"an image at {offset!r} of {length!r} bytes in an arena of {self.size}")
-            images.append(bytearray(self._view[offset:offset + length]))
-        return images
+        if not placed:
+            return []
+        start = min(offset for offset, _ in placed)
+        end = max(offset + length for offset, length in placed)
+        whole = np.frombuffer(self._map, np.uint8, end - start, start)  # (numpy's: an owner a weak reference sees)
+        self._lent[ident] = weakref.ref(whole, functools.partial(self._let_go, ident))
+        view = memoryview(whole)  # (each slice holds the array: released once the last one goes)
+        return [view[offset - start:offset - start + length] for offset, length in placed]
+
+    def _let_go(self, ident: int, _: object) -> None:
+        self._lent.pop(ident, None)
+        self.released.append(ident)
+        if self._on_release is not None:
+            self._on_release()
+
+    def take_released(self) -> tuple[int, ...]:
+        """The requests let go of since the last call, taken from ``released`` one by one (another thread may
+        append meanwhile: a deque's ends are safe to use from two threads, a list swapped for an empty one is not)."""
+        released = self.released
+        return tuple([released.popleft() for _ in range(len(released))])
 
     def close(self) -> None:
-        """Unmapped (the connection's end)."""
-        with contextlib.suppress(BufferError):  # a view of it still held (none is): unmapped with its last reference
-            self._view.release()
+        """Unmapped (the connection's end), once the last view lent of it is gone."""
+        self._lent.clear()
+        with contextlib.suppress(BufferError):  # views lent still held: unmapped with the last of them
             self._map.close()

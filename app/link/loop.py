@@ -75,6 +75,10 @@ def _parsed_alike(message: wire.Infer, answering: Signature) -> None:
                         f"{answering.version} takes {list(answering.input_shape)}; send it again")
 
 
+def _nothing() -> None:
+    """What is posted to wake the loop alone."""
+
+
 _UNFRAMED = (pickle.PicklingError, TypeError, AttributeError, ValueError)  # what an answer that does not frame raises
 CATALOG_READ_THREADS = 1  # catalog reads at once, never on the loop: one thread, as more only contend for the
 # interpreter lock with the loop (at C=64 four read threads cost 2x the CPU a /v1/models call, 0.72x its rate)
@@ -319,9 +323,10 @@ class EngineServer:
 
     def _wait_s(self) -> float | None:
         """How long the loop waits for its sockets: not at all when a backlog's next slice is to run (a look at what
-        came), else until the first of its next deadline, its listener's pause and its held counts' write is due
-        (the counts are written on time even with nothing to do); None: until something comes."""
-        if self._deferred:
+        came) or photos let go of are still to be told, else until the first of its next deadline, its listener's
+        pause and its held counts' write is due (the counts are written on time even with nothing to do); None:
+        until something comes."""
+        if self._deferred or any(conn.arena is not None and conn.arena.released for conn in self._shared):
             return 0.0
         due = [at for at in (self._deadlines[0][0] if self._deadlines else None, self._accept_again_at,
                              self._counts.due_at) if at is not None]
@@ -363,6 +368,13 @@ class EngineServer:
         self._wake_sent = True
         with contextlib.suppress(BlockingIOError):  # a full wake-up socket already wakes the loop
             self._wake_write.send(b"\0")
+
+    def _released_off_loop(self) -> None:
+        """A request's photos in a shared connection's arena let go of (``MappedArena.released``): from another
+        thread (a decode thread's, a batch's), the loop woken to tell the worker; on the loop, told before it
+        waits (``_wait_s``)."""
+        if threading.get_ident() != self._loop_thread:
+            self._post(_nothing)
 
     def _woken(self) -> None:
         with contextlib.suppress(BlockingIOError):
@@ -514,7 +526,8 @@ class EngineServer:
                 if fd is not None:
                     os.close(fd)
                 raise ArenaError("an arena offered twice, or without its descriptor")
-            conn.arena = MappedArena(fd, message.size)  # (which closes the descriptor, mapped or not)
+            conn.arena = MappedArena(fd, message.size, self._released_off_loop)  # (which closes the descriptor,
+            # mapped or not)
             conn.reader.takes_no_more_fds()
         except (ArenaError, TypeError) as exc:
             log.error("closed a connection whose arena could not be taken: %s", exc)
@@ -568,9 +581,10 @@ class EngineServer:
 
     def _send_answers(self) -> None:
         """Every shared connection's answers of this turn, in one ``Answers`` each, their requests' leaves first
-        (``Service.leave_many``: counted, and what they held let go, together); an answer that does not pickle
-        is sent as the server's error instead. Never a wait: what the socket does not take now goes when it has
-        room (``_write``)."""
+        (``Service.leave_many``: counted, and what they held let go, together), with the requests whose photos in
+        its arena were let go since (``MappedArena.released``; in an ``Answers`` of their own when no answer goes);
+        an answer that does not pickle is sent as the server's error instead. Never a wait: what the socket does
+        not take now goes when it has room (``_write``)."""
         if self._leaving:
             leaving, self._leaving = self._leaving, []
             try:
@@ -583,21 +597,27 @@ class EngineServer:
             answers, conn.answers = conn.answers, []
             if conn.closed:
                 continue
+            released = conn.arena.take_released() if conn.arena is not None else ()
             try:
                 for first in range(0, len(answers), wire.MAX_SEGMENTS):  # a frame's segments: a row array an answer
                     some = answers[first:first + wire.MAX_SEGMENTS]
                     ids = [ident for ident, _, _ in some]
                     try:
                         conn.unsent += wire.answers_parts(ids, [(value, error) for _, value, error in some], engine,
-                                                          routes)
+                                                          routes, released)
                     except _UNFRAMED:
                         conn.unsent += wire.answers_parts(ids, [self._sendable(value, error) for _, value, error in
-                                                                some], engine, routes)
+                                                                some], engine, routes, released)
+                    released = ()
             except Exception:  # noqa: BLE001 - one connection's fault never ends the loop: it is closed
                 log.exception("closed a shared connection whose answers could not be framed")
                 self._close(conn)
                 continue
             self._write(conn)
+        for conn in self._shared:  # photos let go with no answer to go with (cancelled, or a turn behind)
+            if conn.arena is not None and conn.arena.released and not conn.closed:
+                conn.unsent += wire.answers_parts((), (), engine, routes, conn.arena.take_released())
+                self._write(conn)
 
     def _write(self, conn: _Connection) -> None:
         """What of a shared connection's answers its socket takes now; the rest once it has room (its second

@@ -10,8 +10,9 @@ the engine one read and one send, where each request had its own (about 18 of th
 loop on this wire: docs/performance.md), and costs this worker one send and one read.
 
 A request's photos cross in shared memory (``arena_bytes``: LINK_ARENA_MB; app/link/arena.py): the link's arena,
-made with each connection and offered to the engine first, holds them from their send until an answer shows the
-engine read their frame, and what finds no room goes in the frame as before.
+made with each connection and offered to the engine first, holds them from their send until the engine says it let
+go of them (``Answers.released``: it decodes them where they lie), and what finds no room goes in the frame as
+before.
 
 A request whose client leaves, or whose time runs out here, is cancelled (``Cancel``, sent like the requests): the
 engine drops its images still queued and answers it no more. A connection that fails (the engine restarting) fails
@@ -234,8 +235,8 @@ class LoopLink:
                 if asked is not None:  # else cancelled: its answer crossed the cancel
                     asked.answer = answer
                     asked.event.set()
-            if self._arena is not None and answers.ids:  # the engine read every frame up to these requests'
-                self._arena.answered(max(answers.ids))
+            if self._arena is not None and answers.released:  # photos the engine let go of: their places free
+                self._arena.released(answers.released)
 
     def _broken(self, exc: BaseException) -> None:
         """The connection failed: closed, and every request it carries (or was to) fails with EngineGone. A send

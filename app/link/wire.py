@@ -11,7 +11,8 @@ id, the segments of all of them), ``Cancel`` (ids whose client left), and the en
 under their ids, the rows of each a segment), in any order. Such a connection opens with ``ArenaOffer``: the shared
 memory its requests' photos are then placed in (app/link/arena.py), its descriptor passed with the frame
 (``send_with_fd``; a reader made with ``takes_fds`` keeps what comes); an ``Infers`` request whose images were placed
-carries where they are instead of its segments.
+carries where they are instead of its segments, and ``Answers`` tells which requests' placed images the engine let
+go of (``released``: their places free again).
 
 A frame is a header (a message, one of ``MESSAGES``, pickled as its kind and its fields' values) and raw byte
 segments, sent with one scatter-gather call and never pickled. The engine reads the header and each segment into a
@@ -45,7 +46,7 @@ from app.engine import contract
 from app.hosting import waiting
 from app.link.arena import Arena, ArenaError, MappedArena
 
-PROTOCOL = 8  # the frame layout, what segments carry, and the hello; each message's own fields are in FINGERPRINT
+PROTOCOL = 9  # the frame layout, what segments carry, and the hello; each message's own fields are in FINGERPRINT
 _HEAD = struct.Struct("!II")  # the header's length, the number of segments
 _LENGTH = struct.Struct("!Q")
 MAX_SEGMENTS = 10_000  # a bound on one frame's segments (MAX_IMAGES is far lower): a corrupt frame fails at once
@@ -172,8 +173,8 @@ class Infers(_Message):
 
     def split(self, segments: list[bytearray], arena: MappedArena | None = None
               ) -> list[tuple[int, Infer, list[bytearray]]]:
-        """Each request: its id, its ``Infer`` and its segments (those placed in ``arena`` copied out of it);
-        EngineGone when they do not add up or lie outside the arena."""
+        """Each request: its id, its ``Infer`` and its segments (those placed in ``arena`` lent where they lie:
+        ``MappedArena.lent``); EngineGone when they do not add up or lie outside the arena."""
         if not len(self.ids) == len(self.requests) == len(self.counts) or sum(self.counts) != len(segments):
             raise EngineGone(f"{len(self.ids)} requests of {sum(self.counts)} segments came with {len(segments)}")
         split, at = [], 0
@@ -187,7 +188,7 @@ class Infers(_Message):
             if arena is None:
                 raise EngineGone("images placed in an arena on a connection that offered none")
             try:
-                split[index][2].extend(arena.copied(images))
+                split[index][2].extend(arena.lent(split[index][0], images))
             except (ArenaError, TypeError, ValueError, IndexError) as exc:
                 raise EngineGone(f"placed images that could not be read: {exc}") from None
         return split
@@ -231,10 +232,13 @@ class Cancel(_Message):
 
 @dataclass(slots=True)
 class Answers(_Message):
-    """Answers to requests sent in ``Infers``, under their ids, in the order they were made (not the requests')."""
+    """Answers to requests sent in ``Infers``, under their ids, in the order they were made (not the requests'), and
+    the requests whose images placed in the connection's arena the engine let go of (``released``; with no answer
+    when nothing else goes out)."""
 
     ids: tuple[int, ...]
     answers: tuple[Answer, ...]
+    released: tuple[int, ...] = ()
 
 
 class _ServedHead(NamedTuple):
@@ -384,7 +388,7 @@ def _answers_fields(message: Answers) -> tuple[tuple[Any, ...], list[memoryview]
     items, segments = _answered_items([(answer.value, answer.error) for answer in message.answers])
     engine = message.answers[0].engine if message.answers else 0
     routes = max([answer.routes for answer in message.answers], default=0)  # the latest: a routing change of the
-    return (message.ids, items, engine, routes), segments  # turn drops what the HTTP side keeps at once
+    return (message.ids, items, engine, routes, message.released), segments  # turn drops what the HTTP side keeps
 
 
 def _answered_items(answered: Sequence[tuple[Any, errors.ServiceError | None]]
@@ -409,12 +413,12 @@ def _answered_items(answered: Sequence[tuple[Any, errors.ServiceError | None]]
 
 
 def answers_parts(ids: Sequence[int], answered: Sequence[tuple[Any, errors.ServiceError | None]], engine: int,
-                  routes: int) -> list[memoryview]:
-    """The frame of ``Answers(ids, (Answer(value, error, engine, routes), ...))`` for ``answered`` (each a value
-    and an error), with no ``Answer`` made for each (an event loop's answers of a turn), as the buffers ``send``
-    would send, for a sender that waits for room itself (``send_some``)."""
+                  routes: int, released: tuple[int, ...] = ()) -> list[memoryview]:
+    """The frame of ``Answers(ids, (Answer(value, error, engine, routes), ...), released)`` for ``answered`` (each
+    a value and an error), with no ``Answer`` made for each (an event loop's answers of a turn), as the buffers
+    ``send`` would send, for a sender that waits for room itself (``send_some``)."""
     items, segments = _answered_items(answered)
-    head = pickle.dumps((_ANSWERS, (tuple(ids), items, engine, routes)), protocol=pickle.HIGHEST_PROTOCOL)
+    head = pickle.dumps((_ANSWERS, (tuple(ids), items, engine, routes, released)), protocol=pickle.HIGHEST_PROTOCOL)
     return _frame_parts(head, segments)
 
 
@@ -488,7 +492,7 @@ def _served(raw: tuple[Any, ...], segment: bytes | bytearray | memoryview, read:
 
 def _answers_from(fields: tuple[Any, ...], segments: Sequence[bytes | bytearray | memoryview]) -> Answers:
     """The ``Answers`` an ``_ANSWERS`` frame's fields and segments make."""
-    ids, items, engine, routes = fields
+    ids, items, engine, routes, released = fields
     answers, rows = [], iter(segments)
     last: tuple[Any, ...] | None = None  # the last head read, and what it read as: answers that share it read it once
     read: _HeadRead | None = None
@@ -504,7 +508,7 @@ def _answers_from(fields: tuple[Any, ...], segments: Sequence[bytes | bytearray 
         raise EngineGone("answers with fewer row segments than served answers: the stream is out of step") from None
     if next(rows, None) is not None or len(answers) != len(ids):
         raise EngineGone("answers whose ids, rows and segments do not add up: the stream is out of step")
-    return Answers(tuple(ids), tuple(answers))
+    return Answers(tuple(ids), tuple(answers), tuple(released))
 
 
 def tensor_segments(tensors: Sequence[Any]) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], list[memoryview]]:

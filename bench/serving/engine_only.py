@@ -400,8 +400,8 @@ def _drive_messages(checkout: Path, sock: Path, form: str, concurrency: int, sec
         while answered < sent:
             for key, _ in selector.select(5.0):
                 for answers, _ in key.data[0].read():
-                    if key.data[2] is not None and answers.ids:
-                        key.data[2].answered(max(answers.ids))
+                    if key.data[2] is not None:
+                        _free_places(key.data[2], answers)
                     answered += len(answers.ids)
                     errors += sum(answer.error is not None for answer in answers.answers)
                     if time.monotonic() < end:
@@ -409,6 +409,16 @@ def _drive_messages(checkout: Path, sock: Path, form: str, concurrency: int, sec
         return answered, errors
 
     return _measured(run, engine, form, concurrency, seconds, count)
+
+
+def _free_places(arena: Any, answers: Any) -> None:
+    """What ``answers`` frees of a checkout's arena, as its loop link frees it: the places of the requests the engine
+    let go of (``released``), or, in a checkout whose engine copied photos out as it read them, every place up to the
+    latest request answered."""
+    if hasattr(answers, "released"):
+        arena.released(answers.released)
+    elif answers.ids:
+        arena.answered(max(answers.ids))
 
 
 def _offered_arena(wire: Any, conn: Any) -> Any:

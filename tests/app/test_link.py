@@ -496,12 +496,12 @@ def link(settings: Settings, predictor: Predictor, tmp_path: Path,
         joined.sent.append(message)
         real(sock, message, segments)  # type: ignore[arg-type]
 
-    def parts(ids: Sequence[int], answered: Sequence[tuple[object, Any]], engine: int, routes: int
-              ) -> list[memoryview]:  # the engine's shared answers
+    def parts(ids: Sequence[int], answered: Sequence[tuple[object, Any]], engine: int, routes: int,
+              released: tuple[int, ...] = ()) -> list[memoryview]:  # the engine's shared answers
         joined.frames.append("Answers")
         joined.sent.append(wire.Answers(tuple(ids), tuple(wire.Answer(value, error, engine, routes)
-                                                          for value, error in answered)))
-        return real_parts(ids, answered, engine, routes)
+                                                          for value, error in answered), released))
+        return real_parts(ids, answered, engine, routes, released)
 
     real_parts = wire.answers_parts
     monkeypatch.setattr(wire, "send", counted)
@@ -2181,7 +2181,7 @@ def _padded(jpeg: bytes, size: int = 40_000) -> bytes:
     return jpeg[:2] + b"".join(comments) + jpeg[2:]
 
 
-def test_a_loop_turn_s_photos_cross_in_the_link_s_arena_whose_places_their_answers_free(link: Link) -> None:
+def test_a_loop_turn_s_photos_cross_in_the_link_s_arena_whose_places_the_engine_s_releases_free(link: Link) -> None:
     infer(link.worker, [image_bytes(RED)])  # the signature kept: the loop's requests all send in its first turn
     link.sent.clear()
     colours = {f"r{i}": (RED, BLUE)[i % 2] for i in range(4)}
@@ -2192,7 +2192,10 @@ def test_a_loop_turn_s_photos_cross_in_the_link_s_arena_whose_places_their_answe
     [message] = [m for m in link.sent if isinstance(m, wire.Infers)]
     assert [index for index, _ in message.placed] == [0, 1, 2, 3] and message.counts == (0, 0, 0, 0)
     arena = link.worker.loop_link._arena
-    assert arena is not None and arena.placed_bytes >= 4 * 39_000 and arena.held == 0  # all answered: all free
+    assert arena is not None and arena.placed_bytes >= 4 * 39_000
+    with loop.waits():  # all let go of: all free, told with the answers or just after them
+        loop.turn_until(lambda: arena.held == 0)
+    assert sorted(i for m in link.sent if isinstance(m, wire.Answers) for i in m.released) == sorted(message.ids)
     # small images go in the frame, as before
     assert _on_loop(link, {"small": _labelled(link, image_bytes(BLUE))}, loop)["small"] == "blue"
     assert [m for m in link.sent if isinstance(m, wire.Infers)][-1].placed == ()
@@ -2441,6 +2444,36 @@ def test_a_loop_request_whose_client_leaves_is_cancelled_in_the_engine_and_the_o
     assert loop.outcomes["stays"].result() == "red"
     wait_until(lambda: link.engine.in_flight.count() == 0)  # the cancelled one ended in the engine too
     assert link.worker.loop_link.in_flight == 0
+
+
+def test_a_placed_photo_whose_request_is_cancelled_has_its_place_freed_with_no_answer_to_carry_its_release(
+        link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: the engine copied each placed photo out as it read the frame, and the worker freed a place only on an
+    # answer to its request or a later one.
+    _batches_off_the_loop(link, monkeypatch)
+    infer(link.worker, [image_bytes(RED)])
+    model.gate, gone = threading.Event(), threading.Event()
+    batches = len(model.batch_sizes)
+    loop = LoopWorker()
+    try:
+        with loop.waits():  # placed in this order, in one message: the one that leaves holds the ring's oldest place
+            loop.start("leaves", lambda: _failure(lambda: infer(link.worker, [_padded(image_bytes(BLUE))],
+                                                                 client_gone=gone.is_set)))
+            loop.start("stays", lambda: _labelled(link, _padded(image_bytes(RED)))())
+            loop.turn_until(lambda: len(model.batch_sizes) > batches)  # their forward pass held by the gate
+            arena = link.worker.loop_link._arena
+            assert arena is not None and arena.placed_bytes >= 2 * 39_000 and arena.held == 2
+            gone.set()
+            loop.turn_until(lambda: "leaves" in loop.outcomes)
+            loop.turn_until(lambda: arena.held == 1)  # the cancelled one let go of: told with no answer
+            [leaves] = [m for m in link.sent if isinstance(m, wire.Infers)][-1].ids[:1]
+            assert [m.released for m in link.sent if isinstance(m, wire.Answers) and not m.ids] == [(leaves,)]
+            model.gate.set()
+            loop.turn_until(lambda: "stays" in loop.outcomes and arena.held == 0)
+    finally:
+        model.gate.set()
+    assert isinstance(loop.outcomes["leaves"].result(), ClientGone) and loop.outcomes["stays"].result() == "red"
+    wait_until(lambda: link.engine.in_flight.count() == 0)
 
 
 def test_a_loop_request_cancelled_while_queued_is_dropped_unrun(link: Link, model: ColourModel,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import struct
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -273,13 +274,27 @@ def test_the_device_path_turns_every_exif_orientation_as_pil_does() -> None:
         assert torch.equal(pixels, decode_tensor(data, LIMITS)), orientation
 
 
+def _arena_views(photos: list[bytes]) -> list[memoryview]:
+    """``photos`` as the engine's view of a loop link's arena lends them (app/link/arena.py): writable slices of
+    one array."""
+    whole = np.frombuffer(bytearray(b"".join(photos)), np.uint8)
+    view, views, at = memoryview(whole), [], 0
+    for data in photos:
+        views.append(view[at:at + len(data)])
+        at += len(data)
+    return views
+
+
+@pytest.mark.parametrize("handed", [lambda photos: [bytearray(data) for data in photos], _arena_views],
+                         ids=["segments", "arena views"])
 def test_images_as_the_link_hands_them_decode_alike_and_the_device_path_reads_them_where_they_lie(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    # The engine's images are its request's segments as read (a bytearray each), where the inline path's are bytes.
+        handed: Callable[[list[bytes]], list[bytearray | memoryview]], monkeypatch: pytest.MonkeyPatch) -> None:
+    # The engine's images are its request's segments as read (a bytearray each) or views of its loop link's arena,
+    # where the inline path's are bytes.
     import app.engine.decoding.device as device
 
     photos = _turned_photos()
-    segments = [bytearray(data) for data in photos]
+    segments = handed(photos)
     wrapped: list[int] = []
     real = device.decode_jpegs
 
@@ -297,6 +312,12 @@ def test_images_as_the_link_hands_them_decode_alike_and_the_device_path_reads_th
     for segment, data in zip(segments, photos):  # the host paths and the header reader take them alike
         assert torch.equal(decode_tensor(segment, LIMITS), decode_tensor(data, LIMITS))
         assert read_jpeg_header(segment) == read_jpeg_header(data)
+    progressive = io.BytesIO()  # its scans counted (MAX_JPEG_SCANS) on what the link hands too
+    Image.fromarray(skimage.data.astronaut()[:64, :64]).save(progressive, "JPEG", progressive=True)
+    [handed_progressive] = handed([progressive.getvalue()])
+    assert torch.equal(decode_tensor(handed_progressive, LIMITS), decode_tensor(progressive.getvalue(), LIMITS))
+    with pytest.raises(InvalidImage, match="scans"):
+        decode_tensor(handed_progressive, DecodeLimits(max_jpeg_scans=2))
 
 
 @pytest.mark.gpu

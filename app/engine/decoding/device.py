@@ -44,10 +44,13 @@ def check_header(data: bytes, limits: DecodeLimits) -> Encoded:
     return Encoded(data, jpeg, limits, header.orientation if header is not None else 1)
 
 
-def _writable(data: bytes | bytearray) -> bytearray:
-    """A JPEG's bytes as a buffer a tensor may wrap: the engine's own (its request's segment, read from the link)
-    as it is, a copy of read-only bytes (torch warns of a tensor on memory it may not write)."""
-    return data if isinstance(data, bytearray) else bytearray(data)
+def _writable(data: bytes | bytearray | memoryview) -> bytearray | memoryview:
+    """A JPEG's bytes as a buffer a tensor may wrap: the engine's own (its request's segment, read from the link, or
+    its view of the link's arena) as it is, a copy of read-only bytes (torch warns of a tensor on memory it may not
+    write)."""
+    if isinstance(data, bytearray) or (isinstance(data, memoryview) and not data.readonly):
+        return data
+    return bytearray(data)
 
 
 def _jpegs_on(device: torch.device, items: Sequence[Encoded]) -> dict[int, torch.Tensor]:
