@@ -340,8 +340,8 @@ class ServerSettings(SettingsGroup):
         "engine places its requests' photos in (a memfd handed to the engine), held from a request's send until "
         "the engine let go of it: the engine decodes a photo where it lies, so it crosses as one copy on the "
         "worker's side instead of through the socket's buffers (the engine's time per 100 KB photo beyond decode "
-        "and forward: docs/performance.md). A request whose photos the engine holds long (a rollout's shadow "
-        "share) holds the ring's later places too. Requests "
+        "and forward: docs/performance.md). A request whose photos the engine holds long (queued on a device "
+        "behind long batches) holds the ring's later places too. Requests "
         "that find no room, smaller than 16 KB in all, or sent apart from the loop go through the socket; 0 = "
         "every image through the socket. Resident memory per worker and engine: up to this much.")
     workers: int = Field(

@@ -8,10 +8,12 @@ photo out of the caches: docs/performance.md).
 The arena is a ring. The worker places each request's images after the last ones placed, starting again from the
 front when the end has no room. The engine lends a request's images to whatever reads them (views of one array on
 its mapping) and tells the worker, with the next answers it sends on the connection (``Answers.released``), each
-request whose views are all gone: decoded, dropped, cancelled or failed, whichever came last (a rollout's shadow
-decodes them later, and holds them until then). The worker frees a place once its request is released, and its
-ring from the oldest place on, so a place held long leaves the ring full behind it: whatever finds no room (a burst,
-a request larger than the arena, or a ring behind a place still held) goes through the socket as before. The two
+request whose views are all gone: once it is decoded (on the CPU; on a device, once its batch is), cancelled (its
+images dropped from the queue), or ended (the engine's loop lets go of an ended request's images and of its error's tracebacks, which hold the frames
+that read them: garbage collection would otherwise free them when it comes round; a rollout's shadow share copies
+what it keeps). The worker frees a place once its request is released, and its ring from the oldest place on, so a
+place held long leaves the ring full behind it: whatever finds no room (a burst, a request larger than the arena, or
+a ring behind a place still held) goes through the socket as before. The two
 processes share no lock and no counter: the frames that carry the places and the releases order the writes and the
 reads.
 
@@ -26,6 +28,7 @@ import collections
 import contextlib
 import fcntl
 import functools
+import itertools
 import mmap
 import os
 import weakref
@@ -146,7 +149,9 @@ class MappedArena:
         finally:
             os.close(fd)
         self.size = size
-        self._lent: dict[int, weakref.ref[np.ndarray]] = {}  # each request's images' array, until it is gone
+        self._lent: dict[int, weakref.ref[np.ndarray]] = {}  # each lending's array, until it is gone (by a count
+        # of its own: a request id sent twice would lose a release, its first reference dropped)
+        self._lendings = itertools.count()
         self.released: collections.deque[int] = collections.deque()  # requests whose images are all let go, not
         # yet told to the worker: appended by whichever thread drops a request's last view, taken by the loop
         self._on_release = on_release  # called on that thread after each (the engine's loop: woken from another)
@@ -164,12 +169,13 @@ class MappedArena:
         start = min(offset for offset, _ in placed)
         end = max(offset + length for offset, length in placed)
         whole = np.frombuffer(self._map, np.uint8, end - start, start)  # (numpy's: an owner a weak reference sees)
-        self._lent[ident] = weakref.ref(whole, functools.partial(self._let_go, ident))
+        lending = next(self._lendings)
+        self._lent[lending] = weakref.ref(whole, functools.partial(self._let_go, lending, ident))
         view = memoryview(whole)  # (each slice holds the array: released once the last one goes)
         return [view[offset - start:offset - start + length] for offset, length in placed]
 
-    def _let_go(self, ident: int, _: object) -> None:
-        self._lent.pop(ident, None)
+    def _let_go(self, lending: int, ident: int, _: object) -> None:
+        self._lent.pop(lending, None)
         self.released.append(ident)
         if self._on_release is not None:
             self._on_release()

@@ -79,6 +79,17 @@ def _nothing() -> None:
     """What is posted to wake the loop alone."""
 
 
+def _without_frames(error: BaseException | None) -> None:
+    """``error``'s tracebacks (its own, its cause's and its context's) let go: an ended request's error is answered
+    by its type and words, and a traceback holds the frames that raised it, which hold the request (its photos, in
+    a loop link's arena, held until garbage collection came round: app/link/arena.py) in a cycle."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        error.__traceback__ = None
+        error = error.__cause__ or error.__context__
+
+
 _UNFRAMED = (pickle.PicklingError, TypeError, AttributeError, ValueError)  # what an answer that does not frame raises
 CATALOG_READ_THREADS = 1  # catalog reads at once, never on the loop: one thread, as more only contend for the
 # interpreter lock with the loop (at C=64 four read threads cost 2x the CPU a /v1/models call, 0.72x its rate)
@@ -138,9 +149,9 @@ def _pixel_type(name: str) -> np.dtype:
     return pixel_type
 
 
-def _inputs(message: wire.Infer, segments: list[bytearray]) -> tuple[list[bytearray], list[np.ndarray]]:
-    """The request's encoded images (each its segment's own buffer, as read), or its images' pixels: the rows of its
-    stacks (arrays on the segments' buffers). Nothing copied."""
+def _inputs(message: wire.Infer, segments: list[wire.Segment]) -> tuple[list[wire.Segment], list[np.ndarray]]:
+    """The request's encoded images (each its segment's own buffer, as read, or its view of the connection's arena),
+    or its images' pixels: the rows of its stacks (arrays on the segments' buffers). Nothing copied."""
     if not message.tensors:
         return segments, []
     if len(segments) != len(message.tensors):
@@ -172,7 +183,7 @@ class _Exchange:
     __slots__ = ("conn", "admission", "call", "message", "images", "tensors", "ident", "queued", "ended", "cancelled",
                  "decode_cpu_s", "arrived", "parts")
 
-    def __init__(self, conn: _Connection, admission: Admission, message: wire.Infer, images: list[bytearray],
+    def __init__(self, conn: _Connection, admission: Admission, message: wire.Infer, images: list[wire.Segment],
                  tensors: list[np.ndarray], ident: int | None) -> None:
         self.conn, self.admission, self.call, self.message = conn, admission, admission.call, message
         self.images, self.tensors, self.ident = images, tensors, ident
@@ -191,7 +202,7 @@ class _Part:
 
     __slots__ = ("conn", "ident", "rows", "images", "cancelled")
 
-    def __init__(self, conn: _Connection, ident: int, rows: list[np.ndarray], images: list[bytearray]) -> None:
+    def __init__(self, conn: _Connection, ident: int, rows: list[np.ndarray], images: list[wire.Segment]) -> None:
         self.conn, self.ident, self.rows, self.images = conn, ident, rows, images
         self.cancelled = False
 
@@ -203,7 +214,7 @@ _ONE_IMAGE_ERRORS = (InvalidImage, ImageTooLarge, UnsupportedImageFormat)  # wha
 _BUNDLE = object()  # the first of a turn's key for requests that may run as a bundle (``_admit_turn``)
 
 
-def _bundles(message: wire.Infer, segments: list[bytearray]) -> bool:
+def _bundles(message: wire.Infer, segments: list[wire.Segment]) -> bool:
     """Whether a shared connection's request may run in a bundle with others alike: one image, of pixels, or
     encoded (where the CPU decodes them, bundles of a hand-off's decoding at most: ``DecodeShares.runs``), no file
     name (its errors name no image)."""
@@ -231,6 +242,7 @@ class EngineServer:
         self._wake_write.setblocking(False)
         self._posted: collections.deque[Callable[[], None]] = collections.deque()
         self._wake_sent = False  # a wake-up byte is on its way and the loop has not yet taken what was posted
+        self._waiting = False  # the loop is in its wait for its sockets (from just before ``_wait_s`` looks)
         self._deadlines: list[tuple[float, int, _Exchange]] = []
         self._order = itertools.count()
         self.decode_shares = DecodeShares(decode_threads or len(os.sched_getaffinity(0)))
@@ -249,7 +261,7 @@ class EngineServer:
         self._handlers: dict[type, Callable[[_Connection, Any, list[bytearray]], None]] = {
             wire.Unanswered: self._unanswered, wire.CatalogCall: self._catalog, wire.StateQuery: self._state,
             wire.Explain: self._explain, wire.ArenaOffer: self._arena_offer}
-        self._turn: list[tuple[_Connection, wire.Infer, list[bytearray], int | None]] = []  # read in this loop turn
+        self._turn: list[tuple[_Connection, wire.Infer, list[wire.Segment], int | None]] = []  # read in this loop turn
         self._requesting = 0  # open connections of one exchange at a time that carried a request (sent_infer)
         self._shared: list[_Connection] = []  # connections that sent Infers (several requests at a time)
         self._exchanges = 0  # requests admitted and not yet ended on connections of one at a time
@@ -309,7 +321,12 @@ class EngineServer:
         while True:
             while self._deadlines and self._deadlines[0][2].ended:  # answered before its deadline
                 heapq.heappop(self._deadlines)
-            for key, _ in self._selector.select(self._wait_s()):
+            self._waiting = True  # (photos let go of from here on, on this thread too, wake it: _released_off_loop)
+            try:
+                ready = self._selector.select(self._wait_s())
+            finally:
+                self._waiting = False
+            for key, _ in ready:
                 key.data()
             if self._accept_again_at is not None and time.monotonic() >= self._accept_again_at:
                 self._accept_again_at = None
@@ -371,10 +388,15 @@ class EngineServer:
 
     def _released_off_loop(self) -> None:
         """A request's photos in a shared connection's arena let go of (``MappedArena.released``): from another
-        thread (a decode thread's, a batch's), the loop woken to tell the worker; on the loop, told before it
-        waits (``_wait_s``)."""
+        thread (a decode thread's, a batch's), or on the loop while it waits (a garbage collection that came round
+        after ``_wait_s`` looked), the loop woken to tell the worker; on the loop otherwise, told before it waits
+        (``_wait_s``)."""
         if threading.get_ident() != self._loop_thread:
             self._post(_nothing)
+        elif self._waiting and not self._wake_sent:
+            self._wake_sent = True
+            with contextlib.suppress(BlockingIOError):  # a full wake-up socket already wakes the loop
+                self._wake_write.send(b"\0")
 
     def _woken(self) -> None:
         with contextlib.suppress(BlockingIOError):
@@ -695,7 +717,7 @@ class EngineServer:
         if admitted or deferred:
             self.gathering.batches_on_loop = ran_here
 
-    def _admit_turn(self, turn: list[tuple[_Connection, wire.Infer, list[bytearray], int | None]]
+    def _admit_turn(self, turn: list[tuple[_Connection, wire.Infer, list[wire.Segment], int | None]]
                     ) -> list[_Exchange | None]:
         """The turn's requests admitted, those alike (model, version, client key, pixels or images) in one pass
         (``Service.enter_many``): each its exchange, or None (answered, or its client gone), in the turn's order; the
@@ -742,7 +764,7 @@ class EngineServer:
                 exchanges.append(self._admit(*read, admissions[at]))  # type: ignore[arg-type]
         return exchanges
 
-    def _enter_alike(self, reads: list[tuple[_Connection, wire.Infer, list[bytearray], int | None]], bundles: bool
+    def _enter_alike(self, reads: list[tuple[_Connection, wire.Infer, list[wire.Segment], int | None]], bundles: bool
                      ) -> Sequence[Admission | BaseException]:
         """Requests of a turn alike admitted together (``Service.enter_many``), each its admission or what refused
         it; ``bundles``: alike to the last detail (``_bundles``), admitted as one (pixels, or photos where the
@@ -756,7 +778,7 @@ class EngineServer:
         except Exception as exc:  # noqa: BLE001 - every failure is answered, never a dropped connection
             return [exc] * len(reads)
 
-    def _admit_bundle(self, reads: list[tuple[_Connection, wire.Infer, list[bytearray], int | None]],
+    def _admit_bundle(self, reads: list[tuple[_Connection, wire.Infer, list[wire.Segment], int | None]],
                       admission: Admission) -> _Exchange | None:
         """A bundle: requests of the shared connections alike to the last detail (``_bundles``), admitted as one
         (``admission`` stands for all of them); each checked as ``_admit`` checks one (a request that fails is
@@ -766,11 +788,11 @@ class EngineServer:
         # and row, the layout the others' pixels are read in, as what they have alike was judged with it (None:
         # encoded images, each taken as it is)
         parts: list[_Part] = []
-        images: list[bytearray] = []
+        images: list[wire.Segment] = []
         rows: list[np.ndarray] = []
         for read in reads:
             conn, segments, ident = read[0], read[2], read[3]
-            inputs: tuple[list[bytearray], list[np.ndarray]] | None = None
+            inputs: tuple[list[wire.Segment], list[np.ndarray]] | None = None
             if first is not None and ident not in conn.cancelled and not conn.closed and len(segments) == 1:
                 layout = first[1]
                 if layout is None:
@@ -799,7 +821,7 @@ class EngineServer:
             part.conn.exchanges[part.ident] = exchange  # type: ignore[index]
         return exchange
 
-    def _admit(self, conn: _Connection, message: wire.Infer, segments: list[bytearray], ident: int | None,
+    def _admit(self, conn: _Connection, message: wire.Infer, segments: list[wire.Segment], ident: int | None,
                admission: Admission | BaseException) -> _Exchange | None:
         """A request of the turn, its admission made (or what refused it), becomes an exchange in flight."""
         inputs = self._checked(conn, message, segments, ident, admission)
@@ -813,8 +835,8 @@ class EngineServer:
             self._exchanges += 1
         return exchange
 
-    def _checked(self, conn: _Connection, message: wire.Infer, segments: list[bytearray], ident: int | None,
-                 admission: Admission | BaseException) -> tuple[list[bytearray], list[np.ndarray]] | None:
+    def _checked(self, conn: _Connection, message: wire.Infer, segments: list[wire.Segment], ident: int | None,
+                 admission: Admission | BaseException) -> tuple[list[wire.Segment], list[np.ndarray]] | None:
         """A request of the turn, its admission made (or what refused it), checked: its images or pixels
         (``_inputs``), or None once it is answered (or its client gone, counted: of a bundle's admission, one)."""
         conn.read_pending = False
@@ -989,9 +1011,11 @@ class EngineServer:
         if exchange.ended and not ending:
             return
         exchange.ended = True
+        _without_frames(error)
         if exchange.parts is not None:
             self._end_parts(exchange, error)
             return
+        exchange.images, exchange.tensors = [], []  # (refused before its queueing: they were never let go)
         conn = exchange.conn
         if exchange.ident is None:
             self._exchanges -= 1
@@ -1031,7 +1055,11 @@ class EngineServer:
                                                     wire.NO_LABELS, embedding=exchange.message.embedding)
             except Exception as exc:  # noqa: BLE001 - answered
                 error = exc
-        if answers is None and self._run_apart(exchange, error):  # type: ignore[arg-type]
+        apart = answers is None and self._run_apart(exchange, error)  # type: ignore[arg-type]
+        exchange.images, exchange.tensors = [], []  # what its requests' own exchanges hold now, if anything
+        for part in parts:
+            part.images, part.rows = [], []
+        if apart:
             return
         if exchange.queued is None:  # as _end: no longer on its way to a batch (one arrival for all of them)
             exchange.admission.arrive()

@@ -158,6 +158,10 @@ class Answer(_Message):
     routes: int = 0
 
 
+Segment = bytearray | memoryview  # an Infer's image or stack of pixels in the engine: its frame's segment as read,
+# or a view of its connection's arena where the worker placed it (``MappedArena.lent``)
+
+
 @dataclass(slots=True)
 class Infers(_Message):
     """Several requests in one message, each an ``Infer``'s fields (``requests``) under its id (``ids``), the frame's
@@ -172,7 +176,7 @@ class Infers(_Message):
     # connection's arena: each its place in ``requests`` and its images' (offset, length) there (none in segments)
 
     def split(self, segments: list[bytearray], arena: MappedArena | None = None
-              ) -> list[tuple[int, Infer, list[bytearray]]]:
+              ) -> list[tuple[int, Infer, list[Segment]]]:
         """Each request: its id, its ``Infer`` and its segments (those placed in ``arena`` lent where they lie:
         ``MappedArena.lent``); EngineGone when they do not add up or lie outside the arena."""
         if not len(self.ids) == len(self.requests) == len(self.counts) or sum(self.counts) != len(segments):

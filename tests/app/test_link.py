@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import errno
 import functools
+import gc
 import inspect
 import logging
 import os
@@ -795,7 +796,7 @@ def _broken_in_its_batch(monkeypatch: pytest.MonkeyPatch) -> bytes:
     collate = decoders.collate_on_device
 
     def failing(items: Sequence[Any], *rest: Any) -> Any:
-        if any(b"BROKEN" in getattr(item, "data", b"") for item in items):
+        if any(b"BROKEN" in bytes(getattr(item, "data", b"")) for item in items):  # (a view of the arena too)
             raise InvalidImage("the image's pixels could not be decoded")
         return collate(items, *rest)
 
@@ -2446,15 +2447,21 @@ def test_a_loop_request_whose_client_leaves_is_cancelled_in_the_engine_and_the_o
     assert link.worker.loop_link.in_flight == 0
 
 
+def _gated_loop(link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch
+               ) -> tuple[threading.Event, int, LoopWorker]:
+    """A worker's loop for requests whose forward pass the model's gate holds (on the batcher's thread, the engine's
+    loop free), the signature kept: the event that tells its clients they left, the batches run so far, the loop."""
+    _batches_off_the_loop(link, monkeypatch)
+    infer(link.worker, [image_bytes(RED)])
+    model.gate = threading.Event()
+    return threading.Event(), len(model.batch_sizes), LoopWorker()
+
+
 def test_a_placed_photo_whose_request_is_cancelled_has_its_place_freed_with_no_answer_to_carry_its_release(
         link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch) -> None:
     # Before: the engine copied each placed photo out as it read the frame, and the worker freed a place only on an
     # answer to its request or a later one.
-    _batches_off_the_loop(link, monkeypatch)
-    infer(link.worker, [image_bytes(RED)])
-    model.gate, gone = threading.Event(), threading.Event()
-    batches = len(model.batch_sizes)
-    loop = LoopWorker()
+    gone, batches, loop = _gated_loop(link, model, monkeypatch)
     try:
         with loop.waits():  # placed in this order, in one message: the one that leaves holds the ring's oldest place
             loop.start("leaves", lambda: _failure(lambda: infer(link.worker, [_padded(image_bytes(BLUE))],
@@ -2474,6 +2481,58 @@ def test_a_placed_photo_whose_request_is_cancelled_has_its_place_freed_with_no_a
         model.gate.set()
     assert isinstance(loop.outcomes["leaves"].result(), ClientGone) and loop.outcomes["stays"].result() == "red"
     wait_until(lambda: link.engine.in_flight.count() == 0)
+
+
+@pytest.mark.parametrize("engine", ["link", "device_link"])
+def test_a_placed_photo_the_engine_refuses_is_let_go_of_with_its_answer_without_a_garbage_collection(
+        engine: str, request: pytest.FixtureRequest) -> None:
+    # Before: the refusal's tracebacks held the frames that read the photo, and they the request, in a cycle: its
+    # place (and the ring's after it) stayed held until a garbage collection came round.
+    joined: Link = request.getfixturevalue(engine)
+    infer(joined.worker, [image_bytes(RED)])
+    broken = b"\xff\xd8\xff\xe0\x00\x10JFIF\x00" + bytes(40_000)  # a JPEG's start, then nothing a decoder reads
+    gc.collect()
+    gc.disable()
+    try:
+        loop = LoopWorker()
+        got = _on_loop(joined, {"broken": lambda: _failure(lambda: infer(joined.worker, [broken]))}, loop)
+        assert isinstance(got["broken"], InvalidImage)
+        arena = joined.worker.loop_link._arena
+        assert arena is not None and arena.placed_bytes >= 40_000
+        joined.sent.clear()  # (this test's record of the answers holds their errors)
+        with loop.waits():
+            loop.turn_until(lambda: arena.held == 0, timeout_s=5)
+    finally:
+        gc.enable()
+
+
+def test_a_bundle_of_placed_photos_whose_clients_left_lets_go_of_them_while_an_earlier_request_still_runs(
+        device_link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: an ended bundle's requests kept their photos until its deadline left the loop's heap, behind every
+    # request of an earlier deadline still running, and the batcher's queue its cancelled items until it reached
+    # them. (On the device path: photos decoded in their batch, one-image requests alike of a turn one bundle.)
+    link = device_link
+    gone, batches, loop = _gated_loop(link, model, monkeypatch)
+    try:
+        with loop.waits():
+            loop.start("first", functools.partial(_outcome, lambda: infer(link.worker, [image_bytes(RED)])))
+            loop.turn_until(lambda: len(model.batch_sizes) > batches)  # its batch held by the gate
+            for name in ("b", "c"):  # one-image requests alike of one turn: a bundle
+                loop.start(name, functools.partial(_outcome, lambda: infer(
+                    link.worker, [_padded(image_bytes(BLUE))], client_gone=gone.is_set)))
+            arena = link.worker.loop_link._arena
+            loop.turn_until(lambda: arena is not None and arena.placed_bytes >= 2 * 39_000 and
+                            link.engine.in_flight.count() == 3)
+            gone.set()
+            loop.turn_until(lambda: "b" in loop.outcomes and "c" in loop.outcomes)
+            loop.turn_until(lambda: arena.held == 0)  # let go of while the first still runs
+            assert "first" not in loop.outcomes
+            model.gate.set()
+            loop.turn_until(lambda: "first" in loop.outcomes)
+    finally:
+        model.gate.set()
+    assert [type(loop.outcomes[name].result()) for name in ("b", "c")] == [ClientGone, ClientGone]
+    assert loop.outcomes["first"].result().top_k(1)[0][0].label == "red"
 
 
 def test_a_loop_request_cancelled_while_queued_is_dropped_unrun(link: Link, model: ColourModel,

@@ -84,6 +84,25 @@ def test_the_engine_reads_a_request_s_images_where_they_lie_and_releases_it_once
         arena.close()
 
 
+def test_a_request_id_lent_twice_is_released_twice_each_once_its_own_views_are_gone() -> None:
+    # Before: the second lending replaced the first's reference, whose release was then never told (its place held
+    # for good, and the ring's after it).
+    arena = Arena(64 * KB)
+    try:
+        first, second = arena.place(1, [_image(20 * KB, 1)]), arena.place(1, [_image(20 * KB, 2)])
+        engine = _mapped(arena)
+        try:
+            views, again = engine.lent(1, first), engine.lent(1, second)  # type: ignore[arg-type]
+            del views
+            assert engine.take_released() == (1,)
+            del again
+            assert engine.take_released() == (1,)
+        finally:
+            engine.close()
+    finally:
+        arena.close()
+
+
 def test_requests_released_from_other_threads_while_the_loop_takes_them_are_each_told_once() -> None:
     arena = Arena(4 << 20)
     try:

@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -384,6 +385,30 @@ def test_shadow_work_waiting_as_its_rollout_changes_is_dropped_as_retired_and_ne
             assert running.result(timeout=10).version == "1"
         wait_until(lambda: _retired_shadow_work() == retired + 1)
         assert len(candidate.predictor.module.batch_sizes) == passes and comparison.compared == 0
+    finally:
+        service.shutdown(timeout=5)
+
+
+def test_shadow_work_waiting_behind_live_work_keeps_its_own_copy_of_images_the_engine_s_link_lent() -> None:
+    # Before: the job held the request's views of the worker's arena (app/link/arena.py) for as long as it waited,
+    # and with them the worker's ring from their place on.
+    service = Service.build(ALL_VERSIONS, _repository())  # type: ignore[arg-type]
+    try:
+        live, candidate = (service.controller.applier.routes.find("colour", v) for v in ("1", "2"))
+        live.predictor.module.gate = held = threading.Event()
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(infer, service, [PHOTOS[0]], version="1")
+            wait_until(lambda: live.batcher.running_since() is not None)  # its batch held: the job below waits
+            lent = np.frombuffer(bytearray(PHOTOS[1]), np.uint8)  # as the link lends a photo: a view of an array
+            gone = weakref.ref(lent)
+            comparison = Comparison("colour", "2", "1")
+            offer(live, candidate, comparison, [memoryview(lent)], (), (), [np.full(len(LABELS), 1 / len(LABELS))],
+                  [BatchRun(1, 1, 1, 0.0, 0.001)], max_age_s=60, queue_limit=64)
+            del lent
+            assert gone() is None  # let go of while the job waits
+            held.set()
+            assert running.result(timeout=10).version == "1"
+        wait_until(lambda: comparison.compared == 1)  # and compared from its own copy
     finally:
         service.shutdown(timeout=5)
 

@@ -275,8 +275,8 @@ class Batcher(Generic[In, Out]):
         ``run_queued`` runs them or wakes it."""
         now = time.monotonic()
         group: Group[Out] = Group(len(items), self._dropped_unrun, self._failed_unrun)
-        self._queue_pending([_Pending(item, None, now, deadline, group, index) for index, item in enumerate(items)],
-                            deadline, inline and not defer, now, wake=not defer)
+        group.queued = [_Pending(item, None, now, deadline, group, index) for index, item in enumerate(items)]
+        self._queue_pending(group.queued, deadline, inline and not defer, now, wake=not defer)  # type: ignore[arg-type]
         return group
 
     def submit_groups(self, requests: Sequence[tuple[Sequence[In], float | None]]) -> list["Group[Out] | Exception"]:
@@ -301,10 +301,12 @@ class Batcher(Generic[In, Out]):
                     continue
                 group: Group[Out] = Group(len(items), dropped_unrun, failed_unrun)
                 if len(items) == 1:  # (most requests: one image)
-                    queue.append(_Pending(items[0], None, now, deadline, group, 0))
+                    group.queued = (entry := _Pending(items[0], None, now, deadline, group, 0),)
+                    queue.append(entry)
                 else:
-                    queue.extend([_Pending(item, None, now, deadline, group, index)
-                                  for index, item in enumerate(items)])
+                    group.queued = [_Pending(item, None, now, deadline, group, index)
+                                    for index, item in enumerate(items)]
+                    queue.extend(group.queued)
                 self._live += len(items)
                 answers.append(group)
             if low:

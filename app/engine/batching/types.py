@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import CancelledError
-from typing import Callable, Generic, NamedTuple, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Generic, NamedTuple, Protocol, Sequence, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class Group(Generic[Out]):
     it the rows of its consecutive items at once (``set_rows``): no object and no call per item."""
 
     __slots__ = ("values", "_runs", "left", "started", "over", "failed_at", "_error", "_cancelled", "_callbacks",
-                 "_lock", "_finished", "_on_cancel", "_on_failed")
+                 "_lock", "_finished", "_on_cancel", "_on_failed", "queued")
 
     def __init__(self, size: int, on_cancel: Callable[[int], object] | None = None,
                  on_failed: Callable[["Group[Out]"], object] | None = None) -> None:
@@ -139,6 +139,9 @@ class Group(Generic[Out]):
         self._lock = threading.Lock()
         self._finished: threading.Event | None = None  # made by the first wait that finds it not done
         self._on_cancel, self._on_failed = on_cancel, on_failed
+        self.queued: Sequence[Any] = ()  # the queue's entries of its items (each with its ``item``), set as queued:
+        # a cancel lets go of their items at once (a loop link's photos waiting for the device's decode hold the
+        # worker's arena: app/link/arena.py), where the queue reaches them only once the batches before them ran
 
     # -- the batcher's side ----------------------------------------------------------------------------------------
 
@@ -179,6 +182,7 @@ class Group(Generic[Out]):
         self._finish()
 
     def _finish(self) -> None:
+        self.queued = ()  # (done: the queue holds none of its items)
         with self._lock:
             callbacks, self._callbacks, finished = self._callbacks or [], None, self._finished
         if finished is not None:
@@ -209,6 +213,9 @@ class Group(Generic[Out]):
             self._cancelled = self.over = True
         if self._on_cancel is not None:  # every item is still queued: none was taken, or it would have started
             self._on_cancel(len(self.values))
+        for entry in self.queued:  # none is read again: the queue skips a cancelled group's items unrun
+            entry.item = None
+        self.queued = ()
         self._finish()
         return True
 

@@ -29,7 +29,7 @@ from models.presets import TensorEvalTransform
 class Encoded:
     """An image whose header passed every limit, waiting to be decoded in its batch."""
 
-    data: bytes
+    data: bytes | bytearray | memoryview  # (as the engine read it: a view of a loop link's arena is not hashable)
     jpeg: bool  # one the device's JPEG decoder takes: not CMYK or YCCK, which PIL converts its own way
     limits: DecodeLimits
     orientation: int = 1  # EXIF, read with the header: the device decode turns the pixels by it

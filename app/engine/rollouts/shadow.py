@@ -15,13 +15,14 @@ version did, slowed a lone client's every request; docs/performance.md: Figures 
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -29,6 +30,7 @@ import torch
 from app.engine.batching.batcher import Batcher
 from app.engine.batching.types import BackgroundJob, BatcherClosed, BatcherError, BatchResult, BatchRun, DeadlineExpired
 from app.engine.decoding.decoders import Prepared
+from app.engine.decoding.device import Encoded
 from app.engine.rollouts.evidence import Comparison
 from app.engine.loaded.version import LoadedVersion
 from app.errors import ServiceError
@@ -54,7 +56,7 @@ class ShadowJob:
     live_labels: list[str]
     live_rows: torch.Tensor  # (N, classes) probabilities the live version answered
     live_ms: list[float]  # the live forward time per image
-    images: Sequence[bytes]  # encoded, when the candidate decodes them itself
+    images: Sequence[bytes]  # encoded (its own: ``_owned``), when the candidate decodes them itself
     prepared: Sequence[Prepared]  # the live version's, when the candidate takes them as they are
     deadline: float
     live: LoadedVersion  # the version that answered (whose batcher runs this job)
@@ -167,6 +169,17 @@ class _Handover:
             job.drop(reason)
 
 
+def _owned(item: Any) -> Any:
+    """An image the job keeps (encoded, or waiting for its device decode) as its own bytes when the engine's loop
+    link lent it (a view of the worker's arena, app/link/arena.py): a job waits behind the live version's work, and
+    the worker's ring is held from its place on until it lets go; anything else as it is."""
+    if isinstance(item, memoryview):
+        return bytes(item)
+    if isinstance(item, Encoded) and isinstance(item.data, memoryview):
+        return dataclasses.replace(item, data=bytes(item.data))
+    return item
+
+
 def offer(live: LoadedVersion, candidate: LoadedVersion, comparison: Comparison, images: Sequence[bytes],
           tensors: Sequence[torch.Tensor], prepared: Sequence[Prepared], values: Sequence[np.ndarray],
           runs: Sequence[BatchRun], max_age_s: float, queue_limit: int) -> None:
@@ -176,14 +189,16 @@ def offer(live: LoadedVersion, candidate: LoadedVersion, comparison: Comparison,
         classes = live.predictor.num_classes  # the probabilities: an embedding may follow them
         rows = torch.from_numpy(np.stack(values)[:, :classes])
         live_ms = [run.run_s * 1000 / run.batch_size for run in runs for _ in range(run.rows)]
-        job = ShadowJob(candidate, comparison, live.predictor.labels, rows, live_ms, images, (),
+        job = ShadowJob(candidate, comparison, live.predictor.labels, rows, live_ms, (), (),
                         time.monotonic() + max_age_s, live)
         if tensors:
             if tuple(tensors[0].shape) != tuple(candidate.predictor.manifest.preprocess.input_shape):
                 return job.drop("incompatible")
             job.prepared = list(tensors)
-        elif reuses_prepared(live, candidate):
-            job.prepared = list(prepared)
+        elif prepared and reuses_prepared(live, candidate):
+            job.prepared = [_owned(item) for item in prepared]
+        else:
+            job.images = [_owned(data) for data in images]
         refused = live.batcher.submit_background(job, queue_limit)
         if refused is not None:
             job.drop(refused)
