@@ -9,11 +9,11 @@ The arena is a ring. The worker places each request's images after the last ones
 front when the end has no room. The engine lends a request's images to whatever reads them (views of one array on
 its mapping) and tells the worker, with the next answers it sends on the connection (``Answers.released``), each
 request whose views are all gone: once it is decoded (on the CPU; on a device, once its batch is), cancelled (its
-images dropped from the queue), or ended (the engine's loop lets go of an ended request's images and of its error's tracebacks, which hold the frames
-that read them: garbage collection would otherwise free them when it comes round; a rollout's shadow share copies
-what it keeps). The worker frees a place once its request is released, and its ring from the oldest place on, so a
-place held long leaves the ring full behind it: whatever finds no room (a burst, a request larger than the arena, or
-a ring behind a place still held) goes through the socket as before. The two
+images dropped from the queue), or ended (the engine's loop lets go of an ended request's images and of its error's
+tracebacks, which hold the frames that read them: garbage collection would otherwise free them when it comes round;
+a rollout's shadow share copies what it keeps). The worker frees a place once its request is released, and its
+ring from the oldest place on, so a place held long leaves the ring full behind it: whatever finds no room (a burst,
+a request larger than the arena, or a ring behind a place still held) goes through the socket as before. The two
 processes share no lock and no counter: the frames that carry the places and the releases order the writes and the
 reads.
 

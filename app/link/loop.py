@@ -75,10 +75,6 @@ def _parsed_alike(message: wire.Infer, answering: Signature) -> None:
                         f"{answering.version} takes {list(answering.input_shape)}; send it again")
 
 
-def _nothing() -> None:
-    """What is posted to wake the loop alone."""
-
-
 def _without_frames(error: BaseException | None) -> None:
     """``error``'s tracebacks (its own, its cause's and its context's) let go: an ended request's error is answered
     by its type and words, and a traceback holds the frames that raised it, which hold the request (its photos, in
@@ -380,6 +376,10 @@ class EngineServer:
             work()
             return
         self._posted.append(work)
+        self._wake()
+
+    def _wake(self) -> None:
+        """The loop woken from its wait, to take what was posted or let go of before this call."""
         if self._wake_sent:  # the loop will take this with what is already posted: one wake-up for all of them
             return
         self._wake_sent = True
@@ -391,12 +391,8 @@ class EngineServer:
         thread (a decode thread's, a batch's), or on the loop while it waits (a garbage collection that came round
         after ``_wait_s`` looked), the loop woken to tell the worker; on the loop otherwise, told before it waits
         (``_wait_s``)."""
-        if threading.get_ident() != self._loop_thread:
-            self._post(_nothing)
-        elif self._waiting and not self._wake_sent:
-            self._wake_sent = True
-            with contextlib.suppress(BlockingIOError):  # a full wake-up socket already wakes the loop
-                self._wake_write.send(b"\0")
+        if self._waiting or threading.get_ident() != self._loop_thread:
+            self._wake()
 
     def _woken(self) -> None:
         with contextlib.suppress(BlockingIOError):
