@@ -149,6 +149,15 @@ class Increments:
         for index, count in Tally(bisect.bisect_left(bounds, value) for value in values if value == value).items():
             pairs.append((buckets[index], count))
 
+    def observe_times(self, histogram: Histogram, value: float, times: int) -> None:
+        """``histogram.observe(value)`` ``times`` times (a labelled child): its bucket and its sum once each."""
+        if times < 1:
+            return
+        histogram._raise_if_not_observable()
+        self._pairs.append((histogram._sum, value * times))
+        if value == value:  # (NaN: in the sum alone, as observe() adds it)
+            self._pairs.append((histogram._buckets[bisect.bisect_left(histogram._upper_bounds, value)], times))
+
     def write(self) -> None:
         """Everything added since the last write, written."""
         pairs, self._pairs = self._pairs, []

@@ -160,18 +160,20 @@ class MappedArena:
         """Request ``ident``'s images at ``placed`` (each (offset, length)), each a view of the arena where it lies,
         nothing copied: ``ident`` joins ``released`` once every view of them (and whatever was made on them: a
         tensor, an array) is gone. ArenaError when one lies outside the arena."""
+        start, end = self.size, 0  # what they span
         for offset, length in placed:
             if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset
                     and 0 <= length <= self.size - offset):  # (an empty image: the decode says what is wrong)
                 raise ArenaError(f"an image at {offset!r} of {length!r} bytes in an arena of {self.size}")
+            start, end = min(start, offset), max(end, offset + length)
         if not placed:
             return []
-        start = min(offset for offset, _ in placed)
-        end = max(offset + length for offset, length in placed)
         whole = np.frombuffer(self._map, np.uint8, end - start, start)  # (numpy's: an owner a weak reference sees)
         lending = next(self._lendings)
         self._lent[lending] = weakref.ref(whole, functools.partial(self._let_go, lending, ident))
         view = memoryview(whole)  # (each slice holds the array: released once the last one goes)
+        if len(placed) == 1:  # (one image: the whole span)
+            return [view]
         return [view[offset - start:offset - start + length] for offset, length in placed]
 
     def _let_go(self, lending: int, ident: int, _: object) -> None:

@@ -219,6 +219,38 @@ def _bundles(message: wire.Infer, segments: list[wire.Segment]) -> bool:
     return len(segments) == 1 and not any(message.names)
 
 
+def _alike(turn: list[tuple[Any, wire.Infer, list[wire.Segment], int | None]]) -> dict[object, list[int]]:
+    """A turn's requests by what they have alike (model, version, client key, pixels or images), each by its place
+    in the turn; those of the shared connections alike to the last detail, one image each (``_bundles``), under a key
+    of their own (its first item ``_BUNDLE``). Alike requests of a connection share their message (``Infers.split``):
+    their key is made once. A request whose fields make no key (no hash, no truth value: none an HTTP worker sends)
+    is alone, under its place."""
+    alike: dict[object, list[int]] = {}
+    seen: wire.Infer | None = None  # the last message looked at, and the lists its requests go in, once found
+    together: list[int] | None = None
+    bundled: list[int] | None = None
+    for at, (_, message, segments, ident) in enumerate(turn):
+        try:
+            if message is not seen:
+                seen, together, bundled = message, None, None
+            if ident is not None and _bundles(message, segments):  # (all that makes its answer)
+                if bundled is None:
+                    bundled = alike.setdefault((_BUNDLE, (message.model, message.version, message.client_key,
+                                                          bool(message.tensors)), message.timeout_s,
+                                                message.parsed_version, message.parsed_shape, message.tensors,
+                                                message.embedding), [])
+                bundled.append(at)
+            else:
+                if together is None:
+                    together = alike.setdefault((message.model, message.version, message.client_key,
+                                                 bool(message.tensors)), [])
+                together.append(at)
+        except Exception:  # noqa: BLE001 - admitted alone, as its checks judge
+            seen = None
+            alike[at] = [at]
+    return alike
+
+
 class EngineServer:
     """Serves one engine's ``Service`` to the HTTP workers' connections from one event loop: every connection is
     watched by one selector, a request's images are queued without a thread waiting on them, and the answers of a
@@ -729,16 +761,7 @@ class EngineServer:
             except Exception as exc:  # noqa: BLE001 - every failure is answered, never a dropped connection
                 admission = exc
             return [self._admit(*turn[0], admission)]
-        alike: dict[object, list[int]] = {}
-        for at, (conn, message, segments, ident) in enumerate(turn):
-            try:
-                key: object = (message.model, message.version, message.client_key, bool(message.tensors))
-                if ident is not None and _bundles(message, segments):  # (all that makes its answer)
-                    key = (_BUNDLE, key, message.timeout_s, message.parsed_version, message.parsed_shape,
-                           message.tensors, message.embedding)
-                alike.setdefault(key, []).append(at)
-            except Exception:  # noqa: BLE001 - a field no HTTP worker sends (no hash, no truth value): admitted
-                alike[at] = [at]  # alone, as its checks judge
+        alike = _alike(turn)
         admissions: list[Admission | BaseException | None] = [None] * len(turn)
         bundles: dict[int, list[int]] = {}  # a bundle's requests, by the first one's place
         for key, ats in alike.items():
@@ -796,8 +819,10 @@ class EngineServer:
                     inputs = segments, []
                 elif len(segments[0]) == layout.nbytes:
                     conn.unadmitted.discard(ident)  # type: ignore[arg-type]
-                    with contextlib.suppress(Exception):  # (unforeseen: never the loop's end, checked alone below)
+                    try:
                         inputs = [], [np.ndarray(layout.shape, layout.dtype, segments[0])]
+                    except Exception:  # noqa: BLE001 - unforeseen: never the loop's end, checked alone below
+                        pass
             if inputs is None:  # answered, or counted as gone, one by one
                 inputs = self._checked(*read, admission)
                 if inputs is None:

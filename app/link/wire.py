@@ -182,11 +182,16 @@ class Infers(_Message):
         if not len(self.ids) == len(self.requests) == len(self.counts) or sum(self.counts) != len(segments):
             raise EngineGone(f"{len(self.ids)} requests of {sum(self.counts)} segments came with {len(segments)}")
         split, at = [], 0
+        read: tuple[Any, ...] | None = None  # the fields of the last Infer made: alike requests' are one object
+        message: Infer | None = None  # (``infers``), so they share one Infer
         for ident, fields, count in zip(self.ids, self.requests, self.counts):
-            try:
-                split.append((ident, Infer(*fields), segments[at:at + count]))
-            except TypeError as exc:
-                raise EngineGone(f"a request that is no Infer: {exc}") from None
+            if fields is not read:
+                try:
+                    message = Infer(*fields)
+                except TypeError as exc:
+                    raise EngineGone(f"a request that is no Infer: {exc}") from None
+                read = fields
+            split.append((ident, message, segments[at:at + count]))
             at += count
         for index, images in self.placed:
             if arena is None:
@@ -206,7 +211,8 @@ def infers(requests: Sequence[tuple[int, Infer, Sequence[bytes | memoryview]]], 
     placed: list[tuple[int, tuple[tuple[int, int], ...]]] = []
     segments: list[bytes | memoryview] = []
     counts: list[int] = []
-    for index, (ident, _, its_segments) in enumerate(requests):
+    requests_fields: list[tuple[Any, ...]] = []
+    for index, (ident, message, its_segments) in enumerate(requests):
         where = arena.place(ident, its_segments) if arena is not None and its_segments else None
         if where is None:
             segments += its_segments
@@ -214,8 +220,16 @@ def infers(requests: Sequence[tuple[int, Infer, Sequence[bytes | memoryview]]], 
         else:
             placed.append((index, where))
             counts.append(0)
-    return (Infers(tuple([ident for ident, _, _ in requests]), tuple([fields(message) for _, message, _ in requests]),
-                   tuple(counts), tuple(placed)), segments)
+        these = fields(message)
+        if requests_fields:
+            try:  # alike to the one before, as a turn's requests most often are: one object, pickled once
+                if these == requests_fields[-1]:  # (pickle's memo) and read as one Infer (``Infers.split``)
+                    these = requests_fields[-1]
+            except Exception:  # noqa: BLE001 - fields that do not compare (no truth value): sent as they are, for
+                pass  # the engine to judge
+        requests_fields.append(these)
+    return Infers(tuple([ident for ident, _, _ in requests]), tuple(requests_fields), tuple(counts),
+                  tuple(placed)), segments
 
 
 @dataclass(slots=True)

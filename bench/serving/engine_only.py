@@ -550,8 +550,9 @@ def _engine(checkout: Path, serve_args: list[str], device: str, wrapper: Sequenc
 def count(checkout: Path, sock: Path, form: str, requests: int, engine: int, burst: int = 1,
           clients: str = "loop", links: int = LINKS) -> None:
     """``instructions``' client: requests of ``form`` ``burst`` at a time, each on a connection of its own (the
-    checkout's wire; ``clients`` "messages": on ``links`` connections, several a message), the next ones once every
-    one is answered; a warm-up first; the engine's count zeroed before the measured ones and dumped after them."""
+    checkout's wire; ``clients`` "messages": on ``links`` connections, several a message, photos placed in each
+    connection's arena as ``_drive_messages`` places them), the next ones once every one is answered; a warm-up
+    first; the engine's count zeroed before the measured ones and dumped after them."""
     from bench.serving.callgrind import callgrind_control  # this checkout's (before the other's is on the path)
 
     _import_from(checkout)
@@ -567,18 +568,21 @@ def count(checkout: Path, sock: Path, form: str, requests: int, engine: int, bur
     for conn in conns:
         wire.say_hello(conn)
     readers = [wire.FrameReader(conn, (wire.Answers,)) for conn in conns] if messages else []
+    arenas = [_offered_arena(wire, conn) for conn in conns] if messages else []  # photos placed as loop links do
     ids = itertools.count(1)
 
     def send_messages(total: int) -> None:
         for start in range(0, total, burst):
             shares = [burst // len(conns) + (index < burst % len(conns)) for index in range(len(conns))]
-            for conn, share in zip(conns, shares):
-                wire.send(conn, *wire.infers([(next(ids), *made[(start + index) % len(made)])
-                                              for index in range(share)]))
-            for reader, share in zip(readers, shares):
+            for conn, share, arena in zip(conns, shares, arenas):
+                taken = [(next(ids), *made[(start + index) % len(made)]) for index in range(share)]
+                wire.send(conn, *(wire.infers(taken, arena) if arena is not None else wire.infers(taken)))
+            for reader, share, arena in zip(readers, shares, arenas):
                 answered = 0
                 while answered < share:
                     for answers, _ in reader.read():
+                        if arena is not None:
+                            _free_places(arena, answers)
                         answered += len(answers.ids)
                         failed = [answer.error for answer in answers.answers if answer.error is not None]
                         if failed:

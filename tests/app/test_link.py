@@ -220,6 +220,32 @@ def test_a_bundle_s_answers_cross_with_one_head_pickled_once_and_read_once(monke
                                                                           sent.started_ns)
 
 
+def test_alike_requests_of_one_message_cross_as_one_infer_and_others_as_their_own() -> None:
+    # Requests alike (every field equal, made apart) carry one fields object, pickled once, and the engine reads
+    # them as one Infer; a request of other fields between them has its own, and each comes out as it went
+    def infer(timeout_s: float) -> wire.Infer:
+        return wire.Infer(str("colour"), None, None, timeout_s, "1", (3, 8, 8), names=(None,),
+                          tensors=(("<f4", (1, 3, 8, 8)),))
+
+    sent = [infer(5.0), infer(5.0), infer(2.5), infer(5.0), infer(5.0)]
+    requests = [(ident, message, [_one_colour(0)]) for ident, message in enumerate(sent, start=1)]
+    message, segments = wire.infers(requests)
+    assert message.requests[0] is message.requests[1] and message.requests[3] is message.requests[4]
+    assert message.requests[2] is not message.requests[1] and message.requests[3] is not message.requests[1]
+    alone = wire.frame(wire.Infers(message.ids, tuple(tuple(list(fields)) for fields in message.requests),
+                                   message.counts))
+    assert len(wire.frame(message)) < len(alone)  # the repeats pickle as references to the first
+    left, right = _pair()
+    with left, right:
+        wire.send(left, message, segments)
+        [(read, read_segments)] = wire.FrameReader(right, wire.REQUESTS).read()
+    split = read.split(read_segments)
+    assert [ident for ident, _, _ in split] == [1, 2, 3, 4, 5] and [m for _, m, _ in split] == sent
+    infers = [m for _, m, _ in split]
+    assert infers[0] is infers[1] and infers[3] is infers[4] and len({id(m) for m in infers}) == 3
+    assert all(bytes(its[0]) == _one_colour(0) for _, _, its in split)
+
+
 def test_answers_whose_rows_are_no_array_frame_after_a_bundle_s_as_alone() -> None:
     # A head is looked at for sharing once the rows are as they cross: rows of another kind after a bundle's answer
     # (a list, or columns of a batch) cross as a copy, as alone

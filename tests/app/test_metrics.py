@@ -264,6 +264,8 @@ def test_increments_written_together_land_as_one_by_one_in_the_multiprocess_file
         for value in values:
             histograms["one"].labels("a").observe(value)
         histograms["one"].labels("b").observe(0.3)
+        for value in (0.2, 0.2, 0.2, 1.0, 1.0):  # one value many times (a bundle's decode stage)
+            histograms["one"].labels("c").observe(value)
 
     def together() -> None:
         writes = metrics.Increments()
@@ -272,6 +274,9 @@ def test_increments_written_together_land_as_one_by_one_in_the_multiprocess_file
         writes.observe(histograms["many"].labels("a"), values)
         writes.observe(histograms["many"].labels("b"), [0.3])
         writes.observe(histograms["many"].labels("b"), [])
+        writes.observe_times(histograms["many"].labels("c"), 0.2, 3)
+        writes.observe_times(histograms["many"].labels("c"), 1.0, 2)  # on a bucket's bound: in that bucket
+        writes.observe_times(histograms["many"].labels("c"), 0.7, 0)
         writes.write()
         writes.write()  # nothing left: writes nothing more
 

@@ -246,6 +246,23 @@ def test_a_batch_may_mix_encoded_images_and_preprocessed_pixels(predictor) -> No
     assert probabilities.argmax(dim=1).tolist() == [2, 0]  # blue, red: in their order
 
 
+@pytest.mark.parametrize("pixels_first", [False, True])
+def test_the_tensor_path_batches_photos_decoded_here_with_a_client_s_pixels(predictor, pixels_first: bool  # noqa: ANN001
+                                                                             ) -> None:
+    # the tensor path's batch stacks decoded tensors as they are, and a client's pixels (arrays) among them too
+    from app.engine.loaded.version import decoder_of
+
+    decoder = decoder_of("tensor", predictor, LIMITS)
+    red_pixels = predictor.tensor_transform(decode_tensor(image_bytes(RED), LIMITS)).numpy()
+    photos = [decoder.prepare(image_bytes(BLUE)), decoder.prepare(image_bytes(RED))]
+    items = [red_pixels, *photos] if pixels_first else [*photos, red_pixels]
+    batch = decoder.collate(items)
+    assert batch.shape == (3, *red_pixels.shape) and batch.dtype == torch.float32
+    for row, item in zip(batch, items):
+        assert torch.equal(row, torch.as_tensor(item))
+    assert torch.equal(decoder.collate(photos), torch.stack(photos))  # photos alone
+
+
 def _turned_photos() -> list[bytes]:
     """A non-square photo with each EXIF orientation (0: none; 9: not an orientation, left as stored)."""
     astronaut = Image.fromarray(np.asarray(skimage.data.astronaut())[:300, :200])

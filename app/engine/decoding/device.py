@@ -82,7 +82,10 @@ def stack_pixels(items: Sequence[torch.Tensor | np.ndarray]) -> torch.Tensor:
     else every row made a tensor and stacked."""
     if all(isinstance(item, np.ndarray) for item in items):  # one shape (the model's input): np.array stacks them
         return torch.from_numpy(np.array(items))  # in half np.stack's time for small rows
-    return torch.stack([torch.as_tensor(item) for item in items])
+    try:
+        return torch.stack(items)  # type: ignore[arg-type]  # (decoded here: tensors, stacked as they are)
+    except TypeError:  # arrays among them (a client's pixels beside photos decoded here)
+        return torch.stack([torch.as_tensor(item) for item in items])
 
 
 def collate_on_device(items: Sequence[Encoded | torch.Tensor | np.ndarray], device: torch.device,
