@@ -193,13 +193,15 @@ class _Exchange:
 
 class _Part:
     """One request of a bundle (requests alike of the shared connections, one image each, run as one exchange under
-    one admission that stands for all of them, with the first one's message): its connection and id there, its image
-    (its row of pixels, or its encoded image: ``images``), and whether its client left (it is then ended already)."""
+    one admission that stands for all of them, with the first one's message): its connection and id there, its own
+    message (its file name: what it runs with apart), its image (its row of pixels, or its encoded image:
+    ``images``), and whether its client left (it is then ended already)."""
 
-    __slots__ = ("conn", "ident", "rows", "images", "cancelled")
+    __slots__ = ("conn", "ident", "message", "rows", "images", "cancelled")
 
-    def __init__(self, conn: _Connection, ident: int, rows: list[np.ndarray], images: list[wire.Segment]) -> None:
-        self.conn, self.ident, self.rows, self.images = conn, ident, rows, images
+    def __init__(self, conn: _Connection, ident: int, message: wire.Infer, rows: list[np.ndarray],
+                 images: list[wire.Segment]) -> None:
+        self.conn, self.ident, self.message, self.rows, self.images = conn, ident, message, rows, images
         self.cancelled = False
 
 
@@ -212,11 +214,11 @@ _BUNDLE = object()  # the first of a turn's key for requests that may run as a b
 
 def _bundles(message: wire.Infer, segments: list[wire.Segment]) -> bool:
     """Whether a shared connection's request may run in a bundle with others alike: one image, of pixels, or
-    encoded (where the CPU decodes them, bundles of a hand-off's decoding at most: ``DecodeShares.runs``), no file
-    name (its errors name no image)."""
+    encoded (where the CPU decodes them, bundles of a hand-off's decoding at most: ``DecodeShares.runs``), named or
+    not (a multipart file's name: an error about its image runs it apart, with its own message: ``_run_apart``)."""
     if message.tensors:
-        return len(message.tensors) == 1 and message.tensors[0][1][0] == 1 and not any(message.names)
-    return len(segments) == 1 and not any(message.names)
+        return len(message.tensors) == 1 and message.tensors[0][1][0] == 1
+    return len(segments) == 1
 
 
 def _alike(turn: list[tuple[Any, wire.Infer, list[wire.Segment], int | None]]) -> dict[object, list[int]]:
@@ -829,7 +831,7 @@ class EngineServer:
                     continue
                 if first is None:
                     first = read[1], inputs[1][0] if inputs[1] else None
-            parts.append(_Part(conn, ident, inputs[1], inputs[0]))  # type: ignore[arg-type]
+            parts.append(_Part(conn, ident, read[1], inputs[1], inputs[0]))  # type: ignore[arg-type]
             images += inputs[0]
             rows += inputs[1]
         if first is None:
@@ -1113,7 +1115,7 @@ class EngineServer:
         apart = []
         for part in parts:
             if not part.cancelled:
-                alone = _Exchange(part.conn, exchange.admission.apart(), exchange.message, part.images, part.rows,
+                alone = _Exchange(part.conn, exchange.admission.apart(), part.message, part.images, part.rows,
                                   part.ident)
                 alone.arrived = exchange.arrived
                 part.conn.exchanges[part.ident] = alone  # type: ignore[index]

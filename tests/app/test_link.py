@@ -866,6 +866,39 @@ def test_on_the_device_path_a_shared_connection_s_alike_one_photo_requests_run_a
     wait_until(lambda: _outcome_counts(link)["ok"] == before["ok"] + 8 and _all_let_go(link))  # each a request
 
 
+def _named_photos_together(conn: socket.socket, images: dict[int, tuple[str, bytes]]) -> None:
+    """Photos each sent as a multipart file is (its name beside it), one request each, in one message."""
+    wire.send(conn, *wire.infers([(ident, wire.Infer("colour", None, None, 5.0, "1", (3, 8, 8), names=(name,)),
+                                   [image]) for ident, (name, image) in images.items()]))
+
+
+@pytest.mark.parametrize("path", ["tensor", "device"])
+def test_named_photos_run_as_one_bundle_and_a_bad_one_is_answered_apart_under_its_own_name(
+        path: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: a request whose photo had a file name (every multipart one) ran as a request of its own, never in a
+    # bundle (its error must name its own file); now it runs in one, and an error about its photo runs it apart
+    # with its own message: the error names its file, not the bundle's first
+    served: Link = request.getfixturevalue("link" if path == "tensor" else "device_link")
+    if path == "tensor":
+        served.server.decode_shares.s_per_byte = HAND_OFF_S / 10_000_000  # one bundle, on the loop
+    bundles, before, conn, reader = _watched_shared_connection(served, monkeypatch)
+    with conn:
+        _named_photos_together(conn, {1: ("red.jpg", image_bytes(RED)), 2: ("blue.jpg", image_bytes(BLUE)),
+                                      3: ("red2.jpg", image_bytes(RED))})
+        answers = _answers_by_id(reader, 3)
+        assert [int(answers[ident].value.rows.argmax()) for ident in (1, 2, 3)] == [0, 2, 0]
+        assert bundles == [3]
+        _named_photos_together(conn, {4: ("first.jpg", image_bytes(RED)), 5: ("bad.jpg", b"\xff\xd8 no jpeg"),
+                                      6: ("last.jpg", image_bytes(BLUE))})
+        answers = _answers_by_id(reader, 3)
+    error = answers[5].error
+    assert error is not None and error.status == 400 and "bad.jpg" in error.message and "first.jpg" not in \
+        error.message
+    assert int(answers[4].value.rows.argmax()) == 0 and int(answers[6].value.rows.argmax()) == 2
+    assert bundles == [3]  # (the second ran apart)
+    wait_until(lambda: _outcome_counts(served)["ok"] == before["ok"] + 5 and _all_let_go(served))
+
+
 def _decodes() -> float:
     return REGISTRY.get_sample_value("visionserve_stage_duration_seconds_count", {"stage": "decode"}) or 0.0
 
