@@ -162,6 +162,9 @@ Segment = bytearray | memoryview  # an Infer's image or stack of pixels in the e
 # or a view of its connection's arena where the worker placed it (``MappedArena.lent``)
 
 
+_NO_FIELDS = object()  # ``Infers.split``'s fields read before the first request's (no fields a peer sends are it)
+
+
 @dataclass(slots=True)
 class Infers(_Message):
     """Several requests in one message, each an ``Infer``'s fields (``requests``) under its id (``ids``), the frame's
@@ -182,8 +185,8 @@ class Infers(_Message):
         if not len(self.ids) == len(self.requests) == len(self.counts) or sum(self.counts) != len(segments):
             raise EngineGone(f"{len(self.ids)} requests of {sum(self.counts)} segments came with {len(segments)}")
         split, at = [], 0
-        read: tuple[Any, ...] | None = None  # the fields of the last Infer made: alike requests' are one object
-        message: Infer | None = None  # (``infers``), so they share one Infer
+        read: object = _NO_FIELDS  # the fields of the last Infer made: alike requests' are one object (``infers``),
+        message: Infer | None = None  # so they share one Infer
         for ident, fields, count in zip(self.ids, self.requests, self.counts):
             if fields is not read:
                 try:

@@ -244,6 +244,10 @@ def test_alike_requests_of_one_message_cross_as_one_infer_and_others_as_their_ow
     infers = [m for _, m, _ in split]
     assert infers[0] is infers[1] and infers[3] is infers[4] and len({id(m) for m in infers}) == 3
     assert all(bytes(its[0]) == _one_colour(0) for _, _, its in split)
+    for fields in (None, ()):  # what makes no Infer, first or after one that does: the stream cannot go on
+        for requests in ((fields,), (message.requests[0], fields)):
+            with pytest.raises(wire.EngineGone):
+                wire.Infers(tuple(range(len(requests))), requests, (0,) * len(requests)).split([])
 
 
 def test_answers_whose_rows_are_no_array_frame_after_a_bundle_s_as_alone() -> None:
