@@ -138,14 +138,13 @@ class Increments:
         """``histogram.observe`` of each of ``values`` (a labelled child)."""
         if not values:
             return
+        if len(values) == 1:
+            self.observe_times(histogram, values[0], 1)
+            return
         histogram._raise_if_not_observable()
         bounds, buckets, pairs = histogram._upper_bounds, histogram._buckets, self._pairs
         pairs.append((histogram._sum, sum(values)))  # as observe() adds them: inf and -inf make NaN, no exception
         # NaN is below no bound: observe() adds it to the sum and to no bucket
-        if len(values) == 1:
-            if values[0] == values[0]:
-                pairs.append((buckets[bisect.bisect_left(bounds, values[0])], 1))
-            return
         for index, count in Tally(bisect.bisect_left(bounds, value) for value in values if value == value).items():
             pairs.append((buckets[index], count))
 

@@ -275,8 +275,8 @@ class Batcher(Generic[In, Out]):
         ``run_queued`` runs them or wakes it."""
         now = time.monotonic()
         group: Group[Out] = Group(len(items), self._dropped_unrun, self._failed_unrun)
-        group.queued = [_Pending(item, None, now, deadline, group, index) for index, item in enumerate(items)]
-        self._queue_pending(group.queued, deadline, inline and not defer, now, wake=not defer)  # type: ignore[arg-type]
+        self._queue_pending(_entries(group, items, now, deadline), deadline, inline and not defer, now,  # type: ignore
+                            wake=not defer)
         return group
 
     def submit_groups(self, requests: Sequence[tuple[Sequence[In], float | None]]) -> list["Group[Out] | Exception"]:
@@ -300,13 +300,7 @@ class Batcher(Generic[In, Out]):
                     answers.append(exc)
                     continue
                 group: Group[Out] = Group(len(items), dropped_unrun, failed_unrun)
-                if len(items) == 1:  # (most requests: one image)
-                    group.queued = (entry := _Pending(items[0], None, now, deadline, group, 0),)
-                    queue.append(entry)
-                else:
-                    group.queued = [_Pending(item, None, now, deadline, group, index)
-                                    for index, item in enumerate(items)]
-                    queue.extend(group.queued)
+                queue.extend(_entries(group, items, now, deadline))
                 self._live += len(items)
                 answers.append(group)
             if low:
@@ -962,6 +956,13 @@ class Batcher(Generic[In, Out]):
             rows = (outputs[first],) if end == first + 1 else outputs[first:end]
             group.set_rows(item.index, rows, BatchRun(end - first, batch_id, size, queued[first], run_s))
             first = end
+
+
+def _entries(group: Group[Any], items: Sequence[In], now: float, deadline: float | None) -> Sequence[_Pending[In]]:
+    """``items`` as the queue's entries of ``group``, kept on it (``Group.queued``: a cancel lets go of them)."""
+    group.queued = ((_Pending(items[0], None, now, deadline, group, 0),) if len(items) == 1 else  # (most requests)
+                    [_Pending(item, None, now, deadline, group, index) for index, item in enumerate(items)])
+    return group.queued
 
 
 def _ms(seconds: float) -> str:
