@@ -358,8 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--warmup", type=float, default=1.0)
     parser.add_argument("--rounds", type=int, default=1,
-                        help="server starts per server (medians over them; every other round starts them in reverse "
-                        "order after the unit)")
+                        help="server starts per server (medians over them; every other round starts them, and measures "
+                        "each one's forms, in reverse order, the unit first)")
     parser.add_argument("--workers", type=int, default=2, help="HTTP workers of every server")
     parser.add_argument("--device", default="cpu", help="visionserve's DEVICE (the engine's, in process mode)")
     parser.add_argument("--max-batch-size", type=int, default=engine_only.GPU_BATCH_CEILING,
@@ -388,7 +388,9 @@ def main(argv: list[str] | None = None) -> int:
             for server, start in order:
                 running = start().wait_ready()
                 try:
-                    for form in forms_for(server, every, args.forms):
+                    # the forms too: a server's second form ran up to 10% dearer than the same work first (its
+                    # decoding and forward passes alike, 2026-12-03), so no form is always measured first
+                    for form in forms_for(server, every, args.forms)[::-1 if round_index % 2 else 1]:
                         for concurrency in args.concurrency:
                             point = measure(server, running, form, concurrency, args.seconds, args.warmup)
                             rounds[(server, form.name, concurrency)].append(point)
