@@ -447,15 +447,29 @@ class ClientSocket(socket.socket):
     progress. An answer's head (gunicorn writes it apart, as its first write) is held and goes out with the answer's
     first piece of body, in one send (``answer_begins``, ``answer_ends``)."""
 
-    __slots__ = ("answer_timeout_s", "body_held", "loop_writes", "unsent", "head_next", "head")
+    __slots__ = ("answer_timeout_s", "body_held", "loop_writes", "unsent", "head_next", "head", "stays_nonblocking")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.answer_timeout_s, self.body_held = ReadLimits.answer_timeout_s, False
+        self.stays_nonblocking = False  # while a request held whole runs on the loop (``_handle_one``)
         self.loop_writes = False  # a request thread leaves the rest of its answer to the worker's loop
         self.unsent: bytearray | None = None  # that rest, until the loop has written it
         self.head_next = False  # the next write is an answer's first: its head, held (``head``) for what follows
         self.head: bytes | None = None
+
+    def setblocking(self, flag: bool) -> None:
+        self.settimeout(None if flag else 0.0)  # (what socket.setblocking does, through the check below)
+
+    def settimeout(self, value: float | None) -> None:
+        """socket's, without the system call when the socket has that mode already, nor for a blocking mode asked for
+        while its request runs on the worker's loop (``stays_nonblocking``: gthread's ``handle`` sets the socket
+        blocking, its parser sets the timeout it found again, and its ``finish_request`` sets it non-blocking, three
+        calls of ioctl a request): such a request reads nothing from the socket (its body is held) and writes
+        without blocking, and a blocking read there would hold up the loop's every request."""
+        if value == self.gettimeout() or (self.stays_nonblocking and value != 0.0):
+            return
+        super().settimeout(value)
 
     def answer_begins(self) -> None:
         """The next write is an answer's first (gunicorn's head, or an error answer whole): held for the next."""
@@ -975,23 +989,26 @@ class BufferingWorker(LoopRequests, ThreadWorker):
             writing.conn.close()
 
     def _handle_one(self, conn: TConn) -> Any:
-        """In a request thread: give the parser what the loop read, then gthread's own handling."""
+        """In a request thread or a loop request: give the parser what the loop read, then gthread's own handling."""
         prefetched = getattr(conn, "prefetched", None)
+        sock = conn.sock
+        on_loop = sock.stays_nonblocking = bool(prefetched) and conn.body_held and waiting.on_loop() is not None
         if prefetched:
-            conn.prefetched = None  # (gthread's handle sets the socket blocking: its one system call here)
+            conn.prefetched = None
             conn.init()  # plain HTTP/1.1 (no TLS or HTTP/2 configured): only makes the parser
             if not isinstance(conn.parser.unreader, HeldUnreader):  # the connection's first request
                 conn.parser.unreader = HeldUnreader(conn.sock)
             conn.parser.unreader.unread_request(prefetched)
         else:  # a request gthread hands over itself (bytes its parser read ahead): its body may be on the socket
             _body_held(conn, False)
-        sock = conn.sock
         sock.answer_begins()
         try:
             return super().handle(conn)
         finally:  # an answer gthread gave after an error (its own, whole): the connection closes after it
             with contextlib.suppress(OSError):
                 sock.answer_ends()
+            if on_loop:
+                sock.stays_nonblocking = False
 
     def _keepalive_after(self, conn: TConn, keepalive: bool) -> bool:
         """Whether the connection serves another request, once its answer is written (a head held alone goes now:

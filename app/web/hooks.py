@@ -8,7 +8,7 @@ structured access-log line.
 from __future__ import annotations
 
 import logging
-import os
+import random
 import re
 import time
 from typing import Callable
@@ -24,6 +24,12 @@ from app.web.auth import OPEN_PATHS, check_api_key, is_page, key_forms, needs_ke
 access_log = logging.getLogger("visionserve.access")
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}\Z")  # \Z, not $: $ also matches before a final newline
+
+
+def new_request_id() -> str:
+    """A request's id: 128 random bits in hex from the process's generator, which random reseeds in each forked
+    worker (os.urandom took a system call a request)."""
+    return f"{random.getrandbits(128):032x}"
 
 
 def register_hooks(app: Flask, settings: Settings,
@@ -43,7 +49,7 @@ def register_hooks(app: Flask, settings: Settings,
         req, context = request._get_current_object(), g._get_current_object()  # not a proxy lookup per field
         # Keep a caller's id when it is sane, so logs can be joined across services; otherwise make one.
         incoming = req.headers.get("X-Request-ID", "")
-        context.request_id = incoming if _REQUEST_ID.match(incoming) else os.urandom(16).hex()
+        context.request_id = incoming if _REQUEST_ID.match(incoming) else new_request_id()
         context.started = time.perf_counter()
         context.log_fields = {"forwarded_for": req.headers.get("X-Forwarded-For")} if trust_forwarded_for else {}
         if preflight is not None and (answer := preflight(req)) is not None:

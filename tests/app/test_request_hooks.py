@@ -3,6 +3,9 @@ the bytes a client sent, and the access log's fields."""
 from __future__ import annotations
 
 import logging
+import os
+import re
+import select
 from typing import Any, Iterator
 
 import pytest
@@ -12,6 +15,7 @@ from app import EXTENSION_KEY
 from app.config import Settings
 from app.engine.loaded.predictor import Predictor
 from app.factory import create_app
+from app.web.hooks import new_request_id
 from tests.support.imaging import image_bytes
 
 
@@ -68,6 +72,26 @@ def test_a_request_id_that_is_not_sane_is_replaced(client: Any, sent: str) -> No
     answer = client.get("/healthz", environ_overrides={"HTTP_X_REQUEST_ID": sent})
     assert answer.status_code == 200
     assert answer.headers["X-Request-ID"] != sent and len(answer.headers["X-Request-ID"]) == 32
+
+
+def test_made_request_ids_are_128_random_bits_that_differ_by_request_and_in_each_forked_worker(client: Any) -> None:
+    made = [client.get("/healthz").headers["X-Request-ID"] for _ in range(64)]
+    assert len(set(made)) == len(made) and all(re.fullmatch(r"[0-9a-f]{32}", made_id) for made_id in made)
+    # gunicorn forks its workers: each draws from a generator of its own (random reseeds a forked child), not the
+    # same ids as its siblings
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # (the id alone: no app in a forked test process)
+        os.write(write_end, new_request_id().encode())
+        os._exit(0)
+    os.close(write_end)
+    try:
+        assert select.select([read_end], [], [], 10)[0], "the forked child wrote nothing"
+        childs = os.read(read_end, 64).decode()
+    finally:
+        os.close(read_end)
+        os.waitpid(child, 0)
+    assert childs != new_request_id() and re.fullmatch(r"[0-9a-f]{32}", childs)
 
 
 def test_refused_requests_log_the_trusted_forwarded_for(settings: Settings, predictor: Predictor,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -566,6 +567,39 @@ def test_an_answer_is_written_as_the_client_reads_it_and_a_client_that_reads_non
     while client.recv(1 << 20):  # what was sent, then the end: the connection was shut down
         pass
     answer.close()
+
+
+def test_a_client_socket_sets_only_a_mode_it_lacks_and_one_whose_request_runs_on_the_loop_stays_non_blocking(
+        sockets, monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.hosting.worker import ClientSocket
+
+    ours, _ = sockets
+    sock = ClientSocket(ours.family, ours.type, ours.proto, fileno=ours.detach())
+    set_in_kernel: list[float | None] = []  # each call that reaches socket's own settimeout (its ioctl)
+    real_settimeout = socket.socket.settimeout
+    monkeypatch.setattr(socket.socket, "settimeout",
+                        lambda self, value: (set_in_kernel.append(value), real_settimeout(self, value))[1])
+
+    def kernel_non_blocking() -> bool:
+        return bool(fcntl.fcntl(sock.fileno(), fcntl.F_GETFL) & os.O_NONBLOCK)
+
+    sock.setblocking(False)  # as gthread keeps a connection between requests
+    sock.setblocking(False)
+    sock.settimeout(0.0)
+    assert set_in_kernel == [0.0] and sock.gettimeout() == 0.0 and kernel_non_blocking()
+    sock.stays_nonblocking = True  # a request held whole runs on the loop: gthread's handle, its parser ask for more
+    for ask in (lambda: sock.setblocking(True), lambda: sock.settimeout(None), lambda: sock.settimeout(5.0)):
+        ask()
+        assert sock.gettimeout() == 0.0 and kernel_non_blocking()
+    assert set_in_kernel == [0.0]
+    with pytest.raises(BlockingIOError):
+        sock.recv(1)  # a read there never holds up the loop
+    sock.stays_nonblocking = False  # a request thread's: blocking, and a timeout, as asked
+    sock.setblocking(True)
+    assert sock.gettimeout() is None and not kernel_non_blocking()
+    sock.settimeout(2.0)
+    assert set_in_kernel == [0.0, None, 2.0] and sock.gettimeout() == 2.0
+    sock.close()
 
 
 @contextlib.contextmanager
