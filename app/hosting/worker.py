@@ -992,7 +992,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         """In a request thread or a loop request: give the parser what the loop read, then gthread's own handling."""
         prefetched = getattr(conn, "prefetched", None)
         sock = conn.sock
-        on_loop = sock.stays_nonblocking = bool(prefetched) and conn.body_held and waiting.on_loop() is not None
+        sock.stays_nonblocking = bool(prefetched) and conn.body_held and waiting.on_loop() is not None
         if prefetched:
             conn.prefetched = None
             conn.init()  # plain HTTP/1.1 (no TLS or HTTP/2 configured): only makes the parser
@@ -1007,8 +1007,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         finally:  # an answer gthread gave after an error (its own, whole): the connection closes after it
             with contextlib.suppress(OSError):
                 sock.answer_ends()
-            if on_loop:
-                sock.stays_nonblocking = False
+            sock.stays_nonblocking = False
 
     def _keepalive_after(self, conn: TConn, keepalive: bool) -> bool:
         """Whether the connection serves another request, once its answer is written (a head held alone goes now:
