@@ -452,15 +452,17 @@ def test_a_turn_s_requests_admitted_as_one_share_a_call_and_each_is_counted_as_i
 
 def test_a_turn_s_requests_queued_together_each_get_their_own_answer_whatever_another_s_refusal_raises(
         service: Service) -> None:
-    from fractions import Fraction
-
     from app.engine.call import queue_prepared
+
+    class Unformattable(float):  # a length the 504's message cannot format (a Fraction formats from Python 3.12 on)
+        def __format__(self, spec: str) -> str:
+            raise TypeError(f"no format {spec!r}")
 
     admitted = service.enter_many("colour", None, None, 3)
     calls = [admission.call for admission in admitted]  # type: ignore[union-attr]
     pixels = [torch.zeros(3, 8, 8)]
     requests = [calls[0].prepare((), pixels, timeout_s=5.0),  # a deadline past, of a length that does not
-                calls[1].prepare((), pixels, timeout_s=Fraction(1, 10), arrived=0.0),  # format as the 504 says
+                calls[1].prepare((), pixels, timeout_s=Unformattable(0.1), arrived=0.0),  # format as the 504 says
                 calls[2].prepare((), pixels, timeout_s=0.001, arrived=0.0)]  # past: the 504
     first, second, third = queue_prepared(calls, requests)
     assert first is requests[0] and first.group is not None  # type: ignore[union-attr]
