@@ -21,10 +21,11 @@ The unit, **one bare-Flask request**, is the bare app's CPU per request with the
 client, at the same C. The budget (issue #50): HTTP worker <= 1.5 units per one-image request; engine <= 0.1 unit
 per image at one image per request, <= 0.04 at 16, for everything but decode and the forward pass: the engine's
 figure in units is its CPU less its decoding's and its forward passes' (their CPU as visionserve's /metrics counts
-it, read around each point; the table shows all three). ``bare-wait`` is the same bare app sleeping before it
-answers: what the unit's request costs when it waits, as every request in process mode waits for its engine;
-``bare-gevent`` and ``bare-gevent-wait`` the same two under gunicorn's gevent worker (gevent installed by hand): what
-the wait costs a worker class without a thread hand-off (docs/performance.md).
+it, read around each point; the table shows all three); the budget is checked at each C measured. ``bare-wait`` is
+the same bare app sleeping before it answers: what the unit's request costs when it waits, as every request in
+process mode waits for its engine; ``bare-gevent`` and ``bare-gevent-wait`` the same two under gunicorn's gevent
+worker (gevent installed by hand): what the wait costs a worker class without a thread hand-off
+(docs/performance.md).
 ``--floor`` adds, for the V2 forms, the engine process alone (``bench.serving.engine_only --clients messages``: the
 requests on two connections, several a message, as two HTTP workers' loop links send them) and its floor (a loop with the same wire, model and answers, nothing else), their
 CPU beyond the forward pass in the same run's unit: what the engine's budget leaves beyond the least a Python engine
@@ -250,6 +251,17 @@ def verdict(points: list[Point], headline_c: int) -> list[str]:
     return lines
 
 
+def verdicts(points: list[Point], concurrencies: Sequence[int]) -> list[str]:
+    """``verdict`` at each concurrency measured, lowest first: the budget holds or not at each (a GPU host at its
+    rate has many requests in flight: docs/performance.md)."""
+    lines = []
+    for concurrency in sorted(set(concurrencies)):
+        found = verdict(points, concurrency)
+        if found:
+            lines += [f"At C={concurrency}:", *(f"- {line}" for line in found), ""]
+    return lines
+
+
 ENGINE_ALONE = ("engine alone", "floor")  # --floor's engines: this one without HTTP, and the floor
 AT_HEADLINE, AT_SERVED = "at the headline C", "at the served batches"  # --floor's client counts
 
@@ -416,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         f"on {'x'.join(map(str, INPUT))} inputs, {CLASSES} classes; JPEG bodies of {BODY_BYTES // 1000} KB (8x8 "
         "photos, padded).", "",
         "The unit, one bare-Flask request: " + ", ".join(f"C={c}: {u:.0f} us" for c, u in sorted(unit.items())),
-        "", table(points), "", f"At C={headline}:", *(f"- {line}" for line in verdict(points, headline)), "",
+        "", table(points), "", *verdicts(points, args.concurrency),
         *(alone_table(alone, unit.get(headline), headline) if alone else [])])
     print(report)
     if args.out:

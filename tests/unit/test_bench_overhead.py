@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from bench.serving.overhead import Point, forms, in_units
+from bench.serving.overhead import Point, forms, in_units, verdicts
 from bench.serving.tiny_work import BODY_BYTES, INPUT, padded_jpeg
 from models.image_decode import DecodeLimits, decode_tensor
 
@@ -54,6 +54,27 @@ def test_each_figure_is_in_the_unit_the_bare_app_measured_at_the_same_concurrenc
     assert points[3].http_units is None  # no unit measured at C=64: no figure in units
     # an engine that does not count its forward pass (another checkout's): beyond it unknown, not its whole CPU
     assert (points[4].http_units, points[4].engine_units) == (2.5, None)
+
+
+def test_the_budget_is_checked_at_every_concurrency_measured_each_in_its_own_unit() -> None:
+    def point(server: str, form: str, c: int, http: float, engine: float | None = None) -> Point:
+        return Point(server, form, 1, c, 1.0, 1.0, 1.0, 1.0, 0, http, engine, 0.0 if engine else None,
+                     10.0 if engine else None)
+
+    points = [point("bare", "jpeg", 64, 600.0), point("bare", "jpeg", 16, 500.0),
+              point("process", "jpeg", 16, 800.0, 70.0), point("process", "jpeg", 64, 840.0, 70.0),
+              point("process", "jpeg", 1, 900.0, 70.0)]  # no unit at C=1: nothing to check there
+    in_units(points)
+    lines = verdicts(points, [64, 16, 1, 16])
+    assert [line for line in lines if line.startswith("At C=")] == ["At C=16:", "At C=64:"]
+    at_16, at_64 = lines[:lines.index("At C=64:")], lines[lines.index("At C=64:"):]
+    # 800 / 500 = 1.6 units over the 1.5, 840 / 600 = 1.4 within; the engine's (70 - 10) / 500 and / 600
+    assert "- process: HTTP side per one-image request (raw): 1.600 units, budget 1.5 (OVER)" in at_16
+    assert "- process: HTTP side per one-image request (raw): 1.400 units, budget 1.5 (within)" in at_64
+    assert any(line.startswith("- process: engine per image beyond decode and forward, 1 per request: 0.120 units")
+               and line.endswith("(OVER)") for line in at_16)
+    assert any(line.startswith("- process: engine per image beyond decode and forward, 1 per request: 0.100 units")
+               and line.endswith("(within)") for line in at_64)
 
 
 def test_a_server_tree_s_cpu_counts_no_engine_that_restarted_in_between() -> None:
