@@ -336,14 +336,17 @@ class ServerSettings(SettingsGroup):
         "replays a CUDA graph (`CUDA_GRAPHS`: an eager pass would tune cuDNN's plans again on the loop's thread), "
         "off the default stream. The first batch of a version never runs there; 0 = never (docs/performance.md).")
     link_arena_mb: int = Field(
-        16, ge=0, le=4096, description="Under ENGINE=process: shared memory each HTTP worker's loop link to an "
+        64, ge=0, le=4096, description="Under ENGINE=process: shared memory each HTTP worker's loop link to an "
         "engine places its requests' photos in (a memfd handed to the engine), held from a request's send until "
         "the engine let go of it: the engine decodes a photo where it lies, so it crosses as one copy on the "
         "worker's side instead of through the socket's buffers (the engine's time per 100 KB photo beyond decode "
         "and forward: docs/performance.md). A request whose photos the engine holds long (queued on a device "
-        "behind long batches) holds the ring's later places too. Requests "
+        "behind long batches) holds the ring's later places too; a saturated server's queue holds many: 64 MB "
+        "holds 32 requests of 16 photos of 100 KB a worker (with 16 MB, 16-photo requests at C=64 on 2 workers "
+        "went through the socket: the engine's time per photo beyond decode and forward 1.6x). Requests "
         "that find no room, smaller than 16 KB in all, or sent apart from the loop go through the socket; 0 = "
-        "every image through the socket. Resident memory per worker and engine: up to this much.")
+        "every image through the socket. Memory: up to this much per HTTP worker once its ring has gone round "
+        "under load (its engine maps the same pages).")
     workers: int = Field(
         0, ge=0, description="gunicorn worker processes: under `ENGINE=inline` each loads its own model and "
         "batcher, under `ENGINE=process` they speak HTTP only. 0 = auto, said in the start-up log: on a CPU host "
