@@ -342,8 +342,9 @@ class ServerSettings(SettingsGroup):
         "worker's side instead of through the socket's buffers (the engine's time per 100 KB photo beyond decode "
         "and forward: docs/performance.md). A request whose photos the engine holds long (queued on a device "
         "behind long batches) holds the ring's later places too; a saturated server's queue holds many: 64 MB "
-        "holds about 40 requests of 16 photos of 100 KB a worker (with 16 MB, 16-photo requests at C=64 on 2 workers "
-        "went through the socket: the engine's time per photo beyond decode and forward 1.6x). Requests "
+        "holds about 40 requests of 16 photos of 100 KB a worker (at 16 MB, most photos of 16-photo requests at C=64 "
+        "on 2 workers went through the socket: the engine's time per photo beyond decode and forward 1.6x that at "
+        "64 MB). Requests "
         "that find no room, smaller than 16 KB in all, or sent apart from the loop go through the socket; 0 = "
         "every image through the socket. Memory: up to this much per HTTP worker once its ring has gone round "
         "under load (its engine maps the same pages).")
