@@ -18,14 +18,16 @@ budget is written for: MAX_BATCH_SIZE 32, its automatic value there (``--max-bat
 device: 8 on a CPU, where a 16-image request is two forward passes, each with its own steps).
 
 The unit, **one bare-Flask request**, is the bare app's CPU per request with the same one-image body and the same
-client, at the same C. The budget (issue #50): HTTP worker <= 1.5 units per one-image request; engine <= 0.1 unit
-per image at one image per request, <= 0.04 at 16, for everything but decode and the forward pass: the engine's
-figure in units is its CPU less its decoding's and its forward passes' (their CPU as visionserve's /metrics counts
-it, read around each point; the table shows all three); the budget is checked at each C measured. ``bare-wait`` is
-the same bare app sleeping before it answers: what the unit's request costs when it waits, as every request in
-process mode waits for its engine; ``bare-gevent`` and ``bare-gevent-wait`` the same two under gunicorn's gevent
-worker (gevent installed by hand): what the wait costs a worker class without a thread hand-off
-(docs/performance.md).
+client, at the same C, read just before each server starts and just after it stops (the bare app runs through the
+round): each of a server's points is in the mean of the two readings at its C, each round's in its own, so a slow
+spell of the machine weighs on a figure and its unit alike. The budget (issue #50): HTTP worker <= 1.5 units per
+one-image request; engine <= 0.1 unit per image at one image per request, <= 0.04 at 16, for everything but decode
+and the forward pass: the engine's figure in units is its CPU less its decoding's and its forward passes' (their CPU
+as visionserve's /metrics counts it, read around each point; the table shows all three); the budget is checked at
+each C measured. ``bare-wait`` is the same bare app sleeping before it answers: what the unit's request costs when
+it waits, as every request in process mode waits for its engine; ``bare-gevent`` and ``bare-gevent-wait`` the same
+two under gunicorn's gevent worker (gevent installed by hand): what the wait costs a worker class without a thread
+hand-off (docs/performance.md).
 ``--floor`` adds, for the V2 forms, the engine process alone (``bench.serving.engine_only --clients messages``: the
 requests on two connections, several a message, as two HTTP workers' loop links send them) and its floor (a loop with the same wire, model and answers, nothing else), their
 CPU beyond the forward pass in the same run's unit: what the engine's budget leaves beyond the least a Python engine
@@ -59,6 +61,7 @@ from harness.photos import multipart
 from harness.servers import ROOT, Running, free_port, visionserve
 
 RAMP_S = 0.5  # the measured call's clients run this long before its window
+UNIT_REWARM_S = 0.5  # the warm-up of the unit's later readings: its server answered the first reading's already
 BUDGET = {"http": 1.5, "engine_1": 0.1, "engine_16": 0.04}
 DECODE, FORWARD = "stage_cpu_seconds_total:decode", "stage_cpu_seconds_total:forward"  # as /metrics counts them
 
@@ -150,6 +153,7 @@ class Point:
     mean_batch: float | None = None  # images per forward pass (visionserve's /metrics)
     http_units: float | None = None
     engine_units: float | None = None  # the engine beyond its decoding and forward passes: what the budget counts
+    unit_us: float | None = None  # the unit its figures are in: the bare app's readings around its server's points
 
 
 def measure(server: str, running: Running, form: Form, concurrency: int, seconds: float, warmup: float) -> Point:
@@ -186,18 +190,33 @@ def measure(server: str, running: Running, form: Form, concurrency: int, seconds
                  forward_s * per_image if FORWARD in counted else None, batched / batches if batches else None)
 
 
-def in_units(points: list[Point]) -> dict[int, float]:
-    """Each point's CPU in bare-Flask requests (the bare app's HTTP CPU per jpeg request at the same C); the unit
-    by C."""
-    unit = {p.concurrency: p.http_us for p in points if p.server == "bare" and p.form == "jpeg"}
+def in_unit(point: Point, unit_us: float) -> None:
+    """``point``'s CPU in bare-Flask requests of ``unit_us`` each: its HTTP side's, and its engine's beyond decode and
+    forward (unknown, None, where the forward pass is not counted: another checkout's engine; not its whole CPU)."""
+    point.unit_us = unit_us
+    point.http_units = point.http_us / unit_us
+    point.engine_units = (None if point.engine_us is None or point.forward_us is None
+                          else (point.engine_us - (point.decode_us or 0.0) - point.forward_us) / unit_us)
+
+
+def bracket(block: list[Point], before: dict[int, Point], after: dict[int, Point]) -> None:
+    """A server's points of one round in the unit read just before its server started and just after it stopped,
+    at the same C (the mean of the two readings): a slow spell of the machine then weighs on a figure and its unit
+    alike, as it did not with one reading of the unit a round (2026-12-04: the bare app's request 651 us at C=64 at
+    a run's start, 872 us eight minutes later). A point with no reading at its C on either side has no units."""
+    for point in block:
+        readings = [found[point.concurrency].http_us for found in (before, after) if point.concurrency in found]
+        if len(readings) == 2:
+            in_unit(point, statistics.mean(readings))
+
+
+def unit_by_c(points: list[Point]) -> dict[int, list[float]]:
+    """Every reading of the unit (the bare app's HTTP CPU per one-image JPEG request) by C, in the order taken."""
+    unit: dict[int, list[float]] = collections.defaultdict(list)
     for p in points:
-        if p.concurrency in unit:
-            p.http_units = p.http_us / unit[p.concurrency]
-            # beyond decode and forward: unknown (None) where the forward pass is not counted (another checkout's
-            # engine), not its whole CPU
-            p.engine_units = (None if p.engine_us is None or p.forward_us is None
-                              else (p.engine_us - (p.decode_us or 0.0) - p.forward_us) / unit[p.concurrency])
-    return unit
+        if p.server == "bare" and p.form == "jpeg":
+            unit[p.concurrency].append(p.http_us)
+    return dict(unit)
 
 
 def table(points: list[Point]) -> str:
@@ -371,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=1.0)
     parser.add_argument("--rounds", type=int, default=1,
                         help="server starts per server (medians over them; every other round starts them, and measures "
-                        "each one's forms, in reverse order, the unit first)")
+                        "each one's forms, in reverse order; the unit's bare app runs through each round)")
     parser.add_argument("--workers", type=int, default=2, help="HTTP workers of every server")
     parser.add_argument("--device", default="cpu", help="visionserve's DEVICE (the engine's, in process mode)")
     parser.add_argument("--max-batch-size", type=int, default=engine_only.GPU_BATCH_CEILING,
@@ -394,21 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         weights = tiny_weights(Path(folder) / "weights")
         for round_index in range(args.rounds):
-            order = list(starters(args, weights, Path(folder)).items())
-            if round_index % 2:  # every other round the other way round: no server always runs right after the unit
-                order = order[:1] + order[:0:-1]
-            for server, start in order:
-                running = start().wait_ready()
-                try:
-                    # the forms too: a server's second form ran up to 10% dearer than the same work first (its
-                    # decoding and forward passes alike, 2026-12-03), so no form is always measured first
-                    for form in forms_for(server, every, args.forms)[::-1 if round_index % 2 else 1]:
-                        for concurrency in args.concurrency:
-                            point = measure(server, running, form, concurrency, args.seconds, args.warmup)
-                            rounds[(server, form.name, concurrency)].append(point)
-                            print(json.dumps(asdict(point)), flush=True)
-                finally:
-                    running.stop()
+            for point in _round(args, starters(args, weights, Path(folder)), every, round_index):
+                rounds[(point.server, point.form, point.concurrency)].append(point)
             if args.floor:
                 for form_name in (name for name in args.forms if name.startswith("v2")):
                     served = rounds.get(("process", form_name, headline), [])
@@ -418,8 +424,9 @@ def main(argv: list[str] | None = None) -> int:
                         for kind in ENGINE_ALONE:
                             run = functools.partial(_alone, kind, weights, form_name, args)
                             alone[(kind, form_name, at)].append(at_batch(run, concurrency, batch, headline))
+    readings = unit_by_c([point for found in rounds.values() for point in found])
     points = [_median(found) for found in rounds.values()]
-    unit = in_units(points)
+    unit = {c: statistics.median(found) for c, found in readings.items()}
     report = "\n".join([
         f"# Serving overhead, {time.strftime('%Y-%m-%d %H:%M')}", "",
         f"{os.cpu_count()} cores, device {args.device}, {args.workers} HTTP workers per server, {args.seconds:g} s per "
@@ -427,7 +434,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.max_batch_size or 'auto'}. Model: one linear layer "
         f"on {'x'.join(map(str, INPUT))} inputs, {CLASSES} classes; JPEG bodies of {BODY_BYTES // 1000} KB (8x8 "
         "photos, padded).", "",
-        "The unit, one bare-Flask request: " + ", ".join(f"C={c}: {u:.0f} us" for c, u in sorted(unit.items())),
+        "The unit, one bare-Flask request, read before and after each server's points (each point in the mean of its "
+        "two readings at its C; the median and range of this run's readings): " + ", ".join(
+            f"C={c}: {unit[c]:.0f} us ({min(found):.0f}-{max(found):.0f}, {len(found)} readings)"
+            for c, found in sorted(readings.items())),
         "", table(points), "", *verdicts(points, args.concurrency),
         *(alone_table(alone, unit.get(headline), headline) if alone else [])])
     print(report)
@@ -443,6 +453,50 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if answered_all else 1
 
 
+def _round(args: argparse.Namespace, chosen: dict[str, Start], every: dict[str, Form], round_index: int
+           ) -> list[Point]:
+    """One round: the bare app started first and kept running, its unit read at each C before the first server and
+    after each one stops (``bracket``); the servers one after another, every other round in reverse order, each
+    one's forms every other round in reverse too (a server's second form ran up to 10% dearer than the same work
+    first, its decoding and forward passes alike, 2026-12-03)."""
+    order = [(name, start) for name, start in chosen.items() if name != "bare"]
+    if round_index % 2:
+        order.reverse()
+    unit_server = chosen["bare"]().wait_ready()
+    try:
+        before = _unit_readings(unit_server, every, args, args.warmup)
+        found = list(before.values())
+        for server, start in order:
+            running = start().wait_ready()
+            try:
+                block = [measure(server, running, form, concurrency, args.seconds, args.warmup)
+                         for form in forms_for(server, every, args.forms)[::-1 if round_index % 2 else 1]
+                         for concurrency in args.concurrency]
+            finally:
+                running.stop()
+            after = _unit_readings(unit_server, every, args, min(args.warmup, UNIT_REWARM_S))
+            bracket(block, before, after)
+            for point in block:
+                print(json.dumps(asdict(point)), flush=True)
+            found += block + list(after.values())
+            before = after
+    finally:
+        unit_server.stop()
+    return found
+
+
+def _unit_readings(unit_server: Running, every: dict[str, Form], args: argparse.Namespace, warmup: float
+                   ) -> dict[int, Point]:
+    """The unit at each C: the bare app's one-image JPEG requests (each reading 1.0 unit: its own)."""
+    readings = {}
+    for concurrency in args.concurrency:
+        reading = measure("bare", unit_server, every["jpeg"], concurrency, args.seconds, warmup)
+        in_unit(reading, reading.http_us)
+        print(json.dumps(asdict(reading)), flush=True)
+        readings[concurrency] = reading
+    return readings
+
+
 def _alone(kind: str, weights: Path, form_name: str, args: argparse.Namespace, clients: int) -> dict:
     """One ``--floor`` point: the engine alone or its floor (``kind``) with ``clients`` requests in flight, sent as
     the HTTP workers' loop links send them (``engine_only --clients messages``: two connections, several requests a
@@ -454,12 +508,13 @@ def _alone(kind: str, weights: Path, form_name: str, args: argparse.Namespace, c
 
 
 def _median(found: list[Point]) -> Point:
+    """A point's medians over the rounds; its figures in units each round's in that round's own unit."""
     first = found[0]
     numbers = {key: statistics.median(getattr(p, key) for p in found)
                for key in ("req_s", "img_s", "p50_ms", "p99_ms", "http_us")}
     engine = [p.engine_us for p in found if p.engine_us is not None]
     told = {key: [getattr(p, key) for p in found if getattr(p, key) is not None]
-            for key in ("decode_us", "forward_us", "mean_batch")}
+            for key in ("decode_us", "forward_us", "mean_batch", "http_units", "engine_units", "unit_us")}
     return Point(first.server, first.form, first.images, first.concurrency, errors=sum(p.errors for p in found),
                  engine_us=statistics.median(engine) if engine else None,
                  **{key: statistics.median(values) if values else None for key, values in told.items()}, **numbers)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from bench.serving.overhead import Point, forms, in_units, verdicts
+from bench.serving.overhead import Point, _median, bracket, forms, unit_by_c, verdicts
 from bench.serving.tiny_work import BODY_BYTES, INPUT, padded_jpeg
 from models.image_decode import DecodeLimits, decode_tensor
 
@@ -43,17 +43,36 @@ def test_v2_bodies_say_where_their_json_ends_and_carry_float32_pixels() -> None:
             assert len(body) - size == tensor["parameters"]["binary_data_size"] == count * int(np.prod(INPUT)) * 4
 
 
-def test_each_figure_is_in_the_unit_the_bare_app_measured_at_the_same_concurrency() -> None:
+def test_each_figure_is_in_the_unit_read_before_and_after_its_servers_points_at_the_same_concurrency() -> None:
     def point(server: str, c: int, http: float, engine: float | None = None, forward: float | None = None) -> Point:
         return Point(server, "jpeg", 1, c, 1.0, 1.0, 1.0, 1.0, 0, http, engine, 80.0, forward)
 
-    points = [point("bare", 1, 1000.0), point("bare", 16, 800.0), point("process", 16, 2000.0, 600.0, 120.0),
-              point("inline", 64, 3000.0), point("process", 16, 2000.0, 600.0)]
-    assert in_units(points) == {1: 1000.0, 16: 800.0}
-    assert (points[2].http_units, points[2].engine_units) == (2.5, 0.5)  # (600 - 80 - 120) / 800
-    assert points[3].http_units is None  # no unit measured at C=64: no figure in units
+    before = {1: point("bare", 1, 1000.0), 16: point("bare", 16, 700.0)}
+    after = {1: point("bare", 1, 1000.0), 16: point("bare", 16, 900.0)}  # the machine slower meanwhile
+    block = [point("process", 16, 2000.0, 600.0, 120.0), point("inline", 64, 3000.0),
+             point("process", 16, 2000.0, 600.0)]
+    bracket(block, before, after)
+    assert block[0].unit_us == 800.0  # the mean of the readings on either side, at its C
+    assert (block[0].http_units, block[0].engine_units) == (2.5, 0.5)  # (600 - 80 - 120) / 800
+    assert block[1].http_units is None  # no unit read at C=64: no figure in units
     # an engine that does not count its forward pass (another checkout's): beyond it unknown, not its whole CPU
-    assert (points[4].http_units, points[4].engine_units) == (2.5, None)
+    assert (block[2].http_units, block[2].engine_units) == (2.5, None)
+    assert unit_by_c([*before.values(), *block, *after.values()]) == {1: [1000.0, 1000.0], 16: [700.0, 900.0]}
+
+
+def test_a_figure_in_units_is_the_median_of_each_rounds_figure_in_that_rounds_own_unit() -> None:
+    def point(http: float) -> Point:
+        return Point("process", "jpeg", 1, 16, 1.0, 1.0, 1.0, 1.0, 0, http, None)
+
+    rounds = []
+    for http, unit in ((900.0, 600.0), (1300.0, 1000.0), (1000.0, 800.0)):  # a round in a slow spell: both slower
+        found = point(http)
+        bracket([found], {16: Point("bare", "jpeg", 1, 16, 1.0, 1.0, 1.0, 1.0, 0, unit, None)},
+                {16: Point("bare", "jpeg", 1, 16, 1.0, 1.0, 1.0, 1.0, 0, unit, None)})
+        rounds.append(found)
+    # the rounds' own: 1.5, 1.3, 1.25; the median of the CPU over the median of the units would say 1000 / 800
+    assert _median(rounds).http_units == 1.3
+    assert (_median(rounds).http_us, _median(rounds).unit_us) == (1000.0, 800.0)
 
 
 def test_the_budget_is_checked_at_every_concurrency_measured_each_in_its_own_unit() -> None:
@@ -61,10 +80,10 @@ def test_the_budget_is_checked_at_every_concurrency_measured_each_in_its_own_uni
         return Point(server, form, 1, c, 1.0, 1.0, 1.0, 1.0, 0, http, engine, 0.0 if engine else None,
                      10.0 if engine else None)
 
-    points = [point("bare", "jpeg", 64, 600.0), point("bare", "jpeg", 16, 500.0),
-              point("process", "jpeg", 16, 800.0, 70.0), point("process", "jpeg", 64, 840.0, 70.0),
+    unit = {64: point("bare", "jpeg", 64, 600.0), 16: point("bare", "jpeg", 16, 500.0)}
+    points = [point("process", "jpeg", 16, 800.0, 70.0), point("process", "jpeg", 64, 840.0, 70.0),
               point("process", "jpeg", 1, 900.0, 70.0)]  # no unit at C=1: nothing to check there
-    in_units(points)
+    bracket(points, unit, unit)
     lines = verdicts(points, [64, 16, 1, 16])
     assert [line for line in lines if line.startswith("At C=")] == ["At C=16:", "At C=64:"]
     at_16, at_64 = lines[:lines.index("At C=64:")], lines[lines.index("At C=64:"):]
