@@ -11,11 +11,11 @@ What runs: a one-layer model on 8x8 inputs with 1,000 classes (an ImageNet model
 an 8x8 photo padded with comment segments, so the decode takes microseconds and the body's size is a real photo's;
 and V2 binary tensors (FP32 pixels: no decode at all).
 Each server (visionserve inline, visionserve with the engine process, the bare Flask app that is the unit, and the
-peers: the naive Flask app and LitServe, on the same model and bodies) is started once; each point runs C
-keep-alive clients after a warm-up. CPU is read from /proc for every process of the server: the engine's (process
-mode) apart from the rest (the HTTP workers and the master). visionserve batches as on a GPU host, the host the
-budget is written for: MAX_BATCH_SIZE 32, its automatic value there (``--max-batch-size``; 0 leaves it to the
-device: 8 on a CPU, where a 16-image request is two forward passes, each with its own steps).
+peers: the naive Flask app and LitServe, on the same model and bodies) is started once a round (the unit's through
+it); each point runs C keep-alive clients after a warm-up. CPU is read from /proc for every process of the server:
+the engine's (process mode) apart from the rest (the HTTP workers and the master). visionserve batches as on a GPU
+host, the host the budget is written for: MAX_BATCH_SIZE 32, its automatic value there (``--max-batch-size``; 0
+leaves it to the device: 8 on a CPU, where a 16-image request is two forward passes, each with its own steps).
 
 The unit, **one bare-Flask request**, is the bare app's CPU per request with the same one-image body and the same
 client, at the same C, read just before each server starts and just after it stops (the bare app runs through the
@@ -29,11 +29,13 @@ it waits, as every request in process mode waits for its engine; ``bare-gevent``
 two under gunicorn's gevent worker (gevent installed by hand): what the wait costs a worker class without a thread
 hand-off (docs/performance.md).
 ``--floor`` adds, for the V2 forms, the engine process alone (``bench.serving.engine_only --clients messages``: the
-requests on two connections, several a message, as two HTTP workers' loop links send them) and its floor (a loop with the same wire, model and answers, nothing else), their
-CPU beyond the forward pass in the same run's unit: what the engine's budget leaves beyond the least a Python engine
-on this wire spends. Each runs at the headline C, and again with as many clients as process mode's mean batch there
-(the table's "mean batch": behind two HTTP workers on two cores the engine runs smaller batches than its own clients
-give it, and a batch's steps are shared by fewer images): the floor at the batches the served engine ran.
+requests on two connections, several a message, as two HTTP workers' loop links send them) and its floor (a loop
+with the same wire, model and answers, nothing else), their CPU beyond the forward pass in the same run's unit (the
+median of its readings: the floor runs after a round's unit is read): what the engine's budget leaves beyond the
+least a Python engine on this wire spends. Each runs at the headline C, and again with as many clients as process
+mode's mean batch there (the table's "mean batch": behind two HTTP workers on two cores the engine runs smaller
+batches than its own clients give it, and a batch's steps are shared by fewer images): the floor at the batches the
+served engine ran.
 """
 from __future__ import annotations
 
@@ -129,8 +131,9 @@ def bare_app(log_dir: Path, workers: int, threads: int, cwd: Path = ROOT, wait_m
                "-b", f"127.0.0.1:{port}", "--log-level", "warning", "bench.serving.bare_app:app"]
     # cwd before what PYTHONPATH already holds (on a lent GPU machine: the carried wheels, gunicorn among them)
     path = os.pathsep.join(filter(None, (str(cwd), os.environ.get("PYTHONPATH"))))
-    return Running("bare-flask", command, {"PYTHONPATH": path, "BARE_WAIT_MS": str(wait_ms)}, port, "/readyz",
-                   log_dir)
+    # a name (its log's) of each kind's own: the unit's bare app runs beside the others (``_round``)
+    name = "bare-flask" + ("-gevent" if gevent else "") + ("-wait" if wait_ms else "")
+    return Running(name, command, {"PYTHONPATH": path, "BARE_WAIT_MS": str(wait_ms)}, port, "/readyz", log_dir)
 
 
 @dataclass
@@ -406,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         args.seconds, args.warmup, args.concurrency, args.rounds = 0.5, 1.0, [1, 4], 1
     if "bare" not in args.servers:
         args.servers = ["bare", *args.servers]  # the unit is measured in every run
+    args.concurrency = list(dict.fromkeys(args.concurrency))  # each C once: a unit's reading a C (_unit_readings)
     every = forms([padded_jpeg(seed) for seed in range(8)])
     rounds: dict[tuple[str, str, int], list[Point]] = collections.defaultdict(list)
     alone: dict[tuple[str, str, str], list[dict]] = collections.defaultdict(list)  # --floor: (engine, form, at)
@@ -468,16 +472,17 @@ def _round(args: argparse.Namespace, chosen: dict[str, Start], every: dict[str, 
         found = list(before.values())
         for server, start in order:
             running = start().wait_ready()
+            block: list[Point] = []
             try:
-                block = [measure(server, running, form, concurrency, args.seconds, args.warmup)
-                         for form in forms_for(server, every, args.forms)[::-1 if round_index % 2 else 1]
-                         for concurrency in args.concurrency]
+                for form in forms_for(server, every, args.forms)[::-1 if round_index % 2 else 1]:
+                    for concurrency in args.concurrency:
+                        block.append(measure(server, running, form, concurrency, args.seconds, args.warmup))
+                        print(json.dumps(asdict(block[-1])), flush=True)  # as it comes (a drill's step may be
+                        # stopped), its units once the unit is read again
             finally:
                 running.stop()
             after = _unit_readings(unit_server, every, args, min(args.warmup, UNIT_REWARM_S))
             bracket(block, before, after)
-            for point in block:
-                print(json.dumps(asdict(point)), flush=True)
             found += block + list(after.values())
             before = after
     finally:

@@ -79,7 +79,8 @@ def test_the_gpu_drill_runs_every_step_on_the_cpu_and_returns_what_it_wrote(tmp_
         (engine, "auto", per_request, "2") for engine in ("process-2", "inline") for per_request in ("1", "2")]
     assert all(row.split("|")[11].strip() == "0" for row in served)  # no request failed in either engine
     log = (out / "drill.log").read_text()
-    assert "The unit, one bare-Flask request: C=1:" in log
+    assert re.search(r"^The unit, one bare-Flask request, read before and after each server's points .*: C=1: \d+ us "
+                     r"\(\d+-\d+, 2 readings\), C=4: ", log, re.M), log[-3000:]
     assert "engine per image beyond decode and forward, 1 per request" in log
 
 

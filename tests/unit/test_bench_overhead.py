@@ -2,6 +2,7 @@
 the product decodes as 8x8 images, and V2 bodies whose header the server reads as the tensors they carry."""
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import os
@@ -73,6 +74,53 @@ def test_a_figure_in_units_is_the_median_of_each_rounds_figure_in_that_rounds_ow
     # the rounds' own: 1.5, 1.3, 1.25; the median of the CPU over the median of the units would say 1000 / 800
     assert _median(rounds).http_units == 1.3
     assert (_median(rounds).http_us, _median(rounds).unit_us) == (1000.0, 800.0)
+
+
+def test_a_round_reads_the_unit_before_its_first_server_and_after_each_and_brackets_each_servers_points(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench.serving import overhead
+
+    taken: list[tuple[str, int, float]] = []
+    started: list[str] = []
+
+    def measure(server: str, _: object, form: overhead.Form, concurrency: int, seconds: float, warmup: float
+                ) -> Point:
+        taken.append((server, concurrency, warmup))
+        http = 500.0 + 100.0 * sum(1 for s, _, _ in taken if s == "bare") if server == "bare" else 2000.0
+        return Point(server, form.name, 1, concurrency, 1.0, 1.0, 1.0, 1.0, 0, http, None)
+
+    class Server:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait_ready(self) -> "Server":
+            started.append(self.name)
+            return self
+
+        def stop(self) -> None:
+            started.append(f"{self.name} stopped")
+
+    monkeypatch.setattr(overhead, "measure", measure)
+    args = argparse.Namespace(concurrency=[16, 64], forms=["jpeg"], seconds=1.0, warmup=2.0)
+    chosen = {name: (lambda name=name: Server(name)) for name in ("bare", "inline", "process")}
+    found = overhead._round(args, chosen, forms([padded_jpeg(0)]), round_index=1)  # an odd round: in reverse
+    assert started == ["bare", "process", "process stopped", "inline", "inline stopped", "bare stopped"]
+    assert [(s, c) for s, c, _ in taken] == [("bare", 16), ("bare", 64), ("process", 16), ("process", 64),
+                                             ("bare", 16), ("bare", 64), ("inline", 16), ("inline", 64),
+                                             ("bare", 16), ("bare", 64)]
+    assert [w for s, _, w in taken if s == "bare"] == [2.0, 2.0] + [overhead.UNIT_REWARM_S] * 4  # warm already
+    units = {(p.server, p.concurrency): p.unit_us for p in found}
+    # the readings 600, 700 (before), 800, 900 (after process), 1000, 1100 (after inline), by C
+    assert units[("process", 16)] == 700.0 and units[("process", 64)] == 800.0
+    assert units[("inline", 16)] == 900.0 and units[("inline", 64)] == 1000.0
+    assert sorted(p.http_us for p in found if p.server == "bare") == [600.0, 700.0, 800.0, 900.0, 1000.0, 1100.0]
+    assert {p.http_units for p in found if p.server == "bare"} == {1.0}
+
+
+def test_a_point_with_a_reading_of_the_unit_on_one_side_alone_has_no_units() -> None:
+    found = Point("process", "jpeg", 1, 16, 1.0, 1.0, 1.0, 1.0, 0, 900.0, None)
+    bracket([found], {16: Point("bare", "jpeg", 1, 16, 1.0, 1.0, 1.0, 1.0, 0, 600.0, None)}, {})
+    assert (found.unit_us, found.http_units) == (None, None)
 
 
 def test_the_budget_is_checked_at_every_concurrency_measured_each_in_its_own_unit() -> None:
