@@ -206,7 +206,7 @@ def bracket(block: list[Point], before: dict[int, Point], after: dict[int, Point
     """A server's points of one round in the unit read just before its server started and just after it stopped,
     at the same C (the mean of the two readings): a slow spell of the machine then weighs on a figure and its unit
     alike, as it did not with one reading of the unit a round (2026-12-04: the bare app's request 651 us at C=64 at
-    a run's start, 872 us eight minutes later). A point with no reading at its C on either side has no units."""
+    a run's start, 872 us at its third round's). A point with no reading at its C on either side has no units."""
     for point in block:
         readings = [found[point.concurrency].http_us for found in (before, after) if point.concurrency in found]
         if len(readings) == 2:
