@@ -473,6 +473,10 @@ def _drive_threads(checkout: Path, sock: Path, form: str, concurrency: int, seco
     return _measured(run, engine, form, concurrency, seconds, count)
 
 
+# its forms' tensors are never placed: its client offers the floor no arena (the floor reads no offer)
+_FLOOR_SETTINGS = {"VISIONSERVE_LINK_ARENA_MB": "0"}
+
+
 def measure(checkout: Path, weights: Path, form: str, concurrency: int, seconds: float,
             floor: bool = False, device: str = "cpu", clients: str = "loop",
             max_batch_size: int = GPU_BATCH_CEILING, settings: dict[str, str] | None = None,
@@ -481,8 +485,8 @@ def measure(checkout: Path, weights: Path, form: str, concurrency: int, seconds:
     ``max_batch_size`` images (0: its device's automatic ceiling) and ``settings`` (environment variables) beside,
     driven by that checkout's client (``clients``: as ``drive`` says), then stopped."""
     serve_args = (["--serve-floor", str(weights)] if floor else ["--serve", str(checkout), str(weights)])
-    if floor:  # its forms' tensors are never placed: its client offers it no arena (the floor reads no offer)
-        settings = {**(settings or {}), "VISIONSERVE_LINK_ARENA_MB": "0"}
+    if floor:
+        settings = {**(settings or {}), **_FLOOR_SETTINGS}
     with _engine(checkout, serve_args, device, max_batch_size=max_batch_size, settings=settings) as (engine, sock,
                                                                                                      env):
         client = subprocess.run([sys.executable, "-m", "bench.serving.engine_only", "--drive", str(checkout),
@@ -512,7 +516,8 @@ def instructions(checkout: Path, weights: Path, form: str, requests: int,
         from bench.serving.callgrind import callgrind_command, callgrind_total
 
         serve_args = ["--serve-floor", str(weights)] if floor else ["--serve", str(checkout), str(weights)]
-        with _engine(checkout, serve_args, "cpu", callgrind_command(out), max_batch_size) as (engine, sock, env):
+        with _engine(checkout, serve_args, "cpu", callgrind_command(out), max_batch_size,
+                     _FLOOR_SETTINGS if floor else None) as (engine, sock, env):
             subprocess.run([sys.executable, "-m", "bench.serving.engine_only", "--count", str(checkout), str(sock),
                             form, str(requests), str(engine.pid), str(burst), clients, str(links)], cwd=ROOT, env=env,
                            capture_output=True, check=True)

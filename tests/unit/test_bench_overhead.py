@@ -349,6 +349,34 @@ def test_the_http_side_counts_instructions_under_valgrind_as_docs_performance_sh
     assert [row[1] for row in rows][:2] == ["bare app", "the app"] and all(float(row[2]) > 1000 for row in rows)
 
 
+def test_the_floor_s_instruction_count_offers_it_no_arena_as_its_timed_run_does(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # --instructions --floor --clients messages: the floor reads no arena offer, so its client must make none (as
+    # ``measure`` tells it); the engine of this checkout is offered one as its loop links offer it
+    import contextlib
+    import types
+
+    from bench.serving import callgrind, engine_only
+
+    started: list[tuple[list[str], dict[str, str]]] = []
+
+    @contextlib.contextmanager
+    def engine(checkout: Path, serve_args: list[str], device: str, wrapper: tuple[str, ...] = (),
+               max_batch_size: int = 0, settings: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
+        started.append((serve_args, dict(settings or {})))
+        yield types.SimpleNamespace(pid=1), tmp_path / "engine.sock", {**os.environ, **(settings or {})}
+
+    monkeypatch.setattr(engine_only, "_engine", engine)
+    monkeypatch.setattr(engine_only.subprocess, "run", lambda *args, **kwargs: None)
+    monkeypatch.setattr(callgrind, "callgrind_total", lambda out: 1_920_000)
+    for floor in (True, False):
+        counted = engine_only.instructions(engine_only.ROOT, tmp_path, "v2 x1", 192, burst=16, floor=floor,
+                                           clients="messages")
+        assert counted["instructions_per_request"] == 10_000
+    assert started[0][0][0] == "--serve-floor" and started[0][1]["VISIONSERVE_LINK_ARENA_MB"] == "0"
+    assert started[1][0][0] == "--serve" and "VISIONSERVE_LINK_ARENA_MB" not in started[1][1]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed (apt-get install valgrind)")
 def test_the_engine_counts_instructions_under_valgrind_for_requests_sent_a_few_at_a_time() -> None:
