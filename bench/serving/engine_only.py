@@ -71,6 +71,8 @@ FORMS = {"jpeg": ("jpeg", 1), "jpeg x16": ("jpeg", 16), "v2 x1": ("v2", 1), "v2 
             for repeat, count in (("", 1), (" x16", 16))}}  # real photos (harness/photos.py), not the padded 8x8
 FLOOR = Path("/floor")  # the floor's key among the checkouts measured
 FLOOR_MESSAGES = Path("/floor-messages")  # the floor, its requests several to a message
+FLOOR_SETTINGS = {"VISIONSERVE_LINK_ARENA_MB": "0"}  # timed or counted: its client offers it no arena (the floor
+# reads no offer; its forms' tensors are never placed)
 WITH_SETTINGS = Path("/with-settings")  # this checkout's engine with --with-settings
 LINKS = 2  # --clients messages: connections, as the HTTP workers of the overhead benchmark's servers
 CLIENTS = {"loop": "one client loop", "threads": "a client thread each",
@@ -473,10 +475,6 @@ def _drive_threads(checkout: Path, sock: Path, form: str, concurrency: int, seco
     return _measured(run, engine, form, concurrency, seconds, count)
 
 
-# its forms' tensors are never placed: its client offers the floor no arena (the floor reads no offer)
-_FLOOR_SETTINGS = {"VISIONSERVE_LINK_ARENA_MB": "0"}
-
-
 def measure(checkout: Path, weights: Path, form: str, concurrency: int, seconds: float,
             floor: bool = False, device: str = "cpu", clients: str = "loop",
             max_batch_size: int = GPU_BATCH_CEILING, settings: dict[str, str] | None = None,
@@ -486,7 +484,7 @@ def measure(checkout: Path, weights: Path, form: str, concurrency: int, seconds:
     driven by that checkout's client (``clients``: as ``drive`` says), then stopped."""
     serve_args = (["--serve-floor", str(weights)] if floor else ["--serve", str(checkout), str(weights)])
     if floor:
-        settings = {**(settings or {}), **_FLOOR_SETTINGS}
+        settings = {**(settings or {}), **FLOOR_SETTINGS}
     with _engine(checkout, serve_args, device, max_batch_size=max_batch_size, settings=settings) as (engine, sock,
                                                                                                      env):
         client = subprocess.run([sys.executable, "-m", "bench.serving.engine_only", "--drive", str(checkout),
@@ -517,7 +515,7 @@ def instructions(checkout: Path, weights: Path, form: str, requests: int,
 
         serve_args = ["--serve-floor", str(weights)] if floor else ["--serve", str(checkout), str(weights)]
         with _engine(checkout, serve_args, "cpu", callgrind_command(out), max_batch_size,
-                     _FLOOR_SETTINGS if floor else None) as (engine, sock, env):
+                     FLOOR_SETTINGS if floor else None) as (engine, sock, env):
             subprocess.run([sys.executable, "-m", "bench.serving.engine_only", "--count", str(checkout), str(sock),
                             form, str(requests), str(engine.pid), str(burst), clients, str(links)], cwd=ROOT, env=env,
                            capture_output=True, check=True)
