@@ -48,11 +48,11 @@ IS_DEFAULT_WEIGHTS := $(if $(filter-out $(DEFAULT_WEIGHTS),$(WEIGHTS_DIR)),,$(fi
 serve: $(STAMP) $(CLIENT) $(if $(IS_DEFAULT_WEIGHTS),$(DEFAULT_WEIGHTS)/manifest.json)
 	exec env VISIONSERVE_WEIGHTS_DIR="$(WEIGHTS_DIR)" $(SERVE)
 
-# In two processes (pytest-xdist, a process per core of CI's 2-core machine; docs/testing.md says how the tests are
-# shared out); `make test PYTEST_XDIST=` runs them in one.
-# Bytecode caches are written (__pycache__, ignored by git) even where the environment says not to: then the two
-# processes and the servers the tests start compile the project once, not each (the fast subset: 69 s -> below).
-PYTEST_XDIST ?= -n 2 --dist loadgroup
+# In three processes on CI's 2-core machine (pytest-xdist: a third keeps the cores busy while the others wait on
+# servers and subprocesses; docs/testing.md says how the tests are shared out); `make test PYTEST_XDIST=` runs them
+# in one. Bytecode caches are written (__pycache__, ignored by git) even where the environment says not to: then
+# the processes and the servers the tests start compile the project once, not each (the fast subset: 69 s -> below).
+PYTEST_XDIST ?= -n 3 --dist loadgroup
 test: $(STAMP) $(CLIENT)
 	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
 

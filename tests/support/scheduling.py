@@ -1,4 +1,4 @@
-"""How pytest-xdist's workers share the tests out under `make test` (``-n 2 --dist loadgroup``; docs/testing.md).
+"""How pytest-xdist's workers share the tests out under `make test` (``-n 3 --dist loadgroup``; docs/testing.md).
 
 Two rules on top of xdist's load scheduling, both only for speed (every test passes wherever and in whatever
 order it runs):
