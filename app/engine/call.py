@@ -204,27 +204,6 @@ class Call:
                       self.model.labels if labels is None else labels, queued.decode_s, queued.started_ns,
                       self.model.embedding_dim if embedding else 0)
 
-    def answer_each(self, queued: Queued, labels: list[str] | None = None, embedding: bool = False) -> list[Served]:
-        """``answer`` for a call whose images are as many requests', one each (an event loop's bundle of requests
-        alike): an answer for each image, its row (a view of its batch's array, as ``answer``'s for one image) and
-        the batch it ran in, in order; raises what failed."""
-        values, runs = self._done_values(queued)
-        per_row: list[tuple[BatchRun, ...]] = []
-        for run in runs:
-            per_row += [(run if run.rows == 1 else BatchRun(1, *run[1:]),)] * run.rows
-        model, columns = self.model, None if embedding or not self.model.embedding_dim else len(self.model.labels)
-        decode_s = queued.decode_s  # each request's decode stage: the bundle's, which it waited for
-        labels = model.labels if labels is None else labels
-        answers = []
-        for value, run in zip(values, per_row):
-            if not isinstance(value, np.ndarray):  # (rows of another kind: made an array as ``answer`` makes one)
-                value = np.asarray(value)
-            rows = value[None] if columns is None else value[None, :columns]
-            _numbers(rows)
-            answers.append(Served(rows, run, model.name, model.version, labels, decode_s, queued.started_ns,
-                                  model.embedding_dim if embedding else 0))
-        return answers
-
     def _done_values(self, queued: Queued) -> tuple[list[np.ndarray], tuple[BatchRun, ...]]:
         """A done group's rows, one per image, and the batches they ran in (offered to the shadow first); raises
         what failed."""

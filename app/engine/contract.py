@@ -88,6 +88,20 @@ class Served:
         return Served(self.rows, self.batches, self.model, self.version, labels, self.decode_s, self.started_ns,
                       self.embedding_dim)
 
+    def between(self, start: int, stop: int) -> "Served":
+        """The answer of rows ``start`` to ``stop`` alone (a bundle's requests on one connection: theirs of its
+        rows): those rows (a view) and the runs they ran in, cut to them."""
+        if start == 0 and stop == len(self.rows):
+            return self
+        runs, at = [], 0
+        for run in self.batches:
+            first, last = max(at, start), min(at + run.rows, stop)
+            if first < last:
+                runs.append(run if last - first == run.rows else run._replace(rows=last - first))
+            at += run.rows
+        return Served(self.rows[start:stop], tuple(runs), self.model, self.version, self.labels, self.decode_s,
+                      self.started_ns, self.embedding_dim)
+
     def batch_sizes(self) -> list[int]:
         """The size of the batch each input ran in, in input order."""
         return [size for run in self.batches for size in (run.batch_size,) * run.rows]

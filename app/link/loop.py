@@ -114,8 +114,8 @@ class _Connection:
         self.exchanges: dict[int, _Exchange] | None = None  # shared: its requests in flight, by id
         self.unadmitted: set[int] = set()  # shared: ids read in this loop turn, not yet admitted
         self.cancelled: set[int] = set()  # shared: ids of those cancelled before their admission
-        self.answers: list[tuple[int, Any, ServiceError | None]] = []  # shared: this turn's answers (each an id, its
-        # value and its error), to send together
+        self.answers: list[wire.Answered] = []  # shared: this turn's answers (each an id, or a bundle's ids here,
+        # its value and its error), to send together
         self.most = 0  # shared: the most requests it had under way at once (read or in flight)
         self.unsent: list[memoryview] = []  # shared: what of its answers' frames the socket has not taken yet
         self.writes: socket.socket | None = None  # shared: its second descriptor, watched for room while unsent
@@ -203,6 +203,19 @@ class _Part:
                  images: list[wire.Segment]) -> None:
         self.conn, self.ident, self.message, self.rows, self.images = conn, ident, message, rows, images
         self.cancelled = False
+
+
+def _connection_runs(parts: list[_Part]) -> Iterator[tuple[_Connection, int, int]]:
+    """A bundle's requests still waited for, as runs of those of one connection in a row: each its connection and
+    where the run starts and stops among the parts (their rows among the bundle's)."""
+    at = 0
+    while at < len(parts):
+        conn, stop = parts[at].conn, at + 1
+        if not parts[at].cancelled:
+            while stop < len(parts) and parts[stop].conn is conn and not parts[stop].cancelled:
+                stop += 1
+            yield conn, at, stop
+        at = stop
 
 
 _ONE_IMAGE_ERRORS = (InvalidImage, ImageTooLarge, UnsupportedImageFormat)  # what one photo of a bundle may be
@@ -618,10 +631,11 @@ class EngineServer:
     def _answer(self, value: Any = None, error: ServiceError | None = None) -> wire.Answer:
         return wire.Answer(value, error, this_process(), self.service.controller.routes.generation)
 
-    def _reply(self, conn: _Connection, ident: int | None, value: Any = None, error: ServiceError | None = None
-               ) -> None:
+    def _reply(self, conn: _Connection, ident: int | tuple[int, ...] | None, value: Any = None,
+               error: ServiceError | None = None) -> None:
         """The answer (``value`` or ``error``) sent now on a connection of one exchange at a time, or with this
-        turn's others on a shared one (``_send_answers``: in one frame, no ``Answer`` made for each)."""
+        turn's others on a shared one (``_send_answers``: in one frame, no ``Answer`` made for each; ``ident`` a
+        bundle's ids there, ``value`` their rows, one each, as ``wire.Answered`` says)."""
         if ident is None:
             self._send(conn, self._answer(value, error))
             return
@@ -653,13 +667,11 @@ class EngineServer:
             try:
                 for first in range(0, len(answers), wire.MAX_SEGMENTS):  # a frame's segments: a row array an answer
                     some = answers[first:first + wire.MAX_SEGMENTS]
-                    ids = [ident for ident, _, _ in some]
                     try:
-                        conn.unsent += wire.answers_parts(ids, [(value, error) for _, value, error in some], engine,
-                                                          routes, released)
+                        conn.unsent += wire.answers_parts(some, engine, routes, released)
                     except _UNFRAMED:
-                        conn.unsent += wire.answers_parts(ids, [self._sendable(value, error) for _, value, error in
-                                                                some], engine, routes, released)
+                        conn.unsent += wire.answers_parts([self._sendable(answer) for answer in some], engine, routes,
+                                                          released)
                     released = ()
             except Exception:  # noqa: BLE001 - one connection's fault never ends the loop: it is closed
                 log.exception("closed a shared connection whose answers could not be framed")
@@ -668,7 +680,7 @@ class EngineServer:
             self._write(conn)
         for conn in self._shared:  # photos let go with no answer to go with (cancelled, or a turn behind)
             if conn.arena is not None and conn.arena.released and not conn.closed:
-                conn.unsent += wire.answers_parts((), (), engine, routes, conn.arena.take_released())
+                conn.unsent += wire.answers_parts((), engine, routes, conn.arena.take_released())
                 self._write(conn)
 
     def _write(self, conn: _Connection) -> None:
@@ -697,13 +709,14 @@ class EngineServer:
                 self._selector.unregister(writes)
             writes.close()
 
-    def _sendable(self, value: Any, error: ServiceError | None) -> tuple[Any, ServiceError | None]:
-        """An answer's value and error, or, when they do not pickle, the server's error instead."""
+    @staticmethod
+    def _sendable(answer: wire.Answered) -> wire.Answered:
+        """A shared connection's answer, or, when it does not frame, the server's error instead."""
         try:
-            wire.frame(self._answer(value, error))
+            wire.answers_parts([answer], 0, 0)
         except _UNFRAMED as exc:
-            return None, InferenceFailed(f"the engine's answer could not be sent: {exc}")
-        return value, error
+            return answer[0], None, InferenceFailed(f"the engine's answer could not be sent: {exc}")
+        return answer
 
     def _send(self, conn: _Connection, answer: wire.Answer) -> None:
         """Send ``answer``; one that does not pickle is answered as the server's error instead (nothing was sent);
@@ -1063,22 +1076,23 @@ class EngineServer:
             self._reply(conn, exchange.ident, served, None if error is None else _as_error(error))
 
     def _end_parts(self, exchange: _Exchange, error: BaseException | None) -> None:
-        """``_end`` for a bundle: each of its requests still waited for answered from its row, or with the error
-        that ended them all, and leaving as ``_end`` leaves one; one the queue refused whole, or whose model failed
+        """``_end`` for a bundle: each of its requests still waited for answered from its row (those of one
+        connection in a row as one answer of their rows: ``wire.Answered``), or with the error that ended them all,
+        and leaving as ``_end`` leaves one; one the queue refused whole, or whose model failed
         on one of its images, runs request by request instead (``_run_apart``): one request's pixels never fail
         another's."""
         parts = exchange.parts
         assert parts is not None
         for part in parts:
             part.conn.exchanges.pop(part.ident, None)  # type: ignore[union-attr]
-        answers: list[Any] | None = None
+        served = None  # the bundle's rows, one a request, and the batches they ran in
         if error is None:
             try:
-                answers = exchange.call.answer_each(exchange.queued,  # type: ignore[arg-type]
-                                                    wire.NO_LABELS, embedding=exchange.message.embedding)
+                served = exchange.call.answer(exchange.queued,  # type: ignore[arg-type]
+                                              wire.NO_LABELS, embedding=exchange.message.embedding)
             except Exception as exc:  # noqa: BLE001 - answered
                 error = exc
-        apart = answers is None and self._run_apart(exchange, error)  # type: ignore[arg-type]
+        apart = served is None and self._run_apart(exchange, error)  # type: ignore[arg-type]
         exchange.images, exchange.tensors = [], []  # what its requests' own exchanges hold now, if anything
         for part in parts:
             part.images, part.rows = [], []
@@ -1092,9 +1106,10 @@ class EngineServer:
             return
         self._leaving.append((exchange.admission, error))
         answered = None if error is None else _as_error(error)
-        for at, part in enumerate(parts):
-            if not part.cancelled:  # (one that is left already, as its client left or its connection closed)
-                self._reply(part.conn, part.ident, None if answers is None else answers[at], answered)
+        for conn, start, stop in _connection_runs(parts):  # (not those left already, as their clients left)
+            ids = tuple([part.ident for part in parts[start:stop]])
+            self._reply(conn, ids if len(ids) > 1 else ids[0], None if served is None else served.between(start, stop),
+                        answered)
 
     def _run_apart(self, exchange: _Exchange, error: BaseException) -> bool:
         """A bundle the queue refused as one request of all its images (no room for all of them, or a deadline too

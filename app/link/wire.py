@@ -8,7 +8,8 @@ inference's rows as one raw segment); ``Unanswered`` (a request the HTTP side re
 counted by the engine as the version's traffic) has no answer. A connection an HTTP worker's loop requests share
 (app/link/loop_link.py) carries several requests a message instead: ``Infers`` (each ``Infer``'s fields under its
 id, the segments of all of them), ``Cancel`` (ids whose client left), and the engine's ``Answers`` (several answers
-under their ids, the rows of each a segment), in any order. Such a connection opens with ``ArenaOffer``: the shared
+under their ids, the rows of each a segment: a bundle's requests of one connection the rows of one segment, one
+each), in any order. Such a connection opens with ``ArenaOffer``: the shared
 memory its requests' photos are then placed in (app/link/arena.py), its descriptor passed with the frame
 (``send_with_fd``; a reader made with ``takes_fds`` keeps what comes); an ``Infers`` request whose images were placed
 carries where they are instead of its segments, and ``Answers`` tells which requests' placed images the engine let
@@ -46,7 +47,7 @@ from app.engine import contract
 from app.hosting import waiting
 from app.link.arena import Arena, ArenaError, MappedArena
 
-PROTOCOL = 9  # the frame layout, what segments carry, and the hello; each message's own fields are in FINGERPRINT
+PROTOCOL = 10  # the frame layout, what segments carry, and the hello; each message's own fields are in FINGERPRINT
 _HEAD = struct.Struct("!II")  # the header's length, the number of segments
 _LENGTH = struct.Struct("!Q")
 MAX_SEGMENTS = 10_000  # a bound on one frame's segments (MAX_IMAGES is far lower): a corrupt frame fails at once
@@ -255,7 +256,8 @@ class Cancel(_Message):
 class Answers(_Message):
     """Answers to requests sent in ``Infers``, under their ids, in the order they were made (not the requests'), and
     the requests whose images placed in the connection's arena the engine let go of (``released``; with no answer
-    when nothing else goes out)."""
+    when nothing else goes out). Sent by the engine's loop as ``answers_parts`` frames them (a bundle's answers on
+    one connection as one head and one segment of their rows), read as one ``Answer`` an id."""
 
     ids: tuple[int, ...]
     answers: tuple[Answer, ...]
@@ -404,42 +406,59 @@ def _same_head(served: contract.Served, rows: np.ndarray, other: contract.Served
 
 
 def _answers_fields(message: Answers) -> tuple[tuple[Any, ...], list[memoryview]]:
-    """An ``Answers``' fields: the ids, each answer as (its Served's head or None, its other value, its error), the
-    engine and the latest routing generation among them; each Served's rows a segment."""
-    items, segments = _answered_items([(answer.value, answer.error) for answer in message.answers])
+    """An ``Answers``' fields: the ids, each answer as ``_answered_items`` frames it, the engine and the latest
+    routing generation among them; each Served's rows a segment."""
+    ids, items, segments = _answered_items([(ident, answer.value, answer.error)
+                                            for ident, answer in zip(message.ids, message.answers)])
     engine = message.answers[0].engine if message.answers else 0
     routes = max([answer.routes for answer in message.answers], default=0)  # the latest: a routing change of the
-    return (message.ids, items, engine, routes, message.released), segments  # turn drops what the HTTP side keeps
+    return (ids, items, engine, routes, message.released), segments  # turn drops what the HTTP side keeps
 
 
-def _answered_items(answered: Sequence[tuple[Any, errors.ServiceError | None]]
-                    ) -> tuple[tuple[tuple[Any, ...], ...], list[memoryview]]:
-    """Answers' values and errors as an ``Answers`` frame carries them: each (its Served's head or None, its other
-    value, its error), and each Served's rows a segment. Answers in a row whose heads are the same (a bundle's,
-    ``_same_head``) share one head object: pickled once (pickle's memo), read as one (``_answers_from``)."""
+Answered = tuple[int | tuple[int, ...], Any, "errors.ServiceError | None"]  # an answer as the engine's loop sends
+# it: its request's id and its value and error; or several requests' ids (a bundle's on one connection) and one
+# Served of their rows, one each in the ids' order (or the error that ended them all)
+
+
+def _answered_items(answered: Sequence[Answered]) -> tuple[tuple[int, ...], tuple[tuple[Any, ...], ...],
+                                                           list[memoryview]]:
+    """Answers as an ``Answers`` frame carries them: the ids, and each answer as (its Served's head or None, its
+    other value, its error, how many of the ids it answers), each Served's rows a segment: several requests' rows
+    one segment, read as a row each. Answers in a row whose heads are the same (made together: ``_same_head``)
+    share one head object: pickled once (pickle's memo), read as one (``_answers_from``). ValueError for a Served
+    whose rows are not one for each of its ids."""
+    ids: list[int] = []
     items, segments = [], []
     last: contract.Served | None = None  # the last Served framed, its rows as they crossed and its head
     last_rows: np.ndarray | None = None
     head: tuple[Any, ...] = ()
-    for value, error in answered:
+    for ident, value, error in answered:
+        if type(ident) is tuple:
+            ids += ident
+            count = len(ident)
+        else:
+            ids.append(ident)  # type: ignore[arg-type]
+            count = 1
         if isinstance(value, contract.Served):
             rows, segment = _rows_segment(value.rows)
+            if count > 1 and len(rows) != count:
+                raise ValueError(f"{len(rows)} rows answer {count} requests")
             if last is None or not _same_head(value, rows, last, last_rows):  # type: ignore[arg-type]
                 last, last_rows, head = value, rows, _head(value, rows)
-            items.append((head, None, error))
+            items.append((head, None, error, count))
             segments.append(segment)
         else:
-            items.append((None, value, error))
-    return tuple(items), segments
+            items.append((None, value, error, count))
+    return tuple(ids), tuple(items), segments
 
 
-def answers_parts(ids: Sequence[int], answered: Sequence[tuple[Any, errors.ServiceError | None]], engine: int,
-                  routes: int, released: tuple[int, ...] = ()) -> list[memoryview]:
-    """The frame of ``Answers(ids, (Answer(value, error, engine, routes), ...), released)`` for ``answered`` (each
-    a value and an error), with no ``Answer`` made for each (an event loop's answers of a turn), as the buffers
-    ``send`` would send, for a sender that waits for room itself (``send_some``)."""
-    items, segments = _answered_items(answered)
-    head = pickle.dumps((_ANSWERS, (tuple(ids), items, engine, routes, released)), protocol=pickle.HIGHEST_PROTOCOL)
+def answers_parts(answered: Sequence[Answered], engine: int, routes: int, released: tuple[int, ...] = ()
+                  ) -> list[memoryview]:
+    """The frame of ``Answers`` for ``answered`` (each as ``Answered`` says: an answer, or several requests' as
+    one), with this ``engine`` and ``routes`` and no ``Answer`` made for each (an event loop's answers of a turn),
+    as the buffers ``send`` would send, for a sender that waits for room itself (``send_some``)."""
+    ids, items, segments = _answered_items(answered)
+    head = pickle.dumps((_ANSWERS, (ids, items, engine, routes, released)), protocol=pickle.HIGHEST_PROTOCOL)
     return _frame_parts(head, segments)
 
 
@@ -511,20 +530,39 @@ def _served(raw: tuple[Any, ...], segment: bytes | bytearray | memoryview, read:
                            head.started_ns, head.embedding_dim)
 
 
+def _one_each(served: contract.Served, count: int) -> list[contract.Served]:
+    """Several requests' answer (``count`` of them, in order) as each one's: its row (a view) and the run it ran
+    in; EngineGone when the rows are not one each."""
+    if len(served.rows) != count:
+        raise EngineGone(f"{len(served.rows)} rows answer {count} requests: the stream is out of step")
+    each: list[tuple[contract.BatchRun, ...]] = []
+    for run in served.batches:
+        each += [(run if run.rows == 1 else run._replace(rows=1),)] * run.rows
+    rows, model, version, labels = served.rows, served.model, served.version, served.labels
+    return [contract.Served(rows[at:at + 1], runs, model, version, labels, served.decode_s, served.started_ns,
+                            served.embedding_dim) for at, runs in enumerate(each)]
+
+
 def _answers_from(fields: tuple[Any, ...], segments: Sequence[bytes | bytearray | memoryview]) -> Answers:
-    """The ``Answers`` an ``_ANSWERS`` frame's fields and segments make."""
+    """The ``Answers`` an ``_ANSWERS`` frame's fields and segments make: an ``Answer`` an id."""
     ids, items, engine, routes, released = fields
     answers, rows = [], iter(segments)
     last: tuple[Any, ...] | None = None  # the last head read, and what it read as: answers that share it read it once
     read: _HeadRead | None = None
     try:
-        for head, value, error in items:
+        for head, value, error, count in items:
+            if not 0 < count <= len(ids):
+                raise EngineGone(f"an answer for {count} of {len(ids)} requests: the stream is out of step")
             if head is None:
-                answers.append(Answer(value, error, engine, routes))
+                answers += [Answer(value, error, engine, routes) for _ in range(count)]
                 continue
             if head is not last:
                 last, read = head, _read_head(head)
-            answers.append(Answer(_served(head, next(rows), read), error, engine, routes))
+            served = _served(head, next(rows), read)
+            if count == 1:
+                answers.append(Answer(served, error, engine, routes))
+            else:
+                answers += [Answer(one, error, engine, routes) for one in _one_each(served, count)]
     except StopIteration:
         raise EngineGone("answers with fewer row segments than served answers: the stream is out of step") from None
     if next(rows, None) is not None or len(answers) != len(ids):

@@ -179,7 +179,7 @@ def test_a_loop_turn_s_answers_frame_as_the_answers_message_of_their_answers_wou
     served = contract.Served(rows, (contract.BatchRun(2, 7, 2, 0.0, 0.001),), "colour", "1", wire.NO_LABELS, 0.0, 5,
                              0)
     answered = [(served, None), (None, NotFound("gone")), (contract.VersionState("colour", "1", "READY"), None)]
-    parts = wire.answers_parts([3, 1, 2], answered, 42, 9)
+    parts = wire.answers_parts([(ident, value, error) for ident, (value, error) in zip([3, 1, 2], answered)], 42, 9)
     message = wire.Answers((3, 1, 2), tuple(wire.Answer(value, error, 42, 9) for value, error in answered))
     assert b"".join(parts) == wire.frame(message)
     left, right = _pair()
@@ -204,7 +204,8 @@ def test_a_bundle_s_answers_cross_with_one_head_pickled_once_and_read_once(monke
     apart = [(contract.Served(served.rows, tuple(contract.BatchRun(*r) for r in served.batches), str(served.model),
                               str(served.version), served.labels, float(served.decode_s), served.started_ns, 0), None)
              for served, _ in answered]
-    shared, alone = (b"".join(wire.answers_parts(list(range(17)), each, 42, 9)) for each in (answered, apart))
+    shared, alone = (b"".join(wire.answers_parts([(ident, *answer) for ident, answer in enumerate(each)], 42, 9))
+                     for each in (answered, apart))
     assert len(shared) < len(alone) - 14 * 60  # a head pickles to about a hundred bytes, a memo's reference to two
     reads: list[tuple] = []
     real_read = wire._read_head
@@ -218,6 +219,46 @@ def test_a_bundle_s_answers_cross_with_one_head_pickled_once_and_read_once(monke
         assert np.array_equal(got.rows, sent.rows) and got.batches == sent.batches
         assert (got.model, got.version, got.decode_s, got.started_ns) == (sent.model, sent.version, sent.decode_s,
                                                                           sent.started_ns)
+
+
+def test_a_bundle_s_requests_of_one_connection_cross_as_one_answer_of_their_rows_each_read_as_its_own() -> None:
+    # Rows 1 to 4 of a bundle that ran in two batches (rows 0-2, 3-5) answer ids 7, 8, 9 and 5 as one head and one
+    # segment; each id reads its own row and the run it ran in, as an answer of its own would; an answer of one
+    # request beside them and an error for two more cross as before
+    batch = np.arange(24, dtype=np.float32).reshape(6, 4)
+    runs = (contract.BatchRun(3, 1, 3, 0.1, 0.01), contract.BatchRun(3, 2, 3, 0.2, 0.02))
+    bundle = contract.Served(batch, runs, "colour", "1", wire.NO_LABELS, 0.25, 5, 0)
+    part = bundle.between(1, 5)
+    assert part.batches == (contract.BatchRun(2, 1, 3, 0.1, 0.01), contract.BatchRun(2, 2, 3, 0.2, 0.02))
+    assert bundle.between(0, 6) is bundle and np.shares_memory(part.rows, batch)
+    alone = bundle.between(0, 1)
+    answered = [((7, 8, 9, 5), part, None), (3, alone, None), ((11, 12), None, NotFound("gone"))]
+    frame = b"".join(wire.answers_parts(answered, 42, 9))
+    assert frame.count(part.rows.tobytes()) == 1
+    left, right = _pair()
+    with left, right:
+        left.sendall(frame)
+        [(read, _)] = wire.FrameReader(right, (wire.Answers,)).read()
+    assert read.ids == (7, 8, 9, 5, 3, 11, 12) and [(a.engine, a.routes) for a in read.answers] == [(42, 9)] * 7
+    for at, answer in enumerate(read.answers[:4], start=1):
+        assert np.array_equal(answer.value.rows, batch[at:at + 1]) and answer.error is None
+        assert answer.value.batches == (contract.BatchRun(1, 1 if at < 3 else 2, 3, 0.1 if at < 3 else 0.2,
+                                                          0.01 if at < 3 else 0.02),)
+        assert (answer.value.model, answer.value.decode_s, answer.value.started_ns) == ("colour", 0.25, 5)
+    assert np.array_equal(read.answers[4].value.rows, batch[:1])
+    assert [(a.value, a.error.message) for a in read.answers[5:]] == [(None, "gone")] * 2
+    with pytest.raises(ValueError):  # rows that are not one for each id do not frame
+        wire.answers_parts([((1, 2), part, None)], 42, 9)
+
+
+def test_answers_for_more_or_fewer_requests_than_their_ids_end_the_stream() -> None:
+    rows = np.zeros((2, 4), dtype=np.float32)
+    served = contract.Served(rows, (contract.BatchRun(2, 1, 2, 0.0, 0.0),), "colour", "1", wire.NO_LABELS, 0.0)
+    head = wire._head(served, rows)
+    for items, segments in ((((head, None, None, 3),), [memoryview(rows).cast("B")]),  # two rows for three
+                            (((None, None, None, 0),), []), (((None, None, None, 10 ** 9),), [])):
+        with pytest.raises(wire.EngineGone):
+            wire._answers_from(((1, 2, 3), items, 42, 9, ()), segments)
 
 
 def test_alike_requests_of_one_message_cross_as_one_infer_and_others_as_their_own() -> None:
@@ -259,7 +300,8 @@ def test_answers_whose_rows_are_no_array_frame_after_a_bundle_s_as_alone() -> No
                 for rows in (batch[:1], [[1.0, 2.0, 3.0, 4.0]], batch[1:2, :2], batch[2:3])]
     left, right = _pair()
     with left, right:
-        left.sendall(b"".join(wire.answers_parts([1, 2, 3, 4], answered, 42, 9)))
+        left.sendall(b"".join(wire.answers_parts([(ident, *answer) for ident, answer in enumerate(answered, 1)],
+                                                 42, 9)))
         [(read, _)] = wire.FrameReader(right, (wire.Answers,)).read()
     for (sent, _), answer in zip(answered, read.answers, strict=True):
         assert np.array_equal(answer.value.rows, np.asarray(sent.rows))
@@ -527,12 +569,14 @@ def link(settings: Settings, predictor: Predictor, tmp_path: Path,
         joined.sent.append(message)
         real(sock, message, segments)  # type: ignore[arg-type]
 
-    def parts(ids: Sequence[int], answered: Sequence[tuple[object, Any]], engine: int, routes: int,
+    def parts(answered: Sequence[wire.Answered], engine: int, routes: int,
               released: tuple[int, ...] = ()) -> list[memoryview]:  # the engine's shared answers
+        ids: list[int] = []
+        for ident, _, _ in answered:
+            ids += ident if isinstance(ident, tuple) else (ident,)
         joined.frames.append("Answers")
-        joined.sent.append(wire.Answers(tuple(ids), tuple(wire.Answer(value, error, engine, routes)
-                                                          for value, error in answered), released))
-        return real_parts(ids, answered, engine, routes, released)
+        joined.sent.append(wire.Answers(tuple(ids), (), released))  # (what the tests read: the ids, released)
+        return real_parts(answered, engine, routes, released)
 
     real_parts = wire.answers_parts
     monkeypatch.setattr(wire, "send", counted)
@@ -764,18 +808,20 @@ def _answers_by_id(reader: wire.FrameReader, count: int) -> dict[int, wire.Answe
 
 
 def _bundles_answered(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """How many answers each bundle's ``Call.answer_each`` made, as they are made."""
+    """How many requests each bundle answered (its ``Call.answer``, a call standing for several requests, made one
+    row each), as they are answered."""
     from app.engine.call import Call
 
     made: list[int] = []
-    answer_each = Call.answer_each
+    answer = Call.answer
 
-    def counted(self: Call, *args: Any, **kwargs: Any) -> list[Any]:
-        answers = answer_each(self, *args, **kwargs)
-        made.append(len(answers))
-        return answers
+    def counted(self: Call, *args: Any, **kwargs: Any) -> Any:
+        served = answer(self, *args, **kwargs)
+        if self.requests > 1:
+            made.append(len(served.rows))
+        return served
 
-    monkeypatch.setattr(Call, "answer_each", counted)
+    monkeypatch.setattr(Call, "answer", counted)
     return made
 
 

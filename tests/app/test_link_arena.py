@@ -215,7 +215,7 @@ def test_an_offer_passes_the_arena_s_descriptor_infers_carry_where_its_images_ar
             (1, [photos[0]]), (2, [photos[1]]), (3, [photos[2]]), (4, [b"small"])]
         assert arena.held == 2
         del split  # the requests done with: 1 and 2 told released, with no answer to go with
-        wire.send_some(engine, wire.answers_parts((), (), 0, 0, mapped.take_released()))
+        wire.send_some(engine, wire.answers_parts((), 0, 0, mapped.take_released()))
     finally:
         mapped.close()
     answers = wire.FrameReader(worker, (wire.Answers,))
