@@ -14,7 +14,7 @@ import torch
 from PIL import Image, ImageOps
 
 from app.config import Settings
-from app.engine.decoding.device import check_header
+from app.engine.decoding.device import check_header, stack_pixels
 from app.engine.decoding.image import (DecodeLimits, decode_image, image_to_tensor, load_upright,
                                        open_checked)
 from app.engine.decoding.tensor import decode_tensor, image_to_tensor_path
@@ -571,3 +571,21 @@ def test_a_jfif_segment_too_short_for_pil_is_refused_on_every_path() -> None:
     for decode in (decode_tensor, decode_image, check_header):
         with pytest.raises(InvalidImage):
             decode(short, LIMITS)
+
+
+def test_a_client_s_pixel_rows_stack_as_they_are_whatever_their_buffers_types_and_layout() -> None:
+    # Rows on buffers of their own (as read from the link) stack byte for byte; rows of several types as numpy casts
+    # them; rows that are no C-contiguous buffer (a transpose) as their values
+    rng = np.random.default_rng(0)
+    rows = [np.ndarray((3, 4, 4), np.float32, bytearray(rng.standard_normal(48).astype(np.float32).tobytes()))
+            for _ in range(5)]
+    stacked = stack_pixels(rows)
+    assert stacked.shape == (5, 3, 4, 4) and stacked.dtype == torch.float32
+    assert np.array_equal(stacked.numpy(), np.stack(rows))
+    stacked[0, 0, 0, 0] = 7.0  # its own memory, writable: none of the rows changes
+    assert rows[0][0, 0, 0] != 7.0
+    mixed = [rows[0], rows[1].astype(np.float64), rows[2].astype(np.uint8)]
+    assert stack_pixels(mixed).dtype == torch.float64
+    assert np.array_equal(stack_pixels(mixed).numpy(), np.array(mixed))
+    turned = [row.transpose(0, 2, 1) for row in rows[:2]]
+    assert np.array_equal(stack_pixels(turned).numpy(), np.stack(turned))

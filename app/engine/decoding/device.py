@@ -80,8 +80,15 @@ def decode_batch(items: Sequence[Encoded], device: torch.device, transform: Tens
 def stack_pixels(items: Sequence[torch.Tensor | np.ndarray]) -> torch.Tensor:
     """Preprocessed rows as one (N, C, H, W) tensor where they are: a client's pixels (arrays) stacked by numpy,
     else every row made a tensor and stacked."""
-    if all(isinstance(item, np.ndarray) for item in items):  # one shape (the model's input): np.array stacks them
-        return torch.from_numpy(np.array(items))  # in half np.stack's time for small rows
+    if all(isinstance(item, np.ndarray) for item in items):  # one shape (the model's input)
+        dtype = items[0].dtype
+        if all(item.dtype == dtype for item in items):  # their bytes one after another: a third of np.array's time
+            try:  # for small rows, which looks at each row's shape and type
+                stacked = np.frombuffer(bytearray().join(items), dtype)  # type: ignore[arg-type]
+                return torch.from_numpy(stacked.reshape(len(items), *items[0].shape))
+            except (TypeError, BufferError):  # a row that is no C-contiguous buffer
+                pass
+        return torch.from_numpy(np.array(items))  # (rows of several types: of the one they all cast to)
     try:
         return torch.stack(items)  # type: ignore[arg-type]  # (decoded here: tensors, stacked as they are)
     except TypeError:  # arrays among them (a client's pixels beside photos decoded here)
