@@ -11,6 +11,8 @@ from collections import Counter as Tally
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     REGISTRY,
@@ -115,6 +117,12 @@ def series(metric: Any, *labels: str) -> Any:
     return found
 
 
+BUCKETED_ONE_BY_ONE = 48  # a histogram's values written together up to this many are put in their buckets one by
+# one (a bisect each); more (a busy engine's settle: a value an image since its last write) by numpy, a few calls for
+# all of them (measured: numpy 10.6 us against 12.2 at 64 values, 9.2 against 7.2 at 32; a value costs a bisect
+# about 0.16 us, numpy 0.04)
+
+
 class Increments:
     """Counters' increments and histograms' observations written together (``write``): in multiprocess mode under
     prometheus-client's one lock with one look for a fork, each value's two doubles put in its file's map directly,
@@ -145,8 +153,14 @@ class Increments:
         bounds, buckets, pairs = histogram._upper_bounds, histogram._buckets, self._pairs
         pairs.append((histogram._sum, sum(values)))  # as observe() adds them: inf and -inf make NaN, no exception
         # NaN is below no bound: observe() adds it to the sum and to no bucket
-        for index, count in Tally(bisect.bisect_left(bounds, value) for value in values if value == value).items():
-            pairs.append((buckets[index], count))
+        if len(values) <= BUCKETED_ONE_BY_ONE:
+            for index, count in Tally(bisect.bisect_left(bounds, value) for value in values if value == value).items():
+                pairs.append((buckets[index], count))
+            return
+        numbers = np.asarray(values, dtype=np.float64)
+        counts = np.bincount(np.searchsorted(bounds, numbers[numbers == numbers]))  # (bisect_left's index)
+        for index in counts.nonzero()[0].tolist():
+            pairs.append((buckets[index], int(counts[index])))
 
     def observe_times(self, histogram: Histogram, value: float, times: int) -> None:
         """``histogram.observe(value)`` ``times`` times (a labelled child): its bucket and its sum once each."""

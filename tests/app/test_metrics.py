@@ -257,6 +257,8 @@ def test_increments_written_together_land_as_one_by_one_in_the_multiprocess_file
     histograms = {way: Histogram(f"{way}_seconds", "", ["k"], buckets=(0.1, 0.5, 1.0), registry=made)
                   for way in ("one", "many")}
     values = [0.0, 0.1, 0.100001, 0.5, 0.7, 1.0, 3.0, float("inf"), -1.0, 0.05]
+    many = [value * scale for value in values for scale in (1.0, 0.5, 2.0, 0.25, 4.0, 8.0)]  # bucketed by numpy
+    assert len(many) > metrics.BUCKETED_ONE_BY_ONE >= len(values)
 
     def one_by_one() -> None:
         counters["one"].labels("a").inc(2)
@@ -264,6 +266,8 @@ def test_increments_written_together_land_as_one_by_one_in_the_multiprocess_file
         for value in values:
             histograms["one"].labels("a").observe(value)
         histograms["one"].labels("b").observe(0.3)
+        for value in many:
+            histograms["one"].labels("d").observe(value)
         for value in (0.2, 0.2, 0.2, 1.0, 1.0):  # one value many times (a bundle's decode stage)
             histograms["one"].labels("c").observe(value)
 
@@ -274,6 +278,7 @@ def test_increments_written_together_land_as_one_by_one_in_the_multiprocess_file
         writes.observe(histograms["many"].labels("a"), values)
         writes.observe(histograms["many"].labels("b"), [0.3])
         writes.observe(histograms["many"].labels("b"), [])
+        writes.observe(histograms["many"].labels("d"), many)
         writes.observe_times(histograms["many"].labels("c"), 0.2, 3)
         writes.observe_times(histograms["many"].labels("c"), 1.0, 2)  # on a bucket's bound: in that bucket
         writes.observe_times(histograms["many"].labels("c"), 0.7, 0)
@@ -307,6 +312,30 @@ def test_increments_written_together_land_as_one_by_one_in_the_multiprocess_file
     assert way("one_") == way("many_") and len(way("many_")) > 10
     assert way("many_")[("events_total", (("k", "a"),))] == 8  # both processes'
     assert way("many_")[("seconds_count", (("k", "a"),))] == 4 * len(values)
+    assert way("many_")[("seconds_count", (("k", "d"),))] == 4 * len(many)
+
+
+def test_many_values_written_together_land_in_the_buckets_one_by_one_bisect_puts_them_in(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Past BUCKETED_ONE_BY_ONE values numpy buckets them: each bucket's count as a bisect of each value makes it, on a
+    # bound in that bound's bucket, NaN in none (in the sum, as observe() adds it), infinities in the first and last
+    import numpy as np
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from app import metrics
+
+    histogram = Histogram("bucketed_seconds", "", buckets=(0.1, 0.5, 1.0), registry=CollectorRegistry())
+    rng = np.random.default_rng(0)
+    values = [*rng.uniform(-0.5, 2.0, 200).tolist(), 0.1, 0.5, 1.0, float("nan"), float("inf"), float("-inf")]
+
+    def pairs(one_by_one: int) -> dict[int, float]:
+        monkeypatch.setattr(metrics, "BUCKETED_ONE_BY_ONE", one_by_one)
+        writes = metrics.Increments()
+        writes.observe(histogram, values)
+        return {id(value): amount for value, amount in writes._pairs[1:]}
+
+    by_numpy, by_bisect = pairs(48), pairs(len(values))
+    assert by_numpy == by_bisect and sum(by_numpy.values()) == len(values) - 1
 
 
 def test_the_gpu_memory_gauges_are_read_once_a_second_at_most(monkeypatch: pytest.MonkeyPatch) -> None:
