@@ -241,3 +241,17 @@ def test_batches_figures_are_held_until_settled_then_written_as_each_batch_s_wou
     assert written == pytest.approx([2, 11, 1, 2, 0.010, 11, 10, 0.008, 0.002, 1, 0.0035])
     observer.settle()  # nothing held: nothing written again
     assert [sample(*name) - b for name, b in zip(names, before)] == pytest.approx(written)
+
+
+def test_several_batches_observed_together_add_what_their_rows_in_one_array_would() -> None:
+    # A settle hands the monitor the batches it held, each where it lies: the same labels, confidences, window and
+    # figures as their rows copied into one array, a NaN row and one batch alone included
+    nan = float("nan")
+    batches = [_rows([0, 1, 2], [0.9, 0.3, 0.8]).numpy(), np.full((1, len(LABELS)), nan, dtype=np.float32),
+               _rows([3, 3], [0.6, 0.2]).numpy()]
+    for held in (batches, batches[:1]):
+        one, apart = _monitor(window=10, min_predictions=1), _monitor(window=10, min_predictions=1)
+        together, each = one.observe(np.concatenate(held)), apart.observe_batches(held)
+        assert (each.labels, each.confidences, each.low_confidence_ratio, each.psi) == (
+            together.labels, together.confidences, together.low_confidence_ratio, together.psi)
+        assert apart.snapshot() == one.snapshot()

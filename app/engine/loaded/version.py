@@ -124,7 +124,7 @@ class LoadedVersion:
             started = time.thread_time()
             held, self._unmonitored = self._unmonitored, []
             if held:
-                seen = self.monitor.observe(held[0] if len(held) == 1 else np.concatenate(held))
+                seen = self.monitor.observe_batches(held)
                 self.observer.predictions(seen.labels, seen.confidences, seen.low_confidence_ratio, seen.psi)
             self.observer.settle(time.thread_time() - started)
 
