@@ -255,3 +255,4 @@ def test_several_batches_observed_together_add_what_their_rows_in_one_array_woul
         assert (each.labels, each.confidences, each.low_confidence_ratio, each.psi) == (
             together.labels, together.confidences, together.low_confidence_ratio, together.psi)
         assert apart.snapshot() == one.snapshot()
+    assert apart.observe_batches([]).labels == [] and apart.snapshot() == one.snapshot()  # nothing held: nothing added

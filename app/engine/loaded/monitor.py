@@ -240,6 +240,8 @@ class PredictionMonitor:
         tops = [_top_one(rows) for rows in batches]
         if len(tops) == 1:
             return self._add(*tops[0])
+        if not tops:  # (nothing held: the figures as they stand)
+            return self._add(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32))
         return self._add(np.concatenate([top for top, _ in tops]), np.concatenate([best for _, best in tops]))
 
     def _add(self, top: np.ndarray, best: np.ndarray) -> Observed:
