@@ -31,6 +31,7 @@ import functools
 import heapq
 import itertools
 import logging
+import operator
 import os
 import pickle
 import selectors
@@ -223,32 +224,38 @@ _ONE_IMAGE_ERRORS = (InvalidImage, ImageTooLarge, UnsupportedImageFormat)  # wha
 
 
 _BUNDLE = object()  # the first of a turn's key for requests that may run as a bundle (``_admit_turn``)
+_ADMISSION_OF = operator.itemgetter(1)  # of a (place, admission) pair: an admission has no equality but its identity
 
 
-def _bundles(message: wire.Infer, segments: list[wire.Segment]) -> bool:
-    """Whether a shared connection's request may run in a bundle with others alike: one image, of pixels, or
-    encoded (where the CPU decodes them, bundles of a hand-off's decoding at most: ``DecodeShares.runs``), named or
-    not (a multipart file's name: an error about its image runs it apart, with its own message: ``_run_apart``)."""
+def _one_image_of_pixels(message: wire.Infer) -> bool | None:
+    """Whether a shared connection's request of ``message`` may run in a bundle with others alike, judged by its
+    message alone: one image of pixels (True) or more (False); None for encoded images, which may when they are one
+    (its segments say: ``_alike``). Encoded ones bundle where the CPU decodes them in bundles of a hand-off's
+    decoding at most (``DecodeShares.runs``), named or not (a multipart file's name: an error about its image runs
+    it apart, with its own message: ``_run_apart``)."""
     if message.tensors:
         return len(message.tensors) == 1 and message.tensors[0][1][0] == 1
-    return len(segments) == 1
+    return None
 
 
 def _alike(turn: list[tuple[Any, wire.Infer, list[wire.Segment], int | None]]) -> dict[object, list[int]]:
     """A turn's requests by what they have alike (model, version, client key, pixels or images), each by its place
-    in the turn; those of the shared connections alike to the last detail, one image each (``_bundles``), under a key
-    of their own (its first item ``_BUNDLE``). Alike requests of a connection share their message (``Infers.split``):
-    their key is made once. A request whose fields make no key (no hash, no truth value: none an HTTP worker sends)
-    is alone, under its place."""
+    in the turn; those of the shared connections alike to the last detail, one image each, under a key of their own
+    (its first item ``_BUNDLE``). Alike requests of a connection share their message (``Infers.split``): their key,
+    and whether they may bundle (``_one_image_of_pixels``), are made once. A request whose fields make no key (no
+    hash, no truth value: none an HTTP worker sends) is alone, under its place."""
     alike: dict[object, list[int]] = {}
     seen: wire.Infer | None = None  # the last message looked at, and the lists its requests go in, once found
     together: list[int] | None = None
     bundled: list[int] | None = None
+    pixels_bundle: bool | None = None  # whether the seen message's requests may bundle (None: by their segments)
     for at, (_, message, segments, ident) in enumerate(turn):
         try:
             if message is not seen:
                 seen, together, bundled = message, None, None
-            if ident is not None and _bundles(message, segments):  # (all that makes its answer)
+                pixels_bundle = _one_image_of_pixels(message)
+            if ident is not None and (len(segments) == 1 if pixels_bundle is None else pixels_bundle):  # (all that
+                # makes its answer)
                 if bundled is None:
                     bundled = alike.setdefault((_BUNDLE, (message.model, message.version, message.client_key,
                                                           bool(message.tensors)), message.timeout_s,
@@ -764,7 +771,7 @@ class EngineServer:
                     ) -> list[_Exchange | None]:
         """The turn's requests admitted, those alike (model, version, client key, pixels or images) in one pass
         (``Service.enter_many``): each its exchange, or None (answered, or its client gone), in the turn's order; the
-        shared connections' requests alike to the last detail, one image each (``_bundles``), one exchange for all
+        shared connections' requests alike to the last detail, one image each (``_alike``), one exchange for all
         of them (``_admit_bundle``; photos the CPU decodes, one a run of ``DecodeShares.runs``), in the place of the
         first. A lone request (an engine with slack) is admitted as it comes (``Service.enter``: no grouping to pay
         for)."""
@@ -781,7 +788,7 @@ class EngineServer:
         bundles: dict[int, list[int]] = {}  # a bundle's requests, by the first one's place
         for key, ats in alike.items():
             admitted = self._enter_alike([turn[at] for at in ats], isinstance(key, tuple) and key[0] is _BUNDLE)
-            for _, run in itertools.groupby(zip(ats, admitted), key=lambda pair: id(pair[1])):
+            for _, run in itertools.groupby(zip(ats, admitted), key=_ADMISSION_OF):  # (compared as themselves)
                 together = list(run)  # an admission standing for several requests is a bundle's
                 if len(together) > 1 and isinstance(together[0][1], Admission):  # (not a refusal of them all)
                     bundles[together[0][0]] = [at for at, _ in together]
@@ -801,7 +808,7 @@ class EngineServer:
     def _enter_alike(self, reads: list[tuple[_Connection, wire.Infer, list[wire.Segment], int | None]], bundles: bool
                      ) -> Sequence[Admission | BaseException]:
         """Requests of a turn alike admitted together (``Service.enter_many``), each its admission or what refused
-        it; ``bundles``: alike to the last detail (``_bundles``), admitted as one (pixels, or photos where the
+        it; ``bundles``: alike to the last detail (``_alike``), admitted as one (pixels, or photos where the
         version decodes in its batch), or, photos the CPU decodes, as one a run of ``DecodeShares.runs``."""
         message = reads[0][1]
         bundled = bundles and len(reads) > 1
@@ -814,7 +821,7 @@ class EngineServer:
 
     def _admit_bundle(self, reads: list[tuple[_Connection, wire.Infer, list[wire.Segment], int | None]],
                       admission: Admission) -> _Exchange | None:
-        """A bundle: requests of the shared connections alike to the last detail (``_bundles``), admitted as one
+        """A bundle: requests of the shared connections alike to the last detail (``_alike``), admitted as one
         (``admission`` stands for all of them); each checked as ``_admit`` checks one (a request that fails is
         answered and leaves alone), those that pass one exchange whose images queue as one request's, each
         answered from its row on its connection (``_end_parts``)."""

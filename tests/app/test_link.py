@@ -852,6 +852,25 @@ def test_a_shared_connection_s_alike_one_image_pixel_requests_run_as_one_bundle_
     assert _outcome_counts(link)["failed"] == before["failed"] + 1
 
 
+def test_a_shared_connection_s_stack_of_pixels_runs_apart_from_the_bundle_of_its_one_image_neighbours(
+        link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
+    # requests of two rows among one-image requests alike in all else: each its own rows back, the others one bundle
+    bundles = _bundles_answered(monkeypatch)
+    two_rows = wire.Infer("colour", None, None, 5.0, "1", (3, 8, 8), tensors=(("<f4", (2, 3, 8, 8)),))
+    conn, reader = _shared_connection(link)
+    conn.settimeout(10)
+    with conn:
+        requests = [(ident, _ONE_PIXELS, [_one_colour(ident % 3)]) for ident in range(1, 5)]
+        requests[2:2] = [(5, two_rows, [_one_colour(2) + _one_colour(1)]), (6, two_rows, [_one_colour(0) * 2])]
+        wire.send(conn, *wire.infers(requests))
+        answers = _answers_by_id(reader, 6)
+    assert [answers[ident].error for ident in (5, 6)] == [None, None]
+    assert [answers[ident].value.rows.argmax(axis=1).tolist() for ident in (5, 6)] == [[2, 1], [0, 0]]
+    assert {ident: answers[ident].value.rows.argmax(axis=1).tolist() for ident in range(1, 5)} == {
+        ident: [ident % 3] for ident in range(1, 5)}
+    assert bundles == [4]
+
+
 @pytest.fixture
 def device_link(settings: Settings, predictor: Predictor, tmp_path: Path) -> Iterator[Link]:
     """``link``'s engine on the device decode path (its batches decode their JPEGs; the CPU stands for the GPU)."""

@@ -605,6 +605,7 @@ class Batcher(Generic[In, Out]):
         holds low-priority items or none (``low_ok``: it may hold them), as its first item does."""
         queue, had = self._queue, len(batch)
         pending: _Pending[In] | None = None  # the item being judged, out of the queue
+        started: Group | None = None  # the group of the last item taken (``wanted`` marked it running)
         try:
             while len(batch) < limit and queue:
                 if self._low:  # low-priority items queued (at the tail): the batch's kind is its first item's
@@ -613,8 +614,11 @@ class Batcher(Generic[In, Out]):
                         break
                     self._low -= head_low
                 pending = queue.popleft()
-                if not pending.wanted():  # a group cancelled while queued left the count at once
-                    if pending.group is None or not pending.group.cancelled():
+                group = pending.group
+                # (an item of the group taken last: that group was marked running then, so it still runs unless over)
+                unwanted = group.over if group is started and group is not None else not pending.wanted()
+                if unwanted:  # a group cancelled while queued left the count at once
+                    if group is None or not group.cancelled():
                         self._live -= 1
                 elif pending.deadline is not None and now > pending.deadline:  # marked taken by wanted(): a cancel
                     self._expired.append(pending)  # before it fails comes too late to count it out again
@@ -626,6 +630,7 @@ class Batcher(Generic[In, Out]):
                     return True
                 else:
                     batch.append(pending)
+                    started = group
                 pending = None
         except BaseException:  # (``may_run``'s fault) what this call took goes back, for the worker
             if pending is not None:
