@@ -825,39 +825,44 @@ class EngineServer:
         (``admission`` stands for all of them); each checked as ``_admit`` checks one (a request that fails is
         answered and leaves alone), those that pass one exchange whose images queue as one request's, each
         answered from its row on its connection (``_end_parts``)."""
-        first: tuple[wire.Infer, np.ndarray | None] | None = None  # the first that passed ``_checked``: its message
-        # and row, the layout the others' pixels are read in, as what they have alike was judged with it (None:
-        # encoded images, each taken as it is)
+        first: wire.Infer | None = None  # the first that passed ``_checked``: its message, and its row's layout
+        # the others' pixels are read in, as what they have alike was judged with it (-1 bytes: encoded images)
+        shape, dtype, nbytes = (), None, -1
         parts: list[_Part] = []
         images: list[wire.Segment] = []
         rows: list[np.ndarray] = []
         for read in reads:
             conn, segments, ident = read[0], read[2], read[3]
-            inputs: tuple[list[wire.Segment], list[np.ndarray]] | None = None
             if first is not None and ident not in conn.cancelled and not conn.closed and len(segments) == 1:
-                layout = first[1]
-                if layout is None:
+                if nbytes < 0:
                     conn.unadmitted.discard(ident)  # type: ignore[arg-type]
-                    inputs = segments, []
-                elif len(segments[0]) == layout.nbytes:
-                    conn.unadmitted.discard(ident)  # type: ignore[arg-type]
+                    parts.append(_Part(conn, ident, read[1], [], segments))  # type: ignore[arg-type]
+                    images += segments
+                    continue
+                if len(segments[0]) == nbytes:
                     try:
-                        inputs = [], [np.ndarray(layout.shape, layout.dtype, segments[0])]
+                        row = np.ndarray(shape, dtype, segments[0])
                     except Exception:  # noqa: BLE001 - unforeseen: never the loop's end, checked alone below
                         pass
-            if inputs is None:  # answered, or counted as gone, one by one
-                inputs = self._checked(*read, admission)
-                if inputs is None:
-                    continue
-                if first is None:
-                    first = read[1], inputs[1][0] if inputs[1] else None
+                    else:
+                        conn.unadmitted.discard(ident)  # type: ignore[arg-type]
+                        parts.append(_Part(conn, ident, read[1], [row], []))  # type: ignore[arg-type]
+                        rows.append(row)
+                        continue
+            inputs = self._checked(*read, admission)  # answered, or counted as gone, one by one
+            if inputs is None:
+                continue
+            if first is None:
+                first = read[1]
+                if inputs[1]:
+                    shape, dtype, nbytes = inputs[1][0].shape, inputs[1][0].dtype, inputs[1][0].nbytes
             parts.append(_Part(conn, ident, read[1], inputs[1], inputs[0]))  # type: ignore[arg-type]
             images += inputs[0]
             rows += inputs[1]
         if first is None:
             return None
         admission.call.requests = len(parts)  # (those answered or gone already are not its to time and count)
-        exchange = _Exchange(parts[0].conn, admission, first[0], images, rows, parts[0].ident)
+        exchange = _Exchange(parts[0].conn, admission, first, images, rows, parts[0].ident)
         if len(parts) > 1:
             exchange.parts = parts
         for part in parts:
