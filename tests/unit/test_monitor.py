@@ -84,6 +84,43 @@ def test_the_window_holds_exactly_the_last_predictions() -> None:
     assert {c.label: c.count for c in snapshot.top_classes} == dict(sorted(tally.items(), key=lambda kv: -kv[1])[:5])
 
 
+def _oldest_first(monitor: PredictionMonitor) -> list[tuple[int, bool]]:
+    """The window's predictions (class, low), oldest first, wherever its ring puts them."""
+    window = monitor._window
+    at = window._next if window.filled == window.size else 0
+    ring = list(zip(window.classes, window.low))
+    return (ring[at:] + ring[:at])[:window.filled]
+
+
+@pytest.mark.parametrize("classes, psi_bins", [(6, 20), (40, 5)])  # a bin a class; classes sharing bins
+def test_settles_of_many_rows_leave_the_window_and_figures_as_rows_added_a_few_at_a_time(classes: int,
+                                                                                          psi_bins: int) -> None:
+    # settles of up to 250 rows (a busy engine's METRICS_FLUSH_MS, some more than the window) against the same rows
+    # in settles of 1 to 5 (an idle one's): the same window, figures and snapshot after every settle
+    rng = random.Random(classes)
+    labels = [f"class{i}" for i in range(classes)]
+    together, few = (_monitor(window=100, min_predictions=1, psi_bins=psi_bins, labels=labels,
+                              reference=_reference([1 + i % 3 for i in range(classes)])) for _ in range(2))
+    history: list[int] = []
+    for _ in range(30):
+        batch = [(rng.randrange(classes), rng.choice([0.3, 0.45, 0.55, 0.9])) for _ in range(rng.randint(1, 250))]
+        seen = together.observe(_rows([c for c, _ in batch], [p for _, p in batch], classes))
+        at = 0
+        while at < len(batch):
+            step = batch[at:at + rng.randint(1, 5)]
+            alone = few.observe(_rows([c for c, _ in step], [p for _, p in step], classes))
+            at += len(step)
+        history += [c for c, _ in batch]
+        assert _oldest_first(together) == _oldest_first(few)
+        assert (together._window.class_counts, together._window.bin_counts, together._window.low_count,
+                together._window.filled) == (few._window.class_counts, few._window.bin_counts,
+                                             few._window.low_count, few._window.filled)
+        assert together._window.class_counts == torch.bincount(torch.tensor(history[-100:]),
+                                                               minlength=classes).tolist()
+        assert (seen.low_confidence_ratio, seen.psi) == pytest.approx((alone.low_confidence_ratio, alone.psi))
+    assert together.snapshot() == few.snapshot()
+
+
 def test_the_manifest_reference_reports_after_min_predictions_and_rises_when_the_mix_changes() -> None:
     monitor = _monitor(window=40, min_predictions=20, reference=_reference([20, 20, 0, 0, 0, 0]))
     same = [0, 1] * 10
