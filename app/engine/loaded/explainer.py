@@ -9,7 +9,9 @@ into its architecture. A version with neither is refused (NoGradients, 422) nami
 The class and its score are the version's own: its serving forward pass on the same pixels (its dtype, format and
 device), so an explanation names the class /predict answers with the score it answers, even where that copy's float32
 numbers differ (a bfloat16 version, an int8 package, ONNX Runtime: a near tie can go the other way there). The map
-is that copy's gradients for that class.
+is that copy's gradients for that class, in float32 throughout: a version of another dtype is explained with its
+export's float32 weights (its own copy would carry its rounded ones) on its pixels before they were rounded to its
+dtype (the device path makes a batch's pixels in the version's dtype: here in float32).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from app.engine.contract import Explanation
-from app.engine.decoding.decoders import Decoder
+from app.engine.decoding.decoders import Decoder, DeviceDecoder
 from app.engine.decoding.image import load_upright, open_checked
 from app.engine.loaded.predictor import NonFiniteOutput, Predictor
 from app.errors import BadRequest, NoGradients
@@ -39,10 +41,12 @@ def _gradient_module(predictor: Predictor) -> tuple[nn.Module, str]:
     """A module with gradients giving the version's answers, in float32 on its device, and the format it came
     from; NoGradients when the version has none."""
     manifest = predictor.manifest
-    if predictor.weights_format in EAGER_FORMATS:
+    exported = predictor.weights_dir is not None and "state_dict" in manifest.files
+    if predictor.weights_format in EAGER_FORMATS and (predictor.dtype == torch.float32 or not exported):
+        # (a version of another dtype: its export's float32 weights, where its own were rounded to that dtype)
         return copy.deepcopy(predictor.module).float().eval(), predictor.weights_format
     where = f"{manifest.name} version {manifest.version}"
-    if predictor.weights_dir is None or "state_dict" not in manifest.files:
+    if not exported:
         raise NoGradients(f"{where} serves {predictor.weights_format} weights, which have no gradients, and its "
                           f"export holds no state dict to explain with: export it again with python -m "
                           f"models.export (every export writes model.state_dict.pt)")
@@ -53,6 +57,14 @@ def _gradient_module(predictor: Predictor) -> tuple[nn.Module, str]:
     return module.to(predictor.device).eval(), "state_dict"
 
 
+def _in_float32(decoder: Decoder) -> Decoder:
+    """``decoder``, or, where it makes a batch's pixels in the version's dtype (the device path), the same decoder
+    making them in float32: the same values before that rounding, which the serving forward pass does itself."""
+    if isinstance(decoder, DeviceDecoder) and decoder.dtype != torch.float32:
+        return DeviceDecoder(decoder.limits, decoder.transform, decoder.device, torch.float32)
+    return decoder
+
+
 class Explainer:
     """Grad-CAM for one version: ``explain`` decodes an image as its requests are (its decoder: the same limits,
     path and pixels), takes the class (unless named) and its score from the version's serving forward pass (so both
@@ -61,6 +73,7 @@ class Explainer:
 
     def __init__(self, predictor: Predictor, decoder: Decoder) -> None:
         self.predictor, self.decoder, self.limits = predictor, decoder, decoder.limits
+        self.pixels = _in_float32(decoder)  # the gradients' input: its batch's pixels before the version's dtype
         self.module, self.weights = _gradient_module(predictor)
         try:
             self.layer = feature_layer(self.module, predictor.manifest.preprocess.input_shape)
@@ -77,7 +90,7 @@ class Explainer:
         if index is not None and not 0 <= index < manifest.num_classes:
             raise BadRequest(f"class_index must be from 0 to {manifest.num_classes - 1}, got {index}")
         started = time.perf_counter()
-        pixels = self.decoder.collate([self.decoder.prepare(image)])[0]  # as a request's, refused as one is
+        pixels = self.pixels.collate([self.decoder.prepare(image)])[0]  # as a request's, refused as one is
         opened = open_checked(image, self.limits)
         stored = opened.size  # before a large JPEG's reduced-scale decode, and before its EXIF turn
         photo = load_upright(opened, self.limits)
