@@ -216,7 +216,8 @@ def test_a_bfloat16_version_decoded_in_its_batch_is_explained_in_float32_as_a_fl
     # (not the bfloat16 version's rounded back) on float32 pixels (not its batch's bfloat16 ones)
     maps = {}
     for dtype in ("float32", "bfloat16"):
-        for app in _app(tiny_export, dtype=dtype, weights_format=weights_format, decode_path="device"):
+        for app in _app(tiny_export, dtype=dtype, weights_format=weights_format, decode_path="device",
+                        warmup=False):
             answer = app.test_client().post("/explain?class_index=1", data=CAT, content_type="image/jpeg")
             assert answer.status_code == 200, answer.json
             maps[dtype] = np.array(answer.json["grid"])

@@ -45,6 +45,11 @@ class Decoder:
         """Whether ``collate`` decodes ``item`` on the CPU (the others came decoded, or the device decodes them)."""
         return False
 
+    def in_float32(self) -> "Decoder":
+        """This decoder, its batches made in float32 where it makes them in the model's dtype (an explanation's
+        gradients take them before that rounding, which the serving forward pass does itself)."""
+        return self
+
 
 class PilDecoder(Decoder):
     """PIL decodes and the manifest's PIL eval transform preprocesses, in the request thread."""
@@ -96,6 +101,11 @@ class DeviceDecoder(Decoder):
     def decodes_on_host_in_batch(self, item: Prepared) -> bool:
         """An image that is not a JPEG: the batch decodes it on the CPU, then uploads it."""
         return isinstance(item, Encoded) and not item.jpeg
+
+    def in_float32(self) -> Decoder:
+        if self.dtype == torch.float32:
+            return self
+        return DeviceDecoder(self.limits, self.transform, self.device, torch.float32)
 
 
 def decode_path(setting: str, device: torch.device) -> str:

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from app.engine.contract import Explanation
-from app.engine.decoding.decoders import Decoder, DeviceDecoder
+from app.engine.decoding.decoders import Decoder
 from app.engine.decoding.image import load_upright, open_checked
 from app.engine.loaded.predictor import NonFiniteOutput, Predictor
 from app.errors import BadRequest, NoGradients
@@ -57,14 +57,6 @@ def _gradient_module(predictor: Predictor) -> tuple[nn.Module, str]:
     return module.to(predictor.device).eval(), "state_dict"
 
 
-def _in_float32(decoder: Decoder) -> Decoder:
-    """``decoder``, or, where it makes a batch's pixels in the version's dtype (the device path), the same decoder
-    making them in float32: the same values before that rounding, which the serving forward pass does itself."""
-    if isinstance(decoder, DeviceDecoder) and decoder.dtype != torch.float32:
-        return DeviceDecoder(decoder.limits, decoder.transform, decoder.device, torch.float32)
-    return decoder
-
-
 class Explainer:
     """Grad-CAM for one version: ``explain`` decodes an image as its requests are (its decoder: the same limits,
     path and pixels), takes the class (unless named) and its score from the version's serving forward pass (so both
@@ -73,7 +65,7 @@ class Explainer:
 
     def __init__(self, predictor: Predictor, decoder: Decoder) -> None:
         self.predictor, self.decoder, self.limits = predictor, decoder, decoder.limits
-        self.pixels = _in_float32(decoder)  # the gradients' input: its batch's pixels before the version's dtype
+        self.pixels = decoder.in_float32()  # the gradients' input: its batch's pixels before the version's dtype
         self.module, self.weights = _gradient_module(predictor)
         try:
             self.layer = feature_layer(self.module, predictor.manifest.preprocess.input_shape)
