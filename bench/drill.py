@@ -16,14 +16,13 @@ it, with its log. ``--only`` runs the steps named and those they need (``Step.ne
 
 Steps, most wanted first: the machine's facts; the ``-m gpu`` tests (the device decode path's pixels, EXIF turns
 included, placement, tensors, CUDA graphs against eager, the batch ceiling, the engine's loop running a graphed
-version's batches); the engine alone on the device (``bench.serving.engine_only``: its CPU per request with no HTTP
-worker beside it, its requests several to a message as HTTP workers' loops send them; its floor there, measured on
-11-29, by hand), beside it in the same rounds with its batches on the batcher's thread (ENGINE_LOOP_BATCH_MS=0:
-CUDA's only way before 11-30, the A/B of the loop's batches on CUDA); the served figures (``bench.serving.gpu``: the
-defaults in process mode with one engine and with two (ENGINES_PER_DEVICE=2), and inline, on Lite0, 1 and 16 images
-per request, C=64 and 256, and 4x overload at C=1024; each point printed as it comes), and its process-mode points
-again with every batch on the batcher's thread (the same A/B on Lite0) and with 8 HTTP workers (twice a 16-core
-host's default); the device path's batch made step by step,
+version's batches, explanations in bfloat16); the served figures (``bench.serving.gpu``: the defaults in process mode
+with one engine and with two (ENGINES_PER_DEVICE=2), and inline, on Lite0, 1 and 16 images per request, C=64 and
+256, and 4x overload at C=1024; each point printed as it comes), and its process-mode points again with 8 HTTP
+workers (twice a 16-core host's default); the engine alone on the device (``bench.serving.engine_only``: its CPU per
+request with no HTTP worker beside it, its requests several to a message as HTTP workers' loops send them; its
+floor there, measured on 11-29, by hand), beside it in the same rounds with its batches on the batcher's thread
+(ENGINE_LOOP_BATCH_MS=0, the A/B of the loop's batches on CUDA); the device path's batch made step by step,
 with CUDA's spinning wait and with blocking sync (``bench.serving.device_collate``); the engine's profile under load
 (``bench.serving.engine_profile``: py-spy on it, the interpreter lock's holder and every thread on a CPU); the engine
 alone at 1, 4 and 16 images per request with as many images in flight; the serving overhead
@@ -31,12 +30,13 @@ alone at 1, 4 and 16 images per request with as many images in flight; the servi
 workers' and the engine's CPU per request beside the bare Flask app, the budget's unit, measured on this host); the
 device path's batch made the model's input, image by image and rounded together (``bench.serving.batch_preprocess``);
 one forward pass's cost to the engine's thread at each batch size, eager and replayed as a CUDA graph
-(``bench.serving.forward_launch``); the served step's process-mode points again with the tensor decode path
-(DECODE_PATH=tensor), and with eager forward passes (CUDA_GRAPHS=false: the graphs' A/B); ``models.predict`` on CUDA
+(``bench.serving.forward_launch``); the served step's process-mode points again with a request thread per request
+(LOOP_REQUESTS=false), with the tensor decode path (DECODE_PATH=tensor), with eager forward passes
+(CUDA_GRAPHS=false: the graphs' A/B) and with every batch on the batcher's thread; ``models.predict`` on CUDA
 over a photo folder (made first, with the served step's export where it made none); last, the training feed (JPEG
 folder on the CPU and on the GPU against synthetic batches). The order follows what the last drills left to learn
-(docs/testing.md): whether the code is right on the device, then the engine's own time and the served figures with
-and without the change the CPU could not measure, then what earlier drills measured already.
+(docs/testing.md): whether the code is right on the device, then the served figures and whether the HTTP workers
+bound them (the question 12-04's drill left), then what earlier drills measured already.
 """
 from __future__ import annotations
 
@@ -125,11 +125,11 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         train = ["--archs", "efficientnet_lite0", "--batch-size", "128", "--steps", "12", "--warmup", "4"]
         photo_counts = ["--classes", "20", "--train-per-class", "60", "--val-per-class", "20"]
     on_thread = (("VISIONSERVE_ENGINE_LOOP_BATCH_MS", "0"),)  # every batch on the batcher's thread
-    variants = [("served-batcher-thread", "auto", on_thread, auto_workers),
-                ("served-more-workers", "auto", (), more_workers),
+    variants = [("served-more-workers", "auto", (), more_workers),
                 ("served-threads", "auto", (("VISIONSERVE_LOOP_REQUESTS", "false"),), auto_workers),
                 ("served-tensor", "tensor", (), auto_workers),
-                ("served-eager", "auto", (("VISIONSERVE_CUDA_GRAPHS", "false"),), auto_workers)]
+                ("served-eager", "auto", (("VISIONSERVE_CUDA_GRAPHS", "false"),), auto_workers),
+                ("served-batcher-thread", "auto", on_thread, auto_workers)]
     if smoke:  # one variant stands for both (the same command, another setting): the suite's 15 minutes
         variants = [variant for variant in variants if variant[0] == "served-tensor"]
     if not smoke:  # the engine alone also with its batches on the batcher's thread, round by round: the A/B of the
@@ -139,27 +139,25 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
                          "--decode-paths", path, "--workload", "imagenet", "--loads-only", *variant, "--workers",
                          workers, "--out", str(figures / name)), least_s=50, env=env)
         for name, path, env, workers in variants]
-    # right after the served step: what bounds one image a request on the host once the engine's loop runs its
-    # batches (the engine's hand-offs, or four HTTP workers' CPU: 1.5 ms a request on an H200, 11-29)
-    first_served = [step for step in served_variants if step.name in ("served-batcher-thread", "served-more-workers")]
+    # right after the served step: whether four HTTP workers' CPU bounds one image a request on the host (0.98-1.18
+    # ms a request on an H200, 12-04, where one engine carried 4,890 img/s at C=256), which no drill has measured yet
+    first_served = [step for step in served_variants if step.name == "served-more-workers"]
     return [
         Step("facts", 30, (py, "-c", facts), least_s=5),
         # first what says the code is right on the device: the loop's batches on CUDA among them (11-30)
         # the smoke collects the same files (its tests skip without CUDA): a file that cannot be collected fails here
         Step("gpu-tests", 130, (py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-m", "gpu",
                                 *GPU_TESTS)),
+        Step("served", 280, (py, "-m", "bench.serving.gpu", "--device", device, "--dtype", "float32", "--models",
+                             model, "--engines", *engines, "--decode-paths", "auto", "--processes",
+                             "--workload", "imagenet", *served, "--out", str(figures)), least_s=60),
+        # the served step's process-mode points again with twice the HTTP workers
+        *first_served,
         # the engine's own cost per request on the device's host, its requests several to a message as the HTTP
         # workers' loop links send them, with and without its batches on its loop (four engine starts, about 30 s
         # each on an H200; each point printed to the log as it comes)
         Step("engine", 180, (py, "-m", "bench.serving.engine_only", "--device", device, *engine, "--out",
                              str(figures)), least_s=60),
-        Step("served", 280, (py, "-m", "bench.serving.gpu", "--device", device, "--dtype", "float32", "--models",
-                             model, "--engines", *engines, "--decode-paths", "auto", "--processes",
-                             "--workload", "imagenet", *served, "--out", str(figures)), least_s=60),
-        # the served step's process-mode points again with every batch on the batcher's thread, on Lite0, whose
-        # batches hold the device longer than the engine step's model's (ENGINE_LOOP_BATCH_MS=0), then with twice
-        # the HTTP workers
-        *first_served,
         # the device path's batch made step by step (JPEGs to tensors, nvJPEG, preprocessing, a read-back), the batch
         # worker's CPU per image with CUDA's default spinning wait and with blocking sync, each in its own process
         Step("collate", 60, (py, "-m", "bench.serving.device_collate", "--device", device, *collate, "--out",
@@ -171,7 +169,7 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         # (three engine starts)
         Step("engine-by-size", 80, (py, "-m", "bench.serving.engine_only", "--device", device, *by_size, "--out",
                                     str(figures / "by-size")), least_s=40),
-        Step("overhead", 100, (py, "-m", "bench.serving.overhead", "--device", device, *overhead, "--out",
+        Step("overhead", 130, (py, "-m", "bench.serving.overhead", "--device", device, *overhead, "--out",
                                str(figures))),
         # the device path's batch made the model's input (resize, crop, normalise), image by image as before against
         # the crops rounded together: the thread's CPU and the steps per batch
@@ -182,8 +180,9 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
                               str(figures)), least_s=25),
         # the served step's process-mode points again with a request thread per request (LOOP_REQUESTS=false: the
         # HTTP workers as before 11-30), with the tensor decode path (DECODE_PATH=tensor: an engine's decode threads
-        # on every core, where the device path decodes a batch on one thread), then with eager forward passes
-        # (CUDA_GRAPHS=false): each against the served step's, on one machine, back to back
+        # on every core, where the device path decodes a batch on one thread), with eager forward passes
+        # (CUDA_GRAPHS=false), then with every batch on the batcher's thread (ENGINE_LOOP_BATCH_MS=0: 0.80-0.86x the
+        # loop's on 12-04, its points then cut short): each against the served step's, on one machine, back to back
         *(step for step in served_variants if step not in first_served),
         Step("photos", 40, (py, "-m", "demo_data", "photos", "--out", str(photos), *photo_counts), least_s=10),
         # the served step's export, made here if it made none (the step skipped, stopped, or left out by --only)
