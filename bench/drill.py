@@ -95,6 +95,7 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         by_size = ["--forms", "v2 x1", "v2 x2", "--images-in-flight", "2", "--seconds", "0.3"]
         variant = ["--engines", "inline", "--batch-sizes", "2", "--concurrency", "2", "--images-per-request", "1",
                    "--seconds", "0.5", "--warmup", "0.2"]  # inline: the cheapest to start
+        more_workers_variant = variant
         auto_workers, more_workers = "1", "2"
         launches = ["--model", model, "--dtypes", "float32", "--batch-sizes", "1", "2", "--seconds", "0.1"]
         preprocess = ["--batch-sizes", "1", "2", "--seconds", "0.05"]
@@ -117,6 +118,10 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         by_size = ["--forms", "v2 x1", "v2 x4", "v2 x16", "--images-in-flight", "64", "--seconds", "3"]
         variant = ["--engines", "process", "--batch-sizes", "64", "--concurrency", "64", "256", "--images-per-request",
                    "1", "16", "--seconds", "3", "--warmup", "1"]
+        # more HTTP workers: one image a request (16 a request left their workers idle on 12-04: 0.9 of a core in
+        # all), with one engine and with two (one engine's loop carried about what four workers sent it)
+        more_workers_variant = ["--engines", "process", "process-2", "--batch-sizes", "64", "--concurrency", "64",
+                                "256", "--images-per-request", "1", "--seconds", "3", "--warmup", "1"]
         auto_workers, more_workers = "0", "8"  # the served step's (4 on a 16-core host), and twice that
         launches = ["--model", model, "--dtypes", "float32", "--seconds", "0.3"]
         preprocess = ["--batch-sizes", "1", "8", "64", "--seconds", "0.5"]
@@ -125,20 +130,21 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         train = ["--archs", "efficientnet_lite0", "--batch-size", "128", "--steps", "12", "--warmup", "4"]
         photo_counts = ["--classes", "20", "--train-per-class", "60", "--val-per-class", "20"]
     on_thread = (("VISIONSERVE_ENGINE_LOOP_BATCH_MS", "0"),)  # every batch on the batcher's thread
-    variants = [("served-more-workers", "auto", (), more_workers),
-                ("served-threads", "auto", (("VISIONSERVE_LOOP_REQUESTS", "false"),), auto_workers),
-                ("served-tensor", "tensor", (), auto_workers),
-                ("served-eager", "auto", (("VISIONSERVE_CUDA_GRAPHS", "false"),), auto_workers),
-                ("served-batcher-thread", "auto", on_thread, auto_workers)]
+    # (name, decode path, settings, HTTP workers, the served benchmark's arguments, limit s: two engine starts more)
+    variants = [("served-more-workers", "auto", (), more_workers, more_workers_variant, 140),
+                ("served-threads", "auto", (("VISIONSERVE_LOOP_REQUESTS", "false"),), auto_workers, variant, 100),
+                ("served-tensor", "tensor", (), auto_workers, variant, 100),
+                ("served-eager", "auto", (("VISIONSERVE_CUDA_GRAPHS", "false"),), auto_workers, variant, 100),
+                ("served-batcher-thread", "auto", on_thread, auto_workers, variant, 100)]
     if smoke:  # one variant stands for both (the same command, another setting): the suite's 15 minutes
         variants = [variant for variant in variants if variant[0] == "served-tensor"]
     if not smoke:  # the engine alone also with its batches on the batcher's thread, round by round: the A/B of the
         engine += ["--with-settings", "=".join(on_thread[0])]  # loop's batches on CUDA (two more engine starts)
     served_variants = [
-        Step(name, 100, (py, "-m", "bench.serving.gpu", "--device", device, "--dtype", "float32", "--models", model,
-                         "--decode-paths", path, "--workload", "imagenet", "--loads-only", *variant, "--workers",
+        Step(name, limit_s, (py, "-m", "bench.serving.gpu", "--device", device, "--dtype", "float32", "--models", model,
+                         "--decode-paths", path, "--workload", "imagenet", "--loads-only", *args, "--workers",
                          workers, "--out", str(figures / name)), least_s=50, env=env)
-        for name, path, env, workers in variants]
+        for name, path, env, workers, args, limit_s in variants]
     # right after the served step: whether four HTTP workers' CPU bounds one image a request on the host (0.98-1.18
     # ms a request on an H200, 12-04, where one engine carried 4,890 img/s at C=256), which no drill has measured yet
     first_served = [step for step in served_variants if step.name == "served-more-workers"]
