@@ -17,26 +17,27 @@ it, with its log. ``--only`` runs the steps named and those they need (``Step.ne
 Steps, most wanted first: the machine's facts; the ``-m gpu`` tests (the device decode path's pixels, EXIF turns
 included, placement, tensors, CUDA graphs against eager, the batch ceiling, the engine's loop running a graphed
 version's batches, explanations in bfloat16); the served figures (``bench.serving.gpu``: the defaults in process mode
-with one engine and with two (ENGINES_PER_DEVICE=2), and inline, on Lite0, 1 and 16 images per request, C=64 and
-256, and 4x overload at C=1024; each point printed as it comes), and its process-mode points again with 8 HTTP
-workers (twice a 16-core host's default); the engine alone on the device (``bench.serving.engine_only``: its CPU per
-request with no HTTP worker beside it, its requests several to a message as HTTP workers' loops send them; its
-floor there, measured on 11-29, by hand), beside it in the same rounds with its batches on the batcher's thread
-(ENGINE_LOOP_BATCH_MS=0, the A/B of the loop's batches on CUDA); the device path's batch made step by step,
-with CUDA's spinning wait and with blocking sync (``bench.serving.device_collate``); the engine's profile under load
-(``bench.serving.engine_profile``: py-spy on it, the interpreter lock's holder and every thread on a CPU); the engine
-alone at 1, 4 and 16 images per request with as many images in flight; the serving overhead
-(``bench.serving.overhead`` on the device: a one-layer model and bodies that decode in microseconds, the HTTP
+with one engine and with two (ENGINES_PER_DEVICE=2), and inline, on Lite0, 1 and 16 images per request, C=64 and 256,
+and 4x overload at C=1024; each point printed as it comes), and its process-mode points again with 8 HTTP workers
+(twice a 16-core host's default); one forward pass's GPU time and launches at a few batch sizes, eager and as a CUDA
+graph, in float32 and bfloat16, contiguous and channels_last (``bench.serving.forward_launch``: the forward pass
+bounds the device path at 6,496 images a second in float32); the engine alone on the device
+(``bench.serving.engine_only``: its CPU per request with no HTTP worker beside it, its requests several to a message
+as HTTP workers' loops send them; its floor there, measured on 11-29, by hand), beside it in the same rounds with its
+batches on the batcher's thread (ENGINE_LOOP_BATCH_MS=0, the A/B of the loop's batches on CUDA); the device path's
+batch made step by step, with CUDA's spinning wait and with blocking sync (``bench.serving.device_collate``); the
+engine's profile under load (``bench.serving.engine_profile``: py-spy on it, the interpreter lock's holder and every
+thread on a CPU); the engine alone at 1, 4 and 16 images per request with as many images in flight; the serving
+overhead (``bench.serving.overhead`` on the device: a one-layer model and bodies that decode in microseconds, the HTTP
 workers' and the engine's CPU per request beside the bare Flask app, the budget's unit, measured on this host); the
 device path's batch made the model's input, image by image and rounded together (``bench.serving.batch_preprocess``);
-one forward pass's cost to the engine's thread at each batch size, eager and replayed as a CUDA graph
-(``bench.serving.forward_launch``); the served step's process-mode points again with a request thread per request
-(LOOP_REQUESTS=false), with the tensor decode path (DECODE_PATH=tensor), with eager forward passes
-(CUDA_GRAPHS=false: the graphs' A/B) and with every batch on the batcher's thread; ``models.predict`` on CUDA
-over a photo folder (made first, with the served step's export where it made none); last, the training feed (JPEG
-folder on the CPU and on the GPU against synthetic batches). The order follows what the last drills left to learn
-(docs/testing.md): whether the code is right on the device, then the served figures and whether the HTTP workers
-bound them (the question 12-04's drill left), then what earlier drills measured already.
+the served step's process-mode points again with a request thread per request (LOOP_REQUESTS=false), with the tensor
+decode path (DECODE_PATH=tensor), with eager forward passes (CUDA_GRAPHS=false: the graphs' A/B) and with every batch
+on the batcher's thread; ``models.predict`` on CUDA over a photo folder (made first, with the served step's export
+where it made none); last, the training feed (JPEG folder on the CPU and on the GPU against synthetic batches). The
+order follows what the last drills left to learn (docs/testing.md): whether the code is right on the device, then the
+served figures and whether the HTTP workers bound them and what the forward pass costs the GPU (the questions 12-04's
+drill left), then what earlier drills measured already.
 """
 from __future__ import annotations
 
@@ -97,7 +98,8 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
                    "--seconds", "0.5", "--warmup", "0.2"]  # inline: the cheapest to start
         more_workers_variant = variant
         auto_workers, more_workers = "1", "2"
-        launches = ["--model", model, "--dtypes", "float32", "--batch-sizes", "1", "2", "--seconds", "0.1"]
+        launches = ["--model", model, "--dtypes", "float32", "--memory-formats", "contiguous", "channels_last",
+                    "--batch-sizes", "1", "2", "--seconds", "0.1"]
         preprocess = ["--batch-sizes", "1", "2", "--seconds", "0.05"]
         collate = ["--batch-sizes", "2", "--seconds", "0.02"]
         profile = ["--forms", "v2 x1", "--seconds", "1", "--rate", "200"]
@@ -123,7 +125,9 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         more_workers_variant = ["--engines", "process", "process-2", "--batch-sizes", "64", "--concurrency", "64",
                                 "256", "--images-per-request", "1", "--seconds", "3", "--warmup", "1"]
         auto_workers, more_workers = "0", "8"  # the served step's (4 on a 16-core host), and twice that
-        launches = ["--model", model, "--dtypes", "float32", "--seconds", "0.3"]
+        # float32's 94 us an image at 64 bounds the device path at 6,496 img/s (12-04)
+        launches = ["--model", model, "--dtypes", "float32", "bfloat16", "--memory-formats", "contiguous",
+                    "channels_last", "--batch-sizes", "1", "8", "32", "64", "--seconds", "0.3"]
         preprocess = ["--batch-sizes", "1", "8", "64", "--seconds", "0.5"]
         collate = ["--batch-sizes", "1", "8", "32", "--seconds", "0.3"]
         profile = ["--forms", "v2 x1", "jpeg", "--seconds", "3"]
@@ -159,6 +163,10 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
                              "--workload", "imagenet", *served, "--out", str(figures)), least_s=60),
         # the served step's process-mode points again with twice the HTTP workers
         *first_served,
+        # one forward pass at a few batch sizes, eager and as a CUDA graph, in float32 and bfloat16, contiguous and
+        # channels_last: its GPU time an image (what bounds the device path short of 8,000) and its launches
+        Step("launches", 80, (py, "-m", "bench.serving.forward_launch", "--device", device, *launches, "--out",
+                              str(figures)), least_s=25),
         # the engine's own cost per request on the device's host, its requests several to a message as the HTTP
         # workers' loop links send them, with and without its batches on its loop (four engine starts, about 30 s
         # each on an H200; each point printed to the log as it comes)
@@ -181,9 +189,6 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         # the crops rounded together: the thread's CPU and the steps per batch
         Step("preprocess", 40, (py, "-m", "bench.serving.batch_preprocess", "--device", device, *preprocess, "--out",
                                 str(figures)), least_s=15),
-        # one forward's launches at each batch size, eager and as a CUDA graph: what CUDA_GRAPHS saves the engine
-        Step("launches", 60, (py, "-m", "bench.serving.forward_launch", "--device", device, *launches, "--out",
-                              str(figures)), least_s=25),
         # the served step's process-mode points again with a request thread per request (LOOP_REQUESTS=false: the
         # HTTP workers as before 11-30), with the tensor decode path (DECODE_PATH=tensor: an engine's decode threads
         # on every core, where the device path decodes a batch on one thread), with eager forward passes
