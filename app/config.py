@@ -22,6 +22,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DeviceName = str
 Dtype = Literal["float32", "float16", "bfloat16"]
+MemoryFormat = Literal["contiguous", "channels_last"]
 WeightsFormatSetting = Literal["auto", "onnx", "aoti", "int8", "torchscript", "state_dict"]
 ENV_PREFIX = "VISIONSERVE_"
 CLIENT_VARIABLES = frozenset({"VISIONSERVE_URL"})  # read by the client (python -m visionserve_client), not by the server
@@ -173,6 +174,14 @@ class DeviceSettings(SettingsGroup):
         None, ge=0, description="Set by gunicorn.conf.py, not by hand: this worker's number among the live workers "
         "(0..WORKERS-1; a restarted worker takes the free one), which places it on a GPU.")
     dtype: Dtype = Field("float32", description="Compute dtype: `float32`, `float16` (CUDA only) or `bfloat16`.")
+    memory_format: MemoryFormat = Field(
+        "contiguous", description="The layout of a version's weights and batches in its forward pass: `contiguous` "
+        "(NCHW, as exported) or `channels_last` (NHWC), whose cuDNN kernels can run depthwise convolutions, and "
+        "float16 and bfloat16 ones, faster on a GPU (`python -m bench.serving.forward_launch --memory-formats "
+        "contiguous channels_last` measures both; the same answers within float rounding). Applies to a module "
+        "that holds its weights as parameters (TorchScript, state dict; not a TorchScript frozen by `JIT_OPTIMIZE` "
+        "on the CPU, ONNX Runtime or an AOTInductor package, which keep their own): `/v1/models` says which each "
+        "version runs with.")
     torch_threads: int = Field(
         0, ge=0, description="Intra-op threads for the forward pass. 0 = auto: on the CPU half of each worker's "
         "share of the usable cores (at least 1), because request threads decode images on the others (measured: +7 "

@@ -21,17 +21,18 @@ with one engine and with two (ENGINES_PER_DEVICE=2), and inline, on Lite0, 1 and
 and 4x overload at C=1024; each point printed as it comes), and its process-mode points again with 8 HTTP workers
 (twice a 16-core host's default); one forward pass's GPU time and launches at a few batch sizes, eager and as a CUDA
 graph, in float32 and bfloat16, contiguous and channels_last (``bench.serving.forward_launch``: the forward pass
-bounds the device path at 6,496 images a second in float32); the engine alone on the device
-(``bench.serving.engine_only``: its CPU per request with no HTTP worker beside it, its requests several to a message
-as HTTP workers' loops send them; its floor there, measured on 11-29, by hand), beside it in the same rounds with its
-batches on the batcher's thread (ENGINE_LOOP_BATCH_MS=0, the A/B of the loop's batches on CUDA); the device path's
-batch made step by step, with CUDA's spinning wait and with blocking sync (``bench.serving.device_collate``); the
-engine's profile under load (``bench.serving.engine_profile``: py-spy on it, the interpreter lock's holder and every
-thread on a CPU); the engine alone at 1, 4 and 16 images per request with as many images in flight; the serving
-overhead (``bench.serving.overhead`` on the device: a one-layer model and bodies that decode in microseconds, the HTTP
-workers' and the engine's CPU per request beside the bare Flask app, the budget's unit, measured on this host); the
-device path's batch made the model's input, image by image and rounded together (``bench.serving.batch_preprocess``);
-the served step's process-mode points again with a request thread per request (LOOP_REQUESTS=false), with the tensor
+bounds the device path at 6,496 images a second in float32); its served points again with the version's weights and
+batches channels_last (MEMORY_FORMAT); the engine alone on the device (``bench.serving.engine_only``: its CPU per
+request with no HTTP worker beside it, its requests several to a message as HTTP workers' loops send them; its floor
+there, measured on 11-29, by hand), beside it in the same rounds with its batches on the batcher's thread
+(ENGINE_LOOP_BATCH_MS=0, the A/B of the loop's batches on CUDA); the device path's batch made step by step, with
+CUDA's spinning wait and with blocking sync (``bench.serving.device_collate``); the engine's profile under load
+(``bench.serving.engine_profile``: py-spy on it, the interpreter lock's holder and every thread on a CPU); the engine
+alone at 1, 4 and 16 images per request with as many images in flight; the serving overhead
+(``bench.serving.overhead`` on the device: a one-layer model and bodies that decode in microseconds, the HTTP workers'
+and the engine's CPU per request beside the bare Flask app, the budget's unit, measured on this host); the device
+path's batch made the model's input, image by image and rounded together (``bench.serving.batch_preprocess``); the
+served step's process-mode points again with a request thread per request (LOOP_REQUESTS=false), with the tensor
 decode path (DECODE_PATH=tensor), with eager forward passes (CUDA_GRAPHS=false: the graphs' A/B) and with every batch
 on the batcher's thread; ``models.predict`` on CUDA over a photo folder (made first, with the served step's export
 where it made none); last, the training feed (JPEG folder on the CPU and on the GPU against synthetic batches). The
@@ -139,7 +140,9 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
                 ("served-threads", "auto", (("VISIONSERVE_LOOP_REQUESTS", "false"),), auto_workers, variant, 100),
                 ("served-tensor", "tensor", (), auto_workers, variant, 100),
                 ("served-eager", "auto", (("VISIONSERVE_CUDA_GRAPHS", "false"),), auto_workers, variant, 100),
-                ("served-batcher-thread", "auto", on_thread, auto_workers, variant, 100)]
+                ("served-batcher-thread", "auto", on_thread, auto_workers, variant, 100),
+                ("served-channels-last", "auto", (("VISIONSERVE_MEMORY_FORMAT", "channels_last"),), auto_workers,
+                 variant, 100)]
     if smoke:  # one variant stands for both (the same command, another setting): the suite's 15 minutes
         variants = [variant for variant in variants if variant[0] == "served-tensor"]
     if not smoke:  # the engine alone also with its batches on the batcher's thread, round by round: the A/B of the
@@ -152,6 +155,8 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
     # right after the served step: whether four HTTP workers' CPU bounds one image a request on the host (0.98-1.18
     # ms a request on an H200, 12-04, where one engine carried 4,890 img/s at C=256), which no drill has measured yet
     first_served = [step for step in served_variants if step.name == "served-more-workers"]
+    # right after the forward pass's layouts: the served points with the version's weights and batches channels_last
+    after_launches = [step for step in served_variants if step.name == "served-channels-last"]
     return [
         Step("facts", 30, (py, "-c", facts), least_s=5),
         # first what says the code is right on the device: the loop's batches on CUDA among them (11-30)
@@ -167,6 +172,7 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         # channels_last: its GPU time an image (what bounds the device path short of 8,000) and its launches
         Step("launches", 80, (py, "-m", "bench.serving.forward_launch", "--device", device, *launches, "--out",
                               str(figures)), least_s=25),
+        *after_launches,
         # the engine's own cost per request on the device's host, its requests several to a message as the HTTP
         # workers' loop links send them, with and without its batches on its loop (four engine starts, about 30 s
         # each on an H200; each point printed to the log as it comes)
@@ -194,7 +200,7 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         # on every core, where the device path decodes a batch on one thread), with eager forward passes
         # (CUDA_GRAPHS=false), then with every batch on the batcher's thread (ENGINE_LOOP_BATCH_MS=0: 0.80-0.86x the
         # loop's on 12-04, its points then cut short): each against the served step's, on one machine, back to back
-        *(step for step in served_variants if step not in first_served),
+        *(step for step in served_variants if step not in first_served + after_launches),
         Step("photos", 40, (py, "-m", "demo_data", "photos", "--out", str(photos), *photo_counts), least_s=10),
         # the served step's export, made here if it made none (the step skipped, stopped, or left out by --only)
         Step("weights", 60, (py, "-c", f"from bench.paths import WORK; from bench.serving.compare import "

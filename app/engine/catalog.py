@@ -71,7 +71,8 @@ class Catalog:
         predictor, batcher = loaded.predictor, loaded.batcher
         return VersionInfo(
             manifest=predictor.manifest, weights_format=predictor.weights_format, device=str(predictor.device),
-            dtype=predictor.dtype_name, warmed_batch_sizes=list(predictor.warmed_batch_sizes),
+            dtype=predictor.dtype_name, memory_format=predictor.memory_format,
+            warmed_batch_sizes=list(predictor.warmed_batch_sizes),
             alive=batcher.is_alive(), default=default, role=role, memory_bytes=predictor.weights_bytes,
             device_memory_bytes=loaded.device_memory_bytes, monitoring=loaded.monitor.snapshot(),
             batch_cap=batcher.max_batch_size, current_max_batch_size=batcher.current_max_batch_size,

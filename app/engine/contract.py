@@ -171,6 +171,7 @@ class VersionInfo:
     weights_format: str
     device: str
     dtype: str
+    memory_format: str  # contiguous or channels_last: the layout its forward passes run in
     warmed_batch_sizes: list[int]
     alive: bool  # its batcher's thread runs
     default: bool  # requests naming no version get it

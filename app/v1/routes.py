@@ -106,7 +106,7 @@ def _model_info(settings: Settings, info: VersionInfo, ready: bool, show_labels:
     return ModelInfo(
         name=m.name, version=m.version, arch=m.arch, num_classes=m.num_classes,
         input_shape=list(m.preprocess.input_shape), preprocess=m.preprocess, format=info.weights_format,
-        device=info.device, dtype=info.dtype,
+        device=info.device, dtype=info.dtype, memory_format=info.memory_format,
         files=_file_checksums(m), metrics=m.metrics, source=m.source,
         embedding=m.embedding,
         warmed_batch_sizes=info.warmed_batch_sizes, labels=m.labels if show_labels else None,

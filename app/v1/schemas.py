@@ -1,7 +1,7 @@
 """/predict and /v1/models request and response bodies, validated with pydantic."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
@@ -180,6 +180,9 @@ class ModelInfo(BaseModel):
     format: str = Field(description="torchscript, state_dict, aoti (an AOTInductor package) or int8 (an int8 one)")
     device: str
     dtype: str
+    memory_format: Literal["contiguous", "channels_last"] = Field(
+        description="the layout of its weights and batches in the forward pass (MEMORY_FORMAT, where its weights "
+        "took it)")
     files: dict[str, str] = Field(description="sha256 of each weights file: by format, `onnx`, and each compiled "
                                   "package by its file name")
     metrics: dict[str, float]

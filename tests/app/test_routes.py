@@ -163,6 +163,7 @@ def test_the_deadline_counts_the_decode_too(client: FlaskClient, service: Servic
 def test_models_endpoint(client: FlaskClient) -> None:
     (info,) = client.get("/v1/models").get_json()["models"]
     assert info["name"] == "colour" and info["num_classes"] == 4 and info["device"] == "cpu"
+    assert info["memory_format"] == "contiguous"
     assert info["batching"]["max_batch_size"] == 4 and info["limits"]["max_images"] == 4
     assert info["warmed_batch_sizes"] == [1, 2, 3, 4] and info["ready"] is True
     assert "labels" not in info

@@ -51,13 +51,22 @@ class NonFiniteOutput(ItemsFailed):
         self.finite = finite
 
 
+def _to_channels_last(module: nn.Module) -> bool:
+    """``module``'s 4-D weights laid out channels_last (in place); whether it holds any (a frozen TorchScript module's
+    are constants, an ONNX Runtime session's are its own: neither has one)."""
+    module.to(memory_format=torch.channels_last)
+    weights = [weight for weight in module.parameters() if weight.dim() == 4]
+    return bool(weights) and all(weight.is_contiguous(memory_format=torch.channels_last) for weight in weights)
+
+
 class Predictor:
     """A model placed on its device with its manifest's transform; ``predict_batch`` returns probabilities (and,
     when the export has one, each image's embedding after them: one forward pass for both)."""
 
     def __init__(self, model: nn.Module, manifest: Manifest, *, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, weights_format: str = "eager",
-                 pad_batches: bool | None = None, weights_bytes: int | None = None, cuda_graphs: bool = False) -> None:
+                 pad_batches: bool | None = None, weights_bytes: int | None = None, cuda_graphs: bool = False,
+                 memory_format: str = "contiguous") -> None:
         problem = too_few_labels(manifest.labels)  # a manifest made in code skips its validation (a given one)
         if problem:
             raise ModelLoadError(problem)
@@ -70,6 +79,13 @@ class Predictor:
         self.transform: ImageTransform = eval_transform(manifest.preprocess)
         self.tensor_transform = TensorEvalTransform(manifest.preprocess)  # the same, on decoded tensors
         self.module = model.eval().to(device=self.device, dtype=dtype)
+        # The layout its forward passes run in: channels_last only where the module's own weights took it (a module
+        # of constants or of no parameters, as ONNX Runtime's, keeps its own), its batches then made so in _rows.
+        self.memory_format = "channels_last" if memory_format == "channels_last" and _to_channels_last(
+            self.module) else "contiguous"
+        if self.memory_format != memory_format:
+            log.info("%s keeps the contiguous layout: its %s module holds no 4-D weights to lay out as %s",
+                     self.where, weights_format, memory_format)
         # What the weights take in memory; a frozen TorchScript module holds them as graph constants, so the caller
         # measures them before freezing.
         self.weights_bytes = module_bytes(self.module) if weights_bytes is None else weights_bytes
@@ -89,17 +105,18 @@ class Predictor:
     @classmethod
     def load(cls, weights_dir: Path, *, weights_format: str = "auto", device: str = "auto",
              dtype: str = "float32", jit_optimize: bool = False, max_batch_size: int = 1,
-             threads: int = 1, cuda_graphs: bool = False) -> "Predictor":
+             threads: int = 1, cuda_graphs: bool = False, memory_format: str = "contiguous") -> "Predictor":
         """Load and verify (manifest, checksum, keys, output shape) or raise ModelLoadError. ``auto`` serves what
         was measured fastest on the device type (models/export/choose.py FASTEST_ON): the ONNX file under ONNX
         Runtime with ``threads`` intra-op threads, or a fitting AOTInductor package (float or int8); else the
         manifest's default format (models/export/load.py, shared with python -m models.predict). ``cuda_graphs``:
-        on CUDA, replay each warmed batch shape's forward pass as a CUDA graph (graphs.py)."""
+        on CUDA, replay each warmed batch shape's forward pass as a CUDA graph (graphs.py); ``memory_format``:
+        ``channels_last`` lays out the module's weights and its batches so, where it holds its weights."""
         loaded = load_model(weights_dir, weights_format=weights_format, device=device, dtype=dtype,
                             jit_optimize=jit_optimize, max_batch_size=max_batch_size, threads=threads)
         predictor = cls(loaded.module, loaded.manifest, device=loaded.device, dtype=loaded.dtype,
                         weights_format=loaded.weights_format, weights_bytes=loaded.weights_bytes,
-                        cuda_graphs=cuda_graphs)
+                        cuda_graphs=cuda_graphs, memory_format=memory_format)
         predictor.weights_dir = weights_dir
         return predictor
 
@@ -137,7 +154,10 @@ class Predictor:
     def _rows(self, batch: torch.Tensor) -> torch.Tensor:
         """The forward pass of a batch on the device in the compute dtype -> float32 softmax probabilities there,
         followed by the embedding's columns when the model answers one, of unit length in float32 (one normalised
-        in bfloat16 or float16 is off by up to about 1%: its dot products would be no cosine similarities)."""
+        in bfloat16 or float16 is off by up to about 1%: its dot products would be no cosine similarities). In
+        channels_last the batch is laid out so first (a copy on the device, inside a captured graph too)."""
+        if self.memory_format == "channels_last":
+            batch = batch.contiguous(memory_format=torch.channels_last)
         logits, embedding = split_outputs(self.module(batch))
         probabilities = logits.float().softmax(dim=1)
         if embedding is None:

@@ -122,7 +122,7 @@ class DirectorySource:
         predictor = Predictor.load(folder, weights_format=self.settings.weights_format, device=self.settings.device,
                                    dtype=self.settings.dtype, jit_optimize=self.settings.jit_optimize,
                                    max_batch_size=self.settings.batch_ceiling(device.type),
-                                   cuda_graphs=self.settings.cuda_graphs,
+                                   cuda_graphs=self.settings.cuda_graphs, memory_format=self.settings.memory_format,
                                    threads=forward_threads(self.settings.torch_threads, device,
                                                            workers=self.settings.model_processes()) or 1)
         found = (predictor.manifest.name, predictor.manifest.version)
