@@ -22,23 +22,24 @@ and 4x overload at C=1024; each point printed as it comes), and its process-mode
 (twice a 16-core host's default); one forward pass's GPU time and launches at a few batch sizes, eager and as a CUDA
 graph, in float32 and bfloat16, contiguous and channels_last (``bench.serving.forward_launch``: the forward pass
 bounds the device path at 6,496 images a second in float32); its served points again with the version's weights and
-batches channels_last (MEMORY_FORMAT); the engine alone on the device (``bench.serving.engine_only``: its CPU per
-request with no HTTP worker beside it, its requests several to a message as HTTP workers' loops send them; its floor
-there, measured on 11-29, by hand), beside it in the same rounds with its batches on the batcher's thread
-(ENGINE_LOOP_BATCH_MS=0, the A/B of the loop's batches on CUDA); the device path's batch made step by step, with
-CUDA's spinning wait and with blocking sync (``bench.serving.device_collate``); the engine's profile under load
-(``bench.serving.engine_profile``: py-spy on it, the interpreter lock's holder and every thread on a CPU); the engine
-alone at 1, 4 and 16 images per request with as many images in flight; the serving overhead
-(``bench.serving.overhead`` on the device: a one-layer model and bodies that decode in microseconds, the HTTP workers'
-and the engine's CPU per request beside the bare Flask app, the budget's unit, measured on this host); the device
-path's batch made the model's input, image by image and rounded together (``bench.serving.batch_preprocess``); the
-served step's process-mode points again with a request thread per request (LOOP_REQUESTS=false), with the tensor
-decode path (DECODE_PATH=tensor), with eager forward passes (CUDA_GRAPHS=false: the graphs' A/B) and with every batch
-on the batcher's thread; ``models.predict`` on CUDA over a photo folder (made first, with the served step's export
-where it made none); last, the training feed (JPEG folder on the CPU and on the GPU against synthetic batches). The
-order follows what the last drills left to learn (docs/testing.md): whether the code is right on the device, then the
-served figures and whether the HTTP workers bound them and what the forward pass costs the GPU (the questions 12-04's
-drill left), then what earlier drills measured already.
+batches channels_last (MEMORY_FORMAT); then with the 8,000 aim's settings together (8 HTTP workers, two engines,
+bfloat16 in channels_last); the engine alone on the device (``bench.serving.engine_only``: its CPU per request with no
+HTTP worker beside it, its requests several to a message as HTTP workers' loops send them; its floor there, measured
+on 11-29, by hand), beside it in the same rounds with its batches on the batcher's thread (ENGINE_LOOP_BATCH_MS=0, the
+A/B of the loop's batches on CUDA); the device path's batch made step by step, with CUDA's spinning wait and with
+blocking sync (``bench.serving.device_collate``); the engine's profile under load (``bench.serving.engine_profile``:
+py-spy on it, the interpreter lock's holder and every thread on a CPU); the engine alone at 1, 4 and 16 images per
+request with as many images in flight; the serving overhead (``bench.serving.overhead`` on the device: a one-layer
+model and bodies that decode in microseconds, the HTTP workers' and the engine's CPU per request beside the bare Flask
+app, the budget's unit, measured on this host); the device path's batch made the model's input, image by image and
+rounded together (``bench.serving.batch_preprocess``); the served step's process-mode points again with a request
+thread per request (LOOP_REQUESTS=false), with the tensor decode path (DECODE_PATH=tensor), with eager forward passes
+(CUDA_GRAPHS=false: the graphs' A/B) and with every batch on the batcher's thread; ``models.predict`` on CUDA over a
+photo folder (made first, with the served step's export where it made none); last, the training feed (JPEG folder on
+the CPU and on the GPU against synthetic batches). The order follows what the last drills left to learn
+(docs/testing.md): whether the code is right on the device, then the served figures and whether the HTTP workers bound
+them and what the forward pass costs the GPU (the questions 12-04's drill left), then what earlier drills measured
+already.
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from harness.processes import descendants, kill_left
 from harness.servers import DEADLINE  # a step's deadline (time.time()), as its servers wait for
@@ -78,6 +79,18 @@ class Step:
     needs: tuple[str, ...] = ()  # steps whose output it reads: run before it with --only
 
 
+class _Served(NamedTuple):
+    """A variant of the served step: its process-mode points again with other settings (a step of its own)."""
+
+    name: str
+    args: list[str]  # the served benchmark's engines, batch sizes, concurrency, images per request, seconds
+    settings: tuple[tuple[str, str], ...] = ()  # environment variables of the servers it starts
+    decode_path: str = "auto"
+    workers: str = ""  # HTTP workers ("": the served step's)
+    dtype: str = "float32"
+    limit_s: float = 100
+
+
 def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
     """The drill's steps, writing reports into ``figures`` and scratch into ``work``; ``smoke``: the same commands,
     tiny, on the CPU."""
@@ -97,7 +110,7 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         by_size = ["--forms", "v2 x1", "v2 x2", "--images-in-flight", "2", "--seconds", "0.3"]
         variant = ["--engines", "inline", "--batch-sizes", "2", "--concurrency", "2", "--images-per-request", "1",
                    "--seconds", "0.5", "--warmup", "0.2"]  # inline: the cheapest to start
-        more_workers_variant = variant
+        more_workers_variant = aim_variant = variant
         auto_workers, more_workers = "1", "2"
         launches = ["--model", model, "--dtypes", "float32", "--memory-formats", "contiguous", "channels_last",
                     "--batch-sizes", "1", "2", "--seconds", "0.1"]
@@ -126,6 +139,9 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         more_workers_variant = ["--engines", "process", "process-2", "--batch-sizes", "64", "--concurrency", "64",
                                 "256", "--images-per-request", "1", "--seconds", "3", "--warmup", "1"]
         auto_workers, more_workers = "0", "8"  # the served step's (4 on a 16-core host), and twice that
+        # the 8,000 aim's settings together: more HTTP workers, two engines, a bfloat16 forward pass in channels_last
+        aim_variant = ["--engines", "process-2", "--batch-sizes", "64", "--concurrency", "64", "256", "1024",
+                       "--images-per-request", "1", "16", "--seconds", "3", "--warmup", "1"]
         # float32's 94 us an image at 64 bounds the device path at 6,496 img/s (12-04)
         launches = ["--model", model, "--dtypes", "float32", "bfloat16", "--memory-formats", "contiguous",
                     "channels_last", "--batch-sizes", "1", "8", "32", "64", "--seconds", "0.3"]
@@ -135,28 +151,29 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
         train = ["--archs", "efficientnet_lite0", "--batch-size", "128", "--steps", "12", "--warmup", "4"]
         photo_counts = ["--classes", "20", "--train-per-class", "60", "--val-per-class", "20"]
     on_thread = (("VISIONSERVE_ENGINE_LOOP_BATCH_MS", "0"),)  # every batch on the batcher's thread
-    # (name, decode path, settings, HTTP workers, the served benchmark's arguments, limit s: two engine starts more)
-    variants = [("served-more-workers", "auto", (), more_workers, more_workers_variant, 140),
-                ("served-threads", "auto", (("VISIONSERVE_LOOP_REQUESTS", "false"),), auto_workers, variant, 100),
-                ("served-tensor", "tensor", (), auto_workers, variant, 100),
-                ("served-eager", "auto", (("VISIONSERVE_CUDA_GRAPHS", "false"),), auto_workers, variant, 100),
-                ("served-batcher-thread", "auto", on_thread, auto_workers, variant, 100),
-                ("served-channels-last", "auto", (("VISIONSERVE_MEMORY_FORMAT", "channels_last"),), auto_workers,
-                 variant, 100)]
+    channels_last = (("VISIONSERVE_MEMORY_FORMAT", "channels_last"),)
+    variants = [_Served("served-more-workers", more_workers_variant, workers=more_workers, limit_s=140),
+                _Served("served-threads", variant, (("VISIONSERVE_LOOP_REQUESTS", "false"),)),
+                _Served("served-tensor", variant, decode_path="tensor"),
+                _Served("served-eager", variant, (("VISIONSERVE_CUDA_GRAPHS", "false"),)),
+                _Served("served-batcher-thread", variant, on_thread),
+                _Served("served-channels-last", variant, channels_last),
+                _Served("served-aim", aim_variant, channels_last, workers=more_workers, dtype="bfloat16", limit_s=140)]
     if smoke:  # one variant stands for both (the same command, another setting): the suite's 15 minutes
-        variants = [variant for variant in variants if variant[0] == "served-tensor"]
+        variants = [variant for variant in variants if variant.name == "served-tensor"]
     if not smoke:  # the engine alone also with its batches on the batcher's thread, round by round: the A/B of the
         engine += ["--with-settings", "=".join(on_thread[0])]  # loop's batches on CUDA (two more engine starts)
     served_variants = [
-        Step(name, limit_s, (py, "-m", "bench.serving.gpu", "--device", device, "--dtype", "float32", "--models", model,
-                         "--decode-paths", path, "--workload", "imagenet", "--loads-only", *args, "--workers",
-                         workers, "--out", str(figures / name)), least_s=50, env=env)
-        for name, path, env, workers, args, limit_s in variants]
+        Step(v.name, v.limit_s, (py, "-m", "bench.serving.gpu", "--device", device, "--dtype", v.dtype, "--models",
+                                 model, "--decode-paths", v.decode_path, "--workload", "imagenet", "--loads-only",
+                                 *v.args, "--workers", v.workers or auto_workers, "--out", str(figures / v.name)),
+             least_s=50, env=v.settings)
+        for v in variants]
     # right after the served step: whether four HTTP workers' CPU bounds one image a request on the host (0.98-1.18
     # ms a request on an H200, 12-04, where one engine carried 4,890 img/s at C=256), which no drill has measured yet
     first_served = [step for step in served_variants if step.name == "served-more-workers"]
     # right after the forward pass's layouts: the served points with the version's weights and batches channels_last
-    after_launches = [step for step in served_variants if step.name == "served-channels-last"]
+    after_launches = [step for step in served_variants if step.name in ("served-channels-last", "served-aim")]
     return [
         Step("facts", 30, (py, "-c", facts), least_s=5),
         # first what says the code is right on the device: the loop's batches on CUDA among them (11-30)
