@@ -103,8 +103,10 @@ def serve(checkout: Path, weights: Path, sock: Path, device: str = "cpu") -> Non
 
     assert Path(sys.modules["app"].__file__).is_relative_to(checkout), "the engine runs another checkout's code"
 
+    # warmed up on CUDA only: there the warm-up captures each batch shape's forward pass as a CUDA graph and pads
+    # batches to those shapes, as a served engine does (its default); on the CPU it changes nothing but the start
     settings = Settings(weights_dir=weights, device=device, auto_batch_size=False, max_images=16,
-                        log_level="warning", warmup=False)
+                        log_level="warning", warmup=device.startswith("cuda"))
     allow_profilers()
     gc.freeze()  # what start-up imported, before the models load: as the engine process does (app/link/server.py)
     server = EngineServer(Service.build(settings, DirectorySource(settings)), sock)

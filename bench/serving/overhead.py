@@ -336,8 +336,9 @@ Start = Callable[[], Running]
 
 def starters(args: argparse.Namespace, weights: Path, logs: Path) -> dict[str, Start]:
     """How each server named in ``--servers`` (and each ``--checkout``'s process mode) starts."""
+    # warmed up on CUDA only, as served there: the warm-up captures the forward passes as CUDA graphs
     ours = {"device": args.device, "workers": str(args.workers), "auto_batch_size": "false",
-            "max_images": "16", "log_level": "warning", "warmup": "false",
+            "max_images": "16", "log_level": "warning", "warmup": str(args.device.startswith("cuda")).lower(),
             **({"max_batch_size": str(args.max_batch_size)} if args.max_batch_size else {})}
     from app.config import Settings
     from bench.serving import peers

@@ -483,3 +483,19 @@ def test_the_benchmarks_gpu_ceiling_is_the_servers_automatic_one_on_a_gpu() -> N
     from bench.serving import engine_only
 
     assert engine_only.GPU_BATCH_CEILING == AUTO_MAX_BATCH_SIZE["cuda"]
+
+
+def test_our_servers_warm_up_on_cuda_as_served_there_and_not_on_the_cpu(monkeypatch: pytest.MonkeyPatch,
+                                                                        tmp_path: Path) -> None:
+    # on CUDA the warm-up captures the forward passes as CUDA graphs: a device's figures are then the served path's
+    from bench.serving import overhead
+
+    started: list[dict[str, str]] = []
+    monkeypatch.setattr(overhead, "visionserve", lambda weights, logs, *args, **settings: started.append(settings))
+    for device in ("cpu", "cuda"):
+        args = argparse.Namespace(device=device, workers=2, max_batch_size=0, servers=["process", "inline"],
+                                  checkout=[], bare_wait_ms=0.0)
+        for start in overhead.starters(args, tmp_path, tmp_path).values():
+            start()
+    assert [(s["device"], s["engine"], s["warmup"]) for s in started] == [
+        ("cpu", "process", "false"), ("cpu", "inline", "false"), ("cuda", "process", "true"), ("cuda", "inline", "true")]
