@@ -180,8 +180,9 @@ class DeviceSettings(SettingsGroup):
         "float16 and bfloat16 ones, faster on a GPU (`python -m bench.serving.forward_launch --memory-formats "
         "contiguous channels_last` measures both; the same answers within float rounding). Applies to a module "
         "that holds its weights as parameters (TorchScript, state dict; not a TorchScript frozen by `JIT_OPTIMIZE` "
-        "on the CPU, ONNX Runtime or an AOTInductor package, which keep their own): `/v1/models` says which each "
-        "version runs with.")
+        "on the CPU, ONNX Runtime or an AOTInductor package, which keep their own) and whose forward pass takes it "
+        "(tried on one image at load; one that refuses keeps its own, with a warning): `/v1/models` says which "
+        "each version runs with.")
     torch_threads: int = Field(
         0, ge=0, description="Intra-op threads for the forward pass. 0 = auto: on the CPU half of each worker's "
         "share of the usable cores (at least 1), because request threads decode images on the others (measured: +7 "

@@ -112,8 +112,9 @@ def steps(figures: Path, work: Path, smoke: bool) -> list[Step]:
                    "--seconds", "0.5", "--warmup", "0.2"]  # inline: the cheapest to start
         more_workers_variant = aim_variant = variant
         auto_workers, more_workers = "1", "2"
+        # the state dict: on the CPU the server's choice, ONNX Runtime, keeps its own layout
         launches = ["--model", model, "--dtypes", "float32", "--memory-formats", "contiguous", "channels_last",
-                    "--batch-sizes", "1", "2", "--seconds", "0.1"]
+                    "--weights-format", "state_dict", "--batch-sizes", "1", "2", "--seconds", "0.1"]
         preprocess = ["--batch-sizes", "1", "2", "--seconds", "0.05"]
         collate = ["--batch-sizes", "2", "--seconds", "0.02"]
         profile = ["--forms", "v2 x1", "--seconds", "1", "--rate", "200"]

@@ -103,16 +103,22 @@ def serve(checkout: Path, weights: Path, sock: Path, device: str = "cpu") -> Non
 
     assert Path(sys.modules["app"].__file__).is_relative_to(checkout), "the engine runs another checkout's code"
 
-    # warmed up on CUDA only: there the warm-up captures each batch shape's forward pass as a CUDA graph and pads
-    # batches to those shapes, as a served engine does (its default); on the CPU it changes nothing but the start
-    settings = Settings(weights_dir=weights, device=device, auto_batch_size=False, max_images=16,
-                        log_level="warning", warmup=device.startswith("cuda"))
+    settings = engine_settings(Settings, weights, device)
     allow_profilers()
     gc.freeze()  # what start-up imported, before the models load: as the engine process does (app/link/server.py)
     server = EngineServer(Service.build(settings, DirectorySource(settings)), sock)
     server.bind()
     Path(f"{sock}.ready").touch()
     server.listen()
+
+
+def engine_settings(settings_class: Any, weights: Path, device: str) -> Any:
+    """The engine's settings (of ``settings_class``: the served checkout's ``Settings``): warmed up on CUDA only,
+    where the warm-up captures each batch shape's forward pass as a CUDA graph and pads batches to those shapes, and
+    lets the engine's loop run short batches, as a served engine does (its default); on the CPU it changes nothing
+    but the start."""
+    return settings_class(weights_dir=weights, device=device, auto_batch_size=False, max_images=16,
+                          log_level="warning", warmup=device.startswith("cuda"))
 
 
 def allow_profilers() -> None:

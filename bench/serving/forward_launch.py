@@ -64,33 +64,36 @@ def timed_waits(call: Callable[[], object], sync: Callable[[], None],
 MEMORY_FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last}
 
 
-def measure(weights: Path, device: str, dtypes: Sequence[str], batch_sizes: Sequence[int],
-            seconds: float, memory_formats: Sequence[str] = ("contiguous",)) -> list[dict[str, object]]:
-    """One row per dtype, memory format and batch size (see the module's docstring)."""
+def measure(weights: Path, device: str, dtypes: Sequence[str], batch_sizes: Sequence[int], seconds: float,
+            memory_formats: Sequence[str] = ("contiguous",), weights_format: str = "auto") -> list[dict[str, object]]:
+    """One row per dtype, memory format and batch size (see the module's docstring): each layout's version loaded
+    as the server loads it (``MEMORY_FORMAT``), its row named by the layout it took (a module without weights of
+    its own, as ONNX Runtime's, keeps the contiguous one)."""
     from app.engine.loaded.predictor import Predictor
 
     cuda = device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     rows: list[dict[str, object]] = []
     for dtype in dtypes:
-        predictor = Predictor.load(weights, device=device, dtype=dtype, max_batch_size=max(batch_sizes))
         first_logits: dict[int, torch.Tensor] = {}  # by batch size: the first layout's, for the others to meet
         for layout in memory_formats:
-            module = predictor.module.to(memory_format=MEMORY_FORMATS[layout])  # in place: the same module
+            predictor = Predictor.load(weights, weights_format=weights_format, device=device, dtype=dtype,
+                                       max_batch_size=max(batch_sizes), memory_format=layout)
+            module, taken = predictor.module, MEMORY_FORMATS[predictor.memory_format]
             for size in batch_sizes:
                 pixels = torch.rand(size, *predictor.manifest.preprocess.input_shape,
                                     generator=torch.Generator().manual_seed(size))  # the same in every layout
-                batch = pixels.to(predictor.device, predictor.dtype).contiguous(memory_format=MEMORY_FORMATS[layout])
-                row: dict[str, object] = {"dtype": dtype, "memory_format": layout, "batch": size,
+                batch = pixels.to(predictor.device, predictor.dtype).contiguous(memory_format=taken)
+                row: dict[str, object] = {"dtype": dtype, "memory_format": predictor.memory_format, "batch": size,
                                           "format": predictor.weights_format}
                 with torch.inference_mode():
                     logits = split_outputs(module(batch))[0].float().cpu()
                 reference = first_logits.setdefault(size, logits)
                 row["layout_max_diff"] = float((logits - reference).abs().max())
                 rows.append(_timed_row(row, module, batch, sync, seconds, cuda))
-        del predictor, module
-        if cuda:
-            torch.cuda.empty_cache()
+            del predictor, module
+            if cuda:
+                torch.cuda.empty_cache()
     return rows
 
 
@@ -139,13 +142,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--memory-formats", nargs="+", choices=sorted(MEMORY_FORMATS), default=["contiguous"],
-                        help="the module's weights and batch in each layout in turn")
+                        help="the version loaded with each MEMORY_FORMAT in turn (its weights and batch so laid out)")
+    parser.add_argument("--weights-format", default="auto", help="as WEIGHTS_FORMAT (auto: the server's choice)")
     parser.add_argument("--seconds", type=float, default=1.0, help="per point and path")
     parser.add_argument("--out", type=Path, default=WORK / "forward-launch")
     args = parser.parse_args(argv)
     weights = export_models(WORK / "weights", [args.model])[args.model]
     machine = {"device_name": device_name(torch.device(args.device)), "torch": torch.__version__}
-    rows = measure(weights, args.device, args.dtypes, args.batch_sizes, args.seconds, args.memory_formats)
+    rows = measure(weights, args.device, args.dtypes, args.batch_sizes, args.seconds, args.memory_formats,
+                   args.weights_format)
     write_report(args.out / f"forward-launch-{args.device.split(':')[0]}", machine, rows, report(rows, machine))
 
 

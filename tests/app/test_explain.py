@@ -224,6 +224,20 @@ def test_a_bfloat16_version_decoded_in_its_batch_is_explained_in_float32_as_a_fl
     assert np.allclose(maps["bfloat16"], maps["float32"], atol=1e-3), maps
 
 
+@pytest.mark.slow  # a real export (seconds)
+def test_a_channels_last_version_is_explained_as_a_contiguous_one(tiny_export: Path) -> None:
+    # MEMORY_FORMAT: the explainer's copy keeps the version's layout; its hooks and gradients give the same map
+    found = {}
+    for layout in ("contiguous", "channels_last"):
+        for app in _app(tiny_export, weights_format="state_dict", memory_format=layout, warmup=False):
+            client = app.test_client()
+            assert client.get("/v1/models").json["models"][0]["memory_format"] == layout
+            answer = client.post("/explain?class_index=1", data=CAT, content_type="image/jpeg")
+            assert answer.status_code == 200, answer.json
+            found[layout] = np.array(answer.json["grid"])
+    assert np.allclose(found["channels_last"], found["contiguous"], atol=1e-5), found
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("weights_format", ["torchscript", "state_dict"])
 def test_on_cuda_in_bfloat16_the_map_is_the_cpu_s(tiny_export: Path, weights_format: str) -> None:

@@ -62,11 +62,11 @@ def test_the_gpu_drill_runs_every_step_on_the_cpu_and_returns_what_it_wrote(tmp_
     assert [rows[0][i] for i in (0, 1, 2, 6, 10, 15)] == ["inline", "tensor", "1", "2", "0", "-"]
     assert float(rows[0][7]) > 0  # images/s
     launches = tar_text(out, "forward-launch-cpu.md")  # a forward per layout and batch size; no graph without CUDA
-    assert [line.split("|")[1:5] + line.split("|")[7:8] for line in launches.splitlines()
-            if line.startswith("| float32 |")] == [[" float32 ", " onnx ", f" {layout} ", f" {size} ", " no CUDA "]
-                                                   for layout in ("contiguous", "channels_last") for size in (1, 2)]
-    # the same pixels' logits in channels_last as in the first layout
-    assert all(float(line.split("|")[-2]) < 1e-4 for line in launches.splitlines() if line.startswith("| float32 |"))
+    rows = [line.split("|") for line in launches.splitlines() if line.startswith("| float32 |")]
+    assert [row[1:5] + row[7:8] for row in rows] == [[" float32 ", " state_dict ", f" {layout} ", f" {size} ",
+                                                      " no CUDA "] for layout in ("contiguous", "channels_last")
+                                                     for size in (1, 2)]
+    assert all(float(row[-2]) < 1e-4 for row in rows)  # the same pixels' logits in channels_last as contiguous
     preprocess = tar_text(out, "batch-preprocess-cpu.md")  # the batch made in float as on CUDA: the same values
     assert [line.split("|")[1].strip() + line.split("|")[8] for line in preprocess.splitlines()
             if re.match(r"^\| \d+ \|", line)] == ["1 0 ", "2 0 "]

@@ -499,3 +499,11 @@ def test_our_servers_warm_up_on_cuda_as_served_there_and_not_on_the_cpu(monkeypa
             start()
     assert [(s["device"], s["engine"], s["warmup"]) for s in started] == [
         ("cpu", "process", "false"), ("cpu", "inline", "false"), ("cuda", "process", "true"), ("cuda", "inline", "true")]
+
+
+def test_the_engine_alone_warms_up_on_cuda_as_served_there_and_not_on_the_cpu(tmp_path: Path) -> None:
+    from app.config import Settings
+    from bench.serving.engine_only import engine_settings
+
+    assert [engine_settings(Settings, tmp_path, device).warmup for device in ("cpu", "cuda", "cuda:1")] == [
+        False, True, True]

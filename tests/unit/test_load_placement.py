@@ -64,11 +64,43 @@ def test_in_channels_last_the_weights_and_batches_take_the_layout_and_the_answer
                                rtol=0, atol=1e-5)
 
 
+class _FlatView(torch.nn.Module):
+    """A convolution whose feature map is viewed as flat (``view``: no channels_last tensor can be), and a 3-D
+    convolution beside it (``spare``: weights of rank 5, which the layout refuses) when asked."""
+
+    def __init__(self, spare: bool) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.head = torch.nn.Linear(4 * 8 * 8, 4)
+        self.spare = torch.nn.Conv3d(1, 1, 1) if spare else None
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        features = self.conv(batch)
+        return self.head(features.view(features.shape[0], -1))
+
+
+@pytest.mark.parametrize("spare", [False, True])
+def test_a_module_that_refuses_the_layout_keeps_its_own_serves_and_the_log_says_why(
+        spare: bool, caplog: pytest.LogCaptureFixture) -> None:
+    from app.engine.loaded.predictor import Predictor
+    from tests.support.fakes import tiny_manifest
+
+    model = _FlatView(spare)
+    with caplog.at_level(logging.WARNING, logger="app.engine.loaded.predictor"):
+        predictor = Predictor(model, tiny_manifest(), device="cpu", memory_format="channels_last")
+    assert predictor.memory_format == "contiguous" and "keeps the contiguous layout" in caplog.text
+    assert _laid_out_channels_last(model) == {False}  # its weights as they were
+    batch = torch.rand(3, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        expected = model(batch).softmax(dim=1)
+    torch.testing.assert_close(predictor.predict_batch(batch), expected, rtol=0, atol=1e-6)
+
+
 def test_a_module_of_constants_keeps_the_contiguous_layout_and_the_log_says_so(
         small_weights: Path, caplog: pytest.LogCaptureFixture) -> None:
     from app.engine.loaded.predictor import Predictor
 
-    with caplog.at_level(logging.INFO, logger="app.engine.loaded.predictor"):
+    with caplog.at_level(logging.WARNING, logger="app.engine.loaded.predictor"):
         frozen = Predictor.load(small_weights, weights_format="torchscript", device="cpu", jit_optimize=True,
                                 memory_format="channels_last")  # JIT_OPTIMIZE on the CPU: weights become constants
     assert frozen.memory_format == "contiguous" and not list(frozen.module.parameters())

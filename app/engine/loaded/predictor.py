@@ -51,12 +51,22 @@ class NonFiniteOutput(ItemsFailed):
         self.finite = finite
 
 
-def _to_channels_last(module: nn.Module) -> bool:
-    """``module``'s 4-D weights laid out channels_last (in place); whether it holds any (a frozen TorchScript module's
-    are constants, an ONNX Runtime session's are its own: neither has one)."""
-    module.to(memory_format=torch.channels_last)
+def _to_channels_last(module: nn.Module, example: torch.Tensor) -> str | None:
+    """``module``'s 4-D weights laid out channels_last (in place), tried on ``example`` (one image laid out so): None
+    when it took them and answers, else why not, the module as it was (a frozen TorchScript module's weights are
+    constants, an ONNX Runtime session's its own: neither has any; a module that views a feature map as flat, or
+    holds weights of another rank, refuses the layout)."""
     weights = [weight for weight in module.parameters() if weight.dim() == 4]
-    return bool(weights) and all(weight.is_contiguous(memory_format=torch.channels_last) for weight in weights)
+    if not weights:
+        return "its module holds no 4-D weights to lay out"
+    try:
+        module.to(memory_format=torch.channels_last)
+        with torch.inference_mode():
+            module(example.contiguous(memory_format=torch.channels_last))
+    except Exception as exc:  # noqa: BLE001 - the version still serves, in the layout it was exported in
+        module.to(memory_format=torch.contiguous_format)
+        return f"its forward pass refused it: {type(exc).__name__}: {exc}"[:300]
+    return None
 
 
 class Predictor:
@@ -79,13 +89,17 @@ class Predictor:
         self.transform: ImageTransform = eval_transform(manifest.preprocess)
         self.tensor_transform = TensorEvalTransform(manifest.preprocess)  # the same, on decoded tensors
         self.module = model.eval().to(device=self.device, dtype=dtype)
-        # The layout its forward passes run in: channels_last only where the module's own weights took it (a module
-        # of constants or of no parameters, as ONNX Runtime's, keeps its own), its batches then made so in _rows.
-        self.memory_format = "channels_last" if memory_format == "channels_last" and _to_channels_last(
-            self.module) else "contiguous"
-        if self.memory_format != memory_format:
-            log.info("%s keeps the contiguous layout: its %s module holds no 4-D weights to lay out as %s",
-                     self.where, weights_format, memory_format)
+        # The layout its forward passes run in: channels_last only where the module's own weights took it and its
+        # forward pass answers so (else it keeps its own, saying why), its batches then made so (``_laid_out``).
+        self.memory_format = "contiguous"
+        if memory_format == "channels_last":
+            refused = _to_channels_last(self.module, torch.zeros(1, *manifest.preprocess.input_shape,
+                                                                 device=self.device, dtype=dtype))
+            if refused is None:
+                self.memory_format = "channels_last"
+            else:
+                log.warning("%s keeps the contiguous layout, not %s (MEMORY_FORMAT): %s", self.where, memory_format,
+                            refused)
         # What the weights take in memory; a frozen TorchScript module holds them as graph constants, so the caller
         # measures them before freezing.
         self.weights_bytes = module_bytes(self.module) if weights_bytes is None else weights_bytes
@@ -154,11 +168,8 @@ class Predictor:
     def _rows(self, batch: torch.Tensor) -> torch.Tensor:
         """The forward pass of a batch on the device in the compute dtype -> float32 softmax probabilities there,
         followed by the embedding's columns when the model answers one, of unit length in float32 (one normalised
-        in bfloat16 or float16 is off by up to about 1%: its dot products would be no cosine similarities). In
-        channels_last the batch is laid out so first (a copy on the device, inside a captured graph too)."""
-        if self.memory_format == "channels_last":
-            batch = batch.contiguous(memory_format=torch.channels_last)
-        logits, embedding = split_outputs(self.module(batch))
+        in bfloat16 or float16 is off by up to about 1%: its dot products would be no cosine similarities)."""
+        logits, embedding = split_outputs(self.module(batch))  # laid out by its caller (``_laid_out``)
         probabilities = logits.float().softmax(dim=1)
         if embedding is None:
             return probabilities
@@ -189,7 +200,7 @@ class Predictor:
             batch = torch.cat([batch, batch.new_zeros(size - rows, *batch.shape[1:])])  # on the device
         try:
             with torch.inference_mode():
-                return self._rows(batch.to(dtype=self.dtype))[:rows].cpu()
+                return self._rows(self._laid_out(batch, self.dtype))[:rows].cpu()
         except torch.cuda.OutOfMemoryError:
             if self.device.type == "cuda":
                 release_cached_memory(wait=False)  # the smaller retry gets the cached blocks, unless a capture runs
@@ -230,14 +241,20 @@ class Predictor:
         log.info("warmed up batch sizes %s in %.2fs", self.warmed_batch_sizes, time.perf_counter() - started)
         return {size: size / max(seconds, 1e-9) for size, seconds in fastest.items()}
 
+    def _laid_out(self, batch: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``batch`` in the version's layout (and ``dtype``, in the same copy): as it is when it is so already, and in
+        the contiguous layout whatever its strides (the forward passes before MEMORY_FORMAT)."""
+        layout = torch.channels_last if self.memory_format == "channels_last" else torch.preserve_format
+        return batch.to(dtype=dtype or batch.dtype, memory_format=layout)
+
     def _capture_graphs(self, sizes: list[int]) -> None:
         """Capture the forward pass of each of ``sizes`` as a graph, the largest first (they share its memory); if
         one cannot be captured the forward passes stay eager, and the log says why."""
         assert self.graphs is not None
         try:
             for size in sorted(sizes, reverse=True):
-                self.graphs.capture(torch.zeros(size, *self.manifest.preprocess.input_shape, device=self.device,
-                                                dtype=self.dtype))
+                self.graphs.capture(self._laid_out(torch.zeros(  # a replay's copy into it lays its batch out
+                    size, *self.manifest.preprocess.input_shape, device=self.device, dtype=self.dtype)))
         except Exception as exc:  # noqa: BLE001 - a module capture refuses still serves, eagerly
             log.warning("%s %s: forward passes stay eager: CUDA graph capture failed: %s", self.manifest.name,
                         self.manifest.version, exc)
