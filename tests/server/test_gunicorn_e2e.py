@@ -138,7 +138,7 @@ def test_sigterm_to_make_serve_stops_gunicorn(small_weights: Path, tmp_path: Pat
     # forwarded SIGTERM reaches gunicorn itself instead of a shell that would leave it running on the port.
     url = f"http://127.0.0.1:{free_port()}"
     env = {**os.environ, "VISIONSERVE_BIND": url.removeprefix("http://"), "VISIONSERVE_DEVICE": "cpu",
-           "VISIONSERVE_LOG_LEVEL": "warning", "VISIONSERVE_WARMUP": "false"}
+           "VISIONSERVE_LOG_LEVEL": "warning", "VISIONSERVE_WARMUP": "false", "VISIONSERVE_WORKERS": "1"}
     log = (tmp_path / "make.log").open("w")
     make = subprocess.Popen(["make", "--no-print-directory", "serve", f"WEIGHTS_DIR={small_weights}"], cwd=ROOT,
                             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
