@@ -242,8 +242,8 @@ class Predictor:
         return {size: size / max(seconds, 1e-9) for size, seconds in fastest.items()}
 
     def _laid_out(self, batch: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``batch`` in the version's layout (and ``dtype``, in the same copy): as it is when it is so already, and in
-        the contiguous layout whatever its strides (the forward passes before MEMORY_FORMAT)."""
+        """``batch`` in ``dtype`` and, in channels_last, laid out so, in one copy (none when nothing changes); in the
+        contiguous layout, the default, its strides as they come, as before MEMORY_FORMAT."""
         layout = torch.channels_last if self.memory_format == "channels_last" else torch.preserve_format
         return batch.to(dtype=dtype or batch.dtype, memory_format=layout)
 
