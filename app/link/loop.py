@@ -254,8 +254,8 @@ def _alike(turn: list[tuple[Any, wire.Infer, list[wire.Segment], int | None]]) -
             if message is not seen:
                 seen, together, bundled = message, None, None
                 pixels_bundle = _one_image_of_pixels(message)
-            if ident is not None and (len(segments) == 1 if pixels_bundle is None else pixels_bundle):  # (all that
-                # makes its answer)
+            # (all that makes its answer)
+            if ident is not None and (len(segments) == 1 if pixels_bundle is None else pixels_bundle):
                 if bundled is None:
                     bundled = alike.setdefault((_BUNDLE, (message.model, message.version, message.client_key,
                                                           bool(message.tensors)), message.timeout_s,

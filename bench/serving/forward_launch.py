@@ -24,10 +24,11 @@ import json
 import platform
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Sequence, get_args
 
 import torch
 
+from app.config import MemoryFormat
 from app.engine.loaded.graphs import cuda_capture
 from bench.serving.compare import export_models
 from models.architectures import split_outputs
@@ -61,9 +62,6 @@ def timed_waits(call: Callable[[], object], sync: Callable[[], None],
     return in_call / calls * 1e6, with_wait / calls * 1e6, wall / calls * 1e6, calls
 
 
-MEMORY_FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last}
-
-
 def measure(weights: Path, device: str, dtypes: Sequence[str], batch_sizes: Sequence[int], seconds: float,
             memory_formats: Sequence[str] = ("contiguous",), weights_format: str = "auto") -> list[dict[str, object]]:
     """One row per dtype, memory format and batch size (see the module's docstring): each layout's version loaded
@@ -79,11 +77,11 @@ def measure(weights: Path, device: str, dtypes: Sequence[str], batch_sizes: Sequ
         for layout in memory_formats:
             predictor = Predictor.load(weights, weights_format=weights_format, device=device, dtype=dtype,
                                        max_batch_size=max(batch_sizes), memory_format=layout)
-            module, taken = predictor.module, MEMORY_FORMATS[predictor.memory_format]
+            module = predictor.module
             for size in batch_sizes:
                 pixels = torch.rand(size, *predictor.manifest.preprocess.input_shape,
                                     generator=torch.Generator().manual_seed(size))  # the same in every layout
-                batch = pixels.to(predictor.device, predictor.dtype).contiguous(memory_format=taken)
+                batch = predictor._laid_out(pixels.to(predictor.device), predictor.dtype)  # as served
                 row: dict[str, object] = {"dtype": dtype, "memory_format": predictor.memory_format, "batch": size,
                                           "format": predictor.weights_format}
                 with torch.inference_mode():
@@ -141,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--model", default="efficientnet_lite0", choices=("efficientnet_lite0", "mobilenet_v3_small"))
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 64])
-    parser.add_argument("--memory-formats", nargs="+", choices=sorted(MEMORY_FORMATS), default=["contiguous"],
+    parser.add_argument("--memory-formats", nargs="+", choices=get_args(MemoryFormat), default=["contiguous"],
                         help="the version loaded with each MEMORY_FORMAT in turn (its weights and batch so laid out)")
     parser.add_argument("--weights-format", default="auto", help="as WEIGHTS_FORMAT (auto: the server's choice)")
     parser.add_argument("--seconds", type=float, default=1.0, help="per point and path")
