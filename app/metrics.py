@@ -62,8 +62,10 @@ STAGE_SECONDS = Histogram("visionserve_stage_duration_seconds", "Time per stage:
 # CPU time of the thread doing the stage (time.thread_time): set against the wall-time histograms above it shows
 # time spent waiting for a core, and against the process's whole CPU what HTTP and Python cost per request.
 STAGE_CPU_SECONDS = Counter("visionserve_stage_cpu_seconds", "CPU seconds of the thread running each stage: decode "
-                            "(request threads), inference (the thread running the batch: collate, forward pass, "
-                            "monitor) and forward (the forward pass alone, a part of inference)", ["stage"])
+                            "(a request's images where it is prepared, and a batch's where it is made: the device "
+                            "path decodes there, a part of inference then), inference (the thread running the batch: "
+                            "collate, forward pass, monitor) and forward (the forward pass alone, a part of "
+                            "inference)", ["stage"])
 BATCH_SIZE = Histogram("visionserve_batch_size", "Images per forward pass", buckets=_BATCH_BUCKETS)
 QUEUE_DEPTH = Gauge("visionserve_queue_depth", "Images waiting for the inference worker", ["model", "version"],
                     multiprocess_mode="livesum")
@@ -224,6 +226,7 @@ class _HeldBatches:
     forward_s: list[float] = field(default_factory=list)
     cpu_s: float = 0.0
     forward_cpu_s: float = 0.0
+    decode_cpu_s: float = 0.0  # the images a batch decoded as it was made (the device path's)
 
 
 # The GPU memory gauges' freshness: torch.cuda.memory_allocated and memory_reserved each build the allocator's whole
@@ -266,8 +269,8 @@ class MetricsObserver:
         self._predicted: dict[str, Counter] = {}
         self._figures_lock = threading.Lock()  # a batch's figures never land after the version's retire()
         self._figures: dict[Gauge, Gauge] = {}  # each figure's series, once it was set
-        self._forward: tuple[float, float] | None = None  # the running batch's forward pass (one batch runs at a
-        # time): its wall time and CPU
+        self._forward: tuple[float, float, float] | None = None  # the running batch's forward pass (one batch runs
+        # at a time): its wall time and CPU, and its images' decoding's CPU as it was made
         self._held_lock = threading.Lock()
         self._held = _HeldBatches()  # the batches' figures since the last settle
         self._serving = 0  # 1 from ``serving`` to ``retire``: this copy counted in _SERVING
@@ -336,10 +339,11 @@ class MetricsObserver:
                         figure = self._figures[gauge] = gauge.labels(*self._labels)
                     figure.set(value)
 
-    def forward_ran(self, wall_s: float, cpu_s: float) -> None:
-        """The wall time and CPU of the forward pass of the batch running now, counted with it when it is done
-        (``batch_done``: a canary's or a shadow's pass, which is no request's batch, is not)."""
-        self._forward = (wall_s, cpu_s)
+    def forward_ran(self, wall_s: float, cpu_s: float, decode_cpu_s: float = 0.0) -> None:
+        """The wall time and CPU of the forward pass of the batch running now, and the CPU of decoding its images as
+        it was made (the device path's), counted with it when it is done (``batch_done``: a canary's or a shadow's
+        pass, which is no request's batch, is not)."""
+        self._forward = (wall_s, cpu_s, decode_cpu_s)
 
     def batch_done(self, size: int, run_s: float, queued_s: Sequence[float], cpu_s: float) -> None:
         """Hold one batch's figures for ``settle``: its size, its time, its thread's CPU and its forward pass's
@@ -354,6 +358,7 @@ class MetricsObserver:
             if forward is not None:
                 held.forward_s.append(forward[0])
                 held.forward_cpu_s += forward[1]
+                held.decode_cpu_s += forward[2]
 
     def settle(self, accounting_cpu_s: float = 0.0) -> None:
         """Write the batches' figures held since the last call; ``accounting_cpu_s``: the CPU their monitoring took
@@ -369,6 +374,8 @@ class MetricsObserver:
             if held.forward_s:
                 writes.observe(series(STAGE_SECONDS, "forward"), held.forward_s)
                 writes.inc(series(STAGE_CPU_SECONDS, "forward"), held.forward_cpu_s)
+            if held.decode_cpu_s:
+                writes.inc(series(STAGE_CPU_SECONDS, "decode"), held.decode_cpu_s)
             writes.observe(series(STAGE_SECONDS, "queue"), held.queued_s)
             writes.write()
         if self._memory_stats is not None and (now := time.monotonic()) - self._memory_read_at >= MEMORY_READ_S:

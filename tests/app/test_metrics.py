@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pytest
 import requests
 from flask.testing import FlaskClient
@@ -144,6 +145,32 @@ def test_metrics_count_requests_batches_and_rejections(client: FlaskClient) -> N
     seconds = {key: value - before.get(key, 0.0) for key, value in _stage_seconds(text).items()}
     assert seconds["count", "forward"] == seconds["count", "inference"] >= 1
     assert 0 < seconds["sum", "forward"] <= seconds["sum", "inference"]
+
+
+def test_a_batch_that_decodes_its_images_as_it_is_made_counts_that_as_their_decode(settings: Settings,
+                                                                                    predictor: Predictor) -> None:
+    # The device path decodes a batch's JPEGs as the batch is made (on the CPU here, nvJPEG on a GPU): that CPU is
+    # the images' decode stage, told with the forward pass; a batch of a client's pixels decodes nothing
+    class Told:
+        def __init__(self) -> None:
+            self.forward_passes: list[tuple[float, float, float]] = []
+
+        def forward_ran(self, wall_s: float, cpu_s: float, decode_cpu_s: float = 0.0) -> None:
+            self.forward_passes.append((wall_s, cpu_s, decode_cpu_s))
+
+    app = create_app(settings.model_copy(update={"decode_path": "device"}), predictor)
+    try:
+        version = app.extensions[EXTENSION_KEY].loaded_version()
+        told = Told()
+        version.observer = told
+        photos = [version.decoder.prepare(image_bytes(RED, size=(400, 300))) for _ in range(4)]
+        version.run_batch(photos)
+        pixels = version.run_batch([np.zeros(predictor.manifest.preprocess.input_shape, np.float32)])
+        assert pixels.shape[0] == 1
+        (_, _, photos_decode_s), (_, _, pixels_decode_s) = told.forward_passes
+        assert photos_decode_s > 0 and pixels_decode_s == 0
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 
 
 def test_many_values_observed_at_once_land_as_one_by_one(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ Preprocessed pixels a client sent (V2 FP32) skip ``prepare`` and join the same b
 """
 from __future__ import annotations
 
+import itertools
 from typing import Sequence, Union
 
 import numpy as np
@@ -43,6 +44,10 @@ class Decoder:
 
     def decodes_on_host_in_batch(self, item: Prepared) -> bool:
         """Whether ``collate`` decodes ``item`` on the CPU (the others came decoded, or the device decodes them)."""
+        return False
+
+    def decodes_in_batch(self, items: Sequence[Prepared]) -> bool:
+        """Whether ``collate`` decodes any of ``items`` (then making their batch is their decode stage's work)."""
         return False
 
     def in_float32(self) -> "Decoder":
@@ -101,6 +106,10 @@ class DeviceDecoder(Decoder):
     def decodes_on_host_in_batch(self, item: Prepared) -> bool:
         """An image that is not a JPEG: the batch decodes it on the CPU, then uploads it."""
         return isinstance(item, Encoded) and not item.jpeg
+
+    def decodes_in_batch(self, items: Sequence[Prepared]) -> bool:
+        """Encoded images among them (a client's pixels alone are stacked and copied, no decode)."""
+        return any(map(isinstance, items, itertools.repeat(Encoded)))
 
     def in_float32(self) -> Decoder:
         if self.dtype == torch.float32:

@@ -95,24 +95,29 @@ class LoadedVersion:
             return self._run_batch(prepared)
 
     def _run_batch(self, prepared: Sequence[Prepared]) -> np.ndarray:
+        decoding = self.decoder.decodes_in_batch(prepared)  # then making the batch is its images' decode stage
+        making_cpu = time.thread_time() if decoding else 0.0
         batch = self.decoder.collate(prepared)
         device = self.predictor.device
         made = device_mark(device)  # on a GPU the batch's making may still run there: the forward's time starts after
         started, cpu_started = time.perf_counter(), time.thread_time()
+        decode_cpu_s = cpu_started - making_cpu if decoding else 0.0
         try:
             rows = self.predictor.predict_batch(batch).numpy()
         except NonFiniteOutput as failed:  # its finite rows are answered (the batcher), so they are monitored too
-            self._ran(made, started, cpu_started, failed.outputs[failed.finite])
+            self._ran(made, started, cpu_started, failed.outputs[failed.finite], decode_cpu_s)
             raise
-        self._ran(made, started, cpu_started, rows)
+        self._ran(made, started, cpu_started, rows, decode_cpu_s)
         return rows
 
-    def _ran(self, made: object, started: float, cpu_started: float, answered: np.ndarray) -> None:
-        """A forward pass's time to the metrics, and the rows it answers to the drift monitor's next settle."""
+    def _ran(self, made: object, started: float, cpu_started: float, answered: np.ndarray,
+             decode_cpu_s: float) -> None:
+        """A forward pass's time and its batch's decoding's CPU (the device path's) to the metrics, and the rows it
+        answers to the drift monitor's next settle."""
         cpu_s = time.thread_time() - cpu_started
         device = self.predictor.device
         wall_s = time.perf_counter() - started if made is None else device_seconds_since(made, device)
-        self.observer.forward_ran(wall_s, cpu_s)
+        self.observer.forward_ran(wall_s, cpu_s, decode_cpu_s)
         if self.serving.is_set() and len(answered):
             with self._settling:
                 self._unmonitored.append(answered[:, :self.predictor.num_classes])
