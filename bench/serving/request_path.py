@@ -37,13 +37,16 @@ class RequestPathResult:
     """CPU per image of the request path in process, and the server's stage counters' share of it."""
 
     cpu_ms_per_image: float  # the whole process (request, batch worker and every other thread) per image answered
-    decode_ms: float  # decode + preprocess (the request thread's stage counter)
-    forward_ms: float  # the forward pass with its batch's collation, softmax and monitor (the batch's counter)
+    decode_ms: float  # decode + preprocess (the decode stage's counter: the request thread's, and the batch's where
+    # the device path decodes it)
+    forward_ms: float  # the forward pass and its softmax (the forward stage's counter; the batch's collation and the
+    # monitor are in the rest: the inference stage's counter would count a batch's decode twice on the device path)
     images: int  # images the timed passes answered (the batch-size counter's sum)
 
     @property
     def rest_ms(self) -> float:
-        """Routing, parsing, Flask, metrics, the answer and the hand-offs: what is neither decode nor forward."""
+        """Routing, parsing, Flask, metrics, the batch's collation, the monitor, the answer and the hand-offs: what is
+        neither decode nor forward."""
         return self.cpu_ms_per_image - self.decode_ms - self.forward_ms
 
     def images_per_s(self, cores: int) -> float:
@@ -74,7 +77,7 @@ def _counters() -> dict[str, float]:
     from app.metrics import BATCH_SIZE, STAGE_CPU_SECONDS
 
     return {"images": BATCH_SIZE._sum.get(),
-            **{stage: STAGE_CPU_SECONDS.labels(stage)._value.get() for stage in ("decode", "inference")}}
+            **{stage: STAGE_CPU_SECONDS.labels(stage)._value.get() for stage in ("decode", "forward")}}
 
 
 def _measure(weights: Path, workers: int, bodies: Sequence[bytes], content_type: str, rounds: int,
@@ -125,7 +128,7 @@ def _timed_passes(bodies: Sequence[bytes], content_type: str, rounds: int) -> di
     images = after["images"] - before["images"]
     return {"cpu_ms_per_image": 1000 * cpu_s / images, "images": int(images),
             "decode_ms": 1000 * (after["decode"] - before["decode"]) / images,
-            "forward_ms": 1000 * (after["inference"] - before["inference"]) / images}
+            "forward_ms": 1000 * (after["forward"] - before["forward"]) / images}
 
 
 def request_path(weights: Path, workers: int, bodies: Sequence[bytes], content_type: str = "application/json",
