@@ -341,8 +341,8 @@ class MetricsObserver:
 
     def forward_ran(self, wall_s: float, cpu_s: float, decode_cpu_s: float = 0.0) -> None:
         """The wall time and CPU of the forward pass of the batch running now, and the CPU of decoding its images as
-        it was made (the device path's), counted with it when it is done (``batch_done``: a canary's or a shadow's
-        pass, which is no request's batch, is not)."""
+        it was made (the device path's), counted with it when it is done (``batch_done``: a canary's pass, which is
+        no batch of the batcher's, is not; a shadow's images run as batches of the candidate's and count there)."""
         self._forward = (wall_s, cpu_s, decode_cpu_s)
 
     def batch_done(self, size: int, run_s: float, queued_s: Sequence[float], cpu_s: float) -> None:

@@ -273,7 +273,7 @@ def test_batches_figures_are_held_until_settled_then_written_as_each_batch_s_wou
     observer.forward_ran(0.0035, 0.002, 0.0007)  # the forward pass's wall time (waited for, as on a GPU) and its
     # CPU, and the CPU of decoding its batch's images as the batch was made (the device path's)
     observer.batch_done(3, 0.004, [0.001, 0.002, 0.02], 0.003)
-    observer.batch_done(8, 0.006, [0.005] * 8, 0.005)  # no forward pass told: a shadow's or a canary's
+    observer.batch_done(8, 0.006, [0.005] * 8, 0.005)  # no forward pass told
     assert [sample(*name) for name in names] == before  # nothing written yet
     observer.settle()
     written = [sample(*name) - b for name, b in zip(names, before)]

@@ -12,7 +12,6 @@ Preprocessed pixels a client sent (V2 FP32) skip ``prepare`` and join the same b
 """
 from __future__ import annotations
 
-import itertools
 from typing import Sequence, Union
 
 import numpy as np
@@ -109,7 +108,7 @@ class DeviceDecoder(Decoder):
 
     def decodes_in_batch(self, items: Sequence[Prepared]) -> bool:
         """Encoded images among them (a client's pixels alone are stacked and copied, no decode)."""
-        return any(map(isinstance, items, itertools.repeat(Encoded)))
+        return any(isinstance(item, Encoded) for item in items)
 
     def in_float32(self) -> Decoder:
         if self.dtype == torch.float32:

@@ -96,12 +96,12 @@ class LoadedVersion:
 
     def _run_batch(self, prepared: Sequence[Prepared]) -> np.ndarray:
         decoding = self.decoder.decodes_in_batch(prepared)  # then making the batch is its images' decode stage
-        making_cpu = time.thread_time() if decoding else 0.0
+        making_cpu_started = time.thread_time() if decoding else 0.0
         batch = self.decoder.collate(prepared)
         device = self.predictor.device
         made = device_mark(device)  # on a GPU the batch's making may still run there: the forward's time starts after
         started, cpu_started = time.perf_counter(), time.thread_time()
-        decode_cpu_s = cpu_started - making_cpu if decoding else 0.0
+        decode_cpu_s = cpu_started - making_cpu_started if decoding else 0.0
         try:
             rows = self.predictor.predict_batch(batch).numpy()
         except NonFiniteOutput as failed:  # its finite rows are answered (the batcher), so they are monitored too
