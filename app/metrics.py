@@ -269,8 +269,10 @@ class MetricsObserver:
         self._predicted: dict[str, Counter] = {}
         self._figures_lock = threading.Lock()  # a batch's figures never land after the version's retire()
         self._figures: dict[Gauge, Gauge] = {}  # each figure's series, once it was set
-        self._forward: tuple[float, float, float] | None = None  # the running batch's forward pass (one batch runs
-        # at a time): its wall time and CPU, and its images' decoding's CPU as it was made
+        # the running batch's forward passes (one batch runs at a time; one split for memory runs several): their
+        # wall times (not those that raised), their CPU, and their images' decoding's CPU as they were made
+        self._pass_walls: list[float] = []
+        self._pass_cpu_s = self._pass_decode_cpu_s = 0.0
         self._held_lock = threading.Lock()
         self._held = _HeldBatches()  # the batches' figures since the last settle
         self._serving = 0  # 1 from ``serving`` to ``retire``: this copy counted in _SERVING
@@ -339,26 +341,31 @@ class MetricsObserver:
                         figure = self._figures[gauge] = gauge.labels(*self._labels)
                     figure.set(value)
 
-    def forward_ran(self, wall_s: float, cpu_s: float, decode_cpu_s: float = 0.0) -> None:
-        """The wall time and CPU of the forward pass of the batch running now, and the CPU of decoding its images as
-        it was made (the device path's), counted with it when it is done (``batch_done``: a canary's pass, which is
-        no batch of the batcher's, is not; a shadow's images run as batches of the candidate's and count there)."""
-        self._forward = (wall_s, cpu_s, decode_cpu_s)
+    def forward_ran(self, wall_s: float | None, cpu_s: float, decode_cpu_s: float = 0.0) -> None:
+        """The wall time and CPU of a forward pass of the batch running now, and the CPU of decoding its images as
+        it was made (the device path's), counted with it when it is done (``batch_done``; a shadow's images run as
+        batches of the candidate's and count there). A batch split for memory tells each pass: the whole one that
+        raised (``wall_s`` None: its CPU and decoding were spent, its time is no forward pass's) and each part's; a
+        failed batch's, whose items run again alone, counts with the next batch done."""
+        if wall_s is not None:
+            self._pass_walls.append(wall_s)
+        self._pass_cpu_s += cpu_s
+        self._pass_decode_cpu_s += decode_cpu_s
 
     def batch_done(self, size: int, run_s: float, queued_s: Sequence[float], cpu_s: float) -> None:
         """Hold one batch's figures for ``settle``: its size, its time, its thread's CPU and its forward pass's
         (``forward_ran``), and how long its images waited."""
-        forward, self._forward = self._forward, None
+        walls, forward_cpu_s, decode_cpu_s = self._pass_walls, self._pass_cpu_s, self._pass_decode_cpu_s
+        self._pass_walls, self._pass_cpu_s, self._pass_decode_cpu_s = [], 0.0, 0.0
         with self._held_lock:
             held = self._held
             held.sizes.append(size)
             held.run_s.append(run_s)
             held.queued_s.extend(queued_s)
             held.cpu_s += cpu_s
-            if forward is not None:
-                held.forward_s.append(forward[0])
-                held.forward_cpu_s += forward[1]
-                held.decode_cpu_s += forward[2]
+            held.forward_s += walls
+            held.forward_cpu_s += forward_cpu_s
+            held.decode_cpu_s += decode_cpu_s
 
     def settle(self, accounting_cpu_s: float = 0.0) -> None:
         """Write the batches' figures held since the last call; ``accounting_cpu_s``: the CPU their monitoring took

@@ -1,6 +1,7 @@
 """/metrics and the access log as ops read them: every alerting series from the start, probes apart, the peer."""
 from __future__ import annotations
 
+import io
 import logging
 import re
 import time
@@ -18,7 +19,8 @@ from app.factory import create_app
 from app.config import Settings
 from app.engine.loaded.predictor import Predictor
 from harness.servers import Running
-from tests.support.imaging import RED, image_bytes
+from tests.support.fakes import ColourModel
+from tests.support.imaging import BLUE, RED, image_bytes
 
 
 def _value(text: str, series: str) -> float:
@@ -169,6 +171,29 @@ def test_a_batch_that_decodes_its_images_as_it_is_made_counts_that_as_their_deco
         assert pixels.shape[0] == 1
         (_, _, photos_decode_s), (_, _, pixels_decode_s) = told.forward_passes
         assert photos_decode_s > 0 and pixels_decode_s == 0
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def test_a_batch_split_for_memory_counts_every_pass_it_ran(settings: Settings, predictor: Predictor,
+                                                           model: ColourModel) -> None:
+    # Four photos that fit one at a time (on the device path, which decodes them as each batch is made): the batch
+    # of four and its halves raise out of memory, the four single passes answer. Each pass that answered is a
+    # forward pass's time, every pass's CPU counts; before, only the last pass told was held with the batch
+    app = create_app(settings.model_copy(update={"decode_path": "device"}), predictor)
+    model.oom_above = 1  # after its load, whose warm-up runs larger batches
+    try:
+        client = app.test_client()
+        before = _stage_seconds(client.get("/metrics").get_data(as_text=True))
+        files = [(io.BytesIO(image_bytes(colour, size=(400, 300))), f"{i}.jpg")
+                 for i, colour in enumerate((RED, BLUE, RED, BLUE))]
+        response = client.post("/predict", data={"image": files})
+        assert response.status_code == 200, response.get_json()
+        assert [p["label"] for p in response.get_json()["predictions"]] == ["red", "blue", "red", "blue"]
+        assert model.batch_sizes[-7:] == [4, 2, 1, 1, 2, 1, 1]
+        text = client.get("/metrics").get_data(as_text=True)
+        seconds = {key: value - before.get(key, 0.0) for key, value in _stage_seconds(text).items()}
+        assert (seconds["count", "inference"], seconds["count", "forward"]) == (1, 4)
     finally:
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 
@@ -435,7 +460,7 @@ def test_a_replaced_copy_s_end_leaves_its_version_s_series_to_the_copy_loaded_ag
     from concurrent.futures import ThreadPoolExecutor
 
     from app.engine.service import Service
-    from tests.support.fakes import ColourModel, FakeRepository, infer, wait_until
+    from tests.support.fakes import FakeRepository, infer, wait_until
 
     repository = FakeRepository()
     held_model = repository.add("colour", "1")

@@ -282,6 +282,26 @@ def test_batches_figures_are_held_until_settled_then_written_as_each_batch_s_wou
     assert [sample(*name) - b for name, b in zip(names, before)] == pytest.approx(written)
 
 
+def test_a_batch_s_every_forward_pass_is_held_with_it_those_that_raised_as_cpu_alone() -> None:
+    # A batch split for memory: the whole pass raised (its CPU and its decoding spent, no forward pass's time), the
+    # two halves answered; all three count with the one batch done, and nothing is left for the next batch
+    def sample(stage: str, name: str = "visionserve_stage_cpu_seconds_total") -> float:
+        return REGISTRY.get_sample_value(name, {"stage": stage}) or 0.0
+
+    names = [("forward", "visionserve_stage_duration_seconds_count"),
+             ("forward", "visionserve_stage_duration_seconds_sum"), ("forward",), ("decode",)]
+    before = [sample(*name) for name in names]
+    observer = MetricsObserver(model="split", version="1")
+    observer.forward_ran(None, 0.004, 0.002)
+    observer.forward_ran(0.001, 0.0005, 0.001)
+    observer.forward_ran(0.002, 0.0006, 0.001)
+    observer.batch_done(4, 0.01, [0.001] * 4, 0.009)
+    observer.batch_done(1, 0.001, [0.001], 0.001)  # no forward pass told
+    observer.settle()
+    written = [sample(*name) - b for name, b in zip(names, before)]
+    assert written == pytest.approx([2, 0.003, 0.0051, 0.004])
+
+
 def test_several_batches_observed_together_add_what_their_rows_in_one_array_would() -> None:
     # A settle hands the monitor the batches it held, each where it lies: the same labels, confidences, window and
     # figures as their rows copied into one array, a NaN row and one batch alone included

@@ -97,7 +97,11 @@ class LoadedVersion:
     def _run_batch(self, prepared: Sequence[Prepared]) -> np.ndarray:
         decoding = self.decoder.decodes_in_batch(prepared)  # then making the batch is its images' decode stage
         making_cpu_started = time.thread_time() if decoding else 0.0
-        batch = self.decoder.collate(prepared)
+        try:
+            batch = self.decoder.collate(prepared)
+        except Exception:  # an image the device path could not decode: the batch's decoding so far was spent
+            self._failed(0.0, time.thread_time() - making_cpu_started if decoding else 0.0)
+            raise
         device = self.predictor.device
         made = device_mark(device)  # on a GPU the batch's making may still run there: the forward's time starts after
         started, cpu_started = time.perf_counter(), time.thread_time()
@@ -107,18 +111,29 @@ class LoadedVersion:
         except NonFiniteOutput as failed:  # its finite rows are answered (the batcher), so they are monitored too
             self._ran(made, started, cpu_started, failed.outputs[failed.finite], decode_cpu_s)
             raise
+        except Exception:  # out of memory (the batcher splits the batch) or a failure
+            self._failed(time.thread_time() - cpu_started, decode_cpu_s)
+            raise
         self._ran(made, started, cpu_started, rows, decode_cpu_s)
         return rows
+
+    def _failed(self, cpu_s: float, decode_cpu_s: float) -> None:
+        """A pass that raised: its CPU and its batch's decoding's to the metrics all the same, as no forward pass's
+        time (not the canary's, run before the version serves)."""
+        if self.serving.is_set():
+            self.observer.forward_ran(None, cpu_s, decode_cpu_s)
 
     def _ran(self, made: object, started: float, cpu_started: float, answered: np.ndarray,
              decode_cpu_s: float) -> None:
         """A forward pass's time and its batch's decoding's CPU (the device path's) to the metrics, and the rows it
-        answers to the drift monitor's next settle."""
+        answers to the drift monitor's next settle (not the canary's, run before the version serves)."""
+        if not self.serving.is_set():
+            return
         cpu_s = time.thread_time() - cpu_started
         device = self.predictor.device
         wall_s = time.perf_counter() - started if made is None else device_seconds_since(made, device)
         self.observer.forward_ran(wall_s, cpu_s, decode_cpu_s)
-        if self.serving.is_set() and len(answered):
+        if len(answered):
             with self._settling:
                 self._unmonitored.append(answered[:, :self.predictor.num_classes])
 
