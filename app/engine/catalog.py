@@ -101,7 +101,7 @@ class Catalog:
 
     def index(self) -> list[VersionState]:
         """Every version in the repository or in memory, with this worker's state of it."""
-        return self._applier.index()
+        return self._applier.index(self._sync.read()[1])
 
     def in_repository(self, name: str, version: str | None = None) -> bool:
         """Whether the repository holds model ``name`` (at ``version``), loaded or not."""

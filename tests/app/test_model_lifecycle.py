@@ -732,7 +732,8 @@ def test_a_policy_that_cannot_be_read_is_shown_by_the_index_and_logged_once_per_
             del repository.policies["colour"]
             service.controller.writers.poll()
             assert _ask(service) == "2"
-            wait_until(lambda: colour_rows() == [("1", "UNAVAILABLE", "unloaded"), ("2", "READY", "")])
+            wait_until(lambda: colour_rows() == [("1", "UNAVAILABLE", "not chosen by the model's version policy"),
+                                                 ("2", "READY", "")])
         finally:
             service.shutdown(timeout=5)
 
@@ -761,7 +762,7 @@ def test_a_worker_that_joins_a_running_server_shows_why_a_model_is_not_served(
         here.writers.poll()  # the first worker serves colour again; the other applies it and no longer says why not
         wait_until(lambda: "colour" in there_catalog.serving())
         assert [(r.version, r.state, r.reason) for r in there_catalog.index()] == [
-            ("1", "READY", ""), ("2", "UNAVAILABLE", "unloaded"), ("1", "READY", "")]
+            ("1", "READY", ""), ("2", "UNAVAILABLE", "not chosen by the model's version policy"), ("1", "READY", "")]
     finally:
         for controller in (here, there):
             _stop(controller)

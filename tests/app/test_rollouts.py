@@ -483,6 +483,27 @@ def test_a_plain_load_call_keeps_a_rolled_back_version_out(settings: Settings) -
         service.shutdown(timeout=5)
 
 
+def test_a_rolled_back_version_stays_out_through_an_unload_and_a_load(settings: Settings) -> None:
+    # The unload call's entry dropped the rolled-back marks: the next load call made version 2 the canary again
+    service = Service.build(settings, _repository({"canary_percent": 10}))  # type: ignore[arg-type]
+    try:
+        service.catalog.promote("colour")
+        assert service.catalog.rollback("colour")["rolled_back"] == ["2"]
+        rolled_back = ("UNAVAILABLE", "rolled back (it serves again once a promotion names it)")
+        wait_until(lambda: {row.version: (row.state, row.reason) for row in service.catalog.index()} == {
+            "1": ("READY", ""), "2": rolled_back})  # once freed (UNLOADING until then)
+        service.catalog.unload("colour")
+        wait_until(lambda: {row.reason for row in service.catalog.index()} == {"unloaded"})
+        service.catalog.load("colour")
+        routes = service.controller.applier.routes
+        assert routes.candidate("colour") is None and routes.routes()["colour"][1] == "1"
+        assert service.catalog.rollouts()["colour"]["rolled_back"] == ["2"]
+        service.catalog.promote("colour", "2")  # a promotion naming it serves it again
+        assert routes.routes()["colour"][1] == "2" and "rolled_back" not in service.controller.sync.read()[1]["colour"]
+    finally:
+        service.shutdown(timeout=5)
+
+
 def test_a_candidate_is_promoted_on_the_canary_traffic_it_was_routed_as_candidate(settings: Settings) -> None:
     # Its traffic from before (as the default) was not started afresh when it became the candidate, and requests
     # that named it counted as canary requests: the first judge promoted it with no canary request at all.

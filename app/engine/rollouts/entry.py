@@ -44,3 +44,15 @@ class ModelEntry(_Required, total=False):
 
 
 UNLOADED: ModelEntry = {"versions": [], "default": None}  # unloaded by a call: served nowhere, and the poll leaves it
+
+
+def unloaded(entry: ModelEntry | None) -> ModelEntry:
+    """The entry of a model an unload call leaves (UNLOADED), its rolled-back versions (``entry``'s) still marked:
+    a load call after it leaves them out as one before it would, until a promotion names them."""
+    rolled_back = (entry or {}).get("rolled_back")
+    return {**UNLOADED, "rolled_back": list(rolled_back)} if rolled_back else UNLOADED
+
+
+def is_unloaded(entry: ModelEntry | None) -> bool:
+    """Whether ``entry`` is an unload call's: a model served nowhere that the poll leaves so until a load call."""
+    return entry is not None and not entry["versions"]

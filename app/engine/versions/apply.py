@@ -254,9 +254,10 @@ class Applier:
         return {name: {"versions": [v.version for v in versions], "default": default}
                 for name, (versions, default) in self.routes.routes().items()}
 
-    def index(self) -> list[VersionState]:
+    def index(self, desired: dict[str, ModelEntry]) -> list[VersionState]:
         """Every version in the repository or in memory, with this worker's state of it (a model whose folder
-        cannot be read now: the versions held in memory)."""
+        cannot be read now: the versions held in memory); ``desired`` (the desired state's models) says why a
+        version the repository holds is not served."""
         routed = self.routes.routes()
         rows = []
         for name in sorted(set(self.source.models()) | set(routed)):
@@ -264,7 +265,8 @@ class Applier:
                 available = self.source.versions(name)
             except (OSError, ModelLoadError):  # the poll says why (its report); the index still answers
                 available = []
-            rows += self.states.rows(name, available, {v.version for v in routed.get(name, ([], None))[0]})
+            rows += self.states.rows(name, available, {v.version for v in routed.get(name, ([], None))[0]},
+                                     desired.get(name))
         return rows
 
 

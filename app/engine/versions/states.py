@@ -10,6 +10,7 @@ from typing import Iterator
 
 from app.engine.contract import VersionState
 from app.engine.loaded.version import LoadedVersion
+from app.engine.rollouts.entry import ModelEntry, is_unloaded
 from app.engine.rollouts.policy import order_key
 
 Key = tuple[str, str]  # (model, version)
@@ -106,14 +107,15 @@ class VersionStates:
         with self._lock:
             return [loaded for held in self._retiring.values() for loaded in held]
 
-    def rows(self, name: str, available: list[str], serving: set[str]) -> list[VersionState]:
+    def rows(self, name: str, available: list[str], serving: set[str],
+             entry: ModelEntry | None = None) -> list[VersionState]:
         """The index rows of model ``name``: the repository's versions, the serving ones and those in between. A
         version that does not serve says why: that it would not fit in memory (its latest try), else its own
-        refusal, else why its model cannot be served, else unloaded."""
+        refusal, else why its model cannot be served, else why its model's desired ``entry`` leaves it out."""
         with self._lock:
             loading, retiring, refused = set(self._loading), set(self._retiring), dict(self._refused)
             short_of_memory = dict(self._short_of_memory)
-            unloaded = self._unservable.get(name, "unloaded")
+            unservable = self._unservable.get(name)
         held = set(available) | serving | {v for n, v in loading | retiring if n == name}
         rows = []
         for version in sorted(held, key=order_key):
@@ -125,6 +127,18 @@ class VersionStates:
             elif key in retiring:
                 rows.append(VersionState(name, version, "UNLOADING"))
             else:
-                why = short_of_memory.get(key) or (refused[key][1] if key in refused else unloaded)
+                why = short_of_memory.get(key) or (refused[key][1] if key in refused else unservable
+                                                   or _left_out(version, entry))
                 rows.append(VersionState(name, version, "UNAVAILABLE", why))
         return rows
+
+
+def _left_out(version: str, entry: ModelEntry | None) -> str:
+    """Why a model's desired ``entry`` (None: none yet) does not name ``version``, a version in its repository."""
+    if entry is None or is_unloaded(entry):
+        return "unloaded"
+    if version in entry["versions"]:  # this worker has yet to follow the change that names it
+        return "not loaded here yet"
+    if version in entry.get("rolled_back", []):
+        return "rolled back (it serves again once a promotion names it)"
+    return "not chosen by the model's version policy"

@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from app.config import Settings
-from app.engine.rollouts.entry import UNLOADED, ModelEntry
+from app.engine.rollouts.entry import UNLOADED, ModelEntry, is_unloaded, unloaded
 from app.engine.rollouts.evidence import traffic_p99_ms
 from app.engine.rollouts.plan import RolloutPolicy, plan
 from app.engine.rollouts.policy import PolicyError, VersionPolicy, VersionsMissing
@@ -148,7 +148,8 @@ class Writers:
         with self.applier.changing(start_within_s):
             if name not in self.applier.routes.routes() and name not in self.source.models():
                 raise NotFound(f"no model {name!r} is loaded or in the repository")
-            generation, _ = apply_and_write(self.applier, self.sync, name, UNLOADED)
+            entry = unloaded(self.sync.read()[1].get(name))  # its rolled-back versions stay so through a load call
+            generation, _ = apply_and_write(self.applier, self.sync, name, entry)
         self.sync.wait_for_workers(generation, name)
 
     def poll(self) -> None:
@@ -162,7 +163,7 @@ class Writers:
             changes: dict[str, ModelEntry | None] = {}
             for name in sorted(set(self.settings.model_names() or self.source.models()) | set(desired)):
                 current = desired.get(name)
-                if current == UNLOADED:
+                if is_unloaded(current):
                     continue  # unloaded by a call: stays so until a load call
                 try:
                     if not (available := self.source.versions(name)):
