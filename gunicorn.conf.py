@@ -15,7 +15,7 @@ from app import EXTENSION_KEY
 from app.hosting import drain
 from app.config import SettingsError, load_settings, unknown_variables
 from app.hosting import control
-from app.hosting.host import engine_count, engine_mode, unserved_engines, workers_for
+from app.hosting.host import address_in_use, engine_count, engine_mode, unserved_engines, workers_for
 from app.link import supervisor
 from app.hosting.worker import ReadLimits
 
@@ -94,6 +94,13 @@ def on_starting(server) -> None:  # noqa: ANN001
     an earlier run left in kept directories (CONTROL_DIR's marks, the metrics' files), then start the engines."""
     for warning in unknown_variables(os.environ):
         server.log.warning(warning)
+    inherited = os.environ.get("GUNICORN_FD") or os.environ.get("LISTEN_FDS")  # USR2's new master, systemd's sockets
+    taken = [] if inherited else [address for address in server.cfg.bind if address_in_use(address)]
+    if taken:  # gunicorn would retry for 5 s, then say "Can't connect" with no hint of the setting
+        server.log.error("visionserve: %s is in use (another server listens there): stop that server, or set "
+                         "VISIONSERVE_BIND to another address (e.g. 0.0.0.0:8001)", taken[0])
+        _remove_owned_dirs()
+        sys.exit(2)
     if server.cfg.workers != _workers:  # gunicorn's --workers or GUNICORN_CMD_ARGS, applied after this file
         server.log.error("visionserve: gunicorn was told %d workers and VISIONSERVE_WORKERS says %d: readiness waits "
                          "for the workers the setting counts, and the engines and the queues are sized by it; set "

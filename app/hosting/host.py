@@ -1,9 +1,11 @@
 """What the host offers, read with the standard library only (the gunicorn master must not import torch): the
-CPU cores this process may use (models/serving.py's rule, models.predict's too), the NVIDIA GPUs it can see, and
-the number of workers chosen from them when ``WORKERS`` is 0 (auto)."""
+CPU cores this process may use (models/serving.py's rule, models.predict's too), the NVIDIA GPUs it can see, the
+number of workers chosen from them when ``WORKERS`` is 0 (auto), and whether the address to listen on is free."""
 from __future__ import annotations
 
+import errno
 import os
+import socket
 from pathlib import Path
 
 from models.serving import usable_cores  # standard library only, as this module
@@ -89,3 +91,21 @@ def engine_count(device: str, per_device: int = 1) -> int:
 def unserved_engines(workers: int, engines: int) -> int:
     """Engines no HTTP worker talks to (worker n talks to engine n mod ``engines``)."""
     return max(0, engines - workers)
+
+
+def address_in_use(bind: str) -> bool:
+    """Whether another process listens on ``bind`` (``HOST:PORT``, ``[IPv6]:PORT`` or ``:PORT``), tried as gunicorn
+    binds it (SO_REUSEADDR: a socket of a server just stopped does not count). False for any other form (a unix
+    socket, an ``fd://``) and for an address that fails otherwise: gunicorn says why."""
+    host, sep, port = bind.rpartition(":")
+    if not sep or not port.isdigit() or bind.startswith(("unix:", "fd://")):
+        return False
+    host = host.strip("[]") or "0.0.0.0"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, int(port)))
+    except OSError as exc:
+        return exc.errno == errno.EADDRINUSE
+    return False

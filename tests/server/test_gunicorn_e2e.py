@@ -349,6 +349,25 @@ def test_the_default_worker_count_uses_the_host_and_says_so(small_weights: Path,
         server.stop()
 
 
+def test_an_address_in_use_stops_the_start_at_once_naming_the_setting(tmp_path: Path) -> None:
+    # Before: gunicorn retried the bind for 5 s, then stopped with "Can't connect to ('0.0.0.0', 8000)", no hint
+    import socket
+
+    env = {**os.environ, "VISIONSERVE_WORKERS": "1", "VISIONSERVE_ENGINE": "inline", "VISIONSERVE_DEVICE": "cpu",
+           "TMPDIR": str(tmp_path), "PATH": f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        env["VISIONSERVE_BIND"] = "127.0.0.1:%d" % other.getsockname()[1]
+        result = subprocess.run([str(ROOT / "bin" / "serve")], cwd=ROOT, env=env, capture_output=True, text=True,
+                                timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert (f"visionserve: {env['VISIONSERVE_BIND']} is in use (another server listens there): stop that server, or "
+            "set VISIONSERVE_BIND to another address (e.g. 0.0.0.0:8001)") in result.stderr
+    assert "Connection in use" not in result.stderr  # no retries
+    assert list(tmp_path.iterdir()) == []  # the metrics and control directories it made are gone
+
+
 def test_gunicorn_s_own_workers_option_beside_the_setting_stops_the_start_saying_which_to_set(tmp_path: Path) -> None:
     # bin/serve passes its arguments to gunicorn, which applies them after gunicorn.conf.py: --workers 3 started 3
     # workers while readiness waited for VISIONSERVE_WORKERS' 1 and the queues were sized by it.

@@ -140,3 +140,18 @@ def test_workers_spread_over_the_gpus_and_a_restarted_worker_takes_the_free_slot
         shutil.rmtree(os.environ.get("VISIONSERVE_CONTROL_DIR", "/nonexistent"), ignore_errors=True)
         os.environ.clear()
         os.environ.update(before)
+
+
+def test_an_address_is_in_use_only_while_a_socket_listens_there() -> None:
+    import socket
+
+    from app.hosting.host import address_in_use
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        port = other.getsockname()[1]
+        other.listen()
+        assert address_in_use(f"127.0.0.1:{port}") and address_in_use(f":{port}")
+    assert not address_in_use(f"127.0.0.1:{port}")
+    assert not address_in_use("unix:/tmp/visionserve.sock") and not address_in_use("fd://3")
+    assert not address_in_use("no-such-host.invalid:80")  # fails otherwise: gunicorn says why
