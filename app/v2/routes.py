@@ -71,17 +71,23 @@ def model_ready(name: str, version: str | None = None) -> tuple[Response, int]:
     return _json(ModelReady(name=name, ready=ok)), 200 if ok else 503
 
 
+# The metadata's platform, in Triton's names, by the format the version runs (its weights_format in /v1/models); an
+# eager module (a state dict, an int8 one) or an AOTInductor package: "pytorch"
+PLATFORMS = {"onnx": "onnxruntime_onnx", "torchscript": "pytorch_libtorch"}
+
+
 @bp.get(_MODEL)
 @bp.get(_VERSIONED)
 def model_metadata(name: str, version: str | None = None) -> Response:
     """Inputs and outputs with datatypes and shapes; -1 is the batch dimension."""
     service = current_service()
     service.require_loaded()
-    manifest = service.catalog.version(name, version).manifest
+    info = service.catalog.version(name, version)
+    manifest = info.manifest
     loaded = service.catalog.serving().get(name, {"versions": [manifest.version], "default": None})["versions"]
     versions = loaded if version is None else [version]
     return _json(ModelMetadata(
-        name=manifest.name, versions=versions, platform="pytorch",
+        name=manifest.name, versions=versions, platform=PLATFORMS.get(info.weights_format, "pytorch"),
         inputs=[TensorMetadata(name=IMAGES_INPUT, datatype="BYTES", shape=[-1]),
                 TensorMetadata(name=PIXELS_INPUT, datatype="FP32", shape=[-1, *manifest.preprocess.input_shape])],
         outputs=[TensorMetadata(name=OUTPUT, datatype="FP32", shape=[-1, manifest.num_classes]),

@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from app import EXTENSION_KEY
+from app.config import Settings
 from app.engine.loaded.predictor import Predictor
+from app.factory import create_app
 from models.export.checks import ModelLoadError
 from models.export.choose import choose_onnx
 from models.export.manifest import Agreement, Manifest, OnnxFile, read_manifest, sha256_of
@@ -107,6 +110,22 @@ def test_a_changed_onnx_file_stops_the_load(onnx_export: Path, tmp_path: Path) -
 def test_the_server_serves_onnx_by_default_on_the_cpu(onnx_export: Path) -> None:
     assert served_format(onnx_export, "auto", 4) == "onnx"
     assert served_format(onnx_export, "torchscript", 4) == "torchscript"
+
+
+@pytest.mark.parametrize(("weights_format", "platform"), [("auto", "onnxruntime_onnx"),
+                                                         ("torchscript", "pytorch_libtorch")])
+def test_the_v2_metadata_names_the_runtime_the_version_runs_on(onnx_export: Path, settings: Settings,
+                                                               weights_format: str, platform: str) -> None:
+    # Before: the platform was always "pytorch", where ONNX Runtime (the CPU's automatic choice) ran the version
+    app = create_app(settings.model_copy(update={"weights_dir": onnx_export, "weights_format": weights_format,
+                                                 "warmup": False}))
+    try:
+        client = app.test_client()
+        served = client.get("/v1/models").get_json()["models"][0]
+        assert served["format"] == ("onnx" if weights_format == "auto" else weights_format)
+        assert client.get(f"/v2/models/{served['name']}").get_json()["platform"] == platform
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 
 
 def test_a_model_the_exporter_cannot_take_is_exported_without_onnx(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

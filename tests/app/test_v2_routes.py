@@ -46,6 +46,7 @@ def test_metadata_health_and_versions(client: FlaskClient) -> None:
     assert client.get("/v2/health/ready").status_code == 200
     assert client.get("/v2/models/colour/ready").status_code == 200
     meta = client.get("/v2/models/colour/versions/test").get_json()
+    assert meta["platform"] == "pytorch"  # an eager module
     assert meta["inputs"][1] == {"name": "pixels", "datatype": "FP32", "shape": [-1, 3, 8, 8]}
     assert meta["outputs"] == [{"name": "probabilities", "datatype": "FP32", "shape": [-1, 4]}]
     assert "no model 'colour' version '2' is loaded; this server serves 'colour' version 'test'" in _v2_error(
