@@ -45,7 +45,8 @@ from models.run.distributed import (
 )
 from models.run.optim import build_trainable, make_optimizer, make_scheduler, set_train_mode
 from models.run.reference import reference_counts, reference_from_counts
-from models.run.report import TOP5_MIN_CLASSES, Progress, RunLog, Timer, process_started
+from models.run.report import (HELD_OUT_NAME, TOP5_MIN_CLASSES, Progress, RunLog, Timer, process_started,
+                               write_held_out)
 
 log = logging.getLogger("models.train")
 
@@ -255,6 +256,9 @@ def run(args: argparse.Namespace, env: DistEnv, device: torch.device, preset: Ev
                           f"nothing to train. To train longer: --resume {args.resume} --epochs {start + 5}")
     if env.is_main:
         args.output_dir.mkdir(parents=True, exist_ok=True)
+        if args.val_split is not None:  # one folder split: which images it validates on, to evaluate on them alone
+            log.info("wrote %s: the %d images held out", write_held_out(args.output_dir, data.val_files),
+                     len(data.val_files))
     runlog, timer = RunLog(args.output_dir, enabled=env.is_main), Timer()
     progress = Progress(args.epochs, len(data.classes))
     writer = ckpt.CheckpointWriter()
@@ -317,8 +321,11 @@ def _finish(args: argparse.Namespace, progress: Progress, best: ckpt.Best, class
     if args.plot:
         from models.plot import plot_run
         log.info("wrote %s", plot_run(args.output_dir))
+    held_out = args.output_dir / HELD_OUT_NAME
+    validated_on = (held_out, args.data) if args.val_split is not None else (args.data / "val", args.data / "val")
     for line in progress.summary(best.row, best_path, exported, args.export_repository or args.export,
-                                 model_name(args), total_seconds=time.perf_counter() - started):
+                                 model_name(args), total_seconds=time.perf_counter() - started,
+                                 validated_on=validated_on):
         log.info("%s", line)
     return exported is not None or not (args.export or args.export_repository)
 

@@ -51,13 +51,18 @@ def splits(args: argparse.Namespace) -> tuple[Split, Split]:
         raise DataError(f"--val-split holds out part of a DIR/<class>/* folder, but {args.data} has "
                         f"{' and '.join(f'{name}/' for name in laid_out)}: leave --val-split out to validate on "
                         f"{args.data / 'val'}, or give --data {args.data / 'train'} to split that")
+    said = ""
     if args.val_split is None and not (args.data / "train").is_dir() and args.data.is_dir() and any(
             p.is_dir() and p.name not in ("train", "val") for p in args.data.iterdir()):
         args.val_split = DEFAULT_VAL_SPLIT
-        log.info("%s has no train/ and val/ folders: holding out %d%% of each class for validation "
-                 "(--val-split)", args.data, round(100 * DEFAULT_VAL_SPLIT))
+        said = f"{args.data} has no train/ and val/ folders: "
     if args.val_split is not None:
-        return split_holdout(scan_split(args.data, workers=workers), args.val_split, args.seed)
+        train_split, val_split = split_holdout(scan_split(args.data, workers=workers), args.val_split, args.seed)
+        held, whole = len(val_split.samples), len(val_split.samples) + len(train_split.samples)
+        log.info("%sholding out %d%% of each class for validation (--val-split): %d of its %d images (by each "
+                 "image's path; a class keeps at least one on each side)", said, round(100 * args.val_split), held,
+                 whole)
+        return train_split, val_split
     train_split = scan_split(args.data / "train", workers=workers)
     val_split = scan_split(args.data / "val", workers=workers)
     check_same_classes(train_split, val_split)

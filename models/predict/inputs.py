@@ -72,6 +72,8 @@ def list_inputs(data: Path) -> list[Item]:
         items = scan_folder(data)
     elif data.is_file():
         items = read_list(data)
+    elif not data.exists():
+        raise DataError(f"--data {data} does not exist")
     else:
         raise DataError(f"--data {data} is neither a folder nor a file list")
     if not items:

@@ -70,6 +70,18 @@ def rerun_command(module: str, argv: list[str], world_size: int = 1) -> str:
     return f"{torchrun} --standalone --nproc_per_node={world_size} -m {module} {shlex.join(argv)}"
 
 
+HELD_OUT_NAME = "held_out.txt"  # a run that split one folder: the images it validated on, as a file list
+
+
+def write_held_out(output_dir: Path, files: list[Path]) -> Path:
+    """The images a run held out of its folder for validation, one a line, relative to ``output_dir`` (a file list
+    models.predict reads as ``--data``, with ``--labels`` the folder: its evaluation on them alone)."""
+    path = output_dir / HELD_OUT_NAME
+    lines = [Path(os.path.relpath(os.path.abspath(file), os.path.abspath(output_dir))).as_posix() for file in files]
+    path.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
+    return path
+
+
 def process_started() -> float:
     """``time.perf_counter()`` at this process's start, so a command's whole time counts the interpreter's start and
     its imports (seconds on a busy machine): Linux's /proc; elsewhere, now."""
@@ -102,11 +114,13 @@ class Progress:
                 + (f" | ETA {duration(eta)}" if remaining else ""))
 
     def summary(self, best: dict[str, float] | None, best_checkpoint: Path, exported: Path | None,
-                served: Path | None, name: str, total_seconds: float | None = None) -> list[str]:
+                served: Path | None, name: str, total_seconds: float | None = None,
+                validated_on: tuple[Path, Path] | None = None) -> list[str]:
         """The best epoch (``best``: its metrics row; none: no summary) and the time (this process's epochs', and
         ``total_seconds``: the whole command's, loading and the export included), then what serves this run:
         ``served`` (the export's folder or its repository) when it was exported into ``exported``, else the export
-        command (model ``name``) into the run's own folder and what serves that."""
+        command (model ``name``) into the run's own folder and what serves that; with ``validated_on`` (the
+        ``--data`` and ``--labels`` of the images it validated on), the evaluation of the export on them."""
         if not best:
             return []
         epochs = len(self.epoch_seconds)
@@ -122,6 +136,11 @@ class Progress:
                                                                       "--out", str(served), *named]))
         else:
             lines.append(f"exported: {exported}")
+        if validated_on is not None:  # the export itself (in a repository too: its version's folder)
+            data, labels = validated_on
+            lines.append("evaluate: " + module_command("models.predict", [
+                "--weights", str(exported or served), "--data", str(data), "--labels", str(labels),
+                "--out", str(best_checkpoint.parent / "eval.jsonl")]))
         return [*lines, f"serve:  VISIONSERVE_WEIGHTS_DIR={served} make serve"]
 
 

@@ -404,8 +404,10 @@ def test_wrong_paths_are_named_before_the_model_loads(weights: Path, photos: Pat
         f"error: --weights {photos} is not an export (no manifest.json in it) nor a model repository "
         "(no <model>/<version>/manifest.json under it)")
     given = ["--weights", str(weights)]
-    assert "--data " + str(tmp_path / "gone") + " is neither a folder nor a file list" in predict_error(
+    assert "--data " + str(tmp_path / "gone") + " does not exist" in predict_error(
         [*given, "--data", str(tmp_path / "gone"), "--out", out], caplog)
+    assert "--data /dev/null is neither a folder nor a file list" in predict_error(
+        [*given, "--data", "/dev/null", "--out", out], caplog)
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     assert f"--out {blocker / 'x.jsonl'}: its folder {blocker} cannot be made (a file is in the way)" in predict_error(

@@ -337,6 +337,35 @@ def test_a_flat_folder_is_split_with_val_split(tmp_path: Path, caplog: pytest.Lo
 
 
 @pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
+def test_a_flat_folder_s_run_lists_its_held_out_images_and_its_summary_evaluates_on_them(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: nothing said which images a DIR/<class>/* folder's run held out, so models.predict could evaluate only
+    # on the whole folder (the training images included), and the log said "20%" where 7 of 18 were held out.
+    from models.predict.__main__ import main as predict_main
+
+    flat = write_image_folder(tmp_path / "nested", train_per_class=6, val_per_class=0) / "train"
+    run = tmp_path / "run"
+    with caplog.at_level(logging.INFO, logger="models"):
+        assert train.main(small_args(flat, run)) == 0
+    listed = (run / "held_out.txt").read_text().splitlines()
+    held = sorted(os.path.abspath(run / line) for line in listed)
+    assert held == sorted(str(path) for path, _ in splits(train.get_args_parser(ARCHS).parse_args(
+        small_args(flat, tmp_path / "again")))[1].samples)
+    assert f"holding out 20% of each class for validation (--val-split): {len(held)} of its 18 images" in caplog.text
+    lines = [r.getMessage() for r in caplog.records]
+    (export,) = [line.removeprefix("export: ") for line in lines if line.startswith("export: ")]
+    (evaluate,) = [line.removeprefix("evaluate: ") for line in lines if line.startswith("evaluate: ")]
+    assert evaluate == (f"{python_command()} -m models.predict --weights {run / 'export'} --data {run / 'held_out.txt'}"
+                        f" --labels {flat} --out {run / 'eval.jsonl'}")
+    assert export_main([*shlex.split(export)[3:], *NO_PACKAGES]) == 0
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        assert predict_main(shlex.split(evaluate)[3:]) == 0  # as printed
+    assert len((run / "eval.jsonl").read_text().splitlines()) == len(held)
+    assert f"evaluated {len(held)} images: top-1 " in caplog.text and "(0 unreadable, 0 without a label)" in caplog.text
+
+
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_the_default_version_is_unique_per_weights_and_stable_per_checkpoint(folder: Path, tmp_path: Path) -> None:
     # Before: every export was version "epoch-0".
     runs = [tmp_path / "a", tmp_path / "b"]
