@@ -445,6 +445,10 @@ def test_a_request_for_another_model_or_version_is_404_naming_the_served_one(cli
         assert f"serves {manifest.name!r} version {manifest.version!r}" in error["message"]
         assert error["details"]["models"] == [{"name": manifest.name, "versions": [manifest.version],
                                                "default": manifest.version}]
+    # A promotion or a rollback of a model not loaded names the same (before: the names alone)
+    served = [{"name": manifest.name, "versions": [manifest.version], "default": manifest.version}]
+    for path in ("/v1/models/nope/promote", "/v1/models/nope/rollback"):
+        assert error_of(client.post(path), 404, "not_found")["details"] == {"models": served}
 
 
 def _documented_errors() -> set[tuple[int, str]]:

@@ -88,7 +88,7 @@ class RolloutChanges:
     def _entry_of(self, name: str) -> ModelEntry:
         entry = self.sync.read()[1].get(name)
         if not entry or not entry.get("versions"):
-            raise NotFound(f"no model {name!r} is loaded", details={"models": sorted(self.applier.serving())})
+            raise NotFound(f"no model {name!r} is loaded", details={"models": self.applier.routes.available()})
         return entry
 
     def _change(self, name: str, entry: ModelEntry, action: str, version: str, why: str,

@@ -171,10 +171,11 @@ class RoutingTable:
             why = self._why_unservable(name)  # its policy cannot be read
             raise NotFound(f"no model {wanted} is loaded{f': {why}' if why else ''}; this server serves "
                            f"{self._describe()}",
-                           details={"models": self._available()})
+                           details={"models": self.available()})
         return loaded
 
-    def _available(self) -> list[dict[str, object]]:
+    def available(self) -> list[dict[str, object]]:
+        """Every model served, each with its versions and default: what a 404 ``not_found`` names (details.models)."""
         return [{"name": n, "versions": sorted(v, key=order_key), "default": self._defaults[n]}
                 for n, v in sorted(self._routes.items())]
 
