@@ -20,6 +20,7 @@ SERVING_CONTRACT: tuple[str, ...] = (
     "models.architectures",  # build_model: a state-dict export's architecture
     "models.presets",  # the eval transform (PIL and tensor), the accepted image formats
     "models.serving",  # usable_cores, forward_threads: standard library only (the gunicorn master imports it)
+    "models.commands",  # a printed command's interpreter (python_command): standard library only
     "models.image_decode",  # the decode rules: DecodeLimits, header checks, the upright decode, ImageRefused
     "models.data.jpeg",  # JPEG decoding on the CPU (the tensor path) and batched on a device (the device path)
     "models.data.malloc",  # glibc tuning for decode buffers (the server's workers, models.predict)

@@ -15,6 +15,7 @@ import logging
 
 import torch
 
+from models.commands import module_command
 from models.export.checks import ModelLoadError
 from models.export.manifest import (
     MAX_ONNX_PROBABILITY_DIFFERENCE,
@@ -41,7 +42,7 @@ FASTEST_ON: dict[str, str] = {"cpu": "onnx"}
 def why_not_onnx(manifest: Manifest, device: torch.device, dtype: str) -> str | None:
     """Why the export's ONNX file cannot serve here, or None when it can."""
     if manifest.onnx is None:
-        return "the manifest lists no ONNX file (python -m models.export --packages onnx writes one)"
+        return f"the manifest lists no ONNX file ({module_command('models.export', ['--packages', 'onnx'])} writes one)"
     if device.type != "cpu":
         return f"ONNX Runtime serves on the CPU here, this server runs on {device.type}"
     if dtype != "float32":
@@ -129,7 +130,7 @@ def fitting(manifest: Manifest, kind: str, device: torch.device, dtype: str,
         if reason is None:
             return package, ""
         reasons.append(f"{package.path}: {reason}")
-    return None, "; ".join(reasons) or "the manifest lists none (python -m models.export compiles them)"
+    return None, "; ".join(reasons) or f"the manifest lists none ({module_command('models.export', [])} compiles them)"
 
 
 def choose_package(manifest: Manifest, setting: str, device: torch.device, dtype: str,

@@ -66,7 +66,8 @@ from models.predict.outputs import (
 from models.presets import TensorEvalTransform
 from models.run.args import DataError
 from models.run.distributed import DistEnv, barrier, destroy_process_group, env_from_torchrun, init_process_group
-from models.run.report import python_command, rerun_command
+from models.commands import python_command
+from models.run.report import rerun_command
 from models.serving import forward_threads, usable_cores
 
 log = logging.getLogger("models.predict")

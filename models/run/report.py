@@ -6,12 +6,13 @@ import json
 import logging
 import os
 import shlex
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from models.commands import command_path, module_command, python_command
 
 log = logging.getLogger(__name__)
 
@@ -25,34 +26,6 @@ def duration(seconds: float) -> str:
     hours, rest = divmod(seconds, 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
-
-
-def command_path(executable: str | os.PathLike[str]) -> str:
-    """How a printed command names ``executable`` so that it runs in a fresh shell in this folder: relative when it
-    lies under the current folder (``.venv/bin/python``), its bare name when that is what PATH finds (in the
-    container: ``python``), else its absolute path. Symlinks are not followed: a venv's ``bin/python`` links to a
-    system python that lacks the venv's packages (torch)."""
-    path = os.path.abspath(executable)
-    try:
-        here = os.getcwd()
-    except OSError:  # the current folder was removed
-        here = ""
-    if here and os.path.commonpath([path, here]) == here:
-        return shlex.quote(os.path.relpath(path, here))
-    name = os.path.basename(path)
-    found = shutil.which(name)
-    return name if found and os.path.abspath(found) == path else shlex.quote(path)
-
-
-def python_command() -> str:
-    """This interpreter as a printed command names it (``.venv/bin/python`` after ``make install``): the one
-    that has torch, which the system's ``python`` of a fresh shell lacks."""
-    return command_path(sys.executable)
-
-
-def module_command(module: str, argv: list[str]) -> str:
-    """``<this python> -m module argv...``, quoted for a shell."""
-    return f"{python_command()} -m {module} {shlex.join(argv)}".rstrip()
 
 
 def rerun_command(module: str, argv: list[str], world_size: int = 1) -> str:

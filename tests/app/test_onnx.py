@@ -64,6 +64,15 @@ def test_weights_format_onnx_refuses_to_start_saying_why(manifest: Manifest, dev
         choose_onnx(manifest, "onnx", torch.device(device), dtype)
 
 
+def test_the_export_command_a_refusal_names_runs_in_a_fresh_shell() -> None:
+    # Before: "python -m models.export --packages onnx writes one": a fresh shell's python has no torch
+    from models.commands import python_command
+
+    with pytest.raises(ModelLoadError) as refused:
+        choose_onnx(tiny_manifest(), "onnx", CPU, "float32")
+    assert f"({python_command()} -m models.export --packages onnx writes one)" in str(refused.value)
+
+
 def test_weights_format_onnx_with_a_file_that_did_not_agree_says_so() -> None:
     # Before: logged, then None, and the load looked for a weights file named "onnx": "the manifest lists no onnx
     # file (has: torchscript, state_dict)", though it lists one

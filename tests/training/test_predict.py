@@ -279,7 +279,7 @@ def test_ctrl_c_says_what_is_written_and_the_command_that_goes_on(weights: Path,
                                                                   caplog: pytest.LogCaptureFixture) -> None:
     # Before: a 30-line KeyboardInterrupt traceback from inside the forward pass, and nothing about resuming.
     from models.predict import __main__ as predict
-    from models.run.report import python_command
+    from models.commands import python_command
 
     real, calls = predict._answers, []
 

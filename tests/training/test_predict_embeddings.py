@@ -210,7 +210,7 @@ def test_merged_rows_are_kept_only_for_the_model_and_out_they_were_merged_with(
 def test_a_model_exported_without_an_embedding_is_named_before_it_loads(tiny: Path, photos: Path, tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch,
                                                                         caplog: pytest.LogCaptureFixture) -> None:
-    from models.run.report import python_command
+    from models.commands import python_command
 
     old = tmp_path / "old"
     shutil.copytree(tiny, old)

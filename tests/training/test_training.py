@@ -27,7 +27,8 @@ from models.export.__main__ import main as export_main
 from models.data.loaders import splits
 from models.export.manifest import read_manifest
 from models.architectures import ARCHS, build_model
-from models.run.report import command_path, python_command, read_metrics
+from models.commands import command_path, python_command
+from models.run.report import read_metrics
 from tests.support.imaging import write_image_folder
 
 NO_PACKAGES = ["--packages", "none"]  # compiling an AOTInductor package takes a minute: tests/app/test_packages.py

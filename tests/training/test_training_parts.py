@@ -490,7 +490,7 @@ def test_the_ctrl_c_hint_under_torchrun_is_the_torchrun_command_that_goes_on(tmp
     from models.architectures import ARCHS
     from models.run.args import get_args_parser
     from models.run.checkpoint import interrupted
-    from models.run.report import command_path, python_command
+    from models.commands import command_path, python_command
 
     run = tmp_path / "run"
     run.mkdir()
