@@ -35,7 +35,7 @@ $(CLIENT): pyproject.toml | $(STAMP)
 # Runtime on a CPU (docs/performance.md). It is make's own product, remade (--force) when the requirements or the
 # code that writes it change (an export from an older release lacks what a newer one records, e.g. its embedding):
 # every module of models/ the export runs (its preprocessing, from models/presets.py, is written into the manifest).
-EXPORT_CODE := models/__init__.py models/architectures.py models/presets.py models/pretrained.py \
+EXPORT_CODE := models/__init__.py models/architectures.py models/commands.py models/presets.py models/pretrained.py \
 	$(wildcard models/export/*.py)
 $(DEFAULT_WEIGHTS)/manifest.json: $(STAMP) $(EXPORT_CODE)
 	$(BIN)/python -m models.export --default --out $(DEFAULT_WEIGHTS) --packages onnx --force

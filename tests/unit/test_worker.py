@@ -977,7 +977,7 @@ def test_a_kept_metrics_dir_loses_an_earlier_run_s_files_at_the_master_s_start(t
         start = ("import logging, runpy; from types import SimpleNamespace; c = runpy.run_path('gunicorn.conf.py'); "
                  "c['on_starting'](SimpleNamespace(log=logging.getLogger('master'), reap_workers=lambda: None, "
                  f"stop=lambda graceful=True: None, master_pid={master_pid}, "
-                 "cfg=SimpleNamespace(workers=c['workers'])))")  # as gunicorn's arbiter calls it
+                 "cfg=SimpleNamespace(workers=c['workers'], bind=[])))")  # as gunicorn's arbiter calls it
         subprocess.run([sys.executable, "-c", start], cwd=Path(__file__).resolve().parents[2], check=True,
                        capture_output=True, text=True, timeout=60, env=env)
         assert [path.exists() for path in left + kept] == [not removed] * len(left) + [True] * len(kept)
