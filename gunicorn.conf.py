@@ -79,9 +79,11 @@ logconfig_dict = {
                 "gunicorn.access": {"level": "CRITICAL", "handlers": [], "propagate": False}},
 }
 # Bound the request line and headers (a longer request line is refused by the worker's loop, 414, as a head over
-# MAX_HEADER_BYTES is, 431: app/hosting/worker.py; gunicorn's parser bounds each header).
+# MAX_HEADER_BYTES is, 431: app/hosting/worker.py). One header may take the whole head: gunicorn's own bound on a
+# header line (8190 bytes by default, 431 in its words) refused a large cookie or token within MAX_HEADER_BYTES.
 limit_request_line = 8190
 limit_request_fields = 100
+limit_request_field_size = _settings.max_header_bytes
 
 
 def _service(worker):  # noqa: ANN001, ANN202 - gunicorn passes its own worker object
@@ -226,7 +228,7 @@ def post_fork(server, worker) -> None:  # noqa: ANN001
     worker.limits = ReadLimits(_settings.client_header_timeout_s, _settings.client_body_timeout_s,
                                _settings.max_body_bytes, _settings.keepalive_linger_ms / 1000,
                                _settings.client_answer_timeout_s, worker.cfg.limit_request_line,
-                               _settings.max_header_bytes)
+                               _settings.max_header_bytes, worker.cfg.limit_request_field_size)
     worker.control_dir = Path(os.environ["VISIONSERVE_CONTROL_DIR"])  # the ready marks: which workers serve
     worker.loop_requests = _engine == "process" and _settings.loop_requests  # inline: the threads run torch
 

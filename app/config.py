@@ -271,8 +271,9 @@ class RequestSettings(SettingsGroup):
 
     max_body_bytes: int = Field(20 * 1024 * 1024, gt=0, description="Largest request body, in bytes (413).")
     max_header_bytes: int = Field(64 * 1024, ge=8192, description="Largest request head (the request line and "
-                                  "headers), in bytes: a longer one is refused by the worker's event loop as it "
-                                  "arrives (431), before any thread waits on it.")
+                                  "headers; one header, a large cookie or token, may take all of it), in bytes: a "
+                                  "longer one is refused by the worker's event loop as it arrives (431), before any "
+                                  "thread waits on it.")
     max_pixels: int = Field(40_000_000, gt=0, description="Largest image, width x height, checked from its "
                             "header before any pixel is decoded (413).")
     max_aspect_ratio: float = Field(20.0, ge=1, description="Longest side / shortest side: a 1x10000 strip is "

@@ -113,7 +113,7 @@ class ReadLimits:
     request_line_limit: int = 8190  # gunicorn's limit_request_line (gunicorn.conf.py): a longer one is refused (414)
     head_limit: int = 64 * 1024  # MAX_HEADER_BYTES: a longer request head (line and headers) is refused (431)
     chunk_line_limit: int = DEFAULT_MAX_CHUNK_SIZE_LINE  # gunicorn's limit on a chunk-size line (its
-    # limit_request_field_size, which gunicorn.conf.py leaves at this default): a longer one is refused (400)
+    # limit_request_field_size, MAX_HEADER_BYTES in gunicorn.conf.py): a longer one is refused (400)
 
 
 @dataclass(eq=False)
