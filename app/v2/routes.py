@@ -173,11 +173,16 @@ def _output(served: Served, name: str, k: int, digits: int) -> Tensor:
 
 def _timeout_s(announced_s: float, infer: InferRequest) -> float:
     """The request's deadline: the one its headers announced (``deadline_s``), lowered by its body's ``timeout``
-    parameter (tritonclient's per-request timeout, in microseconds)."""
+    parameter (tritonclient's per-request timeout, in microseconds; 0 or absent: none, as Triton reads it). A
+    value that is no such number is 400, not dropped: the caller meant a deadline."""
     micros = infer.parameters.get("timeout")
-    if isinstance(micros, (int, float)) and not isinstance(micros, bool) and micros > 0:
-        return announced_s if micros >= announced_s * 1e6 else micros / 1e6  # a huge int would not divide
-    return announced_s
+    if micros is None:
+        return announced_s
+    if isinstance(micros, bool) or not isinstance(micros, (int, float)) or not 0 <= micros < float("inf"):
+        raise BadRequest(f"parameters.timeout must be a number of microseconds, 0 or more (0: none), got {micros!r}")
+    if micros == 0:
+        return announced_s
+    return announced_s if micros >= announced_s * 1e6 else micros / 1e6  # a huge int would not divide
 
 
 @bp.post(_MODEL + "/infer")

@@ -124,6 +124,9 @@ _PIXELS = {"name": "pixels", "datatype": "FP32", "shape": [1, 3, 8, 8], "data": 
     ({"inputs": [_PIXELS], "parameters": "x"}, {}, "the request: 'parameters' must be an object"),
     ({"inputs": [_PIXELS]}, {"Inference-Header-Content-Length": "\u00b2"}, "does not fit"),  # a digit to isdigit()
     ({"inputs": [_PIXELS]}, {"Inference-Header-Content-Length": "9" * 5000}, "does not fit"),  # past int()'s limit
+    # a deadline the caller meant, dropped before (the request ran with the announced one)
+    *(({"inputs": [_PIXELS], "parameters": {"timeout": bad}}, {}, "parameters.timeout must be a number of "
+       "microseconds") for bad in (-5, "abc", True, float("nan"))),
 ])
 def test_malformed_tensors_are_400_and_no_failure_of_the_version(client: FlaskClient, service: Service,
                                                                  body: dict, headers: dict, message: str) -> None:
@@ -135,7 +138,8 @@ def test_malformed_tensors_are_400_and_no_failure_of_the_version(client: FlaskCl
                                             headers=headers), 400)
     answered = client.post(INFER, json={"inputs": [_PIXELS], "parameters": {"timeout": 10 ** 400}})
     assert answered.status_code == 200  # a timeout past a float's range: the announced deadline
-    assert traffic.failures == 0 and traffic.requests == 1
+    assert client.post(INFER, json={"inputs": [_PIXELS], "parameters": {"timeout": 0}}).status_code == 200  # none
+    assert traffic.failures == 0 and traffic.requests == 2
 
 
 @pytest.mark.parametrize("datatype, value", [("UINT8", -1), ("INT64", 2 ** 70), ("BOOL", 1)])
