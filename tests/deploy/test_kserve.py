@@ -73,3 +73,14 @@ def test_the_inference_service_uses_the_runtime_with_a_gpu_and_the_mounted_expor
     k8s = yaml.safe_load((Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "deployment.yaml").read_text())
     predictor = _manifest("InferenceService")["spec"]["predictor"]
     assert predictor["tolerations"] == k8s["spec"]["template"]["spec"]["tolerations"]
+
+
+def test_a_pod_outlives_the_graceful_timeout_which_outlives_a_request_s_deadline() -> None:
+    # Before: GRACEFUL_TIMEOUT_S 30, the default deadline, and Kubernetes' default grace of 30 s, which the drain
+    # (SHUTDOWN_DRAIN_S, inside the graceful timeout) and the last requests' deadlines outlasted: SIGKILL mid-request
+    (container,) = _manifest("ServingRuntime")["spec"]["containers"]
+    env = {item["name"]: item["value"] for item in container["env"]}
+    settings = Settings(graceful_timeout_s=env["VISIONSERVE_GRACEFUL_TIMEOUT_S"])
+    assert settings.graceful_timeout_s - 1 > settings.request_timeout_s  # the drain's second included
+    assert _manifest("InferenceService")["spec"]["predictor"]["terminationGracePeriodSeconds"] > \
+        settings.graceful_timeout_s
