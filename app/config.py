@@ -388,7 +388,8 @@ class ServerSettings(SettingsGroup):
     graceful_timeout_s: int = Field(
         30, gt=0, description="Time to finish accepted requests after SIGTERM: keep it above `REQUEST_TIMEOUT_S` (5 s "
         "above: the shipped compose file and Kubernetes manifests set 35), so that a request accepted just before "
-        "SIGTERM may wait out its whole deadline.")
+        "SIGTERM may wait out its whole deadline. A request is accepted once its body has arrived whole: one still "
+        "arriving at SIGTERM is answered `503 not_ready` (with `Retry-After`) when it has, as a new one is.")
     shutdown_drain_s: float = Field(
         5.0, ge=0, description="After SIGTERM a worker keeps its listener open at least this long, answering new "
         "requests `503 not_ready` with `Retry-After` and `Connection: close` (so a load balancer that has not "
