@@ -37,6 +37,7 @@ _QUERY_PARAMETER = re.compile(r"([?&])(model|version|top_k)=([A-Z]+)\b")
 # "top_k (parameter) must be from 1 to 4": the server names where the value came from; here it came from --top-k.
 _NAMED_PARAMETER = re.compile(r"\btop_k \((?:parameter|query|body|form)\)")
 STDIN = "-"
+KEY_HINT = "give the server's key with --api-key KEY or VISIONSERVE_API_KEY"
 
 
 def _seconds(text: str) -> float:
@@ -50,15 +51,20 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _count(text: str) -> int:
-    """--retries: a whole number, 0 or more."""
+def _count(text: str, least: int = 0) -> int:
+    """--retries: a whole number, 0 or more (``least``)."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be {least} or more, got {text}")
     return value
+
+
+def _classes(text: str) -> int:
+    """--top-k: a whole number, 1 or more (the server says its own upper bound)."""
+    return _count(text, least=1)
 
 
 def _connection_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
@@ -85,7 +91,7 @@ def _connection_options(parser: argparse.ArgumentParser, defaults: bool) -> None
 
 def _predict_options(predict: argparse.ArgumentParser) -> None:
     predict.add_argument("images", nargs="+", help="image files (JPEG, PNG, WebP, BMP, GIF); - reads stdin")
-    predict.add_argument("--top-k", type=int, default=None,
+    predict.add_argument("--top-k", type=_classes, default=None,
                          help="classes per image (default: the server's TOP_K, at most the model's classes)")
     predict.add_argument("--model", default=None, metavar="NAME",
                          help="the served model to ask (default: the server's default model; see `model`)")
@@ -121,9 +127,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _for_cli(error: object) -> str:
-    """An error's text with the server's query-parameter hints said as this command's options."""
+    """An error's text with the server's query-parameter hints said as this command's options, and a refused key
+    with how this command sends one."""
     text = _NAMED_PARAMETER.sub("--top-k", _URL_HINT.sub("--model NAME", str(error)))
-    return _QUERY_PARAMETER.sub(lambda m: f"{' ' if m[1] == '&' else ''}--{m[2].replace('_', '-')} {m[3]}", text)
+    text = _QUERY_PARAMETER.sub(lambda m: f"{' ' if m[1] == '&' else ''}--{m[2].replace('_', '-')} {m[3]}", text)
+    return text + (f" ({KEY_HINT})" if isinstance(error, VisionServeError) and error.status == 401 else "")
 
 
 def _answered_by(prediction: Prediction | Embedding) -> str:
@@ -231,6 +239,9 @@ def _run(client: Client, args: argparse.Namespace) -> int:
             print(json.dumps(client.model(labels=args.labels, model=args.model).raw, indent=2))
             return 0
         status = client.probe("/healthz" if args.command == "health" else "/readyz")
+        if status == 401:  # the probes are behind the key (AUTH_HEALTH_OPEN=false): no answer to the question
+            print(f"error: the server refused the API key: {KEY_HINT}", file=sys.stderr)
+            return 2
         print("yes" if status == 200 else "no")
         if status is None:  # not a server that says no: none answered
             _no_server(args.url)

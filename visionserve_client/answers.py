@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import email.utils
 import math
+import re
 from datetime import datetime, timezone
 from typing import Any, Callable, TypeVar
 
@@ -79,8 +80,12 @@ def error_of(response: requests.Response) -> VisionServeError:
     body = service_error(response)
     if body is not None:
         code, message, details = body["code"], str(body.get("message", "")), body.get("details")
-    else:
-        code, message, details = "http_error", response.text[:200] or response.reason, None
+    else:  # a proxy's or another server's page: said in one line, not its markup
+        code, details = "invalid_response", None
+        text = " ".join(re.sub(r"<[^>]*>", " ", response.text[:2000]).split())[:160]
+        message = (f"not visionserve's answer (HTTP {response.status_code} {response.reason or ''}, "
+                   f"{response.headers.get('Content-Type', 'no content type')})".replace(" ,", ",")
+                   + (f": {text}" if text else ""))
     return VisionServeError(message, status=response.status_code, code=code, details=details,
                             request_id=response.headers.get("X-Request-ID"), retry_after_s=retry_after_s(response))
 

@@ -11,7 +11,7 @@ from tests.support.imaging import RED, image_bytes
 from visionserve_client.__main__ import main
 
 
-@pytest.mark.parametrize("top_k", ["0", "9"])
+@pytest.mark.parametrize("top_k", ["9", "1001"])  # (below 1 the command line refuses it: exit 2)
 def test_a_top_k_out_of_range_is_said_as_the_option(app: Flask, tmp_path: Path, top_k: str,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     image = tmp_path / "red.jpg"

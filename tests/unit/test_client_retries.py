@@ -516,6 +516,48 @@ def test_bad_options_are_usage_errors(option: list[str], capsys: pytest.CaptureF
     assert done.value.code == 2 and f"argument {option[0]}:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("top_k", ["0", "-3", "two"])
+def test_a_top_k_no_server_takes_is_a_usage_error_before_any_request(top_k: str, stub: Stub, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: --top-k 0 went to the server and its 400 exited 1, as a refusal of the image would
+    image = tmp_path / "a.jpg"
+    image.write_bytes(b"img")
+    with pytest.raises(SystemExit) as done:
+        cli(["predict", str(image), "--top-k", top_k, "--url", stub.url])
+    assert done.value.code == 2 and "argument --top-k:" in capsys.readouterr().err and stub.seen == []
+
+
+def test_a_refused_key_is_said_with_the_option_that_sends_one(stub: Stub, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: the server's words alone ("Authorization: Bearer <key> or X-API-Key"); health and ready printed "no"
+    # and exited 1 on a 401, as for a server that is not ready
+    refused = {"error": {"code": "unauthorized", "message": "a valid API key is required", "request_id": "r"}}
+    stub.answer = always((401, {}, json.dumps(refused).encode()))
+    image = tmp_path / "a.jpg"
+    image.write_bytes(b"img")
+    assert cli(["predict", str(image), "--url", stub.url, "--retries", "0"]) == 1
+    assert "a valid API key is required (give the server's key with --api-key KEY or VISIONSERVE_API_KEY)" in \
+        capsys.readouterr().err
+    for command in ("health", "ready"):
+        assert cli([command, "--url", stub.url]) == 2
+        said = capsys.readouterr()
+        assert said.out == "" and "the server refused the API key: give the server's key with --api-key" in said.err
+
+
+def test_another_server_s_error_page_is_said_in_one_line(stub: Stub, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: code http_error and the page's first 200 characters, markup and line breaks included
+    page = b"<!DOCTYPE HTML>\n<html lang=\"en\">\n<head><title>Error response</title></head>\n<body>\n" \
+           b"<h1>Error response</h1>\n<p>Error code: 501</p>\n</body>\n</html>\n"
+    stub.answer = always((501, {"Content-Type": "text/html;charset=utf-8"}, page))
+    with client(stub.url) as c:
+        with pytest.raises(VisionServeError) as caught:
+            c.predict(b"img")
+    assert caught.value.code == "invalid_response" and caught.value.status == 501
+    assert caught.value.message == ("not visionserve's answer (HTTP 501 Not Implemented, text/html;charset=utf-8): "
+                                    "Error response Error response Error code: 501")
+
+
 def test_json_on_a_refused_request_is_each_files_error(stub: Stub, capsys: pytest.CaptureFixture[str],
                                                        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # Before: "error: HTTP 401 ..." on stderr and nothing on stdout, so a program reading --json read nothing.
