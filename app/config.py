@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+import re
 from pathlib import Path
 from typing import ClassVar, Literal, Mapping
 
@@ -578,10 +579,24 @@ def load_settings() -> Settings:
     except ValidationError as exc:
         problems = []
         for error in exc.errors():
-            name = f"{ENV_PREFIX}{str(error['loc'][0]).upper()}" if error["loc"] else "the settings"
-            given = f" (got {error['input']!r})" if error["loc"] and not isinstance(error["input"], dict) else ""
-            problems.append(f"{name}: {error['msg']}{given}")
+            if not error["loc"]:  # a rule across settings: its message names them as fields
+                problems.append(_as_variables(error["msg"].removeprefix("Value error, ")))
+                continue
+            given = f" (got {error['input']!r})" if not isinstance(error["input"], dict) else ""
+            problems.append(f"{ENV_PREFIX}{str(error['loc'][0]).upper()}: {error['msg']}{given}")
         raise SettingsError("; ".join(problems)) from None
+
+
+def _as_variables(message: str) -> str:
+    """A rule's message with the settings it names as the variables that set them (``queue_size (4) must be at
+    least max_images (16)``: VISIONSERVE_QUEUE_SIZE, VISIONSERVE_MAX_IMAGES): a name with an underscore anywhere, one
+    without (dtype, device) only where the message starts with it, as the rules word them (not "a CUDA device")."""
+    def variable(match: re.Match[str]) -> str:
+        word = match.group(0)
+        named = word in Settings.model_fields and ("_" in word or match.start() == 0)
+        return f"{ENV_PREFIX}{word.upper()}" if named else word
+
+    return re.sub(r"(?<![\w/.])[a-z][a-z0-9_]*(?![\w/.])", variable, message)
 
 
 def unknown_variables(environ: Mapping[str, str]) -> list[str]:
