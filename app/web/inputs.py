@@ -42,7 +42,9 @@ def decode_base64(text: str, where: str) -> bytes:
     try:
         return pybase64.b64decode(text, validate=True)
     except (binascii.Error, ValueError, TypeError):
-        raise InvalidBase64(f"{where} is not valid base64") from None
+        wrapped = isinstance(text, str) and ("\n" in text or "\r" in text)  # base64's default output, 76 a line
+        raise InvalidBase64(f"{where} is not valid base64" + (
+            " (it holds line breaks: send it on one line, e.g. base64 -w0)" if wrapped else "")) from None
 
 
 def parse_json(data: bytes, what: str) -> Any:

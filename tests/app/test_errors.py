@@ -451,6 +451,17 @@ def test_a_request_for_another_model_or_version_is_404_naming_the_served_one(cli
         assert error_of(client.post(path), 404, "not_found")["details"] == {"models": served}
 
 
+def test_base64_wrapped_over_lines_is_refused_saying_so(client: FlaskClient) -> None:
+    # Before: "images[0] is not valid base64" alone, for GNU base64's default output (76 characters a line)
+    import base64
+
+    wrapped = base64.encodebytes(image_bytes()).decode()
+    error = error_of(client.post("/predict", json={"images": [wrapped]}), 400, "invalid_base64")
+    assert error["message"] == ("images[0] is not valid base64 (it holds line breaks: send it on one line, e.g. "
+                                "base64 -w0)")
+    assert client.post("/predict", json={"images": ["".join(wrapped.split())]}).status_code == 200
+
+
 def _documented_errors() -> set[tuple[int, str]]:
     """(status, code) of every row of docs/api.md's error table."""
     from tests.conftest import ROOT
