@@ -58,6 +58,8 @@ class InferRequest:
 def _header(body: bytes, header_length: str | None) -> tuple[dict[str, Any], bytes]:
     if header_length is None:
         size = len(body)
+    elif not (header_length.isascii() and header_length.isdigit()):  # (str.isdigit alone takes "²")
+        raise BadRequest(f"Inference-Header-Content-Length must be a whole number of bytes, got {header_length!r}")
     elif not _LENGTH_DIGITS.fullmatch(header_length) or int(header_length) > len(body):
         raise BadRequest(f"Inference-Header-Content-Length {header_length!r} does not fit a {len(body)} byte body")
     else:
@@ -150,7 +152,12 @@ def _tensor(raw: dict[str, Any], binary: bytes, offset: int, most: int, index: i
         check(index, name, datatype, shape)
     size = params.get("binary_data_size")
     if size is not None:
-        if not isinstance(size, int) or size < 0 or offset + size > len(binary):
+        if type(size) is not int or size < 0:  # type(): True is no size
+            raise BadRequest(f"input {name!r}: binary_data_size must be a whole number of bytes, 0 or more, got "
+                             f"{size!r}")
+        if "data" in raw:
+            raise BadRequest(f"input {name!r}: both 'data' and binary_data_size; send its values one way")
+        if offset + size > len(binary):
             raise BadRequest(f"input {name!r}: binary_data_size {size!r} runs past the end of the body")
         blob, offset = binary[offset:offset + size], offset + size
         if datatype == "BYTES":

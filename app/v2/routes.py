@@ -145,6 +145,8 @@ def _output_plan(infer: InferRequest, model: Signature) -> list[tuple[str, int, 
     plan = []
     for item in infer.outputs if infer.outputs is not None else [{"name": OUTPUT}]:
         name = item.get("name")
+        if not isinstance(name, str):
+            raise BadRequest(f"each output needs its 'name' ({', '.join(map(repr, known))}), got {name!r}")
         if name == EMBEDDING:
             model.check_embedding()
         elif name != OUTPUT:

@@ -122,7 +122,13 @@ _PIXELS = {"name": "pixels", "datatype": "FP32", "shape": [1, 3, 8, 8], "data": 
     ({"inputs": [_PIXELS], "outputs": [{"name": "probabilities", "parameters": [1]}]}, {},
      "output 'probabilities': 'parameters' must be an object"),
     ({"inputs": [_PIXELS], "parameters": "x"}, {}, "the request: 'parameters' must be an object"),
-    ({"inputs": [_PIXELS]}, {"Inference-Header-Content-Length": "\u00b2"}, "does not fit"),  # a digit to isdigit()
+    ({"inputs": [_PIXELS]}, {"Inference-Header-Content-Length": "\u00b2"}, "must be a whole number"),  # isdigit()'s
+    ({"inputs": [_PIXELS]}, {"Inference-Header-Content-Length": "abc"}, "must be a whole number of bytes, got 'abc'"),
+    ({"inputs": [{**_PIXELS, "parameters": {"binary_data_size": "12"}}]}, {},
+     "binary_data_size must be a whole number of bytes, 0 or more, got '12'"),  # before: "runs past the end"
+    ({"inputs": [{**_PIXELS, "parameters": {"binary_data_size": -1}}]}, {}, "0 or more, got -1"),
+    ({"inputs": [{**_PIXELS, "parameters": {"binary_data_size": 4}}]}, {}, "both 'data' and binary_data_size"),
+    ({"inputs": [_PIXELS], "outputs": [{}]}, {}, "each output needs its 'name' ('probabilities'), got None"),
     ({"inputs": [_PIXELS]}, {"Inference-Header-Content-Length": "9" * 5000}, "does not fit"),  # past int()'s limit
     # a deadline the caller meant, dropped before (the request ran with the announced one)
     *(({"inputs": [_PIXELS], "parameters": {"timeout": bad}}, {}, "parameters.timeout must be a number of "
