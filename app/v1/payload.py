@@ -13,7 +13,7 @@ from werkzeug import Request
 
 from app.errors import BadRequest, SchemaViolation, UnknownOutput, UnsupportedMediaType, check_image_count
 from app.v1.schemas import ExplainJSONRequest, PredictJSONRequest
-from app.web.inputs import decode_base64, parse_json, read_body
+from app.web.inputs import decode_base64, each_once, parse_json, read_body
 from app.web.multipart import FormData, parse_form_data
 
 Schema = TypeVar("Schema", bound=pydantic.BaseModel)
@@ -107,6 +107,10 @@ def _from_multipart(request: Request, fields: set[str], max_images: int) -> tupl
         raise BadRequest(f"the {IMAGE_FIELD!r} field came as text, not a file: send the image as a file (curl -F "
                          f"{IMAGE_FIELD}=@cat.jpg, with the @)")
     check_known(form.fields, fields, "form field")
+    for name, values in form.fields.items():  # (-F top_k=1 -F top_k=3 was its first value, silently)
+        if len(values) > 1:
+            raise BadRequest(f"form field {name} is given {len(values)} times ({', '.join(map(repr, values))}): "
+                             "send it once")
     files = form.files.get(IMAGE_FIELD, [])
     if not files or set(form.files) - {IMAGE_FIELD}:
         sent = ", ".join(repr(name) for name in form.names()) or "none"
@@ -158,7 +162,7 @@ def parse_explain(request: Request, labels: list[str], max_images: int) -> Expla
     """The image (multipart ``image``, a raw body, or JSON ``{"image": base64}``), the class (``class_index`` or
     ``label``, as query parameters, form or JSON fields; left out: the top one) and ``format`` (json or png)."""
     check_known(request.args.keys(), {CLASS_INDEX, LABEL, FORMAT, MODEL, VERSION}, "query parameter")
-    fields = dict(request.args)
+    fields = each_once(request.args, "query parameter")
     mimetype = request.mimetype
     if mimetype == "application/json":
         parsed = _json_body(request, ExplainJSONRequest)

@@ -27,7 +27,7 @@ from app.v1.schemas import (
     PredictResponse,
     WorkerModels,
 )
-from app.web.inputs import client_key, deadline_s, parse_json, read_body
+from app.web.inputs import client_key, deadline_s, each_once, parse_json, read_body
 from app.web.services import client_gone, current_service
 from app.web.timing import annotate
 from models.export.manifest import Manifest
@@ -47,7 +47,7 @@ def predict() -> Response:
     service, req = current_service(), request._get_current_object()  # not a proxy lookup per field
     settings = service.settings
     timeout_s = deadline_s(req.headers, settings.request_timeout_s)
-    query = req.args.to_dict()  # each one's first value (werkzeug's get raises and catches inside for one not given)
+    query = each_once(req.args, "query parameter")  # (werkzeug's get raises and catches inside for one not given)
     # Admitted only if the queue could take one image in time: refused before the body is parsed otherwise.
     with service.admit(query.get(MODEL), query.get(VERSION),
                        client_key(req.headers, settings.client_key_header), images=1, timeout_s=timeout_s) as call:

@@ -7,6 +7,7 @@ from typing import Any, Mapping
 import pybase64
 import pydantic_core
 from werkzeug import Request
+from werkzeug.datastructures import MultiDict
 from werkzeug.exceptions import ClientDisconnected
 
 from app.errors import BadRequest, BodyTooLarge, InvalidBase64, InvalidJSON
@@ -25,6 +26,17 @@ def deadline_s(headers: Mapping[str, str], maximum_s: float) -> float:
     if not millis > 0 or millis != millis:
         raise BadRequest(f"X-Request-Timeout must be positive, got {raw!r}")
     return min(millis / 1000, maximum_s)
+
+
+def each_once(values: MultiDict[str, str], where: str) -> dict[str, str]:
+    """Each parameter's value (``where``: "query parameter", "form field"); BadRequest for one given more than once,
+    which would otherwise silently be its first value (``?top_k=3&top_k=1``: 3)."""
+    once = values.to_dict()
+    if sum(1 for _ in values.items(multi=True)) != len(once):
+        repeated = next(name for name in once if len(values.getlist(name)) > 1)
+        raise BadRequest(f"{where} {repeated} is given {len(values.getlist(repeated))} times "
+                         f"({', '.join(map(repr, values.getlist(repeated)))}): send it once")
+    return once
 
 
 def client_key(headers: Mapping[str, str], header: str) -> str | None:

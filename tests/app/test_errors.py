@@ -462,6 +462,23 @@ def test_base64_wrapped_over_lines_is_refused_saying_so(client: FlaskClient) -> 
     assert client.post("/predict", json={"images": ["".join(wrapped.split())]}).status_code == 200
 
 
+def test_a_parameter_given_twice_in_one_place_is_400(client: FlaskClient) -> None:
+    # Before: its first value won, silently (?top_k=3&top_k=1: three classes), where one in the body and the query
+    # is a 400
+    photo = image_bytes()
+    error = error_of(client.post("/predict?top_k=3&top_k=1", data=photo, content_type="image/jpeg"), 400,
+                     "invalid_request")
+    assert error["message"] == "query parameter top_k is given 2 times ('3', '1'): send it once"
+    error = error_of(client.post("/predict", data={"image": (io.BytesIO(photo), "a.jpg"), "top_k": ["1", "2"]}), 400,
+                     "invalid_request")
+    assert error["message"] == "form field top_k is given 2 times ('1', '2'): send it once"
+    error_of(client.post("/predict?model=colour&model=nope", data=photo, content_type="image/jpeg"), 400,
+             "invalid_request")
+    error_of(client.post("/explain?label=red&label=blue", data=photo, content_type="image/jpeg"), 400,
+             "invalid_request")
+    assert client.post("/predict?top_k=2", data=photo, content_type="image/jpeg").status_code == 200
+
+
 def _documented_errors() -> set[tuple[int, str]]:
     """(status, code) of every row of docs/api.md's error table."""
     from tests.conftest import ROOT
