@@ -506,6 +506,15 @@ class SecuritySettings(SettingsGroup):
     auth_health_open: bool = Field(True, description="Keep `/healthz`, `/readyz`, `/metrics` and the V2 health "
                                    "endpoints open for probes and scrapers when an API key is set.")
 
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins_as_browsers_send_them(cls, value: str) -> str:
+        for origin in (part.strip() for part in value.split(",")):
+            if origin and origin != "*" and not re.fullmatch(r"https?://[^/\s]+/?", origin):
+                raise ValueError(f"each origin is scheme://host[:port], as a browser sends it in its Origin header "
+                                 f"(https://app.example.com), or *; {origin!r} can never match one")
+        return value
+
     @model_validator(mode="after")
     def _key_file_exists(self) -> "SecuritySettings":
         if self.api_key_file is not None and not self.api_key_file.is_file():

@@ -103,7 +103,7 @@ def _predict_options(predict: argparse.ArgumentParser) -> None:
 def _parser() -> argparse.ArgumentParser:
     # `visionserve` when installed with pip (pyproject.toml), `python -m visionserve_client` from the repository.
     prog = "visionserve" if Path(sys.argv[0]).name == "visionserve" else "python -m visionserve_client"
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+    parser = argparse.ArgumentParser(prog=prog, description=(__doc__ or "").replace("``", ""),  # (not markup in help)
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     _connection_options(parser, defaults=True)
     commands = parser.add_subparsers(dest="command", required=True)

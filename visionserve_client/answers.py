@@ -30,8 +30,19 @@ def failure_of(exc: requests.RequestException) -> tuple[VisionServeError, bool]:
     if isinstance(exc, requests.exceptions.ReadTimeout):
         return VisionServeError(f"no answer in time: {exc}", code="timeout"), False
     retry = isinstance(exc, (requests.exceptions.ConnectionError, requests.exceptions.ChunkedEncodingError))
-    return VisionServeError(str(exc), code="connection_error"), retry and not isinstance(
+    return VisionServeError(_connection_failure(exc), code="connection_error"), retry and not isinstance(
         exc, requests.exceptions.SSLError)
+
+
+def _connection_failure(exc: requests.RequestException) -> str:
+    """What went wrong, said first (``could not connect to 127.0.0.1:8999: Connection refused``), urllib3's own
+    wording after it: its pool's repr led the line before."""
+    said = str(exc)
+    reason = re.search(r"\[Errno -?\d+\] ([^'\")\]]+)", said)
+    where = re.search(r"host='([^']+)', port=(\d+)", said)
+    if reason is None or where is None:
+        return said
+    return f"could not connect to {where[1]}:{where[2]}: {reason[1].strip()} ({said})"
 
 
 def service_error(response: requests.Response) -> dict[str, Any] | None:

@@ -43,6 +43,7 @@ def register_cors(app: Flask, settings: Settings) -> Callable[[Request], Respons
         if req.method != "OPTIONS" or "Access-Control-Request-Method" not in req.headers:
             return None
         response = Response(status=204)
+        del response.headers["Content-Type"]  # no body: not werkzeug's default text/html
         if allowed(req.headers.get("Origin")):
             response.headers.update({"Access-Control-Allow-Methods": "GET, POST, OPTIONS",
                                      "Access-Control-Allow-Headers": allowed_headers,

@@ -582,6 +582,9 @@ def test_json_when_no_server_answers(capsys: pytest.CaptureFixture[str], tmp_pat
     entries = json.loads(said.out)
     assert [set(entry["error"]) for entry in entries] == [{"status", "code", "message", "request_id"}] * 2
     assert all(entry["error"]["code"] == "connection_error" for entry in entries)
+    # what went wrong first (before: urllib3's pool's repr led the message)
+    assert all(entry["error"]["message"].startswith(f"could not connect to {url.removeprefix('http://')}: Connection "
+                                                    "refused (") for entry in entries)
     assert said.err.count(f"no server answers at {url}") == 1
 
 

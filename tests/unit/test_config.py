@@ -69,6 +69,9 @@ def test_each_setting_is_read_from_its_variable(name: str, monkeypatch: pytest.M
     ({"API_KEY_FILE": "/nonexistent/key"}, "VISIONSERVE_API_KEY_FILE /nonexistent/key does not exist"),
     ({"QUEUE_SIZE": "8", "MAX_IMAGES": "16"}, "VISIONSERVE_QUEUE_SIZE (8) must be at least VISIONSERVE_MAX_IMAGES "
                                               "(16)"),
+    # an origin without its scheme can never match a browser's Origin header (before: taken, CORS silently off)
+    ({"CORS_ORIGINS": "https://a.example, app.example.com"}, "VISIONSERVE_CORS_ORIGINS: Value error, each origin is "
+                                                             "scheme://host[:port]"),
 ])
 def test_the_groups_checks_still_stop_the_start(environment: dict[str, str], message: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
