@@ -29,8 +29,8 @@ def deadline_s(headers: Mapping[str, str], maximum_s: float) -> float:
 
 
 def each_once(values: MultiDict[str, str], where: str) -> dict[str, str]:
-    """Each parameter's value (``where``: "query parameter", "form field"); BadRequest for one given more than once,
-    which would otherwise silently be its first value (``?top_k=3&top_k=1``: 3)."""
+    """Each parameter's value (``where``: what they are, "query parameter"); BadRequest for one given more than
+    once, which would otherwise silently be its first value (``?top_k=3&top_k=1``: 3)."""
     once = values.to_dict()
     if sum(1 for _ in values.items(multi=True)) != len(once):
         repeated = next(name for name in once if len(values.getlist(name)) > 1)
