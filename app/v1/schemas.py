@@ -14,17 +14,10 @@ class PredictJSONRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     images: list[str] = Field(min_length=1, description="base64 of each image file (JPEG, PNG, WebP, BMP, GIF)")
-    top_k: int | None = Field(default=None, ge=1, description="classes to return per image")
+    top_k: StrictInt | None = Field(default=None, ge=1, description="classes to return per image (an integer, not "
+                                    "a boolean, a string or 2.0, as the V2 protocol's numbers)")
     outputs: list[str] | str | None = Field(default=None, description="what to answer per image: labels (the top "
                                             "k, the default) and/or embedding, as a list or comma-separated")
-
-    @field_validator("top_k", mode="before")
-    @classmethod
-    def _not_a_boolean(cls, value: Any) -> Any:
-        # pydantic's lax mode reads true as 1; a boolean here is a client's mistake, not a count.
-        if isinstance(value, bool):
-            raise ValueError("top_k must be an integer, not a boolean")
-        return value
 
 
 class ExplainJSONRequest(BaseModel):

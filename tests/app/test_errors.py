@@ -91,6 +91,9 @@ BAD_INPUTS = {
     "top_k 10^9": ({"json": {"images": [_b64(image_bytes())], "top_k": 10**9}}, 400, "invalid_request"),
     "top_k true": ({"json": {"images": [_b64(image_bytes())], "top_k": True}}, 422, "validation_error"),
     "top_k abc": ({"json": {"images": [_b64(image_bytes())], "top_k": "abc"}}, 422, "validation_error"),
+    # before: taken as 3 and 2 (pydantic's lax mode), where V2 refuses a numeric string
+    "top_k '3'": ({"json": {"images": [_b64(image_bytes())], "top_k": "3"}}, 422, "validation_error"),
+    "top_k 2.0": ({"json": {"images": [_b64(image_bytes())], "top_k": 2.0}}, 422, "validation_error"),
     "too many images": ({"json": {"images": [_b64(image_bytes())] * 5}}, 413, "too_many_images"),
     "too many images, multipart": ({"data": {"image": [(io.BytesIO(image_bytes()), f"{i}.jpg") for i in range(5)]}},
                                    413, "too_many_images"),
