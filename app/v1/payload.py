@@ -119,6 +119,15 @@ def _from_multipart(request: Request, fields: set[str], max_images: int) -> tupl
     return form, [f.data for f in files], [f.filename for f in files]
 
 
+def _unsupported(request: Request) -> UnsupportedMediaType:
+    """The 415 of a body of no form /predict and /explain read, naming its type as sent (one that does not parse,
+    ``;;;==``, as it came, not as none)."""
+    said = request.mimetype or request.headers.get("Content-Type") or "(none)"
+    return UnsupportedMediaType(f"content type {said!r} is not supported; send multipart/form-data with an "
+                                f"{IMAGE_FIELD!r} field, a raw image body (image/* or application/octet-stream), or "
+                                "JSON")
+
+
 def check_known(names: Iterable[str], known: set[str], what: str) -> None:
     """Refuse a parameter the endpoint does not know (a misspelt ``topk`` would otherwise be ignored)."""
     unknown = sorted(set(names) - known)
@@ -177,9 +186,7 @@ def parse_explain(request: Request, labels: list[str], max_images: int) -> Expla
     elif mimetype.startswith("image/") or mimetype in RAW_TYPES:
         image = read_body(request)
     else:
-        raise UnsupportedMediaType(
-            f"content type {mimetype or '(none)'!r} is not supported; send multipart/form-data with an "
-            f"{IMAGE_FIELD!r} field, a raw image body (image/* or application/octet-stream), or JSON")
+        raise _unsupported(request)
     answer_format = fields.get(FORMAT) or "json"
     if answer_format not in FORMATS:
         raise BadRequest(f"{FORMAT} must be json or png, got {answer_format!r}")
@@ -206,8 +213,6 @@ def parse_predict(request: Request, query: dict[str, str], *, default_top_k: int
         raw_top_k = query.get(TOP_K)
         raw_outputs = query.get(OUTPUTS)
     else:
-        raise UnsupportedMediaType(
-            f"content type {mimetype or '(none)'!r} is not supported; send multipart/form-data with an "
-            f"{IMAGE_FIELD!r} field, a raw image body (image/* or application/octet-stream), or JSON")
+        raise _unsupported(request)
     return PredictInput(images, _parse_top_k(raw_top_k, default_top_k, num_classes, "parameter"), names,
                         *_parse_outputs(raw_outputs, "parameter"))

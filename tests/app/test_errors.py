@@ -482,6 +482,13 @@ def test_a_parameter_given_twice_in_one_place_is_400(client: FlaskClient) -> Non
     assert client.post("/predict?top_k=2", data=photo, content_type="image/jpeg").status_code == 200
 
 
+def test_a_content_type_that_does_not_parse_is_named_as_it_came(client: FlaskClient) -> None:
+    # Before: "content type '(none)' is not supported", for a header that was sent
+    error = error_of(client.post("/predict", data=image_bytes(), headers={"Content-Type": ";;;=="}), 415,
+                     "unsupported_media_type")
+    assert error["message"].startswith("content type ';;;==' is not supported; send multipart/form-data")
+
+
 def _documented_errors() -> set[tuple[int, str]]:
     """(status, code) of every row of docs/api.md's error table."""
     from tests.conftest import ROOT
