@@ -97,7 +97,8 @@ def on_starting(server) -> None:  # noqa: ANN001
     for warning in unknown_variables(os.environ):
         server.log.warning(warning)
     inherited = os.environ.get("GUNICORN_FD") or os.environ.get("LISTEN_FDS")  # USR2's new master, systemd's sockets
-    taken = [] if inherited else [address for address in server.cfg.bind if address_in_use(address)]
+    taken = [] if inherited else [address for address in server.cfg.bind
+                                  if address_in_use(address, server.cfg.reuse_port)]
     if taken:  # gunicorn would retry for 5 s, then say "Can't connect" with no hint of the setting
         server.log.error("visionserve: %s is in use (another server listens there): stop that server, or set "
                          "VISIONSERVE_BIND to another address (e.g. 0.0.0.0:8001)", taken[0])

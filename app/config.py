@@ -483,6 +483,24 @@ class ExplainSettings(SettingsGroup):
         "0-19): on busy cores predictions go first; 0 leaves them equal.")
 
 
+_DEFAULT_PORTS = {"http": "80", "https": "443", "ws": "80", "wss": "443"}
+
+
+def _as_browsers_send_it(origin: str) -> str:
+    """A CORS origin as a browser writes it in its Origin header, which is compared as it is: the scheme and host in
+    lower case, no default port, no trailing slash (``https://App.example.com:443/`` is ``https://app.example.com``);
+    ``*`` and ``null`` (a file:// page's, a sandboxed frame's) as they are. ValueError for one that can never match:
+    no scheme, or a path."""
+    if origin in ("*", "null"):
+        return origin
+    found = re.fullmatch(r"([A-Za-z][A-Za-z0-9+.-]*)://([^/\s:]+|\[[0-9A-Fa-f:.]+\])(?::(\d+))?/?", origin)
+    if found is None:
+        raise ValueError(f"each origin is scheme://host[:port], as a browser sends it in its Origin header "
+                         f"(https://app.example.com), or * or null; {origin!r} can never match one")
+    scheme, host, port = found.group(1).lower(), found.group(2).lower(), found.group(3)
+    return f"{scheme}://{host}" + ("" if port is None or _DEFAULT_PORTS.get(scheme) == port else f":{port}")
+
+
 class SecuritySettings(SettingsGroup):
     """Who may call the API (API key, CORS), and tracing."""
 
@@ -500,20 +518,18 @@ class SecuritySettings(SettingsGroup):
         "(`OTEL_EXPORTER_OTLP_ENDPOINT`, `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, `OTEL_SERVICE_NAME`...); OTLP over "
         "HTTP. Off: no tracing code runs at all.")
     cors_origins: str = Field(
-        "", description="Origins a browser front-end may call the API from, comma-separated "
-        "(`https://app.example.com`), or `*`; empty = CORS off (no CORS headers at all). Preflights are answered "
-        "before the API key check.")
+        "", description="Origins a browser front-end may call the API from, comma-separated, each "
+        "scheme://host[:port] (`https://app.example.com`, `http://localhost:3000`, `chrome-extension://ID`; taken as "
+        "a browser writes it: lower case, no default port, no trailing slash), `null` (file:// pages, sandboxed "
+        "frames), or `*`; empty = CORS off (no CORS headers at all). Preflights are answered before the API key "
+        "check.")
     auth_health_open: bool = Field(True, description="Keep `/healthz`, `/readyz`, `/metrics` and the V2 health "
                                    "endpoints open for probes and scrapers when an API key is set.")
 
     @field_validator("cors_origins")
     @classmethod
     def _origins_as_browsers_send_them(cls, value: str) -> str:
-        for origin in (part.strip() for part in value.split(",")):
-            if origin and origin != "*" and not re.fullmatch(r"https?://[^/\s]+/?", origin):
-                raise ValueError(f"each origin is scheme://host[:port], as a browser sends it in its Origin header "
-                                 f"(https://app.example.com), or *; {origin!r} can never match one")
-        return value
+        return ",".join(_as_browsers_send_it(part.strip()) for part in value.split(",") if part.strip())
 
     @model_validator(mode="after")
     def _key_file_exists(self) -> "SecuritySettings":

@@ -93,13 +93,25 @@ def unserved_engines(workers: int, engines: int) -> int:
     return max(0, engines - workers)
 
 
-def address_in_use(bind: str) -> bool:
-    """Whether another process listens on ``bind`` (``HOST:PORT``, ``[IPv6]:PORT`` or ``:PORT``), tried as gunicorn
-    binds it (SO_REUSEADDR: a socket of a server just stopped does not count). False for any other form (a unix
-    socket, an ``fd://``) and for an address that fails otherwise: gunicorn says why."""
-    host, sep, port = bind.rpartition(":")
+def address_in_use(bind: str, reuse_port: bool = False) -> bool:
+    """Whether another process listens on ``bind`` (``HOST:PORT``, ``[IPv6]:PORT``, ``:PORT``, each maybe after
+    ``tcp://``), tried as gunicorn binds it (SO_REUSEADDR: a socket of a server just stopped does not count; with
+    gunicorn's ``reuse_port``, SO_REUSEPORT too: a server that shares its port is no refusal). False for any other
+    form (a unix socket, an ``fd://``) and for an address that fails otherwise: gunicorn says why."""
+    host, sep, port = bind.removeprefix("tcp://").rpartition(":")
     if not sep or not port.isdigit() or bind.startswith(("unix:", "fd://")):
         return False
+    host = host.strip("[]") or "0.0.0.0"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            probe.bind((host, int(port)))
+    except OSError as exc:
+        return exc.errno == errno.EADDRINUSE
+    return False
     host = host.strip("[]") or "0.0.0.0"
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:

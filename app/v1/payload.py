@@ -13,7 +13,7 @@ from werkzeug import Request
 
 from app.errors import BadRequest, SchemaViolation, UnknownOutput, UnsupportedMediaType, check_image_count
 from app.v1.schemas import ExplainJSONRequest, PredictJSONRequest
-from app.web.inputs import decode_base64, each_once, parse_json, read_body
+from app.web.inputs import decode_base64, each_once, given_more_than_once, parse_json, read_body
 from app.web.multipart import FormData, parse_form_data
 
 Schema = TypeVar("Schema", bound=pydantic.BaseModel)
@@ -22,6 +22,7 @@ RAW_TYPES = ("application/octet-stream",)
 IMAGE_FIELD = "image"
 TOP_K = "top_k"
 OUTPUTS = "outputs"  # what to answer per image, comma-separated: labels (the top k, the default), embedding
+LISTED = {OUTPUTS: "outputs=labels,embedding"}  # parameters of several values, comma-separated
 LABELS_OUTPUT, EMBEDDING_OUTPUT = "labels", "embedding"
 # The model and version a request asks for (optional; 404 naming the served one when they are not it).
 MODEL, VERSION = "model", "version"
@@ -87,6 +88,15 @@ def _said_once(name: str, given: Given | None, query: str | None, where: str) ->
     return query if given is None else given
 
 
+def _joined(query: dict[str, str], given: dict[str, Given | None], where: str) -> dict[str, Given | str]:
+    """The query's parameters and those the body or form (``where``) gives; BadRequest for one given in both."""
+    joined: dict[str, Given | str] = dict(query)
+    for name, value in given.items():
+        if (said := _said_once(name, value, query.get(name), where)) is not None:
+            joined[name] = said
+    return joined
+
+
 def _from_json(request: Request, query: dict[str, str], default_top_k: int, num_classes: int,
                max_images: int) -> PredictInput:
     parsed = _json_body(request, PredictJSONRequest)
@@ -109,8 +119,7 @@ def _from_multipart(request: Request, fields: set[str], max_images: int) -> tupl
     check_known(form.fields, fields, "form field")
     for name, values in form.fields.items():  # (-F top_k=1 -F top_k=3 was its first value, silently)
         if len(values) > 1:
-            raise BadRequest(f"form field {name} is given {len(values)} times ({', '.join(map(repr, values))}): "
-                             "send it once")
+            raise given_more_than_once("form field", name, values, LISTED)
     files = form.files.get(IMAGE_FIELD, [])
     if not files or set(form.files) - {IMAGE_FIELD}:
         sent = ", ".join(repr(name) for name in form.names()) or "none"
@@ -176,13 +185,12 @@ def parse_explain(request: Request, labels: list[str], max_images: int) -> Expla
     if mimetype == "application/json":
         parsed = _json_body(request, ExplainJSONRequest)
         image = _image_from_base64(parsed.image, 0)
-        fields |= {key: value for key, value in ((CLASS_INDEX, parsed.class_index), (LABEL, parsed.label))
-                   if value is not None}
+        fields = _joined(fields, {CLASS_INDEX: parsed.class_index, LABEL: parsed.label}, "body")
     elif mimetype == "multipart/form-data":
         form, images, _ = _from_multipart(request, {CLASS_INDEX, LABEL, FORMAT}, max_images)
         if len(images) != 1:
             raise BadRequest(f"an explanation is of one image; {len(images)} were sent")
-        image, fields = images[0], {**fields, **{name: values[0] for name, values in form.fields.items()}}
+        image, fields = images[0], _joined(fields, {name: values[0] for name, values in form.fields.items()}, "form")
     elif mimetype.startswith("image/") or mimetype in RAW_TYPES:
         image = read_body(request)
     else:
@@ -196,8 +204,8 @@ def parse_explain(request: Request, labels: list[str], max_images: int) -> Expla
 
 def parse_predict(request: Request, query: dict[str, str], *, default_top_k: int, num_classes: int,
                   max_images: int) -> PredictInput:
-    """Images, top_k and outputs from a multipart, raw-bytes or JSON request and its ``query`` (each parameter's
-    first value: ``request.args.to_dict()``, read once by the route); raises a ServiceError on bad input."""
+    """Images, top_k and outputs from a multipart, raw-bytes or JSON request and its ``query`` (its parameters, each
+    given once: ``inputs.each_once``, read once by the route); raises a ServiceError on bad input."""
     check_known(query, {TOP_K, OUTPUTS, MODEL, VERSION}, "query parameter")
     mimetype = request.mimetype
     names: list[str | None] | None = None

@@ -11,7 +11,7 @@ from flask import Blueprint, Response, request
 from app.config import Settings
 from app.engine.contract import Ranked, VersionInfo
 from app.errors import BadRequest
-from app.v1.payload import MODEL, VERSION, PredictInput, parse_explain, parse_predict
+from app.v1.payload import LISTED, MODEL, VERSION, PredictInput, parse_explain, parse_predict
 from app.v1.schemas import (
     Batching,
     Crop,
@@ -47,7 +47,8 @@ def predict() -> Response:
     service, req = current_service(), request._get_current_object()  # not a proxy lookup per field
     settings = service.settings
     timeout_s = deadline_s(req.headers, settings.request_timeout_s)
-    query = each_once(req.args, "query parameter")  # (werkzeug's get raises and catches inside for one not given)
+    # (werkzeug's get raises and catches inside for one not given)
+    query = each_once(req.args, "query parameter", LISTED)
     # Admitted only if the queue could take one image in time: refused before the body is parsed otherwise.
     with service.admit(query.get(MODEL), query.get(VERSION),
                        client_key(req.headers, settings.client_key_header), images=1, timeout_s=timeout_s) as call:

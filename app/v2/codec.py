@@ -155,7 +155,7 @@ def _tensor(raw: dict[str, Any], binary: bytes, offset: int, most: int, index: i
         if type(size) is not int or size < 0:  # type(): True is no size
             raise BadRequest(f"input {name!r}: binary_data_size must be a whole number of bytes, 0 or more, got "
                              f"{size!r}")
-        if "data" in raw:
+        if raw.get("data") is not None:  # (null: a client's unset field, as some write every field)
             raise BadRequest(f"input {name!r}: both 'data' and binary_data_size; send its values one way")
         if offset + size > len(binary):
             raise BadRequest(f"input {name!r}: binary_data_size {size!r} runs past the end of the body")

@@ -28,15 +28,25 @@ def deadline_s(headers: Mapping[str, str], maximum_s: float) -> float:
     return min(millis / 1000, maximum_s)
 
 
-def each_once(values: MultiDict[str, str], where: str) -> dict[str, str]:
+def each_once(values: MultiDict[str, str], where: str, listed: Mapping[str, str] | None = None) -> dict[str, str]:
     """Each parameter's value (``where``: what they are, "query parameter"); BadRequest for one given more than
-    once, which would otherwise silently be its first value (``?top_k=3&top_k=1``: 3)."""
+    once, which would otherwise silently be its first value (``?top_k=3&top_k=1``: 3). ``listed``: the parameters
+    whose several values are one comma-separated value, each with an example the refusal shows."""
     once = values.to_dict()
     if sum(1 for _ in values.items(multi=True)) != len(once):
         repeated = next(name for name in once if len(values.getlist(name)) > 1)
-        raise BadRequest(f"{where} {repeated} is given {len(values.getlist(repeated))} times "
-                         f"({', '.join(map(repr, values.getlist(repeated)))}): send it once")
+        raise given_more_than_once(where, repeated, values.getlist(repeated), listed)
     return once
+
+
+def given_more_than_once(where: str, name: str, values: list[str], listed: Mapping[str, str] | None = None
+                         ) -> BadRequest:
+    """The refusal of parameter ``name`` given several times (``values``), with ``listed``'s example for one that
+    takes several values comma-separated (``outputs=labels,embedding``)."""
+    example = (listed or {}).get(name)
+    hint = f" (several as one, comma-separated: {example})" if example else ""
+    return BadRequest(f"{where} {name} is given {len(values)} times ({', '.join(map(repr, values))}): send it "
+                      f"once{hint}")
 
 
 def client_key(headers: Mapping[str, str], header: str) -> str | None:

@@ -480,6 +480,31 @@ def test_a_parameter_given_twice_in_one_place_is_400(client: FlaskClient) -> Non
     error_of(client.post("/explain?label=red&label=blue", data=photo, content_type="image/jpeg"), 400,
              "invalid_request")
     assert client.post("/predict?top_k=2", data=photo, content_type="image/jpeg").status_code == 200
+    # what `requests` sends for params={"outputs": ["labels", "embedding"]}: the refusal says how to ask for both
+    error = error_of(client.post("/predict?outputs=labels&outputs=embedding", data=photo, content_type="image/jpeg"),
+                     400, "invalid_request")
+    assert error["message"] == ("query parameter outputs is given 2 times ('labels', 'embedding'): send it once "
+                                "(several as one, comma-separated: outputs=labels,embedding)")
+    error = error_of(client.post("/predict", data={"image": (io.BytesIO(photo), "a.jpg"), "outputs": ["labels",
+                                                                                                     "embedding"]}),
+                     400, "invalid_request")
+    assert error["message"].endswith("send it once (several as one, comma-separated: outputs=labels,embedding)")
+
+
+def test_an_explanation_s_class_given_in_the_query_and_the_body_is_400(client: FlaskClient) -> None:
+    # Before: the body's or the form's value won over the query's, silently, where /predict refuses the two
+    import base64
+
+    photo = image_bytes()
+    error = error_of(client.post("/explain?label=red", json={"image": base64.b64encode(photo).decode(),
+                                                             "label": "blue"}), 400, "invalid_request")
+    assert error["message"] == "label is given twice, 'blue' in the body and 'red' in the query: send it once"
+    error = error_of(client.post("/explain?class_index=0", data={"image": (io.BytesIO(photo), "a.jpg"),
+                                                                 "class_index": "1"}), 400, "invalid_request")
+    assert error["message"] == "class_index is given twice, '1' in the form and '0' in the query: send it once"
+    error = error_of(client.post("/explain?format=png", data={"image": (io.BytesIO(photo), "a.jpg"),
+                                                              "format": "json"}), 400, "invalid_request")
+    assert error["message"] == "format is given twice, 'json' in the form and 'png' in the query: send it once"
 
 
 def test_a_content_type_that_does_not_parse_is_named_as_it_came(client: FlaskClient) -> None:

@@ -103,6 +103,23 @@ def test_names_from_urls_bodies_and_folders_follow_one_pattern_and_nothing_outsi
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 
 
+def test_a_model_models_leaves_out_is_listed_as_not_loaded_until_its_load_call(tmp_path: Path) -> None:
+    # Before: its versions were "unloaded", as though a call had unloaded them
+    export_tiny(tmp_path / "mine" / "1")
+    export_tiny(tmp_path / "other" / "1", name="other")
+    app = create_app(Settings(weights_dir=tmp_path, models="mine", device="cpu", log_level="warning"))
+    client = app.test_client()
+    try:
+        rows = {row["name"]: (row["state"], row.get("reason")) for row in client.post("/v2/repository/index").json}
+        assert rows == {"mine": ("READY", ""), "other": ("UNAVAILABLE", "not loaded (its load call loads it)")}
+        assert client.post("/v2/repository/models/other/load").status_code == 200
+        assert client.post("/v2/repository/models/other/unload").status_code == 200
+        rows = {row["name"]: (row["state"], row.get("reason")) for row in client.post("/v2/repository/index").json}
+        assert rows["other"] == ("UNAVAILABLE", "unloaded")
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
 def test_a_policy_json_that_is_not_json_keeps_its_model_out_and_the_index_and_the_404_say_why(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     import logging

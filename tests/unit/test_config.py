@@ -96,6 +96,21 @@ def test_the_methods_of_the_groups_and_of_the_whole(tmp_path: Path) -> None:
     assert settings.resolved_weights_dir().is_absolute()
 
 
+def test_cors_origins_are_taken_as_browsers_send_them() -> None:
+    # Before: `null` and every scheme but http(s) (chrome-extension://, capacitor://) were refused as "can never
+    # match", where browsers send them; App.Example.com, a default port and a trailing slash were taken as written
+    # and could never match the Origin header, which is compared as it is
+    taken = Settings(cors_origins="null, chrome-extension://abcdef, capacitor://localhost, "
+                                  "https://App.Example.com:443/, http://[::1]:8080, http://a.example:80, "
+                                  "http://localhost:3000").cors_origins
+    assert taken.split(",") == ["null", "chrome-extension://abcdef", "capacitor://localhost", "https://app.example.com",
+                                "http://[::1]:8080", "http://a.example", "http://localhost:3000"]
+    assert Settings(cors_origins="*").cors_origins == "*" and Settings().cors_origins == ""
+    for never in ("app.example.com", "https://a.example/app", "https://", "https://a b"):
+        with pytest.raises(ValueError, match="can never match one"):
+            Settings(cors_origins=never)
+
+
 @pytest.mark.parametrize("workers, engines, threads", [(1, 0, 1), (4, 1, 2), (8, 2, 32)])
 def test_a_queue_always_holds_a_whole_request(workers: int, engines: int, threads: int) -> None:
     # Before: QUEUE_SIZE below MAX_IMAGES was taken, and a request of more images than the queue held was refused

@@ -155,3 +155,19 @@ def test_an_address_is_in_use_only_while_a_socket_listens_there() -> None:
     assert not address_in_use(f"127.0.0.1:{port}")
     assert not address_in_use("unix:/tmp/visionserve.sock") and not address_in_use("fd://3")
     assert not address_in_use("no-such-host.invalid:80")  # fails otherwise: gunicorn says why
+
+
+def test_a_port_shared_under_reuse_port_is_not_in_use_and_tcp_binds_are_checked() -> None:
+    # Before: a server started with gunicorn's --reuse-port beside one that shares its port (a hand-over) stopped at
+    # once, "in use", where gunicorn would have bound it; tcp://HOST:PORT was never checked
+    import socket
+
+    from app.hosting.host import address_in_use
+
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        other.bind(("127.0.0.1", 0))
+        port = other.getsockname()[1]
+        other.listen()
+        assert address_in_use(f"127.0.0.1:{port}") and address_in_use(f"tcp://127.0.0.1:{port}")
+        assert not address_in_use(f"127.0.0.1:{port}", reuse_port=True)

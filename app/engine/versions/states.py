@@ -135,7 +135,9 @@ class VersionStates:
 
 def _left_out(version: str, entry: ModelEntry | None) -> str:
     """Why a model's desired ``entry`` (None: none yet) does not name ``version``, a version in its repository."""
-    if entry is None or is_unloaded(entry):
+    if entry is None:  # a model of the repository not followed (MODELS leaves it out), or no desired state to read
+        return "not loaded (its load call loads it)"
+    if is_unloaded(entry):
         return "unloaded"
     if version in entry["versions"]:  # this worker has yet to follow the change that names it
         return "not loaded here yet"
