@@ -57,7 +57,8 @@ def splits(args: argparse.Namespace) -> tuple[Split, Split]:
         args.val_split = DEFAULT_VAL_SPLIT
         said = f"{args.data} has no train/ and val/ folders: "
     if args.val_split is not None:
-        train_split, val_split = split_holdout(scan_split(args.data, workers=workers), args.val_split, args.seed)
+        train_split, val_split = split_holdout(scan_split(args.data, workers=workers), args.val_split,
+                                                args.split_seed)
         held, whole = len(val_split.samples), len(val_split.samples) + len(train_split.samples)
         log.info("%sholding out %d%% of each class for validation (--val-split): %d of its %d images (by each "
                  "image's path; a class keeps at least one on each side)", said, round(100 * args.val_split), held,

@@ -134,7 +134,10 @@ def get_args_parser(archs: Sequence[str], description: str = "") -> argparse.Arg
     parser.add_argument("--prefetch", type=_positive_int, default=4, help="batches each worker loads ahead")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="auto: CUDA when there is a GPU (the local rank's under torchrun)")
-    parser.add_argument("--seed", type=int, default=0, help="weights, shuffling, augmentation and --val-split")
+    parser.add_argument("--seed", type=int, default=0, help="weights, shuffling and augmentation")
+    parser.add_argument("--split-seed", type=int, default=0,
+                        help="which images --val-split holds out, apart from --seed: runs of other seeds (a model's "
+                             "next version) validate on the same images")
     parser.add_argument("--output-dir", type=Path, default=Path("runs/default"),
                         help="checkpoints, metrics.jsonl, confusion.json")
     parser.add_argument("--resume", type=Path, default=None, help="checkpoint.pt to continue from")

@@ -180,7 +180,7 @@ def holdout(args: argparse.Namespace) -> Holdout | None:
     """The ``--val-split`` holdout this run validates on; None for train/ and val/ folders."""
     if args.val_split is None:
         return None
-    return {"rule": HOLDOUT_RULE, "fraction": float(args.val_split), "seed": int(args.seed)}
+    return {"rule": HOLDOUT_RULE, "fraction": float(args.val_split), "seed": int(args.split_seed)}
 
 
 def _saved_holdout(state: dict[str, Any]) -> Holdout | None:
@@ -198,7 +198,7 @@ def _holdout_text(split: Holdout | None) -> str:
     if split is None:
         return "its train/ and val/ folders"
     older = " by an older rule" if split["rule"] != HOLDOUT_RULE else ""
-    return f"a --val-split {split['fraction']:g} holdout of seed {split['seed']}{older}"
+    return f"a --val-split {split['fraction']:g} holdout of --split-seed {split['seed']}{older}"
 
 
 def _check_same_holdout(path: Path, state: dict[str, Any], args: argparse.Namespace) -> None:

@@ -315,6 +315,13 @@ def test_a_flat_folder_is_split_with_val_split(tmp_path: Path, caplog: pytest.Lo
     args = train.get_args_parser(ARCHS).parse_args(small_args(flat, tmp_path / "run", "--val-split", "0.4"))
     first, again = splits(args), splits(args)
     assert first == again  # the same files every time
+    # another --seed (a model's next version) validates on the same images; --split-seed chooses others
+    # (before: --seed chose both, so a next version trained on the images its predecessor was validated on)
+    def split_with(*options: str) -> object:
+        return splits(train.get_args_parser(ARCHS).parse_args(small_args(flat, tmp_path / "run", "--val-split", "0.4",
+                                                                         *options)))
+
+    assert split_with("--seed", "1") == first and split_with("--split-seed", "1") != first
     train_split, val_split = first
     held = [sum(t == i for _, t in val_split.samples) for i in range(3)]
     assert all(1 <= count <= 4 for count in held)  # about 40% of 5 (by each image's path), both sides never empty
@@ -328,12 +335,13 @@ def test_a_flat_folder_is_split_with_val_split(tmp_path: Path, caplog: pytest.Lo
         assert train.main(small_args(flat, default, *resume)) == 0  # the same holdout: taken (here: finished)
     assert "is a finished run of 1 epochs" in caplog.text
     text = _main_error(small_args(flat, default, "--val-split", "0.4", *resume), caplog)
-    assert "validated on a --val-split 0.2 holdout of seed 0, this run on a --val-split 0.4 holdout of seed 0: " \
+    assert "validated on a --val-split 0.2 holdout of --split-seed 0, this run on a --val-split 0.4 holdout of " \
+           "--split-seed 0: " \
            "it would validate on images it trained on" in text and len(text.strip().splitlines()) == 1
     state = load_checkpoint(default / CHECKPOINT_NAME)
     del state["holdout"]  # a checkpoint of the earlier rule (a per-class shuffle that one more image reshuffled)
     torch.save(state, default / CHECKPOINT_NAME)
-    assert "holdout of seed 0 by an older rule" in _main_error(small_args(flat, default, *resume), caplog)
+    assert "holdout of --split-seed 0 by an older rule" in _main_error(small_args(flat, default, *resume), caplog)
     assert train.main(small_args(flat, tmp_path / "run", "--val-split", "0.4")) == 0
 
 
