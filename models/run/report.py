@@ -105,8 +105,10 @@ class Progress:
         if exported is None or served is None:
             served = best_checkpoint.parent / "export"
             named = [] if name == best_checkpoint.parent.name else ["--name", name]  # the export's default: the run's
+            # the run's own export of an earlier best (a resumed run's): replaced, as the export would refuse
+            replaced = ["--force"] if (served / "manifest.json").exists() else []
             lines.append("export: " + module_command("models.export", ["--checkpoint", str(best_checkpoint),
-                                                                      "--out", str(served), *named]))
+                                                                      "--out", str(served), *named, *replaced]))
         else:
             lines.append(f"exported: {exported}")
         if validated_on is not None:  # the export itself (in a repository too: its version's folder)

@@ -304,6 +304,28 @@ def test_the_run_reports_each_epoch_and_ends_with_a_summary(folder: Path, tmp_pa
     assert "precision  recall  support" in text
 
 
+@pytest.mark.slow  # two runs and two exports
+def test_a_resumed_run_s_printed_export_replaces_the_run_s_earlier_export(folder: Path, tmp_path: Path,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    # Before: the printed export of a run resumed for more epochs failed ("already holds ...: pass --force"), and
+    # its printed serve line served the earlier export
+    run = tmp_path / "run"
+
+    def printed_export(*options: str) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="models.train"):
+            assert train.main(small_args(folder, run, *options)) == 0
+        (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("export: ")]
+        return shlex.split(line.removeprefix("export: "))[3:]  # after the python and -m models.export
+
+    first = printed_export()
+    # exported as another version than the run's next best would be (a resumed run's best is new weights)
+    assert "--force" not in first and export_main([*first, "--version", "7", *NO_PACKAGES]) == 0
+    again = printed_export("--epochs", "2", "--resume", str(run / CHECKPOINT_NAME))
+    assert again[-1] == "--force" and export_main([*again, *NO_PACKAGES]) == 0
+    assert read_manifest(run / "export").version != "7"  # the resumed run's best, served by its serve line
+
+
 def test_a_flat_folder_is_split_with_val_split(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     nested = write_image_folder(tmp_path / "nested", train_per_class=5, val_per_class=0)
     flat = nested / "train"  # DIR/<class>/*, no train/val
