@@ -1,4 +1,4 @@
-"""Score a folder or a file list with the served artefact, or evaluate it on a labelled folder, in process.
+"""Score a folder, a file list or one image with the served artefact, or evaluate it on a labelled folder, in process.
 
     python -m models.predict --weights weights --data photos/ --out scores.jsonl        # or .csv, .parquet
     python -m models.predict --weights repository --model mine --version 2 --data list.txt --out scores.csv
@@ -97,7 +97,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--weights", type=Path, required=True, help="an export (with manifest.json) or a repository")
     parser.add_argument("--model", help="the repository's model (default: its only one)")
     parser.add_argument("--version", help="the model's version (default: the newest)")
-    parser.add_argument("--data", type=Path, required=True, help="a folder (every file under it) or a file list")
+    parser.add_argument("--data", type=Path, required=True,
+                        help="a folder (every file under it), a file list or one image")
     parser.add_argument("--out", type=Path, required=True, help="FILE.jsonl, .csv or .parquet")
     parser.add_argument("--labels", type=Path, help="evaluate: a DIR/<class>/ folder or a CSV of path,label")
     parser.add_argument("--report", type=Path,
@@ -254,7 +255,7 @@ def plan(args: argparse.Namespace, env: DistEnv, batch_size: int, items: list[It
     records = read_records(args.out, fmt)
     barrier(env)
     if identity is not None:
-        check_same_model(records, args.out, identity)
+        check_same_model(records, args.out, identity, repository=not is_export(args.weights))
     done = done_paths(records, args.retry_errors, embedded)
     pending = [item for item in items if item.path not in done]
     return Plan(items, chunks_for_rank(pending, batch_size, env.rank, env.world_size), len(pending), fmt)

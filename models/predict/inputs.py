@@ -66,10 +66,23 @@ def read_list(list_file: Path) -> list[Item]:
     return items
 
 
+# how the files of the formats the server takes begin (a file list is text: none of these)
+IMAGE_SIGNATURES = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"BM", b"RIFF")
+
+
+def is_image_file(path: Path) -> bool:
+    """Whether ``path`` begins as a JPEG, PNG, GIF, BMP or WebP does."""
+    with path.open("rb") as file:
+        head = file.read(12)
+    return head.startswith(IMAGE_SIGNATURES) and (not head.startswith(b"RIFF") or head[8:12] == b"WEBP")
+
+
 def list_inputs(data: Path) -> list[Item]:
-    """``--data``: a folder or a file list; DataError when it is neither, or names no file."""
+    """``--data``: a folder, a file list or one image; DataError when it is none of them, or names no file."""
     if data.is_dir():
         items = scan_folder(data)
+    elif data.is_file() and is_image_file(data):
+        items = [Item(str(data), str(data))]
     elif data.is_file():
         items = read_list(data)
     elif not data.exists():

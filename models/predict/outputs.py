@@ -222,15 +222,18 @@ def read_records(out: Path, fmt: str) -> list[Record]:
     return records
 
 
-def check_same_model(records: Iterable[Record], out: Path, identity: dict[str, str]) -> None:
+def check_same_model(records: Iterable[Record], out: Path, identity: dict[str, str], repository: bool = True) -> None:
     """DataError when ``out`` or its parts hold answers of another model or version than ``identity`` (this run's
-    ``{"model", "version"}``): a rerun would write one file of two models' answers (a new version exported since)."""
+    ``{"model", "version"}``): a rerun would write one file of two models' answers (a new version exported since).
+    ``repository``: whether the weights are a model repository, where --version chooses the version that wrote
+    them (one export holds one version)."""
     kept = {(record.get("model"), record.get("version")) for record in records}
     other = sorted(f"{model} {version}" for model, version in kept - {(identity["model"], identity["version"])})
     if other:
         raise DataError(f"{out} holds answers of {', '.join(other)}, not of {identity['model']} "
-                        f"{identity['version']}, which this run loads: go on with the weights that wrote them "
-                        f"(--version), write to another --out, or remove {out} and {parts_dir(out)} to start afresh")
+                        f"{identity['version']}, which this run loads: "
+                        + ("go on with the weights that wrote them (--version), " if repository else "")
+                        + f"write to another --out, or remove {out} and {parts_dir(out)} to start afresh")
 
 
 def done_paths(records: Iterable[Record], retry_errors: bool = False, embedded: set[str] | None = None) -> set[str]:

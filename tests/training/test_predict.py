@@ -143,6 +143,13 @@ def test_a_rerun_refuses_to_mix_the_answers_of_two_versions(weights: Path, photo
     assert (parts / "rank-00000.jsonl").read_text() == kept and not out.exists()  # nothing written
     assert main([*args, "--version", "1", "--out", str(out)]) == 0  # going on with the version that wrote them
     assert {line["version"] for line in _lines(out)} == {"1"} and len(_lines(out)) == len(_lines(whole))
+    # one export holds one version: no --version to go on with (before: suggested, then refused)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="models.predict"):
+        assert main(["--weights", str(repository / "digits" / "2"), "--data", str(photos), "--out", str(out)]) == 2
+    (error,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert error.endswith(f"which this run loads: write to another --out, or remove {out} and {parts} to start "
+                          "afresh")
 
 
 def test_csv_output_and_parquet_without_pyarrow(weights: Path, photos: Path, tmp_path: Path,
@@ -230,6 +237,22 @@ def test_an_evaluation_equals_the_training_scripts_evaluate(weights: Path, digit
     page = (report / "mistakes.html").read_text()
     assert page.count("<figure>") == min(60, 359 - round(expected.acc1 * 359)) and "data:image/jpeg;base64," in page
     assert (report / "confusion.png").stat().st_size > 1000
+
+
+def test_one_image_is_scored_as_the_folder_s_run_scores_it(weights: Path, photos: Path, tmp_path: Path) -> None:
+    # Before: --data cat.jpg was read as a file list: "line 1 is not UTF-8 text (byte 0xff): save it as UTF-8"
+    folder, one = tmp_path / "folder.jsonl", tmp_path / "one.jsonl"
+    assert main(["--weights", str(weights), "--data", str(photos), "--out", str(folder), "--workers", "0"]) == 0
+    for name in ("coffee.jpg", "slide.png"):
+        one.unlink(missing_ok=True)
+        assert main(["--weights", str(weights), "--data", str(photos / name), "--out", str(one), "--workers", "0"]) == 0
+        (line,) = _lines(one)
+        (same,) = [row for row in _lines(folder) if row["path"] == str(photos / name)]
+        assert line["path"] == str(photos / name) and line["labels"] == same["labels"]
+        assert line["scores"] == pytest.approx(same["scores"], abs=1e-5)
+    listed = tmp_path / "list.txt"
+    listed.write_text("coffee.jpg\n")  # a file list is still one
+    assert list_inputs(listed) == [Item("coffee.jpg", str(tmp_path / "coffee.jpg"))]
 
 
 def test_labels_from_a_csv_and_unknown_classes(weights: Path, digits: Path, tmp_path: Path,
