@@ -123,6 +123,50 @@ def test_a_new_version_takes_new_requests_while_the_old_one_finishes_its_own(ser
     assert service.ready
 
 
+class RelabelledRepository(FakeRepository):
+    """FakeRepository whose version "2" names other classes, and "3" version 1's in another order."""
+
+    def load(self, name: str, version: str):  # noqa: ANN201 - a Predictor
+        from app.engine.loaded.predictor import Predictor
+
+        predictor = super().load(name, version)
+        labels = {"2": ["cat", "dog", "blue", "other"], "3": ["green", "red", "blue", "other"]}.get(version)
+        if labels is None:
+            return predictor
+        manifest = predictor.manifest.model_copy(update={"labels": labels})
+        return Predictor(predictor.module, manifest, device="cpu", weights_bytes=1024 * 1024)
+
+
+def test_a_new_version_with_other_classes_is_warned_of(settings: Settings, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: another model's export given the model's name (a 4-class one as ImageNet's next version) replaced it
+    # for every client with no word in the log
+    repository = RelabelledRepository()
+    repository.add("colour", "1")
+    service = _service(settings, repository)
+    try:
+        def warned() -> list[str]:
+            return [r.getMessage() for r in caplog.records
+                    if r.levelno == logging.WARNING and "classes" in r.getMessage()]
+
+        with caplog.at_level(logging.WARNING, logger="app.engine.versions"):
+            for version, said in (("2", "colour version 2 has 4 classes where version 1 has 4 (2 new: cat, dog; 2 "
+                                        "gone: red, green): the answers of the requests it serves name other classes"),
+                                  ("3", "colour version 3 has 4 classes where version 2 has 4 (2 new: green, red; 2 "
+                                        "gone: cat, dog)"),
+                                  ("4", "colour version 4 has 4 classes where version 3 has 4 (the same classes in "
+                                        "another order: their indices change)")):
+                caplog.clear()
+                repository.add("colour", version)
+                service.catalog.load("colour")
+                assert _ask(service) == version and len(warned()) == 1 and warned()[0].startswith(said)
+            caplog.clear()
+            repository.add("colour", "5")  # version 4's classes again: nothing to say
+            service.catalog.load("colour")
+            assert _ask(service) == "5" and warned() == []
+    finally:
+        service.shutdown(timeout=5)
+
+
 def test_a_version_retired_twice_at_once_is_held_until_both_copies_are_freed() -> None:
     # Unloaded while stuck in a request, loaded again and unloaded again: two copies of one version retire at once.
     # The first to stop must not take the other out of the memory check and the index.

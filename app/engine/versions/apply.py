@@ -121,6 +121,7 @@ class Applier:
             self.states.servable(name)  # served as the writer of ``entry`` found it: no reason held from before
             log.info("%s serves versions %s (default %s)", name, ", ".join(sorted(wanted, key=order_key)),
                      entry["default"])
+            _warn_of_other_classes(current.get(default), fresh)
         else:
             replaced = self.routes.remove(name)
             self.evidence.forget(name)  # a later load is new evidence, whatever its versions' names
@@ -268,6 +269,27 @@ class Applier:
             rows += self.states.rows(name, available, {v.version for v in routed.get(name, ([], None))[0]},
                                      desired.get(name))
         return rows
+
+
+def _warn_of_other_classes(served: LoadedVersion | None, fresh: list[LoadedVersion]) -> None:
+    """A warning for each new version whose classes are not those of ``served``, the version its model served by
+    default until now: its clients' answers change their labels (another model's export given the name by mistake,
+    or classes added on purpose)."""
+    if served is None:
+        return
+    for loaded in fresh:
+        before, now = served.signature.labels, loaded.signature.labels
+        if list(now) != list(before):
+            added, gone = [c for c in now if c not in set(before)], [c for c in before if c not in set(now)]
+            change = (f"{len(added)} new: {_few(added)}; {len(gone)} gone: {_few(gone)}" if added or gone
+                      else "the same classes in another order: their indices change")
+            log.warning("%s version %s has %d classes where version %s has %d (%s): the answers of the requests it "
+                        "serves name other classes", loaded.name, loaded.version, len(now), served.version,
+                        len(before), change)
+
+
+def _few(names: list[str], shown: int = 3) -> str:
+    return ", ".join(names[:shown]) + (", ..." if len(names) > shown else "") if names else "none"
 
 
 def _free_failed_load(exc: BaseException, device: torch.device) -> None:
