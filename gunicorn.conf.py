@@ -257,7 +257,12 @@ def child_exit(server, worker) -> None:  # noqa: ANN001
 def on_exit(server) -> None:  # noqa: ANN001
     """Stop the engines once the workers are gone (they finish what is queued), then remove the metrics and control
     directories this master made (ones set aside by ops are theirs to keep; the next start empties a metrics one of
-    its ``*.db`` files: _clear_metrics)."""
+    its ``*.db`` files: _clear_metrics). A master halted by a worker that could not start says why last, after
+    gunicorn's "Reason: Worker failed to boot.", where a reader of the log looks."""
+    said = os.environ.get("VISIONSERVE_CONTROL_DIR")
+    reason = control.boot_failure(Path(said)) if said else None
+    if reason is not None:
+        server.log.error("visionserve: did not start: %s", reason)
     supervisor.stop_engines(_settings.graceful_timeout_s)
     _remove_owned_dirs()
 

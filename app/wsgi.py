@@ -12,9 +12,11 @@ reaches its event loop at once.
 import logging
 import os
 from functools import partial
+from pathlib import Path
 from typing import Callable
 
 from app.config import load_settings
+from app.hosting.control import tell_boot_failure
 from app.hosting.host import engine_mode
 from app.hosting.starting import StartingApp, WSGIApp
 
@@ -25,6 +27,8 @@ WORKER_BOOT_ERROR = 3  # gunicorn.workers.base.Worker.WORKER_BOOT_ERROR: the mas
 
 def _stop_worker(exc: BaseException) -> None:
     log.error("cannot serve the model: %s", exc)
+    if control_dir := os.environ.get("VISIONSERVE_CONTROL_DIR"):  # the master says it last (gunicorn.conf.py)
+        tell_boot_failure(Path(control_dir), f"cannot serve the model: {exc}")
     log.debug("the load failed here", exc_info=exc)
     logging.shutdown()
     os._exit(WORKER_BOOT_ERROR)  # from a loader thread: sys.exit would end only the thread

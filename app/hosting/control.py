@@ -23,8 +23,9 @@ DESIRED = "desired.json"
 LOCK = "lock"
 REPORTS = "worker-*.json"
 READY_MARKS = "http-*.ready"
+BOOT_FAILURE = "boot.failed"  # why the first worker that could not start could not (the master says it last)
 # What the engines and the HTTP workers leave behind (a master starting on a kept directory clears them).
-STALE_AT_START = ("engine-*.failed", "engine-*.sock", READY_MARKS, REPORTS)
+STALE_AT_START = ("engine-*.failed", "engine-*.sock", READY_MARKS, REPORTS, BOOT_FAILURE)
 _HAS_PROC = Path("/proc/self/status").exists()  # Linux: a pid's process is looked up there (``process_alive``)
 
 
@@ -45,6 +46,24 @@ def report(control_dir: Path, pid: int) -> Path:
 def socket_path(control_dir: Path, slot: int) -> Path:
     """Where engine ``slot`` listens."""
     return control_dir / f"engine-{slot}.sock"
+
+
+def tell_boot_failure(control_dir: Path, reason: str) -> None:
+    """Write why this worker cannot start, unless another worker wrote its reason first (best effort: a directory
+    that cannot be written leaves it to the worker's own log line)."""
+    try:
+        with (control_dir / BOOT_FAILURE).open("x", encoding="utf-8") as file:
+            file.write(reason)
+    except OSError:
+        pass
+
+
+def boot_failure(control_dir: Path) -> str | None:
+    """Why the first worker that could not start could not (``tell_boot_failure``); None when none said."""
+    try:
+        return (control_dir / BOOT_FAILURE).read_text(encoding="utf-8") or None
+    except OSError:
+        return None
 
 
 def engine_failure(control_dir: Path, slot: int) -> Path:

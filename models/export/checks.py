@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from models.architectures import split_outputs
 from models.export.compile import DTYPES
-from models.export.manifest import Manifest, WeightsFormat, read_manifest, sha256_of, too_few_labels
+from models.export.manifest import MANIFEST_NAME, Manifest, WeightsFormat, read_manifest, sha256_of, too_few_labels
 
 
 # The folder `make weights` fills with the bundled default model (the Makefile's DEFAULT_WEIGHTS, in the checkout).
@@ -60,6 +60,9 @@ def no_export_message(weights_dir: Path) -> str:
     VISIONSERVE_WEIGHTS_DIR (the Makefile never exports the default model into it, so a typo fails loudly)."""
     found = "it holds no export" if weights_dir.is_dir() else "the folder does not exist"
     served = "an export's folder (e.g. runs/NAME/export) or a model repository"
+    within = sorted(child for child in weights_dir.glob(f"*/{MANIFEST_NAME}")) if weights_dir.is_dir() else []
+    if within:  # a run's folder named for its export's (runs/mine for runs/mine/export)
+        found += f", but {within[0].parent} does: set VISIONSERVE_WEIGHTS_DIR={within[0].parent}"
     if weights_dir.resolve() == DEFAULT_WEIGHTS_DIR:
         return (f"no manifest.json in {weights_dir}: {found}; run `make weights` to export the bundled default model "
                 f"into it, or set VISIONSERVE_WEIGHTS_DIR to {served}")

@@ -126,6 +126,14 @@ def test_only_the_default_weights_folder_is_told_to_run_make_weights(tmp_path: P
         "into it, or set VISIONSERVE_WEIGHTS_DIR to an export's folder (e.g. runs/NAME/export) or a model repository")
     with pytest.raises(ModelLoadError, match="the folder does not exist; check VISIONSERVE_WEIGHTS_DIR"):
         checks.read_checked_manifest(tmp_path / "runs" / "typo")
+    # a run's folder for its export's: said which folder inside it to serve (before: "holds no export" alone)
+    run = tmp_path / "runs" / "mine"
+    (run / "export").mkdir(parents=True)
+    (run / "export" / "manifest.json").write_text("{}")
+    with pytest.raises(ModelLoadError) as refused:
+        checks.read_checked_manifest(run)
+    assert str(refused.value).startswith(f"no manifest.json in {run}: it holds no export, but {run / 'export'} does: "
+                                         f"set VISIONSERVE_WEIGHTS_DIR={run / 'export'}; check VISIONSERVE_WEIGHTS_DIR")
 
 
 def test_a_drain_waits_for_the_requests_inside_the_runner(service: Service, model: ColourModel) -> None:

@@ -73,7 +73,9 @@ def test_bad_weights_stop_the_boot_with_a_clear_message(tmp_path: Path,
     lines = [json.loads(line) for line in server.output().splitlines()]  # raises on plain text (a traceback)
     errors = [entry for entry in lines if "no manifest.json" in entry["msg"]]  # one line per worker that got there
     assert errors and all(e["level"] == "error" and "make weights" in e["msg"] and "exc" not in e for e in errors)
-    assert lines[-1]["msg"] == "Reason: Worker failed to boot."
+    # the reason said last, where a reader looks (before: gunicorn's "Reason: Worker failed to boot." was the last)
+    assert lines[-2]["msg"] == "Reason: Worker failed to boot."
+    assert lines[-1]["msg"] == f"visionserve: did not start: {errors[0]['msg']}" and lines[-1]["level"] == "error"
 
 
 # Every worker ends with gunicorn's boot-error status once all of them have started: their ends reach the master
