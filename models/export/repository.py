@@ -8,6 +8,7 @@ loader imports it.
 """
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -84,3 +85,15 @@ def newest(repository: Path, model: str) -> str:
         raise RepositoryError(f"{repository} has no model {model!r}; it has: {', '.join(models(repository)) or 'none'}")
     numbered = [v for v in found if _NUMBER.fullmatch(v)]
     return numbered[-1] if numbered else found[-1]
+
+
+def named_default(repository: Path) -> str | None:
+    """The model the repository's ``repository.json`` (``{"default_model": NAME}``, what the server serves when a
+    request names none) names; None without one, or one that names no model of the repository (the server says
+    why)."""
+    try:
+        config = json.loads((repository / "repository.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    named = config.get("default_model") if isinstance(config, dict) else None
+    return named if isinstance(named, str) and named in models(repository) else None

@@ -40,7 +40,7 @@ from models.data.malloc import DEFAULT_TRIM_THRESHOLD_MB, keep_freed_memory
 from models.export.checks import ModelLoadError, read_checked_manifest, resolve_device
 from models.export.load import LoadedModel, load_model
 from models.export.manifest import Manifest
-from models.export.repository import RepositoryError, is_export, models, newest
+from models.export.repository import RepositoryError, is_export, models, named_default, newest
 from models.predict.decode import PATHS, ScoreSet, collate, on_device
 from models.predict.evaluate import check_labels, evaluation, mistakes, report_folder, write_report
 from models.predict.inputs import Item, Labels, chunks_for_rank, list_inputs
@@ -95,7 +95,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m models.predict", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--weights", type=Path, required=True, help="an export (with manifest.json) or a repository")
-    parser.add_argument("--model", help="the repository's model (default: its only one)")
+    parser.add_argument("--model",
+                        help="the repository's model (default: its only one, or the one its repository.json names)")
     parser.add_argument("--version", help="the model's version (default: the newest)")
     parser.add_argument("--data", type=Path, required=True,
                         help="a folder (every file under it), a file list or one image")
@@ -148,10 +149,10 @@ def weights_folder(weights: Path, model: str | None, version: str | None) -> Pat
         raise DataError(f"--weights {weights} is not an export (no manifest.json in it) nor a model repository "
                         "(no <model>/<version>/manifest.json under it)")
     if model is None:
-        if len(names) != 1:
-            raise DataError(f"{weights} is a repository of {len(names)} models ({', '.join(names)}): name one, "
-                            "--model")
-        model = names[0]
+        model = names[0] if len(names) == 1 else named_default(weights)  # the server's default model, as it serves
+        if model is None:
+            raise DataError(f"{weights} is a repository of {len(names)} models ({', '.join(names)}) and no "
+                            "repository.json names its default: name one, --model")
     try:
         folder = weights / model / (version or newest(weights, model))
     except RepositoryError as exc:

@@ -409,6 +409,23 @@ def test_a_real_ctrl_c_prints_one_line_and_no_traceback(weights: Path, tmp_path:
     assert len(_lines(out)) == inputs
 
 
+def test_a_repository_of_several_models_is_read_at_the_default_its_repository_json_names(weights: Path,
+                                                                                          tmp_path: Path) -> None:
+    # Before: "a repository of 2 models ...: name one, --model", where the server serves repository.json's default
+    from models.predict.__main__ import weights_folder
+    from models.run.args import DataError
+
+    repository = tmp_path / "repository"
+    for name in ("digits", "other"):
+        shutil.copytree(weights, repository / name / "1")
+    with pytest.raises(DataError, match=r"a repository of 2 models \(digits, other\) and no repository.json names its "
+                                        "default: name one, --model"):
+        weights_folder(repository, None, None)
+    (repository / "repository.json").write_text('{"default_model": "other"}')
+    assert weights_folder(repository, None, None) == repository / "other" / "1"
+    assert weights_folder(repository, "digits", None) == repository / "digits" / "1"
+
+
 def test_wrong_paths_are_named_before_the_model_loads(weights: Path, photos: Path, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch,
                                                       caplog: pytest.LogCaptureFixture) -> None:
