@@ -77,7 +77,7 @@ class ScoreSet(Dataset):
         except (ImageRefused, NotARegularFile) as exc:
             return index, None, str(exc)
         except OSError as exc:
-            return index, None, f"cannot read the file: {exc.strerror or exc}"
+            return index, None, f"cannot read the file: {exc.strerror or exc}{_relative_hint(self.items[index], exc)}"
 
     def _payload(self, data: bytes) -> torch.Tensor:
         if self.path == "pil":
@@ -88,6 +88,14 @@ class ScoreSet(Dataset):
         if header is None:  # not a JPEG: decoded here by PIL, as the device decodes only JPEGs
             return pil_to_tensor(load_upright(image, self.limits))  # type: ignore[arg-type]
         return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _relative_hint(item: Item, exc: OSError) -> str:
+    """For a list's line not found where the list's folder puts it but found from the current folder: so said."""
+    if isinstance(exc, FileNotFoundError) and item.file != item.path and os.path.isfile(item.path):
+        return (f" (a list's paths are relative to the list's folder: this one is read as {item.file}; {item.path} "
+                "is found from the current folder)")
+    return ""
 
 
 def collate(rows: list[tuple[int, torch.Tensor | None, str]]) -> dict[str, Any]:

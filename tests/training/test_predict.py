@@ -255,6 +255,22 @@ def test_one_image_is_scored_as_the_folder_s_run_scores_it(weights: Path, photos
     assert list_inputs(listed) == [Item("coffee.jpg", str(tmp_path / "coffee.jpg"))]
 
 
+def test_a_list_s_line_found_only_from_the_current_folder_is_said_so(weights: Path, photos: Path, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: "cannot read the file: No such file or directory" alone, for a path that exists from where one stands
+    # (nothing scored: exit 1)
+    (tmp_path / "data").mkdir()
+    shutil.copy(photos / "coffee.jpg", tmp_path / "data" / "coffee.jpg")
+    (tmp_path / "lists").mkdir()
+    (tmp_path / "lists" / "list.txt").write_text("data/coffee.jpg\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["--weights", str(weights), "--data", "lists/list.txt", "--out", "s.jsonl", "--workers", "0"]) == 1
+    (line,) = _lines(tmp_path / "s.jsonl")
+    assert line["error"] == ("cannot read the file: No such file or directory (a list's paths are relative to the "
+                             "list's folder: this one is read as lists/data/coffee.jpg; data/coffee.jpg is found from "
+                             "the current folder)")
+
+
 def test_labels_from_a_csv_and_unknown_classes(weights: Path, digits: Path, tmp_path: Path,
                                                caplog: pytest.LogCaptureFixture) -> None:
     files = sorted((digits / "3").iterdir())[:2]
