@@ -37,7 +37,10 @@ def loop_batches(device: torch.device, replays_every_batch: bool) -> bool:
     return device.type == "cpu" or replays_every_batch
 
 
-def choose_batch_cap(profile: dict[int, float], tolerance: float = 0.95) -> int:
+CAP_TOLERANCE = 0.95  # a batch size within this share of the best images/s is as fast (choose_batch_cap)
+
+
+def choose_batch_cap(profile: dict[int, float], tolerance: float = CAP_TOLERANCE) -> int:
     """The largest batch size whose images/s is within ``tolerance`` of the best: above it the forward pass slows.
 
     Up to that size a batch costs about the same per image measured alone, and in the server the larger ones save
