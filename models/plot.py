@@ -61,9 +61,11 @@ def plot_confusion(report_path: Path, target: Path, title: str = "validation, be
     size = max(4.0, 0.5 * len(classes) + 2)
     figure, axes = plt.subplots(figsize=(size, size), constrained_layout=True)
     axes.imshow(matrix, cmap="Blues")
+    dark = max(max(counts) for counts in matrix) / 2  # the colour map's darker half: white counts on it
     for row, counts in enumerate(matrix):
         for column, count in enumerate(counts):
-            axes.text(column, row, str(count), ha="center", va="center", fontsize=8)
+            axes.text(column, row, str(count), ha="center", va="center", fontsize=8,
+                      color="white" if count > dark else "black")
     recall = [f"{name} ({report['per_class'][name]['recall']:.2f})" for name in classes]
     axes.set(xticks=range(len(classes)), yticks=range(len(classes)), xlabel="predicted",
              ylabel="true class (recall)", title=title)

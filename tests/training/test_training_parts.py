@@ -337,6 +337,25 @@ def test_the_curves_count_epochs_from_1_and_the_plot_names_every_file_it_wrote(
     assert capsys.readouterr().out.split() == [str(tmp_path / "curves.png"), str(tmp_path / "confusion.png")]
 
 
+def test_the_confusion_counts_are_white_on_the_dark_cells(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: black on every cell, unreadable on the colour map's dark blue (the diagonal of a good model)
+    import json
+
+    from matplotlib.axes import Axes
+
+    written: dict[str, str] = {}
+    text = Axes.text
+    monkeypatch.setattr(Axes, "text", lambda self, x, y, s, *a, **k: written.update({s: k.get("color")})
+                        or text(self, x, y, s, *a, **k))
+    (tmp_path / "confusion.json").write_text(json.dumps(
+        {"classes": ["a", "b"], "matrix": [[40, 3], [0, 21]],
+         "per_class": {"a": {"recall": 0.93}, "b": {"recall": 1.0}}}))
+    RunLog(tmp_path, enabled=True).epoch({"epoch": 0, "train_loss": 1.0, "val_loss": 1.0, "train_acc1": 0.5,
+                                          "val_acc1": 0.5, "val_acc5": 1.0})
+    assert plot_main([str(tmp_path)]) == 0
+    assert written == {"40": "white", "21": "white", "3": "black", "0": "black"}
+
+
 def test_no_top5_is_drawn_or_scored_below_6_classes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Before: the plot's legend listed "val top-5" with no points (metrics.jsonl's null), and models.predict's
     # evaluation reported a top-5 of 1.0 for 3 classes, which training leaves out as 1.0 by construction.
