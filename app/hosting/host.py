@@ -112,12 +112,3 @@ def address_in_use(bind: str, reuse_port: bool = False) -> bool:
     except OSError as exc:
         return exc.errno == errno.EADDRINUSE
     return False
-    host = host.strip("[]") or "0.0.0.0"
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind((host, int(port)))
-    except OSError as exc:
-        return exc.errno == errno.EADDRINUSE
-    return False
