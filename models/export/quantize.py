@@ -7,7 +7,8 @@ through it; ``convert_pt2e`` writes the quantize/dequantize pairs; the graph is 
 dimension and ``aoti_compile_and_package`` (freezing on, so Inductor's x86 passes fuse the pairs into oneDNN int8
 convolutions) writes ``model.cpu-int8.pt2``. Its answers are then compared with the float32 model's on the agreement
 photos (198 views of 9 other photos) and the figures go into the manifest; a package below ``MIN_TOP1_AGREEMENT`` is
-still written, but the server's ``auto`` never serves it.
+still written, but the server's ``auto`` never serves it. A run's checkpoint whose images are at hand is calibrated
+on those it trained on and compared on those it held out instead (agreement.run_images).
 
 torchao is needed here only: the package runs on torch alone (its int8 kernels are torch's oneDNN ops).
 """
@@ -22,7 +23,7 @@ from types import ModuleType
 import torch
 import torch.nn as nn
 
-from models.export.agreement import agreement, agreement_batch, answers, calibration_batch
+from models.export.agreement import RunImages, agreement, agreement_batch, answers, calibration_batch
 from models.export.manifest import MIN_TOP1_AGREEMENT, CompiledPackage, sha256_of
 from models.presets import EvalPreset
 
@@ -42,11 +43,13 @@ def _torchao() -> tuple[ModuleType, ModuleType]:
     return quantize_pt2e, x86_inductor_quantizer
 
 
-def quantized(model: nn.Module, preset: EvalPreset, max_batch_size: int) -> torch.export.ExportedProgram:
-    """``model`` quantized to int8 (calibrated on the calibration photos), exported with a dynamic batch."""
+def quantized(model: nn.Module, preset: EvalPreset, max_batch_size: int,
+              run: RunImages | None = None) -> torch.export.ExportedProgram:
+    """``model`` quantized to int8 (calibrated on the calibration photos, or on its ``run``'s images), exported with
+    a dynamic batch."""
     pt2e, x86 = _torchao()
     module = copy.deepcopy(model).eval().cpu()
-    images = calibration_batch(preset)
+    images = calibration_batch(preset, run)
     example = (images[:2],)
     dynamic = ({0: torch.export.Dim("batch", min=1, max=max_batch_size)},)
     traced = torch.export.export(module, example, dynamic_shapes=dynamic).module()
@@ -60,23 +63,26 @@ def quantized(model: nn.Module, preset: EvalPreset, max_batch_size: int) -> torc
         return torch.export.export(converted, example, dynamic_shapes=dynamic)
 
 
-def compile_int8_package(model: nn.Module, preset: EvalPreset, out_dir: Path,
-                         max_batch_size: int) -> CompiledPackage:
-    """Quantize, compile and check ``model`` into ``out_dir/model.cpu-int8.pt2``; ValueError without torchao."""
+def compile_int8_package(model: nn.Module, preset: EvalPreset, out_dir: Path, max_batch_size: int,
+                         run: RunImages | None = None) -> CompiledPackage:
+    """Quantize, compile and check ``model`` into ``out_dir/model.cpu-int8.pt2``, on the photos or on its ``run``'s
+    images (agreement.run_images); ValueError without torchao."""
     started = time.perf_counter()
-    program = quantized(model, preset, max_batch_size)
+    program = quantized(model, preset, max_batch_size, run)
     path = out_dir / INT8_PACKAGE_NAME
     with torch.no_grad(), torch._inductor.config.patch(freezing=True):
         torch._inductor.aoti_compile_and_package(program, package_path=str(path))
     compile_s = time.perf_counter() - started
     runner = torch._inductor.aoti_load_package(str(path))
-    photos = agreement_batch(preset)
+    photos = agreement_batch(preset, run)
     reference = model.eval().cpu()
     found = agreement(answers(reference, photos), answers(runner, photos, min(8, max_batch_size)))
-    log.info("compiled %s in %.0fs: top-1 agrees with float32 on %.2f%% of %d photos, probabilities within %.3g",
-             path.name, compile_s, 100 * found.top1, found.photos, found.max_probability_difference)
+    checked_on = run or "scikit-image photos (no run's images at hand)"
+    log.info("compiled %s in %.0fs: top-1 agrees with float32 on %.2f%% of %d images (%s), probabilities within "
+             "%.3g", path.name, compile_s, 100 * found.top1, found.photos, checked_on,
+             found.max_probability_difference)
     if found.top1 < MIN_TOP1_AGREEMENT:
-        log.warning("%s agrees with float32 on %.2f%% of photos (< %.0f%%): written, but WEIGHTS_FORMAT=auto will "
+        log.warning("%s agrees with float32 on %.2f%% of images (< %.0f%%): written, but WEIGHTS_FORMAT=auto will "
                     "not serve it", path.name, 100 * found.top1, 100 * MIN_TOP1_AGREEMENT)
     return CompiledPackage(path=path.name, sha256=sha256_of(path), device="cpu", dtype="float32",
                            torch_version=torch.__version__, max_batch_size=max_batch_size,

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from models.architectures import head_name, split_outputs, with_embedding
-from models.export.agreement import Laps, one_thread
+from models.export.agreement import Laps, RunImages, one_thread, run_images
 from models.export.compile import compile_package
 from models.export.onnx import export_onnx
 from models.export.quantize import compile_int8_package
@@ -44,7 +44,7 @@ def export_model(model: nn.Module, *, out_dir: Path, name: str, version: str, ar
                  force: bool = False, packages: Sequence[tuple[str, str]] = (),
                  package_max_batch: int = PACKAGE_MAX_BATCH,
                  reference: PredictionReference | None = None, laps: Laps | None = None,
-                 numbered: bool = False) -> Manifest:
+                 numbered: bool = False, run: RunImages | None = None) -> Manifest:
     """Save ``model`` as TorchScript and state dict in ``out_dir``, every format but the state dict answering its
     embedding beside its logits (models/architectures.WithEmbedding; a model whose head is not its last step is
     exported without one, with a warning), compile an AOTInductor package per (device,
@@ -80,7 +80,7 @@ def export_model(model: nn.Module, *, out_dir: Path, name: str, version: str, ar
         laps.done("TorchScript")
         compiled: list[CompiledPackage] = []
         for device, dtype in (wanted for wanted in packages if wanted[0] != "onnx"):
-            compiled.append(compile_int8_package(served, preset, staging, package_max_batch) if dtype == "int8"
+            compiled.append(compile_int8_package(served, preset, staging, package_max_batch, run) if dtype == "int8"
                             else compile_package(served, preset, staging, device, dtype, package_max_batch))
             laps.done(f"AOTInductor {device}-{dtype}")
         onnx = (export_onnx(served, preset, staging, package_max_batch, laps)
@@ -138,7 +138,7 @@ def describe(manifest: Manifest, out_dir: Path) -> str:
     """One line: model, version, where, and the formats written (what ``python -m models.export`` prints)."""
     formats = [*manifest.files, *(f"aoti {p.device}-{p.dtype}" if p.agreement is None else
                                   f"int8 {p.device} (top-1 as float32 on {100 * p.agreement.top1:.1f}% of "
-                                  f"{p.agreement.photos} photos)" for p in manifest.packages),
+                                  f"{p.agreement.photos} images)" for p in manifest.packages),
                *(["onnx"] if manifest.onnx else [])]
     accuracy = f", val top-1 {manifest.metrics['val_acc1']:.4f}" if "val_acc1" in manifest.metrics else ""
     return (f"model {manifest.name} version {manifest.version} ({len(manifest.labels)} classes{accuracy}) "
@@ -244,6 +244,7 @@ def export_checkpoint(path: Path, out_dir: Path | None, *, name: str | None = No
         source=f"models.train checkpoint {path.name} of run {run_name}{epoch}",
         force=force, packages=packages, laps=laps, numbered=numbered,
         reference=PredictionReference.model_validate(reference) if reference is not None else None,
+        run=run_images(path, state["args"]) if ("cpu", "int8") in packages else None,
     )
 
 

@@ -132,3 +132,35 @@ def test_the_server_serves_the_int8_package_when_asked(int8_export: Path) -> Non
     assert served_format(int8_export, "auto", MAX_BATCH) == "torchscript"  # int8 not measured faster yet
     with pytest.raises(ModelLoadError, match="WEIGHTS_FORMAT=aoti but no AOTInductor package fits"):
         Predictor.load(int8_export, weights_format="aoti", device="cpu", max_batch_size=MAX_BATCH)
+
+
+def test_an_int8_package_of_a_run_is_checked_on_the_images_its_run_held_out(tmp_path: Path) -> None:
+    # Before: always on scikit-image's photos: a 4-class model's int8 package agreed with float32 on 82% of them
+    # (below the 99% auto serves), where it agreed on 100% of its run's held-out images
+    from models.export.agreement import MIN_HELD_OUT, agreement_batch, calibration_batch, run_images
+    from models.presets import EvalPreset
+    from tests.support.imaging import write_image_folder
+
+    nested = write_image_folder(tmp_path / "data", train_per_class=4, val_per_class=3)  # train/ and val/
+    (nested / "val" / "red" / ".hidden.png").write_bytes(b"")  # neither hidden files nor other files count
+    (nested / "val" / "red" / "notes.txt").write_text("x")
+    run = tmp_path / "runs" / "a"
+    run.mkdir(parents=True)
+    found = run_images(run / "best.pt", {"data": str(nested)})
+    assert found is not None and len(found.agreement) == 9 and len(found.calibration) == 12
+    assert all("/val/" in str(p) for p in found.agreement) and all("/train/" in str(p) for p in found.calibration)
+    preset = EvalPreset(resize_size=36, crop_size=32)
+    assert calibration_batch(preset, found).shape == (24, 3, 32, 32)  # each whole and mirrored
+    assert agreement_batch(preset, found).shape == (18, 3, 32, 32)
+    assert str(found) == "9 held-out images of its run, whole and mirrored"
+    # a run of one folder split: its held_out.txt (relative to the run's folder), the rest trained on
+    flat = nested / "train"
+    held = sorted(flat.rglob("*.*"))[:MIN_HELD_OUT]
+    (run / "held_out.txt").write_text("".join(f"{os.path.relpath(p, run)}\n" for p in held))
+    found = run_images(run / "best.pt", {"data": str(flat)})
+    assert found is not None and [p.resolve() for p in found.agreement] == held
+    assert len(found.calibration) == 12 - MIN_HELD_OUT and not set(found.calibration) & set(found.agreement)
+    # too few held out, or the run's folders gone: the photos
+    (run / "held_out.txt").write_text("".join(f"{os.path.relpath(p, run)}\n" for p in held[:-1]))
+    assert run_images(run / "best.pt", {"data": str(flat)}) is None
+    assert run_images(tmp_path / "elsewhere" / "best.pt", {"data": str(tmp_path / "gone")}) is None
