@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import hashlib
-import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,6 @@ from models.image_decode import DecodeLimits, load_upright
 from models.presets import IMAGE_FORMATS, ImageTransform, upright_rgb
 from models.run.args import DataError
 
-log = logging.getLogger(__name__)
 
 SERVED_LIMITS = DecodeLimits()  # the server's defaults: its reduced-scale JPEG decode (JPEG_DRAFT_MIN_SIDE)
 
@@ -78,8 +76,6 @@ def scan_split(root: Path, workers: int = 4) -> Split:
         reasons = list(pool.map(_unreadable_reason, [path for path, _ in candidates]))
     samples = [sample for sample, reason in zip(candidates, reasons) if reason is None]
     skipped = [(path, reason) for (path, _), reason in zip(candidates, reasons) if reason is not None]
-    for path, reason in skipped:
-        log.warning("skipping unreadable image %s (%s)", path, reason)
     counts = [0] * len(class_dirs)
     for _, index in samples:
         counts[index] += 1

@@ -73,10 +73,12 @@ def splits(args: argparse.Namespace) -> tuple[Split, Split]:
 def load_data(args: argparse.Namespace, preset: EvalPreset, env: DistEnv, device: torch.device) -> Data:
     """Check both splits, then build sharded loaders (every rank scans: the result is the same everywhere)."""
     train_split, val_split = splits(args)
-    skipped = len(train_split.skipped) + len(val_split.skipped)
-    if skipped and env.is_main:
+    skipped = [*train_split.skipped, *val_split.skipped]
+    if skipped and env.is_main:  # once, by rank 0: every rank scans alike
+        for path, reason in skipped:
+            log.warning("skipping unreadable image %s (%s)", path, reason)
         log.warning("skipped %d unreadable file(s); training on %d, validating on %d",
-                    skipped, len(train_split.samples), len(val_split.samples))
+                    len(skipped), len(train_split.samples), len(val_split.samples))
     train_set, collate_fn, prepare = _train_set(args, train_split, preset, device)
     # Validation decodes as the server does (a large JPEG at reduced scale), so evaluate() scores what it serves.
     val_set = FolderDataset(val_split.samples, eval_transform(preset), served_decode=True)

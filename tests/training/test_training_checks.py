@@ -297,6 +297,20 @@ def test_an_epoch_of_nan_val_loss_holds_no_tie() -> None:
     assert not better(0.5, math.nan, Best(0.5, 0.3))
 
 
+def test_an_unreadable_image_is_warned_of_once_by_rank_0(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: every rank under torchrun warned of each unreadable image (each scans the folder)
+    data = write_image_folder(tmp_path / "data", train_per_class=2, val_per_class=1)
+    (data / "train" / "red" / "notes.jpg").write_text("not an image")
+    args = get_args_parser(ARCHS).parse_args(["--data", str(data), "--workers", "0", "--crop-size", "32"])
+    preset = train.make_preset(args)
+    for env, said in ((DistEnv(rank=1, world_size=2), 0), (DistEnv(rank=0, world_size=2), 1)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            load_data(args, preset, env, torch.device("cpu"))
+        assert sum("skipping unreadable image" in r.getMessage() and "notes.jpg" in r.getMessage()
+                   for r in caplog.records) == said, env
+
+
 def test_validation_decodes_a_large_jpeg_as_the_server_does(tmp_path: Path) -> None:
     data = write_image_folder(tmp_path / "data", train_per_class=2, val_per_class=1)
     rng = np.random.default_rng(0)
