@@ -7,6 +7,7 @@ model.
     visionserve embed cat.jpg cup.jpg --json                     # each image's embedding (its vector in JSON)
     visionserve model --labels
     cat cat.jpg | visionserve predict -                          # `-`: the image from stdin
+    visionserve predict photos/                                  # a folder: every file under it, sorted
 Each file gets its own result or error (with --json, an "error" object: status, code, message, request_id); the
 files go in as many requests as the server's limits need (predict and embed alike). Exit codes: 0 success (and, for
 health/ready, a yes), 1 a server error (for any file) or a no, 2 a usage error (a bad option, a URL without http://)
@@ -90,7 +91,8 @@ def _connection_options(parser: argparse.ArgumentParser, defaults: bool) -> None
 
 
 def _predict_options(predict: argparse.ArgumentParser) -> None:
-    predict.add_argument("images", nargs="+", help="image files (JPEG, PNG, WebP, BMP, GIF); - reads stdin")
+    predict.add_argument("images", nargs="+", help="image files (JPEG, PNG, WebP, BMP, GIF) or folders (every "
+                       "file under one, sorted, hidden ones left out); - reads stdin")
     predict.add_argument("--top-k", type=_classes, default=None,
                          help="classes per image (default: the server's TOP_K, at most the model's classes)")
     predict.add_argument("--model", default=None, metavar="NAME",
@@ -109,7 +111,8 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     _predict_options(commands.add_parser("predict", help="classify image files"))
     embed = commands.add_parser("embed", help="image files' embeddings (the model's pooled features)")
-    embed.add_argument("images", nargs="+", help="image files (JPEG, PNG, WebP, BMP, GIF); - reads stdin")
+    embed.add_argument("images", nargs="+", help="image files (JPEG, PNG, WebP, BMP, GIF) or folders (every "
+                       "file under one, sorted, hidden ones left out); - reads stdin")
     embed.add_argument("--model", default=None, metavar="NAME",
                        help="the served model to ask (default: the server's default model; see `model`)")
     embed.add_argument("--version", default=None, metavar="V",
@@ -159,6 +162,21 @@ def _shown(path: str) -> str:
     return os.fsencode(path).decode("utf-8", "replace")
 
 
+def _expanded(paths: list[str]) -> list[str]:
+    """Each folder named replaced by the files under it, sorted (hidden files and folders left out, as
+    ``models.predict`` reads a folder); a folder with none stays, so its error says so."""
+    expanded: list[str] = []
+    for path in paths:
+        files = sorted(os.path.join(folder, name) for folder, dirs, names in os.walk(path) for name in names
+                       if not name.startswith(".") and not _hidden_below(path, folder)) if os.path.isdir(path) else []
+        expanded += files or [path]
+    return expanded
+
+
+def _hidden_below(root: str, folder: str) -> bool:
+    return any(part.startswith(".") for part in os.path.relpath(folder, root).split(os.sep) if part != ".")
+
+
 def _inputs(paths: list[str]) -> list[ImageInput]:
     """The files to send: ``-`` is stdin's bytes (read once, however often it is named)."""
     data = sys.stdin.buffer.read() if STDIN in paths else b""
@@ -177,6 +195,7 @@ def _error_json(error: VisionServeError | OSError) -> dict[str, object]:
 def _predict(client: Client, args: argparse.Namespace) -> int:
     """Each file's result or its own error (a request refused as a whole: the error of each file it held and of
     those not sent); exit 2 when a file cannot be read, else 1 when the server refused one."""
+    args.images = _expanded(args.images)
     results = client.predict_each(_inputs(list(args.images)), top_k=args.top_k, model=args.model,
                                   version=args.version)
     paths = [_shown(path) for path in args.images]
@@ -206,6 +225,7 @@ def _failures(args: argparse.Namespace, failed: list[tuple[str, VisionServeError
 def _embed(client: Client, args: argparse.Namespace) -> int:
     """Each image's embedding or its own error, in as many requests as the server's limits need (as predict): a
     line each (its length and first values), or JSON with --json; exit codes as predict's."""
+    args.images = _expanded(args.images)
     results = client.embed_each(_inputs(list(args.images)), model=args.model, version=args.version)
     paths = [_shown(path) for path in args.images]
     if args.json:
