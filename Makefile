@@ -79,15 +79,12 @@ $(DATA_SETS:%=%/.complete): data/%/.complete: | $(STAMP)
 
 $(DATA_SETS): %: %/.complete
 
-# Each run replaces the target's last one (its checkpoints, and its export, which the export would refuse to replace).
 train-digits: data/digits/.complete
-	rm -rf runs/digits/weights
 	$(BIN)/python -m models.train --data data/digits --arch resnet18 --epochs 15 --batch-size 64 \
 		--resize-size 32 --crop-size 32 --hflip-prob 0 --min-crop-scale 0.5 \
 		--output-dir runs/digits --export runs/digits/weights --plot
 
 finetune-textures: data/textures/.complete
-	rm -rf runs/textures/weights
 	$(BIN)/python -m models.train --data data/textures --arch efficientnet_lite0 --pretrained --freeze-backbone \
 		--epochs 3 --batch-size 32 --lr 0.05 --output-dir runs/textures --export runs/textures/weights --plot
 
