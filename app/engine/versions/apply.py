@@ -280,7 +280,8 @@ def _warn_of_other_classes(served: LoadedVersion | None, fresh: list[LoadedVersi
     for loaded in fresh:
         before, now = served.signature.labels, loaded.signature.labels
         if list(now) != list(before):
-            added, gone = [c for c in now if c not in set(before)], [c for c in before if c not in set(now)]
+            had, has = set(before), set(now)
+            added, gone = [c for c in now if c not in had], [c for c in before if c not in has]
             change = (f"{len(added)} new: {_few(added)}; {len(gone)} gone: {_few(gone)}" if added or gone
                       else "the same classes in another order: their indices change")
             log.warning("%s version %s has %d classes where version %s has %d (%s): the answers of the requests it "
