@@ -67,14 +67,21 @@ def read_list(list_file: Path) -> list[Item]:
 
 
 # how the files of the formats the server takes begin (a file list is text: none of these)
-IMAGE_SIGNATURES = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"BM", b"RIFF")
+IMAGE_SIGNATURES = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a")
+# a BMP's "BM" is followed by its file header; its info header's size (bytes 14-17) is one of these
+BMP_INFO_HEADER_SIZES = (12, 16, 40, 52, 56, 64, 108, 124)
 
 
 def is_image_file(path: Path) -> bool:
-    """Whether ``path`` begins as a JPEG, PNG, GIF, BMP or WebP does."""
+    """Whether ``path`` begins as a JPEG, PNG, GIF, BMP or WebP does (a list whose first line starts with ``BM``
+    or ``RIFF`` is still a list)."""
     with path.open("rb") as file:
-        head = file.read(12)
-    return head.startswith(IMAGE_SIGNATURES) and (not head.startswith(b"RIFF") or head[8:12] == b"WEBP")
+        head = file.read(18)
+    if head.startswith(b"BM"):
+        return len(head) == 18 and int.from_bytes(head[14:18], "little") in BMP_INFO_HEADER_SIZES
+    if head.startswith(b"RIFF"):
+        return head[8:12] == b"WEBP"
+    return head.startswith(IMAGE_SIGNATURES)
 
 
 def list_inputs(data: Path) -> list[Item]:

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from torch.utils.data import DataLoader
 
 from app.config import Settings
@@ -253,6 +254,11 @@ def test_one_image_is_scored_as_the_folder_s_run_scores_it(weights: Path, photos
     listed = tmp_path / "list.txt"
     listed.write_text("coffee.jpg\n")  # a file list is still one
     assert list_inputs(listed) == [Item("coffee.jpg", str(tmp_path / "coffee.jpg"))]
+    listed.write_text("BMW_001.jpg\nBMW_002.jpg\n")  # was taken for a BMP by its first two bytes
+    assert [item.path for item in list_inputs(listed)] == ["BMW_001.jpg", "BMW_002.jpg"]
+    bmp = tmp_path / "one.bmp"
+    Image.new("RGB", (3, 2)).save(bmp)
+    assert list_inputs(bmp) == [Item(str(bmp), str(bmp))]
 
 
 def test_a_list_s_line_found_only_from_the_current_folder_is_said_so(weights: Path, photos: Path, tmp_path: Path,
