@@ -260,7 +260,7 @@ def on_exit(server) -> None:  # noqa: ANN001
     its ``*.db`` files: _clear_metrics). A master halted by a worker that could not start says why last, after
     gunicorn's "Reason: Worker failed to boot.", where a reader of the log looks."""
     said = os.environ.get("VISIONSERVE_CONTROL_DIR")
-    reason = control.boot_failure(Path(said)) if said else None
+    reason = control.boot_failure(Path(said), os.getpid()) if said else None
     if reason is not None:
         server.log.error("visionserve: did not start: %s", reason)
     supervisor.stop_engines(_settings.graceful_timeout_s)

@@ -28,7 +28,7 @@ WORKER_BOOT_ERROR = 3  # gunicorn.workers.base.Worker.WORKER_BOOT_ERROR: the mas
 def _stop_worker(exc: BaseException) -> None:
     log.error("cannot serve the model: %s", exc)
     if control_dir := os.environ.get("VISIONSERVE_CONTROL_DIR"):  # the master says it last (gunicorn.conf.py)
-        tell_boot_failure(Path(control_dir), f"cannot serve the model: {exc}")
+        tell_boot_failure(Path(control_dir), os.getppid(), f"cannot serve the model: {exc}")
     log.debug("the load failed here", exc_info=exc)
     logging.shutdown()
     os._exit(WORKER_BOOT_ERROR)  # from a loader thread: sys.exit would end only the thread

@@ -23,9 +23,9 @@ DESIRED = "desired.json"
 LOCK = "lock"
 REPORTS = "worker-*.json"
 READY_MARKS = "http-*.ready"
-BOOT_FAILURE = "boot.failed"  # why the first worker that could not start could not (the master says it last)
+BOOT_FAILURES = "boot-*.failed"  # why a master's first worker that could not start could not (``boot_failure``)
 # What the engines and the HTTP workers leave behind (a master starting on a kept directory clears them).
-STALE_AT_START = ("engine-*.failed", "engine-*.sock", READY_MARKS, REPORTS, BOOT_FAILURE)
+STALE_AT_START = ("engine-*.failed", "engine-*.sock", READY_MARKS, REPORTS, BOOT_FAILURES)
 _HAS_PROC = Path("/proc/self/status").exists()  # Linux: a pid's process is looked up there (``process_alive``)
 
 
@@ -48,22 +48,31 @@ def socket_path(control_dir: Path, slot: int) -> Path:
     return control_dir / f"engine-{slot}.sock"
 
 
-def tell_boot_failure(control_dir: Path, reason: str) -> None:
-    """Write why this worker cannot start, unless another worker wrote its reason first (best effort: a directory
-    that cannot be written leaves it to the worker's own log line)."""
+def _boot_failure_file(control_dir: Path, master_pid: int) -> Path:
+    # by master: a USR2 master's failed start is not said by the old master when it stops, nor by a later one
+    return control_dir / f"boot-{master_pid}.failed"
+
+
+def tell_boot_failure(control_dir: Path, master_pid: int, reason: str) -> None:
+    """Write why this worker of ``master_pid`` cannot start, unless another of its workers wrote its reason first
+    (best effort: a directory that cannot be written leaves it to the worker's own log line)."""
     try:
-        with (control_dir / BOOT_FAILURE).open("x", encoding="utf-8") as file:
+        with _boot_failure_file(control_dir, master_pid).open("x", encoding="utf-8") as file:
             file.write(reason)
     except OSError:
         pass
 
 
-def boot_failure(control_dir: Path) -> str | None:
-    """Why the first worker that could not start could not (``tell_boot_failure``); None when none said."""
+def boot_failure(control_dir: Path, master_pid: int) -> str | None:
+    """Why the first worker of ``master_pid`` that could not start could not (``tell_boot_failure``), the file then
+    removed; None when none said."""
+    said = _boot_failure_file(control_dir, master_pid)
     try:
-        return (control_dir / BOOT_FAILURE).read_text(encoding="utf-8") or None
+        reason = said.read_text(encoding="utf-8") or None
     except OSError:
         return None
+    said.unlink(missing_ok=True)
+    return reason
 
 
 def engine_failure(control_dir: Path, slot: int) -> Path:

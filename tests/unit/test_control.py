@@ -145,3 +145,16 @@ def test_a_worker_takes_new_connections_when_control_dir_cannot_be_looked_into(
 
     monkeypatch.setattr(Path, "stat", refused)
     assert control.takes_connections(tmp_path, os.getpid())
+
+
+def test_a_boot_failure_is_said_by_its_own_master_once(tmp_path: Path) -> None:
+    # Before: one boot.failed for every master: a USR2 master's failed start (or one left in a kept directory) was
+    # said as "did not start" by the old master when it stopped normally later, and kept the first reason ever written
+    control.tell_boot_failure(tmp_path, 100, "cannot serve the model: no manifest.json")
+    control.tell_boot_failure(tmp_path, 100, "a second worker's reason")  # the first worker's is kept
+    assert control.boot_failure(tmp_path, 200) is None  # another master's start failed, not this one's
+    assert control.boot_failure(tmp_path, 100) == "cannot serve the model: no manifest.json"
+    assert control.boot_failure(tmp_path, 100) is None and not list(tmp_path.iterdir())  # said once, then gone
+    control.tell_boot_failure(tmp_path, 300, "left behind")
+    control.clear_stale(tmp_path)
+    assert not list(tmp_path.iterdir())
