@@ -48,6 +48,11 @@ def _unreadable_reason(path: Path) -> str | None:
     return None
 
 
+def readable(path: Path) -> bool:
+    """Whether ``path`` is an image training takes (``_unreadable_reason``: a format the server accepts, whole)."""
+    return _unreadable_reason(path) is None
+
+
 def _class_dirs(root: Path) -> list[Path]:
     if not root.is_dir():
         raise DataError(f"{root} is not a directory; expected {root}/<class name>/<images>")
@@ -65,6 +70,12 @@ def _files(class_dir: Path) -> list[Path]:
     left out, as models.predict's scan leaves them out."""
     return sorted(p for p in class_dir.rglob("*") if p.is_file()
                   and not any(part.startswith(".") for part in p.relative_to(class_dir).parts))
+
+
+def class_files(root: Path) -> list[Path]:
+    """Every file under ``root/<class>/`` (symbolic links to class folders followed), unchecked; DataError for a
+    layout that is not one."""
+    return [path for class_dir in _class_dirs(root) for path in _files(class_dir)]
 
 
 def scan_split(root: Path, workers: int = 4) -> Split:

@@ -21,6 +21,7 @@ among them, for the export's last log line.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ from PIL import Image, ImageOps
 from models.architectures import split_outputs
 from models.export.manifest import Agreement
 from models.presets import EvalPreset, eval_transform
+from models.run.args import DataError
 
 CALIBRATION_PHOTOS = ("astronaut", "coffee", "rocket", "retina", "camera", "coins", "moon", "brick")
 AGREEMENT_PHOTOS = ("chelsea", "hubble_deep_field", "immunohistochemistry", "clock", "cell", "grass", "gravel",
@@ -109,28 +111,34 @@ def run_images(checkpoint: Path, args: dict[str, Any]) -> RunImages | None:
     """The images of the run that wrote ``checkpoint`` (its options ``args``): those it held out (its
     ``held_out.txt`` beside the checkpoint, or its data's val/ folder) and those it trained on; None when they are
     not there (moved, another machine), fewer than MIN_HELD_OUT are held out, or none was trained on."""
+    from models.data.folder import class_files, readable
     from models.run.report import HELD_OUT_NAME
 
     data = Path(str(args.get("data", "")))
     listed = checkpoint.parent / HELD_OUT_NAME
-    if listed.is_file() and data.is_dir():
-        lines = [line.strip() for line in listed.read_text(encoding="utf-8", errors="replace").splitlines()]
-        held = [listed.parent / line for line in lines if line and not line.startswith("#")]
-        kept = {path.resolve() for path in held}
-        trained = [path for path in _images(data) if path.resolve() not in kept]
-    elif (data / "val").is_dir() and (data / "train").is_dir():
-        held, trained = _images(data / "val"), _images(data / "train")
-    else:
+    try:
+        if listed.is_file() and data.is_dir():
+            lines = [line.strip() for line in listed.read_text(encoding="utf-8", errors="replace").splitlines()]
+            held = [listed.parent / line for line in lines if line and not line.startswith("#")]
+            # compared as the run wrote them (absolute paths, no file looked up): a large folder costs no stat each
+            kept = {os.path.abspath(path) for path in held}
+            trained = [path for path in class_files(data) if os.path.abspath(path) not in kept]
+        elif (data / "val").is_dir() and (data / "train").is_dir():
+            held, trained = class_files(data / "val"), class_files(data / "train")
+        else:
+            return None
+    except DataError:  # not a folder of class folders any more
         return None
-    held = [path for path in held if path.is_file()]
+    # those chosen that are readable images (training skipped the others): a folder of none checks on the photos
+    held = [path for path in _spread(_named_images(held), MOST_AGREEMENT) if readable(path)]
+    trained = [path for path in _spread(_named_images(trained), MOST_CALIBRATION) if readable(path)]
     if len(held) < MIN_HELD_OUT or not trained:
         return None
-    return RunImages(_spread(trained, MOST_CALIBRATION), _spread(held, MOST_AGREEMENT))
+    return RunImages(trained, held)
 
 
-def _images(folder: Path) -> list[Path]:
-    return sorted(path for path in folder.rglob("*") if path.suffix.lower() in IMAGE_SUFFIXES and path.is_file()
-                  and not any(part.startswith(".") for part in path.relative_to(folder).parts))
+def _named_images(paths: list[Path]) -> list[Path]:
+    return [path for path in paths if path.suffix.lower() in IMAGE_SUFFIXES]
 
 
 def _spread(paths: list[Path], most: int) -> list[Path]:

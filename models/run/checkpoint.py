@@ -56,8 +56,9 @@ def better(acc1: float, loss: float, best: Best) -> bool:
 
 
 def plain_args(args: argparse.Namespace) -> dict[str, Any]:
-    """argparse values as built-in types (paths become strings) so the checkpoint stays weights_only-safe."""
-    return {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+    """argparse values as built-in types (paths become absolute strings: an export run from another folder finds
+    the run's data) so the checkpoint stays weights_only-safe."""
+    return {key: os.path.abspath(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
 
 
 def rng_state() -> dict[str, Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -164,3 +165,22 @@ def test_an_int8_package_of_a_run_is_checked_on_the_images_its_run_held_out(tmp_
     (run / "held_out.txt").write_text("".join(f"{os.path.relpath(p, run)}\n" for p in held[:-1]))
     assert run_images(run / "best.pt", {"data": str(flat)}) is None
     assert run_images(tmp_path / "elsewhere" / "best.pt", {"data": str(tmp_path / "gone")}) is None
+    # a class folder that is a symbolic link is a class, as training reads it (was: none of its images)
+    linked = tmp_path / "linked"
+    (linked / "train").mkdir(parents=True)  # two class folders linked to train/'s
+    ((linked / "train") / "red").symlink_to(nested / "train" / "red", target_is_directory=True)
+    ((linked / "train") / "blue").symlink_to(nested / "train" / "blue", target_is_directory=True)
+    (run / "held_out.txt").unlink()
+    both = tmp_path / "both"
+    (both / "val").mkdir(parents=True)
+    (both / "train").symlink_to(linked / "train", target_is_directory=True)
+    for class_dir in (nested / "val").iterdir():
+        (both / "val" / class_dir.name).symlink_to(class_dir, target_is_directory=True)
+    found = run_images(run / "best.pt", {"data": str(both)})
+    assert found is not None and len(found.agreement) == 9 and len(found.calibration) == 8
+    # every held-out image unreadable (truncated since): the photos, not an empty batch
+    unreadable = tmp_path / "unreadable"
+    shutil.copytree(nested, unreadable)
+    for image in (unreadable / "val").rglob("*.*"):
+        image.write_bytes(image.read_bytes()[:40])
+    assert run_images(run / "best.pt", {"data": str(unreadable)}) is None

@@ -533,3 +533,12 @@ def test_the_ctrl_c_hint_under_torchrun_is_the_torchrun_command_that_goes_on(tmp
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # 2 machines of 8: their rendezvous options are not known here
     assert "to go on: the same torchrun command on every machine (-m models.train --data " in \
         interrupted(args, argv, world_size=16)
+
+
+def test_a_checkpoint_records_its_paths_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: as typed ("data/mine"): an export run from another folder looked for the run's images from there
+    from models.run.checkpoint import plain_args
+
+    monkeypatch.chdir(tmp_path)
+    saved = plain_args(argparse.Namespace(data=Path("data/mine"), output_dir=Path("runs/a"), epochs=3))
+    assert saved == {"data": str(tmp_path / "data" / "mine"), "output_dir": str(tmp_path / "runs" / "a"), "epochs": 3}
