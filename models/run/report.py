@@ -106,7 +106,7 @@ class Progress:
             served = best_checkpoint.parent / "export"
             named = [] if name == best_checkpoint.parent.name else ["--name", name]  # the export's default: the run's
             # the run's own export of an earlier best (a resumed run's): replaced, as the export would refuse
-            replaced = ["--force"] if (served / "manifest.json").exists() else []
+            replaced = ["--force"] if _holds_own_export(served, best_checkpoint.parent.name, name) else []
             lines.append("export: " + module_command("models.export", ["--checkpoint", str(best_checkpoint),
                                                                       "--out", str(served), *named, *replaced]))
         else:
@@ -117,6 +117,18 @@ class Progress:
                 "--weights", str(exported or served), "--data", str(data), "--labels", str(labels),
                 "--out", str(best_checkpoint.parent / "eval.jsonl")]))
         return [*lines, f"serve:  VISIONSERVE_WEIGHTS_DIR={served} make serve"]
+
+
+def _holds_own_export(folder: Path, run_name: str, name: str) -> bool:
+    """Whether ``folder`` holds an export of run ``run_name`` as model ``name`` (one written there by hand, of
+    another run or model, is not replaced: the printed export refuses it)."""
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
+        source = str(manifest.get("source", ""))
+    except (OSError, ValueError, AttributeError):
+        return False
+    ran = source.startswith("models.train checkpoint ") and (f" of run {run_name}," in f"{source},")
+    return ran and manifest.get("name") == name
 
 
 def _peak(row: dict[str, float]) -> str:

