@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import ipaddress
 import os
 import re
 from pathlib import Path
@@ -488,17 +489,33 @@ _DEFAULT_PORTS = {"http": "80", "https": "443", "ws": "80", "wss": "443"}
 
 def _as_browsers_send_it(origin: str) -> str:
     """A CORS origin as a browser writes it in its Origin header, which is compared as it is: the scheme and host in
-    lower case, no default port, no trailing slash (``https://App.example.com:443/`` is ``https://app.example.com``);
-    ``*`` and ``null`` (a file:// page's, a sandboxed frame's) as they are. ValueError for one that can never match:
-    no scheme, or a path."""
+    lower case, an IPv6 host in its shortest form, no default port, no trailing slash
+    (``https://App.example.com:443/`` is ``https://app.example.com``); ``*`` and ``null`` (a file:// page's, a
+    sandboxed frame's) as they are. ValueError for one that can never match: no scheme, a path, a host of other
+    characters than a host name's (a wildcard ``*.example.com``, user@host, a query), a port outside 1-65535."""
     if origin in ("*", "null"):
         return origin
-    found = re.fullmatch(r"([A-Za-z][A-Za-z0-9+.-]*)://([^/\s:]+|\[[0-9A-Fa-f:.]+\])(?::(\d+))?/?", origin)
-    if found is None:
+    found = re.fullmatch(r"([A-Za-z][A-Za-z0-9+.-]*)://([A-Za-z0-9._~-]+|\[[0-9A-Fa-f:.]+\])(?::(\d{1,5}))?/?", origin)
+    host = found.group(2).lower() if found else ""
+    if host.startswith("["):
+        try:
+            host = f"[{ipaddress.IPv6Address(host[1:-1]).compressed}]"
+        except ValueError:
+            found = None
+    if found is None or (found.group(3) is not None and not 1 <= int(found.group(3)) <= 65535):
         raise ValueError(f"each origin is scheme://host[:port], as a browser sends it in its Origin header "
                          f"(https://app.example.com), or * or null; {origin!r} can never match one")
-    scheme, host, port = found.group(1).lower(), found.group(2).lower(), found.group(3)
+    scheme, port = found.group(1).lower(), found.group(3)
     return f"{scheme}://{host}" + ("" if port is None or _DEFAULT_PORTS.get(scheme) == port else f":{port}")
+
+
+def _origins(value: str) -> str:
+    """CORS_ORIGINS' origins as browsers send them (``_as_browsers_send_it``), comma-separated; ValueError for
+    ``*`` beside others (it allows every origin: the others would say nothing)."""
+    origins = [_as_browsers_send_it(part.strip()) for part in value.split(",") if part.strip()]
+    if "*" in origins and len(origins) > 1:
+        raise ValueError(f"* allows every origin: give it alone, or the origins alone ({value!r})")
+    return ",".join(origins)
 
 
 class SecuritySettings(SettingsGroup):
@@ -529,7 +546,7 @@ class SecuritySettings(SettingsGroup):
     @field_validator("cors_origins")
     @classmethod
     def _origins_as_browsers_send_them(cls, value: str) -> str:
-        return ",".join(_as_browsers_send_it(part.strip()) for part in value.split(",") if part.strip())
+        return _origins(value)
 
     @model_validator(mode="after")
     def _key_file_exists(self) -> "SecuritySettings":

@@ -109,6 +109,15 @@ def test_cors_origins_are_taken_as_browsers_send_them() -> None:
     for never in ("app.example.com", "https://a.example/app", "https://", "https://a b"):
         with pytest.raises(ValueError, match="can never match one"):
             Settings(cors_origins=never)
+    # a wildcard host, user@host, a query or fragment, a port out of range, an IPv6 address that is none: refused
+    # (were taken, and matched nothing); an IPv6 host in the shortest form a browser writes
+    for never in ("https://*.example.com", "https://user@a.example", "https://a.example?x", "https://a.example#x",
+                  "http://a.example:0", "http://a.example:65536", "http://[::g]"):
+        with pytest.raises(ValueError, match="can never match one"):
+            Settings(cors_origins=never)
+    assert Settings(cors_origins="http://[0:0:0:0:0:0:0:1]:8080").cors_origins == "http://[::1]:8080"
+    with pytest.raises(ValueError, match=r"\* allows every origin: give it alone"):  # the others would say nothing
+        Settings(cors_origins="*, https://a.example")
 
 
 @pytest.mark.parametrize("workers, engines, threads", [(1, 0, 1), (4, 1, 2), (8, 2, 32)])
