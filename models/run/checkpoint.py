@@ -207,8 +207,11 @@ def _check_same_holdout(path: Path, state: dict[str, Any], args: argparse.Namesp
     it trained on (and its best epoch was chosen on another set)."""
     saved, now = _saved_holdout(state), holdout(args)
     if saved != now:
+        # only the seed differs: a run from before --split-seed held out by its --seed (--seed 1: --split-seed 1)
+        seed_only = saved is not None and now is not None and {**saved, "seed": now["seed"]} == now
+        options = f"--split-seed {saved['seed']}" if seed_only else "the same options"
         raise DataError(f"{path} validated on {_holdout_text(saved)}, this run on {_holdout_text(now)}: it would "
-                        f"validate on images it trained on; resume with the same options or train afresh into "
+                        f"validate on images it trained on; resume with {options} or train afresh into "
                         f"another --output-dir")
 
 

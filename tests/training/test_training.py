@@ -360,6 +360,9 @@ def test_a_flat_folder_is_split_with_val_split(tmp_path: Path, caplog: pytest.Lo
     assert "validated on a --val-split 0.2 holdout of --split-seed 0, this run on a --val-split 0.4 holdout of " \
            "--split-seed 0: " \
            "it would validate on images it trained on" in text and len(text.strip().splitlines()) == 1
+    # only the seed differs (a run from before --split-seed, held out by its --seed 1): the option that resumes it
+    text = _main_error(small_args(flat, default, "--split-seed", "1", *resume), caplog)
+    assert "; resume with --split-seed 0 or train afresh into another --output-dir" in text
     state = load_checkpoint(default / CHECKPOINT_NAME)
     del state["holdout"]  # a checkpoint of the earlier rule (a per-class shuffle that one more image reshuffled)
     torch.save(state, default / CHECKPOINT_NAME)
