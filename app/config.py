@@ -538,8 +538,8 @@ class SecuritySettings(SettingsGroup):
         "", description="Origins a browser front-end may call the API from, comma-separated, each "
         "scheme://host[:port] (`https://app.example.com`, `http://localhost:3000`, `chrome-extension://ID`; taken as "
         "a browser writes it: lower case, no default port, no trailing slash), `null` (file:// pages, sandboxed "
-        "frames), or `*` alone (every origin); empty = CORS off (no CORS headers at all). Preflights are answered before the API key "
-        "check.")
+        "frames), or `*` alone (every origin); empty = CORS off (no CORS headers at all). Preflights are answered "
+        "before the API key check.")
     auth_health_open: bool = Field(True, description="Keep `/healthz`, `/readyz`, `/metrics` and the V2 health "
                                    "endpoints open for probes and scrapers when an API key is set.")
 
