@@ -12,8 +12,8 @@ rollouts, device and precision, batching, requests, decoding, the HTTP server, p
 from __future__ import annotations
 
 import difflib
-import logging
 import ipaddress
+import logging
 import os
 import re
 from pathlib import Path

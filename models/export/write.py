@@ -221,7 +221,7 @@ def export_checkpoint(path: Path, out_dir: Path | None, *, name: str | None = No
     before (the command's start), for the last log line. A file that is no ``models.train`` checkpoint, or whose
     weights are not its architecture's, is refused in one line (ValueError)."""
     laps = Laps() if laps is None else laps
-    from models.run.report import TOP5_MIN_CLASSES
+    from models.run.report import TOP5_MIN_CLASSES, run_export_source
 
     state = read_exportable(path)
     run_name = Path(str(state["args"].get("output_dir", path.parent))).name
@@ -236,12 +236,11 @@ def export_checkpoint(path: Path, out_dir: Path | None, *, name: str | None = No
     metrics = {key: float(value) for key, value in state.get("metrics", {}).items() if key.startswith("val_")
                and value is not None and not (key == "val_acc5" and len(state["classes"]) < TOP5_MIN_CLASSES)}
     reference = state.get("prediction_reference")
-    epoch = f", epoch {int(state['epoch']) + 1}" if "epoch" in state else ""
     return export_model(
         model, out_dir=out_dir, name=name, version=version or default_version(path, state["model"]),
         arch=state["arch"], labels=state["classes"], preset=EvalPreset.model_validate(state["preset"]),
         metrics=metrics,  # the epoch below counted from 1, as the training log and its summary count it
-        source=f"models.train checkpoint {path.name} of run {run_name}{epoch}",
+        source=run_export_source(path.name, run_name, int(state["epoch"]) + 1 if "epoch" in state else None),
         force=force, packages=packages, laps=laps, numbered=numbered,
         reference=PredictionReference.model_validate(reference) if reference is not None else None,
         run=run_images(path, state["args"]) if ("cpu", "int8") in packages else None,

@@ -119,6 +119,15 @@ class Progress:
         return [*lines, f"serve:  VISIONSERVE_WEIGHTS_DIR={served} make serve"]
 
 
+RUN_SOURCE = "models.train checkpoint"  # how the manifest of a run's export begins its source (run_export_source)
+
+
+def run_export_source(checkpoint_name: str, run_name: str, epoch: int | None) -> str:
+    """The source an export of a run's checkpoint names in its manifest (``_holds_own_export`` reads it), its epoch
+    counted from 1: "models.train checkpoint best.pt of run mine, epoch 3"."""
+    return f"{RUN_SOURCE} {checkpoint_name} of run {run_name}" + ("" if epoch is None else f", epoch {epoch}")
+
+
 def _holds_own_export(folder: Path, run_name: str, name: str) -> bool:
     """Whether ``folder`` holds an export of run ``run_name`` as model ``name`` (one written there by hand, of
     another run or model, is not replaced: the printed export refuses it)."""
@@ -127,7 +136,7 @@ def _holds_own_export(folder: Path, run_name: str, name: str) -> bool:
         source = str(manifest.get("source", ""))
     except (OSError, ValueError, AttributeError):
         return False
-    ran = source.startswith("models.train checkpoint ") and (f" of run {run_name}," in f"{source},")
+    ran = source.startswith(f"{RUN_SOURCE} ") and f" of run {run_name}," in f"{source},"  # any checkpoint, epoch
     return ran and manifest.get("name") == name
 
 
