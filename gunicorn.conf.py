@@ -17,7 +17,7 @@ from app.config import SettingsError, load_settings, unknown_variables
 from app.hosting import control
 from app.hosting.host import address_in_use, engine_count, engine_mode, unserved_engines, workers_for
 from app.link import supervisor
-from app.hosting.worker import ReadLimits
+from app.hosting.request_framing import ReadLimits
 
 try:
     _settings = load_settings()
@@ -79,8 +79,8 @@ logconfig_dict = {
                 "gunicorn.access": {"level": "CRITICAL", "handlers": [], "propagate": False}},
 }
 # Bound the request line and headers (a longer request line is refused by the worker's loop, 414, as a head over
-# MAX_HEADER_BYTES is, 431: app/hosting/worker.py). One header may take the whole head: gunicorn's own bound on a
-# header line (8190 bytes by default, 431 in its words) refused a large cookie or token within MAX_HEADER_BYTES.
+# MAX_HEADER_BYTES is, 431: app/hosting/request_framing.py). One header may take the whole head: gunicorn's own bound
+# on a header line (8190 bytes by default, 431 in its words) refused a large cookie or token within MAX_HEADER_BYTES.
 limit_request_line = 8190
 limit_request_fields = 100
 limit_request_field_size = _settings.max_header_bytes

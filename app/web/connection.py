@@ -7,7 +7,8 @@ unread rest of the body would stay on a kept-alive connection. Its ``start_respo
 response object, whose ``force_close()`` makes it send ``Connection: close`` and close the socket afterwards.
 Other servers (werkzeug's, the test client) pass the header on as it is.
 
-A body the worker's event loop held whole is skipped in memory whatever the app left of it (app/hosting/worker.py).
+A body the worker's event loop held whole is skipped in memory whatever the app left of it
+(app/hosting/request_framing.py).
 One that arrives streamed (chunked, or sent after gunicorn's ``100 Continue``) is still on the socket: gunicorn
 skips at most 64 KiB of it before the next request and otherwise closes the connection after an answer that said
 keep-alive, so the client's next request on it was reset. An answer that starts before such a body was read to its

@@ -63,7 +63,7 @@ def register_hooks(app: Flask, settings: Settings,
         if sock is not None and not getattr(sock, "body_held", False):
             # A client that stalls while sending its body gets 408 instead of holding a thread forever (a body the
             # worker's loop read whole needs no read of the socket, and its answer is written without a timeout
-            # that would block: app/hosting/worker.py's ClientSocket).
+            # that would block: app/hosting/client_socket.py's ClientSocket).
             sock.settimeout(body_timeout_s)
         if forms is not None and needs_key(req.path, health_open):
             check_api_key(req.headers, forms)

@@ -20,7 +20,7 @@ from prometheus_client import REGISTRY
 
 from app.config import Settings
 from app.engine.contract import not_ready
-from app.hosting.worker import HeldUnreader, skip_held_body
+from app.hosting.request_framing import HeldUnreader, skip_held_body
 from app.link import supervisor, wire
 from app.link.client import RemoteService
 from app.metrics import BATCHER_ALIVE, READY

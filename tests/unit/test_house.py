@@ -67,17 +67,21 @@ ENGINE_FOR_THE_HTTP_SIDE = ("app.engine.contract",)
 
 @pytest.mark.parametrize("package, forbidden", [
     ("app.engine", ("flask", "werkzeug", "flask_swagger_ui", "app.web", *PROTOCOLS, "app.link", "app.factory",
-                    "app.wsgi", "app.hosting.starting", "app.hosting.worker", "app.hosting.drain",
-                    "app.hosting.procstat")),
+                    "app.wsgi", "app.hosting.starting", "app.hosting.worker", "app.hosting.request_framing",
+                    "app.hosting.client_socket", "app.hosting.drain", "app.hosting.procstat")),
     ("app.hosting", ("torch", "flask", "werkzeug", "app.engine", "app.link", "app.web", *PROTOCOLS, "app.factory")),
     ("app.link.supervisor", ("torch", "flask", "app.engine", "app.link.client", "app.link.server",
                              "app.link.loop")),
     ("app.link.client", ("flask", "werkzeug", "app.link.server", "app.link.loop", "app.web", *PROTOCOLS)),
     ("app.link.wire", ("flask", "werkzeug", "app.link.client", "app.link.server", "app.link.loop",
-                       "app.hosting.worker", "app.hosting.starting", "app.hosting.drain", "app.hosting.control",
-                       "app.hosting.host", "app.hosting.procstat")),  # of the hosting, how the HTTP side waits only
+                       "app.hosting.worker", "app.hosting.request_framing", "app.hosting.client_socket",
+                       "app.hosting.starting", "app.hosting.drain", "app.hosting.control", "app.hosting.host",
+                       "app.hosting.procstat")),  # of the hosting, how the HTTP side waits only
     ("app.hosting.waiting", ("app", "gunicorn", "greenlet")),
     ("app.hosting.loop_requests", ("app", "gunicorn", "flask", "torch")),
+    # how a request is read off the wire, and how its answer is written: neither knows the worker's loop
+    ("app.hosting.request_framing", ("app.hosting", "greenlet", "flask", "torch")),
+    ("app.hosting.client_socket", ("app.hosting.worker", "app.hosting.loop_requests", "greenlet", "flask", "torch")),
     ("app.config", ("app", "models", "torch", "flask")),
     ("app.errors", ("app", "models", "flask", "werkzeug")),
     ("app.metrics", ("app.engine", "app.web", *PROTOCOLS, "flask")),

@@ -1,4 +1,5 @@
-"""The event loop's request reading (app/hosting/worker.py), without a server: when a request is whole."""
+"""The HTTP worker without a server: its event loop's request reading (app/hosting/worker.py, request_framing.py),
+when a request is whole, and its answers written without blocking (client_socket.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -21,7 +22,7 @@ from gunicorn.config import Config
 from gunicorn.http.parser import RequestParser
 
 from app.config import Settings
-from app.hosting.worker import HeldUnreader, body_framing, timeout_response
+from app.hosting.request_framing import HeldUnreader, body_framing, timeout_response
 from tests.support.loop import LoopWorker
 
 
@@ -80,7 +81,7 @@ def test_the_loop_reads_a_chunked_or_expected_body_only_framed_as_the_parser_wil
 ])
 def test_the_loop_waits_for_the_body_a_head_frames_and_leaves_any_other_head_to_the_parser(
         head: bytes, came: bytes, expected: tuple) -> None:
-    from app.hosting.worker import ReadLimits, Reading
+    from app.hosting.request_framing import ReadLimits, Reading
 
     worker = _lingering()
     worker.limits = ReadLimits(max_body_bytes=100)
@@ -270,7 +271,8 @@ class _Conn:
 
 
 def _lingering(linger_s: float = 0.05):  # noqa: ANN202 - the worker class without gunicorn's set-up
-    from app.hosting.worker import BufferingWorker, ReadLimits
+    from app.hosting.request_framing import ReadLimits
+    from app.hosting.worker import BufferingWorker
 
     worker = BufferingWorker.__new__(BufferingWorker)
     worker.limits = ReadLimits(linger_s=linger_s)
@@ -324,7 +326,7 @@ class _Asked:
 
 
 def test_the_loop_reads_a_body_that_came_with_its_headers_in_one_wake_up_asking_for_what_is_left(sockets) -> None:
-    from app.hosting.worker import FIRST_READ, Reading
+    from app.hosting.request_framing import FIRST_READ, Reading
 
     ours, client = sockets
     ours.setblocking(False)
@@ -548,7 +550,7 @@ def _reading(client: socket.socket, size: int) -> tuple[threading.Thread, bytear
 
 
 def test_an_answer_is_written_as_the_client_reads_it_and_a_client_that_reads_none_is_left(sockets) -> None:
-    from app.hosting.worker import ClientSocket
+    from app.hosting.client_socket import ClientSocket
 
     ours, client = sockets
     answer = ClientSocket(ours.family, ours.type, ours.proto, fileno=ours.detach())
@@ -571,7 +573,7 @@ def test_an_answer_is_written_as_the_client_reads_it_and_a_client_that_reads_non
 
 def test_a_client_socket_sets_only_a_mode_it_lacks_and_one_whose_request_runs_on_the_loop_stays_non_blocking(
         sockets, monkeypatch: pytest.MonkeyPatch) -> None:
-    from app.hosting.worker import ClientSocket
+    from app.hosting.client_socket import ClientSocket
 
     ours, _ = sockets
     sock = ClientSocket(ours.family, ours.type, ours.proto, fileno=ours.detach())
@@ -833,7 +835,7 @@ def test_a_loop_requests_greenlet_beyond_the_threads_kept_idle_is_freed_once_its
 
 def test_a_request_waiting_to_write_its_answer_gives_its_slot_to_the_next() -> None:
     from app.hosting import waiting
-    from app.hosting.worker import ClientSocket
+    from app.hosting.client_socket import ClientSocket
 
     loop = LoopWorker(threads=1)
     with _waits_on_the_loop(loop, 2) as pairs:
@@ -865,7 +867,7 @@ GOOD_HEAD = b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc"
 ])
 def test_the_loop_refuses_a_head_the_parser_would_wait_on_the_same_whichever_way_its_bytes_came(
         sent: bytes, status: int | None) -> None:
-    from app.hosting.worker import Reading
+    from app.hosting.request_framing import Reading
 
     worker = _lingering()
     verdicts = []
@@ -880,7 +882,7 @@ def test_the_loop_refuses_a_head_the_parser_would_wait_on_the_same_whichever_way
 
 
 def test_the_head_limit_is_the_max_header_bytes_setting() -> None:
-    from app.hosting.worker import head_refusal
+    from app.hosting.request_framing import head_refusal
 
     head = bytearray(b"GET / HTTP/1.1\r\n" + b"X: " + b"a" * 20_000 + b"\r\n\r\n")
     end = head.find(b"\r\n\r\n")
@@ -890,7 +892,7 @@ def test_the_head_limit_is_the_max_header_bytes_setting() -> None:
 
 
 def test_a_refusal_is_json_in_the_service_error_shape_and_closes_the_connection() -> None:
-    from app.hosting.worker import Refusal
+    from app.hosting.request_framing import Refusal
 
     answer = Refusal(431, "Request Header Fields Too Large", "too long").response("r1")
     head, _, body = answer.partition(b"\r\n\r\n")
@@ -900,7 +902,7 @@ def test_a_refusal_is_json_in_the_service_error_shape_and_closes_the_connection(
 
 
 def test_empty_lines_before_a_request_are_skipped_and_a_connection_that_sent_only_those_idles() -> None:
-    from app.hosting.worker import Reading
+    from app.hosting.request_framing import Reading
 
     class Kept:
         timeout = time.monotonic() + 3  # gthread's keep-alive deadline for the connection
@@ -931,7 +933,7 @@ def test_requests_answered_before_the_app_count_in_requests_total_as_unparsed(so
     from gunicorn.http import errors as http_errors
     from prometheus_client import REGISTRY
 
-    from app.hosting.worker import Reading
+    from app.hosting.request_framing import Reading
 
     def counted(status: int) -> float:
         return REGISTRY.get_sample_value("visionserve_requests_total",
@@ -1062,7 +1064,9 @@ def _writing_worker(answer_timeout_s: float = 30.0) -> Any:
     """A BufferingWorker's loop state (no gunicorn arbiter behind it) for the answers it writes."""
     from collections import deque
 
-    from app.hosting.worker import BufferingWorker, ReadLimits
+    from app.hosting.request_framing import ReadLimits
+
+    from app.hosting.worker import BufferingWorker
 
     worker = BufferingWorker.__new__(BufferingWorker)
     worker.poller, worker.cfg, worker.alive = selectors.DefaultSelector(), Config(), True
@@ -1085,7 +1089,7 @@ def _turn(worker: Any, done: Callable[[], bool], timeout_s: float = 30.0) -> Non
 def _client_connection(ours: socket.socket, answer_timeout_s: float) -> tuple[Any, list[socket.socket]]:
     """``ours`` as the worker's connection to a client (ClientConn over a ClientSocket the loop writes for); the
     sockets its graceful close was asked for."""
-    from app.hosting.worker import ClientConn, ClientSocket
+    from app.hosting.client_socket import ClientConn, ClientSocket
 
     sock = ClientSocket(ours.family, ours.type, ours.proto, fileno=ours.detach())
     sock.answer_timeout_s, sock.loop_writes = answer_timeout_s, True
@@ -1122,9 +1126,9 @@ def test_a_request_thread_leaves_the_rest_of_an_answer_to_the_loop_which_writes_
 
 def test_a_request_thread_holds_an_answer_s_pieces_up_to_a_limit_then_writes_what_it_held_as_the_client_reads(
         sockets, monkeypatch: pytest.MonkeyPatch) -> None:
-    from app.hosting import worker as worker_module
+    from app.hosting import client_socket
 
-    monkeypatch.setattr(worker_module, "HELD_ANSWER_BYTES", 4 << 20)
+    monkeypatch.setattr(client_socket, "HELD_ANSWER_BYTES", 4 << 20)
     ours, client = sockets
     worker = _writing_worker()
     conn, closed = _client_connection(ours, 30.0)
@@ -1153,7 +1157,7 @@ def test_a_client_that_takes_none_of_the_rest_of_its_answer_loses_its_connection
     conn.sock.sendall(os.urandom(4 << 20))
     done: Future = Future()
     done.set_result(True)  # kept alive, as far as the thread knew
-    with caplog.at_level(logging.INFO, logger="app.hosting.worker"):
+    with caplog.at_level(logging.INFO, logger="app.hosting.client_socket"):
         worker.finish_request(conn, done)
         _turn(worker, lambda: not worker.writing)
     assert worker.nr_conns == 0 and conn.sock.fileno() == -1 and not closed  # closed at once, not kept alive
@@ -1166,7 +1170,7 @@ def _answered_by_gunicorn(ours: socket.socket, app: Callable[..., Any]) -> tuple
     ClientSocket that notes each send) and that list of sends."""
     from types import SimpleNamespace
 
-    from app.hosting.worker import ClientConn, ClientSocket
+    from app.hosting.client_socket import ClientConn, ClientSocket
 
     sends: list[bytes] = []
 
@@ -1213,7 +1217,7 @@ def _answer_read(client: socket.socket, head_only: bool = False) -> bytes:
 ])
 def test_an_answer_s_head_goes_out_with_its_first_piece_of_body_in_one_send(
         sockets, request_line: bytes, status: str | None, body: bytes) -> None:
-    from app.hosting.worker import HEAD_JOINED_BYTES
+    from app.hosting.client_socket import HEAD_JOINED_BYTES
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
         if status is None:
@@ -1287,7 +1291,7 @@ def _serving_worker(loop_requests: bool = False, **limits: Any) -> Any:
     ``worker.on_loop``."""
     from greenlet import getcurrent
 
-    from app.hosting.worker import ReadLimits
+    from app.hosting.request_framing import ReadLimits
 
     worker = _writing_worker()
     worker.limits, worker.tpool, worker.log = ReadLimits(**limits), _Pool(), logging.getLogger("test.worker")
@@ -1373,7 +1377,7 @@ def test_a_chunked_or_expected_body_arriving_slowly_is_read_by_the_loop_and_hand
 ])
 def test_chunked_framing_over_its_limits_or_malformed_is_refused_by_the_loop_at_once_whichever_way_it_came(
         sockets, sent: bytes, status: int, says: str) -> None:
-    from app.hosting.worker import ReadLimits, Reading
+    from app.hosting.request_framing import ReadLimits, Reading
 
     worker = _lingering()
     worker.limits = ReadLimits(max_body_bytes=100)
