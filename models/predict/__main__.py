@@ -71,6 +71,7 @@ from models.run.report import rerun_command
 from models.serving import forward_threads, usable_cores
 
 log = logging.getLogger("models.predict")
+DEFAULT_TOP_K = 5  # answers per image without --top-k (fewer for a model of fewer classes)
 CPU_BATCH = 16  # the CPU's default (the limit's best batch here was 8); on CUDA: as large as fits (largest_batch)
 CUDA_BATCH_CAP = 512
 NON_FINITE = "the model produced non-finite output (NaN or infinity) for this image"  # its error record
@@ -105,7 +106,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--report", type=Path,
                         help="the evaluation's folder (default: beside OUT, its name without the extension + "
                              "-report: eval.jsonl's is eval-report/)")
-    parser.add_argument("--top-k", type=at_least(1), default=5, help="answers per image (default 5)")
+    parser.add_argument("--top-k", type=at_least(1), default=None,
+                        help=f"answers per image, at most the model's classes (default {DEFAULT_TOP_K}, or its classes "
+                             "if fewer)")
     parser.add_argument("--mistakes", type=at_least(0), default=60, help="mistakes shown in mistakes.html (default 60)")
     parser.add_argument("--batch-size", type=at_least(0), default=0,
                         help=f"images per forward pass; 0: {CPU_BATCH} on the CPU, the largest that fits on CUDA")
@@ -267,6 +270,18 @@ def record_identity(loaded: LoadedModel) -> dict[str, str]:
     return manifest_identity(loaded.manifest)
 
 
+def top_k(asked: int | None, manifest: Manifest) -> int:
+    """The answers per image: ``--top-k`` (DataError above the model's classes, as /predict's top_k is 400), else
+    DEFAULT_TOP_K or the model's classes if fewer."""
+    classes = manifest.num_classes
+    if asked is None:
+        return min(DEFAULT_TOP_K, classes)
+    if asked > classes:
+        raise DataError(f"--top-k {asked}: {manifest.name} {manifest.version} has {classes} classes, so at most "
+                        f"{classes} answers an image")
+    return asked
+
+
 def manifest_identity(manifest: Manifest) -> dict[str, str]:
     """The model and version a manifest names, as the records name them."""
     return {"model": manifest.name, "version": manifest.version}
@@ -298,14 +313,13 @@ def score(plan: Plan, loaded: LoadedModel, args: argparse.Namespace, env: DistEn
                         prefetch_factor=4 if workers else None, worker_init_fn=quiet_handover_errors)
     identity = record_identity(loaded)
     transform = TensorEvalTransform(loaded.manifest.preprocess)
-    top_k = min(args.top_k, loaded.manifest.num_classes)
     writer = PartWriter(part_file(args.out, env.rank), dim)
     bar = tqdm(total=plan.pending, unit="img", disable=not env.is_main or not plan.pending, mininterval=1.0,
                desc="scoring" + (f" (rank 0's pace x {env.world_size})" if env.distributed else ""))
     try:
         for batch in loader:
             index, images = on_device(batch, loaded.device, loaded.dtype, transform)
-            records, vectors = (_answers(loaded, images, index, mine, top_k, identity, dim is not None)
+            records, vectors = (_answers(loaded, images, index, mine, args.top_k, identity, dim is not None)
                                 if images is not None else ({}, {}))
             records |= {i: {"path": mine[i].path, "error": reason, **identity} for i, reason in batch["failed"]}
             order = sorted(records)
@@ -397,6 +411,7 @@ def run(args: argparse.Namespace, env: DistEnv, seen: Seen | None = None) -> Non
     dim = seen.embedding_dim = embedding_dim(args, weights, items) if args.embeddings is not None else None
     if dim is not None:  # the load names the same: Ctrl-C while it loads still counts the merged rows kept
         seen.identity = manifest_identity(read_checked_manifest(weights))
+    args.top_k = top_k(args.top_k, read_checked_manifest(weights))  # before the model loads
     labels = Labels(args.labels) if args.labels is not None else None
     if labels is not None:
         labels.require_some(items)  # before the model loads

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from harness.photos import jpeg, photo
+from models.export.checks import read_checked_manifest
 from models.neighbours import main as neighbours
 from models.predict import __main__ as predict
 from models.predict.__main__ import main
@@ -187,6 +188,21 @@ def test_numbers_out_of_range_stop_the_command_before_the_model_loads(weights: P
         main(["--weights", str(weights), "--data", str(tmp_path), "--out", str(tmp_path / "s.jsonl"), option, value])
     assert stopped.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == f"python -m models.predict: error: {message}"
+
+
+def test_a_top_k_above_the_model_s_classes_stops_the_command_before_the_model_loads(
+        weights: Path, picture: bytes, tmp_path: Path, no_load: None, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: --top-k 11 on a model of 10 classes wrote 10 answers an image, where /predict?top_k=11 is 400.
+    (tmp_path / "one.jpg").write_bytes(picture)
+    manifest = read_checked_manifest(weights)
+    classes = manifest.num_classes
+    assert predict_error(["--weights", str(weights), "--data", str(tmp_path / "one.jpg"), "--out",
+                          str(tmp_path / "s.jsonl"), "--top-k", str(classes + 1)], caplog) == (
+        f"error: --top-k {classes + 1}: {manifest.name} {manifest.version} has {classes} classes, so at most "
+        f"{classes} answers an image")
+    assert predict.top_k(classes, manifest) == classes and predict.top_k(None, manifest) == min(5, classes)
+    fewer = manifest.model_copy(update={"labels": manifest.labels[:3]})
+    assert predict.top_k(None, fewer) == 3  # the default: 5, or the model's classes if fewer
 
 
 def test_the_bounds_themselves_are_taken() -> None:
