@@ -152,6 +152,21 @@ class PredictionReference(BaseModel):
         return self
 
 
+class TrainedOn(BaseModel):
+    """Which images trained the model, as its run named them on the machine that trained it: every image under
+    ``folder`` but those ``held_out`` lists. ``models.predict`` counts an evaluation's images among them and warns
+    (an accuracy on images the model learned from overstates it); where the folder is not there (another machine,
+    moved), it cannot tell and says nothing. The server never reads it. Exports of no training run (the packaged
+    Lite0) and manifests written before it have none."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    folder: str = Field(min_length=1, description="the folder whose images trained it, absolute: the run's --data "
+                        "split by --val-split, or its --data's train/")
+    held_out: str | None = Field(default=None, description="the run's held_out.txt (absolute), listing the images "
+                                 "under folder it validated on instead; None: none under folder was held out")
+
+
 MIN_LABELS = 2  # a softmax over one class answers 1.0 for every image: no classifier
 
 
@@ -184,6 +199,7 @@ class Manifest(BaseModel):
     source: str = ""
     reference: PredictionReference | None = None  # optional: manifests written before it load without it
     embedding: EmbeddingOutput | None = None  # optional: exports written before it answer logits only
+    trained_on: TrainedOn | None = None  # optional: exports of no run, and those written before it, have none
 
     @property
     def num_classes(self) -> int:

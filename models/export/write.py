@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import os
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -23,6 +24,7 @@ from models.export.manifest import (
     EmbeddingOutput,
     Manifest,
     PredictionReference,
+    TrainedOn,
     WeightsFile,
     too_few_labels,
 )
@@ -44,16 +46,18 @@ def export_model(model: nn.Module, *, out_dir: Path, name: str, version: str, ar
                  force: bool = False, packages: Sequence[tuple[str, str]] = (),
                  package_max_batch: int = PACKAGE_MAX_BATCH,
                  reference: PredictionReference | None = None, laps: Laps | None = None,
-                 numbered: bool = False, run: RunImages | None = None) -> Manifest:
+                 numbered: bool = False, run: RunImages | None = None,
+                 trained_on: TrainedOn | None = None) -> Manifest:
     """Save ``model`` as TorchScript and state dict in ``out_dir``, every format but the state dict answering its
     embedding beside its logits (models/architectures.WithEmbedding; a model whose head is not its last step is
     exported without one, with a warning), compile an AOTInductor package per (device,
     dtype) of ``packages`` (dtype ``int8``: the PT2E-quantized CPU package; device ``onnx``: ONNX for ONNX
     Runtime), and write the manifest last, with ``reference`` (the validation split's predictions, for the server's
-    drift figure) when there is one. A different model already there is replaced only with ``force``. The last
-    log line says how long each step took (``laps``: the steps timed before, such as loading the model). A model
-    the server would refuse (models/export/checks.py check_outputs: fewer than 2 labels, not one row per image,
-    rows that are already probabilities) is refused before anything is written: ValueError, ModelLoadError.
+    drift figure) and ``trained_on`` (which images trained it, for models.predict's evaluations) when there are. A
+    different model already there is replaced only with ``force``. The last log line says how long each step took
+    (``laps``: the steps timed before, such as loading the model). A model the server would refuse
+    (models/export/checks.py check_outputs: fewer than 2 labels, not one row per image, rows that are already
+    probabilities) is refused before anything is written: ValueError, ModelLoadError.
 
     Everything is written into a hidden folder beside ``out_dir`` (``.<its name>.partial-<pid>-<random>``: no model
     or version the server lists), each file's checksum taken from the bytes written, and moved into place complete
@@ -88,7 +92,7 @@ def export_model(model: nn.Module, *, out_dir: Path, name: str, version: str, ar
         manifest = Manifest(
             name=name, version=version, arch=arch, labels=list(labels), preprocess=preset, files=files,
             default_format="torchscript", packages=compiled, onnx=onnx, metrics=metrics or {}, source=source,
-            reference=reference, embedding=embedding,
+            reference=reference, embedding=embedding, trained_on=trained_on,
         )
         out_dir, manifest = publishing.publish(staging, out_dir, manifest, force=force, numbered=numbered)
     laps.done("manifest")
@@ -244,7 +248,21 @@ def export_checkpoint(path: Path, out_dir: Path | None, *, name: str | None = No
         force=force, packages=packages, laps=laps, numbered=numbered,
         reference=PredictionReference.model_validate(reference) if reference is not None else None,
         run=run_images(path, state["args"]) if ("cpu", "int8") in packages else None,
+        trained_on=run_trained_on(path, state["args"]),
     )
+
+
+def run_trained_on(checkpoint: Path, args: dict[str, Any]) -> TrainedOn | None:
+    """Which images trained the run that wrote ``checkpoint`` (its options ``args``), absolute: its --data but those
+    its ``held_out.txt`` beside the checkpoint lists (--val-split), else its --data's train/; None without a --data."""
+    from models.run.report import HELD_OUT_NAME
+
+    data = str(args.get("data") or "")
+    if not data:
+        return None
+    if args.get("val_split") is not None:
+        return TrainedOn(folder=os.path.abspath(data), held_out=os.path.abspath(checkpoint.parent / HELD_OUT_NAME))
+    return TrainedOn(folder=os.path.abspath(os.path.join(data, "train")))
 
 
 EXPORTED_KEYS = ("model", "args", "arch", "classes", "preset")  # what an export reads of a checkpoint

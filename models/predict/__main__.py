@@ -42,7 +42,8 @@ from models.export.load import LoadedModel, load_model
 from models.export.manifest import Manifest
 from models.export.repository import RepositoryError, is_export, models, named_default, newest
 from models.predict.decode import PATHS, ScoreSet, collate, on_device
-from models.predict.evaluate import check_labels, evaluation, mistakes, report_folder, write_report
+from models.predict.evaluate import (check_labels, evaluation, mistakes, report_folder, trained_count,
+                                     trained_warning, write_report)
 from models.predict.inputs import Item, Labels, chunks_for_rank, list_inputs
 from models.predict.outputs import (
     EMBEDDINGS_SUFFIX,
@@ -374,8 +375,12 @@ def report(args: argparse.Namespace, records: list[Record], items: list[Item], l
     folder = report_folder(args.out, args.report)
     title = f"{loaded.manifest.name} {loaded.manifest.version} on {args.data}"
     files = {item.path: item.file for item in items}
+    scored = [files[r["path"]] for r in records if r["path"] in truths and not r.get("error")]
+    result["trained_on"] = trained_count(loaded.manifest.trained_on, scored)
     for line in write_report(result, mistakes(records, truths, args.mistakes), truths, files, folder, title):
         log.info("%s", line)
+    if result["trained_on"]:  # said again last: the warning before scoring is far above by now
+        log.warning("%s", trained_warning(result["trained_on"], result["count"], loaded.manifest, args.labels))
 
 
 class NothingScored(Exception):
@@ -429,8 +434,11 @@ def run(args: argparse.Namespace, env: DistEnv, seen: Seen | None = None) -> Non
     if threads:
         torch.set_num_threads(threads)
     if labels is not None:  # a wrong class name stops the run before any image is scored
-        check_labels({i.path: lab for i in items if (lab := labels.of(i))}, loaded.manifest.labels,
-                     split=labels.split_folder())
+        labelled = {i.file: lab for i in items if (lab := labels.of(i))}
+        check_labels(labelled, loaded.manifest.labels, split=labels.split_folder())
+        trained = trained_count(loaded.manifest.trained_on, labelled) if env.is_main else None
+        if trained:
+            log.warning("%s", trained_warning(trained, len(labelled), loaded.manifest, args.labels))
     batch_size = args.batch_size or (largest_batch(loaded) if loaded.device.type == "cuda" else CPU_BATCH)
     identity = record_identity(loaded)
     work = plan(args, env, batch_size, items, dim, identity)

