@@ -66,7 +66,8 @@ def _explain() -> dict[str, Any]:
     png = {"description": "The overlay (format=png), its class in X-Explained-Class (URL-encoded), "
                           "X-Explained-Index and X-Explained-Score",
            "content": {"image/png": {"schema": BINARY}}}
-    json_body = json_answer(s.ExplainResponse, "The Grad-CAM map of the class over the photo (format=json)")
+    json_body = json_answer(s.ExplainResponse, "The Grad-CAM map of the class over the photo (format=json)",
+                            "X-Explained-Class", "X-Explained-Index", "X-Explained-Score", "X-Model-Version")
     return {"post": {
         "summary": "Why the model chooses a class for one image (Grad-CAM)",
         "description": "One forward and one backward pass on the version's weights with gradients (its state "

@@ -116,7 +116,7 @@ def _from_multipart(request: Request, fields: set[str], max_images: int) -> tupl
     if IMAGE_FIELD in form.fields:  # curl -F image=cat.jpg (no @) sends the name as text
         raise BadRequest(f"the {IMAGE_FIELD!r} field came as text, not a file: send the image as a file (curl -F "
                          f"{IMAGE_FIELD}=@cat.jpg, with the @)")
-    check_known(form.fields, fields, "form field")
+    check_known(form.fields, fields, "form field", files=(IMAGE_FIELD,))
     for name, values in form.fields.items():  # (-F top_k=1 -F top_k=3 was its first value, silently)
         if len(values) > 1:
             raise given_more_than_once("form field", name, values, LISTED)
@@ -137,11 +137,13 @@ def _unsupported(request: Request) -> UnsupportedMediaType:
                                 "JSON")
 
 
-def check_known(names: Iterable[str], known: set[str], what: str) -> None:
-    """Refuse a parameter the endpoint does not know (a misspelt ``topk`` would otherwise be ignored)."""
+def check_known(names: Iterable[str], known: set[str], what: str, files: Iterable[str] = ()) -> None:
+    """Refuse a parameter the endpoint does not know (a misspelt ``topk`` would otherwise be ignored), naming those
+    it knows: ``known``, and ``files``, the form's fields that are files."""
     unknown = sorted(set(names) - known)
     if unknown:
-        raise BadRequest(f"unknown {what} {', '.join(map(repr, unknown))}; known: {', '.join(sorted(known))}")
+        listed = sorted([*known, *(f"{name} (a file)" for name in files)])
+        raise BadRequest(f"unknown {what} {', '.join(map(repr, unknown))}; known: {', '.join(listed)}")
 
 
 CLASS_INDEX, LABEL, FORMAT = "class_index", "label", "format"

@@ -31,6 +31,10 @@ _HEADERS: dict[str, dict[str, Any]] = {
     "Allow": {"description": "The methods the path takes", "schema": {"type": "string"}},
     "Content-Range": {"description": "The bytes answered, of how many (a Range request)",
                       "schema": {"type": "string"}},
+    "X-Explained-Class": {"description": "The class explained, its label URL-encoded", "schema": {"type": "string"}},
+    "X-Explained-Index": {"description": "The class explained, its index", "schema": {"type": "integer"}},
+    "X-Explained-Score": {"description": "The class's probability", "schema": {"type": "string"}},
+    "X-Model-Version": {"description": "The model version that answered", "schema": {"type": "string"}},
 }
 
 # Status -> description of every error status a data route can answer.

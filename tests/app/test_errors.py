@@ -425,6 +425,8 @@ def test_unknown_parameters_are_refused_naming_the_known_ones(client: FlaskClien
         response = client.post(url, data={**form, "image": (io.BytesIO(image_bytes()), "x.jpg")})
     message = error_of(response, 400, "invalid_request")["message"]
     assert "unknown" in message and "known: " in message and "top_k" in message.split("known: ")[1]
+    if form is not None:  # Before: "known: outputs, top_k", the image's own field left out
+        assert message.endswith("; known: image (a file), outputs, top_k"), message
 
 
 def test_a_deadline_shorter_than_one_forward_pass_is_400_without_retry_after(client: FlaskClient) -> None:

@@ -126,6 +126,9 @@ def _check(document: dict[str, Any], method: str, path: str | None, response: An
     # Every documented header is sent, except the binary framing one, which only binary answers carry.
     for header in set(spec.get("headers", {})) - {"Inference-Header-Content-Length"}:
         assert header in response.headers, f"{path} {response.status_code} lacks {header}"
+    # and every header of the service's own it sends is documented (Before: /explain's X-Explained-* were not)
+    for header in {name for name, _ in response.headers if name.startswith("X-")} - {"X-Request-ID"}:
+        assert header in spec.get("headers", {}), f"{path} {response.status_code} sends {header}, not documented"
     if "content" not in spec or method == "head":
         assert response.get_data() == b"", f"{method.upper()} {path} {response.status_code} has a body"
         return
