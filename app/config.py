@@ -271,7 +271,8 @@ class RequestSettings(SettingsGroup):
 
     heading = "Request limits and answers"
 
-    max_body_bytes: int = Field(20 * 1024 * 1024, gt=0, description="Largest request body, in bytes (413).")
+    max_body_bytes: int = Field(20 * 1024 * 1024, gt=0, description="Largest request body, in bytes (413); a body "
+                                "sent compressed (Content-Encoding gzip or deflate) both as sent and decompressed.")
     max_header_bytes: int = Field(64 * 1024, ge=8192, description="Largest request head (the request line and "
                                   "headers; one header, a large cookie or token, may take all of it), in bytes: a "
                                   "longer one is refused by the worker's event loop as it arrives (431), before any "

@@ -82,8 +82,9 @@ class BodyTooLarge(PayloadTooLarge):
     """The body is over max_body_bytes (413); the connection closes, since the rest of the body is not read."""
     code = "request_entity_too_large"
 
-    def __init__(self, max_bytes: int) -> None:
-        super().__init__(f"the request body is over the {max_bytes} byte limit", headers={"Connection": "close"})
+    def __init__(self, max_bytes: int, decompressed: bool = False) -> None:
+        said = " decompressed" if decompressed else ""
+        super().__init__(f"the request body{said} is over the {max_bytes} byte limit", headers={"Connection": "close"})
 
 
 class ImageTooLarge(PayloadTooLarge):

@@ -81,12 +81,37 @@ class DecodeLimits:
                    jpeg_draft_min_side=settings.jpeg_draft_min_side, max_jpeg_scans=settings.max_jpeg_scans)
 
 
+SERVED_NAMES = "JPEG, PNG, WebP, BMP, GIF"  # IMAGE_FORMATS as a sender names them (MPO: a camera's JPEG)
+# Formats people send that PIL does not read, told by how they begin: refused as not served (415), not as broken
+ISO_BRANDS = {b"heic": "HEIC", b"heix": "HEIC", b"hevc": "HEIC", b"hevx": "HEIC", b"heim": "HEIC", b"heis": "HEIC",
+              b"mif1": "HEIF", b"msf1": "HEIF", b"avif": "AVIF", b"avis": "AVIF"}  # an ISO media file's ftyp brand
+JPEG_XL_SIGNATURES = (b"\xff\x0a", b"\x00\x00\x00\x0cJXL \r\n\x87\n")
+
+
+def unserved_format(data: bytes) -> str | None:
+    """The name of an image format outside IMAGE_FORMATS that ``data`` begins as (an iPhone's HEIC, AVIF, JPEG XL,
+    SVG, PDF), or None."""
+    if data[4:8] == b"ftyp":
+        return ISO_BRANDS.get(data[8:12])
+    if data.startswith(JPEG_XL_SIGNATURES):
+        return "JPEG XL"
+    if data.startswith(b"%PDF-"):
+        return "PDF"
+    head = data[:1024].lstrip(b"\xef\xbb\xbf \t\r\n")
+    if head.startswith(b"<") and b"<svg" in head.lower():
+        return "SVG"
+    return None
+
+
 def _open(data: bytes) -> Image.Image:
     if not data:
         raise BrokenImage("the image is empty (0 bytes)")
     try:
         return Image.open(io.BytesIO(data))
     except UnidentifiedImageError as exc:
+        name = unserved_format(data)
+        if name is not None:
+            raise FormatNotServed(f"image format {name} is not supported; send one of {SERVED_NAMES}") from exc
         raise BrokenImage("the data is not an image in a format we can read") from exc
     except Exception as exc:  # noqa: BLE001 - PIL's header parsers raise many types on garbage
         raise BrokenImage(f"the image header is broken: {exc}") from exc
@@ -95,7 +120,7 @@ def _open(data: bytes) -> Image.Image:
 def _check_header(image: Image.Image, limits: DecodeLimits) -> None:
     if image.format not in IMAGE_FORMATS:
         raise FormatNotServed(
-            f"image format {image.format} is not supported; send one of {', '.join(sorted(IMAGE_FORMATS))}")
+            f"image format {image.format} is not supported; send one of {SERVED_NAMES}")
     _check_size(*image.size, limits)
 
 

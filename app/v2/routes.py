@@ -207,9 +207,6 @@ def _infer(name: str, version: str | None, body: list[bytes], pixels: bool) -> R
     # Admitted only if the queue could take one image in time: refused before the body is parsed otherwise.
     with service.admit(name, version, client_key(headers, service.settings.client_key_header), images=1,
                        timeout_s=announced_timeout_s, pixels=pixels) as call:
-        if req.content_encoding and req.content_encoding.strip().lower() != "identity":
-            raise BadRequest(f"Content-Encoding {req.content_encoding!r} is not supported: this server does not "
-                             "take compressed request bodies (gzip, deflate); send the body uncompressed")
         if not body:
             body.append(read_body(req))
         parsed = parse_request(body[0], headers.get("Inference-Header-Content-Length"),

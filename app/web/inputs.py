@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import binascii
+import zlib
 from typing import Any, Mapping
 
 import pybase64
@@ -10,7 +11,7 @@ from werkzeug import Request
 from werkzeug.datastructures import MultiDict
 from werkzeug.exceptions import ClientDisconnected
 
-from app.errors import BadRequest, BodyTooLarge, InvalidBase64, InvalidJSON
+from app.errors import BadRequest, BodyTooLarge, InvalidBase64, InvalidJSON, UnsupportedMediaType
 from app.web.auth import presented_key
 
 
@@ -83,30 +84,72 @@ def parse_json(data: bytes, what: str) -> Any:
 
 
 def read_body(request: Request) -> bytes:
-    """The whole body; one over ``max_content_length`` is BodyTooLarge (413), never silently cut short; a read that
+    """The whole body, decompressed when its Content-Encoding is gzip or deflate (``decoded``); one over
+    ``max_content_length``, as sent or decompressed, is BodyTooLarge (413), never silently cut short; a read that
     fails is RequestTimeout (408) or ClientGone (499) (``app.web.errors.from_disconnect``).
 
     werkzeug refuses a Content-Length over the limit before reading, but a chunked body has none: its reader stops
     at the limit and returns what it has, as if the body ended there. So when it stops exactly at the limit, one
     more byte is asked of the server's own stream: if there is one, the body was longer.
     """
+    coding = request.environ.get("HTTP_CONTENT_ENCODING")
+    if coding is not None:  # before the body is read: a coding not taken costs no read
+        coding = _coding(coding)
     try:
         length, limit = request.content_length, request.max_content_length
         if length is not None and request.environ.get("wsgi.input_terminated") and (
                 limit is None or length <= limit):
             # a server that ends the body itself (gunicorn) and a length within the limit: werkzeug's reader would
             # read the stream to its end in chunks; one read of that length gives the same bytes without it (~15 us)
-            return _read_input(request, length)
-        data = request.get_data(cache=False)
-        if limit is not None and length is None and len(data) >= limit:
-            if _read_input(request, 1):
-                raise BodyTooLarge(limit)
-        return data
+            data = _read_input(request, length)
+        else:
+            data = request.get_data(cache=False)
+            if limit is not None and length is None and len(data) >= limit:
+                if _read_input(request, 1):
+                    raise BodyTooLarge(limit)
+        return data if coding is None else decoded(data, coding, limit)
     except ClientDisconnected as exc:  # the client's doing (408, 499), as the request's outcome, not its version's
         from app.web.errors import from_disconnect
         from app.web.services import current_service
 
         raise from_disconnect(exc, current_service().settings.client_body_timeout_s) from exc
+
+
+CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}  # zlib's wbits
+ACCEPTED_CODINGS = "gzip, deflate, identity"  # what a 415 for another coding says is taken (Accept-Encoding)
+
+
+def _coding(header: str) -> str | None:
+    """The one content coding of a Content-Encoding header that the body is read through (None: identity);
+    UnsupportedMediaType (415, RFC 9110 15.5.16) for another coding (br, zstd, compress) or several stacked."""
+    codings = [c for c in (part.strip().lower() for part in header.split(",")) if c and c != "identity"]
+    if not codings:
+        return None
+    if len(codings) == 1 and codings[0] in CODINGS:
+        return codings[0]
+    raise UnsupportedMediaType(f"Content-Encoding {header.strip()!r} is not supported: send the body as it is, or "
+                               f"compressed once with gzip or deflate", headers={"Accept-Encoding": ACCEPTED_CODINGS})
+
+
+def decoded(data: bytes, coding: str, limit: int | None) -> bytes:
+    """A body sent compressed with ``coding`` (gzip, deflate: zlib's format, as RFC 9110 8.4.1.2 names it, or raw
+    deflate as some clients send it), decompressed up to ``limit`` bytes: a body that decompresses to more is
+    BodyTooLarge (413) whatever its size as sent (a small body may hold a large one), without decompressing it
+    all; one that is not what it says (corrupt, cut short) is 400."""
+    bound = 0 if limit is None else limit + 1
+    for wbits in (CODINGS[coding], -zlib.MAX_WBITS) if coding == "deflate" else (CODINGS[coding],):
+        stream = zlib.decompressobj(wbits)
+        try:
+            body = stream.decompress(data, bound)
+        except zlib.error:
+            continue
+        if limit is not None and (len(body) > limit or stream.unconsumed_tail):
+            raise BodyTooLarge(limit, decompressed=True)
+        if not stream.eof or stream.unused_data:
+            break
+        return body
+    raise BadRequest(f"the body is not valid {coding} data (its Content-Encoding): send it as it is, or compressed "
+                     f"whole")
 
 
 def _read_input(request: Request, size: int) -> bytes:

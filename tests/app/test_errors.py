@@ -71,6 +71,8 @@ BAD_INPUTS = {
     "wrong content type": (_raw(b"hello", "text/plain"), 415, "unsupported_media_type"),
     "not an image": (_raw(b"not an image"), 400, "invalid_image"),
     "tiff (not served)": (_raw(image_bytes(fmt="TIFF"), "image/tiff"), 415, "unsupported_image_format"),
+    "svg (not served, PIL reads none)": (_raw(b'<svg xmlns="http://www.w3.org/2000/svg"/>', "image/svg+xml"), 415,
+                                         "unsupported_image_format"),
     "truncated jpeg": (_raw(image_bytes(size=(64, 64))[:300]), 400, "invalid_image"),
     "text file named .jpg": ({"data": {"image": (io.BytesIO(b"just some text"), "cat.jpg")}}, 400, "invalid_image"),
     "zip bomb header (50000x50000)": (_raw(_png_header_only(50000, 50000), "image/png"), 413, "image_too_large"),

@@ -333,3 +333,27 @@ def test_cuda_out_of_memory_splits_the_batch_and_lowers_the_cap(client: FlaskCli
     assert model.batch_sizes == [4, 2, 1, 1, 2, 1, 1]
     assert client.get("/v1/models").get_json()["models"][0]["batching"]["current_max_batch_size"] == 1
     assert 'visionserve_batcher_events_total{event="batch_split"}' in client.get("/metrics").get_data(as_text=True)
+
+
+def test_predict_takes_a_body_compressed_with_gzip_in_every_form_and_refuses_one_that_is_not(
+        client: FlaskClient) -> None:
+    # Before: the header was ignored: a gzip body was "not an image" (400 invalid_image, or invalid_json for JSON),
+    # a plain body said to be gzip was answered as plain.
+    import gzip
+
+    red, blue = image_bytes(RED), image_bytes(BLUE)
+    as_json = ('{"images": ["%s", "%s"]}' % (base64.b64encode(red).decode(), base64.b64encode(blue).decode())).encode()
+    zipped = {"Content-Encoding": "gzip"}
+    assert labels_of(client.post("/predict", data=gzip.compress(red), content_type="image/jpeg",
+                                 headers=zipped)) == ["red"]
+    assert labels_of(client.post("/predict", data=gzip.compress(as_json), content_type="application/json",
+                                 headers=zipped)) == ["red", "blue"]
+    parts = b"".join(b'--b0und\r\nContent-Disposition: form-data; name="image"; filename="x.jpg"\r\n'
+                     b"Content-Type: image/jpeg\r\n\r\n" + data + b"\r\n" for data in (red, blue))
+    assert labels_of(client.post("/predict", data=gzip.compress(parts + b"--b0und--\r\n"), headers=zipped,
+                                 content_type="multipart/form-data; boundary=b0und")) == ["red", "blue"]
+    refused = client.post("/predict", data=red, content_type="image/jpeg", headers=zipped)
+    assert error_of(refused, 400, "invalid_request")["message"].startswith("the body is not valid gzip data")
+    refused = client.post("/predict", data=red, content_type="image/jpeg", headers={"Content-Encoding": "br"})
+    assert error_of(refused, 415, "unsupported_media_type")["message"].startswith("Content-Encoding 'br' is not")
+    assert refused.headers["Accept-Encoding"] == "gzip, deflate, identity"

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from flask.testing import FlaskClient
 
+from app.config import Settings
 from app.engine.service import Service
 from app.errors import BadRequest
 from app.v2 import codec
@@ -378,17 +379,40 @@ def test_falsy_parameters_that_are_not_an_object_are_400(client: FlaskClient, wh
     assert client.post(INFER, json=body).status_code == 200
 
 
-@pytest.mark.parametrize("encoding", ["gzip", "deflate", "br"])
-def test_a_compressed_body_is_400_saying_compression_is_not_supported(client: FlaskClient, encoding: str) -> None:
+@pytest.mark.parametrize("encoding", ["gzip", "x-gzip", "deflate", "raw deflate", "identity"])
+def test_a_body_compressed_with_gzip_or_deflate_is_answered_as_the_same_body_sent_plain(client: FlaskClient,
+                                                                                        encoding: str) -> None:
+    # Before: 400 "Content-Encoding ... is not supported" (Triton's HTTP endpoint takes gzip and deflate bodies).
     import gzip
     import zlib
 
     raw = json.dumps({"inputs": [_PIXELS]}).encode()
-    packed = {"gzip": gzip.compress, "deflate": zlib.compress}.get(encoding, lambda data: data)(raw)
+    raw_deflate = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    packed = {"gzip": gzip.compress, "x-gzip": gzip.compress, "deflate": zlib.compress,
+              "raw deflate": lambda data: raw_deflate.compress(data) + raw_deflate.flush(),
+              "identity": lambda data: data}[encoding](raw)
+    plain = client.post(INFER, data=raw, content_type="application/json")
     answer = client.post(INFER, data=packed, content_type="application/json",
-                         headers={"Content-Encoding": encoding})
-    message = _v2_error(answer, 400)
-    assert message.startswith(f"Content-Encoding {encoding!r} is not supported: this server does not take "
-                              "compressed request bodies")
-    plain = client.post(INFER, data=raw, content_type="application/json", headers={"Content-Encoding": "identity"})
-    assert plain.status_code == 200, plain.get_data(as_text=True)  # identity: no encoding at all
+                         headers={"Content-Encoding": encoding.removeprefix("raw ")})
+    assert answer.status_code == 200, answer.get_data(as_text=True)
+    assert answer.get_json()["outputs"] == plain.get_json()["outputs"]
+
+
+def test_a_body_in_another_coding_is_415_naming_those_taken_and_one_not_what_it_says_400(
+        client: FlaskClient, settings: Settings) -> None:
+    import gzip
+
+    raw = json.dumps({"inputs": [_PIXELS]}).encode()
+    for said in ("br", "zstd", "gzip, gzip"):
+        answer = client.post(INFER, data=raw, content_type="application/json", headers={"Content-Encoding": said})
+        assert _v2_error(answer, 415).startswith(f"Content-Encoding {said!r} is not supported: send the body as it "
+                                                 "is, or compressed once with gzip or deflate")
+        assert answer.headers["Accept-Encoding"] == "gzip, deflate, identity"
+    for body in (raw, gzip.compress(raw)[:-20]):  # plain bytes said to be gzip; a gzip body cut short
+        answer = client.post(INFER, data=body, content_type="application/json", headers={"Content-Encoding": "gzip"})
+        assert _v2_error(answer, 400).startswith("the body is not valid gzip data (its Content-Encoding)")
+    # a small body that decompresses over MAX_BODY_BYTES is refused without decompressing it all
+    bomb = gzip.compress(b" " * (settings.max_body_bytes + 1))
+    assert len(bomb) < settings.max_body_bytes // 100
+    answer = client.post(INFER, data=bomb, content_type="application/json", headers={"Content-Encoding": "gzip"})
+    assert _v2_error(answer, 413) == f"the request body decompressed is over the {settings.max_body_bytes} byte limit"

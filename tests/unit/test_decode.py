@@ -149,7 +149,15 @@ def test_the_refusals_messages_are_the_servers() -> None:
         image_bytes(fmt="PNG", size=(1, 500)): "the image is 1x500; its aspect ratio is over 20",
         image_bytes(fmt="PNG", size=(2000, 2000), mode="L", color=0):
             "the image is 2000x2000 = 4000000 pixels; the limit is 1000000",
-        image_bytes(fmt="TIFF"): "image format TIFF is not supported; send one of BMP, GIF, JPEG, MPO, PNG, WEBP",
+        image_bytes(fmt="TIFF"): "image format TIFF is not supported; send one of JPEG, PNG, WebP, BMP, GIF",
+        # formats PIL does not read, named by how they begin (Before: "not an image in a format we can read", 400)
+        b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic": "image format HEIC is not supported; send one of "
+                                                                 "JPEG, PNG, WebP, BMP, GIF",
+        b"\xff\x0a\xfa\x7f": "image format JPEG XL is not supported; send one of JPEG, PNG, WebP, BMP, GIF",
+        b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n": "image format PDF is not supported; send one of JPEG, PNG, WebP, BMP, GIF",
+        b'\xef\xbb\xbf<?xml version="1.0"?>\n<svg xmlns="http://www.w3.org/2000/svg"/>':
+            "image format SVG is not supported; send one of JPEG, PNG, WebP, BMP, GIF",
+        b"<html><body>not a picture</body></html>": "the data is not an image in a format we can read",
     }
     for data, message in refusals.items():
         with pytest.raises(image_decode.ImageRefused, match="^" + re.escape(message) + "$"):
