@@ -23,6 +23,7 @@ from app.engine.batching.types import (
     DeadlineUnreachable,
     Group,
     QueueFull,
+    ms,
 )
 from app.engine.contract import CLIENT_CHECK_S, NOT_READY_RETRY_S, Served
 from app.engine.decoding.decoders import Prepared
@@ -163,7 +164,7 @@ class Call:
         check_image_count(count, self._max_images * self.requests)
         deadline = (time.monotonic() if arrived is None else arrived) + timeout_s  # and during the decode too
         if images:  # before any decode: what the queue would refuse costs nothing (submit_many checks pixels)
-            _check_room(self._version, count, deadline)
+            _check_room(self._version, count, deadline, timeout_s)
         started_ns = time.time_ns()
         pixels = list(tensors)  # made one tensor with their batch (Decoder.collate), not one by one here
         prepared, decode_s, decode_cpu_s = self._prepare(images, names) if images else (list(pixels), 0.0, 0.0)
@@ -271,7 +272,7 @@ def _refused(exc: QueueFull | BatcherClosed | DeadlineTooShort | DeadlineExpired
     if isinstance(exc, DeadlineExpired):  # the decode outlasted it
         return DeadlineExceeded(f"no inference result within the request's {timeout_s:g}s deadline: it passed "
                                 f"while its images were decoded")
-    return service_error(exc)
+    return service_error(exc, timeout_s)
 
 
 def _named(exc: ServiceError, index: int, names: Sequence[str | None]) -> ServiceError:
@@ -286,21 +287,29 @@ def _named(exc: ServiceError, index: int, names: Sequence[str | None]) -> Servic
 def check_room(version: LoadedVersion, count: int, timeout_s: float) -> None:
     """Overloaded (429 with Retry-After), ShortDeadline or NotReady unless ``version``'s queue can take ``count``
     images to be answered within ``timeout_s`` from now."""
-    _check_room(version, count, time.monotonic() + timeout_s)
+    _check_room(version, count, time.monotonic() + timeout_s, timeout_s)
 
 
-def _check_room(version: LoadedVersion, count: int, deadline: float) -> None:
-    """``check_room`` against a deadline (a ``time.monotonic()`` value)."""
+def _check_room(version: LoadedVersion, count: int, deadline: float, timeout_s: float) -> None:
+    """``check_room`` against a deadline (a ``time.monotonic()`` value) of ``timeout_s``."""
     try:
         version.batcher.check_room(count, deadline)
     except (QueueFull, BatcherClosed, DeadlineTooShort, DeadlineExpired) as exc:  # (expired: a V2 timeout of a few
-        raise service_error(exc) from None  # microseconds is past before it is judged)
+        raise service_error(exc, timeout_s) from None  # microseconds is past before it is judged)
 
 
-def service_error(exc: Exception) -> ServiceError:
-    """What the batcher's own refusals mean to a client."""
+def service_error(exc: Exception, timeout_s: float | None = None) -> ServiceError:
+    """What the batcher's own refusals mean to a client (``timeout_s``: the length of the request's deadline). A
+    deadline is too short (400, no retry) when its length is, not when time spent before its images queued (their
+    decode, a wait for the engine on a busy server) left too little of it: that is 429 deadline_unreachable."""
     if isinstance(exc, DeadlineTooShort):
-        return ShortDeadline(str(exc))
+        if timeout_s is None or exc.own_s > timeout_s:
+            return ShortDeadline(exc.said(exc.left_s if timeout_s is None else timeout_s))
+        error = Overloaded(f"{ms(exc.left_s)} was left of the request's {ms(timeout_s)} deadline when its images "
+                           f"queued, less than their own inference (about {ms(exc.own_s)}): the server is busy",
+                           headers=retry_after_header(exc.retry_after_s))
+        error.code = "deadline_unreachable"
+        return error
     if isinstance(exc, DeadlineExpired):
         return DeadlineExceeded(str(exc))
     if isinstance(exc, QueueFull):

@@ -440,6 +440,33 @@ def test_a_deadline_shorter_than_one_forward_pass_is_400_without_retry_after(cli
     assert "Retry-After" not in response.headers
 
 
+def test_a_deadline_that_its_decode_on_a_busy_server_left_short_is_429_not_400(
+        client: FlaskClient, service: Service, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: 400 deadline_too_short ("the 16 ms deadline is shorter than this image's own inference", of a 40 ms
+    # X-Request-Timeout), saying a retry cannot succeed where the same request alone on an idle server succeeds.
+    loaded = service.loaded_version()
+    loaded.predictor.module.delay_s = 0.05  # each image's own inference: about 50 ms
+    assert labels_of(client.post("/predict", data=image_bytes(RED), content_type="image/jpeg")) == ["red"]
+    short = client.post("/predict", data=image_bytes(RED), content_type="image/jpeg",
+                        headers={"X-Request-Timeout": "20"})  # shorter than its own inference whatever the load
+    assert re.fullmatch(r"the 20 ms deadline is shorter than this image's own inference \(about \d+ ms\)",
+                        error_of(short, 400, "deadline_too_short")["message"])
+    assert labels_of(client.post("/predict", data=image_bytes(RED), content_type="image/jpeg")) == ["red"]
+    prepare = loaded.decoder.prepare
+
+    def slow_prepare(data: bytes) -> object:
+        time.sleep(0.15)  # the decode of a busy server: most of the deadline gone before the image queues
+        return prepare(data)
+
+    monkeypatch.setattr(loaded.decoder, "prepare", slow_prepare)
+    response = client.post("/predict", data=image_bytes(RED), content_type="image/jpeg",
+                           headers={"X-Request-Timeout": "200"})
+    message = error_of(response, 429, "deadline_unreachable")["message"]
+    assert re.fullmatch(r"\d+ ms was left of the request's 200 ms deadline when its images queued, less "
+                        r"than their own inference \(about \d+ ms\): the server is busy", message), message
+    assert int(response.headers["Retry-After"]) >= 1
+
+
 def test_a_request_for_another_model_or_version_is_404_naming_the_served_one(client: FlaskClient,
                                                                              service: Service) -> None:
     manifest = service.loaded_version().predictor.manifest

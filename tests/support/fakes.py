@@ -50,12 +50,15 @@ class ColourModel(nn.Module):
         self.gate: threading.Event | None = None
         self.fail_when: float | None = None  # raise when any image's mean red value exceeds this
         self.oom_above: int | None = None  # raise CUDA out-of-memory for batches larger than this
+        self.delay_s = 0.0  # each forward pass takes this long at least
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.batch_sizes.append(x.shape[0])
         self.threads.append(threading.get_ident())
         if self.gate is not None:
             self.gate.wait(timeout=10)
+        if self.delay_s:
+            time.sleep(self.delay_s)
         if self.oom_above is not None and x.shape[0] > self.oom_above:
             raise torch.cuda.OutOfMemoryError(f"fake: {x.shape[0]} images do not fit")
         means = x.mean(dim=(2, 3))

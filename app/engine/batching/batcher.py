@@ -31,6 +31,7 @@ from app.engine.batching.types import (
     Group,
     NullObserver,
     QueueFull,
+    ms,
 )
 
 log = logging.getLogger(__name__)
@@ -440,7 +441,7 @@ class Batcher(Generic[In, Out]):
         if deadline is None:
             return
         if now >= deadline:
-            raise DeadlineExpired(f"the deadline passed {_ms(now - deadline)} before the items were queued")
+            raise DeadlineExpired(f"the deadline passed {ms(now - deadline)} before the items were queued")
         if not self.batches_run:
             return
         busy = live or self._busy
@@ -454,9 +455,7 @@ class Batcher(Generic[In, Out]):
         if now + own > deadline:  # no backlog could clear in time for this: the same deadline would fail again
             if not busy:
                 self._refused_idle_at = self.batches_run
-            images = "this image's" if count == 1 else f"these {count} images'"
-            raise DeadlineTooShort(f"the {_ms(deadline - now)} deadline is shorter than {images} own inference "
-                                   f"(about {_ms(own)})")
+            raise DeadlineTooShort(count, own, deadline - now, self._clear_s(live, now))
         if busy:
             raise DeadlineUnreachable(f"the queue ahead needs about {wait:.3f}s, more than the "
                                       f"{deadline - now:.3f}s deadline", retry_after_s=self._clear_s(live, now))
@@ -968,10 +967,3 @@ def _entries(group: Group[Any], items: Sequence[In], now: float, deadline: float
     group.queued = ((_Pending(items[0], None, now, deadline, group, 0),) if len(items) == 1 else  # (most requests)
                     [_Pending(item, None, now, deadline, group, index) for index, item in enumerate(items)])
     return group.queued
-
-
-def _ms(seconds: float) -> str:
-    """``seconds`` in milliseconds as a message says them: whole ones, or two significant digits below one (a V2
-    deadline may be a few microseconds)."""
-    ms = max(0.0, seconds) * 1000
-    return f"{ms:.0f} ms" if ms >= 1 or ms == 0 else f"{ms:.2g} ms"

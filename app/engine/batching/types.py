@@ -33,7 +33,25 @@ class DeadlineUnreachable(QueueFull):
 
 
 class DeadlineTooShort(BatcherError):
-    """The caller's deadline is shorter than its own items' forward passes would take with nothing queued."""
+    """What is left of the caller's deadline (``left_s``) is shorter than its ``count`` items' own forward passes
+    would take with nothing queued (``own_s``); ``retry_after_s`` estimates when the queue ahead clears, for a
+    deadline that time already spent made short, not its length (app/engine/call.py ``service_error``)."""
+
+    def __init__(self, count: int, own_s: float, left_s: float, retry_after_s: float) -> None:
+        self.count, self.own_s, self.left_s, self.retry_after_s = count, own_s, left_s, retry_after_s
+        super().__init__(self.said(left_s))
+
+    def said(self, deadline_s: float) -> str:
+        """The refusal of a ``deadline_s`` deadline shorter than the items' own inference."""
+        images = "this image's" if self.count == 1 else f"these {self.count} images'"
+        return f"the {ms(deadline_s)} deadline is shorter than {images} own inference (about {ms(self.own_s)})"
+
+
+def ms(seconds: float) -> str:
+    """``seconds`` in milliseconds as a message says them: whole ones, or two significant digits below one (a V2
+    deadline may be a few microseconds)."""
+    millis = max(0.0, seconds) * 1000
+    return f"{millis:.0f} ms" if millis >= 1 or millis == 0 else f"{millis:.2g} ms"
 
 
 class DeadlineExpired(BatcherError):
