@@ -88,17 +88,18 @@ ISO_BRANDS = {b"heic": "HEIC", b"heix": "HEIC", b"hevc": "HEIC", b"hevx": "HEIC"
 JPEG_XL_SIGNATURES = (b"\xff\x0a", b"\x00\x00\x00\x0cJXL \r\n\x87\n")
 
 
-def unserved_format(data: bytes) -> str | None:
+def unserved_format(data: bytes | memoryview) -> str | None:
     """The name of an image format outside IMAGE_FORMATS that ``data`` begins as (an iPhone's HEIC, AVIF, JPEG XL,
     SVG, PDF), or None."""
-    if data[4:8] == b"ftyp":
-        return ISO_BRANDS.get(data[8:12])
-    if data.startswith(JPEG_XL_SIGNATURES):
+    head = bytes(data[:1024])
+    if head[4:8] == b"ftyp":
+        return ISO_BRANDS.get(head[8:12])
+    if head.startswith(JPEG_XL_SIGNATURES):
         return "JPEG XL"
-    if data.startswith(b"%PDF-"):
+    if head.startswith(b"%PDF-"):
         return "PDF"
-    head = data[:1024].lstrip(b"\xef\xbb\xbf \t\r\n")
-    if head.startswith(b"<") and b"<svg" in head.lower():
+    text = head.lstrip(b"\xef\xbb\xbf \t\r\n")
+    if text.startswith(b"<") and b"<svg" in text.lower():
         return "SVG"
     return None
 

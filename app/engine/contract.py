@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 NOT_READY_RETRY_S = 5  # Retry-After of every 503: loading, draining, a stopped batcher, an engine away
 CLIENT_CHECK_S = 0.05  # how often a waiting request looks whether its client is still connected
+DRAINING = ("the server is shutting down, or reloading its workers (a HUP): retry; its other workers, or the new ones "
+            "once they serve, answer")  # a draining worker's 503: it cannot tell a stop from a reload
 
 
 @dataclass(frozen=True)
@@ -411,7 +413,7 @@ class Lifecycle:
     def require_ready(self) -> None:
         """NotReady (503 with Retry-After) unless new work can be accepted."""
         if self.draining:  # the client should go elsewhere: this connection will not serve it again
-            raise not_ready("the server is shutting down", close=True)
+            raise not_ready(DRAINING, close=True)
         self.require_loaded()
         self._require_serving()
 

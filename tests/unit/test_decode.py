@@ -162,3 +162,5 @@ def test_the_refusals_messages_are_the_servers() -> None:
     for data, message in refusals.items():
         with pytest.raises(image_decode.ImageRefused, match="^" + re.escape(message) + "$"):
             image_decode.open_checked(data, LIMITS)
+        with pytest.raises(image_decode.ImageRefused, match="^" + re.escape(message) + "$"):
+            image_decode.open_checked(memoryview(data), LIMITS)  # as a photo placed in shared memory comes
