@@ -3,6 +3,7 @@
 The master never imports torch or touches CUDA: forked workers would inherit a broken CUDA context. Each worker
 loads the model itself (no preload_app), and its gthread pool lets concurrent requests share one batcher.
 """
+import logging
 import os
 import shutil
 import sys
@@ -15,14 +16,17 @@ from app import EXTENSION_KEY
 from app.hosting import drain
 from app.config import SettingsError, load_settings, unknown_variables
 from app.hosting import control
-from app.hosting.host import address_in_use, engine_count, engine_mode, unserved_engines, workers_for
+from app.hosting.host import address_in_use, bind_problem, engine_count, engine_mode, unserved_engines, workers_for
+from app.logs import JsonFormatter
 from app.link import supervisor
 from app.hosting.request_framing import ReadLimits
 
 try:
     _settings = load_settings()
-except SettingsError as exc:  # one line that says what to fix, not a traceback
-    sys.exit(f"visionserve: bad setting: {exc}")
+except SettingsError as exc:  # one line that says what to fix, not a traceback: JSON, as every line on stderr
+    print(JsonFormatter().format(logging.LogRecord("gunicorn.error", logging.ERROR, __file__, 0,
+                                                   "visionserve: bad setting: %s", (exc,), None)), file=sys.stderr)
+    sys.exit(1)
 
 # WORKERS=0 (the default): as many as the host uses well (app/hosting/host.py). The workers read the number chosen (each
 # forward pass takes half of its worker's share of the cores).
@@ -97,6 +101,12 @@ def on_starting(server) -> None:  # noqa: ANN001
     for warning in unknown_variables(os.environ):
         server.log.warning(warning)
     inherited = os.environ.get("GUNICORN_FD") or os.environ.get("LISTEN_FDS")  # USR2's new master, systemd's sockets
+    unusable = [] if inherited else [(address, why) for address in server.cfg.bind if (why := bind_problem(address))]
+    if unusable:  # gunicorn would retry for 5 s, then say "Can't connect to ('garbage', 8000)"
+        server.log.error("visionserve: cannot listen on %s: %s; set VISIONSERVE_BIND to HOST:PORT (e.g. "
+                         "0.0.0.0:8000 or 127.0.0.1:8001)", *unusable[0])
+        _remove_owned_dirs()
+        sys.exit(2)
     taken = [] if inherited else [address for address in server.cfg.bind
                                   if address_in_use(address, server.cfg.reuse_port)]
     if taken:  # gunicorn would retry for 5 s, then say "Can't connect" with no hint of the setting

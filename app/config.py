@@ -625,7 +625,8 @@ def load_settings() -> Settings:
             if not error["loc"]:  # a rule across settings: its message names them as fields
                 problems.append(_as_variables(error["msg"].removeprefix("Value error, ")))
                 continue
-            given = f" (got {error['input']!r})" if not isinstance(error["input"], dict) else ""
+            said = repr(error["input"])  # (a validator's own message may name it already)
+            given = f" (got {said})" if not isinstance(error["input"], dict) and said not in error["msg"] else ""
             problems.append(f"{ENV_PREFIX}{str(error['loc'][0]).upper()}: {error['msg']}{given}")
         raise SettingsError("; ".join(problems)) from None
 

@@ -93,6 +93,31 @@ def unserved_engines(workers: int, engines: int) -> int:
     return max(0, engines - workers)
 
 
+def bind_problem(bind: str) -> str | None:
+    """Why gunicorn could not listen on ``bind`` as given (a TCP address: ``HOST:PORT``, ``[IPv6]:PORT``, ``:PORT``
+    or ``HOST``, gunicorn's port 8000 then, each maybe after ``tcp://``): a port that is none, a host that does not
+    resolve; None for one that may serve, a unix socket or an ``fd://``. gunicorn itself retries such an address for
+    5 s, then says "Can't connect" without naming the setting."""
+    if bind.startswith(("unix:", "fd://")):
+        return None
+    address = bind.removeprefix("tcp://")
+    host, port = address, "8000"
+    if address.startswith("["):  # [IPv6] or [IPv6]:PORT
+        host, _, rest = address[1:].partition("]")
+        if rest:
+            port = rest.removeprefix(":")
+    elif ":" in address:
+        host, _, port = address.rpartition(":")
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        return f"its port {port!r} is not a port number (0-65535)"
+    try:
+        socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else exc
+        return f"its host {host!r} is no address this machine resolves ({reason})"
+    return None
+
+
 def address_in_use(bind: str, reuse_port: bool = False) -> bool:
     """Whether another process listens on ``bind`` (``HOST:PORT``, ``[IPv6]:PORT``, ``:PORT``, each maybe after
     ``tcp://``), tried as gunicorn binds it (SO_REUSEADDR: a socket of a server just stopped does not count; with

@@ -124,6 +124,9 @@ def test_a_bad_setting_stops_the_start_with_one_line_naming_the_variable(tmp_pat
     assert server.process.wait(timeout=60) != 0
     lines = server.output().strip().splitlines()
     assert len(lines) == 1 and "VISIONSERVE_WORKERS" in lines[0] and "VISIONSERVE_DEVICE" in lines[0], lines
+    said = json.loads(lines[0])  # Before: plain text, where every other line on stderr is JSON
+    assert said["level"] == "error" and said["msg"].startswith("visionserve: bad setting: VISIONSERVE_DEVICE: ")
+    assert said["msg"].count("'gpu'") == 1, said  # Before: "... got 'gpu' (got 'gpu')"
 
 
 def test_every_log_line_is_json_and_requests_name_their_peer(server: Running) -> None:
@@ -368,6 +371,22 @@ def test_an_address_in_use_stops_the_start_at_once_naming_the_setting(tmp_path: 
             "set VISIONSERVE_BIND to another address (e.g. 0.0.0.0:8001)") in result.stderr
     assert "Connection in use" not in result.stderr  # no retries
     assert list(tmp_path.iterdir()) == []  # the metrics and control directories it made are gone
+
+
+def test_an_address_that_cannot_be_listened_on_stops_the_start_at_once_naming_the_setting(tmp_path: Path) -> None:
+    # Before: "connection to ('garbage', 8000) failed: [Errno -2] Name or service not known" three times over 4 s,
+    # then "Can't connect to ('garbage', 8000)": a port never given, no word of the setting.
+    env = {**os.environ, "VISIONSERVE_WORKERS": "1", "VISIONSERVE_ENGINE": "inline", "VISIONSERVE_DEVICE": "cpu",
+           "VISIONSERVE_BIND": "no-such-host.invalid", "TMPDIR": str(tmp_path),
+           "PATH": f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    result = subprocess.run([str(ROOT / "bin" / "serve")], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    said = [json.loads(line)["msg"] for line in result.stderr.splitlines() if "cannot listen" in line]
+    assert len(said) == 1 and said[0].startswith("visionserve: cannot listen on no-such-host.invalid: its host "
+                                                 "'no-such-host.invalid' is no address this machine resolves (")
+    assert said[0].endswith("); set VISIONSERVE_BIND to HOST:PORT (e.g. 0.0.0.0:8000 or 127.0.0.1:8001)")
+    assert "Can't connect" not in result.stderr and list(tmp_path.iterdir()) == []
 
 
 def test_gunicorn_s_own_workers_option_beside_the_setting_stops_the_start_saying_which_to_set(tmp_path: Path) -> None:

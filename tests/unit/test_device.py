@@ -171,3 +171,14 @@ def test_a_port_shared_under_reuse_port_is_not_in_use_and_tcp_binds_are_checked(
         other.listen()
         assert address_in_use(f"127.0.0.1:{port}") and address_in_use(f"tcp://127.0.0.1:{port}")
         assert not address_in_use(f"127.0.0.1:{port}", reuse_port=True)
+
+
+def test_an_address_gunicorn_cannot_listen_on_is_told_why() -> None:
+    from app.hosting.host import bind_problem
+
+    for bind in ("0.0.0.0:8000", ":8000", "127.0.0.1", "[::1]:8080", "[::1]", "tcp://127.0.0.1:9", "unix:/tmp/s",
+                 "fd://3", "localhost:0"):
+        assert bind_problem(bind) is None, bind
+    assert bind_problem("localhost:99999") == "its port '99999' is not a port number (0-65535)"
+    assert bind_problem("localhost:http") == "its port 'http' is not a port number (0-65535)"
+    assert bind_problem("no-such-host.invalid:8000").startswith("its host 'no-such-host.invalid' is no address")
