@@ -40,7 +40,8 @@ def readyz() -> tuple[Response, int]:
     service = current_service()
     ready, loaded, alive, stalled = service.ready, service.loaded, service.alive, service.stalled
     checks = {"model_loaded": loaded, "warmed_up": loaded,  # warm-up and canary are part of loading
-              "batcher_thread": loaded and alive and stalled is None, "accepting": not service.draining}
+              "batcher_thread": alive and stalled is None,  # as /healthz says it: none dead (a loading one counts)
+              "accepting": not service.draining}
     return _health(ready and stalled is None, checks, "ready", "not_ready", stalled)
 
 

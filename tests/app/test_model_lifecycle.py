@@ -402,6 +402,12 @@ def test_a_version_short_of_memory_says_so_in_the_index_and_is_warned_of_once(
         assert client.post("/v2/repository/models/colour/unload").status_code == 200
         assert [(r["version"], r["reason"]) for r in client.post("/v2/repository/index").get_json()] == [
             ("1", "unloaded"), ("2", "unloaded")]  # loaded since: no longer short of memory
+        # Nothing loaded: not ready for want of a model, no batcher dead (Before: /readyz said batcher_thread false
+        # where /healthz and visionserve_batcher_alive said it ran)
+        ready, live = client.get("/readyz"), client.get("/healthz")
+        assert ready.status_code == 503 and ready.get_json()["checks"] == {
+            "model_loaded": False, "warmed_up": False, "batcher_thread": True, "accepting": True}
+        assert live.status_code == 200 and live.get_json()["checks"] == {"batcher_thread": True}
     finally:
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 
