@@ -8,12 +8,15 @@ passes every request to it, in the same worker, with no restart and no connectio
 Meanwhile it answers as the real app does while its model loads: ``/healthz`` and ``/v2/health/live`` 200,
 ``/readyz`` and ``/v2/health/ready`` 503, everything else ``503 not_ready`` with ``Retry-After``, in the error
 shape of the path (``{"error": "<message>"}`` under /v2), with an ``X-Request-ID`` and one access-log line. It
-checks no API key (its answers hold nothing but "starting"), counts no metrics, and closes the connection after a
-body it cannot have read (chunked, over ``max_body_bytes``, or sent after ``100 Continue``). Standard library only:
-no request waits for the imports it is answering around.
+checks no API key (its answers hold nothing but "starting"), and closes the connection after a body it cannot have
+read (chunked, over ``max_body_bytes``, or sent after ``100 Continue``). Its answers are counted as the app counts
+them (``visionserve_requests_total``, endpoint ``starting``; a probe's in ``visionserve_probe_requests_total``), held
+here and written once the app exists (``_hand_over``): a reload's 503s count in the 5xx ratio. Standard library
+only: no request waits for the imports it is answering around.
 """
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import re
@@ -89,6 +92,9 @@ class StartingApp:
         self.max_body_bytes = max_body_bytes
         self.app: WSGIApp | None = None
         self._load, self._on_error = load, on_error
+        self._counted: collections.Counter[tuple[bool, str, int]] = collections.Counter()  # (probe, path, status)
+        self._counting = threading.Lock()
+        self._handed_over = False  # the counts written to the metrics: later answers are written as they come
         # Not a daemon: a worker that stops mid-import waits for the import to end instead of finalising the
         # interpreter under it; then it builds nothing (_stopping).
         self._thread = threading.Thread(target=self._run, name="app-import")
@@ -114,7 +120,7 @@ class StartingApp:
             build = self._load()
             if _stopping():
                 return
-            self.app = build()
+            self._hand_over(build())
         except BaseException as exc:  # noqa: BLE001 - handed to on_error, which decides the worker's fate
             if _stopping():  # imports fail at interpreter shutdown (atexit registrations): not the app's fault
                 log.debug("the app was not built: the worker is stopping", exc_info=exc)
@@ -122,6 +128,21 @@ class StartingApp:
             self._on_error(exc)
             return
         log.info("the app took over", extra={"import_s": round(time.perf_counter() - started, 2)})
+
+    def _hand_over(self, app: WSGIApp) -> None:
+        """The real app takes every request from now on; what was answered until then is written to its metrics."""
+        with self._counting:
+            self.app, self._handed_over = app, True
+            counted, self._counted = self._counted, collections.Counter()
+        for (probe, path, status), times in counted.items():
+            _count(probe, path, status, times)
+
+    def _note(self, probe: bool, path: str, status: int) -> None:
+        with self._counting:
+            if not self._handed_over:
+                self._counted[probe, path if probe else "", status] += 1
+                return
+        _count(probe, path, status, 1)  # answered just as the app took over: the metrics are imported
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         app = self.app
@@ -143,11 +164,22 @@ class StartingApp:
             *headers.items()])
         path = environ.get("PATH_INFO", "")
         probe = path in PROBES
+        self._note(probe, path, status)
         access_log.log(logging.DEBUG if probe else logging.INFO, "request", extra={
             "request_id": request_id, "client": environ.get("REMOTE_ADDR"), "method": environ.get("REQUEST_METHOD"),
             "route": "starting", "path": path, "status": status, "error": None if probe else "not_ready",
             "duration_ms": round((time.perf_counter() - started) * 1000, 2)})
         return [data]
+
+
+def _count(probe: bool, path: str, status: int, times: int) -> None:
+    """``times`` answers of the starting app in the metrics, as the app counts its own (app/web/hooks.py)."""
+    from app.metrics import PROBES as PROBE_REQUESTS, REQUESTS, STARTING, series
+
+    if probe:
+        series(PROBE_REQUESTS, path, str(status)).inc(times)
+    else:
+        series(REQUESTS, STARTING, str(status)).inc(times)
 
 
 def _stopping() -> bool:
