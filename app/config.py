@@ -389,9 +389,9 @@ class ServerSettings(SettingsGroup):
         "worker's event loop (LOOP_REQUESTS).")
     timeout_s: int = Field(60, gt=0, description="gunicorn worker timeout (a stuck worker is restarted).")
     graceful_timeout_s: int = Field(
-        30, gt=0, description="Time to finish accepted requests after SIGTERM: keep it above `REQUEST_TIMEOUT_S` (5 s "
-        "above: the shipped compose file and Kubernetes manifests set 35), so that a request accepted just before "
-        "SIGTERM may wait out its whole deadline. A request is accepted once its body has arrived whole: one still "
+        35, gt=0, description="Time to finish accepted requests after SIGTERM: at least `REQUEST_TIMEOUT_S` (a "
+        "shorter one stops the start), 5 s above it by default, so that a request accepted just before SIGTERM may "
+        "wait out its whole deadline. A request is accepted once its body has arrived whole: one still "
         "arriving at SIGTERM is answered `503 not_ready` (with `Retry-After`) when it has, as a new one is.")
     shutdown_drain_s: float = Field(
         5.0, ge=0, description="After SIGTERM a worker keeps its listener open at least this long, answering new "
@@ -583,11 +583,15 @@ class Settings(SecuritySettings, ExplainSettings, MonitoringSettings, ServerSett
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", protected_namespaces=())
 
     @model_validator(mode="after")
-    def _a_request_fits_the_queue(self) -> "Settings":
+    def _a_request_fits_the_queue_and_the_stop(self) -> "Settings":
         if self.queue_size and self.queue_size < self.max_images:  # (0, automatic, holds MAX_IMAGES x THREADS)
             raise ValueError(f"queue_size ({self.queue_size}) must be at least max_images ({self.max_images}): a "
                              f"request of more images than the queue holds would be refused (429) however long it "
                              f"waited")
+        if self.graceful_timeout_s < self.request_timeout_s:
+            raise ValueError(f"graceful_timeout_s ({self.graceful_timeout_s}) must be at least request_timeout_s "
+                             f"({self.request_timeout_s:g}): a request accepted just before SIGTERM may take its whole "
+                             f"deadline, and would be cut off (keep it 5 s above)")
         return self
 
     def batch_ceiling(self, device_type: str) -> int:

@@ -62,8 +62,11 @@ def test_each_setting_is_read_from_its_variable(name: str, monkeypatch: pytest.M
 @pytest.mark.parametrize("environment, message", [
     ({"DTYPE": "float16", "DEVICE": "cpu"}, "VISIONSERVE_DTYPE float16 needs a CUDA device; use bfloat16 or float32"),
     ({"DEVICE": "gpu"}, "VISIONSERVE_DEVICE: Value error, device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
-    ({"SHUTDOWN_DRAIN_S": "30"}, "VISIONSERVE_SHUTDOWN_DRAIN_S (30) must be shorter than "
-                                 "VISIONSERVE_GRACEFUL_TIMEOUT_S (30)"),
+    ({"SHUTDOWN_DRAIN_S": "35"}, "VISIONSERVE_SHUTDOWN_DRAIN_S (35) must be shorter than "
+                                 "VISIONSERVE_GRACEFUL_TIMEOUT_S (35)"),
+    # Before: taken, and a request accepted just before SIGTERM was cut off 20 s before its deadline
+    ({"GRACEFUL_TIMEOUT_S": "10"}, "VISIONSERVE_GRACEFUL_TIMEOUT_S (10) must be at least "
+                                   "VISIONSERVE_REQUEST_TIMEOUT_S (30): a request accepted just before SIGTERM"),
     ({"MONITOR_MIN_PREDICTIONS": "2000"}, "VISIONSERVE_MONITOR_MIN_PREDICTIONS (2000) must be at most "
                                           "VISIONSERVE_MONITOR_WINDOW (1000)"),
     ({"API_KEY_FILE": "/nonexistent/key"}, "VISIONSERVE_API_KEY_FILE /nonexistent/key does not exist"),
