@@ -1054,12 +1054,14 @@ class NanAlways(ColourModel):
 
 def test_a_model_that_answers_nan_for_the_canary_is_refused_at_load_saying_so(
         settings: Settings, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING), pytest.raises(LoadFailed, match="every version was refused"):
+    with caplog.at_level(logging.WARNING), pytest.raises(LoadFailed, match="every version was refused") as stopped:
         create_app(settings, Predictor(NanAlways(), tiny_manifest(), device="cpu"))
     refused = [r.getMessage() for r in caplog.records if r.name == "app.engine.versions.apply"]
-    assert refused == ["refused colour version test: colour version test cannot be served: canary inference failed: "
-                       "colour version test: the model's output is not finite (NaN or infinity) for 1 of the batch's "
-                       "1 images"]
+    reason = ("colour version test cannot be served: canary inference failed: colour version test: the model's output "
+              "is not finite (NaN or infinity) for 1 of the batch's 1 images")
+    assert refused == [f"refused colour version test: {reason}"]
+    # the start's last word says why (Before: "listed by the repository index", of a server that stopped)
+    assert stopped.value.message == f"nothing can be served: every version was refused: {reason}"
 
 
 def test_v2_answers_a_nan_row_with_a_500_in_strict_json_counted_as_the_version_s_failure(nan_app: Flask) -> None:

@@ -64,6 +64,12 @@ class VersionStates:
         with self._lock:
             return key in self._short_of_memory
 
+    def reasons_refused(self) -> list[str]:
+        """Each version refused or short of memory, and why: what a start that serves nothing says."""
+        with self._lock:
+            said = {**{key: reason for key, (_, reason) in self._refused.items()}, **self._short_of_memory}
+        return [reason for _, reason in sorted(said.items())]
+
     def refusal(self, key: Key) -> tuple[Stamp, str] | None:
         """The stamp ``key`` was refused at and why, if it was."""
         with self._lock:

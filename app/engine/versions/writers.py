@@ -73,8 +73,8 @@ class Writers:
                 errors += self.applier.apply_all(desired)
             if not self.applier.routes.routes():
                 raise errors[0] if errors else LoadFailed(
-                    "nothing can be served: every version was refused (the reasons are logged above and listed "
-                    "by the repository index)")
+                    "nothing can be served: every version was refused: "
+                    + "; ".join(self.applier.states.reasons_refused() or ["(the reasons are logged above)"]))
             self.sync.served(generation)
         threading.Thread(target=self._follow, name="models-follow", daemon=True).start()
 
