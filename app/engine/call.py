@@ -275,12 +275,20 @@ def _refused(exc: QueueFull | BatcherClosed | DeadlineTooShort | DeadlineExpired
     return service_error(exc, timeout_s)
 
 
+NAME_SHOWN = 100  # the most of a file name an error message shows (its start and end), of a sender's any length
+NAME_KEPT = 255  # the most of it an error's details keep: a longer one is no file name on any common file system
+
+
 def _named(exc: ServiceError, index: int, names: Sequence[str | None]) -> ServiceError:
-    """``exc`` saying which image it is about, so a client knows which of its images to fix."""
+    """``exc`` saying which image it is about, so a client knows which of its images to fix: its position, and its
+    file name (a multipart part's) shortened in the message, cut in ``details``: an answer never echoes a name of
+    tens of kilobytes twice."""
     name = names[index] if index < len(names) else None
-    exc.message = f"image {index}" + (f" ({name})" if name else "") + f": {exc.message}"
+    shown = name if name is None or len(name) <= NAME_SHOWN else f"{name[:NAME_SHOWN - 21]}…{name[-20:]}"
+    exc.message = f"image {index}" + (f" ({shown})" if name else "") + f": {exc.message}"
     exc.args = (exc.message,)
-    exc.details = {"image": index, "filename": name, **(exc.details if isinstance(exc.details, dict) else {})}
+    exc.details = {"image": index, "filename": None if name is None else name[:NAME_KEPT],
+                   **(exc.details if isinstance(exc.details, dict) else {})}
     return exc
 
 

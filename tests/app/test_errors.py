@@ -405,6 +405,18 @@ def test_a_bad_image_among_several_is_named_by_index_and_file_name(client: Flask
     assert error["message"].startswith("image 1: ") and error["details"]["image"] == 1
 
 
+def test_a_long_file_name_is_shortened_in_the_error_not_echoed_whole_twice(client: FlaskClient) -> None:
+    # Before: 3,000 "é" in a text file's name gave a 36,200-byte 400, the name whole in the message and the details.
+    name = "é" * 3000 + ".txt"
+    error = error_of(client.post("/predict", data={"image": (io.BytesIO(b"not an image"), name)}), 400,
+                     "invalid_image")
+    assert error["message"] == f"image 0 ({'é' * 79}…{'é' * 16}.txt): the data is not an image in a format we can read"
+    assert error["details"]["filename"] == name[:255] and error["details"]["image"] == 0
+    short = error_of(client.post("/predict", data={"image": (io.BytesIO(b"not an image"), "notes.txt")}), 400,
+                     "invalid_image")
+    assert short["message"].startswith("image 0 (notes.txt): ") and short["details"]["filename"] == "notes.txt"
+
+
 def test_a_wrong_multipart_field_says_which_fields_were_sent(client: FlaskClient) -> None:
     response = client.post("/predict", data={"file": (io.BytesIO(image_bytes()), "x.jpg")})
     assert "fields sent: 'file'" in error_of(response, 400, "invalid_request")["message"]
