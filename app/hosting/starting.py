@@ -88,8 +88,9 @@ class StartingApp:
     """
 
     def __init__(self, load: Callable[[], Callable[[], WSGIApp]], on_error: Callable[[BaseException], None],
-                 max_body_bytes: int) -> None:
+                 max_body_bytes: int, count: Callable[[bool, str, int, int], None] | None = None) -> None:
         self.max_body_bytes = max_body_bytes
+        self._count = count or count_answers  # (probe, path, status, times) into the metrics
         self.app: WSGIApp | None = None
         self._load, self._on_error = load, on_error
         self._counted: collections.Counter[tuple[bool, str, int]] = collections.Counter()  # (probe, path, status)
@@ -135,14 +136,15 @@ class StartingApp:
             self.app, self._handed_over = app, True
             counted, self._counted = self._counted, collections.Counter()
         for (probe, path, status), times in counted.items():
-            _count(probe, path, status, times)
+            self._count(probe, path, status, times)
 
     def _note(self, probe: bool, path: str, status: int) -> None:
+        path = path if probe else ""  # (a probe's series is its path; traffic's is the endpoint "starting")
         with self._counting:
             if not self._handed_over:
-                self._counted[probe, path if probe else "", status] += 1
+                self._counted[probe, path, status] += 1
                 return
-        _count(probe, path, status, 1)  # answered just as the app took over: the metrics are imported
+        self._count(probe, path, status, 1)  # answered just as the app took over: the metrics are imported
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         app = self.app
@@ -172,7 +174,7 @@ class StartingApp:
         return [data]
 
 
-def _count(probe: bool, path: str, status: int, times: int) -> None:
+def count_answers(probe: bool, path: str, status: int, times: int) -> None:
     """``times`` answers of the starting app in the metrics, as the app counts its own (app/web/hooks.py)."""
     from app.metrics import PROBES as PROBE_REQUESTS, REQUESTS, STARTING, series
 
