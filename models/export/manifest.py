@@ -238,10 +238,16 @@ def read_manifest(weights_dir: Path) -> Manifest:
     return Manifest.model_validate(json.loads((weights_dir / MANIFEST_NAME).read_text(encoding="utf-8")))
 
 
+OMITTED_WHEN_NONE = ("trained_on",)  # (write_manifest)
+
+
 def write_manifest(weights_dir: Path, manifest: Manifest) -> Path:
-    """Write the manifest atomically, so a reader never sees half a file."""
+    """Write the manifest atomically, so a reader never sees half a file. A field newer than the servers that may
+    read it, when it holds nothing (``trained_on`` of an export of no run), is left out: a server from before it
+    refuses a manifest that names a field it does not know, even as null."""
     target = weights_dir / MANIFEST_NAME
     tmp = target.with_suffix(".json.tmp")
-    tmp.write_text(manifest.model_dump_json(indent=2) + "\n", encoding="utf-8")
+    left_out = {name for name in OMITTED_WHEN_NONE if getattr(manifest, name) is None}
+    tmp.write_text(manifest.model_dump_json(indent=2, exclude=left_out) + "\n", encoding="utf-8")
     tmp.replace(target)
     return target
