@@ -93,21 +93,28 @@ def unserved_engines(workers: int, engines: int) -> int:
     return max(0, engines - workers)
 
 
-def bind_problem(bind: str) -> str | None:
-    """Why gunicorn could not listen on ``bind`` as given (a TCP address: ``HOST:PORT``, ``[IPv6]:PORT``, ``:PORT``
-    or ``HOST``, gunicorn's port 8000 then, each maybe after ``tcp://``): a port that is none, a host that does not
-    resolve; None for one that may serve, a unix socket or an ``fd://``. gunicorn itself retries such an address for
-    5 s, then says "Can't connect" without naming the setting."""
+def _tcp_address(bind: str) -> tuple[str, str] | None:
+    """The host and port of a TCP ``bind`` as gunicorn reads it (``HOST:PORT``, ``[IPv6]:PORT``, ``:PORT``, or
+    ``HOST`` with gunicorn's port 8000, each maybe after ``tcp://``; the host without brackets, "" for every
+    address); None for a unix socket or an ``fd://``. The port as written: it may be no number."""
     if bind.startswith(("unix:", "fd://")):
         return None
     address = bind.removeprefix("tcp://")
-    host, port = address, "8000"
     if address.startswith("["):  # [IPv6] or [IPv6]:PORT
         host, _, rest = address[1:].partition("]")
-        if rest:
-            port = rest.removeprefix(":")
-    elif ":" in address:
-        host, _, port = address.rpartition(":")
+        return host, rest.removeprefix(":") if rest else "8000"
+    host, sep, port = address.rpartition(":")
+    return (host, port) if sep else (address, "8000")
+
+
+def bind_problem(bind: str) -> str | None:
+    """Why gunicorn could not listen on ``bind`` as given (``_tcp_address``): a port that is none, a host that does
+    not resolve; None for one that may serve, a unix socket or an ``fd://``. gunicorn itself retries such an address
+    for 5 s, then says "Can't connect" without naming the setting."""
+    address = _tcp_address(bind)
+    if address is None:
+        return None
+    host, port = address
     if not port.isdigit() or not 0 <= int(port) <= 65535:
         return f"its port {port!r} is not a port number (0-65535)"
     try:
@@ -119,14 +126,14 @@ def bind_problem(bind: str) -> str | None:
 
 
 def address_in_use(bind: str, reuse_port: bool = False) -> bool:
-    """Whether another process listens on ``bind`` (``HOST:PORT``, ``[IPv6]:PORT``, ``:PORT``, each maybe after
-    ``tcp://``), tried as gunicorn binds it (SO_REUSEADDR: a socket of a server just stopped does not count; with
-    gunicorn's ``reuse_port``, SO_REUSEPORT too: a server that shares its port is no refusal). False for any other
-    form (a unix socket, an ``fd://``) and for an address that fails otherwise: gunicorn says why."""
-    host, sep, port = bind.removeprefix("tcp://").rpartition(":")
-    if not sep or not port.isdigit() or bind.startswith(("unix:", "fd://")):
+    """Whether another process listens on TCP ``bind`` (``_tcp_address``), tried as gunicorn binds it
+    (SO_REUSEADDR: a socket of a server just stopped does not count; with gunicorn's ``reuse_port``, SO_REUSEPORT
+    too: a server that shares its port is no refusal). False for a unix socket, an ``fd://`` and an address that
+    fails otherwise (``bind_problem`` says why)."""
+    address = _tcp_address(bind)
+    if address is None or not address[1].isdigit():
         return False
-    host = host.strip("[]") or "0.0.0.0"
+    host, port = address[0] or "0.0.0.0", address[1]
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
         with socket.socket(family, socket.SOCK_STREAM) as probe:

@@ -115,7 +115,10 @@ def read_body(request: Request) -> bytes:
         raise from_disconnect(exc, current_service().settings.client_body_timeout_s) from exc
 
 
-CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}  # zlib's wbits
+# Each coding taken, and the zlib formats (wbits) its body is tried in: deflate is zlib's format as RFC 9110 8.4.1.2
+# names it, or raw deflate as some clients send it
+GZIP = (16 + zlib.MAX_WBITS,)
+CODINGS = {"gzip": GZIP, "x-gzip": GZIP, "deflate": (zlib.MAX_WBITS, -zlib.MAX_WBITS)}
 ACCEPTED_CODINGS = "gzip, deflate, identity"  # what a 415 for another coding says is taken (Accept-Encoding)
 
 
@@ -132,12 +135,11 @@ def _coding(header: str) -> str | None:
 
 
 def decoded(data: bytes, coding: str, limit: int | None) -> bytes:
-    """A body sent compressed with ``coding`` (gzip, deflate: zlib's format, as RFC 9110 8.4.1.2 names it, or raw
-    deflate as some clients send it), decompressed up to ``limit`` bytes: a body that decompresses to more is
-    BodyTooLarge (413) whatever its size as sent (a small body may hold a large one), without decompressing it
-    all; one that is not what it says (corrupt, cut short) is 400."""
+    """A body sent compressed with ``coding`` (one of CODINGS), decompressed up to ``limit`` bytes: a body that
+    decompresses to more is BodyTooLarge (413) whatever its size as sent (a small body may hold a large one),
+    without decompressing it all; one that is not what it says (corrupt, cut short) is 400."""
     bound = 0 if limit is None else limit + 1
-    for wbits in (CODINGS[coding], -zlib.MAX_WBITS) if coding == "deflate" else (CODINGS[coding],):
+    for wbits in CODINGS[coding]:
         stream = zlib.decompressobj(wbits)
         try:
             body = stream.decompress(data, bound)

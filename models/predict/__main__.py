@@ -414,9 +414,10 @@ def run(args: argparse.Namespace, env: DistEnv, seen: Seen | None = None) -> Non
     if output_format(args.out) == "parquet":
         check_parquet_names((item.path for item in items), args.out)
     dim = seen.embedding_dim = embedding_dim(args, weights, items) if args.embeddings is not None else None
+    manifest = read_checked_manifest(weights)  # what is checked of the model before it loads
     if dim is not None:  # the load names the same: Ctrl-C while it loads still counts the merged rows kept
-        seen.identity = manifest_identity(read_checked_manifest(weights))
-    args.top_k = top_k(args.top_k, read_checked_manifest(weights))  # before the model loads
+        seen.identity = manifest_identity(manifest)
+    args.top_k = top_k(args.top_k, manifest)
     labels = Labels(args.labels) if args.labels is not None else None
     if labels is not None:
         labels.require_some(items)  # before the model loads
