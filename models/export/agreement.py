@@ -11,7 +11,7 @@ sets that share no photo: int8 calibration sees one, the agreement check at expo
   mirrored: 22 views of each of 9 photos, 198 images.
 
 An int8 package exported from a ``models.train`` checkpoint is calibrated on its run's own images and checked on
-the ones its run held out (``run_images``: the run's held_out.txt, or its data's val/ folder), each whole and
+the ones its run held out (``run_images``: from what its export records of the run, ``TrainedOn``), each whole and
 mirrored, where the run's folders are still there with enough of them: scikit-image's photos say little of how a
 model of other classes agrees with itself (a 4-class model agreed on 82% of them and 100% of its held-out images).
 
@@ -25,14 +25,14 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 from PIL import Image, ImageOps
 
 from models.architectures import split_outputs
-from models.export.manifest import Agreement
+from models.export.manifest import Agreement, TrainedOn
 from models.presets import EvalPreset, eval_transform
 from models.run.args import DataError
 
@@ -107,27 +107,28 @@ class RunImages:
         return f"{len(self.agreement)} held-out images of its run, whole and mirrored"
 
 
-def run_images(checkpoint: Path, args: dict[str, Any]) -> RunImages | None:
-    """The images of the run that wrote ``checkpoint`` (its options ``args``): those it held out (its
-    ``held_out.txt`` beside the checkpoint, or its data's val/ folder) and those it trained on; None when they are
-    not there (moved, another machine), fewer than MIN_HELD_OUT are held out, or none was trained on."""
+def run_images(trained_on: TrainedOn | None) -> RunImages | None:
+    """The images of a run, as its export records them (``trained_on``: write.run_trained_on): those it held out
+    (the files its held_out.txt lists, read as ``models.predict`` reads a file list, or its data's val/ beside the
+    train/ folder it trained on) and those it trained on; None when they are not there (moved, another machine),
+    fewer than MIN_HELD_OUT are held out, or none was trained on."""
     from models.data.folder import class_files, readable
-    from models.run.report import HELD_OUT_NAME
+    from models.predict.inputs import read_list
 
-    data = Path(str(args.get("data", "")))
-    listed = checkpoint.parent / HELD_OUT_NAME
+    if trained_on is None:
+        return None
+    folder = Path(trained_on.folder)
     try:
-        if listed.is_file() and data.is_dir():
-            lines = [line.strip() for line in listed.read_text(encoding="utf-8", errors="replace").splitlines()]
-            held = [listed.parent / line for line in lines if line and not line.startswith("#")]
+        if trained_on.held_out is not None:
+            held = [Path(item.file) for item in read_list(Path(trained_on.held_out))]
             # compared as the run wrote them (absolute paths, no file looked up): a large folder costs no stat each
             kept = {os.path.abspath(path) for path in held}
-            trained = [path for path in class_files(data) if os.path.abspath(path) not in kept]
-        elif (data / "val").is_dir() and (data / "train").is_dir():
-            held, trained = class_files(data / "val"), class_files(data / "train")
+            trained = [path for path in class_files(folder) if os.path.abspath(path) not in kept]
+        elif (folder.parent / "val").is_dir():
+            held, trained = class_files(folder.parent / "val"), class_files(folder)
         else:
             return None
-    except DataError:  # not a folder of class folders any more
+    except (OSError, DataError):  # not there, or not a folder of class folders any more
         return None
     # those chosen that are readable images (training skipped the others): a folder of none checks on the photos
     held = [path for path in _spread(_named_images(held), MOST_AGREEMENT) if readable(path)]

@@ -240,6 +240,7 @@ def export_checkpoint(path: Path, out_dir: Path | None, *, name: str | None = No
     metrics = {key: float(value) for key, value in state.get("metrics", {}).items() if key.startswith("val_")
                and value is not None and not (key == "val_acc5" and len(state["classes"]) < TOP5_MIN_CLASSES)}
     reference = state.get("prediction_reference")
+    trained_on = run_trained_on(path, state["args"])
     return export_model(
         model, out_dir=out_dir, name=name, version=version or default_version(path, state["model"]),
         arch=state["arch"], labels=state["classes"], preset=EvalPreset.model_validate(state["preset"]),
@@ -247,8 +248,7 @@ def export_checkpoint(path: Path, out_dir: Path | None, *, name: str | None = No
         source=run_export_source(path.name, run_name, int(state["epoch"]) + 1 if "epoch" in state else None),
         force=force, packages=packages, laps=laps, numbered=numbered,
         reference=PredictionReference.model_validate(reference) if reference is not None else None,
-        run=run_images(path, state["args"]) if ("cpu", "int8") in packages else None,
-        trained_on=run_trained_on(path, state["args"]),
+        run=run_images(trained_on) if ("cpu", "int8") in packages else None, trained_on=trained_on,
     )
 
 

@@ -139,6 +139,7 @@ def test_an_int8_package_of_a_run_is_checked_on_the_images_its_run_held_out(tmp_
     # Before: always on scikit-image's photos: a 4-class model's int8 package agreed with float32 on 82% of them
     # (below the 99% auto serves), where it agreed on 100% of its run's held-out images
     from models.export.agreement import MIN_HELD_OUT, agreement_batch, calibration_batch, run_images
+    from models.export.write import run_trained_on
     from models.presets import EvalPreset
     from tests.support.imaging import write_image_folder
 
@@ -147,7 +148,10 @@ def test_an_int8_package_of_a_run_is_checked_on_the_images_its_run_held_out(tmp_
     (nested / "val" / "red" / "notes.txt").write_text("x")
     run = tmp_path / "runs" / "a"
     run.mkdir(parents=True)
-    found = run_images(run / "best.pt", {"data": str(nested)})
+    def of_run(checkpoint: Path, data: Path, val_split: float | None = None):  # as the export derives them
+        return run_images(run_trained_on(checkpoint, {"data": str(data), "val_split": val_split}))
+
+    found = of_run(run / "best.pt", nested)
     assert found is not None and len(found.agreement) == 9 and len(found.calibration) == 12
     assert all("/val/" in str(p) for p in found.agreement) and all("/train/" in str(p) for p in found.calibration)
     preset = EvalPreset(resize_size=36, crop_size=32)
@@ -158,13 +162,15 @@ def test_an_int8_package_of_a_run_is_checked_on_the_images_its_run_held_out(tmp_
     flat = nested / "train"
     held = sorted(flat.rglob("*.*"))[:MIN_HELD_OUT]
     (run / "held_out.txt").write_text("".join(f"{os.path.relpath(p, run)}\n" for p in held))
-    found = run_images(run / "best.pt", {"data": str(flat)})
+    found = of_run(run / "best.pt", flat, 0.2)
     assert found is not None and [p.resolve() for p in found.agreement] == held
     assert len(found.calibration) == 12 - MIN_HELD_OUT and not set(found.calibration) & set(found.agreement)
     # too few held out, or the run's folders gone: the photos
     (run / "held_out.txt").write_text("".join(f"{os.path.relpath(p, run)}\n" for p in held[:-1]))
-    assert run_images(run / "best.pt", {"data": str(flat)}) is None
-    assert run_images(tmp_path / "elsewhere" / "best.pt", {"data": str(tmp_path / "gone")}) is None
+    assert of_run(run / "best.pt", flat, 0.2) is None
+    assert of_run(tmp_path / "elsewhere" / "best.pt", tmp_path / "gone") is None
+    assert of_run(tmp_path / "elsewhere" / "best.pt", flat, 0.2) is None  # its held_out.txt not there
+    assert run_images(None) is None  # an export of no run
     # a class folder that is a symbolic link is a class, as training reads it (was: none of its images)
     linked = tmp_path / "linked"
     (linked / "train").mkdir(parents=True)  # two class folders linked to train/'s
@@ -176,11 +182,11 @@ def test_an_int8_package_of_a_run_is_checked_on_the_images_its_run_held_out(tmp_
     (both / "train").symlink_to(linked / "train", target_is_directory=True)
     for class_dir in (nested / "val").iterdir():
         (both / "val" / class_dir.name).symlink_to(class_dir, target_is_directory=True)
-    found = run_images(run / "best.pt", {"data": str(both)})
+    found = of_run(run / "best.pt", both)
     assert found is not None and len(found.agreement) == 9 and len(found.calibration) == 8
     # every held-out image unreadable (truncated since): the photos, not an empty batch
     unreadable = tmp_path / "unreadable"
     shutil.copytree(nested, unreadable)
     for image in (unreadable / "val").rglob("*.*"):
         image.write_bytes(image.read_bytes()[:40])
-    assert run_images(run / "best.pt", {"data": str(unreadable)}) is None
+    assert of_run(run / "best.pt", unreadable) is None
