@@ -394,10 +394,12 @@ class ServerSettings(SettingsGroup):
         "wait out its whole deadline. A request is accepted once its body has arrived whole: one still "
         "arriving at SIGTERM is answered `503 not_ready` (with `Retry-After`) when it has, as a new one is.")
     shutdown_drain_s: float = Field(
-        5.0, ge=0, description="After SIGTERM a worker keeps its listener open at least this long, answering new "
-        "requests `503 not_ready` with `Retry-After` and `Connection: close` (so a load balancer that has not "
-        "noticed yet gets a clean answer, not a reset), and then until the requests it accepted are answered, "
-        "within `GRACEFUL_TIMEOUT_S`; only then does it stop accepting and close the listener.")
+        5.0, ge=0, description="After SIGTERM (a stop, or a HUP's old worker) a worker keeps its listener open at "
+        "least this long, not ready but answering new requests as before, each with `Connection: close` (so a load "
+        "balancer that has not noticed yet, or a HUP's new worker still loading, loses nothing), and then until the "
+        "requests it accepted are answered, within `GRACEFUL_TIMEOUT_S`, answering new ones `503 not_ready` with "
+        "`Retry-After` and `Connection: close` (a clean answer, not a reset); only then does it stop accepting and "
+        "close the listener.")
     keepalive_s: int = Field(5, ge=0, description="HTTP keep-alive, in seconds.")
     loop_requests: bool = Field(
         True, description="Under ENGINE=process: a request whose body the HTTP worker's event loop read whole runs "

@@ -235,9 +235,13 @@ def sigkill_worker(start: Start, weights: Path, workers: int) -> Row:
                "resets: the killed worker's requests in flight; replacement ready", connections_cut=connections)
 
 
+RELOAD_DRAIN_S = "8"  # the reload's SHUTDOWN_DRAIN_S: longer than the new worker's load under the load
+
+
 def reload(start: Start, weights: Path) -> Row:
-    """``kill -HUP`` (gunicorn's reload) under a 16-client load: new workers load while the old ones drain."""
-    server = start(weights, max_batch_size="4").wait_ready()
+    """``kill -HUP`` (gunicorn's reload) under a 16-client load: the new worker loads while the old one drains,
+    answering for RELOAD_DRAIN_S (SHUTDOWN_DRAIN_S), longer than the load takes."""
+    server = start(weights, max_batch_size="4", shutdown_drain_s=RELOAD_DRAIN_S).wait_ready()
     try:
         with Load(server.url, 16) as load:
             time.sleep(1.0)
@@ -249,7 +253,8 @@ def reload(start: Start, weights: Path) -> Row:
     finally:
         assert server.stop() == 0
     return Row("kill -HUP (gunicorn reload), 1 worker", outcomes, recover_s,
-               "503 not_ready while the new worker loads; roll replicas to reload with no 503")
+               f"the old worker answers while the new one loads ({RELOAD_DRAIN_S} s drain); 503 only past it",
+               fault_at=hup_at)
 
 
 class Choosy(nn.Module):

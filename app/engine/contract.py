@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from app.engine.batching.arrivals import InFlight
 from app.engine.batching.types import BatchRun
 from app.engine.ranking import top_indices
 from app.errors import NoEmbedding, NotReady, retry_after_header
+from app.hosting import control
 from models.export.manifest import Manifest
 
 log = logging.getLogger(__name__)
@@ -300,8 +302,11 @@ class ServiceFace(Protocol):
     @property
     def draining(self) -> bool: ...
     @property
+    def refusing(self) -> bool: ...
+    @property
     def stalled(self) -> str | None: ...
     def begin_drain(self) -> None: ...
+    def stop_serving(self) -> None: ...
     def shutdown(self, timeout: float | None = None) -> None: ...
     def wait_drained(self, min_s: float, max_s: float) -> bool: ...
     def wait_loaded(self, timeout_s: float) -> None: ...
@@ -319,12 +324,15 @@ def not_ready(why: str, close: bool = False) -> NotReady:
 
 class Lifecycle:
     """A service's life, alike in the worker and across the link: started once its first models serve, draining
-    from ``begin_drain``, its admitted requests counted in ``in_flight`` (what a drain waits for)."""
+    from ``begin_drain`` (not ready, its answers closing their connections, still answering new requests), refusing
+    them once its drain's window ends (``stop_serving``), its admitted requests counted in ``in_flight`` (what a
+    drain waits for)."""
 
     def __init__(self) -> None:
         self.in_flight = InFlight()  # requests admitted and not yet answered
         self._started = threading.Event()
         self._draining = threading.Event()
+        self._refusing = threading.Event()
         # An HTTP worker's file saying it serves (CONTROL_DIR's http-<pid>.ready): there from its first models (or
         # its engine reached) until its drain, and away while its engine restarts (app/link/client.py). A worker
         # without one leaves new connections to the workers that have one (app/hosting/worker.py); None: no file
@@ -337,12 +345,47 @@ class Lifecycle:
         """True once this process's shutdown has begun."""
         return self._draining.is_set()
 
+    @property
+    def refusing(self) -> bool:
+        """True once its drain stopped answering new requests (``stop_serving``)."""
+        return self._refusing.is_set()
+
+    @property
+    def leaving_mark(self) -> Path | None:
+        """Beside the ready mark: the file saying this worker drains and still answers (CONTROL_DIR's
+        http-<pid>.leaving), or None without a ready mark."""
+        return None if self.ready_mark is None else control.leaving_mark(self.ready_mark.parent, os.getpid())
+
     def begin_drain(self) -> None:
-        """Turn readiness off so load balancers stop sending; accepted work still completes. Never raises (a worker's
-        SIGTERM handler calls it): a ready mark that cannot be removed (CONTROL_DIR read-only) is warned of."""
+        """Turn readiness off so load balancers stop sending; accepted work still completes, and new requests are
+        still answered (each answer closing its connection) until ``stop_serving``. A worker that served says it
+        leaves (its leaving mark, made before its ready mark goes: a HUP's new worker, still loading, leaves the new
+        connections to it meanwhile). Never raises (a worker's SIGTERM handler calls it): a mark that cannot be
+        written or removed (CONTROL_DIR read-only) is warned of."""
         self._draining.set()
+        leaving = self.leaving_mark
+        if leaving is not None and self.ready_mark is not None:
+            try:
+                if self.ready_mark.exists():
+                    leaving.touch()
+            except OSError as exc:
+                log.warning("could not write the leaving mark %s: %s; a worker still loading takes new connections "
+                            "meanwhile (503 until it serves)", leaving, exc)
         self._remove_ready_mark()
         self._drain_begun()
+
+    def stop_serving(self) -> None:
+        """The drain's window is over: new requests are answered 503 (``require_ready``), and the leaving mark goes.
+        Never raises."""
+        if not self.draining:
+            self.begin_drain()
+        self._refusing.set()
+        leaving = self.leaving_mark
+        if leaving is not None:
+            try:
+                leaving.unlink(missing_ok=True)
+            except OSError as exc:
+                log.warning("could not remove the leaving mark %s: %s", leaving, exc)
 
     def _remove_ready_mark(self) -> None:
         if self.ready_mark is None:
@@ -393,10 +436,12 @@ class Lifecycle:
     def wait_drained(self, min_s: float, max_s: float) -> bool:
         """After begin_drain: wait ``min_s``, then until no admitted request is left unanswered, ``max_s`` at most.
 
-        The server keeps its listener open meanwhile, answering new requests 503 with Connection: close, so nothing
-        waits unanswered in the listen backlog. Returns whether every request finished in time.
+        The server keeps its listener open meanwhile, so nothing waits unanswered in the listen backlog: for
+        ``min_s`` new requests are answered as before (each with Connection: close), then 503 (``stop_serving``).
+        Returns whether every request finished in time.
         """
         time.sleep(min(min_s, max_s))
+        self.stop_serving()
         return self.in_flight.wait_empty(max(0.0, max_s - min_s), poll_s=0.05)
 
     def wait_loaded(self, timeout_s: float) -> None:
@@ -412,7 +457,7 @@ class Lifecycle:
 
     def require_ready(self) -> None:
         """NotReady (503 with Retry-After) unless new work can be accepted."""
-        if self.draining:  # the client should go elsewhere: this connection will not serve it again
+        if self.refusing:  # the client should go elsewhere: this connection will not serve it again
             raise not_ready(DRAINING, close=True)
         self.require_loaded()
         self._require_serving()

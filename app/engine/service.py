@@ -153,7 +153,7 @@ class Service(Lifecycle):
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Drain: refuse new work, finish what is queued, stop the worker threads."""
-        self.begin_drain()
+        self.stop_serving()
         self.controller.close()
         self.explanations.close()
         for model in self._routes.all_versions():

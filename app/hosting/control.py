@@ -10,7 +10,10 @@ the engine processes. Every name in it is made here and nowhere else:
   memory free that the other was about to take);
 - ``http-<pid>.ready``: an HTTP worker that serves: it reached a ready engine, or loaded its models inline, and is
   not draining; away while its engine restarts (readiness counts the live workers' marks in process mode; a worker
-  that has none leaves new connections to those that have one, app/hosting/worker.py).
+  that has none leaves new connections to those that have one, app/hosting/worker.py);
+- ``http-<pid>.leaving``: an HTTP worker that served and drains, answering what comes for the drain's first
+  SHUTDOWN_DRAIN_S (a HUP's old worker, or every worker of a server stopping): not ready, but a worker still
+  loading leaves new connections to it, as to one that serves, and it takes them while none serves.
 
 Standard library only: the master imports it, and so does the engine (the desired state's names).
 """
@@ -23,9 +26,10 @@ DESIRED = "desired.json"
 LOCK = "lock"
 REPORTS = "worker-*.json"
 READY_MARKS = "http-*.ready"
+LEAVING_MARKS = "http-*.leaving"
 BOOT_FAILURES = "boot-*.failed"  # why a master's first worker that could not start could not (``boot_failure``)
 # What the engines and the HTTP workers leave behind (a master starting on a kept directory clears them).
-STALE_AT_START = ("engine-*.failed", "engine-*.sock", READY_MARKS, REPORTS, BOOT_FAILURES)
+STALE_AT_START = ("engine-*.failed", "engine-*.sock", READY_MARKS, LEAVING_MARKS, REPORTS, BOOT_FAILURES)
 _HAS_PROC = Path("/proc/self/status").exists()  # Linux: a pid's process is looked up there (``process_alive``)
 
 
@@ -90,12 +94,23 @@ def ready_mark(control_dir: Path, pid: int) -> Path:
     return control_dir / f"http-{pid}.ready"
 
 
+def leaving_mark(control_dir: Path, pid: int) -> Path:
+    """The file an HTTP worker that served writes as its drain begins, away once the drain stops answering."""
+    return control_dir / f"http-{pid}.leaving"
+
+
 def takes_connections(control_dir: Path, pid: int) -> bool:
-    """Whether HTTP worker ``pid`` should take new connections now: it serves (its ready mark is there), or no
-    other live worker does (a server starting, or its one engine restarting: each answers 503 meanwhile, rather
-    than none answering). A directory that cannot be looked into leaves every worker taking them."""
+    """Whether HTTP worker ``pid`` should take new connections now: it serves (its ready mark is there); or no
+    other live worker serves and it is leaving (its drain still answers), or none other is (a server starting, or
+    its one engine restarting: each answers 503 meanwhile, rather than none answering). A directory that cannot be
+    looked into leaves every worker taking them."""
     try:
-        return ready_mark(control_dir, pid).exists() or all(other == pid for other in ready_workers(control_dir))
+        if ready_mark(control_dir, pid).exists():
+            return True
+        if any(other != pid for other in ready_workers(control_dir)):
+            return False
+        return leaving_mark(control_dir, pid).exists() or all(other == pid for other in _marked(control_dir,
+                                                                                                 LEAVING_MARKS))
     except OSError:
         return True
 
@@ -112,7 +127,13 @@ def report_pid(path: Path) -> int | None:
 
 def ready_workers(control_dir: Path) -> list[int]:
     """The HTTP workers whose ready mark is there and that still live (a killed worker's mark does not count)."""
-    pids = (_pid_of(path, "http-", ".ready") for path in control_dir.glob(READY_MARKS))
+    return _marked(control_dir, READY_MARKS)
+
+
+def _marked(control_dir: Path, pattern: str) -> list[int]:
+    """The live processes whose mark of ``pattern`` (``http-*.<kind>``) is there."""
+    suffix = pattern[len("http-*"):]
+    pids = (_pid_of(path, "http-", suffix) for path in control_dir.glob(pattern))
     return sorted(pid for pid in pids if pid is not None and process_alive(pid))
 
 

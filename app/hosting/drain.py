@@ -3,9 +3,12 @@
 gunicorn alone stops accepting at SIGTERM but closes its listener only after the requests in flight finish:
 connections arriving meanwhile wait unanswered in the listen backlog, and the kernel resets them when the listener
 closes (24 of 96 requests in a burst, measured). Here readiness turns off at once and the worker keeps accepting
-for ``shutdown_drain_s`` and until the requests it holds are answered (new ones get 503 with Connection: close),
-while no other worker serves: one that does (a HUP's new worker, the others when one worker is told to stop) gets
-the new connections instead (``worker.draining``, app/hosting/worker.py); a whole-server stop drains every worker.
+for ``shutdown_drain_s``, answering new requests as before, each answer with Connection: close (a load balancer that
+has not noticed yet, or a HUP's new worker still loading, loses nothing meanwhile), then until the requests it
+holds are answered, new ones getting 503 with Connection: close; all this while no other worker serves: one that
+does (a HUP's new worker once loaded, the others when one worker is told to stop) gets the new connections instead
+(``worker.draining``, app/hosting/worker.py; a worker still loading leaves them to the draining one while it
+answers: its leaving mark, app/hosting/control.py); a whole-server stop drains every worker.
 Then, on the worker's own event-loop thread, it accepts whatever is still queued (each gets its 503), closes its
 listeners in the same step, so a later connect is refused (never sent, safe to retry elsewhere), and hands over to
 gunicorn's graceful stop. A second SIGTERM changes nothing (a signal to the whole process group reaches the

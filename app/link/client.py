@@ -536,7 +536,7 @@ class RemoteService(Lifecycle):
     def shutdown(self, timeout: float | None = None) -> None:
         """This worker is going away: nothing of the engine is its to stop; its link's thread ends."""
         self._stopped.set()
-        self.begin_drain()
+        self.stop_serving()
 
 
 def _wait_for_answer(conn: socket.socket, limit_s: float, client_gone: Callable[[], bool] | None) -> None:

@@ -32,7 +32,7 @@ def init_app(app: Flask, settings: Settings, service: ServiceFace, protocols: Se
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.sort_keys = False  # type: ignore[attr-defined]
     app.extensions[EXTENSION_KEY] = service
-    app.wsgi_app = CloseWhenAsked(app.wsgi_app)  # type: ignore[method-assign]
+    app.wsgi_app = CloseWhenAsked(app.wsgi_app, lambda: service.draining)  # type: ignore[method-assign]
     # one before hook: the id and access-log fields, then a CORS preflight's answer, then the limit and the key
     register_hooks(app, settings, preflight=register_cors(app, settings))
     # on, its hook goes first whenever registered, so a request the one above refuses is traced; off, none

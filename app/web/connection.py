@@ -12,11 +12,12 @@ A body the worker's event loop held whole is skipped in memory whatever the app 
 One that arrives streamed (chunked, or sent after gunicorn's ``100 Continue``) is still on the socket: gunicorn
 skips at most 64 KiB of it before the next request and otherwise closes the connection after an answer that said
 keep-alive, so the client's next request on it was reset. An answer that starts before such a body was read to its
-end (a refusal: 503 while the engine restarts, 404, 401) says ``Connection: close`` instead.
+end (a refusal: 503 while the engine restarts, 404, 401) says ``Connection: close`` instead. So does every answer of
+a worker that drains (app/hosting/drain.py): it still answers, and its clients reconnect to one that stays.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from app.hosting.starting import StartResponse, WSGIApp, force_close
 
@@ -45,16 +46,18 @@ def left_unread(environ: dict[str, Any]) -> bool:
 
 
 class CloseWhenAsked:
-    """WSGI middleware around the Flask app (see the module docstring)."""
+    """WSGI middleware around the Flask app (see the module docstring); ``draining``: whether the worker drains, when
+    every answer closes its connection (the client's next request goes to a worker that stays)."""
 
-    def __init__(self, app: WSGIApp) -> None:
-        self.app = app
+    def __init__(self, app: WSGIApp, draining: Callable[[], bool] = lambda: False) -> None:
+        self.app, self.draining = app, draining
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
-        """Run the app; force the server to close when its answer asks for it or leaves a streamed body unread."""
+        """Run the app; force the server to close when its answer asks for it, leaves a streamed body unread, or
+        the worker drains."""
         def start(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
             close = _asks_to_close(headers)
-            if not close and left_unread(environ):
+            if not close and (left_unread(environ) or self.draining()):
                 headers, close = [*headers, ("Connection", "close")], True
             if close:
                 force_close(start_response)

@@ -1375,6 +1375,10 @@ def test_the_catalog_and_the_state_answer_across_the_link(link: Link, tmp_path: 
     assert link.worker.ready
     link.worker.begin_drain()
     assert not link.worker.ready and not (tmp_path / "control" / f"http-{__import__('os').getpid()}.ready").exists()
+    leaving = tmp_path / "control" / f"http-{__import__('os').getpid()}.leaving"
+    assert leaving.exists() and infer(link.worker, [image_bytes(RED)]).version  # its drain still answers
+    link.worker.stop_serving()
+    assert not leaving.exists()
     with pytest.raises(NotReady, match="shutting down"):
         infer(link.worker, [image_bytes(RED)])
 

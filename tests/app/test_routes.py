@@ -132,9 +132,14 @@ def test_health_endpoints_and_draining(client: FlaskClient, service: Service) ->
     service.begin_drain()
     assert client.get("/readyz").status_code == 503
     assert client.get("/healthz").status_code == 200  # liveness does not follow readiness
+    # Before: 503 from the drain's first moment, where a load balancer still sending, or a HUP's new worker still
+    # loading, left the requests to this worker, which could answer them.
+    answered = client.post("/predict", data=image_bytes(), content_type="image/jpeg")
+    assert answered.status_code == 200 and answered.headers["Connection"] == "close"  # the next one goes elsewhere
+    service.stop_serving()  # the drain's window is over
     response = client.post("/predict", data=image_bytes(), content_type="image/jpeg")
     error_of(response, 503, "not_ready")
-    assert response.headers["Retry-After"]
+    assert response.headers["Retry-After"] and response.headers["Connection"] == "close"
 
 
 def test_dead_batcher_fails_liveness(client: FlaskClient, service: Service) -> None:

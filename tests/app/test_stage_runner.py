@@ -70,6 +70,7 @@ def test_the_runner_enforces_the_input_rules(service: Service, images: list[byte
 
 def test_not_ready_is_refused_before_the_body_is_read(service: Service) -> None:
     service.begin_drain()
+    service.stop_serving()  # (its drain's window over: until then a draining service still admits)
     read_called: list[bool] = []
     with pytest.raises(NotReady), service.admit():
         read_called.append(True)
@@ -143,10 +144,10 @@ def test_a_drain_waits_for_the_requests_inside_the_runner(service: Service, mode
         busy = pool.submit(infer, service, [image_bytes(RED)])
         wait_until(lambda: bool(model.batch_sizes))
         service.begin_drain()
+        assert not service.wait_drained(0.0, 0.2)  # the first request is still inside; the window (0 s) is over
         with pytest.raises(NotReady, match="shutting down") as refused:
             infer(service, [image_bytes(RED)])
         assert refused.value.headers["Connection"] == "close"
-        assert not service.wait_drained(0.0, 0.2)  # the first request is still inside
         model.gate.set()
         assert service.wait_drained(0.0, 5.0) and busy.result(timeout=5)
 

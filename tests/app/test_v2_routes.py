@@ -185,6 +185,7 @@ def test_bad_binary_framing_and_limits(client: FlaskClient, settings: Any) -> No
 def test_not_ready_is_503_in_the_protocol_shape(client: FlaskClient, service: Service) -> None:
     service.begin_drain()
     assert client.get("/v2/health/ready").status_code == 503
+    service.stop_serving()
     assert "shutting down" in _v2_error(client.post(INFER, json={"inputs": [_bytes_input(image_bytes(RED))]}), 503)
 
 

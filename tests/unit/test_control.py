@@ -76,12 +76,30 @@ def test_a_report_counts_while_its_own_process_lives_not_a_thread_or_a_later_pro
 def test_a_kept_control_dir_loses_the_reports_an_earlier_server_left_at_the_next_start(tmp_path: Path) -> None:
     # Before: the ready marks went and the reports stayed (worker-<pid>.json): one naming a live process of the new
     # server counted as a worker of it.
-    left = [control.report(tmp_path, os.getpid()), control.ready_mark(tmp_path, os.getpid())]
+    left = [control.report(tmp_path, os.getpid()), control.ready_mark(tmp_path, os.getpid()),
+            control.leaving_mark(tmp_path, os.getpid())]
     kept = [tmp_path / control.DESIRED, tmp_path / control.LOCK]
     for path in left + kept:
         path.touch()
     control.clear_stale(tmp_path)
-    assert [path.exists() for path in left + kept] == [False, False, True, True]
+    assert [path.exists() for path in left + kept] == [False, False, False, True, True]
+
+
+def test_a_worker_still_loading_leaves_new_connections_to_one_that_drains_and_still_answers(
+        squatter: subprocess.Popen[bytes], tmp_path: Path) -> None:
+    # Before: a HUP's old worker, draining, had no mark, so the new one, still loading, took the new connections to
+    # answer them 503 while the old one could have served them (every 503 of a one-worker reload).
+    loading, old, new = os.getpid(), os.getppid(), squatter.pid
+    control.leaving_mark(tmp_path, old).touch()
+    assert not control.takes_connections(tmp_path, loading)  # left to the leaving one
+    assert control.takes_connections(tmp_path, old)  # which takes them, none serving
+    control.ready_mark(tmp_path, new).touch()  # a new worker serves: the leaving one leaves them to it
+    assert not control.takes_connections(tmp_path, old) and control.takes_connections(tmp_path, new)
+    control.ready_mark(tmp_path, new).unlink()
+    control.leaving_mark(tmp_path, old).unlink()  # its drain stopped answering: every worker takes them (503s)
+    assert control.takes_connections(tmp_path, loading) and control.takes_connections(tmp_path, old)
+    control.leaving_mark(tmp_path, 2 ** 22 + 7).touch()  # a leaving mark of no live process does not count
+    assert control.takes_connections(tmp_path, loading)
 
 
 def test_a_dead_worker_s_files_the_master_cannot_remove_are_logged_not_raised(
@@ -92,10 +110,13 @@ def test_a_dead_worker_s_files_the_master_cannot_remove_are_logged_not_raised(
     import runpy
     from types import SimpleNamespace
 
+    # set before the config runs, so it makes no directory of its own: set after, the monkeypatch's undo put the
+    # config's directory back into this process's environment, and the later tests in it shared that CONTROL_DIR
+    # (a server they started, and every Service built, read another test's desired state)
+    monkeypatch.setenv("VISIONSERVE_CONTROL_DIR", str(tmp_path))
     before = dict(os.environ)
     try:
         config = runpy.run_path("gunicorn.conf.py")
-        monkeypatch.setenv("VISIONSERVE_CONTROL_DIR", str(tmp_path))
         control.ready_mark(tmp_path, 4242).touch()
 
         def read_only(self: Path, missing_ok: bool = False) -> None:
