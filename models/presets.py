@@ -165,6 +165,20 @@ def eval_transform(preset: EvalPreset) -> ImageTransform:
     return PilEvalTransform(preset)
 
 
+class ServedEvalTransform:
+    """RGB PIL image -> normalised float tensor (C, H, W) as the server preprocesses it on the CPU by default
+    (DECODE_PATH tensor, models.predict's default too): its pixels as a uint8 tensor, then ``TensorEvalTransform``.
+    Training validates with it, so a run's val top-1 is what that server answers on the same files: PIL's resize
+    (``eval_transform``) differs from it by a level at some pixels, which flipped 1 of 73 answers of an unsure
+    model of upscaled digits (its run reported 0.6438, the server and the evaluation it printed 0.6575)."""
+
+    def __init__(self, preset: EvalPreset) -> None:
+        self.tensor = TensorEvalTransform(preset)
+
+    def __call__(self, image: Image.Image) -> torch.Tensor:
+        return self.tensor(pil_to_tensor(image))
+
+
 class TensorEvalTransform:
     """The eval transform on a decoded uint8 (C, H, W) tensor, on whichever device it lives: resize the short side
     (antialiased, the preset's filter), centre-crop, scale to 0..1, normalise.

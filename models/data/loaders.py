@@ -21,7 +21,7 @@ from models.data.folder import (
     split_holdout,
 )
 from models.data.gpu import DeviceAugment, EncodedFolder, Prepare, ToDevice, collate
-from models.presets import EvalPreset, eval_transform
+from models.presets import EvalPreset, ServedEvalTransform
 from models.run.args import DataError
 from models.run.distributed import DistEnv
 
@@ -80,8 +80,9 @@ def load_data(args: argparse.Namespace, preset: EvalPreset, env: DistEnv, device
         log.warning("skipped %d unreadable file(s); training on %d, validating on %d",
                     len(skipped), len(train_split.samples), len(val_split.samples))
     train_set, collate_fn, prepare = _train_set(args, train_split, preset, device)
-    # Validation decodes as the server does (a large JPEG at reduced scale), so evaluate() scores what it serves.
-    val_set = FolderDataset(val_split.samples, eval_transform(preset), served_decode=True)
+    # Validation decodes and preprocesses as the server does on the CPU (a large JPEG at reduced scale, the tensor
+    # eval transform), so evaluate() scores what it serves.
+    val_set = FolderDataset(val_split.samples, ServedEvalTransform(preset), served_decode=True)
     sampler = EpochSampler(train_set, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=args.seed)
     workers = {"num_workers": args.workers, "pin_memory": device.type == "cuda",
                "persistent_workers": args.workers > 0, "prefetch_factor": args.prefetch if args.workers else None}

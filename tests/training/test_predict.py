@@ -30,7 +30,7 @@ from models.data.folder import FolderDataset
 from models.export.write import export_model
 from models.predict.__main__ import main, quiet_handover_errors
 from models.predict.inputs import Item, Labels, chunks_for_rank, list_inputs
-from models.presets import EvalPreset, eval_transform
+from models.presets import EvalPreset, ServedEvalTransform
 from models.run.distributed import DistEnv
 from models.serving import usable_cores
 from tests.support.answers import predict_error
@@ -217,9 +217,9 @@ def test_on_the_cpu_it_scores_with_onnx_runtime_when_the_server_would(photos: Pa
 @pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_an_evaluation_equals_the_training_scripts_evaluate(weights: Path, digits: Path, tmp_path: Path) -> None:
     out = tmp_path / "eval.jsonl"
-    # evaluate() runs PIL's eval transform (what training validates with): the pil decode path is the same pixels.
+    # evaluate() runs what training validates with, the server's CPU preprocessing: models.predict's default.
     assert main(["--weights", str(weights), "--data", str(digits), "--labels", str(digits), "--out", str(out),
-                 "--decode", "pil", "--workers", "1"]) == 0
+                 "--workers", "1"]) == 0
     report = tmp_path / "eval-report"
     metrics = json.loads((report / "metrics.json").read_text())
     confusion = json.loads((report / "confusion.json").read_text())
@@ -227,8 +227,8 @@ def test_an_evaluation_equals_the_training_scripts_evaluate(weights: Path, digit
     samples = [(Path(item.file), DIGITS.index(Path(item.file).parent.name)) for item in list_inputs(digits)]
     model = build_model("resnet18", 10)
     model.load_state_dict(torch.load(weights / "model.state_dict.pt", weights_only=True))
-    loader = DataLoader(FolderDataset(samples, eval_transform(EvalPreset(resize_size=36, crop_size=32))),
-                        batch_size=32)
+    loader = DataLoader(FolderDataset(samples, ServedEvalTransform(EvalPreset(resize_size=36, crop_size=32)),
+                                      served_decode=True), batch_size=32)
     expected = train.evaluate(model, loader, torch.device("cpu"), DistEnv())
     assert metrics["count"] == expected.count == 359
     assert metrics["acc1"] == pytest.approx(expected.acc1) and metrics["acc5"] == pytest.approx(expected.acc5)
