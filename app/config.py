@@ -544,7 +544,8 @@ class SecuritySettings(SettingsGroup):
         "frames), or `*` alone (every origin); empty = CORS off (no CORS headers at all). Preflights are answered "
         "before the API key check.")
     auth_health_open: bool = Field(True, description="Keep `/healthz`, `/readyz`, `/metrics` and the V2 health "
-                                   "endpoints open for probes and scrapers when an API key is set.")
+                                   "endpoints (`/v2/health/live`, `/v2/health/ready`, and a model's or version's "
+                                   "`/ready`) open for probes and scrapers when an API key is set.")
 
     @field_validator("cors_origins")
     @classmethod

@@ -93,7 +93,8 @@ def _split_bytes(blob: bytes, name: str, count: int) -> list[bytes]:
         (length,) = _LENGTH.unpack_from(blob, offset)
         offset += 4
         if offset + length > len(blob):
-            raise BadRequest(f"input {name!r}: a BYTES element claims {length} bytes past the end of the data")
+            raise BadRequest(f"input {name!r}: a BYTES element claims {length} bytes past the end of the data (in "
+                             "binary, each element is its length as 4 bytes, little-endian, then its bytes)")
         items.append(blob[offset:offset + length])
         offset += length
     return items
@@ -142,14 +143,16 @@ def _flatten(data: Any) -> list[Any]:
 def _tensor(raw: dict[str, Any], binary: bytes, offset: int, most: int, index: int,
             check: InputCheck | None) -> tuple[Tensor, int]:
     name, datatype = str(raw.get("name", "")), raw.get("datatype")
+    if datatype is None:
+        raise BadRequest(f"input {name!r} has no datatype: BYTES, or one of {', '.join(_NUMPY_TYPES)}")
     if not isinstance(datatype, str) or datatype != "BYTES" and datatype not in _NUMPY_TYPES:
         raise BadRequest(f"input {name!r}: datatype {datatype!r} is not supported")
     shape, params = _shape(raw.get("shape"), name), parameters(raw, f"input {name!r}")
     count = math.prod(shape)  # small: a shape's bounds keep it under 2 ** 992
+    if check is not None:  # before the data: what it refuses (a shape, too many images) costs no decode
+        check(index, name, datatype, shape)
     if count > most:  # every value takes a byte of the body at least, in JSON or binary
         raise BadRequest(f"input {name!r}: shape {shape} holds more values than the {most} byte body can carry")
-    if check is not None:  # before the data: what it refuses (too many images) costs no decode
-        check(index, name, datatype, shape)
     size = params.get("binary_data_size")
     if size is not None:
         if type(size) is not int or size < 0:  # type(): True is no size
@@ -170,7 +173,8 @@ def _tensor(raw: dict[str, Any], binary: bytes, offset: int, most: int, index: i
     elif "data" in raw:
         flat = _flatten(raw["data"])
         if len(flat) != count:  # before any value is decoded
-            raise BadRequest(f"input {name!r}: shape {shape} needs {count} values, got {len(flat)}")
+            raise BadRequest(f"input {name!r}: shape {shape} needs {count} value{'s' * (count != 1)}, got "
+                             f"{len(flat)}")
         if datatype == "BYTES":
             values = np.array(_json_bytes(flat, name), dtype=object)
         else:

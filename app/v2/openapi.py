@@ -6,8 +6,8 @@ from typing import Any
 from app.v2 import schemas as v2
 from app.web.openapi import BINARY, TIMEOUT_HEADER, errors, headers, health, json_answer, ref, request_wide
 
-MODELS = (v2.ServerMetadata, v2.Live, v2.Ready, v2.ModelReady, v2.ModelMetadata, v2.InferRequest, v2.InferResponse,
-          v2.Error, v2.RepositoryIndexRequest, v2.RepositoryModel, v2.RepositoryIndex, v2.LoadRequest,
+MODELS = (v2.ServerMetadata, v2.Live, v2.Ready, v2.ModelReady, v2.ModelMetadata, v2.ModelConfig, v2.InferRequest,
+          v2.InferResponse, v2.Error, v2.RepositoryIndexRequest, v2.RepositoryModel, v2.RepositoryIndex, v2.LoadRequest,
           v2.UnloadRequest, v2.Loaded)
 
 
@@ -57,6 +57,13 @@ def _metadata() -> dict[str, Any]:
                                   **errors(v2.Error, "400 404 503")}}}
 
 
+def _config() -> dict[str, Any]:
+    return {"get": {"summary": "The version's configuration in Triton's form (max_batch_size, inputs, outputs, "
+                               "batching, instances)",
+                    "responses": {"200": json_answer(v2.ModelConfig, "Configuration"),
+                                  **errors(v2.Error, "400 404 503")}}}
+
+
 def _model_ready() -> dict[str, Any]:
     """200 or 503 as the model (or version) takes requests or not; 404 unknown, 400 a name no model can have."""
     ready = health(v2.ModelReady, "Model readiness", v2.ModelReady)
@@ -71,5 +78,6 @@ def paths() -> dict[str, Any]:
            "/v2/health/ready": health(v2.Ready, "Readiness", v2.Ready)}
     out.update(_repository())
     for base in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
-        out.update({base: _metadata(), f"{base}/ready": _model_ready(), f"{base}/infer": _infer()})
+        out.update({base: _metadata(), f"{base}/ready": _model_ready(), f"{base}/config": _config(),
+                    f"{base}/infer": _infer()})
     return request_wide(out, v2.Error)

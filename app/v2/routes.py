@@ -15,8 +15,10 @@ from pydantic import BaseModel
 from app import __version__
 from app.engine.contract import CallFace, PixelsForTheDefault, Served, Signature
 from app.errors import BadRequest, NotFound, NotReady, UnknownOutput, check_image_count
+from app.hosting.host import engine_mode
 from app.v2.codec import InferRequest, InputCheck, Tensor, encode_response, flag, parameters, parse_request
-from app.v2.schemas import Live, ModelMetadata, ModelReady, Ready, ServerMetadata, TensorMetadata
+from app.v2.schemas import (ConfigTensor, DynamicBatching, InstanceGroup, Live, ModelConfig, ModelMetadata,
+                            ModelReady, Ready, ServerMetadata, TensorMetadata)
 from app.web.inputs import client_key, deadline_s, read_body
 from app.web.services import client_gone, current_service
 from app.web.timing import annotate
@@ -95,6 +97,40 @@ def model_metadata(name: str, version: str | None = None) -> Response:
                    if manifest.embedding is not None else [])]))
 
 
+# Triton's backend by platform, for the configuration
+BACKENDS = {"onnxruntime_onnx": "onnxruntime", "pytorch_libtorch": "pytorch", "pytorch": "pytorch"}
+
+
+@bp.get(_MODEL + "/config")
+@bp.get(_VERSIONED + "/config")
+def model_config(name: str, version: str | None = None) -> Response:
+    """The version's configuration in Triton's JSON form: ``max_batch_size`` the images one request may carry
+    (MAX_IMAGES), the inputs and outputs without that batch dimension, the batching (MAX_WAIT_MS, the batch cap)
+    and where it runs."""
+    service = current_service()
+    service.require_loaded()
+    info = service.catalog.version(name, version)
+    manifest, settings = info.manifest, service.settings
+    apart = engine_mode(settings.engine, settings.device) == "process"  # engines of their own: that many a device
+    platform = PLATFORMS.get(info.weights_format, "pytorch")
+    files = {fmt: file.path for fmt, file in manifest.files.items()}
+    if manifest.onnx is not None:
+        files["onnx"] = manifest.onnx.path
+    classes = ConfigTensor(name=OUTPUT, data_type="TYPE_FP32", dims=[manifest.num_classes])
+    return _json(ModelConfig(
+        name=manifest.name, platform=platform, backend=BACKENDS[platform], max_batch_size=settings.max_images,
+        input=[ConfigTensor(name=IMAGES_INPUT, data_type="TYPE_STRING", dims=[1], format="FORMAT_NONE"),
+               ConfigTensor(name=PIXELS_INPUT, data_type="TYPE_FP32", dims=list(manifest.preprocess.input_shape),
+                            format="FORMAT_NCHW")],
+        output=[classes, *([ConfigTensor(name=EMBEDDING, data_type="TYPE_FP32", dims=[manifest.embedding.dim])]
+                           if manifest.embedding is not None else [])],
+        dynamic_batching=DynamicBatching(max_queue_delay_microseconds=round(settings.max_wait_ms * 1000),
+                                         preferred_batch_size=[info.batch_cap]),
+        instance_group=[InstanceGroup(kind="KIND_GPU" if info.device.startswith("cuda") else "KIND_CPU",
+                                      count=settings.engines_per_device if apart else 1)],
+        default_model_filename=files.get(info.weights_format)))
+
+
 def _input_check(call: CallFace, max_images: int) -> InputCheck:
     """What ``parse_request`` checks of each input once its shape is read, before its data is decoded: the one
     input, images (BYTES [N] or [N, 1]) or pixels (FP32 [N, *model.input_shape]), and its N images against
@@ -115,9 +151,15 @@ def _input_check(call: CallFace, max_images: int) -> InputCheck:
         elif name == PIXELS_INPUT and datatype == "FP32":
             if not call.takes_pixels:
                 raise PixelsForTheDefault()
+            if len(shape) != 1 + len(model.input_shape):  # the images' count first, then one image's shape
+                raise BadRequest(f"input {PIXELS_INPUT!r} must have shape [N, {', '.join(map(str, model.input_shape))}]"
+                                 f" (N images first), got {shape}")
             expected = [count, *model.input_shape]
             if shape != expected:
                 raise BadRequest(f"input {PIXELS_INPUT!r} must have shape {expected}, got {shape}")
+        elif name in (IMAGES_INPUT, PIXELS_INPUT):  # a known input of another datatype
+            wanted = "BYTES" if name == IMAGES_INPUT else "FP32"
+            raise BadRequest(f"input {name!r} must have datatype {wanted}, got {datatype}")
         else:
             raise BadRequest(f"unknown input {name!r} ({datatype}); send {IMAGES_INPUT!r} as BYTES or "
                              f"{PIXELS_INPUT!r} as FP32")

@@ -53,6 +53,45 @@ class ModelMetadata(BaseModel):
     outputs: list[TensorMetadata]
 
 
+class ConfigTensor(BaseModel):
+    """One input or output of GET .../config, as Triton's model configuration names it: ``dims`` without the batch
+    dimension (the configuration's ``max_batch_size`` holds it)."""
+
+    name: str
+    data_type: str  # TYPE_STRING (BYTES), TYPE_FP32
+    dims: list[int]
+    format: str | None = None  # an image input's layout: FORMAT_NCHW, or FORMAT_NONE for encoded files
+
+
+class DynamicBatching(BaseModel):
+    """How requests are batched: up to ``max_queue_delay_microseconds`` (MAX_WAIT_MS) for more."""
+
+    max_queue_delay_microseconds: int
+    preferred_batch_size: list[int]
+
+
+class InstanceGroup(BaseModel):
+    """Where the version runs: KIND_GPU or KIND_CPU."""
+
+    kind: str
+    count: int
+
+
+class ModelConfig(BaseModel):
+    """GET /v2/models/{name}[/versions/{version}]/config: the version's configuration in Triton's JSON form (what
+    tritonclient's get_model_config, perf_analyzer and model_analyzer read)."""
+
+    name: str
+    platform: str
+    backend: str
+    max_batch_size: int  # images one request may carry (MAX_IMAGES)
+    input: list[ConfigTensor]
+    output: list[ConfigTensor]
+    dynamic_batching: DynamicBatching
+    instance_group: list[InstanceGroup]
+    default_model_filename: str | None = None  # the file the version runs, where it is one file of the export
+
+
 class InferInput(BaseModel):
     """One input tensor: JSON ``data`` (flat or nested; BYTES as base64 strings) or binary (``binary_data_size``)."""
 

@@ -8,12 +8,23 @@ header's text encoded as latin-1 again.
 from __future__ import annotations
 
 import hmac
+import re
 from typing import Mapping
 
 from app.errors import Unauthorized
 
-# Probes and scrapers must reach these without a key (unless settings say otherwise).
+# Probes and scrapers must reach these without a key (unless settings say otherwise): the V2 health API's
+# model readiness too (the Open Inference Protocol's health endpoints; tritonclient's is_model_ready said False,
+# not unauthorized, without a key)
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/v2/health/live", "/v2/health/ready"})
+_MODEL_READY = re.compile(r"/v2/models/[^/]+(?:/versions/[^/]+)?/ready")
+
+
+def is_health(path: str) -> bool:
+    """A health probe or a scrape: open when AUTH_HEALTH_OPEN (OPEN_PATHS, and a model's or version's V2
+    readiness; a route's template as well as a request's path)."""
+    return path in OPEN_PATHS or _MODEL_READY.fullmatch(path) is not None
+
 # The API description and the demo page hold no data, and people need them before they have a key.
 DOCS_PATH, OPENAPI_PATH = "/docs", "/openapi.json"
 PAGE_PATH, PAGE_ASSETS, FAVICON_PATH = "/", "/demo/", "/favicon.ico"
@@ -30,7 +41,7 @@ def needs_key(path: str, health_open: bool) -> bool:
     """Whether a request to ``path`` must present the API key (when one is configured)."""
     if is_page(path):
         return False
-    return not (health_open and path in OPEN_PATHS)
+    return not (health_open and is_health(path))
 
 
 def presented_key(headers: Mapping[str, str]) -> str | None:

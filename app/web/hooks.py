@@ -19,7 +19,7 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed
 from app.config import Settings
 from app.errors import BodyTooLarge
 from app.metrics import PREFLIGHTS, PROBES, REJECTED, REQUEST_SECONDS, REQUESTS, series
-from app.web.auth import OPEN_PATHS, check_api_key, is_page, key_forms, needs_key
+from app.web.auth import check_api_key, is_health, is_page, key_forms, needs_key
 
 access_log = logging.getLogger("visionserve.access")
 
@@ -74,7 +74,7 @@ def register_hooks(app: Flask, settings: Settings,
 
 def is_probe(path: str) -> bool:
     """Health probes, scrapes, the API description and the demo page: counted and logged apart from traffic."""
-    return path in OPEN_PATHS or is_page(path)
+    return is_health(path) or is_page(path)
 
 
 def _route_refusing(req: Request) -> str:

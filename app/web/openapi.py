@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from app import __version__
-from app.web.auth import OPEN_PATHS, is_page
+from app.web.auth import is_health, is_page
 from app.web.protocol import Protocol
 from app.web.schemas import ErrorResponse, HealthResponse
 
@@ -96,7 +96,7 @@ def request_wide(paths: dict[str, Any], model: type[BaseModel]) -> dict[str, Any
             responses = item[method]["responses"]
             if not is_page(path):
                 unauthorized = errors(model, "401")["401"]
-                if path in OPEN_PATHS:
+                if is_health(path):
                     unauthorized["description"] = _HEALTH_UNAUTHORIZED
                 responses.setdefault("401", unauthorized)
             responses.setdefault("413", errors(model, "413")["413"])

@@ -46,6 +46,8 @@ from tests.support.fakes import ColourModel, FakeRepository, infer, tiny_manifes
 from tests.support.imaging import BLUE, GREEN, RED, image_bytes
 from tests.training.test_export_versions import Means, Softmaxed, scripted_export
 
+NOT_CHOSEN = "not chosen by the model's version policy when it last loaded (a load call, or a poll, loads it if chosen)"
+
 
 @pytest.fixture
 def repository() -> FakeRepository:
@@ -782,8 +784,7 @@ def test_a_policy_that_cannot_be_read_is_shown_by_the_index_and_logged_once_per_
             del repository.policies["colour"]
             service.controller.writers.poll()
             assert _ask(service) == "2"
-            wait_until(lambda: colour_rows() == [("1", "UNAVAILABLE", "not chosen by the model's version policy"),
-                                                 ("2", "READY", "")])
+            wait_until(lambda: colour_rows() == [("1", "UNAVAILABLE", NOT_CHOSEN), ("2", "READY", "")])
         finally:
             service.shutdown(timeout=5)
 
@@ -812,7 +813,7 @@ def test_a_worker_that_joins_a_running_server_shows_why_a_model_is_not_served(
         here.writers.poll()  # the first worker serves colour again; the other applies it and no longer says why not
         wait_until(lambda: "colour" in there_catalog.serving())
         assert [(r.version, r.state, r.reason) for r in there_catalog.index()] == [
-            ("1", "READY", ""), ("2", "UNAVAILABLE", "not chosen by the model's version policy"), ("1", "READY", "")]
+            ("1", "READY", ""), ("2", "UNAVAILABLE", NOT_CHOSEN), ("1", "READY", "")]
     finally:
         for controller in (here, there):
             _stop(controller)

@@ -65,6 +65,8 @@ def test_health_and_metadata(client: triton.InferenceServerClient) -> None:
     assert meta["outputs"] == [{"name": "probabilities", "datatype": "FP32", "shape": [-1, 1000]},
                                {"name": "embedding", "datatype": "FP32", "shape": [-1, 1280]}]
     assert not client.is_model_ready(MODEL, model_version="999")
+    config = client.get_model_config(MODEL)  # what perf_analyzer reads: the batch limit and the inputs' dims
+    assert config["max_batch_size"] > 0 and config["input"][1]["dims"] == meta["inputs"][1]["shape"][1:]
 
 
 @pytest.mark.parametrize("binary", [True, False])

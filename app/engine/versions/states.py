@@ -149,4 +149,6 @@ def _left_out(version: str, entry: ModelEntry | None) -> str:
         return "not loaded here yet"
     if version in entry.get("rolled_back", []):
         return "rolled back (it serves again once a promotion names it)"
-    return "not chosen by the model's version policy"
+    # (or new in the repository since the model last loaded: a VERSION_POLICY of all found it unloaded, "not
+    # chosen", before a poll or a load call picked it up)
+    return "not chosen by the model's version policy when it last loaded (a load call, or a poll, loads it if chosen)"
