@@ -140,8 +140,9 @@ def train_one_epoch(model: nn.Module, data: Data, optimizer: torch.optim.Optimiz
     shown = AsyncScalar(device)
     seen, start = 0, time.perf_counter()
     batches = DevicePrefetcher(data.train, data.prepare, device)
-    bar = tqdm(batches, desc=f"epoch {epoch + 1}", unit="batch", disable=not env.is_main, leave=False,
-               mininterval=1.0)
+    # a bar on a terminal only: in a redirected log its frames shared each line with the epoch's summary
+    bar = tqdm(batches, desc=f"epoch {epoch + 1}", unit="batch", disable=not env.is_main or not sys.stderr.isatty(),
+               leave=False, mininterval=1.0)
     for images, targets in bar:
         loss, logits = train_step(model, images, targets, optimizer, scaler, args, trainable)
         # Accumulated on the device and read once per epoch: a .item() per step would stall the GPU queue.
@@ -202,7 +203,9 @@ def _setup(args: argparse.Namespace, env: DistEnv) -> tuple[torch.device, EvalPr
         if args.name is not None:  # refused now, not at the export after the last epoch
             check_name("model", args.name)
         if args.sync_bn and device.type != "cuda":
-            raise ValueError("--sync-bn needs CUDA (torch's SyncBatchNorm runs on GPUs); use --freeze-bn on CPU")
+            raise ValueError("--sync-bn needs CUDA (torch's SyncBatchNorm runs on GPUs); leave it out on CPUs (under "
+                             "torchrun there, each epoch's BatchNorm statistics are recomputed and averaged across the "
+                             "processes)")
         preset = make_preset(args)
         _check_export_target(args)
         return device, preset

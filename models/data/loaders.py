@@ -60,9 +60,9 @@ def splits(args: argparse.Namespace) -> tuple[Split, Split]:
         train_split, val_split = split_holdout(scan_split(args.data, workers=workers), args.val_split,
                                                 args.split_seed)
         held, whole = len(val_split.samples), len(val_split.samples) + len(train_split.samples)
-        log.info("%sholding out %d%% of each class for validation (--val-split): %d of its %d images (by each "
-                 "image's path; a class keeps at least one on each side)", said, round(100 * args.val_split), held,
-                 whole)
+        log.info("%sholding out %d%% of each class for validation (--val-split): %d of its %d images, %.0f%% (by "
+                 "each image's path, so a class's share varies; a class keeps at least one on each side)", said,
+                 round(100 * args.val_split), held, whole, 100 * held / max(whole, 1))
         return train_split, val_split
     train_split = scan_split(args.data / "train", workers=workers)
     val_split = scan_split(args.data / "val", workers=workers)

@@ -48,7 +48,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     target.add_argument("--repository", type=Path, default=None,
                         help="a model repository: writes <repository>/<name>/<version>, the next version number "
                              "unless --version says")
-    parser.add_argument("--name", default=None, help="model name (a checkpoint's: its run's folder name)")
+    parser.add_argument("--name", default=None, help="model name (a checkpoint's: its run's folder name; "
+                        "--default's: efficientnet_lite0)")
     parser.add_argument("--version", default=None,
                         help="model version (in a repository: the next number; with --out: --default 1, a "
                              "checkpoint its date and a digest of its weights)")
@@ -114,7 +115,7 @@ def main(argv: Sequence[str] | None = None, started: float | None = None) -> int
                               repository=args.repository, packages=targets, laps=laps)
         else:
             export_default(out, force=args.force, repository=args.repository, packages=targets, version=args.version,
-                           laps=laps)
+                           laps=laps, name=args.name)
     # A model the server would refuse, a target that cannot be written, a compile that failed: one line each.
     except (OSError, ValueError, RuntimeError, ModelLoadError) as exc:
         log.error("error: %s", one_line(str(exc)))

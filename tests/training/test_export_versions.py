@@ -63,6 +63,11 @@ def test_the_default_export_writes_the_version_asked_for_and_never_rewrites_one(
     assert code == 2
     (line,) = [line for line in text.splitlines() if "ERROR" in line]
     assert "already holds efficientnet_lite0 1: leave --version out for the next number (3), or pass --force" in line
+    # --name: the bundled model as a second model of the repository (before: ignored, written as efficientnet_lite0 3)
+    code, text = _export(["--default", "--repository", str(repository), "--name", "other"], caplog)
+    assert code == 0, text
+    assert read_manifest(repository / "other" / "1").name == "other"
+    assert not (repository / "efficientnet_lite0" / "3").exists()
 
 
 @pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's

@@ -385,7 +385,8 @@ def test_a_flat_folder_s_run_lists_its_held_out_images_and_its_summary_evaluates
     held = sorted(os.path.abspath(run / line) for line in listed)
     assert held == sorted(str(path) for path, _ in splits(train.get_args_parser(ARCHS).parse_args(
         small_args(flat, tmp_path / "again")))[1].samples)
-    assert f"holding out 20% of each class for validation (--val-split): {len(held)} of its 18 images" in caplog.text
+    assert (f"holding out 20% of each class for validation (--val-split): {len(held)} of its 18 images, "
+            f"{100 * len(held) / 18:.0f}%") in caplog.text
     lines = [r.getMessage() for r in caplog.records]
     (export,) = [line.removeprefix("export: ") for line in lines if line.startswith("export: ")]
     (evaluate,) = [line.removeprefix("evaluate: ") for line in lines if line.startswith("evaluate: ")]
@@ -644,8 +645,13 @@ def test_progress_counts_epochs_from_one_and_the_bar_shows_each_new_loss(folder:
     # Before: "epoch 0/1" and a bar whose loss was set on every 20th step only (an epoch of 9 steps: the first
     # batch's loss throughout).
     shown: list[str] = []
+    drawn: list[bool] = []
 
     class Bar(train.tqdm):  # type: ignore[misc, name-defined]
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            drawn.append(not kwargs["disable"])
+            super().__init__(*args, **kwargs)
+
         def set_postfix(self, *args: object, **kwargs: object) -> None:
             shown.append(str(kwargs["loss"]))
             super().set_postfix(*args, **kwargs)
@@ -654,6 +660,9 @@ def test_progress_counts_epochs_from_one_and_the_bar_shows_each_new_loss(folder:
     with caplog.at_level(logging.INFO, logger="models.train"):
         assert train.main(small_args(folder, tmp_path / "run", "--epochs", "2", "--batch-size", "2")) == 0
     assert len(shown) == 18 and len(set(shown)) > 9
+    # stderr here is no terminal: no bar drawn (before: a redirected log's lines held its frames, an epoch's summary
+    # on the same line as the last one)
+    assert drawn == [False, False]
     lines = [r.getMessage() for r in caplog.records]
     assert [line[:9] for line in lines if line.startswith("epoch ")] == ["epoch 1/2", "epoch 2/2"]
     assert any(line.startswith("done: best epoch 1,") or line.startswith("done: best epoch 2,") for line in lines)
