@@ -157,26 +157,48 @@ class Refusal:
     def code(self) -> str:
         return self.reason.lower().replace(" ", "_")
 
-    def tell(self, send: Callable[[bytes], object], client: str | None) -> None:
+    def tell(self, send: Callable[[bytes], object], client: str | None, path: str | None = None) -> None:
         """Send this answer (under a new request id) by ``send``, a client gone meanwhile aside, log its access
-        line and count it (``count_unparsed``)."""
+        line and count it (``count_unparsed``); ``path``: the request's, where its head says it (its error shape)."""
         request_id = uuid.uuid4().hex
         with contextlib.suppress(OSError):
-            send(self.response(request_id))
+            send(self.response(request_id, path))
         log.info("request", extra={"client": client, "status": self.status, "error": self.code,
                                    "detail": self.message, "request_id": request_id})
         count_unparsed(self.status)
 
-    def response(self, request_id: str) -> bytes:
-        """The answer in the service's error shape, with its request id (as every answer has: the access line names
-        it too)."""
-        error = ServiceError(self.message)
-        error.status, error.code = self.status, self.code
-        body = json.dumps(default_body(error, request_id)).encode()
+    def response(self, request_id: str, path: str | None = None) -> bytes:
+        """The answer in the error shape of its ``path`` (``error_body``), with its request id (as every answer has:
+        the access line names it too)."""
+        body = json.dumps(error_body(path, self.code, self.message, request_id)).encode()
         return (f"HTTP/1.1 {self.status} {self.reason}\r\n".encode()
                 + b"Content-Type: application/json\r\nConnection: close\r\nX-Request-ID: " + request_id.encode()
                 + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
+
+
+def is_v2(path: str | None) -> bool:
+    """A path of the Open Inference Protocol's routes, whose errors are ``{"error": "<message>"}``."""
+    return path is not None and (path == "/v2" or path.startswith("/v2/"))
+
+
+def error_body(path: str | None, code: str, message: str, request_id: str) -> dict[str, Any]:
+    """An error answered before the app, in the shape the app answers ``path`` in (the OpenAPI document's): under
+    /v2 the protocol's, elsewhere the service's (``default_body``)."""
+    if is_v2(path):
+        return {"error": message}
+    error = ServiceError(message)
+    error.code = code
+    return default_body(error, request_id)
+
+
+def target_path(head: bytes | bytearray) -> str | None:
+    """The path a request head's request line targets (its query left out), or None where no such line is there."""
+    end = head.find(b"\n")  # (a head refused for its bare LF says its path too)
+    parts = bytes(head[:end if end >= 0 else len(head)]).rstrip(b"\r").split(b" ")
+    if len(parts) != 3 or not parts[1].startswith(b"/"):
+        return None
+    return parts[1].partition(b"?")[0].decode("latin-1")
 
 
 def count_unparsed(status: int) -> None:

@@ -25,6 +25,8 @@ import time
 import uuid
 from typing import Any, Callable, Iterable
 
+from app.hosting.request_framing import error_body
+
 StartResponse = Callable[..., Any]
 WSGIApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
 
@@ -72,11 +74,7 @@ def starting_answer(environ: dict[str, Any], request_id: str) -> tuple[int, dict
     if path in PROBES:
         status, body = PROBES[path]
         return status, body, {}
-    if path == "/v2" or path.startswith("/v2/"):
-        body = {"error": MESSAGE}
-    else:
-        body = {"error": {"code": "not_ready", "message": MESSAGE, "request_id": request_id}}
-    return 503, body, {"Retry-After": str(RETRY_AFTER_S)}
+    return 503, error_body(path, "not_ready", MESSAGE, request_id), {"Retry-After": str(RETRY_AFTER_S)}
 
 
 class StartingApp:

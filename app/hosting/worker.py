@@ -47,7 +47,7 @@ from app.hosting.client_socket import ClientConn, ClientSocket
 from app.hosting.loop_requests import LoopRequests
 from app.hosting.request_framing import (CONTINUE, HEADER_END, HELD_PIECE, ChunkedBody, Framing, HeldUnreader,
                                          ReadLimits, Reading, Refusal, body_framing, continued_request, head_refusal,
-                                         parser_refusal, skip_held_body)
+                                         parser_refusal, skip_held_body, target_path)
 
 CLOSE_LINGER_S = 2.0  # a connection's graceful close reads what the client still sends for this long at most
 CLOSE_DRAIN_BYTES = 64 * 1024  # and this much at most (gunicorn's close_graceful, on the loop without blocking)
@@ -601,7 +601,8 @@ class BufferingWorker(LoopRequests, ThreadWorker):
     @staticmethod
     def _answer(reading: Reading, refusal: Refusal) -> None:
         """The loop's own answer to a request it ends, and its access line."""
-        refusal.tell(reading.conn.sock.send, _peer(reading.conn))  # small: fits the socket buffer
+        refusal.tell(reading.conn.sock.send, _peer(reading.conn),  # small: fits the socket buffer
+                     target_path(reading.buffer))
 
     def _forget(self, reading: Reading) -> None:
         self.reading.discard(reading)

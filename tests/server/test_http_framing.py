@@ -20,6 +20,8 @@ from typing import Iterator
 
 import pytest
 
+from app.config import Settings
+
 from harness import faults
 from harness.servers import Running, free_port, gunicorn_command
 from tests.support.servers import serve
@@ -133,6 +135,27 @@ def test_a_bare_lf_head_is_400_and_an_endless_request_line_414_at_once(server: R
     with Raw(server.port) as raw:
         raw.send(b"GET /" + b"a" * 9000)  # no end of line yet, past gunicorn's 8190
         assert "8190 byte limit" in raw.error(414, "uri_too_long")["message"] and raw.closed()
+
+
+def test_an_answer_before_the_app_takes_the_error_shape_of_its_path(server: Running) -> None:
+    # Before: an upload over MAX_BODY_BYTES after Expect: 100-continue (curl sends it for bodies over 1 MB) to a V2
+    # route was refused in the service's shape, where the OpenAPI document says /v2 errors are {"error": "<message>"}.
+    over = Settings().max_body_bytes + 1
+    for path, v2 in (("/v2/models/small/infer", True), ("/predict", False)):
+        with Raw(server.port) as raw:
+            raw.send(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
+                     f"Content-Length: {over}\r\nExpect: 100-continue\r\n\r\n".encode())
+            status, headers, body = raw.answer()
+            assert (status, headers["connection"]) == (413, "close"), (status, headers, body)
+            error = json.loads(body)["error"]
+            if v2:
+                assert isinstance(error, str) and "byte limit" in error
+            else:
+                assert error["code"] == "request_entity_too_large" and "byte limit" in error["message"]
+    with Raw(server.port) as raw:  # a bare LF in a V2 route's head
+        raw.send(b"GET /v2/health/ready HTTP/1.1\nHost: x\n\n")
+        status, _, body = raw.answer()
+        assert status == 400 and "bare LF" in json.loads(body)["error"]
 
 
 @pytest.mark.parametrize("sent, status, code", [
