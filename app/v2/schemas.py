@@ -148,7 +148,8 @@ class Error(BaseModel):
 class RepositoryIndexRequest(BaseModel):
     """POST /v2/repository/index (the body may be empty)."""
 
-    ready: bool = Field(False, description="only the versions ready to serve")
+    # strict: a JSON true or false ("yes" read as true before: no error, every version's readiness filtered)
+    ready: bool = Field(False, strict=True, description="only the versions ready to serve")
 
 
 class RepositoryModel(BaseModel):

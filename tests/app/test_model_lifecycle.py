@@ -831,6 +831,8 @@ def test_the_repository_api(client: FlaskClient, repository: FakeRepository) -> 
         {"name": "colour", "version": "1", "state": "READY", "reason": "", "default": True, "role": "live"}]
     repository.add("colour", "2")
     assert client.post("/v2/repository/index", json={"ready": True}).get_json()[0]["version"] == "1"
+    refused = client.post("/v2/repository/index", json={"ready": "yes"})  # before: read as true
+    assert refused.status_code == 422 and "boolean" in refused.get_json()["error"]
     loaded = client.post("/v2/repository/models/colour/load")
     assert loaded.status_code == 200 and loaded.get_json() == {"name": "colour", "versions": ["2"], "default": "2"}
     assert client.post("/predict", data=image_bytes(RED), content_type="image/jpeg").get_json()["model"] == {
