@@ -189,7 +189,8 @@ def sigterm(start: Start, weights: Path, workers: int, keepalive: bool, **settin
     connection = "keep-alive" if keepalive else "new connections"
     said = "".join(f", {name.upper()}={value}" for name, value in settings.items())
     return Row(f"SIGTERM mid-burst, {workers} worker(s){said}, {connection}", outcomes, None,
-               f"exit {exit_code} after {exited_s:.1f} s; 503s are the drain's", fault_at=term_at)
+               f"exit {exit_code} after {exited_s:.1f} s; the drain answers 1.5 s, then 503 until it closes",
+               fault_at=term_at)
 
 
 def client_connections(pid: int, port: int) -> int:
