@@ -208,8 +208,8 @@ def _halt_when_an_engine_fails(server) -> None:  # noqa: ANN001
 
 
 def _forget(server, pid: int) -> None:  # noqa: ANN001
-    """A worker or an engine ended: its report of what it served, a worker's mark of having reached the engine
-    (readiness counts the live workers' marks) and its live gauges go. A directory that cannot be written
+    """A worker or an engine ended: its report of what it served, a worker's marks of having reached the engine
+    (readiness counts the live workers' marks) and of leaving, and its live gauges go. A directory that cannot be written
     (read-only, its disk gone) is said in the log, never raised: the master's loop would end with it, and the server
     with every worker."""
     control_dir = os.environ.get("VISIONSERVE_CONTROL_DIR")
@@ -217,6 +217,7 @@ def _forget(server, pid: int) -> None:  # noqa: ANN001
         if control_dir:
             control.report(Path(control_dir), pid).unlink(missing_ok=True)
             control.ready_mark(Path(control_dir), pid).unlink(missing_ok=True)
+            control.leaving_mark(Path(control_dir), pid).unlink(missing_ok=True)  # (killed during its drain)
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             from prometheus_client import multiprocess
 

@@ -102,6 +102,25 @@ def test_a_worker_still_loading_leaves_new_connections_to_one_that_drains_and_st
     assert control.takes_connections(tmp_path, loading)
 
 
+def test_a_worker_killed_during_its_drain_leaves_no_leaving_mark(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import runpy
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("VISIONSERVE_CONTROL_DIR", str(tmp_path))  # before the config runs (see below)
+    before = dict(os.environ)
+    try:
+        config = runpy.run_path("gunicorn.conf.py")
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
+    marks = [control.ready_mark(tmp_path, 4242), control.leaving_mark(tmp_path, 4242)]
+    for mark in marks:
+        mark.touch()
+    config["child_exit"](SimpleNamespace(log=SimpleNamespace(warning=print)), SimpleNamespace(pid=4242))
+    assert not any(mark.exists() for mark in marks)
+
+
 def test_a_dead_worker_s_files_the_master_cannot_remove_are_logged_not_raised(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Before: the unlink's EROFS (CONTROL_DIR turned read-only) was raised in gunicorn's main loop from child_exit:
