@@ -68,7 +68,7 @@ class EvalResult:
 
 
 def _amp_dtype(args: argparse.Namespace) -> AmpDtype | None:
-    return args.amp_dtype if args.amp else None
+    return (args.amp_dtype or "bf16") if args.amp else None
 
 
 def make_preset(args: argparse.Namespace) -> EvalPreset:
@@ -199,6 +199,9 @@ def _setup(args: argparse.Namespace, env: DistEnv) -> tuple[torch.device, EvalPr
         args.lr_warmup_epochs = 0 if args.pretrained else 1
     try:
         device = pick_device(args.device, env)
+        if args.amp_dtype is not None and not args.amp:  # (it did nothing: the run trained in float32, unsaid)
+            raise ValueError(f"--amp-dtype {args.amp_dtype} without --amp does nothing: add --amp for mixed "
+                             "precision, or leave --amp-dtype out")
         check_amp(device, _amp_dtype(args))
         if args.name is not None:  # refused now, not at the export after the last epoch
             check_name("model", args.name)

@@ -109,7 +109,8 @@ def get_args_parser(archs: Sequence[str], description: str = "") -> argparse.Arg
                         help="linear warm-up (default: 1 epoch from scratch, 0 with --pretrained)")
     parser.add_argument("--clip-grad-norm", type=_POSITIVE, default=None, help="clip the gradient norm to this")
     parser.add_argument("--amp", action="store_true", help="mixed precision (autocast) for training")
-    parser.add_argument("--amp-dtype", choices=("bf16", "fp16"), default="bf16", help="fp16 (CUDA) uses a GradScaler")
+    parser.add_argument("--amp-dtype", choices=("bf16", "fp16"), default=None,
+                        help="with --amp: bf16 (the default) or fp16 (CUDA; with a GradScaler)")
     parser.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
                         help="TF32 tensor cores for the fp32 matmuls and convolutions on CUDA (Ampere and later)")
     parser.add_argument("--channels-last", action="store_true", help="NHWC memory format (faster convs on GPUs)")

@@ -178,6 +178,9 @@ def test_user_mistakes_are_one_line_errors(folder: Path, tmp_path: Path, caplog:
 
     assert "needs CUDA" in _main_error(small_args(folder, out, "--sync-bn"), caplog)
     assert "fp16 needs a CUDA device" in _main_error(small_args(folder, out, "--amp", "--amp-dtype", "fp16"), caplog)
+    # Before: accepted and ignored (the run trained in float32, said nowhere)
+    assert "--amp-dtype fp16 without --amp does nothing" in _main_error(small_args(folder, out, "--amp-dtype", "fp16"),
+                                                                        caplog)
     assert "does not exist" in _main_error(small_args(folder, out, "--resume", str(tmp_path / "nope.pt")), caplog)
     # Before: an invalid --name trained every epoch, then the export refused it.
     assert "model name 'a+b' is not one this server serves" in _main_error(small_args(folder, out, "--name", "a+b"),
