@@ -65,6 +65,10 @@ def register_error_handlers(app: Flask, protocols: Sequence[Protocol], body_time
         protocol = by_blueprint.get(request.blueprint or "") or next(
             (p for p in protocols if p.owns(request.path)), None)
         shape = protocol.error_body if protocol is not None and protocol.error_body else default_body
+        why = protocol.unserved(request.path) if error.status == 404 and protocol and protocol.unserved else None
+        if why is not None:  # (a generic 404, or one that took the extension's name for a model's)
+            error = ServiceError(why, headers=error.headers)
+            error.status, error.code = 404, "not_found"
         response = jsonify(shape(error, g.get("request_id")))
         response.status_code = error.status
         response.headers.update(error.headers)

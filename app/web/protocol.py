@@ -21,6 +21,8 @@ class Protocol:
     openapi_paths: Callable[[], dict[str, Any]]
     openapi_models: Sequence[type[BaseModel]] = field(default_factory=tuple)
     error_body: ErrorBody | None = None
+    # path -> why a 404 there is no typo: a part of the protocol this server does not serve, and what to use instead
+    unserved: Callable[[str], "str | None"] | None = None
 
     def owns(self, path: str) -> bool:
         """Whether ``path`` is under this protocol's URL prefix (for requests no route matched)."""

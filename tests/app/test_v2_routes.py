@@ -73,6 +73,19 @@ def test_a_model_s_configuration_reads_as_triton_s(client: FlaskClient, settings
     assert "version '2'" in _v2_error(client.get("/v2/models/colour/versions/2/config"), 404)
 
 
+@pytest.mark.parametrize("path, extension", [
+    ("/v2/models/stats", "statistics"),  # before: "no model 'stats' is loaded"
+    ("/v2/models/colour/stats", "statistics"),  # before: Flask's "The requested URL was not found" text
+    ("/v2/models/colour/versions/test/stats", "statistics"),
+    ("/v2/trace/setting", "trace"), ("/v2/models/colour/trace/setting", "trace"), ("/v2/logging", "logging"),
+    ("/v2/systemsharedmemory/status", "shared memory"), ("/v2/cudasharedmemory/region/x/status", "shared memory"),
+])
+def test_triton_s_extensions_not_served_are_404_saying_so(client: FlaskClient, path: str, extension: str) -> None:
+    message = _v2_error(client.get(path), 404)
+    assert message.startswith(f"Triton's {extension} extension is not served here"), message
+    assert "not served" not in _v2_error(client.get("/v2/models/colour/nope"), 404)  # any other path as before
+
+
 def test_json_bytes_input_gives_probabilities_and_classification(client: FlaskClient) -> None:
     body = {"id": "r1", "inputs": [_bytes_input(image_bytes(RED), image_bytes(BLUE))],
             "outputs": [{"name": "probabilities"}, {"name": "probabilities", "parameters": {"classification": 2}}]}
