@@ -391,8 +391,9 @@ class ServerSettings(SettingsGroup):
     graceful_timeout_s: int = Field(
         35, gt=0, description="Time to finish accepted requests after SIGTERM: at least `REQUEST_TIMEOUT_S` (a "
         "shorter one stops the start), 5 s above it by default, so that a request accepted just before SIGTERM may "
-        "wait out its whole deadline. A request is accepted once its body has arrived whole: one still "
-        "arriving at SIGTERM is answered `503 not_ready` (with `Retry-After`) when it has, as a new one is.")
+        "wait out its whole deadline. A request is accepted once its body has arrived whole: within "
+        "`SHUTDOWN_DRAIN_S` after SIGTERM new ones are still accepted and answered, after it `503 not_ready` "
+        "(with `Retry-After`).")
     shutdown_drain_s: float = Field(
         5.0, ge=0, description="After SIGTERM (a stop, or a HUP's old worker) a worker keeps its listener open at "
         "least this long, not ready but answering new requests as before, each with `Connection: close` (so a load "

@@ -406,8 +406,8 @@ class RemoteService(Lifecycle):
     def explain(self, image: bytes, name: str | None = None, version: str | None = None, index: int | None = None,
                 png: bool = False, timeout_s: float = 30.0) -> Explanation:
         """As ``Service.explain``, in the engine: the image crosses as it is, the explanation comes back."""
-        self.require_ready()
-        with self.in_flight.inside():  # a drain waits for it, as for a request
+        with self.in_flight.inside():  # a drain waits for it, as for a request: counted before the readiness check,
+            self.require_ready()  # so a drain that stops serving meanwhile sees it (as admit does)
             return self._exchange(wire.Explain(name, version, index, png, timeout_s), timeout_s + ANSWER_GRACE_S,
                                   "the engine stopped while explaining this image; it is restarting", [image])
 

@@ -60,13 +60,15 @@ def register_error_handlers(app: Flask, protocols: Sequence[Protocol], body_time
     """Route every exception the app can raise to one renderer."""
     by_blueprint = {p.blueprint.name: p for p in protocols}
 
-    def render(error: ServiceError) -> Response:
+    def render(error: ServiceError, unmatched: bool = False) -> Response:
         g.error_code = error.code  # for the access log and the rejection counter
         protocol = by_blueprint.get(request.blueprint or "") or next(
             (p for p in protocols if p.owns(request.path)), None)
         shape = protocol.error_body if protocol is not None and protocol.error_body else default_body
-        why = protocol.unserved(request.path) if error.status == 404 and protocol and protocol.unserved else None
-        if why is not None:  # (a generic 404, or one that took the extension's name for a model's)
+        why = (protocol.unserved(request.path) if error.status == 404 and protocol and protocol.unserved
+               and (unmatched or request.url_rule is not None and "<name>" in request.url_rule.rule
+                    and request.view_args.get("name") == "stats") else None)
+        if why is not None:  # (the router's 404, or the metadata route's that took the extension's path for a model)
             error = ServiceError(why, headers=error.headers)
             error.status, error.code = 404, "not_found"
         response = jsonify(shape(error, g.get("request_id")))
@@ -84,6 +86,6 @@ def register_error_handlers(app: Flask, protocols: Sequence[Protocol], body_time
 
     app.register_error_handler(ServiceError, render)
     app.register_error_handler(ClientDisconnected, lambda exc: render(from_disconnect(exc, body_timeout_s)))
-    app.register_error_handler(HTTPException, lambda exc: render(_from_http(exc)))
+    app.register_error_handler(HTTPException, lambda exc: render(_from_http(exc), unmatched=exc.code == 404))
     app.register_error_handler(ParseException, framing)
     app.register_error_handler(Exception, unexpected)
