@@ -125,9 +125,10 @@ def model_config(name: str, version: str | None = None) -> Response:
         output=[classes, *([ConfigTensor(name=EMBEDDING, data_type="TYPE_FP32", dims=[manifest.embedding.dim])]
                            if manifest.embedding is not None else [])],
         dynamic_batching=DynamicBatching(max_queue_delay_microseconds=round(settings.max_wait_ms * 1000),
-                                         preferred_batch_size=[info.batch_cap]),
+                                         preferred_batch_size=[min(info.batch_cap, settings.max_images)]),
+        # a copy in each engine of the device, or inline in each worker
         instance_group=[InstanceGroup(kind="KIND_GPU" if info.device.startswith("cuda") else "KIND_CPU",
-                                      count=settings.engines_per_device if apart else 1)],
+                                      count=settings.engines_per_device if apart else settings.model_processes())],
         default_model_filename=files.get(info.weights_format)))
 
 
