@@ -102,18 +102,27 @@ def test_a_worker_still_loading_leaves_new_connections_to_one_that_drains_and_st
     assert control.takes_connections(tmp_path, loading)
 
 
-def test_a_worker_killed_during_its_drain_leaves_no_leaving_mark(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def _gunicorn_config(monkeypatch: pytest.MonkeyPatch, control_dir: Path) -> dict:
+    """gunicorn.conf.py run in this process, CONTROL_DIR set before it runs and what it set in the environment
+    undone. Set after, the monkeypatch's undo put the config's own directory back into this process's environment,
+    and the later tests in it shared that CONTROL_DIR (a server they started, and every Service built, read another
+    test's desired state)."""
     import runpy
-    from types import SimpleNamespace
 
-    monkeypatch.setenv("VISIONSERVE_CONTROL_DIR", str(tmp_path))  # before the config runs (see below)
+    monkeypatch.setenv("VISIONSERVE_CONTROL_DIR", str(control_dir))
     before = dict(os.environ)
     try:
-        config = runpy.run_path("gunicorn.conf.py")
+        return runpy.run_path("gunicorn.conf.py")
     finally:
         os.environ.clear()
         os.environ.update(before)
+
+
+def test_a_worker_killed_during_its_drain_leaves_no_leaving_mark(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    config = _gunicorn_config(monkeypatch, tmp_path)
     marks = [control.ready_mark(tmp_path, 4242), control.leaving_mark(tmp_path, 4242)]
     for mark in marks:
         mark.touch()
@@ -126,44 +135,29 @@ def test_a_dead_worker_s_files_the_master_cannot_remove_are_logged_not_raised(
     # Before: the unlink's EROFS (CONTROL_DIR turned read-only) was raised in gunicorn's main loop from child_exit:
     # the master exited 1 at the first worker's death, every other worker with it.
     import errno
-    import runpy
     from types import SimpleNamespace
 
-    # set before the config runs, so it makes no directory of its own: set after, the monkeypatch's undo put the
-    # config's directory back into this process's environment, and the later tests in it shared that CONTROL_DIR
-    # (a server they started, and every Service built, read another test's desired state)
-    monkeypatch.setenv("VISIONSERVE_CONTROL_DIR", str(tmp_path))
-    before = dict(os.environ)
-    try:
-        config = runpy.run_path("gunicorn.conf.py")
-        control.ready_mark(tmp_path, 4242).touch()
+    config = _gunicorn_config(monkeypatch, tmp_path)
+    control.ready_mark(tmp_path, 4242).touch()
 
-        def read_only(self: Path, missing_ok: bool = False) -> None:
-            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+    def read_only(self: Path, missing_ok: bool = False) -> None:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
 
-        monkeypatch.setattr(Path, "unlink", read_only)
-        warnings: list[str] = []
-        server = SimpleNamespace(log=SimpleNamespace(warning=lambda message, *args: warnings.append(message % args)))
-        config["child_exit"](server, SimpleNamespace(pid=4242))
-    finally:
-        os.environ.clear()
-        os.environ.update(before)
+    monkeypatch.setattr(Path, "unlink", read_only)
+    warnings: list[str] = []
+    server = SimpleNamespace(log=SimpleNamespace(warning=lambda message, *args: warnings.append(message % args)))
+    config["child_exit"](server, SimpleNamespace(pid=4242))
     assert len(warnings) == 1 and "worker 4242" in warnings[0] and os.strerror(errno.EROFS) in warnings[0]
 
 
-def test_a_change_of_the_worker_count_by_ttin_or_ttou_is_refused_and_said(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_change_of_the_worker_count_by_ttin_or_ttou_is_refused_and_said(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path) -> None:
     # Before: TTOU left one worker fewer than VISIONSERVE_WORKERS, whose marks readiness counts: /readyz answered
     # 503 for good while every check in its body was true (an orchestrator took the healthy server out).
-    import runpy
     from types import SimpleNamespace
 
     monkeypatch.setenv("VISIONSERVE_WORKERS", "2")
-    before = dict(os.environ)
-    try:
-        config = runpy.run_path("gunicorn.conf.py")
-    finally:
-        os.environ.clear()
-        os.environ.update(before)
+    config = _gunicorn_config(monkeypatch, tmp_path)
     errors: list[str] = []
     server = SimpleNamespace(_num_workers=2, log=SimpleNamespace(error=lambda message, *args: errors.append(
         message % args)))
