@@ -12,7 +12,8 @@ checks no API key (its answers hold nothing but "starting"), and closes the conn
 read (chunked, over ``max_body_bytes``, or sent after ``100 Continue``). Its answers are counted as the app counts
 them (``visionserve_requests_total``, endpoint ``starting``; a probe's in ``visionserve_probe_requests_total``), held
 here and written once the app exists (``_hand_over``): a reload's 503s count in the 5xx ratio. Standard library
-only: no request waits for the imports it is answering around.
+and request_framing's error shape only (the worker class loaded it already): no request waits for the imports it
+is answering around.
 """
 from __future__ import annotations
 
