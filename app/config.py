@@ -392,8 +392,9 @@ class ServerSettings(SettingsGroup):
         35, gt=0, description="Time to finish accepted requests after SIGTERM: at least `REQUEST_TIMEOUT_S` (a "
         "shorter one stops the start), 5 s above it by default, so that a request accepted just before SIGTERM may "
         "wait out its whole deadline. A request is accepted once its body has arrived whole: within "
-        "`SHUTDOWN_DRAIN_S` after SIGTERM new ones are still accepted and answered, after it `503 not_ready` "
-        "(with `Retry-After`).")
+        "`SHUTDOWN_DRAIN_S` after SIGTERM new ones are still accepted and answered, their deadline cut to what is "
+        "left of this timeout but 1 s (an answer, a 504 at worst, before the worker is stopped), after it "
+        "`503 not_ready` (with `Retry-After`).")
     shutdown_drain_s: float = Field(
         5.0, ge=0, description="After SIGTERM (a stop, or a HUP's old worker) a worker keeps its listener open at "
         "least this long, not ready but answering new requests as before, each with `Connection: close` (so a load "

@@ -305,7 +305,8 @@ class ServiceFace(Protocol):
     def refusing(self) -> bool: ...
     @property
     def stalled(self) -> str | None: ...
-    def begin_drain(self) -> None: ...
+    def begin_drain(self, within_s: float | None = None) -> None: ...
+    def deadline_limit_s(self, request_timeout_s: float) -> float: ...
     def stop_serving(self) -> None: ...
     def shutdown(self, timeout: float | None = None) -> None: ...
     def wait_drained(self, min_s: float, max_s: float) -> bool: ...
@@ -333,6 +334,7 @@ class Lifecycle:
         self._started = threading.Event()
         self._draining = threading.Event()
         self._refusing = threading.Event()
+        self._drain_ends: float | None = None  # time.monotonic() by which a drain must be over (begin_drain's within_s)
         # An HTTP worker's file saying it serves (CONTROL_DIR's http-<pid>.ready): there from its first models (or
         # its engine reached) until its drain, and away while its engine restarts (app/link/client.py). A worker
         # without one leaves new connections to the workers that have one (app/hosting/worker.py); None: no file
@@ -356,23 +358,49 @@ class Lifecycle:
         http-<pid>.leaving), or None without a ready mark."""
         return None if self.ready_mark is None else control.leaving_mark(self.ready_mark.parent, os.getpid())
 
-    def begin_drain(self) -> None:
+    def begin_drain(self, within_s: float | None = None) -> None:
         """Turn readiness off so load balancers stop sending; accepted work still completes, and new requests are
-        still answered (each answer closing its connection) until ``stop_serving``. A worker that served says it
-        leaves (its leaving mark, made before its ready mark goes: a HUP's new worker, still loading, leaves the new
-        connections to it meanwhile). Never raises (a worker's SIGTERM handler calls it): a mark that cannot be
-        written or removed (CONTROL_DIR read-only) is warned of."""
+        still answered (each answer closing its connection) until ``stop_serving``. ``within_s``: the drain must be
+        over by then (its worker is stopped after it), so a request admitted from now on gets at most what is left
+        of it for its deadline (``deadline_limit_s``). A worker that served says it leaves (its leaving mark, made
+        before its ready mark goes: a HUP's new worker, still loading, leaves the new connections to it meanwhile).
+        Never raises (a worker's SIGTERM handler calls it): a mark that cannot be written or removed (CONTROL_DIR
+        read-only) is warned of."""
+        if within_s is not None and self._drain_ends is None:
+            self._drain_ends = time.monotonic() + within_s
         self._draining.set()
-        leaving = self.leaving_mark
-        if leaving is not None and self.ready_mark is not None:
+        if self.ready_mark is not None:
             try:
-                if self.ready_mark.exists():
-                    leaving.touch()
-            except OSError as exc:
-                log.warning("could not write the leaving mark %s: %s; a worker still loading takes new connections "
-                            "meanwhile (503 until it serves)", leaving, exc)
+                served = self.ready_mark.exists()
+            except OSError:
+                served = False
+            if served:
+                self._mark_leaving()
         self._remove_ready_mark()
         self._drain_begun()
+
+    def _mark_leaving(self) -> None:
+        """The leaving mark written, unless the drain's window is over."""
+        leaving = self.leaving_mark
+        if leaving is None or self.refusing:
+            return
+        try:
+            leaving.touch()
+        except OSError as exc:
+            log.warning("could not write the leaving mark %s: %s; a worker still loading takes new connections "
+                        "meanwhile (503 until it serves)", leaving, exc)
+
+    def deadline_limit_s(self, request_timeout_s: float) -> float:
+        """The longest deadline a request admitted now may have: ``request_timeout_s``, or during a drain that must
+        end sooner (``begin_drain``'s ``within_s``) what is left of it, so that its answer (a 504 at worst) comes
+        before its worker is stopped; NotReady (503, the connection closing) once nothing is left."""
+        ends = self._drain_ends
+        if ends is None:
+            return request_timeout_s
+        left_s = ends - time.monotonic()
+        if left_s <= 0:
+            raise not_ready(DRAINING, close=True)
+        return min(request_timeout_s, left_s)
 
     def stop_serving(self) -> None:
         """The drain's window is over: new requests are answered 503 (``require_ready``), and the leaving mark goes.
@@ -380,6 +408,9 @@ class Lifecycle:
         if not self.draining:
             self.begin_drain()
         self._refusing.set()
+        self._remove_leaving_mark()
+
+    def _remove_leaving_mark(self) -> None:
         leaving = self.leaving_mark
         if leaving is not None:
             try:
@@ -414,7 +445,8 @@ class Lifecycle:
         if self._mark_unwritten:
             log.info("wrote the ready mark %s", self.ready_mark)
             self._mark_unwritten = False
-        if self.draining:  # began between the look and the touch: its unlink may have come first
+        if self.draining:  # began between the look and the touch: its look and unlink may have come first
+            self._mark_leaving()
             self._remove_ready_mark()
 
     def _keep_ready_mark(self) -> None:

@@ -71,7 +71,7 @@ def install(worker: Any, service_of: Callable[[Any], Any], drain_s: float, limit
             return
         if service.draining:  # a second SIGTERM (the master's, after one sent to the whole process group)
             return
-        service.begin_drain()
+        service.begin_drain(limit_s)  # a request accepted in the drain is answered within it
         worker.draining = True  # a worker that serves takes its new connections (app/hosting/worker.py)
         threading.Thread(target=drain_then_stop, args=(service,), name="drain", daemon=True).start()
 

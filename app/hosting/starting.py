@@ -39,7 +39,8 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}\Z")  # app/web/hooks.py ke
 PROBES: dict[str, tuple[int, dict[str, Any]]] = {
     "/healthz": (200, {"status": "alive", "checks": {"batcher_thread": True}}),
     "/readyz": (503, {"status": "not_ready", "checks": {"model_loaded": False, "warmed_up": False,
-                                                        "batcher_thread": True, "accepting": True}}),
+                                                        "batcher_thread": True, "not_draining": True,
+                                                        "accepting": True}}),
     "/v2/health/live": (200, {"live": True}),
     "/v2/health/ready": (503, {"ready": False}),
 }

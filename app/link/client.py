@@ -294,6 +294,7 @@ class RemoteService(Lifecycle):
             if self._stopped.is_set():
                 return
             self._remove_ready_mark()
+            self._remove_leaving_mark()  # a draining worker without its engine answers nothing new: 503
             self._show_engine(False)
             log.info("engine %d is gone: waiting for it to be ready again", self.slot)
             while not self._stopped.wait(WAIT_S):  # (a restart takes a second at least: RESTART_DELAY_S)

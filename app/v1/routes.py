@@ -11,7 +11,7 @@ from flask import Blueprint, Response, request
 from app.config import Settings
 from app.engine.contract import Ranked, VersionInfo
 from app.errors import BadRequest
-from app.v1.payload import LISTED, MODEL, VERSION, PredictInput, parse_explain, parse_predict
+from app.v1.payload import LISTED, MODEL, VERSION, parse_explain, parse_predict
 from app.v1.schemas import (
     Batching,
     Crop,
@@ -46,7 +46,7 @@ def predict() -> Response:
     """Classify one or more images."""
     service, req = current_service(), request._get_current_object()  # not a proxy lookup per field
     settings = service.settings
-    timeout_s = deadline_s(req.headers, settings.request_timeout_s)
+    timeout_s = deadline_s(req.headers, service.deadline_limit_s(settings.request_timeout_s))
     # (werkzeug's get raises and catches inside for one not given)
     query = each_once(req.args, "query parameter", LISTED)
     # Admitted only if the queue could take one image in time: refused before the body is parsed otherwise.
@@ -70,7 +70,7 @@ def predict() -> Response:
 def explain() -> Response:
     """Why the model chooses a class for one image: a Grad-CAM map as JSON, or drawn over the photo as a PNG."""
     service = current_service()
-    timeout_s = deadline_s(request.headers, service.settings.request_timeout_s)
+    timeout_s = deadline_s(request.headers, service.deadline_limit_s(service.settings.request_timeout_s))
     name, version = request.args.get("model"), request.args.get("version")
     service.require_ready()
     # The version whose labels the class is read with is the one that explains (named, so no canary draws it)

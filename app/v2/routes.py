@@ -246,7 +246,8 @@ def infer(name: str, version: str | None = None) -> Response:
 def _infer(name: str, version: str | None, body: list[bytes], pixels: bool) -> Response:
     service, req = current_service(), request._get_current_object()  # not a proxy lookup per field
     headers = req.headers
-    announced_timeout_s = deadline_s(headers, service.settings.request_timeout_s)  # the body may lower it
+    # the body may lower it
+    announced_timeout_s = deadline_s(headers, service.deadline_limit_s(service.settings.request_timeout_s))
     # Admitted only if the queue could take one image in time: refused before the body is parsed otherwise.
     with service.admit(name, version, client_key(headers, service.settings.client_key_header), images=1,
                        timeout_s=announced_timeout_s, pixels=pixels) as call:

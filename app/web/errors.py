@@ -68,8 +68,10 @@ def register_error_handlers(app: Flask, protocols: Sequence[Protocol], body_time
         why = (protocol.unserved(request.path) if error.status == 404 and protocol and protocol.unserved
                and (unmatched or request.url_rule is not None and "<name>" in request.url_rule.rule
                     and request.view_args.get("name") == "stats") else None)
-        if why is not None:  # (the router's 404, or the metadata route's that took the extension's path for a model)
-            error = ServiceError(why, headers=error.headers)
+        if why is not None:  # (the router's 404, or the metadata route's that took the extension's path for a model:
+            # that one's own reason said too, for a model of that name)
+            error = ServiceError(why if unmatched else f"{why}. As a model's name: {error.message}",
+                                 headers=error.headers)
             error.status, error.code = 404, "not_found"
         response = jsonify(shape(error, g.get("request_id")))
         response.status_code = error.status

@@ -41,7 +41,8 @@ def readyz() -> tuple[Response, int]:
     ready, loaded, alive, stalled = service.ready, service.loaded, service.alive, service.stalled
     checks = {"model_loaded": loaded, "warmed_up": loaded,  # warm-up and canary are part of loading
               "batcher_thread": alive and stalled is None,  # as /healthz says it: none dead (a loading one counts)
-              "accepting": not service.draining}
+              "not_draining": not service.draining,  # a drain answers new requests for SHUTDOWN_DRAIN_S
+              "accepting": not service.refusing}  # then refuses them
     return _health(ready and stalled is None, checks, "ready", "not_ready", stalled)
 
 

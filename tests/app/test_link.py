@@ -1482,7 +1482,8 @@ def test_both_services_have_one_face_and_one_lifecycle() -> None:
         for name in ("admit", "begin_drain", "shutdown", "wait_drained", "wait_loaded", "require_loaded",
                      "require_ready", "loaded", "alive", "ready", "draining"):
             assert hasattr(service, name), (service, name)
-    shared = ("wait_drained", "wait_loaded", "require_loaded", "require_ready", "begin_drain", "draining")
+    shared = ("wait_drained", "wait_loaded", "require_loaded", "require_ready", "begin_drain", "draining",
+              "deadline_limit_s")
     assert not [n for n in shared if n in vars(Service) or n in vars(RemoteService)], "written twice"
 
 

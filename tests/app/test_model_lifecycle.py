@@ -408,7 +408,8 @@ def test_a_version_short_of_memory_says_so_in_the_index_and_is_warned_of_once(
         # where /healthz and visionserve_batcher_alive said it ran)
         ready, live = client.get("/readyz"), client.get("/healthz")
         assert ready.status_code == 503 and ready.get_json()["checks"] == {
-            "model_loaded": False, "warmed_up": False, "batcher_thread": True, "accepting": True}
+            "model_loaded": False, "warmed_up": False, "batcher_thread": True, "not_draining": True,
+            "accepting": True}
         assert live.status_code == 200 and live.get_json()["checks"] == {"batcher_thread": True}
     finally:
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)

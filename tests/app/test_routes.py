@@ -130,16 +130,47 @@ def test_health_endpoints_and_draining(client: FlaskClient, service: Service) ->
     ready = client.get("/readyz")
     assert ready.status_code == 200 and all(ready.get_json()["checks"].values())
     service.begin_drain()
-    assert client.get("/readyz").status_code == 503
+    draining = client.get("/readyz")  # before: "accepting" false, while the drain still answers new requests
+    assert draining.status_code == 503
+    assert not draining.get_json()["checks"]["not_draining"] and draining.get_json()["checks"]["accepting"]
     assert client.get("/healthz").status_code == 200  # liveness does not follow readiness
     # Before: 503 from the drain's first moment, where a load balancer still sending, or a HUP's new worker still
     # loading, left the requests to this worker, which could answer them.
     answered = client.post("/predict", data=image_bytes(), content_type="image/jpeg")
     assert answered.status_code == 200 and answered.headers["Connection"] == "close"  # the next one goes elsewhere
     service.stop_serving()  # the drain's window is over
+    assert not client.get("/readyz").get_json()["checks"]["accepting"]
     response = client.post("/predict", data=image_bytes(), content_type="image/jpeg")
     error_of(response, 503, "not_ready")
     assert response.headers["Retry-After"] and response.headers["Connection"] == "close"
+
+
+def test_a_request_accepted_in_the_drain_is_answered_before_the_drain_must_end(
+        client: FlaskClient, model: ColourModel, service: Service) -> None:
+    # Before: a request accepted during the drain's window (SHUTDOWN_DRAIN_S after SIGTERM) had a whole
+    # REQUEST_TIMEOUT_S for its deadline, while its worker is stopped GRACEFUL_TIMEOUT_S after SIGTERM: one accepted
+    # 4.9 s into the default drain could wait to 34.9 s, past the drain's 34 s and at gunicorn's SIGKILL (35 s), its
+    # connection reset. Now its deadline is what is left of the drain: 504 in time, at worst.
+    model.batch_sizes.clear()
+    model.gate = threading.Event()  # the forward pass held: what is queued behind it waits for its deadline
+    with ThreadPoolExecutor(3) as pool:
+        first = pool.submit(client.post, "/predict", data=image_bytes(RED), content_type="image/jpeg")
+        wait_until(lambda: len(model.batch_sizes) == 1)
+        service.begin_drain(within_s=0.5)  # as a worker's SIGTERM handler: GRACEFUL_TIMEOUT_S - 1
+        started = time.monotonic()
+        late = pool.submit(client.post, "/predict", data=image_bytes(RED), content_type="image/jpeg")
+        encoded = base64.b64encode(image_bytes(RED)).decode()
+        v2 = pool.submit(client.post, "/v2/models/colour/infer", json={"inputs": [
+            {"name": "images", "datatype": "BYTES", "shape": [1], "data": [encoded]}]})
+        late_error = error_of(late.result(timeout=10), 504, "deadline_exceeded")["message"]
+        assert v2.result(timeout=10).status_code == 504
+        for message in (late_error, v2.result().get_json()["error"]):  # REQUEST_TIMEOUT_S here, 10 s, cut to 0.5
+            assert 0 < float(re.search(r"within the request's ([0-9.]+)s deadline", message)[1]) <= 0.5, message
+        assert late.result().headers["Connection"] == v2.result().headers["Connection"] == "close"
+        model.gate.set()
+        assert first.result(timeout=10).status_code == 200  # accepted before the drain: its own deadline
+    wait_until(lambda: time.monotonic() - started > 0.5)
+    error_of(client.post("/predict", data=image_bytes(RED), content_type="image/jpeg"), 503, "not_ready")
 
 
 def test_dead_batcher_fails_liveness(client: FlaskClient, service: Service) -> None:

@@ -86,6 +86,12 @@ def test_triton_s_extensions_not_served_are_404_saying_so(client: FlaskClient, p
     assert "not served" not in _v2_error(client.get("/v2/models/colour/nope"), 404)  # any other path as before
 
 
+def test_a_model_named_like_an_extension_is_still_told_of(client: FlaskClient) -> None:
+    # Before: a model named "stats", not loaded, read as the statistics extension alone
+    message = _v2_error(client.get("/v2/models/stats"), 404)
+    assert "statistics extension" in message and "no model 'stats' is loaded" in message, message
+
+
 def test_json_bytes_input_gives_probabilities_and_classification(client: FlaskClient) -> None:
     body = {"id": "r1", "inputs": [_bytes_input(image_bytes(RED), image_bytes(BLUE))],
             "outputs": [{"name": "probabilities"}, {"name": "probabilities", "parameters": {"classification": 2}}]}

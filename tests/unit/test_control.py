@@ -192,3 +192,24 @@ def test_a_boot_failure_is_said_by_its_own_master_once(tmp_path: Path) -> None:
     control.tell_boot_failure(tmp_path, 300, "left behind")
     control.clear_stale(tmp_path)
     assert not list(tmp_path.iterdir())
+
+
+def test_a_drain_that_begins_while_the_ready_mark_is_written_still_leaves_its_leaving_mark(tmp_path: Path) -> None:
+    # Before: begin_drain looked for the ready mark before _serving_now wrote it, so it wrote no leaving mark, and
+    # _serving_now only took its ready mark away again: a HUP's new worker, still loading, then took the new
+    # connections (503 until it served) while this one still answered.
+    from app.engine.contract import Lifecycle
+
+    lifecycle = Lifecycle()
+
+    class DrainBeginsMeanwhile(type(tmp_path)):  # a SIGTERM between _serving_now's look and its write
+        def touch(self, *args: object, **kwargs: object) -> None:
+            if self.name.endswith(".ready"):  # (its parent, and the leaving mark beside it, are of this class too)
+                lifecycle.begin_drain()
+            super().touch(*args, **kwargs)
+
+    lifecycle.ready_mark = DrainBeginsMeanwhile(control.ready_mark(tmp_path, os.getpid()))
+    lifecycle._serving_now()
+    assert not lifecycle.ready_mark.exists() and control.leaving_mark(tmp_path, os.getpid()).exists()
+    lifecycle.stop_serving()
+    assert not control.leaving_mark(tmp_path, os.getpid()).exists()
