@@ -6,7 +6,8 @@ starts a thread that imports and builds the real app, answers every request at o
 passes every request to it, in the same worker, with no restart and no connection dropped.
 
 Meanwhile it answers as the real app does while its model loads: ``/healthz`` and ``/v2/health/live`` 200,
-``/readyz`` and ``/v2/health/ready`` 503, everything else ``503 not_ready`` with ``Retry-After``, in the error
+``/readyz``, ``/v2/health/ready`` and a model's V2 readiness (``{"name": ..., "ready": false}``) 503, everything
+else ``503 not_ready`` with ``Retry-After`` (the OpenAPI document lists it on every operation), in the error
 shape of the path (``{"error": "<message>"}`` under /v2), with an ``X-Request-ID`` and one access-log line. It
 checks no API key (its answers hold nothing but "starting"), and closes the connection after a body it cannot have
 read (chunked, over ``max_body_bytes``, or sent after ``100 Continue``). Its answers are counted as the app counts
@@ -70,12 +71,18 @@ def _unread_body(environ: dict[str, Any], max_body_bytes: int) -> bool:
     return int(length) > 0 and environ.get("HTTP_EXPECT", "").strip().lower() == "100-continue"
 
 
+# A model's or a version's V2 readiness (app/v2/routes.py's model_ready): its own shape, not ready
+_MODEL_READY = re.compile(r"/v2/models/([^/]+)(?:/versions/[^/]+)?/ready")
+
+
 def starting_answer(environ: dict[str, Any], request_id: str) -> tuple[int, dict[str, Any], dict[str, str]]:
     """Status, JSON body and extra headers for a request that arrives before the app exists."""
     path = environ.get("PATH_INFO", "")
     if path in PROBES:
         status, body = PROBES[path]
         return status, body, {}
+    if (model := _MODEL_READY.fullmatch(path)) is not None:
+        return 503, {"name": model[1], "ready": False}, {}
     return 503, error_body(path, "not_ready", MESSAGE, request_id), {"Retry-After": str(RETRY_AFTER_S)}
 
 

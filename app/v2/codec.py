@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from app.errors import BadRequest
+from app.errors import BadRequest, UnsupportedMediaType
 from app.web.inputs import decode_base64, parse_json
 
 _NUMPY_TYPES = {"FP32": np.float32, "FP64": np.float64, "FP16": np.float16, "INT64": np.int64, "INT32": np.int32,
@@ -30,6 +30,12 @@ _LENGTH_DIGITS = re.compile(r"[0-9]{1,18}")  # ASCII digits only (str.isdigit ta
 # interpreter for tens of seconds, then was too long to print. Half numpy's 64 dimensions, each an int32: more than
 # any image takes.
 MAX_DIMENSIONS, MAX_DIMENSION = 32, 2 ** 31 - 1
+# The fields of a request, an input and a requested output (the Open Inference Protocol's): another one is a
+# misspelling or a misplaced field ("output", a flag outside "parameters") that would otherwise be ignored
+REQUEST_FIELDS = ("id", "parameters", "inputs", "outputs")
+INPUT_FIELDS = ("name", "shape", "datatype", "parameters", "data")
+OUTPUT_FIELDS = ("name", "parameters")
+_IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG", b"GIF8", b"RIFF", b"BM")  # a photo sent as the whole body
 # What a caller checks of an input (its index, name, datatype and shape) once they are read, before its data is.
 InputCheck = Callable[[int, str, str, list[int]], None]
 
@@ -64,10 +70,22 @@ def _header(body: bytes, header_length: str | None) -> tuple[dict[str, Any], byt
         raise BadRequest(f"Inference-Header-Content-Length {header_length!r} does not fit a {len(body)} byte body")
     else:
         size = int(header_length)
+    if header_length is None and body.startswith(_IMAGE_MAGIC):
+        raise UnsupportedMediaType("the body is an image file, not an inference request: send it as a BYTES input "
+                                   "(base64 in JSON, or binary_tensor_data), or POST the file to /predict")
     header = parse_json(body[:size], "the inference request header")
     if not isinstance(header, dict) or not isinstance(header.get("inputs"), list) or not header["inputs"]:
         raise BadRequest("the inference request must be a JSON object with a non-empty 'inputs' list")
+    check_fields(header, REQUEST_FIELDS, "the request")
     return header, body[size:]
+
+
+def check_fields(raw: dict[str, Any], known: Sequence[str], where: str) -> None:
+    """BadRequest naming the first field of ``raw`` not in ``known`` (``where``: whose fields they are)."""
+    if len(raw) > len(known) or not raw.keys() <= set(known):
+        unknown = next(name for name in raw if name not in known)
+        raise BadRequest(f"{where} has an unknown field {unknown!r}; its fields are {', '.join(known)} (flags such "
+                         f"as binary_data go in 'parameters')")
 
 
 def _shape(raw: Any, name: str) -> list[int]:
@@ -143,10 +161,12 @@ def _flatten(data: Any) -> list[Any]:
 def _tensor(raw: dict[str, Any], binary: bytes, offset: int, most: int, index: int,
             check: InputCheck | None) -> tuple[Tensor, int]:
     name, datatype = str(raw.get("name", "")), raw.get("datatype")
+    check_fields(raw, INPUT_FIELDS, f"input {name!r}")
     if datatype is None:
         raise BadRequest(f"input {name!r} has no datatype: BYTES, or one of {', '.join(_NUMPY_TYPES)}")
     if not isinstance(datatype, str) or datatype != "BYTES" and datatype not in _NUMPY_TYPES:
-        raise BadRequest(f"input {name!r}: datatype {datatype!r} is not supported")
+        raise BadRequest(f"input {name!r}: datatype {datatype!r} is not supported: BYTES, or one of "
+                         f"{', '.join(_NUMPY_TYPES)} (upper case)")
     shape, params = _shape(raw.get("shape"), name), parameters(raw, f"input {name!r}")
     count = math.prod(shape)  # small: a shape's bounds keep it under 2 ** 992
     if check is not None:  # before the data: what it refuses (a shape, too many images) costs no decode

@@ -16,7 +16,8 @@ from app import __version__
 from app.engine.contract import CallFace, PixelsForTheDefault, Served, Signature
 from app.errors import BadRequest, NotFound, NotReady, UnknownOutput, check_image_count
 from app.hosting.host import engine_mode
-from app.v2.codec import InferRequest, InputCheck, Tensor, encode_response, flag, parameters, parse_request
+from app.v2.codec import (OUTPUT_FIELDS, InferRequest, InputCheck, Tensor, check_fields, encode_response, flag,
+                           parameters, parse_request)
 from app.v2.schemas import (ConfigTensor, DynamicBatching, InstanceGroup, Live, ModelConfig, ModelMetadata,
                             ModelReady, Ready, ServerMetadata, TensorMetadata)
 from app.web.inputs import client_key, deadline_s, read_body
@@ -190,6 +191,7 @@ def _output_plan(infer: InferRequest, model: Signature) -> list[tuple[str, int, 
         name = item.get("name")
         if not isinstance(name, str):
             raise BadRequest(f"each output needs its 'name' ({', '.join(map(repr, known))}), got {name!r}")
+        check_fields(item, OUTPUT_FIELDS, f"output {name!r}")
         if name == EMBEDDING:
             model.check_embedding()
         elif name != OUTPUT:

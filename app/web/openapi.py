@@ -83,14 +83,17 @@ def errors(model: type[BaseModel], statuses: str) -> dict[str, Any]:
 
 
 _HEALTH_UNAUTHORIZED = "Missing or wrong API key (when one is configured and AUTH_HEALTH_OPEN is off)"
+_STARTING = ("Not ready: the worker is still starting (its first seconds after a start or a reload, while it imports "
+             "the app, every path but the health probes answers so; app/hosting/starting.py)")
 _ERROR_HEADERS = {"401": ("WWW-Authenticate",), "429": ("Retry-After",), "503": ("Retry-After",)}
 _METHODS = frozenset({"get", "put", "post", "delete", "options", "head", "patch", "trace"})
 
 
 def request_wide(paths: dict[str, Any], model: type[BaseModel]) -> dict[str, Any]:
-    """``paths`` with what app/web/hooks.py answers on every route added to each operation, in ``model``'s shape:
-    401 (but on the pages, which are open; on the health paths only when AUTH_HEALTH_OPEN is off) and 413 (a body
-    announced over the limit, refused before it is read)."""
+    """``paths`` with what is answered on every route added to each operation, in ``model``'s shape: by
+    app/web/hooks.py 401 (but on the pages, which are open; on the health paths only when AUTH_HEALTH_OPEN is off)
+    and 413 (a body announced over the limit, refused before it is read); by a worker still starting, 503 with
+    Retry-After (an operation's own 503, where it has one, says its other reasons too)."""
     for path, item in paths.items():
         for method in _METHODS & item.keys():
             responses = item[method]["responses"]
@@ -100,6 +103,10 @@ def request_wide(paths: dict[str, Any], model: type[BaseModel]) -> dict[str, Any
                     unauthorized["description"] = _HEALTH_UNAUTHORIZED
                 responses.setdefault("401", unauthorized)
             responses.setdefault("413", errors(model, "413")["413"])
+            if "503" not in responses:
+                starting = errors(model, "503")["503"]
+                starting["description"] = _STARTING
+                responses["503"] = starting
     return paths
 
 

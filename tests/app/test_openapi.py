@@ -4,6 +4,7 @@ from __future__ import annotations
 import base64
 import io
 import re
+import threading
 from typing import Any
 
 import jsonschema
@@ -374,3 +375,28 @@ def test_every_answer_while_the_models_load_matches_the_document(settings: Setti
                      "/readyz"):
             assert statuses[path] == 503, statuses
         assert not loading.failures
+
+
+def test_every_answer_of_a_worker_still_starting_matches_the_document(document: dict[str, Any]) -> None:
+    # Before: a worker's first seconds (app/hosting/starting.py) answered /openapi.json, /metrics, /v2 and the
+    # repository index 503, which the document did not list, and a model's V2 readiness in the error shape, not
+    # ModelReady's (a new user's trial).
+    from werkzeug.test import Client
+
+    from app.hosting.starting import StartingApp
+
+    opened = threading.Event()
+
+    def load() -> Any:
+        opened.wait(30)  # never built in this test: the worker stays starting
+        raise RuntimeError("not built")
+
+    starting = StartingApp(load, on_error=lambda exc: None, max_body_bytes=1000).start()
+    client = Client(starting)
+    try:
+        for method, path, url in _operations(document):
+            answer = client.open(url, method=method.upper())
+            response = Flask.response_class(answer.get_data(), status=answer.status, headers=answer.headers)
+            _check(document, method, path, response)
+    finally:
+        opened.set()

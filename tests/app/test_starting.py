@@ -17,7 +17,8 @@ from app.engine.versions.sources import DirectorySource
 from app.hosting.starting import RETRY_AFTER_S, StartingApp
 
 PATHS = [("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/v2/health/live"), ("GET", "/v2/health/ready"),
-         ("POST", "/predict"), ("GET", "/v1/models"), ("POST", "/v2/models/mine/infer"), ("GET", "/v2/models/mine")]
+         ("POST", "/predict"), ("GET", "/v1/models"), ("POST", "/v2/models/mine/infer"), ("GET", "/v2/models/mine"),
+         ("GET", "/v2/models/mine/ready"), ("GET", "/v2/models/mine/versions/1/ready")]  # before: the error shape
 
 
 class Gate:

@@ -127,6 +127,9 @@ def test_binary_pixels_in_and_binary_classification_out(client: FlaskClient) -> 
     assert client.post(INFER, data=body, headers=headers).status_code == 200  # before: 400 "both 'data' and ..."
 
 
+_PIXELS = {"name": "pixels", "datatype": "FP32", "shape": [1, 3, 8, 8], "data": [0.0] * 192}
+
+
 @pytest.mark.parametrize("body, message", [
     ({"inputs": []}, "non-empty 'inputs'"),
     ({"inputs": [{"name": "images", "datatype": "BYTES", "shape": [2], "data": ["aGk="]}]}, "needs 2 values"),
@@ -148,7 +151,24 @@ def test_bad_requests_get_400_in_the_protocol_error_shape(client: FlaskClient, b
     assert message in _v2_error(client.post(INFER, json=body), 400)
 
 
-_PIXELS = {"name": "pixels", "datatype": "FP32", "shape": [1, 3, 8, 8], "data": [0.0] * 192}
+@pytest.mark.parametrize("body, message", [  # before: each answered 200, the field ignored (a new user's trial)
+    ({"inputs": [_PIXELS], "output": [{"name": "embedding"}]}, "the request has an unknown field 'output'"),
+    ({"inputs": [_PIXELS], "outputs": [{"name": "probabilities", "class_count": 3}]},
+     "output 'probabilities' has an unknown field 'class_count'"),
+    ({"inputs": [_PIXELS], "outputs": [{"name": "probabilities", "binary_data": True}]},
+     "flags such as binary_data go in 'parameters'"),
+    ({"inputs": [{**_PIXELS, "dtype": "FP32"}]}, "input 'pixels' has an unknown field 'dtype'"),
+])
+def test_a_misspelled_or_misplaced_field_is_400_naming_it(client: FlaskClient, body: dict, message: str) -> None:
+    assert message in _v2_error(client.post(INFER, json=body), 400)
+
+
+def test_a_photo_sent_as_the_whole_body_is_415_saying_how_to_send_it(client: FlaskClient) -> None:
+    # before: 400 "the inference request header is not valid JSON"
+    message = _v2_error(client.post(INFER, data=image_bytes(RED), content_type="image/jpeg"), 415)
+    assert "send it as a BYTES input" in message and "/predict" in message
+    assert "upper case" in _v2_error(client.post(INFER, json={"inputs": [{**_PIXELS, "datatype": "fp32"}]}), 400)
+
 
 
 @pytest.mark.parametrize("body, headers, message", [
