@@ -10,8 +10,8 @@ model.
     visionserve predict photos/                                  # a folder: every file under it, sorted
 Each file gets its own result or error (with --json, an "error" object: status, code, message, request_id); the
 files go in as many requests as the server's limits need (predict and embed alike). Exit codes: 0 success (and, for
-health/ready, a yes), 1 a server error (for any file) or a no, 2 a usage error (a bad option, a URL without http://)
-or a file that cannot be read.
+health/ready, a yes), 1 a server error (for any file), a no, or output cut short (what read it stopped: `| head`),
+2 a usage error (a bad option, a URL without http://) or a file that cannot be read.
 """
 from __future__ import annotations
 
@@ -284,6 +284,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:  # nothing a server said: the command line (--url, the key) is wrong
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # what reads the output stopped (``| head``): quietly, not a traceback
+        _stdout_to_devnull()  # (the interpreter's flush at exit would raise it again)
+        return 1
+
+
+def _stdout_to_devnull() -> None:
+    """Standard output pointed at /dev/null, where a closed pipe was (Python's documented way out of SIGPIPE)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no file behind it (a test's capture): nothing to flush to
+        pass
 
 
 if __name__ == "__main__":

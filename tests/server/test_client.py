@@ -221,6 +221,20 @@ def test_one_bad_file_among_several_is_reported_and_the_others_answered(
 
 
 @pytest.mark.slow
+def test_the_cli_stops_quietly_when_what_reads_its_output_stops(fake_server: str, tmp_path: Path) -> None:
+    # Before: `visionserve embed cat.jpg --json | head` ended in a BrokenPipeError traceback (a new user's trial).
+    photos = []
+    for index in range(200):  # output past the pipe's buffer, so a write meets the closed pipe
+        photos.append(tmp_path / f"red{index}.jpg")
+        photos[-1].write_bytes(image_bytes(RED))
+    command = [sys.executable, "-m", PACKAGE, "--url", fake_server, "embed", "--json", *map(str, photos)]
+    cli_process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    assert cli_process.stdout is not None and cli_process.stdout.read(10)
+    cli_process.stdout.close()  # as `head` does once it has its lines
+    _, stderr = cli_process.communicate(timeout=120)
+    assert cli_process.returncode == 1 and b"Traceback" not in stderr, stderr.decode()[-2000:]
+
+
 def test_the_client_installs_with_pip_into_a_fresh_virtualenv(fake_server: str, tmp_path: Path) -> None:
     # From a copy of what pyproject.toml packages, so the build leaves nothing in the repository.
     import shutil
