@@ -121,6 +121,13 @@ def on_starting(server) -> None:  # noqa: ANN001
                          server.cfg.workers)
         _remove_owned_dirs()
         sys.exit(2)
+    why_not = control.unwritable(Path(os.environ["VISIONSERVE_CONTROL_DIR"]))
+    if why_not is not None:  # under ENGINE=process each engine died writing there and was restarted without end
+        server.log.error("visionserve: VISIONSERVE_CONTROL_DIR %s cannot be written: %s; every process of the server "
+                         "writes there (loads, readiness, rollouts): set it to a writable directory, or leave it unset "
+                         "for one of its own", os.environ["VISIONSERVE_CONTROL_DIR"], why_not)
+        _remove_owned_dirs()
+        sys.exit(2)
     server.log.info("visionserve: %d worker%s (%s)", _workers, "" if _workers == 1 else "s", _workers_why)
     _halt_once(server)
     if not getattr(server, "master_pid", 0):  # a master started by another's USR2: the old workers' marks are live

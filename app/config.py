@@ -90,7 +90,8 @@ class ModelSettings(SettingsGroup):
         None, description="Where one server's workers keep the desired state (which versions of which models to "
         "serve, and what load and unload calls chose) and report what each serves. Unset: gunicorn.conf.py makes a "
         "fresh temporary directory at each start, so a restarted server begins from the repository and its "
-        "policies; set it to a directory you keep for calls (a rollback, an unload) to survive a server restart.")
+        "policies; set it to a directory you keep for calls (a rollback, an unload) to survive a server restart (made "
+        "if missing; one that cannot be written stops the start, naming it).")
     weights_format: WeightsFormatSetting = Field(
         "auto", description="`auto`: what `bench.serving.formats` measured fastest end to end on this device type "
         "among what the export holds: on the CPU the ONNX file under ONNX Runtime (about 2x TorchScript's forward "

@@ -33,6 +33,20 @@ STALE_AT_START = ("engine-*.failed", "engine-*.sock", READY_MARKS, LEAVING_MARKS
 _HAS_PROC = Path("/proc/self/status").exists()  # Linux: a pid's process is looked up there (``process_alive``)
 
 
+def unwritable(control_dir: Path) -> str | None:
+    """Why ``control_dir`` cannot be made or written (the OS's error), or None: a file is written there and removed.
+    Every process of the server writes there (the desired state, the marks, an engine's failure), so a server that
+    cannot is refused at its start rather than restarting its engines, or failing its first load, without end."""
+    probe = control_dir / f".writable-{os.getpid()}"
+    try:
+        control_dir.mkdir(parents=True, exist_ok=True)
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        return f"{exc.strerror or exc} ({exc.filename or control_dir})"
+    return None
+
+
 def clear_stale(control_dir: Path) -> None:
     """What an earlier server left in a kept CONTROL_DIR (``STALE_AT_START``): removed before this one starts (a
     killed worker's ready mark or report could otherwise name a live process of this start, pids being reused: its
