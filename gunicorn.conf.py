@@ -3,6 +3,7 @@
 The master never imports torch or touches CUDA: forked workers would inherit a broken CUDA context. Each worker
 loads the model itself (no preload_app), and its gthread pool lets concurrent requests share one batcher.
 """
+import contextlib
 import logging
 import os
 import shutil
@@ -225,6 +226,7 @@ def _forget(server, pid: int) -> None:  # noqa: ANN001
             control.report(Path(control_dir), pid).unlink(missing_ok=True)
             control.ready_mark(Path(control_dir), pid).unlink(missing_ok=True)
             control.leaving_mark(Path(control_dir), pid).unlink(missing_ok=True)  # (killed during its drain)
+            control.loading_mark(Path(control_dir), pid).unlink(missing_ok=True)  # (ended before it served)
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             from prometheus_client import multiprocess
 
@@ -249,6 +251,8 @@ def post_fork(server, worker) -> None:  # noqa: ANN001
                                _settings.client_answer_timeout_s, worker.cfg.limit_request_line,
                                _settings.max_header_bytes, worker.cfg.limit_request_field_size)
     worker.control_dir = Path(os.environ["VISIONSERVE_CONTROL_DIR"])  # the ready marks: which workers serve
+    with contextlib.suppress(OSError):  # until it serves: a HUP's old worker answers on meanwhile (hosting/drain.py)
+        control.loading_mark(worker.control_dir, os.getpid()).touch()
     worker.loop_requests = _engine == "process" and _settings.loop_requests  # inline: the threads run torch
 
 

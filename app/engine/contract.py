@@ -12,6 +12,7 @@ serve when the engine runs inside the worker:
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -309,12 +310,15 @@ class ServiceFace(Protocol):
     def deadline_limit_s(self, request_timeout_s: float) -> float: ...
     def stop_serving(self) -> None: ...
     def shutdown(self, timeout: float | None = None) -> None: ...
-    def wait_drained(self, min_s: float, max_s: float) -> bool: ...
+    def wait_drained(self, min_s: float, max_s: float, answer_on: Callable[[], bool] | None = None) -> bool: ...
     def wait_loaded(self, timeout_s: float) -> None: ...
     def require_loaded(self) -> None: ...
     def require_ready(self) -> None: ...
     def explain(self, image: bytes, name: str | None = None, version: str | None = None, index: int | None = None,
                 png: bool = False, timeout_s: float = 30.0) -> Explanation: ...
+
+
+ANSWER_ON_POLL_S = 0.1  # how often a drain that answers on looks whether it still should (``wait_drained``)
 
 
 def not_ready(why: str, close: bool = False) -> NotReady:
@@ -377,6 +381,7 @@ class Lifecycle:
             if served:
                 self._mark_leaving()
         self._remove_ready_mark()
+        self._remove_loading_mark()  # (told to stop while it loads: no replacement on its way)
         self._drain_begun()
 
     def _mark_leaving(self) -> None:
@@ -410,6 +415,11 @@ class Lifecycle:
         self._refusing.set()
         self._remove_leaving_mark()
 
+    def _remove_loading_mark(self) -> None:
+        if self.ready_mark is not None:
+            with contextlib.suppress(OSError):  # (the master removes it when the worker ends)
+                control.loading_mark(self.ready_mark.parent, os.getpid()).unlink(missing_ok=True)
+
     def _remove_leaving_mark(self) -> None:
         leaving = self.leaving_mark
         if leaving is not None:
@@ -435,6 +445,7 @@ class Lifecycle:
         are at debug."""
         if self.ready_mark is None or self.draining:
             return
+        self._remove_loading_mark()
         try:
             self.ready_mark.touch()
         except OSError as exc:
@@ -465,16 +476,23 @@ class Lifecycle:
     def _drain_begun(self) -> None:
         """What else a drain turns off (a gauge)."""
 
-    def wait_drained(self, min_s: float, max_s: float) -> bool:
+    def wait_drained(self, min_s: float, max_s: float, answer_on: Callable[[], bool] | None = None) -> bool:
         """After begin_drain: wait ``min_s``, then until no admitted request is left unanswered, ``max_s`` at most.
 
         The server keeps its listener open meanwhile, so nothing waits unanswered in the listen backlog: for
-        ``min_s`` new requests are answered as before (each with Connection: close), then 503 (``stop_serving``).
-        Returns whether every request finished in time.
+        ``min_s`` new requests are answered as before (each with Connection: close), and on while ``answer_on`` says
+        so (a HUP's new worker still loading), as long as that leaves ``min_s`` for what is admitted last, then 503
+        (``stop_serving``). Returns whether every request finished in time.
         """
+        started = time.monotonic()
         time.sleep(min(min_s, max_s))
+        if answer_on is not None and max_s - 2 * min_s > time.monotonic() - started and answer_on():
+            log.info("draining: a new worker is still loading and none serves; answering on until one does (%.1f s "
+                     "at most)", max_s - 2 * min_s - (time.monotonic() - started))
+            while time.monotonic() - started < max_s - 2 * min_s and answer_on():
+                time.sleep(ANSWER_ON_POLL_S)
         self.stop_serving()
-        return self.in_flight.wait_empty(max(0.0, max_s - min_s), poll_s=0.05)
+        return self.in_flight.wait_empty(max(0.0, max_s - (time.monotonic() - started)), poll_s=0.05)
 
     def wait_loaded(self, timeout_s: float) -> None:
         """Wait for the first models (``timeout_s`` at most), then as ``require_loaded``: a repository call reaching

@@ -13,7 +13,9 @@ the engine processes. Every name in it is made here and nowhere else:
   that has none leaves new connections to those that have one, app/hosting/worker.py);
 - ``http-<pid>.leaving``: an HTTP worker that served and drains, answering what comes for the drain's first
   SHUTDOWN_DRAIN_S (a HUP's old worker, or every worker of a server stopping): not ready, but a worker still
-  loading leaves new connections to it, as to one that serves, and it takes them while none serves.
+  loading leaves new connections to it, as to one that serves, and it takes them while none serves;
+- ``http-<pid>.loading``: an HTTP worker from its fork until it serves (or drains): a HUP's new worker, for which
+  the old one, draining, answers on past SHUTDOWN_DRAIN_S while none serves (``replacement_loading``).
 
 Standard library only: the master imports it, and so does the engine (the desired state's names).
 """
@@ -27,9 +29,11 @@ LOCK = "lock"
 REPORTS = "worker-*.json"
 READY_MARKS = "http-*.ready"
 LEAVING_MARKS = "http-*.leaving"
+LOADING_MARKS = "http-*.loading"
 BOOT_FAILURES = "boot-*.failed"  # why a master's first worker that could not start could not (``boot_failure``)
 # What the engines and the HTTP workers leave behind (a master starting on a kept directory clears them).
-STALE_AT_START = ("engine-*.failed", "engine-*.sock", READY_MARKS, LEAVING_MARKS, REPORTS, BOOT_FAILURES)
+STALE_AT_START = ("engine-*.failed", "engine-*.sock", READY_MARKS, LEAVING_MARKS, LOADING_MARKS, REPORTS,
+                  BOOT_FAILURES)
 _HAS_PROC = Path("/proc/self/status").exists()  # Linux: a pid's process is looked up there (``process_alive``)
 
 
@@ -111,6 +115,22 @@ def ready_mark(control_dir: Path, pid: int) -> Path:
 def leaving_mark(control_dir: Path, pid: int) -> Path:
     """The file an HTTP worker that served writes as its drain begins, away once the drain stops answering."""
     return control_dir / f"http-{pid}.leaving"
+
+
+def loading_mark(control_dir: Path, pid: int) -> Path:
+    """The file an HTTP worker writes as it starts, away once it serves or drains (or ends)."""
+    return control_dir / f"http-{pid}.loading"
+
+
+def replacement_loading(control_dir: Path, pid: int) -> bool:
+    """Whether another live HTTP worker is still loading while none other serves: for a draining worker ``pid``
+    (a HUP's old one), a new worker on its way that would otherwise leave new connections unanswered. A directory
+    that cannot be looked into: False (the drain ends as it would)."""
+    try:
+        return (any(other != pid for other in _marked(control_dir, LOADING_MARKS))
+                and not any(other != pid for other in ready_workers(control_dir)))
+    except OSError:
+        return False
 
 
 def takes_connections(control_dir: Path, pid: int) -> bool:

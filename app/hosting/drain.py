@@ -13,8 +13,12 @@ Then, on the worker's own event-loop thread, it accepts whatever is still queued
 listeners in the same step, so a later connect is refused (never sent, safe to retry elsewhere), and hands over to
 gunicorn's graceful stop. A second SIGTERM changes nothing (a signal to the whole process group reaches the
 worker twice: directly and from the master); SIGINT and SIGQUIT stop at once, as gunicorn's own. Once the worker
-has stopped (its service shut down), it exits without the interpreter's teardown (``exit_now``). Imports only the
-standard library: gunicorn.conf.py loads it in the master.
+has stopped (its service shut down), it exits without the interpreter's teardown (``exit_now``). A HUP's old
+worker answers on past ``shutdown_drain_s`` while its new worker still loads and none serves (their CONTROL_DIR marks,
+``control.replacement_loading``), as long as what it admits last can still be answered in time: a new worker that
+loads longer than the drain (8-9.5 s under load with two inline workers) no longer leaves a gap of 503s.
+Imports only the standard library and app.hosting.control (standard library too): gunicorn.conf.py loads it in the
+master.
 """
 from __future__ import annotations
 
@@ -25,7 +29,10 @@ import os
 import signal
 import sys
 import threading
+from functools import partial
 from typing import Any, Callable
+
+from app.hosting import control
 
 
 def _accept_queued_then_close(worker: Any) -> None:
@@ -57,8 +64,11 @@ def install(worker: Any, service_of: Callable[[Any], Any], drain_s: float, limit
         _accept_queued_then_close(worker)
         stop()
 
+    control_dir = getattr(worker, "control_dir", None)
+    answer_on = None if control_dir is None else partial(control.replacement_loading, control_dir, os.getpid())
+
     def drain_then_stop(service: Any) -> None:
-        service.wait_drained(drain_s, limit_s)
+        service.wait_drained(drain_s, limit_s, answer_on)  # (a HUP's old worker: on while the new one loads)
         if gthread:
             worker.method_queue.defer(close_and_stop)
         else:

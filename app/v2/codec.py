@@ -161,7 +161,6 @@ def _flatten(data: Any) -> list[Any]:
 def _tensor(raw: dict[str, Any], binary: bytes, offset: int, most: int, index: int,
             check: InputCheck | None) -> tuple[Tensor, int]:
     name, datatype = str(raw.get("name", "")), raw.get("datatype")
-    check_fields(raw, INPUT_FIELDS, f"input {name!r}")
     if datatype is None:
         raise BadRequest(f"input {name!r} has no datatype: BYTES, or one of {', '.join(_NUMPY_TYPES)}")
     if not isinstance(datatype, str) or datatype != "BYTES" and datatype not in _NUMPY_TYPES:
@@ -220,6 +219,7 @@ def parse_request(body: bytes, header_length: str | None, check: InputCheck | No
     for index, raw in enumerate(header["inputs"]):
         if not isinstance(raw, dict):
             raise BadRequest("each input must be a JSON object")
+        check_fields(raw, INPUT_FIELDS, f"input {str(raw.get('name', ''))!r}")
         tensor, offset = _tensor(raw, binary, offset, len(body), index, check)
         inputs.append(tensor)
     if offset != len(binary):

@@ -198,19 +198,19 @@ def test_the_client_library_retries_what_a_killed_worker_dropped(small_weights: 
 
 def test_a_reload_with_hup_answers_every_request(small_weights: Path, start_server: Start) -> None:
     # Before: the old worker answered 503 not_ready from its drain's first moment and the new one while it loaded
-    # (1,233 of 1,844 answers in the fault matrix). Now the old one answers for its drain (SHUTDOWN_DRAIN_S), each
-    # answer closing its connection, and the new one takes none until it serves: no 503 within the drain.
-    # A new worker that loads for longer (15 s once, beside the suite's other processes) answers 503 after that.
+    # (1,233 of 1,844 answers in the fault matrix). Then the old one answered for its drain (SHUTDOWN_DRAIN_S), each
+    # answer closing its connection, the new one taking none until it served, but 503 once the drain was over and
+    # the new one still loading (an operator's trial, two workers and the default 5 s drain: 21 to 3,475 503s in
+    # three HUPs, new workers serving 8-9.5 s after). Now the old one answers on while the new one loads: a drain
+    # shorter than the load (1 s here), and every answer 200.
     row = faults.reload(start_server, small_weights)
     _report(row)
     assert row.kinds == Counter(response=len(row.outcomes))
-    window = row.fault_at + float(faults.RELOAD_DRAIN_S) - 0.2  # (the master's SIGTERM follows the HUP at once)
-    early = Counter(o.status for o in _responses(row) if o.at < window)
-    assert set(early) == {200}, early
-    for o in _responses(row):
-        assert o.status == 200 or (o.status == 503 and o.code == "not_ready" and "Retry-After" in o.headers), o
-    assert [o for o in _responses(row) if row.fault_at < o.at < window and o.headers.get("Connection") == "close"], \
-        "no answer came from the draining worker: the test proved nothing"
+    assert Counter(o.status for o in _responses(row)) == Counter({200: len(row.outcomes)}), [
+        o for o in _responses(row) if o.status != 200][:3]
+    late = [o for o in _responses(row) if o.at > row.fault_at + float(faults.RELOAD_DRAIN_S) + 0.5
+            and o.headers.get("Connection") == "close"]  # the old worker's, answering past its drain
+    assert late, "no answer came from the draining worker past its drain: the test proved nothing"
 
 
 def _metric(row: faults.Row, sample: str, before: bool = False) -> float:

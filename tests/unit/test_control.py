@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import threading
 from pathlib import Path
 from typing import Iterator
@@ -213,3 +214,44 @@ def test_a_drain_that_begins_while_the_ready_mark_is_written_still_leaves_its_le
     assert not lifecycle.ready_mark.exists() and control.leaving_mark(tmp_path, os.getpid()).exists()
     lifecycle.stop_serving()
     assert not control.leaving_mark(tmp_path, os.getpid()).exists()
+
+
+def test_a_draining_worker_answers_on_while_its_replacement_loads_and_none_serves(
+        squatter: subprocess.Popen[bytes], tmp_path: Path) -> None:
+    # A HUP's old worker (this process) and its new one (the squatter), still loading: the old one answers on.
+    old, new = os.getpid(), squatter.pid
+    assert not control.replacement_loading(tmp_path, old)  # nothing loading: a whole server's stop
+    control.loading_mark(tmp_path, old).touch()
+    assert not control.replacement_loading(tmp_path, old)  # its own mark is no replacement
+    control.loading_mark(tmp_path, new).touch()
+    assert control.replacement_loading(tmp_path, old)
+    control.ready_mark(tmp_path, new).touch()  # the new one serves: the old one's drain goes on to its end
+    assert not control.replacement_loading(tmp_path, old)
+    control.ready_mark(tmp_path, new).unlink()
+    control.loading_mark(tmp_path, 2 ** 22 + 7).touch()  # a loading mark of no live process does not count
+    control.loading_mark(tmp_path, new).unlink()
+    assert not control.replacement_loading(tmp_path, old)
+
+
+def test_a_drain_answers_on_while_told_and_leaves_its_last_requests_their_time(tmp_path: Path) -> None:
+    from app.engine.contract import Lifecycle
+
+    lifecycle = Lifecycle()
+    lifecycle.ready_mark = control.ready_mark(tmp_path, os.getpid())
+    control.loading_mark(tmp_path, os.getpid()).touch()  # written at its fork (gunicorn.conf.py's post_fork)
+    lifecycle._serving_now()
+    assert not control.loading_mark(tmp_path, os.getpid()).exists()  # it serves: loading no more
+    lifecycle.begin_drain()
+    asked: list[bool] = []
+
+    def answer_on() -> bool:
+        assert not lifecycle.refusing  # still answering while it is asked
+        asked.append(True)
+        return len(asked) < 3
+
+    assert lifecycle.wait_drained(0.01, 5.0, answer_on) and len(asked) == 3 and lifecycle.refusing
+    bounded = Lifecycle()
+    bounded.begin_drain()  # told to answer on for good: it stops with min_s left of max_s for its last requests
+    started = time.monotonic()
+    assert bounded.wait_drained(0.05, 0.5, lambda: True) and bounded.refusing
+    assert 0.35 <= time.monotonic() - started < 5
