@@ -504,6 +504,27 @@ def test_a_rolled_back_version_stays_out_through_an_unload_and_a_load(settings: 
         service.shutdown(timeout=5)
 
 
+def _roles(version: str) -> dict[str, float | None]:
+    return {role: REGISTRY.get_sample_value("visionserve_rollout_role", {"model": "colour", "version": version,
+                                                                        "role": role})
+            for role in ("live", "canary", "shadow", "previous")}
+
+
+def test_the_rollout_role_gauge_drops_the_versions_an_unload_took_away(settings: Settings) -> None:
+    # Before (an operator's trial): after a rollback and an unload, {role="live",version="1"} still read 1 while the
+    # index said every version unloaded; after a load with another default, two versions read live.
+    service = Service.build(settings, _repository({"canary_percent": 10}))  # type: ignore[arg-type]
+    try:
+        assert _roles("1")["live"] == 1 and _roles("2")["canary"] == 1
+        service.catalog.unload("colour")
+        wait_until(lambda: {row.reason for row in service.catalog.index()} == {"unloaded"})
+        assert set(_roles("1").values()) == set(_roles("2").values()) == {0}
+        service.catalog.load("colour", {"default_version": "2", "version_policy": {"all": {}}})
+        assert _roles("2")["live"] == 1 and set(_roles("1").values()) == {0}
+    finally:
+        service.shutdown(timeout=5)
+
+
 def test_a_candidate_is_promoted_on_the_canary_traffic_it_was_routed_as_candidate(settings: Settings) -> None:
     # Its traffic from before (as the default) was not started afresh when it became the candidate, and requests
     # that named it counted as canary requests: the first judge promoted it with no canary request at all.

@@ -45,6 +45,14 @@ RETIRE_GRACE_S = 5.0  # beyond the request timeout, how long a retiring version 
 ROLES = ("live", "canary", "shadow", "previous")
 
 
+def _show_roles(name: str, versions: set[str], roles: dict[str, str]) -> None:
+    """visionserve_rollout_role of model ``name``'s ``versions``: 1 for the role each holds in ``roles``, 0 for the
+    others (a version not in ``roles``, unloaded, 0 for all)."""
+    for version in versions:
+        for role in ROLES:
+            ROLLOUT_ROLE.labels(name, version, role).set(int(roles.get(version) == role))
+
+
 class Applier:
     """What this worker serves (``routes``) and the one step that changes it: load, route, retire."""
 
@@ -124,6 +132,7 @@ class Applier:
             _warn_of_other_classes(current.get(default), fresh)
         else:
             replaced = self.routes.remove(name)
+            _show_roles(name, {v.version for v in replaced}, {})  # before: an unloaded version read live still
             self.evidence.forget(name)  # a later load is new evidence, whatever its versions' names
             self._show_refused_candidate(name, entry)
         unloaded = not wanted and bool(replaced)
@@ -151,9 +160,7 @@ class Applier:
             pair = {(after[0].version, after[1])} if after[0] is not None and not fresh else set()
             self.evidence.restart(name, pair, fresh)
         roles = roles_of(entry, after[0] and after[0].version, bool(after[0] and after[0].canary_percent))
-        for version in {*chosen, *(v.version for v in replaced)}:
-            for role in ROLES:
-                ROLLOUT_ROLE.labels(name, version, role).set(int(roles.get(version) == role))
+        _show_roles(name, {*chosen, *(v.version for v in replaced)}, roles)
         self._show_refused_candidate(name, entry)
         return replaced
 
