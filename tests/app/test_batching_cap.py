@@ -29,6 +29,24 @@ def test_cap_is_the_largest_batch_within_5_percent_of_the_best() -> None:
     assert choose_batch_cap({1: 64.0, 2: 77.0, 3: 78.0, 4: 78.0, 5: 76.0, 6: 75.0, 7: 41.0, 8: 40.0}) == 6
 
 
+def test_only_a_slowdown_larger_than_the_warm_up_s_noise_caps_the_batches() -> None:
+    # Before (an operator's trial): a worker warming up beside a busy one measured a flat curve unsteadily and capped
+    # its batches anywhere from 1 to 7 of 8, kept until it restarted. The runs of a size differing by 10% (the
+    # noise), a dip of 10% is no slowdown; a cliff to half is.
+    flat = {1: 81.0, 2: 62.0, 3: 100.0, 4: 90.0, 5: 88.0, 6: 85.0, 7: 92.0, 8: 89.0}
+    assert choose_batch_cap(flat) == 3 and choose_batch_cap(flat, noise=0.1) == 8
+    cliff = {1: 64.0, 2: 77.0, 3: 78.0, 4: 78.0, 5: 76.0, 6: 75.0, 7: 41.0, 8: 40.0}
+    assert choose_batch_cap(cliff, noise=0.1) == 6 and choose_batch_cap(cliff, noise=0.5) == 8  # a test too noisy
+
+
+def test_the_warm_up_measures_its_own_noise(predictor: Predictor, model) -> None:  # noqa: ANN001
+    model.delay_s = 0.002  # each pass at least this long: a steady machine's runs differ little
+    predictor.warmup(2, repeats=3)
+    assert 0 <= predictor.warmup_noise < 1
+    predictor.warmup(2, repeats=1)
+    assert predictor.warmup_noise == 0  # one run: nothing to compare
+
+
 def test_measured_cap_is_applied_and_shown(settings: Settings, predictor: Predictor,
                                            monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     measured = {1: 100.0, 2: 180.0, 3: 200.0, 4: 150.0}

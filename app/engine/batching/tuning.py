@@ -10,7 +10,7 @@ import torch
 
 from models.serving import forward_threads
 
-__all__ = ["choose_batch_cap", "forward_threads", "inline_batches", "loop_batches"]
+__all__ = ["cap_share", "choose_batch_cap", "forward_threads", "inline_batches", "loop_batches"]
 
 
 def inline_batches(setting: bool, device: torch.device) -> bool:
@@ -40,8 +40,15 @@ def loop_batches(device: torch.device, replays_every_batch: bool) -> bool:
 CAP_TOLERANCE = 0.95  # a batch size within this share of the best images/s is as fast (choose_batch_cap)
 
 
-def choose_batch_cap(profile: dict[int, float], tolerance: float = CAP_TOLERANCE) -> int:
-    """The largest batch size whose images/s is within ``tolerance`` of the best: above it the forward pass slows.
+def cap_share(noise: float, tolerance: float = CAP_TOLERANCE) -> float:
+    """The share of the best images/s a batch size must reach to be as fast: ``tolerance``, less twice the
+    measurement's run-to-run ``noise`` (Predictor.warmup_noise), so that only a slowdown larger than the noise caps
+    the batches (a flat curve measured beside a busy worker capped one worker's batches at 1 until it restarted)."""
+    return max(0.0, tolerance - 2 * noise)
+
+
+def choose_batch_cap(profile: dict[int, float], tolerance: float = CAP_TOLERANCE, noise: float = 0.0) -> int:
+    """The largest batch size whose images/s is within ``cap_share`` of the best: above it the forward pass slows.
 
     Up to that size a batch costs about the same per image measured alone, and in the server the larger ones save
     what the warm-up cannot see (the batch's hand-offs, the weights read again per pass while request threads
@@ -50,5 +57,5 @@ def choose_batch_cap(profile: dict[int, float], tolerance: float = CAP_TOLERANCE
     CPU, once the activations leave the cache) the cap stops below them; a GPU's curve keeps rising to the
     configured maximum.
     """
-    best = max(profile.values())
-    return max(size for size, rate in profile.items() if rate >= tolerance * best)
+    least = cap_share(noise, tolerance) * max(profile.values())
+    return max(size for size, rate in profile.items() if rate >= least)

@@ -3,6 +3,7 @@ pass of a batch."""
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from pathlib import Path
 
@@ -104,6 +105,8 @@ class Predictor:
         # measures them before freezing.
         self.weights_bytes = module_bytes(self.module) if weights_bytes is None else weights_bytes
         self.warmed_batch_sizes: list[int] = []
+        # warm-up's run-to-run spread: the median over batch sizes of (median timed run / fastest) - 1; 0 untimed
+        self.warmup_noise = 0.0
         # On CUDA a batch is padded with zeros up to the next power of two (or the cap): every new input shape costs
         # cuDNN autotuning, which is slow (docs/performance.md: Figures behind the code's choices), and a few spare
         # rows cost the GPU almost nothing.
@@ -222,7 +225,8 @@ class Predictor:
         untimed one (the fastest run is the one least disturbed by other work on the machine). The timed runs go
         round the sizes rather than size after size: a machine whose speed drifts during warm-up then slows every
         size alike, instead of making one size look best, as it did on a shared VM (docs/performance.md: Figures
-        behind the code's choices).
+        behind the code's choices). How much the runs of a size differ (``warmup_noise``) says how far the figures
+        can be trusted: a worker warming up beside a busy one measures a curve no steadier than that.
         """
         started = time.perf_counter()
         batches = {size: torch.zeros(size, *self.manifest.preprocess.input_shape)
@@ -232,14 +236,17 @@ class Predictor:
             self.warmed_batch_sizes.append(size)
         if self.graphs is not None:
             self._capture_graphs(list(batches))
-        fastest = dict.fromkeys(batches, float("inf"))
+        runs: dict[int, list[float]] = {size: [] for size in batches}
         for _ in range(repeats):
             for size, batch in batches.items():
                 begun = time.perf_counter()
                 self._forward(batch)  # returns on the CPU, so CUDA work is finished when it does
-                fastest[size] = min(fastest[size], time.perf_counter() - begun)
+                runs[size].append(time.perf_counter() - begun)
+        fastest = {size: max(min(times), 1e-9) for size, times in runs.items()}
+        self.warmup_noise = statistics.median(statistics.median(times) / fastest[size] - 1
+                                              for size, times in runs.items()) if repeats > 1 else 0.0
         log.info("warmed up batch sizes %s in %.2fs", self.warmed_batch_sizes, time.perf_counter() - started)
-        return {size: size / max(seconds, 1e-9) for size, seconds in fastest.items()}
+        return {size: size / seconds for size, seconds in fastest.items()}
 
     def _laid_out(self, batch: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``batch`` in ``dtype`` and, in channels_last, laid out so, in one copy (none when nothing changes); in the

@@ -17,7 +17,7 @@ from app.config import Settings
 from app.engine.batching.arrivals import Arrivals, InFlight
 from app.engine.batching.batcher import Batcher
 from app.engine.contract import Signature
-from app.engine.batching.tuning import CAP_TOLERANCE, choose_batch_cap, forward_threads, inline_batches, loop_batches
+from app.engine.batching.tuning import cap_share, choose_batch_cap, forward_threads, inline_batches, loop_batches
 from app.engine.decoding.decoders import Decoder, Prepared, decoder_for
 from app.engine.decoding.image import DecodeLimits, canary_jpeg
 from app.engine.loaded.explainer import Explainer
@@ -211,11 +211,13 @@ def _place_loop_batches(loaded: LoadedVersion) -> None:
 def _apply_batch_cap(settings: Settings, loaded: LoadedVersion) -> None:
     """Cap batches where the forward pass measured at warm-up starts to slow (when ``auto_batch_size``), saying why in the log."""
     profile, ceiling = loaded.batch_profile, loaded.batcher.max_batch_size  # the batcher was started at the ceiling
-    cap = choose_batch_cap(profile) if profile and settings.auto_batch_size else ceiling
+    noise = loaded.predictor.warmup_noise
+    cap = choose_batch_cap(profile, noise=noise) if profile and settings.auto_batch_size else ceiling
     if cap < ceiling:
         log.info("%s %s: batch cap %d, the largest batch within %d%% of the best images/s; larger ones were slower "
-                 "(%s)", loaded.name, loaded.version, cap, round(100 * (1 - CAP_TOLERANCE)),
-                 ", ".join(f"{size}: {rate:.0f} img/s" for size, rate in profile.items()))
+                 "(%s)%s", loaded.name, loaded.version, cap, round(100 * (1 - cap_share(noise))),
+                 ", ".join(f"{size}: {rate:.0f} img/s" for size, rate in profile.items()),
+                 f"; the warm-up's runs differed by {noise:.0%}" if noise >= 0.005 else "")
         loaded.batcher.set_max_batch_size(cap)
 
 
