@@ -77,7 +77,11 @@ def _json_body(request: Request, schema: type[Schema]) -> Schema:
         return schema.model_validate(parse_json(read_body(request), "the body"))
     except pydantic.ValidationError as exc:
         details = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
-        raise SchemaViolation("the JSON body does not match the request schema", details=details) from None
+        misplaced: dict[str, str] = getattr(schema, "MISPLACED", {})
+        hints = [misplaced[e["loc"][0]] for e in exc.errors()
+                 if e["type"] == "extra_forbidden" and len(e["loc"]) == 1 and e["loc"][0] in misplaced]
+        raise SchemaViolation("the JSON body does not match the request schema" + "".join(
+            f"; {hint}" for hint in hints), details=details) from None
 
 
 def _said_once(name: str, given: Given | None, query: str | None, where: str) -> Given | str | None:

@@ -1,7 +1,7 @@
 """/predict and /v1/models request and response bodies, validated with pydantic."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
@@ -12,6 +12,10 @@ class PredictJSONRequest(BaseModel):
     """JSON form of POST /predict: base64-encoded image files."""
 
     model_config = ConfigDict(extra="forbid")
+    # a field another request form has, and what to send here instead (the 422 says it)
+    MISPLACED: ClassVar[dict[str, str]] = {"image": "/predict takes a list: 'images'",
+                                           "topk": "the field is 'top_k'", "model": "model is a query parameter",
+                                           "version": "version is a query parameter"}
 
     images: list[str] = Field(min_length=1, description="base64 of each image file (JPEG, PNG, WebP, BMP, GIF)")
     top_k: StrictInt | None = Field(default=None, ge=1, description="classes to return per image (an integer, not "
@@ -24,6 +28,10 @@ class ExplainJSONRequest(BaseModel):
     """JSON form of POST /explain: one base64-encoded image file, and the class to explain."""
 
     model_config = ConfigDict(extra="forbid")
+    MISPLACED: ClassVar[dict[str, str]] = {"images": "an explanation is of one image: 'image'",
+                                           "format": "format is a query parameter: ?format=png",
+                                           "model": "model is a query parameter",
+                                           "version": "version is a query parameter"}
 
     image: str = Field(description="base64 of the image file (JPEG, PNG, WebP, BMP, GIF)")
     class_index: StrictInt | None = Field(default=None, ge=0, description="the class to explain (an integer, "

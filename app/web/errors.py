@@ -6,12 +6,13 @@ request no route matched, by the protocol whose URL prefix it falls under.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Sequence
 
-from flask import Flask, Response, g, jsonify, request
+from flask import Flask, Response, current_app, g, jsonify, request
 from gunicorn.http.errors import InvalidResponseHeader, InvalidResponseHeaderName, ParseException
-from werkzeug.exceptions import ClientDisconnected, HTTPException, RequestEntityTooLarge
+from werkzeug.exceptions import ClientDisconnected, HTTPException, MethodNotAllowed, NotFound, RequestEntityTooLarge
 
 from app.errors import ClientGone, MalformedBody, RequestTimeout, ServiceError, default_body
 from app.web.protocol import Protocol
@@ -26,10 +27,27 @@ def _from_http(exc: HTTPException) -> ServiceError:
     # A body refused before it was read to its end must not stay on a kept-alive connection.
     if isinstance(exc, RequestEntityTooLarge):
         headers["Connection"] = "close"
-    error = ServiceError(exc.description or exc.name, headers=headers)
+    error = ServiceError(_said(exc), headers=headers)
     error.status = exc.code or 500
     error.code = exc.name.lower().replace(" ", "_")
     return error
+
+
+def _said(exc: HTTPException) -> str:
+    """What werkzeug's answer says, in the request's terms where its text is generic: a path the server does not
+    have (and the route it likely meant: the same without a trailing slash), a method the path does not take."""
+    if isinstance(exc, NotFound) and request:
+        meant = request.path.rstrip("/")
+        hint = ""
+        if meant != request.path and meant:
+            with contextlib.suppress(HTTPException):
+                current_app.url_map.bind("").match(meant, method=request.method)
+                hint = f" (without the trailing slash: {meant})"
+        return f"no such path: {request.path}{hint}; the routes are in /openapi.json (and /docs)"
+    if isinstance(exc, MethodNotAllowed) and request and exc.valid_methods:
+        return (f"{request.method} is not allowed on {request.path}; it takes "
+                f"{', '.join(sorted(set(exc.valid_methods) - {'HEAD', 'OPTIONS'}) or exc.valid_methods)}")
+    return exc.description or exc.name
 
 
 def from_disconnect(exc: ClientDisconnected, body_timeout_s: float) -> ServiceError:

@@ -219,6 +219,19 @@ def test_schema_violation_lists_the_fields(client: FlaskClient) -> None:
     assert details[0]["loc"] == ["images"]
 
 
+@pytest.mark.parametrize("path, body, hint", [
+    ("/explain", {"images": ["aGk="]}, "an explanation is of one image: 'image'"),
+    ("/explain", {"image": "aGk=", "format": "png"}, "format is a query parameter: ?format=png"),
+    ("/predict", {"image": "aGk="}, "/predict takes a list: 'images'"),
+])
+def test_a_field_of_another_request_form_is_422_saying_what_to_send(client: FlaskClient, path: str, body: dict,
+                                                                    hint: str) -> None:
+    # Before: "the JSON body does not match the request schema" alone, and "Extra inputs are not permitted" in its
+    # details (a new user's trial: /explain takes 'image', /predict 'images').
+    message = error_of(client.post(path, json=body), 422, "validation_error")["message"]
+    assert message.endswith(f"the request schema; {hint}"), message
+
+
 def test_unknown_route_and_method_are_json(client: FlaskClient) -> None:
     error_of(client.get("/nope"), 404, "not_found")
     error_of(client.get("/predict"), 405, "method_not_allowed")
@@ -234,7 +247,8 @@ def test_a_405_names_the_methods_the_path_takes_in_allow(client: FlaskClient, me
     assert response.status_code == 405
     assert set(response.headers["Allow"].split(", ")) == allowed
     assert response.mimetype == "application/json"
-    message = "The method is not allowed for the requested URL."
+    # (before: werkzeug's "The method is not allowed for the requested URL.", no word of which it takes)
+    message = f"{method.upper()} is not allowed on {path}; it takes " + ", ".join(sorted(allowed - {"HEAD", "OPTIONS"}))
     if method == "head":
         assert response.get_data() == b""
     elif path.startswith("/v2/"):
@@ -242,6 +256,18 @@ def test_a_405_names_the_methods_the_path_takes_in_allow(client: FlaskClient, me
     else:
         assert response.get_json() == {"error": {"code": "method_not_allowed", "message": message,
                                                  "request_id": "allow-1"}}
+
+
+@pytest.mark.parametrize("path, said", [
+    ("/predict/", "no such path: /predict/ (without the trailing slash: /predict); the routes are in /openapi.json "
+                  "(and /docs)"),
+    ("/v1/models/colour", "no such path: /v1/models/colour; the routes are in /openapi.json (and /docs)"),
+])
+def test_a_404_names_the_path_and_where_the_routes_are(client: FlaskClient, path: str, said: str) -> None:
+    # Before: werkzeug's "The requested URL was not found on the server. If you entered the URL manually please
+    # check your spelling and try again." (a new user's trial)
+    method = client.post if path == "/predict/" else client.get
+    assert error_of(method(path), 404, "not_found")["message"] == said
 
 
 def test_failing_forward_is_500_json_and_the_server_goes_on(client: FlaskClient, model: ColourModel) -> None:
