@@ -174,7 +174,15 @@ def _base_url(url: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise UsageError(f"{url!r} is not a server's URL: it starts with http:// or https:// and names a host "
                          "(e.g. http://localhost:8000)")
+    route = next((r for r in _ROUTE_PATHS if parts.path.rstrip("/").endswith(r)), None)
+    if route is not None:  # every call would go to <route>/predict and the like, and read a 404 as no server's
+        root = url.rstrip("/")[:-len(route)] or url
+        raise UsageError(f"{url!r} names a route ({route}), not the server: give its root URL ({root}); the client "
+                         f"picks the routes")
     return url.rstrip("/")
+
+
+_ROUTE_PATHS = ("/v2", "/v1", "/predict", "/v1/models", "/explain", "/openapi.json", "/docs")  # none a server's root
 
 
 def _header(name: str, value: str) -> bytes:

@@ -34,15 +34,16 @@ def _predict() -> dict[str, Any]:
     outputs = {"name": "outputs", "in": "query", "required": False, "schema": {"type": "string"},
                "description": "What to answer per image, comma-separated: labels (the top k, the default) and/or "
                               "embedding (the model's pooled features, L2-normalised: `embeddings`)"}
-    # top_k is accepted as a form field too, but described only as the query parameter: /docs would otherwise
-    # pre-fill a form box with 0 and every "Try it out" would answer 400.
+    # top_k and outputs are accepted as form fields too, but described only as the query parameters (and in the
+    # operation's description): /docs would otherwise pre-fill a form box with 0 and every "Try it out" would
+    # answer 400.
     multipart = {"type": "object", "required": ["image"],
                  "properties": {"image": {"type": "array", "items": BINARY, "minItems": 1,
                                           "description": "One or more image files (pick them in /docs)"}}}
     return {"post": {
         "summary": "Classify one or more images",
-        "description": "Send the images as multipart (repeat the `image` field; `top_k` may also be a form "
-                       "field), as a raw body (image/* or application/octet-stream), or as JSON with base64 "
+        "description": "Send the images as multipart (repeat the `image` field; `top_k` and `outputs` may also be "
+                       "form fields), as a raw body (image/* or application/octet-stream), or as JSON with base64 "
                        "strings. Answers keep the order sent.",
         "parameters": [top_k, outputs, *_model_params(), TIMEOUT_HEADER],
         "requestBody": _image_body(multipart, s.PredictJSONRequest, {"images": [EXAMPLE_IMAGE_BASE64], "top_k": 1}),
@@ -72,7 +73,8 @@ def _explain() -> dict[str, Any]:
         "summary": "Why the model chooses a class for one image (Grad-CAM)",
         "description": "One forward and one backward pass on the version's weights with gradients (its state "
                        "dict when the served format has none), in a lane of its own beside the batches. Send the "
-                       "image as multipart, a raw body, or JSON with base64.",
+                       "image as multipart, a raw body, or JSON with base64; `class_index` or `label` may also be "
+                       "a form field (multipart) or a JSON field, `format` only a query parameter.",
         "parameters": [index, label, answer_format, *_model_params(), TIMEOUT_HEADER],
         "requestBody": _image_body(multipart, s.ExplainJSONRequest, {"image": EXAMPLE_IMAGE_BASE64}),
         "responses": {"200": {**json_body, "content": {**json_body["content"], **png["content"]},
