@@ -333,6 +333,8 @@ def test_a_promote_rule_with_no_share_of_the_traffic_is_refused(settings: Settin
         RolloutPolicy.layered(Settings(), {"rollout": {"promote": {"after": 5}}})
     with pytest.raises(PolicyError, match="needs canary_percent or shadow_percent"):  # a share set to 0 by a layer
         RolloutPolicy.layered(Settings(canary_percent=5, promote_after=10), {"rollout": {"canary_percent": 0}})
+    with pytest.raises(PolicyError, match="VISIONSERVE_PROMOTE_AFTER=0"):  # the settings' rule named as set (before:
+        RolloutPolicy.layered(Settings(promote_after=10))  # in policy.json's terms alone, an operator's trial)
     layered = RolloutPolicy.layered(Settings(), {"rollout": {"promote": {"after": 5}}},  # policy.json, then a call
                                     {"rollout": {"shadow_percent": 50}})
     assert layered.promote is not None and layered.shadow_percent == 50

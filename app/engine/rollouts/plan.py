@@ -109,7 +109,10 @@ class RolloutPolicy:
         if policy.promote is not None and not (policy.canary_percent or policy.shadow_percent):
             raise PolicyError("rollout promote needs canary_percent or shadow_percent above 0: a candidate that "
                               "takes no share of the traffic gathers no evidence (requests naming it are none), so "
-                              "the rule would never fire; set promote to null (or after 0) to promote by a call")
+                              "the rule would never fire; set promote to null (or after 0) to promote by a call "
+                              "(VISIONSERVE_PROMOTE_AFTER=0 where the rule is the settings' default), or give the "
+                              "candidate a share (canary_percent or shadow_percent, VISIONSERVE_CANARY_PERCENT or "
+                              "VISIONSERVE_SHADOW_PERCENT)")
         return policy
 
     def as_entry(self, candidate: str | None) -> RolloutEntry:
