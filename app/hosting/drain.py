@@ -29,6 +29,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from functools import partial
 from typing import Any, Callable
 
@@ -68,7 +69,11 @@ def install(worker: Any, service_of: Callable[[Any], Any], drain_s: float, limit
     answer_on = None if control_dir is None else partial(control.replacement_loading, control_dir, os.getpid())
 
     def drain_then_stop(service: Any) -> None:
-        service.wait_drained(drain_s, limit_s, answer_on)  # (a HUP's old worker: on while the new one loads)
+        began = time.monotonic()
+        drained = service.wait_drained(drain_s, limit_s, answer_on)  # (a HUP's old worker: on while the new one loads)
+        left = service.in_flight.count()
+        _log(worker).info("worker %d drained in %.1f s%s", os.getpid(), time.monotonic() - began,
+                          "" if drained else f": {left} request(s) still unanswered at its limit ({limit_s:g} s)")
         if gthread:
             worker.method_queue.defer(close_and_stop)
         else:
@@ -82,10 +87,18 @@ def install(worker: Any, service_of: Callable[[Any], Any], drain_s: float, limit
         if service.draining:  # a second SIGTERM (the master's, after one sent to the whole process group)
             return
         service.begin_drain(limit_s)  # a request accepted in the drain is answered within it
+        _log(worker).info("worker %d drains: not ready; new requests answered for %g s (each closing its "
+                          "connection), then 503 until the %d in flight are answered (%g s at most)", os.getpid(),
+                          drain_s, service.in_flight.count(), limit_s)
         worker.draining = True  # a worker that serves takes its new connections (app/hosting/worker.py)
         threading.Thread(target=drain_then_stop, args=(service,), name="drain", daemon=True).start()
 
     signal.signal(signal.SIGTERM, on_term)
+
+
+def _log(worker: Any) -> Any:
+    """The worker's gunicorn logger (its error log, where gunicorn says what a worker does), or this module's."""
+    return getattr(worker, "log", None) or logging.getLogger(__name__)
 
 
 def exit_now(exiting: BaseException | None) -> None:

@@ -74,6 +74,11 @@ def test_a_sigterm_drains_when_the_ready_mark_cannot_be_removed(
     drain.install(worker, lambda _: service, drain_s=0.0, limit_s=5.0)
     _failing(monkeypatch, "unlink", mark, errno.EROFS)
     assert client.get("/readyz").status_code == 200
+    told: list[logging.LogRecord] = []  # the drain's own lines (caplog's handler is at WARNING in the block below)
+    teller = logging.Handler(logging.INFO)
+    teller.emit = told.append  # type: ignore[method-assign]
+    monkeypatch.setattr(drain.logging.getLogger(drain.__name__), "handlers", [teller])
+    caplog.set_level(logging.INFO, logger=drain.__name__)  # (restored after the test)
     with caplog.at_level(logging.WARNING, logger="app.engine.contract"):
         handlers[signal.SIGTERM](signal.SIGTERM, None)
     assert service.draining and service.deadline_limit_s(30) <= 5  # a request accepted now ends within the drain
@@ -81,6 +86,9 @@ def test_a_sigterm_drains_when_the_ready_mark_cannot_be_removed(
                for r in caplog.records)
     assert client.get("/readyz").status_code == 503 and _ready_gauge() == 0.0
     assert stopped.wait(10)  # the drain went on to gunicorn's stop
+    said = [r.getMessage() for r in told]  # (before: nothing, in process
+    assert said[0].startswith(f"worker {os.getpid()} drains: not ready; new requests answered for 0 s")  # mode)
+    assert said[1].startswith(f"worker {os.getpid()} drained in ") and len(said) == 2
 
 
 # -- a load or unload call -------------------------------------------------------------------------------------------
