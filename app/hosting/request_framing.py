@@ -227,11 +227,26 @@ PARSER_REFUSALS: tuple[tuple[type[Exception], int, str], ...] = (
 
 
 
+# gunicorn's words for what it refuses most, and what they mean to a client (by its message)
+_SAID = {
+    "Invalid HTTP Header: 'CONTENT-LENGTH'": "the Content-Length header is invalid: not a whole number, given twice, "
+                                            "or beside Transfer-Encoding (a body is framed by one or the other)",
+    "Invalid HTTP Header: 'TRANSFER-ENCODING'": "the Transfer-Encoding header is invalid: chunked must be its last "
+                                                "coding, and given once",
+    "limit request headers fields": "the request has more header fields than the server takes (gunicorn's "
+                                    "limit_request_fields, 100 by default)",
+    "limit request headers fields size": "a header field is over the server's size limit (gunicorn's "
+                                         "limit_request_field_size, 8190 bytes by default)",
+}
+
+
 def parser_refusal(exc: BaseException) -> Refusal | None:
-    """The answer to a request gunicorn's parser refused (``PARSER_REFUSALS``); None for any other error."""
+    """The answer to a request gunicorn's parser refused (``PARSER_REFUSALS``), in words a client can act on where
+    gunicorn's are its own (``_SAID``); None for any other error."""
     for kinds, status, reason in PARSER_REFUSALS:
         if isinstance(exc, kinds):
-            return Refusal(status, reason, str(exc) or reason)
+            said = str(exc) or reason
+            return Refusal(status, reason, _SAID.get(said, said))
     return None
 
 

@@ -65,9 +65,23 @@ def decode_base64(text: str, where: str) -> bytes:
     try:
         return pybase64.b64decode(text, validate=True)
     except (binascii.Error, ValueError, TypeError):
-        wrapped = isinstance(text, str) and ("\n" in text or "\r" in text)  # base64's default output, 76 a line
-        raise InvalidBase64(f"{where} is not valid base64" + (
-            " (it holds line breaks: send it on one line, e.g. base64 -w0)" if wrapped else "")) from None
+        raise InvalidBase64(f"{where} is not valid base64{_why_not_base64(text)}") from None
+
+
+def _why_not_base64(text: object) -> str:
+    """What makes ``text`` no standard base64, where a common cause says: line breaks, the URL-safe alphabet, missing
+    padding, a data URL's prefix ("" else)."""
+    if not isinstance(text, str):
+        return ""
+    if "\n" in text or "\r" in text:  # base64's default output, 76 a line
+        return " (it holds line breaks: send it on one line, e.g. base64 -w0)"
+    if text.startswith("data:") and "," in text[:100]:
+        return " (it is a data URL: send what follows its comma)"
+    if "-" in text or "_" in text:
+        return " (it holds - or _: the URL-safe alphabet; send standard base64, with + and /)"
+    if len(text) % 4:
+        return f" (its length, {len(text)}, is no multiple of 4: the = padding is missing)"
+    return ""
 
 
 def parse_json(data: bytes, what: str) -> Any:

@@ -534,6 +534,21 @@ def test_base64_wrapped_over_lines_is_refused_saying_so(client: FlaskClient) -> 
     assert client.post("/predict", json={"images": ["".join(wrapped.split())]}).status_code == 200
 
 
+def test_base64_of_another_kind_is_refused_saying_which(client: FlaskClient) -> None:
+    # Before: "images[0] is not valid base64" alone (a new user's trial: URL-safe and unpadded base64)
+    import base64
+
+    photo = image_bytes()
+    unsafe = base64.urlsafe_b64encode(b"\xfb\xff" + photo).decode()  # (its first bytes give - and _)
+    unpadded = base64.b64encode(photo + b"\0" * (1 + len(photo) % 3)).decode().rstrip("=")  # (a length 3 n + 1)
+    for sent, why in [(unsafe, "the URL-safe alphabet"), (unpadded, "the = padding is missing")]:
+        error = error_of(client.post("/predict", json={"images": [sent]}), 400, "invalid_base64")["message"]
+        assert why in error, error
+    v2 = {"inputs": [{"name": "images", "datatype": "BYTES", "shape": [1],  # (/predict takes a data URL as it is)
+                      "data": ["data:image/jpeg;base64," + base64.b64encode(photo).decode()]}]}
+    assert "a data URL" in client.post("/v2/models/colour/infer", json=v2).get_json()["error"]
+
+
 def test_a_parameter_given_twice_in_one_place_is_400(client: FlaskClient) -> None:
     # Before: its first value won, silently (?top_k=3&top_k=1: three classes), where one in the body and the query
     # is a 400

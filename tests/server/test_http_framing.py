@@ -220,6 +220,23 @@ def test_malformed_chunked_framing_is_400_in_the_error_shape(server: Running, ch
     assert "unhandled error" not in server.output()
 
 
+@pytest.mark.parametrize("head, status, said", [
+    (b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n", 400, "the Content-Length header is invalid: not a "
+     "whole number, given twice, or beside Transfer-Encoding"),
+    (b"Content-Length: abc\r\n", 400, "the Content-Length header is invalid"),
+    (b"".join(b"X-Field-%d: x\r\n" % index for index in range(120)), 431, "the request has more header fields than "
+     "the server takes"),
+])
+def test_a_head_gunicorn_refuses_is_told_in_words_a_client_can_act_on(server: Running, head: bytes, status: int,
+                                                                      said: str) -> None:
+    # Before: gunicorn's own words: "Invalid HTTP Header: 'CONTENT-LENGTH'", "limit request headers fields" (a new
+    # user's trial)
+    with Raw(server.port) as raw:
+        raw.send(b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n" + head + b"\r\nhello")
+        code = "bad_request" if status == 400 else "request_header_fields_too_large"
+        assert raw.error(status, code)["message"].startswith(said)
+
+
 CHUNKED_PHOTO = b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\nTransfer-Encoding: chunked\r\n\r\n"
 
 
