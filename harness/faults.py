@@ -242,13 +242,14 @@ RELOAD_DRAIN_S = "1"  # the reload's SHUTDOWN_DRAIN_S: shorter than the new work
 def reload(start: Start, weights: Path) -> Row:
     """``kill -HUP`` (gunicorn's reload) under a 16-client load: the new worker loads while the old one drains,
     answering for RELOAD_DRAIN_S (SHUTDOWN_DRAIN_S), and on while the new one loads (shorter than the load takes)."""
-    server = start(weights, max_batch_size="4", shutdown_drain_s=RELOAD_DRAIN_S).wait_ready()
+    server = start(weights, workers="1", max_batch_size="4", shutdown_drain_s=RELOAD_DRAIN_S).wait_ready()
     try:
         with Load(server.url, 16) as load:
             time.sleep(1.0)
+            ready_before = ready_workers(server)  # (the new worker's "ready to serve" comes after these)
             hup_at = time.monotonic()
             server.process.send_signal(signal.SIGHUP)
-            wait_ready_workers(server, 2)
+            wait_ready_workers(server, ready_before + 1)
             recover_s = until_served(server.url, hup_at)
             outcomes = load.stop(1.0)
     finally:

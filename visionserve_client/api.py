@@ -174,11 +174,10 @@ def _base_url(url: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise UsageError(f"{url!r} is not a server's URL: it starts with http:// or https:// and names a host "
                          "(e.g. http://localhost:8000)")
-    route = next((r for r in _ROUTE_PATHS if parts.path.rstrip("/").endswith(r)), None)
-    if route is not None:  # every call would go to <route>/predict and the like, and read a 404 as no server's
-        root = url.rstrip("/")[:-len(route)] or url
-        raise UsageError(f"{url!r} names a route ({route}), not the server: give its root URL ({root}); the client "
-                         f"picks the routes")
+    if parts.path.rstrip("/") in _ROUTE_PATHS:  # every call would go to <route>/predict and the like, and read a
+        # 404 as no server's answer (a path under a proxy's prefix, /ml/v1, may well be a server's root: taken)
+        raise UsageError(f"{url!r} names a route ({parts.path.rstrip('/')}), not the server: give its root URL "
+                         f"({parts.scheme}://{parts.netloc}); the client picks the routes")
     return url.rstrip("/")
 
 

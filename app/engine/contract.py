@@ -319,6 +319,10 @@ class ServiceFace(Protocol):
 
 
 ANSWER_ON_POLL_S = 0.1  # how often a drain that answers on looks whether it still should (``wait_drained``)
+ANSWER_ON_FIRST_LOOK_S = 1.0  # how long after its SIGTERM a drain looks for a new worker loading, whatever its window
+ANSWER_ON_LEAVES_S = 5.0  # what answering on leaves of the drain's limit (SHUTDOWN_DRAIN_S when longer): the
+# deadline of the last requests it admits (``deadline_limit_s``)
+DRAIN_LEAST_DEADLINE_S = 1.0  # less than this left of a drain: a new request goes elsewhere (503), not in a hurry
 
 
 def not_ready(why: str, close: bool = False) -> NotReady:
@@ -339,6 +343,7 @@ class Lifecycle:
         self._draining = threading.Event()
         self._refusing = threading.Event()
         self._drain_ends: float | None = None  # time.monotonic() by which a drain must be over (begin_drain's within_s)
+        self._leaving_lock = threading.Lock()  # the leaving mark's write against stop_serving's refusal and removal
         # An HTTP worker's file saying it serves (CONTROL_DIR's http-<pid>.ready): there from its first models (or
         # its engine reached) until its drain, and away while its engine restarts (app/link/client.py). A worker
         # without one leaves new connections to the workers that have one (app/hosting/worker.py); None: no file
@@ -387,23 +392,27 @@ class Lifecycle:
     def _mark_leaving(self) -> None:
         """The leaving mark written, unless the drain's window is over."""
         leaving = self.leaving_mark
-        if leaving is None or self.refusing:
+        if leaving is None:
             return
-        try:
-            leaving.touch()
-        except OSError as exc:
-            log.warning("could not write the leaving mark %s: %s; a worker still loading takes new connections "
-                        "meanwhile (503 until it serves)", leaving, exc)
+        with self._leaving_lock:
+            if self.refusing:
+                return
+            try:
+                leaving.touch()
+            except OSError as exc:
+                log.warning("could not write the leaving mark %s: %s; a worker still loading takes new connections "
+                            "meanwhile (503 until it serves)", leaving, exc)
 
     def deadline_limit_s(self, request_timeout_s: float) -> float:
         """The longest deadline a request admitted now may have: ``request_timeout_s``, or during a drain that must
         end sooner (``begin_drain``'s ``within_s``) what is left of it, so that its answer (a 504 at worst) comes
-        before its worker is stopped; NotReady (503, the connection closing) once nothing is left."""
+        before its worker is stopped; NotReady (503, the connection closing) once less than DRAIN_LEAST_DEADLINE_S
+        is left."""
         ends = self._drain_ends
         if ends is None:
             return request_timeout_s
         left_s = ends - time.monotonic()
-        if left_s <= 0:
+        if left_s < min(DRAIN_LEAST_DEADLINE_S, request_timeout_s):
             raise not_ready(DRAINING, close=True)
         return min(request_timeout_s, left_s)
 
@@ -412,8 +421,9 @@ class Lifecycle:
         Never raises."""
         if not self.draining:
             self.begin_drain()
-        self._refusing.set()
-        self._remove_leaving_mark()
+        with self._leaving_lock:
+            self._refusing.set()
+            self._remove_leaving_mark()
 
     def _remove_loading_mark(self) -> None:
         if self.ready_mark is not None:
@@ -481,18 +491,32 @@ class Lifecycle:
 
         The server keeps its listener open meanwhile, so nothing waits unanswered in the listen backlog: for
         ``min_s`` new requests are answered as before (each with Connection: close), and on while ``answer_on`` says
-        so (a HUP's new worker still loading), as long as that leaves ``min_s`` for what is admitted last, then 503
-        (``stop_serving``). Returns whether every request finished in time.
+        so (a HUP's new worker still loading: ``_answer_on``), as long as that leaves ``min_s``, and
+        ANSWER_ON_LEAVES_S at least, for what is admitted last, then 503 (``stop_serving``). Returns whether every
+        request finished in time.
         """
         started = time.monotonic()
         time.sleep(min(min_s, max_s))
-        if answer_on is not None and max_s - 2 * min_s > time.monotonic() - started and answer_on():
-            log.info("draining: a new worker is still loading and none serves; answering on until one does (%.1f s "
-                     "at most)", max_s - 2 * min_s - (time.monotonic() - started))
-            while time.monotonic() - started < max_s - 2 * min_s and answer_on():
-                time.sleep(ANSWER_ON_POLL_S)
+        if answer_on is not None:
+            self._answer_on(started, max_s - max(min_s, ANSWER_ON_LEAVES_S), answer_on)
         self.stop_serving()
         return self.in_flight.wait_empty(max(0.0, max_s - (time.monotonic() - started)), poll_s=0.05)
+
+    @staticmethod
+    def _answer_on(started: float, last_s: float, answer_on: Callable[[], bool]) -> None:
+        """``wait_drained``'s answering past its window: while ``answer_on`` says so, until ``last_s`` after
+        ``started``; looked at for ANSWER_ON_FIRST_LOOK_S at least (a HUP's new worker writes its loading mark just
+        after its fork, which may come just after the old worker's SIGTERM)."""
+        told = False
+        while (elapsed := time.monotonic() - started) < last_s:
+            if answer_on():
+                if not told:
+                    told = True
+                    log.info("draining: a new worker is still loading and none serves; answering on until one does "
+                             "(%.1f s at most)", last_s - elapsed)
+            elif elapsed >= ANSWER_ON_FIRST_LOOK_S:
+                return
+            time.sleep(ANSWER_ON_POLL_S)
 
     def wait_loaded(self, timeout_s: float) -> None:
         """Wait for the first models (``timeout_s`` at most), then as ``require_loaded``: a repository call reaching

@@ -301,6 +301,8 @@ class RemoteService(Lifecycle):
                 state = self._engine_state(fresh=True)
                 if state is not None and state.ready:
                     self._serving_now()
+                    if self.draining:  # back within its drain, which answers again: it says so (its leaving mark)
+                        self._mark_leaving()
                     self._show_engine(True)
                     log.info("engine %d is ready again", self.slot)
                     break

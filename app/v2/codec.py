@@ -32,7 +32,8 @@ _LENGTH_DIGITS = re.compile(r"[0-9]{1,18}")  # ASCII digits only (str.isdigit ta
 MAX_DIMENSIONS, MAX_DIMENSION = 32, 2 ** 31 - 1
 # The fields of a request, an input and a requested output (the Open Inference Protocol's): another one is a
 # misspelling or a misplaced field ("output", a flag outside "parameters") that would otherwise be ignored
-REQUEST_FIELDS = ("id", "parameters", "inputs", "outputs")
+# (model_name and model_version: KServe's Python client writes the URL's model into its body too; read from the URL)
+REQUEST_FIELDS = ("id", "parameters", "inputs", "outputs", "model_name", "model_version")
 INPUT_FIELDS = ("name", "shape", "datatype", "parameters", "data")
 OUTPUT_FIELDS = ("name", "parameters")
 _IMAGE_MAGIC = (b"\xff\xd8\xff", b"\x89PNG", b"GIF8", b"RIFF", b"BM")  # a photo sent as the whole body

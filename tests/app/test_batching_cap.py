@@ -13,7 +13,7 @@ from app import EXTENSION_KEY
 from app.factory import create_app
 from app.config import Settings
 from app.engine.loaded.predictor import Predictor
-from app.engine.batching.tuning import choose_batch_cap
+from app.engine.batching.tuning import choose_batch_cap, run_spread
 from app.engine.service import Service
 from tests.support.fakes import tiny_manifest
 from tests.support.imaging import image_bytes
@@ -39,12 +39,16 @@ def test_only_a_slowdown_larger_than_the_warm_up_s_noise_caps_the_batches() -> N
     assert choose_batch_cap(cliff, noise=0.1) == 6 and choose_batch_cap(cliff, noise=0.5) == 8  # a test too noisy
 
 
-def test_the_warm_up_measures_its_own_noise(predictor: Predictor, model) -> None:  # noqa: ANN001
-    model.delay_s = 0.002  # each pass at least this long: a steady machine's runs differ little
-    predictor.warmup(2, repeats=3)
-    assert 0 <= predictor.warmup_noise < 1
-    predictor.warmup(2, repeats=1)
-    assert predictor.warmup_noise == 0  # one run: nothing to compare
+def test_the_warm_up_s_noise_is_how_much_its_runs_of_a_size_differ(predictor: Predictor,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    steady = {1: [0.010, 0.0101, 0.0102], 2: [0.020, 0.0201, 0.0199]}
+    busy = {1: [0.010, 0.015, 0.016], 2: [0.020, 0.031, 0.029], 3: [0.03, 0.03, 0.09]}
+    assert run_spread(steady) == pytest.approx(0.0075, rel=0.01) and run_spread(busy) == pytest.approx(0.45)
+    assert run_spread({1: [0.01], 2: [0.02]}) == 0  # one run each: nothing to compare
+    told = []
+    monkeypatch.setattr("app.engine.loaded.predictor.run_spread", lambda runs: told.append(runs) or 0.25)
+    predictor.warmup(2, repeats=3)  # what the warm-up's runs gave, as measured
+    assert predictor.warmup_noise == 0.25 and sorted(told[0]) == [1, 2] and all(len(t) == 3 for t in told[0].values())
 
 
 def test_measured_cap_is_applied_and_shown(settings: Settings, predictor: Predictor,

@@ -78,4 +78,6 @@ def test_a_draining_worker_whose_engine_ends_no_longer_says_it_still_answers(lin
     assert leaving.exists() and not linked.worker.refusing
     linked.engines.kill()
     wait_until(lambda: not leaving.exists())
+    linked.engines.start()  # back within the drain, which answers again: it says so again
+    wait_until(leaving.exists)
     assert not linked.errors

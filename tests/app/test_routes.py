@@ -156,7 +156,7 @@ def test_a_request_accepted_in_the_drain_is_answered_before_the_drain_must_end(
     with ThreadPoolExecutor(3) as pool:
         first = pool.submit(client.post, "/predict", data=image_bytes(RED), content_type="image/jpeg")
         wait_until(lambda: len(model.batch_sizes) == 1)
-        service.begin_drain(within_s=0.5)  # as a worker's SIGTERM handler: GRACEFUL_TIMEOUT_S - 1
+        service.begin_drain(within_s=1.5)  # as a worker's SIGTERM handler: GRACEFUL_TIMEOUT_S - 1
         started = time.monotonic()
         late = pool.submit(client.post, "/predict", data=image_bytes(RED), content_type="image/jpeg")
         encoded = base64.b64encode(image_bytes(RED)).decode()
@@ -164,12 +164,12 @@ def test_a_request_accepted_in_the_drain_is_answered_before_the_drain_must_end(
             {"name": "images", "datatype": "BYTES", "shape": [1], "data": [encoded]}]})
         late_error = error_of(late.result(timeout=10), 504, "deadline_exceeded")["message"]
         assert v2.result(timeout=10).status_code == 504
-        for message in (late_error, v2.result().get_json()["error"]):  # REQUEST_TIMEOUT_S here, 10 s, cut to 0.5
-            assert 0 < float(re.search(r"within the request's ([0-9.]+)s deadline", message)[1]) <= 0.5, message
+        for message in (late_error, v2.result().get_json()["error"]):  # REQUEST_TIMEOUT_S here, 10 s, cut to 1.5
+            assert 0 < float(re.search(r"within the request's ([0-9.]+)s deadline", message)[1]) <= 1.5, message
         assert late.result().headers["Connection"] == v2.result().headers["Connection"] == "close"
         model.gate.set()
         assert first.result(timeout=10).status_code == 200  # accepted before the drain: its own deadline
-    wait_until(lambda: time.monotonic() - started > 0.5)
+    wait_until(lambda: time.monotonic() - started > 0.5)  # less than a second left: sent elsewhere, not in a hurry
     error_of(client.post("/predict", data=image_bytes(RED), content_type="image/jpeg"), 503, "not_ready")
 
 

@@ -434,13 +434,14 @@ def test_a_url_no_request_can_go_to_is_a_usage_error_at_once(url: str, capsys: p
 
 
 @pytest.mark.parametrize("url, root", [("http://localhost:8000/v2", "http://localhost:8000"),
-                                       ("http://host/serving/predict/", "http://host/serving")])
+                                       ("http://host/predict/?x=1", "http://host")])
 def test_a_url_that_names_a_route_is_a_usage_error_naming_the_root(url: str, root: str) -> None:
     # Before: Client("http://localhost:8000/v2") sent every call to /v2/predict and the like, and read their 404 in
     # the Open Inference Protocol's shape as "invalid_response: not visionserve's answer" (a new user's trial).
     with pytest.raises(UsageError, match=f"give its root URL \\({re.escape(root)}\\)"):
         Client(url)
-    assert Client("http://host/serving").base_url == "http://host/serving"  # a prefix of a proxy's: taken
+    for prefixed in ("http://host/serving", "https://gw.example.com/ml/v1"):  # a proxy's prefix: taken
+        assert Client(prefixed).base_url == prefixed
 
 
 @pytest.mark.parametrize("failure", [requests.exceptions.InvalidSchema("No connection adapters"),

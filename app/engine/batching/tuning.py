@@ -6,11 +6,13 @@ the cores (Settings.torch_threads).
 """
 from __future__ import annotations
 
+import statistics
+
 import torch
 
 from models.serving import forward_threads
 
-__all__ = ["cap_share", "choose_batch_cap", "forward_threads", "inline_batches", "loop_batches"]
+__all__ = ["cap_share", "choose_batch_cap", "forward_threads", "inline_batches", "loop_batches", "run_spread"]
 
 
 def inline_batches(setting: bool, device: torch.device) -> bool:
@@ -38,6 +40,13 @@ def loop_batches(device: torch.device, replays_every_batch: bool) -> bool:
 
 
 CAP_TOLERANCE = 0.95  # a batch size within this share of the best images/s is as fast (choose_batch_cap)
+
+
+def run_spread(runs: dict[int, list[float]]) -> float:
+    """How much timed runs of the same batch differ: the median over batch sizes of (their median run / their
+    fastest) - 1; 0 with one run each (nothing to compare)."""
+    spreads = [statistics.median(times) / max(min(times), 1e-9) - 1 for times in runs.values() if len(times) > 1]
+    return statistics.median(spreads) if spreads else 0.0
 
 
 def cap_share(noise: float, tolerance: float = CAP_TOLERANCE) -> float:

@@ -3,7 +3,6 @@ pass of a batch."""
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from app.engine.batching.batcher import ItemsFailed
+from app.engine.batching.tuning import run_spread
 from app.engine.loaded.graphs import GraphedForward, release_cached_memory
 from app.errors import InferenceFailed
 from models.architectures import split_outputs
@@ -243,8 +243,7 @@ class Predictor:
                 self._forward(batch)  # returns on the CPU, so CUDA work is finished when it does
                 runs[size].append(time.perf_counter() - begun)
         fastest = {size: max(min(times), 1e-9) for size, times in runs.items()}
-        self.warmup_noise = statistics.median(statistics.median(times) / fastest[size] - 1
-                                              for size, times in runs.items()) if repeats > 1 else 0.0
+        self.warmup_noise = run_spread(runs)
         log.info("warmed up batch sizes %s in %.2fs", self.warmed_batch_sizes, time.perf_counter() - started)
         return {size: size / seconds for size, seconds in fastest.items()}
 

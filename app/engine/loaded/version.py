@@ -208,11 +208,17 @@ def _place_loop_batches(loaded: LoadedVersion) -> None:
                  "CUDA_GRAPHS, WARMUP, or a capture that failed)", loaded.name, loaded.version)
 
 
+UNSTEADY_WARMUP = 0.1  # a warm-up whose runs differ by this much (``Predictor.warmup_noise``) is said in the log
+
+
 def _apply_batch_cap(settings: Settings, loaded: LoadedVersion) -> None:
     """Cap batches where the forward pass measured at warm-up starts to slow (when ``auto_batch_size``), saying why in the log."""
     profile, ceiling = loaded.batch_profile, loaded.batcher.max_batch_size  # the batcher was started at the ceiling
     noise = loaded.predictor.warmup_noise
     cap = choose_batch_cap(profile, noise=noise) if profile and settings.auto_batch_size else ceiling
+    if profile and settings.auto_batch_size and noise >= UNSTEADY_WARMUP:
+        log.info("%s %s: the warm-up's runs differed by %.0f%% (a busy machine): only a batch size slower than %.0f%% "
+                 "of the best caps the batches", loaded.name, loaded.version, 100 * noise, 100 * cap_share(noise))
     if cap < ceiling:
         log.info("%s %s: batch cap %d, the largest batch within %d%% of the best images/s; larger ones were slower "
                  "(%s)%s", loaded.name, loaded.version, cap, round(100 * (1 - cap_share(noise))),
