@@ -533,7 +533,8 @@ class SecuritySettings(SettingsGroup):
     api_key: SecretStr | None = Field(
         None, description="Require `Authorization: Bearer <key>` or `X-API-Key: <key>` (compared in constant "
         "time; the key stripped of surrounding whitespace). Unset: no key needed; so is an empty or whitespace-only "
-        "key, here or in `API_KEY_FILE`, with a warning at start that auth is off.")
+        "key, here or in `API_KEY_FILE`, with a warning at start that auth is off. Empty beside `API_KEY_FILE`: the "
+        "file's key (before, auth was off); both given keys: the start stops.")
     api_key_file: Path | None = Field(None, description="The same, read from a file at boot (a Docker or "
                                       "Kubernetes secret).")
     tracing: bool = Field(
@@ -560,6 +561,8 @@ class SecuritySettings(SettingsGroup):
     def _key_file_exists(self) -> "SecuritySettings":
         if self.api_key_file is not None and not self.api_key_file.is_file():
             raise ValueError(f"api_key_file {self.api_key_file} does not exist")
+        if self.api_key is not None and self.api_key.get_secret_value().strip() and self.api_key_file is not None:
+            raise ValueError("api_key and api_key_file are both set: set one (which key would clients need?)")
         return self
 
     def resolved_api_key(self) -> str | None:
@@ -569,9 +572,9 @@ class SecuritySettings(SettingsGroup):
         request could present it (a header's value is stripped), so every protected path would be 401; an empty
         variable is how a template or a compose file says "none" (`API_KEY=${API_KEY:-}`), and the warning tells
         an operator who meant a key that none is required."""
-        if self.api_key is not None:
+        if self.api_key is not None and (self.api_key.get_secret_value().strip() or self.api_key_file is None):
             key, source = self.api_key.get_secret_value().strip(), f"{ENV_PREFIX}API_KEY"
-        elif self.api_key_file is not None:
+        elif self.api_key_file is not None:  # (an empty API_KEY beside it, as a compose file's ${API_KEY:-}, is none)
             key, source = self.api_key_file.read_text(encoding="utf-8").strip(), f"the key file {self.api_key_file}"
         else:
             return None

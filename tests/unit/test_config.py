@@ -94,6 +94,10 @@ def test_the_methods_of_the_groups_and_of_the_whole(tmp_path: Path) -> None:
     assert settings.resolved_api_key() == "s3cret"
     # the setting's key stripped as the file's is: a header's value is, so " s3cret" could never be presented
     assert Settings(api_key=" s3cret\n").resolved_api_key() == "s3cret"
+    # Before: an empty API_KEY (a compose file's ${API_KEY:-}) beside a key file turned auth off (a security review)
+    assert Settings(api_key="", api_key_file=key_file).resolved_api_key() == "s3cret"
+    with pytest.raises(ValueError, match="api_key and api_key_file are both set"):
+        Settings(api_key="other", api_key_file=key_file)
     assert settings.device == "cuda:1"
     assert settings.resolved_queue_size("cuda") == settings.threads * 4 == 128
     assert settings.resolved_weights_dir().is_absolute()
