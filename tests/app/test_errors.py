@@ -219,6 +219,21 @@ def test_schema_violation_lists_the_fields(client: FlaskClient) -> None:
     assert details[0]["loc"] == ["images"]
 
 
+def test_a_json_body_of_millions_of_items_is_refused_before_pydantic_looks_at_each(client: FlaskClient,
+                                                                                   settings: Settings) -> None:
+    # Before (a security review): {"images": [0, 0, ...]} of 9 million zeros, 18 MB, took a worker to 10 GB (one
+    # validation error per item) until gunicorn killed it; 100,000 unknown fields and a long "outputs" alike.
+    body = b'{"images": [' + b",".join([b"0"] * 100_000) + b"]}"  # (within the test settings' 256 KiB body)
+    error_of(client.post("/predict", data=body, content_type="application/json"), 413, "too_many_images")
+    many = error_of(client.post("/predict", json={f"x{i}": 0 for i in range(15_000)}), 422, "validation_error")
+    assert len(many["details"]) == 20 and many["details"][0]["loc"] == ["x0"]
+    outputs = error_of(client.post("/predict", json={"images": ["aGk="], "outputs": [0] * 50_000}), 422,
+                       "validation_error")
+    assert "'outputs' lists 50000 items; at most 64" in outputs["message"]
+    wrong = error_of(client.post("/predict", json={"images": [0] * settings.max_images}), 422, "validation_error")
+    assert len(wrong["details"]) == settings.max_images  # within the count: each said, as before
+
+
 @pytest.mark.parametrize("path, body, hint", [
     ("/explain", {"images": ["aGk="]}, "an explanation is of one image: 'image'"),
     ("/explain", {"image": "aGk=", "format": "png"}, "format is a query parameter: ?format=png"),
