@@ -844,6 +844,8 @@ def test_the_repository_api(client: FlaskClient, repository: FakeRepository) -> 
     cases = [("/v2/repository/models/nope/load", {}, 404, "no model 'nope'"),
              ("/v2/repository/models/colour/load", {"parameters": {"file:1/model.pt": "eA=="}}, 400, "unsupported"),
              ("/v2/repository/models/colour/load", {"parameters": {"config": "{"}}, 400, "not JSON"),
+             # (before: a 500, json.loads' RecursionError: a security review)
+             ("/v2/repository/models/colour/load", {"parameters": {"config": "[" * 100_000}}, 400, "nested too deeply"),
              ("/v2/repository/models/colour/load", {"other": 1}, 422, "does not match"),
              ("/v2/repository/index", [1], 422, "does not match")]
     for url, body, status, message in cases:

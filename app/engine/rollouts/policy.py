@@ -39,6 +39,19 @@ class VersionsMissing(PolicyError):
         self.versions = versions
 
 
+def parsed_config(config: Any) -> Any:
+    """A load call's config: as it is, or its JSON text parsed; PolicyError for text that is no JSON, or nested
+    too deeply to parse (a RecursionError, before: a 500)."""
+    if not isinstance(config, (str, bytes)):
+        return config
+    try:
+        return json.loads(config)
+    except ValueError as exc:
+        raise PolicyError(f"the config is not JSON: {exc}") from None
+    except RecursionError:
+        raise PolicyError("the config is not JSON this server reads: it is nested too deeply") from None
+
+
 @dataclass(frozen=True)
 class VersionPolicy:
     """What to keep loaded out of a model's versions, and the version requests without one get."""
@@ -74,11 +87,7 @@ class VersionPolicy:
     @classmethod
     def from_config(cls, config: Any, fallback: "VersionPolicy") -> "VersionPolicy":
         """A Triton-style model config (a dict, or its JSON text) over ``fallback``; unknown keys are refused."""
-        if isinstance(config, (str, bytes)):
-            try:
-                config = json.loads(config)
-            except ValueError as exc:
-                raise PolicyError(f"the config is not JSON: {exc}") from None
+        config = parsed_config(config)
         if not isinstance(config, dict):
             raise PolicyError("the config must be a JSON object")
         unknown = set(config) - {"version_policy", "default_version", "name", "rollout"}

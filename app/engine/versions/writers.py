@@ -19,7 +19,6 @@ changed); start, the poll and following wait as long as it takes.
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -29,7 +28,7 @@ from app.config import Settings
 from app.engine.rollouts.entry import UNLOADED, ModelEntry, is_unloaded, unloaded
 from app.engine.rollouts.evidence import traffic_p99_ms
 from app.engine.rollouts.plan import RolloutPolicy, plan
-from app.engine.rollouts.policy import PolicyError, VersionPolicy, VersionsMissing
+from app.engine.rollouts.policy import PolicyError, VersionPolicy, VersionsMissing, parsed_config
 from app.engine.versions.apply import Applier
 from app.engine.versions.change_write import apply_and_write
 from app.engine.versions.desired import WATCH_S
@@ -124,8 +123,8 @@ class Writers:
         its specific versions) and unchanged since is answered with why (LoadFailed, 422), changing nothing: left
         out silently, the policy would pick something the caller did not ask for."""
         try:
-            parsed = json.loads(config) if isinstance(config, (str, bytes)) else config
-        except ValueError:
+            parsed = parsed_config(config)
+        except PolicyError:
             return  # not JSON: the policy says so with its own error
         if not isinstance(parsed, dict):
             return
@@ -350,11 +349,7 @@ class Writers:
         available = [v for v in available if v not in refused]  # until their files change
         own = self._policy_file(name)
         try:
-            if isinstance(config, (str, bytes)):
-                try:
-                    config = json.loads(config)
-                except ValueError as exc:
-                    raise PolicyError(f"the config is not JSON: {exc}") from None
+            config = parsed_config(config)
             policy = VersionPolicy.layered(self.settings.version_policy, own, config)
             entry = plan(policy, RolloutPolicy.layered(self.settings, own, config), available, current, refused)
         except VersionsMissing as exc:
