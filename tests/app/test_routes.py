@@ -196,6 +196,27 @@ def test_the_deadline_counts_the_decode_too(client: FlaskClient, service: Servic
     error_of(response, 504, "deadline_exceeded")
 
 
+def test_a_deadline_that_passes_while_the_images_decode_stops_the_decode(client: FlaskClient, service: Service,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before (a security review): every image of the request was decoded whatever the deadline (16 large PNGs held
+    # a worker 54-62 s for a 30 s deadline), the 504 coming after the last.
+    version = service.loaded_version()
+    decode, decoded = version.decoder.prepare, []
+
+    def slow(data: bytes) -> object:  # the first image's decode ends past the request's 50 ms
+        started = time.monotonic()
+        wait_until(lambda: time.monotonic() > started + 0.1)
+        decoded.append(data)
+        return decode(data)
+
+    monkeypatch.setattr(version.decoder, "prepare", slow)
+    files = {"image": [(io.BytesIO(image_bytes(RED)), f"{i}.jpg") for i in range(3)]}
+    response = client.post("/predict", headers={"X-Request-Timeout": "50"}, data=files,
+                           content_type="multipart/form-data")
+    assert "while its images were decoded (1 of 3)" in error_of(response, 504, "deadline_exceeded")["message"]
+    assert len(decoded) == 1
+
+
 def test_models_endpoint(client: FlaskClient) -> None:
     (info,) = client.get("/v1/models").get_json()["models"]
     assert info["name"] == "colour" and info["num_classes"] == 4 and info["device"] == "cpu"
