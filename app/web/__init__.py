@@ -31,6 +31,8 @@ def init_app(app: Flask, settings: Settings, service: ServiceFace, protocols: Se
     # werkzeug refuses a larger body with 413 from its Content-Length, before reading it.
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.sort_keys = False  # type: ignore[attr-defined]
+    # //predict or /demo//x: a 404, not werkzeug's 308 (an HTML body, its Location built from the request's Host)
+    app.url_map.merge_slashes = False
     app.extensions[EXTENSION_KEY] = service
     app.wsgi_app = CloseWhenAsked(app.wsgi_app, lambda: service.draining)  # type: ignore[method-assign]
     # one before hook: the id and access-log fields, then a CORS preflight's answer, then the limit and the key

@@ -285,6 +285,15 @@ def test_a_404_names_the_path_and_where_the_routes_are(client: FlaskClient, path
     assert error_of(method(path), 404, "not_found")["message"] == said
 
 
+def test_a_doubled_slash_is_a_404_not_a_redirect_built_from_the_host(client: FlaskClient) -> None:
+    # Before (a security review): GET /demo//x with Host: evil.example was a 308 to http://evil.example/demo/x, in
+    # HTML
+    answer = client.get("/demo//x", headers={"Host": "evil.example"})
+    assert "Location" not in answer.headers
+    error_of(answer, 404, "not_found")
+    error_of(client.post("//predict"), 404, "not_found")
+
+
 def test_failing_forward_is_500_json_and_the_server_goes_on(client: FlaskClient, model: ColourModel) -> None:
     model.fail_when = 0.5  # red images make the forward pass raise
     error_of(client.post("/predict", data=image_bytes(RED), content_type="image/jpeg"), 500, "inference_failed")
