@@ -385,6 +385,11 @@ class ServerSettings(SettingsGroup):
         "threads.")
     client_body_timeout_s: float = Field(30.0, gt=0, description="Longest silence while a client sends its "
                                          "body (then 408).")
+    client_body_min_rate: float = Field(
+        500.0, ge=0, description="Bytes a second a body must average once `CLIENT_BODY_TIMEOUT_S` from its head has "
+        "passed (then 408): a body gets that long plus a second for each this many bytes, as Apache's MinRate; "
+        "a client sending a byte within each silence's limit otherwise holds its connection for ever. 0 = no "
+        "limit (behind a proxy that buffers bodies).")
     client_answer_timeout_s: float = Field(
         30.0, gt=0, description="Longest a client may take none of its answer while the HTTP worker sends it (then the "
         "connection closes): a client that stops reading holds its connection, never a request thread or the "

@@ -67,6 +67,7 @@ class ReadLimits:
     head_limit: int = 64 * 1024  # MAX_HEADER_BYTES: a longer request head (line and headers) is refused (431)
     chunk_line_limit: int = DEFAULT_MAX_CHUNK_SIZE_LINE  # gunicorn's limit on a chunk-size line (its
     # limit_request_field_size, MAX_HEADER_BYTES in gunicorn.conf.py): a longer one is refused (400)
+    body_min_rate: float = 0.0  # CLIENT_BODY_MIN_RATE: bytes a second a body must average past body_timeout_s (0: any)
 
 
 
@@ -83,6 +84,7 @@ class Reading:
     refusal: Refusal | None = None  # why the loop refuses the request (from its head, or its chunked framing)
     chunked: ChunkedBody | None = None  # a chunked body's framing, as far as it came
     continue_owed: bool = False  # the client waits for 100 Continue to send its body (told by the loop: ``_continue``)
+    body_since: float = 0.0  # when its head was whole (time.monotonic()): the body's time counts from there
 
     def take(self, data: bytes) -> None:
         """``data`` added to what arrived; empty lines (CRLF) before the request line are skipped (RFC 9112 2.2): a

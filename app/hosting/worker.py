@@ -321,7 +321,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
                 return self._framed(reading, end, framing)
             if framing > self.limits.max_body_bytes:
                 return True
-            reading.body_end = end + len(HEADER_END) + framing
+            reading.body_end, reading.body_since = end + len(HEADER_END) + framing, time.monotonic()
         if len(reading.buffer) < reading.body_end:
             return False
         return reading.chunked is None or self._chunks_whole(reading)
@@ -339,6 +339,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         if framing is None or framing.length > self.limits.max_body_bytes:
             return True
         start = reading.body_end = end + len(HEADER_END)
+        reading.body_since = time.monotonic()
         if framing.chunked:
             reading.chunked = ChunkedBody(start)
         else:
@@ -563,7 +564,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
 
     def _expired(self, reading: Reading, now: float) -> bool:
         if reading.body_end is not None:
-            return now - reading.last_data > self.limits.body_timeout_s
+            return now - reading.last_data > self.limits.body_timeout_s or self._too_slow(reading, now)
         deadline = reading.header_deadline
         if not reading.buffer:  # idle (empty lines at most came): a kept-alive connection ends with its keep-alive
             kept_until = getattr(reading.conn, "timeout", None)  # gthread's, set when it was kept alive
@@ -573,10 +574,21 @@ class BufferingWorker(LoopRequests, ThreadWorker):
                 deadline = min(deadline, reading.last_data + STOP_KEEPALIVE_LINGER)
         return now > deadline
 
+    def _too_slow(self, reading: Reading, now: float) -> bool:
+        """Whether a body comes slower than CLIENT_BODY_MIN_RATE on average: past CLIENT_BODY_TIMEOUT_S from its
+        head, each second more must have brought that many bytes (as Apache's mod_reqtimeout's MinRate). A
+        client dripping a byte within each silence's limit held its connection for ever: two thousand of them, a
+        few bytes a second each, took every connection of the server (a security review)."""
+        rate = self.limits.body_min_rate
+        return bool(rate) and now - reading.body_since > self.limits.body_timeout_s + len(reading.buffer) / rate
+
     def _time_out(self, reading: Reading, now: float) -> None:
         if reading.buffer:  # a request was started: say why it ends (nothing started: close quietly)
             if reading.body_end is None:
                 message = f"the request headers did not arrive within {self.limits.header_timeout_s:g}s"
+            elif self._too_slow(reading, now):
+                message = (f"the body came slower than {self.limits.body_min_rate:g} bytes a second "
+                           "(CLIENT_BODY_MIN_RATE)")
             else:
                 message = f"the body did not arrive within {self.limits.body_timeout_s:g}s"
             self._answer(reading, Refusal(408, "Request Timeout", message))

@@ -42,7 +42,7 @@ ERROR_STATUSES = {
     "400": "Malformed request: bad image, JSON, base64, tensor shape or parameter",
     "401": "Missing or wrong API key (when one is configured)",
     "404": "No such model or version",
-    "408": "The body did not arrive within client_body_timeout_s",
+    "408": "The body did not arrive within client_body_timeout_s, or came slower than client_body_min_rate",
     "409": "The call does not apply to the model now: no rollout candidate to promote, no previous default",
     "413": "Body, image pixels or image count over its limit (an announced body over max_body_bytes on any route)",
     "415": "Unsupported content type or image format",

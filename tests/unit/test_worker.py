@@ -1423,6 +1423,41 @@ def test_a_chunked_or_expected_body_that_stalls_is_408_on_the_loop(sockets, kind
     assert not worker.tpool.handed  # no thread taken
 
 
+@pytest.mark.parametrize("kind", ["length", "chunked"])
+def test_a_body_that_drips_below_the_least_rate_is_408_though_never_silent_for_long(sockets, kind: str) -> None:
+    # Before (a security review): a byte within each silence's limit held the connection for ever; two thousand such
+    # clients took every connection of the server.
+    ours, client = sockets
+    client.settimeout(5)
+    worker = _serving_worker(body_timeout_s=0.3, body_min_rate=200)  # 0.3 s, then a second for each 200 bytes
+    conn, _ = _client_connection(ours, 30.0)
+    worker._start_reading(conn)
+    head = CHUNKED_HEAD + b"1000\r\n" if kind == "chunked" else (
+        b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\nContent-Length: 4096\r\n\r\n")
+    client.sendall(head)
+    stop = threading.Event()
+
+    def drip() -> None:  # a byte every 0.1 s: never silent for the 0.3 s limit
+        with contextlib.suppress(OSError):
+            while not stop.wait(0.1):
+                client.send(b"x")
+
+    dripping = threading.Thread(target=drip)
+    dripping.start()
+    try:
+        _turn(worker, lambda: not worker.reading)  # ended by the sweep: about 0.3 + 1 s here
+    finally:
+        stop.set()
+        dripping.join()
+    answers = b""
+    with contextlib.suppress(OSError):
+        while more := client.recv(65536):
+            answers += more
+    body = answers.rpartition(b"HTTP/1.1 408 ")[2].partition(b"\r\n\r\n")[2]
+    assert json.loads(body)["error"]["message"] == "the body came slower than 200 bytes a second (CLIENT_BODY_MIN_RATE)"
+    assert not worker.tpool.handed
+
+
 def test_a_body_announced_over_the_limit_after_expect_100_continue_is_413_with_no_100_first(sockets) -> None:
     # Before: gunicorn's parser said 100 Continue, inviting the whole body, and the app then answered 413.
     ours, client = sockets
