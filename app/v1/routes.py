@@ -10,7 +10,7 @@ from flask import Blueprint, Response, request
 
 from app.config import Settings
 from app.engine.contract import Ranked, VersionInfo
-from app.errors import BadRequest
+from app.errors import BadRequest, NotFound
 from app.v1.payload import LISTED, MODEL, VERSION, parse_explain, parse_predict
 from app.v1.schemas import (
     Batching,
@@ -125,14 +125,31 @@ def _model_info(settings: Settings, info: VersionInfo, ready: bool, show_labels:
 @bp.get("/v1/models")
 def models() -> Response:
     """Every loaded model version: metadata, device and dtype, memory, batching; and what each worker serves."""
+    return _models()
+
+
+@bp.get("/v1/models/<name>")
+def model(name: str) -> Response:
+    """``models`` of one model: its loaded versions, its rollout, and what each worker serves of it."""
+    return _models(name)
+
+
+def _models(name: str | None = None) -> Response:
+    """GET /v1/models's answer, of model ``name`` alone when given (NotFound, 404, when none of it is loaded)."""
     show_labels = request.args.get("labels", "").lower() in ("1", "true", "yes")
     service = current_service()
     service.require_loaded()
     overview = service.catalog.overview()
-    infos = [_model_info(service.settings, info, service.ready, show_labels) for info in overview.versions]
-    workers = [WorkerModels(**worker) for worker in overview.workers]
+    versions = [info for info in overview.versions if name is None or info.manifest.name == name]
+    if not versions:
+        raise NotFound(f"no model {name!r} is loaded; GET /v1/models lists those that are",
+                       details={"models": sorted({info.manifest.name for info in overview.versions})})
+    infos = [_model_info(service.settings, info, service.ready, show_labels) for info in versions]
+    workers = [WorkerModels(**worker) if name is None else WorkerModels(**{**worker, "models": {
+        m: v for m, v in (worker.get("models") or {}).items() if m == name}}) for worker in overview.workers]
     default_model = overview.default_model
-    rollouts = [Rollout(model=name, **rollout) for name, rollout in overview.rollouts.items()]
+    rollouts = [Rollout(model=model_name, **rollout) for model_name, rollout in overview.rollouts.items()
+                if name is None or model_name == name]
     # Every documented field is there, null where it says "null: none" (a client reads rollout["comparison"] before
     # the shadow compared anything); only the labels are left out unless asked for.
     hidden = None if show_labels else {"models": {"__all__": {"labels"}}}

@@ -276,7 +276,7 @@ def test_a_405_names_the_methods_the_path_takes_in_allow(client: FlaskClient, me
 @pytest.mark.parametrize("path, said", [
     ("/predict/", "no such path: /predict/ (without the trailing slash: /predict); the routes are in /openapi.json "
                   "(and /docs)"),
-    ("/v1/models/colour", "no such path: /v1/models/colour; the routes are in /openapi.json (and /docs)"),
+    ("/v1/model", "no such path: /v1/model; the routes are in /openapi.json (and /docs)"),
 ])
 def test_a_404_names_the_path_and_where_the_routes_are(client: FlaskClient, path: str, said: str) -> None:
     # Before: werkzeug's "The requested URL was not found on the server. If you entered the URL manually please

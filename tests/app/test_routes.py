@@ -217,6 +217,28 @@ def test_a_deadline_that_passes_while_the_images_decode_stops_the_decode(client:
     assert len(decoded) == 1
 
 
+def test_one_model_s_endpoint_answers_as_the_listing_does_of_it(client: FlaskClient) -> None:
+    # Before: GET /v1/models/colour was a 404 (a new user's trial, as TorchServe's GET /models/{name} and Triton's
+    # GET /v2/models/{name} answer)
+    listing, one = client.get("/v1/models").get_json(), client.get("/v1/models/colour").get_json()
+    assert one["models"] == listing["models"] and one["default_model"] == listing["default_model"]
+    assert client.get("/v1/models/colour?labels=1").get_json()["models"][0]["labels"] == [
+        "red", "green", "blue", "other"]
+    error = error_of(client.get("/v1/models/nope"), 404, "not_found")
+    assert error["message"].startswith("no model 'nope' is loaded") and error["details"] == {"models": ["colour"]}
+
+
+def test_one_model_s_endpoint_shows_that_model_alone_beside_others(settings: Settings) -> None:
+    from tests.support.fakes import several_models_app
+
+    with several_models_app(settings) as app:
+        shade = app.test_client().get("/v1/models/shade").get_json()
+        assert [(m["name"], m["version"]) for m in shade["models"]] == [("shade", "1")]
+        assert all(set(worker["models"]) == {"shade"} for worker in shade["workers"]) and shade["workers"]
+        colour = app.test_client().get("/v1/models/colour").get_json()
+        assert sorted(m["version"] for m in colour["models"]) == ["1", "2"]
+
+
 def test_models_endpoint(client: FlaskClient) -> None:
     (info,) = client.get("/v1/models").get_json()["models"]
     assert info["name"] == "colour" and info["num_classes"] == 4 and info["device"] == "cpu"
