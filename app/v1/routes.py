@@ -141,12 +141,13 @@ def _models(name: str | None = None) -> Response:
     service.require_loaded()
     overview = service.catalog.overview()
     versions = [info for info in overview.versions if name is None or info.manifest.name == name]
-    if not versions:
+    if name is not None and not versions:  # (the listing of nothing loaded is an empty one)
         raise NotFound(f"no model {name!r} is loaded; GET /v1/models lists those that are",
                        details={"models": sorted({info.manifest.name for info in overview.versions})})
-    infos = [_model_info(service.settings, info, service.ready, show_labels) for info in versions]
-    workers = [WorkerModels(**worker) if name is None else WorkerModels(**{**worker, "models": {
-        m: v for m, v in (worker.get("models") or {}).items() if m == name}}) for worker in overview.workers]
+    ready = service.ready  # once: under ENGINE=process a look at the engine's state
+    infos = [_model_info(service.settings, info, ready, show_labels) for info in versions]
+    workers = [WorkerModels(**{**worker, "models": _of_model(worker.get("models") or {}, name)})
+               for worker in overview.workers]
     default_model = overview.default_model
     rollouts = [Rollout(model=model_name, **rollout) for model_name, rollout in overview.rollouts.items()
                 if name is None or model_name == name]
@@ -155,6 +156,11 @@ def _models(name: str | None = None) -> Response:
     hidden = None if show_labels else {"models": {"__all__": {"labels"}}}
     body = ModelsResponse(default_model=default_model, models=infos, workers=workers, rollouts=rollouts)
     return Response(body.model_dump_json(exclude=hidden), mimetype="application/json")
+
+
+def _of_model(served: dict[str, Any], name: str | None) -> dict[str, Any]:
+    """What a worker serves (name -> versions and default), of model ``name`` alone when given."""
+    return served if name is None else {model: what for model, what in served.items() if model == name}
 
 
 def _version_named() -> str | None:

@@ -854,6 +854,7 @@ def test_the_repository_api(client: FlaskClient, repository: FakeRepository) -> 
     assert client.post("/v2/repository/models/colour/unload", json={"parameters": {"unload_dependents": False}}
                        ).get_json() == {"name": "colour", "versions": [], "default": None}
     assert client.get("/v2/models/colour/ready").status_code == 503  # in the repository, not loaded
+    assert client.get("/v1/models").get_json()["models"] == []  # nothing loaded: an empty listing, no 404
     assert client.get("/v2/models/nope/ready").status_code == 404
     assert client.post("/predict?model=colour", data=image_bytes(RED), content_type="image/jpeg").status_code == 404
 
