@@ -26,7 +26,8 @@ from app.engine.batching.types import (
     QueueFull,
     ms,
 )
-from app.engine.contract import CLIENT_CHECK_S, NOT_READY_RETRY_S, Served
+from app.engine.contract import CLIENT_CHECK_S, Served
+from app.engine.lifecycle import NOT_READY_RETRY_S
 from app.engine.decoding.decoders import Prepared
 from app.engine.loaded.version import LoadedVersion
 from app.errors import (

@@ -16,7 +16,8 @@ from concurrent.futures import CancelledError, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from app.config import Settings
-from app.engine.contract import Explanation, not_ready
+from app.engine.contract import Explanation
+from app.engine.lifecycle import not_ready
 from app.engine.loaded.version import LoadedVersion
 from app.errors import DeadlineExceeded, Overloaded, ServiceError, retry_after_header
 from app.metrics import EXPLAIN_SECONDS, EXPLANATIONS, series

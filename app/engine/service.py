@@ -17,7 +17,8 @@ from typing import Callable, Iterator, Sequence
 from app.config import Settings
 from app.engine.call import Call, check_room
 from app.engine.catalog import Catalog
-from app.engine.contract import Explanation, Lifecycle, PixelsForTheDefault, not_ready
+from app.engine.contract import Explanation, PixelsForTheDefault
+from app.engine.lifecycle import Lifecycle, not_ready
 from app.engine.explain import ExplainLane
 from app.engine.loaded.predictor import Predictor
 from app.engine.loaded.version import LoadedVersion

@@ -32,7 +32,7 @@ from app.hosting.request_framing import error_body
 StartResponse = Callable[..., Any]
 WSGIApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
 
-RETRY_AFTER_S = 5  # app.engine.contract.NOT_READY_RETRY_S (a test keeps them equal): every 503's Retry-After
+RETRY_AFTER_S = 5  # app.engine.lifecycle.NOT_READY_RETRY_S (a test keeps them equal): every 503's Retry-After
 MESSAGE = "the model is still loading"  # what app.engine.service says while loading (a test compares)
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}\Z")  # app/web/hooks.py keeps a caller's id when it is sane
 

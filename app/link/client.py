@@ -51,11 +51,10 @@ from app.engine.contract import (
     CLIENT_CHECK_S,
     CatalogFace,
     Explanation,
-    Lifecycle,
     Served,
     Signature,
-    not_ready,
 )
+from app.engine.lifecycle import Lifecycle, not_ready
 from app.errors import ClientGone, DeadlineExceeded, LoadFailed, LoadTimeout, NotReady, ServiceError
 from app.hosting import control, waiting
 from app.link import wire

@@ -46,7 +46,8 @@ import numpy as np
 
 from app.engine.batching.batcher import Batcher
 from app.engine.call import Queued, queue_prepared
-from app.engine.contract import CATALOG_CALLS, CATALOG_CHANGES, Signature, not_ready
+from app.engine.contract import CATALOG_CALLS, CATALOG_CHANGES, Signature
+from app.engine.lifecycle import not_ready
 from app.engine.service import Admission, Service
 from app.errors import (ClientGone, ImageTooLarge, InferenceFailed, InvalidImage, Overloaded, ServiceError,
                         ShortDeadline, UnsupportedImageFormat)

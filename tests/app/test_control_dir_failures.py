@@ -23,7 +23,7 @@ from prometheus_client import REGISTRY
 
 from app import EXTENSION_KEY
 from app.config import Settings
-from app.engine.contract import not_ready
+from app.engine.lifecycle import not_ready
 from app.engine.service import Service
 from app.engine.versions import desired, writers
 from app.factory import create_app
@@ -79,7 +79,7 @@ def test_a_sigterm_drains_when_the_ready_mark_cannot_be_removed(
     teller.emit = told.append  # type: ignore[method-assign]
     monkeypatch.setattr(drain.logging.getLogger(drain.__name__), "handlers", [teller])
     caplog.set_level(logging.INFO, logger=drain.__name__)  # (restored after the test)
-    with caplog.at_level(logging.WARNING, logger="app.engine.contract"):
+    with caplog.at_level(logging.WARNING, logger="app.engine.lifecycle"):
         handlers[signal.SIGTERM](signal.SIGTERM, None)
     assert service.draining and service.deadline_limit_s(30) <= 5  # a request accepted now ends within the drain
     assert any("could not remove the ready mark" in r.getMessage() and "Read-only file system" in r.getMessage()
@@ -227,7 +227,7 @@ def test_an_inline_worker_writes_its_ready_mark_again_once_it_can(
     mark = control.ready_mark(shared.control_dir, os.getpid())
     space = _failing(monkeypatch, "touch", mark, errno.ENOSPC)
     errors: list[BaseException] = []
-    with caplog.at_level(logging.DEBUG, logger="app.engine.contract"):
+    with caplog.at_level(logging.DEBUG, logger="app.engine.lifecycle"):
         service = Service.start(shared, repository, errors.append, ready_mark=mark)  # type: ignore[arg-type]
         try:
             wait_until(lambda: service.loaded)

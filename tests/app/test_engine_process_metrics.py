@@ -19,7 +19,7 @@ from gunicorn.http.parser import RequestParser
 from prometheus_client import REGISTRY
 
 from app.config import Settings
-from app.engine.contract import not_ready
+from app.engine.lifecycle import not_ready
 from app.hosting.request_framing import HeldUnreader, skip_held_body
 from app.link import supervisor, wire
 from app.link.client import RemoteService

@@ -27,7 +27,7 @@ import torch
 
 import app.engine.decoding.decoders as decoders
 from app.config import Settings
-from app.engine import contract
+from app.engine import contract, lifecycle
 from app.engine.catalog import Catalog
 from app.engine.loaded.predictor import Predictor
 from app.engine.service import Service
@@ -1478,7 +1478,7 @@ def test_what_the_repository_index_shows_crosses_in_one_exchange_and_agrees_with
 
 def test_both_services_have_one_face_and_one_lifecycle() -> None:
     for service in (Service, RemoteService):
-        assert issubclass(service, contract.Lifecycle)
+        assert issubclass(service, lifecycle.Lifecycle)
         for name in ("admit", "begin_drain", "shutdown", "wait_drained", "wait_loaded", "require_loaded",
                      "require_ready", "loaded", "alive", "ready", "draining"):
             assert hasattr(service, name), (service, name)

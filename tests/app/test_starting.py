@@ -12,7 +12,7 @@ from app import EXTENSION_KEY
 
 from app.factory import create_app
 from app.config import Settings
-from app.engine.contract import NOT_READY_RETRY_S
+from app.engine.lifecycle import NOT_READY_RETRY_S
 from app.engine.versions.sources import DirectorySource
 from app.hosting.starting import RETRY_AFTER_S, StartingApp
 

@@ -199,7 +199,7 @@ def test_a_drain_that_begins_while_the_ready_mark_is_written_still_leaves_its_le
     # Before: begin_drain looked for the ready mark before _serving_now wrote it, so it wrote no leaving mark, and
     # _serving_now only took its ready mark away again: a HUP's new worker, still loading, then took the new
     # connections (503 until it served) while this one still answered.
-    from app.engine.contract import Lifecycle
+    from app.engine.lifecycle import Lifecycle
 
     lifecycle = Lifecycle()
 
@@ -234,7 +234,7 @@ def test_a_draining_worker_answers_on_while_its_replacement_loads_and_none_serve
 
 
 def test_a_drain_answers_on_while_told_and_leaves_its_last_requests_their_time(tmp_path: Path) -> None:
-    from app.engine.contract import Lifecycle
+    from app.engine.lifecycle import Lifecycle
 
     lifecycle = Lifecycle()
     lifecycle.ready_mark = control.ready_mark(tmp_path, os.getpid())

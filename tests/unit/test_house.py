@@ -60,9 +60,10 @@ def _modules(package: str) -> dict[str, set[str]]:
 
 
 # What runs in an HTTP worker under ENGINE=process (and in the gunicorn master): it reaches the engine through
-# app.engine.contract only (torch-free data, the faces and their lifecycle), never a wing, the service or torch.
+# app.engine.contract (torch-free data and the faces) and app.engine.lifecycle (what both services do alike) only,
+# never a wing, the service or torch.
 HTTP_SIDE = ("app.web", *PROTOCOLS, "app.link.client", "app.link.wire", "app.link.supervisor", "app.hosting")
-ENGINE_FOR_THE_HTTP_SIDE = ("app.engine.contract",)
+ENGINE_FOR_THE_HTTP_SIDE = ("app.engine.contract", "app.engine.lifecycle")
 
 
 @pytest.mark.parametrize("package, forbidden", [
@@ -214,9 +215,10 @@ ENGINE_FACADE = ("app.engine.service", "app.engine.call", "app.engine.explain", 
                  "app.engine.contract")
 # contract.py sits between batching and the wings above it: it imports only these of the engine, and any wing from
 # loaded up may import it (the data a loaded version and the repository index hand out), and ranking.py (numpy
-# only: the answers' top classes, a monitor's top-1) beside it.
+# only: the answers' top classes, a monitor's top-1) and lifecycle.py (a service's life: arrivals' in-flight count
+# of the engine) beside it.
 CONTRACT_IMPORTS = ("app.engine.batching.types", "app.engine.batching.arrivals", "app.engine.ranking")
-BESIDE_THE_CONTRACT = ("app.engine.contract", "app.engine.ranking")
+BESIDE_THE_CONTRACT = ("app.engine.contract", "app.engine.lifecycle", "app.engine.ranking")
 # app/'s root: what is truly shared, and the two files a newcomer looks for first (wsgi.py, factory.py).
 ROOT_MODULES = ["__init__.py", "config.py", "configdoc.py", "errors.py", "factory.py", "logs.py", "metrics.py",
                 "metricsdoc.py", "wsgi.py"]
@@ -237,13 +239,16 @@ def test_the_http_side_reaches_the_engine_only_through_its_contract() -> None:
     graph = _project_graph()
     contract = sorted(t for t in graph["app.engine.contract"] if _under(t, ("app.engine",)))
     assert set(contract) <= set(CONTRACT_IMPORTS), f"app.engine.contract imports {contract}"
+    lifecycle = sorted(t for t in graph["app.engine.lifecycle"] if _under(t, ("app.engine",)))
+    assert lifecycle == ["app.engine.batching.arrivals"], f"app.engine.lifecycle imports {lifecycle}"
     ranking = sorted(t for t in graph["app.engine.ranking"] if t.startswith("app"))
     assert not ranking, f"app.engine.ranking imports {ranking}"
 
 
 def test_engine_is_in_wings_and_they_import_downwards_only() -> None:
     loose = sorted(p.name for p in (APP / "engine").glob("*.py") if p.name != "__init__.py")
-    assert loose == ["call.py", "catalog.py", "contract.py", "explain.py", "ranking.py", "service.py"], \
+    assert loose == ["call.py", "catalog.py", "contract.py", "explain.py", "lifecycle.py", "ranking.py",
+                     "service.py"], \
         "an engine module belongs in a wing"
     assert sorted(p.name for p in (APP / "engine").iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(WINGS)
     graph = _project_graph()
@@ -269,7 +274,7 @@ def test_protocols_reach_the_engine_only_through_the_service_the_call_and_the_ca
 def test_the_http_side_imports_no_torch() -> None:
     # Under ENGINE=process a gunicorn worker runs the web layer, the protocols and the engine's remote face only:
     # none of it may load torch (the engine's answers, signatures and version facts are plain data).
-    code = ("import sys, app.engine.contract, app.link.wire, app.link.client, app.link.supervisor, app.factory, "
+    code = ("import sys, app.engine.contract, app.engine.lifecycle, app.link.wire, app.link.client, app.link.supervisor, app.factory, "
             "app.web, app.v1, app.v2, app.hosting.worker, app.hosting.drain, app.hosting.starting; bad = [m for m in ('torch', 'torchvision') if m in sys.modules]; print(bad); "
             "sys.exit(1 if bad else 0)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

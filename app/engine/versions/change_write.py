@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from app.engine.contract import not_ready
+from app.engine.lifecycle import not_ready
 from app.engine.rollouts.entry import UNLOADED, ModelEntry
 from app.engine.versions.apply import Applier
 from app.engine.versions.routing import Candidate
