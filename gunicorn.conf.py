@@ -250,7 +250,7 @@ def post_fork(server, worker) -> None:  # noqa: ANN001
                                _settings.max_body_bytes, _settings.keepalive_linger_ms / 1000,
                                _settings.client_answer_timeout_s, worker.cfg.limit_request_line,
                                _settings.max_header_bytes, worker.cfg.limit_request_field_size,
-                               _settings.client_body_min_rate)
+                               _settings.client_body_min_rate, _settings.max_connections_per_client)
     worker.control_dir = Path(os.environ["VISIONSERVE_CONTROL_DIR"])  # the ready marks: which workers serve
     with contextlib.suppress(OSError):  # until it serves: a HUP's old worker answers on meanwhile (hosting/drain.py)
         control.loading_mark(worker.control_dir, os.getpid()).touch()

@@ -378,6 +378,12 @@ class ServerSettings(SettingsGroup):
     max_connections: int = Field(
         1000, gt=0, description="Open connections per worker, idle keep-alive and still-arriving requests included "
         "(gunicorn's `worker_connections`); at the limit the worker stops accepting until one closes.")
+    max_connections_per_client: int = Field(
+        500, ge=0, description="Open connections per worker from one client address (an IPv6 client's /64), so "
+        "that one client (slow ones holding their connections, a slowloris) cannot take all of a worker's "
+        "`MAX_CONNECTIONS`; one more is answered 429 with Retry-After and closed. 0: no limit. Behind a proxy every "
+        "connection is the proxy's: raise it above what the proxy opens to one worker, or 0. Connections on a Unix "
+        "socket are not limited.")
     client_header_timeout_s: float = Field(
         10.0, gt=0, description="Longest a client may take to send its request line and headers (then 408 and "
         "the connection closes). A request is read by the worker's event loop, headers and body (of known length, "

@@ -7,6 +7,7 @@ them; ``python -m bench.serving.faults`` prints the table that docs/deployment.m
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
@@ -384,6 +385,57 @@ def slowloris(start: Start, weights: Path, slow: int = 200, seconds: float = 8) 
                f"{timeouts} of {len(threads)} slow header senders got 408 after the 4 s header timeout")
 
 
+FLOODER = "127.0.0.2"  # one client of the flood (on loopback as 127.0.0.1, the other clients', is another host)
+
+
+def one_client_floods(start: Start, weights: Path, slow: int = 2500, seconds: float = 8, **settings: str) -> Row:
+    """One client (FLOODER) opens ``slow`` connections, each sending its request's head a byte a second; 4 other
+    clients meanwhile, each request on a new connection. ``settings``: the server's (``max_connections_per_client="0"``: as before the limit)."""
+    server = start(weights, **settings).wait_ready()
+    until = time.monotonic() + seconds
+    flood: list[socket.socket] = []
+    try:
+        with Load(server.url, 4, keepalive=False, timeout_s=10) as load:  # a new connection a request
+            for _ in range(slow):
+                sock = socket.create_connection(("127.0.0.1", server.port), timeout=5,
+                                                source_address=(FLOODER, 0))
+                sock.setblocking(False)
+                flood.append(sock)
+            told = _dribble_heads(flood, until)
+            outcomes = load.stop(0)
+        recover_s = until_served(server.url, time.monotonic())
+    finally:
+        for sock in flood:
+            sock.close()
+        assert server.stop() == 0
+    return Row(f"one client's {slow} connections at 1 byte/s (headers)", outcomes, recover_s,
+               f"{told} of {slow} of its connections answered 429 (MAX_CONNECTIONS_PER_CLIENT), the rest held")
+
+
+def _dribble_heads(sockets: list[socket.socket], until: float) -> int:
+    """A request head sent a byte a second on each of ``sockets`` (non-blocking) until ``until``; how many were
+    answered 429 meanwhile."""
+    head = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    told, sent, open_ = 0, 0, set(sockets)
+    while time.monotonic() < until and open_:
+        for sock in list(open_):
+            try:
+                answer = sock.recv(4096)
+            except BlockingIOError:
+                answer = None
+            except OSError:
+                answer = b""
+            if answer is not None:  # answered (or closed): nothing more to send on it
+                told += answer.startswith(b"HTTP/1.1 429")
+                open_.discard(sock)
+                continue
+            with contextlib.suppress(OSError):
+                sock.send(head[sent:sent + 1])
+        sent = min(sent + 1, len(head) - 3)  # never the head's end: held, not answered
+        time.sleep(1.0)
+    return told
+
+
 def _dribble(sockets: list[socket.socket], until: float) -> None:
     while time.monotonic() < until:
         for sock in sockets:
@@ -441,5 +493,5 @@ def matrix(start: Start, weights: Path, choosy: Path) -> list[Row]:
     rows = [sigterm(start, weights, workers, keepalive) for workers in (1, 2) for keepalive in (False, True)]
     rows += [sigkill_worker(start, weights, workers) for workers in (1, 2)] + [reload(start, weights)]
     rows += [forward_raises(start, choosy), client_disconnect(start, weights), slowloris(start, weights),
-             burst(start, weights)]
+             one_client_floods(start, weights), burst(start, weights)]
     return rows

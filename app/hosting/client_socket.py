@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import ipaddress
 import logging
 import re
 import select
@@ -22,7 +23,7 @@ from typing import Any, Callable
 from gunicorn.workers.gthread import TConn
 
 from app.hosting import waiting
-from app.hosting.request_framing import HELD_PIECE, ReadLimits
+from app.hosting.request_framing import HELD_PIECE, ReadLimits, Refusal
 
 HEAD_JOINED_BYTES = 64 * 1024  # an answer's first piece up to which its head goes out in the same send (one copy):
 # on loopback each send delivers to the reader on the sender's CPU, 7 us more a small answer for two sends than one
@@ -160,13 +161,71 @@ class ClientSocket(socket.socket):
 
 class ClientConn(TConn):
     """gthread's connection, whose graceful close (after an answer that said ``Connection: close``) is its worker's
-    ``close_gracefully``: the same half-close and drain, without blocking the event loop for up to 2 s."""
+    ``close_gracefully``: the same half-close and drain, without blocking the event loop for up to 2 s; its close
+    leaves its client's count (``ClientCounts``)."""
 
     closer: Callable[[socket.socket], None] | None = None
+    counted: tuple[ClientCounts, str] | None = None  # the counts it is one of, and its client's key there
 
     def close(self, graceful: bool = False) -> None:
+        if self.counted is not None:
+            counts, key = self.counted
+            self.counted = None
+            counts.leave(key)
         if graceful and self.closer is not None:
             self.closer(self.sock)
             return
         super().close(graceful)
+
+
+RETRY_CONNECTION_S = 1  # Retry-After of a connection refused for its client's count: one of its others ends soon
+
+
+class ClientCounts:
+    """A worker's open connections by client (MAX_CONNECTIONS_PER_CLIENT, ``limit``; 0: no limit): an IPv4
+    address, an IPv6 /64 (a host's share of addresses; an IPv4-mapped one as IPv4), none for a Unix socket's."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.open: dict[str, int] = {}
+
+    def join(self, conn: ClientConn, address: Any) -> bool:
+        """``conn``, from ``address`` (accept's), counted; False, uncounted, when its client has ``limit`` open."""
+        key = client_key(address) if self.limit else None
+        if key is None:
+            return True
+        held = self.open.get(key, 0)
+        if held >= self.limit:
+            return False
+        self.open[key] = held + 1
+        conn.counted = (self, key)
+        return True
+
+    def leave(self, key: str) -> None:
+        held = self.open.pop(key, 0) - 1
+        if held > 0:
+            self.open[key] = held
+
+    def refusal(self, address: Any) -> Refusal:
+        """What a connection over the limit is answered (429)."""
+        return Refusal(429, "Too Many Requests", f"{client_key(address)} has {self.limit} connections open to this "
+                       "worker, the most one client may (VISIONSERVE_MAX_CONNECTIONS_PER_CLIENT): send on those "
+                       "(keep-alive), or close one first", RETRY_CONNECTION_S)
+
+
+def client_key(address: Any) -> str | None:
+    """Whom a connection from ``address`` (accept's: ``(host, port, ...)``, a string for a Unix socket) counts
+    against: its IPv4 address, its IPv6 /64, None where it has no IP address."""
+    if not isinstance(address, tuple) or not address or not isinstance(address[0], str):
+        return None
+    host = address[0]
+    if ":" not in host:
+        return host
+    try:
+        ip = ipaddress.IPv6Address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ipaddress.IPv6Network((ip, 64), strict=False))
 

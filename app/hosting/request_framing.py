@@ -68,6 +68,7 @@ class ReadLimits:
     chunk_line_limit: int = DEFAULT_MAX_CHUNK_SIZE_LINE  # gunicorn's limit on a chunk-size line (its
     # limit_request_field_size, MAX_HEADER_BYTES in gunicorn.conf.py): a longer one is refused (400)
     body_min_rate: float = 0.0  # CLIENT_BODY_MIN_RATE: bytes a second a body must average past body_timeout_s (0: any)
+    per_client: int = 0  # MAX_CONNECTIONS_PER_CLIENT: open connections from one client address (0: any number)
 
 
 
@@ -154,6 +155,7 @@ class Refusal:
     status: int
     reason: str
     message: str
+    retry_after_s: int | None = None  # its Retry-After header, where it has one
 
     @property
     def code(self) -> str:
@@ -173,9 +175,10 @@ class Refusal:
         """The answer in the error shape of its ``path`` (``error_body``), with its request id (as every answer has:
         the access line names it too)."""
         body = json.dumps(error_body(path, self.code, self.message, request_id)).encode()
+        retry = b"" if self.retry_after_s is None else b"Retry-After: %d\r\n" % self.retry_after_s
         return (f"HTTP/1.1 {self.status} {self.reason}\r\n".encode()
-                + b"Content-Type: application/json\r\nConnection: close\r\nX-Request-ID: " + request_id.encode()
-                + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+                + b"Content-Type: application/json\r\nConnection: close\r\n" + retry + b"X-Request-ID: "
+                + request_id.encode() + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
 
 

@@ -43,12 +43,14 @@ from gunicorn.http import get_parser
 from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn, ThreadWorker
 
 from app.hosting import control, waiting
-from app.hosting.client_socket import ClientConn, ClientSocket
+from app.hosting.client_socket import ClientConn, ClientCounts, ClientSocket
 from app.hosting.loop_requests import LoopRequests
 from app.hosting.request_framing import (CONTINUE, HEADER_END, HELD_PIECE, ChunkedBody, Framing, HeldUnreader,
                                          ReadLimits, Reading, Refusal, body_framing, continued_request, head_refusal,
                                          parser_refusal, skip_held_body, target_path)
 
+OVER_LIMIT_WAIT_S = 1.0  # how long a connection over MAX_CONNECTIONS_PER_CLIENT is given to begin its request (its
+# 429 then says its path's error shape) before it is answered 429 all the same
 CLOSE_LINGER_S = 2.0  # a connection's graceful close reads what the client still sends for this long at most
 CLOSE_DRAIN_BYTES = 64 * 1024  # and this much at most (gunicorn's close_graceful, on the loop without blocking)
 # accept(2)'s errors that end one connection before it was taken (Linux passes a pending network error on as accept's;
@@ -102,6 +104,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
     accept_paused_until = 0.0  # out of file descriptors: no accept before then (time.monotonic())
     accept_warned_at = -ACCEPT_WARN_EVERY_S  # when the last pause was said in the log
     held_back_draining = False  # the reason held back last said in the log: its drain, or not serving yet
+    client_counts = ClientCounts(0)  # its open connections by client (``init_process``: MAX_CONNECTIONS_PER_CLIENT)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -117,6 +120,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         request on it handed to it; MAX_CONNECTIONS fitted to the open-file limit; then gthread's start (which runs
         the loop)."""
         self.loop_greenlet = getcurrent()
+        self.client_counts = ClientCounts(self.limits.per_client)
         if self.loop_requests:
             waiting.wait_on(self)
         self._fit_connections_to_file_limit()
@@ -225,10 +229,15 @@ class BufferingWorker(LoopRequests, ThreadWorker):
             return
         sock = ClientSocket(accepted.family, accepted.type, accepted.proto, fileno=accepted.detach())
         sock.answer_timeout_s, sock.loop_writes = self.limits.answer_timeout_s, True
-        self.nr_conns += 1
         conn = ClientConn(self.cfg, sock, client, listener.getsockname())  # non-blocking
+        counted = self.client_counts.join(conn, client)
+        self.nr_conns += 1
         conn.closer = self.close_gracefully
-        self._start_reading(conn)
+        reading = self._start_reading(conn)
+        if not counted:  # its client holds MAX_CONNECTIONS_PER_CLIENT of ours: 429 as its request begins (its path
+            # gives the error's shape), or after OVER_LIMIT_WAIT_S without one, then the connection closes
+            reading.refusal = self.client_counts.refusal(client)
+            reading.header_deadline = reading.last_data + OVER_LIMIT_WAIT_S
 
     def _pause_accepting(self, exc: OSError) -> None:
         """No room for one more connection (EMFILE: the open-file limit; ENFILE, ENOBUFS, ENOMEM): new connections
@@ -260,9 +269,10 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         self.poller.modify(client, selectors.EVENT_READ, partial(self._on_data, reading))
         self._on_data(reading, client)
 
-    def _start_reading(self, conn: TConn) -> None:
+    def _start_reading(self, conn: TConn) -> Reading:
         reading = self._reading(conn)
         self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._on_data, reading))
+        return reading
 
     def _reading(self, conn: TConn) -> Reading:
         """A request starting to arrive on ``conn``, watched by the loop's timeouts (``reading``)."""
@@ -583,6 +593,9 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         return bool(rate) and now - reading.body_since > self.limits.body_timeout_s + len(reading.buffer) / rate
 
     def _time_out(self, reading: Reading, now: float) -> None:
+        if reading.refusal is not None:  # refused before its request began (MAX_CONNECTIONS_PER_CLIENT)
+            self._refuse(reading)
+            return
         if reading.buffer:  # a request was started: say why it ends (nothing started: close quietly)
             if reading.body_end is None:
                 message = f"the request headers did not arrive within {self.limits.header_timeout_s:g}s"

@@ -82,6 +82,8 @@ def errors(model: type[BaseModel], statuses: str) -> dict[str, Any]:
     return out
 
 
+_TOO_MANY_CONNECTIONS = ("the client holds MAX_CONNECTIONS_PER_CLIENT connections to this worker already (answered "
+                         "by the worker before the app, the connection closing)")
 _HEALTH_UNAUTHORIZED = "Missing or wrong API key (when one is configured and AUTH_HEALTH_OPEN is off)"
 _STARTING = ("Not ready: the worker is still starting (its first seconds after a start or a reload, while it imports "
              "the app, every path but the health probes answers so; app/hosting/starting.py)")
@@ -92,8 +94,9 @@ _METHODS = frozenset({"get", "put", "post", "delete", "options", "head", "patch"
 def request_wide(paths: dict[str, Any], model: type[BaseModel]) -> dict[str, Any]:
     """``paths`` with what is answered on every route added to each operation, in ``model``'s shape: by
     app/web/hooks.py 401 (but on the pages, which are open; on the health paths only when AUTH_HEALTH_OPEN is off)
-    and 413 (a body announced over the limit, refused before it is read); by a worker still starting, 503 with
-    Retry-After (an operation's own 503, where it has one, says its other reasons too)."""
+    and 413 (a body announced over the limit, refused before it is read); by a worker, 429 with Retry-After to a
+    client over MAX_CONNECTIONS_PER_CLIENT, and 503 with Retry-After while it starts (an operation's own 429 or
+    503, where it has one, says its other reasons too)."""
     for path, item in paths.items():
         for method in _METHODS & item.keys():
             responses = item[method]["responses"]
@@ -103,6 +106,12 @@ def request_wide(paths: dict[str, Any], model: type[BaseModel]) -> dict[str, Any
                     unauthorized["description"] = _HEALTH_UNAUTHORIZED
                 responses.setdefault("401", unauthorized)
             responses.setdefault("413", errors(model, "413")["413"])
+            if "429" in responses:
+                responses["429"]["description"] += f"; or {_TOO_MANY_CONNECTIONS}"
+            else:
+                crowded = errors(model, "429")["429"]
+                crowded["description"] = _TOO_MANY_CONNECTIONS[0].upper() + _TOO_MANY_CONNECTIONS[1:]
+                responses["429"] = crowded
             if "503" not in responses:
                 starting = errors(model, "503")["503"]
                 starting["description"] = _STARTING

@@ -437,3 +437,41 @@ def test_requests_answered_before_the_app_count_in_requests_total_as_unparsed(se
     after = _unparsed(server)
     after.subtract(before)
     assert +after == Counter({"400": 2, "414": 1, "431": 1, "408": 1})
+
+
+@pytest.mark.slow  # a gunicorn master started from the command line, as the server is
+def test_one_client_holds_at_most_max_connections_per_client_of_a_worker(tmp_path: Path) -> None:
+    # Before: connections were not limited per client: one client's slow connections (a slowloris of 2,000 in a
+    # security review) took every connection of the server for a header timeout at a time. Now one more than
+    # MAX_CONNECTIONS_PER_CLIENT is answered 429 with Retry-After, in its path's error shape, and closed.
+    server = _plain(tmp_path, max_connections_per_client="3", client_header_timeout_s="60")
+    held: list[Raw] = []
+    try:
+        server.wait_ready(120)
+        held = [Raw(server.port) for _ in range(3)]  # idle: held open, as a slow client's are
+        held[0].send(HEALTH)  # (answered: the worker took the three)
+        assert held[0].answer()[0] == 200
+        with Raw(server.port) as over:
+            over.send(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n")
+            status, headers, body = over.answer()
+            assert (status, headers["retry-after"], headers["connection"]) == (429, "1", "close"), (headers, body)
+            assert "VISIONSERVE_MAX_CONNECTIONS_PER_CLIENT" in json.loads(body)["error"]  # V2's error shape
+            assert over.closed()
+        with Raw(server.port) as silent:  # one that says nothing is told all the same, a second on
+            assert "127.0.0.1 has 3 connections open" in silent.error(429, "too_many_requests")["message"]
+        for raw in held[1:]:  # the held ones still serve
+            raw.send(HEALTH)
+            assert raw.answer()[0] == 200
+        held.pop().sock.close()  # one closes: a new one takes its place
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            with Raw(server.port) as again:
+                again.send(HEALTH)
+                if again.answer()[0] == 200:
+                    break
+            assert time.monotonic() < deadline, "the closed connection was never let go of"
+            time.sleep(0.05)
+    finally:
+        for raw in held:
+            raw.sock.close()
+        server.stop()

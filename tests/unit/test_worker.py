@@ -1472,3 +1472,34 @@ def test_a_body_announced_over_the_limit_after_expect_100_continue_is_413_with_n
     assert head.startswith(b"HTTP/1.1 413 ") and b"Connection: close" in head and b"100 Continue" not in head
     assert json.loads(body)["error"]["message"] == "the request body is over the 100 byte limit"
     assert not worker.tpool.handed and not worker.reading
+
+
+@pytest.mark.parametrize("address, key", [
+    (("203.0.113.7", 51000), "203.0.113.7"),
+    (("2001:db8:1:2:aaaa::1", 51000, 0, 0), "2001:db8:1:2::/64"),  # a host's /64: one client, whatever its address
+    (("2001:db8:1:2:bbbb::9%eth0", 51000, 0, 2), "2001:db8:1:2::/64"),
+    (("::ffff:203.0.113.7", 51000, 0, 0), "203.0.113.7"),  # IPv4 on a dual-stack listener
+    ("", None), ("/run/visionserve.sock", None),  # a Unix socket's (a local proxy): not counted
+])
+def test_a_connection_counts_against_its_ipv4_address_or_ipv6_64(address: object, key: str | None) -> None:
+    from app.hosting.client_socket import client_key
+
+    assert client_key(address) == key
+
+
+def test_client_counts_let_go_of_a_connection_once_whatever_closes_it() -> None:
+    from app.hosting.client_socket import ClientConn, ClientCounts
+
+    counts, address = ClientCounts(2), ("198.51.100.1", 1)
+    conns = [ClientConn(Config(), socket.socket(), address, ("127.0.0.1", 2)) for _ in range(3)]
+    try:
+        assert [counts.join(conn, address) for conn in conns] == [True, True, False]
+        assert counts.open == {"198.51.100.1": 2}
+        conns[0].close()
+        conns[0].close()  # (closed twice: counted off once)
+        assert counts.open == {"198.51.100.1": 1}
+        assert counts.join(conns[2], address) and counts.open == {"198.51.100.1": 2}
+        assert ClientCounts(0).join(conns[0], address)  # 0: no limit, nothing counted
+    finally:
+        for conn in conns:
+            conn.sock.close()
