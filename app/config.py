@@ -379,11 +379,12 @@ class ServerSettings(SettingsGroup):
         1000, gt=0, description="Open connections per worker, idle keep-alive and still-arriving requests included "
         "(gunicorn's `worker_connections`); at the limit the worker stops accepting until one closes.")
     max_connections_per_client: int = Field(
-        500, ge=0, description="Open connections per worker from one client address (an IPv6 client's /64), so "
-        "that one client (slow ones holding their connections, a slowloris) cannot take all of a worker's "
-        "`MAX_CONNECTIONS`; one more is answered 429 with Retry-After and closed. 0: no limit. Behind a proxy every "
-        "connection is the proxy's: raise it above what the proxy opens to one worker, or 0. Connections on a Unix "
-        "socket are not limited.")
+        500, ge=0, description="Open connections per worker from one client IP address, so that one client (slow "
+        "ones holding their connections, a slowloris) cannot take all of a worker's `MAX_CONNECTIONS` (at most half "
+        "of them: a higher value is lowered, said at the start). One more is answered 429 with Retry-After once its "
+        "request line comes (within 1 s), and closed; a flood of them is answered and closed at once. 0: no limit. "
+        "Behind a proxy every connection is the proxy's: 0, or more than it opens to one worker. Connections on a "
+        "Unix socket are not limited.")
     client_header_timeout_s: float = Field(
         10.0, gt=0, description="Longest a client may take to send its request line and headers (then 408 and "
         "the connection closes). A request is read by the worker's event loop, headers and body (of known length, "

@@ -50,8 +50,9 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 _BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
 
 REQUESTS = Counter("visionserve_requests_total", "HTTP requests answered (endpoint \"unparsed\": refused before "
-                   "any route, from the request head or its timeouts: 400, 408, 414, 431, a parser's refusal; "
-                   "\"starting\": answered 503 while a worker imports the app)", ["endpoint", "status"])
+                   "any route, from the request head or its timeouts: 400, 408, 413, 414, 431, a parser's refusal, "
+                   "and 429 to a client over MAX_CONNECTIONS_PER_CLIENT; \"starting\": answered 503 while a worker "
+                   "imports the app)", ["endpoint", "status"])
 UNPARSED = "unparsed"  # the endpoint of requests refused before the app (app/hosting/request_framing.py)
 STARTING = "starting"  # the endpoint of requests answered while a worker imports the app (app/hosting/starting.py)
 REQUEST_SECONDS = Histogram("visionserve_request_duration_seconds", "Whole request time", ["endpoint"],

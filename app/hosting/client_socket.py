@@ -12,6 +12,7 @@ waiting and request_framing (plain).
 from __future__ import annotations
 
 import contextlib
+import enum
 import errno
 import ipaddress
 import logging
@@ -165,13 +166,12 @@ class ClientConn(TConn):
     leaves its client's count (``ClientCounts``)."""
 
     closer: Callable[[socket.socket], None] | None = None
-    counted: tuple[ClientCounts, str] | None = None  # the counts it is one of, and its client's key there
+    counted: tuple[dict[str, int], str] | None = None  # the count it is one of (``ClientCounts``), and its client
 
     def close(self, graceful: bool = False) -> None:
         if self.counted is not None:
-            counts, key = self.counted
+            ClientCounts.leave(*self.counted)
             self.counted = None
-            counts.leave(key)
         if graceful and self.closer is not None:
             self.closer(self.sock)
             return
@@ -179,32 +179,47 @@ class ClientConn(TConn):
 
 
 RETRY_CONNECTION_S = 1  # Retry-After of a connection refused for its client's count: one of its others ends soon
+REFUSALS_AWAITED = 8  # a client's connections over its limit whose request line a worker waits for at once (their
+# 429 in their path's error shape): more are refused as they are accepted, so a flood of them holds no connection
+
+
+class Joined(enum.Enum):
+    """How a worker takes a new connection (``ClientCounts.join``)."""
+    COUNTED = "counted"
+    REFUSED_ON_ITS_LINE = "refused once its request line comes"  # (its path gives the 429's error shape)
+    REFUSED_AT_ONCE = "refused at once"
 
 
 class ClientCounts:
-    """A worker's open connections by client (MAX_CONNECTIONS_PER_CLIENT, ``limit``; 0: no limit): an IPv4
-    address, an IPv6 /64 (a host's share of addresses; an IPv4-mapped one as IPv4), none for a Unix socket's."""
+    """A worker's open connections by client, its IPv4 or IPv6 address (an IPv4-mapped one as IPv4; a Unix
+    socket's not counted): ``limit`` (MAX_CONNECTIONS_PER_CLIENT; 0: no limit) each, then REFUSALS_AWAITED refused
+    once their request line comes, the rest at once."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.open: dict[str, int] = {}
+        self.refusing: dict[str, int] = {}  # connections over the limit awaiting their request line
 
-    def join(self, conn: ClientConn, address: Any) -> bool:
-        """``conn``, from ``address`` (accept's), counted; False, uncounted, when its client has ``limit`` open."""
+    def join(self, conn: ClientConn, address: Any) -> Joined:
+        """``conn``, from ``address`` (accept's), counted where its client has fewer than ``limit`` open, else
+        among its refusals."""
         key = client_key(address) if self.limit else None
         if key is None:
-            return True
-        held = self.open.get(key, 0)
-        if held >= self.limit:
-            return False
-        self.open[key] = held + 1
-        conn.counted = (self, key)
-        return True
+            return Joined.COUNTED
+        for count, most, joined in ((self.open, self.limit, Joined.COUNTED),
+                                    (self.refusing, REFUSALS_AWAITED, Joined.REFUSED_ON_ITS_LINE)):
+            held = count.get(key, 0)
+            if held < most:
+                count[key] = held + 1
+                conn.counted = (count, key)
+                return joined
+        return Joined.REFUSED_AT_ONCE
 
-    def leave(self, key: str) -> None:
-        held = self.open.pop(key, 0) - 1
+    @staticmethod
+    def leave(count: dict[str, int], key: str) -> None:
+        held = count.pop(key, 0) - 1
         if held > 0:
-            self.open[key] = held
+            count[key] = held
 
     def refusal(self, address: Any) -> Refusal:
         """What a connection over the limit is answered (429)."""
@@ -215,17 +230,17 @@ class ClientCounts:
 
 def client_key(address: Any) -> str | None:
     """Whom a connection from ``address`` (accept's: ``(host, port, ...)``, a string for a Unix socket) counts
-    against: its IPv4 address, its IPv6 /64, None where it has no IP address."""
+    against: its IP address (an IPv4-mapped IPv6 one as IPv4, an IPv6 one without its zone), None where it has
+    none. (Not an IPv6 /64: a Docker network's or a Kubernetes node's pods share one.)"""
     if not isinstance(address, tuple) or not address or not isinstance(address[0], str):
         return None
     host = address[0]
     if ":" not in host:
         return host
-    try:
-        ip = ipaddress.IPv6Address(host.split("%", 1)[0])
-    except ValueError:
-        return host
-    if ip.ipv4_mapped is not None:
-        return str(ip.ipv4_mapped)
-    return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    host = host.split("%", 1)[0]
+    if host.startswith("::ffff:"):
+        with contextlib.suppress(ValueError):
+            mapped = ipaddress.IPv6Address(host).ipv4_mapped
+            return host if mapped is None else str(mapped)
+    return host
 

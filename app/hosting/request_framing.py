@@ -83,6 +83,7 @@ class Reading:
     # far the buffer must reach before its framing can be read on, then where it ends (``ChunkedBody.scan``)
     scanned: int = 0  # how much of the buffer the head's checks have seen (each byte looked at once)
     refusal: Refusal | None = None  # why the loop refuses the request (from its head, or its chunked framing)
+    refuse_on_line: Refusal | None = None  # refused once its request line is in (its path: the error's shape)
     chunked: ChunkedBody | None = None  # a chunked body's framing, as far as it came
     continue_owed: bool = False  # the client waits for 100 Continue to send its body (told by the loop: ``_continue``)
     body_since: float = 0.0  # when its head was whole (time.monotonic()): the body's time counts from there

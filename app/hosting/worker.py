@@ -43,7 +43,7 @@ from gunicorn.http import get_parser
 from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn, ThreadWorker
 
 from app.hosting import control, waiting
-from app.hosting.client_socket import ClientConn, ClientCounts, ClientSocket
+from app.hosting.client_socket import ClientConn, ClientCounts, ClientSocket, Joined
 from app.hosting.loop_requests import LoopRequests
 from app.hosting.request_framing import (CONTINUE, HEADER_END, HELD_PIECE, ChunkedBody, Framing, HeldUnreader,
                                          ReadLimits, Reading, Refusal, body_framing, continued_request, head_refusal,
@@ -120,10 +120,10 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         request on it handed to it; MAX_CONNECTIONS fitted to the open-file limit; then gthread's start (which runs
         the loop)."""
         self.loop_greenlet = getcurrent()
-        self.client_counts = ClientCounts(self.limits.per_client)
         if self.loop_requests:
             waiting.wait_on(self)
         self._fit_connections_to_file_limit()
+        self.client_counts = ClientCounts(self._per_client())
         super().init_process()
 
     def _fit_connections_to_file_limit(self) -> None:
@@ -142,6 +142,17 @@ class BufferingWorker(LoopRequests, ThreadWorker):
                          os.getpid(), limit, self.worker_connections + own, self.worker_connections, fitted)
         self.worker_connections = fitted
         self.max_keepalived = min(self.max_keepalived, fitted - self.cfg.threads)  # gthread's room for active ones
+
+    def _per_client(self) -> int:
+        """MAX_CONNECTIONS_PER_CLIENT, at most half of the connections this worker takes (one client holding more
+        would leave the others less than it), said in the log when that lowers it."""
+        limit, half = self.limits.per_client, max(self.worker_connections // 2, 1)
+        if limit > half:
+            self.log.warning("worker %d takes %d connections at once: one client may hold %d of them, not "
+                             "MAX_CONNECTIONS_PER_CLIENT=%d (0: no limit, as behind a proxy)", os.getpid(),
+                             self.worker_connections, half, limit)
+            return half
+        return limit
 
     def enqueue_req(self, conn: TConn) -> None:
         """A request the loop read whole runs on the loop itself (``loop_requests``: ``run_on_loop``); any other (a
@@ -230,14 +241,31 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         sock = ClientSocket(accepted.family, accepted.type, accepted.proto, fileno=accepted.detach())
         sock.answer_timeout_s, sock.loop_writes = self.limits.answer_timeout_s, True
         conn = ClientConn(self.cfg, sock, client, listener.getsockname())  # non-blocking
-        counted = self.client_counts.join(conn, client)
+        joined = self.client_counts.join(conn, client)
+        if joined is Joined.REFUSED_AT_ONCE:
+            self._refuse_at_once(conn)
+            return
         self.nr_conns += 1
         conn.closer = self.close_gracefully
         reading = self._start_reading(conn)
-        if not counted:  # its client holds MAX_CONNECTIONS_PER_CLIENT of ours: 429 as its request begins (its path
-            # gives the error's shape), or after OVER_LIMIT_WAIT_S without one, then the connection closes
-            reading.refusal = self.client_counts.refusal(client)
+        if joined is Joined.REFUSED_ON_ITS_LINE:  # its client holds MAX_CONNECTIONS_PER_CLIENT of ours: 429 once its
+            # request line comes (its path gives the error's shape), or after OVER_LIMIT_WAIT_S without it
+            reading.refuse_on_line = self.client_counts.refusal(client)
             reading.header_deadline = reading.last_data + OVER_LIMIT_WAIT_S
+
+    def _refuse_at_once(self, conn: ClientConn) -> None:
+        """A connection whose client holds MAX_CONNECTIONS_PER_CLIENT of this worker's and REFUSALS_AWAITED more:
+        429 in the error shape of the path it sent already (if any), and closed at once (a flood holds nothing)."""
+        sock = conn.sock
+        try:
+            sent = sock.recv(self.limits.request_line_limit, socket.MSG_PEEK)
+        except OSError:  # (nothing came yet: BlockingIOError)
+            sent = b""
+        self.client_counts.refusal(conn.client).tell(sock.send, _peer(conn), target_path(sent) if b"\n" in sent
+                                                     else None)
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_WR)
+        sock.close()
 
     def _pause_accepting(self, exc: OSError) -> None:
         """No room for one more connection (EMFILE: the open-file limit; ENFILE, ENOBUFS, ENOMEM): new connections
@@ -313,8 +341,14 @@ class BufferingWorker(LoopRequests, ThreadWorker):
 
     def _whole(self, reading: Reading) -> bool:
         """Whether the loop's wait for the request is over: it is whole (its body too when the loop reads it), or
-        refused (``reading.refusal``: from its head, or from its chunked framing)."""
+        refused (``reading.refusal``: from its head, or from its chunked framing; ``refuse_on_line``: once its
+        request line is in)."""
         if reading.refusal is not None:
+            return True
+        if reading.refuse_on_line is not None:
+            if b"\n" not in reading.buffer and len(reading.buffer) < self.limits.request_line_limit:
+                return False
+            reading.refusal = reading.refuse_on_line
             return True
         if reading.body_end is None:
             buffer, start = reading.buffer, reading.scanned
@@ -593,7 +627,8 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         return bool(rate) and now - reading.body_since > self.limits.body_timeout_s + len(reading.buffer) / rate
 
     def _time_out(self, reading: Reading, now: float) -> None:
-        if reading.refusal is not None:  # refused before its request began (MAX_CONNECTIONS_PER_CLIENT)
+        if reading.refuse_on_line is not None:  # refused before its request line came (MAX_CONNECTIONS_PER_CLIENT)
+            reading.refusal = reading.refuse_on_line
             self._refuse(reading)
             return
         if reading.buffer:  # a request was started: say why it ends (nothing started: close quietly)

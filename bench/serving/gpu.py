@@ -104,7 +104,8 @@ def serve(weights: Path, args: argparse.Namespace, workers: int, torch_threads: 
                          engine=mode, engines_per_device=per_device or "1",
                          max_batch_size=str(max(args.batch_sizes)), threads="64",
                          torch_threads=str(torch_threads), decode_path=decode_path,
-                         max_images=str(max(args.images_per_request)), max_body_bytes=str(256 * 1024 * 1024))
+                         max_images=str(max(args.images_per_request)), max_body_bytes=str(256 * 1024 * 1024),
+                         max_connections_per_client="0")  # (the load generator is one client of C connections)
     rows: list[dict[str, object]] = []
     try:  # (a server that never gets ready is stopped by wait_ready)
         server.wait_ready()

@@ -21,6 +21,7 @@ from typing import Iterator
 import pytest
 
 from app.config import Settings
+from app.hosting.client_socket import REFUSALS_AWAITED
 
 from harness import faults
 from harness.servers import Running, free_port, gunicorn_command
@@ -341,7 +342,8 @@ def test_a_worker_under_a_low_file_limit_holds_the_connections_it_can_and_leaves
     # Before: MAX_CONNECTIONS (1000) was not fitted to the open-file limit: idle clients took the worker's last file
     # descriptors, accept failed with EMFILE, and the worker died with every connection it held reset (its
     # replacement alike). Here the limit is 128 (soft and hard: nothing to raise it to) and 150 clients connect.
-    server = _plain(tmp_path, "ulimit -n 128", threads="4", client_header_timeout_s="60")
+    server = _plain(tmp_path, "ulimit -n 128", threads="4", client_header_timeout_s="60",
+                    max_connections_per_client="0")  # (all of them one client's: half would be answered 429)
     port, held = server.port, []
     try:
         server.wait_ready(120)
@@ -452,13 +454,26 @@ def test_one_client_holds_at_most_max_connections_per_client_of_a_worker(tmp_pat
         held[0].send(HEALTH)  # (answered: the worker took the three)
         assert held[0].answer()[0] == 200
         with Raw(server.port) as over:
-            over.send(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n")
+            over.send(b"GET /v2/hea")  # (its path's error shape once its request line is in)
+            time.sleep(0.2)
+            over.send(b"lth/ready HTTP/1.1\r\nHost: x\r\n\r\n")
             status, headers, body = over.answer()
             assert (status, headers["retry-after"], headers["connection"]) == (429, "1", "close"), (headers, body)
             assert "VISIONSERVE_MAX_CONNECTIONS_PER_CLIENT" in json.loads(body)["error"]  # V2's error shape
             assert over.closed()
         with Raw(server.port) as silent:  # one that says nothing is told all the same, a second on
             assert "127.0.0.1 has 3 connections open" in silent.error(429, "too_many_requests")["message"]
+        waiting = [Raw(server.port) for _ in range(REFUSALS_AWAITED)]  # silent too: answered a second on
+        try:
+            with Raw(server.port) as flood:  # one more at once, so a flood holds none of the worker's room
+                flood.sock.settimeout(0.5)
+                assert flood.error(429, "too_many_requests")
+            for raw in waiting:
+                raw.sock.settimeout(WAIT_S)
+                assert raw.error(429, "too_many_requests")
+        finally:
+            for raw in waiting:
+                raw.sock.close()
         for raw in held[1:]:  # the held ones still serve
             raw.send(HEALTH)
             assert raw.answer()[0] == 200

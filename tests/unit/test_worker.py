@@ -1476,30 +1476,55 @@ def test_a_body_announced_over_the_limit_after_expect_100_continue_is_413_with_n
 
 @pytest.mark.parametrize("address, key", [
     (("203.0.113.7", 51000), "203.0.113.7"),
-    (("2001:db8:1:2:aaaa::1", 51000, 0, 0), "2001:db8:1:2::/64"),  # a host's /64: one client, whatever its address
-    (("2001:db8:1:2:bbbb::9%eth0", 51000, 0, 2), "2001:db8:1:2::/64"),
+    (("2001:db8:1:2:aaaa::1", 51000, 0, 0), "2001:db8:1:2:aaaa::1"),  # whole: a /64 is often a network's pods'
+    (("fe80::9%eth0", 51000, 0, 2), "fe80::9"),
     (("::ffff:203.0.113.7", 51000, 0, 0), "203.0.113.7"),  # IPv4 on a dual-stack listener
     ("", None), ("/run/visionserve.sock", None),  # a Unix socket's (a local proxy): not counted
 ])
-def test_a_connection_counts_against_its_ipv4_address_or_ipv6_64(address: object, key: str | None) -> None:
+def test_a_connection_counts_against_its_client_s_ip_address(address: object, key: str | None) -> None:
     from app.hosting.client_socket import client_key
 
     assert client_key(address) == key
 
 
 def test_client_counts_let_go_of_a_connection_once_whatever_closes_it() -> None:
-    from app.hosting.client_socket import ClientConn, ClientCounts
+    from app.hosting.client_socket import REFUSALS_AWAITED, ClientConn, ClientCounts, Joined
 
     counts, address = ClientCounts(2), ("198.51.100.1", 1)
-    conns = [ClientConn(Config(), socket.socket(), address, ("127.0.0.1", 2)) for _ in range(3)]
+    conns = [ClientConn(Config(), socket.socket(), address, ("127.0.0.1", 2)) for _ in range(3 + REFUSALS_AWAITED)]
     try:
-        assert [counts.join(conn, address) for conn in conns] == [True, True, False]
-        assert counts.open == {"198.51.100.1": 2}
+        joined = [counts.join(conn, address) for conn in conns]
+        assert joined == [Joined.COUNTED] * 2 + [Joined.REFUSED_ON_ITS_LINE] * REFUSALS_AWAITED + [
+            Joined.REFUSED_AT_ONCE]
+        assert counts.open == {"198.51.100.1": 2} and counts.refusing == {"198.51.100.1": REFUSALS_AWAITED}
         conns[0].close()
         conns[0].close()  # (closed twice: counted off once)
-        assert counts.open == {"198.51.100.1": 1}
-        assert counts.join(conns[2], address) and counts.open == {"198.51.100.1": 2}
-        assert ClientCounts(0).join(conns[0], address)  # 0: no limit, nothing counted
+        conns[2].close()  # a refusal answered: another may wait for its line
+        assert counts.open == {"198.51.100.1": 1} and counts.refusing == {"198.51.100.1": REFUSALS_AWAITED - 1}
+        assert counts.join(conns[-1], address) is Joined.COUNTED and counts.open == {"198.51.100.1": 2}
+        assert ClientCounts(0).join(conns[0], address) is Joined.COUNTED  # 0: no limit, nothing counted
     finally:
         for conn in conns:
             conn.sock.close()
+
+
+def test_one_client_may_hold_at_most_half_of_a_worker_s_connections(tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    # Before: MAX_CONNECTIONS_PER_CLIENT (500) protected nothing in a worker taking fewer (MAX_CONNECTIONS lowered,
+    # or fitted to a low open-file limit: 60 under `ulimit -n 128`), silently.
+    from app.hosting.request_framing import ReadLimits
+
+    worker, listener = _listening_worker(tmp_path)
+    try:
+        worker.limits = ReadLimits(per_client=500)
+        worker.worker_connections = 1000
+        assert worker._per_client() == 500
+        worker.worker_connections = 60
+        with caplog.at_level(logging.WARNING, logger="test.worker"):
+            assert worker._per_client() == 30
+        assert "one client may hold 30 of them, not MAX_CONNECTIONS_PER_CLIENT=500" in caplog.text
+        worker.limits = ReadLimits(per_client=0)
+        assert worker._per_client() == 0  # no limit stays none
+    finally:
+        listener.close()
+        worker.poller.close()
