@@ -14,6 +14,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -209,7 +210,10 @@ def _setup(args: argparse.Namespace, env: DistEnv) -> tuple[torch.device, EvalPr
             raise ValueError("--sync-bn needs CUDA (torch's SyncBatchNorm runs on GPUs); leave it out on CPUs (under "
                              "torchrun there, each epoch's BatchNorm statistics are recomputed and averaged across the "
                              "processes)")
+        resumed = ckpt.resumed_preset(args)  # (its sizes, where not given)
         preset = make_preset(args)
+        if args.resume is not None:
+            ckpt.check_resumed_preset(args.resume, resumed, preset)
         _check_export_target(args)
         return device, preset
     except ValueError as exc:

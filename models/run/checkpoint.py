@@ -215,6 +215,48 @@ def _check_same_holdout(path: Path, state: dict[str, Any], args: argparse.Namesp
                         f"another --output-dir")
 
 
+PRESET_OPTIONS = ("resize_size", "crop_size", "interpolation")  # how a run's images are made: a resume takes its own
+
+
+def resumed_preset(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The preset ``--resume``'s checkpoint trained with (None without one, or from a file that is no readable
+    checkpoint: ``_resume`` says so), its --resize-size, --crop-size and --interpolation set on ``args`` where not
+    given (a run at --crop-size 64 resumed without it trained on at 224, and its export was served at 224, unsaid);
+    DataError when ``--resume`` names no file."""
+    path = args.resume
+    if path is None:
+        return None
+    if path.is_dir():
+        inside = path / CHECKPOINT_NAME
+        raise DataError(f"--resume {path} is a folder: give the run's checkpoint" + (
+            f" (--resume {inside})" if inside.is_file() else f", its {CHECKPOINT_NAME}"))
+    if not path.is_file():
+        raise DataError(f"--resume {path} does not exist")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - not a checkpoint: read_resumable refuses it in words
+        return None
+    saved = state.get("args") if isinstance(state, dict) else None
+    if not isinstance(saved, dict):
+        return None
+    for name in PRESET_OPTIONS:
+        if getattr(args, name, None) is None and saved.get(name) is not None:
+            setattr(args, name, saved[name])
+    return state.get("preset") if isinstance(state.get("preset"), dict) else None
+
+
+def check_resumed_preset(path: Path, saved: dict[str, Any] | None, preset: EvalPreset) -> None:
+    """DataError when a resumed run would make its images otherwise than its checkpoint trained on (another
+    --resize-size, --crop-size, --interpolation, or --pretrained's normalisation)."""
+    now = preset.model_dump()
+    changed = [f"{key} {saved[key]} -> {now[key]}" for key in now
+               if saved is not None and key in saved and saved[key] != now[key]]
+    if changed:
+        raise DataError(f"{path} trained on images made otherwise ({'; '.join(changed)}): resume with the options "
+                        f"it was trained with (--resize-size, --crop-size, --interpolation, --pretrained; or leave "
+                        f"the sizes out: they are taken from it), or train afresh into another --output-dir")
+
+
 RESUMED_KEYS = ("model", "optimizer", "lr_scheduler", "epoch", "best_acc1", "args", "arch", "classes", "rng")
 # Options that shape the optimiser's state: a checkpoint's state loads only into an optimiser made with the same.
 STATE_OPTIONS = ("opt", "freeze_backbone")

@@ -113,6 +113,27 @@ def test_resume_of_what_cannot_go_on_is_one_line(folder: Path, tmp_path: Path,
 
 
 @pytest.mark.slow  # a second or more (a run of the CLI, make, or workers sharing a state): the full suite's
+def test_a_resumed_run_makes_its_images_as_its_checkpoint_trained_on(folder: Path, tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    # Before: a run at --crop-size 32 resumed without its sizes trained its next epochs at 224 (the default), and
+    # its export was served at 224, unsaid; a --resume naming no file was told its --output-dir held another run.
+    run = tmp_path / "run"
+    assert train.main(small_args(folder, run, "--epochs", "1")) == 0
+    resume = ["--epochs", "2", "--resume", str(run / CHECKPOINT_NAME)]
+    assert train.main(small_args(folder, run, *resume, sizes=())) == 0  # its sizes taken from the checkpoint
+    resumed = load_checkpoint(run / CHECKPOINT_NAME)
+    assert (resumed["epoch"], resumed["preset"]["resize_size"], resumed["preset"]["crop_size"]) == (1, 36, 32)
+    assert "crop_size 32 -> 48" in _main_error(
+        small_args(folder, run, "--epochs", "3", "--resume", str(run / CHECKPOINT_NAME), sizes=("--resize-size",
+                                                                                                  "56", "--crop-size",
+                                                                                                  "48")), caplog)
+    assert f"--resume {tmp_path / 'nope.pt'} does not exist" in _main_error(
+        small_args(folder, run, "--resume", str(tmp_path / "nope.pt")), caplog)
+    assert f"--resume {run} is a folder: give the run's checkpoint (--resume {run / CHECKPOINT_NAME})" in _main_error(
+        small_args(folder, run, "--resume", str(run)), caplog)
+
+
+@pytest.mark.slow  # a second or more (a run of the CLI, make, or workers sharing a state): the full suite's
 def test_a_run_resumed_into_another_folder_carries_its_best_and_refuses_a_folder_of_another_run(
         folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     real = train.evaluate
