@@ -1,8 +1,8 @@
 """Near-duplicates and nearest neighbours among the embeddings ``python -m models.predict --embeddings`` wrote.
 
-    python -m models.neighbours runs/photos.npy --duplicates                 # pairs at cosine >= 0.95, best first
-    python -m models.neighbours runs/photos.npy --duplicates --threshold 0.9 --json
-    python -m models.neighbours runs/photos.npy --like cat.jpg --k 5        # a name, or a unique end of one
+    .venv/bin/python -m models.neighbours runs/photos.npy --duplicates   # pairs at cosine >= 0.95, best first
+    .venv/bin/python -m models.neighbours runs/photos.npy --duplicates --threshold 0.9 --json
+    .venv/bin/python -m models.neighbours runs/photos.npy --like cat.jpg --k 5        # a name, or a unique end of one
 
 It reads ``OUT.npy`` (float32, one row per image) and the names beside it, ``OUT.names.txt`` (one a line, in the
 rows' order; runs/photos.npy's are runs/photos.names.txt). The similarity is the cosine of two rows: the model's
@@ -34,6 +34,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from models.commands import python_command
 from models.predict.outputs import names_file, read_meta, read_names
 
 BLOCK_BYTES = 64 * 2**20  # the similarities of one block of rows against every row after its first: 64 MiB
@@ -224,7 +225,7 @@ def print_like(embeddings: Embeddings, wanted: str, k: int, as_json: bool) -> No
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m models.neighbours", description=__doc__,
+    parser = argparse.ArgumentParser(prog=f"{python_command()} -m models.neighbours", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("embeddings", type=Path, help="OUT.npy of models.predict --embeddings (OUT.names.txt beside)")
     task = parser.add_mutually_exclusive_group(required=True)

@@ -1,6 +1,6 @@
 """Draw a run's loss and accuracy curves from its metrics file, and its confusion matrix.
 
-    python -m models.plot runs/NAME          # writes runs/NAME/curves.png (and confusion.png)
+    .venv/bin/python -m models.plot runs/NAME          # writes runs/NAME/curves.png (and confusion.png)
 """
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """Train or fine-tune a classifier on an image folder; the result is served by ``app/`` unchanged.
 
-    python -m models.train --data data/digits --arch resnet18 --epochs 8 --output-dir runs/digits
+    .venv/bin/python -m models.train --data data/digits --arch resnet18 --epochs 8 --output-dir runs/digits
     torchrun --nproc_per_node=2 -m models.train --data DIR ...        # DDP: NCCL on GPUs, gloo on CPUs
 
-``DIR`` holds ``train/<class>/*`` and ``val/<class>/*``. Each epoch writes ``checkpoint.pt`` (and ``best.pt`` when
+``DIR`` holds ``<class>/*`` (a share of each class held out for validation: ``--val-split``, 0.2 by default), or
+``train/<class>/*`` and ``val/<class>/*``. Each epoch writes ``checkpoint.pt`` (and ``best.pt`` when
 val top-1 improved) and a line of ``metrics.jsonl`` in ``--output-dir``; ``--resume`` continues a stopped run.
 """
 from __future__ import annotations
@@ -102,8 +103,8 @@ class Parts:
 
 def build_parts(args: argparse.Namespace, num_classes: int, device: torch.device, env: DistEnv = DistEnv(), *,
                 fused: bool | None = None) -> Parts:
-    """The model, optimiser and scaler of a run (also what ``python -m bench.training.train`` measures). ``fused``: torch's
-    fused optimiser kernels, by default on CUDA only."""
+    """The model, optimiser and scaler of a run (also what ``python -m bench.training.train`` measures). ``fused``:
+    torch's fused optimiser kernels, by default on CUDA only."""
     use_tf32(device, args.tf32)
     model = step_model = build_trainable(args, num_classes, device)
     if args.compile:  # the step runs the compiled graph; checkpoints and evaluation use the plain module
@@ -204,6 +205,14 @@ def _setup(args: argparse.Namespace, env: DistEnv) -> tuple[torch.device, EvalPr
             raise ValueError(f"--amp-dtype {args.amp_dtype} without --amp does nothing: add --amp for mixed "
                              "precision, or leave --amp-dtype out")
         check_amp(device, _amp_dtype(args))
+        if args.freeze_backbone and args.backbone_lr_scale != 1.0:  # (it did nothing: the backbone does not train)
+            raise ValueError(f"--backbone-lr-scale {args.backbone_lr_scale:g} with --freeze-backbone does nothing: "
+                             "the backbone does not train; leave one of them out (--backbone-lr-scale 0.1 alone "
+                             "fine-tunes everything, the backbone slower)")
+        if args.freeze_backbone and not args.pretrained:
+            log.warning("--freeze-backbone without --pretrained trains the head alone on a backbone of random "
+                        "weights: add --pretrained (efficientnet_lite0) to fine-tune ImageNet's, or leave "
+                        "--freeze-backbone out to train all of it")
         if args.name is not None:  # refused now, not at the export after the last epoch
             check_name("model", args.name)
         if args.sync_bn and device.type != "cuda":

@@ -128,7 +128,9 @@ def split_holdout(split: Split, fraction: float, seed: int) -> tuple[Split, Spli
     for index, name in enumerate(split.classes):
         files = sorted(path for path, target in split.samples if target == index)
         if len(files) < 2:
-            raise DataError(f"class {name!r} has {len(files)} readable image(s); a split needs at least 2")
+            raise DataError(f"class {name!r} ({split.root / name}) has {len(files)} readable image(s); holding out "
+                            f"a share for validation (--val-split) needs at least 2 a class, one on each side: add "
+                            f"images to it, or remove the folder")
         scored = sorted((held_out_score(path.relative_to(split.root).as_posix(), seed), path) for path in files)
         ranked = [path for _, path in scored]
         held = min(max(1, sum(score < fraction for score, _ in scored)), len(files) - 1)

@@ -64,10 +64,28 @@ def splits(args: argparse.Namespace) -> tuple[Split, Split]:
                  "each image's path, so a class's share varies; a class keeps at least one on each side)", said,
                  round(100 * args.val_split), held, whole, 100 * held / max(whole, 1))
         return train_split, val_split
+    _check_laid_out(args.data)
     train_split = scan_split(args.data / "train", workers=workers)
     val_split = scan_split(args.data / "val", workers=workers)
     check_same_classes(train_split, val_split)
     return train_split, val_split
+
+
+def _check_laid_out(data: Path) -> None:
+    """DataError saying what ``--data`` lacks when it is neither DIR/<class>/* nor DIR/train and DIR/val (before:
+    "DIR/train is not a directory" for a folder that does not exist, a file, one of loose images or an empty one,
+    though DIR/train was never asked for)."""
+    layouts = f"{data}/<class name>/<images> (a folder a class), or {data}/train/<class name>/ and {data}/val/..."
+    if not data.exists():
+        raise DataError(f"--data {data} does not exist; expected {layouts}")
+    if not data.is_dir():
+        raise DataError(f"--data {data} is a file; give the folder that holds {layouts}")
+    if (data / "train").is_dir() and not (data / "val").is_dir():
+        raise DataError(f"{data} has train/ but no val/: add {data}/val/<class name>/<images>, or give --data "
+                        f"{data / 'train'} to hold out part of it for validation (--val-split, "
+                        f"{DEFAULT_VAL_SPLIT:g} by default)")
+    if not (data / "train").is_dir() and not (data / "val").is_dir():
+        raise DataError(f"{data} has no class folders: put its images in {layouts}")
 
 
 def load_data(args: argparse.Namespace, preset: EvalPreset, env: DistEnv, device: torch.device) -> Data:

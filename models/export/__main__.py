@@ -1,11 +1,11 @@
 """Write a model into a weights directory: TorchScript file, state dict and ``manifest.json``.
 
-    python -m models.export --default --out weights                          # the bundled Lite0 (ImageNet)
-    python -m models.export --checkpoint runs/NAME/best.pt --out weights     # a model from models.train
-    python -m models.export --checkpoint runs/NAME/best.pt --repository repository   # repository/NAME/<next number>/
+    .venv/bin/python -m models.export --default --out weights                          # the bundled Lite0 (ImageNet)
+    .venv/bin/python -m models.export --checkpoint runs/NAME/best.pt --out runs/NAME/export   # a models.train run's
+    .venv/bin/python -m models.export --checkpoint runs/NAME/best.pt --repository repository   # NAME/<next number>/
 
-An export never replaces one already written: into a folder that holds an export it refuses unless --force (with
---checkpoint only into a folder --out names: never weights/ unasked). Each export is written into a hidden folder
+An export never replaces one already written: into a folder that holds an export it refuses unless --force. With
+--checkpoint and no --out it writes the run's own export/ (never weights/ unasked). Each export is written into a hidden folder
 beside its target and moved there complete, so a server reading the target never finds half of one.
 """
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Sequence
 
 import torch
 
+from models.commands import python_command
 from models.export.agreement import Laps
 from models.export.checks import ModelLoadError
 from models.export.compile import DTYPES, cannot_compile
@@ -36,15 +37,15 @@ log = logging.getLogger("models.export")
 
 def get_args_parser() -> argparse.ArgumentParser:
     """Command-line options of the exporter."""
-    parser = argparse.ArgumentParser(prog="python -m models.export", description=__doc__,
+    parser = argparse.ArgumentParser(prog=f"{python_command()} -m models.export", description=__doc__,
                                      formatter_class=HelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--default", action="store_true", help="export the bundled EfficientNet-Lite0 (ImageNet)")
     source.add_argument("--checkpoint", type=Path, help="a checkpoint written by models.train (e.g. best.pt)")
     target = parser.add_mutually_exclusive_group()
     target.add_argument("--out", type=Path, default=None,
-                        help="weights directory to write (weights, the bundled model's, when neither --out nor "
-                             "--repository is given; a checkpoint's --force names it)")
+                        help="weights directory to write (when neither --out nor --repository is given: with "
+                             "--checkpoint its run's export/, runs/NAME/export; else weights, the bundled model's)")
     target.add_argument("--repository", type=Path, default=None,
                         help="a model repository: writes <repository>/<name>/<version>, the next version number "
                              "unless --version says")
@@ -99,16 +100,14 @@ def main(argv: Sequence[str] | None = None, started: float | None = None) -> int
     (a ``time.perf_counter()`` reading), timed as its first step."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = get_args_parser().parse_args(argv)
-    out = None if args.repository else (args.out or Path("weights"))
+    # a checkpoint's export goes beside it by default, into its run's export/ (what the run's summary names):
+    # weights/ is the bundled default model's folder (make serve serves it), replaced only when named
+    out = None if args.repository else (args.out or (args.checkpoint.parent / "export" if args.checkpoint
+                                                     else Path("weights")))
     laps = Laps(since=started)
     if started is not None:
         laps.done("start")  # the interpreter and the imports
     try:
-        if args.checkpoint and args.force and not (args.out or args.repository):
-            # weights/ is the bundled default model's folder (make serve serves it): a --force meant for the run's
-            # own export must not replace it unasked
-            raise ValueError(f"--force without --out would replace {out}, the bundled default model's folder: name "
-                             f"the folder to replace, e.g. --out runs/NAME/export (or --out {out} to mean it)")
         targets = package_targets(args.packages, args.package_dtype)
         if args.checkpoint:
             export_checkpoint(args.checkpoint, out, name=args.name, version=args.version, force=args.force,

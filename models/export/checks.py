@@ -61,6 +61,10 @@ def no_export_message(weights_dir: Path) -> str:
     found = "it holds no export" if weights_dir.is_dir() else "the folder does not exist"
     served = "an export's folder (e.g. runs/NAME/export) or a model repository"
     within = sorted(child for child in weights_dir.glob(f"*/{MANIFEST_NAME}")) if weights_dir.is_dir() else []
+    if weights_dir.is_file():  # a run's checkpoint or an export's model file, for the folder that holds the export
+        found = "it is a file, not a folder"
+        within = [folder / MANIFEST_NAME for folder in (weights_dir.parent, weights_dir.parent / "export")
+                  if (folder / MANIFEST_NAME).is_file()]
     if within:  # a run's folder named for its export's (runs/mine for runs/mine/export)
         found += f", but {within[0].parent} does: set VISIONSERVE_WEIGHTS_DIR={within[0].parent}"
     if weights_dir.resolve() == DEFAULT_WEIGHTS_DIR:
@@ -74,10 +78,20 @@ def read_checked_manifest(weights_dir: Path) -> Manifest:
     """The directory's manifest, or ModelLoadError saying what to serve instead (``no_export_message``)."""
     try:
         return read_manifest(weights_dir)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, NotADirectoryError) as exc:
         raise ModelLoadError(no_export_message(weights_dir)) from exc
     except (ValueError, pydantic.ValidationError) as exc:
-        raise ModelLoadError(f"{weights_dir}/manifest.json is invalid: {exc}") from exc
+        raise ModelLoadError(f"{weights_dir}/manifest.json is invalid: {invalid_because(exc)}") from exc
+
+
+def invalid_because(exc: ValueError) -> str:
+    """Why a manifest is refused, in one line: pydantic's first errors as ``field: message`` (its own text runs to
+    a line an error and a link each), or the error's first line."""
+    if isinstance(exc, pydantic.ValidationError):
+        errors = exc.errors()
+        said = [f"{'.'.join(map(str, e['loc'])) or 'the manifest'}: {e['msg']}" for e in errors[:3]]
+        return "; ".join(said) + (f" (and {len(errors) - 3} more)" if len(errors) > 3 else "")
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def checked_path(path: Path, sha256: str, what: str, hint: str = "") -> Path:

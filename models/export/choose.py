@@ -130,7 +130,10 @@ def fitting(manifest: Manifest, kind: str, device: torch.device, dtype: str,
         if reason is None:
             return package, ""
         reasons.append(f"{package.path}: {reason}")
-    return None, "; ".join(reasons) or f"the manifest lists none ({module_command('models.export', [])} compiles them)"
+    option = "cpu-int8" if kind == "int8" else device.type
+    command = module_command("models.export", ["--checkpoint", "runs/NAME/best.pt", "--out", "runs/NAME/export",
+                                               "--packages", f"onnx,{option}", "--force"])
+    return None, "; ".join(reasons) or f"the manifest lists none (export it again with one: {command})"
 
 
 def choose_package(manifest: Manifest, setting: str, device: torch.device, dtype: str,

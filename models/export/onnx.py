@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from models.commands import python_command
 from models.export.agreement import Laps, agreement, agreement_batch, answers, one_thread
 from models.export.choose import onnx_short_of
 from models.export.manifest import EMBEDDING_OUTPUT, OnnxFile, sha256_of
@@ -68,7 +69,7 @@ def export_onnx(model: nn.Module, preset: EvalPreset, out_dir: Path, max_batch_s
         found = agreement(expected, answered)
     except Exception as exc:  # noqa: BLE001 - an architecture the exporter cannot take: serve TorchScript
         path.unlink(missing_ok=True)
-        missing = (f" ({exc.name} is not installed: pip install -r requirements.txt)"
+        missing = (f" ({exc.name} is not installed: {python_command()} -m pip install -r requirements.txt)"
                    if isinstance(exc, ImportError) and exc.name else "")
         log.warning("no ONNX file (the server will serve TorchScript): the export failed: %s%s", exc, missing)
         return None

@@ -23,6 +23,7 @@ from types import ModuleType
 import torch
 import torch.nn as nn
 
+from models.commands import python_command
 from models.export.agreement import RunImages, agreement, agreement_batch, answers, calibration_batch
 from models.export.manifest import MIN_TOP1_AGREEMENT, CompiledPackage, sha256_of
 from models.presets import EvalPreset
@@ -30,7 +31,8 @@ from models.presets import EvalPreset
 log = logging.getLogger(__name__)
 
 INT8_PACKAGE_NAME = "model.cpu-int8.pt2"
-TORCHAO_HINT = "int8 packages are quantized with torchao: pip install torchao (0.18.0 was tested with torch 2.14)"
+TORCHAO_HINT = (f"int8 packages are quantized with torchao: {python_command()} -m pip install torchao (0.18.0 was "
+                "tested with torch 2.14)")
 
 
 def _torchao() -> tuple[ModuleType, ModuleType]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import logging
 import os
 from datetime import datetime, timezone
@@ -160,6 +161,10 @@ def target(out_dir: Path | None, repository: Path | None, name: str, version: st
         check_name("version", version)
     if repository is None:
         assert out_dir is not None, "an output directory or a repository"
+        foreign = _foreign(out_dir)
+        if foreign is not None:
+            raise ValueError(f"{out_dir} holds {foreign}, not an export: export into a new or empty folder (e.g. "
+                             f"--out runs/<run>/export)")
         held = models(out_dir)
         if held:
             raise ValueError(f"{out_dir} is a model repository (it holds {', '.join(held)}): a single export there "
@@ -167,13 +172,31 @@ def target(out_dir: Path | None, repository: Path | None, name: str, version: st
         return out_dir, version
     if (repository / "__init__.py").exists():
         raise ValueError(f"{repository} is a Python package (the project's own code): write the repository "
-                         f"elsewhere, e.g. --repository repository")
+                         f"elsewhere, e.g. into a folder named repository")
     if is_export(repository):
         raise ValueError(f"{repository} holds a single export ({held_by(repository)}), which the server serves "
                          f"alone, never {name}/<version> beside it: write a single export with --out "
                          f"{repository}, or give --repository a folder of its own")
     version = version or next_version(repository, name)
     return repository / name / version, version
+
+
+IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"})
+
+
+def _foreign(out_dir: Path) -> str | None:
+    """What makes ``out_dir`` no folder for an export: Python code (the project's own ``models/``, ``app/``) or
+    images (a training folder), looked for in it and one level down; None for a new or empty folder, an export's,
+    or one of other files (``weights/`` holds a README before its first export)."""
+    if not out_dir.is_dir() or held_by(out_dir) is not None:
+        return None
+    inside = [p for p in out_dir.iterdir() if not p.name.startswith(".")]
+    for path in itertools.chain(inside, (q for p in inside if p.is_dir() for q in p.iterdir())):  # (stops early)
+        if path.suffix == ".py":
+            return f"Python code ({path.relative_to(out_dir)})"
+        if path.suffix.lower() in IMAGE_SUFFIXES:
+            return f"images ({path.relative_to(out_dir)})"
+    return None
 
 
 def refuse_existing(out_dir: Path, repository: Path | None, name: str) -> None:

@@ -1,9 +1,10 @@
 """Score a folder, a file list or one image with the served artefact, or evaluate it on a labelled folder, in process.
 
-    python -m models.predict --weights weights --data photos/ --out scores.jsonl        # or .csv, .parquet
-    python -m models.predict --weights repository --model mine --version 2 --data list.txt --out scores.csv
-    python -m models.predict --weights runs/mine/export --data data/mine/val --labels data/mine/val --out eval.jsonl
-    python -m models.predict --weights weights --data photos/ --out scores.jsonl --embeddings photos.npy
+    .venv/bin/python -m models.predict --weights weights --data photos/ --out scores.jsonl        # or .csv, .parquet
+    .venv/bin/python -m models.predict --weights repository --model mine --version 2 --data list.txt --out scores.csv
+    .venv/bin/python -m models.predict --weights runs/mine/export --data data/mine/val --labels data/mine/val \\
+        --out eval.jsonl
+    .venv/bin/python -m models.predict --weights weights --data photos/ --out scores.jsonl --embeddings photos.npy
     torchrun --nproc_per_node=N -m models.predict ...          # one process per GPU (or CPU processes, gloo)
 
 The model is loaded as the server loads it (models/export/load.py: the format the server would choose, on the CPU
@@ -94,7 +95,7 @@ def at_least(minimum: int) -> Callable[[str], int]:
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m models.predict", description=__doc__,
+    parser = argparse.ArgumentParser(prog=f"{python_command()} -m models.predict", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--weights", type=Path, required=True, help="an export (with manifest.json) or a repository")
     parser.add_argument("--model",
@@ -150,8 +151,11 @@ def weights_folder(weights: Path, model: str | None, version: str | None) -> Pat
         return weights
     names = models(weights)
     if not names:
+        near = [folder for folder in (weights / "export", weights.parent, weights.parent / "export")
+                if folder != weights and is_export(folder)]  # a run's folder or its checkpoint, for its export
         raise DataError(f"--weights {weights} is not an export (no manifest.json in it) nor a model repository "
-                        "(no <model>/<version>/manifest.json under it)")
+                        "(no <model>/<version>/manifest.json under it)" + (
+                            f"; {near[0]} is an export: --weights {near[0]}" if near else ""))
     if model is None:
         model = names[0] if len(names) == 1 else named_default(weights)  # the server's default model, as it serves
         if model is None:

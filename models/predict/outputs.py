@@ -30,6 +30,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from models.commands import python_command
 from models.run.args import DataError
 
 Record = dict[str, Any]
@@ -57,8 +58,8 @@ def output_format(out: Path) -> str:
         try:
             import pyarrow  # noqa: F401
         except ImportError:
-            raise DataError("writing .parquet needs pyarrow, which is not installed: `pip install pyarrow`, "
-                            "or write .jsonl or .csv") from None
+            raise DataError(f"writing .parquet needs pyarrow, which is not installed: `{python_command()} -m pip "
+                            "install pyarrow`, or write .jsonl or .csv") from None
     return fmt
 
 

@@ -6,6 +6,7 @@ import argparse
 import math
 from pathlib import Path
 from typing import Callable, Sequence
+from models.commands import python_command
 
 
 class DataError(ValueError):
@@ -79,7 +80,7 @@ _POSITIVE = _number(low_open=True)
 
 def get_args_parser(archs: Sequence[str], description: str = "") -> argparse.ArgumentParser:
     """Options in torchvision's reference-script spirit; sizes default to the arch's pretrained preset."""
-    parser = _Parser(prog="python -m models.train", description=description,
+    parser = _Parser(prog=f"{python_command()} -m models.train", description=description,
                                      formatter_class=HelpFormatter)
     parser.add_argument("--data", type=Path, required=True,
                         help="folder of <class>/* (about 20%% of each class held out for validation: "

@@ -154,6 +154,10 @@ class CheckpointWriter:
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
     """Read a checkpoint on the CPU with the safe unpickler; FileNotFoundError when it is not there."""
+    if path.is_dir():
+        held = [name for name in (BEST_NAME, CHECKPOINT_NAME) if (path / name).is_file()]
+        raise FileNotFoundError(f"checkpoint {path} is a folder" + (
+            f": give a checkpoint in it, {' or '.join(str(path / name) for name in held)}" if held else ""))
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     return torch.load(path, map_location="cpu", weights_only=True)

@@ -116,7 +116,7 @@ class Progress:
             lines.append("evaluate: " + module_command("models.predict", [
                 "--weights", str(exported or served), "--data", str(data), "--labels", str(labels),
                 "--out", str(best_checkpoint.parent / "eval.jsonl")]))
-        return [*lines, f"serve:  VISIONSERVE_WEIGHTS_DIR={served} make serve"]
+        return [*lines, f"serve:  VISIONSERVE_WEIGHTS_DIR={shlex.quote(str(served))} make serve"]
 
 
 RUN_SOURCE = "models.train checkpoint"  # how the manifest of a run's export begins its source (run_export_source)

