@@ -88,14 +88,17 @@ $(DATA_SETS:%=%/.complete): data/%/.complete: | $(STAMP)
 
 $(DATA_SETS): %: %/.complete
 
+# Each run writes a folder of its own (a second run into it is refused): RUN=runs/another for another one.
+train-digits: RUN ?= runs/digits
 train-digits: data/digits/.complete
 	$(BIN)/python -m models.train --data data/digits --arch resnet18 --epochs 15 --batch-size 64 \
 		--resize-size 32 --crop-size 32 --hflip-prob 0 --min-crop-scale 0.5 \
-		--output-dir runs/digits --export runs/digits/weights --plot
+		--output-dir $(RUN) --export $(RUN)/weights --plot
 
+finetune-textures: RUN ?= runs/textures
 finetune-textures: data/textures/.complete
 	$(BIN)/python -m models.train --data data/textures --arch efficientnet_lite0 --pretrained --freeze-backbone \
-		--epochs 3 --batch-size 32 --lr 0.05 --output-dir runs/textures --export runs/textures/weights --plot
+		--epochs 3 --batch-size 32 --lr 0.05 --output-dir $(RUN) --export $(RUN)/weights --plot
 
 # The performance comparison (about 10 minutes on 2 cores): docs/performance.md.
 bench: $(STAMP)

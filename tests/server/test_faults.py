@@ -104,7 +104,10 @@ def test_sigterm_mid_burst_resets_no_connection(small_weights: Path, start_serve
         assert o.status in (200, 503), o
         if o.status == 503:  # draining, or with 2 workers one still loading when the burst starts
             assert o.code == "not_ready" and o.headers["Retry-After"] == "5"
-    assert row.statuses[503], "no request met the drain: the test proved nothing"
+    # After its window the drain refuses (503) until its last request in flight is answered, then closes: kept-alive
+    # clients meet that each time; on new connections the refusing lasts milliseconds (22-64 of 1,000-odd answers
+    # alone on the VM, none once in a full suite run on two busy cores), so only the kept-alive rows must show it.
+    assert row.statuses[503] or not keepalive, "no request met the drain's refusal: the test proved nothing"
     assert row.kinds["refused"], "the listener never closed within the test"
     assert row.note.startswith("exit 0 ")
     assert [o for o in _responses(row) if o.status == 200 and o.at > row.fault_at], \
