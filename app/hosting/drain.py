@@ -44,11 +44,18 @@ def _accept_queued_then_close(worker: Any) -> None:
     for listener in worker.sockets:
         with contextlib.suppress(OSError):
             while not leaves_backlog:
-                before = worker.nr_conns
+                before = _taken(worker)
                 worker.accept(listener)  # non-blocking: stops at EAGAIN without counting a connection
-                if worker.nr_conns == before:
+                if _taken(worker) == before:
                     break
         listener.close()
+
+
+def _taken(worker: Any) -> int:
+    """How many connections ``worker`` has taken from its backlog: our worker's ``accepts`` (one refused at once,
+    MAX_CONNECTIONS_PER_CLIENT's, adds no open connection), gthread's open ones otherwise."""
+    accepts = getattr(worker, "accepts", None)
+    return worker.nr_conns if accepts is None else accepts
 
 
 def install(worker: Any, service_of: Callable[[Any], Any], drain_s: float, limit_s: float) -> None:

@@ -105,6 +105,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
     accept_warned_at = -ACCEPT_WARN_EVERY_S  # when the last pause was said in the log
     held_back_draining = False  # the reason held back last said in the log: its drain, or not serving yet
     client_counts = ClientCounts(0)  # its open connections by client (``init_process``: MAX_CONNECTIONS_PER_CLIENT)
+    accepts = 0  # connections taken from the listen backlog (app/hosting/drain.py takes it whole before it closes)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -218,8 +219,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         return self.control_dir is not None and not control.takes_connections(self.control_dir, os.getpid())
 
     def accept(self, listener: Any) -> None:
-        """A new connection waits in the loop for its request (app/hosting/drain.py counts on nr_conns growing by
-        one). A worker that does not serve takes none while another worker serves: it holds back
+        """A new connection waits in the loop for its request (app/hosting/drain.py counts ``accepts``). A worker that does not serve takes none while another worker serves: it holds back
         (``set_accept_enabled``). Asked here, at each connection, for gthread asks ``set_accept_enabled`` only when
         accepting should change for its own reasons: a worker that began taking them while none served (a server
         starting), or that served until its drain or its engine's end, would take them for good."""
@@ -238,6 +238,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
             elif exc.errno not in ACCEPT_GONE:
                 raise
             return
+        self.accepts += 1
         sock = ClientSocket(accepted.family, accepted.type, accepted.proto, fileno=accepted.detach())
         sock.answer_timeout_s, sock.loop_writes = self.limits.answer_timeout_s, True
         conn = ClientConn(self.cfg, sock, client, listener.getsockname())  # non-blocking

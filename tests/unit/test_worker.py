@@ -382,6 +382,26 @@ def test_a_drain_takes_the_backlog_unless_its_worker_leaves_it_to_one_that_serve
     assert (worker.nr_conns, worker.sockets[0].waiting) == ((0, 3) if leaves else (3, 0))
 
 
+class _CrowdedWorker(_DrainingWorker):
+    """One whose backlog is one client's, over MAX_CONNECTIONS_PER_CLIENT: each answered 429 and closed at once."""
+
+    accepts = 0
+
+    def accept(self, listener: _Listening) -> None:
+        if listener.waiting:
+            listener.waiting, self.accepts = listener.waiting - 1, self.accepts + 1  # (no open connection added)
+
+
+def test_a_drain_takes_a_backlog_of_connections_refused_at_once_whole() -> None:
+    # Before: the drain counted what it took by open connections, so the first connection refused at accept ended
+    # its taking, and closing the listener reset the rest.
+    from app.hosting import drain
+
+    worker = _CrowdedWorker(waiting=3, leaves=False)
+    drain._accept_queued_then_close(worker)
+    assert (worker.accepts, worker.sockets[0].waiting, worker.sockets[0].closed) == (3, 0, True)
+
+
 def test_a_draining_worker_leaves_the_backlog_only_while_another_still_serves(tmp_path: Path) -> None:
     # Asked at its drain's end (its own mark gone): when the serving worker has begun its drain too (its mark gone),
     # the backlog is this one's to answer, or the last listener's close would reset it.
