@@ -29,6 +29,7 @@ from app.engine.batching.types import (
 from app.engine.contract import CLIENT_CHECK_S, Served
 from app.engine.lifecycle import NOT_READY_RETRY_S
 from app.engine.decoding.decoders import Prepared
+from app.engine.loaded.predictor import NON_FINITE_OUTPUT
 from app.engine.loaded.version import LoadedVersion
 from app.errors import (
     BadRequest,
@@ -218,6 +219,8 @@ class Call:
         except BatcherClosed as exc:  # the inference thread ended with its images held or queued
             raise service_error(exc) from None
         except ServiceError as exc:  # an image the device path could not decode in its batch
+            if queued.pixels and exc.code == NON_FINITE_OUTPUT:  # the client's own pixels: their values, not the model
+                raise _out_of_scale(queued.pixels, queued.group.failed_at) from None
             raise _named(exc, queued.group.failed_at, queued.names) from None
         except Exception as exc:
             raise InferenceFailed(f"the model failed on this request's images: {type(exc).__name__}") from exc
@@ -279,10 +282,21 @@ def _numbers(rows: np.ndarray) -> None:
 
 def _refused(exc: QueueFull | BatcherClosed | DeadlineTooShort | DeadlineExpired, timeout_s: float) -> ServiceError:
     """What the queue's refusal of a request means to its client (``timeout_s``: its deadline's length)."""
-    if isinstance(exc, DeadlineExpired):  # the decode outlasted it
+    if isinstance(exc, DeadlineExpired) or (  # the decode outlasted a deadline no shorter than their inference
+            isinstance(exc, DeadlineTooShort) and exc.left_s <= 0 and exc.own_s <= timeout_s):
         return DeadlineExceeded(f"no inference result within the request's {timeout_s:g}s deadline: it passed "
                                 f"while its images were decoded")
     return service_error(exc, timeout_s)
+
+
+def _out_of_scale(pixels: Sequence[np.ndarray | torch.Tensor], index: int) -> BadRequest:
+    """A client's pixels the model answered NaN or infinity for (finite, the protocol checked: values of 1e38
+    overflow its layers): a 400 saying their range, not the version's failure (a 500 counted against a rollout)."""
+    batch = pixels[0] if len(pixels) == 1 and np.ndim(pixels[0]) == 4 else None  # one (N, C, H, W) array
+    image = np.asarray(batch[index] if batch is not None else pixels[index], dtype=np.float64)
+    return BadRequest(f"image {index}: the model's output is not finite (NaN or infinity) for these pixels, of values "
+                      f"from {image.min():.3g} to {image.max():.3g}: send pixels preprocessed as the model's metadata "
+                      f"says (resized, cropped, normalised), not raw values of that size")
 
 
 NAME_SHOWN = 100  # the most of a file name an error message shows (its start and end), of a sender's any length

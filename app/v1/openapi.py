@@ -86,7 +86,8 @@ def _explain() -> dict[str, Any]:
 def paths() -> dict[str, Any]:
     """/predict, /explain and /v1/models."""
     labels = {"name": "labels", "in": "query", "required": False,
-              "schema": {"type": "string", "enum": ["1", "true", "yes"]}}
+              "description": "Each version's labels too (1, true, yes; 0, false, no leave them out; any case)",
+              "schema": {"type": "string"}}
     return request_wide({
         "/predict": _predict(), "/explain": _explain(),
         "/v1/models": {"get": {"summary": "The served model, its batching and its limits", "parameters": [labels],

@@ -53,11 +53,27 @@ def _parse_outputs(raw: str | list[str] | None, where: str) -> tuple[bool, bool]
     return LABELS_OUTPUT in names, EMBEDDING_OUTPUT in names
 
 
+def _filled(name: str, raw: Any) -> Any:
+    """``raw`` unless it is empty (``?top_k=``): BadRequest, as an empty ``model``, ``version`` or ``outputs`` is
+    (it took the default, where those refuse)."""
+    if raw == "":
+        raise BadRequest(f"{name} is empty: give it a value, or leave it out")
+    return raw
+
+
+def _integer(raw: str | int) -> int:
+    """``int(raw)`` of a number written in ASCII digits (``int`` takes every script's: "３" was top_k 3);
+    ValueError else."""
+    if isinstance(raw, str) and not raw.isascii():
+        raise ValueError(raw)
+    return int(raw)
+
+
 def _parse_top_k(raw: str | int | None, default: int, num_classes: int, where: str) -> int:
-    if raw is None or raw == "":
+    if _filled(TOP_K, raw) is None:
         return min(default, num_classes)
     try:
-        value = int(raw)
+        value = _integer(raw)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         raise BadRequest(f"top_k ({where}) must be an integer from 1 to {num_classes}, got {raw!r}") from None
     if not 1 <= value <= num_classes:
@@ -191,17 +207,18 @@ class ExplainInput:
 
 
 def _class_index(raw_index: str | int | None, label: str | None, labels: list[str]) -> int | None:
-    if raw_index not in (None, "") and label not in (None, ""):
+    raw_index, label = _filled(CLASS_INDEX, raw_index), _filled(LABEL, label)
+    if raw_index is not None and label is not None:
         raise BadRequest(f"name the class by {CLASS_INDEX} or by {LABEL}, not both")
-    if label not in (None, ""):
+    if label is not None:
         if label not in labels:
             raise BadRequest(f"{LABEL} {label!r} is not one of the model's {len(labels)} classes (GET /v1/models"
                              f"?labels=1 lists them)")
-        return labels.index(label)  # type: ignore[arg-type]
-    if raw_index in (None, ""):
+        return labels.index(label)
+    if raw_index is None:
         return None
     try:
-        index = int(raw_index)  # type: ignore[arg-type]
+        index = _integer(raw_index)
     except (TypeError, ValueError):
         raise BadRequest(f"{CLASS_INDEX} must be an integer from 0 to {len(labels) - 1}, got {raw_index!r}") from None
     if not 0 <= index < len(labels) or isinstance(raw_index, bool):
@@ -228,7 +245,7 @@ def parse_explain(request: Request, labels: list[str], max_images: int) -> Expla
         image = read_body(request)
     else:
         raise _unsupported(request)
-    answer_format = fields.get(FORMAT) or "json"
+    answer_format = _filled(FORMAT, fields.get(FORMAT)) or "json"
     if answer_format not in FORMATS:
         raise BadRequest(f"{FORMAT} must be json or png, got {answer_format!r}")
     return ExplainInput(image, _class_index(fields.get(CLASS_INDEX), fields.get(LABEL), labels),

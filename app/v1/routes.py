@@ -10,8 +10,8 @@ from flask import Blueprint, Response, request
 
 from app.config import Settings
 from app.engine.contract import Ranked, VersionInfo
-from app.errors import BadRequest, NotFound
-from app.v1.payload import LISTED, MODEL, VERSION, parse_explain, parse_predict
+from app.errors import BadRequest, NotFound, SchemaViolation
+from app.v1.payload import LISTED, MODEL, VERSION, check_known, parse_explain, parse_predict
 from app.v1.schemas import (
     Batching,
     Crop,
@@ -134,9 +134,24 @@ def model(name: str) -> Response:
     return _models(name)
 
 
+LABELS_SHOWN, LABELS_LEFT_OUT = ("1", "true", "yes"), ("0", "false", "no")  # ?labels=, in any case
+
+
+def _labels_asked() -> bool:
+    """Whether ``?labels=`` asks for each version's labels; BadRequest for another parameter or value (before: a
+    misspelt ``?label=1`` or ``?labels=all`` answered without them, unsaid)."""
+    check_known(request.args.keys(), {"labels"}, "query parameter")
+    said = request.args.get("labels")
+    if said is None or said.lower() in LABELS_LEFT_OUT:
+        return False
+    if said.lower() not in LABELS_SHOWN:
+        raise BadRequest(f"labels must be one of {', '.join(LABELS_SHOWN + LABELS_LEFT_OUT)}, got {said!r}")
+    return True
+
+
 def _models(name: str | None = None) -> Response:
     """GET /v1/models's answer, of model ``name`` alone when given (NotFound, 404, when none of it is loaded)."""
-    show_labels = request.args.get("labels", "").lower() in ("1", "true", "yes")
+    show_labels = _labels_asked()
     service = current_service()
     service.require_loaded()
     overview = service.catalog.overview()
@@ -168,8 +183,12 @@ def _version_named() -> str | None:
     data = read_body(request)
     try:
         return VersionChoice.model_validate(parse_json(data, "the body") if data.strip() else {}).version
-    except pydantic.ValidationError as exc:
-        raise BadRequest(f'the body must be empty or {{"version": "<version>"}}: {exc.errors()[0]["msg"]}') from None
+    except pydantic.ValidationError as exc:  # (422 as every body that does not match its schema)
+        details = [{"loc": list(e["loc"]), "type": e["type"],
+                    "msg": "Input should be a JSON object" if e["type"] == "model_type" else e["msg"]}
+                   for e in exc.errors(include_url=False, include_input=False)[:5]]
+        raise SchemaViolation(f'the body must be empty or {{"version": "<version>"}}: {details[0]["msg"]}',
+                              details=details) from None
 
 
 def _rollout_call(name: str, action: str) -> Response:

@@ -1,9 +1,9 @@
 """/predict and /v1/models request and response bodies, validated with pydantic."""
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, WithJsonSchema, field_validator
 
 from models.export.manifest import EmbeddingOutput, EvalPreset
 
@@ -241,13 +241,17 @@ class Rollout(BaseModel):
                                     "(500, 504), error_ratio, p50, p99 (ms in the engine)")
 
 
+NAME_OR_NUMBER = {"anyOf": [{"type": "string"}, {"type": "integer"}, {"type": "null"}]}  # a version as a body names it
+
+
 class VersionChoice(BaseModel):
     """Body of a promote or rollback call (optional): the version to serve."""
 
     model_config = ConfigDict(extra="forbid")
 
-    version: str | None = Field(None, description="promote: default the rollout's candidate; rollback: default the "
-                                "previous default")
+    version: Annotated[str | None, WithJsonSchema(NAME_OR_NUMBER)] = Field(
+        None, description="promote: default the rollout's candidate; rollback: default the previous default (a number "
+        "names the version of that number: 3 is \"3\")")
 
     @field_validator("version", mode="before")
     @classmethod

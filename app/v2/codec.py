@@ -172,7 +172,7 @@ def _tensor(raw: dict[str, Any], binary: bytes, offset: int, most: int, index: i
     if check is not None:  # before the data: what it refuses (a shape, too many images) costs no decode
         check(index, name, datatype, shape)
     if count > most:  # every value takes a byte of the body at least, in JSON or binary
-        raise BadRequest(f"input {name!r}: shape {shape} holds more values than the {most} byte body can carry")
+        raise BadRequest(f"input {name!r}: shape {shape} needs {count} values, more than a {most} byte body holds")
     size = params.get("binary_data_size")
     if size is not None:
         if type(size) is not int or size < 0:  # type(): True is no size

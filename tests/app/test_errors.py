@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from flask.testing import FlaskClient
 from gunicorn.http.errors import NoMoreData
@@ -208,10 +209,20 @@ def test_too_many_json_images_are_413_before_any_is_base64_decoded(client: Flask
     _ok(client)
 
 
-@pytest.mark.parametrize("top_k", ["0", "-1", "1000000000", "abc", "5"])
+@pytest.mark.parametrize("top_k", ["0", "-1", "1000000000", "abc", "5", "", "%EF%BC%93"])
 def test_bad_top_k_parameter(client: FlaskClient, top_k: str) -> None:
+    # Before: empty took the default (where an empty model, version or outputs is refused), and "３" (full-width)
+    # was 3, as Python's int() reads every script's digits.
     response = client.post(f"/predict?top_k={top_k}", data=image_bytes(), content_type="image/jpeg")
     assert "top_k" in error_of(response, 400, "invalid_request")["message"]
+
+
+@pytest.mark.parametrize("query, said", [("class_index=", "class_index is empty"), ("label=", "label is empty"),
+                                         ("format=", "format is empty"),
+                                         ("class_index=%EF%BC%93", "class_index must be an integer")])
+def test_an_explanation_s_empty_or_non_ascii_parameter_is_refused(client: FlaskClient, query: str, said: str) -> None:
+    response = client.post(f"/explain?{query}", data=image_bytes(), content_type="image/jpeg")
+    assert error_of(response, 400, "invalid_request")["message"].startswith(said)
 
 
 def test_schema_violation_lists_the_fields(client: FlaskClient) -> None:
@@ -502,6 +513,36 @@ def test_a_deadline_shorter_than_one_forward_pass_is_400_without_retry_after(cli
     assert "Retry-After" not in response.headers
 
 
+def test_a_deadline_of_microseconds_is_400_too_short_not_the_version_s_504(client: FlaskClient) -> None:
+    # Before: one that passed before it was judged (X-Request-Timeout 0.001 ms, a V2 timeout of 1 us) was 504, and
+    # counted as the version's failure (a client could push a new default toward its automatic rollback).
+    assert labels_of(client.post("/predict", data=image_bytes(RED), content_type="image/jpeg")) == ["red"]
+    failed = _version_requests("failed")
+    response = client.post("/predict", data=image_bytes(RED), content_type="image/jpeg",
+                           headers={"X-Request-Timeout": "0.001"})
+    assert error_of(response, 400, "deadline_too_short")["message"].startswith("the 0.001 ms deadline is shorter")
+    red = np.zeros((1, 3, 8, 8), np.float32)
+    red[:, 0] = 1.0
+    body = {"inputs": [{"name": "pixels", "shape": list(red.shape), "datatype": "FP32", "data": red.ravel().tolist()}],
+            "parameters": {"timeout": 1}}
+    answer = client.post("/v2/models/colour/infer", json=body)
+    assert answer.status_code == 400 and "deadline is shorter" in answer.get_json()["error"], answer.get_json()
+    assert _version_requests("failed") == failed
+
+
+def test_pixels_the_model_overflows_on_are_400_not_the_version_s_500(client: FlaskClient) -> None:
+    # Before: finite but huge pixels (3e38) made the model answer infinity: 500 "the model is at fault, not the
+    # image", counted as the version's failure.
+    failed = _version_requests("failed")
+    huge = np.full((1, 3, 8, 8), 3e38, np.float32)
+    body = {"inputs": [{"name": "pixels", "shape": list(huge.shape), "datatype": "FP32", "data": huge.ravel().tolist()}]}
+    answer = client.post("/v2/models/colour/infer", json=body)
+    assert answer.status_code == 400, answer.get_json()
+    assert answer.get_json()["error"].startswith("image 0: the model's output is not finite (NaN or infinity) for "
+                                                 "these pixels, of values from 3e+38 to 3e+38")
+    assert _version_requests("failed") == failed
+
+
 def test_a_deadline_that_its_decode_on_a_busy_server_left_short_is_429_not_400(
         client: FlaskClient, service: Service, monkeypatch: pytest.MonkeyPatch) -> None:
     # Before: 400 deadline_too_short ("the 16 ms deadline is shorter than this image's own inference", of a 40 ms
@@ -646,3 +687,13 @@ def test_every_error_the_server_can_answer_is_in_the_api_page_s_table(client: Fl
     assert (405, "method_not_allowed") in answered and (404, "not_found") in answered
     missing = (raised | answered) - _documented_errors()
     assert not missing, f"docs/api.md's error table lacks {sorted(missing)}"
+
+
+@pytest.mark.parametrize("query, said", [("labels=all", "labels must be one of 1, true, yes, 0, false, no, got 'all'"),
+                                         ("label=1", "unknown query parameter 'label'; known: labels")])
+def test_the_model_listing_refuses_what_it_would_ignore(client: FlaskClient, query: str, said: str) -> None:
+    # Before: answered 200 without the labels, the mistake unsaid.
+    for path in ("/v1/models", "/v1/models/colour"):
+        assert error_of(client.get(f"{path}?{query}"), 400, "invalid_request")["message"] == said
+    assert "labels" in client.get("/v1/models?labels=TRUE").get_json()["models"][0]
+    assert "labels" not in client.get("/v1/models?labels=no").get_json()["models"][0]

@@ -460,7 +460,11 @@ def test_promote_and_rollback_by_call_with_evidence_in_the_api(settings: Setting
         assert client.post("/v1/models/nope/promote").status_code == 404
         assert client.post("/v1/models/colour/promote", json={"version": "9"}).status_code == 404
         assert client.post("/v1/models/colour/promote", data="{", content_type="application/json").status_code == 400
-        assert client.post("/v1/models/colour/promote", json={"versions": "2"}).status_code == 400
+        # a body not of the schema: 422 with its details, as every other body (before: 400, a pydantic class named)
+        mistyped = client.post("/v1/models/colour/promote", json={"versions": "2"})
+        assert mistyped.status_code == 422 and mistyped.get_json()["error"]["details"][0]["loc"] == ["versions"]
+        listed = client.post("/v1/models/colour/promote", json=["2"]).get_json()["error"]
+        assert listed["code"] == "validation_error" and listed["message"].endswith(": Input should be a JSON object")
         assert client.post("/v1/models/colour/promote", json={"version": "2"}).get_json()["default"] == "2"
         to_live = client.post("/v1/models/colour/rollback", json={"version": "2"})  # a 500 before
         assert to_live.status_code == 409 and "is the live version already" in to_live.get_json()["error"]["message"]

@@ -413,6 +413,11 @@ class Batcher(Generic[In, Out]):
             queue.extend(pending)
         self._live += len(pending)
 
+    def _own_s(self, count: int) -> float:
+        """``count`` items' own inference with nothing ahead: at the recent time an item (the lower of the average
+        and the last batch's: one slow batch must not make it), and a batch's wait for company."""
+        return count * min(self._item_seconds, self._last_item_seconds) + self.max_wait_s
+
     def check_room(self, count: int, deadline: float | None = None) -> None:
         """Raise what ``submit_many`` would raise for ``count`` items with ``deadline`` now, without queueing them:
         admission asks before a request's body is parsed or its images decoded, so work that will be refused costs
@@ -440,7 +445,10 @@ class Batcher(Generic[In, Out]):
                             retry_after_s=self._clear_s(backlog, now))
         if deadline is None:
             return
-        if now >= deadline:
+        if now >= deadline:  # too short where its whole length is below the items' own inference (a deadline of
+            # microseconds: app/engine/call.py service_error), not the model's failure to answer in time (504)
+            if self.batches_run:
+                raise DeadlineTooShort(count, self._own_s(count), 0.0, self._clear_s(live, now))
             raise DeadlineExpired(f"the deadline passed {ms(now - deadline)} before the items were queued")
         if not self.batches_run:
             return
@@ -451,7 +459,7 @@ class Batcher(Generic[In, Out]):
                 return
         elif self._refused_idle_at == self.batches_run:  # refused here by an estimate no batch refreshed since
             return
-        own = count * min(self._item_seconds, self._last_item_seconds) + self.max_wait_s
+        own = self._own_s(count)
         if now + own > deadline:  # no backlog could clear in time for this: the same deadline would fail again
             if not busy:
                 self._refused_idle_at = self.batches_run
