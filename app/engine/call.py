@@ -219,8 +219,10 @@ class Call:
         except BatcherClosed as exc:  # the inference thread ended with its images held or queued
             raise service_error(exc) from None
         except ServiceError as exc:  # an image the device path could not decode in its batch
-            if queued.pixels and exc.code == NON_FINITE_OUTPUT:  # the client's own pixels: their values, not the model
-                raise _out_of_scale(queued.pixels, queued.group.failed_at) from None
+            out_of_scale = (exc.code == NON_FINITE_OUTPUT and queued.pixels and self.requests == 1  # (a bundle's
+                            and _out_of_scale(queued.pixels, queued.group.failed_at))  # run apart: app/link/loop.py)
+            if out_of_scale:  # the client's own pixels, of values no preprocessing makes: theirs, not the model's
+                raise out_of_scale from None
             raise _named(exc, queued.group.failed_at, queued.names) from None
         except Exception as exc:
             raise InferenceFailed(f"the model failed on this request's images: {type(exc).__name__}") from exc
@@ -289,11 +291,17 @@ def _refused(exc: QueueFull | BatcherClosed | DeadlineTooShort | DeadlineExpired
     return service_error(exc, timeout_s)
 
 
-def _out_of_scale(pixels: Sequence[np.ndarray | torch.Tensor], index: int) -> BadRequest:
-    """A client's pixels the model answered NaN or infinity for (finite, the protocol checked: values of 1e38
-    overflow its layers): a 400 saying their range, not the version's failure (a 500 counted against a rollout)."""
+PIXELS_IN_SCALE = 1e4  # no preprocessing makes pixels beyond this (ImageNet's normalisation about +-3, raw 0-255)
+
+
+def _out_of_scale(pixels: Sequence[np.ndarray | torch.Tensor], index: int) -> BadRequest | None:
+    """A client's pixels the model answered NaN or infinity for, of values beyond PIXELS_IN_SCALE (finite, the
+    protocol checked: 1e38 overflows its layers): a 400 saying their range, not the version's failure (a 500 counted
+    against a rollout). None for pixels within it: then the model is at fault (NaN weights, a float16 overflow)."""
     batch = pixels[0] if len(pixels) == 1 and np.ndim(pixels[0]) == 4 else None  # one (N, C, H, W) array
     image = np.asarray(batch[index] if batch is not None else pixels[index], dtype=np.float64)
+    if np.abs(image).max(initial=0.0) <= PIXELS_IN_SCALE:
+        return None
     return BadRequest(f"image {index}: the model's output is not finite (NaN or infinity) for these pixels, of values "
                       f"from {image.min():.3g} to {image.max():.3g}: send pixels preprocessed as the model's metadata "
                       f"says (resized, cropped, normalised), not raw values of that size")
@@ -327,7 +335,10 @@ def _check_room(version: LoadedVersion, count: int, deadline: float, timeout_s: 
     try:
         version.batcher.check_room(count, deadline)
     except (QueueFull, BatcherClosed, DeadlineTooShort, DeadlineExpired) as exc:  # (expired: a V2 timeout of a few
-        raise service_error(exc, timeout_s) from None  # microseconds is past before it is judged)
+        if isinstance(exc, DeadlineTooShort) and exc.left_s <= 0 and exc.own_s <= timeout_s:  # microseconds is past
+            raise DeadlineExceeded(f"no inference result within the request's {timeout_s:g}s deadline: it passed "
+                                   f"before its images were decoded") from None  # (a wait for a busy engine)
+        raise service_error(exc, timeout_s) from None  # before it is judged: too short)
 
 
 def service_error(exc: Exception, timeout_s: float | None = None) -> ServiceError:

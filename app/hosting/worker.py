@@ -219,8 +219,8 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         return self.control_dir is not None and not control.takes_connections(self.control_dir, os.getpid())
 
     def accept(self, listener: Any) -> None:
-        """A new connection waits in the loop for its request (app/hosting/drain.py counts ``accepts``). A worker that does not serve takes none while another worker serves: it holds back
-        (``set_accept_enabled``). Asked here, at each connection, for gthread asks ``set_accept_enabled`` only when
+        """A new connection waits in the loop for its request (app/hosting/drain.py counts ``accepts``). A worker
+        that does not serve takes none while another worker serves: it holds back (``set_accept_enabled``). Asked here, at each connection, for gthread asks ``set_accept_enabled`` only when
         accepting should change for its own reasons: a worker that began taking them while none served (a server
         starting), or that served until its drain or its engine's end, would take them for good."""
         if getattr(listener, "sock", listener) is None:

@@ -92,11 +92,11 @@ def paths() -> dict[str, Any]:
         "/predict": _predict(), "/explain": _explain(),
         "/v1/models": {"get": {"summary": "The served model, its batching and its limits", "parameters": [labels],
                                "responses": {"200": json_answer(s.ModelsResponse, "The model"),
-                                             **errors(ErrorResponse, "503")}}},
+                                             **errors(ErrorResponse, "400 503")}}},
         "/v1/models/{name}": {"get": {"summary": "One model: its loaded versions, its rollout, what each worker "
                                              "serves of it (as GET /v1/models)", "parameters": [labels],
                                       "responses": {"200": json_answer(s.ModelsResponse, "The model"),
-                                                    **errors(ErrorResponse, "404 503")}}},
+                                                    **errors(ErrorResponse, "400 404 503")}}},
         "/v1/models/{name}/promote": _rollout_call(
             "Make a version (default: the rollout's candidate) the model's default in every worker"),
         "/v1/models/{name}/rollback": _rollout_call(

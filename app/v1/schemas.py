@@ -256,6 +256,8 @@ class VersionChoice(BaseModel):
     @field_validator("version", mode="before")
     @classmethod
     def _numbers_are_names(cls, value: Any) -> Any:
+        if value == "":  # (an unset shell variable: it would act on the default target, promote or roll back)
+            raise ValueError("an empty version names none: leave version out for the default target")
         return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 

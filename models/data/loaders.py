@@ -84,7 +84,9 @@ def _check_laid_out(data: Path) -> None:
         raise DataError(f"{data} has train/ but no val/: add {data}/val/<class name>/<images>, or give --data "
                         f"{data / 'train'} to hold out part of it for validation (--val-split, "
                         f"{DEFAULT_VAL_SPLIT:g} by default)")
-    if not (data / "train").is_dir() and not (data / "val").is_dir():
+    if (data / "val").is_dir() and not (data / "train").is_dir():
+        raise DataError(f"{data} has val/ but no train/: add {data}/train/<class name>/<images>")
+    if not (data / "train").is_dir():
         raise DataError(f"{data} has no class folders: put its images in {layouts}")
 
 

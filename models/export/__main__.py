@@ -30,6 +30,7 @@ from models.export.checks import ModelLoadError
 from models.export.compile import DTYPES, cannot_compile
 from models.export.quantize import TORCHAO_HINT
 from models.run.args import HelpFormatter
+from models.run.report import METRICS_NAME
 from models.export.write import export_checkpoint, export_default, one_line
 
 log = logging.getLogger("models.export")
@@ -95,19 +96,28 @@ def package_targets(packages: str, cuda_dtype: str) -> list[tuple[str, str]]:
     return [(device.removesuffix("-int8"), dtypes[device]) for device in devices]
 
 
+def run_export(checkpoint: Path) -> Path:
+    """Where a checkpoint's export goes without --out: its run's export/ (runs/NAME/best.pt: runs/NAME/export);
+    ValueError for a checkpoint that is not in a run's folder (/tmp/best.pt would write /tmp/export)."""
+    if not (checkpoint.parent / METRICS_NAME).is_file():
+        raise ValueError(f"{checkpoint} is not in a models.train run's folder (no {METRICS_NAME} beside it): name the "
+                         f"folder to export into, --out DIR")
+    return checkpoint.parent / "export"
+
+
 def main(argv: Sequence[str] | None = None, started: float | None = None) -> int:
     """Entry point for ``python -m models.export``; returns the exit code. ``started``: when the command began
     (a ``time.perf_counter()`` reading), timed as its first step."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = get_args_parser().parse_args(argv)
-    # a checkpoint's export goes beside it by default, into its run's export/ (what the run's summary names):
-    # weights/ is the bundled default model's folder (make serve serves it), replaced only when named
-    out = None if args.repository else (args.out or (args.checkpoint.parent / "export" if args.checkpoint
-                                                     else Path("weights")))
     laps = Laps(since=started)
     if started is not None:
         laps.done("start")  # the interpreter and the imports
     try:
+        # a checkpoint's export goes by default into its run's export/ (what the run's summary names): weights/ is
+        # the bundled default model's folder (make serve serves it), replaced only when named
+        out = None if args.repository else (args.out or (run_export(args.checkpoint) if args.checkpoint
+                                                         else Path("weights")))
         targets = package_targets(args.packages, args.package_dtype)
         if args.checkpoint:
             export_checkpoint(args.checkpoint, out, name=args.name, version=args.version, force=args.force,

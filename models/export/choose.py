@@ -131,8 +131,9 @@ def fitting(manifest: Manifest, kind: str, device: torch.device, dtype: str,
             return package, ""
         reasons.append(f"{package.path}: {reason}")
     option = "cpu-int8" if kind == "int8" else device.type
+    dtype_option = ["--package-dtype", dtype] if option == "cuda" and dtype != "float32" else []
     command = module_command("models.export", ["--checkpoint", "runs/NAME/best.pt", "--out", "runs/NAME/export",
-                                               "--packages", f"onnx,{option}", "--force"])
+                                               "--packages", f"onnx,{option}", *dtype_option, "--force"])
     return None, "; ".join(reasons) or f"the manifest lists none (export it again with one: {command})"
 
 

@@ -190,12 +190,15 @@ def _foreign(out_dir: Path) -> str | None:
     or one of other files (``weights/`` holds a README before its first export)."""
     if not out_dir.is_dir() or held_by(out_dir) is not None:
         return None
-    inside = [p for p in out_dir.iterdir() if not p.name.startswith(".")]
-    for path in itertools.chain(inside, (q for p in inside if p.is_dir() for q in p.iterdir())):  # (stops early)
-        if path.suffix == ".py":
-            return f"Python code ({path.relative_to(out_dir)})"
-        if path.suffix.lower() in IMAGE_SUFFIXES:
-            return f"images ({path.relative_to(out_dir)})"
+    try:
+        inside = [p for p in out_dir.iterdir() if not p.name.startswith(".")]
+        for path in itertools.chain(inside, (q for p in inside if p.is_dir() for q in p.iterdir())):  # (stops early)
+            if path.suffix == ".py":
+                return f"Python code ({path.relative_to(out_dir)})"
+            if path.suffix.lower() in IMAGE_SUFFIXES:
+                return f"images ({path.relative_to(out_dir)})"
+    except OSError as exc:  # a folder in it that cannot be read: no place to write an export either
+        return f"a folder that cannot be read ({exc.strerror}: {exc.filename})"
     return None
 
 

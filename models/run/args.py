@@ -6,6 +6,7 @@ import argparse
 import math
 from pathlib import Path
 from typing import Callable, Sequence
+
 from models.commands import python_command
 
 

@@ -695,5 +695,7 @@ def test_the_model_listing_refuses_what_it_would_ignore(client: FlaskClient, que
     # Before: answered 200 without the labels, the mistake unsaid.
     for path in ("/v1/models", "/v1/models/colour"):
         assert error_of(client.get(f"{path}?{query}"), 400, "invalid_request")["message"] == said
+    paths = client.get("/openapi.json").get_json()["paths"]
+    assert all("400" in paths[path]["get"]["responses"] for path in ("/v1/models", "/v1/models/{name}"))
     assert "labels" in client.get("/v1/models?labels=TRUE").get_json()["models"][0]
     assert "labels" not in client.get("/v1/models?labels=no").get_json()["models"][0]

@@ -1239,6 +1239,25 @@ def test_a_bundle_whose_model_fails_on_one_image_answers_the_others_from_their_o
     assert _outcome_counts(link)["failed"] == before["failed"] + 1
 
 
+def test_a_bundle_with_one_client_s_pixels_out_of_scale_answers_only_that_client_400(link: Link) -> None:
+    # The bundle's model output is infinite for one client's pixels of 3e38: its requests run apart, so only that
+    # client is told of its pixels (400), the others answered (a review found every request of the bundle 400, with
+    # the other client's index and range, when the bundle's failure was the client's).
+    before = _outcome_counts(link)
+    huge = np.full((1, 3, 8, 8), 3e38, "<f4").tobytes()
+    conn, reader = _shared_connection(link)
+    conn.settimeout(10)
+    with conn:
+        wire.send(conn, *wire.infers([(1, _ONE_PIXELS, [_one_colour(0)]), (2, _ONE_PIXELS, [huge]),
+                                      (3, _ONE_PIXELS, [_one_colour(2)])]))
+        answers = _answers_by_id(reader, 3)
+    assert answers[2].error is not None and answers[2].error.status == 400, answers[2].error
+    assert "of values from 3e+38 to 3e+38" in str(answers[2].error)
+    assert int(answers[1].value.rows.argmax()) == 0 and int(answers[3].value.rows.argmax()) == 2
+    wait_until(lambda: _outcome_counts(link)["ok"] == before["ok"] + 2 and _all_let_go(link))
+    assert _outcome_counts(link)["failed"] == before["failed"]
+
+
 def test_pixels_whose_queueing_on_the_loop_fails_unforeseen_are_answered_and_the_loop_serves_on(
         link: Link, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     from app.link import loop

@@ -16,6 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Iterator
 
+import numpy as np
 import pytest
 import torch
 from flask import Flask
@@ -1082,6 +1083,14 @@ def test_v2_answers_a_nan_row_with_a_500_in_strict_json_counted_as_the_version_s
         strict = json.loads(answer.get_data(as_text=True), parse_constant=lambda name: pytest.fail(name))
         assert "non-finite output" in strict["error"]
     assert _version_requests("failed") == failed + 2
+    # a client's own pixels in a preprocessing's scale the model answers NaN for: the model's fault still (a 400 is
+    # for pixels of values no preprocessing makes, tests/app/test_errors.py)
+    green = np.zeros((1, 3, 8, 8), np.float32)
+    green[:, 1] = 1.0
+    pixels = {"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 3, 8, 8], "data": green.ravel().tolist()}]}
+    answer = client.post("/v2/models/colour/infer", json=pixels)
+    assert answer.status_code == 500 and "non-finite output" in answer.get_json()["error"]
+    assert _version_requests("failed") == failed + 3
 
 
 def test_nan_rows_never_reach_the_drift_monitor(nan_app: Flask) -> None:

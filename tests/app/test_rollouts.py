@@ -465,6 +465,8 @@ def test_promote_and_rollback_by_call_with_evidence_in_the_api(settings: Setting
         assert mistyped.status_code == 422 and mistyped.get_json()["error"]["details"][0]["loc"] == ["versions"]
         listed = client.post("/v1/models/colour/promote", json=["2"]).get_json()["error"]
         assert listed["code"] == "validation_error" and listed["message"].endswith(": Input should be a JSON object")
+        empty = client.post("/v1/models/colour/promote", json={"version": ""})  # before: promoted the candidate
+        assert empty.status_code == 422 and "an empty version names none" in empty.get_json()["error"]["message"]
         assert client.post("/v1/models/colour/promote", json={"version": "2"}).get_json()["default"] == "2"
         to_live = client.post("/v1/models/colour/rollback", json={"version": "2"})  # a 500 before
         assert to_live.status_code == 409 and "is the live version already" in to_live.get_json()["error"]["message"]

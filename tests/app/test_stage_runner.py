@@ -3,6 +3,7 @@ decoding, the queue."""
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -159,6 +160,19 @@ def test_a_hand_edited_manifest_is_refused_in_one_line(tmp_path: Path) -> None:
     assert "\n" not in said and "errors.pydantic.dev" not in said, said
     assert said.startswith(f"{tmp_path}/manifest.json is invalid: labels: "), said
     assert "; preprocess.crop_size: " in said, said
+
+
+def test_a_deadline_spent_before_the_request_reached_the_engine_is_504_not_429(service: Service) -> None:
+    # A request that waited out its whole deadline before the engine judged it (a busy engine under ENGINE=process,
+    # its deadline counted from its arrival at the HTTP worker): 504, as it was before a passed deadline became
+    # "too short" once batches ran (a review found 429 "the server is busy ... when its images queued", inviting the
+    # bundled client to retry a request whose time was spent).
+    from app.errors import DeadlineExceeded
+
+    infer(service, [image_bytes(RED)])  # a batch ran: the batcher estimates an image's own inference
+    with service.admit(images=1) as call:
+        with pytest.raises(DeadlineExceeded, match="it passed before its images were decoded"):
+            call.prepare([image_bytes(RED)], timeout_s=1.0, arrived=time.monotonic() - 5)
 
 
 def test_a_drain_waits_for_the_requests_inside_the_runner(service: Service, model: ColourModel) -> None:

@@ -276,7 +276,10 @@ def test_a_forced_checkpoint_export_never_replaces_weights_unasked(
     bundled = export_tiny(Path("weights"), name="efficientnet_lite0")
     before, checkpoint = folder_bytes(bundled), str(tiny_checkpoint(tmp_path / "best.pt"))
     # Now a checkpoint's export without --out goes into its run's export/ (before: refused, and without --force it
-    # said "pass --force to replace it", which was then refused)
+    # said "pass --force to replace it", which was then refused); one outside a run's folder names no default
+    code, errors = export(["--checkpoint", checkpoint, *NO_PACKAGES], caplog)
+    assert code == 2 and "is not in a models.train run's folder (no metrics.jsonl beside it)" in errors[0]
+    (tmp_path / "metrics.jsonl").write_text("")  # (a run's folder)
     assert export(["--checkpoint", checkpoint, *NO_PACKAGES], caplog)[0] == 0
     assert export(["--checkpoint", checkpoint, "--force", *NO_PACKAGES], caplog)[0] == 0
     assert read_manifest(tmp_path / "export").name == "tiny" and folder_bytes(bundled) == before

@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from app.engine.batching.batcher import Batcher
-from app.engine.batching.types import BackgroundJob, BatcherClosed, BatcherError, BatchResult, BatchRun, DeadlineExpired
+from app.engine.batching.types import (BackgroundJob, BatcherClosed, BatcherError, BatchResult, BatchRun,
+                                      DeadlineExpired, DeadlineTooShort)
 from app.engine.decoding.decoders import Prepared
 from app.engine.decoding.device import Encoded
 from app.engine.rollouts.evidence import Comparison
@@ -154,6 +155,8 @@ class _Handover:
             return self._drop("retired")
         except DeadlineExpired:
             return self._drop("stale")
+        except DeadlineTooShort as short:  # past SHADOW_MAX_AGE_S (a passed deadline, once batches ran), or near it
+            return self._drop("stale" if short.left_s <= 0 else "busy")
         except BatcherError:  # its queue full, or the backlog ahead past the deadline
             return self._drop("busy")
         self.futures += futures
