@@ -30,7 +30,6 @@ from models.export.checks import ModelLoadError
 from models.export.compile import DTYPES, cannot_compile
 from models.export.quantize import TORCHAO_HINT
 from models.run.args import HelpFormatter
-from models.run.report import METRICS_NAME
 from models.export.write import export_checkpoint, export_default, one_line
 
 log = logging.getLogger("models.export")
@@ -96,11 +95,15 @@ def package_targets(packages: str, cuda_dtype: str) -> list[tuple[str, str]]:
     return [(device.removesuffix("-int8"), dtypes[device]) for device in devices]
 
 
+RUN_METRICS = "metrics.jsonl"  # models/run/report.py's METRICS_NAME (a test keeps them equal; importing it would make
+# the training's report code part of what the default export runs, and its every change a new export: the Makefile)
+
+
 def run_export(checkpoint: Path) -> Path:
     """Where a checkpoint's export goes without --out: its run's export/ (runs/NAME/best.pt: runs/NAME/export);
     ValueError for a checkpoint that is not in a run's folder (/tmp/best.pt would write /tmp/export)."""
-    if not (checkpoint.parent / METRICS_NAME).is_file():
-        raise ValueError(f"{checkpoint} is not in a models.train run's folder (no {METRICS_NAME} beside it): name the "
+    if not (checkpoint.parent / RUN_METRICS).is_file():
+        raise ValueError(f"{checkpoint} is not in a models.train run's folder (no {RUN_METRICS} beside it): name the "
                          f"folder to export into, --out DIR")
     return checkpoint.parent / "export"
 

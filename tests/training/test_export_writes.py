@@ -279,7 +279,11 @@ def test_a_forced_checkpoint_export_never_replaces_weights_unasked(
     # said "pass --force to replace it", which was then refused); one outside a run's folder names no default
     code, errors = export(["--checkpoint", checkpoint, *NO_PACKAGES], caplog)
     assert code == 2 and "is not in a models.train run's folder (no metrics.jsonl beside it)" in errors[0]
-    (tmp_path / "metrics.jsonl").write_text("")  # (a run's folder)
+    from models.export.__main__ import RUN_METRICS
+    from models.run.report import METRICS_NAME
+
+    assert RUN_METRICS == METRICS_NAME
+    (tmp_path / METRICS_NAME).write_text("")  # (a run's folder)
     assert export(["--checkpoint", checkpoint, *NO_PACKAGES], caplog)[0] == 0
     assert export(["--checkpoint", checkpoint, "--force", *NO_PACKAGES], caplog)[0] == 0
     assert read_manifest(tmp_path / "export").name == "tiny" and folder_bytes(bundled) == before
