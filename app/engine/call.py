@@ -284,11 +284,17 @@ def _numbers(rows: np.ndarray) -> None:
 
 def _refused(exc: QueueFull | BatcherClosed | DeadlineTooShort | DeadlineExpired, timeout_s: float) -> ServiceError:
     """What the queue's refusal of a request means to its client (``timeout_s``: its deadline's length)."""
-    if isinstance(exc, DeadlineExpired) or (  # the decode outlasted a deadline no shorter than their inference
-            isinstance(exc, DeadlineTooShort) and exc.left_s <= 0 and exc.own_s <= timeout_s):
+    if _spent(exc, timeout_s):  # the decode outlasted it
         return DeadlineExceeded(f"no inference result within the request's {timeout_s:g}s deadline: it passed "
                                 f"while its images were decoded")
     return service_error(exc, timeout_s)
+
+
+def _spent(exc: Exception, timeout_s: float) -> bool:
+    """Whether the batcher's refusal is of a deadline that passed before its images queued though no shorter than
+    their own inference (a decode, a wait for a busy engine spent it: 504), not of one too short (400)."""
+    return isinstance(exc, DeadlineExpired) or (
+        isinstance(exc, DeadlineTooShort) and exc.left_s <= 0 and exc.own_s <= timeout_s)
 
 
 PIXELS_IN_SCALE = 1e4  # no preprocessing makes pixels beyond this (ImageNet's normalisation about +-3, raw 0-255)
@@ -335,10 +341,10 @@ def _check_room(version: LoadedVersion, count: int, deadline: float, timeout_s: 
     try:
         version.batcher.check_room(count, deadline)
     except (QueueFull, BatcherClosed, DeadlineTooShort, DeadlineExpired) as exc:  # (expired: a V2 timeout of a few
-        if isinstance(exc, DeadlineTooShort) and exc.left_s <= 0 and exc.own_s <= timeout_s:  # microseconds is past
+        if isinstance(exc, DeadlineTooShort) and _spent(exc, timeout_s):  # microseconds is past before it is
             raise DeadlineExceeded(f"no inference result within the request's {timeout_s:g}s deadline: it passed "
-                                   f"before its images were decoded") from None  # (a wait for a busy engine)
-        raise service_error(exc, timeout_s) from None  # before it is judged: too short)
+                                   f"before its images were decoded") from None  # judged: too short)
+        raise service_error(exc, timeout_s) from None
 
 
 def service_error(exc: Exception, timeout_s: float | None = None) -> ServiceError:

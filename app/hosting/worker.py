@@ -220,9 +220,10 @@ class BufferingWorker(LoopRequests, ThreadWorker):
 
     def accept(self, listener: Any) -> None:
         """A new connection waits in the loop for its request (app/hosting/drain.py counts ``accepts``). A worker
-        that does not serve takes none while another worker serves: it holds back (``set_accept_enabled``). Asked here, at each connection, for gthread asks ``set_accept_enabled`` only when
-        accepting should change for its own reasons: a worker that began taking them while none served (a server
-        starting), or that served until its drain or its engine's end, would take them for good."""
+        that does not serve takes none while another worker serves: it holds back (``set_accept_enabled``). Asked
+        here, at each connection, for gthread asks ``set_accept_enabled`` only when accepting should change for its
+        own reasons: a worker that began taking them while none served (a server starting), or that served until
+        its drain or its engine's end, would take them for good."""
         if getattr(listener, "sock", listener) is None:
             # Closed by app/hosting/drain.py's last step, which ran earlier in the same poller turn that found it
             # readable (gthread's accept raised here: the worker died and its open connections were reset).

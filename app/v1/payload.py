@@ -102,9 +102,14 @@ def _json_body(request: Request, schema: type[Schema], max_images: int | None = 
     try:
         return schema.model_validate(raw)
     except pydantic.ValidationError as exc:
-        errors = exc.errors(include_url=False, include_input=False)[:SCHEMA_ERRORS_SHOWN]
-        details = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in errors]
-        raise SchemaViolation("the JSON body does not match the request schema", details=details) from None
+        raise SchemaViolation("the JSON body does not match the request schema", details=schema_details(exc)) from None
+
+
+def schema_details(exc: pydantic.ValidationError, said: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """A 422's details: pydantic's first SCHEMA_ERRORS_SHOWN errors as ``loc``, ``msg`` and ``type``, a ``msg`` of
+    an error type in ``said`` put in its words."""
+    errors = exc.errors(include_url=False, include_input=False)[:SCHEMA_ERRORS_SHOWN]
+    return [{"loc": list(e["loc"]), "msg": (said or {}).get(e["type"], e["msg"]), "type": e["type"]} for e in errors]
 
 
 def _check_shape(raw: dict[str, Any], schema: type[Schema], max_images: int | None) -> None:

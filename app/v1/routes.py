@@ -11,7 +11,7 @@ from flask import Blueprint, Response, request
 from app.config import Settings
 from app.engine.contract import Ranked, VersionInfo
 from app.errors import BadRequest, NotFound, SchemaViolation
-from app.v1.payload import LISTED, MODEL, VERSION, check_known, parse_explain, parse_predict
+from app.v1.payload import LISTED, MODEL, VERSION, check_known, parse_explain, parse_predict, schema_details
 from app.v1.schemas import (
     Batching,
     Crop,
@@ -184,9 +184,7 @@ def _version_named() -> str | None:
     try:
         return VersionChoice.model_validate(parse_json(data, "the body") if data.strip() else {}).version
     except pydantic.ValidationError as exc:  # (422 as every body that does not match its schema)
-        details = [{"loc": list(e["loc"]), "type": e["type"],
-                    "msg": "Input should be a JSON object" if e["type"] == "model_type" else e["msg"]}
-                   for e in exc.errors(include_url=False, include_input=False)[:5]]
+        details = schema_details(exc, {"model_type": "Input should be a JSON object"})
         raise SchemaViolation(f'the body must be empty or {{"version": "<version>"}}: {details[0]["msg"]}',
                               details=details) from None
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -87,12 +88,24 @@ def test_options_out_of_range_are_refused_before_the_data_is_read(option: str, v
     assert f"argument {option}: {says}, got {value}" in line
 
 
-@pytest.mark.slow  # a second or more (a run of the CLI, make, or workers sharing a state): the full suite's
-def test_resume_of_what_cannot_go_on_is_one_line(folder: Path, tmp_path: Path,
-                                                 caplog: pytest.LogCaptureFixture) -> None:
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def one_epoch(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run of one epoch on the tiny folder (``small_args``), trained once for the tests that resume a copy."""
+    run = tmp_path_factory.mktemp("one-epoch") / "run"
     assert train.main(small_args(folder, run, "--epochs", "1")) == 0
-    resume = ["--epochs", "2", "--resume", str(run / CHECKPOINT_NAME)]
+    return run
+
+
+def _resumable(one_epoch: Path, tmp_path: Path) -> tuple[Path, list[str]]:
+    """A copy of ``one_epoch`` in ``tmp_path`` (its own to resume), and the options that resume it for a 2nd epoch."""
+    run = Path(shutil.copytree(one_epoch, tmp_path / "run"))
+    return run, ["--epochs", "2", "--resume", str(run / CHECKPOINT_NAME)]
+
+
+@pytest.mark.slow  # a second or more (a run of the CLI, make, or workers sharing a state): the full suite's
+def test_resume_of_what_cannot_go_on_is_one_line(folder: Path, one_epoch: Path, tmp_path: Path,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    run, resume = _resumable(one_epoch, tmp_path)
     # Before: KeyError 'step' at the first AdamW step; a ValueError on the optimiser's parameter groups.
     assert "was trained with --opt sgd, this run with --opt adamw" in _main_error(
         small_args(folder, run, "--opt", "adamw", *resume), caplog)
@@ -117,13 +130,11 @@ def test_resume_of_what_cannot_go_on_is_one_line(folder: Path, tmp_path: Path,
 
 
 @pytest.mark.slow  # a second or more (a run of the CLI, make, or workers sharing a state): the full suite's
-def test_a_resumed_run_makes_its_images_as_its_checkpoint_trained_on(folder: Path, tmp_path: Path,
+def test_a_resumed_run_makes_its_images_as_its_checkpoint_trained_on(folder: Path, one_epoch: Path, tmp_path: Path,
                                                                      caplog: pytest.LogCaptureFixture) -> None:
     # Before: a run at --crop-size 32 resumed without its sizes trained its next epochs at 224 (the default), and
     # its export was served at 224, unsaid; a --resume naming no file was told its --output-dir held another run.
-    run = tmp_path / "run"
-    assert train.main(small_args(folder, run, "--epochs", "1")) == 0
-    resume = ["--epochs", "2", "--resume", str(run / CHECKPOINT_NAME)]
+    run, resume = _resumable(one_epoch, tmp_path)
     assert train.main(small_args(folder, run, *resume, sizes=())) == 0  # its sizes taken from the checkpoint
     resumed = load_checkpoint(run / CHECKPOINT_NAME)
     assert (resumed["epoch"], resumed["preset"]["resize_size"], resumed["preset"]["crop_size"]) == (1, 36, 32)
