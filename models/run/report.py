@@ -115,8 +115,26 @@ class Progress:
             data, labels = validated_on
             lines.append("evaluate: " + module_command("models.predict", [
                 "--weights", str(exported or served), "--data", str(data), "--labels", str(labels),
-                "--out", str(best_checkpoint.parent / "eval.jsonl")]))
+                "--out", str(fresh_evaluation(best_checkpoint.parent))]))
         return [*lines, f"serve:  VISIONSERVE_WEIGHTS_DIR={shlex.quote(str(served))} make serve"]
+
+
+EVALUATION_NAME = "eval"  # the run's evaluation by its printed command: eval.jsonl, then eval-2.jsonl, ...
+
+
+def fresh_evaluation(run_dir: Path) -> Path:
+    """Where the printed evaluation of ``run_dir``'s export writes: eval.jsonl, or where an earlier one is there
+    (with its ``.parts`` or ``-report`` beside it: models.predict's), the first of eval-2.jsonl, eval-3.jsonl, ...
+    not taken. A resumed run's export is another version, which an earlier evaluation's file would refuse to take
+    (it holds one version's answers); that file is the earlier version's, kept."""
+    def taken(stem: str) -> bool:
+        return any((run_dir / name).exists() for name in (f"{stem}.jsonl", f"{stem}.jsonl.parts", f"{stem}-report"))
+
+    stem, number = EVALUATION_NAME, 1
+    while taken(stem):
+        number += 1
+        stem = f"{EVALUATION_NAME}-{number}"
+    return run_dir / f"{stem}.jsonl"
 
 
 RUN_SOURCE = "models.train checkpoint"  # how the manifest of a run's export begins its source (run_export_source)

@@ -24,6 +24,7 @@ from app.config import Settings
 from models import train
 from models.run.checkpoint import BEST_NAME, CHECKPOINT_NAME, load_checkpoint
 from models.export.__main__ import main as export_main
+from models.predict.__main__ import main as predict_main
 from models.data.loaders import splits
 from models.export.manifest import read_manifest
 from models.architectures import ARCHS, build_model
@@ -332,22 +333,28 @@ def test_the_run_reports_each_epoch_and_ends_with_a_summary(folder: Path, tmp_pa
 def test_a_resumed_run_s_printed_export_replaces_the_run_s_earlier_export(folder: Path, tmp_path: Path,
                                                                         caplog: pytest.LogCaptureFixture) -> None:
     # Before: the printed export of a run resumed for more epochs failed ("already holds ...: pass --force"), and
-    # its printed serve line served the earlier export
+    # its printed serve line served the earlier export; its printed evaluation met the earlier one's file ("holds
+    # answers of run 7, not of ...")
     run = tmp_path / "run"
 
-    def printed_export(*options: str) -> list[str]:
+    def printed(*options: str) -> tuple[list[str], list[str]]:
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="models.train"):
             assert train.main(small_args(folder, run, *options)) == 0
-        (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("export: ")]
-        return shlex.split(line.removeprefix("export: "))[3:]  # after the python and -m models.export
+        lines = [r.getMessage() for r in caplog.records]
+        (export,) = [line.removeprefix("export: ") for line in lines if line.startswith("export: ")]
+        (evaluate,) = [line.removeprefix("evaluate: ") for line in lines if line.startswith("evaluate: ")]
+        return shlex.split(export)[3:], shlex.split(evaluate)[3:]  # after the python and -m models....
 
-    first = printed_export()
+    first, evaluate = printed()
     # exported as another version than the run's next best would be (a resumed run's best is new weights)
     assert "--force" not in first and export_main([*first, "--version", "7", *NO_PACKAGES]) == 0
-    again = printed_export("--epochs", "2", "--resume", str(run / CHECKPOINT_NAME))
+    assert evaluate[-1] == str(run / "eval.jsonl") and predict_main(evaluate) == 0
+    again, evaluate = printed("--epochs", "2", "--resume", str(run / CHECKPOINT_NAME))
     assert again[-1] == "--force" and export_main([*again, *NO_PACKAGES]) == 0
     assert read_manifest(run / "export").version != "7"  # the resumed run's best, served by its serve line
+    assert evaluate[-1] == str(run / "eval-2.jsonl") and predict_main(evaluate) == 0  # the earlier one's kept
+    assert {json.loads(line)["version"] for line in (run / "eval.jsonl").read_text().splitlines()} == {"7"}
 
 
 def test_a_flat_folder_is_split_with_val_split(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -399,8 +406,6 @@ def test_a_flat_folder_s_run_lists_its_held_out_images_and_its_summary_evaluates
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # Before: nothing said which images a DIR/<class>/* folder's run held out, so models.predict could evaluate only
     # on the whole folder (the training images included), and the log said "20%" where 7 of 18 were held out.
-    from models.predict.__main__ import main as predict_main
-
     flat = write_image_folder(tmp_path / "nested", train_per_class=6, val_per_class=0) / "train"
     run = tmp_path / "run"
     with caplog.at_level(logging.INFO, logger="models"):
