@@ -530,6 +530,20 @@ def test_a_deadline_of_microseconds_is_400_too_short_not_the_version_s_504(clien
     assert _version_requests("failed") == failed
 
 
+def test_a_deadline_of_microseconds_before_the_version_s_first_batch_is_400_by_its_warm_up(
+        client: FlaskClient, service: Service) -> None:
+    # Before: until a version's first batch (a new default, a candidate) its batcher had no time an image to judge
+    # by, and a deadline that passed before it was judged was 504, counted as the version's failure.
+    assert service.loaded_version().batcher.batches_run == 0
+    failed = _version_requests("failed")
+    body = {"inputs": [{"name": "pixels", "shape": [1, 3, 8, 8], "datatype": "FP32", "data": [0.0] * 192}],
+            "parameters": {"timeout": 1}}
+    answer = client.post("/v2/models/colour/infer", json=body)
+    assert answer.status_code == 400 and "deadline is shorter" in answer.get_json()["error"], answer.get_json()
+    assert _version_requests("failed") == failed
+    assert service.loaded_version().batcher.batches_run == 0
+
+
 def test_pixels_the_model_overflows_on_are_400_not_the_version_s_500(client: FlaskClient) -> None:
     # Before: finite but huge pixels (3e38) made the model answer infinity: 500 "the model is at fault, not the
     # image", counted as the version's failure.

@@ -517,7 +517,7 @@ def test_a_turn_s_requests_queued_together_each_get_their_own_answer_whatever_an
     pixels = [torch.zeros(3, 8, 8)]
     requests = [calls[0].prepare((), pixels, timeout_s=5.0),  # a deadline past, of a length that does not
                 calls[1].prepare((), pixels, timeout_s=Unformattable(0.1), arrived=0.0),  # format as the 504 says
-                calls[2].prepare((), pixels, timeout_s=0.001, arrived=0.0)]  # past: the 504
+                calls[2].prepare((), pixels, timeout_s=1.0, arrived=0.0)]  # past, not too short: the 504
     first, second, third = queue_prepared(calls, requests)
     assert first is requests[0] and first.group is not None  # type: ignore[union-attr]
     assert isinstance(second, TypeError) and isinstance(third, DeadlineExceeded)

@@ -182,8 +182,8 @@ class Batcher(Generic[In, Out]):
         # the same per item of its batch; over batches of half the cap or more (0: none ran yet); the last batch's
         self._item_seconds = self._large_item_seconds = self._last_item_seconds = 0.0
         self._refused_idle_at = -1  # batches_run at the last refusal on an idle batcher (deadline too short)
-        self._split_on, self._shrink_s = split_on, shrink_s
-        self._shrunk_size, self._shrunk_until = max_batch_size, 0.0
+        self._warmed_item_seconds = 0.0  # an item's forward pass at warm-up, 0 without (``expect_item_s``)
+        self._split_on, self._shrink_s, self._shrunk_size, self._shrunk_until = split_on, shrink_s, max_batch_size, 0.0
         self._observer: BatchObserver = observer or NullObserver()
         # How many items are on their way (e.g. requests still decoding). When nothing is, waiting max_wait_ms for
         # company only adds latency, so a batch leaves at once: a lone client pays no batching delay.
@@ -415,8 +415,17 @@ class Batcher(Generic[In, Out]):
 
     def _own_s(self, count: int) -> float:
         """``count`` items' own inference with nothing ahead: at the recent time an item (the lower of the average
-        and the last batch's: one slow batch must not make it), and a batch's wait for company."""
-        return count * min(self._item_seconds, self._last_item_seconds) + self.max_wait_s
+        and the last batch's: one slow batch must not make it; before any batch, the warm-up's), and a batch's
+        wait for company."""
+        item_s = min(self._item_seconds, self._last_item_seconds) if self.batches_run else self._warmed_item_seconds
+        return count * item_s + self.max_wait_s
+
+    def expect_item_s(self, seconds: float) -> None:
+        """An item's forward pass as the warm-up timed it: before the first batch, a deadline that passed before
+        its items queued is judged by it (too short, or spent), as later by the batches' own times. Admission
+        judges nothing else by it: a warm-up times the forward pass alone (no decode, no batch's making)."""
+        with self._cond:
+            self._warmed_item_seconds = seconds
 
     def check_room(self, count: int, deadline: float | None = None) -> None:
         """Raise what ``submit_many`` would raise for ``count`` items with ``deadline`` now, without queueing them:
@@ -430,7 +439,8 @@ class Batcher(Generic[In, Out]):
         nothing. The backlog is the live items (``_live``: not those whose caller left) behind what runs now, the
         low-priority ones only for a ``low`` item (others go ahead of them).
 
-        Deadlines are judged once batches were timed. A deadline is too short (the caller's mistake: no retry)
+        Deadlines are judged once batches were timed (one that passed before its items queued, from the warm-up's
+        time an item before: ``expect_item_s``). A deadline is too short (the caller's mistake: no retry)
         when the request's own inference would outlast it: its images at the recent time per image (the lower of
         the average and the last batch's: one slow batch must not make it), and a batch's wait for company
         (``max_wait_ms``). On an idle batcher (nothing queued, nothing running) nothing is ahead, and only a batch
@@ -447,7 +457,7 @@ class Batcher(Generic[In, Out]):
             return
         if now >= deadline:  # too short where its whole length is below the items' own inference (a deadline of
             # microseconds: app/engine/call.py service_error), not the model's failure to answer in time (504)
-            if self.batches_run:
+            if self.batches_run or self._warmed_item_seconds:
                 raise DeadlineTooShort(count, self._own_s(count), 0.0, self._clear_s(live, now))
             raise DeadlineExpired(f"the deadline passed {ms(now - deadline)} before the items were queued")
         if not self.batches_run:
