@@ -87,6 +87,7 @@ class Reading:
     chunked: ChunkedBody | None = None  # a chunked body's framing, as far as it came
     continue_owed: bool = False  # the client waits for 100 Continue to send its body (told by the loop: ``_continue``)
     body_since: float = 0.0  # when its head was whole (time.monotonic()): the body's time counts from there
+    to_parser: bool = False  # its head goes to the parser as it is (a body over the limit: the app's 413)
 
     def take(self, data: bytes) -> None:
         """``data`` added to what arrived; empty lines (CRLF) before the request line are skipped (RFC 9112 2.2): a

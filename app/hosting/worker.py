@@ -344,8 +344,8 @@ class BufferingWorker(LoopRequests, ThreadWorker):
     def _whole(self, reading: Reading) -> bool:
         """Whether the loop's wait for the request is over: it is whole (its body too when the loop reads it), or
         refused (``reading.refusal``: from its head, or from its chunked framing; ``refuse_on_line``: once its
-        request line is in)."""
-        if reading.refusal is not None:
+        request line is in), or its head goes to the parser as it is (``to_parser``); the same when asked again."""
+        if reading.refusal is not None or reading.to_parser:
             return True
         if reading.refuse_on_line is not None:
             if b"\n" not in reading.buffer and len(reading.buffer) < self.limits.request_line_limit:
@@ -366,6 +366,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
             if not isinstance(framing, int):  # chunked, Expect, or a head the parser refuses
                 return self._framed(reading, end, framing)
             if framing > self.limits.max_body_bytes:
+                reading.to_parser = True
                 return True
             reading.body_end, reading.body_since = end + len(HEADER_END) + framing, time.monotonic()
         if len(reading.buffer) < reading.body_end:
@@ -383,6 +384,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
                                       f"the request body is over the {self.limits.max_body_bytes} byte limit")
             return True
         if framing is None or framing.length > self.limits.max_body_bytes:
+            reading.to_parser = True
             return True
         start = reading.body_end = end + len(HEADER_END)
         reading.body_since = time.monotonic()
