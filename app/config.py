@@ -61,7 +61,8 @@ class ModelSettings(SettingsGroup):
     default_model: str = Field(
         "", description="The model that requests naming none get when the server serves several; empty: the one the "
         "repository names (`<repository>/repository.json`: `{\"default_model\": \"NAME\"}`), else the only model "
-        "served (with several and none named, such requests get 400 listing the models).")
+        "served (with several and none named, such requests get 400 listing the models). One that names a model "
+        "not served stops the start.")
     version_policy: str = Field(
         "latest:1", pattern=r"^(latest(:[0-9]+)?|all|specific:[^,]+(,[^,]+)*)$",
         description="Which versions of each model stay loaded: `latest:N` (the N highest numbers), `all`, or "

@@ -657,6 +657,32 @@ def test_two_models_side_by_side_and_the_default_model(settings: Settings, repos
         named.shutdown(timeout=5)
 
 
+def test_a_default_model_the_server_does_not_serve_is_refused_at_start_and_kept_out_later(
+        settings: Settings, repository: FakeRepository, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: DEFAULT_MODEL (or repository.json) naming a model the repository lacks started a ready server whose
+    # every request naming no model was 404, nothing said; repository.json changed so while it ran, the same.
+    repository.add("other", "7")
+    with pytest.raises(NotFound, match="DEFAULT_MODEL names 'nosuch' as the default model, but the repository has no "
+                                       "such model; it serves: colour, other: name one of them, or none"):
+        _service(settings, repository, default_model="nosuch")
+    with pytest.raises(NotFound, match="names 'other' as the default model, but MODELS leaves it out"):
+        _service(settings, repository, default_model="other", models="colour")
+    repository.default = "other"
+    service = _service(settings, repository)
+    try:
+        assert _ask(service) == "7"
+        repository.default = "nosuch"  # while it runs: the default stays, said once
+        with caplog.at_level(logging.WARNING, logger="app.engine.versions.writers"):
+            for _ in range(2):
+                service.controller.writers.poll()
+        assert _ask(service) == "7" and service.catalog.default_model() == "other"
+        assert [r.getMessage() for r in caplog.records if "nosuch" in r.getMessage()] == [
+            "the repository's repository.json names 'nosuch' as the default model, but the repository has no such "
+            "model; it serves: colour, other: the default model stays other"]
+    finally:
+        service.shutdown(timeout=5)
+
+
 def test_the_policy_keeps_versions_and_names_the_default(settings: Settings, repository: FakeRepository) -> None:
     repository.add("colour", "2")
     service = _service(settings, repository, version_policy="latest:2")

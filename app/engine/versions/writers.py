@@ -33,7 +33,7 @@ from app.engine.versions.apply import Applier
 from app.engine.versions.change_write import apply_and_write
 from app.engine.versions.desired import WATCH_S
 from app.engine.versions.rollout_changes import RolloutChanges
-from app.engine.versions.sources import Source
+from app.engine.versions.sources import REPOSITORY_FILE, Source
 from app.engine.versions.sync import WorkerSync
 from app.errors import BadRequest, InsufficientMemory, LoadFailed, NotFound, ServiceError
 from models.export.checks import ModelLoadError
@@ -50,6 +50,7 @@ class Writers:
         self.settings, self.source = settings, source
         self.applier, self.sync, self.rollouts = applier, sync, rollouts
         self._stop = threading.Event()
+        self._refused_default: str | None = None  # the default model last refused (said once)
 
     def boot(self) -> None:
         """Serve the desired state a running server already has, else write it from the settings and the
@@ -57,7 +58,7 @@ class Writers:
         reason in the log and the index). Then follow it (and poll) on a thread. Raises only when nothing at all
         can be served."""
         with self.applier.changing():
-            self._name_default_model()
+            self._name_default_model(starting=True)
             generation, desired = self.sync.read()
             if generation:
                 errors = self._apply_desired(desired)
@@ -327,13 +328,29 @@ class Writers:
                             refused["version"], refused["reason"], entry["default"])
             return entry
 
-    def _name_default_model(self) -> None:
-        """The model requests naming none get: DEFAULT_MODEL, else the one the repository names."""
+    def _name_default_model(self, starting: bool = False) -> None:
+        """The model requests naming none get: DEFAULT_MODEL, else the one the repository names. One that names a
+        model the server does not follow (not in the repository, or left out by MODELS) is refused: ``starting``,
+        the server does not start (NotFound: every request naming no model would be 404); later (repository.json
+        changed, a poll), the default stays as it was and the log says why, once."""
         try:
-            self.applier.routes.named_default = self.settings.default_model or self.source.default_model()
+            named = self.settings.default_model or self.source.default_model()
         except PolicyError as exc:
             log.warning("no default model: %s", exc)
             self.applier.routes.named_default = None
+            return
+        followed = self.settings.model_names() or self.source.models()
+        if named is None or named in followed:
+            self.applier.routes.named_default = named
+            return
+        where = "DEFAULT_MODEL" if self.settings.default_model else f"the repository's {REPOSITORY_FILE}"
+        held = "MODELS leaves it out" if named in self.source.models() else "the repository has no such model"
+        said = f"{where} names {named!r} as the default model, but {held}; it serves: {', '.join(followed) or 'none'}"
+        if starting:
+            raise NotFound(f"{said}: name one of them, or none", details={"models": followed})
+        if named != self._refused_default:
+            self._refused_default = named
+            log.warning("%s: the default model stays %s", said, self.applier.routes.named_default or "unnamed")
 
     def _wanted(self, name: str, config: Any = None, current: ModelEntry | None = None,
                 left_out: dict[str, str] | None = None) -> ModelEntry:
