@@ -112,16 +112,18 @@ class Call:
 
     def infer(self, images: Sequence[bytes] = (), tensors: Sequence[np.ndarray | torch.Tensor] = (), *,
               timeout_s: float, names: Sequence[str | None] = (),
-              client_gone: Callable[[], bool] | None = None, embedding: bool = False) -> Served:
+              client_gone: Callable[[], bool] | None = None, embedding: bool = False,
+              arrived: float | None = None) -> Served:
         """Encoded ``images`` (decoded here) or preprocessed ``tensors`` (float32 (C, H, W) arrays or tensors, or their
-        (N, C, H, W) array), with the request's deadline (``timeout_s``, counted from this call: the decode, the
-        queue and the forward pass all count) and, where the request gave them, the images' file names (errors say
+        (N, C, H, W) array), with the request's deadline (``timeout_s``, counted from ``arrived``, else this call: a
+        wait for a request thread, the decode, the queue and the forward pass all count) and, where the request gave
+        them, the images' file names (errors say
         which image); ``embedding``: answer each image's embedding too (NoEmbedding when the version has none).
         Once ``client_gone`` says the client hung up, the images still queued are dropped unrun. Raises a
         ServiceError for every refusal."""
         if embedding:
             self.model.check_embedding()
-        queued = self.queue(images, tensors, timeout_s=timeout_s, names=names)
+        queued = self.queue(images, tensors, timeout_s=timeout_s, names=names, arrived=arrived)
         while not queued.done():
             remaining = queued.deadline - time.monotonic()
             if remaining <= 0:

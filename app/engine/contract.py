@@ -261,15 +261,17 @@ class PixelsForTheDefault(Exception):
 
 
 class CallFace(Protocol):
-    """One admitted request: ``model`` to parse its body with, ``infer`` to run its images; ``takes_pixels``: False
-    when pixels (not images) must go to the default (PixelsForTheDefault)."""
+    """One admitted request: ``model`` to parse its body with, ``infer`` to run its images (its deadline of
+    ``timeout_s`` counted from ``arrived``, a ``time.monotonic()`` value: when its worker had it whole, so a wait for a
+    request thread counts; None: from now); ``takes_pixels``: False when pixels (not images) must go to the default
+    (PixelsForTheDefault)."""
 
     model: Signature
     takes_pixels: bool
 
     def infer(self, images: Sequence[bytes] = (), tensors: Sequence[Any] = (), *, timeout_s: float,
               names: Sequence[str | None] = (), client_gone: Callable[[], bool] | None = None,
-              embedding: bool = False) -> Served: ...
+              embedding: bool = False, arrived: float | None = None) -> Served: ...
 
 
 class ServiceFace(Protocol):

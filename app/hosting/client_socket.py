@@ -44,7 +44,8 @@ class ClientSocket(socket.socket):
     progress. An answer's head (gunicorn writes it apart, as its first write) is held and goes out with the answer's
     first piece of body, in one send (``answer_begins``, ``answer_ends``)."""
 
-    __slots__ = ("answer_timeout_s", "body_held", "loop_writes", "unsent", "head_next", "head", "stays_nonblocking")
+    __slots__ = ("answer_timeout_s", "body_held", "loop_writes", "unsent", "head_next", "head", "stays_nonblocking",
+                 "received_at")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -54,6 +55,9 @@ class ClientSocket(socket.socket):
         self.unsent: bytearray | None = None  # that rest, until the loop has written it
         self.head_next = False  # the next write is an answer's first: its head, held (``head``) for what follows
         self.head: bytes | None = None
+        # when the loop had the request whole (time.monotonic()), its body held: its deadline counts from there, a
+        # wait for a request thread included (app/web/services.py received_at); None: read by the parser
+        self.received_at: float | None = None
 
     def setblocking(self, flag: bool) -> None:
         self.settimeout(None if flag else 0.0)  # (what socket.setblocking does, through the check below)

@@ -433,7 +433,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         conn = reading.conn
         conn.data_ready = True  # gthread's handle() must not wait for data again
         conn.prefetched = reading.buffer
-        _body_held(conn, reading.body_end is not None)  # set only once the whole body is in the buffer
+        _body_held(conn, reading.body_end is not None, reading.last_data)  # only once the whole body is in
 
     def handle(self, conn: TConn) -> Any:
         """In a request thread: the request, then the connection's next ones while it is kept alive and no other
@@ -698,12 +698,13 @@ def raise_file_limit(needed: int) -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
-def _body_held(conn: TConn, held: bool) -> None:
+def _body_held(conn: TConn, held: bool, whole_at: float | None = None) -> None:
     """Note whether the request's whole body is in memory, on the connection and its socket (app/web/hooks.py then
-    sets no timeout for reading a body that no read will wait for)."""
+    sets no timeout for reading a body that no read will wait for), and when it was whole (``whole_at``: its
+    deadline counts from there)."""
     conn.body_held = held
     if isinstance(conn.sock, ClientSocket):
-        conn.sock.body_held = held
+        conn.sock.body_held, conn.sock.received_at = held, whole_at if held else None
 
 
 def _held(conn: TConn) -> bytes:

@@ -96,11 +96,16 @@ class RemoteCall:
 
     def infer(self, images: Sequence[bytes] = (), tensors: Sequence[Any] = (), *, timeout_s: float,
               names: Sequence[str | None] = (), client_gone: Callable[[], bool] | None = None,
-              embedding: bool = False) -> Served:
+              embedding: bool = False, arrived: float | None = None) -> Served:
         """As ``Call.infer``: the request and its images go to the engine as they are, the answer comes back; a
-        client that hangs up drops its queued images there (the connection closes, which the engine watches)."""
+        client that hangs up drops its queued images there (the connection closes, which the engine watches). Its
+        deadline counts from ``arrived`` here: one passed already (a wait for the worker's loop) is 504 unsent; the
+        engine counts the whole of it from its own receipt (alike requests, alike in their fields, bundle there)."""
         if embedding:
             self.model.check_embedding()  # refused here: the signature says what the version answers
+        if arrived is not None and (waited := time.monotonic() - arrived) >= timeout_s:
+            raise DeadlineExceeded(f"no inference result within the request's {timeout_s:g}s deadline: it passed "
+                                   f"while the request waited {waited:.3g}s for this worker")
         if len(tensors):  # the pixels cross as one (N, C, H, W) stack: one segment, however many images
             stack = tensors if isinstance(tensors, np.ndarray) else np.stack([np.asarray(t) for t in tensors])
             specs, segments = wire.tensor_segments([np.ascontiguousarray(stack)])

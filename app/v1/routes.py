@@ -28,7 +28,7 @@ from app.v1.schemas import (
     WorkerModels,
 )
 from app.web.inputs import client_key, deadline_s, each_once, parse_json, read_body
-from app.web.services import client_gone, current_service
+from app.web.services import client_gone, current_service, received_at
 from app.web.timing import annotate
 from models.export.manifest import Manifest
 
@@ -55,7 +55,7 @@ def predict() -> Response:
         parsed = parse_predict(req, query, default_top_k=settings.top_k, num_classes=call.model.num_classes,
                                max_images=settings.max_images)
         served = call.infer(parsed.images, names=parsed.names or (), client_gone=client_gone(), timeout_s=timeout_s,
-                            embedding=parsed.embedding)
+                            embedding=parsed.embedding, arrived=received_at())
     predictions = ([_prediction(top, settings.score_digits) for top in served.top_k(parsed.top_k)] if parsed.labels
                    else None)
     # the answer validated in one call (its models made in pydantic's core), not a model made per class and image:

@@ -18,6 +18,12 @@ def current_service() -> ServiceFace:
     return current_app.extensions[EXTENSION_KEY]
 
 
+def received_at() -> float | None:
+    """For ``Call.infer``: when this request's worker had it whole (``time.monotonic()``; under gunicorn, from the
+    socket it hands over; None elsewhere, or for a body the parser read): its deadline counts from there."""
+    return getattr(request.environ.get("gunicorn.socket"), "received_at", None)
+
+
 def client_gone() -> Callable[[], bool] | None:
     """For ``Call.infer``: whether this request's client has hung up (under gunicorn, which hands over the socket;
     None elsewhere)."""

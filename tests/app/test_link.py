@@ -597,6 +597,16 @@ def test_a_request_is_one_exchange_of_two_frames(link: Link) -> None:
     assert link.frames == ["Infer", "Answer"] and len(link.connections) == 1
 
 
+def test_a_deadline_that_passed_while_the_request_waited_in_its_worker_is_504_unsent(link: Link) -> None:
+    # Before: a request's deadline counted from when the engine received it: one that waited seconds for its
+    # worker's loop (a burst beyond its requests at once) was run all the same, answered long past its deadline.
+    assert infer(link.worker, [image_bytes(RED)], arrived=time.monotonic() - 0.5, timeout_s=1.0).model == "colour"
+    link.frames.clear()
+    with pytest.raises(DeadlineExceeded, match="1s deadline: it passed while the request waited 2.* for this worker"):
+        infer(link.worker, [image_bytes(RED)], arrived=time.monotonic() - 2.0, timeout_s=1.0)
+    assert "Infer" not in link.frames
+
+
 def test_an_embedding_crosses_only_when_asked_for(settings: Settings, tmp_path: Path) -> None:
     predictor = Predictor(ColourModel(embedding=True), tiny_manifest(embedding=True), device="cpu")
     service = Service.build(settings, predictor)

@@ -92,10 +92,11 @@ class ConvColourModel(nn.Module):
 
 def infer(service: Service, images: Sequence[bytes] = (), tensors: Sequence[torch.Tensor] = (), *,
           name: str | None = None, version: str | None = None, client_gone: Callable[[], bool] | None = None,
-          timeout_s: float = 5.0, embedding: bool = False) -> Served:
+          timeout_s: float = 5.0, embedding: bool = False, arrived: float | None = None) -> Served:
     """One request through the engine as a protocol sends it: admitted to ``name``/``version``, then inferred."""
     with service.admit(name, version) as call:
-        return call.infer(images, tensors, timeout_s=timeout_s, client_gone=client_gone, embedding=embedding)
+        return call.infer(images, tensors, timeout_s=timeout_s, client_gone=client_gone, embedding=embedding,
+                          arrived=arrived)
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 10) -> None:

@@ -1357,10 +1357,12 @@ def test_a_chunked_or_expected_body_arriving_slowly_is_read_by_the_loop_and_hand
     for piece in pieces[:-1]:
         _read_by_the_loop(worker, client, piece)
         assert not worker.tpool.handed and not worker.on_loop and worker.reading  # no thread while it arrives
+    before = time.monotonic()
     _read_by_the_loop(worker, client, pieces[-1] + b"GET /healthz HTTP/1.1\r\n\r\n")  # pipelined behind it
     assert (worker.on_loop if loop_requests else worker.tpool.handed) == [conn]  # whole: handed on, once
     assert not (worker.tpool.handed if loop_requests else worker.on_loop) and not worker.reading
     assert conn.body_held and conn.sock.body_held  # the app sets no socket timeout for it: no read will wait
+    assert before <= conn.sock.received_at <= time.monotonic()  # its deadline counts from its last piece
     # The parser reads the request the client sent from what the loop held: the body decoded, the chunk extension
     # skipped, the trailer kept; gunicorn asks no 100 Continue again; the pipelined request follows.
     seen: list[tuple[Any, bytes]] = []
