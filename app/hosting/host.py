@@ -117,12 +117,19 @@ def bind_problem(bind: str) -> str | None:
     host, port = address
     if not port.isdigit() or not 0 <= int(port) <= 65535:
         return f"its port {port!r} is not a port number (0-65535)"
+    if host.isdigit() and bind.removeprefix("tcp://") == host:  # gunicorn reads "18440" as a host (an IPv4 number)
+        return f"{host!r} is read as a host with port 8000: a port alone is written :{host} (every address)"
     try:
         socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (socket.gaierror, UnicodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) else exc
         return f"its host {host!r} is no address this machine resolves ({reason})"
-    return None
+    failed = _bind_failure(bind)
+    if failed is None or failed.errno == errno.EADDRINUSE:  # (in use: address_in_use says so)
+        return None
+    if failed.errno == errno.EACCES:
+        return f"its port {port} is below 1024, which this user may not listen on ({failed.strerror})"
+    return f"its host {host!r} is no address of this machine ({failed.strerror})"
 
 
 def address_in_use(bind: str, reuse_port: bool = False) -> bool:
@@ -130,9 +137,16 @@ def address_in_use(bind: str, reuse_port: bool = False) -> bool:
     (SO_REUSEADDR: a socket of a server just stopped does not count; with gunicorn's ``reuse_port``, SO_REUSEPORT
     too: a server that shares its port is no refusal). False for a unix socket, an ``fd://`` and an address that
     fails otherwise (``bind_problem`` says why)."""
+    failed = _bind_failure(bind, reuse_port)
+    return failed is not None and failed.errno == errno.EADDRINUSE
+
+
+def _bind_failure(bind: str, reuse_port: bool = False) -> OSError | None:
+    """What binding a socket to TCP ``bind`` as gunicorn does raises (``address_in_use``), None when it binds (or
+    for what is no TCP address with a port number)."""
     address = _tcp_address(bind)
     if address is None or not address[1].isdigit():
-        return False
+        return None
     host, port = address[0] or "0.0.0.0", address[1]
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
@@ -142,5 +156,5 @@ def address_in_use(bind: str, reuse_port: bool = False) -> bool:
                 probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             probe.bind((host, int(port)))
     except OSError as exc:
-        return exc.errno == errno.EADDRINUSE
-    return False
+        return exc
+    return None
