@@ -42,7 +42,7 @@ from app.engine.contract import Served
 from app.engine.service import Service
 from app.engine.versions.controller import VersionsController
 from app.engine.versions.desired import SharedDesiredState
-from app.errors import Conflict, LoadFailed
+from app.errors import BadRequest, Conflict, LoadFailed
 from tests.support.fakes import (LABELS, ColourModel, FakeRepository, OtherInputRepository, infer,
                                  served_over_http, wait_until)
 from tests.support.imaging import BLUE, GREEN, RED, image_bytes
@@ -485,6 +485,12 @@ def test_a_plain_load_call_keeps_a_rolled_back_version_out(settings: Settings) -
         routes = service.controller.applier.routes
         assert routes.candidate("colour") is None and routes.routes()["colour"][1] == "1"
         assert service.controller.sync.read()[1]["colour"]["rolled_back"] == ["2"]
+        # Before (an operator's trial): a load call naming it the default was 400 "default version '2' is not in
+        # the repository", where it is, rolled back
+        with pytest.raises(BadRequest, match="model 'colour': version 2 was rolled back, and serves again once a "
+                                             "promotion names it: POST /v1/models/colour/promote with "
+                                             '{"version": "2"}'):
+            service.catalog.load("colour", '{"default_version": "2"}')
     finally:
         service.shutdown(timeout=5)
 

@@ -373,6 +373,11 @@ class Writers:
             named = {v: refused[v] for v in exc.versions if v in refused}
             if named:  # there, but refused: why, not "no version 2"
                 raise _named_refused(name, named) from None
+            back = [v for v in exc.versions if v in (current or {}).get("rolled_back", [])]
+            if back:  # there, but rolled back: how it serves again, not "not in the repository"
+                raise BadRequest(f"model {name!r}: version {back[0]} was rolled back, and serves again once a "
+                                 f"promotion names it: POST /v1/models/{name}/promote with {{\"version\": "
+                                 f"\"{back[0]}\"}}", details={"model": name, "rolled_back": back}) from None
             raise BadRequest(f"model {name!r}: {exc}") from None
         except PolicyError as exc:
             raise BadRequest(f"model {name!r}: {exc}") from None
