@@ -69,6 +69,23 @@ def test_measured_cap_is_applied_and_shown(settings: Settings, predictor: Predic
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 
 
+def test_a_warm_up_too_noisy_to_cap_by_says_the_batches_stay_at_the_ceiling(
+        settings: Settings, predictor: Predictor, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Before (an operator's trial): "... differed by 79% (a busy machine): only a batch size slower than 0% of the
+    # best caps the batches", and no cap line.
+    monkeypatch.setattr(predictor, "warmup", lambda max_batch_size: {1: 100.0, 2: 180.0, 3: 200.0, 4: 50.0})
+    monkeypatch.setattr(predictor, "warmup_noise", 0.79, raising=False)
+    with caplog.at_level(logging.INFO, logger="app.engine.loaded.version"):
+        app = create_app(settings.model_copy(update={"auto_batch_size": True}), predictor)
+    try:
+        assert "the warm-up's runs differed by 79% (a busy machine): too much to cap the batches by: they stay at " \
+               "the ceiling, 4" in caplog.text and "batch cap" not in caplog.text
+        assert app.extensions[EXTENSION_KEY].loaded_version().batcher.max_batch_size == 4
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
 def test_the_automatic_ceiling_follows_the_device() -> None:
     auto = Settings(workers=1, threads=1, max_images=1)  # the queue's automatic size then rests on the ceiling
     assert auto.max_batch_size == 0

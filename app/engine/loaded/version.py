@@ -217,8 +217,10 @@ def _apply_batch_cap(settings: Settings, loaded: LoadedVersion) -> None:
     noise = loaded.predictor.warmup_noise
     cap = choose_batch_cap(profile, noise=noise) if profile and settings.auto_batch_size else ceiling
     if profile and settings.auto_batch_size and noise >= UNSTEADY_WARMUP:
-        log.info("%s %s: the warm-up's runs differed by %.0f%% (a busy machine): only a batch size slower than %.0f%% "
-                 "of the best caps the batches", loaded.name, loaded.version, 100 * noise, 100 * cap_share(noise))
+        share = cap_share(noise)
+        log.info("%s %s: the warm-up's runs differed by %.0f%% (a busy machine): %s", loaded.name, loaded.version,
+                 100 * noise, f"only a batch size slower than {100 * share:.0f}% of the best caps the batches" if share
+                 else f"too much to cap the batches by: they stay at the ceiling, {ceiling}")
     if cap < ceiling:
         log.info("%s %s: batch cap %d, the largest batch within %d%% of the best images/s; larger ones were slower "
                  "(%s)%s", loaded.name, loaded.version, cap, round(100 * (1 - cap_share(noise))),
