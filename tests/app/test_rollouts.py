@@ -898,6 +898,28 @@ def test_a_candidate_that_breaks_at_run_time_is_refused_by_the_poll_and_a_load_c
         service.shutdown(timeout=5)
 
 
+def test_a_newer_version_that_cannot_load_leaves_the_next_newest_the_candidate_and_says_so(
+        settings: Settings, caplog: pytest.LogCaptureFixture) -> None:
+    # Before (an operator's trial): after a load call the rollout went on with version 2 as the candidate and 3
+    # refused, and nothing was logged; the line logged at start and by the poll said "version 1 serves without a
+    # candidate" where 2 was one.
+    repository = _repository({"shadow_percent": 100})
+    service = Service.build(settings, repository)  # type: ignore[arg-type]
+    try:
+        assert service.catalog.roles() == {("colour", "1"): "live", ("colour", "2"): "shadow"}
+        repository.fail("colour", "3", SHA)
+        with pytest.raises(LoadFailed, match=SHA):
+            service.catalog.load("colour")
+        with caplog.at_level(logging.WARNING, logger="app.engine.versions"):
+            service.catalog.load("colour")  # refused now: left out
+        assert service.catalog.roles() == {("colour", "1"): "live", ("colour", "2"): "shadow"}
+        assert service.catalog.rollouts()["colour"]["candidate_refused"]["version"] == "3"
+        assert f"colour: rollout candidate 3 refused (colour version 3 cannot be served: {SHA}); version 2 is the " \
+               "candidate in its place, version 1 live" in caplog.text
+    finally:
+        service.shutdown(timeout=5)
+
+
 def test_a_load_call_naming_a_refused_version_says_so_and_changes_nothing(settings: Settings) -> None:
     repository = _repository()
     service = Service.build(settings.model_copy(update={"version_policy": "all"}), repository)  # type: ignore

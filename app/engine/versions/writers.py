@@ -109,6 +109,7 @@ class Writers:
             if not entry["versions"]:  # every version refused: applied, this entry would unload the model
                 raise self._nothing_loadable(name)
             generation, _ = apply_and_write(self.applier, self.sync, name, entry)
+            _say_candidate_refused(name, entry, now)
         self.sync.wait_for_workers(generation, name)
 
     def _nothing_loadable(self, name: str) -> LoadFailed:
@@ -322,10 +323,7 @@ class Writers:
                     raise  # no version was refused and no candidate is left to blame: it would fail the same way
                 left_out[candidate] = exc.message  # the live version serves without it
                 continue
-            refused = (entry.get("rollout") or {}).get("candidate_refused")
-            if refused and refused != ((current or {}).get("rollout") or {}).get("candidate_refused"):
-                log.warning("%s: rollout candidate %s refused (%s); version %s serves without a candidate", name,
-                            refused["version"], refused["reason"], entry["default"])
+            _say_candidate_refused(name, entry, current)
             return entry
 
     def _name_default_model(self, starting: bool = False) -> None:
@@ -389,6 +387,18 @@ class Writers:
         if config is None:
             return entry
         return {**entry, "config": config, "policy_file": own}
+
+
+def _say_candidate_refused(name: str, entry: ModelEntry, before: ModelEntry | None) -> None:
+    """A rollout candidate that cannot load, said once (while ``before`` did not say it already), with what serves
+    in its place: the next newest as the candidate, or the live version alone."""
+    refused = (entry.get("rollout") or {}).get("candidate_refused")
+    if not refused or refused == ((before or {}).get("rollout") or {}).get("candidate_refused"):
+        return
+    candidate = (entry.get("rollout") or {}).get("candidate")
+    instead = (f"version {candidate} is the candidate in its place, version {entry['default']} live" if candidate
+               else f"version {entry['default']} serves without a candidate")
+    log.warning("%s: rollout candidate %s refused (%s); %s", name, refused["version"], refused["reason"], instead)
 
 
 def _named_refused(name: str, refused: dict[str, str]) -> LoadFailed:
