@@ -51,7 +51,8 @@ _BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
 
 REQUESTS = Counter("visionserve_requests_total", "HTTP requests answered (endpoint \"unparsed\": refused before "
                    "any route, from the request head or its timeouts: 400, 408, 413, 414, 431, a parser's refusal, "
-                   "and 429 to a client over MAX_CONNECTIONS_PER_CLIENT; \"starting\": answered 503 while a worker "
+                   "429 to a client over MAX_CONNECTIONS_PER_CLIENT, and 499 for one that left while it sent its "
+                   "body; \"starting\": answered 503 while a worker "
                    "imports the app)", ["endpoint", "status"])
 UNPARSED = "unparsed"  # the endpoint of requests refused before the app (app/hosting/request_framing.py)
 STARTING = "starting"  # the endpoint of requests answered while a worker imports the app (app/hosting/starting.py)

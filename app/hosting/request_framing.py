@@ -98,6 +98,16 @@ class Reading:
             del buffer[:EMPTY_LINES.match(buffer).end()]  # type: ignore[union-attr]
             self.scanned = 0
 
+    def left_mid_body(self, client: str | None) -> None:
+        """Its client closed the connection (or reset it) after its head and before the end of its body: logged
+        and counted as its leaving, status 499 (``count_unparsed``), not as a bad request; nothing is answered."""
+        if self.body_end is None:  # its head was not whole: no request began
+            return
+        log.info("request", extra={"client": client, "status": 499, "error": "client_closed_request",
+                                   "detail": "the client closed the connection while it sent its body",
+                                   "request_id": uuid.uuid4().hex})
+        count_unparsed(499)
+
     def wanted(self) -> int:
         """What the next read asks for: the rest of a body whose length is known, or of a chunk's data (at least
         FIRST_READ, at most READ_SIZE), else FIRST_READ."""

@@ -329,6 +329,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
             except OSError:
                 data = b""
             if not data:  # the client went away before its request was whole
+                reading.left_mid_body(_peer(reading.conn))
                 self._close(reading)
                 return
             reading.take(data)

@@ -1328,6 +1328,38 @@ def _read_by_the_loop(worker: Any, client: socket.socket, piece: bytes) -> None:
     _turn(worker, lambda: len(reading.buffer) >= expected or reading not in worker.reading)
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["length", "chunked"])
+def test_a_client_that_leaves_while_it_sends_its_body_is_logged_and_counted_as_499(
+        sockets, chunked: bool, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: the loop that reads bodies closed such a connection saying nothing, where docs/api.md promised a 499
+    # in the access log and in visionserve_requests_total (a thread reading the body had said it).
+    from prometheus_client import REGISTRY
+
+    def counted() -> float:
+        return REGISTRY.get_sample_value("visionserve_requests_total", {"endpoint": "unparsed", "status": "499"}) or 0
+
+    ours, client = sockets
+    worker = _serving_worker()
+    conn, _ = _client_connection(ours, 30.0)
+    worker._start_reading(conn)
+    before = counted()
+    head = CHUNKED_HEAD + b"5\r\nhel" if chunked else b"POST /predict HTTP/1.1\r\nContent-Length: 100\r\n\r\nhello"
+    _read_by_the_loop(worker, client, head)
+    with caplog.at_level(logging.INFO):
+        client.close()
+        _turn(worker, lambda: not worker.reading)
+    assert counted() == before + 1
+    (line,) = [r for r in caplog.records if getattr(r, "status", None) == 499]
+    assert line.error == "client_closed_request" and "while it sent its body" in line.detail
+    worker2, (ours2, client2) = _serving_worker(), socket.socketpair()  # a head cut short: no request began
+    conn2, _ = _client_connection(ours2, 30.0)
+    worker2._start_reading(conn2)
+    _read_by_the_loop(worker2, client2, b"POST /predict HTTP/1.1\r\nContent-Le")
+    client2.close()
+    _turn(worker2, lambda: not worker2.reading)
+    assert counted() == before + 1
+
+
 CHUNKED_HEAD = b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\nTransfer-Encoding: chunked\r\n\r\n"
 CHUNKS = [b"5;name=value\r\n", b"hel", b"lo\r\n", b"1", b"0\r\n", b"0123456789abcdef", b"\r\n0\r\nX-Sum: 7\r\n",
           b"\r\n"]  # a chunk extension, a size line split, a trailer
