@@ -18,8 +18,9 @@ from app.web.schemas import ErrorResponse, HealthResponse
 REF = "#/components/schemas/{model}"
 
 _HEADERS: dict[str, dict[str, Any]] = {
-    "X-Request-ID": {"description": "The caller's request id when it sent a sane one, else a new one; also in "
-                                    "the access log", "schema": {"type": "string"}},
+    "X-Request-ID": {"description": "The caller's request id when it sent a sane one (1 to 128 of the ASCII "
+                                    "letters, digits and ._:@/+=-), else a new one; also in the access log",
+                     "schema": {"type": "string"}},
     "Retry-After": {"description": "Seconds to wait before retrying (429 from the backlog and batch latency; 503)",
                     "schema": {"type": "integer", "minimum": 1}},
     "Server-Timing": {"description": "decode, queue and inference durations (ms) and the batch sizes",
