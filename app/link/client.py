@@ -99,13 +99,20 @@ class RemoteCall:
               embedding: bool = False, arrived: float | None = None) -> Served:
         """As ``Call.infer``: the request and its images go to the engine as they are, the answer comes back; a
         client that hangs up drops its queued images there (the connection closes, which the engine watches). Its
-        deadline counts from ``arrived`` here: one passed already (a wait for the worker's loop) is 504 unsent; the
-        engine counts the whole of it from its own receipt (alike requests, alike in their fields, bundle there)."""
+        deadline counts from ``arrived`` here: one passed already (a wait for the worker's loop) is 504 unsent, and
+        on the worker's loop the answer is waited for until it passes (then 504, the request cancelled at the
+        engine). The engine counts the whole deadline from its own receipt (alike requests, alike in their fields,
+        bundle there), so its 504 comes later by the wait here, and the grace is for an engine that says nothing."""
         if embedding:
             self.model.check_embedding()  # refused here: the signature says what the version answers
-        if arrived is not None and (waited := time.monotonic() - arrived) >= timeout_s:
-            raise DeadlineExceeded(f"no inference result within the request's {timeout_s:g}s deadline: it passed "
-                                   f"while the request waited {waited:.3g}s for this worker")
+        deadline = None
+        if arrived is not None:
+            waited = time.monotonic() - arrived
+            late = DeadlineExceeded(f"no inference result within the request's {timeout_s:g}s deadline" + (
+                f": it passed while the request waited {waited:.3g}s for this worker" if waited >= timeout_s else ""))
+            if waited >= timeout_s:
+                raise late
+            deadline = (arrived + timeout_s, late)
         if len(tensors):  # the pixels cross as one (N, C, H, W) stack: one segment, however many images
             stack = tensors if isinstance(tensors, np.ndarray) else np.stack([np.asarray(t) for t in tensors])
             specs, segments = wire.tensor_segments([np.ascontiguousarray(stack)])
@@ -117,7 +124,7 @@ class RemoteCall:
                              embedding=embedding)
         # The engine answers 504 at the deadline itself: one that answers nothing (stopped, its loop stuck) costs the
         # request its deadline and the grace, no more.
-        served = self._service.infer(message, segments, timeout_s + ANSWER_GRACE_S, client_gone)
+        served = self._service.infer(message, segments, timeout_s + ANSWER_GRACE_S, client_gone, deadline)
         return served.labelled(self._service.labels(served, self.model))
 
 
@@ -393,17 +400,21 @@ class RemoteService(Lifecycle):
         return answer.value
 
     def infer(self, message: wire.Infer, segments: Sequence[bytes | memoryview], limit_s: float,
-              client_gone: Callable[[], bool] | None) -> Served:
-        """Send one request with its images or tensors; wait for the answer (``limit_s`` at most) or the client to
-        leave. A request on the worker's loop goes with the loop's others (``LoopLink``), any other on a connection
-        it holds alone."""
+              client_gone: Callable[[], bool] | None,
+              deadline: tuple[float, DeadlineExceeded] | None = None) -> Served:
+        """Send one request with its images or tensors; wait for the answer (``limit_s`` at most; on the worker's
+        loop, until ``deadline``'s time too, when given: then its error) or the client to leave. A request on the
+        worker's loop goes with the loop's others (``LoopLink``), any other on a connection it holds alone."""
         away = "the engine stopped while answering this request; it is restarting"
         loop = waiting.on_loop()
         if loop is not None:
             if self.loop_link is None:
                 self.loop_link = LoopLink(self.connections.new, self.settings.link_arena_mb << 20)
+            late = None
+            if deadline is not None:  # the request's own, sooner than the engine's: its 504 then
+                limit_s, late = min(limit_s, deadline[0] - time.monotonic()), deadline[1]
             with engine_away(away):
-                answer = self.loop_link.ask(loop, message, segments, limit_s, client_gone)
+                answer = self.loop_link.ask(loop, message, segments, limit_s, client_gone, late)
             return self._value(answer)
         with self.connections.exchange(away, message, segments) as conn:
             _wait_for_answer(conn, limit_s, client_gone)

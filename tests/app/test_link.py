@@ -2337,6 +2337,22 @@ def test_the_requests_of_a_loop_turn_reach_the_engine_as_one_message_and_come_ba
     assert len(link.connections) == connections
 
 
+def test_a_loop_request_is_answered_504_at_its_own_deadline_which_counts_from_when_its_worker_had_it(
+        link: Link) -> None:
+    # Before: the engine's deadline, counted from its receipt, was the request's: one that waited in its worker was
+    # answered (200 or 504) that wait past its deadline (a 500 ms one's 200s at 0.74 s on the 2-core VM).
+    assert infer(link.worker, [image_bytes(RED)]).model == "colour"
+    link.engine.loaded_version().predictor.module.delay_s = 1.0  # its batch outlasts what is left of the deadline
+    link.frames.clear()
+    started = time.monotonic()
+    got = _on_loop(link, {"late": lambda: infer(link.worker, [image_bytes(RED)], timeout_s=1.0,
+                                                arrived=started - 0.8)})["late"]
+    assert isinstance(got, DeadlineExceeded) and str(got) == "no inference result within the request's 1s deadline"
+    assert time.monotonic() - started < 0.8  # at its deadline (0.2 s from now), not the engine's (1 s)
+    assert "Cancel" in link.frames
+    link.engine.loaded_version().predictor.module.delay_s = 0.0
+
+
 def _padded(jpeg: bytes, size: int = 40_000) -> bytes:
     """``jpeg`` padded with comment segments to about ``size`` bytes: a photo's size, its pixels ``jpeg``'s."""
     comments = []
