@@ -3,10 +3,10 @@
 The master never imports torch or touches CUDA: forked workers would inherit a broken CUDA context. Each worker
 loads the model itself (no preload_app), and its gthread pool lets concurrent requests share one batcher.
 """
+import atexit
 import contextlib
 import logging
 import os
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -54,6 +54,9 @@ if (_workers > 1 or _engine == "process") and not os.environ.get("PROMETHEUS_MUL
 if _settings.control_dir is None and not os.environ.get("VISIONSERVE_CONTROL_DIR"):
     os.environ["VISIONSERVE_CONTROL_DIR"] = tempfile.mkdtemp(prefix="visionserve-control-")
     supervisor.OWNED_DIRS.append(os.environ["VISIONSERVE_CONTROL_DIR"])
+
+atexit.unregister(supervisor.remove_owned_dirs)  # (a HUP executes this file again: registered once)
+atexit.register(supervisor.remove_owned_dirs, os.getpid())
 
 bind = _settings.bind
 workers = _workers
@@ -106,28 +109,28 @@ def on_starting(server) -> None:  # noqa: ANN001
     if unusable:  # gunicorn would retry for 5 s, then say "Can't connect to ('garbage', 8000)"
         server.log.error("visionserve: cannot listen on %s: %s; set VISIONSERVE_BIND to HOST:PORT (e.g. "
                          "0.0.0.0:8000 or 127.0.0.1:8001)", *unusable[0])
-        _remove_owned_dirs()
+        supervisor.remove_owned_dirs()
         sys.exit(2)
     taken = [] if inherited else [address for address in server.cfg.bind
                                   if address_in_use(address, server.cfg.reuse_port)]
     if taken:  # gunicorn would retry for 5 s, then say "Can't connect" with no hint of the setting
         server.log.error("visionserve: %s is in use (another server listens there): stop that server, or set "
                          "VISIONSERVE_BIND to another address (e.g. 0.0.0.0:8001)", taken[0])
-        _remove_owned_dirs()
+        supervisor.remove_owned_dirs()
         sys.exit(2)
     if server.cfg.workers != _workers:  # gunicorn's --workers or GUNICORN_CMD_ARGS, applied after this file
         server.log.error("visionserve: gunicorn was told %d workers and VISIONSERVE_WORKERS says %d: readiness waits "
                          "for the workers the setting counts, and the engines and the queues are sized by it; set "
                          "VISIONSERVE_WORKERS=%d instead of gunicorn's --workers", server.cfg.workers, _workers,
                          server.cfg.workers)
-        _remove_owned_dirs()
+        supervisor.remove_owned_dirs()
         sys.exit(2)
     why_not = control.unwritable(Path(os.environ["VISIONSERVE_CONTROL_DIR"]))
     if why_not is not None:  # under ENGINE=process each engine died writing there and was restarted without end
         server.log.error("visionserve: VISIONSERVE_CONTROL_DIR %s cannot be written: %s; every process of the server "
                          "writes there (loads, readiness, rollouts): set it to a writable directory, or leave it unset "
                          "for one of its own", os.environ["VISIONSERVE_CONTROL_DIR"], why_not)
-        _remove_owned_dirs()
+        supervisor.remove_owned_dirs()
         sys.exit(2)
     server.log.info("visionserve: %d worker%s (%s)", _workers, "" if _workers == 1 else "s", _workers_why)
     _halt_once(server)
@@ -287,10 +290,6 @@ def on_exit(server) -> None:  # noqa: ANN001
     if reason is not None:
         server.log.error("visionserve: did not start: %s", reason)
     supervisor.stop_engines(_settings.graceful_timeout_s)
-    _remove_owned_dirs()
+    supervisor.remove_owned_dirs()
 
 
-def _remove_owned_dirs() -> None:
-    """The metrics and control directories this master made (not ones ops set aside)."""
-    for own in supervisor.OWNED_DIRS:
-        shutil.rmtree(own, ignore_errors=True)

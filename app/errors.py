@@ -185,6 +185,12 @@ class DeadlineExceeded(ServiceError):
     status, code = 504, "deadline_exceeded"
 
 
+class DeadlinePassedBeforeQueue(DeadlineExceeded):
+    """The request's deadline passed before its images were queued (its wait for a request thread, its images'
+    decode on a busy server): 504 as any other, but the version never had them, so it counts as the server's
+    capacity (a refusal), not as the version's failure in its rollout's evidence."""
+
+
 def retry_after_header(seconds: float) -> dict[str, str]:
     """A Retry-After header in whole seconds, at least 1 (the header takes integers)."""
     return {"Retry-After": str(max(1, math.ceil(seconds)))}

@@ -35,6 +35,7 @@ from app.errors import (
     BadRequest,
     ClientGone,
     DeadlineExceeded,
+    DeadlinePassedBeforeQueue,
     InferenceFailed,
     NotReady,
     Overloaded,
@@ -242,8 +243,8 @@ class Call:
         prepared = []
         for index, data in enumerate(images):
             if index and time.monotonic() > deadline:
-                raise DeadlineExceeded(f"no inference result within the request's {timeout_s:g}s deadline: it passed "
-                                       f"while its images were decoded ({index} of {len(images)})")
+                raise DeadlinePassedBeforeQueue(f"no inference result within the request's {timeout_s:g}s deadline: "
+                                                f"it passed while its images were decoded ({index} of {len(images)})")
             try:
                 prepared.append(self._version.decoder.prepare(data))
             except ServiceError as exc:
@@ -287,9 +288,15 @@ def _numbers(rows: np.ndarray) -> None:
 def _refused(exc: QueueFull | BatcherClosed | DeadlineTooShort | DeadlineExpired, timeout_s: float) -> ServiceError:
     """What the queue's refusal of a request means to its client (``timeout_s``: its deadline's length)."""
     if _spent(exc, timeout_s):  # the decode outlasted it
-        return DeadlineExceeded(f"no inference result within the request's {timeout_s:g}s deadline: it passed "
-                                f"while its images were decoded")
-    return service_error(exc, timeout_s)
+        return DeadlinePassedBeforeQueue(f"no inference result within the request's {timeout_s:g}s deadline: it "
+                                         f"passed while its images were decoded")
+    return _before_queue(service_error(exc, timeout_s))
+
+
+def _before_queue(error: ServiceError) -> ServiceError:
+    """A refusal of the queue's as what it means before the images queued: a 504 there is DeadlinePassedBeforeQueue
+    (the version never had them)."""
+    return DeadlinePassedBeforeQueue(error.message) if isinstance(error, DeadlineExceeded) else error
 
 
 def _spent(exc: Exception, timeout_s: float) -> bool:
@@ -344,9 +351,9 @@ def _check_room(version: LoadedVersion, count: int, deadline: float, timeout_s: 
         version.batcher.check_room(count, deadline)
     except (QueueFull, BatcherClosed, DeadlineTooShort, DeadlineExpired) as exc:  # (expired: a V2 timeout of a few
         if isinstance(exc, DeadlineTooShort) and _spent(exc, timeout_s):  # microseconds is past before it is
-            raise DeadlineExceeded(f"no inference result within the request's {timeout_s:g}s deadline: it passed "
-                                   f"before its images were decoded") from None  # judged: too short)
-        raise service_error(exc, timeout_s) from None
+            raise DeadlinePassedBeforeQueue(f"no inference result within the request's {timeout_s:g}s deadline: it "
+                                            f"passed before its images were decoded") from None  # judged: too short)
+        raise _before_queue(service_error(exc, timeout_s)) from None
 
 
 def service_error(exc: Exception, timeout_s: float | None = None) -> ServiceError:

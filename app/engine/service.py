@@ -27,7 +27,7 @@ from app.engine.rollouts.shadow import offer
 from app.engine.versions.controller import VersionsController
 from app.engine.versions.routing import Route
 from app.engine.versions.sources import GivenSource, Source
-from app.errors import ServiceError
+from app.errors import DeadlinePassedBeforeQueue, ServiceError
 from app.metrics import BATCHER_ALIVE, READY, VERSION_REQUEST_SECONDS, VERSION_REQUESTS, RequestTally, series
 
 log = logging.getLogger(__name__)
@@ -380,7 +380,8 @@ def _outcome(error: BaseException | None) -> str:
     if error is None:
         return "ok"
     if isinstance(error, ServiceError):
-        return "failed" if error.status in (500, 504) else "refused"
+        return "failed" if error.status in (500, 504) and not isinstance(error, DeadlinePassedBeforeQueue) else \
+            "refused"
     return "failed" if isinstance(error, Exception) else "refused"
 
 

@@ -124,12 +124,10 @@ def bind_problem(bind: str) -> str | None:
     except (socket.gaierror, UnicodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) else exc
         return f"its host {host!r} is no address this machine resolves ({reason})"
-    failed = _bind_failure(bind)
-    if failed is None or failed.errno == errno.EADDRINUSE:  # (in use: address_in_use says so)
-        return None
-    if failed.errno == errno.EACCES:
-        return f"its port {port} is below 1024, which this user may not listen on ({failed.strerror})"
-    return f"its host {host!r} is no address of this machine ({failed.strerror})"
+    failed = _bind_failure(bind)  # (an address not there yet, EADDRNOTAVAIL, is gunicorn's to retry: it may come up)
+    if failed is not None and failed.errno == errno.EACCES:
+        return f"this user may not listen on its port {port} ({failed.strerror}: below 1024, or a policy's)"
+    return None
 
 
 def address_in_use(bind: str, reuse_port: bool = False) -> bool:

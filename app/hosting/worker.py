@@ -472,8 +472,9 @@ class BufferingWorker(LoopRequests, ThreadWorker):
             except (BlockingIOError, InterruptedError):
                 continue
             except OSError:
-                return False
+                data = b""
             if not data:
+                reading.left_mid_body(_peer(conn))
                 return False
             reading.take(data)
             reading.last_data = time.monotonic()
@@ -715,5 +716,5 @@ def _held(conn: TConn) -> bytes:
 
 
 def _peer(conn: TConn) -> str | None:
-    client = conn.client
+    client = getattr(conn, "client", None)
     return client[0] if isinstance(client, tuple) and client else None

@@ -55,7 +55,8 @@ from app.engine.contract import (
     Signature,
 )
 from app.engine.lifecycle import Lifecycle, not_ready
-from app.errors import ClientGone, DeadlineExceeded, LoadFailed, LoadTimeout, NotReady, ServiceError
+from app.errors import (ClientGone, DeadlineExceeded, DeadlinePassedBeforeQueue, LoadFailed, LoadTimeout, NotReady,
+                        ServiceError)
 from app.hosting import control, waiting
 from app.link import wire
 from app.link.loop_link import LoopLink
@@ -108,11 +109,11 @@ class RemoteCall:
         deadline = None
         if arrived is not None:
             waited = time.monotonic() - arrived
-            late = DeadlineExceeded(f"no inference result within the request's {timeout_s:g}s deadline" + (
-                f": it passed while the request waited {waited:.3g}s for this worker" if waited >= timeout_s else ""))
             if waited >= timeout_s:
-                raise late
-            deadline = (arrived + timeout_s, late)
+                raise DeadlinePassedBeforeQueue(f"no inference result within the request's {timeout_s:g}s deadline: "
+                                                f"it passed while the request waited {waited:.3g}s for this worker")
+            deadline = (arrived + timeout_s,
+                        DeadlineExceeded(f"no inference result within the request's {timeout_s:g}s deadline"))
         if len(tensors):  # the pixels cross as one (N, C, H, W) stack: one segment, however many images
             stack = tensors if isinstance(tensors, np.ndarray) else np.stack([np.asarray(t) for t in tensors])
             specs, segments = wire.tensor_segments([np.ascontiguousarray(stack)])

@@ -35,6 +35,7 @@ import contextlib
 import logging
 import os
 import signal
+import shutil
 import subprocess
 import sys
 import threading
@@ -59,6 +60,15 @@ _ENGINES: list["Engine"] = []  # this master's engines (survives gunicorn.conf.p
 OWNED_DIRS: list[str] = []  # temporary directories this master made (removed at exit, also after a HUP)
 _FAILURES: list[str] = []  # why the engines that stopped this master cannot serve (``failure``)
 _QUERYING: set[int] = set()  # the master's state-query connections open now, by file descriptor
+
+
+def remove_owned_dirs(master: int | None = None) -> None:
+    """The metrics and control directories this master made (not ones ops set aside), removed; with ``master`` (its
+    pid), only in that process: registered to run at its exit however it exits (gunicorn's own ``sys.exit`` when it
+    cannot listen, before any hook), where the workers it forks run the same exit functions."""
+    if master is None or os.getpid() == master:
+        for own in OWNED_DIRS:
+            shutil.rmtree(own, ignore_errors=True)
 
 
 def _close_inherited_queries() -> None:

@@ -28,7 +28,7 @@ from app.v1.schemas import (
     WorkerModels,
 )
 from app.web.inputs import client_key, deadline_s, each_once, parse_json, read_body
-from app.web.services import client_gone, current_service, received_at
+from app.web.services import arrival, client_gone, current_service
 from app.web.timing import annotate
 from models.export.manifest import Manifest
 
@@ -47,6 +47,7 @@ def predict() -> Response:
     service, req = current_service(), request._get_current_object()  # not a proxy lookup per field
     settings = service.settings
     timeout_s = deadline_s(req.headers, service.deadline_limit_s(settings.request_timeout_s))
+    arrived = arrival(timeout_s)
     # (werkzeug's get raises and catches inside for one not given)
     query = each_once(req.args, "query parameter", LISTED)
     # Admitted only if the queue could take one image in time: refused before the body is parsed otherwise.
@@ -55,7 +56,7 @@ def predict() -> Response:
         parsed = parse_predict(req, query, default_top_k=settings.top_k, num_classes=call.model.num_classes,
                                max_images=settings.max_images)
         served = call.infer(parsed.images, names=parsed.names or (), client_gone=client_gone(), timeout_s=timeout_s,
-                            embedding=parsed.embedding, arrived=received_at())
+                            embedding=parsed.embedding, arrived=arrived)
     predictions = ([_prediction(top, settings.score_digits) for top in served.top_k(parsed.top_k)] if parsed.labels
                    else None)
     # the answer validated in one call (its models made in pydantic's core), not a model made per class and image:
@@ -71,6 +72,7 @@ def explain() -> Response:
     """Why the model chooses a class for one image: a Grad-CAM map as JSON, or drawn over the photo as a PNG."""
     service = current_service()
     timeout_s = deadline_s(request.headers, service.deadline_limit_s(service.settings.request_timeout_s))
+    arrival(timeout_s)  # (an explanation's deadline counts from here: it passed already, 504)
     name, version = request.args.get("model"), request.args.get("version")
     service.require_ready()
     # The version whose labels the class is read with is the one that explains (named, so no canary draws it)

@@ -21,7 +21,7 @@ from app.v2.codec import (OUTPUT_FIELDS, InferRequest, InputCheck, Tensor, check
 from app.v2.schemas import (ConfigTensor, DynamicBatching, InstanceGroup, Live, ModelConfig, ModelMetadata,
                             ModelReady, Ready, ServerMetadata, TensorMetadata)
 from app.web.inputs import client_key, deadline_s, read_body
-from app.web.services import client_gone, current_service, received_at
+from app.web.services import arrival, client_gone, current_service
 from app.web.timing import annotate
 
 bp = Blueprint("v2", __name__, url_prefix="/v2")
@@ -250,6 +250,7 @@ def _infer(name: str, version: str | None, body: list[bytes], pixels: bool) -> R
     headers = req.headers
     # the body may lower it
     announced_timeout_s = deadline_s(headers, service.deadline_limit_s(service.settings.request_timeout_s))
+    arrived = arrival(announced_timeout_s)
     # Admitted only if the queue could take one image in time: refused before the body is parsed otherwise.
     with service.admit(name, version, client_key(headers, service.settings.client_key_header), images=1,
                        timeout_s=announced_timeout_s, pixels=pixels) as call:
@@ -261,7 +262,7 @@ def _infer(name: str, version: str | None, body: list[bytes], pixels: bool) -> R
         images, tensors = _inputs(parsed)
         served = call.infer(images, tensors, timeout_s=_timeout_s(announced_timeout_s, parsed),
                             client_gone=client_gone(), embedding=any(name == EMBEDDING for name, _, _ in plan),
-                            arrived=received_at())
+                            arrived=arrived)
     digits = service.settings.score_digits
     outputs = [_output(served, name, k, digits) for name, k, _ in plan]
     body, header_length = encode_response(model_name=served.model, model_version=served.version,

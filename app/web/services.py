@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import functools
 import socket
+import time
 from typing import Callable
 
 from flask import current_app, request
 
 from app import EXTENSION_KEY
 from app.engine.contract import ServiceFace
+from app.errors import DeadlinePassedBeforeQueue
 from app.link.wire import peer_closed
 
 
@@ -18,10 +20,16 @@ def current_service() -> ServiceFace:
     return current_app.extensions[EXTENSION_KEY]
 
 
-def received_at() -> float | None:
+def arrival(timeout_s: float) -> float | None:
     """For ``Call.infer``: when this request's worker had it whole (``time.monotonic()``; under gunicorn, from the
-    socket it hands over; None elsewhere, or for a body the parser read): its deadline counts from there."""
-    return getattr(request.environ.get("gunicorn.socket"), "received_at", None)
+    socket it hands over; None elsewhere, or for a body the parser read): its deadline of ``timeout_s`` counts from
+    there. DeadlinePassedBeforeQueue when it passed already (its wait for a request thread): refused before anything
+    of it is admitted or parsed, and counted as the server's capacity, not a version's failure."""
+    arrived = getattr(request.environ.get("gunicorn.socket"), "received_at", None)
+    if arrived is not None and (waited := time.monotonic() - arrived) >= timeout_s:
+        raise DeadlinePassedBeforeQueue(f"no inference result within the request's {timeout_s:g}s deadline: it "
+                                        f"passed while the request waited {waited:.3g}s for this worker")
+    return arrived
 
 
 def client_gone() -> Callable[[], bool] | None:

@@ -658,7 +658,7 @@ def test_two_models_side_by_side_and_the_default_model(settings: Settings, repos
 
 
 def test_a_default_model_the_server_does_not_serve_is_refused_at_start_and_kept_out_later(
-        settings: Settings, repository: FakeRepository, caplog: pytest.LogCaptureFixture) -> None:
+        settings: Settings, repository: FakeRepository, caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
     # Before: DEFAULT_MODEL (or repository.json) naming a model the repository lacks started a ready server whose
     # every request naming no model was 404, nothing said; repository.json changed so while it ran, the same.
     repository.add("other", "7")
@@ -667,7 +667,10 @@ def test_a_default_model_the_server_does_not_serve_is_refused_at_start_and_kept_
         _service(settings, repository, default_model="nosuch")
     with pytest.raises(NotFound, match="names 'other' as the default model, but MODELS leaves it out"):
         _service(settings, repository, default_model="other", models="colour")
+    with pytest.raises(NotFound, match="names 'gone' as the default model, but the repository has no such model"):
+        _service(settings, repository, default_model="gone", models="colour,gone")  # named, but not there
     repository.default = "other"
+    settings = settings.model_copy(update={"control_dir": tmp_path / "control"})  # shared with a joining worker
     service = _service(settings, repository)
     try:
         assert _ask(service) == "7"
@@ -679,6 +682,10 @@ def test_a_default_model_the_server_does_not_serve_is_refused_at_start_and_kept_
         assert [r.getMessage() for r in caplog.records if "nosuch" in r.getMessage()] == [
             "the repository's repository.json names 'nosuch' as the default model, but the repository has no such "
             "model; it serves: colour, other: the default model stays other"]
+        # a worker (or an engine) joining the running server then starts as the poll goes on (before: it stopped
+        # on it, and with it the server)
+        joined, _ = _worker(settings, repository)
+        _stop(joined)
     finally:
         service.shutdown(timeout=5)
 

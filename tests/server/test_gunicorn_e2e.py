@@ -389,6 +389,19 @@ def test_an_address_that_cannot_be_listened_on_stops_the_start_at_once_naming_th
     assert "Can't connect" not in result.stderr and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # gunicorn's own 5 s of retries
+def test_an_address_gunicorn_retries_and_gives_up_on_leaves_no_directories_behind(tmp_path: Path) -> None:
+    # Before: an address not (yet) on this machine stopped the start in gunicorn's own exit, which runs no hook:
+    # each such start left a /tmp/visionserve-control-* and a /tmp/visionserve-metrics-* behind (an operator's trial).
+    env = {**os.environ, "VISIONSERVE_WORKERS": "2", "VISIONSERVE_ENGINE": "inline", "VISIONSERVE_DEVICE": "cpu",
+           "VISIONSERVE_BIND": "192.0.2.1:8000", "TMPDIR": str(tmp_path),  # (TEST-NET-1: no machine's own)
+           "PATH": f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    result = subprocess.run([str(ROOT / "bin" / "serve")], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode != 0 and "Can't connect to ('192.0.2.1', 8000)" in result.stderr, result.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("engine", ["inline", "process"])
 def test_a_control_dir_that_cannot_be_written_stops_the_start_at_once_naming_the_setting(tmp_path: Path,
                                                                                         engine: str) -> None:

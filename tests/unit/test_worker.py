@@ -92,6 +92,23 @@ def test_the_loop_waits_for_the_body_a_head_frames_and_leaves_any_other_head_to_
     assert (whole, body_end, reading.continue_owed, reading.refusal and reading.refusal.status) == expected
 
 
+@pytest.mark.parametrize("head", [b"POST /p HTTP/1.1\r\nContent-Length: 101",  # over the limit: the app's 413
+                                  b"POST /p HTTP/1.1\r\nContent-Length: 5\r\nTransfer-Encoding: chunked"])  # parser's
+def test_a_head_left_to_the_parser_is_judged_so_however_often_it_is_asked(head: bytes) -> None:
+    # Before: asked again (a lingering request thread asks, then the loop), the head was looked for past where it
+    # ended, and the body read on as a head: 400 "bare LF" or 431 for an upload over the limit on a kept-alive
+    # connection, a wait without end for a head the parser refuses.
+    from app.hosting.request_framing import ReadLimits, Reading
+
+    worker = _lingering()
+    worker.limits = ReadLimits(max_body_bytes=100)
+    reading = Reading(None, time.monotonic() + 10, time.monotonic())
+    reading.take(head + b"\r\n\r\nab\ncd")
+    assert [worker._whole(reading) for _ in range(3)] == [True] * 3
+    reading.take(b"\n" * 70_000)  # more of its body: still the parser's, never a head over its limit
+    assert worker._whole(reading) and reading.refusal is None and reading.to_parser
+
+
 def test_a_timeout_answer_is_408_json_in_the_service_error_shape() -> None:
     # with its request id, as every answer has (before: "request_id": null and no X-Request-ID)
     head, _, body = timeout_response("the request headers did not arrive within 10s", "a1b2").partition(b"\r\n\r\n")

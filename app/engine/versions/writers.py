@@ -58,8 +58,8 @@ class Writers:
         reason in the log and the index). Then follow it (and poll) on a thread. Raises only when nothing at all
         can be served."""
         with self.applier.changing():
-            self._name_default_model(starting=True)
             generation, desired = self.sync.read()
+            self._name_default_model(starting=not generation)  # (joining a running server: as its poll does)
             if generation:
                 errors = self._apply_desired(desired)
                 self._check_unserved(desired)
@@ -337,12 +337,14 @@ class Writers:
             log.warning("no default model: %s", exc)
             self.applier.routes.named_default = None
             return
-        followed = self.settings.model_names() or self.source.models()
+        chosen = self.settings.model_names()
+        followed = [model for model in self.source.models() if not chosen or model in chosen]
         if named is None or named in followed:
-            self.applier.routes.named_default = named
+            self.applier.routes.named_default, self._refused_default = named, None
             return
         where = "DEFAULT_MODEL" if self.settings.default_model else f"the repository's {REPOSITORY_FILE}"
         held = "MODELS leaves it out" if named in self.source.models() else "the repository has no such model"
+        # (a model named but refused at start stays the default: its requests' 404 says why)
         said = f"{where} names {named!r} as the default model, but {held}; it serves: {', '.join(followed) or 'none'}"
         if starting:
             raise NotFound(f"{said}: name one of them, or none", details={"models": followed})
