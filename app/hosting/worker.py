@@ -31,6 +31,7 @@ import select
 import selectors
 import socket
 import time
+from concurrent import futures
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -63,6 +64,10 @@ ACCEPT_NO_ROOM = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENO
 ACCEPT_PAUSE_S = 0.1  # out of file descriptors: new connections wait in the listen backlog this long, the loop
 # serving the open ones, before it accepts again (as the engine's loop, app/link/loop.py)
 ACCEPT_WARN_EVERY_S = 60.0  # the warning that it paused, at most this often
+# A health probe's request line, as kubelet, compose's and the image's checks send it (no query): answered on the
+# probes' own thread, never behind requests (``enqueue_req``)
+PROBE_HEADS = tuple(b"GET %s HTTP/1." % path for path in (b"/healthz", b"/readyz", b"/v2/health/live",
+                                                           b"/v2/health/ready"))
 OWN_FILES = 64  # what a worker opens beside its clients' connections (its listeners, poller and pipes, metrics files,
 # its engine connections beyond THREADS): 10 measured in an idle inline worker, with room
 
@@ -106,6 +111,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
     held_back_draining = False  # the reason held back last said in the log: its drain, or not serving yet
     client_counts = ClientCounts(0)  # its open connections by client (``init_process``: MAX_CONNECTIONS_PER_CLIENT)
     accepts = 0  # connections taken from the listen backlog (app/hosting/drain.py takes it whole before it closes)
+    probes: futures.ThreadPoolExecutor | None = None  # the health probes' own thread (``enqueue_req``), once one came
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -156,10 +162,19 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         return limit
 
     def enqueue_req(self, conn: TConn) -> None:
-        """A request the loop read whole runs on the loop itself (``loop_requests``: ``run_on_loop``); any other (a
-        body announced over the limit, a head the parser refuses) goes to a request thread, as in gthread."""
-        if (self.loop_requests and getattr(conn, "prefetched", None) and conn.body_held
-                and getcurrent() is self.loop_greenlet):
+        """A health probe read whole runs on the probes' own thread (``PROBE_HEADS``: never behind a backlog of
+        requests, where a busy worker's probes took 3-5 s, past kubelet's 3 s timeout: a pod marked unready, then
+        restarted, for being busy); a request the loop read whole runs on the loop itself (``loop_requests``:
+        ``run_on_loop``); any other (a body announced over the limit, a head the parser refuses) goes to a request
+        thread, as in gthread."""
+        prefetched = getattr(conn, "prefetched", None)
+        if prefetched and prefetched.startswith(PROBE_HEADS):
+            if self.probes is None:
+                self.probes = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="probes")
+            done = self.probes.submit(self.handle, conn)
+            done.add_done_callback(lambda fut: self.method_queue.defer(self.finish_request, conn, fut))
+            return
+        if self.loop_requests and prefetched and conn.body_held and getcurrent() is self.loop_greenlet:
             self.run_on_loop(conn)
             return
         super().enqueue_req(conn)

@@ -1345,6 +1345,25 @@ def _read_by_the_loop(worker: Any, client: socket.socket, piece: bytes) -> None:
     _turn(worker, lambda: len(reading.buffer) >= expected or reading not in worker.reading)
 
 
+@pytest.mark.parametrize("loop_requests", [False, True], ids=["inline", "process"])
+def test_a_health_probe_runs_on_the_probes_thread_never_behind_the_requests(sockets, loop_requests: bool) -> None:
+    # Before (a load tester's trial): behind 512 clients' requests, /readyz and /healthz took 3-5 s, past the 3 s
+    # timeout of the Deployment's probes: a busy pod would be marked unready, and restarted.
+    ours, client = sockets
+    worker = _serving_worker(loop_requests)
+    worker.probes = _Pool()
+    conn, _ = _client_connection(ours, 30.0)
+    worker._start_reading(conn)
+    _read_by_the_loop(worker, client, b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert worker.probes.handed == [conn] and not worker.tpool.handed and not worker.on_loop
+    for path in (b"/healthz", b"/v2/health/live", b"/v2/health/ready"):
+        conn.prefetched = bytearray(b"GET %s HTTP/1.1\r\n\r\n" % path)
+        worker.enqueue_req(conn)
+    conn.prefetched = bytearray(b"GET /readyz?verbose=1 HTTP/1.1\r\n\r\n")  # anything else: as any request
+    worker.enqueue_req(conn)
+    assert len(worker.probes.handed) == 4 and len(worker.on_loop if loop_requests else worker.tpool.handed) == 1
+
+
 @pytest.mark.parametrize("chunked", [False, True], ids=["length", "chunked"])
 def test_a_client_that_leaves_while_it_sends_its_body_is_logged_and_counted_as_499(
         sockets, chunked: bool, caplog: pytest.LogCaptureFixture) -> None:
