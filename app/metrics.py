@@ -56,7 +56,8 @@ REQUESTS = Counter("visionserve_requests_total", "HTTP requests answered (endpoi
                    "imports the app)", ["endpoint", "status"])
 UNPARSED = "unparsed"  # the endpoint of requests refused before the app (app/hosting/request_framing.py)
 STARTING = "starting"  # the endpoint of requests answered while a worker imports the app (app/hosting/starting.py)
-REQUEST_SECONDS = Histogram("visionserve_request_duration_seconds", "Whole request time", ["endpoint"],
+REQUEST_SECONDS = Histogram("visionserve_request_duration_seconds", "Whole request time, from when its worker had "
+                            "it whole (its wait for a request thread included)", ["endpoint"],
                             buckets=_LATENCY_BUCKETS)
 STAGE_SECONDS = Histogram("visionserve_stage_duration_seconds", "Time per stage: decode (per request), queue "
                           "(per image), inference (per batch: the batch made and its forward pass), forward (per "

@@ -50,7 +50,11 @@ def register_hooks(app: Flask, settings: Settings,
         # Keep a caller's id when it is sane, so logs can be joined across services; otherwise make one.
         incoming = req.headers.get("X-Request-ID", "")
         context.request_id = incoming if _REQUEST_ID.match(incoming) else new_request_id()
-        context.started = time.perf_counter()
+        # its wait in the worker before the app began (a burst beyond THREADS) counts in its time and its trace: from
+        # when the worker's loop had it whole (app/hosting/client_socket.py)
+        arrived = getattr(req.environ.get("gunicorn.socket"), "received_at", None)
+        context.waited_s = 0.0 if arrived is None else max(0.0, time.monotonic() - arrived)
+        context.started = time.perf_counter() - context.waited_s
         context.log_fields = {"forwarded_for": req.headers.get("X-Forwarded-For")} if trust_forwarded_for else {}
         if preflight is not None and (answer := preflight(req)) is not None:
             context.preflight = True  # counted apart from traffic (_finish_request)

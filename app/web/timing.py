@@ -14,9 +14,12 @@ def annotate(response: Response, served: Served) -> Response:
     queue_ms, inference_ms = stage_ms(runs)
     batch_sizes = served.batch_sizes()
     sizes = "+".join(str(run.batch_size) for run in runs)
-    response.headers["Server-Timing"] = (f'decode;dur={decode_ms:.2f}, queue;dur={queue_ms:.2f}, '
-                                         f'inference;dur={inference_ms:.2f}, batch;desc="{sizes}"')
+    wait_ms = getattr(context, "waited_s", 0.0) * 1000  # in its worker, before the app began on it
+    response.headers["Server-Timing"] = (f'wait;dur={wait_ms:.2f}, decode;dur={decode_ms:.2f}, '
+                                         f'queue;dur={queue_ms:.2f}, inference;dur={inference_ms:.2f}, '
+                                         f'batch;desc="{sizes}"')
     response.headers["X-Batch-Size"] = ",".join(map(str, batch_sizes))
-    context.log_fields.update({"images": len(batch_sizes), "batch_sizes": batch_sizes, "decode_ms": round(decode_ms, 2),
-                               "queue_ms": round(queue_ms, 2), "inference_ms": round(inference_ms, 2)})
+    context.log_fields.update({"images": len(batch_sizes), "batch_sizes": batch_sizes, "wait_ms": round(wait_ms, 2),
+                               "decode_ms": round(decode_ms, 2), "queue_ms": round(queue_ms, 2),
+                               "inference_ms": round(inference_ms, 2)})
     return response

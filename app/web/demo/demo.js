@@ -299,7 +299,7 @@ function predictUrl(target) {
 }
 
 function timings(header) {
-  // Server-Timing: decode;dur=2.87, queue;dur=0.04, inference;dur=15.68, batch;desc="1"
+  // Server-Timing: wait;dur=0.05, decode;dur=2.87, queue;dur=0.04, inference;dur=15.68, batch;desc="1"
   return (header || "").split(",").map((part) => {
     const [name, ...params] = part.trim().split(";");
     const dur = params.find((p) => p.startsWith("dur="));
