@@ -171,7 +171,8 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         if prefetched and prefetched.startswith(PROBE_HEADS):
             if self.probes is None:
                 self.probes = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="probes")
-            done = self.probes.submit(self.handle, conn)
+            done = self.probes.submit(self._handle_one, conn)  # (not lingering for the connection's next request,
+            # which would then run on the probes' thread)
             done.add_done_callback(lambda fut: self.method_queue.defer(self.finish_request, conn, fut))
             return
         if self.loop_requests and prefetched and conn.body_held and getcurrent() is self.loop_greenlet:

@@ -1316,9 +1316,11 @@ class _Pool:
 
     def __init__(self) -> None:
         self.handed: list[Any] = []
+        self.ran: list[Callable[[Any], Any]] = []  # what each would have run
 
-    def submit(self, _handle: Callable[[Any], Any], conn: Any) -> Future:
+    def submit(self, handle: Callable[[Any], Any], conn: Any) -> Future:
         self.handed.append(conn)
+        self.ran.append(handle)
         return Future()  # never done: nothing settles
 
 
@@ -1356,6 +1358,8 @@ def test_a_health_probe_runs_on_the_probes_thread_never_behind_the_requests(sock
     worker._start_reading(conn)
     _read_by_the_loop(worker, client, b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
     assert worker.probes.handed == [conn] and not worker.tpool.handed and not worker.on_loop
+    # the probe alone: a request that follows it on its connection goes back to the loop, not to the probes' thread
+    assert worker.probes.ran == [worker._handle_one]
     for path in (b"/healthz", b"/v2/health/live", b"/v2/health/ready"):
         conn.prefetched = bytearray(b"GET %s HTTP/1.1\r\n\r\n" % path)
         worker.enqueue_req(conn)
