@@ -55,9 +55,6 @@ if _settings.control_dir is None and not os.environ.get("VISIONSERVE_CONTROL_DIR
     os.environ["VISIONSERVE_CONTROL_DIR"] = tempfile.mkdtemp(prefix="visionserve-control-")
     supervisor.OWNED_DIRS.append(os.environ["VISIONSERVE_CONTROL_DIR"])
 
-atexit.unregister(supervisor.remove_owned_dirs)  # (a HUP executes this file again: registered once)
-atexit.register(supervisor.remove_owned_dirs, os.getpid())
-
 bind = _settings.bind
 workers = _workers
 worker_class = "app.hosting.worker.BufferingWorker"  # gthread, with each request read in its event loop
@@ -104,6 +101,9 @@ def on_starting(server) -> None:  # noqa: ANN001
     an earlier run left in kept directories (CONTROL_DIR's marks, the metrics' files), then start the engines."""
     for warning in unknown_variables(os.environ):
         server.log.warning(warning)
+    # its directories removed however it exits (gunicorn's own exit when it cannot listen runs no hook), in this
+    # master only (its pid now: after a --daemon fork), not in the workers it forks
+    atexit.register(supervisor.remove_owned_dirs, os.getpid())
     inherited = os.environ.get("GUNICORN_FD") or os.environ.get("LISTEN_FDS")  # USR2's new master, systemd's sockets
     unusable = [] if inherited else [(address, why) for address in server.cfg.bind if (why := bind_problem(address))]
     if unusable:  # gunicorn would retry for 5 s, then say "Can't connect to ('garbage', 8000)"

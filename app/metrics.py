@@ -438,7 +438,7 @@ VERSION_REQUESTS = Counter("visionserve_version_requests_total", "Requests per m
                            "it (role: live, the default answered a request naming no version; canary, the rollout's "
                            "candidate answered its share of those; named, the request named the version) and by "
                            "outcome (ok; failed: 500, or 504 once its images queued; refused: any other error, a 504 "
-                           "whose deadline passed before its images queued among them)",
+                           "whose deadline the decode spent before its images queued among them)",
                            ["model", "version", "role", "outcome"])
 VERSION_REQUEST_SECONDS = Histogram("visionserve_version_request_duration_seconds", "Time a request spent in the "
                                     "engine (decode, queue, forward), per model version", ["model", "version"],

@@ -68,6 +68,7 @@ ACCEPT_WARN_EVERY_S = 60.0  # the warning that it paused, at most this often
 # probes' own thread, never behind requests (``enqueue_req``)
 PROBE_HEADS = tuple(b"GET %s HTTP/1." % path for path in (b"/healthz", b"/readyz", b"/v2/health/live",
                                                            b"/v2/health/ready"))
+PROBE_THREADS = 4  # a readiness check that waits on a stuck engine (5 s at most) holds one, not the liveness checks
 OWN_FILES = 64  # what a worker opens beside its clients' connections (its listeners, poller and pipes, metrics files,
 # its engine connections beyond THREADS): 10 measured in an idle inline worker, with room
 
@@ -111,7 +112,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
     held_back_draining = False  # the reason held back last said in the log: its drain, or not serving yet
     client_counts = ClientCounts(0)  # its open connections by client (``init_process``: MAX_CONNECTIONS_PER_CLIENT)
     accepts = 0  # connections taken from the listen backlog (app/hosting/drain.py takes it whole before it closes)
-    probes: futures.ThreadPoolExecutor | None = None  # the health probes' own thread (``enqueue_req``), once one came
+    probes: futures.ThreadPoolExecutor | None = None  # the health probes' own threads (``enqueue_req``), once one came
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -162,7 +163,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         return limit
 
     def enqueue_req(self, conn: TConn) -> None:
-        """A health probe read whole runs on the probes' own thread (``PROBE_HEADS``: never behind a backlog of
+        """A health probe read whole runs on the probes' own threads (``PROBE_HEADS``: never behind a backlog of
         requests, where a busy worker's probes took 3-5 s, past kubelet's 3 s timeout: a pod marked unready, then
         restarted, for being busy); a request the loop read whole runs on the loop itself (``loop_requests``:
         ``run_on_loop``); any other (a body announced over the limit, a head the parser refuses) goes to a request
@@ -170,7 +171,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         prefetched = getattr(conn, "prefetched", None)
         if prefetched and prefetched.startswith(PROBE_HEADS):
             if self.probes is None:
-                self.probes = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="probes")
+                self.probes = futures.ThreadPoolExecutor(max_workers=PROBE_THREADS, thread_name_prefix="probes")
             done = self.probes.submit(self._handle_one, conn)  # (not lingering for the connection's next request,
             # which would then run on the probes' thread)
             done.add_done_callback(lambda fut: self.method_queue.defer(self.finish_request, conn, fut))
