@@ -190,6 +190,12 @@ class DeadlinePassedBeforeQueue(DeadlineExceeded):
     decode on a busy server): 504 as any other, but the version never had them, so it counts as the server's
     capacity (a refusal), not as the version's failure in its rollout's evidence."""
 
+    @classmethod
+    def in_its_worker(cls, timeout_s: float, waited_s: float) -> "DeadlinePassedBeforeQueue":
+        """The deadline of ``timeout_s`` passed while the request waited ``waited_s`` in its worker."""
+        return cls(f"no inference result within the request's {timeout_s:g}s deadline: it passed while the request "
+                   f"waited {waited_s:.3g}s for this worker")
+
 
 def retry_after_header(seconds: float) -> dict[str, str]:
     """A Retry-After header in whole seconds, at least 1 (the header takes integers)."""

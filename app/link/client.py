@@ -110,8 +110,7 @@ class RemoteCall:
         if arrived is not None:
             waited = time.monotonic() - arrived
             if waited >= timeout_s:
-                raise DeadlinePassedBeforeQueue(f"no inference result within the request's {timeout_s:g}s deadline: "
-                                                f"it passed while the request waited {waited:.3g}s for this worker")
+                raise DeadlinePassedBeforeQueue.in_its_worker(timeout_s, waited)
             deadline = (arrived + timeout_s,
                         DeadlineExceeded(f"no inference result within the request's {timeout_s:g}s deadline"))
         if len(tensors):  # the pixels cross as one (N, C, H, W) stack: one segment, however many images

@@ -27,8 +27,7 @@ def arrival(timeout_s: float) -> float | None:
     of it is admitted or parsed, and counted as the server's capacity, not a version's failure."""
     arrived = getattr(request.environ.get("gunicorn.socket"), "received_at", None)
     if arrived is not None and (waited := time.monotonic() - arrived) >= timeout_s:
-        raise DeadlinePassedBeforeQueue(f"no inference result within the request's {timeout_s:g}s deadline: it "
-                                        f"passed while the request waited {waited:.3g}s for this worker")
+        raise DeadlinePassedBeforeQueue.in_its_worker(timeout_s, waited)
     return arrived
 
 
