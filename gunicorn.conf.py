@@ -101,36 +101,32 @@ def on_starting(server) -> None:  # noqa: ANN001
     an earlier run left in kept directories (CONTROL_DIR's marks, the metrics' files), then start the engines."""
     for warning in unknown_variables(os.environ):
         server.log.warning(warning)
-    # its directories removed however it exits (gunicorn's own exit when it cannot listen runs no hook), in this
-    # master only (its pid now: after a --daemon fork), not in the workers it forks
+    # its directories removed however it exits (a refusal below, a halt after on_exit, gunicorn's own exit when it
+    # cannot listen), in this master only (its pid now: after a --daemon fork), not in the workers it forks
     atexit.register(supervisor.remove_owned_dirs, os.getpid())
     inherited = os.environ.get("GUNICORN_FD") or os.environ.get("LISTEN_FDS")  # USR2's new master, systemd's sockets
     unusable = [] if inherited else [(address, why) for address in server.cfg.bind if (why := bind_problem(address))]
     if unusable:  # gunicorn would retry for 5 s, then say "Can't connect to ('garbage', 8000)"
         server.log.error("visionserve: cannot listen on %s: %s; set VISIONSERVE_BIND to HOST:PORT (e.g. "
                          "0.0.0.0:8000 or 127.0.0.1:8001)", *unusable[0])
-        supervisor.remove_owned_dirs()
         sys.exit(2)
     taken = [] if inherited else [address for address in server.cfg.bind
                                   if address_in_use(address, server.cfg.reuse_port)]
     if taken:  # gunicorn would retry for 5 s, then say "Can't connect" with no hint of the setting
         server.log.error("visionserve: %s is in use (another server listens there): stop that server, or set "
                          "VISIONSERVE_BIND to another address (e.g. 0.0.0.0:8001)", taken[0])
-        supervisor.remove_owned_dirs()
         sys.exit(2)
     if server.cfg.workers != _workers:  # gunicorn's --workers or GUNICORN_CMD_ARGS, applied after this file
         server.log.error("visionserve: gunicorn was told %d workers and VISIONSERVE_WORKERS says %d: readiness waits "
                          "for the workers the setting counts, and the engines and the queues are sized by it; set "
                          "VISIONSERVE_WORKERS=%d instead of gunicorn's --workers", server.cfg.workers, _workers,
                          server.cfg.workers)
-        supervisor.remove_owned_dirs()
         sys.exit(2)
     why_not = control.unwritable(Path(os.environ["VISIONSERVE_CONTROL_DIR"]))
     if why_not is not None:  # under ENGINE=process each engine died writing there and was restarted without end
         server.log.error("visionserve: VISIONSERVE_CONTROL_DIR %s cannot be written: %s; every process of the server "
                          "writes there (loads, readiness, rollouts): set it to a writable directory, or leave it unset "
                          "for one of its own", os.environ["VISIONSERVE_CONTROL_DIR"], why_not)
-        supervisor.remove_owned_dirs()
         sys.exit(2)
     server.log.info("visionserve: %d worker%s (%s)", _workers, "" if _workers == 1 else "s", _workers_why)
     _halt_once(server)
@@ -281,15 +277,14 @@ def child_exit(server, worker) -> None:  # noqa: ANN001
 
 
 def on_exit(server) -> None:  # noqa: ANN001
-    """Stop the engines once the workers are gone (they finish what is queued), then remove the metrics and control
-    directories this master made (ones set aside by ops are theirs to keep; the next start empties a metrics one of
-    its ``*.db`` files: _clear_metrics). A master halted by a worker that could not start says why last, after
-    gunicorn's "Reason: Worker failed to boot.", where a reader of the log looks."""
+    """Stop the engines once the workers are gone (they finish what is queued); the metrics and control directories
+    this master made go at its exit, right after (ones set aside by ops are theirs to keep; the next start empties a
+    metrics one of its ``*.db`` files: _clear_metrics). A master halted by a worker that could not start says why
+    last, after gunicorn's "Reason: Worker failed to boot.", where a reader of the log looks."""
     said = os.environ.get("VISIONSERVE_CONTROL_DIR")
     reason = control.boot_failure(Path(said), os.getpid()) if said else None
     if reason is not None:
         server.log.error("visionserve: did not start: %s", reason)
-    supervisor.stop_engines(_settings.graceful_timeout_s)
-    supervisor.remove_owned_dirs()
+    supervisor.stop_engines(_settings.graceful_timeout_s)  # (its directories then go at its exit: on_starting)
 
 

@@ -184,6 +184,12 @@ class DeadlineExceeded(ServiceError):
     """The request did not get its inference within its time limit (504)."""
     status, code = 504, "deadline_exceeded"
 
+    @classmethod
+    def of_request(cls, timeout_s: float, passed: str = "") -> "DeadlineExceeded":
+        """The request's deadline of ``timeout_s`` passed (``passed``: when, "while its images were decoded")."""
+        return cls(f"no inference result within the request's {timeout_s:g}s deadline"
+                   + (f": it passed {passed}" if passed else ""))
+
 
 class DeadlinePassedBeforeQueue(DeadlineExceeded):
     """The request's deadline passed before its images were queued (its wait for a request thread, its images'
@@ -191,10 +197,9 @@ class DeadlinePassedBeforeQueue(DeadlineExceeded):
     capacity (a refusal), not as the version's failure in its rollout's evidence."""
 
     @classmethod
-    def in_its_worker(cls, timeout_s: float, waited_s: float) -> "DeadlinePassedBeforeQueue":
+    def in_its_worker(cls, timeout_s: float, waited_s: float) -> "DeadlineExceeded":
         """The deadline of ``timeout_s`` passed while the request waited ``waited_s`` in its worker."""
-        return cls(f"no inference result within the request's {timeout_s:g}s deadline: it passed while the request "
-                   f"waited {waited_s:.3g}s for this worker")
+        return cls.of_request(timeout_s, f"while the request waited {waited_s:.3g}s for this worker")
 
 
 def retry_after_header(seconds: float) -> dict[str, str]:

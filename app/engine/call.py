@@ -186,7 +186,7 @@ class Call:
     def expired(self, queued: Queued) -> DeadlineExceeded:
         """The deadline passed first: the images still queued dropped; the error to answer."""
         queued.drop()
-        return DeadlineExceeded(f"no inference result within the request's {queued.timeout_s:g}s deadline")
+        return DeadlineExceeded.of_request(queued.timeout_s)
 
     def hung_up(self, queued: Queued) -> ClientGone:
         """The client hung up first: the images still queued dropped (and counted); the error to answer."""
@@ -243,8 +243,8 @@ class Call:
         prepared = []
         for index, data in enumerate(images):
             if index and time.monotonic() > deadline:
-                raise DeadlinePassedBeforeQueue(f"no inference result within the request's {timeout_s:g}s deadline: "
-                                                f"it passed while its images were decoded ({index} of {len(images)})")
+                raise DeadlinePassedBeforeQueue.of_request(
+                    timeout_s, f"while its images were decoded ({index} of {len(images)})")
             try:
                 prepared.append(self._version.decoder.prepare(data))
             except ServiceError as exc:
@@ -288,8 +288,7 @@ def _numbers(rows: np.ndarray) -> None:
 def _refused(exc: QueueFull | BatcherClosed | DeadlineTooShort | DeadlineExpired, timeout_s: float) -> ServiceError:
     """What the queue's refusal of a request means to its client (``timeout_s``: its deadline's length)."""
     if _spent(exc, timeout_s):  # the decode outlasted it
-        return DeadlinePassedBeforeQueue(f"no inference result within the request's {timeout_s:g}s deadline: it "
-                                         f"passed while its images were decoded")
+        return DeadlinePassedBeforeQueue.of_request(timeout_s, "while its images were decoded")
     return _before_queue(service_error(exc, timeout_s))
 
 
@@ -351,8 +350,8 @@ def _check_room(version: LoadedVersion, count: int, deadline: float, timeout_s: 
         version.batcher.check_room(count, deadline)
     except (QueueFull, BatcherClosed, DeadlineTooShort, DeadlineExpired) as exc:  # (expired: a V2 timeout of a few
         if isinstance(exc, DeadlineTooShort) and _spent(exc, timeout_s):  # microseconds is past before it is
-            raise DeadlinePassedBeforeQueue(f"no inference result within the request's {timeout_s:g}s deadline: it "
-                                            f"passed before its images were decoded") from None  # judged: too short)
+            raise DeadlinePassedBeforeQueue.of_request(timeout_s, "before its images were decoded") from None
+            # (judged: too short)
         raise _before_queue(service_error(exc, timeout_s)) from None
 
 

@@ -56,7 +56,7 @@ class ClientSocket(socket.socket):
         self.head_next = False  # the next write is an answer's first: its head, held (``head``) for what follows
         self.head: bytes | None = None
         # when the loop had the request whole (time.monotonic()), its body held: its deadline counts from there, a
-        # wait for a request thread included (app/web/services.py received_at); None: read by the parser
+        # wait for a request thread included (app/web/services.py arrival); None: read by the parser
         self.received_at: float | None = None
 
     def setblocking(self, flag: bool) -> None:

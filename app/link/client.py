@@ -111,8 +111,7 @@ class RemoteCall:
             waited = time.monotonic() - arrived
             if waited >= timeout_s:
                 raise DeadlinePassedBeforeQueue.in_its_worker(timeout_s, waited)
-            deadline = (arrived + timeout_s,
-                        DeadlineExceeded(f"no inference result within the request's {timeout_s:g}s deadline"))
+            deadline = (arrived + timeout_s, timeout_s)
         if len(tensors):  # the pixels cross as one (N, C, H, W) stack: one segment, however many images
             stack = tensors if isinstance(tensors, np.ndarray) else np.stack([np.asarray(t) for t in tensors])
             specs, segments = wire.tensor_segments([np.ascontiguousarray(stack)])
@@ -401,20 +400,21 @@ class RemoteService(Lifecycle):
 
     def infer(self, message: wire.Infer, segments: Sequence[bytes | memoryview], limit_s: float,
               client_gone: Callable[[], bool] | None,
-              deadline: tuple[float, DeadlineExceeded] | None = None) -> Served:
+              deadline: tuple[float, float] | None = None) -> Served:
         """Send one request with its images or tensors; wait for the answer (``limit_s`` at most; on the worker's
-        loop, until ``deadline``'s time too, when given: then its error) or the client to leave. A request on the
-        worker's loop goes with the loop's others (``LoopLink``), any other on a connection it holds alone."""
+        loop, until ``deadline`` too, when given: its time, then its 504 of its length) or the client to leave. A
+        request on the worker's loop goes with the loop's others (``LoopLink``), any other on a connection it holds
+        alone."""
         away = "the engine stopped while answering this request; it is restarting"
         loop = waiting.on_loop()
         if loop is not None:
             if self.loop_link is None:
                 self.loop_link = LoopLink(self.connections.new, self.settings.link_arena_mb << 20)
-            late = None
+            late_s = None
             if deadline is not None:  # the request's own, sooner than the engine's: its 504 then
-                limit_s, late = min(limit_s, deadline[0] - time.monotonic()), deadline[1]
+                limit_s, late_s = min(limit_s, deadline[0] - time.monotonic()), deadline[1]
             with engine_away(away):
-                answer = self.loop_link.ask(loop, message, segments, limit_s, client_gone, late)
+                answer = self.loop_link.ask(loop, message, segments, limit_s, client_gone, late_s)
             return self._value(answer)
         with self.connections.exchange(away, message, segments) as conn:
             _wait_for_answer(conn, limit_s, client_gone)

@@ -91,11 +91,11 @@ class LoopLink:
         return len(self._asked)
 
     def ask(self, loop: OnLoop, message: wire.Infer, segments: Sequence[bytes | memoryview], limit_s: float,
-            client_gone: Callable[[], bool] | None, late: DeadlineExceeded | None = None) -> wire.Answer:
+            client_gone: Callable[[], bool] | None, late_s: float | None = None) -> wire.Answer:
         """``message`` with its ``segments`` sent with this turn's others, and its answer, within ``limit_s``; its
-        client gone (``client_gone``) is ClientGone, the time up ``late`` (by default DeadlineExceeded: no answer
-        from the engine; both cancel it at the engine); a connection that fails or cannot be made is EngineGone
-        (WireMismatch when the engine runs other code)."""
+        client gone (``client_gone``) is ClientGone, the time up DeadlineExceeded (the request's deadline of
+        ``late_s`` when given, else no answer from the engine; both cancel it at the engine); a connection that
+        fails or cannot be made is EngineGone (WireMismatch when the engine runs other code)."""
         assert self._loop in (None, loop), "a loop link serves the one loop its connection was made on"
         self._connected(loop)
         ident = next(self._ids)
@@ -110,7 +110,8 @@ class LoopLink:
                 if client_gone is not None and client_gone():
                     raise ClientGone("the client closed the connection; its queued images are dropped")
                 if time.monotonic() >= until:
-                    raise late or DeadlineExceeded(f"no answer from the engine within {limit_s:g}s")
+                    raise (DeadlineExceeded(f"no answer from the engine within {limit_s:g}s") if late_s is None
+                           else DeadlineExceeded.of_request(late_s))
         except BaseException:
             if self._asked.pop(ident, None) is not None:
                 self._cancel(ident)

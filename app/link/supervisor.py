@@ -62,11 +62,11 @@ _FAILURES: list[str] = []  # why the engines that stopped this master cannot ser
 _QUERYING: set[int] = set()  # the master's state-query connections open now, by file descriptor
 
 
-def remove_owned_dirs(master: int | None = None) -> None:
-    """The metrics and control directories this master made (not ones ops set aside), removed; with ``master`` (its
-    pid), only in that process: registered to run at its exit however it exits (gunicorn's own ``sys.exit`` when it
-    cannot listen, before any hook), where the workers it forks run the same exit functions."""
-    if master is None or os.getpid() == master:
+def remove_owned_dirs(master: int) -> None:
+    """The metrics and control directories this master made (not ones ops set aside), removed in the process of pid
+    ``master`` only: registered to run at its exit however it exits (a refusal at start, a halt, gunicorn's own
+    ``sys.exit`` when it cannot listen, before any hook), where the workers it forks run the same exit functions."""
+    if os.getpid() == master:
         for own in OWNED_DIRS:
             shutil.rmtree(own, ignore_errors=True)
 

@@ -52,7 +52,7 @@ def register_hooks(app: Flask, settings: Settings,
         context.request_id = incoming if _REQUEST_ID.match(incoming) else new_request_id()
         # its wait in the worker before the app began (a burst beyond THREADS) counts in its time (the histogram,
         # the access line, Server-Timing's wait): from when the worker's loop had it whole (client_socket.py)
-        arrived = getattr(req.environ.get("gunicorn.socket"), "received_at", None)
+        context.arrived = arrived = getattr(req.environ.get("gunicorn.socket"), "received_at", None)
         context.waited_s = 0.0 if arrived is None else max(0.0, time.monotonic() - arrived)
         context.started = time.perf_counter() - context.waited_s
         context.log_fields = {"forwarded_for": req.headers.get("X-Forwarded-For")} if trust_forwarded_for else {}

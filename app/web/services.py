@@ -6,7 +6,7 @@ import socket
 import time
 from typing import Callable
 
-from flask import current_app, request
+from flask import current_app, g, request
 
 from app import EXTENSION_KEY
 from app.engine.contract import ServiceFace
@@ -25,7 +25,7 @@ def arrival(timeout_s: float) -> float | None:
     socket it hands over; None elsewhere, or for a body the parser read): its deadline of ``timeout_s`` counts from
     there. DeadlinePassedBeforeQueue when it passed already (its wait for a request thread): refused before anything
     of it is admitted or parsed, and counted as the server's capacity, not a version's failure."""
-    arrived = getattr(request.environ.get("gunicorn.socket"), "received_at", None)
+    arrived = g.get("arrived")  # (read off the socket as the request began: app/web/hooks.py)
     if arrived is not None and (waited := time.monotonic() - arrived) >= timeout_s:
         raise DeadlinePassedBeforeQueue.in_its_worker(timeout_s, waited)
     return arrived
