@@ -7,25 +7,24 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import pytest
-import torch
-from flask import Flask
-from flask.testing import FlaskClient
 
-from app import EXTENSION_KEY
-
-from app.factory import create_app
-from app.logs import JsonFormatter
-from app.config import Settings
-from app.engine.loaded.predictor import Predictor
-from app.engine.service import Service
-from harness.servers import Running
-from tests.support.fakes import ColourModel, tiny_manifest
 from tests.support import scheduling
-from tests.support.servers import serve
 from tests.support.shared import shared_folder
+
+# The fixtures import what they build (torch, Flask, the app) when they first run: pytest-xdist's controller loads
+# this file too, and starts the workers only after; it runs no test, so it need not wait on those imports.
+if TYPE_CHECKING:
+    from flask import Flask
+    from flask.testing import FlaskClient
+
+    from app.config import Settings
+    from app.engine.loaded.predictor import Predictor
+    from app.engine.service import Service
+    from harness.servers import Running
+    from tests.support.fakes import ColourModel
 
 # A test that uses one of these starts a server, loads real weights, runs torchrun, trains on photos or exports
 # ONNX (the exporter takes seconds per model): it is marked slow, so `pytest -m "not slow"` stays under a minute
@@ -39,6 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
     """Small limits so every limit can be reached cheaply."""
+    from app.config import Settings
+
     return Settings(weights_dir=tmp_path, device="cpu", max_batch_size=4, max_wait_ms=5, queue_size=8,
                     max_body_bytes=256 * 1024, max_pixels=200_000, max_images=4, top_k=2,
                     request_timeout_s=10, jpeg_draft_min_side=0, log_level="warning",
@@ -47,16 +48,24 @@ def settings(tmp_path: Path) -> Settings:
 
 @pytest.fixture
 def model() -> ColourModel:
+    from tests.support.fakes import ColourModel
+
     return ColourModel()
 
 
 @pytest.fixture
 def predictor(model: ColourModel) -> Predictor:
+    from app.engine.loaded.predictor import Predictor
+    from tests.support.fakes import tiny_manifest
+
     return Predictor(model, tiny_manifest(), device="cpu")
 
 
 @pytest.fixture
 def app(settings: Settings, predictor: Predictor) -> Iterator[Flask]:
+    from app import EXTENSION_KEY
+    from app.factory import create_app
+
     app = create_app(settings, predictor)
     yield app
     app.extensions[EXTENSION_KEY].shutdown(timeout=5)
@@ -64,6 +73,8 @@ def app(settings: Settings, predictor: Predictor) -> Iterator[Flask]:
 
 @pytest.fixture
 def service(app: Flask) -> Service:
+    from app import EXTENSION_KEY
+
     return app.extensions[EXTENSION_KEY]
 
 
@@ -84,6 +95,12 @@ def real_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def real_app(real_weights: Path) -> Iterator[Flask]:
     """The service on the real EfficientNet-Lite0 weights (CPU)."""
+    import torch
+
+    from app import EXTENSION_KEY
+    from app.config import Settings
+    from app.factory import create_app
+
     torch.manual_seed(0)
     settings = Settings(weights_dir=real_weights, device="cpu", max_batch_size=4, max_wait_ms=5,
                         log_level="warning")
@@ -95,6 +112,8 @@ def real_app(real_weights: Path) -> Iterator[Flask]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark slow every test that uses a slow fixture; GPU tests run only where CUDA is present; in a pytest-xdist
     worker, the longest tests first (tests/support/scheduling.py)."""
+    import torch
+
     skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
@@ -111,11 +130,15 @@ def pytest_configure(config: pytest.Config) -> None:
     once a process) is added here on the process's own stderr: added by the first app a test built, it kept that
     test's captured stream, closed after it, and every later log line became a "--- Logging error ---" traceback
     on whatever test ran then (a CLI test's stderr read two such instead of its own lines)."""
+    from app.logs import JsonFormatter
+
     handler = logging.StreamHandler(sys.__stderr__)
     handler.setFormatter(JsonFormatter())
     logging.getLogger().addHandler(handler)
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None:
+        import torch
+
         torch.set_num_threads(max(1, torch.get_num_threads() // int(workerinput["workercount"])))
 
 
@@ -123,10 +146,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """What collection imported (torch, the app, the test modules: some 450,000 objects) frozen out of the
     collector's scans, as an engine freezes its start-up before its models load (app/link/server.py): a version
     retired in a test is then collected in milliseconds (``_collect_retired``), where a walk of all of it took
-    about 0.35 s, some 60 times in the fast tests. Hypothesis is imported first: its plugins (trio's) register their
-    random generators then, and its check that another object holds each cannot see frozen ones."""
+    about 0.35 s, some 60 times in the fast tests. What the fixtures build with is imported first (this file
+    leaves it to them, for pytest-xdist's controller), and Hypothesis: its plugins (trio's) register their random
+    generators then, and its check that another object holds each cannot see frozen ones."""
     import hypothesis  # noqa: F401 - for its plugins' registrations, before the freeze
 
+    import app.factory, app.engine.loaded.predictor, tests.support.fakes, tests.support.servers  # noqa: E401,F401
     gc.freeze()
 
 
@@ -146,13 +171,15 @@ def _guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> N
         raise AssertionError("this test starts a server or loads real weights: use a fixture from "
                              f"SLOW_FIXTURES ({', '.join(sorted(SLOW_FIXTURES))}) so it is marked slow")
 
-    monkeypatch.setattr(Running, "__init__", refuse)
+    monkeypatch.setattr("harness.servers.Running.__init__", refuse)
     monkeypatch.setattr("models.pretrained.load_lite0_imagenet", refuse)
 
 
 @pytest.fixture
 def start_server(tmp_path: Path) -> Iterator[Callable[..., Running]]:
     """Start servers with ``start_server(weights, **settings)``; whatever is still running is stopped after."""
+    from tests.support.servers import serve
+
     started: list[Running] = []
 
     def start(weights: Path, **settings: str) -> Running:
@@ -191,6 +218,8 @@ def small_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def live_server(real_weights: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     """gunicorn on the real default model, shared by the client and protocol tests."""
+    from tests.support.servers import serve
+
     server = serve(real_weights, tmp_path_factory.mktemp("live"), max_wait_ms="10").wait_ready()
     yield server
     server.stop()
@@ -199,6 +228,8 @@ def live_server(real_weights: Path, tmp_path_factory: pytest.TempPathFactory) ->
 @pytest.fixture(autouse=True)
 def _keep_torch_threads() -> Iterator[None]:
     """Building a service sets torch's process-wide thread count; give the next test the original one back."""
+    import torch
+
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
@@ -209,6 +240,8 @@ def engine_server(small_weights: Path, tmp_path_factory: pytest.TempPathFactory)
     """ENGINE=process with two HTTP workers and two engines (ENGINES_PER_DEVICE=2: each worker talks to its own) on
     the small model, started once for the tests that read it or leave it serving again (an engine they kill is back
     before they end). The tests that start their own process-mode servers run the default, one engine."""
+    from tests.support.servers import serve
+
     server = serve(small_weights, tmp_path_factory.mktemp("engine"), engine="process", workers="2",
                    engines_per_device="2", max_wait_ms="5").wait_ready()
     yield server

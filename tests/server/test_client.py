@@ -235,6 +235,7 @@ def test_the_cli_stops_quietly_when_what_reads_its_output_stops(fake_server: str
     assert cli_process.returncode == 1 and b"Traceback" not in stderr, stderr.decode()[-2000:]
 
 
+@pytest.mark.slow  # a fresh virtualenv and a pip install: seconds, the full suite's
 def test_the_client_installs_with_pip_into_a_fresh_virtualenv(fake_server: str, tmp_path: Path) -> None:
     # From a copy of what pyproject.toml packages, so the build leaves nothing in the repository.
     import shutil

@@ -37,6 +37,7 @@ SAME_WORKER: tuple[tuple[str, str], ...] = (  # (node id prefix, group)
     ("tests/app/test_packages.py::", "an AOTInductor package"),
     ("tests/app/test_int8_packages.py::", "an int8 package"),
     ("tests/app/test_onnx.py::", "an ONNX export"),
+    ("tests/unit/test_house.py::", "the project parsed"),  # every file's syntax tree, built once a process
 )
 LONG = (  # about a minute or more on 2 cores, longest first
     "tests/server/test_docs_walkthrough.py::test_the_training_and_models_docs_run_end_to_end",
