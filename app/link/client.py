@@ -64,7 +64,8 @@ from app.metrics import BATCHER_ALIVE, READY
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 2.0
-ANSWER_GRACE_S = 5.0  # beyond a request's deadline (the engine's counts from its receipt there, not the sending)
+ANSWER_GRACE_S = 5.0  # beyond a request's deadline (on a request thread's connection the engine's counts from its
+# receipt, not from when this worker had it)
 STATE_TIMEOUT_S = 1.0  # an engine that does not say its state within this is not ready (probes never hang)
 SIGNATURE_TIMEOUT_S = 5.0  # a signature is a routing-table read: an engine silent this long is stuck
 CATALOG_GRACE_S = 10.0  # beyond a catalog call's waits (REPOSITORY_SYNC_TIMEOUT_S; a change's twice: _ask)
@@ -102,8 +103,9 @@ class RemoteCall:
         client that hangs up drops its queued images there (the connection closes, which the engine watches). Its
         deadline counts from ``arrived`` here: one passed already (a wait for the worker's loop) is 504 unsent, and
         on the worker's loop the answer is waited for until it passes (then 504, the request cancelled at the
-        engine). The engine counts the whole deadline from its own receipt (alike requests, alike in their fields,
-        bundle there), so its 504 comes later by the wait here, and the grace is for an engine that says nothing."""
+        engine), and the engine counts it from then too (the message says how long before it was sent: its
+        admission judges what is left). On a request thread's own connection the engine counts the whole deadline
+        from its receipt, and the grace is for an engine that says nothing."""
         if embedding:
             self.model.check_embedding()  # refused here: the signature says what the version answers
         deadline = None
@@ -410,11 +412,12 @@ class RemoteService(Lifecycle):
         if loop is not None:
             if self.loop_link is None:
                 self.loop_link = LoopLink(self.connections.new, self.settings.link_arena_mb << 20)
-            late_s = None
-            if deadline is not None:  # the request's own, sooner than the engine's: its 504 then
+            late_s = arrived = None
+            if deadline is not None:  # the request's own, counted at the engine from when this worker had it too
                 limit_s, late_s = min(limit_s, deadline[0] - time.monotonic()), deadline[1]
+                arrived = deadline[0] - deadline[1]
             with engine_away(away):
-                answer = self.loop_link.ask(loop, message, segments, limit_s, client_gone, late_s)
+                answer = self.loop_link.ask(loop, message, segments, limit_s, client_gone, late_s, arrived)
             return self._value(answer)
         with self.connections.exchange(away, message, segments) as conn:
             _wait_for_answer(conn, limit_s, client_gone)

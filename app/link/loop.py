@@ -174,6 +174,12 @@ def _inputs(message: wire.Infer, segments: list[wire.Segment]) -> tuple[list[wir
     return [], rows
 
 
+# A request a loop turn read: its connection, message and segments, its id on a shared connection (None on one of its
+# own), and when its deadline counts from (``time.monotonic()``: when its HTTP worker had it whole, as its message
+# says, else when this loop read it).
+_Read = tuple[_Connection, wire.Infer, list[wire.Segment], "int | None", float]
+
+
 class _Exchange:
     """One ``Infer`` in flight: its admission held from its arrival to its answer (``Admission.leave``); ``ident``
     its id on a shared connection (None on a connection of its own)."""
@@ -182,14 +188,15 @@ class _Exchange:
                  "decode_cpu_s", "arrived", "parts")
 
     def __init__(self, conn: _Connection, admission: Admission, message: wire.Infer, images: list[wire.Segment],
-                 tensors: list[np.ndarray], ident: int | None) -> None:
+                 tensors: list[np.ndarray], ident: int | None, arrived: float) -> None:
         self.conn, self.admission, self.call, self.message = conn, admission, admission.call, message
         self.images, self.tensors, self.ident = images, tensors, ident
         self.queued: Queued | None = None
         self.ended = False
         self.cancelled = False  # nobody waits for its answer (a Cancel, or its shared connection closed)
         self.decode_cpu_s = 0.0  # its images' decode, once queued
-        self.arrived = time.monotonic()  # its deadline counts from here: a wait for a decode thread counts too
+        self.arrived = arrived  # its deadline counts from then: its wait in its HTTP worker and for a decode thread
+        # count too
         self.parts: list[_Part] | None = None  # a bundle's requests (``_admit_bundle``): each answered from its row
 
 
@@ -239,7 +246,7 @@ def _one_image_of_pixels(message: wire.Infer) -> bool | None:
     return None
 
 
-def _alike(turn: list[tuple[Any, wire.Infer, list[wire.Segment], int | None]]) -> dict[object, list[int]]:
+def _alike(turn: list[_Read]) -> dict[object, list[int]]:
     """A turn's requests by what they have alike (model, version, client key, pixels or images), each by its place
     in the turn; those of the shared connections alike to the last detail, one image each, under a key of their own
     (its first item ``_BUNDLE``). Alike requests of a connection share their message (``Infers.split``): their key,
@@ -250,7 +257,7 @@ def _alike(turn: list[tuple[Any, wire.Infer, list[wire.Segment], int | None]]) -
     together: list[int] | None = None
     bundled: list[int] | None = None
     pixels_bundle: bool | None = None  # whether the seen message's requests may bundle (None: by their segments)
-    for at, (_, message, segments, ident) in enumerate(turn):
+    for at, (_, message, segments, ident, _) in enumerate(turn):
         try:
             if message is not seen:
                 seen, together, bundled = message, None, None
@@ -312,7 +319,7 @@ class EngineServer:
         self._handlers: dict[type, Callable[[_Connection, Any, list[bytearray]], None]] = {
             wire.Unanswered: self._unanswered, wire.CatalogCall: self._catalog, wire.StateQuery: self._state,
             wire.Explain: self._explain, wire.ArenaOffer: self._arena_offer}
-        self._turn: list[tuple[_Connection, wire.Infer, list[wire.Segment], int | None]] = []  # read in this loop turn
+        self._turn: list[_Read] = []  # read in this loop turn
         self._requesting = 0  # open connections of one exchange at a time that carried a request (sent_infer)
         self._shared: list[_Connection] = []  # connections that sent Infers (several requests at a time)
         self._exchanges = 0  # requests admitted and not yet ended on connections of one at a time
@@ -558,7 +565,7 @@ class EngineServer:
                 if not conn.sent_infer:
                     conn.sent_infer = True
                     self._requesting += 1
-                self._turn.append((conn, message, segments, None))
+                self._turn.append((conn, message, segments, None, time.monotonic()))
             else:
                 self._handlers[type(message)](conn, message, segments)
 
@@ -584,9 +591,10 @@ class EngineServer:
             log.warning("closed a connection whose requests could not be read: %s", exc)
             self._close(conn)
             return False
-        for ident, infer, its_segments in requests:
+        read = time.monotonic()
+        for (ident, infer, its_segments), spent in zip(requests, message.spent or itertools.repeat(0.0)):
             conn.unadmitted.add(ident)
-            self._turn.append((conn, infer, its_segments, ident))
+            self._turn.append((conn, infer, its_segments, ident, read - spent))
         conn.most = max(conn.most, len(conn.exchanges) + len(conn.unadmitted))
         return True
 
@@ -768,8 +776,7 @@ class EngineServer:
         if admitted or deferred:
             self.gathering.batches_on_loop = ran_here
 
-    def _admit_turn(self, turn: list[tuple[_Connection, wire.Infer, list[wire.Segment], int | None]]
-                    ) -> list[_Exchange | None]:
+    def _admit_turn(self, turn: list[_Read]) -> list[_Exchange | None]:
         """The turn's requests admitted, those alike (model, version, client key, pixels or images) in one pass
         (``Service.enter_many``): each its exchange, or None (answered, or its client gone), in the turn's order; the
         shared connections' requests alike to the last detail, one image each (``_alike``), one exchange for all
@@ -806,8 +813,7 @@ class EngineServer:
                 exchanges.append(self._admit(*read, admissions[at]))  # type: ignore[arg-type]
         return exchanges
 
-    def _enter_alike(self, reads: list[tuple[_Connection, wire.Infer, list[wire.Segment], int | None]], bundles: bool
-                     ) -> Sequence[Admission | BaseException]:
+    def _enter_alike(self, reads: list[_Read], bundles: bool) -> Sequence[Admission | BaseException]:
         """Requests of a turn alike admitted together (``Service.enter_many``), each its admission or what refused
         it; ``bundles``: alike to the last detail (``_alike``), admitted as one (pixels, or photos where the
         version decodes in its batch), or, photos the CPU decodes, as one a run of ``DecodeShares.runs``."""
@@ -820,12 +826,12 @@ class EngineServer:
         except Exception as exc:  # noqa: BLE001 - every failure is answered, never a dropped connection
             return [exc] * len(reads)
 
-    def _admit_bundle(self, reads: list[tuple[_Connection, wire.Infer, list[wire.Segment], int | None]],
-                      admission: Admission) -> _Exchange | None:
+    def _admit_bundle(self, reads: list[_Read], admission: Admission) -> _Exchange | None:
         """A bundle: requests of the shared connections alike to the last detail (``_alike``), admitted as one
         (``admission`` stands for all of them); each checked as ``_admit`` checks one (a request that fails is
         answered and leaves alone), those that pass one exchange whose images queue as one request's, each
-        answered from its row on its connection (``_end_parts``)."""
+        answered from its row on its connection (``_end_parts``), its deadline counted from its earliest's
+        arrival."""
         first: wire.Infer | None = None  # the first that passed ``_checked``: its message, and its row's layout
         # the others' pixels are read in, as what they have alike was judged with it (-1 bytes: encoded images)
         shape, dtype, nbytes = (), None, -1
@@ -850,7 +856,7 @@ class EngineServer:
                         parts.append(_Part(conn, ident, read[1], [row], []))  # type: ignore[arg-type]
                         rows.append(row)
                         continue
-            inputs = self._checked(*read, admission)  # answered, or counted as gone, one by one
+            inputs = self._checked(*read[:4], admission)  # answered, or counted as gone, one by one
             if inputs is None:
                 continue
             if first is None:
@@ -863,7 +869,8 @@ class EngineServer:
         if first is None:
             return None
         admission.call.requests = len(parts)  # (those answered or gone already are not its to time and count)
-        exchange = _Exchange(parts[0].conn, admission, first, images, rows, parts[0].ident)
+        exchange = _Exchange(parts[0].conn, admission, first, images, rows, parts[0].ident,
+                             min([read[4] for read in reads]))
         if len(parts) > 1:
             exchange.parts = parts
         for part in parts:
@@ -871,12 +878,12 @@ class EngineServer:
         return exchange
 
     def _admit(self, conn: _Connection, message: wire.Infer, segments: list[wire.Segment], ident: int | None,
-               admission: Admission | BaseException) -> _Exchange | None:
+               arrived: float, admission: Admission | BaseException) -> _Exchange | None:
         """A request of the turn, its admission made (or what refused it), becomes an exchange in flight."""
         inputs = self._checked(conn, message, segments, ident, admission)
         if inputs is None:
             return None
-        exchange = _Exchange(conn, admission, message, *inputs, ident)  # type: ignore[arg-type]
+        exchange = _Exchange(conn, admission, message, *inputs, ident, arrived)  # type: ignore[arg-type]
         if conn.exchanges is not None:
             conn.exchanges[ident] = exchange  # type: ignore[index]
         else:
@@ -1144,8 +1151,7 @@ class EngineServer:
         for part in parts:
             if not part.cancelled:
                 alone = _Exchange(part.conn, exchange.admission.apart(), part.message, part.images, part.rows,
-                                  part.ident)
-                alone.arrived = exchange.arrived
+                                  part.ident, exchange.arrived)
                 part.conn.exchanges[part.ident] = alone  # type: ignore[index]
                 apart.append(alone)
         exchange.queued = None

@@ -58,11 +58,12 @@ def offered_arena(conn: socket.socket, size: int) -> Arena:
 class _Asked:
     """A request sent on the link: the event its request waits for, and its answer (or why there is none)."""
 
-    __slots__ = ("event", "answer")
+    __slots__ = ("event", "answer", "arrived")
 
-    def __init__(self, event: Event) -> None:
+    def __init__(self, event: Event, arrived: float) -> None:
         self.event = event
         self.answer: wire.Answer | BaseException | None = None
+        self.arrived = arrived  # when its HTTP worker had it whole (``time.monotonic()``)
 
 
 class LoopLink:
@@ -91,15 +92,18 @@ class LoopLink:
         return len(self._asked)
 
     def ask(self, loop: OnLoop, message: wire.Infer, segments: Sequence[bytes | memoryview], limit_s: float,
-            client_gone: Callable[[], bool] | None, late_s: float | None = None) -> wire.Answer:
+            client_gone: Callable[[], bool] | None, late_s: float | None = None, arrived: float | None = None
+            ) -> wire.Answer:
         """``message`` with its ``segments`` sent with this turn's others, and its answer, within ``limit_s``; its
         client gone (``client_gone``) is ClientGone, the time up DeadlineExceeded (the request's deadline of
         ``late_s`` when given, else no answer from the engine; both cancel it at the engine); a connection that
-        fails or cannot be made is EngineGone (WireMismatch when the engine runs other code)."""
+        fails or cannot be made is EngineGone (WireMismatch when the engine runs other code). The engine counts its
+        deadline from ``arrived`` (when its HTTP worker had it whole; by default now): the message says how long
+        before it was made."""
         assert self._loop in (None, loop), "a loop link serves the one loop its connection was made on"
         self._connected(loop)
         ident = next(self._ids)
-        asked = self._asked[ident] = _Asked(loop.event())
+        asked = self._asked[ident] = _Asked(loop.event(), time.monotonic() if arrived is None else arrived)
         self._outbox.append((ident, message, segments))
         until = time.monotonic() + limit_s
         try:
@@ -183,7 +187,7 @@ class LoopLink:
                 if cancels:
                     wire.send(sends, wire.Cancel(tuple(cancels)))
                 if self._outbox:
-                    wire.send(sends, *wire.infers(self._next_message(), self._arena))
+                    wire.send(sends, *self._message())
         except BaseException as exc:
             if sends is not None and self._sends is sends:
                 self._broken(exc)
@@ -194,6 +198,14 @@ class LoopLink:
             if sends is not None and self._sends is not sends:  # broken while it sent: its descriptor is ours
                 with contextlib.suppress(OSError):
                     sends.close()
+
+    def _message(self) -> tuple[wire.Infers, list[bytes | memoryview]]:
+        """The outbox's next message (``_next_message``) and its segments, each request's time in its HTTP worker
+        said as of now."""
+        taken = self._next_message()
+        now, asked = time.monotonic(), self._asked
+        return wire.infers(taken, self._arena, tuple([now - asked[ident].arrived if ident in asked else 0.0
+                                                      for ident, _, _ in taken]))
 
     def _next_message(self) -> list[tuple[int, wire.Infer, Sequence[bytes | memoryview]]]:
         """The outbox's first requests, as many as one frame's segments hold (``wire.MAX_SEGMENTS``; one at least),

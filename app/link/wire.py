@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import hashlib
 import inspect
+import math
 import operator
 import os
 import pickle
@@ -178,6 +179,8 @@ class Infers(_Message):
     counts: tuple[int, ...]
     placed: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()  # requests whose images are in the
     # connection's arena: each its place in ``requests`` and its images' (offset, length) there (none in segments)
+    spent: tuple[float, ...] = ()  # each request's seconds in its HTTP worker when the message was made, from when
+    # the worker had it whole: its deadline counts from then at the engine too (none: from the engine's receipt)
 
     def split(self, segments: list[bytearray], arena: MappedArena | None = None
               ) -> list[tuple[int, Infer, list[Segment]]]:
@@ -185,6 +188,13 @@ class Infers(_Message):
         ``MappedArena.lent``); EngineGone when they do not add up or lie outside the arena."""
         if not len(self.ids) == len(self.requests) == len(self.counts) or sum(self.counts) != len(segments):
             raise EngineGone(f"{len(self.ids)} requests of {sum(self.counts)} segments came with {len(segments)}")
+        if self.spent:
+            try:
+                times = len(self.spent) == len(self.ids) and all(0.0 <= spent < math.inf for spent in self.spent)
+            except TypeError:
+                times = False
+            if not times:
+                raise EngineGone(f"the times spent of {len(self.ids)} requests are not theirs: {self.spent!r:.200}")
         split, at = [], 0
         read: object = _NO_FIELDS  # the fields of the last Infer made: alike requests' are one object (``infers``),
         message: Infer | None = None  # so they share one Infer
@@ -207,10 +217,12 @@ class Infers(_Message):
         return split
 
 
-def infers(requests: Sequence[tuple[int, Infer, Sequence[bytes | memoryview]]], arena: Arena | None = None
-           ) -> tuple[Infers, list[bytes | memoryview]]:
-    """The one message (and its segments) that carries ``requests``, each (id, its Infer, its segments); with
-    ``arena``, each request's images placed there when they fit (``Arena.place``), sent in the frame otherwise."""
+def infers(requests: Sequence[tuple[int, Infer, Sequence[bytes | memoryview]]], arena: Arena | None = None,
+           spent: tuple[float, ...] = ()) -> tuple[Infers, list[bytes | memoryview]]:
+    """The one message (and its segments) that carries ``requests``, each (id, its Infer, its segments), and the
+    seconds each had spent in its HTTP worker (``spent``, in their order; none: counted from the engine's receipt);
+    with ``arena``, each request's images placed there when they fit (``Arena.place``), sent in the frame
+    otherwise."""
     fields = _FIELDS[_KINDS[Infer]]
     placed: list[tuple[int, tuple[tuple[int, int], ...]]] = []
     segments: list[bytes | memoryview] = []
@@ -233,7 +245,7 @@ def infers(requests: Sequence[tuple[int, Infer, Sequence[bytes | memoryview]]], 
                 pass  # the engine to judge
         requests_fields.append(these)
     return Infers(tuple([ident for ident, _, _ in requests]), tuple(requests_fields), tuple(counts),
-                  tuple(placed)), segments
+                  tuple(placed), spent), segments
 
 
 @dataclass(slots=True)

@@ -289,6 +289,12 @@ def test_alike_requests_of_one_message_cross_as_one_infer_and_others_as_their_ow
         for requests in ((fields,), (message.requests[0], fields)):
             with pytest.raises(wire.EngineGone):
                 wire.Infers(tuple(range(len(requests))), requests, (0,) * len(requests)).split([])
+    # each request's time in its worker crosses beside it; times that are not one a request's are not read
+    two = [(ident, infer(5.0), [_one_colour(0)]) for ident in (1, 2)]
+    assert wire.infers(two, spent=(0.25, 0.0))[0].spent == (0.25, 0.0)
+    for spent in ((0.25,), (0.25, -1.0), (0.25, float("nan")), (0.25, float("inf")), (0.25, "0")):
+        with pytest.raises(wire.EngineGone, match="times spent"):
+            wire.Infers((1, 2), message.requests[:2], (0, 0), (), spent).split([])  # type: ignore[arg-type]
 
 
 def test_answers_whose_rows_are_no_array_frame_after_a_bundle_s_as_alone() -> None:
@@ -2351,6 +2357,27 @@ def test_a_loop_request_is_answered_504_at_its_own_deadline_which_counts_from_wh
     assert time.monotonic() - started < 0.8  # at its deadline (0.2 s from now), not the engine's (1 s)
     assert "Cancel" in link.frames
     link.engine.loaded_version().predictor.module.delay_s = 0.0
+
+
+def test_the_engine_judges_a_loop_request_s_room_by_what_is_left_of_its_deadline_since_its_worker_had_it(
+        link: Link) -> None:
+    # Before: the engine counted the whole deadline from its receipt: a request with 0.15 s left of its 1 s, behind
+    # nothing but its own 0.3 s batch, was admitted and run, and its worker's 504 cut it at its deadline (under
+    # ENGINE=process some admitted requests ran out of time; the engine never judged what was left).
+    module = link.engine.loaded_version().predictor.module
+    module.delay_s = 0.3
+    try:
+        assert infer(link.worker, [image_bytes(RED)]).model == "colour"  # a batch timed: 0.3 s an image
+        batches = link.engine.loaded_version().batcher.batches_run
+        link.sent.clear()
+        got = _on_loop(link, {"late": lambda: infer(link.worker, [image_bytes(RED)], timeout_s=1.0,
+                                                    arrived=time.monotonic() - 0.85)})["late"]
+    finally:
+        module.delay_s = 0.0
+    assert isinstance(got, ServiceError) and got.status == 429 and got.code == "deadline_unreachable", got
+    assert "less than their own inference" in got.message and link.engine.loaded_version().batcher.batches_run == batches
+    [message] = [sent for sent in link.sent if isinstance(sent, wire.Infers)]
+    assert 0.85 <= message.spent[0] < 1.0  # its time in its worker, as it was sent
 
 
 def _padded(jpeg: bytes, size: int = 40_000) -> bytes:
