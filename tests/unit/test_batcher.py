@@ -1198,6 +1198,35 @@ def test_a_backlog_is_judged_at_the_time_per_image_of_large_batches_once_one_ran
     recorder.gate.set()
 
 
+def test_a_deadline_is_judged_with_the_spread_of_full_batches_times_and_retry_after_with_their_average(
+        make_batcher, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: judged at the average alone, a backlog on a host whose batches swung 3-5x (its CPU refusing a storm
+    # of requests) was admitted against deadlines it then missed: a third of the images answered 504 after their
+    # forward pass, the CPU spent for nothing, counted as the version's failures.
+    clock, recorder, took = Clock(monkeypatch), Recorder(), iter([0.04, 0.12] * 4)
+
+    def swinging(items: list[int]) -> Sequence[int]:
+        outputs = recorder(items)
+        clock.now += next(took, 0.08) if len(items) == 4 else 0.001  # full batches: 10 or 30 ms an image
+        return outputs
+
+    batcher = make_batcher(swinging, max_batch_size=4, max_wait_ms=1, queue_size=64, incoming=lambda: 0)
+    for _ in range(8):
+        _hold_worker(batcher, recorder)
+        batcher.submit_many([1, 2, 3, 4])
+        recorder.gate.set()
+        wait_until(lambda: batcher.depth == 0 and _worker_asleep(batcher))
+    _hold_worker(batcher, recorder)
+    batcher.submit_many(list(range(8)))  # two full batches behind the held one
+    try:  # with 4 more: three batches of 4 at about 20 ms an image (240 ms), or 0.7 s with the spread (4 x ~10 ms)
+        with pytest.raises(DeadlineUnreachable) as refused:
+            batcher.check_room(4, clock.now + 0.35)
+        assert 0.15 < refused.value.retry_after_s < 0.25  # when the 8 are expected to clear: at the average
+        batcher.check_room(4, clock.now + 0.8)
+    finally:
+        recorder.gate.set()
+
+
 def test_items_whose_callers_left_are_no_backlog_for_admission(make_batcher) -> None:
     # Before: cancelled groups counted until a batch took them: 5 images more were refused as a full queue.
     recorder = Recorder()

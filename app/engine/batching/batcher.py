@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 QUEUE_DEPTH_REPORT_S = 0.1  # the depth is told when none was told this long (as a batch is taken, or by a submit), and
 # as a batch taken empties the queue: a saturated queue's depth is a gauge write every 0.1 s, not two every batch
 BACKGROUND_LOOK_S = 0.01  # with background work waiting, how often an idle worker looks whether requests still arrive
+DEADLINE_SPREADS = 4  # a backlog judged against a deadline at full batches' average time an image and this many times
+# its mean deviation (as TCP's retransmission timer judges a round trip, RFC 6298): on a host whose batches slow 3-5x
+# while its CPU refuses a storm of requests, an average alone admitted a third of the images too late to be answered
 
 In = TypeVar("In")
 Out = TypeVar("Out")
@@ -181,6 +184,7 @@ class Batcher(Generic[In, Out]):
         self._batch_seconds = 0.0  # moving average of one predict_fn call, for Retry-After estimates
         # the same per item of its batch; over batches of half the cap or more (0: none ran yet); the last batch's
         self._item_seconds = self._large_item_seconds = self._last_item_seconds = 0.0
+        self._large_item_spread = 0.0  # the mean deviation of large batches' time per item from its average
         self._refused_idle_at = -1  # batches_run at the last refusal on an idle batcher (deadline too short)
         self._warmed_item_seconds = 0.0  # an item's forward pass at warm-up, 0 without (``expect_item_s``)
         self._split_on, self._shrink_s, self._shrunk_size, self._shrunk_until = split_on, shrink_s, max_batch_size, 0.0
@@ -322,7 +326,7 @@ class Batcher(Generic[In, Out]):
         except TypeError:  # a request's items of no length: its own fault, judged with it
             return None
         own = max(counts, default=0) * min(self._item_seconds, self._last_item_seconds) + self.max_wait_s
-        return now + max(self._clear_s(self._live - self._low + sum(counts), now), own)
+        return now + max(self._clear_s(self._live - self._low + sum(counts), now, cautious=True), own)
 
     def run_queued(self, inline_within_s: float) -> bool:
         """After ``submit_group(defer=True)``: the items waiting run on the caller's thread, in batches of the cap,
@@ -464,7 +468,7 @@ class Batcher(Generic[In, Out]):
             return
         busy = live or self._busy
         if busy:
-            wait = self._clear_s(backlog, now)
+            wait = self._clear_s(backlog, now, cautious=True)
             if now + wait <= deadline:
                 return
         elif self._refused_idle_at == self.batches_run:  # refused here by an estimate no batch refreshed since
@@ -478,16 +482,19 @@ class Batcher(Generic[In, Out]):
             raise DeadlineUnreachable(f"the queue ahead needs about {wait:.3f}s, more than the "
                                       f"{deadline - now:.3f}s deadline", retry_after_s=self._clear_s(live, now))
 
-    def _clear_s(self, items: int, now: float) -> float:
+    def _clear_s(self, items: int, now: float, cautious: bool = False) -> float:
         """Under the lock: how long ``items`` queued items take to clear: what is left of the batch gathered or
         running now, then batches of the cap and one of the rest, each its images at the recent time per image
         (a batch's time grows with its images: after lone ones, a full batch is not a lone one's time; of batches
         of half the cap or more once one ran, as a GPU's batch costs less per image than a lone one), the recent
-        batch time and ``max_wait_ms`` at least."""
+        batch time and ``max_wait_ms`` at least. ``cautious`` (a deadline's judgement; Retry-After is the
+        average's): those batches' time an image with DEADLINE_SPREADS of its mean deviation."""
         cap = self._cap_at(now)
         full, rest = divmod(items, cap)
         batch_s, least_s = self._batch_seconds, self.max_wait_s
         item_s = self._large_item_seconds or self._item_seconds  # a lone image's time overstates a GPU's full batch
+        if cautious and self._large_item_seconds:
+            item_s += DEADLINE_SPREADS * self._large_item_spread
         wait = full * max(batch_s, item_s * cap, least_s)
         if rest:
             wait += max(batch_s, item_s * rest, least_s)
@@ -940,6 +947,8 @@ class Batcher(Generic[In, Out]):
         self._item_seconds = per_item if self.batches_run == 1 else 0.8 * self._item_seconds + 0.2 * per_item
         if 2 * len(batch) >= self._cap_at(started):
             large = self._large_item_seconds
+            if large:
+                self._large_item_spread = 0.8 * self._large_item_spread + 0.2 * abs(per_item - large)
             self._large_item_seconds = per_item if not large else 0.8 * large + 0.2 * per_item
         queued = [started - p.enqueued_at for p in batch]
         self._observer.batch_done(len(batch), run_s, queued, time.thread_time() - cpu_started)
