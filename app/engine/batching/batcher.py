@@ -182,9 +182,8 @@ class Batcher(Generic[In, Out]):
         self._batch_ids = itertools.count(1)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._batch_seconds = 0.0  # moving average of one predict_fn call, for Retry-After estimates
-        # the same per item of its batch; over batches of half the cap or more (0: none ran yet); the last batch's
-        self._item_seconds = self._large_item_seconds = self._last_item_seconds = 0.0
-        self._large_item_spread = 0.0  # the mean deviation of large batches' time per item from its average
+        # the same per item; over batches of half the cap or more, and its mean deviation; the last batch's (0: none)
+        self._item_seconds = self._large_item_seconds = self._large_item_spread = self._last_item_seconds = 0.0
         self._refused_idle_at = -1  # batches_run at the last refusal on an idle batcher (deadline too short)
         self._warmed_item_seconds = 0.0  # an item's forward pass at warm-up, 0 without (``expect_item_s``)
         self._split_on, self._shrink_s, self._shrunk_size, self._shrunk_until = split_on, shrink_s, max_batch_size, 0.0
