@@ -140,8 +140,8 @@ class Call:
               client_gone: Callable[[], bool] | None = None, arrived: float | None = None) -> Queued:
         """The request's images checked, counted, decoded (or their headers read) and queued, all or none; its
         deadline counts from ``arrived`` (a ``time.monotonic()`` value: when its HTTP worker had it whole, or the
-        engine process received it, so a wait for a decode thread counts too; by default now), before the decode (one the decode outlasts, or a wait
-        before it, is a 504, nothing queued).
+        engine process received it, so a wait for a decode thread counts too; by default now), before the decode
+        (one the decode outlasts, or a wait before it, is a 504, nothing queued).
         ``inline=False``: never run on this thread, even when the batcher is idle; ``defer``: queued without waking
         the batcher's thread, for ``batcher.run_queued`` once the caller has queued the other requests it holds (a
         thread that serves many requests runs their batch itself when it is short).

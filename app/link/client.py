@@ -64,8 +64,7 @@ from app.metrics import BATCHER_ALIVE, READY
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 2.0
-ANSWER_GRACE_S = 5.0  # beyond a request's deadline (on a request thread's connection the engine's counts from its
-# receipt, not from when this worker had it)
+ANSWER_GRACE_S = 5.0  # beyond a request's deadline, for an engine that answers nothing (it answers 504 at it)
 STATE_TIMEOUT_S = 1.0  # an engine that does not say its state within this is not ready (probes never hang)
 SIGNATURE_TIMEOUT_S = 5.0  # a signature is a routing-table read: an engine silent this long is stuck
 CATALOG_GRACE_S = 10.0  # beyond a catalog call's waits (REPOSITORY_SYNC_TIMEOUT_S; a change's twice: _ask)
@@ -104,8 +103,8 @@ class RemoteCall:
         deadline counts from ``arrived`` here: one passed already (a wait for the worker's loop) is 504 unsent, and
         on the worker's loop the answer is waited for until it passes (then 504, the request cancelled at the
         engine), and the engine counts it from then too (the message says how long before it was sent: its
-        admission judges what is left). On a request thread's own connection the engine counts the whole deadline
-        from its receipt, and the grace is for an engine that says nothing."""
+        admission judges what is left; on a request thread the engine's 504 is waited for, and the grace is for an
+        engine that says nothing)."""
         if embedding:
             self.model.check_embedding()  # refused here: the signature says what the version answers
         deadline = None
@@ -113,7 +112,7 @@ class RemoteCall:
             waited = time.monotonic() - arrived
             if waited >= timeout_s:
                 raise DeadlinePassedBeforeQueue.in_its_worker(timeout_s, waited)
-            deadline = (arrived + timeout_s, timeout_s)
+            deadline = (arrived, timeout_s)
         if len(tensors):  # the pixels cross as one (N, C, H, W) stack: one segment, however many images
             stack = tensors if isinstance(tensors, np.ndarray) else np.stack([np.asarray(t) for t in tensors])
             specs, segments = wire.tensor_segments([np.ascontiguousarray(stack)])
@@ -404,9 +403,9 @@ class RemoteService(Lifecycle):
               client_gone: Callable[[], bool] | None,
               deadline: tuple[float, float] | None = None) -> Served:
         """Send one request with its images or tensors; wait for the answer (``limit_s`` at most; on the worker's
-        loop, until ``deadline`` too, when given: its time, then its 504 of its length) or the client to leave. A
-        request on the worker's loop goes with the loop's others (``LoopLink``), any other on a connection it holds
-        alone."""
+        loop, until ``deadline`` too, when given: (when this worker had it whole, its length), then its 504) or the
+        client to leave. A request on the worker's loop goes with the loop's others (``LoopLink``), any other on a
+        connection it holds alone."""
         away = "the engine stopped while answering this request; it is restarting"
         loop = waiting.on_loop()
         if loop is not None:
@@ -414,11 +413,13 @@ class RemoteService(Lifecycle):
                 self.loop_link = LoopLink(self.connections.new, self.settings.link_arena_mb << 20)
             late_s = arrived = None
             if deadline is not None:  # the request's own, counted at the engine from when this worker had it too
-                limit_s, late_s = min(limit_s, deadline[0] - time.monotonic()), deadline[1]
-                arrived = deadline[0] - deadline[1]
+                arrived, late_s = deadline
+                limit_s = min(limit_s, arrived + late_s - time.monotonic())
             with engine_away(away):
                 answer = self.loop_link.ask(loop, message, segments, limit_s, client_gone, late_s, arrived)
             return self._value(answer)
+        if deadline is not None:
+            message.spent_s = max(0.0, time.monotonic() - deadline[0])
         with self.connections.exchange(away, message, segments) as conn:
             _wait_for_answer(conn, limit_s, client_gone)
             answer = wire.receive_answer(conn, ANSWER_GRACE_S)  # it is arriving: never a wait without end

@@ -31,6 +31,7 @@ import functools
 import heapq
 import itertools
 import logging
+import math
 import operator
 import os
 import pickle
@@ -49,8 +50,8 @@ from app.engine.call import Queued, queue_prepared
 from app.engine.contract import CATALOG_CALLS, CATALOG_CHANGES, Signature
 from app.engine.lifecycle import not_ready
 from app.engine.service import Admission, Service
-from app.errors import (ClientGone, ImageTooLarge, InferenceFailed, InvalidImage, Overloaded, ServiceError,
-                        ShortDeadline, UnsupportedImageFormat)
+from app.errors import (ClientGone, DeadlineExceeded, ImageTooLarge, InferenceFailed, InvalidImage, Overloaded,
+                        ServiceError, ShortDeadline, UnsupportedImageFormat)
 from app.link import wire
 from app.link.arena import ArenaError, MappedArena
 from app.link.decode_shares import DecodeShares, encoded_bytes
@@ -204,13 +205,15 @@ class _Part:
     """One request of a bundle (requests alike of the shared connections, one image each, run as one exchange under
     one admission that stands for all of them, with the first one's message): its connection and id there, its own
     message (its file name: what it runs with apart), its image (its row of pixels, or its encoded image:
-    ``images``), and whether its client left (it is then ended already)."""
+    ``images``), when its deadline counts from (``_Read``'s), and whether its client left (it is then ended
+    already)."""
 
-    __slots__ = ("conn", "ident", "message", "rows", "images", "cancelled")
+    __slots__ = ("conn", "ident", "message", "rows", "images", "arrived", "cancelled")
 
     def __init__(self, conn: _Connection, ident: int, message: wire.Infer, rows: list[np.ndarray],
-                 images: list[wire.Segment]) -> None:
+                 images: list[wire.Segment], arrived: float) -> None:
         self.conn, self.ident, self.message, self.rows, self.images = conn, ident, message, rows, images
+        self.arrived = arrived
         self.cancelled = False
 
 
@@ -244,6 +247,12 @@ def _one_image_of_pixels(message: wire.Infer) -> bool | None:
     if message.tensors:
         return len(message.tensors) == 1 and message.tensors[0][1][0] == 1
     return None
+
+
+def _spent_alone(message: wire.Infer) -> float:
+    """The seconds a request sent alone says it spent in its HTTP worker (none: what is no such time)."""
+    spent = message.spent_s
+    return spent if isinstance(spent, float) and 0.0 <= spent < math.inf else 0.0
 
 
 def _alike(turn: list[_Read]) -> dict[object, list[int]]:
@@ -565,7 +574,7 @@ class EngineServer:
                 if not conn.sent_infer:
                     conn.sent_infer = True
                     self._requesting += 1
-                self._turn.append((conn, message, segments, None, time.monotonic()))
+                self._turn.append((conn, message, segments, None, time.monotonic() - _spent_alone(message)))
             else:
                 self._handlers[type(message)](conn, message, segments)
 
@@ -583,7 +592,7 @@ class EngineServer:
                 conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SHARED_SEND_BUFFER_BYTES)
             self._wake_only.register(conn.sock, selectors.EVENT_READ, functools.partial(self._readable, conn))
         if isinstance(message, wire.Cancel):
-            self._cancel(conn, message.ids)
+            self._cancel(conn, message.ids, message.late)
             return True
         try:
             requests = message.split(segments, conn.arena)
@@ -591,10 +600,10 @@ class EngineServer:
             log.warning("closed a connection whose requests could not be read: %s", exc)
             self._close(conn)
             return False
-        read = time.monotonic()
+        read_at = time.monotonic()
         for (ident, infer, its_segments), spent in zip(requests, message.spent or itertools.repeat(0.0)):
             conn.unadmitted.add(ident)
-            self._turn.append((conn, infer, its_segments, ident, read - spent))
+            self._turn.append((conn, infer, its_segments, ident, read_at - spent))
         conn.most = max(conn.most, len(conn.exchanges) + len(conn.unadmitted))
         return True
 
@@ -614,35 +623,49 @@ class EngineServer:
             log.error("closed a connection whose arena could not be taken: %s", exc)
             self._close(conn)
 
-    def _cancel(self, conn: _Connection, ids: tuple[int, ...]) -> None:
-        """Requests of a shared connection whose clients left: ended as hang-ups, unanswered; one not yet admitted
-        is when its turn runs; one already answered is past."""
+    def _cancel(self, conn: _Connection, ids: tuple[int, ...], late: tuple[int, ...] = ()) -> None:
+        """Requests of a shared connection whose clients left: ended as hang-ups, unanswered; those of ``late``
+        (their deadline passed at their HTTP worker) as at their deadline here once their images queued (``_expire``:
+        the version's 504, as a worker without an engine counts it, whichever of the two deadlines came first); one
+        not yet admitted is when its turn runs; one already answered is past."""
         assert conn.exchanges is not None
         for ident in ids:
             exchange = conn.exchanges.get(ident)
             if exchange is not None and exchange.parts is not None:
-                self._cancel_part(exchange, conn, ident)
+                self._cancel_part(exchange, conn, ident, ident in late)
             elif exchange is not None:
-                exchange.cancelled = True
-                self._hang_up(exchange)
+                self._cancel_exchange(exchange, ident in late)
             elif ident in conn.unadmitted:
                 conn.cancelled.add(ident)
 
-    def _cancel_part(self, exchange: _Exchange, conn: _Connection, ident: int) -> None:
-        """A bundle's request (``ident`` of ``conn``) whose client left: ended as a hang-up at once, unanswered, its
-        image still run with the others'; the last one's hang-up drops what of the bundle is still queued, as a
-        request's own does."""
+    def _cancel_exchange(self, exchange: _Exchange, late: bool) -> None:
+        """A request (or the last of a bundle's) nobody waits for any more: ended unanswered, at its deadline when
+        ``late`` and its images are queued (``_expire``), else as a hang-up."""
+        exchange.cancelled = True
+        queued = exchange.queued
+        if late and not exchange.ended and queued is not None and not queued.done():
+            exchange.ended = True  # as in _expire
+            self._end(exchange, exchange.call.expired(queued), ending=True)
+        else:
+            self._hang_up(exchange)
+
+    def _cancel_part(self, exchange: _Exchange, conn: _Connection, ident: int, late: bool = False) -> None:
+        """A bundle's request (``ident`` of ``conn``) whose client left (``late``: whose deadline passed at its
+        worker, counted as its deadline here once the bundle queued): ended at once, unanswered, its image still run
+        with the others'; the last one's end drops what of the bundle is still queued, as a request's own does."""
         assert exchange.parts is not None and conn.exchanges is not None
         if sum(1 for part in exchange.parts if not part.cancelled) <= 1:
-            exchange.cancelled = True
-            self._hang_up(exchange)
+            self._cancel_exchange(exchange, late)
             return
         conn.exchanges.pop(ident, None)
         for part in exchange.parts:
             if part.ident == ident and part.conn is conn and not part.cancelled:
                 part.cancelled = True
-                exchange.admission.leave_one(ClientGone("the client closed the connection; its image runs with the "
-                                                        "other requests' of its bundle"))
+                queued = exchange.queued
+                exchange.admission.leave_one(
+                    DeadlineExceeded.of_request(part.message.timeout_s) if late and queued is not None else
+                    ClientGone("the client closed the connection; its image runs with the other requests' of its "
+                               "bundle"))
 
     def _answer(self, value: Any = None, error: ServiceError | None = None) -> wire.Answer:
         return wire.Answer(value, error, this_process(), self.service.controller.routes.generation)
@@ -830,8 +853,8 @@ class EngineServer:
         """A bundle: requests of the shared connections alike to the last detail (``_alike``), admitted as one
         (``admission`` stands for all of them); each checked as ``_admit`` checks one (a request that fails is
         answered and leaves alone), those that pass one exchange whose images queue as one request's, each
-        answered from its row on its connection (``_end_parts``), its deadline counted from its earliest's
-        arrival."""
+        answered from its row on its connection (``_end_parts``), its deadline counted from its latest request's
+        arrival: an earlier one's worker cuts it at its own (``_cancel``), never a later one's by it."""
         first: wire.Infer | None = None  # the first that passed ``_checked``: its message, and its row's layout
         # the others' pixels are read in, as what they have alike was judged with it (-1 bytes: encoded images)
         shape, dtype, nbytes = (), None, -1
@@ -843,7 +866,7 @@ class EngineServer:
             if first is not None and ident not in conn.cancelled and not conn.closed and len(segments) == 1:
                 if nbytes < 0:
                     conn.unadmitted.discard(ident)  # type: ignore[arg-type]
-                    parts.append(_Part(conn, ident, read[1], [], segments))  # type: ignore[arg-type]
+                    parts.append(_Part(conn, ident, read[1], [], segments, read[4]))  # type: ignore[arg-type]
                     images += segments
                     continue
                 if len(segments[0]) == nbytes:
@@ -853,7 +876,7 @@ class EngineServer:
                         pass
                     else:
                         conn.unadmitted.discard(ident)  # type: ignore[arg-type]
-                        parts.append(_Part(conn, ident, read[1], [row], []))  # type: ignore[arg-type]
+                        parts.append(_Part(conn, ident, read[1], [row], [], read[4]))  # type: ignore[arg-type]
                         rows.append(row)
                         continue
             inputs = self._checked(*read[:4], admission)  # answered, or counted as gone, one by one
@@ -863,14 +886,14 @@ class EngineServer:
                 first = read[1]
                 if inputs[1]:
                     shape, dtype, nbytes = inputs[1][0].shape, inputs[1][0].dtype, inputs[1][0].nbytes
-            parts.append(_Part(conn, ident, read[1], inputs[1], inputs[0]))  # type: ignore[arg-type]
+            parts.append(_Part(conn, ident, read[1], inputs[1], inputs[0], read[4]))  # type: ignore[arg-type]
             images += inputs[0]
             rows += inputs[1]
         if first is None:
             return None
         admission.call.requests = len(parts)  # (those answered or gone already are not its to time and count)
         exchange = _Exchange(parts[0].conn, admission, first, images, rows, parts[0].ident,
-                             min([read[4] for read in reads]))
+                             max([part.arrived for part in parts]))
         if len(parts) > 1:
             exchange.parts = parts
         for part in parts:
@@ -1151,7 +1174,7 @@ class EngineServer:
         for part in parts:
             if not part.cancelled:
                 alone = _Exchange(part.conn, exchange.admission.apart(), part.message, part.images, part.rows,
-                                  part.ident, exchange.arrived)
+                                  part.ident, part.arrived)
                 part.conn.exchanges[part.ident] = alone  # type: ignore[index]
                 apart.append(alone)
         exchange.queued = None

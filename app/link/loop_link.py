@@ -83,7 +83,7 @@ class LoopLink:
         self._ids = itertools.count(1)
         self._asked: dict[int, _Asked] = {}  # sent or to send, not yet answered
         self._outbox: list[tuple[int, wire.Infer, Sequence[bytes | memoryview]]] = []
-        self._cancels: list[int] = []
+        self._cancels: list[tuple[int, bool]] = []  # each id, and whether its deadline passed (``wire.Cancel.late``)
         self._sending = False  # a request sends the outbox, or waits for the loop's turn to send it
 
     @property
@@ -116,9 +116,9 @@ class LoopLink:
                 if time.monotonic() >= until:
                     raise (DeadlineExceeded(f"no answer from the engine within {limit_s:g}s") if late_s is None
                            else DeadlineExceeded.of_request(late_s))
-        except BaseException:
+        except BaseException as exc:
             if self._asked.pop(ident, None) is not None:
-                self._cancel(ident)
+                self._cancel(ident, late=late_s is not None and isinstance(exc, DeadlineExceeded))
             raise
         answer = asked.answer
         if isinstance(answer, BaseException):
@@ -185,7 +185,8 @@ class LoopLink:
             while (self._outbox or self._cancels) and sends is not None and self._sends is sends:
                 cancels, self._cancels = self._cancels, []
                 if cancels:
-                    wire.send(sends, wire.Cancel(tuple(cancels)))
+                    wire.send(sends, wire.Cancel(tuple([ident for ident, _ in cancels]),
+                                                 tuple([ident for ident, late in cancels if late])))
                 if self._outbox:
                     wire.send(sends, *self._message())
         except BaseException as exc:
@@ -204,7 +205,7 @@ class LoopLink:
         said as of now."""
         taken = self._next_message()
         now, asked = time.monotonic(), self._asked
-        return wire.infers(taken, self._arena, tuple([now - asked[ident].arrived if ident in asked else 0.0
+        return wire.infers(taken, self._arena, tuple([max(0.0, now - asked[ident].arrived) if ident in asked else 0.0
                                                       for ident, _, _ in taken]))
 
     def _next_message(self) -> list[tuple[int, wire.Infer, Sequence[bytes | memoryview]]]:
@@ -219,16 +220,16 @@ class LoopLink:
         taken, self._outbox = self._outbox[:end], self._outbox[end:]
         return taken
 
-    def _cancel(self, ident: int) -> None:
-        """``ident`` not waited for any more: dropped from the outbox when it is still there, else told to the
-        engine (sent now, or by the request sending)."""
+    def _cancel(self, ident: int, late: bool = False) -> None:
+        """``ident`` not waited for any more (``late``: its deadline passed): dropped from the outbox when it is
+        still there, else told to the engine (sent now, or by the request sending)."""
         for index, (queued, _, _) in enumerate(self._outbox):
             if queued == ident:
                 del self._outbox[index]
                 return
         if self._sends is None:
             return  # the connection is gone: the engine ended it with it
-        self._cancels.append(ident)
+        self._cancels.append((ident, late))
         if not self._sending:
             with contextlib.suppress(BaseException):  # the request's own error stands, not a cancel's
                 self._send_outbox(None)

@@ -97,6 +97,8 @@ class Infer(_Message):
     names: tuple[str | None, ...] = ()
     tensors: tuple[tuple[str, tuple[int, ...]], ...] = ()
     embedding: bool = False  # answer each image's embedding too
+    spent_s: float = 0.0  # sent alone on a connection of its own: its seconds in its HTTP worker, from when the worker
+    # had it whole, so its deadline counts from then at the engine too (in ``Infers``, beside it: ``Infers.spent``)
 
 
 @dataclass(slots=True)
@@ -190,10 +192,10 @@ class Infers(_Message):
             raise EngineGone(f"{len(self.ids)} requests of {sum(self.counts)} segments came with {len(segments)}")
         if self.spent:
             try:
-                times = len(self.spent) == len(self.ids) and all(0.0 <= spent < math.inf for spent in self.spent)
+                valid = len(self.spent) == len(self.ids) and all(0.0 <= spent < math.inf for spent in self.spent)
             except TypeError:
-                times = False
-            if not times:
+                valid = False
+            if not valid:
                 raise EngineGone(f"the times spent of {len(self.ids)} requests are not theirs: {self.spent!r:.200}")
         split, at = [], 0
         read: object = _NO_FIELDS  # the fields of the last Infer made: alike requests' are one object (``infers``),
@@ -259,9 +261,12 @@ class ArenaOffer(_Message):
 @dataclass(slots=True)
 class Cancel(_Message):
     """The requests of these ids (sent in ``Infers``) are not waited for any more: their clients left or their time
-    ran out on the HTTP side. The engine drops what of them is still queued and answers none of them."""
+    ran out on the HTTP side (``late``: those of them whose deadline passed there, which the engine ends as at its
+    own: a 504 of images queued is the version's, as in a worker without an engine). The engine drops what of them
+    is still queued and answers none of them."""
 
     ids: tuple[int, ...]
+    late: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)

@@ -2359,25 +2359,67 @@ def test_a_loop_request_is_answered_504_at_its_own_deadline_which_counts_from_wh
     link.engine.loaded_version().predictor.module.delay_s = 0.0
 
 
-def test_the_engine_judges_a_loop_request_s_room_by_what_is_left_of_its_deadline_since_its_worker_had_it(
-        link: Link) -> None:
-    # Before: the engine counted the whole deadline from its receipt: a request with 0.15 s left of its 1 s, behind
-    # nothing but its own 0.3 s batch, was admitted and run, and its worker's 504 cut it at its deadline (under
-    # ENGINE=process some admitted requests ran out of time; the engine never judged what was left).
+@pytest.mark.parametrize("on_loop", [True, False])
+def test_the_engine_judges_a_request_s_room_by_what_is_left_of_its_deadline_since_its_worker_had_it(
+        link: Link, on_loop: bool) -> None:
+    # Before: the engine counted the whole deadline from its receipt: a request with 0.3 s left of its 1 s, behind
+    # nothing but its own 0.6 s batch, was admitted and run, and its worker's 504 cut it at its deadline (under
+    # ENGINE=process some admitted requests ran out of time; the engine never judged what was left). On a request
+    # thread (its own connection) too.
     module = link.engine.loaded_version().predictor.module
-    module.delay_s = 0.3
+    module.delay_s = 0.6
     try:
-        assert infer(link.worker, [image_bytes(RED)]).model == "colour"  # a batch timed: 0.3 s an image
+        assert infer(link.worker, [image_bytes(RED)]).model == "colour"  # a batch timed: 0.6 s an image
         batches = link.engine.loaded_version().batcher.batches_run
         link.sent.clear()
-        got = _on_loop(link, {"late": lambda: infer(link.worker, [image_bytes(RED)], timeout_s=1.0,
-                                                    arrived=time.monotonic() - 0.85)})["late"]
+
+        def late() -> object:
+            return infer(link.worker, [image_bytes(RED)], timeout_s=1.0, arrived=time.monotonic() - 0.7)
+
+        got = _on_loop(link, {"late": late})["late"] if on_loop else _failure(late)
     finally:
         module.delay_s = 0.0
     assert isinstance(got, ServiceError) and got.status == 429 and got.code == "deadline_unreachable", got
-    assert "less than their own inference" in got.message and link.engine.loaded_version().batcher.batches_run == batches
-    [message] = [sent for sent in link.sent if isinstance(sent, wire.Infers)]
-    assert 0.85 <= message.spent[0] < 1.0  # its time in its worker, as it was sent
+    assert "less than their own inference" in got.message
+    assert link.engine.loaded_version().batcher.batches_run == batches
+    [spent] = [sent.spent[0] if on_loop else sent.spent_s for sent in link.sent
+               if isinstance(sent, wire.Infers if on_loop else wire.Infer)]
+    assert 0.7 <= spent < 1.0  # its time in its worker, as it was sent
+
+
+def test_a_bundle_counts_its_deadline_from_its_latest_request_and_each_run_apart_from_its_own(link: Link) -> None:
+    # Before (a bundle counted from its earliest request): one request that had spent its deadline in its worker
+    # took its alike fresh ones down with it (429 "0.69 ms was left", or all four 504).
+    infer(link.worker, [image_bytes(RED)])  # a batch timed
+    conn, reader = _shared_connection(link)
+    with conn:
+        for stale in (4.999, 5.01):  # of a 5 s deadline: nearly spent, or spent
+            wire.send(conn, *wire.infers([(ident, _ONE_PIXELS, [_one_colour(0)]) for ident in range(1, 5)],
+                                         spent=(stale, 0.0, 0.0, 0.0)))
+            answers = _answers_by_id(reader, 4)
+            assert [answers[ident].error for ident in (2, 3, 4)] == [None] * 3  # the fresh ones answered
+            assert all(answers[ident].value.rows.argmax() == 0 for ident in (2, 3, 4))
+
+
+def test_a_cancel_of_a_request_whose_deadline_passed_at_its_worker_counts_as_its_deadline_not_a_hang_up(
+        link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: whichever came first, the engine's own deadline (504: the version's failure, as a worker without an
+    # engine counts it) or the worker's cancel at the same deadline (a hang-up: refused), counted the request.
+    first = _queued_behind_a_held_batch(link, model, monkeypatch)
+    conn, reader = _shared_connection(link)
+    try:
+        with conn:
+            for ident, late in ((1, ()), (2, (2,))):  # a client gone, then a deadline passed
+                before = _outcome_counts(link)
+                wire.send(conn, *wire.infers([(ident, _ONE_PIXELS, [_one_colour(0)])]))
+                wait_until(lambda: link.engine.loaded_version().batcher.depth == 1)  # queued behind the held batch
+                wire.send(conn, wire.Cancel((ident,), late))
+                outcome = "failed" if late else "refused"
+                wait_until(lambda: _outcome_counts(link)[outcome] == before[outcome] + 1)
+                assert link.engine.loaded_version().batcher._live == 0  # dropped: no backlog, never run
+    finally:
+        model.gate.set()
+        first.join(10)
 
 
 def _padded(jpeg: bytes, size: int = 40_000) -> bytes:

@@ -1225,6 +1225,38 @@ def test_a_deadline_is_judged_with_the_spread_of_full_batches_times_and_retry_af
         batcher.check_room(4, clock.now + 0.8)
     finally:
         recorder.gate.set()
+    wait_until(lambda: batcher.depth == 0 and _worker_asleep(batcher))
+    spread = batcher._full_item_spread
+    for item in range(10):  # then lone batches: the storm's spread fades, it does not judge a quiet hour
+        assert batcher.submit(item).result(timeout=10).value == 2 * item
+        wait_until(lambda: _worker_asleep(batcher))
+    assert 0 < batcher._full_item_spread < 0.15 * spread
+
+
+def test_a_gpu_s_batches_of_any_size_in_one_time_make_no_spread(make_batcher, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Half-full to full batches of one time (a GPU's): their time an image differs by their size, not by the host;
+    # only full batches' spread judges a deadline, so a deadline the average meets is admitted.
+    clock, recorder, sizes = Clock(monkeypatch), Recorder(), iter([2, 3, 4, 4, 2, 4, 3, 4])
+
+    def constant(items: list[int]) -> Sequence[int]:
+        outputs = recorder(items)
+        clock.now += 0.005 if len(items) > 1 else 0.001
+        return outputs
+
+    batcher = make_batcher(constant, max_batch_size=4, max_wait_ms=1, queue_size=64, incoming=lambda: 0)
+    for size in sizes:
+        _hold_worker(batcher, recorder)
+        batcher.submit_many(list(range(size)))
+        recorder.gate.set()
+        wait_until(lambda: batcher.depth == 0 and _worker_asleep(batcher))
+    assert batcher._full_item_spread == pytest.approx(0.0, abs=1e-5)
+    _hold_worker(batcher, recorder)
+    batcher.submit_many(list(range(8)))
+    try:
+        waits = batcher._clear_s(12, clock.now), batcher._clear_s(12, clock.now, cautious=True)
+        assert waits[1] == pytest.approx(waits[0], rel=0.01)
+    finally:
+        recorder.gate.set()
 
 
 def test_items_whose_callers_left_are_no_backlog_for_admission(make_batcher) -> None:

@@ -38,9 +38,10 @@ log = logging.getLogger(__name__)
 QUEUE_DEPTH_REPORT_S = 0.1  # the depth is told when none was told this long (as a batch is taken, or by a submit), and
 # as a batch taken empties the queue: a saturated queue's depth is a gauge write every 0.1 s, not two every batch
 BACKGROUND_LOOK_S = 0.01  # with background work waiting, how often an idle worker looks whether requests still arrive
-DEADLINE_SPREADS = 4  # a backlog judged against a deadline at full batches' average time an image and this many times
-# its mean deviation (as TCP's retransmission timer judges a round trip, RFC 6298): on a host whose batches slow 3-5x
-# while its CPU refuses a storm of requests, an average alone admitted a third of the images too late to be answered
+DEADLINE_SPREADS = 4  # a backlog judged against a deadline at its batches' recent time an image plus this many times
+# the mean deviation of full batches' (as TCP's retransmission timer judges a round trip, RFC 6298), for each image
+# ahead: the slowness it guards against lasts (a host whose batches slow 3-5x while its CPU refuses a storm of
+# requests, where an average alone admitted a third of the images too late to be answered), it does not average out
 
 In = TypeVar("In")
 Out = TypeVar("Out")
@@ -182,8 +183,9 @@ class Batcher(Generic[In, Out]):
         self._batch_ids = itertools.count(1)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._batch_seconds = 0.0  # moving average of one predict_fn call, for Retry-After estimates
-        # the same per item; over batches of half the cap or more, and its mean deviation; the last batch's (0: none)
-        self._item_seconds = self._large_item_seconds = self._large_item_spread = self._last_item_seconds = 0.0
+        # the same per item; over batches of half the cap or more; the last batch's (0: none ran yet); over full
+        self._item_seconds = self._large_item_seconds = self._last_item_seconds = 0.0
+        self._full_item_seconds = self._full_item_spread = 0.0  # batches, and its mean deviation (DEADLINE_SPREADS)
         self._refused_idle_at = -1  # batches_run at the last refusal on an idle batcher (deadline too short)
         self._warmed_item_seconds = 0.0  # an item's forward pass at warm-up, 0 without (``expect_item_s``)
         self._split_on, self._shrink_s, self._shrunk_size, self._shrunk_until = split_on, shrink_s, max_batch_size, 0.0
@@ -197,8 +199,7 @@ class Batcher(Generic[In, Out]):
         self._busy = False  # a batch is being gathered or run, by the worker or inline by a caller
         self._running_until = 0.0  # while busy: when the batch gathered or running now is expected to end
         self.batches_run = self.batches_inline = 0  # batches run, and of them on a caller's thread
-        self._settle, self._settle_s = settle, settle_s
-        self._settled_at = -math.inf
+        self._settle, self._settle_s, self._settled_at = settle, settle_s, -math.inf
         self._unsettled = False  # batches ran since the last settle
         self._prepare: Callable[[], object] | None = None
         self._prepared: Future[BaseException | None] = Future()  # prepare's outcome: None, or what it raised
@@ -478,7 +479,7 @@ class Batcher(Generic[In, Out]):
                 self._refused_idle_at = self.batches_run
             raise DeadlineTooShort(count, own, deadline - now, self._clear_s(live, now))
         if busy:
-            raise DeadlineUnreachable(f"the queue ahead needs about {wait:.3f}s, more than the "
+            raise DeadlineUnreachable(f"the queue ahead may need up to {wait:.3f}s, more than the "
                                       f"{deadline - now:.3f}s deadline", retry_after_s=self._clear_s(live, now))
 
     def _clear_s(self, items: int, now: float, cautious: bool = False) -> float:
@@ -487,13 +488,13 @@ class Batcher(Generic[In, Out]):
         (a batch's time grows with its images: after lone ones, a full batch is not a lone one's time; of batches
         of half the cap or more once one ran, as a GPU's batch costs less per image than a lone one), the recent
         batch time and ``max_wait_ms`` at least. ``cautious`` (a deadline's judgement; Retry-After is the
-        average's): those batches' time an image with DEADLINE_SPREADS of its mean deviation."""
+        average's): each image with DEADLINE_SPREADS of full batches' mean deviation more."""
         cap = self._cap_at(now)
         full, rest = divmod(items, cap)
         batch_s, least_s = self._batch_seconds, self.max_wait_s
         item_s = self._large_item_seconds or self._item_seconds  # a lone image's time overstates a GPU's full batch
-        if cautious and self._large_item_seconds:
-            item_s += DEADLINE_SPREADS * self._large_item_spread
+        if cautious:
+            item_s += DEADLINE_SPREADS * self._full_item_spread
         wait = full * max(batch_s, item_s * cap, least_s)
         if rest:
             wait += max(batch_s, item_s * rest, least_s)
@@ -935,20 +936,34 @@ class Batcher(Generic[In, Out]):
                 continue
             self._run_batch([p])
 
+    def _timed(self, run_s: float, items: int, started: float) -> None:
+        """A batch of ``items`` that ran ``run_s`` counted and folded into the moving averages: a call's time, an
+        item's, an item's over batches of half the cap or more, and over full batches an item's and its mean
+        deviation (``DEADLINE_SPREADS``), which fades while batches are not full: a storm's is not a quiet hour's,
+        and a GPU's batches of any size in one time do not make one."""
+        self.batches_run += 1
+        first = self.batches_run == 1
+        self._batch_seconds = run_s if first else 0.8 * self._batch_seconds + 0.2 * run_s
+        per_item = self._last_item_seconds = run_s / items
+        self._item_seconds = per_item if first else 0.8 * self._item_seconds + 0.2 * per_item
+        cap = self._cap_at(started)
+        if 2 * items >= cap:
+            large = self._large_item_seconds
+            self._large_item_seconds = per_item if not large else 0.8 * large + 0.2 * per_item
+        full = self._full_item_seconds
+        if items < cap:
+            self._full_item_spread *= 0.8
+            return
+        if full:
+            self._full_item_spread = 0.8 * self._full_item_spread + 0.2 * abs(per_item - full)
+        self._full_item_seconds = per_item if not full else 0.8 * full + 0.2 * per_item
+
     def _done(self, batch_id: int, batch: list[_Pending[In]], outputs: Sequence[Out], started: float,
               cpu_started: float, failed: dict[int, BaseException] | None = None) -> None:
         """A batch that ran: counted, timed, settled when due, its outputs handed to their waiters; the items of
         ``failed`` (by index) failed with their errors instead."""
         run_s = time.monotonic() - started
-        self.batches_run += 1
-        self._batch_seconds = run_s if self.batches_run == 1 else 0.8 * self._batch_seconds + 0.2 * run_s
-        per_item = self._last_item_seconds = run_s / len(batch)
-        self._item_seconds = per_item if self.batches_run == 1 else 0.8 * self._item_seconds + 0.2 * per_item
-        if 2 * len(batch) >= self._cap_at(started):
-            large = self._large_item_seconds
-            if large:
-                self._large_item_spread = 0.8 * self._large_item_spread + 0.2 * abs(per_item - large)
-            self._large_item_seconds = per_item if not large else 0.8 * large + 0.2 * per_item
+        self._timed(run_s, len(batch), started)
         queued = [started - p.enqueued_at for p in batch]
         self._observer.batch_done(len(batch), run_s, queued, time.thread_time() - cpu_started)
         ended = self._running_until = started + run_s  # (admission counts nothing more of it)
