@@ -1198,7 +1198,7 @@ def test_a_backlog_is_judged_at_the_time_per_image_of_large_batches_once_one_ran
     recorder.gate.set()
 
 
-def test_a_deadline_is_judged_with_the_spread_of_full_batches_times_and_retry_after_with_their_average(
+def test_a_deadline_is_judged_with_the_spread_of_batches_times_and_retry_after_with_their_average(
         make_batcher, monkeypatch: pytest.MonkeyPatch) -> None:
     # Before: judged at the average alone, a backlog on a host whose batches swung 3-5x (its CPU refusing a storm
     # of requests) was admitted against deadlines it then missed: a third of the images answered 504 after their
@@ -1226,16 +1226,16 @@ def test_a_deadline_is_judged_with_the_spread_of_full_batches_times_and_retry_af
     finally:
         recorder.gate.set()
     wait_until(lambda: batcher.depth == 0 and _worker_asleep(batcher))
-    spread = batcher._full_item_spread
+    spread = batcher._large_item_spread
     for item in range(10):  # then lone batches: the storm's spread fades, it does not judge a quiet hour
         assert batcher.submit(item).result(timeout=10).value == 2 * item
         wait_until(lambda: _worker_asleep(batcher))
-    assert 0 < batcher._full_item_spread < 0.15 * spread
+    assert 0 < batcher._large_item_spread < 0.15 * spread
 
 
 def test_a_gpu_s_batches_of_any_size_in_one_time_make_no_spread(make_batcher, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Half-full to full batches of one time (a GPU's): their time an image differs by their size, not by the host;
-    # only full batches' spread judges a deadline, so a deadline the average meets is admitted.
+    # Half-full to full batches of one time (a GPU's): their time an image differs by their size, not by the host,
+    # and their time does not: no spread judges a deadline, so a deadline the average meets is admitted.
     clock, recorder, sizes = Clock(monkeypatch), Recorder(), iter([2, 3, 4, 4, 2, 4, 3, 4])
 
     def constant(items: list[int]) -> Sequence[int]:
@@ -1249,7 +1249,7 @@ def test_a_gpu_s_batches_of_any_size_in_one_time_make_no_spread(make_batcher, mo
         batcher.submit_many(list(range(size)))
         recorder.gate.set()
         wait_until(lambda: batcher.depth == 0 and _worker_asleep(batcher))
-    assert batcher._full_item_spread == pytest.approx(0.0, abs=1e-5)
+    assert batcher._large_item_spread == pytest.approx(0.0, abs=1e-5)
     _hold_worker(batcher, recorder)
     batcher.submit_many(list(range(8)))
     try:

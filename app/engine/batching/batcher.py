@@ -39,9 +39,9 @@ QUEUE_DEPTH_REPORT_S = 0.1  # the depth is told when none was told this long (as
 # as a batch taken empties the queue: a saturated queue's depth is a gauge write every 0.1 s, not two every batch
 BACKGROUND_LOOK_S = 0.01  # with background work waiting, how often an idle worker looks whether requests still arrive
 DEADLINE_SPREADS = 4  # a backlog judged against a deadline at its batches' recent time an image plus this many times
-# the mean deviation of full batches' (as TCP's retransmission timer judges a round trip, RFC 6298), for each image
-# ahead: the slowness it guards against lasts (a host whose batches slow 3-5x while its CPU refuses a storm of
-# requests, where an average alone admitted a third of the images too late to be answered), it does not average out
+# their mean deviation an image (as TCP's retransmission timer judges a round trip, RFC 6298), for each image ahead:
+# the slowness it guards against lasts (a host whose batches slow 3-5x while its CPU refuses a storm of requests,
+# where an average alone admitted a third of the images too late to be answered), it does not average out
 
 In = TypeVar("In")
 Out = TypeVar("Out")
@@ -183,9 +183,9 @@ class Batcher(Generic[In, Out]):
         self._batch_ids = itertools.count(1)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._batch_seconds = 0.0  # moving average of one predict_fn call, for Retry-After estimates
-        # the same per item; over batches of half the cap or more; the last batch's (0: none ran yet); over full
-        self._item_seconds = self._large_item_seconds = self._last_item_seconds = 0.0
-        self._full_item_seconds = self._full_item_spread = 0.0  # batches, and its mean deviation (DEADLINE_SPREADS)
+        # the same per item; the last batch's (0: none ran yet); over batches of half the cap or more, per item and
+        self._item_seconds = self._last_item_seconds = 0.0  # per batch, and the spread (``_timed``)
+        self._large_item_seconds = self._large_batch_seconds = self._large_item_spread = 0.0
         self._refused_idle_at = -1  # batches_run at the last refusal on an idle batcher (deadline too short)
         self._warmed_item_seconds = 0.0  # an item's forward pass at warm-up, 0 without (``expect_item_s``)
         self._split_on, self._shrink_s, self._shrunk_size, self._shrunk_until = split_on, shrink_s, max_batch_size, 0.0
@@ -488,13 +488,13 @@ class Batcher(Generic[In, Out]):
         (a batch's time grows with its images: after lone ones, a full batch is not a lone one's time; of batches
         of half the cap or more once one ran, as a GPU's batch costs less per image than a lone one), the recent
         batch time and ``max_wait_ms`` at least. ``cautious`` (a deadline's judgement; Retry-After is the
-        average's): each image with DEADLINE_SPREADS of full batches' mean deviation more."""
+        average's): each image with DEADLINE_SPREADS of the batches' mean deviation an image more."""
         cap = self._cap_at(now)
         full, rest = divmod(items, cap)
         batch_s, least_s = self._batch_seconds, self.max_wait_s
         item_s = self._large_item_seconds or self._item_seconds  # a lone image's time overstates a GPU's full batch
         if cautious:
-            item_s += DEADLINE_SPREADS * self._full_item_spread
+            item_s += DEADLINE_SPREADS * self._large_item_spread
         wait = full * max(batch_s, item_s * cap, least_s)
         if rest:
             wait += max(batch_s, item_s * rest, least_s)
@@ -938,25 +938,24 @@ class Batcher(Generic[In, Out]):
 
     def _timed(self, run_s: float, items: int, started: float) -> None:
         """A batch of ``items`` that ran ``run_s`` counted and folded into the moving averages: a call's time, an
-        item's, an item's over batches of half the cap or more, and over full batches an item's and its mean
-        deviation (``DEADLINE_SPREADS``), which fades while batches are not full: a storm's is not a quiet hour's,
-        and a GPU's batches of any size in one time do not make one."""
+        item's, and over batches of half the cap or more an item's, a batch's and the spread (``DEADLINE_SPREADS``):
+        each such batch's deviation from them an item, the lower of the two (a CPU's batch takes its images' time,
+        a GPU's about one time at any size: the size makes neither deviate), which fades while batches are smaller
+        (a storm's spread is not a quiet hour's)."""
         self.batches_run += 1
         first = self.batches_run == 1
         self._batch_seconds = run_s if first else 0.8 * self._batch_seconds + 0.2 * run_s
         per_item = self._last_item_seconds = run_s / items
         self._item_seconds = per_item if first else 0.8 * self._item_seconds + 0.2 * per_item
-        cap = self._cap_at(started)
-        if 2 * items >= cap:
-            large = self._large_item_seconds
-            self._large_item_seconds = per_item if not large else 0.8 * large + 0.2 * per_item
-        full = self._full_item_seconds
-        if items < cap:
-            self._full_item_spread *= 0.8
+        if 2 * items < self._cap_at(started):
+            self._large_item_spread *= 0.8
             return
-        if full:
-            self._full_item_spread = 0.8 * self._full_item_spread + 0.2 * abs(per_item - full)
-        self._full_item_seconds = per_item if not full else 0.8 * full + 0.2 * per_item
+        large, large_batch = self._large_item_seconds, self._large_batch_seconds
+        if large:
+            deviation = min(abs(per_item - large), abs(run_s - large_batch) / items)
+            self._large_item_spread = 0.8 * self._large_item_spread + 0.2 * deviation
+        self._large_item_seconds = per_item if not large else 0.8 * large + 0.2 * per_item
+        self._large_batch_seconds = run_s if not large else 0.8 * large_batch + 0.2 * run_s
 
     def _done(self, batch_id: int, batch: list[_Pending[In]], outputs: Sequence[Out], started: float,
               cpu_started: float, failed: dict[int, BaseException] | None = None) -> None:
