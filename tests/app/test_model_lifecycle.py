@@ -201,6 +201,24 @@ def test_a_version_that_fails_to_load_is_refused_and_the_old_one_serves(service:
     assert _ask(service) == "2"
 
 
+def test_a_rollback_by_a_load_call_is_not_blocked_by_a_broken_newer_version_it_does_not_name(
+        service: Service, repository: FakeRepository) -> None:
+    # Before: the call that first met the broken version 3 (each worker's first) answered 422 with version 3's error,
+    # the same call again 200: a rollback to 1 answered by which worker took it (a new user's trial, 2 workers).
+    repository.add("colour", "2")
+    service.catalog.load("colour", {"version_policy": {"all": {}}})
+    assert _ask(service) == "2"
+    repository.fail("colour", "3", "weights file x.pt has sha256 abc, the manifest says def")
+    rollback = {"version_policy": {"all": {}}, "default_version": "1"}
+    for _ in range(2):  # the first call tries version 3 and leaves it out, the next knows it refused: both 200
+        service.catalog.load("colour", rollback)
+        assert _ask(service) == "1" and _ask(service, version="2") == "2"
+    (row,) = [r for r in service.catalog.index() if r.version == "3"]
+    assert row.state == "UNAVAILABLE" and "sha256" in row.reason
+    with pytest.raises(LoadFailed, match="colour version 3 .*the config's default version.* was refused"):
+        service.catalog.load("colour", {"version_policy": {"all": {}}, "default_version": "3"})  # named: why
+
+
 def test_a_policy_json_that_cannot_be_read_stops_no_poll_of_the_other_models(settings: Settings) -> None:
     # A model given a load call's config whose policy.json then could not be read: the poll's read of it raised a
     # PolicyError past its ServiceError handling, so every poll ended there: the models after it never got their

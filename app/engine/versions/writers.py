@@ -105,12 +105,26 @@ class Writers:
             # and a version rolled back stays out until a promotion names it (docs/models.md).
             kept = None if now is None else {"versions": [], "default": now["default"],
                                              "rolled_back": now.get("rolled_back", [])}
+            entry, generation = self._applied_for_call(name, config, kept)
+            _say_candidate_refused(name, entry, now)
+        self.sync.wait_for_workers(generation, name)
+
+    def _applied_for_call(self, name: str, config: Any, kept: ModelEntry | None) -> tuple[ModelEntry, int]:
+        """A load call's entry (``_wanted``) applied here and written, and its generation. Under a config, a version
+        refused on the way that the config does not name (as its default, candidate or one of its specific
+        versions) is left out and the policy picks again, as the poll does: a rollback is not blocked by a broken
+        newer version, whichever worker takes the call first; one it names is the call's 422. Without a config the
+        refusal is the call's answer (the version it was to pick up cannot be served)."""
+        while True:
             entry = self._wanted(name, config, kept)
             if not entry["versions"]:  # every version refused: applied, this entry would unload the model
                 raise self._nothing_loadable(name)
-            generation, _ = apply_and_write(self.applier, self.sync, name, entry)
-            _say_candidate_refused(name, entry, now)
-        self.sync.wait_for_workers(generation, name)
+            try:
+                return entry, apply_and_write(self.applier, self.sync, name, entry)[0]
+            except ServiceError:
+                if config is None or not any(self.applier.known_refused(name, v) for v in entry["versions"]):
+                    raise
+                self._refuse_naming_a_refused_version(name, config)
 
     def _nothing_loadable(self, name: str) -> LoadFailed:
         """The 422 of a load call none of whose versions can load (each refused, its files unchanged since): what
