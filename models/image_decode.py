@@ -122,10 +122,11 @@ def _check_header(image: Image.Image, limits: DecodeLimits) -> None:
     if image.format not in IMAGE_FORMATS:
         raise FormatNotServed(
             f"image format {image.format} is not supported; send one of {SERVED_NAMES}")
-    _check_size(*image.size, limits)
+    check_size(*image.size, limits)
 
 
-def _check_size(width: int, height: int, limits: DecodeLimits) -> None:
+def check_size(width: int, height: int, limits: DecodeLimits) -> None:
+    """An image of ``width`` x ``height`` as the server's limits judge it (BrokenImage, TooManyPixels)."""
     if width <= 0 or height <= 0:
         raise BrokenImage(f"the image has no pixels ({width}x{height})")
     if width * height > limits.max_pixels:
@@ -160,7 +161,7 @@ def checked_header(data: bytes, limits: DecodeLimits) -> tuple[JpegHeader | None
     JpegHeader when it is a JPEG)."""
     header = read_jpeg_header(data)
     if header is not None:
-        _check_size(header.width, header.height, limits)
+        check_size(header.width, header.height, limits)
         if header.progressive:
             _check_scans(data, limits)
         return header, None

@@ -12,7 +12,7 @@ from PIL import Image
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 from models.export.manifest import MIN_LABELS
-from models.image_decode import DecodeLimits, load_upright
+from models.image_decode import DecodeLimits, ImageRefused, check_size, load_upright
 from models.presets import IMAGE_FORMATS, ImageTransform, upright_rgb
 from models.run.args import DataError
 
@@ -35,11 +35,17 @@ class Split:
 
 
 def _unreadable_reason(path: Path) -> str | None:
-    """None when PIL decodes the file in a format the server accepts; else why not."""
+    """None when PIL decodes the file in a format the server accepts, of a size it accepts (its default limits:
+    pixels, aspect ratio); else why not: an image the server refuses would count in the run's validation figures
+    and never in what it answers."""
     try:
         with Image.open(path) as image:
             if image.format not in IMAGE_FORMATS:
                 return f"format {image.format} is not one the server accepts"
+            try:
+                check_size(*image.size, SERVED_LIMITS)
+            except ImageRefused as exc:
+                return f"{exc}: the server refuses it"
             # A reduced-scale JPEG decode still reads the whole file, so truncation shows, at a fraction of the cost.
             image.draft("RGB", (64, 64))
             image.load()

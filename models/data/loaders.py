@@ -96,8 +96,8 @@ def load_data(args: argparse.Namespace, preset: EvalPreset, env: DistEnv, device
     skipped = [*train_split.skipped, *val_split.skipped]
     if skipped and env.is_main:  # once, by rank 0: every rank scans alike
         for path, reason in skipped:
-            log.warning("skipping unreadable image %s (%s)", path, reason)
-        log.warning("skipped %d unreadable file(s); training on %d, validating on %d",
+            log.warning("skipping image %s (%s)", path, reason)
+        log.warning("skipped %d file(s), unreadable or refused by the server; training on %d, validating on %d",
                     len(skipped), len(train_split.samples), len(val_split.samples))
     train_set, collate_fn, prepare = _train_set(args, train_split, preset, device)
     # Validation decodes and preprocesses as the server does on the CPU (a large JPEG at reduced scale, the tensor

@@ -343,8 +343,22 @@ def test_an_unreadable_image_is_warned_of_once_by_rank_0(tmp_path: Path, caplog:
         caplog.clear()
         with caplog.at_level(logging.WARNING):
             load_data(args, preset, env, torch.device("cpu"))
-        assert sum("skipping unreadable image" in r.getMessage() and "notes.jpg" in r.getMessage()
+        assert sum("skipping image" in r.getMessage() and "notes.jpg" in r.getMessage()
                    for r in caplog.records) == said, env
+
+
+def test_images_the_server_refuses_for_their_size_are_skipped_as_it_refuses_them(tmp_path: Path) -> None:
+    # Before: a panorama of aspect ratio 33 (the server's 400) and a 42-megapixel PNG (its 413) were trained and
+    # validated on: the run's val top-1 counted an image models.predict and the server refuse (a new user's trial).
+    data = write_image_folder(tmp_path / "data", train_per_class=2, val_per_class=1)
+    Image.new("RGB", (2000, 60), (200, 10, 10)).save(data / "val" / "red" / "panorama.jpg")
+    Image.new("RGB", (7000, 6000), (10, 10, 200)).save(data / "train" / "blue" / "huge.png", compress_level=1)
+    split, val = scan_split(data / "train"), scan_split(data / "val")
+    skipped = {path.name: reason for path, reason in [*split.skipped, *val.skipped]}
+    assert skipped == {"panorama.jpg": "the image is 2000x60; its aspect ratio is over 20: the server refuses it",
+                       "huge.png": "the image is 7000x6000 = 42000000 pixels; the limit is 40000000: the server "
+                                   "refuses it"}
+    assert not any(path.name in skipped for path, _ in [*split.samples, *val.samples])
 
 
 def test_validation_decodes_a_large_jpeg_as_the_server_does(tmp_path: Path) -> None:
