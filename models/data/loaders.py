@@ -41,6 +41,18 @@ class Data:
 
 
 DEFAULT_VAL_SPLIT = 0.2  # a DIR/<class>/* folder without --val-split
+SPLIT_NAMES = frozenset({"train", "training", "val", "valid", "validation", "test", "testing", "eval"})
+
+
+def _check_not_splits_as_classes(data: Path) -> None:
+    """DataError when every class folder of ``data`` is named as a split (``Train/`` and ``Val/``, ``training/`` and
+    ``validation/``): its images would train a model that tells the splits apart (their class folders pooled)."""
+    names = sorted(p.name for p in data.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if len(names) >= 2 and all(name.lower() in SPLIT_NAMES for name in names):
+        training = next((name for name in names if name.lower().startswith("train")), names[0])
+        raise DataError(f"{data}'s class folders ({', '.join(names)}) are named as a dataset's splits, not as "
+                        f"classes: lay it out as {data}/train/<class name>/ and {data}/val/<class name>/ (train and "
+                        f"val, lower case), or give --data {data / training} to hold out part of it for validation")
 
 
 def splits(args: argparse.Namespace) -> tuple[Split, Split]:
@@ -51,6 +63,8 @@ def splits(args: argparse.Namespace) -> tuple[Split, Split]:
         raise DataError(f"--val-split holds out part of a DIR/<class>/* folder, but {args.data} has "
                         f"{' and '.join(f'{name}/' for name in laid_out)}: leave --val-split out to validate on "
                         f"{args.data / 'val'}, or give --data {args.data / 'train'} to split that")
+    if not laid_out and args.data.is_dir():
+        _check_not_splits_as_classes(args.data)
     said = ""
     if args.val_split is None and not (args.data / "train").is_dir() and args.data.is_dir() and any(
             p.is_dir() and p.name not in ("train", "val") for p in args.data.iterdir()):

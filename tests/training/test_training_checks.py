@@ -70,6 +70,20 @@ def test_val_split_on_a_train_and_val_folder_is_refused(folder: Path, tmp_path: 
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("splits", [("Train", "Val"), ("training", "validation"), ("Train", "Test", "Valid")])
+def test_a_folder_whose_class_folders_are_named_as_splits_is_refused(splits: tuple[str, ...], folder: Path,
+                                                                     tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    # Before: data/{Train,Val}/<class>/ trained a two-class model telling Train from Val, said nowhere (its class
+    # folders pooled), a new user's trial; lower-case train/ and val/ are the split layout.
+    data = tmp_path / "data"
+    for name, split in zip(splits, ("train", "val", "val")):
+        shutil.copytree(folder / split, data / name)
+    error = _main_error(small_args(data, tmp_path / "run"), caplog)
+    assert f"class folders ({', '.join(sorted(splits))}) are named as a dataset's splits" in error
+    assert f"give --data {data / splits[0]} to hold out" in error and not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("option, value, says", [
     ("--min-crop-scale", "0", "must be in (0, 1]"), ("--min-crop-scale", "1.5", "must be in (0, 1]"),
     ("--label-smoothing", "1.5", "must be in [0, 1)"), ("--lr", "-1", "must be above 0"),
