@@ -13,6 +13,7 @@ import html
 import io
 import json
 import os
+import shlex
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -73,10 +74,10 @@ def trained_warning(count: int, total: int, manifest: Manifest, labels: Path) ->
     assert trained is not None
     if trained.held_out is not None:
         where = f"under {trained.folder} and not in {trained.held_out}"
-        instead = f"--data {trained.held_out} --labels {labels}"
+        instead = f"--data {shlex.quote(str(trained.held_out))} --labels {shlex.quote(str(labels))}"
     else:
         where = f"under {trained.folder}"
-        held = Path(trained.folder).parent / "val"
+        held = shlex.quote(str(Path(trained.folder).parent / "val"))
         instead = f"--data {held} --labels {held}"
     return (f"{count} of the {total} labelled images are ones {manifest.name} {manifest.version} trained on ({where}): "
             f"its accuracy on them overstates how it does on images it has not seen; evaluate on those its run held "

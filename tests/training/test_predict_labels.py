@@ -54,7 +54,7 @@ def test_an_evaluation_on_images_the_model_trained_on_says_how_many_and_how_to_e
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # Before: a run's own folder evaluated whole (most of it trained on) printed its accuracy as any other.
     weights = export_tiny(tmp_path / "weights")
-    data = tmp_path / "data"  # a folder a run split (--val-split): one image of each class held out
+    data = tmp_path / "my data"  # a folder a run split (--val-split): one image of each class held out
     for name in ("a", "b", "c"):
         (data / name).mkdir(parents=True)
         for i in range(2):
@@ -77,7 +77,7 @@ def test_an_evaluation_on_images_the_model_trained_on_says_how_many_and_how_to_e
     said, metrics = evaluate(data, "whole")
     expected = (f"3 of the 6 labelled images are ones mine 1 trained on (under {data} and not in {held}): its "
                 f"accuracy on them overstates how it does on images it has not seen; evaluate on those its run held "
-                f"out: --data {held} --labels {data}")
+                f"out: --data {held} --labels '{data}'")  # as a shell reads it: the name has a space
     assert said == [expected, expected] and metrics["trained_on"] == 3  # before scoring, and again at the end
     said, metrics = evaluate(held, "held")  # the command it names: none of them trained on, nothing said
     assert said == [] and metrics["trained_on"] == 0 and metrics["count"] == 3
