@@ -26,6 +26,9 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: %(default)s)".lstrip()
 
 
+DEFAULT_OUTPUT_DIR = Path("runs/default")
+
+
 class _Parser(argparse.ArgumentParser):
     """Resolves the defaults that follow other options, for every caller of the parser."""
 
@@ -34,6 +37,8 @@ class _Parser(argparse.ArgumentParser):
         parsed, rest = super().parse_known_args(args, namespace)
         if parsed.arch is None:  # --pretrained exists for efficientnet_lite0 only
             parsed.arch = "efficientnet_lite0" if parsed.pretrained else "resnet18"
+        if parsed.output_dir is None:  # a resumed run goes on in its checkpoint's folder, as its hints say
+            parsed.output_dir = parsed.resume.parent if parsed.resume is not None else DEFAULT_OUTPUT_DIR
         return parsed, rest
 
 
@@ -142,8 +147,9 @@ def get_args_parser(archs: Sequence[str], description: str = "") -> argparse.Arg
     parser.add_argument("--split-seed", type=int, default=0,
                         help="which images --val-split holds out, apart from --seed: runs of other seeds (a model's "
                              "next version) validate on the same images")
-    parser.add_argument("--output-dir", type=Path, default=Path("runs/default"),
-                        help="checkpoints, metrics.jsonl, confusion.json")
+    parser.add_argument("--output-dir", type=Path, default=None,
+                        help=f"checkpoints, metrics.jsonl, confusion.json (default: {DEFAULT_OUTPUT_DIR}, or with "
+                             "--resume the checkpoint's folder)")
     parser.add_argument("--resume", type=Path, default=None, help="checkpoint.pt to continue from")
     parser.add_argument("--export", type=Path, default=None, help="at the end, export best.pt to this weights dir")
     parser.add_argument("--export-repository", type=Path, default=None,

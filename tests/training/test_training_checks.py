@@ -117,6 +117,16 @@ def _resumable(one_epoch: Path, tmp_path: Path) -> tuple[Path, list[str]]:
 
 
 @pytest.mark.slow  # a second or more (a run of the CLI, make, or workers sharing a state): the full suite's
+def test_a_resumed_run_goes_on_in_its_checkpoint_s_folder_unless_told_another() -> None:
+    # Before: --resume runs/mine/checkpoint.pt alone branched the run into runs/default (a new user's trial).
+    def output_dir(*argv: str) -> Path:
+        return get_args_parser(ARCHS).parse_args(["--data", "data/mine", *argv]).output_dir
+
+    assert output_dir("--resume", "runs/mine/checkpoint.pt") == Path("runs/mine")
+    assert output_dir() == Path("runs/default")
+    assert output_dir("--resume", "runs/mine/checkpoint.pt", "--output-dir", "runs/other") == Path("runs/other")
+
+
 def test_resume_of_what_cannot_go_on_is_one_line(folder: Path, one_epoch: Path, tmp_path: Path,
                                                  caplog: pytest.LogCaptureFixture) -> None:
     run, resume = _resumable(one_epoch, tmp_path)
