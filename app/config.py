@@ -455,8 +455,9 @@ class MonitoringSettings(SettingsGroup):
         1000, ge=10, description="Each worker watches the last this many predictions of each model version (its "
         "window): their top-1 class mix against the version's reference gives `visionserve_prediction_drift_psi`, "
         "and their share below `MONITOR_LOW_CONFIDENCE` `visionserve_low_confidence_ratio`. A version whose manifest "
-        "holds no reference (the packaged Lite0, exports before the field) takes its first this many predictions "
-        "after the load as the reference, and the window starts again after them.")
+        "holds no reference (the packaged Lite0, exports before the field), or one of fewer than "
+        "`MONITOR_MIN_PREDICTIONS` predictions (a small folder's few held-out images), takes its first this many "
+        "predictions after the load as the reference, and the window starts again after them.")
     monitor_min_predictions: int = Field(
         200, ge=1, description="The window must hold at least this many predictions (and the reference be "
         "complete) before the drift and low-confidence gauges report; fewer give figures that are mostly noise. "

@@ -143,6 +143,29 @@ def test_the_manifest_reference_is_the_one_compared_with(settings: Settings) -> 
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 
 
+def test_a_manifest_reference_smaller_than_the_least_window_is_left_for_the_first_predictions(
+        settings: Settings) -> None:
+    # Before: a small folder's 12 held-out images' predictions were the reference: a balanced stream of the classes
+    # the model told right read as drifted (a new user's trial: 18 predictions, PSI 0.239 of a correct stream).
+    reference = PredictionReference(source="validation", predictions=12, class_counts=[2, 6, 4, 0],
+                                    confidence_buckets=[0.5, 1.0], confidence_counts=[1, 11],
+                                    low_confidence_threshold=0.5, low_confidence_share=0.1)
+    app = _app(settings, "small_reference", reference)
+    try:
+        client = app.test_client()
+        _send(client, _mix(7, 7, 6, seed=3))
+        collecting = _monitoring(client)
+        assert collecting["reference"]["source"] == "first_predictions" and collecting["psi"] is None
+        _send(client, _mix(7, 7, 6, seed=4))  # the first window (40) makes the reference; then 20 alike
+        assert _monitoring(client)["reference"] == {"source": "first_predictions", "predictions": 40,
+                                                    "complete": True, "low_confidence_threshold": 0.5,
+                                                    "low_confidence_share": 0.0}
+        _send(client, _mix(7, 7, 6, seed=5))
+        assert _monitoring(client)["psi"] < 0.1
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
 @pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_a_manifest_without_a_reference_loads_and_serves(tmp_path: Path) -> None:
     weights = export_tiny(tmp_path / "weights")

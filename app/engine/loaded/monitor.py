@@ -17,12 +17,15 @@ PSI = sum over the bins of (w - r) * ln(w / r), where w and r are the window's a
 - empty bins: a share below PSI_EPSILON counts as PSI_EPSILON, on either side, so a class the reference never
   predicted adds a large but finite term (a 10% share of it: about 0.7);
 - reported (not None) only once the reference is complete and the window holds ``min_predictions``;
-- the reference: the manifest's (the validation split's predictions at export), else this monitor's first full
-  window after the load ("first_predictions"), after which the window starts empty so the two share no prediction.
+- the reference: the manifest's (the validation split's predictions at export) when it holds ``min_predictions``
+  (a smaller one, a small folder's few held-out images, is mostly noise: 18 predictions of a balanced stream read
+  0.24), else this monitor's first full window after the load ("first_predictions"), after which the window starts
+  empty so the two share no prediction.
 Reading it: below 0.1 the mix is stable, 0.1 to 0.2 worth watching, above 0.2 it has drifted.
 """
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from dataclasses import dataclass
@@ -34,6 +37,8 @@ import torch
 from app.config import Settings
 from app.engine.ranking import top_indices
 from models.export.manifest import Manifest, PredictionReference
+
+log = logging.getLogger(__name__)
 
 PSI_EPSILON = 1e-4
 TOP_CLASSES = 5  # classes a snapshot lists
@@ -213,9 +218,16 @@ class PredictionMonitor:
     @classmethod
     def for_version(cls, settings: Settings, manifest: Manifest) -> "PredictionMonitor":
         """The monitor of a version with this manifest, as the settings ask."""
+        reference = manifest.reference
+        if reference is not None and sum(reference.class_counts) < settings.monitor_min_predictions:
+            log.info("%s version %s: its manifest's reference holds %d predictions (its validation split's), fewer "
+                     "than MONITOR_MIN_PREDICTIONS (%d): its drift is judged against its first %d predictions after "
+                     "the load instead", manifest.name, manifest.version, sum(reference.class_counts),
+                     settings.monitor_min_predictions, settings.monitor_window)
+            reference = None
         return cls(manifest.labels, window=settings.monitor_window, min_predictions=settings.monitor_min_predictions,
                    low_confidence_threshold=settings.monitor_low_confidence, psi_bins=settings.monitor_psi_bins,
-                   reference=manifest.reference)
+                   reference=reference)
 
     def _set_reference(self, class_counts: torch.Tensor) -> None:
         bins = class_bins(class_counts, self.psi_bins)
