@@ -125,11 +125,16 @@ def test_class_counts_and_the_confidence_histogram_are_what_was_sent_and_exclude
         sum(s < 0.5 for s in scores) / len(scores))
 
 
+def _validation_reference(class_counts: list[int], confident: int) -> PredictionReference:
+    """A manifest's reference of ``class_counts`` predictions, ``confident`` of them at or above 0.5."""
+    return PredictionReference(source="validation", predictions=sum(class_counts), class_counts=class_counts,
+                               confidence_buckets=[0.5, 1.0],
+                               confidence_counts=[sum(class_counts) - confident, confident],
+                               low_confidence_threshold=0.5, low_confidence_share=0.1)
+
+
 def test_the_manifest_reference_is_the_one_compared_with(settings: Settings) -> None:
-    reference = PredictionReference(source="validation", predictions=30, class_counts=[10, 10, 10, 0],
-                                    confidence_buckets=[0.5, 1.0], confidence_counts=[3, 27],
-                                    low_confidence_threshold=0.5, low_confidence_share=0.1)
-    app = _app(settings, "with_reference", reference)
+    app = _app(settings, "with_reference", _validation_reference([10, 10, 10, 0], confident=27))
     try:
         client = app.test_client()
         _send(client, _mix(7, 7, 6, seed=3))  # 20 = MONITOR_MIN_PREDICTIONS: reported at once, no collecting
@@ -147,10 +152,7 @@ def test_a_manifest_reference_smaller_than_the_least_window_is_left_for_the_firs
         settings: Settings) -> None:
     # Before: a small folder's 12 held-out images' predictions were the reference: a balanced stream of the classes
     # the model told right read as drifted (a new user's trial: 18 predictions, PSI 0.239 of a correct stream).
-    reference = PredictionReference(source="validation", predictions=12, class_counts=[2, 6, 4, 0],
-                                    confidence_buckets=[0.5, 1.0], confidence_counts=[1, 11],
-                                    low_confidence_threshold=0.5, low_confidence_share=0.1)
-    app = _app(settings, "small_reference", reference)
+    app = _app(settings, "small_reference", _validation_reference([2, 6, 4, 0], confident=11))
     try:
         client = app.test_client()
         _send(client, _mix(7, 7, 6, seed=3))
