@@ -27,11 +27,12 @@ from models.export.manifest import (
     PredictionReference,
     TrainedOn,
     WeightsFile,
+    read_manifest,
     too_few_labels,
 )
 from models.export import publish as publishing
 from models.export.publish import check_replace, held_by, staging_beside
-from models.export.repository import check_name, is_export, models, next_version
+from models.export.repository import check_name, is_export, models, next_version, version_order, versions
 from models.export.torchscript import check_same_outputs, quiet_jit, to_torchscript
 from models.presets import EvalPreset
 
@@ -98,8 +99,31 @@ def export_model(model: nn.Module, *, out_dir: Path, name: str, version: str, ar
         out_dir, manifest = publishing.publish(staging, out_dir, manifest, force=force, numbered=numbered)
     laps.done("manifest")
     log.info("wrote %s", describe(manifest, out_dir))
+    if numbered:
+        _say_classes_changed(out_dir.parent, manifest)
     log.info("export took %.0fs: %s", sum(laps.seconds.values()), laps)
     return manifest
+
+
+def _say_classes_changed(model_dir: Path, manifest: Manifest) -> None:
+    """A warning when the version before ``manifest``'s in its model's folder answers other classes (or the same in
+    another order): a client that reads an answer's ``index`` gets another class from the new version."""
+    before = [v for v in versions(model_dir.parent, manifest.name)
+              if version_order(v) < version_order(manifest.version)]
+    if not before:
+        return
+    try:
+        labels = read_manifest(model_dir / before[-1]).labels
+    except Exception:  # noqa: BLE001 - a version the server refuses anyway: nothing to compare with
+        return
+    if labels == manifest.labels:
+        return
+    new, gone = [c for c in manifest.labels if c not in labels], [c for c in labels if c not in manifest.labels]
+    said = "; ".join(part for part in (f"{len(new)} new: {', '.join(new)}" if new else "",
+                                       f"{len(gone)} gone: {', '.join(gone)}" if gone else "") if part)
+    log.warning("%s version %s answers other classes than version %s (%s): a client that reads an answer's index "
+                "gets another class from it; one that reads its label does not", manifest.name, manifest.version,
+                before[-1], said or "the same classes in another order")
 
 
 def _write_hashed(path: Path, write: Callable[[Any], None]) -> WeightsFile:

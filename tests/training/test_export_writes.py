@@ -314,3 +314,28 @@ def test_every_documented_checkpoint_export_names_its_folder() -> None:
     for page, argv in found:
         args = export_cli.get_args_parser().parse_args(argv)
         assert args.out or args.repository, f"{page}: models.export {' '.join(argv)}"
+
+
+def test_a_version_that_answers_other_classes_than_the_one_before_is_said_at_its_export(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: a run of other classes exported into the model's folder as its next version in silence; the server
+    # served it at once, index 1 now meaning "eight" where it meant "seven sevens" (a new user's trial).
+    first = read_manifest(export_tiny(tmp_path / "repository" / "mine" / "1"))  # a, b, c
+    with caplog.at_level(logging.WARNING, logger="models.export.write"):
+        write.export_model(build_model("mobilenet_v3_small", 3), out_dir=tmp_path / "repository" / "mine" / "2",
+                           name="mine", version="2", arch="mobilenet_v3_small", labels=["a", "b", "d"],
+                           preset=EvalPreset(resize_size=40, crop_size=32), numbered=True)
+    assert [r.getMessage() for r in caplog.records] == [
+        "mine version 2 answers other classes than version 1 (1 new: d; 1 gone: c): a client that reads an answer's "
+        "index gets another class from it; one that reads its label does not"]
+    for labels, said in ((["c", "b", "a"], "(the same classes in another order)"), (["a", "b", "c"], None)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="models.export.write"):
+            write._say_classes_changed(tmp_path / "repository" / "mine",
+                                       first.model_copy(update={"version": "2", "labels": labels}))
+        warned = [r.getMessage() for r in caplog.records]
+        if said is None:
+            assert warned == []
+        else:
+            assert warned == [f"mine version 2 answers other classes than version 1 {said}: a client that reads an "
+                              f"answer's index gets another class from it; one that reads its label does not"]
