@@ -234,7 +234,8 @@ class Rollout(BaseModel):
     rollback: dict[str, Any] | None = Field(description="the automatic rollback rule; null: by call only")
     promotion: str | None = Field(description="what the automatic promotion waits for, or why it holds")
     comparison: dict[str, Any] | None = Field(description="the shadow's figures: compared, top1_agreement, "
-                                              "top5_overlap, mean/max_probability_difference, disagreements "
+                                              "top5_overlap (null below 6 classes, where it is 1.0 by "
+                                              "construction), mean/max_probability_difference, disagreements "
                                               "(live -> candidate, counts), live/candidate_forward_ms (p50, p99 per "
                                               "image), errors, dropped (by reason)")
     traffic: dict[str, Any] = Field(description="per version since its role last changed: requests, failures "

@@ -20,12 +20,11 @@ from typing import Any, Iterable, Sequence
 import torch
 from PIL import Image
 
-from models.export.manifest import Manifest, TrainedOn
+from models.export.manifest import TOP5_MIN_CLASSES, Manifest, TrainedOn
 from models.predict.inputs import read_list
 from models.predict.outputs import Record
 from models.run.args import DataError
 from models.run.confusion import confusion, write_confusion
-from models.run.report import TOP5_MIN_CLASSES
 
 METRICS_NAME = "metrics.json"
 MISTAKES_NAME = "mistakes.html"

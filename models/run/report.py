@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from models.commands import command_path, module_command, python_command
+from models.export.manifest import TOP5_MIN_CLASSES
 
 log = logging.getLogger(__name__)
 
 METRICS_NAME = "metrics.jsonl"
-TOP5_MIN_CLASSES = 6  # with 5 classes or fewer, top-5 accuracy is 1.0 by construction
 
 
 def duration(seconds: float) -> str:

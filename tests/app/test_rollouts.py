@@ -25,7 +25,7 @@ from app import EXTENSION_KEY
 from app.factory import create_app
 from app.config import Settings
 from app.engine.batching.types import BatchRun
-from app.engine.rollouts.evidence import Comparison
+from app.engine.rollouts.evidence import Comparison, merge_comparisons
 from app.engine.rollouts.policy import PolicyError, VersionPolicy
 from app.engine.rollouts.plan import (
     PromoteRule,
@@ -366,6 +366,20 @@ def test_a_version_promoted_from_shadow_answers_its_first_requests_ahead_of_the_
             assert module.batch_sizes[passes + 1:] == [4]  # the shadow's second batch ran after the request
     finally:
         service.shutdown(timeout=5)
+
+
+def test_the_shadow_s_top5_overlap_is_none_below_six_classes_where_it_is_one_by_construction() -> None:
+    # Before: 1.0 for a 3-class model's versions, whatever they answered (training and models.predict drop top-5
+    # there; a new user's trial).
+    def overlap(classes: int) -> float | None:
+        comparison = Comparison("colour", "2", "1")
+        labels = [f"c{i}" for i in range(classes)]
+        live, candidate = torch.eye(classes)[:2], torch.eye(classes).flip(1)[:2]  # top-1s never agree
+        comparison.record(live, labels, candidate, labels, [1.0, 1.0], [1.0, 1.0])
+        return merge_comparisons([comparison.dump()])["top5_overlap"]
+
+    assert overlap(3) is None and overlap(5) is None
+    assert 0 < overlap(6) < 1 and 0 < overlap(10) < 1  # (ties among the zeros: 0.9 at six)
 
 
 def test_shadow_work_waiting_as_its_rollout_changes_is_dropped_as_retired_and_never_run() -> None:

@@ -21,6 +21,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from app.metrics import SHADOW_AGREED, SHADOW_COMPARED, SHADOW_DROPPED, SHADOW_ERRORS, SHADOW_PROBABILITY_DIFFERENCE
+from models.export.manifest import TOP5_MIN_CLASSES
 
 SAMPLES = 512  # latencies kept per worker and version
 TOP_DISAGREEMENTS = 10  # disagreements listed, most frequent first
@@ -43,6 +44,7 @@ class Comparison:
         self.model, self.candidate, self.live = model, candidate, live
         self._lock = threading.Lock()
         self.compared = self.agreed = self.errors = 0
+        self.top5_compared = 0  # images compared with TOP5_MIN_CLASSES classes or more on both sides (``top5_overlap``)
         self.differenced = 0  # images whose probabilities were compared class by class (the same label lists)
         self.top5_overlap = self.difference_sum = self.difference_max = 0.0
         self.disagreements: collections.Counter[str] = collections.Counter()
@@ -55,6 +57,7 @@ class Comparison:
                candidate_labels: list[str], live_ms: Iterable[float], candidate_ms: Iterable[float]) -> None:
         """Rows of probabilities for the same images from both versions, and each side's forward time per image."""
         k = min(5, live.shape[1], candidate.shape[1])
+        top5 = min(len(live_labels), len(candidate_labels)) >= TOP5_MIN_CLASSES  # else 1.0 by construction
         live_top, candidate_top = live.topk(k, dim=1).indices.tolist(), candidate.topk(k, dim=1).indices.tolist()
         same_classes = live_labels == candidate_labels
         differences = (live - candidate).abs().amax(dim=1).tolist() if same_classes else []
@@ -67,7 +70,9 @@ class Comparison:
                     agreed += 1
                 else:
                     self.disagreements[f"{ours_labels[0]}{PAIR}{theirs_labels[0]}"] += 1
-                self.top5_overlap += len(set(ours_labels) & set(theirs_labels)) / k
+                if top5:
+                    self.top5_overlap += len(set(ours_labels) & set(theirs_labels)) / k
+                    self.top5_compared += 1
             self.agreed += agreed
             self.differenced += len(differences)
             self.difference_sum += sum(differences)
@@ -97,7 +102,8 @@ class Comparison:
         """This worker's figures, in a form ``merge_comparisons`` sums."""
         with self._lock:
             return {"model": self.model, "candidate": self.candidate, "live": self.live, "compared": self.compared,
-                    "agreed": self.agreed, "top5_overlap": self.top5_overlap, "differenced": self.differenced,
+                    "agreed": self.agreed, "top5_overlap": self.top5_overlap, "top5_compared": self.top5_compared,
+                    "differenced": self.differenced,
                     "difference_sum": self.difference_sum, "difference_max": self.difference_max, "errors": self.errors,
                     "disagreements": dict(self.disagreements), "dropped": dict(self.dropped),
                     "live_ms": list(self.live_ms), "candidate_ms": list(self.candidate_ms)}
@@ -107,8 +113,8 @@ def merge_comparisons(dumps: list[dict[str, Any]]) -> dict[str, Any]:
     """One candidate's figures over every worker's dump (same model, candidate and live version). The probability
     differences are over the images whose probabilities could be compared (both versions' labels the same, in the
     same order): None when there were none, not 0.0 (which would read as identical answers)."""
-    total = {key: sum(d[key] for d in dumps) for key in ("compared", "agreed", "top5_overlap", "differenced",
-                                                         "difference_sum", "errors")}
+    total = {key: sum(d[key] for d in dumps) for key in ("compared", "agreed", "top5_overlap", "top5_compared",
+                                                         "differenced", "difference_sum", "errors")}
     disagreements: collections.Counter[str] = collections.Counter()
     dropped: collections.Counter[str] = collections.Counter()
     live_ms: list[float] = []
@@ -122,7 +128,7 @@ def merge_comparisons(dumps: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "compared": compared, "errors": total["errors"], "dropped": dict(dropped),
         "top1_agreement": total["agreed"] / compared if compared else None,
-        "top5_overlap": total["top5_overlap"] / compared if compared else None,
+        "top5_overlap": total["top5_overlap"] / total["top5_compared"] if total["top5_compared"] else None,
         "mean_probability_difference": total["difference_sum"] / differenced if differenced else None,
         "max_probability_difference": max(d["difference_max"] for d in dumps) if differenced else None,
         "disagreements": [{"live": pair.partition(PAIR)[0], "candidate": pair.partition(PAIR)[2], "count": n}
