@@ -464,7 +464,8 @@ def start_or_resume(args: argparse.Namespace, model: nn.Module, optimizer: torch
     start, planned = resumed.start, resumed.planned
     elsewhere = resumes_elsewhere(args)
     source = _best_source(args, resumed) if elsewhere and start < args.epochs else None
-    log.info("resumed from %s at epoch %d", args.resume, start + 1)
+    if start < args.epochs:  # (a finished run's resume says it has nothing to train, not an epoch it will not run)
+        log.info("resumed from %s at epoch %d", args.resume, start + 1)
     changed = _apply_rates(optimizer, resumed.args, args)
     now = schedule_plan(args.epochs, args.lr_warmup_epochs)
     if planned == now and not changed:

@@ -273,10 +273,11 @@ def test_extending_a_finished_run_continues_the_schedule_and_a_finished_run_says
     assert _lrs(extended)[2:] == pytest.approx(_lrs(planned)[2:])
     assert min(_lrs(extended)[2:]) > 0
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="models.train"):
+    with caplog.at_level(logging.INFO, logger="models.train"), caplog.at_level(logging.INFO, "models.run.checkpoint"):
         assert train.main(small_args(folder, extended, "--epochs", "4", "--resume",
                                      str(extended / CHECKPOINT_NAME))) == 0
     assert "is a finished run of 4 epochs" in caplog.text and "--epochs 9" in caplog.text
+    assert "resumed from" not in caplog.text  # (it said "at epoch 5" of a run it then did not train)
     assert len(read_metrics(extended)) == 4  # nothing more was trained
 
 
