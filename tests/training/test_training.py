@@ -79,7 +79,8 @@ def test_one_epoch_exports_weights_the_app_serves_with_evaluates_predictions(fol
                                            zip([-1.0, *reference.confidence_buckets], reference.confidence_buckets)]
     assert reference.low_confidence_share == pytest.approx(float((confidences < 0.5).float().mean()), abs=1e-6)
 
-    app = create_app(Settings(weights_dir=weights, device="cpu", max_batch_size=4, log_level="warning"))
+    app = create_app(Settings(weights_dir=weights, device="cpu", max_batch_size=4, log_level="warning",
+                              monitor_min_predictions=9))  # (a reference of fewer is left for the first predictions)
     try:
         client = app.test_client()
         info = client.get("/v1/models?labels=1").get_json()["models"][0]
