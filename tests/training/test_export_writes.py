@@ -316,6 +316,7 @@ def test_every_documented_checkpoint_export_names_its_folder() -> None:
         assert args.out or args.repository, f"{page}: models.export {' '.join(argv)}"
 
 
+@pytest.mark.slow  # two real exports: seconds, the full suite's
 def test_a_version_that_answers_other_classes_than_the_one_before_is_said_at_its_export(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # Before: a run of other classes exported into the model's folder as its next version in silence; the server
