@@ -27,6 +27,7 @@ from tqdm import tqdm
 from models.architectures import ARCHS
 from models.data.gpu import DevicePrefetcher
 from models.data.loaders import Data, load_data
+from models.export.manifest import TOP5_MIN_CLASSES
 from models.export.repository import check_name, name_from
 from models.presets import EvalPreset
 from models.pretrained import pretrained_preset
@@ -47,8 +48,7 @@ from models.run.distributed import (
 )
 from models.run.optim import build_trainable, make_optimizer, make_scheduler, set_train_mode
 from models.run.reference import reference_counts, reference_from_counts
-from models.run.report import (HELD_OUT_NAME, TOP5_MIN_CLASSES, Progress, RunLog, Timer, process_started,
-                               write_held_out)
+from models.run.report import HELD_OUT_NAME, Progress, RunLog, Timer, process_started, write_held_out
 
 log = logging.getLogger("models.train")
 

@@ -140,7 +140,8 @@ class MonitoringReference(BaseModel):
 
     source: str = Field(description="validation: the validation split's predictions, measured at export (the "
                         "manifest's reference); first_predictions: this worker's first MONITOR_WINDOW predictions "
-                        "after the load (the manifest has none: the packaged Lite0, older exports)")
+                        "after the load (the manifest has none: the packaged Lite0, older exports; or one of fewer "
+                        "than MONITOR_MIN_PREDICTIONS predictions)")
     predictions: int = Field(description="predictions it holds (first_predictions, while collecting: so far)")
     complete: bool
     low_confidence_threshold: float

@@ -35,17 +35,11 @@ class Split:
 
 
 def _unreadable_reason(path: Path) -> str | None:
-    """None when PIL decodes the file in a format the server accepts, of a size it accepts (its default limits:
-    pixels, aspect ratio); else why not: an image the server refuses would count in the run's validation figures
-    and never in what it answers."""
+    """None when PIL decodes the file in a format the server accepts; else why not."""
     try:
         with Image.open(path) as image:
             if image.format not in IMAGE_FORMATS:
                 return f"format {image.format} is not one the server accepts"
-            try:
-                check_size(*image.size, SERVED_LIMITS)
-            except ImageRefused as exc:
-                return f"{exc}: the server refuses it"
             # A reduced-scale JPEG decode still reads the whole file, so truncation shows, at a fraction of the cost.
             image.draft("RGB", (64, 64))
             image.load()
@@ -100,6 +94,28 @@ def scan_split(root: Path, workers: int = 4) -> Split:
     if empty:
         raise DataError(f"class folder(s) with no readable images in {root}: {', '.join(empty)}")
     return Split(root=root, classes=[d.name for d in class_dirs], samples=samples, skipped=skipped)
+
+
+def _refused_size(path: Path) -> str | None:
+    """Why the server refuses the image at ``path`` for its size (its default limits: pixels, aspect ratio), or
+    None."""
+    try:
+        with Image.open(path) as image:
+            check_size(*image.size, SERVED_LIMITS)
+    except ImageRefused as exc:
+        return f"{exc}: the server refuses it, so validation leaves it out"
+    except Exception:  # noqa: BLE001 - read whole by the scan a moment ago: judged there
+        return None
+    return None
+
+
+def servable_only(split: Split) -> Split:
+    """A validation split without the images the server refuses for their size (added to its skipped ones): they
+    would count in the run's figures and never in what it answers. Training keeps them (a 48-megapixel photo trains
+    as any other: resized, as the server would resize one it took)."""
+    reasons = [_refused_size(path) for path, _ in split.samples]
+    return Split(split.root, split.classes, [sample for sample, why in zip(split.samples, reasons) if why is None],
+                 [*split.skipped, *((path, why) for (path, _), why in zip(split.samples, reasons) if why is not None)])
 
 
 def check_same_classes(train: Split, val: Split) -> None:

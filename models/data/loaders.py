@@ -18,6 +18,7 @@ from models.data.folder import (
     Split,
     check_same_classes,
     scan_split,
+    servable_only,
     split_holdout,
 )
 from models.data.gpu import DeviceAugment, EncodedFolder, Prepare, ToDevice, collate
@@ -45,11 +46,12 @@ SPLIT_NAMES = frozenset({"train", "training", "val", "valid", "validation", "tes
 
 
 def _check_not_splits_as_classes(data: Path) -> None:
-    """DataError when every class folder of ``data`` is named as a split (``Train/`` and ``Val/``, ``training/`` and
-    ``validation/``): its images would train a model that tells the splits apart (their class folders pooled)."""
+    """DataError when every class folder of ``data`` is named as a split, one of them a training split (``Train/``
+    and ``Val/``, ``training/`` and ``validation/``): its images would train a model that tells the splits apart
+    (their class folders pooled)."""
     names = sorted(p.name for p in data.iterdir() if p.is_dir() and not p.name.startswith("."))
-    if len(names) >= 2 and all(name.lower() in SPLIT_NAMES for name in names):
-        training = next((name for name in names if name.lower().startswith("train")), names[0])
+    training = next((name for name in names if name.lower().startswith("train")), None)
+    if training is not None and len(names) >= 2 and all(name.lower() in SPLIT_NAMES for name in names):
         raise DataError(f"{data}'s class folders ({', '.join(names)}) are named as a dataset's splits, not as "
                         f"classes: lay it out as {data}/train/<class name>/ and {data}/val/<class name>/ (train and "
                         f"val, lower case), or give --data {data / training} to hold out part of it for validation")
@@ -63,14 +65,13 @@ def splits(args: argparse.Namespace) -> tuple[Split, Split]:
         raise DataError(f"--val-split holds out part of a DIR/<class>/* folder, but {args.data} has "
                         f"{' and '.join(f'{name}/' for name in laid_out)}: leave --val-split out to validate on "
                         f"{args.data / 'val'}, or give --data {args.data / 'train'} to split that")
-    if not laid_out and args.data.is_dir():
-        _check_not_splits_as_classes(args.data)
     said = ""
     if args.val_split is None and not (args.data / "train").is_dir() and args.data.is_dir() and any(
             p.is_dir() and p.name not in ("train", "val") for p in args.data.iterdir()):
         args.val_split = DEFAULT_VAL_SPLIT
         said = f"{args.data} has no train/ and val/ folders: "
     if args.val_split is not None:
+        _check_not_splits_as_classes(args.data)  # its folders are the classes: not a dataset's splits
         train_split, val_split = split_holdout(scan_split(args.data, workers=workers), args.val_split,
                                                 args.split_seed)
         held, whole = len(val_split.samples), len(val_split.samples) + len(train_split.samples)
@@ -107,6 +108,7 @@ def _check_laid_out(data: Path) -> None:
 def load_data(args: argparse.Namespace, preset: EvalPreset, env: DistEnv, device: torch.device) -> Data:
     """Check both splits, then build sharded loaders (every rank scans: the result is the same everywhere)."""
     train_split, val_split = splits(args)
+    val_split = servable_only(val_split)  # what the server refuses for its size is no validation of what it answers
     skipped = [*train_split.skipped, *val_split.skipped]
     if skipped and env.is_main:  # once, by rank 0: every rank scans alike
         for path, reason in skipped:

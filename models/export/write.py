@@ -277,7 +277,8 @@ def export_checkpoint(path: Path, out_dir: Path | None, *, name: str | None = No
     before (the command's start), for the last log line. A file that is no ``models.train`` checkpoint, or whose
     weights are not its architecture's, is refused in one line (ValueError)."""
     laps = Laps() if laps is None else laps
-    from models.run.report import TOP5_MIN_CLASSES, run_export_source
+    from models.export.manifest import TOP5_MIN_CLASSES
+    from models.run.report import run_export_source
 
     state = read_exportable(path)
     run_name = Path(str(state["args"].get("output_dir", path.parent))).name

@@ -37,8 +37,10 @@ class _Parser(argparse.ArgumentParser):
         parsed, rest = super().parse_known_args(args, namespace)
         if parsed.arch is None:  # --pretrained exists for efficientnet_lite0 only
             parsed.arch = "efficientnet_lite0" if parsed.pretrained else "resnet18"
-        if parsed.output_dir is None:  # a resumed run goes on in its checkpoint's folder, as its hints say
-            parsed.output_dir = parsed.resume.parent if parsed.resume is not None else DEFAULT_OUTPUT_DIR
+        if parsed.output_dir is None:  # a resumed run goes on in its checkpoint's folder, as its hints say (another
+            # file of it, best.pt or a copy, would write over the run's later epochs there: it branches instead)
+            resumes_its_run = parsed.resume is not None and parsed.resume.name == "checkpoint.pt"
+            parsed.output_dir = parsed.resume.parent if resumes_its_run else DEFAULT_OUTPUT_DIR
         return parsed, rest
 
 
@@ -149,7 +151,7 @@ def get_args_parser(archs: Sequence[str], description: str = "") -> argparse.Arg
                              "next version) validate on the same images")
     parser.add_argument("--output-dir", type=Path, default=None,
                         help=f"checkpoints, metrics.jsonl, confusion.json (default: {DEFAULT_OUTPUT_DIR}, or with "
-                             "--resume the checkpoint's folder)")
+                             "--resume of a run's checkpoint.pt that run's folder)")
     parser.add_argument("--resume", type=Path, default=None, help="checkpoint.pt to continue from")
     parser.add_argument("--export", type=Path, default=None, help="at the end, export best.pt to this weights dir")
     parser.add_argument("--export-repository", type=Path, default=None,

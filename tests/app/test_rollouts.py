@@ -374,12 +374,16 @@ def test_the_shadow_s_top5_overlap_is_none_below_six_classes_where_it_is_one_by_
     def overlap(classes: int) -> float | None:
         comparison = Comparison("colour", "2", "1")
         labels = [f"c{i}" for i in range(classes)]
-        live, candidate = torch.eye(classes)[:2], torch.eye(classes).flip(1)[:2]  # top-1s never agree
-        comparison.record(live, labels, candidate, labels, [1.0, 1.0], [1.0, 1.0])
+        scores = torch.arange(classes, dtype=torch.float32).softmax(0)  # no ties: its top 5 are its last 5
+        live, candidate = scores[None], scores.flip(0)[None]  # the candidate's top 5 are the first 5
+        comparison.record(live, labels, candidate, labels, [1.0], [1.0])
         return merge_comparisons([comparison.dump()])["top5_overlap"]
 
     assert overlap(3) is None and overlap(5) is None
-    assert 0 < overlap(6) < 1 and 0 < overlap(10) < 1  # (ties among the zeros: 0.9 at six)
+    assert overlap(6) == pytest.approx(4 / 5) and overlap(10) == 0.0
+    before = Comparison("colour", "2", "1").dump()  # a worker of the code before (a HUP's drain) counts none apart
+    del before["top5_compared"]
+    assert merge_comparisons([before, Comparison("colour", "2", "1").dump()])["top5_overlap"] is None
 
 
 def test_shadow_work_waiting_as_its_rollout_changes_is_dropped_as_retired_and_never_run() -> None:

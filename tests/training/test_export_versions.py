@@ -141,8 +141,8 @@ def test_help_names_the_commands_and_shows_the_defaults() -> None:
     assert "(default: auto)" in export_help and "(default: float32)" in export_help
     train_help = " ".join(get_args_parser(ARCHS).format_help().split())
     assert train_help.startswith(f"usage: {python_command()} -m models.train")
-    for default in ("(default: 10)", "(default: 32)", "(default: runs/default, or with --resume the checkpoint's "
-                    "folder)", "(default: 0.9)"):
+    for default in ("(default: 10)", "(default: 32)", "(default: runs/default, or with --resume of a run's "
+                    "checkpoint.pt that run's folder)", "(default: 0.9)"):
         assert default in train_help
     assert "(default: None)" not in train_help + export_help and "(default: False)" not in train_help
 

@@ -17,7 +17,7 @@ from PIL import Image
 from models import train
 from tests.training.test_training import _stopped_in_its_second_epoch
 from models.architectures import ARCHS
-from models.data.folder import scan_split
+from models.data.folder import scan_split, servable_only
 from models.data.loaders import load_data
 from models.export.__main__ import main as export_main
 from models.export.manifest import read_manifest
@@ -70,7 +70,8 @@ def test_val_split_on_a_train_and_val_folder_is_refused(folder: Path, tmp_path: 
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("splits", [("Train", "Val"), ("training", "validation"), ("Train", "Test", "Valid")])
+@pytest.mark.parametrize("splits", [("Train", "Val"), ("training", "validation"), ("Train", "Test", "Valid"),
+                                    ("Train", "val")])
 def test_a_folder_whose_class_folders_are_named_as_splits_is_refused(splits: tuple[str, ...], folder: Path,
                                                                      tmp_path: Path,
                                                                      caplog: pytest.LogCaptureFixture) -> None:
@@ -116,7 +117,6 @@ def _resumable(one_epoch: Path, tmp_path: Path) -> tuple[Path, list[str]]:
     return run, ["--epochs", "2", "--resume", str(run / CHECKPOINT_NAME)]
 
 
-@pytest.mark.slow  # a second or more (a run of the CLI, make, or workers sharing a state): the full suite's
 def test_a_resumed_run_goes_on_in_its_checkpoint_s_folder_unless_told_another() -> None:
     # Before: --resume runs/mine/checkpoint.pt alone branched the run into runs/default (a new user's trial).
     def output_dir(*argv: str) -> Path:
@@ -125,8 +125,10 @@ def test_a_resumed_run_goes_on_in_its_checkpoint_s_folder_unless_told_another() 
     assert output_dir("--resume", "runs/mine/checkpoint.pt") == Path("runs/mine")
     assert output_dir() == Path("runs/default")
     assert output_dir("--resume", "runs/mine/checkpoint.pt", "--output-dir", "runs/other") == Path("runs/other")
+    assert output_dir("--resume", "runs/mine/best.pt") == Path("runs/default")  # over the run's later epochs: not
 
 
+@pytest.mark.slow  # a second or more (a run of the CLI, make, or workers sharing a state): the full suite's
 def test_resume_of_what_cannot_go_on_is_one_line(folder: Path, one_epoch: Path, tmp_path: Path,
                                                  caplog: pytest.LogCaptureFixture) -> None:
     run, resume = _resumable(one_epoch, tmp_path)
@@ -371,18 +373,22 @@ def test_an_unreadable_image_is_warned_of_once_by_rank_0(tmp_path: Path, caplog:
                    for r in caplog.records) == said, env
 
 
-def test_images_the_server_refuses_for_their_size_are_skipped_as_it_refuses_them(tmp_path: Path) -> None:
-    # Before: a panorama of aspect ratio 33 (the server's 400) and a 42-megapixel PNG (its 413) were trained and
-    # validated on: the run's val top-1 counted an image models.predict and the server refuse (a new user's trial).
+def test_images_the_server_refuses_for_their_size_are_left_out_of_validation_not_training(tmp_path: Path) -> None:
+    # Before: a panorama of aspect ratio 33 (the server's 400) and a 42-megapixel PNG (its 413) were validated on:
+    # the run's val top-1 counted images models.predict and the server refuse (a new user's trial). Training keeps
+    # them (a phone's 48-megapixel photos train as any other).
     data = write_image_folder(tmp_path / "data", train_per_class=2, val_per_class=1)
     Image.new("RGB", (2000, 60), (200, 10, 10)).save(data / "val" / "red" / "panorama.jpg")
+    Image.new("RGB", (7000, 6000), (10, 10, 200)).save(data / "val" / "blue" / "huge.png", compress_level=1)
     Image.new("RGB", (7000, 6000), (10, 10, 200)).save(data / "train" / "blue" / "huge.png", compress_level=1)
-    split, val = scan_split(data / "train"), scan_split(data / "val")
-    skipped = {path.name: reason for path, reason in [*split.skipped, *val.skipped]}
-    assert skipped == {"panorama.jpg": "the image is 2000x60; its aspect ratio is over 20: the server refuses it",
-                       "huge.png": "the image is 7000x6000 = 42000000 pixels; the limit is 40000000: the server "
-                                   "refuses it"}
-    assert not any(path.name in skipped for path, _ in [*split.samples, *val.samples])
+    train_split, val = scan_split(data / "train"), servable_only(scan_split(data / "val"))
+    assert {path.name: reason for path, reason in val.skipped} == {
+        "panorama.jpg": "the image is 2000x60; its aspect ratio is over 20: the server refuses it, so validation "
+                        "leaves it out",
+        "huge.png": "the image is 7000x6000 = 42000000 pixels; the limit is 40000000: the server refuses it, so "
+                    "validation leaves it out"}
+    assert not any(path.name in ("panorama.jpg", "huge.png") for path, _ in val.samples)
+    assert "huge.png" in {path.name for path, _ in train_split.samples} and not train_split.skipped
 
 
 def test_validation_decodes_a_large_jpeg_as_the_server_does(tmp_path: Path) -> None:

@@ -113,8 +113,10 @@ def merge_comparisons(dumps: list[dict[str, Any]]) -> dict[str, Any]:
     """One candidate's figures over every worker's dump (same model, candidate and live version). The probability
     differences are over the images whose probabilities could be compared (both versions' labels the same, in the
     same order): None when there were none, not 0.0 (which would read as identical answers)."""
-    total = {key: sum(d[key] for d in dumps) for key in ("compared", "agreed", "top5_overlap", "top5_compared",
-                                                         "differenced", "difference_sum", "errors")}
+    total = {key: sum(d[key] for d in dumps) for key in ("compared", "agreed", "top5_overlap", "differenced",
+                                                         "difference_sum", "errors")}
+    total["top5_compared"] = sum(d.get("top5_compared", d["compared"]) for d in dumps)  # (a worker of the code before
+    # it, in a HUP's drain, compared every image so)
     disagreements: collections.Counter[str] = collections.Counter()
     dropped: collections.Counter[str] = collections.Counter()
     live_ms: list[float] = []

@@ -376,7 +376,8 @@ class Writers:
         if not available:
             raise NotFound(f"the repository has no model {name!r}; it has: {', '.join(self.source.models()) or 'none'}",
                            details={"models": self.source.models()})
-        refused = {v: why for v in available if (why := self.applier.refusal(name, v) or (left_out or {}).get(v))}
+        refused = {v: why for v in available
+                   if (why := self.applier.refusal(name, v) or (left_out or {}).get(v)) is not None}
         available = [v for v in available if v not in refused]  # until their files change
         own = self._policy_file(name)
         try:
