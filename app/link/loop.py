@@ -31,7 +31,6 @@ import functools
 import heapq
 import itertools
 import logging
-import math
 import operator
 import os
 import pickle
@@ -247,12 +246,6 @@ def _one_image_of_pixels(message: wire.Infer) -> bool | None:
     if message.tensors:
         return len(message.tensors) == 1 and message.tensors[0][1][0] == 1
     return None
-
-
-def _spent_alone(message: wire.Infer) -> float:
-    """The seconds a request sent alone says it spent in its HTTP worker (none: what is no such time)."""
-    spent = message.spent_s
-    return spent if isinstance(spent, float) and 0.0 <= spent < math.inf else 0.0
 
 
 def _alike(turn: list[_Read]) -> dict[object, list[int]]:
@@ -574,7 +567,7 @@ class EngineServer:
                 if not conn.sent_infer:
                     conn.sent_infer = True
                     self._requesting += 1
-                self._turn.append((conn, message, segments, None, time.monotonic() - _spent_alone(message)))
+                self._turn.append((conn, message, segments, None, time.monotonic() - (wire.time_spent(message.spent_s) or 0.0)))
             else:
                 self._handlers[type(message)](conn, message, segments)
 
@@ -642,11 +635,7 @@ class EngineServer:
         """A request (or the last of a bundle's) nobody waits for any more: ended unanswered, at its deadline when
         ``late`` and its images are queued (``_expire``), else as a hang-up."""
         exchange.cancelled = True
-        queued = exchange.queued
-        if late and not exchange.ended and queued is not None and not queued.done():
-            exchange.ended = True  # as in _expire
-            self._end(exchange, exchange.call.expired(queued), ending=True)
-        else:
+        if not (late and self._end_at_deadline(exchange)):
             self._hang_up(exchange)
 
     def _cancel_part(self, exchange: _Exchange, conn: _Connection, ident: int, late: bool = False) -> None:
@@ -1063,11 +1052,17 @@ class EngineServer:
         """Answer 504 for every request whose deadline passed before its images were done."""
         now = time.monotonic()
         while self._deadlines and self._deadlines[0][0] <= now:
-            _, _, exchange = heapq.heappop(self._deadlines)
-            queued = exchange.queued
-            if not exchange.ended and queued is not None and not queued.done():
-                exchange.ended = True  # before the drop, whose cancel completes the group: its done callback
-                self._end(exchange, exchange.call.expired(queued), ending=True)  # finds it ended: this answers
+            self._end_at_deadline(heapq.heappop(self._deadlines)[2])
+
+    def _end_at_deadline(self, exchange: _Exchange) -> bool:
+        """A request whose deadline passed ended with its 504 (the version's: its images queued), its images still
+        queued dropped; False when it is not waiting on queued images (ended, answered, or not yet queued)."""
+        queued = exchange.queued
+        if exchange.ended or queued is None or queued.done():
+            return False
+        exchange.ended = True  # before the drop, whose cancel completes the group: its done callback finds it
+        self._end(exchange, exchange.call.expired(queued), ending=True)  # ended: this answers
+        return True
 
     def _hang_up(self, exchange: _Exchange) -> None:
         """The HTTP side closed the connection of a request in flight, or cancelled it on a shared one (its client

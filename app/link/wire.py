@@ -191,11 +191,7 @@ class Infers(_Message):
         if not len(self.ids) == len(self.requests) == len(self.counts) or sum(self.counts) != len(segments):
             raise EngineGone(f"{len(self.ids)} requests of {sum(self.counts)} segments came with {len(segments)}")
         if self.spent:
-            try:
-                valid = len(self.spent) == len(self.ids) and all(0.0 <= spent < math.inf for spent in self.spent)
-            except TypeError:
-                valid = False
-            if not valid:
+            if len(self.spent) != len(self.ids) or any(time_spent(spent) is None for spent in self.spent):
                 raise EngineGone(f"the times spent of {len(self.ids)} requests are not theirs: {self.spent!r:.200}")
         split, at = [], 0
         read: object = _NO_FIELDS  # the fields of the last Infer made: alike requests' are one object (``infers``),
@@ -217,6 +213,12 @@ class Infers(_Message):
             except (ArenaError, TypeError, ValueError, IndexError) as exc:
                 raise EngineGone(f"placed images that could not be read: {exc}") from None
         return split
+
+
+def time_spent(value: object) -> float | None:
+    """``value`` as a request's seconds in its HTTP worker (a finite number, 0 or more), or None for what is no such
+    time (``Infers.spent``, ``Infer.spent_s``, as a peer sent them)."""
+    return float(value) if isinstance(value, (float, int)) and 0.0 <= value < math.inf else None
 
 
 def infers(requests: Sequence[tuple[int, Infer, Sequence[bytes | memoryview]]], arena: Arena | None = None,
