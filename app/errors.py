@@ -161,8 +161,11 @@ class ShortDeadline(BadRequest):
 
 
 class Overloaded(ServiceError):
-    """The queue cannot take the request now, or not in time for its deadline (429, with Retry-After)."""
+    """The queue cannot take the request now, or not in time for its deadline (429, with Retry-After).
+    ``busy_until``: for a deadline the backlog ahead would outlast, the ``time.monotonic()`` (one clock for every
+    process of a host) before which its route's backlog would not answer one more image (None: not said)."""
     status, code = 429, "overloaded"
+    busy_until: float | None = None
 
 
 class NotReady(ServiceError):

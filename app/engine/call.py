@@ -85,10 +85,11 @@ class Call:
     are queued). ``shadow`` (a rollout's shadow share) gets the images and the answer once it is ready, off the
     response path."""
 
-    __slots__ = ("_version", "_arrived", "_max_images", "_shadow", "model", "takes_pixels", "requests")
+    __slots__ = ("_version", "_arrived", "_max_images", "_shadow", "model", "takes_pixels", "requests", "drawn")
 
     def __init__(self, version: LoadedVersion, arrived: Callable[[], None], max_images: int,
-                 shadow: ShadowOffer | None = None, takes_pixels: bool = True, requests: int = 1) -> None:
+                 shadow: ShadowOffer | None = None, takes_pixels: bool = True, requests: int = 1,
+                 drawn: bool = False) -> None:
         self._version, self._arrived, self._shadow = version, arrived, shadow
         self._max_images = max_images  # a request's
         self.requests = requests  # the requests it runs: one, or a bundle's (``Service.enter_many``'s one call; as
@@ -96,6 +97,7 @@ class Call:
         self.model = version.signature
         self.takes_pixels = takes_pixels  # False: a canary of another input than the pixels of an unversioned
         # request are shaped for (the default's): the protocol raises PixelsForTheDefault on seeing pixels
+        self.drawn = drawn  # a rollout's draw routed it: its refusal says nothing of its route's other requests
 
     def one(self) -> "Call":
         """A call for one of the requests this one runs (a bundle's, run apart, each then timed, counted and
@@ -103,7 +105,7 @@ class Call:
         one."""
         if self.requests == 1:
             return self
-        return Call(self._version, self._arrived, self._max_images, self._shadow, self.takes_pixels)
+        return Call(self._version, self._arrived, self._max_images, self._shadow, self.takes_pixels, drawn=self.drawn)
 
     @property
     def decodes_on_host(self) -> bool:
@@ -157,7 +159,7 @@ class Call:
             queued.group = self._version.batcher.submit_group(queued.prepared, deadline=queued.deadline,
                                                               inline=inline, defer=defer)
         except (QueueFull, BatcherClosed, DeadlineTooShort, DeadlineExpired) as exc:
-            raise _refused(exc, timeout_s) from None
+            raise _refused(exc, timeout_s, self.drawn) from None
         return queued
 
     def prepare(self, images: Sequence[bytes] = (), tensors: Sequence[np.ndarray | torch.Tensor] = (), *,
@@ -170,7 +172,7 @@ class Call:
         check_image_count(count, self._max_images * self.requests)
         deadline = (time.monotonic() if arrived is None else arrived) + timeout_s  # and during the decode too
         if images:  # before any decode: what the queue would refuse costs nothing (submit_many checks pixels)
-            _check_room(self._version, count, deadline, timeout_s)
+            _check_room(self._version, count, deadline, timeout_s, self.drawn)
         started_ns = time.time_ns()
         pixels = list(tensors)  # made one tensor with their batch (Decoder.collate), not one by one here
         prepared, decode_s, decode_cpu_s = (self._prepare(images, names, deadline, timeout_s) if images
@@ -265,13 +267,13 @@ def queue_prepared(calls: Sequence[Call], requests: Sequence[Queued]) -> list[Qu
         call._arrived()
     groups = calls[0].batcher.submit_groups([(queued.prepared, queued.deadline) for queued in requests])
     answers: list[Queued | Exception] = []
-    for queued, group in zip(requests, groups):
+    for call, queued, group in zip(calls, requests, groups):
         if isinstance(group, Group):
             queued.group = group
             answers.append(queued)
         elif isinstance(group, (QueueFull, BatcherClosed, DeadlineTooShort, DeadlineExpired)):
             try:
-                answers.append(_refused(group, queued.timeout_s))
+                answers.append(_refused(group, queued.timeout_s, call.drawn))
             except Exception as exc:  # noqa: BLE001 - its own fault (a deadline's length that does not format):
                 answers.append(exc)  # the others' groups are queued, and theirs to answer
         else:
@@ -285,11 +287,13 @@ def _numbers(rows: np.ndarray) -> None:
         raise InferenceFailed(f"the model answered rows of {rows.dtype}, not numbers")
 
 
-def _refused(exc: QueueFull | BatcherClosed | DeadlineTooShort | DeadlineExpired, timeout_s: float) -> ServiceError:
-    """What the queue's refusal of a request means to its client (``timeout_s``: its deadline's length)."""
+def _refused(exc: QueueFull | BatcherClosed | DeadlineTooShort | DeadlineExpired, timeout_s: float,
+             drawn: bool = False) -> ServiceError:
+    """What the queue's refusal of a request means to its client (``timeout_s``: its deadline's length; ``drawn``:
+    a rollout's draw routed it)."""
     if _spent(exc, timeout_s):  # the decode outlasted it
         return DeadlinePassedBeforeQueue.of_request(timeout_s, "while its images were decoded")
-    return _before_queue(service_error(exc, timeout_s))
+    return _before_queue(service_error(exc, timeout_s, drawn))
 
 
 def _before_queue(error: ServiceError) -> ServiceError:
@@ -338,13 +342,13 @@ def _named(exc: ServiceError, index: int, names: Sequence[str | None]) -> Servic
     return exc
 
 
-def check_room(version: LoadedVersion, count: int, timeout_s: float) -> None:
+def check_room(version: LoadedVersion, count: int, timeout_s: float, drawn: bool = False) -> None:
     """Overloaded (429 with Retry-After), ShortDeadline or NotReady unless ``version``'s queue can take ``count``
-    images to be answered within ``timeout_s`` from now."""
-    _check_room(version, count, time.monotonic() + timeout_s, timeout_s)
+    images to be answered within ``timeout_s`` from now (``drawn``: a rollout's draw routed the request there)."""
+    _check_room(version, count, time.monotonic() + timeout_s, timeout_s, drawn)
 
 
-def _check_room(version: LoadedVersion, count: int, deadline: float, timeout_s: float) -> None:
+def _check_room(version: LoadedVersion, count: int, deadline: float, timeout_s: float, drawn: bool = False) -> None:
     """``check_room`` against a deadline (a ``time.monotonic()`` value) of ``timeout_s``."""
     try:
         version.batcher.check_room(count, deadline)
@@ -352,13 +356,16 @@ def _check_room(version: LoadedVersion, count: int, deadline: float, timeout_s: 
         if isinstance(exc, DeadlineTooShort) and _spent(exc, timeout_s):  # microseconds is past before it is
             raise DeadlinePassedBeforeQueue.of_request(timeout_s, "before its images were decoded") from None
             # (judged: too short)
-        raise _before_queue(service_error(exc, timeout_s)) from None
+        raise _before_queue(service_error(exc, timeout_s, drawn)) from None
 
 
-def service_error(exc: Exception, timeout_s: float | None = None) -> ServiceError:
+def service_error(exc: Exception, timeout_s: float | None = None, drawn: bool = False) -> ServiceError:
     """What the batcher's own refusals mean to a client (``timeout_s``: the length of the request's deadline). A
     deadline is too short (400, no retry) when its length is, not when time spent before its images queued (their
-    decode, a wait for the engine on a busy server) left too little of it: that is 429 deadline_unreachable."""
+    decode, a wait for the engine on a busy server) left too little of it: that is 429 deadline_unreachable.
+    A backlog's refusal (DeadlineUnreachable) of a request its route alone sent there (not ``drawn`` by a rollout)
+    says until when (``busy_until``): the HTTP worker refuses that route's requests whose deadline ends sooner on its
+    loop for a while (app/hosting/recent_refusals.py), as this would."""
     if isinstance(exc, DeadlineTooShort):
         if timeout_s is None or exc.own_s > timeout_s:
             return ShortDeadline(exc.said(exc.left_s if timeout_s is None else timeout_s))
@@ -373,6 +380,8 @@ def service_error(exc: Exception, timeout_s: float | None = None) -> ServiceErro
         error = Overloaded(str(exc), headers=retry_after_header(exc.retry_after_s))
         if isinstance(exc, DeadlineUnreachable):
             error.code = "deadline_unreachable"
+            if not drawn:
+                error.busy_until = exc.busy_until
         return error
     # The batcher is closed: this worker is going away, so the client should reconnect elsewhere.
     return NotReady(str(exc), headers={**retry_after_header(NOT_READY_RETRY_S), "Connection": "close"})

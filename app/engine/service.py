@@ -238,7 +238,7 @@ class Service(Lifecycle):
             decode_runs = (1,) * count
         admissions: list[Admission | ServiceError] = []
         for requests, arrived in zip(decode_runs, route.version.arrivals.begin_many(len(decode_runs))):
-            call = Call(route.version, arrived, max_images, None, route.takes_pixels, requests)
+            call = Call(route.version, arrived, max_images, None, route.takes_pixels, requests, route.drawn)
             admissions += [Admission(self, route, traffic, started, arrived, call, requests)] * requests
         return admissions
 
@@ -266,13 +266,13 @@ class Service(Lifecycle):
         started = time.perf_counter()
         try:
             if images:
-                check_room(route.version, images, timeout_s or self.settings.request_timeout_s)
+                check_room(route.version, images, timeout_s or self.settings.request_timeout_s, route.drawn)
             arrived = route.version.arrivals.begin()
         except BaseException as exc:
             self._left(route, traffic, time.perf_counter() - started, _outcome(exc))
             raise
         call = Call(route.version, arrived, self.settings.max_images,
-                    None if route.shadow is None else self._shadow_offer(route), route.takes_pixels)
+                    None if route.shadow is None else self._shadow_offer(route), route.takes_pixels, drawn=route.drawn)
         return Admission(self, route, traffic, started, arrived, call)
 
     def _held(self, name: str | None, version: str | None, client_key: str | None, pixels: bool = False) -> Route:

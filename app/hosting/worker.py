@@ -46,6 +46,7 @@ from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn, ThreadWorker
 from app.hosting import control, waiting
 from app.hosting.client_socket import ClientConn, ClientCounts, ClientSocket, Joined
 from app.hosting.loop_requests import LoopRequests
+from app.hosting.recent_refusals import RECENT, LoopRefusal
 from app.hosting.request_framing import (CONTINUE, HEADER_END, HELD_PIECE, ChunkedBody, Framing, HeldUnreader,
                                          ReadLimits, Reading, Refusal, body_framing, continued_request, head_refusal,
                                          parser_refusal, skip_held_body, target_path)
@@ -450,7 +451,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         """A whole request's bytes given to its connection's parser (``_handle_one``)."""
         conn = reading.conn
         conn.data_ready = True  # gthread's handle() must not wait for data again
-        conn.prefetched = reading.buffer
+        conn.prefetched, conn.request_end = reading.buffer, reading.body_end
         _body_held(conn, reading.body_end is not None, reading.last_data)  # only once the whole body is in
 
     def handle(self, conn: TConn) -> Any:
@@ -565,6 +566,12 @@ class BufferingWorker(LoopRequests, ThreadWorker):
             conn.init()  # plain HTTP/1.1 (no TLS or HTTP/2 configured): only makes the parser
             if not isinstance(conn.parser.unreader, HeldUnreader):  # the connection's first request
                 conn.parser.unreader = HeldUnreader(conn.sock)
+            refused = (RECENT.refusal(prefetched, sock.received_at, _peer(conn))
+                       if conn.body_held and sock.received_at is not None and self.alive else None)
+            if refused is not None:  # what came past it (pipelined) is the parser's next request
+                conn.parser.unreader.unread_request(prefetched[conn.request_end:])
+                sock.stays_nonblocking = False
+                return _told(sock, refused)
             conn.parser.unreader.unread_request(prefetched)
         else:  # a request gthread hands over itself (bytes its parser read ahead): its body may be on the socket
             _body_held(conn, False)
@@ -724,6 +731,16 @@ def _body_held(conn: TConn, held: bool, whole_at: float | None = None) -> None:
     conn.body_held = held
     if isinstance(conn.sock, ClientSocket):
         conn.sock.body_held, conn.sock.received_at = held, whole_at if held else None
+
+
+def _told(sock: ClientSocket, refused: LoopRefusal) -> bool:
+    """A request refused before the app (app/hosting/recent_refusals.py): its answer written as the app's would be;
+    whether the connection stays open."""
+    try:
+        sock.sendall(refused.answer)
+    except OSError:  # the client went away
+        return False
+    return refused.keep_alive
 
 
 def _held(conn: TConn) -> bytes:

@@ -5,12 +5,15 @@ metrics and OpenAPI routes, and the one accessor through which protocols reach t
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Sequence
 
 from flask import Flask
 
 from app import EXTENSION_KEY
 from app.config import Settings
+from app.hosting.recent_refusals import RECENT
+from app.web.auth import carries_key, key_forms
 from app.web.connection import CloseWhenAsked
 from app.web.cors import register_cors
 from app.web.errors import register_error_handlers
@@ -40,6 +43,10 @@ def init_app(app: Flask, settings: Settings, service: ServiceFace, protocols: Se
     # on, its hook goes first whenever registered, so a request the one above refuses is traced; off, none
     register_tracing(app, settings)
     register_error_handlers(app, protocols, settings.client_body_timeout_s)
+    # what the worker's loop refuses itself after the engine refused a request of the same route for its backlog
+    api_key = settings.resolved_api_key()
+    RECENT.configure(settings.refusal_memory_ms / 1000, settings.request_timeout_s,
+                     None if api_key is None else partial(carries_key, forms=key_forms(api_key)))
     register_ops(app, protocols)
     for protocol in protocols:
         app.register_blueprint(protocol.blueprint)

@@ -72,13 +72,17 @@ def _sent_bytes(key: str) -> bytes | None:
         return None
 
 
-def check_api_key(headers: Mapping[str, str], forms: tuple[bytes, bytes]) -> None:
-    """Raise Unauthorized unless the request carries the key, in one of its ``forms`` (``key_forms``)."""
+def carries_key(headers: Mapping[str, str], forms: tuple[bytes, bytes]) -> bool:
+    """Whether the request carries the key, in one of its ``forms`` (``key_forms``)."""
     key = presented_key(headers)
     sent = _sent_bytes(key) if key is not None else None
     # compare_digest takes the same time whatever the first differing byte, so timing leaks nothing; both forms are
     # compared, always.
-    matches = sent is not None and (hmac.compare_digest(sent, forms[0]) | hmac.compare_digest(sent, forms[1]))
-    if not matches:
+    return sent is not None and (hmac.compare_digest(sent, forms[0]) | hmac.compare_digest(sent, forms[1]))
+
+
+def check_api_key(headers: Mapping[str, str], forms: tuple[bytes, bytes]) -> None:
+    """Raise Unauthorized unless the request carries the key, in one of its ``forms`` (``key_forms``)."""
+    if not carries_key(headers, forms):
         raise Unauthorized("a valid API key is required (Authorization: Bearer <key> or X-API-Key)",
                            headers={"WWW-Authenticate": 'Bearer realm="visionserve"'})

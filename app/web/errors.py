@@ -15,6 +15,7 @@ from gunicorn.http.errors import InvalidResponseHeader, InvalidResponseHeaderNam
 from werkzeug.exceptions import ClientDisconnected, HTTPException, MethodNotAllowed, NotFound, RequestEntityTooLarge
 
 from app.errors import ClientGone, MalformedBody, RequestTimeout, ServiceError, default_body
+from app.hosting.recent_refusals import RECENT
 from app.web.protocol import Protocol
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,10 @@ def register_error_handlers(app: Flask, protocols: Sequence[Protocol], body_time
         response = jsonify(shape(error, g.get("request_id")))
         response.status_code = error.status
         response.headers.update(error.headers)
+        busy_until = getattr(error, "busy_until", None)
+        if busy_until is not None:  # the engine's backlog refused this route: its worker's loop refuses its like
+            environ = request.environ  # (the target as sent: gunicorn's RAW_URI, werkzeug's test client's too)
+            RECENT.remember(environ.get("RAW_URI") or request.full_path, busy_until, error.headers.get("Retry-After"))
         return response
 
     def unexpected(exc: Exception) -> Response:

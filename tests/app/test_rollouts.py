@@ -975,3 +975,32 @@ def test_a_candidate_that_does_not_fit_beside_the_live_version_at_start_is_left_
         assert not service.controller.applier.known_refused("colour", "2")  # memory may be freed: tried again later
     finally:
         service.shutdown(timeout=5)
+
+
+@pytest.mark.parametrize("rollout, version, drawn", [
+    ({"canary_percent": 10}, None, True),  # the default or the candidate, by the draw
+    ({"shadow_percent": 100}, None, False),  # the default answers every one (the shadow runs beside it)
+    ({"canary_percent": 10}, "1", False),  # named: always that version
+    (None, None, False),
+])
+def test_a_backlog_s_refusal_says_until_when_only_of_a_route_that_sends_each_of_its_requests_one_way(
+        settings: Settings, rollout: dict[str, object] | None, version: str | None, drawn: bool) -> None:
+    # The worker's loop refuses a route's requests for a while after the engine refused one of them for its backlog
+    # (app/hosting/recent_refusals.py): not where a canary's draw sends the route's requests to two versions, one of
+    # which may have room.
+    from app.engine.batching.types import DeadlineUnreachable
+    from app.engine.call import service_error
+
+    service = Service.build(settings, _repository(rollout))  # type: ignore[arg-type]
+    try:
+        routes = service.controller.applier.routes
+        held = [routes.hold("colour", version, f"client-{n}") for n in range(20)]
+        assert {route.drawn for route in held} == {drawn}
+        for route in held:
+            routes.release(route)
+        with service.admit("colour", version, "client-1", images=1, timeout_s=5.0) as call:
+            assert call.drawn == drawn  # its refusals say so (app/engine/call.py)
+        backlog = DeadlineUnreachable("the queue ahead may need up to 0.400s", retry_after_s=0.2, busy_until=12.5)
+        assert service_error(backlog, 0.3, drawn).busy_until == (None if drawn else 12.5)
+    finally:
+        service.shutdown(timeout=5)

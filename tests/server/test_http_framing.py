@@ -525,3 +525,67 @@ def test_one_client_holds_at_most_max_connections_per_client_of_a_worker(tmp_pat
         for raw in held:
             raw.sock.close()
         server.stop()
+
+
+REFUSING = """
+import json
+import time
+
+from app.hosting.recent_refusals import RECENT
+
+RECENT.configure(30.0, 30.0, None)  # what the app's init_app says: REFUSAL_MEMORY_MS, REQUEST_TIMEOUT_S, no key
+CALLS = [0]
+
+
+def app(environ, start_response):  # /predict refused as the engine's backlog refuses it, for the next 30 s
+    if environ["REQUEST_METHOD"] == "GET":  # /calls, /healthz: how many requests reached the app
+        body = str(CALLS[0]).encode()
+        start_response("200 OK", [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))])
+        return [body]
+    CALLS[0] += 1
+    environ["wsgi.input"].read()
+    RECENT.remember(environ["RAW_URI"], time.monotonic() + 30.0, "7")
+    body = json.dumps({"error": {"code": "deadline_unreachable", "message": "the app's", "request_id": "a"}}).encode()
+    start_response("429 Too Many Requests", [("Content-Type", "application/json"), ("Retry-After", "7"),
+                                             ("Content-Length", str(len(body)))])
+    return [body]
+"""
+
+
+@pytest.mark.slow  # a gunicorn master started from the command line, as the server is
+def test_requests_the_engine_would_refuse_for_its_backlog_are_refused_by_the_loop_on_a_kept_alive_connection(
+        tmp_path: Path) -> None:
+    # A storm's refusals went through the whole app and the engine, each costing about what an answer costs the
+    # HTTP side; after the engine refused one for its backlog, its route's requests whose deadline ends before
+    # that backlog clears are refused before the app (app/hosting/recent_refusals.py).
+    (tmp_path / "refusing.py").write_text(textwrap.dedent(REFUSING))
+    port = free_port()
+    env = {"PYTHONPATH": str(tmp_path), "VISIONSERVE_BIND": f"127.0.0.1:{port}", "VISIONSERVE_WORKERS": "1",
+           "VISIONSERVE_DEVICE": "cpu", "VISIONSERVE_LOG_LEVEL": "info", "VISIONSERVE_SHUTDOWN_DRAIN_S": "0.5"}
+    server = Running("refusing", gunicorn_command("refusing:app"), env, port, "/healthz", tmp_path)
+    calls = b"GET /calls HTTP/1.1\r\nHost: x\r\n\r\n"
+    short = _photo(b"X-Request-Timeout: 500\r\n")
+    try:
+        server.wait_ready(120)
+        with Raw(port) as raw:
+            raw.send(short)
+            assert raw.answer()[2] == b'{"error": {"code": "deadline_unreachable", "message": "the app\'s", ' \
+                                      b'"request_id": "a"}}'  # the app's: the first is the engine's refusal
+            raw.send(short)
+            status, headers, body = raw.answer()
+            error = json.loads(body)["error"]
+            assert (status, headers["retry-after"], headers.get("connection"), error["code"]) == (
+                429, "7", None, "deadline_unreachable"), (headers, body)
+            assert re.fullmatch(r"the queue ahead may need up to (29\.9|30\.0)\d+s, more than the 0\.\d+s deadline",
+                                error["message"]) and error["request_id"]
+            raw.send(short + short + calls)  # pipelined: each answered in turn, the connection kept
+            assert [raw.answer()[0] for _ in range(3)] == [429, 429, 200]
+            raw.send(calls)
+            assert raw.answer()[2] == b"1"  # the app saw none of them
+            raw.send(_photo(b"X-Request-Timeout: 60000\r\n"))  # its deadline outlasts the backlog: the app's to judge
+            assert json.loads(raw.answer()[2])["error"]["message"] == "the app's"
+            raw.send(b"POST /predict HTTP/1.0\r\nX-Request-Timeout: 500\r\nContent-Length: 2\r\n\r\nab")
+            assert raw.answer()[1]["connection"] == "close" and raw.closed()
+        assert "Traceback" not in server.output()
+    finally:
+        server.stop()

@@ -403,9 +403,15 @@ def test_a_deadline_the_backlog_cannot_meet_is_refused_at_once(make_batcher) -> 
     batcher.submit(1).result(timeout=10)  # one measured batch gives the latency estimate
     _hold_worker(batcher, recorder)
     batcher.submit_many([2, 3, 4])
+    asked = time.monotonic()
     with pytest.raises(DeadlineUnreachable) as excinfo:
-        batcher.submit(5, deadline=time.monotonic() + 0.1)  # enough alone, not behind three batches
+        batcher.submit(5, deadline=asked + 0.1)  # enough alone, not behind three batches
     assert excinfo.value.retry_after_s > 0
+    # until when one more image would not be answered: what an HTTP worker refuses the route's like by
+    assert asked + 0.1 < excinfo.value.busy_until < time.monotonic() + 60
+    with pytest.raises(DeadlineUnreachable) as two:
+        batcher.submit_many([5, 6], deadline=time.monotonic() + 0.1)
+    assert two.value.busy_until <= time.monotonic() + float(str(two.value).split("up to ")[1].split("s")[0])
     assert batcher.depth == 3
     recorder.gate.set()
 

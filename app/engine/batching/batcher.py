@@ -479,8 +479,10 @@ class Batcher(Generic[In, Out]):
                 self._refused_idle_at = self.batches_run
             raise DeadlineTooShort(count, own, deadline - now, self._clear_s(live, now))
         if busy:
+            one_more_s = wait if count == 1 else self._clear_s(live + 1, now, cautious=True)
             raise DeadlineUnreachable(f"the queue ahead may need up to {wait:.3f}s, more than the "
-                                      f"{deadline - now:.3f}s deadline", retry_after_s=self._clear_s(live, now))
+                                      f"{deadline - now:.3f}s deadline", retry_after_s=self._clear_s(live, now),
+                                      busy_until=now + one_more_s)
 
     def _clear_s(self, items: int, now: float, cautious: bool = False) -> float:
         """Under the lock: how long ``items`` queued items take to clear: what is left of the batch gathered or

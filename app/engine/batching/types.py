@@ -29,7 +29,13 @@ class QueueFull(BatcherError):
 
 
 class DeadlineUnreachable(QueueFull):
-    """The backlog ahead would outlast the caller's deadline, so the items are refused before they queue."""
+    """The backlog ahead would outlast the caller's deadline, so the items are refused before they queue;
+    ``busy_until``: the ``time.monotonic()`` before which one more item would not be answered, as judged (a deadline
+    that ends sooner is refused the same way while nothing ahead is dropped)."""
+
+    def __init__(self, message: str, retry_after_s: float, busy_until: float) -> None:
+        super().__init__(message, retry_after_s)
+        self.busy_until = busy_until
 
 
 class DeadlineTooShort(BatcherError):

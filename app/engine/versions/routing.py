@@ -43,6 +43,7 @@ class Route:
     shadow: LoadedVersion | None = None
     takes_pixels: bool = True  # False: a canary whose input differs from the default's, whose pixels a request
     # naming no version is shaped for (what the model's metadata shows): such a request goes to the default
+    drawn: bool = False  # a canary share's draw chose between two versions: another such request may go elsewhere
 
 
 @dataclass(frozen=True)
@@ -144,9 +145,9 @@ class RoutingTable:
         alike = other.signature.input_shape == loaded.signature.input_shape
         if (alike or not pixels) and takes_canary(candidate.canary_percent, loaded.name, client_key,
                                                   self._draw.random()):
-            return Route(other, "canary", takes_pixels=alike)
+            return Route(other, "canary", takes_pixels=alike, drawn=True)
         shadow = candidate.shadow_percent > 0 and self._draw.random() * 100 < candidate.shadow_percent
-        return Route(loaded, "live", other if shadow else None)
+        return Route(loaded, "live", other if shadow else None, drawn=candidate.canary_percent > 0)
 
     def _find(self, name: str | None, version: str | None) -> LoadedVersion:
         versions = self._routes.get(name) if isinstance(name, str) else None

@@ -1,0 +1,205 @@
+"""Requests an HTTP worker's loop refuses itself, as the engine just did, without the app: a storm's 429s made cheap.
+
+Under a storm of requests with short deadlines, most are refused: the backlog ahead would outlast their deadline (429
+``deadline_unreachable``). Each such refusal went through the whole app (the request parsed by gunicorn and Flask,
+admitted, sent to the engine, refused there, its error rendered): about what an answered request costs the HTTP
+side, so on a 2-core host the refusals took a core from the forward passes they make room for. The engine's refusal
+says until when its backlog would not answer one more image (``Overloaded.busy_until``: a ``time.monotonic()``,
+one clock for the host's processes); the app's error handler tells it here (``remember``) with the request's route
+(``route_key``: the inference route and the model and version its target names), and for ``memory_s``
+(``REFUSAL_MEMORY_MS``) after it the worker's loop answers that route's requests whose deadline ends before then
+with the same 429, from their head alone (``refusal``): the app, the parser and the engine never see them. A
+refusal of a request a rollout's draw routed says nothing of its route (the engine leaves ``busy_until`` out).
+
+Only what the engine would refuse the same way is refused here: a deadline counts from when the loop had the
+request whole, as the engine counts it; a backlog shrinks only as its batches run (which the engine's time already
+counts) or as requests leave it (a client gone, a deadline dropped: the memory lasts ``memory_s``, 100 ms by
+default). Left to the app: a request with an Origin header (CORS answers), without the API key when one is set (its
+401), with a malformed deadline or a repeated parameter or header (its 400). A request thread lingering for its
+connection's next request (inline mode) hands it to the loop while a refusal is remembered.
+
+Loaded by the gunicorn master with the worker class: the standard library and request_framing (its error shape);
+the counts import app.metrics in the worker, when a refusal is made (as ``count_unparsed``).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+import time
+import urllib.parse
+from dataclasses import dataclass
+from typing import Callable, Mapping, NamedTuple
+
+from app.hosting.request_framing import error_body
+
+access_log = logging.getLogger("visionserve.access")
+
+DEADLINE_HEADER = "x-request-timeout"
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}\Z")  # app/web/hooks.py keeps a caller's id when it is sane
+_V2_INFER = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer\Z")
+V1_PREDICT_RULE = "/predict"
+V2_INFER_RULES = ("/v2/models/<name>/infer", "/v2/models/<name>/versions/<version>/infer")
+CODE = "deadline_unreachable"
+
+
+class RouteKey(NamedTuple):
+    """An inference request's route as its target says it: the app's rule (its requests' endpoint label) and the
+    model and version it names (None: the default's)."""
+    rule: str
+    model: str | None
+    version: str | None
+
+
+def route_key(target: str) -> RouteKey | None:
+    """The inference route a request target (its path and query, as sent) names; None for another path, or for a
+    query the app would refuse (a parameter given twice: its 400)."""
+    path, _, query = target.partition("?")
+    if path == V1_PREDICT_RULE:
+        named = {"model": None, "version": None}
+        for name, value in urllib.parse.parse_qsl(query, keep_blank_values=True):
+            if name in named:
+                if named[name] is not None:
+                    return None
+                named[name] = value
+        return RouteKey(V1_PREDICT_RULE, named["model"], named["version"])
+    found = _V2_INFER.fullmatch(path)
+    if found is None:
+        return None
+    model, version = (urllib.parse.unquote(part) if part is not None else None for part in found.groups())
+    return RouteKey(V2_INFER_RULES[version is not None], model, version)
+
+
+@dataclass(frozen=True, slots=True)
+class _Refused:
+    busy_until: float  # time.monotonic(): before it, the route's backlog would answer no more image
+    retry_after: str | None  # the engine's Retry-After
+    at: float  # when the app had the engine's refusal
+
+
+class LoopRefusal(NamedTuple):
+    """An answer the loop gives a request it refuses: the whole HTTP answer, and whether the connection stays."""
+    answer: bytes
+    keep_alive: bool
+
+
+class RecentRefusals:
+    """The engine's recent refusals of a route for its backlog, in one worker: what its loop refuses meanwhile."""
+
+    def __init__(self) -> None:
+        self.memory_s = 0.0  # 0: nothing remembered (a worker whose app did not configure it)
+        self.max_deadline_s = 30.0
+        self.key_ok: Callable[[Mapping[str, str]], bool] | None = None
+        self._routes: dict[RouteKey, _Refused] = {}
+
+    def configure(self, memory_s: float, max_deadline_s: float,
+                  key_ok: Callable[[Mapping[str, str]], bool] | None) -> None:
+        """From the app's settings: REFUSAL_MEMORY_MS, REQUEST_TIMEOUT_S, and whether a request carries the API key
+        (None: none is required)."""
+        self.memory_s, self.max_deadline_s, self.key_ok = memory_s, max_deadline_s, key_ok
+        self._routes.clear()
+
+    @property
+    def remembering(self) -> bool:
+        """Whether a refusal is remembered (a request thread hands its connection's next request to the loop)."""
+        return bool(self._routes)
+
+    def remember(self, target: str, busy_until: float, retry_after: str | None) -> None:
+        """The engine refused a request of ``target`` (its path and query as sent) for a backlog that would answer no
+        image before ``busy_until``."""
+        if self.memory_s <= 0:
+            return
+        key = route_key(target)
+        if key is not None:
+            self._routes[key] = _Refused(busy_until, retry_after, time.monotonic())
+
+    def refusal(self, request: bytes | bytearray, received_at: float, client: str | None) -> LoopRefusal | None:
+        """The 429 for a request (``request``: its bytes, head first; ``received_at``: when the loop had it
+        whole; ``client``: its peer's address) that its route's backlog would refuse now, said and counted as the
+        app would; None otherwise."""
+        if not self._routes:
+            return None
+        line_end = request.find(b"\r\n")
+        method, _, rest = bytes(request[:line_end]).partition(b" ")
+        target, _, version = rest.partition(b" ")
+        if method != b"POST":
+            return None
+        key = route_key(target.decode("latin-1"))
+        refused = None if key is None else self._routes.get(key)
+        if refused is None:
+            return None
+        now = time.monotonic()
+        if now - refused.at > self.memory_s:
+            self._routes.pop(key, None)
+            return None
+        if now >= refused.busy_until:
+            return None
+        headers = _headers(request, line_end, request.find(b"\r\n\r\n", line_end))
+        if headers is None or "origin" in headers or (self.key_ok is not None and not self.key_ok(headers)):
+            return None
+        deadline_s = _deadline_s(headers.get(DEADLINE_HEADER), self.max_deadline_s)
+        if deadline_s is None or received_at + deadline_s >= refused.busy_until:
+            return None
+        assert key is not None
+        keep_alive = version != b"HTTP/1.0" and headers.get("connection", "").lower() != "close"
+        message = (f"the queue ahead may need up to {refused.busy_until - now:.3f}s, more than the "
+                   f"{received_at + deadline_s - now:.3f}s deadline")
+        return LoopRefusal(_told(key, headers, refused.retry_after, message, keep_alive, now - received_at, client),
+                           keep_alive)
+
+
+class _Headers(dict):
+    """A request's headers by their lower-case names; ``get`` takes any case (as werkzeug's, for app/web/auth.py)."""
+
+    def get(self, name: str, default: str | None = None) -> str | None:  # type: ignore[override]
+        return super().get(name.lower(), default)
+
+
+def _headers(request: bytes | bytearray, line_end: int, head_end: int) -> _Headers | None:
+    """The fields between a request's line and its head's end; None where a field repeats (the app decides)."""
+    headers = _Headers()
+    for line in bytes(request[line_end + 2:head_end]).split(b"\r\n") if head_end > line_end else ():
+        name, _, value = line.partition(b":")
+        key = name.decode("latin-1").lower()
+        if key in headers:
+            return None
+        headers[key] = value.strip(b" \t").decode("latin-1")
+    return headers
+
+
+def _deadline_s(raw: str | None, maximum_s: float) -> float | None:
+    """As app/web/inputs.py's deadline_s reads X-Request-Timeout; None for a value it refuses (its 400)."""
+    if raw is None:
+        return maximum_s
+    try:
+        millis = float(raw)
+    except ValueError:
+        return None
+    if not millis > 0 or millis != millis:
+        return None
+    return min(millis / 1000, maximum_s)
+
+
+def _told(key: RouteKey, headers: Mapping[str, str], retry_after: str | None, message: str, keep_alive: bool,
+          elapsed_s: float, client: str | None) -> bytes:
+    """The refusal's answer in its route's error shape, its access line and its counts (as app/web/hooks.py's)."""
+    from app.metrics import REJECTED, REQUEST_SECONDS, REQUESTS, series
+
+    incoming = headers.get("x-request-id") or ""
+    request_id = incoming if _REQUEST_ID.match(incoming) else f"{random.getrandbits(128):032x}"
+    body = json.dumps(error_body(key.rule, CODE, message, request_id), separators=(",", ":")).encode()
+    series(REQUESTS, key.rule, "429").inc()
+    series(REQUEST_SECONDS, key.rule).observe(elapsed_s)
+    REJECTED.labels(CODE).inc()
+    if access_log.isEnabledFor(logging.INFO):
+        access_log.info("request", extra={"request_id": request_id, "client": client, "method": "POST", "route": key.rule,
+                                          "status": 429, "error": CODE, "duration_ms": round(elapsed_s * 1000, 2)})
+    return (b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\n"
+            + (b"" if retry_after is None else b"Retry-After: " + retry_after.encode("latin-1") + b"\r\n")
+            + (b"" if keep_alive else b"Connection: close\r\n")
+            + b"X-Request-ID: " + request_id.encode() + b"\r\nContent-Length: " + str(len(body)).encode()
+            + b"\r\n\r\n" + body)
+
+
+RECENT = RecentRefusals()  # the worker's: its app's error handler remembers, its loop refuses (one app a process)

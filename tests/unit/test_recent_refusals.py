@@ -1,0 +1,125 @@
+"""The worker's loop refuses a route's requests itself for a while after the engine refused one for its backlog
+(app/hosting/recent_refusals.py): only those whose deadline ends before that backlog clears, said and counted as
+the app says and counts its own 429."""
+from __future__ import annotations
+
+import json
+import time
+from functools import partial
+
+import pytest
+from prometheus_client import REGISTRY
+
+from app.hosting.recent_refusals import RecentRefusals, RouteKey, route_key
+from app.web.auth import carries_key, key_forms
+
+
+def _head(target: str = "/predict", timeout_ms: str | None = "500", *extra: str, method: str = "POST",
+          version: str = "HTTP/1.1") -> bytes:
+    fields = ["Host: x", "Content-Length: 6", *extra] + ([] if timeout_ms is None else
+                                                          [f"X-Request-Timeout: {timeout_ms}"])
+    return (f"{method} {target} {version}\r\n" + "".join(f"{f}\r\n" for f in fields) + "\r\n").encode() + b"jpeg.."
+
+
+def _remembering(memory_s: float = 10.0, busy_for_s: float = 2.0, target: str = "/predict",
+                 key_ok=None) -> RecentRefusals:  # noqa: ANN001
+    recent = RecentRefusals()
+    recent.configure(memory_s, 30.0, key_ok)
+    recent.remember(target, time.monotonic() + busy_for_s, "3")
+    return recent
+
+
+def _answer(raw: bytes) -> tuple[int, dict[str, str], dict]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {name.lower(): value.strip() for name, _, value in (line.partition(":") for line in lines)}
+    assert int(headers["content-length"]) == len(body)
+    return int(status_line.split()[1]), headers, json.loads(body)
+
+
+@pytest.mark.parametrize("target, key", [
+    ("/predict", RouteKey("/predict", None, None)),
+    ("/predict?top_k=3&model=lite0&version=2", RouteKey("/predict", "lite0", "2")),
+    ("/v2/models/lite0/infer", RouteKey("/v2/models/<name>/infer", "lite0", None)),
+    ("/v2/models/lite%2D0/versions/7/infer", RouteKey("/v2/models/<name>/versions/<version>/infer", "lite-0", "7")),
+    ("/predict?model=a&model=b", None),  # the app's 400
+    ("/explain", None), ("/v2/models/lite0/ready", None), ("/v2/models/lite0/infer/x", None),
+])
+def test_a_route_is_the_app_s_rule_and_the_model_and_version_its_target_names(target: str, key) -> None:  # noqa: ANN001
+    assert route_key(target) == key
+
+
+def test_a_request_whose_deadline_ends_before_the_remembered_backlog_clears_is_refused_as_the_app_refuses() -> None:
+    recent = _remembering(busy_for_s=2.0)
+    before = REGISTRY.get_sample_value("visionserve_requests_total", {"endpoint": "/predict", "status": "429"}) or 0
+    rejected = REGISTRY.get_sample_value("visionserve_rejected_total", {"reason": "deadline_unreachable"}) or 0
+    refused = recent.refusal(_head("/predict", "500", "X-Request-ID: caller-7"), time.monotonic(), "10.0.0.1")
+    assert refused is not None and refused.keep_alive
+    status, headers, body = _answer(refused.answer)
+    assert (status, headers["content-type"], headers["retry-after"], headers["x-request-id"]) == (
+        429, "application/json", "3", "caller-7")
+    assert "connection" not in headers  # kept alive: the client's next request comes on it
+    assert body["error"]["code"] == "deadline_unreachable" and body["error"]["request_id"] == "caller-7"
+    assert body["error"]["message"].startswith("the queue ahead may need up to 2.0") or \
+        body["error"]["message"].startswith("the queue ahead may need up to 1.9")
+    assert "s, more than the 0.5" in body["error"]["message"] or "s, more than the 0.4" in body["error"]["message"]
+    assert REGISTRY.get_sample_value("visionserve_requests_total",
+                                     {"endpoint": "/predict", "status": "429"}) == before + 1
+    assert REGISTRY.get_sample_value("visionserve_rejected_total", {"reason": "deadline_unreachable"}) == rejected + 1
+
+
+def test_a_v2_refusal_has_the_protocol_s_error_shape_and_a_http_1_0_one_closes() -> None:
+    recent = _remembering(target="/v2/models/lite0/infer")
+    refused = recent.refusal(_head("/v2/models/lite0/infer", "100", version="HTTP/1.0"), time.monotonic(), None)
+    assert refused is not None and not refused.keep_alive
+    status, headers, body = _answer(refused.answer)
+    assert (status, headers["connection"], set(body)) == (429, "close", {"error"})
+    assert isinstance(body["error"], str)
+    closing = recent.refusal(_head("/v2/models/lite0/infer", "100", "Connection: close"), time.monotonic(), None)
+    assert closing is not None and not closing.keep_alive
+
+
+@pytest.mark.parametrize("head", [
+    _head("/predict", "5000"),  # its deadline ends after the backlog clears: the engine may take it
+    _head("/predict", None),  # REQUEST_TIMEOUT_S (30 s)
+    _head("/predict?model=lite0", "500"),  # another route
+    _head("/predict", "500", method="PUT"),
+    _head("/predict", "500", "Origin: https://app.example"),  # CORS: the app answers with its headers
+    _head("/predict", "soon"), _head("/predict", "-5"), _head("/predict", "nan"),  # the app's 400
+    _head("/predict", "500", "X-Request-Timeout: 400"),  # given twice: the app decides
+])
+def test_what_the_engine_might_take_or_the_app_must_answer_goes_to_the_app(head: bytes) -> None:
+    assert _remembering(busy_for_s=2.0).refusal(head, time.monotonic(), None) is None
+
+
+def test_a_deadline_counts_from_when_the_loop_had_the_request_whole() -> None:
+    recent = _remembering(busy_for_s=1.0)
+    now = time.monotonic()
+    assert recent.refusal(_head("/predict", "2000"), now, None) is None
+    assert recent.refusal(_head("/predict", "2000"), now - 1.5, None) is not None  # 1.5 s waited in the worker
+
+
+def test_a_refusal_is_remembered_for_memory_s_and_until_its_backlog_clears_only() -> None:
+    assert _remembering(memory_s=0.0).refusal(_head(), time.monotonic(), None) is None  # REFUSAL_MEMORY_MS=0
+    assert not _remembering(memory_s=0.0).remembering
+    stale = _remembering(memory_s=0.05, busy_for_s=5.0)
+    time.sleep(0.06)
+    assert stale.refusal(_head(), time.monotonic(), None) is None
+    assert not stale.remembering  # forgotten once stale
+    cleared = _remembering(busy_for_s=0.02)
+    time.sleep(0.03)
+    assert cleared.refusal(_head("/predict", "1"), time.monotonic(), None) is None
+
+
+def test_where_an_api_key_is_set_only_a_request_that_carries_it_is_refused_here() -> None:
+    recent = _remembering(key_ok=partial(carries_key, forms=key_forms("s3cret")))
+    now = time.monotonic()
+    assert recent.refusal(_head(), now, None) is None  # the app's 401
+    assert recent.refusal(_head("/predict", "500", "X-API-Key: wrong"), now, None) is None
+    assert recent.refusal(_head("/predict", "500", "authorization: Bearer s3cret"), now, None) is not None
+    assert recent.refusal(_head("/predict", "500", "X-API-Key: s3cret"), now, None) is not None
+
+
+def test_a_head_without_fields_is_judged_by_the_server_s_longest_deadline() -> None:
+    recent = _remembering(busy_for_s=60.0)
+    assert recent.refusal(b"POST /predict HTTP/1.1\r\n\r\n", time.monotonic(), None) is not None
