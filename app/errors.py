@@ -5,7 +5,7 @@ Plain exceptions with an HTTP status and a stable code: no Flask here, so the en
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 
 class ServiceError(Exception):
@@ -160,12 +160,25 @@ class ShortDeadline(BadRequest):
     code = "deadline_too_short"
 
 
+class Backlog(NamedTuple):
+    """What a refusal for the backlog ahead says of its route's like requests: before ``until`` (a
+    ``time.monotonic()``, one clock for every process of a host) it answers no more image; and a request's own
+    inference, ``image_s`` an image and ``company_s`` for its batch's wait (a deadline shorter than that is too short
+    whatever the load: 400, not the backlog's 429)."""
+    until: float
+    image_s: float
+    company_s: float
+
+    def own_s(self, images: int) -> float:
+        return images * self.image_s + self.company_s
+
+
 class Overloaded(ServiceError):
-    """The queue cannot take the request now, or not in time for its deadline (429, with Retry-After).
-    ``busy_until``: for a deadline the backlog ahead would outlast, the ``time.monotonic()`` (one clock for every
-    process of a host) before which its route's backlog would not answer one more image (None: not said)."""
+    """The queue cannot take the request now, or not in time for its deadline (429, with Retry-After);
+    ``backlog``: for a deadline the backlog ahead would outlast, what that says of the route's like requests (None:
+    not said)."""
     status, code = 429, "overloaded"
-    busy_until: float | None = None
+    backlog: Backlog | None = None
 
 
 class NotReady(ServiceError):

@@ -32,6 +32,7 @@ from app.engine.decoding.decoders import Prepared
 from app.engine.loaded.predictor import NON_FINITE_OUTPUT
 from app.engine.loaded.version import LoadedVersion
 from app.errors import (
+    Backlog,
     BadRequest,
     ClientGone,
     DeadlineExceeded,
@@ -364,7 +365,7 @@ def service_error(exc: Exception, timeout_s: float | None = None, drawn: bool = 
     deadline is too short (400, no retry) when its length is, not when time spent before its images queued (their
     decode, a wait for the engine on a busy server) left too little of it: that is 429 deadline_unreachable.
     A backlog's refusal (DeadlineUnreachable) of a request its route alone sent there (not ``drawn`` by a rollout)
-    says until when (``busy_until``): the HTTP worker refuses that route's requests whose deadline ends sooner on its
+    says until when (``Backlog``): the HTTP worker refuses that route's requests whose deadline ends sooner on its
     loop for a while (app/hosting/recent_refusals.py), as this would."""
     if isinstance(exc, DeadlineTooShort):
         if timeout_s is None or exc.own_s > timeout_s:
@@ -381,7 +382,7 @@ def service_error(exc: Exception, timeout_s: float | None = None, drawn: bool = 
         if isinstance(exc, DeadlineUnreachable):
             error.code = "deadline_unreachable"
             if not drawn:
-                error.busy_until = exc.busy_until
+                error.backlog = Backlog(exc.busy_until, exc.item_s, exc.company_s)
         return error
     # The batcher is closed: this worker is going away, so the client should reconnect elsewhere.
     return NotReady(str(exc), headers={**retry_after_header(NOT_READY_RETRY_S), "Connection": "close"})

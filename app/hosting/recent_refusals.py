@@ -4,12 +4,13 @@ Under a storm of requests with short deadlines, most are refused: the backlog ah
 ``deadline_unreachable``). Each such refusal went through the whole app (the request parsed by gunicorn and Flask,
 admitted, sent to the engine, refused there, its error rendered): about what an answered request costs the HTTP
 side, so on a 2-core host the refusals took a core from the forward passes they make room for. The engine's refusal
-says until when its backlog would not answer one more image (``Overloaded.busy_until``: a ``time.monotonic()``,
+says until when its backlog would not answer one more image (``Overloaded.backlog``: a ``time.monotonic()``,
 one clock for the host's processes); the app's error handler tells it here (``remember``) with the request's route
 (``route_key``: the inference route and the model and version its target names), and for ``memory_s``
 (``REFUSAL_MEMORY_MS``) after it the worker's loop answers that route's requests whose deadline ends before then
 with the same 429, from their head alone (``refusal``): the app, the parser and the engine never see them. A
-refusal of a request a rollout's draw routed says nothing of its route (the engine leaves ``busy_until`` out).
+refusal of a request a rollout's draw routed says nothing of its route (the engine leaves ``backlog`` out), and a
+deadline shorter than a request of MAX_IMAGES images would take alone goes to the app (it may be too short, 400).
 
 Only what the engine would refuse the same way is refused here: a deadline counts from when the loop had the
 request whole, as the engine counts it; a backlog shrinks only as its batches run (which the engine's time already
@@ -32,6 +33,7 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Callable, Mapping, NamedTuple
 
+from app.errors import Backlog
 from app.hosting.request_framing import error_body
 
 access_log = logging.getLogger("visionserve.access")
@@ -73,7 +75,7 @@ def route_key(target: str) -> RouteKey | None:
 
 @dataclass(frozen=True, slots=True)
 class _Refused:
-    busy_until: float  # time.monotonic(): before it, the route's backlog would answer no more image
+    backlog: Backlog  # the engine's: until when it answers no more image, and a request's own inference
     retry_after: str | None  # the engine's Retry-After
     at: float  # when the app had the engine's refusal
 
@@ -90,14 +92,16 @@ class RecentRefusals:
     def __init__(self) -> None:
         self.memory_s = 0.0  # 0: nothing remembered (a worker whose app did not configure it)
         self.max_deadline_s = 30.0
+        self.max_images = 16
         self.key_ok: Callable[[Mapping[str, str]], bool] | None = None
         self._routes: dict[RouteKey, _Refused] = {}
 
-    def configure(self, memory_s: float, max_deadline_s: float,
+    def configure(self, memory_s: float, max_deadline_s: float, max_images: int,
                   key_ok: Callable[[Mapping[str, str]], bool] | None) -> None:
-        """From the app's settings: REFUSAL_MEMORY_MS, REQUEST_TIMEOUT_S, and whether a request carries the API key
-        (None: none is required)."""
+        """From the app's settings: REFUSAL_MEMORY_MS, REQUEST_TIMEOUT_S, MAX_IMAGES, and whether a request carries
+        the API key (None: none is required)."""
         self.memory_s, self.max_deadline_s, self.key_ok = memory_s, max_deadline_s, key_ok
+        self.max_images = max_images
         self._routes.clear()
 
     @property
@@ -105,14 +109,13 @@ class RecentRefusals:
         """Whether a refusal is remembered (a request thread hands its connection's next request to the loop)."""
         return bool(self._routes)
 
-    def remember(self, target: str, busy_until: float, retry_after: str | None) -> None:
-        """The engine refused a request of ``target`` (its path and query as sent) for a backlog that would answer no
-        image before ``busy_until``."""
+    def remember(self, target: str, backlog: Backlog, retry_after: str | None) -> None:
+        """The engine refused a request of ``target`` (its path and query as sent) for ``backlog``."""
         if self.memory_s <= 0:
             return
         key = route_key(target)
         if key is not None:
-            self._routes[key] = _Refused(busy_until, retry_after, time.monotonic())
+            self._routes[key] = _Refused(Backlog(*backlog), retry_after, time.monotonic())
 
     def refusal(self, request: bytes | bytearray, received_at: float, client: str | None) -> LoopRefusal | None:
         """The 429 for a request (``request``: its bytes, head first; ``received_at``: when the loop had it
@@ -133,17 +136,19 @@ class RecentRefusals:
         if now - refused.at > self.memory_s:
             self._routes.pop(key, None)
             return None
-        if now >= refused.busy_until:
+        backlog = refused.backlog
+        if now >= backlog.until:
             return None
         headers = _headers(request, line_end, request.find(b"\r\n\r\n", line_end))
         if headers is None or "origin" in headers or (self.key_ok is not None and not self.key_ok(headers)):
             return None
         deadline_s = _deadline_s(headers.get(DEADLINE_HEADER), self.max_deadline_s)
-        if deadline_s is None or received_at + deadline_s >= refused.busy_until:
+        if deadline_s is None or received_at + deadline_s >= backlog.until or deadline_s < backlog.own_s(
+                self.max_images):
             return None
         assert key is not None
         keep_alive = version != b"HTTP/1.0" and headers.get("connection", "").lower() != "close"
-        message = (f"the queue ahead may need up to {refused.busy_until - now:.3f}s, more than the "
+        message = (f"the queue ahead may need up to {backlog.until - now:.3f}s, more than the "
                    f"{received_at + deadline_s - now:.3f}s deadline")
         return LoopRefusal(_told(key, headers, refused.retry_after, message, keep_alive, now - received_at, client),
                            keep_alive)

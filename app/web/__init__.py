@@ -45,7 +45,7 @@ def init_app(app: Flask, settings: Settings, service: ServiceFace, protocols: Se
     register_error_handlers(app, protocols, settings.client_body_timeout_s)
     # what the worker's loop refuses itself after the engine refused a request of the same route for its backlog
     api_key = settings.resolved_api_key()
-    RECENT.configure(settings.refusal_memory_ms / 1000, settings.request_timeout_s,
+    RECENT.configure(settings.refusal_memory_ms / 1000, settings.request_timeout_s, settings.max_images,
                      None if api_key is None else partial(carries_key, forms=key_forms(api_key)))
     register_ops(app, protocols)
     for protocol in protocols:

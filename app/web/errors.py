@@ -95,10 +95,10 @@ def register_error_handlers(app: Flask, protocols: Sequence[Protocol], body_time
         response = jsonify(shape(error, g.get("request_id")))
         response.status_code = error.status
         response.headers.update(error.headers)
-        busy_until = getattr(error, "busy_until", None)
-        if busy_until is not None:  # the engine's backlog refused this route: its worker's loop refuses its like
+        backlog = getattr(error, "backlog", None)
+        if backlog is not None:  # the engine's backlog refused this route: its worker's loop refuses its like
             environ = request.environ  # (the target as sent: gunicorn's RAW_URI, werkzeug's test client's too)
-            RECENT.remember(environ.get("RAW_URI") or request.full_path, busy_until, error.headers.get("Retry-After"))
+            RECENT.remember(environ.get("RAW_URI") or request.full_path, backlog, error.headers.get("Retry-After"))
         return response
 
     def unexpected(exc: Exception) -> Response:

@@ -193,17 +193,17 @@ def test_a_loop_turn_s_answers_frame_as_the_answers_message_of_their_answers_wou
 
 def test_a_backlog_s_refusal_crosses_with_until_when_its_route_is_refused() -> None:
     # The HTTP worker's loop refuses a route's like requests until then (app/hosting/recent_refusals.py)
-    from app.errors import Overloaded
+    from app.errors import Backlog, Overloaded
 
     refused = Overloaded("the queue ahead may need up to 0.400s", headers={"Retry-After": "1"})
-    refused.code, refused.busy_until = "deadline_unreachable", 1234.5
+    refused.code, refused.backlog = "deadline_unreachable", Backlog(1234.5, 0.01, 0.002)
     left, right = _pair()
     with left, right:
         left.sendall(b"".join(wire.answers_parts([(7, None, refused), (8, None, Overloaded("full"))], 42, 9)))
         [(read, _)] = wire.FrameReader(right, (wire.Answers,)).read()
     said, full = (answer.error for answer in read.answers)
-    assert (said.code, said.busy_until, said.headers, full.busy_until) == (
-        "deadline_unreachable", 1234.5, {"Retry-After": "1"}, None)
+    assert (said.code, said.backlog, said.headers, full.backlog) == (
+        "deadline_unreachable", (1234.5, 0.01, 0.002), {"Retry-After": "1"}, None)
 
 
 def test_a_bundle_s_answers_cross_with_one_head_pickled_once_and_read_once(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1001,6 +1001,7 @@ def test_a_backlog_s_refusal_says_until_when_only_of_a_route_that_sends_each_of_
         with service.admit("colour", version, "client-1", images=1, timeout_s=5.0) as call:
             assert call.drawn == drawn  # its refusals say so (app/engine/call.py)
         backlog = DeadlineUnreachable("the queue ahead may need up to 0.400s", retry_after_s=0.2, busy_until=12.5)
-        assert service_error(backlog, 0.3, drawn).busy_until == (None if drawn else 12.5)
+        said = service_error(backlog, 0.3, drawn).backlog
+        assert said == (None if drawn else (12.5, 0.0, 0.0))
     finally:
         service.shutdown(timeout=5)

@@ -531,9 +531,10 @@ REFUSING = """
 import json
 import time
 
+from app.errors import Backlog
 from app.hosting.recent_refusals import RECENT
 
-RECENT.configure(30.0, 30.0, None)  # what the app's init_app says: REFUSAL_MEMORY_MS, REQUEST_TIMEOUT_S, no key
+RECENT.configure(30.0, 30.0, 16, None)  # as the app's init_app: REFUSAL_MEMORY_MS, REQUEST_TIMEOUT_S, MAX_IMAGES
 CALLS = [0]
 
 
@@ -544,7 +545,7 @@ def app(environ, start_response):  # /predict refused as the engine's backlog re
         return [body]
     CALLS[0] += 1
     environ["wsgi.input"].read()
-    RECENT.remember(environ["RAW_URI"], time.monotonic() + 30.0, "7")
+    RECENT.remember(environ["RAW_URI"], Backlog(time.monotonic() + 30.0, 0.01, 0.002), "7")
     body = json.dumps({"error": {"code": "deadline_unreachable", "message": "the app's", "request_id": "a"}}).encode()
     start_response("429 Too Many Requests", [("Content-Type", "application/json"), ("Retry-After", "7"),
                                              ("Content-Length", str(len(body)))])

@@ -10,6 +10,7 @@ from functools import partial
 import pytest
 from prometheus_client import REGISTRY
 
+from app.errors import Backlog
 from app.hosting.recent_refusals import RecentRefusals, RouteKey, route_key
 from app.web.auth import carries_key, key_forms
 
@@ -22,10 +23,10 @@ def _head(target: str = "/predict", timeout_ms: str | None = "500", *extra: str,
 
 
 def _remembering(memory_s: float = 10.0, busy_for_s: float = 2.0, target: str = "/predict",
-                 key_ok=None) -> RecentRefusals:  # noqa: ANN001
+                 key_ok=None, image_s: float = 0.01) -> RecentRefusals:  # noqa: ANN001
     recent = RecentRefusals()
-    recent.configure(memory_s, 30.0, key_ok)
-    recent.remember(target, time.monotonic() + busy_for_s, "3")
+    recent.configure(memory_s, 30.0, 4, key_ok)  # MAX_IMAGES 4
+    recent.remember(target, Backlog(time.monotonic() + busy_for_s, image_s, 0.002), "3")
     return recent
 
 
@@ -123,3 +124,12 @@ def test_where_an_api_key_is_set_only_a_request_that_carries_it_is_refused_here(
 def test_a_head_without_fields_is_judged_by_the_server_s_longest_deadline() -> None:
     recent = _remembering(busy_for_s=60.0)
     assert recent.refusal(b"POST /predict HTTP/1.1\r\n\r\n", time.monotonic(), None) is not None
+
+
+def test_a_deadline_that_may_be_too_short_for_a_request_s_own_inference_goes_to_the_app() -> None:
+    # The engine says 400 deadline_too_short where a request's own inference (its images, and a batch's wait)
+    # outlasts the deadline's whole length, busy or not: here, for a request of up to MAX_IMAGES (4) images of 50 ms
+    recent = _remembering(busy_for_s=5.0, image_s=0.05)
+    now = time.monotonic()
+    assert recent.refusal(_head("/predict", "150"), now, None) is None  # 4 x 50 ms + 2 ms: maybe too short
+    assert recent.refusal(_head("/predict", "250"), now, None) is not None

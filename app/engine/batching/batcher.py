@@ -421,8 +421,10 @@ class Batcher(Generic[In, Out]):
         """``count`` items' own inference with nothing ahead: at the recent time an item (the lower of the average
         and the last batch's: one slow batch must not make it; before any batch, the warm-up's), and a batch's
         wait for company."""
-        item_s = min(self._item_seconds, self._last_item_seconds) if self.batches_run else self._warmed_item_seconds
-        return count * item_s + self.max_wait_s
+        return count * self._own_item_s() + self.max_wait_s
+
+    def _own_item_s(self) -> float:
+        return min(self._item_seconds, self._last_item_seconds) if self.batches_run else self._warmed_item_seconds
 
     def expect_item_s(self, seconds: float) -> None:
         """An item's forward pass as the warm-up timed it: before the first batch, a deadline that passed before
@@ -482,7 +484,8 @@ class Batcher(Generic[In, Out]):
             one_more_s = wait if count == 1 else self._clear_s(live + 1, now, cautious=True)
             raise DeadlineUnreachable(f"the queue ahead may need up to {wait:.3f}s, more than the "
                                       f"{deadline - now:.3f}s deadline", retry_after_s=self._clear_s(live, now),
-                                      busy_until=now + one_more_s)
+                                      busy_until=now + one_more_s, item_s=self._own_item_s(),
+                                      company_s=self.max_wait_s)
 
     def _clear_s(self, items: int, now: float, cautious: bool = False) -> float:
         """Under the lock: how long ``items`` queued items take to clear: what is left of the batch gathered or

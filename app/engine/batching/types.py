@@ -31,11 +31,13 @@ class QueueFull(BatcherError):
 class DeadlineUnreachable(QueueFull):
     """The backlog ahead would outlast the caller's deadline, so the items are refused before they queue;
     ``busy_until``: the ``time.monotonic()`` before which one more item would not be answered, as judged (a deadline
-    that ends sooner is refused the same way while nothing ahead is dropped)."""
+    that ends sooner is refused the same way while nothing ahead is dropped); an item's own time as judged
+    (``item_s``) and a batch's wait for company (``company_s``)."""
 
-    def __init__(self, message: str, retry_after_s: float, busy_until: float) -> None:
+    def __init__(self, message: str, retry_after_s: float, busy_until: float, item_s: float = 0.0,
+                 company_s: float = 0.0) -> None:
         super().__init__(message, retry_after_s)
-        self.busy_until = busy_until
+        self.busy_until, self.item_s, self.company_s = busy_until, item_s, company_s
 
 
 class DeadlineTooShort(BatcherError):
