@@ -298,8 +298,8 @@ class RequestSettings(SettingsGroup):
         100.0, ge=0, description="After the engine refuses a request because the backlog ahead would outlast its "
         "deadline (429 `deadline_unreachable`), how long its HTTP worker refuses the same route's requests (the "
         "inference route, with the model and version it names) whose deadline ends before that backlog clears, by "
-        "the engine's estimate, itself: on its event loop from the request's head, with the same 429 and "
-        "`Retry-After`, before the app parses it or the engine sees it (a refusal through the app cost about what "
+        "the engine's estimate, itself: from the request's head, with the same 429 and `Retry-After`, before "
+        "the app parses it or the engine sees it (a refusal through the app cost about what "
         "an answered request costs the HTTP side). A request with an `Origin` header, or without the API key where "
         "one is set, goes to the app. 0 = every request reaches the app.")
 

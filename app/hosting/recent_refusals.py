@@ -1,4 +1,4 @@
-"""Requests an HTTP worker's loop refuses itself, as the engine just did, without the app: a storm's 429s made cheap.
+"""Requests an HTTP worker refuses itself, as its engine just did, without the app: a storm's 429s made cheap.
 
 Under a storm of requests with short deadlines, most are refused: the backlog ahead would outlast their deadline (429
 ``deadline_unreachable``). Each such refusal went through the whole app (the request parsed by gunicorn and Flask,
@@ -7,23 +7,28 @@ side, so on a 2-core host the refusals took a core from the forward passes they 
 says until when its backlog would not answer one more image (``Overloaded.backlog``: a ``time.monotonic()``,
 one clock for the host's processes); the app's error handler tells it here (``remember``) with the request's route
 (``route_key``: the inference route and the model and version its target names), and for ``memory_s``
-(``REFUSAL_MEMORY_MS``) after it the worker's loop answers that route's requests whose deadline ends before then
-with the same 429, from their head alone (``refusal``): the app, the parser and the engine never see them. A
-refusal of a request a rollout's draw routed says nothing of its route (the engine leaves ``backlog`` out), and a
-deadline shorter than a request of MAX_IMAGES images would take alone goes to the app (it may be too short, 400).
+(``REFUSAL_MEMORY_MS``) after it the worker answers that route's requests whose deadline ends before then with the
+same 429, from the head its loop read (``refusal``, asked where a request thread or a loop request takes the
+request, before gunicorn's parser: app/hosting/worker.py's ``_handle_one``): the app and the engine never see them.
+It is asked there, not as the loop reads the request: under a storm a request waits in its worker (for a thread or
+a loop slot) for much of its deadline, and judged on arrival it would still have had time.
 
-Only what the engine would refuse the same way is refused here: a deadline counts from when the loop had the
-request whole, as the engine counts it; a backlog shrinks only as its batches run (which the engine's time already
-counts) or as requests leave it (a client gone, a deadline dropped: the memory lasts ``memory_s``, 100 ms by
-default). Left to the app: a request with an Origin header (CORS answers), without the API key when one is set (its
-401), with a malformed deadline or a repeated parameter or header (its 400). A request thread lingering for its
-connection's next request (inline mode) hands it to the loop while a refusal is remembered.
+Only what the engine would refuse the same way is refused here: a deadline counts from when the loop had the request
+whole, as the engine counts it; a backlog shrinks only as its batches run (which the engine's time already counts) or
+as requests leave it (a client gone, a deadline dropped: the memory lasts ``memory_s``, 100 ms by default). Left to
+the app: a refusal of a request a rollout's draw routed (the engine leaves ``backlog`` out); a request with an Origin
+header (CORS answers), without the API key when one is set (its 401), with a malformed deadline or a repeated
+parameter or header (its 400); one whose deadline is shorter than a request of MAX_IMAGES images would take alone
+(it may be too short, 400), or passed already (its 504); every request of a draining worker. The connection stays
+open as the worker would keep it after an answer of the app's (``keep_alive``: not past its keep-alive count, nor
+with KEEPALIVE_S 0, nor in a stopping worker).
 
-Loaded by the gunicorn master with the worker class: the standard library and request_framing (its error shape);
-the counts import app.metrics in the worker, when a refusal is made (as ``count_unparsed``).
+Loaded by the gunicorn master with the worker class: the standard library, app.errors and request_framing (its
+error shape); the counts import app.metrics in the worker, when a refusal is made (as ``count_unparsed``).
 """
 from __future__ import annotations
 
+import email.utils
 import json
 import logging
 import random
@@ -40,6 +45,7 @@ access_log = logging.getLogger("visionserve.access")
 
 DEADLINE_HEADER = "x-request-timeout"
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}\Z")  # app/web/hooks.py keeps a caller's id when it is sane
+_FIELD_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9a-z-]+\Z")  # a header's name (RFC 9110 5.1's token), lower-cased
 _V2_INFER = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer\Z")
 V1_PREDICT_RULE = "/predict"
 V2_INFER_RULES = ("/v2/models/<name>/infer", "/v2/models/<name>/versions/<version>/infer")
@@ -81,33 +87,30 @@ class _Refused:
 
 
 class LoopRefusal(NamedTuple):
-    """An answer the loop gives a request it refuses: the whole HTTP answer, and whether the connection stays."""
+    """An answer the worker gives a request it refuses: the whole HTTP answer, and whether the connection stays."""
     answer: bytes
     keep_alive: bool
 
 
 class RecentRefusals:
-    """The engine's recent refusals of a route for its backlog, in one worker: what its loop refuses meanwhile."""
+    """The engine's recent refusals of a route for its backlog, in one worker: what it refuses itself meanwhile."""
 
     def __init__(self) -> None:
         self.memory_s = 0.0  # 0: nothing remembered (a worker whose app did not configure it)
         self.max_deadline_s = 30.0
         self.max_images = 16
+        self.forwarded_for = False  # TRUST_FORWARDED_FOR: the access line says X-Forwarded-For
         self.key_ok: Callable[[Mapping[str, str]], bool] | None = None
         self._routes: dict[RouteKey, _Refused] = {}
+        self._stale_at = 0.0  # when every refusal remembered is older than memory_s
 
     def configure(self, memory_s: float, max_deadline_s: float, max_images: int,
-                  key_ok: Callable[[Mapping[str, str]], bool] | None) -> None:
-        """From the app's settings: REFUSAL_MEMORY_MS, REQUEST_TIMEOUT_S, MAX_IMAGES, and whether a request carries
-        the API key (None: none is required)."""
+                  key_ok: Callable[[Mapping[str, str]], bool] | None, forwarded_for: bool = False) -> None:
+        """From the app's settings: REFUSAL_MEMORY_MS, REQUEST_TIMEOUT_S, MAX_IMAGES, whether a request carries the
+        API key (None: none is required), and TRUST_FORWARDED_FOR."""
         self.memory_s, self.max_deadline_s, self.key_ok = memory_s, max_deadline_s, key_ok
-        self.max_images = max_images
+        self.max_images, self.forwarded_for = max_images, forwarded_for
         self._routes.clear()
-
-    @property
-    def remembering(self) -> bool:
-        """Whether a refusal is remembered (a request thread hands its connection's next request to the loop)."""
-        return bool(self._routes)
 
     def remember(self, target: str, backlog: Backlog, retry_after: str | None) -> None:
         """The engine refused a request of ``target`` (its path and query as sent) for ``backlog``."""
@@ -115,13 +118,20 @@ class RecentRefusals:
             return
         key = route_key(target)
         if key is not None:
-            self._routes[key] = _Refused(Backlog(*backlog), retry_after, time.monotonic())
+            now = time.monotonic()
+            self._routes[key] = _Refused(Backlog(*backlog), retry_after, now)
+            self._stale_at = now + self.memory_s
 
-    def refusal(self, request: bytes | bytearray, received_at: float, client: str | None) -> LoopRefusal | None:
+    def refusal(self, request: bytes | bytearray, received_at: float, client: str | None,
+                keeps_alive: Callable[[], bool] | None = None) -> LoopRefusal | None:
         """The 429 for a request (``request``: its bytes, head first; ``received_at``: when the loop had it
         whole; ``client``: its peer's address) that its route's backlog would refuse now, said and counted as the
-        app would; None otherwise."""
+        app would, the connection kept open if ``keeps_alive`` says the worker would keep it (asked only then) and
+        the request allows; None otherwise."""
         if not self._routes:
+            return None
+        if time.monotonic() > self._stale_at:  # every one remembered is too old: forgotten at once
+            self._routes.clear()
             return None
         line_end = request.find(b"\r\n")
         method, _, rest = bytes(request[:line_end]).partition(b" ")
@@ -143,15 +153,16 @@ class RecentRefusals:
         if headers is None or "origin" in headers or (self.key_ok is not None and not self.key_ok(headers)):
             return None
         deadline_s = _deadline_s(headers.get(DEADLINE_HEADER), self.max_deadline_s)
-        if deadline_s is None or received_at + deadline_s >= backlog.until or deadline_s < backlog.own_s(
-                self.max_images):
-            return None
+        ends = None if deadline_s is None else received_at + deadline_s
+        if ends is None or ends >= backlog.until or ends <= now or deadline_s < backlog.own_s(self.max_images):
+            return None  # (ends passed: the app's 504, for the time it waited in its worker)
         assert key is not None
-        keep_alive = version != b"HTTP/1.0" and headers.get("connection", "").lower() != "close"
+        keep_alive = (version != b"HTTP/1.0" and headers.get("connection", "").lower() != "close"
+                      and (keeps_alive is None or keeps_alive()))
         message = (f"the queue ahead may need up to {backlog.until - now:.3f}s, more than the "
                    f"{received_at + deadline_s - now:.3f}s deadline")
-        return LoopRefusal(_told(key, headers, refused.retry_after, message, keep_alive, now - received_at, client),
-                           keep_alive)
+        return LoopRefusal(_told(key, headers, refused.retry_after, message, keep_alive, now - received_at, client,
+                                 self.forwarded_for), keep_alive)
 
 
 class _Headers(dict):
@@ -162,12 +173,13 @@ class _Headers(dict):
 
 
 def _headers(request: bytes | bytearray, line_end: int, head_end: int) -> _Headers | None:
-    """The fields between a request's line and its head's end; None where a field repeats (the app decides)."""
+    """The fields between a request's line and its head's end; None where a field repeats or its name is no token
+    (the app decides, or gunicorn's parser refuses it)."""
     headers = _Headers()
     for line in bytes(request[line_end + 2:head_end]).split(b"\r\n") if head_end > line_end else ():
         name, _, value = line.partition(b":")
         key = name.decode("latin-1").lower()
-        if key in headers:
+        if key in headers or not _FIELD_NAME.match(key):
             return None
         headers[key] = value.strip(b" \t").decode("latin-1")
     return headers
@@ -187,24 +199,27 @@ def _deadline_s(raw: str | None, maximum_s: float) -> float | None:
 
 
 def _told(key: RouteKey, headers: Mapping[str, str], retry_after: str | None, message: str, keep_alive: bool,
-          elapsed_s: float, client: str | None) -> bytes:
+          elapsed_s: float, client: str | None, forwarded_for: bool) -> bytes:
     """The refusal's answer in its route's error shape, its access line and its counts (as app/web/hooks.py's)."""
     from app.metrics import REJECTED, REQUEST_SECONDS, REQUESTS, series
 
     incoming = headers.get("x-request-id") or ""
     request_id = incoming if _REQUEST_ID.match(incoming) else f"{random.getrandbits(128):032x}"
-    body = json.dumps(error_body(key.rule, CODE, message, request_id), separators=(",", ":")).encode()
+    body = json.dumps(error_body(key.rule, CODE, message, request_id), separators=(",", ":")).encode() + b"\n"
     series(REQUESTS, key.rule, "429").inc()
     series(REQUEST_SECONDS, key.rule).observe(elapsed_s)
     REJECTED.labels(CODE).inc()
     if access_log.isEnabledFor(logging.INFO):
-        access_log.info("request", extra={"request_id": request_id, "client": client, "method": "POST", "route": key.rule,
-                                          "status": 429, "error": CODE, "duration_ms": round(elapsed_s * 1000, 2)})
-    return (b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\n"
+        fields = {"forwarded_for": headers.get("x-forwarded-for")} if forwarded_for else {}
+        access_log.info("request", extra={"request_id": request_id, "client": client, "method": "POST",
+                                          "route": key.rule, "status": 429, "error": CODE,
+                                          "duration_ms": round(elapsed_s * 1000, 2), **fields})
+    return (b"HTTP/1.1 429 Too Many Requests\r\nDate: " + email.utils.formatdate(usegmt=True).encode()
+            + b"\r\nContent-Type: application/json\r\n"
             + (b"" if retry_after is None else b"Retry-After: " + retry_after.encode("latin-1") + b"\r\n")
             + (b"" if keep_alive else b"Connection: close\r\n")
             + b"X-Request-ID: " + request_id.encode() + b"\r\nContent-Length: " + str(len(body)).encode()
             + b"\r\n\r\n" + body)
 
 
-RECENT = RecentRefusals()  # the worker's: its app's error handler remembers, its loop refuses (one app a process)
+RECENT = RecentRefusals()  # the worker's: its app's error handler remembers, _handle_one refuses (one app a process)

@@ -111,6 +111,8 @@ class BufferingWorker(LoopRequests, ThreadWorker):
     accept_paused_until = 0.0  # out of file descriptors: no accept before then (time.monotonic())
     accept_warned_at = -ACCEPT_WARN_EVERY_S  # when the last pause was said in the log
     held_back_draining = False  # the reason held back last said in the log: its drain, or not serving yet
+    draining = False  # its drain began (app/hosting/drain.py): it takes new connections only if none serves, and
+    # refuses none of them itself (``_handle_one``: the app answers a draining worker's requests)
     client_counts = ClientCounts(0)  # its open connections by client (``init_process``: MAX_CONNECTIONS_PER_CLIENT)
     accepts = 0  # connections taken from the listen backlog (app/hosting/drain.py takes it whole before it closes)
     probes: futures.ThreadPoolExecutor | None = None  # the health probes' own threads (``enqueue_req``), once one came
@@ -119,7 +121,6 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         super().__init__(*args, **kwargs)
         self.reading: set[Reading] = set()
         self.held_back = False  # new connections left to the workers that serve (said in the log once a reason)
-        self.draining = False  # its drain began (app/hosting/drain.py): it takes new connections only if none serves
         self.closing: set[Closing] = set()  # connections half-closed after their last answer
         self.writing: set[Writing] = set()  # connections whose answer's rest the loop writes
         self.init_loop_requests()
@@ -566,8 +567,8 @@ class BufferingWorker(LoopRequests, ThreadWorker):
             conn.init()  # plain HTTP/1.1 (no TLS or HTTP/2 configured): only makes the parser
             if not isinstance(conn.parser.unreader, HeldUnreader):  # the connection's first request
                 conn.parser.unreader = HeldUnreader(conn.sock)
-            refused = (RECENT.refusal(prefetched, sock.received_at, _peer(conn))
-                       if conn.body_held and sock.received_at is not None and self.alive else None)
+            refused = (RECENT.refusal(prefetched, sock.received_at, _peer(conn), self._keeps_alive)
+                       if conn.body_held and sock.received_at is not None and not self.draining else None)
             if refused is not None:  # what came past it (pipelined) is the parser's next request
                 conn.parser.unreader.unread_request(prefetched[conn.request_end:])
                 sock.stays_nonblocking = False
@@ -582,6 +583,10 @@ class BufferingWorker(LoopRequests, ThreadWorker):
             with contextlib.suppress(OSError):
                 sock.answer_ends()
             sock.stays_nonblocking = False
+
+    def _keeps_alive(self) -> bool:
+        """Whether gthread would keep a connection open after its answer now (its handle_request's judgement)."""
+        return self.alive and bool(self.cfg.keepalive) and len(self.keepalived_conns) < self.max_keepalived
 
     def _keepalive_after(self, conn: TConn, keepalive: bool) -> bool:
         """Whether the connection serves another request, once its answer is written (a head held alone goes now:

@@ -46,7 +46,8 @@ def init_app(app: Flask, settings: Settings, service: ServiceFace, protocols: Se
     # what the worker's loop refuses itself after the engine refused a request of the same route for its backlog
     api_key = settings.resolved_api_key()
     RECENT.configure(settings.refusal_memory_ms / 1000, settings.request_timeout_s, settings.max_images,
-                     None if api_key is None else partial(carries_key, forms=key_forms(api_key)))
+                     None if api_key is None else partial(carries_key, forms=key_forms(api_key)),
+                     settings.trust_forwarded_for)
     register_ops(app, protocols)
     for protocol in protocols:
         app.register_blueprint(protocol.blueprint)

@@ -345,10 +345,10 @@ def test_a_backlog_s_refusal_tells_its_worker_until_when_that_route_s_like_would
 
     app = create_app(settings.model_copy(update={"refusal_memory_ms": 60_000}), predictor)
     client, model, service = app.test_client(), predictor.module, app.extensions[EXTENSION_KEY]
-    head = b"POST /predict HTTP/1.1\r\nX-Request-Timeout: 300\r\n\r\n"
+    head = b"POST /predict HTTP/1.1\r\nX-Request-Timeout: 1500\r\n\r\n"
     try:
-        model.delay_s = 0.05
-        _ok(client)  # a batch timed: 50 ms an image
+        model.delay_s = 0.25
+        _ok(client)  # a batch timed: 0.25 s an image (the backlog below then clears in 2 s at least)
         model.gate = threading.Event()  # then the worker parked in a forward pass, seven images queued behind it
         blocked = ThreadPoolExecutor(1).submit(client.post, "/predict", **_raw(image_bytes()))
         batcher = service.loaded_version().batcher
@@ -356,13 +356,13 @@ def test_a_backlog_s_refusal_tells_its_worker_until_when_that_route_s_like_would
         queued = batcher.submit_many([service.loaded_version().decoder.prepare(image_bytes())] * 7)
         assert RECENT.refusal(head, time.monotonic(), None) is None  # nothing refused yet
         asked = time.monotonic()
-        response = client.post("/predict?top_k=1", headers={"X-Request-Timeout": "300"}, **_raw(image_bytes()))
+        response = client.post("/predict?top_k=1", headers={"X-Request-Timeout": "1500"}, **_raw(image_bytes()))
         assert error_of(response, 429, "deadline_unreachable")["message"].startswith("the queue ahead may need")
         refused = RECENT.refusal(head, asked, None)  # a request of that route, as old, with that deadline
         assert refused is not None and b"Retry-After: " + response.headers["Retry-After"].encode() in refused.answer
-        assert RECENT.refusal(head.replace(b"300", b"9000"), time.monotonic(), None) is None  # one the backlog meets
+        assert RECENT.refusal(head.replace(b"1500", b"9000"), time.monotonic(), None) is None  # the backlog meets it
         # one that may be too short for a request of MAX_IMAGES (4) images alone (the app's 400 deadline_too_short)
-        assert RECENT.refusal(head.replace(b"300", b"150"), asked, None) is None
+        assert RECENT.refusal(head.replace(b"1500", b"800"), asked, None) is None
         assert RECENT.refusal(head.replace(b"/predict", b"/predict?model=colour"), asked, None) is None  # another
         model.gate.set()
         assert blocked.result(timeout=10).status_code == 200 and all(f.result(timeout=10) for f in queued)

@@ -3,7 +3,9 @@
 the app says and counts its own 429."""
 from __future__ import annotations
 
+import email.utils
 import json
+import re
 import time
 from functools import partial
 
@@ -61,9 +63,9 @@ def test_a_request_whose_deadline_ends_before_the_remembered_backlog_clears_is_r
         429, "application/json", "3", "caller-7")
     assert "connection" not in headers  # kept alive: the client's next request comes on it
     assert body["error"]["code"] == "deadline_unreachable" and body["error"]["request_id"] == "caller-7"
-    assert body["error"]["message"].startswith("the queue ahead may need up to 2.0") or \
-        body["error"]["message"].startswith("the queue ahead may need up to 1.9")
-    assert "s, more than the 0.5" in body["error"]["message"] or "s, more than the 0.4" in body["error"]["message"]
+    assert re.fullmatch(r"the queue ahead may need up to [12]\.\d{3}s, more than the 0\.\d{3}s deadline",
+                        body["error"]["message"]), body
+    assert refused.answer.endswith(b"}\n") and email.utils.parsedate_to_datetime(headers["date"])  # as Flask's
     assert REGISTRY.get_sample_value("visionserve_requests_total",
                                      {"endpoint": "/predict", "status": "429"}) == before + 1
     assert REGISTRY.get_sample_value("visionserve_rejected_total", {"reason": "deadline_unreachable"}) == rejected + 1
@@ -88,6 +90,7 @@ def test_a_v2_refusal_has_the_protocol_s_error_shape_and_a_http_1_0_one_closes()
     _head("/predict", "500", "Origin: https://app.example"),  # CORS: the app answers with its headers
     _head("/predict", "soon"), _head("/predict", "-5"), _head("/predict", "nan"),  # the app's 400
     _head("/predict", "500", "X-Request-Timeout: 400"),  # given twice: the app decides
+    _head("/predict", "500", "Origin : https://app.example"),  # a name that is no token: gunicorn's 400
 ])
 def test_what_the_engine_might_take_or_the_app_must_answer_goes_to_the_app(head: bytes) -> None:
     assert _remembering(busy_for_s=2.0).refusal(head, time.monotonic(), None) is None
@@ -102,11 +105,9 @@ def test_a_deadline_counts_from_when_the_loop_had_the_request_whole() -> None:
 
 def test_a_refusal_is_remembered_for_memory_s_and_until_its_backlog_clears_only() -> None:
     assert _remembering(memory_s=0.0).refusal(_head(), time.monotonic(), None) is None  # REFUSAL_MEMORY_MS=0
-    assert not _remembering(memory_s=0.0).remembering
     stale = _remembering(memory_s=0.05, busy_for_s=5.0)
     time.sleep(0.06)
     assert stale.refusal(_head(), time.monotonic(), None) is None
-    assert not stale.remembering  # forgotten once stale
     cleared = _remembering(busy_for_s=0.02)
     time.sleep(0.03)
     assert cleared.refusal(_head("/predict", "1"), time.monotonic(), None) is None
@@ -133,3 +134,23 @@ def test_a_deadline_that_may_be_too_short_for_a_request_s_own_inference_goes_to_
     now = time.monotonic()
     assert recent.refusal(_head("/predict", "150"), now, None) is None  # 4 x 50 ms + 2 ms: maybe too short
     assert recent.refusal(_head("/predict", "250"), now, None) is not None
+
+
+def test_a_deadline_that_passed_while_the_request_waited_in_its_worker_is_the_app_s_504() -> None:
+    recent = _remembering(busy_for_s=5.0)
+    assert recent.refusal(_head("/predict", "500"), time.monotonic() - 0.6, None) is None
+
+
+def test_the_connection_stays_open_only_where_the_worker_would_keep_it_after_an_answer_of_the_app_s() -> None:
+    refused = _remembering().refusal(_head(), time.monotonic(), None, lambda: False)  # KEEPALIVE_S=0, or stopping
+    assert refused is not None and not refused.keep_alive and b"\r\nConnection: close\r\n" in refused.answer
+
+
+def test_the_access_line_says_a_trusted_forwarded_for_as_the_app_s(caplog: pytest.LogCaptureFixture) -> None:
+    recent = _remembering()
+    recent.forwarded_for = True
+    with caplog.at_level("INFO", logger="visionserve.access"):
+        assert recent.refusal(_head("/predict", "500", "X-Forwarded-For: 203.0.113.9"), time.monotonic(), "10.1.1.1")
+    [line] = [r for r in caplog.records if r.name == "visionserve.access"]
+    assert (line.status, line.route, line.client, line.forwarded_for, line.error) == (
+        429, "/predict", "10.1.1.1", "203.0.113.9", "deadline_unreachable")
