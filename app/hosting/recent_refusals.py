@@ -21,7 +21,9 @@ header (CORS answers), without the API key when one is set (its 401), with a mal
 parameter or header (its 400); one whose deadline is shorter than a request of MAX_IMAGES images would take alone
 (it may be too short, 400), or passed already (its 504); every request of a draining worker. The connection stays
 open as the worker would keep it after an answer of the app's (``keep_alive``: not past its keep-alive count, nor
-with KEEPALIVE_S 0, nor in a stopping worker).
+with KEEPALIVE_S 0, nor in a stopping worker). What the memory does not see: a promotion, a rollback or a new
+canary within ``memory_s`` of a refusal (the route's requests then go to another version, whose queue may have
+room): for that long at most they may be refused by the backlog of the version they no longer go to.
 
 Loaded by the gunicorn master with the worker class: the standard library, app.errors and request_framing (its
 error shape); the counts import app.metrics in the worker, when a refusal is made (as ``count_unparsed``).
