@@ -564,12 +564,15 @@ def _refusing(tmp_path: Path, **settings: str) -> Running:
 
 
 @pytest.mark.slow  # a gunicorn master started from the command line, as the server is
-def test_requests_the_engine_would_refuse_for_its_backlog_are_refused_by_the_loop_on_a_kept_alive_connection(
-        tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", ["inline", "process"])  # a request thread's, or a loop request's (a greenlet)
+def test_requests_the_engine_would_refuse_for_its_backlog_are_refused_before_the_app_on_a_kept_alive_connection(
+        tmp_path: Path, engine: str, request: pytest.FixtureRequest) -> None:
     # A storm's refusals went through the whole app and the engine, each costing about what an answer costs the
     # HTTP side; after the engine refused one for its backlog, its route's requests whose deadline ends before
-    # that backlog clears are refused before the app (app/hosting/recent_refusals.py).
-    server, port = _refusing(tmp_path), 0
+    # that backlog clears are refused before the app (app/hosting/recent_refusals.py). Under ENGINE=process the
+    # master starts an engine (of small weights) that the plain app never asks: its requests run on the loop.
+    weights = {} if engine == "inline" else {"weights_dir": str(request.getfixturevalue("small_weights"))}
+    server, port = _refusing(tmp_path, engine=engine, **weights), 0
     calls = b"GET /calls HTTP/1.1\r\nHost: x\r\n\r\n"
     short = _photo(b"X-Request-Timeout: 500\r\n")
     try:
