@@ -193,8 +193,9 @@ def evaluate(model: nn.Module, loader: DataLoader, device: torch.device, env: Di
 
 
 def _setup(args: argparse.Namespace, env: DistEnv) -> tuple[torch.device, EvalPreset]:
-    """Resolve the defaults that depend on other options; refuse combinations that cannot work, as user errors
-    rather than tracebacks."""
+    """Resolve the defaults that depend on other options (a resumed run's own first: its checkpoint's, where not
+    given); refuse combinations that cannot work, as user errors rather than tracebacks."""
+    resumed = ckpt.resumed_run(args)
     if args.lr is None:  # sane from a small folder to ImageNet: a batch of 32 on one process trains at 0.0125
         args.lr = 0.1 * args.batch_size * env.world_size / 256 if args.opt == "sgd" else 1e-3
     if args.lr_warmup_epochs is None:  # fresh BatchNorm statistics and a full learning rate diverged on day one
@@ -219,7 +220,6 @@ def _setup(args: argparse.Namespace, env: DistEnv) -> tuple[torch.device, EvalPr
             raise ValueError("--sync-bn needs CUDA (torch's SyncBatchNorm runs on GPUs); leave it out on CPUs (under "
                              "torchrun there, each epoch's BatchNorm statistics are recomputed and averaged across the "
                              "processes)")
-        resumed = ckpt.resumed_preset(args)  # (its sizes, where not given)
         preset = make_preset(args)
         if args.resume is not None:
             ckpt.check_resumed_preset(args.resume, resumed, preset)

@@ -35,6 +35,11 @@ class _Parser(argparse.ArgumentParser):
     def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
                          namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
         parsed, rest = super().parse_known_args(args, namespace)
+        if parsed.resume is None and parsed.data is None:
+            self.error("the following arguments are required: --data (or --resume of a run's checkpoint)")
+        # the options the command line gives: a resumed run takes its checkpoint's for the others of its run's own
+        # (models/run/checkpoint.py resumed_run), not their defaults (an --opt, --lr or --data it never had)
+        parsed._given = self._given(args) if parsed.resume is not None else frozenset()
         if parsed.arch is None:  # --pretrained exists for efficientnet_lite0 only
             parsed.arch = "efficientnet_lite0" if parsed.pretrained else "resnet18"
         if parsed.output_dir is None:  # a resumed run goes on in its checkpoint's folder, as its hints say (another
@@ -42,6 +47,18 @@ class _Parser(argparse.ArgumentParser):
             resumes_its_run = parsed.resume is not None and parsed.resume.name == "checkpoint.pt"
             parsed.output_dir = parsed.resume.parent if resumes_its_run else DEFAULT_OUTPUT_DIR
         return parsed, rest
+
+    def _given(self, args: Sequence[str] | None) -> frozenset[str]:
+        """The options ``args`` give (their dests), whatever their values: parsed again without defaults."""
+        defaults = [(action, action.default) for action in self._actions]
+        try:
+            for action, _ in defaults:
+                action.default = argparse.SUPPRESS
+            given, _ = super().parse_known_args(args, None)
+        finally:
+            for action, default in defaults:
+                action.default = default
+        return frozenset(vars(given))
 
 
 def _positive_int(text: str) -> int:
@@ -90,9 +107,9 @@ def get_args_parser(archs: Sequence[str], description: str = "") -> argparse.Arg
     """Options in torchvision's reference-script spirit; sizes default to the arch's pretrained preset."""
     parser = _Parser(prog=f"{python_command()} -m models.train", description=description,
                                      formatter_class=HelpFormatter)
-    parser.add_argument("--data", type=Path, required=True,
+    parser.add_argument("--data", type=Path, default=None,
                         help="folder of <class>/* (about 20%% of each class held out for validation: "
-                             "--val-split), or with train/<class>/* and val/<class>/*")
+                             "--val-split), or with train/<class>/* and val/<class>/* (with --resume: the run's)")
     parser.add_argument("--val-split", type=_FRACTION, default=None,
                         help="hold out about this fraction of each class of a DIR/<class>/* folder for validation "
                              "(each image by its path and --split-seed: added images move none; default for such a "
@@ -152,7 +169,9 @@ def get_args_parser(archs: Sequence[str], description: str = "") -> argparse.Arg
     parser.add_argument("--output-dir", type=Path, default=None,
                         help=f"checkpoints, metrics.jsonl, confusion.json (default: {DEFAULT_OUTPUT_DIR}, or with "
                              "--resume of a run's checkpoint.pt that run's folder)")
-    parser.add_argument("--resume", type=Path, default=None, help="checkpoint.pt to continue from")
+    parser.add_argument("--resume", type=Path, default=None,
+                        help="checkpoint.pt to continue from, with the run's own options where not given (its data, "
+                             "network, optimiser, rates, sizes, epochs, seeds); where and how it runs as given now")
     parser.add_argument("--export", type=Path, default=None, help="at the end, export best.pt to this weights dir")
     parser.add_argument("--export-repository", type=Path, default=None,
                         help="at the end, export best.pt as the next version in this model repository")

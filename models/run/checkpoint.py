@@ -58,7 +58,8 @@ def better(acc1: float, loss: float, best: Best) -> bool:
 def plain_args(args: argparse.Namespace) -> dict[str, Any]:
     """argparse values as built-in types (paths become absolute strings: an export run from another folder finds
     the run's data) so the checkpoint stays weights_only-safe."""
-    return {key: os.path.abspath(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+    return {key: os.path.abspath(value) if isinstance(value, Path) else value for key, value in vars(args).items()
+            if not key.startswith("_")}  # (the parser's own notes: ``_given``)
 
 
 def rng_state() -> dict[str, Any]:
@@ -219,14 +220,22 @@ def _check_same_holdout(path: Path, state: dict[str, Any], args: argparse.Namesp
                         f"another --output-dir")
 
 
-PRESET_OPTIONS = ("resize_size", "crop_size", "interpolation")  # how a run's images are made: a resume takes its own
+# What a run is, which a resumed run takes from its checkpoint where the command line does not give it (its images
+# as made, its data and holdout, its network, optimiser, rates and schedule, its seeds); where and how it runs (the
+# device, workers, --compile, --tf32, the output and exports) is the command's
+RUN_OPTIONS = ("data", "val_split", "split_seed", "seed", "arch", "pretrained", "freeze_backbone", "backbone_lr_scale",
+               "epochs", "batch_size", "opt", "lr", "momentum", "weight_decay", "label_smoothing", "lr_warmup_epochs",
+               "clip_grad_norm", "amp", "amp_dtype", "freeze_bn", "bn_recompute_batches", "resize_size", "crop_size",
+               "interpolation", "hflip_prob", "min_crop_scale", "name")
+PATH_OPTIONS = frozenset({"data"})  # saved as absolute paths' strings (``plain_args``)
 
 
-def resumed_preset(args: argparse.Namespace) -> dict[str, Any] | None:
+def resumed_run(args: argparse.Namespace) -> dict[str, Any] | None:
     """The preset ``--resume``'s checkpoint trained with (None without one, or from a file that is no readable
-    checkpoint: ``_resume`` says so), its --resize-size, --crop-size and --interpolation set on ``args`` where not
-    given (a run at --crop-size 64 resumed without it trained on at 224, and its export was served at 224, unsaid);
-    DataError when ``--resume`` names no file."""
+    checkpoint: ``_resume`` says so), each of its ``RUN_OPTIONS`` the command line does not give set on ``args``
+    (a run at --crop-size 64 resumed without it trained on at 224, and its export was served at 224, unsaid; one
+    resumed without --data, --pretrained or --opt was refused, or went on at the default --lr), said in the log;
+    DataError when ``--resume`` names no file, or its run's --data was not saved and none is given."""
     path = args.resume
     if path is None:
         return None
@@ -243,9 +252,18 @@ def resumed_preset(args: argparse.Namespace) -> dict[str, Any] | None:
     saved = state.get("args") if isinstance(state, dict) else None
     if not isinstance(saved, dict):
         return None
-    for name in PRESET_OPTIONS:
-        if getattr(args, name, None) is None and saved.get(name) is not None:
-            setattr(args, name, saved[name])
+    given, taken = getattr(args, "_given", frozenset()), []
+    for name in RUN_OPTIONS:
+        if name in given or name not in saved:
+            continue
+        value = Path(saved[name]) if name in PATH_OPTIONS and saved[name] is not None else saved[name]
+        if getattr(args, name, None) != value:
+            setattr(args, name, value)
+            taken.append(_given_as(name, value))
+    if args.data is None:
+        raise DataError(f"{path} does not say its run's data: give it (--data DIR)")
+    if taken:
+        log.info("resuming %s with its run's %s", path, ", ".join(taken))
     return state.get("preset") if isinstance(state.get("preset"), dict) else None
 
 
@@ -267,6 +285,14 @@ STATE_OPTIONS = ("opt", "freeze_backbone")
 # Options a resumed run takes as they are given now, applied to the restored optimiser's groups (the NaN error's
 # advice, "lower --lr", is followed by resuming with a lower --lr).
 RATE_OPTIONS = ("lr", "backbone_lr_scale", "momentum", "weight_decay")
+
+
+def _given_as(name: str, value: Any) -> str:
+    """An option as a command line gives it (a flag's absence said as "no --flag")."""
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return flag if value else f"no {flag}"
+    return f"{flag} {value}"
 
 
 def _option(name: str, value: Any) -> str:

@@ -428,3 +428,24 @@ def test_validation_preprocesses_as_the_cpu_server_does(tmp_path: Path) -> None:
     with Image.open(small) as image:
         assert not torch.equal(eval_transform(preset)(image.convert("RGB")), served)  # PIL's resize differs here
     assert torch.equal(val[index][0], served)
+
+
+@pytest.mark.slow  # a second or more (a run of the CLI, make, or workers sharing a state): the full suite's
+def test_a_run_resumed_from_its_checkpoint_alone_goes_on_with_its_own_options(
+        folder: Path, one_epoch: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # Before (a data scientist's trial): --resume asked for --data again, then for every option that shaped the run
+    # (--pretrained, --freeze-backbone, --opt: one refusal each), and went on at the default --lr where the run
+    # had another one, unsaid. Now what the command line does not give is the run's own.
+    run, _ = _resumable(one_epoch, tmp_path)
+    with caplog.at_level(logging.INFO, logger="models.train"):
+        assert train.main(["--resume", str(run / CHECKPOINT_NAME), "--epochs", "2", "--workers", "0",
+                           "--device", "cpu"]) == 0
+    first, resumed = load_checkpoint(one_epoch / CHECKPOINT_NAME), load_checkpoint(run / CHECKPOINT_NAME)
+    assert resumed["epoch"] == 1 and resumed["args"]["epochs"] == 2  # as given
+    for name in ("data", "arch", "batch_size", "lr", "resize_size", "crop_size", "opt", "val_split", "split_seed",
+                 "pretrained", "freeze_backbone", "seed"):
+        assert resumed["args"][name] == first["args"][name], name
+    assert f"resuming {run / CHECKPOINT_NAME} with its run's --data {folder}, --arch mobilenet_v3_small" in caplog.text
+    assert "the following arguments are required: --data (or --resume of a run's checkpoint)" in _refused_option(
+        ["--epochs", "2"], capsys)
