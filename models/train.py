@@ -196,6 +196,7 @@ def _setup(args: argparse.Namespace, env: DistEnv) -> tuple[torch.device, EvalPr
     """Resolve the defaults that depend on other options (a resumed run's own first: its checkpoint's, where not
     given); refuse combinations that cannot work, as user errors rather than tracebacks."""
     resumed = ckpt.resumed_run(args)
+    args.lr_from_batch = args.lr is None  # (saved: a resume derives it again, for its own global batch)
     if args.lr is None:  # sane from a small folder to ImageNet: a batch of 32 on one process trains at 0.0125
         args.lr = 0.1 * args.batch_size * env.world_size / 256 if args.opt == "sgd" else 1e-3
     if args.lr_warmup_epochs is None:  # fresh BatchNorm statistics and a full learning rate diverged on day one

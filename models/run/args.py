@@ -116,9 +116,10 @@ def get_args_parser(archs: Sequence[str], description: str = "") -> argparse.Arg
                              "folder: 0.2)")
     parser.add_argument("--arch", choices=archs, default=None,
                         help="the network (default: efficientnet_lite0 with --pretrained, resnet18 without)")
-    parser.add_argument("--pretrained", action="store_true",
+    parser.add_argument("--pretrained", action=argparse.BooleanOptionalAction, default=False,
                         help="start from the packaged ImageNet weights (new head); efficientnet_lite0 only")
-    parser.add_argument("--freeze-backbone", action="store_true", help="train the new head only")
+    parser.add_argument("--freeze-backbone", action=argparse.BooleanOptionalAction, default=False,
+                        help="train the new head only")
     parser.add_argument("--backbone-lr-scale", type=_number(), default=1.0,
                         help="backbone learning rate = lr x this (e.g. 0.1 when fine-tuning)")
     parser.add_argument("--epochs", type=_positive_int, default=10, help="passes over the training set")
@@ -133,8 +134,10 @@ def get_args_parser(archs: Sequence[str], description: str = "") -> argparse.Arg
                         help="cross-entropy label smoothing")
     parser.add_argument("--lr-warmup-epochs", type=_non_negative_int, default=None,
                         help="linear warm-up (default: 1 epoch from scratch, 0 with --pretrained)")
-    parser.add_argument("--clip-grad-norm", type=_POSITIVE, default=None, help="clip the gradient norm to this")
-    parser.add_argument("--amp", action="store_true", help="mixed precision (autocast) for training")
+    parser.add_argument("--clip-grad-norm", type=_number(), default=None,
+                        help="clip the gradient norm to this (0: no clipping, as without it)")
+    parser.add_argument("--amp", action=argparse.BooleanOptionalAction, default=False,
+                        help="mixed precision (autocast) for training")
     parser.add_argument("--amp-dtype", choices=("bf16", "fp16"), default=None,
                         help="with --amp: bf16 (the default) or fp16 (CUDA; with a GradScaler)")
     parser.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
@@ -142,7 +145,8 @@ def get_args_parser(archs: Sequence[str], description: str = "") -> argparse.Arg
     parser.add_argument("--channels-last", action="store_true", help="NHWC memory format (faster convs on GPUs)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the model for training (a minute or more of compiling first)")
-    parser.add_argument("--freeze-bn", action="store_true", help="keep BatchNorm running statistics fixed")
+    parser.add_argument("--freeze-bn", action=argparse.BooleanOptionalAction, default=False,
+                        help="keep BatchNorm running statistics fixed")
     parser.add_argument("--bn-recompute-batches", type=_non_negative_int, default=100,
                         help="after each epoch, recompute BatchNorm's statistics for the epoch's final weights from "
                              "this many training batches (0: keep the running averages)")

@@ -214,10 +214,10 @@ def _check_same_holdout(path: Path, state: dict[str, Any], args: argparse.Namesp
     if saved != now:
         # only the seed differs: a run from before --split-seed held out by its --seed (--seed 1: --split-seed 1)
         seed_only = saved is not None and now is not None and {**saved, "seed": now["seed"]} == now
-        options = f"--split-seed {saved['seed']}" if seed_only else "the same options"
+        options = (f"resume with --split-seed {saved['seed']}" if seed_only else
+                   "leave --val-split and --split-seed out (the run's are taken)")
         raise DataError(f"{path} validated on {_holdout_text(saved)}, this run on {_holdout_text(now)}: it would "
-                        f"validate on images it trained on; resume with {options} or train afresh into "
-                        f"another --output-dir")
+                        f"validate on images it trained on; {options} or train afresh into another --output-dir")
 
 
 # What a run is, which a resumed run takes from its checkpoint where the command line does not give it (its images
@@ -248,13 +248,15 @@ def resumed_run(args: argparse.Namespace) -> dict[str, Any] | None:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # noqa: BLE001 - not a checkpoint: read_resumable refuses it in words
-        return None
+        state = None
     saved = state.get("args") if isinstance(state, dict) else None
     if not isinstance(saved, dict):
+        if args.data is None:  # nothing to go on with (an export's state dict, a file torch cannot read): said now
+            read_resumable(path)
         return None
     given, taken = getattr(args, "_given", frozenset()), []
     for name in RUN_OPTIONS:
-        if name in given or name not in saved:
+        if name in given or name not in saved or _derived(name, saved, args):
             continue
         value = Path(saved[name]) if name in PATH_OPTIONS and saved[name] is not None else saved[name]
         if getattr(args, name, None) != value:
@@ -262,6 +264,9 @@ def resumed_run(args: argparse.Namespace) -> dict[str, Any] | None:
             taken.append(_given_as(name, value))
     if args.data is None:
         raise DataError(f"{path} does not say its run's data: give it (--data DIR)")
+    if "data" not in given and not args.data.exists():
+        raise DataError(f"--data {args.data} (the run's, from {path}) does not exist: give --data DIR where its "
+                        "images are now")
     if taken:
         log.info("resuming %s with its run's %s", path, ", ".join(taken))
     return state.get("preset") if isinstance(state.get("preset"), dict) else None
@@ -274,9 +279,9 @@ def check_resumed_preset(path: Path, saved: dict[str, Any] | None, preset: EvalP
     changed = [f"{key} {saved[key]} -> {now[key]}" for key in now
                if saved is not None and key in saved and saved[key] != now[key]]
     if changed:
-        raise DataError(f"{path} trained on images made otherwise ({'; '.join(changed)}): resume with the options "
-                        f"it was trained with (--resize-size, --crop-size, --interpolation, --pretrained; or leave "
-                        f"the sizes out: they are taken from it), or train afresh into another --output-dir")
+        raise DataError(f"{path} trained on images made otherwise ({'; '.join(changed)}): leave --resize-size, "
+                        f"--crop-size, --interpolation and --pretrained out (the run's are taken), or train afresh "
+                        f"into another --output-dir")
 
 
 RESUMED_KEYS = ("model", "optimizer", "lr_scheduler", "epoch", "best_acc1", "args", "arch", "classes", "rng")
@@ -285,6 +290,15 @@ STATE_OPTIONS = ("opt", "freeze_backbone")
 # Options a resumed run takes as they are given now, applied to the restored optimiser's groups (the NaN error's
 # advice, "lower --lr", is followed by resuming with a lower --lr).
 RATE_OPTIONS = ("lr", "backbone_lr_scale", "momentum", "weight_decay")
+
+
+def _derived(name: str, saved: dict[str, Any], args: argparse.Namespace) -> bool:
+    """Whether the run's ``name`` is left to be made again: an --lr the run derived from its global batch (this
+    run's may differ: another --batch-size, or number of processes), an --amp-dtype for a run resumed with --no-amp
+    (it would do nothing)."""
+    if name == "lr":
+        return bool(saved.get("lr_from_batch"))
+    return name == "amp_dtype" and not args.amp
 
 
 def _given_as(name: str, value: Any) -> str:
@@ -338,7 +352,8 @@ def _check_same_state_options(path: Path, saved: dict[str, Any], args: argparse.
         if name in saved and saved[name] != getattr(args, name):
             then, now = _option(name, saved[name]), _option(name, getattr(args, name))
             raise DataError(f"{path} was trained {then}, this run {now}: its optimiser state cannot go on with "
-                            f"another; resume {then}, or train afresh into another --output-dir")
+                            f"another; leave --{name.replace('_', '-')} out (the run's is taken), or train afresh "
+                            f"into another --output-dir")
 
 
 @dataclass(frozen=True)
@@ -367,8 +382,9 @@ def _resume(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scal
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
     except (RuntimeError, ValueError, KeyError) as exc:
-        raise DataError(f"{path} does not fit this run's model or optimiser ({_first_line(exc)}): resume with "
-                        f"the options it was trained with, or train afresh into another --output-dir") from None
+        raise DataError(f"{path} does not fit this run's model or optimiser ({_first_line(exc)}): leave the "
+                        f"run's options out (they are taken from it), or train afresh into another --output-dir"
+                        ) from None
     if scaler is not None and state.get("scaler") is not None:
         scaler.load_state_dict(state["scaler"])
     set_rng_state(state["rng"])

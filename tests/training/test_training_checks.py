@@ -91,7 +91,7 @@ def test_a_folder_whose_class_folders_are_named_as_splits_is_refused(splits: tup
     ("--lr", "nan", "must be above 0"), ("--weight-decay", "-1", "must be 0 or more"),
     ("--backbone-lr-scale", "-1", "must be 0 or more"), ("--hflip-prob", "3", "must be in [0, 1]"),
     ("--momentum", "1", "must be in [0, 1)"), ("--val-split", "1", "must be in (0, 1)"),
-    ("--clip-grad-norm", "0", "must be above 0"),
+    ("--clip-grad-norm", "-1", "must be 0 or more"),  # (0: no clipping, to turn a resumed run's off)
 ])
 def test_options_out_of_range_are_refused_before_the_data_is_read(option: str, value: str, says: str,
                                                                   tmp_path: Path,
@@ -449,3 +449,38 @@ def test_a_run_resumed_from_its_checkpoint_alone_goes_on_with_its_own_options(
     assert f"resuming {run / CHECKPOINT_NAME} with its run's --data {folder}, --arch mobilenet_v3_small" in caplog.text
     assert "the following arguments are required: --data (or --resume of a run's checkpoint)" in _refused_option(
         ["--epochs", "2"], capsys)
+
+
+def test_a_resume_takes_the_run_s_options_not_given_derives_again_what_it_derived_and_turns_off_what_is_said(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # (a review) --amp, --freeze-bn and --clip-grad-norm taken from the run could not be turned off; an --lr the run
+    # derived from its batch stayed fixed for another --batch-size; a file that is no checkpoint, with no --data,
+    # ended in a traceback; a saved --data that moved was "does not exist" with no word of where it came from
+    from models.run.checkpoint import resumed_run
+
+    data = write_image_folder(tmp_path / "data")
+    path = tmp_path / "run" / CHECKPOINT_NAME
+    path.parent.mkdir()
+    run = {"data": str(data), "arch": "mobilenet_v3_small", "amp": True, "amp_dtype": "fp16", "freeze_bn": True,
+           "clip_grad_norm": 1.0, "lr": 0.0015625, "lr_from_batch": True, "batch_size": 4, "epochs": 3}
+    torch.save({"args": run}, path)
+
+    def resumed(*argv: str) -> object:
+        args = get_args_parser(ARCHS).parse_args(["--resume", str(path), *argv])
+        resumed_run(args)
+        return args
+
+    taken = resumed()
+    assert (taken.data, taken.arch, taken.amp, taken.amp_dtype, taken.freeze_bn, taken.clip_grad_norm,
+            taken.batch_size, taken.epochs) == (data, "mobilenet_v3_small", True, "fp16", True, 1.0, 4, 3)
+    assert taken.lr is None  # derived again, for this run's global batch
+    off = resumed("--no-amp", "--no-freeze-bn", "--clip-grad-norm", "0", "--epo", "5", "--batch-size=8")
+    assert (off.amp, off.amp_dtype, off.freeze_bn, off.clip_grad_norm, off.epochs, off.batch_size) == (
+        False, None, False, 0.0, 5, 8)
+    torch.save({"args": {**run, "lr_from_batch": False}}, path)
+    assert resumed().lr == 0.0015625  # one the run was given stays
+    shutil.rmtree(data)  # moved since
+    assert f"--data {data} (the run's, from {path}) does not exist" in _main_error(
+        ["--resume", str(path), "--device", "cpu"], caplog)
+    path.write_text("not a checkpoint")
+    assert "is no checkpoint torch can read" in _main_error(["--resume", str(path)], caplog)
