@@ -43,7 +43,7 @@ def init_app(app: Flask, settings: Settings, service: ServiceFace, protocols: Se
     # on, its hook goes first whenever registered, so a request the one above refuses is traced; off, none
     register_tracing(app, settings)
     register_error_handlers(app, protocols, settings.client_body_timeout_s)
-    # what the worker's loop refuses itself after the engine refused a request of the same route for its backlog
+    # what the worker refuses itself, before the app, after the engine refused a request of that route for its backlog
     api_key = settings.resolved_api_key()
     RECENT.configure(settings.refusal_memory_ms / 1000, settings.request_timeout_s, settings.max_images,
                      None if api_key is None else partial(carries_key, forms=key_forms(api_key)),
