@@ -53,17 +53,17 @@ def test_a_route_is_the_app_s_rule_and_the_model_and_version_its_target_names(ta
 
 
 def test_a_request_whose_deadline_ends_before_the_remembered_backlog_clears_is_refused_as_the_app_refuses() -> None:
-    recent = _remembering(busy_for_s=2.0)
+    recent = _remembering(busy_for_s=60.0)  # (margins a loaded host's stalls cannot eat)
     before = REGISTRY.get_sample_value("visionserve_requests_total", {"endpoint": "/predict", "status": "429"}) or 0
     rejected = REGISTRY.get_sample_value("visionserve_rejected_total", {"reason": "deadline_unreachable"}) or 0
-    refused = recent.refusal(_head("/predict", "500", "X-Request-ID: caller-7"), time.monotonic(), "10.0.0.1")
+    refused = recent.refusal(_head("/predict", "5000", "X-Request-ID: caller-7"), time.monotonic(), "10.0.0.1")
     assert refused is not None and refused.keep_alive
     status, headers, body = _answer(refused.answer)
     assert (status, headers["content-type"], headers["retry-after"], headers["x-request-id"]) == (
         429, "application/json", "3", "caller-7")
     assert "connection" not in headers  # kept alive: the client's next request comes on it
     assert body["error"]["code"] == "deadline_unreachable" and body["error"]["request_id"] == "caller-7"
-    assert re.fullmatch(r"the queue ahead may need up to [12]\.\d{3}s, more than the 0\.\d{3}s deadline",
+    assert re.fullmatch(r"the queue ahead may need up to \d\d\.\d{3}s, more than the \d\.\d{3}s deadline",
                         body["error"]["message"]), body
     assert refused.answer.endswith(b"}\n") and email.utils.parsedate_to_datetime(headers["date"])  # as Flask's
     assert REGISTRY.get_sample_value("visionserve_requests_total",
@@ -97,10 +97,10 @@ def test_what_the_engine_might_take_or_the_app_must_answer_goes_to_the_app(head:
 
 
 def test_a_deadline_counts_from_when_the_loop_had_the_request_whole() -> None:
-    recent = _remembering(busy_for_s=1.0)
+    recent = _remembering(busy_for_s=3.0)
     now = time.monotonic()
-    assert recent.refusal(_head("/predict", "2000"), now, None) is None
-    assert recent.refusal(_head("/predict", "2000"), now - 1.5, None) is not None  # 1.5 s waited in the worker
+    assert recent.refusal(_head("/predict", "5000"), now, None) is None
+    assert recent.refusal(_head("/predict", "5000"), now - 4.5, None) is not None  # 4.5 s waited in the worker
 
 
 def test_a_refusal_is_remembered_for_memory_s_and_until_its_backlog_clears_only() -> None:
