@@ -365,8 +365,8 @@ def service_error(exc: Exception, timeout_s: float | None = None, drawn: bool = 
     deadline is too short (400, no retry) when its length is, not when time spent before its images queued (their
     decode, a wait for the engine on a busy server) left too little of it: that is 429 deadline_unreachable.
     A backlog's refusal (DeadlineUnreachable) of a request its route alone sent there (not ``drawn`` by a rollout)
-    says until when (``Backlog``): the HTTP worker refuses that route's requests whose deadline ends sooner on its
-    loop for a while (app/hosting/recent_refusals.py), as this would."""
+    says until when (``Backlog``): the HTTP worker refuses that route's requests whose deadline ends sooner before
+    its app for a while (app/hosting/recent_refusals.py), as this would."""
     if isinstance(exc, DeadlineTooShort):
         if timeout_s is None or exc.own_s > timeout_s:
             return ShortDeadline(exc.said(exc.left_s if timeout_s is None else timeout_s))

@@ -33,7 +33,6 @@ from __future__ import annotations
 import email.utils
 import json
 import logging
-import random
 import re
 import time
 import urllib.parse
@@ -41,12 +40,11 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, NamedTuple
 
 from app.errors import Backlog
-from app.hosting.request_framing import error_body
+from app.hosting.request_framing import error_body, request_id_of
 
 access_log = logging.getLogger("visionserve.access")
 
 DEADLINE_HEADER = "x-request-timeout"
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}\Z")  # app/web/hooks.py keeps a caller's id when it is sane
 _FIELD_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9a-z-]+\Z")  # a header's name (RFC 9110 5.1's token), lower-cased
 _V2_INFER = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer\Z")
 V1_PREDICT_RULE = "/predict"
@@ -132,7 +130,8 @@ class RecentRefusals:
         the request allows; None otherwise."""
         if not self._routes:
             return None
-        if time.monotonic() > self._stale_at:  # every one remembered is too old: forgotten at once
+        now = time.monotonic()
+        if now > self._stale_at:  # every one remembered is too old: forgotten at once
             self._routes.clear()
             return None
         line_end = request.find(b"\r\n")
@@ -144,7 +143,6 @@ class RecentRefusals:
         refused = None if key is None else self._routes.get(key)
         if refused is None:
             return None
-        now = time.monotonic()
         if now - refused.at > self.memory_s:
             self._routes.pop(key, None)
             return None
@@ -163,8 +161,9 @@ class RecentRefusals:
                       and (keeps_alive is None or keeps_alive()))
         message = (f"the queue ahead may need up to {backlog.until - now:.3f}s, more than the "
                    f"{received_at + deadline_s - now:.3f}s deadline")
-        return LoopRefusal(_told(key, headers, refused.retry_after, message, keep_alive, now - received_at, client,
-                                 self.forwarded_for), keep_alive)
+        answer = _refusal_answer(key, headers, refused.retry_after, message, keep_alive, now - received_at, client,
+                                 self.forwarded_for)
+        return LoopRefusal(answer, keep_alive)
 
 
 class _Headers(dict):
@@ -200,27 +199,26 @@ def _deadline_s(raw: str | None, maximum_s: float) -> float | None:
     return min(millis / 1000, maximum_s)
 
 
-def _told(key: RouteKey, headers: Mapping[str, str], retry_after: str | None, message: str, keep_alive: bool,
+def _refusal_answer(key: RouteKey, headers: Mapping[str, str], retry_after: str | None, message: str, keep_alive: bool,
           elapsed_s: float, client: str | None, forwarded_for: bool) -> bytes:
     """The refusal's answer in its route's error shape, its access line and its counts (as app/web/hooks.py's)."""
     from app.metrics import REJECTED, REQUEST_SECONDS, REQUESTS, series
 
-    incoming = headers.get("x-request-id") or ""
-    request_id = incoming if _REQUEST_ID.match(incoming) else f"{random.getrandbits(128):032x}"
-    body = json.dumps(error_body(key.rule, CODE, message, request_id), separators=(",", ":")).encode() + b"\n"
+    said_id = request_id_of(headers.get("x-request-id"))
+    body = json.dumps(error_body(key.rule, CODE, message, said_id), separators=(",", ":")).encode() + b"\n"
     series(REQUESTS, key.rule, "429").inc()
     series(REQUEST_SECONDS, key.rule).observe(elapsed_s)
     REJECTED.labels(CODE).inc()
     if access_log.isEnabledFor(logging.INFO):
         fields = {"forwarded_for": headers.get("x-forwarded-for")} if forwarded_for else {}
-        access_log.info("request", extra={"request_id": request_id, "client": client, "method": "POST",
+        access_log.info("request", extra={"request_id": said_id, "client": client, "method": "POST",
                                           "route": key.rule, "status": 429, "error": CODE,
                                           "duration_ms": round(elapsed_s * 1000, 2), **fields})
     return (b"HTTP/1.1 429 Too Many Requests\r\nDate: " + email.utils.formatdate(usegmt=True).encode()
             + b"\r\nContent-Type: application/json\r\n"
             + (b"" if retry_after is None else b"Retry-After: " + retry_after.encode("latin-1") + b"\r\n")
             + (b"" if keep_alive else b"Connection: close\r\n")
-            + b"X-Request-ID: " + request_id.encode() + b"\r\nContent-Length: " + str(len(body)).encode()
+            + b"X-Request-ID: " + said_id.encode() + b"\r\nContent-Length: " + str(len(body)).encode()
             + b"\r\n\r\n" + body)
 
 

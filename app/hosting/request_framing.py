@@ -28,8 +28,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import random
 import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -53,6 +53,20 @@ CODINGS = frozenset((b"chunked", b"identity", b"gzip", b"deflate", b"compress"))
 MALFORMED = "the request body's framing is malformed: "  # as app/web/errors.py says it of what the parser refuses
 
 log = logging.getLogger("visionserve.access")  # the loop's own answers' access lines, as the app's
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}\Z")  # a caller's X-Request-ID kept (\Z, not $: $ also matches
+# before a final newline, and a header holding one cannot be sent)
+
+
+def new_request_id() -> str:
+    """A new request id: 128 random bits in hex from the process's generator, which random reseeds in each forked
+    worker (os.urandom took a system call a request)."""
+    return f"{random.getrandbits(128):032x}"
+
+
+def request_id_of(incoming: str | None) -> str:
+    """A request's id: the caller's X-Request-ID when it is sane, so logs can be joined across services; else a new
+    one. Every answer says it (the app's, the starting app's, the worker's own)."""
+    return incoming if incoming and REQUEST_ID.match(incoming) else new_request_id()
 
 
 @dataclass(frozen=True)
@@ -105,7 +119,7 @@ class Reading:
             return
         log.info("request", extra={"client": client, "status": 499, "error": "client_closed_request",
                                    "detail": "the client closed the connection while it sent its body",
-                                   "request_id": uuid.uuid4().hex})
+                                   "request_id": new_request_id()})
         count_unparsed(499)
 
     def wanted(self) -> int:
@@ -176,7 +190,7 @@ class Refusal:
     def tell(self, send: Callable[[bytes], object], client: str | None, path: str | None = None) -> None:
         """Send this answer (under a new request id) by ``send``, a client gone meanwhile aside, log its access
         line and count it (``count_unparsed``); ``path``: the request's, where its head says it (its error shape)."""
-        request_id = uuid.uuid4().hex
+        request_id = new_request_id()
         with contextlib.suppress(OSError):
             send(self.response(request_id, path))
         log.info("request", extra={"client": client, "status": self.status, "error": self.code,

@@ -13,8 +13,8 @@ checks no API key (its answers hold nothing but "starting"), and closes the conn
 read (chunked, over ``max_body_bytes``, or sent after ``100 Continue``). Its answers are counted as the app counts
 them (``visionserve_requests_total``, endpoint ``starting``; a probe's in ``visionserve_probe_requests_total``), held
 here and written once the app exists (``_hand_over``): a reload's 503s count in the 5xx ratio. Standard library
-and request_framing's error shape only (the worker class loaded it already): no request waits for the imports it
-is answering around.
+and request_framing's error shape and request id only (the worker class loaded it already): no request waits for
+the imports it is answering around.
 """
 from __future__ import annotations
 
@@ -24,17 +24,15 @@ import logging
 import re
 import threading
 import time
-import uuid
 from typing import Any, Callable, Iterable
 
-from app.hosting.request_framing import error_body
+from app.hosting.request_framing import error_body, request_id_of
 
 StartResponse = Callable[..., Any]
 WSGIApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
 
 RETRY_AFTER_S = 5  # app.engine.lifecycle.NOT_READY_RETRY_S (a test keeps them equal): every 503's Retry-After
 MESSAGE = "the model is still loading"  # what app.engine.service says while loading (a test compares)
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}\Z")  # app/web/hooks.py keeps a caller's id when it is sane
 
 # Probes answered as the loading app answers them: path -> (status, body).
 PROBES: dict[str, tuple[int, dict[str, Any]]] = {
@@ -161,21 +159,20 @@ class StartingApp:
 
     def _answer(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         started = time.perf_counter()
-        incoming = environ.get("HTTP_X_REQUEST_ID", "")
-        request_id = incoming if _REQUEST_ID.match(incoming) else uuid.uuid4().hex
-        status, body, headers = starting_answer(environ, request_id)
+        said_id = request_id_of(environ.get("HTTP_X_REQUEST_ID"))
+        status, body, headers = starting_answer(environ, said_id)
         data = json.dumps(body).encode()
         if _unread_body(environ, self.max_body_bytes):
             force_close(start_response)
             headers["Connection"] = "close"
         start_response(f"{status} {_REASONS[status]}", [
-            ("Content-Type", "application/json"), ("Content-Length", str(len(data))), ("X-Request-ID", request_id),
+            ("Content-Type", "application/json"), ("Content-Length", str(len(data))), ("X-Request-ID", said_id),
             *headers.items()])
         path = environ.get("PATH_INFO", "")
         probe = path in PROBES
         self._note(probe, path, status)
         access_log.log(logging.DEBUG if probe else logging.INFO, "request", extra={
-            "request_id": request_id, "client": environ.get("REMOTE_ADDR"), "method": environ.get("REQUEST_METHOD"),
+            "request_id": said_id, "client": environ.get("REMOTE_ADDR"), "method": environ.get("REQUEST_METHOD"),
             "route": "starting", "path": path, "status": status, "error": None if probe else "not_ready",
             "duration_ms": round((time.perf_counter() - started) * 1000, 2)})
         return [data]

@@ -572,7 +572,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
             if refused is not None:  # what came past it (pipelined) is the parser's next request
                 conn.parser.unreader.unread_request(prefetched[conn.request_end:])
                 sock.stays_nonblocking = False
-                return _told(sock, refused)
+                return _send_refusal(sock, refused)
             conn.parser.unreader.unread_request(prefetched)
         else:  # a request gthread hands over itself (bytes its parser read ahead): its body may be on the socket
             _body_held(conn, False)
@@ -738,7 +738,7 @@ def _body_held(conn: TConn, held: bool, whole_at: float | None = None) -> None:
         conn.sock.body_held, conn.sock.received_at = held, whole_at if held else None
 
 
-def _told(sock: ClientSocket, refused: LoopRefusal) -> bool:
+def _send_refusal(sock: ClientSocket, refused: LoopRefusal) -> bool:
     """A request refused before the app (app/hosting/recent_refusals.py): its answer written as the app's would be;
     whether the connection stays open."""
     try:

@@ -567,7 +567,8 @@ class EngineServer:
                 if not conn.sent_infer:
                     conn.sent_infer = True
                     self._requesting += 1
-                self._turn.append((conn, message, segments, None, time.monotonic() - (wire.time_spent(message.spent_s) or 0.0)))
+                arrived = time.monotonic() - (wire.time_spent(message.spent_s) or 0.0)  # when its worker had it
+                self._turn.append((conn, message, segments, None, arrived))
             else:
                 self._handlers[type(message)](conn, message, segments)
 

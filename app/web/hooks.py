@@ -8,8 +8,6 @@ structured access-log line.
 from __future__ import annotations
 
 import logging
-import random
-import re
 import time
 from typing import Callable
 
@@ -18,19 +16,11 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from app.config import Settings
 from app.errors import BodyTooLarge
+from app.hosting.request_framing import request_id_of
 from app.metrics import PREFLIGHTS, PROBES, REJECTED, REQUEST_SECONDS, REQUESTS, series
 from app.web.auth import check_api_key, is_health, is_page, key_forms, needs_key
 
 access_log = logging.getLogger("visionserve.access")
-
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}\Z")  # \Z, not $: $ also matches before a final newline
-
-
-def new_request_id() -> str:
-    """A request's id: 128 random bits in hex from the process's generator, which random reseeds in each forked
-    worker (os.urandom took a system call a request)."""
-    return f"{random.getrandbits(128):032x}"
-
 
 def register_hooks(app: Flask, settings: Settings,
                    preflight: Callable[[Request], Response | None] | None = None) -> None:
@@ -47,9 +37,7 @@ def register_hooks(app: Flask, settings: Settings,
     @app.before_request
     def _start_request() -> Response | None:
         req, context = request._get_current_object(), g._get_current_object()  # not a proxy lookup per field
-        # Keep a caller's id when it is sane, so logs can be joined across services; otherwise make one.
-        incoming = req.headers.get("X-Request-ID", "")
-        context.request_id = incoming if _REQUEST_ID.match(incoming) else new_request_id()
+        context.request_id = request_id_of(req.headers.get("X-Request-ID"))  # a caller's kept when sane
         # its wait in the worker before the app began (a burst beyond THREADS) counts in its time (the histogram,
         # the access line, Server-Timing's wait): from when the worker's loop had it whole (client_socket.py)
         context.arrived = arrived = getattr(req.environ.get("gunicorn.socket"), "received_at", None)

@@ -77,7 +77,7 @@ def measure(server: Running, body: Path, args: argparse.Namespace) -> dict[str, 
     master = server.process.pid
     _hey(server.url, body, args.warmup, args.base_concurrency)
     before = process_tree_cpu(master)
-    statuses, wall = _hey(server.url, body, args.seconds, args.base_concurrency)
+    statuses, _ = _hey(server.url, body, args.seconds, args.base_concurrency)
     http, engine = cpu_split(before, process_tree_cpu(master), master)
     answered = {"requests": sum(statuses.values()), "http_cpu_s": http, "engine_cpu_s": engine}
     before = process_tree_cpu(master)

@@ -15,7 +15,7 @@ from app import EXTENSION_KEY
 from app.config import Settings
 from app.engine.loaded.predictor import Predictor
 from app.factory import create_app
-from app.web.hooks import new_request_id
+from app.hosting.request_framing import new_request_id
 from tests.support.imaging import image_bytes
 
 

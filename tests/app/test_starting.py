@@ -181,6 +181,6 @@ def test_it_answers_as_the_loading_app_does(loading_app: Any, gate: Gate) -> Non
 
 def test_a_request_id_with_a_final_newline_is_not_kept() -> None:
     # `$` also matched before a final newline: "abc\n" was kept, and a header holding it cannot be sent.
-    from app.hosting import starting
+    from app.hosting.request_framing import REQUEST_ID
 
-    assert starting._REQUEST_ID.match("abc-1") and not starting._REQUEST_ID.match("abc-1\n")
+    assert REQUEST_ID.match("abc-1") and not REQUEST_ID.match("abc-1\n")
