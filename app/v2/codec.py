@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from app.errors import BadRequest, UnsupportedMediaType
+from app.errors import BadRequest, InvalidJSON, UnsupportedMediaType
 from app.web.inputs import decode_base64, parse_json
 
 _NUMPY_TYPES = {"FP32": np.float32, "FP64": np.float64, "FP16": np.float16, "INT64": np.int64, "INT32": np.int32,
@@ -74,7 +74,14 @@ def _header(body: bytes, header_length: str | None) -> tuple[dict[str, Any], byt
     if header_length is None and body.startswith(_IMAGE_MAGIC):
         raise UnsupportedMediaType("the body is an image file, not an inference request: send it as a BYTES input "
                                    "(base64 in JSON, or binary_tensor_data), or POST the file to /predict")
-    header = parse_json(body[:size], "the inference request header")
+    try:
+        header = parse_json(body[:size], "the inference request header")
+    except InvalidJSON as exc:
+        if header_length is None and "trailing characters" in exc.message:  # binary data after it, its length unsaid
+            raise InvalidJSON(f"{exc.message} (the body goes on after its JSON: a request with binary tensor data "
+                              "names its JSON header's length in bytes in the Inference-Header-Content-Length "
+                              "header)") from None
+        raise
     if not isinstance(header, dict) or not isinstance(header.get("inputs"), list) or not header["inputs"]:
         raise BadRequest("the inference request must be a JSON object with a non-empty 'inputs' list")
     check_fields(header, REQUEST_FIELDS, "the request")
@@ -119,6 +126,20 @@ def _split_bytes(blob: bytes, name: str, count: int) -> list[bytes]:
     return items
 
 
+_NARROW_FLOATS = ("FP32", "FP16")  # JSON numbers past their range become inf when cast
+
+
+def _check_float_range(values: list[Any], name: str, datatype: str) -> None:
+    """BadRequest for finite JSON numbers beyond ``datatype``'s range (cast, they would be infinite: read as
+    non-finite pixels, which they were not); NaN and infinities as written are the pixels' check's."""
+    wide = np.asarray(values, dtype=np.float64)
+    finite = wide[np.isfinite(wide)]
+    largest = float(np.finfo(_NUMPY_TYPES[datatype]).max)
+    if finite.size and float(np.abs(finite).max()) > largest:
+        raise BadRequest(f"input {name!r}: 'data' holds {float(np.abs(finite).max()):g}, beyond {datatype}'s range "
+                         f"(at most {largest:g} either side)")
+
+
 def _json_bytes(values: list[Any], name: str) -> list[bytes]:
     # JSON cannot carry raw image bytes, so BYTES elements in JSON are base64 strings.
     if not all(isinstance(value, str) for value in values):
@@ -132,9 +153,14 @@ def _json_numbers(values: list[Any], name: str, datatype: str) -> np.ndarray:
     kinds = set(map(type, values))  # a C loop: a JSON image's 150,528 values in about 2 ms
     if kinds <= (_JSON_BOOLEANS if datatype == "BOOL" else _JSON_NUMBERS):
         try:
-            return np.asarray(values, dtype=_NUMPY_TYPES[datatype])
+            with np.errstate(over="ignore"):  # a float beyond FP32's range cast to inf: said below, not warned
+                array = np.asarray(values, dtype=_NUMPY_TYPES[datatype])
         except (TypeError, ValueError, OverflowError):  # OverflowError: out of the type's range (UINT8 -1)
             pass
+        else:
+            if datatype in _NARROW_FLOATS and not np.isfinite(array).all():
+                _check_float_range(values, name, datatype)
+            return array
     kind = "JSON booleans" if datatype == "BOOL" else "JSON numbers"
     raise BadRequest(f"input {name!r}: 'data' holds values that are not {datatype} ({kind})")
 

@@ -94,6 +94,9 @@ def parse_json(data: bytes, what: str) -> Any:
         return pydantic_core.from_json(data)
     except ValueError as exc:
         reason = "it is nested too deeply" if "recursion limit" in str(exc) else str(exc)
+        if reason.startswith("control character"):  # most often base64 as the base64 command writes it, 76 a line
+            reason += (" (a string holds a raw line break or another control character, which JSON writes escaped; "
+                       "base64 wrapped in lines is one: send it on one line, e.g. base64 -w0)")
         raise InvalidJSON(f"{what} is not valid JSON: {reason}") from None
 
 

@@ -689,6 +689,19 @@ def test_base64_wrapped_over_lines_is_refused_saying_so(client: FlaskClient) -> 
     assert client.post("/predict", json={"images": ["".join(wrapped.split())]}).status_code == 200
 
 
+def test_base64_wrapped_over_lines_in_a_body_written_by_hand_is_refused_saying_so(client: FlaskClient) -> None:
+    # Before: the documented pipeline without -w0 (printf '{"images": ["'; base64 cat.jpg; printf '"]}') put raw line
+    # breaks in the JSON string, and the answer was the parser's "control character (\u0000-\u001F) found while
+    # parsing a string at line 2 column 0" alone
+    import base64
+
+    wrapped = base64.encodebytes(image_bytes()).decode()
+    body = b'{"images": ["' + wrapped.encode() + b'"], "top_k": 1}'
+    error = error_of(client.post("/predict", data=body, content_type="application/json"), 400, "invalid_json")
+    assert error["message"].startswith("the body is not valid JSON: control character")
+    assert "base64 wrapped in lines is one: send it on one line, e.g. base64 -w0" in error["message"]
+
+
 def test_base64_of_another_kind_is_refused_saying_which(client: FlaskClient) -> None:
     # Before: "images[0] is not valid base64" alone (a new user's trial: URL-safe and unpadded base64)
     import base64

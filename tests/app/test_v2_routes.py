@@ -139,6 +139,9 @@ _PIXELS = {"name": "pixels", "datatype": "FP32", "shape": [1, 3, 8, 8], "data": 
     ({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 3, 8, 8], "data": [float("nan")] * 192}]},
      "NaN"),
     ({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 3, 8, 8], "data": ["x"] * 192}]}, "not FP32"),
+    # before: "holds NaN or infinite values" for a finite number past FP32's range (and numpy's overflow warning)
+    ({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 3, 8, 8], "data": [1e39] + [0.0] * 191}]},
+     "input 'pixels': 'data' holds 1e+39, beyond FP32's range (at most 3.40282e+38 either side)"),
     ({"inputs": [{"name": "tensor", "datatype": "INT8", "shape": [1], "data": [1]}]}, "unknown input"),
     ({"inputs": [{"name": "images", "datatype": "STRING", "shape": [1], "data": [1]}]}, "not supported"),
     ({"inputs": [{"name": "images", "datatype": "BYTES", "shape": [-1], "data": []}]}, "non-negative"),
@@ -251,6 +254,16 @@ def test_bad_binary_framing_and_limits(client: FlaskClient, settings: Any) -> No
     assert "nested too deeply" in _v2_error(client.post(INFER, data=deep, content_type="application/json"), 400)
     many = {"inputs": [_bytes_input(*[image_bytes(RED)] * (settings.max_images + 1))]}
     assert "limit" in _v2_error(client.post(INFER, json=many), 413)
+
+
+def test_a_binary_body_without_its_header_length_says_which_header_names_it(client: FlaskClient) -> None:
+    # Before: 400 "the inference request header is not valid JSON: trailing characters at line 1 column 188" alone
+    body, headers = _binary_body({"inputs": [{"name": "images", "datatype": "BYTES", "shape": [1],
+                                              "parameters": {"binary_data_size": 9}}]}, b"\x05\x00\x00\x00abcde")
+    del headers["Inference-Header-Content-Length"]
+    message = _v2_error(client.post(INFER, data=body, headers=headers), 400)
+    assert message.startswith("the inference request header is not valid JSON: trailing characters")
+    assert message.endswith("names its JSON header's length in bytes in the Inference-Header-Content-Length header)")
 
 
 def test_not_ready_is_503_in_the_protocol_shape(client: FlaskClient, service: Service) -> None:
