@@ -431,10 +431,12 @@ def test_a_deadline_shorter_than_the_request_alone_is_the_callers_mistake(make_b
 
 
 def test_a_deadline_of_microseconds_is_said_in_them() -> None:
-    # a V2 timeout is in microseconds: one of 12 was told "the 0 ms deadline"
+    # a V2 timeout is in microseconds: one of 12 was told "the 0 ms deadline"; an X-Request-Timeout of 1.5 was told
+    # "the 2 ms deadline"
     from app.engine.batching.types import ms
 
-    assert [ms(s) for s in (0.000012, 0.0004, 0.0123, 0.0, -1.0)] == ["0.012 ms", "0.4 ms", "12 ms", "0 ms", "0 ms"]
+    assert [ms(s) for s in (0.000012, 0.0004, 0.0015, 0.0123, 0.0, -1.0)] == [
+        "0.012 ms", "0.4 ms", "1.5 ms", "12 ms", "0 ms", "0 ms"]
 
 
 class OutOfMemory(Exception):

@@ -56,10 +56,10 @@ class DeadlineTooShort(BatcherError):
 
 
 def ms(seconds: float) -> str:
-    """``seconds`` in milliseconds as a message says them: whole ones, or two significant digits below one (a V2
-    deadline may be a few microseconds)."""
+    """``seconds`` in milliseconds as a message says them: whole ones from 10, two significant digits below (a V2
+    deadline may be a few microseconds; an X-Request-Timeout of 1.5 was said as "2 ms")."""
     millis = max(0.0, seconds) * 1000
-    return f"{millis:.0f} ms" if millis >= 1 or millis == 0 else f"{millis:.2g} ms"
+    return f"{millis:.0f} ms" if millis >= 10 or millis == 0 else f"{millis:.2g} ms"
 
 
 class DeadlineExpired(BatcherError):
