@@ -690,6 +690,15 @@ def test_a_call_naming_no_version_suggests_only_versions_it_could_name(settings:
                                     '2 (rolled back) ({"version": "2"})') and error["details"] == {"versions": ["2"]}
         example = client.post("/v1/models/colour/promote", json={"version": "2"})  # the example is a real one
         assert example.status_code == 200 and example.get_json()["default"] == "2"
+        # A rollback that named a newer version: the one it replaced is rolled back, and still a rollback may name
+        # it. Before: a bare rollback then said no version could be named (details.versions []), and naming 1 worked
+        assert client.post("/v1/models/colour/rollback", json={"version": "1"}).get_json()["rolled_back"] == ["2"]
+        assert client.post("/v1/models/colour/rollback", json={"version": "2"}).get_json()["rolled_back"] == ["1"]
+        error = client.post("/v1/models/colour/rollback").get_json()["error"]
+        assert error["message"] == ("model 'colour' has no previous default to roll back to; name one of its "
+                                    'versions 1 (rolled back) ({"version": "1"})') and error["details"] == {
+                                        "versions": ["1"]}
+        assert client.post("/v1/models/colour/rollback", json={"version": "1"}).get_json()["default"] == "1"
         loaded = client.post("/v2/repository/models/colour/load").get_json()
         assert loaded["name"] == "colour" and set(loaded) <= set(example.get_json())
     finally:

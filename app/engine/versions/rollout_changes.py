@@ -69,13 +69,13 @@ class RolloutChanges:
 
     def _nothing_meant(self, name: str, entry: ModelEntry, action: str, missing: str) -> Conflict:
         """The 409 of a call naming no version when the model has none it means: the versions the call could name
-        instead (promote: any other that can load, rolled-back ones too; rollback: older ones that can load and
-        were not rolled back), newest first, with the first as the example; or that there is none."""
+        instead (promote: any other that can load; rollback: older ones that can load; rolled-back ones said so),
+        newest first, the first not rolled back as the example; or that there is none."""
         live, rolled = entry["default"], entry.get("rolled_back", [])
         others = [v for v in sorted(self.applier.source.versions(name), key=order_key, reverse=True)
                   if v != live and not self.applier.known_refused(name, v)]
-        if action == "rollback":
-            others = [v for v in others if order_key(v) < order_key(live) and v not in rolled]
+        if action == "rollback":  # (a rolled-back one too: a call may name it, as the version a rollback replaced)
+            others = [v for v in others if order_key(v) < order_key(live)]
         if not others:
             which = "but" if action == "promote" else "older than"
             return Conflict(f"model {name!r} has no {missing}, and no version {which} the live {live} that could "
