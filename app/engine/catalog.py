@@ -47,11 +47,9 @@ class Catalog:
         return ModelsOverview(self.versions(), self.workers(), self.default_model(), self.rollouts())
 
     def repository_overview(self) -> RepositoryOverview:
-        """Every version's state, the default model and its default version, the roles and the rollouts, in one
-        call (read one after the other, as the five calls would be)."""
-        default_model = self.default_model()
-        default_version = self.serving().get(default_model or "", {}).get("default")
-        return RepositoryOverview(self.index(), default_model, default_version, self.roles(), self.rollouts())
+        """Every version's state, the roles and the rollouts, in one call (read one after the other, as the three
+        calls would be)."""
+        return RepositoryOverview(self.index(), self.roles(), self.rollouts())
 
     def version(self, name: str | None, version: str | None = None) -> VersionInfo:
         """The version a request for ``name`` at ``version`` would get now (NotFound)."""

@@ -212,12 +212,9 @@ class VersionState:
 @dataclass(frozen=True)
 class RepositoryOverview:
     """What the V2 repository index shows, read in one catalog call (one exchange with an engine process, not
-    five): every version's state, the default model and its default version, each version's role and the
-    rollouts."""
+    several): every version's state, each version's role (its model's default is "live") and the rollouts."""
 
     index: list[VersionState]
-    default_model: str | None
-    default_version: str | None
     roles: dict[tuple[str, str], str]
     rollouts: dict[str, dict[str, Any]]
 

@@ -38,10 +38,10 @@ def repository_index() -> Response:
     """Every model version in the repository or loaded, with its state (READY, LOADING, UNLOADING, UNAVAILABLE)."""
     only_ready = _body(RepositoryIndexRequest).ready
     overview = current_service().catalog.repository_overview()  # one exchange with an engine process
-    default, roles = (overview.default_model, overview.default_version), overview.roles
+    roles = overview.roles
     compared = {(name, r["candidate"]): r.get("comparison") for name, r in overview.rollouts.items()}
     rows = [RepositoryModel(name=r.name, version=r.version, state=r.state, reason=r.reason,  # type: ignore[arg-type]
-                            default=r.state == "READY" and (r.name, r.version) == default,
+                            default=r.state == "READY" and roles.get((r.name, r.version)) == "live",
                             role=roles.get((r.name, r.version)) if r.state == "READY" else None,
                             comparison=compared.get((r.name, r.version)) if r.state == "READY" else None)
             for r in overview.index if r.state == "READY" or not only_ready]

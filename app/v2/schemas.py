@@ -159,7 +159,8 @@ class RepositoryModel(BaseModel):
     version: str
     state: Literal["READY", "LOADING", "UNLOADING", "UNAVAILABLE"]
     reason: str = ""
-    default: bool = False  # what a request naming neither model nor version gets (the default model's default)
+    default: bool = Field(False, description="whether this is its model's default version, the one a request "
+                          "naming the model and no version gets (as `default` in /v1/models)")
     role: str | None = None  # its part in its model's rollout: live, canary, shadow, previous (GET /v1/models)
     comparison: dict[str, Any] | None = None  # a candidate's: its shadow figures against the live version
 

@@ -926,7 +926,9 @@ def test_v1_models_lists_every_version_with_its_state_memory_and_worker(client: 
     repository.add("other", "1")
     client.post("/v2/repository/models/other/load")
     assert client.get("/v1/models").get_json()["default_model"] is None  # two, and none named: requests name one
-    assert [r["default"] for r in client.post("/v2/repository/index").get_json()] == [False, False, False]
+    # each model's default version, as /v1/models says (before: the server's default model's alone, none here)
+    assert [(r["name"], r["version"], r["default"]) for r in client.post("/v2/repository/index").get_json()] == [
+        ("colour", "1", False), ("colour", "2", True), ("other", "1", True)]
 
 
 @pytest.mark.slow  # two workers following each other (2 s)

@@ -113,6 +113,11 @@ def test_a_model_models_leaves_out_is_listed_as_not_loaded_until_its_load_call(t
         rows = {row["name"]: (row["state"], row.get("reason")) for row in client.post("/v2/repository/index").json}
         assert rows == {"mine": ("READY", ""), "other": ("UNAVAILABLE", "not loaded (its load call loads it)")}
         assert client.post("/v2/repository/models/other/load").status_code == 200
+        # each model's default version is its default, in the index as in /v1/models (before: in the index only the
+        # server's default model's, so other's 1 said false in one and true in the other)
+        index = {row["name"]: row["default"] for row in client.post("/v2/repository/index").json}
+        listed = {row["name"]: row["default"] for row in client.get("/v1/models").json["models"]}
+        assert index == listed == {"mine": True, "other": True}
         assert client.post("/v2/repository/models/other/unload").status_code == 200
         rows = {row["name"]: (row["state"], row.get("reason")) for row in client.post("/v2/repository/index").json}
         assert rows["other"] == ("UNAVAILABLE", "unloaded")
