@@ -240,7 +240,8 @@ def parse_explain(request: Request, labels: list[str], max_images: int) -> Expla
     if mimetype == "application/json":
         parsed = _json_body(request, ExplainJSONRequest)
         image = _image_from_base64(parsed.image, 0)
-        fields = _joined(fields, {CLASS_INDEX: parsed.class_index, LABEL: parsed.label}, "body")
+        fields = _joined(fields, {CLASS_INDEX: parsed.class_index, LABEL: parsed.label, FORMAT: parsed.format},
+                         "body")
     elif mimetype == "multipart/form-data":
         form, images, _ = _from_multipart(request, {CLASS_INDEX, LABEL, FORMAT}, max_images)
         if len(images) != 1:

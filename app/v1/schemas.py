@@ -29,7 +29,6 @@ class ExplainJSONRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     MISPLACED: ClassVar[dict[str, str]] = {"images": "an explanation is of one image: 'image'",
-                                           "format": "format is a query parameter: ?format=png",
                                            "model": "model is a query parameter",
                                            "version": "version is a query parameter"}
 
@@ -37,6 +36,8 @@ class ExplainJSONRequest(BaseModel):
     class_index: StrictInt | None = Field(default=None, ge=0, description="the class to explain (an integer, "
                                           "not a boolean or a string); left out (and no label): the top one")
     label: str | None = Field(default=None, description="the class to explain, by its label")
+    format: str | None = Field(default=None, description="json (the default: the map and its class) or png (the "
+                               "overlay); as in the query and the form")
 
 
 class ClassScore(BaseModel):

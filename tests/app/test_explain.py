@@ -110,6 +110,15 @@ def test_a_named_class_by_label_in_every_request_form(explain_client: FlaskClien
 def test_the_png_is_the_overlay_on_the_crop(explain_client: FlaskClient, tiny_export: Path) -> None:
     answer = explain_client.post("/explain?format=png", data=CAT, content_type="image/jpeg")
     assert answer.status_code == 200 and answer.mimetype == "image/png"
+    # the format in each request form (before: a JSON body's was 422 "format is a query parameter", a form's taken)
+    as_form = explain_client.post("/explain", data={"image": (io.BytesIO(CAT), "cat.jpg"), "format": "png"},
+                                  content_type="multipart/form-data")
+    as_json = explain_client.post("/explain", json={"image": base64.b64encode(CAT).decode(), "format": "png"})
+    assert as_form.data == as_json.data == answer.data
+    refused = explain_client.post("/explain?format=json", json={"image": base64.b64encode(CAT).decode(),
+                                                                "format": "png"})
+    assert refused.json["error"]["message"] == ("format is given twice, 'png' in the body and 'json' in the query: "
+                                                "send it once")
     overlay = Image.open(io.BytesIO(answer.data))
     left, top, right, bottom = crop_box(451, 300, read_manifest(tiny_export).preprocess)
     assert overlay.size == (right - left, bottom - top) and overlay.mode == "RGB"
