@@ -646,8 +646,11 @@ def test_unload_stops_a_model_and_unknown_names_are_404(service: Service, reposi
         service.catalog.load("nope")
     service.catalog.unload("colour")
     assert not service.ready and [r.state for r in service.catalog.index()] == ["UNAVAILABLE"]
-    with pytest.raises(NotReady, match="no model is loaded"):
+    with pytest.raises(NotReady, match="no model is loaded") as refused:
         _ask(service)
+    # Before: "no model is loaded" with Retry-After: 5, so clients tried again for a model nothing would bring back
+    assert "Retry-After" not in (refused.value.headers or {})
+    assert "a load call loads one (POST /v2/repository/models/NAME/load" in refused.value.message
     service.controller.writers.poll()  # an unloaded model stays unloaded until a load call
     assert not service.ready
     service.catalog.load("colour")

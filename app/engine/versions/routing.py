@@ -32,6 +32,10 @@ def check_names(name: str | None, version: str | None = None) -> None:
         raise BadRequest(str(exc), details={"pattern": NAME_PATTERN}) from None
 
 
+NOTHING_LOADED = ("no model is loaded: each was unloaded by a call, and none loads again by itself; a load call loads "
+                  "one (POST /v2/repository/models/NAME/load; POST /v2/repository/index lists the repository)")
+
+
 @dataclass(slots=True)
 class Route:
     """Where one request goes: the version that answers it, its role there, and the candidate that also runs it
@@ -158,7 +162,7 @@ class RoutingTable:
         check_names(name, version)
         if name is None:
             if not self._routes:
-                raise NotReady("no model is loaded", headers={"Retry-After": "5"})
+                raise NotReady(NOTHING_LOADED)  # no Retry-After: nothing loads by itself
             name = self._default_model()
             if name is None:
                 raise BadRequest(f"this server serves {len(self._routes)} models ({', '.join(sorted(self._routes))})"
