@@ -150,6 +150,12 @@ class Unauthorized(ServiceError):
     status, code = 401, "unauthorized"
 
 
+class Forbidden(ServiceError):
+    """A call this client may not make here (the control API's CONTROL_API); the message says how it may (403)."""
+
+    status, code = 403, "forbidden"
+
+
 class RequestTimeout(ServiceError):
     """The client sent its body too slowly (408)."""
     status, code = 408, "request_timeout"

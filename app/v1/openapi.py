@@ -110,4 +110,4 @@ def _rollout_call(summary: str) -> dict[str, Any]:
                      "requestBody": {"required": False,
                                      "content": {"application/json": {"schema": ref(s.VersionChoice)}}},
                      "responses": {"200": json_answer(s.RolloutChanged, "The model's default and versions now"),
-                                   **errors(ErrorResponse, "400 401 404 408 409 413 422 503 504 507")}}}
+                                   **errors(ErrorResponse, "400 401 403 404 408 409 413 422 503 504 507")}}}

@@ -27,6 +27,7 @@ from app.v1.schemas import (
     PredictResponse,
     WorkerModels,
 )
+from app.web.auth import control_call
 from app.web.inputs import client_key, deadline_s, each_once, parse_json, read_body
 from app.web.services import arrival, client_gone, current_service
 from app.web.timing import annotate
@@ -201,12 +202,14 @@ def _rollout_call(name: str, action: str) -> Response:
 
 
 @bp.post("/v1/models/<name>/promote")
+@control_call
 def promote(name: str) -> Response:
     """Make a version (default: the rollout's candidate) the model's default in every worker."""
     return _rollout_call(name, "promote")
 
 
 @bp.post("/v1/models/<name>/rollback")
+@control_call
 def rollback(name: str) -> Response:
     """Serve a version (default: the previous default) again in every worker; the one it replaces is rolled back."""
     return _rollout_call(name, "rollback")

@@ -44,10 +44,10 @@ def _repository() -> dict[str, Any]:
                                      v2.RepositoryIndexRequest, v2.RepositoryIndex, "400 401 408 413 422"),
         "/v2/repository/models/{name}/load": call(
             "Load or reload a model: its new versions are verified, warmed up and canaried before they take traffic",
-            v2.LoadRequest, v2.Loaded, "400 401 404 408 413 422 503 504 507"),
+            v2.LoadRequest, v2.Loaded, "400 401 403 404 408 413 422 503 504 507"),
         "/v2/repository/models/{name}/unload": call(
             "Unload a model once the requests its versions hold are answered", v2.UnloadRequest, v2.Loaded,
-            "400 401 404 408 413 422 503 504"),
+            "400 401 403 404 408 413 422 503 504"),
     }
 
 

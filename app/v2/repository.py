@@ -12,6 +12,7 @@ from flask import Response, request
 from app.errors import BadRequest, SchemaViolation
 from app.v2.routes import bp
 from app.v2.schemas import Loaded, LoadRequest, RepositoryIndex, RepositoryIndexRequest, RepositoryModel, UnloadRequest
+from app.web.auth import control_call
 from app.web.inputs import parse_json, read_body
 from app.web.services import current_service
 
@@ -49,6 +50,7 @@ def repository_index() -> Response:
 
 
 @bp.post("/repository/models/<name>/load")
+@control_call
 def load(name: str) -> Response:
     """Load or reload a model as its version policy says; the old versions serve until the new ones are ready."""
     parameters = _body(LoadRequest).parameters
@@ -60,6 +62,7 @@ def load(name: str) -> Response:
 
 
 @bp.post("/repository/models/<name>/unload")
+@control_call
 def unload(name: str) -> Response:
     """Stop serving every version of a model once the requests they hold are answered."""
     _body(UnloadRequest)

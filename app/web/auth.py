@@ -7,11 +7,16 @@ header's text encoded as latin-1 again.
 """
 from __future__ import annotations
 
+import functools
 import hmac
+import ipaddress
 import re
-from typing import Mapping
+from typing import Callable, Mapping, TypeVar
 
-from app.errors import Unauthorized
+from flask import request
+
+from app.errors import Forbidden, Unauthorized
+from app.web.services import current_service
 
 # Probes and scrapers must reach these without a key (unless settings say otherwise): the V2 health API's
 # model readiness too (the Open Inference Protocol's health endpoints; tritonclient's is_model_ready said False,
@@ -86,3 +91,56 @@ def check_api_key(headers: Mapping[str, str], forms: tuple[bytes, bytes]) -> Non
     if not carries_key(headers, forms):
         raise Unauthorized("a valid API key is required (Authorization: Bearer <key> or X-API-Key)",
                            headers={"WWW-Authenticate": 'Bearer realm="visionserve"'})
+
+
+# What a proxy adds to a request it forwards: one that carries any is no local client's, whatever its peer address
+PROXY_HEADERS = ("X-Forwarded-For", "X-Real-IP", "Forwarded")
+_CONTROL_OFF = ("model changes by call are off on this server (VISIONSERVE_CONTROL_API=off): models change as the "
+                "repository does")
+_CONTROL_LOCAL = ("the control API answers clients on this machine alone (VISIONSERVE_CONTROL_API=local, the "
+                  "default){why}: call it there (a container's: docker compose exec api curl ..., or kubectl "
+                  "exec or port-forward), or set VISIONSERVE_CONTROL_API=open with VISIONSERVE_API_KEY, so that the "
+                  "key guards it")
+
+
+def is_local(peer: str | None) -> bool:
+    """Whether a connection's peer address is this machine's: a loopback address (IPv4, IPv6, or IPv4 mapped into
+    IPv6), or a Unix socket's peer, which has none."""
+    if not peer:
+        return True
+    try:
+        address = ipaddress.ip_address(peer.partition("%")[0])
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def control_refusal(mode: str, peer: str | None, headers: Mapping[str, str]) -> Forbidden | None:
+    """Why a control call (load, unload, promote, rollback) from ``peer`` with ``headers`` is refused under
+    CONTROL_API ``mode``, or None when it may be made."""
+    if mode == "open":
+        return None
+    if mode == "off":
+        return Forbidden(_CONTROL_OFF)
+    forwarded = next((name for name in PROXY_HEADERS if name in headers), None)
+    if forwarded is not None:
+        return Forbidden(_CONTROL_LOCAL.format(why=f", and this one came through a proxy (it carries {forwarded})"))
+    if not is_local(peer):
+        return Forbidden(_CONTROL_LOCAL.format(why=f", and this one came from {peer}"))
+    return None
+
+
+View = TypeVar("View", bound=Callable[..., object])
+
+
+def control_call(view: View) -> View:
+    """A route that changes what is served: CONTROL_API says who may call it (after the API key, when one is set)."""
+    @functools.wraps(view)
+    def checked(*args: object, **kwargs: object) -> object:
+        refusal = control_refusal(current_service().settings.control_api, request.remote_addr, request.headers)
+        if refusal is not None:
+            raise refusal
+        return view(*args, **kwargs)
+
+    return checked  # type: ignore[return-value]

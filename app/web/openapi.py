@@ -42,6 +42,8 @@ _HEADERS: dict[str, dict[str, Any]] = {
 ERROR_STATUSES = {
     "400": "Malformed request: bad image, JSON, base64, tensor shape or parameter",
     "401": "Missing or wrong API key (when one is configured)",
+    "403": "A control call this client may not make here (CONTROL_API: local, the default, answers clients on the "
+           "server's machine alone; off, none); the message says how to make it",
     "404": "No such model or version",
     "408": "The body did not arrive within client_body_timeout_s, or came slower than client_body_min_rate",
     "409": "The call does not apply to the model now: no rollout candidate to promote, no previous default",

@@ -1521,7 +1521,7 @@ def test_what_the_repository_index_shows_crosses_in_one_exchange_and_agrees_with
     assert link.frames == ["CatalogCall", "Answer"]
     catalog = link.worker.catalog
     assert isinstance(overview, contract.RepositoryOverview)
-    assert (overview.default_model, overview.default_version) == ("colour", catalog.serving()["colour"]["default"])
+    assert overview.roles[("colour", catalog.serving()["colour"]["default"])] == "live"  # the index's default
     assert overview.index == catalog.index() and overview.index[0].state == "READY"
     assert overview.roles == catalog.roles() and overview.rollouts == catalog.rollouts()
 
