@@ -5,6 +5,7 @@ metrics and OpenAPI routes, and the one accessor through which protocols reach t
 """
 from __future__ import annotations
 
+import logging
 from functools import partial
 from typing import TYPE_CHECKING, Sequence
 
@@ -28,6 +29,8 @@ if TYPE_CHECKING:  # the engine's Service, or app/link/client.py's RemoteService
 
 __all__ = ["current_service", "init_app"]
 
+log = logging.getLogger(__name__)
+
 
 def init_app(app: Flask, settings: Settings, service: ServiceFace, protocols: Sequence[Protocol]) -> None:
     """Attach ``service`` to ``app`` and register the hooks, error handlers, ops routes and each protocol."""
@@ -45,6 +48,9 @@ def init_app(app: Flask, settings: Settings, service: ServiceFace, protocols: Se
     register_error_handlers(app, protocols, settings.client_body_timeout_s)
     # what the worker refuses itself, before the app, after the engine refused a request of that route for its backlog
     api_key = settings.resolved_api_key()
+    if settings.control_api == "open" and api_key is None:
+        log.warning("CONTROL_API=open and no API key: any client that reaches this server may load, unload, promote "
+                    "and roll back its models; set VISIONSERVE_API_KEY, or leave CONTROL_API local")
     RECENT.configure(settings.refusal_memory_ms / 1000, settings.request_timeout_s, settings.max_images,
                      None if api_key is None else partial(carries_key, forms=key_forms(api_key)),
                      settings.trust_forwarded_for)

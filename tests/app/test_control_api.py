@@ -64,21 +64,25 @@ def test_by_default_only_this_machine_changes_what_is_served(local: FlaskClient)
     assert local.post(CALLS[0], json={"version": "1"}).get_json()["default"] == "1"
 
 
-def test_open_takes_every_client_and_off_none(settings: Settings) -> None:
+def test_open_takes_every_client_and_off_none(settings: Settings, caplog: pytest.LogCaptureFixture) -> None:
     for client in _client(settings, control_api="open"):
         assert client.post(CALLS[0], json={"version": "1"}, environ_base=AWAY).get_json()["default"] == "1"
+    assert "CONTROL_API=open and no API key: any client that reaches this server may load, unload" in caplog.text
     for client in _client(settings, control_api="off"):
         for path in CALLS:
             assert "model changes by call are off on this server (VISIONSERVE_CONTROL_API=off)" in _refusal(
                 client.post(path))
 
 
-def test_the_api_key_is_asked_first_then_the_control_rule(settings: Settings) -> None:
+def test_the_api_key_is_asked_first_then_the_control_rule(settings: Settings,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
     key = {"X-API-Key": "k3y"}
     for client in _client(settings, api_key="k3y"):
         error_of(client.post(CALLS[0], environ_base=AWAY), 401, "unauthorized")
         assert "came from 10.1.2.3" in _refusal(client.post(CALLS[0], headers=key, environ_base=AWAY))
         assert client.post(CALLS[0], json={"version": "1"}, headers=key).status_code == 200
+    caplog.clear()
     for client in _client(settings, api_key="k3y", control_api="open"):
         error_of(client.post(CALLS[0], environ_base=AWAY), 401, "unauthorized")
         assert client.post(CALLS[0], json={"version": "1"}, headers=key, environ_base=AWAY).status_code == 200
+    assert "CONTROL_API=open" not in caplog.text  # with a key, nothing to warn of
