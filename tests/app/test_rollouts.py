@@ -671,6 +671,30 @@ def test_calls_without_anything_to_change_are_conflicts(settings: Settings) -> N
         service.shutdown(timeout=5)
 
 
+@pytest.mark.parametrize("rollout", [None, {"canary_percent": 10, "shadow_percent": 100}])
+def test_a_promotion_or_a_rollback_holds_through_the_poll_after_a_load_call_named_another_default(
+        settings: Settings, rollout: dict[str, object] | None) -> None:
+    # Before: after a load call's {"default_version": "1"} (docs/models.md's rollback), a promotion answered 200,
+    # was logged and counted, and the next poll served 1 again (an operator's trial, with and without a rollout)
+    repository = _repository(rollout, candidate=ColourModel)
+    service = Service.build(settings, repository)  # type: ignore[arg-type]
+    try:
+        assert service.catalog.load("colour", {"default_version": "1"})["default"] == "1"
+        assert service.catalog.promote("colour", "2")["default"] == "2"
+        service.controller.writers.poll()
+        assert service.catalog.serving()["colour"]["default"] == "2" and infer(service, [PHOTOS[0]]).version == "2"
+        assert service.catalog.rollback("colour", "1")["default"] == "1"
+        service.controller.writers.poll()
+        assert service.catalog.serving()["colour"]["default"] == "1" and infer(service, [PHOTOS[0]]).version == "1"
+        assert service.catalog.promote("colour", "2")["default"] == "2"
+        # the model's policy.json changes: its choice now (the docs' rule for a call's choice)
+        repository.policies["colour"] = {**repository.policies.get("colour", {}), "default_version": "1"}
+        service.controller.writers.poll()
+        assert service.catalog.serving()["colour"]["default"] == "1"
+    finally:
+        service.shutdown(timeout=5)
+
+
 def test_a_call_naming_no_version_suggests_only_versions_it_could_name(settings: Settings) -> None:
     app = create_app(settings, source=_repository({"shadow_percent": 100}))  # type: ignore[arg-type]
     client = app.test_client()

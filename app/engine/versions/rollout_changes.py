@@ -14,13 +14,14 @@ from typing import Any, Callable
 from app.engine.rollouts.entry import ModelEntry
 from app.engine.rollouts.evidence import merged, traffic_p99_ms
 from app.engine.rollouts.plan import promoted, rolled_back
-from app.engine.rollouts.policy import order_key
+from app.engine.rollouts.policy import PolicyError, order_key, parsed_config
 from app.engine.rollouts.rules import has_rules, judge, roles_of, summary
 from app.engine.versions.apply import Applier
 from app.engine.versions.change_write import apply_and_write
 from app.engine.versions.sync import WorkerSync
 from app.errors import Conflict, NotFound, ServiceError
 from app.metrics import ROLLOUT_CHANGES
+from models.export.checks import ModelLoadError
 
 log = logging.getLogger(__name__)
 
@@ -106,10 +107,25 @@ class RolloutChanges:
 
     def _changed_entry(self, name: str, entry: ModelEntry, action: str, version: str) -> ModelEntry:
         if action == "promote":  # the old default's p99 becomes the watch's baseline
-            return promoted(entry, version, traffic_p99_ms(self.sync.current_workers(), name, entry["default"]))
+            return self._held(name, promoted(entry, version, traffic_p99_ms(self.sync.current_workers(), name,
+                                                                            entry["default"])))
         if action == "rollback":
-            return rolled_back(entry, version)
+            return self._held(name, rolled_back(entry, version))
         return {k: v for k, v in entry.items() if k != "watch"}  # "settle": the rules found the new default good
+
+    def _held(self, name: str, entry: ModelEntry) -> ModelEntry:
+        """``entry``, its new default held through the poll as a load call's ``default_version`` is: written into
+        the calls' config it carries (that config kept while the model's policy.json is what it was given over), so
+        that neither an earlier call's default_version nor policy.json's own, re-read by the poll, undoes it before
+        another call or a change of policy.json (before: a promotion after a load call naming version 1 answered
+        200, and the next poll served 1 again). A policy.json that cannot be read now: the entry as it is."""
+        try:
+            own = self.applier.source.policy(name)
+            config = parsed_config(entry.get("config")) if entry.get("policy_file") == own else None
+        except (PolicyError, OSError, ModelLoadError):
+            return entry
+        config = {**(config if isinstance(config, dict) else {}), "default_version": entry["default"]}
+        return {**entry, "config": config, "policy_file": own}
 
     def judge_evidence(self) -> None:
         """Apply what the rules decide on every worker's evidence (a promotion, a rollback, a watch settled), as a
