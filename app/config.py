@@ -64,8 +64,7 @@ class ModelSettings(SettingsGroup):
         "served (with several and none named, such requests get 400 listing the models). One that names a model "
         "not served stops the start.")
     version_policy: str = Field(
-        "latest:1", pattern=r"^(latest(:[0-9]+)?|all|specific:[^,]+(,[^,]+)*)$",
-        description="Which versions of each model stay loaded: `latest:N` (the N highest numbers), `all`, or "
+        "latest:1", description="Which versions of each model stay loaded: `latest:N` (the N highest numbers), `all`, or "
         "`specific:V[,V...]`. Requests that name no version get the newest loaded one. A model's own "
         "`<repository>/<model>/policy.json` (`{\"version_policy\": {\"latest\": {\"num_versions\": 2}}, "
         "\"default_version\": \"3\"}`, Triton's spelling) overrides it.")
@@ -100,6 +99,15 @@ class ModelSettings(SettingsGroup):
         "saying in the log why. `onnx`: the ONNX file (CPU, float32), or no start; `aoti`: the float AOTInductor "
         "package compiled for this device type, dtype and torch version, or no start; `int8`: the same for the "
         "int8 CPU package (`--packages cpu-int8`); `torchscript`; `state_dict`.")
+
+    @field_validator("version_policy")
+    @classmethod
+    def _a_policy_that_keeps_a_version(cls, value: str) -> str:
+        if not re.fullmatch(r"latest(:[0-9]+)?|all|specific:[^,]+(,[^,]+)*", value):
+            raise ValueError(f"must be latest:N, all or specific:V[,V...], got {value!r}")
+        if value.startswith("latest:") and int(value.removeprefix("latest:")) < 1:
+            raise ValueError(f"latest:N keeps the N newest versions: N must be 1 or more, got {value!r}")
+        return value
 
     def model_names(self) -> list[str]:
         """``models`` as a list (empty: every model of the repository)."""

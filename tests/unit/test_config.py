@@ -62,6 +62,11 @@ def test_each_setting_is_read_from_its_variable(name: str, monkeypatch: pytest.M
 @pytest.mark.parametrize("environment, message", [
     ({"DTYPE": "float16", "DEVICE": "cpu"}, "VISIONSERVE_DTYPE float16 needs a CUDA device; use bfloat16 or float32"),
     ({"DEVICE": "gpu"}, "VISIONSERVE_DEVICE: Value error, device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
+    # Before: latest:0 was taken, and the start stopped at the workers' boot without naming the setting
+    ({"VERSION_POLICY": "latest:0"}, "VISIONSERVE_VERSION_POLICY: Value error, latest:N keeps the N newest versions: "
+                                     "N must be 1 or more, got 'latest:0'"),
+    ({"VERSION_POLICY": "newest"}, "VISIONSERVE_VERSION_POLICY: Value error, must be latest:N, all or "
+                                   "specific:V[,V...], got 'newest'"),
     ({"SHUTDOWN_DRAIN_S": "35"}, "VISIONSERVE_SHUTDOWN_DRAIN_S (35) must be shorter than "
                                  "VISIONSERVE_GRACEFUL_TIMEOUT_S (35)"),
     # Before: taken, and a request accepted just before SIGTERM was cut off 20 s before its deadline
