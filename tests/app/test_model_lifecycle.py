@@ -690,6 +690,10 @@ def test_a_default_model_the_server_does_not_serve_is_refused_at_start_and_kept_
         _service(settings, repository, default_model="other", models="colour")
     with pytest.raises(NotFound, match="names 'gone' as the default model, but the repository has no such model"):
         _service(settings, repository, default_model="gone", models="colour,gone")  # named, but not there
+    # Before: only that MODELS left the default out, never that MODELS named a model the repository lacks
+    with pytest.raises(NotFound, match=r"names 'other' as the default model, but MODELS leaves it out \(MODELS "
+                                       r"names 'nosuch', which the repository has not; it has: colour, other\)"):
+        _service(settings, repository, default_model="other", models="nosuch")
     repository.default = "other"
     settings = settings.model_copy(update={"control_dir": tmp_path / "control"})  # shared with a joining worker
     service = _service(settings, repository)

@@ -358,6 +358,10 @@ class Writers:
             return
         where = "DEFAULT_MODEL" if self.settings.default_model else f"the repository's {REPOSITORY_FILE}"
         held = "MODELS leaves it out" if named in self.source.models() else "the repository has no such model"
+        missing = [model for model in chosen if model not in self.source.models()]
+        if missing:  # what MODELS got wrong, said first (before: only that the default was left out)
+            held += (f" (MODELS names {', '.join(map(repr, missing))}, which the repository has not; it has: "
+                     f"{', '.join(self.source.models()) or 'none'})")
         # (a model named but refused at start stays the default: its requests' 404 says why)
         said = f"{where} names {named!r} as the default model, but {held}; it serves: {', '.join(followed) or 'none'}"
         if starting:
