@@ -156,8 +156,9 @@ class RolloutSettings(SettingsGroup):
         2.0, gt=0, description="A new default's p99 over the previous default's, at most, before it is rolled back "
         "by itself.")
     client_key_header: str = Field(
-        "X-Client-ID", min_length=1, description="The request header whose value keeps a client on one side of a "
-        "canary (hashed, never stored); without it the API key does, else each request is drawn at random.")
+        "X-Client-ID", pattern=r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$", description="The request header whose value keeps "
+        "a client on one side of a canary (hashed, never stored); without it the API key does, else each request "
+        "is drawn at random. A header's name (RFC 9110's token: letters, digits, `-` and a few marks; no space).")
     shadow_queue_size: int = Field(
         64, ge=1, description="Images waiting for their shadow comparison, per live version; new shadow work that "
         "would take the waiting ones past it is dropped (counted in `visionserve_shadow_dropped_total`), one "

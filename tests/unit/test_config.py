@@ -65,6 +65,8 @@ def test_each_setting_is_read_from_its_variable(name: str, monkeypatch: pytest.M
     # Before: latest:0 was taken, and the start stopped at the workers' boot without naming the setting
     ({"VERSION_POLICY": "latest:0"}, "VISIONSERVE_VERSION_POLICY: Value error, latest:N keeps the N newest versions: "
                                      "N must be 1 or more, got 'latest:0'"),
+    # Before: taken, though a header of that name can never arrive (no client kept on one side of a canary)
+    ({"CLIENT_KEY_HEADER": "bad header"}, "VISIONSERVE_CLIENT_KEY_HEADER: String should match pattern"),
     ({"VERSION_POLICY": "newest"}, "VISIONSERVE_VERSION_POLICY: Value error, must be latest:N, all or "
                                    "specific:V[,V...], got 'newest'"),
     ({"SHUTDOWN_DRAIN_S": "35"}, "VISIONSERVE_SHUTDOWN_DRAIN_S (35) must be shorter than "
