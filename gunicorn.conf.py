@@ -130,6 +130,7 @@ def on_starting(server) -> None:  # noqa: ANN001
         sys.exit(2)
     server.log.info("visionserve: %d worker%s (%s)", _workers, "" if _workers == 1 else "s", _workers_why)
     _halt_once(server)
+    _refuse_ttou_at_one_worker(server)
     if not getattr(server, "master_pid", 0):  # a master started by another's USR2: the old workers' marks are live
         control.clear_stale(Path(os.environ["VISIONSERVE_CONTROL_DIR"]))  # a kept directory's: an earlier start's
     _clear_metrics(server)
@@ -173,6 +174,20 @@ def _clear_metrics(server) -> None:  # noqa: ANN001
     if left:
         server.log.info("visionserve: removed %d metrics file%s an earlier run left in %s", len(left),
                         "" if len(left) == 1 else "s", folder)
+
+
+def _refuse_ttou_at_one_worker(server) -> None:  # noqa: ANN001
+    """TTOU at one worker refused as at any other count (``nworkers_changed``), and said: gunicorn's own returns
+    there without a word, and without calling the hook (before: TTIN logged its refusal, TTOU nothing)."""
+    ttou = server.handle_ttou
+
+    def handle_ttou() -> None:
+        if server.num_workers <= 1:
+            nworkers_changed(server, server.num_workers - 1, server.num_workers)
+            return
+        ttou()
+
+    server.handle_ttou = handle_ttou
 
 
 def _halt_once(server) -> None:  # noqa: ANN001

@@ -168,6 +168,27 @@ def test_a_change_of_the_worker_count_by_ttin_or_ttou_is_refused_and_said(monkey
     assert server._num_workers == 2 and len(errors) == 1 and "VISIONSERVE_WORKERS=2" in errors[0]
 
 
+def test_ttou_at_one_worker_is_refused_and_said_as_at_any_count(monkeypatch: pytest.MonkeyPatch,
+                                                                tmp_path: Path) -> None:
+    # Before: gunicorn's handle_ttou returns at one worker without a word and without the hook: TTIN logged its
+    # refusal, TTOU nothing (an operator's trial)
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("VISIONSERVE_WORKERS", "1")
+    config = _gunicorn_config(monkeypatch, tmp_path)
+    errors: list[str] = []
+    gunicorns: list[str] = []
+    server = SimpleNamespace(num_workers=1, _num_workers=1, handle_ttou=lambda: gunicorns.append("ttou"),
+                             log=SimpleNamespace(error=lambda message, *args: errors.append(message % args)))
+    config["_refuse_ttou_at_one_worker"](server)
+    server.handle_ttou()
+    assert server._num_workers == 1 and not gunicorns
+    assert len(errors) == 1 and "change of the worker count to 0 (TTIN, TTOU) is refused" in errors[0]
+    server.num_workers = 2  # more than one: gunicorn's own (which calls the hook)
+    server.handle_ttou()
+    assert gunicorns == ["ttou"]
+
+
 def test_a_worker_takes_new_connections_when_control_dir_cannot_be_looked_into(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A look at the ready mark that fails otherwise than "not there" (EACCES) raises from Path.exists; the worker's
