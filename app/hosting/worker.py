@@ -200,12 +200,20 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         if enabled and self.held_back:
             self.held_back = False
             if self.draining:
-                self.log.info("worker %d drains and no other worker serves: taking new connections", os.getpid())
+                self.log.info("worker %d drains and no other worker serves any more (they drain too): taking new "
+                              "connections", os.getpid())
             elif self._marked():
                 self.log.info("worker %d serves: taking new connections", os.getpid())
             else:  # none serves: its one engine restarts, or the worker that served drains
                 self.log.info("worker %d takes new connections: no worker serves (503 until one does)", os.getpid())
         super().set_accept_enabled(enabled)
+
+    def _serving_others(self) -> list[int]:
+        """The other workers that serve now (their ready marks), for the log."""
+        try:
+            return [pid for pid in control.ready_workers(self.control_dir) if pid != os.getpid()]
+        except (OSError, TypeError):  # (a directory that cannot be looked into, or none)
+            return []
 
     def _marked(self) -> bool:
         """This worker's ready mark is there: it serves."""
@@ -219,8 +227,9 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         worker held back while it loaded, then told to stop before its loop asked again, says it drains)."""
         if not self.held_back or self.held_back_draining != self.draining:
             self.held_back, self.held_back_draining = True, self.draining
-            if self.draining:
-                self.log.info("worker %d drains: new connections go to the workers that serve", os.getpid())
+            if self.draining:  # (which: a server stopping as a whole says next that they drain too)
+                self.log.info("worker %d drains: new connections go to the workers that serve (%s)", os.getpid(),
+                              ", ".join(map(str, self._serving_others())) or "none now")
             else:
                 self.log.info("worker %d takes new connections once it serves (another worker serves them)",
                               os.getpid())

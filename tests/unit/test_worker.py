@@ -513,7 +513,8 @@ def test_a_worker_held_back_while_it_loads_then_told_to_stop_says_it_drains(
             worker.accept(listener)
         said = [record.getMessage() for record in caplog.records]
         assert said == [f"worker {os.getpid()} takes new connections once it serves (another worker serves them)",
-                        f"worker {os.getpid()} drains: new connections go to the workers that serve"]
+                        f"worker {os.getpid()} drains: new connections go to the workers that serve "
+                        f"({os.getppid()})"]
         assert worker.nr_conns == 0 and worker.held_back
     finally:
         _close_all(worker, listener, clients)
@@ -1015,7 +1016,7 @@ def test_a_kept_metrics_dir_loses_an_earlier_run_s_files_at_the_master_s_start(t
     for master_pid, removed in ((4321, False), (0, True)):  # a USR2's new master: the old one's workers serve on
         start = ("import logging, runpy; from types import SimpleNamespace; c = runpy.run_path('gunicorn.conf.py'); "
                  "c['on_starting'](SimpleNamespace(log=logging.getLogger('master'), reap_workers=lambda: None, "
-                 f"stop=lambda graceful=True: None, master_pid={master_pid}, "
+                 f"handle_ttou=lambda: None, stop=lambda graceful=True: None, master_pid={master_pid}, "
                  "cfg=SimpleNamespace(workers=c['workers'], bind=[])))")  # as gunicorn's arbiter calls it
         subprocess.run([sys.executable, "-c", start], cwd=Path(__file__).resolve().parents[2], check=True,
                        capture_output=True, text=True, timeout=60, env=env)
