@@ -582,12 +582,13 @@ class SecuritySettings(SettingsGroup):
     control_api: Literal["local", "open", "off"] = Field(
         "local", description="Who may call the control API, the calls that change what is served (a repository "
         "`load` or `unload`, a `promote` or `rollback`): `local`, clients on this machine alone (a loopback peer "
-        "address, and no `X-Forwarded-For`, `X-Real-IP` or `Forwarded` header a proxy would add; from a container's "
-        "host: `docker compose exec`, `kubectl exec` or `kubectl port-forward`); `open`, every client the API "
-        "answers (set `API_KEY` with it: the key then guards these calls as every other); `off`, none (models "
-        "change only as the repository does). Refused: 403 `forbidden`, saying how. The API key, when set, is "
-        "asked first. Behind a proxy on this machine that adds none of those headers every client is local: "
-        "use `off` or a key there.")
+        "address, or a Unix socket; no `X-Forwarded-For`, `X-Real-IP` or `Forwarded` header a proxy would add, no "
+        "`Origin` or `Sec-Fetch-Site` a browser's page would; from a container's host: `docker compose exec`, "
+        "`kubectl exec` or `kubectl port-forward`); `open`, every client the API answers (set `API_KEY` with it: "
+        "the key then guards these calls as every other); `off`, none (models change only as the repository "
+        "does). Refused: 403 `forbidden`, saying how. The API key, when set, is asked first. Behind a proxy on this "
+        "machine or in its pod that adds none of those headers (nginx's plain `proxy_pass`, a service mesh's "
+        "sidecar such as Istio's) every client is local: use `off`, or `open` with a key, there.")
     auth_health_open: bool = Field(True, description="Keep `/healthz`, `/readyz`, `/metrics` and the V2 health "
                                    "endpoints (`/v2/health/live`, `/v2/health/ready`, and a model's or version's "
                                    "`/ready`) open for probes and scrapers when an API key is set.")

@@ -11,6 +11,7 @@ import functools
 import hmac
 import ipaddress
 import re
+import socket
 from typing import Callable, Mapping, TypeVar
 
 from flask import request
@@ -95,19 +96,23 @@ def check_api_key(headers: Mapping[str, str], forms: tuple[bytes, bytes]) -> Non
 
 # What a proxy adds to a request it forwards: one that carries any is no local client's, whatever its peer address
 PROXY_HEADERS = ("X-Forwarded-For", "X-Real-IP", "Forwarded")
+# What a browser adds to a request a page makes (a page of any site, or one reached by DNS rebinding, may POST to a
+# loopback address without a CORS preflight): one that carries any is a page's, not the machine's operator's
+BROWSER_HEADERS = ("Origin", "Sec-Fetch-Site")
 _CONTROL_OFF = ("model changes by call are off on this server (VISIONSERVE_CONTROL_API=off): models change as the "
                 "repository does")
-_CONTROL_LOCAL = ("the control API answers clients on this machine alone (VISIONSERVE_CONTROL_API=local, the "
-                  "default){why}: call it there (a container's: docker compose exec api curl ..., or kubectl "
-                  "exec or port-forward), or set VISIONSERVE_CONTROL_API=open with VISIONSERVE_API_KEY, so that the "
-                  "key guards it")
+_CONTROL_LOCAL = ("the control API answers clients on this machine alone, not a web page's requests "
+                  "(VISIONSERVE_CONTROL_API=local, the default){why}: call it there (a container's: docker compose "
+                  "exec api curl ..., api-cpu under the cpu profile; kubectl exec or port-forward), or set "
+                  "VISIONSERVE_CONTROL_API=open with VISIONSERVE_API_KEY, so that the key guards it")
 
 
-def is_local(peer: str | None) -> bool:
+def is_local(peer: str | None, unix_socket: bool = False) -> bool:
     """Whether a connection's peer address is this machine's: a loopback address (IPv4, IPv6, or IPv4 mapped into
-    IPv6), or a Unix socket's peer, which has none."""
+    IPv6), or none on a Unix socket (a peer without an address elsewhere, as a PROXY protocol header of type LOCAL
+    leaves it, is not)."""
     if not peer:
-        return True
+        return unix_socket
     try:
         address = ipaddress.ip_address(peer.partition("%")[0])
     except ValueError:
@@ -116,9 +121,10 @@ def is_local(peer: str | None) -> bool:
     return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
-def control_refusal(mode: str, peer: str | None, headers: Mapping[str, str]) -> Forbidden | None:
-    """Why a control call (load, unload, promote, rollback) from ``peer`` with ``headers`` is refused under
-    CONTROL_API ``mode``, or None when it may be made."""
+def control_refusal(mode: str, peer: str | None, headers: Mapping[str, str],
+                    unix_socket: bool = False) -> Forbidden | None:
+    """Why a control call (load, unload, promote, rollback) from ``peer`` (on a Unix socket: ``unix_socket``) with
+    ``headers`` is refused under CONTROL_API ``mode``, or None when it may be made."""
     if mode == "open":
         return None
     if mode == "off":
@@ -126,8 +132,11 @@ def control_refusal(mode: str, peer: str | None, headers: Mapping[str, str]) -> 
     forwarded = next((name for name in PROXY_HEADERS if name in headers), None)
     if forwarded is not None:
         return Forbidden(_CONTROL_LOCAL.format(why=f", and this one came through a proxy (it carries {forwarded})"))
-    if not is_local(peer):
-        return Forbidden(_CONTROL_LOCAL.format(why=f", and this one came from {peer}"))
+    page = next((name for name in BROWSER_HEADERS if name in headers), None)
+    if page is not None:
+        return Forbidden(_CONTROL_LOCAL.format(why=f", and this one came from a browser (it carries {page})"))
+    if not is_local(peer, unix_socket):
+        return Forbidden(_CONTROL_LOCAL.format(why=f", and this one came from {peer or 'no address'}"))
     return None
 
 
@@ -138,7 +147,9 @@ def control_call(view: View) -> View:
     """A route that changes what is served: CONTROL_API says who may call it (after the API key, when one is set)."""
     @functools.wraps(view)
     def checked(*args: object, **kwargs: object) -> object:
-        refusal = control_refusal(current_service().settings.control_api, request.remote_addr, request.headers)
+        sock = request.environ.get("gunicorn.socket")
+        refusal = control_refusal(current_service().settings.control_api, request.remote_addr, request.headers,
+                                  getattr(sock, "family", None) == socket.AF_UNIX)
         if refusal is not None:
             raise refusal
         return view(*args, **kwargs)

@@ -47,8 +47,8 @@ def test_by_default_only_this_machine_changes_what_is_served(local: FlaskClient)
     default = local.get("/v1/models/colour").get_json()["workers"][0]["models"]["colour"]["default"]
     for path in CALLS:
         message = _refusal(local.post(path, environ_base=AWAY))
-        assert "answers clients on this machine alone (VISIONSERVE_CONTROL_API=local, the default), and this " \
-               "one came from 10.1.2.3" in message and "VISIONSERVE_CONTROL_API=open" in message, message
+        assert "answers clients on this machine alone, not a web page's requests (VISIONSERVE_CONTROL_API=local, " \
+               "the default), and this one came from 10.1.2.3" in message and "CONTROL_API=open" in message, message
     assert local.get("/v1/models/colour").get_json()["workers"][0]["models"]["colour"]["default"] == default
     for path in ("/v1/models", "/v2/repository/index"):  # what is served may still be read from anywhere
         assert (local.post if path.startswith("/v2") else local.get)(path, environ_base=AWAY).status_code == 200
@@ -58,6 +58,12 @@ def test_by_default_only_this_machine_changes_what_is_served(local: FlaskClient)
     for header in ("X-Forwarded-For", "X-Real-IP", "Forwarded"):
         message = _refusal(local.post(CALLS[2], headers={header: "203.0.113.9"}))
         assert f"this one came through a proxy (it carries {header})" in message
+    # A web page's request, though its peer is this machine (a page of any site may POST to a loopback address
+    # without a preflight; DNS rebinding makes it same-origin): a review found an unload by one
+    for header, value in (("Origin", "https://evil.example"), ("Sec-Fetch-Site", "cross-site"),
+                          ("Origin", "http://rebind.evil.example:8000")):
+        message = _refusal(local.post(CALLS[3], headers={header: value}, data="{}", content_type="text/plain"))
+        assert f"this one came from a browser (it carries {header})" in message
     # Loopback peers, IPv4, IPv6 and IPv4 mapped into IPv6, change it
     for peer in ("127.0.0.1", "::1", "::ffff:127.0.0.1"):
         assert local.post(CALLS[2], environ_base={"REMOTE_ADDR": peer}).status_code == 200, peer
@@ -86,3 +92,14 @@ def test_the_api_key_is_asked_first_then_the_control_rule(settings: Settings,
         error_of(client.post(CALLS[0], environ_base=AWAY), 401, "unauthorized")
         assert client.post(CALLS[0], json={"version": "1"}, headers=key, environ_base=AWAY).status_code == 200
     assert "CONTROL_API=open" not in caplog.text  # with a key, nothing to warn of
+
+
+def test_a_peer_without_an_address_is_local_on_a_unix_socket_alone() -> None:
+    # gunicorn leaves REMOTE_ADDR empty on a Unix socket, and None behind a PROXY protocol header of type LOCAL: only
+    # the first is this machine for sure (a review's finding: both were local)
+    from app.web.auth import control_refusal, is_local
+
+    assert is_local("", unix_socket=True) and not is_local("") and not is_local(None)
+    assert is_local("::1%lo") and is_local("127.0.0.2") and not is_local("::127.0.0.1") and not is_local("0.0.0.0")
+    assert control_refusal("local", "", {}, unix_socket=True) is None
+    assert "came from no address" in control_refusal("local", None, {}).message
