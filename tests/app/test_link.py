@@ -2363,13 +2363,15 @@ def test_a_loop_request_is_answered_504_at_its_own_deadline_which_counts_from_wh
     # Before: the engine's deadline, counted from its receipt, was the request's: one that waited in its worker was
     # answered (200 or 504) that wait past its deadline (a 500 ms one's 200s at 0.74 s on the 2-core VM).
     assert infer(link.worker, [image_bytes(RED)]).model == "colour"
-    link.engine.loaded_version().predictor.module.delay_s = 1.0  # its batch outlasts what is left of the deadline
+    link.engine.loaded_version().predictor.module.delay_s = 2.0  # its batch outlasts what is left of the deadline
     link.frames.clear()
     started = time.monotonic()
-    got = _on_loop(link, {"late": lambda: infer(link.worker, [image_bytes(RED)], timeout_s=1.0,
-                                                arrived=started - 0.8)})["late"]
-    assert isinstance(got, DeadlineExceeded) and str(got) == "no inference result within the request's 1s deadline"
-    assert time.monotonic() - started < 0.8  # at its deadline (0.2 s from now), not the engine's (1 s)
+    got = _on_loop(link, {"late": lambda: infer(link.worker, [image_bytes(RED)], timeout_s=2.0,
+                                                arrived=started - 1.8)})["late"]
+    assert isinstance(got, DeadlineExceeded) and str(got) == "no inference result within the request's 2s deadline"
+    # at its deadline (0.2 s from now), not the engine's (2 s from its receipt): the margin a loaded host's stall
+    # needs (0.6 s of it failed once in the fast subset beside a training run)
+    assert time.monotonic() - started < 1.4
     assert "Cancel" in link.frames
     link.engine.loaded_version().predictor.module.delay_s = 0.0
 
