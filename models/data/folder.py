@@ -138,11 +138,16 @@ def held_out_score(relative: str, seed: int) -> float:
     return int.from_bytes(digest[:8], "big") / 2.0 ** 64
 
 
-def split_holdout(split: Split, fraction: float, seed: int) -> tuple[Split, Split]:
+def split_holdout(split: Split, fraction: float, seed: int,
+                  kept: tuple[frozenset[str], frozenset[str]] | None = None) -> tuple[Split, Split]:
     """Split one folder into train and val: an image is held out when its score (:func:`held_out_score` of its
-    path under the folder and the seed) is below ``fraction``, so each image's side stays put when images are added
-    (a resumed run never validates on what it trained on) and about ``fraction`` of each class is held out. A class
-    keeps at least one image on each side: the lowest score held out, or the highest trained on, where none was."""
+    path under the folder and the seed) is below ``fraction``, so about ``fraction`` of each class is held out. A
+    class keeps at least one image on each side: the lowest score held out, or the highest trained on, where none
+    was. ``kept``: the (held out, trained on) paths under the folder of a run this one resumes, which keep their
+    sides (images added since are scored, and alone move to give a class its one on each side), so a resumed run
+    never validates on what it trained on, nor trains on what it validated on, whatever was added or removed (the
+    one-on-each-side rule alone moved a trained image into validation when an image was added or removed: a data
+    scientist's trial); DataError when a class has none left on a side and no new image to put there."""
     if not 0 < fraction < 1:
         raise DataError(f"--val-split must be between 0 and 1, got {fraction}")
     train: list[Sample] = []
@@ -154,12 +159,46 @@ def split_holdout(split: Split, fraction: float, seed: int) -> tuple[Split, Spli
                             f"a share for validation (--val-split) needs at least 2 a class, one on each side: add "
                             f"images to it, or remove the folder")
         scored = sorted((held_out_score(path.relative_to(split.root).as_posix(), seed), path) for path in files)
-        ranked = [path for _, path in scored]
-        held = min(max(1, sum(score < fraction for score, _ in scored)), len(files) - 1)
-        val += [(path, index) for path in sorted(ranked[:held])]
-        train += [(path, index) for path in sorted(ranked[held:])]
+        if kept is None:
+            ranked = [path for _, path in scored]
+            held = min(max(1, sum(score < fraction for score, _ in scored)), len(files) - 1)
+            val += [(path, index) for path in sorted(ranked[:held])]
+            train += [(path, index) for path in sorted(ranked[held:])]
+            continue
+        its_val, its_train = _kept_sides(split.root / name, scored, fraction, kept)
+        val += [(path, index) for path in its_val]
+        train += [(path, index) for path in its_train]
     return (Split(root=split.root, classes=split.classes, samples=train, skipped=split.skipped),
             Split(root=split.root, classes=split.classes, samples=val, skipped=[]))
+
+
+def _kept_sides(folder: Path, scored: list[tuple[float, Path]], fraction: float,
+                kept: tuple[frozenset[str], frozenset[str]]) -> tuple[list[Path], list[Path]]:
+    """One class's (val, train) of a resumed run: its images on the sides the run kept them, those added since by
+    their scores; a new image moved to a side left empty (the lowest score to val, the highest to train)."""
+    root = folder.parent
+    held_before, trained_before = kept
+    val, train, new_val, new_train = [], [], [], []
+    for score, path in scored:
+        relative = path.relative_to(root).as_posix()
+        if relative in held_before:
+            val.append(path)
+        elif relative in trained_before:
+            train.append(path)
+        else:
+            (new_val if score < fraction else new_train).append(path)
+    if not val and not new_val:
+        if not new_train:
+            raise DataError(f"class {folder.name!r} has no image left of those the resumed run held out for "
+                            f"validation, and none added to hold out: add an image to {folder} (an image added is "
+                            f"held out), or train afresh into another --output-dir")
+        new_val.append(new_train.pop(0))  # the lowest score
+    if not train and not new_train:
+        if not new_val:
+            raise DataError(f"class {folder.name!r} has no image left of those the resumed run trained on, and none "
+                            f"added to train on: add an image to {folder}, or train afresh into another --output-dir")
+        new_train.append(new_val.pop())  # the highest score
+    return sorted(val + new_val), sorted(train + new_train)
 
 
 def load_image(path: Path, *, served_decode: bool = False) -> Image.Image:

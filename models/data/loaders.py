@@ -72,9 +72,14 @@ def splits(args: argparse.Namespace) -> tuple[Split, Split]:
         said = f"{args.data} has no train/ and val/ folders: "
     if args.val_split is not None:
         _check_not_splits_as_classes(args.data)  # its folders are the classes: not a dataset's splits
+        kept = getattr(args, "_resumed_sides", None)  # a resumed run's sides (models/run/checkpoint.py)
         train_split, val_split = split_holdout(scan_split(args.data, workers=workers), args.val_split,
-                                                args.split_seed)
+                                                args.split_seed, kept)
+        args._split_sides = (_relative(val_split), _relative(train_split))  # for this run's checkpoints
         held, whole = len(val_split.samples), len(val_split.samples) + len(train_split.samples)
+        if kept is not None:
+            added = sum(1 for side in args._split_sides for path in side if path not in kept[0] | kept[1])
+            log.info("kept the resumed run's holdout: its images stay on their sides, %d added since scored", added)
         log.info("%sholding out %d%% of each class for validation (--val-split): %d of its %d images, %.0f%% (by "
                  "each image's path, so a class's share varies; a class keeps at least one on each side)", said,
                  round(100 * args.val_split), held, whole, 100 * held / max(whole, 1))
@@ -84,6 +89,11 @@ def splits(args: argparse.Namespace) -> tuple[Split, Split]:
     val_split = scan_split(args.data / "val", workers=workers)
     check_same_classes(train_split, val_split)
     return train_split, val_split
+
+
+def _relative(split: Split) -> frozenset[str]:
+    """A split's images as paths under its folder."""
+    return frozenset(path.relative_to(split.root).as_posix() for path, _ in split.samples)
 
 
 def _check_laid_out(data: Path) -> None:

@@ -179,14 +179,30 @@ def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer, schedul
             "holdout": holdout(args), "rng": rng_state()}
 
 
-Holdout = dict[str, Any]  # the --val-split holdout a run validates on: its rule, fraction and seed
+Holdout = dict[str, Any]  # the --val-split holdout a run validates on: its rule, fraction and seed (and its sides)
+HOLDOUT_KEYS = ("rule", "fraction", "seed")  # what a resumed run's holdout must match (its sides are kept)
 
 
 def holdout(args: argparse.Namespace) -> Holdout | None:
-    """The ``--val-split`` holdout this run validates on; None for train/ and val/ folders."""
+    """The ``--val-split`` holdout this run validates on, with its sides (the paths held out and trained on, each
+    side one newline-joined string: a resumed run keeps them, ``split_holdout``); None for train/ and val/
+    folders."""
     if args.val_split is None:
         return None
-    return {"rule": HOLDOUT_RULE, "fraction": float(args.val_split), "seed": int(args.split_seed)}
+    rule: Holdout = {"rule": HOLDOUT_RULE, "fraction": float(args.val_split), "seed": int(args.split_seed)}
+    sides = getattr(args, "_split_sides", None)
+    if sides is not None:
+        rule["sides"] = {"held": "\n".join(sorted(sides[0])), "trained": "\n".join(sorted(sides[1]))}
+    return rule
+
+
+def saved_sides(state: dict[str, Any]) -> tuple[frozenset[str], frozenset[str]] | None:
+    """The (held out, trained on) paths a checkpoint's run split its folder into; None for a run of train/ and val/
+    folders, or one from before they were saved."""
+    sides = (state.get("holdout") or {}).get("sides")
+    if not isinstance(sides, dict):
+        return None
+    return tuple(frozenset(filter(None, str(sides.get(side, "")).split("\n"))) for side in ("held", "trained"))
 
 
 def _saved_holdout(state: dict[str, Any]) -> Holdout | None:
@@ -200,6 +216,11 @@ def _saved_holdout(state: dict[str, Any]) -> Holdout | None:
     return {"rule": "class-shuffle", "fraction": float(saved["val_split"]), "seed": int(saved["seed"])}
 
 
+def _rule_of(split: Holdout | None) -> dict[str, Any] | None:
+    """A holdout's rule, fraction and seed (not its sides)."""
+    return None if split is None else {key: split[key] for key in HOLDOUT_KEYS}
+
+
 def _holdout_text(split: Holdout | None) -> str:
     if split is None:
         return "its train/ and val/ folders"
@@ -211,9 +232,9 @@ def _check_same_holdout(path: Path, state: dict[str, Any], args: argparse.Namesp
     """DataError when the run resumed validated on other images than this one would: it would validate on images
     it trained on (and its best epoch was chosen on another set)."""
     saved, now = _saved_holdout(state), holdout(args)
-    if saved != now:
+    if _rule_of(saved) != _rule_of(now):
         # only the seed differs: a run from before --split-seed held out by its --seed (--seed 1: --split-seed 1)
-        seed_only = saved is not None and now is not None and {**saved, "seed": now["seed"]} == now
+        seed_only = saved is not None and now is not None and {**_rule_of(saved), "seed": now["seed"]} == _rule_of(now)
         options = (f"resume with --split-seed {saved['seed']}" if seed_only else
                    "leave --val-split and --split-seed out (the run's are taken)")
         raise DataError(f"{path} validated on {_holdout_text(saved)}, this run on {_holdout_text(now)}: it would "
@@ -269,6 +290,7 @@ def resumed_run(args: argparse.Namespace) -> dict[str, Any] | None:
                         "images are now")
     if taken:
         log.info("resuming %s with its run's %s", path, ", ".join(taken))
+    args._resumed_sides = saved_sides(state)  # its images keep their sides (models/data/loaders.splits)
     return state.get("preset") if isinstance(state.get("preset"), dict) else None
 
 

@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -401,6 +402,29 @@ def test_a_flat_folder_is_split_with_val_split(tmp_path: Path, caplog: pytest.Lo
     torch.save(state, default / CHECKPOINT_NAME)
     assert "holdout of --split-seed 0 by an older rule" in _main_error(small_args(flat, default, *resume), caplog)
     assert train.main(small_args(flat, tmp_path / "run", "--val-split", "0.4")) == 0
+
+
+@pytest.mark.slow  # two short runs
+def test_a_resumed_run_validates_on_none_of_what_it_trained_on_after_images_were_removed_and_added(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: the one-on-each-side rule moved images when some were removed or added, and --resume took the new
+    # split: a class's only held-out image removed, a trained one was held out (and a new one trained on), said
+    # nowhere (a data scientist's trial)
+    flat = write_image_folder(tmp_path / "nested", train_per_class=6, val_per_class=0) / "train"
+    run = tmp_path / "run"
+    assert train.main(small_args(flat, run)) == 0
+    before = set((run / "held_out.txt").read_text().splitlines())
+    trained_before = {str(p.relative_to(run)) if p.is_relative_to(run) else os.path.relpath(p, run)
+                      for p in flat.rglob("*.*")} - before
+    removed = sorted(before)[0]
+    (run / removed).resolve().unlink()  # one held-out image gone, one added (a class keeps one on each side)
+    shutil.copy(next((flat / Path(removed).parent.name).glob("*.*")), flat / Path(removed).parent.name / "added.png")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="models.train"):
+        assert train.main(small_args(flat, run, "--epochs", "2", "--resume", str(run / CHECKPOINT_NAME))) == 0
+    after = set((run / "held_out.txt").read_text().splitlines())
+    assert not after & trained_before and after >= before - {removed}
+    assert "kept the resumed run's holdout: its images stay on their sides, 1 added since scored" in caplog.text
 
 
 @pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's

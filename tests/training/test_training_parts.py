@@ -498,6 +498,40 @@ def test_the_val_split_decides_each_image_by_its_path_so_added_images_move_none(
     assert held[2] == 1 and sum(target == 2 for _, target in train_split.samples) == 1  # both sides never empty
 
 
+def test_a_resumed_run_keeps_its_images_on_their_sides_whatever_was_added_or_removed(tmp_path: Path) -> None:
+    # Before: the one-on-each-side rule alone moved images: a class's only held-out image removed, a trained image
+    # was held out in its place; an image added lifted a class's clamp and moved a trained one into validation (a
+    # data scientist's trial: the resumed run validated on images it had trained on, and said nothing)
+    from models.data.folder import DataError, Split, split_holdout
+
+    def sides(samples: list, kept: object = None) -> tuple[frozenset[Path], frozenset[Path]]:
+        split = Split(root=tmp_path, classes=["a", "b"], samples=samples, skipped=[])
+        train_split, val_split = split_holdout(split, 0.2, 0, kept)  # type: ignore[arg-type]
+        return frozenset(p for p, _ in val_split.samples), frozenset(p for p, _ in train_split.samples)
+
+    def relative(paths: frozenset[Path]) -> frozenset[str]:
+        return frozenset(p.relative_to(tmp_path).as_posix() for p in paths)
+
+    whole = _named_split(tmp_path, {"a": 3, "b": 12}).samples
+    held, trained = sides(whole)
+    kept = (relative(held), relative(trained))
+    [a_held] = [p for p in held if p.parent.name == "a"]  # (3 images: one held out, as the rule keeps one)
+    added = [(tmp_path / "a" / f"{i:04d}.jpg", 0) for i in range(90, 99)]
+    now_held, now_trained = sides(whole + added, kept)
+    assert held <= now_held and trained <= now_trained  # none of the run's moved; the added ones scored
+    # the class's only held-out image removed and one added that scores above the fraction: the added one is held
+    # out in its place, where the rule alone held out a trained one (a/0002.jpg, its lowest score left)
+    one = (tmp_path / "a" / "0090.jpg", 0)
+    without = [sample for sample in whole if sample[0] != a_held] + [one]
+    assert trained & sides(without)[0]  # (the rule alone: what a resumed run validated on before)
+    now_held, now_trained = sides(without, kept)
+    assert trained <= now_trained and {p for p in now_held if p.parent.name == "a"} == {one[0]}
+    # removed, and nothing added to hold out: said, where a trained image was held out before
+    with pytest.raises(DataError, match="class 'a' has no image left of those the resumed run held out for "
+                                        "validation, and none added to hold out: add an image to"):
+        sides([sample for sample in whole if sample[0] != a_held], kept)
+
+
 def test_the_ctrl_c_hint_under_torchrun_is_the_torchrun_command_that_goes_on(tmp_path: Path,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     # Before: a torchrun job's hint was "<python> -m models.train ...": one process, where the job ran two.
