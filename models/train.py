@@ -131,6 +131,17 @@ def train_step(model: nn.Module, images: torch.Tensor, targets: torch.Tensor, op
     return loss.detach(), logits.detach()
 
 
+def _one_value_a_channel(exc: ValueError, batch: int, args: argparse.Namespace) -> Exception:
+    """torch's BatchNorm refusing a batch whose feature map holds one value a channel (a batch of one image at a
+    crop its network shrinks to 1x1: --batch-size 1 at --crop-size 32 on resnet18) as a DataError saying what to
+    change (before: a traceback); any other ValueError as it is."""
+    if "Expected more than 1 value per channel" not in str(exc):
+        return exc
+    return DataError(f"a batch of {batch} image at --crop-size {args.crop_size} leaves {args.arch}'s BatchNorm one "
+                     f"value a channel to train on, which it cannot: use --batch-size 2 or more, a larger "
+                     f"--crop-size, or --freeze-bn")
+
+
 def train_one_epoch(model: nn.Module, data: Data, optimizer: torch.optim.Optimizer,
                     scaler: torch.amp.GradScaler | None, device: torch.device, epoch: int,
                     args: argparse.Namespace, env: DistEnv) -> dict[str, float]:
@@ -146,7 +157,10 @@ def train_one_epoch(model: nn.Module, data: Data, optimizer: torch.optim.Optimiz
     bar = tqdm(batches, desc=f"epoch {epoch + 1}", unit="batch", disable=not env.is_main or not sys.stderr.isatty(),
                leave=False, mininterval=1.0)
     for images, targets in bar:
-        loss, logits = train_step(model, images, targets, optimizer, scaler, args, trainable)
+        try:
+            loss, logits = train_step(model, images, targets, optimizer, scaler, args, trainable)
+        except ValueError as exc:
+            raise _one_value_a_channel(exc, len(targets), args) from None
         # Accumulated on the device and read once per epoch: a .item() per step would stall the GPU queue.
         loss_sum += loss.double() * len(targets)
         correct += (logits.argmax(1) == targets).sum()

@@ -165,6 +165,17 @@ def _main_error(argv: list[str], caplog: pytest.LogCaptureFixture) -> str:
     return caplog.text
 
 
+def test_a_batch_of_one_image_batchnorm_cannot_train_on_is_one_line(folder: Path, tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    # Before: "ValueError: Expected more than 1 value per channel when training" under a traceback, for
+    # --batch-size 1 at the --crop-size 32 docs/training.md suggests for small images (a data scientist's trial)
+    argv = small_args(folder, tmp_path / "run", arch="resnet18")
+    argv[argv.index("--batch-size") + 1] = "1"
+    text = _main_error(argv, caplog)
+    assert "a batch of 1 image at --crop-size 32 leaves resnet18's BatchNorm one value a channel to train on, which " \
+           "it cannot: use --batch-size 2 or more" in text and len(text.strip().splitlines()) == 1
+
+
 def test_user_mistakes_are_one_line_errors(folder: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     out = tmp_path / "run"
     # Before: "<DIR>/train is not a directory" for each of these, though train/ was never asked for.
