@@ -276,6 +276,10 @@ def resumed_run(args: argparse.Namespace) -> dict[str, Any] | None:
             read_resumable(path)
         return None
     given, taken = getattr(args, "_given", frozenset()), []
+    if "arch" in given and saved.get("arch") not in (None, args.arch):  # before its options are judged (a pretrained
+        # run's: "no packaged ImageNet weights for 'resnet18'", where the mistake was the network)
+        raise DataError(f"{path} was trained as {saved['arch']}, not {args.arch}: leave --arch out (the run's is "
+                        "taken), or train afresh into another --output-dir")
     for name in RUN_OPTIONS:
         if name in given or name not in saved or _derived(name, saved, args):
             continue

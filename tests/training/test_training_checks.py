@@ -17,7 +17,7 @@ from PIL import Image
 from models import train
 from tests.training.test_training import _stopped_in_its_second_epoch
 from models.architectures import ARCHS
-from models.data.folder import scan_split, servable_only
+from models.data.folder import DataError, scan_split, servable_only
 from models.data.loaders import load_data
 from models.export.__main__ import main as export_main
 from models.export.manifest import read_manifest
@@ -477,6 +477,11 @@ def test_a_resume_takes_the_run_s_options_not_given_derives_again_what_it_derive
     off = resumed("--no-amp", "--no-freeze-bn", "--clip-grad-norm", "0", "--epo", "5", "--batch-size=8")
     assert (off.amp, off.amp_dtype, off.freeze_bn, off.clip_grad_norm, off.epochs, off.batch_size) == (
         False, None, False, 0.0, 5, 8)
+    # another network named: said as that, before its other options are judged (a pretrained run resumed with
+    # --arch resnet18 said "no packaged ImageNet weights for 'resnet18'": a data scientist's trial)
+    with pytest.raises(DataError, match=r"was trained as mobilenet_v3_small, not resnet18: leave --arch out"):
+        resumed("--arch", "resnet18")
+    assert resumed("--arch", "mobilenet_v3_small").arch == "mobilenet_v3_small"  # its own, given: taken
     torch.save({"args": {**run, "lr_from_batch": False}}, path)
     assert resumed().lr == 0.0015625  # one the run was given stays
     shutil.rmtree(data)  # moved since
