@@ -52,18 +52,19 @@ def check_labels(truths: dict[str, str], classes: Sequence[str], split: Path | N
 def trained_count(trained_on: TrainedOn | None, files: Iterable[str]) -> int | None:
     """How many of ``files`` (as they are read: absolute, or from the current folder) are images the model trained
     on (its manifest's ``trained_on``: under its folder, not in its held-out list); None when that cannot be told
-    (no record, its folder not on this machine, its held-out list unreadable). Paths are compared as written,
-    made absolute, no file looked up (a link to a training image is not found)."""
+    (no record, its folder not on this machine, its held-out list unreadable). Paths are compared with their links
+    resolved (before, as written: a folder linked to the training folder held "0" of them, where all but the
+    held-out ones were; a data scientist's trial); a copy of the folder is another folder."""
     if trained_on is None or not os.path.isdir(trained_on.folder):
         return None
     held: set[str] = set()
     if trained_on.held_out is not None:
         try:  # read as --data reads a file list
-            held = {os.path.abspath(item.file) for item in read_list(Path(trained_on.held_out))}
+            held = {os.path.realpath(item.file) for item in read_list(Path(trained_on.held_out))}
         except (OSError, DataError):
             return None
-    under = os.path.join(os.path.abspath(trained_on.folder), "")
-    return sum(1 for file in files if (path := os.path.abspath(file)).startswith(under) and path not in held)
+    under = os.path.join(os.path.realpath(trained_on.folder), "")
+    return sum(1 for file in files if (path := os.path.realpath(file)).startswith(under) and path not in held)
 
 
 def trained_warning(count: int, total: int, manifest: Manifest, labels: Path) -> str:

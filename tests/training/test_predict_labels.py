@@ -99,6 +99,10 @@ def test_the_images_trained_on_are_counted_as_paths_under_the_folder_not_held_ou
     assert trained_count(TrainedOn(folder=str(tmp_path / "data")), files) == 3  # a train/ folder: all under it
     assert trained_count(None, files) is None
     assert trained_count(TrainedOn(folder=str(tmp_path / "data"), held_out=str(tmp_path / "gone.txt")), files) is None
+    # a folder linked to the training folder is it (before: its images counted 0 trained on)
+    (tmp_path / "link").symlink_to(tmp_path / "data")
+    linked = [str(tmp_path / "link" / "a" / name) for name in ("0.jpg", "1.jpg", "2.jpg")]
+    assert trained_count(trained, linked) == 2
 
 
 def test_a_manifest_without_trained_on_is_written_without_the_field(tmp_path: Path) -> None:
