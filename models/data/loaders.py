@@ -91,6 +91,18 @@ def splits(args: argparse.Namespace) -> tuple[Split, Split]:
     return train_split, val_split
 
 
+def _say_batch_over_the_data(args: argparse.Namespace, images: int, env: DistEnv) -> None:
+    """A warning when the global batch holds more images than the training set: every step is then the whole set,
+    and a learning rate derived from the batch is a larger batch's (it went unsaid: a data scientist's trial)."""
+    batch = args.batch_size * env.world_size
+    if batch <= images or not env.is_main:
+        return
+    derived = (f"; the learning rate derived from it ({args.lr:g}) is a batch of {batch}'s: give --lr, or a smaller "
+               "--batch-size" if getattr(args, "lr_from_batch", False) else "")
+    log.warning("the global batch (%d) is larger than the %d training images: each step takes all of them%s", batch,
+                images, derived)
+
+
 def _relative(split: Split) -> frozenset[str]:
     """A split's images as paths under its folder."""
     return frozenset(path.relative_to(split.root).as_posix() for path, _ in split.samples)
@@ -125,6 +137,7 @@ def load_data(args: argparse.Namespace, preset: EvalPreset, env: DistEnv, device
             log.warning("skipping image %s (%s)", path, reason)
         log.warning("skipped %d file(s), unreadable or refused by the server; training on %d, validating on %d",
                     len(skipped), len(train_split.samples), len(val_split.samples))
+    _say_batch_over_the_data(args, len(train_split.samples), env)
     train_set, collate_fn, prepare = _train_set(args, train_split, preset, device)
     # Validation decodes and preprocesses as the server does on the CPU (a large JPEG at reduced scale, the tensor
     # eval transform), so evaluate() scores what it serves.

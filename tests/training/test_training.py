@@ -176,6 +176,18 @@ def test_a_batch_of_one_image_batchnorm_cannot_train_on_is_one_line(folder: Path
            "it cannot: use --batch-size 2 or more" in text and len(text.strip().splitlines()) == 1
 
 
+def test_a_batch_larger_than_the_training_set_is_said(folder: Path, tmp_path: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    # Before: --batch-size 500 on a few dozen images trained at the learning rate of a batch of 500, unsaid
+    argv = small_args(folder, tmp_path / "run")
+    del argv[argv.index("--lr"):argv.index("--lr") + 2]  # derived from the batch
+    argv[argv.index("--batch-size") + 1] = "500"
+    with caplog.at_level(logging.WARNING, logger="models.train"):
+        assert train.main(argv) == 0
+    assert re.search(r"the global batch \(500\) is larger than the \d+ training images: each step takes all of them; "
+                     r"the learning rate derived from it \(0\.19\d*\) is a batch of 500's", caplog.text)
+
+
 def test_user_mistakes_are_one_line_errors(folder: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     out = tmp_path / "run"
     # Before: "<DIR>/train is not a directory" for each of these, though train/ was never asked for.
