@@ -78,7 +78,8 @@ def splits(args: argparse.Namespace) -> tuple[Split, Split]:
         args._split_sides = (_relative(val_split), _relative(train_split))  # for this run's checkpoints
         held, whole = len(val_split.samples), len(val_split.samples) + len(train_split.samples)
         if kept is not None:
-            added = sum(1 for side in args._split_sides for path in side if path not in kept[0] | kept[1])
+            before = kept[0] | kept[1]
+            added = sum(1 for side in args._split_sides for path in side if path not in before)
             log.info("kept the resumed run's holdout: its images stay on their sides, %d added since scored", added)
         log.info("%sholding out %d%% of each class for validation (--val-split): %d of its %d images, %.0f%% (by "
                  "each image's path, so a class's share varies; a class keeps at least one on each side)", said,
