@@ -73,6 +73,10 @@ def splits(args: argparse.Namespace) -> tuple[Split, Split]:
     if args.val_split is not None:
         _check_not_splits_as_classes(args.data)  # its folders are the classes: not a dataset's splits
         kept = getattr(args, "_resumed_sides", None)  # a resumed run's sides (models/run/checkpoint.py)
+        if kept is None and hasattr(args, "_resumed_sides"):  # resumed, from a checkpoint that did not record them
+            log.warning("%s does not record which images its run held out (a checkpoint from before they were "
+                        "saved): images added or removed since may have moved a trained one into validation",
+                        args.resume)
         train_split, val_split = split_holdout(scan_split(args.data, workers=workers), args.val_split,
                                                 args.split_seed, kept)
         args._split_sides = (_relative(val_split), _relative(train_split))  # for this run's checkpoints

@@ -448,6 +448,13 @@ def test_a_resumed_run_validates_on_none_of_what_it_trained_on_after_images_were
     after = set((run / "held_out.txt").read_text().splitlines())
     assert not after & trained_before and after >= before - {removed}
     assert "kept the resumed run's holdout: its images stay on their sides, 1 added since scored" in caplog.text
+    state = load_checkpoint(run / CHECKPOINT_NAME)  # one from before the sides were saved: said
+    del state["holdout"]["sides"]
+    torch.save(state, run / CHECKPOINT_NAME)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="models.train"):
+        assert train.main(small_args(flat, run, "--epochs", "3", "--resume", str(run / CHECKPOINT_NAME))) == 0
+    assert "does not record which images its run held out (a checkpoint from before they were saved)" in caplog.text
 
 
 @pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
