@@ -131,12 +131,13 @@ def train_step(model: nn.Module, images: torch.Tensor, targets: torch.Tensor, op
     return loss.detach(), logits.detach()
 
 
-def _one_value_a_channel(exc: ValueError, batch: int, args: argparse.Namespace) -> Exception:
+BATCHNORM_ONE_VALUE = "Expected more than 1 value per channel"  # torch's BatchNorm, given one value a channel
+
+
+def _one_value_a_channel(batch: int, args: argparse.Namespace) -> DataError:
     """torch's BatchNorm refusing a batch whose feature map holds one value a channel (a batch of one image at a
     crop its network shrinks to 1x1: --batch-size 1 at --crop-size 32 on resnet18) as a DataError saying what to
-    change (before: a traceback); any other ValueError as it is."""
-    if "Expected more than 1 value per channel" not in str(exc):
-        return exc
+    change (before: a traceback)."""
     return DataError(f"a batch of {batch} image at --crop-size {args.crop_size} leaves {args.arch}'s BatchNorm one "
                      f"value a channel to train on, which it cannot: use --batch-size 2 or more, a larger "
                      f"--crop-size, or --freeze-bn")
@@ -160,7 +161,9 @@ def train_one_epoch(model: nn.Module, data: Data, optimizer: torch.optim.Optimiz
         try:
             loss, logits = train_step(model, images, targets, optimizer, scaler, args, trainable)
         except ValueError as exc:
-            raise _one_value_a_channel(exc, len(targets), args) from None
+            if BATCHNORM_ONE_VALUE not in str(exc):
+                raise
+            raise _one_value_a_channel(len(targets), args) from None
         # Accumulated on the device and read once per epoch: a .item() per step would stall the GPU queue.
         loss_sum += loss.double() * len(targets)
         correct += (logits.argmax(1) == targets).sum()

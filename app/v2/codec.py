@@ -132,12 +132,12 @@ _NARROW_FLOATS = ("FP32", "FP16")  # JSON numbers past their range become inf wh
 def _check_float_range(values: list[Any], name: str, datatype: str) -> None:
     """BadRequest for finite JSON numbers beyond ``datatype``'s range (cast, they would be infinite: read as
     non-finite pixels, which they were not); NaN and infinities as written are the pixels' check's."""
-    wide = np.asarray(values, dtype=np.float64)
+    wide = np.abs(np.asarray(values, dtype=np.float64))
     finite = wide[np.isfinite(wide)]
-    largest = float(np.finfo(_NUMPY_TYPES[datatype]).max)
-    if finite.size and float(np.abs(finite).max()) > largest:
-        raise BadRequest(f"input {name!r}: 'data' holds {float(np.abs(finite).max()):g}, beyond {datatype}'s range "
-                         f"(at most {largest:g} either side)")
+    largest, held = float(np.finfo(_NUMPY_TYPES[datatype]).max), float(finite.max()) if finite.size else 0.0
+    if held > largest:
+        raise BadRequest(f"input {name!r}: 'data' holds {held:g}, beyond {datatype}'s range (at most {largest:g} "
+                         "either side)")
 
 
 def _json_bytes(values: list[Any], name: str) -> list[bytes]:

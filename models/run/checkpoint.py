@@ -327,19 +327,23 @@ def _derived(name: str, saved: dict[str, Any], args: argparse.Namespace) -> bool
     return name == "amp_dtype" and not args.amp
 
 
+def _flag(name: str) -> str:
+    """An option's name as a command line writes it."""
+    return "--" + name.replace("_", "-")
+
+
 def _given_as(name: str, value: Any) -> str:
     """An option as a command line gives it (a flag's absence said as "no --flag")."""
-    flag = "--" + name.replace("_", "-")
     if isinstance(value, bool):
-        return flag if value else f"no {flag}"
-    return f"{flag} {value}"
+        return _flag(name) if value else f"no {_flag(name)}"
+    return f"{_flag(name)} {value}"
 
 
 def _option(name: str, value: Any) -> str:
-    flag = "--" + name.replace("_", "-")
+    """An option as a sentence says a run had it ("with --opt sgd", "without --freeze-backbone")."""
     if isinstance(value, bool):
-        return f"{'with' if value else 'without'} {flag}"
-    return f"with {flag} {value}"
+        return f"{'with' if value else 'without'} {_flag(name)}"
+    return f"with {_given_as(name, value)}"
 
 
 def _first_line(exc: BaseException, limit: int = 100) -> str:
@@ -378,7 +382,7 @@ def _check_same_state_options(path: Path, saved: dict[str, Any], args: argparse.
         if name in saved and saved[name] != getattr(args, name):
             then, now = _option(name, saved[name]), _option(name, getattr(args, name))
             raise DataError(f"{path} was trained {then}, this run {now}: its optimiser state cannot go on with "
-                            f"another; leave --{name.replace('_', '-')} out (the run's is taken), or train afresh "
+                            f"another; leave {_flag(name)} out (the run's is taken), or train afresh "
                             f"into another --output-dir")
 
 
