@@ -81,10 +81,11 @@ def _parse_top_k(raw: str | int | None, default: int, num_classes: int, where: s
     return value
 
 
-def _image_from_base64(text: str, position: int) -> bytes:
-    if text.startswith("data:") and "," in text:  # accept data URLs as browsers produce them
+def _image_from_base64(text: str, field: str) -> bytes:
+    """``text``, the JSON field ``field`` (its name in errors), decoded: base64, or a data URL as browsers make."""
+    if text.startswith("data:") and "," in text:
         text = text.split(",", 1)[1]
-    return decode_base64(text, f"images[{position}]")
+    return decode_base64(text, field)
 
 
 SCHEMA_ERRORS_SHOWN = 20  # the most a 422 lists of what does not match: a list of millions would list millions
@@ -157,8 +158,8 @@ def _from_json(request: Request, query: dict[str, str], default_top_k: int, num_
     top_k = _parse_top_k(raw_top_k, default_top_k, num_classes, "body" if parsed.top_k is not None else "query")
     raw_outputs = _said_once(OUTPUTS, parsed.outputs, query.get(OUTPUTS), "body")
     labels, embedding = _parse_outputs(raw_outputs, "body" if parsed.outputs is not None else "query")
-    return PredictInput([_image_from_base64(s, i) for i, s in enumerate(parsed.images)], top_k, None, labels,
-                        embedding)
+    return PredictInput([_image_from_base64(s, f"images[{i}]") for i, s in enumerate(parsed.images)], top_k, None,
+                        labels, embedding)
 
 
 def _from_multipart(request: Request, fields: set[str], max_images: int) -> tuple[FormData, list[bytes],
@@ -239,7 +240,7 @@ def parse_explain(request: Request, labels: list[str], max_images: int) -> Expla
     mimetype = request.mimetype
     if mimetype == "application/json":
         parsed = _json_body(request, ExplainJSONRequest)
-        image = _image_from_base64(parsed.image, 0)
+        image = _image_from_base64(parsed.image, "image")
         fields = _joined(fields, {CLASS_INDEX: parsed.class_index, LABEL: parsed.label, FORMAT: parsed.format},
                          "body")
     elif mimetype == "multipart/form-data":

@@ -716,6 +716,15 @@ def test_base64_of_another_kind_is_refused_saying_which(client: FlaskClient) -> 
     assert "a data URL" in client.post("/v2/models/colour/infer", json=v2).get_json()["error"]
 
 
+def test_an_explanation_s_base64_error_names_its_field(client: FlaskClient) -> None:
+    # Before: "images[0] is not valid base64" for /explain's {"image": ...}, a field /explain does not take (a new
+    # user's trial)
+    error = error_of(client.post("/explain", json={"image": "!!!"}), 400, "invalid_base64")["message"]
+    assert error.startswith("image is not valid base64"), error
+    error = error_of(client.post("/predict", json={"images": ["aGk=", "!!!"]}), 400, "invalid_base64")["message"]
+    assert "images[1] is not valid base64" in error, error
+
+
 def test_a_parameter_given_twice_in_one_place_is_400(client: FlaskClient) -> None:
     # Before: its first value won, silently (?top_k=3&top_k=1: three classes), where one in the body and the query
     # is a 400
