@@ -62,7 +62,7 @@ def _explain() -> dict[str, Any]:
                      "schema": {"type": "string", "enum": ["json", "png"]},
                      "description": "json: the map's grid; png: the map drawn over the region of the photo the model "
                                     "saw"}
-    multipart = {"type": "object", "required": ["image"],
+    multipart = {"type": "object", "required": ["image"],  # its fields described as query parameters: _predict's
                  "properties": {"image": {**BINARY, "description": "One image file"}}}
     png = {"description": "The overlay (format=png), its class in X-Explained-Class (URL-encoded), "
                           "X-Explained-Index and X-Explained-Score",
@@ -73,8 +73,8 @@ def _explain() -> dict[str, Any]:
         "summary": "Why the model chooses a class for one image (Grad-CAM)",
         "description": "One forward and one backward pass on the version's weights with gradients (its state "
                        "dict when the served format has none), in a lane of its own beside the batches. Send the "
-                       "image as multipart, a raw body, or JSON with base64; `class_index` or `label` may also be "
-                       "a form field (multipart) or a JSON field, `format` only a query parameter.",
+                       "image as multipart, a raw body, or JSON with base64; `class_index` or `label`, and `format`, "
+                       "may also be form fields (multipart) or JSON fields.",
         "parameters": [index, label, answer_format, *_model_params(), TIMEOUT_HEADER],
         "requestBody": _image_body(multipart, s.ExplainJSONRequest, {"image": EXAMPLE_IMAGE_BASE64}),
         "responses": {"200": {**json_body, "content": {**json_body["content"], **png["content"]},
