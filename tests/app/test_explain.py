@@ -186,6 +186,19 @@ def test_an_eager_version_explains_on_a_copy_never_the_module_its_batches_run(ti
 
 
 @pytest.mark.slow  # a real export (seconds)
+def test_a_version_is_ready_to_explain_before_it_serves_unless_told_not(tiny_export: Path) -> None:
+    # Before: its copy with gradients was made on the first /explain, 1-4 s of that request on the bundled model (a
+    # short deadline's 504; a new user's trial)
+    for app in _app(tiny_export):
+        assert app.extensions[EXTENSION_KEY].loaded_version()._explainer is not None
+    for app in _app(tiny_export, explain_at_start=False):
+        version = app.extensions[EXTENSION_KEY].loaded_version()
+        assert version._explainer is None
+        assert app.test_client().post("/explain", data=CAT, content_type="image/jpeg").status_code == 200
+        assert version._explainer is not None
+
+
+@pytest.mark.slow  # a real export (seconds)
 def test_the_lane_refuses_past_its_queue_at_once_with_retry_after(tiny_export: Path) -> None:
     for app in _app(tiny_export, explain_concurrency=1, explain_queue_size=0):
         service = app.extensions[EXTENSION_KEY]

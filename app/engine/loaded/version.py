@@ -23,6 +23,7 @@ from app.engine.decoding.image import DecodeLimits, canary_jpeg
 from app.engine.loaded.explainer import Explainer
 from app.engine.loaded.monitor import PredictionMonitor
 from app.engine.loaded.predictor import OUT_OF_MEMORY_ERRORS, NonFiniteOutput, Predictor
+from app.errors import ServiceError
 from app.metrics import MetricsObserver
 from models.export.checks import ModelLoadError
 
@@ -187,6 +188,20 @@ def check_canary(probabilities: np.ndarray, num_classes: int) -> None:
         raise ModelLoadError(f"canary inference failed: shape {tuple(probabilities.shape)}, sum {total}")
 
 
+def _ready_to_explain(loaded: LoadedVersion) -> None:
+    """``EXPLAIN_AT_START``: the version's Explainer made and the canary photo explained once, before it serves, so
+    its first explanation costs what the next ones do. A version that cannot be explained serves all the same (its
+    explanations answer why: NoGradients, 422), as does one whose explanation fails here (tried again on the first
+    ``/explain``, which answers what failed)."""
+    try:
+        loaded.explainer().explain(canary_jpeg())
+    except ServiceError as exc:
+        log.info("%s %s: no explanations: %s", loaded.name, loaded.version, exc.message)
+    except Exception:  # noqa: BLE001 - explanations are beside what the version serves
+        log.warning("%s %s: its explanations could not be made ready; /explain will try again", loaded.name,
+                    loaded.version, exc_info=True)
+
+
 def _place_loop_batches(loaded: LoadedVersion) -> None:
     """Once warm-up captured the forward's graphs (or did not): whether an engine's loop may run the version's short
     batches (``tuning.loop_batches``), and on CUDA then the stream, not the default one, they run on."""
@@ -269,6 +284,8 @@ def start_version(settings: Settings, predictor: Predictor) -> LoadedVersion:
         check_canary(canary[:, :predictor.num_classes], predictor.num_classes)
 
     loaded.batcher.start(prepare)
+    if settings.explain_at_start:
+        _ready_to_explain(loaded)
     _place_loop_batches(loaded)
     loaded.serving.set()
     _apply_batch_cap(settings, loaded)
