@@ -291,6 +291,21 @@ def test_the_device_path_turns_every_exif_orientation_as_pil_does() -> None:
         assert torch.equal(pixels, decode_tensor(data, LIMITS)), orientation
 
 
+def test_the_device_path_decodes_a_large_jpeg_at_full_size_as_the_cpu_paths_do_without_a_reduced_scale() -> None:
+    # What JPEG_DRAFT_MIN_SIDE's description says (a new user's trial: a GPU server's answers differed from a CPU
+    # one's for a 7000x4666 photo): the device path has no reduced scale, and 0 on a CPU path gives its pixels
+    side = Settings().jpeg_draft_min_side
+    data = photo_jpeg(photo("coffee"), (2 * side + 8, 2 * side))
+    drafted = DecodeLimits(max_pixels=40_000_000, max_aspect_ratio=20, jpeg_draft_min_side=side)
+    full = DecodeLimits(max_pixels=40_000_000, max_aspect_ratio=20, jpeg_draft_min_side=0)
+    from app.engine.decoding.device import _jpegs_on
+
+    (on_device,) = _jpegs_on(torch.device("cpu"), [check_header(data, drafted)]).values()
+    assert on_device.shape == (3, 2 * side, 2 * side + 8)
+    assert torch.equal(on_device, decode_tensor(data, full))
+    assert decode_tensor(data, drafted).shape == (3, side, side + 4)
+
+
 def _arena_views(photos: list[bytes]) -> list[memoryview]:
     """``photos`` as the engine's view of a loop link's arena lends them (app/link/arena.py): writable slices of
     one array."""
