@@ -303,6 +303,11 @@ class RequestSettings(SettingsGroup):
     request_timeout_s: float = Field(
         30.0, gt=0, description="Longest a request waits for its inference (then 504); a client may ask for "
         "less with `X-Request-Timeout: <ms>`.")
+    min_request_timeout_ms: float = Field(
+        1.0, ge=0, description="The shortest deadline a request may ask for (`X-Request-Timeout`, the V2 "
+        "`timeout` parameter): a shorter one is refused as it is read, 400 `deadline_too_short`, whatever else "
+        "the request holds (a deadline under about a millisecond passes before the request's route runs: it was "
+        "a 504, a malformed request's too). 0: none.")
     refusal_memory_ms: float = Field(
         100.0, ge=0, description="After the engine refuses a request because the backlog ahead would outlast its "
         "deadline (429 `deadline_unreachable`), how long its HTTP worker refuses the same route's requests (the "

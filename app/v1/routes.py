@@ -47,7 +47,8 @@ def predict() -> Response:
     """Classify one or more images."""
     service, req = current_service(), request._get_current_object()  # not a proxy lookup per field
     settings = service.settings
-    timeout_s = deadline_s(req.headers, service.deadline_limit_s(settings.request_timeout_s))
+    timeout_s = deadline_s(req.headers, service.deadline_limit_s(settings.request_timeout_s),
+                           settings.min_request_timeout_ms / 1000)
     arrived = arrival(timeout_s)
     # (werkzeug's get raises and catches inside for one not given)
     query = each_once(req.args, "query parameter", LISTED)
@@ -72,7 +73,8 @@ def predict() -> Response:
 def explain() -> Response:
     """Why the model chooses a class for one image: a Grad-CAM map as JSON, or drawn over the photo as a PNG."""
     service = current_service()
-    timeout_s = deadline_s(request.headers, service.deadline_limit_s(service.settings.request_timeout_s))
+    timeout_s = deadline_s(request.headers, service.deadline_limit_s(service.settings.request_timeout_s),
+                           service.settings.min_request_timeout_ms / 1000)
     arrival(timeout_s)  # (an explanation's deadline counts from here: it passed already, 504)
     name, version = request.args.get("model"), request.args.get("version")
     service.require_ready()

@@ -20,7 +20,7 @@ from app.v2.codec import (OUTPUT_FIELDS, InferRequest, InputCheck, Tensor, check
                            parameters, parse_request)
 from app.v2.schemas import (ConfigTensor, DynamicBatching, InstanceGroup, Live, ModelConfig, ModelMetadata,
                             ModelReady, Ready, ServerMetadata, TensorMetadata)
-from app.web.inputs import client_key, deadline_s, read_body
+from app.web.inputs import check_deadline_floor, client_key, deadline_s, read_body
 from app.web.services import arrival, client_gone, current_service
 from app.web.timing import annotate
 
@@ -218,10 +218,11 @@ def _output(served: Served, name: str, k: int, digits: int) -> Tensor:
     return Tensor(OUTPUT, "BYTES", [len(rows), len(rows[0])], np.array(rows, dtype=object))
 
 
-def _timeout_s(announced_s: float, infer: InferRequest) -> float:
+def _timeout_s(announced_s: float, infer: InferRequest, minimum_s: float) -> float:
     """The request's deadline: the one its headers announced (``deadline_s``), lowered by its body's ``timeout``
     parameter (tritonclient's per-request timeout, in microseconds; 0 or absent: none, as Triton reads it). A
-    value that is no such number is 400, not dropped: the caller meant a deadline."""
+    value that is no such number is 400, not dropped: the caller meant a deadline; so is one under ``minimum_s``
+    (MIN_REQUEST_TIMEOUT_MS: ShortDeadline)."""
     micros = infer.parameters.get("timeout")
     if micros is None:
         return announced_s
@@ -229,7 +230,10 @@ def _timeout_s(announced_s: float, infer: InferRequest) -> float:
         raise BadRequest(f"parameters.timeout must be a number of microseconds, 0 or more (0: none), got {micros!r}")
     if micros == 0:
         return announced_s
-    return announced_s if micros >= announced_s * 1e6 else micros / 1e6  # a huge int would not divide
+    if micros >= announced_s * 1e6:  # (a huge int would not divide)
+        return announced_s
+    check_deadline_floor(micros / 1e6, minimum_s, f"parameters.timeout {micros!r} (microseconds)")
+    return micros / 1e6
 
 
 @bp.post(_MODEL + "/infer")
@@ -247,9 +251,9 @@ def infer(name: str, version: str | None = None) -> Response:
 
 def _infer(name: str, version: str | None, body: list[bytes], pixels: bool) -> Response:
     service, req = current_service(), request._get_current_object()  # not a proxy lookup per field
-    headers = req.headers
+    headers, floor_s = req.headers, service.settings.min_request_timeout_ms / 1000
     # the body may lower it
-    announced_timeout_s = deadline_s(headers, service.deadline_limit_s(service.settings.request_timeout_s))
+    announced_timeout_s = deadline_s(headers, service.deadline_limit_s(service.settings.request_timeout_s), floor_s)
     arrived = arrival(announced_timeout_s)
     # Admitted only if the queue could take one image in time: refused before the body is parsed otherwise.
     with service.admit(name, version, client_key(headers, service.settings.client_key_header), images=1,
@@ -260,7 +264,7 @@ def _infer(name: str, version: str | None, body: list[bytes], pixels: bool) -> R
                                _input_check(call, service.settings.max_images))
         plan = _output_plan(parsed, call.model)
         images, tensors = _inputs(parsed)
-        served = call.infer(images, tensors, timeout_s=_timeout_s(announced_timeout_s, parsed),
+        served = call.infer(images, tensors, timeout_s=_timeout_s(announced_timeout_s, parsed, floor_s),
                             client_gone=client_gone(), embedding=any(name == EMBEDDING for name, _, _ in plan),
                             arrived=arrived)
     digits = service.settings.score_digits

@@ -129,8 +129,9 @@ def health(model: type[BaseModel], summary: str, error_model: type[BaseModel] = 
 
 
 TIMEOUT_HEADER = {"name": "X-Request-Timeout", "in": "header", "required": False,
-                  "description": "This request's deadline in ms, capped by request_timeout_s",
-                  "schema": {"type": "number"}}
+                  "description": "This request's deadline in ms, capped by request_timeout_s; one under "
+                                 "min_request_timeout_ms (1 by default) is 400 deadline_too_short",
+                  "schema": {"type": "number", "exclusiveMinimum": 0}}
 # contentMediaType is OAS 3.1's way to say "a file"; Swagger UI shows a file picker for array items only with
 # format: binary (swagger-ui issue 10825), so both are given.
 BINARY = {"type": "string", "format": "binary", "contentMediaType": "application/octet-stream"}

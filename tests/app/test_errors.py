@@ -550,9 +550,19 @@ def test_a_deadline_shorter_than_one_forward_pass_is_400_without_retry_after(cli
     assert "Retry-After" not in response.headers
 
 
-def test_a_deadline_of_microseconds_is_400_too_short_not_the_version_s_504(client: FlaskClient) -> None:
+@pytest.fixture
+def floorless(settings: Settings, predictor: Predictor) -> Any:
+    """An app taking any deadline (MIN_REQUEST_TIMEOUT_MS 0), so microseconds reach the batcher's judgement: its
+    client and service."""
+    app = create_app(settings.model_copy(update={"min_request_timeout_ms": 0}), predictor)
+    yield app.test_client(), app.extensions[EXTENSION_KEY]
+    app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def test_a_deadline_of_microseconds_is_400_too_short_not_the_version_s_504(floorless: Any) -> None:
     # Before: one that passed before it was judged (X-Request-Timeout 0.001 ms, a V2 timeout of 1 us) was 504, and
     # counted as the version's failure (a client could push a new default toward its automatic rollback).
+    client, _ = floorless
     assert labels_of(client.post("/predict", data=image_bytes(RED), content_type="image/jpeg")) == ["red"]
     failed = _version_requests("failed")
     response = client.post("/predict", data=image_bytes(RED), content_type="image/jpeg",
@@ -565,6 +575,34 @@ def test_a_deadline_of_microseconds_is_400_too_short_not_the_version_s_504(clien
     answer = client.post("/v2/models/colour/infer", json=body)
     assert answer.status_code == 400 and "deadline is shorter" in answer.get_json()["error"], answer.get_json()
     assert _version_requests("failed") == failed
+
+
+def test_a_deadline_under_the_floor_is_400_as_it_is_read_whatever_the_request_holds(client: FlaskClient) -> None:
+    # Before: under gunicorn a deadline under about a millisecond passed before the route ran: 504, for a malformed
+    # request too (?top_k=0), and for the same deadline as a V2 timeout parameter 400 or 504 by the engine layout (a
+    # schema fuzz of the API)
+    gunicorn = {"gunicorn.socket": _Received(0.002)}  # had whole 2 ms ago: past a 0.5 ms deadline
+    for path in ("/predict?top_k=0", "/predict", "/explain"):
+        answer = client.post(path, data=image_bytes(RED), content_type="image/jpeg",
+                             headers={"X-Request-Timeout": "0.5"}, environ_overrides=gunicorn)
+        assert error_of(answer, 400, "deadline_too_short")["message"] == (
+            "X-Request-Timeout 0.5 asks for a deadline under 1 ms, the shortest this server takes "
+            "(MIN_REQUEST_TIMEOUT_MS): it would pass before the request is read"), path
+    answer = client.post("/v2/models/nosuch/infer", json={"inputs": []}, headers={"X-Request-Timeout": "5e-324"},
+                         environ_overrides=gunicorn)  # (V2's errors: {"error": message})
+    assert answer.status_code == 400 and answer.get_json()["error"].startswith(
+        "X-Request-Timeout 5e-324 asks for a deadline under 1 ms"), answer.get_json()
+    body = {"inputs": [{"name": "pixels", "shape": [1, 3, 8, 8], "datatype": "FP32", "data": [0.0] * 192}],
+            "parameters": {"timeout": 500}}
+    answer = client.post("/v2/models/colour/infer", json=body)
+    assert answer.status_code == 400 and answer.get_json()["error"].startswith(
+        "parameters.timeout 500 (microseconds) asks for a deadline under 1 ms"), answer.get_json()
+    body["parameters"]["timeout"] = 1000  # the floor itself is taken (then judged by the version's own time)
+    answer = client.post("/v2/models/colour/infer", json=body)
+    assert answer.status_code == 200 or "MIN_REQUEST_TIMEOUT_MS" not in answer.get_json()["error"], answer.get_json()
+    error_of(client.post("/predict", data=image_bytes(RED), content_type="image/jpeg",
+                         headers={"X-Request-Timeout": "1000"}, environ_overrides={"gunicorn.socket": _Received(2.0)}),
+             504, "deadline_exceeded")  # a deadline past the floor that passed in the worker is still its 504
 
 
 class _Received:
@@ -606,9 +644,10 @@ def test_a_deadline_counts_from_when_the_worker_had_the_request_whole(client: Fl
 
 
 def test_a_deadline_of_microseconds_before_the_version_s_first_batch_is_400_by_its_warm_up(
-        client: FlaskClient, service: Service) -> None:
+        floorless: Any) -> None:
     # Before: until a version's first batch (a new default, a candidate) its batcher had no time an image to judge
     # by, and a deadline that passed before it was judged was 504, counted as the version's failure.
+    client, service = floorless
     assert service.loaded_version().batcher.batches_run == 0
     failed = _version_requests("failed")
     body = {"inputs": [{"name": "pixels", "shape": [1, 3, 8, 8], "datatype": "FP32", "data": [0.0] * 192}],
