@@ -5,6 +5,7 @@ It takes the werkzeug request as an argument rather than using Flask's global, s
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Iterable, TypeVar
 
@@ -61,10 +62,13 @@ def _filled(name: str, raw: Any) -> Any:
     return raw
 
 
+_DIGITS = re.compile(r"-?[0-9]+")
+
+
 def _integer(raw: str | int) -> int:
-    """``int(raw)`` of a number written in ASCII digits (``int`` takes every script's: "３" was top_k 3);
-    ValueError else."""
-    if isinstance(raw, str) and not raw.isascii():
+    """``int(raw)`` of a number written in ASCII digits, perhaps after a minus (``int`` takes every script's
+    digits, underscores, a plus and spaces around: "３" was top_k 3, "1_0" 10); ValueError else."""
+    if isinstance(raw, str) and not _DIGITS.fullmatch(raw):
         raise ValueError(raw)
     return int(raw)
 

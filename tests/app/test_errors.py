@@ -210,10 +210,11 @@ def test_too_many_json_images_are_413_before_any_is_base64_decoded(client: Flask
     _ok(client)
 
 
-@pytest.mark.parametrize("top_k", ["0", "-1", "1000000000", "abc", "5", "", "%EF%BC%93"])
+@pytest.mark.parametrize("top_k", ["0", "-1", "1000000000", "abc", "5", "", "%EF%BC%93", "1_0", "%2B1", "%201"])
 def test_bad_top_k_parameter(client: FlaskClient, top_k: str) -> None:
     # Before: empty took the default (where an empty model, version or outputs is refused), and "３" (full-width)
-    # was 3, as Python's int() reads every script's digits.
+    # was 3, as Python's int() reads every script's digits; "1_0" was 10, "+1" and " 1" 1 (int() takes an
+    # underscore, a plus and spaces: a schema fuzz of the API).
     response = client.post(f"/predict?top_k={top_k}", data=image_bytes(), content_type="image/jpeg")
     assert "top_k" in error_of(response, 400, "invalid_request")["message"]
 
