@@ -165,11 +165,16 @@ def _json_numbers(values: list[Any], name: str, datatype: str) -> np.ndarray:
     raise BadRequest(f"input {name!r}: 'data' holds values that are not {datatype} ({kind})")
 
 
+def _json_kind(value: Any) -> str:
+    """What a JSON value is, as a message names it."""
+    return {str: "a string", bool: "a boolean", int: "a number", float: "a number", dict: "an object",
+            type(None): "null"}.get(type(value), type(value).__name__)
+
+
 def _flatten(data: Any) -> list[Any]:
-    """``data``'s values in order, its nested lists flattened as Triton does, in one pass: each value is copied
-    once, however deep (a flatten per level copied a value once a level). Flat data, the usual, is not copied."""
-    if not isinstance(data, list):
-        return [data]
+    """The list ``data``'s values in order, its nested lists flattened as Triton does, in one pass: each value is
+    copied once, however deep (a flatten per level copied a value once a level). Flat data, the usual, is not
+    copied."""
     if list not in set(map(type, data)):  # a C loop
         return data
     flat: list[Any] = []
@@ -217,6 +222,9 @@ def _tensor(raw: dict[str, Any], binary: bytes, offset: int, most: int, index: i
                 raise BadRequest(f"input {name!r}: {size} bytes is not a whole number of {datatype} values")
             values = np.frombuffer(blob, dtype=wire)
     elif "data" in raw:
+        if not isinstance(raw["data"], list):  # (the protocol's data is an array, the served schema's too)
+            raise BadRequest(f"input {name!r}: 'data' must be an array of its values, flat or nested, got "
+                             f"{_json_kind(raw['data'])}: send [value] for one")
         flat = _flatten(raw["data"])
         if len(flat) != count:  # before any value is decoded
             raise BadRequest(f"input {name!r}: shape {shape} needs {count} value{'s' * (count != 1)}, got "

@@ -192,6 +192,9 @@ def test_a_photo_sent_as_the_whole_body_is_415_saying_how_to_send_it(client: Fla
      "input 'images' must have datatype BYTES, got INT64"),
     ({"inputs": [{"name": "pixels", "shape": [1, 3, 8, 8], "data": [0] * 192}]}, {},
      "input 'pixels' has no datatype"),  # before: "datatype None is not supported"
+    ({"inputs": [{"name": "images", "datatype": "BYTES", "shape": [1], "data": "aGk="}]}, {},
+     "input 'images': 'data' must be an array of its values, flat or nested, got a string: send [value] for one"),
+    # before: taken as [value], where the protocol and the served schema say an array (a schema fuzz of the API)
     ({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [3, 8, 8], "data": [0] * 192}]}, {},
      "input 'pixels' must have shape [N, 3, 8, 8] (N images first), got [3, 8, 8]"),  # before: "shape [3, 3, 8, 8]"
     ({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [0, 2 ** 62, 2 ** 62], "data": []}]}, {},
