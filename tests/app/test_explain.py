@@ -186,6 +186,30 @@ def test_an_eager_version_explains_on_a_copy_never_the_module_its_batches_run(ti
 
 
 @pytest.mark.slow  # a real export (seconds)
+@pytest.mark.parametrize("decode_path", ["tensor", "pil"])
+def test_an_explanation_on_a_cpu_path_decodes_its_photo_once_into_predict_s_pixels(tiny_export: Path,
+                                                                                   decode_path: str) -> None:
+    # Before: twice, its pixels as a request's and then the photo for its size and overlay (a 40 MP PNG's
+    # explanation took 1.5x its prediction: a new user's trial)
+    from unittest import mock
+
+    from app.engine.decoding import decoders
+
+    for app in _app(tiny_export, decode_path=decode_path, weights_format="state_dict"):
+        client = app.test_client()
+        top = client.post("/predict?top_k=1", data=CAT, content_type="image/jpeg").json["predictions"][0]
+        with mock.patch.object(decoders, "image_to_tensor_path", wraps=decoders.image_to_tensor_path) as tensor, \
+                mock.patch.object(decoders, "image_to_tensor", wraps=decoders.image_to_tensor) as pil:
+            for png in (False, True):
+                answer = client.post(f"/explain?format={'png' if png else 'json'}", data=CAT,
+                                     content_type="image/jpeg")
+                assert answer.status_code == 200
+                explained = (int(answer.headers["X-Explained-Index"]), float(answer.headers["X-Explained-Score"]))
+                assert explained == (top["index"], top["score"])  # the same pixels, the same version: its score
+        assert tensor.call_count == pil.call_count == 0
+
+
+@pytest.mark.slow  # a real export (seconds)
 def test_a_version_is_ready_to_explain_before_it_serves_unless_told_not(tiny_export: Path) -> None:
     # Before: its copy with gradients was made on the first /explain, 1-4 s of that request on the bundled model (a
     # short deadline's 504; a new user's trial)

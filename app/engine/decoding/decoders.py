@@ -16,11 +16,12 @@ from typing import Sequence, Union
 
 import numpy as np
 import torch
+from PIL import Image
 
 from app.engine.decoding.device import Encoded, check_header, collate_on_device, stack_pixels
 from app.engine.decoding.image import DecodeLimits, image_to_tensor
 from app.engine.decoding.tensor import image_to_tensor_path
-from models.presets import ImageTransform, TensorEvalTransform
+from models.presets import ImageTransform, TensorEvalTransform, pil_to_tensor
 
 Prepared = Union[torch.Tensor, np.ndarray, Encoded]  # one image as it waits in the queue (an array: V2 pixels)
 
@@ -40,6 +41,12 @@ class Decoder:
     def collate(self, items: Sequence[Prepared]) -> torch.Tensor:
         """The prepared images of one batch as the model's (N, C, H, W) input."""
         return stack_pixels(items)  # type: ignore[arg-type]
+
+    def prepare_decoded(self, photo: Image.Image) -> Prepared | None:
+        """What ``prepare`` makes of an image whose upright RGB decode by PIL (``load_upright``: its reduced scale
+        and EXIF turn) is ``photo``, without decoding it again (an explanation needs the photo too); None where
+        the pixels are not made from PIL's (the device path's decode)."""
+        return None
 
     def decodes_on_host_in_batch(self, item: Prepared) -> bool:
         """Whether ``collate`` decodes ``item`` on the CPU (the others came decoded, or the device decodes them)."""
@@ -68,6 +75,9 @@ class PilDecoder(Decoder):
         """Decoded and preprocessed: a (C, H, W) float tensor."""
         return image_to_tensor(data, self.transform, self.limits)
 
+    def prepare_decoded(self, photo: Image.Image) -> Prepared:
+        return self.transform(photo)
+
 
 class TensorDecoder(Decoder):
     """libjpeg-turbo (PIL for other formats) into a tensor, then the eval transform on tensors, in the request
@@ -82,6 +92,9 @@ class TensorDecoder(Decoder):
     def prepare(self, data: bytes) -> Prepared:
         """Decoded and preprocessed: a (C, H, W) float tensor."""
         return image_to_tensor_path(data, self.transform, self.limits)
+
+    def prepare_decoded(self, photo: Image.Image) -> Prepared:
+        return self.transform(pil_to_tensor(photo))  # (its decode gives PIL's pixels, bit for bit)
 
 
 class DeviceDecoder(Decoder):

@@ -64,7 +64,7 @@ class Explainer:
     the map (and its overlay PNG when asked, drawn on the photo as PIL opens it)."""
 
     def __init__(self, predictor: Predictor, decoder: Decoder) -> None:
-        self.predictor, self.decoder, self.limits = predictor, decoder, decoder.limits
+        self.predictor, self.limits = predictor, decoder.limits
         self.pixels = decoder.in_float32()  # the gradients' input: its batch's pixels before the version's dtype
         self.module, self.weights = _gradient_module(predictor)
         try:
@@ -82,10 +82,11 @@ class Explainer:
         if index is not None and not 0 <= index < manifest.num_classes:
             raise BadRequest(f"class_index must be from 0 to {manifest.num_classes - 1}, got {index}")
         started = time.perf_counter()
-        pixels = self.pixels.collate([self.decoder.prepare(image)])[0]  # as a request's, refused as one is
         opened = open_checked(image, self.limits)
         stored = opened.size  # before a large JPEG's reduced-scale decode, and before its EXIF turn
         photo = load_upright(opened, self.limits)
+        prepared = self.pixels.prepare_decoded(photo)  # as a request's pixels, its photo decoded once
+        pixels = self.pixels.collate([self.pixels.prepare(image) if prepared is None else prepared])[0]
         turned = (stored[0] > stored[1]) != (photo.width > photo.height) and stored[0] != stored[1]
         width, height = stored[::-1] if turned else stored  # the upright photo's own pixels
         served = self._served_probabilities(pixels)
