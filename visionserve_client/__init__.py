@@ -8,7 +8,7 @@ CLI: ``python -m visionserve_client predict cat.jpg cup.jpg --url http://localho
 """
 from visionserve_client.api import Client, ImageInput
 from visionserve_client.errors import UsageError, VisionServeError
-from visionserve_client.types import ClassScore, Embedding, ModelInfo, Prediction
+from visionserve_client.types import ClassScore, Embedding, Explanation, ModelInfo, Overlay, Prediction
 
-__all__ = ["Client", "ClassScore", "Embedding", "ImageInput", "ModelInfo", "Prediction", "UsageError",
-           "VisionServeError"]
+__all__ = ["Client", "ClassScore", "Embedding", "Explanation", "ImageInput", "ModelInfo", "Overlay", "Prediction",
+           "UsageError", "VisionServeError"]

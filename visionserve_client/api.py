@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Sequence, TypeVar, Union, overload
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import requests
 from requests.adapters import HTTPAdapter
@@ -15,7 +15,7 @@ from requests.utils import check_header_validity
 
 from visionserve_client.answers import MISREAD, error_of, failure_of, invalid_response, parsed, retried, retry_after_s
 from visionserve_client.errors import UsageError, VisionServeError
-from visionserve_client.types import Embedding, ModelInfo, Prediction
+from visionserve_client.types import Embedding, Explanation, ModelInfo, Overlay, Prediction
 
 ImageInput = Union[str, Path, bytes]
 T = TypeVar("T")
@@ -520,6 +520,35 @@ class Client:
                     budget: _Budget) -> requests.Response:
         return self._request("POST", "/predict", budget, params=params or None, files=[("image", f) for f in files])
 
+    def explain(self, image: ImageInput, *, label: str | None = None, class_index: int | None = None,
+                deadline_ms: float | None = None, model: str | None = None,
+                version: str | None = None) -> Explanation:
+        """Why the model chooses a class for one image (a path or the file's bytes): its Grad-CAM map over the
+        region of the photo the model saw (``/explain``). The class: ``label`` or ``class_index`` (left out, the
+        top one). ``model``, ``version`` and ``deadline_ms`` as for ``predict`` (without ``version`` the model's
+        default version explains, never a rollout's candidate). A version with no weights to take gradients of
+        answers VisionServeError ``no_gradients``."""
+        response = self._explained(image, _explain_params(model, version, label, class_index), deadline_ms)
+        return parsed(response, Explanation.from_json)
+
+    def explain_overlay(self, image: ImageInput, *, label: str | None = None, class_index: int | None = None,
+                        deadline_ms: float | None = None, model: str | None = None,
+                        version: str | None = None) -> Overlay:
+        """``explain``'s map drawn over the region of the photo the model saw: a PNG (``Overlay.png``; write it to a
+        file to look at it) with the class it explains and its probability."""
+        params = {**_explain_params(model, version, label, class_index), "format": "png"}
+        response = self._explained(image, params, deadline_ms)
+        said = response.headers
+        try:
+            return Overlay(response.content, unquote(said["X-Explained-Class"]), int(said["X-Explained-Index"]),
+                           float(said["X-Explained-Score"]), said.get("X-Model-Version"))
+        except (KeyError, ValueError) as exc:
+            raise invalid_response(response, exc) from None
+
+    def _explained(self, image: ImageInput, params: dict[str, str], deadline_ms: float | None) -> requests.Response:
+        budget = self._budget(deadline_ms)
+        return self._request("POST", "/explain", budget, params=params, files=[("image", _read(image, 0))])
+
     def health(self) -> bool:
         """Liveness: True when the process and its inference thread run (no retries)."""
         return self.probe("/healthz") == 200
@@ -575,3 +604,14 @@ def _params(model: str | None, version: str | None, top_k: int | None) -> dict[s
 def _embed_params(model: str | None, version: str | None) -> dict[str, str]:
     """/predict's query parameters for embeddings: the route, and the embedding alone as the answer."""
     return {**_route(model, version), "outputs": "embedding"}
+
+
+def _explain_params(model: str | None, version: str | None, label: str | None,
+                    class_index: int | None) -> dict[str, str]:
+    """/explain's query parameters: the route, and the class when named (by its label or its index)."""
+    if label is not None and class_index is not None:
+        raise ValueError("name the class by its label or by its index, not both")
+    named = {"label": label} if label is not None else {}
+    if class_index is not None:
+        named = {"class_index": str(class_index)}
+    return {**_route(model, version), **named}

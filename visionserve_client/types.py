@@ -64,3 +64,42 @@ class ModelInfo:
         """Build from one entry of /v1/models's ``models``."""
         names = ("name", "version", "arch", "num_classes", "input_shape", "device", "dtype", "ready")
         return cls(**{name: body[name] for name in names}, labels=body.get("labels"), raw=body)
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Why the model chooses a class for one image (``/explain``: Grad-CAM): the class and its probability for the
+    image (the ones ``predict`` answers), the map (``grid``: rows of 0, no evidence for the class, to 1, the most)
+    over the region of the photo the model saw (``crop``: left, top, right, bottom in the photo's pixels), the layer
+    and the weights it was taken of; the model and version that answered."""
+
+    label: str
+    index: int
+    score: float
+    grid: list[list[float]]
+    crop: tuple[int, int, int, int]
+    layer: str
+    weights: str
+    model: str | None = None
+    version: str | None = None
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> "Explanation":
+        """Build from /explain's JSON answer."""
+        explained, crop, served = body["explained"], body["crop"], body.get("model") or {}
+        return cls(label=explained["label"], index=explained["index"], score=explained["score"],
+                   grid=body["grid"], crop=(crop["left"], crop["top"], crop["right"], crop["bottom"]),
+                   layer=body["layer"], weights=body["weights"], model=served.get("name"),
+                   version=served.get("version"))
+
+
+@dataclass(frozen=True)
+class Overlay:
+    """An explanation drawn: the map over the region of the photo the model saw, a PNG (``png``, the file's bytes),
+    with the class it explains and its probability, and the version that answered."""
+
+    png: bytes = field(repr=False)
+    label: str
+    index: int
+    score: float
+    version: str | None = None

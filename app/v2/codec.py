@@ -190,6 +190,20 @@ def _flatten(data: Any) -> list[Any]:
     return flat
 
 
+def _json_values(data: Any, name: str, datatype: str, shape: list[int], count: int) -> np.ndarray:
+    """An input's JSON ``data``, ``count`` values of ``datatype`` (its ``shape``'s), flat: BadRequest for data
+    that is no array (the protocol's, the served schema's) or holds another count or other kinds of values."""
+    if not isinstance(data, list):
+        raise BadRequest(f"input {name!r}: 'data' must be an array of its values, flat or nested, got "
+                         f"{_json_kind(data)}: send [value] for one")
+    flat = _flatten(data)
+    if len(flat) != count:  # before any value is decoded
+        raise BadRequest(f"input {name!r}: shape {shape} needs {count} value{'s' * (count != 1)}, got {len(flat)}")
+    if datatype == "BYTES":
+        return np.array(_json_bytes(flat, name), dtype=object)
+    return _json_numbers(flat, name, datatype)
+
+
 def _tensor(raw: dict[str, Any], binary: bytes, offset: int, most: int, index: int,
             check: InputCheck | None) -> tuple[Tensor, int]:
     name, datatype = str(raw.get("name", "")), raw.get("datatype")
@@ -222,17 +236,7 @@ def _tensor(raw: dict[str, Any], binary: bytes, offset: int, most: int, index: i
                 raise BadRequest(f"input {name!r}: {size} bytes is not a whole number of {datatype} values")
             values = np.frombuffer(blob, dtype=wire)
     elif "data" in raw:
-        if not isinstance(raw["data"], list):  # (the protocol's data is an array, the served schema's too)
-            raise BadRequest(f"input {name!r}: 'data' must be an array of its values, flat or nested, got "
-                             f"{_json_kind(raw['data'])}: send [value] for one")
-        flat = _flatten(raw["data"])
-        if len(flat) != count:  # before any value is decoded
-            raise BadRequest(f"input {name!r}: shape {shape} needs {count} value{'s' * (count != 1)}, got "
-                             f"{len(flat)}")
-        if datatype == "BYTES":
-            values = np.array(_json_bytes(flat, name), dtype=object)
-        else:
-            values = _json_numbers(flat, name, datatype)
+        values = _json_values(raw["data"], name, datatype, shape, count)
     else:
         raise BadRequest(f"input {name!r} has neither 'data' nor parameters.binary_data_size")
     if values.size != count:
