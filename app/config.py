@@ -527,13 +527,13 @@ class ExplainSettings(SettingsGroup):
         4, ge=0, description="Explanations waiting for a free lane, per process; past it a new one is refused at "
         "once (429 with Retry-After).")
     explain_at_start: bool = Field(
-        True, description="Each version's explanations made ready as it loads, before it serves: its copy of the "
-        "weights with gradients made (for an ONNX or TorchScript export, its state dict loaded into its "
-        "architecture) and the canary photo explained once, so the first `/explain` costs what the next ones do "
-        "(made on first use instead, it took 1-4 s of that request on the bundled model: a short deadline's 504). "
-        "It holds that copy in memory (in each process with models: each worker inline, each engine under "
-        "ENGINE=process) and adds about 2 s to each start with an ONNX or TorchScript export; false: made on the "
-        "first `/explain`, none for a service that never explains.")
+        True, description="Each version's explanations made ready as it starts serving, on a thread at "
+        "`EXPLAIN_NICE`: its copy of the weights with gradients made (for an ONNX or TorchScript export, its state "
+        "dict loaded into its architecture: about 2 s of CPU, most of it importing timm) and the canary photo "
+        "explained once, so the first `/explain` costs what the next ones do (made on its first use instead, it "
+        "took 1-4 s of that request on the bundled model: a short deadline's 504); one asked meanwhile waits for "
+        "it. It holds that copy in memory in each process with models (each worker inline, each engine under "
+        "ENGINE=process); false: made on the first `/explain`, none for a service that never explains.")
     explain_nice: int = Field(
         10, ge=0, le=19, description="The CPU priority the explanation threads lower themselves to (Linux nice, "
         "0-19): on busy cores predictions go first; 0 leaves them equal.")
