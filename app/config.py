@@ -304,10 +304,10 @@ class RequestSettings(SettingsGroup):
         30.0, gt=0, description="Longest a request waits for its inference (then 504); a client may ask for "
         "less with `X-Request-Timeout: <ms>`.")
     min_request_timeout_ms: float = Field(
-        1.0, ge=0, description="The shortest deadline a request may ask for (`X-Request-Timeout`, the V2 "
-        "`timeout` parameter): a shorter one is refused as it is read, 400 `deadline_too_short`, whatever else "
-        "the request holds (a deadline under about a millisecond passes before the request's route runs: it was "
-        "a 504, a malformed request's too). 0: none.")
+        1.0, ge=0, description="The shortest deadline a request may ask for: a shorter one is 400 "
+        "`deadline_too_short`, `X-Request-Timeout`'s first in its route (after the API key and the body limit, "
+        "before the request is parsed), the V2 `timeout` parameter's once its body is (a deadline under about a "
+        "millisecond passes before the request's route runs: it was a 504, a malformed request's too). 0: none.")
     refusal_memory_ms: float = Field(
         100.0, ge=0, description="After the engine refuses a request because the backlog ahead would outlast its "
         "deadline (429 `deadline_unreachable`), how long its HTTP worker refuses the same route's requests (the "
@@ -326,8 +326,9 @@ class DecodingSettings(SettingsGroup):
     jpeg_draft_min_side: int = Field(
         1024, ge=0, description="JPEGs larger than this on their short side are decoded at 1/2, 1/4 or 1/8 "
         "scale (libjpeg's DCT scaling), never below it; 0 = off. Measured effect in docs/performance.md. The CPU "
-        "decode paths' (`pil`, `tensor`): the `device` path, the default on CUDA, decodes every JPEG at full size "
-        "(nvJPEG has no reduced scale), so such a JPEG's answers differ a little between a GPU server and a CPU one "
+        "decode paths' (`pil`, `tensor`): the `device` path, the default on CUDA, decodes the JPEGs it takes at full "
+        "size (nvJPEG has no reduced scale; CMYK ones, and those it refuses, go to the CPU's decode at the reduced "
+        "scale), so such a JPEG's answers differ a little between a GPU server and a CPU one "
         "(a 7000x4666 photo: 0.378 against 0.372, embeddings' cosine 0.998); 0 on the CPU servers makes theirs "
         "the GPU's (slower for large photos), as `DECODE_PATH=tensor` on the GPU makes its the CPU's.")
     decode_path: Literal["auto", "pil", "tensor", "device"] = Field(
@@ -527,13 +528,14 @@ class ExplainSettings(SettingsGroup):
         4, ge=0, description="Explanations waiting for a free lane, per process; past it a new one is refused at "
         "once (429 with Retry-After).")
     explain_at_start: bool = Field(
-        True, description="Each version's explanations made ready as it starts serving, on a thread at "
-        "`EXPLAIN_NICE`: its copy of the weights with gradients made (for an ONNX or TorchScript export, its state "
-        "dict loaded into its architecture: about 2 s of CPU, most of it importing timm) and the canary photo "
-        "explained once, so the first `/explain` costs what the next ones do (made on its first use instead, it "
-        "took 1-4 s of that request on the bundled model: a short deadline's 504); one asked meanwhile waits for "
-        "it. It holds that copy in memory in each process with models (each worker inline, each engine under "
-        "ENGINE=process); false: made on the first `/explain`, none for a service that never explains.")
+        False, description="Each version's explanations made ready in its load, before it serves: its copy of the "
+        "weights with gradients made (for an ONNX or TorchScript export, its state dict loaded into its "
+        "architecture: about 2 s of CPU a start, most of it importing timm) and the canary photo explained once, so "
+        "the first `/explain` costs what the next ones do; made on its first use instead (false), that takes 1-4 s "
+        "of the first explanation in each process on the bundled model (a short deadline's 504), and nothing of a "
+        "service that never explains. Set it where `/explain` serves users. It holds that copy in each process with "
+        "models (each worker inline, each engine under ENGINE=process; on CUDA counted in the load's memory check, "
+        "`MODEL_MEMORY_LIMIT_MB`).")
     explain_nice: int = Field(
         10, ge=0, le=19, description="The CPU priority the explanation threads lower themselves to (Linux nice, "
         "0-19): on busy cores predictions go first; 0 leaves them equal.")

@@ -17,13 +17,14 @@ Only what the engine would refuse the same way is refused here: a deadline count
 whole, as the engine counts it; a backlog shrinks only as its batches run (which the engine's time already counts) or
 as requests leave it (a client gone, a deadline dropped: the memory lasts ``memory_s``, 100 ms by default). Left to
 the app: a refusal of a request a rollout's draw routed (the engine leaves ``backlog`` out); a request with an Origin
-header (CORS answers), without the API key when one is set (its 401), with a malformed deadline or a repeated
-parameter or header (its 400); one whose deadline is shorter than a request of MAX_IMAGES images would take alone
-(it may be too short, 400), or passed already (its 504); every request of a draining worker. The connection stays
-open as the worker would keep it after an answer of the app's (``keep_alive``: not past its keep-alive count, nor
-with KEEPALIVE_S 0, nor in a stopping worker). What the memory does not see: a promotion, a rollback or a new
-canary within ``memory_s`` of a refusal (the route's requests then go to another version, whose queue may have
-room): for that long at most they may be refused by the backlog of the version they no longer go to.
+header (CORS answers), without the API key when one is set (its 401), with a malformed deadline, one under
+MIN_REQUEST_TIMEOUT_MS, or a repeated parameter or header (its 400); one whose deadline is shorter than a request of
+MAX_IMAGES images would take alone (it may be too short, 400), or passed already (its 504); every request of a
+draining worker. The connection stays open as the worker would keep it after an answer of the app's (``keep_alive``:
+not past its keep-alive count, nor with KEEPALIVE_S 0, nor in a stopping worker). What the memory does not see: a
+promotion, a rollback or a new canary within ``memory_s`` of a refusal (the route's requests then go to another
+version, whose queue may have room): for that long at most they may be refused by the backlog of the version they no
+longer go to.
 
 Loaded by the gunicorn master with the worker class: the standard library, app.errors and request_framing (its
 error shape); the counts import app.metrics in the worker, when a refusal is made (as ``count_unparsed``).
@@ -100,16 +101,18 @@ class RecentRefusals:
         self.max_deadline_s = 30.0
         self.max_images = 16
         self.forwarded_for = False  # TRUST_FORWARDED_FOR: the access line says X-Forwarded-For
+        self.min_deadline_ms = 0.0  # MIN_REQUEST_TIMEOUT_MS: a deadline under it is the app's 400
         self.key_ok: Callable[[Mapping[str, str]], bool] | None = None
         self._routes: dict[RouteKey, _Refused] = {}
         self._stale_at = 0.0  # when every refusal remembered is older than memory_s
 
     def configure(self, memory_s: float, max_deadline_s: float, max_images: int,
-                  key_ok: Callable[[Mapping[str, str]], bool] | None, forwarded_for: bool = False) -> None:
+                  key_ok: Callable[[Mapping[str, str]], bool] | None, forwarded_for: bool = False,
+                  min_deadline_ms: float = 0.0) -> None:
         """From the app's settings: REFUSAL_MEMORY_MS, REQUEST_TIMEOUT_S, MAX_IMAGES, whether a request carries the
-        API key (None: none is required), and TRUST_FORWARDED_FOR."""
+        API key (None: none is required), TRUST_FORWARDED_FOR and MIN_REQUEST_TIMEOUT_MS."""
         self.memory_s, self.max_deadline_s, self.key_ok = memory_s, max_deadline_s, key_ok
-        self.max_images, self.forwarded_for = max_images, forwarded_for
+        self.max_images, self.forwarded_for, self.min_deadline_ms = max_images, forwarded_for, min_deadline_ms
         self._routes.clear()
 
     def remember(self, target: str, backlog: Backlog, retry_after: str | None) -> None:
@@ -152,7 +155,7 @@ class RecentRefusals:
         headers = _headers(request, line_end, request.find(b"\r\n\r\n", line_end))
         if headers is None or "origin" in headers or (self.key_ok is not None and not self.key_ok(headers)):
             return None
-        deadline_s = _deadline_s(headers.get(DEADLINE_HEADER), self.max_deadline_s)
+        deadline_s = _deadline_s(headers.get(DEADLINE_HEADER), self.max_deadline_s, self.min_deadline_ms)
         ends = None if deadline_s is None else received_at + deadline_s
         if ends is None or ends >= backlog.until or ends <= now or deadline_s < backlog.own_s(self.max_images):
             return None  # (ends passed: the app's 504, for the time it waited in its worker)
@@ -186,15 +189,26 @@ def _headers(request: bytes | bytearray, line_end: int, head_end: int) -> _Heade
     return headers
 
 
-def _deadline_s(raw: str | None, maximum_s: float) -> float | None:
-    """As app/web/inputs.py's deadline_s reads X-Request-Timeout; None for a value it refuses (its 400)."""
+_MILLISECONDS = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")  # ASCII, no sign: float() took
+# "1_000", "+5", " 5", full-width digits, "inf" and "nan"
+
+
+def deadline_ms_of(raw: str) -> float | None:
+    """An X-Request-Timeout's milliseconds: a positive decimal number in ASCII digits (an exponent allowed, as
+    "1e3"); None for anything else."""
+    if not _MILLISECONDS.fullmatch(raw):
+        return None
+    millis = float(raw)
+    return millis if 0 < millis < float("inf") else None
+
+
+def _deadline_s(raw: str | None, maximum_s: float, minimum_ms: float) -> float | None:
+    """As app/web/inputs.py's deadline_s reads X-Request-Timeout; None for a value it refuses (its 400s: not such a
+    number, or under MIN_REQUEST_TIMEOUT_MS's ``minimum_ms``)."""
     if raw is None:
         return maximum_s
-    try:
-        millis = float(raw)
-    except ValueError:
-        return None
-    if not millis > 0 or millis != millis:
+    millis = deadline_ms_of(raw)
+    if millis is None or millis < minimum_ms:
         return None
     return min(millis / 1000, maximum_s)
 

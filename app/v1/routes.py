@@ -48,7 +48,7 @@ def predict() -> Response:
     service, req = current_service(), request._get_current_object()  # not a proxy lookup per field
     settings = service.settings
     timeout_s = deadline_s(req.headers, service.deadline_limit_s(settings.request_timeout_s),
-                           settings.min_request_timeout_ms / 1000)
+                           settings.min_request_timeout_ms)
     arrived = arrival(timeout_s)
     # (werkzeug's get raises and catches inside for one not given)
     query = each_once(req.args, "query parameter", LISTED)
@@ -74,7 +74,7 @@ def explain() -> Response:
     """Why the model chooses a class for one image: a Grad-CAM map as JSON, or drawn over the photo as a PNG."""
     service = current_service()
     timeout_s = deadline_s(request.headers, service.deadline_limit_s(service.settings.request_timeout_s),
-                           service.settings.min_request_timeout_ms / 1000)
+                           service.settings.min_request_timeout_ms)
     arrival(timeout_s)  # (an explanation's deadline counts from here: it passed already, 504)
     name, version = request.args.get("model"), request.args.get("version")
     service.require_ready()

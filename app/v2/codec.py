@@ -235,7 +235,7 @@ def _tensor(raw: dict[str, Any], binary: bytes, offset: int, most: int, index: i
             if size % wire.itemsize:
                 raise BadRequest(f"input {name!r}: {size} bytes is not a whole number of {datatype} values")
             values = np.frombuffer(blob, dtype=wire)
-    elif "data" in raw:
+    elif raw.get("data") is not None:  # (null: a client's unset field, as with binary_data_size)
         values = _json_values(raw["data"], name, datatype, shape, count)
     else:
         raise BadRequest(f"input {name!r} has neither 'data' nor parameters.binary_data_size")

@@ -218,10 +218,10 @@ def _output(served: Served, name: str, k: int, digits: int) -> Tensor:
     return Tensor(OUTPUT, "BYTES", [len(rows), len(rows[0])], np.array(rows, dtype=object))
 
 
-def _timeout_s(announced_s: float, infer: InferRequest, minimum_s: float) -> float:
+def _timeout_s(announced_s: float, infer: InferRequest, minimum_ms: float) -> float:
     """The request's deadline: the one its headers announced (``deadline_s``), lowered by its body's ``timeout``
     parameter (tritonclient's per-request timeout, in microseconds; 0 or absent: none, as Triton reads it). A
-    value that is no such number is 400, not dropped: the caller meant a deadline; so is one under ``minimum_s``
+    value that is no such number is 400, not dropped: the caller meant a deadline; so is one under ``minimum_ms``
     (MIN_REQUEST_TIMEOUT_MS: ShortDeadline)."""
     micros = infer.parameters.get("timeout")
     if micros is None:
@@ -232,7 +232,7 @@ def _timeout_s(announced_s: float, infer: InferRequest, minimum_s: float) -> flo
         return announced_s
     if micros >= announced_s * 1e6:  # (a huge int would not divide)
         return announced_s
-    check_deadline_floor(micros / 1e6, minimum_s, f"parameters.timeout {micros!r} (microseconds)")
+    check_deadline_floor(micros / 1000, minimum_ms, f"parameters.timeout {micros!r} (microseconds)")
     return micros / 1e6
 
 
@@ -251,9 +251,9 @@ def infer(name: str, version: str | None = None) -> Response:
 
 def _infer(name: str, version: str | None, body: list[bytes], pixels: bool) -> Response:
     service, req = current_service(), request._get_current_object()  # not a proxy lookup per field
-    headers, floor_s = req.headers, service.settings.min_request_timeout_ms / 1000
+    headers, floor_ms = req.headers, service.settings.min_request_timeout_ms
     # the body may lower it
-    announced_timeout_s = deadline_s(headers, service.deadline_limit_s(service.settings.request_timeout_s), floor_s)
+    announced_timeout_s = deadline_s(headers, service.deadline_limit_s(service.settings.request_timeout_s), floor_ms)
     arrived = arrival(announced_timeout_s)
     # Admitted only if the queue could take one image in time: refused before the body is parsed otherwise.
     with service.admit(name, version, client_key(headers, service.settings.client_key_header), images=1,
@@ -264,7 +264,7 @@ def _infer(name: str, version: str | None, body: list[bytes], pixels: bool) -> R
                                _input_check(call, service.settings.max_images))
         plan = _output_plan(parsed, call.model)
         images, tensors = _inputs(parsed)
-        served = call.infer(images, tensors, timeout_s=_timeout_s(announced_timeout_s, parsed, floor_s),
+        served = call.infer(images, tensors, timeout_s=_timeout_s(announced_timeout_s, parsed, floor_ms),
                             client_gone=client_gone(), embedding=any(name == EMBEDDING for name, _, _ in plan),
                             arrived=arrived)
     digits = service.settings.score_digits

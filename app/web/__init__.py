@@ -53,7 +53,7 @@ def init_app(app: Flask, settings: Settings, service: ServiceFace, protocols: Se
                     "and roll back its models; set VISIONSERVE_API_KEY, or leave CONTROL_API local")
     RECENT.configure(settings.refusal_memory_ms / 1000, settings.request_timeout_s, settings.max_images,
                      None if api_key is None else partial(carries_key, forms=key_forms(api_key)),
-                     settings.trust_forwarded_for)
+                     settings.trust_forwarded_for, settings.min_request_timeout_ms)
     register_ops(app, protocols)
     for protocol in protocols:
         app.register_blueprint(protocol.blueprint)

@@ -6,27 +6,18 @@ data, so it needs no API key; its calls to /predict, /explain and /v1/models car
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
-from flask import Blueprint, Response, request, send_from_directory
+from flask import Blueprint, Response, send_from_directory
 
 PAGE_DIR = Path(__file__).resolve().parent / "demo"
 PAGE_PATH, ASSETS_PATH, FAVICON_PATH = "/", "/demo", "/favicon.ico"
-_BYTE_RANGES = re.compile(r"\s*bytes\s*=", re.IGNORECASE)
 
 
 def demo_blueprint() -> Blueprint:
     """``/`` (the page), ``/demo/<file>`` (its script and style) and ``/favicon.ico`` (the site's icon, an SVG:
     every browser asks for it, on /docs too, and a 404 there is an error in each one's console)."""
     blueprint = Blueprint("demo", __name__, static_folder=str(PAGE_DIR), static_url_path=ASSETS_PATH)
-
-    @blueprint.before_request
-    def byte_ranges_only() -> None:
-        """A Range of another unit than bytes ignored, the whole file sent, as RFC 9110 14.2 says an origin server
-        must (werkzeug answered it 416)."""
-        if "HTTP_RANGE" in request.environ and not _BYTE_RANGES.match(request.environ["HTTP_RANGE"]):
-            del request.environ["HTTP_RANGE"]
 
     @blueprint.get(PAGE_PATH)
     def page() -> Response:

@@ -8,6 +8,7 @@ structured access-log line.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Callable
 
@@ -21,14 +22,16 @@ from app.metrics import PREFLIGHTS, PROBES, REJECTED, REQUEST_SECONDS, REQUESTS,
 from app.web.auth import check_api_key, is_health, is_page, key_forms, needs_key
 
 access_log = logging.getLogger("visionserve.access")
+_ONE_BYTE_RANGE = re.compile(r"\s*bytes\s*=[^,]*\Z", re.IGNORECASE)  # what werkzeug's files answer 206 or 416 to
 
 def register_hooks(app: Flask, settings: Settings,
                    preflight: Callable[[Request], Response | None] | None = None) -> None:
     """One before hook for every request of ``app``, in this order: its id, its start time and its access-log fields
     (a trusted X-Forwarded-For among them), so every answer has them; a CORS ``preflight``'s answer (app/web/cors.py),
-    before any refusal; then the refusals: an announced body over the limit, the body's socket timeout, the API key.
-    And the after hook that sends the id and writes the log line. One hook, not one per step: Flask checks and
-    calls each hook of every request."""
+    before any refusal; then the refusals: an announced body over the limit, the body's socket timeout, the API
+    key; then a Range werkzeug's files would refuse for its unit or its several ranges dropped. And the after hook
+    that sends the id and writes the log line. One hook, not one per step: Flask checks and calls each hook of every
+    request."""
     trust_forwarded_for = settings.trust_forwarded_for
     forms = None if (api_key := settings.resolved_api_key()) is None else key_forms(api_key)
     body_timeout_s, health_open = settings.client_body_timeout_s, settings.auth_health_open
@@ -59,6 +62,10 @@ def register_hooks(app: Flask, settings: Settings,
             sock.settimeout(body_timeout_s)
         if forms is not None and needs_key(req.path, health_open):
             check_api_key(req.headers, forms)
+        if "HTTP_RANGE" in req.environ and not _ONE_BYTE_RANGE.match(req.environ["HTTP_RANGE"]):
+            # another unit (RFC 9110 14.2: an origin server must ignore it), or several ranges (it may): the whole
+            # file, where werkzeug answered 416 (the pages' files, /docs's)
+            del req.environ["HTTP_RANGE"]
         return None
 
     app.after_request(_finish_request)

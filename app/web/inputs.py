@@ -12,30 +12,28 @@ from werkzeug.datastructures import MultiDict
 from werkzeug.exceptions import ClientDisconnected
 
 from app.errors import BadRequest, BodyTooLarge, InvalidBase64, InvalidJSON, ShortDeadline, UnsupportedMediaType
+from app.hosting.recent_refusals import deadline_ms_of
 from app.web.auth import presented_key
 
 
-def deadline_s(headers: Mapping[str, str], maximum_s: float, minimum_s: float = 0.0) -> float:
-    """The request's time limit: X-Request-Timeout (ms) when given, never longer than ``maximum_s``; ShortDeadline
-    (400) for one shorter than ``minimum_s`` (MIN_REQUEST_TIMEOUT_MS)."""
+def deadline_s(headers: Mapping[str, str], maximum_s: float, minimum_ms: float = 0.0) -> float:
+    """The request's time limit: X-Request-Timeout (ms: a positive decimal number in ASCII digits) when given,
+    never longer than ``maximum_s``; ShortDeadline (400) for one under ``minimum_ms`` (MIN_REQUEST_TIMEOUT_MS)."""
     raw = headers.get("X-Request-Timeout")
     if raw is None:
         return maximum_s
-    try:
-        millis = float(raw)
-    except ValueError:
-        raise BadRequest(f"X-Request-Timeout must be a number of milliseconds, got {raw!r}") from None
-    if not millis > 0 or millis != millis:
-        raise BadRequest(f"X-Request-Timeout must be positive, got {raw!r}")
-    check_deadline_floor(millis / 1000, minimum_s, f"X-Request-Timeout {raw}")
+    millis = deadline_ms_of(raw)
+    if millis is None:
+        raise BadRequest(f"X-Request-Timeout must be a positive number of milliseconds, got {raw!r}")
+    check_deadline_floor(millis, minimum_ms, f"X-Request-Timeout {raw}")
     return min(millis / 1000, maximum_s)
 
 
-def check_deadline_floor(asked_s: float, minimum_s: float, said: str) -> None:
-    """ShortDeadline (400) for a deadline of ``asked_s`` (``said``: as the request gave it) under ``minimum_s``."""
-    if asked_s < minimum_s:
-        raise ShortDeadline(f"{said} asks for a deadline under {minimum_s * 1000:g} ms, the shortest this server "
-                            "takes (MIN_REQUEST_TIMEOUT_MS): it would pass before the request is read")
+def check_deadline_floor(asked_ms: float, minimum_ms: float, said: str) -> None:
+    """ShortDeadline (400) for a deadline of ``asked_ms`` (``said``: as the request gave it) under ``minimum_ms``."""
+    if asked_ms < minimum_ms:
+        raise ShortDeadline(f"{said} asks for a deadline under {minimum_ms:g} ms, the shortest this server takes "
+                            "(MIN_REQUEST_TIMEOUT_MS): it would pass before the request is read")
 
 
 def each_once(values: MultiDict[str, str], where: str, listed: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -49,7 +49,8 @@ ERROR_STATUSES = {
     "409": "The call does not apply to the model now: no rollout candidate to promote, no previous default",
     "413": "Body, image pixels or image count over its limit (an announced body over max_body_bytes on any route)",
     "415": "Unsupported content type or image format",
-    "416": "The Range (of bytes: another unit is ignored) is malformed or asks for bytes the file does not have",
+    "416": "The Range (one of bytes: another unit, or several ranges, are ignored) is malformed or asks for bytes "
+           "the file does not have",
     "422": "JSON that does not match the request schema, or a model version that cannot be served (load_failed)",
     "429": "Overloaded (queue full) or the backlog already exceeds the request's deadline",
     "500": "The forward pass failed",

@@ -598,6 +598,11 @@ def test_a_deadline_under_the_floor_is_400_as_it_is_read_whatever_the_request_ho
     answer = client.post("/v2/models/colour/infer", json=body)
     assert answer.status_code == 400 and answer.get_json()["error"].startswith(
         "parameters.timeout 500 (microseconds) asks for a deadline under 1 ms"), answer.get_json()
+    for said in ("1_000", "+500", "inf", "nan", "1e400", "-5", "0"):  # (float() took 1_000, +500, inf and 1e400)
+        answer = client.post("/predict", data=image_bytes(RED), content_type="image/jpeg",
+                             headers={"X-Request-Timeout": said})
+        assert error_of(answer, 400, "invalid_request")["message"] == (
+            f"X-Request-Timeout must be a positive number of milliseconds, got {said!r}"), said
     body["parameters"]["timeout"] = 1000  # the floor itself is taken (then judged by the version's own time)
     answer = client.post("/v2/models/colour/infer", json=body)
     assert answer.status_code == 200 or "MIN_REQUEST_TIMEOUT_MS" not in answer.get_json()["error"], answer.get_json()

@@ -89,6 +89,7 @@ def test_a_v2_refusal_has_the_protocol_s_error_shape_and_a_http_1_0_one_closes()
     _head("/predict", "500", method="PUT"),
     _head("/predict", "500", "Origin: https://app.example"),  # CORS: the app answers with its headers
     _head("/predict", "soon"), _head("/predict", "-5"), _head("/predict", "nan"),  # the app's 400
+    _head("/predict", "1_000"), _head("/predict", "+500"), _head("/predict", "inf"),  # (float() took them)
     _head("/predict", "500", "X-Request-Timeout: 400"),  # given twice: the app decides
     _head("/predict", "500", "Origin : https://app.example"),  # a name that is no token: gunicorn's 400
 ])
@@ -134,6 +135,17 @@ def test_a_deadline_that_may_be_too_short_for_a_request_s_own_inference_goes_to_
     now = time.monotonic()
     assert recent.refusal(_head("/predict", "150"), now, None) is None  # 4 x 50 ms + 2 ms: maybe too short
     assert recent.refusal(_head("/predict", "250"), now, None) is not None
+
+
+def test_a_deadline_under_the_floor_goes_to_the_app_and_its_400() -> None:
+    # Before: the floor was the app's alone: raised (MIN_REQUEST_TIMEOUT_MS 50), a 20 ms deadline during a storm
+    # was refused here 429 deadline_unreachable, a retry invited, where the app answers 400 deadline_too_short
+    recent = _remembering(busy_for_s=5.0, image_s=0.001)
+    recent.configure(10.0, 30.0, 4, None, min_deadline_ms=50)
+    recent.remember("/predict", Backlog(time.monotonic() + 5.0, 0.001, 0.002), "3")
+    now = time.monotonic()
+    assert recent.refusal(_head("/predict", "20"), now, None) is None
+    assert recent.refusal(_head("/predict", "60"), now, None) is not None
 
 
 def test_a_deadline_that_passed_while_the_request_waited_in_its_worker_is_the_app_s_504() -> None:

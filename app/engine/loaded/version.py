@@ -20,7 +20,7 @@ from app.engine.contract import Signature
 from app.engine.batching.tuning import cap_share, choose_batch_cap, forward_threads, inline_batches, loop_batches
 from app.engine.decoding.decoders import Decoder, Prepared, decoder_for
 from app.engine.decoding.image import DecodeLimits, canary_jpeg
-from app.engine.loaded.explainer import Explainer, lower_priority
+from app.engine.loaded.explainer import Explainer
 from app.engine.loaded.monitor import PredictionMonitor
 from app.engine.loaded.predictor import OUT_OF_MEMORY_ERRORS, NonFiniteOutput, Predictor
 from app.errors import ServiceError
@@ -54,9 +54,8 @@ class LoadedVersion:
     serving: threading.Event = field(default_factory=threading.Event)  # warmed up and canaried: batches monitored
     _unmonitored: list[np.ndarray] = field(default_factory=list, init=False)  # requests' rows since the last settle
     _settling: threading.Lock = field(default_factory=threading.Lock, init=False)
-    _explainer: Explainer | None = field(default=None, init=False)  # made on the first explanation
-    readied_to_explain: threading.Event = field(default_factory=threading.Event, init=False)  # EXPLAIN_AT_START's
-    # step ended (its canary explained, or why not logged)
+    _explainer: Explainer | None = field(default=None, init=False)  # made in its load (EXPLAIN_AT_START) or on
+    # the first explanation
     _explainer_made: threading.Lock = field(default_factory=threading.Lock, init=False)
 
     def explainer(self) -> Explainer:
@@ -190,13 +189,12 @@ def check_canary(probabilities: np.ndarray, num_classes: int) -> None:
         raise ModelLoadError(f"canary inference failed: shape {tuple(probabilities.shape)}, sum {total}")
 
 
-def _ready_to_explain(loaded: LoadedVersion, nice: int) -> None:
-    """``EXPLAIN_AT_START``, on a thread of its own at the explanations' priority (``nice``) as the version starts
-    serving: its Explainer made and the canary photo explained once, so its first explanation costs what the next
-    ones do (one asked meanwhile waits for the Explainer). A version that cannot be explained serves all the same
-    (its explanations answer why: NoGradients, 422), as does one whose explanation fails here (tried again on the
-    first ``/explain``, which answers what failed)."""
-    lower_priority(nice)
+def _ready_to_explain(loaded: LoadedVersion) -> None:
+    """``EXPLAIN_AT_START``: the version's Explainer made and the canary photo explained once, in its load, so its
+    first explanation costs what the next ones do and its memory is what it holds once it serves (made on a thread
+    after the load, it grew after /readyz, and on CUDA outside the load's measure and lock). A version that cannot
+    be explained serves all the same (its explanations answer why: NoGradients, 422), as does one whose
+    explanation fails here (tried again on the first ``/explain``, which answers what failed)."""
     try:
         loaded.explainer().explain(canary_jpeg())
     except ServiceError as exc:
@@ -204,8 +202,6 @@ def _ready_to_explain(loaded: LoadedVersion, nice: int) -> None:
     except Exception:  # noqa: BLE001 - explanations are beside what the version serves
         log.warning("%s %s: its explanations could not be made ready; /explain will try again", loaded.name,
                     loaded.version, exc_info=True)
-    finally:
-        loaded.readied_to_explain.set()
 
 
 def _place_loop_batches(loaded: LoadedVersion) -> None:
@@ -290,9 +286,8 @@ def start_version(settings: Settings, predictor: Predictor) -> LoadedVersion:
         check_canary(canary[:, :predictor.num_classes], predictor.num_classes)
 
     loaded.batcher.start(prepare)
-    if settings.explain_at_start:
-        threading.Thread(target=_ready_to_explain, args=(loaded, settings.explain_nice), daemon=True,
-                         name=f"explain-ready-{name}-{version}").start()
+    if settings.explain_at_start:  # before it serves: on CUDA its copy is device memory, which the load measures
+        _ready_to_explain(loaded)  # and its lock guards (app/engine/versions/apply.py)
     _place_loop_batches(loaded)
     loaded.serving.set()
     _apply_batch_cap(settings, loaded)

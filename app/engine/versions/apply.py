@@ -221,9 +221,12 @@ class Applier:
             return refusal[1]
 
     def _check_memory(self, name: str, version: str, fresh: list[LoadedVersion]) -> None:
-        # Twice the weights file: the loaded weights, and as much again for the load's copy and warm-up activations.
-        # What is held: the routed versions, the retiring ones, and those this apply loaded before (not routed yet).
-        need = 2 * self.source.size_bytes(name, version)
+        # Twice the weights file: the loaded weights, and as much again for the load's copy and warm-up activations;
+        # on CUDA with EXPLAIN_AT_START, its explanations' copy as much again (made in the load, measured with it:
+        # start_version; a CPU's versions are counted by their weights alone). What is held: the routed versions,
+        # the retiring ones, and those this apply loaded before (not routed yet).
+        copies = 3 if self.settings.explain_at_start and self.device.type == "cuda" else 2
+        need = copies * self.source.size_bytes(name, version)
         held = self.routes.all_versions() + self.states.retiring_versions() + fresh
         loaded = sum(v.device_memory_bytes or v.predictor.weights_bytes for v in held)
         check_fits(f"{name} version {version}", need, self.device, loaded, self.settings.model_memory_limit_mb,
