@@ -1,5 +1,5 @@
 """Explainer: one loaded version's explanations (models/explain.py's Grad-CAM), on a copy of its weights that has
-gradients, made on first use and dropped with the version.
+gradients, made on first use (or in its load: EXPLAIN_AT_START) and dropped with the version.
 
 The weights: the eager module the version serves (a state dict, or a module handed in), copied so that the hooks and
 the backward pass never touch the one its batches run; else, for a format without gradients (ONNX Runtime, an
