@@ -7,7 +7,9 @@ not free the lane before its explanation ends: the lane counts work, not callers
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from concurrent.futures import CancelledError, ThreadPoolExecutor
@@ -16,12 +18,18 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from app.config import Settings
 from app.engine.contract import Explanation
 from app.engine.lifecycle import not_ready
-from app.engine.loaded.explainer import lower_priority
 from app.engine.loaded.version import LoadedVersion
 from app.errors import DeadlineExceeded, Overloaded, ServiceError, retry_after_header
 from app.metrics import EXPLAIN_SECONDS, EXPLANATIONS, series
 
 log = logging.getLogger(__name__)
+
+
+def _lower_priority(nice: int) -> None:
+    """This thread's CPU priority lowered to ``nice`` (Linux: a thread's own; elsewhere left as it is)."""
+    if nice and hasattr(os, "setpriority"):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
 
 
 class ExplainLane:
@@ -30,7 +38,7 @@ class ExplainLane:
     def __init__(self, settings: Settings) -> None:
         self._room = threading.BoundedSemaphore(settings.explain_concurrency + settings.explain_queue_size)
         self._threads = ThreadPoolExecutor(settings.explain_concurrency, thread_name_prefix="explain",
-                                           initializer=lower_priority, initargs=(settings.explain_nice,))
+                                           initializer=_lower_priority, initargs=(settings.explain_nice,))
         self._seconds = 1.0  # the last explanation's time: what Retry-After says per explanation ahead
 
     def explain(self, version: LoadedVersion, image: bytes, index: int | None, png: bool,

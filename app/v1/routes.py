@@ -28,7 +28,7 @@ from app.v1.schemas import (
     WorkerModels,
 )
 from app.web.auth import control_call
-from app.web.inputs import client_key, deadline_s, each_once, parse_json, read_body
+from app.web.inputs import client_key, each_once, parse_json, read_body, request_deadline_s
 from app.web.services import arrival, client_gone, current_service
 from app.web.timing import annotate
 from models.export.manifest import Manifest
@@ -47,8 +47,7 @@ def predict() -> Response:
     """Classify one or more images."""
     service, req = current_service(), request._get_current_object()  # not a proxy lookup per field
     settings = service.settings
-    timeout_s = deadline_s(req.headers, service.deadline_limit_s(settings.request_timeout_s),
-                           settings.min_request_timeout_ms)
+    timeout_s = request_deadline_s(service, req.headers)
     arrived = arrival(timeout_s)
     # (werkzeug's get raises and catches inside for one not given)
     query = each_once(req.args, "query parameter", LISTED)
@@ -73,8 +72,7 @@ def predict() -> Response:
 def explain() -> Response:
     """Why the model chooses a class for one image: a Grad-CAM map as JSON, or drawn over the photo as a PNG."""
     service = current_service()
-    timeout_s = deadline_s(request.headers, service.deadline_limit_s(service.settings.request_timeout_s),
-                           service.settings.min_request_timeout_ms)
+    timeout_s = request_deadline_s(service, request.headers)
     arrival(timeout_s)  # (an explanation's deadline counts from here: it passed already, 504)
     name, version = request.args.get("model"), request.args.get("version")
     service.require_ready()

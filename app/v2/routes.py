@@ -20,7 +20,7 @@ from app.v2.codec import (OUTPUT_FIELDS, InferRequest, InputCheck, Tensor, check
                            parameters, parse_request)
 from app.v2.schemas import (ConfigTensor, DynamicBatching, InstanceGroup, Live, ModelConfig, ModelMetadata,
                             ModelReady, Ready, ServerMetadata, TensorMetadata)
-from app.web.inputs import check_deadline_floor, client_key, deadline_s, read_body
+from app.web.inputs import check_deadline_floor, client_key, read_body, request_deadline_s
 from app.web.services import arrival, client_gone, current_service
 from app.web.timing import annotate
 
@@ -253,7 +253,7 @@ def _infer(name: str, version: str | None, body: list[bytes], pixels: bool) -> R
     service, req = current_service(), request._get_current_object()  # not a proxy lookup per field
     headers, floor_ms = req.headers, service.settings.min_request_timeout_ms
     # the body may lower it
-    announced_timeout_s = deadline_s(headers, service.deadline_limit_s(service.settings.request_timeout_s), floor_ms)
+    announced_timeout_s = request_deadline_s(service, headers)
     arrived = arrival(announced_timeout_s)
     # Admitted only if the queue could take one image in time: refused before the body is parsed otherwise.
     with service.admit(name, version, client_key(headers, service.settings.client_key_header), images=1,

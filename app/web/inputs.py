@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import binascii
 import zlib
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import pybase64
 import pydantic_core
@@ -14,6 +14,9 @@ from werkzeug.exceptions import ClientDisconnected
 from app.errors import BadRequest, BodyTooLarge, InvalidBase64, InvalidJSON, ShortDeadline, UnsupportedMediaType
 from app.hosting.recent_refusals import deadline_ms_of
 from app.web.auth import presented_key
+
+if TYPE_CHECKING:
+    from app.engine.contract import ServiceFace
 
 
 def deadline_s(headers: Mapping[str, str], maximum_s: float, minimum_ms: float = 0.0) -> float:
@@ -27,6 +30,13 @@ def deadline_s(headers: Mapping[str, str], maximum_s: float, minimum_ms: float =
         raise BadRequest(f"X-Request-Timeout must be a positive number of milliseconds, got {raw!r}")
     check_deadline_floor(millis, minimum_ms, f"X-Request-Timeout {raw}")
     return min(millis / 1000, maximum_s)
+
+
+def request_deadline_s(service: ServiceFace, headers: Mapping[str, str]) -> float:
+    """The request's deadline: its X-Request-Timeout (``deadline_s``) within REQUEST_TIMEOUT_S and what a drain
+    leaves (``deadline_limit_s``), refused under MIN_REQUEST_TIMEOUT_MS."""
+    settings = service.settings
+    return deadline_s(headers, service.deadline_limit_s(settings.request_timeout_s), settings.min_request_timeout_ms)
 
 
 def check_deadline_floor(asked_ms: float, minimum_ms: float, said: str) -> None:

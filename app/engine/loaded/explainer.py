@@ -15,11 +15,8 @@ dtype (the device path makes a batch's pixels in the version's dtype: here in fl
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
-import os
-import threading
 import time
 
 import numpy as np
@@ -38,14 +35,6 @@ from models.export.load import load_module
 log = logging.getLogger(__name__)
 
 EAGER_FORMATS = ("state_dict", "eager")  # what a Predictor serves as a plain module with gradients
-
-
-def lower_priority(nice: int) -> None:
-    """This thread's CPU priority lowered to ``nice`` (Linux: a thread's own; elsewhere left as it is): the
-    explanations' threads', so that on busy cores the batches go first."""
-    if nice and hasattr(os, "setpriority"):
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
 
 
 def _gradient_module(predictor: Predictor) -> tuple[nn.Module, str]:
