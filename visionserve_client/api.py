@@ -30,6 +30,9 @@ DEFAULT_MAX_IMAGES, DEFAULT_MAX_BODY_BYTES = 16, 20 * 1024 * 1024
 # about 100 bytes; a name's byte may be sent as 3, %22), and the closing boundary: upper bounds, so that a request
 # planned to fit the server's body limit does.
 _PART_FRAMING, _CLOSING = 160, 64
+# The server's refusal of a deadline shorter than it takes (MIN_REQUEST_TIMEOUT_MS, or the request's own inference):
+# the caller's to fix when it gave that deadline, not when a retry sent what the waits before it left.
+SHORT_DEADLINE = "deadline_too_short"
 # The longest a connection may take to open (within the call's timeout): a server that does not accept in this long
 # is not there, and the retries go on while the call has time left.
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
@@ -283,7 +286,8 @@ class Client:
     def _request(self, method: str, path: str, budget: _Budget | None = None, retries: int | None = None,
                  **kwargs: Any) -> requests.Response:
         """One call: attempts until an answer that is not retried, the retries run out, or the wait before the
-        next attempt would outlast the call's time or its deadline; then the last attempt's error."""
+        next attempt would outlast the call's time or its deadline; then the last attempt's error (the one before it
+        when a retry's deadline, what the waits left of the caller's, was refused as too short)."""
         budget = budget or self._budget(None)
         error: VisionServeError | None = None
         for attempt in range(1 + (self.retries if retries is None else retries)):
@@ -297,6 +301,8 @@ class Client:
             outcome = self._attempt(method, path, budget, kwargs)
             if isinstance(outcome, requests.Response):
                 return outcome
+            if error is not None and outcome[0].code == SHORT_DEADLINE:  # what the retries left of the deadline
+                raise error  # was too short, not the deadline the caller gave: the refusal that cost the time
             error, retry = outcome
             if not retry:
                 raise error

@@ -625,3 +625,20 @@ def test_the_cli_prints_a_file_name_that_is_not_utf_8(stub: Stub, tmp_path: Path
     assert entry["image"] == str(tmp_path / "caf\ufffd.jpg") and entry["label"] == "img"
     assert cli(["predict", str(photo), "--url", stub.url]) == 0
     assert f"{tmp_path}/caf\ufffd.jpg\n  1. img" in capsys.readouterr().out
+
+
+def test_a_retry_refused_for_what_the_waits_left_of_the_deadline_raises_the_refusal_before_it(stub: Stub) -> None:
+    # Before: a 429's retry sent the little left of the deadline, the server refused that as too short (400), and
+    # the caller saw "deadline_too_short" (its own mistake, no retry) where the server had been busy.
+    clock = Clock()
+    stub.script = [always(refused(429, "overloaded", headers={"Retry-After": "1"})),
+                   always(refused(400, "deadline_too_short", "under the shortest this server takes"))]
+    with client(stub.url, clock, retries=5) as c, pytest.raises(VisionServeError) as caught:
+        c.predict(b"x", deadline_ms=1500)
+    assert caught.value.code == "overloaded" and caught.value.status == 429 and len(stub.posts()) == 2
+
+    stub.seen.clear()  # the caller's own deadline refused on the first attempt: its 400, not retried
+    stub.answer = always(refused(400, "deadline_too_short"))
+    with client(stub.url, Clock(), retries=5) as c, pytest.raises(VisionServeError) as caught:
+        c.predict(b"x", deadline_ms=1)
+    assert caught.value.code == "deadline_too_short" and caught.value.status == 400 and len(stub.posts()) == 1
