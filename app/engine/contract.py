@@ -3,8 +3,8 @@ never import torch (under ENGINE=process, reaching an engine process through app
 serve when the engine runs inside the worker:
 
 - the data that crosses: ``Signature`` (what a protocol parses a request with), ``Served`` and ``Ranked`` (a
-  request's answer, its stage times: ``stage_ms``), ``VersionInfo`` (one loaded version's facts), ``VersionState``
-  (a row of the repository index);
+  request's answer, its stage times: ``stage_ms``), ``VersionInfo`` (one loaded version's facts, its prediction
+  monitor's ``MonitorSnapshot`` among them), ``VersionState`` (a row of the repository index);
 - the faces: ``ServiceFace`` (what protocols and the web layer use of a service: ``admit`` -> a ``CallFace``, the
   ``catalog``, readiness, draining), ``CatalogFace`` (every catalog call, the one list the remote catalog is made
   from: ``CATALOG_CALLS``), implemented by the engine's ``Service`` and the link's ``RemoteService`` (both a
@@ -157,6 +157,42 @@ class Explanation:
 
 
 @dataclass(frozen=True)
+class ClassCount:
+    """A class the window's predictions name, how often, and its share of the window."""
+
+    label: str
+    index: int
+    count: int
+    share: float
+
+
+@dataclass(frozen=True)
+class ReferenceSummary:
+    """Where the reference comes from and what it holds."""
+
+    source: str  # validation (the manifest's), or first_predictions (this worker's first window after the load)
+    predictions: int  # while first_predictions collects: collected so far
+    complete: bool
+    low_confidence_threshold: float
+    low_confidence_share: float | None
+
+
+@dataclass(frozen=True)
+class MonitorSnapshot:
+    """A version's prediction monitor's state for /v1/models (app/engine/loaded/monitor.py)."""
+
+    window_size: int
+    predictions: int
+    predictions_total: int
+    psi: float | None
+    psi_bins: int
+    low_confidence_threshold: float
+    low_confidence_ratio: float | None
+    top_classes: list[ClassCount]
+    reference: ReferenceSummary
+
+
+@dataclass(frozen=True)
 class VersionInfo:
     """One loaded version's facts, as /v1/models and the V2 metadata show them."""
 
@@ -171,7 +207,7 @@ class VersionInfo:
     role: str | None  # live, canary, shadow or previous while a rollout is set
     memory_bytes: int
     device_memory_bytes: int | None
-    monitoring: dict[str, Any]
+    monitoring: MonitorSnapshot
     batch_cap: int  # the batch size cap measured at warm-up
     current_max_batch_size: int  # lower for a while after a CUDA out-of-memory split
     queue_depth: int

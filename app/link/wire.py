@@ -326,7 +326,7 @@ def _shape(cls: type) -> str:
 def _fingerprint() -> str:
     """What both sides must agree on: the messages, the contract's data and every error an answer may carry."""
     carried = [*MESSAGES, _ServedHead, contract.Signature, contract.Served, contract.Ranked, contract.VersionInfo,
-               contract.Explanation,
+               contract.Explanation, contract.MonitorSnapshot, contract.ClassCount, contract.ReferenceSummary,
                contract.VersionState, contract.ModelsOverview, contract.RepositoryOverview, contract.Manifest,
                contract.BatchRun,
                *(c for _, c in inspect.getmembers(errors, inspect.isclass) if issubclass(c, errors.ServiceError)),

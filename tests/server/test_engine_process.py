@@ -78,6 +78,17 @@ def test_http_workers_never_load_torch_and_each_talks_to_its_own_engine(server: 
                          headers={"Content-Type": "image/jpeg"}).status_code == 404  # refused by the engine
     assert requests.post(f"{server.url}/predict", data=b"not an image", timeout=30,
                          headers={"Content-Type": "image/jpeg"}).status_code == 400
+    # Every catalog read, a few times on new connections (both workers): what the engine answers unpickles in the
+    # worker without importing torch (before: the prediction monitor's snapshot was a class of a module that imports
+    # it, and the first /v1/models took a worker from ~55 MB to ~540 MB and stalled its requests 1.4 s)
+    version = models["models"][0]["version"]
+    for path in ("/", "/v1/models", "/v1/models/small", "/v2/models/small", "/v2/models/small/config",
+                 f"/v2/models/small/versions/{version}", "/v2/models/small/ready", "/readyz", "/metrics"):
+        for _ in range(4):
+            assert requests.get(f"{server.url}{path}", timeout=30).status_code == 200, path
+    assert requests.post(f"{server.url}/v2/repository/index", json={}, timeout=30).status_code == 200
+    for pid in workers:
+        assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text(), f"worker {pid} loaded torch"
 
 
 def test_an_engine_killed_under_load_fails_its_requests_with_503_the_other_answers_and_it_comes_back(

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from app.config import Settings
+from app.engine.contract import ClassCount, MonitorSnapshot, ReferenceSummary
 from app.engine.ranking import top_indices
 from models.export.manifest import Manifest, PredictionReference
 
@@ -149,42 +150,6 @@ def _top_one(probabilities: np.ndarray | torch.Tensor) -> tuple[np.ndarray, np.n
         top = top_indices(rows, 1)[:, 0]
         best = rows[np.arange(len(rows)), top]
     return top, best
-
-
-@dataclass(frozen=True)
-class ClassCount:
-    """A class the window's predictions name, how often, and its share of the window."""
-
-    label: str
-    index: int
-    count: int
-    share: float
-
-
-@dataclass(frozen=True)
-class ReferenceSummary:
-    """Where the reference comes from and what it holds."""
-
-    source: str  # validation (the manifest's), or first_predictions (this worker's first window after the load)
-    predictions: int  # while first_predictions collects: collected so far
-    complete: bool
-    low_confidence_threshold: float
-    low_confidence_share: float | None
-
-
-@dataclass(frozen=True)
-class MonitorSnapshot:
-    """The monitor's state for /v1/models."""
-
-    window_size: int
-    predictions: int
-    predictions_total: int
-    psi: float | None
-    psi_bins: int
-    low_confidence_threshold: float
-    low_confidence_ratio: float | None
-    top_classes: list[ClassCount]
-    reference: ReferenceSummary
 
 
 class PredictionMonitor:
