@@ -143,11 +143,26 @@ class Service(Lifecycle):
         for another's report says so in /metrics by the time /readyz, which reads this, says 200."""
         return self._update_ready_gauge()
 
+    @property
+    def not_ready_reason(self) -> str | None:
+        """Why it is not ready where none of /readyz's checks says it: another worker process behind the port that
+        does not serve yet; None when ready, or when a check says why."""
+        serving, processes = self._workers_serving(), self.settings.model_processes()
+        if not self.loaded or serving >= processes:
+            return None
+        return (f"{serving} of {processes} worker processes serve their models: the server is ready once every one "
+                "does (each loads its own)")
+
     def _every_worker_serves(self) -> bool:
+        return self._workers_serving() >= self.settings.model_processes()
+
+    def _workers_serving(self) -> int:
+        """The worker processes that serve their models (all of them counted as serving where there is one, or no
+        control directory to tell)."""
         processes = self.settings.model_processes()
         if processes <= 1 or self.settings.control_dir is None:
-            return True
-        return sum(1 for report in self.catalog.workers() if report.get("models")) >= processes
+            return processes
+        return sum(1 for report in self.catalog.workers() if report.get("models"))
 
     def _drain_begun(self) -> None:
         READY.set(0)

@@ -372,10 +372,15 @@ class RemoteService(Lifecycle):
 
     def _every_worker_marked(self) -> bool:
         """Every worker of the server reached the engine: as many live workers' ready marks as WORKERS."""
+        return self._workers_marked() >= (self.settings.workers or 1)
+
+    def _workers_marked(self) -> int:
+        """The live workers' ready marks (none where the directory cannot be read: no worker can be told to
+        serve)."""
         try:
-            return len(control.ready_workers(self.control_dir)) >= (self.settings.workers or 1)
-        except OSError:  # the directory cannot be read: no worker can be told to serve
-            return False
+            return len(control.ready_workers(self.control_dir))
+        except OSError:
+            return 0
 
     # -- exchanges with the engine ---------------------------------------------------------------------------------
 
@@ -536,9 +541,10 @@ class RemoteService(Lifecycle):
         """NotReady (503 with Retry-After) while the engine's latest state query went unanswered (within
         STATE_TIMEOUT_S): neither a request nor a catalog call (``_ask``) is sent to an engine that is stopped, stuck
         or restarting, to wait out its whole limit for an answer (the master restarts one silent for STALL_S)."""
-        if self._engine_silent:
-            raise not_ready(f"the engine did not answer its latest state query within {STATE_TIMEOUT_S:g}s: it is "
-                            "stopped, stuck or restarting")
+        if self._engine_silent:  # (Connection: close: a client kept on this worker reconnects, and may reach one
+            # whose engine serves)
+            raise not_ready(f"engine {self.slot}, this HTTP worker's, did not answer its latest state query within "
+                            f"{STATE_TIMEOUT_S:g}s: it is stopped, stuck or restarting", close=True)
 
     @property
     def ready(self) -> bool:
@@ -551,6 +557,27 @@ class RemoteService(Lifecycle):
         ready = state is not None and state.ready and self._every_worker_marked()
         READY.set(int(ready and not self.draining))
         return ready
+
+    @property
+    def not_ready_reason(self) -> str | None:
+        """Why it is not ready where none of /readyz's checks says it: this worker's engine that does not answer or
+        is loading, or another HTTP worker whose engine does not serve (readiness covers every worker behind the
+        port); None when ready, or when a check says why (draining, a stalled batch)."""
+        if self.draining:
+            return None
+        if not self._started.is_set():
+            return f"this HTTP worker has not yet reached its engine (engine {self.slot}): it is starting"
+        state = self._engine_state()
+        if state is None:
+            return (f"engine {self.slot}, this HTTP worker's, did not answer its state query within "
+                    f"{STATE_TIMEOUT_S:g}s: it is stopped, stuck or restarting")
+        if not state.loaded:
+            return f"engine {self.slot}, this HTTP worker's, is loading its models"
+        if state.ready and not self._every_worker_marked():
+            return (f"{self._workers_marked()} of {self.settings.workers or 1} HTTP workers reached their engines: "
+                    "readiness covers every worker behind the port, and one whose engine is starting or restarting "
+                    "has not")
+        return None
 
     def _drain_begun(self) -> None:
         READY.set(0)

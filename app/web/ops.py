@@ -36,14 +36,16 @@ def healthz() -> tuple[Response, int]:
 
 def readyz() -> tuple[Response, int]:
     """Readiness: model loaded, every batch shape warmed up, canary passed, no batch past STALL_S (``reason`` names
-    it), not draining."""
+    it), not draining; not ready for a reason none of the checks says (an engine that does not answer, another
+    worker behind the port not serving yet): ``reason`` says it."""
     service = current_service()
     ready, loaded, alive, stalled = service.ready, service.loaded, service.alive, service.stalled
     checks = {"model_loaded": loaded, "warmed_up": loaded,  # warm-up and canary are part of loading
               "batcher_thread": alive and stalled is None,  # as /healthz says it: none dead (a loading one counts)
               "not_draining": not service.draining,  # a drain answers new requests for SHUTDOWN_DRAIN_S
               "accepting": not service.refusing}  # then refuses them
-    return _health(ready and stalled is None, checks, "ready", "not_ready", stalled)
+    ok = ready and stalled is None
+    return _health(ok, checks, "ready", "not_ready", stalled or (None if ok else service.not_ready_reason))
 
 
 def metrics() -> Response:

@@ -27,4 +27,5 @@ class HealthResponse(BaseModel):
     status: str
     checks: dict[str, bool] = Field(default_factory=dict)
     reason: str | None = Field(None, description="Why it fails, where a check cannot say: a batch that has run past "
-                               "STALL_S (its model, version and how long).")
+                               "STALL_S (its model, version and how long); for /readyz also an engine that does not "
+                               "answer or is loading, or another worker behind the port that does not serve yet.")

@@ -272,9 +272,10 @@ def test_an_http_worker_writes_its_ready_mark_again_and_its_gauge_says_what_read
     try:
         wait_until(lambda: worker._started.is_set() and REGISTRY.get_sample_value("visionserve_batcher_alive") == 1)
         assert not worker.ready and _ready_gauge() == 0.0  # /readyz says 503: so does the gauge its reading sets
+        assert "0 of 1 HTTP workers reached their engines" in worker.not_ready_reason  # and why: no check says it
         space(False)  # space freed
         wait_until(lambda: _ready_gauge() == 1.0)  # the link's watch of its engine, with no /readyz asked
-        assert mark.exists() and worker.ready and not errors
+        assert mark.exists() and worker.ready and not errors and worker.not_ready_reason is None
     finally:
         worker.shutdown()
         engine.kill()

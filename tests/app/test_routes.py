@@ -145,6 +145,21 @@ def test_health_endpoints_and_draining(client: FlaskClient, service: Service) ->
     assert response.headers["Retry-After"] and response.headers["Connection"] == "close"
 
 
+def test_readiness_that_waits_for_another_worker_says_so(client: FlaskClient, service: Service,
+                                                          monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # Before: 503 with every check true and no reason, while the other worker behind the port still loaded.
+    monkeypatch.setattr(service, "settings", service.settings.model_copy(update={"workers": 2,
+                                                                                 "control_dir": tmp_path}))
+    reports = [{"pid": 1, "models": {"colour": {}}}, {"pid": 2, "models": {}}]
+    monkeypatch.setattr(service.catalog, "workers", lambda: reports)
+    waiting = client.get("/readyz")
+    assert waiting.status_code == 503 and all(waiting.get_json()["checks"].values())
+    assert waiting.get_json()["reason"].startswith("1 of 2 worker processes serve their models")
+    reports[1]["models"] = {"colour": {}}
+    ready = client.get("/readyz")
+    assert ready.status_code == 200 and "reason" not in ready.get_json()
+
+
 def test_a_request_accepted_in_the_drain_is_answered_before_the_drain_must_end(
         client: FlaskClient, model: ColourModel, service: Service) -> None:
     # Before: a request accepted during the drain's window (SHUTDOWN_DRAIN_S after SIGTERM) had a whole
