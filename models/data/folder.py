@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,7 @@ from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 from models.export.manifest import MIN_LABELS
 from models.image_decode import DecodeLimits, ImageRefused, check_size, load_upright
+from models.predict.inputs import folder_files
 from models.presets import IMAGE_FORMATS, ImageTransform, upright_rgb
 from models.run.args import DataError
 
@@ -67,9 +69,9 @@ def _class_dirs(root: Path) -> list[Path]:
 
 def _files(class_dir: Path) -> list[Path]:
     """The files under a class folder, hidden ones and those in hidden folders (a NAS's .@__thumb thumbnails, .git)
-    left out, as models.predict's scan leaves them out."""
-    return sorted(p for p in class_dir.rglob("*") if p.is_file()
-                  and not any(part.startswith(".") for part in p.relative_to(class_dir).parts))
+    left out and links to folders followed, as models.predict's scan reads a folder (``folder_files``)."""
+    return sorted(Path(entry.path) for _, _, files in folder_files(str(class_dir), within=str(class_dir.parent))
+                  for entry in files if os.path.isfile(entry.path))
 
 
 def class_files(root: Path) -> list[Path]:

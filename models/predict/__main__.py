@@ -443,7 +443,7 @@ def run(args: argparse.Namespace, env: DistEnv, seen: Seen | None = None) -> Non
         check_labels(labelled, loaded.manifest.labels, split=labels.split_folder())
         trained = trained_count(loaded.manifest.trained_on, labelled) if env.is_main else None
         if trained:
-            log.warning("%s", trained_warning(trained, len(labelled), loaded.manifest, args.labels))
+            log.warning("%s", trained_warning(trained, len(labelled), loaded.manifest, args.labels, read=False))
     batch_size = args.batch_size or (largest_batch(loaded) if loaded.device.type == "cuda" else CPU_BATCH)
     identity = record_identity(loaded)
     work = plan(args, env, batch_size, items, dim, identity)

@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 
 from models.export.manifest import TOP5_MIN_CLASSES, Manifest, TrainedOn
-from models.predict.inputs import read_list
+from models.predict.inputs import folder_files, read_list
 from models.predict.outputs import Record
 from models.run.args import DataError
 from models.run.confusion import confusion, write_confusion
@@ -51,10 +51,13 @@ def check_labels(truths: dict[str, str], classes: Sequence[str], split: Path | N
 
 def trained_count(trained_on: TrainedOn | None, files: Iterable[str]) -> int | None:
     """How many of ``files`` (as they are read: absolute, or from the current folder) are images the model trained
-    on (its manifest's ``trained_on``: under its folder, not in its held-out list); None when that cannot be told
-    (no record, its folder not on this machine, its held-out list unreadable). Paths are compared with their links
-    resolved (before, as written: a folder linked to the training folder held "0" of them, where all but the
-    held-out ones were; a data scientist's trial); a copy of the folder is another folder."""
+    on (its manifest's ``trained_on``: in its folder as training read it, not in its held-out list); None when that
+    cannot be told (no record, its folder not on this machine, its held-out list unreadable). Files are compared
+    where they really are: in a folder training read (the training folder's, or one a link there leads to: a
+    class folder linked from elsewhere), or a file a link there leads to (before: the training folder's own real
+    path only, so a linked class folder's images and linked files counted as unseen; earlier still, paths as
+    written: a folder linked to the training folder held "0" of them; data scientists' trials). A copy of the
+    folder is another folder."""
     if trained_on is None or not os.path.isdir(trained_on.folder):
         return None
     held: set[str] = set()
@@ -63,13 +66,26 @@ def trained_count(trained_on: TrainedOn | None, files: Iterable[str]) -> int | N
             held = {os.path.realpath(item.file) for item in read_list(Path(trained_on.held_out))}
         except (OSError, DataError):
             return None
-    under = os.path.join(os.path.realpath(trained_on.folder), "")
-    return sum(1 for file in files if (path := os.path.realpath(file)).startswith(under) and path not in held)
+    folders, linked = _read_in_training(trained_on.folder)
+    return sum(1 for file in files if (path := os.path.realpath(file)) not in held
+               and (os.path.dirname(path) in folders or path in linked))
 
 
-def trained_warning(count: int, total: int, manifest: Manifest, labels: Path) -> str:
+def _read_in_training(folder: str) -> tuple[set[str], set[str]]:
+    """The real paths of the folders training read under ``folder`` (``folder_files``: links to folders followed)
+    and of the files the links among their files lead to."""
+    folders: set[str] = set()
+    linked: set[str] = set()
+    for _, real, files in folder_files(folder):
+        folders.add(real)
+        linked.update(os.path.realpath(entry.path) for entry in files if entry.is_symlink())
+    return folders, linked
+
+
+def trained_warning(count: int, total: int, manifest: Manifest, labels: Path, read: bool = True) -> str:
     """What an evaluation of ``total`` images, ``count`` of them images the model trained on, says of them, and
-    the command's options that evaluate on those the run held out instead."""
+    the command's options that evaluate on those the run held out instead; not yet ``read``: of files (one that is no
+    image counts until scoring skips it, as training skipped it)."""
     trained = manifest.trained_on
     assert trained is not None
     if trained.held_out is not None:
@@ -79,7 +95,8 @@ def trained_warning(count: int, total: int, manifest: Manifest, labels: Path) ->
         where = f"under {trained.folder}"
         held = shlex.quote(str(Path(trained.folder).parent / "val"))
         instead = f"--data {held} --labels {held}"
-    return (f"{count} of the {total} labelled images are ones {manifest.name} {manifest.version} trained on ({where}): "
+    return (f"{count} of the {total} labelled {'images' if read else 'files (not yet read)'} are ones "
+            f"{manifest.name} {manifest.version} trained on ({where}): "
             f"its accuracy on them overstates how it does on images it has not seen; evaluate on those its run held "
             f"out: {instead}")
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import csv
 import io
+import operator
 import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from models.run.args import DataError
 
@@ -23,18 +24,45 @@ class Item:
 
 
 def scan_folder(root: Path) -> list[Item]:
-    """Every regular file under ``root`` in sorted order (hidden files and folders left out): the same order every
-    run. A named pipe, socket or device is left out: reading a pipe waits for a writer that never comes, and the run
-    with it. A link that leads nowhere stays, so its record says why it cannot be read."""
-    items = []
-    for folder, dirs, files in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        for name in sorted(files):
-            if not name.startswith("."):
-                path = os.path.join(folder, name)
-                if _regular_or_unreadable(path):
-                    items.append(Item(path, path))
-    return items
+    """Every regular file under ``root`` in sorted order (hidden files and folders left out; links to folders
+    followed, as training follows them: ``folder_files``): the same order every run. A named pipe, socket or device
+    is left out: reading a pipe waits for a writer that never comes, and the run with it. A link that leads nowhere
+    stays, so its record says why it cannot be read."""
+    return [Item(entry.path, entry.path) for _, _, files in folder_files(str(root)) for entry in files
+            if _regular_or_unreadable(entry.path)]
+
+
+def folder_files(root: str, within: str | None = None) -> Iterator[tuple[str, str, list[os.DirEntry[str]]]]:
+    """Each folder under ``root``, ``root`` first, as (its path as reached, its real path, its files' entries by
+    name), each folder before those in it and these by name; hidden files and folders left out. A link to a folder
+    is followed (a class folder linked from elsewhere: before, models.predict left its images out where training
+    took them, a data scientist's trial), but not to a folder it lies in, nor to ``within`` (the folder ``root`` is
+    read as a part of: a loop); a folder that cannot be read is passed over, as os.walk passes it."""
+    stack = [(root, frozenset() if within is None else frozenset({os.path.realpath(within)}))]
+    while stack:
+        folder, above = stack.pop()
+        real = os.path.realpath(folder)
+        if real in above:
+            continue
+        try:
+            with os.scandir(folder) as listing:
+                entries = sorted((entry for entry in listing if not entry.name.startswith(".")), key=_NAME)
+        except OSError:
+            continue
+        kinds = [_folder(entry) for entry in entries]
+        yield folder, real, [entry for entry, is_folder in zip(entries, kinds) if not is_folder]
+        stack.extend((entry.path, above | {real}) for entry, is_folder in zip(reversed(entries), reversed(kinds))
+                     if is_folder)
+
+
+_NAME = operator.attrgetter("name")
+
+
+def _folder(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_dir()  # (a link to a folder too)
+    except OSError:
+        return False
 
 
 def _regular_or_unreadable(path: str) -> bool:

@@ -78,7 +78,8 @@ def test_an_evaluation_on_images_the_model_trained_on_says_how_many_and_how_to_e
     expected = (f"3 of the 6 labelled images are ones mine 1 trained on (under {data} and not in {held}): its "
                 f"accuracy on them overstates how it does on images it has not seen; evaluate on those its run held "
                 f"out: --data {held} --labels '{data}'")  # as a shell reads it: the name has a space
-    assert said == [expected, expected] and metrics["trained_on"] == 3  # before scoring, and again at the end
+    before = expected.replace("labelled images", "labelled files (not yet read)")  # (one may be no image)
+    assert said == [before, expected] and metrics["trained_on"] == 3  # before scoring, and again at the end
     said, metrics = evaluate(held, "held")  # the command it names: none of them trained on, nothing said
     assert said == [] and metrics["trained_on"] == 0 and metrics["count"] == 3
     manifest["trained_on"] = {"folder": str(tmp_path / "elsewhere"), "held_out": None}  # trained on another machine
@@ -103,6 +104,29 @@ def test_the_images_trained_on_are_counted_as_paths_under_the_folder_not_held_ou
     (tmp_path / "link").symlink_to(tmp_path / "data")
     linked = [str(tmp_path / "link" / "a" / name) for name in ("0.jpg", "1.jpg", "2.jpg")]
     assert trained_count(trained, linked) == 2
+
+
+def test_images_of_a_linked_class_folder_or_linked_files_count_as_trained_on(tmp_path: Path) -> None:
+    # Before: compared with the training folder's own real path only, so the images of a class folder linked from
+    # elsewhere (which training reads), and linked files, counted as never seen: "top-1 1.0000" on trained images,
+    # with no warning (a data scientist's trial).
+    elsewhere, data = tmp_path / "elsewhere", tmp_path / "data"
+    for folder in (elsewhere / "astronaut", elsewhere / "rocket", data / "coffee", data / "rocket"):
+        folder.mkdir(parents=True)
+    for name in ("0.jpg", "1.jpg", "2.jpg"):
+        (elsewhere / "astronaut" / name).write_bytes(b"x")
+        (elsewhere / "rocket" / name).write_bytes(b"x")
+        (data / "rocket" / name).symlink_to(elsewhere / "rocket" / name)  # linked files
+    (data / "astronaut").symlink_to(elsewhere / "astronaut")  # a linked class folder
+    (data / "coffee" / "0.jpg").write_bytes(b"x")
+    held = tmp_path / "held_out.txt"
+    held.write_text(f"{data / 'astronaut' / '0.jpg'}\n{data / 'rocket' / '0.jpg'}\n")
+    trained = TrainedOn(folder=str(data), held_out=str(held))
+    astronauts = [str(elsewhere / "astronaut" / name) for name in ("0.jpg", "1.jpg", "2.jpg")]  # where they lie
+    assert trained_count(trained, astronauts) == 2  # 0.jpg held out
+    assert trained_count(trained, [str(data / "astronaut" / "1.jpg")]) == 1  # as training read it
+    assert trained_count(trained, [str(elsewhere / "rocket" / n) for n in ("0.jpg", "1.jpg", "2.jpg")]) == 2
+    assert trained_count(trained, [str(data / "coffee" / "0.jpg"), str(elsewhere / "stray.jpg")]) == 1
 
 
 def test_a_manifest_without_trained_on_is_written_without_the_field(tmp_path: Path) -> None:

@@ -492,7 +492,7 @@ def test_a_flat_folder_s_run_lists_its_held_out_images_and_its_summary_evaluates
         assert predict_main(["--weights", str(run / "export"), "--data", str(flat), "--labels", str(flat), "--out",
                              str(tmp_path / "whole.jsonl")]) == 0
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warned) == 2 and warned[0].startswith(f"{18 - len(held)} of the 18 labelled images are ones ")
+    assert len(warned) == 2 and warned[0].startswith(f"{18 - len(held)} of the 18 labelled files (not yet read) are ones ")
     assert warned[0].endswith(f"--data {run / 'held_out.txt'} --labels {flat}")
 
 
