@@ -42,9 +42,11 @@ from models.run.distributed import (
     barrier,
     destroy_process_group,
     env_from_torchrun,
+    exit_status,
     init_process_group,
     pick_device,
     sum_across_ranks,
+    terminated_as_interrupt,
 )
 from models.run.optim import build_trainable, make_optimizer, make_scheduler, set_train_mode
 from models.run.reference import reference_counts, reference_from_counts
@@ -399,19 +401,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if env.is_main else logging.WARNING,
                         format=f"%(asctime)s rank{env.rank} %(levelname)s %(message)s")
     try:
-        device, preset = _setup(args, env)
-        init_process_group(env, device)
-        if not run(args, env, device, preset, started):
-            return 2  # the export asked for failed: said in its line, the summary says how to export the run
+        with terminated_as_interrupt():
+            device, preset = _setup(args, env)
+            init_process_group(env, device)
+            if not run(args, env, device, preset, started):
+                return 2  # the export asked for failed: said in its line, the summary says how to export the run
     except RunFinished as exc:
         log.info("%s", exc)
     except (DataError, FileNotFoundError) as exc:
         log.error("error: %s", exc)
         return 2
-    except KeyboardInterrupt:  # one line with what to run next, not a traceback
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: one line with what to run next, not a traceback
         if env.is_main:
             log.warning("%s", ckpt.interrupted(args, list(sys.argv[1:] if argv is None else argv), env.world_size))
-        return 130
+        return exit_status(exc)
     finally:
         destroy_process_group(env)
     return 0

@@ -67,7 +67,8 @@ from models.predict.outputs import (
 )
 from models.presets import TensorEvalTransform
 from models.run.args import DataError
-from models.run.distributed import DistEnv, barrier, destroy_process_group, env_from_torchrun, init_process_group
+from models.run.distributed import (DistEnv, barrier, destroy_process_group, env_from_torchrun, exit_status,
+                                    init_process_group, terminated_as_interrupt)
 from models.commands import python_command
 from models.run.report import rerun_command
 from models.serving import forward_threads, usable_cores
@@ -512,17 +513,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format=f"%(asctime)s rank{env.rank} %(levelname)s %(message)s")
     seen = Seen()
     try:
-        run(args, env, seen)
+        with terminated_as_interrupt():
+            run(args, env, seen)
     except (DataError, ModelLoadError) as exc:
         log.error("error: %s", exc)
         return 2
     except NothingScored as exc:
         log.error("error: %s", exc)
         return 1
-    except KeyboardInterrupt:  # one line with what is written and the command that goes on, not a traceback
-        if env.is_main:
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: one line with what is written and the command that goes
+        if env.is_main:  # on, not a traceback
             log.warning("%s", stopped(args, list(sys.argv[1:] if argv is None else argv), env, seen))
-        return 130
+        return exit_status(exc)
     finally:
         destroy_process_group(env)
     return 0

@@ -1,8 +1,13 @@
-"""The torchrun environment: one process per device, rank 0 writes, metrics summed across ranks."""
+"""The torchrun environment: one process per device, rank 0 writes, metrics summed across ranks; a scheduler's stop
+(SIGTERM: SLURM, Kubernetes, torchrun's agent passing its own on) taken as Ctrl-C is."""
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -81,3 +86,33 @@ def average_across_ranks(tensors: list[torch.Tensor], env: DistEnv) -> None:
     for tensor in tensors:
         dist.all_reduce(tensor)
         tensor.div_(env.world_size)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM came: the run stops as Ctrl-C stops it (its one line, what to run next), with status 143."""
+
+
+EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # 128 + SIGINT, 128 + SIGTERM, as a shell says them
+
+
+def exit_status(exc: KeyboardInterrupt) -> int:
+    return EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
+
+
+@contextlib.contextmanager
+def terminated_as_interrupt() -> Iterator[None]:
+    """While open (on the main thread: where signals are handled), SIGTERM raises Terminated there (before, the
+    process died where it stood, with no word of the checkpoint to resume from: a data scientist's trial); the
+    handler before it is put back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise Terminated(f"signal {signum}")
+
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)

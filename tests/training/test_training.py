@@ -108,10 +108,10 @@ def test_one_epoch_exports_weights_the_app_serves_with_evaluates_predictions(fol
 
 
 @pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
-@pytest.mark.parametrize("workers, epochs", [("0", 2), ("1", 3)])
+@pytest.mark.parametrize("workers, epochs, stop", [("0", 2, "ctrl-c"), ("1", 3, "sigterm")])
 def test_resume_after_an_interruption_matches_an_uninterrupted_run(folder: Path, tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch,
-                                                                   workers: str, epochs: int) -> None:
+                                                                   workers: str, epochs: int, stop: str) -> None:
     # mobilenet_v3_small has dropout, so this also checks that the RNG state is carried over. Before (--workers 1):
     # the val loader drew its iterator's seed from the global RNG, once per process with persistent workers, so the
     # resumed process drew once more and its third epoch's dropout (and weights) differed.
@@ -121,7 +121,13 @@ def test_resume_after_an_interruption_matches_an_uninterrupted_run(folder: Path,
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert train.main(options(straight)) == 0
 
-    assert _stopped_in_its_second_epoch(monkeypatch, options(resumed)) == 130  # Ctrl-C: one line, exit 130
+    if stop == "ctrl-c":
+        assert _stopped_in_its_second_epoch(monkeypatch, options(resumed)) == 130  # Ctrl-C: one line, exit 130
+    else:  # a scheduler's stop (SLURM, Kubernetes): as Ctrl-C, exit 143 (before: the process died where it stood)
+        before = signal.getsignal(signal.SIGTERM)
+        assert _stopped_in_its_second_epoch(monkeypatch, options(resumed),
+                                            lambda: os.kill(os.getpid(), signal.SIGTERM)) == 143
+        assert signal.getsignal(signal.SIGTERM) == before  # put back
     assert load_checkpoint(resumed / CHECKPOINT_NAME)["epoch"] == 0
     assert train.main(options(resumed, "--resume", str(resumed / CHECKPOINT_NAME))) == 0
 
@@ -253,14 +259,19 @@ def test_a_user_mistake_prints_no_traceback(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr and "does not exist" in done.stderr
 
 
-def _stopped_in_its_second_epoch(monkeypatch: pytest.MonkeyPatch, args: list[str]) -> int:
-    """``models.train``'s exit code for ``args``, the job stopped (Ctrl-C) during its second epoch."""
+def _ctrl_c() -> None:
+    raise KeyboardInterrupt
+
+
+def _stopped_in_its_second_epoch(monkeypatch: pytest.MonkeyPatch, args: list[str],
+                                 stop: Callable[[], None] = _ctrl_c) -> int:
+    """``models.train``'s exit code for ``args``, the job stopped (``stop``: Ctrl-C) during its second epoch."""
     real_epoch, calls = train.train_one_epoch, []
 
     def interrupted(*epoch_args: object, **kwargs: object) -> dict[str, float]:
         calls.append(1)
         if len(calls) == 2:
-            raise KeyboardInterrupt
+            stop()
         return real_epoch(*epoch_args, **kwargs)
 
     monkeypatch.setattr(train, "train_one_epoch", interrupted)
