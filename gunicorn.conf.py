@@ -134,9 +134,16 @@ def on_starting(server) -> None:  # noqa: ANN001
     if not getattr(server, "master_pid", 0):  # a master started by another's USR2: the old workers' marks are live
         control.clear_stale(Path(os.environ["VISIONSERVE_CONTROL_DIR"]))  # a kept directory's: an earlier start's
     _clear_metrics(server)
+    chosen = "" if _settings.engine != "auto" else (" (ENGINE=auto: a GPU)" if _engine == "process" else
+                                                     " (ENGINE=auto: no GPU in use)")
+    if _engine == "inline":
+        server.log.info("visionserve: the model runs in each HTTP worker, inline%s", chosen)
+        if _settings.engines_per_device != 1:  # it would change nothing, and say nothing
+            server.log.warning("visionserve: VISIONSERVE_ENGINES_PER_DEVICE=%d applies under ENGINE=process only: "
+                               "set VISIONSERVE_ENGINE=process for engine processes", _settings.engines_per_device)
     if _engine == "process":
-        server.log.info("visionserve: %d engine process%s (ENGINES_PER_DEVICE=%d)", _engines,
-                        "" if _engines == 1 else "es", _settings.engines_per_device)
+        server.log.info("visionserve: %d engine process%s (ENGINES_PER_DEVICE=%d)%s", _engines,
+                        "" if _engines == 1 else "es", _settings.engines_per_device, chosen)
         unserved = unserved_engines(_workers, _engines)
         if unserved:
             server.log.warning("visionserve: %d of %d engines get no HTTP worker (worker n talks to engine n mod %d): "

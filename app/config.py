@@ -361,14 +361,14 @@ class ServerSettings(SettingsGroup):
         "`inline`: each worker loads its own copy and batches its own requests. `auto`: `process` when the model "
         "runs on a GPU (on an H200, Lite0, one image per request: one engine 1,619-2,062 img/s against inline's "
         "1,339-1,568 from C=64 to 1,024; docs/performance.md), `inline` on a CPU host, where two workers each running "
-        "forward passes keep both cores busy.")
+        "forward passes keep both cores busy; the start-up log says which it chose.")
     engines_per_device: int = Field(
         1, ge=1, le=8, description="Under ENGINE=process: engine processes per device (Triton's instance count), each "
         "with its own copy of the models and its own interpreter: a GPU whose preprocessing and launches saturate one "
         "engine's interpreter lock takes two. Engines 0..k-1 run on the first GPU, k..2k-1 on the next (on a CPU "
         "host, k engines share the cores); HTTP worker n talks to engine n mod the engine count, so WORKERS should "
         "be at least the engine count (the start-up log warns when an engine gets no worker). Versions, rollouts and "
-        "readiness span every engine, as they span inline workers.")
+        "readiness span every engine, as they span inline workers. Inline it changes nothing (the start-up log warns).")
     engine_loop_batch_ms: float = Field(
         5.0, ge=0, description="Under ENGINE=process: what a loop turn queued runs on the engine's loop itself, in "
         "batches of the cap, when the version's recent batches say one takes at most this long: as many as fit in "

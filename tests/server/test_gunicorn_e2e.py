@@ -341,11 +341,15 @@ def test_the_default_worker_count_uses_the_host_and_says_so(small_weights: Path,
     from harness.servers import visionserve
 
     expected = auto_workers(usable_cores(), gpus=0)
-    server = visionserve(small_weights, tmp_path, log_level="info", warmup="false").wait_ready()
+    server = visionserve(small_weights, tmp_path, log_level="info", warmup="false",
+                         engines_per_device="2").wait_ready()
     try:
         plural = "" if expected == 1 else "s"
         assert f"visionserve: {expected} worker{plural} (auto: {usable_cores()} usable cores, no GPU)" in \
             server.output()
+        # the engine layout auto chose, said; a setting that changes nothing here, said too (before: silence)
+        assert "visionserve: the model runs in each HTTP worker, inline (ENGINE=auto: no GPU in use)" in server.output()
+        assert "VISIONSERVE_ENGINES_PER_DEVICE=2 applies under ENGINE=process only" in server.output()
         deadline = time.monotonic() + 120
         while len(requests.get(server.url + "/v1/models", timeout=10).json().get("workers", [])) < expected:
             assert time.monotonic() < deadline, server.output()[-3000:]
