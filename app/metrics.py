@@ -108,6 +108,13 @@ PREDICTION_DRIFT_PSI = Gauge("visionserve_prediction_drift_psi", "Population sta
                              "0.1-0.2 watch, > 0.2 drifted (none before the reference and MONITOR_MIN_PREDICTIONS; "
                              "0 once unloaded)", ["model", "version"], multiprocess_mode="livemax")
 
+ENGINE_STARTS = Counter("visionserve_engine_starts", "Engine processes started (ENGINE=process), by engine slot: "
+                        "more than one a slot is a restart (it died, or was killed for a stall: the log says how)",
+                        ["engine"])
+ENGINES_UP = Gauge("visionserve_engines_up", "Engine processes serving (ENGINE=process): each counts from when its "
+                   "models are loaded and it listens until its stop; a dead one's goes with it (fewer than the "
+                   "start-up log's count: one is restarting)", multiprocess_mode="livesum")
+
 
 _SERIES: dict[tuple[object, ...], Any] = {}
 

@@ -26,6 +26,7 @@ from app.engine.versions.sources import DirectorySource
 from app.hosting import control
 from app.hosting.drain import exit_now
 from app.link.loop import EngineServer
+from app.metrics import ENGINE_STARTS, ENGINES_UP
 
 log = logging.getLogger(__name__)
 BOOT_ERROR = 3  # as a gunicorn worker's boot error: the master stops instead of restarting it
@@ -45,6 +46,7 @@ def _serve_forever(settings: Settings, slot: int) -> None:
     except Exception as exc:  # noqa: BLE001 - said once, in the log and for the HTTP workers
         _fail(control_dir, slot, getattr(exc, "message", None) or str(exc))
     control.engine_failure(control_dir, slot).unlink(missing_ok=True)
+    ENGINES_UP.set(1)
     # The stop waits for the batches queued: on a thread of its own, while the loop (this thread) sends their answers
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=_stop, args=(server, settings),
                                                              name="engine-stop").start())
@@ -74,6 +76,7 @@ def _exit_with_the_master() -> None:
 def _stop(server: EngineServer, settings: Settings) -> None:
     """SIGTERM from the master (after the HTTP workers drained): finish what is queued, write what was counted,
     then exit."""
+    ENGINES_UP.set(0)
     server.stop(settings.graceful_timeout_s)
     exit_now(SystemExit(0))
 
@@ -108,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     keep_freed_memory(settings.malloc_trim_threshold_mb)
     device = engine_device(settings.device, slot, settings.engines_per_device)
     settings = settings.model_copy(update={"device": device, "worker_slot": slot})
+    ENGINE_STARTS.labels(str(slot)).inc()
     _serve_forever(settings, slot)
 
 

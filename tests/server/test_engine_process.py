@@ -6,6 +6,7 @@ message."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import threading
@@ -109,6 +110,7 @@ def test_an_engine_killed_under_load_fails_its_requests_with_503_the_other_answe
                 retry_after.add(answer.headers.get("Retry-After"))
 
     engines = _engines(server)
+    starts = _engine_starts(server)
     with ThreadPoolExecutor(8) as pool:
         running = [pool.submit(load, i) for i in range(8)]
         time.sleep(1.0)
@@ -131,6 +133,16 @@ def test_an_engine_killed_under_load_fails_its_requests_with_503_the_other_answe
     assert now[0] == engines[0] and now[1] != engines[1]
     assert all(_predict(server).status_code == 200 for _ in range(4))
     assert f"engine 1 (pid {engines[1]}) died with status -9; restarting it" in server.output()
+    # /metrics says it too (before: only the log did): engine 1 started once more, both serve again
+    assert _engine_starts(server) == {"0": starts["0"], "1": starts["1"] + 1}
+    assert "visionserve_engines_up 2.0" in requests.get(f"{server.url}/metrics", timeout=10).text.splitlines()
+
+
+def _engine_starts(server: Running) -> dict[str, float]:
+    """visionserve_engine_starts_total by engine slot, as /metrics says it."""
+    text = requests.get(f"{server.url}/metrics", timeout=10).text
+    return {slot: float(count) for slot, count in
+            re.findall(r'^visionserve_engine_starts_total\{engine="(\d+)"\} (\S+)$', text, flags=re.M)}
 
 
 def _serving_again(server: Running) -> None:
