@@ -293,6 +293,7 @@ def run(args: argparse.Namespace, env: DistEnv, device: torch.device, preset: Ev
                               f"{args.resume} --epochs {planned}")
         raise RunFinished(f"{args.resume} is a finished run of {start} epochs (best val top-1 {best.acc1:.4f}); "
                           f"nothing to train. To train longer: --resume {args.resume} --epochs {start + 5}")
+    best = _best_on_this_holdout(args, best, start, model_without_ddp, data, device, env)
     if env.is_main:
         args.output_dir.mkdir(parents=True, exist_ok=True)
         if args.val_split is not None:  # one folder split: which images it validates on, to evaluate on them alone
@@ -330,6 +331,38 @@ def run(args: argparse.Namespace, env: DistEnv, device: torch.device, preset: Ev
         writer.wait()  # the last checkpoint is on disk before the export, a resume hint or the exit
     runlog.close()
     return _finish(args, progress, best, data.classes, started) if env.is_main else True
+
+
+def _best_on_this_holdout(args: argparse.Namespace, best: ckpt.Best, start: int, model: nn.Module, data: Data,
+                          device: torch.device, env: DistEnv) -> ckpt.Best:
+    """A resumed run's best epoch measured again on the images this run validates on, where they changed since its
+    checkpoint (images added to the folder or gone from it): its figures, of other images, could not be compared with
+    the coming epochs', so one better on these could lose to a number of those (a data scientist's trial). As it
+    was where they did not change, or where its weights are not there to measure (said)."""
+    before = getattr(args, "_resumed_sides", None)
+    if before is None or best.row is None or before[0] == args._split_sides[0]:
+        return best
+    epoch = int(best.row["epoch"])
+    weights = None if epoch == start - 1 else ckpt.best_weights(args, epoch)
+    if epoch != start - 1 and weights is None:
+        log.warning("the held-out images changed since %s, and its best epoch %d's weights are not in the best.pt "
+                    "beside it: its figures, of the old ones, stay the ones to beat", args.resume, epoch + 1)
+        return best
+    kept = None
+    if weights is not None:
+        kept = {name: value.clone() for name, value in model.state_dict().items()}
+        model.load_state_dict(weights)
+    result = evaluate(model, data.val, device, env)
+    counts = _confusion_counts(result, data, device, env)
+    if kept is not None:
+        model.load_state_dict(kept)
+    added, gone = len(args._split_sides[0] - before[0]), len(before[0] - args._split_sides[0])
+    log.info("the held-out images changed since %s (%d added, %d gone): its best epoch %d (val loss %.4f, top-1 %.4f "
+             "on the old ones) measured again on these: val loss %.4f, top-1 %.4f", args.resume, added, gone,
+             epoch + 1, best.loss, best.acc1, result.loss, result.acc1)
+    row = {**best.row, "val_loss": result.loss, "val_acc1": result.acc1,
+           "val_acc5": result.acc5 if len(data.classes) >= TOP5_MIN_CLASSES else None}
+    return ckpt.Best(result.acc1, result.loss, row, counts)
 
 
 def _confusion_counts(result: EvalResult, data: Data, device: torch.device, env: DistEnv) -> torch.Tensor:

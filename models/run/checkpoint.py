@@ -480,6 +480,16 @@ def _best_source(args: argparse.Namespace, resumed: Resumed) -> Path:
                     f"{args.output_dir}: resume in the checkpoint's own folder (--output-dir {args.resume.parent})")
 
 
+def best_weights(args: argparse.Namespace, epoch: int) -> dict[str, torch.Tensor] | None:
+    """The weights of a resumed run's best epoch ``epoch`` (not its checkpoint's own), from the best.pt beside its
+    checkpoint; None where no best.pt of that epoch is there (a checkpoint copied away from its run)."""
+    try:
+        state = load_checkpoint(args.resume.parent / BEST_NAME)
+    except Exception:  # noqa: BLE001 - gone, torn or foreign: not this run's best
+        return None
+    return state.get("model") if state.get("epoch") == epoch else None
+
+
 def carry_run(args: argparse.Namespace, resumed: Resumed, source: Path) -> None:
     """Start the resumed run's new ``--output-dir`` as a run folder of its own: the checkpoint it resumes (what
     Ctrl-C's and a NaN's hints go on from), its best.pt (what the export takes when no later epoch beats it) and

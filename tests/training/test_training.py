@@ -453,12 +453,26 @@ def test_a_resumed_run_validates_on_none_of_what_it_trained_on_after_images_were
     removed = sorted(before)[0]
     (run / removed).resolve().unlink()  # one held-out image gone, one added (a class keeps one on each side)
     shutil.copy(next((flat / Path(removed).parent.name).glob("*.*")), flat / Path(removed).parent.name / "added.png")
+    old_best = load_checkpoint(run / CHECKPOINT_NAME)["best_val_loss"]
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="models.train"):
         assert train.main(small_args(flat, run, "--epochs", "2", "--resume", str(run / CHECKPOINT_NAME))) == 0
     after = set((run / "held_out.txt").read_text().splitlines())
     assert not after & trained_before and after >= before - {removed}
     assert "kept the resumed run's holdout: its images stay on their sides, 1 added since scored" in caplog.text
+    # The best epoch, of the old held-out images, measured again on these (before: the old figure stayed the one
+    # to beat, of other images, and the plan's next epochs could never win on a harder holdout)
+    said = re.search(r"the held-out images changed since \S+ \((\d+) added, 1 gone\): its best epoch 1 \(val loss "
+                     r"([0-9.]+), top-1 [0-9.]+ on the old ones\) measured again on these: val loss ([0-9.]+), top-1 "
+                     r"([0-9.]+)", caplog.text)
+    assert said is not None and float(said[2]) == pytest.approx(old_best, abs=1e-4), caplog.text
+    state = load_checkpoint(run / CHECKPOINT_NAME)
+    loss, acc1 = float(said[3]), float(said[4])
+    if state["best_metrics"]["epoch"] == 0:  # epoch 1 stayed the best: its figures are the new ones
+        assert state["best_val_loss"] == pytest.approx(loss, abs=1e-4)
+        assert state["best_acc1"] == pytest.approx(acc1, abs=1e-4)
+    else:  # epoch 2 beat them on these images (top-1 first, then the loss: ckpt.better)
+        assert state["best_metrics"]["epoch"] == 1 and state["best_acc1"] >= acc1 - 1e-4
     state = load_checkpoint(run / CHECKPOINT_NAME)  # one from before the sides were saved: said
     del state["holdout"]["sides"]
     torch.save(state, run / CHECKPOINT_NAME)

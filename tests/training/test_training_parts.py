@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from models.run.amp import autocast, backward_and_step, check_amp, make_scaler
 from models.data.augment import train_transform
-from models.run.checkpoint import BEST_NAME, CHECKPOINT_NAME, CheckpointWriter, load_checkpoint
+from models.run.checkpoint import BEST_NAME, CHECKPOINT_NAME, CheckpointWriter, best_weights, load_checkpoint
 from demo_data.small_sets import write_digits, write_textures
 from models.run.distributed import DistEnv, pick_device
 from models.data.folder import EpochSampler, FolderDataset, ShardSampler, scan_split
@@ -626,3 +626,15 @@ def test_an_export_of_a_run_names_the_images_that_trained_it(tmp_path: Path,
     assert run_trained_on(checkpoint, {"data": "data/mine", "val_split": None}) == TrainedOn(
         folder=str(tmp_path / "data" / "mine" / "train"))
     assert run_trained_on(checkpoint, {}) is None
+
+
+def test_a_resumed_run_s_best_epoch_weights_come_from_the_best_pt_of_that_epoch_beside_its_checkpoint(
+        tmp_path: Path) -> None:
+    args = argparse.Namespace(resume=tmp_path / CHECKPOINT_NAME)
+    assert best_weights(args, 2) is None  # no best.pt beside it (a checkpoint copied away from its run)
+    torch.save({"epoch": 2, "model": {"weight": torch.ones(3)}}, tmp_path / BEST_NAME)
+    found = best_weights(args, 2)
+    assert found is not None and torch.equal(found["weight"], torch.ones(3))
+    assert best_weights(args, 1) is None  # another epoch's best.pt: not the weights asked for
+    (tmp_path / BEST_NAME).write_bytes(b"torn")
+    assert best_weights(args, 2) is None
