@@ -111,9 +111,10 @@ PREDICTION_DRIFT_PSI = Gauge("visionserve_prediction_drift_psi", "Population sta
 ENGINE_STARTS = Counter("visionserve_engine_starts", "Engine processes started (ENGINE=process), by engine slot: "
                         "more than one a slot is a restart (it died, or was killed for a stall: the log says how)",
                         ["engine"])
-ENGINES_UP = Gauge("visionserve_engines_up", "Engine processes serving (ENGINE=process): each counts from when its "
-                   "models are loaded and it listens until its stop; a dead one's goes with it (fewer than the "
-                   "start-up log's count: one is restarting)", multiprocess_mode="livesum")
+ENGINE_UP = Gauge("visionserve_engine_up", "1 while an engine process (ENGINE=process) serves, by engine slot: from "
+                  "when its models are loaded and it listens until its stop; a dead one's series goes with it (a "
+                  "slot missing, or sum() under the start-up log's count: one is restarting)", ["engine"],
+                  multiprocess_mode="livemax")
 
 
 _SERIES: dict[tuple[object, ...], Any] = {}

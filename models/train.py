@@ -344,7 +344,8 @@ def _best_on_this_holdout(args: argparse.Namespace, best: ckpt.Best, start: int,
         return best
     epoch = int(best.row["epoch"])
     weights = None if epoch == start - 1 else ckpt.best_weights(args, epoch)
-    if epoch != start - 1 and weights is None:
+    found = epoch == start - 1 or weights is not None
+    if sum_across_ranks([float(found)], device, env)[0] < env.world_size:  # every rank measures, or none: together
         log.warning("the held-out images changed since %s, and its best epoch %d's weights are not in the best.pt "
                     "beside it: its figures, of the old ones, stay the ones to beat", args.resume, epoch + 1)
         return best
@@ -354,6 +355,7 @@ def _best_on_this_holdout(args: argparse.Namespace, best: ckpt.Best, start: int,
         model.load_state_dict(weights)
     result = evaluate(model, data.val, device, env)
     counts = _confusion_counts(result, data, device, env)
+    reference = _prediction_reference(result, len(data.classes), device, env)
     if kept is not None:
         model.load_state_dict(kept)
     added, gone = len(args._split_sides[0] - before[0]), len(before[0] - args._split_sides[0])
@@ -362,7 +364,10 @@ def _best_on_this_holdout(args: argparse.Namespace, best: ckpt.Best, start: int,
              epoch + 1, best.loss, best.acc1, result.loss, result.acc1)
     row = {**best.row, "val_loss": result.loss, "val_acc1": result.acc1,
            "val_acc5": result.acc5 if len(data.classes) >= TOP5_MIN_CLASSES else None}
-    return ckpt.Best(result.acc1, result.loss, row, counts)
+    best = ckpt.Best(result.acc1, result.loss, row, counts)
+    if env.is_main:  # what the export takes from best.pt: of these images too, as the summary is
+        ckpt.remeasured_best(args.output_dir / ckpt.BEST_NAME, best, reference)
+    return best
 
 
 def _confusion_counts(result: EvalResult, data: Data, device: torch.device, env: DistEnv) -> torch.Tensor:

@@ -145,12 +145,13 @@ class Service(Lifecycle):
 
     @property
     def not_ready_reason(self) -> str | None:
-        """Why it is not ready where none of /readyz's checks says it: another worker process behind the port that
-        does not serve yet; None when ready, or when a check says why."""
+        """Why it is not ready where none of /readyz's checks says it: another worker process behind the port (or,
+        in an engine, another engine) that does not serve yet; None when ready, or when a check says why."""
         serving, processes = self._workers_serving(), self.settings.model_processes()
         if not self.loaded or serving >= processes:
             return None
-        return (f"{serving} of {processes} worker processes serve their models: the server is ready once every one "
+        kind = "engine" if self.settings.engines else "worker"
+        return (f"{serving} of {processes} {kind} processes serve their models: the server is ready once every one "
                 "does (each loads its own)")
 
     def _every_worker_serves(self) -> bool:

@@ -374,6 +374,13 @@ class RemoteService(Lifecycle):
         """Every worker of the server reached the engine: as many live workers' ready marks as WORKERS."""
         return self._workers_marked() >= (self.settings.workers or 1)
 
+    def _another_serves(self) -> bool:
+        """Another HTTP worker's ready mark is there (its engine serves)."""
+        try:
+            return any(pid != os.getpid() for pid in control.ready_workers(self.control_dir))
+        except OSError:
+            return False
+
     def _workers_marked(self) -> int:
         """The live workers' ready marks (none where the directory cannot be read: no worker can be told to
         serve)."""
@@ -541,10 +548,10 @@ class RemoteService(Lifecycle):
         """NotReady (503 with Retry-After) while the engine's latest state query went unanswered (within
         STATE_TIMEOUT_S): neither a request nor a catalog call (``_ask``) is sent to an engine that is stopped, stuck
         or restarting, to wait out its whole limit for an answer (the master restarts one silent for STALL_S)."""
-        if self._engine_silent:  # (Connection: close: a client kept on this worker reconnects, and may reach one
-            # whose engine serves)
+        if self._engine_silent:  # (Connection: close where another worker's engine serves: a client kept on this
+            # worker reconnects, and may reach it)
             raise not_ready(f"engine {self.slot}, this HTTP worker's, did not answer its latest state query within "
-                            f"{STATE_TIMEOUT_S:g}s: it is stopped, stuck or restarting", close=True)
+                            f"{STATE_TIMEOUT_S:g}s: it is stopped, stuck or restarting", close=self._another_serves())
 
     @property
     def ready(self) -> bool:
@@ -560,9 +567,10 @@ class RemoteService(Lifecycle):
 
     @property
     def not_ready_reason(self) -> str | None:
-        """Why it is not ready where none of /readyz's checks says it: this worker's engine that does not answer or
-        is loading, or another HTTP worker whose engine does not serve (readiness covers every worker behind the
-        port); None when ready, or when a check says why (draining, a stalled batch)."""
+        """Why it is not ready where none of /readyz's checks says it: this worker's engine that does not answer,
+        serves no model yet, or is not ready for a reason of its own (another engine not serving yet), or another
+        HTTP worker whose engine does not serve (readiness covers every worker behind the port); None when ready, or
+        when a check says why (draining, a stalled batch)."""
         if self.draining:
             return None
         if not self._started.is_set():
@@ -572,8 +580,10 @@ class RemoteService(Lifecycle):
             return (f"engine {self.slot}, this HTTP worker's, did not answer its state query within "
                     f"{STATE_TIMEOUT_S:g}s: it is stopped, stuck or restarting")
         if not state.loaded:
-            return f"engine {self.slot}, this HTTP worker's, is loading its models"
-        if state.ready and not self._every_worker_marked():
+            return f"engine {self.slot}, this HTTP worker's, serves no model yet (loading, or every model unloaded)"
+        if not state.ready and state.reason:
+            return f"engine {self.slot}, this HTTP worker's: {state.reason}"
+        if not self._every_worker_marked():
             return (f"{self._workers_marked()} of {self.settings.workers or 1} HTTP workers reached their engines: "
                     "readiness covers every worker behind the port, and one whose engine is starting or restarting "
                     "has not")

@@ -1238,6 +1238,8 @@ class EngineServer:
 
     def _state(self, conn: _Connection, message: wire.StateQuery, _: list[bytearray]) -> None:
         service = self.service
-        self._send(conn, self._answer(wire.EngineState(ready=service.ready, alive=service.alive,
+        ready = service.ready
+        self._send(conn, self._answer(wire.EngineState(ready=ready, alive=service.alive,
                                                        loaded=service.loaded, draining=service.draining,
-                                                       stalled=service.stalled)))
+                                                       stalled=service.stalled,
+                                                       reason=None if ready else service.not_ready_reason)))

@@ -26,7 +26,7 @@ from app.engine.versions.sources import DirectorySource
 from app.hosting import control
 from app.hosting.drain import exit_now
 from app.link.loop import EngineServer
-from app.metrics import ENGINE_STARTS, ENGINES_UP
+from app.metrics import ENGINE_STARTS, ENGINE_UP
 
 log = logging.getLogger(__name__)
 BOOT_ERROR = 3  # as a gunicorn worker's boot error: the master stops instead of restarting it
@@ -46,7 +46,7 @@ def _serve_forever(settings: Settings, slot: int) -> None:
     except Exception as exc:  # noqa: BLE001 - said once, in the log and for the HTTP workers
         _fail(control_dir, slot, getattr(exc, "message", None) or str(exc))
     control.engine_failure(control_dir, slot).unlink(missing_ok=True)
-    ENGINES_UP.set(1)
+    ENGINE_UP.labels(str(slot)).set(1)
     # The stop waits for the batches queued: on a thread of its own, while the loop (this thread) sends their answers
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=_stop, args=(server, settings),
                                                              name="engine-stop").start())
@@ -76,7 +76,7 @@ def _exit_with_the_master() -> None:
 def _stop(server: EngineServer, settings: Settings) -> None:
     """SIGTERM from the master (after the HTTP workers drained): finish what is queued, write what was counted,
     then exit."""
-    ENGINES_UP.set(0)
+    ENGINE_UP.labels(str(settings.worker_slot)).set(0)
     server.stop(settings.graceful_timeout_s)
     exit_now(SystemExit(0))
 

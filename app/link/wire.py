@@ -141,13 +141,15 @@ class StateQuery(_Message):
 @dataclass(slots=True)
 class EngineState(_Message):
     """What ``StateQuery`` answers; ``stalled``: why the engine is not live though its threads run (a batch past
-    STALL_S: ``Service.stalled``)."""
+    STALL_S: ``Service.stalled``); ``reason``: why it is not ready where none of the rest says it (another engine
+    not serving yet: ``Service.not_ready_reason``)."""
 
     ready: bool
     alive: bool
     loaded: bool
     draining: bool
     stalled: str | None = None
+    reason: str | None = None
 
 
 @dataclass(slots=True)

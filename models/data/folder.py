@@ -68,9 +68,10 @@ def _class_dirs(root: Path) -> list[Path]:
 
 
 def _files(class_dir: Path) -> list[Path]:
-    """The files under a class folder, hidden ones and those in hidden folders (a NAS's .@__thumb thumbnails, .git)
-    left out and links to folders followed, as models.predict's scan reads a folder (``folder_files``)."""
-    return sorted(Path(entry.path) for _, _, files in folder_files(str(class_dir), within=str(class_dir.parent))
+    """The files under a class folder (itself a link or not), hidden ones and those in hidden folders (a NAS's
+    .@__thumb thumbnails, .git) left out and links to folders in it not followed, as models.predict's scan reads a
+    class folder (``folder_files``)."""
+    return sorted(Path(entry.path) for _, _, files in folder_files(str(class_dir), links=False)
                   for entry in files if os.path.isfile(entry.path))
 
 

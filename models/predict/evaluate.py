@@ -9,6 +9,7 @@ Written into ``--report`` (by default beside ``OUT``, its name without the exten
 from __future__ import annotations
 
 import base64
+import functools
 import html
 import io
 import json
@@ -71,15 +72,16 @@ def trained_count(trained_on: TrainedOn | None, files: Iterable[str]) -> int | N
                and (os.path.dirname(path) in folders or path in linked))
 
 
-def _read_in_training(folder: str) -> tuple[set[str], set[str]]:
-    """The real paths of the folders training read under ``folder`` (``folder_files``: links to folders followed)
-    and of the files the links among their files lead to."""
+@functools.lru_cache(maxsize=2)  # read once a run: the count is said before scoring and again after
+def _read_in_training(folder: str) -> tuple[frozenset[str], frozenset[str]]:
+    """The real paths of the folders training read under ``folder`` (``folder_files``: a linked class folder
+    followed) and of the files the links among their files lead to."""
     folders: set[str] = set()
     linked: set[str] = set()
     for _, real, files in folder_files(folder):
         folders.add(real)
         linked.update(os.path.realpath(entry.path) for entry in files if entry.is_symlink())
-    return folders, linked
+    return frozenset(folders), frozenset(linked)
 
 
 def trained_warning(count: int, total: int, manifest: Manifest, labels: Path, read: bool = True) -> str:

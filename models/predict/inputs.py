@@ -32,27 +32,33 @@ def scan_folder(root: Path) -> list[Item]:
             if _regular_or_unreadable(entry.path)]
 
 
-def folder_files(root: str, within: str | None = None) -> Iterator[tuple[str, str, list[os.DirEntry[str]]]]:
+def folder_files(root: str, links: bool = True) -> Iterator[tuple[str, str, list[os.DirEntry[str]]]]:
     """Each folder under ``root``, ``root`` first, as (its path as reached, its real path, its files' entries by
-    name), each folder before those in it and these by name; hidden files and folders left out. A link to a folder
-    is followed (a class folder linked from elsewhere: before, models.predict left its images out where training
-    took them, a data scientist's trial), but not to a folder it lies in, nor to ``within`` (the folder ``root`` is
-    read as a part of: a loop); a folder that cannot be read is passed over, as os.walk passes it."""
-    stack = [(root, frozenset() if within is None else frozenset({os.path.realpath(within)}))]
+    name), each folder before those in it and these by name; hidden files and folders left out. With ``links``, a
+    link to a folder directly in ``root`` is followed (``DIR/<class>`` linked from elsewhere, which training reads:
+    before, models.predict left its images out, a data scientist's trial), unless it leads to ``root`` or a folder
+    above it; a link to a folder further down is not (as training reads a class folder: it could lead back to a
+    folder read already, another class's, or far outside). A folder that cannot be read is passed over, as os.walk
+    passes it."""
+    top = os.path.realpath(root)
+    stack = [(root, 0)]
     while stack:
-        folder, above = stack.pop()
-        real = os.path.realpath(folder)
-        if real in above:
-            continue
+        folder, depth = stack.pop()
         try:
             with os.scandir(folder) as listing:
                 entries = sorted((entry for entry in listing if not entry.name.startswith(".")), key=_NAME)
         except OSError:
             continue
         kinds = [_folder(entry) for entry in entries]
-        yield folder, real, [entry for entry, is_folder in zip(entries, kinds) if not is_folder]
-        stack.extend((entry.path, above | {real}) for entry, is_folder in zip(reversed(entries), reversed(kinds))
-                     if is_folder)
+        yield folder, os.path.realpath(folder), [entry for entry, is_folder in zip(entries, kinds) if not is_folder]
+        stack.extend((entry.path, depth + 1) for entry, is_folder in zip(reversed(entries), reversed(kinds))
+                     if is_folder and (not entry.is_symlink() or (links and depth == 0 and _below(entry.path, top))))
+
+
+def _below(link: str, top: str) -> bool:
+    """Whether ``link`` leads to a folder that is neither ``top`` nor above it."""
+    real = os.path.realpath(link)
+    return real != top and not top.startswith(os.path.join(real, ""))
 
 
 _NAME = operator.attrgetter("name")

@@ -490,6 +490,21 @@ def best_weights(args: argparse.Namespace, epoch: int) -> dict[str, torch.Tensor
     return state.get("model") if state.get("epoch") == epoch else None
 
 
+def remeasured_best(path: Path, best: Best, reference: dict[str, object] | None) -> None:
+    """The best.pt at ``path``, of ``best``'s epoch, given the figures that epoch was measured again with (its
+    validation row, best figures and prediction reference): what the export takes from it is then of the same
+    held-out images as the run's summary. Nothing where best.pt is of another epoch, or not there."""
+    try:
+        state = load_checkpoint(path)
+    except Exception:  # noqa: BLE001 - gone, torn or foreign: nothing of this run's to mend
+        return
+    if best.row is None or state.get("epoch") != int(best.row["epoch"]):
+        return
+    state.update({"metrics": best.row, "prediction_reference": reference, "best_acc1": best.acc1,
+                  "best_val_loss": best.loss, "best_metrics": best.row, "best_confusion": best.confusion})
+    _replace_atomically(path, lambda tmp: torch.save(state, tmp))
+
+
 def carry_run(args: argparse.Namespace, resumed: Resumed, source: Path) -> None:
     """Start the resumed run's new ``--output-dir`` as a run folder of its own: the checkpoint it resumes (what
     Ctrl-C's and a NaN's hints go on from), its best.pt (what the export takes when no later epoch beats it) and

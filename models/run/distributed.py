@@ -7,7 +7,7 @@ import os
 import signal
 import threading
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -103,16 +103,25 @@ def exit_status(exc: KeyboardInterrupt) -> int:
 def terminated_as_interrupt() -> Iterator[None]:
     """While open (on the main thread: where signals are handled), SIGTERM raises Terminated there (before, the
     process died where it stood, with no word of the checkpoint to resume from: a data scientist's trial); the
-    handler before it is put back after."""
+    handlers before it are put back after.
+
+    A scheduler's SIGTERM often reaches every process of the job, DataLoader workers too, which die by it: torch's
+    SIGCHLD handler would then raise "DataLoader worker ... killed by signal" in the main process as it unwinds,
+    replacing the stop's one line with a traceback. So once SIGTERM came, SIGCHLD is left to the default (the run
+    ends anyway)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    children: list[Any] = []  # SIGCHLD's handler when SIGTERM came (torch's, once a loader had workers)
 
     def stop(signum: int, frame: object) -> None:
+        children.append(signal.signal(signal.SIGCHLD, signal.SIG_DFL))
         raise Terminated(f"signal {signum}")
 
     before = signal.signal(signal.SIGTERM, stop)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, before)
+        for signum, handler in ((signal.SIGTERM, before), *((signal.SIGCHLD, h) for h in children[:1])):
+            if handler is not None:  # (None: one set from C, which Python cannot put back)
+                signal.signal(signum, handler)

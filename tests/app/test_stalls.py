@@ -203,7 +203,7 @@ def test_a_worker_sends_no_request_to_an_engine_whose_latest_state_query_went_un
     watch = threading.Thread(target=linked.worker._engine_gone, daemon=True)  # as _follow_engine runs it
     watch.start()
     with _engine_loop_stuck(linked):
-        ready = client.get("/readyz")  # its state query goes unanswered: every check true, so the reason says why
+        ready = client.get("/readyz")  # its state query goes unanswered: the reason says so
         assert ready.status_code == 503 and "did not answer its state query" in ready.get_json()["reason"]
         assert client.get("/healthz").status_code == 200  # the master restarts a silent engine (below)
         connections = len(linked.connections)
@@ -213,7 +213,13 @@ def test_a_worker_sends_no_request_to_an_engine_whose_latest_state_query_went_un
         assert len(linked.connections) == connections  # not sent: no connection tried
         answer = client.post("/predict", data=image_bytes(RED), content_type="image/png")
         error_of(answer, 503, "not_ready")
-        assert answer.headers["Connection"] == "close"  # a client kept on this worker reconnects, maybe elsewhere
+        assert answer.headers.get("Connection") != "close"  # no other worker serves: reconnecting would gain nothing
+        other = control.ready_mark(linked.worker.control_dir, os.getppid())
+        other.touch()  # another live worker, whose engine serves
+        answer = client.post("/predict", data=image_bytes(RED), content_type="image/png")
+        error_of(answer, 503, "not_ready")
+        assert answer.headers["Connection"] == "close"  # a client kept on this worker reconnects, maybe to that one
+        other.unlink()
         assert len(linked.connections) == connections
     # No probe asks again: the watch of the engine does, within WAIT_S, not at the end of its WATCH_S (5 s) wait
     wait_until(lambda: _post(client) == 200, timeout=2.5)

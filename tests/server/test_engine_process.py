@@ -118,7 +118,12 @@ def test_an_engine_killed_under_load_fails_its_requests_with_503_the_other_answe
         deadline = time.monotonic() + 30
         while 503 not in statuses and time.monotonic() < deadline:
             time.sleep(0.05)
-        time.sleep(1.0)  # engine 1 restarts meanwhile (its interpreter, torch, the model: seconds)
+        # engine 1 restarts meanwhile (its interpreter, torch, the model: seconds): /readyz says why on both workers
+        # (before: 503 with no reason on the worker of engine 0, which serves, as on engine 1's)
+        probes = [requests.get(f"{server.url}/readyz", timeout=10) for _ in range(8)]
+        reasons = {p.json().get("reason") for p in probes if p.status_code == 503}
+        assert None not in reasons, reasons
+        time.sleep(0.5)
         stop.set()
         for future in running:
             future.result(timeout=120)
@@ -135,7 +140,8 @@ def test_an_engine_killed_under_load_fails_its_requests_with_503_the_other_answe
     assert f"engine 1 (pid {engines[1]}) died with status -9; restarting it" in server.output()
     # /metrics says it too (before: only the log did): engine 1 started once more, both serve again
     assert _engine_starts(server) == {"0": starts["0"], "1": starts["1"] + 1}
-    assert "visionserve_engines_up 2.0" in requests.get(f"{server.url}/metrics", timeout=10).text.splitlines()
+    lines = requests.get(f"{server.url}/metrics", timeout=10).text.splitlines()
+    assert 'visionserve_engine_up{engine="0"} 1.0' in lines and 'visionserve_engine_up{engine="1"} 1.0' in lines
 
 
 def _engine_starts(server: Running) -> dict[str, float]:

@@ -532,7 +532,7 @@ def test_the_report_goes_beside_out_and_a_page_without_mistakes_says_so(weights:
     assert "The 2 most confident of 3 mistakes: " in page and page.count("<figure>") == 2
 
 
-def test_a_linked_class_folder_is_scored_as_training_reads_it_and_a_link_back_up_is_no_loop(tmp_path: Path) -> None:
+def test_a_linked_class_folder_is_scored_as_training_reads_it_and_other_links_to_folders_are_not(tmp_path: Path) -> None:
     # Before: os.walk without its links followed: models.predict --data left a linked class folder's images out,
     # which training took, and its report said "support 0" for the class (a data scientist's trial).
     from models.data.folder import class_files
@@ -544,10 +544,12 @@ def test_a_linked_class_folder_is_scored_as_training_reads_it_and_a_link_back_up
     (elsewhere / "b.jpg").write_bytes(b"x")
     (data / "rocket" / "r.jpg").write_bytes(b"x")
     (data / "astronaut").symlink_to(elsewhere)
-    (data / "rocket" / "up").symlink_to(data)  # a loop: read once, not forever
+    (data / "rocket" / "up").symlink_to(data)  # a link further down: not followed (a loop, here)
+    (data / "everything").symlink_to(tmp_path)  # a link above the folder: not followed (all of it again)
     (data / "rocket" / ".hidden").mkdir()
     (data / "rocket" / ".hidden" / "h.jpg").write_bytes(b"x")
     scanned = [item.path for item in list_inputs(data)]
     assert scanned == [str(data / "astronaut" / "a.jpg"), str(data / "astronaut" / "b.jpg"),
-                       str(data / "rocket" / "r.jpg")]  # the link up passed over, the hidden folder left out
+                       str(data / "rocket" / "r.jpg")]  # the links passed over, the hidden folder left out
+    (data / "everything").unlink()  # (training would take it for a class)
     assert [str(path) for path in class_files(data)] == scanned  # training reads the same

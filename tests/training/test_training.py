@@ -468,9 +468,10 @@ def test_a_resumed_run_validates_on_none_of_what_it_trained_on_after_images_were
     assert said is not None and float(said[2]) == pytest.approx(old_best, abs=1e-4), caplog.text
     state = load_checkpoint(run / CHECKPOINT_NAME)
     loss, acc1 = float(said[3]), float(said[4])
-    if state["best_metrics"]["epoch"] == 0:  # epoch 1 stayed the best: its figures are the new ones
+    if state["best_metrics"]["epoch"] == 0:  # epoch 1 stayed the best: its figures are the new ones, best.pt's too
         assert state["best_val_loss"] == pytest.approx(loss, abs=1e-4)
         assert state["best_acc1"] == pytest.approx(acc1, abs=1e-4)
+        assert load_checkpoint(run / BEST_NAME)["metrics"]["val_loss"] == pytest.approx(loss, abs=1e-4)  # exported
     else:  # epoch 2 beat them on these images (top-1 first, then the loss: ckpt.better)
         assert state["best_metrics"]["epoch"] == 1 and state["best_acc1"] >= acc1 - 1e-4
     state = load_checkpoint(run / CHECKPOINT_NAME)  # one from before the sides were saved: said

@@ -10,7 +10,8 @@ import torch.nn as nn
 
 from models.run.amp import autocast, backward_and_step, check_amp, make_scaler
 from models.data.augment import train_transform
-from models.run.checkpoint import BEST_NAME, CHECKPOINT_NAME, CheckpointWriter, best_weights, load_checkpoint
+from models.run.checkpoint import (BEST_NAME, CHECKPOINT_NAME, Best, CheckpointWriter, best_weights, load_checkpoint,
+                                   remeasured_best)
 from demo_data.small_sets import write_digits, write_textures
 from models.run.distributed import DistEnv, pick_device
 from models.data.folder import EpochSampler, FolderDataset, ShardSampler, scan_split
@@ -638,3 +639,19 @@ def test_a_resumed_run_s_best_epoch_weights_come_from_the_best_pt_of_that_epoch_
     assert best_weights(args, 1) is None  # another epoch's best.pt: not the weights asked for
     (tmp_path / BEST_NAME).write_bytes(b"torn")
     assert best_weights(args, 2) is None
+
+
+def test_a_best_epoch_measured_again_gives_its_best_pt_the_new_figures_the_export_takes(tmp_path: Path) -> None:
+    old = {"epoch": 0, "val_loss": 0.36, "val_acc1": 1.0}
+    torch.save({"epoch": 0, "model": {}, "metrics": old, "prediction_reference": {"n": 1}, "best_val_loss": 0.36},
+               tmp_path / BEST_NAME)
+    again = Best(0.75, 1.23, {**old, "val_loss": 1.23, "val_acc1": 0.75}, torch.zeros(2, 2))
+    remeasured_best(tmp_path / BEST_NAME, again, {"n": 2})
+    state = load_checkpoint(tmp_path / BEST_NAME)
+    assert state["metrics"]["val_loss"] == 1.23 and state["prediction_reference"] == {"n": 2}
+    assert (state["best_val_loss"], state["best_acc1"]) == (1.23, 0.75)
+    later = Best(0.5, 2.0, {**old, "epoch": 3}, None)  # best.pt of another epoch: left as it is
+    remeasured_best(tmp_path / BEST_NAME, later, None)
+    assert load_checkpoint(tmp_path / BEST_NAME)["metrics"]["val_loss"] == 1.23
+    remeasured_best(tmp_path / "gone.pt", again, None)  # none there: nothing written
+    assert not (tmp_path / "gone.pt").exists()
