@@ -2369,9 +2369,10 @@ def test_a_loop_request_is_answered_504_at_its_own_deadline_which_counts_from_wh
     got = _on_loop(link, {"late": lambda: infer(link.worker, [image_bytes(RED)], timeout_s=2.0,
                                                 arrived=started - 1.8)})["late"]
     assert isinstance(got, DeadlineExceeded) and str(got) == "no inference result within the request's 2s deadline"
-    # at its deadline (0.2 s from now), not the engine's (2 s from its receipt): the margin a loaded host's stall
-    # needs (0.6 s of it failed once in the fast subset beside a training run)
-    assert time.monotonic() - started < 1.4
+    # at its deadline (0.2 s from now), not the engine's (2 s from its receipt, never sooner): the margin a loaded
+    # host's stall needs (0.6 s of it failed once in the fast subset beside a training run, 1.2 s once beside the
+    # whole suite)
+    assert time.monotonic() - started < 1.9
     assert "Cancel" in link.frames
     link.engine.loaded_version().predictor.module.delay_s = 0.0
 
