@@ -187,7 +187,8 @@ def _output_plan(infer: InferRequest, model: Signature) -> list[tuple[str, int, 
     binary_default = flag(infer.parameters, "binary_data_output", False, "the request")
     known = [OUTPUT, EMBEDDING] if model.embedding_dim else [OUTPUT]
     plan = []
-    for item in infer.outputs if infer.outputs is not None else [{"name": OUTPUT}]:
+    # none asked ("outputs" left out, or []: Triton's reading of an empty list) is the default output
+    for item in infer.outputs or [{"name": OUTPUT}]:
         name = item.get("name")
         if not isinstance(name, str):
             raise BadRequest(f"each output needs its 'name' ({', '.join(map(repr, known))}), got {name!r}")

@@ -503,3 +503,13 @@ def test_a_body_in_another_coding_is_415_naming_those_taken_and_one_not_what_it_
     assert len(bomb) < settings.max_body_bytes // 100
     answer = client.post(INFER, data=bomb, content_type="application/json", headers={"Content-Encoding": "gzip"})
     assert _v2_error(answer, 413) == f"the request body decompressed is over the {settings.max_body_bytes} byte limit"
+
+
+def test_an_empty_outputs_list_answers_the_default_output_as_triton_does(client: FlaskClient) -> None:
+    # Before: "outputs": [] ran the forward pass and answered 200 with no output at all; Triton reads an empty list
+    # as none asked, and answers every output (a Triton user's trial)
+    body = {"inputs": [_bytes_input(image_bytes(RED))], "outputs": []}
+    answer = client.post(INFER, json=body)
+    assert answer.status_code == 200, answer.get_data(as_text=True)
+    (output,) = answer.get_json()["outputs"]
+    assert output["name"] == "probabilities" and np.argmax(output["data"]) == 0
