@@ -376,18 +376,18 @@ class RemoteService(Lifecycle):
 
     def _another_serves(self) -> bool:
         """Another HTTP worker's ready mark is there (its engine serves)."""
-        try:
-            return any(pid != os.getpid() for pid in control.ready_workers(self.control_dir))
-        except OSError:
-            return False
+        return any(pid != os.getpid() for pid in self._marked_workers())
 
     def _workers_marked(self) -> int:
-        """The live workers' ready marks (none where the directory cannot be read: no worker can be told to
-        serve)."""
+        return len(self._marked_workers())
+
+    def _marked_workers(self) -> list[int]:
+        """The live workers whose ready mark is there (none where the directory cannot be read: no worker can be
+        told to serve)."""
         try:
-            return len(control.ready_workers(self.control_dir))
+            return control.ready_workers(self.control_dir)
         except OSError:
-            return 0
+            return []
 
     # -- exchanges with the engine ---------------------------------------------------------------------------------
 
