@@ -82,5 +82,16 @@ def test_a_pod_outlives_the_graceful_timeout_which_outlives_a_request_s_deadline
     env = {item["name"]: item["value"] for item in container["env"]}
     settings = Settings(graceful_timeout_s=env["VISIONSERVE_GRACEFUL_TIMEOUT_S"])
     assert settings.graceful_timeout_s - 1 > settings.request_timeout_s  # the drain's second included
-    assert _manifest("InferenceService")["spec"]["predictor"]["terminationGracePeriodSeconds"] > \
-        settings.graceful_timeout_s
+    predictor = _manifest("InferenceService")["spec"]["predictor"]
+    # Serverless (KServe's default): Knative's webhook refuses terminationGracePeriodSeconds in the pod spec (KServe
+    # issues #1546, #1723) and sets it from the revision's timeout, which `timeout` is
+    assert "terminationGracePeriodSeconds" not in predictor
+    assert predictor["timeout"] > settings.graceful_timeout_s
+
+
+def test_the_runtime_sizes_its_workers_for_the_pod_not_the_node() -> None:
+    # without a CPU limit the server counts the node's cores (auto: 4 HTTP workers on a 64-core node in a 4-core pod)
+    (container,) = _manifest("ServingRuntime")["spec"]["containers"]
+    env = {item["name"]: item["value"] for item in container["env"]}
+    resources = _manifest("InferenceService")["spec"]["predictor"]["model"]["resources"]
+    assert "cpu" in resources.get("limits", {}) or int(env["VISIONSERVE_WORKERS"]) >= 1
