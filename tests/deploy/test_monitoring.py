@@ -108,6 +108,32 @@ def test_the_low_confidence_alert_fires_over_half_for_30_minutes(tmp_path: Path)
 
 
 @pytest.mark.skipif(PROMTOOL is None, reason="needs promtool (Debian package prometheus)")
+def test_the_latency_alert_reads_every_inference_route(tmp_path: Path) -> None:
+    # Before: endpoint="/predict" only, and a KServe deployment, whose clients call V2's infer alone, never paged
+    summary = _alert("VisionserveLatencyP99OverObjective")["annotations"]["summary"]
+    bucket = 'visionserve_request_duration_seconds_bucket{instance="%s",endpoint="%s",le="%s"}'
+
+    def slow(instance: str, endpoint: str) -> dict[str, str]:  # every request between 0.5 and 2.5 s: p99 2.48 s
+        return {bucket % (instance, endpoint, "0.5"): "0+0x20", bucket % (instance, endpoint, "2.5"): "0+10x20",
+                bucket % (instance, endpoint, "+Inf"): "0+10x20"}
+
+    def paged(instance: str) -> dict:
+        text = summary.replace("{{ $labels.instance }}", instance).replace("{{ $value | humanizeDuration }}", "2.48s")
+        return {"exp_labels": {"severity": "ticket", "instance": instance}, "exp_annotations": {"summary": text}}
+
+    _promtool_test(tmp_path, {
+        **slow("a", "/v2/models/<name>/infer"), **slow("b", "/v2/models/<name>/versions/<version>/infer"),
+        **slow("c", "/predict"), **slow("d", "/explain"),  # an explanation is not held to a prediction's objective
+        **slow("e", "/v1/models"),
+    }, [{"eval_time": "15m", "alertname": "VisionserveLatencyP99OverObjective",
+         "exp_alerts": [paged("a"), paged("b"), paged("c")]}])
+    # the dashboard's latency panel reads the same routes as the alert
+    (matcher,) = set(re.findall(r'endpoint=~?"[^"]*"', _alert("VisionserveLatencyP99OverObjective")["expr"]))
+    latency = [expr for expr in _dashboard_exprs() if "visionserve_request_duration_seconds_bucket" in expr]
+    assert latency and all(matcher in expr for expr in latency)
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="needs promtool (Debian package prometheus)")
 def test_the_batcher_dead_alert_fires_with_a_version_serving_beside_a_retired_one(tmp_path: Path) -> None:
     # A retired version's info series reads 0: "min by (instance) (visionserve_model_info) == 1" never held again
     # once any version was replaced or unloaded, and the inference thread's death paged no one.
