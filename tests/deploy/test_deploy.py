@@ -1,11 +1,13 @@
 """The container files, checked offline: hadolint, the Compose spec schema and docker compose's own parser."""
 from __future__ import annotations
 
+import http.server
 import json
 import re
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import compose
@@ -90,6 +92,40 @@ def test_api_reserves_an_nvidia_gpu_and_checks_readiness() -> None:
         assert "${MODELS_DIR:-./weights}:/models:ro" in services[name]["volumes"]
     assert services["api-cpu"]["environment"]["VISIONSERVE_DEVICE"] == "cpu"
     assert "deploy" not in services["api-cpu"]
+
+
+def _healthchecks() -> dict[str, list[str]]:
+    """Each HEALTHCHECK as the container runs it: the Dockerfile's, and compose's after its interpolation."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    (image,) = re.findall(r"^HEALTHCHECK .*?\\\n\s+CMD (\[.*\])$", dockerfile, re.M)
+    result = subprocess.run([str(COMPOSE_BINARY), "-f", "docker-compose.yaml", "config", "--format", "json"],
+                            cwd=ROOT, capture_output=True, text=True, env={"PATH": "/usr/bin"})
+    kind, *command = json.loads(result.stdout)["services"]["api"]["healthcheck"]["test"]
+    assert kind == "CMD-SHELL"
+    # `config` writes $ as $$ again (its output can be read back); the container gets one
+    return {"Dockerfile": json.loads(image), "compose": ["sh", "-c", *(part.replace("$$", "$") for part in command)]}
+
+
+@pytest.mark.parametrize("source", ["Dockerfile", "compose"])
+def test_the_healthcheck_asks_the_port_the_server_binds(source: str) -> None:
+    # Before: port 8000 written in, and a container run with VISIONSERVE_BIND=0.0.0.0:9000 was never healthy
+    class Ready(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            self.send_response(200 if self.path == "/readyz" else 404)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ready) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        port = server.server_address[1]
+        command = _healthchecks()[source]
+        for bind, healthy in ((f"0.0.0.0:{port}", True), (f"[::]:{port}", True), (f"0.0.0.0:{port + 1}", False)):
+            result = subprocess.run(command, capture_output=True, timeout=30,
+                                    env={"PATH": "/usr/bin:/bin", "VISIONSERVE_BIND": bind})
+            assert (result.returncode == 0) == healthy, (bind, result.stderr)
+        server.shutdown()
 
 
 def test_train_service_runs_torchrun_on_the_gpus_with_data_and_runs_mounted() -> None:
