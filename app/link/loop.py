@@ -57,6 +57,7 @@ from app.link.decode_shares import DecodeShares, encoded_bytes
 from app.link.gathering import Gathering
 from app.metrics import RequestTally, this_process
 from models.export.checks import device_type
+from models.serving import usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -305,7 +306,7 @@ class EngineServer:
         self._waiting = False  # the loop is in its wait for its sockets (from just before ``_wait_s`` looks)
         self._deadlines: list[tuple[float, int, _Exchange]] = []
         self._order = itertools.count()
-        self.decode_shares = DecodeShares(decode_threads or len(os.sched_getaffinity(0)))
+        self.decode_shares = DecodeShares(decode_threads or usable_cores())  # within a container's CPU quota
         self._decoders = ThreadPoolExecutor(self.decode_shares.threads, thread_name_prefix="engine-decode")
         self._catalog_reads = ThreadPoolExecutor(CATALOG_READ_THREADS, thread_name_prefix="engine-catalog")
         self._catalog_changes = ThreadPoolExecutor(CATALOG_CHANGE_THREADS, thread_name_prefix="engine-catalog-change")

@@ -2964,3 +2964,20 @@ def test_out_of_file_descriptors_the_loop_pauses_its_accepts_and_serves_on(
         assert full.accepts < 20  # rested between tries (the loop spinning on the readable listener made thousands)
     finally:
         server.stop(5)  # as at a SIGTERM: the counts its loop holds written too
+
+
+def test_the_engine_decodes_on_the_cores_its_container_may_use(settings: Settings, predictor: Predictor,
+                                                                tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:
+    # Before: one decode thread per core of the node the engine's affinity names (64 in a pod of a 4-CPU limit)
+    import models.serving
+
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text("400000 100000\n")  # a Kubernetes limit of 4 CPUs
+    monkeypatch.setattr(models.serving, "_CGROUP_CPU_MAX", cpu_max)
+    monkeypatch.setattr(models.serving.os, "sched_getaffinity", lambda _: set(range(64)))
+    server = EngineServer(Service.build(settings, predictor))
+    try:
+        assert server.decode_shares.threads == 4
+    finally:
+        server.stop(5)
