@@ -8,7 +8,6 @@ import contextlib
 import logging
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 from gunicorn.errors import HaltServer
@@ -16,7 +15,7 @@ from gunicorn.errors import HaltServer
 from app import EXTENSION_KEY
 from app.hosting import drain
 from app.config import SettingsError, load_settings, unknown_variables
-from app.hosting import control
+from app.hosting import control, owned_dirs
 from app.hosting.host import address_in_use, bind_problem, engine_count, engine_mode, unserved_engines, workers_for
 from app.logs import JsonFormatter
 from app.link import supervisor
@@ -44,16 +43,18 @@ os.environ["VISIONSERVE_ENGINES"] = str(_engines)
 # Several processes: prometheus-client's multiprocess mode, so /metrics on any worker reports all of them (the
 # engines' batches included). The variable must be set before the workers import prometheus_client, i.e. here in
 # the master before the fork.
-# The directories this master makes are kept in app.link.supervisor: a HUP executes this file again.
+# The directories this master makes are kept in app/hosting/owned_dirs.py (a HUP executes this file again); those it
+# inherits from the master it replaces (USR2) it holds as its own (one ops set aside has no lock file: theirs).
 if (_workers > 1 or _engine == "process") and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="visionserve-metrics-")
-    supervisor.OWNED_DIRS.append(os.environ["PROMETHEUS_MULTIPROC_DIR"])
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = owned_dirs.make("visionserve-metrics-")
 
 # The workers share repository loads and unloads through a directory (app/engine/versions/desired.py), made here
 # before the fork so every worker of this master, and every worker it starts later, finds the same one.
 if _settings.control_dir is None and not os.environ.get("VISIONSERVE_CONTROL_DIR"):
-    os.environ["VISIONSERVE_CONTROL_DIR"] = tempfile.mkdtemp(prefix="visionserve-control-")
-    supervisor.OWNED_DIRS.append(os.environ["VISIONSERVE_CONTROL_DIR"])
+    os.environ["VISIONSERVE_CONTROL_DIR"] = owned_dirs.make("visionserve-control-")
+for _inherited in (os.environ.get("PROMETHEUS_MULTIPROC_DIR"), os.environ.get("VISIONSERVE_CONTROL_DIR")):
+    if _inherited:
+        owned_dirs.hold(_inherited)
 
 bind = _settings.bind
 workers = _workers
@@ -103,7 +104,11 @@ def on_starting(server) -> None:  # noqa: ANN001
         server.log.warning(warning)
     # its directories removed however it exits (a refusal below, a halt after on_exit, gunicorn's own exit when it
     # cannot listen), in this master only (its pid now: after a --daemon fork), not in the workers it forks
-    atexit.register(supervisor.remove_owned_dirs, os.getpid())
+    atexit.register(owned_dirs.remove_held, os.getpid())
+    # and those of masters killed outright (SIGKILL, the OOM killer), which a restarted container's /tmp keeps
+    if stale := owned_dirs.remove_stale():
+        server.log.info("removed %d temporary directories of servers gone without removing them: %s", len(stale),
+                        ", ".join(stale))
     inherited = os.environ.get("GUNICORN_FD") or os.environ.get("LISTEN_FDS")  # USR2's new master, systemd's sockets
     unusable = [] if inherited else [(address, why) for address in server.cfg.bind if (why := bind_problem(address))]
     if unusable:  # gunicorn would retry for 5 s, then say "Can't connect to ('garbage', 8000)"

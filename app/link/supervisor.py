@@ -35,7 +35,6 @@ import contextlib
 import logging
 import os
 import signal
-import shutil
 import subprocess
 import sys
 import threading
@@ -57,18 +56,8 @@ STATE_ANSWER_S = 5.0  # how long it waits for each answer (an engine's loop answ
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: where `python -m app.link.server` finds app
 ENGINE_MODULE = "app.link.server"  # what an engine process runs: its command line names it
 _ENGINES: list["Engine"] = []  # this master's engines (survives gunicorn.conf.py being executed again)
-OWNED_DIRS: list[str] = []  # temporary directories this master made (removed at exit, also after a HUP)
 _FAILURES: list[str] = []  # why the engines that stopped this master cannot serve (``failure``)
 _QUERYING: set[int] = set()  # the master's state-query connections open now, by file descriptor
-
-
-def remove_owned_dirs(master: int) -> None:
-    """The metrics and control directories this master made (not ones ops set aside), removed in the process of pid
-    ``master`` only: registered to run at its exit however it exits (a refusal at start, a halt, gunicorn's own
-    ``sys.exit`` when it cannot listen, before any hook), where the workers it forks run the same exit functions."""
-    if os.getpid() == master:
-        for own in OWNED_DIRS:
-            shutil.rmtree(own, ignore_errors=True)
 
 
 def _close_inherited_queries() -> None:

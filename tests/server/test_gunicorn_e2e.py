@@ -364,6 +364,14 @@ def test_an_address_in_use_stops_the_start_at_once_naming_the_setting(tmp_path: 
 
     env = {**os.environ, "VISIONSERVE_WORKERS": "1", "VISIONSERVE_ENGINE": "inline", "VISIONSERVE_DEVICE": "cpu",
            "TMPDIR": str(tmp_path), "PATH": f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    # and what a master killed outright left there (its lock file held by no process) goes as any master starts:
+    # before, a container restarted after an OOM kill kept them in its pod's /tmp, a memory-backed emptyDir
+    from app.hosting.owned_dirs import HELD_WHILE_IN_USE
+
+    for name in ("visionserve-metrics-killed", "visionserve-control-killed"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / HELD_WHILE_IN_USE).touch()
+        (tmp_path / name / "counter_1.db").write_bytes(bytes(65536))
     with socket.socket() as other:
         other.bind(("127.0.0.1", 0))
         other.listen()
@@ -374,7 +382,8 @@ def test_an_address_in_use_stops_the_start_at_once_naming_the_setting(tmp_path: 
     assert (f"visionserve: {env['VISIONSERVE_BIND']} is in use (another server listens there): stop that server, or "
             "set VISIONSERVE_BIND to another address (e.g. 0.0.0.0:8001)") in result.stderr
     assert "Connection in use" not in result.stderr  # no retries
-    assert list(tmp_path.iterdir()) == []  # the metrics and control directories it made are gone
+    assert list(tmp_path.iterdir()) == []  # the metrics and control directories it made are gone, and the killed one's
+    assert "removed 2 temporary directories of servers gone without removing them" in result.stderr
 
 
 def test_an_address_that_cannot_be_listened_on_stops_the_start_at_once_naming_the_setting(tmp_path: Path) -> None:
