@@ -19,7 +19,7 @@ from app.hosting.host import engine_mode
 from app.v2.codec import (OUTPUT_FIELDS, InferRequest, InputCheck, Tensor, check_fields, encode_response, flag,
                            parameters, parse_request)
 from app.v2.schemas import (ConfigTensor, DynamicBatching, InstanceGroup, Live, ModelConfig, ModelMetadata,
-                            ModelReady, Ready, ServerMetadata, TensorMetadata)
+                            ModelReady, Ready, Reshape, ServerMetadata, TensorMetadata)
 from app.web.inputs import check_deadline_floor, client_key, read_body, request_deadline_s
 from app.web.services import arrival, client_gone, current_service
 from app.web.timing import annotate
@@ -120,7 +120,8 @@ def model_config(name: str, version: str | None = None) -> Response:
     classes = ConfigTensor(name=OUTPUT, data_type="TYPE_FP32", dims=[manifest.num_classes])
     return _json(ModelConfig(
         name=manifest.name, platform=platform, backend=BACKENDS[platform], max_batch_size=settings.max_images,
-        input=[ConfigTensor(name=IMAGES_INPUT, data_type="TYPE_STRING", dims=[1], format="FORMAT_NONE"),
+        input=[ConfigTensor(name=IMAGES_INPUT, data_type="TYPE_STRING", dims=[1], format="FORMAT_NONE",
+                            reshape=Reshape(shape=[])),
                ConfigTensor(name=PIXELS_INPUT, data_type="TYPE_FP32", dims=list(manifest.preprocess.input_shape),
                             format="FORMAT_NCHW")],
         output=[classes, *([ConfigTensor(name=EMBEDDING, data_type="TYPE_FP32", dims=[manifest.embedding.dim])]

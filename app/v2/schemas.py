@@ -53,6 +53,12 @@ class ModelMetadata(BaseModel):
     outputs: list[TensorMetadata]
 
 
+class Reshape(BaseModel):
+    """The shape the model takes an input in, where it differs from ``dims`` (Triton's ``reshape``)."""
+
+    shape: list[int]
+
+
 class ConfigTensor(BaseModel):
     """One input or output of GET .../config, as Triton's model configuration names it: ``dims`` without the batch
     dimension (the configuration's ``max_batch_size`` holds it)."""
@@ -61,6 +67,9 @@ class ConfigTensor(BaseModel):
     data_type: str  # TYPE_STRING (BYTES), TYPE_FP32
     dims: list[int]
     format: str | None = None  # an image input's layout: FORMAT_NCHW, or FORMAT_NONE for encoded files
+    # the encoded files: sent as dims [1] (a shape of [N, 1], or [N]), taken as one file per image, shape [] (so
+    # the metadata's [-1]: Triton's form for an input with no dimension beside the batch's)
+    reshape: Reshape | None = None
 
 
 class DynamicBatching(BaseModel):

@@ -63,9 +63,15 @@ def test_a_model_s_configuration_reads_as_triton_s(client: FlaskClient, settings
         assert config["name"] == "colour" and config["platform"] == "pytorch" and config["backend"] == "pytorch"
         assert config["max_batch_size"] == settings.max_images  # the images one request carries
         assert config["input"] == [
-            {"name": "images", "data_type": "TYPE_STRING", "dims": [1], "format": "FORMAT_NONE"},
+            {"name": "images", "data_type": "TYPE_STRING", "dims": [1], "format": "FORMAT_NONE",
+             "reshape": {"shape": []}},
             {"name": "pixels", "data_type": "TYPE_FP32", "dims": [3, 8, 8], "format": "FORMAT_NCHW"}]
         assert [(o["name"], o["dims"]) for o in config["output"]] == [("probabilities", [4])]
+        # the metadata's shapes are the configuration's, taken as the model takes them, after the batch's -1
+        # (before: images dims [1], no reshape, against a metadata shape of [-1]: Triton's would be [-1, 1])
+        metadata = client.get(path.removesuffix("/config")).get_json()
+        assert [tensor["shape"] for tensor in metadata["inputs"] + metadata["outputs"]] == [
+            [-1, *tensor.get("reshape", {}).get("shape", tensor["dims"])] for tensor in config["input"] + config["output"]]
         assert config["dynamic_batching"] == {"max_queue_delay_microseconds": round(settings.max_wait_ms * 1000),
                                               "preferred_batch_size": [settings.max_batch_size]}
         assert config["instance_group"] == [{"kind": "KIND_CPU", "count": 1}]
