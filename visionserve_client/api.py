@@ -1,12 +1,14 @@
 """``Client``: /predict, health, readiness and model metadata over a pooled ``requests`` session, with retries."""
 from __future__ import annotations
 
+import io
 import math
+import os
 import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple, Sequence, TypeVar, Union, overload
+from typing import Any, BinaryIO, Callable, Iterator, NamedTuple, Sequence, TypeVar, Union, overload
 from urllib.parse import unquote, urlsplit
 
 import requests
@@ -17,7 +19,9 @@ from visionserve_client.answers import MISREAD, error_of, failure_of, invalid_re
 from visionserve_client.errors import UsageError, VisionServeError
 from visionserve_client.types import Embedding, Explanation, ModelInfo, Overlay, Prediction
 
-ImageInput = Union[str, Path, bytes]
+# One image: a path, the file's bytes, or a file opened in binary mode (read from where it stands, once)
+ImageInput = Union[str, "os.PathLike[str]", bytes, bytearray, memoryview, BinaryIO]
+_BYTES = (bytes, bytearray, memoryview)
 T = TypeVar("T")
 # One request's answers, an image each (_predict_files, _embed_files): the files, the query parameters, the time.
 _Send = Callable[[list[tuple[str, bytes]], dict[str, str], "_Budget"], list[T]]
@@ -94,13 +98,53 @@ def _sendable(name: str) -> str:
     return raw.decode("utf-8", "replace")
 
 
+def _is_image(image: object) -> bool:
+    return isinstance(image, (str, os.PathLike, *_BYTES)) or callable(getattr(image, "read", None))
+
+
+def _images(images: object, call: str) -> tuple[list[ImageInput], bool]:
+    """``images`` as a list, and whether it was one image: one image (``ImageInput``) or a list or tuple of them.
+    Anything else is a TypeError saying what is taken (before: an open file was iterated as a list, each of its
+    lines sent as an image, and a bytearray's ints were taken for paths)."""
+    if _is_image(images):
+        return [images], True  # type: ignore[list-item]
+    if not isinstance(images, (list, tuple)):
+        raise TypeError(_not_an_image(call, images))
+    for position, image in enumerate(images):
+        if not _is_image(image):
+            raise TypeError(_not_an_image(call, image, position))
+    return list(images), False
+
+
+def _not_an_image(call: str, image: object, position: int | None = None) -> str:
+    which = "" if position is None else f"image {position}: "
+    hint = (" (a PIL image: save it to an io.BytesIO as JPEG or PNG and pass its getvalue())"
+            if callable(getattr(image, "save", None)) else "")
+    return (f"{call}: {which}an image is a path (str or Path), the file's bytes (bytes, bytearray, memoryview) or a "
+            f"file opened in binary mode ('rb'), and {call} takes one or a list of them; got {type(image).__name__}"
+            f"{hint}")
+
+
 def _name(image: ImageInput, position: int) -> str:
-    return f"image{position}" if isinstance(image, bytes) else _sendable(Path(image).name)
+    if isinstance(image, _BYTES):
+        return f"image{position}"
+    if isinstance(image, (str, os.PathLike)):
+        return _sendable(Path(image).name)
+    named = getattr(image, "name", None)  # an open file's path; a BytesIO has none, stdin's is "<stdin>" or 0
+    return _sendable(Path(named).name) if isinstance(named, str) and not named.startswith("<") else f"image{position}"
 
 
 def _read(image: ImageInput, position: int) -> tuple[str, bytes]:
-    if isinstance(image, bytes):
-        return _name(image, position), image
+    if isinstance(image, _BYTES):
+        return _name(image, position), bytes(image)
+    if not isinstance(image, (str, os.PathLike)):
+        if not _is_image(image):
+            raise TypeError(_not_an_image("the call", image))
+        data = None if isinstance(image, io.TextIOBase) else image.read()  # (a text file would decode, or fail to)
+        if not isinstance(data, _BYTES):
+            raise TypeError(f"image {position} ({_name(image, position)}): a file opened in text mode; open it in "
+                            "binary mode: open(path, 'rb')")
+        return _name(image, position), bytes(data)
     try:
         return _name(image, position), Path(image).read_bytes()
     except OSError as exc:
@@ -109,14 +153,21 @@ def _read(image: ImageInput, position: int) -> tuple[str, bytes]:
 
 
 def _size(image: ImageInput) -> int:
-    """Its bytes, from the file system for a file (not read: one too large to send is never read)."""
-    if isinstance(image, bytes):
-        return len(image)
+    """Its bytes, from the file system for a file (not read: one too large to send is never read); for an open
+    file, what is left of it from where it stands, 0 where that cannot be told (measured once read)."""
+    if isinstance(image, _BYTES):
+        return memoryview(image).nbytes
+    if isinstance(image, (str, os.PathLike)):
+        try:
+            return Path(image).stat().st_size
+        except OSError as exc:
+            _name_the_file(exc, str(image))
+            raise
     try:
-        return Path(image).stat().st_size
-    except OSError as exc:
-        _name_the_file(exc, str(image))
-        raise
+        return max(0, os.fstat(image.fileno()).st_size - image.tell())
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        getbuffer = getattr(image, "getbuffer", None)  # an io.BytesIO
+        return max(0, len(getbuffer()) - image.tell()) if callable(getbuffer) else 0
 
 
 def _part_bytes(name: str, size: int) -> int:
@@ -338,7 +389,8 @@ class Client:
     def predict(self, images: ImageInput | Sequence[ImageInput], top_k: int | None = None, *,
                 deadline_ms: float | None = None, model: str | None = None,
                 version: str | None = None) -> Prediction | list[Prediction]:
-        """Classify one image (a path or the file's bytes) or a list of them, in one request, in order.
+        """Classify one image (a path, the file's bytes, or a file opened with 'rb') or a list of them, in one
+        request, in order.
 
         ``top_k``: classes per image; left out, the server's default (``TOP_K``, at most the model's classes).
         ``model`` and ``version``: which served model and version answer; left out, the server's default model
@@ -346,8 +398,7 @@ class Client:
         ``deadline_ms``: the call's deadline, end to end: each attempt sends what is left of it (X-Request-Timeout),
         and no retry starts once it has passed.
         """
-        single = isinstance(images, (str, Path, bytes))
-        batch: Sequence[ImageInput] = [images] if single else images  # type: ignore[list-item, assignment]
+        batch, single = _images(images, "predict")
         if not batch:
             raise ValueError("predict needs at least one image")
         budget = self._budget(deadline_ms)
@@ -365,12 +416,12 @@ class Client:
 
     def embed(self, images: ImageInput | Sequence[ImageInput], *, deadline_ms: float | None = None,
               model: str | None = None, version: str | None = None) -> Embedding | list[Embedding]:
-        """The embedding of one image (a path or the file's bytes) or of each of a list, in one request, in order
-        (``/predict?outputs=embedding``); a model exported without one answers VisionServeError ``no_embedding``.
+        """The embedding of one image (a path, the file's bytes, or a file opened with 'rb') or of each of a list,
+        in one request, in order (``/predict?outputs=embedding``); a model exported without one answers
+        VisionServeError ``no_embedding``.
         ``model``, ``version`` and ``deadline_ms`` as for ``predict``. More images than one request may hold (the
         server's ``max_images``, ``max_body_bytes``): ``embed_each``."""
-        single = isinstance(images, (str, Path, bytes))
-        batch: Sequence[ImageInput] = [images] if single else images  # type: ignore[list-item, assignment]
+        batch, single = _images(images, "embed")
         if not batch:
             raise ValueError("embed needs at least one image")
         budget = self._budget(deadline_ms)
@@ -385,7 +436,7 @@ class Client:
         the others: each entry is its image's embedding or its own error, as ``predict_each`` gives them (and
         splits the images, sends a request again without a refused image, or in halves after a 413)."""
         _check_deadline(deadline_ms)
-        return self._each(images, self._embed_files, _embed_params(model, version), deadline_ms)
+        return self._each("embed_each", images, self._embed_files, _embed_params(model, version), deadline_ms)
 
     def predict_each(self, images: Sequence[ImageInput], top_k: int | None = None, *,
                      deadline_ms: float | None = None, model: str | None = None,
@@ -402,12 +453,13 @@ class Client:
         retries, no server, a bad ``top_k``) is the error of each image it held and of every image not sent yet:
         the rest are not sent. ``timeout`` and ``deadline_ms`` hold for each request; a UsageError is raised."""
         _check_deadline(deadline_ms)
-        return self._each(images, self._predict_files, _params(model, version, top_k), deadline_ms)
+        return self._each("predict_each", images, self._predict_files, _params(model, version, top_k), deadline_ms)
 
-    def _each(self, images: Sequence[ImageInput], send: _Send[T], params: dict[str, str],
+    def _each(self, call: str, images: Sequence[ImageInput], send: _Send[T], params: dict[str, str],
               deadline_ms: float | None) -> list[T | VisionServeError | OSError]:
         """``images`` in requests that fit the server's limits, each answered by ``send`` (a list of answers, one an
         image): every image's answer or its own error; a request refused as a whole, the error of the rest."""
+        images = _images(images, call)[0]  # each checked before any is sent
         results: list[T | VisionServeError | OSError | None] = [None] * len(images)
         for parts in self._requests_of(images, results):
             refused = self._answer_each(parts, send, params, deadline_ms, results)
@@ -529,11 +581,11 @@ class Client:
     def explain(self, image: ImageInput, *, label: str | None = None, class_index: int | None = None,
                 deadline_ms: float | None = None, model: str | None = None,
                 version: str | None = None) -> Explanation:
-        """Why the model chooses a class for one image (a path or the file's bytes): its Grad-CAM map over the
-        region of the photo the model saw (``/explain``). The class: ``label`` or ``class_index`` (left out, the
-        top one). ``model``, ``version`` and ``deadline_ms`` as for ``predict`` (without ``version`` the model's
-        default version explains, never a rollout's candidate). A version with no weights to take gradients of
-        answers VisionServeError ``no_gradients``."""
+        """Why the model chooses a class for one image (a path, the file's bytes, or a file opened with 'rb'): its
+        Grad-CAM map over the region of the photo the model saw (``/explain``). The class: ``label`` or
+        ``class_index`` (left out, the top one). ``model``, ``version`` and ``deadline_ms`` as for ``predict``
+        (without ``version`` the model's default version explains, never a rollout's candidate). A version with no
+        weights to take gradients of answers VisionServeError ``no_gradients``."""
         response = self._explained(image, _explain_params(model, version, label, class_index), deadline_ms)
         return parsed(response, Explanation.from_json)
 

@@ -1,6 +1,7 @@
 """The Python client and its CLI against the real gunicorn server; retries against a scripted stub server."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -186,6 +187,33 @@ def test_top_k_is_sent_only_when_asked(fake_server: str) -> None:
     with Client(fake_server) as client:
         assert len(client.predict(red).top_k) == 2  # the server's TOP_K (the test settings' 2)
         assert len(client.predict(red, top_k=4).top_k) == 4
+
+
+def test_an_open_file_bytearray_or_memoryview_is_one_image_and_anything_else_is_refused_before_sending(
+        fake_server: str, tmp_path: Path) -> None:
+    # Before: an open file was iterated as a list (each line of the JPEG sent as an image: 413 "more than 16 files",
+    # or 400 "not an image"), a bytearray's or memoryview's ints were taken for paths (TypeError "... not int")
+    red, blue = tmp_path / "red.jpg", tmp_path / "notes.txt"
+    red.write_bytes(image_bytes(RED))
+    blue.write_bytes(b"hello")
+    with Client(fake_server) as client, red.open("rb") as photo, blue.open("rb") as notes:
+        answers = [client.predict(photo), client.predict(bytearray(image_bytes(RED))),
+                   client.predict(memoryview(image_bytes(RED))), client.predict(io.BytesIO(image_bytes(RED))),
+                   *client.predict([bytearray(image_bytes(BLUE)), red]), *client.predict_each(red)]
+        assert [answer.label for answer in answers] == ["red", "red", "red", "red", "blue", "red", "red"]
+        with pytest.raises(VisionServeError, match=r"image 0 \(notes.txt\): "):  # sent under its file's name
+            client.predict(notes)
+        notes.seek(0)
+        (refused,) = client.predict_each([notes])
+        assert isinstance(refused, VisionServeError) and "image 0 (notes.txt)" in str(refused)
+        with red.open() as text, pytest.raises(TypeError, match=r"open it in binary mode: open\(path, 'rb'\)"):
+            client.predict(text)
+        with pytest.raises(TypeError, match=r"got JpegImageFile \(a PIL image: save it to an io.BytesIO"):
+            client.predict(Image.open(red))
+        with pytest.raises(TypeError, match=r"predict_each: image 1: an image is a path .* got int$"):
+            client.predict_each([red, 3])
+        with pytest.raises(TypeError, match=r"embed: an image is a path .* got dict$"):
+            client.embed({"image": red})
 
 
 @pytest.mark.parametrize("order", ["before", "after"])
