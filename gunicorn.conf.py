@@ -3,7 +3,6 @@
 The master never imports torch or touches CUDA: forked workers would inherit a broken CUDA context. Each worker
 loads the model itself (no preload_app), and its gthread pool lets concurrent requests share one batcher.
 """
-import atexit
 import contextlib
 import logging
 import os
@@ -43,8 +42,8 @@ os.environ["VISIONSERVE_ENGINES"] = str(_engines)
 # Several processes: prometheus-client's multiprocess mode, so /metrics on any worker reports all of them (the
 # engines' batches included). The variable must be set before the workers import prometheus_client, i.e. here in
 # the master before the fork.
-# The directories this master makes are kept in app/hosting/owned_dirs.py (a HUP executes this file again); those it
-# inherits from the master it replaces (USR2) it holds as its own (one ops set aside has no lock file: theirs).
+# The directories this master makes are kept in app/hosting/owned_dirs.py (a HUP executes this file again; USR2's new
+# master makes its own: pre_exec).
 if (_workers > 1 or _engine == "process") and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = owned_dirs.make("visionserve-metrics-")
 
@@ -52,9 +51,6 @@ if (_workers > 1 or _engine == "process") and not os.environ.get("PROMETHEUS_MUL
 # before the fork so every worker of this master, and every worker it starts later, finds the same one.
 if _settings.control_dir is None and not os.environ.get("VISIONSERVE_CONTROL_DIR"):
     os.environ["VISIONSERVE_CONTROL_DIR"] = owned_dirs.make("visionserve-control-")
-for _inherited in (os.environ.get("PROMETHEUS_MULTIPROC_DIR"), os.environ.get("VISIONSERVE_CONTROL_DIR")):
-    if _inherited:
-        owned_dirs.hold(_inherited)
 
 bind = _settings.bind
 workers = _workers
@@ -104,7 +100,7 @@ def on_starting(server) -> None:  # noqa: ANN001
         server.log.warning(warning)
     # its directories removed however it exits (a refusal below, a halt after on_exit, gunicorn's own exit when it
     # cannot listen), in this master only (its pid now: after a --daemon fork), not in the workers it forks
-    atexit.register(owned_dirs.remove_held, os.getpid())
+    owned_dirs.remove_at_exit()
     # and those of masters killed outright (SIGKILL, the OOM killer), which a restarted container's /tmp keeps
     if stale := owned_dirs.remove_stale():
         server.log.info("removed %d temporary directories of servers gone without removing them: %s", len(stale),
@@ -301,6 +297,13 @@ def child_exit(server, worker) -> None:  # noqa: ANN001
     """Drop a dead worker's live gauges (queue depth, GPU memory) from the multiprocess metrics, its report of
     what it served, and its mark of having reached the engine (``_forget``)."""
     _forget(server, worker.pid)
+
+
+def pre_exec(server) -> None:  # noqa: ANN001
+    """USR2's new master, just before gunicorn executes it: given no directory of this master's (gunicorn passes it
+    the environment it started with, which names them after a HUP), it makes its own: this one's engine sockets and
+    workers' marks are in them, and this master removes them at its exit."""
+    owned_dirs.leave_out_of(server.cfg.env_orig)
 
 
 def on_exit(server) -> None:  # noqa: ANN001

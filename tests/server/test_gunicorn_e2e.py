@@ -386,6 +386,17 @@ def test_an_address_in_use_stops_the_start_at_once_naming_the_setting(tmp_path: 
     assert "removed 2 temporary directories of servers gone without removing them" in result.stderr
 
 
+def test_gunicorn_reading_its_configuration_alone_leaves_no_directories_behind(tmp_path: Path) -> None:
+    # Before: `--check-config` executed gunicorn.conf.py, which made the metrics and control directories, and no
+    # hook ran to remove them
+    env = {**os.environ, "VISIONSERVE_WORKERS": "2", "VISIONSERVE_ENGINE": "inline", "VISIONSERVE_DEVICE": "cpu",
+           "TMPDIR": str(tmp_path)}
+    result = subprocess.run([str(ROOT / ".venv" / "bin" / "gunicorn"), "-c", "gunicorn.conf.py", "--check-config",
+                             "app.wsgi:app"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_address_that_cannot_be_listened_on_stops_the_start_at_once_naming_the_setting(tmp_path: Path) -> None:
     # Before: "connection to ('garbage', 8000) failed: [Errno -2] Name or service not known" three times over 4 s,
     # then "Can't connect to ('garbage', 8000)": a port never given, no word of the setting.

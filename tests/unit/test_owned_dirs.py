@@ -3,9 +3,11 @@ once whoever made them is gone without removing them; never while a process of t
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -14,18 +16,21 @@ from app.hosting import owned_dirs
 
 ROOT = Path(__file__).resolve().parents[2]
 # A master in a process of its own: makes its directories, says where, then ends as the line on its stdin says:
-# "kill" (SIGKILL: no exit function runs, as under the OOM killer), "exit" (its exit functions run), or, holding a
-# directory it is given, "hold PATH" first.
+# "kill" (SIGKILL: no exit function runs, as under the OOM killer) or "exit" (its exit functions run); "fork" first:
+# a worker of it, forked, holds them too while it lives (its pid said).
 MASTER = """
-import atexit, os, signal, sys
+import os, signal, sys, time
 from app.hosting import owned_dirs
-atexit.register(owned_dirs.remove_held, os.getpid())
 print(owned_dirs.make("visionserve-metrics-"), owned_dirs.make("visionserve-control-"), flush=True)
+worker = None
 for line in sys.stdin:
-    word, _, path = line.strip().partition(" ")
-    if word == "hold":
-        owned_dirs.hold(path)
-        print("held", flush=True)
+    word = line.strip()
+    if word == "fork":
+        worker = os.fork()
+        if worker == 0:
+            time.sleep(60)
+            os._exit(0)
+        print(worker, flush=True)
     elif word == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     else:
@@ -44,8 +49,8 @@ class Master:
         assert self.process.stdin is not None and self.process.stdout is not None
         self.process.stdin.write(line + "\n")
         self.process.stdin.flush()
-        if line.startswith("hold"):
-            assert self.process.stdout.readline().strip() == "held"
+        if line == "fork":
+            self.worker = int(self.process.stdout.readline())
         else:
             self.process.wait(30)
 
@@ -79,26 +84,44 @@ def test_a_killed_master_s_directories_go_at_the_next_start_and_no_others(folder
     assert sorted(path.name for path in folder.iterdir()) == sorted([by_hand.name, other.name])
 
 
-def test_a_master_holding_inherited_directories_keeps_them_when_the_old_one_exits(folder: Path) -> None:
-    # gunicorn's USR2: the new master inherits the directories through the environment; the old one, exiting after
-    old = Master(folder)
-    for path in old.dirs:
-        owned_dirs.hold(path)
-    old.say("exit")
-    assert all(Path(path).is_dir() for path in old.dirs)
-    assert owned_dirs.remove_stale() == []  # held: not stale
-    owned_dirs.hold(str(folder / "visionserve-control-missing"))  # nothing there: nothing held
-    owned_dirs.remove_held(os.getpid())
-    assert list(folder.iterdir()) == []
+def test_a_killed_master_s_live_worker_keeps_its_directories_until_it_ends(folder: Path) -> None:
+    master = Master(folder)
+    master.say("fork")
+    master.say("kill")  # the worker, forked with the master's lock, outlives it a while
+    try:
+        assert owned_dirs.remove_stale() == [] and all(Path(path).is_dir() for path in master.dirs)
+    finally:
+        os.kill(master.worker, signal.SIGKILL)
+    removed: list[str] = []
+    deadline = time.monotonic() + 10
+    while len(removed) < 2 and time.monotonic() < deadline:  # its lock goes as it dies (a zombie holds none)
+        removed += owned_dirs.remove_stale()
+        time.sleep(0.05)
+    assert sorted(removed) == sorted(master.dirs)
 
 
-def test_a_live_master_s_directory_is_held_by_whoever_holds_it_not_by_its_maker_alone(folder: Path) -> None:
-    # the other way round: this master made them, another took them over (hold) and outlives it
+def test_what_is_not_a_directory_of_ours_with_a_plain_lock_file_is_left_alone(folder: Path) -> None:
+    fifo = folder / "visionserve-metrics-fifo"  # before: opening its lock file, a FIFO, hung every master's start
+    fifo.mkdir()
+    os.mkfifo(fifo / owned_dirs.HELD_WHILE_IN_USE)
+    stale = folder / "visionserve-control-stale"
+    stale.mkdir()
+    (stale / owned_dirs.HELD_WHILE_IN_USE).touch()
+    linked = folder / "visionserve-control-linked"  # a link to a stale one: neither followed nor counted
+    linked.symlink_to(stale)
+    lock_link = folder / "visionserve-metrics-locklink"
+    lock_link.mkdir()
+    (lock_link / owned_dirs.HELD_WHILE_IN_USE).symlink_to(stale / owned_dirs.HELD_WHILE_IN_USE)
+    assert owned_dirs.remove_stale() == [str(stale)]
+    assert sorted(path.name for path in folder.iterdir()) == sorted([fifo.name, linked.name, lock_link.name])
+
+
+def test_usr2_s_new_master_is_given_none_of_the_old_master_s_directories(folder: Path) -> None:
+    # gunicorn passes USR2's new master the environment it started with, which names them after a HUP: the new
+    # master cleared the old one's live marks and engine sockets in them as stale (pre_exec leaves them out)
     mine = owned_dirs.make("visionserve-control-")
-    successor = Master(folder)
-    successor.say(f"hold {mine}")
+    environ = {"VISIONSERVE_CONTROL_DIR": mine, "PROMETHEUS_MULTIPROC_DIR": "/srv/metrics", "PATH": "/usr/bin"}
+    owned_dirs.leave_out_of(environ)
+    assert environ == {"PROMETHEUS_MULTIPROC_DIR": "/srv/metrics", "PATH": "/usr/bin"}  # one ops set is theirs
     owned_dirs.remove_held(os.getpid())
-    assert Path(mine).is_dir()  # left to the successor
-    successor.say("kill")
-    assert sorted(owned_dirs.remove_stale()) == sorted([mine, *successor.dirs])
     assert list(folder.iterdir()) == []
