@@ -369,6 +369,11 @@ class ServerSettings(SettingsGroup):
         "host, k engines share the cores); HTTP worker n talks to engine n mod the engine count, so WORKERS should "
         "be at least the engine count (the start-up log warns when an engine gets no worker). Versions, rollouts and "
         "readiness span every engine, as they span inline workers. Inline it changes nothing (the start-up log warns).")
+    engine_decode_threads: int = Field(
+        0, ge=0, le=256, description="Under ENGINE=process: threads each engine decodes images on the CPU with (the "
+        "PIL and tensor paths; the device path decodes on the GPU). 0 = one per usable core (the process's affinity "
+        "within its container's CPU quota); set it where the container has no CPU limit and so cannot tell its "
+        "share of the node's cores (deploy/k8s sets the pod's CPU request).")
     engine_loop_batch_ms: float = Field(
         5.0, ge=0, description="Under ENGINE=process: what a loop turn queued runs on the engine's loop itself, in "
         "batches of the cap, when the version's recent batches say one takes at most this long: as many as fit in "

@@ -306,7 +306,7 @@ class EngineServer:
         self._waiting = False  # the loop is in its wait for its sockets (from just before ``_wait_s`` looks)
         self._deadlines: list[tuple[float, int, _Exchange]] = []
         self._order = itertools.count()
-        self.decode_shares = DecodeShares(decode_threads or usable_cores())  # within a container's CPU quota
+        self.decode_shares = DecodeShares(decode_threads or settings.engine_decode_threads or usable_cores())
         self._decoders = ThreadPoolExecutor(self.decode_shares.threads, thread_name_prefix="engine-decode")
         self._catalog_reads = ThreadPoolExecutor(CATALOG_READ_THREADS, thread_name_prefix="engine-catalog")
         self._catalog_changes = ThreadPoolExecutor(CATALOG_CHANGE_THREADS, thread_name_prefix="engine-catalog-change")

@@ -2966,9 +2966,8 @@ def test_out_of_file_descriptors_the_loop_pauses_its_accepts_and_serves_on(
         server.stop(5)  # as at a SIGTERM: the counts its loop holds written too
 
 
-def test_the_engine_decodes_on_the_cores_its_container_may_use(settings: Settings, predictor: Predictor,
-                                                                tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-                                                                ) -> None:
+def test_the_engine_decodes_on_the_cores_its_container_may_use_or_the_setting_gives(
+        settings: Settings, predictor: Predictor, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Before: one decode thread per core of the node the engine's affinity names (64 in a pod of a 4-CPU limit)
     import models.serving
 
@@ -2979,5 +2978,12 @@ def test_the_engine_decodes_on_the_cores_its_container_may_use(settings: Setting
     server = EngineServer(Service.build(settings, predictor))
     try:
         assert server.decode_shares.threads == 4
+    finally:
+        server.stop(5)
+    # where the container has no limit to read, the setting says (deploy/k8s: the pod's CPU request)
+    cpu_max.write_text("max 100000\n")
+    server = EngineServer(Service.build(settings.model_copy(update={"engine_decode_threads": 8}), predictor))
+    try:
+        assert server.decode_shares.threads == 8
     finally:
         server.stop(5)

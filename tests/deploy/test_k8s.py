@@ -66,6 +66,9 @@ def test_deployment_gpu_probes_and_drain_match_the_service() -> None:
     assert container["startupProbe"]["httpGet"]["path"] == "/readyz"
     # without a CPU limit the server counts the node's cores (16 and more: 4 workers on a pod of a few)
     assert "cpu" in container["resources"]["limits"] or "VISIONSERVE_WORKERS" in settings
+    # and the engine's decode threads: one per node core (64) in a pod of 8 requested
+    requested = int(container["resources"]["requests"]["cpu"])
+    assert "cpu" in container["resources"]["limits"] or int(settings["VISIONSERVE_ENGINE_DECODE_THREADS"]) == requested
 
 
 def test_the_hpa_alone_says_how_many_replicas_run() -> None:

@@ -100,3 +100,4 @@ def test_the_runtime_sizes_its_workers_for_the_pod_not_the_node() -> None:
     assert "cpu" not in resources.get("limits", {})  # (with one, the server would count the pod's cores itself)
     requested = int(resources["requests"]["cpu"])
     assert 1 <= int(env["VISIONSERVE_WORKERS"]) <= max(1, requested // 4)  # auto's one per 4 cores, of the pod's
+    assert int(env["VISIONSERVE_ENGINE_DECODE_THREADS"]) == requested  # the engine's decode threads too
