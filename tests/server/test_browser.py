@@ -271,8 +271,8 @@ def test_the_demo_page_picks_a_model_and_version(browser, two_models_url: str,  
 def test_the_demo_page_shows_photos_in_the_order_chosen_numbered_for_people(browser, fake_url: str,  # noqa: ANN001
                                                                             tmp_path: Path) -> None:
     # Before: the cards came newest first (the last photo on top), the last card alone on its row took the whole
-    # width, errors said "image 0", the version was a bare "test", the file input said "No file chosen" after a
-    # pick, and /favicon.ico was a 404 in the console.
+    # width, errors said "image 0" (then "image 1": the photo's place in its one-photo request), the version was a
+    # bare "test", the file input said "No file chosen" after a pick, and /favicon.ico was a 404 in the console.
     from selenium.webdriver.common.by import By
 
     photos = [tmp_path / "red.jpg", tmp_path / "notes.jpg", tmp_path / "blue.jpg"]
@@ -283,7 +283,8 @@ def test_the_demo_page_shows_photos_in_the_order_chosen_numbered_for_people(brow
     assert _picked(browser) == ("colour", ["test"], "test")  # the only model
     cards = _pick(browser, None, *photos)
     assert [card.splitlines()[0] for card in cards] == ["red.jpg", "notes.jpg", "blue.jpg"]
-    assert "400 invalid_image: image 1 (notes.jpg): " in cards[1] and "image 0" not in cards[1]
+    # the card names the photo: the server's "image 0 (notes.jpg): " (its place in a one-photo request) left out
+    assert "400 invalid_image: the data is not an image" in cards[1] and "image 0" not in cards[1], cards[1]
     assert "colour version test · " in cards[0] and "blue" in cards[2].splitlines()[1]
     assert browser.find_element(By.ID, "chosen").text == "3 photos chosen: red.jpg, notes.jpg, blue.jpg"
     boxes = [card.rect for card in browser.find_elements(By.CSS_SELECTOR, ".card")]

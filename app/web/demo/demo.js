@@ -30,10 +30,13 @@ function headers() {
 function errorText(status, body) {
   const error = body && body.error;
   if (error && typeof error === "object") {
-    // The server numbers a request's images from 0 ("image 0 (cat.jpg): ..."); people count from 1.
-    const index = error.details && error.details.image;
-    const message = Number.isInteger(index) ? error.message.replace(/^image \d+/, `image ${index + 1}`)
-                                            : error.message;
+    // The server names the image within its request ("image 0 (cat.jpg): ..."): the page sends one photo a
+    // request, whose card names it already (an index there, 0 or 1, counted nothing a person chose).
+    const details = error.details || {};
+    const named = typeof details.filename === "string" ? ` (${details.filename})` : "";
+    const prefix = `image ${details.image}${named}: `;
+    const message = Number.isInteger(details.image) && error.message.startsWith(prefix)
+      ? error.message.slice(prefix.length) : error.message;
     return `${status} ${error.code}: ${message}`;
   }
   return `${status}: ${typeof error === "string" ? error : "the server answered without a JSON error"}`;
