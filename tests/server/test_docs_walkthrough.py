@@ -220,18 +220,30 @@ def _check_training_and_scoring_output(walk: Walk, commands: list[str]) -> None:
                      flags=re.M), ddp[-2000:]
 
 
-@pytest.mark.slow
-def test_the_training_and_models_docs_run_end_to_end(walk: Walk) -> None:
+def _walked(walk: Walk, doc: str) -> tuple[list[str], dict[str, str]]:
+    """Every command of ``doc``, in order, run in the walk's folder: the commands and what each printed."""
     outputs = {}
-    commands = walkthrough_commands()
-    for doc, command in commands:
+    commands = [command for in_doc, command in walkthrough_commands() if in_doc == doc]
+    for command in commands:
         outputs[command] = walk.run(doc, command)
     print("\n".join(f"{seconds:6.1f} s  {command}" for seconds, command in sorted(walk.seconds, reverse=True)))
-    _check_training_and_scoring_output(walk, [command for doc, command in commands if doc == "docs/training.md"])
-    repository = walk.work / "repository"
-    assert sorted(p.parent.name for p in (repository / "mine").glob("*/manifest.json")) == ["1", "2"]
+    return commands, outputs
+
+
+# Each doc in a folder of its own (neither reads what the other writes), so the two run side by side.
+@pytest.mark.slow
+def test_the_training_doc_runs_end_to_end(walk: Walk) -> None:
+    commands, _ = _walked(walk, "docs/training.md")
+    _check_training_and_scoring_output(walk, commands)
     assert (walk.work / "runs" / "mine" / "export" / "manifest.json").is_file()
     assert (walk.work / "runs" / "ddp" / "best.pt").is_file()
+
+
+@pytest.mark.slow
+def test_the_models_doc_runs_end_to_end(walk: Walk) -> None:
+    _, outputs = _walked(walk, "docs/models.md")
+    repository = walk.work / "repository"
+    assert sorted(p.parent.name for p in (repository / "mine").glob("*/manifest.json")) == ["1", "2"]
     assert walk.unnamed() == {"name": "mine", "version": "1"}  # the default model, rolled back by a call
     time.sleep(2 * walk.poll_s)  # two polls: the rollback holds
     assert walk.unnamed() == {"name": "mine", "version": "1"}

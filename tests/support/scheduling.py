@@ -40,7 +40,8 @@ SAME_WORKER: tuple[tuple[str, str], ...] = (  # (node id prefix, group)
     ("tests/unit/test_house.py::", "the project parsed"),  # every file's syntax tree, built once a process
 )
 LONG = (  # about a minute or more on 2 cores, longest first
-    "tests/server/test_docs_walkthrough.py::test_the_training_and_models_docs_run_end_to_end",
+    "tests/server/test_docs_walkthrough.py::test_the_models_doc_runs_end_to_end",
+    "tests/server/test_docs_walkthrough.py::test_the_training_doc_runs_end_to_end",
     "tests/server/test_rollouts.py::",
     "tests/server/test_bench_gpu.py::",
     "tests/training/test_training.py::test_the_summary_serves_what_the_run_exported",
