@@ -28,6 +28,18 @@ class EvalPreset(BaseModel):
         """The (C, H, W) shape of one preprocessed image."""
         return (3, self.crop_size, self.crop_size)
 
+    @model_validator(mode="after")
+    def _servable(self) -> "EvalPreset":
+        # Either was served before without a word (a user's own manifest): a division by zero, or pixels 255 times
+        # too small for what the model learnt. (A crop larger than the resize is torchvision's CenterCrop's padding:
+        # a pipeline some models were trained with, served as it pads.)
+        if not all(0 < value <= 1 for value in self.std) or not all(0 <= value <= 1 for value in self.mean):
+            scale = " (on 0..255: divide them by 255)" if max(*self.mean, *self.std) > 1 else ""
+            raise ValueError(f"mean {list(self.mean)} and std {list(self.std)} are on the 0..1 scale of the pixels, "
+                             f"each mean within 0..1 and each std above 0 and at most 1, as torchvision's Normalize "
+                             f"takes them (ImageNet's: 0.485, 0.456, 0.406 and 0.229, 0.224, 0.225){scale}")
+        return self
+
 
 MANIFEST_NAME = "manifest.json"
 WeightsFormat = Literal["torchscript", "state_dict"]
@@ -214,6 +226,9 @@ class Manifest(BaseModel):
         problem = too_few_labels(labels)
         if problem:
             raise ValueError(problem)
+        blank = [i for i, label in enumerate(labels) if not label.strip()]
+        if blank:  # (a label given twice is allowed: ImageNet's 'crane' is a bird and a machine; the index tells)
+            raise ValueError(f"labels {blank} are empty: each class needs a name an answer can give")
         return labels
 
     @model_validator(mode="after")

@@ -2,6 +2,7 @@
 decoding, the queue."""
 from __future__ import annotations
 
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -160,6 +161,28 @@ def test_a_hand_edited_manifest_is_refused_in_one_line(tmp_path: Path) -> None:
     assert "\n" not in said and "errors.pydantic.dev" not in said, said
     assert said.startswith(f"{tmp_path}/manifest.json is invalid: labels: "), said
     assert "; preprocess.crop_size: " in said, said
+
+
+@pytest.mark.parametrize(("change", "said"), [
+    ({"std": [0, 0.2, 0.2]}, "are on the 0..1 scale of the pixels"),  # a division by zero
+    ({"mean": [123.7, 116.3, 103.5], "std": [58.4, 57.1, 57.4]}, "(on 0..255: divide them by 255)"),
+    ({"labels": ["red", " ", "blue"]}, "labels [1] are empty"),
+])
+def test_a_hand_written_manifest_s_nonsense_is_refused_saying_what_to_fix(tmp_path: Path, change: dict,
+                                                                          said: str) -> None:
+    # Before: each served (a user's own manifest): near-uniform answers, every image one class, an empty label
+    import json
+
+    from tests.support.fakes import tiny_manifest
+
+    manifest = tiny_manifest().model_dump(mode="json")
+    if "labels" in change:
+        manifest["labels"] = change["labels"][:len(manifest["labels"])] + manifest["labels"][len(change["labels"]):]
+    else:
+        manifest["preprocess"].update(change)
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ModelLoadError, match=re.escape(said)):
+        checks.read_checked_manifest(tmp_path)
 
 
 def test_a_deadline_spent_before_the_request_reached_the_engine_is_504_not_429(service: Service) -> None:
