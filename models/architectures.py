@@ -39,15 +39,25 @@ _BUILDERS: dict[str, Callable[[int], nn.Module]] = {
 }
 
 ARCHS: tuple[str, ...] = tuple(sorted(_BUILDERS))
+# Any other model of the two libraries, for weights trained elsewhere (models.export --state-dict): by its own name
+LIBRARIES: dict[str, Callable[[str], Callable[[int], nn.Module]]] = {"timm": _timm, "torchvision": _torchvision}
 
 
 def build_model(arch: str, num_classes: int) -> nn.Module:
-    """Build an untrained ``arch`` with a ``num_classes`` head; raises ValueError for unknown names."""
-    if arch not in _BUILDERS:
-        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    """Build an untrained ``arch`` with a ``num_classes`` head: one of ARCHS, or ``timm:NAME`` /
+    ``torchvision:NAME`` (any model of that library); raises ValueError for unknown names."""
+    library, _, name = arch.partition(":")
+    if arch not in _BUILDERS and not (name and library in LIBRARIES):
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}, or timm:NAME or torchvision:NAME "
+                         f"for another model of those libraries (e.g. timm:mobilenetv3_small_100)")
     if num_classes <= 0:
         raise ValueError(f"num_classes must be positive, got {num_classes}")
-    return _BUILDERS[arch](num_classes)
+    if arch in _BUILDERS:
+        return _BUILDERS[arch](num_classes)
+    try:
+        return LIBRARIES[library](name)(num_classes)
+    except (RuntimeError, ValueError, KeyError) as exc:  # timm: RuntimeError "Unknown model"; torchvision: ValueError
+        raise ValueError(f"unknown arch {arch!r}: {library} has no model {name!r} ({exc})") from None
 
 
 def head_name(model: nn.Module) -> str:

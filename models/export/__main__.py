@@ -3,6 +3,9 @@
     .venv/bin/python -m models.export --default --out weights                          # the bundled Lite0 (ImageNet)
     .venv/bin/python -m models.export --checkpoint runs/NAME/best.pt --out runs/NAME/export   # a models.train run's
     .venv/bin/python -m models.export --checkpoint runs/NAME/best.pt --repository repository   # NAME/<next number>/
+    .venv/bin/python -m models.export --state-dict mine.pt --arch resnet18 --labels labels.txt --name mine --out DIR
+    .venv/bin/python -m models.export --torchscript mine.ts --labels labels.txt --crop-size 160 --mean 0.5 0.5 0.5 \
+        --std 0.5 0.5 0.5 --name mine --repository repository --packages none     # a model trained elsewhere
 
 An export never replaces one already written: into a folder that holds an export it refuses unless --force. With
 --checkpoint and no --out it writes the run's own export/ (never weights/ unasked). Each export is written into a hidden folder
@@ -22,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+import pydantic
 import torch
 
 from models.commands import python_command
@@ -30,7 +34,10 @@ from models.export.checks import ModelLoadError
 from models.export.compile import DTYPES, cannot_compile
 from models.export.quantize import TORCHAO_HINT
 from models.run.args import HelpFormatter
-from models.export.write import export_checkpoint, export_default, one_line
+from models.architectures import ARCHS
+from models.export.brought import brought_preset, read_labels
+from models.export.checks import invalid_because
+from models.export.write import export_brought, export_checkpoint, export_default, one_line
 
 log = logging.getLogger("models.export")
 
@@ -42,6 +49,27 @@ def get_args_parser() -> argparse.ArgumentParser:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--default", action="store_true", help="export the bundled EfficientNet-Lite0 (ImageNet)")
     source.add_argument("--checkpoint", type=Path, help="a checkpoint written by models.train (e.g. best.pt)")
+    source.add_argument("--state-dict", type=Path, help="a model trained elsewhere: its weights, as "
+                        "torch.save(model.state_dict(), FILE) wrote them, of --arch; with --labels and how its "
+                        "pictures were prepared (--resize-size, --crop-size, --interpolation, --mean, --std)")
+    source.add_argument("--torchscript", type=Path, help="a model trained elsewhere, as a TorchScript file "
+                        "(torch.jit.save's), with --labels and its preparation as for --state-dict; exported as "
+                        "TorchScript alone (--packages none)")
+    brought = parser.add_argument_group("a model trained elsewhere (--state-dict, --torchscript)")
+    brought.add_argument("--arch", help="the architecture of a --state-dict: " + ", ".join(ARCHS) + ", or any "
+                         "other of timm or torchvision as timm:NAME or torchvision:NAME (e.g. "
+                         "timm:mobilenetv3_small_100, torchvision:resnet34)")
+    brought.add_argument("--labels", type=Path, help="a text file of the class names, one a line, in the order of "
+                         "the model's outputs")
+    brought.add_argument("--resize-size", type=int, default=None, help="the short side's size before the centre "
+                         "crop (default: 256, or the crop in that proportion)")
+    brought.add_argument("--crop-size", type=int, default=None, help="the centre square the model sees (default 224)")
+    brought.add_argument("--interpolation", choices=["nearest", "bilinear", "bicubic", "lanczos"], default=None,
+                         help="the resize's (default bilinear, torchvision's)")
+    brought.add_argument("--mean", type=float, nargs=3, default=None, metavar=("R", "G", "B"),
+                         help="the normalisation's mean on 0..1 pixels (default ImageNet's 0.485 0.456 0.406)")
+    brought.add_argument("--std", type=float, nargs=3, default=None, metavar=("R", "G", "B"),
+                         help="and its standard deviation (default ImageNet's 0.229 0.224 0.225)")
     target = parser.add_mutually_exclusive_group()
     target.add_argument("--out", type=Path, default=None,
                         help="weights directory to write (when neither --out nor --repository is given: with "
@@ -108,6 +136,20 @@ def run_export(checkpoint: Path) -> Path:
     return checkpoint.parent / "export"
 
 
+def _brought_target(args: argparse.Namespace) -> Path | None:
+    """Where a model trained elsewhere goes (--out or --repository: there is no run folder to take it), once what it
+    needs was given (ValueError saying what is missing)."""
+    flag = "--state-dict" if args.state_dict else "--torchscript"
+    missing = [need for need, given in (("--labels FILE", args.labels), ("--name NAME", args.name),
+                                        ("--out DIR or --repository DIR", args.out or args.repository),
+                                        ("--arch ARCH", args.arch or args.torchscript)) if not given]
+    if missing:
+        raise ValueError(f"{flag} needs {', '.join(missing)} too")
+    if args.torchscript and args.arch:
+        raise ValueError("--arch names a --state-dict's architecture; a TorchScript file holds its own code")
+    return args.out
+
+
 def main(argv: Sequence[str] | None = None, started: float | None = None) -> int:
     """Entry point for ``python -m models.export``; returns the exit code. ``started``: when the command began
     (a ``time.perf_counter()`` reading), timed as its first step."""
@@ -121,14 +163,26 @@ def main(argv: Sequence[str] | None = None, started: float | None = None) -> int
         # the bundled default model's folder (make serve serves it), replaced only when named
         out = None if args.repository else (args.out or (run_export(args.checkpoint) if args.checkpoint
                                                          else Path("weights")))
+        brought = args.state_dict or args.torchscript
+        if brought:
+            out = _brought_target(args)
         targets = package_targets(args.packages, args.package_dtype)
-        if args.checkpoint:
+        if brought:
+            export_brought(brought, out, arch=args.arch if args.state_dict else None, labels=read_labels(args.labels),
+                           preset=brought_preset(args.resize_size, args.crop_size, args.interpolation, args.mean,
+                                                 args.std),
+                           name=args.name, version=args.version, force=args.force, repository=args.repository,
+                           packages=[] if args.torchscript and args.packages == "auto" else targets, laps=laps)
+        elif args.checkpoint:
             export_checkpoint(args.checkpoint, out, name=args.name, version=args.version, force=args.force,
                               repository=args.repository, packages=targets, laps=laps)
         else:
             export_default(out, force=args.force, repository=args.repository, packages=targets, version=args.version,
                            laps=laps, name=args.name)
     # A model the server would refuse, a target that cannot be written, a compile that failed: one line each.
+    except pydantic.ValidationError as exc:  # the preparation or the labels given
+        log.error("error: %s", invalid_because(exc).removeprefix("the manifest: "))
+        return 2
     except (OSError, ValueError, RuntimeError, ModelLoadError) as exc:
         log.error("error: %s", one_line(str(exc)))
         return 2

@@ -6,6 +6,7 @@ refuse the same exports with the same messages.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Sequence
 
@@ -89,7 +90,8 @@ def invalid_because(exc: ValueError) -> str:
     a line an error and a link each), or the error's first line."""
     if isinstance(exc, pydantic.ValidationError):
         errors = exc.errors()
-        said = [f"{'.'.join(map(str, e['loc'])) or 'the manifest'}: {e['msg']}" for e in errors[:3]]
+        said = [f"{'.'.join(map(str, e['loc'])) or 'the manifest'}: {e['msg'].removeprefix('Value error, ')}"
+                for e in errors[:3]]
         return "; ".join(said) + (f" (and {len(errors) - 3} more)" if len(errors) > 3 else "")
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
@@ -119,6 +121,26 @@ CHECK_BATCH_SIZE = 2
 # How far from 1 a row may sum and still read as probabilities: float32's rounding over 1000 classes is about 1e-6,
 # bfloat16's and float16's about 1e-2 (a logits row non-negative and that close to 1 on every image is no chance).
 PROBABILITY_SUM_TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 2e-2}
+
+
+def fit_weights(model: nn.Module, weights: object, refusal: str) -> None:
+    """``weights`` loaded into ``model`` strictly; ValueError in one line when they are not its weights, ``refusal``
+    followed by how (torch's own error lists every key: thousands of characters)."""
+    try:
+        model.load_state_dict(weights, strict=True)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError, AttributeError):
+        expected = model.state_dict()
+        given = weights if isinstance(weights, dict) else {}
+        missing = sum(key not in given for key in expected)
+        unexpected = sum(key not in expected for key in given)
+        reshaped = sum(key in given and getattr(given[key], "shape", None) != value.shape
+                       for key, value in expected.items())
+        head = [key for key in expected if key in given and getattr(given[key], "shape", None) != expected[key].shape]
+        hint = (f" (the head {head[-1]}: {tuple(given[head[-1]].shape)} against {tuple(expected[head[-1]].shape)}, "
+                f"another class count)" if head and missing == unexpected == 0 and reshaped <= 2 else
+                " (weights of another architecture or class count)")
+        raise ValueError(f"{refusal}: {missing} of its {len(expected)} keys missing, {unexpected} unexpected, "
+                         f"{reshaped} of another shape{hint}") from None
 
 
 def check_output_shape(model: nn.Module, manifest: Manifest, device: torch.device | str = "cpu",
@@ -194,8 +216,9 @@ def _probabilities(rows: torch.Tensor) -> bool:
 
 def one_line(exc: BaseException, limit: int = 300) -> str:
     """``exc`` as one line of at most ``limit`` characters: a TorchScript interpreter's error by its last line (the
-    error itself, after the scripted traceback), any other's lines joined."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    error itself, after the scripted traceback), any other's lines joined, without terminal colour codes (torch's
+    weights-only refusal has them)."""
+    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).splitlines() if line.strip()]
     if lines and "TorchScript interpreter" in lines[0]:
         text = lines[-1]
     else:

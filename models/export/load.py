@@ -22,6 +22,8 @@ from models.export.checks import (
     check_output_shape,
     checked_file,
     checked_path,
+    fit_weights,
+    one_line,
     read_checked_manifest,
     resolve_device,
     resolve_dtype,
@@ -40,18 +42,37 @@ def load_module(path: Path, manifest: Manifest, fmt: WeightsFormat) -> nn.Module
     answers its embedding beside its logits when the manifest has one (as the export's other formats do)."""
     try:
         if fmt == "torchscript":
-            with quiet_jit():
-                return torch.jit.load(str(path), map_location="cpu")
+            return load_torchscript(path)
         from models.architectures import build_model  # timm and torchvision: only state dicts need them
 
         model = build_model(manifest.arch, manifest.num_classes)
-        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True), strict=True)
+        fit_weights(model, torch.load(path, map_location="cpu", weights_only=True),
+                    f"they are not those of {manifest.arch} with {manifest.num_classes} classes")
         # eval() before any forward: a training-mode forward would overwrite the BatchNorm running statistics.
         if manifest.embedding is not None:
             return WithEmbedding(model.eval(), manifest.embedding.layer).eval()
         return model.eval()
-    except Exception as exc:  # noqa: BLE001 - unpickling, shape and key errors all mean "cannot serve this"
+    except ValueError as exc:  # ours: one line saying what to do
         raise ModelLoadError(f"cannot load {fmt} weights from {path}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - unpickling, shape and key errors all mean "cannot serve this"
+        # (torch's run to paragraphs, with terminal colour codes: one line of them)
+        raise ModelLoadError(f"cannot load {fmt} weights from {path}: {one_line(exc, 600)}") from exc
+
+
+def load_torchscript(path: Path) -> torch.jit.ScriptModule:
+    """The TorchScript module in ``path`` on the CPU; ValueError saying so when the file is none (a state dict, a
+    whole pickled model: torch's message calls the file corrupted)."""
+    import zipfile
+
+    try:
+        with quiet_jit():
+            return torch.jit.load(str(path), map_location="cpu")
+    except RuntimeError:
+        if not zipfile.is_zipfile(path) or "constants.pkl" in " ".join(zipfile.ZipFile(path).namelist()):
+            raise
+    raise ValueError(f"{path} is no TorchScript file (torch.jit.script or torch.jit.trace, then torch.jit.save, "
+                     f"writes one); a state dict or a pickled model is served from its architecture's code: "
+                     f"python -m models.export --state-dict FILE --arch ARCH")
 
 
 def optimize_for_cpu(model: nn.Module, manifest: Manifest) -> nn.Module:

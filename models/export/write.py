@@ -19,7 +19,7 @@ from models.export.agreement import Laps, RunImages, one_thread, run_images
 from models.export.compile import compile_package
 from models.export.onnx import export_onnx
 from models.export.quantize import compile_int8_package
-from models.export.checks import check_outputs
+from models.export.checks import check_outputs, fit_weights
 from models.export.manifest import (
     CompiledPackage,
     EmbeddingOutput,
@@ -75,14 +75,16 @@ def export_model(model: nn.Module, *, out_dir: Path, name: str, version: str, ar
         raise FileExistsError(f"{out_dir} is a file, not a folder to export into")
     laps = Laps() if laps is None else laps
     model = model.eval().cpu()
-    served, embedding = _served(model, preset)
+    scripted = isinstance(model, torch.jit.ScriptModule)  # a TorchScript file brought: no code to build it from
+    served, embedding = (model, None) if scripted else _served(model, preset)
     with one_thread():
         check_outputs(served, labels, preset.input_shape, None if embedding is None else embedding.dim)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with staging_beside(out_dir) as staging:
-        files = {"torchscript": _write_torchscript(served, preset, len(labels), staging),
-                 # the architecture's own keys (loaded into build_model)
-                 "state_dict": _write_hashed(staging / STATE_DICT_NAME, lambda f: torch.save(model.state_dict(), f))}
+        files = {"torchscript": _write_torchscript(served, preset, len(labels), staging)}
+        if not scripted:  # the architecture's own keys (loaded into build_model)
+            files["state_dict"] = _write_hashed(staging / STATE_DICT_NAME,
+                                                lambda f: torch.save(model.state_dict(), f))
         laps.done("TorchScript")
         compiled: list[CompiledPackage] = []
         for device, dtype in (wanted for wanted in packages if wanted[0] != "onnx"):
@@ -305,6 +307,38 @@ def export_checkpoint(path: Path, out_dir: Path | None, *, name: str | None = No
     )
 
 
+def export_brought(path: Path, out_dir: Path | None, *, arch: str | None, labels: list[str], preset: EvalPreset,
+                   name: str, version: str | None = None, force: bool = False, repository: Path | None = None,
+                   packages: Sequence[tuple[str, str]] = (), laps: Laps | None = None) -> Manifest:
+    """Export a model trained elsewhere, with its ``labels`` (one an output, in order) and ``preset``: ``path`` a
+    state dict of ``arch`` (models/architectures.build_model's names, timm:NAME, torchvision:NAME), or, with no
+    ``arch``, a TorchScript file (served as TorchScript alone: no code to build ONNX, packages or gradients from).
+    Into ``out_dir``, or ``<repository>/<name>/<version>`` (the next number unless ``version``); with ``out_dir``
+    and no ``version``, ``<file's date>-<weights digest>``. Checked as a checkpoint's export is (ValueError,
+    ModelLoadError, one line each)."""
+    from models.export.brought import brought_model
+    from models.export.load import load_torchscript
+
+    laps = Laps() if laps is None else laps
+    numbered = repository is not None and version is None
+    out_dir, version = target(out_dir, repository, name, version)
+    if not force:
+        refuse_existing(out_dir, repository, name)
+    if arch is None:
+        model = load_torchscript(path)
+        weights, source = model.state_dict(), f"TorchScript file {path.name}"
+        if packages:
+            raise ValueError("a TorchScript file is exported as TorchScript alone: give --packages none (ONNX and "
+                             "compiled packages are built from the model's code: --state-dict FILE --arch ARCH)")
+    else:
+        model, weights = brought_model(path, arch, labels)
+        source = f"state dict {path.name} of {arch}"
+    laps.done("load")
+    return export_model(model, out_dir=out_dir, name=name, version=version or default_version(path, weights),
+                        arch=arch or "torchscript", labels=labels, preset=preset, source=source, force=force,
+                        packages=packages, laps=laps, numbered=numbered)
+
+
 def run_trained_on(checkpoint: Path, args: dict[str, Any]) -> TrainedOn | None:
     """Which images trained the run that wrote ``checkpoint`` (its options ``args``), absolute: its --data but those
     its ``held_out.txt`` beside the checkpoint lists (--val-split), else its --data's train/; None without a --data."""
@@ -334,20 +368,10 @@ def _checkpoint_model(path: Path, state: dict[str, Any]) -> nn.Module:
     (torch's own error lists every key: hundreds)."""
     from models.architectures import build_model
 
-    arch, weights = state["arch"], state["model"]
-    model = build_model(arch, len(state["classes"]))
-    try:
-        model.load_state_dict(weights, strict=True)
-    except (RuntimeError, TypeError, AttributeError):
-        expected = model.state_dict()
-        given = weights if isinstance(weights, dict) else {}
-        missing = sum(key not in given for key in expected)
-        unexpected = sum(key not in expected for key in given)
-        reshaped = sum(key in given and getattr(given[key], "shape", None) != value.shape
-                       for key, value in expected.items())
-        raise ValueError(f"{path} says {arch} with {len(state['classes'])} classes, but its weights are not that "
-                         f"model's: {missing} of its {len(expected)} keys missing, {unexpected} unexpected, "
-                         f"{reshaped} of another shape (weights of another architecture or class count)") from None
+    arch, classes = state["arch"], len(state["classes"])
+    model = build_model(arch, classes)
+    fit_weights(model, state["model"], f"{path} says {arch} with {classes} classes, but its weights are not that "
+                f"model's")
     return model
 
 

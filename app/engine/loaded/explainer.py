@@ -49,7 +49,8 @@ def _gradient_module(predictor: Predictor) -> tuple[nn.Module, str]:
     if not exported:
         raise NoGradients(f"{where} serves {predictor.weights_format} weights, which have no gradients, and its "
                           f"export holds no state dict to explain with: export it again with python -m "
-                          f"models.export (every export writes model.state_dict.pt)")
+                          f"models.export, from its run's checkpoint or, trained elsewhere, from its state dict "
+                          f"(--state-dict FILE --arch ARCH): each writes model.state_dict.pt")
     try:
         module = load_module(checked_file(predictor.weights_dir, manifest, "state_dict"), manifest, "state_dict")
     except ModelLoadError as exc:

@@ -128,7 +128,8 @@ class DirectorySource:
         found = (predictor.manifest.name, predictor.manifest.version)
         if found != (name, version):
             raise ModelLoadError(f"{folder}/manifest.json says {found[0]} version {found[1]}, but the repository "
-                                 f"holds it as {name} version {version}: export it again with --repository")
+                                 f"holds it as {name} version {version}: export it again with --repository, or "
+                                 f"move it to {found[0]}/{found[1]}")
         return predictor
 
     def missing(self) -> ModelLoadError:
