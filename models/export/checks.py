@@ -198,6 +198,11 @@ def _answers(model: nn.Module, images: torch.Tensor) -> tuple[torch.Tensor, torc
         with torch.inference_mode():
             logits, embedding = split_outputs(model(images))
     except Exception as exc:  # noqa: BLE001 - whatever a model raises on a batch means "cannot serve this"
+        if images.shape[0] > 1 and _runs_alone(model, images[:1]):  # (ONNX Runtime's or a traced reshape's words)
+            raise ModelLoadError(f"the model runs on one image but fails on a batch of {images.shape[0]}: its batch "
+                                 f"dimension is fixed at 1; export it with a dynamic one (torch.onnx.export's "
+                                 f"dynamic_axes or dynamic_shapes; torch.jit.script rather than a trace of one "
+                                 f"image) ({one_line(exc, 200)})") from exc
         raise ModelLoadError(f"the model fails on a batch of {images.shape[0]} images of shape "
                              f"{tuple(images.shape[1:])} ({images.dtype}): {one_line(exc)}") from exc
     for answer in (logits, embedding):
@@ -205,6 +210,15 @@ def _answers(model: nn.Module, images: torch.Tensor) -> tuple[torch.Tensor, torc
             raise ModelLoadError(f"the model answers a {type(answer).__name__} where a tensor of logits (or logits and "
                                  f"an embedding) was expected")
     return logits, embedding
+
+
+def _runs_alone(model: nn.Module, image: torch.Tensor) -> bool:
+    try:
+        with torch.inference_mode():
+            model(image)
+    except Exception:  # noqa: BLE001 - fails alone too: the batch was not the trouble
+        return False
+    return True
 
 
 def _probabilities(rows: torch.Tensor) -> bool:

@@ -206,6 +206,18 @@ class FirstRowOnly(Means):
         return super().forward(x)[:1]
 
 
+class FixedBatch(torch.nn.Module):
+    """A model whose trace fixed its batch at 1 (its flatten a reshape to one row): a batch of 2 raises in its head,
+    as ONNX Runtime raises for an ONNX file exported without a dynamic batch dimension."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(3 * 8 * 8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x.reshape(1, -1))
+
+
 class Grey(torch.nn.Module):
     """A one-channel model in a three-channel export: its forward pass raises on the served input."""
 
@@ -250,7 +262,10 @@ def scripted_export(folder: Path, model: torch.nn.Module, labels: tuple[str, ...
     (Grey(), "the model fails on a batch of 2 images of shape (3, 8, 8) (torch.float32): RuntimeError: Given "
              "groups=1, weight of size [4, 1, 1, 1], expected input[2, 3, 8, 8] to have 1 channels"),
     (Answers(), "the model answers a dict where a tensor of logits (or logits and an embedding) was expected"),
-], ids=["softmax", "one-row", "raises", "dict"])
+    (FixedBatch(), "the model runs on one image but fails on a batch of 2: its batch dimension is fixed at 1; export "
+                   "it with a dynamic one (torch.onnx.export's dynamic_axes or dynamic_shapes; torch.jit.script "
+                   "rather than a trace of one image) (RuntimeError: "),
+], ids=["softmax", "one-row", "raises", "dict", "fixed-batch"])
 def test_the_load_refuses_a_model_it_could_not_serve_in_one_line(tmp_path: Path, model: torch.nn.Module,
                                                                  fragment: str) -> None:
     # Before: a model ending in softmax served probabilities of probabilities, one answering a row per batch loaded
