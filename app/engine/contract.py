@@ -42,8 +42,10 @@ class Signature:
     def check_embedding(self) -> None:
         """NoEmbedding (400) unless this version answers embeddings."""
         if not self.embedding_dim:
-            raise NoEmbedding(f"{self.name} version {self.version} was exported without an embedding: export it "
-                              f"again with this release's python -m models.export (every export since records one)")
+            raise NoEmbedding(f"{self.name} version {self.version} was exported without an embedding: an export "
+                              f"of a release before embeddings (export it again: every export since records one), or "
+                              f"a model whose head is no Linear layer at the end of its forward pass (the export's "
+                              f"log said so), or a TorchScript file exported alone")
 
     @property
     def num_classes(self) -> int:

@@ -30,13 +30,12 @@ import torch
 
 from models.commands import python_command
 from models.export.agreement import Laps
-from models.export.checks import ModelLoadError
 from models.export.compile import DTYPES, cannot_compile
 from models.export.quantize import TORCHAO_HINT
 from models.run.args import HelpFormatter
 from models.architectures import ARCHS
 from models.export.brought import brought_preset, read_labels
-from models.export.checks import invalid_because
+from models.export.checks import ModelLoadError, invalid_because
 from models.export.write import export_brought, export_checkpoint, export_default, one_line
 
 log = logging.getLogger("models.export")
@@ -136,9 +135,9 @@ def run_export(checkpoint: Path) -> Path:
     return checkpoint.parent / "export"
 
 
-def _brought_target(args: argparse.Namespace) -> Path | None:
-    """Where a model trained elsewhere goes (--out or --repository: there is no run folder to take it), once what it
-    needs was given (ValueError saying what is missing)."""
+def check_brought(args: argparse.Namespace) -> None:
+    """ValueError saying what a model trained elsewhere needs and was not given (its target among them: --out or
+    --repository, there being no run folder to take one from)."""
     flag = "--state-dict" if args.state_dict else "--torchscript"
     missing = [need for need, given in (("--labels FILE", args.labels), ("--name NAME", args.name),
                                         ("--out DIR or --repository DIR", args.out or args.repository),
@@ -147,7 +146,6 @@ def _brought_target(args: argparse.Namespace) -> Path | None:
         raise ValueError(f"{flag} needs {', '.join(missing)} too")
     if args.torchscript and args.arch:
         raise ValueError("--arch names a --state-dict's architecture; a TorchScript file holds its own code")
-    return args.out
 
 
 def main(argv: Sequence[str] | None = None, started: float | None = None) -> int:
@@ -164,8 +162,9 @@ def main(argv: Sequence[str] | None = None, started: float | None = None) -> int
         out = None if args.repository else (args.out or (run_export(args.checkpoint) if args.checkpoint
                                                          else Path("weights")))
         brought = args.state_dict or args.torchscript
-        if brought:
-            out = _brought_target(args)
+        if brought:  # no run folder to take a target from
+            check_brought(args)
+            out = args.out
         targets = package_targets(args.packages, args.package_dtype)
         if brought:
             export_brought(brought, out, arch=args.arch if args.state_dict else None, labels=read_labels(args.labels),

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
-from models.export.checks import fit_weights, one_line
+from models.export.checks import fit_weights, is_torchscript, one_line
 from models.export.manifest import EvalPreset
 
 # Where a saved state dict commonly sits inside what was saved: Lightning's and many scripts' {"state_dict": ...},
@@ -25,9 +25,11 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     which torch's safe load refuses, a TorchScript file, a models.train checkpoint, which --checkpoint takes)."""
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
+    if is_torchscript(path):  # (torch.load would warn, then hand it to torch.jit.load)
+        raise ValueError(f"{path} is a TorchScript file: give it with --torchscript {path}")
     try:
         saved: Any = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - a pickled model, a TorchScript archive, text: not a state dict
+    except Exception as exc:  # noqa: BLE001 - a pickled model, text: not a state dict
         why = ("a pickled object, which torch's safe load refuses" if isinstance(exc, pickle.UnpicklingError)
                else one_line(exc, 160))
         raise ValueError(f"{path} is no state dict torch can read safely ({why}): save the weights alone with "
@@ -65,7 +67,7 @@ def brought_model(path: Path, arch: str, labels: Sequence[str]) -> tuple[nn.Modu
 def read_labels(path: Path) -> list[str]:
     """The labels in ``path``, one a line, in the order of the model's outputs (blank lines at its end left out)."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()  # (a byte-order mark, as Windows editors write)
     except UnicodeDecodeError:
         raise ValueError(f"{path} is no text file of labels (UTF-8, one a line)") from None
     while lines and not lines[-1].strip():
@@ -79,8 +81,8 @@ def brought_preset(resize_size: int | None, crop_size: int | None, interpolation
     square, scaled to 0..1 and normalised by ``mean`` and ``std``; torchvision's ImageNet recipe (256, 224,
     bilinear, ImageNet's mean and std) where not given, the resize in the recipe's proportion to a crop given
     alone. ValueError (pydantic's, one a field) for values the server cannot serve."""
-    crop = crop_size or 224
-    resize = resize_size or round(crop * 256 / 224)
+    crop = 224 if crop_size is None else crop_size  # (a 0 given is refused by EvalPreset, not taken as unsaid)
+    resize = round(crop * 256 / 224) if resize_size is None else resize_size
     given: dict[str, Any] = {"resize_size": resize, "crop_size": crop}
     for key, value in (("interpolation", interpolation), ("mean", mean), ("std", std)):
         if value is not None:

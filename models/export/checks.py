@@ -7,6 +7,7 @@ refuse the same exports with the same messages.
 from __future__ import annotations
 
 import re
+import zipfile
 from pathlib import Path
 from typing import Sequence
 
@@ -123,6 +124,14 @@ CHECK_BATCH_SIZE = 2
 PROBABILITY_SUM_TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 2e-2}
 
 
+def is_torchscript(path: Path) -> bool:
+    """Whether ``path`` is a TorchScript archive (torch.jit.save's: a zip holding its code's constants.pkl)."""
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as archive:
+        return any(name.endswith("/constants.pkl") or name == "constants.pkl" for name in archive.namelist())
+
+
 def fit_weights(model: nn.Module, weights: object, refusal: str) -> None:
     """``weights`` loaded into ``model`` strictly; ValueError in one line when they are not its weights, ``refusal``
     followed by how (torch's own error lists every key: thousands of characters)."""
@@ -131,16 +140,21 @@ def fit_weights(model: nn.Module, weights: object, refusal: str) -> None:
     except (RuntimeError, TypeError, AttributeError):
         expected = model.state_dict()
         given = weights if isinstance(weights, dict) else {}
-        missing = sum(key not in given for key in expected)
-        unexpected = sum(key not in expected for key in given)
-        reshaped = sum(key in given and getattr(given[key], "shape", None) != value.shape
-                       for key, value in expected.items())
-        head = [key for key in expected if key in given and getattr(given[key], "shape", None) != expected[key].shape]
-        hint = (f" (the head {head[-1]}: {tuple(given[head[-1]].shape)} against {tuple(expected[head[-1]].shape)}, "
-                f"another class count)" if head and missing == unexpected == 0 and reshaped <= 2 else
-                " (weights of another architecture or class count)")
-        raise ValueError(f"{refusal}: {missing} of its {len(expected)} keys missing, {unexpected} unexpected, "
-                         f"{reshaped} of another shape{hint}") from None
+        missing = [key for key in expected if key not in given]
+        unexpected = [key for key in given if key not in expected]
+        reshaped = [key for key, value in expected.items()
+                    if key in given and getattr(given[key], "shape", None) != value.shape]
+        if reshaped and not missing and not unexpected and len(reshaped) <= 2:
+            hint = (f" (the head {reshaped[-1]}: {tuple(given[reshaped[-1]].shape)} against "
+                    f"{tuple(expected[reshaped[-1]].shape)}, another class count)")
+        elif unexpected and not missing and not reshaped:  # an EMA's or an auxiliary head's keys beside its own
+            hint = f" (keys it has none of: {', '.join(unexpected[:3])}{', ...' if len(unexpected) > 3 else ''})"
+        elif missing and not unexpected and not reshaped:
+            hint = f" (keys not given: {', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
+        else:
+            hint = " (weights of another architecture or class count)"
+        raise ValueError(f"{refusal}: {len(missing)} of its {len(expected)} keys missing, {len(unexpected)} "
+                         f"unexpected, {len(reshaped)} of another shape{hint}") from None
 
 
 def check_output_shape(model: nn.Module, manifest: Manifest, device: torch.device | str = "cpu",

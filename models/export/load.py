@@ -23,6 +23,7 @@ from models.export.checks import (
     checked_file,
     checked_path,
     fit_weights,
+    is_torchscript,
     one_line,
     read_checked_manifest,
     resolve_device,
@@ -62,13 +63,11 @@ def load_module(path: Path, manifest: Manifest, fmt: WeightsFormat) -> nn.Module
 def load_torchscript(path: Path) -> torch.jit.ScriptModule:
     """The TorchScript module in ``path`` on the CPU; ValueError saying so when the file is none (a state dict, a
     whole pickled model: torch's message calls the file corrupted)."""
-    import zipfile
-
     try:
         with quiet_jit():
             return torch.jit.load(str(path), map_location="cpu")
     except RuntimeError:
-        if not zipfile.is_zipfile(path) or "constants.pkl" in " ".join(zipfile.ZipFile(path).namelist()):
+        if is_torchscript(path):  # a TorchScript file torch cannot load: its own error says why
             raise
     raise ValueError(f"{path} is no TorchScript file (torch.jit.script or torch.jit.trace, then torch.jit.save, "
                      f"writes one); a state dict or a pickled model is served from its architecture's code: "

@@ -2373,7 +2373,9 @@ def test_a_loop_request_is_answered_504_at_its_own_deadline_which_counts_from_wh
     # host's stall needs (0.6 s of it failed once in the fast subset beside a training run, 1.2 s once beside the
     # whole suite)
     assert time.monotonic() - started < 1.9
-    assert "Cancel" in link.frames
+    # ended by the worker's Cancel at the deadline, or, on a loaded host, by the engine's own 504 first (it counts
+    # the same deadline, from when the worker had the request: failed once beside the whole suite, "Answers" alone)
+    assert "Cancel" in link.frames or "Answers" in link.frames, link.frames
     link.engine.loaded_version().predictor.module.delay_s = 0.0
 
 
