@@ -135,6 +135,11 @@ def run_export(checkpoint: Path) -> Path:
     return checkpoint.parent / "export"
 
 
+# What describes a model trained elsewhere, by its option: a checkpoint and the bundled model carry their own
+BROUGHT_OPTIONS = {"--arch": "arch", "--labels": "labels", "--resize-size": "resize_size", "--crop-size": "crop_size",
+                   "--interpolation": "interpolation", "--mean": "mean", "--std": "std"}
+
+
 def check_brought(args: argparse.Namespace) -> None:
     """ValueError saying what a model trained elsewhere needs and was not given (its target among them: --out or
     --repository, there being no run folder to take one from)."""
@@ -165,6 +170,9 @@ def main(argv: Sequence[str] | None = None, started: float | None = None) -> int
         if brought:  # no run folder to take a target from
             check_brought(args)
             out = args.out
+        elif given := [flag for flag, value in BROUGHT_OPTIONS.items() if getattr(args, value) is not None]:
+            raise ValueError(f"{', '.join(given)} describe a model trained elsewhere (--state-dict, --torchscript); "
+                             f"{'a checkpoint' if args.checkpoint else 'the bundled model'} carries its own")
         targets = package_targets(args.packages, args.package_dtype)
         if brought:
             export_brought(brought, out, arch=args.arch if args.state_dict else None, labels=read_labels(args.labels),

@@ -153,6 +153,9 @@ def test_what_is_not_what_it_is_said_to_be_is_refused_in_one_line_and_nothing_wr
              "--arch names a --state-dict's architecture; a TorchScript file holds its own code")):
         code, errors = export([*argv, *common], caplog)
         assert code == 2 and len(errors) == 1 and said in errors[0], (argv, errors)
+    code, errors = export(["--default", "--labels", str(labels), "--crop-size", "96", *common], caplog)
+    assert code == 2 and errors == ["error: --labels, --crop-size describe a model trained elsewhere (--state-dict, "
+                                    "--torchscript); the bundled model carries its own"]  # (before: left unread)
     code, errors = export(["--state-dict", str(tmp_path / "mine.pt"), "--arch", "resnet18"], caplog)
     assert code == 2 and errors == ["error: --state-dict needs --labels FILE, --name NAME, --out DIR or --repository "
                                     "DIR too"]
