@@ -111,6 +111,15 @@ def test_a_torchscript_file_is_exported_as_torchscript_alone_and_served_as_train
     manifest = read_manifest(out)
     assert list(manifest.files) == ["torchscript"] and manifest.arch == "torchscript" and manifest.onnx is None
     assert _served_equals_own(out, model).weights_format == "torchscript"
+    # scored in bulk with embeddings: none to give, said as what it is (not "written before exports recorded one")
+    from models.predict.__main__ import main as predict
+
+    (tmp_path / "photos").mkdir()
+    (tmp_path / "photos" / "cat.jpg").write_bytes(encode(Image.fromarray(skimage.data.chelsea()), "JPEG"))
+    caplog.clear()
+    assert predict(["--weights", str(out), "--data", str(tmp_path / "photos"), "--out", str(tmp_path / "s.jsonl"),
+                    "--embeddings", str(tmp_path / "e.npy")]) == 2
+    assert "is a TorchScript file exported alone, with no embedding: export the model's state dict with" in caplog.text
 
 
 def test_what_is_not_what_it_is_said_to_be_is_refused_in_one_line_and_nothing_written(
