@@ -8,7 +8,8 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator, NamedTuple, Sequence, TypeVar, Union, overload
+from typing import (Any, BinaryIO, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence, TypeVar, Union,
+                    overload)
 from urllib.parse import unquote, urlsplit
 
 import requests
@@ -103,26 +104,43 @@ def _is_image(image: object) -> bool:
 
 
 def _images(images: object, call: str) -> tuple[list[ImageInput], bool]:
-    """``images`` as a list, and whether it was one image: one image (``ImageInput``) or a list or tuple of them.
-    Anything else is a TypeError saying what is taken (before: an open file was iterated as a list, each of its
-    lines sent as an image, and a bytearray's ints were taken for paths)."""
+    """``images`` as a list, and whether it was one image: one image (``ImageInput``) or any other iterable of them
+    (a list, a tuple, a generator, ``Path.glob``'s), each checked before any is read or sent. Anything else is a
+    TypeError saying what is taken (before: an open file was iterated as a list, each of its lines sent as an image,
+    and a bytearray's ints were taken for paths); a file opened in text mode, or closed, is refused here too."""
     if _is_image(images):
+        _check_readable(images, 0, call)
         return [images], True  # type: ignore[list-item]
-    if not isinstance(images, (list, tuple)):
+    if isinstance(images, Mapping) or not isinstance(images, Iterable):
         raise TypeError(_not_an_image(call, images))
-    for position, image in enumerate(images):
+    batch = list(images)
+    for position, image in enumerate(batch):
         if not _is_image(image):
             raise TypeError(_not_an_image(call, image, position))
-    return list(images), False
+        _check_readable(image, position, call)
+    return batch, False
 
 
-def _not_an_image(call: str, image: object, position: int | None = None) -> str:
+def _check_readable(image: object, position: int, call: str) -> None:
+    """TypeError for a file opened in text mode, ValueError for a closed one: said before anything is sent (a later
+    image's refusal would lose the answers of requests already made)."""
+    if isinstance(image, (str, os.PathLike, *_BYTES)):
+        return
+    which = f"{call}: image {position} ({_name(image, position)})"  # type: ignore[arg-type]
+    if isinstance(image, io.TextIOBase) or "b" not in getattr(image, "mode", "b"):
+        raise TypeError(f"{which}: a file opened in text mode; open it in binary mode: open(path, 'rb')")
+    if getattr(image, "closed", False):
+        raise ValueError(f"{which}: the file is closed")
+
+
+def _not_an_image(call: str, image: object, position: int | None = None, one: bool = False) -> str:
     which = "" if position is None else f"image {position}: "
     hint = (" (a PIL image: save it to an io.BytesIO as JPEG or PNG and pass its getvalue())"
-            if callable(getattr(image, "save", None)) else "")
+            if callable(getattr(image, "save", None)) else
+            " (a numpy array of a file's bytes: pass its .tobytes())" if hasattr(image, "tobytes") else "")
+    takes = "one" if one else "one or a list of them"
     return (f"{call}: {which}an image is a path (str or Path), the file's bytes (bytes, bytearray, memoryview) or a "
-            f"file opened in binary mode ('rb'), and {call} takes one or a list of them; got {type(image).__name__}"
-            f"{hint}")
+            f"file opened in binary mode ('rb'), and {call} takes {takes}; got {type(image).__name__}{hint}")
 
 
 def _name(image: ImageInput, position: int) -> str:
@@ -138,12 +156,10 @@ def _read(image: ImageInput, position: int) -> tuple[str, bytes]:
     if isinstance(image, _BYTES):
         return _name(image, position), bytes(image)
     if not isinstance(image, (str, os.PathLike)):
-        if not _is_image(image):
-            raise TypeError(_not_an_image("the call", image))
-        data = None if isinstance(image, io.TextIOBase) else image.read()  # (a text file would decode, or fail to)
-        if not isinstance(data, _BYTES):
-            raise TypeError(f"image {position} ({_name(image, position)}): a file opened in text mode; open it in "
-                            "binary mode: open(path, 'rb')")
+        data = image.read()  # (checked binary and open before: _images, _one_image)
+        if not isinstance(data, _BYTES):  # None: a non-blocking stream with nothing to read now
+            raise ValueError(f"image {position} ({_name(image, position)}): reading it gave {type(data).__name__}, "
+                             "not bytes (a non-blocking stream: read it whole yourself and pass the bytes)")
         return _name(image, position), bytes(data)
     try:
         return _name(image, position), Path(image).read_bytes()
@@ -604,6 +620,9 @@ class Client:
             raise invalid_response(response, exc) from None
 
     def _explained(self, image: ImageInput, params: dict[str, str], deadline_ms: float | None) -> requests.Response:
+        if not _is_image(image):
+            raise TypeError(_not_an_image("explain", image, one=True))
+        _check_readable(image, 0, "explain")
         budget = self._budget(deadline_ms)
         return self._request("POST", "/explain", budget, params=params, files=[("image", _read(image, 0))])
 

@@ -67,8 +67,8 @@ class ConfigTensor(BaseModel):
     data_type: str  # TYPE_STRING (BYTES), TYPE_FP32
     dims: list[int]
     format: str | None = None  # an image input's layout: FORMAT_NCHW, or FORMAT_NONE for encoded files
-    # the encoded files: sent as dims [1] (a shape of [N, 1], or [N]), taken as one file per image, shape [] (so
-    # the metadata's [-1]: Triton's form for an input with no dimension beside the batch's)
+    # the encoded files: dims [1] with reshape [], as Triton declares an input of one item per batch row (the
+    # inference API's shape [N, 1], the model's [N]); this server takes [N, 1] and [N], its metadata says [-1]
     reshape: Reshape | None = None
 
 

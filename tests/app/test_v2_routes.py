@@ -67,8 +67,9 @@ def test_a_model_s_configuration_reads_as_triton_s(client: FlaskClient, settings
              "reshape": {"shape": []}},
             {"name": "pixels", "data_type": "TYPE_FP32", "dims": [3, 8, 8], "format": "FORMAT_NCHW"}]
         assert [(o["name"], o["dims"]) for o in config["output"]] == [("probabilities", [4])]
-        # the metadata's shapes are the configuration's, taken as the model takes them, after the batch's -1
-        # (before: images dims [1], no reshape, against a metadata shape of [-1]: Triton's would be [-1, 1])
+        # the metadata's shapes are the configuration's after the batch's -1; the images' as the model takes them
+        # (its reshape []: this server's metadata says [-1], where Triton's would give the dims, [-1, 1]; both sent
+        # shapes are taken: test_v2_triton)
         metadata = client.get(path.removesuffix("/config")).get_json()
         assert [tensor["shape"] for tensor in metadata["inputs"] + metadata["outputs"]] == [
             [-1, *tensor.get("reshape", {}).get("shape", tensor["dims"])] for tensor in config["input"] + config["output"]]

@@ -287,6 +287,11 @@ def test_the_demo_page_shows_photos_in_the_order_chosen_numbered_for_people(brow
     assert "400 invalid_image: the data is not an image" in cards[1] and "image 0" not in cards[1], cards[1]
     assert "colour version test · " in cards[0] and "blue" in cards[2].splitlines()[1]
     assert browser.find_element(By.ID, "chosen").text == "3 photos chosen: red.jpg, notes.jpg, blue.jpg"
+    # a long name, which the message shortens ("start…end") where details.filename has it whole: stripped too
+    long_named = tmp_path / ("n" * 120 + ".jpg")
+    long_named.write_text("not a photo")
+    last = _pick(browser, None, long_named)[-1]
+    assert "400 invalid_image: the data is not an image" in last and "image 0" not in last, last
     boxes = [card.rect for card in browser.find_elements(By.CSS_SELECTOR, ".card")]
     assert boxes[2]["y"] > boxes[0]["y"]  # two per row at this width: the last card on a row of its own
     assert abs(boxes[2]["width"] - boxes[0]["width"]) < 1, boxes

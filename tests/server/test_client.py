@@ -214,6 +214,18 @@ def test_an_open_file_bytearray_or_memoryview_is_one_image_and_anything_else_is_
             client.predict_each([red, 3])
         with pytest.raises(TypeError, match=r"embed: an image is a path .* got dict$"):
             client.embed({"image": red})
+        # any iterable of images, as before (a generator, Path.glob's); each checked before any is read or sent
+        assert [p.label for p in client.predict(path for path in [red, red])] == ["red", "red"]
+        with red.open("rb") as first, red.open() as text:
+            with pytest.raises(TypeError, match=r"image 2 \(red.jpg\): a file opened in text mode"):
+                client.predict_each([first, red, text])  # (before: the first requests' answers were lost)
+            assert first.tell() == 0  # refused before the first image was read
+        closed = red.open("rb")
+        closed.close()
+        with pytest.raises(ValueError, match=r"predict: image 0 \(red.jpg\): the file is closed"):
+            client.predict(closed)
+        with pytest.raises(TypeError, match=r"explain: an image is a path .* and explain takes one; got list$"):
+            client.explain([red])
 
 
 @pytest.mark.parametrize("order", ["before", "after"])

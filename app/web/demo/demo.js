@@ -32,11 +32,10 @@ function errorText(status, body) {
   if (error && typeof error === "object") {
     // The server names the image within its request ("image 0 (cat.jpg): ..."): the page sends one photo a
     // request, whose card names it already (an index there, 0 or 1, counted nothing a person chose).
+    // (the name as the message gives it: a long one shortened there, "start…end")
     const details = error.details || {};
-    const named = typeof details.filename === "string" ? ` (${details.filename})` : "";
-    const prefix = `image ${details.image}${named}: `;
-    const message = Number.isInteger(details.image) && error.message.startsWith(prefix)
-      ? error.message.slice(prefix.length) : error.message;
+    const prefix = Number.isInteger(details.image) ? new RegExp(`^image ${details.image}(?: \\(.*?\\))?: `) : null;
+    const message = prefix ? error.message.replace(prefix, "") : error.message;
     return `${status} ${error.code}: ${message}`;
   }
   return `${status}: ${typeof error === "string" ? error : "the server answered without a JSON error"}`;
