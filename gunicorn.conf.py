@@ -45,12 +45,12 @@ os.environ["VISIONSERVE_ENGINES"] = str(_engines)
 # The directories this master makes are kept in app/hosting/owned_dirs.py (a HUP executes this file again; USR2's new
 # master makes its own: pre_exec).
 if (_workers > 1 or _engine == "process") and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = owned_dirs.make("visionserve-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = owned_dirs.make(owned_dirs.METRICS_PREFIX)
 
 # The workers share repository loads and unloads through a directory (app/engine/versions/desired.py), made here
 # before the fork so every worker of this master, and every worker it starts later, finds the same one.
 if _settings.control_dir is None and not os.environ.get("VISIONSERVE_CONTROL_DIR"):
-    os.environ["VISIONSERVE_CONTROL_DIR"] = owned_dirs.make("visionserve-control-")
+    os.environ["VISIONSERVE_CONTROL_DIR"] = owned_dirs.make(owned_dirs.CONTROL_PREFIX)
 
 bind = _settings.bind
 workers = _workers

@@ -156,7 +156,7 @@ def _read(image: ImageInput, position: int) -> tuple[str, bytes]:
     if isinstance(image, _BYTES):
         return _name(image, position), bytes(image)
     if not isinstance(image, (str, os.PathLike)):
-        data = image.read()  # (checked binary and open before: _images, _one_image)
+        data = image.read()  # (checked binary and open before: _images, _explained)
         if not isinstance(data, _BYTES):  # None: a non-blocking stream with nothing to read now
             raise ValueError(f"image {position} ({_name(image, position)}): reading it gave {type(data).__name__}, "
                              "not bytes (a non-blocking stream: read it whole yourself and pass the bytes)")

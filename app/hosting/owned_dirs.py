@@ -27,7 +27,8 @@ import tempfile
 from pathlib import Path
 from typing import MutableMapping
 
-PREFIXES = ("visionserve-metrics-", "visionserve-control-")
+METRICS_PREFIX, CONTROL_PREFIX = "visionserve-metrics-", "visionserve-control-"  # the two a master makes
+PREFIXES = (METRICS_PREFIX, CONTROL_PREFIX)
 HELD_WHILE_IN_USE = ".master.lock"  # the lock file in each directory (a dot: no glob of the metrics' *.db sees it)
 _HELD: dict[str, int] = {}  # each directory this master made: its lock file's descriptor (kept open till exit)
 _REGISTERED: set[int] = set()  # the processes ``remove_held`` runs at the exit of

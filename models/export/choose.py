@@ -42,7 +42,7 @@ FASTEST_ON: dict[str, str] = {"cpu": "onnx"}
 def why_not_onnx(manifest: Manifest, device: torch.device, dtype: str) -> str | None:
     """Why the export's ONNX file cannot serve here, or None when it can."""
     if manifest.onnx is None:
-        if "state_dict" not in manifest.files and "torchscript" in manifest.files and manifest.arch == "torchscript":
+        if manifest.torchscript_alone:
             return "the manifest lists no ONNX file (a TorchScript file exported alone: its state dict's export has one)"
         return f"the manifest lists no ONNX file ({module_command('models.export', ['--packages', 'onnx'])} writes one)"
     if device.type != "cpu":

@@ -42,6 +42,7 @@ class EvalPreset(BaseModel):
 
 
 MANIFEST_NAME = "manifest.json"
+TORCHSCRIPT_ARCH = "torchscript"  # the arch of a TorchScript file exported alone (no code to build)
 WeightsFormat = Literal["torchscript", "state_dict"]
 
 
@@ -219,6 +220,12 @@ class Manifest(BaseModel):
     def num_classes(self) -> int:
         """Number of output classes (one label per class)."""
         return len(self.labels)
+
+    @property
+    def torchscript_alone(self) -> bool:
+        """A TorchScript file brought and exported alone (models.export --torchscript): no state dict to build ONNX,
+        packages, gradients or an embedding from."""
+        return self.arch == TORCHSCRIPT_ARCH and "state_dict" not in self.files
 
     @field_validator("labels")
     @classmethod

@@ -21,6 +21,7 @@ from models.export.onnx import export_onnx
 from models.export.quantize import compile_int8_package
 from models.export.checks import check_outputs, fit_weights
 from models.export.manifest import (
+    TORCHSCRIPT_ARCH,
     CompiledPackage,
     EmbeddingOutput,
     Manifest,
@@ -335,7 +336,7 @@ def export_brought(path: Path, out_dir: Path | None, *, arch: str | None, labels
         source = f"state dict {path.name} of {arch}"
     laps.done("load")
     return export_model(model, out_dir=out_dir, name=name, version=version or default_version(path, weights),
-                        arch=arch or "torchscript", labels=labels, preset=preset, source=source, force=force,
+                        arch=arch or TORCHSCRIPT_ARCH, labels=labels, preset=preset, source=source, force=force,
                         packages=packages, laps=laps, numbered=numbered)
 
 

@@ -201,7 +201,7 @@ def embedding_dim(args: argparse.Namespace, weights: Path, items: list[Item]) ->
         raise DataError(f"--embeddings: the input {broken!r} has a line break in its path, and {names} holds one "
                         "path a line: rename it or leave it out of --data")
     manifest = read_checked_manifest(weights)
-    if manifest.embedding is None and manifest.arch == "torchscript" and "state_dict" not in manifest.files:
+    if manifest.embedding is None and manifest.torchscript_alone:
         raise DataError(f"--embeddings: {manifest.name} {manifest.version} in {weights} is a TorchScript file "
                         f"exported alone, with no embedding: export the model's state dict with {python_command()} "
                         f"-m models.export --state-dict FILE --arch ARCH, which records it, and score that")
