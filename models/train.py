@@ -24,9 +24,10 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from models.architectures import ARCHS
+from models.architectures import ARCHS, build_model
 from models.data.gpu import DevicePrefetcher
 from models.data.loaders import Data, load_data
+from models.export.brought import body_weights
 from models.export.manifest import TOP5_MIN_CLASSES
 from models.export.repository import check_name, name_from
 from models.presets import EvalPreset
@@ -84,8 +85,9 @@ def make_preset(args: argparse.Namespace) -> EvalPreset:
     resize_size = args.resize_size
     if resize_size is None and args.crop_size is not None:
         resize_size = round(args.crop_size * base.resize_size / base.crop_size)
-    sizes = {"resize_size": resize_size, "crop_size": args.crop_size, "interpolation": args.interpolation}
-    preset = base.model_copy(update={key: value for key, value in sizes.items() if value is not None})
+    given = {"resize_size": resize_size, "crop_size": args.crop_size, "interpolation": args.interpolation,
+             "mean": args.mean and tuple(args.mean), "std": args.std and tuple(args.std)}
+    preset = base.model_copy(update={key: value for key, value in given.items() if value is not None})
     if preset.crop_size > preset.resize_size:
         raise ValueError(f"--crop-size {preset.crop_size} is larger than --resize-size {preset.resize_size}: the "
                          f"centre crop would be padded with black; give a --resize-size of at least the crop")
@@ -219,7 +221,7 @@ def _setup(args: argparse.Namespace, env: DistEnv) -> tuple[torch.device, EvalPr
     if args.lr is None:  # sane from a small folder to ImageNet: a batch of 32 on one process trains at 0.0125
         args.lr = 0.1 * args.batch_size * env.world_size / 256 if args.opt == "sgd" else 1e-3
     if args.lr_warmup_epochs is None:  # fresh BatchNorm statistics and a full learning rate diverged on day one
-        args.lr_warmup_epochs = 0 if args.pretrained else 1
+        args.lr_warmup_epochs = 0 if args.pretrained or args.weights is not None else 1
     try:
         device = pick_device(args.device, env)
         if args.amp_dtype is not None and not args.amp:  # (it did nothing: the run trained in float32, unsaid)
@@ -230,10 +232,11 @@ def _setup(args: argparse.Namespace, env: DistEnv) -> tuple[torch.device, EvalPr
             raise ValueError(f"--backbone-lr-scale {args.backbone_lr_scale:g} with --freeze-backbone does nothing: "
                              "the backbone does not train; leave one of them out (--backbone-lr-scale 0.1 alone "
                              "fine-tunes everything, the backbone slower)")
-        if args.freeze_backbone and not args.pretrained:
-            log.warning("--freeze-backbone without --pretrained trains the head alone on a backbone of random "
-                        "weights: add --pretrained (efficientnet_lite0) to fine-tune ImageNet's, or leave "
-                        "--freeze-backbone out to train all of it")
+        _start_weights(args)
+        if args.freeze_backbone and not args.pretrained and args.weights is None:
+            log.warning("--freeze-backbone without --pretrained or --weights trains the head alone on a backbone of "
+                        "random weights: add --pretrained (efficientnet_lite0) to fine-tune ImageNet's, --weights "
+                        "FILE to fine-tune your own, or leave --freeze-backbone out to train all of it")
         if args.name is not None:  # refused now, not at the export after the last epoch
             check_name("model", args.name)
         if args.sync_bn and device.type != "cuda":
@@ -247,6 +250,25 @@ def _setup(args: argparse.Namespace, env: DistEnv) -> tuple[torch.device, EvalPr
         return device, preset
     except ValueError as exc:
         raise DataError(str(exc)) from None
+
+
+def _start_weights(args: argparse.Namespace) -> None:
+    """The network checked (a timm or torchvision name that library has), and ``--weights`` read and checked against
+    it, kept for the model's build (``args._start_body``: models/run/optim.py), before the data is scanned; a resumed
+    run starts from its checkpoint's weights instead. ValueError for what cannot be trained."""
+    if args.resume is not None and "weights" in getattr(args, "_given", ()):
+        raise ValueError("--weights starts a run, --resume goes on from its checkpoint's weights: leave one out")
+    if args.pretrained and args.weights is not None:
+        raise ValueError("--pretrained starts from the packaged ImageNet weights, --weights from yours: leave one out")
+    if args.weights is not None and args.resume is None:
+        if not args.weights.is_file():
+            raise ValueError(f"--weights {args.weights}: no such file")
+        args._start_body = body_weights(args.weights, args.arch)  # (also builds the network: an unknown one refused)
+        log.info("starting from %s's weights of %s, with a new head for this data's classes", args.weights,
+                 args.arch)
+    elif ":" in args.arch:
+        with torch.device("meta"):  # (an unknown name refused now, not after the data is scanned)
+            build_model(args.arch, 2)
 
 
 def _check_export_target(args: argparse.Namespace) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import zipfile
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import pydantic
 import torch
@@ -138,23 +138,28 @@ def fit_weights(model: nn.Module, weights: object, refusal: str) -> None:
     try:
         model.load_state_dict(weights, strict=True)  # type: ignore[arg-type]
     except (RuntimeError, TypeError, AttributeError):
-        expected = model.state_dict()
-        given = weights if isinstance(weights, dict) else {}
-        missing = [key for key in expected if key not in given]
-        unexpected = [key for key in given if key not in expected]
-        reshaped = [key for key, value in expected.items()
-                    if key in given and getattr(given[key], "shape", None) != value.shape]
-        if reshaped and not missing and not unexpected and len(reshaped) <= 2:
-            hint = (f" (the head {reshaped[-1]}: {tuple(given[reshaped[-1]].shape)} against "
-                    f"{tuple(expected[reshaped[-1]].shape)}, another class count)")
-        elif unexpected and not missing and not reshaped:  # an EMA's or an auxiliary head's keys beside its own
-            hint = f" (keys it has none of: {', '.join(unexpected[:3])}{', ...' if len(unexpected) > 3 else ''})"
-        elif missing and not unexpected and not reshaped:
-            hint = f" (keys not given: {', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
-        else:
-            hint = " (weights of another architecture or class count)"
-        raise ValueError(f"{refusal}: {len(missing)} of its {len(expected)} keys missing, {len(unexpected)} "
-                         f"unexpected, {len(reshaped)} of another shape{hint}") from None
+        raise ValueError(weights_mismatch(model.state_dict(), weights if isinstance(weights, dict) else {},
+                                          refusal)) from None
+
+
+def weights_mismatch(expected: Mapping[str, torch.Tensor], given: Mapping[str, object], refusal: str) -> str:
+    """``refusal`` and, in one line, how ``given`` differs from the weights ``expected`` (names missing, names it
+    has none of, tensors of another shape); also when it does not differ (a load that failed otherwise)."""
+    missing = [key for key in expected if key not in given]
+    unexpected = [key for key in given if key not in expected]
+    reshaped = [key for key, value in expected.items()
+                if key in given and getattr(given[key], "shape", None) != value.shape]
+    if reshaped and not missing and not unexpected and len(reshaped) <= 2:
+        hint = (f" (the head {reshaped[-1]}: {tuple(given[reshaped[-1]].shape)} against "  # type: ignore[attr-defined]
+                f"{tuple(expected[reshaped[-1]].shape)}, another class count)")
+    elif unexpected and not missing and not reshaped:  # an EMA's or an auxiliary head's keys beside its own
+        hint = f" (keys it has none of: {', '.join(unexpected[:3])}{', ...' if len(unexpected) > 3 else ''})"
+    elif missing and not unexpected and not reshaped:
+        hint = f" (keys not given: {', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
+    else:
+        hint = " (weights of another architecture or class count)"
+    return (f"{refusal}: {len(missing)} of its {len(expected)} keys missing, {len(unexpected)} unexpected, "
+            f"{len(reshaped)} of another shape{hint}")
 
 
 def check_output_shape(model: nn.Module, manifest: Manifest, device: torch.device | str = "cpu",

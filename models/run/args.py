@@ -98,6 +98,18 @@ def _number(low: float = 0.0, high: float = math.inf, *, low_open: bool = False,
     return number
 
 
+def _arch(archs: Sequence[str]) -> Callable[[str], str]:
+    """An argparse type: one of ``archs``, or ``timm:NAME`` / ``torchvision:NAME`` (whether that library has such a
+    model is checked once the libraries are imported: models.train's set-up)."""
+    def arch(text: str) -> str:
+        library, _, name = text.partition(":")
+        if text in archs or (library in ("timm", "torchvision") and name):
+            return text
+        raise argparse.ArgumentTypeError(f"{text!r}: choose one of {', '.join(archs)}, or timm:NAME or "
+                                         "torchvision:NAME for another model of those libraries")
+    return arch
+
+
 _PROBABILITY = _number(0, 1)
 _FRACTION = _number(0, 1, low_open=True, high_open=True)  # of a folder held out: both sides keep images
 _POSITIVE = _number(low_open=True)
@@ -114,10 +126,22 @@ def get_args_parser(archs: Sequence[str], description: str = "") -> argparse.Arg
                         help="hold out about this fraction of each class of a DIR/<class>/* folder for validation "
                              "(each image by its path and --split-seed: added images move none; default for such a "
                              "folder: 0.2)")
-    parser.add_argument("--arch", choices=archs, default=None,
-                        help="the network (default: efficientnet_lite0 with --pretrained, resnet18 without)")
+    parser.add_argument("--arch", type=_arch(archs), default=None, metavar="ARCH",
+                        help=f"the network: {', '.join(archs)}, or any other model of timm or torchvision as "
+                             "timm:NAME or torchvision:NAME (e.g. timm:resnet34, torchvision:efficientnet_b0) "
+                             "(default: efficientnet_lite0 with --pretrained, resnet18 without)")
     parser.add_argument("--pretrained", action=argparse.BooleanOptionalAction, default=False,
                         help="start from the packaged ImageNet weights (new head); efficientnet_lite0 only")
+    parser.add_argument("--weights", type=Path, default=None, metavar="FILE",
+                        help="start from these weights of --arch: a state dict (torch.save(model.state_dict(), "
+                             "FILE), also nested or DDP-named) or a models.train checkpoint; every layer but the "
+                             "head, which is new, one output a class of this data")
+    parser.add_argument("--mean", type=_number(0, 1), nargs=3, default=None, metavar=("R", "G", "B"),
+                        help="the normalisation's mean on 0..1 pixels, as the --weights were trained with (default: "
+                             "ImageNet's 0.485 0.456 0.406, or the packaged weights' with --pretrained)")
+    parser.add_argument("--std", type=_number(0, 1, low_open=True), nargs=3, default=None, metavar=("R", "G", "B"),
+                        help="the normalisation's standard deviation on 0..1 pixels (default: ImageNet's 0.229 "
+                             "0.224 0.225, or the packaged weights' with --pretrained)")
     parser.add_argument("--freeze-backbone", action=argparse.BooleanOptionalAction, default=False,
                         help="train the new head only")
     parser.add_argument("--backbone-lr-scale", type=_number(), default=1.0,

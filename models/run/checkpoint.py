@@ -244,11 +244,11 @@ def _check_same_holdout(path: Path, state: dict[str, Any], args: argparse.Namesp
 # What a run is, which a resumed run takes from its checkpoint where the command line does not give it (its images
 # as made, its data and holdout, its network, optimiser, rates and schedule, its seeds); where and how it runs (the
 # device, workers, --compile, --tf32, the output and exports) is the command's
-RUN_OPTIONS = ("data", "val_split", "split_seed", "seed", "arch", "pretrained", "freeze_backbone", "backbone_lr_scale",
-               "epochs", "batch_size", "opt", "lr", "momentum", "weight_decay", "label_smoothing", "lr_warmup_epochs",
-               "clip_grad_norm", "amp", "amp_dtype", "freeze_bn", "bn_recompute_batches", "resize_size", "crop_size",
-               "interpolation", "hflip_prob", "min_crop_scale", "name")
-PATH_OPTIONS = frozenset({"data"})  # saved as absolute paths' strings (``plain_args``)
+RUN_OPTIONS = ("data", "val_split", "split_seed", "seed", "arch", "pretrained", "weights", "freeze_backbone",
+               "backbone_lr_scale", "epochs", "batch_size", "opt", "lr", "momentum", "weight_decay", "label_smoothing",
+               "lr_warmup_epochs", "clip_grad_norm", "amp", "amp_dtype", "freeze_bn", "bn_recompute_batches",
+               "resize_size", "crop_size", "interpolation", "mean", "std", "hflip_prob", "min_crop_scale", "name")
+PATH_OPTIONS = frozenset({"data", "weights"})  # saved as absolute paths' strings (``plain_args``)
 
 
 def resumed_run(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -300,14 +300,14 @@ def resumed_run(args: argparse.Namespace) -> dict[str, Any] | None:
 
 def check_resumed_preset(path: Path, saved: dict[str, Any] | None, preset: EvalPreset) -> None:
     """DataError when a resumed run would make its images otherwise than its checkpoint trained on (another
-    --resize-size, --crop-size, --interpolation, or --pretrained's normalisation)."""
+    --resize-size, --crop-size, --interpolation, --mean, --std, or --pretrained's normalisation)."""
     now = preset.model_dump()
     changed = [f"{key} {saved[key]} -> {now[key]}" for key in now
                if saved is not None and key in saved and saved[key] != now[key]]
     if changed:
         raise DataError(f"{path} trained on images made otherwise ({'; '.join(changed)}): leave --resize-size, "
-                        f"--crop-size, --interpolation and --pretrained out (the run's are taken), or train afresh "
-                        f"into another --output-dir")
+                        f"--crop-size, --interpolation, --mean, --std and --pretrained out (the run's are taken), or "
+                        f"train afresh into another --output-dir")
 
 
 RESUMED_KEYS = ("model", "optimizer", "lr_scheduler", "epoch", "best_acc1", "args", "arch", "classes", "rng")
@@ -336,6 +336,8 @@ def _given_as(name: str, value: Any) -> str:
     """An option as a command line gives it (a flag's absence said as "no --flag")."""
     if isinstance(value, bool):
         return _flag(name) if value else f"no {_flag(name)}"
+    if isinstance(value, (list, tuple)):  # (--mean R G B)
+        return f"{_flag(name)} {' '.join(f'{item:g}' if isinstance(item, float) else str(item) for item in value)}"
     return f"{_flag(name)} {value}"
 
 

@@ -10,12 +10,17 @@ import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from models.architectures import build_model, head_of
+from models.export.brought import with_body
 from models.pretrained import build_pretrained
 
 
 def build_trainable(args: argparse.Namespace, num_classes: int, device: torch.device) -> nn.Module:
-    """``args.arch`` with a ``num_classes`` head: from the packaged ImageNet weights or from scratch."""
+    """``args.arch`` with a ``num_classes`` head: from the packaged ImageNet weights, from the body of the weights
+    models.train's set-up read from ``--weights`` (``args._start_body``, dropped once loaded), or from scratch."""
     model = build_pretrained(args.arch, num_classes) if args.pretrained else build_model(args.arch, num_classes)
+    body = vars(args).pop("_start_body", None)
+    if body is not None:
+        with_body(model, body)
     if args.freeze_backbone:
         head = set(map(id, head_of(model).parameters()))
         for param in model.parameters():
