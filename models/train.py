@@ -77,17 +77,12 @@ def _amp_dtype(args: argparse.Namespace) -> AmpDtype | None:
 
 
 def make_preset(args: argparse.Namespace) -> EvalPreset:
-    """The pretrained weights' normalisation, or ImageNet's; sizes and interpolation from the options. A
-    ``--crop-size`` alone resizes in the preset's proportion (224 of 256: ``round(crop / 0.875)``): the default
-    resize of 256 evaluated the centre 1/8 of the image at --crop-size 32, and padded a crop of 300 with black.
-    ValueError when the crop is larger than the resize."""
+    """The pretrained weights' normalisation, or ImageNet's, or --mean and --std; sizes and interpolation from the
+    options. A ``--crop-size`` alone resizes in the preset's proportion (``EvalPreset.given``): the default resize of
+    256 evaluated the centre 1/8 of the image at --crop-size 32, and padded a crop of 300 with black. ValueError
+    when the crop is larger than the resize."""
     base = pretrained_preset(args.arch) if args.pretrained else EvalPreset(resize_size=256, crop_size=224)
-    resize_size = args.resize_size
-    if resize_size is None and args.crop_size is not None:
-        resize_size = round(args.crop_size * base.resize_size / base.crop_size)
-    given = {"resize_size": resize_size, "crop_size": args.crop_size, "interpolation": args.interpolation,
-             "mean": args.mean and tuple(args.mean), "std": args.std and tuple(args.std)}
-    preset = base.model_copy(update={key: value for key, value in given.items() if value is not None})
+    preset = base.given(args.resize_size, args.crop_size, args.interpolation, args.mean, args.std)
     if preset.crop_size > preset.resize_size:
         raise ValueError(f"--crop-size {preset.crop_size} is larger than --resize-size {preset.resize_size}: the "
                          f"centre crop would be padded with black; give a --resize-size of at least the crop")

@@ -119,10 +119,4 @@ def brought_preset(resize_size: int | None, crop_size: int | None, interpolation
     square, scaled to 0..1 and normalised by ``mean`` and ``std``; torchvision's ImageNet recipe (256, 224,
     bilinear, ImageNet's mean and std) where not given, the resize in the recipe's proportion to a crop given
     alone. ValueError (pydantic's, one a field) for values the server cannot serve."""
-    crop = 224 if crop_size is None else crop_size  # (a 0 given is refused by EvalPreset, not taken as unsaid)
-    resize = round(crop * 256 / 224) if resize_size is None else resize_size
-    given: dict[str, Any] = {"resize_size": resize, "crop_size": crop}
-    for key, value in (("interpolation", interpolation), ("mean", mean), ("std", std)):
-        if value is not None:
-            given[key] = tuple(value) if key != "interpolation" else value
-    return EvalPreset(**given)
+    return EvalPreset(resize_size=256, crop_size=224).given(resize_size, crop_size, interpolation, mean, std)

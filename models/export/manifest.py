@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -27,6 +27,17 @@ class EvalPreset(BaseModel):
     def input_shape(self) -> tuple[int, int, int]:
         """The (C, H, W) shape of one preprocessed image."""
         return (3, self.crop_size, self.crop_size)
+
+    def given(self, resize_size: int | None = None, crop_size: int | None = None, interpolation: str | None = None,
+              mean: Sequence[float] | None = None, std: Sequence[float] | None = None) -> "EvalPreset":
+        """This preset with what is given in its place (None: this one's); a crop given alone resizes in this
+        preset's proportion (224 of 256: ``round(crop / 0.875)``; the resize kept would evaluate a small crop's
+        centre only, or pad a large one). ValueError (pydantic's, one a field) for values the server cannot serve."""
+        if resize_size is None and crop_size is not None:
+            resize_size = round(crop_size * self.resize_size / self.crop_size)
+        given = {"resize_size": resize_size, "crop_size": crop_size, "interpolation": interpolation,
+                 "mean": None if mean is None else tuple(mean), "std": None if std is None else tuple(std)}
+        return EvalPreset(**{**self.model_dump(), **{key: value for key, value in given.items() if value is not None}})
 
     @model_validator(mode="after")
     def _servable(self) -> "EvalPreset":

@@ -33,6 +33,14 @@ def export(argv: list[str], caplog: pytest.LogCaptureFixture) -> tuple[int, list
     return code, [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
+@pytest.fixture(autouse=True)
+def seeded() -> None:
+    """The models' random weights the same wherever a test runs: a sharpened head magnifies the one level PIL's and
+    the server's resizes differ by at some pixels, past the tolerance for 2 of 40 random resnet18s (a test that
+    failed by the order its worker ran tests in)."""
+    torch.manual_seed(0)
+
+
 @pytest.fixture
 def labels(tmp_path: Path) -> Path:
     path = tmp_path / "labels.txt"
