@@ -4,6 +4,7 @@ from the same forward pass (every served format is exported from it)."""
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Callable
 
 import torch
@@ -58,6 +59,17 @@ def build_model(arch: str, num_classes: int) -> nn.Module:
         return LIBRARIES[library](name)(num_classes)
     except (RuntimeError, ValueError, KeyError) as exc:  # timm: RuntimeError "Unknown model"; torchvision: ValueError
         raise ValueError(f"unknown arch {arch!r}: {library} has no model {name!r} ({exc})") from None
+
+
+@functools.lru_cache(maxsize=16)
+def class_sized(arch: str) -> frozenset[str]:
+    """The state-dict names of ``arch`` whose shapes follow its class count: its head (the last Linear layer; a
+    SqueezeNet's last convolution), and any other layer sized by it (GoogLeNet's and Inception's auxiliary heads, a
+    distilled ViT's second head). What a run started from other weights makes new, and what trains at the head's
+    rate. Found by building it for two class counts on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        two, three = build_model(arch, 2).state_dict(), build_model(arch, 3).state_dict()
+    return frozenset(key for key, value in two.items() if key not in three or three[key].shape != value.shape)
 
 
 def head_name(model: nn.Module) -> str:

@@ -1,17 +1,17 @@
 """A model trained elsewhere, as ``python -m models.export --state-dict`` / ``--torchscript`` reads it: its weights
 (a state dict of a named architecture, or a TorchScript file), its labels (a text file, one a line) and how its
-pictures were prepared (EvalPreset), each refused in one line saying what to give instead; and the weights
-``python -m models.train --weights`` starts a run from (every layer but the head: ``body_weights``)."""
+pictures were prepared (EvalPreset), each refused in one line saying what to give instead (also how
+``python -m models.train --weights`` reads a state dict: models/run/start_weights.py)."""
 from __future__ import annotations
 
 import pickle
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.nn as nn
 
-from models.export.checks import fit_weights, is_torchscript, one_line, weights_mismatch
+from models.export.checks import fit_weights, is_torchscript, one_line
 from models.export.manifest import EvalPreset
 
 # Where a saved state dict commonly sits inside what was saved: Lightning's and many scripts' {"state_dict": ...},
@@ -20,32 +20,25 @@ NESTED_KEYS = ("state_dict", "model", "model_state_dict")
 DDP_PREFIX = "module."  # DistributedDataParallel's (and DataParallel's) wrapper names every key with it
 
 
-def read_state_dict(path: Path, checkpoint_of: str | None = None) -> dict[str, torch.Tensor]:
+def read_state_dict(path: Path, for_training: bool = False) -> dict[str, torch.Tensor]:
     """The tensors saved in ``path`` by their names: ``torch.save(model.state_dict(), path)``'s, also nested under
-    one of NESTED_KEYS or named with DDP's ``module.``, and with ``checkpoint_of`` (an arch) the model of a
-    models.train checkpoint of that arch; ValueError in one line for anything else (a pickled model, which torch's
-    safe load refuses, a TorchScript file, a models.train checkpoint of another arch, or where --checkpoint takes
-    it)."""
+    one of NESTED_KEYS or named with DDP's ``module.``; ValueError in one line for anything else, saying what to give
+    (``for_training``: as models.train --weights takes them): an empty file, an ONNX file, a file torch.save did not
+    write, a pickled model (which torch's safe load refuses), a TorchScript file, a models.train checkpoint."""
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
-    training = checkpoint_of is not None
     if is_torchscript(path):  # (torch.load would warn, then hand it to torch.jit.load)
         raise ValueError(f"{path} is a TorchScript file: " + (
             "give its state dict (an export's model.state_dict.pt beside it; yours saved with "
-            "torch.save(model.state_dict(), path))" if training else f"give it with --torchscript {path}"))
+            "torch.save(model.state_dict(), path))" if for_training else f"give it with --torchscript {path}"))
     try:
         saved: Any = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - a pickled model, text: not a state dict
-        why = ("a pickled object, which torch's safe load refuses" if isinstance(exc, pickle.UnpicklingError)
-               else one_line(exc, 160))
-        raise ValueError(f"{path} is no state dict torch can read safely ({why}): save the weights alone with "
-                         f"torch.save(model.state_dict(), path) (torch.save(model) pickles the code)" + (
-                             "" if training else ", or give a TorchScript file with --torchscript")) from None
+        other = "" if for_training else ", or give a TorchScript file with --torchscript"
+        raise ValueError(f"{path} is no state dict torch can read safely ({_unreadable(path, exc)}): save the "
+                         f"weights alone with torch.save(model.state_dict(), path) (torch.save(model) pickles the "
+                         f"code){other}") from None
     if isinstance(saved, dict) and {"model", "args", "arch", "classes"} <= saved.keys():
-        if training and saved["arch"] != checkpoint_of:
-            raise ValueError(f"{path} is a models.train checkpoint of {saved['arch']}: give --arch {saved['arch']}")
-        if training and isinstance(saved["model"], dict):
-            return saved["model"]
         raise ValueError(f"{path} is a models.train checkpoint: export it with --checkpoint {path}")
     for key in NESTED_KEYS:
         if isinstance(saved, dict) and isinstance(saved.get(key), dict) and not _tensors(saved):
@@ -59,6 +52,32 @@ def read_state_dict(path: Path, checkpoint_of: str | None = None) -> dict[str, t
     return saved
 
 
+def _unreadable(path: Path, exc: Exception) -> str:
+    """What ``path`` is, that torch's safe load failed on with ``exc``."""
+    with path.open("rb") as file:
+        head = file.read(4)
+    if not head:
+        return "an empty file"
+    if path.suffix.lower() == ".onnx":
+        return "an ONNX file, which is not taken"
+    if head[:2] not in (b"PK", b"\x80\x02"):  # (torch.save's zip, its older pickle)
+        return "no file torch.save wrote"
+    if isinstance(exc, pickle.UnpicklingError):
+        return "a pickled object, which torch's safe load refuses"
+    return one_line(exc, 120)
+
+
+def aligned(weights: dict[str, torch.Tensor], names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """``weights`` named as ``names`` are: without the first part every name shares (``model.``: Lightning's
+    module attribute, a wrapper's) where that makes more of them match; else as they are."""
+    wanted = set(names)
+    firsts = {key.partition(".")[0] for key in weights}
+    if len(firsts) != 1 or all("." not in key for key in weights):
+        return weights
+    stripped = {key.partition(".")[2]: value for key, value in weights.items()}
+    return stripped if len(wanted & stripped.keys()) > len(wanted & weights.keys()) else weights
+
+
 def _tensors(saved: dict[Any, Any]) -> bool:
     return all(isinstance(key, str) and isinstance(value, torch.Tensor) for key, value in saved.items())
 
@@ -68,38 +87,10 @@ def brought_model(path: Path, arch: str, labels: Sequence[str]) -> tuple[nn.Modu
     when they are not that model's (another architecture, another class count)."""
     from models.architectures import build_model
 
-    weights = read_state_dict(path)
     model = build_model(arch, len(labels))
+    weights = aligned(read_state_dict(path), model.state_dict())
     fit_weights(model, weights, f"{path} is no state dict of {arch} with {len(labels)} classes (one a label)")
     return model.eval(), weights
-
-
-def body_weights(path: Path, arch: str) -> dict[str, torch.Tensor]:
-    """The weights in ``path`` (``read_state_dict``'s, a models.train checkpoint's too) of every layer of ``arch``
-    but its head (a new head, one output a class, is made for the data it trains on: ``with_body``); ValueError in
-    one line when they are not that model's."""
-    from models.architectures import build_model, head_name
-
-    weights = read_state_dict(path, checkpoint_of=arch)
-    with torch.device("meta"):  # (its names and shapes alone: nothing allocated, nothing initialised)
-        model = build_model(arch, 2)
-    head = f"{head_name(model)}."
-    body = {key: value for key, value in weights.items() if not key.startswith(head)}
-    expected = {key: value for key, value in model.state_dict().items() if not key.startswith(head)}
-    if body.keys() != expected.keys() or any(body[key].shape != value.shape for key, value in expected.items()):
-        raise ValueError(weights_mismatch(expected, body, f"{path} holds no weights of {arch}, its head aside "
-                                                          "(--arch names the network they are of)"))
-    return body
-
-
-def with_body(model: nn.Module, body: dict[str, torch.Tensor]) -> nn.Module:
-    """``model`` holding ``body`` (``body_weights``') in every layer but its head, which keeps its own."""
-    from models.architectures import head_name
-
-    head = f"{head_name(model)}."
-    model.load_state_dict({**body, **{key: value for key, value in model.state_dict().items()
-                                      if key.startswith(head)}}, strict=True)
-    return model
 
 
 def read_labels(path: Path) -> list[str]:

@@ -134,14 +134,15 @@ def get_args_parser(archs: Sequence[str], description: str = "") -> argparse.Arg
                         help="start from the packaged ImageNet weights (new head); efficientnet_lite0 only")
     parser.add_argument("--weights", type=Path, default=None, metavar="FILE",
                         help="start from these weights of --arch: a state dict (torch.save(model.state_dict(), "
-                             "FILE), also nested or DDP-named) or a models.train checkpoint; every layer but the "
-                             "head, which is new, one output a class of this data")
+                             "FILE), also nested or DDP-named), an export (its folder or its state dict) or a "
+                             "models.train checkpoint; every layer but the head, which is new, one output a class of "
+                             "this data")
     parser.add_argument("--mean", type=_number(0, 1), nargs=3, default=None, metavar=("R", "G", "B"),
                         help="the normalisation's mean on 0..1 pixels, as the --weights were trained with (default: "
-                             "ImageNet's 0.485 0.456 0.406, or the packaged weights' with --pretrained)")
+                             "the export's or the run's whose --weights they are, else ImageNet's 0.485 0.456 0.406)")
     parser.add_argument("--std", type=_number(0, 1, low_open=True), nargs=3, default=None, metavar=("R", "G", "B"),
-                        help="the normalisation's standard deviation on 0..1 pixels (default: ImageNet's 0.229 "
-                             "0.224 0.225, or the packaged weights' with --pretrained)")
+                        help="the normalisation's standard deviation on 0..1 pixels (default: as --mean's, else "
+                             "ImageNet's 0.229 0.224 0.225)")
     parser.add_argument("--freeze-backbone", action=argparse.BooleanOptionalAction, default=False,
                         help="train the new head only")
     parser.add_argument("--backbone-lr-scale", type=_number(), default=1.0,
@@ -157,7 +158,7 @@ def get_args_parser(archs: Sequence[str], description: str = "") -> argparse.Arg
     parser.add_argument("--label-smoothing", type=_number(0, 1, high_open=True), default=0.0,
                         help="cross-entropy label smoothing")
     parser.add_argument("--lr-warmup-epochs", type=_non_negative_int, default=None,
-                        help="linear warm-up (default: 1 epoch from scratch, 0 with --pretrained)")
+                        help="linear warm-up (default: 1 epoch from scratch, 0 with --pretrained or --weights)")
     parser.add_argument("--clip-grad-norm", type=_number(), default=None,
                         help="clip the gradient norm to this (0: no clipping, as without it)")
     parser.add_argument("--amp", action=argparse.BooleanOptionalAction, default=False,

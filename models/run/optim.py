@@ -9,8 +9,8 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from models.architectures import build_model, head_of
-from models.export.brought import with_body
+from models.architectures import build_model, class_sized
+from models.run.start_weights import with_body
 from models.pretrained import build_pretrained
 
 
@@ -22,13 +22,19 @@ def build_trainable(args: argparse.Namespace, num_classes: int, device: torch.de
     if body is not None:
         with_body(model, body)
     if args.freeze_backbone:
-        head = set(map(id, head_of(model).parameters()))
+        head = set(map(id, head_parameters(model, args.arch)))
         for param in model.parameters():
             param.requires_grad_(id(param) in head)
     if args.sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     return model.to(device, memory_format=memory_format)
+
+
+def head_parameters(model: nn.Module, arch: str) -> list[nn.Parameter]:
+    """``model``'s parameters sized by its class count (``class_sized``: the head, and an auxiliary one), in order."""
+    sized = class_sized(arch)
+    return [param for name, param in model.named_parameters() if name in sized]
 
 
 def set_train_mode(model: nn.Module, freeze_bn: bool) -> None:
@@ -49,7 +55,7 @@ def make_optimizer(model: nn.Module, args: argparse.Namespace, *, fused: bool = 
 
     ``fused``: torch's fused kernels (one launch updates every parameter; the training script asks for them on
     CUDA, where ``python -m bench.training.train`` measures them)."""
-    head = list(head_of(model).parameters())
+    head = head_parameters(model, args.arch)
     head_ids = set(map(id, head))
     backbone = [p for p in model.parameters() if p.requires_grad and id(p) not in head_ids]
     groups = [{"params": head, "lr": args.lr}]

@@ -14,9 +14,12 @@ import torch
 
 from app.engine.loaded.predictor import Predictor
 from models import train
-from models.architectures import build_model, head_name
+from models.architectures import ARCHS, build_model, class_sized, head_name
 from models.export.manifest import read_manifest
+from models.run.args import get_args_parser
 from models.run.checkpoint import BEST_NAME, CHECKPOINT_NAME
+from models.run.optim import make_optimizer
+from models.run.start_weights import read_start_weights, with_body
 from tests.support.imaging import write_image_folder
 from tests.training.test_training_checks import _main_error
 
@@ -65,6 +68,13 @@ def test_a_run_starts_from_the_weights_body_with_a_new_head_and_its_normalisatio
     served = Predictor.load(out / "export", device="cpu")  # the server builds the library's model by its name
     assert served.manifest.labels == ["blue", "green", "red"]
 
+    # the export (its folder) starts the next run, normalised as it was unless told otherwise
+    again = tmp_path / "again"
+    assert train.main(_args(folder, again, "--arch", ARCH, "--weights", str(out / "export"), "--std", "0.25",
+                            "0.25", "0.25")) == 0
+    preset = torch.load(again / BEST_NAME, weights_only=True)["preset"]
+    assert (preset["mean"], preset["std"]) == ((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+
 
 @pytest.mark.slow  # runs of the CLI: seconds each
 def test_a_resumed_run_keeps_its_normalisation_and_needs_its_weights_file_no_more(
@@ -78,6 +88,8 @@ def test_a_resumed_run_keeps_its_normalisation_and_needs_its_weights_file_no_mor
     checkpoint = str(out / CHECKPOINT_NAME)
     assert "--resume goes on from its checkpoint's weights" in _main_error(
         ["--resume", checkpoint, "--weights", str(imagenet_like[0])], caplog)
+    assert f"started from --weights {copy}, not the packaged weights: leave --pretrained out" in _main_error(
+        ["--resume", checkpoint, "--pretrained"], caplog)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="models.train"):
         assert train.main(["--resume", checkpoint, "--epochs", "2", "--workers", "0", "--device", "cpu"]) == 0
@@ -88,7 +100,7 @@ def test_a_resumed_run_keeps_its_normalisation_and_needs_its_weights_file_no_mor
 @pytest.mark.slow  # runs of the CLI: seconds each
 def test_another_run_s_checkpoint_seeds_a_run_on_other_classes(folder: Path, tmp_path: Path) -> None:
     first = tmp_path / "first"
-    assert train.main(_args(folder, first, "--arch", ARCH)) == 0
+    assert train.main(_args(folder, first, "--arch", ARCH, "--mean", "0.3", "0.3", "0.3")) == 0
     two_classes = tmp_path / "two"
     for split in ("train", "val"):
         for name in ("red", "blue"):
@@ -101,19 +113,49 @@ def test_another_run_s_checkpoint_seeds_a_run_on_other_classes(folder: Path, tmp
     assert now[f"{head}weight"].shape[0] == 2
     assert all(torch.equal(now[key], earlier[key]) for key in earlier
                if not key.startswith(head) and "running_" not in key and "num_batches" not in key)
+    assert torch.load(second / BEST_NAME, weights_only=True)["preset"]["mean"] == (0.3, 0.3, 0.3)  # the run's
 
 
 @pytest.mark.parametrize(("extra", "says"), [
     (["--arch", "resnet18"], "holds no weights of resnet18"),  # another network's weights
     (["--arch", "timm:no_such_model"], "timm has no model 'no_such_model'"),
     (["--arch", ARCH, "--pretrained"], "--pretrained starts from the packaged ImageNet weights"),
+    (["--pretrained", "--mean", "0.5", "0.5", "0.5"], "--pretrained's weights were trained with their own"),
 ])
 def test_weights_of_another_network_are_refused_in_one_line_before_the_data_is_scanned(
         extra: list[str], says: str, imagenet_like: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path,
         caplog: pytest.LogCaptureFixture) -> None:
     missing_data = tmp_path / "no-data-here"  # the weights are judged first: no word of the data
-    error = _main_error(_args(missing_data, tmp_path / "run", "--weights", str(imagenet_like[0]), *extra), caplog)
+    weights = [] if "--pretrained" in extra and "--mean" in extra else ["--weights", str(imagenet_like[0])]
+    error = _main_error(_args(missing_data, tmp_path / "run", *weights, *extra), caplog)
     assert says in error and "no-data-here" not in error
+
+
+def test_weights_saved_otherwise_than_torch_save_of_the_model_s_own_are_read(
+        imagenet_like: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path) -> None:
+    _, weights = imagenet_like
+    sized = class_sized(ARCH)
+    forms = {"lightning.ckpt": {"state_dict": {f"model.{key}": value for key, value in weights.items()}},
+             "no_step_counts.pt": {key: value for key, value in weights.items()  # (older torchvision files)
+                                   if not key.endswith("num_batches_tracked")}}
+    for name, saved in forms.items():
+        torch.save(saved, tmp_path / name)
+        body = read_start_weights(tmp_path / name, ARCH).body
+        model = with_body(build_model(ARCH, 3), body)
+        assert all(torch.equal(model.state_dict()[key], weights[key]) for key in body), name
+        assert not sized & body.keys() and sized, name
+
+
+def test_layers_the_class_count_sizes_are_the_head_and_train_at_its_rate() -> None:
+    assert class_sized("resnet18") == {"fc.weight", "fc.bias"}  # as the last Linear layer was
+    assert class_sized("torchvision:squeezenet1_0") == {"classifier.1.weight", "classifier.1.bias"}  # a conv
+    assert {"head.weight", "head_dist.weight"} <= class_sized("timm:deit_tiny_distilled_patch16_224")
+    args = get_args_parser(ARCHS).parse_args(["--data", "x", "--arch", "torchvision:squeezenet1_0",
+                                              "--backbone-lr-scale", "0.1", "--lr", "0.01"])
+    model = build_model(args.arch, 3)
+    head, backbone = make_optimizer(model, args).param_groups
+    assert [p.shape for p in head["params"]] == [(3, 512, 1, 1), (3,)] and head["lr"] == 0.01
+    assert len(backbone["params"]) == len(list(model.parameters())) - 2 and backbone["lr"] == pytest.approx(0.001)
 
 
 @pytest.mark.slow  # runs of the CLI: seconds each
@@ -130,8 +172,19 @@ def test_what_is_no_state_dict_is_refused_saying_what_to_give(folder: Path, tmp_
                                                          str(pickled)), caplog)
     assert "--weights" in _main_error(_args(folder, tmp_path / "c", "--arch", ARCH, "--weights",
                                             str(tmp_path / "absent.pt")), caplog)
+    for name, content, says in (("empty.pt", b"", "an empty file"), ("model.onnx", b"\x08\x07", "an ONNX file"),
+                                ("notes.pt", b"hello", "no file torch.save wrote")):
+        (tmp_path / name).write_bytes(content)
+        assert says in _main_error(_args(folder, tmp_path / "e", "--arch", ARCH, "--weights", str(tmp_path / name)),
+                                   caplog)
+    assert "is a folder: give a weights file" in _main_error(_args(folder, tmp_path / "f", "--arch", ARCH,
+                                                                   "--weights", str(folder)), caplog)
+    assert "answers GoogLeNetOutputs while it trains" in _main_error(_args(folder, tmp_path / "g", "--arch",
+                                                                           "torchvision:googlenet"), caplog)
     first = tmp_path / "first"
-    assert train.main(_args(folder, first, "--arch", "mobilenet_v3_small")) == 0
+    assert train.main(_args(folder, first, "--arch", "mobilenet_v3_small", "--export", str(first / "export"))) == 0
+    assert "an export of mobilenet_v3_small: give --arch mobilenet_v3_small" in _main_error(
+        _args(folder, tmp_path / "h", "--arch", ARCH, "--weights", str(first / "export")), caplog)
     assert "give --arch mobilenet_v3_small" in _main_error(_args(folder, tmp_path / "d", "--arch", ARCH,
                                                                  "--weights", str(first / BEST_NAME)), caplog)
 

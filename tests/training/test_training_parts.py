@@ -20,7 +20,7 @@ from models.plot import main as plot_main
 from models.presets import EvalPreset
 from models.run.device_stats import AsyncScalar, peak_memory
 from models.run.report import Progress
-from models.architectures import head_of
+from models.architectures import build_model, head_of
 from models.run.report import RunLog, read_metrics
 from tests.support.imaging import write_image_folder
 
@@ -246,9 +246,10 @@ def test_the_progress_shows_values_without_waiting_and_peak_memory_on_cuda_only(
 
 
 def test_fused_optimizers_are_asked_for_by_name() -> None:
-    model = nn.Linear(4, 2)
+    model = build_model("mobilenet_v3_small", 2)
     for opt in ("sgd", "adamw"):
-        args = argparse.Namespace(opt=opt, lr=0.1, momentum=0.9, weight_decay=0.0, backbone_lr_scale=1.0)
+        args = argparse.Namespace(opt=opt, lr=0.1, momentum=0.9, weight_decay=0.0, backbone_lr_scale=1.0,
+                                  arch="mobilenet_v3_small")
         assert make_optimizer(model, args, fused=True).defaults["fused"] is True
         assert not make_optimizer(model, args).defaults["fused"]
 
