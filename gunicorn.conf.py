@@ -302,8 +302,11 @@ def child_exit(server, worker) -> None:  # noqa: ANN001
 def pre_exec(server) -> None:  # noqa: ANN001
     """USR2's new master, just before gunicorn executes it: given no directory of this master's (gunicorn passes it
     the environment it started with, which names them after a HUP), it makes its own: this one's engine sockets and
-    workers' marks are in them, and this master removes them at its exit."""
+    workers' marks are in them, and this master removes them at its exit. It is told where this master's workers'
+    ready marks are (``control.PREDECESSOR_VARIABLE``): its own workers leave new connections to them while these
+    serve and they do not yet (they took them, to answer 503 while their engines loaded)."""
     owned_dirs.leave_out_of(server.cfg.env_orig)
+    server.cfg.env_orig[control.PREDECESSOR_VARIABLE] = os.environ["VISIONSERVE_CONTROL_DIR"]
 
 
 def on_exit(server) -> None:  # noqa: ANN001

@@ -133,15 +133,22 @@ def replacement_loading(control_dir: Path, pid: int) -> bool:
         return False
 
 
-def takes_connections(control_dir: Path, pid: int) -> bool:
+PREDECESSOR_VARIABLE = "_VISIONSERVE_PREDECESSOR_CONTROL_DIR"  # the CONTROL_DIR of the master that started this one
+# (gunicorn's USR2: the old master serves on beside it until it is stopped), set by gunicorn.conf.py's pre_exec
+
+
+def takes_connections(control_dir: Path, pid: int, predecessor: Path | None = None) -> bool:
     """Whether HTTP worker ``pid`` should take new connections now: it serves (its ready mark is there); or no
-    other live worker serves and it is leaving (its drain still answers), or none other is (a server starting, or
-    its one engine restarting: each answers 503 meanwhile, rather than none answering). A directory that cannot be
-    looked into leaves every worker taking them."""
+    other live worker serves (this master's, or the ``predecessor``'s that started it: USR2's old one) and it is
+    leaving (its drain still answers), or none other is (a server starting, or its one engine restarting: each
+    answers 503 meanwhile, rather than none answering). A directory that cannot be looked into leaves every worker
+    taking them."""
     try:
         if ready_mark(control_dir, pid).exists():
             return True
         if any(other != pid for other in ready_workers(control_dir)):
+            return False
+        if predecessor is not None and predecessor.is_dir() and ready_workers(predecessor):
             return False
         return leaving_mark(control_dir, pid).exists() or all(other == pid for other in _marked(control_dir,
                                                                                                  LEAVING_MARKS))

@@ -71,6 +71,10 @@ CATALOG_GRACE_S = 10.0  # beyond a catalog call's waits (REPOSITORY_SYNC_TIMEOUT
 STATE_TTL_S = 0.2  # readiness asked of the engine at most this often
 WAIT_S = 0.1  # while starting or restarting, how often to look for the engine
 WATCH_S = 5.0  # how often the wait for the engine process's end looks whether this worker stops, and at its mark
+SILENT_AWAY_S = 2.0  # an engine whose state queries go unanswered this long is taken as away until it answers (a
+# pause of a second, a long collection, is not)
+SILENT_STATE_TTL_S = 3.0  # an unanswered state query stands this long for a probe or a request (the link's watch
+# asks again every WAIT_S + STATE_TIMEOUT_S meanwhile): a probe of a silent engine answers at once
 
 
 def _as_service_error(exc: BaseException) -> ServiceError:
@@ -260,6 +264,8 @@ class RemoteService(Lifecycle):
         self.connections = EngineConnections(connect or functools.partial(wire.connect, path, CONNECT_TIMEOUT_S))
         self.catalog = RemoteCatalog(self._ask)
         self._state: tuple[float, wire.EngineState | None] = (0.0, None)
+        self._silent_shown = False  # the engine's silence taken as its absence (its ready mark away) until it answers
+        self._silent_since: float | None = None  # when its state queries began to go unanswered
         self._signatures: dict[tuple[str | None, str | None], Signature] = {}
         self._signatures_of: tuple[int, int] = (0, 0)  # (engine pid, routing generation) they were read at
         self.loop_link: LoopLink | None = None  # the requests on this worker's loop: one connection, made at first use
@@ -311,6 +317,7 @@ class RemoteService(Lifecycle):
             while not self._stopped.wait(WAIT_S):  # (a restart takes a second at least: RESTART_DELAY_S)
                 state = self._engine_state(fresh=True)
                 if state is not None and state.ready:
+                    self._silent_shown, self._silent_since = False, None  # (a silent engine that died meanwhile)
                     self._serving_now()
                     if self.draining:  # back within its drain, which answers again: it says so (its leaving mark)
                         self._mark_leaving()
@@ -356,9 +363,27 @@ class RemoteService(Lifecycle):
 
     def _engine_serves(self) -> None:
         """Every WATCH_S while the engine that answered last lives (every WAIT_S while it is silent: ``_ask_when_due``):
-        this worker's ready mark written again if a write failed (``Lifecycle._keep_ready_mark``), and its part of
-        the gauges as the marks are now (asking the engine's state)."""
-        self._keep_ready_mark()
+        its state asked; while it answers, this worker's ready mark written again if a write failed
+        (``Lifecycle._keep_ready_mark``); once it does not (stopped, its loop stuck), the mark taken away until it
+        answers again, as for an engine gone: readiness then says 503 on every worker behind the port (it covers
+        them all), and new connections go to the workers whose engines serve (app/hosting/worker.py); and its part
+        of the gauges as the marks are now."""
+        answered, now = self._engine_state(fresh=True) is not None, time.monotonic()
+        since = self._silent_since = None if answered else self._silent_since or now
+        if answered and self._silent_shown:
+            self._silent_shown = False
+            self._serving_now()
+            self._show_engine(True)
+            log.info("engine %d answers again", self.slot)
+        elif since is not None and not self._silent_shown and now - since >= SILENT_AWAY_S:
+            self._silent_shown = True
+            self._remove_ready_mark()
+            self._show_engine(False)
+            log.warning("engine %d, this HTTP worker's, does not answer its state queries (stopped or stuck): new "
+                        "connections are left to the other workers and readiness says 503 until it answers (the "
+                        "master restarts it once silent for STALL_S)", self.slot)
+        if answered:
+            self._keep_ready_mark()
         self.ready  # noqa: B018 - its reading sets this worker's part of the ready gauge as the marks are now
 
     def _show_engine(self, reached: bool) -> None:
@@ -470,7 +495,14 @@ class RemoteService(Lifecycle):
         return at > 0 and state is None
 
     def _engine_state(self, fresh: bool = False) -> wire.EngineState | None:
+        """The engine's state as it said it within STATE_TTL_S (asked again after), None when it did not answer
+        within STATE_TIMEOUT_S; ``fresh``: asked now. Once it has gone unanswered, the link's watch asks it every
+        WAIT_S (``_ask_when_due``) and every other reader (a probe, a request) takes that answer for
+        SILENT_STATE_TTL_S: a probe of a silent engine is answered at once, not after a wait for its state each
+        time."""
         at, state = self._state
+        if state is None and not fresh and self._started.is_set() and time.monotonic() - at < SILENT_STATE_TTL_S:
+            return None
         if fresh or time.monotonic() - at > STATE_TTL_S:
             try:
                 state = self._exchange(wire.StateQuery(), STATE_TIMEOUT_S, "the engine is away")

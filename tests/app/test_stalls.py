@@ -27,7 +27,7 @@ from app.errors import NotReady
 from app.factory import create_app, default_protocols
 from app.hosting import control
 from app.link import client as client_module
-from app.link import supervisor
+from app.link import supervisor, wire
 from app.link.client import RemoteService
 from app.link.loop import EngineServer
 from app.web import init_app
@@ -225,6 +225,51 @@ def test_a_worker_sends_no_request_to_an_engine_whose_latest_state_query_went_un
     wait_until(lambda: _post(client) == 200, timeout=2.5)
     linked.worker._stopped.set()
     watch.join(5)
+
+
+@pytest.mark.slow
+def test_an_engine_silent_past_silent_away_s_takes_its_worker_out_of_serving_until_it_answers_again(
+        linked: Linked, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: a stopped engine's worker kept its ready mark, so the other workers' /readyz said 200 while its own
+    # said 503 (readiness flipped from call to call behind one port: an ops trial with two engines, one stopped), it
+    # took its share of new connections to answer them 503, and each of its probes waited for a state query.
+    monkeypatch.setattr(client_module, "STATE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(client_module, "SILENT_AWAY_S", 0.3)
+    worker, client = linked.worker, linked.client
+    asked: list[str] = []  # the threads that asked the engine its state
+    exchange = worker._exchange
+
+    def counted(message: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(message, wire.StateQuery):
+            asked.append(threading.current_thread().name)
+        return exchange(message, *args, **kwargs)
+
+    monkeypatch.setattr(worker, "_exchange", counted)
+    other = control.ready_mark(worker.control_dir, os.getppid())  # another live worker, whose engine serves
+    other.touch()
+    assert _post(client) == 200
+    watch = threading.Thread(target=worker._engine_gone, name="watch", daemon=True)  # as _follow_engine runs it
+    watch.start()
+    try:
+        with caplog.at_level(logging.INFO, logger=client_module.log.name):
+            with _engine_loop_stuck(linked):
+                assert client.get("/readyz").status_code == 503  # a probe finds it silent (or the watch's next query)
+                wait_until(lambda: not worker.ready_mark.exists(), timeout=5)
+                assert not control.takes_connections(worker.control_dir, os.getpid())  # left to the other worker
+                asked.clear()
+                for _ in range(4):  # each past the state's time to live: a probe would have asked again
+                    time.sleep(2 * client_module.STATE_TTL_S)
+                    assert client.get("/readyz").status_code == 503 and client.get("/healthz").status_code == 200
+                assert threading.current_thread().name not in asked  # the probes took the watch's answer
+            wait_until(worker.ready_mark.exists, timeout=5)  # answering again: serving again
+        assert control.takes_connections(worker.control_dir, os.getpid()) and _post(client) == 200
+        said = [r.getMessage() for r in caplog.records]
+        assert any("engine 0, this HTTP worker's, does not answer its state queries" in line for line in said)
+        assert any("engine 0 answers again" in line for line in said)
+    finally:
+        other.unlink(missing_ok=True)
+        worker._stopped.set()
+        watch.join(5)
 
 
 @pytest.mark.slow

@@ -103,6 +103,27 @@ def test_a_worker_still_loading_leaves_new_connections_to_one_that_drains_and_st
     assert control.takes_connections(tmp_path, loading)
 
 
+def test_a_worker_of_usr2_s_new_master_leaves_new_connections_to_the_old_master_s_serving_workers(
+        tmp_path: Path) -> None:
+    # Before: USR2's new master made directories of its own, so its workers saw no worker serving and took new
+    # connections while their engines loaded, to answer them 503 (an ops trial: 255 of 1,305 over 14 s), where the
+    # old master's workers served on.
+    mine, before = tmp_path / "new", tmp_path / "old"
+    mine.mkdir()
+    before.mkdir()
+    loading, serving = os.getpid(), os.getppid()
+    control.ready_mark(before, serving).touch()
+    assert not control.takes_connections(mine, loading, before)  # left to the old master's serving worker
+    assert control.takes_connections(mine, loading)  # (told of no predecessor: none serves, it takes them)
+    control.ready_mark(mine, loading).touch()
+    assert control.takes_connections(mine, loading, before)  # serving itself: it takes them
+    control.ready_mark(mine, loading).unlink()
+    control.ready_mark(before, serving).unlink()  # the old master's workers drain: none serves, it takes them
+    assert control.takes_connections(mine, loading, before)
+    before.rmdir()  # the old master gone with its directory
+    assert control.takes_connections(mine, loading, before)
+
+
 def _gunicorn_config(monkeypatch: pytest.MonkeyPatch, control_dir: Path) -> dict:
     """gunicorn.conf.py run in this process, CONTROL_DIR set before it runs and what it set in the environment
     undone. Set after, the monkeypatch's undo put the config's own directory back into this process's environment,
@@ -117,6 +138,16 @@ def _gunicorn_config(monkeypatch: pytest.MonkeyPatch, control_dir: Path) -> dict
     finally:
         os.environ.clear()
         os.environ.update(before)
+
+
+def test_usr2_s_new_master_is_told_where_the_old_master_s_workers_say_they_serve(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    config = _gunicorn_config(monkeypatch, tmp_path)
+    given = {"PATH": "/usr/bin"}  # the environment gunicorn hands the new master (gunicorn's cfg.env_orig)
+    config["pre_exec"](SimpleNamespace(cfg=SimpleNamespace(env_orig=given)))
+    assert given == {"PATH": "/usr/bin", control.PREDECESSOR_VARIABLE: str(tmp_path)}
 
 
 def test_a_worker_killed_during_its_drain_leaves_no_leaving_mark(tmp_path: Path,
