@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from models.architectures import ARCHS, build_model
+from models.architectures import ARCHS
 from models.data.gpu import DevicePrefetcher
 from models.data.loaders import Data, load_data
 from models.export.manifest import TOP5_MIN_CLASSES
@@ -49,7 +49,7 @@ from models.run.distributed import (
     terminated_as_interrupt,
 )
 from models.run.optim import build_trainable, make_optimizer, make_scheduler, set_train_mode
-from models.run.start_weights import read_start_weights
+from models.run.start_weights import start_from
 from models.run.reference import reference_counts, reference_from_counts
 from models.run.report import HELD_OUT_NAME, Progress, RunLog, Timer, process_started, write_held_out
 
@@ -227,7 +227,7 @@ def _setup(args: argparse.Namespace, env: DistEnv) -> tuple[torch.device, EvalPr
             raise ValueError(f"--backbone-lr-scale {args.backbone_lr_scale:g} with --freeze-backbone does nothing: "
                              "the backbone does not train; leave one of them out (--backbone-lr-scale 0.1 alone "
                              "fine-tunes everything, the backbone slower)")
-        _start_weights(args)
+        start_from(args)
         if args.freeze_backbone and not args.pretrained and args.weights is None:
             log.warning("--freeze-backbone without --pretrained or --weights trains the head alone on a backbone of "
                         "random weights: add --pretrained (efficientnet_lite0) to fine-tune ImageNet's, --weights "
@@ -245,53 +245,6 @@ def _setup(args: argparse.Namespace, env: DistEnv) -> tuple[torch.device, EvalPr
         return device, preset
     except ValueError as exc:
         raise DataError(str(exc)) from None
-
-
-def _start_weights(args: argparse.Namespace) -> None:
-    """The network checked (a timm or torchvision name that library has), and ``--weights`` read and checked against
-    it, kept for the model's build (``args._start_body``: models/run/optim.py), with the normalisation it was trained
-    with where its file says it and --mean/--std do not, before the data is scanned; a resumed run starts from its
-    checkpoint's weights instead. ValueError for what cannot be trained."""
-    given = getattr(args, "_given", frozenset())
-    if args.resume is not None and "weights" in given:
-        raise ValueError("--weights starts a run, --resume goes on from its checkpoint's weights: leave one out")
-    if args.pretrained and args.weights is not None:
-        if args.resume is not None and "pretrained" in given:
-            raise ValueError(f"{args.resume} started from --weights {args.weights}, not the packaged weights: leave "
-                             "--pretrained out")
-        raise ValueError("--pretrained starts from the packaged ImageNet weights, --weights from yours: leave one out")
-    if args.pretrained and (args.mean is not None or args.std is not None) and args.resume is None:
-        raise ValueError("--pretrained's weights were trained with their own normalisation: leave --mean and --std "
-                         "out (or start from a file of them with --weights)")
-    if ":" in args.arch:  # a library's model, built by its name: one it lacks, or one answering more than logits
-        _check_trainable(args.arch, args.crop_size or 224)  # in training, refused now, not after the data is scanned
-    if args.weights is None or args.resume is not None:
-        return
-    start = read_start_weights(args.weights, args.arch)
-    args._start_body = start.body
-    taken = []
-    for name in ("mean", "std"):
-        if getattr(args, name) is None and start.preset is not None:
-            setattr(args, name, list(getattr(start.preset, name)))
-            taken.append(f"--{name} {' '.join(f'{value:g}' for value in getattr(start.preset, name))}")
-    log.info("starting from %s's weights of %s, with a new head for this data's classes%s", args.weights, args.arch,
-             f" and their normalisation ({', '.join(taken)})" if taken else "")
-
-
-def _check_trainable(arch: str, crop_size: int) -> None:
-    """ValueError unless timm or torchvision has ``arch`` and its training forward pass answers one row of logits an
-    image (GoogLeNet's and Inception's answer their auxiliary heads' beside), run on the meta device (shapes alone:
-    nothing allocated; a model whose steps the meta device cannot run is taken as it is)."""
-    with torch.device("meta"):
-        model = build_model(arch, 2).train()
-        try:
-            answer = model(torch.empty(2, 3, crop_size, crop_size))
-        except Exception:  # noqa: BLE001 - a step meta tensors cannot run (data-dependent): training will tell
-            return
-    if not isinstance(answer, torch.Tensor):
-        raise ValueError(f"{arch} answers {type(answer).__name__} while it trains (its auxiliary heads' logits "
-                         "beside its own), not one row of logits an image: models.train trains models that answer "
-                         "their logits alone")
 
 
 def _check_export_target(args: argparse.Namespace) -> None:

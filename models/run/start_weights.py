@@ -1,9 +1,11 @@
-"""What a run given ``--weights`` starts from: the weights of every layer of its network but those its class count
-sizes (the head, and any auxiliary head: ``class_sized``), read from a state dict, an export (its folder or its
-state dict) or another run's checkpoint, and the normalisation they were trained with where the file says it; each
-file that cannot be that refused in one line saying what to give (ValueError)."""
+"""What a run of models.train starts from (``start_from``, in its set-up, before the data is scanned): a network a
+library names checked (``check_trainable``), and with ``--weights`` the weights of every layer of it but those its
+class count sizes (the head, and any auxiliary head: ``class_sized``), read from a state dict, an export (its folder
+or its state dict) or another run's checkpoint, and the normalisation they were trained with where the file says it;
+each file that cannot be that refused in one line saying what to give (ValueError)."""
 from __future__ import annotations
 
+import argparse
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,53 @@ from models.export.manifest import MANIFEST_NAME, EvalPreset, Manifest, read_man
 log = logging.getLogger("models.train")
 
 CHECKPOINT_KEYS = frozenset({"model", "args", "arch", "classes"})  # what marks a models.train checkpoint
+
+
+def start_from(args: argparse.Namespace) -> None:
+    """The network checked (a timm or torchvision name that library has), and ``--weights`` read and checked against
+    it, kept for the model's build (``args._start_body``: models/run/optim.py), with the normalisation it was trained
+    with where its file says it and --mean/--std do not, before the data is scanned; a resumed run starts from its
+    checkpoint's weights instead. ValueError for what cannot be trained."""
+    given = getattr(args, "_given", frozenset())
+    if args.resume is not None and "weights" in given:
+        raise ValueError("--weights starts a run, --resume goes on from its checkpoint's weights: leave one out")
+    if args.pretrained and args.weights is not None:
+        if args.resume is not None and "pretrained" in given:
+            raise ValueError(f"{args.resume} started from --weights {args.weights}, not the packaged weights: leave "
+                             "--pretrained out")
+        raise ValueError("--pretrained starts from the packaged ImageNet weights, --weights from yours: leave one out")
+    if args.pretrained and (args.mean is not None or args.std is not None) and args.resume is None:
+        raise ValueError("--pretrained's weights were trained with their own normalisation: leave --mean and --std "
+                         "out (or start from a file of them with --weights)")
+    if ":" in args.arch:  # a library's model, built by its name: one it lacks, or one answering more than logits
+        check_trainable(args.arch, args.crop_size or 224)  # in training, refused now, not after the data is scanned
+    if args.weights is None or args.resume is not None:
+        return
+    start = read_start_weights(args.weights, args.arch)
+    args._start_body = start.body
+    taken = []
+    for name in ("mean", "std"):
+        if getattr(args, name) is None and start.preset is not None:
+            setattr(args, name, list(getattr(start.preset, name)))
+            taken.append(f"--{name} {' '.join(f'{value:g}' for value in getattr(start.preset, name))}")
+    log.info("starting from %s's weights of %s, with a new head for this data's classes%s", args.weights, args.arch,
+             f" and their normalisation ({', '.join(taken)})" if taken else "")
+
+
+def check_trainable(arch: str, crop_size: int) -> None:
+    """ValueError unless timm or torchvision has ``arch`` and its training forward pass answers one row of logits an
+    image (GoogLeNet's and Inception's answer their auxiliary heads' beside), run on the meta device (shapes alone:
+    nothing allocated; a model whose steps the meta device cannot run is taken as it is)."""
+    with torch.device("meta"):
+        model = build_model(arch, 2).train()
+        try:
+            answer = model(torch.empty(2, 3, crop_size, crop_size))
+        except Exception:  # noqa: BLE001 - a step meta tensors cannot run (data-dependent): training will tell
+            return
+    if not isinstance(answer, torch.Tensor):
+        raise ValueError(f"{arch} answers {type(answer).__name__} while it trains (its auxiliary heads' logits "
+                         "beside its own), not one row of logits an image: models.train trains models that answer "
+                         "their logits alone")
 
 
 @dataclass
