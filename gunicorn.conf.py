@@ -134,6 +134,7 @@ def on_starting(server) -> None:  # noqa: ANN001
     _refuse_ttou_at_one_worker(server)
     if not getattr(server, "master_pid", 0):  # a master started by another's USR2: the old workers' marks are live
         control.clear_stale(Path(os.environ["VISIONSERVE_CONTROL_DIR"]))  # a kept directory's: an earlier start's
+    _tell_predecessor(server)
     _clear_metrics(server)
     chosen = "" if _settings.engine != "auto" else (" (ENGINE=auto: a GPU)" if _engine == "process" else
                                                      " (ENGINE=auto: no GPU in use)")
@@ -297,6 +298,19 @@ def child_exit(server, worker) -> None:  # noqa: ANN001
     """Drop a dead worker's live gauges (queue depth, GPU memory) from the multiprocess metrics, its report of
     what it served, and its mark of having reached the engine (``_forget``)."""
     _forget(server, worker.pid)
+
+
+def _tell_predecessor(server) -> None:  # noqa: ANN001
+    """USR2's new master: its CONTROL_DIR written into the old master's (``control.SUCCESSOR``), whose workers then
+    leave new connections to this one's once these serve (while they drain, or their engines restart)."""
+    predecessor, mine = os.environ.get(control.PREDECESSOR_VARIABLE), os.environ["VISIONSERVE_CONTROL_DIR"]
+    if not predecessor or Path(predecessor) == Path(mine):
+        return
+    try:
+        (Path(predecessor) / control.SUCCESSOR).write_text(mine, encoding="utf-8")
+    except OSError as exc:
+        server.log.warning("could not tell the master this one started beside where its workers are (%s): its "
+                           "workers may take new connections once they drain, to answer 503", exc)
 
 
 def pre_exec(server) -> None:  # noqa: ANN001

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Sequence
 
 DESIRED = "desired.json"
 LOCK = "lock"
@@ -32,8 +33,9 @@ LEAVING_MARKS = "http-*.leaving"
 LOADING_MARKS = "http-*.loading"
 BOOT_FAILURES = "boot-*.failed"  # why a master's first worker that could not start could not (``boot_failure``)
 # What the engines and the HTTP workers leave behind (a master starting on a kept directory clears them).
+SUCCESSOR = "successor"  # in a master's CONTROL_DIR: the CONTROL_DIR of the master its USR2 started (which writes it)
 STALE_AT_START = ("engine-*.failed", "engine-*.sock", READY_MARKS, LEAVING_MARKS, LOADING_MARKS, REPORTS,
-                  BOOT_FAILURES)
+                  BOOT_FAILURES, SUCCESSOR)
 _HAS_PROC = Path("/proc/self/status").exists()  # Linux: a pid's process is looked up there (``process_alive``)
 
 
@@ -137,10 +139,31 @@ PREDECESSOR_VARIABLE = "_VISIONSERVE_PREDECESSOR_CONTROL_DIR"  # the CONTROL_DIR
 # (gunicorn's USR2: the old master serves on beside it until it is stopped), set by gunicorn.conf.py's pre_exec
 
 
-def takes_connections(control_dir: Path, pid: int, predecessor: Path | None = None) -> bool:
+def masters_beside(control_dir: Path) -> list[Path]:
+    """The CONTROL_DIRs of the masters that serve beside this one behind the same listener (USR2's old master, told
+    by ``PREDECESSOR_VARIABLE``, and its new one, by ``SUCCESSOR``), those still there."""
+    named = [os.environ.get(PREDECESSOR_VARIABLE)]
+    try:
+        named.append((control_dir / SUCCESSOR).read_text(encoding="utf-8").strip())
+    except OSError:
+        pass
+    return [Path(path) for path in named if path and Path(path).is_dir() and Path(path) != control_dir]
+
+
+def serving_beside(control_dir: Path, beside: Sequence[Path] | None = None) -> bool:
+    """A live worker of a master beside this one (``masters_beside``, unless given) serves (its ready mark) or still
+    answers in its drain (its leaving mark)."""
+    try:
+        return any(ready_workers(other) or _marked(other, LEAVING_MARKS)
+                   for other in (masters_beside(control_dir) if beside is None else beside))
+    except OSError:
+        return False
+
+
+def takes_connections(control_dir: Path, pid: int, beside: Sequence[Path] | None = None) -> bool:
     """Whether HTTP worker ``pid`` should take new connections now: it serves (its ready mark is there); or no
-    other live worker serves (this master's, or the ``predecessor``'s that started it: USR2's old one) and it is
-    leaving (its drain still answers), or none other is (a server starting, or its one engine restarting: each
+    other live worker serves, of this master or of one beside it (USR2's old or new one: ``serving_beside``), and
+    it is leaving (its drain still answers), or none other is (a server starting, or its one engine restarting: each
     answers 503 meanwhile, rather than none answering). A directory that cannot be looked into leaves every worker
     taking them."""
     try:
@@ -148,7 +171,7 @@ def takes_connections(control_dir: Path, pid: int, predecessor: Path | None = No
             return True
         if any(other != pid for other in ready_workers(control_dir)):
             return False
-        if predecessor is not None and predecessor.is_dir() and ready_workers(predecessor):
+        if serving_beside(control_dir, beside):
             return False
         return leaving_mark(control_dir, pid).exists() or all(other == pid for other in _marked(control_dir,
                                                                                                  LEAVING_MARKS))

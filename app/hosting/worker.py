@@ -244,9 +244,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
     def _another_serves_instead(self) -> bool:
         """This worker does not serve (not yet, or no longer: draining, or its engine restarting) and another live
         one does (CONTROL_DIR's ready marks)."""
-        predecessor = os.environ.get(control.PREDECESSOR_VARIABLE)
-        return self.control_dir is not None and not control.takes_connections(
-            self.control_dir, os.getpid(), Path(predecessor) if predecessor else None)
+        return self.control_dir is not None and not control.takes_connections(self.control_dir, os.getpid())
 
     def accept(self, listener: Any) -> None:
         """A new connection waits in the loop for its request (app/hosting/drain.py counts ``accepts``). A worker

@@ -20,8 +20,9 @@ Readiness is the server's, not this worker's alone: ready once the engine is rea
 and every worker of the server reached the engine (each marks ``http-<pid>.ready`` in CONTROL_DIR; the master
 removes a dead worker's mark), so after the first 200 of ``/readyz`` no worker answers ``not_ready``. A mark that
 could not be written (CONTROL_DIR full) is written again every WATCH_S while the engine lives. The mark is away
-from the engine's end until the restarted engine is ready: meanwhile the worker leaves new connections to the
-workers whose engine serves (app/hosting/worker.py), or, with none (one engine), takes them to answer 503.
+from the engine's end until the restarted engine is ready, and while the engine's state queries go unanswered for
+SILENT_AWAY_S until it answers again: meanwhile the worker leaves new connections to the workers whose engine
+serves (app/hosting/worker.py), or, with none (one engine), takes them to answer 503.
 
 The gauges ``visionserve_ready`` and ``visionserve_batcher_alive`` read 0 in every process from its import, and
 /metrics reads their lowest over the live processes, the engines' included: a worker sets its own part, 1 while it
@@ -71,10 +72,11 @@ CATALOG_GRACE_S = 10.0  # beyond a catalog call's waits (REPOSITORY_SYNC_TIMEOUT
 STATE_TTL_S = 0.2  # readiness asked of the engine at most this often
 WAIT_S = 0.1  # while starting or restarting, how often to look for the engine
 WATCH_S = 5.0  # how often the wait for the engine process's end looks whether this worker stops, and at its mark
-SILENT_AWAY_S = 2.0  # an engine whose state queries go unanswered this long is taken as away until it answers (a
-# pause of a second, a long collection, is not)
-SILENT_STATE_TTL_S = 3.0  # an unanswered state query stands this long for a probe or a request (the link's watch
-# asks again every WAIT_S + STATE_TIMEOUT_S meanwhile): a probe of a silent engine answers at once
+SILENT_AWAY_S = 5.0  # an engine whose state queries go unanswered this long is taken as away until it answers (a
+# pause of a second or two, a long collection, an engine's loop slowed by a busy host, is not)
+SILENT_STATE_TTL_S = 5.0  # an unanswered state query stands this long for a probe or a request (the link's watch
+# asks again meanwhile, every 1-3 s: its query, STATE_TIMEOUT_S, after a new connection's hello, CONNECT_TIMEOUT_S
+# at most): a probe of a silent engine answers at once
 
 
 def _as_service_error(exc: BaseException) -> ServiceError:
@@ -368,16 +370,20 @@ class RemoteService(Lifecycle):
         answers again, as for an engine gone: readiness then says 503 on every worker behind the port (it covers
         them all), and new connections go to the workers whose engines serve (app/hosting/worker.py); and its part
         of the gauges as the marks are now."""
+        asked = time.monotonic()
         answered, now = self._engine_state(fresh=True) is not None, time.monotonic()
-        since = self._silent_since = None if answered else self._silent_since or now
+        since = self._silent_since = None if answered else self._silent_since or asked  # (from the first unanswered)
         if answered and self._silent_shown:
             self._silent_shown = False
             self._serving_now()
+            if self.draining:  # a drain that began meanwhile answers again: it says so (its leaving mark)
+                self._mark_leaving()
             self._show_engine(True)
             log.info("engine %d answers again", self.slot)
         elif since is not None and not self._silent_shown and now - since >= SILENT_AWAY_S:
             self._silent_shown = True
             self._remove_ready_mark()
+            self._remove_leaving_mark()  # a draining worker whose engine answers nothing answers nothing new: 503
             self._show_engine(False)
             log.warning("engine %d, this HTTP worker's, does not answer its state queries (stopped or stuck): new "
                         "connections are left to the other workers and readiness says 503 until it answers (the "
@@ -400,8 +406,9 @@ class RemoteService(Lifecycle):
         return self._workers_marked() >= (self.settings.workers or 1)
 
     def _another_serves(self) -> bool:
-        """Another HTTP worker's ready mark is there (its engine serves)."""
-        return any(pid != os.getpid() for pid in self._marked_workers())
+        """Another HTTP worker's ready mark is there (its engine serves), or one of the master this one runs beside
+        (USR2's old or new master: ``control.serving_beside``)."""
+        return any(pid != os.getpid() for pid in self._marked_workers()) or control.serving_beside(self.control_dir)
 
     def _workers_marked(self) -> int:
         return len(self._marked_workers())
@@ -617,8 +624,8 @@ class RemoteService(Lifecycle):
             return f"engine {self.slot}, this HTTP worker's: {state.reason}"
         if not self._every_worker_marked():
             return (f"{self._workers_marked()} of {self.settings.workers or 1} HTTP workers reached their engines: "
-                    "readiness covers every worker behind the port, and one whose engine is starting or restarting "
-                    "has not")
+                    "readiness covers every worker behind the port, and one whose engine is starting, restarting "
+                    "or not answering (stopped or stuck) has not")
         return None
 
     def _drain_begun(self) -> None:

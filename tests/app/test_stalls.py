@@ -266,6 +266,12 @@ def test_an_engine_silent_past_silent_away_s_takes_its_worker_out_of_serving_unt
         said = [r.getMessage() for r in caplog.records]
         assert any("engine 0, this HTTP worker's, does not answer its state queries" in line for line in said)
         assert any("engine 0 answers again" in line for line in said)
+        with _engine_loop_stuck(linked):  # silent again, and a drain begins meanwhile (a HUP, a SIGTERM)
+            wait_until(lambda: client.get("/readyz").status_code == 503)
+            wait_until(lambda: worker._silent_shown, timeout=5)
+            worker.begin_drain()
+            assert not worker.leaving_mark.exists()  # it answers nothing new: no worker leaves its connections to it
+        wait_until(worker.leaving_mark.exists, timeout=5)  # answering again within its drain: it says so
     finally:
         other.unlink(missing_ok=True)
         worker._stopped.set()

@@ -3,6 +3,7 @@ the next start."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -103,25 +104,36 @@ def test_a_worker_still_loading_leaves_new_connections_to_one_that_drains_and_st
     assert control.takes_connections(tmp_path, loading)
 
 
-def test_a_worker_of_usr2_s_new_master_leaves_new_connections_to_the_old_master_s_serving_workers(
-        tmp_path: Path) -> None:
+def test_usr2_s_two_masters_leave_new_connections_to_each_other_s_workers_that_serve(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Before: USR2's new master made directories of its own, so its workers saw no worker serving and took new
-    # connections while their engines loaded, to answer them 503 (an ops trial: 255 of 1,305 over 14 s), where the
-    # old master's workers served on.
-    mine, before = tmp_path / "new", tmp_path / "old"
-    mine.mkdir()
-    before.mkdir()
-    loading, serving = os.getpid(), os.getppid()
-    control.ready_mark(before, serving).touch()
-    assert not control.takes_connections(mine, loading, before)  # left to the old master's serving worker
-    assert control.takes_connections(mine, loading)  # (told of no predecessor: none serves, it takes them)
-    control.ready_mark(mine, loading).touch()
-    assert control.takes_connections(mine, loading, before)  # serving itself: it takes them
-    control.ready_mark(mine, loading).unlink()
-    control.ready_mark(before, serving).unlink()  # the old master's workers drain: none serves, it takes them
-    assert control.takes_connections(mine, loading, before)
-    before.rmdir()  # the old master gone with its directory
-    assert control.takes_connections(mine, loading, before)
+    # connections while their engines loaded, to answer them 503 (an ops trial: 194 of 4,965 over 40 s), where the
+    # old master's workers served on; and the old master's workers, stopped once the new ones served, took new
+    # connections after their drain's answering window to answer them 503 (a review).
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    new.mkdir()
+    monkeypatch.setenv(control.PREDECESSOR_VARIABLE, str(old))  # the new master's environment (pre_exec)
+    (old / control.SUCCESSOR).write_text(str(new))  # what the new master writes at its start
+    loading, serving = os.getpid(), os.getppid()  # a new worker still loading; the old master's worker
+    control.ready_mark(old, serving).touch()
+    assert control.masters_beside(new) == [old] and control.masters_beside(old) == [new]
+    assert not control.takes_connections(new, loading)  # left to the old master's serving worker
+    assert control.takes_connections(new, loading, beside=[])  # (with none beside: none serves, it takes them)
+    control.ready_mark(old, serving).unlink()
+    control.leaving_mark(old, serving).touch()  # the old master stopped first: its drain still answers
+    assert not control.takes_connections(new, loading) and control.takes_connections(old, serving)
+    control.leaving_mark(old, serving).unlink()  # its drain's answering window over, the new worker not serving yet
+    assert control.takes_connections(new, loading) and control.takes_connections(old, serving)  # 503 from each
+    control.ready_mark(new, loading).touch()  # the new worker serves: the old one leaves them to it
+    assert control.takes_connections(new, loading) and not control.takes_connections(old, serving)
+    control.ready_mark(new, loading).unlink()
+    old_marks = [old / control.SUCCESSOR]
+    control.clear_stale(old)  # a kept directory's next start forgets the successor of an earlier run
+    assert not any(path.exists() for path in old_marks)
+    new.rmdir()
+    old.rmdir()  # the masters gone with their directories: none beside
+    assert control.masters_beside(new) == [] and control.takes_connections(new, loading)
 
 
 def _gunicorn_config(monkeypatch: pytest.MonkeyPatch, control_dir: Path) -> dict:
@@ -148,6 +160,13 @@ def test_usr2_s_new_master_is_told_where_the_old_master_s_workers_say_they_serve
     given = {"PATH": "/usr/bin"}  # the environment gunicorn hands the new master (gunicorn's cfg.env_orig)
     config["pre_exec"](SimpleNamespace(cfg=SimpleNamespace(env_orig=given)))
     assert given == {"PATH": "/usr/bin", control.PREDECESSOR_VARIABLE: str(tmp_path)}
+    # and the new master, at its start, writes its own CONTROL_DIR into the old master's
+    mine = tmp_path / "new"
+    mine.mkdir()
+    monkeypatch.setenv(control.PREDECESSOR_VARIABLE, str(tmp_path))
+    monkeypatch.setenv("VISIONSERVE_CONTROL_DIR", str(mine))
+    config["_tell_predecessor"](SimpleNamespace(log=logging.getLogger("test")))
+    assert (tmp_path / control.SUCCESSOR).read_text() == str(mine)
 
 
 def test_a_worker_killed_during_its_drain_leaves_no_leaving_mark(tmp_path: Path,
