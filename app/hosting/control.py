@@ -9,13 +9,16 @@ the engine processes. Every name in it is made here and nowhere else:
   version has warmed up (app/engine/versions/memory.py: two engines, or inline workers, of one GPU each saw the
   memory free that the other was about to take);
 - ``http-<pid>.ready``: an HTTP worker that serves: it reached a ready engine, or loaded its models inline, and is
-  not draining; away while its engine restarts (readiness counts the live workers' marks in process mode; a worker
-  that has none leaves new connections to those that have one, app/hosting/worker.py);
+  not draining; away while its engine restarts or does not answer (readiness counts the live workers' marks in
+  process mode; a worker that has none leaves new connections to those that have one, app/hosting/worker.py, and
+  to those of the master beside it: ``masters_beside``);
 - ``http-<pid>.leaving``: an HTTP worker that served and drains, answering what comes for the drain's first
   SHUTDOWN_DRAIN_S (a HUP's old worker, or every worker of a server stopping): not ready, but a worker still
   loading leaves new connections to it, as to one that serves, and it takes them while none serves;
 - ``http-<pid>.loading``: an HTTP worker from its fork until it serves (or drains): a HUP's new worker, for which
-  the old one, draining, answers on past SHUTDOWN_DRAIN_S while none serves (``replacement_loading``).
+  the old one, draining, answers on past SHUTDOWN_DRAIN_S while none serves (``replacement_loading``);
+- ``successor``: the CONTROL_DIR of the master a USR2 of this one started, written by that master at its start (it
+  is told this one's by ``PREDECESSOR_VARIABLE``).
 
 Standard library only: the master imports it, and so does the engine (the desired state's names).
 """
