@@ -78,8 +78,8 @@ def _served_equals_own(out: Path, own: torch.nn.Module) -> Predictor:
 def test_a_state_dict_of_a_named_or_a_library_s_architecture_is_exported_and_served_as_trained(
         tmp_path: Path, labels: Path, caplog: pytest.LogCaptureFixture) -> None:
     model = _sharpened(torchvision.models.resnet18(num_classes=3))
-    nested = tmp_path / "nested.pt"  # as Lightning and DDP save: {"state_dict": {"module.<key>": ...}}
-    torch.save({"state_dict": {f"module.{k}": v for k, v in model.state_dict().items()}, "epoch": 3}, nested)
+    nested = tmp_path / "nested.pt"  # as Lightning saves: {"state_dict": {"<its attribute>.<key>": ...}, ...}
+    torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}, "epoch": 3}, nested)
     out = tmp_path / "out"
     code, errors = export(["--state-dict", str(nested), "--arch", "resnet18", "--labels", str(labels),
                            "--name", "flowers", "--out", str(out), "--crop-size", "96", "--mean", "0.5", "0.5",
