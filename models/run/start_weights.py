@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from models.architectures import build_model, class_sized
 from models.export.brought import aligned, read_state_dict
-from models.export.checks import weights_mismatch
+from models.export.checks import is_torchscript, weights_mismatch
 from models.export.manifest import MANIFEST_NAME, EvalPreset, Manifest, read_manifest
 
 log = logging.getLogger("models.train")
@@ -118,6 +118,8 @@ def _state_dict_of_export(folder: Path) -> Path:
 def _checkpoint(path: Path) -> dict[str, Any] | None:
     """The models.train checkpoint in ``path``, or None when it holds something else (``read_state_dict`` says
     what)."""
+    if is_torchscript(path):  # (torch.load would warn, then hand it to torch.jit.load)
+        return None
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # noqa: BLE001 - not torch's zip format, or not safely readable: read_state_dict's to say

@@ -160,12 +160,15 @@ def test_layers_the_class_count_sizes_are_the_head_and_train_at_its_rate() -> No
 
 @pytest.mark.slow  # runs of the CLI: seconds each
 def test_what_is_no_state_dict_is_refused_saying_what_to_give(folder: Path, tmp_path: Path,
-                                                               caplog: pytest.LogCaptureFixture) -> None:
+                                                               caplog: pytest.LogCaptureFixture,
+                                                               recwarn: pytest.WarningsRecorder) -> None:
     model = build_model(ARCH, 3).eval()
     scripted = tmp_path / "model.torchscript.pt"
     torch.jit.save(torch.jit.trace(model, torch.rand(1, 3, 32, 32)), scripted)
+    recwarn.clear()
     assert "give its state dict" in _main_error(_args(folder, tmp_path / "a", "--arch", ARCH, "--weights",
                                                       str(scripted)), caplog)
+    assert not [w for w in recwarn if "TorchScript" in str(w.message)]  # said once, in its line: no torch warning
     pickled = tmp_path / "pickled.pt"
     torch.save(model, pickled)
     assert "save the weights alone" in _main_error(_args(folder, tmp_path / "b", "--arch", ARCH, "--weights",
