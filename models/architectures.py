@@ -62,13 +62,20 @@ def build_model(arch: str, num_classes: int) -> nn.Module:
 
 
 @functools.lru_cache(maxsize=16)
+def meta_state_dict(arch: str, num_classes: int) -> dict[str, torch.Tensor]:
+    """``arch``'s state dict for ``num_classes`` built on the meta device: its names and shapes alone (nothing
+    allocated, nothing initialised). Kept: read it, never change it."""
+    with torch.device("meta"):
+        return build_model(arch, num_classes).state_dict()
+
+
+@functools.lru_cache(maxsize=16)
 def class_sized(arch: str) -> frozenset[str]:
     """The state-dict names of ``arch`` whose shapes follow its class count: its head (the last Linear layer; a
     SqueezeNet's last convolution), and any other layer sized by it (GoogLeNet's and Inception's auxiliary heads, a
     distilled ViT's second head). What a run started from other weights makes new, and what trains at the head's
-    rate. Found by building it for two class counts on the meta device (nothing allocated)."""
-    with torch.device("meta"):
-        two, three = build_model(arch, 2).state_dict(), build_model(arch, 3).state_dict()
+    rate. Found by its state dict for two class counts (``meta_state_dict``)."""
+    two, three = meta_state_dict(arch, 2), meta_state_dict(arch, 3)
     return frozenset(key for key, value in two.items() if key not in three or three[key].shape != value.shape)
 
 

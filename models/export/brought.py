@@ -20,11 +20,18 @@ NESTED_KEYS = ("state_dict", "model", "model_state_dict")
 DDP_PREFIX = "module."  # DistributedDataParallel's (and DataParallel's) wrapper names every key with it
 
 
-def read_state_dict(path: Path, for_training: bool = False) -> dict[str, torch.Tensor]:
-    """The tensors saved in ``path`` by their names: ``torch.save(model.state_dict(), path)``'s, also nested under
-    one of NESTED_KEYS or named with DDP's ``module.``; ValueError in one line for anything else, saying what to give
+CHECKPOINT_KEYS = frozenset({"model", "args", "arch", "classes"})  # what marks a models.train checkpoint
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors saved in ``path`` by their names (``load_saved``, then ``state_dict_in``)."""
+    return state_dict_in(load_saved(path), path)
+
+
+def load_saved(path: Path, for_training: bool = False) -> Any:
+    """What torch.save wrote in ``path``, read safely; ValueError in one line for anything else, saying what to give
     (``for_training``: as models.train --weights takes them): an empty file, an ONNX file, a file torch.save did not
-    write, a pickled model (which torch's safe load refuses), a TorchScript file, a models.train checkpoint."""
+    write, a pickled model (which torch's safe load refuses), a TorchScript file."""
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
     if is_torchscript(path):  # (torch.load would warn, then hand it to torch.jit.load)
@@ -32,13 +39,24 @@ def read_state_dict(path: Path, for_training: bool = False) -> dict[str, torch.T
             "give its state dict (an export's model.state_dict.pt beside it; yours saved with "
             "torch.save(model.state_dict(), path))" if for_training else f"give it with --torchscript {path}"))
     try:
-        saved: Any = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - a pickled model, text: not a state dict
         other = "" if for_training else ", or give a TorchScript file with --torchscript"
         raise ValueError(f"{path} is no state dict torch can read safely ({_unreadable(path, exc)}): save the "
                          f"weights alone with torch.save(model.state_dict(), path) (torch.save(model) pickles the "
                          f"code){other}") from None
-    if isinstance(saved, dict) and {"model", "args", "arch", "classes"} <= saved.keys():
+
+
+def is_checkpoint(saved: Any) -> bool:
+    """Whether ``saved`` (``load_saved``'s) is a models.train checkpoint."""
+    return isinstance(saved, dict) and CHECKPOINT_KEYS <= saved.keys()
+
+
+def state_dict_in(saved: Any, path: Path) -> dict[str, torch.Tensor]:
+    """The state dict in what ``path`` held (``load_saved``'s): ``torch.save(model.state_dict(), path)``'s, also
+    nested under one of NESTED_KEYS or named with DDP's ``module.``; ValueError in one line for anything else (a
+    models.train checkpoint: --checkpoint takes it)."""
+    if is_checkpoint(saved):
         raise ValueError(f"{path} is a models.train checkpoint: export it with --checkpoint {path}")
     for key in NESTED_KEYS:
         if isinstance(saved, dict) and isinstance(saved.get(key), dict) and not _tensors(saved):

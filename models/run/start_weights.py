@@ -9,20 +9,16 @@ import argparse
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn as nn
 
-from models.architectures import build_model, class_sized
-from models.export.brought import aligned, read_state_dict
-from models.export.checks import is_torchscript, weights_mismatch
+from models.architectures import build_model, class_sized, meta_state_dict
+from models.export.brought import aligned, is_checkpoint, load_saved, state_dict_in
+from models.export.checks import weights_mismatch
 from models.export.manifest import MANIFEST_NAME, EvalPreset, Manifest, read_manifest
 
 log = logging.getLogger("models.train")
-
-CHECKPOINT_KEYS = frozenset({"model", "args", "arch", "classes"})  # what marks a models.train checkpoint
-
 
 def start_from(args: argparse.Namespace) -> None:
     """The network checked (a timm or torchvision name that library has), and ``--weights`` read and checked against
@@ -80,21 +76,22 @@ class StartWeights:
 
 
 def read_start_weights(path: Path, arch: str) -> StartWeights:
-    """``--weights path`` for a run of ``arch``: a state dict (``read_state_dict``'s forms), an export's folder or
+    """``--weights path`` for a run of ``arch``: a state dict (``state_dict_in``'s forms), an export's folder or
     its state dict (its manifest's normalisation), or a models.train checkpoint of ``arch`` (its run's)."""
     if path.is_dir():
         path = _state_dict_of_export(path)
     if not path.is_file():
         raise ValueError(f"--weights {path}: no such file")
-    checkpoint = _checkpoint(path)
-    if checkpoint is not None:
+    saved = load_saved(path, for_training=True)  # (read once: a checkpoint, or a state dict in its forms)
+    if is_checkpoint(saved) and isinstance(saved["model"], dict):
+        checkpoint = saved
         if checkpoint["arch"] != arch:
             raise ValueError(f"{path} is a models.train checkpoint of {checkpoint['arch']}: give --arch "
                              f"{checkpoint['arch']}")
         preset = checkpoint.get("preset")
         return StartWeights(body_of(checkpoint["model"], arch, path),
                             EvalPreset(**preset) if isinstance(preset, dict) else None)
-    weights = read_state_dict(path, for_training=True)
+    weights = state_dict_in(saved, path)
     manifest = _manifest_beside(path)
     if manifest is not None and manifest.arch != arch:
         raise ValueError(f"{path} is the state dict of an export of {manifest.arch}: give --arch {manifest.arch}")
@@ -115,20 +112,6 @@ def _state_dict_of_export(folder: Path) -> Path:
     return folder / weights.path
 
 
-def _checkpoint(path: Path) -> dict[str, Any] | None:
-    """The models.train checkpoint in ``path``, or None when it holds something else (``read_state_dict`` says
-    what)."""
-    if is_torchscript(path):  # (torch.load would warn, then hand it to torch.jit.load)
-        return None
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # noqa: BLE001 - not torch's zip format, or not safely readable: read_state_dict's to say
-        return None
-    if isinstance(saved, dict) and CHECKPOINT_KEYS <= saved.keys() and isinstance(saved["model"], dict):
-        return saved
-    return None
-
-
 def _manifest_beside(path: Path) -> Manifest | None:
     """The manifest of the export whose state dict ``path`` is, or None."""
     try:
@@ -143,8 +126,7 @@ def body_of(weights: dict[str, torch.Tensor], arch: str, path: Path) -> dict[str
     """``weights`` but those sized by the class count: ValueError in one line unless the rest are every other
     weight of ``arch``, of its shapes (BatchNorm's step counters may be missing, as torch's own load takes them)."""
     sized = class_sized(arch)
-    with torch.device("meta"):  # (its names and shapes alone: nothing allocated, nothing initialised)
-        expected = {key: value for key, value in build_model(arch, 2).state_dict().items() if key not in sized}
+    expected = {key: value for key, value in meta_state_dict(arch, 2).items() if key not in sized}
     body = {key: value for key, value in aligned(weights, expected).items() if key not in sized}
     needed = {key for key in expected if not key.endswith("num_batches_tracked")}
     if not needed <= body.keys() <= expected.keys() or any(body[key].shape != expected[key].shape for key in body):
