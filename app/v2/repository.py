@@ -25,8 +25,10 @@ def _body(schema: type[B]) -> B:
         return schema.model_validate(parse_json(data, "the body") if data.strip() else {})
     except pydantic.ValidationError as exc:
         details = [{"loc": list(e["loc"]), "msg": e["msg"]} for e in exc.errors()]
-        raise SchemaViolation(f"the body does not match {schema.__name__}: {details[0]['msg']}",
-                              details=details) from None
+        first = details[0]  # where it is too: "Extra inputs are not permitted" alone named no key
+        where = ".".join(str(part) for part in first["loc"])
+        raise SchemaViolation(f"the body does not match {schema.__name__}: {where + ': ' if where else ''}"
+                              f"{first['msg']}", details=details) from None
 
 
 def _loaded(name: str, spec: Mapping[str, Any]) -> Response:

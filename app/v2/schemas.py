@@ -157,6 +157,8 @@ class Error(BaseModel):
 class RepositoryIndexRequest(BaseModel):
     """POST /v2/repository/index (the body may be empty)."""
 
+    model_config = ConfigDict(extra="forbid")  # a misspelt "ready" refused, not read as every version's readiness
+
     # strict: a JSON true or false ("yes" read as true before: no error, every version's readiness filtered)
     ready: bool = Field(False, strict=True, description="only the versions ready to serve")
 

@@ -893,6 +893,8 @@ def test_the_repository_api(client: FlaskClient, repository: FakeRepository) -> 
     assert client.post("/v2/repository/index", json={"ready": True}).get_json()[0]["version"] == "1"
     refused = client.post("/v2/repository/index", json={"ready": "yes"})  # before: read as true
     assert refused.status_code == 422 and "boolean" in refused.get_json()["error"]
+    refused = client.post("/v2/repository/index", json={"ready_only": True})  # before: every version listed
+    assert refused.status_code == 422 and "ready_only" in refused.get_json()["error"]
     loaded = client.post("/v2/repository/models/colour/load")
     assert loaded.status_code == 200 and loaded.get_json() == {"name": "colour", "versions": ["2"], "default": "2"}
     assert client.post("/predict", data=image_bytes(RED), content_type="image/jpeg").get_json()["model"] == {
