@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 from typing import Callable, Sequence
 
+from models.architectures import LIBRARIES
 from models.commands import python_command
 
 
@@ -99,14 +100,15 @@ def _number(low: float = 0.0, high: float = math.inf, *, low_open: bool = False,
 
 
 def _arch(archs: Sequence[str]) -> Callable[[str], str]:
-    """An argparse type: one of ``archs``, or ``timm:NAME`` / ``torchvision:NAME`` (whether that library has such a
-    model is checked once the libraries are imported: models.train's set-up)."""
+    """An argparse type: one of ``archs``, or ``LIBRARY:NAME`` of one of models/architectures.py's LIBRARIES
+    (whether that library has such a model is checked once it is imported: models.train's set-up)."""
     def arch(text: str) -> str:
         library, _, name = text.partition(":")
-        if text in archs or (library in ("timm", "torchvision") and name):
+        if text in archs or (library in LIBRARIES and name):
             return text
-        raise argparse.ArgumentTypeError(f"{text!r}: choose one of {', '.join(archs)}, or timm:NAME or "
-                                         "torchvision:NAME for another model of those libraries")
+        raise argparse.ArgumentTypeError(f"{text!r}: choose one of {', '.join(archs)}, or "
+                                         f"{' or '.join(f'{library}:NAME' for library in LIBRARIES)} for another "
+                                         "model of those libraries")
     return arch
 
 
@@ -127,8 +129,9 @@ def get_args_parser(archs: Sequence[str], description: str = "") -> argparse.Arg
                              "(each image by its path and --split-seed: added images move none; default for such a "
                              "folder: 0.2)")
     parser.add_argument("--arch", type=_arch(archs), default=None, metavar="ARCH",
-                        help=f"the network: {', '.join(archs)}, or any other model of timm or torchvision as "
-                             "timm:NAME or torchvision:NAME (e.g. timm:resnet34, torchvision:efficientnet_b0) "
+                        help=f"the network: {', '.join(archs)}, or any other model of {' or '.join(LIBRARIES)} as "
+                             f"{' or '.join(f'{library}:NAME' for library in LIBRARIES)} (e.g. timm:resnet34, "
+                             "torchvision:efficientnet_b0) "
                              "(default: efficientnet_lite0 with --pretrained, resnet18 without)")
     parser.add_argument("--pretrained", action=argparse.BooleanOptionalAction, default=False,
                         help="start from the packaged ImageNet weights (new head); efficientnet_lite0 only")
