@@ -209,9 +209,11 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         super().set_accept_enabled(enabled)
 
     def _serving_others(self) -> list[int]:
-        """The other workers that serve now (their ready marks), for the log."""
+        """The other workers that serve now (their ready marks), this master's and those of a master beside it
+        (USR2's old or new one: ``control.masters_beside``), for the log."""
         try:
-            return [pid for pid in control.ready_workers(self.control_dir) if pid != os.getpid()]
+            return [pid for directory in (self.control_dir, *control.masters_beside(self.control_dir))
+                    for pid in control.ready_workers(directory) if pid != os.getpid()]
         except (OSError, TypeError):  # (a directory that cannot be looked into, or none)
             return []
 

@@ -520,6 +520,30 @@ def test_a_worker_held_back_while_it_loads_then_told_to_stop_says_it_drains(
         _close_all(worker, listener, clients)
 
 
+def test_a_draining_worker_names_the_serving_workers_of_the_master_beside_it(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: after USR2 the old master's draining worker left new connections to the new master's serving ones
+    # (control.takes_connections) but its log said they went to "none now", naming only its own master's workers.
+    from app.hosting import control
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    new.mkdir()
+    (old / control.SUCCESSOR).write_text(str(new), encoding="utf-8")  # the new master told it (its CONTROL_DIR)
+    control.ready_mark(new, os.getppid()).touch()  # the new master's worker serves
+    worker, listener = _listening_worker(old)
+    worker.draining = True
+    clients = [socket.create_connection(listener.getsockname())]
+    try:
+        with caplog.at_level(logging.INFO, logger="test.worker"):
+            worker.accept(listener)
+        assert [record.getMessage() for record in caplog.records] == [
+            f"worker {os.getpid()} drains: new connections go to the workers that serve ({os.getppid()})"]
+        assert worker.nr_conns == 0 and worker.held_back
+    finally:
+        _close_all(worker, listener, clients)
+
+
 def test_a_worker_taking_new_connections_leaves_them_to_one_that_serves_once_it_does_not_serve_itself(
         tmp_path: Path) -> None:
     # Before: gthread asks set_accept_enabled only when accepting should change for its own reasons, so a worker
