@@ -4,6 +4,7 @@ around the requests counted, and the count of the last dump (``http_side --instr
 from __future__ import annotations
 
 import subprocess
+import tempfile
 from pathlib import Path
 
 
@@ -24,3 +25,10 @@ def callgrind_total(out: Path) -> int:
     dumps = sorted(out.parent.glob(f"{out.name}.*"), key=lambda path: int(path.suffix[1:]))
     totals = next(line for line in dumps[-1].read_text().splitlines() if line.startswith(("summary:", "totals:")))
     return int(totals.split()[1])
+
+
+def remove_vgdb_pipes(pid: int) -> None:
+    """The FIFOs and the shared-memory file valgrind's gdbserver made for process ``pid`` (callgrind_control talks to
+    it through them), which a process killed under valgrind leaves in the temporary folder (three a run)."""
+    for pipe in Path(tempfile.gettempdir()).glob(f"vgdb-pipe-*[-]{pid}-by-*"):
+        pipe.unlink(missing_ok=True)

@@ -519,14 +519,20 @@ def instructions(checkout: Path, weights: Path, form: str, requests: int,
     workers' loop links send them (the path served requests take)."""
     with tempfile.TemporaryDirectory(prefix="visionserve-callgrind-") as folder:
         out = Path(folder) / "callgrind.out"
-        from bench.serving.callgrind import callgrind_command, callgrind_total
+        from bench.serving.callgrind import callgrind_command, callgrind_total, remove_vgdb_pipes
 
         serve_args = ["--serve-floor", str(weights)] if floor else ["--serve", str(checkout), str(weights)]
-        with _engine(checkout, serve_args, "cpu", callgrind_command(out), max_batch_size,
-                     FLOOR_SETTINGS if floor else None) as (engine, sock, env):
-            subprocess.run([sys.executable, "-m", "bench.serving.engine_only", "--count", str(checkout), str(sock),
-                            form, str(requests), str(engine.pid), str(burst), clients, str(links)], cwd=ROOT, env=env,
-                           capture_output=True, check=True)
+        pids = []
+        try:
+            with _engine(checkout, serve_args, "cpu", callgrind_command(out), max_batch_size,
+                         FLOOR_SETTINGS if floor else None) as (engine, sock, env):
+                pids.append(engine.pid)
+                subprocess.run([sys.executable, "-m", "bench.serving.engine_only", "--count", str(checkout),
+                                str(sock), form, str(requests), str(engine.pid), str(burst), clients, str(links)],
+                               cwd=ROOT, env=env, capture_output=True, check=True)
+        finally:  # the engine killed (``_engine``): valgrind left its pipes
+            for pid in pids:
+                remove_vgdb_pipes(pid)
         total = callgrind_total(out)
     sent = whole_bursts(requests, burst)
     return {"form": form, "instructions_per_request": total / sent,
