@@ -240,7 +240,8 @@ def _halt_when_an_engine_fails(server) -> None:  # noqa: ANN001
 
 def _forget(server, pid: int) -> None:  # noqa: ANN001
     """A worker or an engine ended: its report of what it served, a worker's marks of having reached the engine
-    (readiness counts the live workers' marks) and of leaving, and its live gauges go. A directory that cannot be written
+    (readiness counts the live workers' marks) and of leaving, and its live gauges go; its counts are folded into
+    the ended processes' (app/hosting/metrics_files.py). A directory that cannot be written
     (read-only, its disk gone) is said in the log, never raised: the master's loop would end with it, and the server
     with every worker."""
     control_dir = os.environ.get("VISIONSERVE_CONTROL_DIR")
@@ -251,9 +252,14 @@ def _forget(server, pid: int) -> None:  # noqa: ANN001
             control.leaving_mark(Path(control_dir), pid).unlink(missing_ok=True)  # (killed during its drain)
             control.loading_mark(Path(control_dir), pid).unlink(missing_ok=True)  # (ended before it served)
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            # imported here, long after the directory is set above: prometheus-client picks its values' kind (a file
+            # per process, or none) at its import, which the workers inherit
             from prometheus_client import multiprocess
 
+            from app.hosting import metrics_files
+
             multiprocess.mark_process_dead(pid)
+            metrics_files.fold_ended(Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]), pid)
     except OSError as exc:
         server.log.warning("visionserve: what worker %d left in CONTROL_DIR or PROMETHEUS_MULTIPROC_DIR cannot be "
                            "removed (%s): readiness and /metrics may count it until it is", pid, exc)
@@ -295,8 +301,9 @@ def worker_exit(server, worker) -> None:  # noqa: ANN001
 
 
 def child_exit(server, worker) -> None:  # noqa: ANN001
-    """Drop a dead worker's live gauges (queue depth, GPU memory) from the multiprocess metrics, its report of
-    what it served, and its mark of having reached the engine (``_forget``)."""
+    """Drop a dead worker's live gauges (queue depth, GPU memory) from the multiprocess metrics (its counts folded
+    into the ended processes'), its report of what it served, and its mark of having reached the engine
+    (``_forget``)."""
     _forget(server, worker.pid)
 
 

@@ -9,6 +9,7 @@ import threading
 import time
 from collections import Counter as Tally
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -26,6 +27,7 @@ from prometheus_client import (
 )
 from prometheus_client import values as prometheus_values
 
+from app.hosting import metrics_files
 from app.hosting.procstat import WorkerCollector
 from models.export.manifest import CONFIDENCE_BUCKETS  # the manifest's reference histogram has the same edges
 
@@ -522,9 +524,10 @@ for _event in ("deadline_dropped", "client_gone", "batch_split", "batch_failed")
 
 def render() -> tuple[bytes, str]:
     """The exposition text for /metrics: every worker's values in multiprocess mode, else this process's."""
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    if folder := os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
         registry.register(WorkerCollector())  # multiprocess mode has no process_* series of its own
-        return generate_latest(registry), CONTENT_TYPE_LATEST
+        with metrics_files.reading(Path(folder)):  # an ended process's counts once, folded or not yet
+            return generate_latest(registry), CONTENT_TYPE_LATEST
     return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
