@@ -16,7 +16,7 @@ from app.hosting import drain
 from app.config import SettingsError, load_settings, unknown_variables
 from app.hosting import control, owned_dirs
 from app.hosting.host import address_in_use, bind_problem, engine_count, engine_mode, unserved_engines, workers_for
-from app.logs import JsonFormatter
+from app.logs import JsonFormatter, configure_access_log
 from app.link import supervisor
 from app.hosting.request_framing import ReadLimits
 
@@ -80,6 +80,7 @@ logconfig_dict = {
                 # the app logs each request itself (visionserve.access, JSON with its id and stages)
                 "gunicorn.access": {"level": "CRITICAL", "handlers": [], "propagate": False}},
 }
+configure_access_log(_settings.access_log)  # (ACCESS_LOG) inherited by the workers: their lines before the app loads
 # Bound the request line and headers (a longer request line is refused by the worker's loop, 414, as a head over
 # MAX_HEADER_BYTES is, 431: app/hosting/request_framing.py). One header may take the whole head: gunicorn's own bound
 # on a header line (8190 bytes by default, 431 in its words) refused a large cookie or token within MAX_HEADER_BYTES.

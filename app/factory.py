@@ -59,7 +59,7 @@ def create_app(settings: "Settings | None" = None, predictor: "Predictor | None"
     from models.data.malloc import keep_freed_memory
 
     settings = settings or load_settings()
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.access_log)
     keep_freed_memory(settings.malloc_trim_threshold_mb)  # before any image or body buffer is allocated
     if engine == "process":
         service = _remote_service(settings, on_load_error or _raise)

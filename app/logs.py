@@ -26,11 +26,35 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
-def configure_logging(level: str) -> None:
-    """Send the service's logs to stderr as JSON lines (idempotent)."""
+ACCESS_LOGGER = "visionserve.access"  # each request's line (a record with its ``status``)
+
+
+class ErrorAnswersOnly(logging.Filter):
+    """ACCESS_LOG=errors: a request's line only when it was answered 4xx or 5xx."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        status = getattr(record, "status", None)
+        return not isinstance(status, int) or status >= 400
+
+
+def configure_logging(level: str, access: str = "all") -> None:
+    """Send the service's logs to stderr as JSON lines, the requests' lines as ``access`` (ACCESS_LOG) says
+    (idempotent)."""
     root = logging.getLogger()
     if not any(isinstance(h.formatter, JsonFormatter) for h in root.handlers):
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(JsonFormatter())
         root.addHandler(handler)
     root.setLevel(level.upper())
+    configure_access_log(access)
+
+
+def configure_access_log(access: str) -> None:
+    """ACCESS_LOG: every request's line (``all``), those of error answers (``errors``), or none (``off``: its level
+    above any it logs at, so the request paths do not even make the line)."""
+    logger = logging.getLogger(ACCESS_LOGGER)
+    logger.setLevel(logging.CRITICAL if access == "off" else logging.NOTSET)
+    for kept in [kept for kept in logger.filters if isinstance(kept, ErrorAnswersOnly)]:
+        logger.removeFilter(kept)
+    if access == "errors":
+        logger.addFilter(ErrorAnswersOnly())

@@ -42,8 +42,9 @@ from typing import Callable, Mapping, NamedTuple
 
 from app.errors import Backlog
 from app.hosting.request_framing import error_body, request_id_of
+from app.logs import ACCESS_LOGGER
 
-access_log = logging.getLogger("visionserve.access")
+access_log = logging.getLogger(ACCESS_LOGGER)
 
 DEADLINE_HEADER = "x-request-timeout"
 _FIELD_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9a-z-]+\Z")  # a header's name (RFC 9110 5.1's token), lower-cased

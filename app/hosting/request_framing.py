@@ -39,6 +39,7 @@ from gunicorn.http.unreader import SocketUnreader
 from gunicorn.workers.gthread import TConn
 
 from app.errors import ServiceError, default_body
+from app.logs import ACCESS_LOGGER
 
 HEADER_END = b"\r\n\r\n"
 READ_SIZE = 1 << 20  # the most one read asks for: a body's rest in as few calls as possible (the GIL is contended)
@@ -52,7 +53,7 @@ CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]+")
 CODINGS = frozenset((b"chunked", b"identity", b"gzip", b"deflate", b"compress"))  # the transfer codings gunicorn takes
 MALFORMED = "the request body's framing is malformed: "  # as app/web/errors.py says it of what the parser refuses
 
-log = logging.getLogger("visionserve.access")  # the loop's own answers' access lines, as the app's
+log = logging.getLogger(ACCESS_LOGGER)  # the loop's own answers' access lines, as the app's
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}\Z")  # a caller's X-Request-ID kept (\Z, not $: $ also matches
 # before a final newline, and a header holding one cannot be sent)
 

@@ -27,6 +27,7 @@ import time
 from typing import Any, Callable, Iterable
 
 from app.hosting.request_framing import error_body, request_id_of
+from app.logs import ACCESS_LOGGER
 
 StartResponse = Callable[..., Any]
 WSGIApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
@@ -45,7 +46,7 @@ PROBES: dict[str, tuple[int, dict[str, Any]]] = {
 }
 _REASONS = {200: "OK", 503: "Service Unavailable"}
 
-access_log = logging.getLogger("visionserve.access")
+access_log = logging.getLogger(ACCESS_LOGGER)
 log = logging.getLogger(__name__)
 
 

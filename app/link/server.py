@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the master's to handle: it stops the engines after
     _exit_with_the_master()
     settings = load_settings()
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.access_log)
     keep_freed_memory(settings.malloc_trim_threshold_mb)
     device = engine_device(settings.device, slot, settings.engines_per_device)
     settings = settings.model_copy(update={"device": device, "worker_slot": slot})

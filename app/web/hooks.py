@@ -18,10 +18,11 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed
 from app.config import Settings
 from app.errors import BodyTooLarge
 from app.hosting.request_framing import request_id_of
+from app.logs import ACCESS_LOGGER
 from app.metrics import PREFLIGHTS, PROBES, REJECTED, REQUEST_SECONDS, REQUESTS, series
 from app.web.auth import check_api_key, is_health, is_page, key_forms, needs_key
 
-access_log = logging.getLogger("visionserve.access")
+access_log = logging.getLogger(ACCESS_LOGGER)
 _ONE_BYTE_RANGE = re.compile(r"\s*bytes\s*=[^,]*\Z", re.IGNORECASE)  # what werkzeug's files answer 206 or 416 to
 
 def register_hooks(app: Flask, settings: Settings,

@@ -93,6 +93,30 @@ def test_the_access_line_has_the_peer_and_a_trusted_forwarded_for(settings: Sett
             app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 
 
+def test_access_log_errors_keeps_the_error_answers_lines_and_off_none(settings: Settings, predictor: Predictor,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    # A soak: one 350-byte line a request at info, 1.6-2 GB a day at 55 requests a second, and no way to keep only
+    # the answers worth reading but LOG_LEVEL=warning, which drops the server's other info lines too.
+    from app.logs import configure_access_log
+
+    said: dict[str, list[int]] = {}
+    try:
+        for access in ("all", "errors", "off"):
+            app = create_app(settings.model_copy(update={"access_log": access, "log_level": "info"}), predictor)
+            try:
+                caplog.clear()
+                client = app.test_client()
+                assert client.post("/predict", data=image_bytes(RED), content_type="image/jpeg").status_code == 200
+                assert client.post("/predict", data=b"not an image", content_type="image/jpeg").status_code == 400
+                assert client.get("/nowhere").status_code == 404
+                said[access] = [r.status for r in caplog.records if r.name == "visionserve.access"]
+            finally:
+                app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+    finally:
+        configure_access_log("all")
+    assert said == {"all": [200, 400, 404], "errors": [400, 404], "off": []}
+
+
 def test_readiness_the_inference_thread_and_the_queue_capacity_are_metrics(client: FlaskClient,
                                                                             service) -> None:  # noqa: ANN001
     # What the alert rules read (deploy/prometheus/alerts.yml): readiness and the thread as gauges, and the queue's
