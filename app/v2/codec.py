@@ -82,9 +82,10 @@ def _header(body: bytes, header_length: str | None) -> tuple[dict[str, Any], byt
                               "names its JSON header's length in bytes in the Inference-Header-Content-Length "
                               "header)") from None
         raise
+    if isinstance(header, dict):  # a field it does not take named first: a misspelt one may be why "inputs" is not
+        check_fields(header, REQUEST_FIELDS, "the request")
     if not isinstance(header, dict) or not isinstance(header.get("inputs"), list) or not header["inputs"]:
         raise BadRequest("the inference request must be a JSON object with a non-empty 'inputs' list")
-    check_fields(header, REQUEST_FIELDS, "the request")
     return header, body[size:]
 
 

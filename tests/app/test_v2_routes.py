@@ -168,6 +168,9 @@ def test_bad_requests_get_400_in_the_protocol_error_shape(client: FlaskClient, b
     ({"inputs": [_PIXELS], "outputs": [{"name": "probabilities", "binary_data": True}]},
      "flags such as binary_data go in 'parameters'"),
     ({"inputs": [{**_PIXELS, "dtype": "FP32"}]}, "input 'pixels' has an unknown field 'dtype'"),
+    # named before the inputs are looked at (a soak: "a non-empty 'inputs' list" alone, the misspelt field unsaid)
+    ({"input": [_PIXELS]}, "the request has an unknown field 'input'"),
+    ({"inputs": [], "bogus": 1}, "the request has an unknown field 'bogus'"),
 ])
 def test_a_misspelled_or_misplaced_field_is_400_naming_it(client: FlaskClient, body: dict, message: str) -> None:
     assert message in _v2_error(client.post(INFER, json=body), 400)
