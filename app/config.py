@@ -343,7 +343,14 @@ class DecodingSettings(SettingsGroup):
         64, ge=0, description="glibc only: each malloc arena keeps up to this many MiB of freed memory, so the "
         "next large image or request body reuses it instead of page-faulting fresh memory (server decode 15 -> 9.5 "
         "ms median here; an HTTP worker of ENGINE=process 24 -> 1 page faults a photo request). 0 = glibc's "
-        "defaults. Costs up to this much resident memory per arena.")
+        "defaults. Costs up to this much resident memory per arena (MALLOC_ARENA_MAX).")
+    malloc_arena_max: int = Field(
+        4, ge=0, description="glibc only: each server process makes at most this many malloc arenas, its threads "
+        "sharing them. Each arena keeps its own freed memory (MALLOC_TRIM_THRESHOLD_MB and the fragments between "
+        "live blocks); with glibc's default of 8 per core an inline worker held up to 1.2-1.4 GB after 150 s of "
+        "mixed photos on 2 cores, with 4 up to 0.93-1.04 GB, the rate within its run-to-run spread (a process's "
+        "Python runs under one lock: few of its threads allocate at once; bench/results/"
+        "2026-12-06-worker-memory-arenas-inline-cpu-2cpu-vm.md). 0 = glibc's default.")
 
 
 class ServerSettings(SettingsGroup):

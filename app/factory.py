@@ -60,7 +60,8 @@ def create_app(settings: "Settings | None" = None, predictor: "Predictor | None"
 
     settings = settings or load_settings()
     configure_logging(settings.log_level, settings.access_log)
-    keep_freed_memory(settings.malloc_trim_threshold_mb)  # before any image or body buffer is allocated
+    # before any image or body buffer is allocated, and before the request threads start
+    keep_freed_memory(settings.malloc_trim_threshold_mb, settings.malloc_arena_max)
     if engine == "process":
         service = _remote_service(settings, on_load_error or _raise)
     else:

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     _exit_with_the_master()
     settings = load_settings()
     configure_logging(settings.log_level, settings.access_log)
-    keep_freed_memory(settings.malloc_trim_threshold_mb)
+    keep_freed_memory(settings.malloc_trim_threshold_mb, settings.malloc_arena_max)
     device = engine_device(settings.device, slot, settings.engines_per_device)
     settings = settings.model_copy(update={"device": device, "worker_slot": slot})
     ENGINE_STARTS.labels(str(slot)).inc()

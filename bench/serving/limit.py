@@ -42,7 +42,7 @@ LIMITS = DecodeLimits.from_settings(Settings())
 DECODE_PATH = decode_path(Settings().decode_path, torch.device("cpu"))  # what the server decodes with on the CPU
 # The server's glibc tuning for decode buffers (its workers apply it at start; without it large decodes page-fault
 # fresh memory each time): in this process and in each spawned pipeline process, which imports this module.
-keep_freed_memory(Settings().malloc_trim_threshold_mb)
+keep_freed_memory(Settings().malloc_trim_threshold_mb, Settings().malloc_arena_max)
 
 
 def decode_served(data: bytes, predictor: Predictor) -> torch.Tensor:
