@@ -260,7 +260,12 @@ def _forget(server, pid: int) -> None:  # noqa: ANN001
             from app.hosting import metrics_files
 
             multiprocess.mark_process_dead(pid)
-            metrics_files.fold_ended(Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]), pid)
+            try:
+                metrics_files.fold_ended(Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]), pid)
+            except Exception as exc:  # noqa: BLE001 - a file that does not read (cut short, overwritten): never the
+                # master loop's end
+                server.log.warning("visionserve: the metrics files of process %d could not be folded (%s): they stay "
+                                   "as they are", pid, exc)
     except OSError as exc:
         server.log.warning("visionserve: what worker %d left in CONTROL_DIR or PROMETHEUS_MULTIPROC_DIR cannot be "
                            "removed (%s): readiness and /metrics may count it until it is", pid, exc)

@@ -45,15 +45,16 @@ def reading(directory: Path) -> contextlib.AbstractContextManager[None]:
 
 def fold_ended(directory: Path, pid: int) -> int:
     """Process ``pid`` (ended) has its counters, histograms and summaries added into the folder's ``*_ended.db``
-    and its own files removed; how many were folded. OSError where the folder cannot be written (the master says
-    so: ``_forget``)."""
+    and its own files removed; how many were folded. OSError where the folder cannot be written, what
+    prometheus-client raises for a file that does not read (the master says so: ``_forget``)."""
     folded = 0
     with _locked(directory, fcntl.LOCK_EX):
         for kind in FOLDED_KINDS:
             own = directory / f"{kind}_{pid}.db"
             if not own.exists():
                 continue
-            values = MmapedDict.read_all_values_from_file(str(own))
+            values = list(MmapedDict.read_all_values_from_file(str(own)))  # all read before any is added: a file
+            # that does not read (RuntimeError, struct.error) is left whole, none of it folded
             ended = MmapedDict(str(directory / f"{kind}_{ENDED}.db"))
             try:
                 for key, value, timestamp, _ in values:

@@ -101,11 +101,16 @@ def test_the_master_folds_an_ended_worker_s_counts(tmp_path: Path) -> None:
     import sys
 
     _counts(tmp_path, 4242, 5, [0.05])
+    (tmp_path / "counter_4343.db").write_bytes(b"\xff\x00\x00\x00" + b"\x01" * 60)  # one that does not read
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "VISIONSERVE_CONTROL_DIR": str(tmp_path),
            "VISIONSERVE_ENGINE": "inline", "VISIONSERVE_DEVICE": "cpu"}
     forget = ("import logging, runpy; from types import SimpleNamespace; c = runpy.run_path('gunicorn.conf.py'); "
-              "c['_forget'](SimpleNamespace(log=logging.getLogger('master')), 4242)")
-    subprocess.run([sys.executable, "-c", forget], cwd=Path(__file__).resolve().parents[2], check=True,
-                   capture_output=True, text=True, timeout=60, env=env)
-    assert sorted(path.name for path in tmp_path.glob("*.db")) == ["counter_ended.db", "histogram_ended.db"]
+              "server = SimpleNamespace(log=logging.getLogger('master')); c['_forget'](server, 4242); "
+              "c['_forget'](server, 4343)")  # the second said in the log, never raised into the master's loop
+    done = subprocess.run([sys.executable, "-c", forget], cwd=Path(__file__).resolve().parents[2], check=True,
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert "the metrics files of process 4343 could not be folded" in done.stderr
+    assert sorted(path.name for path in tmp_path.glob("*.db")) == ["counter_4343.db", "counter_ended.db",
+                                                                   "histogram_ended.db"]
+    (tmp_path / "counter_4343.db").unlink()
     assert 'served_total{route="/predict"} 5.0' in _scraped(tmp_path)
