@@ -14,8 +14,9 @@ import torch
 
 from app.engine.loaded.predictor import Predictor
 from models import train
-from models.architectures import ARCHS, build_model, class_sized, head_name
+from models.architectures import ARCHS, LIBRARIES, build_model, class_sized, head_name
 from models.export.manifest import read_manifest
+from models.run import args as run_args
 from models.run.args import get_args_parser
 from models.run.checkpoint import BEST_NAME, CHECKPOINT_NAME
 from models.run.optim import make_optimizer
@@ -144,6 +145,11 @@ def test_weights_saved_otherwise_than_torch_save_of_the_model_s_own_are_read(
         model = with_body(build_model(ARCH, 3), body)
         assert all(torch.equal(model.state_dict()[key], weights[key]) for key in body), name
         assert not sized & body.keys() and sized, name
+
+
+def test_the_parser_names_the_libraries_the_models_are_built_from() -> None:
+    # models/run/args.py names them itself (it imports no torch: models.neighbours' command runs without it)
+    assert run_args.LIBRARIES == tuple(LIBRARIES)
 
 
 def test_layers_the_class_count_sizes_are_the_head_and_train_at_its_rate() -> None:

@@ -119,8 +119,8 @@ def test_an_engine_s_device_auto_is_the_cpu_where_torch_cannot_use_the_gpus_the_
     monkeypatch.setattr(server, "load_settings", lambda: settings)
     monkeypatch.setattr(server, "_exit_with_the_master", lambda: None)
     monkeypatch.setattr(server.signal, "signal", lambda *args: None)
-    monkeypatch.setattr("app.logs.configure_logging", lambda level: None)
-    monkeypatch.setattr("models.data.malloc.keep_freed_memory", lambda trim_threshold_mb: None)
+    monkeypatch.setattr("app.logs.configure_logging", lambda *args: None)
+    monkeypatch.setattr("models.data.malloc.keep_freed_memory", lambda *args: None)
     served: dict[int, Settings] = {}
     monkeypatch.setattr(server, "_serve_forever", lambda placed, slot: served.__setitem__(slot, placed))
     with caplog.at_level(logging.WARNING, logger=server.log.name):
