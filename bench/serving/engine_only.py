@@ -519,20 +519,14 @@ def instructions(checkout: Path, weights: Path, form: str, requests: int,
     workers' loop links send them (the path served requests take)."""
     with tempfile.TemporaryDirectory(prefix="visionserve-callgrind-") as folder:
         out = Path(folder) / "callgrind.out"
-        from bench.serving.callgrind import callgrind_command, callgrind_total, remove_vgdb_pipes
+        from bench.serving.callgrind import callgrind_command, callgrind_total
 
         serve_args = ["--serve-floor", str(weights)] if floor else ["--serve", str(checkout), str(weights)]
-        pids = []
-        try:
-            with _engine(checkout, serve_args, "cpu", callgrind_command(out), max_batch_size,
-                         FLOOR_SETTINGS if floor else None) as (engine, sock, env):
-                pids.append(engine.pid)
-                subprocess.run([sys.executable, "-m", "bench.serving.engine_only", "--count", str(checkout),
-                                str(sock), form, str(requests), str(engine.pid), str(burst), clients, str(links)],
-                               cwd=ROOT, env=env, capture_output=True, check=True)
-        finally:  # the engine killed (``_engine``): valgrind left its pipes
-            for pid in pids:
-                remove_vgdb_pipes(pid)
+        with _engine(checkout, serve_args, "cpu", callgrind_command(out), max_batch_size,
+                     FLOOR_SETTINGS if floor else None) as (engine, sock, env):
+            subprocess.run([sys.executable, "-m", "bench.serving.engine_only", "--count", str(checkout), str(sock),
+                            form, str(requests), str(engine.pid), str(burst), clients, str(links)], cwd=ROOT, env=env,
+                           capture_output=True, check=True)
         total = callgrind_total(out)
     sent = whole_bursts(requests, burst)
     return {"form": form, "instructions_per_request": total / sent,
@@ -562,6 +556,10 @@ def _engine(checkout: Path, serve_args: list[str], device: str, wrapper: Sequenc
         finally:
             engine.kill()
             engine.wait()
+            if wrapper:  # killed under valgrind: the pipes its gdbserver made stay behind
+                from bench.serving.callgrind import remove_vgdb_pipes
+
+                remove_vgdb_pipes(engine.pid)
 
 
 def count(checkout: Path, sock: Path, form: str, requests: int, engine: int, burst: int = 1,

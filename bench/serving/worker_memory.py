@@ -24,6 +24,7 @@ from pathlib import Path
 
 from PIL import Image
 
+from app.hosting.procstat import children, cpu_and_memory
 from bench.serving.load import closed_loop
 from bench.usage import engine_pids, process_tree_cpu
 from harness.photos import PHOTO_NAMES, json_bodies, jpeg, photo, request_bodies
@@ -38,38 +39,27 @@ DEFAULT_VARIANTS = ("default", "glibc arenas:MALLOC_ARENA_MAX=0")
 
 def scaled_photos() -> list[Image.Image]:
     """Every photo at every side, in a mixed order (neighbours differ in size)."""
-    made = []
-    for name, side in ((name, side) for side in SIDES for name in PHOTO_NAMES):
-        image = photo(name)
-        scale = side / max(image.size)
-        made.append(image.resize((max(1, round(image.width * scale)), max(1, round(image.height * scale)))))
+    photos = [photo(name) for name in PHOTO_NAMES]
+    made = [image.resize((max(1, round(image.width * side / max(image.size))),
+                          max(1, round(image.height * side / max(image.size)))))
+            for side in SIDES for image in photos]
     return made[::2] + made[1::2]
+
+
+def _png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
 
 
 def form_bodies(form: str, images: list[Image.Image]) -> tuple[list[bytes], str]:
     """``form``'s request bodies of ``images`` and their Content-Type."""
-    jpegs = tuple(jpeg(image, quality=QUALITIES[index % len(QUALITIES)]) for index, image in enumerate(images))
     if form == "png":
-        encoded = []
-        for image in images:
-            buffer = io.BytesIO()
-            image.save(buffer, format="PNG")
-            encoded.append(buffer.getvalue())
-        return encoded, "image/png"
+        return [_png(image) for image in images], "image/png"
+    jpegs = tuple(jpeg(image, quality=QUALITIES[index % len(QUALITIES)]) for index, image in enumerate(images))
     if form == "json":
         return json_bodies(jpegs), "application/json"
     return request_bodies(jpegs, 4 if form == "multipart x4" else 1)
-
-
-def resident_mb(pid: int) -> float | None:
-    """Process ``pid``'s resident memory (VmRSS), None once it ended."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
@@ -93,14 +83,11 @@ def run(name: str, settings: dict[str, str], engine: str, seconds: float, client
         while not done.wait(sample_s):
             if time.monotonic() - started < WARM_UP_S:
                 continue
-            tree = process_tree_cpu(server.process.pid)
-            engines = set(engine_pids(tree))
-            for pid in tree:
-                if pid == server.process.pid:
-                    continue
-                kinds[pid] = "engine" if pid in engines else "worker"
-                if (mb := resident_mb(pid)) is not None:
-                    samples.setdefault(pid, []).append(mb)
+            engines = set(engine_pids(process_tree_cpu(server.process.pid)))
+            for pid in children(server.process.pid):
+                if (read := cpu_and_memory(pid)) is not None:
+                    kinds[pid] = "engine" if pid in engines else "worker"
+                    samples.setdefault(pid, []).append(read[1] / 2**20)
 
     images = scaled_photos()
     answers: list[tuple[list[float], int, int]] = []

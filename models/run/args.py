@@ -100,6 +100,7 @@ def _number(low: float = 0.0, high: float = math.inf, *, low_open: bool = False,
 
 LIBRARIES = ("timm", "torchvision")  # models/architectures.py's LIBRARIES, by name: this module imports no torch
 # (models.neighbours' command runs without it; a test keeps the two the same)
+_LIBRARY_ARCHS = " or ".join(f"{library}:NAME" for library in LIBRARIES)  # how --arch names a library's model
 
 
 def _arch(archs: Sequence[str]) -> Callable[[str], str]:
@@ -109,9 +110,8 @@ def _arch(archs: Sequence[str]) -> Callable[[str], str]:
         library, _, name = text.partition(":")
         if text in archs or (library in LIBRARIES and name):
             return text
-        raise argparse.ArgumentTypeError(f"{text!r}: choose one of {', '.join(archs)}, or "
-                                         f"{' or '.join(f'{library}:NAME' for library in LIBRARIES)} for another "
-                                         "model of those libraries")
+        raise argparse.ArgumentTypeError(f"{text!r}: choose one of {', '.join(archs)}, or {_LIBRARY_ARCHS} for "
+                                         "another model of those libraries")
     return arch
 
 
@@ -133,8 +133,7 @@ def get_args_parser(archs: Sequence[str], description: str = "") -> argparse.Arg
                              "folder: 0.2)")
     parser.add_argument("--arch", type=_arch(archs), default=None, metavar="ARCH",
                         help=f"the network: {', '.join(archs)}, or any other model of {' or '.join(LIBRARIES)} as "
-                             f"{' or '.join(f'{library}:NAME' for library in LIBRARIES)} (e.g. timm:resnet34, "
-                             "torchvision:efficientnet_b0) "
+                             f"{_LIBRARY_ARCHS} (e.g. timm:resnet34, torchvision:efficientnet_b0) "
                              "(default: efficientnet_lite0 with --pretrained, resnet18 without)")
     parser.add_argument("--pretrained", action=argparse.BooleanOptionalAction, default=False,
                         help="start from the packaged ImageNet weights (new head); efficientnet_lite0 only")
