@@ -258,14 +258,17 @@ def _run(client: Client, args: argparse.Namespace) -> int:
         if args.command == "model":
             print(json.dumps(client.model(labels=args.labels, model=args.model).raw, indent=2))
             return 0
-        status = client.probe("/healthz" if args.command == "health" else "/readyz")
-        if status == 401:  # the probes are behind the key (AUTH_HEALTH_OPEN=false): no answer to the question
-            print(f"error: the server refused the API key: {KEY_HINT}", file=sys.stderr)
-            return 2
-        print("yes" if status == 200 else "no")
-        if status is None:  # not a server that says no: none answered
+        try:
+            said = client.says_yes("/healthz" if args.command == "health" else "/readyz")
+        except VisionServeError as exc:
+            if exc.status == 401:  # the probes are behind the key (AUTH_HEALTH_OPEN=false): no answer to the question
+                print(f"error: the server refused the API key: {KEY_HINT}", file=sys.stderr)
+                return 2
+            raise  # not the service's health answer (another server at --url): said as any error
+        print("yes" if said else "no")
+        if said is None:  # not a server that says no: none answered
             _no_server(args.url)
-        return 0 if status == 200 else 1
+        return 0 if said else 1
     except UsageError:
         raise
     except VisionServeError as exc:

@@ -101,6 +101,20 @@ def error_of(response: requests.Response) -> VisionServeError:
                             request_id=response.headers.get("X-Request-ID"), retry_after_s=retry_after_s(response))
 
 
+def health_said(response: requests.Response) -> bool:
+    """Whether a health check's answer says yes: the service's (200 yes, 503 no, a JSON object with its status);
+    any other answer raised (``error_of``): the service's own error, or one that is not the service's (another
+    server's 404 page said "no" before, as a server that is down would)."""
+    if response.status_code in (200, 503):
+        try:
+            body = response.json()
+        except ValueError:
+            body = None
+        if isinstance(body, dict) and isinstance(body.get("status"), str):
+            return response.status_code == 200
+    raise error_of(response)
+
+
 # What reading an answer that is not the service's raises (a JSONDecodeError is a ValueError).
 MISREAD = (ValueError, KeyError, TypeError, AttributeError, IndexError)
 

@@ -10,13 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import (Any, BinaryIO, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence, TypeVar, Union,
                     overload)
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 import requests
 from requests.adapters import HTTPAdapter
 from requests.utils import check_header_validity
 
-from visionserve_client.answers import MISREAD, error_of, failure_of, invalid_response, parsed, retried, retry_after_s
+from visionserve_client.answers import (MISREAD, error_of, failure_of, health_said, invalid_response, parsed, retried,
+                                       retry_after_s)
 from visionserve_client.errors import UsageError, VisionServeError
 from visionserve_client.types import Embedding, Explanation, ModelInfo, Overlay, Prediction
 
@@ -627,31 +628,47 @@ class Client:
         return self._request("POST", "/explain", budget, params=params, files=[("image", _read(image, 0))])
 
     def health(self) -> bool:
-        """Liveness: True when the process and its inference thread run (no retries)."""
-        return self.probe("/healthz") == 200
+        """Liveness: True when the process and its inference thread run, False when it says not or no server
+        answers (no retries); VisionServeError for an answer that is not its health answer (``says_yes``)."""
+        return self.says_yes("/healthz") is True
 
     def ready(self) -> bool:
-        """Readiness: True when the model is warm and the server accepts work (no retries)."""
-        return self.probe("/readyz") == 200
+        """Readiness: True when the model is warm and the server accepts work, False when it says not or no server
+        answers (no retries); VisionServeError for an answer that is not its health answer (``says_yes``)."""
+        return self.says_yes("/readyz") is True
+
+    def says_yes(self, path: str) -> bool | None:
+        """What the service's health answer at ``path`` says (no retries): yes (200) or no (503), None when no server
+        answers; VisionServeError for any other answer: the service's own error (401 without the key), or one that
+        is not the service's (``invalid_response``: another server on that port, a proxy's page)."""
+        response = self._probe(path)
+        return None if response is None else health_said(response)
 
     def probe(self, path: str) -> int | None:
         """The status a GET of ``path`` answers (no retries), or None when no server answers: what tells a server
         that is not ready (503) from none at all."""
+        response = self._probe(path)
+        return None if response is None else response.status_code
+
+    def _probe(self, path: str) -> requests.Response | None:
         try:
-            response = self.session.get(self.base_url + path, timeout=(min(self.connect_timeout, self.timeout),
-                                                                       self.timeout))
+            return self.session.get(self.base_url + path, timeout=(min(self.connect_timeout, self.timeout),
+                                                                   self.timeout))
         except SETUP_ERRORS as exc:
             raise _usage_error(exc) from None
         except requests.RequestException:
             return None
-        return response.status_code
 
     def model(self, labels: bool = False, model: str | None = None) -> ModelInfo:
         """A served model's metadata at its default version (with its class names when ``labels``): ``model``, else
         the server's default model (``default_model`` of /v1/models), the one ``predict`` without ``model`` meets.
         With several models and none the default, it raises what ``predict`` gets then: a 400 ``invalid_request``
-        naming them (``details["models"]``); the client never picks one the server would not."""
-        response = self._request("GET", "/v1/models", params={"labels": "1"} if labels else None)
+        naming them (``details["models"]``); the client never picks one the server would not. A ``model`` the server
+        does not serve raises its 404 ``not_found`` (its request id, and the models it serves in ``details``)."""
+        if not isinstance(labels, bool):  # model("name") read the name as labels: the default model, unsaid
+            raise TypeError(f"labels takes True or False, got {labels!r}: name the model with model=...")
+        path = "/v1/models/" + quote(model, safe="") if model else "/v1/models"
+        response = self._request("GET", path, params={"labels": "1"} if labels else None)
         default_model, models = parsed(response, _listing)
         name = model or default_model
         if name is None:
@@ -666,7 +683,7 @@ class Client:
         entries = [m for m in models if m.get("name") == name]
         if not entries:
             raise VisionServeError("the server serves no model" + (f" {name!r}" if name else ""), status=404,
-                                   code="not_found")
+                                   code="not_found", request_id=response.headers.get("X-Request-ID"))
         try:
             return ModelInfo.from_json(next((m for m in entries if m.get("default")), entries[0]))
         except MISREAD as exc:

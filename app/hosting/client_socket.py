@@ -45,7 +45,7 @@ class ClientSocket(socket.socket):
     first piece of body, in one send (``answer_begins``, ``answer_ends``)."""
 
     __slots__ = ("answer_timeout_s", "body_held", "loop_writes", "unsent", "head_next", "head", "stays_nonblocking",
-                 "received_at")
+                 "received_at", "request_head")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -58,6 +58,8 @@ class ClientSocket(socket.socket):
         # when the loop had the request whole (time.monotonic()), its body held: its deadline counts from there, a
         # wait for a request thread included (app/web/services.py arrival); None: read by the parser
         self.received_at: float | None = None
+        # the request the loop read whole, while its parser reads it: a refusal of the parser's says its X-Request-ID
+        self.request_head: bytes | bytearray = b""
 
     def setblocking(self, flag: bool) -> None:
         self.settimeout(None if flag else 0.0)  # (what socket.setblocking does, through the check below)

@@ -70,6 +70,18 @@ def request_id_of(incoming: str | None) -> str:
     return incoming if incoming and REQUEST_ID.match(incoming) else new_request_id()
 
 
+_REQUEST_ID_FIELD = re.compile(rb"\r\nX-Request-ID:[ \t]*([^\r\n]*?)[ \t]*(?=\r\n)", re.IGNORECASE)
+
+
+def caller_request_id(head: bytes | bytearray) -> str | None:
+    """The X-Request-ID a request's head (or as much of it as came: a field whose line has not ended is not read)
+    says, where it says one once: what an answer made before the app or the parser read the head (a refusal, a
+    timeout) is told by, as the app's are (``request_id_of`` keeps it only where it is sane)."""
+    end = head.find(HEADER_END)
+    found = _REQUEST_ID_FIELD.findall(head, 0, len(head) if end < 0 else end + len(HEADER_END))
+    return found[0].decode("latin-1") if len(found) == 1 else None
+
+
 @dataclass(frozen=True)
 class ReadLimits:
     """The request limits the loop enforces (set from Settings in gunicorn.conf.py's post_fork)."""
@@ -120,7 +132,7 @@ class Reading:
             return
         log.info("request", extra={"client": client, "status": 499, "error": "client_closed_request",
                                    "detail": "the client closed the connection while it sent its body",
-                                   "request_id": new_request_id()})
+                                   "request_id": request_id_of(caller_request_id(self.buffer))})
         count_unparsed(499)
 
     def wanted(self) -> int:
@@ -188,10 +200,12 @@ class Refusal:
     def code(self) -> str:
         return self.reason.lower().replace(" ", "_")
 
-    def tell(self, send: Callable[[bytes], object], client: str | None, path: str | None = None) -> None:
-        """Send this answer (under a new request id) by ``send``, a client gone meanwhile aside, log its access
-        line and count it (``count_unparsed``); ``path``: the request's, where its head says it (its error shape)."""
-        request_id = new_request_id()
+    def tell(self, send: Callable[[bytes], object], client: str | None, path: str | None = None,
+             head: bytes | bytearray = b"") -> None:
+        """Send this answer by ``send``, a client gone meanwhile aside, log its access line and count it
+        (``count_unparsed``); ``path``: the request's, where its head says it (its error shape); ``head``: as much
+        of the request as came, whose X-Request-ID the answer says (``caller_request_id``), else a new id."""
+        request_id = request_id_of(caller_request_id(head))
         with contextlib.suppress(OSError):
             send(self.response(request_id, path))
         log.info("request", extra={"client": client, "status": self.status, "error": self.code,

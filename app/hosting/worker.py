@@ -294,7 +294,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         except OSError:  # (nothing came yet: BlockingIOError)
             sent = b""
         self.client_counts.refusal(conn.client).tell(sock.send, _peer(conn), target_path(sent) if b"\n" in sent
-                                                     else None)
+                                                     else None, sent)
         with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_WR)
         sock.close()
@@ -588,9 +588,11 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         else:  # a request gthread hands over itself (bytes its parser read ahead): its body may be on the socket
             _body_held(conn, False)
         sock.answer_begins()
+        sock.request_head = prefetched or b""  # what a refusal of its parser answers by (``handle_error``)
         try:
             return super().handle(conn)
         finally:  # an answer gthread gave after an error (its own, whole): the connection closes after it
+            sock.request_head = b""  # (not held past its request: it may hold a large body)
             with contextlib.suppress(OSError):
                 sock.answer_ends()
             sock.stays_nonblocking = False
@@ -695,7 +697,8 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         if refusal is None:
             super().handle_error(req, client, addr, exc)
             return
-        refusal.tell(partial(gunicorn_util.write_nonblock, client), addr[0] if isinstance(addr, tuple) else None)
+        refusal.tell(partial(gunicorn_util.write_nonblock, client), addr[0] if isinstance(addr, tuple) else None,
+                     head=getattr(client, "request_head", b""))
 
     def _refuse(self, reading: Reading) -> None:
         """A request whose head the loop refuses: told why, then its connection closes gracefully (the client may
@@ -708,7 +711,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
     def _answer(reading: Reading, refusal: Refusal) -> None:
         """The loop's own answer to a request it ends, and its access line."""
         refusal.tell(reading.conn.sock.send, _peer(reading.conn),  # small: fits the socket buffer
-                     target_path(reading.buffer))
+                     target_path(reading.buffer), reading.buffer)
 
     def _forget(self, reading: Reading) -> None:
         self.reading.discard(reading)

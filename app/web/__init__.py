@@ -18,7 +18,7 @@ from app.web.auth import carries_key, key_forms
 from app.web.connection import CloseWhenAsked
 from app.web.cors import register_cors
 from app.web.errors import register_error_handlers
-from app.web.hooks import register_hooks
+from app.web.hooks import options_answer, register_hooks
 from app.web.ops import register_ops
 from app.web.protocol import Protocol
 from app.web.services import current_service
@@ -39,6 +39,7 @@ def init_app(app: Flask, settings: Settings, service: ServiceFace, protocols: Se
     app.json.sort_keys = False  # type: ignore[attr-defined]
     # //predict or /demo//x: a 404, not werkzeug's 308 (an HTML body, its Location built from the request's Host)
     app.url_map.merge_slashes = False
+    app.make_default_options_response = options_answer  # type: ignore[method-assign]  # 204, its Allow sorted
     app.extensions[EXTENSION_KEY] = service
     app.wsgi_app = CloseWhenAsked(app.wsgi_app, lambda: service.draining)  # type: ignore[method-assign]
     # one before hook: the id and access-log fields, then a CORS preflight's answer, then the limit and the key

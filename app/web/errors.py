@@ -25,6 +25,8 @@ def _from_http(exc: HTTPException) -> ServiceError:
     """werkzeug's exception as a ServiceError: its status, name as code, and its own headers (the Allow of a 405,
     which RFC 9110 requires) but for the HTML Content-Type, as the answer is JSON."""
     headers = {name: value for name, value in exc.get_headers() if name.lower() != "content-type"}
+    if isinstance(exc, MethodNotAllowed) and exc.valid_methods:  # in one order (werkzeug's: a set's, per start)
+        headers["Allow"] = ", ".join(sorted(exc.valid_methods))
     # A body refused before it was read to its end must not stay on a kept-alive connection.
     if isinstance(exc, RequestEntityTooLarge):
         headers["Connection"] = "close"

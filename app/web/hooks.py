@@ -13,6 +13,7 @@ import time
 from typing import Callable
 
 from flask import Flask, Request, Response, current_app, g, request
+from flask.globals import request_ctx
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from app.config import Settings
@@ -70,6 +71,16 @@ def register_hooks(app: Flask, settings: Settings,
         return None
 
     app.after_request(_finish_request)
+
+
+def options_answer() -> Response:
+    """OPTIONS on a path (not a CORS preflight: cors.py answers those), in Flask's place: 204 with the methods the
+    path takes in ``Allow``, in one order (werkzeug's come in a set's, which changes from one server start to the
+    next), and no body nor content type (Flask's was a 200 saying text/html)."""
+    response = Response(status=204)
+    del response.headers["Content-Type"]
+    response.headers["Allow"] = ", ".join(sorted(request_ctx.url_adapter.allowed_methods()))  # type: ignore[union-attr]
+    return response
 
 
 def is_probe(path: str) -> bool:

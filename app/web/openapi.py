@@ -98,7 +98,8 @@ _METHODS = frozenset({"get", "put", "post", "delete", "options", "head", "patch"
 def request_wide(paths: dict[str, Any], model: type[BaseModel]) -> dict[str, Any]:
     """``paths`` with what is answered on every route added to each operation, in ``model``'s shape: by
     app/web/hooks.py 401 (but on the pages, which are open; on the health paths only when AUTH_HEALTH_OPEN is off)
-    and 413 (a body announced over the limit, refused before it is read); by a worker, 429 with Retry-After to a
+    and 413 (a body announced over the limit, refused before it is read); by a worker's loop, 408 (a body announced
+    on any route, a GET's too, that does not come in time); by a worker, 429 with Retry-After to a
     client over MAX_CONNECTIONS_PER_CLIENT, and 503 with Retry-After while it starts (an operation's own 429 or
     503, where it has one, says its other reasons too)."""
     for path, item in paths.items():
@@ -110,6 +111,7 @@ def request_wide(paths: dict[str, Any], model: type[BaseModel]) -> dict[str, Any
                     unauthorized["description"] = _HEALTH_UNAUTHORIZED
                 responses.setdefault("401", unauthorized)
             responses.setdefault("413", errors(model, "413")["413"])
+            responses.setdefault("408", errors(model, "408")["408"])
             if "429" in responses:
                 responses["429"]["description"] += f"; or {_TOO_MANY_CONNECTIONS}"
             else:

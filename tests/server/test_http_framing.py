@@ -175,6 +175,31 @@ def test_a_head_gunicorn_s_parser_refuses_is_answered_in_the_error_shape(server:
         raw.error(status, code)
 
 
+@pytest.mark.parametrize("head, rest, status, code", [
+    (b"GET /healthz HTTP/1.1\r\nHost: x\r\n", b"Expect: foo\r\n\r\n", 417, "expectation_failed"),  # the parser's
+    (b"POST /predict HTTP/1.1\r\nHost: x\r\n", b"Content-Length: 5\r\nContent-Length: 5\r\n\r\nhello", 400,
+     "bad_request"),
+    (b"POST /predict HTTP/1.1\r\nHost: x\r\n", b"Transfer-Encoding: chunked\r\n\r\nzz\r\nhello\r\n0\r\n\r\n", 400,
+     "bad_request"),  # the loop's, from the chunked framing
+    (b"POST /predict HTTP/1.1\r\nHost: x\r\n", b"Content-Length: 30000000\r\nExpect: 100-continue\r\n\r\n", 413,
+     "request_entity_too_large"),  # the loop's, before the body is asked for
+    (b"GET /healthz HTTP/1.1\r\n", b"Host: x\n\n", 400, "bad_request"),  # a bare LF after it
+    (b"POST /predict HTTP/1.1\r\nHost: x\r\n", b"Content-Length: 10\r\n\r\nabc", 408, "request_timeout"),
+    (b"GET /healthz HTTP/1.1\r\nHost: x\r\n", b"Content-Length: 10\r\n\r\nabc", 408, "request_timeout"),  # a GET's
+])
+def test_an_answer_before_the_app_says_the_caller_s_request_id_as_the_app_s_do(
+        server: Running, head: bytes, rest: bytes, status: int, code: str) -> None:
+    # Before: each of these, the head read and the caller's X-Request-ID in it, was answered under a new id (the
+    # same 413 without Expect, refused by the app, said the caller's: a client's own id found or not in the logs as
+    # it sent Expect or not; an application developer's trial)
+    for sent, kept in ((b"mine-1", True), (b"not a sane id <>", False)):
+        with Raw(server.port) as raw:
+            raw.send(head + b"X-Request-ID: " + sent + b"\r\n" + rest)
+            error = raw.error(status, code)
+            assert (error["request_id"] == sent.decode()) is kept, error
+            assert kept or re.fullmatch(r"[0-9a-f]{32}", error["request_id"]), error
+
+
 def test_empty_lines_between_requests_are_skipped_and_leave_the_connection_idle(server: Running) -> None:
     # RFC 9112 2.2: a client may send a CRLF after a body. Before: it counted as a request begun, so the idle
     # connection got an unsolicited 408 at the header timeout (and held a stopping worker until then).

@@ -569,6 +569,49 @@ def test_another_server_s_error_page_is_said_in_one_line(stub: Stub, tmp_path: P
                                     "Error response Error response Error code: 501")
 
 
+@pytest.mark.parametrize("answer", [
+    (404, {"Content-Type": "text/html"}, b"<html><h1>File not found</h1></html>"),  # python -m http.server's
+    (200, {"Content-Type": "text/html"}, b"<html>welcome</html>"),  # a page, 200 all the same
+    (503, {"Content-Type": "application/json"}, b'["busy"]'),  # JSON, not a health answer
+])
+def test_health_and_ready_from_another_server_say_so_not_no(stub: Stub, answer: Answer,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: "no", exit 1 (and False), as from this service when it is not ready: a wrong port looked like a
+    # server that is down, where predict and model said "not visionserve's answer" (an application developer's trial)
+    stub.answer = always(answer)
+    for command in ("health", "ready"):
+        assert cli([command, "--url", stub.url]) == 1
+        said = capsys.readouterr()
+        assert said.out == "" and f"error: HTTP {answer[0]} invalid_response: not visionserve's answer" in said.err
+    with client(stub.url) as c:
+        for probe in (c.health, c.ready):
+            with pytest.raises(VisionServeError) as caught:
+                probe()
+            assert (caught.value.code, caught.value.status) == ("invalid_response", answer[0])
+    stub.answer = always((503, {"Content-Type": "application/json"}, b'{"status": "not ready", "checks": {}}'))
+    assert cli(["ready", "--url", stub.url]) == 1 and capsys.readouterr().out == "no\n"  # the service's no
+    with client(stub.url) as c:
+        assert c.ready() is False and c.says_yes("/readyz") is False
+
+
+def test_a_model_the_server_does_not_serve_is_its_own_404(stub: Stub, capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: the client read the whole listing and made up its own 404, without the server's request id or the
+    # models it serves; model("nope") read "nope" as labels and answered the default model (a developer's trial)
+    stub.answer = always(refused(404, "not_found", "no model 'a b/c' is loaded; GET /v1/models lists those that are",
+                                 {"X-Request-ID": "r404"}, details={"models": ["lite0"]}))
+    with client(stub.url) as c:
+        with pytest.raises(VisionServeError) as caught:
+            c.model(model="a b/c")
+        with pytest.raises(TypeError, match="name the model with model="):
+            c.model("nope")  # type: ignore[arg-type]
+    error = caught.value
+    assert (error.status, error.code, error.request_id, error.details) == (404, "not_found", "r404",
+                                                                          {"models": ["lite0"]})
+    assert [seen.path for seen in stub.seen] == ["/v1/models/a%20b%2Fc"]  # the model's own route, named whole
+    assert cli(["model", "--model", "nope", "--url", stub.url]) == 1
+    assert "error: HTTP 404 not_found: no model 'a b/c' is loaded" in capsys.readouterr().err
+
+
 def test_json_on_a_refused_request_is_each_files_error(stub: Stub, capsys: pytest.CaptureFixture[str],
                                                        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # Before: "error: HTTP 401 ..." on stderr and nothing on stdout, so a program reading --json read nothing.

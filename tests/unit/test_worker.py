@@ -109,6 +109,20 @@ def test_a_head_left_to_the_parser_is_judged_so_however_often_it_is_asked(head: 
     assert worker._whole(reading) and reading.refusal is None and reading.to_parser
 
 
+@pytest.mark.parametrize("head, said", [
+    (b"GET / HTTP/1.1\r\nHost: x\r\nx-request-id:  abc-1 \r\n\r\n", "abc-1"),  # any case, trimmed
+    (b"GET / HTTP/1.1\r\nX-Request-ID: abc-1\r\n", "abc-1"),  # a head not whole yet: its ended lines
+    (b"GET / HTTP/1.1\r\nX-Request-ID: abc-1", None),  # its line not ended: maybe not all of it
+    (b"GET / HTTP/1.1\r\nX-Request-ID: a\r\nX-Request-ID: b\r\n\r\n", None),  # two: neither
+    (b"GET / HTTP/1.1\r\nHost: x\r\n\r\nX-Request-ID: in-the-body\r\n", None),  # past the head
+    (b"GET / HTTP/1.1\r\nX-Request-IDs: abc\r\n\r\n", None),
+])
+def test_the_caller_s_request_id_is_read_from_the_head_alone(head: bytes, said: str | None) -> None:
+    from app.hosting.request_framing import caller_request_id
+
+    assert caller_request_id(head) == said
+
+
 def test_a_timeout_answer_is_408_json_in_the_service_error_shape() -> None:
     # with its request id, as every answer has (before: "request_id": null and no X-Request-ID)
     head, _, body = timeout_response("the request headers did not arrive within 10s", "a1b2").partition(b"\r\n\r\n")
