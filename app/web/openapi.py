@@ -145,7 +145,7 @@ _DESCRIPTION = (
     'Besides each operation\'s own statuses: a path the server does not have answers 404 and a method a path does '
     'not take 405 with `Allow` (components/responses NotFound and MethodNotAllowed), once the body limit (413) '
     'and the API key (401), checked first on every path, let it through. HEAD is answered for every GET as the GET, '
-    'without a body; OPTIONS for every path with its `Allow` (with CORS_ORIGINS set, a preflight 204 with the CORS '
+    'without a body; OPTIONS for every path 204 with its `Allow` (with CORS_ORIGINS set, a preflight 204 with the CORS '
     'headers). A request head the server cannot take is refused before any route: 400 (malformed), 408 (not '
     'complete within client_header_timeout_s), 414 (request line too long), 431 (head over max_header_bytes), '
     '417 (an Expect other than 100-continue), 501 (a Transfer-Encoding other than chunked: RFC 9112 6.1), 403 (a '
