@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import unicodedata
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +65,28 @@ def _class_dirs(root: Path) -> list[Path]:
     if len(dirs) < MIN_LABELS:  # its model would answer 1.0 for every image; the export would refuse it anyway
         raise DataError(f"{root} has one class folder ({dirs[0].name}); a classifier needs at least {MIN_LABELS} "
                         f"classes: add a folder of the images that are not {dirs[0].name} (e.g. {root}/other)")
+    _names_told_apart(root, [d.name for d in dirs])
     return dirs
+
+
+def _names_told_apart(root: Path, names: list[str]) -> None:
+    """DataError for two class folders whose names are the same text in two Unicode forms (an accent composed, as
+    most systems write it, or decomposed, as macOS's file names have it): each would be a class of its own, both
+    answered by the same label."""
+    seen: dict[str, str] = {}
+    for name in names:
+        same = seen.setdefault(unicodedata.normalize("NFC", name), name)
+        if same != name:
+            raise DataError(f"class folders {same!r} and {name!r} in {root} are the same name written in two Unicode "
+                            "forms (an accent composed and decomposed): they would train as two classes answered by "
+                            "one label; move their images into one folder")
+
+
+def loose_files(root: Path) -> list[tuple[Path, str]]:
+    """The files directly in ``root``, in no class folder (hidden ones aside), each with why training leaves it
+    out: a stray photo there is most often one misfiled, which would otherwise go unsaid."""
+    return [(path, f"in no class folder: training reads {root}/<class name>/<images>")
+            for path in sorted(root.iterdir()) if path.is_file() and not path.name.startswith(".")]
 
 
 def _files(class_dir: Path) -> list[Path]:
@@ -89,7 +111,8 @@ def scan_split(root: Path, workers: int = 4) -> Split:
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         reasons = list(pool.map(_unreadable_reason, [path for path, _ in candidates]))
     samples = [sample for sample, reason in zip(candidates, reasons) if reason is None]
-    skipped = [(path, reason) for (path, _), reason in zip(candidates, reasons) if reason is not None]
+    skipped = [*loose_files(root), *((path, reason) for (path, _), reason in zip(candidates, reasons)
+                                     if reason is not None)]
     counts = [0] * len(class_dirs)
     for _, index in samples:
         counts[index] += 1

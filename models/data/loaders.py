@@ -139,8 +139,9 @@ def load_data(args: argparse.Namespace, preset: EvalPreset, env: DistEnv, device
     skipped = [*train_split.skipped, *val_split.skipped]
     if skipped and env.is_main:  # once, by rank 0: every rank scans alike
         for path, reason in skipped:
-            log.warning("skipping image %s (%s)", path, reason)
-        log.warning("skipped %d file(s), unreadable or refused by the server; training on %d, validating on %d",
+            log.warning("skipping %s (%s)", path, reason)
+        log.warning("skipped %d file(s): unreadable, refused by the server or in no class folder; training on %d, "
+                    "validating on %d",
                     len(skipped), len(train_split.samples), len(val_split.samples))
     _say_batch_over_the_data(args, len(train_split.samples), env)
     train_set, collate_fn, prepare = _train_set(args, train_split, preset, device)

@@ -117,11 +117,13 @@ def evaluation(records: Sequence[Record], truths: dict[str, str], classes: Seque
     matrix = torch.zeros(len(shown), len(shown), dtype=torch.int64)
     for r in scored:
         matrix[position[truths[r["path"]]], position[r["labels"][0]]] += 1
-    unreadable = sum(1 for r in records if r["path"] in truths and r.get("error"))
+    # every record once: scored, unreadable (labelled or not: as the written file's count says), or without a label
+    unreadable = sum(1 for r in records if r.get("error"))
     return {"count": count, "wrong": count - top1, "acc1": top1 / count if count else 0.0,
             "acc5": (top5 / count if count else 0.0) if len(classes) >= TOP5_MIN_CLASSES else None,  # 1.0 below
             "top_k_written": max((len(r["labels"]) for r in scored), default=0), "unreadable": unreadable,
-            "unlabelled": sum(1 for r in records if r["path"] not in truths), **confusion(matrix, shown)}
+            "unlabelled": sum(1 for r in records if r["path"] not in truths and not r.get("error")),
+            **confusion(matrix, shown)}
 
 
 def mistakes(records: Sequence[Record], truths: dict[str, str], limit: int) -> list[Record]:

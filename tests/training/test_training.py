@@ -247,7 +247,8 @@ def test_unreadable_images_are_skipped_and_counted(tmp_path: Path, caplog: pytes
     (data / "train" / "blue" / "truncated.png").write_bytes(good[: len(good) // 2])
     with caplog.at_level(logging.WARNING):
         assert train.main(small_args(data, tmp_path / "run", "--batch-size", "4")) == 0
-    assert "skipped 2 file(s), unreadable or refused by the server; training on 9, validating on 3" in caplog.text
+    assert ("skipped 2 file(s): unreadable, refused by the server or in no class folder; training on 9, "
+            "validating on 3") in caplog.text
     assert "garbage.jpg" in caplog.text and "truncated.png" in caplog.text
 
 

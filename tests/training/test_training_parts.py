@@ -188,6 +188,27 @@ def test_datasets_are_real_image_folders(tmp_path: Path) -> None:
     assert scan_split(tmp_path / "textures" / "train").classes == ["brick", "grass", "gravel"]
 
 
+def test_class_names_in_two_unicode_forms_are_refused_and_loose_files_are_said(tmp_path: Path) -> None:
+    # Before: "café" composed and decomposed (macOS's file names) trained as two classes answered by one label, and
+    # a photo left directly in the data folder was dropped unsaid (a data scientist's trial)
+    from models.run.args import DataError
+
+    data = write_image_folder(tmp_path / "data", train_per_class=2, val_per_class=1)
+    (data / "train" / "caf\u00e9").mkdir()
+    (data / "train" / "cafe\u0301").mkdir()
+    with pytest.raises(DataError, match="the same name written in two Unicode forms"):
+        scan_split(data / "train")
+    for name in ("caf\u00e9", "cafe\u0301"):
+        (data / "train" / name).rmdir()
+    stray = data / "val" / "stray.png"
+    stray.write_bytes((data / "val" / "red" / "0.png").read_bytes())
+    (data / "val" / ".DS_Store").write_bytes(b"\0")  # hidden: left out as before, unsaid
+    split = scan_split(data / "val")
+    assert [(path.name, why) for path, why in split.skipped] == [
+        ("stray.png", f"in no class folder: training reads {data / 'val'}/<class name>/<images>")]
+    assert stray not in [path for path, _ in split.samples]
+
+
 def test_metrics_file_keeps_the_last_row_per_epoch_and_plots(tmp_path: Path) -> None:
     log = RunLog(tmp_path, enabled=True)
     row = {"train_loss": 1.0, "val_loss": 1.1, "train_acc1": 0.5, "val_acc1": 0.4, "val_acc5": 0.9}
@@ -378,6 +399,19 @@ def test_no_top5_is_drawn_or_scored_below_6_classes(tmp_path: Path, monkeypatch:
     assert evaluation(records, {"a.jpg": "y"}, ["x", "y", "z"])["acc5"] is None
     six = [*"uvwxyz"]
     assert evaluation([{**records[0], "labels": six, "scores": [0.2] * 6}], {"a.jpg": "y"}, six)["acc5"] == 1.0
+
+
+def test_each_record_counts_once_scored_unreadable_or_without_a_label() -> None:
+    # Before: an unreadable file without a label (notes.txt at the folder's top) counted as "without a label", so
+    # "54 lines, 3 of them unreadable files" was followed by "evaluated 51 images (2 unreadable, 1 without a label)"
+    # (a data scientist's trial)
+    from models.predict.evaluate import evaluation
+
+    scored = {"labels": ["x", "y"], "scores": [0.6, 0.4]}
+    records = [{"path": "a/1.jpg", **scored}, {"path": "b/2.jpg", **scored}, {"path": "stray.jpg", **scored},
+               {"path": "a/broken.jpg", "error": "corrupt"}, {"path": "notes.txt", "error": "not an image"}]
+    report = evaluation(records, {"a/1.jpg": "x", "b/2.jpg": "y", "a/broken.jpg": "x"}, ["x", "y"])
+    assert (report["count"], report["unreadable"], report["unlabelled"]) == (2, 2, 1)  # 5 records, each once
 
 
 def test_a_best_checkpoint_whose_copy_fails_midway_keeps_the_previous_best(tmp_path: Path,
