@@ -242,7 +242,9 @@ class BatchingSettings(SettingsGroup):
     auto_batch_size: bool = Field(
         True, description="At warm-up, time the forward pass per batch size and cap batches at the largest size "
         "within 5% of the best images/s (less twice the warm-up's run-to-run noise: a curve measured beside a busy "
-        "worker caps nothing a steady one would not), below any size where it slows (the curve is in `/v1/models`).")
+        "worker caps nothing a steady one would not), below any size where it slows (the curve is in `/v1/models`). "
+        "A version's first start in a server measures its cap; a later start of it (an engine or a worker restarted "
+        "under load, a reload) takes that cap (kept in CONTROL_DIR) instead of measuring beside busy work.")
     max_wait_ms: float = Field(
         2.0, ge=0, description="How long the worker waits for more images after the first one of a batch (not "
         "at all when no other request is on its way). Under ENGINE=process, where the engine's loop runs short "

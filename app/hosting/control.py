@@ -24,6 +24,7 @@ Standard library only: the master imports it, and so does the engine (the desire
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Sequence
@@ -37,8 +38,9 @@ LOADING_MARKS = "http-*.loading"
 BOOT_FAILURES = "boot-*.failed"  # why a master's first worker that could not start could not (``boot_failure``)
 # What the engines and the HTTP workers leave behind (a master starting on a kept directory clears them).
 SUCCESSOR = "successor"  # in a master's CONTROL_DIR: the CONTROL_DIR of the master its USR2 started (which writes it)
+BATCH_CAPS = "batch-cap-*"  # a version's batch cap as its first start in this server measured it (``batch_cap``)
 STALE_AT_START = ("engine-*.failed", "engine-*.sock", READY_MARKS, LEAVING_MARKS, LOADING_MARKS, REPORTS,
-                  BOOT_FAILURES, SUCCESSOR)
+                  BOOT_FAILURES, SUCCESSOR, BATCH_CAPS)
 _HAS_PROC = Path("/proc/self/status").exists()  # Linux: a pid's process is looked up there (``process_alive``)
 
 
@@ -63,6 +65,13 @@ def clear_stale(control_dir: Path) -> None:
     for pattern in STALE_AT_START:
         for stale in control_dir.glob(pattern):
             stale.unlink(missing_ok=True)
+
+
+def batch_cap(control_dir: Path, measured: str) -> Path:
+    """Where the batch cap of what ``measured`` names (a version on a device, its dtype and batch ceiling) is kept
+    once a start in this server measured it: a later start of it (an engine or a worker restarted under load, a
+    reload) takes it instead of measuring beside busy work (app/engine/loaded/version.py ``_apply_batch_cap``)."""
+    return control_dir / f"batch-cap-{hashlib.sha256(measured.encode()).hexdigest()[:24]}"
 
 
 def report(control_dir: Path, pid: int) -> Path:

@@ -69,6 +69,34 @@ def test_measured_cap_is_applied_and_shown(settings: Settings, predictor: Predic
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 
 
+def test_a_later_start_takes_the_cap_its_first_start_in_this_server_measured(
+        settings: Settings, predictor: Predictor, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Before (an operator's trial): an engine killed under load was restarted and warmed up beside the busy HTTP
+    # workers: its curve capped the batches at 3 where the first start had measured 8, until the next restart.
+    from app.hosting import control
+
+    curves = iter([{1: 100.0, 2: 180.0, 3: 200.0, 4: 150.0},  # the first start: a cap of 3
+                   {1: 100.0, 2: 60.0, 3: 55.0, 4: 50.0},  # a start beside busy work: it would cap at 1
+                   {1: 100.0, 2: 60.0, 3: 55.0, 4: 50.0}])  # (a server of its own: measured)
+    monkeypatch.setattr(predictor, "warmup", lambda max_batch_size: next(curves))
+    kept = settings.model_copy(update={"auto_batch_size": True, "control_dir": tmp_path / "control"})
+    (tmp_path / "control").mkdir()
+    caps = []
+    for run_settings in (kept, kept, kept.model_copy(update={"control_dir": tmp_path / "other"})):
+        (tmp_path / "other").mkdir(exist_ok=True)
+        with caplog.at_level(logging.INFO, logger="app.engine.loaded.version"):
+            app = create_app(run_settings, predictor)
+        try:
+            caps.append(app.extensions[EXTENSION_KEY].loaded_version().batcher.max_batch_size)
+        finally:
+            app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+    assert caps == [3, 3, 1]
+    assert "batch cap 3, as its first start in this server measured it" in caplog.text
+    control.clear_stale(tmp_path / "control")  # a server starting on a kept CONTROL_DIR measures afresh
+    assert not list((tmp_path / "control").glob(control.BATCH_CAPS))
+
+
 def test_a_warm_up_too_noisy_to_cap_by_says_the_batches_stay_at_the_ceiling(
         settings: Settings, predictor: Predictor, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:

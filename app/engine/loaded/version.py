@@ -3,11 +3,14 @@ the batcher's thread; counted while requests use it, so an unloaded version stop
 answered. ``run_batch`` is a batch's steps, in order, in one place."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -24,6 +27,7 @@ from app.engine.loaded.explainer import Explainer
 from app.engine.loaded.monitor import PredictionMonitor
 from app.engine.loaded.predictor import OUT_OF_MEMORY_ERRORS, NonFiniteOutput, Predictor
 from app.errors import ServiceError
+from app.hosting import control
 from app.metrics import MetricsObserver
 from models.export.checks import ModelLoadError
 
@@ -229,11 +233,47 @@ UNSTEADY_WARMUP = 0.1  # a warm-up whose runs differ by this much (``Predictor.w
 
 
 def _apply_batch_cap(settings: Settings, loaded: LoadedVersion) -> None:
-    """Cap batches where the forward pass measured at warm-up starts to slow (when ``auto_batch_size``), saying why in the log."""
+    """Cap batches where the forward pass measured at warm-up starts to slow (when ``auto_batch_size``), saying why
+    in the log. The cap a start of the version in this server measured first is kept (CONTROL_DIR), and a later
+    start takes it: an engine or a worker restarted under load, or a reload, warms up beside busy work, whose curve
+    capped a restarted engine at 3 where its first start had measured 8, for the rest of its life (an operator's
+    trial)."""
     profile, ceiling = loaded.batch_profile, loaded.batcher.max_batch_size  # the batcher was started at the ceiling
+    if not (profile and settings.auto_batch_size):
+        return
+    predictor = loaded.predictor  # the version's files by their checksums: a version written again is measured
+    kept = None if settings.control_dir is None else control.batch_cap(settings.control_dir, "/".join(map(str, (
+        loaded.name, loaded.version, predictor.device, predictor.dtype, ceiling,
+        *sorted(file.sha256 for file in predictor.manifest.files.values())))))
+    first = _cap_kept(kept)
+    if first is not None:
+        if first < ceiling:
+            log.info("%s %s: batch cap %d, as its first start in this server measured it (this start's warm-up "
+                     "ran beside whatever the server was doing)", loaded.name, loaded.version, first)
+            loaded.batcher.set_max_batch_size(first)
+        return
+    _measured_cap(loaded, profile, ceiling)
+    if kept is not None:
+        with contextlib.suppress(OSError):  # (unkept: the next start measures again, as before)
+            written = kept.with_name(f".{kept.name}.{os.getpid()}")
+            written.write_text(str(loaded.batcher.max_batch_size))
+            os.replace(written, kept)
+
+
+def _cap_kept(kept: Path | None) -> int | None:
+    """The batch cap kept in ``kept`` (a whole number at least 1), or None: none kept, or unreadable."""
+    try:
+        cap = int(kept.read_text()) if kept is not None else None
+    except (OSError, ValueError):
+        return None
+    return cap if cap is not None and cap >= 1 else None
+
+
+def _measured_cap(loaded: LoadedVersion, profile: dict[int, float], ceiling: int) -> None:
+    """``_apply_batch_cap``'s measure: the cap from this warm-up's curve, set and said."""
     noise = loaded.predictor.warmup_noise
-    cap = choose_batch_cap(profile, noise=noise) if profile and settings.auto_batch_size else ceiling
-    if profile and settings.auto_batch_size and noise >= UNSTEADY_WARMUP:
+    cap = choose_batch_cap(profile, noise=noise)
+    if noise >= UNSTEADY_WARMUP:
         share = cap_share(noise)
         log.info("%s %s: the warm-up's runs differed by %.0f%% (a busy machine): %s", loaded.name, loaded.version,
                  100 * noise, f"only a batch size slower than {100 * share:.0f}% of the best caps the batches" if share
