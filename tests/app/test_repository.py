@@ -3,6 +3,7 @@ by pointing VISIONSERVE_WEIGHTS_DIR at it (MODELS chooses; swaps: tests/app/test
 tests/server/test_model_swaps.py)."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,11 @@ def test_a_directory_is_one_export_or_a_repository(tmp_path: Path) -> None:
     source = DirectorySource(Settings(weights_dir=repository, device="cpu"))
     assert source.models() == ["mine", "other"] and source.versions("mine") == ["1", "2"]
     assert source.size_bytes("mine", "2") == (repository / "mine" / "2" / "model.torchscript.pt").stat().st_size
+    shutil.copytree(repository / "mine" / "1", repository / "mine" / "3")  # a version folder copied by hand
+    assert [source.unservable("mine", v) for v in ("1", "2")] == [None, None]
+    assert source.unservable("mine", "3") == (
+        f"{repository / 'mine' / '3'}/manifest.json says mine version 1, but the repository holds it as mine version "
+        "3: export it again with --repository, or move it to mine/1")
     empty = DirectorySource(Settings(weights_dir=tmp_path / "empty", device="cpu"))
     assert empty.models() == []
     # Before: "run `make weights` (python -m models.export --default --out <empty>)", which fills weights/ only.

@@ -744,8 +744,14 @@ def test_a_call_naming_no_version_suggests_only_versions_it_could_name(settings:
         service.shutdown(timeout=5)
     alone = FakeRepository()
     alone.add("colour", "1")
+    # a version this worker never tried whose manifest says it cannot serve (another worker's load call refused it:
+    # a folder copied by hand). Before: named as the one to promote, whose promotion then answered 422 (an
+    # operator's trial)
+    alone.misplace("colour", "2", "manifest.json says colour version 1, but the repository holds it as version 2")
+    alone.policies["colour"] = {"version_policy": {"specific": {"versions": [1]}}}
     service = Service.build(settings, alone)  # type: ignore[arg-type]
     try:
+        assert ("colour", "2") not in alone.loads
         with pytest.raises(Conflict, match="no rollout candidate to promote, and no version but the live 1 that "
                                            "could serve$"):
             service.catalog.promote("colour")

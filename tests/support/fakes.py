@@ -151,6 +151,7 @@ class FakeRepository:
         self.stamps: dict[tuple[str, str], int] = {}
         self.default: str | None = None  # the default model the repository names
         self.policies: dict[str, dict[str, object]] = {}  # a model's policy.json
+        self.misplaced: dict[tuple[str, str], str] = {}  # what a version's manifest says against it (``misplace``)
 
     def add(self, name: str, version: str) -> ColourModel:
         """A new version of ``name``; returns its model (to gate or inspect)."""
@@ -162,6 +163,14 @@ class FakeRepository:
         """Make loading ``version`` raise ModelLoadError(reason)."""
         self.add(name, version)
         self.broken[(name, version)] = reason
+
+    def misplace(self, name: str, version: str, reason: str) -> None:
+        """``fail``, told by its manifest too (``unservable``), as a version folder copied by hand is."""
+        self.fail(name, version, reason)
+        self.misplaced[(name, version)] = reason
+
+    def unservable(self, name: str, version: str) -> str | None:
+        return self.misplaced.get((name, version))
 
     def models(self) -> list[str]:
         return sorted(self.held)

@@ -71,10 +71,11 @@ class RolloutChanges:
     def _nothing_meant(self, name: str, entry: ModelEntry, action: str, missing: str) -> Conflict:
         """The 409 of a call naming no version when the model has none it means: the versions the call could name
         instead (promote: any other that can load; rollback: older ones that can load; rolled-back ones said so),
-        newest first, the first not rolled back as the example; or that there is none."""
-        live, rolled = entry["default"], entry.get("rolled_back", [])
-        others = [v for v in sorted(self.applier.source.versions(name), key=order_key, reverse=True)
-                  if v != live and not self.applier.known_refused(name, v)]
+        newest first, the first not rolled back as the example; or that there is none. A version refused here, or
+        whose manifest says it cannot serve (one another worker refused: a folder copied by hand), is left out."""
+        live, rolled, source = entry["default"], entry.get("rolled_back", []), self.applier.source
+        others = [v for v in sorted(source.versions(name), key=order_key, reverse=True)
+                  if v != live and not self.applier.known_refused(name, v) and source.unservable(name, v) is None]
         if action == "rollback":  # (a rolled-back one too: a call may name it, as the version a rollback replaced)
             others = [v for v in others if order_key(v) < order_key(live)]
         if not others:

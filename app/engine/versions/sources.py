@@ -29,6 +29,7 @@ class Source(Protocol):
     def stamp(self, name: str, version: str) -> tuple[int, int]: ...
     def size_bytes(self, name: str, version: str) -> int: ...
     def load(self, name: str, version: str) -> Predictor: ...
+    def unservable(self, name: str, version: str) -> str | None: ...
 
 
 class DirectorySource:
@@ -125,12 +126,20 @@ class DirectorySource:
                                    cuda_graphs=self.settings.cuda_graphs, memory_format=self.settings.memory_format,
                                    threads=forward_threads(self.settings.torch_threads, device,
                                                            workers=self.settings.model_processes()) or 1)
-        found = (predictor.manifest.name, predictor.manifest.version)
-        if found != (name, version):
-            raise ModelLoadError(f"{folder}/manifest.json says {found[0]} version {found[1]}, but the repository "
-                                 f"holds it as {name} version {version}: export it again with --repository, or "
-                                 f"move it to {found[0]}/{found[1]}")
+        misplaced = _misplaced(folder, (predictor.manifest.name, predictor.manifest.version), name, version)
+        if misplaced:
+            raise ModelLoadError(misplaced)
         return predictor
+
+    def unservable(self, name: str, version: str) -> str | None:
+        """Why ``version`` cannot load, as its manifest tells without loading it (unreadable or invalid, or naming
+        another model or version: a folder copied by hand); None when it does not say (its load may still fail)."""
+        folder = self.path(name, version)
+        try:
+            manifest = read_checked_manifest(folder)
+        except (ModelLoadError, OSError) as exc:
+            return str(exc)
+        return _misplaced(folder, (manifest.name, manifest.version), name, version)
 
     def missing(self) -> ModelLoadError:
         """Why there is nothing to serve, saying how to make something."""
@@ -139,6 +148,14 @@ class DirectorySource:
         except ModelLoadError as exc:
             return exc
         return ModelLoadError(f"{self.root} holds no model")
+
+
+def _misplaced(folder: Path, found: tuple[str, str], name: str, version: str) -> str | None:
+    """Why a version whose manifest says ``found`` cannot serve as ``name`` ``version``, or None where it can."""
+    if found == (name, version):
+        return None
+    return (f"{folder}/manifest.json says {found[0]} version {found[1]}, but the repository holds it as {name} "
+            f"version {version}: export it again with --repository, or move it to {found[0]}/{found[1]}")
 
 
 def _json_object(path: Path) -> dict[str, Any] | None:
@@ -188,6 +205,10 @@ class GivenSource:
     def load(self, name: str, version: str) -> Predictor:
         """The predictor itself."""
         return self.predictor
+
+    def unservable(self, name: str, version: str) -> str | None:
+        """None: its predictor serves."""
+        return None
 
     def missing(self) -> ModelLoadError:
         """Never: it always holds its predictor."""
