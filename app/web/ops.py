@@ -3,6 +3,7 @@ and the demo page at /."""
 from __future__ import annotations
 
 import contextlib
+import os
 from functools import lru_cache
 from typing import Any, Sequence
 
@@ -10,6 +11,7 @@ from flask import Blueprint, Flask, Response, jsonify
 from flask_swagger_ui import get_swaggerui_blueprint
 
 from app.errors import ServiceError
+from app.hosting import control
 from app.metrics import render as render_metrics
 from app.web.auth import DOCS_PATH, OPENAPI_PATH
 from app.web.demo import demo_blueprint
@@ -45,7 +47,19 @@ def readyz() -> tuple[Response, int]:
               "not_draining": not service.draining,  # a drain answers new requests for SHUTDOWN_DRAIN_S
               "accepting": not service.refusing}  # then refuses them
     ok = ready and stalled is None
+    if not ok and loaded and alive and stalled is None and _answers_for_a_reload(service):
+        return _health(True, checks, "ready", "not_ready", None)
     return _health(ok, checks, "ready", "not_ready", stalled or (None if ok else service.not_ready_reason))
+
+
+def _answers_for_a_reload(service: Any) -> bool:
+    """A HUP's old worker, draining, that answers on while a new worker loads and none other serves
+    (app/hosting/drain.py): the server serves through it, so readiness holds (before: 503 for the whole reload,
+    an inline worker's load of 16 s, which would take a serving pod out of its Service: an operator's trial).
+    A stop has no new worker loading: its drain says not ready from its first moment, as before."""
+    control_dir = service.settings.control_dir
+    return (service.draining and not service.refusing and control_dir is not None
+            and control.replacement_loading(control_dir, os.getpid()))
 
 
 def metrics() -> Response:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import logging
+import os
 import re
 import threading
 import time
@@ -143,6 +144,27 @@ def test_health_endpoints_and_draining(client: FlaskClient, service: Service) ->
     response = client.post("/predict", data=image_bytes(), content_type="image/jpeg")
     error_of(response, 503, "not_ready")
     assert response.headers["Retry-After"] and response.headers["Connection"] == "close"
+
+
+def test_a_drain_that_answers_for_a_reload_stays_ready(client: FlaskClient, service: Service, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: a HUP's old worker, answering every request while its replacement loaded, said 503 for the whole
+    # reload (16 s of an inline worker's load): a readiness probe would take a serving pod out of its Service (an
+    # operator's trial). A stop (no new worker loading) is not ready from the drain's first moment, as before.
+    from app.hosting import control
+
+    monkeypatch.setattr(service.settings, "control_dir", tmp_path)
+    service.begin_drain()
+    assert client.get("/readyz").status_code == 503  # a stop: nothing loads beside it
+    other = os.getppid()  # a live process other than this one: the HUP's new worker
+    control.loading_mark(tmp_path, other).touch()  # loading
+    reloading = client.get("/readyz")
+    assert reloading.status_code == 200 and not reloading.get_json()["checks"]["not_draining"]
+    control.ready_mark(tmp_path, other).touch()  # it serves: the probes are its
+    assert client.get("/readyz").status_code == 503
+    control.ready_mark(tmp_path, other).unlink()
+    service.stop_serving()  # refusing: never ready again
+    assert client.get("/readyz").status_code == 503
 
 
 def test_readiness_that_waits_for_another_worker_says_so(client: FlaskClient, service: Service,
