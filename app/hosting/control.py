@@ -25,9 +25,10 @@ Standard library only: the master imports it, and so does the engine (the desire
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 DESIRED = "desired.json"
 LOCK = "lock"
@@ -72,6 +73,14 @@ def batch_cap(control_dir: Path, measured: str) -> Path:
     once a start in this server measured it: a later start of it (an engine or a worker restarted under load, a
     reload) takes it instead of measuring beside busy work (app/engine/loaded/version.py ``_apply_batch_cap``)."""
     return control_dir / f"batch-cap-{hashlib.sha256(measured.encode()).hexdigest()[:24]}"
+
+
+def write_json(path: Path, data: Any) -> None:
+    """``data`` as JSON in ``path`` of a CONTROL_DIR, whole or not at all for any reader (written beside it, then
+    put in its place: a process reads the old file or the new one, never half of one)."""
+    written = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    written.write_text(json.dumps(data, sort_keys=True), encoding="utf-8")
+    written.replace(path)
 
 
 def report(control_dir: Path, pid: int) -> Path:

@@ -38,11 +38,12 @@ from models.export.load import optimize_for_cpu
 Forward = Callable[[torch.Tensor], torch.Tensor]
 T = TypeVar("T")
 # The service's default limits (and any VISIONSERVE_* overrides), so every contender decodes the same way.
-LIMITS = DecodeLimits.from_settings(Settings())
-DECODE_PATH = decode_path(Settings().decode_path, torch.device("cpu"))  # what the server decodes with on the CPU
+_SERVED = Settings()
+LIMITS = DecodeLimits.from_settings(_SERVED)
+DECODE_PATH = decode_path(_SERVED.decode_path, torch.device("cpu"))  # what the server decodes with on the CPU
 # The server's glibc tuning for decode buffers (its workers apply it at start; without it large decodes page-fault
 # fresh memory each time): in this process and in each spawned pipeline process, which imports this module.
-keep_freed_memory(Settings().malloc_trim_threshold_mb, Settings().malloc_arena_max)
+keep_freed_memory(_SERVED.malloc_trim_threshold_mb, _SERVED.malloc_arena_max)
 
 
 def decode_served(data: bytes, predictor: Predictor) -> torch.Tensor:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -255,9 +254,7 @@ def _apply_batch_cap(settings: Settings, loaded: LoadedVersion) -> None:
     _measured_cap(loaded, profile, ceiling)
     if kept is not None:
         with contextlib.suppress(OSError):  # (unkept: the next start measures again, as before)
-            written = kept.with_name(f".{kept.name}.{os.getpid()}")
-            written.write_text(str(loaded.batcher.max_batch_size))
-            os.replace(written, kept)
+            control.write_json(kept, loaded.batcher.max_batch_size)
 
 
 def _cap_kept(kept: Path | None) -> int | None:
