@@ -6,12 +6,15 @@ of the engine's time for a 100 KB photo on a 2-core VM), and a copy out of the a
 photo out of the caches: docs/performance.md).
 
 The arena is a ring. The worker places each request's images after the last ones placed, starting again from the
-front when the end has no room. The engine lends a request's images to whatever reads them (views of one array on
-its mapping) and tells the worker, with the next answers it sends on the connection (``Answers.released``), each
-request whose views are all gone: once it is decoded (on the CPU; on a device, once its batch is), cancelled (its
-images dropped from the queue), or ended (the engine's loop lets go of an ended request's images and of its error's
-tracebacks, which hold the frames that read them: garbage collection would otherwise free them when it comes round;
-a rollout's shadow share copies what it keeps). The worker frees a place once its request is released, and its
+front when the end has no room. The engine lends a message's images to whatever reads them (views of one array on
+its mapping) and tells the worker, with the next answers it sends on the connection (``Answers.released``), the
+message's requests once their views are all gone: once they are decoded (on the CPU; on a device, once their batch
+is), cancelled (their images dropped from the queue), or ended (the engine's loop lets go of an ended request's
+images and of its error's tracebacks, which hold the frames that read them: garbage collection would otherwise free
+them when it comes round; a rollout's shadow share copies what it keeps). One lending a message, not one a request
+(a weak reference, an array and a release each: about 2 us of the engine's time a photo), holds no place much
+longer: a message's requests are placed in a row and most often batched together, and a place let go of before the
+one ahead of it waits for it all the same. The worker frees a place once its request is released, and its
 ring from the oldest place on, so a place held long leaves the ring full behind it: whatever finds no room (a burst,
 a request larger than the arena, or a ring behind a place still held) goes through the socket as before. The two
 processes share no lock and no counter: the frames that carry the places and the releases order the writes and the
@@ -156,29 +159,33 @@ class MappedArena:
         # yet told to the worker: appended by whichever thread drops a request's last view, taken by the loop
         self._on_release = on_release  # called on that thread after each (the engine's loop: woken from another)
 
-    def lent(self, ident: int, placed: Sequence[tuple[int, int]]) -> list[memoryview]:
-        """Request ``ident``'s images at ``placed`` (each (offset, length)), each a view of the arena where it lies,
-        nothing copied: ``ident`` joins ``released`` once every view of them (and whatever was made on them: a
-        tensor, an array) is gone. ArenaError when one lies outside the arena."""
+    def lent(self, requests: Sequence[tuple[int, Sequence[tuple[int, int]]]]) -> list[list[memoryview]]:
+        """The images of ``requests`` (each its id and its images' places, (offset, length) each: a message's), each
+        request's a list of views of the arena where they lie, nothing copied: their ids join ``released`` together
+        once every view of them all (and whatever was made on them: a tensor, an array) is gone. One lending for the
+        message, not one a request: a request's place freed sooner would wait all the same for the places before it,
+        which the worker's ring frees from the oldest on. ArenaError when one lies outside the arena."""
         start, end = self.size, 0  # what they span
-        for offset, length in placed:
-            if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset
-                    and 0 <= length <= self.size - offset):  # (an empty image: the decode says what is wrong)
-                raise ArenaError(f"an image at {offset!r} of {length!r} bytes in an arena of {self.size}")
-            start, end = min(start, offset), max(end, offset + length)
-        if not placed:
+        for _, placed in requests:
+            for offset, length in placed:
+                if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset
+                        and 0 <= length <= self.size - offset):  # (an empty image: the decode says what is wrong)
+                    raise ArenaError(f"an image at {offset!r} of {length!r} bytes in an arena of {self.size}")
+                start, end = min(start, offset), max(end, offset + length)
+        if not requests:
             return []
+        start = min(start, end)  # (requests of no images: a view of nothing, released as soon as it goes)
         whole = np.frombuffer(self._map, np.uint8, end - start, start)  # (numpy's: an owner a weak reference sees)
         lending = next(self._lendings)
-        self._lent[lending] = weakref.ref(whole, functools.partial(self._let_go, lending, ident))
+        self._lent[lending] = weakref.ref(whole, functools.partial(self._let_go, lending,
+                                                                   tuple(ident for ident, _ in requests)))
         view = memoryview(whole)  # (each slice holds the array: released once the last one goes)
-        if len(placed) == 1:  # (one image: the whole span)
-            return [view]
-        return [view[offset - start:offset - start + length] for offset, length in placed]
+        return [[view[offset - start:offset - start + length] for offset, length in placed]
+                for _, placed in requests]
 
-    def _let_go(self, lending: int, ident: int, _: object) -> None:
+    def _let_go(self, lending: int, idents: tuple[int, ...], _: object) -> None:
         self._lent.pop(lending, None)
-        self.released.append(ident)
+        self.released.extend(idents)
         if self._on_release is not None:
             self._on_release()
 

@@ -188,8 +188,9 @@ class Infers(_Message):
 
     def split(self, segments: list[bytearray], arena: MappedArena | None = None
               ) -> list[tuple[int, Infer, list[Segment]]]:
-        """Each request: its id, its ``Infer`` and its segments (those placed in ``arena`` lent where they lie:
-        ``MappedArena.lent``); EngineGone when they do not add up or lie outside the arena."""
+        """Each request: its id, its ``Infer`` and its segments (those placed in ``arena`` lent where they lie, the
+        message's in one lending: ``MappedArena.lent``); EngineGone when they do not add up or lie outside the
+        arena."""
         if not len(self.ids) == len(self.requests) == len(self.counts) or sum(self.counts) != len(segments):
             raise EngineGone(f"{len(self.ids)} requests of {sum(self.counts)} segments came with {len(segments)}")
         if self.spent:
@@ -207,11 +208,13 @@ class Infers(_Message):
                 read = fields
             split.append((ident, message, segments[at:at + count]))
             at += count
-        for index, images in self.placed:
+        if self.placed:
             if arena is None:
                 raise EngineGone("images placed in an arena on a connection that offered none")
             try:
-                split[index][2].extend(arena.lent(split[index][0], images))
+                placed = [(split[index][0], images) for index, images in self.placed]
+                for (index, _), views in zip(self.placed, arena.lent(placed)):
+                    split[index][2].extend(views)
             except (ArenaError, TypeError, ValueError, IndexError) as exc:
                 raise EngineGone(f"placed images that could not be read: {exc}") from None
         return split

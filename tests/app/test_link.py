@@ -2732,18 +2732,24 @@ def test_a_placed_photo_whose_request_is_cancelled_has_its_place_freed_with_no_a
     # Before: the engine copied each placed photo out as it read the frame, and the worker freed a place only on an
     # answer to its request or a later one.
     gone, batches, loop = _gated_loop(link, model, monkeypatch)
+
+    def messages() -> list[wire.Infers]:
+        return [m for m in link.sent if isinstance(m, wire.Infers)]
+
     try:
-        with loop.waits():  # placed in this order, in one message: the one that leaves holds the ring's oldest place
+        with loop.waits():  # placed in this order, each its message (a message's requests are let go of together):
+            sent = len(messages())  # the one that leaves holds the ring's oldest place
             loop.start("leaves", lambda: _failure(lambda: infer(link.worker, [_padded(image_bytes(BLUE))],
                                                                  client_gone=gone.is_set)))
+            loop.turn_until(lambda: len(model.batch_sizes) > batches)  # its forward pass held by the gate
             loop.start("stays", lambda: _labelled(link, _padded(image_bytes(RED)))())
-            loop.turn_until(lambda: len(model.batch_sizes) > batches)  # their forward pass held by the gate
+            loop.turn_until(lambda: len(messages()) == sent + 2)
             arena = link.worker.loop_link._arena
             assert arena is not None and arena.placed_bytes >= 2 * 39_000 and arena.held == 2
             gone.set()
             loop.turn_until(lambda: "leaves" in loop.outcomes)
             loop.turn_until(lambda: arena.held == 1)  # the cancelled one let go of: told with no answer
-            [leaves] = [m for m in link.sent if isinstance(m, wire.Infers)][-1].ids[:1]
+            [leaves] = messages()[sent].ids
             assert [m.released for m in link.sent if isinstance(m, wire.Answers) and not m.ids] == [(leaves,)]
             model.gate.set()
             loop.turn_until(lambda: "stays" in loop.outcomes and arena.held == 0)

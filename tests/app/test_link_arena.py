@@ -45,7 +45,7 @@ def test_the_ring_places_after_the_last_wraps_to_the_front_and_frees_from_the_ol
         assert arena.place(6, [_image(1 * KB, 6), _image(PLACED_MIN_BYTES, 6)]) is None  # full
         engine = _mapped(arena)
         try:  # what the engine reads is what was placed, wrapped or not
-            assert [bytes(view) for view in engine.lent(9, [(40 * KB, 20 * KB), (0, 20 * KB)])] == [
+            assert [bytes(view) for view in engine.lent([(9, [(40 * KB, 20 * KB), (0, 20 * KB)])])[0]] == [
                 _image(20 * KB, 3), _image(20 * KB, 4)]
         finally:
             engine.close()
@@ -66,8 +66,8 @@ def test_the_engine_reads_a_request_s_images_where_they_lie_and_releases_it_once
         assert first is not None and second is not None
         engine = _mapped(arena)
         try:
-            images = engine.lent(1, first)
-            [alone] = engine.lent(2, second)
+            [images] = engine.lent([(1, first)])
+            [[alone]] = engine.lent([(2, second)])
             assert [bytes(image[:2]) for image in images] == [b"\x01\x01", b"\x02\x02"]
             arena._view[0] = 9  # (the worker's own map) nothing was copied: the engine's view is the arena
             assert images[0][0] == 9 and not images[0].readonly  # (a tensor may wrap it: nvJPEG's input)
@@ -84,6 +84,36 @@ def test_the_engine_reads_a_request_s_images_where_they_lie_and_releases_it_once
         arena.close()
 
 
+def test_a_message_s_requests_are_lent_together_and_released_together_once_every_view_of_them_all_is_gone(
+        ) -> None:
+    # One lending a message, not one a request (a weak reference, an array and a release each; the worker's ring
+    # frees from the oldest place on all the same): the ring wrapped under them too.
+    arena = Arena(64 * KB)
+    try:
+        first = arena.place(1, [_image(20 * KB, 1)])
+        arena.place(2, [_image(20 * KB, 2)])
+        arena.released([1])  # the front free: 4 wraps to it
+        third, fourth = arena.place(3, [_image(20 * KB, 3)]), arena.place(4, [_image(20 * KB, 4)])
+        assert first is not None and third == ((40 * KB, 20 * KB),) and fourth == ((0, 20 * KB),)
+        engine = _mapped(arena)
+        try:
+            [[wrapped], [front]] = engine.lent([(3, third), (4, fourth)])
+            assert (bytes(wrapped[:1]), bytes(front[:1])) == (b"\x03", b"\x04")
+            del wrapped
+            assert engine.take_released() == ()  # 4's view still reads the arena: neither is let go
+            del front
+            assert engine.take_released() == (3, 4)
+            assert engine.lent([]) == [] and engine.take_released() == ()
+        finally:
+            engine.close()
+        arena.released([3, 4])
+        assert arena.held == 3  # 2's place, never lent, still held: theirs wait behind it
+        arena.released([2])
+        assert arena.held == 0
+    finally:
+        arena.close()
+
+
 def test_a_request_id_lent_twice_is_released_twice_each_once_its_own_views_are_gone() -> None:
     # Before: the second lending replaced the first's reference, whose release was then never told (its place held
     # for good, and the ring's after it).
@@ -92,7 +122,7 @@ def test_a_request_id_lent_twice_is_released_twice_each_once_its_own_views_are_g
         first, second = arena.place(1, [_image(20 * KB, 1)]), arena.place(1, [_image(20 * KB, 2)])
         engine = _mapped(arena)
         try:
-            views, again = engine.lent(1, first), engine.lent(1, second)  # type: ignore[arg-type]
+            views, again = engine.lent([(1, first)]), engine.lent([(1, second)])  # type: ignore[list-item]
             del views
             assert engine.take_released() == (1,)
             del again
@@ -109,10 +139,10 @@ def test_requests_released_from_other_threads_while_the_loop_takes_them_are_each
         placed = [arena.place(ident, [_image(PLACED_MIN_BYTES, ident % 250)]) for ident in range(200)]
         engine = _mapped(arena)
         try:
-            lent = [engine.lent(ident, where) for ident, where in enumerate(placed)]  # type: ignore[arg-type]
+            lent = [engine.lent([(ident, where)]) for ident, where in enumerate(placed)]  # type: ignore[list-item]
             taken: list[int] = []
 
-            def drop(share: list[list[memoryview]]) -> None:
+            def drop(share: list[list[list[memoryview]]]) -> None:
                 while share:
                     share.pop()
 
@@ -144,7 +174,7 @@ def test_small_requests_what_is_no_contiguous_buffer_and_what_exceeds_the_arena_
         assert arena.place(4, [memoryview(pixels)]) == ((0, 32 * KB),)
         engine = _mapped(arena)
         try:
-            [lent] = engine.lent(4, [(0, 32 * KB)])
+            [[lent]] = engine.lent([(4, [(0, 32 * KB)])])
             assert np.array_equal(np.frombuffer(lent, np.float32), pixels)
         finally:
             engine.close()
@@ -160,8 +190,8 @@ def test_the_engine_lends_nothing_outside_the_arena_and_maps_no_arena_larger_tha
         try:
             for bad in ((60 * KB, 8 * KB), (-1, 10), (0, -1), (0, 64 * KB + 1), ("0", 10)):
                 with pytest.raises(ArenaError):
-                    engine.lent(1, [bad])  # type: ignore[list-item]
-            assert [bytes(view) for view in engine.lent(2, [(64 * KB, 0)])] == [b""]  # empty: the decode refuses it
+                    engine.lent([(1, [bad])])  # type: ignore[list-item]
+            assert [bytes(view) for view in engine.lent([(2, [(64 * KB, 0)])])[0]] == [b""]  # empty: the decode refuses it
         finally:
             engine.close()
         with pytest.raises(ArenaError):
