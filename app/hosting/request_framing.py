@@ -51,6 +51,9 @@ CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"  # what a client that sent Expect: 1
 HTTP_11_ON = re.compile(rb"HTTP/1\.[1-9]")  # a request version that may send a chunked body or expect 100 Continue
 CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]+")
 CODINGS = frozenset((b"chunked", b"identity", b"gzip", b"deflate", b"compress"))  # the transfer codings gunicorn takes
+DECODED_CODINGS = frozenset((b"chunked", b"identity"))  # of those, the ones a body is read through: gunicorn passes
+# a gzip, deflate or compress transfer coding's bytes on as they came (a body compressed with Content-Encoding is
+# decompressed by the app, app/web/inputs.py)
 MALFORMED = "the request body's framing is malformed: "  # as app/web/errors.py says it of what the parser refuses
 
 log = logging.getLogger(ACCESS_LOGGER)  # the loop's own answers' access lines, as the app's
@@ -153,13 +156,15 @@ class Framing:
 
 
 
-def body_framing(head: bytes) -> int | Framing | None:
+def body_framing(head: bytes) -> int | Framing | Refusal | None:
     """How a header block frames its body, where the loop reads it as gunicorn's parser will (gunicorn/http/message.py's
     set_body_reader): most heads, with neither Transfer-Encoding nor Expect, by the body's length alone (a missing
     Content-Length: 0); the others by a Framing: chunked (the last of its transfer codings and only there, each one a
     coding gunicorn takes, HTTP/1.1 and no Content-Length), else one Content-Length or none; after
     ``Expect: 100-continue`` or not (HTTP/1.0 ignores it). None for any other: the parser refuses it from its head (a
-    repeated or malformed Content-Length, both framings, an unknown coding, another expectation)."""
+    repeated or malformed Content-Length, both framings, an unknown coding, another expectation). A Refusal (501) for
+    a transfer coding gunicorn takes but does not undo (gzip, deflate, compress before chunked): its bytes would
+    reach the app still compressed, read as the body (RFC 9112 6.1: 501 for a coding the server does not implement)."""
     lines = head.split(b"\r\n")
     codings: list[bytes] = []
     lengths, expects = [], []
@@ -183,6 +188,10 @@ def body_framing(head: bytes) -> int | Framing | None:
     if codings and (lengths or not http_11 or codings[-1] != b"chunked" or codings.count(b"chunked") > 1
                     or not CODINGS.issuperset(codings)):
         return None
+    if not DECODED_CODINGS.issuperset(codings):
+        undone = ", ".join(sorted({coding.decode() for coding in codings} - {"chunked", "identity"}))
+        return Refusal(501, "Not Implemented", f"the transfer coding {undone} is not implemented: send the body "
+                       "compressed with Content-Encoding: gzip or deflate instead, Transfer-Encoding chunked alone")
     return Framing(bool(codings), length, bool(expects) and http_11)
 
 

@@ -394,6 +394,9 @@ class BufferingWorker(LoopRequests, ThreadWorker):
             if end < 0:
                 return False
             framing = body_framing(bytes(buffer[:end]))
+            if isinstance(framing, Refusal):
+                reading.refusal = framing
+                return True
             if not isinstance(framing, int):  # chunked, Expect, or a head the parser refuses
                 return self._framed(reading, end, framing)
             if framing > self.limits.max_body_bytes:

@@ -9,11 +9,13 @@ The server's header timeout is long (60 s) and every read here waits at most 30 
 refusal itself, not a timeout."""
 from __future__ import annotations
 
+import gzip
 import json
 import re
 import socket
 import textwrap
 import time
+import zlib
 from collections import Counter
 from pathlib import Path
 from typing import Iterator
@@ -25,6 +27,7 @@ from app.hosting.client_socket import REFUSALS_AWAITED
 
 from harness import faults
 from harness.servers import Running, free_port, gunicorn_command
+from tests.support.imaging import RED, image_bytes
 from tests.support.servers import serve
 
 WAIT_S = 30.0  # the most a read waits for the server; the server's own timeouts are longer, or not involved
@@ -184,6 +187,8 @@ def test_a_head_gunicorn_s_parser_refuses_is_answered_in_the_error_shape(server:
     (b"POST /predict HTTP/1.1\r\nHost: x\r\n", b"Content-Length: 30000000\r\nExpect: 100-continue\r\n\r\n", 413,
      "request_entity_too_large"),  # the loop's, before the body is asked for
     (b"GET /healthz HTTP/1.1\r\n", b"Host: x\n\n", 400, "bad_request"),  # a bare LF after it
+    (b"POST /predict HTTP/1.1\r\nHost: x\r\n", b"Transfer-Encoding: gzip, chunked\r\n\r\n", 501,
+     "not_implemented"),  # the loop's, from a transfer coding gunicorn would pass on undone
     (b"POST /predict HTTP/1.1\r\nHost: x\r\n", b"Content-Length: 10\r\n\r\nabc", 408, "request_timeout"),
     (b"GET /healthz HTTP/1.1\r\nHost: x\r\n", b"Content-Length: 10\r\n\r\nabc", 408, "request_timeout"),  # a GET's
 ])
@@ -280,6 +285,25 @@ def test_a_head_gunicorn_refuses_is_told_in_words_a_client_can_act_on(server: Ru
         raw.send(b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n" + head + b"\r\nhello")
         code = "bad_request" if status == 400 else "request_header_fields_too_large"
         assert raw.error(status, code)["message"].startswith(said)
+
+
+@pytest.mark.parametrize("coding", [b"gzip", b"deflate"])
+def test_a_body_compressed_as_a_transfer_coding_is_501_not_its_compressed_bytes_read_as_the_body(
+        server: Running, coding: bytes) -> None:
+    # Before: gunicorn took "gzip, chunked" and passed the gzip bytes on undone: a V2 request's answer was 400 "not
+    # valid JSON", a photo's 400 invalid_image (a Triton client's trial); a body compressed with Content-Encoding is
+    # what the service decompresses.
+    photo = gzip.compress(image_bytes(RED)) if coding == b"gzip" else zlib.compress(image_bytes(RED))
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(photo), photo)
+    for path, content_type in ((b"/predict", b"image/jpeg"), (b"/v2/models/m/infer", b"application/json")):
+        with Raw(server.port) as raw:
+            raw.send(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: %s\r\nTransfer-Encoding: %s, chunked\r\n\r\n"
+                     % (path, content_type, coding) + chunked)
+            status, _, body = raw.answer()
+            said = json.loads(body)["error"]
+            message = said if path.startswith(b"/v2") else said["message"]
+            assert status == 501 and "transfer coding " + coding.decode() + " is not implemented" in message, body
+            assert "Content-Encoding" in message and raw.closed()
 
 
 CHUNKED_PHOTO = b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\nTransfer-Encoding: chunked\r\n\r\n"
