@@ -1113,6 +1113,33 @@ def test_one_slow_batch_refuses_a_short_deadline_on_an_idle_batcher_once_not_for
     assert outcomes == ["400"] + [[2 * item] for item in range(1, 10)]
 
 
+def test_a_refusal_a_fresh_batch_confirmed_holds_on_an_idle_batcher_then_a_request_runs_to_refresh_it(
+        make_batcher, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: every second request with the same too-short deadline ran and was answered past its deadline, after
+    # the 400 had said a retry cannot succeed: 400, 200, 400, 200 (a Triton client's trial, V2's timeout parameter)
+    clock, recorder = Clock(monkeypatch), Recorder()
+
+    def timed(items: list[int]) -> Sequence[int]:
+        clock.now += 0.25  # every batch takes 250 ms
+        return recorder(items)
+
+    batcher = make_batcher(timed, max_batch_size=8, max_wait_ms=1, incoming=lambda: 0)
+    assert batcher.submit_group([1]).result(timeout=10) == [2]
+
+    def outcome(item: int) -> object:
+        wait_until(lambda: _worker_asleep(batcher))  # idle: nothing queued, nothing running
+        clock.now += 0.3  # a client's retry, 0.3 s on
+        try:
+            return batcher.submit_group([item], deadline=clock.now + 0.15).result(timeout=10)
+        except DeadlineTooShort:
+            return "400"
+
+    # refused, then one runs (its batch refreshes the estimate: 250 ms, again), then refused while that holds
+    assert [outcome(item) for item in range(6)] == ["400", [2]] + ["400"] * 4
+    clock.now += batcher_module.CONFIRMED_REFUSAL_S
+    assert [outcome(item) for item in range(3)] == [[0], "400", "400"]  # held long enough: one runs again
+
+
 def test_a_request_s_own_inference_is_its_images_at_the_time_per_image_not_a_full_batch_s(
         make_batcher, monkeypatch: pytest.MonkeyPatch) -> None:
     # Before: after full batches (82 ms each here) one image was "too short" (400, no retry) for any deadline

@@ -42,6 +42,10 @@ DEADLINE_SPREADS = 4  # a backlog judged against a deadline at its batches' rece
 # their mean deviation an image (as TCP's retransmission timer judges a round trip, RFC 6298), for each image ahead:
 # the slowness it guards against lasts (a host whose batches slow 3-5x while its CPU refuses a storm of requests,
 # where an average alone admitted a third of the images too late to be answered), it does not average out
+CONFIRMED_REFUSAL_S = 5.0  # an idle batcher's "deadline too short" made by the estimate the batch of a request run
+# after such a refusal refreshed (confirmed) holds this long before a request runs again whatever its deadline (and
+# refreshes the estimate): every second one ran before, answered past its deadline after a 400 that had said a retry
+# cannot succeed
 
 In = TypeVar("In")
 Out = TypeVar("Out")
@@ -186,13 +190,13 @@ class Batcher(Generic[In, Out]):
         # the same per item; the last batch's (0: none ran yet); over batches of half the cap or more, per item and
         self._item_seconds = self._last_item_seconds = 0.0  # per batch, and the spread (``_timed``)
         self._large_item_seconds = self._large_batch_seconds = self._large_item_spread = 0.0
-        self._refused_idle_at = -1  # batches_run at the last refusal on an idle batcher (deadline too short)
+        self._refused_idle_at = -1  # batches_run at the last refusal on an idle batcher (deadline too short); the
+        self._probed_when = self._refusal_confirmed_until = -math.inf  # time.monotonic() when a request ran after
+        # one (a probe), and up to which a refusal by the estimate its batch refreshed holds without another
         self._warmed_item_seconds = 0.0  # an item's forward pass at warm-up, 0 without (``expect_item_s``)
         self._split_on, self._shrink_s, self._shrunk_size, self._shrunk_until = split_on, shrink_s, max_batch_size, 0.0
         self._observer: BatchObserver = observer or NullObserver()
-        # How many items are on their way (e.g. requests still decoding). When nothing is, waiting max_wait_ms for
-        # company only adds latency, so a batch leaves at once: a lone client pays no batching delay.
-        self._incoming = incoming
+        self._incoming = incoming  # items on their way (requests decoding): with none, a batch waits for no company
         self._inline_when_idle = inline_when_idle
         self.runs_queued_on_caller = runs_queued_on_caller
         self.caller_may_run: Callable[[In], bool] | None = None
@@ -451,7 +455,8 @@ class Batcher(Generic[In, Out]):
         the average and the last batch's: one slow batch must not make it), and a batch's wait for company
         (``max_wait_ms``). On an idle batcher (nothing queued, nothing running) nothing is ahead, and only a batch
         run refreshes the estimate: after a refusal there the next request runs whatever its deadline, so an
-        estimate no batch refreshed never refuses twice (a stall's would refuse every short deadline for good)."""
+        estimate no batch refreshed never refuses twice (a stall's would refuse every short deadline for good); a
+        refusal by the estimate such a run's batch refreshed (confirmed) holds CONFIRMED_REFUSAL_S until the next."""
         if self._closed:
             raise BatcherClosed("the inference worker is shutting down")
         live = self._live if low else self._live - self._low
@@ -473,11 +478,14 @@ class Batcher(Generic[In, Out]):
             wait = self._clear_s(backlog, now, cautious=True)
             if now + wait <= deadline:
                 return
-        elif self._refused_idle_at == self.batches_run:  # refused here by an estimate no batch refreshed since
-            return
+        elif self._refused_idle_at == self.batches_run and now >= self._refusal_confirmed_until:
+            self._probed_when = now  # refused here by an estimate no batch refreshed since (unconfirmed, or
+            return  # confirmed long ago): this one runs, and its batch refreshes it
         own = self._own_s(count)
         if now + own > deadline:  # no backlog could clear in time for this: the same deadline would fail again
-            if not busy:
+            if not busy and self._refused_idle_at != self.batches_run:
+                if now - self._probed_when < CONFIRMED_REFUSAL_S:  # by the estimate a recent probe's batch
+                    self._refusal_confirmed_until = now + CONFIRMED_REFUSAL_S  # refreshed: confirmed
                 self._refused_idle_at = self.batches_run
             raise DeadlineTooShort(count, own, deadline - now, self._clear_s(live, now))
         if busy:
