@@ -145,7 +145,10 @@ def _input_check(call: CallFace, max_images: int) -> InputCheck:
     def check(index: int, name: str, datatype: str, shape: list[int]) -> None:
         if index:
             raise BadRequest(f"send exactly one input, {IMAGES_INPUT!r} (BYTES) or {PIXELS_INPUT!r} (FP32)")
-        count = shape[0] if shape else 0
+        if not shape:  # a scalar: no batch dimension to count its images by
+            raise BadRequest(f"input {name!r} has shape [] (a scalar): its first dimension counts its images, "
+                             f"[1] for one")
+        count = shape[0]
         if count == 0:
             raise BadRequest(f"input {name!r} holds no images")
         if name == IMAGES_INPUT and datatype == "BYTES":

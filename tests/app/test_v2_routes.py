@@ -207,6 +207,9 @@ def test_a_photo_sent_as_the_whole_body_is_415_saying_how_to_send_it(client: Fla
     # before: taken as [value], where the protocol and the served schema say an array (a schema fuzz of the API)
     ({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [3, 8, 8], "data": [0] * 192}]}, {},
      "input 'pixels' must have shape [N, 3, 8, 8] (N images first), got [3, 8, 8]"),  # before: "shape [3, 3, 8, 8]"
+    ({"inputs": [{"name": "images", "datatype": "BYTES", "shape": [], "data": ["aGk="]}]}, {},
+     "input 'images' has shape [] (a scalar): its first dimension counts its images, [1] for one"),
+    # before: "input 'images' holds no images", of a request holding one (a Triton client's trial)
     ({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [0, 2 ** 62, 2 ** 62], "data": []}]}, {},
      "each 'shape' dimension must be at most 2147483647"),
     ({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [0] * 65, "data": []}]}, {},
