@@ -322,8 +322,9 @@ def _out_of_scale(pixels: Sequence[np.ndarray | torch.Tensor], index: int) -> Ba
     if np.abs(image).max(initial=0.0) <= PIXELS_IN_SCALE:
         return None
     return BadRequest(f"image {index}: the model's output is not finite (NaN or infinity) for these pixels, of values "
-                      f"from {image.min():.3g} to {image.max():.3g}: send pixels preprocessed as the model's `preprocess` "
-                      f"in GET /v1/models/<name> says (resized, cropped, normalised), not raw values of that size")
+                      f"from {image.min():.3g} to {image.max():.3g}: send pixels preprocessed as the model's "
+                      f"`preprocess` in GET /v1/models/<name> says (resized, cropped, normalised), not raw values "
+                      f"of that size")
 
 
 NAME_SHOWN = 100  # the most of a file name an error message shows (its start and end), of a sender's any length
