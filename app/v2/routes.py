@@ -18,8 +18,8 @@ from app.errors import BadRequest, NotFound, NotReady, UnknownOutput, check_imag
 from app.hosting.host import engine_mode
 from app.v2.codec import (OUTPUT_FIELDS, InferRequest, InputCheck, Tensor, check_fields, encode_response, flag,
                            parameters, parse_request)
-from app.v2.schemas import (ConfigTensor, DynamicBatching, InstanceGroup, Live, ModelConfig, ModelMetadata,
-                            ModelReady, Ready, Reshape, ServerMetadata, TensorMetadata)
+from app.v2.schemas import (ConfigParameter, ConfigTensor, DynamicBatching, InstanceGroup, Live, ModelConfig,
+                            ModelMetadata, ModelReady, Ready, Reshape, ServerMetadata, TensorMetadata)
 from app.web.inputs import check_deadline_floor, client_key, read_body, request_deadline_s
 from app.web.services import arrival, client_gone, current_service
 from app.web.timing import annotate
@@ -131,7 +131,8 @@ def model_config(name: str, version: str | None = None) -> Response:
         # a copy in each engine of the device, or inline in each worker
         instance_group=[InstanceGroup(kind="KIND_GPU" if info.device.startswith("cuda") else "KIND_CPU",
                                       count=settings.engines_per_device if apart else settings.model_processes())],
-        default_model_filename=files.get(info.weights_format)))
+        default_model_filename=files.get(info.weights_format),
+        parameters={"preprocess": ConfigParameter(string_value=manifest.preprocess.model_dump_json())}))
 
 
 def _input_check(call: CallFace, max_images: int) -> InputCheck:

@@ -86,6 +86,12 @@ class InstanceGroup(BaseModel):
     count: int
 
 
+class ConfigParameter(BaseModel):
+    """One of a configuration's free-form parameters, as Triton writes them."""
+
+    string_value: str
+
+
 class ModelConfig(BaseModel):
     """GET /v2/models/{name}[/versions/{version}]/config: the version's configuration in Triton's JSON form (what
     tritonclient's get_model_config, perf_analyzer and model_analyzer read)."""
@@ -99,6 +105,9 @@ class ModelConfig(BaseModel):
     dynamic_batching: DynamicBatching
     instance_group: list[InstanceGroup]
     default_model_filename: str | None = None  # the file the version runs, where it is one file of the export
+    parameters: dict[str, ConfigParameter] = Field(
+        default_factory=dict, description="`preprocess`: how a picture becomes the `pixels` input, as JSON "
+        "(resize_size, crop_size, interpolation, and mean and std on 0..1 pixels), as GET /v1/models/{name} says it")
 
 
 class InferInput(BaseModel):

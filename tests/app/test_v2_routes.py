@@ -76,6 +76,10 @@ def test_a_model_s_configuration_reads_as_triton_s(client: FlaskClient, settings
         assert config["dynamic_batching"] == {"max_queue_delay_microseconds": round(settings.max_wait_ms * 1000),
                                               "preferred_batch_size": [settings.max_batch_size]}
         assert config["instance_group"] == [{"kind": "KIND_CPU", "count": 1}]
+        # the preprocessing pixels need, as /v1/models says it (V2's metadata has no place for it: a Triton
+        # client's trial found it nowhere on V2), in Triton's free-form parameters
+        listed = client.get("/v1/models/colour").get_json()["models"][0]["preprocess"]
+        assert json.loads(config["parameters"]["preprocess"]["string_value"]) == listed
     assert "no model 'other' is loaded" in _v2_error(client.get("/v2/models/other/config"), 404)
     assert "version '2'" in _v2_error(client.get("/v2/models/colour/versions/2/config"), 404)
 
