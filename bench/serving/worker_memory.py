@@ -70,8 +70,14 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
 
 def run(name: str, settings: dict[str, str], engine: str, seconds: float, clients: int, sample_s: float
         ) -> dict:
-    """One variant's server under the load: its rate and each process's samples."""
-    logs = Path(tempfile.mkdtemp(prefix="visionserve-memory-"))
+    """One variant's server under the load: its rate and each process's samples (its log folder removed after:
+    a failed start's error says the log's end)."""
+    with tempfile.TemporaryDirectory(prefix="visionserve-memory-") as logs:
+        return _measured(Path(logs), name, settings, engine, seconds, clients, sample_s)
+
+
+def _measured(logs: Path, name: str, settings: dict[str, str], engine: str, seconds: float, clients: int,
+              sample_s: float) -> dict:
     weights = Path(__file__).resolve().parents[2] / "weights"
     server = visionserve(weights, logs, engine=engine, workers="2", **settings).wait_ready()
     samples: dict[int, list[float]] = {}
@@ -142,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="rounds of every variant, alternating them")
     parser.add_argument("--variant", action="append", help="NAME[:SETTING=VALUE,...] (repeat)")
     args = parser.parse_args(argv)
+    if args.seconds <= WARM_UP_S + args.sample_s:  # (before: a run that short sampled nothing, then failed to report)
+        parser.error(f"--seconds must be over {WARM_UP_S + args.sample_s:g}: memory is sampled every --sample-s "
+                     f"after {WARM_UP_S:g} s of load")
     variants = [parse_variant(text) for text in (args.variant or DEFAULT_VARIANTS)]
     found = []
     for round_index in range(args.rounds):
