@@ -189,7 +189,7 @@ def body_framing(head: bytes) -> int | Framing | Refusal | None:
                     or not CODINGS.issuperset(codings)):
         return None
     if not DECODED_CODINGS.issuperset(codings):
-        undone = ", ".join(sorted({coding.decode() for coding in codings} - {"chunked", "identity"}))
+        undone = b", ".join(sorted(set(codings) - DECODED_CODINGS)).decode()
         return Refusal(501, "Not Implemented", f"the transfer coding {undone} is not implemented: send the body "
                        "compressed with Content-Encoding: gzip or deflate instead, Transfer-Encoding chunked alone")
     return Framing(bool(codings), length, bool(expects) and http_11)
