@@ -24,12 +24,15 @@ _COMPRESSED_TYPES = ("text/", "application/json", "application/problem+json", "a
 def compressible(response: Response, min_bytes: int) -> bool:
     """Whether ``response`` is an answer that may go out compressed: a JSON or text body of at least ``min_bytes``,
     held whole and not encoded already."""
+    # the cheapest first: most answers (a few predictions, an error) are short
     if (response.status_code < 200 or response.status_code in (204, 304) or response.direct_passthrough
-            or response.is_streamed or "Content-Encoding" in response.headers):
+            or response.is_streamed or (response.calculate_content_length() or 0) < min_bytes
+            or "Content-Encoding" in response.headers):
         return False
-    if not response.mimetype.startswith(_COMPRESSED_TYPES) and not response.mimetype.endswith("+json"):
+    mimetype = response.mimetype
+    if not mimetype.startswith(_COMPRESSED_TYPES) and not mimetype.endswith("+json"):
         return False
-    return not response.cache_control.no_transform and (response.calculate_content_length() or 0) >= min_bytes
+    return not response.cache_control.no_transform
 
 
 def register_compression(app: Flask, settings: Settings) -> None:
