@@ -3,7 +3,7 @@ how its body is framed, what the loop refuses from its head or its framing, and 
 held request from.
 
 The loop (app/hosting/worker.py) reads the headers, then a body of known length up to ``max_body_bytes``
-(``ReadLimits``, ``Reading``, ``body_framing``). A head the parser would refuse once more bytes came (a line ending in
+(``ReadLimits``, ``Reading``, ``head_framing``). A head the parser would refuse once more bytes came (a line ending in
 a bare LF, a request line over gunicorn's limit, a head over ``MAX_HEADER_BYTES``) is refused at once (400, 414, 431:
 ``head_refusal``), never handed to a thread that would wait for those bytes; what gunicorn's parser refuses of a
 whole head is answered in the service's JSON error shape (``parser_refusal``), as is a client too slow for its
@@ -149,34 +149,42 @@ class Reading:
 
 @dataclass(frozen=True)
 class Framing:
-    """How a body comes that is chunked or follows ``Expect: 100-continue`` (``body_framing``)."""
+    """How a body comes that is chunked or follows ``Expect: 100-continue`` (``head_framing``)."""
     chunked: bool
     length: int  # its Content-Length, when it is not chunked
     expects_continue: bool  # the client waits for 100 Continue before it sends the body
 
 
 
-def body_framing(head: bytes) -> int | Framing | Refusal | None:
+def head_framing(head: bytes) -> int | Framing | Refusal | None:
     """How a header block frames its body, where the loop reads it as gunicorn's parser will (gunicorn/http/message.py's
     set_body_reader): most heads, with neither Transfer-Encoding nor Expect, by the body's length alone (a missing
     Content-Length: 0); the others by a Framing: chunked (the last of its transfer codings and only there, each one a
     coding gunicorn takes, HTTP/1.1 and no Content-Length), else one Content-Length or none; after
     ``Expect: 100-continue`` or not (HTTP/1.0 ignores it). None for any other: the parser refuses it from its head (a
-    repeated or malformed Content-Length, both framings, an unknown coding, another expectation). A Refusal (501) for
-    a transfer coding gunicorn takes but does not undo (gzip, deflate, compress before chunked): its bytes would
-    reach the app still compressed, read as the body (RFC 9112 6.1: 501 for a coding the server does not implement)."""
+    repeated or malformed Content-Length, both framings, an unknown coding, another expectation). A Refusal where the
+    head itself is refused that gunicorn would take: 400 for an HTTP/1.1 head without a Host field, or any with two
+    (RFC 9112 3.2: a server must); 501 for a transfer coding gunicorn takes but does not undo (gzip, deflate,
+    compress before chunked): its bytes would reach the app still compressed, read as the body (RFC 9112 6.1: 501
+    for a coding the server does not implement)."""
     lines = head.split(b"\r\n")
     codings: list[bytes] = []
     lengths, expects = [], []
+    hosts = 0
     for line in lines[1:]:
         name, _, value = line.partition(b":")
         name = name.strip().lower()
-        if name == b"content-length":
+        if name == b"host":
+            hosts += 1
+        elif name == b"content-length":
             lengths.append(value.strip())
         elif name == b"transfer-encoding":
             codings += (coding.strip(b" \t").lower() for coding in value.split(b","))
         elif name == b"expect":
             expects.append(value.strip(b" \t").lower())
+    if hosts != 1 and (hosts or HTTP_11_ON.fullmatch(lines[0].rpartition(b" ")[2]) is not None):
+        return Refusal(400, "Bad Request", f"the request has {hosts or 'no'} Host header fields: HTTP/1.1 requests "
+                       "carry exactly one, naming the server's host and port (RFC 9112 3.2)")
     if len(lengths) > 1 or (lengths and not lengths[0].isdigit()):
         return None
     length = int(lengths[0]) if lengths else 0

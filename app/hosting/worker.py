@@ -48,7 +48,7 @@ from app.hosting.client_socket import ClientConn, ClientCounts, ClientSocket, Jo
 from app.hosting.loop_requests import LoopRequests
 from app.hosting.recent_refusals import RECENT, LoopRefusal
 from app.hosting.request_framing import (CONTINUE, HEADER_END, HELD_PIECE, ChunkedBody, Framing, HeldUnreader,
-                                         ReadLimits, Reading, Refusal, body_framing, continued_request, head_refusal,
+                                         ReadLimits, Reading, Refusal, head_framing, continued_request, head_refusal,
                                          parser_refusal, skip_held_body, target_path)
 
 OVER_LIMIT_WAIT_S = 1.0  # how long a connection over MAX_CONNECTIONS_PER_CLIENT is given to begin its request (its
@@ -393,7 +393,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
                 return True
             if end < 0:
                 return False
-            framing = body_framing(bytes(buffer[:end]))
+            framing = head_framing(bytes(buffer[:end]))
             if isinstance(framing, Refusal):
                 reading.refusal = framing
                 return True
@@ -408,7 +408,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         return reading.chunked is None or self._chunks_whole(reading)
 
     def _framed(self, reading: Reading, end: int, framing: Framing | None) -> bool:
-        """``_whole`` for a head that ``body_framing`` did not frame by a length alone (its end at ``end``): a chunked
+        """``_whole`` for a head that ``head_framing`` did not frame by a length alone (its end at ``end``): a chunked
         body, or one after ``Expect: 100-continue``, is read on here as its ``framing`` says, the client that waits
         for it owed its ``100 Continue`` (``continue_owed``: once the loop waits for the body, ``_continue``); any
         other head (None), and a Content-Length over the limit, go to the parser as they are (True), but for one after

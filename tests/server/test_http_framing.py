@@ -166,8 +166,9 @@ def test_an_answer_before_the_app_takes_the_error_shape_of_its_path(server: Runn
     (b"GARBAGE\r\n\r\n", 400, "bad_request"),  # no method, path and version
     (b"GET /healthz HTTP/9.9\r\nHost: x\r\n\r\n", 400, "bad_request"),
     (b"GET /healthz HTTP/1.1\r\nHost x\r\n\r\n", 400, "bad_request"),  # a header without its colon
-    (b"POST /predict HTTP/1.1\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n", 400, "bad_request"),
-    (b"GET /healthz HTTP/1.1\r\n" + b"".join(b"X-%d: a\r\n" % i for i in range(101)) + b"\r\n", 431,
+    (b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n", 400,
+     "bad_request"),
+    (b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: a\r\n" % i for i in range(101)) + b"\r\n", 431,
      "request_header_fields_too_large"),  # over limit_request_fields
 ])
 def test_a_head_gunicorn_s_parser_refuses_is_answered_in_the_error_shape(server: Running, sent: bytes, status: int,
@@ -176,6 +177,20 @@ def test_a_head_gunicorn_s_parser_refuses_is_answered_in_the_error_shape(server:
     with Raw(server.port) as raw:
         raw.send(sent)
         raw.error(status, code)
+
+
+def test_an_http_1_1_request_without_one_host_is_400_in_the_error_shape(server: Running) -> None:
+    # Before: served (RFC 9112 3.2: a server must answer 400 to an HTTP/1.1 request without a Host, or with two)
+    for sent, v2 in ((b"GET /healthz HTTP/1.1\r\n\r\n", False), (b"GET /v2/health/ready HTTP/1.1\r\n\r\n", True),
+                     (b"GET /healthz HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", False)):
+        with Raw(server.port) as raw:
+            raw.send(sent)
+            status, _, body = raw.answer()
+            error = json.loads(body)["error"]
+            assert status == 400 and "Host" in (error if v2 else error["message"]) and raw.closed()
+    with Raw(server.port) as raw:  # HTTP/1.0 needs none
+        raw.send(b"GET /healthz HTTP/1.0\r\n\r\n")
+        assert raw.answer()[0] == 200
 
 
 @pytest.mark.parametrize("head, rest, status, code", [
@@ -239,7 +254,7 @@ def test_a_body_over_the_limit_on_a_kept_alive_connection_is_413(server: Running
     with Raw(server.port) as raw:  # a head only the parser refuses, there: it waited for a head that had come
         raw.send(_photo())
         assert raw.answer()[0] == 200
-        raw.send(b"POST /predict HTTP/1.1\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n")
+        raw.send(b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n")
         raw.error(400, "bad_request")
 
 
@@ -497,7 +512,7 @@ def test_requests_answered_before_the_app_count_in_requests_total_as_unparsed(se
     before = _unparsed(server)
     for sent, status, code in ((b"GET /healthz HTTP/1.1\nHost: x\n\n", 400, "bad_request"),  # the loop's
                                (b"GET /" + b"a" * 9000, 414, "uri_too_long"),
-                               (b"GET /healthz HTTP/1.1\r\nX: " + b"a" * (64 * 1024) + b"\r\n", 431,
+                               (b"GET /healthz HTTP/1.1\r\nHost: x\r\nX: " + b"a" * (64 * 1024) + b"\r\n", 431,
                                 "request_header_fields_too_large"),
                                (b"GARBAGE\r\n\r\n", 400, "bad_request"),  # the parser's
                                (_photo()[:-100], 408, "request_timeout")):  # the body stalls: the loop's 1 s

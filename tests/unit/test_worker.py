@@ -22,45 +22,65 @@ from gunicorn.config import Config
 from gunicorn.http.parser import RequestParser
 
 from app.config import Settings
-from app.hosting.request_framing import HeldUnreader, Refusal, body_framing, timeout_response
+from app.hosting.request_framing import HeldUnreader, Refusal, head_framing, timeout_response
 from tests.support.loop import LoopWorker
+
+
+POST_P = b"POST /p HTTP/1.1\r\nHost: x\r\n"  # a head's first lines, its other fields after them
 
 
 @pytest.mark.parametrize("head, expected", [
     (b"GET /healthz HTTP/1.1\r\nHost: x", 0),  # no body
     (b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 1234", 1234),
-    (b"POST /predict HTTP/1.1\r\ncontent-length:  7 ", 7),  # names are case-insensitive, values trimmed
-    (b"POST /predict HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2", None),  # the parser refuses these
-    (b"POST /predict HTTP/1.1\r\nContent-Length: -1", None),
-    (b"POST /predict HTTP/1.1\r\nContent-Length: 1e3", None),
+    (b"POST /predict HTTP/1.1\r\nHost: x\r\ncontent-length:  7 ", 7),  # names are case-insensitive, values trimmed
+    (b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2", None),  # the parser refuses these
+    (b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: -1", None),
+    (b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 1e3", None),
 ])
 def test_a_head_without_transfer_encoding_or_expect_says_how_much_to_wait_for_by_its_length_alone(
         head: bytes, expected: int | None) -> None:
-    assert body_framing(head) == expected
+    assert head_framing(head) == expected
+
+
+@pytest.mark.parametrize("head, refused", [
+    (b"GET /healthz HTTP/1.1", True),  # RFC 9112 3.2: a server must answer 400
+    (b"GET /healthz HTTP/1.1\r\nX-Host: x", True),
+    (b"POST /p HTTP/1.1\r\nHost: a\r\nContent-Length: 1\r\nhost: b", True),
+    (b"GET /healthz HTTP/1.0\r\nHost: a\r\nHost: b", True),
+    (b"GET /healthz HTTP/1.0", False),  # HTTP/1.0 needs none
+    (b"GET /healthz HTTP/1.1\r\nhOsT :x", False),
+    (b"GET /healthz HTTP/1.1\r\nHost:", False),  # empty: allowed (a target without an authority)
+])
+def test_an_http_1_1_head_carries_one_host(head: bytes, refused: bool) -> None:
+    framing = head_framing(head)
+    assert isinstance(framing, Refusal) is refused
+    if refused:
+        assert (framing.status, framing.code) == (400, "bad_request") and "Host" in framing.message
 
 
 @pytest.mark.parametrize("head, expected", [
-    (b"POST /p HTTP/1.1\r\nTransfer-Encoding: chunked", (True, 0, False)),
-    (b"POST /p HTTP/1.1\r\nTransfer-Encoding: identity, Chunked\r\nExpect: 100-Continue", (True, 0, True)),
-    (b"POST /p HTTP/1.1\r\nTransfer-Encoding: identity\r\nTransfer-Encoding: chunked", (True, 0, False)),
+    (POST_P + b"Transfer-Encoding: chunked", (True, 0, False)),
+    (POST_P + b"Transfer-Encoding: identity, Chunked\r\nExpect: 100-Continue", (True, 0, True)),
+    (POST_P + b"Transfer-Encoding: identity\r\nTransfer-Encoding: chunked", (True, 0, False)),
     # codings gunicorn takes and passes on undone (the app would read compressed bytes as the body): 501 here
-    (b"POST /p HTTP/1.1\r\nTransfer-Encoding: gzip, Chunked\r\nExpect: 100-Continue", 501),
-    (b"POST /p HTTP/1.1\r\nTransfer-Encoding: deflate\r\nTransfer-Encoding: chunked", 501),
-    (b"POST /p HTTP/1.1\r\nTransfer-Encoding: compress, identity, chunked", 501),
-    (b"POST /p HTTP/1.1\r\nContent-Length: 9\r\nExpect: 100-continue", (False, 9, True)),
-    (b"POST /p HTTP/1.0\r\nContent-Length: 9\r\nExpect: 100-continue", (False, 9, False)),  # HTTP/1.0: ignored
+    (POST_P + b"Transfer-Encoding: gzip, Chunked\r\nExpect: 100-Continue", 501),
+    (POST_P + b"Transfer-Encoding: deflate\r\nTransfer-Encoding: chunked", 501),
+    (POST_P + b"Transfer-Encoding: compress, identity, chunked", 501),
+    (POST_P + b"Content-Length: 9\r\nExpect: 100-continue", (False, 9, True)),
+    # HTTP/1.0: ignored
+    (b"POST /p HTTP/1.0\r\nHost: x\r\nContent-Length: 9\r\nExpect: 100-continue", (False, 9, False)),
     # the parser refuses these from the head: the loop reads no body for them
-    (b"POST /p HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 9", None),  # both framings
-    (b"POST /p HTTP/1.0\r\nTransfer-Encoding: chunked", None),
-    (b"POST /p HTTP/1.1\r\nTransfer-Encoding: chunked, gzip", None),  # not chunked last
-    (b"POST /p HTTP/1.1\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked", None),
-    (b"POST /p HTTP/1.1\r\nTransfer-Encoding: br, chunked", None),  # a coding gunicorn does not take (501)
-    (b"POST /p HTTP/1.1\r\nContent-Length: 9\r\nExpect: 200-ok", None),  # 417
-    (b"POST /p HTTP/1.1\r\nContent-Length: 9\r\nContent-Length: 9\r\nExpect: 100-continue", None),
+    (POST_P + b"Transfer-Encoding: chunked\r\nContent-Length: 9", None),  # both framings
+    (b"POST /p HTTP/1.0\r\nHost: x\r\nTransfer-Encoding: chunked", None),
+    (POST_P + b"Transfer-Encoding: chunked, gzip", None),  # not chunked last
+    (POST_P + b"Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked", None),
+    (POST_P + b"Transfer-Encoding: br, chunked", None),  # a coding gunicorn does not take (501)
+    (POST_P + b"Content-Length: 9\r\nExpect: 200-ok", None),  # 417
+    (POST_P + b"Content-Length: 9\r\nContent-Length: 9\r\nExpect: 100-continue", None),
 ])
 def test_the_loop_reads_a_chunked_or_expected_body_only_framed_as_the_parser_will_read_it(
         head: bytes, expected: tuple | int | None) -> None:
-    framing = body_framing(head)
+    framing = head_framing(head)
     if isinstance(framing, Refusal):
         assert (framing.status, framing.code) == (expected, "not_implemented")
         assert "Content-Encoding" in framing.message
@@ -70,22 +90,23 @@ def test_the_loop_reads_a_chunked_or_expected_body_only_framed_as_the_parser_wil
 
 @pytest.mark.parametrize("head, came, expected", [  # expected: whole, body_end past the head, continue_owed, refusal
     (b"GET / HTTP/1.1\r\nHost: x", b"", (True, 0, False, None)),  # no body
-    (b"POST /p HTTP/1.1\r\nContent-Length: 5", b"abc", (False, 5, False, None)),
-    (b"POST /p HTTP/1.1\r\nContent-Length: 5", b"abcde", (True, 5, False, None)),
+    (POST_P + b"Content-Length: 5", b"abc", (False, 5, False, None)),
+    (POST_P + b"Content-Length: 5", b"abcde", (True, 5, False, None)),
     # the parser reads these from the head as it is: the app refuses a body over the limit, the parser the others
-    (b"POST /p HTTP/1.1\r\nContent-Length: 101", b"", (True, None, False, None)),
-    (b"POST /p HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 5", b"", (True, None, False, None)),
-    (b"POST /p HTTP/1.1\r\nContent-Length: 1e3", b"", (True, None, False, None)),
-    (b"POST /p HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 5", b"", (True, None, False, None)),
-    (b"POST /p HTTP/1.1\r\nTransfer-Encoding: br, chunked", b"", (True, None, False, None)),
-    (b"POST /p HTTP/1.1\r\nContent-Length: 5\r\nExpect: 200-ok", b"", (True, None, False, None)),
-    (b"POST /p HTTP/1.1\r\nTransfer-Encoding: chunked", b"", (False, 1, False, None)),  # a size line's first byte
-    (b"POST /p HTTP/1.1\r\nContent-Length: 5\r\nExpect: 100-continue", b"", (False, 5, True, None)),
-    (b"POST /p HTTP/1.1\r\nTransfer-Encoding: chunked\r\nExpect: 100-continue", b"", (False, 1, True, None)),
-    (b"POST /p HTTP/1.1\r\nContent-Length: 5\r\nExpect: 100-continue", b"ab", (False, 5, False, None)),  # sent anyway
-    (b"POST /p HTTP/1.1\r\nContent-Length: 0\r\nExpect: 100-continue", b"", (True, 0, False, None)),  # none to ask
-    (b"POST /p HTTP/1.0\r\nContent-Length: 5\r\nExpect: 100-continue", b"", (False, 5, False, None)),  # HTTP/1.0
-    (b"POST /p HTTP/1.1\r\nContent-Length: 101\r\nExpect: 100-continue", b"", (True, None, False, 413)),
+    (POST_P + b"Content-Length: 101", b"", (True, None, False, None)),
+    (POST_P + b"Content-Length: 5\r\nContent-Length: 5", b"", (True, None, False, None)),
+    (POST_P + b"Content-Length: 1e3", b"", (True, None, False, None)),
+    (POST_P + b"Transfer-Encoding: chunked\r\nContent-Length: 5", b"", (True, None, False, None)),
+    (POST_P + b"Transfer-Encoding: br, chunked", b"", (True, None, False, None)),
+    (POST_P + b"Content-Length: 5\r\nExpect: 200-ok", b"", (True, None, False, None)),
+    (POST_P + b"Transfer-Encoding: chunked", b"", (False, 1, False, None)),  # a size line's first byte
+    (POST_P + b"Content-Length: 5\r\nExpect: 100-continue", b"", (False, 5, True, None)),
+    (POST_P + b"Transfer-Encoding: chunked\r\nExpect: 100-continue", b"", (False, 1, True, None)),
+    (POST_P + b"Content-Length: 5\r\nExpect: 100-continue", b"ab", (False, 5, False, None)),  # sent anyway
+    (POST_P + b"Content-Length: 0\r\nExpect: 100-continue", b"", (True, 0, False, None)),  # none to ask
+    (b"POST /p HTTP/1.0\r\nHost: x\r\nContent-Length: 5\r\nExpect: 100-continue", b"",  # HTTP/1.0
+     (False, 5, False, None)),
+    (POST_P + b"Content-Length: 101\r\nExpect: 100-continue", b"", (True, None, False, 413)),
 ])
 def test_the_loop_waits_for_the_body_a_head_frames_and_leaves_any_other_head_to_the_parser(
         head: bytes, came: bytes, expected: tuple) -> None:
@@ -100,8 +121,8 @@ def test_the_loop_waits_for_the_body_a_head_frames_and_leaves_any_other_head_to_
     assert (whole, body_end, reading.continue_owed, reading.refusal and reading.refusal.status) == expected
 
 
-@pytest.mark.parametrize("head", [b"POST /p HTTP/1.1\r\nContent-Length: 101",  # over the limit: the app's 413
-                                  b"POST /p HTTP/1.1\r\nContent-Length: 5\r\nTransfer-Encoding: chunked"])  # parser's
+@pytest.mark.parametrize("head", [POST_P + b"Content-Length: 101",  # over the limit: the app's 413
+                                  POST_P + b"Content-Length: 5\r\nTransfer-Encoding: chunked"])  # parser's
 def test_a_head_left_to_the_parser_is_judged_so_however_often_it_is_asked(head: bytes) -> None:
     # Before: asked again (a lingering request thread asks, then the loop), the head was looked for past where it
     # ended, and the body read on as a head: 400 "bare LF" or 431 for an upload over the limit on a kept-alive
@@ -119,11 +140,11 @@ def test_a_head_left_to_the_parser_is_judged_so_however_often_it_is_asked(head: 
 
 @pytest.mark.parametrize("head, said", [
     (b"GET / HTTP/1.1\r\nHost: x\r\nx-request-id:  abc-1 \r\n\r\n", "abc-1"),  # any case, trimmed
-    (b"GET / HTTP/1.1\r\nX-Request-ID: abc-1\r\n", "abc-1"),  # a head not whole yet: its ended lines
-    (b"GET / HTTP/1.1\r\nX-Request-ID: abc-1", None),  # its line not ended: maybe not all of it
-    (b"GET / HTTP/1.1\r\nX-Request-ID: a\r\nX-Request-ID: b\r\n\r\n", None),  # two: neither
+    (b"GET / HTTP/1.1\r\nHost: x\r\nX-Request-ID: abc-1\r\n", "abc-1"),  # a head not whole yet: its ended lines
+    (b"GET / HTTP/1.1\r\nHost: x\r\nX-Request-ID: abc-1", None),  # its line not ended: maybe not all of it
+    (b"GET / HTTP/1.1\r\nHost: x\r\nX-Request-ID: a\r\nX-Request-ID: b\r\n\r\n", None),  # two: neither
     (b"GET / HTTP/1.1\r\nHost: x\r\n\r\nX-Request-ID: in-the-body\r\n", None),  # past the head
-    (b"GET / HTTP/1.1\r\nX-Request-IDs: abc\r\n\r\n", None),
+    (b"GET / HTTP/1.1\r\nHost: x\r\nX-Request-IDs: abc\r\n\r\n", None),
 ])
 def test_the_caller_s_request_id_is_read_from_the_head_alone(head: bytes, said: str | None) -> None:
     from app.hosting.request_framing import caller_request_id
@@ -941,13 +962,13 @@ GOOD_HEAD = b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc"
     (GOOD_HEAD, None),
     (b"GET / HTTP/1.1\nHost: x\n\n", 400),  # the request line ends in LF alone
     (b"GET / HTTP/1.1\r\nHost: x\nX: y\r\n\r\n", 400),  # a header line does
-    (b"POST /p HTTP/1.1\r\nContent-Length: 4\r\n\r\n\n\n\n\n", None),  # the body's LFs are the body's
+    (POST_P + b"Content-Length: 4\r\n\r\n\n\n\n\n", None),  # the body's LFs are the body's
     (b"GET /" + b"a" * 8185 + b" HTTP/1.1\r\n", 414),  # 8195 before its CRLF: over 8190
     (b"GET /" + b"a" * 8186, None),  # 8191 bytes, no CRLF yet: a line of 8190 may still end with one
     (b"GET /" + b"a" * 8187, 414),  # 8192 without one: too long already
     (b"GET /" + b"a" * 8180 + b" H\r\n\r\n", None),  # 8190 exactly
-    (b"GET / HTTP/1.1\r\n" + b"X: " + b"a" * (64 * 1024) + b"\r\n", 431),  # no end yet, over 64 KiB
-    (b"GET / HTTP/1.1\r\n" + b"X: " + b"a" * (64 * 1024) + b"\r\n\r\n", 431),  # whole, over 64 KiB
+    (b"GET / HTTP/1.1\r\nHost: x\r\n" + b"X: " + b"a" * (64 * 1024) + b"\r\n", 431),  # no end yet, over 64 KiB
+    (b"GET / HTTP/1.1\r\nHost: x\r\n" + b"X: " + b"a" * (64 * 1024) + b"\r\n\r\n", 431),  # whole, over 64 KiB
 ])
 def test_the_loop_refuses_a_head_the_parser_would_wait_on_the_same_whichever_way_its_bytes_came(
         sent: bytes, status: int | None) -> None:
@@ -968,7 +989,7 @@ def test_the_loop_refuses_a_head_the_parser_would_wait_on_the_same_whichever_way
 def test_the_head_limit_is_the_max_header_bytes_setting() -> None:
     from app.hosting.request_framing import head_refusal
 
-    head = bytearray(b"GET / HTTP/1.1\r\n" + b"X: " + b"a" * 20_000 + b"\r\n\r\n")
+    head = bytearray(b"GET / HTTP/1.1\r\nHost: x\r\n" + b"X: " + b"a" * 20_000 + b"\r\n\r\n")
     end = head.find(b"\r\n\r\n")
     assert head_refusal(head, 0, end, 8190, Settings().max_header_bytes) is None  # 64 KiB by default
     refused = head_refusal(head, 0, end, 8190, 16 * 1024)
@@ -1002,8 +1023,8 @@ def test_empty_lines_before_a_request_are_skipped_and_a_connection_that_sent_onl
     assert not worker._expired(reading, Kept.timeout - 0.1) and worker._expired(reading, Kept.timeout + 0.1)
     worker.alive = False  # a stopping worker keeps it no longer than gthread keeps its own idle connections
     assert worker._expired(reading, reading.last_data + 2.1)
-    reading.take(b"\r\nGET /healthz HTTP/1.1\r\n\r\n")
-    assert worker._whole(reading) and reading.buffer == b"GET /healthz HTTP/1.1\r\n\r\n"
+    reading.take(b"\r\nGET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert worker._whole(reading) and reading.buffer == b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
     assert not worker._expired(reading, Kept.timeout + 0.1)  # a request begun has its header time
 
 
@@ -1408,9 +1429,9 @@ def test_a_health_probe_runs_on_the_probes_thread_never_behind_the_requests(sock
     # the probe alone: a request that follows it on its connection goes back to the loop, not to the probes' thread
     assert worker.probes.ran == [worker._handle_one]
     for path in (b"/healthz", b"/v2/health/live", b"/v2/health/ready"):
-        conn.prefetched = bytearray(b"GET %s HTTP/1.1\r\n\r\n" % path)
+        conn.prefetched = bytearray(b"GET %s HTTP/1.1\r\nHost: x\r\n\r\n" % path)
         worker.enqueue_req(conn)
-    conn.prefetched = bytearray(b"GET /readyz?verbose=1 HTTP/1.1\r\n\r\n")  # anything else: as any request
+    conn.prefetched = bytearray(b"GET /readyz?verbose=1 HTTP/1.1\r\nHost: x\r\n\r\n")  # anything else: as any request
     worker.enqueue_req(conn)
     assert len(worker.probes.handed) == 4 and len(worker.on_loop if loop_requests else worker.tpool.handed) == 1
 
@@ -1430,7 +1451,8 @@ def test_a_client_that_leaves_while_it_sends_its_body_is_logged_and_counted_as_4
     conn, _ = _client_connection(ours, 30.0)
     worker._start_reading(conn)
     before = counted()
-    head = CHUNKED_HEAD + b"5\r\nhel" if chunked else b"POST /predict HTTP/1.1\r\nContent-Length: 100\r\n\r\nhello"
+    head = (CHUNKED_HEAD + b"5\r\nhel" if chunked
+            else b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nhello")
     _read_by_the_loop(worker, client, head)
     with caplog.at_level(logging.INFO):
         client.close()
@@ -1441,7 +1463,7 @@ def test_a_client_that_leaves_while_it_sends_its_body_is_logged_and_counted_as_4
     worker2, (ours2, client2) = _serving_worker(), socket.socketpair()  # a head cut short: no request began
     conn2, _ = _client_connection(ours2, 30.0)
     worker2._start_reading(conn2)
-    _read_by_the_loop(worker2, client2, b"POST /predict HTTP/1.1\r\nContent-Le")
+    _read_by_the_loop(worker2, client2, b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Le")
     client2.close()
     _turn(worker2, lambda: not worker2.reading)
     assert counted() == before + 1
@@ -1477,7 +1499,7 @@ def test_a_chunked_or_expected_body_arriving_slowly_is_read_by_the_loop_and_hand
         _read_by_the_loop(worker, client, piece)
         assert not worker.tpool.handed and not worker.on_loop and worker.reading  # no thread while it arrives
     before = time.monotonic()
-    _read_by_the_loop(worker, client, pieces[-1] + b"GET /healthz HTTP/1.1\r\n\r\n")  # pipelined behind it
+    _read_by_the_loop(worker, client, pieces[-1] + b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")  # pipelined behind it
     assert (worker.on_loop if loop_requests else worker.tpool.handed) == [conn]  # whole: handed on, once
     assert not (worker.tpool.handed if loop_requests else worker.on_loop) and not worker.reading
     assert conn.body_held and conn.sock.body_held  # the app sets no socket timeout for it: no read will wait
