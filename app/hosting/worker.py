@@ -53,8 +53,10 @@ from app.hosting.request_framing import (CONTINUE, HEADER_END, HELD_PIECE, Chunk
 
 OVER_LIMIT_WAIT_S = 1.0  # how long a connection over MAX_CONNECTIONS_PER_CLIENT is given to begin its request (its
 # 429 then says its path's error shape) before it is answered 429 all the same
-CLOSE_LINGER_S = 2.0  # a connection's graceful close reads what the client still sends for this long at most
-CLOSE_DRAIN_BYTES = 64 * 1024  # and this much at most (gunicorn's close_graceful, on the loop without blocking)
+CLOSE_LINGER_S = 5.0  # a connection's graceful close reads (and drops) what the client still sends for this long at
+# most, whatever its size (as nginx's lingering close): a client still sending a body refused from its head (413 over
+# MAX_BODY_BYTES) reads the answer before it sees its connection reset (Node's fetch failed with EPIPE, half the time)
+CLOSE_DRAIN_TURN_BYTES = 16 * HELD_PIECE  # and at most this much at a turn of the loop, so a fast sender holds it not
 # accept(2)'s errors that end one connection before it was taken (Linux passes a pending network error on as accept's;
 # EPERM: a firewall refused it): the listener is asked again for the next one
 ACCEPT_GONE = frozenset(getattr(errno, name) for name in (
@@ -95,11 +97,10 @@ class Writing:
 
 @dataclass(eq=False)
 class Closing:
-    """A connection half-closed after its last answer: read until the client closes its end, CLOSE_DRAIN_BYTES
-    have come or CLOSE_LINGER_S has passed, then closed (RFC 9112 9.6: no reset that would cut the answer short)."""
+    """A connection half-closed after its last answer: read until the client closes its end or CLOSE_LINGER_S has
+    passed, then closed (RFC 9112 9.6: no reset that would cut the answer short)."""
     sock: socket.socket
     deadline: float
-    drained: int = 0
 
 
 class BufferingWorker(LoopRequests, ThreadWorker):
@@ -640,17 +641,18 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         self.closing.add(closing)
 
     def _drain(self, closing: Closing, _sock: Any = None) -> None:
-        while True:
+        turn = 0
+        while turn < CLOSE_DRAIN_TURN_BYTES:  # the rest at the loop's next turn (the socket still readable)
             try:
                 data = closing.sock.recv(HELD_PIECE)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
                 data = b""
-            closing.drained += len(data)
-            if not data or closing.drained >= CLOSE_DRAIN_BYTES:
+            if not data:
                 self._closed(closing)
                 return
+            turn += len(data)
 
     def _closed(self, closing: Closing) -> None:
         self.closing.discard(closing)
