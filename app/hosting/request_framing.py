@@ -218,24 +218,25 @@ class Refusal:
         return self.reason.lower().replace(" ", "_")
 
     def tell(self, send: Callable[[bytes], object], client: str | None, path: str | None = None,
-             head: bytes | bytearray = b"") -> None:
+             head: bytes | bytearray = b"", cors: bytes = b"") -> None:
         """Send this answer by ``send``, a client gone meanwhile aside, log its access line and count it
         (``count_unparsed``); ``path``: the request's, where its head says it (its error shape); ``head``: as much
-        of the request as came, whose X-Request-ID the answer says (``caller_request_id``), else a new id."""
+        of the request as came, whose X-Request-ID the answer says (``caller_request_id``), else a new id;
+        ``cors``: the CORS header lines for the origin that head says (``response``)."""
         request_id = request_id_of(caller_request_id(head))
         with contextlib.suppress(OSError):
-            send(self.response(request_id, path))
+            send(self.response(request_id, path, cors))
         log.info("request", extra={"client": client, "status": self.status, "error": self.code,
                                    "detail": self.message, "request_id": request_id})
         count_unparsed(self.status)
 
-    def response(self, request_id: str, path: str | None = None) -> bytes:
+    def response(self, request_id: str, path: str | None = None, cors: bytes = b"") -> bytes:
         """The answer in the error shape of its ``path`` (``error_body``), with its request id (as every answer has:
-        the access line names it too)."""
+        the access line names it too) and ``cors``, the CORS header lines of its request's origin."""
         body = json.dumps(error_body(path, self.code, self.message, request_id)).encode()
         retry = b"" if self.retry_after_s is None else b"Retry-After: %d\r\n" % self.retry_after_s
         return (f"HTTP/1.1 {self.status} {self.reason}\r\n".encode()
-                + b"Content-Type: application/json\r\nConnection: close\r\n" + retry + b"X-Request-ID: "
+                + b"Content-Type: application/json\r\nConnection: close\r\n" + retry + cors + b"X-Request-ID: "
                 + request_id.encode() + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
 

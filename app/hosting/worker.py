@@ -35,7 +35,7 @@ from concurrent import futures
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from greenlet import getcurrent
 from gunicorn import util as gunicorn_util
@@ -44,6 +44,7 @@ from gunicorn.http import get_parser
 from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn, ThreadWorker
 
 from app.hosting import control, waiting
+from app.hosting.browser_origins import LOOP_ORIGINS
 from app.hosting.client_socket import ClientConn, ClientCounts, ClientSocket, Joined
 from app.hosting.loop_requests import LoopRequests
 from app.hosting.recent_refusals import RECENT, LoopRefusal
@@ -294,8 +295,8 @@ class BufferingWorker(LoopRequests, ThreadWorker):
             sent = sock.recv(self.limits.request_line_limit, socket.MSG_PEEK)
         except OSError:  # (nothing came yet: BlockingIOError)
             sent = b""
-        self.client_counts.refusal(conn.client).tell(sock.send, _peer(conn), target_path(sent) if b"\n" in sent
-                                                     else None, sent)
+        _tell(self.client_counts.refusal(conn.client), sock.send, _peer(conn),
+              target_path(sent) if b"\n" in sent else None, sent)
         with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_WR)
         sock.close()
@@ -702,8 +703,8 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         if refusal is None:
             super().handle_error(req, client, addr, exc)
             return
-        refusal.tell(partial(gunicorn_util.write_nonblock, client), addr[0] if isinstance(addr, tuple) else None,
-                     head=getattr(client, "request_head", b""))
+        _tell(refusal, partial(gunicorn_util.write_nonblock, client), addr[0] if isinstance(addr, tuple) else None,
+              None, getattr(client, "request_head", b""))
 
     def _refuse(self, reading: Reading) -> None:
         """A request whose head the loop refuses: told why, then its connection closes gracefully (the client may
@@ -715,8 +716,8 @@ class BufferingWorker(LoopRequests, ThreadWorker):
     @staticmethod
     def _answer(reading: Reading, refusal: Refusal) -> None:
         """The loop's own answer to a request it ends, and its access line."""
-        refusal.tell(reading.conn.sock.send, _peer(reading.conn),  # small: fits the socket buffer
-                     target_path(reading.buffer), reading.buffer)
+        _tell(refusal, reading.conn.sock.send, _peer(reading.conn),  # small: fits the socket buffer
+              target_path(reading.buffer), reading.buffer)
 
     def _forget(self, reading: Reading) -> None:
         self.reading.discard(reading)
@@ -776,3 +777,9 @@ def _held(conn: TConn) -> bytes:
 def _peer(conn: TConn) -> str | None:
     client = getattr(conn, "client", None)
     return client[0] if isinstance(client, tuple) and client else None
+
+
+def _tell(refusal: Refusal, send: Callable[[bytes], object], client: str | None, path: str | None,
+          head: bytes | bytearray) -> None:
+    """The loop's own answer, with the CORS headers the app's would have for the origin its ``head`` says."""
+    refusal.tell(send, client, path, head, LOOP_ORIGINS.header_lines(head))

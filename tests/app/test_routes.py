@@ -377,6 +377,7 @@ def test_cors_is_off_by_default_and_answers_preflights_for_allowed_origins(setti
                                                                            predictor) -> None:  # noqa: ANN001
     from app import EXTENSION_KEY
     from app.factory import create_app
+    from app.hosting.browser_origins import LOOP_ORIGINS
 
     preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
                  "Access-Control-Request-Headers": "authorization, x-request-timeout"}
@@ -404,7 +405,12 @@ def test_cors_is_off_by_default_and_answers_preflights_for_allowed_origins(setti
         refused = client.post("/predict", data=image_bytes(), content_type="image/jpeg",
                               headers={"Origin": "https://app.example"})  # CORS is no way around the key
         assert refused.status_code == 401 and refused.headers["Access-Control-Allow-Origin"] == "https://app.example"
+        # the worker loop's own answers (a 408, a 431) say the same: the app built last configures them
+        assert LOOP_ORIGINS.allows("https://other.example") and not LOOP_ORIGINS.allows("https://evil.example")
+        create_app(settings, predictor).extensions[EXTENSION_KEY].shutdown(timeout=5)
+        assert not LOOP_ORIGINS.origins
     finally:
+        LOOP_ORIGINS.configure(frozenset())
         for app in (off, on):
             app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 

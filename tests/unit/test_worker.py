@@ -1691,3 +1691,24 @@ def test_one_client_may_hold_at_most_half_of_a_worker_s_connections(tmp_path: Pa
     finally:
         listener.close()
         worker.poller.close()
+
+
+def test_the_loop_s_own_answer_carries_the_cors_headers_of_a_listed_origin(sockets) -> None:  # noqa: ANN001
+    # Before: a 431, a 408 for a stalled upload, a 413 after Expect: 100-continue had no Access-Control-Allow-Origin:
+    # a page on a listed origin saw "Failed to fetch", not the JSON error (a web developer's trial)
+    from app.hosting.browser_origins import LOOP_ORIGINS
+
+    ours, client = sockets
+    client.settimeout(5)
+    worker = _serving_worker(head_limit=8192)
+    conn, closed = _client_connection(ours, 30.0)
+    LOOP_ORIGINS.configure(frozenset({"https://app.example"}))
+    try:
+        worker._start_reading(conn)
+        client.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nOrigin: https://app.example\r\nX: " + b"a" * 9000)
+        _turn(worker, lambda: bool(closed))
+    finally:
+        LOOP_ORIGINS.configure(frozenset())
+    head, _, body = client.recv(65536).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431 ") and b"\r\nAccess-Control-Allow-Origin: https://app.example\r\n" in head
+    assert b"\r\nVary: Origin\r\n" in head and json.loads(body)["error"]["code"] == "request_header_fields_too_large"
