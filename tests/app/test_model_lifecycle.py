@@ -30,6 +30,7 @@ from app.config import Settings
 from app.engine.loaded.predictor import Predictor
 from app.engine.rollouts.entry import UNLOADED
 from app.engine.versions.desired import SharedDesiredState
+from app.engine.rollouts.plan import RolloutPolicy, plan
 from app.engine.rollouts.policy import PolicyError, VersionPolicy
 from app.engine.catalog import Catalog
 from app.engine.versions.controller import VersionsController
@@ -182,6 +183,19 @@ def test_a_version_retired_twice_at_once_is_held_until_both_copies_are_freed() -
     assert [row.state for row in states.rows("colour", [], set())] == ["UNLOADING"]
     states.retired(first)  # type: ignore[arg-type]
     assert states.retiring_versions() == [] and states.rows("colour", [], set()) == []
+
+
+def test_a_version_another_worker_refused_is_said_refused_in_this_worker_s_index_too() -> None:
+    # Before: with polling off, the worker that ran the load call said why it refused version 2; another worker,
+    # which never tried it, said "not chosen by the model's version policy" (a TorchServe user's trial): now the
+    # desired state records the refusal the load call planned around, and every worker's index reads it there
+    why = "colour version 2 cannot be served: weights file x.pt has sha256 abc, the manifest says def"
+    entry = plan(VersionPolicy.parse("latest"), RolloutPolicy(), ["1"], None, refused={"2": why})
+    assert (entry["versions"], entry["default"], entry["refused"]) == (["1"], "1", {"2": why})
+    untried = VersionStates()  # this worker never tried version 2
+    assert [(row.version, row.state, row.reason) for row in untried.rows("colour", ["1", "2"], {"1"}, entry)] == [
+        ("1", "READY", ""), ("2", "UNAVAILABLE", why)]
+    assert "refused" not in plan(VersionPolicy.parse("latest"), RolloutPolicy(), ["1", "2"], None)
 
 
 def test_a_version_that_fails_to_load_is_refused_and_the_old_one_serves(service: Service,

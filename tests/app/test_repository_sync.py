@@ -99,7 +99,10 @@ def test_a_refused_version_no_other_worker_serves_is_picked_without(shared: Sett
             here.sync.desired.write({"colour": {"versions": ["2"], "default": "2"}})
         here.writers.follow_newest()  # refused here
         here.writers.poll()
-        assert here.sync.read()[1]["colour"] == {"versions": ["1"], "default": "1"} and _serves(here) == ["1"]
+        assert here.sync.read()[1]["colour"] == {  # the refusal recorded: every worker's index says it
+            "versions": ["1"], "default": "1",
+            "refused": {"2": "colour version 2 cannot be served: weights file x.pt has sha256 abc, the manifest says def"}}
+        assert _serves(here) == ["1"]
     finally:
         _stop(here)
 

@@ -37,6 +37,7 @@ class ModelEntry(_Required, total=False):
     rollout: RolloutEntry  # set while a rollout is (a candidate, its shares and rules)
     previous_default: str  # kept loaded, so a rollback needs no load
     rolled_back: list[str]  # left out until a promotion names them
+    refused: dict[str, str]  # versions left out as they could not be served (their files unchanged since), and why
     held: bool  # the default was chosen by a call: a newer version arrives as the candidate, not the default
     watch: Watch
     config: Any  # a load call's config: the poll keeps applying it ...

@@ -199,16 +199,16 @@ def plan(policy: VersionPolicy, rollout: RolloutPolicy, available: list[str], cu
         default = default or policy.default_of(versions)
         entry: ModelEntry = {"versions": _with(versions, default), "default": default}
         if rollout.rollback is None:
-            return _carry(entry, current, rolled_back, usable)
+            return _carry(entry, current, rolled_back, usable, refused)
         entry["rollout"] = rollout.as_entry(None)
-        entry = _carry(entry, current, rolled_back, usable)
+        entry = _carry(entry, current, rolled_back, usable, refused)
         old = current.get("default")
         if old in usable and old != default and "watch" not in entry:  # a new default by the poll: watched too
             entry.update(previous_default=old, versions=_with(entry["versions"], old),
                          watch={"version": default, "previous": old, "baseline_p99_ms": None})
         return entry
     entry = _rolled_out(policy, rollout, versions, usable, default, refused)
-    return _carry(entry, current, rolled_back, usable)
+    return _carry(entry, current, rolled_back, usable, refused)
 
 def _rolled_out(policy: VersionPolicy, rollout: RolloutPolicy, versions: list[str], usable: list[str],
                 default: str | None, refused: Mapping[str, str]) -> ModelEntry:
@@ -253,9 +253,11 @@ def _refused_newer(policy: VersionPolicy, usable: list[str], refused: Mapping[st
 def _with(versions: list[str], version: str | None) -> list[str]:
     return versions if version is None or version in versions else sorted([*versions, version], key=order_key)
 
-def _carry(entry: ModelEntry, current: ModelEntry, rolled_back: list[str], usable: list[str]) -> ModelEntry:
+def _carry(entry: ModelEntry, current: ModelEntry, rolled_back: list[str], usable: list[str],
+           refused: Mapping[str, str]) -> ModelEntry:
     """What the calls recorded and the poll keeps: the held default, the previous default (kept loaded), the
-    rolled-back versions, the watch on a new default."""
+    rolled-back versions, the watch on a new default; and the versions left out as refused, with why (every worker's
+    index then says it, not only the one that tried them)."""
     previous = current.get("previous_default")
     if previous in usable and previous != entry["default"]:
         entry["previous_default"] = previous
@@ -267,6 +269,8 @@ def _carry(entry: ModelEntry, current: ModelEntry, rolled_back: list[str], usabl
     watch = current.get("watch")
     if watch and watch.get("version") == entry["default"]:
         entry["watch"] = watch
+    if refused:
+        entry["refused"] = {version: refused[version] for version in sorted(refused, key=order_key)}
     return entry
 
 def promoted(entry: ModelEntry, version: str, baseline_p99_ms: float | None) -> ModelEntry:

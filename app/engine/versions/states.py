@@ -145,6 +145,8 @@ def _left_out(version: str, entry: ModelEntry | None) -> str:
         return "not loaded (its load call loads it)"
     if is_unloaded(entry):
         return "unloaded"
+    if version in entry.get("refused", {}):  # by the worker that tried it (this one may not have)
+        return entry["refused"][version]
     if version in entry["versions"]:  # this worker has yet to follow the change that names it
         return "not loaded here yet"
     if version in entry.get("rolled_back", []):
