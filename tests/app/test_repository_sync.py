@@ -101,7 +101,8 @@ def test_a_refused_version_no_other_worker_serves_is_picked_without(shared: Sett
         here.writers.poll()
         assert here.sync.read()[1]["colour"] == {  # the refusal recorded: every worker's index says it
             "versions": ["1"], "default": "1",
-            "refused": {"2": "colour version 2 cannot be served: weights file x.pt has sha256 abc, the manifest says def"}}
+            "refused": {"2": "colour version 2 cannot be served: weights file x.pt has sha256 abc, the manifest says "
+                             "def"}}
         assert _serves(here) == ["1"]
     finally:
         _stop(here)
