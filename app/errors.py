@@ -196,6 +196,20 @@ class InferenceFailed(ServiceError):
     """The forward pass for this request's batch raised (500)."""
     status, code = 500, "inference_failed"
 
+    @classmethod
+    def of(cls, exc: BaseException, what: str) -> "InferenceFailed":
+        """``what`` failed with ``exc``, told by its kind and its own words: a TorchScript model's error (its kind
+        always ``Error``, its message the TorchScript traceback first) by the last line, where the model's own
+        exception says itself (``builtins.RuntimeError: bright image not supported``); at most
+        FAILURE_WORDS_CHARS of it."""
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        said = lines[-1].removeprefix("builtins.") if len(lines) > 1 else f"{type(exc).__name__}: {''.join(lines)}"
+        said = said if len(said) <= FAILURE_WORDS_CHARS else said[:FAILURE_WORDS_CHARS - 3] + "..."
+        return cls(f"{what}: {said.rstrip(': ')}")
+
+
+FAILURE_WORDS_CHARS = 300  # the most of a model's own error message an answer says (the log has all of it)
+
 
 class ClientGone(ServiceError):
     """The client closed its connection while its images waited (499, as nginx logs it; nobody reads it)."""

@@ -231,7 +231,7 @@ class Call:
                 raise out_of_scale from None
             raise _named(exc, queued.group.failed_at, queued.names) from None
         except Exception as exc:
-            raise InferenceFailed(f"the model failed on this request's images: {type(exc).__name__}") from exc
+            raise InferenceFailed.of(exc, "the model failed on this request's images") from exc
         runs = queued.group.runs()
         if self._shadow is not None:
             self._shadow(queued.images, queued.pixels, queued.prepared, values, runs)

@@ -65,7 +65,7 @@ log = logging.getLogger(__name__)
 def _as_error(exc: BaseException) -> ServiceError:
     if isinstance(exc, ServiceError):
         return exc
-    return InferenceFailed(f"the engine failed on this request: {type(exc).__name__}: {exc}")
+    return InferenceFailed.of(exc, "the engine failed on this request")
 
 
 def _parsed_alike(message: wire.Infer, answering: Signature) -> None:

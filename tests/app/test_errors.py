@@ -319,7 +319,10 @@ def test_a_doubled_slash_is_a_404_not_a_redirect_built_from_the_host(client: Fla
 
 def test_failing_forward_is_500_json_and_the_server_goes_on(client: FlaskClient, model: ColourModel) -> None:
     model.fail_when = 0.5  # red images make the forward pass raise
-    error_of(client.post("/predict", data=image_bytes(RED), content_type="image/jpeg"), 500, "inference_failed")
+    failed = error_of(client.post("/predict", data=image_bytes(RED), content_type="image/jpeg"), 500,
+                      "inference_failed")
+    # the model's own words (before: its kind alone, "Error" for any TorchScript model's; a TorchServe user's trial)
+    assert failed["message"] == "the model failed on this request's images: RuntimeError: fake forward failure"
     assert client.get("/healthz").status_code == 200
     assert labels_of(client.post("/predict", data=image_bytes(BLUE), content_type="image/jpeg")) == ["blue"]
 
