@@ -366,3 +366,19 @@ def test_a_promotion_is_watched_only_where_a_rollback_rule_judges_the_watch(sett
             assert watch is None or watch["version"] == "2"
         finally:
             service.shutdown(timeout=5)
+
+
+def test_a_candidate_failing_before_enough_comparisons_is_said_held_by_its_errors_not_waiting() -> None:
+    # Before: "waiting: 0 of 20 comparisons" for ever: images the candidate fails on are never compared (a TorchServe
+    # user's trial)
+    from app.engine.rollouts.plan import PromoteRule
+    from app.engine.rollouts.rules import promotion_status
+
+    rule = PromoteRule(after=20)
+    shadow = {"shadow_percent": 100.0, "candidate": "2"}
+    failing = {"traffic": {}, "comparisons": {("colour", "2", "1"): {"compared": 0, "errors": 4}}}
+    assert promotion_status(rule, shadow, "colour", "2", "1", failing) == (False, "held: 4 errors (0 of 20 comparisons)")
+    quiet = {"traffic": {}, "comparisons": {("colour", "2", "1"): {"compared": 3, "errors": 0}}}
+    assert promotion_status(rule, shadow, "colour", "2", "1", quiet) == (False, "waiting: 3 of 20 comparisons")
+    done = {"traffic": {}, "comparisons": {("colour", "2", "1"): {"compared": 25, "errors": 1}}}
+    assert promotion_status(rule, shadow, "colour", "2", "1", done) == (False, "held: 1 errors")

@@ -62,10 +62,11 @@ def promotion_status(rule: PromoteRule, rollout: RolloutEntry, model: str, candi
     else:
         count, agreement, errors, unit = traffic["requests"], None, traffic["failures"], "canary requests"
         ours, theirs = traffic.get("p99"), baseline.get("p99")
+    if errors:  # they hold it whatever comes (before: "waiting" for comparisons a failing candidate never makes)
+        so_far = f" ({count} of {rule.after} {unit})" if count < rule.after else ""
+        return False, f"held: {errors} errors{so_far}"
     if count < rule.after:
         return False, f"waiting: {count} of {rule.after} {unit}"
-    if errors:
-        return False, f"held: {errors} errors"
     if agreement is not None and agreement < rule.min_agreement:
         return False, f"held: top-1 agreement {agreement:.4f} below {rule.min_agreement:g}"
     if ours is not None and theirs and ours > rule.max_latency_ratio * theirs:
