@@ -192,10 +192,25 @@ def _ops_paths() -> dict[str, Any]:
     }, ErrorResponse)
 
 
+def _drop_null_defaults(schema: Any) -> None:
+    """``"default": null`` taken out of every schema in ``schema`` (pydantic writes it for each optional field): a
+    field left out of ``required`` says it may be absent, where a default made code generators (openapi-typescript)
+    type it as always there, and a request without it as incomplete (a web developer's trial)."""
+    if isinstance(schema, dict):
+        if "default" in schema and schema["default"] is None:
+            del schema["default"]
+        for value in schema.values():
+            _drop_null_defaults(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            _drop_null_defaults(value)
+
+
 def openapi_document(protocols: Sequence[Protocol]) -> dict[str, Any]:
     """The whole document: the web layer's routes and every protocol's; path parameters declared per path."""
     models = [ErrorResponse, HealthResponse, *(m for p in protocols for m in p.openapi_models)]
     _, defs = models_json_schema([(m, "serialization") for m in models], ref_template=REF)
+    _drop_null_defaults(defs)
     paths: dict[str, Any] = {}
     for protocol in protocols:
         paths.update(protocol.openapi_paths())
