@@ -195,7 +195,8 @@ class LoadRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     parameters: dict[str, Any] = Field(default_factory=dict, description='"config": a JSON object (or its text) '
-                                       'with "version_policy" (Triton\'s spelling) and "default_version"')
+                                       'with "version_policy" (Triton\'s spelling), "default_version" and "rollout" '
+                                       '(a canary or shadow and its rules, as a policy.json\'s: docs/models.md)')
 
 
 class UnloadRequest(BaseModel):
