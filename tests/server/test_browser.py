@@ -630,6 +630,8 @@ def test_the_demo_page_says_a_key_was_refused_and_reads_the_models_with_the_key_
             key, notice = browser.find_element(By.ID, "key"), browser.find_element(By.ID, "notice")
             WebDriverWait(browser, 30).until(lambda _: key.is_displayed())
             assert notice.text == "This server needs an API key: enter it above."
+            # before: "Loading the model's name…" until a key came (a web developer's trial)
+            assert browser.find_element(By.ID, "model").text == "The models show once the server takes the API key."
             key.send_keys("wrong")
             (card,) = _dropped(browser, photo)
             assert "401 unauthorized" in card
@@ -637,6 +639,7 @@ def test_the_demo_page_says_a_key_was_refused_and_reads_the_models_with_the_key_
                 notice.text
             key.send_keys(Keys.BACKSPACE * 5 + "s3cret")  # and nothing else: the box keeps the focus
             assert _picked(browser) == ("colour", ["test"], "test")  # the models, read with the key as typed
+            assert notice.text == ""  # before: "refused" stayed until a photo was sent (a web developer's trial)
             assert browser.execute_script("return document.activeElement.id") == "key"
             cards = _dropped(browser, photo)
             assert cards[1].splitlines()[1] == "red" and "colour version test · " in cards[1], cards

@@ -55,12 +55,21 @@ function failureText(result) {
   return errorText(response.status, error) + (wait ? ` · try again in ${wait} s` : "");
 }
 
+let keyNoticeShown = false;  // the notice says the key is missing or refused (cleared once a key is taken)
+
 function needKey(keySent, then) {
   // The key box, and why: the server refused the key sent, or none was sent. ``then``: what to do once it is in.
   keySection.hidden = false;
   notice.textContent = keySent ? `The server refused this API key: check it and enter it again above${then}.`
                                : `This server needs an API key: enter it above${then}.`;
+  keyNoticeShown = true;
   keyInput.focus();
+}
+
+function keyTaken() {
+  // A call with the key was answered: a notice that it is missing or refused no longer holds.
+  if (keyNoticeShown) notice.textContent = "";
+  keyNoticeShown = false;
 }
 
 function defaultModel(body, names) {
@@ -179,7 +188,11 @@ async function describeModels() {
   try {
     const auth = headers();
     const response = await fetch("/v1/models", { headers: auth });
-    if (response.status === 401) return needKey("Authorization" in auth, "");
+    if (response.status === 401) {
+      $("model").textContent = "The models show once the server takes the API key.";
+      return needKey("Authorization" in auth, "");
+    }
+    keyTaken();
     let body = null;
     try { body = await response.json(); } catch (_) { /* not JSON: reported as it is */ }
     if (!response.ok || !body || !Array.isArray(body.models)) {
