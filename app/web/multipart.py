@@ -5,7 +5,8 @@ found with ``bytes.find`` over it in one pass and each file is one slice: werkze
 bodies that do not fit in memory, took 0.66 ms of the worker's CPU for one 100 KB photo and 7 ms for sixteen on
 the 2-core VM, about as much as the rest of the request (docs/performance.md). What werkzeug accepts is read the
 same way: a preamble and an epilogue are ignored, header names are case-insensitive, a part is a file when its
-``Content-Disposition`` names a ``filename`` (RFC 2231's ``filename*`` too), a boundary may be longer than RFC 2046's
+``Content-Disposition`` names a ``filename`` (RFC 2231's ``filename*`` too) or, unlike werkzeug, when its
+``Content-Type`` is not text (a nameless Blob of FormData), a boundary may be longer than RFC 2046's
 70 characters, and text fields are UTF-8. A body that
 is not one (no boundary, a part cut short, a part without a name) is a 400 ``bad_request`` saying what is wrong, a
 text field too long or too many of them a 400 ``invalid_request``, and a form with more files than a request may
@@ -113,15 +114,25 @@ def _part_end(body: bytes, separator: bytes, start: int) -> int:
 
 
 def _disposition(headers: bytes) -> tuple[str, str | None]:
-    """The part's field name and filename (None: not a file) from its Content-Disposition."""
+    """The part's field name and filename from its Content-Disposition; None: not a file. A part without a filename
+    whose Content-Type is not text is a file too, its filename "" (Node's and the browsers' FormData send a Blob
+    without a name so: no filename, ``Content-Type: application/octet-stream``)."""
+    name = filename = None
+    typed = False
     for line in headers.split(_CRLF):
         header, _, value = line.decode("utf-8", "replace").partition(":")
-        if header.strip().lower() == "content-disposition":
+        header = header.strip().lower()
+        if header == "content-disposition":
             kind, options = header_options(value.strip())
             if kind.lower() != "form-data" or not options.get("name"):
                 break
-            return options["name"], options.get("filename")
-    raise MalformedBody('every part of a multipart/form-data body needs Content-Disposition: form-data; name="..."')
+            name, filename = options["name"], options.get("filename")
+        elif header == "content-type":
+            typed = not value.strip().lower().startswith("text/")
+    if name is None:
+        raise MalformedBody('every part of a multipart/form-data body needs Content-Disposition: form-data; '
+                            'name="..."')
+    return name, "" if filename is None and typed else filename
 
 
 # An option that is a name and a quoted value free of escapes (what browsers, curl and client libraries send), and
@@ -145,7 +156,7 @@ def header_options(value: str) -> tuple[str, dict[str, str]]:
 def _add_field(form: FormData, name: str, body: bytes, start: int, end: int) -> None:
     if end - start > MAX_FIELD_BYTES:
         raise BadRequest(f"form field {name!r} holds {end - start} bytes; a field holds at most {MAX_FIELD_BYTES} "
-                         "(send an image as a file: a part with a filename)")
+                         "(send an image as a file: a part with a filename, or with an image's Content-Type)")
     if sum(map(len, form.fields.values())) >= MAX_FIELDS:
         raise BadRequest(f"more than {MAX_FIELDS} form fields beside the images")
     form.fields.setdefault(name, []).append(body[start:end].decode("utf-8", "replace"))

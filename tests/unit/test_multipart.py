@@ -169,3 +169,15 @@ def test_what_clients_send_is_read_without_werkzeug_s_scan(monkeypatch: pytest.M
     header_options('form-data; name="image"; filename="a\\"b.jpg"')
     assert asked == ['form-data; name="top_k" filename="a.jpg"', 'form-data; name=image',
                      'form-data; name="image"; filename="a\\"b.jpg"']
+
+
+def test_a_nameless_blob_is_a_file_as_its_content_type_says_and_a_typed_text_part_a_field() -> None:
+    # Before: FormData's Blob without a name (Node's fetch, a browser's) sends no filename, only its Content-Type, and
+    # was read as a text field: "form field 'image' holds 17521 bytes ... send an image as a file" (a web developer's
+    # trial). A part whose Content-Type is text, or that has none, is a field as werkzeug reads it.
+    photo = b"\xff\xd8" + b"x" * (MAX_FIELD_BYTES + 10)
+    body = _body(_part('Content-Disposition: form-data; name="image"\r\nContent-Type: application/octet-stream', photo),
+                 _part('Content-Disposition: form-data; name="image"\r\ncontent-type: image/jpeg', b"\xff\xd8 two"),
+                 _part('Content-Disposition: form-data; name="top_k"\r\nContent-Type: text/plain; charset=utf-8', b"3"),
+                 _part('Content-Disposition: form-data; name="label"', b"cat"))
+    assert _ours(body) == ({"top_k": ["3"], "label": ["cat"]}, {"image": [(None, photo), (None, b"\xff\xd8 two")]})
