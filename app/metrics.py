@@ -95,11 +95,14 @@ QUEUE_CAPACITY = Gauge("visionserve_queue_capacity", "Images the inference queue
                        ["model", "version"], multiprocess_mode="livesum")
 GPU_MEMORY = Gauge("visionserve_gpu_memory_bytes", "CUDA memory of this worker", ["kind"],
                    multiprocess_mode="liveall")
-# Prediction monitoring (app/engine/loaded/monitor.py): only predictions made for requests, not warm-up or the canary.
-PREDICTED_CLASS = Counter("visionserve_predicted_class_total", "Predictions made for requests, by top-1 class",
-                          ["model", "version", "label"])
+# Prediction monitoring (app/engine/loaded/monitor.py): only predictions made for requests, not warm-up or the canary;
+# a shadow candidate's on the requests mirrored to it count under its version (its class mix and confidence on live
+# traffic are what a rollout weighs), so a sum over versions is no count of requests (visionserve_requests_total is).
+PREDICTED_CLASS = Counter("visionserve_predicted_class_total", "Predictions made for requests, by top-1 class (a "
+                          "shadow candidate's on the requests mirrored to it too)", ["model", "version", "label"])
 TOP1_CONFIDENCE = Histogram("visionserve_top1_confidence", "Top-1 probability of each prediction made for "
-                            "requests", ["model", "version"], buckets=CONFIDENCE_BUCKETS)
+                            "requests (a shadow candidate's on the requests mirrored to it too)", ["model", "version"],
+                            buckets=CONFIDENCE_BUCKETS)
 # Each worker has its own window, so with several workers these read the highest live worker's figure.
 LOW_CONFIDENCE_RATIO = Gauge("visionserve_low_confidence_ratio", "Share of the last MONITOR_WINDOW predictions "
                              "whose top-1 probability is below MONITOR_LOW_CONFIDENCE (none before "

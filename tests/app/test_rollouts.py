@@ -1044,3 +1044,18 @@ def test_a_backlog_s_refusal_says_until_when_only_of_a_route_that_sends_each_of_
         assert said == (None if drawn else (12.5, 0.0, 0.0))
     finally:
         service.shutdown(timeout=5)
+
+
+def test_a_shadow_candidate_s_predictions_on_mirrored_requests_count_under_its_version(shadowed: Service) -> None:
+    # As docs/metrics.md says (a TorchServe user's trial found it unsaid): its class mix and confidence on live
+    # traffic are what its rollout weighs; the requests are counted once, by visionserve_requests_total
+    from prometheus_client import REGISTRY
+
+    def predicted(version: str) -> float:
+        shadowed.catalog.settle_figures()
+        return REGISTRY.get_sample_value("visionserve_top1_confidence_count",
+                                         {"model": "colour", "version": version}) or 0.0
+
+    before = {version: predicted(version) for version in ("1", "2")}
+    _one_by_one(shadowed, [image_bytes(RED), image_bytes(BLUE), image_bytes(RED)])
+    assert {version: predicted(version) - before[version] for version in ("1", "2")} == {"1": 3, "2": 3}
