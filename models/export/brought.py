@@ -112,13 +112,19 @@ def brought_model(path: Path, arch: str, labels: Sequence[str]) -> tuple[nn.Modu
 
 
 def read_labels(path: Path) -> list[str]:
-    """The labels in ``path``, one a line, in the order of the model's outputs (blank lines at its end left out)."""
+    """The labels in ``path``, one a line, in the order of the model's outputs (blank lines at its end left out;
+    ValueError for one before)."""
     try:
         lines = path.read_text(encoding="utf-8-sig").splitlines()  # (a byte-order mark, as Windows editors write)
     except UnicodeDecodeError:
         raise ValueError(f"{path} is no text file of labels (UTF-8, one a line)") from None
     while lines and not lines[-1].strip():
         lines.pop()
+    blank = [number for number, line in enumerate(lines, 1) if not line.strip()]
+    if blank:  # said here, where a count that then differs from the model's outputs would hide it
+        raise ValueError(f"{path}: line{'s' if len(blank) > 1 else ''} {', '.join(map(str, blank))} "
+                         f"{'are' if len(blank) > 1 else 'is'} blank: each line names the class of one of the model's "
+                         "outputs, in their order")
     return [line.strip() for line in lines]
 
 

@@ -184,6 +184,11 @@ def test_a_labels_file_is_read_as_editors_write_it(tmp_path: Path) -> None:
 
     (tmp_path / "labels.txt").write_bytes("\ufeffdaisy\r\nwild rose \r\ntulip\r\n\r\n".encode())  # a BOM, CRLF
     assert read_labels(tmp_path / "labels.txt") == ["daisy", "wild rose", "tulip"]  # before: "\ufeffdaisy"
+    # a blank line before the last: said as such (before: a count against the model's outputs, one too many; a
+    # TorchServe user's trial)
+    (tmp_path / "labels.txt").write_text("daisy\n\nwild rose\ntulip\n")
+    with pytest.raises(ValueError, match=r"labels.txt: line 2 is blank: each line names the class of one"):
+        read_labels(tmp_path / "labels.txt")
 
 
 def test_a_model_whose_head_cannot_be_taken_out_is_exported_without_an_embedding() -> None:
