@@ -72,6 +72,16 @@ def versions(repository: Path, model: str) -> list[str]:
                   key=version_order)
 
 
+def stray_folders(repository: Path, model: str) -> list[str]:
+    """The folders of ``model`` named as versions are that hold files but no manifest: no export, so never served (a
+    model file copied in by hand, an export still being copied), oldest first."""
+    folder = repository / model
+    if not _NAME.fullmatch(model) or not folder.is_dir():
+        return []
+    return sorted((p.name for p in folder.iterdir() if p.is_dir() and _NAME.fullmatch(p.name) and not is_export(p)
+                   and any(child.is_file() for child in p.iterdir())), key=version_order)
+
+
 def next_version(repository: Path, model: str) -> str:
     """One more than the highest numbered version of ``model`` ("1" for a new model)."""
     numbered = [int(v) for v in versions(repository, model) if _NUMBER.fullmatch(v)]

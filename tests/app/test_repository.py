@@ -13,9 +13,10 @@ from app import EXTENSION_KEY
 from app.factory import create_app
 from app.config import Settings
 from app.engine.versions.sources import DirectorySource
+from app.engine.versions.states import NOT_AN_EXPORT
 from app.errors import NotFound
 from models.export.checks import ModelLoadError
-from models.export.repository import models, newest, next_version, versions
+from models.export.repository import models, newest, next_version, stray_folders, versions
 from tests.support.fakes import FakeRepository, export_tiny
 
 pytestmark = pytest.mark.slow  # real exports: seconds each
@@ -25,7 +26,10 @@ def test_versions_are_ordered_by_number_and_the_next_one_counts_on(tmp_path: Pat
     for version in ("1", "2", "10", "canary"):
         export_tiny(tmp_path / "mine" / version, version=version)
     (tmp_path / "mine" / "11").mkdir()  # no manifest: not a version
+    (tmp_path / "mine" / "12").mkdir()
+    (tmp_path / "mine" / "12" / "model.pt").write_bytes(b"a model file copied in by hand")
     assert versions(tmp_path, "mine") == ["1", "2", "10", "canary"]
+    assert stray_folders(tmp_path, "mine") == ["12"]  # (11 holds no file: nothing to say of it)
     assert newest(tmp_path, "mine") == "10" and next_version(tmp_path, "mine") == "11"
     assert next_version(tmp_path, "other") == "1" and models(tmp_path) == ["mine"]
 
@@ -54,6 +58,23 @@ def test_a_directory_is_one_export_or_a_repository(tmp_path: Path) -> None:
         f"no manifest.json in {tmp_path / 'empty'}: the folder does not exist; check VISIONSERVE_WEIGHTS_DIR, which "
         "names the folder to serve: an export's folder (e.g. runs/NAME/export) or a model repository (`make weights` "
         "exports the bundled default model into weights/, not there)")
+
+
+def test_a_version_folder_without_a_manifest_is_in_the_index_saying_why_it_is_not_served(tmp_path: Path) -> None:
+    # Before: left out without a word (the load call 200, nothing logged, absent from the index: a TorchServe user
+    # dropping a model file into a version folder got no hint)
+    export_tiny(tmp_path / "mine" / "1")
+    (tmp_path / "mine" / "2").mkdir()
+    (tmp_path / "mine" / "2" / "model.pt").write_bytes(b"a model file copied in by hand")
+    app = create_app(Settings(weights_dir=tmp_path, device="cpu", log_level="warning"))
+    try:
+        client = app.test_client()
+        rows = [(r["version"], r["state"], r.get("reason", "")) for r in client.post("/v2/repository/index").get_json()]
+        assert rows == [("1", "READY", ""), ("2", "UNAVAILABLE", NOT_AN_EXPORT)]
+        assert NOT_AN_EXPORT.startswith("not an export: the folder holds no manifest.json (python -m models.export")
+        assert [r["version"] for r in client.post("/v2/repository/index", json={"ready": True}).get_json()] == ["1"]
+    finally:
+        app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 
 
 def test_a_version_filed_under_another_name_or_number_is_refused(tmp_path: Path) -> None:

@@ -169,6 +169,10 @@ class FakeRepository:
         self.fail(name, version, reason)
         self.misplaced[(name, version)] = reason
 
+    def strays(self, name: str) -> list[str]:
+        """None: every version it holds is an export."""
+        return []
+
     def unservable(self, name: str, version: str) -> str | None:
         return self.misplaced.get((name, version))
 

@@ -273,11 +273,11 @@ class Applier:
         rows = []
         for name in sorted(set(self.source.models()) | set(routed)):
             try:
-                available = self.source.versions(name)
+                available, strays = self.source.versions(name), self.source.strays(name)
             except (OSError, ModelLoadError):  # the poll says why (its report); the index still answers
-                available = []
+                available, strays = [], []
             rows += self.states.rows(name, available, {v.version for v in routed.get(name, ([], None))[0]},
-                                     desired.get(name))
+                                     desired.get(name), strays)
         return rows
 
 

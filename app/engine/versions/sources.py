@@ -13,7 +13,7 @@ from app.engine.loaded.predictor import Predictor
 from app.engine.batching.tuning import forward_threads
 from models.export.checks import ModelLoadError, read_checked_manifest, resolve_device
 from models.export.manifest import MANIFEST_NAME
-from models.export.repository import check_name, models, versions
+from models.export.repository import check_name, models, stray_folders, versions
 
 
 REPOSITORY_FILE = "repository.json"  # {"default_model": NAME}, at the repository's root
@@ -30,6 +30,7 @@ class Source(Protocol):
     def size_bytes(self, name: str, version: str) -> int: ...
     def load(self, name: str, version: str) -> Predictor: ...
     def unservable(self, name: str, version: str) -> str | None: ...
+    def strays(self, name: str) -> list[str]: ...
 
 
 class DirectorySource:
@@ -90,6 +91,10 @@ class DirectorySource:
         if self._single():
             return self.root
         return self.root / check_name("model", name) / check_name("version", version)
+
+    def strays(self, name: str) -> list[str]:
+        """``name``'s folders that hold files but no manifest (no export, never served); none for a single export."""
+        return [] if self._single() else stray_folders(self.root, name)
 
     def policy(self, name: str) -> dict[str, Any] | None:
         """``<repository>/<name>/policy.json``, when there is one; a single export has none, and raises ModelLoadError
@@ -209,6 +214,10 @@ class GivenSource:
     def unservable(self, name: str, version: str) -> str | None:
         """None: its predictor serves."""
         return None
+
+    def strays(self, name: str) -> list[str]:
+        """None: it holds no folders."""
+        return []
 
     def missing(self) -> ModelLoadError:
         """Never: it always holds its predictor."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from app.engine.contract import VersionState
 from app.engine.loaded.version import LoadedVersion
@@ -14,6 +14,8 @@ from app.engine.rollouts.entry import ModelEntry, is_unloaded
 from app.engine.rollouts.policy import order_key
 
 Key = tuple[str, str]  # (model, version)
+NOT_AN_EXPORT = ("not an export: the folder holds no manifest.json (python -m models.export writes one with the "
+                 "model's labels and preprocessing: docs/models.md); never served")
 Stamp = tuple[int, int]  # changes when the version's manifest is rewritten
 
 
@@ -114,10 +116,11 @@ class VersionStates:
             return [loaded for held in self._retiring.values() for loaded in held]
 
     def rows(self, name: str, available: list[str], serving: set[str],
-             entry: ModelEntry | None = None) -> list[VersionState]:
-        """The index rows of model ``name``: the repository's versions, the serving ones and those in between. A
-        version that does not serve says why: that it would not fit in memory (its latest try), else its own
-        refusal, else why its model cannot be served, else why its model's desired ``entry`` leaves it out."""
+             entry: ModelEntry | None = None, strays: Sequence[str] = ()) -> list[VersionState]:
+        """The index rows of model ``name``: the repository's versions, the serving ones and those in between, and
+        its folders that hold no export (``strays``: UNAVAILABLE, NOT_AN_EXPORT). A version that does not serve says
+        why: that it would not fit in memory (its latest try), else its own refusal, else why its model cannot be
+        served, else why its model's desired ``entry`` leaves it out."""
         with self._lock:
             loading, retiring, refused = set(self._loading), set(self._retiring), dict(self._refused)
             short_of_memory = dict(self._short_of_memory)
@@ -136,7 +139,8 @@ class VersionStates:
                 why = short_of_memory.get(key) or (refused[key][1] if key in refused else unservable
                                                    or _left_out(version, entry))
                 rows.append(VersionState(name, version, "UNAVAILABLE", why))
-        return rows
+        rows += [VersionState(name, stray, "UNAVAILABLE", NOT_AN_EXPORT) for stray in strays if stray not in held]
+        return sorted(rows, key=lambda row: order_key(row.version)) if strays else rows
 
 
 def _left_out(version: str, entry: ModelEntry | None) -> str:
