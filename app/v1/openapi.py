@@ -101,7 +101,9 @@ def paths() -> dict[str, Any]:
             "Make a version (default: the rollout's candidate) the model's default in every worker"),
         "/v1/models/{name}/rollback": _rollout_call(
             "Serve a version (default: the previous default) again; the one it replaces is rolled back")},
-        ErrorResponse)
+        ErrorResponse, {"POST /predict": "predict", "POST /explain": "explain", "GET /v1/models": "list_models",
+                        "GET /v1/models/{name}": "get_model", "POST /v1/models/{name}/promote": "promote_model",
+                        "POST /v1/models/{name}/rollback": "rollback_model"})
 
 
 def _rollout_call(summary: str) -> dict[str, Any]:

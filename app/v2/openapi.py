@@ -80,4 +80,15 @@ def paths() -> dict[str, Any]:
     for base in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
         out.update({base: _metadata(), f"{base}/ready": _model_ready(), f"{base}/config": _config(),
                     f"{base}/infer": _infer()})
-    return request_wide(out, v2.Error)
+    return request_wide(out, v2.Error, OPERATION_IDS)
+
+
+# As tritonclient names its calls, a version's own with _version
+OPERATION_IDS = {
+    "GET /v2": "v2_server_metadata", "GET /v2/health/live": "v2_server_live", "GET /v2/health/ready": "v2_server_ready",
+    "POST /v2/repository/index": "v2_repository_index", "POST /v2/repository/models/{name}/load": "v2_load_model",
+    "POST /v2/repository/models/{name}/unload": "v2_unload_model",
+    **{f"{method} /v2/models/{{name}}{versioned}{tail}": f"v2_{call}{suffix}"
+       for versioned, suffix in (("", ""), ("/versions/{version}", "_version"))
+       for method, tail, call in (("GET", "", "model_metadata"), ("GET", "/ready", "model_ready"),
+                                  ("GET", "/config", "model_config"), ("POST", "/infer", "infer"))}}

@@ -5,12 +5,13 @@ with the helpers below.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from app import __version__
+from app.hosting.request_framing import REQUEST_ID
 from app.web.auth import is_health, is_page
 from app.web.protocol import Protocol
 from app.web.schemas import ErrorResponse, HealthResponse
@@ -61,6 +62,13 @@ ERROR_STATUSES = {
 }
 
 
+# Every operation takes it (app/web/hooks.py): the caller's id, kept where it is sane, said back in the answer's
+REQUEST_ID_HEADER = {"name": "X-Request-ID", "in": "header", "required": False,
+                     "schema": {"type": "string", "pattern": f"^{REQUEST_ID.pattern.removesuffix(chr(92) + 'Z')}$"},
+                     "description": "The caller's id for this request, said back in the answer's X-Request-ID and "
+                                    "logged (one that does not match the pattern is replaced by a new one)"}
+
+
 def ref(model: type[BaseModel]) -> dict[str, str]:
     """A reference to ``model``'s schema in the components."""
     return {"$ref": REF.format(model=model.__name__)}
@@ -95,15 +103,19 @@ _ERROR_HEADERS = {"401": ("WWW-Authenticate",), "429": ("Retry-After",), "503": 
 _METHODS = frozenset({"get", "put", "post", "delete", "options", "head", "patch", "trace"})
 
 
-def request_wide(paths: dict[str, Any], model: type[BaseModel]) -> dict[str, Any]:
+def request_wide(paths: dict[str, Any], model: type[BaseModel], operation_ids: Mapping[str, str]) -> dict[str, Any]:
     """``paths`` with what is answered on every route added to each operation, in ``model``'s shape: by
     app/web/hooks.py 401 (but on the pages, which are open; on the health paths only when AUTH_HEALTH_OPEN is off)
     and 413 (a body announced over the limit, refused before it is read); by a worker's loop, 408 (a body announced
     on any route, a GET's too, that does not come in time); by a worker, 429 with Retry-After to a
     client over MAX_CONNECTIONS_PER_CLIENT, and 503 with Retry-After while it starts (an operation's own 429 or
-    503, where it has one, says its other reasons too)."""
+    503, where it has one, says its other reasons too). And what every operation takes: its ``operation_ids``
+    (``"METHOD /path"``: the name a generated client gives its function; KeyError for an operation not named) and
+    the caller's X-Request-ID."""
     for path, item in paths.items():
         for method in _METHODS & item.keys():
+            item[method]["operationId"] = operation_ids[f"{method.upper()} {path}"]
+            item[method]["parameters"] = [*item[method].get("parameters", []), REQUEST_ID_HEADER]
             responses = item[method]["responses"]
             if not is_page(path):
                 unauthorized = errors(model, "401")["401"]
@@ -189,7 +201,8 @@ def _ops_paths() -> dict[str, Any]:
         "/": _static_file("The demo page: pick or drop photos and see their classes",
                           "HTML (its script and style under /demo/)", "text/html"),
         "/favicon.ico": _static_file("The site's icon, for every browser's tab", "An SVG image", "image/svg+xml"),
-    }, ErrorResponse)
+    }, ErrorResponse, {"GET /healthz": "liveness", "GET /readyz": "readiness", "GET /metrics": "metrics",
+                       "GET /openapi.json": "openapi_document", "GET /": "demo_page", "GET /favicon.ico": "favicon"})
 
 
 def _drop_null_defaults(schema: Any) -> None:

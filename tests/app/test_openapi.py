@@ -182,6 +182,18 @@ def test_no_schema_has_a_null_default(document: dict[str, Any]) -> None:
     assert request["required"] == ["images"] and "default" not in request["properties"]["top_k"]
 
 
+def test_every_operation_has_its_own_name_and_takes_the_caller_s_request_id(document: dict[str, Any]) -> None:
+    # Before: no operationId (generated clients named functions after paths: postV2ModelsByNameVersionsByVersionInfer)
+    # and X-Request-ID undeclared, so a generated client could not send it (a web developer's trial)
+    operations = [op for item in document["paths"].values() for method, op in item.items() if method in ("get", "post")]
+    names = [op["operationId"] for op in operations]
+    assert len(names) == len(set(names)) == 26 and all(re.fullmatch(r"[a-z][a-z0-9_]*", name) for name in names)
+    assert {"predict", "explain", "v2_infer", "v2_infer_version", "v2_load_model", "readiness"} <= set(names)
+    for op in operations:
+        (said,) = [p for p in op["parameters"] if p["name"] == "X-Request-ID"]
+        assert said["in"] == "header" and not said["required"] and re.fullmatch(said["schema"]["pattern"], "abc-1")
+
+
 def test_every_route_is_documented(app: Flask, document: dict[str, Any]) -> None:
     routes = {re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", rule.rule) for rule in app.url_map.iter_rules()
               if not rule.endpoint.endswith("static") and not rule.endpoint.startswith("swagger_ui")}

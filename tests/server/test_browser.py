@@ -59,7 +59,7 @@ def _try_predict(browser, url: str, content_type: str):  # noqa: ANN001, ANN202 
     from selenium.webdriver.support.ui import Select
 
     browser.get(url)
-    operation = browser.find_element(By.ID, "operations-default-post_predict")
+    operation = browser.find_element(By.ID, "operations-default-predict")
     operation.find_element(By.CSS_SELECTOR, ".opblock-summary").click()
     operation.find_element(By.CSS_SELECTOR, ".try-out__btn").click()
     body = operation.find_element(By.CSS_SELECTOR, ".opblock-section-request-body")
