@@ -4,7 +4,7 @@
     .venv/bin/python -m models.export --checkpoint runs/NAME/best.pt --out runs/NAME/export   # a models.train run's
     .venv/bin/python -m models.export --checkpoint runs/NAME/best.pt --repository repository   # NAME/<next number>/
     .venv/bin/python -m models.export --state-dict mine.pt --arch resnet18 --labels labels.txt --name mine --out DIR
-    .venv/bin/python -m models.export --torchscript mine.ts --labels labels.txt --crop-size 160 --mean 0.5 0.5 0.5 \
+    .venv/bin/python -m models.export --torchscript mine.ts --labels labels.txt --crop-size 160 --mean 0.5 0.5 0.5 \\
         --std 0.5 0.5 0.5 --name mine --repository repository --packages none     # a model trained elsewhere
 
 An export never replaces one already written: into a folder that holds an export it refuses unless --force. With
