@@ -190,9 +190,13 @@ def check_outputs(model: nn.Module, labels: Sequence[str], input_shape: tuple[in
                              f"dimension, not one fixed when it was traced)")
     wanted = None if embedding_dim is None else (batch_size, embedding_dim)
     found = None if embedding is None else tuple(embedding.shape)
+    if found != wanted and wanted is None:  # a model brought as TorchScript that answers (logits, features)
+        raise ModelLoadError(f"model answers a second output of shape {found} beside its logits: it must answer its "
+                             "logits alone (to serve embeddings, export its state dict with --arch; else script a "
+                             "wrapper answering the logits)")
     if found != wanted:
         raise ModelLoadError(f"model answers an embedding of shape {found} for {batch_size} images but the manifest "
-                             f"says {wanted or 'it has none'}")
+                             f"says {wanted}")
     if _probabilities(logits) and _probabilities(
             _answers(model, _check_images(batch_size, input_shape, 1, device, dtype))[0]):
         raise ModelLoadError(f"the model's output rows are already probabilities (each non-negative and summing to 1 "

@@ -130,6 +130,18 @@ def test_a_torchscript_file_is_exported_as_torchscript_alone_and_served_as_train
     assert "is a TorchScript file exported alone, with no embedding: export the model's state dict with" in caplog.text
 
 
+class _LogitsAndFeatures(torch.nn.Module):
+    """A classifier answering its features beside its logits, as some trained elsewhere do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        features = x.mean((2, 3))
+        return self.head(features), features
+
+
 def test_what_is_not_what_it_is_said_to_be_is_refused_in_one_line_and_nothing_written(
         tmp_path: Path, labels: Path, caplog: pytest.LogCaptureFixture) -> None:
     model = torchvision.models.mobilenet_v3_small(num_classes=3)
@@ -137,6 +149,7 @@ def test_what_is_not_what_it_is_said_to_be_is_refused_in_one_line_and_nothing_wr
     torch.save({**model.state_dict(), "ema.decay": torch.tensor(0.99)}, tmp_path / "extra.pt")
     torch.save(model, tmp_path / "pickled.pt")
     torch.jit.save(torch.jit.script(model.eval()), tmp_path / "mine.ts")
+    torch.jit.save(torch.jit.script(_LogitsAndFeatures()), tmp_path / "pair.ts")
     (tmp_path / "five.txt").write_text("a\nb\nc\nd\ne\n")
     (tmp_path / "gap.txt").write_text("a\n\nc\n")
     out = tmp_path / "out"
@@ -156,7 +169,11 @@ def test_what_is_not_what_it_is_said_to_be_is_refused_in_one_line_and_nothing_wr
             (["--state-dict", str(tmp_path / "mine.pt"), "--labels", str(labels), "--arch", "timm:no_such_model"],
              "unknown arch 'timm:no_such_model': timm has no model 'no_such_model'"),
             (["--state-dict", str(tmp_path / "mine.pt"), "--labels", str(tmp_path / "gap.txt"), "--arch",
-              "mobilenet_v3_small"], "labels: labels [1] are empty"),
+              "mobilenet_v3_small"], "gap.txt: line 2 is blank: each line names the class of one of the model's"),
+            (["--torchscript", str(tmp_path / "pair.ts"), "--labels", str(labels)],
+             "model answers a second output of shape (2, 3) beside its logits: it must answer its logits alone (to "
+             "serve embeddings, export its state dict with --arch"),  # (before: "... but the manifest says it has
+            # none", of a manifest the export writes itself; a TorchServe user's trial)
             (["--state-dict", str(tmp_path / "mine.pt"), "--labels", str(labels), "--arch", "mobilenet_v3_small",
               "--mean", "123.7", "116.3", "103.5"], "(on 0..255: divide them by 255)"),
             (["--state-dict", str(tmp_path / "mine.pt"), "--labels", str(labels)], "--state-dict needs --arch ARCH"),
