@@ -241,3 +241,14 @@ def test_the_server_says_so_when_a_state_dict_is_not_its_manifest_s_architecture
                            f"resnet18 with 4 classes: ") and len(said) < 400, said
     with pytest.raises(ModelLoadError, match="is no TorchScript file"):
         load_module(tmp_path / "weights.pt", manifest, "torchscript")
+
+
+def test_a_manifest_whose_label_is_empty_is_refused_naming_it() -> None:
+    # (a manifest written by hand: models.export's labels file says its blank line itself)
+    import pydantic
+
+    from tests.support.fakes import LABELS, tiny_manifest
+
+    manifest = tiny_manifest().model_dump()
+    with pytest.raises(pydantic.ValidationError, match=r"labels \[1\] are empty: each class needs a name"):
+        type(tiny_manifest()).model_validate({**manifest, "labels": [LABELS[0], " ", *LABELS[2:]]})
