@@ -71,7 +71,7 @@ def test_a_version_folder_without_a_manifest_is_in_the_index_saying_why_it_is_no
         client = app.test_client()
         rows = [(r["version"], r["state"], r.get("reason", "")) for r in client.post("/v2/repository/index").get_json()]
         assert rows == [("1", "READY", ""), ("2", "UNAVAILABLE", NOT_AN_EXPORT)]
-        assert NOT_AN_EXPORT.startswith("not an export: the folder holds no manifest.json (python -m models.export")
+        assert NOT_AN_EXPORT.startswith("not an export: the folder holds no manifest.json, so it is never served")
         assert [r["version"] for r in client.post("/v2/repository/index", json={"ready": True}).get_json()] == ["1"]
     finally:
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)

@@ -220,8 +220,11 @@ def _naming_default(app: Flask, name: str) -> Callable:
     """``app`` with /v1/models's ``default_model`` set to ``name``: a server that names its default model (#31's
     server half), whatever this checkout's /v1/models says."""
     def wsgi(environ, start_response):  # noqa: ANN001, ANN202 - WSGI
+        models = Request(environ).path == "/v1/models"
+        if models:  # its answer read and rewritten here: asked for uncompressed, whatever the browser takes
+            environ = {**environ, "HTTP_ACCEPT_ENCODING": "identity"}
         response = Response.from_app(app, environ)
-        if Request(environ).path == "/v1/models" and response.status_code == 200:
+        if models and response.status_code == 200:
             response.set_data(json.dumps({**json.loads(response.get_data()), "default_model": name}))
         return response(environ, start_response)
     return wsgi

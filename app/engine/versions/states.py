@@ -14,8 +14,8 @@ from app.engine.rollouts.entry import ModelEntry, is_unloaded
 from app.engine.rollouts.policy import order_key
 
 Key = tuple[str, str]  # (model, version)
-NOT_AN_EXPORT = ("not an export: the folder holds no manifest.json (python -m models.export writes one with the "
-                 "model's labels and preprocessing: docs/models.md); never served")
+NOT_AN_EXPORT = ("not an export: the folder holds no manifest.json, so it is never served (models.export writes one "
+                 "with the model's labels and preprocessing: docs/models.md)")
 Stamp = tuple[int, int]  # changes when the version's manifest is rewritten
 
 
