@@ -173,6 +173,7 @@ def test_an_onnx_file_whose_probabilities_differ_is_not_written(tmp_path: Path, 
     assert "no ONNX file (the server will serve TorchScript): its probabilities differ" in caplog.text
 
 
+@pytest.mark.slow  # the ONNX exporter runs: seconds
 def test_an_export_without_the_agreement_photos_says_which_package_to_install(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     # The image installed requirements.txt only, without scikit-image: its build exported TorchScript alone, said

@@ -240,6 +240,7 @@ def test_an_evaluation_equals_the_training_scripts_evaluate(weights: Path, digit
     assert (report / "confusion.png").stat().st_size > 1000
 
 
+@pytest.mark.slow  # seconds: a folder scored, then one image (the fast subset stays under a minute)
 def test_one_image_is_scored_as_the_folder_s_run_scores_it(weights: Path, photos: Path, tmp_path: Path) -> None:
     # Before: --data cat.jpg was read as a file list: "line 1 is not UTF-8 text (byte 0xff): save it as UTF-8"
     folder, one = tmp_path / "folder.jsonl", tmp_path / "one.jsonl"

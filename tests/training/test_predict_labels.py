@@ -50,6 +50,7 @@ def test_a_folder_of_labels_no_input_lies_under_says_so(scored: tuple[Path, Path
     assert "none of the 2 inputs has a label: each input's label is its first folder under" in said
 
 
+@pytest.mark.slow  # seconds: an export and two evaluations (the fast subset stays under a minute)
 def test_an_evaluation_on_images_the_model_trained_on_says_how_many_and_how_to_evaluate_on_those_held_out(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # Before: a run's own folder evaluated whole (most of it trained on) printed its accuracy as any other.

@@ -451,6 +451,7 @@ def test_a_run_resumed_from_its_checkpoint_alone_goes_on_with_its_own_options(
         ["--epochs", "2"], capsys)
 
 
+@pytest.mark.slow  # seconds: a training and its resumes (the fast subset stays under a minute)
 def test_a_resume_takes_the_run_s_options_not_given_derives_again_what_it_derived_and_turns_off_what_is_said(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # (a review) --amp, --freeze-bn and --clip-grad-norm taken from the run could not be turned off; an --lr the run

@@ -304,6 +304,7 @@ def test_a_draining_worker_answers_on_while_its_replacement_loads_and_none_serve
     assert not control.replacement_loading(tmp_path, old)
 
 
+@pytest.mark.slow  # a drain's seconds, waited out
 def test_a_drain_answers_on_while_told_and_leaves_its_last_requests_their_time(tmp_path: Path) -> None:
     from app.engine.lifecycle import ANSWER_ON_POLL_S, ANSWER_ON_SETTLE_S, Lifecycle
 
