@@ -202,6 +202,11 @@ class DeviceSettings(SettingsGroup):
         "to +20% images/s on 2 cores); on CUDA torch's default.")
     warmup: bool = Field(True, description="Run every batch shape once before reporting ready (each size on the "
                          "CPU; powers of two and the cap on CUDA, where batches are padded to them).")
+    warmup_timing_s: float = Field(
+        20.0, ge=0, description="The warm-up's timed rounds (each batch shape's forward pass timed, up to 5 rounds, "
+        "to choose the batch cap and a lone image's expected time) stop once the warm-up has run this long, every "
+        "shape timed once at least: a model of seconds a forward pass is ready in minutes, not a quarter of an hour "
+        "(its five rounds of sixteen sizes on the CPU). 0 = one timed round.")
     cuda_graphs: bool = Field(
         True, description="On CUDA, capture each warmed batch shape's forward pass as a CUDA graph and replay it: "
         "one launch instead of one per kernel, which at small batches is what bounds the engine (EfficientNet-Lite0, "

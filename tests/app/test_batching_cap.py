@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -54,7 +55,7 @@ def test_the_warm_up_s_noise_is_how_much_its_runs_of_a_size_differ(predictor: Pr
 def test_measured_cap_is_applied_and_shown(settings: Settings, predictor: Predictor,
                                            monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     measured = {1: 100.0, 2: 180.0, 3: 200.0, 4: 150.0}
-    monkeypatch.setattr(predictor, "warmup", lambda max_batch_size: {k: measured[k] for k in range(1, 5)})
+    monkeypatch.setattr(predictor, "warmup", lambda max_batch_size, **_: {k: measured[k] for k in range(1, 5)})
     with caplog.at_level(logging.INFO, logger="app.engine.loaded.version"):
         app = create_app(settings.model_copy(update={"auto_batch_size": True}), predictor)
     try:
@@ -79,7 +80,7 @@ def test_a_later_start_takes_the_cap_its_first_start_in_this_server_measured(
     curves = iter([{1: 100.0, 2: 180.0, 3: 200.0, 4: 150.0},  # the first start: a cap of 3
                    {1: 100.0, 2: 60.0, 3: 55.0, 4: 50.0},  # a start beside busy work: it would cap at 1
                    {1: 100.0, 2: 60.0, 3: 55.0, 4: 50.0}])  # (a server of its own: measured)
-    monkeypatch.setattr(predictor, "warmup", lambda max_batch_size: next(curves))
+    monkeypatch.setattr(predictor, "warmup", lambda max_batch_size, **_: next(curves))
     kept = settings.model_copy(update={"auto_batch_size": True, "control_dir": tmp_path / "control"})
     (tmp_path / "control").mkdir()
     caps = []
@@ -102,7 +103,7 @@ def test_a_warm_up_too_noisy_to_cap_by_says_the_batches_stay_at_the_ceiling(
         caplog: pytest.LogCaptureFixture) -> None:
     # Before (an operator's trial): "... differed by 79% (a busy machine): only a batch size slower than 0% of the
     # best caps the batches", and no cap line.
-    monkeypatch.setattr(predictor, "warmup", lambda max_batch_size: {1: 100.0, 2: 180.0, 3: 200.0, 4: 50.0})
+    monkeypatch.setattr(predictor, "warmup", lambda max_batch_size, **_: {1: 100.0, 2: 180.0, 3: 200.0, 4: 50.0})
     monkeypatch.setattr(predictor, "warmup_noise", 0.79, raising=False)
     with caplog.at_level(logging.INFO, logger="app.engine.loaded.version"):
         app = create_app(settings.model_copy(update={"auto_batch_size": True}), predictor)
@@ -124,7 +125,7 @@ def test_the_automatic_ceiling_follows_the_device() -> None:
 
 def test_a_version_on_the_cpu_batches_up_to_the_cpu_ceiling(settings: Settings, predictor: Predictor) -> None:
     sizes: list[int] = []
-    predictor.warmup = lambda max_batch_size: sizes.append(max_batch_size) or {}  # type: ignore[method-assign]
+    predictor.warmup = lambda max_batch_size, **_: sizes.append(max_batch_size) or {}  # type: ignore[method-assign]
     auto = {"max_batch_size": 0, "queue_size": 0, "threads": 1, "max_images": 1, "warmup": True}
     app = create_app(settings.model_copy(update=auto), predictor)
     try:
@@ -173,6 +174,28 @@ def test_warmup_times_the_sizes_in_turn_so_a_drifting_machine_slows_them_alike(p
     model.batch_sizes.clear()
     predictor.warmup(3, repeats=2)
     assert model.batch_sizes == [1, 2, 3, 1, 2, 3, 1, 2, 3]  # untimed round, then the timed rounds
+
+
+def test_a_slow_model_s_warm_up_stops_timing_once_past_its_time_and_says_how_far_it_got(
+        predictor: Predictor, model, caplog: pytest.LogCaptureFixture) -> None:  # noqa: ANN001
+    # Before: five timed rounds whatever they took (a TorchServe user's model of 1.2 s a forward pass sat LOADING
+    # for minutes, saying nothing)
+    from app.engine.loaded import predictor as predictor_module
+
+    model.batch_sizes.clear()
+    model.delay_s = 0.02
+    with caplog.at_level(logging.INFO, logger=predictor_module.__name__), \
+            pytest.MonkeyPatch.context() as patch:
+        patch.setattr(predictor_module, "WARMUP_PROGRESS_S", 0.03)
+        profile = predictor.warmup(3, repeats=5, timing_s=0.1)
+    assert model.batch_sizes == [1, 2, 3, 1, 2, 3]  # the untimed round and one timed round: past 0.1 s by then
+    assert sorted(profile) == [1, 2, 3]
+    assert re.search(r"warming up colour version test: [123] of 3 batch shapes run in \d+s", caplog.text)
+    assert "timed 1 round(s) of 5" in caplog.text and "(WARMUP_TIMING_S)" in caplog.text
+    model.batch_sizes.clear()
+    model.delay_s = 0.0
+    predictor.warmup(3, repeats=2, timing_s=10)  # a fast model: every round
+    assert model.batch_sizes == [1, 2, 3] * 3
 
 
 def test_padded_batches_warm_powers_of_two_and_pad_up_to_the_next(model) -> None:  # noqa: ANN001

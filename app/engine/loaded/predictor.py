@@ -3,6 +3,7 @@ pass of a batch."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 
 # What the batcher treats as "this batch is too big": split it and retry the halves.
 OUT_OF_MEMORY_ERRORS: tuple[type[BaseException], ...] = (torch.cuda.OutOfMemoryError,)
+WARMUP_PROGRESS_S = 10.0  # a warm-up running longer says how far it got this often (a slow model: minutes)
 NON_FINITE_OUTPUT = "non_finite_output"  # the error code of an image whose row the model answered NaN or inf in
 
 
@@ -217,27 +219,38 @@ class Predictor:
         """CUDA memory allocated and reserved by this process on its device, or nothing on CPU."""
         return device_memory_stats(self.device)
 
-    def warmup(self, max_batch_size: int, repeats: int = 5) -> dict[int, float]:
+    def warmup(self, max_batch_size: int, repeats: int = 5, timing_s: float = math.inf) -> dict[int, float]:
         """Run every batch shape the batcher's batches run with (``batch_shapes``: so no request pays for
         first-call setup) and time them.
 
         Returns images/s of the forward pass per batch size from the fastest of ``repeats`` timed runs after one
-        untimed one (the fastest run is the one least disturbed by other work on the machine). The timed runs go
+        untimed one (the fastest run is the one least disturbed by other work on the machine); the timed rounds
+        after the first stop once the warm-up has run ``timing_s`` (WARMUP_TIMING_S: a model of seconds a forward
+        pass took a quarter of an hour for its five rounds of sixteen sizes on the CPU), and a warm-up that runs
+        long says how far it got every WARMUP_PROGRESS_S. The timed runs go
         round the sizes rather than size after size: a machine whose speed drifts during warm-up then slows every
         size alike, instead of making one size look best, as it did on a shared VM (docs/performance.md: Figures
         behind the code's choices). How much the runs of a size differ (``warmup_noise``) says how far the figures
         can be trusted: a worker warming up beside a busy one measures a curve no steadier than that.
         """
-        started = time.perf_counter()
+        started = said = time.perf_counter()
         batches = {size: torch.zeros(size, *self.manifest.preprocess.input_shape)
                    for size in self.batch_shapes(max_batch_size)}
         for size, batch in batches.items():
             self._forward(batch)
             self.warmed_batch_sizes.append(size)
+            if time.perf_counter() - said > WARMUP_PROGRESS_S:
+                said = time.perf_counter()
+                log.info("warming up %s version %s: %d of %d batch shapes run in %.0fs", self.manifest.name,
+                         self.manifest.version, len(self.warmed_batch_sizes), len(batches), said - started)
         if self.graphs is not None:
             self._capture_graphs(list(batches))
         runs: dict[int, list[float]] = {size: [] for size in batches}
-        for _ in range(repeats):
+        for round_ in range(repeats):
+            if round_ and time.perf_counter() - started > timing_s:
+                log.info("warming up %s version %s: timed %d round(s) of %d in %.0fs (WARMUP_TIMING_S)",
+                         self.manifest.name, self.manifest.version, round_, repeats, time.perf_counter() - started)
+                break
             for size, batch in batches.items():
                 begun = time.perf_counter()
                 self._forward(batch)  # returns on the CPU, so CUDA work is finished when it does

@@ -310,7 +310,7 @@ def start_version(settings: Settings, predictor: Predictor) -> LoadedVersion:
 
     def prepare() -> None:  # on the thread that will run the batches: cuDNN's tuned plans are per thread
         if settings.warmup:
-            loaded.batch_profile.update(predictor.warmup(ceiling))
+            loaded.batch_profile.update(predictor.warmup(ceiling, timing_s=settings.warmup_timing_s))
             smallest = min(loaded.batch_profile, default=None)
             if smallest is not None:  # the time an image of the smallest batch: a lone image's own inference
                 loaded.batcher.expect_item_s(1 / loaded.batch_profile[smallest])
