@@ -2,7 +2,8 @@
 model.
 
     visionserve predict cat.jpg cup.jpg --top-k 3                # a table, under the model and version that answered
-    visionserve predict cat.jpg --json --url http://host:8000    # options before or after the command
+    visionserve --url http://host:8000 predict cat.jpg --json    # --url, --api-key, --timeout, --retries: before
+                                                                 # or after the command; a command's own after it
     visionserve predict cat.jpg --model colour --version 2       # ask one model's version
     visionserve embed cat.jpg cup.jpg --json                     # each image's embedding (its vector in JSON)
     visionserve model --labels

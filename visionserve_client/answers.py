@@ -9,6 +9,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable, TypeVar
 
 import requests
+import urllib3
 
 from visionserve_client.errors import VisionServeError
 
@@ -26,12 +27,33 @@ def failure_of(exc: requests.RequestException) -> tuple[VisionServeError, bool]:
     """A request that got no answer: its error, and whether to try again. Yes for a connection that could not be
     opened (nothing was sent) and for one cut with no answer (the worker died: a prediction has no side effect,
     docs/deployment.md "Faults"); never for a read timeout (the server may still be working on it, and sending it
-    again adds to its load; the call's time is spent anyway) nor a TLS failure (the same the next time)."""
-    if isinstance(exc, requests.exceptions.ReadTimeout):
+    again adds to its load; the call's time is spent anyway) nor a TLS failure (the same the next time: its own
+    code, ``tls_error``, as a server did answer)."""
+    if isinstance(exc, requests.exceptions.ReadTimeout) or _read_timed_out(exc):
         return VisionServeError(f"no answer in time: {exc}", code="timeout"), False
+    if isinstance(exc, requests.exceptions.SSLError):  # a server answered, in no TLS it shares: not "no server"
+        plain = " (a server speaking plain HTTP there? its URL then starts http://)" if "WRONG_VERSION_NUMBER" in str(
+            exc) or "wrong version number" in str(exc) else ""
+        return VisionServeError(f"the TLS handshake failed{plain}: {exc}", code="tls_error"), False
     retry = isinstance(exc, (requests.exceptions.ConnectionError, requests.exceptions.ChunkedEncodingError))
-    return VisionServeError(_connection_failure(exc), code="connection_error"), retry and not isinstance(
-        exc, requests.exceptions.SSLError)
+    return VisionServeError(_connection_failure(exc), code="connection_error"), retry
+
+
+def _read_timed_out(exc: BaseException) -> bool:
+    """Whether urllib3's read timeout is what ``exc`` says: requests raises one that came while the answer's body
+    was read as a ConnectionError (it was then said to be "connection_error", and the command line told to start a
+    server, where one answered too slowly)."""
+    seen: set[int] = set()
+    stack: list[object] = [exc]
+    while stack:
+        found = stack.pop()
+        if not isinstance(found, BaseException) or id(found) in seen:
+            continue
+        seen.add(id(found))
+        if isinstance(found, urllib3.exceptions.ReadTimeoutError):
+            return True
+        stack += [*found.args, found.__cause__, found.__context__]
+    return False
 
 
 def _connection_failure(exc: requests.RequestException) -> str:

@@ -1,10 +1,13 @@
 """``Client``: /predict, health, readiness and model metadata over a pooled ``requests`` session, with retries."""
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import os
 import random
+import socket
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +82,10 @@ class _Budget:
         """Seconds left for another attempt: to the call's end, or to its deadline when that comes first."""
         return min(self.end, self.end if self.deadline is None else self.deadline) - self.clock()
 
+    def end_left_s(self) -> float:
+        """Seconds left to the call's end (its ``timeout``), whatever its deadline."""
+        return self.end - self.clock()
+
     def attempt_timeout(self, connect_s: float) -> tuple[float, float]:
         """requests' (connect, read) timeouts for an attempt starting now: what is left of the call, the connect
         at most ``connect_s``."""
@@ -88,6 +95,34 @@ class _Budget:
     def header_ms(self) -> str | None:
         """X-Request-Timeout for an attempt starting now: the milliseconds left of the deadline (at least 1)."""
         return None if self.deadline is None else str(max(1, math.floor((self.deadline - self.clock()) * 1000)))
+
+
+def _read_within(response: requests.Response, seconds: float) -> bool:
+    """Whether ``response``'s body (asked for streamed) came whole within ``seconds``: its socket is shut then, so
+    that a server or a proxy sending it a byte at a time cannot hold the call past its timeout (requests' read
+    timeout bounds each read of the socket, not the answer: a dribbled answer took 56 s of a 2 s call)."""
+    cut = threading.Event()
+
+    def shut() -> None:
+        cut.set()
+        connection = getattr(response.raw, "connection", None)
+        sock = getattr(connection, "sock", None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    watchdog = threading.Timer(max(seconds, 0.0), shut)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        response.content  # noqa: B018 - read whole (streamed, so that the watchdog bounds it)
+    except requests.RequestException:
+        if cut.is_set():
+            return False
+        raise
+    finally:
+        watchdog.cancel()
+    return True
 
 
 def _sendable(name: str) -> str:
@@ -295,8 +330,10 @@ class Client:
     """A visionserve client. Thread-safe for concurrent calls; reuse one instance (it pools connections: up to
     ``pool_size`` of them; more threads than that wait for one rather than open connections they cannot keep).
 
-    ``timeout`` bounds a call, end to end: its attempts and the waits between them (each attempt's connect at most
-    ``connect_timeout`` of it). 429 and 503 answers, a proxy's 502 and 504, a connection that could not be opened
+    ``timeout`` bounds a call, end to end: its wait for a pooled connection, its attempts (their answers' bodies
+    too, however slowly they come) and the waits between them (each attempt's connect at most ``connect_timeout`` of
+    it); past it, the error's code is ``timeout``. A failed TLS handshake is ``tls_error`` (a server answered), not
+    retried. 429 and 503 answers, a proxy's 502 and 504, a connection that could not be opened
     and one cut with no answer are retried up to ``retries`` times, waiting what the server's Retry-After says (at
     most ``max_backoff_s``, and up to a fifth more), or an exponential backoff with jitter when it says nothing; never
     a read timeout, and never a wait the call's ``timeout`` or deadline would end first. A URL without http://, or
@@ -310,8 +347,11 @@ class Client:
                  connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S, sleep: Callable[[float], None] = time.sleep,
                  clock: Callable[[], float] = time.monotonic) -> None:
         seconds = (timeout, connect_timeout, backoff_s, max_backoff_s)
-        if not all(isinstance(s, (int, float)) and math.isfinite(s) and s >= 0 for s in seconds) or timeout <= 0 \
-                or connect_timeout <= 0 or retries < 0 or pool_size <= 0:
+        counts = (retries, pool_size)
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in counts):
+            raise TypeError(f"retries and pool_size are whole numbers, got {retries!r} and {pool_size!r}")
+        if not all(isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) and s >= 0
+                   for s in seconds) or timeout <= 0 or connect_timeout <= 0 or retries < 0 or pool_size <= 0:
             raise ValueError("timeout, connect_timeout and pool_size must be positive; retries and backoffs must not "
                              "be negative; the times finite")
         self.base_url = _base_url(base_url)
@@ -319,6 +359,9 @@ class Client:
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self._sleep, self._clock = sleep, clock
         self._limits: _Limits | None = None  # the server's, read by the first predict_each
+        # A pooled connection per call at most: a call waits for one within its own time (the pool itself would
+        # wait for ever, uncounted: six threads of a pool of two, 2 s each, ended at 2, 4 and 6 s)
+        self.pool_size, self._connections = pool_size, threading.BoundedSemaphore(pool_size)
         self.session = requests.Session()
         # pool_block: a thread past pool_size waits for a pooled connection; without it, it opens one of its own
         # and then drops it ("Connection pool is full, discarding connection"): a new connection per call.
@@ -384,13 +427,23 @@ class Client:
         left_ms = budget.header_ms()
         if left_ms is not None:  # what is left of the caller's deadline, not what it was at the first attempt
             headers["X-Request-Timeout"] = left_ms
+        if not self._connections.acquire(timeout=max(budget.end_left_s(), 0.0)):
+            return VisionServeError(f"no connection of this client's pool (pool_size {self.pool_size}) came free "
+                                    f"within the call's timeout ({self.timeout:g} s): its other calls held them all",
+                                    code="timeout"), False
         try:
             response = self.session.request(method, self.base_url + path, **{**kwargs, "headers": headers},
-                                            timeout=budget.attempt_timeout(self.connect_timeout))
+                                            timeout=budget.attempt_timeout(self.connect_timeout), stream=True)
+            if not _read_within(response, budget.end_left_s()):
+                return VisionServeError(f"the answer did not come whole within the call's timeout ({self.timeout:g} "
+                                        f"s): the server or a proxy sent it too slowly", code="timeout",
+                                        status=response.status_code), False
         except SETUP_ERRORS as exc:
             raise _usage_error(exc) from None
         except requests.RequestException as exc:
             return failure_of(exc)
+        finally:
+            self._connections.release()
         if response.status_code == 200:
             return response
         return error_of(response), retried(response)
@@ -400,10 +453,10 @@ class Client:
                 model: str | None = None, version: str | None = None) -> Prediction: ...
 
     @overload
-    def predict(self, images: Sequence[ImageInput], top_k: int | None = None, *, deadline_ms: float | None = None,
+    def predict(self, images: Iterable[ImageInput], top_k: int | None = None, *, deadline_ms: float | None = None,
                 model: str | None = None, version: str | None = None) -> list[Prediction]: ...
 
-    def predict(self, images: ImageInput | Sequence[ImageInput], top_k: int | None = None, *,
+    def predict(self, images: ImageInput | Iterable[ImageInput], top_k: int | None = None, *,
                 deadline_ms: float | None = None, model: str | None = None,
                 version: str | None = None) -> Prediction | list[Prediction]:
         """Classify one image (a path, the file's bytes, or a file opened with 'rb') or a list of them, in one
@@ -428,10 +481,10 @@ class Client:
               version: str | None = None) -> Embedding: ...
 
     @overload
-    def embed(self, images: Sequence[ImageInput], *, deadline_ms: float | None = None, model: str | None = None,
+    def embed(self, images: Iterable[ImageInput], *, deadline_ms: float | None = None, model: str | None = None,
               version: str | None = None) -> list[Embedding]: ...
 
-    def embed(self, images: ImageInput | Sequence[ImageInput], *, deadline_ms: float | None = None,
+    def embed(self, images: ImageInput | Iterable[ImageInput], *, deadline_ms: float | None = None,
               model: str | None = None, version: str | None = None) -> Embedding | list[Embedding]:
         """The embedding of one image (a path, the file's bytes, or a file opened with 'rb') or of each of a list,
         in one request, in order (``/predict?outputs=embedding``); a model exported without one answers
@@ -446,7 +499,7 @@ class Client:
         embeddings = self._embed_files(files, _embed_params(model, version), budget)
         return embeddings[0] if single else embeddings
 
-    def embed_each(self, images: Sequence[ImageInput], *, deadline_ms: float | None = None,
+    def embed_each(self, images: Iterable[ImageInput], *, deadline_ms: float | None = None,
                    model: str | None = None,
                    version: str | None = None) -> list[Embedding | VisionServeError | OSError]:
         """Like ``embed`` for a list, in as many requests as the server's limits need, one bad image not sinking
@@ -455,7 +508,7 @@ class Client:
         _check_deadline(deadline_ms)
         return self._each("embed_each", images, self._embed_files, _embed_params(model, version), deadline_ms)
 
-    def predict_each(self, images: Sequence[ImageInput], top_k: int | None = None, *,
+    def predict_each(self, images: Iterable[ImageInput], top_k: int | None = None, *,
                      deadline_ms: float | None = None, model: str | None = None,
                      version: str | None = None) -> list[Prediction | VisionServeError | OSError]:
         """Like ``predict`` for a list, but one bad image does not sink the others: each entry is its image's
@@ -472,7 +525,7 @@ class Client:
         _check_deadline(deadline_ms)
         return self._each("predict_each", images, self._predict_files, _params(model, version, top_k), deadline_ms)
 
-    def _each(self, call: str, images: Sequence[ImageInput], send: _Send[T], params: dict[str, str],
+    def _each(self, call: str, images: Iterable[ImageInput], send: _Send[T], params: dict[str, str],
               deadline_ms: float | None) -> list[T | VisionServeError | OSError]:
         """``images`` in requests that fit the server's limits, each answered by ``send`` (a list of answers, one an
         image): every image's answer or its own error; a request refused as a whole, the error of the rest."""
@@ -651,13 +704,22 @@ class Client:
         return None if response is None else response.status_code
 
     def _probe(self, path: str) -> requests.Response | None:
+        """One GET, in the call's ``timeout`` (a pooled connection's wait, and its answer, included)."""
+        end = self._clock() + self.timeout
+        if not self._connections.acquire(timeout=self.timeout):
+            return None
         try:
-            return self.session.get(self.base_url + path, timeout=(min(self.connect_timeout, self.timeout),
-                                                                   self.timeout))
+            response = self.session.get(self.base_url + path, timeout=(min(self.connect_timeout, self.timeout),
+                                                                       max(end - self._clock(), 0.001)), stream=True)
+            return response if _read_within(response, end - self._clock()) else None
         except SETUP_ERRORS as exc:
             raise _usage_error(exc) from None
+        except requests.exceptions.SSLError as exc:  # a server is there, in no TLS this client shares
+            raise failure_of(exc)[0] from None
         except requests.RequestException:
             return None
+        finally:
+            self._connections.release()
 
     def model(self, labels: bool = False, model: str | None = None) -> ModelInfo:
         """A served model's metadata at its default version (with its class names when ``labels``): ``model``, else

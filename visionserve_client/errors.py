@@ -20,6 +20,11 @@ class VisionServeError(Exception):
         self.request_id = request_id
         self.retry_after_s = retry_after_s
 
+    def __repr__(self) -> str:
+        """Its class and everything str() says (a printed list of ``predict_each``'s results shows each error's
+        status, code and request id, not its message alone)."""
+        return f"{type(self).__name__}({str(self)!r})"
+
     def __str__(self) -> str:
         status = f"HTTP {self.status} " if self.status is not None else ""
         request = f" (request id {self.request_id})" if self.request_id else ""

@@ -8,7 +8,9 @@ import io
 import json
 import os
 import re
+import socket
 import threading
+import time
 import tomllib
 from datetime import datetime, timedelta, timezone
 from email.utils import format_datetime
@@ -287,7 +289,7 @@ def _refused_connection() -> requests.ConnectionError:
     (requests.ConnectTimeout("connect timed out"), True, "connection_error"),  # nothing was sent
     (_refused_connection(), True, "connection_error"),
     (requests.ConnectionError("Connection aborted: RemoteDisconnected"), True, "connection_error"),  # a dead worker
-    (requests.exceptions.SSLError("certificate verify failed"), False, "connection_error"),
+    (requests.exceptions.SSLError("certificate verify failed"), False, "tls_error"),  # a server answered there
 ])
 def test_which_failures_are_retried(failure: Exception, retried: bool, code: str) -> None:
     # Before: a POST was sent again after a read timeout, each attempt with the whole timeout.
@@ -685,3 +687,97 @@ def test_a_retry_refused_for_what_the_waits_left_of_the_deadline_raises_the_refu
     with client(stub.url, Clock(), retries=5) as c, pytest.raises(VisionServeError) as caught:
         c.predict(b"x", deadline_ms=1)
     assert caught.value.code == "deadline_too_short" and caught.value.status == 400 and len(stub.posts()) == 1
+
+
+# -- the call's time, whatever the server does (a Python client user's trial) --------------------------------------
+
+class SlowServer:
+    """A raw HTTP server on loopback that reads each request's head, then answers as ``behaviour`` says: ``dribble``
+    (a 200's head, then its JSON body a byte every 0.2 s), ``stall`` (the head and one byte of the body, then
+    nothing) or ``hang`` (nothing at all)."""
+
+    def __init__(self, behaviour: str) -> None:
+        self.behaviour, self.stop = behaviour, threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        self.listener.settimeout(0.1)
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                continue
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        body = json.dumps({"model": {"name": "m", "version": "1"}, "predictions": []}).encode()
+        with conn:
+            conn.recv(65536)
+            if self.behaviour != "hang":
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                             % len(body))
+            for byte in (body[:1] if self.behaviour == "stall" else body if self.behaviour == "dribble" else b""):
+                conn.sendall(bytes([byte]))
+                if self.stop.wait(0.2):
+                    return
+            self.stop.wait(30)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.listener.close()
+
+
+@pytest.fixture
+def slow_server(request: pytest.FixtureRequest) -> Iterator[SlowServer]:
+    server = SlowServer(request.param)
+    yield server
+    server.close()
+
+
+@pytest.mark.parametrize("slow_server", ["dribble", "stall"], indirect=True)
+def test_a_call_ends_at_its_timeout_however_slowly_its_answer_comes(slow_server: SlowServer) -> None:
+    # Before: a body sent a byte every 0.5 s took 56 s of a 2 s call (requests' read timeout bounds each read), and a
+    # body that stalled after its first byte said "connection_error" (the command line: start a server)
+    started = time.monotonic()
+    with Client(slow_server.url, timeout=1.0, retries=2) as c, pytest.raises(VisionServeError) as caught:
+        c.predict(b"x")
+    assert time.monotonic() - started < 3.0
+    assert caught.value.code == "timeout" and "connection" not in str(caught.value)
+
+
+@pytest.mark.parametrize("slow_server", ["hang"], indirect=True)
+def test_a_call_waiting_for_a_pooled_connection_waits_within_its_own_timeout(slow_server: SlowServer) -> None:
+    # Before: six threads of a pool of two against a server that never answers ended at 2, 2, 4, 4, 6 and 6 s of
+    # their 2 s calls (the pool's wait for a free connection was counted in no call's time)
+    ended: list[float] = []
+    codes: list[str] = []
+    started = time.monotonic()
+    with Client(slow_server.url, timeout=0.6, retries=0, pool_size=1) as c:
+        def call() -> None:
+            try:
+                c.predict(b"x")
+            except VisionServeError as exc:
+                codes.append(exc.code)
+            ended.append(time.monotonic() - started)
+
+        threads = [threading.Thread(target=call) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+    assert codes == ["timeout"] * 3 and max(ended) < 1.5, ended
+
+
+def test_an_error_s_repr_says_its_status_code_and_request_id() -> None:
+    error = VisionServeError("no such model", status=404, code="not_found", request_id="r-1")
+    assert repr(error) == "VisionServeError('HTTP 404 not_found: no such model (request id r-1)')"
+    assert repr([error]) == "[VisionServeError('HTTP 404 not_found: no such model (request id r-1)')]"
+
+
+@pytest.mark.parametrize("arguments", [{"retries": 1.5}, {"pool_size": 2.5}, {"retries": "3"}, {"pool_size": True}])
+def test_counts_that_are_no_whole_numbers_are_refused_when_the_client_is_made(arguments: dict) -> None:
+    # Before: Client(retries=1.5) was made, and its first call raised a TypeError of range()
+    with pytest.raises(TypeError, match="retries and pool_size are whole numbers"):
+        Client("http://127.0.0.1:9", **arguments)
