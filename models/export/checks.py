@@ -72,6 +72,10 @@ def no_export_message(weights_dir: Path) -> str:
     if weights_dir.resolve() == DEFAULT_WEIGHTS_DIR:
         return (f"no manifest.json in {weights_dir}: {found}; run `make weights` to export the bundled default model "
                 f"into it, or set VISIONSERVE_WEIGHTS_DIR to {served}")
+    if weights_dir.is_dir() and not any(weights_dir.iterdir()):  # a new volume meant for a repository, say
+        return (f"no manifest.json in {weights_dir}: the folder is empty; write a model into it before the server "
+                f"starts (python -m models.export --repository {weights_dir}, from a pod or host that mounts it "
+                f"read-write: docs/models.md), or set VISIONSERVE_WEIGHTS_DIR to {served}")
     return (f"no manifest.json in {weights_dir}: {found}; check VISIONSERVE_WEIGHTS_DIR, which names the folder to "
             f"serve: {served} (`make weights` exports the bundled default model into weights/, not there)")
 

@@ -111,10 +111,16 @@ def test_a_failed_background_load_is_handed_to_on_error(settings: Settings) -> N
     wait_until(lambda: bool(failures) and not service.alive)  # the loader thread ends: liveness fails
     assert isinstance(failures[0], ModelLoadError) and "no manifest.json" in str(failures[0])
     message = str(failures[0])
-    assert "it holds no export; check VISIONSERVE_WEIGHTS_DIR" in message and "runs/NAME/export" in message
-    assert "run `make weights`" not in message and "--default --out" not in message  # that fills weights/ only
+    # an empty folder (a new volume for a repository: pods crash-looped, told of `make weights`; an SRE's trial)
+    assert "the folder is empty; write a model into it before the server starts (python -m models.export " \
+           f"--repository {settings.resolved_weights_dir()}" in message and "runs/NAME/export" in message
+    assert "make weights" not in message and "--default --out" not in message  # that fills weights/ only
     assert "\n" not in message
     assert not service.ready
+    (settings.resolved_weights_dir() / "README.txt").write_text("not an export")  # a folder holding other things
+    message = checks.no_export_message(settings.resolved_weights_dir())
+    assert "it holds no export; check VISIONSERVE_WEIGHTS_DIR" in message and "runs/NAME/export" in message
+    assert "run `make weights`" not in message
 
 
 def test_only_the_default_weights_folder_is_told_to_run_make_weights(tmp_path: Path,
