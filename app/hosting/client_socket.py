@@ -166,21 +166,24 @@ class ClientSocket(socket.socket):
 
 
 
+Counted = tuple[dict[str, int], str]  # a connection's count (``ClientCounts``' open or refusing) and its client
+
+
 class ClientConn(TConn):
     """gthread's connection, whose graceful close (after an answer that said ``Connection: close``) is its worker's
-    ``close_gracefully``: the same half-close and drain, without blocking the event loop for up to 2 s; its close
-    leaves its client's count (``ClientCounts``)."""
+    ``close_gracefully``: the same half-close and drain, without blocking the event loop; its close leaves its
+    client's count (``ClientCounts``), a graceful one once its linger ends (the closer is handed the count)."""
 
-    closer: Callable[[socket.socket], None] | None = None
-    counted: tuple[dict[str, int], str] | None = None  # the count it is one of (``ClientCounts``), and its client
+    closer: Callable[[socket.socket, "Counted | None"], None] | None = None
+    counted: Counted | None = None  # the count it is one of (``ClientCounts``), and its client
 
     def close(self, graceful: bool = False) -> None:
-        if self.counted is not None:
-            ClientCounts.leave(*self.counted)
-            self.counted = None
+        counted, self.counted = self.counted, None
         if graceful and self.closer is not None:
-            self.closer(self.sock)
+            self.closer(self.sock, counted)  # still its client's while it lingers
             return
+        if counted is not None:
+            ClientCounts.leave(*counted)
         super().close(graceful)
 
 

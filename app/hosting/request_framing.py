@@ -48,6 +48,7 @@ FIRST_READ = 1 << 16  # a request's first read: its headers and a small body. Py
 HELD_PIECE = 64 * 1024  # what a read of "the next chunk" (the header parser's) takes out of the held bytes
 EMPTY_LINES = re.compile(rb"(?:\r\n)+")  # what may come before a request line (RFC 9112 2.2), skipped
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"  # what a client that sent Expect: 100-continue waits for
+LENGTH_DIGITS = 18  # the most digits a Content-Length may have (a body under an exabyte; more: 400 from the head)
 HTTP_11_ON = re.compile(rb"HTTP/1\.[1-9]")  # a request version that may send a chunked body or expect 100 Continue
 CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]+")
 CODINGS = frozenset((b"chunked", b"identity", b"gzip", b"deflate", b"compress"))  # the transfer codings gunicorn takes
@@ -187,6 +188,9 @@ def head_framing(head: bytes) -> int | Framing | Refusal | None:
                        "carry exactly one, naming the server's host and port (RFC 9112 3.2)")
     if len(lengths) > 1 or (lengths and not lengths[0].isdigit()):
         return None
+    if lengths and len(lengths[0]) > LENGTH_DIGITS:  # int() of 4,301 digits raised, and ended the worker
+        return Refusal(400, "Bad Request", f"the Content-Length has {len(lengths[0])} digits, over "
+                       f"{LENGTH_DIGITS}: no body is that long")
     length = int(lengths[0]) if lengths else 0
     if not (codings or expects):
         return length

@@ -45,7 +45,7 @@ from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn, ThreadWorker
 
 from app.hosting import control, waiting
 from app.hosting.browser_origins import LOOP_ORIGINS
-from app.hosting.client_socket import ClientConn, ClientCounts, ClientSocket, Joined
+from app.hosting.client_socket import ClientConn, ClientCounts, ClientSocket, Counted, Joined
 from app.hosting.loop_requests import LoopRequests
 from app.hosting.recent_refusals import RECENT, LoopRefusal
 from app.hosting.request_framing import (CONTINUE, HEADER_END, HELD_PIECE, ChunkedBody, Framing, HeldUnreader,
@@ -58,6 +58,8 @@ CLOSE_LINGER_S = 5.0  # a connection's graceful close reads (and drops) what the
 # most, whatever its size (as nginx's lingering close): a client still sending a body refused from its head (413 over
 # MAX_BODY_BYTES) reads the answer before it sees its connection reset (Node's fetch failed with EPIPE, half the time)
 CLOSE_DRAIN_TURN_BYTES = 16 * HELD_PIECE  # and at most this much at a turn of the loop, so a fast sender holds it not
+CLOSE_DRAIN_BODIES = 4  # and at most this many MAX_BODY_BYTES in all (the body refused and what may follow it); a
+# lingering connection counts against MAX_CONNECTIONS and its client's MAX_CONNECTIONS_PER_CLIENT until it closes
 # accept(2)'s errors that end one connection before it was taken (Linux passes a pending network error on as accept's;
 # EPERM: a firewall refused it): the listener is asked again for the next one
 ACCEPT_GONE = frozenset(getattr(errno, name) for name in (
@@ -98,10 +100,14 @@ class Writing:
 
 @dataclass(eq=False)
 class Closing:
-    """A connection half-closed after its last answer: read until the client closes its end or CLOSE_LINGER_S has
-    passed, then closed (RFC 9112 9.6: no reset that would cut the answer short)."""
+    """A connection half-closed after its last answer: read until the client closes its end, CLOSE_LINGER_S has
+    passed or CLOSE_DRAIN_BODIES bodies came, then closed (RFC 9112 9.6: no reset that would cut the answer short);
+    counted meanwhile as an open connection, of its client's (``counted``) and of the worker's."""
     sock: socket.socket
     deadline: float
+    counted: Counted | None = None
+    drained: int = 0
+    closed: bool = False
 
 
 class BufferingWorker(LoopRequests, ThreadWorker):
@@ -628,16 +634,19 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         for closing in [c for c in self.closing if c.deadline <= now]:
             self._closed(closing)
 
-    def close_gracefully(self, sock: socket.socket) -> None:
+    def close_gracefully(self, sock: socket.socket, counted: Counted | None = None) -> None:
         """gunicorn's graceful close on the loop: the write side shut (the client sees the answer end), then what
-        the client still sends read as it comes (``_drain``), and the socket closed once it closes its end."""
+        the client still sends read as it comes (``_drain``), and the socket closed once it closes its end; counted
+        meanwhile as an open connection, its client's (``counted``) and the worker's (a client refused again and
+        again held thousands of files in lingering closes, past both limits: a security review)."""
+        closing = Closing(sock, time.monotonic() + CLOSE_LINGER_S, counted)
+        self.nr_conns += 1  # (its close took it off; the linger holds its file)
         try:
             sock.shutdown(socket.SHUT_WR)
             sock.setblocking(False)
-            closing = Closing(sock, time.monotonic() + CLOSE_LINGER_S)
             self.poller.register(sock, selectors.EVENT_READ, partial(self._drain, closing))
         except (OSError, ValueError):
-            sock.close()
+            self._closed(closing)
             return
         self.closing.add(closing)
 
@@ -650,15 +659,24 @@ class BufferingWorker(LoopRequests, ThreadWorker):
                 return
             except OSError:
                 data = b""
-            if not data:
+            turn += len(data)
+            closing.drained += len(data)
+            if not data or closing.drained > CLOSE_DRAIN_BODIES * self.limits.max_body_bytes:
                 self._closed(closing)
                 return
-            turn += len(data)
 
     def _closed(self, closing: Closing) -> None:
+        """A lingering close's end: the socket closed, its counts left (once, whichever ends it)."""
+        if closing.closed:
+            return
+        closing.closed = True
         self.closing.discard(closing)
         self._unwatch(closing.sock)
         closing.sock.close()
+        self.nr_conns -= 1
+        if closing.counted is not None:
+            ClientCounts.leave(*closing.counted)
+            closing.counted = None
 
     def _expired(self, reading: Reading, now: float) -> bool:
         if reading.body_end is not None:

@@ -180,6 +180,19 @@ def test_a_head_gunicorn_s_parser_refuses_is_answered_in_the_error_shape(server:
         raw.error(status, code)
 
 
+def test_a_content_length_of_thousands_of_digits_is_400_and_the_worker_lives_on(server: Running) -> None:
+    # Before: int() of 4,301 digits raised on the worker's loop: the worker died, every connection it held with it,
+    # from one unauthenticated request (a security review)
+    workers = set(server.http_worker_pids())
+    with Raw(server.port) as raw:
+        raw.send(b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: " + b"0" * 4301 + b"\r\n\r\n")
+        assert "no body is that long" in raw.error(400, "bad_request")["message"] and raw.closed()
+    with Raw(server.port) as raw:
+        raw.send(HEALTH)
+        assert raw.answer()[0] == 200
+    assert set(server.http_worker_pids()) == workers
+
+
 def test_an_http_1_1_request_without_one_host_is_400_in_the_error_shape(server: Running) -> None:
     # Before: served (RFC 9112 3.2: a server must answer 400 to an HTTP/1.1 request without a Host, or with two)
     for sent, v2 in ((b"GET /healthz HTTP/1.1\r\n\r\n", False), (b"GET /v2/health/ready HTTP/1.1\r\n\r\n", True),

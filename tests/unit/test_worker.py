@@ -42,6 +42,16 @@ def test_a_head_without_transfer_encoding_or_expect_says_how_much_to_wait_for_by
     assert head_framing(head) == expected
 
 
+def test_a_content_length_of_more_digits_than_any_body_needs_is_refused_not_read() -> None:
+    # Before: int() of its 4,301 digits (leading zeros will do) raised on the loop and ended the worker, every
+    # connection it held with it (a security review)
+    for head in (POST_P + b"Content-Length: " + b"0" * 4301, POST_P + b"Content-Length: " + b"9" * 19):
+        framing = head_framing(head)
+        assert isinstance(framing, Refusal) and (framing.status, framing.code) == (400, "bad_request")
+        assert "digits, over 18: no body is that long" in framing.message
+    assert head_framing(POST_P + b"Content-Length: " + b"9" * 18) == 10 ** 18 - 1  # read: the 413 is the app's
+
+
 @pytest.mark.parametrize("head, refused", [
     (b"GET /healthz HTTP/1.1", True),  # RFC 9112 3.2: a server must answer 400
     (b"GET /healthz HTTP/1.1\r\nX-Host: x", True),
@@ -1200,7 +1210,7 @@ def _client_connection(ours: socket.socket, answer_timeout_s: float) -> tuple[An
     sock.answer_timeout_s, sock.loop_writes = answer_timeout_s, True
     conn = ClientConn(Config(), sock, ("127.0.0.1", 1), ("127.0.0.1", 2))
     closed: list[socket.socket] = []
-    conn.closer = closed.append
+    conn.closer = lambda sock, _counted: closed.append(sock)
     return conn, closed
 
 
@@ -1712,3 +1722,31 @@ def test_the_loop_s_own_answer_carries_the_cors_headers_of_a_listed_origin(socke
     head, _, body = client.recv(65536).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 431 ") and b"\r\nAccess-Control-Allow-Origin: https://app.example\r\n" in head
     assert b"\r\nVary: Origin\r\n" in head and json.loads(body)["error"]["code"] == "request_header_fields_too_large"
+
+
+@pytest.mark.parametrize("ends", ["client closes", "bodies drained"])
+def test_a_lingering_close_counts_as_its_client_s_connection_and_the_worker_s_until_it_ends(
+        sockets, ends: str) -> None:  # noqa: ANN001
+    # Before: a graceful close left both counts at once, then lingered (up to CLOSE_LINGER_S) holding its file: one
+    # client refused again and again held 3,000 files of a worker past MAX_CONNECTIONS_PER_CLIENT (500) and
+    # MAX_CONNECTIONS (1000), and its health probes waited seconds (a security review)
+    from app.hosting.client_socket import ClientConn, ClientCounts
+    from app.hosting.worker import CLOSE_DRAIN_BODIES
+
+    ours, client = sockets
+    worker = _serving_worker(max_body_bytes=100)
+    worker.poller, worker.closing, worker.nr_conns = selectors.DefaultSelector(), set(), 1
+    counts, address = ClientCounts(2), ("198.51.100.1", 1)
+    conn = ClientConn(Config(), ours, address, ("127.0.0.1", 2))
+    counts.join(conn, address)
+    conn.closer = worker.close_gracefully
+    worker.nr_conns -= 1  # as the worker's close does, then the connection's own
+    conn.close(graceful=True)
+    assert worker.nr_conns == 1 and counts.open == {"198.51.100.1": 1} and len(worker.closing) == 1
+    if ends == "client closes":
+        client.sendall(b"the rest of a body")
+        client.shutdown(socket.SHUT_WR)
+    else:  # a client that goes on sending: closed once it sent the bodies it could have, not only after the time
+        client.sendall(b"x" * (CLOSE_DRAIN_BODIES * 100 + 1))
+    _turn(worker, lambda: not worker.closing, timeout_s=3)
+    assert worker.nr_conns == 0 and counts.open == {} and ours.fileno() == -1
