@@ -6,7 +6,7 @@ bodies that do not fit in memory, took 0.66 ms of the worker's CPU for one 100 K
 the 2-core VM, about as much as the rest of the request (docs/performance.md). What werkzeug accepts is read the
 same way: a preamble and an epilogue are ignored, header names are case-insensitive, a part is a file when its
 ``Content-Disposition`` names a ``filename`` (RFC 2231's ``filename*`` too) or, unlike werkzeug, when its
-``Content-Type`` is not text (a nameless Blob of FormData), a boundary may be longer than RFC 2046's
+``Content-Type`` is an image's or ``application/octet-stream`` (a nameless Blob of FormData), a boundary may be longer than RFC 2046's
 70 characters, and text fields are UTF-8. A body that
 is not one (no boundary, a part cut short, a part without a name) is a 400 ``bad_request`` saying what is wrong, a
 text field too long or too many of them a 400 ``invalid_request``, and a form with more files than a request may
@@ -21,6 +21,7 @@ from werkzeug.http import parse_options_header
 
 from app.errors import BadRequest, MalformedBody, TooManyImages
 
+_FILE_TYPES = ("image/", "application/octet-stream")  # a part of these types is a file, named or not
 MAX_FIELD_BYTES = 4096  # a text field's value: the forms' fields are numbers and names
 MAX_FIELDS = 16  # text fields beside the files (each endpoint knows a few and refuses the others by name)
 MAX_HEADER_BYTES = 8192  # a part's header block (its disposition, its type): looked for no further
@@ -115,8 +116,8 @@ def _part_end(body: bytes, separator: bytes, start: int) -> int:
 
 def _disposition(headers: bytes) -> tuple[str, str | None]:
     """The part's field name and filename from its Content-Disposition; None: not a file. A part without a filename
-    whose Content-Type is not text is a file too, its filename "" (Node's and the browsers' FormData send a Blob
-    without a name so: no filename, ``Content-Type: application/octet-stream``)."""
+    whose Content-Type is an image's or ``application/octet-stream`` is a file too, its filename "" (Node's and the
+    browsers' FormData send a Blob without a name so); any other (a field sent as JSON, as text) is a field."""
     name = filename = None
     typed = False
     for line in headers.split(_CRLF):
@@ -128,7 +129,7 @@ def _disposition(headers: bytes) -> tuple[str, str | None]:
                 break
             name, filename = options["name"], options.get("filename")
         elif header == "content-type":
-            typed = not value.strip().lower().startswith("text/")
+            typed = value.strip().lower().startswith(_FILE_TYPES)
     if name is None:
         raise MalformedBody('every part of a multipart/form-data body needs Content-Disposition: form-data; '
                             'name="..."')
@@ -156,7 +157,7 @@ def header_options(value: str) -> tuple[str, dict[str, str]]:
 def _add_field(form: FormData, name: str, body: bytes, start: int, end: int) -> None:
     if end - start > MAX_FIELD_BYTES:
         raise BadRequest(f"form field {name!r} holds {end - start} bytes; a field holds at most {MAX_FIELD_BYTES} "
-                         "(send an image as a file: a part with a filename, or with an image's Content-Type)")
+                         "(send an image as a file: a part with a filename, or an image's Content-Type)")
     if sum(map(len, form.fields.values())) >= MAX_FIELDS:
         raise BadRequest(f"more than {MAX_FIELDS} form fields beside the images")
     form.fields.setdefault(name, []).append(body[start:end].decode("utf-8", "replace"))

@@ -179,5 +179,7 @@ def test_a_nameless_blob_is_a_file_as_its_content_type_says_and_a_typed_text_par
     body = _body(_part('Content-Disposition: form-data; name="image"\r\nContent-Type: application/octet-stream', photo),
                  _part('Content-Disposition: form-data; name="image"\r\ncontent-type: image/jpeg', b"\xff\xd8 two"),
                  _part('Content-Disposition: form-data; name="top_k"\r\nContent-Type: text/plain; charset=utf-8', b"3"),
+                 _part('Content-Disposition: form-data; name="outputs"\r\nContent-Type: application/json', b'"labels"'),
                  _part('Content-Disposition: form-data; name="label"', b"cat"))
-    assert _ours(body) == ({"top_k": ["3"], "label": ["cat"]}, {"image": [(None, photo), (None, b"\xff\xd8 two")]})
+    assert _ours(body) == ({"top_k": ["3"], "outputs": ['"labels"'], "label": ["cat"]},  # (a JSON-typed field: a field)
+                           {"image": [(None, photo), (None, b"\xff\xd8 two")]})
