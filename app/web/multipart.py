@@ -6,8 +6,8 @@ bodies that do not fit in memory, took 0.66 ms of the worker's CPU for one 100 K
 the 2-core VM, about as much as the rest of the request (docs/performance.md). What werkzeug accepts is read the
 same way: a preamble and an epilogue are ignored, header names are case-insensitive, a part is a file when its
 ``Content-Disposition`` names a ``filename`` (RFC 2231's ``filename*`` too) or, unlike werkzeug, when its
-``Content-Type`` is an image's or ``application/octet-stream`` (a nameless Blob of FormData), a boundary may be longer than RFC 2046's
-70 characters, and text fields are UTF-8. A body that
+``Content-Type`` is an image's or ``application/octet-stream`` (a nameless Blob of FormData), a boundary may be
+longer than RFC 2046's 70 characters, and text fields are UTF-8. A body that
 is not one (no boundary, a part cut short, a part without a name) is a 400 ``bad_request`` saying what is wrong, a
 text field too long or too many of them a 400 ``invalid_request``, and a form with more files than a request may
 carry a 413 before the rest is read.
