@@ -48,6 +48,8 @@ FIRST_READ = 1 << 16  # a request's first read: its headers and a small body. Py
 HELD_PIECE = 64 * 1024  # what a read of "the next chunk" (the header parser's) takes out of the held bytes
 EMPTY_LINES = re.compile(rb"(?:\r\n)+")  # what may come before a request line (RFC 9112 2.2), skipped
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"  # what a client that sent Expect: 100-continue waits for
+# A Host header's value: RFC 3986's host (a name, an IPv4 address or a bracketed IP literal) and port, or nothing
+HOST_VALUE = re.compile(rb"(?:[A-Za-z0-9._~%!$&'()*+,;=-]+|\[[0-9A-Za-z:.%_~-]+\])?(?::[0-9]*)?")
 LENGTH_DIGITS = 18  # the most digits a Content-Length may have (a body under an exabyte; more: 400 from the head)
 HTTP_11_ON = re.compile(rb"HTTP/1\.[1-9]")  # a request version that may send a chunked body or expect 100 Continue
 CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]+")
@@ -171,12 +173,13 @@ def head_framing(head: bytes) -> int | Framing | Refusal | None:
     lines = head.split(b"\r\n")
     codings: list[bytes] = []
     lengths, expects = [], []
-    hosts = 0
+    hosts, host = 0, b""
     for line in lines[1:]:
         name, _, value = line.partition(b":")
         name = name.strip().lower()
         if name == b"host":
             hosts += 1
+            host = value.strip(b" \t")
         elif name == b"content-length":
             lengths.append(value.strip())
         elif name == b"transfer-encoding":
@@ -186,6 +189,9 @@ def head_framing(head: bytes) -> int | Framing | Refusal | None:
     if hosts != 1 and (hosts or HTTP_11_ON.fullmatch(lines[0].rpartition(b" ")[2]) is not None):
         return Refusal(400, "Bad Request", f"the request has {hosts or 'no'} Host header fields: HTTP/1.1 requests "
                        "carry exactly one, naming the server's host and port (RFC 9112 3.2)")
+    if hosts and not HOST_VALUE.fullmatch(host):
+        return Refusal(400, "Bad Request", "the Host header is no host[:port] (RFC 9112 3.2: a server must refuse "
+                       "an invalid one)")
     if len(lengths) > 1 or (lengths and not lengths[0].isdigit()):
         return None
     if lengths and len(lengths[0]) > LENGTH_DIGITS:  # int() of 4,301 digits raised, and ended the worker

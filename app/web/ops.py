@@ -7,7 +7,7 @@ import os
 from functools import lru_cache
 from typing import Any, Sequence
 
-from flask import Blueprint, Flask, Response, jsonify
+from flask import Blueprint, Flask, Response, jsonify, request
 from flask_swagger_ui import get_swaggerui_blueprint
 
 from app.errors import ServiceError
@@ -92,4 +92,16 @@ def register_ops(app: Flask, protocols: Sequence[Protocol]) -> None:
     app.register_blueprint(ops)
     app.register_blueprint(demo_blueprint())
     # Swagger UI's files ship inside flask-swagger-ui: /docs works offline.
-    app.register_blueprint(get_swaggerui_blueprint(DOCS_PATH, OPENAPI_PATH, config={"app_name": "visionserve"}))
+    docs = get_swaggerui_blueprint(DOCS_PATH, OPENAPI_PATH, config={"app_name": "visionserve"})
+    docs.add_url_rule("", "moved", _to_the_docs_page)  # /docs: before werkzeug's redirect, named for the Host header
+    app.register_blueprint(docs)
+
+
+def _to_the_docs_page() -> Response:
+    """/docs to /docs/ (the page's own files are relative to it), by a Location relative to this server: werkzeug's
+    slash redirect wrote it absolute from the request's Host, which a client sets (``Host: evil.example`` sent the
+    next request there: a cache in front would keep it; a security review), in an HTML body."""
+    query = request.query_string.decode("latin-1")
+    moved = Response(status=308, headers={"Location": f"{DOCS_PATH}/" + (f"?{query}" if query else "")})
+    del moved.headers["Content-Type"]  # no body
+    return moved

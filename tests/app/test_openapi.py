@@ -263,6 +263,11 @@ def test_docs_page_works_offline_and_without_a_key(settings: Settings, predictor
         html = page.get_data(as_text=True)
         assert "/openapi.json" in html and not re.search(r"""(src|href)=["']https?://""", html)
         assert client.get("/docs/swagger-ui-bundle.js").status_code == 200
+        # /docs to /docs/ by a Location of this server's, whatever Host says (before: werkzeug's absolute one,
+        # http://evil.example/docs/, a client's to set; a security review)
+        moved = client.get("/docs?x=1", headers={"Host": "evil.example"})
+        assert (moved.status_code, moved.headers["Location"], moved.get_data()) == (308, "/docs/?x=1", b"")
+        assert client.get("/docs", follow_redirects=True).request.path == "/docs/"
         assert client.get("/openapi.json").status_code == 200
         assert client.get("/v1/models").status_code == 401
         # The demo page too: open, offline, and counted as a page rather than as traffic.

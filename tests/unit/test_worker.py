@@ -60,6 +60,10 @@ def test_a_content_length_of_more_digits_than_any_body_needs_is_refused_not_read
     (b"GET /healthz HTTP/1.0", False),  # HTTP/1.0 needs none
     (b"GET /healthz HTTP/1.1\r\nhOsT :x", False),
     (b"GET /healthz HTTP/1.1\r\nHost:", False),  # empty: allowed (a target without an authority)
+    (b"GET /healthz HTTP/1.1\r\nHost: [fe80::1%25eth0]:8000", False),  # an IP literal, its zone too
+    (b"GET /healthz HTTP/1.1\r\nHost: a b/<x>@\xff", True),  # no host (before: served; a security review)
+    (b"GET /healthz HTTP/1.0\r\nHost: user@evil.example", True),  # userinfo: no Host's
+    (b"GET /healthz HTTP/1.1\r\nHost: example.com:http", True),
 ])
 def test_an_http_1_1_head_carries_one_host(head: bytes, refused: bool) -> None:
     framing = head_framing(head)
