@@ -186,17 +186,11 @@ def head_framing(head: bytes) -> int | Framing | Refusal | None:
             codings += (coding.strip(b" \t").lower() for coding in value.split(b","))
         elif name == b"expect":
             expects.append(value.strip(b" \t").lower())
-    if hosts != 1 and (hosts or HTTP_11_ON.fullmatch(lines[0].rpartition(b" ")[2]) is not None):
-        return Refusal(400, "Bad Request", f"the request has {hosts or 'no'} Host header fields: HTTP/1.1 requests "
-                       "carry exactly one, naming the server's host and port (RFC 9112 3.2)")
-    if hosts and not HOST_VALUE.fullmatch(host):
-        return Refusal(400, "Bad Request", "the Host header is no host[:port] (RFC 9112 3.2: a server must refuse "
-                       "an invalid one)")
+    refused = _fields_refused(lines[0], hosts, host, lengths)
+    if refused is not None:
+        return refused
     if len(lengths) > 1 or (lengths and not lengths[0].isdigit()):
         return None
-    if lengths and len(lengths[0]) > LENGTH_DIGITS:  # int() of 4,301 digits raised, and ended the worker
-        return Refusal(400, "Bad Request", f"the Content-Length has {len(lengths[0])} digits, over "
-                       f"{LENGTH_DIGITS}: no body is that long")
     length = int(lengths[0]) if lengths else 0
     if not (codings or expects):
         return length
@@ -211,6 +205,24 @@ def head_framing(head: bytes) -> int | Framing | Refusal | None:
         return Refusal(501, "Not Implemented", f"the transfer coding {undone} is not implemented: send the body "
                        "compressed with Content-Encoding: gzip or deflate instead, Transfer-Encoding chunked alone")
     return Framing(bool(codings), length, bool(expects) and http_11)
+
+
+
+def _fields_refused(request_line: bytes, hosts: int, host: bytes, lengths: list[bytes]) -> "Refusal | None":
+    """What ``head_framing`` refuses of a head's Host fields (``hosts`` of them, the last ``host``) and its
+    Content-Length (``lengths``): none for an HTTP/1.1 request, two, or one that is no host[:port] (400: RFC 9112
+    3.2, a server must); a length of more digits than any body needs (int() of 4,301 raised, and ended the
+    worker with every connection it held)."""
+    if hosts != 1 and (hosts or HTTP_11_ON.fullmatch(request_line.rpartition(b" ")[2]) is not None):
+        return Refusal(400, "Bad Request", f"the request has {hosts or 'no'} Host header fields: HTTP/1.1 requests "
+                       "carry exactly one, naming the server's host and port (RFC 9112 3.2)")
+    if hosts and not HOST_VALUE.fullmatch(host):
+        return Refusal(400, "Bad Request", "the Host header is no host[:port] (RFC 9112 3.2: a server must refuse "
+                       "an invalid one)")
+    if len(lengths) == 1 and lengths[0].isdigit() and len(lengths[0]) > LENGTH_DIGITS:
+        return Refusal(400, "Bad Request", f"the Content-Length has {len(lengths[0])} digits, over "
+                       f"{LENGTH_DIGITS}: no body is that long")
+    return None
 
 
 
