@@ -97,6 +97,14 @@ class _Budget:
         return None if self.deadline is None else str(max(1, math.floor((self.deadline - self.clock()) * 1000)))
 
 
+class _TimedOut(Exception):
+    """A call's time ran out waiting for a pooled connection or for its answer's body (``Client._exchange``)."""
+
+    def __init__(self, error: VisionServeError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
 def _read_within(response: requests.Response, seconds: float) -> bool:
     """Whether ``response``'s body (asked for streamed) came whole within ``seconds``: its socket is shut then, so
     that a server or a proxy sending it a byte at a time cannot hold the call past its timeout (requests' read
@@ -363,8 +371,8 @@ class Client:
         # wait for ever, uncounted: six threads of a pool of two, 2 s each, ended at 2, 4 and 6 s)
         self.pool_size, self._connections = pool_size, threading.BoundedSemaphore(pool_size)
         self.session = requests.Session()
-        # pool_block: a thread past pool_size waits for a pooled connection; without it, it opens one of its own
-        # and then drops it ("Connection pool is full, discarding connection"): a new connection per call.
+        # pool_block: never waited on (the semaphore above holds calls to pool_size), but without it a call past
+        # the pool's size opens a connection of its own and drops it ("Connection pool is full, discarding").
         adapter = HTTPAdapter(pool_connections=1, pool_maxsize=pool_size, pool_block=True)
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
@@ -427,23 +435,15 @@ class Client:
         left_ms = budget.header_ms()
         if left_ms is not None:  # what is left of the caller's deadline, not what it was at the first attempt
             headers["X-Request-Timeout"] = left_ms
-        if not self._connections.acquire(timeout=max(budget.end_left_s(), 0.0)):
-            return VisionServeError(f"no connection of this client's pool (pool_size {self.pool_size}) came free "
-                                    f"within the call's timeout ({self.timeout:g} s): its other calls held them all",
-                                    code="timeout"), False
         try:
-            response = self.session.request(method, self.base_url + path, **{**kwargs, "headers": headers},
-                                            timeout=budget.attempt_timeout(self.connect_timeout), stream=True)
-            if not _read_within(response, budget.end_left_s()):
-                return VisionServeError(f"the answer did not come whole within the call's timeout ({self.timeout:g} "
-                                        f"s): the server or a proxy sent it too slowly", code="timeout",
-                                        status=response.status_code), False
+            response = self._exchange(method, path, budget.end_left_s(), **{**kwargs, "headers": headers},
+                                      timeout=budget.attempt_timeout(self.connect_timeout))
+        except _TimedOut as exc:
+            return exc.error, False
         except SETUP_ERRORS as exc:
             raise _usage_error(exc) from None
         except requests.RequestException as exc:
             return failure_of(exc)
-        finally:
-            self._connections.release()
         if response.status_code == 200:
             return response
         return error_of(response), retried(response)
@@ -705,19 +705,35 @@ class Client:
 
     def _probe(self, path: str) -> requests.Response | None:
         """One GET, in the call's ``timeout`` (a pooled connection's wait, and its answer, included)."""
-        end = self._clock() + self.timeout
-        if not self._connections.acquire(timeout=self.timeout):
-            return None
         try:
-            response = self.session.get(self.base_url + path, timeout=(min(self.connect_timeout, self.timeout),
-                                                                       max(end - self._clock(), 0.001)), stream=True)
-            return response if _read_within(response, end - self._clock()) else None
+            return self._exchange("GET", path, self.timeout,
+                                  timeout=(min(self.connect_timeout, self.timeout), self.timeout))
         except SETUP_ERRORS as exc:
             raise _usage_error(exc) from None
         except requests.exceptions.SSLError as exc:  # a server is there, in no TLS this client shares
             raise failure_of(exc)[0] from None
-        except requests.RequestException:
+        except (_TimedOut, requests.RequestException):
             return None
+
+    def _exchange(self, method: str, path: str, left_s: float, **kwargs: Any) -> requests.Response:
+        """One request and its whole answer within ``left_s``, on one of the pool's connections (waited for within
+        that time too; requests' (connect, read) ``timeout`` held to what the wait left): _TimedOut when none came
+        free or the answer came too slowly; requests' own errors as they are."""
+        end = self._clock() + left_s
+        if not self._connections.acquire(timeout=max(left_s, 0.0)):
+            raise _TimedOut(VisionServeError(
+                f"no connection of this client's pool (pool_size {self.pool_size}) came free within the call's "
+                f"timeout ({self.timeout:g} s): its other calls held them all", code="timeout"))
+        try:
+            connect_s, read_s = kwargs.pop("timeout")
+            left = max(end - self._clock(), 0.001)  # what the wait for a connection left
+            response = self.session.request(method, self.base_url + path, stream=True,
+                                            timeout=(min(connect_s, left), min(read_s, left)), **kwargs)
+            if not _read_within(response, end - self._clock()):
+                raise _TimedOut(VisionServeError(
+                    f"the answer did not come whole within the call's timeout ({self.timeout:g} s): the server or "
+                    "a proxy sent it too slowly", code="timeout", status=response.status_code))
+            return response
         finally:
             self._connections.release()
 
