@@ -107,7 +107,6 @@ class Closing:
     deadline: float
     counted: Counted | None = None
     drained: int = 0
-    closed: bool = False
 
 
 class BufferingWorker(LoopRequests, ThreadWorker):
@@ -641,14 +640,13 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         again held thousands of files in lingering closes, past both limits: a security review)."""
         closing = Closing(sock, time.monotonic() + CLOSE_LINGER_S, counted)
         self.nr_conns += 1  # (its close took it off; the linger holds its file)
+        self.closing.add(closing)
         try:
             sock.shutdown(socket.SHUT_WR)
             sock.setblocking(False)
             self.poller.register(sock, selectors.EVENT_READ, partial(self._drain, closing))
         except (OSError, ValueError):
             self._closed(closing)
-            return
-        self.closing.add(closing)
 
     def _drain(self, closing: Closing, _sock: Any = None) -> None:
         turn = 0
@@ -667,16 +665,14 @@ class BufferingWorker(LoopRequests, ThreadWorker):
 
     def _closed(self, closing: Closing) -> None:
         """A lingering close's end: the socket closed, its counts left (once, whichever ends it)."""
-        if closing.closed:
+        if closing not in self.closing:  # ended already
             return
-        closing.closed = True
         self.closing.discard(closing)
         self._unwatch(closing.sock)
         closing.sock.close()
         self.nr_conns -= 1
         if closing.counted is not None:
             ClientCounts.leave(*closing.counted)
-            closing.counted = None
 
     def _expired(self, reading: Reading, now: float) -> bool:
         if reading.body_end is not None:
