@@ -64,7 +64,7 @@ ERROR_STATUSES = {
 
 # Every operation takes it (app/web/hooks.py): the caller's id, kept where it is sane, said back in the answer's
 REQUEST_ID_HEADER = {"name": "X-Request-ID", "in": "header", "required": False,
-                     "schema": {"type": "string", "pattern": f"^{REQUEST_ID.pattern.removesuffix(chr(92) + 'Z')}$"},
+                     "schema": {"type": "string", "pattern": "^" + REQUEST_ID.pattern.removesuffix(r"\Z") + "$"},
                      "description": "The caller's id for this request, said back in the answer's X-Request-ID and "
                                     "logged (one that does not match the pattern is replaced by a new one)"}
 
