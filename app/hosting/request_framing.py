@@ -166,8 +166,8 @@ def head_framing(head: bytes) -> int | Framing | Refusal | None:
     coding gunicorn takes, HTTP/1.1 and no Content-Length), else one Content-Length or none; after
     ``Expect: 100-continue`` or not (HTTP/1.0 ignores it). None for any other: the parser refuses it from its head (a
     repeated or malformed Content-Length, both framings, an unknown coding, another expectation). A Refusal where the
-    head itself is refused that gunicorn would take: 400 for an HTTP/1.1 head without a Host field, or any with two
-    (RFC 9112 3.2: a server must); 501 for a transfer coding gunicorn takes but does not undo (gzip, deflate,
+    head itself is refused that gunicorn would take: 400 for its Host fields or its Content-Length's digits
+    (``_fields_refused``); 501 for a transfer coding gunicorn takes but does not undo (gzip, deflate,
     compress before chunked): its bytes would reach the app still compressed, read as the body (RFC 9112 6.1: 501
     for a coding the server does not implement)."""
     lines = head.split(b"\r\n")
