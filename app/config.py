@@ -487,8 +487,9 @@ class ServerSettings(SettingsGroup):
         False, description="Log the `X-Forwarded-For` header beside the peer address. Turn on only behind a proxy "
         "that sets it: clients can write anything there.")
     log_level: Literal["debug", "info", "warning", "error"] = Field(
-        "info", description="Logs are JSON lines on stderr, one per request with its id, status, images, batch "
-        "sizes and durations (ACCESS_LOG says which requests).")
+        "info", description="Logs are JSON lines on stderr, each with the `pid` of the process that wrote it, one "
+        "per request with its id, status, images, batch sizes and durations (ACCESS_LOG says which requests; with "
+        "TRACING, a sampled request's `trace_id` and `span_id`).")
     access_log: Literal["all", "errors", "off"] = Field(
         "all", description="Which requests get their line (at info; probes' at debug): `all`; `errors`: those "
         "answered 4xx or 5xx (499 when the client left); `off`: none. A line is about 350 bytes: at 60 requests a "

@@ -14,12 +14,14 @@ _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"messa
 
 
 class JsonFormatter(logging.Formatter):
-    """Formats a record as a single JSON line with its ``extra`` fields."""
+    """Formats a record as a single JSON line with its ``extra`` fields, and the process that wrote it (``pid``:
+    with several workers, which one loaded a version or answered a request)."""
 
     def format(self, record: logging.LogRecord) -> str:
         entry = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
                  + f".{int(record.msecs):03d}Z",
-                 "level": record.levelname.lower(), "logger": record.name, "msg": record.getMessage()}
+                 "level": record.levelname.lower(), "logger": record.name, "pid": record.process,
+                 "msg": record.getMessage()}
         entry.update({k: v for k, v in vars(record).items() if k not in _STANDARD})
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)

@@ -54,7 +54,7 @@ _BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
 REQUESTS = Counter("visionserve_requests_total", "HTTP requests answered (endpoint \"unparsed\": refused before "
                    "any route, from the request head or its timeouts: 400, 408, 413, 414, 431, a parser's refusal, "
                    "429 to a client over MAX_CONNECTIONS_PER_CLIENT, and 499 for one that left while it sent its "
-                   "body; \"starting\": answered 503 while a worker "
+                   "body; \"unmatched\": a path no route takes, 404; \"starting\": answered 503 while a worker "
                    "imports the app)", ["endpoint", "status"])
 UNPARSED = "unparsed"  # the endpoint of requests refused before the app (app/hosting/request_framing.py)
 STARTING = "starting"  # the endpoint of requests answered while a worker imports the app (app/hosting/starting.py)
@@ -79,7 +79,9 @@ PROBES = Counter("visionserve_probe_requests_total", "Health probes, scrapes and
                  "counted apart from traffic", ["endpoint", "status"])
 PREFLIGHTS = Counter("visionserve_cors_preflights_total", "CORS preflights (OPTIONS answered before any route, "
                      "CORS_ORIGINS), counted apart from traffic", ["endpoint", "status"])
-REJECTED = Counter("visionserve_rejected_total", "Requests refused before inference", ["reason"])
+REJECTED = Counter("visionserve_rejected_total", "Requests refused for the server's capacity before inference, "
+                   "answered 429 or 503 (reason: the error code; a deadline too short for any server, 400 "
+                   "deadline_too_short, is the client's and counts in visionserve_requests_total only)", ["reason"])
 BATCHER_EVENTS = Counter("visionserve_batcher_events_total", "deadline_dropped: images dropped in the queue; "
                          "client_gone: queued images dropped because their client hung up; batch_split: "
                          "out-of-memory batches split and retried; batch_failed: forward passes that raised (a "

@@ -48,7 +48,9 @@ def register_hooks(app: Flask, settings: Settings,
         context.arrived = arrived = getattr(req.environ.get("gunicorn.socket"), "received_at", None)
         context.waited_s = 0.0 if arrived is None else max(0.0, time.monotonic() - arrived)
         context.started = time.perf_counter() - context.waited_s
-        context.log_fields = {"forwarded_for": req.headers.get("X-Forwarded-For")} if trust_forwarded_for else {}
+        fields = context.log_fields = context.get("log_fields", {})  # a trace's ids (app/web/tracing.py) first
+        if trust_forwarded_for:
+            fields["forwarded_for"] = req.headers.get("X-Forwarded-For")
         if preflight is not None and (answer := preflight(req)) is not None:
             context.preflight = True  # counted apart from traffic (_finish_request)
             return answer

@@ -7,8 +7,10 @@ request-wide one, so a request that one refuses (401, 413) is traced too. Once i
 children placed at their real times: decode, then per batch its images ran in, the queue wait and the inference, the
 latter linked to the batch's own span. A batch serves requests from many traces, so it gets a trace of its own,
 made by the first sampled request that reports it and kept, under what tells that batch from any other, for the
-others. Health probes, scrapes and pages are not traced; an unsampled request makes no span at all. The exporter,
-endpoint and service name come from the standard OTEL_* variables.
+others; always exported, whatever the requests' sampler (each batch span has a sampled request linking to it). A
+sampled request's span starts when its worker had it whole, and its access line carries its trace and span ids.
+Health probes, scrapes and pages are not traced; an unsampled request makes no span at all. The exporter, endpoint,
+sampler and service name come from the standard OTEL_* variables.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import atexit
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from typing import Any, Hashable
 
@@ -37,22 +40,38 @@ def register_tracing(app: Flask, settings: Settings, exporter: Any = None) -> No
     """Trace every request of ``app`` (``exporter``: a test's in-memory one; else OTLP over HTTP from OTEL_*)."""
     if not settings.tracing and exporter is None:
         return
-    from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
-    # Not the SDK's own exit handler: it waits for an export in flight and then sends the rest, each export up to
-    # OTEL_EXPORTER_OTLP_TIMEOUT with retries, so with the collector away a worker's stop took 8-19 s.
-    provider = TracerProvider(resource=Resource.create(
-        {"service.name": os.environ.get("OTEL_SERVICE_NAME", "visionserve")}), shutdown_on_exit=False)
     if exporter is None:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        processor: Any = BatchSpanProcessor(OTLPSpanExporter())
     else:
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
-    atexit.register(shutdown_within, provider, EXIT_FLUSH_S)
-    _install_hooks(app, provider.get_tracer("visionserve"))
+        processor = SimpleSpanProcessor(exporter)
+    resource = service_resource()
+    # Not the SDK's own exit handler: it waits for an export in flight and then sends the rest, each export up to
+    # OTEL_EXPORTER_OTLP_TIMEOUT with retries, so with the collector away a worker's stop took 8-19 s.
+    provider = TracerProvider(resource=resource, shutdown_on_exit=False)  # OTEL_TRACES_SAMPLER's sampler
+    provider.add_span_processor(processor)
+    # A batch span is made only for a sampled request that ran in it, and its trace is a root of its own: under
+    # the requests' sampler a ratio would drop most of them on its own draw, leaving the requests' links to nothing.
+    batches = TracerProvider(resource=resource, sampler=ALWAYS_ON, shutdown_on_exit=False)
+    batches.add_span_processor(processor)
+    atexit.register(shutdown_within, provider, EXIT_FLUSH_S)  # the processor both share: its spans sent
+    _install_hooks(app, provider.get_tracer("visionserve"), batches.get_tracer("visionserve"))
+
+
+def service_resource() -> Any:
+    """The spans' resource from the standard variables (OTEL_RESOURCE_ATTRIBUTES, OTEL_SERVICE_NAME), its
+    ``service.name`` ``visionserve`` when neither names one."""
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+
+    resource = Resource.create()
+    if str(resource.attributes.get(SERVICE_NAME, "unknown_service")).startswith("unknown_service"):
+        resource = resource.merge(Resource({SERVICE_NAME: "visionserve"}))
+    return resource
 
 
 def shutdown_within(provider: Any, timeout_s: float) -> bool:
@@ -77,12 +96,12 @@ def _known_methods() -> frozenset[str]:
     return frozenset(method.strip() for method in given.split(",") if method.strip())
 
 
-def _install_hooks(app: Flask, tracer: Any) -> None:
+def _install_hooks(app: Flask, tracer: Any, batch_tracer: Any) -> None:
     from opentelemetry import trace
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
     propagator = TraceContextTextMapPropagator()
-    batches = BatchSpans(tracer)
+    batches = BatchSpans(batch_tracer)
     known = _known_methods()
 
     def _start_span() -> None:
@@ -99,8 +118,12 @@ def _install_hooks(app: Flask, tracer: Any) -> None:
         if req.url_rule is not None:  # the rule's template: a path (a model's name, a stranger's probe) never is
             attributes["http.route"] = req.url_rule.rule
             name = f"{name} {req.url_rule.rule}"
-        g.trace_span = tracer.start_span(name, context=propagator.extract(carrier), kind=trace.SpanKind.SERVER,
-                                         attributes=attributes)
+        g.trace_span = span = tracer.start_span(name, context=propagator.extract(carrier),
+                                                kind=trace.SpanKind.SERVER, attributes=attributes,
+                                                start_time=_received_ns(req.environ))
+        if span.is_recording():  # its access line names the trace (app/web/hooks.py adds the fields it finds)
+            context = span.get_span_context()
+            g.log_fields = {"trace_id": format(context.trace_id, "032x"), "span_id": format(context.span_id, "016x")}
 
     # First of the before hooks, whenever registered: the request-wide hook (app/web/hooks.py) refuses requests
     # (401, 413) by raising, and Flask then calls no later before hook. Not a second hook on every request: off,
@@ -120,6 +143,15 @@ def _install_hooks(app: Flask, tracer: Any) -> None:
         finally:
             span.end()
         return response
+
+
+def _received_ns(environ: dict[str, Any]) -> int:
+    """When the worker had the request whole (its ``time.monotonic()`` on the socket it hands over), in the epoch's
+    nanoseconds: the request's duration in the histogram and the access line counts from then, a wait for a request
+    thread (a burst beyond THREADS) included; now, where no worker said."""
+    arrived = getattr(environ.get("gunicorn.socket"), "received_at", None)
+    now_ns = time.time_ns()
+    return now_ns if arrived is None else now_ns - max(0, int((time.monotonic() - arrived) * 1e9))
 
 
 def _describe(span: Any, status: int, tracer: Any, batches: BatchSpans) -> None:

@@ -5,6 +5,7 @@ import atexit
 import itertools
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
@@ -271,3 +272,58 @@ def test_a_trace_that_fails_never_fails_the_answer(traced, monkeypatch: pytest.M
     assert answer.status_code == 200 and answer.get_json()["predictions"]
     assert [s.name for s in exporter.get_finished_spans()] == ["POST /predict"]  # ended all the same
     assert "stage spans broke" in caplog.text
+
+
+def test_a_ratio_sampler_keeps_the_batch_spans_its_sampled_requests_link_to(
+        app: Flask, service: Service, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: each batch span was a root the requests' sampler drew for on its own; at a ratio of 1% about 99% of
+    # them were dropped while the sampled requests' inference spans still linked to them.
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0")  # no new trace is sampled: a caller's sampled one is
+    exporter = InMemorySpanExporter()
+    register_tracing(app, service.settings, exporter)
+    client = app.test_client()
+    for i in range(3):
+        headers = {"traceparent": f"00-{PARENT_TRACE[:-1]}{i}-00f067aa0ba902b7-01"}
+        assert client.post("/predict", data=image_bytes(RED), content_type="image/jpeg",
+                           headers=headers).status_code == 200
+    assert client.post("/predict", data=image_bytes(RED), content_type="image/jpeg").status_code == 200  # none
+    spans = exporter.get_finished_spans()
+    batches = {s.context.span_id for s in spans if s.name == "batch"}
+    links = [s.links[0].context.span_id for s in spans if s.name == "inference"]
+    assert len(links) == 3 and set(links) == batches  # each sampled request's batch, and no other
+
+
+def test_the_service_name_comes_from_the_standard_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: service.name was OTEL_SERVICE_NAME or "visionserve", overriding OTEL_RESOURCE_ATTRIBUTES' own.
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.name=vision-prod,deployment.environment=prod")
+    attributes = tracing.service_resource().attributes
+    assert attributes["service.name"] == "vision-prod" and attributes["deployment.environment"] == "prod"
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "vision-eu")  # the SDK's order: it wins over the attributes
+    assert tracing.service_resource().attributes["service.name"] == "vision-eu"
+    monkeypatch.delenv("OTEL_SERVICE_NAME")
+    monkeypatch.delenv("OTEL_RESOURCE_ATTRIBUTES")
+    assert tracing.service_resource().attributes["service.name"] == "visionserve"
+
+
+def test_a_request_span_starts_when_its_worker_had_it_and_its_access_line_names_the_trace(
+        traced, caplog: pytest.LogCaptureFixture) -> None:  # noqa: ANN001
+    # Before: the span began when a request thread took the request, short of the access line's duration by the
+    # wait for a thread (10 ms in a burst); and no access line said which trace it was.
+    app, exporter = traced
+
+    class Socket:  # what the worker's loop hands over: when it had the request whole (app/hosting/client_socket.py)
+        received_at = time.monotonic() - 0.25
+        body_held = True
+
+    headers = {"traceparent": f"00-{PARENT_TRACE}-00f067aa0ba902b7-01"}
+    before_ns = time.time_ns()
+    with caplog.at_level(logging.INFO, logger="visionserve.access"):
+        answer = app.test_client().post("/predict", data=image_bytes(RED), content_type="image/jpeg",
+                                        headers=headers, environ_base={"gunicorn.socket": Socket()})
+    assert answer.status_code == 200
+    (request,) = [s for s in exporter.get_finished_spans() if s.name == "POST /predict"]
+    assert before_ns - 300_000_000 < request.start_time < before_ns - 200_000_000
+    (line,) = [r for r in caplog.records if r.name == "visionserve.access"]
+    assert line.trace_id == PARENT_TRACE and line.span_id == format(request.context.span_id, "016x")

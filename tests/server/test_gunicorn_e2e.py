@@ -136,6 +136,9 @@ def test_every_log_line_is_json_and_requests_name_their_peer(server: Running) ->
     assert not any(entry["logger"] == "gunicorn.access" for entry in lines)  # our access line, not a second one
     predicted = [e for e in lines if e["logger"] == "visionserve.access" and e["route"] == "/predict"]
     assert predicted and predicted[-1]["client"] == "127.0.0.1"
+    # which process wrote each line (several workers): the master (bin/serve execs gunicorn) its own, a worker its own
+    assert any(e["logger"] == "gunicorn.error" and e["pid"] == server.process.pid for e in lines)
+    assert predicted[-1]["pid"] not in (server.process.pid, None)
 
 
 def test_sigterm_to_make_serve_stops_gunicorn(small_weights: Path, tmp_path: Path) -> None:
