@@ -706,7 +706,8 @@ class BufferingWorker(LoopRequests, ThreadWorker):
                 message = (f"the body came slower than {self.limits.body_min_rate:g} bytes a second "
                            "(CLIENT_BODY_MIN_RATE)")
             else:
-                message = f"the body did not arrive within {self.limits.body_timeout_s:g}s"
+                message = (f"no byte of the body came for {self.limits.body_timeout_s:g}s "
+                           "(CLIENT_BODY_TIMEOUT_S)")
             self._answer(reading, Refusal(408, "Request Timeout", message))
         self._close(reading)
 

@@ -14,7 +14,7 @@ from werkzeug import Request
 
 from app.errors import BadRequest, SchemaViolation, UnknownOutput, UnsupportedMediaType, check_image_count
 from app.v1.schemas import ExplainJSONRequest, PredictJSONRequest
-from app.web.inputs import decode_base64, each_once, given_more_than_once, parse_json, read_body
+from app.web.inputs import decode_base64, each_once, given_more_than_once, parse_json, read_sent_body
 from app.web.multipart import FormData, parse_form_data
 
 Schema = TypeVar("Schema", bound=pydantic.BaseModel)
@@ -101,7 +101,7 @@ def _json_body(request: Request, schema: type[Schema], max_images: int | None = 
     SCHEMA_ERRORS_SHOWN), or TooManyImages (413) for an ``images`` list over ``max_images``. Both judged before
     pydantic sees the body where its size would count: its errors for a list of millions of wrong items (an
     18 MB body of zeros) took a worker to 10 GB."""
-    raw = parse_json(read_body(request), "the body")
+    raw = parse_json(read_sent_body(request), "the body")
     if isinstance(raw, dict):
         _check_shape(raw, schema, max_images)
     try:
@@ -169,7 +169,7 @@ def _from_json(request: Request, query: dict[str, str], default_top_k: int, num_
 def _from_multipart(request: Request, fields: set[str], max_images: int) -> tuple[FormData, list[bytes],
                                                                                  list[str | None]]:
     """The form, its images (the ``image`` files) and their file names; BadRequest naming what was sent instead."""
-    form = parse_form_data(read_body(request), request.mimetype_params.get("boundary", ""), max_images)
+    form = parse_form_data(read_sent_body(request), request.mimetype_params.get("boundary", ""), max_images)
     if IMAGE_FIELD in form.fields:  # curl -F image=cat.jpg (no @) sends the name as text
         raise BadRequest(f"the {IMAGE_FIELD!r} field came as text, not a file: send the image as a file (curl -F "
                          f"{IMAGE_FIELD}=@cat.jpg, with the @)")
@@ -253,7 +253,7 @@ def parse_explain(request: Request, labels: list[str], max_images: int) -> Expla
             raise BadRequest(f"an explanation is of one image; {len(images)} were sent")
         image, fields = images[0], _joined(fields, {name: values[0] for name, values in form.fields.items()}, "form")
     elif mimetype.startswith("image/") or mimetype in RAW_TYPES:
-        image = read_body(request)
+        image = read_sent_body(request)
     else:
         raise _unsupported(request)
     answer_format = _filled(FORMAT, fields.get(FORMAT)) or "json"
@@ -278,7 +278,7 @@ def parse_predict(request: Request, query: dict[str, str], *, default_top_k: int
         raw_top_k = _said_once(TOP_K, form_top_k, query.get(TOP_K), "form")
         raw_outputs = _said_once(OUTPUTS, form_outputs, query.get(OUTPUTS), "form")
     elif mimetype.startswith("image/") or mimetype in RAW_TYPES:
-        images = [read_body(request)]
+        images = [read_sent_body(request)]
         raw_top_k = query.get(TOP_K)
         raw_outputs = query.get(OUTPUTS)
     else:

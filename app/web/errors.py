@@ -60,7 +60,8 @@ def from_disconnect(exc: ClientDisconnected, body_timeout_s: float) -> ServiceEr
     # werkzeug reports every failed body read as a disconnect, with what the server's stream raised as its context.
     cause = exc.__context__
     if isinstance(cause, TimeoutError):
-        return RequestTimeout(f"the body did not arrive within {body_timeout_s:g}s", headers={"Connection": "close"})
+        return RequestTimeout(f"no byte of the body came for {body_timeout_s:g}s (CLIENT_BODY_TIMEOUT_S)",
+                              headers={"Connection": "close"})
     # gunicorn's NoMoreData (the connection ended mid-chunk) and a reset are OSErrors; a body that ended short of
     # its Content-Length has no cause at all
     if cause is None or isinstance(cause, OSError):

@@ -11,7 +11,8 @@ from werkzeug import Request
 from werkzeug.datastructures import MultiDict
 from werkzeug.exceptions import ClientDisconnected
 
-from app.errors import BadRequest, BodyTooLarge, InvalidBase64, InvalidJSON, ShortDeadline, UnsupportedMediaType
+from app.errors import (BadRequest, BodyTooLarge, InvalidBase64, InvalidJSON, MalformedBody, ShortDeadline,
+                        UnsupportedMediaType)
 from app.hosting.recent_refusals import deadline_ms_of
 from app.web.auth import presented_key
 
@@ -115,6 +116,20 @@ def parse_json(data: bytes, what: str) -> Any:
             reason += (" (a string holds a raw line break or another control character, which JSON writes escaped; "
                        "base64 wrapped in lines is one: send it on one line, e.g. base64 -w0)")
         raise InvalidJSON(f"{what} is not valid JSON: {reason}") from None
+
+
+NO_BODY_FRAMING = ("the request has no body: its head gave neither Content-Length nor Transfer-Encoding, so nothing "
+                   "after it is its body (HTTP/1.1); send the length, or chunked")
+
+
+def read_sent_body(request: Request) -> bytes:
+    """``read_body`` of a request that must carry one (an image, JSON, a form): an empty one whose head said no
+    length is refused saying so, its connection closed, for what the client sent after the head would otherwise be
+    read as a next request (a bare-LF 400 after an "empty image" one)."""
+    data = read_body(request)
+    if not data and request.content_length is None and "HTTP_TRANSFER_ENCODING" not in request.environ:
+        raise MalformedBody(NO_BODY_FRAMING, headers={"Connection": "close"})
+    return data
 
 
 def read_body(request: Request) -> bytes:

@@ -46,7 +46,7 @@ ERROR_STATUSES = {
     "403": "A control call this client may not make here (CONTROL_API: local, the default, answers clients on the "
            "server's machine alone; off, none); the message says how to make it",
     "404": "No such model or version",
-    "408": "The body did not arrive within client_body_timeout_s, or came slower than client_body_min_rate",
+    "408": "No byte of the body came for client_body_timeout_s, or came slower than client_body_min_rate",
     "409": "The call does not apply to the model now: no rollout candidate to promote, no previous default",
     "413": "Body, image pixels or image count over its limit (an announced body over max_body_bytes on any route)",
     "415": "Unsupported content type or image format",

@@ -68,7 +68,8 @@ def _b64(data: bytes) -> str:
 
 # Every bad input we know of: (request, status, error code). Good-but-unusual images answer 200.
 BAD_INPUTS = {
-    "empty body": (_raw(b""), 400, "invalid_image"),
+    "empty body": ({**_raw(b""), "environ_overrides": {"CONTENT_LENGTH": "0"}}, 400, "invalid_image"),
+    "no body, no length said": (_raw(b""), 400, "bad_request"),  # what follows the head is not its body
     "empty body, no content type": ({"data": b""}, 415, "unsupported_media_type"),
     "wrong content type": (_raw(b"hello", "text/plain"), 415, "unsupported_media_type"),
     "not an image": (_raw(b"not an image"), 400, "invalid_image"),
