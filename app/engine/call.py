@@ -173,7 +173,8 @@ class Call:
         check_image_count(count, self._max_images * self.requests)
         deadline = (time.monotonic() if arrived is None else arrived) + timeout_s  # and during the decode too
         if images:  # before any decode: what the queue would refuse costs nothing (submit_many checks pixels)
-            _check_room(self._version, count, deadline, timeout_s, self.drawn)
+            _check_room(self._version, count, deadline, timeout_s, self.drawn,
+                        decoding=self._version.arrivals.count() - 1)  # the others on their way (this call: one)
         started_ns = time.time_ns()
         pixels = list(tensors)  # made one tensor with their batch (Decoder.collate), not one by one here
         prepared, decode_s, decode_cpu_s = (self._prepare(images, names, deadline, timeout_s) if images
@@ -253,6 +254,7 @@ class Call:
             except ServiceError as exc:
                 raise _named(exc, index, names) from None
         decode_s, decode_cpu_s = time.perf_counter() - started, time.thread_time() - cpu_started
+        self._version.batcher.note_decoded(len(images), decode_s)
         writes = Increments()  # per request: a bundle's each its decode stage, the bundle's (the CPU once)
         writes.observe_times(series(STAGE_SECONDS, "decode"), decode_s, self.requests)
         writes.inc(series(STAGE_CPU_SECONDS, "decode"), decode_cpu_s)
@@ -350,10 +352,12 @@ def check_room(version: LoadedVersion, count: int, timeout_s: float, drawn: bool
     _check_room(version, count, time.monotonic() + timeout_s, timeout_s, drawn)
 
 
-def _check_room(version: LoadedVersion, count: int, deadline: float, timeout_s: float, drawn: bool = False) -> None:
-    """``check_room`` against a deadline (a ``time.monotonic()`` value) of ``timeout_s``."""
+def _check_room(version: LoadedVersion, count: int, deadline: float, timeout_s: float, drawn: bool = False,
+                decoding: int = 0) -> None:
+    """``check_room`` against a deadline (a ``time.monotonic()`` value) of ``timeout_s``; ``decoding``: other
+    requests' images being decoded for the same queue now (``Batcher.check_room``)."""
     try:
-        version.batcher.check_room(count, deadline)
+        version.batcher.check_room(count, deadline, max(0, decoding))
     except (QueueFull, BatcherClosed, DeadlineTooShort, DeadlineExpired) as exc:  # (expired: a V2 timeout of a few
         if isinstance(exc, DeadlineTooShort) and _spent(exc, timeout_s):  # microseconds is past before it is
             raise DeadlinePassedBeforeQueue.of_request(timeout_s, "before its images were decoded") from None

@@ -416,6 +416,27 @@ def test_a_deadline_the_backlog_cannot_meet_is_refused_at_once(make_batcher) -> 
     recorder.gate.set()
 
 
+def test_decodes_side_by_side_count_before_the_queue_when_a_deadline_is_judged(make_batcher) -> None:
+    # Before: admission judged the queue alone; a burst of large photos decoding side by side (each many times its
+    # time alone) was admitted on an empty queue, spent the deadline in its decodes and was answered 504 after their
+    # CPU (hey -c 64, 5 MB photos, X-Request-Timeout 1500: 177-340 answered 200 and 23-123 504 in 20 s, now 505-514
+    # and 0-7 on the 2-core VM).
+    recorder = Recorder()
+    batcher = make_batcher(recorder, max_batch_size=4, max_wait_ms=1)
+    batcher.submit(1).result(timeout=10)  # a measured batch: deadlines are judged
+    batcher.note_decoded(2, 1.6)  # an image's decode takes 0.8 s now, its neighbours' beside it
+    batcher.check_room(1, time.monotonic() + 0.5)  # nothing on its way: as before, the queue alone (empty)
+    with pytest.raises(DeadlineUnreachable) as refused:
+        batcher.check_room(1, time.monotonic() + 0.5, decoding=3)
+    assert refused.value.retry_after_s > 0 and refused.value.busy_until > time.monotonic() + 0.5
+    batcher.check_room(1, time.monotonic() + 2.0, decoding=3)  # room for its decode and what is ahead
+    batcher.note_decoded(1, 0.0)  # decodes speeding up as a burst ends: the average follows within a few
+    for _ in range(8):
+        batcher.note_decoded(1, 0.01)
+    batcher.check_room(1, time.monotonic() + 0.5, decoding=3)
+    assert batcher.depth == 0
+
+
 def test_a_deadline_shorter_than_the_request_alone_is_the_callers_mistake(make_batcher) -> None:
     # Before: refused as "unreachable" (429 with Retry-After), inviting a retry that could never succeed.
     recorder = Recorder()

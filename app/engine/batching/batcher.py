@@ -42,6 +42,8 @@ DEADLINE_SPREADS = 4  # a backlog judged against a deadline at its batches' rece
 # their mean deviation an image (as TCP's retransmission timer judges a round trip, RFC 6298), for each image ahead:
 # the slowness it guards against lasts (a host whose batches slow 3-5x while its CPU refuses a storm of requests,
 # where an average alone admitted a third of the images too late to be answered), it does not average out
+DECODE_AVERAGING = 0.25  # the weight of a request's decode time an image in the moving average admission judges by:
+# it follows a burst's decodes slowing each other within a few requests, and their speeding up as it ends
 CONFIRMED_REFUSAL_S = 5.0  # an idle batcher's "deadline too short" made by the estimate the batch of a request run
 # after such a refusal refreshed (confirmed) holds this long before a request runs again whatever its deadline (and
 # refreshes the estimate): every second one ran before, answered past its deadline after a 400 that had said a retry
@@ -152,6 +154,7 @@ class Batcher(Generic[In, Out]):
     """
 
     _items_handed = False  # the worker was told of queued items (woken on a timer alone, it takes none)
+    _decode_item_seconds = 0.0  # moving average of an image's decode before it queues, as long as it took
 
     # When the batch running now (its forward pass and answers, on the worker's thread or a caller's) started, in
     # time.monotonic(); None while none runs: what a stall is judged by (``running_since``)
@@ -437,17 +440,43 @@ class Batcher(Generic[In, Out]):
         with self._cond:
             self._warmed_item_seconds = seconds
 
-    def check_room(self, count: int, deadline: float | None = None) -> None:
+    def note_decoded(self, count: int, seconds: float) -> None:
+        """``count`` images were decoded (or their headers read) in ``seconds`` before they queued: what an image
+        on its way takes now, the decodes beside it included (a moving average, each request weighing alike)."""
+        if count:
+            item_s = seconds / count
+            known = self._decode_item_seconds  # (a plain float: a race loses one sample, never the average)
+            self._decode_item_seconds = item_s if not known else known + DECODE_AVERAGING * (item_s - known)
+
+    def check_room(self, count: int, deadline: float | None = None, decoding: int = 0) -> None:
         """Raise what ``submit_many`` would raise for ``count`` items with ``deadline`` now, without queueing them:
         admission asks before a request's body is parsed or its images decoded, so work that will be refused costs
-        nothing (the queue may still fill meanwhile: ``submit_many`` checks again)."""
+        nothing (the queue may still fill meanwhile: ``submit_many`` checks again). ``decoding``: other requests
+        on their way to this queue now, their images being decoded; with any, this request's own decode, at the
+        recent time an image, counts before the queue ahead, and they count in that queue (an image each)."""
         with self._cond:
-            self._check_room(count, deadline, time.monotonic())
+            self._check_room(count, deadline, time.monotonic(), decoding=decoding)
 
-    def _check_room(self, count: int, deadline: float | None, now: float, low: bool = False) -> None:
+    def _check_room(self, count: int, deadline: float | None, now: float, low: bool = False,
+                    decoding: int = 0) -> None:
         """Under the lock: BatcherClosed, QueueFull, DeadlineExpired, DeadlineTooShort or DeadlineUnreachable, else
         nothing. The backlog is the live items (``_live``: not those whose caller left) behind what runs now, the
         low-priority ones only for a ``low`` item (others go ahead of them).
+
+        A deadline is judged by ``_check_deadline``."""
+        if self._closed:
+            raise BatcherClosed("the inference worker is shutting down")
+        live = self._live if low else self._live - self._low
+        backlog = live + count
+        if backlog > self.queue_size:
+            raise QueueFull(f"inference queue is full ({live}/{self.queue_size} waiting)",
+                            retry_after_s=self._clear_s(backlog, now))
+        if deadline is not None:
+            self._check_deadline(count, deadline, now, live, decoding)
+
+    def _check_deadline(self, count: int, deadline: float, now: float, live: int, decoding: int) -> None:
+        """Under the lock: DeadlineExpired, DeadlineTooShort or DeadlineUnreachable for ``count`` items with
+        ``deadline`` behind ``live`` items and ``decoding`` requests on their way, else nothing.
 
         Deadlines are judged once batches were timed (one that passed before its items queued, from the warm-up's
         time an item before: ``expect_item_s``). A deadline is too short (the caller's mistake: no retry)
@@ -457,15 +486,6 @@ class Batcher(Generic[In, Out]):
         run refreshes the estimate: after a refusal there the next request runs whatever its deadline, so an
         estimate no batch refreshed never refuses twice (a stall's would refuse every short deadline for good); a
         refusal by the estimate such a run's batch refreshed (confirmed) holds CONFIRMED_REFUSAL_S until the next."""
-        if self._closed:
-            raise BatcherClosed("the inference worker is shutting down")
-        live = self._live if low else self._live - self._low
-        backlog = live + count
-        if backlog > self.queue_size:
-            raise QueueFull(f"inference queue is full ({live}/{self.queue_size} waiting)",
-                            retry_after_s=self._clear_s(backlog, now))
-        if deadline is None:
-            return
         if now >= deadline:  # too short where its whole length is below the items' own inference (a deadline of
             # microseconds: app/engine/call.py service_error), not the model's failure to answer in time (504)
             if self.batches_run or self._warmed_item_seconds:
@@ -473,9 +493,13 @@ class Batcher(Generic[In, Out]):
             raise DeadlineExpired(f"the deadline passed {ms(now - deadline)} before the items were queued")
         if not self.batches_run:
             return
-        busy = live or self._busy
+        # Decodes side by side share the cores: under a burst of large photos each takes many times its time
+        # alone, and a request admitted on the queue alone spent its deadline before its images queued (504s after
+        # their decode's CPU, where a 429 at once would have cost nothing)
+        decode_s = count * self._decode_item_seconds if decoding else 0.0
+        busy = live or self._busy or decoding
         if busy:
-            wait = self._clear_s(backlog, now, cautious=True)
+            wait = self._clear_s(live + count + decoding, now, cautious=True) + decode_s
             if now + wait <= deadline:
                 return
         elif self._refused_idle_at == self.batches_run and now >= self._refusal_confirmed_until:
@@ -489,11 +513,18 @@ class Batcher(Generic[In, Out]):
                 self._refused_idle_at = self.batches_run
             raise DeadlineTooShort(count, own, deadline - now, self._clear_s(live, now))
         if busy:
-            one_more_s = wait if count == 1 else self._clear_s(live + 1, now, cautious=True)
-            raise DeadlineUnreachable(f"the queue ahead may need up to {wait:.3f}s, more than the "
-                                      f"{deadline - now:.3f}s deadline", retry_after_s=self._clear_s(live, now),
-                                      busy_until=now + one_more_s, item_s=self._own_item_s(),
-                                      company_s=self.max_wait_s)
+            raise self._unreachable(count, deadline - now, now, live + decoding, wait, decode_s / count, decoding)
+
+    def _unreachable(self, count: int, left_s: float, now: float, ahead: int, wait: float, decode_item_s: float,
+                     decoding: int) -> DeadlineUnreachable:
+        """Under the lock: the refusal of ``count`` items whose backlog (``ahead`` items, ``decoding`` of them on
+        their way) may take ``wait``, more than the ``left_s`` their deadline leaves; until when one more image
+        would be refused alike (``busy_until``: an HTTP worker refuses the route's like by it)."""
+        one_more_s = wait if count == 1 else self._clear_s(ahead + 1, now, cautious=True) + decode_item_s
+        said = "the queue ahead" + (f" and {decoding} requests decoding beside it" if decoding else "")
+        return DeadlineUnreachable(f"{said} may need up to {wait:.3f}s, more than the {left_s:.3f}s deadline",
+                                   retry_after_s=self._clear_s(ahead, now), busy_until=now + one_more_s,
+                                   item_s=self._own_item_s(), company_s=self.max_wait_s)
 
     def _clear_s(self, items: int, now: float, cautious: bool = False) -> float:
         """Under the lock: how long ``items`` queued items take to clear: what is left of the batch gathered or
