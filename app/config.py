@@ -515,7 +515,8 @@ class MonitoringSettings(SettingsGroup):
         "and their share below `MONITOR_LOW_CONFIDENCE` `visionserve_low_confidence_ratio`. A version whose manifest "
         "holds no reference (the packaged Lite0, exports before the field), or one of fewer than "
         "`MONITOR_MIN_PREDICTIONS` predictions (a small folder's few held-out images), takes its first this many "
-        "predictions after the load as the reference, and the window starts again after them.")
+        "predictions after the load as the reference, and the window starts again after them; the first one taken is "
+        "kept in `CONTROL_DIR`, and later starts of the version (a worker restarted, a reload) judge by it.")
     monitor_min_predictions: int = Field(
         200, ge=1, description="The window must hold at least this many predictions (and the reference be "
         "complete) before the drift and low-confidence gauges report; fewer give figures that are mostly noise. "

@@ -75,6 +75,12 @@ def batch_cap(control_dir: Path, measured: str) -> Path:
     return control_dir / f"batch-cap-{hashlib.sha256(measured.encode()).hexdigest()[:24]}"
 
 
+def monitor_reference(control_dir: Path, taken: str) -> Path:
+    """Where the drift reference a start of what ``taken`` names (a version by its files) took from its first
+    predictions is kept: later starts judge by it (app/engine/loaded/version.py ``_keep_reference``)."""
+    return control_dir / f"monitor-reference-{hashlib.sha256(taken.encode()).hexdigest()[:24]}.json"
+
+
 def write_json(path: Path, data: Any) -> None:
     """``data`` as JSON in ``path`` of a CONTROL_DIR, whole or not at all for any reader (written beside it, then
     put in its place: a process reads the old file or the new one, never half of one)."""

@@ -262,3 +262,34 @@ def test_a_fault_writing_the_held_figures_fails_no_read_that_asked_for_them(
         assert "writing the figures of model faulty_writes version 1 failed" in caplog.text
     finally:
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def test_a_restart_in_the_same_control_dir_judges_drift_by_the_first_start_s_reference(
+        settings: Settings, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: every start took its own first predictions as the reference, so a worker restarted, a reload or a
+    # deploy after the mix had drifted made the drifted mix the baseline: the drift series went away, then read 0.
+    kept = settings.model_copy(update={"control_dir": tmp_path})
+    first = _app(kept, "kept_reference")
+    try:
+        _send(first.test_client(), _mix(20, 10, 10, seed=0))  # the first 40: the reference, kept
+    finally:
+        first.extensions[EXTENSION_KEY].shutdown(timeout=5)
+    for restart in range(2):  # the same version again (a worker restarted): the kept reference, complete at once
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="app.engine.loaded.monitor"):
+            app = _app(kept, "kept_reference")
+        try:
+            client = app.test_client()
+            assert _monitoring(client)["reference"] == {
+                "source": "first_predictions", "predictions": 40, "complete": True,
+                "low_confidence_threshold": 0.5, "low_confidence_share": 0.0}
+            assert "an earlier start of it in this server made" in caplog.text
+            _send(client, _mix(2, 2, 36, seed=restart + 1))  # drifted: mostly blue
+            assert _monitoring(client)["psi"] > 0.2  # judged against the first start's mix, not this one
+        finally:
+            app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+    other = _app(settings.model_copy(update={"control_dir": tmp_path / "another"}), "kept_reference")
+    try:  # another server (its own CONTROL_DIR) takes its own
+        assert _monitoring(other.test_client())["reference"]["complete"] is False
+    finally:
+        other.extensions[EXTENSION_KEY].shutdown(timeout=5)

@@ -315,3 +315,32 @@ def test_several_batches_observed_together_add_what_their_rows_in_one_array_woul
             together.labels, together.confidences, together.low_confidence_ratio, together.psi)
         assert apart.snapshot() == one.snapshot()
     assert apart.observe_batches([]).labels == [] and apart.snapshot() == one.snapshot()  # nothing held: nothing added
+
+
+def test_a_first_window_is_kept_and_the_reference_kept_first_is_the_one_judged_by() -> None:
+    from app.engine.loaded.monitor import TakenReference
+
+    kept: list[TakenReference] = []
+    earlier = TakenReference([0, 0, 10, 0, 0, 0], 0.0)  # another worker's, kept first: all class2
+
+    def keep(taken: TakenReference) -> TakenReference:
+        kept.append(taken)
+        return earlier
+
+    monitor = PredictionMonitor(LABELS, window=10, min_predictions=5, low_confidence_threshold=0.5, psi_bins=20,
+                                keep=keep)
+    monitor.observe(_rows([0] * 10, [0.9] * 10))  # its own first window: all class0
+    assert kept == [TakenReference([10, 0, 0, 0, 0, 0], 0.0)]
+    assert monitor.observe(_rows([2] * 5, [0.9] * 5)).psi == pytest.approx(0.0, abs=1e-9)  # judged by the earlier
+
+    def unwritable(taken: TakenReference) -> TakenReference:
+        raise PermissionError("read-only CONTROL_DIR")
+
+    alone = PredictionMonitor(LABELS, window=10, min_predictions=5, low_confidence_threshold=0.5, psi_bins=20,
+                              keep=unwritable)
+    alone.observe(_rows([0] * 10, [0.9] * 10))
+    assert alone.observe(_rows([0] * 5, [0.9] * 5)).psi == pytest.approx(0.0, abs=1e-9)  # its own, kept or not
+    wrong = PredictionMonitor(LABELS, window=10, min_predictions=5, low_confidence_threshold=0.5, psi_bins=20,
+                              keep=lambda taken: TakenReference([5, 5], 0.0))  # another model's: not judged by
+    wrong.observe(_rows([0] * 10, [0.9] * 10))
+    assert wrong.observe(_rows([0] * 5, [0.9] * 5)).psi == pytest.approx(0.0, abs=1e-9)

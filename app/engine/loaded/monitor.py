@@ -20,7 +20,10 @@ PSI = sum over the bins of (w - r) * ln(w / r), where w and r are the window's a
 - the reference: the manifest's (the validation split's predictions at export) when it holds ``min_predictions``
   (a smaller one, a small folder's few held-out images, is mostly noise: 18 predictions of a balanced stream read
   0.24), else this monitor's first full window after the load ("first_predictions"), after which the window starts
-  empty so the two share no prediction.
+  empty so the two share no prediction. Such a reference is kept for the version's later starts in the same server
+  (``keep``: CONTROL_DIR, app/engine/loaded/version.py), and the first one kept is every start's after it: a worker
+  restarted, a reload, or a server whose CONTROL_DIR is kept judges drift against the mix the version first met, not
+  against what it meets after the restart (the drifted traffic itself, which would read as no drift).
 Reading it: below 0.1 the mix is stable, 0.1 to 0.2 worth watching, above 0.2 it has drifted.
 """
 from __future__ import annotations
@@ -29,7 +32,7 @@ import logging
 import math
 import threading
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -130,6 +133,20 @@ class _Window:
 
 
 @dataclass(frozen=True)
+class TakenReference:
+    """A reference a monitor took from its first full window: its top-1 class counts (label order) and its
+    low-confidence share."""
+
+    class_counts: list[int]
+    low_confidence_share: float
+
+
+# What a monitor does with the reference it took: keeps it for the version's later starts, and answers the one to
+# judge by (the one kept first, by this or another worker)
+KeepReference = Callable[[TakenReference], TakenReference]
+
+
+@dataclass(frozen=True)
 class Observed:
     """What one batch added: each row's top-1 label and probability, and the window's figures after it (None: not
     reported yet)."""
@@ -156,7 +173,8 @@ class PredictionMonitor:
     """One version's prediction monitor (the module's text says what it measures and how)."""
 
     def __init__(self, labels: Sequence[str], *, window: int, min_predictions: int, low_confidence_threshold: float,
-                 psi_bins: int, reference: PredictionReference | None = None) -> None:
+                 psi_bins: int, reference: PredictionReference | None = None, taken: TakenReference | None = None,
+                 keep: KeepReference | None = None) -> None:
         self.labels = list(labels)
         self.min_predictions = min_predictions
         self.low_confidence_threshold = low_confidence_threshold
@@ -176,13 +194,18 @@ class PredictionMonitor:
         self._terms: list[float] | None = None
         self._terms_total = 0
         self._changed_bins: set[int] = set()
+        self._keep = keep
         if reference is not None:
             self._set_reference(torch.tensor(reference.class_counts, dtype=torch.int64))
+        elif taken is not None:  # taken by an earlier start of the version in this server
+            self._take(taken)
         self._window = self._new_window(window)
 
     @classmethod
-    def for_version(cls, settings: Settings, manifest: Manifest) -> "PredictionMonitor":
-        """The monitor of a version with this manifest, as the settings ask."""
+    def for_version(cls, settings: Settings, manifest: Manifest, taken: TakenReference | None = None,
+                    keep: KeepReference | None = None) -> "PredictionMonitor":
+        """The monitor of a version with this manifest, as the settings ask; ``taken``: the reference an earlier
+        start of it took from its first predictions, ``keep``: where this one keeps its own."""
         reference = manifest.reference
         if reference is not None and sum(reference.class_counts) < settings.monitor_min_predictions:
             log.info("%s version %s: its manifest's reference holds %d predictions (its validation split's), fewer "
@@ -190,9 +213,19 @@ class PredictionMonitor:
                      "the load instead", manifest.name, manifest.version, sum(reference.class_counts),
                      settings.monitor_min_predictions, settings.monitor_window)
             reference = None
+        if reference is None and taken is not None and not _fits(taken, len(manifest.labels),
+                                                                 settings.monitor_min_predictions):
+            taken = None
+        if reference is None and taken is not None:
+            log.info("%s version %s: its drift is judged against the first %d predictions an earlier start of it in "
+                     "this server made (kept in CONTROL_DIR)", manifest.name, manifest.version, sum(taken.class_counts))
         return cls(manifest.labels, window=settings.monitor_window, min_predictions=settings.monitor_min_predictions,
                    low_confidence_threshold=settings.monitor_low_confidence, psi_bins=settings.monitor_psi_bins,
-                   reference=reference)
+                   reference=reference, taken=taken, keep=keep)
+
+    def _take(self, taken: TakenReference) -> None:
+        self._reference_low_share = taken.low_confidence_share
+        self._set_reference(torch.tensor(taken.class_counts, dtype=torch.int64))
 
     def _set_reference(self, class_counts: torch.Tensor) -> None:
         bins = class_bins(class_counts, self.psi_bins)
@@ -231,11 +264,24 @@ class PredictionMonitor:
             self._total += len(classes)
             self._window.add(classes, low, self._changed_bins)
             if self._bins is None and self._window.filled == self._window.size:  # the first full window
-                self._reference_low_share = self._window.low_count / self._window.size
-                self._set_reference(torch.tensor(self._window.class_counts, dtype=torch.int64))
+                taken = TakenReference(list(self._window.class_counts), self._window.low_count / self._window.size)
+                self._take(self._kept(taken))
                 self._window = self._new_window(self._window.size)
             psi, ratio = self._psi(), self._low_confidence_ratio()
         return Observed([self.labels[i] for i in classes], confidences, ratio, psi)
+
+    def _kept(self, taken: TakenReference) -> TakenReference:
+        """``taken`` kept for later starts, or the reference kept before it to judge by (once a version, under the
+        lock: a few small file operations); ``taken`` itself where it cannot be kept."""
+        if self._keep is None:
+            return taken
+        try:
+            kept = self._keep(taken)
+        except OSError as exc:
+            log.warning("the drift reference its first predictions made could not be kept for later starts (%s); "
+                        "this worker judges by it", exc)
+            return taken
+        return kept if _fits(kept, len(self.labels), self.min_predictions) else taken
 
     def _psi(self) -> float | None:
         """Under the lock: ``population_stability_index`` of the window's bins against the reference's, from the
@@ -284,3 +330,10 @@ class PredictionMonitor:
                 low_confidence_threshold=self.low_confidence_threshold,
                 low_confidence_ratio=None if ratio is None else round(ratio, 6), top_classes=self._top_classes(),
                 reference=self._reference_summary())
+
+
+def _fits(taken: TakenReference, num_classes: int, min_predictions: int) -> bool:
+    """Whether a kept reference can judge a version of ``num_classes`` classes: one count a class, enough of them."""
+    counts = taken.class_counts
+    return (len(counts) == num_classes and min(counts, default=0) >= 0 and sum(counts) >= min_predictions
+            and 0.0 <= taken.low_confidence_share <= 1.0)

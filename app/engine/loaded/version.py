@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import threading
 import time
@@ -23,7 +24,7 @@ from app.engine.batching.tuning import cap_share, choose_batch_cap, forward_thre
 from app.engine.decoding.decoders import Decoder, Prepared, decoder_for
 from app.engine.decoding.image import DecodeLimits, canary_jpeg
 from app.engine.loaded.explainer import Explainer
-from app.engine.loaded.monitor import PredictionMonitor
+from app.engine.loaded.monitor import PredictionMonitor, TakenReference
 from app.engine.loaded.predictor import OUT_OF_MEMORY_ERRORS, NonFiniteOutput, Predictor
 from app.errors import ServiceError
 from app.hosting import control
@@ -257,6 +258,37 @@ def _apply_batch_cap(settings: Settings, loaded: LoadedVersion) -> None:
             control.write_json(kept, loaded.batcher.max_batch_size)
 
 
+def _reference_kept_at(settings: Settings, predictor: Predictor) -> Path | None:
+    """Where the drift reference a start of this version takes from its first predictions is kept (CONTROL_DIR:
+    a worker restarted, a reload, a server whose CONTROL_DIR is kept judge by it), by its files' checksums (a
+    version written again takes its own); None without a CONTROL_DIR."""
+    if settings.control_dir is None:
+        return None
+    manifest = predictor.manifest
+    return control.monitor_reference(settings.control_dir, "/".join(
+        (manifest.name, manifest.version, *sorted(file.sha256 for file in manifest.files.values()))))
+
+
+def _reference_kept(kept: Path | None) -> TakenReference | None:
+    """The reference kept in ``kept``, or None: none kept, or unreadable (the monitor checks it fits)."""
+    try:
+        data = json.loads(kept.read_text(encoding="utf-8")) if kept is not None else None
+        return None if data is None else TakenReference([int(n) for n in data["class_counts"]],
+                                                        float(data["low_confidence_share"]))
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def _keep_reference(kept: Path, taken: TakenReference) -> TakenReference:
+    """``taken`` kept in ``kept`` unless a reference is kept there already (another worker's, taken first): the one
+    kept is returned, so every worker judges by the same."""
+    first = _reference_kept(kept)
+    if first is not None:
+        return first
+    control.write_json(kept, {"class_counts": taken.class_counts, "low_confidence_share": taken.low_confidence_share})
+    return taken
+
+
 def _cap_kept(kept: Path | None) -> int | None:
     """The batch cap kept in ``kept`` (a whole number at least 1), or None: none kept, or unreadable."""
     try:
@@ -298,7 +330,10 @@ def start_version(settings: Settings, predictor: Predictor) -> LoadedVersion:
     name, version = predictor.manifest.name, predictor.manifest.version
     decoder = decoder_of(settings.decode_path, predictor, DecodeLimits.from_settings(settings))
     observer = MetricsObserver(predictor.memory_stats if predictor.device.type == "cuda" else None, name, version)
-    loaded = LoadedVersion(predictor, decoder, PredictionMonitor.for_version(settings, predictor.manifest), observer)
+    kept = _reference_kept_at(settings, predictor)
+    monitor = PredictionMonitor.for_version(settings, predictor.manifest, _reference_kept(kept),
+                                            None if kept is None else functools.partial(_keep_reference, kept))
+    loaded = LoadedVersion(predictor, decoder, monitor, observer)
     ceiling = settings.batch_ceiling(predictor.device.type)
     loaded.batcher = Batcher(
         loaded.run_batch, max_batch_size=ceiling, max_wait_ms=settings.max_wait_ms,
