@@ -52,7 +52,10 @@ from models.predict.outputs import (
     Record,
     check_parquet_names,
     check_same_model,
+    check_same_options,
+    check_same_top_k,
     done_paths,
+    hold_output,
     merged_records,
     merged_refusal,
     names_file,
@@ -270,6 +273,7 @@ def plan(args: argparse.Namespace, env: DistEnv, batch_size: int, items: list[It
     barrier(env)
     if identity is not None:
         check_same_model(records, args.out, identity, repository=not is_export(args.weights))
+        check_same_top_k(records, args.out, args.top_k)
     done = done_paths(records, args.retry_errors, embedded)
     pending = [item for item in items if item.path not in done]
     return Plan(items, chunks_for_rank(pending, batch_size, env.rank, env.world_size), len(pending), fmt)
@@ -451,8 +455,27 @@ def run(args: argparse.Namespace, env: DistEnv, seen: Seen | None = None) -> Non
             log.warning("%s", trained_warning(trained, len(labelled), loaded.manifest, args.labels, read=False))
     batch_size = args.batch_size or (largest_batch(loaded) if loaded.device.type == "cuda" else CPU_BATCH)
     identity = record_identity(loaded)
-    work = plan(args, env, batch_size, items, dim, identity)
-    decode = args.decode if args.decode != "auto" else "device" if loaded.device.type == "cuda" else "tensor"
+    args.decode = args.decode if args.decode != "auto" else "device" if loaded.device.type == "cuda" else "tensor"
+    held = hold_output(args.out) if env.is_main else None  # before any rank repairs or reads what is written
+    try:
+        if held is not None:
+            check_same_options(args.out, {"weights_format": loaded.weights_format, "decode": args.decode,
+                                          "dtype": str(loaded.dtype).removeprefix("torch.")})
+        barrier(env)
+        _score_and_merge(args, env, loaded, plan(args, env, batch_size, items, dim, identity), batch_size, dim,
+                         identity)
+        if held is not None:  # merged: no lock file left beside the output
+            Path(held.name).unlink(missing_ok=True)
+    finally:
+        if held is not None:
+            held.close()
+
+
+def _score_and_merge(args: argparse.Namespace, env: DistEnv, loaded: LoadedModel, work: Plan, batch_size: int,
+                     dim: int | None, identity: dict[str, str]) -> None:
+    """``run``'s second half, while rank 0 holds the output: score this rank's share, then (rank 0) merge and
+    evaluate."""
+    decode = args.decode
     if env.is_main:
         log.info("%s %s (%s, %s, %s) on %d of %d inputs (%d written before), batch %d, %s decode path, %d rank(s)",
                  loaded.manifest.name, loaded.manifest.version, loaded.weights_format, loaded.device,
@@ -525,6 +548,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NothingScored as exc:
         log.error("error: %s", exc)
         return 1
+    except OSError as exc:  # an output that could not be written (a full disk): what is written is kept
+        log.error("error: %s: what was written before is kept; where a disk is full, make room and run the same "
+                  "command again", exc)
+        return 3
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: one line with what is written and the command that goes
         if env.is_main:  # on, not a traceback
             log.warning("%s", stopped(args, list(sys.argv[1:] if argv is None else argv), env, seen))

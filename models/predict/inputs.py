@@ -91,10 +91,13 @@ def utf8_text(path: Path, option: str) -> str:
 
 def read_list(list_file: Path) -> list[Item]:
     """The files a list names, one per line (blank lines and ``#`` comments skipped); a relative path is relative
-    to the list's folder. A list must be UTF-8 (DataError naming the line that is not)."""
+    to the list's folder. A list must be UTF-8 (DataError naming the line that is not). Lines end at ``\n`` alone
+    (a ``\r`` before it dropped), as the names files this command writes are read: a name may hold any other
+    character (U+2028, a form feed, U+0085 split a name in two before), and only ASCII spaces and tabs around a
+    name are taken off (a no-break space is part of it)."""
     items = []
-    for line in utf8_text(list_file, "--data").splitlines():
-        name = line.strip()
+    for line in utf8_text(list_file, "--data").split("\n"):
+        name = line.removesuffix("\r").strip(" \t")
         if name and not name.startswith("#"):
             items.append(Item(name, name if os.path.isabs(name) else os.path.join(list_file.parent, name)))
     return items

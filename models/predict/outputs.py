@@ -21,12 +21,13 @@ that matches it (another run's ``EMB.npy``, or one without it, is scored again).
 from __future__ import annotations
 
 import csv
+import fcntl
 import json
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import IO, Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -88,6 +89,28 @@ def check_parquet_names(paths: Iterable[str], out: Path) -> None:
             shown = path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
             raise DataError(f"--out {out}: the input {shown} has a name that is not UTF-8, which Parquet cannot "
                             "hold: write .jsonl or .csv (they keep it), or rename the file") from None
+
+
+def hold_output(out: Path) -> IO[str]:
+    """An exclusive hold on writing ``out`` (its parts, embeddings and merge) for as long as the returned file stays
+    open: DataError when another run holds it. Two runs on one ``--out`` at once each appended to the same parts,
+    each numbering embedding rows from its own count: most images got another's embedding, and both said they
+    wrote them all (a new user's double launch)."""
+    lock = out.with_name(f".{out.name}.lock")
+    handle = lock.open("a+", encoding="utf-8")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise DataError(f"another run writes {out} now ({holder}): wait for it to end, or give this one another "
+                        f"--out") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}")
+    handle.flush()
+    return handle
 
 
 def parts_dir(out: Path) -> Path:
@@ -237,6 +260,37 @@ def check_same_model(records: Iterable[Record], out: Path, identity: dict[str, s
                         + f"write to another --out, or remove {out} and {parts_dir(out)} to start afresh")
 
 
+def check_same_top_k(records: Iterable[Record], out: Path, top_k: int) -> None:
+    """DataError when ``out`` or its parts hold answers of another ``--top-k`` than this run's: a resume would
+    write rows of two widths into one file (a CSV's later rows padded empty)."""
+    kept = sorted({len(r["labels"]) for r in records if not r.get("error") and r.get("labels")} - {top_k})
+    if kept:
+        raise DataError(f"--top-k {top_k}, but {out} holds answers of --top-k {', '.join(map(str, kept))}: go on with "
+                        f"that --top-k, write to another --out, or remove {out} and {parts_dir(out)} to start afresh")
+
+
+OPTIONS_NAME = "options.json"  # in the parts folder: how an unfinished run scored, for its resume to score alike
+
+
+def check_same_options(out: Path, options: dict[str, str]) -> None:
+    """DataError when the unfinished run whose parts ``out`` has scored with other ``options`` (the weights'
+    format, dtype, decode path): a resume would write one file of two configurations' answers, no row saying which;
+    else the options are kept in its parts for the next resume."""
+    kept_at = parts_dir(out) / OPTIONS_NAME
+    try:
+        kept = json.loads(kept_at.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        kept = None
+    if isinstance(kept, dict) and any(part.is_file() for part in parts_dir(out).glob("rank-*.jsonl")):
+        changed = [f"{name} {kept[name]} then, {value} now" for name, value in options.items()
+                   if name in kept and kept[name] != value]
+        if changed:
+            raise DataError(f"the run that wrote {parts_dir(out)} scored otherwise ({'; '.join(changed)}): go on as it "
+                            f"did, write to another --out, or remove {out} and {parts_dir(out)} to start afresh")
+    parts_dir(out).mkdir(parents=True, exist_ok=True)
+    kept_at.write_text(json.dumps(options, sort_keys=True), encoding="utf-8")
+
+
 def done_paths(records: Iterable[Record], retry_errors: bool = False, embedded: set[str] | None = None) -> set[str]:
     """The paths a rerun skips (with ``retry_errors``, not those that failed). With ``embedded`` (the paths whose
     embedding is written), a path whose newest record was scored is skipped only when it is among them."""
@@ -334,7 +388,28 @@ def write_embeddings(records: Sequence[Record], out: Path, embeddings: Path, dim
     names = [r["path"] for r in records if not r.get("error") and r["path"] in stored]
     embeddings.parent.mkdir(parents=True, exist_ok=True)
     temporary = embeddings.with_name(f".{embeddings.name}.{os.getpid()}.tmp")
+    try:
+        _write_rows(temporary, names, stored, dim)
+        names_temporary = _write_names_and_meta(temporary, names, out, embeddings, identity, dim)
+    except BaseException:  # a full disk, Ctrl-C: no temporary file left behind (a run's embeddings: gigabytes)
+        for left in temporary.parent.glob(f"{temporary.name}*"):
+            left.unlink(missing_ok=True)
+        raise
+    meta_file(embeddings).unlink(missing_ok=True)
+    os.replace(temporary, embeddings)
+    os.replace(names_temporary, names_file(embeddings))
+    os.replace(temporary.with_name(temporary.name + META_SUFFIX), meta_file(embeddings))
+    return len(names)
+
+
+def _write_rows(temporary: Path, names: list[str], stored: dict[str, StoredRow], dim: int) -> None:
+    """The rows of ``names`` into ``temporary`` (a .npy), its blocks taken before a row is written: a full disk is
+    an OSError here, where writing into a memory map of a sparse file died of SIGBUS with nothing said."""
     matrix = np.lib.format.open_memmap(temporary, mode="w+", dtype=ROW_DTYPE, shape=(len(names), dim))
+    with temporary.open("r+b") as file:
+        size = os.fstat(file.fileno()).st_size
+        if size:
+            os.posix_fallocate(file.fileno(), 0, size)
     sources = {file: _rows_of(file, dim) for file in {stored[name].file for name in names}}
     for start in range(0, len(names), MERGE_ROWS):
         by_file: dict[Path, tuple[list[int], list[int]]] = {}
@@ -346,16 +421,17 @@ def write_embeddings(records: Sequence[Record], out: Path, embeddings: Path, dim
             matrix[targets] = sources[file][rows]
     matrix.flush()
     del matrix, sources
+
+
+def _write_names_and_meta(temporary: Path, names: list[str], out: Path, embeddings: Path, identity: dict[str, str],
+                          dim: int) -> Path:
+    """The names and meta files beside ``temporary``, to be put in place with it; the names file's path."""
     names_temporary = temporary.with_name(temporary.name + NAMES_SUFFIX)
     # a name that is not UTF-8 as its own bytes, as the file system has it (read back the same by stored_embeddings)
     names_temporary.write_text("".join(name + "\n" for name in names), encoding="utf-8", errors="surrogateescape")
     meta_temporary = temporary.with_name(temporary.name + META_SUFFIX)
     meta_temporary.write_text(json.dumps(embeddings_meta(out, embeddings, identity, dim)) + "\n", encoding="utf-8")
-    meta_file(embeddings).unlink(missing_ok=True)
-    os.replace(temporary, embeddings)
-    os.replace(names_temporary, names_file(embeddings))
-    os.replace(meta_temporary, meta_file(embeddings))
-    return len(names)
+    return names_temporary
 
 
 def _rows_of(file: Path, dim: int) -> np.ndarray:

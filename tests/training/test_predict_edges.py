@@ -319,3 +319,91 @@ def test_a_run_in_which_every_input_failed_exits_1_with_one_line(weights: Path, 
     assert [bool(r.get("error")) for r in _lines(out)] == [True, True]  # the reasons are written all the same
     (data / "good.jpg").write_bytes(picture)
     assert _run(weights, data, out) == 0  # one scored: a run that did its work
+
+
+@pytest.mark.slow  # scoring runs of seconds each
+def test_a_run_s_own_names_file_is_a_list_another_run_reads_name_for_name(weights: Path, picture: bytes,
+                                                                           tmp_path: Path) -> None:
+    # Before: a list was split with splitlines() and each line stripped of any white space: names holding U+2028, a
+    # form feed or U+0085 became two missing files, one ending in a no-break space another missing one.
+    data = tmp_path / "photos"
+    data.mkdir()
+    for name in ("a\u2028b.jpg", "form\x0cfeed.jpg", "x\x85y.jpg", "nbsp\u00a0end.jpg\u00a0", "plain.jpg"):
+        (data / name).write_bytes(picture)
+    embeddings = tmp_path / "first.npy"
+    assert _run(weights, data, tmp_path / "first.jsonl", "--embeddings", str(embeddings)) == 0
+    listed = tmp_path / "again.txt"
+    shutil.copy(names_file(embeddings), listed)  # the names this command wrote, as the list of the next run
+    lines = [f"  {line}\r" if line.endswith("plain.jpg") else line
+             for line in listed.read_text(encoding="utf-8").split("\n")]
+    listed.write_text("\n".join(lines), encoding="utf-8")
+    assert _run(weights, listed, tmp_path / "again.jsonl") == 0
+    again = _lines(tmp_path / "again.jsonl")
+    assert len(again) == 5 and not [line for line in again if "error" in line]  # ASCII space and CR taken off
+
+
+def test_a_second_run_on_an_output_another_run_writes_is_refused(weights: Path, picture: bytes, tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    # Before: both ran, each appending to the same parts and numbering embedding rows from its own count: most
+    # images got another's embedding, and both said they wrote them all.
+    from models.predict.outputs import hold_output
+
+    data = tmp_path / "photos"
+    data.mkdir()
+    (data / "one.jpg").write_bytes(picture)
+    out = tmp_path / "scores.jsonl"
+    held = hold_output(out)  # the first run, still writing
+    try:
+        with caplog.at_level(logging.ERROR, logger="models.predict"):
+            assert _run(weights, data, out, "--embeddings", str(tmp_path / "e.npy")) == 2
+        assert f"another run writes {out} now (pid {os.getpid()})" in caplog.text
+        assert not out.exists() and not (tmp_path / "e.npy").exists()
+    finally:
+        held.close()
+    assert _run(weights, data, out) == 0 and len(_lines(out)) == 1  # once it ended
+    assert not list(tmp_path.glob(".scores.jsonl.lock"))  # no lock file left beside the output
+
+
+def test_a_resume_with_another_top_k_or_precision_is_refused(weights: Path, picture: bytes, tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    # Before: a run stopped with --top-k 3 and resumed with --top-k 2 (or another format, dtype or decode path)
+    # wrote one file of two configurations' answers, no row saying which.
+    data = tmp_path / "photos"
+    data.mkdir()
+    for i in range(3):
+        (data / f"{i}.jpg").write_bytes(picture)
+    whole = tmp_path / "whole.jsonl"
+    assert _run(weights, data, whole, "--top-k", "3") == 0
+    stopped = tmp_path / "stopped.jsonl"
+    parts = tmp_path / "stopped.jsonl.parts"
+    parts.mkdir()
+    (parts / "rank-00000.jsonl").write_text(whole.read_text().splitlines(keepends=True)[0])
+    (parts / "options.json").write_text(json.dumps({"weights_format": "torchscript", "decode": "pil",
+                                                    "dtype": "float32"}))  # as the stopped run scored
+    with caplog.at_level(logging.ERROR, logger="models.predict"):
+        assert _run(weights, data, stopped, "--top-k", "2", "--decode", "pil") == 2
+        assert "--top-k 2, but" in caplog.text and "holds answers of --top-k 3" in caplog.text
+        caplog.clear()
+        assert _run(weights, data, stopped, "--top-k", "3") == 2  # the tensor decode path, auto's on a CPU
+        assert "scored otherwise (" in caplog.text and "decode pil then, tensor now" in caplog.text
+    assert (parts / "rank-00000.jsonl").read_text() == whole.read_text().splitlines(keepends=True)[0]  # untouched
+    assert _run(weights, data, whole, "--top-k", "2") == 2  # a finished output: its answers' width
+
+
+def test_a_full_disk_is_said_in_one_line_and_leaves_no_temporary_file(weights: Path, picture: bytes, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    # Before: a disk full while the embeddings merged killed the process with SIGBUS, nothing said, its temporary
+    # file (gigabytes at scale) left for good; full while scoring, a traceback and exit 1 (every input failed).
+    data = tmp_path / "photos"
+    data.mkdir()
+    (data / "one.jpg").write_bytes(picture)
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with caplog.at_level(logging.ERROR, logger="models.predict"):
+        assert _run(weights, data, tmp_path / "scores.jsonl", "--embeddings", str(tmp_path / "e.npy")) == 3
+    assert "No space left on device" in caplog.text and "run the same command again" in caplog.text
+    assert not list(tmp_path.glob(".e.npy*")) and (tmp_path / "scores.jsonl.parts").is_dir()  # what was scored
