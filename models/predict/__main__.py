@@ -45,7 +45,7 @@ from models.export.repository import RepositoryError, is_export, models, named_d
 from models.predict.decode import PATHS, ScoreSet, collate, on_device
 from models.predict.evaluate import (check_labels, evaluation, mistakes, report_folder, trained_count,
                                      trained_warning, write_report)
-from models.predict.inputs import Item, Labels, chunks_for_rank, list_inputs
+from models.predict.inputs import Item, Labels, check_outside, chunks_for_rank, list_inputs
 from models.predict.outputs import (
     EMBEDDINGS_SUFFIX,
     PartWriter,
@@ -424,6 +424,8 @@ def run(args: argparse.Namespace, env: DistEnv, seen: Seen | None = None) -> Non
     items = list_inputs(args.data)  # --data, --out and --labels before the model loads: a mistake costs no load
     seen.inputs = len(items)
     check_out(args.out)
+    check_outside(args.data, args.out, "--out")
+    check_outside(args.data, args.embeddings, "--embeddings")
     if output_format(args.out) == "parquet":
         check_parquet_names((item.path for item in items), args.out)
     dim = seen.embedding_dim = embedding_dim(args, weights, items) if args.embeddings is not None else None

@@ -134,11 +134,23 @@ def list_inputs(data: Path) -> list[Item]:
     else:
         raise DataError(f"--data {data} is neither a folder nor a file list")
     if not items:
-        raise DataError(f"--data {data} holds no files")
-    paths = [item.path for item in items]
-    if len(set(paths)) != len(paths):
-        raise DataError(f"--data {data} names some files twice; each path is one output line")
+        empty = data.is_file() and data.stat().st_size == 0
+        raise DataError(f"--data {data} is empty (0 bytes): neither an image nor a list of files" if empty
+                        else f"--data {data} holds no files")
+    seen: set[str] = set()
+    twice = [path for path in (item.path for item in items) if path in seen or seen.add(path)]
+    if twice:
+        raise DataError(f"--data {data} names {twice[0]!r} twice" + (f" (and {len(twice) - 1} more)" if len(twice) > 1
+                        else "") + "; each path is one output line")
     return items
+
+
+def check_outside(data: Path, output: Path | None, option: str) -> None:
+    """DataError when ``output`` (``option``'s) is inside the folder ``data``: a rerun would list it, its parts and
+    the files beside it as inputs and write a line of error for each."""
+    if output is not None and data.is_dir() and Path(os.path.abspath(output)).is_relative_to(os.path.abspath(data)):
+        raise DataError(f"{option} {output} is inside --data {data}: a rerun would score it and the files beside it "
+                        f"as inputs; write it outside the folder")
 
 
 def chunks_for_rank(items: list[Item], chunk: int, rank: int, world_size: int) -> list[list[Item]]:

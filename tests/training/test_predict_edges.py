@@ -407,3 +407,26 @@ def test_a_full_disk_is_said_in_one_line_and_leaves_no_temporary_file(weights: P
         assert _run(weights, data, tmp_path / "scores.jsonl", "--embeddings", str(tmp_path / "e.npy")) == 3
     assert "No space left on device" in caplog.text and "run the same command again" in caplog.text
     assert not list(tmp_path.glob(".e.npy*")) and (tmp_path / "scores.jsonl.parts").is_dir()  # what was scored
+
+
+def test_an_output_inside_the_data_folder_an_empty_file_and_a_path_named_twice_are_said_plainly(
+        weights: Path, picture: bytes, tmp_path: Path, no_load: None, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: an --out inside --data was written, and its rerun scored the outputs as inputs (a line of error
+    # each); a 0-byte --data said "holds no files"; a list naming a path twice did not say which.
+    data = tmp_path / "photos"
+    data.mkdir()
+    (data / "one.jpg").write_bytes(picture)
+    empty = tmp_path / "empty.jpg"
+    empty.write_bytes(b"")
+    twice = tmp_path / "twice.txt"
+    twice.write_text("photos/one.jpg\nphotos/one.jpg\n")
+    with caplog.at_level(logging.ERROR, logger="models.predict"):
+        assert _run(weights, data, data / "scores.jsonl") == 2
+        assert _run(weights, data, tmp_path / "s.jsonl", "--embeddings", str(data / "sub" / "e.npy")) == 2
+        assert _run(weights, empty, tmp_path / "s.jsonl") == 2
+        assert _run(weights, twice, tmp_path / "s.jsonl") == 2
+    said = [r.getMessage() for r in caplog.records]
+    assert f"--out {data / 'scores.jsonl'} is inside --data {data}" in said[0]
+    assert "--embeddings" in said[1] and "is inside --data" in said[1]
+    assert "is empty (0 bytes): neither an image nor a list of files" in said[2]
+    assert "names 'photos/one.jpg' twice; each path is one output line" in said[3]
