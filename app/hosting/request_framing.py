@@ -136,7 +136,8 @@ class Reading:
         and counted as its leaving, status 499 (``count_unparsed``), not as a bad request; nothing is answered."""
         if self.body_end is None:  # its head was not whole: no request began
             return
-        log.info("request", extra={"client": client, "status": 499, "error": "client_closed_request",
+        log.info("request", extra={"client": client, **head_fields(self.buffer), "status": 499,
+                                   "error": "client_closed_request",
                                    "detail": "the client closed the connection while it sent its body",
                                    "request_id": request_id_of(caller_request_id(self.buffer))})
         count_unparsed(499)
@@ -226,6 +227,17 @@ def _fields_refused(request_line: bytes, hosts: int, host: bytes, lengths: list[
 
 
 
+REQUEST_METHOD = re.compile(rb"([A-Z]{1,20}) /")  # a request line's method, as sent
+
+
+def head_fields(head: bytes | bytearray) -> dict[str, str | None]:
+    """The access line's ``method`` and ``route`` of a request the loop answers itself, as the app's lines have
+    them: the method its request line says (None where it did not come), the route ``unparsed`` (as
+    ``visionserve_requests_total`` counts it)."""
+    line = REQUEST_METHOD.match(head)
+    return {"method": line.group(1).decode() if line else None, "route": "unparsed"}
+
+
 @dataclass(frozen=True)
 class Refusal:
     """An answer the loop gives itself to a request it ends (a timeout) or refuses from its head or its chunked
@@ -248,8 +260,8 @@ class Refusal:
         request_id = request_id_of(caller_request_id(head))
         with contextlib.suppress(OSError):
             send(self.response(request_id, path, cors))
-        log.info("request", extra={"client": client, "status": self.status, "error": self.code,
-                                   "detail": self.message, "request_id": request_id})
+        log.info("request", extra={"client": client, **head_fields(head), "status": self.status,
+                                   "error": self.code, "detail": self.message, "request_id": request_id})
         count_unparsed(self.status)
 
     def response(self, request_id: str, path: str | None = None, cors: bytes = b"") -> bytes:

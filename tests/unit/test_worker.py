@@ -1020,6 +1020,22 @@ def test_a_refusal_is_json_in_the_service_error_shape_and_closes_the_connection(
                                           "request_id": "r1"}}
 
 
+def test_a_refusal_s_access_line_has_the_method_and_route_fields_the_app_s_lines_have(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Before: a line of the loop's own answers (413, 414, 431, a bare-LF 400) had neither, where the app's have both.
+    from app.hosting.request_framing import Refusal
+
+    sent: list[bytes] = []
+    with caplog.at_level(logging.INFO, logger="visionserve.access"):
+        Refusal(413, "Request Entity Too Large", "too big").tell(
+            sent.append, "127.0.0.1", "/predict", b"POST /predict HTTP/1.1\r\nHost: x\r\nX-Request-ID: big-1\r\n")
+        Refusal(431, "Request Header Fields Too Large", "too long").tell(sent.append, "127.0.0.1", None, b"GE")
+    first, second = caplog.records
+    assert (first.method, first.route, first.status, first.request_id) == ("POST", "unparsed", 413, "big-1")
+    assert (second.method, second.route, second.status) == (None, "unparsed", 431)  # no request line came whole
+    assert len(sent) == 2
+
+
 def test_empty_lines_before_a_request_are_skipped_and_a_connection_that_sent_only_those_idles() -> None:
     from app.hosting.request_framing import Reading
 
