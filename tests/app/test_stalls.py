@@ -200,8 +200,10 @@ def test_a_worker_sends_no_request_to_an_engine_whose_latest_state_query_went_un
     monkeypatch.setattr(client_module, "STATE_TIMEOUT_S", 0.2)
     client = linked.client
     assert _post(client) == 200
-    watch = threading.Thread(target=linked.worker._engine_gone, daemon=True)  # as _follow_engine runs it
-    watch.start()
+    # The watch of the engine (as _follow_engine runs it) starts once the loop answers again: while it is stuck,
+    # each of the watch's queries would take a new connection (an unanswered one's is closed), and the count of
+    # connections below tells that no request was sent (on a loaded machine a query fell between the counts).
+    watch = threading.Thread(target=linked.worker._engine_gone, daemon=True)
     with _engine_loop_stuck(linked):
         ready = client.get("/readyz")  # its state query goes unanswered: the reason says so
         assert ready.status_code == 503 and "did not answer its state query" in ready.get_json()["reason"]
@@ -221,6 +223,7 @@ def test_a_worker_sends_no_request_to_an_engine_whose_latest_state_query_went_un
         assert answer.headers["Connection"] == "close"  # a client kept on this worker reconnects, maybe to that one
         other.unlink()
         assert len(linked.connections) == connections
+    watch.start()
     # No probe asks again: the watch of the engine does, within WAIT_S, not at the end of its WATCH_S (5 s) wait
     wait_until(lambda: _post(client) == 200, timeout=2.5)
     linked.worker._stopped.set()
