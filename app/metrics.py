@@ -79,6 +79,9 @@ PROBES = Counter("visionserve_probe_requests_total", "Health probes, scrapes and
                  "counted apart from traffic", ["endpoint", "status"])
 PREFLIGHTS = Counter("visionserve_cors_preflights_total", "CORS preflights (OPTIONS answered before any route, "
                      "CORS_ORIGINS), counted apart from traffic", ["endpoint", "status"])
+TRACE_SPANS_UNSENT = Counter("visionserve_trace_spans_unsent_total", "Spans the trace exporter could not send "
+                             "(TRACING: a collector away, refusing or too slow), which are lost; 0 while every "
+                             "export goes out", [])
 REJECTED = Counter("visionserve_rejected_total", "Requests refused for the server's capacity before inference, "
                    "answered 429 or 503 (reason: the error code; a deadline too short for any server, 400 "
                    "deadline_too_short, is the client's and counts in visionserve_requests_total only)", ["reason"])

@@ -47,9 +47,9 @@ def register_tracing(app: Flask, settings: Settings, exporter: Any = None) -> No
     if exporter is None:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-        processor: Any = BatchSpanProcessor(OTLPSpanExporter())
+        processor: Any = BatchSpanProcessor(counted_exporter(OTLPSpanExporter()))
     else:
-        processor = SimpleSpanProcessor(exporter)
+        processor = SimpleSpanProcessor(counted_exporter(exporter))
     resource = service_resource()
     # Not the SDK's own exit handler: it waits for an export in flight and then sends the rest, each export up to
     # OTEL_EXPORTER_OTLP_TIMEOUT with retries, so with the collector away a worker's stop took 8-19 s.
@@ -61,6 +61,33 @@ def register_tracing(app: Flask, settings: Settings, exporter: Any = None) -> No
     batches.add_span_processor(processor)
     atexit.register(shutdown_within, provider, EXIT_FLUSH_S)  # the processor both share: its spans sent
     _install_hooks(app, provider.get_tracer("visionserve"), batches.get_tracer("visionserve"))
+
+
+def counted_exporter(exporter: Any) -> Any:
+    """``exporter`` whose failed exports count their spans in visionserve_trace_spans_unsent_total: the SDK says
+    a failure in the log alone, so an alert could not tell that traces are being lost."""
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    from app.metrics import TRACE_SPANS_UNSENT
+
+    class Counted(SpanExporter):
+        def export(self, spans: Any) -> Any:
+            try:
+                result = exporter.export(spans)
+            except Exception:
+                TRACE_SPANS_UNSENT.inc(len(spans))
+                raise
+            if result is not SpanExportResult.SUCCESS:
+                TRACE_SPANS_UNSENT.inc(len(spans))
+            return result
+
+        def shutdown(self) -> None:
+            exporter.shutdown()
+
+        def force_flush(self, timeout_millis: int = 30000) -> bool:
+            return exporter.force_flush(timeout_millis)
+
+    return Counted()
 
 
 def service_resource() -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -327,3 +328,24 @@ def test_a_request_span_starts_when_its_worker_had_it_and_its_access_line_names_
     assert before_ns - 300_000_000 < request.start_time < before_ns - 200_000_000
     (line,) = [r for r in caplog.records if r.name == "visionserve.access"]
     assert line.trace_id == PARENT_TRACE and line.span_id == format(request.context.span_id, "016x")
+
+
+def _unsent(app: Flask) -> float:
+    text = app.test_client().get("/metrics").get_data(as_text=True)
+    return float(re.search(r"^visionserve_trace_spans_unsent_total (\S+)$", text, re.M).group(1))
+
+
+def test_spans_an_exporter_could_not_send_are_counted(app: Flask, service: Service) -> None:
+    # Before: a collector away or refusing was said in the log alone: no alert could tell traces were being lost.
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    class Refused(SpanExporter):
+        def export(self, spans) -> SpanExportResult:  # noqa: ANN001
+            return SpanExportResult.FAILURE
+
+    register_tracing(app, service.settings, Refused())
+    before = _unsent(app)
+    headers = {"traceparent": f"00-{PARENT_TRACE}-00f067aa0ba902b7-01"}
+    answer = app.test_client().post("/predict", data=image_bytes(RED), content_type="image/jpeg", headers=headers)
+    assert answer.status_code == 200  # a trace that cannot go out never fails the answer
+    assert _unsent(app) - before == 5  # the request, its decode, queue, inference and the batch's span
