@@ -466,10 +466,9 @@ def run(args: argparse.Namespace, env: DistEnv, seen: Seen | None = None) -> Non
         barrier(env)
         _score_and_merge(args, env, loaded, plan(args, env, batch_size, items, dim, identity), batch_size, dim,
                          identity)
-        if held is not None:  # merged: no lock file left beside the output
-            Path(held.name).unlink(missing_ok=True)
     finally:
-        if held is not None:
+        if held is not None:  # no lock file left beside the output, however the run ends (taken off still held)
+            Path(held.name).unlink(missing_ok=True)
             held.close()
 
 

@@ -362,6 +362,8 @@ def test_a_second_run_on_an_output_another_run_writes_is_refused(weights: Path, 
         held.close()
     assert _run(weights, data, out) == 0 and len(_lines(out)) == 1  # once it ended
     assert not list(tmp_path.glob(".scores.jsonl.lock"))  # no lock file left beside the output
+    assert _run(weights, data, out, "--top-k", "2") == 2  # nor after a run refused once it held the output
+    assert not list(tmp_path.glob(".scores.jsonl.lock"))
 
 
 def test_a_resume_with_another_top_k_or_precision_is_refused(weights: Path, picture: bytes, tmp_path: Path,
