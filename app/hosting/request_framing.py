@@ -226,7 +226,6 @@ def _fields_refused(request_line: bytes, hosts: int, host: bytes, lengths: list[
     return None
 
 
-
 REQUEST_METHOD = re.compile(rb"([A-Z]{1,20}) /")  # a request line's method, as sent
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from flask import Flask, Request, Response, current_app, g, request
 from flask.globals import request_ctx
@@ -45,7 +45,7 @@ def register_hooks(app: Flask, settings: Settings,
         context.request_id = request_id_of(req.headers.get("X-Request-ID"))  # a caller's kept when sane
         # its wait in the worker before the app began (a burst beyond THREADS) counts in its time (the histogram,
         # the access line, Server-Timing's wait): from when the worker's loop had it whole (client_socket.py)
-        context.arrived = arrived = getattr(req.environ.get("gunicorn.socket"), "received_at", None)
+        context.arrived = arrived = received_at(req.environ)
         context.waited_s = 0.0 if arrived is None else max(0.0, time.monotonic() - arrived)
         context.started = time.perf_counter() - context.waited_s
         fields = context.log_fields = context.get("log_fields", {})  # a trace's ids (app/web/tracing.py) first
@@ -83,6 +83,12 @@ def options_answer() -> Response:
     del response.headers["Content-Type"]
     response.headers["Allow"] = ", ".join(sorted(request_ctx.url_adapter.allowed_methods()))  # type: ignore[union-attr]
     return response
+
+
+def received_at(environ: dict[str, Any]) -> float | None:
+    """When the worker's loop had the request whole (a ``time.monotonic()``, app/hosting/client_socket.py), or None
+    where no such worker handed it over (a test client, gunicorn's own worker)."""
+    return getattr(environ.get("gunicorn.socket"), "received_at", None)
 
 
 def is_probe(path: str) -> bool:

@@ -25,7 +25,7 @@ from typing import Any, Hashable
 from flask import Flask, Response, g, request
 
 from app.config import Settings
-from app.web.hooks import is_probe
+from app.web.hooks import is_probe, received_at
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ def _received_ns(environ: dict[str, Any]) -> int:
     """When the worker had the request whole (its ``time.monotonic()`` on the socket it hands over), in the epoch's
     nanoseconds: the request's duration in the histogram and the access line counts from then, a wait for a request
     thread (a burst beyond THREADS) included; now, where no worker said."""
-    arrived = getattr(environ.get("gunicorn.socket"), "received_at", None)
+    arrived = received_at(environ)
     now_ns = time.time_ns()
     return now_ns if arrived is None else now_ns - max(0, int((time.monotonic() - arrived) * 1e9))
 

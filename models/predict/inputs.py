@@ -2,6 +2,7 @@
 share of them, and, to evaluate, each file's true class (its folder under DIR/<class>/, or a CSV of path,label)."""
 from __future__ import annotations
 
+import collections
 import csv
 import io
 import operator
@@ -137,8 +138,7 @@ def list_inputs(data: Path) -> list[Item]:
         empty = data.is_file() and data.stat().st_size == 0
         raise DataError(f"--data {data} is empty (0 bytes): neither an image nor a list of files" if empty
                         else f"--data {data} holds no files")
-    seen: set[str] = set()
-    twice = [path for path in (item.path for item in items) if path in seen or seen.add(path)]
+    twice = [path for path, count in collections.Counter(item.path for item in items).items() if count > 1]
     if twice:
         raise DataError(f"--data {data} names {twice[0]!r} twice" + (f" (and {len(twice) - 1} more)" if len(twice) > 1
                         else "") + "; each path is one output line")

@@ -388,17 +388,20 @@ def write_embeddings(records: Sequence[Record], out: Path, embeddings: Path, dim
     names = [r["path"] for r in records if not r.get("error") and r["path"] in stored]
     embeddings.parent.mkdir(parents=True, exist_ok=True)
     temporary = embeddings.with_name(f".{embeddings.name}.{os.getpid()}.tmp")
+    names_temporary, meta_temporary = (temporary.with_name(temporary.name + s) for s in (NAMES_SUFFIX, META_SUFFIX))
     try:
         _write_rows(temporary, names, stored, dim)
-        names_temporary = _write_names_and_meta(temporary, names, out, embeddings, identity, dim)
+        # a name that is not UTF-8 as its own bytes, as the file system has it (read back alike by stored_embeddings)
+        names_temporary.write_text("".join(name + "\n" for name in names), encoding="utf-8", errors="surrogateescape")
+        meta_temporary.write_text(json.dumps(embeddings_meta(out, embeddings, identity, dim)) + "\n", encoding="utf-8")
     except BaseException:  # a full disk, Ctrl-C: no temporary file left behind (a run's embeddings: gigabytes)
-        for left in temporary.parent.glob(f"{temporary.name}*"):
+        for left in (temporary, names_temporary, meta_temporary):
             left.unlink(missing_ok=True)
         raise
     meta_file(embeddings).unlink(missing_ok=True)
     os.replace(temporary, embeddings)
     os.replace(names_temporary, names_file(embeddings))
-    os.replace(temporary.with_name(temporary.name + META_SUFFIX), meta_file(embeddings))
+    os.replace(meta_temporary, meta_file(embeddings))
     return len(names)
 
 
@@ -421,17 +424,6 @@ def _write_rows(temporary: Path, names: list[str], stored: dict[str, StoredRow],
             matrix[targets] = sources[file][rows]
     matrix.flush()
     del matrix, sources
-
-
-def _write_names_and_meta(temporary: Path, names: list[str], out: Path, embeddings: Path, identity: dict[str, str],
-                          dim: int) -> Path:
-    """The names and meta files beside ``temporary``, to be put in place with it; the names file's path."""
-    names_temporary = temporary.with_name(temporary.name + NAMES_SUFFIX)
-    # a name that is not UTF-8 as its own bytes, as the file system has it (read back the same by stored_embeddings)
-    names_temporary.write_text("".join(name + "\n" for name in names), encoding="utf-8", errors="surrogateescape")
-    meta_temporary = temporary.with_name(temporary.name + META_SUFFIX)
-    meta_temporary.write_text(json.dumps(embeddings_meta(out, embeddings, identity, dim)) + "\n", encoding="utf-8")
-    return names_temporary
 
 
 def _rows_of(file: Path, dim: int) -> np.ndarray:
