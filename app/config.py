@@ -469,7 +469,10 @@ class ServerSettings(SettingsGroup):
         "requests it accepted are answered, within `GRACEFUL_TIMEOUT_S`, answering new ones `503 not_ready` with "
         "`Retry-After` and `Connection: close` (a clean answer, not a reset); only then does it stop accepting and "
         "close the listener.")
-    keepalive_s: int = Field(5, ge=0, description="HTTP keep-alive, in seconds.")
+    keepalive_s: int = Field(5, ge=0, description=(
+        "HTTP keep-alive, in seconds: an idle connection is closed after this long, and every answer after which "
+        "its connection stays open says so (`Keep-Alive: timeout=N`), so that a client stops reusing it first. "
+        "0 closes each connection after its answer."))
     loop_requests: bool = Field(
         True, description="Under ENGINE=process: a request whose body the HTTP worker's event loop read whole runs "
         "on that loop as a greenlet, and its wait for the engine's answer is handed back to the loop, which serves "

@@ -127,11 +127,11 @@ class RecentRefusals:
             self._stale_at = now + self.memory_s
 
     def refusal(self, request: bytes | bytearray, received_at: float, client: str | None,
-                keeps_alive: Callable[[], bool] | None = None) -> LoopRefusal | None:
+                kept_alive_s: Callable[[], int] | None = None) -> LoopRefusal | None:
         """The 429 for a request (``request``: its bytes, head first; ``received_at``: when the loop had it
         whole; ``client``: its peer's address) that its route's backlog would refuse now, said and counted as the
-        app would, the connection kept open if ``keeps_alive`` says the worker would keep it (asked only then) and
-        the request allows; None otherwise."""
+        app would, the connection kept open if ``kept_alive_s`` says for how long the worker would keep it idle (0:
+        it would not; asked only where the request allows; None: kept, for a time not said); None otherwise."""
         if not self._routes:
             return None
         now = time.monotonic()
@@ -161,13 +161,13 @@ class RecentRefusals:
         if ends is None or ends >= backlog.until or ends <= now or deadline_s < backlog.own_s(self.max_images):
             return None  # (ends passed: the app's 504, for the time it waited in its worker)
         assert key is not None
-        keep_alive = (version != b"HTTP/1.0" and headers.get("connection", "").lower() != "close"
-                      and (keeps_alive is None or keeps_alive()))
+        keep_alive: int | bool = (version != b"HTTP/1.0" and headers.get("connection", "").lower() != "close"
+                                  and (kept_alive_s is None or kept_alive_s()))
         message = (f"the queue ahead may need up to {backlog.until - now:.3f}s, more than the "
                    f"{received_at + deadline_s - now:.3f}s deadline")
         answer = _refusal_answer(key, headers, refused.retry_after, message, keep_alive, now - received_at, client,
                                  self.forwarded_for)
-        return LoopRefusal(answer, keep_alive)
+        return LoopRefusal(answer, bool(keep_alive))
 
 
 class _Headers(dict):
@@ -214,9 +214,10 @@ def _deadline_s(raw: str | None, maximum_s: float, minimum_ms: float) -> float |
     return min(millis / 1000, maximum_s)
 
 
-def _refusal_answer(key: RouteKey, headers: Mapping[str, str], retry_after: str | None, message: str, keep_alive: bool,
-          elapsed_s: float, client: str | None, forwarded_for: bool) -> bytes:
-    """The refusal's answer in its route's error shape, its access line and its counts (as app/web/hooks.py's)."""
+def _refusal_answer(key: RouteKey, headers: Mapping[str, str], retry_after: str | None, message: str,
+                    keep_alive: int | bool, elapsed_s: float, client: str | None, forwarded_for: bool) -> bytes:
+    """The refusal's answer in its route's error shape, its access line and its counts (as app/web/hooks.py's);
+    ``keep_alive``: False (it closes), True (kept, for a time not said) or the seconds it is kept idle."""
     from app.metrics import REJECTED, REQUEST_SECONDS, REQUESTS, series
 
     said_id = request_id_of(headers.get("x-request-id"))
@@ -232,7 +233,8 @@ def _refusal_answer(key: RouteKey, headers: Mapping[str, str], retry_after: str 
     return (b"HTTP/1.1 429 Too Many Requests\r\nDate: " + email.utils.formatdate(usegmt=True).encode()
             + b"\r\nContent-Type: application/json\r\n"
             + (b"" if retry_after is None else b"Retry-After: " + retry_after.encode("latin-1") + b"\r\n")
-            + (b"" if keep_alive else b"Connection: close\r\n")
+            + (b"Connection: close\r\n" if not keep_alive
+               else b"" if keep_alive is True else b"Keep-Alive: timeout=%d\r\n" % keep_alive)
             + b"X-Request-ID: " + said_id.encode() + b"\r\nContent-Length: " + str(len(body)).encode()
             + b"\r\n\r\n" + body)
 

@@ -588,7 +588,7 @@ class BufferingWorker(LoopRequests, ThreadWorker):
             conn.init()  # plain HTTP/1.1 (no TLS or HTTP/2 configured): only makes the parser
             if not isinstance(conn.parser.unreader, HeldUnreader):  # the connection's first request
                 conn.parser.unreader = HeldUnreader(conn.sock)
-            refused = (RECENT.refusal(prefetched, sock.received_at, _peer(conn), self._keeps_alive)
+            refused = (RECENT.refusal(prefetched, sock.received_at, _peer(conn), self._kept_alive_s)
                        if conn.body_held and sock.received_at is not None and not self.draining else None)
             if refused is not None:  # what came past it (pipelined) is the parser's next request
                 conn.parser.unreader.unread_request(prefetched[conn.request_end:])
@@ -607,9 +607,11 @@ class BufferingWorker(LoopRequests, ThreadWorker):
                 sock.answer_ends()
             sock.stays_nonblocking = False
 
-    def _keeps_alive(self) -> bool:
-        """Whether gthread would keep a connection open after its answer now (its handle_request's judgement)."""
-        return self.alive and bool(self.cfg.keepalive) and len(self.keepalived_conns) < self.max_keepalived
+    def _kept_alive_s(self) -> int:
+        """For how long gthread would keep a connection open idle after its answer now (its handle_request's
+        judgement; 0: it closes it)."""
+        kept = self.alive and bool(self.cfg.keepalive) and len(self.keepalived_conns) < self.max_keepalived
+        return int(self.cfg.keepalive) if kept else 0
 
     def _keepalive_after(self, conn: TConn, keepalive: bool) -> bool:
         """Whether the connection serves another request, once its answer is written (a head held alone goes now:

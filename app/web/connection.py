@@ -7,6 +7,12 @@ unread rest of the body would stay on a kept-alive connection. Its ``start_respo
 response object, whose ``force_close()`` makes it send ``Connection: close`` and close the socket afterwards.
 Other servers (werkzeug's, the test client) pass the header on as it is.
 
+An answer after which the connection stays open says for how long an idle connection is kept
+(``Keep-Alive: timeout=KEEPALIVE_S``, which gunicorn never sends): a client that reuses a connection the server is
+closing at that moment sees a reset (ECONNRESET, "connection aborted") on a request that never reached the app;
+told the timeout, Node's agent and other clients that read the hint stop reusing a connection before the server
+ends it.
+
 A body the worker's event loop held whole is skipped in memory whatever the app left of it
 (app/hosting/request_framing.py).
 One that arrives streamed (chunked, or sent after gunicorn's ``100 Continue``) is still on the socket: gunicorn
@@ -32,6 +38,19 @@ def _streamed(environ: dict[str, Any]) -> bool:
             or environ.get("HTTP_EXPECT", "").strip().lower() == "100-continue")
 
 
+def say_kept_alive(start_response: StartResponse) -> None:
+    """Add ``Keep-Alive: timeout=N`` to an answer gunicorn keeps its connection open after (its ``keepalive``
+    setting, KEEPALIVE_S; it drops the app's own hop-by-hop headers, so the header goes on its response's list
+    after ``start_response``). Other servers, and answers that close: nothing."""
+    response = getattr(start_response, "__self__", None)
+    seconds = getattr(getattr(response, "cfg", None), "keepalive", 0)
+    if not isinstance(seconds, int) or seconds <= 0 or response.should_close():  # type: ignore[union-attr]
+        return
+    said = response.headers  # type: ignore[union-attr]
+    if not any(name == "Keep-Alive" for name, _ in said):  # (a second start_response, with exc_info, adds to it)
+        said.append(("Keep-Alive", f"timeout={seconds}"))
+
+
 def left_unread(environ: dict[str, Any]) -> bool:
     """A streamed body that gunicorn's reader has not handed out to its end (other servers' bodies: False)."""
     body = environ.get("wsgi.input")
@@ -54,13 +73,16 @@ class CloseWhenAsked:
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         """Run the app; force the server to close when its answer asks for it, leaves a streamed body unread, or
-        the worker drains."""
+        the worker drains; else say how long the connection stays open idle."""
         def start(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
             close = _asks_to_close(headers)
             if not close and (left_unread(environ) or self.draining()):
                 headers, close = [*headers, ("Connection", "close")], True
             if close:
                 force_close(start_response)
-            return start_response(status, headers, exc_info)
+            write = start_response(status, headers, exc_info)
+            if not close:
+                say_kept_alive(start_response)
+            return write
 
         return self.app(environ, start)

@@ -61,7 +61,7 @@ def test_a_request_whose_deadline_ends_before_the_remembered_backlog_clears_is_r
     status, headers, body = _answer(refused.answer)
     assert (status, headers["content-type"], headers["retry-after"], headers["x-request-id"]) == (
         429, "application/json", "3", "caller-7")
-    assert "connection" not in headers  # kept alive: the client's next request comes on it
+    assert "connection" not in headers and "keep-alive" not in headers  # kept alive (for a time not said)
     assert body["error"]["code"] == "deadline_unreachable" and body["error"]["request_id"] == "caller-7"
     assert re.fullmatch(r"the queue ahead may need up to \d\d\.\d{3}s, more than the \d\.\d{3}s deadline",
                         body["error"]["message"]), body
@@ -69,6 +69,16 @@ def test_a_request_whose_deadline_ends_before_the_remembered_backlog_clears_is_r
     assert REGISTRY.get_sample_value("visionserve_requests_total",
                                      {"endpoint": "/predict", "status": "429"}) == before + 1
     assert REGISTRY.get_sample_value("visionserve_rejected_total", {"reason": "deadline_unreachable"}) == rejected + 1
+
+
+def test_a_refusal_says_how_long_the_worker_keeps_its_connection_or_that_it_closes() -> None:
+    recent = _remembering(busy_for_s=60.0)
+    kept = recent.refusal(_head("/predict", "5000"), time.monotonic(), None, lambda: 5)  # the worker's KEEPALIVE_S
+    assert kept is not None and kept.keep_alive
+    assert ("connection" in _answer(kept.answer)[1], _answer(kept.answer)[1]["keep-alive"]) == (False, "timeout=5")
+    full = recent.refusal(_head("/predict", "5000"), time.monotonic(), None, lambda: 0)  # its keep-alive slots full
+    assert full is not None and not full.keep_alive
+    assert (_answer(full.answer)[1]["connection"], "keep-alive" in _answer(full.answer)[1]) == ("close", False)
 
 
 def test_a_v2_refusal_has_the_protocol_s_error_shape_and_a_http_1_0_one_closes() -> None:
