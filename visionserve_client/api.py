@@ -254,6 +254,23 @@ def _at_position(error: VisionServeError, index: int, position: int) -> VisionSe
                             retry_after_s=error.retry_after_s, details={**details, "image": position})
 
 
+def _also_refused(error: VisionServeError, count: int) -> dict[int, VisionServeError]:
+    """The other images of a request of ``count`` that ``error`` says the server refused too (its details'
+    ``also_refused``: each one's index, status, code and message), each as its own error; malformed entries are
+    left out (those images are sent again)."""
+    refused = {}
+    listed = error.details.get("also_refused") if isinstance(error.details, dict) else None
+    for item in listed if isinstance(listed, list) else ():
+        index = item.get("image") if isinstance(item, dict) else None
+        if isinstance(index, int) and not isinstance(index, bool) and 0 <= index < count:
+            status = item.get("status")
+            refused[index] = VisionServeError(
+                str(item.get("message") or error.message), status=status if isinstance(status, int) else error.status,
+                code=str(item.get("code") or error.code), request_id=error.request_id,
+                details={"image": index, "filename": item.get("filename")})
+    return refused
+
+
 def _name_the_file(error: OSError, path: str) -> None:
     """``error`` naming the file in its repr too: an OSError's repr (what a REPL or a printed list of
     ``predict_each``'s results shows) leaves its filename out, ``FileNotFoundError(2, 'No such file or directory')``.
@@ -611,9 +628,11 @@ class Client:
                 if index is None and exc.status != 413:
                     return exc
                 index = index or 0  # alone, and too large
-                results[parts[index].position] = _at_position(exc, index, parts[index].position)
-                if len(parts) > 1:
-                    pending.append(parts[:index] + parts[index + 1:])
+                refused = {index: exc, **_also_refused(exc, len(parts))}
+                for at, error in refused.items():
+                    results[parts[at].position] = _at_position(error, at, parts[at].position)
+                if len(parts) > len(refused):
+                    pending.append([part for at, part in enumerate(parts) if at not in refused])
                 continue
             for part, answer in zip(parts, answers):
                 results[part.position] = answer

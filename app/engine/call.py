@@ -29,6 +29,8 @@ from app.engine.batching.types import (
 from app.engine.contract import CLIENT_CHECK_S, Served
 from app.engine.lifecycle import NOT_READY_RETRY_S
 from app.engine.decoding.decoders import Prepared
+from app.engine.decoding.device import check_header
+from app.engine.decoding.image import DecodeLimits
 from app.engine.loaded.predictor import NON_FINITE_OUTPUT
 from app.engine.loaded.version import LoadedVersion
 from app.errors import (
@@ -252,7 +254,8 @@ class Call:
             try:
                 prepared.append(self._version.decoder.prepare(data))
             except ServiceError as exc:
-                raise _named(exc, index, names) from None
+                raise _with_later_refusals(_named(exc, index, names), images, index, names,
+                                           self._version.decoder.limits) from None
         decode_s, decode_cpu_s = time.perf_counter() - started, time.thread_time() - cpu_started
         self._version.batcher.note_decoded(len(images), decode_s)
         writes = Increments()  # per request: a bundle's each its decode stage, the bundle's (the CPU once)
@@ -333,16 +336,47 @@ NAME_SHOWN = 100  # the most of a file name an error message shows (its start an
 NAME_KEPT = 255  # the most of it an error's details keep: a longer one is no file name on any common file system
 
 
+def _label(index: int, names: Sequence[str | None]) -> str:
+    """How an error calls image ``index``: its position, and its file name (a multipart part's) shortened."""
+    name = names[index] if index < len(names) else None
+    shown = name if name is None or len(name) <= NAME_SHOWN else f"{name[:NAME_SHOWN - 21]}…{name[-20:]}"
+    return f"image {index}" + (f" ({shown})" if name else "")
+
+
 def _named(exc: ServiceError, index: int, names: Sequence[str | None]) -> ServiceError:
     """``exc`` saying which image it is about, so a client knows which of its images to fix: its position, and its
     file name (a multipart part's) shortened in the message, cut in ``details``: an answer never echoes a name of
     tens of kilobytes twice."""
     name = names[index] if index < len(names) else None
-    shown = name if name is None or len(name) <= NAME_SHOWN else f"{name[:NAME_SHOWN - 21]}…{name[-20:]}"
-    exc.message = f"image {index}" + (f" ({shown})" if name else "") + f": {exc.message}"
+    exc.message = f"{_label(index, names)}: {exc.message}"
     exc.args = (exc.message,)
     exc.details = {"image": index, "filename": None if name is None else name[:NAME_KEPT],
                    **(exc.details if isinstance(exc.details, dict) else {})}
+    return exc
+
+
+ALSO_REFUSED_SHOWN = 5  # the most later refused images an error's message names (its details have them all)
+
+
+def _with_later_refusals(exc: ServiceError, images: Sequence[bytes], index: int, names: Sequence[str | None],
+                         limits: DecodeLimits) -> ServiceError:
+    """``exc``, the refusal of image ``index`` (named), with the images after it whose header the decode rules
+    refuse too (read, not decoded: a refused request's CPU stays small) in its details' ``also_refused`` (each
+    {"image", "filename", "status", "code", "message"}) and named at the end of its message, so that a client
+    fixes them all at once; an image after it whose pixels alone are broken is not found."""
+    later = []
+    for position in range(index + 1, len(images)):
+        try:
+            check_header(images[position], limits)
+        except ServiceError as refusal:
+            named = _named(refusal, position, names)
+            later.append({**named.details, "status": named.status, "code": named.code, "message": named.message})
+    if later:
+        shown = ", ".join(_label(item["image"], names) for item in later[:ALSO_REFUSED_SHOWN])
+        more = f" and {len(later) - ALSO_REFUSED_SHOWN} more" if len(later) > ALSO_REFUSED_SHOWN else ""
+        exc.message = f"{exc.message}; also refused: {shown}{more} (details' also_refused)"
+        exc.args = (exc.message,)
+        exc.details = {**exc.details, "also_refused": later}
     return exc
 
 

@@ -81,7 +81,7 @@ def parse_form_data(body: bytes, boundary: str, max_files: int) -> FormData:
                 raise MalformedBody("a part of the multipart body ends inside its headers" if body.find(
                     _HEADERS_END, headers_start) == -1 else f"a part's headers run past {MAX_HEADER_BYTES} bytes")
             headers, content_start = body[headers_start:headers_end], headers_end + 4
-        content_end = _part_end(body, separator, content_start)
+        content_end, at = _part_end(body, separator, content_start)
         name, filename = _disposition(headers)
         if filename is None:
             _add_field(form, name, body, content_start, content_end)
@@ -90,7 +90,6 @@ def parse_form_data(body: bytes, boundary: str, max_files: int) -> FormData:
             if files > max_files:
                 raise TooManyImages(f"more than {max_files} files in one request; the limit is {max_files}")
             form.files.setdefault(name, []).append(FilePart(filename or None, body[content_start:content_end]))
-        at = content_end + len(separator)
 
 
 def _after_delimiter(body: bytes, at: int) -> int | None:
@@ -102,14 +101,19 @@ def _after_delimiter(body: bytes, at: int) -> int | None:
     return None if line_end == -1 or body[at:line_end].strip(b" \t") else line_end + 2
 
 
-def _part_end(body: bytes, separator: bytes, start: int) -> int:
-    """Where the part starting at ``start`` ends: the next CRLF and delimiter that a line end (after optional
-    spaces) or the closing ``--`` follows; the boundary's text followed by anything else is the part's content, as
-    werkzeug reads it."""
+def _part_end(body: bytes, separator: bytes, start: int) -> tuple[int, int]:
+    """Where the part starting at ``start`` ends and where the delimiter after it does: the next CRLF and
+    delimiter that a line end (after optional spaces) or the closing ``--`` follows; the boundary's text followed by
+    anything else is the part's content, as werkzeug reads it. An empty part whose delimiter follows its headers'
+    blank line with no CRLF of its own (werkzeug's test client writes an empty file so) ends where it starts, as
+    werkzeug reads it: a boundary never appears in a part's content."""
+    delimiter = separator[len(_CRLF):]
+    if body.startswith(delimiter, start) and _after_delimiter(body, start + len(delimiter)) is not None:
+        return start, start + len(delimiter)
     end = body.find(separator, start)
     while end != -1:
         if _after_delimiter(body, end + len(separator)) is not None:
-            return end
+            return end, end + len(separator)
         end = body.find(separator, end + 1)
     raise MalformedBody("the multipart body ends before its closing boundary")
 

@@ -519,6 +519,33 @@ def test_a_bad_image_among_several_is_named_by_index_and_file_name(client: Flask
     assert error["message"].startswith("image 1: ") and error["details"]["image"] == 1
 
 
+def test_every_image_whose_header_is_refused_is_named_in_one_answer_not_only_the_first(
+        settings: Settings, predictor: Predictor) -> None:
+    # Before: only the first bad image was named; a client fixed it, sent again, and met the next (a trial).
+    app = create_app(settings.model_copy(update={"max_images": 8}), predictor)
+    client = app.test_client()
+    tiff = encode(Image.new("RGB", (8, 8)), "TIFF")
+    files = [(io.BytesIO(b"not an image"), "notes.txt"), (io.BytesIO(image_bytes(RED)), "cat.jpg"),
+             (io.BytesIO(b""), "empty.jpg"), (io.BytesIO(tiff), "scan.tiff"), (io.BytesIO(image_bytes(BLUE)), "b.jpg")]
+    error = error_of(client.post("/predict", data={"image": files}), 400, "invalid_image")
+    assert error["message"] == ("image 0 (notes.txt): the data is not an image in a format we can read; also refused: "
+                                "image 2 (empty.jpg), image 3 (scan.tiff) (details' also_refused)")
+    assert (error["details"]["image"], error["details"]["filename"]) == (0, "notes.txt")
+    assert [(item["image"], item["filename"], item["status"], item["code"]) for item in error["details"][
+        "also_refused"]] == [(2, "empty.jpg", 400, "invalid_image"), (3, "scan.tiff", 415, "unsupported_image_format")]
+    assert error["details"]["also_refused"][0]["message"] == "image 2 (empty.jpg): the image is empty (0 bytes)"
+    many = [(io.BytesIO(b"nope"), f"n{i}.txt") for i in range(8)]
+    error = error_of(client.post("/predict", data={"image": many}), 400, "invalid_image")
+    assert error["message"].endswith("also refused: image 1 (n1.txt), image 2 (n2.txt), image 3 (n3.txt), "
+                                     "image 4 (n4.txt), image 5 (n5.txt) and 2 more (details' also_refused)")
+    assert [item["image"] for item in error["details"]["also_refused"]] == list(range(1, 8))
+    alone = error_of(client.post("/predict", data={"image": [(io.BytesIO(b"not an image"), "notes.txt"),
+                                                             (io.BytesIO(image_bytes(RED)), "cat.jpg")]}),
+                     400, "invalid_image")
+    assert "also_refused" not in alone["details"] and "also refused" not in alone["message"]
+    app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
 def test_a_long_file_name_is_shortened_in_the_error_not_echoed_whole_twice(client: FlaskClient) -> None:
     # Before: 3,000 "é" in a text file's name gave a 36,200-byte 400, the name whole in the message and the details.
     name = "é" * 3000 + ".txt"

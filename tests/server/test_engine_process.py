@@ -79,6 +79,10 @@ def test_http_workers_never_load_torch_and_each_talks_to_its_own_engine(server: 
                          headers={"Content-Type": "image/jpeg"}).status_code == 404  # refused by the engine
     assert requests.post(f"{server.url}/predict", data=b"not an image", timeout=30,
                          headers={"Content-Type": "image/jpeg"}).status_code == 400
+    several = requests.post(f"{server.url}/predict", timeout=30, files=[
+        ("image", ("a.txt", b"not an image")), ("image", ("cat.jpg", IMAGE)), ("image", ("b.txt", b"nor this"))])
+    assert several.status_code == 400 and [(i["image"], i["filename"]) for i in several.json()["error"]["details"][
+        "also_refused"]] == [(2, "b.txt")]  # the engine's refusal, whole across the link
     # Every catalog read, a few times on new connections (both workers): what the engine answers unpickles in the
     # worker without importing torch (before: the prediction monitor's snapshot was a class of a module that imports
     # it, and the first /v1/models took a worker from ~55 MB to ~540 MB and stalled its requests 1.4 s)

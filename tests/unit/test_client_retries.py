@@ -69,11 +69,15 @@ def refused(status: int, code: str, message: str = "no", headers: dict[str, str]
 
 
 def by_content(seen: Seen) -> Answer:
-    """/predict answering each image's label as its bytes (b"bad..." refused as the server refuses an image)."""
-    for index, (name, data) in enumerate(seen.images):
-        if data.startswith(b"bad"):
-            return refused(400, "invalid_image", f"image {index} ({name}): not an image",
-                           details={"image": index, "filename": name})
+    """/predict answering each image's label as its bytes (b"bad..." refused as the server refuses an image: the
+    first, the later ones in its details' ``also_refused``)."""
+    bad = [{"image": index, "filename": name, "status": 400, "code": "invalid_image",
+            "message": f"image {index} ({name}): not an image"}
+           for index, (name, data) in enumerate(seen.images) if data.startswith(b"bad")]
+    if bad:
+        first = bad[0]
+        return refused(400, "invalid_image", first["message"], details={
+            "image": first["image"], "filename": first["filename"], **({"also_refused": bad[1:]} if bad[1:] else {})})
     return ok([data.decode() for _, data in seen.images])
 
 
@@ -247,6 +251,28 @@ def test_a_refused_image_is_named_by_its_own_position(stub: Stub, max_images: in
         assert error.message.startswith(f"image {position} (image{position}): ")
         assert error.details["filename"] == f"image{position}"  # type: ignore[index]
     assert [r.label for r in results if isinstance(r, Prediction)] == ["img0", "img2", "img4"]
+
+
+def test_the_images_a_refusal_lists_are_taken_out_together_and_the_rest_sent_once(stub: Stub) -> None:
+    # Before: one image taken out a request, the rest sent again: five requests for four bad images in seven.
+    stub.answer = limits(max_images=16, max_body_bytes=10_000)
+    images = [b"img0", b"bad1", b"img2", b"bad3", b"img4", b"bad5", b"bad6"]
+    with client(stub.url) as c:
+        results = c.predict_each(images)
+    assert [len(seen.images) for seen in stub.posts()] == [7, 3]
+    for position in (1, 3, 5, 6):
+        error = results[position]
+        assert isinstance(error, VisionServeError) and (error.image_index, error.status, error.code) == (
+            position, 400, "invalid_image"), error
+        assert error.message == f"image {position} (image{position}): not an image"
+    assert [r.label for r in results if isinstance(r, Prediction)] == ["img0", "img2", "img4"]
+    stub.answer = lambda seen: refused(400, "invalid_image", "image 0 (a): no", details={"image": 0, "also_refused": [
+        {"image": 9}, {"image": True}, "x", {"image": 1, "status": "?", "code": None}]})
+    with client(stub.url) as c:
+        odd = c.predict_each([b"bad0", b"bad1", b"img2"])
+    assert [(e.image_index, e.status, e.code) for e in odd] == [  # type: ignore[union-attr]
+        (0, 400, "invalid_image"), (1, 400, "invalid_image"), (2, 400, "invalid_image")]  # (img2 sent again)
+    assert [len(seen.images) for seen in stub.posts()][-2:] == [3, 1]  # the malformed entries' images not taken out
 
 
 def test_a_request_refused_as_a_whole_is_each_images_error_and_the_rest_are_not_sent(stub: Stub) -> None:
