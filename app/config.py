@@ -202,6 +202,14 @@ class DeviceSettings(SettingsGroup):
         "to +20% images/s on 2 cores); on CUDA torch's default.")
     warmup: bool = Field(True, description="Run every batch shape once before reporting ready (each size on the "
                          "CPU; powers of two and the cap on CUDA, where batches are padded to them).")
+    warmup_timeout_s: float = Field(
+        300.0, ge=0, description="A version's warm-up and canary (every batch shape's first forward pass, CUDA "
+        "graph captures, cuDNN tuning) that have not ended after this long fail its load, saying so: a forward pass "
+        "that never returns (a deadlocked custom op, a hung device) no longer holds the version `LOADING` and every "
+        "later model change behind it for ever. At start the server stops with the reason (the orchestrator "
+        "restarts it); a new version is refused as a failed load is, its files tried again once they change, and "
+        "the versions serving go on. The stuck thread cannot be stopped: it keeps what it holds until its forward "
+        "pass returns, then ends without serving. 0 = wait for ever.")
     warmup_timing_s: float = Field(
         20.0, ge=0, description="The warm-up's timed rounds (each batch shape's forward pass timed, up to 5 rounds, "
         "to choose the batch cap and a lone image's expected time) stop once the warm-up has run this long, every "

@@ -8,6 +8,7 @@ import fcntl
 import gc
 import json
 import logging
+import re
 import socket
 import threading
 import weakref
@@ -304,6 +305,41 @@ def test_a_canary_that_fails_refuses_the_version(service: Service, repository: F
     with pytest.raises(LoadFailed, match="colour version 2 cannot be served: .*fake forward failure"):
         service.catalog.load("colour")
     assert _ask(service) == "1" and service.ready
+
+
+def test_a_version_whose_warm_up_does_not_return_is_refused_after_warmup_timeout_s_and_the_old_one_serves(
+        settings: Settings, repository: FakeRepository, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: its load waited for ever: the version LOADING, every later change behind it (a trial).
+    service = _service(settings, repository, warmup_timeout_s=0.5)
+    try:
+        hung = repository.add("colour", "2")
+        hung.gate = threading.Event()  # every forward pass of version 2 waits (10 s at most) for it
+        with caplog.at_level(logging.WARNING), pytest.raises(LoadFailed, match=re.escape(
+                "colour version 2 cannot be served: its warm-up and canary did not end within WARMUP_TIMEOUT_S "
+                "(0.5s): a forward pass that does not return")):
+            service.catalog.load("colour")
+        assert _ask(service) == "1" and service.ready and service.alive
+        (row,) = [r for r in service.catalog.index() if r.version == "2"]
+        assert row.state == "UNAVAILABLE" and "WARMUP_TIMEOUT_S" in row.reason
+        assert any("refused colour version 2" in r.getMessage() for r in caplog.records)
+        repository.add("other", "1")
+        service.catalog.load("other")  # the next change is not held behind it
+        stuck = [t for t in threading.enumerate() if t.name == "batcher-colour-2"]
+        assert len(stuck) == 1
+        hung.gate.set()
+        stuck[0].join(5)
+        assert not stuck[0].is_alive() and _ask(service, "colour") == "1"  # it ended without serving
+    finally:
+        service.shutdown(timeout=5)
+
+
+def test_a_warm_up_that_does_not_return_at_start_stops_the_server_saying_why(settings: Settings) -> None:
+    model = ColourModel()
+    model.gate = threading.Event()
+    with pytest.raises(LoadFailed, match="every version was refused: .* did not end within WARMUP_TIMEOUT_S"):
+        create_app(settings.model_copy(update={"warmup_timeout_s": 0.5}), Predictor(model, tiny_manifest(),
+                                                                                     device="cpu"))
+    model.gate.set()
 
 
 def test_two_load_calls_for_one_model_run_one_load(service: Service, repository: FakeRepository) -> None:

@@ -18,6 +18,7 @@ from app.engine.batching.types import (
     DeadlineTooShort,
     DeadlineUnreachable,
     Group,
+    PrepareTimeout,
     QueueFull,
 )
 from app.engine.batching import batcher as batcher_module
@@ -611,6 +612,26 @@ def test_a_failing_prepare_is_raised_by_start_and_ends_the_worker() -> None:
     with pytest.raises(RuntimeError, match="warm-up failed"):
         batcher.start(prepare)
     assert not batcher.is_alive()
+
+
+def test_a_prepare_that_does_not_end_in_time_is_a_timeout_and_its_worker_ends_without_a_batch_once_it_returns(
+        ) -> None:
+    # Before: start() waited for ever, a hung warm-up holding its version LOADING and every later change behind it.
+    released, ran = threading.Event(), []
+    batcher = Batcher(lambda items: ran.append(items) or items, max_batch_size=4, max_wait_ms=0, queue_size=8)
+    started = time.monotonic()
+    with pytest.raises(PrepareTimeout, match="did not end within 0.2s"):
+        batcher.start(lambda: released.wait(10), timeout_s=0.2)
+    assert 0.2 <= time.monotonic() - started < 5 and batcher.is_alive()  # still in prepare
+    released.set()
+    batcher._thread.join(5)
+    assert not batcher.is_alive() and ran == []
+    quick = Batcher(lambda items: items, max_batch_size=4, max_wait_ms=0, queue_size=8)
+    quick.start(lambda: None, timeout_s=5)  # one that ends in time serves as before
+    try:
+        assert quick.submit(3).result(timeout=10).value == 3
+    finally:
+        quick.stop(timeout=5)
 
 
 def test_the_cap_can_be_lowered_after_start(make_batcher) -> None:

@@ -30,6 +30,7 @@ from app.engine.batching.types import (
     DeadlineUnreachable,
     Group,
     NullObserver,
+    PrepareTimeout,
     QueueFull,
     ms,
 )
@@ -159,6 +160,7 @@ class Batcher(Generic[In, Out]):
     # When the batch running now (its forward pass and answers, on the worker's thread or a caller's) started, in
     # time.monotonic(); None while none runs: what a stall is judged by (``running_since``)
     _batch_started: float | None = None
+    _abandoned = False  # start() stopped waiting for its prepare (PrepareTimeout): the worker takes no batch
 
     def __init__(self, predict_fn: Callable[[list[In]], Sequence[Out]], *, max_batch_size: int,
                  max_wait_ms: float, queue_size: int, name: str = "batcher",
@@ -211,17 +213,27 @@ class Batcher(Generic[In, Out]):
         self._prepare: Callable[[], object] | None = None
         self._prepared: Future[BaseException | None] = Future()  # prepare's outcome: None, or what it raised
 
-    def start(self, prepare: Callable[[], object] | None = None) -> "Batcher[In, Out]":
+    def start(self, prepare: Callable[[], object] | None = None,
+              timeout_s: float | None = None) -> "Batcher[In, Out]":
         """Start the worker thread; returns self.
 
         ``prepare`` runs on the worker thread before it takes any batch, and ``start`` waits for it and re-raises its
         error (the worker then ends). It is for set-up whose effect belongs to the thread that runs it: cuDNN keeps
         its autotuned convolution plans per thread, so a warm-up on another thread leaves every batch shape to be
         tuned again, slowly, by the first real batch (docs/performance.md: Figures behind the code's choices).
+        ``start`` waits ``timeout_s`` at most (None: as long as it takes), then raises PrepareTimeout: a thread
+        cannot be stopped, so the worker is left in ``prepare`` and ends when it returns, taking no batch.
         """
         self._prepare = prepare
         self._thread.start()
-        error = self._prepared.result()
+        try:
+            error = self._prepared.result(timeout=timeout_s)
+        except TimeoutError:
+            with self._cond:  # (prepare may end now: then its outcome counts)
+                if not self._prepared.done():
+                    self._abandoned = True  # the worker ends once prepare returns, if ever; it takes no batch
+                    raise PrepareTimeout(f"did not end within {timeout_s:g}s") from None
+            error = self._prepared.result()
         if error is not None:
             self._thread.join()
             raise error
@@ -798,7 +810,10 @@ class Batcher(Generic[In, Out]):
         except BaseException as exc:  # noqa: BLE001 - handed to start(), which raises it in the caller
             self._prepared.set_result(exc)
             return
-        self._prepared.set_result(None)
+        with self._cond:
+            if self._abandoned:  # start() gave up waiting: nothing will be queued here
+                return
+            self._prepared.set_result(None)
         self._observer.running(True)
         try:
             while (batch := self._collect()) is not None:

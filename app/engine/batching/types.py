@@ -70,6 +70,10 @@ class BatcherClosed(BatcherError):
     """The batcher is stopping or stopped and takes no new work."""
 
 
+class PrepareTimeout(BatcherError, TimeoutError):
+    """``Batcher.start``'s ``prepare`` (a version's warm-up and canary) did not end within the time given."""
+
+
 class BatchObserver(Protocol):
     """What the batcher reports as it works (metrics plug in here; the batcher imports none)."""
 

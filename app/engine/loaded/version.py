@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -19,6 +19,7 @@ import torch
 from app.config import Settings
 from app.engine.batching.arrivals import Arrivals, InFlight
 from app.engine.batching.batcher import Batcher
+from app.engine.batching.types import PrepareTimeout
 from app.engine.contract import Signature
 from app.engine.batching.tuning import cap_share, choose_batch_cap, forward_threads, inline_batches, loop_batches
 from app.engine.decoding.decoders import Decoder, Prepared, decoder_for
@@ -321,6 +322,16 @@ def decoder_of(setting: str, predictor: Predictor, limits: DecodeLimits) -> Deco
                        transform=predictor.transform, tensor_transform=predictor.tensor_transform)
 
 
+def _start_within(batcher: Batcher, prepare: Callable[[], None], timeout_s: float) -> None:
+    """Start ``batcher`` with ``prepare`` (the warm-up and canary) on its thread; ModelLoadError once it has not
+    ended within ``timeout_s`` (WARMUP_TIMEOUT_S; 0: as long as it takes)."""
+    try:
+        batcher.start(prepare, timeout_s=timeout_s or None)
+    except PrepareTimeout:
+        raise ModelLoadError(f"its warm-up and canary did not end within WARMUP_TIMEOUT_S ({timeout_s:g}s): a forward "
+                             "pass that does not return (left running; the version is not served)") from None
+
+
 def start_version(settings: Settings, predictor: Predictor) -> LoadedVersion:
     """Choose the decoder, start the batcher, warm up and pass the canary on its thread, apply the measured batch
     cap; from then on every batch's predictions go to the version's monitor and metrics."""
@@ -357,7 +368,7 @@ def start_version(settings: Settings, predictor: Predictor) -> LoadedVersion:
             raise ModelLoadError(f"canary inference failed: {failed}") from None
         check_canary(canary[:, :predictor.num_classes], predictor.num_classes)
 
-    loaded.batcher.start(prepare)
+    _start_within(loaded.batcher, prepare, settings.warmup_timeout_s)
     if settings.explain_at_start:  # before it serves: on CUDA its copy is device memory, which the load measures
         _ready_to_explain(loaded)  # and its lock guards (app/engine/versions/apply.py)
     _place_loop_batches(loaded)
