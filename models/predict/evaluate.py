@@ -117,13 +117,15 @@ def evaluation(records: Sequence[Record], truths: dict[str, str], classes: Seque
     matrix = torch.zeros(len(shown), len(shown), dtype=torch.int64)
     for r in scored:
         matrix[position[truths[r["path"]]], position[r["labels"][0]]] += 1
-    # every record once: scored, unreadable (labelled or not: as the written file's count says), or without a label
+    # every record once: scored, unreadable (labelled or not: as the written file's count says), without a label,
+    # or of a file gone since it was scored (a resumed run keeps its line; the labels are read from the files there)
     unreadable = sum(1 for r in records if r.get("error"))
+    unmatched = [r["path"] for r in records if r["path"] not in truths and not r.get("error")]
+    gone = sum(1 for path in unmatched if not os.path.lexists(path))
     return {"count": count, "wrong": count - top1, "acc1": top1 / count if count else 0.0,
             "acc5": (top5 / count if count else 0.0) if len(classes) >= TOP5_MIN_CLASSES else None,  # 1.0 below
             "top_k_written": max((len(r["labels"]) for r in scored), default=0), "unreadable": unreadable,
-            "unlabelled": sum(1 for r in records if r["path"] not in truths and not r.get("error")),
-            **confusion(matrix, shown)}
+            "unlabelled": len(unmatched) - gone, "gone": gone, **confusion(matrix, shown)}
 
 
 def mistakes(records: Sequence[Record], truths: dict[str, str], limit: int) -> list[Record]:
@@ -196,7 +198,8 @@ def write_report(report: dict[str, Any], wrong: Sequence[Record], truths: dict[s
 
     folder.mkdir(parents=True, exist_ok=True)
     title = readable(title)  # it names --data, whose name may not be UTF-8
-    metrics = {key: report.get(key) for key in ("count", "acc1", "acc5", "unreadable", "unlabelled", "trained_on")}
+    metrics = {key: report.get(key) for key in ("count", "acc1", "acc5", "unreadable", "unlabelled", "gone",
+                                                "trained_on")}
     (folder / METRICS_NAME).write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
     confusion_path, table = write_confusion({k: report[k] for k in ("classes", "matrix", "per_class")}, folder)
     plot_confusion(confusion_path, folder / "confusion.png", title=title)
@@ -204,5 +207,7 @@ def write_report(report: dict[str, Any], wrong: Sequence[Record], truths: dict[s
     (folder / MISTAKES_NAME).write_text(page, encoding="utf-8")
     top5 = "" if report["acc5"] is None else f", top-5 {report['acc5']:.4f}"  # none below 6 classes, as training
     summary = (f"evaluated {report['count']} images: top-1 {report['acc1']:.4f}{top5}"
-               f" ({report['unreadable']} unreadable, {report['unlabelled']} without a label); report in {folder}")
+               f" ({report['unreadable']} unreadable, {report['unlabelled']} without a label"
+               + (f", {report['gone']} of files gone since they were scored" if report.get("gone") else "")
+               + f"); report in {folder}")
     return [summary, *table]

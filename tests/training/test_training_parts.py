@@ -401,17 +401,22 @@ def test_no_top5_is_drawn_or_scored_below_6_classes(tmp_path: Path, monkeypatch:
     assert evaluation([{**records[0], "labels": six, "scores": [0.2] * 6}], {"a.jpg": "y"}, six)["acc5"] == 1.0
 
 
-def test_each_record_counts_once_scored_unreadable_or_without_a_label() -> None:
+def test_each_record_counts_once_scored_unreadable_without_a_label_or_gone(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     # Before: an unreadable file without a label (notes.txt at the folder's top) counted as "without a label", so
     # "54 lines, 3 of them unreadable files" was followed by "evaluated 51 images (2 unreadable, 1 without a label)"
-    # (a data scientist's trial)
+    # (a data scientist's trial); and a resumed run's line of a file deleted since counted as "without a label" (a
+    # batch-scoring trial)
     from models.predict.evaluate import evaluation
 
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "stray.jpg").write_bytes(b"")  # there, in no class folder
     scored = {"labels": ["x", "y"], "scores": [0.6, 0.4]}
     records = [{"path": "a/1.jpg", **scored}, {"path": "b/2.jpg", **scored}, {"path": "stray.jpg", **scored},
-               {"path": "a/broken.jpg", "error": "corrupt"}, {"path": "notes.txt", "error": "not an image"}]
+               {"path": "a/broken.jpg", "error": "corrupt"}, {"path": "notes.txt", "error": "not an image"},
+               {"path": "a/deleted.jpg", **scored}]
     report = evaluation(records, {"a/1.jpg": "x", "b/2.jpg": "y", "a/broken.jpg": "x"}, ["x", "y"])
-    assert (report["count"], report["unreadable"], report["unlabelled"]) == (2, 2, 1)  # 5 records, each once
+    assert (report["count"], report["unreadable"], report["unlabelled"], report["gone"]) == (2, 2, 1, 1)  # each once
 
 
 def test_a_best_checkpoint_whose_copy_fails_midway_keeps_the_previous_best(tmp_path: Path,
