@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
+from prometheus_client import REGISTRY
 
 from app.config import Settings
 from app.engine.catalog import Catalog
@@ -210,5 +211,51 @@ def test_a_load_call_another_worker_refuses_says_so_and_is_not_undone_by_its_pol
             here_catalog.load("colour")
         there.writers.poll()
         assert here.sync.read()[1]["colour"]["versions"] == ["2"] and _serves(here) == ["2"]
+    finally:
+        _stop(here, there)
+
+
+def _refused_by_a_load_call(shared: Settings, why: str, policy: dict | None = None) -> tuple[
+        FakeRepository, FakeRepository, VersionsController, VersionsController]:
+    """Two workers without follow threads or polls (only what a call writes reaches the other), colour 2 failing
+    to load in both (``policy``: colour's policy.json), refused by a load call to the first, followed by the other."""
+    here_repository, there_repository, here, here_catalog, there = _two_workers(shared)
+    for controller in (here, there):
+        controller.close()
+    for repository in (here_repository, there_repository):
+        if policy is not None:
+            repository.policies["colour"] = policy
+        repository.fail("colour", "2", why)
+    with pytest.raises(LoadFailed, match=f"colour version 2 cannot be served: {why}"):
+        here_catalog.load("colour")
+    there.writers.follow_newest()
+    return here_repository, there_repository, here, there
+
+
+def test_a_load_call_refused_for_a_version_that_cannot_load_is_said_in_every_worker_s_index(shared: Settings) -> None:
+    # Before: the call's 422 changed nothing, so only the worker that took it knew why: the other's index said
+    # version 2 was "not chosen by the model's version policy" until a poll or a second call (a rollout trial).
+    why = "weights file x.pt has sha256 abc, the manifest says def"
+    _, there_repository, here, there = _refused_by_a_load_call(shared, why)
+    try:
+        for controller in (here, there):
+            (row,) = [r for r in controller.applier.index(controller.sync.read()[1]) if r.version == "2"]
+            assert (row.state, row.reason) == ("UNAVAILABLE", f"colour version 2 cannot be served: {why}")
+            assert _serves(controller) == ["1"]
+        assert there_repository.loads.count(("colour", "2")) == 0  # told, not tried again
+        assert here.sync.read()[1]["colour"]["versions"] == ["1"]  # what serves is what served
+    finally:
+        _stop(here, there)
+
+
+def test_a_rollout_whose_candidate_a_load_call_found_broken_says_so_in_every_worker(shared: Settings) -> None:
+    # Before: /v1/models' candidate_refused and visionserve_rollout_candidate_refused appeared only after a second
+    # load call (a rollout trial).
+    _, _, here, there = _refused_by_a_load_call(shared, "the file is cut short", {"rollout": {"shadow_percent": 100}})
+    try:
+        entry = there.sync.read()[1]["colour"]
+        assert (entry["versions"], entry["rollout"]["candidate_refused"]["version"]) == (["1"], "2")
+        assert REGISTRY.get_sample_value("visionserve_rollout_candidate_refused",
+                                         {"model": "colour", "version": "2"}) == 1
     finally:
         _stop(here, there)

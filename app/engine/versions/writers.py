@@ -28,7 +28,7 @@ from app.config import Settings
 from app.engine.rollouts.entry import UNLOADED, ModelEntry, is_unloaded, unloaded
 from app.engine.rollouts.evidence import traffic_p99_ms
 from app.engine.rollouts.plan import RolloutPolicy, plan
-from app.engine.rollouts.policy import PolicyError, VersionPolicy, VersionsMissing, parsed_config
+from app.engine.rollouts.policy import PolicyError, VersionPolicy, VersionsMissing, order_key, parsed_config
 from app.engine.versions.apply import Applier
 from app.engine.versions.change_write import apply_and_write
 from app.engine.versions.desired import WATCH_S
@@ -105,9 +105,34 @@ class Writers:
             # and a version rolled back stays out until a promotion names it (docs/models.md).
             kept = None if now is None else {"versions": [], "default": now["default"],
                                              "rolled_back": now.get("rolled_back", [])}
-            entry, generation = self._applied_for_call(name, config, kept)
+            try:
+                entry, generation = self._applied_for_call(name, config, kept)
+            except LoadFailed:
+                self._write_refusals(name, now)
+                raise
             _say_candidate_refused(name, entry, now)
         self.sync.wait_for_workers(generation, name)
+
+    def _write_refusals(self, name: str, now: ModelEntry | None) -> None:
+        """After a load call refused for a version that cannot load (its 422: nothing changed), the entry the poll
+        would write now, while it serves what serves now (the same versions, default and candidate: only its
+        ``refused`` and its rollout's ``candidate_refused`` new), applied and written, so that every worker's index
+        and metrics say why at once (before: this worker's alone, the others' "not chosen by the model's version
+        policy" until a poll or another call; a trial)."""
+        if now is None or is_unloaded(now):
+            return
+        try:
+            entry = self._wanted(name, self._calls_config(name, now), now)
+        except ServiceError:  # (its policy unreadable now: the poll says so)
+            return
+        if entry == now or _served_part(entry) != _served_part(now):
+            return
+        try:
+            apply_and_write(self.applier, self.sync, name, entry)
+        except ServiceError as exc:  # CONTROL_DIR unwritable: the call's own refusal is its answer
+            log.warning("%s: the refusal could not be written for the other workers: %s", name, exc.message)
+            return
+        _say_candidate_refused(name, entry, now)
 
     def _applied_for_call(self, name: str, config: Any, kept: ModelEntry | None) -> tuple[ModelEntry, int]:
         """A load call's entry (``_wanted``) applied here and written, and its generation. Under a config, a version
@@ -408,6 +433,12 @@ class Writers:
         if config is None:
             return entry
         return {**entry, "config": config, "policy_file": own}
+
+
+def _served_part(entry: ModelEntry) -> tuple[list[str], str | None, str | None]:
+    """What an entry serves: its versions (sorted), its default and its rollout's candidate."""
+    return (sorted(entry["versions"], key=order_key), entry["default"],
+            (entry.get("rollout") or {}).get("candidate"))
 
 
 def _say_candidate_refused(name: str, entry: ModelEntry, before: ModelEntry | None) -> None:
