@@ -470,8 +470,9 @@ EXPLAIN_SECONDS = Histogram("visionserve_explain_duration_seconds", "An explanat
                             "forward and backward pass, map (and overlay)", ["model"],
                             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
 ROLLOUT_CHANGES = Counter("visionserve_rollout_changes_total", "Promotions and rollbacks, by call or by the rules "
-                          "(action promote or rollback), and a watched new default's first requests found within "
-                          "the rollback rule's bounds (settle: it is watched no longer)", ["model", "action"])
+                          "(action promote or rollback), a watched new default's first requests found within "
+                          "the rollback rule's bounds (settle: it is watched no longer), and a canary the rules took "
+                          "out of its rollout, its own requests past those bounds (abort)", ["model", "action"])
 ROLLOUT_CANDIDATE_REFUSED = Gauge("visionserve_rollout_candidate_refused", "1 while a model's rollout goes on "
                                   "without this candidate because it cannot load (the live version serves alone, "
                                   "or beside the next newest version as the candidate where none was named; "

@@ -6,6 +6,7 @@ a watch only where a rollback rule judges it. tests/app/test_rollouts.py has the
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -324,6 +325,54 @@ def test_the_rollback_rule_bounds_the_error_ratio_of_its_first_within_requests()
     assert verdict(60, 3) == "rollback"  # 3 of its first 200 have failed, more than 1% whatever follows
     assert verdict(200, 1) == verdict(200, 2) == "settle"
     assert verdict(250, 2) == "settle"  # counted past them before a judge: the ratio of those counted
+
+
+def test_a_canary_whose_own_requests_cross_the_rollback_rule_is_aborted_and_a_shadow_alone_is_not() -> None:
+    # Before: a canary failing its share of the clients kept failing them until someone acted (a rollout trial):
+    # the rollback rule watched only a promoted default.
+    rollback = RollbackRule(within=200, max_error_ratio=0.01, max_p99_ratio=2.0)
+
+    def verdict(requests: int, failures: int, p99: float = 5.0, canary: float = 10.0, rule: RollbackRule | None = rollback,
+                live_p99: float | None = 4.0) -> tuple[str, str, str] | None:
+        entry = {"versions": ["1", "2"], "default": "1",
+                 "rollout": RolloutPolicy(canary_percent=canary, shadow_percent=0 if canary else 100,
+                                          rollback=rule).as_entry("2")}
+        traffic = {("m", "2"): {"requests": requests, "failures": failures, "p99": p99},
+                   ("m", "1"): {"requests": 1000, "failures": 0, "p99": live_p99}}
+        return judge("m", entry, {"comparisons": {}, "traffic": traffic})
+
+    assert verdict(60, 2) is None and verdict(500, 5) is None  # within 1% of its first 200, and of all 500
+    assert verdict(60, 3) == ("abort", "2", "3 of its 60 canary requests failed (more than 1.0% of 200)")
+    assert verdict(500, 6)[:2] == ("abort", "2")  # type: ignore[index]
+    assert verdict(60, 0, p99=9.0) == ("abort", "2", "p99 9.0 ms over its 60 canary requests, more than 2x the live "
+                                                      "version's 4.0 ms")
+    assert verdict(10, 0, p99=9.0) is None and verdict(60, 0, p99=9.0, live_p99=None) is None  # too few; no baseline
+    assert verdict(60, 30, canary=0) is None  # a shadow fails no client: its promotion is held by its errors
+    assert verdict(60, 30, rule=None) is None  # no rollback rule: by call only
+
+
+def test_a_failing_canary_is_taken_out_by_the_rules_and_the_live_version_answers_its_clients(
+        settings: Settings, caplog: pytest.LogCaptureFixture) -> None:
+    service = Service.build(settings, _repository(ONE_FAILURE_ROLLS_BACK))  # type: ignore[arg-type]
+    try:
+        candidate = service.controller.applier.routes.find("colour", "2").predictor.module
+        candidate.fail_when = -10.0  # every request of its canary share fails (its canary at load passed)
+        with pytest.raises(InferenceFailed):
+            infer(service, [image_bytes(RED)])
+        with caplog.at_level(logging.INFO, logger="app.engine.versions.rollout_changes"):
+            service.controller.writers.share_evidence()  # the rules judge every worker's evidence
+        rollouts = service.catalog.rollouts()["colour"]
+        assert (rollouts["candidate"], rollouts["rolled_back"]) == (None, ["2"])
+        assert infer(service, [image_bytes(RED)]).version == "1"  # its clients answered by the live version
+        assert [v.version for v in service.controller.applier.routes.routes()["colour"][0]] == ["1"]  # unloaded
+        (line,) = [r for r in caplog.records if getattr(r, "event", None) == "rollout"]
+        assert line.getMessage() == ("colour abort: candidate 2 taken out, version 1 serves without it, by the rules: "
+                                     "1 of its 1 canary requests failed (more than 10.0% of 5)")
+        assert (line.from_version, line.to_version) == ("2", "1")  # type: ignore[attr-defined]
+        service.controller.writers.poll()
+        assert [v.version for v in service.controller.applier.routes.routes()["colour"][0]] == ["1"]  # not again
+    finally:
+        service.shutdown(timeout=5)
 
 
 def test_a_promote_rule_with_no_share_of_the_traffic_is_refused(settings: Settings) -> None:

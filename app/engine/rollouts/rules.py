@@ -12,7 +12,8 @@ from app.engine.rollouts.plan import PromoteRule, RollbackRule, rule_from_entry
 def judge(model: str, entry: ModelEntry, evidence: dict[str, Any]) -> tuple[str, str, str] | None:
     """What the rules decide for ``model`` on the evidence of every worker (app/engine/rollouts/evidence.merged):
     ("promote", candidate, why), ("rollback", previous default, why), ("settle", default, why) when a watched
-    default served its first requests within bounds, or None."""
+    default served its first requests within bounds, ("abort", candidate, why) for a canary whose own requests
+    cross the rollback rule's bounds, or None."""
     rollout = entry.get("rollout") or {}
     watch, rule = entry.get("watch"), rule_from_entry(RollbackRule, rollout.get("rollback"))
     if watch and rule is not None and watch.get("version") == entry["default"]:
@@ -20,6 +21,11 @@ def judge(model: str, entry: ModelEntry, evidence: dict[str, Any]) -> tuple[str,
         if verdict is not None:
             return verdict
     candidate, promote = rollout.get("candidate"), rule_from_entry(PromoteRule, rollout.get("promote"))
+    if candidate and rule is not None and rollout.get("canary_percent"):
+        verdict = abort_verdict(rule, candidate, evidence["traffic"].get((model, candidate)),
+                                (evidence["traffic"].get((model, entry["default"])) or {}).get("p99"))
+        if verdict is not None:
+            return verdict
     if candidate and promote is not None:
         ready, why = promotion_status(promote, rollout, model, candidate, entry["default"], evidence)
         if ready:
@@ -35,8 +41,7 @@ def rollback_verdict(rule: RollbackRule, watch: Watch,
     if not traffic or not traffic["requests"]:
         return None
     requests, failures = traffic["requests"], traffic["failures"]
-    if failures > rule.max_error_ratio * rule.within or (
-            requests >= rule.within and failures / requests > rule.max_error_ratio):
+    if _too_many_failed(rule, requests, failures):
         return "rollback", watch["previous"], (f"{failures} of its first {requests} requests failed "
                                                f"(more than {rule.max_error_ratio:.1%} of {rule.within})")
     baseline, p99 = watch.get("baseline_p99_ms"), traffic.get("p99")
@@ -46,6 +51,32 @@ def rollback_verdict(rule: RollbackRule, watch: Watch,
     if requests >= rule.within:
         return "settle", watch["version"], f"{requests} requests within bounds"
     return None
+
+def abort_verdict(rule: RollbackRule, candidate: str, traffic: dict[str, Any] | None,
+                  live_p99_ms: float | None) -> tuple[str, str, str] | None:
+    """A canary (the candidate served to a share of the clients) taken out of its rollout once its own requests
+    cross the rollback rule's bounds, as a promoted default's first requests would roll it back: its error ratio
+    (judged as ``rollback_verdict`` judges it, over all its requests so far), or its p99 against the live
+    version's of the same minutes. Its clients' failures stop there instead of lasting until someone acts."""
+    if not traffic or not traffic["requests"]:
+        return None
+    requests, failures, p99 = traffic["requests"], traffic["failures"], traffic.get("p99")
+    if _too_many_failed(rule, requests, failures):
+        return "abort", candidate, (f"{failures} of its {requests} canary requests failed (more than "
+                                    f"{rule.max_error_ratio:.1%} of {max(requests, rule.within)})")
+    if live_p99_ms and p99 is not None and requests >= rule.min_requests and p99 > rule.max_p99_ratio * live_p99_ms:
+        return "abort", candidate, (f"p99 {p99:.1f} ms over its {requests} canary requests, more than "
+                                    f"{rule.max_p99_ratio:g}x the live version's {live_p99_ms:.1f} ms")
+    return None
+
+
+def _too_many_failed(rule: RollbackRule, requests: int, failures: int) -> bool:
+    """Before ``within`` requests, more failures than the rule allows of them all (the bound is broken whatever
+    follows); from then on, a ratio of those counted over its bound."""
+    if requests < rule.within:
+        return failures > rule.max_error_ratio * rule.within
+    return failures / requests > rule.max_error_ratio
+
 
 def promotion_status(rule: PromoteRule, rollout: RolloutEntry, model: str, candidate: str, live: str,
                      evidence: dict[str, Any]) -> tuple[bool, str]:
@@ -75,9 +106,11 @@ def promotion_status(rule: PromoteRule, rollout: RolloutEntry, model: str, candi
     return True, f"{count} {unit}{agreed}, no errors, p99 within {rule.max_latency_ratio:g}x"
 
 def has_rules(entry: ModelEntry) -> bool:
-    """Whether ``judge`` has anything to decide for this entry: a promotion rule with a candidate, or a watch."""
+    """Whether ``judge`` has anything to decide for this entry: a promotion rule with a candidate, a canary with a
+    rollback rule, or a watch."""
     rollout = entry.get("rollout") or {}
-    return bool((rollout.get("promote") and rollout.get("candidate")) or entry.get("watch"))
+    return bool(((rollout.get("promote") or (rollout.get("rollback") and rollout.get("canary_percent")))
+                 and rollout.get("candidate")) or entry.get("watch"))
 
 def roles_of(entry: ModelEntry, candidate: str | None, canary: bool) -> dict[str, str]:
     """Each version's role in its model's rollout: live (the default), canary or shadow (the candidate),

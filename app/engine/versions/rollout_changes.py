@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from app.engine.rollouts.entry import ModelEntry
 from app.engine.rollouts.evidence import merged, traffic_p99_ms
-from app.engine.rollouts.plan import promoted, rolled_back
+from app.engine.rollouts.plan import promoted, rolled_back, withdrawn
 from app.engine.rollouts.policy import PolicyError, order_key, parsed_config
 from app.engine.rollouts.rules import has_rules, judge, roles_of, summary
 from app.engine.versions.apply import Applier
@@ -101,9 +101,11 @@ class RolloutChanges:
         generation, complete = apply_and_write(self.applier, self.sync, name, new, read=read)
         if complete:
             ROLLOUT_CHANGES.labels(name, action).inc()
-            log.info("%s %s: version %s -> %s, %s", name, action, entry["default"], new["default"], why,
-                     extra={"event": "rollout", "model": name, "action": action, "from_version": entry["default"],
-                            "to_version": new["default"], "reason": why, "generation": generation})
+            moved = (version, new["default"]) if action == "abort" else (entry["default"], new["default"])
+            said = "candidate %s taken out, version %s serves without it" if action == "abort" else "version %s -> %s"
+            log.info(f"%s %s: {said}, %s", name, action, *moved, why,
+                     extra={"event": "rollout", "model": name, "action": action, "from_version": moved[0],
+                            "to_version": moved[1], "reason": why, "generation": generation})
         return generation, new
 
     def _changed_entry(self, name: str, entry: ModelEntry, action: str, version: str) -> ModelEntry:
@@ -112,6 +114,8 @@ class RolloutChanges:
                                                                             entry["default"])))
         if action == "rollback":
             return self._held(name, rolled_back(entry, version))
+        if action == "abort":
+            return withdrawn(entry, version)
         return {k: v for k, v in entry.items() if k != "watch"}  # "settle": the rules found the new default good
 
     def _held(self, name: str, entry: ModelEntry) -> ModelEntry:
