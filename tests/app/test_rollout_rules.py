@@ -375,6 +375,29 @@ def test_a_failing_canary_is_taken_out_by_the_rules_and_the_live_version_answers
         service.shutdown(timeout=5)
 
 
+def test_the_traffic_shown_is_of_the_versions_served_not_of_one_a_load_call_dropped(settings: Settings) -> None:
+    # Before: rollouts[].traffic listed version 1's old counts for ever after a load call unloaded it (a rollout
+    # trial).
+    repository = _repository({"canary_percent": 100})
+    service = Service.build(settings, repository)  # type: ignore[arg-type]
+    try:
+        infer(service, [image_bytes(RED)], version="1")
+        infer(service, [image_bytes(RED)])  # the canary, 2
+        service.controller.writers.share_evidence()
+        assert sorted(service.catalog.rollouts()["colour"]["traffic"]) == ["1", "2"]
+        service.catalog.promote("colour")
+        repository.add("colour", "3")
+        service.catalog.load("colour")  # 3 the candidate; 1, the previous default, no longer loaded
+        infer(service, [image_bytes(RED)])
+        service.controller.writers.share_evidence()
+        served = [v.version for v in service.controller.applier.routes.routes()["colour"][0]]
+        assert "1" not in served and set(service.catalog.rollouts()["colour"]["traffic"]) <= set(served)
+        kept = {(t["model"], t["version"]) for t in service.controller.evidence.dump()["traffic"]}
+        assert ("colour", "2") in kept and ("colour", "1") not in kept  # this worker's own counts too
+    finally:
+        service.shutdown(timeout=5)
+
+
 def test_a_promote_rule_with_no_share_of_the_traffic_is_refused(settings: Settings) -> None:
     # A candidate with canary 0 and shadow 0 gathers no evidence (requests naming it are none): "waiting: 0 of 5"
     # for ever.

@@ -208,6 +208,12 @@ class Evidence:
             for version in versions:
                 self._traffic[(model, version)] = Traffic()
 
+    def keep_only(self, model: str, versions: set[str]) -> None:
+        """``model``'s traffic of the ``versions`` it serves kept, that of versions it no longer serves ended (a
+        previous default a load call dropped: /v1/models listed its old counts for ever)."""
+        with self._lock:
+            self._traffic = {k: t for k, t in self._traffic.items() if k[0] != model or k[1] in versions}
+
     def forget(self, model: str) -> None:
         """``model`` is no longer served here (unloaded, or gone from the repository): its comparisons and traffic
         end, so a later load of it starts with none (requests in flight record into what they took, now unread)."""

@@ -138,4 +138,4 @@ def summary(model: str, entry: ModelEntry, evidence: dict[str, Any]) -> dict[str
         "promotion": None if candidate is None or promote is None else
         promotion_status(promote, rollout, model, candidate, live, evidence)[1],
         "comparison": evidence["comparisons"].get((model, candidate, live)) if candidate else None,
-        "traffic": {v: t for (m, v), t in evidence["traffic"].items() if m == model}}
+        "traffic": {v: t for (m, v), t in evidence["traffic"].items() if m == model and v in entry["versions"]}}

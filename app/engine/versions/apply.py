@@ -159,6 +159,7 @@ class Applier:
         if fresh or after[0] != candidate_before:  # a share changed alone: the pair's comparison goes on
             pair = {(after[0].version, after[1])} if after[0] is not None and not fresh else set()
             self.evidence.restart(name, pair, fresh)
+        self.evidence.keep_only(name, set(chosen))
         roles = roles_of(entry, after[0] and after[0].version, bool(after[0] and after[0].canary_percent))
         _show_roles(name, {*chosen, *(v.version for v in replaced)}, roles)
         self._show_refused_candidate(name, entry)
