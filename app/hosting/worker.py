@@ -714,14 +714,16 @@ class BufferingWorker(LoopRequests, ThreadWorker):
         self._close(reading)
 
     def handle_error(self, req: Any, client: Any, addr: Any, exc: BaseException) -> None:
-        """A request gunicorn's parser refused (a request line or header it cannot read): its status, in the
-        service's JSON error shape (gunicorn's own answer is an HTML page); any other error as gunicorn answers it."""
+        """A request gunicorn's parser refused (a request line or header it cannot read): its status, in the JSON
+        error shape of the path its head targets, as the loop's own refusals (gunicorn's own answer is an HTML page;
+        before, the service's shape under /v2 too); any other error as gunicorn answers it."""
         refusal = parser_refusal(exc)
         if refusal is None:
             super().handle_error(req, client, addr, exc)
             return
+        head = getattr(client, "request_head", b"")
         _tell(refusal, partial(gunicorn_util.write_nonblock, client), addr[0] if isinstance(addr, tuple) else None,
-              None, getattr(client, "request_head", b""))
+              target_path(head), head)
 
     def _refuse(self, reading: Reading) -> None:
         """A request whose head the loop refuses: told why, then its connection closes gracefully (the client may

@@ -180,6 +180,22 @@ def test_a_head_gunicorn_s_parser_refuses_is_answered_in_the_error_shape(server:
         raw.error(status, code)
 
 
+@pytest.mark.parametrize("sent, status", [
+    (b"POST /v2/models/m/infer HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: a\r\n" % i for i in range(101))
+     + b"Content-Length: 2\r\n\r\n{}", 431),  # over limit_request_fields
+    (b"POST /v2/models/m/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n",
+     400),
+])
+def test_a_v2_head_gunicorn_s_parser_refuses_is_answered_in_the_protocol_s_error_shape(server: Running, sent: bytes,
+                                                                                     status: int) -> None:
+    # Before: the service's {"error": {"code", ...}} under /v2, where the loop's own refusals (a head over 64 KiB)
+    # said the protocol's {"error": "..."} (an API contract trial).
+    with Raw(server.port) as raw:
+        raw.send(sent)
+        got, headers, body = raw.answer()
+        assert (got, headers["connection"]) == (status, "close") and isinstance(json.loads(body)["error"], str), body
+
+
 def test_a_content_length_of_thousands_of_digits_is_400_and_the_worker_lives_on(server: Running) -> None:
     # Before: int() of 4,301 digits raised on the worker's loop: the worker died, every connection it held with it,
     # from one unauthenticated request (a security review)
