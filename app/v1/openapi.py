@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from app.v1 import schemas as s
-from app.web.openapi import BINARY, TIMEOUT_HEADER, errors, json_answer, ref, request_wide
+from app.web.openapi import BINARY, NAME_SCHEMA, TIMEOUT_HEADER, errors, json_answer, ref, request_wide
 from app.web.schemas import ErrorResponse
 
 MODELS = (s.PredictJSONRequest, s.PredictResponse, s.ExplainJSONRequest, s.ExplainResponse, s.ModelsResponse,
@@ -15,7 +15,7 @@ EXAMPLE_IMAGE_BASE64 = ("iVBORw0KGgoAAAANSUhEUgAAAAQAAAAECAIAAAAmkwkpAAAAFElEQVR
 
 
 def _model_params() -> list[dict[str, Any]]:
-    return [{"name": name, "in": "query", "required": False, "schema": {"type": "string"},
+    return [{"name": name, "in": "query", "required": False, "schema": {**NAME_SCHEMA},
              "description": f"The {name} this request is for; 404 (naming the served one) when it is not served"}
             for name in ("model", "version")]
 
@@ -87,7 +87,8 @@ def paths() -> dict[str, Any]:
     """/predict, /explain and /v1/models."""
     labels = {"name": "labels", "in": "query", "required": False,
               "description": "Each version's labels too (1, true, yes; 0, false, no leave them out; any case)",
-              "schema": {"type": "string"}}
+              "schema": {"type": "string",  # (any case)
+                         "pattern": "^(1|0|[Tt][Rr][Uu][Ee]|[Yy][Ee][Ss]|[Ff][Aa][Ll][Ss][Ee]|[Nn][Oo])$"}}
     return request_wide({
         "/predict": _predict(), "/explain": _explain(),
         "/v1/models": {"get": {"summary": "The served model, its batching and its limits", "parameters": [labels],
@@ -107,7 +108,7 @@ def paths() -> dict[str, Any]:
 
 
 def _rollout_call(summary: str) -> dict[str, Any]:
-    name = {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
+    name = {"name": "name", "in": "path", "required": True, "schema": {**NAME_SCHEMA}}
     return {"post": {"summary": summary, "parameters": [name],
                      "requestBody": {"required": False,
                                      "content": {"application/json": {"schema": ref(s.VersionChoice)}}},

@@ -178,6 +178,10 @@ def _from_multipart(request: Request, fields: set[str], max_images: int) -> tupl
         if len(values) > 1:
             raise given_more_than_once("form field", name, values, LISTED)
     files = form.files.get(IMAGE_FIELD, [])
+    as_files = sorted(set(form.files) & fields)  # curl -F top_k=@file, or a client that sends every field as a file
+    if files and as_files:
+        raise BadRequest(f"the form field {as_files[0]!r} came as a file, not as text: send it as text (curl -F "
+                         f"{as_files[0]}=<value>, without the @)")
     if not files or set(form.files) - {IMAGE_FIELD}:
         sent = ", ".join(repr(name) for name in form.names()) or "none"
         raise BadRequest(f"send each image as a file in the {IMAGE_FIELD!r} field (e.g. curl -F "

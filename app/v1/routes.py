@@ -144,7 +144,7 @@ def _labels_asked() -> bool:
     """Whether ``?labels=`` asks for each version's labels; BadRequest for another parameter or value (before: a
     misspelt ``?label=1`` or ``?labels=all`` answered without them, unsaid)."""
     check_known(request.args.keys(), {"labels"}, "query parameter")
-    said = request.args.get("labels")
+    said = each_once(request.args, "query parameter").get("labels")  # (given twice: its first value, unsaid)
     if said is None or said.lower() in LABELS_LEFT_OUT:
         return False
     if said.lower() not in LABELS_SHOWN:

@@ -15,8 +15,10 @@ from app.hosting.request_framing import REQUEST_ID
 from app.web.auth import is_health, is_page
 from app.web.protocol import Protocol
 from app.web.schemas import ErrorResponse, HealthResponse
+from models.export.repository import NAME_PATTERN
 
 REF = "#/components/schemas/{model}"
+NAME_SCHEMA = {"type": "string", "pattern": f"^{NAME_PATTERN}$"}  # a model's or version's name (400 outside it)
 
 _HEADERS: dict[str, dict[str, Any]] = {
     "X-Request-ID": {"description": "The caller's request id when it sent a sane one (1 to 128 of the ASCII "
@@ -231,7 +233,8 @@ def openapi_document(protocols: Sequence[Protocol]) -> dict[str, Any]:
     for path, item in paths.items():
         names = [part[1:-1] for part in path.split("/") if part.startswith("{")]
         if names:
-            item["parameters"] = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}}
+            item["parameters"] = [{"name": n, "in": "path", "required": True,
+                                   "schema": {**NAME_SCHEMA} if n in ("name", "version") else {"type": "string"}}
                                   for n in names]
     return {
         "openapi": "3.1.0",

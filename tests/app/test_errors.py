@@ -567,6 +567,10 @@ def test_a_wrong_multipart_field_says_which_fields_were_sent(client: FlaskClient
     text = error_of(client.post("/predict", data={"image": "cat.jpg"}, content_type="multipart/form-data"), 400,
                     "invalid_request")["message"]
     assert text.startswith("the 'image' field came as text, not a file") and "-F image=@cat.jpg" in text
+    # Before: `curl -F image=@x.jpg -F top_k=@n.txt` was told to send each image in the 'image' field, which it did
+    sent = {"image": (io.BytesIO(image_bytes()), "x.jpg"), "top_k": (io.BytesIO(b"3"), "n.txt")}
+    text = error_of(client.post("/predict", data=sent), 400, "invalid_request")["message"]
+    assert text == "the form field 'top_k' came as a file, not as text: send it as text (curl -F top_k=<value>, without the @)"
 
 
 @pytest.mark.parametrize("url, form", [("/predict?topk=1", None), ("/predict?top_k=1&format=json", None),
@@ -888,7 +892,9 @@ def test_every_error_the_server_can_answer_is_in_the_api_page_s_table(client: Fl
 
 
 @pytest.mark.parametrize("query, said", [("labels=all", "labels must be one of 1, true, yes, 0, false, no, got 'all'"),
-                                         ("label=1", "unknown query parameter 'label'; known: labels")])
+                                         ("label=1", "unknown query parameter 'label'; known: labels"),
+                                         ("labels=true&labels=maybe", "query parameter labels is given 2 times "
+                                          "('true', 'maybe'): send it once")])  # (before: its first value)
 def test_the_model_listing_refuses_what_it_would_ignore(client: FlaskClient, query: str, said: str) -> None:
     # Before: answered 200 without the labels, the mistake unsaid.
     for path in ("/v1/models", "/v1/models/colour"):
