@@ -306,12 +306,11 @@ def rolled_back(entry: ModelEntry, to: str) -> ModelEntry:
 def withdrawn(entry: ModelEntry, candidate: str) -> ModelEntry:
     """``entry`` without its ``candidate``, which the rules took out of the rollout (its canary failing): unloaded
     and rolled back, so that the poll does not pick it again until a promotion names it; the live version serves
-    alone (a newer version becomes the candidate when one arrives)."""
+    without it (a newer version becomes the candidate when one arrives)."""
     changed = {**entry, "versions": [v for v in entry["versions"] if v != candidate],
                "rolled_back": sorted({*entry.get("rolled_back", []), candidate}, key=order_key)}
     changed["rollout"] = {**(entry.get("rollout") or {}), "candidate": None}
     return changed
-
 
 def takes_canary(percent: float, model: str, client_key: str | None, draw: float) -> bool:
     """Whether a request goes to the canary: by the client key's hash when it carries one (the same client always

@@ -69,14 +69,12 @@ def abort_verdict(rule: RollbackRule, candidate: str, traffic: dict[str, Any] | 
                                     f"{rule.max_p99_ratio:g}x the live version's {live_p99_ms:.1f} ms")
     return None
 
-
 def _too_many_failed(rule: RollbackRule, requests: int, failures: int) -> bool:
     """Before ``within`` requests, more failures than the rule allows of them all (the bound is broken whatever
     follows); from then on, a ratio of those counted over its bound."""
     if requests < rule.within:
         return failures > rule.max_error_ratio * rule.within
     return failures / requests > rule.max_error_ratio
-
 
 def promotion_status(rule: PromoteRule, rollout: RolloutEntry, model: str, candidate: str, live: str,
                      evidence: dict[str, Any]) -> tuple[bool, str]:
