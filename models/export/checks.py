@@ -208,6 +208,21 @@ def check_outputs(model: nn.Module, labels: Sequence[str], input_shape: tuple[in
                              f"would be a second one; export the model without its final softmax (its logits)")
 
 
+def check_finite_outputs(model: nn.Module, input_shape: tuple[int, int, int],
+                         batch_size: int = CHECK_BATCH_SIZE) -> None:
+    """ModelLoadError when ``model`` (float32, on the CPU, as an export runs it) answers NaN or infinity for the
+    check images: weights a diverged training run left, which no format check would name (before: an export said
+    "exported without an embedding: ... not the last step" and "TorchScript output differs from eager by nan")."""
+    images = _check_images(batch_size, input_shape, 0, "cpu", torch.float32)
+    logits, _ = _answers(model, images)
+    rows = logits.reshape(logits.shape[0], -1) if logits.ndim else logits.reshape(1, 1)  # (a shape check_outputs
+    broken = int((~torch.isfinite(rows)).any(dim=1).sum())  # refuses later, with its own words)
+    if broken:
+        raise ModelLoadError(f"the model's output is not finite (NaN or infinity) for {broken} of {len(rows)} check "
+                             "images: its weights are broken (a training run that diverged, or a state dict whose "
+                             "values overflow); export weights that answer numbers")
+
+
 def _check_images(count: int, input_shape: tuple[int, int, int], seed: int, device: torch.device | str,
                   dtype: torch.dtype) -> torch.Tensor:
     """``count`` different preprocessed images, the same on every load: normalised pixels are about standard normal

@@ -19,7 +19,7 @@ from models.export.agreement import Laps, RunImages, one_thread, run_images
 from models.export.compile import compile_package
 from models.export.onnx import export_onnx
 from models.export.quantize import compile_int8_package
-from models.export.checks import check_outputs, fit_weights
+from models.export.checks import check_finite_outputs, check_outputs, fit_weights
 from models.export.manifest import (
     TORCHSCRIPT_ARCH,
     CompiledPackage,
@@ -77,6 +77,8 @@ def export_model(model: nn.Module, *, out_dir: Path, name: str, version: str, ar
     laps = Laps() if laps is None else laps
     model = model.eval().cpu()
     scripted = isinstance(model, torch.jit.ScriptModule)  # a TorchScript file brought: no code to build it from
+    with one_thread():
+        check_finite_outputs(model, preset.input_shape)
     served, embedding = (model, None) if scripted else _served(model, preset)
     with one_thread():
         check_outputs(served, labels, preset.input_shape, None if embedding is None else embedding.dim)

@@ -323,6 +323,28 @@ def test_a_one_class_model_is_refused_by_the_manifest_the_export_and_the_server(
         Predictor(Means(), manifest.model_copy(update={"labels": ["cat"]}), device="cpu")
 
 
+class NanWhereBright(Means):
+    """Weights a diverged run left: NaN for the images whose red mean is above zero, numbers for the others."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(x)
+        return torch.where(x[:, :1].mean(dim=(2, 3)) > 0, torch.full_like(logits, float("nan")), logits)
+
+
+def test_the_export_refuses_a_model_answering_nan_saying_so_and_writes_nothing(tmp_path: Path,
+                                                                              caplog: pytest.LogCaptureFixture) -> None:
+    # Before: "exported without an embedding: ... is not the last step of its forward pass", then "TorchScript
+    # output differs from eager by nan" (a rollout trial's broken version)
+    from models.export.checks import ModelLoadError
+    from models.export.write import export_model
+
+    with caplog.at_level(logging.WARNING), pytest.raises(ModelLoadError, match=re.escape(
+            "the model's output is not finite (NaN or infinity) for ") + "1 of 2 check images: its weights are broken"):
+        export_model(NanWhereBright(), out_dir=tmp_path / "out", name="nan", version="1", arch="resnet18",
+                     labels=["r", "g", "b", "sum"], preset=EvalPreset(resize_size=8, crop_size=8))
+    assert not (tmp_path / "out").exists() and "without an embedding" not in caplog.text
+
+
 def test_the_export_refuses_a_model_ending_in_softmax_and_writes_nothing(tmp_path: Path) -> None:
     from models.export.checks import ModelLoadError
     from models.export.write import export_model
