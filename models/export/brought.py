@@ -4,7 +4,9 @@ pictures were prepared (EvalPreset), each refused in one line saying what to giv
 ``python -m models.train --weights`` reads a state dict: models/run/start_weights.py)."""
 from __future__ import annotations
 
+import logging
 import pickle
+from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -13,6 +15,8 @@ import torch.nn as nn
 
 from models.export.checks import fit_weights, is_torchscript, one_line
 from models.export.manifest import EvalPreset
+
+log = logging.getLogger("models.export")
 
 # Where a saved state dict commonly sits inside what was saved: Lightning's and many scripts' {"state_dict": ...},
 # a training loop's {"model": ...}
@@ -125,7 +129,14 @@ def read_labels(path: Path) -> list[str]:
         raise ValueError(f"{path}: line{'s' if len(blank) > 1 else ''} {', '.join(map(str, blank))} "
                          f"{'are' if len(blank) > 1 else 'is'} blank: each line names the class of one of the model's "
                          "outputs, in their order")
-    return [line.strip() for line in lines]
+    labels = [line.strip() for line in lines]
+    repeated = {label: [i for i, other in enumerate(labels) if other == label]
+                for label, count in Counter(labels).items() if count > 1}
+    if repeated:  # allowed (ImageNet's 'crane' is a bird and a machine): the index tells them apart
+        log.warning("%s names a class more than once (%s): answers give those classes the same label, only their "
+                    "index tells them apart; is that meant?", path, "; ".join(
+                        f"{label!r} at outputs {', '.join(map(str, at))}" for label, at in list(repeated.items())[:5]))
+    return labels
 
 
 def brought_preset(resize_size: int | None, crop_size: int | None, interpolation: str | None,
@@ -133,5 +144,16 @@ def brought_preset(resize_size: int | None, crop_size: int | None, interpolation
     """How the model's pictures were prepared: the short side resized to ``resize_size``, the centre ``crop_size``
     square, scaled to 0..1 and normalised by ``mean`` and ``std``; torchvision's ImageNet recipe (256, 224,
     bilinear, ImageNet's mean and std) where not given, the resize in the recipe's proportion to a crop given
-    alone. ValueError (pydantic's, one a field) for values the server cannot serve."""
-    return EvalPreset(resize_size=256, crop_size=224).given(resize_size, crop_size, interpolation, mean, std)
+    alone. ValueError (pydantic's, one a field) for values the server cannot serve. A warning where none of the
+    sizes and normalisation is given (the recipe is then a guess), or where the crop is larger than the resize
+    (served padded with black, as torchvision's CenterCrop pads: a model trained so is served as it was)."""
+    preset = EvalPreset(resize_size=256, crop_size=224).given(resize_size, crop_size, interpolation, mean, std)
+    if resize_size is crop_size is mean is std is None:
+        log.warning("no --resize-size, --crop-size, --mean or --std: the export says the model takes torchvision's "
+                    "ImageNet recipe (short side resized to 256, the centre 224 square, ImageNet's mean and std); "
+                    "give them if it was trained otherwise, or its answers are made from other pixels")
+    if preset.crop_size > preset.resize_size:
+        log.warning("--crop-size %d is larger than --resize-size %d: each image is served padded with black around "
+                    "its resize, as torchvision's CenterCrop pads it; give a --resize-size of at least the crop "
+                    "unless the model was trained so", preset.crop_size, preset.resize_size)
+    return preset

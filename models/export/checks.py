@@ -192,6 +192,8 @@ def check_outputs(model: nn.Module, labels: Sequence[str], input_shape: tuple[in
         raise ModelLoadError(f"model answers {logits.shape[0]} rows for a batch of {batch_size} images: it must "
                              f"answer one row per image, whatever the batch size (export it with a dynamic batch "
                              f"dimension, not one fixed when it was traced)")
+    if batch_size > 1:
+        _check_alone(model, input_shape, len(labels), batch_size, device, dtype)
     wanted = None if embedding_dim is None else (batch_size, embedding_dim)
     found = None if embedding is None else tuple(embedding.shape)
     if found != wanted and wanted is None:  # a model brought as TorchScript that answers (logits, features)
@@ -233,6 +235,9 @@ def _check_images(count: int, input_shape: tuple[int, int, int], seed: int, devi
     return images.to(device=device, dtype=dtype)
 
 
+_CHANNELS_EXPECTED = re.compile(r"to have (\d+) channels")  # torch's convolution's words for input of other channels
+
+
 def _answers(model: nn.Module, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``model``'s (logits, embedding or None) for ``images``; ModelLoadError of one line when it raises or answers
     no tensor."""
@@ -245,13 +250,32 @@ def _answers(model: nn.Module, images: torch.Tensor) -> tuple[torch.Tensor, torc
                                  f"dimension is fixed at 1; export it with a dynamic one (torch.onnx.export's "
                                  f"dynamic_axes or dynamic_shapes; torch.jit.script rather than a trace of one "
                                  f"image) ({one_line(exc, 200)})") from exc
+        channels = _CHANNELS_EXPECTED.search(str(exc))
+        hint = (f" (it takes {channels[1]} channels; the server sends RGB, 3: wrap it to take them, e.g. averaging "
+                "them to grey, docs/models.md)" if channels and channels[1] != "3" else "")
         raise ModelLoadError(f"the model fails on a batch of {images.shape[0]} images of shape "
-                             f"{tuple(images.shape[1:])} ({images.dtype}): {one_line(exc)}") from exc
+                             f"{tuple(images.shape[1:])} ({images.dtype}): {one_line(exc)}{hint}") from exc
     for answer in (logits, embedding):
         if answer is not None and not isinstance(answer, torch.Tensor):
             raise ModelLoadError(f"the model answers a {type(answer).__name__} where a tensor of logits (or logits and "
                                  f"an embedding) was expected")
     return logits, embedding
+
+
+def _check_alone(model: nn.Module, input_shape: tuple[int, int, int], classes: int, batch_size: int,
+                 device: torch.device | str, dtype: torch.dtype) -> None:
+    """ModelLoadError unless ``model``, which answered a batch of ``batch_size``, answers one image with one row of
+    ``classes`` (a batch dimension fixed at ``batch_size``, ``reshape(2, -1)``, passed the export and failed the
+    server's warm-up with a traceback; a new user's trial)."""
+    try:
+        lone, _ = _answers(model, _check_images(1, input_shape, 2, device, dtype))
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"the model answers a batch of {batch_size} images but fails on one: its batch "
+                             f"dimension is fixed; export it with a dynamic one (torch.jit.script rather than a "
+                             f"trace, no reshape to a fixed batch) ({exc})") from None
+    if tuple(lone.shape) != (1, classes):
+        raise ModelLoadError(f"model answers shape {tuple(lone.shape)} for one image, where a batch of {batch_size} "
+                             f"had one row each: it must answer one row per image, whatever the batch size")
 
 
 def _runs_alone(model: nn.Module, image: torch.Tensor) -> bool:
@@ -260,6 +284,18 @@ def _runs_alone(model: nn.Module, image: torch.Tensor) -> bool:
             model(image)
     except Exception:  # noqa: BLE001 - fails alone too: the batch was not the trouble
         return False
+    return True
+
+
+def squashed_outputs(model: nn.Module, input_shape: tuple[int, int, int], batch_size: int = CHECK_BATCH_SIZE
+                     ) -> bool:
+    """Whether every output of ``model`` lies strictly between 0 and 1 on two batches of check images, its rows not
+    summing to 1: a final sigmoid (a multi-label head), whose outputs the server's softmax turns into near-equal
+    scores (the top class kept); logits are of both signs."""
+    for seed in (0, 1):
+        rows = _answers(model, _check_images(batch_size, input_shape, seed, "cpu", torch.float32))[0]
+        if not bool(((rows > 0) & (rows < 1)).all()) or _probabilities(rows):
+            return False
     return True
 
 

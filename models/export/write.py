@@ -19,7 +19,7 @@ from models.export.agreement import Laps, RunImages, one_thread, run_images
 from models.export.compile import compile_package
 from models.export.onnx import export_onnx
 from models.export.quantize import compile_int8_package
-from models.export.checks import check_finite_outputs, check_outputs, fit_weights
+from models.export.checks import check_finite_outputs, check_outputs, fit_weights, squashed_outputs
 from models.export.manifest import (
     TORCHSCRIPT_ARCH,
     CompiledPackage,
@@ -336,6 +336,11 @@ def export_brought(path: Path, out_dir: Path | None, *, arch: str | None, labels
     else:
         model, weights = brought_model(path, arch, labels)
         source = f"state dict {path.name} of {arch}"
+    with one_thread():
+        if squashed_outputs(model.eval(), preset.input_shape):
+            log.warning("every output of %s is between 0 and 1 on the check images (a final sigmoid?): the server "
+                        "applies softmax to the outputs, which turns these into near-equal scores (the top class "
+                        "kept); export the model without its sigmoid (its logits)", path.name)
     laps.done("load")
     return export_model(model, out_dir=out_dir, name=name, version=version or default_version(path, weights),
                         arch=arch or TORCHSCRIPT_ARCH, labels=labels, preset=preset, source=source, force=force,

@@ -252,3 +252,33 @@ def test_a_manifest_whose_label_is_empty_is_refused_naming_it() -> None:
     manifest = tiny_manifest().model_dump()
     with pytest.raises(pydantic.ValidationError, match=r"labels \[1\] are empty: each class needs a name"):
         type(tiny_manifest()).model_validate({**manifest, "labels": [LABELS[0], " ", *LABELS[2:]]})
+
+
+def test_what_a_brought_model_s_export_cannot_check_is_warned_of(tmp_path: Path, labels: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    # Before, each silent (a new user's trial): a final sigmoid (served softmax over it: scores near 1/N), a class
+    # named twice, the ImageNet recipe taken for a model given no sizes, a crop larger than its resize.
+    class Sigmoid(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([x.mean(dim=(2, 3)) * 3, x.std(dim=(2, 3))], dim=1)[:, :3].sigmoid()
+
+    torch.jit.save(torch.jit.script(Sigmoid()), tmp_path / "sigmoid.ts")
+    twice = tmp_path / "twice.txt"
+    twice.write_text("a\nb\na\n")
+    code, _ = export(["--torchscript", str(tmp_path / "sigmoid.ts"), "--labels", str(twice), "--name", "s", "--out",
+                      str(tmp_path / "out"), "--resize-size", "32", "--crop-size", "48"], caplog)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert code == 0 and len(warned) == 3, warned
+    assert warned[0].endswith("twice.txt names a class more than once ('a' at outputs 0, 2): answers give those "
+                              "classes the same label, only their index tells them apart; is that meant?")
+    assert warned[1].startswith("--crop-size 48 is larger than --resize-size 32: each image is served padded")
+    assert warned[2] == ("every output of sigmoid.ts is between 0 and 1 on the check images (a final sigmoid?): the "
+                         "server applies softmax to the outputs, which turns these into near-equal scores (the top "
+                         "class kept); export the model without its sigmoid (its logits)")
+    model = _sharpened(torchvision.models.resnet18(num_classes=3))
+    torch.jit.save(torch.jit.script(model), tmp_path / "logits.ts")
+    code, _ = export(["--torchscript", str(tmp_path / "logits.ts"), "--labels", str(labels), "--name", "l", "--out",
+                      str(tmp_path / "plain")], caplog)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert code == 0 and len(warned) == 1 and warned[0].startswith("no --resize-size, --crop-size, --mean or --std: "
+                                                                    "the export says the model takes torchvision's")

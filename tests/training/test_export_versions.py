@@ -218,6 +218,14 @@ class FixedBatch(torch.nn.Module):
         return self.head(x.reshape(1, -1))
 
 
+class FixedAtTwo(Means):
+    """A batch of 2 answered right, any other batch reshaped into 2 rows (a reshape to the batch it was made on):
+    before, it passed the export and failed the server's warm-up at batch 1 with a traceback (a new user's trial)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).reshape(2, -1)
+
+
 class Grey(torch.nn.Module):
     """A one-channel model in a three-channel export: its forward pass raises on the served input."""
 
@@ -260,12 +268,15 @@ def scripted_export(folder: Path, model: torch.nn.Module, labels: tuple[str, ...
                   "model without its final softmax"),
     (FirstRowOnly(), "model answers 1 rows for a batch of 2 images: it must answer one row per image"),
     (Grey(), "the model fails on a batch of 2 images of shape (3, 8, 8) (torch.float32): RuntimeError: Given "
-             "groups=1, weight of size [4, 1, 1, 1], expected input[2, 3, 8, 8] to have 1 channels"),
+             "groups=1, weight of size [4, 1, 1, 1], expected input[2, 3, 8, 8] to have 1 channels, but got 3 "
+             "channels instead (it takes 1 channels; the server sends RGB, 3: wrap it to take them"),
     (Answers(), "the model answers a dict where a tensor of logits (or logits and an embedding) was expected"),
     (FixedBatch(), "the model runs on one image but fails on a batch of 2: its batch dimension is fixed at 1; export "
                    "it with a dynamic one (torch.onnx.export's dynamic_axes or dynamic_shapes; torch.jit.script "
                    "rather than a trace of one image) (RuntimeError: "),
-], ids=["softmax", "one-row", "raises", "dict", "fixed-batch"])
+    (FixedAtTwo(), "model answers shape (2, 2) for one image, where a batch of 2 had one row each: it must answer "
+                   "one row per image"),
+], ids=["softmax", "one-row", "raises", "dict", "fixed-batch", "fixed-at-two"])
 def test_the_load_refuses_a_model_it_could_not_serve_in_one_line(tmp_path: Path, model: torch.nn.Module,
                                                                  fragment: str) -> None:
     # Before: a model ending in softmax served probabilities of probabilities, one answering a row per batch loaded
@@ -343,6 +354,23 @@ def test_the_export_refuses_a_model_answering_nan_saying_so_and_writes_nothing(t
         export_model(NanWhereBright(), out_dir=tmp_path / "out", name="nan", version="1", arch="resnet18",
                      labels=["r", "g", "b", "sum"], preset=EvalPreset(resize_size=8, crop_size=8))
     assert not (tmp_path / "out").exists() and "without an embedding" not in caplog.text
+
+
+def test_the_export_refuses_a_model_whose_batch_is_fixed_at_two_and_writes_nothing(tmp_path: Path) -> None:
+    # Before: written (the export tried a batch of 2 alone); the server refused it at warm-up with a multi-line
+    # TorchScript traceback as its reason, and models.predict ended in a traceback (a new user's trial).
+    from models.export.checks import ModelLoadError
+    from models.export.write import export_model
+
+    class ExactlyTwo(Means):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x).reshape(2, 4)
+
+    with pytest.raises(ModelLoadError, match=re.escape("the model answers a batch of 2 images but fails on one: its "
+                                                       "batch dimension is fixed; export it with a dynamic one")):
+        export_model(ExactlyTwo(), out_dir=tmp_path / "out", name="two", version="1", arch="resnet18",
+                     labels=["r", "g", "b", "sum"], preset=EvalPreset(resize_size=8, crop_size=8))
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_export_refuses_a_model_ending_in_softmax_and_writes_nothing(tmp_path: Path) -> None:
