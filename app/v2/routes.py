@@ -190,6 +190,10 @@ def _output_plan(infer: InferRequest, model: Signature) -> list[tuple[str, int, 
     """(name, classification k, binary?) per requested output, checked against ``model`` before any inference is
     spent."""
     binary_default = flag(infer.parameters, "binary_data_output", False, "the request")
+    if "classification" in infer.parameters:  # (read there, it would be ignored: answered as probabilities)
+        raise BadRequest(f"parameters.classification is an output's, not the request's: "
+                         f'{{"outputs": [{{"name": "{OUTPUT}", "parameters": {{"classification": '
+                         f"{infer.parameters['classification']!r}}}}}]}}, as Triton reads it")
     known = [OUTPUT, EMBEDDING] if model.embedding_dim else [OUTPUT]
     plan = []
     # none asked ("outputs" left out, or []: Triton's reading of an empty list) is the default output

@@ -1189,7 +1189,7 @@ def test_v2_answers_a_nan_row_with_a_500_in_strict_json_counted_as_the_version_s
     failed = _version_requests("failed")
     body = {"inputs": [{"name": "images", "datatype": "BYTES", "shape": [1],
                         "data": [base64.b64encode(image_bytes(GREEN)).decode()]}]}
-    for parameters in ({}, {"parameters": {"classification": 2}}):
+    for parameters in ({}, {"outputs": [{"name": "probabilities", "parameters": {"classification": 2}}]}):
         answer = client.post("/v2/models/colour/infer", json={**body, **parameters})
         assert answer.status_code == 500
         strict = json.loads(answer.get_data(as_text=True), parse_constant=lambda name: pytest.fail(name))

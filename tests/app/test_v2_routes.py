@@ -160,6 +160,9 @@ _PIXELS = {"name": "pixels", "datatype": "FP32", "shape": [1, 3, 8, 8], "data": 
     ({"inputs": [_bytes_input(image_bytes(RED))], "outputs": [{"name": "logits"}]}, "unknown output"),
     ({"inputs": [_bytes_input(image_bytes(RED))],
       "outputs": [{"name": "probabilities", "parameters": {"classification": "3"}}]}, "classification"),
+    # the request's own classification (before: ignored, probabilities answered; a new user's trial sent it so)
+    ({"inputs": [_bytes_input(image_bytes(RED))], "parameters": {"classification": 3}},
+     'an output\'s, not the request\'s: {"outputs": [{"name": "probabilities", "parameters": {"classification": 3}}]}'),
 ])
 def test_bad_requests_get_400_in_the_protocol_error_shape(client: FlaskClient, body: dict, message: str) -> None:
     assert message in _v2_error(client.post(INFER, json=body), 400)
