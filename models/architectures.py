@@ -32,12 +32,21 @@ def _torchvision(name: str) -> Callable[[int], nn.Module]:
 
 # timm's ``tf_`` variant pads like TensorFlow ("same"), which the released Lite0 weights were trained with;
 # plain ``efficientnet_lite0`` pads symmetrically and gives different outputs for the same weights.
-_BUILDERS: dict[str, Callable[[int], nn.Module]] = {
-    "efficientnet_lite0": _timm("tf_efficientnet_lite0"),
-    "resnet18": _torchvision("resnet18"),
-    "resnet50": _torchvision("resnet50"),
-    "mobilenet_v3_small": _torchvision("mobilenet_v3_small"),
+_LIBRARY_NAMES: dict[str, str] = {  # each short name, as its library names the model it builds
+    "efficientnet_lite0": "timm:tf_efficientnet_lite0",
+    "resnet18": "torchvision:resnet18",
+    "resnet50": "torchvision:resnet50",
+    "mobilenet_v3_small": "torchvision:mobilenet_v3_small",
 }
+_BUILDERS: dict[str, Callable[[int], nn.Module]] = {
+    short: (_timm if full.startswith("timm:") else _torchvision)(full.partition(":")[2])
+    for short, full in _LIBRARY_NAMES.items()}
+
+
+def same_arch(first: str, second: str) -> bool:
+    """Whether two arch names build the same model: a short name and its library's (``mobilenet_v3_small`` and
+    ``torchvision:mobilenet_v3_small``), or the same name."""
+    return _LIBRARY_NAMES.get(first, first) == _LIBRARY_NAMES.get(second, second)
 
 ARCHS: tuple[str, ...] = tuple(sorted(_BUILDERS))
 # Any other model of the two libraries, for weights trained elsewhere (models.export --state-dict): by its own name

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from models.architectures import build_model, class_sized, meta_state_dict
+from models.architectures import build_model, class_sized, meta_state_dict, same_arch
 from models.export.brought import aligned, is_checkpoint, load_saved, state_dict_in
 from models.export.checks import weights_mismatch
 from models.export.manifest import MANIFEST_NAME, EvalPreset, Manifest, read_manifest
@@ -85,7 +85,7 @@ def read_start_weights(path: Path, arch: str) -> StartWeights:
     saved = load_saved(path, for_training=True)  # (read once: a checkpoint, or a state dict in its forms)
     if is_checkpoint(saved) and isinstance(saved["model"], dict):
         checkpoint = saved
-        if checkpoint["arch"] != arch:
+        if not same_arch(checkpoint["arch"], arch):
             raise ValueError(f"{path} is a models.train checkpoint of {checkpoint['arch']}: give --arch "
                              f"{checkpoint['arch']}")
         preset = checkpoint.get("preset")
@@ -93,7 +93,7 @@ def read_start_weights(path: Path, arch: str) -> StartWeights:
                             EvalPreset(**preset) if isinstance(preset, dict) else None)
     weights = state_dict_in(saved, path)
     manifest = _manifest_beside(path)
-    if manifest is not None and manifest.arch != arch:
+    if manifest is not None and not same_arch(manifest.arch, arch):
         raise ValueError(f"{path} is the state dict of an export of {manifest.arch}: give --arch {manifest.arch}")
     return StartWeights(body_of(weights, arch, path), None if manifest is None else manifest.preprocess)
 

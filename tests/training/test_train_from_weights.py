@@ -204,3 +204,22 @@ def test_a_normalisation_off_the_0_to_1_scale_is_refused_by_the_parser(folder: P
         with pytest.raises(SystemExit) as exited:
             train.main(_args(folder, tmp_path / "run", option, *values))
         assert exited.value.code == 2 and f"argument {option}: must be in" in capsys.readouterr().err
+
+
+def test_an_export_s_weights_are_taken_under_either_name_of_their_architecture(tmp_path: Path) -> None:
+    # Before: an export written as torchvision:mobilenet_v3_small was refused for --arch mobilenet_v3_small ("give
+    # --arch torchvision:mobilenet_v3_small"), the same model under its short name (a new user's trial).
+    from models.architectures import same_arch
+    from models.export.write import export_model
+    from models.export.manifest import EvalPreset
+
+    assert same_arch("mobilenet_v3_small", "torchvision:mobilenet_v3_small")
+    assert same_arch("timm:tf_efficientnet_lite0", "efficientnet_lite0") and same_arch("timm:x", "timm:x")
+    assert not same_arch("resnet18", "timm:resnet18") and not same_arch("resnet18", "resnet50")
+    model = build_model("torchvision:resnet18", 3)
+    export_model(model, out_dir=tmp_path / "export", name="m", version="1", arch="torchvision:resnet18",
+                 labels=["a", "b", "c"], preset=EvalPreset(resize_size=40, crop_size=32), packages=())
+    started = read_start_weights(tmp_path / "export", "resnet18")
+    assert set(started.body) and started.preset is not None and started.preset.crop_size == 32
+    with pytest.raises(ValueError, match="give --arch torchvision:resnet18"):
+        read_start_weights(tmp_path / "export", "resnet50")
