@@ -38,9 +38,6 @@ _LIBRARY_NAMES: dict[str, str] = {  # each short name, as its library names the 
     "resnet50": "torchvision:resnet50",
     "mobilenet_v3_small": "torchvision:mobilenet_v3_small",
 }
-_BUILDERS: dict[str, Callable[[int], nn.Module]] = {
-    short: (_timm if full.startswith("timm:") else _torchvision)(full.partition(":")[2])
-    for short, full in _LIBRARY_NAMES.items()}
 
 
 def same_arch(first: str, second: str) -> bool:
@@ -48,7 +45,7 @@ def same_arch(first: str, second: str) -> bool:
     ``torchvision:mobilenet_v3_small``), or the same name."""
     return _LIBRARY_NAMES.get(first, first) == _LIBRARY_NAMES.get(second, second)
 
-ARCHS: tuple[str, ...] = tuple(sorted(_BUILDERS))
+ARCHS: tuple[str, ...] = tuple(sorted(_LIBRARY_NAMES))
 # Any other model of the two libraries, for weights trained elsewhere (models.export --state-dict): by its own name
 LIBRARIES: dict[str, Callable[[str], Callable[[int], nn.Module]]] = {"timm": _timm, "torchvision": _torchvision}
 
@@ -56,14 +53,12 @@ LIBRARIES: dict[str, Callable[[str], Callable[[int], nn.Module]]] = {"timm": _ti
 def build_model(arch: str, num_classes: int) -> nn.Module:
     """Build an untrained ``arch`` with a ``num_classes`` head: one of ARCHS, or ``timm:NAME`` /
     ``torchvision:NAME`` (any model of that library); raises ValueError for unknown names."""
-    library, _, name = arch.partition(":")
-    if arch not in _BUILDERS and not (name and library in LIBRARIES):
+    library, _, name = _LIBRARY_NAMES.get(arch, arch).partition(":")
+    if not (name and library in LIBRARIES):
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}, or timm:NAME or torchvision:NAME "
                          f"for another model of those libraries (e.g. timm:mobilenetv3_small_100)")
     if num_classes <= 0:
         raise ValueError(f"num_classes must be positive, got {num_classes}")
-    if arch in _BUILDERS:
-        return _BUILDERS[arch](num_classes)
     try:
         return LIBRARIES[library](name)(num_classes)
     except (RuntimeError, ValueError, KeyError) as exc:  # timm: RuntimeError "Unknown model"; torchvision: ValueError

@@ -8,6 +8,8 @@ from the same forward pass, only when a request names it.
 """
 from __future__ import annotations
 
+import json
+
 import numpy as np
 from flask import Blueprint, Response, request
 from pydantic import BaseModel
@@ -191,9 +193,9 @@ def _output_plan(infer: InferRequest, model: Signature) -> list[tuple[str, int, 
     spent."""
     binary_default = flag(infer.parameters, "binary_data_output", False, "the request")
     if "classification" in infer.parameters:  # (read there, it would be ignored: answered as probabilities)
-        raise BadRequest(f"parameters.classification is an output's, not the request's: "
-                         f'{{"outputs": [{{"name": "{OUTPUT}", "parameters": {{"classification": '
-                         f"{infer.parameters['classification']!r}}}}}]}}, as Triton reads it")
+        where = {"outputs": [{"name": OUTPUT, "parameters": {"classification": infer.parameters["classification"]}}]}
+        raise BadRequest(f"parameters.classification is an output's, not the request's: {json.dumps(where)}, as "
+                         "Triton reads it")
     known = [OUTPUT, EMBEDDING] if model.embedding_dim else [OUTPUT]
     plan = []
     # none asked ("outputs" left out, or []: Triton's reading of an empty list) is the default output
