@@ -95,18 +95,24 @@ class Lifecycle:
         self._drain_begun()
 
     def _mark_leaving(self) -> None:
-        """The leaving mark written, unless the drain's window is over."""
+        """The leaving mark written, unless the drain's window is over or this worker answers nothing new now
+        (``_answers_new``)."""
         leaving = self.leaving_mark
         if leaving is None:
             return
         with self._leaving_lock:
-            if self.refusing:
+            if self.refusing or not self._answers_new():
                 return
             try:
                 leaving.touch()
             except OSError as exc:
                 log.warning("could not write the leaving mark %s: %s; a worker still loading takes new connections "
                             "meanwhile (503 until it serves)", leaving, exc)
+
+    def _answers_new(self) -> bool:
+        """Whether new requests would be answered now, a drain aside (read under the leaving mark's lock): here
+        always; an HTTP worker whose engine is gone or silent answers them 503 (app/link/client.py)."""
+        return True
 
     def deadline_limit_s(self, request_timeout_s: float) -> float:
         """The longest deadline a request admitted now may have: ``request_timeout_s``, or during a drain that must

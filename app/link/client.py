@@ -268,6 +268,7 @@ class RemoteService(Lifecycle):
         self._state: tuple[float, wire.EngineState | None] = (0.0, None)
         self._silent_shown = False  # the engine's silence taken as its absence (its ready mark away) until it answers
         self._silent_since: float | None = None  # when its state queries began to go unanswered
+        self._engine_lost = False  # the engine that answered last ended; True until one is ready again
         self._signatures: dict[tuple[str | None, str | None], Signature] = {}
         self._signatures_of: tuple[int, int] = (0, 0)  # (engine pid, routing generation) they were read at
         self.loop_link: LoopLink | None = None  # the requests on this worker's loop: one connection, made at first use
@@ -313,13 +314,14 @@ class RemoteService(Lifecycle):
             if self._stopped.is_set():
                 return
             self._remove_ready_mark()
-            self._remove_leaving_mark()  # a draining worker without its engine answers nothing new: 503
+            self._not_answering(gone=True)
             self._show_engine(False)
             log.info("engine %d is gone: waiting for it to be ready again", self.slot)
             while not self._stopped.wait(WAIT_S):  # (a restart takes a second at least: RESTART_DELAY_S)
                 state = self._engine_state(fresh=True)
                 if state is not None and state.ready:
-                    self._silent_shown, self._silent_since = False, None  # (a silent engine that died meanwhile)
+                    # (a silent engine that died meanwhile: no longer silent either)
+                    self._silent_shown, self._silent_since, self._engine_lost = False, None, False
                     self._serving_now()
                     if self.draining:  # back within its drain, which answers again: it says so (its leaving mark)
                         self._mark_leaving()
@@ -381,9 +383,8 @@ class RemoteService(Lifecycle):
             self._show_engine(True)
             log.info("engine %d answers again", self.slot)
         elif since is not None and not self._silent_shown and now - since >= SILENT_AWAY_S:
-            self._silent_shown = True
             self._remove_ready_mark()
-            self._remove_leaving_mark()  # a draining worker whose engine answers nothing answers nothing new: 503
+            self._not_answering(gone=False)
             self._show_engine(False)
             log.warning("engine %d, this HTTP worker's, does not answer its state queries (stopped or stuck): new "
                         "connections are left to the other workers and readiness says 503 until it answers (the "
@@ -391,6 +392,20 @@ class RemoteService(Lifecycle):
         if answered:
             self._keep_ready_mark()
         self.ready  # noqa: B018 - its reading sets this worker's part of the ready gauge as the marks are now
+
+    def _not_answering(self, gone: bool) -> None:
+        """The engine gone (``gone``) or silent: a draining worker without it answers nothing new (503), so its
+        leaving mark goes, and a drain beginning now writes none (``_answers_new``), both under the mark's lock: a
+        drain that read the ready mark just before it went cannot write the leaving mark after this removed it."""
+        with self._leaving_lock:
+            if gone:
+                self._engine_lost = True
+            else:
+                self._silent_shown = True
+            self._remove_leaving_mark()
+
+    def _answers_new(self) -> bool:
+        return not (self._engine_lost or self._silent_shown)
 
     def _show_engine(self, reached: bool) -> None:
         """This worker's part of the ready and batcher_alive gauges: 1 while it reaches a ready engine (it has no
