@@ -21,6 +21,10 @@ class ServiceError(Exception):
         self.headers = headers or {}
 
 
+# where a refusal's message goes on to name the request's later images refused too (its details' also_refused)
+ALSO_REFUSED = "; also refused: "
+
+
 def default_body(error: ServiceError, request_id: str | None) -> dict[str, Any]:
     """{"error": {"code", "message", "request_id"[, "details"]}}."""
     body: dict[str, Any] = {"code": error.code, "message": error.message, "request_id": request_id}

@@ -34,6 +34,7 @@ from app.engine.decoding.image import DecodeLimits
 from app.engine.loaded.predictor import NON_FINITE_OUTPUT
 from app.engine.loaded.version import LoadedVersion
 from app.errors import (
+    ALSO_REFUSED,
     Backlog,
     BadRequest,
     ClientGone,
@@ -374,7 +375,7 @@ def _with_later_refusals(exc: ServiceError, images: Sequence[bytes], index: int,
     if later:
         shown = ", ".join(_label(item["image"], names) for item in later[:ALSO_REFUSED_SHOWN])
         more = f" and {len(later) - ALSO_REFUSED_SHOWN} more" if len(later) > ALSO_REFUSED_SHOWN else ""
-        exc.message = f"{exc.message}; also refused: {shown}{more} (details' also_refused)"
+        exc.message = f"{exc.message}{ALSO_REFUSED}{shown}{more} (details' also_refused)"
         exc.args = (exc.message,)
         exc.details = {**exc.details, "also_refused": later}
     return exc

@@ -4,15 +4,21 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from app.errors import ServiceError
+from app.errors import ALSO_REFUSED, ServiceError
 from app.v2 import openapi, repository  # noqa: F401 - repository adds its routes to bp
 from app.v2.routes import bp
 from app.web.protocol import Protocol
 
 
 def error_body(error: ServiceError, request_id: str | None) -> dict[str, Any]:
-    """The protocol fixes its error body, {"error": "<message>"}, which Triton's clients read."""
-    return {"error": error.message}
+    """The protocol fixes its error body, {"error": "<message>"}, which Triton's clients read: a refusal that names
+    later images refused too (its details' ``also_refused``, which this shape has no room for) says each of them in
+    its message."""
+    later = error.details.get("also_refused") if isinstance(error.details, dict) else None
+    if not later:
+        return {"error": error.message}
+    first = error.message.split(ALSO_REFUSED, 1)[0]
+    return {"error": "; ".join([first, *(item["message"] for item in later)])}
 
 
 # Triton's extensions this server does not serve, by their paths, and what it offers instead

@@ -33,6 +33,7 @@ MAX_DIMENSIONS, MAX_DIMENSION = 32, 2 ** 31 - 1
 # The fields of a request, an input and a requested output (the Open Inference Protocol's): another one is a
 # misspelling or a misplaced field ("output", a flag outside "parameters") that would otherwise be ignored
 # (model_name and model_version: KServe's Python client writes the URL's model into its body too; read from the URL)
+SHARED_MEMORY = "shared_memory_"  # the shared memory extension's parameters: region, byte size, offset
 REQUEST_FIELDS = ("id", "parameters", "inputs", "outputs", "model_name", "model_version")
 INPUT_FIELDS = ("name", "shape", "datatype", "parameters", "data")
 OUTPUT_FIELDS = ("name", "parameters")
@@ -74,13 +75,18 @@ def _header(body: bytes, header_length: str | None) -> tuple[dict[str, Any], byt
     if header_length is None and body.startswith(_IMAGE_MAGIC):
         raise UnsupportedMediaType("the body is an image file, not an inference request: send it as a BYTES input "
                                    "(base64 in JSON, or binary_tensor_data), or POST the file to /predict")
+    what = ("the inference request" if header_length is None
+            else f"the inference request's JSON header (its first {size} bytes: Inference-Header-Content-Length)")
     try:
-        header = parse_json(body[:size], "the inference request header")
+        header = parse_json(body[:size], what)
     except InvalidJSON as exc:
         if header_length is None and "trailing characters" in exc.message:  # binary data after it, its length unsaid
             raise InvalidJSON(f"{exc.message} (the body goes on after its JSON: a request with binary tensor data "
                               "names its JSON header's length in bytes in the Inference-Header-Content-Length "
                               "header)") from None
+        if header_length is not None and body[:1] == b"{":  # a JSON header there, cut or run on: its length wrong
+            raise InvalidJSON(f"{exc.message} (Inference-Header-Content-Length must be the JSON header's exact "
+                              "length in bytes, the binary tensor data after it)") from None
         raise
     if isinstance(header, dict):  # a field it does not take named first: a misspelt one may be why "inputs" is not
         check_fields(header, REQUEST_FIELDS, "the request")
@@ -207,7 +213,9 @@ def _json_values(data: Any, name: str, datatype: str, shape: list[int], count: i
 
 def _tensor(raw: dict[str, Any], binary: bytes, offset: int, most: int, index: int,
             check: InputCheck | None) -> tuple[Tensor, int]:
-    name, datatype = str(raw.get("name", "")), raw.get("datatype")
+    name, datatype = raw.get("name"), raw.get("datatype")
+    if not isinstance(name, str) or not name:
+        raise BadRequest(f"input {index + 1} needs its 'name', a string, got {json.dumps(name)}")
     if datatype is None:
         raise BadRequest(f"input {name!r} has no datatype: BYTES, or one of {', '.join(_NUMPY_TYPES)}")
     if not isinstance(datatype, str) or datatype != "BYTES" and datatype not in _NUMPY_TYPES:
@@ -282,6 +290,10 @@ def parameters(raw: dict[str, Any], where: str) -> dict[str, Any]:
         return {}
     if not isinstance(params, dict):
         raise BadRequest(f"{where}: 'parameters' must be an object")
+    shared = next((key for key in params if key.startswith(SHARED_MEMORY)), None)
+    if shared is not None:  # (ignored, an output would be answered in the body while its client reads the region)
+        raise BadRequest(f"{where}: parameters.{shared}: Triton's shared memory extension is not served here; send "
+                         "tensors in the request body (binary_tensor_data) and read them in the answer's")
     return params
 
 
@@ -293,7 +305,7 @@ def flag(params: dict[str, Any], key: str, default: bool, where: str) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise BadRequest(f"{where}: parameters.{key} must be true or false, got {value!r}")
+        raise BadRequest(f"{where}: parameters.{key} must be true or false, got {json.dumps(value)}")
     return value
 
 

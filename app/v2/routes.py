@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from app import __version__
 from app.engine.contract import CallFace, PixelsForTheDefault, Served, Signature
-from app.errors import BadRequest, NotFound, NotReady, UnknownOutput, check_image_count
+from app.errors import BadRequest, NotFound, NotReady, UnknownOutput, UnsupportedMediaType, check_image_count
 from app.hosting.host import engine_mode
 from app.v2.codec import (OUTPUT_FIELDS, InferRequest, InputCheck, Tensor, check_fields, encode_response, flag,
                            parameters, parse_request)
@@ -30,6 +30,7 @@ bp = Blueprint("v2", __name__, url_prefix="/v2")
 
 IMAGES_INPUT, PIXELS_INPUT, OUTPUT, EMBEDDING = "images", "pixels", "probabilities", "embedding"
 EXTENSIONS = ["classification", "binary_tensor_data", "model_repository"]
+FORMS = ("multipart/form-data", "application/x-www-form-urlencoded")  # /predict's forms, never an inference request
 _MODEL = "/models/<name>"
 _VERSIONED = "/models/<name>/versions/<version>"
 
@@ -143,11 +144,13 @@ def _input_check(call: CallFace, max_images: int) -> InputCheck:
     MAX_IMAGES (413), so a refused request costs no decode (N tiny elements would each be cut, or decoded from
     base64, before Call.infer counted them). Pixels in a call that cannot take them (a canary of another input)
     raise PixelsForTheDefault before anything is decoded."""
-    model = call.model
+    model, first = call.model, []
 
     def check(index: int, name: str, datatype: str, shape: list[int]) -> None:
         if index:
-            raise BadRequest(f"send exactly one input, {IMAGES_INPUT!r} (BYTES) or {PIXELS_INPUT!r} (FP32)")
+            sent = f"input {name!r} twice" if name in first else f"a second input, {name!r}"
+            raise BadRequest(f"{sent}: send exactly one input, {IMAGES_INPUT!r} (BYTES) or {PIXELS_INPUT!r} (FP32)")
+        first.append(name)
         if not shape:  # a scalar: no batch dimension to count its images by
             raise BadRequest(f"input {name!r} has shape [] (a scalar): its first dimension counts its images, "
                              f"[1] for one")
@@ -212,7 +215,7 @@ def _output_plan(infer: InferRequest, model: Signature) -> list[tuple[str, int, 
         params = parameters(item, f"output {name!r}")
         k = params.get("classification", 0)
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-            raise BadRequest(f"parameters.classification must be a non-negative integer, got {k!r}")
+            raise BadRequest(f"parameters.classification must be a non-negative integer, got {json.dumps(k)}")
         if k and name == EMBEDDING:
             raise BadRequest(f"parameters.classification is for {OUTPUT!r}; {EMBEDDING!r} is a vector per image")
         plan.append((name, k, flag(params, "binary_data", binary_default, f"output {name!r}")))
@@ -264,6 +267,10 @@ def infer(name: str, version: str | None = None) -> Response:
 def _infer(name: str, version: str | None, body: list[bytes], pixels: bool) -> Response:
     service, req = current_service(), request._get_current_object()  # not a proxy lookup per field
     headers, floor_ms = req.headers, service.settings.min_request_timeout_ms
+    if req.mimetype in FORMS:  # never an inference request: refused before it is admitted or read
+        raise UnsupportedMediaType(f"the body is a form ({req.mimetype}), not an inference request: send the image "
+                                   "as a BYTES input (base64 in JSON, or binary_tensor_data), or POST the form to "
+                                   "/predict")
     # the body may lower it
     announced_timeout_s = request_deadline_s(service, headers)
     arrived = arrival(announced_timeout_s)

@@ -113,6 +113,8 @@ class ModelConfig(BaseModel):
 class InferInput(BaseModel):
     """One input tensor: JSON ``data`` (flat or nested; BYTES as base64 strings) or binary (``binary_data_size``)."""
 
+    model_config = ConfigDict(extra="forbid")  # as the server: a field it does not take is refused (400)
+
     name: str
     datatype: Datatype
     shape: list[int]
@@ -123,6 +125,8 @@ class InferInput(BaseModel):
 class RequestedOutput(BaseModel):
     """An output to return: ``binary_data`` (bool) and ``classification`` (top k as "score:index:label")."""
 
+    model_config = ConfigDict(extra="forbid")
+
     name: str
     parameters: dict[str, Any] | None = None
 
@@ -130,10 +134,14 @@ class RequestedOutput(BaseModel):
 class InferRequest(BaseModel):
     """POST /v2/models/{name}[/versions/{version}]/infer (the JSON header when binary tensors follow)."""
 
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
     id: str | None = None
     parameters: dict[str, Any] | None = Field(default=None, description="binary_data_output, timeout (µs)")
     inputs: list[InferInput] = Field(min_length=1)
     outputs: list[RequestedOutput] | None = None
+    model_name: str | None = Field(default=None, description="taken and not read: the path names the model")
+    model_version: str | None = Field(default=None, description="taken and not read: the path names the version")
 
 
 class InferOutput(BaseModel):

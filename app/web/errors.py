@@ -84,16 +84,19 @@ def register_error_handlers(app: Flask, protocols: Sequence[Protocol], body_time
 
     def render(error: ServiceError, unmatched: bool = False) -> Response:
         g.error_code = error.code  # for the access log and the rejection counter
+        # no route matched: the protocol under whose prefix the path is, or whose unserved part it is (V1 has none)
         protocol = by_blueprint.get(request.blueprint or "") or next(
-            (p for p in protocols if p.owns(request.path)), None)
+            (p for p in protocols if p.owns(request.path) or p.unserved and p.unserved(request.path)), None)
         shape = protocol.error_body if protocol is not None and protocol.error_body else default_body
-        why = (protocol.unserved(request.path) if error.status == 404 and protocol and protocol.unserved
-               and (unmatched or request.url_rule is not None and "<name>" in request.url_rule.rule
-                    and request.view_args.get("name") == "stats") else None)
-        if why is not None:  # (the router's 404, or the metadata route's that took the extension's path for a model:
-            # that one's own reason said too, for a model of that name)
-            error = ServiceError(why if unmatched else f"{why}. As a model's name: {error.message}",
-                                 headers=error.headers)
+        # the router's 404 or 405 for a path of what is not served (a route that took it for a model's name refused
+        # it, or another method); the metadata route's 404 for an extension's path: its own reason said too
+        as_name = (not unmatched and error.status == 404 and request.url_rule is not None
+                   and "<name>" in request.url_rule.rule and request.view_args.get("name") == "stats")
+        why = (protocol.unserved(request.path) if protocol and protocol.unserved and error.status in (404, 405)
+               else None)
+        if why is not None:
+            error = ServiceError(f"{why}. As a model's name: {error.message}" if as_name else why,
+                                 headers={k: v for k, v in error.headers.items() if k != "Allow"})
             error.status, error.code = 404, "not_found"
         response = jsonify(shape(error, g.get("request_id")))
         response.status_code = error.status

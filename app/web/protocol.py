@@ -21,7 +21,8 @@ class Protocol:
     openapi_paths: Callable[[], dict[str, Any]]
     openapi_models: Sequence[type[BaseModel]] = field(default_factory=tuple)
     error_body: ErrorBody | None = None
-    # path -> why a 404 there is no typo: a part of the protocol this server does not serve, and what to use instead
+    # path -> why a 404 or 405 there is no typo: a part of the protocol (or of one it shares its paths with) this
+    # server does not serve, and what to use instead; its answer is then a 404 saying so
     unserved: Callable[[str], "str | None"] | None = None
 
     def owns(self, path: str) -> bool:

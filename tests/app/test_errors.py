@@ -297,6 +297,20 @@ def test_a_405_names_the_methods_the_path_takes_in_allow(client: FlaskClient, me
                                                  "request_id": "allow-1"}}
 
 
+@pytest.mark.parametrize("method", ["post", "get"])
+@pytest.mark.parametrize("verb", ["predict", "explain"])
+def test_kserve_s_v1_verbs_are_404_saying_the_protocol_is_not_served_and_what_to_call(
+        client: FlaskClient, method: str, verb: str) -> None:
+    # Before: a KServe V1 client's POST /v1/models/colour:predict was a 405 saying the path takes GET, and the GET
+    # was a 404 for a model named "colour:predict" (a KServe trial)
+    response = getattr(client, method)(f"/v1/models/colour:{verb}", json={"instances": [[1, 2, 3]]})
+    error = error_of(response, 404, "not_found")
+    assert error["message"] == ("KServe's V1 protocol is not served here: POST /v2/models/colour/infer (the Open "
+                                "Inference Protocol, KServe V2) or POST /predict (docs/api.md)")
+    assert "Allow" not in response.headers
+    error_of(client.post("/v1/models/colour"), 405, "method_not_allowed")  # any other path as before
+
+
 @pytest.mark.parametrize("path, said", [
     ("/predict/", "no such path: /predict/ (without the trailing slash: /predict); the routes are in /openapi.json "
                   "(and /docs)"),

@@ -267,6 +267,25 @@ def test_v2_infer_documents_every_status_predict_does_but_its_json_schema_s(docu
         assert set(document["paths"][path]["post"]["responses"]) == predict, path
 
 
+@pytest.mark.parametrize("schema, field, where", [
+    ("InferRequest", "output", lambda body: body), ("InferInput", "mask", lambda body: body["inputs"][0]),
+    ("RequestedOutput", "binary", lambda body: body["outputs"][0])])
+def test_the_v2_request_schemas_refuse_what_the_server_refuses_and_take_what_it_takes(
+        client: FlaskClient, document: dict[str, Any], schema: str, field: str, where: Any) -> None:
+    # Before: no additionalProperties in them, model_name and model_version left out: a client generated from the
+    # document took an unknown field for one allowed, which the server refuses (a raw V2 client's trial)
+    schemas = document["components"]["schemas"]
+    assert schemas[schema]["additionalProperties"] is False
+    assert {"model_name", "model_version"} <= set(schemas["InferRequest"]["properties"])
+    body = {"inputs": [{"name": "images", "datatype": "BYTES", "shape": [1],
+                        "data": [base64.b64encode(image_bytes(RED)).decode()]}],
+            "outputs": [{"name": "probabilities"}], "model_name": "colour", "model_version": "test"}
+    assert client.post("/v2/models/colour/infer", json=body).status_code == 200
+    where(body)[field] = 1
+    answer = client.post("/v2/models/colour/infer", json=body)
+    assert answer.status_code == 400 and f"unknown field {field!r}" in answer.get_json()["error"]
+
+
 def test_a_response_that_strays_from_its_schema_fails_the_check(client: FlaskClient,
                                                                  document: dict[str, Any]) -> None:
     response = client.get("/v1/models")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import base64
+import io
 import json
 import struct
 import threading
@@ -285,8 +286,68 @@ def test_a_binary_body_without_its_header_length_says_which_header_names_it(clie
                                               "parameters": {"binary_data_size": 9}}]}, b"\x05\x00\x00\x00abcde")
     del headers["Inference-Header-Content-Length"]
     message = _v2_error(client.post(INFER, data=body, headers=headers), 400)
-    assert message.startswith("the inference request header is not valid JSON: trailing characters")
+    assert message.startswith("the inference request is not valid JSON: trailing characters")
     assert message.endswith("names its JSON header's length in bytes in the Inference-Header-Content-Length header)")
+
+
+@pytest.mark.parametrize("off_by", [5, -5])
+def test_a_header_length_that_cuts_or_runs_past_the_json_says_it_must_be_the_json_s_exact_length(
+        client: FlaskClient, off_by: int) -> None:
+    # Before: the JSON parser's words alone ("trailing characters ...", "EOF while parsing ...") about "the inference
+    # request header" (a raw V2 client's trial: the commoner mistake is a length given and wrong)
+    body, headers = _binary_body({"inputs": [{"name": "images", "datatype": "BYTES", "shape": [1],
+                                              "parameters": {"binary_data_size": 9}}]}, b"\x05\x00\x00\x00abcde")
+    length = int(headers["Inference-Header-Content-Length"]) + off_by
+    headers["Inference-Header-Content-Length"] = str(length)
+    message = _v2_error(client.post(INFER, data=body, headers=headers), 400)
+    assert message.startswith(f"the inference request's JSON header (its first {length} bytes: "
+                              "Inference-Header-Content-Length) is not valid JSON: "), message
+    assert message.endswith("(Inference-Header-Content-Length must be the JSON header's exact length in bytes, the "
+                            "binary tensor data after it)")
+    # a JSON body without the header: no header named
+    assert _v2_error(client.post(INFER, data=b'{"inputs": [', content_type="application/json"), 400).startswith(
+        "the inference request is not valid JSON: ")
+
+
+@pytest.mark.parametrize("form", ["multipart", "urlencoded"])
+def test_a_form_posted_to_infer_is_415_pointing_at_predict(client: FlaskClient, form: str) -> None:
+    # Before: 400 "the inference request header is not valid JSON: invalid number at line 1 column 2" for the
+    # multipart form /predict takes (curl -F image=@cat.jpg), as for a urlencoded one
+    data = {"image": (io.BytesIO(image_bytes(RED)), "red.png")} if form == "multipart" else {"a": "b"}
+    message = _v2_error(client.post(INFER, data=data), 415)
+    assert message.startswith("the body is a form (multipart/form-data" if form == "multipart"
+                              else "the body is a form (application/x-www-form-urlencoded)"), message
+    assert message.endswith("or POST the form to /predict")
+
+
+@pytest.mark.parametrize("where", ["input", "output", "request"])
+def test_shared_memory_parameters_are_refused_naming_the_extension(client: FlaskClient, where: str) -> None:
+    # Before: an output's region was ignored (the data answered in the body while a Triton client read its region),
+    # an input's read as an empty body's ("needs 150528 values, more than a 160 byte body holds")
+    region = {"shared_memory_region": "o0", "shared_memory_byte_size": 4000}
+    body: dict[str, Any] = {"inputs": [_PIXELS]}
+    if where == "input":
+        body["inputs"] = [{**{k: v for k, v in _PIXELS.items() if k != "data"}, "parameters": region}]
+    elif where == "output":
+        body["outputs"] = [{"name": "probabilities", "parameters": region}]
+    else:
+        body["parameters"] = region
+    message = _v2_error(client.post(INFER, json=body), 400)
+    assert ("parameters.shared_memory_region: Triton's shared memory extension is not served here; send tensors in "
+            "the request body (binary_tensor_data) and read them in the answer's") in message, message
+
+
+def test_a_second_input_or_one_twice_or_one_without_a_name_is_named(client: FlaskClient) -> None:
+    # Before: "send exactly one input ..." for an extra input and for the same one twice alike, and "unknown input ''"
+    # for one without a name
+    image = _bytes_input(image_bytes(RED))
+    twice = _v2_error(client.post(INFER, json={"inputs": [image, image]}), 400)
+    assert twice == "input 'images' twice: send exactly one input, 'images' (BYTES) or 'pixels' (FP32)"
+    extra = {"name": "mask", "datatype": "BYTES", "shape": [1], "data": ["aGVsbG8="]}
+    assert _v2_error(client.post(INFER, json={"inputs": [image, extra]}), 400).startswith("a second input, 'mask': ")
+    unnamed = {k: v for k, v in image.items() if k != "name"}
+    assert _v2_error(client.post(INFER, json={"inputs": [unnamed]}), 400) == (
+        "input 1 needs its 'name', a string, got null")
 
 
 def test_not_ready_is_503_in_the_protocol_shape(client: FlaskClient, service: Service) -> None:
@@ -346,13 +407,13 @@ def test_one_output_asked_twice_comes_back_as_each_entry_asked(client: FlaskClie
 ])
 def test_binary_flags_must_be_json_booleans(client: FlaskClient, where: str, value: Any) -> None:
     # Before: bool(params.get("binary_data")) read the string "false" as true, and the client that asked for JSON
-    # got binary it could not read.
+    # got binary it could not read. The value as JSON writes it (before: Python's, 'false' and True).
     if where == "output":
         body = {"inputs": [_PIXELS], "outputs": [{"name": "probabilities", "parameters": {"binary_data": value}}]}
-        expected = f"output 'probabilities': parameters.binary_data must be true or false, got {value!r}"
+        expected = f"output 'probabilities': parameters.binary_data must be true or false, got {json.dumps(value)}"
     else:
         body = {"inputs": [_PIXELS], "parameters": {"binary_data_output": value}}
-        expected = f"the request: parameters.binary_data_output must be true or false, got {value!r}"
+        expected = f"the request: parameters.binary_data_output must be true or false, got {json.dumps(value)}"
     assert _v2_error(client.post(INFER, json=body), 400) == expected
 
 
@@ -533,3 +594,12 @@ def test_an_empty_outputs_list_answers_the_default_output_as_triton_does(client:
     assert answer.status_code == 200, answer.get_data(as_text=True)
     (output,) = answer.get_json()["outputs"]
     assert output["name"] == "probabilities" and np.argmax(output["data"]) == 0
+
+
+def test_later_refused_images_are_each_said_in_the_protocol_s_one_message(client: FlaskClient) -> None:
+    # Before: "...; also refused: image 2, image 3 (details' also_refused)", details the protocol's error shape does
+    # not have (a raw V2 client's trial): their reasons could not be read
+    images = [image_bytes(RED), b"nope", b"", b"also not"]
+    message = _v2_error(client.post(INFER, json={"inputs": [_bytes_input(*images)]}), 400)
+    assert message == ("image 1: the data is not an image in a format we can read; image 2: the image is empty "
+                       "(0 bytes); image 3: the data is not an image in a format we can read"), message
