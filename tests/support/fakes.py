@@ -99,12 +99,18 @@ def infer(service: Service, images: Sequence[bytes] = (), tensors: Sequence[torc
                           arrived=arrived)
 
 
+WAIT_POLL_MAX_S = 0.02  # a long wait's polls: a condition that asks a server is a request each time
+
+
 def wait_until(condition: Callable[[], bool], timeout: float = 10) -> None:
-    """Poll ``condition`` until it holds; fail the test after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
+    """Poll ``condition`` until it holds, every millisecond at first and less often as the wait goes on (at most
+    every WAIT_POLL_MAX_S: a wait of seconds polling every millisecond kept a core busy, the suite's CPU being what
+    bounds its time); fail the test after ``timeout`` seconds."""
+    deadline, pause = time.monotonic() + timeout, 0.001
     while not condition():
         assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.001)
+        time.sleep(pause)
+        pause = min(pause * 1.5, WAIT_POLL_MAX_S)
 
 
 @contextlib.contextmanager
