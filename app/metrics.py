@@ -73,8 +73,8 @@ STAGE_CPU_SECONDS = Counter("visionserve_stage_cpu_seconds", "CPU seconds of the
                             "collate, forward pass, monitor) and forward (the forward pass alone, a part of "
                             "inference)", ["stage"])
 BATCH_SIZE = Histogram("visionserve_batch_size", "Images per forward pass", buckets=_BATCH_BUCKETS)
-QUEUE_DEPTH = Gauge("visionserve_queue_depth", "Images waiting for the inference worker", ["model", "version"],
-                    multiprocess_mode="livesum")
+QUEUE_DEPTH = Gauge("visionserve_queue_depth", "Images waiting for the inference worker (told at most 0.1 s apart "
+                    "while images come, and 0 once its batches end)", ["model", "version"], multiprocess_mode="livesum")
 PROBES = Counter("visionserve_probe_requests_total", "Health probes, scrapes and API-description requests, "
                  "counted apart from traffic", ["endpoint", "status"])
 PREFLIGHTS = Counter("visionserve_cors_preflights_total", "CORS preflights (OPTIONS answered before any route, "
@@ -416,8 +416,8 @@ class MetricsObserver:
         BATCHER_EVENTS.labels(name).inc(count)
 
     def queue_depth(self, depth: int) -> None:
-        """Publish the queue depth (written when it changed: the batcher reports it as it takes a batch when it is 0
-        or none was reported lately, and now and then as items are queued)."""
+        """Publish the queue depth (written when it changed: the batcher reports it when none was reported lately,
+        as items are queued or a batch is taken, and as its batches' figures are settled, 0 once they end)."""
         if self.retired:
             if self._another_copy_serves():
                 return

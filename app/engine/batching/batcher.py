@@ -36,8 +36,10 @@ from app.engine.batching.types import (
 )
 
 log = logging.getLogger(__name__)
-QUEUE_DEPTH_REPORT_S = 0.1  # the depth is told when none was told this long (as a batch is taken, or by a submit), and
-# as a batch taken empties the queue: a saturated queue's depth is a gauge write every 0.1 s, not two every batch
+QUEUE_DEPTH_REPORT_S = 0.1  # the depth is told when none was told this long (as a batch is taken, or by a submit),
+# and as the batches' figures are settled (``_settle_now``: after the last batch of a burst, so an idle queue reads
+# 0): a saturated queue's depth is a gauge write every 0.1 s, not two every batch. (Told each time a batch emptied
+# the queue, it read 0 nearly always while a saturated server's images waited: what an autoscaler reads.)
 BACKGROUND_LOOK_S = 0.01  # with background work waiting, how often an idle worker looks whether requests still arrive
 DEADLINE_SPREADS = 4  # a backlog judged against a deadline at its batches' recent time an image plus this many times
 # their mean deviation an image (as TCP's retransmission timer judges a round trip, RFC 6298), for each image ahead:
@@ -769,8 +771,8 @@ class Batcher(Generic[In, Out]):
             log.exception("counting the items dropped for their deadline failed")
 
     def _report_depth_taken(self, now: float) -> None:
-        """Under the lock, as a batch is taken: the depth told when the queue is empty or was not told lately."""
-        if not self._queue or now - self._depth_reported_at >= QUEUE_DEPTH_REPORT_S:
+        """Under the lock, as a batch is taken: the depth told when it was not told lately."""
+        if now - self._depth_reported_at >= QUEUE_DEPTH_REPORT_S:
             self._report_depth(now)
 
     def _report_depth(self, now: float) -> None:
@@ -891,6 +893,8 @@ class Batcher(Generic[In, Out]):
 
     def _settle_now(self, now: float) -> None:
         self._unsettled, self._settled_at = False, now
+        with self._cond:  # the depth as it is now: the last settle after a burst's batches tells the idle queue's 0
+            self._report_depth(now)
         if self._settle is None:
             return
         try:
