@@ -14,7 +14,7 @@ from PIL import Image
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 from models.export.manifest import MIN_LABELS
-from models.image_decode import DecodeLimits, ImageRefused, check_size, load_upright
+from models.image_decode import DecodeLimits, ImageRefused, load_upright, open_checked
 from models.predict.inputs import folder_files
 from models.presets import IMAGE_FORMATS, ImageTransform, upright_rgb
 from models.run.args import DataError
@@ -94,7 +94,13 @@ def _files(class_dir: Path) -> list[Path]:
     .@__thumb thumbnails, .git) left out and links to folders in it not followed, as models.predict's scan reads a
     class folder (``folder_files``)."""
     return sorted(Path(entry.path) for _, _, files in folder_files(str(class_dir), links=False)
-                  for entry in files if os.path.isfile(entry.path))
+                  for entry in files if os.path.isfile(entry.path) or _broken_link(entry.path))
+
+
+def _broken_link(path: str) -> bool:
+    """A link whose target is gone: listed, so that the scan skips it saying why (as models.predict does), not
+    left out unsaid."""
+    return os.path.islink(path) and not os.path.exists(path)
 
 
 def class_files(root: Path) -> list[Path]:
@@ -122,12 +128,11 @@ def scan_split(root: Path, workers: int = 4) -> Split:
     return Split(root=root, classes=[d.name for d in class_dirs], samples=samples, skipped=skipped)
 
 
-def _refused_size(path: Path) -> str | None:
-    """Why the server refuses the image at ``path`` for its size (its default limits: pixels, aspect ratio), or
-    None."""
+def _refused_by_the_server(path: Path) -> str | None:
+    """Why the server refuses the image at ``path`` from its header (its default limits: pixels, aspect ratio, a
+    progressive JPEG's scans), or None."""
     try:
-        with Image.open(path) as image:
-            check_size(*image.size, SERVED_LIMITS)
+        open_checked(path.read_bytes(), SERVED_LIMITS).close()
     except ImageRefused as exc:
         return f"{exc}: the server refuses it, so validation leaves it out"
     except Exception:  # noqa: BLE001 - read whole by the scan a moment ago: judged there
@@ -136,11 +141,18 @@ def _refused_size(path: Path) -> str | None:
 
 
 def servable_only(split: Split) -> Split:
-    """A validation split without the images the server refuses for their size (added to its skipped ones): they
-    would count in the run's figures and never in what it answers. Training keeps them (a 48-megapixel photo trains
-    as any other: resized, as the server would resize one it took)."""
-    reasons = [_refused_size(path) for path, _ in split.samples]
-    return Split(split.root, split.classes, [sample for sample, why in zip(split.samples, reasons) if why is None],
+    """A validation split without the images the server refuses (for their size, or a progressive JPEG's scans;
+    added to its skipped ones): they would count in the run's figures and never in what it answers; DataError where
+    that leaves a class without an image, as for a class folder with none readable. Training keeps them (a
+    48-megapixel photo trains as any other: resized, as the server would resize one it took)."""
+    reasons = [_refused_by_the_server(path) for path, _ in split.samples]
+    kept = [sample for sample, why in zip(split.samples, reasons) if why is None]
+    left = {index for _, index in kept}
+    empty = [name for index, name in enumerate(split.classes) if index not in left]
+    if empty:
+        raise DataError(f"class folder(s) in {split.root} with no image the server takes (each refused for its size "
+                        f"or its scans: they would never be answered): {', '.join(empty)}")
+    return Split(split.root, split.classes, kept,
                  [*split.skipped, *((path, why) for (path, _), why in zip(split.samples, reasons) if why is not None)])
 
 
