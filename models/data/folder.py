@@ -116,9 +116,9 @@ def scan_split(root: Path, workers: int = 4) -> Split:
     # PIL releases the GIL while decoding, so threads check files in parallel.
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         reasons = list(pool.map(_unreadable_reason, [path for path, _ in candidates]))
-    samples = [sample for sample, reason in zip(candidates, reasons) if reason is None]
+    samples, linked = _one_name_each([sample for sample, reason in zip(candidates, reasons) if reason is None])
     skipped = [*loose_files(root), *((path, reason) for (path, _), reason in zip(candidates, reasons)
-                                     if reason is not None)]
+                                     if reason is not None), *linked]
     counts = [0] * len(class_dirs)
     for _, index in samples:
         counts[index] += 1
@@ -126,6 +126,32 @@ def scan_split(root: Path, workers: int = 4) -> Split:
     if empty:
         raise DataError(f"class folder(s) with no readable images in {root}: {', '.join(empty)}")
     return Split(root=root, classes=[d.name for d in class_dirs], samples=samples, skipped=skipped)
+
+
+def _one_name_each(samples: list[Sample], read: dict[str, Path] | None = None,
+                   why: str = "read once, under that name") -> tuple[list[Sample], list[tuple[Path, str]]]:
+    """``samples`` with each file reached under several names (links) kept under its own name (else its first link,
+    in class and path order), the others skipped saying which file they are: a file linked into another class would train under two
+    labels, and one linked across a hold-out would be validated on after training on it; ``read``: files (by real
+    path) already taken elsewhere, whose names here are all skipped."""
+    seen, kept, skipped = dict(read or {}), [], []
+    # a file under its own name before the links to it (those in an earlier class too), each in order
+    for path, index in sorted(samples, key=lambda sample: os.path.islink(sample[0])):
+        first = seen.setdefault(os.path.realpath(path), path)
+        if first == path:
+            kept.append((path, index))
+        else:
+            skipped.append((path, f"the same file as {first} (a link): {why}"))
+    order = {sample: place for place, sample in enumerate(samples)}
+    return sorted(kept, key=order.__getitem__), skipped
+
+
+def without_trained(val: Split, train: Split) -> Split:
+    """A validation split without the files its training split reads too, under any name (links): validation
+    never scores what training read."""
+    kept, skipped = _one_name_each(val.samples, {os.path.realpath(path): path for path, _ in train.samples},
+                                   "training reads it, so validation leaves it out")
+    return Split(val.root, val.classes, kept, [*val.skipped, *skipped])
 
 
 def _refused_by_the_server(path: Path) -> str | None:

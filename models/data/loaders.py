@@ -20,6 +20,7 @@ from models.data.folder import (
     scan_split,
     servable_only,
     split_holdout,
+    without_trained,
 )
 from models.data.gpu import DeviceAugment, EncodedFolder, Prepare, ToDevice, collate
 from models.presets import EvalPreset, ServedEvalTransform
@@ -135,7 +136,8 @@ def _check_laid_out(data: Path) -> None:
 def load_data(args: argparse.Namespace, preset: EvalPreset, env: DistEnv, device: torch.device) -> Data:
     """Check both splits, then build sharded loaders (every rank scans: the result is the same everywhere)."""
     train_split, val_split = splits(args)
-    val_split = servable_only(val_split)  # what the server refuses for its size is no validation of what it answers
+    # what training reads under another name, or what the server refuses, is no validation of what it answers
+    val_split = servable_only(without_trained(val_split, train_split))
     skipped = [*train_split.skipped, *val_split.skipped]
     if skipped and env.is_main:  # once, by rank 0: every rank scans alike
         for path, reason in skipped:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from PIL import Image
 from models import train
 from tests.training.test_training import _stopped_in_its_second_epoch
 from models.architectures import ARCHS
-from models.data.folder import DataError, scan_split, servable_only
+from models.data.folder import DataError, scan_split, servable_only, split_holdout, without_trained
 from models.data.loaders import load_data
 from models.export.__main__ import main as export_main
 from models.export.manifest import read_manifest
@@ -418,6 +419,26 @@ def test_a_link_whose_target_is_gone_is_skipped_saying_so(tmp_path: Path) -> Non
     reasons = dict(scan_split(data / "train").skipped)
     assert list(reasons) == [data / "train" / "red" / "gone.jpg"]
     assert reasons[data / "train" / "red" / "gone.jpg"].startswith("FileNotFoundError: ")
+
+
+def test_a_file_under_two_names_is_read_once_and_never_on_both_sides(tmp_path: Path) -> None:
+    # Before: a link and its target were two images: split by their names, one could be held out while the other
+    # trained (a messy-data trial: held_out.txt listed a link to a trained file), a val/ link into train/ was
+    # validated on, and a link into another class trained the file under two labels
+    data = write_image_folder(tmp_path / "data", train_per_class=4, val_per_class=2)
+    red = sorted((data / "train" / "red").iterdir())
+    (data / "train" / "red" / "zz-again.png").symlink_to(red[0])
+    (data / "train" / "blue" / "zz-red.png").symlink_to(red[1])
+    (data / "val" / "red" / "zz-trained.png").symlink_to(red[2])
+    train_split = scan_split(data / "train")
+    assert dict(train_split.skipped) == {
+        data / "train" / "blue" / "zz-red.png": f"the same file as {red[1]} (a link): read once, under that name",
+        data / "train" / "red" / "zz-again.png": f"the same file as {red[0]} (a link): read once, under that name"}
+    val = without_trained(scan_split(data / "val"), train_split)
+    assert dict(val.skipped) == {data / "val" / "red" / "zz-trained.png": (
+        f"the same file as {red[2]} (a link): training reads it, so validation leaves it out")}
+    held, trained = split_holdout(scan_split(data / "train"), 0.5, seed=0)  # one folder held out in part
+    assert not {os.path.realpath(p) for p, _ in held.samples} & {os.path.realpath(p) for p, _ in trained.samples}
 
 
 def test_validation_decodes_a_large_jpeg_as_the_server_does(tmp_path: Path) -> None:
