@@ -188,6 +188,12 @@ def check_same_classes(train: Split, val: Split) -> None:
         return
     only_train = sorted(set(train.classes) - set(val.classes))
     only_val = sorted(set(val.classes) - set(train.classes))
+    forms = sorted(name for name in only_train
+                   if unicodedata.normalize("NFC", name) in {unicodedata.normalize("NFC", v) for v in only_val})
+    if forms:  # (as one split's two folders of one name are told: the same text, so the lists alone read alike)
+        raise DataError(f"train and val name class(es) {forms} in two Unicode forms (an accent composed in one, "
+                        "decomposed in the other, as macOS's file names have it): rename one split's folders so both "
+                        "write them alike")
     raise DataError(f"train and val have different classes: only in train: {only_train or '-'}; "
                     f"only in val: {only_val or '-'}")
 

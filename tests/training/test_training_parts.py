@@ -14,7 +14,7 @@ from models.run.checkpoint import (BEST_NAME, CHECKPOINT_NAME, Best, CheckpointW
                                    remeasured_best)
 from demo_data.small_sets import write_digits, write_textures
 from models.run.distributed import DistEnv, pick_device
-from models.data.folder import EpochSampler, FolderDataset, ShardSampler, scan_split
+from models.data.folder import EpochSampler, FolderDataset, ShardSampler, check_same_classes, scan_split
 from models.run.optim import build_trainable, make_optimizer, set_train_mode
 from models.plot import main as plot_main
 from models.presets import EvalPreset
@@ -207,6 +207,12 @@ def test_class_names_in_two_unicode_forms_are_refused_and_loose_files_are_said(t
     assert [(path.name, why) for path, why in split.skipped] == [
         ("stray.png", f"in no class folder: training reads {data / 'val'}/<class name>/<images>")]
     assert stray not in [path for path, _ in split.samples]
+    # one form in train/, the other in val/ (a val/ copied from a Mac): told as such (before: "only in train:
+    # ['café']; only in val: ['café']", the two lists alike to the eye; a messy-data trial)
+    (data / "train" / "red").rename(data / "train" / "caf\u00e9")
+    (data / "val" / "red").rename(data / "val" / "cafe\u0301")
+    with pytest.raises(DataError, match=r"train and val name class\(es\) \['café'\] in two Unicode forms"):
+        check_same_classes(scan_split(data / "train"), scan_split(data / "val"))
 
 
 def test_metrics_file_keeps_the_last_row_per_epoch_and_plots(tmp_path: Path) -> None:
