@@ -41,6 +41,8 @@ def _row(metric: MetricWrapperBase) -> str:
     labels = ", ".join(f"`{label}`" for label in metric._labelnames) or "-"
     merged = getattr(metric, "_multiprocess_mode", "-") if metric._type == "gauge" else "sum"
     meaning = " ".join(metric._documentation.split()).replace("|", "\\|")
+    if metric._type == "histogram":  # where a quantile can fall: histogram_quantile interpolates between these
+        meaning += f". Buckets (`le`): {', '.join(f'{bound:g}' for bound in metric._upper_bounds[:-1])}"
     return f"| `{name}` | {metric._type} | {labels} | {merged} | {meaning} |"
 
 

@@ -316,6 +316,9 @@ def test_metrics_doc_is_generated_from_the_metrics() -> None:
         "docs/metrics.md is out of date: run `python -m app.metricsdoc`"
     assert metricsdoc.main(["--check"]) == 0
     assert len(metricsdoc.declared()) == metricsdoc.render().count("\n| `visionserve_")
+    # a histogram's buckets said (a p99 objective between two is read by interpolation: a capacity planner's trial)
+    assert "Buckets (`le`): 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30 |" in \
+        metricsdoc.render().split("visionserve_request_duration_seconds")[1].splitlines()[0]
 
 
 def test_configuration_doc_is_generated_from_the_settings() -> None:
