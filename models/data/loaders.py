@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -145,6 +146,8 @@ def load_data(args: argparse.Namespace, preset: EvalPreset, env: DistEnv, device
         log.warning("skipped %d file(s): unreadable, refused by the server or in no class folder; training on %d, "
                     "validating on %d",
                     len(skipped), len(train_split.samples), len(val_split.samples))
+    if env.is_main:
+        _say_class_counts(train_split, val_split)
     _say_batch_over_the_data(args, len(train_split.samples), env)
     train_set, collate_fn, prepare = _train_set(args, train_split, preset, device)
     # Validation decodes and preprocesses as the server does on the CPU (a large JPEG at reduced scale, the tensor
@@ -166,6 +169,26 @@ def load_data(args: argparse.Namespace, preset: EvalPreset, env: DistEnv, device
                      sampler=ShardSampler(len(val_set), env.rank, env.world_size),
                      generator=torch.Generator().manual_seed(args.seed), **workers)
     return Data(train, val, sampler, train_split.classes, [path for path, _ in val_split.samples], prepare)
+
+
+CLASS_COUNTS_SHOWN = 20  # classes named with their counts in training's first lines; more: the fewest of them
+FEW_TIMES_FEWER = 10  # a class with this many times fewer training images than the largest is warned of
+
+
+def _say_class_counts(train: Split, val: Split) -> None:
+    """Each class's images, trained on and validated on (the fewest first past CLASS_COUNTS_SHOWN), and a warning
+    for a class FEW_TIMES_FEWER times smaller than the largest: the model learns to seldom answer it."""
+    trained, validated = Counter(index for _, index in train.samples), Counter(index for _, index in val.samples)
+    order = sorted(range(len(train.classes)), key=lambda i: (trained[i], train.classes[i]))
+    shown = order if len(order) <= CLASS_COUNTS_SHOWN else order[:CLASS_COUNTS_SHOWN]
+    more = f", and {len(order) - len(shown)} more classes" if len(shown) < len(order) else ""
+    log.info("images a class (trained on / validated on), fewest first: %s%s",
+             ", ".join(f"{train.classes[i]} {trained[i]}/{validated[i]}" for i in shown), more)
+    fewest, most = order[0], order[-1]
+    if trained[fewest] * FEW_TIMES_FEWER <= trained[most]:
+        log.warning("class %s has %d training image(s) against %d for %s: a model trained on so few seldom answers it; "
+                    "add images to it", train.classes[fewest], trained[fewest], trained[most],
+                    train.classes[most])
 
 
 def _train_set(args: argparse.Namespace, split: Split, preset: EvalPreset,
