@@ -144,13 +144,13 @@ def _input_check(call: CallFace, max_images: int) -> InputCheck:
     MAX_IMAGES (413), so a refused request costs no decode (N tiny elements would each be cut, or decoded from
     base64, before Call.infer counted them). Pixels in a call that cannot take them (a canary of another input)
     raise PixelsForTheDefault before anything is decoded."""
-    model, first = call.model, []
+    model, names_sent = call.model, []
 
     def check(index: int, name: str, datatype: str, shape: list[int]) -> None:
         if index:
-            sent = f"input {name!r} twice" if name in first else f"a second input, {name!r}"
+            sent = f"input {name!r} twice" if name in names_sent else f"a second input, {name!r}"
             raise BadRequest(f"{sent}: send exactly one input, {IMAGES_INPUT!r} (BYTES) or {PIXELS_INPUT!r} (FP32)")
-        first.append(name)
+        names_sent.append(name)
         if not shape:  # a scalar: no batch dimension to count its images by
             raise BadRequest(f"input {name!r} has shape [] (a scalar): its first dimension counts its images, "
                              f"[1] for one")
