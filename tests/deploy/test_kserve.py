@@ -77,6 +77,19 @@ def test_the_inference_service_uses_the_runtime_with_a_gpu_and_the_mounted_expor
     assert predictor["tolerations"] == k8s["spec"]["template"]["spec"]["tolerations"]
 
 
+def test_the_runtime_serves_a_cpu_inference_service_and_the_gpu_one_computes_in_half_precision() -> None:
+    # Before: the runtime set VISIONSERVE_DTYPE=float16, so an InferenceService without a GPU crash-looped (exit 3,
+    # "float16 needs a CUDA device"; a KServe trial): the dtype belongs to the InferenceService that asks for the GPU
+    from app.config import DeviceSettings, dtype_fits_device
+
+    runtime_env = {e["name"]: e.get("value") for e in _manifest("ServingRuntime")["spec"]["containers"][0]["env"]}
+    dtype = runtime_env.get("VISIONSERVE_DTYPE", DeviceSettings.model_fields["dtype"].default)
+    assert dtype_fits_device(dtype, "cpu") is None and dtype_fits_device(dtype, "cuda") is None
+    model = _manifest("InferenceService")["spec"]["predictor"]["model"]
+    assert {"name": "VISIONSERVE_DTYPE", "value": "float16"} in model["env"]
+    assert model["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+
 def test_a_pod_outlives_the_graceful_timeout_which_outlives_a_request_s_deadline() -> None:
     # Before: GRACEFUL_TIMEOUT_S 30, the default deadline, and Kubernetes' default grace of 30 s, which the drain
     # (SHUTDOWN_DRAIN_S, inside the graceful timeout) and the last requests' deadlines outlasted: SIGKILL mid-request
