@@ -130,10 +130,10 @@ def scan_split(root: Path, workers: int = 4) -> Split:
 
 def _one_name_each(samples: list[Sample], read: dict[str, Path] | None = None,
                    why: str = "read once, under that name") -> tuple[list[Sample], list[tuple[Path, str]]]:
-    """``samples`` with each file reached under several names (links) kept under its own name (else its first link,
-    in class and path order), the others skipped saying which file they are: a file linked into another class would train under two
-    labels, and one linked across a hold-out would be validated on after training on it; ``read``: files (by real
-    path) already taken elsewhere, whose names here are all skipped."""
+    """``samples`` with each file reached under several names (links) kept under its own name (else its first
+    link, in class and path order), the others skipped saying which file they are: a file linked into another class
+    would train under two labels, and one linked across a hold-out would be validated on after training on it;
+    ``read``: files (by real path) already taken elsewhere, whose names here are all skipped."""
     seen, kept, skipped = dict(read or {}), [], []
     # a file under its own name before the links to it (those in an earlier class too), each in order
     for path, index in sorted(samples, key=lambda sample: os.path.islink(sample[0])):
