@@ -45,6 +45,7 @@ def same_arch(first: str, second: str) -> bool:
     ``torchvision:mobilenet_v3_small``), or the same name."""
     return _LIBRARY_NAMES.get(first, first) == _LIBRARY_NAMES.get(second, second)
 
+
 ARCHS: tuple[str, ...] = tuple(sorted(_LIBRARY_NAMES))
 # Any other model of the two libraries, for weights trained elsewhere (models.export --state-dict): by its own name
 LIBRARIES: dict[str, Callable[[str], Callable[[int], nn.Module]]] = {"timm": _timm, "torchvision": _torchvision}
