@@ -6,7 +6,6 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from timm.data import ImageNetInfo
 
 from models.architectures import build_model
 from models.presets import EvalPreset, lite0_preset
@@ -60,6 +59,10 @@ def load_lite0_imagenet() -> nn.Module:
 
 def imagenet_labels() -> list[str]:
     """The 1000 ImageNet-1k class names in index order (the first synonym of each WordNet description)."""
+    # imported here: timm registers every model it has (about 1 s of CPU on the 2-core VM beyond torchvision's
+    # import), which a training of a torchvision architecture does not need
+    from timm.data import ImageNetInfo
+
     info = ImageNetInfo()
     return [info.index_to_description(i).split(",")[0].strip() for i in range(info.num_classes())]
 

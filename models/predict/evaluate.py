@@ -15,6 +15,7 @@ import io
 import json
 import os
 import shlex
+import unicodedata
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -45,6 +46,13 @@ def check_labels(truths: dict[str, str], classes: Sequence[str], split: Path | N
     if split is not None and {"train", split.name} & set(unknown):
         raise DataError(f"--labels {split.parent} holds the training splits train/ and val/, not <class>/ folders: "
                         f"evaluate on the split training held out, --data {split} --labels {split}")
+    known = {unicodedata.normalize("NFC", name): name for name in classes}
+    forms = [name for name in unknown if unicodedata.normalize("NFC", name) in known]
+    if forms:  # the same text as one of the model's class names: the lists alone would read alike
+        pairs = ", ".join(f"{name!r} (the model's {known[unicodedata.normalize('NFC', name)]!r})" for name in forms)
+        raise DataError(f"--labels names class(es) {pairs} in another Unicode form than the model's (an accent "
+                        "decomposed in one, composed in the other, as macOS's file names have it): rename the label "
+                        "folders (or the CSV's labels) so both write them alike")
     if unknown:
         shown = ", ".join(unknown[:10]) + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else "")
         raise DataError(f"--labels names classes the model does not have: {shown}")

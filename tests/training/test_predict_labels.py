@@ -11,7 +11,8 @@ import pytest
 from harness.photos import jpeg, photo
 from models.export.manifest import TrainedOn
 from models.predict.__main__ import main
-from models.predict.evaluate import trained_count
+from models.predict.evaluate import check_labels, trained_count
+from models.run.args import DataError
 from models.run.report import write_held_out
 from tests.support.fakes import export_tiny
 
@@ -142,3 +143,15 @@ def test_a_manifest_without_trained_on_is_written_without_the_field(tmp_path: Pa
     trained = manifest.model_copy(update={"trained_on": TrainedOn(folder=str(tmp_path / "data"))})
     write_manifest(tmp_path, trained)
     assert read_manifest(tmp_path).trained_on == trained.trained_on
+
+
+def test_labels_naming_a_class_in_another_unicode_form_say_so() -> None:
+    # Before: "--labels names classes the model does not have: café", the model's own "café" written composed
+    # (a label folder copied from macOS holds it decomposed): the two read alike (a messy-data trial)
+    composed, decomposed = "caf\u00e9", "cafe\u0301"
+    with pytest.raises(DataError, match="another Unicode form than the model's") as raised:
+        check_labels({"a.jpg": decomposed, "b.jpg": "tea"}, [composed, "tea"])
+    assert repr(composed) in str(raised.value) and repr(decomposed) in str(raised.value)
+    with pytest.raises(DataError, match="does not have: juice"):  # a class truly missing is said as before
+        check_labels({"a.jpg": "juice"}, [composed, "tea"])
+    check_labels({"a.jpg": composed}, [composed, "tea"])  # the same form: known
