@@ -1232,3 +1232,27 @@ def test_a_version_whose_model_ends_in_softmax_is_refused_saying_so(settings: Se
         assert infer(service, [image_bytes(RED)]).version == "1"
     finally:
         service.shutdown(timeout=5)
+
+
+def test_a_policy_json_edited_after_a_call_ends_the_calls_hold_even_when_put_back_as_it_was(
+        settings: Settings, repository: FakeRepository, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: the call's default came back once the file read as the call had found it again (an operator's typo,
+    # then the fix: the file said 1, the server served 2; a multi-model operator's trial)
+    repository.add("colour", "2")
+    repository.policies["colour"] = {"version_policy": {"all": {}}, "default_version": "1"}
+    service = _service(settings, repository)
+    try:
+        service.catalog.load("colour", {"default_version": "2"})
+        service.controller.writers.poll()
+        assert _ask(service) == "2"  # the call holds over the file it was given over
+        repository.policies["colour"] = {"version_policy": {"all": {}}, "default_version": "9"}  # a typo
+        with caplog.at_level(logging.WARNING):
+            service.controller.writers.poll()
+        assert "'9'" in caplog.text and _ask(service) == "2"  # refused: what serves keeps serving
+        repository.policies["colour"] = {"version_policy": {"all": {}}, "default_version": "1"}  # fixed
+        service.controller.writers.poll()
+        assert _ask(service) == "1" and service.catalog.serving()["colour"]["default"] == "1"
+        service.controller.writers.poll()
+        assert _ask(service) == "1"
+    finally:
+        service.shutdown(timeout=5)

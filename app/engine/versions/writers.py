@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 from app.config import Settings
 from app.engine.rollouts.entry import UNLOADED, ModelEntry, is_unloaded, unloaded
@@ -193,8 +193,8 @@ class Writers:
         self.sync.wait_for_workers(generation, name)
 
     def poll(self) -> None:
-        """The repository poll: each followed model as its policy (and a load call's config, while its policy.json
-        is as the call found it) picks among the versions that load now (a refused one is skipped until its
+        """The repository poll: each followed model as its policy (and a load call's config, until its policy.json
+        is seen to differ from what the call found) picks among the versions that load now (a refused one is skipped until its
         manifest changes; a model that left the repository is no longer wanted), applied here, then written for
         the other workers. Refusals are logged once and remembered, never raised or written."""
         with self.applier.changing():
@@ -206,6 +206,8 @@ class Writers:
                 if is_unloaded(current):
                     continue  # unloaded by a call: stays so until a load call
                 try:
+                    if (ended := self._call_hold_ended(name, current)) is not None:
+                        changes[name] = current = ended  # (what it serves unchanged: nothing to apply here)
                     if not (available := self.source.versions(name)):
                         self.applier.apply(name, UNLOADED)
                         changes[name] = None
@@ -327,6 +329,20 @@ class Writers:
         if entry is None or entry.get("config") is None:
             return None
         return entry["config"] if entry.get("policy_file") == self._policy_file(name) else None
+
+    def _call_hold_ended(self, name: str, entry: ModelEntry | None) -> ModelEntry | None:
+        """``entry`` without its load call's config once the model's policy.json is no longer what the call found
+        (another file, or one that cannot be read): a change ends the call's hold for good, even where the new file
+        cannot be served (before: an edit's mistake, then the file put back as it was, brought the call's default
+        back over the file the operator had just fixed; a multi-model operator's trial). None while it holds."""
+        if entry is None or entry.get("config") is None:
+            return None
+        try:
+            if entry.get("policy_file") == self.source.policy(name):
+                return None
+        except (PolicyError, OSError, ModelLoadError):
+            pass  # being edited, or broken: changed all the same
+        return cast(ModelEntry, {key: value for key, value in entry.items() if key not in ("config", "policy_file")})
 
     def _policy_file(self, name: str) -> dict[str, Any] | None:
         """``name``'s policy.json; BadRequest when it (or a single export's manifest) cannot be read (the poll says
