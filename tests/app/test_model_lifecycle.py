@@ -1256,3 +1256,21 @@ def test_a_policy_json_edited_after_a_call_ends_the_calls_hold_even_when_put_bac
         assert _ask(service) == "1"
     finally:
         service.shutdown(timeout=5)
+
+
+def test_a_model_whose_folder_leaves_the_repository_is_unloaded_saying_why(
+        settings: Settings, repository: FakeRepository, caplog: pytest.LogCaptureFixture) -> None:
+    # Before: only "unloaded other", the line an unload call writes too (a multi-model operator's trial)
+    repository.add("other", "1")
+    service = _service(settings, repository)
+    try:
+        del repository.held["other"]
+        with caplog.at_level(logging.INFO):
+            service.controller.writers.poll()
+            service.controller.writers.poll()
+        assert "other" not in service.catalog.serving() and _ask(service) == "1"
+        said = [r.getMessage() for r in caplog.records if "no version in the repository" in r.getMessage()]
+        assert said == ["other has no version in the repository any more (its folder was removed, or holds no "
+                        "export): unloading it"]  # once, not at every poll
+    finally:
+        service.shutdown(timeout=5)

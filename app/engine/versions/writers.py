@@ -209,6 +209,9 @@ class Writers:
                     if (ended := self._call_hold_ended(name, current)) is not None:
                         changes[name] = current = ended  # (what it serves unchanged: nothing to apply here)
                     if not (available := self.source.versions(name)):
+                        if name in self.applier.routes.routes():  # (the apply's own line says only "unloaded")
+                            log.warning("%s has no version in the repository any more (its folder was removed, or "
+                                        "holds no export): unloading it", name)
                         self.applier.apply(name, UNLOADED)
                         changes[name] = None
                     elif (why := self._refused_here(name, current, available)) is not None:
