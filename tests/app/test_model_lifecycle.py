@@ -1274,3 +1274,43 @@ def test_a_model_whose_folder_leaves_the_repository_is_unloaded_saying_why(
                         "export): unloading it"]  # once, not at every poll
     finally:
         service.shutdown(timeout=5)
+
+
+@pytest.mark.parametrize("named, said", [(None, "serving 2 models (colour, other) and none is the default: a request "
+                                                "that names no model is answered 400"),
+                                         ("other", "serving 2 models (colour, other); requests that name none get "
+                                                   "other")])
+def test_the_start_says_which_model_requests_naming_none_get(settings: Settings, repository: FakeRepository,
+                                                             caplog: pytest.LogCaptureFixture, named: str | None,
+                                                             said: str) -> None:
+    # Before: nothing, until the first request naming no model was answered 400 (a multi-model operator's trial)
+    repository.add("other", "1")
+    repository.default = named
+    with caplog.at_level(logging.INFO):
+        service = _service(settings, repository)
+    service.shutdown(timeout=5)
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("serving 2 models")][0].startswith(said)
+
+
+def test_a_request_for_an_unloaded_model_is_told_why_and_what_serves_it_again(settings: Settings,
+                                                                             repository: FakeRepository) -> None:
+    # Before: "no model 'other' is loaded; this server serves ...", word for word a misspelt name's answer (a
+    # multi-model operator's trial)
+    repository.add("other", "1")
+    repository.default = "colour"
+    service = _service(settings, repository)
+    try:
+        service.catalog.unload("other")
+        with pytest.raises(NotFound, match=r"no model 'other' is loaded: unloaded by a call \(POST "
+                                           r"/v2/repository/models/other/load serves it again\); this server serves"):
+            _ask(service, "other")
+        with pytest.raises(NotFound, match=r"no model 'othr' is loaded; this server serves"):
+            _ask(service, "othr")
+        service.catalog.load("other")
+        assert _ask(service, "other") == "1"
+        del repository.held["other"]
+        service.controller.writers.poll()
+        with pytest.raises(NotFound, match="'other' is loaded: it has no version in the repository any more;"):
+            _ask(service, "other")
+    finally:
+        service.shutdown(timeout=5)

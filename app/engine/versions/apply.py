@@ -41,6 +41,12 @@ from app.metrics import ROLLOUT_CANDIDATE_REFUSED, ROLLOUT_ROLE, show_gpu_memory
 from models.export.checks import ModelLoadError, resolve_device
 
 log = logging.getLogger(__name__)
+LEFT_THE_REPOSITORY = "it has no version in the repository any more"
+
+
+def unloaded_by_call(name: str) -> str:
+    """Why a model an unload call unloaded serves nothing, and what serves it again."""
+    return f"unloaded by a call (POST /v2/repository/models/{name}/load serves it again)"
 RETIRE_GRACE_S = 5.0  # beyond the request timeout, how long a retiring version waits for the requests holding it
 ROLES = ("live", "canary", "shadow", "previous")
 
@@ -59,7 +65,10 @@ class Applier:
     def __init__(self, settings: Settings, source: Source) -> None:
         self.settings, self.source = settings, source
         self.states = VersionStates()  # versions loading, retiring, refused; models that cannot be served
-        self.routes = RoutingTable(self.states.why_unservable)
+        self.routes = RoutingTable(self._why_not_served)
+        # model -> why it was unloaded (a call, or its folder left the repository), while it is: its requests' 404
+        # says so (before: word for word a misspelt name's; a multi-model operator's trial)
+        self.unloaded_why: dict[str, str] = {}
         self.evidence = Evidence()  # this worker's rollout comparisons and traffic per version
         self._refused_candidates: dict[str, str] = {}  # model -> the refused candidate its rollout goes on without
         # model -> why this worker could not serve it as last asked (an apply refused, a policy unreadable), until it
@@ -96,7 +105,17 @@ class Applier:
                 self.apply(name, desired.get(name, UNLOADED))
             except ServiceError as exc:
                 errors.append(exc)
+                continue
+            if name not in desired:  # (the poll of the worker that wrote it found no version left)
+                self.unloaded_why.setdefault(name, LEFT_THE_REPOSITORY)
+            elif not desired[name]["versions"]:
+                self.unloaded_why[name] = unloaded_by_call(name)
         return errors
+
+    def _why_not_served(self, name: str) -> str | None:
+        """Why a model a request names serves no version here, where that is known: its policy cannot be read, or
+        it was unloaded."""
+        return self.states.why_unservable(name) or self.unloaded_why.get(name)
 
     def apply(self, name: str, entry: ModelEntry) -> None:
         """Serve exactly ``entry``'s versions of ``name`` with its default (load, route, retire); all or nothing.
@@ -124,6 +143,7 @@ class Applier:
             self._retire(fresh, wait=True)
             raise
         if wanted:
+            self.unloaded_why.pop(name, None)
             chosen = {**{v: current[v] for v in wanted if v in current}, **{f.version: f for f in fresh}}
             replaced = self._route(name, entry, chosen)
             self.states.servable(name)  # served as the writer of ``entry`` found it: no reason held from before

@@ -173,7 +173,7 @@ class RoutingTable:
         if loaded is None:
             wanted = f"{name!r}" + ("" if version is None else f" version {version!r}")
             wanted += " (the default model)" if name == self._named_default and versions is None else ""
-            why = self._why_unservable(name)  # its policy cannot be read
+            why = self._why_unservable(name)  # its policy cannot be read, or it was unloaded
             raise NotFound(f"no model {wanted} is loaded{f': {why}' if why else ''}; this server serves "
                            f"{self._describe()}",
                            details={"models": self.available()})

@@ -29,7 +29,7 @@ from app.engine.rollouts.entry import UNLOADED, ModelEntry, is_unloaded, unloade
 from app.engine.rollouts.evidence import traffic_p99_ms
 from app.engine.rollouts.plan import RolloutPolicy, plan
 from app.engine.rollouts.policy import PolicyError, VersionPolicy, VersionsMissing, order_key, parsed_config
-from app.engine.versions.apply import Applier
+from app.engine.versions.apply import LEFT_THE_REPOSITORY, Applier, unloaded_by_call
 from app.engine.versions.change_write import apply_and_write
 from app.engine.versions.desired import WATCH_S
 from app.engine.versions.rollout_changes import RolloutChanges
@@ -76,7 +76,23 @@ class Writers:
                     "nothing can be served: every version was refused: "
                     + "; ".join(self.applier.states.reasons_refused() or ["(the reasons are logged above)"]))
             self.sync.served(generation)
+            self._say_default_model()
         threading.Thread(target=self._follow, name="models-follow", daemon=True).start()
+
+    def _say_default_model(self) -> None:
+        """At start, where several models serve: which one requests naming none get, or that none does (before:
+        only the first such request said so, with its 400; a multi-model operator's trial)."""
+        served = list(self.applier.routes.routes())
+        if len(served) < 2:
+            return
+        default = self.applier.routes.default_model()
+        if default is None:
+            log.warning("serving %d models (%s) and none is the default: a request that names no model is answered "
+                        "400; name one with DEFAULT_MODEL or the repository's %s", len(served), ", ".join(served),
+                        REPOSITORY_FILE)
+        else:
+            log.info("serving %d models (%s); requests that name none get %s", len(served), ", ".join(served),
+                     default)
 
     def _first_load(self, names: list[str]) -> tuple[dict[str, ModelEntry], list[ServiceError]]:
         wanted, errors = {}, []
@@ -190,6 +206,7 @@ class Writers:
                 raise NotFound(f"no model {name!r} is loaded or in the repository")
             entry = unloaded(self.sync.read()[1].get(name))  # its rolled-back versions stay so through a load call
             generation, _ = apply_and_write(self.applier, self.sync, name, entry)
+            self.applier.unloaded_why[name] = unloaded_by_call(name)
         self.sync.wait_for_workers(generation, name)
 
     def poll(self) -> None:
@@ -213,6 +230,7 @@ class Writers:
                             log.warning("%s has no version in the repository any more (its folder was removed, or "
                                         "holds no export): unloading it", name)
                         self.applier.apply(name, UNLOADED)
+                        self.applier.unloaded_why[name] = LEFT_THE_REPOSITORY
                         changes[name] = None
                     elif (why := self._refused_here(name, current, available)) is not None:
                         # Another worker serves it: a pick without it would undo that worker's, which would then
