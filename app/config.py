@@ -29,6 +29,9 @@ WeightsFormatSetting = Literal["auto", "onnx", "aoti", "int8", "torchscript", "s
 ENV_PREFIX = "VISIONSERVE_"
 CLIENT_VARIABLES = frozenset({"VISIONSERVE_URL"})  # read by the client (python -m visionserve_client), not by the server
 AUTO_MAX_BATCH_SIZE = {"cpu": 8, "cuda": 32}  # MAX_BATCH_SIZE=0, by the model's device type
+# the largest MAX_BATCH_SIZE: warm-up runs a batch of it (its activations grow with it: 100,000 took the 2-core VM's
+# 23 GB; a trial), and no device measured gained past 64
+MAX_BATCH_SIZE_CEILING = 1024
 log = logging.getLogger(__name__)
 
 
@@ -248,7 +251,8 @@ class BatchingSettings(SettingsGroup):
     heading = "Batching and queue"
 
     max_batch_size: int = Field(
-        0, ge=0, description="Most images in one forward pass. 0 = auto, by the model's device: 8 on a CPU (a batch "
+        0, ge=0, le=MAX_BATCH_SIZE_CEILING,
+        description="Most images in one forward pass. 0 = auto, by the model's device: 8 on a CPU (a batch "
         "costs about as much per image there at any size, and a larger one only waits longer); 32 on a GPU (an H200's "
         "forward pass of 32 images ran 10,000 img/s against 7,500 at 8 and 10,750 at 64: docs/performance.md). "
         "`auto_batch_size` may cap batches lower.")
@@ -380,7 +384,8 @@ class ServerSettings(SettingsGroup):
 
     heading = "HTTP server (gunicorn)"
 
-    bind: str = Field("0.0.0.0:8000", description="gunicorn's listen address.")
+    bind: str = Field("0.0.0.0:8000", description="gunicorn's listen address: `HOST:PORT`, `:PORT` (every address), "
+                      "`[IPv6]:PORT`, `unix:PATH` or `fd://N`; one of them.")
     engine: Literal["auto", "process", "inline"] = Field(
         "auto", description="Where the model runs under gunicorn. `process`: engine processes (ENGINES_PER_DEVICE "
         "per GPU, or on a CPU host), started and restarted by the master, owns the models, batching, decoding and "
@@ -390,6 +395,23 @@ class ServerSettings(SettingsGroup):
         "runs on a GPU (on an H200, Lite0, one image per request: one engine 1,619-2,062 img/s against inline's "
         "1,339-1,568 from C=64 to 1,024; docs/performance.md), `inline` on a CPU host, where two workers each running "
         "forward passes keep both cores busy; the start-up log says which it chose.")
+    @field_validator("bind")
+    @classmethod
+    def _one_listen_address(cls, value: str) -> str:
+        """What gunicorn's own reading of the address would refuse in a raw line naming no setting, or take and
+        listen nowhere (an empty one: "Listening at:  ", then ready; a trial)."""
+        address = value.strip()
+        scheme = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://", address)
+        if not address:
+            problem = "it is empty"
+        elif scheme and scheme.group(1) not in ("tcp", "fd"):
+            problem = f"{scheme.group(0)} is a URL's scheme: the address alone, {address[scheme.end():]!r}"
+        elif "," in address or any(character.isspace() for character in address):
+            problem = "it holds several addresses: the server listens on one"
+        else:
+            return address
+        raise ValueError(f"{problem}; give HOST:PORT (e.g. 0.0.0.0:8000 or 127.0.0.1:8001), got {value!r}")
+
     engines_per_device: int = Field(
         1, ge=1, le=8, description="Under ENGINE=process: engine processes per device (Triton's instance count), each "
         "with its own copy of the models and its own interpreter: a GPU whose preprocessing and launches saturate one "
@@ -431,7 +453,8 @@ class ServerSettings(SettingsGroup):
         "one per usable core (affinity and container quota), at most 8 (2 processes x 1 forward thread beat 1 x 2 "
         "by 8-12% on 2 cores); with a GPU one per 4 cores, at least one per GPU and at most 4 per GPU (4 inline "
         "workers on a 16-core H100 host served 1.5x one; the H200's process-mode figures were taken with it).")
-    threads: int = Field(32, gt=0, description="gthread threads per worker: concurrent requests that share one "
+    threads: int = Field(32, gt=0, le=1024,
+                         description="gthread threads per worker: concurrent requests that share one "
                          "batcher. Under ENGINE=process with LOOP_REQUESTS only a request whose body arrives after "
                          "its headers takes one; the others run on the worker's event loop, at most this many at "
                          "once (so at most this many exchanges with the engine), the rest waiting their turn, read "
@@ -464,7 +487,8 @@ class ServerSettings(SettingsGroup):
         "worker's event loop (LOOP_REQUESTS).")
     timeout_s: int = Field(60, gt=0, description="gunicorn worker timeout (a stuck worker is restarted).")
     graceful_timeout_s: int = Field(
-        35, gt=0, description="Time to finish accepted requests after SIGTERM: at least `REQUEST_TIMEOUT_S` (a "
+        35, gt=0, le=86_400,
+        description="Time to finish accepted requests after SIGTERM: at least `REQUEST_TIMEOUT_S` (a "
         "shorter one stops the start), 5 s above it by default, so that a request accepted just before SIGTERM may "
         "wait out its whole deadline. A request is accepted once its body has arrived whole: within "
         "`SHUTDOWN_DRAIN_S` after SIGTERM new ones are still accepted and answered, their deadline cut to what is "

@@ -43,7 +43,9 @@ def resolve_device(name: str) -> torch.device:
     device = torch.device(name)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ModelLoadError(f"device {name!r} was asked for but CUDA is not available")
+            raise ModelLoadError(f"device {name!r} was asked for (VISIONSERVE_DEVICE, or a command's --device) but "
+                                 "CUDA is not available on this machine: set it to auto (a GPU when there is one) or "
+                                 "cpu")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ModelLoadError(f"device {name!r} does not exist ({torch.cuda.device_count()} CUDA devices)")
     return device

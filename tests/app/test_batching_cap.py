@@ -169,6 +169,18 @@ def test_the_real_warmup_profiles_every_batch_size(predictor: Predictor) -> None
     assert predictor.warmed_batch_sizes == [1, 2, 3]
 
 
+def test_warmup_s_batches_of_every_shape_are_views_of_one_of_the_largest(predictor: Predictor,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: a batch of zeros of each shape, the inputs alone sizes squared (MAX_BATCH_SIZE=64 held 1.2 GB of them
+    # on the CPU; a misconfiguring operator's trial: 100,000 took the machine's memory)
+    storages: dict[int, int] = {}
+    forward = predictor._forward
+    monkeypatch.setattr(predictor, "_forward", lambda batch: (
+        storages.setdefault(len(batch), batch.untyped_storage().data_ptr()), forward(batch))[1])
+    predictor.warmup(5, repeats=1)
+    assert sorted(storages) == [1, 2, 3, 4, 5] and len(set(storages.values())) == 1
+
+
 def test_warmup_times_the_sizes_in_turn_so_a_drifting_machine_slows_them_alike(predictor: Predictor,
                                                                               model) -> None:  # noqa: ANN001
     model.batch_sizes.clear()

@@ -79,6 +79,18 @@ def test_each_setting_is_read_from_its_variable(name: str, monkeypatch: pytest.M
     ({"API_KEY_FILE": "/nonexistent/key"}, "VISIONSERVE_API_KEY_FILE /nonexistent/key does not exist"),
     ({"QUEUE_SIZE": "8", "MAX_IMAGES": "16"}, "VISIONSERVE_QUEUE_SIZE (8) must be at least VISIONSERVE_MAX_IMAGES "
                                               "(16)"),
+    # Before: an empty address started a server listening nowhere ("Listening at:  ", then ready); a URL, or two
+    # addresses, stopped it with gunicorn's own "Error: '//127.0.0.1' is not a valid port number." (a trial)
+    ({"BIND": ""}, "VISIONSERVE_BIND: Value error, it is empty; give HOST:PORT"),
+    ({"BIND": "http://127.0.0.1:8001"}, "VISIONSERVE_BIND: Value error, http:// is a URL's scheme: the address "
+                                        "alone, '127.0.0.1:8001'"),
+    ({"BIND": "127.0.0.1:8001,127.0.0.1:8002"}, "VISIONSERVE_BIND: Value error, it holds several addresses"),
+    # Before: taken; warm-up's batch of 100,000 images took the machine's memory, and a graceful timeout past what a
+    # thread's join takes crashed each worker's exit (OverflowError), a trial
+    ({"MAX_BATCH_SIZE": "100000"}, "VISIONSERVE_MAX_BATCH_SIZE: Input should be less than or equal to 1024"),
+    ({"GRACEFUL_TIMEOUT_S": "99999999999"}, "VISIONSERVE_GRACEFUL_TIMEOUT_S: Input should be less than or equal to "
+                                            "86400"),
+    ({"THREADS": "30000"}, "VISIONSERVE_THREADS: Input should be less than or equal to 1024"),
     # an origin without its scheme can never match a browser's Origin header (before: taken, CORS silently off)
     ({"CORS_ORIGINS": "https://a.example, app.example.com"}, "VISIONSERVE_CORS_ORIGINS: Value error, each origin is "
                                                              "scheme://host[:port]"),

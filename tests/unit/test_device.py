@@ -24,7 +24,9 @@ def test_auto_picks_cuda_only_when_available(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_explicit_cuda_without_cuda_is_a_clear_boot_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ModelLoadError, match="CUDA is not available"):
+    # the setting named and what to set it to (before: "device 'cuda' was asked for but CUDA is not available"; a trial)
+    with pytest.raises(ModelLoadError, match=r"'cuda:0' was asked for \(VISIONSERVE_DEVICE, or a command's --device\) "
+                                             r"but CUDA is not available on this machine: set it to auto"):
         resolve_device("cuda:0")
 
 

@@ -234,8 +234,11 @@ class Predictor:
         can be trusted: a worker warming up beside a busy one measures a curve no steadier than that.
         """
         started = said = time.perf_counter()
-        batches = {size: torch.zeros(size, *self.manifest.preprocess.input_shape)
-                   for size in self.batch_shapes(max_batch_size)}
+        # one batch of the largest shape, each smaller one a view of its first rows (before: a batch of each shape,
+        # so the inputs alone took sizes squared: MAX_BATCH_SIZE=64 held 1.2 GB of zeros on the CPU; a trial)
+        shapes = self.batch_shapes(max_batch_size)
+        largest = torch.zeros(max(shapes), *self.manifest.preprocess.input_shape)
+        batches = {size: largest[:size] for size in shapes}
         for size, batch in batches.items():
             self._forward(batch)
             self.warmed_batch_sizes.append(size)
