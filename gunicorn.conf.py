@@ -130,6 +130,14 @@ def on_starting(server) -> None:  # noqa: ANN001
                          "writes there (loads, readiness, rollouts): set it to a writable directory, or leave it unset "
                          "for one of its own", os.environ["VISIONSERVE_CONTROL_DIR"], why_not)
         sys.exit(2)
+    metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if metrics_dir and (why_not := control.unwritable(Path(metrics_dir))) is not None:  # (made when missing)
+        # before: each worker stopped "cannot serve the model: [Errno 2] No such file or directory: .../histogram_
+        # 1.db", naming neither the variable nor the fix (a trial)
+        server.log.error("visionserve: PROMETHEUS_MULTIPROC_DIR %s cannot be written: %s; every process of the server "
+                         "writes its metrics there: set it to a writable directory, or leave it unset for one of its "
+                         "own", metrics_dir, why_not)
+        sys.exit(2)
     server.log.info("visionserve: %d worker%s (%s)", _workers, "" if _workers == 1 else "s", _workers_why)
     _halt_once(server)
     _refuse_ttou_at_one_worker(server)

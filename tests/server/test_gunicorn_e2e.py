@@ -429,23 +429,27 @@ def test_an_address_gunicorn_retries_and_gives_up_on_leaves_no_directories_behin
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("engine", ["inline", "process"])
+@pytest.mark.parametrize("engine, variable", [("inline", "VISIONSERVE_CONTROL_DIR"),
+                                              ("process", "VISIONSERVE_CONTROL_DIR"),
+                                              ("process", "PROMETHEUS_MULTIPROC_DIR")])
 def test_a_control_dir_that_cannot_be_written_stops_the_start_at_once_naming_the_setting(tmp_path: Path,
-                                                                                        engine: str) -> None:
+                                                                                        engine: str,
+                                                                                        variable: str) -> None:
     # Before (a new operator's trial): under ENGINE=process each engine died writing there, was restarted, and
     # died again, a traceback each time, the server never ready and never stopping; inline, the first load failed
-    # after the model had loaded and warmed up, blaming the model ("cannot serve the model: ... lock").
+    # after the model had loaded and warmed up, blaming the model ("cannot serve the model: ... lock"). The
+    # metrics' directory (deployment.md's) was said as the model's failure too (a misconfiguring operator's trial).
     in_the_way = tmp_path / "a-file"
     in_the_way.write_text("")
-    control_dir = in_the_way / "control"  # under a file: no process can make or write it, root included
+    directory = in_the_way / "dir"  # under a file: no process can make or write it, root included
     env = {**os.environ, "VISIONSERVE_WORKERS": "1", "VISIONSERVE_ENGINE": engine, "VISIONSERVE_DEVICE": "cpu",
-           "VISIONSERVE_BIND": "127.0.0.1:%d" % free_port(), "VISIONSERVE_CONTROL_DIR": str(control_dir),
+           "VISIONSERVE_BIND": "127.0.0.1:%d" % free_port(), variable: str(directory),
            "PATH": f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ['PATH']}"}
     result = subprocess.run([str(ROOT / "bin" / "serve")], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     said = [json.loads(line)["msg"] for line in result.stderr.splitlines() if "cannot be written" in line]
-    assert len(said) == 1 and said[0].startswith(f"visionserve: VISIONSERVE_CONTROL_DIR {control_dir} cannot be "
+    assert len(said) == 1 and said[0].startswith(f"visionserve: {variable} {directory} cannot be "
                                                  f"written: Not a directory"), said
     assert "Traceback" not in result.stderr and "Booting worker" not in result.stderr
 
