@@ -124,6 +124,11 @@ def on_starting(server) -> None:  # noqa: ANN001
                          "VISIONSERVE_WORKERS=%d instead of gunicorn's --workers", server.cfg.workers, _workers,
                          server.cfg.workers)
         sys.exit(2)
+    for option, variable, told, ours in _options_over_settings(server):
+        server.log.error("visionserve: gunicorn was told %s %s and %s says %s: the server sizes and checks what it "
+                         "does by the setting (its queues, its shutdown against REQUEST_TIMEOUT_S); set %s=%s instead "
+                         "of gunicorn's %s", option, told, variable, ours, variable, told, option)
+        sys.exit(2)
     why_not = control.unwritable(Path(os.environ["VISIONSERVE_CONTROL_DIR"]))
     if why_not is not None:  # under ENGINE=process each engine died writing there and was restarted without end
         server.log.error("visionserve: VISIONSERVE_CONTROL_DIR %s cannot be written: %s; every process of the server "
@@ -175,6 +180,24 @@ def nworkers_changed(server, new_value: int, old_value: int | None) -> None:  # 
     server.log.error("visionserve: a change of the worker count to %d (TTIN, TTOU) is refused: readiness, the "
                      "engines and the queues are sized by VISIONSERVE_WORKERS=%d; restart with the count you want "
                      "in VISIONSERVE_WORKERS", new_value, _workers)
+
+
+# gunicorn's options that stand for a setting, beside --workers (-b stays gunicorn's to give: the address is checked
+# as given); before, bin/serve --threads 2 or --graceful-timeout 5 started without a word, the queues sized by
+# THREADS' 32 and the shutdown's check against REQUEST_TIMEOUT_S skipped (a misconfiguring operator's trial)
+_SETTING_OPTIONS = {"threads": ("threads", "VISIONSERVE_THREADS"),
+                    "worker_connections": ("max_connections", "VISIONSERVE_MAX_CONNECTIONS"),
+                    "timeout": ("timeout_s", "VISIONSERVE_TIMEOUT_S"),
+                    "graceful_timeout": ("graceful_timeout_s", "VISIONSERVE_GRACEFUL_TIMEOUT_S"),
+                    "keepalive": ("keepalive_s", "VISIONSERVE_KEEPALIVE_S")}
+
+
+def _options_over_settings(server) -> list[tuple[str, str, object, object]]:  # noqa: ANN001
+    """gunicorn's options given beside the settings they stand for (on its command line or GUNICORN_CMD_ARGS,
+    applied after this file), as (option, variable, what gunicorn was told, what the setting says)."""
+    return [(server.cfg.settings[name].cli[-1], variable, getattr(server.cfg, name), getattr(_settings, setting))
+            for name, (setting, variable) in _SETTING_OPTIONS.items()
+            if getattr(server.cfg, name) != getattr(_settings, setting)]
 
 
 def _clear_metrics(server) -> None:  # noqa: ANN001

@@ -464,3 +464,19 @@ def test_gunicorn_s_own_workers_option_beside_the_setting_stops_the_start_saying
     assert result.returncode == 2, result.stderr[-2000:]
     assert "set VISIONSERVE_WORKERS=3 instead of gunicorn's --workers" in result.stderr
     assert list(tmp_path.iterdir()) == []  # the metrics and control directories it made are gone
+
+
+@pytest.mark.parametrize("option, value, variable", [("--threads", "2", "VISIONSERVE_THREADS"),
+                                                     ("--graceful-timeout", "5", "VISIONSERVE_GRACEFUL_TIMEOUT_S"),
+                                                     ("--keep-alive", "30", "VISIONSERVE_KEEPALIVE_S")])
+def test_gunicorn_s_options_for_a_setting_stop_the_start_saying_which_to_set(tmp_path: Path, option: str,
+                                                                             value: str, variable: str) -> None:
+    # Before: started without a word, the queues sized by THREADS' 32 and the shutdown's check against
+    # REQUEST_TIMEOUT_S skipped (a misconfiguring operator's trial); only --workers was refused
+    env = {**os.environ, "VISIONSERVE_WORKERS": "1", "VISIONSERVE_ENGINE": "inline", "VISIONSERVE_DEVICE": "cpu",
+           "TMPDIR": str(tmp_path), "PATH": f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    result = subprocess.run([str(ROOT / "bin" / "serve"), option, value, "--bind", f"127.0.0.1:{free_port()}"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"set {variable}={value} instead of gunicorn's {option}" in result.stderr, result.stderr[-2000:]
+    assert "Booting worker" not in result.stderr and list(tmp_path.iterdir()) == []
