@@ -687,7 +687,9 @@ class SecuritySettings(SettingsGroup):
     @model_validator(mode="after")
     def _key_file_exists(self) -> "SecuritySettings":
         if self.api_key_file is not None and not self.api_key_file.is_file():
-            raise ValueError(f"api_key_file {self.api_key_file} does not exist")
+            relative = not self.api_key_file.is_absolute()  # (bin/serve, as make serve, runs in the checkout's folder)
+            where = " (a relative path is taken from the working directory: give an absolute one)" if relative else ""
+            raise ValueError(f"api_key_file {os.path.abspath(self.api_key_file)} does not exist{where}")
         if self.api_key is not None and self.api_key.get_secret_value().strip() and self.api_key_file is not None:
             raise ValueError("api_key and api_key_file are both set: set one (which key would clients need?)")
         return self
@@ -794,4 +796,10 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
         close = difflib.get_close_matches(name.upper()[len(ENV_PREFIX):], suffixes, n=1, cutoff=0.7)
         hint = f" (did you mean {ENV_PREFIX}{close[0]}?)" if close else " (docs/configuration.md lists the settings)"
         warnings.append(f"{name} is not a setting and is ignored{hint}")
+    # and a setting's name whose prefix is misspelt (VISONSERVE_WORKERS: before, nothing; a trial)
+    for name in sorted(key for key in environ if not key.upper().startswith(ENV_PREFIX) and "_" in key):
+        prefix, _, rest = name.upper().partition("_")
+        if prefix != ENV_PREFIX[:-1] and difflib.SequenceMatcher(None, prefix, ENV_PREFIX[:-1]).ratio() >= 0.8 \
+                and f"{ENV_PREFIX}{rest}" in known:
+            warnings.append(f"{name} is not a setting and is ignored (did you mean {ENV_PREFIX}{rest}?)")
     return warnings

@@ -22,7 +22,9 @@ _HEAD = """# Configuration
 One settings object (`app/config.py`), read from environment variables with the prefix `{prefix}` and validated at
 boot: a bad value, or a missing or corrupt weights file, stops the start with a clear message, never the first
 request. gunicorn's own settings (`bind`, `workers`, ...) are read from the same object by `gunicorn.conf.py`.
-The settings are grouped below by what they govern, as they are declared (one class per group).
+A relative path (`WEIGHTS_DIR`, `CONTROL_DIR`, `API_KEY_FILE`) is taken from the directory the server runs in:
+`bin/serve` and `make serve` run in the checkout's folder, wherever they are called from; give absolute paths
+elsewhere. The settings are grouped below by what they govern, as they are declared (one class per group).
 """
 
 _TABLE_HEAD = """

@@ -67,6 +67,14 @@ def test_a_misspelt_setting_is_named_with_the_closest_one() -> None:
                         "VISIONSERVE_ZZZ is not a setting and is ignored (docs/configuration.md lists the settings)"]
 
 
+def test_a_setting_whose_prefix_is_misspelt_is_named_and_other_variables_are_left_alone() -> None:
+    # Before: VISONSERVE_WORKERS=1 was silent, and the server started with 2 workers (a misconfiguring operator's trial)
+    warnings = unknown_variables({"VISONSERVE_WORKERS": "1", "VISIONSRVE_DEVICE": "cpu", "VISION_WORKERS": "2",
+                                  "SERVE_WORKERS": "1", "VISONSERVE_NOT_A_SETTING": "1", "HOME": "/root"})
+    assert warnings == ["VISIONSRVE_DEVICE is not a setting and is ignored (did you mean VISIONSERVE_DEVICE?)",
+                        "VISONSERVE_WORKERS is not a setting and is ignored (did you mean VISIONSERVE_WORKERS?)"]
+
+
 @pytest.fixture(scope="module")
 def photo_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A new user's folder: 4 classes, 30 training images each (patches of real photos), 15 val each."""

@@ -155,3 +155,15 @@ def test_a_queue_always_holds_a_whole_request(workers: int, engines: int, thread
     assert Settings(queue_size=16, max_images=16).resolved_queue_size("cpu") == 16
     auto = Settings(queue_size=0, max_images=16, max_batch_size=1, workers=workers, engines=engines, threads=threads)
     assert auto.resolved_queue_size("cpu") >= auto.max_images
+
+
+def test_a_relative_key_file_that_is_not_there_is_said_with_the_path_tried(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: "api_key_file keyfile does not exist", the folder it was looked for in unsaid (bin/serve runs in the
+    # checkout's folder, not the caller's: a misconfiguring operator's trial)
+    _clean_environment(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(f"{ENV_PREFIX}API_KEY_FILE", "keyfile")
+    with pytest.raises(SettingsError, match=re.escape(f"{tmp_path / 'keyfile'} does not exist (a relative path is "
+                                                      "taken from the working directory")):
+        load_settings()
