@@ -163,12 +163,14 @@ def _input_check(call: CallFace, max_images: int) -> InputCheck:
         elif name == PIXELS_INPUT and datatype == "FP32":
             if not call.takes_pixels:
                 raise PixelsForTheDefault()
+            # the model and version named: several models of other input sizes may serve (a multi-model trial)
+            whose = f"{model.name} version {model.version}'s"
             if len(shape) != 1 + len(model.input_shape):  # the images' count first, then one image's shape
-                raise BadRequest(f"input {PIXELS_INPUT!r} must have shape [N, {', '.join(map(str, model.input_shape))}]"
-                                 f" (N images first), got {shape}")
+                raise BadRequest(f"{whose} input {PIXELS_INPUT!r} must have shape "
+                                 f"[N, {', '.join(map(str, model.input_shape))}] (N images first), got {shape}")
             expected = [count, *model.input_shape]
             if shape != expected:
-                raise BadRequest(f"input {PIXELS_INPUT!r} must have shape {expected}, got {shape}")
+                raise BadRequest(f"{whose} input {PIXELS_INPUT!r} must have shape {expected}, got {shape}")
         elif name in (IMAGES_INPUT, PIXELS_INPUT):  # a known input of another datatype
             wanted = "BYTES" if name == IMAGES_INPUT else "FP32"
             raise BadRequest(f"input {name!r} must have datatype {wanted}, got {datatype}")
