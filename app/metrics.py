@@ -92,6 +92,9 @@ BATCHER_EVENTS = Counter("visionserve_batcher_events_total", "deadline_dropped: 
 MODEL_INFO = Gauge("visionserve_model_info", "Each loaded model version (1; 0 once unloaded; with several "
                    "processes the highest live one's)", ["name", "version", "device", "dtype"],
                    multiprocess_mode="livemax")
+MODEL_MEMORY = Gauge("visionserve_model_memory_bytes", "Memory each loaded version's weights take, as /v1/models' "
+                     "memory_bytes says, summed over the processes that hold a copy (each worker inline, each engine "
+                     "under ENGINE=process); 0 once unloaded", ["model", "version"], multiprocess_mode="livesum")
 READY = Gauge("visionserve_ready", "1 while the worker is ready: model loaded, warmed up, canary passed, batcher "
               "running, not draining (with several workers: the lowest)", multiprocess_mode="livemin")
 BATCHER_ALIVE = Gauge("visionserve_batcher_alive", "1 while the inference thread of every served version runs "
@@ -299,15 +302,16 @@ class MetricsObserver:
         self._held = _HeldBatches()  # the batches' figures since the last settle
         self._serving = 0  # 1 from ``serving`` to ``retire``: this copy counted in _SERVING
 
-    def serving(self, info_labels: Sequence[str], queue_size: int) -> None:
+    def serving(self, info_labels: Sequence[str], queue_size: int, memory_bytes: int) -> None:
         """The version serves: its info series (``info_labels``: name, version, device, dtype) reads 1 until
-        ``gone``, its queue's capacity ``queue_size`` until ``retire``."""
+        ``gone``, its queue's capacity ``queue_size`` and its weights' ``memory_bytes`` until ``retire``."""
         with _SERVING_LOCK:
             if not self._serving:
                 self._serving = 1
                 _SERVING[self._labels] += 1
             MODEL_INFO.labels(*info_labels).set(1)
             QUEUE_CAPACITY.labels(*self._labels).set(queue_size)
+            MODEL_MEMORY.labels(*self._labels).set(memory_bytes)
 
     def _another_copy_serves(self) -> bool:
         """Another copy of this version serves in this process: the series they share are its."""
@@ -334,6 +338,7 @@ class MetricsObserver:
             self._queue_depth.set(0)
             self._depth_written = -1  # unknown: a report racing this one may land after it; the next one writes 0
             QUEUE_CAPACITY.labels(*self._labels).set(0)
+            MODEL_MEMORY.labels(*self._labels).set(0)
 
     def gone(self, info_labels: Sequence[str]) -> None:
         """The retired version stopped: its info series reads 0, unless another copy of it serves."""

@@ -567,3 +567,28 @@ def test_cors_preflights_are_counted_apart_from_traffic(settings: Settings, pred
         assert [after[name] - before[name] for name in after] == [1, 1, 2, 3]
     finally:
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
+
+
+def test_each_loaded_version_s_weights_memory_is_a_metric_until_it_is_unloaded(settings: Settings) -> None:
+    # Before: memory per version was in /v1/models alone, nothing to graph or alert on per model (a multi-model
+    # operator's trial)
+    from prometheus_client import REGISTRY
+
+    from app.engine.service import Service
+    from tests.support.fakes import FakeRepository
+
+    repository = FakeRepository()
+    repository.add("colour", "1")
+    repository.add("other", "1")
+    with_default = settings.model_copy(update={"default_model": "colour"})
+    service = Service.build(with_default, repository)  # type: ignore[arg-type]
+    try:
+        memory = {info.name: info.memory_bytes for info in service.catalog.versions()}
+        assert memory["other"] > 0
+        for name in ("colour", "other"):
+            assert REGISTRY.get_sample_value("visionserve_model_memory_bytes",
+                                             {"model": name, "version": "1"}) == memory[name]
+        service.catalog.unload("other")
+        assert REGISTRY.get_sample_value("visionserve_model_memory_bytes", {"model": "other", "version": "1"}) == 0
+    finally:
+        service.shutdown(timeout=5)

@@ -374,5 +374,5 @@ def start_version(settings: Settings, predictor: Predictor) -> LoadedVersion:
     _place_loop_batches(loaded)
     loaded.serving.set()
     _apply_batch_cap(settings, loaded)
-    observer.serving(loaded._info_labels(), loaded.batcher.queue_size)
+    observer.serving(loaded._info_labels(), loaded.batcher.queue_size, predictor.weights_bytes)
     return loaded
