@@ -15,7 +15,8 @@ from app import EXTENSION_KEY
 from app.hosting import drain
 from app.config import SettingsError, load_settings, unknown_variables
 from app.hosting import control, owned_dirs
-from app.hosting.host import address_in_use, bind_problem, engine_count, engine_mode, unserved_engines, workers_for
+from app.hosting.host import (address_in_use, bind_problem, engine_count, engine_mode, unserved_engines, workers_for,
+                              workers_past_cores)
 from app.logs import JsonFormatter, configure_access_log
 from app.link import supervisor
 from app.hosting.request_framing import ReadLimits
@@ -144,6 +145,8 @@ def on_starting(server) -> None:  # noqa: ANN001
                          "own", metrics_dir, why_not)
         sys.exit(2)
     server.log.info("visionserve: %d worker%s (%s)", _workers, "" if _workers == 1 else "s", _workers_why)
+    if (crowded := workers_past_cores(_workers, _engine)) is not None:
+        server.log.warning("visionserve: %s", crowded)
     _halt_once(server)
     _refuse_ttou_at_one_worker(server)
     if not getattr(server, "master_pid", 0):  # a master started by another's USR2: the old workers' marks are live

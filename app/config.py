@@ -452,7 +452,8 @@ class ServerSettings(SettingsGroup):
         "batcher, under `ENGINE=process` they speak HTTP only. 0 = auto, said in the start-up log: on a CPU host "
         "one per usable core (affinity and container quota), at most 8 (2 processes x 1 forward thread beat 1 x 2 "
         "by 8-12% on 2 cores); with a GPU one per 4 cores, at least one per GPU and at most 4 per GPU (4 inline "
-        "workers on a 16-core H100 host served 1.5x one; the H200's process-mode figures were taken with it).")
+        "workers on a 16-core H100 host served 1.5x one; the H200's process-mode figures were taken with it). More "
+        "inline workers than usable cores are warned of at start (each holds a copy of every model).")
     threads: int = Field(32, gt=0, le=1024,
                          description="gthread threads per worker: concurrent requests that share one "
                          "batcher. Under ENGINE=process with LOOP_REQUESTS only a request whose body arrives after "

@@ -56,6 +56,19 @@ def workers_for(setting: int, device: str) -> tuple[int, str]:
     return auto_workers(cores, gpus), f"auto: {cores} usable cores, {where}"
 
 
+def workers_past_cores(workers: int, engine: str) -> str | None:
+    """A warning for inline workers set past the usable cores: each holds a copy of every model and runs its
+    forward passes on the same cores, so past one a core they add memory, not speed (before: only "6 workers
+    (WORKERS)" on 2 cores, 3.9 GB of worker memory; a trial). None otherwise (process mode's HTTP workers hold no
+    model)."""
+    cores = usable_cores()
+    if engine != "inline" or workers <= cores:
+        return None
+    return (f"{workers} inline workers on {cores} usable core{'s' if cores != 1 else ''}: each holds a copy of every "
+            f"model and runs its forward passes on the same cores, so the ones past {cores} add memory, not "
+            f"throughput; VISIONSERVE_WORKERS=0 (auto) picks {auto_workers(cores, 0)} here")
+
+
 def gpu_for(slot: int, gpus: int, workers_per_gpu: int) -> int:
     """The GPU of worker ``slot`` out of ``gpus`` (Settings.workers_per_gpu: 0 round robin, k per GPU in turn)."""
     if gpus <= 0:

@@ -124,3 +124,13 @@ def test_a_worker_takes_connections_once_it_serves_or_while_no_other_worker_does
     assert not control.takes_connections(tmp_path, me)  # another worker serves: it takes them
     control.ready_mark(tmp_path, me).touch()
     assert control.takes_connections(tmp_path, me)  # this one serves too
+
+
+def test_inline_workers_past_the_usable_cores_are_warned_of_and_process_mode_s_are_not(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: "6 workers (WORKERS)" alone on 2 cores, 3.9 GB of worker memory (a misconfiguring operator's trial)
+    monkeypatch.setattr(host, "usable_cores", lambda: 2)
+    said = host.workers_past_cores(6, "inline")
+    assert said is not None and said.startswith("6 inline workers on 2 usable cores: each holds a copy of every model")
+    assert said.endswith("VISIONSERVE_WORKERS=0 (auto) picks 2 here")
+    assert host.workers_past_cores(2, "inline") is None and host.workers_past_cores(6, "process") is None
