@@ -32,6 +32,7 @@ from app.web.inputs import client_key, each_once, parse_json, read_body, request
 from app.web.services import arrival, client_gone, current_service
 from app.web.timing import annotate
 from models.export.manifest import Manifest
+from models.export.repository import version_order
 
 bp = Blueprint("v1", __name__)
 
@@ -152,6 +153,18 @@ def _labels_asked() -> bool:
     return True
 
 
+def _loaded_models(versions: list[VersionInfo]) -> list[dict[str, object]]:
+    """Each model loaded, with its versions and default: a 404 ``not_found``'s ``details.models``, in the shape
+    every other one has (before: names alone here, objects on /predict's; a multi-model operator's trial)."""
+    models: dict[str, dict[str, Any]] = {}
+    for info in versions:
+        model = models.setdefault(info.manifest.name, {"name": info.manifest.name, "versions": [], "default": None})
+        model["versions"].append(info.manifest.version)
+        if info.default:
+            model["default"] = info.manifest.version
+    return [{**model, "versions": sorted(model["versions"], key=version_order)} for _, model in sorted(models.items())]
+
+
 def _models(name: str | None = None) -> Response:
     """GET /v1/models's answer, of model ``name`` alone when given (NotFound, 404, when none of it is loaded)."""
     show_labels = _labels_asked()
@@ -161,7 +174,7 @@ def _models(name: str | None = None) -> Response:
     versions = [info for info in overview.versions if name is None or info.manifest.name == name]
     if name is not None and not versions:  # (the listing of nothing loaded is an empty one)
         raise NotFound(f"no model {name!r} is loaded; GET /v1/models lists those that are",
-                       details={"models": sorted({info.manifest.name for info in overview.versions})})
+                       details={"models": _loaded_models(overview.versions)})
     ready = service.ready  # once: under ENGINE=process a look at the engine's state
     infos = [_model_info(service.settings, info, ready, show_labels) for info in versions]
     workers = [WorkerModels(**{**worker, "models": _of_model(worker.get("models") or {}, name)})

@@ -262,7 +262,11 @@ def test_one_model_s_endpoint_answers_as_the_listing_does_of_it(client: FlaskCli
     assert client.get("/v1/models/colour?labels=1").get_json()["models"][0]["labels"] == [
         "red", "green", "blue", "other"]
     error = error_of(client.get("/v1/models/nope"), 404, "not_found")
-    assert error["message"].startswith("no model 'nope' is loaded") and error["details"] == {"models": ["colour"]}
+    # the models with their versions and default, as every other 404 not_found names them (before: names alone)
+    assert error["message"].startswith("no model 'nope' is loaded") and error["details"] == {
+        "models": [{"name": "colour", "versions": ["test"], "default": "test"}]}
+    predicted = error_of(client.post("/predict?model=nope", data=image_bytes()), 404, "not_found")
+    assert predicted["details"] == error["details"]
 
 
 def test_one_model_s_endpoint_shows_that_model_alone_beside_others(settings: Settings) -> None:
