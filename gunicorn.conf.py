@@ -107,42 +107,9 @@ def on_starting(server) -> None:  # noqa: ANN001
     if stale := owned_dirs.remove_stale():
         server.log.info("removed %d temporary directories of servers gone without removing them: %s", len(stale),
                         ", ".join(stale))
-    inherited = os.environ.get("GUNICORN_FD") or os.environ.get("LISTEN_FDS")  # USR2's new master, systemd's sockets
-    unusable = [] if inherited else [(address, why) for address in server.cfg.bind if (why := bind_problem(address))]
-    if unusable:  # gunicorn would retry for 5 s, then say "Can't connect to ('garbage', 8000)"
-        server.log.error("visionserve: cannot listen on %s: %s; set VISIONSERVE_BIND to HOST:PORT (e.g. "
-                         "0.0.0.0:8000 or 127.0.0.1:8001)", *unusable[0])
-        sys.exit(2)
-    taken = [] if inherited else [address for address in server.cfg.bind
-                                  if address_in_use(address, server.cfg.reuse_port)]
-    if taken:  # gunicorn would retry for 5 s, then say "Can't connect" with no hint of the setting
-        server.log.error("visionserve: %s is in use (another server listens there): stop that server, or set "
-                         "VISIONSERVE_BIND to another address (e.g. 0.0.0.0:8001)", taken[0])
-        sys.exit(2)
-    if server.cfg.workers != _workers:  # gunicorn's --workers or GUNICORN_CMD_ARGS, applied after this file
-        server.log.error("visionserve: gunicorn was told %d workers and VISIONSERVE_WORKERS says %d: readiness waits "
-                         "for the workers the setting counts, and the engines and the queues are sized by it; set "
-                         "VISIONSERVE_WORKERS=%d instead of gunicorn's --workers", server.cfg.workers, _workers,
-                         server.cfg.workers)
-        sys.exit(2)
-    for option, variable, told, ours in _options_over_settings(server):
-        server.log.error("visionserve: gunicorn was told %s %s and %s says %s: the server sizes and checks what it "
-                         "does by the setting (its queues, its shutdown against REQUEST_TIMEOUT_S); set %s=%s instead "
-                         "of gunicorn's %s", option, told, variable, ours, variable, told, option)
-        sys.exit(2)
-    why_not = control.unwritable(Path(os.environ["VISIONSERVE_CONTROL_DIR"]))
-    if why_not is not None:  # under ENGINE=process each engine died writing there and was restarted without end
-        server.log.error("visionserve: VISIONSERVE_CONTROL_DIR %s cannot be written: %s; every process of the server "
-                         "writes there (loads, readiness, rollouts): set it to a writable directory, or leave it unset "
-                         "for one of its own", os.environ["VISIONSERVE_CONTROL_DIR"], why_not)
-        sys.exit(2)
-    metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-    if metrics_dir and (why_not := control.unwritable(Path(metrics_dir))) is not None:  # (made when missing)
-        # before: each worker stopped "cannot serve the model: [Errno 2] No such file or directory: .../histogram_
-        # 1.db", naming neither the variable nor the fix (a trial)
-        server.log.error("visionserve: PROMETHEUS_MULTIPROC_DIR %s cannot be written: %s; every process of the server "
-                         "writes its metrics there: set it to a writable directory, or leave it unset for one of its "
-                         "own", metrics_dir, why_not)
+    refused = _start_refused(server)
+    if refused is not None:
+        server.log.error("visionserve: %s", refused)
         sys.exit(2)
     server.log.info("visionserve: %d worker%s (%s)", _workers, "" if _workers == 1 else "s", _workers_why)
     if (crowded := workers_past_cores(_workers, _engine)) is not None:
@@ -183,6 +150,44 @@ def nworkers_changed(server, new_value: int, old_value: int | None) -> None:  # 
     server.log.error("visionserve: a change of the worker count to %d (TTIN, TTOU) is refused: readiness, the "
                      "engines and the queues are sized by VISIONSERVE_WORKERS=%d; restart with the count you want "
                      "in VISIONSERVE_WORKERS", new_value, _workers)
+
+
+def _start_refused(server) -> str | None:  # noqa: ANN001
+    """Why this start cannot serve as its settings say, in one line naming what to set (then it stops, status 2),
+    or None: an address it cannot listen on or that another server holds, gunicorn's own options beside the
+    settings they stand for, a CONTROL_DIR or a PROMETHEUS_MULTIPROC_DIR that cannot be written."""
+    inherited = os.environ.get("GUNICORN_FD") or os.environ.get("LISTEN_FDS")  # USR2's new master, systemd's sockets
+    unusable = [] if inherited else [(address, why) for address in server.cfg.bind if (why := bind_problem(address))]
+    if unusable:  # gunicorn would retry for 5 s, then say "Can't connect to ('garbage', 8000)"
+        return (f"cannot listen on {unusable[0][0]}: {unusable[0][1]}; set VISIONSERVE_BIND to HOST:PORT (e.g. "
+                "0.0.0.0:8000 or 127.0.0.1:8001)")
+    taken = [] if inherited else [address for address in server.cfg.bind
+                                  if address_in_use(address, server.cfg.reuse_port)]
+    if taken:  # gunicorn would retry for 5 s, then say "Can't connect" with no hint of the setting
+        return (f"{taken[0]} is in use (another server listens there): stop that server, or set VISIONSERVE_BIND to "
+                "another address (e.g. 0.0.0.0:8001)")
+    if server.cfg.workers != _workers:  # gunicorn's --workers or GUNICORN_CMD_ARGS, applied after this file
+        return (f"gunicorn was told {server.cfg.workers} workers and VISIONSERVE_WORKERS says {_workers}: readiness "
+                "waits for the workers the setting counts, and the engines and the queues are sized by it; set "
+                f"VISIONSERVE_WORKERS={server.cfg.workers} instead of gunicorn's --workers")
+    if over := _options_over_settings(server):
+        option, variable, told, ours = over[0]
+        return (f"gunicorn was told {option} {told} and {variable} says {ours}: the server sizes and checks what it "
+                f"does by the setting (its queues, its shutdown against REQUEST_TIMEOUT_S); set {variable}={told} "
+                f"instead of gunicorn's {option}")
+    control_dir = os.environ["VISIONSERVE_CONTROL_DIR"]
+    if (why_not := control.unwritable(Path(control_dir))) is not None:
+        # under ENGINE=process each engine died writing there and was restarted without end
+        return (f"VISIONSERVE_CONTROL_DIR {control_dir} cannot be written: {why_not}; every process of the server "
+                "writes there (loads, readiness, rollouts): set it to a writable directory, or leave it unset for one "
+                "of its own")
+    metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if metrics_dir and (why_not := control.unwritable(Path(metrics_dir))) is not None:  # (made when missing)
+        # before: each worker stopped "cannot serve the model: [Errno 2] No such file or directory: .../histogram_
+        # 1.db", naming neither the variable nor the fix (a trial)
+        return (f"PROMETHEUS_MULTIPROC_DIR {metrics_dir} cannot be written: {why_not}; every process of the server "
+                "writes its metrics there: set it to a writable directory, or leave it unset for one of its own")
+    return None
 
 
 # gunicorn's options that stand for a setting, beside --workers (-b stays gunicorn's to give: the address is checked

@@ -1114,7 +1114,8 @@ def test_a_kept_metrics_dir_loses_an_earlier_run_s_files_at_the_master_s_start(t
         start = ("import logging, runpy; from types import SimpleNamespace; c = runpy.run_path('gunicorn.conf.py'); "
                  "c['on_starting'](SimpleNamespace(log=logging.getLogger('master'), reap_workers=lambda: None, "
                  f"handle_ttou=lambda: None, stop=lambda graceful=True: None, master_pid={master_pid}, "
-                 "cfg=SimpleNamespace(workers=c['workers'], bind=[])))")  # as gunicorn's arbiter calls it
+                 "cfg=SimpleNamespace(bind=[], **{k: c[k] for k in ('workers', 'threads', 'worker_connections', "
+                 "'timeout', 'graceful_timeout', 'keepalive')})))")  # as gunicorn's arbiter calls it
         subprocess.run([sys.executable, "-c", start], cwd=Path(__file__).resolve().parents[2], check=True,
                        capture_output=True, text=True, timeout=60, env=env)
         assert [path.exists() for path in left + kept] == [not removed] * len(left) + [True] * len(kept)

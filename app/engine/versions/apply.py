@@ -41,14 +41,14 @@ from app.metrics import ROLLOUT_CANDIDATE_REFUSED, ROLLOUT_ROLE, show_gpu_memory
 from models.export.checks import ModelLoadError, resolve_device
 
 log = logging.getLogger(__name__)
-LEFT_THE_REPOSITORY = "it has no version in the repository any more"
+RETIRE_GRACE_S = 5.0  # beyond the request timeout, how long a retiring version waits for the requests holding it
+ROLES = ("live", "canary", "shadow", "previous")
+LEFT_THE_REPOSITORY = "it has no version in the repository any more"  # why a model the poll unloaded serves nothing
 
 
 def unloaded_by_call(name: str) -> str:
     """Why a model an unload call unloaded serves nothing, and what serves it again."""
     return f"unloaded by a call (POST /v2/repository/models/{name}/load serves it again)"
-RETIRE_GRACE_S = 5.0  # beyond the request timeout, how long a retiring version waits for the requests holding it
-ROLES = ("live", "canary", "shadow", "previous")
 
 
 def _show_roles(name: str, versions: set[str], roles: dict[str, str]) -> None:

@@ -211,9 +211,9 @@ class Writers:
 
     def poll(self) -> None:
         """The repository poll: each followed model as its policy (and a load call's config, until its policy.json
-        is seen to differ from what the call found) picks among the versions that load now (a refused one is skipped until its
-        manifest changes; a model that left the repository is no longer wanted), applied here, then written for
-        the other workers. Refusals are logged once and remembered, never raised or written."""
+        is seen to differ from what the call found) picks among the versions that load now (a refused one is skipped
+        until its manifest changes; a model that left the repository is no longer wanted), applied here, then
+        written for the other workers. Refusals are logged once and remembered, never raised or written."""
         with self.applier.changing():
             self._name_default_model()
             _, desired = self.sync.read()
