@@ -7,7 +7,7 @@ import unicodedata
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence, Union
+from typing import Iterable, Iterator, Sequence, Union
 
 import torch
 from PIL import Image
@@ -80,6 +80,14 @@ def _names_told_apart(root: Path, names: list[str]) -> None:
             raise DataError(f"class folders {same!r} and {name!r} in {root} are the same name written in two Unicode "
                             "forms (an accent composed and decomposed): they would train as two classes answered by "
                             "one label; move their images into one folder")
+
+
+def in_another_form(names: Iterable[str], reference: Iterable[str]) -> dict[str, str]:
+    """Each of ``names`` that is one of ``reference``'s names written in another Unicode form (an accent composed in
+    one, decomposed in the other, as macOS's file names have it), with that name: the two read alike, so a list of
+    the names that differ would not say why."""
+    known = {unicodedata.normalize("NFC", name): name for name in reference}
+    return {name: known[text] for name in names if (text := unicodedata.normalize("NFC", name)) in known}
 
 
 def loose_files(root: Path) -> list[tuple[Path, str]]:
@@ -188,8 +196,7 @@ def check_same_classes(train: Split, val: Split) -> None:
         return
     only_train = sorted(set(train.classes) - set(val.classes))
     only_val = sorted(set(val.classes) - set(train.classes))
-    forms = sorted(name for name in only_train
-                   if unicodedata.normalize("NFC", name) in {unicodedata.normalize("NFC", v) for v in only_val})
+    forms = sorted(in_another_form(only_train, only_val))
     if forms:  # (as one split's two folders of one name are told: the same text, so the lists alone read alike)
         raise DataError(f"train and val name class(es) {forms} in two Unicode forms (an accent composed in one, "
                         "decomposed in the other, as macOS's file names have it): rename one split's folders so both "

@@ -15,13 +15,13 @@ import io
 import json
 import os
 import shlex
-import unicodedata
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import torch
 from PIL import Image
 
+from models.data.folder import in_another_form
 from models.export.manifest import TOP5_MIN_CLASSES, Manifest, TrainedOn
 from models.predict.inputs import folder_files, read_list
 from models.predict.outputs import Record
@@ -46,10 +46,8 @@ def check_labels(truths: dict[str, str], classes: Sequence[str], split: Path | N
     if split is not None and {"train", split.name} & set(unknown):
         raise DataError(f"--labels {split.parent} holds the training splits train/ and val/, not <class>/ folders: "
                         f"evaluate on the split training held out, --data {split} --labels {split}")
-    known = {unicodedata.normalize("NFC", name): name for name in classes}
-    forms = [name for name in unknown if unicodedata.normalize("NFC", name) in known]
-    if forms:  # the same text as one of the model's class names: the lists alone would read alike
-        pairs = ", ".join(f"{name!r} (the model's {known[unicodedata.normalize('NFC', name)]!r})" for name in forms)
+    if forms := in_another_form(unknown, classes):  # the same text as one of the model's class names
+        pairs = ", ".join(f"{name!r} (the model's {theirs!r})" for name, theirs in forms.items())
         raise DataError(f"--labels names class(es) {pairs} in another Unicode form than the model's (an accent "
                         "decomposed in one, composed in the other, as macOS's file names have it): rename the label "
                         "folders (or the CSV's labels) so both write them alike")

@@ -236,7 +236,8 @@ class Writers:
                         # Another worker serves it: a pick without it would undo that worker's, which would then
                         # undo this one's at its next poll. The entry stays; this worker's report says why not here.
                         self.applier.not_served[name] = why
-                    elif entry := self._serve_loadable(name, self._calls_config(name, current), current):
+                    # (a call's config left on the entry holds: _call_hold_ended read its policy.json above)
+                    elif entry := self._serve_loadable(name, (current or {}).get("config"), current):
                         changes[name] = entry
                 except ServiceError as exc:
                     self._not_served(name, exc, "poll: %s: %s")
