@@ -17,9 +17,10 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import ClassVar, Literal, Mapping
+from typing import ClassVar, Literal, Mapping, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DeviceName = str
@@ -48,6 +49,18 @@ class SettingsGroup(BaseModel):
 
     model_config = ConfigDict(protected_namespaces=())
     heading: ClassVar[str]
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _a_word_in_any_case(cls, value: object, info: ValidationInfo) -> object:
+        """A setting whose value is one of a few words takes it in any case, spaces around it dropped
+        (LOG_LEVEL=INFO, as Python's logging names its levels, was refused; ENGINE=Process too); a value that is
+        none of the words is refused as it was given."""
+        field = cls.model_fields.get(info.field_name or "")
+        if isinstance(value, str) and field is not None and get_origin(field.annotation) is Literal \
+                and value.strip().lower() in get_args(field.annotation):
+            return value.strip().lower()
+        return value
 
 
 class ModelSettings(SettingsGroup):

@@ -24,7 +24,9 @@ boot: a bad value, or a missing or corrupt weights file, stops the start with a 
 request. gunicorn's own settings (`bind`, `workers`, ...) are read from the same object by `gunicorn.conf.py`.
 A relative path (`WEIGHTS_DIR`, `CONTROL_DIR`, `API_KEY_FILE`) is taken from the directory the server runs in:
 `bin/serve` and `make serve` run in the checkout's folder, wherever they are called from; give absolute paths
-elsewhere. The settings are grouped below by what they govern, as they are declared (one class per group).
+elsewhere. A setting whose value is one of a few words (`LOG_LEVEL`, `ENGINE`, `DTYPE`, ...) takes it in any case
+(`INFO` is `info`); `true`/`false` ones take `1`/`0`, `yes`/`no` and `on`/`off` too.
+The settings are grouped below by what they govern, as they are declared (one class per group).
 """
 
 _TABLE_HEAD = """

@@ -105,6 +105,21 @@ def test_the_groups_checks_still_stop_the_start(environment: dict[str, str], mes
     assert str(raised.value).startswith(message)
 
 
+def test_a_setting_of_a_few_words_takes_them_in_any_case(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: VISIONSERVE_LOG_LEVEL=INFO, as Python's logging names its levels, stopped the start (a trial)
+    _clean_environment(monkeypatch)
+    for name, value in {"LOG_LEVEL": "INFO", "ENGINE": " Process ", "DTYPE": "BFloat16", "ACCESS_LOG": "Errors",
+                        "CONTROL_API": "OFF", "WEIGHTS_FORMAT": "ONNX"}.items():
+        monkeypatch.setenv(f"{ENV_PREFIX}{name}", value)
+    settings = load_settings()
+    assert (settings.log_level, settings.engine, settings.dtype, settings.access_log, settings.control_api,
+            settings.weights_format) == ("info", "process", "bfloat16", "errors", "off", "onnx")
+    monkeypatch.setenv(f"{ENV_PREFIX}LOG_LEVEL", "INFOO")  # still one of the words, whatever its case
+    with pytest.raises(SettingsError, match="VISIONSERVE_LOG_LEVEL: Input should be 'debug', 'info', 'warning' or "
+                                            "'error' \\(got 'INFOO'\\)"):
+        load_settings()
+
+
 def test_the_methods_of_the_groups_and_of_the_whole(tmp_path: Path) -> None:
     key_file = tmp_path / "key"
     key_file.write_text(" s3cret\n", encoding="utf-8")
