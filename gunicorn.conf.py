@@ -114,6 +114,7 @@ def on_starting(server) -> None:  # noqa: ANN001
     server.log.info("visionserve: %d worker%s (%s)", _workers, "" if _workers == 1 else "s", _workers_why)
     if (crowded := workers_past_cores(_workers, _engine)) is not None:
         server.log.warning("visionserve: %s", crowded)
+    _say_auth(server)
     _halt_once(server)
     _refuse_ttou_at_one_worker(server)
     if not getattr(server, "master_pid", 0):  # a master started by another's USR2: the old workers' marks are live
@@ -138,6 +139,23 @@ def on_starting(server) -> None:  # noqa: ANN001
         _halt_when_an_engine_fails(server)
         supervisor.start_engines(_engines, Path(os.environ["VISIONSERVE_CONTROL_DIR"]),
                                  lambda pid: _forget(server, pid), _settings.stall_s)
+
+
+def _say_auth(server) -> None:  # noqa: ANN001
+    """Whether requests need the API key, and where it is read from, said once at start (an operator found it
+    nowhere in the log; a trial). A key file that cannot be read is each worker's to say."""
+    try:
+        key = _settings.resolved_api_key()
+    except OSError:
+        return
+    if key is None:
+        server.log.info("visionserve: no API key: requests are served without one (VISIONSERVE_API_KEY or "
+                        "VISIONSERVE_API_KEY_FILE requires one)")
+        return
+    given = _settings.api_key is not None and _settings.api_key.get_secret_value().strip()
+    server.log.info("visionserve: requests need the API key (from %s)%s",
+                    "VISIONSERVE_API_KEY" if given else f"the key file {_settings.api_key_file}",
+                    "; health probes and /metrics are open (AUTH_HEALTH_OPEN)" if _settings.auth_health_open else "")
 
 
 def nworkers_changed(server, new_value: int, old_value: int | None) -> None:  # noqa: ANN001

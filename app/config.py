@@ -665,7 +665,8 @@ class SecuritySettings(SettingsGroup):
         None, description="Require `Authorization: Bearer <key>` or `X-API-Key: <key>` (compared in constant "
         "time; the key stripped of surrounding whitespace). Unset: no key needed; so is an empty or whitespace-only "
         "key, here or in `API_KEY_FILE`, with a warning at start that auth is off. Empty beside `API_KEY_FILE`: the "
-        "file's key (before, auth was off); both given keys: the start stops.")
+        "file's key (before, auth was off); both given keys: the start stops. The start's log says whether "
+        "requests need a key, and from where it is read.")
     api_key_file: Path | None = Field(None, description="The same, read from a file at boot (a Docker or "
                                       "Kubernetes secret).")
     tracing: bool = Field(

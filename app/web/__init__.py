@@ -44,13 +44,13 @@ def init_app(app: Flask, settings: Settings, service: ServiceFace, protocols: Se
     app.extensions[EXTENSION_KEY] = service
     app.wsgi_app = CloseWhenAsked(app.wsgi_app, lambda: service.draining)  # type: ignore[method-assign]
     # one before hook: the id and access-log fields, then a CORS preflight's answer, then the limit and the key
-    register_hooks(app, settings, preflight=register_cors(app, settings))
+    api_key = settings.resolved_api_key()  # once: an empty one's warning said once
+    register_hooks(app, settings, api_key, preflight=register_cors(app, settings))
     register_compression(app, settings)  # a JSON or text answer compressed when the request takes it
     # on, its hook goes first whenever registered, so a request the one above refuses is traced; off, none
     register_tracing(app, settings)
     register_error_handlers(app, protocols, settings.client_body_timeout_s)
     # what the worker refuses itself, before the app, after the engine refused a request of that route for its backlog
-    api_key = settings.resolved_api_key()
     if settings.control_api == "open" and api_key is None:
         log.warning("CONTROL_API=open and no API key: any client that reaches this server may load, unload, promote "
                     "and roll back its models; set VISIONSERVE_API_KEY, or leave CONTROL_API local")

@@ -26,7 +26,7 @@ from app.web.auth import check_api_key, is_health, is_page, key_forms, needs_key
 access_log = logging.getLogger(ACCESS_LOGGER)
 _ONE_BYTE_RANGE = re.compile(r"\s*bytes\s*=[^,]*\Z", re.IGNORECASE)  # what werkzeug's files answer 206 or 416 to
 
-def register_hooks(app: Flask, settings: Settings,
+def register_hooks(app: Flask, settings: Settings, api_key: str | None,
                    preflight: Callable[[Request], Response | None] | None = None) -> None:
     """One before hook for every request of ``app``, in this order: its id, its start time and its access-log fields
     (a trusted X-Forwarded-For among them), so every answer has them; a CORS ``preflight``'s answer (app/web/cors.py),
@@ -35,7 +35,7 @@ def register_hooks(app: Flask, settings: Settings,
     that sends the id and writes the log line. One hook, not one per step: Flask checks and calls each hook of every
     request."""
     trust_forwarded_for = settings.trust_forwarded_for
-    forms = None if (api_key := settings.resolved_api_key()) is None else key_forms(api_key)
+    forms = None if api_key is None else key_forms(api_key)
     body_timeout_s, health_open = settings.client_body_timeout_s, settings.auth_health_open
     max_body_bytes = settings.max_body_bytes
 

@@ -191,6 +191,7 @@ def test_an_empty_api_key_is_no_key_and_the_start_warns(settings: Settings, pred
         app = create_app(Settings.model_validate(fields), predictor)
     try:
         (message, *args), _ = warning.call_args
+        assert warning.call_count == 1  # once a process (before: twice, a trial)
         assert (message % tuple(args)).startswith("the API key setting is empty (")
         assert "auth is off" in message
         client = app.test_client()

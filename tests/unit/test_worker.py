@@ -1098,9 +1098,6 @@ def test_requests_answered_before_the_app_count_in_requests_total_as_unparsed(so
 def test_a_kept_metrics_dir_loses_an_earlier_run_s_files_at_the_master_s_start(tmp_path: Path) -> None:
     # /metrics sums every file in PROMETHEUS_MULTIPROC_DIR: a run that died uncleanly (its container killed) left its
     # processes' files, and the next run read ready 0 while serving, their counters and twice the queue capacity.
-    import subprocess
-    import sys
-
     folder, control_dir = tmp_path / "metrics", tmp_path / "control"
     folder.mkdir()
     control_dir.mkdir()
@@ -1111,14 +1108,43 @@ def test_a_kept_metrics_dir_loses_an_earlier_run_s_files_at_the_master_s_start(t
     env = {**os.environ, "VISIONSERVE_CONTROL_DIR": str(control_dir), "PROMETHEUS_MULTIPROC_DIR": str(folder),
            "VISIONSERVE_ENGINE": "inline", "VISIONSERVE_DEVICE": "cpu"}
     for master_pid, removed in ((4321, False), (0, True)):  # a USR2's new master: the old one's workers serve on
-        start = ("import logging, runpy; from types import SimpleNamespace; c = runpy.run_path('gunicorn.conf.py'); "
-                 "c['on_starting'](SimpleNamespace(log=logging.getLogger('master'), reap_workers=lambda: None, "
-                 f"handle_ttou=lambda: None, stop=lambda graceful=True: None, master_pid={master_pid}, "
-                 "cfg=SimpleNamespace(bind=[], **{k: c[k] for k in ('workers', 'threads', 'worker_connections', "
-                 "'timeout', 'graceful_timeout', 'keepalive')})))")  # as gunicorn's arbiter calls it
-        subprocess.run([sys.executable, "-c", start], cwd=Path(__file__).resolve().parents[2], check=True,
-                       capture_output=True, text=True, timeout=60, env=env)
+        _master_starting(env, master_pid)
         assert [path.exists() for path in left + kept] == [not removed] * len(left) + [True] * len(kept)
+
+
+def _master_starting(env: dict[str, str], master_pid: int = 0) -> str:
+    """gunicorn.conf.py's on_starting run in a process of its own with ``env``, as gunicorn's arbiter calls it (a
+    master started by another's USR2 has a ``master_pid``); what it logged."""
+    import subprocess
+    import sys
+
+    start = ("import logging, runpy; from types import SimpleNamespace; c = runpy.run_path('gunicorn.conf.py'); "
+             "logging.basicConfig(level=logging.INFO, format='%(message)s'); "
+             "c['on_starting'](SimpleNamespace(log=logging.getLogger('master'), reap_workers=lambda: None, "
+             f"handle_ttou=lambda: None, stop=lambda graceful=True: None, master_pid={master_pid}, "
+             "cfg=SimpleNamespace(bind=[], **{k: c[k] for k in ('workers', 'threads', 'worker_connections', "
+             "'timeout', 'graceful_timeout', 'keepalive')})))")
+    return subprocess.run([sys.executable, "-c", start], cwd=Path(__file__).resolve().parents[2], check=True,
+                          capture_output=True, text=True, timeout=60, env=env).stderr
+
+
+@pytest.mark.parametrize("key", ["", " s3cret\n"])
+def test_the_master_says_at_start_whether_requests_need_the_api_key_and_where_it_is_read(tmp_path: Path,
+                                                                                         key: str) -> None:
+    # Before: nothing in the start's log said whether auth was on (a trial)
+    env = {**os.environ, "VISIONSERVE_CONTROL_DIR": str(tmp_path), "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "m"),
+           "VISIONSERVE_ENGINE": "inline", "VISIONSERVE_DEVICE": "cpu"}
+    env.pop("VISIONSERVE_API_KEY", None)
+    if key:
+        (tmp_path / "key").write_text(key, encoding="utf-8")
+        env["VISIONSERVE_API_KEY_FILE"] = str(tmp_path / "key")
+    said = _master_starting(env)
+    if key:
+        assert f"visionserve: requests need the API key (from the key file {tmp_path / 'key'}); health probes " \
+               f"and /metrics are open (AUTH_HEALTH_OPEN)" in said
+    else:
+        assert "visionserve: no API key: requests are served without one (VISIONSERVE_API_KEY or " \
+               "VISIONSERVE_API_KEY_FILE requires one)" in said
 
 
 class _NoRoom:
