@@ -71,6 +71,9 @@ def no_export_message(weights_dir: Path) -> str:
                   if (folder / MANIFEST_NAME).is_file()]
     if within:  # a run's folder named for its export's (runs/mine for runs/mine/export)
         found += f", but {within[0].parent} does: set VISIONSERVE_WEIGHTS_DIR={within[0].parent}"
+    elif not weights_dir.exists() and (trimmed := Path(str(weights_dir).strip())) != weights_dir and trimmed.is_dir():
+        found += (f" ({str(weights_dir)!r}, the setting's spaces around it kept), but {trimmed} does: drop the "
+                  f"spaces")  # before: "weights " was said as if the folder were missing (a trial)
     if weights_dir.resolve() == DEFAULT_WEIGHTS_DIR:
         return (f"no manifest.json in {weights_dir}: {found}; run `make weights` to export the bundled default model "
                 f"into it, or set VISIONSERVE_WEIGHTS_DIR to {served}")

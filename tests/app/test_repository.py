@@ -60,6 +60,15 @@ def test_a_directory_is_one_export_or_a_repository(tmp_path: Path) -> None:
         "exports the bundled default model into weights/, not there)")
 
 
+def test_a_weights_dir_named_with_a_space_around_it_is_said_so(tmp_path: Path) -> None:
+    # Before: VISIONSERVE_WEIGHTS_DIR="weights " was said as a folder that does not exist, the space unseen (a trial)
+    (tmp_path / "weights").mkdir()
+    spaced = DirectorySource(Settings(weights_dir=f"{tmp_path / 'weights'} ", device="cpu"))
+    assert str(spaced.missing()).startswith(
+        f"no manifest.json in {tmp_path / 'weights'} : the folder does not exist ('{tmp_path / 'weights'} ', the "
+        f"setting's spaces around it kept), but {tmp_path / 'weights'} does: drop the spaces; check ")
+
+
 def test_a_version_folder_without_a_manifest_is_in_the_index_saying_why_it_is_not_served(tmp_path: Path) -> None:
     # Before: left out without a word (the load call 200, nothing logged, absent from the index: a TorchServe user
     # dropping a model file into a version folder got no hint)
