@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 from PIL import Image
-from torchvision.transforms import v2 as T
 
 from models.presets import EvalPreset, ImageTransform, Interpolation, interpolation_mode
 
@@ -79,6 +78,8 @@ def draw(height: int, width: int, min_crop_scale: float, hflip_prob: float) -> C
 
 def crop_pil(image: Image.Image, box: CropFlip, size: int, interpolation: Interpolation) -> Image.Image:
     """Apply ``box`` to an RGB PIL image: crop, resize to ``size`` (antialiased), mirror."""
+    from torchvision.transforms import v2 as T  # where used: torchvision's import costs ~1.4 s (torch._dynamo)
+
     out = T.functional.resized_crop(image, box.top, box.left, box.height, box.width, [size, size],
                                     interpolation=interpolation_mode(interpolation), antialias=True)
     return out.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if box.flip else out
@@ -86,6 +87,8 @@ def crop_pil(image: Image.Image, box: CropFlip, size: int, interpolation: Interp
 
 def crop_tensor(pixels: torch.Tensor, box: CropFlip, size: int, interpolation: Interpolation) -> torch.Tensor:
     """Apply ``box`` to a uint8 (C, H, W) tensor on any device; resizing the uint8 pixels, as PIL does."""
+    from torchvision.transforms import v2 as T
+
     out = T.functional.resized_crop(pixels, box.top, box.left, box.height, box.width, [size, size],
                                     interpolation=interpolation_mode(interpolation), antialias=True)
     return out.flip(-1) if box.flip else out
@@ -108,6 +111,8 @@ def train_transform(preset: EvalPreset, hflip_prob: float = 0.5, min_crop_scale:
     ``min_crop_scale`` is the smallest crop area as a fraction of the image (torchvision's default 0.08 suits
     photos; centred subjects such as digits want more, and no flip).
     """
+    from torchvision.transforms import v2 as T
+
     return T.Compose([
         RandomCropFlip(preset, hflip_prob, min_crop_scale),
         T.PILToTensor(),

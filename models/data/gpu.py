@@ -18,7 +18,6 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
-from torchvision.io import ImageReadMode, decode_jpeg
 
 from models.data.augment import CropFlip, check_min_crop_scale, crop_tensor, draw
 from models.data.folder import Sample, SampleKey, sample_seed, unreadable
@@ -105,6 +104,8 @@ def collate(rows: list[tuple[torch.Tensor, torch.Tensor, int]]) -> EncodedBatch:
 
 def _host_decode(encoded: torch.Tensor) -> torch.Tensor:
     """A JPEG the device refused, decoded on the host: libjpeg-turbo, else PIL (CMYK and other rare kinds)."""
+    from torchvision.io import ImageReadMode, decode_jpeg  # where used, as models/data/jpeg.py's device path
+
     try:
         return decode_jpeg(encoded, mode=ImageReadMode.RGB, apply_exif_orientation=True)
     except RuntimeError:

@@ -265,6 +265,7 @@ def test_the_crop_box_is_the_eval_transform_s_region() -> None:
     assert crop_box(300, 600, preset) == (19, 169, 281, 431)  # short side 300: 224 x 300 / 256 = 262.5 wide
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 @pytest.mark.parametrize("weights_format", ["torchscript", "state_dict"])
 def test_a_bfloat16_version_decoded_in_its_batch_is_explained_in_float32_as_a_float32_one(
         tiny_export: Path, weights_format: str) -> None:

@@ -136,6 +136,7 @@ def test_the_server_serves_the_int8_package_when_asked(int8_export: Path) -> Non
         Predictor.load(int8_export, weights_format="aoti", device="cpu", max_batch_size=MAX_BATCH)
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_an_int8_package_of_a_run_is_checked_on_the_images_its_run_held_out(tmp_path: Path) -> None:
     # Before: always on scikit-image's photos: a 4-class model's int8 package agreed with float32 on 82% of them
     # (below the 99% auto serves), where it agreed on 100% of its run's held-out images

@@ -137,6 +137,7 @@ def test_the_v2_metadata_names_the_runtime_the_version_runs_on(onnx_export: Path
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_a_model_the_exporter_cannot_take_is_exported_without_onnx(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     def unsupported(*_: object) -> None:
@@ -144,7 +145,7 @@ def test_a_model_the_exporter_cannot_take_is_exported_without_onnx(tmp_path: Pat
 
     monkeypatch.setattr("models.export.onnx._write", unsupported)
     with caplog.at_level(logging.WARNING, logger="models.export.onnx"):
-        export_tiny(tmp_path, packages=(("onnx", "float32"),))
+        export_tiny(tmp_path, packages=(("onnx", "float32"),), copied=False)  # the patched exporter runs
     assert read_manifest(tmp_path).onnx is None and not (tmp_path / "model.onnx").exists()
     assert "no ONNX file (the server will serve TorchScript): the export failed: no ONNX op" in caplog.text
     assert Predictor.load(tmp_path, device="cpu").weights_format == "torchscript"
@@ -168,7 +169,7 @@ def test_an_onnx_file_whose_probabilities_differ_is_not_written(tmp_path: Path, 
 
     monkeypatch.setattr(onnx, "run_session", surer)
     with caplog.at_level(logging.WARNING, logger="models.export.onnx"):
-        export_tiny(tmp_path, packages=(("onnx", "float32"),))
+        export_tiny(tmp_path, packages=(("onnx", "float32"),), copied=False)  # the patched exporter runs
     assert read_manifest(tmp_path).onnx is None and not (tmp_path / "model.onnx").exists()
     assert "no ONNX file (the server will serve TorchScript): its probabilities differ" in caplog.text
 
@@ -183,7 +184,7 @@ def test_an_export_without_the_agreement_photos_says_which_package_to_install(
 
     monkeypatch.setattr("models.export.agreement._photo", no_skimage)
     with caplog.at_level(logging.WARNING, logger="models.export.onnx"):
-        export_tiny(tmp_path, packages=(("onnx", "float32"),))
+        export_tiny(tmp_path, packages=(("onnx", "float32"),), copied=False)  # the patched exporter runs
     assert read_manifest(tmp_path).onnx is None
     assert "skimage is not installed: " in caplog.text and " -m pip install -r requirements.txt" in caplog.text
 

@@ -389,6 +389,7 @@ def test_an_address_in_use_stops_the_start_at_once_naming_the_setting(tmp_path: 
     assert "removed 2 temporary directories of servers gone without removing them" in result.stderr
 
 
+@pytest.mark.slow  # a command in a subprocess: the full suite's
 def test_gunicorn_reading_its_configuration_alone_leaves_no_directories_behind(tmp_path: Path) -> None:
     # Before: `--check-config` executed gunicorn.conf.py, which made the metrics and control directories, and no
     # hook ran to remove them

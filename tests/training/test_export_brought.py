@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import skimage.data
 import torch
-import torchvision
 from PIL import Image
 
 from app.config import Settings
@@ -59,6 +58,8 @@ def _sharpened(model: torch.nn.Module) -> torch.nn.Module:
 def _served_equals_own(out: Path, own: torch.nn.Module) -> Predictor:
     """The export as the server loads it answers a photo as ``own`` does on the pixels docs/models.md says prepare
     it: torchvision's Resize (antialiased), CenterCrop, ToTensor, Normalize of the manifest's preparation."""
+    import torchvision
+
     server = Predictor.load(out, device="cpu")
     photo = encode(Image.fromarray(skimage.data.chelsea()), "JPEG")  # 451x300, textured
     served = server.probabilities(image_to_tensor_path(photo, server.tensor_transform,
@@ -77,6 +78,8 @@ def _served_equals_own(out: Path, own: torch.nn.Module) -> Predictor:
 @pytest.mark.slow  # real exports: seconds each
 def test_a_state_dict_of_a_named_or_a_library_s_architecture_is_exported_and_served_as_trained(
         tmp_path: Path, labels: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import torchvision
+
     model = _sharpened(torchvision.models.resnet18(num_classes=3))
     nested = tmp_path / "nested.pt"  # as Lightning saves: {"state_dict": {"<its attribute>.<key>": ...}, ...}
     torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()}, "epoch": 3}, nested)
@@ -105,6 +108,8 @@ def test_a_state_dict_of_a_named_or_a_library_s_architecture_is_exported_and_ser
 @pytest.mark.slow  # real exports: seconds each
 def test_a_torchscript_file_is_exported_as_torchscript_alone_and_served_as_trained(
         tmp_path: Path, labels: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import torchvision
+
     model = _sharpened(torchvision.models.resnet18(num_classes=3))
     torch.jit.save(torch.jit.script(model), tmp_path / "mine.ts")
     out = tmp_path / "out"
@@ -142,8 +147,11 @@ class _LogitsAndFeatures(torch.nn.Module):
         return self.head(features), features
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_what_is_not_what_it_is_said_to_be_is_refused_in_one_line_and_nothing_written(
         tmp_path: Path, labels: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import torchvision
+
     model = torchvision.models.mobilenet_v3_small(num_classes=3)
     torch.save(model.state_dict(), tmp_path / "mine.pt")
     torch.save({**model.state_dict(), "ema.decay": torch.tensor(0.99)}, tmp_path / "extra.pt")
@@ -226,7 +234,10 @@ def test_a_model_whose_head_cannot_be_taken_out_is_exported_without_an_embedding
         with_embedding(Branched(), torch.randn(2, 3, 2, 2))
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_the_server_says_so_when_a_state_dict_is_not_its_manifest_s_architecture(tmp_path: Path) -> None:
+    import torchvision
+
     # Before: torch's error, every key listed (8,527 characters in one log line); a state dict listed as TorchScript:
     # "PytorchStreamReader failed locating file constants.pkl ... your checkpoint file is corrupted"
     from models.export.load import load_module
@@ -254,8 +265,11 @@ def test_a_manifest_whose_label_is_empty_is_refused_naming_it() -> None:
         type(tiny_manifest()).model_validate({**manifest, "labels": [LABELS[0], " ", *LABELS[2:]]})
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_what_a_brought_model_s_export_cannot_check_is_warned_of(tmp_path: Path, labels: Path,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    import torchvision
+
     # Before, each silent (a new user's trial): a final sigmoid (served softmax over it: scores near 1/N), a class
     # named twice, the ImageNet recipe taken for a model given no sizes, a crop larger than its resize.
     class Sigmoid(torch.nn.Module):

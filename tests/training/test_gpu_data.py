@@ -9,7 +9,6 @@ import pytest
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader
-from torchvision.transforms import v2 as T
 
 from models.data.augment import RandomCropFlip, draw, train_transform
 from models.run.distributed import DistEnv
@@ -46,6 +45,8 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_the_draw_is_torchvisions_random_resized_crop_and_flip() -> None:
+    from torchvision.transforms import v2 as T
+
     reference = T.Compose([T.RandomResizedCrop(48, scale=(0.08, 1.0), antialias=True), T.RandomHorizontalFlip(0.5)])
     # A wide, a tall and a square image: the tall and wide ones also reach the centred fallback.
     for size in ((300, 40), (40, 300), (120, 120)):

@@ -76,6 +76,7 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_a_folder_is_scored_in_order_with_the_unreadable_files_named(weights: Path, photos: Path,
                                                                     tmp_path: Path) -> None:
     out = tmp_path / "scores.jsonl"
@@ -153,6 +154,7 @@ def test_a_rerun_refuses_to_mix_the_answers_of_two_versions(weights: Path, photo
                           "afresh")
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_csv_output_and_parquet_without_pyarrow(weights: Path, photos: Path, tmp_path: Path,
                                                 caplog: pytest.LogCaptureFixture) -> None:
     listed = tmp_path / "list.txt"
@@ -262,6 +264,7 @@ def test_one_image_is_scored_as_the_folder_s_run_scores_it(weights: Path, photos
     assert list_inputs(bmp) == [Item(str(bmp), str(bmp))]
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_a_list_s_line_found_only_from_the_current_folder_is_said_so(weights: Path, photos: Path, tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     # Before: "cannot read the file: No such file or directory" alone, for a path that exists from where one stands
@@ -278,6 +281,7 @@ def test_a_list_s_line_found_only_from_the_current_folder_is_said_so(weights: Pa
                              "the current folder)")
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_labels_from_a_csv_and_unknown_classes(weights: Path, digits: Path, tmp_path: Path,
                                                caplog: pytest.LogCaptureFixture) -> None:
     files = sorted((digits / "3").iterdir())[:2]

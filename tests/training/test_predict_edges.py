@@ -342,6 +342,7 @@ def test_a_run_s_own_names_file_is_a_list_another_run_reads_name_for_name(weight
     assert len(again) == 5 and not [line for line in again if "error" in line]  # ASCII space and CR taken off
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_a_second_run_on_an_output_another_run_writes_is_refused(weights: Path, picture: bytes, tmp_path: Path,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     # Before: both ran, each appending to the same parts and numbering embedding rows from its own count: most
@@ -366,6 +367,7 @@ def test_a_second_run_on_an_output_another_run_writes_is_refused(weights: Path, 
     assert not list(tmp_path.glob(".scores.jsonl.lock"))
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_a_resume_with_another_top_k_or_precision_is_refused(weights: Path, picture: bytes, tmp_path: Path,
                                                              caplog: pytest.LogCaptureFixture) -> None:
     # Before: a run stopped with --top-k 3 and resumed with --top-k 2 (or another format, dtype or decode path)
@@ -392,6 +394,7 @@ def test_a_resume_with_another_top_k_or_precision_is_refused(weights: Path, pict
     assert _run(weights, data, whole, "--top-k", "2") == 2  # a finished output: its answers' width
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_a_full_disk_is_said_in_one_line_and_leaves_no_temporary_file(weights: Path, picture: bytes, tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch,
                                                                        caplog: pytest.LogCaptureFixture) -> None:

@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import timm
 import torch
 
 from app.engine.loaded.predictor import Predictor
@@ -35,6 +34,8 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def imagenet_like(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
     """Weights of ARCH with a 1000-class head, saved as a DDP run saves them (``module.`` before every name)."""
+    import timm
+
     torch.manual_seed(1)
     weights = timm.create_model(ARCH.removeprefix("timm:"), num_classes=1000).state_dict()
     path = tmp_path_factory.mktemp("weights") / "imagenet_like.pt"
@@ -206,6 +207,7 @@ def test_a_normalisation_off_the_0_to_1_scale_is_refused_by_the_parser(folder: P
         assert exited.value.code == 2 and f"argument {option}: must be in" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_an_export_s_weights_are_taken_under_either_name_of_their_architecture(tmp_path: Path) -> None:
     # Before: an export written as torchvision:mobilenet_v3_small was refused for --arch mobilenet_v3_small ("give
     # --arch torchvision:mobilenet_v3_small"), the same model under its short name (a new user's trial).

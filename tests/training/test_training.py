@@ -395,6 +395,7 @@ def test_a_resumed_run_s_printed_export_replaces_the_run_s_earlier_export(folder
     assert {json.loads(line)["version"] for line in (run / "eval.jsonl").read_text().splitlines()} == {"7"}
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_a_flat_folder_is_split_with_val_split(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     nested = write_image_folder(tmp_path / "nested", train_per_class=5, val_per_class=0)
     flat = nested / "train"  # DIR/<class>/*, no train/val

@@ -374,6 +374,7 @@ def test_an_unreadable_image_is_warned_of_once_by_rank_0(tmp_path: Path, caplog:
                    for r in caplog.records) == said, env
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_images_the_server_refuses_for_their_size_are_left_out_of_validation_not_training(tmp_path: Path) -> None:
     # Before: a panorama of aspect ratio 33 (the server's 400) and a 42-megapixel PNG (its 413) were validated on:
     # the run's val top-1 counted images models.predict and the server refuse (a new user's trial). Training keeps

@@ -178,6 +178,7 @@ def test_device_choice_on_a_machine_without_cuda(monkeypatch: pytest.MonkeyPatch
     assert pick_device("auto", DistEnv(rank=3, local_rank=3, world_size=4)) == torch.device("cuda", 1)
 
 
+@pytest.mark.slow  # seconds of training, export or a fresh interpreter: the full suite's
 def test_datasets_are_real_image_folders(tmp_path: Path) -> None:
     counts = write_digits(tmp_path / "digits")
     assert counts == {"train": 1438, "val": 359}

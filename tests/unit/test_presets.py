@@ -11,8 +11,6 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from torchvision.transforms import InterpolationMode
-from torchvision.transforms import v2 as T
 
 from harness.photos import photo
 from harness.servers import ROOT
@@ -32,6 +30,8 @@ SIZES = [(4000, 3000), (1920, 1080), (1080, 1920), (451, 300), (640, 427), (257,
 
 
 def _two_steps(image: Image.Image, resize: int, crop: int, interpolation: str) -> torch.Tensor:
+    from torchvision.transforms import InterpolationMode, v2 as T  # here, not at collection: ~1.4 s a process
+
     steps = T.Compose([T.Resize(resize, interpolation=InterpolationMode(interpolation), antialias=True),
                        T.CenterCrop(crop), T.PILToTensor()])
     return steps(image).int()
@@ -46,6 +46,8 @@ def _chelsea_at(size: tuple[int, int]) -> Image.Image:
 @pytest.mark.parametrize("interpolation", ["nearest", "bilinear", "bicubic", "lanczos"])
 @pytest.mark.parametrize("resize,crop", [(256, 224), (224, 224), (200, 224), (32, 16)])
 def test_same_pixels_as_resize_then_center_crop(interpolation: str, resize: int, crop: int) -> None:
+    from torchvision.transforms import v2 as T
+
     one_step = ResizeCenterCrop(resize, crop, interpolation)  # type: ignore[arg-type]
     for size in SIZES:
         image = _chelsea_at(size)
@@ -74,11 +76,15 @@ def test_large_photos_take_the_one_step_path() -> None:
 # -- the eval transforms without torchvision, against torchvision's own -------------------------------------------
 
 def _torchvision_pil_eval(preset: EvalPreset):  # noqa: ANN202
+    from torchvision.transforms import v2 as T
+
     return T.Compose([ResizeCenterCrop(preset.resize_size, preset.crop_size, preset.interpolation), T.PILToTensor(),
                       T.ToDtype(torch.float32, scale=True), T.Normalize(mean=list(preset.mean), std=list(preset.std))])
 
 
 def _torchvision_tensor_eval(preset: EvalPreset, image: torch.Tensor) -> torch.Tensor:
+    from torchvision.transforms import InterpolationMode, v2 as T
+
     # nearest as PIL's: NEAREST_EXACT on tensors (test_nearest_is_pil_s_nearest_on_tensors too)
     mode = InterpolationMode.NEAREST_EXACT if preset.interpolation == "nearest" else InterpolationMode(
         preset.interpolation)
@@ -143,6 +149,8 @@ def test_a_batch_resized_through_float_gives_torchvision_s_float_round_trip_imag
 
 
 def test_nearest_is_pil_s_nearest_on_tensors() -> None:
+    from torchvision.transforms import v2 as T
+
     # Before: a preset's nearest was torchvision's NEAREST on tensors, which floors a pixel's source position where
     # PIL rounds it: the tensor and device paths (and the GPU training augment) took the neighbouring pixel, on a
     # 2:1 shrink every one of them.
