@@ -38,6 +38,10 @@ os.environ["VISIONSERVE_WORKERS"] = str(_workers)
 _engine = engine_mode(_settings.engine, _settings.device)
 # The engines read how many of them share the host (each forward pass takes its share of the cores).
 _engines = engine_count(_settings.device, _settings.engines_per_device) if _engine == "process" else 0
+# the server's own variables, given by hand: said at start (before, overwritten in silence; a trial). A USR2's new
+# master inherits its predecessor's ENGINES, the count it makes again.
+_given_by_hand = [f"{name}={os.environ[name]}" for name in ("VISIONSERVE_ENGINES", "VISIONSERVE_WORKER_SLOT")
+                  if name in os.environ and not (name == "VISIONSERVE_ENGINES" and os.environ[name] == str(_engines))]
 os.environ["VISIONSERVE_ENGINES"] = str(_engines)
 
 # Several processes: prometheus-client's multiprocess mode, so /metrics on any worker reports all of them (the
@@ -100,6 +104,10 @@ def on_starting(server) -> None:  # noqa: ANN001
     an earlier run left in kept directories (CONTROL_DIR's marks, the metrics' files), then start the engines."""
     for warning in unknown_variables(os.environ):
         server.log.warning(warning)
+    if _given_by_hand:
+        server.log.warning("visionserve: %s: the server sets these itself (the engine count from ENGINE and "
+                           "ENGINES_PER_DEVICE, each worker's slot): the values given are not used",
+                           ", ".join(_given_by_hand))
     # its directories removed however it exits (a refusal below, a halt after on_exit, gunicorn's own exit when it
     # cannot listen), in this master only (its pid now: after a --daemon fork), not in the workers it forks
     owned_dirs.remove_at_exit()

@@ -198,10 +198,12 @@ class DeviceSettings(SettingsGroup):
         "k..2k-1 on GPU 1, wrapping). `/v1/models` and `/metrics` (`visionserve_model_info`) name each worker's GPU.")
     engines: int = Field(
         0, ge=0, description="Set by gunicorn.conf.py, not by hand: under ENGINE=process, how many engine processes "
-        "serve (ENGINES_PER_DEVICE per GPU, or on the CPU host); 0 under ENGINE=inline.")
+        "serve (ENGINES_PER_DEVICE per GPU, or on the CPU host); 0 under ENGINE=inline. Given by hand: not used, "
+        "said at start.")
     worker_slot: int | None = Field(
         None, ge=0, description="Set by gunicorn.conf.py, not by hand: this worker's number among the live workers "
-        "(0..WORKERS-1; a restarted worker takes the free one), which places it on a GPU.")
+        "(0..WORKERS-1; a restarted worker takes the free one), which places it on a GPU. Given by hand: not used, "
+        "said at start.")
     dtype: Dtype = Field("float32", description="Compute dtype: `float32`, `float16` (CUDA only) or `bfloat16`.")
     memory_format: MemoryFormat = Field(
         "contiguous", description="The layout of a version's weights and batches in its forward pass: `contiguous` "

@@ -1128,6 +1128,18 @@ def _master_starting(env: dict[str, str], master_pid: int = 0) -> str:
                           capture_output=True, text=True, timeout=60, env=env).stderr
 
 
+def test_the_master_says_which_of_the_servers_own_variables_were_given_by_hand(tmp_path: Path) -> None:
+    # Before: VISIONSERVE_ENGINES=3 or VISIONSERVE_WORKER_SLOT=1 in the environment were overwritten in silence (a trial)
+    env = {**os.environ, "VISIONSERVE_CONTROL_DIR": str(tmp_path), "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "m"),
+           "VISIONSERVE_ENGINE": "inline", "VISIONSERVE_DEVICE": "cpu", "VISIONSERVE_ENGINES": "3",
+           "VISIONSERVE_WORKER_SLOT": "1"}
+    assert "visionserve: VISIONSERVE_ENGINES=3, VISIONSERVE_WORKER_SLOT=1: the server sets these itself" in \
+        _master_starting(env)
+    env["VISIONSERVE_ENGINES"] = "0"  # as a USR2's new master inherits it: the count it makes again, not said
+    del env["VISIONSERVE_WORKER_SLOT"]
+    assert "the server sets these itself" not in _master_starting(env)
+
+
 @pytest.mark.parametrize("key", ["", " s3cret\n"])
 def test_the_master_says_at_start_whether_requests_need_the_api_key_and_where_it_is_read(tmp_path: Path,
                                                                                          key: str) -> None:
