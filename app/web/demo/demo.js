@@ -17,8 +17,7 @@ const RETRY_S = 2, RETRY_MAX_S = 30;  // asking /v1/models again: without a Retr
 let modelsRetry = null;  // the timer that asks /v1/models again, while the server cannot answer it
 let modelsReading = null;  // the read of /v1/models under way (readModels), which others asking then share
 const SEND_RETRY_MAX_S = 5;  // a photo or explanation is sent again after a 429 or 503 asking to wait this long or less
-const KEY_PAUSE_MS = 400;  // the models are read again once typing in the key box pauses this long
-let keyTimer = null;
+let keyReadWith = null;  // the key box's value when the models were last read
 
 function headers() {
   // The key as its UTF-8 bytes, one character each: fetch sends a header's characters as bytes (and refuses one
@@ -57,13 +56,24 @@ function failureText(result) {
 
 let keyNoticeShown = false;  // the notice says the key is missing or refused (cleared once a key is taken)
 
-function needKey(keySent, then) {
+function needKey(keySent, then, focus = true) {
   // The key box, and why: the server refused the key sent, or none was sent. ``then``: what to do once it is in.
+  // The focus goes to the box unless the key was checked as the box was left (Tab, a click elsewhere): it is not
+  // taken back from where the person went. The notice is written only when it changes: a status read out again
+  // and again says nothing new.
   keySection.hidden = false;
-  notice.textContent = keySent ? `The server refused this API key: check it and enter it again above${then}.`
-                               : `This server needs an API key: enter it above${then}.`;
+  const text = keySent ? `The server refused this API key: check it and enter it again above${then}.`
+                       : `This server needs an API key: enter it above${then}.`;
+  if (notice.textContent !== text) notice.textContent = text;
   keyNoticeShown = true;
-  keyInput.focus();
+  if (focus) keyInput.focus();
+}
+
+function keyChanged() {
+  // The models read again with the key now in the box, when it changed since they were last read: as the box is
+  // left or Enter pressed in it, and before photos are sent (one dropped while the box keeps the focus). Never while
+  // it is typed: each pause sent a part of the key, and each refusal took the focus back (an accessibility trial).
+  if (keyInput.value.trim() !== keyReadWith) readModels(true);
 }
 
 function keyTaken() {
@@ -111,7 +121,8 @@ function describeRollout() {
   // The server's running comparison for the model picked, while it has a candidate (pinned or not).
   const pair = rolloutPair(modelPick.value);
   rolloutLine.hidden = !pair;
-  rolloutLine.textContent = pair ? comparisonText(pair) : "";
+  const text = pair ? comparisonText(pair) : "";
+  if (rolloutLine.textContent !== text) rolloutLine.textContent = text;  // a live region: read when it changes
 }
 
 function describeChoice() {
@@ -181,16 +192,17 @@ function retryModels(status, retryAfter) {
   return ` · asking again in ${seconds} s`;
 }
 
-async function describeModels() {
+async function describeModels(fromKey = false) {
   // The models the server serves, into the pickers; while it cannot say (its models loading), why, until it can.
-  // The model and the version picked stay picked while they are served.
+  // The model and the version picked stay picked while they are served. ``fromKey``: read for a key just entered.
   clearTimeout(modelsRetry);
   try {
+    keyReadWith = keyInput.value.trim();
     const auth = headers();
     const response = await fetch("/v1/models", { headers: auth });
     if (response.status === 401) {
       $("model").textContent = "The models show once the server takes the API key.";
-      return needKey("Authorization" in auth, "");
+      return needKey("Authorization" in auth, "", !fromKey);
     }
     keyTaken();
     let body = null;
@@ -214,9 +226,9 @@ async function describeModels() {
   }
 }
 
-function readModels() {
+function readModels(fromKey = false) {
   // describeModels, once for all who ask while it runs (several photos told 404 at once read the models once).
-  modelsReading = modelsReading || describeModels().finally(() => { modelsReading = null; });
+  modelsReading = modelsReading || describeModels(fromKey).finally(() => { modelsReading = null; });
   return modelsReading;
 }
 
@@ -324,11 +336,34 @@ function timings(header) {
   }).filter(Boolean).join(" · ");
 }
 
+function answerRegion(title, heading) {
+  // A live region holding a heading (``title``, as a ``heading`` element) and the body an answer goes into: read
+  // whole when the body changes (aria-atomic), so an answer or an error is heard with what it answers (several
+  // photos' answers come in any order). Returns {region, body}.
+  const region = document.createElement("div");
+  region.setAttribute("aria-live", "polite");  // in the page before its answer, so the answer is announced
+  region.setAttribute("aria-atomic", "true");
+  const named = document.createElement(heading);
+  named.className = "name";
+  named.textContent = title;
+  const body = document.createElement("div");
+  body.className = "body";
+  body.textContent = "Classifying…";
+  region.append(named, body);
+  return { region, body };
+}
+
+function answerHolder(body) {
+  // The card or the rollout side whose answer ``body`` holds: what goes beside the answer (its timings, the "Why"
+  // button and the explanation) goes there, after the live region, not read out with each answer.
+  return body.parentElement.parentElement;
+}
+
 function card(file) {
-  const element = document.createElement("div");
+  const element = document.createElement("article");
   element.className = "card";
   const image = document.createElement("img");
-  image.alt = file.name;
+  image.alt = "";  // the photo's name is the card's heading, right below
   const url = URL.createObjectURL(file);
   image.onload = () => URL.revokeObjectURL(url);  // shown: the browser keeps what it decoded
   image.onerror = () => {  // not an image the browser can show either: the error says why
@@ -336,14 +371,8 @@ function card(file) {
     image.remove();
   };
   image.src = url;
-  const name = document.createElement("div");
-  name.className = "name";
-  name.textContent = file.name;
-  const body = document.createElement("div");
-  body.className = "body";
-  body.setAttribute("aria-live", "polite");  // in the page before its answer, so the answer is announced
-  body.textContent = "Classifying…";
-  element.append(image, name, body);
+  const { region, body } = answerRegion(file.name, "h2");
+  element.append(image, region);
   results.append(element);  // in the order the photos were chosen
   return body;
 }
@@ -360,7 +389,7 @@ function offerExplanation(body, file, target, top) {
   button.className = "why";
   button.textContent = `Why ${top.label}?`;
   button.addEventListener("click", () => explainInto(holder, button, file, target, top));
-  body.append(button, holder);
+  answerHolder(body).append(button, holder);
 }
 
 function showPrediction(body, answer, response) {
@@ -385,7 +414,7 @@ function showPrediction(body, answer, response) {
   meta.className = "meta";
   const answered = `${answer.model.name} version ${answer.model.version}`;
   meta.textContent = `${answered} · ${timings(response.headers.get("Server-Timing"))}`;
-  body.append(meta);
+  answerHolder(body).append(meta);  // the timings are not read out with the answer
 }
 
 async function answerInto(body, file, target) {
@@ -418,16 +447,11 @@ async function answerInto(body, file, target) {
 }
 
 function side(title) {
-  // One version's half of a compared card: its heading, and where its answer goes.
+  // One version's half of a compared card: its heading (under the photo's), and where its answer goes.
   const section = document.createElement("section");
   section.className = "side";
-  const heading = document.createElement("h2");
-  heading.textContent = title;
-  const body = document.createElement("div");
-  body.className = "body";
-  body.setAttribute("aria-live", "polite");
-  body.textContent = "Classifying…";
-  section.append(heading, body);
+  const { region, body } = answerRegion(title, "h3");
+  section.append(region);
   return { section, body };
 }
 
@@ -449,7 +473,8 @@ async function classifyBoth(file, pair) {
   // top-1 agrees.
   const body = card(file), name = pair.live.name;
   body.closest(".card").classList.add("compared");
-  body.removeAttribute("aria-live");  // each side's answer and the verdict are live regions of their own
+  body.parentElement.removeAttribute("aria-live");  // each side's answer and the verdict are live regions of their own
+  body.parentElement.removeAttribute("aria-atomic");
   const live = side(`Live · version ${pair.live.version}`);
   const candidate = side(`Candidate (${pair.role}) · version ${pair.candidate.version}`);
   const sides = document.createElement("div");
@@ -480,6 +505,7 @@ function classify(file) {
 }
 
 function classifyAll(files) {
+  keyChanged();  // a key typed, the box not left: the models read with it (the photos are sent with it anyway)
   notice.textContent = "";
   const names = Array.from(files, (file) => file.name);
   // The native input's own text would say "No file chosen" again (it is reset so the same photo can be picked
@@ -514,10 +540,9 @@ window.addEventListener("drop", (event) => {
 });
 modelPick.addEventListener("change", () => fillVersions());
 versionPick.addEventListener("change", describeChoice);
-// The models again once typing in the key box pauses: its change event waits for the box to lose focus, which a
-// photo dropped meanwhile never brings (the model picker would say "loading…" throughout).
-keyInput.addEventListener("input", () => {
-  clearTimeout(keyTimer);
-  keyTimer = setTimeout(readModels, KEY_PAUSE_MS);
+// The models again with a key entered: as the box is left or Enter pressed in it (and before photos are sent).
+keyInput.addEventListener("change", keyChanged);
+keyInput.addEventListener("keydown", (event) => {
+  if (event.key === "Enter") keyChanged();
 });
 readModels();
